@@ -1,0 +1,46 @@
+"""jaxdist: tf.distribute strategies rebuilt on JAX, for Flax and Optax.
+
+Importing jaxdist starts no JAX backend: devices are looked up when a strategy is created.
+
+Example:
+    >>> import jaxdist as jd
+    >>> strategy = jd.MirroredStrategy()
+    >>> with strategy.scope():
+    ...     assert jd.get_strategy() is strategy
+"""
+
+from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
+from jaxdist.replicate import PerReplica as PerReplica
+from jaxdist.replicate import ReduceOp as ReduceOp
+from jaxdist.replicate import SyncOnRead as SyncOnRead
+from jaxdist.replicate import VariableAggregation as VariableAggregation
+from jaxdist.strategies import DistributedDataset as DistributedDataset
+from jaxdist.strategies import InputContext as InputContext
+from jaxdist.strategies import MirroredStrategy as MirroredStrategy
+from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies import ReplicaContext as ReplicaContext
+from jaxdist.strategies import Strategy as Strategy
+from jaxdist.strategies import get_replica_context as get_replica_context
+from jaxdist.strategies import get_strategy as get_strategy
+from jaxdist.strategies import has_strategy as has_strategy
+from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REPLICA_AXIS",
+    "DistributedDataset",
+    "InputContext",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "SyncOnRead",
+    "VariableAggregation",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

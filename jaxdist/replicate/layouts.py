@@ -1,0 +1,91 @@
+"""Layouts: where the pieces of an array live on a strategy's mesh.
+
+Every strategy owns a `jax.sharding.Mesh` whose data-parallel axis is `REPLICA_AXIS`. Three layouts cover the
+data-parallel strategies:
+
+* replicated (mirrored values): every replica holds the whole array, `PartitionSpec()`;
+* batch-sharded (distributed input): axis 0 split over the replicas, `PartitionSpec("replica")`;
+* per-replica (one component per replica, stacked on a new leading axis): also `PartitionSpec("replica")`, on
+  an array whose axis 0 has exactly one entry per replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "REPLICA_AXIS",
+    "batch_sharded",
+    "is_on_mesh",
+    "replicated",
+    "splits_batch_axis",
+]
+
+REPLICA_AXIS = "replica"
+"""The name of the data-parallel mesh axis of every strategy."""
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The mirrored layout: a whole copy of the array on every device of ``mesh``.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
+        >>> replicated(mesh).is_fully_replicated
+        True
+    """
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+    """The distributed-input (and per-replica) layout: axis 0 split over the replica axis of ``mesh``.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
+        >>> batch_sharded(mesh).spec
+        PartitionSpec('replica',)
+    """
+    return NamedSharding(mesh, PartitionSpec(REPLICA_AXIS))
+
+
+def is_on_mesh(x: Any, mesh: Mesh) -> bool:
+    """True when ``x`` is a `jax.Array` laid out with a `NamedSharding` on exactly ``mesh``'s devices.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
+        >>> is_on_mesh(jax.device_put(np.zeros(2), replicated(mesh)), mesh)
+        True
+    """
+    if not isinstance(x, jax.Array):
+        return False
+    sharding = x.sharding
+    return isinstance(sharding, NamedSharding) and (
+        sharding.mesh is mesh or sharding.mesh == mesh or _same_devices(sharding.mesh, mesh)
+    )
+
+
+def _same_devices(a: Mesh, b: Mesh) -> bool:
+    return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and (a.devices == b.devices).all()
+
+
+def splits_batch_axis(x: Any, mesh: Mesh) -> bool:
+    """True when ``x`` is on ``mesh`` with its axis 0 split over `REPLICA_AXIS` (a distributed batch).
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
+        >>> splits_batch_axis(jax.device_put(np.zeros(2), batch_sharded(mesh)), mesh)
+        True
+    """
+    if not is_on_mesh(x, mesh) or x.ndim == 0:
+        return False
+    spec = x.sharding.spec
+    if not spec:
+        return False
+    first = spec[0]
+    return first == REPLICA_AXIS or (isinstance(first, tuple) and REPLICA_AXIS in first)

@@ -1,0 +1,256 @@
+"""Distributed values: `PerReplica` and `SyncOnRead`, and the naming of mirrored components.
+
+Mirrored values are plain pytrees of replicated `jax.Array`s (see `layouts.replicated`): nothing to wrap.
+Values that differ between replicas are stored the JAX way, as ONE global array whose new leading axis has one
+entry per replica and is split over the replica axis, so each device holds exactly its own component and no
+copy is ever made to build or read them:
+
+* `PerReplica`: what `Strategy.run` returns for outputs that differ between replicas (tf.distribute's
+  ``PerReplica``). Read the components with ``.values`` (this process's replicas) or combine them with
+  ``strategy.reduce`` / ``strategy.gather``.
+* `SyncOnRead`: a value each replica updates locally (metrics, batch-norm statistics) and that aggregates only
+  when read in cross-replica context (tf.distribute's ``SyncOnReadVariable``).
+
+Both are pytree nodes, so they pass through `jax.jit` and `jax.tree_util` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
+
+__all__ = ["PerReplica", "SyncOnRead", "component_name", "local_components"]
+
+
+def component_name(name: str, replica_id: int) -> str:
+    """The display name of component ``replica_id`` of the mirrored value ``name``.
+
+    Component 0 keeps the name; component i > 0 is ``name/replica_i`` (as tf.distribute names them).
+
+    Example:
+        >>> component_name("dense/kernel", 0), component_name("dense/kernel", 3)
+        ('dense/kernel', 'dense/kernel/replica_3')
+    """
+    if replica_id < 0:
+        raise ValueError(f"replica_id={replica_id} must be >= 0.")
+    return name if replica_id == 0 else f"{name}/replica_{replica_id}"
+
+
+def local_components(stacked: jax.Array) -> tuple[jax.Array, ...]:
+    """The components of a stacked per-replica array held by this process, in replica order.
+
+    Each is a single-device array (no copy): the shard of ``stacked`` on that replica's device, without its
+    leading axis of length 1.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> [float(c) for c in local_components(jax.numpy.arange(1.0))]
+        [0.0]
+    """
+    order = _replica_order(stacked)
+    shards = sorted(stacked.addressable_shards, key=lambda s: order[s.device])
+    seen, out = set(), []
+    for shard in shards:
+        start = (shard.index[0].start or 0) if shard.index else 0
+        if start in seen:  # several devices may hold the same component when an axis is replicated
+            continue
+        seen.add(start)
+        out.append(shard.data[0] if shard.data.ndim else shard.data)
+    return tuple(out)
+
+
+def _replica_order(stacked: jax.Array) -> dict:
+    sharding = stacked.sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        return {d: i for i, d in enumerate(sharding.device_set)}
+    return {d: i for i, d in enumerate(mesh.devices.flat)}
+
+
+class _Distributed:
+    """Shared behaviour of values with one component per replica, stored stacked on a leading axis."""
+
+    __slots__ = ("_owner", "_value")
+
+    def __init__(self, value: Any, owner: Any = None):
+        self._value = value
+        self._owner = owner
+
+    @property
+    def owner(self) -> Any:
+        """The strategy these components belong to (None when made by hand)."""
+        return self._owner
+
+    @property
+    def stacked(self) -> jax.Array:
+        """The global array: axis 0 indexes replicas and is split over the replica axis."""
+        return self._value
+
+    @property
+    def values(self) -> tuple[jax.Array, ...]:
+        """This process's components, in replica order (tf.distribute's ``.values``)."""
+        return local_components(self._value)
+
+    def __repr__(self) -> str:
+        if isinstance(self._value, jax.Array) and not isinstance(self._value, jax.core.Tracer):
+            body = ", ".join(f"{i}: {v}" for i, v in enumerate(self.values))
+        else:
+            body = repr(self._value)
+        return f"{type(self).__name__}({{{body}}})"
+
+
+@jax.tree_util.register_pytree_node_class
+class PerReplica(_Distributed):
+    """One value per replica, returned by ``strategy.run`` for outputs that differ between replicas.
+
+    ``.stacked`` is a global array of shape ``(num_replicas, *component_shape)`` split over the replicas;
+    ``.values`` are this process's components. Pass it back to ``strategy.run`` and each replica sees its own
+    component again.
+
+    Example:
+        >>> import jax, jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> out = strategy.run(lambda: jd.get_replica_context().replica_id_in_sync_group)
+        >>> isinstance(out, jd.PerReplica), [int(v) for v in out.values]
+        (True, [0])
+    """
+
+    __slots__ = ()
+
+    def tree_flatten(self):
+        return (self._value,), self._owner
+
+    @classmethod
+    def tree_unflatten(cls, owner, children):
+        return cls(children[0], owner)
+
+
+@jax.tree_util.register_pytree_node_class
+class SyncOnRead(_Distributed):
+    """A value each replica updates locally and that aggregates only when read across replicas.
+
+    Create one with ``strategy.sync_on_read(initial_value, aggregation)``. Inside ``strategy.run`` each replica
+    sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` return the updated value
+    (return it from the replica function to keep it). In cross-replica context ``.read()`` aggregates the
+    components (SUM, MEAN or ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components that read back as ``x``
+    (with SUM: ``x / N`` on every replica).
+
+    Example:
+        >>> import jaxdist as jd, jax.numpy as jnp
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> total = strategy.sync_on_read(jnp.zeros(()), jd.VariableAggregation.SUM)
+        >>> total = strategy.run(lambda t: t.assign_add(2.0), args=(total,))
+        >>> float(total.read())
+        2.0
+    """
+
+    __slots__ = ("_aggregation", "_local")
+
+    def __init__(self, value: Any, aggregation: Any, owner: Any = None, local: bool = False):
+        super().__init__(value, owner)
+        aggregation = VariableAggregation.parse(aggregation, "aggregation")
+        if aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: reading it across "
+                "replicas needs an aggregation; specify an aggregation (SUM, MEAN or ONLY_FIRST_REPLICA)."
+            )
+        self._aggregation = aggregation
+        self._local = local
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """How the components combine when read in cross-replica context."""
+        return self._aggregation
+
+    @property
+    def value(self) -> jax.Array:
+        """This replica's component (replica context only)."""
+        if not self._local:
+            raise RuntimeError(
+                "SyncOnRead.value is this replica's component and exists only inside strategy.run; "
+                "in cross-replica context use .read() for the aggregated value or .values for the components."
+            )
+        return self._value
+
+    def _replace(self, value: Any) -> SyncOnRead:
+        return SyncOnRead(value, self._aggregation, self._owner, self._local)
+
+    def _check_dtype(self, value: Any) -> None:
+        if self._aggregation is VariableAggregation.MEAN:
+            check_mean_dtype(value, "the sync-on-read value")
+
+    def assign(self, value: Any) -> SyncOnRead:
+        """Return this value with ``value`` stored.
+
+        In replica context, ``value`` becomes this replica's component. In cross-replica context the components
+        are set so that ``.read()`` returns ``value``: with SUM each of the N components is ``value / N``
+        (integers: replica 0 holds ``value``, the others 0, so the sum stays exact); with MEAN and
+        ONLY_FIRST_REPLICA every component is ``value``.
+        """
+        if self._local:
+            value = jnp.asarray(value, self._value.dtype)
+            if value.shape != self._value.shape:
+                raise ValueError(
+                    f"value has shape {value.shape} but this replica's component has shape {self._value.shape}; "
+                    "a sync-on-read value keeps its shape."
+                )
+            return self._replace(value)
+        target = self._value
+        value = jnp.asarray(value, target.dtype)
+        if value.shape != target.shape[1:]:
+            raise ValueError(
+                f"value has shape {value.shape} but the sync-on-read value has shape {target.shape[1:]}; "
+                "a sync-on-read value keeps its shape."
+            )
+        self._check_dtype(value)
+        return self._replace(_spread(value, target.shape[0], self._aggregation.name, target.sharding))
+
+    def assign_add(self, delta: Any) -> SyncOnRead:
+        """Return this value with ``delta`` added (to this replica's component in replica context)."""
+        if self._local:
+            return self.assign(self._value + jnp.asarray(delta, self._value.dtype))
+        return self.assign(self.read() + jnp.asarray(delta, self._value.dtype))
+
+    def read(self) -> jax.Array:
+        """The aggregated value in cross-replica context; this replica's component in replica context."""
+        if self._local:
+            return self._value
+        return _aggregate_stacked(self._value, self._aggregation.name)
+
+    def tree_flatten(self):
+        return (self._value,), (self._aggregation, self._owner, self._local)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        aggregation, owner, local = aux
+        obj = object.__new__(cls)
+        obj._value, obj._aggregation, obj._owner, obj._local = children[0], aggregation, owner, local
+        return obj
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _aggregate_stacked(stacked: jax.Array, mode: str) -> jax.Array:
+    if mode == "SUM":
+        return jnp.sum(stacked, axis=0)
+    if mode == "MEAN":
+        return jnp.mean(stacked, axis=0)
+    return stacked[0]
+
+
+def _spread(value: jax.Array, n: int, mode: str, sharding) -> jax.Array:
+    """Components, stacked, that aggregate back to ``value`` under ``mode``."""
+
+    def build(v):
+        if mode != "SUM" or n == 1:
+            return jnp.broadcast_to(v, (n, *v.shape))
+        if jnp.issubdtype(v.dtype, jnp.inexact):
+            return jnp.broadcast_to(v / n, (n, *v.shape)).astype(v.dtype)
+        first = (jnp.arange(n) == 0).reshape((n,) + (1,) * v.ndim)
+        return jnp.where(first, v, jnp.zeros_like(v))
+
+    return jax.jit(build, out_shardings=sharding)(value)

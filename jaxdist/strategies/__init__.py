@@ -1,0 +1,29 @@
+"""Strategies: where replicas run and how code runs on them."""
+
+from jaxdist.strategies.base import Strategy as Strategy
+from jaxdist.strategies.context import get_replica_context as get_replica_context
+from jaxdist.strategies.context import get_strategy as get_strategy
+from jaxdist.strategies.context import has_strategy as has_strategy
+from jaxdist.strategies.context import in_cross_replica_context as in_cross_replica_context
+from jaxdist.strategies.global_view import StrategyFunction as StrategyFunction
+from jaxdist.strategies.input import DistributedDataset as DistributedDataset
+from jaxdist.strategies.input import DistributedIterator as DistributedIterator
+from jaxdist.strategies.input import InputContext as InputContext
+from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
+from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
+
+__all__ = [
+    "DistributedDataset",
+    "DistributedIterator",
+    "InputContext",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyFunction",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

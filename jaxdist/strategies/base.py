@@ -1,0 +1,513 @@
+"""`Strategy`: the whole jaxdist model in one class.
+
+A strategy owns a `jax.sharding.Mesh` over its devices whose data-parallel axis is ``"replica"``. Everything
+else is layouts on that mesh and two ways to run code on it:
+
+* values: mirrored pytrees (replicated arrays: `create_variables`, `mirror`), distributed batches (axis 0 split
+  over the replicas: `experimental_distribute_dataset`), and one-component-per-replica values (`PerReplica`,
+  `SyncOnRead`: stacked on a leading axis split over the replicas);
+* the global view, `jit`: an unmodified single-device step compiled for those layouts (XLA inserts the
+  collectives) — the drop-in path;
+* the per-replica view, `run`: tf.distribute's ``run``, a `jax.shard_map` in which each replica sees its rows
+  of every batch and its own copy of every mirrored value, with explicit collectives through
+  `get_replica_context()`; `reduce`, `gather` and `experimental_local_results` read its outputs.
+
+Subclasses choose devices and layouts (`_variable_sharding`); the rest is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated
+from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
+from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
+from jaxdist.strategies.context import enter_scope
+from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch
+from jaxdist.strategies.run import ReplicaRunner
+
+__all__ = ["Strategy"]
+
+
+def _is_distributed(x: Any) -> bool:
+    return isinstance(x, (PerReplica, SyncOnRead))
+
+
+class Strategy:
+    """Base class of every strategy: a mesh over ``devices`` with the data-parallel axis ``"replica"``.
+
+    Args:
+        devices: the replicas' devices, in replica order (validated by the subclass).
+
+    Example:
+        >>> import jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> strategy.num_replicas_in_sync, strategy.mesh.axis_names
+        (1, ('replica',))
+    """
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self._devices = tuple(devices)
+        self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+        self._runner = ReplicaRunner(self)
+        self._programs: dict[Any, Callable] = {}
+
+    # ----------------------------------------------------------------------------------------- topology
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The replicas' devices, in replica order (all processes)."""
+        return self._devices
+
+    @property
+    def worker_devices(self) -> tuple[jax.Device, ...]:
+        """Alias of `devices` (tf.distribute's name)."""
+        return self._devices
+
+    @property
+    def mesh(self) -> Mesh:
+        """The `jax.sharding.Mesh` over `devices`, data-parallel axis ``"replica"``."""
+        return self._mesh
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run each step in lockstep."""
+        return len(self._devices)
+
+    @property
+    def num_hosts(self) -> int:
+        """How many processes (hosts) own this strategy's devices."""
+        return len({d.process_index for d in self._devices})
+
+    @property
+    def num_replicas_per_host(self) -> int:
+        """Replicas on each host (this process's count)."""
+        return sum(1 for d in self._devices if d.process_index == jax.process_index())
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """The layout of distributed batches: axis 0 split over the replicas."""
+        return batch_sharded(self._mesh)
+
+    @property
+    def replicated_sharding(self) -> NamedSharding:
+        """The layout of mirrored values: a whole copy on every replica."""
+        return replicated(self._mesh)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+    # ------------------------------------------------------------------------------------------- scopes
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        """Make this the current strategy (``jd.get_strategy()``) inside a ``with`` block.
+
+        Raises:
+            RuntimeError: when another strategy's scope is already open ("Mixing different Strategy objects").
+
+        Example:
+            >>> import jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> with strategy.scope():
+            ...     jd.get_strategy() is strategy
+            True
+        """
+        return enter_scope(self)
+
+    # ----------------------------------------------------------------------------------------- variables
+    def _variable_sharding(self, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+        """The layout of a variable of this shape: the hook a subclass overrides (mirrored = replicated)."""
+        del aval
+        return replicated(self._mesh)
+
+    def create_variables(self, init_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``init_fn(*args, **kwargs)`` compiled straight into this strategy's variable layout.
+
+        The initializer runs under `jax.jit` with ``out_shardings``, so values are created on the devices
+        where they live (mirrored: on every replica) with no host copy.
+
+        Args:
+            init_fn: returns the initial pytree, e.g. ``model.init``.
+            *args: its arguments (rng keys, sample inputs).
+            **kwargs: keyword arguments, passed through unchanged (not traced).
+
+        Returns:
+            The pytree of variables in this strategy's layout.
+
+        Raises:
+            TypeError: when ``init_fn`` is not callable.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> params = strategy.create_variables(lambda key: {"w": jax.random.normal(key, (3,))},
+            ...                                    jax.random.key(0))
+            >>> params["w"].shape
+            (3,)
+        """
+        if not callable(init_fn):
+            raise TypeError(
+                f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the function that "
+                "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
+                "use strategy.mirror(tree) to place values you already have."
+            )
+        fn = functools.partial(init_fn, **kwargs) if kwargs else init_fn
+        shapes = jax.eval_shape(fn, *args)
+        shardings = jax.tree.map(self._variable_sharding, shapes)
+        return jax.jit(fn, out_shardings=shardings)(*args)
+
+    def mirror(self, tree: Any) -> Any:
+        """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> strategy.mirror({"b": np.zeros(2)})["b"].sharding.is_fully_replicated
+            True
+        """
+        shardings = jax.tree.map(lambda x: self._variable_sharding(jax.ShapeDtypeStruct(np.shape(x), x.dtype)),
+                                 jax.tree.map(jnp.asarray, tree))
+        return jax.device_put(tree, shardings)
+
+    def sync_on_read(
+        self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM
+    ) -> SyncOnRead:
+        """A value with one component per replica, each starting at ``initial_value``, aggregated on read.
+
+        Args:
+            initial_value: an array (or scalar); every replica's component starts as it (as tf.distribute).
+            aggregation: SUM, MEAN or ONLY_FIRST_REPLICA, how ``.read()`` combines the components.
+
+        Returns:
+            A `SyncOnRead`.
+
+        Raises:
+            ValueError: for NONE or an unknown aggregation.
+            TypeError: for MEAN on an integer value.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> count = jd.OneDeviceStrategy().sync_on_read(0, "sum")
+            >>> int(count.read())
+            0
+        """
+        mode = VariableAggregation.parse(aggregation, "aggregation")
+        value = jnp.asarray(initial_value)
+        if mode is VariableAggregation.MEAN:
+            check_mean_dtype(value, "initial_value")
+        n = self.num_replicas_in_sync
+        stacked = jax.jit(
+            lambda v: jnp.broadcast_to(v, (n, *v.shape)), out_shardings=batch_sharded(self._mesh)
+        )(value)
+        return SyncOnRead(stacked, mode, self)
+
+    # ------------------------------------------------------------------------------------------ running
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run ``fn`` once per replica, in lockstep (tf.distribute's ``Strategy.run``).
+
+        Each replica sees its own rows of every distributed batch (arrays split on axis 0 over the replicas),
+        its own component of every `PerReplica` / `SyncOnRead`, and its own copy of everything else (mirrored
+        values, numpy arrays, scalars). Gradients are LOCAL, as in tf.distribute: ``jax.grad`` inside ``fn``
+        differentiates this replica's loss with respect to this replica's copy of the parameters; combine
+        them explicitly with ``jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, grads)``. Non-array
+        arguments (strings, callables) are passed through as static values.
+
+        Args:
+            fn: the replica function.
+            args: positional arguments for ``fn``.
+            kwargs: keyword arguments for ``fn``.
+
+        Returns:
+            ``fn``'s outputs, same structure: values identical on every replica (all-reduce results,
+            constants) come back mirrored; values that differ come back as `PerReplica`; `SyncOnRead`s stay
+            `SyncOnRead`.
+
+        Raises:
+            ValueError: for a `PerReplica` / `SyncOnRead` of another strategy.
+            RuntimeError: when called inside another replica function.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> def replica_fn(w, x):
+            ...     ctx = jd.get_replica_context()
+            ...     g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+            ...     return ctx.all_reduce(jd.ReduceOp.MEAN, g)
+            >>> x = strategy.experimental_distribute_values(jnp.ones((4, 2)))
+            >>> strategy.run(replica_fn, args=(jnp.ones(2), x)).tolist()
+            [4.0, 4.0]
+        """
+        from jaxdist.strategies.context import get_replica_context, has_strategy
+
+        if has_strategy() and get_replica_context() is not None:
+            raise RuntimeError(
+                "strategy.run was called inside a replica function: replica functions do not nest; "
+                "call the inner function directly (it already runs per replica)."
+            )
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. args=(params, batch).")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
+        return self._runner(fn, tuple(args), kwargs or {})
+
+    def jit(
+        self,
+        fn: Callable[..., Any],
+        donate_argnums: int | Sequence[int] | None = None,
+        static_argnums: int | Sequence[int] | None = None,
+    ) -> StrategyFunction:
+        """Compile an UNMODIFIED single-device step for this strategy (the global view; the drop-in path).
+
+        ``fn`` sees global values: whole parameters, the whole global batch. Batches from this strategy's
+        distributed datasets are split over the replicas, mirrored state is replicated, and XLA inserts the
+        collectives, so the result equals ``fn`` on one device. Arguments not yet on the mesh are mirrored;
+        an output shaped like an argument (``state -> new_state``) keeps that argument's layout.
+
+        Args:
+            fn: the step function.
+            donate_argnums: arguments whose buffers the step may reuse (usually the state), as in `jax.jit`.
+            static_argnums: arguments treated as compile-time constants, as in `jax.jit`.
+
+        Returns:
+            A callable `StrategyFunction`.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> step = strategy.jit(lambda w, x: w - 0.5 * x.mean(0), donate_argnums=0)
+            >>> step(strategy.mirror(jnp.ones(2)), jnp.ones((4, 2))).tolist()
+            [0.5, 0.5]
+        """
+        return StrategyFunction(self, fn, donate_argnums=donate_argnums, static_argnums=static_argnums)
+
+    # ------------------------------------------------------------------------------------------ results
+    def _check_owner(self, value: Any, what: str) -> None:
+        if value.owner is not None and value.owner is not self:
+            raise ValueError(
+                f"{what} got a {type(value).__name__} of another strategy ({value.owner!r}), not {self!r}: "
+                "use the strategy that produced it."
+            )
+
+    def _program(self, key: Any, build: Callable[[], Callable]) -> Callable:
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = build()
+        return program
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine per-replica values into one mirrored value (cross-replica context).
+
+        Args:
+            reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN` (or "sum" / "mean").
+            value: a pytree of `PerReplica` / `SyncOnRead` leaves (a plain array counts as the same value on
+                every replica: MEAN returns it, SUM returns it times ``num_replicas_in_sync``).
+            axis: also reduce along this axis of each replica's value (``axis=0``: over the global batch).
+
+        Returns:
+            The reduced pytree, replicated on every device.
+
+        Raises:
+            ValueError: for an unknown ``reduce_op``, or a value of another strategy.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> ids = strategy.run(lambda: jd.get_replica_context().replica_id_in_sync_group + 1.0)
+            >>> float(strategy.reduce("sum", ids))
+            1.0
+        """
+        op = ReduceOp.parse(reduce_op, "reduce_op")
+        n = self.num_replicas_in_sync
+
+        def one(v):
+            if _is_distributed(v):
+                self._check_owner(v, "strategy.reduce")
+                stacked, distributed = v.stacked, True
+            else:
+                stacked, distributed = jnp.asarray(v), False
+            ndim = stacked.ndim - (1 if distributed else 0)
+            if axis is not None and not -ndim <= axis < ndim:
+                raise ValueError(
+                    f"axis={axis} is out of range for per-replica values of rank {ndim}; use None or an axis "
+                    f"in [{-ndim}, {ndim})."
+                )
+            inner = None if axis is None else axis % ndim
+
+            def build():
+                def reduce_fn(x):
+                    axes = () if inner is None else (inner + (1 if distributed else 0),)
+                    if distributed:
+                        axes = (0, *axes)
+                    if op is ReduceOp.MEAN:
+                        return jnp.mean(x, axis=axes) if axes else x
+                    total = jnp.sum(x, axis=axes) if axes else x
+                    return total if distributed else total * n
+
+                return jax.jit(reduce_fn, out_shardings=replicated(self._mesh))
+
+            return self._program(("reduce", op, inner, distributed), build)(stacked)
+
+        return jax.tree.map(one, value, is_leaf=_is_distributed)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenate the per-replica values along ``axis`` into one mirrored array (cross-replica context).
+
+        Args:
+            value: a pytree of `PerReplica` leaves of rank >= 1 (a plain array counts as the same value on
+                every replica and is concatenated ``num_replicas_in_sync`` times).
+            axis: the axis of each replica's value to concatenate along.
+
+        Returns:
+            The gathered pytree, replicated on every device.
+
+        Raises:
+            ValueError: for scalar per-replica values or an axis out of range.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> rows = strategy.run(lambda x: x * 2, args=(strategy.experimental_distribute_values(jnp.ones((2, 1))),))
+            >>> strategy.gather(rows).shape
+            (2, 1)
+        """
+        n = self.num_replicas_in_sync
+
+        def one(v):
+            if _is_distributed(v):
+                self._check_owner(v, "strategy.gather")
+                stacked = v.stacked
+            else:
+                v = jnp.asarray(v)
+                stacked = None
+            ndim = (stacked.ndim - 1) if stacked is not None else v.ndim
+            if ndim == 0:
+                raise ValueError(
+                    "strategy.gather got scalar per-replica values: gather concatenates along an axis; use "
+                    "strategy.experimental_local_results or strategy.reduce for scalars."
+                )
+            if not -ndim <= axis < ndim:
+                raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}.")
+            ax = axis % ndim
+
+            def build():
+                def gather_fn(x):
+                    if stacked is None:
+                        return jnp.concatenate([x] * n, axis=ax)
+                    moved = jnp.moveaxis(x, 0, ax)  # (..., N, d_ax, ...) -> merge N into d_ax
+                    shape = moved.shape
+                    return moved.reshape((*shape[:ax], shape[ax] * shape[ax + 1], *shape[ax + 2 :]))
+
+                return jax.jit(gather_fn, out_shardings=replicated(self._mesh))
+
+            return self._program(("gather", ax, stacked is None), build)(stacked if stacked is not None else v)
+
+        return jax.tree.map(one, value, is_leaf=_is_distributed)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of this process's replicas, one entry per local replica, in replica order.
+
+        `PerReplica` / `SyncOnRead` leaves give their components; a mirrored array gives its copy on each
+        local replica's device; anything else is repeated.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> out = strategy.run(lambda: jd.get_replica_context().replica_id_in_sync_group)
+            >>> [int(v) for v in strategy.experimental_local_results(out)]
+            [0]
+        """
+        local = [d for d in self._devices if d.process_index == jax.process_index()]
+
+        def components(v):
+            if _is_distributed(v):
+                self._check_owner(v, "strategy.experimental_local_results")
+                return local_components(v.stacked)
+            if isinstance(v, jax.Array) and v.sharding.is_fully_replicated:
+                by_device = {s.device: s.data for s in v.addressable_shards}
+                if all(d in by_device for d in local):
+                    return tuple(by_device[d] for d in local)
+            return (v,) * len(local)
+
+        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_distributed)
+        per_leaf = [components(v) for v in leaves]
+        return tuple(jax.tree.unflatten(treedef, [c[i] for c in per_leaf]) for i in range(len(local)))
+
+    # -------------------------------------------------------------------------------------------- input
+    def experimental_distribute_values(self, batch: Any) -> Any:
+        """Place one global batch (a pytree of arrays) split on axis 0 over the replicas.
+
+        Each process transfers only the rows its own devices hold.
+
+        Raises:
+            ValueError: when ``num_replicas_in_sync`` does not divide the batch, or a leaf is a scalar.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> strategy.experimental_distribute_values(np.zeros((4, 3))).shape
+            (4, 3)
+        """
+        return place_batch(self, batch)
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], prefetch: int = 2) -> DistributedDataset:
+        """Distribute an iterable of GLOBAL batches: each comes out split on axis 0 over the replicas.
+
+        Args:
+            dataset: a re-iterable of global batches (pytrees of numpy or jax arrays), e.g. a list, a
+                generator function's result is iterable once.
+            prefetch: batches placed ahead on the devices by a background thread (0: on demand).
+
+        Returns:
+            A `DistributedDataset`; iterate it in the training loop.
+
+        Raises:
+            TypeError: when ``dataset`` is not iterable.
+            ValueError: (while iterating) when the replicas do not divide a batch.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> batches = [np.ones((4, 2), np.float32) for _ in range(3)]
+            >>> [b.shape for b in strategy.experimental_distribute_dataset(batches)]
+            [(4, 2), (4, 2), (4, 2)]
+        """
+        if not isinstance(dataset, Iterable):
+            raise TypeError(
+                f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: pass an iterable of "
+                "global batches, e.g. a list or generator of (x, y) numpy arrays."
+            )
+        return DistributedDataset(lambda: dataset, lambda b: place_batch(self, b), prefetch)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2
+    ) -> DistributedDataset:
+        """Distribute per-process input: ``dataset_fn(ctx)`` yields this process's share of each batch.
+
+        ``ctx`` is an `InputContext` (``num_input_pipelines`` = processes, ``input_pipeline_id`` = this one);
+        each batch it yields holds ``ctx.get_per_replica_batch_size(global_batch) * num_replicas_per_host``
+        rows, and the global batch is the concatenation over processes.
+
+        Raises:
+            TypeError: when ``dataset_fn`` is not callable.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> def dataset_fn(ctx):
+            ...     return [np.full((ctx.get_per_replica_batch_size(4), 1), ctx.input_pipeline_id)] * 2
+            >>> [b.shape for b in strategy.distribute_datasets_from_function(dataset_fn)]
+            [(4, 1), (4, 1)]
+        """
+        if not callable(dataset_fn):
+            raise TypeError(f"dataset_fn={dataset_fn!r} is not callable: pass a function of an InputContext.")
+        ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
+        return DistributedDataset(
+            lambda: dataset_fn(ctx), lambda b: place_batch(self, b, process_local=True), prefetch
+        )

@@ -1,0 +1,147 @@
+"""Which strategy is current: the scope stack, the lazy default strategy, and the replica context.
+
+Cross-replica context is the normal Python code between steps; replica context is the body of a function
+running under `Strategy.run`. ``get_strategy()`` returns the strategy whose ``scope()`` is open, else a default
+single-device strategy created on first use (never at import: `jax.distributed.initialize` must be able to
+run before any device is queried). ``get_replica_context()`` returns the `ReplicaContext` of the replica being
+traced, ``None`` in cross-replica context (inside a scope), and a single-replica default context outside any
+scope, as in tf.distribute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxdist.strategies.base import Strategy
+    from jaxdist.strategies.replica_context import ReplicaContext
+
+__all__ = [
+    "enter_replica",
+    "enter_scope",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[Strategy] = []
+        self.replicas: list[ReplicaContext] = []
+
+
+_state = _State()
+_default: dict[str, Any] = {}
+_default_lock = threading.Lock()
+
+
+def _default_strategy() -> Strategy:
+    with _default_lock:
+        if "strategy" not in _default:
+            from jaxdist.strategies.one_device import OneDeviceStrategy
+
+            _default["strategy"] = OneDeviceStrategy()
+        return _default["strategy"]
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the innermost open ``scope()`` (or running replica), else the default one.
+
+    The default strategy is a `OneDeviceStrategy` on the first device, created lazily on the first call.
+
+    Returns:
+        The current `Strategy`.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> with strategy.scope():
+        ...     assert jd.get_strategy() is strategy
+    """
+    if _state.replicas:
+        return _state.replicas[-1].strategy
+    if _state.scopes:
+        return _state.scopes[-1]
+    return _default_strategy()
+
+
+def has_strategy() -> bool:
+    """True inside some strategy's ``scope()`` or replica function (tf.distribute.has_strategy).
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.has_strategy()
+        False
+    """
+    return bool(_state.scopes or _state.replicas)
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's ``scope()`` but not inside a replica function.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> with jd.OneDeviceStrategy().scope():
+        ...     jd.in_cross_replica_context()
+        True
+    """
+    return bool(_state.scopes) and not _state.replicas
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The replica context of the replica function being run, or None in cross-replica context.
+
+    Inside ``strategy.run(fn)``: the `ReplicaContext` of the replica (its id, all-reduce, all-gather).
+    Inside ``strategy.scope()`` but outside ``run``: None (cross-replica context). Outside any scope: a
+    single-replica context of the default strategy, so replica code also runs without a strategy.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> with strategy.scope():
+        ...     print(jd.get_replica_context())
+        None
+    """
+    if _state.replicas:
+        return _state.replicas[-1]
+    if _state.scopes:
+        return None
+    from jaxdist.strategies.replica_context import ReplicaContext
+
+    return ReplicaContext(_default_strategy(), traced=False)
+
+
+@contextlib.contextmanager
+def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
+    """Push ``strategy`` as the current one; entering another strategy's scope inside it is an error."""
+    current = _state.scopes[-1] if _state.scopes else None
+    if current is not None and current is not strategy:
+        raise RuntimeError(
+            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the scope of "
+            f"{current!r}. Leave the outer scope first, or use one strategy for both."
+        )
+    if _state.replicas:
+        raise RuntimeError(
+            "strategy.scope() cannot be entered inside a replica function (strategy.run); "
+            "open the scope in cross-replica code, around the training loop."
+        )
+    _state.scopes.append(strategy)
+    try:
+        yield strategy
+    finally:
+        _state.scopes.pop()
+
+
+@contextlib.contextmanager
+def enter_replica(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    """Mark the code traced inside as replica context (used by `Strategy.run`)."""
+    _state.replicas.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _state.replicas.pop()

@@ -1,0 +1,233 @@
+"""Distributed input: global batches placed on the replicas, each process placing only its own rows.
+
+``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of GLOBAL batches (pytrees of
+arrays whose axis 0 is the global batch). ``strategy.distribute_datasets_from_function(fn)`` calls
+``fn(InputContext)`` once per process for an iterable of that process's batches. Either way every batch comes
+out as global `jax.Array`s split on axis 0 over the replicas, built with
+`jax.make_array_from_process_local_data` (no process ever transfers rows it does not own), and a background
+thread keeps ``prefetch`` batches in flight to the devices so the step rarely waits on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+__all__ = ["DistributedDataset", "DistributedIterator", "InputContext"]
+
+if TYPE_CHECKING:
+    from jaxdist.strategies.base import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What an input function needs to know to read its share of the data (tf.distribute.InputContext).
+
+    Attributes:
+        num_input_pipelines: how many input pipelines (processes) read data.
+        input_pipeline_id: this pipeline's index in ``[0, num_input_pipelines)``.
+        num_replicas_in_sync: replicas across all pipelines.
+
+    Example:
+        >>> ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)
+        >>> ctx.get_per_replica_batch_size(64)
+        8
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_input_pipelines < 1:
+            raise ValueError(f"num_input_pipelines={self.num_input_pipelines} must be >= 1.")
+        if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
+            raise ValueError(
+                f"input_pipeline_id={self.input_pipeline_id} must be in [0, {self.num_input_pipelines})."
+            )
+        if self.num_replicas_in_sync < 1:
+            raise ValueError(f"num_replicas_in_sync={self.num_replicas_in_sync} must be >= 1.")
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The batch each replica gets from a global batch of ``global_batch_size``.
+
+        Raises:
+            ValueError: when the replicas do not divide the global batch.
+        """
+        return global_batch_size // _check_divisible(global_batch_size, self.num_replicas_in_sync)
+
+
+def _check_divisible(batch: int, replicas: int, where: str = "global batch") -> int:
+    if batch % replicas:
+        up = -(-batch // replicas) * replicas
+        down = batch // replicas * replicas
+        raise ValueError(
+            f"num_replicas_in_sync={replicas} does not divide {where} {batch}: drop the remainder "
+            f"(batch {down}) or pad to {up}."
+        )
+    return replicas
+
+
+def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) -> Any:
+    """Place one batch (a pytree of arrays) split on axis 0 over ``strategy``'s replicas.
+
+    Args:
+        strategy: the strategy whose replicas get the rows.
+        batch: the global batch, or with ``process_local=True`` this process's rows only.
+        process_local: whether ``batch`` holds only this process's rows.
+
+    Returns:
+        The batch as global `jax.Array`s laid out with ``strategy``'s batch sharding.
+
+    Raises:
+        ValueError: for a scalar leaf, or a batch the replicas do not divide evenly.
+    """
+    sharding = strategy.batch_sharding
+    n_proc = jax.process_count()
+
+    def place(path, x):
+        if isinstance(x, jax.Array) and sharding.is_equivalent_to(x.sharding, x.ndim):
+            return x
+        shape = np.shape(x)
+        if not shape:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} is a scalar: every leaf of a batch needs "
+                "a batch axis 0 to split over the replicas."
+            )
+        if process_local:
+            global_shape = (shape[0] * n_proc, *shape[1:])
+            _check_divisible(shape[0], strategy.num_replicas_per_host, "per-process batch")
+            local = x
+        else:
+            global_shape = shape
+            _check_divisible(shape[0], strategy.num_replicas_in_sync)
+            if n_proc == 1:
+                local = x
+            else:
+                rows = _local_rows(sharding, global_shape)
+                local = np.asarray(x)[rows] if not isinstance(x, jax.Array) else x[rows]
+        if isinstance(local, jax.Array) and n_proc == 1:
+            return jax.device_put(local, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)
+
+    return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def _local_rows(sharding, global_shape) -> slice:
+    """The contiguous rows of a global batch that this process's devices hold."""
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        starts.append(index[0].start or 0)
+        stops.append(index[0].stop if index[0].stop is not None else global_shape[0])
+    return slice(min(starts), max(stops))
+
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class DistributedIterator:
+    """Iterates placed global batches; a background thread keeps ``prefetch`` of them in flight.
+
+    Call ``close()`` (or exhaust it, or use it as a context manager) to stop the thread early.
+    """
+
+    def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int):
+        self._source = source
+        self._place = place
+        self._prefetch = prefetch
+        self._done = False
+        if prefetch > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._fill, name="jaxdist-prefetch", daemon=True)
+            self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for batch in self._source:
+                item = self._place(batch)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._put_final(_END)
+        except BaseException as error:  # re-raised in the consumer's thread
+            self._put_final(_Failure(error))
+
+    def _put_final(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._prefetch == 0:
+            try:
+                return self._place(next(self._source))
+            except StopIteration:
+                self._done = True
+                raise
+        item = self._queue.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._done = True
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop batches in flight."""
+        self._done = True
+        if self._prefetch > 0:
+            self._stop.set()
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> DistributedIterator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._prefetch > 0 and not self._done:
+            self._stop.set()
+
+
+class DistributedDataset:
+    """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
+
+    Made by ``strategy.experimental_distribute_dataset`` or ``strategy.distribute_datasets_from_function``.
+    """
+
+    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int):
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on demand).")
+        self._make_source = make_source
+        self._place = place
+        self._prefetch = prefetch
+
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(iter(self._make_source()), self._place, self._prefetch)

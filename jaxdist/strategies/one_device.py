@@ -1,0 +1,40 @@
+"""`OneDeviceStrategy`: everything on one device (tf.distribute.OneDeviceStrategy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.devices import resolve_device
+
+__all__ = ["OneDeviceStrategy"]
+
+
+class OneDeviceStrategy(Strategy):
+    """One replica on one device: the same API as the multi-device strategies, for code that must run on both.
+
+    Args:
+        device: a `jax.Device`, a device id, or a name like ``"gpu:0"``; None for the first local device.
+
+    Raises:
+        ValueError / TypeError: for a device that does not exist or is not a device.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy("cpu:0")
+        >>> strategy.num_replicas_in_sync
+        1
+    """
+
+    def __init__(self, device: Any = None):
+        import jax
+
+        super().__init__((jax.local_devices()[0] if device is None else resolve_device(device, "device"),))
+
+    @property
+    def device(self):
+        """The one device."""
+        return self.devices[0]
+
+    def __repr__(self) -> str:
+        return f"OneDeviceStrategy(device={self.device})"

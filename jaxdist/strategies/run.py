@@ -1,0 +1,199 @@
+"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map` program.
+
+Each argument leaf is classified once per call signature:
+
+* batch-sharded `jax.Array` (axis 0 split over the replica axis, e.g. from a distributed dataset): each
+  replica sees its own rows;
+* `PerReplica` / `SyncOnRead`: each replica sees its own component;
+* anything else is mirrored: each replica sees the whole value.
+
+tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying* over the
+replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL gradients. (Left
+invariant, shard_map's ``grad`` would return gradients already summed over replicas.) The all-reduce is
+explicit: ``ctx.all_reduce(MEAN, grads)``.
+
+Outputs: a value that is invariant over the replica axis (an all-reduce result, a constant) comes back mirrored
+(a replicated `jax.Array`); a varying value comes back as `PerReplica`; a `SyncOnRead` comes back as one.
+To know which is which, the function is traced once abstractly before the real program is built; both are
+cached per signature, so steady-state calls cost one dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated, splits_batch_axis
+from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.strategies.context import enter_replica
+from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.tracing import is_traced_batch
+
+if TYPE_CHECKING:
+    from jaxdist.strategies.base import Strategy
+
+__all__ = ["ReplicaRunner"]
+
+# Leaf kinds.
+_MIRRORED, _BATCH, _PER_REPLICA, _SYNC, _STATIC = range(5)
+_REPLICA_SPEC = PartitionSpec(REPLICA_AXIS)
+
+
+def _is_distributed(x: Any) -> bool:
+    return isinstance(x, (PerReplica, SyncOnRead))
+
+
+def _is_varying(x: Any) -> bool:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", frozenset())
+    return REPLICA_AXIS in (varying or frozenset())
+
+
+def _to_varying(x: Any) -> Any:
+    return x if _is_varying(x) else jax.lax.pcast(x, REPLICA_AXIS, to="varying")
+
+
+class ReplicaRunner:
+    """Compiles and caches the shard_map programs behind `Strategy.run` for one strategy."""
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._cache: dict[Any, Callable] = {}
+
+    def _classify(self, leaf: Any) -> int:
+        strategy = self._strategy
+        if _is_distributed(leaf):
+            if leaf.owner is not None and leaf.owner is not strategy:
+                raise ValueError(
+                    f"strategy.run got a {type(leaf).__name__} of another strategy ({leaf.owner!r}) but runs "
+                    f"on {strategy!r}: per-replica values belong to the strategy that made them; reduce or "
+                    "gather it there first (strategy.reduce / strategy.gather), or run on that strategy."
+                )
+            return _SYNC if isinstance(leaf, SyncOnRead) else _PER_REPLICA
+        if isinstance(leaf, jax.core.Tracer):
+            return _BATCH if is_traced_batch(leaf, strategy) else _MIRRORED
+        if isinstance(leaf, jax.Array):
+            return _BATCH if splits_batch_axis(leaf, strategy.mesh) else _MIRRORED
+        if isinstance(leaf, (np.ndarray, np.generic, numbers.Number)):
+            return _MIRRORED
+        return _STATIC
+
+    def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_distributed)
+        kinds = tuple(self._classify(x) for x in flat)
+        statics = tuple(x if k == _STATIC else None for x, k in zip(flat, kinds, strict=True))
+        dynamic, aux = [], []
+        for x, k in zip(flat, kinds, strict=True):
+            if k == _STATIC:
+                aux.append(None)
+                continue
+            if k in (_PER_REPLICA, _SYNC):
+                aux.append(x.aggregation if k == _SYNC else None)
+                x = x.stacked
+            else:
+                aux.append(None)
+                if k == _MIRRORED and not isinstance(x, jax.core.Tracer):
+                    x = self._place_mirrored(x)
+            dynamic.append(x)
+        avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
+        key = (fn, treedef, kinds, _hashable(statics), tuple(aux), avals)
+        program = self._cache.get(key)
+        if program is None:
+            program = self._build(fn, treedef, kinds, statics, tuple(aux), dynamic)
+            self._cache[key] = program
+        return program(*dynamic)
+
+    def _place_mirrored(self, x: Any) -> Any:
+        mesh = self._strategy.mesh
+        if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is mesh:
+            return x  # already on the mesh (replicated, or another layout the program will gather)
+        return jax.device_put(x, replicated(mesh))
+
+    def _build(self, fn, treedef, kinds, statics, aux, dynamic) -> Callable:
+        strategy = self._strategy
+        dyn_kinds = [k for k in kinds if k != _STATIC]
+        in_specs = tuple(_REPLICA_SPEC if k != _MIRRORED else PartitionSpec() for k in dyn_kinds)
+        out_info: dict[str, Any] = {}
+
+        def body(*local, probe=False):
+            it = iter(local)
+            leaves = []
+            for k, static, agg in zip(kinds, statics, aux, strict=True):
+                if k == _STATIC:
+                    leaves.append(static)
+                    continue
+                x = next(it)
+                if k == _MIRRORED:
+                    x = _to_varying(x)  # each replica owns its copy: local gradients (see module doc)
+                elif k == _PER_REPLICA:
+                    x = x[0]
+                elif k == _SYNC:
+                    x = SyncOnRead(x[0], agg, strategy, local=True)
+                leaves.append(x)
+            call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
+            with enter_replica(ReplicaContext(strategy)):
+                out = fn(*call_args, **call_kwargs)
+            out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
+            results, specs, wrappers = [], [], []
+            for v in out_leaves:
+                if isinstance(v, SyncOnRead):
+                    results.append(_to_varying(jax.numpy.asarray(v.read()))[None])
+                    specs.append(_REPLICA_SPEC)
+                    wrappers.append(("sync", v.aggregation))
+                else:
+                    v = jax.numpy.asarray(v)
+                    if _is_varying(v):
+                        results.append(v[None])
+                        specs.append(_REPLICA_SPEC)
+                        wrappers.append(("per_replica", None))
+                    else:
+                        results.append(v)
+                        specs.append(PartitionSpec())
+                        wrappers.append(("mirrored", None))
+            out_info.update(tree=out_tree, specs=tuple(specs), wrappers=tuple(wrappers))
+            if probe:  # every output gets a replica axis so one out_spec fits all of them
+                return tuple(r if s == _REPLICA_SPEC else r[None] for r, s in zip(results, specs, strict=True))
+            return tuple(results)
+
+        # Pass 1: trace abstractly to learn which outputs vary across replicas.
+        probe = jax.shard_map(
+            functools.partial(body, probe=True), mesh=strategy.mesh, in_specs=in_specs, out_specs=_REPLICA_SPEC
+        )
+        jax.eval_shape(probe, *[jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in dynamic])
+        out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
+
+        # Pass 2: the real program, with exact output layouts.
+        mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=in_specs, out_specs=out_specs)
+        out_shardings = tuple(
+            batch_sharded(strategy.mesh) if s == _REPLICA_SPEC else replicated(strategy.mesh) for s in out_specs
+        )
+        compiled = jax.jit(mapped, out_shardings=out_shardings)
+
+        def program(*dyn):
+            results = compiled(*dyn)
+            wrapped = []
+            for r, (kind, agg) in zip(results, wrappers, strict=True):
+                if kind == "per_replica":
+                    wrapped.append(PerReplica(r, strategy))
+                elif kind == "sync":
+                    wrapped.append(SyncOnRead(r, agg, strategy))
+                else:
+                    wrapped.append(r)
+            return jax.tree.unflatten(out_tree, wrapped)
+
+        return program
+
+
+def _hashable(statics: tuple) -> Any:
+    try:
+        hash(statics)
+        return statics
+    except TypeError:
+        return tuple(id(s) for s in statics)
