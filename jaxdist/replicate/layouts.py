@@ -47,7 +47,7 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
         >>> import jax, numpy as np
         >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
         >>> batch_sharded(mesh).spec
-        PartitionSpec('replica',)
+        P('replica',)
     """
     return NamedSharding(mesh, PartitionSpec(REPLICA_AXIS))
 

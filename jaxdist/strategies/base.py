@@ -214,10 +214,10 @@ class Strategy:
 
         Each replica sees its own rows of every distributed batch (arrays split on axis 0 over the replicas),
         its own component of every `PerReplica` / `SyncOnRead`, and its own copy of everything else (mirrored
-        values, numpy arrays, scalars). Gradients are LOCAL, as in tf.distribute: ``jax.grad`` inside ``fn``
+        values, numpy arrays). Gradients are LOCAL, as in tf.distribute: ``jax.grad`` inside ``fn``
         differentiates this replica's loss with respect to this replica's copy of the parameters; combine
-        them explicitly with ``jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, grads)``. Non-array
-        arguments (strings, callables) are passed through as static values.
+        them explicitly with ``jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, grads)``. Python
+        scalars and non-array arguments (strings, callables) are compile-time constants, as in tf.function.
 
         Args:
             fn: the replica function.
@@ -225,9 +225,11 @@ class Strategy:
             kwargs: keyword arguments for ``fn``.
 
         Returns:
-            ``fn``'s outputs, same structure: values identical on every replica (all-reduce results,
-            constants) come back mirrored; values that differ come back as `PerReplica`; `SyncOnRead`s stay
-            `SyncOnRead`.
+            ``fn``'s outputs, same structure. Values identical on every replica by JAX's type system
+            (results of ``all_reduce`` / ``aggregate`` / ``all_gather``, constants) come back mirrored; values
+            that may differ come back as `PerReplica` (this includes values computed from a mirrored argument,
+            which each replica owns a copy of: return ``ctx.aggregate(new_value, aggregation)`` for a mirrored
+            update); `SyncOnRead`s stay `SyncOnRead`.
 
         Raises:
             ValueError: for a `PerReplica` / `SyncOnRead` of another strategy.

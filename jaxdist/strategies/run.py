@@ -5,15 +5,19 @@ Each argument leaf is classified once per call signature:
 * batch-sharded `jax.Array` (axis 0 split over the replica axis, e.g. from a distributed dataset): each
   replica sees its own rows;
 * `PerReplica` / `SyncOnRead`: each replica sees its own component;
-* anything else is mirrored: each replica sees the whole value.
+* any other array is mirrored: each replica sees the whole value;
+* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in tf.function).
 
 tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying* over the
 replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL gradients. (Left
 invariant, shard_map's ``grad`` would return gradients already summed over replicas.) The all-reduce is
 explicit: ``ctx.all_reduce(MEAN, grads)``.
 
-Outputs: a value that is invariant over the replica axis (an all-reduce result, a constant) comes back mirrored
-(a replicated `jax.Array`); a varying value comes back as `PerReplica`; a `SyncOnRead` comes back as one.
+Outputs: a value that is invariant over the replica axis by JAX's type system (an all-reduce, aggregate or
+all-gather result, a constant) comes back mirrored (a replicated `jax.Array`); a varying value comes back as
+`PerReplica`; a `SyncOnRead` comes back as one. Since every replica owns its copy of a mirrored argument,
+values computed from it are varying by type (as in tf.distribute, where they come back PerReplica too); to
+return an updated mirrored value, combine the replicas' updates with ``ctx.aggregate``.
 To know which is which, the function is traced once abstractly before the real program is built; both are
 cached per signature, so steady-state calls cost one dispatch.
 """
@@ -21,7 +25,6 @@ cached per signature, so steady-state calls cost one dispatch.
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -81,9 +84,9 @@ class ReplicaRunner:
             return _BATCH if is_traced_batch(leaf, strategy) else _MIRRORED
         if isinstance(leaf, jax.Array):
             return _BATCH if splits_batch_axis(leaf, strategy.mesh) else _MIRRORED
-        if isinstance(leaf, (np.ndarray, np.generic, numbers.Number)):
+        if isinstance(leaf, (np.ndarray, np.generic)):
             return _MIRRORED
-        return _STATIC
+        return _STATIC  # Python scalars, strings, callables: compile-time constants, as in tf.function
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_distributed)

@@ -1,0 +1,25 @@
+"""The registry of strategies every shared test body runs over."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import jaxdist as jd
+
+# name -> (factory, devices needed)
+REGISTRY = {
+    "one_device": (lambda: jd.OneDeviceStrategy(), 1),
+    "mirrored_2": (lambda: jd.MirroredStrategy(jax.devices()[:2]), 2),
+    "mirrored_8": (lambda: jd.MirroredStrategy(jax.devices()[:8]), 8),
+}
+
+
+def make(name: str) -> jd.Strategy:
+    factory, needed = REGISTRY[name]
+    if len(jax.devices()) < needed:
+        pytest.skip(f"{name} needs {needed} devices, this backend has {len(jax.devices())}")
+    return factory()
+
+
+all_strategies = pytest.mark.parametrize("strategy_name", sorted(REGISTRY))

@@ -1,0 +1,130 @@
+"""Topology, scopes, contexts and device validation."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+from registry import all_strategies, make
+
+import jaxdist as jd
+from jaxdist.strategies import devices as devices_mod
+
+
+@all_strategies
+def test_topology(strategy_name):
+    strategy = make(strategy_name)
+    n = strategy.num_replicas_in_sync
+    assert len(strategy.devices) == n == strategy.mesh.size
+    assert strategy.worker_devices == strategy.devices
+    assert strategy.mesh.axis_names == (jd.REPLICA_AXIS,) == ("replica",)
+    assert tuple(strategy.mesh.devices.flat) == strategy.devices
+    assert strategy.num_hosts == 1
+    assert strategy.num_replicas_per_host == n
+
+
+def test_mirrored_defaults_to_all_local_devices():
+    assert jd.MirroredStrategy().devices == tuple(jax.local_devices())
+    assert len(jax.local_devices()) == 8
+
+
+def test_devices_by_id_and_name():
+    strategy = jd.MirroredStrategy([0, "cpu:1", "/device:CPU:2", jax.devices()[3]])
+    assert strategy.devices == tuple(jax.devices()[:4])
+    assert jd.OneDeviceStrategy("cpu:5").device == jax.devices()[5]
+
+
+def test_default_strategy_and_scopes():
+    default = jd.get_strategy()
+    assert isinstance(default, jd.OneDeviceStrategy)
+    assert jd.get_strategy() is default  # created once, lazily
+    assert not jd.has_strategy()
+    strategy = jd.MirroredStrategy()
+    with strategy.scope() as s:
+        assert s is strategy
+        assert jd.get_strategy() is strategy
+        assert jd.has_strategy() and jd.in_cross_replica_context()
+        assert jd.get_replica_context() is None  # cross-replica context
+        with strategy.scope():  # re-entering the same strategy is fine
+            assert jd.get_strategy() is strategy
+    assert jd.get_strategy() is default
+
+
+def test_mixing_scopes_is_an_error():
+    a, b = jd.MirroredStrategy(), jd.OneDeviceStrategy()
+    with a.scope():
+        with pytest.raises(RuntimeError, match="Mixing different Strategy objects"):
+            with b.scope():
+                pass
+        assert jd.get_strategy() is a  # the failed entry left the stack intact
+
+
+def test_default_replica_context_outside_any_scope():
+    ctx = jd.get_replica_context()
+    assert ctx is not None
+    assert ctx.num_replicas_in_sync == 1 and ctx.replica_id_in_sync_group == 0
+    assert ctx.all_reduce("sum", 3.0) == 3.0
+
+
+def test_replica_context_inside_run():
+    strategy = jd.MirroredStrategy()
+    seen = {}
+
+    def fn():
+        ctx = jd.get_replica_context()
+        seen["ctx"] = ctx
+        seen["strategy"] = jd.get_strategy()
+        with pytest.raises(RuntimeError, match="inside a replica function"):
+            strategy.scope().__enter__()
+        return ctx.replica_id_in_sync_group
+
+    ids = strategy.run(fn)
+    assert seen["ctx"].num_replicas_in_sync == 8 and seen["strategy"] is strategy
+    assert [int(i) for i in strategy.experimental_local_results(ids)] == list(range(8))
+    assert len({int(i) for i in ids.values}) == 8  # per-replica ids distinct
+
+
+def test_duplicate_devices_is_an_error():
+    d = jax.devices()
+    with pytest.raises(ValueError, match=r"devices lists .* twice \(positions 0 and 2\).*remove the duplicate"):
+        jd.MirroredStrategy([d[0], d[1], d[0]])
+
+
+def test_devices_from_two_backends_is_an_error(monkeypatch):
+    class FakeDevice:
+        def __init__(self, platform):
+            self.platform = platform
+
+    fake = [FakeDevice("cpu"), FakeDevice("gpu")]
+    monkeypatch.setattr(devices_mod, "resolve_device", lambda spec, argument: spec)
+    with pytest.raises(ValueError, match=r"mixes backends \['cpu', 'gpu'\].*one platform"):
+        devices_mod.resolve_devices(fake)
+
+
+@pytest.mark.parametrize(
+    ("devices", "error", "message"),
+    [
+        ([], ValueError, r"devices=\[\] is empty"),
+        (["tpu:0"], ValueError, r"devices\[0\]='tpu:0': no 'tpu' backend"),
+        (["cpu:99"], ValueError, r"only 8 cpu devices"),
+        ([1234], ValueError, r"devices\[0\]=1234 is not a device id"),
+        (["banana"], ValueError, r"is not a device name"),
+        ([1.5], TypeError, r"devices\[0\]=1.5 \(type float\) is not a device"),
+        ("cpu:0", TypeError, r"must be a list of devices"),
+    ],
+)
+def test_bad_device_lists(devices, error, message):
+    with pytest.raises(error, match=message):
+        jd.MirroredStrategy(devices)
+
+
+def test_import_starts_no_backend():
+    code = (
+        "import jaxdist, jaxdist.strategies, jaxdist.replicate\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge.backends_are_initialized(), 'importing jaxdist started a backend'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
