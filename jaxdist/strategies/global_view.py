@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxdist.replicate.layouts import replicated, splits_batch_axis
-from jaxdist.strategies.tracing import traced_batches
+from jaxdist.strategies.tracing import computation
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
@@ -112,7 +112,7 @@ class StrategyFunction:
                     if splits_batch_axis(leaf, strategy.mesh):
                         batches.append(t)
                 signatures.append((_signature(c), c))
-        with traced_batches(strategy, batches):
+        with computation(strategy, "global", batches):
             out = self._fn(*args)
         return _keep_layouts(out, signatures)
 

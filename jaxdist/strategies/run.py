@@ -24,6 +24,7 @@ cached per signature, so steady-state calls cost one dispatch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,7 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated, s
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies.context import enter_replica
 from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.tracing import is_traced_batch
+from jaxdist.strategies.tracing import computation, current_computation, is_traced_batch
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
@@ -141,7 +142,7 @@ class ReplicaRunner:
                     x = SyncOnRead(x[0], agg, strategy, local=True)
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
-            with enter_replica(ReplicaContext(strategy)):
+            with computation(strategy, "replica"), enter_replica(ReplicaContext(strategy)):
                 out = fn(*call_args, **call_kwargs)
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             results, specs, wrappers = [], [], []
@@ -169,7 +170,11 @@ class ReplicaRunner:
         probe = jax.shard_map(
             functools.partial(body, probe=True), mesh=strategy.mesh, in_specs=in_specs, out_specs=_REPLICA_SPEC
         )
+        outer = current_computation()
+        saved = dataclasses.replace(outer.counters) if outer is not None else None
         jax.eval_shape(probe, *[jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in dynamic])
+        if outer is not None:  # the probe must not use up names of the enclosing computation
+            outer.counters.clusters, outer.counters.uids = saved.clusters, saved.uids
         out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
 
         # Pass 2: the real program, with exact output layouts.
