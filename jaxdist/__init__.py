@@ -9,6 +9,8 @@ Example:
     ...     assert jd.get_strategy() is strategy
 """
 
+from jaxdist import gradients as gradients
+from jaxdist import tpu as tpu
 from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
 from jaxdist.replicate import PerReplica as PerReplica
 from jaxdist.replicate import ReduceOp as ReduceOp
@@ -17,6 +19,7 @@ from jaxdist.replicate import VariableAggregation as VariableAggregation
 from jaxdist.strategies import DistributedDataset as DistributedDataset
 from jaxdist.strategies import InputContext as InputContext
 from jaxdist.strategies import MirroredStrategy as MirroredStrategy
+from jaxdist.strategies import MultiStepContext as MultiStepContext
 from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies import ReplicaContext as ReplicaContext
 from jaxdist.strategies import Strategy as Strategy
@@ -24,6 +27,7 @@ from jaxdist.strategies import get_replica_context as get_replica_context
 from jaxdist.strategies import get_strategy as get_strategy
 from jaxdist.strategies import has_strategy as has_strategy
 from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
+from jaxdist.tpu import TPUStrategy as TPUStrategy
 
 __version__ = "0.1.0"
 
@@ -32,15 +36,19 @@ __all__ = [
     "DistributedDataset",
     "InputContext",
     "MirroredStrategy",
+    "MultiStepContext",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "SyncOnRead",
+    "TPUStrategy",
     "VariableAggregation",
+    "gradients",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "tpu",
 ]

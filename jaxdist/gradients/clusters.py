@@ -29,7 +29,17 @@ import jax
 
 from jaxdist.strategies.tracing import current_computation
 
-__all__ = ["cluster", "clusters", "current_cluster", "grad", "value_and_grad", "vjp"]
+__all__ = [
+    "cluster",
+    "cluster_of",
+    "clusters",
+    "current_cluster",
+    "current_gradient_uid",
+    "gradient_cluster",
+    "grad",
+    "value_and_grad",
+    "vjp",
+]
 
 _CLUSTER = "cluster="
 _GRADIENT = "gradient="
@@ -39,6 +49,7 @@ _LOC = re.compile(r'loc\("([^"]*)"')
 class _State(threading.local):
     def __init__(self) -> None:
         self.clusters: list[str] = []
+        self.uids: list[str] = []
 
 
 _state = _State()
@@ -112,11 +123,42 @@ def current_cluster() -> str | None:
     return _state.clusters[-1] if _state.clusters else None
 
 
+def current_gradient_uid() -> str | None:
+    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation being traced (None outside).
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.gradients.current_gradient_uid() is None
+        True
+    """
+    return _state.uids[-1] if _state.uids else None
+
+
+def gradient_cluster(name: str, uid: str | None) -> str:
+    """The cluster that the gradient, taken in invocation ``uid``, of an op in cluster ``name`` belongs to.
+
+    TF's rule: the uid is always the suffix after the last ".". More gradient ops of the same invocation stay
+    in the same cluster; a gradient of a gradient (a new uid) appends its uid. Without a uid (plain
+    `jax.grad`) the gradient stays in ``name``.
+
+    Example:
+        >>> gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"), gradient_cluster("C.uid", "uid_1")
+        ('C.uid', 'C.uid', 'C.uid.uid_1')
+    """
+    if uid is None or name.rsplit(".", 1)[-1] == uid:
+        return name
+    return f"{name}.{uid}"
+
+
 @contextlib.contextmanager
-def _invocation() -> Iterator[str]:
-    uid = _next_uid()
-    with jax.named_scope(_GRADIENT + uid):
-        yield uid
+def _invocation(uid: str | None = None) -> Iterator[str]:
+    uid = uid or _next_uid()
+    _state.uids.append(uid)
+    try:
+        with jax.named_scope(_GRADIENT + uid):
+            yield uid
+    finally:
+        _state.uids.pop()
 
 
 def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
@@ -169,13 +211,12 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
         >>> float(y), float(pullback(1.0)[0])
         (6.0, 3.0)
     """
-    uid = _next_uid()
-    with jax.named_scope(_GRADIENT + uid):
+    with _invocation() as uid:
         out = jax.vjp(fun, *primals, has_aux=has_aux)
     pullback = out[1]
 
     def scoped_pullback(*cotangents: Any) -> Any:
-        with jax.named_scope(_GRADIENT + uid):
+        with _invocation(uid):
             return pullback(*cotangents)
 
     return (out[0], scoped_pullback, *out[2:])
@@ -214,7 +255,9 @@ def cluster_of(name_stack: str) -> str | None:
         if name.startswith(_GRADIENT) and unwrapped[i + 1][1]:
             backward_uids.append(name[len(_GRADIENT) :])
     # Innermost invocation first: the first-order gradient's uid, then the uid of the gradient taken of it.
-    return ".".join([base, *reversed(backward_uids)])
+    for uid in reversed(backward_uids):
+        base = gradient_cluster(base, uid)
+    return base
 
 
 def clusters(lowered_or_text: Any) -> dict[str, list[str]]:

@@ -12,12 +12,14 @@ from jaxdist.strategies.input import InputContext as InputContext
 from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
+from jaxdist.strategies.steps import MultiStepContext as MultiStepContext
 
 __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
     "MirroredStrategy",
+    "MultiStepContext",
     "OneDeviceStrategy",
     "ReplicaContext",
     "Strategy",

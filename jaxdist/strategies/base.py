@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ from jaxdist.strategies.context import enter_scope
 from jaxdist.strategies.global_view import StrategyFunction
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch
 from jaxdist.strategies.run import ReplicaRunner
+from jaxdist.strategies.steps import MultiStepContext, run_steps_on_dataset
 
 __all__ = ["Strategy"]
 
@@ -60,6 +61,8 @@ class Strategy:
         self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
         self._runner = ReplicaRunner(self)
         self._programs: dict[Any, Callable] = {}
+        self._loops: dict[Any, Any] = {}
+        self.steps_per_run = 1
 
     # ----------------------------------------------------------------------------------------- topology
     @property
@@ -288,6 +291,49 @@ class Strategy:
             [0.5, 0.5]
         """
         return StrategyFunction(self, fn, donate_argnums=donate_argnums, static_argnums=static_argnums)
+
+    def run_steps_on_dataset(
+        self,
+        step_fn: Callable[..., Any],
+        iterator: Iterator[Any],
+        iterations: int | None = None,
+        initial_loop_values: Any = None,
+    ) -> MultiStepContext:
+        """Run ``iterations`` steps in ONE compiled on-device loop over batches taken from ``iterator``.
+
+        The batches are checked for static shapes, stacked and placed once (axis 1 split over the replicas),
+        and a `jax.lax.scan` runs ``step_fn`` over them: the host is involved once per call, not per step.
+
+        Args:
+            step_fn: ``step_fn(ctx, state, *inputs) -> state`` (``step_fn(ctx, *inputs)`` without
+                ``initial_loop_values``), a global-view step as for `jit` (it may call `run`). A tuple batch
+                ``(x, y)`` is unpacked into ``inputs``; any other batch is passed as one input. ``ctx`` is the
+                `MultiStepContext`: ``ctx.set_last_step_output(name, value, aggregation)``.
+            iterator: an iterator of global batches (numpy or placed arrays); consecutive calls continue it.
+            iterations: steps per call; defaults to ``steps_per_run``.
+            initial_loop_values: the state carried from step to step (e.g. params and optimizer state).
+
+        Returns:
+            The `MultiStepContext`: ``loop_values`` (the state after the last step), ``last_step_outputs``.
+
+        Raises:
+            ValueError: for a batch the replicas do not divide, ragged or differently shaped batches, or an
+                iterator that ends part-way through the loop (drop the remainder or pad).
+            StopIteration: when the iterator is already exhausted.
+            TypeError: when ``iterator`` is not an iterator or ``step_fn`` is not callable.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> strategy = jd.MirroredStrategy()
+            >>> batches = iter([np.ones((8, 2), np.float32)] * 4)
+            >>> ctx = strategy.run_steps_on_dataset(lambda ctx, w, x: w + x.mean(), batches, iterations=4,
+            ...                                     initial_loop_values=np.float32(0))
+            >>> float(ctx.loop_values)
+            4.0
+        """
+        return run_steps_on_dataset(
+            self, step_fn, iterator, self.steps_per_run if iterations is None else iterations, initial_loop_values
+        )
 
     # ------------------------------------------------------------------------------------------ results
     def _check_owner(self, value: Any, what: str) -> None:

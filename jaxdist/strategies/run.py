@@ -24,7 +24,6 @@ cached per signature, so steady-state calls cost one dispatch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -35,9 +34,10 @@ from jax.sharding import PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated, splits_batch_axis
 from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.strategies import tracing
 from jaxdist.strategies.context import enter_replica
 from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.tracing import computation, current_computation, is_traced_batch
+from jaxdist.strategies.tracing import computation, is_traced_batch
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
@@ -167,14 +167,13 @@ class ReplicaRunner:
             return tuple(results)
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
-        probe = jax.shard_map(
+        probe_fn = jax.shard_map(
             functools.partial(body, probe=True), mesh=strategy.mesh, in_specs=in_specs, out_specs=_REPLICA_SPEC
         )
-        outer = current_computation()
-        saved = dataclasses.replace(outer.counters) if outer is not None else None
-        jax.eval_shape(probe, *[jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in dynamic])
-        if outer is not None:  # the probe must not use up names of the enclosing computation
-            outer.counters.clusters, outer.counters.uids = saved.clusters, saved.uids
+        with tracing.probe():
+            jax.eval_shape(
+                probe_fn, *[jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in dynamic]
+            )
         out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
 
         # Pass 2: the real program, with exact output layouts.

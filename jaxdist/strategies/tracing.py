@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["Computation", "computation", "current_computation", "is_traced_batch"]
+__all__ = ["Computation", "computation", "current_computation", "is_traced_batch", "probe"]
 
 
 @dataclasses.dataclass
@@ -91,3 +91,15 @@ def is_traced_batch(x: Any, strategy: Any) -> bool:
         if frame.strategy is strategy and any(t is x for t in frame.batches):
             return True
     return False
+
+
+@contextlib.contextmanager
+def probe() -> Iterator[None]:
+    """An abstract trace done only to learn shapes: it must not use up the enclosing computation's names."""
+    frame = current_computation()
+    saved = dataclasses.replace(frame.counters) if frame is not None else None
+    try:
+        yield
+    finally:
+        if frame is not None:
+            frame.counters.clusters, frame.counters.uids = saved.clusters, saved.uids

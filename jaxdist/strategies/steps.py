@@ -1,0 +1,259 @@
+"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's steps_per_run).
+
+The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked and placed
+once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU infeed), and a
+`jax.lax.scan` runs the step over them on the devices. The host is involved once per call, not once per step.
+
+``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may call
+``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value, aggregation)``
+records a value of the last step, reduced across replicas when an aggregation is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded
+from jaxdist.replicate.ops import ReduceOp
+from jaxdist.replicate.values import PerReplica
+from jaxdist.strategies.context import get_replica_context, has_strategy
+from jaxdist.strategies.input import _check_divisible
+from jaxdist.strategies.tracing import computation, probe
+
+if TYPE_CHECKING:
+    from jaxdist.strategies.base import Strategy
+
+__all__ = ["MultiStepContext", "run_steps_on_dataset"]
+
+
+class MultiStepContext:
+    """What a multi-step loop returns, and what its step function records (tf's MultiStepContext).
+
+    Inside ``step_fn``: ``set_last_step_output`` and ``set_non_tensor_output``. After the loop:
+    ``last_step_outputs`` (a dict), ``non_tensor_outputs`` (a dict) and ``loop_values`` (the state after the
+    last step).
+
+    Example:
+        >>> import numpy as np, jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> def step_fn(ctx, total, x):
+        ...     ctx.set_last_step_output("batch_sum", x.sum(), aggregation=jd.ReduceOp.SUM)
+        ...     return total + x.sum()
+        >>> batches = iter([np.full((2, 1), i, np.float32) for i in range(3)])
+        >>> ctx = strategy.run_steps_on_dataset(step_fn, batches, iterations=3, initial_loop_values=0.0)
+        >>> float(ctx.loop_values), float(ctx.last_step_outputs["batch_sum"])
+        (6.0, 4.0)
+    """
+
+    def __init__(self) -> None:
+        self._last_step_outputs: dict[str, Any] = {}
+        self._aggregations: dict[str, ReduceOp | None] = {}
+        self._non_tensor_outputs: dict[str, Any] = {}
+        self._pending: dict[str, Any] | None = None
+        self.loop_values: Any = None
+        self._lowered: Callable[[], Any] | None = None
+
+    def set_last_step_output(self, name: str, output: Any, aggregation: ReduceOp | str | None = None) -> None:
+        """Record ``output`` of the current step under ``name``; after the loop, the last step's value is kept.
+
+        Args:
+            name: the key in ``last_step_outputs``.
+            output: a pytree of arrays or `PerReplica` values (what ``strategy.run`` returned).
+            aggregation: a `ReduceOp` (or "sum" / "mean") to return the value reduced across replicas once;
+                None to keep one value per replica (`PerReplica` stays `PerReplica`).
+
+        Raises:
+            RuntimeError: when called outside the step function, or inside a replica function.
+            ValueError: for an unknown aggregation or a non-string name.
+        """
+        if not isinstance(name, str):
+            raise ValueError(f"name={name!r} must be a string (the key in last_step_outputs).")
+        op = None if aggregation is None else ReduceOp.parse(aggregation, "aggregation")
+        if self._pending is None:
+            raise RuntimeError(
+                "set_last_step_output is called from inside step_fn while run_steps_on_dataset traces it."
+            )
+        if has_strategy() and get_replica_context() is not None:
+            raise RuntimeError(
+                "set_last_step_output was called inside a replica function: call it in step_fn with the value "
+                "strategy.run returned (a PerReplica), and give an aggregation to reduce it."
+            )
+        self._aggregations[name] = op
+        self._pending[name] = output
+
+    def set_non_tensor_output(self, name: str, output: Any) -> None:
+        """Record a Python (non-array) value from the step function, kept as is in ``non_tensor_outputs``."""
+        self._non_tensor_outputs[name] = output
+
+    @property
+    def last_step_outputs(self) -> dict[str, Any]:
+        """The values recorded by ``set_last_step_output`` in the last step, by name."""
+        return dict(self._last_step_outputs)
+
+    @property
+    def non_tensor_outputs(self) -> dict[str, Any]:
+        """The values recorded by ``set_non_tensor_output``, by name."""
+        return dict(self._non_tensor_outputs)
+
+    def lower(self) -> Any:
+        """The lowered loop program (for ``jd.gradients.clusters`` and ``jd.tpu.host_compute_core``)."""
+        if self._lowered is None:
+            raise RuntimeError("lower() is available after run_steps_on_dataset has compiled the loop.")
+        return self._lowered()
+
+
+def _reduce_in_trace(strategy: Strategy, op: ReduceOp | None, value: Any) -> Any:
+    n = strategy.num_replicas_in_sync
+
+    def one(v):
+        if isinstance(v, PerReplica):
+            if op is None:  # keep one value per replica, each on its replica's device
+                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, batch_sharded(strategy.mesh)), strategy)
+            return jnp.sum(v.stacked, 0) if op is ReduceOp.SUM else jnp.mean(v.stacked, 0)
+        v = jnp.asarray(v)
+        return v * n if op is ReduceOp.SUM else v
+
+    return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, PerReplica))
+
+
+def _take(iterator: Iterator[Any], iterations: int) -> list[Any]:
+    batches = []
+    for _ in range(iterations):
+        try:
+            batches.append(next(iterator))
+        except StopIteration:
+            break
+    if not batches:
+        raise StopIteration
+    if len(batches) < iterations:
+        raise ValueError(
+            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an on-device loop "
+            f"runs a fixed number of steps; drop the remainder (make the number of batches a multiple of "
+            f"{iterations}) or pad, or pass iterations={len(batches)} for the last call."
+        )
+    return batches
+
+
+def _check_static(batches: list[Any], n: int) -> None:
+    first_leaves, first_tree = jax.tree.flatten(batches[0])
+    for i, batch in enumerate(batches):
+        leaves, tree = jax.tree.flatten(batch)
+        if tree != first_tree:
+            raise ValueError(f"batch {i} has structure {tree}, batch 0 has {first_tree}: batches must agree.")
+        for a, b in zip(leaves, first_leaves, strict=True):
+            if np.shape(a) != np.shape(b):
+                raise ValueError(
+                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: on-device "
+                    "loops need static shapes; drop the remainder (a ragged last batch) or pad it to the same shape."
+                )
+    for leaf in first_leaves:
+        if not np.shape(leaf):
+            raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split over the replicas.")
+        _check_divisible(np.shape(leaf)[0], n)
+
+
+def _stack(strategy: Strategy, batches: list[Any]) -> Any:
+    """Stack the batches on a new axis 0 and place them, axis 1 split over the replicas (one transfer)."""
+    sharding = NamedSharding(strategy.mesh, PartitionSpec(None, REPLICA_AXIS))
+
+    def stack(*leaves):
+        if all(isinstance(x, jax.Array) for x in leaves):
+            return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
+        host = np.stack([np.asarray(x) for x in leaves])
+        if jax.process_count() == 1:
+            return jax.device_put(host, sharding)
+        rows = sharding.addressable_devices_indices_map(host.shape)
+        lo = min(i[1].start or 0 for i in rows.values())
+        hi = max(i[1].stop or host.shape[1] for i in rows.values())
+        return jax.make_array_from_process_local_data(sharding, host[:, lo:hi], host.shape)
+
+    return jax.tree.map(stack, *batches)
+
+
+def run_steps_on_dataset(
+    strategy: Strategy,
+    step_fn: Callable[..., Any],
+    iterator: Iterator[Any],
+    iterations: int,
+    initial_loop_values: Any = None,
+) -> MultiStepContext:
+    """Run ``step_fn`` over ``iterations`` batches of ``iterator`` in one compiled on-device loop.
+
+    See `Strategy.run_steps_on_dataset`.
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn={step_fn!r} is not callable: pass step_fn(ctx, state, *inputs) -> state.")
+    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
+        raise ValueError(f"iterations={iterations!r} must be an int >= 1 (the steps run per call).")
+    if not isinstance(iterator, Iterator):
+        raise TypeError(
+            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that consecutive "
+            "calls continue where the last one stopped."
+        )
+    batches = _take(iterator, iterations)
+    _check_static(batches, strategy.num_replicas_in_sync)
+    stacked = _stack(strategy, batches)
+    has_state = initial_loop_values is not None
+    ctx = MultiStepContext()
+    treedef = jax.tree.structure(batches[0])
+    key = (step_fn, iterations, has_state, treedef,
+           tuple((np.shape(x), jax.dtypes.result_type(x)) for x in jax.tree.leaves(batches[0])))
+    cache = strategy._loops  # per strategy: (program, template context)
+    entry = cache.get(key)
+    if entry is None:
+        entry = _build(strategy, step_fn, has_state, iterations)
+        cache[key] = entry
+    program, info = entry
+    state = initial_loop_values if has_state else ()
+    new_state, outputs = program(state, stacked)
+    ctx.loop_values = new_state if has_state else None
+    ctx._last_step_outputs = dict(zip(info["names"], outputs, strict=True))
+    ctx._aggregations = dict(info["aggregations"])
+    ctx._non_tensor_outputs = dict(info["non_tensor"])
+    ctx._lowered = lambda: program.lower(state, stacked)
+    return ctx
+
+
+def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: int):
+    info: dict[str, Any] = {}
+
+    def one_step(state, batch, trace_ctx):
+        inputs = batch if isinstance(batch, tuple) else (batch,)
+        trace_ctx._pending = {}
+        with computation(strategy, "global", jax.tree.leaves(inputs)):
+            new_state = step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
+        pending, trace_ctx._pending = trace_ctx._pending, None
+        names = tuple(sorted(pending))
+        outs = tuple(_reduce_in_trace(strategy, trace_ctx._aggregations[k], pending[k]) for k in names)
+        info.update(names=names, aggregations=dict(trace_ctx._aggregations),
+                    non_tensor=dict(trace_ctx._non_tensor_outputs))
+        if has_state:
+            want, got = jax.tree.structure(state), jax.tree.structure(new_state)
+            if want != got:
+                raise ValueError(
+                    f"step_fn returned a state of structure {got}, but the loop carries {want} "
+                    "(initial_loop_values): return the updated state with the same structure."
+                )
+        return (new_state if has_state else ()), outs
+
+    def loop(state, stacked):
+        first = jax.tree.map(lambda x: x[0], stacked)
+        with probe():
+            _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state, first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+        trace_ctx = MultiStepContext()
+
+        def body(carry, batch):
+            state, _ = carry
+            return one_step(state, batch, trace_ctx), None
+
+        (state, outs), _ = jax.lax.scan(body, (state, zeros), stacked, length=iterations)
+        return state, outs
+
+    return strategy.jit(loop), info

@@ -1,0 +1,345 @@
+"""``outside_compilation``: run part of a compiled step on the host, once per replica, on its local values.
+
+TF's ``tpu.outside_compilation`` carved host ops out of a TPU computation. In JAX the host region is a
+callback (`jax.pure_callback`, or ordered `io_callback` for side effects). Where it is called decides how it
+runs:
+
+* inside ``strategy.run`` (replica context, a `jax.shard_map`): one host call per replica, on that replica's
+  values;
+* inside a global-view step (``strategy.jit``, ``run_steps_on_dataset``): the region is wrapped in its own
+  `jax.shard_map`, so it ALSO runs once per replica: arguments whose axis 0 is the global batch are split
+  over the replicas, others are passed whole; results with one row per local batch row are concatenated
+  back, other results must agree across replicas. (A plain callback under ``jit`` would gather everything to
+  device 0 and run once.)
+* outside any trace: ``host_fn(*args)`` is just called.
+
+A host function written with `jax.numpy` needs nothing more: its result shapes come from `jax.eval_shape`
+(so it is also traced once, at compile time), it runs on the host's CPU backend, and it is differentiable —
+its VJP runs on the host too, as the host region of gradient cluster ``C.uid``. A function written with numpy
+(or any Python) takes ``result_shape=`` (``()`` when it returns nothing: logging, metric writers) and is never
+traced; differentiating it needs ``vjp=``, else it is a clear error at trace time. Regions that return
+nothing are ordered side effects: each replica's calls run in step order.
+
+Each region is gradient cluster "0", "1", ... of its computation (see `jaxdist.gradients`). Nesting regions
+raises NotImplementedError, as in TF.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxdist.gradients.clusters import cluster, clusters, current_gradient_uid, gradient_cluster
+from jaxdist.replicate.layouts import REPLICA_AXIS
+from jaxdist.strategies.tracing import current_computation
+
+__all__ = ["host_compute_core", "outside_compilation"]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_state = _State()
+_plain_clusters = itertools.count()
+_CALLBACK_MARKERS = ("pure_callback", "io_callback", "callback")
+
+
+def _host_device() -> jax.Device:
+    return jax.local_devices(backend="cpu")[0]
+
+
+def _is_varying(x: Any) -> bool:
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return mat is not None and REPLICA_AXIS in getattr(mat, "varying", ())
+
+
+def _mark(x: Any, varying: bool) -> Any:
+    """Give a callback result (typed invariant by JAX) the replica-variance it really has."""
+    if varying and not _is_varying(x):
+        return jax.lax.pcast(x, REPLICA_AXIS, to="varying")
+    return x
+
+
+class _Region:
+    """One host region: its host function on the dynamic (array) arguments, result shapes, and VJP."""
+
+    def __init__(self, host_fn, statics, result_shape, vjp, traceable, ordered, name):
+        self.host_fn = host_fn
+        self.statics = statics  # (positions, values) of non-array arguments, passed through unchanged
+        self.result_shape = result_shape
+        self.vjp = vjp
+        self.traceable = traceable
+        self.ordered = ordered
+        self.name = name
+
+    def full_args(self, dynamic):
+        positions, values = self.statics
+        args, it_d, it_s = [], iter(dynamic), iter(values)
+        for i in range(len(positions) + len(dynamic)):
+            args.append(next(it_s) if i in positions else next(it_d))
+        return args
+
+    def call(self, *dynamic):
+        return self.host_fn(*self.full_args(dynamic))
+
+    def run_host(self, *dynamic):
+        """Runs on the host, in the callback: numpy in, numpy out."""
+        _state.depth += 1
+        try:
+            # Called eagerly, not jitted, so that the host function's Python side effects happen on every call.
+            with jax.default_device(_host_device()):
+                out = self.call(*dynamic)
+        finally:
+            _state.depth -= 1
+        if self.result_shape is None:
+            return None
+        return jax.tree.map(lambda o, s: np.asarray(o, dtype=s.dtype).reshape(s.shape), out, self.result_shape)
+
+    def backward(self, name: str, xs: tuple, cotangent: Any) -> tuple[_Region, list[int]]:
+        """The region computing this region's input gradients on the host: itself differentiable when
+        this one is traceable (a gradient of a gradient then lands in ``name.uid2``)."""
+        n = len(xs)
+        floats = [i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        ct_tree = jax.tree.structure(cotangent)
+        positions = self.statics[0]
+        dynamic_positions = [i for i in range(len(positions) + n) if i not in positions]
+
+        def pullback(*leaves):
+            primals, ct = leaves[:n], jax.tree.unflatten(ct_tree, leaves[n:])
+            if self.vjp is not None:
+                grads = self.vjp(tuple(self.full_args(primals)), ct)
+                grads = [grads[dynamic_positions[i]] for i in range(n)]
+            else:
+                _, pull = jax.vjp(self.call, *primals)
+                grads = pull(ct)
+            return tuple(grads[i] for i in floats)
+
+        shapes = tuple(jax.ShapeDtypeStruct(xs[i].shape, xs[i].dtype) for i in floats)
+        region = _Region(pullback, (frozenset(), ()), shapes, None, self.vjp is None and self.traceable, False, name)
+        return region, floats
+
+
+def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: list[bool]) -> Any:
+    """The region on local values: a callback, differentiable through a custom VJP that runs on the host."""
+    if region.result_shape is None or region.ordered:
+        from jax.experimental import io_callback
+
+        # Side effects: no gradient flows through them (stop_gradient lets a logging region sit in a
+        # differentiated step, where an io_callback itself has no JVP).
+        with cluster(region.name):
+            return io_callback(
+                region.run_host, region.result_shape, *[jax.lax.stop_gradient(x) for x in dynamic], ordered=True
+            )
+
+    def forward(*xs):
+        with cluster(region.name):
+            out = jax.pure_callback(region.run_host, region.result_shape, *xs, vmap_method="sequential")
+        return jax.tree.map(lambda o: _mark(o, replicated), out)
+
+    @jax.custom_vjp
+    def host_region(*xs):
+        return forward(*xs)
+
+    def fwd(*xs):
+        # Calling the region (not the bare callback) keeps fwd differentiable: grad of grad works.
+        return host_region(*xs), xs
+
+    def bwd(xs, cotangent):
+        if not region.traceable and region.vjp is None:
+            raise TypeError(
+                f"outside_compilation region {region.name!r} ({getattr(region.host_fn, '__name__', region.host_fn)})"
+                " is being differentiated, but its host function is opaque (it was given result_shape=, so it "
+                "is not traced with jax.numpy): pass vjp=lambda args, cotangent: grads, or write it with "
+                "jax.numpy and drop result_shape."
+            )
+        # The gradient region is cluster C.uid, uid being the gradient invocation that is tracing this.
+        name = gradient_cluster(region.name, current_gradient_uid())
+        back, floats = region.backward(name, xs, cotangent)
+        ct_leaves = jax.tree.leaves(cotangent)
+        grads = _local_call(back, [*xs, *ct_leaves], replicated, [*varying_in, *([True] * len(ct_leaves))])
+        out: list[Any] = [None] * len(xs)
+        for i, g in zip(floats, grads, strict=True):
+            if replicated and not varying_in[i]:
+                # An input shared by all replicas (invariant) gets the sum of the replicas' contributions,
+                # as jax.grad of a replicated input does.
+                g = jax.lax.psum(_mark(g, True), REPLICA_AXIS)
+            out[i] = g
+        return tuple(out)
+
+    host_region.defvjp(fwd, bwd)
+    return host_region(*dynamic)
+
+
+def outside_compilation(
+    host_fn: Callable[..., Any],
+    *args: Any,
+    result_shape: Any = None,
+    vjp: Callable[[tuple, Any], tuple] | None = None,
+    ordered: bool = False,
+) -> Any:
+    """Run ``host_fn(*args)`` on the host, once per replica on its local values, from inside a compiled step.
+
+    Args:
+        host_fn: the host function. Written with jax.numpy: shapes are inferred and it is differentiable
+            (its VJP runs on the host). Written with numpy / Python: pass ``result_shape``.
+        *args: its arguments (arrays; Python scalars and other values are passed through unchanged).
+        result_shape: for an opaque (numpy / Python) ``host_fn``: a pytree of `jax.ShapeDtypeStruct`
+            describing ONE replica's result, ``()`` when it returns nothing (a side-effect region). None:
+            infer it by tracing ``host_fn`` with jax.numpy.
+        vjp: for an opaque ``host_fn`` that must be differentiated: ``vjp(args, cotangent) -> grads`` (one
+            gradient per argument), run on the host.
+        ordered: run as an ordered side effect (each replica's calls in step order); not differentiable.
+            Regions without a result (logging, metric writers) are always ordered.
+
+    Returns:
+        ``host_fn``'s result (per replica inside ``run``; in the global view, row-wise results are
+        concatenated over the replicas).
+
+    Raises:
+        NotImplementedError: when called inside another outside_compilation region.
+        TypeError: when an opaque ``host_fn`` is differentiated without ``vjp``, or ``host_fn`` cannot be
+            traced with jax.numpy and no ``result_shape`` was given.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np, jaxdist as jd
+        >>> strategy = jd.MirroredStrategy()
+        >>> rows = []
+        >>> def replica_fn(x):
+        ...     jd.tpu.outside_compilation(lambda v: rows.append(v.shape), x, result_shape=())  # on the host
+        ...     return jd.tpu.outside_compilation(jnp.sin, x)
+        >>> x = strategy.experimental_distribute_values(np.zeros((16, 2), np.float32))
+        >>> out = strategy.run(replica_fn, args=(x,))
+        >>> jax.effects_barrier(); sorted(set(rows)), len(rows)
+        ([(2, 2)], 8)
+    """
+    if not callable(host_fn):
+        raise TypeError(f"host_fn={host_fn!r} is not callable: pass the function to run on the host.")
+    if _state.depth:
+        raise NotImplementedError("Cannot nest outside_compilation clusters")
+    frame = current_computation()
+    leaves = jax.tree.leaves(args)
+    traced = frame is not None or any(isinstance(x, jax.core.Tracer) for x in leaves)
+    if not traced:
+        return host_fn(*args)
+    if vjp is not None and not callable(vjp):
+        raise TypeError(f"vjp={vjp!r} is not callable: pass vjp(args, cotangent) -> grads.")
+
+    positions, statics, dynamic = set(), [], []
+    for i, a in enumerate(args):
+        if isinstance(a, (jax.Array, np.ndarray, np.generic)) or isinstance(a, jax.core.Tracer):
+            dynamic.append(a)
+        else:
+            positions.add(i)
+            statics.append(a)
+    statics_pair = (frozenset(positions), tuple(statics))
+    name = frame.next_cluster() if frame is not None else str(next(_plain_clusters))
+    kind = frame.kind if frame is not None else "plain"
+
+    if kind == "global":
+        strategy = frame.strategy
+        n = strategy.num_replicas_in_sync
+        batch = frame.global_batch_size()
+        split = [batch is not None and np.ndim(x) >= 1 and np.shape(x)[0] == batch and batch % n == 0
+                 for x in dynamic]
+        local_shapes = [
+            jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]) if s else np.shape(x), jnp.result_type(x))
+            for x, s in zip(dynamic, split, strict=True)
+        ]
+    else:
+        split = [_is_varying(x) for x in dynamic] if kind == "replica" else [False] * len(dynamic)
+        local_shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in dynamic]
+
+    region = _make_region(host_fn, statics_pair, local_shapes, result_shape, vjp, ordered, name)
+
+    if kind == "replica":
+        return _local_call(region, dynamic, True, split)
+    if kind == "plain":
+        return _local_call(region, dynamic, False, split)
+
+    # Global view: one call per replica through a shard_map of its own.
+    in_specs = tuple(PartitionSpec(REPLICA_AXIS) if s else PartitionSpec() for s in split)
+    local_rows = (batch // n) if batch is not None else None
+    row_wise = any(split)
+
+    def out_spec(shape):
+        rows = row_wise and shape.shape and shape.shape[0] == local_rows
+        return PartitionSpec(REPLICA_AXIS) if rows else PartitionSpec()
+
+    out_specs = jax.tree.map(out_spec, region.result_shape) if region.result_shape is not None else None
+
+    def per_replica(*xs):
+        out = _local_call(region, list(xs), True, split)
+        if out is None:
+            return None
+        # Row-wise results stay varying (concatenated); others are taken as agreeing across replicas.
+        return jax.tree.map(
+            lambda o, spec: o if spec == PartitionSpec(REPLICA_AXIS) else _invariant(o), out, out_specs
+        )
+
+    mapped = jax.shard_map(
+        per_replica, mesh=strategy.mesh, in_specs=in_specs,
+        out_specs=out_specs if out_specs is not None else PartitionSpec(),
+    )
+    return mapped(*dynamic)
+
+
+def _invariant(x: Any) -> Any:
+    """A per-replica result declared equal on every replica: replica 0's value, broadcast (exact)."""
+    first = jax.lax.axis_index(REPLICA_AXIS) == 0
+    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), REPLICA_AXIS)
+
+
+def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, name) -> _Region:
+    traceable = result_shape is None
+    if traceable:
+        probe_args = _Region(host_fn, statics, None, None, True, ordered, name).full_args(local_shapes)
+        _state.depth += 1
+        try:
+            result_shape = jax.eval_shape(host_fn, *probe_args)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as err:
+            raise TypeError(
+                f"outside_compilation could not trace host_fn={getattr(host_fn, '__name__', host_fn)!r} with "
+                f"jax.numpy to infer its result ({type(err).__name__}): pass result_shape= (a pytree of "
+                "jax.ShapeDtypeStruct for one replica's result, or () when it returns nothing) and, to "
+                "differentiate it, vjp=."
+            ) from err
+        finally:
+            _state.depth -= 1
+        if result_shape is not None and not jax.tree.leaves(result_shape):
+            result_shape = None
+    elif not jax.tree.leaves(result_shape):
+        result_shape = None
+    return _Region(host_fn, statics, result_shape, vjp, traceable, ordered, name)
+
+
+def host_compute_core(lowered: Any, num_replicas: int) -> list[str]:
+    """``"cluster:core"`` for every host region of a compiled computation and every replica core that runs it.
+
+    Args:
+        lowered: the lowered computation (``step.lower(...)``, ``ctx.lower()`` of a steps loop) or its text.
+        num_replicas: the replicas (cores) of the strategy that runs it.
+
+    Returns:
+        Sorted ``"cluster:core"`` strings, e.g. ``["0:0", "0:1", "0.uid:0", "0.uid:1"]``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxdist as jd
+        >>> strategy = jd.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> step = strategy.jit(lambda x: jd.tpu.outside_compilation(jnp.cos, x))
+        >>> jd.tpu.host_compute_core(step.lower(jnp.ones(2)), strategy.num_replicas_in_sync)
+        ['0:0', '0:1']
+    """
+    regions = [
+        name for name, ops in clusters(lowered).items()
+        if any(op.rsplit("/", 1)[-1].startswith(_CALLBACK_MARKERS) for op in ops)
+    ]
+    return sorted(f"{name}:{core}" for name in regions for core in range(num_replicas))

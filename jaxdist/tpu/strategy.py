@@ -1,0 +1,102 @@
+"""`TPUStrategy`: every device of the default backend, with on-device loops (tf.distribute.TPUStrategy).
+
+On a TPU host the default backend is the TPU and its cores are the replicas; elsewhere it is whatever JAX
+runs on (the simulated CPU devices in tests), so TPU code runs unchanged on a laptop. ``steps_per_run`` is how
+many steps ``run_steps_on_dataset`` runs per call by default (the on-device loop amortises the host round
+trip, which on TPUs is the dominant cost of small steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxdist.strategies.base import Strategy
+
+__all__ = ["TPUStrategy"]
+
+
+class TPUStrategy(Strategy):
+    """Synchronous data parallelism over the cores of the default backend, with on-device step loops.
+
+    Args:
+        steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>= 1).
+        num_cores: use only the first ``num_cores`` devices; None for all of them.
+        devices: explicit devices instead (overrides the default backend's); mostly for tests.
+
+    Raises:
+        ValueError: for ``steps_per_run`` < 1 or ``num_cores`` outside ``[1, number of devices]``.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> strategy = jd.TPUStrategy(steps_per_run=20, num_cores=4)
+        >>> strategy.num_replicas_in_sync, strategy.steps_per_run
+        (4, 20)
+    """
+
+    def __init__(self, steps_per_run: int = 1, num_cores: int | None = None, devices: Any = None):
+        if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
+            raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
+        if devices is None:
+            available = tuple(jax.devices())
+        else:
+            from jaxdist.strategies.devices import resolve_devices
+
+            available = resolve_devices(devices, "devices")
+        if num_cores is not None:
+            if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
+                raise ValueError(
+                    f"num_cores={num_cores!r} must be an int in [1, {len(available)}] (the {available[0].platform} "
+                    f"devices here); pass None to use all of them."
+                )
+            available = available[:num_cores]
+        super().__init__(available)
+        self.steps_per_run = steps_per_run
+        self._initialized = False
+
+    @property
+    def num_cores(self) -> int:
+        """The cores (replicas) in use."""
+        return self.num_replicas_in_sync
+
+    def get_host_cpu_device(self, host_id: int = 0) -> jax.Device:
+        """The CPU device of host ``host_id`` (this process's host; other hosts' CPUs are not addressable).
+
+        Raises:
+            ValueError: for a host id outside ``[0, num_hosts)`` or another process's host.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> jd.TPUStrategy().get_host_cpu_device(0).platform
+            'cpu'
+        """
+        if not isinstance(host_id, int) or not 0 <= host_id < self.num_hosts:
+            raise ValueError(f"host_id={host_id!r} must be in [0, {self.num_hosts}) (num_hosts={self.num_hosts}).")
+        hosts = sorted({d.process_index for d in self.devices})
+        if hosts[host_id] != jax.process_index():
+            raise ValueError(
+                f"host_id={host_id} is process {hosts[host_id]}, not this process ({jax.process_index()}): only "
+                "this host's CPU is addressable here; ask that process."
+            )
+        return jax.local_devices(backend="cpu")[0]
+
+    def initialize(self) -> None:
+        """Bring the devices up (a no-op after the first call; JAX starts backends on demand).
+
+        Safe to call any number of times.
+        """
+        if not self._initialized:
+            for d in self.devices:
+                if d.process_index == jax.process_index():
+                    _ = d.platform  # touching the devices fails here, clearly, if the backend cannot start
+            self._initialized = True
+
+    def finalize(self) -> None:
+        """Drop this strategy's compiled programs. Safe to call any number of times, before or after initialize."""
+        self._loops.clear()
+        self._programs.clear()
+        self._initialized = False
+
+    def __repr__(self) -> str:
+        return f"TPUStrategy(num_cores={self.num_cores}, steps_per_run={self.steps_per_run})"
