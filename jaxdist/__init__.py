@@ -11,6 +11,7 @@ Example:
 
 from jaxdist import gradients as gradients
 from jaxdist import tpu as tpu
+from jaxdist import training as training
 from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
 from jaxdist.replicate import PerReplica as PerReplica
 from jaxdist.replicate import ReduceOp as ReduceOp
@@ -51,4 +52,5 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "tpu",
+    "training",
 ]

@@ -1,0 +1,48 @@
+"""The drop-in training loop: `Trainer` (Flax linen and nnx, optax) and the pieces for your own loop.
+
+``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=..., checkpoint_dir=...)`` trains
+on any strategy; `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
+saves and restores state across strategies and device counts.
+
+Example:
+    >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+    >>> trainer = jd.training.Trainer(jd.OneDeviceStrategy(), nn.Dense(2), optax.adam(1e-2),
+    ...                               lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
+    >>> history = trainer.fit([(np.ones((4, 3), np.float32), np.ones(4, np.int32))], steps=3, verbose=0)
+    >>> trainer.step
+    3
+"""
+
+from jaxdist.training.callbacks import Callback as Callback
+from jaxdist.training.callbacks import CSVLogger as CSVLogger
+from jaxdist.training.callbacks import History as History
+from jaxdist.training.callbacks import Progress as Progress
+from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
+from jaxdist.training.checkpoint import Checkpointer as Checkpointer
+from jaxdist.training.data import DataPosition as DataPosition
+from jaxdist.training.loop import prepare as prepare
+from jaxdist.training.models import LinenModel as LinenModel
+from jaxdist.training.models import NnxModel as NnxModel
+from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
+from jaxdist.training.step import TrainState as TrainState
+from jaxdist.training.step import accuracy as accuracy
+from jaxdist.training.step import make_train_step as make_train_step
+from jaxdist.training.trainer import Trainer as Trainer
+
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "Checkpointer",
+    "DataPosition",
+    "History",
+    "LinenModel",
+    "NnxModel",
+    "PreemptionWatcher",
+    "Progress",
+    "TensorBoardLogger",
+    "TrainState",
+    "Trainer",
+    "accuracy",
+    "make_train_step",
+    "prepare",
+]

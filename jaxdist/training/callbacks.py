@@ -1,0 +1,292 @@
+"""Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
+
+A `Callback` gets ``on_train_begin``, ``on_step_end``, ``on_eval_end``, ``on_checkpoint`` and
+``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars: reading one (``float(m)``)
+waits for the device, so read them only when you need them. Setting ``trainer.stop_training = True`` from a
+callback ends ``fit`` after the current step (with a checkpoint when ``checkpoint_dir`` is set).
+
+The trainer logs every ``log_every`` steps: the mean of each metric over those steps, and steps/s. `Progress`
+shows them as a tqdm bar on a terminal and as plain lines otherwise (logs, CI); `CSVLogger` and
+`TensorBoardLogger` write them to files.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import struct
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
+
+
+class History:
+    """What ``fit`` returns: the logged metrics.
+
+    Attributes:
+        train: one dict per log point: ``{"step": s, "loss": ..., <metrics>, "steps_per_sec": ...}``.
+        eval: one dict per evaluation: ``{"step": s, "loss": ..., <metrics>}``.
+        checkpoints: the paths written.
+        preempted: True when a SIGTERM stopped the run early (after saving).
+
+    Example:
+        >>> h = History()
+        >>> h.train.append({"step": 10, "loss": 0.5})
+        >>> h.metric("loss")
+        [0.5]
+    """
+
+    def __init__(self) -> None:
+        self.train: list[dict[str, float]] = []
+        self.eval: list[dict[str, float]] = []
+        self.checkpoints: list[str] = []
+        self.preempted = False
+
+    def metric(self, name: str, split: str = "train") -> list[float]:
+        """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
+        return [row[name] for row in getattr(self, split) if name in row]
+
+    def __repr__(self) -> str:
+        last = self.train[-1] if self.train else {}
+        return f"History(train={len(self.train)} rows, eval={len(self.eval)} rows, last={last})"
+
+
+class Callback:
+    """Base class: override the hooks you need (each does nothing by default).
+
+    Example:
+        >>> class PrintEval(Callback):
+        ...     def on_eval_end(self, trainer, step, metrics):
+        ...         print(step, round(metrics["loss"], 2))
+        >>> PrintEval().on_eval_end(None, 5, {"loss": 0.123})
+        5 0.12
+    """
+
+    def on_train_begin(self, trainer: Any) -> None:
+        """Before the first step of ``fit`` (after any restore)."""
+
+    def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        """After each optimizer step (each run of ``steps_per_run`` steps); metrics are device scalars."""
+
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
+        """Every ``log_every`` steps, with the metrics averaged over them (host floats)."""
+
+    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        """After each evaluation during ``fit``, with metrics averaged over every evaluation example."""
+
+    def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
+        """After each checkpoint is written (complete and renamed into place)."""
+
+    def on_train_end(self, trainer: Any, history: History) -> None:
+        """When ``fit`` ends (normally, stopped, or preempted)."""
+
+
+def _format(logs: Mapping[str, float]) -> str:
+    return " ".join(f"{k} {v:.4g}" for k, v in logs.items() if k != "step")
+
+
+class Progress(Callback):
+    """A tqdm progress bar (loss, steps/s) on a terminal; plain log lines when output is not a terminal.
+
+    Args:
+        total: the step the run trains to (for the bar), or None.
+        mode: ``"auto"`` (bar when stderr is a terminal), ``"bar"`` or ``"lines"``.
+        stream: where lines go (default: stdout).
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> p = Progress(total=20, mode="lines", stream=out)
+        >>> p.on_log(None, 10, {"loss": 0.25, "steps_per_sec": 50.0})
+        >>> out.getvalue()
+        'step 10/20 loss 0.25 steps_per_sec 50\\n'
+    """
+
+    def __init__(self, total: int | None = None, mode: str = "auto", stream: Any = None):
+        if mode not in ("auto", "bar", "lines"):
+            raise ValueError(f"mode={mode!r} must be 'auto', 'bar' or 'lines'.")
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.total, self.mode, self.stream = total, mode, stream
+        self._bar: Any = None
+        self._start_step = 0
+
+    def on_train_begin(self, trainer: Any) -> None:
+        self._start_step = int(trainer.step) if trainer is not None else 0
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step")
+
+    def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if k in ("loss", "steps_per_sec")})
+        else:
+            total = f"/{self.total}" if self.total else ""
+            print(f"step {step}{total} {_format(logs)}", file=self.stream or sys.stdout, flush=True)
+
+    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        line = f"eval at step {step}: {_format(metrics)}"
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, file=self.stream or sys.stdout, flush=True)
+
+    def on_train_end(self, trainer: Any, history: History) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class CSVLogger(Callback):
+    """Append training and evaluation metrics to ``path`` as CSV (one row per log point).
+
+    Columns: ``split`` (train / eval), ``step``, then every metric name seen; a new name starts a new
+    header (the file is rewritten with the wider header), so any CSV reader opens it.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
+        >>> log = CSVLogger(path)
+        >>> log.on_log(None, 1, {"loss": 0.5})
+        >>> log.on_eval_end(None, 1, {"loss": 0.4, "accuracy": 0.9})
+        >>> with open(path) as f:
+        ...     print(f.read().strip())
+        split,step,loss,accuracy
+        train,1,0.5,
+        eval,1,0.4,0.9
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._columns: list[str] = ["split", "step"]
+        self._rows: list[dict] = []
+        if os.path.exists(self.path):  # resuming: keep what earlier runs wrote
+            with open(self.path, newline="") as f:
+                reader = csv.DictReader(f)
+                self._columns = list(reader.fieldnames or self._columns)
+                self._rows = list(reader)
+
+    def _write(self, split: str, step: int, logs: Mapping[str, float]) -> None:
+        row = {"split": split, "step": step, **{k: v for k, v in logs.items() if k != "step"}}
+        new = [k for k in row if k not in self._columns]
+        self._rows.append(row)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if new or not os.path.exists(self.path):
+            self._columns += new
+            with open(self.path, "w", newline="") as f:
+                writer = csv.DictWriter(f, self._columns)
+                writer.writeheader()
+                writer.writerows(self._rows)
+        else:
+            with open(self.path, "a", newline="") as f:
+                csv.DictWriter(f, self._columns).writerow(row)
+
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
+        self._write("train", step, logs)
+
+    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        self._write("eval", step, metrics)
+
+
+# ------------------------------------------------------------------------------ TensorBoard event files
+# The TFRecord-framed `Event` protobufs TensorBoard reads, written without TensorFlow: a scalar is
+# Event{wall_time=1, step=2, summary=5{value=1{tag=1, simple_value=2}}}.
+
+_CRC_TABLE = []
+for _i in range(256):
+    _c = _i
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+    _CRC_TABLE.append(_c)
+
+
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire) + payload
+
+
+def _event(wall_time: float, step: int, summary: bytes | None = None, file_version: str | None = None) -> bytes:
+    out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
+    if file_version is not None:
+        data = file_version.encode()
+        out += _field(3, 2, _varint(len(data)) + data)
+    if summary is not None:
+        out += _field(5, 2, _varint(len(summary)) + summary)
+    return out
+
+
+def _scalar_summary(values: Mapping[str, float]) -> bytes:
+    out = b""
+    for tag, v in values.items():
+        tag_bytes = tag.encode()
+        value = _field(1, 2, _varint(len(tag_bytes)) + tag_bytes) + _field(2, 5, struct.pack("<f", float(v)))
+        out += _field(1, 2, _varint(len(value)) + value)
+    return out
+
+
+def _record(data: bytes) -> bytes:
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data))
+
+
+class TensorBoardLogger(Callback):
+    """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...) into ``log_dir``.
+
+    Writes the event-file format directly (no TensorFlow needed); open with ``tensorboard --logdir``.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> tb = TensorBoardLogger(d)
+        >>> tb.on_log(None, 1, {"loss": 0.5})
+        >>> [f.startswith("events.out.tfevents.") for f in os.listdir(d)]
+        [True]
+    """
+
+    def __init__(self, log_dir: str | os.PathLike):
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.jaxdist.{os.getpid()}"
+        self.path = os.path.join(os.fspath(log_dir), name)
+        self._append(_event(time.time(), 0, file_version="brain.Event:2"))
+
+    def _append(self, event: bytes) -> None:
+        with open(self.path, "ab") as f:  # opened per write: nothing to close, readable while training
+            f.write(_record(event))
+
+    def _write(self, prefix: str, step: int, logs: Mapping[str, float]) -> None:
+        values = {f"{prefix}/{k}": v for k, v in logs.items() if k != "step"}
+        self._append(_event(time.time(), int(step), summary=_scalar_summary(values)))
+
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
+        self._write("train", step, logs)
+
+    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        self._write("eval", step, metrics)

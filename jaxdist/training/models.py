@@ -1,0 +1,257 @@
+"""Model adapters: one functional interface over Flax linen and Flax nnx modules.
+
+The trainer never calls a model directly. It asks an adapter for the initial ``(params, model_state)`` and
+for ``apply(params, model_state, x, rng, train) -> (outputs, new_model_state)``, a pure function it can
+differentiate, compile for a strategy, scan over micro-batches and cast to bf16. ``params`` are what the
+optimizer updates; ``model_state`` is everything else a model carries between steps (linen collections such
+as ``batch_stats``; nnx ``BatchStat`` and ``Rngs`` variables). Both are plain nested dicts of arrays, so
+checkpoints are portable and readable without the model's Python classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+__all__ = ["LinenModel", "NnxModel", "as_model", "model_kind"]
+
+
+def model_kind(model: Any) -> str:
+    """``"linen"`` or ``"nnx"``: which Flax API ``model`` belongs to.
+
+    Args:
+        model: a Flax module instance.
+
+    Returns:
+        ``"linen"`` for a `flax.linen.Module` instance, ``"nnx"`` for a `flax.nnx.Module` instance.
+
+    Raises:
+        TypeError: for a module class instead of an instance, or anything that is not a Flax module.
+
+    Example:
+        >>> import flax.linen as nn
+        >>> model_kind(nn.Dense(3))
+        'linen'
+    """
+    if isinstance(model, nn.Module):
+        return "linen"
+    if isinstance(model, nnx.Module):
+        return "nnx"
+    if inspect.isclass(model) and issubclass(model, nn.Module):
+        raise TypeError(
+            f"model={model.__name__} is a linen module class, not an instance: pass {model.__name__}(...)."
+        )
+    if inspect.isclass(model) and issubclass(model, nnx.Module):
+        raise TypeError(
+            f"model={model.__name__} is an nnx module class, not an instance: pass "
+            f"{model.__name__}(..., rngs=nnx.Rngs(0))."
+        )
+    raise TypeError(
+        f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a flax.linen.Module "
+        "instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance (e.g. nnx.Linear(4, 10, rngs=nnx.Rngs(0)))."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenModel:
+    """A linen module seen as ``init`` / ``apply`` over ``(params, model_state)``.
+
+    Args:
+        module: the `flax.linen.Module` instance.
+        variables: existing variables (``{"params": ..., "batch_stats": ...}``) to start from instead of
+            ``module.init`` (e.g. pretrained weights), or None.
+        train_kwargs: keyword arguments for ``module.apply`` in training (e.g. ``{"train": True}``).
+        eval_kwargs: keyword arguments for ``init``, evaluation and prediction (e.g. ``{"train": False}``).
+        rng_streams: rng names passed to ``apply`` in training, each a fresh key per step (dropout).
+
+    Raises:
+        TypeError: when ``module`` is not a linen module instance (an nnx module names the fix).
+        ValueError: for ``variables`` without a ``"params"`` collection.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> m = LinenModel(nn.Dense(2))
+        >>> params, state = m.init(jax.random.key(0), jnp.ones((1, 3)))
+        >>> m.apply(params, state, jnp.ones((4, 3)), None, train=False)[0].shape
+        (4, 2)
+    """
+
+    module: Any
+    variables: Any = None
+    train_kwargs: dict = dataclasses.field(default_factory=dict)
+    eval_kwargs: dict = dataclasses.field(default_factory=dict)
+    rng_streams: tuple[str, ...] = ("dropout",)
+
+    kind = "linen"
+
+    def __post_init__(self) -> None:
+        if model_kind(self.module) != "linen":
+            raise TypeError(
+                f"model={type(self.module).__name__} is an nnx module where a linen module is expected: pass it "
+                "to Trainer directly (nnx modules are detected), or use NnxModel(module)."
+            )
+        if self.variables is not None and "params" not in self.variables:
+            raise ValueError(
+                f"variables has collections {sorted(self.variables)} but no 'params': pass what "
+                "module.init(...) returned."
+            )
+
+    @property
+    def initial_variables(self) -> Any:
+        """The variables to start from (passed back to `init` as ``given``), or None."""
+        return self.variables
+
+    def init(self, rng: jax.Array, x: Any, given: Any = None) -> tuple[dict, dict]:
+        """``(params, model_state)``: ``given`` variables if any, else ``module.init`` on a sample input."""
+        if given is not None:
+            variables = dict(given)
+        else:
+            keys = jax.random.split(rng, 1 + len(self.rng_streams))
+            rngs = {"params": keys[0], **dict(zip(self.rng_streams, keys[1:], strict=True))}
+            variables = dict(self.module.init(rngs, x, **self.eval_kwargs))
+        params = variables.pop("params")
+        return params, variables
+
+    def apply(self, params: Any, model_state: dict, x: Any, rng: jax.Array | None, train: bool) -> tuple[Any, dict]:
+        """``(outputs, new_model_state)``; in training, non-param collections are mutable."""
+        variables = {"params": params, **model_state}
+        if not train:
+            return self.module.apply(variables, x, **self.eval_kwargs), model_state
+        rngs = None
+        if rng is not None and self.rng_streams:
+            keys = jax.random.split(rng, len(self.rng_streams))
+            rngs = dict(zip(self.rng_streams, keys, strict=True))
+        if not model_state:
+            return self.module.apply(variables, x, rngs=rngs, **self.train_kwargs), model_state
+        out, updates = self.module.apply(variables, x, rngs=rngs, mutable=list(model_state), **self.train_kwargs)
+        return out, {**model_state, **updates}
+
+    def sync(self, params: Any, model_state: dict) -> None:
+        """Linen modules hold no state: nothing to write back."""
+        del params, model_state
+
+
+def _to_pure(state: Any) -> dict:
+    return nnx.to_pure_dict(state)
+
+
+def _from_pure(template: Any, pure: dict) -> Any:
+    state = jax.tree.map(lambda v: v, template)  # a fresh copy: replace_by_pure_dict works in place
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+class NnxModel:
+    """An nnx module seen as ``init`` / ``apply`` over ``(params, model_state)``.
+
+    ``params`` are the module's `nnx.Param` variables; ``model_state`` every other variable (batch
+    statistics, ``Rngs`` keys and counts), as nested dicts of arrays. Training runs the module in
+    ``train()`` mode, evaluation in ``eval()`` mode; the user's module is left in the mode it was in and is
+    updated in place by ``sync`` (the trainer calls it at the end of ``fit``).
+
+    Args:
+        module: the `flax.nnx.Module` instance (already initialized: nnx modules own their parameters).
+
+    Raises:
+        TypeError: when ``module`` is not an nnx module instance (a linen module names the fix).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> m = NnxModel(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        >>> params, state = m.init(None, None, m.initial_variables)
+        >>> m.apply(params, state, jnp.ones((4, 3)), None, train=False)[0].shape
+        (4, 2)
+    """
+
+    kind = "nnx"
+
+    def __init__(self, module: Any):
+        if model_kind(module) != "nnx":
+            raise TypeError(
+                f"model={type(module).__name__} is a linen module where an nnx module is expected: pass it to "
+                "Trainer directly (linen modules are detected), or use LinenModel(module)."
+            )
+        self.module = module
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        self._params_template, self._rest_template = params, rest
+        self._initial = (_to_pure(params), _to_pure(rest))
+        copy = nnx.merge(graphdef, params, rest)  # new module objects over the same arrays: modes set on it
+        copy.train()
+        self._train_graphdef = nnx.graphdef(copy)
+        copy.eval()
+        self._eval_graphdef = nnx.graphdef(copy)
+
+    @property
+    def initial_variables(self) -> tuple[dict, dict]:
+        """The module's ``(params, model_state)`` when wrapped (passed back to `init` as ``given``)."""
+        return self._initial
+
+    def init(self, rng: Any, x: Any, given: Any = None) -> tuple[dict, dict]:
+        """``(params, model_state)``: ``given`` (the module's variables); ``rng`` and ``x`` are unused."""
+        del rng, x
+        return self._initial if given is None else given
+
+    def apply(self, params: dict, model_state: dict, x: Any, rng: Any, train: bool) -> tuple[Any, dict]:
+        """``(outputs, new_model_state)``; nnx advances its own ``Rngs`` (carried in ``model_state``)."""
+        del rng
+        graphdef = self._train_graphdef if train else self._eval_graphdef
+        module = nnx.merge(
+            graphdef, _from_pure(self._params_template, params), _from_pure(self._rest_template, model_state)
+        )
+        out = module(x)
+        if not train:
+            return out, model_state
+        _, rest = nnx.state(module, nnx.Param, ...)
+        return out, _to_pure(rest)
+
+    def sync(self, params: dict, model_state: dict) -> None:
+        """Write trained values back into the user's module (in place, as nnx code expects)."""
+        nnx.update(
+            self.module, _from_pure(self._params_template, params), _from_pure(self._rest_template, model_state)
+        )
+
+
+def as_model(model: Any, variables: Any = None, **linen_options: Any) -> LinenModel | NnxModel:
+    """Wrap a linen or nnx module in its adapter (detected from its type).
+
+    Args:
+        model: a `flax.linen.Module` or `flax.nnx.Module` instance, or an adapter (returned as is).
+        variables: linen only: variables to start from instead of ``model.init``.
+        **linen_options: linen only: ``train_kwargs``, ``eval_kwargs``, ``rng_streams`` (see `LinenModel`).
+
+    Returns:
+        A `LinenModel` or `NnxModel`.
+
+    Raises:
+        TypeError: for a module class, a non-module, or linen-only options with an nnx module.
+        ValueError: for ``variables`` with an nnx module (nnx modules carry their own variables).
+
+    Example:
+        >>> import flax.linen as nn
+        >>> as_model(nn.Dense(2)).kind
+        'linen'
+    """
+    if isinstance(model, (LinenModel, NnxModel)):
+        return model
+    kind = model_kind(model)
+    if kind == "linen":
+        return LinenModel(model, variables, **{k: v for k, v in linen_options.items() if v is not None})
+    if variables is not None:
+        raise ValueError(
+            "variables=... was given with an nnx module: nnx modules carry their own variables; load weights "
+            "into the module (nnx.update(model, state)) and drop variables=."
+        )
+    extra = sorted(k for k, v in linen_options.items() if v is not None)
+    if extra:
+        raise TypeError(
+            f"{', '.join(extra)} apply to linen modules only; model={type(model).__name__} is an nnx module: "
+            "set train/eval behaviour on the module itself (Dropout(deterministic=...), nnx.Rngs)."
+        )
+    return NnxModel(model)
+
