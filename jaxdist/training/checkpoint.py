@@ -96,7 +96,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first."""
-        return sorted(self._manager.all_steps(read=True))
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None when there is none."""

@@ -515,8 +515,9 @@ class Trainer:
 
     def _summarize(self, window: list[dict], last_log: tuple[int, float]) -> dict[str, float]:
         values = jax.device_get(window)
-        logs = {k: float(np.mean([v[k] for v in values])) for k in values[0]}
-        if "learning_rate" in logs:
+        names = ["loss", *sorted(k for k in values[0] if k not in ("loss", "learning_rate"))]
+        logs = {k: float(np.mean([v[k] for v in values])) for k in names}
+        if "learning_rate" in values[0]:  # the current rate, not a mean
             logs["learning_rate"] = float(values[-1]["learning_rate"])
         seconds = time.perf_counter() - last_log[1]
         logs["steps_per_sec"] = (self._step - last_log[0]) / seconds if seconds > 0 else float("nan")
