@@ -12,6 +12,7 @@ Example:
 from jaxdist import gradients as gradients
 from jaxdist import tpu as tpu
 from jaxdist import training as training
+from jaxdist.replicate import MODEL_AXIS as MODEL_AXIS
 from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
 from jaxdist.replicate import PerReplica as PerReplica
 from jaxdist.replicate import ReduceOp as ReduceOp
@@ -23,6 +24,7 @@ from jaxdist.strategies import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies import MultiStepContext as MultiStepContext
 from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies import ReplicaContext as ReplicaContext
+from jaxdist.strategies import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies import Strategy as Strategy
 from jaxdist.strategies import get_replica_context as get_replica_context
 from jaxdist.strategies import get_strategy as get_strategy
@@ -33,6 +35,7 @@ from jaxdist.tpu import TPUStrategy as TPUStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "MODEL_AXIS",
     "REPLICA_AXIS",
     "DistributedDataset",
     "InputContext",
@@ -42,6 +45,7 @@ __all__ = [
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "ShardedStrategy",
     "Strategy",
     "SyncOnRead",
     "TPUStrategy",

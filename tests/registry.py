@@ -12,6 +12,7 @@ REGISTRY = {
     "one_device": (lambda: jd.OneDeviceStrategy(), 1),
     "mirrored_2": (lambda: jd.MirroredStrategy(jax.devices()[:2]), 2),
     "mirrored_8": (lambda: jd.MirroredStrategy(jax.devices()[:8]), 8),
+    "sharded_8": (lambda: jd.ShardedStrategy(jax.devices()[:8], min_shard_size=1), 8),
 }
 
 

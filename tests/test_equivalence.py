@@ -76,10 +76,15 @@ def _assert_close(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-def _assert_layout(strategy, tree):
-    for leaf in jax.tree.leaves(tree):
-        assert leaf.sharding.is_fully_replicated
+def _assert_layout(strategy, tree, like=None):
+    """Every leaf on all the strategy's devices; replicated, or (``like``) laid out exactly as ``like``."""
+    leaves = jax.tree.leaves(tree)
+    for i, leaf in enumerate(leaves):
         assert leaf.sharding.device_set == set(strategy.devices)
+        if like is None:
+            assert leaf.sharding.is_fully_replicated
+        else:
+            assert leaf.sharding.is_equivalent_to(jax.tree.leaves(like)[i].sharding, leaf.ndim)
 
 
 @all_strategies
@@ -88,13 +93,15 @@ def test_global_view_equals_single_device(strategy_name, reference):
     want_state, want_losses = reference
     with strategy.scope():
         state = strategy.create_variables(init_state, jax.random.key(0))
-    _assert_layout(strategy, state)
+    initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    if not isinstance(strategy, jd.ShardedStrategy):
+        _assert_layout(strategy, state)
     step = strategy.jit(train_step, donate_argnums=(0,))
     losses = []
     for batch in strategy.experimental_distribute_dataset(batches()):
         assert batch[0].sharding.spec == jax.sharding.PartitionSpec("replica")
         state, loss = step(state, batch)
-        _assert_layout(strategy, state)  # state keeps the mirrored layout across steps
+        _assert_layout(strategy, state, like=initial)  # state keeps its layout across steps
         losses.append(float(loss))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     _assert_close(state, want_state)
@@ -117,12 +124,13 @@ def test_per_replica_view_equals_single_device(strategy_name, reference):
         return optax.apply_updates(params, updates), opt_state
 
     state = strategy.create_variables(init_state, jax.random.key(0))
+    layout = jax.tree.map(lambda x: x.sharding, state)
     losses = []
     for x, y in strategy.experimental_distribute_dataset(batches()):
         grads, per_replica_loss = strategy.run(replica_grads, args=(state[0], x, y))
         _assert_layout(strategy, grads)  # all-reduced gradients come back mirrored
         state = apply(state, grads)
-        _assert_layout(strategy, state)
+        assert jax.tree.map(lambda x: x.sharding, state) == layout  # the state keeps its layout
         losses.append(float(strategy.reduce(jd.ReduceOp.MEAN, per_replica_loss)))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     _assert_close(state, want_state)

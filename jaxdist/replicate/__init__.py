@@ -1,5 +1,6 @@
 """Replicated values and their layouts: mirrored, per-replica and sync-on-read values; reduce and aggregation."""
 
+from jaxdist.replicate.layouts import MODEL_AXIS as MODEL_AXIS
 from jaxdist.replicate.layouts import REPLICA_AXIS as REPLICA_AXIS
 from jaxdist.replicate.layouts import batch_sharded as batch_sharded
 from jaxdist.replicate.layouts import replicated as replicated
@@ -10,6 +11,7 @@ from jaxdist.replicate.values import SyncOnRead as SyncOnRead
 from jaxdist.replicate.values import component_name as component_name
 
 __all__ = [
+    "MODEL_AXIS",
     "REPLICA_AXIS",
     "PerReplica",
     "ReduceOp",

@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
+    "MODEL_AXIS",
     "REPLICA_AXIS",
     "batch_sharded",
     "is_on_mesh",
@@ -26,6 +27,9 @@ __all__ = [
 
 REPLICA_AXIS = "replica"
 """The name of the data-parallel mesh axis of every strategy."""
+
+MODEL_AXIS = "model"
+"""The name of the model-parallel mesh axis (a strategy with ``model_parallelism > 1``)."""
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -12,6 +12,7 @@ from jaxdist.strategies.input import InputContext as InputContext
 from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
+from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies.steps import MultiStepContext as MultiStepContext
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "MultiStepContext",
     "OneDeviceStrategy",
     "ReplicaContext",
+    "ShardedStrategy",
     "Strategy",
     "StrategyFunction",
     "get_replica_context",

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated
+from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, batch_sharded, replicated, splits_batch_axis
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
 from jaxdist.strategies.context import enter_scope
@@ -43,6 +43,19 @@ def _is_distributed(x: Any) -> bool:
     return isinstance(x, (PerReplica, SyncOnRead))
 
 
+def _path_name(path: tuple) -> str:
+    """``params/Dense_0/kernel`` for a pytree key path (the names layout rules match against)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
 class Strategy:
     """Base class of every strategy: a mesh over ``devices`` with the data-parallel axis ``"replica"``.
 
@@ -56,9 +69,13 @@ class Strategy:
         (1, ('replica',))
     """
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[jax.Device], model_parallelism: int = 1):
         self._devices = tuple(devices)
-        self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+        if model_parallelism == 1:
+            self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+        else:  # replicas are the rows of a (replica, model) grid; a replica's devices hold one model copy
+            grid = np.array(self._devices).reshape(-1, model_parallelism)
+            self._mesh = Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
         self._runner = ReplicaRunner(self)
         self._programs: dict[Any, Callable] = {}
         self._loops: dict[Any, Any] = {}
@@ -83,7 +100,12 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run each step in lockstep."""
-        return len(self._devices)
+        return self._mesh.shape[REPLICA_AXIS]
+
+    @property
+    def replica_devices(self) -> tuple[jax.Device, ...]:
+        """The first device of each replica, in replica order (= `devices` without model parallelism)."""
+        return tuple(self._mesh.devices.reshape(self.num_replicas_in_sync, -1)[:, 0])
 
     @property
     def num_hosts(self) -> int:
@@ -93,7 +115,7 @@ class Strategy:
     @property
     def num_replicas_per_host(self) -> int:
         """Replicas on each host (this process's count)."""
-        return sum(1 for d in self._devices if d.process_index == jax.process_index())
+        return sum(1 for d in self.replica_devices if d.process_index == jax.process_index())
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -125,10 +147,19 @@ class Strategy:
         return enter_scope(self)
 
     # ----------------------------------------------------------------------------------------- variables
-    def _variable_sharding(self, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
-        """The layout of a variable of this shape: the hook a subclass overrides (mirrored = replicated)."""
-        del aval
+    def _variable_sharding(self, path: str, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+        """The layout of the variable at ``path`` ("params/Dense_0/kernel") of this shape: the hook a
+        subclass overrides (mirrored = replicated)."""
+        del path, aval
         return replicated(self._mesh)
+
+    def _variable_shardings(self, shapes: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(lambda p, a: self._variable_sharding(_path_name(p), a), shapes)
+
+    def _is_batch(self, x: jax.Array) -> bool:
+        """Whether a concrete array is a distributed batch (each replica gets its rows in `run`): the hook a
+        strategy whose variables are also split on axis 0 overrides."""
+        return splits_batch_axis(x, self._mesh)
 
     def create_variables(self, init_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``init_fn(*args, **kwargs)`` compiled straight into this strategy's variable layout.
@@ -163,8 +194,7 @@ class Strategy:
             )
         fn = functools.partial(init_fn, **kwargs) if kwargs else init_fn
         shapes = jax.eval_shape(fn, *args)
-        shardings = jax.tree.map(self._variable_sharding, shapes)
-        return jax.jit(fn, out_shardings=shardings)(*args)
+        return jax.jit(fn, out_shardings=self._variable_shardings(shapes))(*args)
 
     def mirror(self, tree: Any) -> Any:
         """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
@@ -175,9 +205,8 @@ class Strategy:
             >>> strategy.mirror({"b": np.zeros(2)})["b"].sharding.is_fully_replicated
             True
         """
-        shardings = jax.tree.map(lambda x: self._variable_sharding(jax.ShapeDtypeStruct(np.shape(x), x.dtype)),
-                                 jax.tree.map(jnp.asarray, tree))
-        return jax.device_put(tree, shardings)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+        return jax.device_put(tree, self._variable_shardings(shapes))
 
     def sync_on_read(
         self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM
@@ -471,7 +500,7 @@ class Strategy:
             >>> [int(v) for v in strategy.experimental_local_results(out)]
             [0]
         """
-        local = [d for d in self._devices if d.process_index == jax.process_index()]
+        local = [d for d in self.replica_devices if d.process_index == jax.process_index()]
 
         def components(v):
             if _is_distributed(v):

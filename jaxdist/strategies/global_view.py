@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxdist.replicate.layouts import replicated, splits_batch_axis
+from jaxdist.replicate.layouts import replicated
 from jaxdist.strategies.tracing import computation
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class StrategyFunction:
                 if i in self._static:
                     continue
                 for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
-                    if splits_batch_axis(leaf, strategy.mesh):
+                    if isinstance(leaf, jax.Array) and strategy._is_batch(leaf):
                         batches.append(t)
                 signatures.append((_signature(c), c))
         with computation(strategy, "global", batches):
@@ -137,9 +137,11 @@ def _keep_layouts(out: Any, signatures: list) -> Any:
                     leaves = [
                         jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(leaves, shardings, strict=True)
                     ]
-                    return jax.tree.unflatten(treedef, leaves)
-        return tree
+                    return jax.tree.unflatten(treedef, leaves), True
+        return tree, False
 
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(constrain(o) for o in out)
-    return constrain(out)
+    # The whole output first (``state -> state``), then the elements of a tuple (``-> (state, metrics)``).
+    whole, matched = constrain(out)
+    if matched or not (isinstance(out, tuple) and not hasattr(out, "_fields")):
+        return whole
+    return tuple(constrain(o)[0] for o in out)

@@ -116,7 +116,12 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) 
             return jax.device_put(local, sharding)
         return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)
 
-    return jax.tree_util.tree_map_with_path(place, batch)
+    placed = jax.tree_util.tree_map_with_path(place, batch)
+    register = getattr(strategy, "_register_batch", None)
+    if register is not None:
+        for leaf in jax.tree.leaves(placed):
+            register(leaf)
+    return placed
 
 
 def _local_rows(sharding, global_shape) -> slice:

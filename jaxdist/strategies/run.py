@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated, splits_batch_axis
+from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import tracing
 from jaxdist.strategies.context import enter_replica
@@ -84,7 +84,7 @@ class ReplicaRunner:
         if isinstance(leaf, jax.core.Tracer):
             return _BATCH if is_traced_batch(leaf, strategy) else _MIRRORED
         if isinstance(leaf, jax.Array):
-            return _BATCH if splits_batch_axis(leaf, strategy.mesh) else _MIRRORED
+            return _BATCH if strategy._is_batch(leaf) else _MIRRORED
         if isinstance(leaf, (np.ndarray, np.generic)):
             return _MIRRORED
         return _STATIC  # Python scalars, strings, callables: compile-time constants, as in tf.function
@@ -167,8 +167,11 @@ class ReplicaRunner:
             return tuple(results)
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
+        # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
+        manual = {"axis_names": {REPLICA_AXIS}} if len(strategy.mesh.axis_names) > 1 else {}
         probe_fn = jax.shard_map(
-            functools.partial(body, probe=True), mesh=strategy.mesh, in_specs=in_specs, out_specs=_REPLICA_SPEC
+            functools.partial(body, probe=True), mesh=strategy.mesh, in_specs=in_specs, out_specs=_REPLICA_SPEC,
+            **manual,
         )
         with tracing.probe():
             jax.eval_shape(
@@ -177,7 +180,7 @@ class ReplicaRunner:
         out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
 
         # Pass 2: the real program, with exact output layouts.
-        mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=in_specs, out_specs=out_specs)
+        mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=in_specs, out_specs=out_specs, **manual)
         out_shardings = tuple(
             batch_sharded(strategy.mesh) if s == _REPLICA_SPEC else replicated(strategy.mesh) for s in out_specs
         )
