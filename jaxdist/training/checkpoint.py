@@ -51,7 +51,12 @@ def _describe(entry: list | None) -> str:
 def _mismatch(saved: list, here: list) -> list[str]:
     saved_by, here_by = {e[0]: e for e in saved}, {e[0]: e for e in here}
     out = []
-    for path in sorted(set(saved_by) | set(here_by)):
+    order = (".params", ".model_state", ".opt_state")  # the most telling differences first
+
+    def rank(path: str) -> tuple[int, str]:
+        return next((i for i, p in enumerate(order) if path.startswith(p)), len(order)), path
+
+    for path in sorted(set(saved_by) | set(here_by), key=rank):
         a, b = saved_by.get(path), here_by.get(path)
         if a != b:
             out.append(f"{path}: {_describe(a)} in the checkpoint, {_describe(b)} here")

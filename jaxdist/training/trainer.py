@@ -202,6 +202,14 @@ class Trainer:
         """
         if self._state is not None:
             return self._state
+        build, args, x, y = self._builder(batch)
+        if y is not None:
+            self._check_losses(jax.eval_shape(build, *args), x, y)  # before anything compiles
+        with self.strategy.scope():
+            self._state = self.strategy.create_variables(build, *args)
+        return self._state
+
+    def _builder(self, batch: Any) -> tuple[Callable, tuple, Any, Any]:
         x, y = split_batch(batch, "the first batch", need_targets=False)
         sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
 
@@ -211,12 +219,24 @@ class Trainer:
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state, step_rng)
 
         given = getattr(self._model, "initial_variables", None)
-        with self.strategy.scope():
-            state = self.strategy.create_variables(build, jax.random.key(self.seed), sample, given)
+        return build, (jax.random.key(self.seed), sample, given), x, y
+
+    def _restore_target(self, batch: Any) -> Any:
+        """What a restore reads into: the live state, or (cheaper: nothing is computed or allocated twice)
+        abstract arrays carrying the strategy's variable layout."""
+        if self._state is not None:
+            return self._state
+        if batch is None:
+            raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
+        build, args, x, y = self._builder(batch)
+        shapes = jax.eval_shape(build, *args)
         if y is not None:
-            self._check_losses(state, x, y)
-        self._state = state
-        return state
+            self._check_losses(shapes, x, y)
+        layouts = getattr(self.strategy, "_variable_shardings", None)  # the layout create_variables would use
+        if layouts is None:
+            return self.init(batch)
+        return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            shapes, layouts(shapes))
 
     def _check_losses(self, state: TrainState, x: Any, y: Any) -> None:
         def outputs(s, xb):
@@ -308,11 +328,7 @@ class Trainer:
                 f"Trainer's model is a {self._model.kind} module: pass the {meta.get('model_kind')} model that "
                 "wrote it, or use a fresh checkpoint_dir."
             )
-        if self._state is None:
-            if batch is None:
-                raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
-            self.init(batch)
-        self._state, meta = ckpt.restore(self._state, meta["step"])
+        self._state, meta = ckpt.restore(self._restore_target(batch), meta["step"])
         self._step = int(meta["step"])
         self.data_position = DataPosition(**meta["data_position"])
         self._model.sync(self._state.params, self._state.model_state)
@@ -389,11 +405,12 @@ class Trainer:
                 "returning a fresh iterable."
             )
         stream = BatchStream(train_data, None, epochs, self._check_batch)
-        if self._state is None:
-            self.init(stream.peek(self.data_position.epoch))
+        sample = stream.peek(self.data_position.epoch) if self._state is None else None
         ckpt = Checkpointer(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
         if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
-            self._restore(ckpt, None, None)
+            self._restore(ckpt, None, sample)
+        if self._state is None:
+            self.init(sample)
         stream = BatchStream(stream.data, self.data_position, epochs, self._check_batch)
         callbacks = list(callbacks)
         if verbose:
@@ -416,7 +433,7 @@ class Trainer:
                 getattr(cb, hook)(self, *args)
 
         def checkpoint() -> None:
-            if ckpt is not None:
+            if ckpt is not None and ckpt.latest_step() != self._step:
                 path = self._save(ckpt)
                 history.checkpoints.append(path)
                 emit("on_checkpoint", self._step, path)
@@ -460,7 +477,7 @@ class Trainer:
                 logs = self._summarize(window, last_log)
                 history.train.append({"step": self._step, **logs})
                 emit("on_log", self._step, logs)
-            checkpoint()  # a no-op when this step is already saved
+            checkpoint()  # at the end (a no-op when this step is saved already)
             if eval_data is not None and not history.preempted and not (
                 history.eval and history.eval[-1]["step"] == self._step
             ):
