@@ -22,6 +22,7 @@ from jaxdist.strategies import DistributedDataset as DistributedDataset
 from jaxdist.strategies import InputContext as InputContext
 from jaxdist.strategies import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies import MultiStepContext as MultiStepContext
+from jaxdist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies import ReplicaContext as ReplicaContext
 from jaxdist.strategies import ShardedStrategy as ShardedStrategy
@@ -41,6 +42,7 @@ __all__ = [
     "InputContext",
     "MirroredStrategy",
     "MultiStepContext",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "REPLICA_AXIS",
     "batch_sharded",
     "is_on_mesh",
+    "put",
     "replicated",
     "splits_batch_axis",
 ]
@@ -54,6 +56,21 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
         P('replica',)
     """
     return NamedSharding(mesh, PartitionSpec(REPLICA_AXIS))
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Place host or device value ``x`` (the same on every process) with ``sharding``, across processes too.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
+        >>> put(np.ones(2), replicated(mesh)).shape
+        (2,)
+    """
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    local = np.asarray(x)  # every process holds the whole value; each transfers only its own devices' parts
+    return jax.make_array_from_callback(local.shape, sharding, lambda idx: local[idx])
 
 
 def is_on_mesh(x: Any, mesh: Mesh) -> bool:

@@ -10,6 +10,7 @@ from jaxdist.strategies.input import DistributedDataset as DistributedDataset
 from jaxdist.strategies.input import DistributedIterator as DistributedIterator
 from jaxdist.strategies.input import InputContext as InputContext
 from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
+from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
 from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
@@ -21,6 +22,7 @@ __all__ = [
     "InputContext",
     "MirroredStrategy",
     "MultiStepContext",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ReplicaContext",
     "ShardedStrategy",

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, batch_sharded, replicated, splits_batch_axis
+from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, batch_sharded, put, replicated, splits_batch_axis
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
 from jaxdist.strategies.context import enter_scope
@@ -206,7 +206,7 @@ class Strategy:
             True
         """
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
-        return jax.device_put(tree, self._variable_shardings(shapes))
+        return jax.tree.map(put, tree, self._variable_shardings(shapes))
 
     def sync_on_read(
         self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM

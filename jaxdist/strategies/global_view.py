@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxdist.replicate.layouts import replicated
+from jaxdist.replicate.layouts import put, replicated
 from jaxdist.strategies.tracing import computation
 
 if TYPE_CHECKING:
@@ -74,9 +74,9 @@ class StrategyFunction:
         if isinstance(x, jax.Array):
             if getattr(x.sharding, "mesh", None) is mesh or x.sharding.device_set == set(mesh.devices.flat):
                 return x
-            return jax.device_put(x, replicated(mesh))
+            return put(x, replicated(mesh))
         if isinstance(x, np.ndarray):
-            return jax.device_put(x, replicated(mesh))
+            return put(x, replicated(mesh))
         return x
 
     def __call__(self, *args: Any) -> Any:

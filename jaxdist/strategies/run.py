@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, replicated
+from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, put, replicated
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import tracing
 from jaxdist.strategies.context import enter_replica
@@ -118,7 +118,7 @@ class ReplicaRunner:
         mesh = self._strategy.mesh
         if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is mesh:
             return x  # already on the mesh (replicated, or another layout the program will gather)
-        return jax.device_put(x, replicated(mesh))
+        return put(x, replicated(mesh))
 
     def _build(self, fn, treedef, kinds, statics, aux, dynamic) -> Callable:
         strategy = self._strategy

@@ -1,0 +1,165 @@
+"""``python -m jaxdist.launch -n 2 script.py args...``: run N processes of one program on this machine.
+
+For development and tests. Each process gets the cluster environment that `MultiWorkerMirroredStrategy`
+reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port, ``JAXDIST_NUM_PROCESSES``,
+``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K simulated CPU devices. Output is
+streamed line by line with a ``[i]`` prefix. When one process fails, the others are stopped (SIGTERM, then
+SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's code; Ctrl-C / SIGTERM to
+the launcher is passed on to every process.
+
+On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ... ssh
+--worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by itself, and
+elsewhere set the three ``JAXDIST_*`` variables per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["free_port", "launch", "main"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now.
+
+    Example:
+        >>> 1024 <= free_port() <= 65535
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, b""):
+        out.write(prefix + line.decode(errors="replace"))
+        out.flush()
+    stream.close()
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    cpu_devices: int | None = None,
+    timeout: float | None = None,
+    grace: float = 10.0,
+    out=None,
+) -> int:
+    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating processes.
+
+    Args:
+        command: e.g. ``["train.py", "--steps", "10"]`` or ``["-m", "pkg.train"]``.
+        num_processes: how many processes (>= 1).
+        cpu_devices: simulated CPU devices per process (sets ``JAX_NUM_CPU_DEVICES``, ``JAX_PLATFORMS=cpu``).
+        timeout: stop everything and return 124 after this many seconds.
+        grace: seconds between SIGTERM and SIGKILL when stopping processes.
+        out: where to write the prefixed output (default: stdout).
+
+    Returns:
+        0 when every process exits 0; else the first failing process's exit code (124 on timeout).
+
+    Raises:
+        ValueError: for ``num_processes`` < 1 or an empty command.
+    """
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r} must be an int >= 1.")
+    if not command:
+        raise ValueError("command is empty: pass the script (and its arguments) to run.")
+    out = out or sys.stdout
+    env = dict(os.environ)
+    env["JAXDIST_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
+    env["JAXDIST_NUM_PROCESSES"] = str(num_processes)
+    env["PYTHONUNBUFFERED"] = "1"
+    if cpu_devices is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
+        env["JAX_PLATFORMS"] = "cpu"
+    procs, pumps = [], []
+    for i in range(num_processes):
+        env_i = dict(env, JAXDIST_PROCESS_ID=str(i))
+        p = subprocess.Popen([sys.executable, *command], env=env_i, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    def stop(signum=signal.SIGTERM):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, lambda s, f: (stop(s), sys.exit(128 + s)))
+        except ValueError:  # not the main thread
+            pass
+    start = time.monotonic()
+    code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                out.write(f"[launch] process {i} exited with code {code}; stopping the others\n")
+                out.flush()
+                stop()
+                break
+            if all(c == 0 for c in codes):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                out.write(f"[launch] timed out after {timeout:g} s; stopping all processes\n")
+                out.flush()
+                stop()
+                code = 124
+                break
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for t in pumps:
+            t.join(timeout=5)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] script.py args...``."""
+    parser = argparse.ArgumentParser(prog="python -m jaxdist.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
+    parser.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")
+    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
+    args = parser.parse_args(argv)
+    if args.num_processes < 1:
+        parser.error(f"-n/--num-processes={args.num_processes} must be >= 1")
+    if not args.command:
+        parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
+    return launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

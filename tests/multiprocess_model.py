@@ -1,0 +1,42 @@
+"""The model and data shared by the multi-process tests and their single-device reference."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.relu(nn.Dense(32)(x)))
+
+
+MODEL = MLP()
+OPT = optax.adam(1e-2)
+
+
+def loss_fn(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(MODEL.apply(params, x), y).mean()
+
+
+def train_step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def init_state(key):
+    params = MODEL.init(key, jnp.zeros((1, 8), jnp.float32))
+    return params, OPT.init(params)
+
+
+def batches(steps=20, batch=32):
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(steps):
+        x = rng.normal(size=(batch, 8)).astype(np.float32)
+        out.append((x, (x[:, :4].argmax(1)).astype(np.int32)))
+    return out

@@ -1,0 +1,164 @@
+"""MultiWorkerMirroredStrategy with real processes (2 x 4 CPU devices, gloo), the launcher, cluster config."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from multiprocess_model import batches, init_state, train_step
+
+import jaxdist as jd
+from jaxdist.launch import free_port, launch
+from jaxdist.strategies.multi_worker import resolve_cluster
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+def _env(**extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
+    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.mark.timeout(240)
+def test_two_processes_train_like_one_device(tmp_path):
+    out = tmp_path / "result.npz"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "200",
+         str(HERE / "multiprocess" / "train_worker.py"), str(out)],
+        env=_env(), capture_output=True, text=True, timeout=230,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "[0] process 0 done" in proc.stdout and "[1] process 1 done" in proc.stdout
+    result = np.load(out)
+    # The single-device reference, on the same global batches.
+    state = init_state(jax.random.key(0))
+    step = jax.jit(train_step)
+    losses = []
+    for batch in batches():
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state[0]):
+        key = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(result[f"global/{key}"], leaf, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result[f"replica/{key}"], leaf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_makes_the_survivor_fail_fast():
+    address = f"127.0.0.1:{free_port()}"
+    script = str(HERE / "multiprocess" / "killed_worker.py")
+    env = _env(JAX_NUM_CPU_DEVICES="4")
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, script, address, str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        survivor_out, _ = procs[0].communicate(timeout=90)
+        victim_out, _ = procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == -9, victim_out[-2000:]
+    assert procs[0].returncode != 0, survivor_out[-3000:]
+    assert "process 0 in step loop" in survivor_out
+    assert "another task died" in survivor_out or "unhealthy" in survivor_out, survivor_out[-3000:]
+    assert elapsed < 60, f"the survivor took {elapsed:.0f} s to fail"
+
+
+@pytest.mark.timeout(60)
+def test_launcher_stops_the_others_when_one_fails(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "pid = int(os.environ['JAXDIST_PROCESS_ID'])\n"
+        "print('hello from', pid, os.environ['JAXDIST_NUM_PROCESSES'], os.environ['JAXDIST_COORDINATOR_ADDRESS'])\n"
+        "sys.stdout.flush()\n"
+        "if pid == 1:\n"
+        "    sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    lines = []
+
+    class Sink:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    start = time.monotonic()
+    code = launch([str(script)], 3, grace=2, out=Sink())
+    text = "".join(lines)
+    assert code == 3
+    assert time.monotonic() - start < 30
+    assert "[1] hello from 1 3 127.0.0.1:" in text and "[0] hello from 0 3" in text
+    assert "[launch] process 1 exited with code 3; stopping the others" in text
+
+
+def test_launcher_timeout_and_success(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("print('fine')\n")
+    with open(os.devnull, "w") as devnull:
+        assert launch([str(ok)], 2, out=devnull) == 0
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(600)\n")
+    with open(os.devnull, "w") as devnull:
+        assert launch([str(slow)], 1, timeout=1, grace=1, out=devnull) == 124
+    with pytest.raises(ValueError, match="num_processes=0 must be an int >= 1"):
+        launch([str(ok)], 0)
+    with pytest.raises(ValueError, match="command is empty"):
+        launch([], 1)
+
+
+def test_cluster_resolution(monkeypatch):
+    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert resolve_cluster() is None
+    assert resolve_cluster("10.0.0.1:1234", 4, 3) == ("10.0.0.1:1234", 4, 3)
+    monkeypatch.setenv("JAXDIST_COORDINATOR_ADDRESS", "127.0.0.1:999")
+    with pytest.raises(ValueError, match="JAXDIST_NUM_PROCESSES, JAXDIST_PROCESS_ID not set"):
+        resolve_cluster()
+    monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAXDIST_PROCESS_ID", "1")
+    assert resolve_cluster() == ("127.0.0.1:999", 2, 1)
+    monkeypatch.setenv("JAXDIST_PROCESS_ID", "x")
+    with pytest.raises(ValueError, match="must be integers"):
+        resolve_cluster()
+    with pytest.raises(ValueError, match="num_processes, process_id missing"):
+        resolve_cluster("127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"coordinator_address='nohost' .* must be 'host:port'"):
+        resolve_cluster("nohost", 2, 0)
+    with pytest.raises(ValueError, match=r"process_id=2 \(keyword arguments\) must be in \[0, 2\)"):
+        resolve_cluster("h:1", 2, 2)
+    with pytest.raises(ValueError, match="num_processes=0"):
+        resolve_cluster("h:1", 0, 0)
+
+
+def test_single_process_cluster():
+    strategy = jd.MultiWorkerMirroredStrategy("127.0.0.1:1", 1, 0)  # a cluster of one: nothing to connect
+    assert strategy.num_hosts == 1 and strategy.num_replicas_in_sync == 8 and strategy.is_chief
+    params = strategy.create_variables(init_state, jax.random.key(0))
+    assert jax.tree.leaves(params)[0].sharding.is_fully_replicated
+
+
+def test_created_after_computation_in_a_fresh_process():
+    code = (
+        "import jax, jax.numpy as jnp, jaxdist as jd\n"
+        "jnp.ones(2).block_until_ready()\n"
+        "try:\n"
+        "    jd.MultiWorkerMirroredStrategy('127.0.0.1:1', 2, 0, initialization_timeout=5)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert "must be created before any JAX computation" in out.stdout, out.stdout + out.stderr
