@@ -1,4 +1,4 @@
-"""Gradients: cluster tagging carried through `jax.grad` as named-scope metadata."""
+"""Gradients: cluster tagging carried through `jax.grad`, and gradient synchronizers with compression."""
 
 from jaxdist.gradients.clusters import cluster as cluster
 from jaxdist.gradients.clusters import cluster_of as cluster_of
@@ -9,15 +9,47 @@ from jaxdist.gradients.clusters import grad as grad
 from jaxdist.gradients.clusters import gradient_cluster as gradient_cluster
 from jaxdist.gradients.clusters import value_and_grad as value_and_grad
 from jaxdist.gradients.clusters import vjp as vjp
+from jaxdist.gradients.compressors import CastCompressor as CastCompressor
+from jaxdist.gradients.compressors import CastState as CastState
+from jaxdist.gradients.compressors import Compressor as Compressor
+from jaxdist.gradients.compressors import NoneCompressor as NoneCompressor
+from jaxdist.gradients.compressors import PowerSGDCompressor as PowerSGDCompressor
+from jaxdist.gradients.compressors import PowerSGDState as PowerSGDState
+from jaxdist.gradients.compressors import replica_count as replica_count
+from jaxdist.gradients.sparse import SparseRows as SparseRows
+from jaxdist.gradients.sparse import all_gather_is_cheaper as all_gather_is_cheaper
+from jaxdist.gradients.sparse import is_sparse as is_sparse
+from jaxdist.gradients.sparse import sparse_all_reduce as sparse_all_reduce
+from jaxdist.gradients.synchronizers import AllReduceSynchronizer as AllReduceSynchronizer
+from jaxdist.gradients.synchronizers import SynchronizerState as SynchronizerState
+from jaxdist.gradients.traffic import CollectiveOp as CollectiveOp
+from jaxdist.gradients.traffic import collective_bytes as collective_bytes
+from jaxdist.gradients.traffic import collectives as collectives
 
 __all__ = [
+    "AllReduceSynchronizer",
+    "CastCompressor",
+    "CastState",
+    "CollectiveOp",
+    "Compressor",
+    "NoneCompressor",
+    "PowerSGDCompressor",
+    "PowerSGDState",
+    "SparseRows",
+    "SynchronizerState",
+    "all_gather_is_cheaper",
     "cluster",
     "cluster_of",
     "clusters",
+    "collective_bytes",
+    "collectives",
     "current_cluster",
     "current_gradient_uid",
     "grad",
     "gradient_cluster",
+    "is_sparse",
+    "replica_count",
+    "sparse_all_reduce",
     "value_and_grad",
     "vjp",
 ]
