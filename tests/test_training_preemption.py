@@ -1,0 +1,211 @@
+"""jaxdist.training with real processes: SIGKILL during a save, SIGTERM then resume (bitwise identical).
+
+Each test runs small training scripts with ``sys.executable`` (8 simulated CPU devices, MirroredStrategy);
+every subprocess call has a timeout so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import jaxdist as jd
+
+TIMEOUT = 90
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_platforms", "cpu")
+    import flax.linen as nn
+    import numpy as np
+    import optax
+    from flax import nnx
+    import jaxdist as jd
+
+    kind, mode, ckpt_dir, out, steps = sys.argv[1:6]
+    steps = int(steps)
+    width = 1024 if mode == "big" else 16  # "big": a state that takes a while to write
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            x = nn.Dropout(0.3, deterministic=not train)(nn.relu(nn.Dense(width)(x)))
+            return nn.Dense(4)(x)
+
+    class NnxMLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(8, width, rngs=rngs)
+            self.drop = nnx.Dropout(0.3, rngs=rngs)
+            self.out = nnx.Linear(width, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(nnx.relu(self.hidden(x))))
+
+    def data_fn(epoch):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(128, 8)).astype(np.float32)
+        y = x[:, :4].argmax(1).astype(np.int32)
+        order = np.random.default_rng((1, epoch)).permutation(128)
+        return [(x[order[i : i + 32]], y[order[i : i + 32]]) for i in range(0, 128, 32)]
+
+    def ce(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    strategy = jd.MirroredStrategy()
+    if kind == "linen":
+        trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
+    else:
+        trainer = jd.training.Trainer(strategy, NnxMLP(nnx.Rngs(0)), optax.adam(1e-2), ce)
+
+    def dump(path):
+        leaves = jax.tree.leaves(jax.device_get(trainer.params))
+        np.savez(path, *[np.asarray(a) for a in leaves])
+
+    class Tell(jd.training.Callback):
+        def on_train_begin(self, trainer):  # what fit starts from (after any restore)
+            dump(os.path.join(os.path.dirname(out), f"begin_{trainer.step}.npz"))
+
+        def on_step_end(self, trainer, step, metrics):
+            print(f"step {step}", flush=True)
+            if mode == "slow":
+                time.sleep(0.15)  # leaves the parent time to send SIGTERM mid-run
+
+        def on_checkpoint(self, trainer, step, path):
+            print(f"saved {step}", flush=True)
+            dump(os.path.join(os.path.dirname(out), f"saved_{step}.npz"))
+
+    if mode == "kill-in-save":  # SIGKILL this process while the 2nd checkpoint is written, before its rename
+        from orbax.checkpoint._src.path import atomicity
+        finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+        async def killing_finalize(self, *args, **kwargs):
+            if os.path.basename(str(self.get_final())) == "6":  # everything written, not yet renamed into place
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await finalize(self, *args, **kwargs)
+
+        atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+
+    every = 1 if mode == "big" else 3
+    trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, checkpoint_every=every, verbose=0,
+                callbacks=[Tell()])
+    dump(out)
+    print(f"done {trainer.step}", flush=True)
+    """
+)
+
+
+def run_script(tmp_path, *args, timeout=TIMEOUT):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def load(path):
+    with np.load(path) as data:
+        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_path):
+    steps = 10  # 2.5 epochs of 4 batches, dropout on: data order and RNG both matter
+    straight = run_script(tmp_path, kind, "plain", tmp_path / "straight", tmp_path / "straight.npz", steps)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    script = tmp_path / "train.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), kind, "slow", str(tmp_path / "ckpt"), str(tmp_path / "first.npz"), str(steps)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.strip())
+            if line.strip() == "step 4":
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    lines += out.split()
+    assert proc.returncode == 0, err[-3000:]  # a clean exit, not a kill
+    stopped = jd.training.Checkpointer(tmp_path / "ckpt").all_steps()[-1]
+    assert 4 <= stopped < steps and f"saved {stopped}" in " ".join(lines)  # finished the step it was in, saved
+    assert "done" not in out
+
+    resumed = run_script(tmp_path, kind, "plain", tmp_path / "ckpt", tmp_path / "resumed.npz", steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step {stopped + 1}" in resumed.stdout.split("\n")[0]  # resumed where it stopped
+    assert_bitwise(load(tmp_path / "resumed.npz"), load(tmp_path / "straight.npz"))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_sigkill_during_save_leaves_the_previous_checkpoint_restorable(kind, tmp_path):
+    killed = run_script(tmp_path, kind, "kill-in-save", tmp_path / "ckpt", tmp_path / "never.npz", 9)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "saved 3" in killed.stdout and "saved 6" not in killed.stdout
+    leftovers = [p for p in os.listdir(tmp_path / "ckpt") if "tmp" in p]
+    assert leftovers  # the half-written step 6 is there, under a temporary name
+    ckpt = jd.training.Checkpointer(tmp_path / "ckpt")
+    assert ckpt.all_steps() == [3]  # never listed as a checkpoint
+    ckpt.close()
+
+    resumed = run_script(tmp_path, kind, "plain", tmp_path / "ckpt", tmp_path / "resumed.npz", 9)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.split("\n")[0] == "step 4" and "done 9" in resumed.stdout
+    assert not [p for p in os.listdir(tmp_path / "ckpt") if "tmp" in p]  # removed by the next run
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["3", "6", "9"]
+    # the resumed run started from exactly the step-3 state saved before the kill
+    assert_bitwise(load(tmp_path / "begin_3.npz"), load(tmp_path / "saved_3.npz"))
+
+
+def test_sigkill_at_a_random_moment_of_a_large_save(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "linen", "big", str(ckpt), str(tmp_path / "never.npz"), "40"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:  # kill as soon as a write is in progress
+            names = os.listdir(ckpt) if ckpt.exists() else []
+            if any(n.isdigit() for n in names) and any("tmp" in n for n in names):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    proc.stderr.close()
+    steps = jd.training.Checkpointer(ckpt).all_steps()
+    assert steps, "no complete checkpoint survived"
+    resumed = run_script(tmp_path, "linen", "big", ckpt, tmp_path / "resumed.npz", steps[-1] + 1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.split("\n")[0] == f"step {steps[-1] + 1}"
