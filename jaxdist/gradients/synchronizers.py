@@ -20,7 +20,9 @@ replica its own component again. ``sync.init(params)`` called outside ``run`` wo
 sees the zero residuals as mirrored values, a different signature, so ``run`` compiles once more on step 2).
 
 Leaves that are `SparseRows` (embedding gradients) are reduced by `sparse_all_reduce` (an all-gather of the
-touched rows when that moves fewer bytes), uncompressed, and come back dense.
+touched rows when that moves fewer bytes), uncompressed, and come back dense. They keep no state: state that
+``init(params)`` made for the dense table is dropped on the first step (so ``run`` compiles once more on
+step 2); ``init`` on a tree with the `SparseRows` in place avoids that.
 """
 
 from __future__ import annotations
@@ -162,9 +164,9 @@ class AllReduceSynchronizer:
             ) from e
         reduced, new_states = [], []
         for grad, leaf_state in zip(leaves, leaf_states, strict=True):
-            if is_sparse(grad):  # uncompressed, as in AutoDist; the state (if any) passes through
+            if is_sparse(grad):  # uncompressed, as in AutoDist, and stateless
                 reduced.append(sparse_all_reduce(grad, self.reduce_op, axis_name=self.axis_name))
-                new_states.append(leaf_state)
+                new_states.append(None)
                 continue
             out, leaf_state = self.compressor.reduce(
                 grad, leaf_state, reduce_op=self.reduce_op, axis_name=self.axis_name

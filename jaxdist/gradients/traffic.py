@@ -13,7 +13,9 @@ Two measures, both per device:
   ``(n-1)/n·B``, all-gather ``(n-1)·B``, collective-permute ``B`` (n = group size, B = operand bytes).
 
 Read the COMPILED module (``jitted.lower(...).compile().as_text()``): the backend's passes change collectives
-(XLA:CPU, for one, converts every 16-bit float collective to float32).
+(XLA:CPU, for one, converts every 16-bit float collective to float32). To measure a ``strategy.run`` step,
+lower ``strategy.jit(lambda *a: strategy.run(fn, args=a))``: under a plain `jax.jit` the distributed batches
+passed to ``run`` are not recognised as batches.
 """
 
 from __future__ import annotations
@@ -151,8 +153,8 @@ def collectives(hlo: Any) -> list[CollectiveOp]:
     Example:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
         >>> strategy = jd.MirroredStrategy()
-        >>> f = jax.jit(lambda x: strategy.run(lambda v: jd.get_replica_context().all_reduce("sum", v),
-        ...                                    args=(x,)))
+        >>> f = strategy.jit(lambda x: strategy.run(lambda v: jd.get_replica_context().all_reduce("sum", v),
+        ...                                         args=(x,)))
         >>> [(op.kind, op.operand_bytes, op.group_size) for op in jd.gradients.collectives(f.lower(jnp.ones(4)))]
         [('all-reduce', 16, 8)]
     """
@@ -207,8 +209,8 @@ def collective_bytes(hlo: Any, *, wire: bool = False, kinds: tuple[str, ...] | N
     Example:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
         >>> strategy = jd.MirroredStrategy()
-        >>> f = jax.jit(lambda x: strategy.run(lambda v: jd.get_replica_context().all_reduce("mean", v),
-        ...                                    args=(x,)))
+        >>> f = strategy.jit(lambda x: strategy.run(lambda v: jd.get_replica_context().all_reduce("mean", v),
+        ...                                         args=(x,)))
         >>> compiled = f.lower(jnp.ones((256, 256))).compile()
         >>> jd.gradients.collective_bytes(compiled), jd.gradients.collective_bytes(compiled, wire=True)
         (262144, 458752.0)
