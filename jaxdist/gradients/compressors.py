@@ -160,6 +160,13 @@ class CastState(NamedTuple):
     Attributes:
         error: this replica's rounding error, shaped like the gradient (different on every replica: after
             ``strategy.run`` it is a `jaxdist.PerReplica`).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxdist as jd
+        >>> c = jd.gradients.CastCompressor(error_feedback=True)
+        >>> _, state = c.reduce(jnp.float32(1.0 + 2**-10), c.init(jnp.float32(0), 0))
+        >>> float(state.error) == 2**-10
+        True
     """
 
     error: jax.Array
@@ -289,6 +296,12 @@ class PowerSGDState(NamedTuple):
             identical on every replica (mirrored after ``strategy.run``).
         error: this replica's residual ``M - P Qᵀ``, shaped like the gradient, added to the next gradient
             (error feedback); different on every replica (a `jaxdist.PerReplica` after ``strategy.run``).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxdist as jd
+        >>> state = jd.gradients.PowerSGDCompressor(rank=2).init(jnp.zeros((16, 8)), 0)
+        >>> state.q.shape, state.error.shape
+        ((8, 2), (16, 8))
     """
 
     q: jax.Array

@@ -45,6 +45,11 @@ class SynchronizerState(NamedTuple):
     Attributes:
         leaves: one compressor state per gradient leaf, in the gradients' tree structure (None where the
             compressor keeps none, e.g. every leaf of `NoneCompressor`, or PowerSGD's vectors).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxdist as jd
+        >>> jd.gradients.AllReduceSynchronizer().init({"w": jnp.zeros((2, 2))})
+        SynchronizerState(leaves={'w': None})
     """
 
     leaves: Any

@@ -45,6 +45,11 @@ class CollectiveOp(NamedTuple):
             ``"collective-permute"`` (async ``-start`` ops are reported under their base kind).
         operand_bytes: bytes of the operands on one device.
         group_size: devices in each replica group.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.gradients.CollectiveOp("ar", "all-reduce", operand_bytes=1024, group_size=8).wire_bytes
+        1792.0
     """
 
     name: str
