@@ -405,7 +405,10 @@ class Trainer:
                 "returning a fresh iterable."
             )
         stream = BatchStream(train_data, None, epochs, self._check_batch)
-        sample = stream.peek(self.data_position.epoch) if self._state is None else None
+        sample = None
+        if self._state is None:
+            sample = stream.peek(self.data_position.epoch)
+            self._check_batch(sample, f"train_data batch 0 of epoch {self.data_position.epoch}")
         ckpt = Checkpointer(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
         if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
             self._restore(ckpt, None, sample)
