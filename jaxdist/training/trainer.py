@@ -582,12 +582,14 @@ class Trainer:
 
         Args:
             data: batches of inputs: ``x``, ``(x,)``, ``(x, y)`` or dicts with ``"x"`` (targets are ignored),
-                any size (padded and stripped like `evaluate`).
+                any size (padded and stripped like `evaluate`); a single array is one batch.
 
         Returns:
             The outputs concatenated along axis 0 (a pytree of arrays if the model returns one).
         """
         n = self.strategy.num_replicas_in_sync
+        if isinstance(data, (np.ndarray, jax.Array)):
+            data = [data]  # one array: one batch (not an iterable of rows)
 
         def inputs():
             for i, (batch, weights, _) in enumerate(eval_batches(data, n, "data")):
