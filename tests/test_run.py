@@ -173,3 +173,13 @@ def test_run_inside_strategy_jit():
 
     new_w = strategy.jit(step)(strategy.mirror(w_host), strategy.experimental_distribute_values(x_host))
     np.testing.assert_allclose(new_w, w_host - 0.1 * jax.grad(_loss)(w_host, x_host), rtol=1e-5, atol=1e-7)
+
+
+def test_run_inside_plain_jit_is_a_clear_error():
+    strategy = jd.MirroredStrategy()
+    x = strategy.experimental_distribute_values(jnp.arange(8.0))
+    with pytest.raises(ValueError, match=r"outside this strategy's compiled computations.*strategy\.jit"):
+        jax.jit(lambda x: strategy.run(lambda v: v * 2, args=(x,)))(x)
+    # Inside strategy.jit the batch keeps its per-replica split.
+    rows = strategy.jit(lambda x: strategy.run(lambda v: jnp.float32(v.shape[0]), args=(x,)))(x)
+    assert [float(v) for v in strategy.experimental_local_results(rows)] == [1.0] * 8

@@ -91,8 +91,9 @@ def _initialize(cluster, initialization_timeout: int, heartbeat_timeout_seconds:
             try:
                 jax.distributed.initialize(**timeouts)  # SLURM, Open MPI, TPU pods, ...
             except (ValueError, RuntimeError) as err:
-                if "coordinator_address" in str(err) or "cluster" in str(err).lower():
-                    return  # nothing detected: one process
+                text = str(err)
+                if "coordinator_address" in text or "cluster" in text.lower() or "must be called before" in text:
+                    return  # nothing detected, or JAX already running without a cluster: this process alone
                 raise
     except RuntimeError as err:
         if "before" in str(err) and ("computation" in str(err) or "backend" in str(err)):

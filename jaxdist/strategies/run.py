@@ -37,7 +37,7 @@ from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import tracing
 from jaxdist.strategies.context import enter_replica
 from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.tracing import computation, is_traced_batch
+from jaxdist.strategies.tracing import computation, current_computation, is_traced_batch
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
@@ -91,6 +91,15 @@ class ReplicaRunner:
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_distributed)
+        frame = current_computation()
+        if (frame is None or frame.strategy is not self._strategy) and any(
+            isinstance(x, jax.core.Tracer) for x in flat
+        ):
+            raise ValueError(
+                "strategy.run got traced arguments outside this strategy's compiled computations (e.g. inside a "
+                "plain jax.jit or jax.grad): there it cannot tell distributed batches from mirrored values. "
+                "Compile the enclosing step with strategy.jit (or run_steps_on_dataset), or call run eagerly."
+            )
         kinds = tuple(self._classify(x) for x in flat)
         statics = tuple(x if k == _STATIC else None for x, k in zip(flat, kinds, strict=True))
         dynamic, aux = [], []
