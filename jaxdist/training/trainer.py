@@ -13,9 +13,7 @@ batches already used, so its parameters are bitwise identical to an uninterrupte
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,8 +26,8 @@ from jaxdist.strategies import Strategy
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.data import BatchStream, DataPosition, eval_batches, signature
+from jaxdist.training.fitting import run_loop
 from jaxdist.training.models import as_model
-from jaxdist.training.preemption import PreemptionWatcher
 from jaxdist.training.step import (
     TrainState,
     make_eval_step,
@@ -54,10 +52,6 @@ def _abstract(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.canonicalize_dtype(dtype))
 
     return jax.tree.map(one, tree)
-
-
-def _crossed(before: int, after: int, every: int | None) -> bool:
-    return bool(every) and after // every > before // every
 
 
 class Trainer:
@@ -422,126 +416,14 @@ class Trainer:
             callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
         history = History()
         try:
-            self._loop(stream, steps, eval_data, eval_every, ckpt, checkpoint_every, log_every, callbacks, history)
+            run_loop(self, stream, steps, eval_data, eval_every, ckpt, checkpoint_every, log_every, callbacks,
+                     history)
         finally:
             if ckpt is not None:
                 ckpt.close()
         if history.preempted and on_preemption == "exit":
             raise SystemExit(0)
         return history
-
-    def _loop(self, stream, steps, eval_data, eval_every, ckpt, checkpoint_every, log_every, callbacks, history):
-        def emit(hook: str, *args: Any) -> None:
-            for cb in callbacks:
-                getattr(cb, hook)(self, *args)
-
-        def checkpoint() -> None:
-            if ckpt is not None and ckpt.latest_step() != self._step:
-                path = self._save(ckpt)
-                history.checkpoints.append(path)
-                emit("on_checkpoint", self._step, path)
-
-        def run_eval() -> None:
-            metrics = self.evaluate(eval_data)
-            history.eval.append({"step": self._step, **metrics})
-            emit("on_eval_end", self._step, metrics)
-
-        self.stop_training = False
-        window: list[dict] = []
-        last_log = (self._step, time.perf_counter())
-        consumed = 0
-        batches = self._batches(stream, steps)
-        with PreemptionWatcher() as watcher:
-            emit("on_train_begin")
-            try:
-                for n, metrics in batches:
-                    before = self._step
-                    self._step += n
-                    consumed += n
-                    self.data_position = stream.position(consumed)
-                    window.append(metrics)
-                    emit("on_step_end", self._step, metrics)
-                    if _crossed(before, self._step, log_every) or self._step == steps:
-                        logs = self._summarize(window, last_log)
-                        last_log, window = (self._step, time.perf_counter()), []
-                        history.train.append({"step": self._step, **logs})
-                        emit("on_log", self._step, logs)
-                    if _crossed(before, self._step, eval_every):
-                        run_eval()
-                    if _crossed(before, self._step, checkpoint_every):
-                        checkpoint()
-                    if watcher.requested:
-                        history.preempted = True
-                    if history.preempted or self.stop_training:
-                        break
-            finally:
-                batches.close()
-            if window:
-                logs = self._summarize(window, last_log)
-                history.train.append({"step": self._step, **logs})
-                emit("on_log", self._step, logs)
-            checkpoint()  # at the end (a no-op when this step is saved already)
-            if eval_data is not None and not history.preempted and not (
-                history.eval and history.eval[-1]["step"] == self._step
-            ):
-                run_eval()
-            self._model.sync(self._state.params, self._state.model_state)
-            emit("on_train_end", history)
-
-    def _batches(self, stream: BatchStream, steps: int | None):
-        """Yield ``(steps_taken, metrics)`` after each step (or each on-device loop of steps_per_run)."""
-        remaining = (lambda: steps - self._step) if steps is not None else (lambda: None)
-        if remaining() is not None and remaining() <= 0:
-            return
-        run_steps = getattr(self.strategy, "run_steps_on_dataset", None)
-        if self.steps_per_run > 1 and run_steps is not None:
-            yield from self._batches_on_device(iter(stream), run_steps, remaining)
-            return
-        iterator = iter(self.strategy.experimental_distribute_dataset(stream))
-        try:
-            for batch in iterator:
-                self._state, metrics = self._train_step(self._state, batch)
-                yield 1, metrics
-                left = remaining()
-                if left is not None and left <= 0:
-                    return
-        finally:
-            iterator.close()
-
-    def _batches_on_device(self, host: Iterable, run_steps: Callable, remaining: Callable):
-        """steps_per_run > 1: ONE compiled on-device loop (``strategy.run_steps_on_dataset``) per run."""
-        if self._loop_step is None:
-            train_step = self._train_step_fn
-
-            def loop_step(ctx, state, *inputs):
-                state, metrics = train_step(state, inputs if len(inputs) > 1 else inputs[0])
-                for name, value in metrics.items():
-                    ctx.set_last_step_output(name, value)
-                return state
-
-            self._loop_step = loop_step
-        while True:
-            left = remaining()
-            n = self.steps_per_run if left is None else min(self.steps_per_run, left)
-            if n <= 0:
-                return
-            chunk = list(itertools.islice(host, n))
-            if not chunk:
-                return
-            chunk = [tuple(b) if isinstance(b, list) else b for b in chunk]
-            ctx = run_steps(self._loop_step, iter(chunk), iterations=len(chunk), initial_loop_values=self._state)
-            self._state = ctx.loop_values
-            yield len(chunk), ctx.last_step_outputs
-
-    def _summarize(self, window: list[dict], last_log: tuple[int, float]) -> dict[str, float]:
-        values = jax.device_get(window)
-        names = ["loss", *sorted(k for k in values[0] if k not in ("loss", "learning_rate"))]
-        logs = {k: float(np.mean([v[k] for v in values])) for k in names}
-        if "learning_rate" in values[0]:  # the current rate, not a mean
-            logs["learning_rate"] = float(values[-1]["learning_rate"])
-        seconds = time.perf_counter() - last_log[1]
-        logs["steps_per_sec"] = (self._step - last_log[0]) / seconds if seconds > 0 else float("nan")
-        return logs
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any) -> dict[str, float]:
