@@ -74,7 +74,7 @@ def test_sharded_training_equals_single_device_and_keeps_layout():
 
 def _argument_bytes(strategy):
     state = jax.eval_shape(init, jax.random.key(0))
-    shardings = strategy._variable_shardings(state)
+    shardings = strategy.variable_shardings(state)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
     x = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=strategy.batch_sharding)
     y = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=strategy.batch_sharding)

@@ -153,7 +153,18 @@ class Strategy:
         del path, aval
         return replicated(self._mesh)
 
-    def _variable_shardings(self, shapes: Any) -> Any:
+    def variable_shardings(self, shapes: Any) -> Any:
+        """The layout this strategy gives each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s).
+
+        What ``create_variables`` and ``mirror`` use; handy for restoring a checkpoint straight into the
+        layout (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` targets) without running the initializer.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> shapes = jax.eval_shape(lambda: {"w": jnp.zeros((4, 2))})
+            >>> jd.OneDeviceStrategy().variable_shardings(shapes)["w"].is_fully_replicated
+            True
+        """
         return jax.tree_util.tree_map_with_path(lambda p, a: self._variable_sharding(_path_name(p), a), shapes)
 
     def _is_batch(self, x: jax.Array) -> bool:
@@ -194,7 +205,7 @@ class Strategy:
             )
         fn = functools.partial(init_fn, **kwargs) if kwargs else init_fn
         shapes = jax.eval_shape(fn, *args)
-        return jax.jit(fn, out_shardings=self._variable_shardings(shapes))(*args)
+        return jax.jit(fn, out_shardings=self.variable_shardings(shapes))(*args)
 
     def mirror(self, tree: Any) -> Any:
         """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
@@ -206,7 +217,7 @@ class Strategy:
             True
         """
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
-        return jax.tree.map(put, tree, self._variable_shardings(shapes))
+        return jax.tree.map(put, tree, self.variable_shardings(shapes))
 
     def sync_on_read(
         self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM
@@ -327,6 +338,7 @@ class Strategy:
         iterator: Iterator[Any],
         iterations: int | None = None,
         initial_loop_values: Any = None,
+        donate: bool = False,
     ) -> MultiStepContext:
         """Run ``iterations`` steps in ONE compiled on-device loop over batches taken from ``iterator``.
 
@@ -341,6 +353,8 @@ class Strategy:
             iterator: an iterator of global batches (numpy or placed arrays); consecutive calls continue it.
             iterations: steps per call; defaults to ``steps_per_run``.
             initial_loop_values: the state carried from step to step (e.g. params and optimizer state).
+            donate: let the loop reuse the buffers of ``initial_loop_values`` for its result (as
+                ``donate_argnums`` in `jit`; the arrays passed in are then invalid). Saves a copy of the state.
 
         Returns:
             The `MultiStepContext`: ``loop_values`` (the state after the last step), ``last_step_outputs``.
@@ -361,7 +375,8 @@ class Strategy:
             4.0
         """
         return run_steps_on_dataset(
-            self, step_fn, iterator, self.steps_per_run if iterations is None else iterations, initial_loop_values
+            self, step_fn, iterator, self.steps_per_run if iterations is None else iterations, initial_loop_values,
+            donate=donate,
         )
 
     # ------------------------------------------------------------------------------------------ results

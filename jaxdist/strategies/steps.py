@@ -182,6 +182,7 @@ def run_steps_on_dataset(
     iterator: Iterator[Any],
     iterations: int,
     initial_loop_values: Any = None,
+    donate: bool = False,
 ) -> MultiStepContext:
     """Run ``step_fn`` over ``iterations`` batches of ``iterator`` in one compiled on-device loop.
 
@@ -202,25 +203,27 @@ def run_steps_on_dataset(
     has_state = initial_loop_values is not None
     ctx = MultiStepContext()
     treedef = jax.tree.structure(batches[0])
-    key = (step_fn, iterations, has_state, treedef,
+    key = (step_fn, iterations, has_state, donate, treedef,
            tuple((np.shape(x), jax.dtypes.result_type(x)) for x in jax.tree.leaves(batches[0])))
     cache = strategy._loops  # per strategy: (program, template context)
     entry = cache.get(key)
     if entry is None:
-        entry = _build(strategy, step_fn, has_state, iterations)
+        entry = _build(strategy, step_fn, has_state, iterations, donate)
         cache[key] = entry
     program, info = entry
     state = initial_loop_values if has_state else ()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                                        sharding=getattr(x, "sharding", None)), (state, stacked))
     new_state, outputs = program(state, stacked)
     ctx.loop_values = new_state if has_state else None
     ctx._last_step_outputs = dict(zip(info["names"], outputs, strict=True))
     ctx._aggregations = dict(info["aggregations"])
     ctx._non_tensor_outputs = dict(info["non_tensor"])
-    ctx._lowered = lambda: program.lower(state, stacked)
+    ctx._lowered = lambda: program.lower(*shapes)  # abstract: the state may have been donated
     return ctx
 
 
-def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: int):
+def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: int, donate: bool):
     info: dict[str, Any] = {}
 
     def one_step(state, batch, trace_ctx):
@@ -256,4 +259,4 @@ def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: i
         (state, outs), _ = jax.lax.scan(body, (state, zeros), stacked, length=iterations)
         return state, outs
 
-    return strategy.jit(loop), info
+    return strategy.jit(loop, donate_argnums=(0,) if donate and has_state else None), info

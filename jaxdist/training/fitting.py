@@ -128,7 +128,8 @@ def _batches_on_device(trainer: Any, host: Iterable, run_steps: Callable, remain
         if not chunk:
             return
         chunk = [tuple(b) if isinstance(b, list) else b for b in chunk]
-        ctx = run_steps(trainer._loop_step, iter(chunk), iterations=len(chunk), initial_loop_values=trainer._state)
+        ctx = run_steps(trainer._loop_step, iter(chunk), iterations=len(chunk), initial_loop_values=trainer._state,
+                        donate=True)
         trainer._state = ctx.loop_values
         yield len(chunk), ctx.last_step_outputs
 

@@ -226,11 +226,9 @@ class Trainer:
         shapes = jax.eval_shape(build, *args)
         if y is not None:
             self._check_losses(shapes, x, y)
-        layouts = getattr(self.strategy, "_variable_shardings", None)  # the layout create_variables would use
-        if layouts is None:
-            return self.init(batch)
+        layouts = self.strategy.variable_shardings(shapes)  # the layout create_variables would use
         return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                            shapes, layouts(shapes))
+                            shapes, layouts)
 
     def _check_losses(self, state: TrainState, x: Any, y: Any) -> None:
         def outputs(s, xb):
