@@ -78,13 +78,20 @@ def test_a_killed_worker_makes_the_survivor_fail_fast():
 @pytest.mark.timeout(60)
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
     script = tmp_path / "worker.py"
+    marker = tmp_path / "others_started"
     script.write_text(
         "import os, sys, time\n"
         "pid = int(os.environ['JAXDIST_PROCESS_ID'])\n"
         "print('hello from', pid, os.environ['JAXDIST_NUM_PROCESSES'], os.environ['JAXDIST_COORDINATOR_ADDRESS'])\n"
         "sys.stdout.flush()\n"
         "if pid == 1:\n"
+        f"    while not os.path.exists({str(marker)!r}):\n"
+        "        time.sleep(0.05)\n"
         "    sys.exit(3)\n"
+        f"open({str(marker)!r} + str(pid), 'w').close()\n"
+        f"other = {str(marker)!r} + ('2' if pid == 0 else '0')\n"
+        "if os.path.exists(other):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
         "time.sleep(600)\n"
     )
     lines = []
