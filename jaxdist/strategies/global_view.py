@@ -69,20 +69,32 @@ class StrategyFunction:
             self._traced, donate_argnums=_as_tuple(donate_argnums), static_argnums=self._static
         )
 
-    def _place(self, x: Any) -> Any:
-        mesh = self._strategy.mesh
+    def _needs_placing(self, x: Any) -> bool:
         if isinstance(x, jax.Array):
-            if getattr(x.sharding, "mesh", None) is mesh or x.sharding.device_set == set(mesh.devices.flat):
-                return x
-            return put(x, replicated(mesh))
-        if isinstance(x, np.ndarray):
-            return put(x, replicated(mesh))
-        return x
+            sharding = x.sharding
+            mesh = self._strategy.mesh
+            return not (getattr(sharding, "mesh", None) is mesh or sharding.device_set == set(mesh.devices.flat))
+        return isinstance(x, np.ndarray)
+
+    def _place_args(self, args: tuple) -> tuple:
+        # Fast path: in steady state every argument is already on the mesh, so nothing is rebuilt.
+        mesh = self._strategy.mesh
+        dynamic = [a for i, a in enumerate(args) if i not in self._static] if self._static else args
+        for x in jax.tree.leaves(dynamic):
+            if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
+                continue  # the common case, checked without a method call
+            if self._needs_placing(x):
+                break
+        else:
+            return args
+
+        def place(x):
+            return put(x, replicated(mesh)) if self._needs_placing(x) else x
+
+        return tuple(a if i in self._static else jax.tree.map(place, a) for i, a in enumerate(args))
 
     def __call__(self, *args: Any) -> Any:
-        placed = tuple(
-            a if i in self._static else jax.tree.map(self._place, a) for i, a in enumerate(args)
-        )
+        placed = self._place_args(args)
         self._local.args = placed  # read only if this call traces
         try:
             return self._jitted(*placed)
@@ -91,9 +103,7 @@ class StrategyFunction:
 
     def lower(self, *args: Any):
         """Lower for these arguments (for inspecting HLO or memory), as ``jax.jit(...).lower``."""
-        placed = tuple(
-            a if i in self._static else jax.tree.map(self._place, a) for i, a in enumerate(args)
-        )
+        placed = self._place_args(args)
         self._local.args = placed
         try:
             return self._jitted.lower(*placed)

@@ -90,38 +90,46 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) 
     """
     sharding = strategy.batch_sharding
     n_proc = jax.process_count()
-
-    def place(path, x):
-        if isinstance(x, jax.Array) and sharding.is_equivalent_to(x.sharding, x.ndim):
-            return x
+    leaves, treedef = jax.tree.flatten(batch)
+    todo = []  # indices of leaves to transfer
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            continue  # already placed: no copy
         shape = np.shape(x)
         if not shape:
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
             raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} is a scalar: every leaf of a batch needs "
-                "a batch axis 0 to split over the replicas."
+                f"batch leaf {path or '<root>'} is a scalar: every leaf of a batch needs a batch axis 0 to split "
+                "over the replicas."
             )
         if process_local:
-            global_shape = (shape[0] * n_proc, *shape[1:])
             _check_divisible(shape[0], strategy.num_replicas_per_host, "per-process batch")
-            local = x
         else:
-            global_shape = shape
             _check_divisible(shape[0], strategy.num_replicas_in_sync)
-            if n_proc == 1:
-                local = x
-            else:
-                rows = _local_rows(sharding, global_shape)
-                local = np.asarray(x)[rows] if not isinstance(x, jax.Array) else x[rows]
-        if isinstance(local, jax.Array) and n_proc == 1:
-            return jax.device_put(local, sharding)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)
-
-    placed = jax.tree_util.tree_map_with_path(place, batch)
+        todo.append(i)
+    if todo:
+        if n_proc == 1:
+            # One process holds the whole global batch: one transfer call sends each device its own rows.
+            moved = jax.device_put([leaves[i] for i in todo], sharding)
+        else:
+            moved = [_place_process_rows(sharding, leaves[i], process_local, n_proc) for i in todo]
+        for i, m in zip(todo, moved, strict=True):
+            leaves[i] = m
     register = getattr(strategy, "_register_batch", None)
     if register is not None:
-        for leaf in jax.tree.leaves(placed):
+        for leaf in leaves:
             register(leaf)
-    return placed
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> jax.Array:
+    """Several processes: each transfers only the rows its own devices hold."""
+    shape = np.shape(x)
+    if process_local:
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), (shape[0] * n_proc, *shape[1:]))
+    rows = _local_rows(sharding, shape)
+    local = np.asarray(x[rows]) if isinstance(x, jax.Array) else np.asarray(x)[rows]
+    return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
 def _local_rows(sharding, global_shape) -> slice:
