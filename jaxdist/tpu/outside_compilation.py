@@ -8,13 +8,14 @@ runs:
   values;
 * inside a global-view step (``strategy.jit``, ``run_steps_on_dataset``): the region is wrapped in its own
   `jax.shard_map`, so it ALSO runs once per replica: arguments whose axis 0 is the global batch are split
-  over the replicas, others are passed whole; results with one row per local batch row are concatenated
-  back, other results must agree across replicas. (A plain callback under ``jit`` would gather everything to
-  device 0 and run once.)
+  over the replicas, others are passed whole, and the replicas' results are concatenated along axis 0
+  (row-wise results give back the global batch; a scalar becomes a vector with one value per replica). No
+  collective is added. (A plain callback under ``jit`` would gather everything to device 0 and run once.)
 * outside any trace: ``host_fn(*args)`` is just called.
 
-A host function written with `jax.numpy` needs nothing more: its result shapes come from `jax.eval_shape`
-(so it is also traced once, at compile time), it runs on the host's CPU backend, and it is differentiable —
+A host function written with `jax.numpy` needs nothing more: its result shapes come from `jax.eval_shape`,
+it is compiled once for the host's CPU backend (so, like any traced JAX code, its Python side effects happen at
+trace time; a region that returns nothing runs as plain Python on every call), and it is differentiable —
 its VJP runs on the host too, as the host region of gradient cluster ``C.uid``. A function written with numpy
 (or any Python) takes ``result_shape=`` (``()`` when it returns nothing: logging, metric writers) and is never
 traced; differentiating it needs ``vjp=``, else it is a clear error at trace time. Regions that return
@@ -80,6 +81,7 @@ class _Region:
         self.traceable = traceable
         self.ordered = ordered
         self.name = name
+        self._compiled = None
 
     def full_args(self, dynamic):
         positions, values = self.statics
@@ -95,9 +97,14 @@ class _Region:
         """Runs on the host, in the callback: numpy in, numpy out."""
         _state.depth += 1
         try:
-            # Called eagerly, not jitted, so that the host function's Python side effects happen on every call.
             with jax.default_device(_host_device()):
-                out = self.call(*dynamic)
+                if self.traceable and self.result_shape is not None:
+                    # A jax.numpy function with a result: compiled once for the host, like any traced code.
+                    if self._compiled is None:
+                        self._compiled = jax.jit(self.call)
+                    out = self._compiled(*dynamic)
+                else:  # side-effect regions and opaque functions run as Python, every call
+                    out = self.call(*dynamic)
         finally:
             _state.depth -= 1
         if self.result_shape is None:
@@ -201,8 +208,8 @@ def outside_compilation(
             Regions without a result (logging, metric writers) are always ordered.
 
     Returns:
-        ``host_fn``'s result (per replica inside ``run``; in the global view, row-wise results are
-        concatenated over the replicas).
+        ``host_fn``'s result: this replica's inside ``run``; in the global view the replicas' results
+        concatenated along axis 0 (a scalar result becomes one value per replica).
 
     Raises:
         NotImplementedError: when called inside another outside_compilation region.
@@ -265,37 +272,22 @@ def outside_compilation(
     if kind == "plain":
         return _local_call(region, dynamic, False, split)
 
-    # Global view: one call per replica through a shard_map of its own.
+    # Global view: one call per replica through a shard_map of its own. The per-replica results come back
+    # concatenated along axis 0 (scalars stacked: one value per replica); no collective is added.
     in_specs = tuple(PartitionSpec(REPLICA_AXIS) if s else PartitionSpec() for s in split)
-    local_rows = (batch // n) if batch is not None else None
-    row_wise = any(split)
-
-    def out_spec(shape):
-        rows = row_wise and shape.shape and shape.shape[0] == local_rows
-        return PartitionSpec(REPLICA_AXIS) if rows else PartitionSpec()
-
-    out_specs = jax.tree.map(out_spec, region.result_shape) if region.result_shape is not None else None
+    spec = PartitionSpec(REPLICA_AXIS)
 
     def per_replica(*xs):
         out = _local_call(region, list(xs), True, split)
         if out is None:
             return None
-        # Row-wise results stay varying (concatenated); others are taken as agreeing across replicas.
-        return jax.tree.map(
-            lambda o, spec: o if spec == PartitionSpec(REPLICA_AXIS) else _invariant(o), out, out_specs
-        )
+        return jax.tree.map(lambda o: o[None] if o.ndim == 0 else o, out)
 
     mapped = jax.shard_map(
         per_replica, mesh=strategy.mesh, in_specs=in_specs,
-        out_specs=out_specs if out_specs is not None else PartitionSpec(),
+        out_specs=spec if region.result_shape is not None else PartitionSpec(),
     )
     return mapped(*dynamic)
-
-
-def _invariant(x: Any) -> Any:
-    """A per-replica result declared equal on every replica: replica 0's value, broadcast (exact)."""
-    first = jax.lax.axis_index(REPLICA_AXIS) == 0
-    return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), REPLICA_AXIS)
 
 
 def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, name) -> _Region:
