@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -216,7 +217,14 @@ class DistributedIterator:
         self._done = True
         if self._prefetch > 0:
             self._stop.set()
-            self._thread.join(timeout=5)
+            deadline = time.monotonic() + 5
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                try:  # make room, so a producer blocked on a full queue sees the stop at once
+                    while True:
+                        self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                self._thread.join(timeout=0.01)
 
     def __enter__(self) -> DistributedIterator:
         return self
