@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from registry import all_strategies, make
 
@@ -128,3 +129,26 @@ def test_import_starts_no_backend():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@all_strategies
+def test_create_variables_and_mirror(strategy_name):
+    strategy = make(strategy_name)
+    params = strategy.create_variables(lambda key, n: {"w": jax.random.normal(key, (8, n))}, jax.random.key(0), 4)
+    want = jax.random.normal(jax.random.key(0), (8, 4))
+    assert params["w"].sharding.device_set == set(strategy.devices)
+    assert float(abs(params["w"] - want).max()) == 0.0
+    # keyword arguments are passed through as constants
+    ones = strategy.create_variables(lambda shape: {"b": jax.numpy.ones(shape)}, shape=(8,))
+    assert ones["b"].shape == (8,)
+    mirrored = strategy.mirror({"b": np.array([1.0, 2.0]), "step": 3})
+    assert mirrored["b"].sharding.device_set == set(strategy.devices)
+    assert int(mirrored["step"]) == 3 and mirrored["step"].sharding.device_set == set(strategy.devices)
+
+
+def test_create_variables_with_a_non_callable_is_an_error():
+    strategy = jd.MirroredStrategy()
+    with pytest.raises(TypeError, match=r"init_fn=\{'w': 1\} \(type dict\) is not callable.*strategy\.mirror"):
+        strategy.create_variables({"w": 1})
+    with pytest.raises(TypeError, match=r"fn=3 is not callable"):
+        strategy.jit(3)

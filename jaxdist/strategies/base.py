@@ -18,7 +18,6 @@ Subclasses choose devices and layouts (`_variable_sharding`); the rest is shared
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -180,7 +179,8 @@ class Strategy:
 
         Args:
             init_fn: returns the initial pytree, e.g. ``model.init``.
-            *args: its arguments (rng keys, sample inputs).
+            *args: its arguments (rng keys, sample inputs); Python scalars, strings and callables among them
+                are passed through unchanged (not traced).
             **kwargs: keyword arguments, passed through unchanged (not traced).
 
         Returns:
@@ -203,9 +203,16 @@ class Strategy:
                 "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
                 "use strategy.mirror(tree) to place values you already have."
             )
-        fn = functools.partial(init_fn, **kwargs) if kwargs else init_fn
-        shapes = jax.eval_shape(fn, *args)
-        return jax.jit(fn, out_shardings=self.variable_shardings(shapes))(*args)
+        # Python scalars, strings and callables are constants of the initializer, as keyword arguments are.
+        static = [isinstance(a, (bool, int, float, complex, str, type(None))) or callable(a) for a in args]
+        dynamic = [a for a, st in zip(args, static, strict=True) if not st]
+
+        def fn(*dyn):
+            it = iter(dyn)
+            return init_fn(*[a if st else next(it) for a, st in zip(args, static, strict=True)], **kwargs)
+
+        shapes = jax.eval_shape(fn, *dynamic)
+        return jax.jit(fn, out_shardings=self.variable_shardings(shapes))(*dynamic)
 
     def mirror(self, tree: Any) -> Any:
         """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
