@@ -1,0 +1,112 @@
+"""Command line: ``python -m benchmarks [--quick | --smoke] [--out DIR] [--rows P1,P2] [--devices 8]``.
+
+Modes:
+    full (default): every row on both models, 32 pairs of ~0.15 s blocks (about 10 minutes on 2 cores).
+    --quick: P1 and P2 on both models, the other rows on the small model, 20 pairs of ~0.1 s blocks
+        (about 3 minutes on 2 cores).
+    --smoke: every row on a tiny model with 2-step blocks: checks that everything runs and the result files are
+        written, not speed (use with ``--out`` pointing at a temporary directory).
+
+Exit status: 0 when every row ran or was skipped for a stated reason, 1 when a row failed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+import jax
+
+from benchmarks.cases import COMPARISONS, Devices
+from benchmarks.models import MODELS, TINY
+from benchmarks.report import machine_info, markdown, write_results
+from benchmarks.suite import run_plan
+from benchmarks.timing import Settings
+
+# Many short pairs (see benchmarks.timing): the median settles; blocks stay long enough to amortise a sync.
+SETTINGS = {
+    "full": Settings(pairs=32, block_seconds=0.15, warmup_steps=20),
+    "quick": Settings(pairs=20, block_seconds=0.1, warmup_steps=10),
+    "smoke": Settings(
+        pairs=2, block_seconds=1e-3, warmup_steps=1, min_steps=2, max_steps=2, use_stepper_minimums=False
+    ),
+}
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="short run (a few minutes on 2 cores)")
+    mode.add_argument("--smoke", action="store_true", help="tiny model, 2-step blocks: does everything run?")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
+    parser.add_argument("--rows", default="", help="comma-separated row keys to run (default: all), e.g. P1,P2")
+    parser.add_argument("--models", default="", help=f"comma-separated model names, from {sorted(MODELS)}")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices when on CPU (default 8)")
+    parser.add_argument("--pairs", type=int, help="override the number of block pairs")
+    parser.add_argument("--block-seconds", type=float, help="override the target block length")
+    return parser
+
+
+def _plan(args: argparse.Namespace, mode: str, parser: argparse.ArgumentParser) -> list:
+    keys = [k for k in args.rows.split(",") if k]
+    unknown = sorted(set(keys) - {c.key for c in COMPARISONS})
+    if unknown:
+        parser.error(f"--rows: unknown row(s) {unknown}; choose from {[c.key for c in COMPARISONS]}")
+    names = [m for m in args.models.split(",") if m]
+    bad = sorted(set(names) - set(MODELS))
+    if bad:
+        parser.error(f"--models: unknown model(s) {bad}; choose from {sorted(MODELS)}")
+    plan = []
+    for comparison in COMPARISONS:
+        if keys and comparison.key not in keys:
+            continue
+        if mode == "smoke":
+            models = names or [TINY.name]
+        else:
+            models = names or (comparison.quick_models if mode == "quick" else comparison.models)
+        plan.extend((comparison, MODELS[m]) for m in models)
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite, write the results files, print the table; return the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error(f"--devices={args.devices} must be >= 1")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    settings = SETTINGS[mode]
+    overrides = {k: v for k, v in (("pairs", args.pairs), ("block_seconds", args.block_seconds)) if v is not None}
+    try:
+        settings = Settings(**{**settings.__dict__, **overrides})
+    except ValueError as error:
+        parser.error(str(error))
+    plan = _plan(args, mode, parser)
+
+    # Keras reads its backend at import; the CPU device count must be set before any backend starts.
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    devices = tuple(jax.devices())
+    if devices[0].platform == "cpu":
+        devices = devices[: args.devices]
+    machine = machine_info(devices)
+    print(
+        f"benchmarks: {mode} run, {len(plan)} rows on {len(devices)} x {devices[0].device_kind}, "
+        f"{machine['cpu_count']} CPU cores",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = run_plan(plan, settings, Devices(devices))
+    machine["load_average_end_1_5_15"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    paths = write_results(rows, machine, settings, mode, args.out)
+    print(markdown(rows, machine, settings, mode))
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}", file=sys.stderr)
+    return 1 if any(r.status == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""What the suite compares: the steppers, the head-to-head rows (with targets) and the rows not landed yet.
+
+Adding a row: register its steppers in `STEPPERS` (a builder from a `Problem` and the shared `Devices`)
+and append a `Comparison` to `COMPARISONS`. A feature that has not landed in jaxdist yet is listed in
+`PENDING` with a probe; the report shows it as "not landed" until the probe finds it, then as "landed, no
+case yet" until its `Comparison` is written. A stepper whose jaxdist feature is missing from the checkout
+raises `runners.Unavailable`, so its rows come out "skipped" rather than failing the suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+
+import jax
+
+import jaxdist as jd
+from benchmarks import runners
+from benchmarks.models import LARGE, SMALL, Problem
+from benchmarks.timing import Stepper
+
+__all__ = ["COMPARISONS", "PENDING", "STEPPERS", "Comparison", "Devices", "Pending", "StepperDef"]
+
+
+class Devices:
+    """The devices a run uses and the strategies over them, created once and shared by every stepper."""
+
+    def __init__(self, devices: tuple[jax.Device, ...]):
+        if not devices:
+            raise ValueError("devices=() is empty: the suite needs at least one device.")
+        self.devices = devices
+
+    @functools.cached_property
+    def mirrored(self) -> jd.MirroredStrategy:
+        """`MirroredStrategy` over every device of the run."""
+        return jd.MirroredStrategy(self.devices)
+
+    @functools.cached_property
+    def one_device(self) -> jd.OneDeviceStrategy:
+        """`OneDeviceStrategy` on the first device."""
+        return jd.OneDeviceStrategy(self.devices[0])
+
+    @functools.cached_property
+    def sharded(self) -> jd.Strategy:
+        """`ShardedStrategy` (FSDP) over every device of the run."""
+        return _landed("ShardedStrategy")(self.devices)
+
+    def tpu(self, steps_per_run: int) -> jd.Strategy:
+        """`TPUStrategy` over every device of the run (the default backend's devices: CPU here)."""
+        return _landed("TPUStrategy")(steps_per_run=steps_per_run, devices=self.devices)
+
+
+def _landed(name: str):
+    """``jaxdist.<name>``, or `runners.Unavailable` when it has not landed in this checkout."""
+    found = getattr(jd, name, None)
+    if found is None:
+        raise runners.Unavailable(f"jaxdist.{name} has not landed")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class StepperDef:
+    """A named way of running the training step.
+
+    Attributes:
+        key: identifier used by comparisons and in the JSON.
+        label: what the table and plot call it.
+        build: ``build(problem, devices) -> Stepper``; raises `runners.Unavailable` to skip.
+    """
+
+    key: str
+    label: str
+    build: Callable[[Problem, Devices], Stepper]
+
+
+def _keras(spe: int) -> Callable[[Problem, Devices], Stepper]:
+    return lambda p, d: runners.KerasFit(d.devices, p, steps_per_execution=spe)
+
+
+STEPPERS: dict[str, StepperDef] = {
+    s.key: s
+    for s in (
+        StepperDef("mirrored.jit", "Mirrored strategy.jit", lambda p, d: runners.StrategyJit(d.mirrored, p)),
+        StepperDef(
+            "mirrored.jit#2",
+            "Mirrored strategy.jit (second instance)",
+            lambda p, d: runners.StrategyJit(d.mirrored, p),
+        ),
+        StepperDef(
+            "mirrored.jit+dataset",
+            "Mirrored strategy.jit + distribute_dataset (host numpy)",
+            lambda p, d: runners.StrategyJit(d.mirrored, p, feed="dataset"),
+        ),
+        StepperDef(
+            "hand.jit",
+            "hand-written jax.jit + NamedSharding",
+            lambda p, d: runners.HandJit(d.mirrored.mesh, p),
+        ),
+        StepperDef("onedevice.jit", "OneDevice strategy.jit", lambda p, d: runners.StrategyJit(d.one_device, p)),
+        StepperDef("plain.jit", "plain jax.jit (1 device)", lambda p, d: runners.PlainJit(d.devices[0], p)),
+        StepperDef(
+            "mirrored.run",
+            "Mirrored strategy.run + all_reduce",
+            lambda p, d: runners.StrategyRun(d.mirrored, p),
+        ),
+        StepperDef("pmap", "legacy jax.pmap", lambda p, d: runners.Pmap(d.devices, p)),
+        StepperDef("keras.spe1", "Keras 3 DataParallel fit (spe=1)", _keras(1)),
+        StepperDef("keras.spe20", "Keras 3 DataParallel fit (spe=20)", _keras(20)),
+        StepperDef(
+            "tpu.spr20",
+            "TPUStrategy run_steps_on_dataset, 20 steps/loop (host numpy)",
+            lambda p, d: runners.StepsPerRun(d.tpu(20), p, iterations=20),
+        ),
+        StepperDef("trainer.fit", "training.Trainer.fit (host numpy)", lambda p, d: runners.TrainerFit(d.mirrored, p)),
+        StepperDef(
+            "mirrored.jit+host_metric",
+            "Mirrored strategy.jit, accuracy in outside_compilation",
+            lambda p, d: runners.HostMetricJit(d.mirrored, p, host=True),
+        ),
+        StepperDef(
+            "mirrored.jit+device_metric",
+            "Mirrored strategy.jit, accuracy on device",
+            lambda p, d: runners.HostMetricJit(d.mirrored, p, host=False),
+        ),
+        StepperDef("sharded.jit", "Sharded (FSDP) strategy.jit", lambda p, d: runners.StrategyJit(d.sharded, p)),
+        StepperDef(
+            "sharded.hand",
+            "hand-written jax.jit, FSDP layouts",
+            lambda p, d: runners.LayoutJit(d.sharded, p),
+        ),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One head-to-head row: ``ratio = steps/s(candidate) / steps/s(baseline)``.
+
+    Attributes:
+        key: short id (``P1``, ``P2``, ...).
+        title: what is compared.
+        candidate: `STEPPERS` key of the side under test (the numerator).
+        baseline: `STEPPERS` key of the reference (the denominator).
+        target: the ratio the issue asks for, or None for an informational row.
+        models: model names in a full run.
+        quick_models: model names in a ``--quick`` run.
+        pairs_factor: this row runs ``pairs_factor`` times the run's pairs (the rows with targets get more, so
+            that their median is resolved to about the 3% that separates 0.97 from parity).
+    """
+
+    key: str
+    title: str
+    candidate: str
+    baseline: str
+    target: float | None
+    models: tuple[str, ...] = (SMALL.name, LARGE.name)
+    quick_models: tuple[str, ...] = (SMALL.name,)
+    pairs_factor: int = 1
+
+    def __post_init__(self) -> None:
+        for side in (self.candidate, self.baseline):
+            if side not in STEPPERS:
+                raise ValueError(f"Comparison {self.key!r}: stepper {side!r} is not in STEPPERS ({sorted(STEPPERS)}).")
+
+
+_BOTH = (SMALL.name, LARGE.name)
+
+COMPARISONS: tuple[Comparison, ...] = (
+    # A/A: two identical steppers. Its spread is the noise floor of this machine; its median should be 1.
+    Comparison(
+        "null",
+        "A/A noise floor: strategy.jit vs a second identical strategy.jit",
+        "mirrored.jit",
+        "mirrored.jit#2",
+        None,
+    ),
+    Comparison(
+        "P1",
+        "strategy.jit vs hand-written jax.jit (device batches)",
+        "mirrored.jit",
+        "hand.jit",
+        0.97,
+        quick_models=_BOTH,
+        pairs_factor=2,
+    ),
+    Comparison(
+        "P2",
+        "distribute_dataset (host numpy) vs device-resident batches",
+        "mirrored.jit+dataset",
+        "mirrored.jit",
+        0.95,
+        quick_models=_BOTH,
+        pairs_factor=2,
+    ),
+    Comparison("1dev", "OneDevice strategy.jit vs plain jax.jit", "onedevice.jit", "plain.jit", None),
+    Comparison("run", "strategy.run + all_reduce vs strategy.jit", "mirrored.run", "mirrored.jit", None),
+    Comparison("pmap", "strategy.jit vs legacy jax.pmap", "mirrored.jit", "pmap", None),
+    Comparison(
+        "keras1", "strategy.jit + distribute_dataset vs Keras fit, spe=1", "mirrored.jit+dataset", "keras.spe1", None
+    ),
+    Comparison(
+        "keras20", "strategy.jit + distribute_dataset vs Keras fit, spe=20", "mirrored.jit+dataset", "keras.spe20", None
+    ),
+    Comparison(
+        "tpu-spr",
+        "TPUStrategy steps_per_run=20 on-device loop vs strategy.jit per step (host numpy)",
+        "tpu.spr20",
+        "mirrored.jit+dataset",
+        None,
+    ),
+    Comparison(
+        "trainer",
+        "training.Trainer.fit vs hand-written strategy.jit loop (host numpy)",
+        "trainer.fit",
+        "mirrored.jit+dataset",
+        None,
+    ),
+    Comparison(
+        "outside",
+        "step with an outside_compilation host call vs the same step on device",
+        "mirrored.jit+host_metric",
+        "mirrored.jit+device_metric",
+        None,
+    ),
+    Comparison(
+        "fsdp",
+        "ShardedStrategy (FSDP) strategy.jit vs hand-written jax.jit, same layouts",
+        "sharded.jit",
+        "sharded.hand",
+        None,
+    ),
+)
+
+
+def _has(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A row of the issue whose jaxdist feature has not landed yet.
+
+    Attributes:
+        key: short id.
+        title: the comparison it will be.
+        module: where the feature will live.
+        name: the public name whose presence means it landed.
+        landed_note: what the report says once it has landed but has no `Comparison` yet.
+    """
+
+    key: str
+    title: str
+    module: str
+    name: str
+    landed_note: str = "landed, no case yet (add it in benchmarks/cases.py)"
+
+    def landed(self) -> bool:
+        """Whether ``module.name`` exists now."""
+        return _has(self.module, self.name)
+
+
+PENDING: tuple[Pending, ...] = (
+    Pending(
+        "multiproc",
+        "MultiWorkerMirroredStrategy, 2 processes x 4 devices vs MirroredStrategy x 8",
+        "jaxdist",
+        "MultiWorkerMirroredStrategy",
+        landed_note="landed; its row needs a multi-process harness (spawned workers), not written yet",
+    ),
+)
