@@ -166,10 +166,11 @@ def _from_chief(tree: Any) -> Any:
     from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree.flatten(tree)
-    keys = [isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in leaves]
-    impls = [jax.random.key_impl(x) if k else None for x, k in zip(leaves, keys, strict=True)]
-    plain = [np.asarray(jax.random.key_data(x)) if k else np.asarray(x) for x, k in zip(leaves, keys, strict=True)]
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    keys = [jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key) for i in arrays]
+    impls = [jax.random.key_impl(leaves[i]) if k else None for i, k in zip(arrays, keys, strict=True)]
+    plain = [np.asarray(jax.random.key_data(leaves[i]) if k else leaves[i]) for i, k in zip(arrays, keys, strict=True)]
     plain = multihost_utils.broadcast_one_to_all(plain)
-    out = [jax.random.wrap_key_data(np.asarray(p), impl=i) if k else np.asarray(p)
-           for p, k, i in zip(plain, keys, impls, strict=True)]
-    return jax.tree.unflatten(treedef, out)
+    for i, p, k, impl in zip(arrays, plain, keys, impls, strict=True):
+        leaves[i] = jax.random.wrap_key_data(np.asarray(p), impl=impl) if k else np.asarray(p)
+    return jax.tree.unflatten(treedef, leaves)  # Python scalars and other values are left as they are
