@@ -31,7 +31,7 @@ def test_two_processes_train_like_one_device(tmp_path):
     out = tmp_path / "result.npz"
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "200",
-         str(HERE / "multiprocess" / "train_worker.py"), str(out)],
+         str(HERE / "multiprocess" / "train_worker.py"), str(out), str(tmp_path / "checkpoints")],
         env=_env(), capture_output=True, text=True, timeout=230,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -49,6 +49,17 @@ def test_two_processes_train_like_one_device(tmp_path):
         key = jax.tree_util.keystr(path)
         np.testing.assert_allclose(result[f"global/{key}"], leaf, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(result[f"replica/{key}"], leaf, rtol=1e-5, atol=1e-6)
+    # The checkpoint both processes wrote restores in this single process, onto another strategy.
+    strategy = jd.OneDeviceStrategy()
+    shapes = jax.eval_shape(init_state, jax.random.key(0))
+    target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                          strategy.variable_shardings(shapes))
+    ckpt = jd.training.Checkpointer(tmp_path / "checkpoints")
+    restored, meta = ckpt.restore(target)
+    ckpt.close()
+    assert meta["step"] == 20
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(120)

@@ -63,6 +63,18 @@ ones = strategy.run(lambda: jnp.float32(1) + 0 * jd.get_replica_context().replic
 total = strategy.reduce("sum", ones)
 assert float(total) == 8.0
 
+# Checkpoints from all processes: every process saves its shards, then restores into the strategy's layout.
+ckpt_dir = sys.argv[2]
+ckpt = jd.training.Checkpointer(ckpt_dir)
+ckpt.save(20, state, {"note": "two processes"})
+abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+restored, meta = ckpt.restore(abstract)
+ckpt.close()
+assert meta["step"] == 20 and meta["note"] == "two processes"
+for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    assert a.sharding == b.sharding
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
 if pid == 0:
     flat = {f"global/{jax.tree_util.keystr(p)}": v for p, v in jax.tree_util.tree_leaves_with_path(global_view)}
     flat.update({f"replica/{jax.tree_util.keystr(p)}": v
