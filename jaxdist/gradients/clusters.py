@@ -171,12 +171,16 @@ def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = Fals
         >>> float(jd.gradients.grad(lambda x: x ** 2)(3.0))
         6.0
     """
-    inner = jax.grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+    return _per_invocation(fun, jax.grad(fun, argnums=argnums, has_aux=has_aux, **kwargs))
+
+
+def _per_invocation(fun: Callable, transformed: Callable) -> Callable:
+    """``transformed`` (a gradient of ``fun``) traced under a fresh gradient uid at every call."""
 
     @functools.wraps(fun)
     def invoke(*args: Any, **kw: Any) -> Any:
         with _invocation():
-            return inner(*args, **kw)
+            return transformed(*args, **kw)
 
     return invoke
 
@@ -192,14 +196,7 @@ def value_and_grad(
         >>> float(value), float(g)
         (9.0, 6.0)
     """
-    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
-
-    @functools.wraps(fun)
-    def invoke(*args: Any, **kw: Any) -> Any:
-        with _invocation():
-            return inner(*args, **kw)
-
-    return invoke
+    return _per_invocation(fun, jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs))
 
 
 def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
