@@ -38,7 +38,11 @@ def _git_commit() -> str | None:
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            # "-dirty": the working tree had uncommitted changes to tracked files when the run started
+            ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
         return None
