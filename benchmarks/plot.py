@@ -32,6 +32,7 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     rates = stepper_rates(rows)
     models = list(dict.fromkeys(model for model, _ in rates))
@@ -54,6 +55,9 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
         ax.margins(x=0.12)
         if max(s.max for s in stats) > 5 * min(s.min for s in stats):
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # minor labels overlap on short log spans
         ax.set_yticks(range(len(keys)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("steps/s (median over blocks; whiskers: min-max)", fontsize=8)
