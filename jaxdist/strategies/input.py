@@ -110,8 +110,8 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) 
         todo.append(i)
     if todo:
         if n_proc == 1:
-            # One process holds the whole global batch: one transfer call sends each device its own rows.
-            moved = jax.device_put([leaves[i] for i in todo], sharding)
+            # One process holds the whole global batch; each device gets its own rows, as views (no host copy).
+            moved = [_place_rows(sharding, leaves[i]) for i in todo]
         else:
             moved = [_place_process_rows(sharding, leaves[i], process_local, n_proc) for i in todo]
         for i, m in zip(todo, moved, strict=True):
@@ -121,6 +121,13 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) 
         for leaf in leaves:
             register(leaf)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _place_rows(sharding, x: Any) -> jax.Array:
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> jax.Array:
