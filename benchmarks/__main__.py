@@ -21,6 +21,7 @@ import jax
 
 from benchmarks.cases import COMPARISONS, Devices
 from benchmarks.models import MODELS, TINY
+from benchmarks.multiproc import multiproc_row
 from benchmarks.report import machine_info, markdown, write_results
 from benchmarks.suite import run_plan
 from benchmarks.timing import Settings
@@ -34,6 +35,17 @@ SETTINGS = {
     ),
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+# The multi-process row: (pairs of runs, timed blocks per run, steps per block); each run is new processes.
+MULTIPROC = {"full": (3, 5, 30), "quick": (2, 3, 30), "smoke": (1, 1, 2)}
+
+
+def _multiproc_models(args: argparse.Namespace, mode: str) -> list:
+    names = [m for m in args.models.split(",") if m]
+    if mode == "smoke":
+        return [MODELS[n] for n in names] or [TINY]
+    if names:
+        return [MODELS[n] for n in names]
+    return [MODELS["mlp-small"]] if mode == "quick" else [MODELS["mlp-small"], MODELS["mlp-large"]]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace, mode: str, parser: argparse.ArgumentParser) -> list:
-    keys = [k for k in args.rows.split(",") if k]
+    keys = [k for k in args.rows.split(",") if k and k != "multiproc"]
     unknown = sorted(set(keys) - {c.key for c in COMPARISONS})
     if unknown:
         parser.error(f"--rows: unknown row(s) {unknown}; choose from {[c.key for c in COMPARISONS]}")
@@ -60,8 +72,9 @@ def _plan(args: argparse.Namespace, mode: str, parser: argparse.ArgumentParser) 
     if bad:
         parser.error(f"--models: unknown model(s) {bad}; choose from {sorted(MODELS)}")
     plan = []
+    only_multiproc = args.rows and not keys
     for comparison in COMPARISONS:
-        if keys and comparison.key not in keys:
+        if only_multiproc or (keys and comparison.key not in keys):
             continue
         if mode == "smoke":
             models = names or [TINY.name]
@@ -100,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows = run_plan(plan, settings, Devices(devices))
+    keys = [k for k in args.rows.split(",") if k]
+    if devices[0].platform == "cpu" and (not keys or "multiproc" in keys):
+        for spec in _multiproc_models(args, mode):
+            pairs, blocks, steps = MULTIPROC[mode]
+            row = multiproc_row(spec, pairs, blocks, steps if spec.name != "mlp-large" else max(2, steps // 6))
+            print(f"[multiproc {spec.name}] {row.status} {row.note}", file=sys.stderr, flush=True)
+            rows.append(row)
     machine["load_average_end_1_5_15"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     paths = write_results(rows, machine, settings, mode, args.out)
     print(markdown(rows, machine, settings, mode))

@@ -264,12 +264,4 @@ class Pending:
         return _has(self.module, self.name)
 
 
-PENDING: tuple[Pending, ...] = (
-    Pending(
-        "multiproc",
-        "MultiWorkerMirroredStrategy, 2 processes x 4 devices vs MirroredStrategy x 8",
-        "jaxdist",
-        "MultiWorkerMirroredStrategy",
-        landed_note="landed; its row needs a multi-process harness (spawned workers), not written yet",
-    ),
-)
+PENDING: tuple[Pending, ...] = ()  # every row of the issue is measured (multiproc: benchmarks/multiproc.py)

@@ -143,15 +143,16 @@ def markdown(rows: Sequence[Row], machine: dict[str, Any], settings: Settings, m
     lines += [
         "",
         "The plot's steps/s pool every block a stepper ran, across rows measured minutes apart; only the ratios "
-        "compare adjacent blocks. Every block time is in the JSON next to this file.",
-        "",
-        "Rows of the issue not measured yet:",
+        "compare adjacent blocks. Every block time is in the JSON next to this file. The `multiproc` row "
+        "alternates whole runs (new processes each; compile excluded) instead of blocks in one process.",
         "",
     ]
-    for pending in PENDING:
-        state = pending.landed_note if pending.landed() else "not landed"
-        lines.append(f"- {pending.key}: {pending.title} - {state}")
-    lines.append("")
+    if PENDING:
+        lines += ["Rows of the issue not measured yet:", ""]
+        for pending in PENDING:
+            state = pending.landed_note if pending.landed() else "not landed"
+            lines.append(f"- {pending.key}: {pending.title} - {state}")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -1,0 +1,27 @@
+"""The benchmark suite runs end to end (correctness only: tiny model, 2-step blocks; no timing asserts)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(300)
+def test_bench_smoke_writes_table_json_and_plot(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = sorted(p.suffix for p in tmp_path.iterdir())
+    assert files == [".json", ".md", ".png"]
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    keys = {row["key"] for row in data["rows"]}
+    assert {"P1", "P2", "null", "multiproc"} <= keys
+    assert all(row["status"] != "error" for row in data["rows"]), [r["note"] for r in data["rows"]]
+    table = next(tmp_path.glob("*.md")).read_text()
+    assert "| P1 |" in table and "| multiproc |" in table
