@@ -198,7 +198,8 @@ COMPARISONS: tuple[Comparison, ...] = (
     Comparison("run", "strategy.run + all_reduce vs strategy.jit", "mirrored.run", "mirrored.jit", None),
     Comparison("pmap", "strategy.jit vs legacy jax.pmap", "mirrored.jit", "pmap", None),
     Comparison(
-        "keras1", "strategy.jit + distribute_dataset vs Keras fit, spe=1", "mirrored.jit+dataset", "keras.spe1", None
+        "keras1", "strategy.jit + distribute_dataset vs Keras fit, spe=1", "mirrored.jit+dataset", "keras.spe1", 1.0,
+        quick_models=_BOTH,
     ),
     Comparison(
         "keras20", "strategy.jit + distribute_dataset vs Keras fit, spe=20", "mirrored.jit+dataset", "keras.spe20", None
@@ -208,7 +209,16 @@ COMPARISONS: tuple[Comparison, ...] = (
         "TPUStrategy steps_per_run=20 on-device loop vs strategy.jit per step (host numpy)",
         "tpu.spr20",
         "mirrored.jit+dataset",
-        None,
+        1.25,
+        models=(SMALL.name,),
+    ),
+    Comparison(
+        "spr-keras",
+        "TPUStrategy steps_per_run=20 vs Keras DataParallel fit, steps_per_execution=20",
+        "tpu.spr20",
+        "keras.spe20",
+        1.5,
+        models=(SMALL.name,),
     ),
     Comparison(
         "trainer",
