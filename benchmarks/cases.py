@@ -113,6 +113,14 @@ STEPPERS: dict[str, StepperDef] = {
             "TPUStrategy run_steps_on_dataset, 20 steps/loop (host numpy)",
             lambda p, d: runners.StepsPerRun(d.tpu(20), p, iterations=20),
         ),
+        *(
+            StepperDef(
+                f"tpu.spr{k}",
+                f"TPUStrategy run_steps_on_dataset, {k} steps/loop (host numpy)",
+                lambda p, d, k=k: runners.StepsPerRun(d.tpu(k), p, iterations=k),
+            )
+            for k in (1, 5, 50)
+        ),
         StepperDef("trainer.fit", "training.Trainer.fit (host numpy)", lambda p, d: runners.TrainerFit(d.mirrored, p)),
         StepperDef(
             "mirrored.jit+host_metric",
@@ -211,6 +219,18 @@ COMPARISONS: tuple[Comparison, ...] = (
         "mirrored.jit+dataset",
         1.25,
         models=(SMALL.name,),
+    ),
+    # P3: the steps_per_run sweep, each against the per-step strategy.jit loop (the plot's speedup panel).
+    *(
+        Comparison(
+            f"P3-{k}",
+            f"steps_per_run={k} on-device loop vs strategy.jit per step (host numpy)",
+            f"tpu.spr{k}",
+            "mirrored.jit+dataset",
+            None,
+            models=(SMALL.name,),
+        )
+        for k in (1, 5, 50)
     ),
     Comparison(
         "spr-keras",

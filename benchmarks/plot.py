@@ -39,10 +39,14 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
     if not models:
         return False
     tallest = max(sum(1 for m, _ in rates if m == model) for model in models)
+    sweep = _steps_per_run_sweep(rows)
     fig, axes = plt.subplots(
-        1, len(models), figsize=(7.5 * len(models), 1.2 + 0.38 * tallest), squeeze=False, constrained_layout=True
+        1, len(models) + bool(sweep), figsize=(7.5 * len(models) + 4.5 * bool(sweep), 1.2 + 0.38 * tallest),
+        squeeze=False, constrained_layout=True,
     )
-    for ax, model in zip(axes[0], models, strict=True):
+    if sweep:
+        _plot_sweep(axes[0][-1], sweep)
+    for ax, model in zip(axes[0], models, strict=False):
         keys = [key for m, key in rates if m == model]
         labels = [rates[model, key][0] for key in keys]
         stats = [spread(rates[model, key][1]) for key in keys]
@@ -71,3 +75,31 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _steps_per_run_sweep(rows: Sequence[Row]) -> list[tuple[int, Any]]:
+    """``[(steps_per_run, ratio spread vs per-step)]`` from the P3 rows and the tpu-spr row (k = 20)."""
+    found = {}
+    for row in rows:
+        if not row.measured:
+            continue
+        if row.key.startswith("P3-"):
+            found[int(row.key[3:])] = row.ratio
+        elif row.key == "tpu-spr":
+            found[20] = row.ratio
+    return sorted(found.items()) if len(found) > 1 else []
+
+
+def _plot_sweep(ax: Any, sweep: list[tuple[int, Any]]) -> None:
+    ks = [k for k, _ in sweep]
+    med = [r.median for _, r in sweep]
+    err = [[r.median - r.ci_low for _, r in sweep], [r.ci_high - r.median for _, r in sweep]]
+    ax.errorbar(ks, med, yerr=err, marker="o", capsize=3, color="tab:blue")
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xticks(ks, [str(k) for k in ks])
+    for k, m in zip(ks, med, strict=True):
+        ax.annotate(f"{m:.2f}x", (k, m), xytext=(4, 4), textcoords="offset points", fontsize=7)
+    ax.set_xlabel("steps_per_run (steps per compiled on-device loop)", fontsize=8)
+    ax.set_ylabel("speedup vs one strategy.jit step per batch (95% CI)", fontsize=8)
+    ax.set_title("steps_per_run speedup, small MLP (host numpy batches)", fontsize=9)
