@@ -15,6 +15,7 @@ elsewhere set the three ``JAXDIST_*`` variables per process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -95,27 +96,21 @@ def launch(
     def stop(signum=signal.SIGTERM):
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
                     os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 p.wait()
 
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(ValueError):  # not the main thread: no handler to install
             previous[sig] = signal.signal(sig, lambda s, f: (stop(s), sys.exit(128 + s)))
-        except ValueError:  # not the main thread
-            pass
     start = time.monotonic()
     code = 0
     try:

@@ -70,6 +70,8 @@ class Strategy:
 
     def __init__(self, devices: Sequence[jax.Device], model_parallelism: int = 1):
         self._devices = tuple(devices)
+        # Auto axes (not jax.make_mesh's Explicit default): the global view compiles UNMODIFIED single-device
+        # steps, which sharding-in-types would make annotate their own layouts.
         if model_parallelism == 1:
             self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
         else:  # replicas are the rows of a (replica, model) grid; a replica's devices hold one model copy

@@ -10,6 +10,7 @@ thread keeps ``prefetch`` batches in flight to the devices so the step rarely wa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -226,11 +227,9 @@ class DistributedIterator:
             self._stop.set()
             deadline = time.monotonic() + 5
             while self._thread.is_alive() and time.monotonic() < deadline:
-                try:  # make room, so a producer blocked on a full queue sees the stop at once
+                with contextlib.suppress(queue.Empty):  # make room: a producer blocked on put sees the stop
                     while True:
                         self._queue.get_nowait()
-                except queue.Empty:
-                    pass
                 self._thread.join(timeout=0.01)
 
     def __enter__(self) -> DistributedIterator:
