@@ -166,8 +166,8 @@ def _stack(strategy: Strategy, batches: list[Any]) -> Any:
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
-        if jax.process_count() == 1:
-            return jax.device_put(host, sharding)
+        if jax.process_count() == 1:  # each device gets its own columns of the stack, from host views
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
         rows = sharding.addressable_devices_indices_map(host.shape)
         lo = min(i[1].start or 0 for i in rows.values())
         hi = max(i[1].stop or host.shape[1] for i in rows.values())
@@ -212,15 +212,20 @@ def run_steps_on_dataset(
         cache[key] = entry
     program, info = entry
     state = initial_loop_values if has_state else ()
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
-                                                        sharding=getattr(x, "sharding", None)), (state, stacked))
     new_state, outputs = program(state, stacked)
     ctx.loop_values = new_state if has_state else None
     ctx._last_step_outputs = dict(zip(info["names"], outputs, strict=True))
     ctx._aggregations = dict(info["aggregations"])
     ctx._non_tensor_outputs = dict(info["non_tensor"])
-    ctx._lowered = lambda: program.lower(*shapes)  # abstract: the state may have been donated
+    ctx._lowered = lambda: program.lower(*_abstract((state, stacked)))  # abstract: the state may be donated
     return ctx
+
+
+def _abstract(tree: Any) -> Any:
+    """Shapes, dtypes and layouts of ``tree`` (readable even from donated arrays)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)), tree
+    )
 
 
 def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: int, donate: bool):
