@@ -70,6 +70,14 @@ def launch(
 
     Raises:
         ValueError: for ``num_processes`` < 1 or an empty command.
+
+    Example:
+        >>> import io, pathlib, tempfile
+        >>> script = pathlib.Path(tempfile.mkdtemp()) / "hello.py"
+        >>> _ = script.write_text("import os; print('process', os.environ['JAXDIST_PROCESS_ID'])")
+        >>> out = io.StringIO()
+        >>> launch([str(script)], 2, out=out), sorted(out.getvalue().splitlines())
+        (0, ['[0] process 0', '[1] process 1'])
     """
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes={num_processes!r} must be an int >= 1.")
@@ -141,7 +149,18 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] script.py args...``."""
+    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] script.py args...``.
+
+    Returns:
+        The exit status (see `launch`).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> script = pathlib.Path(tempfile.mkdtemp()) / "ok.py"
+        >>> _ = script.write_text("pass")
+        >>> main(["-n", "2", str(script)])
+        0
+    """
     parser = argparse.ArgumentParser(prog="python -m jaxdist.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
     parser.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")

@@ -180,3 +180,14 @@ def test_created_after_computation_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
     assert "must be created before any JAX computation" in out.stdout, out.stdout + out.stderr
+
+
+def test_launcher_command_line_errors(capsys):
+    from jaxdist.launch import main
+
+    with pytest.raises(SystemExit):
+        main(["-n", "0", "x.py"])
+    assert "-n/--num-processes=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["-n", "2"])
+    assert "no script given" in capsys.readouterr().err

@@ -355,3 +355,20 @@ def test_host_region_clusters_and_host_compute_core():
     ctx = strategy.run_steps_on_dataset(lambda ctx, s, x: s + step(x), iter([np.ones((4, 2), np.float32)] * 2),
                                         iterations=2, initial_loop_values=np.float32(0))
     assert jd.tpu.host_compute_core(ctx.lower(), 2) == ["0:0", "0:1", "1:0", "1:1"]
+
+
+def test_more_steps_loop_errors():
+    strategy = jd.MirroredStrategy()
+    w = np.float32(0)
+    mixed = iter([(np.ones((8, 1)), np.ones((8, 1))), np.ones((8, 1))])
+    with pytest.raises(ValueError, match=r"batch 1 has structure .* batch 0 has .*batches must agree"):
+        strategy.run_steps_on_dataset(lambda ctx, w, *x: w, mixed, iterations=2, initial_loop_values=w)
+    with pytest.raises(ValueError, match=r"a batch leaf is a scalar"):
+        strategy.run_steps_on_dataset(lambda ctx, w, x: w, iter([np.float32(1)]), iterations=1, initial_loop_values=w)
+
+    def bad_name(ctx, w, x):
+        ctx.set_last_step_output(3, x.sum())
+        return w
+
+    with pytest.raises(ValueError, match=r"name=3 must be a string"):
+        strategy.run_steps_on_dataset(bad_name, iter([np.ones((8, 1))]), iterations=1, initial_loop_values=w)

@@ -131,3 +131,12 @@ def test_sync_on_read_is_a_pytree():
     doubled = jax.jit(lambda t: jax.tree.map(lambda v: v * 2, t))(total)
     assert isinstance(doubled, jd.SyncOnRead)
     np.testing.assert_allclose(doubled.read(), np.full(2, 16.0))
+
+
+def test_replica_context_errors():
+    strategy = jd.MirroredStrategy()
+    with pytest.raises(ValueError, match=r"all_gather got a scalar.*gather x\[None\]"):
+        strategy.run(lambda x: jd.get_replica_context().all_gather(x.sum()), args=(jnp.ones(2),))
+    total = strategy.sync_on_read(jnp.zeros(2), "sum")
+    with pytest.raises(ValueError, match=r"value has shape \(3,\) but this replica's component has shape \(2,\)"):
+        strategy.run(lambda t: t.assign(jnp.zeros(3)), args=(total,))

@@ -162,6 +162,14 @@ class DistributedIterator:
     """Iterates placed global batches; a background thread keeps ``prefetch`` of them in flight.
 
     Call ``close()`` (or exhaust it, or use it as a context manager) to stop the thread early.
+
+    Example:
+        >>> import numpy as np, jaxdist as jd
+        >>> strategy = jd.OneDeviceStrategy()
+        >>> with iter(strategy.experimental_distribute_dataset([np.ones((2, 1))] * 5)) as batches:
+        ...     first = next(batches)   # the thread stops on leaving the block, batches in flight are dropped
+        >>> first.shape
+        (2, 1)
     """
 
     def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int):
@@ -247,6 +255,12 @@ class DistributedDataset:
     """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
 
     Made by ``strategy.experimental_distribute_dataset`` or ``strategy.distribute_datasets_from_function``.
+
+    Example:
+        >>> import numpy as np, jaxdist as jd
+        >>> dataset = jd.OneDeviceStrategy().experimental_distribute_dataset([np.zeros((4, 2))] * 3)
+        >>> len(list(dataset)), len(list(dataset))  # each pass iterates the source again
+        (3, 3)
     """
 
     def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int):
