@@ -1,4 +1,4 @@
-"""jaxdist's head-to-head benchmark suite (issue 6).
+"""jaxdist's head-to-head benchmark suite.
 
 Every row times two ways of running the same training step in one process, in alternating blocks, and
 reports the ratio of their steps/s (see `benchmarks.timing`). Run it with ``./scripts/bench`` or

@@ -1,17 +1,15 @@
-"""What the suite compares: the steppers, the head-to-head rows (with targets) and the rows not landed yet.
+"""What the suite compares: the steppers and the head-to-head rows (with targets).
 
 Adding a row: register its steppers in `STEPPERS` (a builder from a `Problem` and the shared `Devices`)
-and append a `Comparison` to `COMPARISONS`. A feature that has not landed in jaxdist yet is listed in
-`PENDING` with a probe; the report shows it as "not landed" until the probe finds it, then as "landed, no
-case yet" until its `Comparison` is written. A stepper whose jaxdist feature is missing from the checkout
-raises `runners.Unavailable`, so its rows come out "skipped" rather than failing the suite.
+and append a `Comparison` to `COMPARISONS`. A stepper that cannot run on this machine (a missing optional
+package, an API that errors) raises `runners.Unavailable`, so its rows come out "skipped" rather than
+failing the suite.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections.abc import Callable
 
 import jax
@@ -21,7 +19,7 @@ from benchmarks import runners
 from benchmarks.models import LARGE, SMALL, Problem
 from benchmarks.timing import Stepper
 
-__all__ = ["COMPARISONS", "PENDING", "STEPPERS", "Comparison", "Devices", "Pending", "StepperDef"]
+__all__ = ["COMPARISONS", "STEPPERS", "Comparison", "Devices", "StepperDef"]
 
 
 class Devices:
@@ -43,21 +41,13 @@ class Devices:
         return jd.OneDeviceStrategy(self.devices[0])
 
     @functools.cached_property
-    def sharded(self) -> jd.Strategy:
+    def sharded(self) -> jd.ShardedStrategy:
         """`ShardedStrategy` (FSDP) over every device of the run."""
-        return _landed("ShardedStrategy")(self.devices)
+        return jd.ShardedStrategy(self.devices)
 
-    def tpu(self, steps_per_run: int) -> jd.Strategy:
+    def tpu(self, steps_per_run: int) -> jd.TPUStrategy:
         """`TPUStrategy` over every device of the run (the default backend's devices: CPU here)."""
-        return _landed("TPUStrategy")(steps_per_run=steps_per_run, devices=self.devices)
-
-
-def _landed(name: str):
-    """``jaxdist.<name>``, or `runners.Unavailable` when it has not landed in this checkout."""
-    found = getattr(jd, name, None)
-    if found is None:
-        raise runners.Unavailable(f"jaxdist.{name} has not landed")
-    return found
+        return jd.TPUStrategy(steps_per_run=steps_per_run, devices=self.devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +141,7 @@ class Comparison:
         title: what is compared.
         candidate: `STEPPERS` key of the side under test (the numerator).
         baseline: `STEPPERS` key of the reference (the denominator).
-        target: the ratio the issue asks for, or None for an informational row.
+        target: the ratio the candidate must reach (``ratio >= target``), or None for an informational row.
         models: model names in a full run.
         quick_models: model names in a ``--quick`` run.
         pairs_factor: this row runs ``pairs_factor`` times the run's pairs (the rows with targets get more, so
@@ -262,36 +252,3 @@ COMPARISONS: tuple[Comparison, ...] = (
         None,
     ),
 )
-
-
-def _has(module: str, name: str) -> bool:
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except ImportError:
-        return False
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """A row of the issue whose jaxdist feature has not landed yet.
-
-    Attributes:
-        key: short id.
-        title: the comparison it will be.
-        module: where the feature will live.
-        name: the public name whose presence means it landed.
-        landed_note: what the report says once it has landed but has no `Comparison` yet.
-    """
-
-    key: str
-    title: str
-    module: str
-    name: str
-    landed_note: str = "landed, no case yet (add it in benchmarks/cases.py)"
-
-    def landed(self) -> bool:
-        """Whether ``module.name`` exists now."""
-        return _has(self.module, self.name)
-
-
-PENDING: tuple[Pending, ...] = ()  # every row of the issue is measured (multiproc: benchmarks/multiproc.py)

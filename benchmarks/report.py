@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from benchmarks.cases import COMPARISONS, PENDING
+from benchmarks.cases import COMPARISONS
 from benchmarks.plot import plot
 from benchmarks.runners import FIT_MIN_BLOCK_SECONDS
 from benchmarks.suite import Row, stepper_rates
@@ -106,7 +106,7 @@ def _status(row: Row) -> str:
 
 
 def markdown(rows: Sequence[Row], machine: dict[str, Any], settings: Settings, mode: str) -> str:
-    """The results as markdown: machine line, head-to-head table, steps/s per stepper, rows not landed."""
+    """The results as markdown: machine line, head-to-head table, steps/s per stepper."""
     v = machine["versions"]
     lines = [
         f"# jaxdist benchmarks ({mode}) - {machine['date'][:10]}, {machine['backend']} x{machine['device_count']}",
@@ -147,12 +147,6 @@ def markdown(rows: Sequence[Row], machine: dict[str, Any], settings: Settings, m
         "alternates whole runs (new processes each; compile excluded) instead of blocks in one process.",
         "",
     ]
-    if PENDING:
-        lines += ["Rows of the issue not measured yet:", ""]
-        for pending in PENDING:
-            state = pending.landed_note if pending.landed() else "not landed"
-            lines.append(f"- {pending.key}: {pending.title} - {state}")
-        lines.append("")
     return "\n".join(lines)
 
 
@@ -175,7 +169,6 @@ def write_results(
             {"model": model, "stepper": key, "label": label, "steps_per_s": dataclasses.asdict(spread(rates))}
             for (model, key), (label, rates) in stepper_rates(rows).items()
         ],
-        "pending": [{"key": p.key, "title": p.title, "landed": p.landed()} for p in PENDING],
     }
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
     if not plot(rows, machine, paths["plot"]):

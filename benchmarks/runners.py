@@ -281,15 +281,10 @@ class HostMetricJit(_Loop):
 
     With ``host=True`` the accuracy runs in a ``jd.tpu.outside_compilation`` region (one host call per replica
     per step, on that replica's rows); with ``host=False`` the same function runs on the devices.
-
-    Raises:
-        Unavailable: when ``jaxdist.tpu.outside_compilation`` is missing.
     """
 
     def __init__(self, strategy: jd.Strategy, problem: Problem, host: bool):
-        outside = getattr(getattr(jd, "tpu", None), "outside_compilation", None)
-        if host and outside is None:
-            raise Unavailable("jaxdist.tpu.outside_compilation has not landed")
+        outside = jd.tpu.outside_compilation
 
         def correct(logits, y):
             return (jnp.argmax(logits, -1) == y).astype(jnp.float32)
@@ -316,17 +311,12 @@ class StepsPerRun:
 
     Host numpy batches are taken from an endless iterator; each call stacks and places ``iterations`` of
     them at once (TPU infeed style). The step records its loss with ``ctx.set_last_step_output``.
-
-    Raises:
-        Unavailable: when the strategy has no ``run_steps_on_dataset``.
     """
 
     min_block_steps = 1
     min_block_seconds = 0.0
 
     def __init__(self, strategy: jd.Strategy, problem: Problem, iterations: int):
-        if not hasattr(strategy, "run_steps_on_dataset"):
-            raise Unavailable(f"{type(strategy).__name__}.run_steps_on_dataset has not landed")
         self.step_multiple = iterations
         self._strategy = strategy
         self._state = strategy.create_variables(problem.init, jax.random.key(0), problem.sample_x())

@@ -24,9 +24,12 @@ from jaxdist.strategies import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies import MultiStepContext as MultiStepContext
 from jaxdist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies import RecompileWarning as RecompileWarning
 from jaxdist.strategies import ReplicaContext as ReplicaContext
 from jaxdist.strategies import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies import Strategy as Strategy
+from jaxdist.strategies import StrategyFunction as StrategyFunction
+from jaxdist.strategies import UndeclaredBatchWarning as UndeclaredBatchWarning
 from jaxdist.strategies import get_replica_context as get_replica_context
 from jaxdist.strategies import get_strategy as get_strategy
 from jaxdist.strategies import has_strategy as has_strategy
@@ -45,12 +48,15 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
+    "RecompileWarning",
     "ReduceOp",
     "ReplicaContext",
     "ShardedStrategy",
     "Strategy",
+    "StrategyFunction",
     "SyncOnRead",
     "TPUStrategy",
+    "UndeclaredBatchWarning",
     "VariableAggregation",
     "gradients",
     "get_replica_context",

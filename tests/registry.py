@@ -13,6 +13,10 @@ REGISTRY = {
     "mirrored_2": (lambda: jd.MirroredStrategy(jax.devices()[:2]), 2),
     "mirrored_8": (lambda: jd.MirroredStrategy(jax.devices()[:8]), 8),
     "sharded_8": (lambda: jd.ShardedStrategy(jax.devices()[:8], min_shard_size=1), 8),
+    # FSDP over 4 replicas on a (replica, model) = (4, 2) mesh: variables split on "replica", each replica's
+    # two devices holding the same shard (no layout rules here: tensor parallelism is tested in test_sharded)
+    "sharded_4x2": (lambda: jd.ShardedStrategy(jax.devices()[:8], min_shard_size=1, model_parallelism=2), 8),
+    "tpu_8": (lambda: jd.TPUStrategy(steps_per_run=4, devices=jax.devices()[:8]), 8),
 }
 
 

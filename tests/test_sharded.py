@@ -121,8 +121,22 @@ def test_run_sees_whole_parameters_and_its_own_rows():
     w = strategy.mirror(np.arange(16, dtype=np.float32).reshape(8, 2))
     assert w.sharding.spec == P("replica")  # split on axis 0, like a batch
     x = strategy.experimental_distribute_values(np.ones((16, 8), np.float32))
-    shapes = strategy.run(lambda w, x: (jnp.float32(w.shape[0]), jnp.float32(x.shape[0])), args=(w, x))
+    shapes = strategy.run(lambda w, x: (jnp.float32(w.shape[0]), jnp.float32(x.shape[0])), args=(w, x),
+                          batch_argnums=(1,))
     assert float(shapes[0]) == 8.0 and float(shapes[1]) == 2.0  # whole w, this replica's 2 rows of x
+
+
+def test_run_warns_when_a_split_value_might_be_a_batch_or_a_variable():
+    strategy = jd.ShardedStrategy(min_shard_size=1)
+    w = strategy.mirror(np.arange(16, dtype=np.float32).reshape(8, 2))
+    x = strategy.experimental_distribute_values(np.ones((16, 8), np.float32))
+    derived = x * 2.0  # split like a batch, but not placed by the input functions: ambiguous on FSDP
+    fn = lambda w, x: (jnp.float32(w.shape[0]), jnp.float32(x.shape[0]))  # noqa: E731
+    with pytest.warns(jd.UndeclaredBatchWarning, match=r"got args\[0\], split over the replicas.*batch_argnums"):
+        shapes = strategy.run(fn, args=(w, x))
+    assert float(shapes[0]) == 8.0 and float(shapes[1]) == 2.0  # the input function's batch is still known
+    shapes = strategy.run(fn, args=(w, derived), batch_argnums=(1,))
+    assert float(shapes[1]) == 2.0  # declared: its rows are split
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hlo import CollectiveOp, collective_bytes, collectives
 from registry import all_strategies, make
 
 import jaxdist as jd
@@ -354,8 +355,9 @@ def test_sparse_rows_equal_the_dense_all_reduce(vocab, method, expected_kind):
     got, want = strategy.run(replica_fn, args=(table, w, ids_dist))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert got.sharding.is_fully_replicated
-    program = strategy.jit(lambda t, w, i: strategy.run(replica_fn, args=(t, w, i)))  # strategy.jit: ids stay a batch
-    kinds = {op.kind for op in G.collectives(program.lower(table, w, ids_dist))
+    # The ids are the batch; the table and w take the variable layout (mirrored).
+    program = strategy.jit(lambda t, w, i: strategy.run(replica_fn, args=(t, w, i)), batch_argnums=2)
+    kinds = {op.kind for op in collectives(program.lower(table, w, ids_dist))
              if op.operand_bytes != table.nbytes}  # leave out the reference's dense all-reduce
     assert kinds == {expected_kind}
 
@@ -400,8 +402,9 @@ def _bytes_per_step(strategy, compressor, shape):
     def replica_fn(g, state):  # a different gradient on every replica
         return sync.all_reduce(g * (1.0 + jd.get_replica_context().replica_id_in_sync_group), state)
 
-    compiled = strategy.jit(lambda g, s: strategy.run(replica_fn, args=(g, s))).lower(g, sync.init(g)).compile()
-    return G.collective_bytes(compiled), G.collective_bytes(compiled, wire=True), G.collectives(compiled)
+    program = strategy.jit(lambda g, s: strategy.run(replica_fn, args=(g, s)), batch_argnums=())  # no batch
+    compiled = program.lower(g, sync.init(g)).compile()
+    return collective_bytes(compiled), collective_bytes(compiled, wire=True), collectives(compiled)
 
 
 def test_bytes_per_step_from_compiled_hlo():
@@ -447,16 +450,20 @@ ENTRY %main (p0: f32[8,4], p1: bf16[16]) -> f32[8,4] {
   ROOT %cp = f32[8,4]{1,0} collective-permute(%p0), source_target_pairs={{0,1},{1,0}}
 }
 """
-    ops = G.collectives(hlo)
+    ops = collectives(hlo)
     assert [(op.name, op.kind, op.operand_bytes, op.group_size) for op in ops] == [
         ("ar", "all-reduce", 160, 2), ("ag", "all-gather", 128, 4), ("rs", "reduce-scatter", 128, 4),
         ("cp", "collective-permute", 128, 4),
     ]
-    assert G.collective_bytes(hlo) == 544
-    assert G.collective_bytes(hlo, wire=True) == pytest.approx(160 + 3 * 128 + 0.75 * 128 + 128)
-    assert G.collective_bytes(hlo, kinds=("all-reduce", "all-gather")) == 288
-    assert G.collective_bytes("HloModule empty", wire=True) == 0.0
-    assert G.CollectiveOp("x", "all-reduce", 8, 1).wire_bytes == 0.0
+    assert collective_bytes(hlo) == 544
+    assert collective_bytes(hlo, wire=True) == pytest.approx(160 + 3 * 128 + 0.75 * 128 + 128)
+    assert collective_bytes(hlo, kinds=("all-reduce", "all-gather")) == 288
+    assert collective_bytes("HloModule empty", wire=True) == 0.0
+    assert CollectiveOp("x", "all-reduce", 8, 1).wire_bytes == 0.0
+    with pytest.raises(TypeError, match=r"hlo=int is not HLO: pass jitted.lower"):
+        collective_bytes(42)
+    with pytest.raises(ValueError, match=r"kinds=\('send',\) has unknown kinds \['send'\]"):
+        collective_bytes("HloModule m", kinds=("send",))
 
 
 # ------------------------------------------------------------------------------------------ error paths
@@ -502,9 +509,5 @@ def test_error_paths():
         G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((2, 3)), 0))
     with pytest.raises(ValueError, match=r"method='scatter' is not one of 'auto', 'all_gather', 'dense'"):
         G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((2, 3)), 4), method="scatter")
-    with pytest.raises(TypeError, match=r"hlo=int is not HLO: pass jitted.lower"):
-        G.collective_bytes(42)
-    with pytest.raises(ValueError, match=r"kinds=\('send',\) has unknown kinds \['send'\]"):
-        G.collective_bytes("HloModule m", kinds=("send",))
     assert "PowerSGDCompressor(rank=2, seed=0)" in repr(sync)
     assert repr(G.CastCompressor()) == "CastCompressor(dtype=bfloat16, error_feedback=False, collective='auto')"

@@ -248,6 +248,38 @@ def test_outside_compilation_sees_per_replica_shapes():
     np.testing.assert_allclose(means, np.arange(32).reshape(8, 4).mean(1))
 
 
+def test_outside_compilation_once_per_replica_on_a_model_parallel_mesh():
+    """On a (replica, model) = (4, 2) mesh the host runs once per replica, not once per device."""
+    strategy = make("sharded_4x2")
+    n = strategy.num_replicas_in_sync
+    assert n == 4
+    x_host = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    x = strategy.experimental_distribute_values(x_host)
+    seen = []
+
+    def host(x):  # numpy: called at run time, once per call
+        seen.append(x.shape)
+        return np.cos(x)
+
+    shape = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    logged = []
+
+    def replica_fn(x):
+        oc(lambda v: logged.append(v.shape), x, result_shape=())  # a side effect: ordered, no result
+        return oc(host, x, result_shape=shape)
+
+    out = strategy.run(replica_fn, args=(x,))
+    jax.effects_barrier()
+    np.testing.assert_allclose(strategy.gather(out), np.cos(x_host), rtol=1e-6)
+    assert seen == [(2, 3)] * n and logged == [(2, 3)] * n
+    seen.clear()
+    flags = strategy.jit(lambda x: oc(lambda v: np.asarray(v > 5), x, result_shape=jax.ShapeDtypeStruct(
+        (2, 3), jnp.bool_)))(x)  # a boolean result comes back unchanged from the replica's first device
+    np.testing.assert_array_equal(flags, x_host > 5)
+    np.testing.assert_allclose(strategy.jit(lambda x: oc(host, x, result_shape=shape))(x), np.cos(x_host), rtol=1e-6)
+    assert seen == [(2, 3)] * n
+
+
 def test_outside_compilation_numpy_host_fn():
     strategy = jd.MirroredStrategy()
     x_host = np.linspace(-1, 1, 16, dtype=np.float32).reshape(8, 2)

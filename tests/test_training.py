@@ -188,11 +188,13 @@ def test_steps_per_run_uses_on_device_loops(linen_variables):
         def on_step_end(self, trainer, step, metrics):
             seen.append(step)
 
-    history = trainer.fit(batches, steps=10, log_every=4, verbose=0, callbacks=[Steps()])
+    history = trainer.fit(batches, steps=10, log_every=3, verbose=0, callbacks=[Steps()])
     assert seen == [4, 8, 10]  # two loops of 4 steps, then the 2 left
     assert_trees_close(trainer.params, want_params)
-    assert history.train[-1]["step"] == 10
-    np.testing.assert_allclose(history.train[-1]["loss"], want_losses[-1], rtol=1e-5)  # the run's last step
+    # every log is the mean over its steps, at the log points of one step at a time (3 and 6 inside loops)
+    assert [row["step"] for row in history.train] == [3, 6, 9, 10]
+    want = [np.mean(want_losses[a:b]) for a, b in ((0, 3), (3, 6), (6, 9), (9, 10))]
+    np.testing.assert_allclose(history.metric("loss"), want, rtol=1e-5)
 
 
 def test_evaluate_and_predict_cover_every_example_with_padding(linen_variables):

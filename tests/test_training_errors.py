@@ -45,7 +45,9 @@ def test_non_scalar_loss_and_metric(strategy):
     [
         ([(np.ones((8, 4)), np.ones(8), np.ones(8))], r"train_data batch 0 of epoch 0 is a tuple of 3 items; "
                                                      r"expected \(x, y\)"),
-        ([{"inputs": np.ones((8, 4)), "y": np.ones(8)}], r"dict with keys \['inputs', 'y'\]; expected"),
+        ([{"inputs": np.ones((8, 4)), "y": np.ones(8)}],
+         r"dict with keys \['inputs', 'y'\] and no 'x' \(input_key='x'\): name the keys .* "
+         r"Trainer\(\.\.\., input_key='inputs', target_key='y'\)"),
         ([np.ones((8, 4))], r"is a ndarray; expected \(x, y\)"),
     ],
 )

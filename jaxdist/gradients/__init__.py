@@ -22,15 +22,11 @@ from jaxdist.gradients.sparse import is_sparse as is_sparse
 from jaxdist.gradients.sparse import sparse_all_reduce as sparse_all_reduce
 from jaxdist.gradients.synchronizers import AllReduceSynchronizer as AllReduceSynchronizer
 from jaxdist.gradients.synchronizers import SynchronizerState as SynchronizerState
-from jaxdist.gradients.traffic import CollectiveOp as CollectiveOp
-from jaxdist.gradients.traffic import collective_bytes as collective_bytes
-from jaxdist.gradients.traffic import collectives as collectives
 
 __all__ = [
     "AllReduceSynchronizer",
     "CastCompressor",
     "CastState",
-    "CollectiveOp",
     "Compressor",
     "NoneCompressor",
     "PowerSGDCompressor",
@@ -41,8 +37,6 @@ __all__ = [
     "cluster",
     "cluster_of",
     "clusters",
-    "collective_bytes",
-    "collectives",
     "current_cluster",
     "current_gradient_uid",
     "grad",

@@ -13,6 +13,9 @@ that produced an op is always the suffix after the last ``.``. An op is in the b
 how JAX names what it transposes.
 
 Plain `jax.grad` works on code with clusters too; its gradient ops just carry no uid.
+
+Any code can tag and read clusters. `jaxdist.tpu.outside_compilation` builds on them: each host region is
+cluster "0", "1", ... of its computation, and its VJP runs as the host region of cluster ``C.uid``.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def _next_uid() -> str:
     """Numbered per strategy computation (deterministic names); process-wide outside one."""
     frame = current_computation()
     if frame is not None:
-        return frame.next_uid()
-    with _uid_lock:
-        n = next(_uids)
+        n = frame.counter("gradient_uid")
+    else:
+        with _uid_lock:
+            n = next(_uids)
     return "uid" if n == 0 else f"uid_{n}"
 
 

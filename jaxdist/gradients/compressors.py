@@ -1,4 +1,4 @@
-"""Gradient compressors: what the all-reduce of one gradient leaf puts on the wire (DESIGN §4).
+"""Gradient compressors: what the all-reduce of one gradient leaf puts on the wire.
 
 A compressor reduces ONE gradient leaf across the replicas: ``decompress(all_reduce(compress(g)))``.
 
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist.replicate.collectives import all_reduce, axis_size, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 
@@ -44,13 +45,7 @@ _COLLECTIVES = ("auto", "all_reduce", "all_to_all")
 
 
 def replica_count(axis_name: str = REPLICA_AXIS) -> int | None:
-    """The size of the mapped axis ``axis_name`` where it is bound (inside ``strategy.run``), else None.
-
-    Args:
-        axis_name: the mesh axis the collectives run over.
-
-    Returns:
-        The number of replicas on that axis, or None outside any mapping of it.
+    """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else None.
 
     Example:
         >>> import jaxdist as jd
@@ -59,28 +54,17 @@ def replica_count(axis_name: str = REPLICA_AXIS) -> int | None:
         >>> int(jd.MirroredStrategy().run(lambda: jd.gradients.replica_count()))
         8
     """
-    try:
-        return int(jax.lax.axis_size(axis_name))
-    except NameError:
-        return None
-
-
-def _is_varying(x: Any, axis_name: str) -> bool:
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return axis_name in (getattr(mat, "varying", None) or frozenset())
+    return axis_size(axis_name)
 
 
 def _varying(x: jax.Array, axis_name: str) -> jax.Array:
     """``x`` marked as differing per replica (collectives that move data need a varying input)."""
-    return x if _is_varying(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
+    return to_varying(x, axis_name)
 
 
 def _all_reduce(x: jax.Array, reduce_op: ReduceOp, axis_name: str) -> jax.Array:
     """psum / pmean over ``axis_name``; the identity where the axis is not bound (one replica)."""
-    if replica_count(axis_name) is None:
-        return x
-    x = _varying(x, axis_name)
-    return jax.lax.psum(x, axis_name) if reduce_op is ReduceOp.SUM else jax.lax.pmean(x, axis_name)
+    return all_reduce(x, reduce_op, axis_name)
 
 
 def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:

@@ -22,6 +22,7 @@ __all__ = [
     "REPLICA_AXIS",
     "batch_sharded",
     "is_on_mesh",
+    "path_name",
     "put",
     "replicated",
     "splits_batch_axis",
@@ -110,3 +111,22 @@ def splits_batch_axis(x: Any, mesh: Mesh) -> bool:
         return False
     first = spec[0]
     return first == REPLICA_AXIS or (isinstance(first, tuple) and REPLICA_AXIS in first)
+
+
+def path_name(path: tuple) -> str:
+    """``"params/Dense_0/kernel"`` for a pytree key path: the name layout rules match against.
+
+    Example:
+        >>> import jax
+        >>> [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path({"params": {"w": 1}})]
+        ['params/w']
+    """
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)

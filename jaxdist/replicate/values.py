@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 
 __all__ = ["PerReplica", "SyncOnRead", "component_name", "local_components"]
@@ -235,11 +236,7 @@ class SyncOnRead(_Distributed):
 
 @functools.partial(jax.jit, static_argnames="mode")
 def _aggregate_stacked(stacked: jax.Array, mode: str) -> jax.Array:
-    if mode == "SUM":
-        return jnp.sum(stacked, axis=0)
-    if mode == "MEAN":
-        return jnp.mean(stacked, axis=0)
-    return stacked[0]
+    return reduce_stacked(stacked, VariableAggregation[mode])
 
 
 def _spread(value: jax.Array, n: int, mode: str, sharding) -> jax.Array:

@@ -6,12 +6,15 @@ from jaxdist.strategies.context import get_strategy as get_strategy
 from jaxdist.strategies.context import has_strategy as has_strategy
 from jaxdist.strategies.context import in_cross_replica_context as in_cross_replica_context
 from jaxdist.strategies.global_view import StrategyFunction as StrategyFunction
+from jaxdist.strategies.global_view import UndeclaredBatchWarning as UndeclaredBatchWarning
 from jaxdist.strategies.input import DistributedDataset as DistributedDataset
 from jaxdist.strategies.input import DistributedIterator as DistributedIterator
 from jaxdist.strategies.input import InputContext as InputContext
 from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies.programs import ProgramCache as ProgramCache
+from jaxdist.strategies.programs import RecompileWarning as RecompileWarning
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
 from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies.steps import MultiStepContext as MultiStepContext
@@ -24,10 +27,13 @@ __all__ = [
     "MultiStepContext",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ProgramCache",
+    "RecompileWarning",
     "ReplicaContext",
     "ShardedStrategy",
     "Strategy",
     "StrategyFunction",
+    "UndeclaredBatchWarning",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

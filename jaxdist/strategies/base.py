@@ -12,7 +12,12 @@ else is layouts on that mesh and two ways to run code on it:
   of every batch and its own copy of every mirrored value, with explicit collectives through
   `get_replica_context()`; `reduce`, `gather` and `experimental_local_results` read its outputs.
 
-Subclasses choose devices and layouts (`_variable_sharding`); the rest is shared.
+Roles are declared or carried by the value, never guessed: a value is a batch because it was placed as one
+(its layout: axis 0 split over the replicas) or because the caller declared it (``batch_argnums``);
+everything else is a variable in the strategy's variable layout. Subclasses customise layouts through three
+public hooks (Keras' ``get_variable_layout`` / ``get_data_layout`` are the model): `variable_layout`,
+`layout_role` and `mark_batch`; the rest is shared. Every program a strategy compiles lives in its one
+`ProgramCache` (``strategy.programs``).
 """
 
 from __future__ import annotations
@@ -26,12 +31,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, batch_sharded, put, replicated, splits_batch_axis
+from jaxdist.replicate.layouts import (
+    MODEL_AXIS,
+    REPLICA_AXIS,
+    batch_sharded,
+    is_on_mesh,
+    path_name,
+    put,
+    replicated,
+    splits_batch_axis,
+)
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
 from jaxdist.strategies.context import enter_scope
-from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.global_view import StrategyFunction, as_argnums
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch
+from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.run import ReplicaRunner
 from jaxdist.strategies.steps import MultiStepContext, run_steps_on_dataset
 
@@ -40,19 +55,6 @@ __all__ = ["Strategy"]
 
 def _is_distributed(x: Any) -> bool:
     return isinstance(x, (PerReplica, SyncOnRead))
-
-
-def _path_name(path: tuple) -> str:
-    """``params/Dense_0/kernel`` for a pytree key path (the names layout rules match against)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 class Strategy:
@@ -78,8 +80,7 @@ class Strategy:
             grid = np.array(self._devices).reshape(-1, model_parallelism)
             self._mesh = Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
         self._runner = ReplicaRunner(self)
-        self._programs: dict[Any, Callable] = {}
-        self._loops: dict[Any, Any] = {}
+        self._programs = ProgramCache()
         self.steps_per_run = 1
 
     # ----------------------------------------------------------------------------------------- topology
@@ -128,6 +129,11 @@ class Strategy:
         """The layout of mirrored values: a whole copy on every replica."""
         return replicated(self._mesh)
 
+    @property
+    def programs(self) -> ProgramCache:
+        """The one cache of this strategy's compiled programs (weak on user functions, bounded)."""
+        return self._programs
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
@@ -148,11 +154,81 @@ class Strategy:
         return enter_scope(self)
 
     # ----------------------------------------------------------------------------------------- variables
-    def _variable_sharding(self, path: str, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
-        """The layout of the variable at ``path`` ("params/Dense_0/kernel") of this shape: the hook a
-        subclass overrides (mirrored = replicated)."""
+    # ------------------------------------------------------------------------------------ layout hooks
+    def variable_layout(self, path: str, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype ``aval``.
+
+        The hook a strategy overrides to place variables (Keras' ``get_variable_layout``): mirrored strategies
+        replicate every variable; `ShardedStrategy` splits them (FSDP, layout rules). Everything that places
+        variables goes through it: `create_variables`, `mirror`, `variable_shardings`, unplaced non-batch
+        arguments of `jit` and `run`, and outputs of `jit` not shaped like an argument.
+
+        Example:
+            >>> import jax, jaxdist as jd
+            >>> jd.OneDeviceStrategy().variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
+            P()
+        """
         del path, aval
         return replicated(self._mesh)
+
+    def data_layout(self, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+        """The layout of a batch leaf of shape ``aval``: axis 0 split over the replicas (Keras'
+        ``get_data_layout``).
+
+        Example:
+            >>> import jax, jaxdist as jd
+            >>> jd.OneDeviceStrategy().data_layout(jax.ShapeDtypeStruct((4, 2), "float32")).spec
+            P('replica',)
+        """
+        del aval
+        return batch_sharded(self._mesh)
+
+    def is_batch_layout(self, x: Any) -> bool:
+        """True when ``x`` is an array on this strategy's mesh with axis 0 split over the replicas.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> s.is_batch_layout(s.experimental_distribute_values(np.ones((2, 1)))), s.is_batch_layout(np.ones(2))
+            (True, False)
+        """
+        return splits_batch_axis(x, self._mesh)
+
+    def layout_role(self, x: Any) -> str | None:
+        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when it cannot tell.
+
+        None for values not on this strategy's mesh (numpy, arrays on another device: their role must be
+        declared) and, on strategies whose variables can share the batch layout (`ShardedStrategy`), for
+        arrays split like a batch that did not come through this strategy's input functions. A strategy
+        that adds layouts overrides this hook.
+
+        Example:
+            >>> import numpy as np, jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> s.layout_role(s.experimental_distribute_values(np.ones((2, 1)))), s.layout_role(np.ones(2))
+            ('batch', None)
+        """
+        if not is_on_mesh(x, self._mesh):
+            return None
+        return "batch" if splits_batch_axis(x, self._mesh) else "variable"
+
+    def mark_batch(self, x: jax.Array) -> None:
+        """Record that ``x`` was placed as a distributed batch by this strategy's input functions.
+
+        Called by `experimental_distribute_dataset` and friends for every placed leaf. A no-op where the
+        layout alone says what a batch is; `ShardedStrategy` (whose variables may also be split on axis 0)
+        remembers the arrays, weakly, for `layout_role`.
+        """
+        del x
+
+    @property
+    def gathers_variables_without_batch(self) -> bool:
+        """Whether a `jit` step with no distributed batch gathers its split variables at entry.
+
+        True where variables can be split (a protection against an XLA Shardy partitioner miscompute of
+        conv nets with split kernels and a replicated batch; see the README); False for mirrored strategies.
+        """
+        return False
 
     def variable_shardings(self, shapes: Any) -> Any:
         """The layout this strategy gives each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s).
@@ -166,12 +242,7 @@ class Strategy:
             >>> jd.OneDeviceStrategy().variable_shardings(shapes)["w"].is_fully_replicated
             True
         """
-        return jax.tree_util.tree_map_with_path(lambda p, a: self._variable_sharding(_path_name(p), a), shapes)
-
-    def _is_batch(self, x: jax.Array) -> bool:
-        """Whether a concrete array is a distributed batch (each replica gets its rows in `run`): the hook a
-        strategy whose variables are also split on axis 0 overrides."""
-        return splits_batch_axis(x, self._mesh)
+        return jax.tree_util.tree_map_with_path(lambda p, a: self.variable_layout(path_name(p), a), shapes)
 
     def create_variables(self, init_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``init_fn(*args, **kwargs)`` compiled straight into this strategy's variable layout.
@@ -181,9 +252,10 @@ class Strategy:
 
         Args:
             init_fn: returns the initial pytree, e.g. ``model.init``.
-            *args: its arguments (rng keys, sample inputs); Python scalars, strings and callables among them
-                are passed through unchanged (not traced).
-            **kwargs: keyword arguments, passed through unchanged (not traced).
+            *args: its arguments (rng keys, sample inputs, configs). Array leaves (jax or numpy arrays) are
+                traced; every other leaf (Python numbers, strings, callables, config objects, dataclasses) is
+                passed through unchanged, as a constant of the initializer.
+            **kwargs: keyword arguments, handled the same way.
 
         Returns:
             The pytree of variables in this strategy's layout.
@@ -205,14 +277,20 @@ class Strategy:
                 "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
                 "use strategy.mirror(tree) to place values you already have."
             )
-        # Python scalars, strings and callables are constants of the initializer, as keyword arguments are.
-        static = [isinstance(a, (bool, int, float, complex, str, type(None))) or callable(a) for a in args]
-        dynamic = [a for a, st in zip(args, static, strict=True) if not st]
+        # Only array leaves are traced: a config object, a string or a Python number is a constant of the
+        # initializer (the program is compiled once, so nothing needs to be hashable).
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+        dynamic = [x for x, a in zip(leaves, is_array, strict=True) if a]
 
         def fn(*dyn):
             it = iter(dyn)
-            return init_fn(*[a if st else next(it) for a, st in zip(args, static, strict=True)], **kwargs)
+            call_args, call_kwargs = jax.tree.unflatten(
+                treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+            )
+            return init_fn(*call_args, **call_kwargs)
 
+        fn.__name__ = fn.__qualname__ = getattr(init_fn, "__name__", "init_fn")  # errors name the user's function
         shapes = jax.eval_shape(fn, *dynamic)
         return jax.jit(fn, out_shardings=self.variable_shardings(shapes))(*dynamic)
 
@@ -261,12 +339,23 @@ class Strategy:
         return SyncOnRead(stacked, mode, self)
 
     # ------------------------------------------------------------------------------------------ running
-    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        batch_argnums: int | Sequence[int] | None = None,
+    ) -> Any:
         """Run ``fn`` once per replica, in lockstep (tf.distribute's ``Strategy.run``).
 
-        Each replica sees its own rows of every distributed batch (arrays split on axis 0 over the replicas),
-        its own component of every `PerReplica` / `SyncOnRead`, and its own copy of everything else (mirrored
-        values, numpy arrays). Gradients are LOCAL, as in tf.distribute: ``jax.grad`` inside ``fn``
+        Each replica sees its own rows of every batch, its own component of every `PerReplica` /
+        `SyncOnRead`, and its own copy of everything else (mirrored values, numpy arrays: as in
+        tf.distribute, a value that is not distributed is given whole to every replica). A batch is an
+        argument declared in ``batch_argnums`` (host arrays there are split over the replicas), or, with no
+        declaration, an array whose layout says so (from a distributed dataset). Inside a ``strategy.jit``
+        step the step's own arguments keep the role they entered with; a value COMPUTED in the step (say
+        ``x / 255``) carries no role, so ``run`` refuses it (rank >= 1) unless ``batch_argnums`` declares
+        the roles. Gradients are LOCAL, as in tf.distribute: ``jax.grad`` inside ``fn``
         differentiates this replica's loss with respect to this replica's copy of the parameters; combine
         them explicitly with ``jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, grads)``. Python
         scalars and non-array arguments (strings, callables) are compile-time constants, as in tf.function.
@@ -274,7 +363,9 @@ class Strategy:
         Args:
             fn: the replica function.
             args: positional arguments for ``fn``.
-            kwargs: keyword arguments for ``fn``.
+            kwargs: keyword arguments for ``fn`` (never batches).
+            batch_argnums: the positions in ``args`` that are batches; given, every other array argument is
+                mirrored (``()``: none is a batch).
 
         Returns:
             ``fn``'s outputs, same structure. Values identical on every replica by JAX's type system
@@ -284,7 +375,8 @@ class Strategy:
             update); `SyncOnRead`s stay `SyncOnRead`.
 
         Raises:
-            ValueError: for a `PerReplica` / `SyncOnRead` of another strategy.
+            ValueError: for a `PerReplica` / `SyncOnRead` of another strategy, a value computed inside a step
+                whose role is not declared, or a declared batch the replicas do not divide.
             RuntimeError: when called inside another replica function.
 
         Example:
@@ -309,37 +401,63 @@ class Strategy:
             raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. args=(params, batch).")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
-        return self._runner(fn, tuple(args), kwargs or {})
+        declared = None if batch_argnums is None else as_argnums(batch_argnums, "batch_argnums")
+        if declared is not None and any(not 0 <= i < len(args) for i in declared):
+            raise ValueError(
+                f"batch_argnums={declared!r} names positions outside args (it has {len(args)} arguments)."
+            )
+        return self._runner(fn, tuple(args), kwargs or {}, declared)
 
     def jit(
         self,
         fn: Callable[..., Any],
         donate_argnums: int | Sequence[int] | None = None,
         static_argnums: int | Sequence[int] | None = None,
+        batch_argnums: int | Sequence[int] | None = None,
     ) -> StrategyFunction:
         """Compile an UNMODIFIED single-device step for this strategy (the global view; the drop-in path).
 
-        ``fn`` sees global values: whole parameters, the whole global batch. Batches from this strategy's
-        distributed datasets are split over the replicas, mirrored state is replicated, and XLA inserts the
-        collectives, so the result equals ``fn`` on one device. Arguments not yet on the mesh are mirrored;
-        an output shaped like an argument (``state -> new_state``) keeps that argument's layout.
+        ``fn`` sees global values: whole parameters, the whole global batch, and XLA inserts the collectives,
+        so the result equals ``fn`` on one device. Where each argument lives is declared or carried, never
+        guessed:
+
+        * ``batch_argnums`` arguments are batches: split on axis 0 over the replicas (host arrays are placed
+          so; the replicas must divide the rows);
+        * other arguments already on the mesh keep their layout (batches from a distributed dataset carry
+          theirs); arrays not yet there take the strategy's variable layout (mirrored; FSDP on
+          `ShardedStrategy`). With no ``batch_argnums`` at all, the first unplaced array of rank >= 1 raises
+          a one-time `UndeclaredBatchWarning` (it might be a batch computed on every replica whole);
+        * nnx graph objects (modules, optimizers, metrics, ``nnx.Rngs``) are accepted as ``nnx.jit`` accepts
+          them: their state lives in the variable layout and in-place updates are written back.
+
+        Outputs: one shaped like a positional argument (``state -> new_state``) keeps that argument's
+        layout; every other output takes the variable layout (metrics mirrored; gradients FSDP like their
+        parameters on `ShardedStrategy`).
 
         Args:
             fn: the step function.
             donate_argnums: arguments whose buffers the step may reuse (usually the state), as in `jax.jit`.
             static_argnums: arguments treated as compile-time constants, as in `jax.jit`.
+            batch_argnums: the positional arguments that are batches (``()``: none is).
 
         Returns:
             A callable `StrategyFunction`.
 
+        Raises:
+            TypeError: when ``fn`` is not callable or an ``*_argnums`` is not an int / tuple of ints.
+            ValueError: for an argument both static and batch/donated, and (when called) a declared batch
+                the replicas do not divide.
+
         Example:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
-            >>> step = strategy.jit(lambda w, x: w - 0.5 * x.mean(0), donate_argnums=0)
+            >>> step = strategy.jit(lambda w, x: w - 0.5 * x.mean(0), donate_argnums=0, batch_argnums=1)
             >>> step(strategy.mirror(jnp.ones(2)), jnp.ones((4, 2))).tolist()
             [0.5, 0.5]
         """
-        return StrategyFunction(self, fn, donate_argnums=donate_argnums, static_argnums=static_argnums)
+        return StrategyFunction(
+            self, fn, donate_argnums=donate_argnums, static_argnums=static_argnums, batch_argnums=batch_argnums
+        )
 
     def run_steps_on_dataset(
         self,
@@ -397,10 +515,7 @@ class Strategy:
             )
 
     def _program(self, key: Any, build: Callable[[], Callable]) -> Callable:
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = build()
-        return program
+        return self._programs.get(None, key, lambda _: build())
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine per-replica values into one mirrored value (cross-replica context).

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
     from jaxdist.strategies.replica_context import ReplicaContext
@@ -118,7 +120,8 @@ def get_replica_context() -> ReplicaContext | None:
 
 @contextlib.contextmanager
 def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
-    """Push ``strategy`` as the current one; entering another strategy's scope inside it is an error."""
+    """Push ``strategy`` as the current one (its mesh JAX's ambient mesh); another strategy's scope inside it is
+    an error."""
     current = _state.scopes[-1] if _state.scopes else None
     if current is not None and current is not strategy:
         raise RuntimeError(
@@ -132,7 +135,10 @@ def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
         )
     _state.scopes.append(strategy)
     try:
-        yield strategy
+        # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables annotated with
+        # nnx.with_partitioning already sharded, on the ambient mesh.
+        with jax.set_mesh(strategy.mesh):
+            yield strategy
     finally:
         _state.scopes.pop()
 

@@ -1,43 +1,78 @@
 """The global view: `Strategy.jit` compiles an unmodified single-device step for the strategy's layout.
 
-The step sees global arrays: whole mirrored parameters and the whole global batch. Layouts come from the
-arguments (mirrored state replicated, batches split on axis 0, as placed by the strategy) and XLA's SPMD
-partitioner inserts the collectives, so the step computes what it computes on one device.
+The step sees global arrays: whole parameters and the whole global batch; XLA's SPMD partitioner inserts
+the collectives, so the step computes what it computes on one device. Where each argument lives is decided
+by what the caller declared or what the value carries, never guessed:
 
-Two rules keep steady-state calls as cheap as a hand-written ``jax.jit`` with ``NamedSharding``s:
+* ``batch_argnums`` declares the batch arguments: their arrays are split on axis 0 over the replicas (host
+  arrays are placed so; a batch the replicas do not divide is a ValueError that says what to do);
+* every other argument is a variable: arrays already on the strategy's mesh keep their layout (a batch from
+  a distributed dataset carries its own); arrays not yet there (numpy, or on another device) take the
+  strategy's VARIABLE layout (mirrored; FSDP on `ShardedStrategy`). Without any ``batch_argnums`` an
+  unplaced array of rank >= 1 might be a batch, so the first one met raises a one-time warning that names
+  the declaration;
+* nnx graph objects (modules, optimizers, metrics, ``nnx.Rngs``) are accepted as ``nnx.jit`` accepts them:
+  their state enters in the variable layout, and their in-place updates are written back after the call.
 
-* arguments not yet on the strategy's mesh (numpy arrays, arrays on another device) are placed mirrored;
-  arguments already on the mesh are passed through untouched;
-* an output with the same structure, shapes and dtypes as a positional argument (``state -> new_state``) is
-  constrained to that argument's layout, so state keeps its layout from step to step. This costs nothing per
-  call: the layouts are read only when the step is traced.
+Outputs get a defined layout: an output with the same structure, shapes and dtypes as a positional argument
+(``state -> new_state``) takes that argument's layout, so state keeps its layout from step to step; every
+other output takes the strategy's variable layout (metrics and gradients: mirrored, or FSDP like their
+parameters on `ShardedStrategy`). Layouts are read only when the step is traced: steady-state calls cost what
+a hand-written ``jax.jit`` with ``NamedSharding``s costs.
+
+One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
+kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
+distributed batch therefore gathers its variables at entry (`Strategy.gathers_variables_without_batch`).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from flax import nnx
 
-from jaxdist.replicate.layouts import put, replicated
+from jaxdist.replicate.layouts import path_name, put, replicated
+from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.tracing import computation
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
 
-__all__ = ["StrategyFunction"]
+__all__ = ["StrategyFunction", "UndeclaredBatchWarning", "as_argnums"]
 
 
-def _as_tuple(x: int | Sequence[int] | None) -> tuple[int, ...]:
-    if x is None:
+class UndeclaredBatchWarning(UserWarning):
+    """An unplaced array reached a strategy computation with no declaration of which arguments are batches."""
+
+
+def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
+    """``value`` (an int, a sequence of ints or None) as a tuple of argument positions.
+
+    Raises:
+        TypeError: for anything else, naming ``name``.
+
+    Example:
+        >>> as_argnums(1, "batch_argnums"), as_argnums(None, "batch_argnums")
+        ((1,), ())
+    """
+    if value is None:
         return ()
-    if isinstance(x, int):
-        return (x,)
-    return tuple(x)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument indices).")
+
+
+def _is_graph_node(x: Any) -> bool:
+    return nnx.graph.is_graph_node(x)
 
 
 class StrategyFunction:
@@ -46,7 +81,7 @@ class StrategyFunction:
     Example:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> strategy = jd.OneDeviceStrategy()
-        >>> step = strategy.jit(lambda w, x: w - 0.1 * x.mean(0))
+        >>> step = strategy.jit(lambda w, x: w - 0.1 * x.mean(0), batch_argnums=1)
         >>> step(jnp.ones(2), jnp.ones((4, 2))).tolist()
         [0.8999999761581421, 0.8999999761581421]
     """
@@ -57,74 +92,237 @@ class StrategyFunction:
         fn: Callable,
         donate_argnums: int | Sequence[int] | None = None,
         static_argnums: int | Sequence[int] | None = None,
+        batch_argnums: int | Sequence[int] | None = None,
     ):
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: strategy.jit compiles a step function.")
         self._strategy = strategy
         self._fn = fn
-        self._static = _as_tuple(static_argnums)
+        self._static = as_argnums(static_argnums, "static_argnums")
+        self._donate = as_argnums(donate_argnums, "donate_argnums")
+        self._batch = None if batch_argnums is None else as_argnums(batch_argnums, "batch_argnums")
+        for name, nums in (("donate_argnums", self._donate), ("batch_argnums", self._batch or ())):
+            if any(i < 0 for i in nums):
+                raise ValueError(f"{name}={nums!r}: use non-negative positions (counted from the first argument).")
+            both = sorted(set(nums) & set(self._static))
+            if both:
+                raise ValueError(
+                    f"argument(s) {both} are both in static_argnums and {name}: a static argument is a "
+                    "compile-time constant, not an array; drop it from one of them."
+                )
         self._local = threading.local()
+        self._warned = False
+        self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
         functools.update_wrapper(self, fn)
-        self._jitted = jax.jit(
-            self._traced, donate_argnums=_as_tuple(donate_argnums), static_argnums=self._static
-        )
 
-    def _needs_placing(self, x: Any) -> bool:
-        if isinstance(x, jax.Array):
-            sharding = x.sharding
-            mesh = self._strategy.mesh
-            return not (getattr(sharding, "mesh", None) is mesh or sharding.device_set == set(mesh.devices.flat))
-        return isinstance(x, np.ndarray)
+    @property
+    def batch_argnums(self) -> tuple[int, ...] | None:
+        """The declared batch arguments (None: not declared)."""
+        return self._batch
 
-    def _place_args(self, args: tuple) -> tuple:
-        # Fast path: in steady state every argument is already on the mesh, so nothing is rebuilt.
-        mesh = self._strategy.mesh
-        dynamic = [a for i, a in enumerate(args) if i not in self._static] if self._static else args
-        for x in jax.tree.leaves(dynamic):
-            if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
-                continue  # the common case, checked without a method call
-            if self._needs_placing(x):
-                break
+    # --------------------------------------------------------------------------------------- placing
+    def _program(self, nodes: tuple[int, ...]) -> Callable:
+        jitted = self._jitted.get(nodes)
+        if jitted is None:
+            shift = 2  # the inner function takes (nnx_static, nnx_state, *args)
+            donate = tuple(i + shift for i in self._donate if i not in nodes)
+            if any(i in nodes for i in self._donate):
+                donate += (1,)
+            jitted = self._jitted[nodes] = jax.jit(
+                self._traced, static_argnums=(0, *(i + shift for i in self._static)), donate_argnums=donate
+            )
+        return jitted
+
+    def _place(self, args: tuple, state: Any) -> tuple[tuple, Any]:
+        strategy = self._strategy
+        mesh = strategy.mesh
+        declared = self._batch or ()
+        # Fast path: in steady state every array is already on the mesh. Arrays on the mesh are never moved
+        # (a declared batch already there keeps its layout: the role matters to `run`, not to XLA).
+        for i, a in enumerate(args):
+            if i in self._static:
+                continue
+            for x in jax.tree.leaves(a):
+                if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
+                    continue  # the common case, checked without a method call
+                if _needs_placing(x, mesh):
+                    break
+            else:
+                continue
+            break
         else:
-            return args
+            if state is None or not any(_needs_placing(x, mesh) for x in jax.tree.leaves(state)):
+                return args, state
 
-        def place(x):
-            return put(x, replicated(mesh)) if self._needs_placing(x) else x
+        placed = []
+        for i, a in enumerate(args):
+            if i in self._static:
+                placed.append(a)
+            elif i in declared:
+                if any(_needs_placing(x, mesh) for x in _arrays(a)):
+                    a = place_batch(strategy, a, where=f"argument {i} (in batch_argnums)")
+                placed.append(a)
+            else:
+                placed.append(self._place_variables(a, f"argument {i}"))
+        if state is not None:
+            state = self._place_variables(state, "the nnx state", warn=False)
+        return tuple(placed), state
 
-        return tuple(a if i in self._static else jax.tree.map(place, a) for i, a in enumerate(args))
+    def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
+        mesh = self._strategy.mesh
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        if not any(_needs_placing(x, mesh) for _, x in leaves):
+            return tree
+        if warn and self._batch is None and not self._warned:
+            ranked = [p for p, x in leaves if _needs_placing(x, mesh) and np.ndim(x) >= 1]
+            if ranked:
+                self._warned = True
+                warnings.warn(
+                    f"{_name(self._fn)}: {where} holds unplaced arrays (e.g. {where}{jax.tree_util.keystr(ranked[0])}"
+                    f" of shape {np.shape(_leaf_at(tree, ranked[0]))}) and no argument is declared a batch, so they "
+                    "are placed as variables (mirrored: every replica computes on all of their rows). If an "
+                    "argument is a batch, declare it: strategy.jit(fn, batch_argnums=(i,)) splits its rows over "
+                    "the replicas; pass batch_argnums=() to declare that there is none.",
+                    UndeclaredBatchWarning,
+                    stacklevel=5,
+                )
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)), tree)
+        layouts = self._strategy.variable_shardings(shapes)
+        return jax.tree.map(lambda x, s: put(x, s) if _needs_placing(x, mesh) else x, tree, layouts)
+
+    # ------------------------------------------------------------------------------------------ calls
+    def _split(self, args: tuple) -> tuple[tuple, tuple[int, ...], Any, Any]:
+        nodes = tuple(i for i, a in enumerate(args) if i not in self._static and _is_graph_node(a))
+        if not nodes:
+            return args, nodes, None, None
+        graphdef, state = nnx.split(tuple(args[i] for i in nodes))
+        plain = tuple(None if i in nodes else a for i, a in enumerate(args))
+        return plain, nodes, graphdef, state
 
     def __call__(self, *args: Any) -> Any:
-        placed = self._place_args(args)
-        self._local.args = placed  # read only if this call traces
+        plain, nodes, graphdef, state = self._split(args)
+        placed, state = self._place(plain, state)
+        self._local.args = (placed, state)  # read only if this call traces
         try:
-            return self._jitted(*placed)
+            out = self._program(nodes)((graphdef, nodes), state, *placed)
         finally:
             self._local.args = None
+        if not nodes:
+            return out
+        out, new_state = out
+        nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
+        return out
 
     def lower(self, *args: Any):
         """Lower for these arguments (for inspecting HLO or memory), as ``jax.jit(...).lower``."""
-        placed = self._place_args(args)
-        self._local.args = placed
+        plain, nodes, graphdef, state = self._split(args)
+        placed, state = self._place(plain, state)
+        self._local.args = (placed, state)
         try:
-            return self._jitted.lower(*placed)
+            return self._program(nodes).lower((graphdef, nodes), state, *placed)
         finally:
             self._local.args = None
 
-    def _traced(self, *args: Any) -> Any:
+    # --------------------------------------------------------------------------------------- tracing
+    def _traced(self, nnx_static: tuple, state: Any, *args: Any) -> Any:
         strategy = self._strategy
-        concrete = getattr(self._local, "args", None)
-        batches, signatures = [], []
-        if concrete is not None:
-            for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
-                if i in self._static:
+        graphdef, nodes = nnx_static
+        concrete_args, concrete_state = getattr(self._local, "args", None) or (None, None)
+        if concrete_args is None:  # traced without concrete values (e.g. jax.eval_shape): layouts unknown
+            concrete_args = tuple(None if i in self._static else _abstract(a) for i, a in enumerate(args))
+            concrete_state = _abstract(state)
+        strategy.programs.note_trace(self._fn, _trace_signature(args, self._static))
+        batches, variables, unknown = [], [], []
+        declared = self._batch
+        for i, (a, c) in enumerate(zip(args, concrete_args, strict=True)):
+            if i in self._static or i in nodes:
+                continue
+            for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
+                if declared is not None:
+                    (batches if i in declared else variables).append(t)
                     continue
-                for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
-                    if isinstance(leaf, jax.Array) and strategy._is_batch(leaf):
-                        batches.append(t)
-                signatures.append((_signature(c), c))
-        with computation(strategy, "global", batches):
-            out = self._fn(*args)
-        return _keep_layouts(out, signatures)
+                role = strategy.layout_role(leaf)
+                (batches if role == "batch" else variables if role == "variable" else unknown).append(t)
+        variables.extend(jax.tree.leaves(state))
+        if not batches and strategy.gathers_variables_without_batch:
+            args, state = _gather_at_entry(strategy, args, concrete_args, state, concrete_state, self._static)
+        with computation(strategy, "global", batches, variables):
+            if nodes:
+                objects = nnx.merge(graphdef, state)
+                call_args = list(args)
+                for i, obj in zip(nodes, objects, strict=True):
+                    call_args[i] = obj
+                out = self._fn(*call_args)
+                new_graphdef, new_state = nnx.split(objects)
+                if new_graphdef != graphdef:
+                    raise ValueError(
+                        f"{_name(self._fn)} changed the structure of its nnx arguments (added or removed "
+                        "variables or submodules): a compiled step may update variables in place, not create "
+                        "them; create every variable before the first step."
+                    )
+            else:
+                out = self._fn(*args)
+        signatures = [
+            (_signature(c), c) for i, c in enumerate(concrete_args) if i not in self._static and i not in nodes
+        ]
+        out = _output_layouts(strategy, out, signatures)
+        if nodes:
+            return out, _constrain_like(new_state, concrete_state)
+        return out
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _arrays(tree: Any) -> list:
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+
+
+def _needs_placing(x: Any, mesh: Any) -> bool:
+    if isinstance(x, jax.Array):
+        sharding = x.sharding
+        return not (getattr(sharding, "mesh", None) is mesh or sharding.device_set == set(mesh.devices.flat))
+    return isinstance(x, (np.ndarray, np.generic))
+
+
+def _leaf_at(tree: Any, path: tuple) -> Any:
+    for p, x in jax.tree_util.tree_leaves_with_path(tree):
+        if p == path:
+            return x
+    return None
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)), tree)
+
+
+def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
+    statics = tuple(repr(args[i])[:80] for i in static if i < len(args))
+    shapes = tuple(
+        (tuple(np.shape(x)), str(jax.dtypes.result_type(x)))
+        for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a)
+    )
+    return statics, shapes
+
+
+def _gather_at_entry(strategy, args, concrete_args, state, concrete_state, static) -> tuple[tuple, Any]:
+    """Constrain split variables to replicated at entry (the Shardy conv workaround; see module doc)."""
+    full = replicated(strategy.mesh)
+
+    def gather(t, c):
+        sharding = getattr(c, "sharding", None)
+        if sharding is None or sharding.is_fully_replicated or not np.ndim(t):
+            return t
+        return jax.lax.with_sharding_constraint(t, full)
+
+    out = tuple(
+        a if i in static or c is None else jax.tree.map(gather, a, c) for i, (a, c) in enumerate(zip(
+            args, concrete_args, strict=True))
+    )
+    if state is not None and concrete_state is not None:
+        state = jax.tree.map(gather, state, concrete_state)
+    return out, state
 
 
 def _signature(tree: Any) -> Any:
@@ -132,26 +330,43 @@ def _signature(tree: Any) -> Any:
     return treedef, tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in leaves)
 
 
-def _keep_layouts(out: Any, signatures: list) -> Any:
-    """Constrain outputs shaped like an input argument to that argument's layout."""
-    if not signatures:
-        return out
+def _constrain_like(tree: Any, concrete: Any) -> Any:
+    shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
+    if not all(isinstance(s, jax.sharding.Sharding) for s in shardings):
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings, strict=True)]
+    )
 
-    def constrain(tree):
+
+def _output_layouts(strategy: Strategy, out: Any, signatures: list) -> Any:
+    """Outputs shaped like an argument take its layout; every other output the strategy's variable layout."""
+
+    def like_argument(tree):
         sig = _signature(tree)
         for s, concrete in signatures:
             if s == sig:
-                shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
-                if all(sh is not None for sh in shardings):
-                    leaves, treedef = jax.tree.flatten(tree)
-                    leaves = [
-                        jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(leaves, shardings, strict=True)
-                    ]
-                    return jax.tree.unflatten(treedef, leaves), True
-        return tree, False
+                constrained = _constrain_like(tree, concrete)
+                if constrained is not tree:
+                    return constrained
+        return None
 
-    # The whole output first (``state -> state``), then the elements of a tuple (``-> (state, metrics)``).
-    whole, matched = constrain(out)
-    if matched or not (isinstance(out, tuple) and not hasattr(out, "_fields")):
+    def variable_layout(tree):
+        def one(path, x):
+            if isinstance(x, (PerReplica, SyncOnRead)):  # one component per replica: stays split over them
+                return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, strategy.batch_sharding), x)
+            if not isinstance(x, jax.Array):
+                return x
+            aval = jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
+            return jax.lax.with_sharding_constraint(x, strategy.variable_layout(path_name(path), aval))
+
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda v: isinstance(v, (PerReplica, SyncOnRead)))
+
+    whole = like_argument(out)
+    if whole is not None:
         return whole
-    return tuple(constrain(o)[0] for o in out)
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):  # -> (state, metrics): element by element
+        matched = [like_argument(o) for o in out]
+        return tuple(m if m is not None else variable_layout(o) for m, o in zip(matched, out, strict=True))
+    return variable_layout(out)

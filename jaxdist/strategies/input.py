@@ -76,13 +76,14 @@ def _check_divisible(batch: int, replicas: int, where: str = "global batch") -> 
     return replicas
 
 
-def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) -> Any:
+def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
     """Place one batch (a pytree of arrays) split on axis 0 over ``strategy``'s replicas.
 
     Args:
         strategy: the strategy whose replicas get the rows.
         batch: the global batch, or with ``process_local=True`` this process's rows only.
         process_local: whether ``batch`` holds only this process's rows.
+        where: how errors name the batch (e.g. ``"argument 1 (in batch_argnums)"``).
 
     Returns:
         The batch as global `jax.Array`s laid out with ``strategy``'s batch sharding.
@@ -101,13 +102,15 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) 
         if not shape:
             path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
             raise ValueError(
-                f"batch leaf {path or '<root>'} is a scalar: every leaf of a batch needs a batch axis 0 to split "
-                "over the replicas."
+                f"{where or 'batch'} leaf {path or '<root>'} is a scalar: every leaf of a batch needs a batch axis 0 "
+                "to split over the replicas (pass scalars as separate, non-batch arguments)."
             )
         if process_local:
-            _check_divisible(shape[0], strategy.num_replicas_per_host, "per-process batch")
+            _check_divisible(shape[0], strategy.num_replicas_per_host,
+                             "per-process batch" if where is None else f"the per-process rows of {where}")
         else:
-            _check_divisible(shape[0], strategy.num_replicas_in_sync)
+            _check_divisible(shape[0], strategy.num_replicas_in_sync,
+                             "global batch" if where is None else f"the rows of {where}")
         todo.append(i)
     if todo:
         if n_proc == 1:
@@ -117,10 +120,8 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False) 
             moved = [_place_process_rows(sharding, leaves[i], process_local, n_proc) for i in todo]
         for i, m in zip(todo, moved, strict=True):
             leaves[i] = m
-    register = getattr(strategy, "_register_batch", None)
-    if register is not None:
-        for leaf in leaves:
-            register(leaf)
+    for leaf in leaves:
+        strategy.mark_batch(leaf)
     return jax.tree.unflatten(treedef, leaves)
 
 

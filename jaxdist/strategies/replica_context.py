@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from jaxdist.replicate.collectives import all_reduce
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 
@@ -72,9 +73,7 @@ class ReplicaContext:
         op = ReduceOp.parse(reduce_op, "reduce_op")
         if not self._traced:
             return value
-        if op is ReduceOp.SUM:
-            return jax.lax.psum(value, REPLICA_AXIS)
-        return jax.lax.pmean(value, REPLICA_AXIS)
+        return all_reduce(value, op)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the result.
@@ -136,10 +135,8 @@ class ReplicaContext:
                 check_mean_dtype(leaf, "the updated mirrored value")
         if not self._traced:
             return value
-        if mode is VariableAggregation.SUM:
-            return jax.lax.psum(value, REPLICA_AXIS)
-        if mode is VariableAggregation.MEAN:
-            return jax.lax.pmean(value, REPLICA_AXIS)
+        if mode is not VariableAggregation.ONLY_FIRST_REPLICA:
+            return all_reduce(value, mode)
         first = jax.lax.axis_index(REPLICA_AXIS) == 0
 
         def broadcast_first(x):

@@ -1,11 +1,15 @@
 """The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map` program.
 
-Each argument leaf is classified once per call signature:
+Each argument leaf is classified once per call signature, by declaration or by what the value carries:
 
-* batch-sharded `jax.Array` (axis 0 split over the replica axis, e.g. from a distributed dataset): each
-  replica sees its own rows;
+* with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host arrays
+  are split over the replicas), every other array is mirrored;
+* without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a distributed
+  dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the tracers of the step's own
+  batch / variable arguments keep their role, and a value computed in the step (rank >= 1) is refused with
+  an error that names ``batch_argnums``; any other array is mirrored (tf.distribute's rule for values that
+  are not distributed);
 * `PerReplica` / `SyncOnRead`: each replica sees its own component;
-* any other array is mirrored: each replica sees the whole value;
 * Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in tf.function).
 
 tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying* over the
@@ -18,13 +22,14 @@ all-gather result, a constant) comes back mirrored (a replicated `jax.Array`); a
 `PerReplica`; a `SyncOnRead` comes back as one. Since every replica owns its copy of a mirrored argument,
 values computed from it are varying by type (as in tf.distribute, where they come back PerReplica too); to
 return an updated mirrored value, combine the replicas' updates with ``ctx.aggregate``.
-To know which is which, the function is traced once abstractly before the real program is built; both are
-cached per signature, so steady-state calls cost one dispatch.
+To know which is which, the function is traced once abstractly before the real program is built; the program
+is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state calls cost one dispatch.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +37,15 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, put, replicated
+from jaxdist.replicate.collectives import is_varying, to_varying
+from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, is_on_mesh, put, replicated
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import tracing
 from jaxdist.strategies.context import enter_replica
+from jaxdist.strategies.global_view import UndeclaredBatchWarning
+from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.tracing import computation, current_computation, is_traced_batch
+from jaxdist.strategies.tracing import computation, current_computation, role_of
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
@@ -53,25 +61,16 @@ def _is_distributed(x: Any) -> bool:
     return isinstance(x, (PerReplica, SyncOnRead))
 
 
-def _is_varying(x: Any) -> bool:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", frozenset())
-    return REPLICA_AXIS in (varying or frozenset())
-
-
-def _to_varying(x: Any) -> Any:
-    return x if _is_varying(x) else jax.lax.pcast(x, REPLICA_AXIS, to="varying")
-
-
 class ReplicaRunner:
     """Compiles and caches the shard_map programs behind `Strategy.run` for one strategy."""
 
     def __init__(self, strategy: Strategy):
         self._strategy = strategy
-        self._cache: dict[Any, Callable] = {}
+        self._warned_ambiguous = False
 
-    def _classify(self, leaf: Any) -> int:
+    def _classify(self, leaf: Any, declared: bool | None, where: str) -> int:
+        """The kind of one argument leaf; ``declared``: True / False when ``batch_argnums`` says whether its
+        argument is a batch, None when nothing was declared."""
         strategy = self._strategy
         if _is_distributed(leaf):
             if leaf.owner is not None and leaf.owner is not strategy:
@@ -81,15 +80,35 @@ class ReplicaRunner:
                     "gather it there first (strategy.reduce / strategy.gather), or run on that strategy."
                 )
             return _SYNC if isinstance(leaf, SyncOnRead) else _PER_REPLICA
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            return _STATIC  # Python scalars, strings, callables: compile-time constants, as in tf.function
+        if declared is not None:
+            return _BATCH if declared else _MIRRORED
         if isinstance(leaf, jax.core.Tracer):
-            return _BATCH if is_traced_batch(leaf, strategy) else _MIRRORED
-        if isinstance(leaf, jax.Array):
-            return _BATCH if strategy._is_batch(leaf) else _MIRRORED
-        if isinstance(leaf, (np.ndarray, np.generic)):
-            return _MIRRORED
-        return _STATIC  # Python scalars, strings, callables: compile-time constants, as in tf.function
+            role = role_of(leaf, strategy)
+            if role is None and np.ndim(leaf) >= 1:
+                raise ValueError(
+                    f"strategy.run got {where}, an array of shape {tuple(np.shape(leaf))} computed inside the "
+                    "step, whose role jaxdist cannot know: only the step's own batch arguments are split over "
+                    "the replicas, and a value derived from one (say x / 255) might be a batch or a variable. "
+                    "Declare the roles: strategy.run(fn, args=..., batch_argnums=(i, ...)) lists the batch "
+                    "arguments (every other one is mirrored; batch_argnums=() if none is a batch)."
+                )
+            return _BATCH if role == "batch" else _MIRRORED
+        role = strategy.layout_role(leaf)
+        if role is None and np.ndim(leaf) >= 1 and is_on_mesh(leaf, strategy.mesh) and not self._warned_ambiguous:
+            self._warned_ambiguous = True
+            warnings.warn(
+                f"strategy.run on {strategy!r} got {where}, split over the replicas on axis 0 like a batch but "
+                "not placed by this strategy's input functions: its variables can have that layout too, so it is "
+                "taken as a variable (every replica sees all of it). Declare the roles: strategy.run(fn, "
+                "args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+                UndeclaredBatchWarning,
+                stacklevel=4,
+            )
+        return _BATCH if role == "batch" else _MIRRORED
 
-    def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None) -> Any:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_distributed)
         frame = current_computation()
         if (frame is None or frame.strategy is not self._strategy) and any(
@@ -100,7 +119,15 @@ class ReplicaRunner:
                 "plain jax.jit or jax.grad): there it cannot tell distributed batches from mirrored values. "
                 "Compile the enclosing step with strategy.jit (or run_steps_on_dataset), or call run eagerly."
             )
-        kinds = tuple(self._classify(x) for x in flat)
+        kinds = []
+        for i, a in enumerate(args):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=_is_distributed)[0]:
+                declared = None if batch_argnums is None else i in batch_argnums
+                kinds.append(self._classify(leaf, declared, f"args[{i}]{jax.tree_util.keystr(path)}"))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs, is_leaf=_is_distributed)[0]:
+            declared = None if batch_argnums is None else False
+            kinds.append(self._classify(leaf, declared, f"kwargs{jax.tree_util.keystr(path)}"))
+        kinds = tuple(kinds)
         statics = tuple(x if k == _STATIC else None for x, k in zip(flat, kinds, strict=True))
         dynamic, aux = [], []
         for x, k in zip(flat, kinds, strict=True):
@@ -112,15 +139,19 @@ class ReplicaRunner:
                 x = x.stacked
             else:
                 aux.append(None)
-                if k == _MIRRORED and not isinstance(x, jax.core.Tracer):
-                    x = self._place_mirrored(x)
+                if not isinstance(x, jax.core.Tracer):
+                    if k == _MIRRORED:
+                        x = self._place_mirrored(x)
+                    elif not is_on_mesh(x, self._strategy.mesh):
+                        x = place_batch(self._strategy, x, where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
-        key = (fn, treedef, kinds, _hashable(statics), tuple(aux), avals)
-        program = self._cache.get(key)
-        if program is None:
-            program = self._build(fn, treedef, kinds, statics, tuple(aux), dynamic)
-            self._cache[key] = program
+        key = (treedef, kinds, _hashable(statics), tuple(aux), avals)
+        aux = tuple(aux)
+        program = self._strategy.programs.get(
+            fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic),
+            reason=(_hashable(statics), avals),
+        )
         return program(*dynamic)
 
     def _place_mirrored(self, x: Any) -> Any:
@@ -144,7 +175,7 @@ class ReplicaRunner:
                     continue
                 x = next(it)
                 if k == _MIRRORED:
-                    x = _to_varying(x)  # each replica owns its copy: local gradients (see module doc)
+                    x = to_varying(x)  # each replica owns its copy: local gradients (see module doc)
                 elif k == _PER_REPLICA:
                     x = x[0]
                 elif k == _SYNC:
@@ -157,12 +188,12 @@ class ReplicaRunner:
             results, specs, wrappers = [], [], []
             for v in out_leaves:
                 if isinstance(v, SyncOnRead):
-                    results.append(_to_varying(jax.numpy.asarray(v.read()))[None])
+                    results.append(to_varying(jax.numpy.asarray(v.read()))[None])
                     specs.append(_REPLICA_SPEC)
                     wrappers.append(("sync", v.aggregation))
                 else:
                     v = jax.numpy.asarray(v)
-                    if _is_varying(v):
+                    if is_varying(v):
                         results.append(v[None])
                         specs.append(_REPLICA_SPEC)
                         wrappers.append(("per_replica", None))

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, splits_batch_axis
+from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, path_name
 from jaxdist.strategies.base import Strategy
 from jaxdist.strategies.devices import resolve_devices
 
@@ -94,7 +94,8 @@ class ShardedStrategy(Strategy):
                     )
         return compiled, spec
 
-    def _variable_sharding(self, path: str, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+    def variable_layout(self, path: str, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+        """The layout rule that matches ``path`` first, else the FSDP rule (see the class docstring)."""
         shape = tuple(aval.shape)
         for pattern, spec in self._rules:
             if pattern.search(path):
@@ -137,25 +138,36 @@ class ShardedStrategy(Strategy):
             >>> jd.ShardedStrategy(min_shard_size=1).variable_layouts({"w": jnp.zeros((8, 16))})
             {'w': P(None, 'replica')}
         """
-        from jaxdist.strategies.base import _path_name
-
         leaves = jax.tree_util.tree_leaves_with_path(tree)
         return {
-            _path_name(p): self._variable_sharding(
-                _path_name(p), jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32))
+            path_name(p): self.variable_layout(
+                path_name(p), jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32))
             ).spec
             for p, x in leaves
         }
 
-    # Variables and batches are both split on axis 0 here, so the layout cannot tell them apart:
-    # batches are the arrays this strategy's input functions placed.
-    def _register_batch(self, x: jax.Array) -> None:
+    # Variables and batches can both be split on axis 0 here, so the layout alone cannot tell them apart:
+    # a batch is an array this strategy's input functions placed (or one the caller declares a batch).
+    def mark_batch(self, x: jax.Array) -> None:
+        """Remember (weakly) that ``x`` was placed as a distributed batch (see `Strategy.mark_batch`)."""
+        if not isinstance(x, jax.Array):
+            return
         key = id(x)
         self._batches[key] = weakref.ref(x, lambda _, key=key: self._batches.pop(key, None))
 
-    def _is_batch(self, x: jax.Array) -> bool:
+    def layout_role(self, x: Any) -> str | None:
+        """``"batch"`` for arrays placed by this strategy's input functions; None for other arrays split
+        like a batch (an FSDP variable or a batch computed from one: the layout cannot tell)."""
+        role = super().layout_role(x)
+        if role != "batch":
+            return role
         ref = self._batches.get(id(x))
-        return ref is not None and ref() is x and splits_batch_axis(x, self.mesh)
+        return "batch" if ref is not None and ref() is x else None
+
+    @property
+    def gathers_variables_without_batch(self) -> bool:
+        """True: split variables are gathered at entry of a step with no distributed batch (see `Strategy`)."""
+        return self.num_replicas_in_sync > 1 or MODEL_AXIS in self.mesh.axis_names
 
     def __repr__(self) -> str:
         return f"ShardedStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, mesh={dict(self.mesh.shape)})"

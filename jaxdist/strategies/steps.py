@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.replicate.values import PerReplica
@@ -101,6 +102,21 @@ class MultiStepContext:
         """The values recorded by ``set_non_tensor_output``, by name."""
         return dict(self._non_tensor_outputs)
 
+    # The loop drives the context through these: one step's recording while tracing, the results after.
+    def _begin_step(self) -> None:
+        self._pending = {}
+
+    def _end_step(self) -> dict[str, Any]:
+        pending, self._pending = self._pending, None
+        return pending
+
+    def _finish(self, outputs: dict, aggregations: dict, non_tensor: dict, loop_values: Any, lower: Callable) -> None:
+        self._last_step_outputs = dict(outputs)
+        self._aggregations = dict(aggregations)
+        self._non_tensor_outputs = dict(non_tensor)
+        self.loop_values = loop_values
+        self._lowered = lower
+
     def lower(self) -> Any:
         """The lowered loop program (for ``jd.gradients.clusters`` and ``jd.tpu.host_compute_core``)."""
         if self._lowered is None:
@@ -115,7 +131,7 @@ def _reduce_in_trace(strategy: Strategy, op: ReduceOp | None, value: Any) -> Any
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
                 return PerReplica(jax.lax.with_sharding_constraint(v.stacked, batch_sharded(strategy.mesh)), strategy)
-            return jnp.sum(v.stacked, 0) if op is ReduceOp.SUM else jnp.mean(v.stacked, 0)
+            return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
 
@@ -203,21 +219,20 @@ def run_steps_on_dataset(
     has_state = initial_loop_values is not None
     ctx = MultiStepContext()
     treedef = jax.tree.structure(batches[0])
-    key = (step_fn, iterations, has_state, donate, treedef,
-           tuple((np.shape(x), jax.dtypes.result_type(x)) for x in jax.tree.leaves(batches[0])))
-    cache = strategy._loops  # per strategy: (program, template context)
-    entry = cache.get(key)
-    if entry is None:
-        entry = _build(strategy, step_fn, has_state, iterations, donate)
-        cache[key] = entry
-    program, info = entry
+    shapes = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in jax.tree.leaves(batches[0]))
+    key = ("steps_loop", iterations, has_state, donate, treedef, shapes)
+    program, info = strategy.programs.get(
+        step_fn, key, lambda weak_step: _build(strategy, weak_step, has_state, iterations, donate),
+        reason=((iterations, has_state, donate), shapes),
+    )
     state = initial_loop_values if has_state else ()
     new_state, outputs = program(state, stacked)
-    ctx.loop_values = new_state if has_state else None
-    ctx._last_step_outputs = dict(zip(info["names"], outputs, strict=True))
-    ctx._aggregations = dict(info["aggregations"])
-    ctx._non_tensor_outputs = dict(info["non_tensor"])
-    ctx._lowered = lambda: program.lower(*_abstract((state, stacked)))  # abstract: the state may be donated
+    ctx._finish(
+        dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
+        new_state if has_state else None,
+        # abstract: the state may be donated; step_fn is kept alive for as long as the context can lower
+        lambda step_fn=step_fn: program.lower(*_abstract((state, stacked))),
+    )
     return ctx
 
 
@@ -233,14 +248,14 @@ def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: i
 
     def one_step(state, batch, trace_ctx):
         inputs = batch if isinstance(batch, tuple) else (batch,)
-        trace_ctx._pending = {}
-        with computation(strategy, "global", jax.tree.leaves(inputs)):
+        trace_ctx._begin_step()
+        with computation(strategy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
             new_state = step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
-        pending, trace_ctx._pending = trace_ctx._pending, None
+        pending = trace_ctx._end_step()
         names = tuple(sorted(pending))
-        outs = tuple(_reduce_in_trace(strategy, trace_ctx._aggregations[k], pending[k]) for k in names)
-        info.update(names=names, aggregations=dict(trace_ctx._aggregations),
-                    non_tensor=dict(trace_ctx._non_tensor_outputs))
+        aggregations = {k: trace_ctx._aggregations[k] for k in names}
+        outs = tuple(_reduce_in_trace(strategy, aggregations[k], pending[k]) for k in names)
+        info.update(names=names, aggregations=aggregations, non_tensor=trace_ctx.non_tensor_outputs)
         if has_state:
             want, got = jax.tree.structure(state), jax.tree.structure(new_state)
             if want != got:
@@ -264,4 +279,4 @@ def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: i
         (state, outs), _ = jax.lax.scan(body, (state, zeros), stacked, length=iterations)
         return state, outs
 
-    return strategy.jit(loop, donate_argnums=(0,) if donate and has_state else None), info
+    return strategy.jit(loop, donate_argnums=(0,) if donate and has_state else None, batch_argnums=(1,)), info

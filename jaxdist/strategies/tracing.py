@@ -6,10 +6,11 @@ things named per computation (``outside_compilation`` clusters "0", "1", ..., gr
 ...) and says whether the code runs in the global view or per replica. ``run`` inside a ``jit`` step is part
 of that step's computation.
 
-Eagerly, a batch is recognised by its layout (axis 0 split over the replica axis). Inside a trace values are
-tracers without a concrete layout, so the code that traces a step registers the tracers that stand for
-distributed batches in the frame. A value derived from a batch inside the step (``x / 255``) is not
-registered: pass the batch itself to ``strategy.run`` and transform it in the replica function.
+Eagerly, a batch is recognised by its layout (axis 0 split over the replica axis) or by a declaration
+(``batch_argnums``). Inside a trace values are tracers without a concrete layout, so the code that traces a
+step registers in the frame which tracers stand for its batch arguments and which for its variables. A value
+derived inside the step (``x / 255``) is neither: `role_of` says so (None), and ``strategy.run`` refuses such
+an argument unless its role is declared.
 """
 
 from __future__ import annotations
@@ -20,35 +21,28 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["Computation", "computation", "current_computation", "is_traced_batch", "probe"]
-
-
-@dataclasses.dataclass
-class _Counters:
-    clusters: int = 0
-    uids: int = 0
+__all__ = ["Computation", "computation", "current_computation", "probe", "role_of"]
 
 
 @dataclasses.dataclass
 class Computation:
-    """One strategy program being traced: its strategy, view, counters and registered batch tracers."""
+    """One strategy program being traced: its strategy, view, counters and the roles of its argument tracers."""
 
     strategy: Any
     kind: str  # "global" (whole arrays, XLA partitions) or "replica" (inside shard_map, local values)
-    counters: _Counters
+    counters: dict[str, int]  # shared by the frames of one computation
     batches: list[Any]
+    variables: list[Any] = dataclasses.field(default_factory=list)
 
-    def next_cluster(self) -> str:
-        """The next outside_compilation cluster name of this computation: "0", "1", ..."""
-        name = str(self.counters.clusters)
-        self.counters.clusters += 1
-        return name
+    def counter(self, kind: str) -> int:
+        """The next number (0, 1, ...) of the things of ``kind`` named in this computation.
 
-    def next_uid(self) -> str:
-        """The next gradient uid of this computation: "uid", "uid_1", ..."""
-        n = self.counters.uids
-        self.counters.uids += 1
-        return "uid" if n == 0 else f"uid_{n}"
+        Higher layers name things per computation with it (outside_compilation clusters "0", "1", ...;
+        gradient uids "uid", "uid_1", ...); a `probe` trace does not use numbers up.
+        """
+        n = self.counters.get(kind, 0)
+        self.counters[kind] = n + 1
+        return n
 
     def global_batch_size(self) -> int | None:
         """Axis 0 of the registered batches (None when no batch is registered)."""
@@ -73,11 +67,16 @@ def current_computation() -> Computation | None:
 
 
 @contextlib.contextmanager
-def computation(strategy: Any, kind: str, batches: Iterable[Any] = ()) -> Iterator[Computation]:
-    """Trace the block as (part of) a computation of ``strategy``; nested frames share the counters."""
+def computation(
+    strategy: Any, kind: str, batches: Iterable[Any] = (), variables: Iterable[Any] = ()
+) -> Iterator[Computation]:
+    """Trace the block as (part of) a computation of ``strategy``; nested frames share the counters.
+
+    ``batches`` / ``variables``: the tracers that stand for the step's batch arguments / its variables.
+    """
     outer = current_computation()
-    counters = outer.counters if outer is not None else _Counters()
-    frame = Computation(strategy, kind, counters, list(batches))
+    counters = outer.counters if outer is not None else {}
+    frame = Computation(strategy, kind, counters, list(batches), list(variables))
     _stack.frames.append(frame)
     try:
         yield frame
@@ -85,21 +84,26 @@ def computation(strategy: Any, kind: str, batches: Iterable[Any] = ()) -> Iterat
         _stack.frames.pop()
 
 
-def is_traced_batch(x: Any, strategy: Any) -> bool:
-    """True when tracer ``x`` was registered as a distributed batch of ``strategy``."""
+def role_of(x: Any, strategy: Any) -> str | None:
+    """``"batch"`` / ``"variable"`` when tracer ``x`` stands for a batch / variable argument of a computation
+    of ``strategy``; None for values derived inside it (their role is unknown)."""
     for frame in reversed(_stack.frames):
-        if frame.strategy is strategy and any(t is x for t in frame.batches):
-            return True
-    return False
+        if frame.strategy is strategy:
+            if any(t is x for t in frame.batches):
+                return "batch"
+            if any(t is x for t in frame.variables):
+                return "variable"
+    return None
 
 
 @contextlib.contextmanager
 def probe() -> Iterator[None]:
     """An abstract trace done only to learn shapes: it must not use up the enclosing computation's names."""
     frame = current_computation()
-    saved = dataclasses.replace(frame.counters) if frame is not None else None
+    saved = dict(frame.counters) if frame is not None else None
     try:
         yield
     finally:
         if frame is not None:
-            frame.counters.clusters, frame.counters.uids = saved.clusters, saved.uids
+            frame.counters.clear()
+            frame.counters.update(saved)

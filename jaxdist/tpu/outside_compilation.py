@@ -13,6 +13,10 @@ runs:
   collective is added. (A plain callback under ``jit`` would gather everything to device 0 and run once.)
 * outside any trace: ``host_fn(*args)`` is just called.
 
+On a mesh with more axes than the replica axis (``ShardedStrategy(model_parallelism=...)``) a replica spans
+several devices; the host still runs once per replica, on the replica's first device, and its result is
+handed to the replica's other devices.
+
 A host function written with `jax.numpy` needs nothing more: its result shapes come from `jax.eval_shape`,
 it is compiled once for the host's CPU backend (so, like any traced JAX code, its Python side effects happen at
 trace time; a region that returns nothing runs as plain Python on every call), and it is differentiable —
@@ -27,7 +31,9 @@ raises NotImplementedError, as in TF.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +44,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxdist.gradients.clusters import cluster, clusters, current_gradient_uid, gradient_cluster
+from jaxdist.replicate.collectives import is_varying, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.strategies.tracing import current_computation
 
@@ -51,23 +58,55 @@ class _State(threading.local):
 
 _state = _State()
 _plain_clusters = itertools.count()
+_plain_lock = threading.Lock()
 _CALLBACK_MARKERS = ("pure_callback", "io_callback", "callback")
+
+
+def _next_cluster(frame: Any) -> str:
+    """The region's cluster name: numbered per strategy computation ("0", "1", ...); process-wide outside one."""
+    if frame is not None:
+        return str(frame.counter("outside_compilation"))
+    with _plain_lock:
+        return str(next(_plain_clusters))
 
 
 def _host_device() -> jax.Device:
     return jax.local_devices(backend="cpu")[0]
 
 
-def _is_varying(x: Any) -> bool:
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return mat is not None and REPLICA_AXIS in getattr(mat, "varying", ())
-
-
 def _mark(x: Any, varying: bool) -> Any:
     """Give a callback result (typed invariant by JAX) the replica-variance it really has."""
-    if varying and not _is_varying(x):
-        return jax.lax.pcast(x, REPLICA_AXIS, to="varying")
-    return x
+    return to_varying(x) if varying else x
+
+
+def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
+    """``call(*xs)`` (a callback) run once per replica, also where other mesh axes are still automatic.
+
+    Callbacks need every mesh axis manual. Inside ``strategy.run`` on a (replica, model) mesh only the replica
+    axis is, so the call goes into a nested `jax.shard_map` over the other axes: it runs on the first device of
+    those axes (the host still runs once per replica) and its result is summed with the others' zeros, which
+    hands every device of the replica the same value.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if not auto:
+        return call(*xs)
+
+    def zeros(*_):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), result_shape)
+
+    def broadcast(o):
+        o = o if all(is_varying(o, a) for a in auto) else jax.lax.pcast(o, auto, to="varying")
+        if o.dtype == jnp.bool_:
+            return jax.lax.psum(o.astype(jnp.int32), auto).astype(jnp.bool_)
+        return jax.lax.psum(o, auto)
+
+    def first_device_only(*xs):
+        first = functools.reduce(operator.and_, [jax.lax.axis_index(a) == 0 for a in auto])
+        return jax.tree.map(broadcast, jax.lax.cond(first, call, zeros, *xs))
+
+    spec = PartitionSpec()
+    return jax.shard_map(first_device_only, in_specs=spec, out_specs=spec, axis_names=set(auto))(*xs)
 
 
 class _Region:
@@ -142,14 +181,18 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
 
         # Side effects: no gradient flows through them (stop_gradient lets a logging region sit in a
         # differentiated step, where an io_callback itself has no JVP).
+        def side_effect(*xs):
+            return io_callback(region.run_host, region.result_shape, *xs, ordered=True)
+
         with cluster(region.name):
-            return io_callback(
-                region.run_host, region.result_shape, *[jax.lax.stop_gradient(x) for x in dynamic], ordered=True
-            )
+            return _once_per_replica(side_effect, [jax.lax.stop_gradient(x) for x in dynamic], region.result_shape)
+
+    def callback(*xs):
+        return jax.pure_callback(region.run_host, region.result_shape, *xs, vmap_method="sequential")
 
     def forward(*xs):
         with cluster(region.name):
-            out = jax.pure_callback(region.run_host, region.result_shape, *xs, vmap_method="sequential")
+            out = _once_per_replica(callback, list(xs), region.result_shape)
         return jax.tree.map(lambda o: _mark(o, replicated), out)
 
     @jax.custom_vjp
@@ -248,7 +291,7 @@ def outside_compilation(
             positions.add(i)
             statics.append(a)
     statics_pair = (frozenset(positions), tuple(statics))
-    name = frame.next_cluster() if frame is not None else str(next(_plain_clusters))
+    name = _next_cluster(frame)
     kind = frame.kind if frame is not None else "plain"
 
     if kind == "global":
@@ -262,7 +305,7 @@ def outside_compilation(
             for x, s in zip(dynamic, split, strict=True)
         ]
     else:
-        split = [_is_varying(x) for x in dynamic] if kind == "replica" else [False] * len(dynamic)
+        split = [is_varying(x) for x in dynamic] if kind == "replica" else [False] * len(dynamic)
         local_shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in dynamic]
 
     region = _make_region(host_fn, statics_pair, local_shapes, result_shape, vjp, ordered, name)
@@ -283,9 +326,10 @@ def outside_compilation(
             return None
         return jax.tree.map(lambda o: o[None] if o.ndim == 0 else o, out)
 
+    # Manual over the replica axis only: `_once_per_replica` runs the call on one device of any other axis.
     mapped = jax.shard_map(
         per_replica, mesh=strategy.mesh, in_specs=in_specs,
-        out_specs=spec if region.result_shape is not None else PartitionSpec(),
+        out_specs=spec if region.result_shape is not None else PartitionSpec(), axis_names={REPLICA_AXIS},
     )
     return mapped(*dynamic)
 
@@ -326,7 +370,7 @@ def host_compute_core(lowered: Any, num_replicas: int) -> list[str]:
     Example:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> strategy = jd.MirroredStrategy(["cpu:0", "cpu:1"])
-        >>> step = strategy.jit(lambda x: jd.tpu.outside_compilation(jnp.cos, x))
+        >>> step = strategy.jit(lambda x: jd.tpu.outside_compilation(jnp.cos, x), batch_argnums=0)
         >>> jd.tpu.host_compute_core(step.lower(jnp.ones(2)), strategy.num_replicas_in_sync)
         ['0:0', '0:1']
     """

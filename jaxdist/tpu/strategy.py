@@ -94,8 +94,7 @@ class TPUStrategy(Strategy):
 
     def finalize(self) -> None:
         """Drop this strategy's compiled programs. Safe to call any number of times, before or after initialize."""
-        self._loops.clear()
-        self._programs.clear()
+        self.programs.clear()
         self._initialized = False
 
     def __repr__(self) -> str:

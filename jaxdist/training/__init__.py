@@ -20,10 +20,10 @@ from jaxdist.training.callbacks import Progress as Progress
 from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer as Checkpointer
 from jaxdist.training.data import DataPosition as DataPosition
-from jaxdist.training.loop import prepare as prepare
 from jaxdist.training.models import LinenModel as LinenModel
 from jaxdist.training.models import NnxModel as NnxModel
 from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
+from jaxdist.training.prepare import prepare as prepare
 from jaxdist.training.step import TrainState as TrainState
 from jaxdist.training.step import accuracy as accuracy
 from jaxdist.training.step import make_train_step as make_train_step

@@ -1,13 +1,15 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
-A `Callback` gets ``on_train_begin``, ``on_step_end``, ``on_eval_end``, ``on_checkpoint`` and
+A `Callback` gets ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_checkpoint`` and
 ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars: reading one (``float(m)``)
 waits for the device, so read them only when you need them. Setting ``trainer.stop_training = True`` from a
 callback ends ``fit`` after the current step (with a checkpoint when ``checkpoint_dir`` is set).
 
-The trainer logs every ``log_every`` steps: the mean of each metric over those steps, and steps/s. `Progress`
-shows them as a tqdm bar on a terminal and as plain lines otherwise (logs, CI); `CSVLogger` and
-`TensorBoardLogger` write them to files.
+The trainer logs every ``log_every`` steps: the mean of each metric over those steps, and steps/s. A log
+point does not stop the devices: ``on_log`` comes once they have the window's values (usually a step or two
+later, with the log point's step number), and always before the next evaluation, checkpoint or the end of
+``fit``. `Progress` shows the logs as a tqdm bar on a terminal and as plain lines otherwise (logs, CI);
+`CSVLogger` and `TensorBoardLogger` write them to files.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ class Callback:
         """Before the first step of ``fit`` (after any restore)."""
 
     def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
-        """After each optimizer step (each run of ``steps_per_run`` steps); metrics are device scalars."""
+        """After each optimizer step; metrics are device scalars. With ``steps_per_run > 1``: after each
+        on-device loop, with each metric's values for its steps stacked (device arrays of shape ``(n,)``)."""
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        """Every ``log_every`` steps, with the metrics averaged over them (host floats)."""
+        """For every ``log_every`` steps, with the metrics averaged over them (host floats); called as soon as
+        the devices have them, without waiting for them."""
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
         """After each evaluation during ``fit``, with metrics averaged over every evaluation example."""

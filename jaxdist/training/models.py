@@ -136,6 +136,18 @@ class LinenModel:
         del params, model_state
 
 
+def _rngs_parameter(module: Any) -> inspect.Parameter | None:
+    """The ``rngs`` parameter of ``module.__call__`` if it can be passed by name (not ``**kwargs``), or None."""
+    try:
+        parameters = inspect.signature(module.__call__).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented __call__: nothing to inspect
+        return None
+    param = parameters.get("rngs")
+    if param is None or param.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        return None
+    return param
+
+
 def _to_pure(state: Any) -> dict:
     return nnx.to_pure_dict(state)
 
@@ -154,6 +166,12 @@ class NnxModel:
     ``train()`` mode, evaluation in ``eval()`` mode; the user's module is left in the mode it was in and is
     updated in place by ``sync`` (the trainer calls it at the end of ``fit``).
 
+    Call-time keys: a module whose ``__call__`` takes a ``rngs`` parameter (the NNX tutorial's
+    ``def __call__(self, x, rngs: nnx.Rngs | None = None)``, passing ``rngs`` on to ``nnx.Dropout``) gets
+    ``rngs=nnx.Rngs(rng)`` in training, built from the step's key (``fold_in(state.rng, step)``: a resumed run
+    draws the same masks), so every stream it asks for (``rngs.dropout()``, ``rngs["noise"]``) is fresh each
+    step. Evaluation and prediction pass no ``rngs`` (``rngs=None`` when the parameter has no default).
+
     Args:
         module: the `flax.nnx.Module` instance (already initialized: nnx modules own their parameters).
 
@@ -161,12 +179,24 @@ class NnxModel:
         TypeError: when ``module`` is not an nnx module instance (a linen module names the fix).
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> m = NnxModel(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
         >>> params, state = m.init(None, None, m.initial_variables)
         >>> m.apply(params, state, jnp.ones((4, 3)), None, train=False)[0].shape
         (4, 2)
+        >>> class Net(nnx.Module):  # takes dropout keys at call time
+        ...     def __init__(self, rngs):
+        ...         self.linear, self.drop = nnx.Linear(3, 2, rngs=rngs), nnx.Dropout(0.5)
+        ...     def __call__(self, x, rngs: nnx.Rngs | None = None):
+        ...         return self.drop(self.linear(x), rngs=rngs)
+        >>> net = NnxModel(Net(nnx.Rngs(0)))
+        >>> net.takes_rngs
+        True
+        >>> params, state = net.init(None, None, net.initial_variables)
+        >>> out, _ = net.apply(params, state, jnp.ones((4, 3)), jax.random.key(1), train=True)
+        >>> bool((out == 0).any())  # dropped with the step's key
+        True
     """
 
     kind = "nnx"
@@ -178,6 +208,7 @@ class NnxModel:
                 "Trainer directly (linen modules are detected), or use LinenModel(module)."
             )
         self.module = module
+        self._rngs_param = _rngs_parameter(module)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         self._params_template, self._rest_template = params, rest
         self._initial = (_to_pure(params), _to_pure(rest))
@@ -197,14 +228,28 @@ class NnxModel:
         del rng, x
         return self._initial if given is None else given
 
+    @property
+    def takes_rngs(self) -> bool:
+        """Whether the module's ``__call__`` takes ``rngs`` (then training passes a fresh ``nnx.Rngs``)."""
+        return self._rngs_param is not None
+
     def apply(self, params: dict, model_state: dict, x: Any, rng: Any, train: bool) -> tuple[Any, dict]:
-        """``(outputs, new_model_state)``; nnx advances its own ``Rngs`` (carried in ``model_state``)."""
-        del rng
+        """``(outputs, new_model_state)``; nnx advances its own ``Rngs`` (carried in ``model_state``).
+
+        ``rng`` (the step's key) becomes ``rngs=nnx.Rngs(rng)`` for a module that takes call-time ``rngs``;
+        in training without a key such a module gets ``rngs=None`` (as in evaluation).
+        """
         graphdef = self._train_graphdef if train else self._eval_graphdef
         module = nnx.merge(
             graphdef, _from_pure(self._params_template, params), _from_pure(self._rest_template, model_state)
         )
-        out = module(x)
+        kwargs = {}
+        if self._rngs_param is not None:
+            if train and rng is not None:
+                kwargs["rngs"] = nnx.Rngs(rng)
+            elif self._rngs_param.default is inspect.Parameter.empty:
+                kwargs["rngs"] = None  # a required parameter: say "no keys" as the tutorial's eval step does
+        out = module(x, **kwargs)
         if not train:
             return out, model_state
         _, rest = nnx.state(module, nnx.Param, ...)

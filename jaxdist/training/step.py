@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["TrainState", "accuracy", "make_eval_step", "make_predict_step", "make_train_step", "split_batch"]
+from jaxdist.training.data import split_batch
+
+__all__ = ["TrainState", "accuracy", "make_eval_step", "make_loop_step", "make_predict_step", "make_train_step",
+           "metric_names"]
 
 
 class TrainState(NamedTuple):
@@ -67,43 +70,6 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
         0.5
     """
     return jnp.mean(jnp.argmax(logits, axis=-1) == labels, dtype=jnp.float32)
-
-
-def split_batch(batch: Any, where: str = "batch", need_targets: bool = True) -> tuple[Any, Any]:
-    """``(x, y)`` of a batch given as a tuple / list ``(x, y)`` or a dict ``{"x": ..., "y": ...}``.
-
-    Args:
-        batch: the batch.
-        where: how to name the batch in errors (e.g. ``"train_data batch 3"``).
-        need_targets: False for prediction: a bare array / pytree, ``(x,)`` or a dict without ``"y"`` is fine.
-
-    Returns:
-        ``(x, y)``; ``y`` is None when there are no targets and ``need_targets`` is False.
-
-    Raises:
-        ValueError: for any other structure, naming what was received.
-
-    Example:
-        >>> split_batch({"x": 1, "y": 2})
-        (1, 2)
-    """
-    if isinstance(batch, Mapping):
-        if "x" in batch and ("y" in batch or not need_targets) and set(batch) <= {"x", "y"}:
-            return batch["x"], batch.get("y")
-        got = f"a dict with keys {sorted(map(str, batch))}"
-    elif isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
-        if len(batch) == 2 or (not need_targets and len(batch) == 1):
-            return batch[0], (batch[1] if len(batch) == 2 else None)
-        got = f"a {type(batch).__name__} of {len(batch)} items"
-    elif not need_targets:
-        return batch, None
-    else:
-        got = f"a {type(batch).__name__}"
-    want = "(x, y) or {'x': ..., 'y': ...}" if need_targets else "x, (x,), (x, y) or {'x': ...}"
-    raise ValueError(
-        f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x may be any pytree, e.g. a dict "
-        "of model inputs)."
-    )
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -216,6 +182,53 @@ def make_train_step(
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), out
 
     return train_step
+
+
+def metric_names(metrics: Mapping[str, Any], opt_state: Any) -> tuple[str, ...]:
+    """The names in a train step's metrics dict: ``"loss"``, each metric, and ``"learning_rate"`` when the
+    optimizer was built with `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
+
+    Example:
+        >>> import optax, jax.numpy as jnp
+        >>> opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+        >>> metric_names({"accuracy": None}, opt.init({"w": jnp.ones(2)}))
+        ('loss', 'accuracy', 'learning_rate')
+    """
+    has_rate = any(
+        isinstance(getattr(node, "hyperparams", None), Mapping) and "learning_rate" in node.hyperparams
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams"))
+    )
+    return ("loss", *metrics, *(("learning_rate",) if has_rate else ()))
+
+
+def make_loop_step(train_step: Callable[[TrainState, Any], tuple[TrainState, dict]]) -> Callable:
+    """The body of an on-device loop of train steps, for ``strategy.run_steps_on_dataset``.
+
+    ``loop_step(ctx, (state, values, i), x, y) -> (state, values, i + 1)`` runs ``train_step`` on ``(x, y)``
+    and writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``, carried by
+    the loop; ``i`` starts at 0). After a loop of ``n`` steps ``values`` holds every step's metrics, so the
+    host can average them over any window of steps, as it does for steps run one at a time.
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp, jaxdist as jd
+        >>> def train_step(w, batch):
+        ...     return w + 1.0, {"loss": batch[0].mean()}
+        >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)])
+        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0))
+        >>> ctx = jd.OneDeviceStrategy().run_steps_on_dataset(
+        ...     make_loop_step(train_step), batches, iterations=3, initial_loop_values=start)
+        >>> float(ctx.loop_values[0]), ctx.loop_values[1]["loss"].tolist()
+        (3.0, [0.0, 1.0, 2.0])
+    """
+
+    def loop_step(ctx, carry, x, y):
+        del ctx
+        state, values, i = carry
+        state, metrics = train_step(state, (x, y))
+        values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
+        return state, values, i + 1
+
+    return loop_step
 
 
 def _per_example(fn: Callable, out: Any, y: Any) -> jax.Array:

@@ -1,7 +1,7 @@
 """`Trainer`: one training loop for Flax linen and nnx models with optax, unchanged on every strategy.
 
 The train step is an ordinary single-device step (`jaxdist.training.step`) compiled with
-``strategy.jit(step, donate_argnums=(0,))``; the state is born in the strategy's layout with
+``strategy.jit(step, donate_argnums=(0,), batch_argnums=(1,))``; the state is born in the strategy's layout with
 ``strategy.create_variables``; batches go through ``strategy.experimental_distribute_dataset`` (which checks
 divisibility and prefetches). So ``fit`` on any strategy computes what the same training computes on one
 device, and the loss and metrics are means over the GLOBAL batch.
@@ -9,10 +9,14 @@ device, and the loss and metrics are means over the GLOBAL batch.
 Resuming is exact: the state's step counter drives the RNG (``fold_in(rng, step)``), the checkpoint stores the
 data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads the same epoch and skips the
 batches already used, so its parameters are bitwise identical to an uninterrupted run's.
+
+``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through the public methods here
+(``train_on_batch``, ``train_on_batches``, ``evaluate``, ``save``, ``sync_model``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -23,35 +27,22 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Strategy
+from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
-from jaxdist.training.data import BatchStream, DataPosition, eval_batches, signature
-from jaxdist.training.fitting import run_loop
+from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, check_key, eval_batches
+from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.step import (
     TrainState,
     make_eval_step,
+    make_loop_step,
     make_predict_step,
     make_train_step,
-    split_batch,
+    metric_names,
 )
 
 __all__ = ["Trainer"]
-
-
-def _check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{' or None' if allow_none else ''}.")
-
-
-def _abstract(tree: Any) -> Any:
-    def one(a):
-        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-        return jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.canonicalize_dtype(dtype))
-
-    return jax.tree.map(one, tree)
 
 
 class Trainer:
@@ -59,37 +50,45 @@ class Trainer:
 
     Args:
         strategy: a `jd.Strategy` (``MirroredStrategy()``, ``OneDeviceStrategy()``, ...).
-        model: a `flax.linen.Module` instance or a `flax.nnx.Module` instance (detected from its type).
+        model: a `flax.linen.Module` instance or a `flax.nnx.Module` instance (detected from its type). An
+            nnx module whose ``__call__`` takes ``rngs`` (as in the NNX tutorial, for ``nnx.Dropout``) gets a
+            fresh ``nnx.Rngs`` each training step (see `NnxModel`).
         optimizer: an optax ``GradientTransformation``; learning-rate schedules work as in optax (build it
             with `optax.inject_hyperparams` to have the learning rate logged).
         loss_fn: ``loss_fn(outputs, targets) -> scalar``: the MEAN loss over the batch, e.g.
             ``lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``.
         metrics: extra ``{name: fn(outputs, targets) -> scalar}`` batch means, e.g.
             ``{"accuracy": jd.training.accuracy}``.
+        input_key / target_key: for batches given as dicts: the key of the model's inputs and the key of
+            the targets (default ``"x"`` and ``"y"``), e.g. ``input_key="image", target_key="label"`` for
+            ``{"image": ..., "label": ...}``. A tuple of keys passes their values as a dict. Other keys are
+            dropped on the host (one warning). Batches given as pairs ``(x, y)`` ignore both.
         variables: linen only: variables to start from (e.g. pretrained) instead of ``model.init``.
         grad_accum_steps: split each batch into this many micro-batches per optimizer step (one update
             equal to a step on the whole batch, with the activation memory of a micro-batch).
         compute_dtype: e.g. ``jnp.bfloat16``: mixed precision (bf16 compute; float32 parameters, gradients
             and optimizer state).
         clip_grad_norm: clip gradients to this global norm before the optimizer (None: no clipping).
-        seed: seeds parameter init (linen) and the per-step RNG (linen rng streams such as dropout).
+        seed: seeds parameter init (linen) and the per-step key (``fold_in(key, step)``) behind linen rng
+            streams and nnx call-time ``rngs``.
         train_kwargs / eval_kwargs: linen only: keyword arguments for ``model.apply`` in training / in
             evaluation and prediction (e.g. ``{"train": True}`` / ``{"train": False}``).
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
-        steps_per_run: steps per compiled on-device loop when the strategy has ``run_steps_on_dataset``
-            (default: ``strategy.steps_per_run``, else 1).
+        steps_per_run: steps per compiled on-device loop in ``fit`` (``strategy.run_steps_on_dataset``;
+            default: ``strategy.steps_per_run`` for a `TPUStrategy`, else 1: one compiled step per batch).
 
     Raises:
         TypeError: for a strategy, model, optimizer or loss_fn of the wrong kind (a module class instead of
-            an instance; linen options with an nnx module).
+            an instance; linen options with an nnx module), or a key option that is not a string.
         ValueError: for out-of-range numbers, a metric named "loss", or ``variables`` with an nnx module.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
         >>> trainer = jd.training.Trainer(
         ...     jd.MirroredStrategy(), nn.Dense(2), optax.sgd(0.1),
-        ...     lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
-        >>> data = [(np.ones((8, 3), np.float32), np.zeros(8, np.int32))] * 4
+        ...     lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean(),
+        ...     input_key="image", target_key="label")
+        >>> data = [{"image": np.ones((8, 3), np.float32), "label": np.zeros(8, np.int32)}] * 4
         >>> history = trainer.fit(data, steps=4, verbose=0)
         >>> trainer.step, trainer.evaluate(data)["loss"] < history.train[0]["loss"]
         (4, True)
@@ -103,6 +102,8 @@ class Trainer:
         loss_fn: Callable[[Any, Any], jax.Array],
         *,
         metrics: Mapping[str, Callable[[Any, Any], jax.Array]] | None = None,
+        input_key: str | Sequence[str] = "x",
+        target_key: str | Sequence[str] = "y",
         variables: Any = None,
         grad_accum_steps: int = 1,
         compute_dtype: Any = None,
@@ -131,9 +132,10 @@ class Trainer:
                     f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to fn(outputs, targets) -> "
                     "scalar (the loss is always reported as 'loss')."
                 )
-        _check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
-        _check_int(steps_per_run, "steps_per_run", 1)
-        _check_int(seed, "seed", 0, allow_none=False)
+        input_key, target_key = check_key(input_key, "input_key"), check_key(target_key, "target_key")
+        check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
+        check_int(steps_per_run, "steps_per_run", 1)
+        check_int(seed, "seed", 0, allow_none=False)
         if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None.")
         if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
@@ -144,6 +146,7 @@ class Trainer:
         self.model = model
         self.loss_fn = loss_fn
         self.metrics = metrics
+        self.input_key, self.target_key = input_key, target_key
         self.optimizer = optax.chain(optax.clip_by_global_norm(clip_grad_norm), optimizer) if clip_grad_norm \
             else optimizer
         self.grad_accum_steps = grad_accum_steps
@@ -154,13 +157,17 @@ class Trainer:
         self.data_position = DataPosition()
         self._state: TrainState | None = None
         self._step = 0
-        self._batch_signature: tuple | None = None
-        train_step = make_train_step(self._model, self.optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype)
-        self._train_step_fn = train_step
-        self._train_step = strategy.jit(train_step, donate_argnums=(0,))
-        self._eval_step = strategy.jit(make_eval_step(self._model, loss_fn, metrics, compute_dtype))
-        self._predict_step = strategy.jit(make_predict_step(self._model, compute_dtype))
-        self._loop_step: Callable | None = None
+        self._batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps, input_key=input_key,
+                                     target_key=target_key)
+        self._train_step_fn = make_train_step(self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
+                                              compute_dtype)
+        # The batches are declared (host batches split over the replicas); the state is in the variable layout.
+        self._train_step = strategy.jit(self._train_step_fn, donate_argnums=(0,), batch_argnums=(1,))
+        self._eval_step = strategy.jit(make_eval_step(self._model, loss_fn, metrics, compute_dtype),
+                                       batch_argnums=(1, 2))
+        self._predict_step = strategy.jit(make_predict_step(self._model, compute_dtype), batch_argnums=(1,))
+        self._loop_step: Callable | None = None  # the on-device loop body (steps_per_run > 1)
+        self._metric_names: tuple[str, ...] = ()
 
     # --------------------------------------------------------------------------------------------- state
     @property
@@ -186,7 +193,8 @@ class Trainer:
         returns a scalar and each metric too.
 
         Args:
-            batch: a batch ``(x, y)`` / ``{"x": ..., "y": ...}`` (only shapes matter), or just ``x``.
+            batch: a batch ``(x, y)`` / a dict with ``input_key`` and ``target_key`` (only shapes matter), or
+                just ``x``.
 
         Returns:
             The `TrainState`.
@@ -198,79 +206,101 @@ class Trainer:
             return self._state
         build, args, x, y = self._builder(batch)
         if y is not None:
-            self._check_losses(jax.eval_shape(build, *args), x, y)  # before anything compiles
+            check_losses(self._model, self.loss_fn, self.metrics, jax.eval_shape(build, *args), x, y)
         with self.strategy.scope():
             self._state = self.strategy.create_variables(build, *args)
         return self._state
 
     def _builder(self, batch: Any) -> tuple[Callable, tuple, Any, Any]:
-        x, y = split_batch(batch, "the first batch", need_targets=False)
-        sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
+        x, y = self._batches.split(batch, "the first batch", need_targets=False)
+        return (*state_builder(self._model, self.optimizer, self.seed, x), x, y)
 
-        def build(rng, x_sample, given):
-            init_rng, step_rng = jax.random.split(rng)
-            params, model_state = self._model.init(init_rng, x_sample, given)
-            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), model_state, step_rng)
+    def sync_model(self) -> None:
+        """Write the trained values back into the model the trainer was given (``fit`` does this at its end).
 
-        given = getattr(self._model, "initial_variables", None)
-        return build, (jax.random.key(self.seed), sample, given), x, y
-
-    def _restore_target(self, batch: Any) -> Any:
-        """What a restore reads into: the live state, or (cheaper: nothing is computed or allocated twice)
-        abstract arrays carrying the strategy's variable layout."""
+        nnx modules are updated in place, as nnx code expects; linen modules hold no values (a no-op).
+        """
         if self._state is not None:
-            return self._state
-        if batch is None:
-            raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
-        build, args, x, y = self._builder(batch)
-        shapes = jax.eval_shape(build, *args)
-        if y is not None:
-            self._check_losses(shapes, x, y)
-        layouts = self.strategy.variable_shardings(shapes)  # the layout create_variables would use
-        return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                            shapes, layouts)
+            self._model.sync(self._state.params, self._state.model_state)
 
-    def _check_losses(self, state: TrainState, x: Any, y: Any) -> None:
-        def outputs(s, xb):
-            return self._model.apply(s.params, s.model_state, xb, None, train=False)[0]
+    # ------------------------------------------------------------------------------------------ steps
+    def train_on_batch(self, batch: Any) -> dict[str, jax.Array]:
+        """One optimizer step on one global batch (what ``fit`` runs per batch, without its loop).
 
-        out = jax.eval_shape(outputs, state, _abstract(x))
-        y_abs = _abstract(y)
-        for name, fn in {"loss_fn": self.loss_fn, **{f"metrics[{k!r}]": f for k, f in self.metrics.items()}}.items():
-            got = jax.eval_shape(fn, out, y_abs)
-            if not isinstance(got, jax.ShapeDtypeStruct) or got.shape != () or not jnp.issubdtype(
-                got.dtype, jnp.inexact if name == "loss_fn" else jnp.number
-            ):
-                desc = got if not isinstance(got, jax.ShapeDtypeStruct) else f"shape {got.shape} {got.dtype}"
-                raise ValueError(
-                    f"{name} returned {desc} for a batch of {jax.tree.leaves(y_abs)[0].shape[0]} rows; it must "
-                    "return a float scalar, the mean over the batch: reduce it, e.g. "
-                    "optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()."
-                )
+        Args:
+            batch: ``(x, y)`` or a dict with ``input_key`` / ``target_key``: host arrays (split over the
+                replicas) or a batch of this strategy's distributed dataset.
 
-    def _check_batch(self, batch: Any, where: str) -> None:
-        split_batch(batch, where)
-        sig = signature(batch)
-        if self._batch_signature is None:
-            rows = np.shape(jax.tree.leaves(batch)[0])[0] if jax.tree.leaves(batch) else 0
-            need = self.strategy.num_replicas_in_sync * self.grad_accum_steps
-            if rows % need:
-                raise ValueError(
-                    f"{where} has {rows} rows, which {self.strategy.num_replicas_in_sync} replicas x "
-                    f"grad_accum_steps={self.grad_accum_steps} do not divide: use a global batch that is a "
-                    f"multiple of {need} (e.g. {-(-rows // need) * need}), dropping or padding the remainder."
-                )
-            self._batch_signature = sig
-        elif sig != self._batch_signature:
-            raise ValueError(
-                f"{where} has structure/shapes {sig[1]} ({sig[0]}), but the first training batch had "
-                f"{self._batch_signature[1]} ({self._batch_signature[0]}): every training batch needs the same "
-                "structure and shapes (one compiled step); drop the ragged last batch or pad it."
-            )
+        Returns:
+            The step's metrics (``"loss"``, each metric, ``"learning_rate"`` when logged) as device scalars:
+            reading one waits for the step.
+
+        Raises:
+            ValueError: for a batch of the wrong structure, or whose shapes differ from the first batch's.
+
+        Example:
+            >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+            >>> metrics = trainer.train_on_batch((np.ones((8, 2), np.float32), np.ones(8, np.float32)))
+            >>> trainer.step, sorted(metrics)
+            (1, ['loss'])
+        """
+        pair = self._batches(batch, "train_on_batch's batch")
+        if self._state is None:
+            self.init(pair)
+        self._state, metrics = self._train_step(self._state, pair)
+        self._step += 1
+        return metrics
+
+    def train_on_batches(self, batches: Sequence[Any]) -> dict[str, jax.Array]:
+        """``len(batches)`` optimizer steps in ONE compiled on-device loop (``strategy.run_steps_on_dataset``).
+
+        The same steps ``train_on_batch`` would take one by one, with the host involved once.
+
+        Args:
+            batches: global batches of one shape, as for `train_on_batch`.
+
+        Returns:
+            Every step's metrics, stacked: ``{name: array of shape (len(batches),)}`` on the devices.
+
+        Raises:
+            ValueError: for no batches, or batches of the wrong structure or of different shapes.
+
+        Example:
+            >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.TPUStrategy(steps_per_run=4), nn.Dense(1), optax.sgd(0.1),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+            >>> batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
+            >>> metrics = trainer.train_on_batches([batch] * 4)
+            >>> trainer.step, metrics["loss"].shape
+            (4, (4,))
+        """
+        pairs = [self._batches(b, f"train_on_batches' batch {i}") for i, b in enumerate(batches)]
+        if not pairs:
+            raise ValueError("train_on_batches got no batches: pass at least one.")
+        if self._state is None:
+            self.init(pairs[0])
+        if self._loop_step is None:
+            self._loop_step = make_loop_step(self._train_step_fn)
+            self._metric_names = metric_names(self.metrics, self._state.opt_state)
+        n = len(pairs)
+        values = {name: np.zeros(n, np.float32) for name in self._metric_names}
+        ctx = self.strategy.run_steps_on_dataset(
+            self._loop_step, iter(pairs), iterations=n, initial_loop_values=(self._state, values, np.int32(0)),
+            donate=True,
+        )
+        self._state, values, _ = ctx.loop_values
+        self._step += n
+        return values
 
     # ------------------------------------------------------------------------------------- checkpoints
-    def save(self, checkpoint_dir: str | os.PathLike, max_to_keep: int | None = 3) -> str:
-        """Write a checkpoint of the state, step, data position and RNG into ``checkpoint_dir``.
+    def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
+        """Write a checkpoint of the state, step, data position and RNG.
+
+        Args:
+            checkpoint_dir: a directory, or an open `Checkpointer` (left open; its own ``max_to_keep``).
+            max_to_keep: with a directory: how many recent checkpoints to keep there.
 
         Returns:
             The checkpoint's path.
@@ -280,21 +310,22 @@ class Trainer:
         """
         if self._state is None:
             raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
+        meta = {"model_kind": self._model.kind, "data_position": vars(self.data_position).copy()}
+        if isinstance(checkpoint_dir, Checkpointer):
+            return checkpoint_dir.save(self._step, self._state, meta)
         ckpt = Checkpointer(checkpoint_dir, max_to_keep)
         try:
-            return self._save(ckpt)
+            return ckpt.save(self._step, self._state, meta)
         finally:
             ckpt.close()
 
-    def _save(self, ckpt: Checkpointer) -> str:
-        meta = {"model_kind": self._model.kind, "data_position": vars(self.data_position).copy()}
-        return ckpt.save(self._step, self._state, meta)
-
-    def restore(self, checkpoint_dir: str | os.PathLike, step: int | None = None, batch: Any = None) -> int:
+    def restore(
+        self, checkpoint_dir: str | os.PathLike | Checkpointer, step: int | None = None, batch: Any = None
+    ) -> int:
         """Load a checkpoint (default: the latest) onto THIS trainer's strategy, whatever wrote it.
 
         Args:
-            checkpoint_dir: the directory ``fit`` or `save` wrote.
+            checkpoint_dir: the directory ``fit`` or `save` wrote, or an open `Checkpointer` (left open).
             step: which checkpoint; None for the latest.
             batch: a sample batch, needed only when the state does not exist yet (see `init`).
 
@@ -304,8 +335,10 @@ class Trainer:
         Raises:
             FileNotFoundError: when there is no checkpoint.
             ValueError: for another model's checkpoint (or one of an nnx model into a linen trainer and vice
-                versa), or an optimizer state that does not fit.
+                versa), an optimizer state that does not fit, or no ``batch`` when the state does not exist.
         """
+        if isinstance(checkpoint_dir, Checkpointer):
+            return self._restore(checkpoint_dir, step, batch)
         ckpt = Checkpointer(checkpoint_dir, None)
         try:
             return self._restore(ckpt, step, batch)
@@ -323,8 +356,20 @@ class Trainer:
         self._state, meta = ckpt.restore(self._restore_target(batch), meta["step"])
         self._step = int(meta["step"])
         self.data_position = DataPosition(**meta["data_position"])
-        self._model.sync(self._state.params, self._state.model_state)
+        self.sync_model()
         return self._step
+
+    def _restore_target(self, batch: Any) -> Any:
+        """What a restore reads into: the live state, or (cheaper: nothing is computed or allocated twice)
+        abstract arrays carrying the strategy's variable layout."""
+        if self._state is not None:
+            return self._state
+        if batch is None:
+            raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
+        build, args, x, y = self._builder(batch)
+        if y is not None:
+            check_losses(self._model, self.loss_fn, self.metrics, jax.eval_shape(build, *args), x, y)
+        return restore_target(self.strategy, build, args)
 
     # --------------------------------------------------------------------------------------------- fit
     def fit(
@@ -351,10 +396,10 @@ class Trainer:
         run would.
 
         Args:
-            train_data: global batches ``(x, y)`` or ``{"x": ..., "y": ...}``, all of one shape: a function
-                ``epoch -> iterable`` (shuffle per epoch with a seed derived from ``epoch``), a re-iterable
-                (a list: repeated each epoch) or an iterator (read once). Resuming needs the same batches for
-                the same epoch (deterministic data).
+            train_data: global batches ``(x, y)`` or dicts with ``input_key`` and ``target_key``, all of one
+                shape: a function ``epoch -> iterable`` (shuffle per epoch with a seed derived from
+                ``epoch``), a re-iterable (a list: repeated each epoch) or an iterator (read once). Resuming
+                needs the same batches for the same epoch (deterministic data).
             steps: train until ``trainer.step == steps``.
             epochs: stop after this many epochs in total (with ``steps``, whichever comes first).
             eval_data: batches for `evaluate` (any size; padded and masked), evaluated every ``eval_every``
@@ -364,7 +409,10 @@ class Trainer:
                 ``checkpoint_every`` steps, at the end, and on preemption). None: no checkpoints.
             checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
             keep_checkpoints: how many recent checkpoints to keep.
-            log_every: steps between log points (metrics averaged over them; one device sync each).
+            log_every: steps between log points: each log is the mean of every metric over the steps since
+                the previous one (with ``steps_per_run > 1`` too), plus steps/s. A log point does not wait for
+                the devices: it is emitted once they have the values (a step or two later, with its own
+                step number), and always before the next evaluation, checkpoint or the end of ``fit``.
             log_dir: also write ``metrics.csv`` and TensorBoard event files here.
             callbacks: `Callback` instances.
             verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, or 0 (silent).
@@ -382,40 +430,29 @@ class Trainer:
         """
         if steps is None and epochs is None:
             raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
-        _check_int(steps, "steps", 0)
-        _check_int(epochs, "epochs", 0)
-        for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
-            _check_int(value, name, 1)
-        _check_int(log_every, "log_every", 1, allow_none=False)
+        check_int(epochs, "epochs", 0)
+        options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every,
+                             checkpoint_every=checkpoint_every, log_every=log_every)  # checks them
         if on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
-        if eval_every is not None and eval_data is None:
-            raise ValueError(f"eval_every={eval_every} needs eval_data=... to evaluate on.")
-        if eval_data is not None and isinstance(eval_data, Iterable) and iter(eval_data) is eval_data:
-            raise ValueError(
-                "eval_data is an iterator, which can be read only once: pass a list of batches or a function "
-                "returning a fresh iterable."
-            )
-        stream = BatchStream(train_data, None, epochs, self._check_batch)
+        stream = BatchStream(train_data, None, epochs, self._batches)
         sample = None
         if self._state is None:
-            sample = stream.peek(self.data_position.epoch)
-            self._check_batch(sample, f"train_data batch 0 of epoch {self.data_position.epoch}")
+            epoch = self.data_position.epoch
+            sample = self._batches(stream.peek(epoch), f"train_data batch 0 of epoch {epoch}")
         ckpt = Checkpointer(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
-        if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
-            self._restore(ckpt, None, sample)
-        if self._state is None:
-            self.init(sample)
-        stream = BatchStream(stream.data, self.data_position, epochs, self._check_batch)
-        callbacks = list(callbacks)
-        if verbose:
-            callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1) else verbose))
-        if log_dir is not None:
-            callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
-        history = History()
         try:
-            run_loop(self, stream, steps, eval_data, eval_every, ckpt, checkpoint_every, log_every, callbacks,
-                     history)
+            if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
+                self._restore(ckpt, None, sample)
+            if self._state is None:
+                self.init(sample)
+            callbacks = list(callbacks)
+            if verbose:
+                callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1) else verbose))
+            if log_dir is not None:
+                callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
+            options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks))
+            history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, self._batches), options)
         finally:
             if ckpt is not None:
                 ckpt.close()
@@ -428,9 +465,9 @@ class Trainer:
         """Loss and metrics averaged over EVERY example of ``data`` (evaluation mode).
 
         Args:
-            data: batches ``(x, y)`` / ``{"x": ..., "y": ...}`` of any size (a ragged last batch is padded
-                to a multiple of the replica count and its padding masked out): a list, an iterator, or a
-                function of no arguments returning an iterable.
+            data: batches ``(x, y)`` / dicts with ``input_key`` and ``target_key``, of any size (a ragged
+                last batch is padded to a multiple of the replica count and its padding masked out): a list,
+                an iterator, or a function of no arguments returning an iterable.
 
         Returns:
             ``{"loss": ..., <metric>: ...}`` as floats.
@@ -440,13 +477,8 @@ class Trainer:
         """
         n = self.strategy.num_replicas_in_sync
         sums, count = {}, 0.0
-
-        def source():
-            for i, (batch, weights, _) in enumerate(eval_batches(data, n)):
-                split_batch(batch, f"eval_data batch {i}")
-                yield batch, weights
-
-        for batch, weights in self.strategy.experimental_distribute_dataset(source()):
+        source = ((batch, weights) for batch, weights, _ in eval_batches(data, n, "eval_data", self._batches.split))
+        for batch, weights in self.strategy.experimental_distribute_dataset(source):
             if self._state is None:
                 self.init(jax.device_get(batch))
             batch_sums, batch_count = jax.device_get(self._eval_step(self._state, batch, weights))
@@ -461,8 +493,8 @@ class Trainer:
         """The model's outputs (evaluation mode) for every example of ``data``, as numpy arrays.
 
         Args:
-            data: batches of inputs: ``x``, ``(x,)``, ``(x, y)`` or dicts with ``"x"`` (targets are ignored),
-                any size (padded and stripped like `evaluate`); a single array is one batch.
+            data: batches of inputs: ``x``, ``(x,)``, ``(x, y)`` or dicts with ``input_key`` (targets are
+                ignored), any size (padded and stripped like `evaluate`); a single array is one batch.
 
         Returns:
             The outputs concatenated along axis 0 (a pytree of arrays if the model returns one).
@@ -471,12 +503,12 @@ class Trainer:
         if isinstance(data, (np.ndarray, jax.Array)):
             data = [data]  # one array: one batch (not an iterable of rows)
 
-        def inputs():
-            for i, (batch, weights, _) in enumerate(eval_batches(data, n, "data")):
-                yield split_batch(batch, f"data batch {i}", need_targets=False)[0], weights
+        def inputs(batch: Any, where: str) -> Any:
+            return self._batches.split(batch, where, need_targets=False)[0]
 
         outputs = []
-        for x, weights in self.strategy.experimental_distribute_dataset(inputs()):
+        source = ((x, weights) for x, weights, _ in eval_batches(data, n, "data", inputs))
+        for x, weights in self.strategy.experimental_distribute_dataset(source):
             if self._state is None:
                 self.init(jax.device_get(x))
             keep = np.asarray(weights) > 0

@@ -1,8 +1,9 @@
-"""How many bytes a compiled program's collectives move, read from its HLO text.
+"""Test helper: how many bytes a compiled program's collectives move, read from its HLO text.
 
-Compressors are judged by bytes, not by time on a simulated mesh: `collectives` lists the collective ops of a
-compiled module (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, and their async
-``-start`` forms) with their operand bytes and replica-group size; `collective_bytes` totals them.
+The synchronizer tests judge compressors by bytes, not by time on a simulated mesh: `collectives` lists
+the collective ops of a compiled module (all-reduce, all-gather, reduce-scatter, all-to-all,
+collective-permute, and their async ``-start`` forms) with their operand bytes and replica-group size;
+`collective_bytes` totals them.
 
 Two measures, both per device:
 
@@ -47,8 +48,7 @@ class CollectiveOp(NamedTuple):
         group_size: devices in each replica group.
 
     Example:
-        >>> import jaxdist as jd
-        >>> jd.gradients.CollectiveOp("ar", "all-reduce", operand_bytes=1024, group_size=8).wire_bytes
+        >>> CollectiveOp("ar", "all-reduce", operand_bytes=1024, group_size=8).wire_bytes
         1792.0
     """
 
@@ -160,7 +160,7 @@ def collectives(hlo: Any) -> list[CollectiveOp]:
         >>> strategy = jd.MirroredStrategy()
         >>> f = strategy.jit(lambda x: strategy.run(lambda v: jd.get_replica_context().all_reduce("sum", v),
         ...                                         args=(x,)))
-        >>> [(op.kind, op.operand_bytes, op.group_size) for op in jd.gradients.collectives(f.lower(jnp.ones(4)))]
+        >>> [(op.kind, op.operand_bytes, op.group_size) for op in collectives(f.lower(strategy.mirror(jnp.ones(4))))]
         [('all-reduce', 16, 8)]
     """
     text = _hlo_text(hlo)
@@ -216,8 +216,8 @@ def collective_bytes(hlo: Any, *, wire: bool = False, kinds: tuple[str, ...] | N
         >>> strategy = jd.MirroredStrategy()
         >>> f = strategy.jit(lambda x: strategy.run(lambda v: jd.get_replica_context().all_reduce("mean", v),
         ...                                         args=(x,)))
-        >>> compiled = f.lower(jnp.ones((256, 256))).compile()
-        >>> jd.gradients.collective_bytes(compiled), jd.gradients.collective_bytes(compiled, wire=True)
+        >>> compiled = f.lower(strategy.mirror(jnp.ones((256, 256)))).compile()
+        >>> collective_bytes(compiled), collective_bytes(compiled, wire=True)
         (262144, 458752.0)
     """
     if kinds is not None:

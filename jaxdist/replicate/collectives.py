@@ -1,0 +1,93 @@
+"""Replica-axis collective helpers: the one home of "is varying", "make varying", all-reduce by op, and
+reducing a stacked per-replica value.
+
+Inside `jax.shard_map` (``check_vma`` on) every traced value has a type that says over which manual mesh axes
+it may differ ("varying") and over which it is known to be identical ("invariant"). Collectives that move data
+need varying inputs; values whose type is invariant are what ``strategy.run`` returns mirrored. JAX renamed
+where that type lives (``aval.vma`` up to 0.11, ``aval.manual_axis_type.varying`` since 0.12): `is_varying`
+reads both, so no other module depends on the attribute name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.replicate.layouts import REPLICA_AXIS
+from jaxdist.replicate.ops import ReduceOp, VariableAggregation
+
+__all__ = ["all_reduce", "axis_size", "is_varying", "reduce_stacked", "to_varying"]
+
+
+def is_varying(x: Any, axis_name: str = REPLICA_AXIS) -> bool:
+    """True when traced ``x`` may differ over mesh axis ``axis_name`` (False outside `shard_map`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> is_varying(jnp.ones(2))
+        False
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return axis_name in (varying or frozenset())
+
+
+def to_varying(x: Any, axis_name: str = REPLICA_AXIS) -> Any:
+    """``x`` typed as varying over ``axis_name`` (a no-op when it already is).
+
+    Each replica then owns its copy: ``jax.grad`` with respect to it is local, and collectives accept it.
+    """
+    return x if is_varying(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
+
+
+def axis_size(axis_name: str = REPLICA_AXIS) -> int | None:
+    """The size of mesh axis ``axis_name`` where it is bound (inside `shard_map`), else None.
+
+    Example:
+        >>> axis_size() is None
+        True
+    """
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        return None
+
+
+def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation, axis_name: str = REPLICA_AXIS) -> Any:
+    """psum / pmean (by ``reduce_op``: SUM or MEAN) of a pytree over ``axis_name``; every replica gets it.
+
+    Outside `shard_map` (the axis is not bound: one replica) ``value`` is returned unchanged.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> all_reduce(jnp.ones(2), ReduceOp.SUM).tolist()
+        [1.0, 1.0]
+    """
+    if axis_size(axis_name) is None:
+        return value
+    value = jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value)  # invariant x sums to N * x
+    if reduce_op.name == "SUM":
+        return jax.lax.psum(value, axis_name)
+    if reduce_op.name == "MEAN":
+        return jax.lax.pmean(value, axis_name)
+    raise ValueError(f"reduce_op={reduce_op!r}: all_reduce takes SUM or MEAN.")
+
+
+def reduce_stacked(stacked: jax.Array, mode: ReduceOp | VariableAggregation, axis: int = 0) -> jax.Array:
+    """Combine the components of a per-replica value stacked on ``axis``: SUM, MEAN or ONLY_FIRST_REPLICA.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> reduce_stacked(jnp.array([1.0, 3.0]), ReduceOp.MEAN).tolist()
+        2.0
+    """
+    if mode.name == "SUM":
+        return jnp.sum(stacked, axis=axis)
+    if mode.name == "MEAN":
+        return jnp.mean(stacked, axis=axis)
+    if mode.name == "ONLY_FIRST_REPLICA":
+        return jnp.take(stacked, 0, axis=axis)
+    raise ValueError(f"mode={mode!r}: a stacked per-replica value reduces by SUM, MEAN or ONLY_FIRST_REPLICA.")

@@ -1,0 +1,199 @@
+"""`ProgramCache`: the one cache of compiled programs a strategy owns (``run``, on-device loops, reduce/gather).
+
+Three promises, the ones `jax.jit` makes for its own cache:
+
+* weak on user functions: the programs built for a function live as long as the function does. A program
+  never holds its user function strongly (it calls it through a weak reference), so a ``lambda`` made fresh
+  in a loop and its programs are freed together;
+* bounded: at most ``max_per_function`` programs per function and ``max_functions`` functions held
+  strongly (callables that cannot be weakly referenced), least recently used first out;
+* loud about waste: when the same call site (the same code object) keeps compiling, one warning says why
+  — a new function object every call, a new static value, or new shapes — and what to do about it.
+
+``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way a
+strategy compiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["ProgramCache", "RecompileWarning", "weak_callable"]
+
+
+class RecompileWarning(UserWarning):
+    """The same call site keeps compiling new programs (each compile costs ~100 ms or more)."""
+
+
+def _site(fn: Any) -> Any:
+    """The call site of ``fn``: its code object (one lambda expression in a loop is one site)."""
+    func = getattr(fn, "__func__", fn)  # bound methods
+    func = getattr(func, "func", func)  # functools.partial
+    return getattr(func, "__code__", None) or type(fn)
+
+
+def _describe(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    code = _site(fn)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if hasattr(code, "co_filename") else ""
+    return f"{name}{where}"
+
+
+def weak_callable(fn: Callable) -> Callable:
+    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it alive).
+
+    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced are held
+    as they are.
+
+    Example:
+        >>> def f(x):
+        ...     return x + 1
+        >>> weak_callable(f)(1)
+        2
+    """
+    try:
+        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else weakref.ref(fn)
+    except TypeError:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        if target is None:  # only reachable if a program outlives its function: a bug, not a user error
+            raise RuntimeError("the function of this compiled program has been garbage-collected")
+        return target(*args, **kwargs)
+
+    return call
+
+
+class ProgramCache:
+    """Compiled programs of one strategy, by user function (weakly) and by a hashable key.
+
+    Args:
+        max_per_function: programs kept per function (least recently used first out).
+        max_functions: strongly held functions kept (for callables that cannot be weakly referenced).
+        warn_after: compiles at one call site, each for a different reason than a cache hit, before the
+            `RecompileWarning`.
+
+    Example:
+        >>> cache = ProgramCache()
+        >>> def f(x):
+        ...     return x * 2
+        >>> program = cache.get(f, ("shape", 3), lambda weak_f: weak_f)
+        >>> program(4), cache.get(f, ("shape", 3), lambda weak_f: None) is program
+        (8, True)
+    """
+
+    def __init__(self, max_per_function: int = 64, max_functions: int = 256, warn_after: int = 8):
+        self.max_per_function = max_per_function
+        self.max_functions = max_functions
+        self.warn_after = warn_after
+        self._lock = threading.RLock()
+        self._weak: dict[Any, collections.OrderedDict] = {}  # id token -> programs (entry dropped when fn dies)
+        self._strong: collections.OrderedDict = collections.OrderedDict()  # fn -> programs (bounded LRU)
+        self._sites: dict[Any, dict] = {}  # code object -> {"count", "last", "warned"}
+
+    def clear(self) -> None:
+        """Drop every cached program."""
+        with self._lock:
+            self._weak.clear()
+            self._strong.clear()
+
+    def __len__(self) -> int:
+        """How many programs are cached (over every function still alive)."""
+        with self._lock:
+            return sum(len(p) for p in self._weak.values()) + sum(len(p) for p in self._strong.values())
+
+    def _programs_of(self, fn: Any) -> collections.OrderedDict:
+        owner = getattr(fn, "__self__", None) if hasattr(fn, "__func__") else None
+        token = (id(owner), id(fn.__func__)) if owner is not None else id(fn)
+        programs = self._weak.get(token)
+        if programs is not None:
+            return programs
+        try:
+            weakref.finalize(owner if owner is not None else fn, self._weak.pop, token, None)
+        except TypeError:  # not weakly referenceable: held strongly, bounded
+            programs = self._strong.get(fn)
+            if programs is None:
+                programs = self._strong[fn] = collections.OrderedDict()
+                while len(self._strong) > self.max_functions:
+                    self._strong.popitem(last=False)
+            self._strong.move_to_end(fn)
+            return programs
+        programs = self._weak[token] = collections.OrderedDict()
+        return programs
+
+    def get(self, fn: Any, key: Hashable, build: Callable[[Callable], Callable], *, reason: Any = None) -> Callable:
+        """The program for ``(fn, key)``; built with ``build(weak_callable(fn))`` on a miss.
+
+        Args:
+            fn: the user function the program runs (None for the strategy's own programs).
+            key: everything else the program depends on (structure, shapes, static values).
+            build: makes the program from a weakly held ``fn``.
+            reason: ``(statics, shapes)`` of this key, to say why a call site recompiles.
+        """
+        with self._lock:
+            programs = self._programs_of(fn if fn is not None else ProgramCache)
+            program = programs.get(key)
+            if program is not None:
+                programs.move_to_end(key)
+                return program
+        program = build(weak_callable(fn) if fn is not None else None)
+        with self._lock:
+            programs[key] = program
+            while len(programs) > self.max_per_function:
+                programs.popitem(last=False)
+        if fn is not None:
+            self.note_trace(fn, reason if reason is not None else key)
+        return program
+
+    def note_trace(self, fn: Any, signature: Any) -> None:
+        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a churning site."""
+        site = _site(fn)
+        with self._lock:
+            info = self._sites.setdefault(site, {"count": 0, "last": None, "warned": False})
+            last, info["last"] = info["last"], (weakref.ref(fn) if _weakable(fn) else None, id(fn), signature)
+            info["count"] += 1
+            if info["warned"] or info["count"] <= self.warn_after or last is None:
+                return
+            info["warned"] = True
+        why = _why(last, fn, signature)
+        warnings.warn(
+            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: {why}. Each compile "
+            "costs ~100 ms or more.",
+            RecompileWarning,
+            stacklevel=4,
+        )
+
+
+def _weakable(fn: Any) -> bool:
+    try:
+        weakref.ref(fn)
+        return True
+    except TypeError:
+        return False
+
+
+def _why(last: tuple, fn: Any, signature: Any) -> str:
+    last_ref, last_id, last_sig = last
+    same_fn = (last_ref() is fn) if last_ref is not None else last_id == id(fn)
+    if not same_fn:
+        return (
+            "a new function object every call (e.g. a lambda or nested function defined inside the loop); "
+            "define the function once, outside the loop, and pass changing values as arguments"
+        )
+    if isinstance(signature, tuple) and isinstance(last_sig, tuple) and len(signature) == len(last_sig) == 2:
+        if signature[0] != last_sig[0]:
+            return (
+                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now {signature[0]!r}); pass "
+                "values that change as arrays, not Python scalars or static arguments"
+            )
+        return (
+            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep shapes fixed, "
+            "e.g. pad or drop a ragged last batch"
+        )
+    return f"a new signature each call (was {last_sig!r}, now {signature!r})"

@@ -1,0 +1,126 @@
+"""Building the trainer's state: the initial `TrainState` from a sample batch, its abstract twin, loss checks.
+
+``Trainer.init`` runs `state_builder`'s function under ``strategy.create_variables`` (born in the strategy's
+layout, no host copy); a restore into a trainer that has no state yet reads into `restore_target`'s
+abstract arrays instead (nothing computed or allocated twice). Both check ``loss_fn`` and the metrics on
+the sample's shapes first (`check_losses`), before anything compiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxdist.strategies import Strategy
+from jaxdist.training.step import TrainState
+
+__all__ = ["check_losses", "restore_target", "state_builder"]
+
+
+def _abstract(tree: Any) -> Any:
+    def one(a):
+        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+        return jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.canonicalize_dtype(dtype))
+
+    return jax.tree.map(one, tree)
+
+
+def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int, x: Any) -> tuple[Callable, tuple]:
+    """``(build, args)``: ``build(*args)`` returns the initial `TrainState` for inputs shaped like ``x``.
+
+    Args:
+        model: the `LinenModel` / `NnxModel` adapter.
+        optimizer: the optax transformation.
+        seed: seeds ``model.init`` (linen) and the state's base key (per-step keys are ``fold_in(rng, step)``).
+        x: a sample of the inputs (only the first row's shape and dtype are used).
+
+    Returns:
+        The pure function and its arguments (the key, a one-row sample, the model's given variables).
+
+    Example:
+        >>> import jax, numpy as np, optax, flax.linen as nn
+        >>> from jaxdist.training.models import LinenModel
+        >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
+        >>> jax.eval_shape(build, *args).params["kernel"].shape
+        (3, 2)
+    """
+    sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
+
+    def build(rng, x_sample, given):
+        init_rng, step_rng = jax.random.split(rng)
+        params, model_state = model.init(init_rng, x_sample, given)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state, step_rng)
+
+    return build, (jax.random.key(seed), sample, getattr(model, "initial_variables", None))
+
+
+def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
+    """The state ``build(*args)`` would make, as abstract arrays carrying ``strategy``'s variable layout.
+
+    Example:
+        >>> import numpy as np, optax, flax.linen as nn, jaxdist as jd
+        >>> from jaxdist.training.models import LinenModel
+        >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
+        >>> restore_target(jd.OneDeviceStrategy(), build, args).params["kernel"].shape
+        (3, 2)
+    """
+    shapes = jax.eval_shape(build, *args)
+    layouts = strategy.variable_shardings(shapes)  # the layout create_variables would use
+    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        shapes, layouts)
+
+
+def check_losses(
+    model: Any,
+    loss_fn: Callable,
+    metrics: Mapping[str, Callable],
+    state: TrainState,
+    x: Any,
+    y: Any,
+) -> None:
+    """Check that ``loss_fn`` and each metric return a scalar on the model's outputs for ``(x, y)``.
+
+    Args:
+        model: the adapter.
+        loss_fn: ``loss_fn(outputs, targets)``; must return a float scalar.
+        metrics: ``{name: fn(outputs, targets)}``; each must return a numeric scalar.
+        state: the state (or its abstract shapes, from ``jax.eval_shape``).
+        x / y: a batch's inputs and targets (only shapes and dtypes are used; nothing runs).
+
+    Raises:
+        ValueError: for a non-scalar result, naming the function, the shape received and the fix.
+
+    Example:
+        >>> import jax, numpy as np, optax, flax.linen as nn
+        >>> from jaxdist.training.models import LinenModel
+        >>> model = LinenModel(nn.Dense(2))
+        >>> build, args = state_builder(model, optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
+        >>> try:  # a per-example loss, not its mean
+        ...     check_losses(model, lambda out, y: (out.sum(-1) - y) ** 2, {}, jax.eval_shape(build, *args),
+        ...                  np.ones((8, 3), np.float32), np.ones(8, np.float32))
+        ... except ValueError as error:
+        ...     print(str(error).split(";")[0])
+        loss_fn returned shape (8,) float32 for a batch of 8 rows
+    """
+
+    def outputs(s, xb):
+        return model.apply(s.params, s.model_state, xb, None, train=False)[0]
+
+    out = jax.eval_shape(outputs, state, _abstract(x))
+    y_abs = _abstract(y)
+    for name, fn in {"loss_fn": loss_fn, **{f"metrics[{k!r}]": f for k, f in metrics.items()}}.items():
+        got = jax.eval_shape(fn, out, y_abs)
+        if not isinstance(got, jax.ShapeDtypeStruct) or got.shape != () or not jnp.issubdtype(
+            got.dtype, jnp.inexact if name == "loss_fn" else jnp.number
+        ):
+            desc = got if not isinstance(got, jax.ShapeDtypeStruct) else f"shape {got.shape} {got.dtype}"
+            raise ValueError(
+                f"{name} returned {desc} for a batch of {jax.tree.leaves(y_abs)[0].shape[0]} rows; it must "
+                "return a float scalar, the mean over the batch: reduce it, e.g. "
+                "optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()."
+            )
