@@ -16,9 +16,12 @@ from jaxdist.strategies import devices as devices_mod
 def test_topology(strategy_name):
     strategy = make(strategy_name)
     n = strategy.num_replicas_in_sync
-    assert len(strategy.devices) == n == strategy.mesh.size
+    per_replica = strategy.mesh.size // n  # devices per replica (model parallelism)
+    assert len(strategy.devices) == n * per_replica == strategy.mesh.size
+    assert len(strategy.replica_devices) == n
     assert strategy.worker_devices == strategy.devices
-    assert strategy.mesh.axis_names == (jd.REPLICA_AXIS,) == ("replica",)
+    assert strategy.mesh.axis_names[0] == jd.REPLICA_AXIS == "replica"
+    assert strategy.mesh.axis_names == (("replica",) if per_replica == 1 else ("replica", "model"))
     assert tuple(strategy.mesh.devices.flat) == strategy.devices
     assert strategy.num_hosts == 1
     assert strategy.num_replicas_per_host == n

@@ -26,9 +26,11 @@ def test_global_batches_are_split_over_replicas(strategy_name):
             arr = got[key]
             assert isinstance(arr, jax.Array) and arr.sharding == strategy.batch_sharding
             np.testing.assert_array_equal(np.asarray(arr), want[key])
-            # Each replica holds exactly its own rows.
-            for replica, shard in enumerate(sorted(arr.addressable_shards, key=lambda s: s.index[0].start or 0)):
-                assert shard.device == strategy.devices[replica]
+            # Each replica (all of its devices, with model parallelism) holds exactly its own rows.
+            grid = strategy.mesh.devices.reshape(n, -1)
+            for shard in arr.addressable_shards:
+                replica = int(np.argwhere(grid == shard.device)[0][0])
+                assert (shard.index[0].start or 0) == 4 * replica
                 np.testing.assert_array_equal(np.asarray(shard.data), want[key][4 * replica : 4 * (replica + 1)])
     # A list is re-iterable: a second pass gives the same batches.
     assert len(list(strategy.experimental_distribute_dataset(data))) == 5

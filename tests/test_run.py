@@ -91,7 +91,7 @@ def test_reduce_gather_local_results(strategy_name):
     np.testing.assert_allclose(strategy.reduce("mean", w), np.ones(2))
     assert strategy.gather(w).shape == (2 * n,)
     copies = strategy.experimental_local_results(w)
-    assert [c.devices() for c in copies] == [{d} for d in strategy.devices]
+    assert [c.devices() for c in copies] == [{d} for d in strategy.replica_devices]
     assert strategy.reduce("sum", rows).sharding.is_fully_replicated
 
 
