@@ -294,9 +294,13 @@ def _assert_variable_layout(strategy, tree):
     """Every leaf on the strategy's devices, in the layout the strategy gives variables of its shape."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
     want = jax.tree.leaves(strategy.variable_shardings(shapes))
-    for leaf, sharding in zip(jax.tree.leaves(tree), want, strict=True):
-        assert leaf.sharding.device_set == set(strategy.devices)
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    wrong = [
+        f"{jax.tree_util.keystr(path)}{leaf.shape}: {getattr(leaf.sharding, 'spec', leaf.sharding)} not {sharding.spec}"
+        for (path, leaf), sharding in zip(leaves, want, strict=True)
+        if leaf.sharding.device_set != set(strategy.devices) or not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    ]
+    assert not wrong, f"{len(wrong)} of {len(leaves)} arrays not in the strategy's variable layout: {wrong}"
 
 
 def nnx_train_step(model, optimizer, x, y):

@@ -7,9 +7,8 @@ with nothing distributed in them. Data: scikit-learn's 8x8 digits (bundled, no d
 Each program runs twice: as its authors run it (`jax.jit` / `nnx.jit`, one device) and through `strategy.jit`
 with its batch arguments declared. Losses, accuracies, parameters, optimizer state and metrics must agree to
 fp32 precision (rtol 1e-5), in training and in evaluation on the host test set, for every placement of that
-test set a user can hand in. This is where XLA's Shardy partitioner miscomputes a conv net whose kernel is split
-on its output channels while the batch is replicated (an upstream bug); jaxdist must
-not walk users into it.
+test set a user can hand in. Evaluation is where XLA's Shardy partitioner (upstream) miscomputes a conv net
+whose kernel is split on its output channels while the batch is replicated; jaxdist must not walk users into it.
 """
 
 from __future__ import annotations
@@ -57,14 +56,13 @@ def _assert_variable_layout(strategy, tree, what):
     """Every array of ``tree`` lives on the strategy's devices in the layout the strategy gives variables."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
     want = jax.tree.leaves(strategy.variable_shardings(shapes))
-    leaves = jax.tree.leaves(tree)
-    assert len(leaves) == len(want)
-    for i, (leaf, sharding) in enumerate(zip(leaves, want, strict=True)):
-        assert leaf.sharding.device_set == set(strategy.devices), f"{what}: leaf {i} on {leaf.sharding.device_set}"
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (
-            f"{what}: leaf {i} of shape {leaf.shape} has layout {leaf.sharding}, the strategy's variable layout is "
-            f"{sharding}"
-        )
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    wrong = [
+        f"{jax.tree_util.keystr(path)}{leaf.shape}: {getattr(leaf.sharding, 'spec', leaf.sharding)} not {sharding.spec}"
+        for (path, leaf), sharding in zip(leaves, want, strict=True)
+        if leaf.sharding.device_set != set(strategy.devices) or not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    ]
+    assert not wrong, f"{what}: {len(wrong)} of {len(leaves)} arrays not in the strategy's variable layout: {wrong}"
 
 
 # ============================================================================================================
@@ -193,7 +191,7 @@ def test_linen_mnist_example_trains_and_evaluates_like_one_device(strategy_name,
     _assert_variable_layout(strategy, (got["state"].params, got["state"].opt_state), "trained state")
 
 
-def test_linen_create_variables_takes_the_examples_config_argument(linen_reference):
+def test_linen_create_variables_takes_the_examples_config_argument():
     """``strategy.create_variables(create_train_state, rng, config)``: the example's initializer with its
     non-array config argument creates the state straight in the strategy's layout, equal to one device."""
     strategy = make("sharded_8")
@@ -246,7 +244,9 @@ def host_test_set_and_state(linen_reference):
     return state, np.asarray(test_ds["image"]), np.asarray(test_ds["label"])
 
 
-@pytest.mark.parametrize("strategy_name", [*sorted(REGISTRY), SHARDED_DEFAULT])
+# One device and two replicas add nothing here that mirrored_8 does not cover; the TPU strategy's jit is the
+# same as mirrored_8's.
+@pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8", "sharded_4x2", SHARDED_DEFAULT])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_linen_mnist_evaluation_equals_one_device_for_every_test_set_placement(
     strategy_name, placement, linen_reference
@@ -338,6 +338,12 @@ def pred_step(model: NnxCNN, batch):
 
 
 NNX_BATCH = 32  # the tutorial's
+# The tutorial trains with optax.adamw(0.005, 0.9). Adam divides each update by the gradient's RMS, and conv2's
+# bias has a gradient that is zero up to rounding (batch_norm2 subtracts the batch mean right after it): Adam
+# turns that rounding noise into full-size steps, so two correct programs (one device, eight) part ways on it
+# and, through batch_norm2's running mean, on the evaluation. SGD with momentum (the linen example's optimizer)
+# leaves the noise at noise level; the nnx.Optimizer machinery exercised is the same.
+OPTIMIZER = optax.sgd(0.05, 0.9)
 NNX_TRAIN_STEPS = 8
 NNX_TEST_ROWS = 128
 
@@ -356,7 +362,7 @@ def nnx_tutorial(jit, scope):
     images, labels = digits()
     with scope:
         model = NnxCNN(rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adamw(0.005, 0.9), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, OPTIMIZER, wrt=nnx.Param)
         metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
     train_model = nnx.view(model, deterministic=False, use_running_average=False)
     eval_model = nnx.view(model, deterministic=True, use_running_average=True)

@@ -154,7 +154,8 @@ def test_mixed_precision_keeps_fp32_params_and_optimizer_state(linen_variables):
     h_mixed = mixed.fit(batches, steps=STEPS, log_every=1, verbose=0)
     for leaf in jax.tree.leaves((mixed.state.params, mixed.state.opt_state)):
         assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype
-    hlo = mixed._train_step.lower(mixed.state, make_batches(1)[0]).as_text()
+    names, sums = mixed.pop_metric_sums()
+    hlo = mixed._fit_step.lower(mixed.state, make_batches(1)[0], np.zeros(len(names), np.float32)).as_text()
     assert "bf16" in hlo and "dot" in hlo  # the matmuls run in bf16
     np.testing.assert_allclose(h_mixed.metric("loss"), h_full.metric("loss"), rtol=0.05)
     assert h_mixed.metric("loss")[-1] < h_mixed.metric("loss")[0]
@@ -188,13 +189,15 @@ def test_steps_per_run_uses_on_device_loops(linen_variables):
         def on_step_end(self, trainer, step, metrics):
             seen.append(step)
 
-    history = trainer.fit(batches, steps=10, log_every=3, verbose=0, callbacks=[Steps()])
-    assert seen == [4, 8, 10]  # two loops of 4 steps, then the 2 left
+    history = trainer.fit(batches, steps=10, log_every=8, eval_every=6, eval_data=batches[:1], verbose=0,
+                          callbacks=[Steps()])
+    assert seen == [4, 6, 8, 10]  # loops of at most 4 steps that end at the evaluation (6) and the log (8)
     assert_trees_close(trainer.params, want_params)
-    # every log is the mean over its steps, at the log points of one step at a time (3 and 6 inside loops)
-    assert [row["step"] for row in history.train] == [3, 6, 9, 10]
-    want = [np.mean(want_losses[a:b]) for a, b in ((0, 3), (3, 6), (6, 9), (9, 10))]
-    np.testing.assert_allclose(history.metric("loss"), want, rtol=1e-5)
+    assert [row["step"] for row in history.eval] == [6, 10]
+    # every log is the mean over its steps
+    assert [row["step"] for row in history.train] == [8, 10]
+    np.testing.assert_allclose(history.metric("loss"), [np.mean(want_losses[:8]), np.mean(want_losses[8:])],
+                               rtol=1e-5)
 
 
 def test_evaluate_and_predict_cover_every_example_with_padding(linen_variables):

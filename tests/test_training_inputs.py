@@ -60,7 +60,7 @@ def test_nnx_model_with_call_time_rngs_trains_with_the_steps_key(strategy_name):
     batches = dict_batches()
     trainer = nnx_trainer(strategy)
     state = trainer.init(batches[0])
-    rng = jax.device_get(state.rng)
+    rng = jax.random.wrap_key_data(jax.device_get(state.rng))
     history = trainer.fit(batches, steps=2, log_every=1, verbose=0)
 
     # The first step by hand: the tutorial's model in training mode, rngs from fold_in(state.rng, 0).

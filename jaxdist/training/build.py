@@ -54,7 +54,9 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
     def build(rng, x_sample, given):
         init_rng, step_rng = jax.random.split(rng)
         params, model_state = model.init(init_rng, x_sample, given)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state, step_rng)
+        # The raw key data, not the typed key: cheaper to pass into every compiled step (see TrainState.rng).
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state,
+                          jax.random.key_data(step_rng))
 
     return build, (jax.random.key(seed), sample, getattr(model, "initial_variables", None))
 

@@ -30,7 +30,16 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["BatchChecker", "BatchStream", "DataPosition", "check_key", "eval_batches", "signature", "split_batch"]
+__all__ = [
+    "BatchChecker",
+    "BatchStream",
+    "DataPosition",
+    "check_key",
+    "describe",
+    "eval_batches",
+    "signature",
+    "split_batch",
+]
 
 Key = str | tuple[str, ...]
 """A dict batch's key for the inputs or the targets: one key, or several (their values then form a dict)."""
@@ -165,14 +174,23 @@ def _kind(data: Any, name: str) -> str:
 def signature(batch: Any) -> tuple:
     """The structure, shapes and dtypes of a batch (batches with equal signatures share one compiled step).
 
+    Cheap enough to run on every batch: the dtypes stay dtype objects (`describe` spells them out).
+
     Example:
         >>> import numpy as np
-        >>> signature((np.zeros((2, 3)), np.zeros(2, np.int32)))[1]
-        (((2, 3), 'float64'), ((2,), 'int32'))
+        >>> describe(signature((np.zeros((2, 3)), np.zeros(2, np.int32))))
+        '((2, 3) float64, (2,) int32)'
     """
     leaves, treedef = jax.tree.flatten(batch)
-    return treedef, tuple((tuple(np.shape(x)), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
-                          for x in leaves)
+    return treedef, tuple(
+        (x.shape, x.dtype) if isinstance(x, (np.ndarray, jax.Array)) else (np.shape(x), np.asarray(x).dtype)
+        for x in leaves
+    )
+
+
+def describe(sig: tuple) -> str:
+    """A `signature`'s shapes and dtypes, as text for messages."""
+    return "(" + ", ".join(f"{tuple(shape)} {np.dtype(dtype).name}" for shape, dtype in sig[1]) + ")"
 
 
 class BatchChecker:
@@ -238,8 +256,8 @@ class BatchChecker:
             self._signature = sig
         elif sig != self._signature:
             raise ValueError(
-                f"{where} has structure/shapes {sig[1]} ({sig[0]}), but the first training batch had "
-                f"{self._signature[1]} ({self._signature[0]}): every training batch needs the same "
+                f"{where} has structure/shapes {describe(sig)} ({sig[0]}), but the first training batch had "
+                f"{describe(self._signature)} ({self._signature[0]}): every training batch needs the same "
                 "structure and shapes (one compiled step); drop the ragged last batch or pad it."
             )
         return pair

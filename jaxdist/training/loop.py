@@ -9,19 +9,19 @@ with ``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop,
 
 Two things keep it from slowing the steps down:
 
-* Log points never wait for the devices. At a log point the window's metrics (device scalars) start their
-  copies to the host and the loop goes on dispatching steps; the log is emitted (``history.train``,
-  ``on_log``) at the first step end at which they have arrived, and at the latest before the next
-  evaluation, checkpoint or the end of ``fit``. So a log comes a step or two after the step it describes,
-  with that step's number.
+* Log points never wait for the devices. At a log point the window's metric sums (one small device vector)
+  start their copy to the host and the loop goes on dispatching steps; the log is emitted
+  (``history.train``, ``on_log``) at the first step end at which they have arrived, and at the latest before
+  the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or two after the step it
+  describes, with that step's number. Nothing is read back per step.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so the
   prefetch thread neither places batches no step uses nor has to be stopped mid-read.
 
 The data position is the count of batches the steps consumed (never what the prefetcher read ahead). Every
-log is the mean of each metric over the steps since the previous log point, whichever way they ran: an
-on-device loop returns the metrics of each of its steps, so the logs of ``steps_per_run > 1`` are the
-logs of the same training run one step at a time, at the same log points (those inside a loop are emitted
-after it). Evaluations and checkpoints due inside an on-device loop happen at its end.
+log is the mean of each metric over the steps since the previous log point, whichever way they ran: the
+steps add their metrics to running sums on the devices (``trainer.pop_metric_sums``), and an on-device loop
+ends at the next log, evaluation or checkpoint point (``steps_per_run`` is the longest loop), so the logs,
+evaluations and checkpoints of ``steps_per_run > 1`` are those of the same training one step at a time.
 """
 
 from __future__ import annotations
@@ -109,38 +109,24 @@ def _crossed(before: int, after: int, every: int | None) -> bool:
 
 
 class _Logs:
-    """The steps since the last log point, and closed log windows whose values are still on their way to the
-    host. An entry is ``(metrics, base, lo, hi)``: the metrics of steps ``base+1 .. base+n`` (scalars for one
-    step, arrays of shape ``(n,)`` for an on-device loop), of which steps ``lo+1 .. hi`` belong to the window
-    (a log point inside an on-device loop splits its entry in two)."""
+    """Closed log windows whose sums are still on their way to the host: emitted once they have arrived."""
 
     def __init__(self, start_step: int, on_log: Callable[[int, dict], None]):
-        self._window: list[tuple[Mapping[str, Any], int, int, int]] = []
         self._pending: collections.deque = collections.deque()
         self._on_log = on_log
         self._last = (start_step, time.perf_counter())
 
-    def add(self, metrics: Mapping[str, Any], before: int, after: int) -> None:
-        """Record the metrics of steps ``before+1 .. after``."""
-        self._window.append((metrics, before, before, after))
-
-    def close_window(self, step: int) -> None:
-        """End the window at ``step`` (a step already recorded) and start copying its values to the host."""
-        window = [(m, base, lo, min(hi, step)) for m, base, lo, hi in self._window if lo < step]
-        self._window = [(m, base, max(lo, step), hi) for m, base, lo, hi in self._window if hi > step]
-        if not window:
-            return
-        for metrics, *_ in window:
-            for value in metrics.values():
-                copy = getattr(value, "copy_to_host_async", None)
-                if copy is not None:
-                    copy()
-        self._pending.append((step, window))
+    def close_window(self, step: int, names: tuple[str, ...], sums: Any) -> None:
+        """End a window at ``step`` with the trainer's running sums over it; start copying them to the host."""
+        copy = getattr(sums, "copy_to_host_async", None)
+        if copy is not None:
+            copy()
+        self._pending.append((step, names, sums))
 
     def emit_ready(self) -> None:
-        """Emit the closed windows whose values have arrived, in order (never waits for the devices)."""
+        """Emit the closed windows whose sums have arrived, in order (never waits for the devices)."""
         ready = 0
-        while ready < len(self._pending) and _ready(self._pending[ready][1][-1][0]):
+        while ready < len(self._pending) and getattr(self._pending[ready][2], "is_ready", lambda: True)():
             ready += 1
         self._emit(ready)
 
@@ -152,30 +138,27 @@ class _Logs:
         if not count:
             return
         windows = [self._pending.popleft() for _ in range(count)]
-        # Windows that arrive together share one rate: the time since the last log over their steps.
+        # Windows that arrive together share one rate: the time since the last log over all their steps.
         now = time.perf_counter()
         seconds = now - self._last[1]
         rate = (windows[-1][0] - self._last[0]) / seconds if seconds > 0 else float("nan")
         self._last = (windows[-1][0], now)
-        for step, window in windows:
-            self._on_log(step, {**_means(window), "steps_per_sec": rate})
+        for step, names, sums in windows:
+            logs = _means(names, np.asarray(jax.device_get(sums), np.float64))
+            if logs is not None:
+                self._on_log(step, {**logs, "steps_per_sec": rate})
 
 
-def _ready(metrics: Mapping[str, Any]) -> bool:
-    return all(getattr(v, "is_ready", lambda: True)() for v in metrics.values())
-
-
-def _means(window: list[tuple[Mapping[str, Any], int, int, int]]) -> dict[str, float]:
-    """Each metric's mean over the window's steps (per-step values, in float64); the last learning rate."""
-    per_step: dict[str, list[np.ndarray]] = {}
-    for metrics, base, lo, hi in window:
-        for name, value in jax.device_get(dict(metrics)).items():
-            value = np.asarray(value, np.float64)
-            per_step.setdefault(name, []).append(value[lo - base : hi - base] if value.ndim else value[None])
-    names = ["loss", *sorted(k for k in per_step if k not in ("loss", "learning_rate"))]
-    logs = {k: float(np.concatenate(per_step[k]).mean()) for k in names}
-    if "learning_rate" in per_step:  # the current rate, not a mean
-        logs["learning_rate"] = float(per_step["learning_rate"][-1][-1])
+def _means(names: tuple[str, ...], sums: np.ndarray) -> dict[str, float] | None:
+    """Each metric's mean over the window (``"loss"`` first) and the last learning rate; None if no steps."""
+    values = dict(zip(names, sums.tolist(), strict=True))
+    steps = values.pop("steps")
+    if not steps:
+        return None
+    rate = values.pop("learning_rate", None)
+    logs = {k: values[k] / steps for k in ["loss", *sorted(k for k in values if k != "loss")]}
+    if rate is not None:  # the current rate, not a mean
+        logs["learning_rate"] = rate
     return logs
 
 
@@ -215,10 +198,14 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
         history.eval.append({"step": trainer.step, **metrics})
         emit("on_eval_end", trainer.step, metrics)
 
+    def close_window() -> None:
+        logs.close_window(trainer.step, *trainer.pop_metric_sums())
+
     trainer.stop_training = False
+    trainer.pop_metric_sums()  # the windows start here
     logs = _Logs(trainer.step, on_log)
     consumed = 0
-    steps = _steps(trainer, stream, options.steps)
+    steps = _steps(trainer, stream, options)
     with PreemptionWatcher() as watcher:
         emit("on_train_begin")
         try:
@@ -226,13 +213,9 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
                 before = trainer.step - n  # the step(s) just taken advanced trainer.step
                 consumed += n
                 trainer.data_position = stream.position(consumed)
-                logs.add(metrics, before, trainer.step)
                 emit("on_step_end", trainer.step, metrics)
-                every = options.log_every
-                for point in range(before // every * every + every, trainer.step + 1, every):
-                    logs.close_window(point)  # every log point, also those inside an on-device loop
-                if trainer.step == options.steps:
-                    logs.close_window(trainer.step)
+                if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
+                    close_window()
                 logs.emit_ready()
                 if _crossed(before, trainer.step, options.eval_every):
                     evaluate()
@@ -244,7 +227,7 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
                     break
         finally:
             steps.close()
-        logs.close_window(trainer.step)
+        close_window()
         logs.flush()
         checkpoint()  # at the end (a no-op when this step is saved already)
         if options.eval_data is not None and not history.preempted and not (
@@ -256,14 +239,15 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     return history
 
 
-def _steps(trainer: Any, stream: BatchStream, until: int | None) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    """Run steps; yield ``(steps taken, their mean metrics)`` after each step or each on-device loop."""
+def _steps(trainer: Any, stream: BatchStream, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """Run steps; yield ``(steps taken, their metrics)`` after each step or each on-device loop."""
+    until = options.steps
     if until is not None and until <= trainer.step:
         return
     # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it.
     source = stream if until is None else itertools.islice(stream, until - trainer.step)
     if trainer.steps_per_run > 1:
-        yield from _on_device_loops(trainer, iter(source))
+        yield from _on_device_loops(trainer, iter(source), options)
         return
     batches = iter(trainer.strategy.experimental_distribute_dataset(source))
     try:
@@ -273,10 +257,14 @@ def _steps(trainer: Any, stream: BatchStream, until: int | None) -> Iterator[tup
         batches.close()
 
 
-def _on_device_loops(trainer: Any, host: Iterable) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    """steps_per_run > 1: ONE compiled on-device loop per ``steps_per_run`` batches."""
+def _on_device_loops(trainer: Any, host: Iterator, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """steps_per_run > 1: ONE compiled on-device loop per ``steps_per_run`` batches. A loop ends at the next
+    log, evaluation or checkpoint point, so that they see the same steps as one step at a time would."""
     while True:
-        chunk = list(itertools.islice(host, trainer.steps_per_run))
+        step = trainer.step
+        stops = [(step // every + 1) * every for every in
+                 (options.log_every, options.eval_every, options.checkpoint_every) if every]
+        chunk = list(itertools.islice(host, min(trainer.steps_per_run, min(stops) - step)))
         if not chunk:
             return
         yield len(chunk), trainer.train_on_batches(chunk)

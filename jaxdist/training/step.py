@@ -16,7 +16,7 @@ per-replica means).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -25,8 +25,17 @@ import optax
 
 from jaxdist.training.data import split_batch
 
-__all__ = ["TrainState", "accuracy", "make_eval_step", "make_loop_step", "make_predict_step", "make_train_step",
-           "metric_names"]
+__all__ = [
+    "TrainState",
+    "accuracy",
+    "add_to_sums",
+    "make_eval_step",
+    "make_loop_step",
+    "make_predict_step",
+    "make_train_step",
+    "metric_names",
+    "step_key",
+]
 
 
 class TrainState(NamedTuple):
@@ -37,8 +46,10 @@ class TrainState(NamedTuple):
         params: what the optimizer updates.
         opt_state: the optax state.
         model_state: the model's other variables (linen ``batch_stats``; nnx batch stats and ``Rngs``).
-        rng: the base PRNG key; step ``s`` uses ``jax.random.fold_in(rng, s)``, so a resumed run draws the
-            same numbers as an uninterrupted one.
+        rng: the base PRNG key; step ``s`` uses ``jax.random.fold_in(key, s)``, so a resumed run draws the
+            same numbers as an uninterrupted one. A typed key (``jax.random.key``) or its raw data
+            (``jax.random.key_data``; what the `Trainer` keeps: a plain uint32 array costs less per step to
+            pass into a compiled step than a typed key does); `step_key` reads either.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -52,6 +63,22 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: Any
     rng: jax.Array
+
+
+def step_key(state: TrainState) -> jax.Array:
+    """The typed PRNG key of the state's current step: ``fold_in(state.rng, state.step)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> raw = TrainState(jnp.int32(3), {}, (), {}, jax.random.key_data(jax.random.key(0)))
+        >>> typed = raw._replace(rng=jax.random.key(0))
+        >>> bool((jax.random.key_data(step_key(raw)) == jax.random.key_data(step_key(typed))).all())
+        True
+    """
+    rng = state.rng
+    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+    return jax.random.fold_in(rng, state.step)
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -148,7 +175,7 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         x, y = split_batch(batch)
-        rng = jax.random.fold_in(state.rng, state.step)
+        rng = step_key(state)
         if grad_accum_steps == 1:
             (loss, (model_state, values)), grads = grad_fn(state.params, state.model_state, x, y, rng)
         else:
@@ -201,32 +228,53 @@ def metric_names(metrics: Mapping[str, Any], opt_state: Any) -> tuple[str, ...]:
     return ("loss", *metrics, *(("learning_rate",) if has_rate else ()))
 
 
-def make_loop_step(train_step: Callable[[TrainState, Any], tuple[TrainState, dict]]) -> Callable:
+def add_to_sums(sums: jax.Array, metrics: Mapping[str, jax.Array], names: Sequence[str]) -> jax.Array:
+    """Running metric sums, one float32 vector: ``sums[i]`` for ``names[i]`` plus this step's value.
+
+    ``"learning_rate"`` is replaced by this step's (the current rate, not a sum) and ``"steps"`` counts the
+    steps. Computed inside the compiled step, it costs nothing per step; the host reads one small vector
+    per log point instead of every step's scalars.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> names = ("loss", "learning_rate", "steps")
+        >>> sums = add_to_sums(jnp.zeros(3), {"loss": 0.5, "learning_rate": 0.1}, names)
+        >>> add_to_sums(sums, {"loss": 0.25, "learning_rate": 0.05}, names).tolist()
+        [0.75, 0.05000000074505806, 2.0]
+    """
+    step = jnp.stack([jnp.asarray(metrics[n] if n != "steps" else 1.0, jnp.float32) for n in names])
+    keep = jnp.asarray([0.0 if n == "learning_rate" else 1.0 for n in names], jnp.float32)
+    return sums * keep + step
+
+
+def make_loop_step(train_step: Callable[[TrainState, Any], tuple[TrainState, dict]], names: Sequence[str]) -> Callable:
     """The body of an on-device loop of train steps, for ``strategy.run_steps_on_dataset``.
 
-    ``loop_step(ctx, (state, values, i), x, y) -> (state, values, i + 1)`` runs ``train_step`` on ``(x, y)``
-    and writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``, carried by
-    the loop; ``i`` starts at 0). After a loop of ``n`` steps ``values`` holds every step's metrics, so the
-    host can average them over any window of steps, as it does for steps run one at a time.
+    ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs ``train_step``
+    on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``;
+    ``i`` starts at 0) and adds them to ``sums`` (see `add_to_sums`; ``names`` orders it). After a loop of
+    ``n`` steps ``values`` holds every step's metrics and ``sums`` their running sums.
 
     Example:
         >>> import numpy as np, jax.numpy as jnp, jaxdist as jd
         >>> def train_step(w, batch):
         ...     return w + 1.0, {"loss": batch[0].mean()}
         >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)])
-        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0))
+        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), np.zeros(2, np.float32))
         >>> ctx = jd.OneDeviceStrategy().run_steps_on_dataset(
-        ...     make_loop_step(train_step), batches, iterations=3, initial_loop_values=start)
-        >>> float(ctx.loop_values[0]), ctx.loop_values[1]["loss"].tolist()
-        (3.0, [0.0, 1.0, 2.0])
+        ...     make_loop_step(train_step, ("loss", "steps")), batches, iterations=3, initial_loop_values=start)
+        >>> state, values, _, sums = ctx.loop_values
+        >>> float(state), values["loss"].tolist(), sums.tolist()
+        (3.0, [0.0, 1.0, 2.0], [3.0, 3.0])
     """
+    names = tuple(names)
 
     def loop_step(ctx, carry, x, y):
         del ctx
-        state, values, i = carry
+        state, values, i, sums = carry
         state, metrics = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
-        return state, values, i + 1
+        return state, values, i + 1, add_to_sums(sums, metrics, names)
 
     return loop_step
 

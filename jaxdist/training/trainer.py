@@ -35,6 +35,7 @@ from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.step import (
     TrainState,
+    add_to_sums,
     make_eval_step,
     make_loop_step,
     make_predict_step,
@@ -162,12 +163,15 @@ class Trainer:
         self._train_step_fn = make_train_step(self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
                                               compute_dtype)
         # The batches are declared (host batches split over the replicas); the state is in the variable layout.
-        self._train_step = strategy.jit(self._train_step_fn, donate_argnums=(0,), batch_argnums=(1,))
         self._eval_step = strategy.jit(make_eval_step(self._model, loss_fn, metrics, compute_dtype),
                                        batch_argnums=(1, 2))
         self._predict_step = strategy.jit(make_predict_step(self._model, compute_dtype), batch_argnums=(1,))
-        self._loop_step: Callable | None = None  # the on-device loop body (steps_per_run > 1)
-        self._metric_names: tuple[str, ...] = ()
+        # Built with the state (they need the metric names): the compiled step (state, batch, sums) -> (state,
+        # metrics, sums) and the on-device loop body, both adding to the running metric sums.
+        self._fit_step: Callable | None = None
+        self._loop_step: Callable | None = None
+        self._sum_names: tuple[str, ...] = ()
+        self._sums: Any = None  # running sums since pop_metric_sums (a device vector; None: zeros)
 
     # --------------------------------------------------------------------------------------------- state
     @property
@@ -249,7 +253,8 @@ class Trainer:
         pair = self._batches(batch, "train_on_batch's batch")
         if self._state is None:
             self.init(pair)
-        self._state, metrics = self._train_step(self._state, pair)
+        self._build_steps()
+        self._state, metrics, self._sums = self._fit_step(self._state, pair, self._current_sums())
         self._step += 1
         return metrics
 
@@ -281,18 +286,63 @@ class Trainer:
             raise ValueError("train_on_batches got no batches: pass at least one.")
         if self._state is None:
             self.init(pairs[0])
-        if self._loop_step is None:
-            self._loop_step = make_loop_step(self._train_step_fn)
-            self._metric_names = metric_names(self.metrics, self._state.opt_state)
+        self._build_steps()
         n = len(pairs)
-        values = {name: np.zeros(n, np.float32) for name in self._metric_names}
-        ctx = self.strategy.run_steps_on_dataset(
-            self._loop_step, iter(pairs), iterations=n, initial_loop_values=(self._state, values, np.int32(0)),
-            donate=True,
-        )
-        self._state, values, _ = ctx.loop_values
+        values = {name: np.zeros(n, np.float32) for name in self._sum_names if name != "steps"}
+        start = (self._state, values, np.int32(0), self._current_sums())
+        ctx = self.strategy.run_steps_on_dataset(self._loop_step, iter(pairs), iterations=n,
+                                                 initial_loop_values=start, donate=True)
+        self._state, values, _, self._sums = ctx.loop_values
         self._step += n
         return values
+
+    def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
+        """The running sums of the metrics over the steps taken since the last call; restarts them.
+
+        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to one small vector on the devices
+        (no extra work per step, one transfer to read): ``fit`` reads it at each log point.
+
+        Returns:
+            ``(names, sums)``: ``sums[i]`` belongs to ``names[i]``: each metric's sum (``"loss"`` first),
+            ``"learning_rate"`` the last step's rate (when logged), ``"steps"`` how many steps were added. A
+            device vector (numpy zeros when no step ran since the last call).
+
+        Raises:
+            RuntimeError: before the state exists (nothing trained or initialized yet).
+
+        Example:
+            >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
+            ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
+            >>> for y in (1.0, 2.0):
+            ...     _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, y, np.float32)))
+            >>> names, sums = trainer.pop_metric_sums()
+            >>> dict(zip(names, sums.tolist()))
+            {'loss': 5.0, 'steps': 2.0}
+        """
+        if self._state is None:
+            raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
+        self._build_steps()
+        sums = self._current_sums()
+        self._sums = None
+        return self._sum_names, sums
+
+    def _build_steps(self) -> None:
+        if self._fit_step is not None:
+            return
+        names = (*metric_names(self.metrics, self._state.opt_state), "steps")
+        train_step = self._train_step_fn
+
+        def fit_step(state, batch, sums):
+            state, metrics = train_step(state, batch)
+            return state, metrics, add_to_sums(sums, metrics, names)
+
+        self._fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
+        self._loop_step = make_loop_step(train_step, names)
+        self._sum_names = names
+
+    def _current_sums(self) -> Any:
+        return np.zeros(len(self._sum_names), np.float32) if self._sums is None else self._sums
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
