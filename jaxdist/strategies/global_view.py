@@ -168,6 +168,24 @@ class StrategyFunction:
             state = self._place_variables(state, "the nnx state", warn=False)
         return tuple(placed), state
 
+    def _place_nnx_defaults(self, state: Any, annotated: list[bool]) -> Any:
+        """nnx state Flax put on the ambient mesh replicated by default (no partitioning annotation) takes the
+        strategy's variable layout; annotated variables keep the layout their annotation gave them."""
+        leaves = jax.tree_util.tree_leaves_with_path(state)
+        todo = [
+            i for i, ((_, x), a) in enumerate(zip(leaves, annotated, strict=True))
+            if not a and isinstance(x, jax.Array) and np.ndim(x) and x.sharding.is_fully_replicated
+        ]
+        if not todo:
+            return state
+        flat, treedef = jax.tree.flatten(state)
+        for i in todo:
+            path, x = leaves[i]
+            layout = self._strategy.variable_layout(path_name(path), jax.ShapeDtypeStruct(x.shape, x.dtype))
+            if not layout.is_fully_replicated:
+                flat[i] = put(x, layout)
+        return jax.tree.unflatten(treedef, flat)
+
     def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
         mesh = self._strategy.mesh
         leaves = jax.tree_util.tree_leaves_with_path(tree)
@@ -196,6 +214,12 @@ class StrategyFunction:
         if not nodes:
             return args, nodes, None, None
         graphdef, state = nnx.split(tuple(args[i] for i in nodes))
+        if self._strategy.gathers_variables_without_batch:  # variables can be split: Flax's default may not fit
+            annotated = [
+                bool(v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding"))
+                for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            ]
+            state = self._place_nnx_defaults(state, annotated)
         plain = tuple(None if i in nodes else a for i, a in enumerate(args))
         return plain, nodes, graphdef, state
 
