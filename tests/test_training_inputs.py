@@ -217,6 +217,14 @@ def test_train_on_batch_and_train_on_batches():
     np.testing.assert_allclose(np.asarray(stacked["loss"]), losses, rtol=1e-5)
     with pytest.raises(ValueError, match="train_on_batches got no batches"):
         looped.train_on_batches([])
+    # both ways add to the same running sums, read (and restarted) at log points
+    names, sums = looped.pop_metric_sums()
+    assert names == ("loss", "steps")
+    np.testing.assert_allclose(np.asarray(sums), [np.sum(losses), 4.0], rtol=1e-5)
+    assert np.asarray(looped.pop_metric_sums()[1]).tolist() == [0.0, 0.0]
+    with pytest.raises(RuntimeError, match=r"pop_metric_sums\(\) before the state exists: call fit\(\.\.\.\) or "
+                                           r"init\(batch\) first"):
+        jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce).pop_metric_sums()
     # any strategy runs on-device loops (here: a MirroredStrategy given steps_per_run)
     mirrored = jd.training.Trainer(make("mirrored_2"), DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce,
                                    steps_per_run=2)

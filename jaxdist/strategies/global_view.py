@@ -137,13 +137,16 @@ class StrategyFunction:
         strategy = self._strategy
         mesh = strategy.mesh
         declared = self._batch or ()
-        # Fast path: in steady state every array is already on the mesh. Arrays on the mesh are never moved
-        # (a declared batch already there keeps its layout: the role matters to `run`, not to XLA).
+        # Fast path: in steady state every array is already on the mesh. Arrays on the mesh keep their layout,
+        # except a declared batch that every replica holds whole: it is split (its rows are what the replicas
+        # share out; a replicated batch with split variables also walks into an XLA Shardy miscompute).
         for i, a in enumerate(args):
             if i in self._static:
                 continue
             for x in jax.tree.leaves(a):
                 if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
+                    if i in declared and _replicated_rows(x, strategy):
+                        break  # a declared batch held whole by every replica: split it
                     continue  # the common case, checked without a method call
                 if _needs_placing(x, mesh):
                     break
@@ -159,7 +162,7 @@ class StrategyFunction:
             if i in self._static:
                 placed.append(a)
             elif i in declared:
-                if any(_needs_placing(x, mesh) for x in _arrays(a)):
+                if any(_needs_placing(x, mesh) or _replicated_rows(x, strategy) for x in _arrays(a)):
                     a = place_batch(strategy, a, where=f"argument {i} (in batch_argnums)")
                 placed.append(a)
             else:
@@ -301,6 +304,14 @@ def _name(fn: Any) -> str:
 
 def _arrays(tree: Any) -> list:
     return [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+
+
+def _replicated_rows(x: Any, strategy: Strategy) -> bool:
+    """A declared batch leaf on the mesh that every replica holds whole (its rows are not split)."""
+    return (
+        isinstance(x, jax.Array) and np.ndim(x) >= 1 and strategy.num_replicas_in_sync > 1
+        and x.sharding.is_fully_replicated
+    )
 
 
 def _needs_placing(x: Any, mesh: Any) -> bool:

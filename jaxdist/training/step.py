@@ -1,9 +1,9 @@
 """The trainer's step functions: ordinary single-device code, compiled by ``strategy.jit``.
 
-Nothing here knows about replicas. The trainer compiles `make_train_step`'s function with
-``strategy.jit(step, donate_argnums=(0,))``: on a global batch split over the replicas it computes what it
-computes on one device, so the loss and every metric are means over the GLOBAL batch (never a mean of
-per-replica means).
+Nothing here knows about replicas. The trainer compiles `make_train_step`'s function with ``strategy.jit(step,
+donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.compiled`): on a global batch split over the
+replicas it computes what it computes on one device, so the loss and every metric are means over the GLOBAL
+batch (never a mean of per-replica means).
 
 * Gradient accumulation: with ``grad_accum_steps=k`` each batch is split into k micro-batches inside the step
   (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient makes ONE optimizer

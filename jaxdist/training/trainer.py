@@ -1,17 +1,17 @@
 """`Trainer`: one training loop for Flax linen and nnx models with optax, unchanged on every strategy.
 
-The train step is an ordinary single-device step (`jaxdist.training.step`) compiled with
-``strategy.jit(step, donate_argnums=(0,), batch_argnums=(1,))``; the state is born in the strategy's layout with
-``strategy.create_variables``; batches go through ``strategy.experimental_distribute_dataset`` (which checks
-divisibility and prefetches). So ``fit`` on any strategy computes what the same training computes on one
-device, and the loss and metrics are means over the GLOBAL batch.
+The train step is an ordinary single-device step (`jaxdist.training.step`) compiled with ``strategy.jit(step,
+donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.compiled`); the state is born in the strategy's
+layout with ``strategy.create_variables``; batches go through ``strategy.experimental_distribute_dataset``
+(which checks divisibility and prefetches). So ``fit`` on any strategy computes what the same training
+computes on one device, and the loss and metrics are means over the GLOBAL batch.
 
 Resuming is exact: the state's step counter drives the RNG (``fold_in(rng, step)``), the checkpoint stores the
 data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads the same epoch and skips the
 batches already used, so its parameters are bitwise identical to an uninterrupted run's.
 
 ``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through the public methods here
-(``train_on_batch``, ``train_on_batches``, ``evaluate``, ``save``, ``sync_model``).
+(``train_on_batch``, ``train_on_batches``, ``pop_metric_sums``, ``evaluate``, ``save``, ``sync_model``).
 """
 
 from __future__ import annotations
@@ -30,18 +30,11 @@ from jaxdist.strategies import Strategy
 from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
+from jaxdist.training.compiled import CompiledSteps
 from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, check_key, eval_batches
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
-from jaxdist.training.step import (
-    TrainState,
-    add_to_sums,
-    make_eval_step,
-    make_loop_step,
-    make_predict_step,
-    make_train_step,
-    metric_names,
-)
+from jaxdist.training.step import TrainState
 
 __all__ = ["Trainer"]
 
@@ -160,18 +153,8 @@ class Trainer:
         self._step = 0
         self._batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps, input_key=input_key,
                                      target_key=target_key)
-        self._train_step_fn = make_train_step(self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
-                                              compute_dtype)
-        # The batches are declared (host batches split over the replicas); the state is in the variable layout.
-        self._eval_step = strategy.jit(make_eval_step(self._model, loss_fn, metrics, compute_dtype),
-                                       batch_argnums=(1, 2))
-        self._predict_step = strategy.jit(make_predict_step(self._model, compute_dtype), batch_argnums=(1,))
-        # Built with the state (they need the metric names): the compiled step (state, batch, sums) -> (state,
-        # metrics, sums) and the on-device loop body, both adding to the running metric sums.
-        self._fit_step: Callable | None = None
-        self._loop_step: Callable | None = None
-        self._sum_names: tuple[str, ...] = ()
-        self._sums: Any = None  # running sums since pop_metric_sums (a device vector; None: zeros)
+        self._steps = CompiledSteps(strategy, self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
+                                    compute_dtype)
 
     # --------------------------------------------------------------------------------------------- state
     @property
@@ -251,10 +234,7 @@ class Trainer:
             (1, ['loss'])
         """
         pair = self._batches(batch, "train_on_batch's batch")
-        if self._state is None:
-            self.init(pair)
-        self._build_steps()
-        self._state, metrics, self._sums = self._fit_step(self._state, pair, self._current_sums())
+        self._state, metrics = self._steps.train(self.init(pair), pair)
         self._step += 1
         return metrics
 
@@ -284,16 +264,8 @@ class Trainer:
         pairs = [self._batches(b, f"train_on_batches' batch {i}") for i, b in enumerate(batches)]
         if not pairs:
             raise ValueError("train_on_batches got no batches: pass at least one.")
-        if self._state is None:
-            self.init(pairs[0])
-        self._build_steps()
-        n = len(pairs)
-        values = {name: np.zeros(n, np.float32) for name in self._sum_names if name != "steps"}
-        start = (self._state, values, np.int32(0), self._current_sums())
-        ctx = self.strategy.run_steps_on_dataset(self._loop_step, iter(pairs), iterations=n,
-                                                 initial_loop_values=start, donate=True)
-        self._state, values, _, self._sums = ctx.loop_values
-        self._step += n
+        self._state, values = self._steps.train_loop(self.init(pairs[0]), pairs)
+        self._step += len(pairs)
         return values
 
     def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
@@ -322,27 +294,7 @@ class Trainer:
         """
         if self._state is None:
             raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
-        self._build_steps()
-        sums = self._current_sums()
-        self._sums = None
-        return self._sum_names, sums
-
-    def _build_steps(self) -> None:
-        if self._fit_step is not None:
-            return
-        names = (*metric_names(self.metrics, self._state.opt_state), "steps")
-        train_step = self._train_step_fn
-
-        def fit_step(state, batch, sums):
-            state, metrics = train_step(state, batch)
-            return state, metrics, add_to_sums(sums, metrics, names)
-
-        self._fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
-        self._loop_step = make_loop_step(train_step, names)
-        self._sum_names = names
-
-    def _current_sums(self) -> Any:
-        return np.zeros(len(self._sum_names), np.float32) if self._sums is None else self._sums
+        return self._steps.pop_sums(self._state)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
@@ -531,7 +483,7 @@ class Trainer:
         for batch, weights in self.strategy.experimental_distribute_dataset(source):
             if self._state is None:
                 self.init(jax.device_get(batch))
-            batch_sums, batch_count = jax.device_get(self._eval_step(self._state, batch, weights))
+            batch_sums, batch_count = jax.device_get(self._steps.eval_step(self._state, batch, weights))
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             count += float(batch_count)
@@ -561,8 +513,8 @@ class Trainer:
         for x, weights in self.strategy.experimental_distribute_dataset(source):
             if self._state is None:
                 self.init(jax.device_get(x))
-            keep = np.asarray(weights) > 0
-            outputs.append(jax.tree.map(lambda a, keep=keep: np.asarray(a)[keep], self._predict_step(self._state, x)))
+            keep, out = np.asarray(weights) > 0, self._steps.predict_step(self._state, x)
+            outputs.append(jax.tree.map(lambda a, keep=keep: np.asarray(a)[keep], out))
         if not outputs:
             raise ValueError("predict got no batches: pass at least one.")
         return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
