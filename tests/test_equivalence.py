@@ -2,7 +2,10 @@
 
 50 Adam steps of a Flax MLP on the same global batches, three ways: plain `jax.jit` on one device (the
 reference), the global view (`strategy.jit` of the unmodified step) and the per-replica view (`strategy.run`
-with an explicit all-reduce). fp32, rtol 1e-5.
+with an explicit all-reduce). Then a conv net with BatchNorm in a flax `TrainState` loop (params and batch
+statistics; trained on distributed and on host batches, evaluated on distributed, declared host and undeclared
+host batches: conv nets with a replicated batch are where XLA's Shardy partitioner has miscomputed), and an nnx
+step in the `nnx.jit` style (graph objects updated in place). fp32, rtol 1e-5.
 """
 
 import warnings

@@ -45,7 +45,8 @@ class CompiledSteps:
         >>> strategy, model = jd.MirroredStrategy(), LinenModel(nn.Dense(1))
         >>> steps = CompiledSteps(strategy, model, optax.sgd(0.1), lambda out, y: ((out[:, 0] - y) ** 2).mean())
         >>> batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
-        >>> state = strategy.create_variables(*state_builder(model, optax.sgd(0.1), 0, batch[0]))
+        >>> build, args = state_builder(model, optax.sgd(0.1), 0, batch[0])
+        >>> state = strategy.create_variables(build, *args)
         >>> state, metrics = steps.train(state, batch)
         >>> names, sums = steps.pop_sums(state)
         >>> names, sums.shape

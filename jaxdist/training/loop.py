@@ -27,8 +27,11 @@ evaluations and checkpoints of ``steps_per_run > 1`` are those of the same train
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -109,44 +112,64 @@ def _crossed(before: int, after: int, every: int | None) -> bool:
 
 
 class _Logs:
-    """Closed log windows whose sums are still on their way to the host: emitted once they have arrived."""
+    """Closed log windows whose sums are still on their way to the host, emitted in order once they arrive.
+
+    A watcher thread waits for each window's sums (it only blocks; the main thread never does) and notes
+    when they were ready: that is when the window's steps were done, which gives each log its steps/s.
+    """
 
     def __init__(self, start_step: int, on_log: Callable[[int, dict], None]):
-        self._pending: collections.deque = collections.deque()
+        self._pending: collections.deque = collections.deque()  # [step, names, sums, ready time or None]
         self._on_log = on_log
         self._last = (start_step, time.perf_counter())
+        self._watch: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher: threading.Thread | None = None
 
     def close_window(self, step: int, names: tuple[str, ...], sums: Any) -> None:
         """End a window at ``step`` with the trainer's running sums over it; start copying them to the host."""
         copy = getattr(sums, "copy_to_host_async", None)
         if copy is not None:
             copy()
-        self._pending.append((step, names, sums))
+        entry = [step, names, sums, None]
+        self._pending.append(entry)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._wait, name="jaxdist-log-watcher", daemon=True)
+            self._watcher.start()
+        self._watch.put(entry)
+
+    def _wait(self) -> None:
+        while (entry := self._watch.get()) is not None:
+            with contextlib.suppress(Exception):  # a failed step raises in the main thread, not here
+                jax.block_until_ready(entry[2])
+            entry[3] = time.perf_counter()
 
     def emit_ready(self) -> None:
         """Emit the closed windows whose sums have arrived, in order (never waits for the devices)."""
-        ready = 0
-        while ready < len(self._pending) and getattr(self._pending[ready][2], "is_ready", lambda: True)():
-            ready += 1
-        self._emit(ready)
+        while self._pending and self._pending[0][3] is not None:
+            self._emit(*self._pending.popleft())
 
     def flush(self) -> None:
         """Emit every closed window (waits for the devices)."""
-        self._emit(len(self._pending))
+        while self._pending:
+            entry = self._pending.popleft()
+            if entry[3] is None:
+                jax.block_until_ready(entry[2])
+                entry[3] = entry[3] or time.perf_counter()
+            self._emit(*entry)
 
-    def _emit(self, count: int) -> None:
-        if not count:
-            return
-        windows = [self._pending.popleft() for _ in range(count)]
-        # Windows that arrive together share one rate: the time since the last log over all their steps.
-        now = time.perf_counter()
-        seconds = now - self._last[1]
-        rate = (windows[-1][0] - self._last[0]) / seconds if seconds > 0 else float("nan")
-        self._last = (windows[-1][0], now)
-        for step, names, sums in windows:
-            logs = _means(names, np.asarray(jax.device_get(sums), np.float64))
-            if logs is not None:
-                self._on_log(step, {**logs, "steps_per_sec": rate})
+    def close(self) -> None:
+        """Stop the watcher thread."""
+        if self._watcher is not None:
+            self._watch.put(None)
+            self._watcher = None
+
+    def _emit(self, step: int, names: tuple[str, ...], sums: Any, ready: float) -> None:
+        seconds = ready - self._last[1]
+        rate = (step - self._last[0]) / seconds if seconds > 0 else float("nan")
+        self._last = (step, ready)
+        logs = _means(names, np.asarray(jax.device_get(sums), np.float64))
+        if logs is not None:
+            self._on_log(step, {**logs, "steps_per_sec": rate})
 
 
 def _means(names: tuple[str, ...], sums: np.ndarray) -> dict[str, float] | None:
@@ -206,36 +229,39 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     logs = _Logs(trainer.step, on_log)
     consumed = 0
     steps = _steps(trainer, stream, options)
-    with PreemptionWatcher() as watcher:
-        emit("on_train_begin")
-        try:
-            for n, metrics in steps:
-                before = trainer.step - n  # the step(s) just taken advanced trainer.step
-                consumed += n
-                trainer.data_position = stream.position(consumed)
-                emit("on_step_end", trainer.step, metrics)
-                if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
-                    close_window()
-                logs.emit_ready()
-                if _crossed(before, trainer.step, options.eval_every):
-                    evaluate()
-                if _crossed(before, trainer.step, options.checkpoint_every):
-                    checkpoint()
-                if watcher.requested:
-                    history.preempted = True
-                if history.preempted or trainer.stop_training:
-                    break
-        finally:
-            steps.close()
-        close_window()
-        logs.flush()
-        checkpoint()  # at the end (a no-op when this step is saved already)
-        if options.eval_data is not None and not history.preempted and not (
-            history.eval and history.eval[-1]["step"] == trainer.step
-        ):
-            evaluate()
-        trainer.sync_model()
-        emit("on_train_end", history)
+    try:
+        with PreemptionWatcher() as watcher:
+            emit("on_train_begin")
+            try:
+                for n, metrics in steps:
+                    before = trainer.step - n  # the step(s) just taken advanced trainer.step
+                    consumed += n
+                    trainer.data_position = stream.position(consumed)
+                    emit("on_step_end", trainer.step, metrics)
+                    if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
+                        close_window()
+                    logs.emit_ready()
+                    if _crossed(before, trainer.step, options.eval_every):
+                        evaluate()
+                    if _crossed(before, trainer.step, options.checkpoint_every):
+                        checkpoint()
+                    if watcher.requested:
+                        history.preempted = True
+                    if history.preempted or trainer.stop_training:
+                        break
+            finally:
+                steps.close()
+            close_window()
+            logs.flush()
+            checkpoint()  # at the end (a no-op when this step is saved already)
+            if options.eval_data is not None and not history.preempted and not (
+                history.eval and history.eval[-1]["step"] == trainer.step
+            ):
+                evaluate()
+            trainer.sync_model()
+            emit("on_train_end", history)
+    finally:
+        logs.close()  # the watcher thread
     return history
 
 
