@@ -235,7 +235,8 @@ COMPARISONS: tuple[Comparison, ...] = (
         "training.Trainer.fit vs hand-written strategy.jit loop (host numpy)",
         "trainer.fit",
         "mirrored.jit+dataset",
-        None,
+        0.97,
+        pairs_factor=2,
     ),
     Comparison(
         "outside",

@@ -1,5 +1,8 @@
 """The trainer's steps compiled for a strategy: training (one step, or an on-device loop), evaluation, prediction.
 
+Evaluation and prediction pad a ragged batch to a multiple of the replica count and mask the padding out
+(`eval_batches`), so their results cover every example exactly once.
+
 Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over the
 replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to running
 sums, one small float32 vector on the devices (`add_to_sums`): the fit loop reads that vector at a log point
@@ -16,6 +19,7 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Strategy
+from jaxdist.training.data import eval_batches
 from jaxdist.training.step import (
     TrainState,
     add_to_sums,
@@ -118,3 +122,37 @@ class CompiledSteps:
         self._build(state)
         sums, self._sums = self._current_sums(), None
         return self._names, sums
+
+    def evaluate(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> dict[str, float]:
+        """Each metric's mean over every example of ``data`` (see ``Trainer.evaluate``).
+
+        ``state_for(batch)`` gives the state (built from the first batch if needed); ``split(batch, where)``
+        returns a batch's ``(x, y)``.
+        """
+        sums, count = {}, 0.0
+        source = ((b, w) for b, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "eval_data", split))
+        for batch, weights in self.strategy.experimental_distribute_dataset(source):
+            batch_sums, batch_count = jax.device_get(self.eval_step(state_for(batch), batch, weights))
+            for k, v in batch_sums.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            count += float(batch_count)
+        if count == 0:
+            raise ValueError("evaluate got no examples: pass at least one batch.")
+        return {k: v / count for k, v in sums.items()}
+
+    def predict(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> Any:
+        """The outputs for every example of ``data``, as numpy arrays (see ``Trainer.predict``)."""
+        if isinstance(data, (np.ndarray, jax.Array)):
+            data = [data]  # one array: one batch (not an iterable of rows)
+
+        def inputs(batch: Any, where: str) -> Any:
+            return split(batch, where, need_targets=False)[0]
+
+        outputs = []
+        source = ((x, w) for x, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "data", inputs))
+        for x, weights in self.strategy.experimental_distribute_dataset(source):
+            keep, out = np.asarray(weights) > 0, self.predict_step(state_for(x), x)
+            outputs.append(jax.tree.map(lambda a, keep=keep: np.asarray(a)[keep], out))
+        if not outputs:
+            raise ValueError("predict got no batches: pass at least one.")
+        return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -189,7 +189,13 @@ def signature(batch: Any) -> tuple:
 
 
 def describe(sig: tuple) -> str:
-    """A `signature`'s shapes and dtypes, as text for messages."""
+    """A `signature`'s shapes and dtypes, as text for messages.
+
+    Example:
+        >>> import numpy as np
+        >>> describe(signature({"x": np.zeros((4, 2), np.float32)}))
+        '((4, 2) float32)'
+    """
     return "(" + ", ".join(f"{tuple(shape)} {np.dtype(dtype).name}" for shape, dtype in sig[1]) + ")"
 
 

@@ -195,6 +195,16 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
 
     Returns:
         The `History`; ``history.preempted`` when a SIGTERM stopped the run (after its checkpoint).
+
+    Example:
+        >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+        >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+        ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+        >>> batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
+        >>> _ = trainer.init(batch)
+        >>> history = run_fit(trainer, BatchStream([batch] * 6), FitOptions(steps=6, log_every=3))
+        >>> trainer.step, [row["step"] for row in history.train]
+        (6, [3, 6])
     """
     history = History()
     callbacks = options.callbacks

@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxdist.strategies import Strategy
@@ -31,7 +30,7 @@ from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.compiled import CompiledSteps
-from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, check_key, eval_batches
+from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, check_key
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.step import TrainState
@@ -69,7 +68,9 @@ class Trainer:
             evaluation and prediction (e.g. ``{"train": True}`` / ``{"train": False}``).
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
         steps_per_run: steps per compiled on-device loop in ``fit`` (``strategy.run_steps_on_dataset``;
-            default: ``strategy.steps_per_run`` for a `TPUStrategy`, else 1: one compiled step per batch).
+            default: ``strategy.steps_per_run`` for a `TPUStrategy`, else 1: one compiled step per batch). A
+            loop ends early at a log, evaluation or checkpoint point, so those see the same steps as one step
+            at a time (make ``log_every`` a multiple of ``steps_per_run`` to keep the loops full).
 
     Raises:
         TypeError: for a strategy, model, optimizer or loss_fn of the wrong kind (a module class instead of
@@ -206,6 +207,18 @@ class Trainer:
         """Write the trained values back into the model the trainer was given (``fit`` does this at its end).
 
         nnx modules are updated in place, as nnx code expects; linen modules hold no values (a no-op).
+
+        Example:
+            >>> import numpy as np, optax, jaxdist as jd
+            >>> from flax import nnx
+            >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+            >>> trainer = jd.training.Trainer(jd.OneDeviceStrategy(), model, optax.sgd(0.1),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+            >>> _ = trainer.train_on_batch((np.ones((4, 2), np.float32), np.ones(4, np.float32)))
+            >>> before = float(model.bias[0])
+            >>> trainer.sync_model()
+            >>> float(model.bias[0]) != before
+            True
         """
         if self._state is not None:
             self._model.sync(self._state.params, self._state.model_state)
@@ -477,19 +490,7 @@ class Trainer:
         Raises:
             ValueError: for batches of the wrong structure, or empty data.
         """
-        n = self.strategy.num_replicas_in_sync
-        sums, count = {}, 0.0
-        source = ((batch, weights) for batch, weights, _ in eval_batches(data, n, "eval_data", self._batches.split))
-        for batch, weights in self.strategy.experimental_distribute_dataset(source):
-            if self._state is None:
-                self.init(jax.device_get(batch))
-            batch_sums, batch_count = jax.device_get(self._steps.eval_step(self._state, batch, weights))
-            for k, v in batch_sums.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            count += float(batch_count)
-        if count == 0:
-            raise ValueError("evaluate got no examples: pass at least one batch.")
-        return {k: v / count for k, v in sums.items()}
+        return self._steps.evaluate(self._state_for, data, self._batches.split)
 
     def predict(self, data: Any) -> Any:
         """The model's outputs (evaluation mode) for every example of ``data``, as numpy arrays.
@@ -501,20 +502,8 @@ class Trainer:
         Returns:
             The outputs concatenated along axis 0 (a pytree of arrays if the model returns one).
         """
-        n = self.strategy.num_replicas_in_sync
-        if isinstance(data, (np.ndarray, jax.Array)):
-            data = [data]  # one array: one batch (not an iterable of rows)
+        return self._steps.predict(self._state_for, data, self._batches.split)
 
-        def inputs(batch: Any, where: str) -> Any:
-            return self._batches.split(batch, where, need_targets=False)[0]
-
-        outputs = []
-        source = ((x, weights) for x, weights, _ in eval_batches(data, n, "data", inputs))
-        for x, weights in self.strategy.experimental_distribute_dataset(source):
-            if self._state is None:
-                self.init(jax.device_get(x))
-            keep, out = np.asarray(weights) > 0, self._steps.predict_step(self._state, x)
-            outputs.append(jax.tree.map(lambda a, keep=keep: np.asarray(a)[keep], out))
-        if not outputs:
-            raise ValueError("predict got no batches: pass at least one.")
-        return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+    def _state_for(self, batch: Any) -> TrainState:
+        """The state; built from ``batch`` (a placed one) the first time."""
+        return self._state if self._state is not None else self.init(jax.device_get(batch))
