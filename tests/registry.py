@@ -28,3 +28,16 @@ def make(name: str) -> jd.Strategy:
 
 
 all_strategies = pytest.mark.parametrize("strategy_name", sorted(REGISTRY))
+
+
+def assert_variable_layout(strategy: jd.Strategy, tree, what: str = "state") -> None:
+    """Every array of ``tree`` lives on the strategy's devices in the layout the strategy gives variables."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    want = jax.tree.leaves(strategy.variable_shardings(shapes))
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    wrong = [
+        f"{jax.tree_util.keystr(path)}{leaf.shape}: {getattr(leaf.sharding, 'spec', leaf.sharding)} not {sharding.spec}"
+        for (path, leaf), sharding in zip(leaves, want, strict=True)
+        if leaf.sharding.device_set != set(strategy.devices) or not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    ]
+    assert not wrong, f"{what}: {len(wrong)} of {len(leaves)} arrays not in the strategy's variable layout: {wrong}"

@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from registry import all_strategies, make
+from registry import all_strategies, assert_variable_layout, make
 
 import jaxdist as jd
 
@@ -293,19 +293,6 @@ class NnxNet(nnx.Module):
         return self.out(nnx.relu(self.norm(self.hidden(x))))
 
 
-def _assert_variable_layout(strategy, tree):
-    """Every leaf on the strategy's devices, in the layout the strategy gives variables of its shape."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    want = jax.tree.leaves(strategy.variable_shardings(shapes))
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    wrong = [
-        f"{jax.tree_util.keystr(path)}{leaf.shape}: {getattr(leaf.sharding, 'spec', leaf.sharding)} not {sharding.spec}"
-        for (path, leaf), sharding in zip(leaves, want, strict=True)
-        if leaf.sharding.device_set != set(strategy.devices) or not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-    ]
-    assert not wrong, f"{len(wrong)} of {len(leaves)} arrays not in the strategy's variable layout: {wrong}"
-
-
 def nnx_train_step(model, optimizer, x, y):
     def loss_of(model):
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
@@ -341,7 +328,7 @@ def test_nnx_step_equals_nnx_jit_single_device(strategy_name, nnx_reference):
     losses = []
     for x, y in strategy.experimental_distribute_dataset(batches()[:NNX_STEPS]):
         losses.append(float(step(model, optimizer, x, y)))
-        _assert_variable_layout(strategy, nnx.state((model, optimizer)))  # written back in the layout, every step
+        assert_variable_layout(strategy, nnx.state((model, optimizer)))  # written back in the layout, every step
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     _assert_close(nnx.state(model), nnx.state(want_model))
     _assert_close(nnx.state(optimizer), nnx.state(want_optimizer))

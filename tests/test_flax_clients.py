@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
-from registry import all_strategies, make
+from registry import all_strategies, assert_variable_layout, make
 from sklearn.datasets import load_digits
 
 import jaxdist as jd
@@ -50,19 +50,6 @@ def _assert_close(got, want, what):
         np.testing.assert_allclose(
             np.asarray(g), np.asarray(w), rtol=RTOL, atol=ATOL, err_msg=f"{what}: leaf {i} differs from one device"
         )
-
-
-def _assert_variable_layout(strategy, tree, what):
-    """Every array of ``tree`` lives on the strategy's devices in the layout the strategy gives variables."""
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    want = jax.tree.leaves(strategy.variable_shardings(shapes))
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    wrong = [
-        f"{jax.tree_util.keystr(path)}{leaf.shape}: {getattr(leaf.sharding, 'spec', leaf.sharding)} not {sharding.spec}"
-        for (path, leaf), sharding in zip(leaves, want, strict=True)
-        if leaf.sharding.device_set != set(strategy.devices) or not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-    ]
-    assert not wrong, f"{what}: {len(wrong)} of {len(leaves)} arrays not in the strategy's variable layout: {wrong}"
 
 
 # ============================================================================================================
@@ -188,7 +175,7 @@ def test_linen_mnist_example_trains_and_evaluates_like_one_device(strategy_name,
     np.testing.assert_allclose(got["test_loss"], want["test_loss"], rtol=RTOL)
     np.testing.assert_allclose(got["test_accuracy"], want["test_accuracy"], rtol=RTOL)
     _assert_close(got["test_grads"], want["test_grads"], "test-set gradients")
-    _assert_variable_layout(strategy, (got["state"].params, got["state"].opt_state), "trained state")
+    assert_variable_layout(strategy, (got["state"].params, got["state"].opt_state), "trained state")
 
 
 def test_linen_create_variables_takes_the_examples_config_argument():
@@ -200,7 +187,7 @@ def test_linen_create_variables_takes_the_examples_config_argument():
         state = strategy.create_variables(create_train_state, init_rng, CONFIG)
     want = create_train_state(init_rng, CONFIG)
     _assert_close(state.params, want.params, "initial params")
-    _assert_variable_layout(strategy, (state.params, state.opt_state), "created state")
+    assert_variable_layout(strategy, (state.params, state.opt_state), "created state")
 
 
 PLACEMENTS = ["host_declared", "distributed", "replicated_on_mesh_declared", "host_undeclared"]
@@ -451,9 +438,9 @@ def test_nnx_tutorial_state_lives_in_the_strategys_layout_after_steps(strategy_n
     Mirrored, split over the replicas on Sharded), not host or single-device copies."""
     got = nnx_run(strategy_name)
     strategy = got["strategy"]
-    _assert_variable_layout(strategy, nnx.state(got["model"], nnx.Param), "model params")
-    _assert_variable_layout(strategy, nnx.state(got["model"], nnx.BatchStat), "batch stats")
-    _assert_variable_layout(strategy, nnx.state(got["optimizer"], nnx.OptState), "optimizer moments")
+    assert_variable_layout(strategy, nnx.state(got["model"], nnx.Param), "model params")
+    assert_variable_layout(strategy, nnx.state(got["model"], nnx.BatchStat), "batch stats")
+    assert_variable_layout(strategy, nnx.state(got["optimizer"], nnx.OptState), "optimizer moments")
     if isinstance(strategy, jd.ShardedStrategy) and strategy.num_replicas_in_sync > 1:
         kernel = got["model"].linear1.kernel[...]
         assert not kernel.sharding.is_fully_replicated, f"linear1 kernel not split: {kernel.sharding}"
