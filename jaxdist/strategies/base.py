@@ -15,7 +15,7 @@ else is layouts on that mesh and two ways to run code on it:
 Roles are declared or carried by the value, never guessed: a value is a batch because it was placed as one
 (its layout: axis 0 split over the replicas) or because the caller declared it (``batch_argnums``);
 everything else is a variable in the strategy's variable layout. Subclasses customise layouts through three
-public hooks (Keras' ``get_variable_layout`` / ``get_data_layout`` are the model): `variable_layout`,
+public hooks (Keras' ``get_variable_layout`` is the model): `variable_layout`,
 `layout_role` and `mark_batch`; the rest is shared. Every program a strategy compiles lives in its one
 `ProgramCache` (``strategy.programs``).
 """
@@ -170,18 +170,6 @@ class Strategy:
         """
         del path, aval
         return replicated(self._mesh)
-
-    def data_layout(self, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
-        """The layout of a batch leaf of shape ``aval``: axis 0 split over the replicas (Keras'
-        ``get_data_layout``).
-
-        Example:
-            >>> import jax, jaxdist as jd
-            >>> jd.OneDeviceStrategy().data_layout(jax.ShapeDtypeStruct((4, 2), "float32")).spec
-            P('replica',)
-        """
-        del aval
-        return batch_sharded(self._mesh)
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is an array on this strategy's mesh with axis 0 split over the replicas.
