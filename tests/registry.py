@@ -28,6 +28,9 @@ def make(name: str) -> jd.Strategy:
 
 
 all_strategies = pytest.mark.parametrize("strategy_name", sorted(REGISTRY))
+# For the heaviest end-to-end bodies (compile-bound conv nets): every layout the registry has on the full
+# mesh; the one-device and two-device cases add compile time but no layout the eight-device ones lack.
+full_mesh_strategies = pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_4x2", "sharded_8", "tpu_8"])
 
 
 def assert_variable_layout(strategy: jd.Strategy, tree, what: str = "state") -> None:

@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from registry import all_strategies, assert_variable_layout, make
+from registry import all_strategies, assert_variable_layout, full_mesh_strategies, make
 
 import jaxdist as jd
 
@@ -241,7 +241,7 @@ def bn_reference():
     return state, losses, evaluation
 
 
-@all_strategies
+@full_mesh_strategies
 def test_conv_batchnorm_train_state_equals_single_device(strategy_name, bn_reference):
     """Losses, params, batch statistics and Adam state after training on distributed then host batches; the
     state keeps its layout; evaluation with running averages equals one device on a distributed batch, on

@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
-from registry import all_strategies, assert_variable_layout, make
+from registry import assert_variable_layout, full_mesh_strategies, make
 from sklearn.datasets import load_digits
 
 import jaxdist as jd
@@ -154,7 +154,7 @@ def linen_reference():
     )
 
 
-@all_strategies
+@full_mesh_strategies
 def test_linen_mnist_example_trains_and_evaluates_like_one_device(strategy_name, linen_reference):
     """The example's loop, steps compiled by strategy.jit with the images/labels declared batches: every
     step's loss and accuracy, the trained parameters and momentum, and the loss, accuracy and gradients on the
