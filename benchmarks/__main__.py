@@ -21,7 +21,7 @@ import jax
 
 from benchmarks.cases import COMPARISONS, Devices
 from benchmarks.models import MODELS, TINY
-from benchmarks.multiproc import multiproc_row
+from benchmarks.multiproc import multiproc_rows
 from benchmarks.report import machine_info, markdown, write_results
 from benchmarks.suite import run_plan
 from benchmarks.timing import Settings
@@ -36,7 +36,7 @@ SETTINGS = {
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # The multi-process row: (pairs of runs, timed blocks per run, steps per block); each run is new processes.
-MULTIPROC = {"full": (3, 5, 30), "quick": (2, 3, 30), "smoke": (1, 1, 2)}
+MULTIPROC = {"full": (6, 5, 30), "quick": (3, 3, 30), "smoke": (1, 1, 2)}
 
 
 def _multiproc_models(args: argparse.Namespace, mode: str) -> list:
@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if devices[0].platform == "cpu" and (not keys or "multiproc" in keys):
         for spec in _multiproc_models(args, mode):
             pairs, blocks, steps = MULTIPROC[mode]
-            row = multiproc_row(spec, pairs, blocks, steps if spec.name != "mlp-large" else max(2, steps // 6))
-            print(f"[multiproc {spec.name}] {row.status} {row.note}", file=sys.stderr, flush=True)
-            rows.append(row)
+            new = multiproc_rows(spec, pairs, blocks, steps if spec.name != "mlp-large" else max(2, steps // 6))
+            for row in new:
+                print(f"[{row.key} {spec.name}] {row.status} {row.note}", file=sys.stderr, flush=True)
+            rows.extend(new)
     machine["load_average_end_1_5_15"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     paths = write_results(rows, machine, settings, mode, args.out)
     print(markdown(rows, machine, settings, mode))

@@ -143,8 +143,9 @@ def markdown(rows: Sequence[Row], machine: dict[str, Any], settings: Settings, m
     lines += [
         "",
         "The plot's steps/s pool every block a stepper ran, across rows measured minutes apart; only the ratios "
-        "compare adjacent blocks. Every block time is in the JSON next to this file. The `multiproc` row "
-        "alternates whole runs (new processes each; compile excluded) instead of blocks in one process.",
+        "compare adjacent blocks. Every block time is in the JSON next to this file. The `multiproc` rows "
+        "alternate whole runs (new processes each; compile excluded) instead of blocks in one process; with 2 "
+        "or 3 runs per side their confidence interval is wide on 2 shared cores.",
         "",
     ]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ def test_bench_smoke_writes_table_json_and_plot(tmp_path):
     assert files == [".json", ".md", ".png"]
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     keys = {row["key"] for row in data["rows"]}
-    assert {"P1", "P2", "null", "multiproc"} <= keys
+    assert {"P1", "P2", "null", "multiproc", "multiproc-1x8"} <= keys
     assert all(row["status"] != "error" for row in data["rows"]), [r["note"] for r in data["rows"]]
     table = next(tmp_path.glob("*.md")).read_text()
     assert "| P1 |" in table and "| multiproc |" in table
