@@ -60,8 +60,9 @@ def _hand_side(problem):
     mesh = Mesh(jax.devices(), ("batch",))
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
     state = jax.jit(problem.init, out_shardings=replicated)(jax.random.key(0), problem.sample_x())
-    step = jax.jit(problem.step, in_shardings=(replicated, split), out_shardings=(replicated, replicated),
-                   donate_argnums=0)
+    step = jax.jit(
+        problem.step, in_shardings=(replicated, split), out_shardings=(replicated, replicated), donate_argnums=0
+    )
 
     def place(batch):
         return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, split, lambda index: a[index]), batch)
@@ -141,13 +142,30 @@ def multiproc_rows(spec, pairs: int, blocks: int, steps: int) -> list:
 
     candidate = "MultiWorkerMirrored strategy.jit, 2 processes x 4 devices (gloo)"
     rows = [
-        Row(key="multiproc", title="MultiWorkerMirroredStrategy vs hand-written jax.distributed + jit, 2 x 4",
-            model=spec.name, layers=spec.layers, batch=spec.batch, candidate="mwms-2x4", candidate_label=candidate,
-            baseline="hand-2x4", baseline_label="hand-written jax.distributed + jax.jit, 2 processes x 4 devices",
-            target=0.95),
-        Row(key="multiproc-1x8", title="MultiWorkerMirroredStrategy 2 x 4 vs MirroredStrategy 1 x 8",
-            model=spec.name, layers=spec.layers, batch=spec.batch, candidate="mwms-2x4", candidate_label=candidate,
-            baseline="mirrored-1x8", baseline_label="Mirrored strategy.jit, 1 process x 8 devices", target=None),
+        Row(
+            key="multiproc",
+            title="MultiWorkerMirroredStrategy vs hand-written jax.distributed + jit, 2 x 4",
+            model=spec.name,
+            layers=spec.layers,
+            batch=spec.batch,
+            candidate="mwms-2x4",
+            candidate_label=candidate,
+            baseline="hand-2x4",
+            baseline_label="hand-written jax.distributed + jax.jit, 2 processes x 4 devices",
+            target=0.95,
+        ),
+        Row(
+            key="multiproc-1x8",
+            title="MultiWorkerMirroredStrategy 2 x 4 vs MirroredStrategy 1 x 8",
+            model=spec.name,
+            layers=spec.layers,
+            batch=spec.batch,
+            candidate="mwms-2x4",
+            candidate_label=candidate,
+            baseline="mirrored-1x8",
+            baseline_label="Mirrored strategy.jit, 1 process x 8 devices",
+            target=None,
+        ),
     ]
     start = time.perf_counter()
     try:
