@@ -30,6 +30,8 @@ from jaxdist.strategies import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies import Strategy as Strategy
 from jaxdist.strategies import StrategyFunction as StrategyFunction
 from jaxdist.strategies import UndeclaredBatchWarning as UndeclaredBatchWarning
+from jaxdist.strategies import UnmatchedLayoutRuleWarning as UnmatchedLayoutRuleWarning
+from jaxdist.strategies import compat as compat
 from jaxdist.strategies import get_replica_context as get_replica_context
 from jaxdist.strategies import get_strategy as get_strategy
 from jaxdist.strategies import has_strategy as has_strategy
@@ -57,7 +59,9 @@ __all__ = [
     "SyncOnRead",
     "TPUStrategy",
     "UndeclaredBatchWarning",
+    "UnmatchedLayoutRuleWarning",
     "VariableAggregation",
+    "compat",
     "gradients",
     "get_replica_context",
     "get_strategy",

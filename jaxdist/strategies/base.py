@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core.meta import Partitioned
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxdist.replicate.layouts import (
@@ -43,9 +44,12 @@ from jaxdist.replicate.layouts import (
 )
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
+from jaxdist.strategies.compat import StrategyV1Names
 from jaxdist.strategies.context import enter_scope
+from jaxdist.strategies.extended import StrategyExtended, colocated_layout, colocation_target
 from jaxdist.strategies.global_view import StrategyFunction, as_argnums
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch
+from jaxdist.strategies.offload import offload_shardings, parse_host_offload, stream_host_memory, to_device_memory
 from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.run import ReplicaRunner
 from jaxdist.strategies.steps import MultiStepContext, run_steps_on_dataset
@@ -57,11 +61,18 @@ def _is_distributed(x: Any) -> bool:
     return isinstance(x, (PerReplica, SyncOnRead))
 
 
-class Strategy:
+class Strategy(StrategyExtended, StrategyV1Names):
     """Base class of every strategy: a mesh over ``devices`` with the data-parallel axis ``"replica"``.
+
+    The lower-level cross-replica API (``update``, ``batch_reduce``, ``colocate_vars_with``, ...) comes from
+    `StrategyExtended`, the 2018 tower-era names from `StrategyV1Names`.
 
     Args:
         devices: the replicas' devices, in replica order (validated by the subclass).
+        model_parallelism: devices per replica along a ``"model"`` mesh axis.
+        host_offload: keep variables in host memory (``"pinned_host"``) and stream them to the devices for
+            each step: ``"opt_state"``, ``"params"`` (every variable but the optimizer state), ``"all"``, or
+            None (see `jaxdist.strategies.offload`).
 
     Example:
         >>> import jaxdist as jd
@@ -70,8 +81,9 @@ class Strategy:
         (1, ('replica',))
     """
 
-    def __init__(self, devices: Sequence[jax.Device], model_parallelism: int = 1):
+    def __init__(self, devices: Sequence[jax.Device], model_parallelism: int = 1, host_offload: str | None = None):
         self._devices = tuple(devices)
+        self._host_offload = parse_host_offload(host_offload, self._devices)
         # Auto axes (not jax.make_mesh's Explicit default): the global view compiles UNMODIFIED single-device
         # steps, which sharding-in-types would make annotate their own layouts.
         if model_parallelism == 1:
@@ -134,6 +146,11 @@ class Strategy:
         """The one cache of this strategy's compiled programs (weak on user functions, bounded)."""
         return self._programs
 
+    @property
+    def host_offload(self) -> str | None:
+        """Which variables live in host memory between steps: ``"opt_state"``, ``"params"``, ``"all"`` or None."""
+        return self._host_offload
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
@@ -155,20 +172,31 @@ class Strategy:
 
     # ----------------------------------------------------------------------------------------- variables
     # ------------------------------------------------------------------------------------ layout hooks
-    def variable_layout(self, path: str, aval: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+    def variable_layout(
+        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
+    ) -> jax.sharding.Sharding:
         """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype ``aval``.
 
         The hook a strategy overrides to place variables (Keras' ``get_variable_layout``): mirrored strategies
-        replicate every variable; `ShardedStrategy` splits them (FSDP, layout rules). Everything that places
-        variables goes through it: `create_variables`, `mirror`, `variable_shardings`, unplaced non-batch
-        arguments of `jit` and `run`, and outputs of `jit` not shaped like an argument.
+        replicate every variable; `ShardedStrategy` splits them (FSDP, layout rules, partitioning
+        annotations). Everything that places variables goes through it: `create_variables`, `mirror`,
+        `variable_shardings`, unplaced non-batch arguments of `jit` and `run`, and outputs of `jit` not shaped
+        like an argument.
+
+        Args:
+            path: the variable's pytree path, ``/``-joined (what layout rules match).
+            aval: its shape and dtype (an array or `jax.ShapeDtypeStruct`).
+            annotation: the Flax partitioning box around the variable, when the model annotated it
+                (``nn.with_partitioning``: a `flax.core.meta.Partitioned` naming mesh axes;
+                ``nn.with_logical_partitioning``: a `flax.linen.LogicallyPartitioned` naming logical axes);
+                passed only for annotated variables. Strategies that replicate every variable ignore it.
 
         Example:
             >>> import jax, jaxdist as jd
             >>> jd.OneDeviceStrategy().variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
             P()
         """
-        del path, aval
+        del path, aval, annotation
         return replicated(self._mesh)
 
     def is_batch_layout(self, x: Any) -> bool:
@@ -223,6 +251,10 @@ class Strategy:
 
         What ``create_variables`` and ``mirror`` use; handy for restoring a checkpoint straight into the
         layout (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` targets) without running the initializer.
+        Variables boxed by a Flax partitioning annotation (``nn.with_partitioning``,
+        ``nn.with_logical_partitioning``: what ``model.init`` returns for annotated models, and what optax
+        states built from such params hold) are laid out by `variable_layout` with their box as
+        ``annotation``; the box is kept around the sharding, so the result has the structure of ``shapes``.
 
         Example:
             >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -230,7 +262,17 @@ class Strategy:
             >>> jd.OneDeviceStrategy().variable_shardings(shapes)["w"].is_fully_replicated
             True
         """
-        return jax.tree_util.tree_map_with_path(lambda p, a: self.variable_layout(path_name(p), a), shapes)
+
+        def one(path, leaf):
+            if isinstance(leaf, Partitioned):  # the path of the box, not of its ".value"
+                return leaf.replace_boxed(self.variable_layout(path_name(path), leaf.value, annotation=leaf))
+            return self.variable_layout(path_name(path), leaf)
+
+        layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=lambda x: isinstance(x, Partitioned))
+        target = colocation_target(self)  # inside colocate_vars_with(v): v's layout
+        if target is not None:
+            return jax.tree.map(lambda _, aval: colocated_layout(target, aval), layouts, shapes)
+        return offload_shardings(self._host_offload, shapes, layouts)  # host_offload: into host memory
 
     def create_variables(self, init_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``init_fn(*args, **kwargs)`` compiled straight into this strategy's variable layout.
@@ -394,7 +436,12 @@ class Strategy:
             raise ValueError(
                 f"batch_argnums={declared!r} names positions outside args (it has {len(args)} arguments)."
             )
-        return self._runner(fn, tuple(args), kwargs or {}, declared)
+        args, kwargs = tuple(args), kwargs or {}
+        if self._host_offload is not None:
+            # Host-offloaded values are copied to device memory for the replica program (inside a step, the
+            # step's entry already streamed them).
+            args, kwargs = to_device_memory((args, kwargs))
+        return self._runner(fn, args, kwargs, declared)
 
     def jit(
         self,
@@ -443,6 +490,10 @@ class Strategy:
             >>> step(strategy.mirror(jnp.ones(2)), jnp.ones((4, 2))).tolist()
             [0.5, 0.5]
         """
+        if self._host_offload is not None:
+            # Arguments in host memory are streamed to the devices at the step's entry and outputs shaped like
+            # them go back (the wrapper calls the step as it is when no argument is in host memory).
+            fn = stream_host_memory(self, fn, as_argnums(static_argnums, "static_argnums"))
         return StrategyFunction(
             self, fn, donate_argnums=donate_argnums, static_argnums=static_argnums, batch_argnums=batch_argnums
         )
@@ -519,6 +570,7 @@ class Strategy:
 
         Raises:
             ValueError: for an unknown ``reduce_op``, or a value of another strategy.
+            TypeError: for an ``axis`` that is not an int (2018's ``destinations``: use `batch_reduce`).
 
         Example:
             >>> import jaxdist as jd
@@ -528,6 +580,11 @@ class Strategy:
             1.0
         """
         op = ReduceOp.parse(reduce_op, "reduce_op")
+        if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+            raise TypeError(  # e.g. 2018 code passing reduce(aggregation, value, destinations)
+                f"axis={axis!r} must be an int or None. The 2018 form reduce(aggregation, value, destinations) is "
+                "strategy.batch_reduce(aggregation, [(value, destinations)])."
+            )
         n = self.num_replicas_in_sync
 
         def one(v):

@@ -17,9 +17,13 @@ class MirroredStrategy(Strategy):
     Args:
         devices: the devices (``jax.Device``, ids or names such as ``"gpu:0"``), in replica order;
             None for every local device of the default backend.
+        host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory (``"pinned_host"``)
+            between steps and stream them to the devices for each step (see `jaxdist.strategies.offload`);
+            None: everything in device memory.
 
     Raises:
-        ValueError: for an empty list, a device listed twice, or devices of two backends.
+        ValueError: for an empty list, a device listed twice, devices of two backends, or an unknown
+            ``host_offload`` (or one the devices cannot hold: no ``"pinned_host"`` memory).
 
     Example:
         >>> import jax, jaxdist as jd
@@ -28,5 +32,5 @@ class MirroredStrategy(Strategy):
         True
     """
 
-    def __init__(self, devices: Sequence[Any] | None = None):
-        super().__init__(resolve_devices(devices, "devices"))
+    def __init__(self, devices: Sequence[Any] | None = None, host_offload: str | None = None):
+        super().__init__(resolve_devices(devices, "devices"), host_offload=host_offload)

@@ -6,14 +6,17 @@ strategy the default context has one replica and every collective returns its in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxdist.replicate.collectives import all_reduce
+from jaxdist.replicate.collectives import all_reduce, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
+from jaxdist.replicate.values import PerReplica, SyncOnRead
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
@@ -39,6 +42,7 @@ class ReplicaContext:
     def __init__(self, strategy: Strategy, traced: bool = True):
         self._strategy = strategy
         self._traced = traced
+        self._merge_depth = 0
 
     @property
     def strategy(self) -> Strategy:
@@ -144,6 +148,87 @@ class ReplicaContext:
             return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), REPLICA_AXIS)
 
         return jax.tree.map(broadcast_first, value)
+
+    @property
+    def in_merge_call(self) -> bool:
+        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the replica)."""
+        return self._merge_depth > 0
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Step from this replica into cross-replica code: ``merge_fn(strategy, *args, **kwargs)`` sees every
+        replica's values, and its result comes back to every replica (tf.distribute's ``merge_call``).
+
+        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the replicas'
+        values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so ``merge_fn`` can
+        ``strategy.reduce`` / ``strategy.gather`` them or list them with ``strategy.experimental_local_results``.
+        All replicas run ``merge_fn`` on the same values (SPMD: it is part of the one compiled program), so
+        its result is the same everywhere; a `PerReplica` in the result gives each replica its own component
+        back. Inside ``merge_fn``, ``jd.get_replica_context()`` still returns this context (the code is still
+        traced per replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
+        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns its copy).
+        Outside ``run`` (the default single-replica context) ``merge_fn`` is called on the arguments as they are.
+
+        Args:
+            merge_fn: ``merge_fn(strategy, *args, **kwargs)``.
+            args: positional arguments (a tuple).
+            kwargs: keyword arguments (a dict) or None.
+
+        Returns:
+            ``merge_fn``'s result, on every replica.
+
+        Raises:
+            TypeError: when ``merge_fn`` is not callable, ``args`` is not a tuple or ``kwargs`` not a dict.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> strategy = jd.MirroredStrategy()
+            >>> def replica_fn():
+            ...     ctx = jd.get_replica_context()
+            ...     v = ctx.replica_id_in_sync_group + 1.0
+            ...     total = ctx.merge_call(lambda s, pv: s.reduce("sum", pv), args=(v,))
+            ...     return total + v
+            >>> [float(x) for x in strategy.experimental_local_results(strategy.run(replica_fn))][:3]
+            [37.0, 38.0, 39.0]
+        """
+        if not callable(merge_fn):
+            raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, *args).")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, args=(v,)) "
+                "(the 2018 form merge_call(fn, *args) is jd.compat.get_tower_context().merge_call)."
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
+        kwargs = kwargs or {}
+        if not self._traced:
+            return merge_fn(self._strategy, *args, **kwargs)
+        strategy = self._strategy
+
+        def everyone(x):  # every replica's value, stacked on a leading replica axis (the same on all replicas)
+            return jax.lax.all_gather(to_varying(jnp.asarray(x))[None], REPLICA_AXIS, tiled=True, to="invarying")
+
+        def to_cross_replica(v):
+            if isinstance(v, SyncOnRead):
+                return SyncOnRead(everyone(v.value), v.aggregation, strategy)
+            if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+                return PerReplica(everyone(v), strategy)
+            return v  # Python scalars, strings, callables: the same on every replica
+
+        def to_replica(v):
+            if isinstance(v, PerReplica):
+                return v.stacked[jax.lax.axis_index(REPLICA_AXIS)]
+            if isinstance(v, SyncOnRead):
+                return SyncOnRead(v.stacked[jax.lax.axis_index(REPLICA_AXIS)], v.aggregation, strategy, local=True)
+            return v
+
+        is_value = lambda v: isinstance(v, (PerReplica, SyncOnRead))  # noqa: E731
+        args, kwargs = jax.tree.map(to_cross_replica, (tuple(args), kwargs), is_leaf=is_value)
+        self._merge_depth += 1
+        try:
+            result = merge_fn(strategy, *args, **kwargs)
+        finally:
+            self._merge_depth -= 1
+        return jax.tree.map(to_replica, result, is_leaf=is_value)
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r}, num_replicas_in_sync={self.num_replicas_in_sync})"

@@ -24,9 +24,12 @@ class TPUStrategy(Strategy):
         steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>= 1).
         num_cores: use only the first ``num_cores`` devices; None for all of them.
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
+        host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
+            loops, streamed to the cores for each loop (see `jaxdist.strategies.offload`); None: device memory.
 
     Raises:
-        ValueError: for ``steps_per_run`` < 1 or ``num_cores`` outside ``[1, number of devices]``.
+        ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or an unknown
+            ``host_offload``.
 
     Example:
         >>> import jaxdist as jd
@@ -35,7 +38,9 @@ class TPUStrategy(Strategy):
         (4, 20)
     """
 
-    def __init__(self, steps_per_run: int = 1, num_cores: int | None = None, devices: Any = None):
+    def __init__(
+        self, steps_per_run: int = 1, num_cores: int | None = None, devices: Any = None, host_offload: str | None = None
+    ):
         if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
             raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
         if devices is None:
@@ -51,7 +56,7 @@ class TPUStrategy(Strategy):
                     f"devices here); pass None to use all of them."
                 )
             available = available[:num_cores]
-        super().__init__(available)
+        super().__init__(available, host_offload=host_offload)
         self.steps_per_run = steps_per_run
         self._initialized = False
 
