@@ -1,7 +1,8 @@
 """The drop-in training loop: `Trainer` (Flax linen and nnx, optax) and the pieces for your own loop.
 
 ``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=..., checkpoint_dir=...)`` trains
-on any strategy; `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
+on any strategy (a loss may return a token-weighted ``(sum, weight)`` pair; logs show tokens/s, MFU and
+memory, `StepCost`); `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
 saves and restores state across strategies and device counts.
 
 Example:
@@ -19,6 +20,8 @@ from jaxdist.training.callbacks import History as History
 from jaxdist.training.callbacks import Progress as Progress
 from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer as Checkpointer
+from jaxdist.training.cost import StepCost as StepCost
+from jaxdist.training.cost import known_peak_flops as known_peak_flops
 from jaxdist.training.data import DataPosition as DataPosition
 from jaxdist.training.models import LinenModel as LinenModel
 from jaxdist.training.models import NnxModel as NnxModel
@@ -39,10 +42,12 @@ __all__ = [
     "NnxModel",
     "PreemptionWatcher",
     "Progress",
+    "StepCost",
     "TensorBoardLogger",
     "TrainState",
     "Trainer",
     "accuracy",
+    "known_peak_flops",
     "make_train_step",
     "prepare",
 ]

@@ -18,6 +18,7 @@ import optax
 
 from jaxdist.strategies import Strategy
 from jaxdist.training.step import TrainState
+from jaxdist.training.weighted import check_value
 
 __all__ = ["check_losses", "restore_target", "state_builder"]
 
@@ -84,27 +85,33 @@ def check_losses(
     state: TrainState,
     x: Any,
     y: Any,
-) -> None:
-    """Check that ``loss_fn`` and each metric return a scalar on the model's outputs for ``(x, y)``.
+) -> frozenset[str]:
+    """Check that ``loss_fn`` and each metric return a scalar mean or a ``(sum, weight)`` pair on the model's
+    outputs for ``(x, y)``; return the names (``"loss"`` and metric names) that return pairs.
 
     Args:
         model: the adapter.
-        loss_fn: ``loss_fn(outputs, targets)``; must return a float scalar.
-        metrics: ``{name: fn(outputs, targets)}``; each must return a numeric scalar.
+        loss_fn: ``loss_fn(outputs, targets)``; must return a float scalar or a pair (float sum, numeric weight).
+        metrics: ``{name: fn(outputs, targets)}``; each must return a numeric scalar or such a pair.
         state: the state (or its abstract shapes, from ``jax.eval_shape``).
         x / y: a batch's inputs and targets (only shapes and dtypes are used; nothing runs).
 
+    Returns:
+        The token-weighted names (see `jaxdist.training.weighted`).
+
     Raises:
-        ValueError: for a non-scalar result, naming the function, the shape received and the fix.
+        ValueError: for anything else, naming the function, what it returned and the fix.
 
     Example:
         >>> import jax, numpy as np, optax, flax.linen as nn
         >>> from jaxdist.training.models import LinenModel
         >>> model = LinenModel(nn.Dense(2))
         >>> build, args = state_builder(model, optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
+        >>> x, y = np.ones((8, 3), np.float32), np.ones(8, np.float32)
+        >>> sorted(check_losses(model, lambda out, y: (out.sum(), y.sum()), {}, jax.eval_shape(build, *args), x, y))
+        ['loss']
         >>> try:  # a per-example loss, not its mean
-        ...     check_losses(model, lambda out, y: (out.sum(-1) - y) ** 2, {}, jax.eval_shape(build, *args),
-        ...                  np.ones((8, 3), np.float32), np.ones(8, np.float32))
+        ...     check_losses(model, lambda out, y: (out.sum(-1) - y) ** 2, {}, jax.eval_shape(build, *args), x, y)
         ... except ValueError as error:
         ...     print(str(error).split(";")[0])
         loss_fn returned shape (8,) float32 for a batch of 8 rows
@@ -115,14 +122,9 @@ def check_losses(
 
     out = jax.eval_shape(outputs, state, _abstract(x))
     y_abs = _abstract(y)
-    for name, fn in {"loss_fn": loss_fn, **{f"metrics[{k!r}]": f for k, f in metrics.items()}}.items():
-        got = jax.eval_shape(fn, out, y_abs)
-        if not isinstance(got, jax.ShapeDtypeStruct) or got.shape != () or not jnp.issubdtype(
-            got.dtype, jnp.inexact if name == "loss_fn" else jnp.number
-        ):
-            desc = got if not isinstance(got, jax.ShapeDtypeStruct) else f"shape {got.shape} {got.dtype}"
-            raise ValueError(
-                f"{name} returned {desc} for a batch of {jax.tree.leaves(y_abs)[0].shape[0]} rows; it must "
-                "return a float scalar, the mean over the batch: reduce it, e.g. "
-                "optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()."
-            )
+    rows = jax.tree.leaves(y_abs)[0].shape[0]
+    pairs = set()
+    for key, name, fn in [("loss", "loss_fn", loss_fn), *((k, f"metrics[{k!r}]", f) for k, f in metrics.items())]:
+        if check_value(name, jax.eval_shape(fn, out, y_abs), rows):
+            pairs.add(key)
+    return frozenset(pairs)

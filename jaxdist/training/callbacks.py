@@ -1,15 +1,17 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
-A `Callback` gets ``on_train_begin``, ``on_step_end``, ``on_log``, ``on_eval_end``, ``on_checkpoint`` and
-``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars: reading one (``float(m)``)
-waits for the device, so read them only when you need them. Setting ``trainer.stop_training = True`` from a
-callback ends ``fit`` after the current step (with a checkpoint when ``checkpoint_dir`` is set).
+A `Callback` gets ``on_train_begin``, ``on_step_cost``, ``on_step_end``, ``on_log``, ``on_eval_end``,
+``on_checkpoint`` and ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars:
+reading one (``float(m)``) waits for the device, so read them only when you need them. Setting
+``trainer.stop_training = True`` from a callback ends ``fit`` after the current step (with a checkpoint when
+``checkpoint_dir`` is set).
 
-The trainer logs every ``log_every`` steps: the mean of each metric over those steps, and steps/s. A log
-point does not stop the devices: ``on_log`` comes once they have the window's values (usually a step or two
-later, with the log point's step number), and always before the next evaluation, checkpoint or the end of
-``fit``. `Progress` shows the logs as a tqdm bar on a terminal and as plain lines otherwise (logs, CI);
-`CSVLogger` and `TensorBoardLogger` write them to files.
+The trainer logs every ``log_every`` steps: the mean of each metric over those steps (token-weighted for a
+``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``
+(`jaxdist.training.cost`). A log point does not stop the devices: ``on_log`` comes once they have the
+window's values (usually a step or two later, with the log point's step number), and always before the next
+evaluation, checkpoint or the end of ``fit``. `Progress` shows the logs as a tqdm bar on a terminal and as
+plain lines otherwise (logs, CI); `CSVLogger` and `TensorBoardLogger` write them to files.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from jaxdist.training.cost import StepCost, format_bytes
+
 __all__ = ["CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
 
 
@@ -29,10 +33,12 @@ class History:
     """What ``fit`` returns: the logged metrics.
 
     Attributes:
-        train: one dict per log point: ``{"step": s, "loss": ..., <metrics>, "steps_per_sec": ...}``.
+        train: one dict per log point: ``{"step": s, "loss": ..., <metrics>, "steps_per_sec": ...}``, plus
+            ``"tokens_per_sec"``, ``"mfu"`` and ``"peak_bytes_in_use"`` where known.
         eval: one dict per evaluation: ``{"step": s, "loss": ..., <metrics>}``.
         checkpoints: the paths written.
         preempted: True when a SIGTERM stopped the run early (after saving).
+        step_cost: what one step costs (a `StepCost`: FLOPs and memory per device), None if no step ran.
 
     Example:
         >>> h = History()
@@ -46,6 +52,7 @@ class History:
         self.eval: list[dict[str, float]] = []
         self.checkpoints: list[str] = []
         self.preempted = False
+        self.step_cost: StepCost | None = None
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
@@ -70,6 +77,10 @@ class Callback:
     def on_train_begin(self, trainer: Any) -> None:
         """Before the first step of ``fit`` (after any restore)."""
 
+    def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
+        """Once per ``fit``, after its first step compiled: what one step costs per device (FLOPs, peak FLOP/s,
+        bytes of parameters, optimizer state and temporaries; a `StepCost`)."""
+
     def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         """After each optimizer step; metrics are device scalars. With ``steps_per_run > 1``: after each
         on-device loop, with each metric's values for its steps stacked (device arrays of shape ``(n,)``)."""
@@ -88,12 +99,24 @@ class Callback:
         """When ``fit`` ends (normally, stopped, or preempted)."""
 
 
+def _value(key: str, value: float | str) -> str:
+    if isinstance(value, str):  # "n/a"
+        return value
+    if key == "mfu":
+        return f"{value:.2%}"
+    if key.endswith("bytes_in_use"):
+        return format_bytes(value)
+    return f"{value:.4g}"
+
+
 def _format(logs: Mapping[str, float]) -> str:
-    return " ".join(f"{k} {v:.4g}" for k, v in logs.items() if k != "step")
+    return " ".join(f"{k} {_value(k, v)}" for k, v in logs.items() if k != "step")
 
 
 class Progress(Callback):
-    """A tqdm progress bar (loss, steps/s) on a terminal; plain log lines when output is not a terminal.
+    """A tqdm progress bar (loss, steps/s, tokens/s, MFU) on a terminal; plain log lines when output is not a
+    terminal. The step's cost (`StepCost.describe`) is one line at the start; MFU shows "n/a" when the
+    device's peak is unknown (CPU without ``peak_flops``).
 
     Args:
         total: the step the run trains to (for the bar), or None.
@@ -104,9 +127,9 @@ class Progress(Callback):
         >>> import io
         >>> out = io.StringIO()
         >>> p = Progress(total=20, mode="lines", stream=out)
-        >>> p.on_log(None, 10, {"loss": 0.25, "steps_per_sec": 50.0})
+        >>> p.on_log(None, 10, {"loss": 0.25, "steps_per_sec": 50.0, "tokens_per_sec": 51200.0, "mfu": 0.4123})
         >>> out.getvalue()
-        'step 10/20 loss 0.25 steps_per_sec 50\\n'
+        'step 10/20 loss 0.25 steps_per_sec 50 tokens_per_sec 5.12e+04 mfu 41.23%\\n'
     """
 
     def __init__(self, total: int | None = None, mode: str = "auto", stream: Any = None):
@@ -117,6 +140,7 @@ class Progress(Callback):
         self.total, self.mode, self.stream = total, mode, stream
         self._bar: Any = None
         self._start_step = 0
+        self._cost: StepCost | None = None
 
     def on_train_begin(self, trainer: Any) -> None:
         self._start_step = int(trainer.step) if trainer is not None else 0
@@ -125,19 +149,28 @@ class Progress(Callback):
 
             self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step")
 
+    def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
+        self._cost = cost
+        self._write(cost.describe())
+
     def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
+        if self._cost is not None and self._cost.mfu(1.0) is None and "mfu" not in logs:
+            logs = {**logs, "mfu": "n/a"}
         if self._bar is not None:
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if k in ("loss", "steps_per_sec")})
+            shown = ("loss", "steps_per_sec", "tokens_per_sec", "mfu")
+            self._bar.set_postfix({k: _value(k, v) for k, v in logs.items() if k in shown})
         else:
             total = f"/{self.total}" if self.total else ""
             print(f"step {step}{total} {_format(logs)}", file=self.stream or sys.stdout, flush=True)
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-        line = f"eval at step {step}: {_format(metrics)}"
+        self._write(f"eval at step {step}: {_format(metrics)}")
+
+    def _write(self, line: str) -> None:
         if self._bar is not None:
             self._bar.write(line)
         else:

@@ -5,8 +5,12 @@ Evaluation and prediction pad a ragged batch to a multiple of the replica count 
 
 Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over the
 replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to running
-sums, one small float32 vector on the devices (`add_to_sums`): the fit loop reads that vector at a log point
-instead of every step's scalars, so logging costs no work and no transfer per step.
+sums, one small float32 vector on the devices (`add_to_sums`; a token-weighted value adds its sum and its
+weight, `jaxdist.training.weighted`): the fit loop reads that vector at a log point instead of every step's
+scalars, so logging costs no work and no transfer per step.
+
+`CompiledSteps.step_cost` measures the compiled train step once (`jaxdist.training.cost`): it lowers the step
+for the abstract arguments it already ran with, which finds the compiled program in JAX's cache.
 """
 
 from __future__ import annotations
@@ -19,16 +23,21 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Strategy
+from jaxdist.training.build import check_losses
+from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
 from jaxdist.training.step import (
+    ACCUMULATION_SCOPE,
     TrainState,
     add_to_sums,
     make_eval_step,
     make_loop_step,
+    make_micro_step,
     make_predict_step,
-    make_train_step,
+    make_summed_train_step,
     metric_names,
 )
+from jaxdist.training.weighted import WEIGHT
 
 __all__ = ["CompiledSteps"]
 
@@ -69,35 +78,51 @@ class CompiledSteps:
     ):
         self.strategy = strategy
         self.metrics = dict(metrics or {})
-        self.train_step = make_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype)
+        self._model, self._loss_fn, self._compute_dtype = model, loss_fn, compute_dtype
+        self.grad_accum_steps = grad_accum_steps
+        self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
+                                                 compute_dtype)
         self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype), batch_argnums=(1, 2))
         self.predict_step = strategy.jit(make_predict_step(model, compute_dtype), batch_argnums=(1,))
+        # Which of "loss" and the metrics return (sum, weight) pairs: set by the trainer's loss check, or read
+        # from the first training batch.
+        self.weighted: frozenset[str] | None = None
         # Built with the first state (they need the metric names, which depend on the optimizer state).
         self.fit_step: Callable | None = None  # (state, batch, sums) -> (state, metrics, sums)
         self._loop_step: Callable | None = None
-        self._names: tuple[str, ...] = ()
+        self._names: tuple[str, ...] = ()  # the running sums'
+        self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
         self._sums: Any = None  # running sums since pop_sums (a device vector; None: zeros)
+        self._cost: StepCost | None = None
 
-    def _build(self, state: TrainState) -> None:
+    def _build(self, state: TrainState, pair: Any = None) -> bool:
+        """Build the fit step; False when it cannot be yet (the loss's structure is unknown without a batch)."""
         if self.fit_step is not None:
-            return
-        names = (*metric_names(self.metrics, state.opt_state), "steps")
+            return True
+        if self.weighted is None:
+            if pair is None:
+                return False
+            self.weighted = check_losses(self._model, self._loss_fn, self.metrics, state, *pair)
+        names = (*metric_names(self.metrics, state.opt_state, self.weighted), "steps")
         train_step = self.train_step
 
         def fit_step(state, batch, sums):
-            state, metrics = train_step(state, batch)
-            return state, metrics, add_to_sums(sums, metrics, names)
+            state, metrics, addends = train_step(state, batch)
+            return state, metrics, add_to_sums(sums, addends, names)
 
         self.fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
         self._loop_step = make_loop_step(train_step, names)
         self._names = names
+        self._metrics_out = tuple(n for n in names if n != "steps" and not n.endswith(WEIGHT))
+        return True
 
     def _current_sums(self) -> Any:
         return np.zeros(len(self._names), np.float32) if self._sums is None else self._sums
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the sums."""
-        self._build(state)
+        if self.fit_step is None:
+            self._build(state, pair)
         state, metrics, self._sums = self.fit_step(state, pair, self._current_sums())
         return state, metrics
 
@@ -107,9 +132,9 @@ class CompiledSteps:
         Returns:
             The new state and every step's metrics, stacked: ``{name: array (len(pairs),)}``.
         """
-        self._build(state)
+        self._build(state, pairs[0])
         n = len(pairs)
-        values = {name: np.zeros(n, np.float32) for name in self._names if name != "steps"}
+        values = {name: np.zeros(n, np.float32) for name in self._metrics_out}
         ctx = self.strategy.run_steps_on_dataset(self._loop_step, iter(pairs), iterations=n,
                                                  initial_loop_values=(state, values, np.int32(0),
                                                                       self._current_sums()),
@@ -119,9 +144,47 @@ class CompiledSteps:
 
     def pop_sums(self, state: TrainState) -> tuple[tuple[str, ...], Any]:
         """``(names, sums)`` since the last call (see ``Trainer.pop_metric_sums``); restarts them."""
-        self._build(state)
+        if not self._build(state):  # no training batch seen yet: no steps to sum
+            return ("steps",), np.zeros(1, np.float32)
         sums, self._sums = self._current_sums(), None
         return self._names, sums
+
+    def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
+        """What the compiled train step costs (`jaxdist.training.cost`), measured once (after a training step:
+        the fit step is built).
+
+        Args:
+            state: the current state (only its shapes, dtypes and layout are read).
+            batch_signature: the training batches' `jaxdist.training.data.signature`.
+            options: the `CostOptions`.
+        """
+        if self._cost is not None:
+            return self._cost
+        strategy = self.strategy
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        batch = _abstract_batch(batch_signature, strategy.batch_sharding)
+        sums = jax.ShapeDtypeStruct((len(self._names),), np.float32)
+        sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
+        # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
+        compiled = self.fit_step.lower(like, batch, sums).compile()
+        k = self.grad_accum_steps
+
+        def micro_step():  # one micro-batch's forward and backward pass, compiled only to count its FLOPs
+            micro = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype, sharding=a.sharding), batch
+            )
+            step = strategy.jit(make_micro_step(self._model, self._loss_fn, self.metrics, self._compute_dtype),
+                                batch_argnums=(1,))
+            return step.lower(like, micro).compile()
+
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        self._cost = measure_step_cost(
+            compiled, like, devices=tuple(strategy.mesh.devices.flat),
+            local_devices=tuple(d for d in strategy.mesh.devices.flat if d.process_index == jax.process_index()),
+            options=options, rows_per_step=rows, grad_accum_steps=k, accumulation_scope=ACCUMULATION_SCOPE,
+            micro_step=micro_step,
+        )
+        return self._cost
 
     def evaluate(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> dict[str, float]:
         """Each metric's mean over every example of ``data`` (see ``Trainer.evaluate``).
@@ -129,16 +192,17 @@ class CompiledSteps:
         ``state_for(batch)`` gives the state (built from the first batch if needed); ``split(batch, where)``
         returns a batch's ``(x, y)``.
         """
-        sums, count = {}, 0.0
+        sums, counts, examples = {}, {}, 0.0
         source = ((b, w) for b, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "eval_data", split))
         for batch, weights in self.strategy.experimental_distribute_dataset(source):
-            batch_sums, batch_count = jax.device_get(self.eval_step(state_for(batch), batch, weights))
+            batch_sums, batch_counts, rows = jax.device_get(self.eval_step(state_for(batch), batch, weights))
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-            count += float(batch_count)
-        if count == 0:
+                counts[k] = counts.get(k, 0.0) + float(batch_counts[k])
+            examples += float(rows)
+        if examples == 0:
             raise ValueError("evaluate got no examples: pass at least one batch.")
-        return {k: v / count for k, v in sums.items()}
+        return {k: v / counts[k] if counts[k] else float("nan") for k, v in sums.items()}
 
     def predict(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> Any:
         """The outputs for every example of ``data``, as numpy arrays (see ``Trainer.predict``)."""
@@ -156,3 +220,12 @@ class CompiledSteps:
         if not outputs:
             raise ValueError("predict got no batches: pass at least one.")
         return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+def _abstract_batch(signature: tuple, sharding: Any) -> Any:
+    """The batch a `jaxdist.training.data.signature` describes, as abstract arrays (laid out by ``sharding``)."""
+    treedef, leaves = signature
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
+        for shape, dtype in leaves
+    ])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
@@ -30,13 +31,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist.strategies.input import DistributedIterator, place_batch
+
 __all__ = [
     "BatchChecker",
     "BatchStream",
     "DataPosition",
+    "UnrestorableState",
     "check_key",
     "describe",
     "eval_batches",
+    "is_grain",
     "signature",
     "split_batch",
 ]
@@ -151,6 +156,14 @@ def split_batch(
 class DataPosition:
     """How far training has read its data: ``index`` batches of epoch ``epoch``.
 
+    Attributes:
+        epoch: the epoch being read.
+        index: batches of it consumed by training steps.
+        state: for a source whose iterator has a state (grain): that iterator's ``get_state()`` right after
+            those batches, on THIS process (each process reads its own shard). A resumed run restores it
+            instead of re-reading and dropping ``index`` batches. None for plain iterables. Not shown, not
+            compared.
+
     Example:
         >>> DataPosition(epoch=2, index=5)
         DataPosition(epoch=2, index=5)
@@ -158,6 +171,39 @@ class DataPosition:
 
     epoch: int = 0
     index: int = 0
+    state: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+class UnrestorableState:
+    """The `DataPosition.state` of a checkpoint whose input state does not fit this run (another process
+    count): resuming a stateful source from it raises ``error``; evaluating or resuming plain data does not."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def is_grain(obj: Any) -> bool:
+    """Whether ``obj`` is a grain dataset, loader or iterator (without importing grain when nobody has).
+
+    Example:
+        >>> import grain
+        >>> is_grain(grain.MapDataset.range(4)), is_grain([1, 2])
+        (True, False)
+    """
+    grain = sys.modules.get("grain")
+    types = tuple(getattr(grain, n, None) for n in _GRAIN_TYPES) if grain is not None else ()
+    return bool(types) and isinstance(obj, tuple(t for t in types if isinstance(t, type)))
+
+
+_GRAIN_TYPES = ("MapDataset", "IterDataset", "DataLoader", "DatasetIterator", "DataLoaderIterator")
+
+
+def _stateful(it: Any) -> bool:
+    """Whether the position of iterator ``it`` is saved as its state: a grain iterator, or a jaxdist
+    distributed iterator reading one (their ``get_state`` accounts for the batches prefetched)."""
+    if isinstance(it, DistributedIterator):
+        return is_grain(it.source)
+    return is_grain(it) and callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
 
 
 def _kind(data: Any, name: str) -> str:
@@ -229,6 +275,11 @@ class BatchChecker:
         self._signature: tuple | None = None
         self._warned = False
 
+    @property
+    def signature(self) -> tuple | None:
+        """The first training batch's `signature` (every training batch has it); None before one is checked."""
+        return self._signature
+
     def split(self, batch: Any, where: str, need_targets: bool = True) -> tuple[Any, Any]:
         """``(x, y)`` of ``batch`` (see `split_batch`); warns once about dict keys that neither option names."""
         x, y = split_batch(batch, where, need_targets, input_key=self.input_key, target_key=self.target_key)
@@ -245,19 +296,35 @@ class BatchChecker:
                 )
         return x, y
 
-    def __call__(self, batch: Any, where: str) -> tuple[Any, Any]:
-        """The training batch ``(x, y)``, checked."""
+    def __call__(self, batch: Any, where: str, processes: int = 1) -> tuple[Any, Any]:
+        """The training batch ``(x, y)``, checked.
+
+        ``processes > 1``: ``batch`` is this process's share of a global batch that many processes read
+        together (per-process input): the checks and the signature are those of the global batch (axis 0
+        times ``processes``).
+        """
         pair = self.split(batch, where)
         sig = signature(pair)
+        if processes > 1:
+            sig = (
+                sig[0],
+                tuple(((shape[0] * processes, *shape[1:]) if shape else shape, dtype) for shape, dtype in sig[1]),
+            )
         if self._signature is None:
             leaves = jax.tree.leaves(pair)
             rows = np.shape(leaves[0])[0] if leaves and np.shape(leaves[0]) else 0
             need = self.replicas * self.grad_accum_steps
-            if rows % need:
+            if rows * processes % need:
+                got = (
+                    f"{rows} rows"
+                    if processes == 1
+                    else f"{rows} rows on this process ({rows * processes} over {processes} processes)"
+                )
                 raise ValueError(
-                    f"{where} has {rows} rows, which {self.replicas} replicas x "
+                    f"{where} has {got}, which {self.replicas} replicas x "
                     f"grad_accum_steps={self.grad_accum_steps} do not divide: use a global batch that is a "
-                    f"multiple of {need} (e.g. {-(-rows // need) * need}), dropping or padding the remainder."
+                    f"multiple of {need} (e.g. {-(-rows * processes // need) * need}), dropping or padding the "
+                    "remainder."
                 )
             self._signature = sig
         elif sig != self._signature:
@@ -272,16 +339,26 @@ class BatchChecker:
 class BatchStream:
     """The training batches from a position on, across epochs; maps a consumed count back to a position.
 
+    A grain source (a ``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader``, given as it is or
+    returned by a ``data_fn(epoch)``) is PER-PROCESS input, as grain pipelines are: on several processes each
+    reads its own share of every global batch (e.g. ``grain.sharding.ShardByJaxProcess``), and the stream
+    yields the global batch, placed (`jaxdist.strategies.input.place_batch` with ``process_local=True``). Its
+    iterator's state is recorded after every batch, so `position` carries it (`DataPosition.state`) and a
+    stream started from such a position restores it instead of re-reading the batches before it.
+
     Args:
         data: ``train_data`` (see the module docstring).
         start: where to start (a restored checkpoint's position); None for the beginning.
         epochs: stop after this many epochs in total (None: repeat until the trainer stops reading).
         check: ``check(batch, where) -> batch`` validates each batch (raises ValueError) and returns what
-            the stream yields (e.g. a `BatchChecker` returns the pair ``(x, y)``).
+            the stream yields (e.g. a `BatchChecker` returns the pair ``(x, y)``); per-process batches on
+            several processes are checked with ``check(batch, where, processes)``.
+        strategy: places per-process batches on several processes (needed only there).
 
     Raises:
         TypeError: when ``data`` is neither iterable nor callable.
-        ValueError: (while iterating) when an epoch yields no batches, or ends before the restored position.
+        ValueError: (while iterating) when an epoch yields no batches, ends before the restored position, or
+            the restored position's input state does not fit this run (`UnrestorableState`).
 
     Example:
         >>> stream = BatchStream([10, 11, 12], DataPosition(0, 1), epochs=2)
@@ -294,17 +371,22 @@ class BatchStream:
         data: Any,
         start: DataPosition | None = None,
         epochs: int | None = None,
-        check: Callable[[Any, str], Any] | None = None,
+        check: Callable[..., Any] | None = None,
+        strategy: Any = None,
     ):
         self._data = data
         self._kind = _kind(data, "train_data")
         self._start = start or DataPosition()
         self._epochs = epochs
         self._check = check
+        self._strategy = strategy
         self._lengths: dict[int, int] = {}  # written by whichever thread reads the data (prefetch)
         # A sized re-iterable (a list) has the same known length every epoch: a position at the end of an
         # epoch then reads as the start of the next, whether or not the reader has looked past it.
         self._length = len(data) if self._kind == "iterable" and isinstance(data, Sized) else None
+        # (epoch, batches read in it) -> the source iterator's state right after them (stateful sources only);
+        # written by the reading thread, pruned by `position` up to the batch the steps have consumed.
+        self._states: dict[tuple[int, int], Any] = {(self._start.epoch, self._start.index): self._start.state}
 
     @property
     def data(self) -> Any:
@@ -312,48 +394,72 @@ class BatchStream:
         return self._data
 
     def peek(self, epoch: int = 0) -> Any:
-        """The first batch of ``epoch`` (for building the state), without consuming an iterator's batch.
+        """The first batch of ``epoch`` (for building the state), checked, without consuming an iterator's
+        batch (a grain iterator is put back with ``set_state``). Not placed.
 
         Raises:
-            ValueError: when there is no batch.
+            ValueError: when there is no batch, or it fails the check.
         """
+        first, per_process = _END, False
         if self._kind == "iterator":
-            first = next(self._data, _END)
-            if first is not _END:
-                self._data = itertools.chain([first], self._data)
-                return first
+            per_process = is_grain(self._data)
+            if _stateful(self._data):
+                state = self._data.get_state()
+                first = next(self._data, _END)
+                self._data.set_state(state)
+            else:
+                first = next(self._data, _END)
+                if first is not _END:
+                    self._data = itertools.chain([first], self._data)
         else:
-            for batch in self._source(epoch):
-                return batch
-        raise ValueError(f"train_data yielded no batches (epoch {epoch}): pass at least one batch.")
+            source = self._source(epoch)
+            per_process = is_grain(source)
+            grain = sys.modules.get("grain")
+            if grain is not None and isinstance(source, grain.MapDataset) and len(source):
+                first = source[0]  # random access: no iterator, no read-ahead threads for one batch
+            if first is _END or first is None:  # (a filtered MapDataset's element may be None)
+                first = next(iter(source), _END)
+        if first is _END:
+            raise ValueError(f"train_data yielded no batches (epoch {epoch}): pass at least one batch.")
+        return self._checked(first, f"train_data batch 0 of epoch {epoch}", per_process)
 
-    def _source(self, epoch: int) -> Iterator[Any]:
+    def _source(self, epoch: int) -> Any:
+        """What epoch ``epoch`` iterates (an iterable or the iterator itself)."""
         if self._kind == "function":
             source = self._data(epoch)
             if not isinstance(source, Iterable):
                 raise TypeError(
                     f"train_data({epoch}) returned {type(source).__name__}, not an iterable of batches."
                 )
-            return iter(source)
-        return iter(self._data)
+            return source
+        return self._data
+
+    def _checked(self, batch: Any, where: str, per_process: bool) -> Any:
+        if self._check is None:
+            return batch
+        processes = jax.process_count() if per_process else 1
+        return self._check(batch, where, processes) if processes > 1 else self._check(batch, where)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, skip = self._start.epoch, self._start.index
         while self._epochs is None or epoch < self._epochs:
             if self._kind == "iterator" and epoch > self._start.epoch:
                 return  # an iterator is read once
-            it = self._source(epoch)
-            for count in range(skip):
-                if next(it, _END) is _END:
-                    raise ValueError(
-                        f"train_data has {count} batches in epoch {epoch}, but the restored position is batch "
-                        f"{skip} of that epoch: the data differs from the run that wrote the checkpoint (pass the "
-                        "same deterministic data, or start from a fresh checkpoint_dir)."
-                    )
-            count = skip
+            source = self._source(epoch)
+            per_process, it = is_grain(source), iter(source)
+            stateful = _stateful(it)
+            place = per_process and jax.process_count() > 1
+            if place and self._strategy is None:
+                raise ValueError("BatchStream needs strategy=... to place per-process (grain) batches.")
+            count = self._resume(it, stateful, epoch, skip)
             for batch in it:
-                if self._check is not None:
-                    batch = self._check(batch, f"train_data batch {count} of epoch {epoch}")
+                if stateful:
+                    self._states[(epoch, count + 1)] = it.get_state()
+                batch = self._checked(batch, f"train_data batch {count} of epoch {epoch}", per_process)
+                if place:
+                    batch = place_batch(
+                        self._strategy, batch, process_local=True, where=f"train_data batch {count} of epoch {epoch}"
+                    )
                 yield batch
                 count += 1
             if count == 0:
@@ -361,15 +467,38 @@ class BatchStream:
             self._lengths[epoch] = count
             epoch, skip = epoch + 1, 0
 
+    def _resume(self, it: Iterator[Any], stateful: bool, epoch: int, skip: int) -> int:
+        """Bring ``it`` to batch ``skip`` of ``epoch``: restore the recorded state of a stateful source, else
+        read and drop ``skip`` batches. Returns ``skip``."""
+        state = self._start.state if (epoch, skip) == (self._start.epoch, self._start.index) else None
+        if skip and stateful and state is not None:
+            if isinstance(state, UnrestorableState):
+                raise state.error
+            it.set_state(state)
+            return skip
+        for count in range(skip):
+            if next(it, _END) is _END:
+                raise ValueError(
+                    f"train_data has {count} batches in epoch {epoch}, but the restored position is batch "
+                    f"{skip} of that epoch: the data differs from the run that wrote the checkpoint (pass the "
+                    "same deterministic data, or start from a fresh checkpoint_dir)."
+                )
+        return skip
+
     def position(self, consumed: int) -> DataPosition:
-        """The position after ``consumed`` batches of this stream have been used."""
+        """The position after ``consumed`` batches of this stream have been used (with the source iterator's
+        state after them, for a stateful source)."""
         epoch, index = self._start.epoch, self._start.index + consumed
-        if self._kind == "iterator":
-            return DataPosition(epoch, index)
-        while (length := self._lengths.get(epoch, self._length)) and index >= length:
-            index -= length
-            epoch += 1
-        return DataPosition(epoch, index)
+        if self._kind != "iterator":
+            while (length := self._lengths.get(epoch, self._length)) and index >= length:
+                index -= length
+                epoch += 1
+        if index == 0 and epoch != self._start.epoch:
+            return DataPosition(epoch, index)  # the start of an epoch: a fresh iterator, no state
+        state = self._states.get((epoch, index))
+        for key in [k for k in list(self._states) if k < (epoch, index)]:
+            self._states.pop(key, None)
+        return DataPosition(epoch, index, state)
 
 
 _END = object()

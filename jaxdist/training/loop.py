@@ -19,9 +19,16 @@ Two things keep it from slowing the steps down:
 
 The data position is the count of batches the steps consumed (never what the prefetcher read ahead). Every
 log is the mean of each metric over the steps since the previous log point, whichever way they ran: the
-steps add their metrics to running sums on the devices (``trainer.pop_metric_sums``), and an on-device loop
-ends at the next log, evaluation or checkpoint point (``steps_per_run`` is the longest loop), so the logs,
-evaluations and checkpoints of ``steps_per_run > 1`` are those of the same training one step at a time.
+steps add their metrics to running sums on the devices (``trainer.pop_metric_sums``; a token-weighted value
+adds its sum and its weight, and the log divides the two sums: the token-weighted mean over the window), and
+an on-device loop ends at the next log, evaluation or checkpoint point (``steps_per_run`` is the longest
+loop), so the logs, evaluations and checkpoints of ``steps_per_run > 1`` are those of the same training one
+step at a time.
+
+After the first step the loop asks the trainer what a step costs (``trainer.step_cost()``, measured once) and
+hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_sec``, ``mfu`` and
+``peak_bytes_in_use`` where they are known (`jaxdist.training.cost`), from the window's steps, seconds and
+summed loss weight: nothing more is computed or read per step.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.data import BatchStream
 from jaxdist.training.preemption import PreemptionWatcher
+from jaxdist.training.weighted import WEIGHT
 
 __all__ = ["FitOptions", "check_int", "run_fit"]
 
@@ -118,9 +126,11 @@ class _Logs:
     when they were ready: that is when the window's steps were done, which gives each log its steps/s.
     """
 
-    def __init__(self, start_step: int, on_log: Callable[[int, dict], None]):
+    def __init__(self, start_step: int, on_log: Callable[[int, dict], None],
+                 rates: Callable[[int, float, float | None], dict] | None = None):
         self._pending: collections.deque = collections.deque()  # [step, names, sums, ready time or None]
         self._on_log = on_log
+        self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
         self._last = (start_step, time.perf_counter())
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
@@ -165,24 +175,34 @@ class _Logs:
 
     def _emit(self, step: int, names: tuple[str, ...], sums: Any, ready: float) -> None:
         seconds = ready - self._last[1]
-        rate = (step - self._last[0]) / seconds if seconds > 0 else float("nan")
+        steps = step - self._last[0]
         self._last = (step, ready)
-        logs = _means(names, np.asarray(jax.device_get(sums), np.float64))
-        if logs is not None:
-            self._on_log(step, {**logs, "steps_per_sec": rate})
+        means = _means(names, np.asarray(jax.device_get(sums), np.float64))
+        if means is not None:
+            logs, loss_weight = means
+            logs["steps_per_sec"] = steps / seconds if seconds > 0 else float("nan")
+            if self._rates is not None:
+                logs.update(self._rates(steps, seconds, loss_weight))
+            self._on_log(step, logs)
 
 
-def _means(names: tuple[str, ...], sums: np.ndarray) -> dict[str, float] | None:
-    """Each metric's mean over the window (``"loss"`` first) and the last learning rate; None if no steps."""
+def _means(names: tuple[str, ...], sums: np.ndarray) -> tuple[dict[str, float], float | None] | None:
+    """Each metric's mean over the window (``"loss"`` first; a token-weighted one: its summed sums over its
+    summed weights, NaN for weight 0), the last learning rate, and the loss's summed weight (None: a scalar
+    loss). None if no steps."""
     values = dict(zip(names, sums.tolist(), strict=True))
-    steps = values.pop("steps")
+    steps = values.pop("steps", 0)
     if not steps:
         return None
     rate = values.pop("learning_rate", None)
-    logs = {k: values[k] / steps for k in ["loss", *sorted(k for k in values if k != "loss")]}
+    weights = {k[: -len(WEIGHT)]: values.pop(k) for k in [k for k in values if k.endswith(WEIGHT)]}
+    logs = {}
+    for k in ["loss", *sorted(k for k in values if k != "loss")]:
+        weight = weights.get(k, steps)
+        logs[k] = values[k] / weight if weight else float("nan")
     if rate is not None:  # the current rate, not a mean
         logs["learning_rate"] = rate
-    return logs
+    return logs, weights.get("loss")
 
 
 def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
@@ -234,9 +254,14 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     def close_window() -> None:
         logs.close_window(trainer.step, *trainer.pop_metric_sums())
 
+    cost = None
+
+    def rates(steps: int, seconds: float, loss_weight: float | None) -> dict:
+        return {} if cost is None else cost.rates(steps, seconds, loss_weight)
+
     trainer.stop_training = False
     trainer.pop_metric_sums()  # the windows start here
-    logs = _Logs(trainer.step, on_log)
+    logs = _Logs(trainer.step, on_log, rates)
     consumed = 0
     steps = _steps(trainer, stream, options)
     try:
@@ -247,6 +272,9 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
                     before = trainer.step - n  # the step(s) just taken advanced trainer.step
                     consumed += n
                     trainer.data_position = stream.position(consumed)
+                    if cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
+                        cost = history.step_cost = trainer.step_cost()
+                        emit("on_step_cost", cost)
                     emit("on_step_end", trainer.step, metrics)
                     if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
                         close_window()

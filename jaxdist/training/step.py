@@ -9,6 +9,10 @@ batch (never a mean of per-replica means).
   (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient makes ONE optimizer
   update: the same update as one step on the whole batch. Micro-batch j takes rows ``j, j+k, j+2k, ...``, so
   every replica splits its own rows and no data moves between devices.
+* Token-weighted losses (`jaxdist.training.weighted`): a loss or metric that returns ``(sum, weight)`` is
+  summed over micro-batches and divided once by the summed weight, so micro-batches holding different numbers
+  of real tokens make the update one step on the whole batch makes; a scalar loss is a mean over equal-sized
+  micro-batches, and their means are averaged.
 * Mixed precision: with ``compute_dtype=jnp.bfloat16`` the forward and backward pass run in bf16 on bf16
   copies of the parameters and inputs; parameters, gradients and optimizer state stay float32, and outputs
   are cast back to float32 before the loss.
@@ -16,13 +20,14 @@ batch (never a mean of per-replica means).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist.training import weighted
 from jaxdist.training.data import split_batch
 
 __all__ = [
@@ -31,7 +36,9 @@ __all__ = [
     "add_to_sums",
     "make_eval_step",
     "make_loop_step",
+    "make_micro_step",
     "make_predict_step",
+    "make_summed_train_step",
     "make_train_step",
     "metric_names",
     "step_key",
@@ -128,11 +135,152 @@ def _micro_batches(tree: Any, k: int) -> Any:
     return jax.tree.map(split, tree)
 
 
+ACCUMULATION_SCOPE = "grad_accumulation"
+"""Named scope of the micro-batch loop (its ``while`` op carries it; `jaxdist.training.cost` finds it there)."""
+
+
+def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
+    """``forward(params, model_state, x, y, rng) -> (loss, (model_state, loss_weight, {name: (value, weight)}))``:
+    the loss to differentiate is the mean (scalar losses) or the SUM (``(sum, weight)`` losses)."""
+
+    def forward(params, model_state, x, y, rng):
+        out, new_model_state = model.apply(
+            _cast(params, compute_dtype), model_state, _cast(x, compute_dtype), rng, train=True
+        )
+        out = _cast(out, jnp.float32 if compute_dtype is not None else None)
+        values = {}
+        for name, fn in metrics.items():
+            value, weight = weighted.split_value(f"metrics[{name!r}]", fn(out, y))
+            values[name] = (jnp.asarray(value, jnp.float32), weight)
+        loss, weight = weighted.split_value("loss_fn", loss_fn(out, y))
+        return loss, (new_model_state, weight, values)
+
+    return forward
+
+
+def make_micro_step(
+    model: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+    compute_dtype: Any = None,
+) -> Callable[[TrainState, Any], Any]:
+    """``(state, batch) -> gradients``: one micro-batch's forward and backward pass, as the train step's
+    accumulation loop runs it (what `jaxdist.training.cost` compiles to count one loop iteration's FLOPs).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+        >>> from jaxdist.training.models import LinenModel
+        >>> model = LinenModel(nn.Dense(1))
+        >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
+        >>> state = TrainState(jnp.int32(0), params, (), ms, jax.random.key(1))
+        >>> grads = make_micro_step(model, lambda out, y: jnp.mean((out[:, 0] - y) ** 2))(
+        ...     state, (jnp.ones((4, 2)), jnp.zeros(4)))
+        >>> grads["kernel"].shape
+        (2, 1)
+    """
+    grad_fn = jax.grad(_forward(model, loss_fn, dict(metrics or {}), compute_dtype), has_aux=True)
+
+    def micro_step(state: TrainState, batch: Any) -> Any:
+        x, y = split_batch(batch)
+        return grad_fn(state.params, state.model_state, x, y, step_key(state))[0]
+
+    return micro_step
+
+
+def make_summed_train_step(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    loss_fn: Callable[[Any, Any], Any],
+    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+    grad_accum_steps: int = 1,
+    compute_dtype: Any = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
+    """The train step ``(state, batch) -> (state, metrics, addends)`` behind `make_train_step`.
+
+    ``addends`` is what this step adds to the running sums (`add_to_sums`): each scalar metric's mean, and for
+    a token-weighted one (``(sum, weight)``) its sum under its name and its weight under ``"<name>.weight"``
+    (`jaxdist.training.weighted`), so that sums over steps divide once. Arguments as for `make_train_step`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
+        >>> from jaxdist.training.models import LinenModel
+        >>> model, opt = LinenModel(nn.Dense(1)), optax.sgd(0.1)
+        >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
+        >>> state = TrainState(jnp.int32(0), params, opt.init(params), ms, jax.random.key(1))
+        >>> mask = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last row is padding
+        >>> step = make_summed_train_step(model, opt, lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(), mask.sum()))
+        >>> state, m, addends = step(state, (jnp.ones((4, 2)), jnp.zeros(4)))
+        >>> float(m["loss"]), {k: float(v) for k, v in addends.items()}
+        (2.0, {'loss': 6.0, 'loss.weight': 3.0})
+    """
+    metrics = dict(metrics or {})
+    forward = _forward(model, loss_fn, metrics, compute_dtype)
+    grad_fn = jax.value_and_grad(forward, has_aux=True)
+
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict, dict]:
+        x, y = split_batch(batch)
+        rng = step_key(state)
+        if grad_accum_steps == 1:
+            (loss, (model_state, weight, values)), grads = grad_fn(state.params, state.model_state, x, y, rng)
+            loss = jnp.asarray(loss, jnp.float32)
+        else:
+            def micro(carry, inputs):
+                grads_sum, loss_sum, weight_sum, values_sum, model_state = carry
+                j, xj, yj = inputs
+                (loss, (model_state, weight, values)), grads = grad_fn(
+                    state.params, model_state, xj, yj, jax.random.fold_in(rng, j)
+                )
+                add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+                weight_sum = None if weight is None else weight_sum + weight
+                return (add(grads_sum, grads), loss_sum + loss.astype(jnp.float32), weight_sum,
+                        add(values_sum, values), model_state), None
+
+            # The carry's structure (which values are weighted) is the forward's: read it without running it.
+            _, (_, weight0, values0) = jax.eval_shape(
+                forward, state.params, state.model_state, *_first_micro(x, y, grad_accum_steps), rng
+            )
+            zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+            with jax.named_scope(ACCUMULATION_SCOPE):
+                (grads, loss, weight, values, model_state), _ = jax.lax.scan(
+                    micro,
+                    (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zeros(weight0),
+                     zeros(values0), state.model_state),
+                    (jnp.arange(grad_accum_steps), _micro_batches(x, grad_accum_steps),
+                     _micro_batches(y, grad_accum_steps)),
+                )
+            scale = 1.0 / grad_accum_steps  # scalar means of equal-sized micro-batches: averaged
+            values = {name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()}
+            if weight is None:
+                loss, grads = loss * scale, jax.tree.map(lambda g: g * scale, grads)
+        if weight is not None:  # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
+            inverse = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
+            grads = jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        out, addends = {}, {}
+        for name, (value, w) in {"loss": (loss, weight), **values}.items():
+            out[name] = value if w is None else weighted.mean(value, w)
+            addends[name] = value
+            if w is not None:
+                addends[weighted.weight_name(name)] = w
+        lr = _learning_rate(opt_state)
+        if lr is not None:
+            out["learning_rate"] = addends["learning_rate"] = lr
+        return TrainState(state.step + 1, params, opt_state, model_state, state.rng), out, addends
+
+    return train_step
+
+
+def _first_micro(x: Any, y: Any, k: int) -> tuple[Any, Any]:
+    """Shapes of micro-batch 0 (for `jax.eval_shape`)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), (x, y))
+
+
 def make_train_step(
     model: Any,
     optimizer: optax.GradientTransformation,
-    loss_fn: Callable[[Any, Any], jax.Array],
-    metrics: Mapping[str, Callable[[Any, Any], jax.Array]] | None = None,
+    loss_fn: Callable[[Any, Any], Any],
+    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
     grad_accum_steps: int = 1,
     compute_dtype: Any = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
@@ -141,14 +289,15 @@ def make_train_step(
     Args:
         model: a `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation (clipping already chained in).
-        loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean over the batch.
-        metrics: extra ``name -> fn(outputs, targets) -> scalar`` (batch means).
+        loss_fn: ``loss_fn(outputs, targets)`` returning the mean over the batch, or a pair ``(sum, weight)``
+            (e.g. the summed loss over real tokens and their count; see `jaxdist.training.weighted`).
+        metrics: extra ``name -> fn(outputs, targets)``, each a batch mean or a ``(sum, weight)`` pair.
         grad_accum_steps: micro-batches per optimizer step (1: none).
         compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision; None computes in the parameters' dtype.
 
     Returns:
-        The step; its metrics dict holds ``"loss"``, each metric and, for optimizers built with
-        `optax.inject_hyperparams`, ``"learning_rate"``.
+        The step; its metrics dict holds ``"loss"``, each metric (means: a pair's sum over its weight) and, for
+        optimizers built with `optax.inject_hyperparams`, ``"learning_rate"``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -161,79 +310,45 @@ def make_train_step(
         >>> int(state.step), sorted(m)
         (1, ['loss'])
     """
-    metrics = dict(metrics or {})
-
-    def forward(params, model_state, x, y, rng):
-        out, new_model_state = model.apply(
-            _cast(params, compute_dtype), model_state, _cast(x, compute_dtype), rng, train=True
-        )
-        out = _cast(out, jnp.float32 if compute_dtype is not None else None)
-        values = {name: jnp.asarray(fn(out, y), jnp.float32) for name, fn in metrics.items()}
-        return loss_fn(out, y), (new_model_state, values)
-
-    grad_fn = jax.value_and_grad(forward, has_aux=True)
+    summed = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        x, y = split_batch(batch)
-        rng = step_key(state)
-        if grad_accum_steps == 1:
-            (loss, (model_state, values)), grads = grad_fn(state.params, state.model_state, x, y, rng)
-        else:
-            def micro(carry, inputs):
-                grads_sum, loss_sum, values_sum, model_state = carry
-                j, xj, yj = inputs
-                (loss, (model_state, values)), grads = grad_fn(
-                    state.params, model_state, xj, yj, jax.random.fold_in(rng, j)
-                )
-                add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
-                loss_sum = loss_sum + loss.astype(jnp.float32)
-                return (add(grads_sum, grads), loss_sum, add(values_sum, values), model_state), None
-
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            zero_values = {name: jnp.zeros((), jnp.float32) for name in metrics}
-            (grads, loss, values, model_state), _ = jax.lax.scan(
-                micro,
-                (zeros, jnp.zeros((), jnp.float32), zero_values, state.model_state),
-                (jnp.arange(grad_accum_steps), _micro_batches(x, grad_accum_steps),
-                 _micro_batches(y, grad_accum_steps)),
-            )
-            scale = 1.0 / grad_accum_steps
-            grads = jax.tree.map(lambda g: g * scale, grads)
-            loss, values = loss * scale, jax.tree.map(lambda v: v * scale, values)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        out = {"loss": loss, **values}
-        lr = _learning_rate(opt_state)
-        if lr is not None:
-            out["learning_rate"] = lr
-        return TrainState(state.step + 1, params, opt_state, model_state, state.rng), out
+        state, metrics, _ = summed(state, batch)
+        return state, metrics
 
     return train_step
 
 
-def metric_names(metrics: Mapping[str, Any], opt_state: Any) -> tuple[str, ...]:
-    """The names in a train step's metrics dict: ``"loss"``, each metric, and ``"learning_rate"`` when the
-    optimizer was built with `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
+def metric_names(
+    metrics: Mapping[str, Any], opt_state: Any, weighted_names: Collection[str] = ()
+) -> tuple[str, ...]:
+    """The names of a train step's running sums: ``"loss"``, each metric, ``"<name>.weight"`` after each
+    token-weighted one (``weighted_names``), and ``"learning_rate"`` when the optimizer was built with
+    `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
 
     Example:
         >>> import optax, jax.numpy as jnp
         >>> opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-        >>> metric_names({"accuracy": None}, opt.init({"w": jnp.ones(2)}))
-        ('loss', 'accuracy', 'learning_rate')
+        >>> metric_names({"accuracy": None}, opt.init({"w": jnp.ones(2)}), weighted_names={"loss"})
+        ('loss', 'loss.weight', 'accuracy', 'learning_rate')
     """
     has_rate = any(
         isinstance(getattr(node, "hyperparams", None), Mapping) and "learning_rate" in node.hyperparams
         for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams"))
     )
-    return ("loss", *metrics, *(("learning_rate",) if has_rate else ()))
+    names = []
+    for name in ("loss", *metrics):
+        names += [name, weighted.weight_name(name)] if name in weighted_names else [name]
+    return (*names, *(("learning_rate",) if has_rate else ()))
 
 
 def add_to_sums(sums: jax.Array, metrics: Mapping[str, jax.Array], names: Sequence[str]) -> jax.Array:
     """Running metric sums, one float32 vector: ``sums[i]`` for ``names[i]`` plus this step's value.
 
-    ``"learning_rate"`` is replaced by this step's (the current rate, not a sum) and ``"steps"`` counts the
-    steps. Computed inside the compiled step, it costs nothing per step; the host reads one small vector
-    per log point instead of every step's scalars.
+    ``metrics`` holds each name's addend (`make_summed_train_step`'s ``addends``: a token-weighted value's sum
+    and, under ``"<name>.weight"``, its weight). ``"learning_rate"`` is replaced by this step's (the current
+    rate, not a sum) and ``"steps"`` counts the steps. Computed inside the compiled step, it costs nothing per
+    step; the host reads one small vector per log point instead of every step's scalars.
 
     Example:
         >>> import jax.numpy as jnp
@@ -247,13 +362,15 @@ def add_to_sums(sums: jax.Array, metrics: Mapping[str, jax.Array], names: Sequen
     return sums * keep + step
 
 
-def make_loop_step(train_step: Callable[[TrainState, Any], tuple[TrainState, dict]], names: Sequence[str]) -> Callable:
+def make_loop_step(train_step: Callable[[TrainState, Any], tuple], names: Sequence[str]) -> Callable:
     """The body of an on-device loop of train steps, for ``strategy.run_steps_on_dataset``.
 
     ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs ``train_step``
     on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``;
     ``i`` starts at 0) and adds them to ``sums`` (see `add_to_sums`; ``names`` orders it). After a loop of
-    ``n`` steps ``values`` holds every step's metrics and ``sums`` their running sums.
+    ``n`` steps ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step``
+    returns ``(state, metrics)``, or ``(state, metrics, addends)`` (`make_summed_train_step`) whose addends
+    go to the sums.
 
     Example:
         >>> import numpy as np, jax.numpy as jnp, jaxdist as jd
@@ -272,14 +389,14 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple[TrainState, dic
     def loop_step(ctx, carry, x, y):
         del ctx
         state, values, i, sums = carry
-        state, metrics = train_step(state, (x, y))
+        state, metrics, *addends = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
-        return state, values, i + 1, add_to_sums(sums, metrics, names)
+        return state, values, i + 1, add_to_sums(sums, addends[0] if addends else metrics, names)
 
     return loop_step
 
 
-def _per_example(fn: Callable, out: Any, y: Any) -> jax.Array:
+def _per_example(fn: Callable, out: Any, y: Any) -> Any:
     """``fn`` on every row as a batch of one: per-example values that padding rows can be masked out of."""
     one = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
     return jax.vmap(lambda o, t: fn(one(o), one(t)))(out, y)
@@ -290,12 +407,14 @@ def make_eval_step(
     loss_fn: Callable,
     metrics: Mapping[str, Callable] | None = None,
     compute_dtype: Any = None,
-) -> Callable[[TrainState, Any, jax.Array], tuple[dict, jax.Array]]:
-    """The evaluation step ``(state, batch, weights) -> (sums, count)``.
+) -> Callable[[TrainState, Any, jax.Array], tuple[dict, dict, jax.Array]]:
+    """The evaluation step ``(state, batch, weights) -> (sums, counts, examples)``.
 
-    ``sums[name]`` is the weighted sum over rows of each metric computed per example; ``count`` the sum of
-    weights (padding rows weigh 0). The trainer adds both over batches and divides once, so evaluation
-    metrics are exact means over every example.
+    Each metric is computed per example (padding rows weigh 0 in ``weights``). For a scalar metric
+    ``sums[name]`` is the weighted sum of its per-example values and ``counts[name]`` the sum of weights; for
+    a token-weighted one (``(sum, weight)``) ``sums[name]`` adds the per-example sums and ``counts[name]``
+    their weights. ``examples`` counts the real rows. The trainer adds all of them over batches and divides
+    once, so evaluation metrics are exact means over every example (or every token).
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -304,20 +423,29 @@ def make_eval_step(
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, (), ms, jax.random.key(1))
         >>> step = make_eval_step(model, lambda out, y: jnp.mean(out[:, 0] * 0 + 1.0))
-        >>> sums, count = step(state, (jnp.ones((4, 2)), jnp.zeros(4)), jnp.array([1.0, 1.0, 1.0, 0.0]))
-        >>> float(sums["loss"]), float(count)
-        (3.0, 3.0)
+        >>> sums, counts, n = step(state, (jnp.ones((4, 2)), jnp.zeros(4)), jnp.array([1.0, 1.0, 1.0, 0.0]))
+        >>> float(sums["loss"]), float(counts["loss"]), float(n)
+        (3.0, 3.0, 3.0)
     """
     fns = {"loss": loss_fn, **dict(metrics or {})}
 
-    def eval_step(state: TrainState, batch: Any, weights: jax.Array) -> tuple[dict, jax.Array]:
+    def eval_step(state: TrainState, batch: Any, weights: jax.Array) -> tuple[dict, dict, jax.Array]:
         x, y = split_batch(batch)
         out, _ = model.apply(
             _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None, train=False
         )
         out = _cast(out, jnp.float32 if compute_dtype is not None else None)
-        sums = {name: jnp.sum(_per_example(fn, out, y).astype(jnp.float32) * weights) for name, fn in fns.items()}
-        return sums, jnp.sum(weights)
+        sums, counts = {}, {}
+        for name, fn in fns.items():
+            value = _per_example(fn, out, y)
+            if isinstance(value, tuple) and len(value) == 2:  # (sum, weight) per example
+                total, weight = value
+                sums[name] = jnp.sum(total.astype(jnp.float32) * weights)
+                counts[name] = jnp.sum(weight.astype(jnp.float32) * weights)
+            else:
+                sums[name] = jnp.sum(jnp.asarray(value).astype(jnp.float32) * weights)
+                counts[name] = jnp.sum(weights)
+        return sums, counts, jnp.sum(weights)
 
     return eval_step
 

@@ -30,7 +30,9 @@ from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.compiled import CompiledSteps
-from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, check_key
+from jaxdist.training.cost import CostOptions, StepCost
+from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
+from jaxdist.training.input_state import IteratorSnapshot, restored_position
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.step import TrainState
@@ -48,9 +50,13 @@ class Trainer:
             fresh ``nnx.Rngs`` each training step (see `NnxModel`).
         optimizer: an optax ``GradientTransformation``; learning-rate schedules work as in optax (build it
             with `optax.inject_hyperparams` to have the learning rate logged).
-        loss_fn: ``loss_fn(outputs, targets) -> scalar``: the MEAN loss over the batch, e.g.
-            ``lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``.
-        metrics: extra ``{name: fn(outputs, targets) -> scalar}`` batch means, e.g.
+        loss_fn: ``loss_fn(outputs, targets)`` returning the MEAN loss over the batch, e.g.
+            ``lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``, or a
+            token-weighted pair ``(sum, weight)``: the SUM of per-token losses and how many (real) tokens it
+            covers, e.g. ``return (losses * mask).sum(), mask.sum()``. Pairs are summed and divided once over
+            the global batch, its micro-batches and each log window (`jaxdist.training.weighted`), so padding
+            never biases the mean however it is spread.
+        metrics: extra ``{name: fn(outputs, targets)}``, each a batch mean or a ``(sum, weight)`` pair, e.g.
             ``{"accuracy": jd.training.accuracy}``.
         input_key / target_key: for batches given as dicts: the key of the model's inputs and the key of
             the targets (default ``"x"`` and ``"y"``), e.g. ``input_key="image", target_key="label"`` for
@@ -71,11 +77,21 @@ class Trainer:
             default: ``strategy.steps_per_run`` for a `TPUStrategy`, else 1: one compiled step per batch). A
             loop ends early at a log, evaluation or checkpoint point, so those see the same steps as one step
             at a time (make ``log_every`` a multiple of ``steps_per_run`` to keep the loops full).
+        tokens_per_example: tokens in one example (a language model's sequence length): logs then show
+            ``tokens_per_sec`` = rows x this / step time (padding included: what the devices process). None:
+            a token-weighted loss's summed weight counts the tokens (the real ones); other losses log none.
+        peak_flops: peak FLOP/s of ONE device for ``mfu`` (e.g. a measured peak), instead of the datasheet's
+            dense bf16 figure for H100, H200, A100 and TPU v4 / v5e / v5p / v6e (`jaxdist.training.cost`).
+            Without either (CPU), MFU is "n/a".
+        flops_per_step: the model's FLOPs per optimizer step over the global batch (e.g. 6 x parameters x
+            tokens), instead of XLA's count of the compiled step (which counts a loop body such as
+            ``nn.scan`` over layers once, and custom kernels as 0).
 
     Raises:
         TypeError: for a strategy, model, optimizer or loss_fn of the wrong kind (a module class instead of
             an instance; linen options with an nnx module), or a key option that is not a string.
-        ValueError: for out-of-range numbers, a metric named "loss", or ``variables`` with an nnx module.
+        ValueError: for out-of-range numbers (``peak_flops=-1``), a metric named "loss", or ``variables``
+            with an nnx module.
 
     Example:
         >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
@@ -108,6 +124,9 @@ class Trainer:
         eval_kwargs: dict | None = None,
         rng_streams: Sequence[str] | None = None,
         steps_per_run: int | None = None,
+        tokens_per_example: int | None = None,
+        peak_flops: float | None = None,
+        flops_per_step: float | None = None,
     ):
         if not isinstance(strategy, Strategy):
             raise TypeError(
@@ -119,7 +138,10 @@ class Trainer:
                 f"optimizer={optimizer!r} is not an optax GradientTransformation: pass e.g. optax.adam(1e-3)."
             )
         if not callable(loss_fn):
-            raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar.")
+            raise TypeError(
+                f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar mean or (sum, weight)."
+            )
+        self.cost_options = CostOptions(tokens_per_example, peak_flops, flops_per_step)  # checks them
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
             if name == "loss" or not isinstance(name, str) or not callable(fn):
@@ -192,16 +214,20 @@ class Trainer:
         """
         if self._state is not None:
             return self._state
-        build, args, x, y = self._builder(batch)
-        if y is not None:
-            check_losses(self._model, self.loss_fn, self.metrics, jax.eval_shape(build, *args), x, y)
+        build, args = self._checked_builder(batch)
         with self.strategy.scope():
             self._state = self.strategy.create_variables(build, *args)
         return self._state
 
-    def _builder(self, batch: Any) -> tuple[Callable, tuple, Any, Any]:
+    def _checked_builder(self, batch: Any) -> tuple[Callable, tuple]:
+        """The state's builder for ``batch``'s shapes, after checking what the losses return on them (which also
+        tells the compiled steps which of them are token-weighted)."""
         x, y = self._batches.split(batch, "the first batch", need_targets=False)
-        return (*state_builder(self._model, self.optimizer, self.seed, x), x, y)
+        build, args = state_builder(self._model, self.optimizer, self.seed, x)
+        if y is not None:
+            self._steps.weighted = check_losses(self._model, self.loss_fn, self.metrics, jax.eval_shape(build, *args),
+                                                x, y)
+        return build, args
 
     def sync_model(self) -> None:
         """Write the trained values back into the model the trainer was given (``fit`` does this at its end).
@@ -309,6 +335,30 @@ class Trainer:
             raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
         return self._steps.pop_sums(self._state)
 
+    def step_cost(self) -> StepCost:
+        """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
+        and temporaries (``fit`` logs it once at its start; `jaxdist.training.cost`). Measured once, from the
+        compiled step (XLA's cost and memory analyses), never per step: the step that ran is found in JAX's
+        cache; with ``steps_per_run > 1`` (on-device loops) the single step is compiled once more for it, and
+        with ``grad_accum_steps > 1`` one micro-batch's pass too (XLA counts a loop's body once).
+
+        Raises:
+            RuntimeError: before the first training step.
+
+        Example:
+            >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean(), peak_flops=1e9)
+            >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.ones(8, np.float32)))
+            >>> cost = trainer.step_cost()
+            >>> cost.flops > 0, cost.peak_flops, cost.param_bytes  # kernel (2, 1) + bias (1,), float32
+            (True, 1000000000.0, 12)
+        """
+        signature = self._batches.signature
+        if self._state is None or signature is None or self._steps.fit_step is None:
+            raise RuntimeError("step_cost() before the first training step: call fit(...) or train_on_batch first.")
+        return self._steps.step_cost(self._state, signature, self.cost_options)
+
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
         """Write a checkpoint of the state, step, data position and RNG.
@@ -325,12 +375,15 @@ class Trainer:
         """
         if self._state is None:
             raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
-        meta = {"model_kind": self._model.kind, "data_position": vars(self.data_position).copy()}
+        position = self.data_position  # a grain source's iterator state goes beside it, one file per process
+        meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index}}
+        state = position.state
+        data_iterator = None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
         if isinstance(checkpoint_dir, Checkpointer):
-            return checkpoint_dir.save(self._step, self._state, meta)
+            return checkpoint_dir.save(self._step, self._state, meta, data_iterator)
         ckpt = Checkpointer(checkpoint_dir, max_to_keep)
         try:
-            return ckpt.save(self._step, self._state, meta)
+            return ckpt.save(self._step, self._state, meta, data_iterator)
         finally:
             ckpt.close()
 
@@ -370,7 +423,7 @@ class Trainer:
             )
         self._state, meta = ckpt.restore(self._restore_target(batch), meta["step"])
         self._step = int(meta["step"])
-        self.data_position = DataPosition(**meta["data_position"])
+        self.data_position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(self._step))
         self.sync_model()
         return self._step
 
@@ -381,10 +434,7 @@ class Trainer:
             return self._state
         if batch is None:
             raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
-        build, args, x, y = self._builder(batch)
-        if y is not None:
-            check_losses(self._model, self.loss_fn, self.metrics, jax.eval_shape(build, *args), x, y)
-        return restore_target(self.strategy, build, args)
+        return restore_target(self.strategy, *self._checked_builder(batch))
 
     # --------------------------------------------------------------------------------------------- fit
     def fit(
@@ -425,7 +475,9 @@ class Trainer:
             checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
             keep_checkpoints: how many recent checkpoints to keep.
             log_every: steps between log points: each log is the mean of every metric over the steps since
-                the previous one (with ``steps_per_run > 1`` too), plus steps/s. A log point does not wait for
+                the previous one (with ``steps_per_run > 1`` too; token-weighted for ``(sum, weight)`` losses),
+                plus steps/s and, where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
+                step's cost (`step_cost`) is logged once, after the first step. A log point does not wait for
                 the devices: it is emitted once they have the values (a step or two later, with its own
                 step number), and always before the next evaluation, checkpoint or the end of ``fit``.
             log_dir: also write ``metrics.csv`` and TensorBoard event files here.
@@ -450,11 +502,10 @@ class Trainer:
                              checkpoint_every=checkpoint_every, log_every=log_every)  # checks them
         if on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
-        stream = BatchStream(train_data, None, epochs, self._batches)
+        stream = BatchStream(train_data, None, epochs, self._batches, self.strategy)
         sample = None
         if self._state is None:
-            epoch = self.data_position.epoch
-            sample = self._batches(stream.peek(epoch), f"train_data batch 0 of epoch {epoch}")
+            sample = stream.peek(self.data_position.epoch)  # checked; a grain iterator is not advanced
         ckpt = Checkpointer(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
         try:
             if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
@@ -462,12 +513,14 @@ class Trainer:
             if self._state is None:
                 self.init(sample)
             callbacks = list(callbacks)
-            if verbose:
+            writer = self.strategy.should_save_summary  # one writer: the chief (process 0) shows and writes logs
+            if verbose and writer:
                 callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1) else verbose))
-            if log_dir is not None:
+            if log_dir is not None and writer:
                 callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
             options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks))
-            history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, self._batches), options)
+            history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, self._batches, self.strategy),
+                              options)
         finally:
             if ckpt is not None:
                 ckpt.close()
