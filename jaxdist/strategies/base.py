@@ -170,6 +170,17 @@ class Strategy(StrategyExtended, StrategyV1Names):
         """
         return enter_scope(self)
 
+    def tracing_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a `jit` step is traced in: nothing here; `ShardedStrategy` with ``logical_axis_rules``
+        enters its mesh and rules, so ``nn.with_logical_constraint`` in the model lays out activations.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> with jd.OneDeviceStrategy().tracing_scope():
+            ...     pass
+        """
+        return contextlib.nullcontext()
+
     # ----------------------------------------------------------------------------------------- variables
     # ------------------------------------------------------------------------------------ layout hooks
     def variable_layout(
@@ -753,7 +764,9 @@ class Strategy(StrategyExtended, StrategyV1Names):
 
         ``ctx`` is an `InputContext` (``num_input_pipelines`` = processes, ``input_pipeline_id`` = this one);
         each batch it yields holds ``ctx.get_per_replica_batch_size(global_batch) * num_replicas_per_host``
-        rows, and the global batch is the concatenation over processes.
+        rows, and the global batch is the concatenation over processes. ``dataset_fn`` may return a grain
+        ``MapDataset`` / ``IterDataset`` / ``DataLoader`` reading this process's shard; the iterators then have
+        ``get_state`` / ``set_state`` (see `jaxdist.strategies.input`).
 
         Raises:
             TypeError: when ``dataset_fn`` is not callable.

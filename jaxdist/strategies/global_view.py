@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 from flax import nnx
+from flax.core.meta import Partitioned
 
 from jaxdist.replicate.layouts import path_name, put, replicated
 from jaxdist.replicate.values import PerReplica, SyncOnRead
@@ -273,7 +274,7 @@ class StrategyFunction:
         variables.extend(jax.tree.leaves(state))
         if not batches and strategy.gathers_variables_without_batch:
             args, state = _gather_at_entry(strategy, args, concrete_args, state, concrete_state, self._static)
-        with computation(strategy, "global", batches, variables):
+        with computation(strategy, "global", batches, variables), strategy.tracing_scope():
             if nodes:
                 objects = nnx.merge(graphdef, state)
                 call_args = list(args)
@@ -391,12 +392,17 @@ def _output_layouts(strategy: Strategy, out: Any, signatures: list) -> Any:
         def one(path, x):
             if isinstance(x, (PerReplica, SyncOnRead)):  # one component per replica: stays split over them
                 return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, strategy.batch_sharding), x)
-            if not isinstance(x, jax.Array):
+            box = x if isinstance(x, Partitioned) else None  # a Flax annotation: laid out as annotated
+            value = x.value if box is not None else x
+            if not isinstance(value, jax.Array):
                 return x
-            aval = jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
-            return jax.lax.with_sharding_constraint(x, strategy.variable_layout(path_name(path), aval))
+            aval = jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.result_type(value))
+            value = jax.lax.with_sharding_constraint(value, strategy.variable_layout(path_name(path), aval, box))
+            return box.replace_boxed(value) if box is not None else value
 
-        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda v: isinstance(v, (PerReplica, SyncOnRead)))
+        return jax.tree_util.tree_map_with_path(
+            one, tree, is_leaf=lambda v: isinstance(v, (PerReplica, SyncOnRead, Partitioned))
+        )
 
     whole = like_argument(out)
     if whole is not None:

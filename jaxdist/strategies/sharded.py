@@ -326,8 +326,9 @@ class ShardedStrategy(Strategy):
             )
             warnings.warn(
                 f"{', '.join(unmatched)} matched no variable created here ({seen}): the variables meant for "
-                "it got another layout (the FSDP rule). Fix the regex or logical name, or drop the entry; a "
-                "logical name only activations use goes in ShardedStrategy(activation_axes=...).",
+                f"{'it' if len(unmatched) == 1 else 'them'} got another layout (the FSDP rule). Fix the regex or "
+                "logical name, or drop the entry; a logical name only activations use goes in "
+                "ShardedStrategy(activation_axes=...).",
                 UnmatchedLayoutRuleWarning,
                 stacklevel=2,
             )
@@ -348,6 +349,22 @@ class ShardedStrategy(Strategy):
             P('replica', None)
         """
         return _with_flax_rules(super().scope(), self._logical_rules)
+
+    def tracing_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """With ``logical_axis_rules``: this mesh (as JAX's abstract mesh) and Flax's rules while `jit` traces
+        a step, so ``nn.with_logical_constraint`` in the model constrains activations whether or not the step
+        is called inside `scope`. Without rules, nothing: Flax would replicate every name no rule maps.
+
+        Example:
+            >>> import flax.linen as nn, jaxdist as jd
+            >>> s = jd.ShardedStrategy(logical_axis_rules=[("batch", "replica")], activation_axes=("batch",))
+            >>> with s.tracing_scope():
+            ...     nn.logical_to_mesh_axes(("batch", "embed"))
+            P('replica', None)
+        """
+        if not self._logical_rules:
+            return contextlib.nullcontext()
+        return _with_flax_rules(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._logical_rules)
 
     # Variables and batches can both be split on axis 0 here, so the layout alone cannot tell them apart:
     # a batch is an array this strategy's input functions placed (or one the caller declares a batch).

@@ -1,0 +1,399 @@
+"""Train a character-level transformer LM on Python's help pages with FSDP x tensor parallelism.
+
+A decoder-only transformer (causal self-attention, MLP, RMSNorm, learned positions) written in plain Flax linen
+and annotated the Flax way (MaxText / T5X / Levanter): every parameter names its logical axes with
+``nn.with_logical_partitioning``, and one rule table maps them to the mesh. Nothing in the model knows about
+devices. In the Megatron pattern, attention heads, the MLP hidden layer and the vocabulary are split over the
+``"model"`` axis; ``"embed"`` has no rule, so ``ShardedStrategy`` shards those dimensions FSDP-style over the
+``"replica"`` axis::
+
+    strategy = jd.ShardedStrategy(model_parallelism=2, logical_axis_rules=LOGICAL_AXIS_RULES,
+                                  activation_axes=ACTIVATION_AXES)   # mesh (replica, model) = (4, 2) on 8 devices
+
+Between blocks the model constrains its activations with ``nn.with_logical_constraint(x, ("batch", "length",
+"embed"))``: inside ``strategy.scope()`` the strategy's rules are Flax's rules, so the batch axis stays split
+over ``"replica"``; on a strategy without rules (``OneDeviceStrategy``, ``MirroredStrategy``) it is a no-op.
+
+The data ship with Python: the English text of its help pages (``pydoc_data/topics.py``, about 0.5 MB),
+character level, with the last 10% held out for validation. Run it with ``./scripts/demo-lm`` or::
+
+    .venv/bin/python examples/char_lm.py --devices 8 --strategy fsdp_tp --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxdist as jd
+
+LOGICAL_AXIS_RULES = (
+    ("batch", "replica"),  # activations: the batch rows split over the replicas
+    ("heads", "model"),  # attention: each model shard owns whole heads
+    ("mlp", "model"),  # MLP hidden units
+    ("vocab", "model"),  # embedding rows and output logits
+    ("kv", None),  # the dimension within a head stays whole
+)
+"""The rule table (Flax's format). ``"embed"``, ``"length"`` and ``"position"`` have no rule: parameters
+split those dimensions FSDP-style over ``"replica"`` (``ShardedStrategy``'s fallback), activations keep them
+whole (Flax's)."""
+
+ACTIVATION_AXES = ("batch",)
+"""Logical names of the rule table that only activations use (no parameter has a batch axis)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """The transformer's sizes.
+
+    Attributes:
+        vocab_size: characters (padded up to a multiple of 8, so "vocab" splits evenly over the model axis).
+        d_model: the residual stream's width ("embed").
+        num_heads: attention heads ("heads"; a multiple of the model-axis size).
+        num_layers: transformer blocks.
+        mlp_dim: the MLP's hidden width ("mlp").
+        max_len: the longest context (learned positions, "position").
+        remat: recompute each block's activations in the backward pass (``nn.remat``): less memory, more FLOPs.
+    """
+
+    vocab_size: int = 104
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 2
+    mlp_dim: int = 512
+    max_len: int = 128
+    remat: bool = False
+
+
+def _init(std: float, names: tuple) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+def _zeros(names: tuple) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _ones(names: tuple) -> Any:
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        head_dim = cfg.d_model // cfg.num_heads
+        std = cfg.d_model**-0.5
+        out_std = std / (2 * cfg.num_layers) ** 0.5  # scaled residual projections (GPT-2)
+
+        h = nn.RMSNorm(scale_init=_ones(("embed",)), name="attn_norm")(x)
+        # Projections as plain (embed, heads, kv) parameters and einsums (nn.DenseGeneral reshapes its kernel
+        # after the annotation's constraint, which fails under logical rules at init).
+        q, k, v = (
+            nn.with_logical_constraint(
+                jnp.einsum(
+                    "btd,dhk->bthk",
+                    h,
+                    self.param(name, _init(std, ("embed", "heads", "kv")), (cfg.d_model, cfg.num_heads, head_dim)),
+                ),
+                ("batch", "length", "heads", "kv"),
+            )
+            for name in ("query", "key", "value")
+        )
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        attended = jnp.einsum("bhts,bshk->bthk", weights, v)
+        out = self.param("attn_out", _init(out_std, ("heads", "kv", "embed")), (cfg.num_heads, head_dim, cfg.d_model))
+        x = nn.with_logical_constraint(x + jnp.einsum("bthk,hkd->btd", attended, out), ("batch", "length", "embed"))
+
+        h = nn.RMSNorm(scale_init=_ones(("embed",)), name="mlp_norm")(x)
+        h = nn.Dense(cfg.mlp_dim, kernel_init=_init(std, ("embed", "mlp")), bias_init=_zeros(("mlp",)), name="mlp_in")(
+            h
+        )
+        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+        x = x + nn.Dense(
+            cfg.d_model, kernel_init=_init(out_std, ("mlp", "embed")), bias_init=_zeros(("embed",)), name="mlp_out"
+        )(h)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class CharLM(nn.Module):
+    """Decoder-only transformer: ``tokens (batch, length) int32 -> logits (batch, length, vocab)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> cfg = LMConfig(vocab_size=16, d_model=8, num_heads=2, num_layers=1, mlp_dim=16, max_len=4)
+        >>> model = CharLM(cfg)
+        >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+        >>> model.apply(variables, jnp.zeros((2, 4), jnp.int32)).shape
+        (2, 4, 16)
+        >>> variables["params"]["embed"]["embedding"].names  # the annotation rides along with the value
+        ('vocab', 'embed')
+    """
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init(0.02, ("vocab", "embed")), name="embed")(tokens)
+        positions = self.param("positions", _init(0.02, ("position", "embed")), (cfg.max_len, cfg.d_model))
+        x = nn.with_logical_constraint(x + positions[: tokens.shape[1]], ("batch", "length", "embed"))
+        block = nn.remat(Block) if cfg.remat else Block
+        for i in range(cfg.num_layers):
+            x = block(cfg, name=f"block_{i}")(x)
+        x = nn.RMSNorm(scale_init=_ones(("embed",)), name="final_norm")(x)
+        logits = nn.Dense(
+            cfg.vocab_size,
+            kernel_init=_init(cfg.d_model**-0.5, ("embed", "vocab")),
+            bias_init=_zeros(("vocab",)),
+            name="head",
+        )(x)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+
+def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-character cross-entropy in nats per character (computed in float32)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+# ------------------------------------------------------------------------------------------------- data
+def load_text() -> str:
+    """The English text of Python's help pages (``pydoc_data/topics.py``, in the standard library)."""
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[name] for name in sorted(topics))
+
+
+@dataclasses.dataclass(frozen=True)
+class CharVocab:
+    """Characters <-> ids (the sorted characters of the text; the id table padded to a multiple of 8).
+
+    Example:
+        >>> vocab = CharVocab.from_text("hello")
+        >>> vocab.decode(vocab.encode("hole")), vocab.size
+        ('hole', 8)
+    """
+
+    chars: str
+
+    @classmethod
+    def from_text(cls, text: str) -> CharVocab:
+        """The vocabulary of ``text``."""
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def size(self) -> int:
+        """Ids in use, rounded up to a multiple of 8."""
+        return -(-len(self.chars) // 8) * 8
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` as an int32 array of ids."""
+        index = {c: i for i, c in enumerate(self.chars)}
+        return np.fromiter((index[c] for c in text), np.int32, len(text))
+
+    def decode(self, ids: Any) -> str:
+        """The text of ``ids`` (padding ids, which are never trained towards, print as nothing)."""
+        return "".join(self.chars[i] if i < len(self.chars) else "" for i in np.asarray(ids).tolist())
+
+
+def split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)``: the held-out tail of ``val_fraction`` is the validation text."""
+    cut = int(len(tokens) * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def train_batches(tokens: np.ndarray, batch_size: int, seq_len: int, steps: int, epoch: int, seed: int) -> list:
+    """``steps`` GLOBAL batches ``(x, y)`` of random windows, ``y`` = ``x`` shifted by one character.
+
+    Deterministic per ``(seed, epoch)``, so a resumed run sees the same batches.
+    """
+    rng = np.random.default_rng((seed, epoch))
+    starts = rng.integers(0, len(tokens) - seq_len - 1, size=(steps, batch_size))
+    windows = tokens[starts[..., None] + np.arange(seq_len + 1)]
+    return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None) -> list:
+    """Non-overlapping windows of the validation text, in order (the ragged last batch is padded by the Trainer)."""
+    n = (len(tokens) - 1) // seq_len
+    x = tokens[: n * seq_len].reshape(n, seq_len)
+    y = tokens[1 : n * seq_len + 1].reshape(n, seq_len)
+    out = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n, batch_size)]
+    return out[:max_batches] if max_batches else out
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def generate(
+    model: CharLM, params: Any, vocab: CharVocab, prompt: str, length: int, temperature: float = 0.8, seed: int = 0
+) -> str:
+    """``prompt`` and ``length`` sampled characters, on the host's default device (a trained model's params,
+    in any layout, are fetched once)."""
+    cfg = model.config
+    params = jax.device_put(jax.device_get(params), jax.devices()[0])  # one copy, off the strategy's mesh
+    window = cfg.max_len
+
+    @jax.jit
+    def next_logits(params, ids, position):
+        return model.apply({"params": params}, ids)[0, position]
+
+    ids = list(vocab.encode(prompt))
+    key = jax.random.key(seed)
+    for _ in range(length):
+        context = ids[-window:]
+        padded = np.zeros((1, window), np.int32)
+        padded[0, : len(context)] = context
+        logits = next_logits(params, padded, len(context) - 1)[: len(vocab.chars)]
+        key, sub = jax.random.split(key)
+        ids.append(int(jax.random.categorical(sub, logits / temperature)))
+    return vocab.decode(ids)
+
+
+# ------------------------------------------------------------------------------------------------ training
+def make_strategy(name: str, model_parallelism: int = 2) -> jd.Strategy:
+    """The strategy called ``name``: ``fsdp_tp`` (FSDP x tensor parallelism), ``fsdp``, ``mirrored``,
+    ``one_device`` or ``tpu``."""
+    if name == "fsdp_tp":
+        return jd.ShardedStrategy(
+            model_parallelism=model_parallelism, logical_axis_rules=LOGICAL_AXIS_RULES, activation_axes=ACTIVATION_AXES
+        )
+    if name == "fsdp":
+        return jd.ShardedStrategy()
+    if name == "mirrored":
+        return jd.MirroredStrategy()
+    if name == "tpu":
+        return jd.TPUStrategy(steps_per_run=10)
+    return jd.OneDeviceStrategy()
+
+
+def make_optimizer(steps: int, learning_rate: float = 3e-3) -> optax.GradientTransformation:
+    """AdamW with a linear warmup and cosine decay over ``steps``; the learning rate is logged."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, min(100, steps // 10 + 1), max(steps, 2), learning_rate / 10
+    )
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b2=0.99, weight_decay=0.01)
+
+
+class ProgressLines(jd.training.Callback):
+    """Progress lines: step, train loss (nats/char), learning rate, tokens/s and MFU over the last log window
+    (the Trainer's ``tokens_per_sec`` and ``mfu`` logs; MFU needs the devices' peak FLOP/s, "n/a" on CPU)."""
+
+    def __init__(self, total: int):
+        self.total = total
+
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, Any]) -> None:
+        rate = f" lr {logs['learning_rate']:.2e}" if "learning_rate" in logs else ""
+        mfu = logs.get("mfu")
+        mfu = f"{mfu:.1%}" if isinstance(mfu, float) else "n/a"
+        print(
+            f"step {step}/{self.total} loss {logs['loss']:.3f}{rate} tokens/s {logs.get('tokens_per_sec', 0):,.0f} "
+            f"MFU {mfu}",
+            flush=True,
+        )
+
+    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        print(f"step {step}/{self.total} val loss {metrics['loss']:.3f}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default: 8)")
+    parser.add_argument("--strategy", choices=("fsdp_tp", "fsdp", "mirrored", "one_device", "tpu"), default="fsdp_tp")
+    parser.add_argument("--model-parallelism", type=int, default=2, help="devices per replica on the model axis")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch, split over the replicas")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    parser.add_argument("--val-batches", type=int, default=None, help="validate on this many batches (default: all)")
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--sample-length", type=int, default=240)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="peak FLOP/s of one device, for MFU where the Trainer knows no datasheet figure",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> float:
+    """Train, validate, sample; returns the final validation loss (nats/char)."""
+    args = parse_args(argv)
+    # Simulated devices must be set before JAX starts a backend (importing jax or jaxdist starts none).
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    strategy = make_strategy(args.strategy, args.model_parallelism)
+
+    text = load_text()
+    vocab = CharVocab.from_text(text)
+    train_tokens, val_tokens = split(vocab.encode(text))
+    cfg = LMConfig(
+        vocab_size=vocab.size,
+        d_model=args.d_model,
+        num_layers=args.layers,
+        mlp_dim=4 * args.d_model,
+        max_len=args.seq_len,
+        remat=args.remat,
+    )
+    model = CharLM(cfg)
+    tokens_per_step = args.batch_size * args.seq_len
+    print(
+        f"{strategy!r}: {len(train_tokens):,} train / {len(val_tokens):,} val characters, vocab {len(vocab.chars)}; "
+        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads; global batch {args.batch_size} x "
+        f"{args.seq_len} characters; {args.steps} steps",
+        flush=True,
+    )
+
+    trainer = jd.training.Trainer(
+        strategy,
+        model,
+        make_optimizer(args.steps, args.learning_rate),
+        loss_fn,
+        clip_grad_norm=1.0,
+        seed=args.seed,
+        tokens_per_example=args.seq_len,
+        peak_flops=args.peak_flops,
+    )
+
+    def data_fn(epoch: int) -> list:
+        return train_batches(train_tokens, args.batch_size, args.seq_len, args.steps, epoch, args.seed)
+
+    val_data = val_batches(val_tokens, args.batch_size, args.seq_len, args.val_batches)
+    start = time.perf_counter()
+    with strategy.scope():  # traced in the scope: the model's nn.with_logical_constraint use the strategy's rules
+        trainer.fit(
+            data_fn, steps=args.steps, log_every=args.log_every, verbose=0, callbacks=[ProgressLines(args.steps)]
+        )
+    seconds = time.perf_counter() - start
+    if isinstance(strategy, jd.ShardedStrategy):
+        layouts = strategy.variable_layouts(trainer.params)
+        for path in ("embed/embedding", "block_0/query", "block_0/mlp_in/kernel", "block_0/mlp_out/kernel"):
+            print(f"  {path:24s} {layouts[path]}")
+    val_loss = trainer.evaluate(val_data)["loss"]
+    print(
+        f"trained {args.steps} steps in {seconds:.1f}s ({args.steps * tokens_per_step / seconds:,.0f} tokens/s, "
+        "compilation included)"
+    )
+    print("sample:", repr(generate(model, trainer.params, vocab, "The ", args.sample_length, seed=args.seed)))
+    print(f"final val loss: {val_loss:.3f}")
+    return val_loss
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The char-level transformer LM example (tiny config): every strategy trains it as one device does; under
+FSDP x tensor parallelism its parameters and optimizer state are laid out as annotated; its checkpoints
+restore onto other strategies."""
+
+import importlib.util
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from registry import assert_variable_layout
+
+import jaxdist as jd
+from jaxdist.replicate.layouts import path_name
+
+
+def _load_example():
+    path = pathlib.Path(__file__).parents[1] / "examples" / "char_lm.py"
+    spec = importlib.util.spec_from_file_location("char_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["char_lm"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+lm = _load_example()
+TEXT = lm.load_text()
+VOCAB = lm.CharVocab.from_text(TEXT)
+TRAIN, VAL = lm.split(VOCAB.encode(TEXT))
+CONFIG = lm.LMConfig(vocab_size=VOCAB.size, d_model=32, num_heads=4, num_layers=1, mlp_dim=64, max_len=16)
+STEPS = 20
+BATCHES = lm.train_batches(TRAIN, 16, 16, STEPS, epoch=0, seed=0)
+MODEL = lm.CharLM(CONFIG)
+
+
+def _initial_variables():
+    """The model's variables (annotations included) drawn on the host: the same start for every strategy,
+    without compiling the initializer once per strategy (XLA's CPU compile of the RNG is the slow part)."""
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(MODEL.init, jax.random.key(0), np.zeros((1, CONFIG.max_len), np.int32))
+
+    def draw(path, s):
+        if path_name(path).endswith("scale"):
+            return np.ones(s.shape, s.dtype)
+        return (rng.normal(size=s.shape) * 0.1).astype(s.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+VARIABLES = _initial_variables()
+
+
+def _strategy(name):
+    return {
+        "mirrored": lambda: jd.MirroredStrategy(),
+        "fsdp": lambda: jd.ShardedStrategy(min_shard_size=1),
+        "fsdp_tp": lambda: jd.ShardedStrategy(
+            model_parallelism=2,
+            min_shard_size=1,
+            logical_axis_rules=lm.LOGICAL_AXIS_RULES,
+            activation_axes=lm.ACTIVATION_AXES,
+        ),
+        "tpu": lambda: jd.TPUStrategy(steps_per_run=5),
+        "one_device": lambda: jd.OneDeviceStrategy(),
+    }[name]()
+
+
+class _Losses(jd.training.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_step_end(self, trainer, step, metrics):
+        self.values.extend(np.ravel(metrics["loss"]).tolist())  # one loss, or a loop's stacked losses
+
+
+def _train(strategy):
+    trainer = jd.training.Trainer(
+        strategy, MODEL, optax.adamw(3e-3), lm.loss_fn, clip_grad_norm=1.0, variables=VARIABLES
+    )
+    losses = _Losses()
+    with strategy.scope():  # as the demo: the model's activation constraints use the strategy's rules
+        trainer.fit(BATCHES, steps=STEPS, verbose=0, callbacks=[losses])
+    return trainer, np.asarray(losses.values)
+
+
+_results = {}
+
+
+def _trained(name):
+    if name not in _results:
+        _results[name] = _train(_strategy(name))
+    return _results[name]
+
+
+def _params(trainer):
+    return jax.device_get(nn.unbox(trainer.params))
+
+
+@pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "tpu"])
+def test_lm_trained_20_steps_equals_one_device(name):
+    reference, want = _trained("one_device")
+    trainer, got = _trained(name)
+    assert len(got) == STEPS and want[-1] < want[0] - 0.2  # it learns
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(_params(trainer)), jax.tree.leaves(_params(reference)), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_fsdp_tp_lays_params_and_optimizer_state_out_as_annotated():
+    trainer, _ = _trained("fsdp_tp")
+    strategy = trainer.strategy
+    assert dict(strategy.mesh.shape) == {"replica": 4, "model": 2}
+    layouts = strategy.variable_layouts(trainer.params)
+    want = {  # Megatron: heads, MLP hidden and vocab over "model"; the unruled "embed" FSDP over "replica"
+        "embed/embedding": P("model", "replica"),
+        "positions": P(None, "replica"),
+        "block_0/query": P("replica", "model"),
+        "block_0/attn_out": P("model", None, "replica"),
+        "block_0/mlp_in/kernel": P("replica", "model"),
+        "block_0/mlp_in/bias": P("model"),
+        "block_0/mlp_out/kernel": P("model", "replica"),
+        "head/kernel": P("replica", "model"),
+        "final_norm/scale": P("replica"),
+    }
+    assert {k: layouts[k] for k in want} == want
+    boxes = jax.tree_util.tree_leaves_with_path(trainer.params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    for path, box in boxes:  # the arrays really are laid out so
+        assert box.value.sharding.spec == layouts[path_name(path)], path_name(path)
+    followed = 0
+    opt_boxes = jax.tree_util.tree_leaves_with_path(
+        trainer.state.opt_state, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
+    for path, box in opt_boxes:  # Adam's moments: the layout of their parameter
+        if not isinstance(box, nn.Partitioned):
+            continue  # the step count
+        param = next(p for p in layouts if path_name(path).endswith("/" + p))
+        assert box.value.sharding.spec == layouts[param], path_name(path)
+        followed += 1
+    assert followed == 2 * len(boxes)
+
+
+@pytest.mark.parametrize("target", ["one_device", "mirrored"])
+def test_checkpoint_written_under_fsdp_tp_restores_onto(target, tmp_path):
+    trainer, _ = _trained("fsdp_tp")
+    trainer.save(tmp_path)
+    strategy = _strategy(target)
+    restored = jd.training.Trainer(
+        strategy, MODEL, optax.adamw(3e-3), lm.loss_fn, clip_grad_norm=1.0, variables=VARIABLES
+    )
+    assert restored.restore(tmp_path, batch=BATCHES[0]) == STEPS
+    assert_variable_layout(strategy, (restored.state.params, restored.state.opt_state), "restored state")
+    jax.tree.map(np.testing.assert_array_equal, _params(restored), _params(trainer))
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get(restored.state.opt_state), jax.device_get(trainer.state.opt_state)
+    )

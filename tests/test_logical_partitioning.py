@@ -1,0 +1,259 @@
+"""Flax partitioning annotations drive `ShardedStrategy`'s layout: logical axis rules, precedence, reports,
+activation constraints, and nnx variables annotated with ``nnx.with_partitioning`` through the Trainer."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+
+RULES = (("batch", "replica"), ("embed", None), ("mlp", "model"))
+
+
+def logical(names, init=None):
+    return nn.with_logical_partitioning(init or nn.initializers.lecun_normal(), names)
+
+
+class MLP(nn.Module):
+    """Logical names on the hidden layer, mesh axes (``nn.with_partitioning``) on the output kernel, and an
+    activation constraint in between."""
+
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(
+            self.features,
+            kernel_init=logical(("embed", "mlp")),
+            bias_init=logical(("mlp",), nn.initializers.zeros_init()),
+            name="hidden",
+        )(x)
+        h = nn.with_logical_constraint(nn.relu(h), ("batch", "mlp"))
+        return nn.Dense(
+            4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)), name="out"
+        )(h)
+
+
+MODEL, OPT = MLP(), optax.adam(1e-2)
+
+
+def init(key):
+    params = MODEL.init(key, jnp.zeros((1, 8)))
+    return params, OPT.init(params)
+
+
+def step(state, x, y):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((MODEL.apply(p, x) - y) ** 2))(params)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def tp_strategy(rules=RULES, activation_axes=("batch",), **kwargs):
+    return jd.ShardedStrategy(
+        model_parallelism=2, min_shard_size=1, logical_axis_rules=rules, activation_axes=activation_axes, **kwargs
+    )
+
+
+def spec(box):
+    return box.value.sharding.spec
+
+
+def test_annotations_place_params_and_optimizer_state_as_annotated():
+    strategy = tp_strategy()
+    params, (adam, _) = strategy.create_variables(init, jax.random.key(0))
+    p = params["params"]
+    assert spec(p["hidden"]["kernel"]) == P(None, "model")  # ("embed", "mlp"): embed kept whole by its rule
+    assert {s.data.shape for s in p["hidden"]["kernel"].value.addressable_shards} == {(8, 8)}  # really split
+    assert spec(p["hidden"]["bias"]) == P("model")
+    assert spec(p["out"]["kernel"]) == P("model")  # nn.with_partitioning: mesh axes as named
+    assert p["out"]["bias"].sharding.spec == P("replica")  # not annotated: the FSDP rule
+    for moment in (adam.mu, adam.nu):  # optimizer state follows its parameter (it holds the same boxes)
+        assert spec(moment["params"]["hidden"]["kernel"]) == P(None, "model")
+        assert spec(moment["params"]["out"]["kernel"]) == P("model")
+    assert strategy.variable_layouts(params)["params/hidden/kernel"] == P(None, "model")
+
+
+def test_precedence_layout_rules_then_annotation_then_fsdp():
+    # A logical name with no rule at all ("embed" here) is FSDP's to split over the replicas.
+    fallback = tp_strategy(rules=(("mlp", "model"),))
+    params, _ = fallback.create_variables(init, jax.random.key(0))
+    assert spec(params["params"]["hidden"]["kernel"]) == P("replica", "model")
+    # A layout_rules regex overrides the annotation (and its optimizer state follows it too).
+    override = tp_strategy(layout_rules=[(r"hidden/kernel", P())])
+    with pytest.warns(jd.UnmatchedLayoutRuleWarning, match=r"logical_axis_rules\[1\]=\('embed', None\)"):
+        params, (adam, _) = override.create_variables(init, jax.random.key(0))  # no "embed" left to place
+    assert spec(params["params"]["hidden"]["kernel"]) == P() and spec(adam.mu["params"]["hidden"]["kernel"]) == P()
+    assert spec(params["params"]["hidden"]["bias"]) == P("model")
+    # Strategies that replicate every variable ignore annotations.
+    mirrored = jd.MirroredStrategy()
+    params, _ = mirrored.create_variables(init, jax.random.key(0))
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params))
+
+
+def test_annotated_training_equals_one_device_and_keeps_layout():
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)) for _ in range(3)
+    ]
+    reference = init(jax.random.key(0))
+    strategy = tp_strategy()
+    state = strategy.create_variables(init, jax.random.key(0))
+    layout = jax.tree.map(lambda x: x.sharding, state)
+    with strategy.scope():  # traced in the scope: the activation constraint and unbox constraints apply
+        tp_step = strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2))
+        for x, y in batches:
+            reference, want = jax.jit(step)(reference, x, y)
+            state, got = tp_step(state, x, y)
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert jax.tree.map(lambda x: x.sharding, state) == layout
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_activation_constraint_uses_the_strategy_rules_in_its_steps():
+    """``nn.with_logical_constraint`` in a model: a step of a strategy with ``logical_axis_rules`` is traced
+    with its rules and mesh, inside ``strategy.scope()`` or not, so the activation takes the rule's layout;
+    a strategy without rules leaves it to XLA (tracing under a mesh with no rules, Flax would replicate the
+    names no rule maps). Same math either way."""
+    seen = []
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.with_logical_constraint(nn.Dense(16)(x), ("batch", "hidden"))
+            jax.debug.inspect_array_sharding(h, callback=lambda s: seen.append(getattr(s, "spec", None)))
+            return nn.Dense(1)(h).mean()
+
+    net = Net()
+    strategy = tp_strategy(rules=(("batch", "replica"), ("hidden", "model")), activation_axes=("batch", "hidden"))
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    params = strategy.create_variables(net.init, jax.random.key(0), x[:1])
+    seen.clear()
+    with strategy.scope():
+        inside = strategy.jit(lambda p, x: net.apply(p, x), batch_argnums=1)(params, x)
+    outside = strategy.jit(lambda p, x: net.apply(p, x) + 0.0, batch_argnums=1)(params, x)
+    assert seen[0] == seen[1] == P("replica", "model")  # batch over the replicas, hidden over the model axis
+    plain = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)  # no rules: XLA's own choice
+    plain_params = plain.create_variables(lambda k, x: nn.unbox(net.init(k, x)), jax.random.key(0), x[:1])
+    unconstrained = plain.jit(lambda p, x: net.apply(p, x) * 1.0, batch_argnums=1)(plain_params, x)
+    assert seen[2] != P("replica", "model")
+    np.testing.assert_allclose(inside, net.apply(jax.device_get(params), x), rtol=1e-5)
+    np.testing.assert_allclose(outside, inside, rtol=1e-5)
+    np.testing.assert_allclose(unconstrained, inside, rtol=1e-5)
+
+
+def test_gradients_returned_by_a_step_keep_the_annotated_layout():
+    """An output not shaped like an argument (gradients returned next to the loss) is laid out like the
+    variables it mirrors: annotated parameters' gradients take the annotation's layout, not the FSDP rule."""
+    strategy = tp_strategy()
+    params, _ = strategy.create_variables(init, jax.random.key(0))
+    x = np.ones((8, 8), np.float32)
+
+    def grads(p, x):
+        return jax.grad(lambda p: MODEL.apply(p, x).sum())(p), x.sum()
+
+    g, _ = strategy.jit(grads, batch_argnums=1)(params, x)
+    specs = jax.tree.map(lambda a: a.sharding.spec, nn.unbox(g))
+    want = jax.tree.map(lambda a: a.sharding.spec, nn.unbox(params))
+    assert specs == want
+
+
+def test_unmatched_rules_are_reported_once_naming_the_entry():
+    strategy = tp_strategy(
+        rules=(("batch", "replica"), ("mpl", "model"), ("mlp", "model")), layout_rules=[(r"hiden/kernel", P())]
+    )
+    with pytest.warns(jd.UnmatchedLayoutRuleWarning) as record:
+        strategy.create_variables(init, jax.random.key(0))
+    message = str(record[0].message)
+    assert "layout_rules[0]=('hiden/kernel', P())" in message
+    assert "logical_axis_rules[1]=('mpl', 'model')" in message
+    assert "batch" not in message.split(" matched")[0]  # declared in activation_axes: not reported
+    assert "'embed', 'mlp'" in message  # the names the variables do use
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy.create_variables(init, jax.random.key(1))  # reported once per strategy
+    # Unboxed params carry no annotation: every logical rule is unmatched, and the message says why.
+    unboxed = tp_strategy()
+    with pytest.warns(jd.UnmatchedLayoutRuleWarning, match="no variable carries a logical annotation"):
+        unboxed.create_variables(lambda key: nn.unbox(MODEL.init(key, jnp.zeros((1, 8)))), jax.random.key(0))
+    assert tp_strategy().unmatched_rules(jax.eval_shape(init, jax.random.key(0))) == []
+
+
+def test_bad_rules_and_annotations_are_clear_errors():
+    with pytest.raises(ValueError, match=r"logical_axis_rules\[0\]=\('mlp', 'model'\).*model_parallelism > 1"):
+        jd.ShardedStrategy(logical_axis_rules=[("mlp", "model")])
+    with pytest.raises(ValueError, match=r"logical_axis_rules\[1\]='mlp' is not a \(logical_name, mesh_axes\) pair"):
+        tp_strategy(rules=[("embed", None), "mlp"])
+    with pytest.raises(ValueError, match=r"activation_axes='batch' must be a sequence"):
+        jd.ShardedStrategy(activation_axes="batch")
+    data_axis = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("data", None)))
+    with pytest.raises(ValueError, match=r"kernel.*names mesh axis 'data'.*logical_axis_rules"):
+        tp_strategy().create_variables(data_axis.init, jax.random.key(0), jnp.ones((1, 8)))
+    too_many = nn.Dense(4, kernel_init=logical(("embed", "mlp", "extra")))
+    with pytest.raises(
+        ValueError,
+        match=r"annotation \('embed', 'mlp', 'extra'\) of variable 'params/kernel' names 3 "
+        r"axes but the variable has shape \(8, 4\)",
+    ):
+        tp_strategy().create_variables(too_many.init, jax.random.key(0), jnp.ones((1, 8)))
+    odd = MLP(features=5)  # "mlp" (5) over the model axis (2)
+    with pytest.raises(
+        ValueError,
+        match=r"annotation \('mlp',\) through logical_axis_rules to P\('model',\) splits "
+        r"axis 0 \(size 5\) of variable 'params/hidden/bias' into 2 parts",
+    ):
+        tp_strategy().create_variables(odd.init, jax.random.key(0), jnp.ones((1, 8)))
+
+
+class AnnotatedNnx(nnx.Module):
+    def __init__(self, rngs, annotate=True):
+        init = nnx.initializers.lecun_normal()
+        kernel_init = nnx.with_partitioning(init, (None, "model")) if annotate else init
+        self.hidden = nnx.Linear(8, 16, kernel_init=kernel_init, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_and_checkpoint(tmp_path):
+    rng = np.random.default_rng(0)
+    data = [
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)) for _ in range(3)
+    ]
+
+    def mse(out, y):
+        return jnp.mean((out - y) ** 2)
+
+    strategy = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)
+    with strategy.scope():
+        model = AnnotatedNnx(nnx.Rngs(0))
+    trainer = jd.training.Trainer(strategy, model, optax.adam(1e-2), mse)
+    trainer.fit(data, steps=3, verbose=0, checkpoint_dir=tmp_path)
+    kernel = trainer.state.params["hidden"]["kernel"]
+    assert kernel.value.sharding.spec == P(None, "model")  # as annotated, not the FSDP rule
+    mu = trainer.state.opt_state[0].mu["hidden"]["kernel"]
+    assert mu.value.sharding.spec == P(None, "model")  # the optimizer state follows it
+    assert trainer.state.params["out"]["kernel"].sharding.spec == P("replica")  # unannotated: FSDP
+    assert model.hidden.kernel[...].sharding.spec == P(None, "model")  # synced back in its layout
+
+    reference = jd.training.Trainer(
+        jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(0), annotate=False), optax.adam(1e-2), mse
+    )
+    reference.fit(data, steps=3, verbose=0)
+    np.testing.assert_allclose(kernel.value, reference.state.params["hidden"]["kernel"], rtol=1e-5, atol=1e-6)
+
+    with strategy.scope():
+        fresh = AnnotatedNnx(nnx.Rngs(1))
+    restored = jd.training.Trainer(strategy, fresh, optax.adam(1e-2), mse)
+    assert restored.restore(tmp_path, batch=data[0]) == 3
+    assert restored.state.params["hidden"]["kernel"].value.sharding.spec == P(None, "model")
+    np.testing.assert_allclose(restored.state.params["hidden"]["kernel"].value, kernel.value)
