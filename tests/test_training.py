@@ -278,7 +278,7 @@ def test_callbacks_progress_lines_and_metric_files(tmp_path, capsys, linen_varia
 
 def read_tfevents(data: bytes) -> dict:
     """A minimal TFRecord + Event protobuf reader (checks the framing and CRCs TensorBoard checks)."""
-    from jaxdist.training.callbacks import _masked_crc
+    from tfevents import masked_crc as _masked_crc
 
     def fields(buf):
         i = 0

@@ -1,7 +1,8 @@
 """jaxdist.training with real processes: SIGKILL during a save, SIGTERM then resume (bitwise identical).
 
 Each test runs small training scripts with ``sys.executable`` (8 simulated CPU devices, MirroredStrategy);
-every subprocess call has a timeout so nothing can hang.
+every subprocess call has a timeout so nothing can hang. Checkpoints are asynchronous (the default) unless a
+test asks for "sync". Several processes: tests/test_multihost_preemption.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SCRIPT = textwrap.dedent(
 
     kind, mode, ckpt_dir, out, steps = sys.argv[1:6]
     steps = int(steps)
+    asynchronous = sys.argv[6:] != ["sync"]
     width = 1024 if mode == "big" else 16  # "big": a state that takes a while to write
 
     class MLP(nn.Module):
@@ -71,18 +73,21 @@ SCRIPT = textwrap.dedent(
         leaves = jax.tree.leaves(jax.device_get(trainer.params))
         np.savez(path, *[np.asarray(a) for a in leaves])
 
+    every = 1 if mode == "big" else 3
+
     class Tell(jd.training.Callback):
         def on_train_begin(self, trainer):  # what fit starts from (after any restore)
             dump(os.path.join(os.path.dirname(out), f"begin_{trainer.step}.npz"))
 
         def on_step_end(self, trainer, step, metrics):
             print(f"step {step}", flush=True)
+            if step % every == 0 and mode != "big":  # the state a checkpoint of this step holds
+                dump(os.path.join(os.path.dirname(out), f"at_{step}.npz"))
             if mode == "slow":
                 time.sleep(0.15)  # leaves the parent time to send SIGTERM mid-run
 
-        def on_checkpoint(self, trainer, step, path):
+        def on_checkpoint(self, trainer, step, path):  # once complete (an async one: a step or more later)
             print(f"saved {step}", flush=True)
-            dump(os.path.join(os.path.dirname(out), f"saved_{step}.npz"))
 
     if mode == "kill-in-save":  # SIGKILL this process while the 2nd checkpoint is written, before its rename
         from orbax.checkpoint._src.path import atomicity
@@ -95,9 +100,8 @@ SCRIPT = textwrap.dedent(
 
         atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
 
-    every = 1 if mode == "big" else 3
     trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, checkpoint_every=every, verbose=0,
-                callbacks=[Tell()])
+                callbacks=[Tell()], async_checkpoints=asynchronous)
     dump(out)
     print(f"done {trainer.step}", flush=True)
     """
@@ -161,9 +165,10 @@ def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_p
     assert_bitwise(load(tmp_path / "resumed.npz"), load(tmp_path / "straight.npz"))
 
 
-@pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_sigkill_during_save_leaves_the_previous_checkpoint_restorable(kind, tmp_path):
-    killed = run_script(tmp_path, kind, "kill-in-save", tmp_path / "ckpt", tmp_path / "never.npz", 9)
+@pytest.mark.parametrize(("kind", "saving"), [("linen", "sync"), ("nnx", "async")])
+def test_sigkill_during_save_leaves_the_previous_checkpoint_restorable(kind, saving, tmp_path):
+    # async: the kill comes from the background thread while the steps after 6 run
+    killed = run_script(tmp_path, kind, "kill-in-save", tmp_path / "ckpt", tmp_path / "never.npz", 9, saving)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "saved 3" in killed.stdout and "saved 6" not in killed.stdout
     leftovers = [p for p in os.listdir(tmp_path / "ckpt") if "tmp" in p]
@@ -178,7 +183,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_restorable(kind, tmp
     assert not [p for p in os.listdir(tmp_path / "ckpt") if "tmp" in p]  # removed by the next run
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["3", "6", "9"]
     # the resumed run started from exactly the step-3 state saved before the kill
-    assert_bitwise(load(tmp_path / "begin_3.npz"), load(tmp_path / "saved_3.npz"))
+    assert_bitwise(load(tmp_path / "begin_3.npz"), load(tmp_path / "at_3.npz"))
 
 
 def test_sigkill_at_a_random_moment_of_a_large_save(tmp_path):

@@ -6,11 +6,20 @@ arrays whose axis 0 is the global batch). ``strategy.distribute_datasets_from_fu
 out as global `jax.Array`s split on axis 0 over the replicas, built with
 `jax.make_array_from_process_local_data` (no process ever transfers rows it does not own), and a background
 thread keeps ``prefetch`` batches in flight to the devices so the step rarely waits on the host.
+
+grain (the JAX ecosystem's data loader) plugs in as it is: ``fn(ctx)`` may return a ``grain.MapDataset``,
+``grain.IterDataset`` or ``grain.DataLoader`` that reads this process's share, e.g.
+``grain.experimental.ElasticIterator(examples, global_batch_size, grain.sharding.ShardByJaxProcess())`` or
+``examples[ctx.input_pipeline_id::ctx.num_input_pipelines].batch(per_process_batch)``. Iterators over a source
+with ``get_state`` / ``set_state`` (every grain iterator) have them too, exact despite the prefetch thread
+(`DistributedIterator.get_state`), so a checkpoint can hold the input's position
+(``jd.training.Checkpointer.save(..., data_iterator=it)``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import queue
 import threading
@@ -152,6 +161,7 @@ def _local_rows(sharding, global_shape) -> slice:
 
 
 _END = object()
+_STOP_SECONDS = 5.0  # how long set_state / close wait for the prefetch thread's read in progress
 
 
 class _Failure:
@@ -159,10 +169,19 @@ class _Failure:
         self.error = error
 
 
+def _has_state(source: Any) -> bool:
+    return callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None))
+
+
 class DistributedIterator:
     """Iterates placed global batches; a background thread keeps ``prefetch`` of them in flight.
 
     Call ``close()`` (or exhaust it, or use it as a context manager) to stop the thread early.
+
+    When the source iterator has ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator`` and
+    ``DataLoaderIterator``), so does this iterator, and its state is the source's state after the last batch
+    THIS iterator handed out, not after the batches the thread has read ahead: restoring it (in this or a new
+    iterator over the same pipeline) continues with exactly the batch that would have come next.
 
     Example:
         >>> import numpy as np, jaxdist as jd
@@ -178,25 +197,45 @@ class DistributedIterator:
         self._place = place
         self._prefetch = prefetch
         self._done = False
+        self._stateful = _has_state(source)
+        self._state = source.get_state() if self._stateful else None  # the state after the last batch handed out
+        self._thread: threading.Thread | None = None
         if prefetch > 0:
             self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._fill, name="jaxdist-prefetch", daemon=True)
-            self._thread.start()
+            self._start_thread()
+
+    @property
+    def source(self) -> Iterator[Any]:
+        """The iterator the batches are read from (e.g. a grain ``DatasetIterator``), before placement."""
+        return self._source
+
+    def _start_thread(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._fill, name="jaxdist-prefetch", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> tuple[Any, Any]:
+        """The next placed batch and the source's state right after it (raises StopIteration at the end)."""
+        batch = next(self._source)
+        state = self._source.get_state() if self._stateful else None
+        return self._place(batch), state
 
     def _fill(self) -> None:
         try:
-            for batch in self._source:
-                item = self._place(batch)
+            while not self._stop.is_set():
+                try:
+                    item = self._read()
+                except StopIteration:
+                    break
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
-                if self._stop.is_set():
-                    return
-            self._put_final(_END)
+            if not self._stop.is_set():
+                self._put_final(_END)
         except BaseException as error:  # re-raised in the consumer's thread
             self._put_final(_Failure(error))
 
@@ -216,10 +255,12 @@ class DistributedIterator:
             raise StopIteration
         if self._prefetch == 0:
             try:
-                return self._place(next(self._source))
+                batch, state = self._read()
             except StopIteration:
                 self._done = True
                 raise
+            self._state = state
+            return batch
         item = self._queue.get()
         if item is _END:
             self._done = True
@@ -227,19 +268,84 @@ class DistributedIterator:
         if isinstance(item, _Failure):
             self._done = True
             raise item.error
-        return item
+        batch, self._state = item
+        return batch
+
+    def _check_stateful(self, method: str) -> None:
+        if not self._stateful:
+            raise TypeError(
+                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no get_state() / "
+                "set_state(state), so its position cannot be saved or restored: read the data with grain "
+                "(grain.MapDataset, grain.IterDataset, grain.DataLoader), or give the iterator both methods."
+            )
+
+    def get_state(self) -> Any:
+        """The source iterator's state after the last batch this iterator returned (batches read ahead by the
+        prefetch thread do not count): save it with the model's checkpoint.
+
+        Returns:
+            What the source's ``get_state()`` returns (a dict for a grain ``DatasetIterator``, JSON bytes for a
+            grain ``DataLoaderIterator``).
+
+        Raises:
+            TypeError: when the source iterator has no ``get_state`` / ``set_state``.
+
+        Example:
+            >>> import grain, numpy as np, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> ds = grain.MapDataset.source(np.arange(12.0).reshape(6, 2)).batch(2)
+            >>> it = iter(strategy.experimental_distribute_dataset(ds))
+            >>> _ = next(it)
+            >>> state = it.get_state()            # after batch 0, whatever the thread has read ahead
+            >>> later = iter(strategy.experimental_distribute_dataset(ds))
+            >>> later.set_state(state)
+            >>> next(later).tolist(), next(it).tolist()
+            ([[4.0, 5.0], [6.0, 7.0]], [[4.0, 5.0], [6.0, 7.0]])
+        """
+        self._check_stateful("get_state()")
+        return copy.deepcopy(self._state)
+
+    def set_state(self, state: Any) -> None:
+        """Continue from ``state`` (a `get_state` result of an iterator over the same pipeline): the batches in
+        flight are dropped and the next batch is the one that followed ``state``.
+
+        Raises:
+            TypeError: when the source iterator has no ``get_state`` / ``set_state``.
+            RuntimeError: when the prefetch thread does not stop within 5 s (a read that does not return).
+        """
+        self._check_stateful("set_state(state)")
+        if self._prefetch > 0:
+            self._stop_thread()
+        self._source.set_state(state)
+        self._state = copy.deepcopy(state)
+        self._done = False
+        if self._prefetch > 0:
+            self._start_thread()
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + _STOP_SECONDS
+        thread = self._thread
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):  # make room: a producer blocked on put sees the stop
+                while True:
+                    self._queue.get_nowait()
+            thread.join(timeout=0.01)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        if thread is not None and thread.is_alive():
+            raise RuntimeError(
+                f"the prefetch thread is still reading from the dataset after {_STOP_SECONDS:g} s: its read does not "
+                "return, so the iterator cannot be repositioned; check the dataset for a blocking read."
+            )
 
     def close(self) -> None:
         """Stop the prefetch thread and drop batches in flight."""
         self._done = True
         if self._prefetch > 0:
-            self._stop.set()
-            deadline = time.monotonic() + 5
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                with contextlib.suppress(queue.Empty):  # make room: a producer blocked on put sees the stop
-                    while True:
-                        self._queue.get_nowait()
-                self._thread.join(timeout=0.01)
+            with contextlib.suppress(RuntimeError):  # a daemon thread stuck in a read dies with the process
+                self._stop_thread()
 
     def __enter__(self) -> DistributedIterator:
         return self
@@ -256,6 +362,7 @@ class DistributedDataset:
     """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
 
     Made by ``strategy.experimental_distribute_dataset`` or ``strategy.distribute_datasets_from_function``.
+    Its iterators are `DistributedIterator` objects (with ``get_state`` / ``set_state`` over a grain source).
 
     Example:
         >>> import numpy as np, jaxdist as jd

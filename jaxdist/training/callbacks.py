@@ -11,14 +11,15 @@ The trainer logs every ``log_every`` steps: the mean of each metric over those s
 (`jaxdist.training.cost`). A log point does not stop the devices: ``on_log`` comes once they have the
 window's values (usually a step or two later, with the log point's step number), and always before the next
 evaluation, checkpoint or the end of ``fit``. `Progress` shows the logs as a tqdm bar on a terminal and as
-plain lines otherwise (logs, CI); `CSVLogger` and `TensorBoardLogger` write them to files.
+plain lines otherwise (logs, CI); `CSVLogger` and `TensorBoardLogger` (tensorboardX) write them to files. In a
+multi-process run one process writes: the one whose ``strategy.should_save_summary`` is true (process 0).
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import os
-import struct
 import sys
 import time
 from collections.abc import Mapping
@@ -182,11 +183,20 @@ class Progress(Callback):
             self._bar = None
 
 
+def _writes(trainer: Any) -> bool:
+    """One writer: whether this process writes metric files (``strategy.should_save_summary``: process 0). A
+    logger used on its own (no trainer) always writes."""
+    strategy = getattr(trainer, "strategy", None)
+    return strategy is None or bool(strategy.should_save_summary)
+
+
 class CSVLogger(Callback):
     """Append training and evaluation metrics to ``path`` as CSV (one row per log point).
 
     Columns: ``split`` (train / eval), ``step``, then every metric name seen; a new name starts a new
-    header (the file is rewritten with the wider header), so any CSV reader opens it.
+    header (the file is rewritten with the wider header), so any CSV reader opens it. One writer: in a
+    multi-process run only the process whose ``strategy.should_save_summary`` is true (process 0) writes;
+    the values are global already (means over the global batch), so the others have nothing to add.
 
     Example:
         >>> import os, tempfile
@@ -227,103 +237,80 @@ class CSVLogger(Callback):
                 csv.DictWriter(f, self._columns).writerow(row)
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        self._write("train", step, logs)
+        if _writes(trainer):
+            self._write("train", step, logs)
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-        self._write("eval", step, metrics)
+        if _writes(trainer):
+            self._write("eval", step, metrics)
 
 
-# ------------------------------------------------------------------------------ TensorBoard event files
-# The TFRecord-framed `Event` protobufs TensorBoard reads, written without TensorFlow: a scalar is
-# Event{wall_time=1, step=2, summary=5{value=1{tag=1, simple_value=2}}}.
-
-_CRC_TABLE = []
-for _i in range(256):
-    _c = _i
-    for _ in range(8):
-        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-    _CRC_TABLE.append(_c)
-
-
-def _crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def _masked_crc(data: bytes) -> int:
-    crc = _crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | wire) + payload
-
-
-def _event(wall_time: float, step: int, summary: bytes | None = None, file_version: str | None = None) -> bytes:
-    out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
-    if file_version is not None:
-        data = file_version.encode()
-        out += _field(3, 2, _varint(len(data)) + data)
-    if summary is not None:
-        out += _field(5, 2, _varint(len(summary)) + summary)
-    return out
-
-
-def _scalar_summary(values: Mapping[str, float]) -> bytes:
-    out = b""
-    for tag, v in values.items():
-        tag_bytes = tag.encode()
-        value = _field(1, 2, _varint(len(tag_bytes)) + tag_bytes) + _field(2, 5, struct.pack("<f", float(v)))
-        out += _field(1, 2, _varint(len(value)) + value)
-    return out
-
-
-def _record(data: bytes) -> bytes:
-    header = struct.pack("<Q", len(data))
-    return header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data))
+_files = itertools.count()  # event files this process has opened: part of each file's name
 
 
 class TensorBoardLogger(Callback):
     """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...) into ``log_dir``.
 
-    Writes the event-file format directly (no TensorFlow needed); open with ``tensorboard --logdir``.
+    The event file is tensorboardX's (`tensorboardX.SummaryWriter`; no TensorFlow needed): open it with
+    ``tensorboard --logdir``. It is created at the first value and flushed every ``flush_secs`` and when
+    ``fit`` ends (`close`). A resumed ``fit`` (starting at step s > 0) opens its file with ``purge_step=s``,
+    so TensorBoard hides what an interrupted run logged after its last checkpoint. One writer: in a
+    multi-process run only the process whose ``strategy.should_save_summary`` is true (process 0) writes.
+
+    Args:
+        log_dir: the directory (created when missing).
+        flush_secs: at most this many seconds between a value and its write to disk.
 
     Example:
         >>> import os, tempfile
         >>> d = tempfile.mkdtemp()
         >>> tb = TensorBoardLogger(d)
         >>> tb.on_log(None, 1, {"loss": 0.5})
+        >>> tb.close()
         >>> [f.startswith("events.out.tfevents.") for f in os.listdir(d)]
         [True]
     """
 
-    def __init__(self, log_dir: str | os.PathLike):
-        os.makedirs(log_dir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.jaxdist.{os.getpid()}"
-        self.path = os.path.join(os.fspath(log_dir), name)
-        self._append(_event(time.time(), 0, file_version="brain.Event:2"))
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: float = 10.0):
+        if not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
+            raise ValueError(f"flush_secs={flush_secs!r} must be a positive number of seconds.")
+        self.log_dir = os.fspath(log_dir)
+        self.flush_secs = flush_secs
+        self._writer: Any = None
+        self._purge_step: int | None = None
 
-    def _append(self, event: bytes) -> None:
-        with open(self.path, "ab") as f:  # opened per write: nothing to close, readable while training
-            f.write(_record(event))
+    def on_train_begin(self, trainer: Any) -> None:
+        step = int(trainer.step) if trainer is not None else 0
+        self._purge_step = step if step > 0 else None
 
     def _write(self, prefix: str, step: int, logs: Mapping[str, float]) -> None:
-        values = {f"{prefix}/{k}": v for k, v in logs.items() if k != "step"}
-        self._append(_event(time.time(), int(step), summary=_scalar_summary(values)))
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(
+                self.log_dir,
+                purge_step=self._purge_step,
+                flush_secs=self.flush_secs,
+                filename_suffix=f".jaxdist.{os.getpid()}.{next(_files)}",
+            )
+        now = time.time()
+        for key, value in logs.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"{prefix}/{key}", float(value), int(step), walltime=now)
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        self._write("train", step, logs)
+        if _writes(trainer):
+            self._write("train", step, logs)
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-        self._write("eval", step, metrics)
+        if _writes(trainer):
+            self._write("eval", step, metrics)
+
+    def on_train_end(self, trainer: Any, history: History) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write everything pending and close the file (a later value opens a new one)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

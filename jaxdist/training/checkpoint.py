@@ -14,16 +14,28 @@ paths, shapes and dtypes).
 * Another model's checkpoint: the fingerprint is compared before any array is read, and a mismatch is an
   error that names the first differing leaves.
 * Keeps the last ``max_to_keep`` checkpoints; `restore` reads the latest by default.
+* Asynchronous (``async_save=True``, the default): ``save`` returns once the arrays are copied to host memory
+  (the devices are free to go on; a step that donates the state cannot touch the copy) and the files are
+  written and renamed into place by a background thread. At most one save is in flight: the next ``save``
+  waits for it. A background save that fails is never silent: `Checkpointer.poll` (``fit`` calls it after
+  every step), the next ``save``, `Checkpointer.wait_until_finished` and ``close`` raise it, naming the step.
+  A process killed meanwhile leaves the previous checkpoints as they were (the rename is the commit);
+  `all_steps`, `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxdist.training import input_state
 
 __all__ = ["Checkpointer", "fingerprint"]
 
@@ -71,6 +83,8 @@ class Checkpointer:
     Args:
         directory: where the step directories go (created when missing).
         max_to_keep: how many of the latest checkpoints to keep (None: all).
+        async_save: write in a background thread (``save`` returns once the arrays are on the host); False:
+            ``save`` returns when the checkpoint is complete.
 
     Raises:
         ValueError: for ``max_to_keep < 1``.
@@ -80,27 +94,36 @@ class Checkpointer:
         >>> strategy = jd.OneDeviceStrategy()
         >>> state = strategy.mirror({"w": jnp.arange(3.0)})
         >>> ckpt = Checkpointer(tempfile.mkdtemp())
-        >>> _ = ckpt.save(7, state, {"note": "hi"})
-        >>> restored, meta = ckpt.restore(state)
+        >>> _ = ckpt.save(7, state, {"note": "hi"})   # written in the background
+        >>> restored, meta = ckpt.restore(state)       # waits for it
         >>> restored["w"].tolist(), meta["step"], meta["note"]
         ([0.0, 1.0, 2.0], 7, 'hi')
         >>> ckpt.close()
     """
 
-    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3):
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *, async_save: bool = True):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep all).")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"async_save={async_save!r} must be True or False.")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.async_save = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
             cleanup_tmp_directories=True,  # what a killed save left behind
-            enable_async_checkpointing=False,  # a save is complete (renamed into place) when save returns
+            enable_async_checkpointing=async_save,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # The thread that waits for the save in flight and records how it ended.
+        self._lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+        self._finished: list[tuple[int, str]] = []  # complete, not yet reported by poll
+        self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet raised
 
     def all_steps(self) -> list[int]:
-        """The steps of the complete checkpoints, oldest first."""
+        """The steps of the complete checkpoints, oldest first (a save in flight is waited for)."""
+        self._join()
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -108,35 +131,133 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None) -> str:
+    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None, data_iterator: Any = None) -> str:
         """Write ``state`` as checkpoint ``step`` (atomically; the oldest beyond ``max_to_keep`` is removed).
 
         Args:
             step: the step number (an int; saving an existing step again is a no-op).
             state: a pytree of arrays (global `jax.Array`s of any layout, or numpy).
             meta: extra JSON-serializable metadata stored beside it.
+            data_iterator: the input iterator (a grain iterator, or a distributed iterator over one): its
+                ``get_state()``, one file per process (`jaxdist.training.input_state`); read it back with
+                `data_iterator_state`.
+
+        With ``async_save`` it returns once the arrays are copied to host memory; the files are written in the
+        background (the state may be changed or donated meanwhile). It first waits for the save in flight.
 
         Returns:
-            The checkpoint's directory.
+            The checkpoint's directory (complete once `poll` reports it, or after `wait_until_finished`).
 
         Raises:
-            TypeError: for metadata that is not JSON-serializable.
+            TypeError: for metadata that is not JSON-serializable, or a ``data_iterator`` without
+                ``get_state()``.
+            RuntimeError: when an earlier background save failed (see `poll`).
         """
         step = int(step)
         path = os.path.join(self.directory, str(step))
-        if step in self.all_steps():
+        self._raise_failure()
+        if step in self._manager.all_steps():  # complete, or being written
             return path
         info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state)}
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(info)),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(info)}
+        if data_iterator is not None:
+            info["data_iterator"], items["data_iterator"] = input_state.save_args(data_iterator)
+        try:  # here, not in the background thread that writes it
+            json.dumps(info)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass JSON values."
+            ) from None
+        self._join()  # one save at a time (orbax would wait for it too)
+        self._raise_failure()
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if not self.async_save:
+            self._finished.append((step, path))
+            return path
+        self._waiter = threading.Thread(target=self._wait, args=(step, path), name="jaxdist-checkpoint", daemon=True)
+        self._waiter.start()
         return path
 
+    def _wait(self, step: int, path: str) -> None:
+        """The waiter thread: wait for the background save of ``step`` and record how it ended."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # recorded for the thread that uses the checkpointer, which raises it
+            with self._lock:
+                self._failed = (step, error)
+        else:
+            with self._lock:
+                self._finished.append((step, path))
+
+    def _join(self) -> None:
+        """Wait for the save in flight (if any)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is None:
+            return
+        waiter.join()
+        if self._failed is not None:
+            # orbax raises a failed save once in every thread that waits for it: take this thread's turn now
+            # (the error is recorded), or a later save or close would raise it again.
+            with contextlib.suppress(Exception):
+                self._manager.wait_until_finished()
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failed, self._failed = self._failed, None
+        if failed is None:
+            return
+        step, error = failed
+        latest = self.latest_step()
+        last = "there is no complete checkpoint" if latest is None else f"the last complete checkpoint is step {latest}"
+        raise RuntimeError(
+            f"saving checkpoint step {step} in {self.directory!r} failed in the background "
+            f"({type(error).__name__}: {error}); {last}. Fix the cause (disk space, permissions, ...) and run "
+            "again to resume from there."
+        ) from error
+
+    def poll(self, wait: bool = False) -> list[tuple[int, str]]:
+        """The saves that became complete since the last call, as ``(step, path)``, oldest first.
+
+        Never waits (``fit`` calls it after every step), unless ``wait``: then it first waits for the save in
+        flight. A synchronous save is reported by the next call.
+
+        Args:
+            wait: wait for the save in flight first.
+
+        Returns:
+            ``[(step, path), ...]``, possibly empty.
+
+        Raises:
+            RuntimeError: when a background save failed (raised once), naming its step and the last complete
+                checkpoint.
+
+        Example:
+            >>> import tempfile, numpy as np
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> _ = ckpt.save(1, {"w": np.zeros(2)})
+            >>> [step for step, path in ckpt.poll(wait=True)], ckpt.poll()
+            ([1], [])
+            >>> ckpt.close()
+        """
+        waiter = self._waiter
+        if wait or (waiter is not None and not waiter.is_alive()):
+            self._join()
+        self._raise_failure()
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait_until_finished(self) -> None:
+        """Wait until the save in flight (if any) is complete.
+
+        Raises:
+            RuntimeError: when it (or an earlier background save not yet reported) failed.
+        """
+        self._join()
+        self._raise_failure()
+
     def meta(self, step: int | None = None) -> dict:
-        """The JSON metadata of checkpoint ``step`` (default: the latest).
+        """The JSON metadata of checkpoint ``step`` (default: the latest; a save in flight is waited for).
 
         Raises:
             FileNotFoundError: when there is no such checkpoint.
@@ -204,11 +325,48 @@ class Checkpointer:
         info = self.meta(step)
         self.check(like, info)
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
-        restored = self._manager.restore(
-            info["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        restored = self._manager.restore(info["step"], args=args)["state"]
         return restored, info
 
+    def data_iterator_state(self, step: int | None = None) -> Any:
+        """This process's input iterator state saved with checkpoint ``step`` (default: the latest), for
+        ``iterator.set_state(...)``; None when it was saved without ``data_iterator``.
+
+        Raises:
+            FileNotFoundError: when there is no such checkpoint.
+            ValueError: when another number of processes saved a per-process state (see
+                `jaxdist.training.input_state`; an ElasticIterator's state restores on any count).
+
+        Example:
+            >>> import grain, tempfile, numpy as np, jaxdist as jd
+            >>> it = iter(grain.MapDataset.range(10).batch(2))
+            >>> _ = next(it)
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> _ = ckpt.save(1, {"w": np.zeros(2)}, data_iterator=it)
+            >>> again = iter(grain.MapDataset.range(10).batch(2))
+            >>> again.set_state(ckpt.data_iterator_state())
+            >>> next(again).tolist()
+            [2, 3]
+            >>> ckpt.close()
+        """
+        info = self.meta(step)
+
+        def read() -> Any:
+            holder = input_state.IteratorSnapshot()
+            args = ocp.args.Composite(data_iterator=input_state.restore_args(holder))
+            self._manager.restore(info["step"], args=args)
+            return holder.state
+
+        where = f"checkpoint_dir={self.directory!r} step {info['step']}"
+        return input_state.state_for_process(info.get("data_iterator"), read, where)
+
     def close(self) -> None:
-        """Wait for pending writes and release the directory."""
+        """Wait for the save in flight and release the directory.
+
+        Raises:
+            RuntimeError: when a background save failed and nothing raised it yet (see `poll`).
+        """
+        self._join()
         self._manager.close()
+        self._raise_failure()

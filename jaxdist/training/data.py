@@ -450,7 +450,10 @@ class BatchStream:
             stateful = _stateful(it)
             place = per_process and jax.process_count() > 1
             if place and self._strategy is None:
-                raise ValueError("BatchStream needs strategy=... to place per-process (grain) batches.")
+                raise ValueError(
+                    f"BatchStream(strategy=None) cannot place per-process (grain) batches on {jax.process_count()} "
+                    "processes: pass strategy= (the strategy whose replicas get the rows)."
+                )
             count = self._resume(it, stateful, epoch, skip)
             for batch in it:
                 if stateful:

@@ -241,9 +241,16 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
         ckpt = options.checkpointer
         if ckpt is not None and ckpt.latest_step() != trainer.step:
             logs.flush()
-            path = trainer.save(ckpt)
-            history.checkpoints.append(path)
-            emit("on_checkpoint", trainer.step, path)
+            written(wait=True)  # the save in flight first (the next save would wait for it anyway)
+            trainer.save(ckpt)  # a no-op when this step is being written already
+            written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
+
+    def written(wait: bool = False) -> None:
+        """``on_checkpoint`` for the saves complete by now; raises for one that failed in the background."""
+        if options.checkpointer is not None:
+            for step, path in options.checkpointer.poll(wait):
+                history.checkpoints.append(path)
+                emit("on_checkpoint", step, path)
 
     def evaluate() -> None:
         logs.flush()
@@ -265,7 +272,7 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     consumed = 0
     steps = _steps(trainer, stream, options)
     try:
-        with PreemptionWatcher() as watcher:
+        with PreemptionWatcher(mesh=trainer.strategy.mesh) as watcher:  # agreed by every process
             emit("on_train_begin")
             try:
                 for n, metrics in steps:
@@ -279,19 +286,23 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
                     if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
                         close_window()
                     logs.emit_ready()
+                    written()
                     if _crossed(before, trainer.step, options.eval_every):
                         evaluate()
                     if _crossed(before, trainer.step, options.checkpoint_every):
                         checkpoint()
-                    if watcher.requested:
+                    if watcher.should_stop():
                         history.preempted = True
                     if history.preempted or trainer.stop_training:
                         break
             finally:
                 steps.close()
+            if not history.preempted and watcher.should_stop(final=True):  # a signal since the last check
+                history.preempted = True
             close_window()
             logs.flush()
             checkpoint()  # at the end (a no-op when this step is saved already)
+            written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
             if options.eval_data is not None and not history.preempted and not (
                 history.eval and history.eval[-1]["step"] == trainer.step
             ):

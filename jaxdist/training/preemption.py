@@ -1,15 +1,39 @@
-"""Preemption: turn SIGTERM into a flag the training loop checks between steps.
+"""Preemption: SIGTERM becomes a request to stop, on which every process of the job agrees.
 
 Schedulers (Kubernetes, SLURM, cloud spot VMs) send SIGTERM some seconds before they kill a job. Stopping in
 the middle of a step, or of a checkpoint write, would waste it; so the handler only records the request and
 the loop finishes the current step, saves, and stops. The previous handler is restored afterwards.
+
+One process: the loop stops after the step during which the signal came; nothing crosses processes.
+
+Several processes (a strategy whose devices span processes): usually ONE host gets the signal. Were it to leave
+the loop alone, it would enter the collective save while its peers enter the next step's all-reduce: a
+deadlock. So the processes agree on the step to stop after. At every check (``fit`` makes one per step, or per
+on-device loop, in the same order on every process) each process adds its flag to a one-element max over the
+strategy's devices, dispatched like a step (asynchronously, after it); the result is read ``lag`` checks later,
+when the devices have long computed it, so the read does not wait; every process reads the same value at the
+same check, so all stop after the same step, at most ``lag + 1`` checks after the signal. At the end of the loop
+one last (blocking) check settles the signals that came since. Cost per check: one dispatch of a tiny compiled
+max and the read of a scalar already copied to the host.
+
+Why not JAX's own preemption sync point (``multihost_utils.reached_preemption_sync_point``)? Its step counter
+is shared: orbax's ``CheckpointManager`` calls it too, with checkpoint steps, from its background thread while
+an async save finishes. A counter overwritten there can place the agreed stop step behind one process, which
+then never reaches it while its peers stop and save: the same deadlock. It also hears SIGTERM only through the
+C handler that ``jax.distributed.initialize`` installs, which any Python handler for SIGTERM replaces.
 """
 
 from __future__ import annotations
 
+import collections
 import signal
 import threading
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["PreemptionWatcher"]
 
@@ -17,25 +41,42 @@ __all__ = ["PreemptionWatcher"]
 class PreemptionWatcher:
     """A context manager: while open, SIGTERM (and any extra ``signals``) set ``requested`` instead of killing.
 
-    Signal handlers can only be installed from the main thread; elsewhere the watcher does nothing and
-    ``installed`` is False.
+    ``requested`` says whether THIS process got a signal; `should_stop` says whether every process of the job
+    stops now (the agreement described in `jaxdist.training.preemption`). Signal handlers can only be installed
+    from the main thread; elsewhere the watcher installs nothing and ``installed`` is False.
 
     Args:
         signals: the signals to catch (default: SIGTERM).
+        mesh: the devices of the job that stop together (a strategy's ``mesh``). When they belong to several
+            processes, `should_stop` agrees across them; otherwise (None, or one process) it is local.
+        lag: checks between dispatching an agreement and reading it (several processes only): larger hides
+            more of the devices' queue, smaller stops sooner after the signal.
+
+    Raises:
+        ValueError: for no signals or ``lag < 1``.
 
     Example:
         >>> import os, signal
         >>> with PreemptionWatcher() as watcher:
+        ...     before = watcher.should_stop()
         ...     os.kill(os.getpid(), signal.SIGTERM)
-        ...     watcher.requested
-        True
+        ...     before, watcher.requested, watcher.should_stop()
+        (False, True, True)
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
-        self.signals = signals
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *, mesh: Mesh | None = None, lag: int = 2):
+        if not signals:
+            raise ValueError("signals=() catches nothing: pass e.g. (signal.SIGTERM,).")
+        if not isinstance(lag, int) or isinstance(lag, bool) or lag < 1:
+            raise ValueError(f"lag={lag!r} must be an int >= 1.")
+        self.signals = tuple(signals)
         self.requested = False
         self.installed = False
         self._previous: dict[int, Any] = {}
+        self._mesh = mesh
+        self._lag = lag
+        self._agreement: _Agreement | None = None
+        self._stopping = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         del signum, frame
@@ -53,3 +94,57 @@ class PreemptionWatcher:
             signal.signal(sig, previous)
         self._previous.clear()
         self.installed = False
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether `should_stop` agrees across processes (the mesh's devices belong to several)."""
+        return self._mesh is not None and len({d.process_index for d in self._mesh.devices.flat}) > 1
+
+    def should_stop(self, final: bool = False) -> bool:
+        """Whether every process stops now; once True, always True.
+
+        Call it once per step (or step loop) on every process, in the same order. One process: whether this
+        process got a signal. Several: whether any process had got one ``lag`` checks ago; with
+        ``final=True`` (once, at the end of the loop): whether any had got one by now (this waits for the
+        devices).
+
+        Returns:
+            True when the job is to stop (save and exit) after the current step.
+        """
+        if self._stopping:
+            return True
+        if not self.spans_processes:
+            self._stopping = self.requested
+        else:
+            if self._agreement is None:
+                self._agreement = _Agreement(self._mesh, self._lag)
+            self._stopping = self._agreement.check(self.requested, final)
+        return self._stopping
+
+
+class _Agreement:
+    """The cross-process max of every process's flag, one per check, read ``lag`` checks after dispatch."""
+
+    def __init__(self, mesh: Mesh, lag: int):
+        self._size = mesh.devices.size
+        self._sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))  # one flag per device
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self._flags: dict[int, jax.Array] = {}
+        self._pending: collections.deque = collections.deque()
+        self._lag = lag
+
+    def _flag(self, value: int) -> jax.Array:
+        if value not in self._flags:  # built once per value: no transfer per check
+            self._flags[value] = jax.make_array_from_callback(
+                (self._size,), self._sharding, lambda index: np.full((1,), value, np.int32)
+            )
+        return self._flags[value]
+
+    def check(self, requested: bool, final: bool) -> bool:
+        agreed = self._max(self._flag(int(requested))).addressable_data(0)
+        agreed.copy_to_host_async()
+        self._pending.append(agreed)
+        stop = False
+        while self._pending and (final or len(self._pending) > self._lag):
+            stop = bool(np.asarray(self._pending.popleft())) or stop
+        return stop

@@ -448,6 +448,7 @@ class Trainer:
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
+        async_checkpoints: bool = True,
         log_every: int = 10,
         log_dir: str | os.PathLike | None = None,
         callbacks: Iterable[Callback] = (),
@@ -474,6 +475,11 @@ class Trainer:
                 ``checkpoint_every`` steps, at the end, and on preemption). None: no checkpoints.
             checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
             keep_checkpoints: how many recent checkpoints to keep.
+            async_checkpoints: write checkpoints in the background: training goes on once the state is
+                copied to host memory (`Checkpointer`'s ``async_save``); ``on_checkpoint`` comes once one is
+                complete, a failed write raises at the next step or at the end of ``fit``, and ``fit``
+                returns (or exits on preemption) only when the last one is complete. False: each save
+                blocks until written.
             log_every: steps between log points: each log is the mean of every metric over the steps since
                 the previous one (with ``steps_per_run > 1`` too; token-weighted for ``(sum, weight)`` losses),
                 plus steps/s and, where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
@@ -485,7 +491,8 @@ class Trainer:
             verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, or 0 (silent).
             on_preemption: on SIGTERM the current step finishes and a checkpoint is saved; then ``"exit"``
                 raises ``SystemExit(0)`` (the job exits cleanly) or ``"return"`` returns the history with
-                ``history.preempted = True``.
+                ``history.preempted = True``. With several processes a SIGTERM to any one stops them all
+                after the same step (`jaxdist.training.preemption`), and they save together.
 
         Returns:
             The `History` of logged metrics.
@@ -506,7 +513,8 @@ class Trainer:
         sample = None
         if self._state is None:
             sample = stream.peek(self.data_position.epoch)  # checked; a grain iterator is not advanced
-        ckpt = Checkpointer(checkpoint_dir, keep_checkpoints) if checkpoint_dir is not None else None
+        ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
+                                                                 async_save=async_checkpoints)
         try:
             if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
                 self._restore(ckpt, None, sample)

@@ -1,0 +1,205 @@
+"""The checkpoint row: seconds the step loop is blocked per save, asynchronous vs synchronous `Checkpointer`.
+
+``python -m benchmarks.checkpointing [--out DIR] [--pairs N] [--saves N] [--steps N] [--width W]``
+
+The state: a 784-W-W-10 MLP with adam (parameters and both moments, float32; W=2048: 70 MB), mirrored on
+8 simulated CPU devices (`MirroredStrategy`), trained by a ``strategy.jit`` step that donates it. A run
+saves every ``steps`` steps with one `Checkpointer` (a fresh directory on the disk of ``--dir``); the time a
+save blocks the loop is the wall time of the ``save`` call, taken after the devices finished the steps before
+it (so that it counts the checkpoint, not the steps): for an asynchronous save, the copy to host memory and
+the start of the background write, plus any wait for the previous save; for a synchronous one, the whole
+write. The first save of a run (orbax's one-time setup) is not counted. Runs alternate (async sync, sync
+async, ...); per pair, ratio = the synchronous run's median blocked seconds / the asynchronous run's (> 1:
+async blocks less; target >= 5, i.e. async blocks at most 20% of sync). Also reported, as information: the
+wall time per save interval (the steps and the save), where a background write competes with the steps for
+the CPU.
+
+Writes ``<date>-<backend><devices>-checkpoint.md`` and ``.json`` (every blocked time, the machine and the
+versions) under ``--out`` and prints the table. Exit status 0, or 1 when the row could not be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["Result", "main", "markdown", "measure"]
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+TARGET = 5.0  # sync blocked / async blocked: async blocks at most 20% of sync
+
+
+@dataclasses.dataclass
+class Result:
+    """Every figure of one measurement (all into the JSON).
+
+    Attributes:
+        state_mb: the checkpointed state's size in MB (10^6 bytes).
+        layers: the MLP's widths, e.g. ``784-2048-2048-10``.
+        steps: training steps between two saves.
+        blocked_async / blocked_sync: seconds each counted save blocked the loop, per run (one list per run).
+        interval_async / interval_sync: wall seconds per save interval (steps and save), per run.
+        ratios: per pair, median sync blocked seconds / median async blocked seconds.
+    """
+
+    state_mb: float
+    layers: str
+    steps: int
+    blocked_async: list[list[float]] = dataclasses.field(default_factory=list)
+    blocked_sync: list[list[float]] = dataclasses.field(default_factory=list)
+    interval_async: list[float] = dataclasses.field(default_factory=list)
+    interval_sync: list[float] = dataclasses.field(default_factory=list)
+    ratios: list[float] = dataclasses.field(default_factory=list)
+
+
+def measure(pairs: int, saves: int, steps: int, width: int, directory: str | pathlib.Path) -> Result:
+    """Alternate ``pairs`` pairs of runs (async, sync), each ``saves`` counted saves ``steps`` steps apart.
+
+    Example:
+        >>> import tempfile
+        >>> r = measure(pairs=1, saves=1, steps=1, width=8, directory=tempfile.mkdtemp())
+        >>> len(r.ratios), len(r.blocked_async[0]), r.layers
+        (1, 1, '784-8-8-10')
+    """
+    import jaxdist as jd
+    from benchmarks.models import ModelSpec, make_problem
+
+    problem = make_problem(ModelSpec(f"mlp-ckpt-{width}", (width, width), 64))
+    strategy = jd.MirroredStrategy()
+    step = strategy.jit(problem.step, donate_argnums=(0,))
+    batches = [strategy.experimental_distribute_values(b) for b in problem.host_batches]
+    live = {"state": strategy.create_variables(problem.init, jax.random.key(0), problem.sample_x())}
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(live["state"]))
+    result = Result(state_mb=nbytes / 1e6, layers=problem.spec.layers, steps=steps)
+
+    def train(n: int) -> None:
+        for i in range(n):
+            live["state"], _ = step(live["state"], batches[i % len(batches)])
+        jax.block_until_ready(live["state"])
+
+    def run(async_save: bool) -> tuple[list[float], float]:
+        root = tempfile.mkdtemp(dir=directory)
+        ckpt = jd.training.Checkpointer(root, max_to_keep=2, async_save=async_save)
+        blocked, start = [], None
+        try:
+            for k in range(saves + 1):
+                train(steps)
+                began = time.perf_counter()
+                ckpt.save(k, live["state"])
+                if k:  # the first save sets orbax up once per run
+                    blocked.append(time.perf_counter() - began)
+                else:
+                    start = time.perf_counter()
+            ckpt.wait_until_finished()
+            interval = (time.perf_counter() - start) / saves
+        finally:
+            ckpt.close()
+            shutil.rmtree(root, ignore_errors=True)
+        return blocked, interval
+
+    train(3)  # compile
+    for pair in range(pairs):
+        sides = {}
+        for async_save in (True, False) if pair % 2 == 0 else (False, True):
+            sides[async_save] = run(async_save)
+        result.blocked_async.append(sides[True][0])
+        result.blocked_sync.append(sides[False][0])
+        result.interval_async.append(sides[True][1])
+        result.interval_sync.append(sides[False][1])
+        result.ratios.append(statistics.median(sides[False][0]) / statistics.median(sides[True][0]))
+    return result
+
+
+def _status(ratio_spread: Any) -> str:
+    from benchmarks.suite import _status
+
+    return _status(ratio_spread, TARGET)
+
+
+def markdown(result: Result, machine: dict[str, Any]) -> str:
+    """The row as a markdown table with the machine line (the suite's table style)."""
+    from benchmarks.timing import spread
+
+    ratio = spread(result.ratios)
+    blocked_a = spread([s for run in result.blocked_async for s in run])
+    blocked_s = spread([s for run in result.blocked_sync for s in run])
+    interval_a, interval_s = spread(result.interval_async), spread(result.interval_sync)
+    v = machine["versions"]
+    return "\n".join([
+        f"# jaxdist checkpoint benchmark - {machine['date'][:10]}, {machine['backend']} x{machine['device_count']}",
+        "",
+        f"- machine: {machine['host_platform']}, {machine['cpu_count']} CPU cores, python {machine['python']}",
+        f"- versions: jax {v['jax']}, jaxlib {v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, jaxdist "
+        f"{v['jaxdist']} (git {machine['git_commit']}); orbax-checkpoint {machine.get('orbax')}",
+        f"- load average at start (1/5/15 min): {machine['load_average_1_5_15']}",
+        f"- method: {len(result.ratios)} pairs of alternating runs (async sync, sync async, ...), each "
+        f"{len(result.blocked_async[0])} counted saves {result.steps} steps apart; blocked = wall time of "
+        "`Checkpointer.save` after the devices finished the steps before it; ratio = sync / async median "
+        "blocked seconds per pair (> 1: async blocks less).",
+        "",
+        "| row | state | candidate | baseline | ratio (median) | 95% CI | IQR | min-max | target "
+        "| candidate blocked s/save | baseline blocked s/save | interval s (async / sync) | saves x pairs | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| ckpt | {result.layers} + adam, {result.state_mb:.0f} MB | Checkpointer(async_save=True).save | "
+        f"Checkpointer(async_save=False).save | **{ratio.median:.2f}** | {ratio.ci_low:.2f}-{ratio.ci_high:.2f} "
+        f"| {ratio.q1:.2f}-{ratio.q3:.2f} | {ratio.min:.2f}-{ratio.max:.2f} | ≥ {TARGET:.2f} "
+        f"| {blocked_a.median:.3f} | {blocked_s.median:.3f} | {interval_a.median:.2f} / {interval_s.median:.2f} "
+        f"| {len(result.blocked_async[0])} x {ratio.n} | {_status(ratio)} |",
+        "",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: measure, write ``.md`` and ``.json`` under ``--out``, print the table."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
+    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temp dir)")
+    parser.add_argument("--pairs", type=int, default=4, help="pairs of runs (default 4)")
+    parser.add_argument("--saves", type=int, default=4, help="counted saves per run (default 4)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps between saves (default 20)")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width (default 2048: a 70 MB state)")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    args = parser.parse_args(argv)
+    for name in ("pairs", "saves", "steps", "width", "devices"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+
+    from benchmarks.report import _version, machine_info
+
+    machine = machine_info(jax.devices())
+    machine["orbax"] = _version("orbax-checkpoint")
+    directory = args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-")
+    try:
+        result = measure(args.pairs, args.saves, args.steps, args.width, directory)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    table = markdown(result, machine)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}-checkpoint"
+    (args.out / f"{stem}.md").write_text(table)
+    data = {"machine": machine, "target": TARGET, "checkpoint_dir": directory, **dataclasses.asdict(result)}
+    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    print(table)
+    print(f"wrote {args.out / stem}.md and .json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

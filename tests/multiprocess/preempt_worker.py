@@ -1,0 +1,60 @@
+"""One process of the coordinated-preemption test (run through jaxdist.launch by tests/test_multihost_preemption.py).
+
+``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices. Arguments: checkpoint_dir ("" for none),
+out_dir, steps. Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N``
+after every step and ``end STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final
+parameters to ``out_dir/params.npz`` when fit returns.
+"""
+
+import os
+import sys
+
+import jaxdist as jd
+
+strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)  # before any computation
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+ckpt_dir, out_dir, steps = sys.argv[1] or None, sys.argv[2], int(sys.argv[3])
+pid = jax.process_index()
+with open(os.path.join(out_dir, f"pid_{pid}"), "w") as f:
+    f.write(str(os.getpid()))
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dropout(0.3, deterministic=not train)(nn.relu(nn.Dense(16)(x)))
+        return nn.Dense(4)(x)
+
+
+def data_fn(epoch):  # the same global batches on every process; shuffled per epoch
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 8)).astype(np.float32)
+    y = x[:, :4].argmax(1).astype(np.int32)
+    order = np.random.default_rng((1, epoch)).permutation(128)
+    return [(x[order[i : i + 32]], y[order[i : i + 32]]) for i in range(0, 128, 32)]
+
+
+def ce(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class Tell(jd.training.Callback):
+    def on_step_end(self, trainer, step, metrics):
+        print(f"step {step}", flush=True)
+
+    def on_train_end(self, trainer, history):
+        names = [os.path.basename(p) for p in history.checkpoints]
+        print(f"end {trainer.step} preempted={history.preempted} checkpoints={names}", flush=True)
+
+
+trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
+trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, verbose=0, callbacks=[Tell()])  # SystemExit(0) if preempted
+if pid == 0:
+    leaves = jax.tree.leaves(trainer.params)
+    np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(a.addressable_data(0)) for a in leaves])
+print("done", flush=True)
