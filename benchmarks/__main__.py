@@ -2,10 +2,10 @@
 
 Modes:
     full (default): every row on both models, 32 pairs of ~0.15 s blocks (about 10 minutes on 2 cores).
-    --quick: P1 and P2 on both models, the other rows on the small model, 20 pairs of ~0.1 s blocks
-        (about 3 minutes on 2 cores).
-    --smoke: every row on a tiny model with 2-step blocks: checks that everything runs and the result files are
-        written, not speed (use with ``--out`` pointing at a temporary directory).
+    --quick: P1 and P2 on both models, the LM rows on one LM config, the other rows on the small model, 20
+        pairs of ~0.1 s blocks (about 3 minutes on 2 cores, plus about 4 for the LM rows and memory table).
+    --smoke: every row on a tiny model (the LM rows on a tiny LM) with 2-step blocks: checks that everything
+        runs and the result files are written, not speed (use with ``--out`` pointing at a temporary directory).
 
 Exit status: 0 when every row ran or was skipped for a stated reason, 1 when a row failed, 2 for bad arguments.
 """
@@ -20,6 +20,7 @@ import sys
 import jax
 
 from benchmarks.cases import COMPARISONS, Devices
+from benchmarks.lm import LM_MODELS, memory_table
 from benchmarks.models import MODELS, TINY
 from benchmarks.multiproc import multiproc_rows
 from benchmarks.report import machine_info, markdown, write_results
@@ -34,13 +35,14 @@ SETTINGS = {
         pairs=2, block_seconds=1e-3, warmup_steps=1, min_steps=2, max_steps=2, use_stepper_minimums=False
     ),
 }
+ALL_MODELS = {**MODELS, **LM_MODELS}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # The multi-process row: (pairs of runs, timed blocks per run, steps per block); each run is new processes.
 MULTIPROC = {"full": (6, 5, 30), "quick": (3, 3, 30), "smoke": (1, 1, 2)}
 
 
 def _multiproc_models(args: argparse.Namespace, mode: str) -> list:
-    names = [m for m in args.models.split(",") if m]
+    names = [m for m in args.models.split(",") if m and m in MODELS]
     if mode == "smoke":
         return [MODELS[n] for n in names] or [TINY]
     if names:
@@ -55,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--smoke", action="store_true", help="tiny model, 2-step blocks: does everything run?")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     parser.add_argument("--rows", default="", help="comma-separated row keys to run (default: all), e.g. P1,P2")
-    parser.add_argument("--models", default="", help=f"comma-separated model names, from {sorted(MODELS)}")
+    parser.add_argument("--models", default="", help=f"comma-separated model names, from {sorted(ALL_MODELS)}")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices when on CPU (default 8)")
     parser.add_argument("--pairs", type=int, help="override the number of block pairs")
     parser.add_argument("--block-seconds", type=float, help="override the target block length")
@@ -68,19 +70,20 @@ def _plan(args: argparse.Namespace, mode: str, parser: argparse.ArgumentParser) 
     if unknown:
         parser.error(f"--rows: unknown row(s) {unknown}; choose from {[c.key for c in COMPARISONS]}")
     names = [m for m in args.models.split(",") if m]
-    bad = sorted(set(names) - set(MODELS))
+    bad = sorted(set(names) - set(ALL_MODELS))
     if bad:
-        parser.error(f"--models: unknown model(s) {bad}; choose from {sorted(MODELS)}")
+        parser.error(f"--models: unknown model(s) {bad}; choose from {sorted(ALL_MODELS)}")
     plan = []
     only_multiproc = args.rows and not keys
     for comparison in COMPARISONS:
         if only_multiproc or (keys and comparison.key not in keys):
             continue
-        if mode == "smoke":
-            models = names or [TINY.name]
-        else:
-            models = names or (comparison.quick_models if mode == "quick" else comparison.models)
-        plan.extend((comparison, MODELS[m]) for m in models)
+        own = {"smoke": comparison.smoke_models, "quick": comparison.quick_models}.get(mode, comparison.models)
+        if not own:  # a row with no model in this mode (the LM remat row in --smoke)
+            continue
+        is_lm = own[0] in LM_MODELS  # --models picks, per row, the named models of the row's kind (MLP or LM)
+        models = [m for m in names if (m in LM_MODELS) == is_lm] if names else own
+        plan.extend((comparison, ALL_MODELS[m]) for m in models)
     return plan
 
 
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Keras reads its backend at import; the CPU device count must be set before any backend starts.
     os.environ.setdefault("KERAS_BACKEND", "jax")
+    if mode == "smoke" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        # A smoke run checks that everything runs, not speed: unoptimised code generation halves XLA's CPU
+        # compile times, which are most of a smoke run.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     jax.config.update("jax_num_cpu_devices", args.devices)
     devices = tuple(jax.devices())
     if devices[0].platform == "cpu":
@@ -112,7 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    rows = run_plan(plan, settings, Devices(devices))
+    shared = Devices(devices)
+    rows = run_plan(plan, settings, shared)
+    memory = []
+    for spec in dict.fromkeys(spec for _, spec in plan if spec.name in LM_MODELS):  # informational, no timing
+        try:
+            memory.append(memory_table(spec, devices, shared.mirrored, shared.sharded, measure_temp=mode != "smoke"))
+        except Exception as error:  # reported, not fatal: the timing rows stand on their own
+            memory.append({"model": spec.name, "error": f"{type(error).__name__}: {error}"})
+        print(f"[memory {spec.name}] {memory[-1]}", file=sys.stderr, flush=True)
     keys = [k for k in args.rows.split(",") if k]
     if devices[0].platform == "cpu" and (not keys or "multiproc" in keys):
         for spec in _multiproc_models(args, mode):
@@ -122,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{row.key} {spec.name}] {row.status} {row.note}", file=sys.stderr, flush=True)
             rows.extend(new)
     machine["load_average_end_1_5_15"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    paths = write_results(rows, machine, settings, mode, args.out)
-    print(markdown(rows, machine, settings, mode))
+    paths = write_results(rows, machine, settings, mode, args.out, memory=memory)
+    print(markdown(rows, machine, settings, mode, memory=memory))
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}", file=sys.stderr)
     return 1 if any(r.status == "error" for r in rows) else 0

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import jax
 
 import jaxdist as jd
-from benchmarks import runners
-from benchmarks.models import LARGE, SMALL, Problem
+from benchmarks import lm, runners
+from benchmarks.models import LARGE, SMALL, TINY, Problem
 from benchmarks.timing import Stepper
 
 __all__ = ["COMPARISONS", "STEPPERS", "Comparison", "Devices", "StepperDef"]
@@ -67,6 +67,19 @@ class StepperDef:
 
 def _keras(spe: int) -> Callable[[Problem, Devices], Stepper]:
     return lambda p, d: runners.KerasFit(d.devices, p, steps_per_execution=spe)
+
+
+def _lm(stepper: type, layout: str, remat: bool = False) -> Callable[[Problem, Devices], Stepper]:
+    """An LM stepper (`benchmarks.lm`) on the FSDP (``"fsdp"``) or FSDP x TP (``"tp"``) strategy; it reads only
+    the problem's spec, which must be an `lm.LMSpec`."""
+
+    def build(p: Problem, d: Devices) -> Stepper:
+        if not isinstance(p.spec, lm.LMSpec):
+            raise runners.Unavailable(f"this row trains the transformer LM; model {p.spec.name!r} is not one")
+        strategy = d.sharded if layout == "fsdp" else lm.tp_strategy(d.devices)
+        return stepper(strategy, lm.lm_problem(p.spec, remat=remat))
+
+    return build
 
 
 STEPPERS: dict[str, StepperDef] = {
@@ -128,6 +141,20 @@ STEPPERS: dict[str, StepperDef] = {
             "hand-written jax.jit, FSDP layouts",
             lambda p, d: runners.LayoutJit(d.sharded, p),
         ),
+        # The transformer LM (benchmarks.lm). The hand-written sides' keys start "sharded.hand" (a reference).
+        StepperDef("lm.fsdp.jit", "LM: Sharded (FSDP) strategy.jit", _lm(lm.LMStrategyJit, "fsdp")),
+        StepperDef("sharded.hand.lm-fsdp", "LM: hand-written jax.jit, FSDP layouts", _lm(lm.LMHandJit, "fsdp")),
+        StepperDef("lm.tp.jit", "LM: Sharded (FSDP x TP, model=2) strategy.jit", _lm(lm.LMStrategyJit, "tp")),
+        StepperDef(
+            "sharded.hand.lm-tp",
+            "LM: hand-written jax.jit, FSDP x TP layouts and rules",
+            _lm(lm.LMHandJit, "tp"),
+        ),
+        StepperDef(
+            "lm.tp.jit+remat",
+            "LM: Sharded (FSDP x TP) strategy.jit, remat",
+            _lm(lm.LMStrategyJit, "tp", remat=True),
+        ),
     )
 }
 
@@ -146,6 +173,7 @@ class Comparison:
         quick_models: model names in a ``--quick`` run.
         pairs_factor: this row runs ``pairs_factor`` times the run's pairs (the rows with targets get more, so
             that their median is resolved to about the 3% that separates 0.97 from parity).
+        smoke_models: model names in a ``--smoke`` run.
     """
 
     key: str
@@ -156,6 +184,7 @@ class Comparison:
     models: tuple[str, ...] = (SMALL.name, LARGE.name)
     quick_models: tuple[str, ...] = (SMALL.name,)
     pairs_factor: int = 1
+    smoke_models: tuple[str, ...] = (TINY.name,)
 
     def __post_init__(self) -> None:
         for side in (self.candidate, self.baseline):
@@ -164,6 +193,8 @@ class Comparison:
 
 
 _BOTH = (SMALL.name, LARGE.name)
+_LM = (lm.LM_QUICK.name,)
+_LM_SMOKE = (lm.LM_TINY.name,)
 
 COMPARISONS: tuple[Comparison, ...] = (
     # A/A: two identical steppers. Its spread is the noise floor of this machine; its median should be 1.
@@ -251,5 +282,36 @@ COMPARISONS: tuple[Comparison, ...] = (
         "sharded.jit",
         "sharded.hand",
         None,
+    ),
+    # The transformer LM of examples/char_lm.py: strategy.jit vs hand-written jax.jit with the same layouts.
+    Comparison(
+        "lm-fsdp",
+        "LM: ShardedStrategy (FSDP) strategy.jit vs hand-written jax.jit, same layouts",
+        "lm.fsdp.jit",
+        "sharded.hand.lm-fsdp",
+        0.97,
+        models=_LM,
+        quick_models=_LM,
+        smoke_models=_LM_SMOKE,
+    ),
+    Comparison(
+        "lm-tp",
+        "LM: ShardedStrategy FSDP x TP strategy.jit vs hand-written jax.jit, same layouts and rules",
+        "lm.tp.jit",
+        "sharded.hand.lm-tp",
+        0.97,
+        models=_LM,
+        quick_models=_LM,
+        smoke_models=_LM_SMOKE,
+    ),
+    Comparison(
+        "lm-remat",
+        "LM: FSDP x TP strategy.jit with remat vs without",
+        "lm.tp.jit+remat",
+        "lm.tp.jit",
+        None,
+        models=_LM,
+        quick_models=_LM,
+        smoke_models=(),  # a third LM compile: too slow for a smoke run
     ),
 )

@@ -105,8 +105,53 @@ def _status(row: Row) -> str:
     return row.status
 
 
-def markdown(rows: Sequence[Row], machine: dict[str, Any], settings: Settings, mode: str) -> str:
-    """The results as markdown: machine line, head-to-head table, steps/s per stepper."""
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _memory_lines(memory: Sequence[dict[str, Any]]) -> list[str]:
+    """The LM memory table (informational, no timing): per-device state bytes and XLA temp bytes per layout."""
+    if not memory:
+        return []
+    lines = [
+        "## LM memory per device (informational)",
+        "",
+        "Params and optimizer state: the most bytes any one device holds (the placed arrays' addressable "
+        "shards). Temp: XLA `memory_analysis().temp_size_in_bytes` of the compiled step (a hand-written "
+        "`jax.jit` with the strategy's layouts). Steps/s with and without remat: the `lm-remat` row.",
+        "",
+        "| model (batch) | layout | params MiB | optimizer MiB | state MiB | state / Mirrored | temp MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for table in memory:
+        if "error" in table:
+            notes.append(f"- {table['model']}: not measured ({table['error']})")
+            continue
+        mirrored = table["entries"]["Mirrored"]["state_bytes"]
+        for name, e in table["entries"].items():
+            lines.append(
+                f"| {table['layers']} ({table['batch']}) | {name} | {_mib(e['param_bytes'])} "
+                f"| {_mib(e['optimizer_bytes'])} | {_mib(e['state_bytes'])} | {e['state_bytes'] / mirrored:.3f} "
+                f"| {_mib(e['temp_bytes'])} |"
+            )
+        if "tp_state_fraction_of_mirrored" in table:
+            verdict = "pass" if table["tp_state_pass"] else "above target"
+            notes.append(
+                f"- {table['layers']}: FSDP x TP state per device = {table['tp_state_fraction_of_mirrored']:.3f} "
+                f"of Mirrored's (target <= 1/N + 0.05 = {table['tp_state_target']:.3f}): {verdict}"
+            )
+    return [*lines, "", *notes, ""]
+
+
+def markdown(
+    rows: Sequence[Row],
+    machine: dict[str, Any],
+    settings: Settings,
+    mode: str,
+    memory: Sequence[dict[str, Any]] = (),
+) -> str:
+    """The results as markdown: machine line, head-to-head table, the LM memory table (when measured)."""
     v = machine["versions"]
     lines = [
         f"# jaxdist benchmarks ({mode}) - {machine['date'][:10]}, {machine['backend']} x{machine['device_count']}",
@@ -147,20 +192,29 @@ def markdown(rows: Sequence[Row], machine: dict[str, Any], settings: Settings, m
         "alternate whole runs (new processes each; compile excluded) instead of blocks in one process; with 2 "
         "or 3 runs per side their confidence interval is wide on 2 shared cores.",
         "",
+        *_memory_lines(memory),
     ]
     return "\n".join(lines)
 
 
 def write_results(
-    rows: Sequence[Row], machine: dict[str, Any], settings: Settings, mode: str, out_dir: pathlib.Path
+    rows: Sequence[Row],
+    machine: dict[str, Any],
+    settings: Settings,
+    mode: str,
+    out_dir: pathlib.Path,
+    memory: Sequence[dict[str, Any]] = (),
 ) -> dict[str, pathlib.Path]:
-    """Write ``<date>-<backend><devices>[-mode].{md,json,png}`` under ``out_dir``; return the paths written."""
+    """Write ``<date>-<backend><devices>[-mode].{md,json,png}`` under ``out_dir``; return the paths written.
+
+    ``memory``: the LM memory tables (`benchmarks.lm.memory_table`), written to the markdown and the JSON.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}"
     if mode != "full":
         stem += f"-{mode}"
     paths = {"markdown": out_dir / f"{stem}.md", "json": out_dir / f"{stem}.json", "plot": out_dir / f"{stem}.png"}
-    paths["markdown"].write_text(markdown(rows, machine, settings, mode))
+    paths["markdown"].write_text(markdown(rows, machine, settings, mode, memory))
     data = {
         "mode": mode,
         "machine": machine,
@@ -170,6 +224,7 @@ def write_results(
             {"model": model, "stepper": key, "label": label, "steps_per_s": dataclasses.asdict(spread(rates))}
             for (model, key), (label, rates) in stepper_rates(rows).items()
         ],
+        "memory": list(memory),
     }
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
     if not plot(rows, machine, paths["plot"]):
