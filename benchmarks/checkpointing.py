@@ -1,18 +1,18 @@
 """The checkpoint row: seconds the step loop is blocked per save, asynchronous vs synchronous `Checkpointer`.
 
-``python -m benchmarks.checkpointing [--out DIR] [--pairs N] [--saves N] [--steps N] [--width W]``
+``python -m benchmarks.checkpointing [--out DIR] [--pairs N] [--saves N] [--every SECONDS] [--width W]``
 
 The state: a 784-W-W-10 MLP with adam (parameters and both moments, float32; W=2048: 70 MB), mirrored on
 8 simulated CPU devices (`MirroredStrategy`), trained by a ``strategy.jit`` step that donates it. A run
-saves every ``steps`` steps with one `Checkpointer` (a fresh directory on the disk of ``--dir``); the time a
-save blocks the loop is the wall time of the ``save`` call, taken after the devices finished the steps before
-it (so that it counts the checkpoint, not the steps): for an asynchronous save, the copy to host memory and
-the start of the background write, plus any wait for the previous save; for a synchronous one, the whole
-write. The first save of a run (orbax's one-time setup) is not counted. Runs alternate (async sync, sync
-async, ...); per pair, ratio = the synchronous run's median blocked seconds / the asynchronous run's (> 1:
-async blocks less; target >= 5, i.e. async blocks at most 20% of sync). Also reported, as information: the
-wall time per save interval (the steps and the save), where a background write competes with the steps for
-the CPU.
+saves every ``every`` seconds with one `Checkpointer` (a fresh directory on the disk of ``--dir``) and
+trains in between; the time a save blocks the loop is the wall time of the ``save`` call, taken after the
+devices finished the steps before it (so that it counts the checkpoint, not the steps): for an asynchronous
+save, the copy to host memory and the start of the background write, plus any wait for the previous save;
+for a synchronous one, the whole write. The first save of a run (orbax's one-time setup) is not counted.
+Runs alternate (async sync, sync async, ...); per pair, ratio = the synchronous run's median blocked seconds
+/ the asynchronous run's (> 1: async blocks less; target >= 5, i.e. async blocks at most 20% of sync). Also
+reported, as information: the steps trained per save period, where a synchronous save takes its write out of
+the period and a background write competes with the steps for the CPU.
 
 Writes ``<date>-<backend><devices>-checkpoint.md`` and ``.json`` (every blocked time, the machine and the
 versions) under ``--out`` and prints the table. Exit status 0, or 1 when the row could not be measured.
@@ -48,30 +48,30 @@ class Result:
     Attributes:
         state_mb: the checkpointed state's size in MB (10^6 bytes).
         layers: the MLP's widths, e.g. ``784-2048-2048-10``.
-        steps: training steps between two saves.
+        every: seconds from the start of one save to the start of the next.
         blocked_async / blocked_sync: seconds each counted save blocked the loop, per run (one list per run).
-        interval_async / interval_sync: wall seconds per save interval (steps and save), per run.
+        steps_async / steps_sync: steps trained per save period, per run (one list per run).
         ratios: per pair, median sync blocked seconds / median async blocked seconds.
     """
 
     state_mb: float
     layers: str
-    steps: int
+    every: float
     blocked_async: list[list[float]] = dataclasses.field(default_factory=list)
     blocked_sync: list[list[float]] = dataclasses.field(default_factory=list)
-    interval_async: list[float] = dataclasses.field(default_factory=list)
-    interval_sync: list[float] = dataclasses.field(default_factory=list)
+    steps_async: list[list[int]] = dataclasses.field(default_factory=list)
+    steps_sync: list[list[int]] = dataclasses.field(default_factory=list)
     ratios: list[float] = dataclasses.field(default_factory=list)
 
 
-def measure(pairs: int, saves: int, steps: int, width: int, directory: str | pathlib.Path) -> Result:
-    """Alternate ``pairs`` pairs of runs (async, sync), each ``saves`` counted saves ``steps`` steps apart.
+def measure(pairs: int, saves: int, every: float, width: int, directory: str | pathlib.Path) -> Result:
+    """Alternate ``pairs`` pairs of runs (async, sync), each ``saves`` counted saves ``every`` seconds apart.
 
     Example:
         >>> import tempfile
-        >>> r = measure(pairs=1, saves=1, steps=1, width=8, directory=tempfile.mkdtemp())
-        >>> len(r.ratios), len(r.blocked_async[0]), r.layers
-        (1, 1, '784-8-8-10')
+        >>> r = measure(pairs=1, saves=1, every=0.0, width=8, directory=tempfile.mkdtemp())
+        >>> len(r.ratios), len(r.blocked_async[0]), r.steps_sync, r.layers
+        (1, 1, [[1]], '784-8-8-10')
     """
     import jaxdist as jd
     from benchmarks.models import ModelSpec, make_problem
@@ -82,42 +82,44 @@ def measure(pairs: int, saves: int, steps: int, width: int, directory: str | pat
     batches = [strategy.experimental_distribute_values(b) for b in problem.host_batches]
     live = {"state": strategy.create_variables(problem.init, jax.random.key(0), problem.sample_x())}
     nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(live["state"]))
-    result = Result(state_mb=nbytes / 1e6, layers=problem.spec.layers, steps=steps)
+    result = Result(state_mb=nbytes / 1e6, layers=problem.spec.layers, every=every)
 
-    def train(n: int) -> None:
-        for i in range(n):
-            live["state"], _ = step(live["state"], batches[i % len(batches)])
+    def train(until: float) -> int:
+        """Steps until ``until`` (perf_counter time), at least one; then wait for the devices."""
+        n = 0
+        while n == 0 or time.perf_counter() < until:
+            live["state"], _ = step(live["state"], batches[n % len(batches)])
+            n += 1
         jax.block_until_ready(live["state"])
+        return n
 
-    def run(async_save: bool) -> tuple[list[float], float]:
+    def run(async_save: bool) -> tuple[list[float], list[int]]:
         root = tempfile.mkdtemp(dir=directory)
         ckpt = jd.training.Checkpointer(root, max_to_keep=2, async_save=async_save)
-        blocked, start = [], None
+        blocked, steps, began = [], [], time.perf_counter()
         try:
             for k in range(saves + 1):
-                train(steps)
+                n = train(began + every)
                 began = time.perf_counter()
                 ckpt.save(k, live["state"])
                 if k:  # the first save sets orbax up once per run
                     blocked.append(time.perf_counter() - began)
-                else:
-                    start = time.perf_counter()
+                    steps.append(n)
             ckpt.wait_until_finished()
-            interval = (time.perf_counter() - start) / saves
         finally:
             ckpt.close()
             shutil.rmtree(root, ignore_errors=True)
-        return blocked, interval
+        return blocked, steps
 
-    train(3)  # compile
+    train(0.0)  # compile
     for pair in range(pairs):
         sides = {}
         for async_save in (True, False) if pair % 2 == 0 else (False, True):
             sides[async_save] = run(async_save)
         result.blocked_async.append(sides[True][0])
         result.blocked_sync.append(sides[False][0])
-        result.interval_async.append(sides[True][1])
-        result.interval_sync.append(sides[False][1])
+        result.steps_async.append(sides[True][1])
+        result.steps_sync.append(sides[False][1])
         result.ratios.append(statistics.median(sides[False][0]) / statistics.median(sides[True][0]))
     return result
 
@@ -135,30 +137,46 @@ def markdown(result: Result, machine: dict[str, Any]) -> str:
     ratio = spread(result.ratios)
     blocked_a = spread([s for run in result.blocked_async for s in run])
     blocked_s = spread([s for run in result.blocked_sync for s in run])
-    interval_a, interval_s = spread(result.interval_async), spread(result.interval_sync)
+    steps_a = statistics.median([n for run in result.steps_async for n in run])
+    steps_s = statistics.median([n for run in result.steps_sync for n in run])
     v = machine["versions"]
-    return "\n".join([
+    saves = len(result.blocked_async[0])
+    row = [
+        "ckpt",
+        f"{result.layers} + adam, {result.state_mb:.0f} MB",
+        "Checkpointer(async_save=True).save",
+        "Checkpointer(async_save=False).save",
+        f"**{ratio.median:.2f}**",
+        f"{ratio.ci_low:.2f}-{ratio.ci_high:.2f}",
+        f"{ratio.q1:.2f}-{ratio.q3:.2f}",
+        f"{ratio.min:.2f}-{ratio.max:.2f}",
+        f"≥ {TARGET:.2f}",
+        f"{blocked_a.median:.3f}",
+        f"{blocked_s.median:.3f}",
+        f"{steps_a:g} / {steps_s:g}",
+        f"{saves} x {ratio.n}",
+        _status(ratio),
+    ]
+    lines = [
         f"# jaxdist checkpoint benchmark - {machine['date'][:10]}, {machine['backend']} x{machine['device_count']}",
         "",
         f"- machine: {machine['host_platform']}, {machine['cpu_count']} CPU cores, python {machine['python']}",
         f"- versions: jax {v['jax']}, jaxlib {v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, jaxdist "
         f"{v['jaxdist']} (git {machine['git_commit']}); orbax-checkpoint {machine.get('orbax')}",
         f"- load average at start (1/5/15 min): {machine['load_average_1_5_15']}",
-        f"- method: {len(result.ratios)} pairs of alternating runs (async sync, sync async, ...), each "
-        f"{len(result.blocked_async[0])} counted saves {result.steps} steps apart; blocked = wall time of "
-        "`Checkpointer.save` after the devices finished the steps before it; ratio = sync / async median "
-        "blocked seconds per pair (> 1: async blocks less).",
+        f"- method: {len(result.ratios)} pairs of alternating runs (async sync, sync async, ...), each {saves} "
+        f"counted saves {result.every:g} s apart; blocked = wall time of `Checkpointer.save` after the devices "
+        "finished the steps before it; ratio = sync / async median blocked seconds per pair (> 1: async blocks "
+        "less).",
         "",
         "| row | state | candidate | baseline | ratio (median) | 95% CI | IQR | min-max | target "
-        "| candidate blocked s/save | baseline blocked s/save | interval s (async / sync) | saves x pairs | status |",
+        "| candidate blocked s/save | baseline blocked s/save | steps per save period (async / sync) "
+        "| saves x pairs | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| ckpt | {result.layers} + adam, {result.state_mb:.0f} MB | Checkpointer(async_save=True).save | "
-        f"Checkpointer(async_save=False).save | **{ratio.median:.2f}** | {ratio.ci_low:.2f}-{ratio.ci_high:.2f} "
-        f"| {ratio.q1:.2f}-{ratio.q3:.2f} | {ratio.min:.2f}-{ratio.max:.2f} | ≥ {TARGET:.2f} "
-        f"| {blocked_a.median:.3f} | {blocked_s.median:.3f} | {interval_a.median:.2f} / {interval_s.median:.2f} "
-        f"| {len(result.blocked_async[0])} x {ratio.n} | {_status(ratio)} |",
+        "| " + " | ".join(row) + " |",
         "",
-    ])
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,15 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temp dir)")
-    parser.add_argument("--pairs", type=int, default=4, help="pairs of runs (default 4)")
-    parser.add_argument("--saves", type=int, default=4, help="counted saves per run (default 4)")
-    parser.add_argument("--steps", type=int, default=20, help="training steps between saves (default 20)")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (default 3)")
+    parser.add_argument("--saves", type=int, default=3, help="counted saves per run (default 3)")
+    parser.add_argument("--every", type=float, default=4.0, help="seconds between saves (default 4)")
     parser.add_argument("--width", type=int, default=2048, help="hidden width (default 2048: a 70 MB state)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     args = parser.parse_args(argv)
-    for name in ("pairs", "saves", "steps", "width", "devices"):
+    for name in ("pairs", "saves", "width", "devices"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.every < 0:
+        parser.error(f"--every={args.every} must be >= 0")
     jax.config.update("jax_num_cpu_devices", args.devices)
 
     from benchmarks.report import _version, machine_info
@@ -183,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine["orbax"] = _version("orbax-checkpoint")
     directory = args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-")
     try:
-        result = measure(args.pairs, args.saves, args.steps, args.width, directory)
+        result = measure(args.pairs, args.saves, args.every, args.width, directory)
     except Exception:
         traceback.print_exc()
         return 1

@@ -45,8 +45,9 @@ def data_fn(epoch):
 
 
 def trainer(strategy=None):
-    return jd.training.Trainer(strategy or jd.MirroredStrategy(), DropoutMLP(), optax.adam(1e-2), ce,
-                               train_kwargs={"train": True}, seed=3)
+    return jd.training.Trainer(
+        strategy or jd.MirroredStrategy(), DropoutMLP(), optax.adam(1e-2), ce, train_kwargs={"train": True}, seed=3
+    )
 
 
 def host(tree):
@@ -105,8 +106,15 @@ def test_preemption_and_the_end_of_fit_wait_for_the_save_in_flight(tmp_path, at_
             if step == 4:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    history = trainer().fit(data_fn, steps=10, checkpoint_dir=tmp_path, checkpoint_every=3, verbose=0,
-                            callbacks=[Preempt()], on_preemption="return")
+    history = trainer().fit(
+        data_fn,
+        steps=10,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=3,
+        verbose=0,
+        callbacks=[Preempt()],
+        on_preemption="return",
+    )
     assert history.preempted
     assert [os.path.basename(p) for p in history.checkpoints] == ["3", "4"]
     assert sorted(os.listdir(tmp_path)) == ["3", "4"]  # both complete when fit returned: no temporary left
@@ -118,9 +126,11 @@ def test_a_failed_background_save_raises_at_a_later_step_or_at_the_end(tmp_path,
 
     at_commit({"2": fail})
     t = trainer()
-    with pytest.raises(RuntimeError, match=r"saving checkpoint step 2 in .* failed in the background \(OSError: No "
-                                           r"space left on device \(injected\)\); there is no complete checkpoint"
-                       ) as info:
+    with pytest.raises(
+        RuntimeError,
+        match=r"saving checkpoint step 2 in .* failed in the background \(OSError: No "
+        r"space left on device \(injected\)\); there is no complete checkpoint",
+    ) as info:
         t.fit(data_fn, steps=10, checkpoint_dir=tmp_path / "a", checkpoint_every=2, verbose=0)
     assert isinstance(info.value.__cause__, OSError)
     assert 2 < t.step <= 4  # at a step after the save, at the latest at the next save
@@ -168,3 +178,14 @@ def test_checkpointer_async_own_loop(tmp_path, at_commit):
     sync.close()
     with pytest.raises(ValueError, match=r"async_save='yes' must be True or False"):
         jd.training.Checkpointer(tmp_path, async_save="yes")
+
+
+def test_checkpoint_benchmark_row_runs(tmp_path):
+    from benchmarks.checkpointing import markdown, measure
+    from benchmarks.report import machine_info
+
+    result = measure(pairs=1, saves=1, every=0.0, width=8, directory=tmp_path)
+    assert len(result.blocked_async[0]) == len(result.blocked_sync[0]) == 1 and result.ratios[0] > 0
+    table = markdown(result, {**machine_info(jax.devices()), "orbax": "test"})
+    assert "| ckpt | 784-8-8-10 + adam, 0 MB | Checkpointer(async_save=True).save |" in table
+    assert not os.listdir(tmp_path)  # every run's directory removed

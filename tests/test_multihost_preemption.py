@@ -39,8 +39,21 @@ def _env():
 
 def _command(ckpt, out):
     out.mkdir(exist_ok=True)
-    return [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "150",
-            str(WORKER), str(ckpt), str(out), str(STEPS)]
+    return [
+        sys.executable,
+        "-m",
+        "jaxdist.launch",
+        "-n",
+        "2",
+        "--cpu-devices",
+        "4",
+        "--timeout",
+        "150",
+        str(WORKER),
+        str(ckpt),
+        str(out),
+        str(STEPS),
+    ]
 
 
 def _run(ckpt, out):
@@ -61,8 +74,9 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
 
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "first"
-    proc = subprocess.Popen(_command(ckpt, out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        _command(ckpt, out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines, latency = [], None
     try:
         deadline = time.monotonic() + 150
@@ -92,8 +106,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
     checkpoints = jd.training.Checkpointer(ckpt)
     assert checkpoints.all_steps() == [stop]  # one checkpoint, complete
     checkpoints.close()
-    print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped after step "
-          f"{stop}")
+    print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped after step {stop}")
     assert latency < 60
 
     resumed = _run(ckpt, tmp_path / "resumed")

@@ -7,7 +7,7 @@ with ``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop,
 ``strategy.run_steps_on_dataset``, per ``steps_per_run`` batches); ``step``, ``data_position`` and
 ``stop_training``; ``evaluate``, ``save`` and ``sync_model``.
 
-Two things keep it from slowing the steps down:
+Three things keep it from slowing the steps down:
 
 * Log points never wait for the devices. At a log point the window's metric sums (one small device vector)
   start their copy to the host and the loop goes on dispatching steps; the log is emitted
@@ -16,6 +16,9 @@ Two things keep it from slowing the steps down:
   describes, with that step's number. Nothing is read back per step.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so the
   prefetch thread neither places batches no step uses nor has to be stopped mid-read.
+* Checkpoints are written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes at
+  the first step end after one is complete, a failed write raises there, and ``fit`` ends only when its last
+  one is complete. Preemption is agreed by every process without waiting (`jaxdist.training.preemption`).
 
 The data position is the count of batches the steps consumed (never what the prefetcher read ahead). Every
 log is the mean of each metric over the steps since the previous log point, whichever way they ran: the
