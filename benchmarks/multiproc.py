@@ -20,6 +20,7 @@ Also the worker: ``python benchmarks/multiproc.py worker SIDE MODEL BLOCKS STEPS
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -140,28 +141,25 @@ def multiproc_rows(spec, pairs: int, blocks: int, steps: int) -> list:
     from benchmarks.suite import Row, _status
     from benchmarks.timing import spread
 
-    candidate = "MultiWorkerMirrored strategy.jit, 2 processes x 4 devices (gloo)"
+    row = functools.partial(
+        Row,
+        model=spec.name,
+        layers=spec.layers,
+        batch=spec.batch,
+        candidate="mwms-2x4",
+        candidate_label="MultiWorkerMirrored strategy.jit, 2 processes x 4 devices (gloo)",
+    )
     rows = [
-        Row(
+        row(
             key="multiproc",
             title="MultiWorkerMirroredStrategy vs hand-written jax.distributed + jit, 2 x 4",
-            model=spec.name,
-            layers=spec.layers,
-            batch=spec.batch,
-            candidate="mwms-2x4",
-            candidate_label=candidate,
             baseline="hand-2x4",
             baseline_label="hand-written jax.distributed + jax.jit, 2 processes x 4 devices",
             target=0.95,
         ),
-        Row(
+        row(
             key="multiproc-1x8",
             title="MultiWorkerMirroredStrategy 2 x 4 vs MirroredStrategy 1 x 8",
-            model=spec.name,
-            layers=spec.layers,
-            batch=spec.batch,
-            candidate="mwms-2x4",
-            candidate_label=candidate,
             baseline="mirrored-1x8",
             baseline_label="Mirrored strategy.jit, 1 process x 8 devices",
             target=None,
