@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 import jaxdist as jd
-from benchmarks import lm, runners
+from benchmarks import keras_lm, lm, runners
 from benchmarks.models import LARGE, SMALL, TINY, Problem
 from benchmarks.timing import Stepper
 
@@ -69,15 +70,15 @@ def _keras(spe: int) -> Callable[[Problem, Devices], Stepper]:
     return lambda p, d: runners.KerasFit(d.devices, p, steps_per_execution=spe)
 
 
-def _lm(stepper: type, layout: str, remat: bool = False) -> Callable[[Problem, Devices], Stepper]:
-    """An LM stepper (`benchmarks.lm`) on the FSDP (``"fsdp"``) or FSDP x TP (``"tp"``) strategy; it reads only
-    the problem's spec, which must be an `lm.LMSpec`."""
+def _lm(stepper: type, layout: str, remat: bool = False, **options: Any) -> Callable[[Problem, Devices], Stepper]:
+    """An LM stepper (`benchmarks.lm`, `benchmarks.keras_lm`) on the FSDP (``"fsdp"``) or FSDP x TP (``"tp"``)
+    strategy, built with ``options``; it reads only the problem's spec, which must be an `lm.LMSpec`."""
 
     def build(p: Problem, d: Devices) -> Stepper:
         if not isinstance(p.spec, lm.LMSpec):
             raise runners.Unavailable(f"this row trains the transformer LM; model {p.spec.name!r} is not one")
         strategy = d.sharded if layout == "fsdp" else lm.tp_strategy(d.devices)
-        return stepper(strategy, lm.lm_problem(p.spec, remat=remat))
+        return stepper(strategy, lm.lm_problem(p.spec, remat=remat), **options)
 
     return build
 
@@ -154,6 +155,16 @@ STEPPERS: dict[str, StepperDef] = {
             "lm.tp.jit+remat",
             "LM: Sharded (FSDP x TP) strategy.jit, remat",
             _lm(lm.LMStrategyJit, "tp", remat=True),
+        ),
+        StepperDef(
+            "lm.tp.jit+host",
+            "LM: Sharded (FSDP x TP) strategy.jit, host numpy batches",
+            _lm(lm.LMStrategyJit, "tp", feed="host"),
+        ),
+        StepperDef(
+            "keras.lm.tp",
+            "LM: Keras 3 ModelParallel + LayoutMap fit, FSDP x TP layouts",
+            _lm(keras_lm.KerasLMFit, "tp"),
         ),
     )
 }
@@ -300,6 +311,16 @@ COMPARISONS: tuple[Comparison, ...] = (
         "lm.tp.jit",
         "sharded.hand.lm-tp",
         0.97,
+        models=_LM,
+        quick_models=_LM,
+        smoke_models=_LM_SMOKE,
+    ),
+    Comparison(
+        "lm-keras",
+        "LM: ShardedStrategy FSDP x TP strategy.jit vs Keras 3 ModelParallel + LayoutMap fit, same layouts",
+        "lm.tp.jit+host",
+        "keras.lm.tp",
+        1.0,
         models=_LM,
         quick_models=_LM,
         smoke_models=_LM_SMOKE,

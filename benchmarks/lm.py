@@ -191,13 +191,25 @@ def _rules_scope(strategy: jd.Strategy) -> contextlib.AbstractContextManager[Any
 
 
 class LMStrategyJit(_Loop):
-    """``strategy.jit(problem.step, donate_argnums=0)`` on batches placed once with
-    ``experimental_distribute_values``."""
+    """``strategy.jit(problem.step, donate_argnums=0)``.
 
-    def __init__(self, strategy: jd.Strategy, problem: LMProblem):
+    Args:
+        strategy: the jaxdist strategy.
+        problem: the LM to train.
+        feed: ``"device"`` cycles batches placed once with ``experimental_distribute_values``; ``"host"``
+            passes the host numpy batches, declared with ``batch_argnums=(1,)`` (placed every step, as
+            ``model.fit`` does).
+    """
+
+    def __init__(self, strategy: jd.Strategy, problem: LMProblem, feed: str = "device"):
         state = _place(strategy, problem)
-        batches = _cycle(strategy.experimental_distribute_values(b) for b in problem.host_batches)
-        self.jitted = strategy.jit(problem.step, donate_argnums=0)
+        if feed == "device":
+            batches = _cycle(strategy.experimental_distribute_values(b) for b in problem.host_batches)
+        elif feed == "host":
+            batches = _cycle(problem.host_batches)
+        else:
+            raise ValueError(f"feed={feed!r} must be 'device' or 'host'.")
+        self.jitted = strategy.jit(problem.step, donate_argnums=0, batch_argnums=(1,))
         super().__init__(self.jitted, state, batches)
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "HandJit",
     "HostMetricJit",
     "KerasFit",
+    "KerasLoop",
     "LayoutJit",
     "PlainJit",
     "Pmap",
@@ -36,6 +37,7 @@ __all__ = [
     "StrategyRun",
     "TrainerFit",
     "Unavailable",
+    "import_keras",
 ]
 
 
@@ -203,43 +205,40 @@ class Pmap(_Loop):
         super().__init__(lambda s, b: compiled(s, *b), state, _cycle(batches))
 
 
-class KerasFit:
-    """Keras 3 (JAX backend) ``model.fit`` under ``keras.distribution.DataParallel`` on host numpy batches.
-
-    Each `run` is one ``fit`` call of ``steps`` steps (at least `FIT_MIN_BLOCK_SECONDS`) over a generator
-    cycling the problem's host batches, so the per-call cost of ``fit`` (callbacks, data adapter) counts.
+def import_keras() -> Any:
+    """``keras`` on the JAX backend.
 
     Raises:
         Unavailable: when keras is not installed or its backend is not JAX.
     """
+    if os.environ.get("KERAS_BACKEND", "jax") != "jax":
+        raise Unavailable(f"KERAS_BACKEND={os.environ['KERAS_BACKEND']!r}; these rows need 'jax'")
+    os.environ["KERAS_BACKEND"] = "jax"
+    try:
+        import keras
+    except ImportError as error:
+        raise Unavailable("keras is not installed (pip install -e '.[bench]')") from error
+    if keras.backend.backend() != "jax":
+        raise Unavailable(f"keras backend is {keras.backend.backend()!r}, not 'jax'")
+    return keras
 
-    def __init__(self, devices: tuple[jax.Device, ...], problem: Problem, steps_per_execution: int):
-        if os.environ.get("KERAS_BACKEND", "jax") != "jax":
-            raise Unavailable(f"KERAS_BACKEND={os.environ['KERAS_BACKEND']!r}; these rows need 'jax'")
-        os.environ["KERAS_BACKEND"] = "jax"
-        try:
-            import keras
-        except ImportError as error:
-            raise Unavailable("keras is not installed (pip install -e '.[bench]')") from error
-        if keras.backend.backend() != "jax":
-            raise Unavailable(f"keras backend is {keras.backend.backend()!r}, not 'jax'")
+
+class KerasLoop:
+    """The shared ``fit`` loop of the Keras steppers: each `run` is one ``model.fit`` call of ``steps`` steps
+    (blocks last at least `FIT_MIN_BLOCK_SECONDS`) under ``distribution``, over a generator cycling host
+    ``batches``, so the per-call cost of ``fit`` (callbacks, data adapter) counts.
+
+    Subclasses build and compile ``model`` (with ``steps_per_execution``) under ``distribution``'s scope.
+    """
+
+    min_block_steps = 1
+    min_block_seconds = FIT_MIN_BLOCK_SECONDS
+
+    def __init__(self, distribution: Any, model: Any, batches: Any, steps_per_execution: int):
         self.step_multiple = steps_per_execution
-        self.min_block_steps = 1
-        self.min_block_seconds = FIT_MIN_BLOCK_SECONDS
-        self._keras = keras
-        self._batches = problem.host_batches
-        self._distribution = keras.distribution.DataParallel(devices=list(devices))
-        with self._distribution.scope():
-            layers = [keras.Input((problem.host_batches[0][0].shape[1],))]
-            layers += [keras.layers.Dense(w, activation="relu") for w in problem.spec.hidden]
-            layers += [keras.layers.Dense(10)]
-            self._model = keras.Sequential(layers)
-            self._model.compile(
-                optimizer=keras.optimizers.Adam(1e-3),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                steps_per_execution=steps_per_execution,
-                jit_compile=True,
-            )
+        self._distribution = distribution
+        self._model = model
+        self._batches = batches
 
     def _data(self) -> Iterator[Any]:
         yield from _cycle(self._batches)
@@ -253,6 +252,31 @@ class KerasFit:
     def close(self) -> None:
         """Drop the model."""
         self._model = None
+
+
+class KerasFit(KerasLoop):
+    """Keras 3 (JAX backend) ``model.fit`` of the problem's MLP under ``keras.distribution.DataParallel`` on
+    host numpy batches (see `KerasLoop`).
+
+    Raises:
+        Unavailable: when keras is not installed or its backend is not JAX.
+    """
+
+    def __init__(self, devices: tuple[jax.Device, ...], problem: Problem, steps_per_execution: int):
+        keras = import_keras()
+        distribution = keras.distribution.DataParallel(devices=list(devices))
+        with distribution.scope():
+            layers = [keras.Input((problem.host_batches[0][0].shape[1],))]
+            layers += [keras.layers.Dense(w, activation="relu") for w in problem.spec.hidden]
+            layers += [keras.layers.Dense(10)]
+            model = keras.Sequential(layers)
+            model.compile(
+                optimizer=keras.optimizers.Adam(1e-3),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=steps_per_execution,
+                jit_compile=True,
+            )
+        super().__init__(distribution, model, problem.host_batches, steps_per_execution)
 
 
 class LayoutJit(_Loop):

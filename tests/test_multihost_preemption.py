@@ -37,7 +37,7 @@ def _env():
     return env
 
 
-def _command(ckpt, out):
+def _command(ckpt, out, *extra):
     out.mkdir(exist_ok=True)
     return [
         sys.executable,
@@ -53,11 +53,12 @@ def _command(ckpt, out):
         str(ckpt),
         str(out),
         str(STEPS),
+        *extra,
     ]
 
 
-def _run(ckpt, out):
-    proc = subprocess.run(_command(ckpt, out), env=_env(), capture_output=True, text=True, timeout=170)
+def _run(ckpt, out, *extra):
+    proc = subprocess.run(_command(ckpt, out, *extra), env=_env(), capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -117,17 +118,47 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@pytest.mark.timeout(240)
+def test_stop_training_on_one_process_stops_both_after_the_same_step(tmp_path):
+    """A callback on process 1 alone sets stop_training: both processes stop after one step and save one
+    checkpoint together (a process leaving the loop alone would deadlock the other's next collective)."""
+    ckpt = tmp_path / "ckpt"
+    text = _run(ckpt, tmp_path / "out", "5")
+    ends = {int(p): (int(s), flag, names) for p, s, flag, names in END.findall(text)}
+    assert set(ends) == {0, 1} and ends[0] == ends[1], text[-3000:]
+    stop, flag, names = ends[0]
+    assert 5 <= stop <= 8 and flag == "False" and names == f"'{stop}'"  # not preempted: fit returned
+    assert "done" in text
+    checkpoints = jd.training.Checkpointer(ckpt)
+    assert checkpoints.all_steps() == [stop]
+    checkpoints.close()
+
+
 # ------------------------------------------------------------------------------ the agreement, in one process
 def test_agreement_stops_every_check_lag_after_a_flag():
     mesh = jax.make_mesh((8,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
     agreement = _Agreement(mesh, lag=2)
     flags = [False, False, True, False, False, False]
     seen = [agreement.check(flag, final=False) for flag in flags]
-    assert seen == [False, False, False, False, True, False]  # the flag of check 2, read at check 4
-    assert agreement.check(False, final=False) is False
+    assert seen == [0, 0, 0, 0, 1, 0]  # the flag of check 2, read at check 4
+    assert agreement.check(0, final=False) == 0
     late = _Agreement(mesh, lag=3)
-    assert [late.check(flag, final=False) for flag in (False, True)] == [False, False]
-    assert late.check(False, final=True) is True  # the final check reads everything dispatched
+    assert [late.check(flag, final=False) for flag in (0, 2)] == [0, 0]
+    assert late.check(1, final=True) == 2  # the final check reads everything dispatched: the largest flag
+
+
+def test_stop_training_goes_through_the_agreement(monkeypatch):
+    """A callback's stop_training on one process must stop every process after the same step, like a signal
+    (leaving the loop alone would deadlock the peers' next collective): it is a flag of the agreement."""
+    monkeypatch.setattr(PreemptionWatcher, "spans_processes", property(lambda self: True))  # agree on this mesh
+    mesh = jd.MirroredStrategy().mesh
+    with PreemptionWatcher(mesh=mesh, lag=2) as watcher:
+        seen = [watcher.should_stop(stop_training=flag) for flag in (False, True, False, False)]
+        assert seen == [False, False, False, True] and watcher.stopping and not watcher.preempted
+    with PreemptionWatcher(mesh=mesh, lag=2) as watcher:
+        assert not watcher.should_stop(stop_training=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watcher.should_stop(final=True) and watcher.preempted  # the largest reason wins: a signal
 
 
 def test_watcher_is_local_on_one_process_and_latches(monkeypatch):
@@ -137,6 +168,9 @@ def test_watcher_is_local_on_one_process_and_latches(monkeypatch):
         assert watcher.should_stop() is False
         os.kill(os.getpid(), signal.SIGTERM)
         assert watcher.requested and watcher.should_stop() and watcher.should_stop(final=True)
+        assert watcher.preempted
+    with PreemptionWatcher(mesh=strategy.mesh) as watcher:
+        assert watcher.should_stop(stop_training=True) and not watcher.preempted  # stops now, no signal
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     # a mesh that spans processes goes through the agreement: faked here with a device from "process 1"

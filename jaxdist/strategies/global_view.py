@@ -138,38 +138,33 @@ class StrategyFunction:
         strategy = self._strategy
         mesh = strategy.mesh
         declared = self._batch or ()
-        # Fast path: in steady state every array is already on the mesh. Arrays on the mesh keep their layout,
-        # except a declared batch that every replica holds whole: it is split (its rows are what the replicas
-        # share out; a replicated batch with split variables also walks into an XLA Shardy miscompute).
+        # Fast path: in steady state every array is already on the mesh (host batches aside). Arrays on the mesh
+        # keep their layout, except a declared batch that every replica holds whole: it is split (its rows are
+        # what the replicas share out; a replicated batch with split variables also walks into an XLA Shardy
+        # miscompute). Only the arguments holding an array to move are walked again.
+        todo = []
         for i, a in enumerate(args):
             if i in self._static:
                 continue
             for x in jax.tree.leaves(a):
                 if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
                     if i in declared and _replicated_rows(x, strategy):
-                        break  # a declared batch held whole by every replica: split it
+                        todo.append(i)  # a declared batch held whole by every replica: split it
+                        break
                     continue  # the common case, checked without a method call
                 if _needs_placing(x, mesh):
+                    todo.append(i)
                     break
-            else:
-                continue
-            break
-        else:
-            if state is None or not any(_needs_placing(x, mesh) for x in jax.tree.leaves(state)):
-                return args, state
-
-        placed = []
-        for i, a in enumerate(args):
-            if i in self._static:
-                placed.append(a)
-            elif i in declared:
-                if any(_needs_placing(x, mesh) or _replicated_rows(x, strategy) for x in _arrays(a)):
-                    a = place_batch(strategy, a, where=f"argument {i} (in batch_argnums)")
-                placed.append(a)
-            else:
-                placed.append(self._place_variables(a, f"argument {i}"))
-        if state is not None:
+        if state is not None and any(_needs_placing(x, mesh) for x in jax.tree.leaves(state)):
             state = self._place_variables(state, "the nnx state", warn=False)
+        if not todo:
+            return args, state
+        placed = list(args)
+        for i in todo:
+            if i in declared:
+                placed[i] = place_batch(strategy, args[i], where=f"argument {i} (in batch_argnums)")
+            else:
+                placed[i] = self._place_variables(args[i], f"argument {i}")
         return tuple(placed), state
 
     def _place_nnx_defaults(self, state: Any, annotated: list[bool]) -> Any:
@@ -301,10 +296,6 @@ class StrategyFunction:
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _arrays(tree: Any) -> list:
-    return [x for x in jax.tree.leaves(tree) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
 
 
 def _replicated_rows(x: Any, strategy: Strategy) -> bool:

@@ -294,14 +294,13 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
                         evaluate()
                     if _crossed(before, trainer.step, options.checkpoint_every):
                         checkpoint()
-                    if watcher.should_stop():
-                        history.preempted = True
-                    if history.preempted or trainer.stop_training:
+                    if watcher.should_stop(stop_training=trainer.stop_training):  # agreed by every process
                         break
             finally:
                 steps.close()
-            if not history.preempted and watcher.should_stop(final=True):  # a signal since the last check
-                history.preempted = True
+            if not watcher.stopping:  # a signal since the last check
+                watcher.should_stop(final=True, stop_training=trainer.stop_training)
+            history.preempted = watcher.preempted
             close_window()
             logs.flush()
             checkpoint()  # at the end (a no-op when this step is saved already)

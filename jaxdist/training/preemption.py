@@ -6,6 +6,10 @@ the loop finishes the current step, saves, and stops. The previous handler is re
 
 One process: the loop stops after the step during which the signal came; nothing crosses processes.
 
+A callback's ``trainer.stop_training`` is a request to stop too, and goes through the same agreement: a process
+that left the loop alone (one whose callback decided on a local clock, say) would deadlock its peers just the
+same. On one process it stops after the current step; on several, at most ``lag + 1`` steps later, on all.
+
 Several processes (a strategy whose devices span processes): usually ONE host gets the signal. Were it to leave
 the loop alone, it would enter the collective save while its peers enter the next step's all-reduce: a
 deadlock. So the processes agree on the step to stop after. At every check (``fit`` makes one per step, or per
@@ -42,8 +46,10 @@ class PreemptionWatcher:
     """A context manager: while open, SIGTERM (and any extra ``signals``) set ``requested`` instead of killing.
 
     ``requested`` says whether THIS process got a signal; `should_stop` says whether every process of the job
-    stops now (the agreement described in `jaxdist.training.preemption`). Signal handlers can only be installed
-    from the main thread; elsewhere the watcher installs nothing and ``installed`` is False.
+    stops now (the agreement described in `jaxdist.training.preemption`), for a signal or for a
+    ``stop_training`` request of any process; ``preempted`` whether a signal was among the reasons. Signal
+    handlers can only be installed from the main thread; elsewhere the watcher installs nothing and
+    ``installed`` is False.
 
     Args:
         signals: the signals to catch (default: SIGTERM).
@@ -60,8 +66,8 @@ class PreemptionWatcher:
         >>> with PreemptionWatcher() as watcher:
         ...     before = watcher.should_stop()
         ...     os.kill(os.getpid(), signal.SIGTERM)
-        ...     before, watcher.requested, watcher.should_stop()
-        (False, True, True)
+        ...     before, watcher.requested, watcher.should_stop(), watcher.preempted
+        (False, True, True, True)
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *, mesh: Mesh | None = None, lag: int = 2):
@@ -76,7 +82,7 @@ class PreemptionWatcher:
         self._mesh = mesh
         self._lag = lag
         self._agreement: _Agreement | None = None
-        self._stopping = False
+        self._agreed = 0  # the agreed reasons to stop: _STOP_TRAINING | _SIGNAL
 
     def _handle(self, signum: int, frame: Any) -> None:
         del signum, frame
@@ -100,30 +106,50 @@ class PreemptionWatcher:
         """Whether `should_stop` agrees across processes (the mesh's devices belong to several)."""
         return self._mesh is not None and len({d.process_index for d in self._mesh.devices.flat}) > 1
 
-    def should_stop(self, final: bool = False) -> bool:
+    @property
+    def stopping(self) -> bool:
+        """Whether `should_stop` has returned True (it stays True)."""
+        return bool(self._agreed)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a signal (to any process) is among the agreed reasons to stop."""
+        return bool(self._agreed & _SIGNAL)
+
+    def should_stop(self, final: bool = False, *, stop_training: bool = False) -> bool:
         """Whether every process stops now; once True, always True.
 
         Call it once per step (or step loop) on every process, in the same order. One process: whether this
-        process got a signal. Several: whether any process had got one ``lag`` checks ago; with
-        ``final=True`` (once, at the end of the loop): whether any had got one by now (this waits for the
-        devices).
+        process got a signal or ``stop_training`` is set. Several: whether any process had got one (or set
+        it) ``lag`` checks ago; with ``final=True`` (once, at the end of the loop, on every process unless
+        `stopping`): whether any had by now (this waits for the devices).
+
+        Args:
+            final: the last check of the loop (blocking).
+            stop_training: this process asks to stop for another reason than a signal (a callback's
+                ``trainer.stop_training``).
 
         Returns:
-            True when the job is to stop (save and exit) after the current step.
+            True when the job is to stop (save, then return or exit) after the current step.
         """
-        if self._stopping:
+        if self._agreed:
             return True
+        flag = (_SIGNAL if self.requested else 0) | (_STOP_TRAINING if stop_training else 0)
         if not self.spans_processes:
-            self._stopping = self.requested
+            self._agreed = flag
         else:
             if self._agreement is None:
                 self._agreement = _Agreement(self._mesh, self._lag)
-            self._stopping = self._agreement.check(self.requested, final)
-        return self._stopping
+            self._agreed = self._agreement.check(flag, final)
+        return bool(self._agreed)
+
+
+_STOP_TRAINING, _SIGNAL = 1, 2  # flag bits; the agreement's max keeps _SIGNAL when any process had it
 
 
 class _Agreement:
-    """The cross-process max of every process's flag, one per check, read ``lag`` checks after dispatch."""
+    """The cross-process max of every process's flag (an int), one per check, read ``lag`` checks after
+    dispatch; `check` returns the largest flag read (0: go on)."""
 
     def __init__(self, mesh: Mesh, lag: int):
         self._size = mesh.devices.size
@@ -140,11 +166,11 @@ class _Agreement:
             )
         return self._flags[value]
 
-    def check(self, requested: bool, final: bool) -> bool:
-        agreed = self._max(self._flag(int(requested))).addressable_data(0)
+    def check(self, flag: int, final: bool) -> int:
+        agreed = self._max(self._flag(int(flag))).addressable_data(0)
         agreed.copy_to_host_async()
         self._pending.append(agreed)
-        stop = False
+        stop = 0
         while self._pending and (final or len(self._pending) > self._lag):
-            stop = bool(np.asarray(self._pending.popleft())) or stop
+            stop = max(stop, int(np.asarray(self._pending.popleft())))
         return stop

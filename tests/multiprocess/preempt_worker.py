@@ -1,7 +1,8 @@
 """One process of the coordinated-preemption test (run through jaxdist.launch by tests/test_multihost_preemption.py).
 
 ``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices. Arguments: checkpoint_dir ("" for none),
-out_dir, steps. Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N``
+out_dir, steps, and optionally stop_at: process 1 ALONE sets ``trainer.stop_training`` after that step.
+Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N``
 after every step and ``end STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final
 parameters to ``out_dir/params.npz`` when fit returns.
 """
@@ -19,6 +20,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 ckpt_dir, out_dir, steps = sys.argv[1] or None, sys.argv[2], int(sys.argv[3])
+stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
 pid = jax.process_index()
 with open(os.path.join(out_dir, f"pid_{pid}"), "w") as f:
     f.write(str(os.getpid()))
@@ -46,6 +48,8 @@ def ce(logits, y):
 class Tell(jd.training.Callback):
     def on_step_end(self, trainer, step, metrics):
         print(f"step {step}", flush=True)
+        if step == stop_at and pid == 1:
+            trainer.stop_training = True
 
     def on_train_end(self, trainer, history):
         names = [os.path.basename(p) for p in history.checkpoints]
