@@ -213,6 +213,20 @@ def test_bad_rules_and_annotations_are_clear_errors():
         tp_strategy().create_variables(odd.init, jax.random.key(0), jnp.ones((1, 8)))
 
 
+def test_a_mesh_axis_the_strategy_lacks_is_named_with_the_fix_inside_scope():
+    """Inside scope() Flax applies nn/nnx.with_partitioning on the strategy's mesh; an axis it lacks is JAX's
+    terse error unless the scope explains it."""
+    mirrored = jd.MirroredStrategy()
+    model_axis = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")))
+    expected = r"names mesh axis 'model'.*MirroredStrategy's mesh has axes \('replica',\).*logical_axis_rules"
+    with pytest.raises(ValueError, match=expected), mirrored.scope():
+        mirrored.create_variables(model_axis.init, jax.random.key(0), jnp.ones((1, 8)))
+    with pytest.raises(ValueError, match=expected), mirrored.scope():
+        AnnotatedNnx(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^unrelated$"), mirrored.scope():  # other errors pass unchanged
+        raise ValueError("unrelated")
+
+
 class AnnotatedNnx(nnx.Module):
     def __init__(self, rngs, annotate=True):
         init = nnx.initializers.lecun_normal()

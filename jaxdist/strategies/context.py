@@ -11,6 +11,7 @@ scope, as in tf.distribute.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -138,9 +139,35 @@ def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
         # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables annotated with
         # nnx.with_partitioning already sharded, on the ambient mesh.
         with jax.set_mesh(strategy.mesh):
-            yield strategy
+            try:
+                yield strategy
+            except ValueError as error:
+                explained = _missing_mesh_axis(error, strategy)
+                if explained is None:
+                    raise
+                raise explained from error
     finally:
         _state.scopes.pop()
+
+
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+) is not found in mesh")
+
+
+def _missing_mesh_axis(error: ValueError, strategy: Strategy) -> ValueError | None:
+    """JAX's error for a sharding that names an axis the ambient mesh lacks, said in the user's terms: inside
+    a scope that is a model's partitioning annotation naming a mesh axis this strategy does not have."""
+    match = _MISSING_AXIS.search(str(error))
+    if match is None:
+        return None
+    axis, spec = match.groups()
+    return ValueError(
+        f"A partitioning annotation names mesh axis {axis!r} ({spec}), but {type(strategy).__name__}'s mesh has "
+        f"axes {tuple(strategy.mesh.axis_names)}. nn.with_partitioning / nnx.with_partitioning name MESH axes, "
+        "and Flax applies them on the ambient mesh, which inside strategy.scope() is the strategy's. Name logical "
+        "axes instead (nn.with_logical_partitioning) and map them with ShardedStrategy(logical_axis_rules=...): "
+        "such a model runs on every strategy; or use a strategy whose mesh has that axis (ShardedStrategy("
+        "model_parallelism=k) has 'model')."
+    )
 
 
 @contextlib.contextmanager
