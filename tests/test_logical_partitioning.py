@@ -218,13 +218,30 @@ def test_a_mesh_axis_the_strategy_lacks_is_named_with_the_fix_inside_scope():
     terse error unless the scope explains it."""
     mirrored = jd.MirroredStrategy()
     model_axis = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")))
-    expected = r"names mesh axis 'model'.*MirroredStrategy's mesh has axes \('replica',\).*logical_axis_rules"
+    expected = r"names axis 'model'.*MirroredStrategy's mesh \(axes \('replica',\)\) does not have.*logical_axis_rules"
     with pytest.raises(ValueError, match=expected), mirrored.scope():
         mirrored.create_variables(model_axis.init, jax.random.key(0), jnp.ones((1, 8)))
     with pytest.raises(ValueError, match=expected), mirrored.scope():
         AnnotatedNnx(nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"^unrelated$"), mirrored.scope():  # other errors pass unchanged
         raise ValueError("unrelated")
+
+
+class LogicalNnx(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.hidden = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+
+
+def test_nnx_logical_names_need_a_rule_each_and_the_error_says_so():
+    """nnx (unlike linen) passes a logical name with no rule through as a mesh axis: the error names the rule
+    to add; with it, the variable is created in the layout the rules give."""
+    with pytest.raises(ValueError, match=r"axis 'embed'.*give it a rule.*add \('embed', None\)"):
+        with tp_strategy(rules=[("mlp", "model")], activation_axes=()).scope():
+            LogicalNnx(nnx.Rngs(0))
+    with tp_strategy(rules=[("embed", "replica"), ("mlp", "model")], activation_axes=()).scope():
+        model = LogicalNnx(nnx.Rngs(0))
+    assert model.hidden.kernel[...].sharding.spec == P("replica", "model")
 
 
 class AnnotatedNnx(nnx.Module):

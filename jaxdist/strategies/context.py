@@ -155,18 +155,27 @@ _MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+) is not found in mesh")
 
 def _missing_mesh_axis(error: ValueError, strategy: Strategy) -> ValueError | None:
     """JAX's error for a sharding that names an axis the ambient mesh lacks, said in the user's terms: inside
-    a scope that is a model's partitioning annotation naming a mesh axis this strategy does not have."""
+    a scope that is a model's partitioning annotation naming an axis this strategy's mesh does not have."""
     match = _MISSING_AXIS.search(str(error))
     if match is None:
         return None
     axis, spec = match.groups()
+    message = (
+        f"A partitioning annotation names axis {axis!r} ({spec}), which {type(strategy).__name__}'s mesh (axes "
+        f"{tuple(strategy.mesh.axis_names)}) does not have. "
+    )
+    if getattr(strategy, "logical_axis_rules", ()):
+        message += (
+            f"If {axis!r} is a logical name, give it a rule: Flax nnx passes a logical name that no rule maps "
+            f"through as a mesh axis (linen maps it to None): add ({axis!r}, None) to logical_axis_rules to keep "
+            f"that dimension whole, or ({axis!r}, 'replica') to split it. "
+        )
     return ValueError(
-        f"A partitioning annotation names mesh axis {axis!r} ({spec}), but {type(strategy).__name__}'s mesh has "
-        f"axes {tuple(strategy.mesh.axis_names)}. nn.with_partitioning / nnx.with_partitioning name MESH axes, "
-        "and Flax applies them on the ambient mesh, which inside strategy.scope() is the strategy's. Name logical "
-        "axes instead (nn.with_logical_partitioning) and map them with ShardedStrategy(logical_axis_rules=...): "
-        "such a model runs on every strategy; or use a strategy whose mesh has that axis (ShardedStrategy("
-        "model_parallelism=k) has 'model')."
+        message + "nn.with_partitioning / nnx.with_partitioning name MESH axes, and Flax applies them on the "
+        "ambient mesh, which inside strategy.scope() is the strategy's. Name logical axes instead "
+        "(nn.with_logical_partitioning) and map them with ShardedStrategy(logical_axis_rules=...): such a model "
+        "runs on every strategy; or use a strategy whose mesh has that axis (ShardedStrategy(model_parallelism=k) "
+        "has 'model')."
     )
 
 
