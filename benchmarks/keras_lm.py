@@ -97,23 +97,31 @@ def _build_model(keras: Any, cfg: Any) -> Any:
     return keras.Model(tokens, logits, name="char_lm")
 
 
+def _by_path(tree: Any, **options: Any) -> dict[str, Any]:
+    """``tree``'s leaves by Flax parameter path (`flax_path`'s form; annotation boxes' ``.value`` dropped)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, **options)
+    return {re.sub(r"\.value$", "", jax.tree_util.keystr(path)): leaf for path, leaf in leaves}
+
+
+def _keras_axis(axis: str | None) -> str | None:
+    """A jaxdist mesh axis's name on the Keras mesh: ``"replica"`` is Keras's data axis, ``"batch"``."""
+    return "batch" if axis == "replica" else axis
+
+
 def _layout_map(keras: Any, cfg: Any, strategy: jd.Strategy, problem: LMProblem) -> Any:
     """A ``LayoutMap`` giving every Keras variable its Flax counterpart's layout under ``strategy`` (and each
     block's output the batch split), on a ``DeviceMesh`` of the strategy's devices with axes renamed
-    ``replica -> batch``."""
-    names = tuple("batch" if a == "replica" else a for a in strategy.mesh.axis_names)
-    mesh = keras.distribution.DeviceMesh(strategy.mesh.devices.shape, names, strategy.mesh.devices.flatten().tolist())
-    specs = {
-        jax.tree_util.keystr(path): sharding.spec
-        for path, sharding in jax.tree_util.tree_leaves_with_path(
-            strategy.variable_shardings(problem.host_state[0]), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-        )
-    }
-    specs = {re.sub(r"\.value$", "", k): v for k, v in specs.items()}  # Flax annotation boxes
-    layout_map = keras.distribution.LayoutMap(mesh)
+    (`_keras_axis`)."""
+    mesh = strategy.mesh
+    keras_mesh = keras.distribution.DeviceMesh(
+        mesh.devices.shape, [_keras_axis(a) for a in mesh.axis_names], mesh.devices.flatten().tolist()
+    )
+    shardings = strategy.variable_shardings(problem.host_state[0])
+    specs = _by_path(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    layout_map = keras.distribution.LayoutMap(keras_mesh)
     for variable in _build_model(keras, cfg).variables:  # a throwaway build, for the variable paths
-        spec = specs[flax_path(variable.path)]
-        axes = tuple("batch" if a == "replica" else a for a in spec) + (None,) * (len(variable.shape) - len(spec))
+        spec = specs[flax_path(variable.path)].spec
+        axes = tuple(_keras_axis(a) for a in spec) + (None,) * (len(variable.shape) - len(spec))
         layout_map[re.escape(variable.path)] = axes
     for i in range(cfg.num_layers):
         layout_map[re.escape(f"block_{i}/output")] = ("batch", None, None)
@@ -135,15 +143,12 @@ class KerasLMFit(KerasLoop):
         distribution = keras.distribution.ModelParallel(
             layout_map=_layout_map(keras, cfg, strategy, problem), batch_dim_name="batch"
         )
-        params = {
-            re.sub(r"\.value$", "", jax.tree_util.keystr(p)): np.asarray(v)
-            for p, v in jax.tree_util.tree_leaves_with_path(problem.host_state[0])
-        }
+        params = _by_path(problem.host_state[0])
         x, y = problem.host_batches[0]
         with distribution.scope():
             model = _build_model(keras, cfg)
             for variable in model.variables:
-                variable.assign(params[flax_path(variable.path)])
+                variable.assign(np.asarray(params[flax_path(variable.path)]))
             model.compile(
                 optimizer=keras.optimizers.AdamW(1e-3, weight_decay=0.01, epsilon=1e-8),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
