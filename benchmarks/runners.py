@@ -322,7 +322,7 @@ class HostMetricJit(_Loop):
 
             (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state[0])
             logits = jax.lax.stop_gradient(logits)
-            hits = outside(correct, logits, y) if host else correct(logits, y)
+            hits = outside(correct, logits, y, batch_argnums=(0, 1)) if host else correct(logits, y)
             return problem.apply_gradients(state, grads), (loss, hits.mean())
 
         state = strategy.create_variables(problem.init, jax.random.key(0), problem.sample_x())

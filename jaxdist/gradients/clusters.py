@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.strategies.tracing import current_computation
+from jaxdist.strategies.ambient import current_computation, state
 
 __all__ = [
     "cluster",
@@ -49,13 +49,6 @@ _GRADIENT = "gradient="
 _LOC = re.compile(r'loc\("([^"]*)"')
 
 
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.clusters: list[str] = []
-        self.uids: list[str] = []
-
-
-_state = _State()
 _uids = itertools.count()
 _uid_lock = threading.Lock()
 
@@ -107,11 +100,11 @@ class cluster(contextlib.ContextDecorator):  # lower case: used like a function,
         scope = jax.named_scope(_CLUSTER + self.name)
         scope.__enter__()
         self._scopes.append(scope)
-        _state.clusters.append(self.name)
+        state.clusters.append(self.name)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _state.clusters.pop()
+        state.clusters.pop()
         self._scopes.pop().__exit__(*exc)
 
 
@@ -124,7 +117,7 @@ def current_cluster() -> str | None:
         ...     jd.gradients.current_cluster()
         'C'
     """
-    return _state.clusters[-1] if _state.clusters else None
+    return state.clusters[-1] if state.clusters else None
 
 
 def current_gradient_uid() -> str | None:
@@ -135,7 +128,7 @@ def current_gradient_uid() -> str | None:
         >>> jd.gradients.current_gradient_uid() is None
         True
     """
-    return _state.uids[-1] if _state.uids else None
+    return state.gradient_uids[-1] if state.gradient_uids else None
 
 
 def gradient_cluster(name: str, uid: str | None) -> str:
@@ -157,12 +150,12 @@ def gradient_cluster(name: str, uid: str | None) -> str:
 @contextlib.contextmanager
 def _invocation(uid: str | None = None) -> Iterator[str]:
     uid = uid or _next_uid()
-    _state.uids.append(uid)
+    state.gradient_uids.append(uid)
     try:
         with jax.named_scope(_GRADIENT + uid):
             yield uid
     finally:
-        _state.uids.pop()
+        state.gradient_uids.pop()
 
 
 def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:

@@ -2,25 +2,26 @@
 
 from jaxdist.strategies import compat as compat
 from jaxdist.strategies.base import Strategy as Strategy
-from jaxdist.strategies.compat import StrategyV1Names as StrategyV1Names
-from jaxdist.strategies.compat import TowerContext as TowerContext
 from jaxdist.strategies.context import get_replica_context as get_replica_context
 from jaxdist.strategies.context import get_strategy as get_strategy
 from jaxdist.strategies.context import has_strategy as has_strategy
 from jaxdist.strategies.context import in_cross_replica_context as in_cross_replica_context
 from jaxdist.strategies.extended import StrategyExtended as StrategyExtended
 from jaxdist.strategies.global_view import StrategyFunction as StrategyFunction
-from jaxdist.strategies.global_view import UndeclaredBatchWarning as UndeclaredBatchWarning
 from jaxdist.strategies.input import DistributedDataset as DistributedDataset
 from jaxdist.strategies.input import DistributedIterator as DistributedIterator
 from jaxdist.strategies.input import InputContext as InputContext
+from jaxdist.strategies.legacy import StrategyV1Names as StrategyV1Names
+from jaxdist.strategies.legacy import TowerContext as TowerContext
 from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies.offload import HOST_OFFLOAD_MODES as HOST_OFFLOAD_MODES
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies.policy import LayoutPolicy as LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache as ProgramCache
 from jaxdist.strategies.programs import RecompileWarning as RecompileWarning
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
+from jaxdist.strategies.roles import UndeclaredBatchWarning as UndeclaredBatchWarning
 from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies.sharded import UnmatchedLayoutRuleWarning as UnmatchedLayoutRuleWarning
 from jaxdist.strategies.steps import MultiStepContext as MultiStepContext
@@ -30,6 +31,7 @@ __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
+    "LayoutPolicy",
     "MirroredStrategy",
     "MultiStepContext",
     "MultiWorkerMirroredStrategy",

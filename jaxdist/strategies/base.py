@@ -1,23 +1,26 @@
 """`Strategy`: the whole jaxdist model in one class.
 
-A strategy owns a `jax.sharding.Mesh` over its devices whose data-parallel axis is ``"replica"``. Everything
-else is layouts on that mesh and two ways to run code on it:
+A strategy is a `LayoutPolicy` (where every value lives: the mesh, its replica and model axes, the layouts of
+variables, batches and outputs, memory kinds) wired to the verbs that run code on it:
 
 * values: mirrored pytrees (replicated arrays: `create_variables`, `mirror`), distributed batches (axis 0 split
   over the replicas: `experimental_distribute_dataset`), and one-component-per-replica values (`PerReplica`,
-  `SyncOnRead`: stacked on a leading axis split over the replicas);
+  `SyncOnRead`: stacked on a leading axis split over the replicas) — `jaxdist.strategies.variables`,
+  `jaxdist.strategies.input`;
 * the global view, `jit`: an unmodified single-device step compiled for those layouts (XLA inserts the
-  collectives) — the drop-in path;
+  collectives) — the drop-in path (`jaxdist.strategies.global_view`), and its on-device loop
+  (`jaxdist.strategies.steps`);
 * the per-replica view, `run`: tf.distribute's ``run``, a `jax.shard_map` in which each replica sees its rows
   of every batch and its own copy of every mirrored value, with explicit collectives through
-  `get_replica_context()`; `reduce`, `gather` and `experimental_local_results` read its outputs.
+  `get_replica_context()` (`jaxdist.strategies.run`); `reduce`, `gather` and `experimental_local_results` read
+  its outputs (`jaxdist.strategies.results`).
 
-Roles are declared or carried by the value, never guessed: a value is a batch because it was placed as one
-(its layout: axis 0 split over the replicas) or because the caller declared it (``batch_argnums``);
-everything else is a variable in the strategy's variable layout. Subclasses customise layouts through three
-public hooks (Keras' ``get_variable_layout`` is the model): `variable_layout`,
-`layout_role` and `mark_batch`; the rest is shared. Every program a strategy compiles lives in its one
-`ProgramCache` (``strategy.programs``).
+Roles are declared or carried by the value, never guessed (`jaxdist.strategies.roles`): a value is a batch
+because it was placed as one (its layout: axis 0 split over the replicas) or because the caller declared it
+(``batch_argnums``); everything else is a variable in the policy's variable layout. Each verb takes the policy
+and never calls back into a strategy; the strategy classes only configure a policy. Every program a strategy
+compiles lives in its one `ProgramCache` (``strategy.programs``). The 2018 API (`StrategyExtended`,
+`StrategyV1Names`) is mixed into the concrete strategies, outside this core.
 """
 
 from __future__ import annotations
@@ -27,52 +30,36 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax.core.meta import Partitioned
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from jaxdist.replicate.layouts import (
-    MODEL_AXIS,
-    REPLICA_AXIS,
-    batch_sharded,
-    is_on_mesh,
-    path_name,
-    put,
-    replicated,
-    splits_batch_axis,
-)
-from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
-from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
-from jaxdist.strategies.compat import StrategyV1Names
-from jaxdist.strategies.context import enter_scope
-from jaxdist.strategies.extended import StrategyExtended, colocated_layout, colocation_target
-from jaxdist.strategies.global_view import StrategyFunction, as_argnums
-from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch
-from jaxdist.strategies.offload import offload_shardings, parse_host_offload, stream_host_memory, to_device_memory
+from jaxdist.replicate.ops import ReduceOp, VariableAggregation
+from jaxdist.replicate.values import SyncOnRead
+from jaxdist.strategies import ambient, results, variables
+from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
+from jaxdist.strategies.offload import to_device_memory
+from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.run import ReplicaRunner
+from jaxdist.strategies.roles import as_argnums
+from jaxdist.strategies.run import ReplicaRunner, check_axis_name
+from jaxdist.strategies.scopes import enter_scope
 from jaxdist.strategies.steps import MultiStepContext, run_steps_on_dataset
 
 __all__ = ["Strategy"]
 
 
-def _is_distributed(x: Any) -> bool:
-    return isinstance(x, (PerReplica, SyncOnRead))
+class Strategy:
+    """Base class of every strategy: a `LayoutPolicy` wired to the verbs (see the module doc).
 
-
-class Strategy(StrategyExtended, StrategyV1Names):
-    """Base class of every strategy: a mesh over ``devices`` with the data-parallel axis ``"replica"``.
-
-    The lower-level cross-replica API (``update``, ``batch_reduce``, ``colocate_vars_with``, ...) comes from
-    `StrategyExtended`, the 2018 tower-era names from `StrategyV1Names`.
+    The concrete strategies add the lower-level cross-replica API (``update``, ``batch_reduce``,
+    ``colocate_vars_with``, ...: `StrategyExtended`) and the 2018 tower-era names (`StrategyV1Names`).
 
     Args:
-        devices: the replicas' devices, in replica order (validated by the subclass).
-        model_parallelism: devices per replica along a ``"model"`` mesh axis.
-        host_offload: keep variables in host memory (``"pinned_host"``) and stream them to the devices for
-            each step: ``"opt_state"``, ``"params"`` (every variable but the optimizer state), ``"all"``, or
-            None (see `jaxdist.strategies.offload`).
+        policy: where every value lives (mesh, axis roles, variable / batch / output layouts, memory kinds).
+        axis_name: the name ``run`` binds the replica axis to by default (pmap-era code: ``"batch"``), so
+            ``jax.lax`` collectives and ``BatchNorm(axis_name=...)`` in replica functions find it; None:
+            ``"replica"``.
 
     Example:
         >>> import jaxdist as jd
@@ -81,65 +68,68 @@ class Strategy(StrategyExtended, StrategyV1Names):
         (1, ('replica',))
     """
 
-    def __init__(self, devices: Sequence[jax.Device], model_parallelism: int = 1, host_offload: str | None = None):
-        self._devices = tuple(devices)
-        self._host_offload = parse_host_offload(host_offload, self._devices)
-        # Auto axes (not jax.make_mesh's Explicit default): the global view compiles UNMODIFIED single-device
-        # steps, which sharding-in-types would make annotate their own layouts.
-        if model_parallelism == 1:
-            self._mesh = Mesh(np.array(self._devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
-        else:  # replicas are the rows of a (replica, model) grid; a replica's devices hold one model copy
-            grid = np.array(self._devices).reshape(-1, model_parallelism)
-            self._mesh = Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
-        self._runner = ReplicaRunner(self)
+    def __init__(self, policy: LayoutPolicy, axis_name: str | None = None):
+        self._policy = policy
+        self._axis_name = check_axis_name(policy, axis_name)
         self._programs = ProgramCache()
+        self._runner = ReplicaRunner(policy, self._programs, self)
         self.steps_per_run = 1
 
     # ----------------------------------------------------------------------------------------- topology
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         """The replicas' devices, in replica order (all processes)."""
-        return self._devices
+        return self._policy.devices
 
     @property
     def worker_devices(self) -> tuple[jax.Device, ...]:
         """Alias of `devices` (tf.distribute's name)."""
-        return self._devices
+        return self._policy.devices
 
     @property
     def mesh(self) -> Mesh:
         """The `jax.sharding.Mesh` over `devices`, data-parallel axis ``"replica"``."""
-        return self._mesh
+        return self._policy.mesh
+
+    @property
+    def policy(self) -> LayoutPolicy:
+        """The `LayoutPolicy` that decides where every value of this strategy lives."""
+        return self._policy
+
+    @property
+    def axis_name(self) -> str:
+        """The name ``run`` binds the replica axis to unless the call says otherwise."""
+        return self._axis_name
 
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run each step in lockstep."""
-        return self._mesh.shape[REPLICA_AXIS]
+        return self._policy.num_replicas
 
     @property
     def replica_devices(self) -> tuple[jax.Device, ...]:
         """The first device of each replica, in replica order (= `devices` without model parallelism)."""
-        return tuple(self._mesh.devices.reshape(self.num_replicas_in_sync, -1)[:, 0])
+        return self._policy.replica_devices
 
     @property
     def num_hosts(self) -> int:
         """How many processes (hosts) own this strategy's devices."""
-        return len({d.process_index for d in self._devices})
+        return len({d.process_index for d in self.devices})
 
     @property
     def num_replicas_per_host(self) -> int:
         """Replicas on each host (this process's count)."""
-        return sum(1 for d in self.replica_devices if d.process_index == jax.process_index())
+        return replicas_on_this_process(self._policy)
 
     @property
     def batch_sharding(self) -> NamedSharding:
         """The layout of distributed batches: axis 0 split over the replicas."""
-        return batch_sharded(self._mesh)
+        return self._policy.batch_sharding
 
     @property
     def replicated_sharding(self) -> NamedSharding:
         """The layout of mirrored values: a whole copy on every replica."""
-        return replicated(self._mesh)
+        return self._policy.replicated_sharding
 
     @property
     def programs(self) -> ProgramCache:
@@ -149,7 +139,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
     @property
     def host_offload(self) -> str | None:
         """Which variables live in host memory between steps: ``"opt_state"``, ``"params"``, ``"all"`` or None."""
-        return self._host_offload
+        return self._policy.host_offload
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
@@ -168,7 +158,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             ...     jd.get_strategy() is strategy
             True
         """
-        return enter_scope(self)
+        return enter_scope(self, self._policy)
 
     def tracing_scope(self) -> contextlib.AbstractContextManager[Any]:
         """The context a `jit` step is traced in: nothing here; `ShardedStrategy` with ``logical_axis_rules``
@@ -179,7 +169,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> with jd.OneDeviceStrategy().tracing_scope():
             ...     pass
         """
-        return contextlib.nullcontext()
+        return self._policy.tracing_scope()
 
     # ----------------------------------------------------------------------------------------- variables
     # ------------------------------------------------------------------------------------ layout hooks
@@ -207,8 +197,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> jd.OneDeviceStrategy().variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
             P()
         """
-        del path, aval, annotation
-        return replicated(self._mesh)
+        return self._policy.variable_layout(path, aval, annotation)
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is an array on this strategy's mesh with axis 0 split over the replicas.
@@ -219,7 +208,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> s.is_batch_layout(s.experimental_distribute_values(np.ones((2, 1)))), s.is_batch_layout(np.ones(2))
             (True, False)
         """
-        return splits_batch_axis(x, self._mesh)
+        return self._policy.is_batch_layout(x)
 
     def layout_role(self, x: Any) -> str | None:
         """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when it cannot tell.
@@ -235,18 +224,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> s.layout_role(s.experimental_distribute_values(np.ones((2, 1)))), s.layout_role(np.ones(2))
             ('batch', None)
         """
-        if not is_on_mesh(x, self._mesh):
-            return None
-        return "batch" if splits_batch_axis(x, self._mesh) else "variable"
-
-    def mark_batch(self, x: jax.Array) -> None:
-        """Record that ``x`` was placed as a distributed batch by this strategy's input functions.
-
-        Called by `experimental_distribute_dataset` and friends for every placed leaf. A no-op where the
-        layout alone says what a batch is; `ShardedStrategy` (whose variables may also be split on axis 0)
-        remembers the arrays, weakly, for `layout_role`.
-        """
-        del x
+        return self._policy.layout_role(x)
 
     @property
     def gathers_variables_without_batch(self) -> bool:
@@ -255,7 +233,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
         True where variables can be split (a protection against an XLA Shardy partitioner miscompute of
         conv nets with split kernels and a replicated batch; see the README); False for mirrored strategies.
         """
-        return False
+        return self._policy.splits_variables
 
     def variable_shardings(self, shapes: Any) -> Any:
         """The layout this strategy gives each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s).
@@ -273,17 +251,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> jd.OneDeviceStrategy().variable_shardings(shapes)["w"].is_fully_replicated
             True
         """
-
-        def one(path, leaf):
-            if isinstance(leaf, Partitioned):  # the path of the box, not of its ".value"
-                return leaf.replace_boxed(self.variable_layout(path_name(path), leaf.value, annotation=leaf))
-            return self.variable_layout(path_name(path), leaf)
-
-        layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=lambda x: isinstance(x, Partitioned))
-        target = colocation_target(self)  # inside colocate_vars_with(v): v's layout
-        if target is not None:
-            return jax.tree.map(lambda _, aval: colocated_layout(target, aval), layouts, shapes)
-        return offload_shardings(self._host_offload, shapes, layouts)  # host_offload: into host memory
+        return self._policy.variable_shardings(shapes)
 
     def create_variables(self, init_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``init_fn(*args, **kwargs)`` compiled straight into this strategy's variable layout.
@@ -312,28 +280,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> params["w"].shape
             (3,)
         """
-        if not callable(init_fn):
-            raise TypeError(
-                f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the function that "
-                "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
-                "use strategy.mirror(tree) to place values you already have."
-            )
-        # Only array leaves are traced: a config object, a string or a Python number is a constant of the
-        # initializer (the program is compiled once, so nothing needs to be hashable).
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
-        dynamic = [x for x, a in zip(leaves, is_array, strict=True) if a]
-
-        def fn(*dyn):
-            it = iter(dyn)
-            call_args, call_kwargs = jax.tree.unflatten(
-                treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
-            )
-            return init_fn(*call_args, **call_kwargs)
-
-        fn.__name__ = fn.__qualname__ = getattr(init_fn, "__name__", "init_fn")  # errors name the user's function
-        shapes = jax.eval_shape(fn, *dynamic)
-        return jax.jit(fn, out_shardings=self.variable_shardings(shapes))(*dynamic)
+        return variables.create_variables(self._policy, init_fn, args, kwargs)
 
     def mirror(self, tree: Any) -> Any:
         """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
@@ -344,8 +291,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> strategy.mirror({"b": np.zeros(2)})["b"].sharding.is_fully_replicated
             True
         """
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
-        return jax.tree.map(put, tree, self.variable_shardings(shapes))
+        return variables.mirror(self._policy, tree)
 
     def sync_on_read(
         self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM
@@ -369,15 +315,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> int(count.read())
             0
         """
-        mode = VariableAggregation.parse(aggregation, "aggregation")
-        value = jnp.asarray(initial_value)
-        if mode is VariableAggregation.MEAN:
-            check_mean_dtype(value, "initial_value")
-        n = self.num_replicas_in_sync
-        stacked = jax.jit(
-            lambda v: jnp.broadcast_to(v, (n, *v.shape)), out_shardings=batch_sharded(self._mesh)
-        )(value)
-        return SyncOnRead(stacked, mode, self)
+        return variables.sync_on_read(self._policy, self, initial_value, aggregation)
 
     # ------------------------------------------------------------------------------------------ running
     def run(
@@ -386,6 +324,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
         args: tuple = (),
         kwargs: dict | None = None,
         batch_argnums: int | Sequence[int] | None = None,
+        axis_name: str | None = None,
     ) -> Any:
         """Run ``fn`` once per replica, in lockstep (tf.distribute's ``Strategy.run``).
 
@@ -407,6 +346,12 @@ class Strategy(StrategyExtended, StrategyV1Names):
             kwargs: keyword arguments for ``fn`` (never batches).
             batch_argnums: the positions in ``args`` that are batches; given, every other array argument is
                 mirrored (``()``: none is a batch).
+            axis_name: the name of the replica axis inside ``fn`` (default: the strategy's ``axis_name``,
+                ``"replica"``). pmap-era code ports by naming its axis: with ``axis_name="batch"``,
+                ``jax.lax.pmean(x, "batch")``, ``lax.psum``, ``lax.axis_index`` and
+                ``BatchNorm(axis_name="batch")`` in ``fn`` work over the replicas and compute what
+                ``jax.pmap(fn, axis_name="batch")`` computes on the same per-device batches. A collective over
+                an axis name that is not bound is a ValueError naming the axis and this argument.
 
         Returns:
             ``fn``'s outputs, same structure. Values identical on every replica by JAX's type system
@@ -417,7 +362,8 @@ class Strategy(StrategyExtended, StrategyV1Names):
 
         Raises:
             ValueError: for a `PerReplica` / `SyncOnRead` of another strategy, a value computed inside a step
-                whose role is not declared, or a declared batch the replicas do not divide.
+                whose role is not declared, a declared batch the replicas do not divide, or a collective in
+                ``fn`` over an axis name that is not bound (pass ``axis_name=``).
             RuntimeError: when called inside another replica function.
 
         Example:
@@ -431,9 +377,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> strategy.run(replica_fn, args=(jnp.ones(2), x)).tolist()
             [4.0, 4.0]
         """
-        from jaxdist.strategies.context import get_replica_context, has_strategy
-
-        if has_strategy() and get_replica_context() is not None:
+        if ambient.current_replica() is not None:
             raise RuntimeError(
                 "strategy.run was called inside a replica function: replica functions do not nest; "
                 "call the inner function directly (it already runs per replica)."
@@ -447,12 +391,13 @@ class Strategy(StrategyExtended, StrategyV1Names):
             raise ValueError(
                 f"batch_argnums={declared!r} names positions outside args (it has {len(args)} arguments)."
             )
+        axis = self._axis_name if axis_name is None else check_axis_name(self._policy, axis_name)
         args, kwargs = tuple(args), kwargs or {}
-        if self._host_offload is not None:
+        if self._policy.host_offload is not None:
             # Host-offloaded values are copied to device memory for the replica program (inside a step, the
-            # step's entry already streamed them).
+            # step's entry already did).
             args, kwargs = to_device_memory((args, kwargs))
-        return self._runner(fn, args, kwargs, declared)
+        return self._runner(fn, args, kwargs, declared, axis)
 
     def jit(
         self,
@@ -501,12 +446,9 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> step(strategy.mirror(jnp.ones(2)), jnp.ones((4, 2))).tolist()
             [0.5, 0.5]
         """
-        if self._host_offload is not None:
-            # Arguments in host memory are streamed to the devices at the step's entry and outputs shaped like
-            # them go back (the wrapper calls the step as it is when no argument is in host memory).
-            fn = stream_host_memory(self, fn, as_argnums(static_argnums, "static_argnums"))
         return StrategyFunction(
-            self, fn, donate_argnums=donate_argnums, static_argnums=static_argnums, batch_argnums=batch_argnums
+            self._policy, self._programs, fn, donate_argnums=donate_argnums, static_argnums=static_argnums,
+            batch_argnums=batch_argnums,
         )
 
     def run_steps_on_dataset(
@@ -552,21 +494,11 @@ class Strategy(StrategyExtended, StrategyV1Names):
             4.0
         """
         return run_steps_on_dataset(
-            self, step_fn, iterator, self.steps_per_run if iterations is None else iterations, initial_loop_values,
-            donate=donate,
+            self._policy, self._programs, step_fn, iterator,
+            self.steps_per_run if iterations is None else iterations, initial_loop_values, donate=donate,
         )
 
     # ------------------------------------------------------------------------------------------ results
-    def _check_owner(self, value: Any, what: str) -> None:
-        if value.owner is not None and value.owner is not self:
-            raise ValueError(
-                f"{what} got a {type(value).__name__} of another strategy ({value.owner!r}), not {self!r}: "
-                "use the strategy that produced it."
-            )
-
-    def _program(self, key: Any, build: Callable[[], Callable]) -> Callable:
-        return self._programs.get(None, key, lambda _: build())
-
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine per-replica values into one mirrored value (cross-replica context).
 
@@ -590,43 +522,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> float(strategy.reduce("sum", ids))
             1.0
         """
-        op = ReduceOp.parse(reduce_op, "reduce_op")
-        if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
-            raise TypeError(  # e.g. 2018 code passing reduce(aggregation, value, destinations)
-                f"axis={axis!r} must be an int or None. The 2018 form reduce(aggregation, value, destinations) is "
-                "strategy.batch_reduce(aggregation, [(value, destinations)])."
-            )
-        n = self.num_replicas_in_sync
-
-        def one(v):
-            if _is_distributed(v):
-                self._check_owner(v, "strategy.reduce")
-                stacked, distributed = v.stacked, True
-            else:
-                stacked, distributed = jnp.asarray(v), False
-            ndim = stacked.ndim - (1 if distributed else 0)
-            if axis is not None and not -ndim <= axis < ndim:
-                raise ValueError(
-                    f"axis={axis} is out of range for per-replica values of rank {ndim}; use None or an axis "
-                    f"in [{-ndim}, {ndim})."
-                )
-            inner = None if axis is None else axis % ndim
-
-            def build():
-                def reduce_fn(x):
-                    axes = () if inner is None else (inner + (1 if distributed else 0),)
-                    if distributed:
-                        axes = (0, *axes)
-                    if op is ReduceOp.MEAN:
-                        return jnp.mean(x, axis=axes) if axes else x
-                    total = jnp.sum(x, axis=axes) if axes else x
-                    return total if distributed else total * n
-
-                return jax.jit(reduce_fn, out_shardings=replicated(self._mesh))
-
-            return self._program(("reduce", op, inner, distributed), build)(stacked)
-
-        return jax.tree.map(one, value, is_leaf=_is_distributed)
+        return results.reduce(self._policy, self._programs, self, reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate the per-replica values along ``axis`` into one mirrored array (cross-replica context).
@@ -649,38 +545,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> strategy.gather(rows).shape
             (2, 1)
         """
-        n = self.num_replicas_in_sync
-
-        def one(v):
-            if _is_distributed(v):
-                self._check_owner(v, "strategy.gather")
-                stacked = v.stacked
-            else:
-                v = jnp.asarray(v)
-                stacked = None
-            ndim = (stacked.ndim - 1) if stacked is not None else v.ndim
-            if ndim == 0:
-                raise ValueError(
-                    "strategy.gather got scalar per-replica values: gather concatenates along an axis; use "
-                    "strategy.experimental_local_results or strategy.reduce for scalars."
-                )
-            if not -ndim <= axis < ndim:
-                raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}.")
-            ax = axis % ndim
-
-            def build():
-                def gather_fn(x):
-                    if stacked is None:
-                        return jnp.concatenate([x] * n, axis=ax)
-                    moved = jnp.moveaxis(x, 0, ax)  # (..., N, d_ax, ...) -> merge N into d_ax
-                    shape = moved.shape
-                    return moved.reshape((*shape[:ax], shape[ax] * shape[ax + 1], *shape[ax + 2 :]))
-
-                return jax.jit(gather_fn, out_shardings=replicated(self._mesh))
-
-            return self._program(("gather", ax, stacked is None), build)(stacked if stacked is not None else v)
-
-        return jax.tree.map(one, value, is_leaf=_is_distributed)
+        return results.gather(self._policy, self._programs, self, value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this process's replicas, one entry per local replica, in replica order.
@@ -695,21 +560,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> [int(v) for v in strategy.experimental_local_results(out)]
             [0]
         """
-        local = [d for d in self.replica_devices if d.process_index == jax.process_index()]
-
-        def components(v):
-            if _is_distributed(v):
-                self._check_owner(v, "strategy.experimental_local_results")
-                return local_components(v.stacked)
-            if isinstance(v, jax.Array) and v.sharding.is_fully_replicated:
-                by_device = {s.device: s.data for s in v.addressable_shards}
-                if all(d in by_device for d in local):
-                    return tuple(by_device[d] for d in local)
-            return (v,) * len(local)
-
-        leaves, treedef = jax.tree.flatten(value, is_leaf=_is_distributed)
-        per_leaf = [components(v) for v in leaves]
-        return tuple(jax.tree.unflatten(treedef, [c[i] for c in per_leaf]) for i in range(len(local)))
+        return results.local_results(self._policy, self, value)
 
     # -------------------------------------------------------------------------------------------- input
     def experimental_distribute_values(self, batch: Any) -> Any:
@@ -726,7 +577,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
             >>> strategy.experimental_distribute_values(np.zeros((4, 3))).shape
             (4, 3)
         """
-        return place_batch(self, batch)
+        return place_batch(self._policy, batch)
 
     def experimental_distribute_dataset(self, dataset: Iterable[Any], prefetch: int = 2) -> DistributedDataset:
         """Distribute an iterable of GLOBAL batches: each comes out split on axis 0 over the replicas.
@@ -755,7 +606,7 @@ class Strategy(StrategyExtended, StrategyV1Names):
                 f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: pass an iterable of "
                 "global batches, e.g. a list or generator of (x, y) numpy arrays."
             )
-        return DistributedDataset(lambda: dataset, lambda b: place_batch(self, b), prefetch)
+        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2
@@ -783,5 +634,5 @@ class Strategy(StrategyExtended, StrategyV1Names):
             raise TypeError(f"dataset_fn={dataset_fn!r} is not callable: pass a function of an InputContext.")
         ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
         return DistributedDataset(
-            lambda: dataset_fn(ctx), lambda b: place_batch(self, b, process_local=True), prefetch
+            lambda: dataset_fn(ctx), lambda b: place_batch(self._policy, b, process_local=True), prefetch
         )

@@ -17,9 +17,8 @@ output sharding is the variable's own:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,110 +28,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.layouts import REPLICA_AXIS, put, replicated
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
+from jaxdist.replicate.trees import fn_name, hashable, is_chief, is_distributed, merge_static, signature, split_static
 from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.strategies import ambient
 from jaxdist.strategies.devices import resolve_device, resolve_devices
 from jaxdist.strategies.offload import HOST_MEMORY_KIND, to_device_memory
+from jaxdist.strategies.policy import colocated_layout
 
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
-
-__all__ = ["StrategyExtended", "colocated_layout", "colocation_target"]
-
-
-def _is_distributed(x: Any) -> bool:
-    return isinstance(x, (PerReplica, SyncOnRead))
-
-
-class _Colocations(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[Any, jax.sharding.Sharding]] = []
-
-
-_colocations = _Colocations()
-
-
-def colocation_target(strategy: Strategy) -> jax.sharding.Sharding | None:
-    """The layout of the innermost open ``strategy.colocate_vars_with(...)`` block, or None."""
-    for owner, target in reversed(_colocations.stack):
-        if owner is strategy:
-            return target
-    return None
-
-
-def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.Sharding:
-    """``target``'s layout for a value of ``aval``'s shape: the same sharding where it fits, else a whole copy on
-    the same devices (same memory kind).
-
-    Example:
-        >>> import jax
-        >>> from jax.sharding import NamedSharding, PartitionSpec as P
-        >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("replica",))
-        >>> colocated_layout(NamedSharding(mesh, P(None, "replica")), jax.ShapeDtypeStruct((), "int32")).spec
-        P()
-    """
-    if not isinstance(target, NamedSharding):
-        return target
-    shape = tuple(np.shape(aval))
-    if len(target.spec) <= len(shape):
-        sizes = dict(target.mesh.shape)
-        fits = True
-        for axis, entry in enumerate(target.spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            parts = int(np.prod([sizes[n] for n in names if n is not None], dtype=np.int64))
-            fits = fits and shape[axis] % parts == 0
-        if fits:
-            return target
-    return NamedSharding(target.mesh, PartitionSpec(), memory_kind=target.memory_kind)
-
-
-def _signature(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in leaves)
-
-
-def _split_static(tree: Any) -> tuple[list, Any, tuple]:
-    """Array leaves (traced) and everything else (compile-time constants, as in ``run``)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
-    dynamic = [x for x, a in zip(leaves, is_array, strict=True) if a]
-    statics = tuple(None if a else x for x, a in zip(leaves, is_array, strict=True))
-    return dynamic, treedef, statics
-
-
-def _merge_static(dynamic: Sequence[Any], treedef: Any, statics: tuple) -> Any:
-    it = iter(dynamic)
-    return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in statics])
-
-
-def _hashable(values: tuple) -> Any:
-    try:
-        hash(values)
-        return values
-    except TypeError:
-        return tuple(id(v) for v in values)
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+__all__ = ["StrategyExtended"]
 
 
 def _checked(var: Any, new: Any, name: str) -> Any:
     """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps the variable's layout)."""
-    if _signature(new) != _signature(var):
-        described = [", ".join(f"{d}{list(s)}" for s, d in _signature(t)[1]) for t in (new, var)]
+    if signature(new) != signature(var):
+        described = [", ".join(f"{d}{list(s)}" for s, d in signature(t)[1]) for t in (new, var)]
         raise ValueError(
             f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: strategy.update stores "
             "fn's result in the variable's layout, so it must return the new value of var with the same "
             "structure, shapes and dtypes; compute other results with strategy.jit."
         )
     return new
-
-
-def _in_replica_function() -> Any:
-    """The replica context of the replica function being traced (None in cross-replica code)."""
-    from jaxdist.strategies.context import get_replica_context, has_strategy
-
-    return get_replica_context() if has_strategy() else None
 
 
 class StrategyExtended:
@@ -155,7 +70,7 @@ class StrategyExtended:
             >>> jd.OneDeviceStrategy().should_checkpoint
             True
         """
-        return jax.process_index() == 0
+        return is_chief()
 
     @property
     def should_save_summary(self) -> bool:
@@ -166,7 +81,7 @@ class StrategyExtended:
             >>> jd.OneDeviceStrategy().should_save_summary
             True
         """
-        return jax.process_index() == 0
+        return is_chief()
 
     @property
     def should_init(self) -> bool:
@@ -253,9 +168,7 @@ class StrategyExtended:
             >>> w.sharding.spec, slot.sharding.spec, step.sharding.spec
             (P(None, 'replica'), P(None, 'replica'), P())
         """
-        from jaxdist.strategies.context import get_strategy, has_strategy
-
-        if not has_strategy() or get_strategy() is not self or _in_replica_function() is not None:
+        if ambient.current_scope() is not self or ambient.current_replica() is not None:
             raise RuntimeError(
                 "colocate_vars_with is used inside this strategy's scope(), in cross-replica code: "
                 "`with strategy.scope(), strategy.colocate_vars_with(v): ...`."
@@ -271,11 +184,8 @@ class StrategyExtended:
                 "is not a variable: pass a placed jax.Array, a jax.sharding.Sharding (e.g. "
                 "strategy.non_slot_devices(params)) or a jax.Device."
             )
-        _colocations.stack.append((self, target))
-        try:
+        with ambient.colocation(self.policy, target):
             yield
-        finally:
-            _colocations.stack.pop()
 
     # ---------------------------------------------------------------------------------------- updates
     def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -314,7 +224,7 @@ class StrategyExtended:
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: pass fn(var, *args) -> new value of var.")
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update")
-        if any(_is_distributed(x) for x in jax.tree.leaves(var, is_leaf=_is_distributed)):
+        if any(is_distributed(x) for x in jax.tree.leaves(var, is_leaf=is_distributed)):
             raise ValueError(
                 "strategy.update got a PerReplica / SyncOnRead as var: update applies fn to a variable's copies; "
                 "update a sync-on-read value with .assign (or inside strategy.run), reduce a PerReplica first."
@@ -328,40 +238,40 @@ class StrategyExtended:
                 f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: var must be placed variables "
                 "(from strategy.create_variables or strategy.mirror) so that its layout can be kept."
             )
-        dynamic, treedef, statics = _split_static((args, kwargs))
+        dynamic, treedef, statics = split_static((args, kwargs))
         shardings = tuple(x.sharding for x in leaves)
         key = (
             "update",
             jax.tree.structure(var),
             shardings,
-            _signature(var)[1],
+            signature(var)[1],
             treedef,
-            _hashable(statics),
+            hashable(statics),
             tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic),
         )
         var_tree = jax.tree.structure(var)
-        name = _name(fn)  # not fn itself: a cached program must not keep its function alive
+        name = fn_name(fn)  # not fn itself: a cached program must not keep its function alive
 
         def build(weak_fn):
             def body(v, dyn):
                 v, dyn = to_device_memory(v), to_device_memory(dyn)
-                call_args, call_kwargs = _merge_static(dyn, treedef, statics)
+                call_args, call_kwargs = merge_static(dyn, treedef, statics)
                 return _checked(v, weak_fn(v, *call_args, **call_kwargs), name)
 
             return jax.jit(body, out_shardings=jax.tree.unflatten(var_tree, shardings))
 
-        new = self.programs.get(fn, key, build, reason=(_hashable(statics), key[-1]))(var, dynamic)
+        new = self.programs.get(fn, key, build, reason=(hashable(statics), key[-1]))(var, dynamic)
         return new if grouped else list(self.experimental_local_results(new))
 
     def _update_in_trace(self, var: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        ctx = _in_replica_function()
+        ctx = ambient.current_replica()
         if ctx is not None and not ctx.in_merge_call:
             raise RuntimeError(
                 "strategy.update was called inside a replica function: every replica would update its own copy. "
                 "Combine the replicas' values first: return ctx.aggregate(new_value, aggregation), or call "
                 "update inside ctx.merge_call(lambda strategy, *a: strategy.update(...), args=(...))."
             )
-        return _checked(var, fn(var, *args, **kwargs), _name(fn))
+        return _checked(var, fn(var, *args, **kwargs), fn_name(fn))
 
     def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` compiled with its results placed at ``colocate_with`` (non-slot variables).
@@ -397,23 +307,23 @@ class StrategyExtended:
                 "jax.sharding.Sharding or a placed variable."
             )
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update_non_slot")
-        dynamic, treedef, statics = _split_static((args, kwargs))
+        dynamic, treedef, statics = split_static((args, kwargs))
         avals = tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic)
 
         def build(weak_fn):
             def body(dyn):
-                call_args, call_kwargs = _merge_static(to_device_memory(dyn), treedef, statics)
+                call_args, call_kwargs = merge_static(to_device_memory(dyn), treedef, statics)
                 return weak_fn(*call_args, **call_kwargs)
 
             shapes = jax.eval_shape(body, dynamic)
             return jax.jit(body, out_shardings=jax.tree.map(lambda a: colocated_layout(target, a), shapes))
 
-        key = ("update_non_slot", target, treedef, _hashable(statics), avals)
-        new = self.programs.get(fn, key, build, reason=(_hashable(statics), avals))(dynamic)
+        key = ("update_non_slot", target, treedef, hashable(statics), avals)
+        new = self.programs.get(fn, key, build, reason=(hashable(statics), avals))(dynamic)
         return new if grouped else list(self.experimental_local_results(new))
 
     def _refuse_per_replica(self, tree: Any, where: str) -> None:
-        if any(_is_distributed(x) for x in jax.tree.leaves(tree, is_leaf=_is_distributed)):
+        if any(is_distributed(x) for x in jax.tree.leaves(tree, is_leaf=is_distributed)):
             raise ValueError(
                 f"{where} hold a PerReplica / SyncOnRead value: they must be the same on every replica (as in TF). "
                 "Combine it first with strategy.reduce(op, value) or read it with strategy.read_var(value)."
@@ -477,10 +387,10 @@ class StrategyExtended:
         n = self.num_replicas_in_sync
         inputs, flags, outs, trees = [], [], [], []
         for i, (value, destination) in enumerate(pairs):
-            leaves, tree = jax.tree.flatten(value, is_leaf=_is_distributed)
+            leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
             trees.append((tree, len(leaves)))
             for leaf in leaves:
-                if _is_distributed(leaf):
+                if is_distributed(leaf):
                     if leaf.owner is not None and leaf.owner is not self:
                         raise ValueError(
                             f"value_destination_pairs[{i}] holds a {type(leaf).__name__} of {leaf.owner!r}, not "
@@ -542,7 +452,7 @@ class StrategyExtended:
         self._refuse_per_replica(tensor, "the tensor given to strategy.broadcast")
         leaves, treedef = jax.tree.flatten(tensor)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            if _in_replica_function() is not None:
+            if ambient.current_replica() is not None:
                 raise RuntimeError(
                     "strategy.broadcast was called inside a replica function: to give every replica replica 0's "
                     "value, return ctx.aggregate(x, 'only_first_replica') (or use ctx.merge_call)."
@@ -585,4 +495,4 @@ class StrategyExtended:
                 )
             return v
 
-        return jax.tree.map(read, var, is_leaf=_is_distributed)
+        return jax.tree.map(read, var, is_leaf=is_distributed)

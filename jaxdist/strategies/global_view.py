@@ -31,45 +31,22 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from flax.core.meta import Partitioned
 
-from jaxdist.replicate.layouts import path_name, put, replicated
-from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.replicate.layouts import path_name, put
+from jaxdist.replicate.trees import abstract, fn_name
+from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.input import place_batch
-from jaxdist.strategies.tracing import computation
+from jaxdist.strategies.offload import to_device_memory
+from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.programs import ProgramCache
+from jaxdist.strategies.roles import UndeclaredBatchWarning, as_argnums, role_of_placed
 
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
-
-__all__ = ["StrategyFunction", "UndeclaredBatchWarning", "as_argnums"]
-
-
-class UndeclaredBatchWarning(UserWarning):
-    """An unplaced array reached a strategy computation with no declaration of which arguments are batches."""
-
-
-def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
-    """``value`` (an int, a sequence of ints or None) as a tuple of argument positions.
-
-    Raises:
-        TypeError: for anything else, naming ``name``.
-
-    Example:
-        >>> as_argnums(1, "batch_argnums"), as_argnums(None, "batch_argnums")
-        ((1,), ())
-    """
-    if value is None:
-        return ()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(value)
-    raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument indices).")
+__all__ = ["StrategyFunction"]
 
 
 def _is_graph_node(x: Any) -> bool:
@@ -89,7 +66,8 @@ class StrategyFunction:
 
     def __init__(
         self,
-        strategy: Strategy,
+        policy: LayoutPolicy,
+        programs: ProgramCache,
         fn: Callable,
         donate_argnums: int | Sequence[int] | None = None,
         static_argnums: int | Sequence[int] | None = None,
@@ -97,7 +75,8 @@ class StrategyFunction:
     ):
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: strategy.jit compiles a step function.")
-        self._strategy = strategy
+        self._policy = policy
+        self._programs = programs
         self._fn = fn
         self._static = as_argnums(static_argnums, "static_argnums")
         self._donate = as_argnums(donate_argnums, "donate_argnums")
@@ -135,8 +114,8 @@ class StrategyFunction:
         return jitted
 
     def _place(self, args: tuple, state: Any) -> tuple[tuple, Any]:
-        strategy = self._strategy
-        mesh = strategy.mesh
+        policy = self._policy
+        mesh = policy.mesh
         declared = self._batch or ()
         # Fast path: in steady state every array is already on the mesh (host batches aside). Arrays on the mesh
         # keep their layout, except a declared batch that every replica holds whole: it is split (its rows are
@@ -148,7 +127,7 @@ class StrategyFunction:
                 continue
             for x in jax.tree.leaves(a):
                 if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
-                    if i in declared and _replicated_rows(x, strategy):
+                    if i in declared and _replicated_rows(x, policy):
                         todo.append(i)  # a declared batch held whole by every replica: split it
                         break
                     continue  # the common case, checked without a method call
@@ -162,7 +141,7 @@ class StrategyFunction:
         placed = list(args)
         for i in todo:
             if i in declared:
-                placed[i] = place_batch(strategy, args[i], where=f"argument {i} (in batch_argnums)")
+                placed[i] = place_batch(policy, args[i], where=f"argument {i} (in batch_argnums)")
             else:
                 placed[i] = self._place_variables(args[i], f"argument {i}")
         return tuple(placed), state
@@ -180,13 +159,13 @@ class StrategyFunction:
         flat, treedef = jax.tree.flatten(state)
         for i in todo:
             path, x = leaves[i]
-            layout = self._strategy.variable_layout(path_name(path), jax.ShapeDtypeStruct(x.shape, x.dtype))
+            layout = self._policy.variable_layout(path_name(path), jax.ShapeDtypeStruct(x.shape, x.dtype))
             if not layout.is_fully_replicated:
                 flat[i] = put(x, layout)
         return jax.tree.unflatten(treedef, flat)
 
     def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
-        mesh = self._strategy.mesh
+        mesh = self._policy.mesh
         leaves = jax.tree_util.tree_leaves_with_path(tree)
         if not any(_needs_placing(x, mesh) for _, x in leaves):
             return tree
@@ -195,7 +174,7 @@ class StrategyFunction:
             if ranked:
                 self._warned = True
                 warnings.warn(
-                    f"{_name(self._fn)}: {where} holds unplaced arrays (e.g. {where}{jax.tree_util.keystr(ranked[0])}"
+                    f"{fn_name(self._fn)}: {where} holds unplaced arrays (e.g. {where}{jax.tree_util.keystr(ranked[0])}"
                     f" of shape {np.shape(_leaf_at(tree, ranked[0]))}) and no argument is declared a batch, so they "
                     "are placed as variables (mirrored: every replica computes on all of their rows). If an "
                     "argument is a batch, declare it: strategy.jit(fn, batch_argnums=(i,)) splits its rows over "
@@ -204,7 +183,7 @@ class StrategyFunction:
                     stacklevel=5,
                 )
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)), tree)
-        layouts = self._strategy.variable_shardings(shapes)
+        layouts = self._policy.variable_shardings(shapes)
         return jax.tree.map(lambda x, s: put(x, s) if _needs_placing(x, mesh) else x, tree, layouts)
 
     # ------------------------------------------------------------------------------------------ calls
@@ -213,7 +192,7 @@ class StrategyFunction:
         if not nodes:
             return args, nodes, None, None
         graphdef, state = nnx.split(tuple(args[i] for i in nodes))
-        if self._strategy.gathers_variables_without_batch:  # variables can be split: Flax's default may not fit
+        if self._policy.splits_variables:  # variables can be split: Flax's default may not fit
             annotated = [
                 bool(v.get_metadata().get("out_sharding") or v.get_metadata().get("sharding"))
                 for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -248,14 +227,17 @@ class StrategyFunction:
 
     # --------------------------------------------------------------------------------------- tracing
     def _traced(self, nnx_static: tuple, state: Any, *args: Any) -> Any:
-        strategy = self._strategy
+        policy = self._policy
         graphdef, nodes = nnx_static
         concrete_args, concrete_state = getattr(self._local, "args", None) or (None, None)
         if concrete_args is None:  # traced without concrete values (e.g. jax.eval_shape): layouts unknown
-            concrete_args = tuple(None if i in self._static else _abstract(a) for i, a in enumerate(args))
-            concrete_state = _abstract(state)
-        strategy.programs.note_trace(self._fn, _trace_signature(args, self._static))
-        batches, variables, unknown = [], [], []
+            concrete_args = tuple(None if i in self._static else abstract(a) for i, a in enumerate(args))
+            concrete_state = abstract(state)
+        self._programs.note_trace(self._fn, _trace_signature(args, self._static))
+        # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
+        # argument's layout; outputs shaped like them go back, see LayoutPolicy.output_layouts).
+        args, state = to_device_memory((args, state))
+        batches, variables, maybe_batches = [], [], []
         declared = self._batch
         for i, (a, c) in enumerate(zip(args, concrete_args, strict=True)):
             if i in self._static or i in nodes:
@@ -264,12 +246,17 @@ class StrategyFunction:
                 if declared is not None:
                     (batches if i in declared else variables).append(t)
                     continue
-                role = strategy.layout_role(leaf)
-                (batches if role == "batch" else variables if role == "variable" else unknown).append(t)
+                role = role_of_placed(policy, leaf)
+                if role == "batch":
+                    batches.append(t)
+                elif role == "variable":
+                    variables.append(t)
+                elif policy.is_batch_layout(leaf):  # split like a batch where variables can be too
+                    maybe_batches.append(t)
         variables.extend(jax.tree.leaves(state))
-        if not batches and strategy.gathers_variables_without_batch:
-            args, state = _gather_at_entry(strategy, args, concrete_args, state, concrete_state, self._static)
-        with computation(strategy, "global", batches, variables), strategy.tracing_scope():
+        if not (batches or maybe_batches) and policy.splits_variables:
+            args, state = _gather_at_entry(policy, args, concrete_args, state, concrete_state, self._static)
+        with computation(policy, "global", batches, variables), policy.tracing_scope():
             if nodes:
                 objects = nnx.merge(graphdef, state)
                 call_args = list(args)
@@ -279,29 +266,24 @@ class StrategyFunction:
                 new_graphdef, new_state = nnx.split(objects)
                 if new_graphdef != graphdef:
                     raise ValueError(
-                        f"{_name(self._fn)} changed the structure of its nnx arguments (added or removed "
+                        f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
                         "variables or submodules): a compiled step may update variables in place, not create "
                         "them; create every variable before the first step."
                     )
             else:
                 out = self._fn(*args)
-        signatures = [
-            (_signature(c), c) for i, c in enumerate(concrete_args) if i not in self._static and i not in nodes
-        ]
-        out = _output_layouts(strategy, out, signatures)
+        out = policy.output_layouts(
+            out, [c for i, c in enumerate(concrete_args) if i not in self._static and i not in nodes]
+        )
         if nodes:
-            return out, _constrain_like(new_state, concrete_state)
+            return out, policy.output_layouts(new_state, [concrete_state])
         return out
 
 
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _replicated_rows(x: Any, strategy: Strategy) -> bool:
+def _replicated_rows(x: Any, policy: LayoutPolicy) -> bool:
     """A declared batch leaf on the mesh that every replica holds whole (its rows are not split)."""
     return (
-        isinstance(x, jax.Array) and np.ndim(x) >= 1 and strategy.num_replicas_in_sync > 1
+        isinstance(x, jax.Array) and np.ndim(x) >= 1 and policy.num_replicas > 1
         and x.sharding.is_fully_replicated
     )
 
@@ -320,10 +302,6 @@ def _leaf_at(tree: Any, path: tuple) -> Any:
     return None
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)), tree)
-
-
 def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
     statics = tuple(repr(args[i])[:80] for i in static if i < len(args))
     shapes = tuple(
@@ -333,9 +311,9 @@ def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
     return statics, shapes
 
 
-def _gather_at_entry(strategy, args, concrete_args, state, concrete_state, static) -> tuple[tuple, Any]:
+def _gather_at_entry(policy, args, concrete_args, state, concrete_state, static) -> tuple[tuple, Any]:
     """Constrain split variables to replicated at entry (the Shardy conv workaround; see module doc)."""
-    full = replicated(strategy.mesh)
+    full = policy.replicated_sharding
 
     def gather(t, c):
         sharding = getattr(c, "sharding", None)
@@ -350,55 +328,3 @@ def _gather_at_entry(strategy, args, concrete_args, state, concrete_state, stati
     if state is not None and concrete_state is not None:
         state = jax.tree.map(gather, state, concrete_state)
     return out, state
-
-
-def _signature(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in leaves)
-
-
-def _constrain_like(tree: Any, concrete: Any) -> Any:
-    shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
-    if not all(isinstance(s, jax.sharding.Sharding) for s in shardings):
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(
-        treedef, [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings, strict=True)]
-    )
-
-
-def _output_layouts(strategy: Strategy, out: Any, signatures: list) -> Any:
-    """Outputs shaped like an argument take its layout; every other output the strategy's variable layout."""
-
-    def like_argument(tree):
-        sig = _signature(tree)
-        for s, concrete in signatures:
-            if s == sig:
-                constrained = _constrain_like(tree, concrete)
-                if constrained is not tree:
-                    return constrained
-        return None
-
-    def variable_layout(tree):
-        def one(path, x):
-            if isinstance(x, (PerReplica, SyncOnRead)):  # one component per replica: stays split over them
-                return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, strategy.batch_sharding), x)
-            box = x if isinstance(x, Partitioned) else None  # a Flax annotation: laid out as annotated
-            value = x.value if box is not None else x
-            if not isinstance(value, jax.Array):
-                return x
-            aval = jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.result_type(value))
-            value = jax.lax.with_sharding_constraint(value, strategy.variable_layout(path_name(path), aval, box))
-            return box.replace_boxed(value) if box is not None else value
-
-        return jax.tree_util.tree_map_with_path(
-            one, tree, is_leaf=lambda v: isinstance(v, (PerReplica, SyncOnRead, Partitioned))
-        )
-
-    whole = like_argument(out)
-    if whole is not None:
-        return whole
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):  # -> (state, metrics): element by element
-        matched = [like_argument(o) for o in out]
-        return tuple(m if m is not None else variable_layout(o) for m, o in zip(matched, out, strict=True))
-    return variable_layout(out)

@@ -25,15 +25,23 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["DistributedDataset", "DistributedIterator", "InputContext"]
+from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.roles import mark_placed_batch
 
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
+__all__ = [
+    "DistributedDataset",
+    "DistributedIterator",
+    "InputContext",
+    "check_divisible",
+    "place_batch",
+    "replicas_on_this_process",
+]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +79,10 @@ class InputContext:
         Raises:
             ValueError: when the replicas do not divide the global batch.
         """
-        return global_batch_size // _check_divisible(global_batch_size, self.num_replicas_in_sync)
+        return global_batch_size // check_divisible(global_batch_size, self.num_replicas_in_sync)
 
 
-def _check_divisible(batch: int, replicas: int, where: str = "global batch") -> int:
+def check_divisible(batch: int, replicas: int, where: str = "global batch") -> int:
     if batch % replicas:
         up = -(-batch // replicas) * replicas
         down = batch // replicas * replicas
@@ -85,22 +93,27 @@ def _check_divisible(batch: int, replicas: int, where: str = "global batch") -> 
     return replicas
 
 
-def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
-    """Place one batch (a pytree of arrays) split on axis 0 over ``strategy``'s replicas.
+def replicas_on_this_process(policy: LayoutPolicy) -> int:
+    """How many of ``policy``'s replicas this process's devices hold."""
+    return sum(1 for d in policy.replica_devices if d.process_index == jax.process_index())
+
+
+def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
+    """Place one batch (a pytree of arrays) split on axis 0 over ``policy``'s replicas.
 
     Args:
-        strategy: the strategy whose replicas get the rows.
+        policy: the layout policy whose replicas get the rows.
         batch: the global batch, or with ``process_local=True`` this process's rows only.
         process_local: whether ``batch`` holds only this process's rows.
         where: how errors name the batch (e.g. ``"argument 1 (in batch_argnums)"``).
 
     Returns:
-        The batch as global `jax.Array`s laid out with ``strategy``'s batch sharding.
+        The batch as global `jax.Array`s laid out with ``policy``'s batch sharding.
 
     Raises:
         ValueError: for a scalar leaf, or a batch the replicas do not divide evenly.
     """
-    sharding = strategy.batch_sharding
+    sharding = policy.batch_sharding
     n_proc = jax.process_count()
     leaves, treedef = jax.tree.flatten(batch)
     todo = []  # indices of leaves to transfer
@@ -115,10 +128,10 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False, 
                 "to split over the replicas (pass scalars as separate, non-batch arguments)."
             )
         if process_local:
-            _check_divisible(shape[0], strategy.num_replicas_per_host,
+            check_divisible(shape[0], replicas_on_this_process(policy),
                              "per-process batch" if where is None else f"the per-process rows of {where}")
         else:
-            _check_divisible(shape[0], strategy.num_replicas_in_sync,
+            check_divisible(shape[0], policy.num_replicas,
                              "global batch" if where is None else f"the rows of {where}")
         todo.append(i)
     if todo:
@@ -129,8 +142,8 @@ def place_batch(strategy: Strategy, batch: Any, *, process_local: bool = False, 
             moved = [_place_process_rows(sharding, leaves[i], process_local, n_proc) for i in todo]
         for i, m in zip(todo, moved, strict=True):
             leaves[i] = m
-    for leaf in leaves:
-        strategy.mark_batch(leaf)
+    for leaf in leaves:  # the role these arrays carry (where the layout alone cannot say: FSDP)
+        mark_placed_batch(leaf)
     return jax.tree.unflatten(treedef, leaves)
 
 

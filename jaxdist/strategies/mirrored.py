@@ -7,11 +7,14 @@ from typing import Any
 
 from jaxdist.strategies.base import Strategy
 from jaxdist.strategies.devices import resolve_devices
+from jaxdist.strategies.extended import StrategyExtended
+from jaxdist.strategies.legacy import StrategyV1Names
+from jaxdist.strategies.policy import LayoutPolicy
 
 __all__ = ["MirroredStrategy"]
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """One replica per device; parameters mirrored (replicated), batches split over the replicas.
 
     Args:
@@ -20,6 +23,7 @@ class MirroredStrategy(Strategy):
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory (``"pinned_host"``)
             between steps and stream them to the devices for each step (see `jaxdist.strategies.offload`);
             None: everything in device memory.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
 
     Raises:
         ValueError: for an empty list, a device listed twice, devices of two backends, or an unknown
@@ -32,5 +36,8 @@ class MirroredStrategy(Strategy):
         True
     """
 
-    def __init__(self, devices: Sequence[Any] | None = None, host_offload: str | None = None):
-        super().__init__(resolve_devices(devices, "devices"), host_offload=host_offload)
+    def __init__(
+        self, devices: Sequence[Any] | None = None, host_offload: str | None = None, axis_name: str | None = None
+    ):
+        policy = LayoutPolicy(resolve_devices(devices, "devices"), host_offload=host_offload)
+        super().__init__(policy, axis_name=axis_name)

@@ -19,8 +19,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
+from jaxdist.replicate.trees import is_array, is_chief
 from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.extended import StrategyExtended
+from jaxdist.strategies.legacy import StrategyV1Names
+from jaxdist.strategies.policy import LayoutPolicy
 
 __all__ = ["MultiWorkerMirroredStrategy", "resolve_cluster"]
 
@@ -105,7 +110,7 @@ def _initialize(cluster, initialization_timeout: int, heartbeat_timeout_seconds:
         raise
 
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """Mirrored data parallelism over every device of every process (tf.distribute's MultiWorker...).
 
     Args:
@@ -138,12 +143,12 @@ class MultiWorkerMirroredStrategy(Strategy):
     ):
         cluster = resolve_cluster(coordinator_address, num_processes, process_id)
         _initialize(cluster, initialization_timeout, heartbeat_timeout_seconds)
-        super().__init__(tuple(jax.devices()))
+        super().__init__(LayoutPolicy(tuple(jax.devices())))
 
     @property
     def is_chief(self) -> bool:
         """True on process 0, whose initial values every process uses."""
-        return jax.process_index() == 0
+        return is_chief()
 
     def create_variables(self, init_fn, *args, **kwargs):
         """As `Strategy.create_variables`; the chief's arguments (rng keys, samples) are used everywhere, so
@@ -163,10 +168,8 @@ def _from_chief(tree: Any) -> Any:
     """``tree`` as process 0 has it (a no-op in a single process)."""
     if jax.process_count() == 1:
         return tree
-    from jax.experimental import multihost_utils
-
     leaves, treedef = jax.tree.flatten(tree)
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    arrays = [i for i, x in enumerate(leaves) if is_array(x)]
     keys = [jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key) for i in arrays]
     impls = [jax.random.key_impl(leaves[i]) if k else None for i, k in zip(arrays, keys, strict=True)]
     plain = [np.asarray(jax.random.key_data(leaves[i]) if k else leaves[i]) for i, k in zip(arrays, keys, strict=True)]

@@ -23,18 +23,11 @@ they stay in device memory (as Graphcore's IPU strategy keeps them on the IPU).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
-
-from jaxdist.strategies.tracing import computation, role_of
-
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
 
 __all__ = [
     "HOST_MEMORY_KIND",
@@ -43,8 +36,8 @@ __all__ = [
     "is_optimizer_state",
     "offload_shardings",
     "parse_host_offload",
-    "stream_host_memory",
     "to_device_memory",
+    "to_host_memory",
 ]
 
 HOST_MEMORY_KIND = "pinned_host"
@@ -170,7 +163,8 @@ def _to_device(x: Any) -> Any:
     return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
 
-def _to_host(x: Any) -> Any:
+def to_host_memory(x: Any) -> Any:
+    """``x`` (a traced value) moved to host memory, same layout: where an offloaded output goes at a step's exit."""
     return x if in_host_memory(x) else jax.device_put(x, jax.memory.Space.Host)
 
 
@@ -189,95 +183,3 @@ def to_device_memory(tree: Any) -> Any:
     if not any(in_host_memory(x) for x in leaves):
         return tree
     return jax.tree.unflatten(treedef, [_to_device(x) for x in leaves])
-
-
-def _signature(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in leaves)
-
-
-def _is_graph_node(x: Any) -> bool:
-    return nnx.graph.is_graph_node(x)
-
-
-class HostStreamed:
-    """A step that streams its host-memory arguments to the devices (see the module doc).
-
-    Wraps the user's step for ``strategy.jit``: at trace time, arguments in host memory are copied to device
-    memory before the step sees them (the copies keep their argument's role: batch or variable), and outputs
-    shaped like such an argument are copied back to host memory. Without host-memory arguments the step is
-    called as it is. ``func`` is the user's step (as ``functools.partial.func``: programs are attributed to it).
-    """
-
-    def __init__(self, strategy: Strategy, fn: Callable, static_argnums: tuple[int, ...] = ()):
-        self.func = fn
-        # Distinct names: StrategyFunction copies this object's __dict__ onto itself (functools.update_wrapper).
-        self._streaming_strategy = strategy
-        self._streaming_static = static_argnums
-        functools.update_wrapper(self, fn)
-
-    def __call__(self, *args: Any) -> Any:
-        plain = [i for i, a in enumerate(args) if i not in self._streaming_static and not _is_graph_node(a)]
-        nodes = [i for i, a in enumerate(args) if i not in self._streaming_static and _is_graph_node(a)]
-        masks = {i: [in_host_memory(x) for x in jax.tree.leaves(args[i])] for i in plain}
-        node_states = {i: nnx.state(args[i]) for i in nodes}
-        node_masks = {i: [in_host_memory(x) for x in jax.tree.leaves(s)] for i, s in node_states.items()}
-        if not any(any(m) for m in (*masks.values(), *node_masks.values())):
-            return self.func(*args)
-        call_args = list(args)
-        batches, variables = [], []
-        for i in plain:
-            if any(masks[i]):
-                leaves, treedef = jax.tree.flatten(args[i])
-                moved = [_to_device(x) for x in leaves]
-                for old, new in zip(leaves, moved, strict=True):
-                    if new is not old:  # the device copy stands for its argument: same role
-                        (batches if role_of(old, self._streaming_strategy) == "batch" else variables).append(new)
-                call_args[i] = jax.tree.unflatten(treedef, moved)
-        for i in nodes:
-            if any(node_masks[i]):
-                nnx.update(args[i], to_device_memory(node_states[i]))
-        with computation(self._streaming_strategy, "global", batches, variables):
-            out = self.func(*call_args)
-        for i in nodes:  # nnx objects were updated in place: their offloaded variables go back to host memory
-            if any(node_masks[i]):
-                state = nnx.state(args[i])
-                leaves, treedef = jax.tree.flatten(state)
-                back = [_to_host(x) if m else x for x, m in zip(leaves, node_masks[i], strict=True)]
-                nnx.update(args[i], jax.tree.unflatten(treedef, back))
-        # The strategy's output rule: an output shaped like a positional argument takes that argument's layout
-        # (the first such argument); so an output shaped like an offloaded argument returns to host memory.
-        signatures = [(_signature(args[i]), masks[i]) for i in plain]
-        return _outputs_to_host(out, signatures)
-
-
-def _outputs_to_host(out: Any, signatures: list) -> Any:
-    def like_argument(tree):
-        sig = _signature(tree)
-        for s, mask in signatures:
-            if s == sig:
-                if not any(mask):
-                    return tree
-                leaves, treedef = jax.tree.flatten(tree)
-                return jax.tree.unflatten(treedef, [_to_host(x) if m else x for x, m in zip(leaves, mask, strict=True)])
-        return None
-
-    whole = like_argument(out)
-    if whole is not None:
-        return whole
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        matched = [like_argument(o) for o in out]
-        return tuple(o if m is None else m for m, o in zip(matched, out, strict=True))
-    return out
-
-
-def stream_host_memory(strategy: Strategy, fn: Any, static_argnums: tuple[int, ...] = ()) -> Any:
-    """``fn`` wrapped as a `HostStreamed` step (``fn`` unchanged when it is not callable: the caller reports it).
-
-    Example:
-        >>> import jaxdist as jd
-        >>> step = stream_host_memory(jd.OneDeviceStrategy(), lambda x: x + 1)
-        >>> step(1)
-        2
-    """
-    return HostStreamed(strategy, fn, static_argnums) if callable(fn) else fn

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from jaxdist.strategies.base import Strategy
 from jaxdist.strategies.devices import resolve_device
+from jaxdist.strategies.extended import StrategyExtended
+from jaxdist.strategies.legacy import StrategyV1Names
+from jaxdist.strategies.policy import LayoutPolicy
 
 __all__ = ["OneDeviceStrategy"]
 
 
-class OneDeviceStrategy(Strategy):
+class OneDeviceStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """One replica on one device: the same API as the multi-device strategies, for code that must run on both.
 
     Args:
         device: a `jax.Device`, a device id, or a name like ``"gpu:0"``; None for the first local device.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
 
     Raises:
         ValueError / TypeError: for a device that does not exist or is not a device.
@@ -26,10 +32,9 @@ class OneDeviceStrategy(Strategy):
         1
     """
 
-    def __init__(self, device: Any = None):
-        import jax
-
-        super().__init__((jax.local_devices()[0] if device is None else resolve_device(device, "device"),))
+    def __init__(self, device: Any = None, axis_name: str | None = None):
+        device = jax.local_devices()[0] if device is None else resolve_device(device, "device")
+        super().__init__(LayoutPolicy((device,)), axis_name=axis_name)
 
     @property
     def device(self):

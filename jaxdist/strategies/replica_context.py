@@ -7,7 +7,7 @@ strategy the default context has one replica and every collective returns its in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +17,6 @@ from jaxdist.replicate.collectives import all_reduce, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 from jaxdist.replicate.values import PerReplica, SyncOnRead
-
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
 
 __all__ = ["ReplicaContext"]
 
@@ -39,27 +36,35 @@ class ReplicaContext:
         2.0
     """
 
-    def __init__(self, strategy: Strategy, traced: bool = True):
+    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS, traced: bool = True):
         self._strategy = strategy
+        self._num_replicas = num_replicas
+        self._axis = axis_name
         self._traced = traced
         self._merge_depth = 0
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> Any:
         """The strategy running this replica."""
         return self._strategy
 
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run this function in lockstep."""
-        return self._strategy.num_replicas_in_sync if self._traced else 1
+        return self._num_replicas if self._traced else 1
+
+    @property
+    def axis_name(self) -> str:
+        """The name of the replica axis inside this replica function (``"replica"``, or ``run``'s ``axis_name``):
+        what ``jax.lax`` collectives in the function can name."""
+        return self._axis
 
     @property
     def replica_id_in_sync_group(self) -> jax.Array | int:
         """This replica's index in ``[0, num_replicas_in_sync)`` (a traced int32 inside ``run``)."""
         if not self._traced:
             return 0
-        return jax.lax.axis_index(REPLICA_AXIS)
+        return jax.lax.axis_index(self._axis)
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Combine ``value`` (a pytree) across replicas; every replica gets the result.
@@ -77,7 +82,7 @@ class ReplicaContext:
         op = ReduceOp.parse(reduce_op, "reduce_op")
         if not self._traced:
             return value
-        return all_reduce(value, op)
+        return all_reduce(value, op, self._axis)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the result.
@@ -98,7 +103,7 @@ class ReplicaContext:
                 raise ValueError(
                     "all_gather got a scalar: it concatenates along an axis; gather x[None] to stack scalars."
                 )
-            return jax.lax.all_gather(x, REPLICA_AXIS, axis=axis % x.ndim, tiled=True, to="invarying")
+            return jax.lax.all_gather(x, self._axis, axis=axis % x.ndim, tiled=True, to="invarying")
 
         return jax.tree.map(gather, value)
 
@@ -140,12 +145,12 @@ class ReplicaContext:
         if not self._traced:
             return value
         if mode is not VariableAggregation.ONLY_FIRST_REPLICA:
-            return all_reduce(value, mode)
-        first = jax.lax.axis_index(REPLICA_AXIS) == 0
+            return all_reduce(value, mode, self._axis)
+        first = jax.lax.axis_index(self._axis) == 0
 
         def broadcast_first(x):
             x = jnp.asarray(x)
-            return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), REPLICA_AXIS)
+            return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), self._axis)
 
         return jax.tree.map(broadcast_first, value)
 
@@ -202,10 +207,10 @@ class ReplicaContext:
         kwargs = kwargs or {}
         if not self._traced:
             return merge_fn(self._strategy, *args, **kwargs)
-        strategy = self._strategy
+        strategy, axis = self._strategy, self._axis
 
         def everyone(x):  # every replica's value, stacked on a leading replica axis (the same on all replicas)
-            return jax.lax.all_gather(to_varying(jnp.asarray(x))[None], REPLICA_AXIS, tiled=True, to="invarying")
+            return jax.lax.all_gather(to_varying(jnp.asarray(x), axis)[None], axis, tiled=True, to="invarying")
 
         def to_cross_replica(v):
             if isinstance(v, SyncOnRead):
@@ -216,9 +221,9 @@ class ReplicaContext:
 
         def to_replica(v):
             if isinstance(v, PerReplica):
-                return v.stacked[jax.lax.axis_index(REPLICA_AXIS)]
+                return v.stacked[jax.lax.axis_index(axis)]
             if isinstance(v, SyncOnRead):
-                return SyncOnRead(v.stacked[jax.lax.axis_index(REPLICA_AXIS)], v.aggregation, strategy, local=True)
+                return SyncOnRead(v.stacked[jax.lax.axis_index(axis)], v.aggregation, strategy, local=True)
             return v
 
         is_value = lambda v: isinstance(v, (PerReplica, SyncOnRead))  # noqa: E731

@@ -28,90 +28,78 @@ is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state cal
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import warnings
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.replicate.collectives import is_varying, to_varying
-from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded, is_on_mesh, put, replicated
+from jaxdist.replicate.layouts import is_on_mesh, put
+from jaxdist.replicate.trees import hashable, is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead
-from jaxdist.strategies import tracing
-from jaxdist.strategies.context import enter_replica
-from jaxdist.strategies.global_view import UndeclaredBatchWarning
+from jaxdist.strategies import ambient
 from jaxdist.strategies.input import place_batch
+from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.tracing import computation, current_computation, role_of
+from jaxdist.strategies.roles import Role, classify
 
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
-
-__all__ = ["ReplicaRunner"]
-
-# Leaf kinds.
-_MIRRORED, _BATCH, _PER_REPLICA, _SYNC, _STATIC = range(5)
-_REPLICA_SPEC = PartitionSpec(REPLICA_AXIS)
+__all__ = ["ReplicaRunner", "check_axis_name"]
 
 
-def _is_distributed(x: Any) -> bool:
-    return isinstance(x, (PerReplica, SyncOnRead))
+def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> str:
+    """``axis_name`` validated as the name to bind the replica axis to inside ``run``.
+
+    Raises:
+        ValueError: for a name that is not a non-empty string or that names another axis of the mesh.
+
+    Example:
+        >>> import jax
+        >>> check_axis_name(LayoutPolicy(jax.devices()[:2]), "batch")
+        'batch'
+    """
+    if axis_name is None:
+        return policy.replica_axis
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(
+            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function uses for the "
+            "data-parallel axis (pmap-era code: axis_name='batch')."
+        )
+    others = [a for a in policy.mesh.axis_names if a != policy.replica_axis]
+    if axis_name in others:
+        raise ValueError(
+            f"axis_name={axis_name!r} is already the name of another axis of the mesh {tuple(policy.mesh.axis_names)}: "
+            "pick a name the mesh does not use for the replica axis."
+        )
+    return axis_name
 
 
 class ReplicaRunner:
-    """Compiles and caches the shard_map programs behind `Strategy.run` for one strategy."""
+    """Compiles and caches the shard_map programs behind `Strategy.run` for one strategy.
 
-    def __init__(self, strategy: Strategy):
-        self._strategy = strategy
-        self._warned_ambiguous = False
+    Args:
+        policy: the strategy's layout policy.
+        programs: the strategy's program cache.
+        owner: the strategy (what `ReplicaContext.strategy` and the per-replica values it returns name).
+    """
 
-    def _classify(self, leaf: Any, declared: bool | None, where: str) -> int:
-        """The kind of one argument leaf; ``declared``: True / False when ``batch_argnums`` says whether its
-        argument is a batch, None when nothing was declared."""
-        strategy = self._strategy
-        if _is_distributed(leaf):
-            if leaf.owner is not None and leaf.owner is not strategy:
-                raise ValueError(
-                    f"strategy.run got a {type(leaf).__name__} of another strategy ({leaf.owner!r}) but runs "
-                    f"on {strategy!r}: per-replica values belong to the strategy that made them; reduce or "
-                    "gather it there first (strategy.reduce / strategy.gather), or run on that strategy."
-                )
-            return _SYNC if isinstance(leaf, SyncOnRead) else _PER_REPLICA
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            return _STATIC  # Python scalars, strings, callables: compile-time constants, as in tf.function
-        if declared is not None:
-            return _BATCH if declared else _MIRRORED
-        if isinstance(leaf, jax.core.Tracer):
-            role = role_of(leaf, strategy)
-            if role is None and np.ndim(leaf) >= 1:
-                raise ValueError(
-                    f"strategy.run got {where}, an array of shape {tuple(np.shape(leaf))} computed inside the "
-                    "step, whose role jaxdist cannot know: only the step's own batch arguments are split over "
-                    "the replicas, and a value derived from one (say x / 255) might be a batch or a variable. "
-                    "Declare the roles: strategy.run(fn, args=..., batch_argnums=(i, ...)) lists the batch "
-                    "arguments (every other one is mirrored; batch_argnums=() if none is a batch)."
-                )
-            return _BATCH if role == "batch" else _MIRRORED
-        role = strategy.layout_role(leaf)
-        if role is None and np.ndim(leaf) >= 1 and is_on_mesh(leaf, strategy.mesh) and not self._warned_ambiguous:
-            self._warned_ambiguous = True
-            warnings.warn(
-                f"strategy.run on {strategy!r} got {where}, split over the replicas on axis 0 like a batch but "
-                "not placed by this strategy's input functions: its variables can have that layout too, so it is "
-                "taken as a variable (every replica sees all of it). Declare the roles: strategy.run(fn, "
-                "args=..., batch_argnums=(i, ...)) lists the batch arguments.",
-                UndeclaredBatchWarning,
-                stacklevel=4,
-            )
-        return _BATCH if role == "batch" else _MIRRORED
+    def __init__(self, policy: LayoutPolicy, programs: ProgramCache, owner: Any):
+        self._policy = policy
+        self._programs = programs
+        self._owner = owner
+        self._warned = [False]
 
-    def __call__(self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None) -> Any:
-        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_distributed)
-        frame = current_computation()
-        if (frame is None or frame.strategy is not self._strategy) and any(
+    def __call__(
+        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str
+    ) -> Any:
+        flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+        frame = ambient.current_computation()
+        if (frame is None or frame.policy is not self._policy) and any(
             isinstance(x, jax.core.Tracer) for x in flat
         ):
             raise ValueError(
@@ -120,82 +108,98 @@ class ReplicaRunner:
                 "Compile the enclosing step with strategy.jit (or run_steps_on_dataset), or call run eagerly."
             )
         kinds = []
+        for leaf in flat:
+            if is_distributed(leaf) and leaf.owner is not None and leaf.owner is not self._owner:
+                raise ValueError(
+                    f"strategy.run got a {type(leaf).__name__} of another strategy ({leaf.owner!r}) but runs "
+                    f"on {self._owner!r}: per-replica values belong to the strategy that made them; reduce or "
+                    "gather it there first (strategy.reduce / strategy.gather), or run on that strategy."
+                )
         for i, a in enumerate(args):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=_is_distributed)[0]:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=is_distributed)[0]:
                 declared = None if batch_argnums is None else i in batch_argnums
-                kinds.append(self._classify(leaf, declared, f"args[{i}]{jax.tree_util.keystr(path)}"))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs, is_leaf=_is_distributed)[0]:
+                where = f"args[{i}]{jax.tree_util.keystr(path)}"
+                kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs, is_leaf=is_distributed)[0]:
             declared = None if batch_argnums is None else False
-            kinds.append(self._classify(leaf, declared, f"kwargs{jax.tree_util.keystr(path)}"))
+            where = f"kwargs{jax.tree_util.keystr(path)}"
+            kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
         kinds = tuple(kinds)
-        statics = tuple(x if k == _STATIC else None for x, k in zip(flat, kinds, strict=True))
+        statics = tuple(x if k == Role.STATIC else None for x, k in zip(flat, kinds, strict=True))
         dynamic, aux = [], []
         for x, k in zip(flat, kinds, strict=True):
-            if k == _STATIC:
+            if k == Role.STATIC:
                 aux.append(None)
                 continue
-            if k in (_PER_REPLICA, _SYNC):
-                aux.append(x.aggregation if k == _SYNC else None)
+            if k in (Role.PER_REPLICA, Role.SYNC_ON_READ):
+                aux.append(x.aggregation if k == Role.SYNC_ON_READ else None)
                 x = x.stacked
             else:
                 aux.append(None)
                 if not isinstance(x, jax.core.Tracer):
-                    if k == _MIRRORED:
+                    if k == Role.VARIABLE:
                         x = self._place_mirrored(x)
-                    elif not is_on_mesh(x, self._strategy.mesh):
-                        x = place_batch(self._strategy, x, where="a batch_argnums argument of strategy.run")
+                    elif not is_on_mesh(x, self._policy.mesh):
+                        x = place_batch(self._policy, x, where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
-        key = (treedef, kinds, _hashable(statics), tuple(aux), avals)
+        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name)
         aux = tuple(aux)
-        program = self._strategy.programs.get(
-            fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic),
-            reason=(_hashable(statics), avals),
+        program = self._programs.get(
+            fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name),
+            reason=(hashable(statics), avals),
         )
         return program(*dynamic)
 
     def _place_mirrored(self, x: Any) -> Any:
-        mesh = self._strategy.mesh
-        if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is mesh:
+        if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is self._policy.mesh:
             return x  # already on the mesh (replicated, or another layout the program will gather)
-        return put(x, replicated(mesh))
+        return put(x, self._policy.replicated_sharding)
 
-    def _build(self, fn, treedef, kinds, statics, aux, dynamic) -> Callable:
-        strategy = self._strategy
-        dyn_kinds = [k for k in kinds if k != _STATIC]
-        in_specs = tuple(_REPLICA_SPEC if k != _MIRRORED else PartitionSpec() for k in dyn_kinds)
+    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name) -> Callable:
+        policy, owner = self._policy, self._owner
+        # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
+        # so arguments on the strategy's mesh enter without a copy.
+        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
+        mesh = policy.mesh if names == policy.mesh.axis_names else Mesh(
+            policy.mesh.devices, names, axis_types=policy.mesh.axis_types
+        )
+        split = PartitionSpec(axis_name)
+        dyn_kinds = [k for k in kinds if k != Role.STATIC]
+        in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
 
         def body(*local, probe=False):
             it = iter(local)
             leaves = []
             for k, static, agg in zip(kinds, statics, aux, strict=True):
-                if k == _STATIC:
+                if k == Role.STATIC:
                     leaves.append(static)
                     continue
                 x = next(it)
-                if k == _MIRRORED:
-                    x = to_varying(x)  # each replica owns its copy: local gradients (see module doc)
-                elif k == _PER_REPLICA:
+                if k == Role.VARIABLE:
+                    x = to_varying(x, axis_name)  # each replica owns its copy: local gradients (see module doc)
+                elif k == Role.PER_REPLICA:
                     x = x[0]
-                elif k == _SYNC:
-                    x = SyncOnRead(x[0], agg, strategy, local=True)
+                elif k == Role.SYNC_ON_READ:
+                    x = SyncOnRead(x[0], agg, owner, local=True)
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
-            with computation(strategy, "replica"), enter_replica(ReplicaContext(strategy)):
-                out = fn(*call_args, **call_kwargs)
+            ctx = ReplicaContext(owner, policy.num_replicas, axis_name)
+            with ambient.computation(policy, "replica", axis_name=axis_name), ambient.replica(ctx):
+                out = _call_with_bound_axis(fn, call_args, call_kwargs, axis_name, mesh)
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             results, specs, wrappers = [], [], []
             for v in out_leaves:
                 if isinstance(v, SyncOnRead):
-                    results.append(to_varying(jax.numpy.asarray(v.read()))[None])
-                    specs.append(_REPLICA_SPEC)
+                    results.append(to_varying(jax.numpy.asarray(v.read()), axis_name)[None])
+                    specs.append(split)
                     wrappers.append(("sync", v.aggregation))
                 else:
                     v = jax.numpy.asarray(v)
-                    if is_varying(v):
+                    if is_varying(v, axis_name):
                         results.append(v[None])
-                        specs.append(_REPLICA_SPEC)
+                        specs.append(split)
                         wrappers.append(("per_replica", None))
                     else:
                         results.append(v)
@@ -203,26 +207,30 @@ class ReplicaRunner:
                         wrappers.append(("mirrored", None))
             out_info.update(tree=out_tree, specs=tuple(specs), wrappers=tuple(wrappers))
             if probe:  # every output gets a replica axis so one out_spec fits all of them
-                return tuple(r if s == _REPLICA_SPEC else r[None] for r, s in zip(results, specs, strict=True))
+                return tuple(r if s == split else r[None] for r, s in zip(results, specs, strict=True))
             return tuple(results)
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
-        manual = {"axis_names": {REPLICA_AXIS}} if len(strategy.mesh.axis_names) > 1 else {}
+        manual = {"axis_names": {axis_name}} if len(mesh.axis_names) > 1 else {}
         probe_fn = jax.shard_map(
-            functools.partial(body, probe=True), mesh=strategy.mesh, in_specs=in_specs, out_specs=_REPLICA_SPEC,
-            **manual,
+            functools.partial(body, probe=True), mesh=mesh, in_specs=in_specs, out_specs=split, **manual
         )
-        with tracing.probe():
+        with ambient.probe(), _context_mesh(mesh, policy):
             jax.eval_shape(
                 probe_fn, *[jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in dynamic]
             )
         out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
 
-        # Pass 2: the real program, with exact output layouts.
-        mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=in_specs, out_specs=out_specs, **manual)
+        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh).
+        shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **manual)
+
+        def mapped(*dyn):
+            with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
+                return shard_mapped(*dyn)
+
         out_shardings = tuple(
-            batch_sharded(strategy.mesh) if s == _REPLICA_SPEC else replicated(strategy.mesh) for s in out_specs
+            policy.batch_sharding if s == split else policy.replicated_sharding for s in out_specs
         )
         compiled = jax.jit(mapped, out_shardings=out_shardings)
 
@@ -231,9 +239,9 @@ class ReplicaRunner:
             wrapped = []
             for r, (kind, agg) in zip(results, wrappers, strict=True):
                 if kind == "per_replica":
-                    wrapped.append(PerReplica(r, strategy))
+                    wrapped.append(PerReplica(r, owner))
                 elif kind == "sync":
-                    wrapped.append(SyncOnRead(r, agg, strategy))
+                    wrapped.append(SyncOnRead(r, agg, owner))
                 else:
                     wrapped.append(r)
             return jax.tree.unflatten(out_tree, wrapped)
@@ -241,9 +249,56 @@ class ReplicaRunner:
         return program
 
 
-def _hashable(statics: tuple) -> Any:
+def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
+    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the strategy's)."""
+    if mesh is policy.mesh:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def _call_with_bound_axis(fn: Callable, args: Any, kwargs: dict, axis_name: str, mesh: Mesh) -> Any:
+    """``fn(*args, **kwargs)``; a collective over an axis name the program does not bind becomes an error that
+    names the axis and the fix (JAX 0.12 itself fails with a bare ``AssertionError`` or a ``NameError``)."""
     try:
-        hash(statics)
-        return statics
-    except TypeError:
-        return tuple(id(s) for s in statics)
+        return fn(*args, **kwargs)
+    except (NameError, AssertionError) as error:
+        missing = _unbound_axis(error, tuple(mesh.axis_names))
+        if missing is None:
+            raise
+        raise ValueError(_unbound_message(missing, axis_name, mesh)) from error
+
+
+_UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
+
+
+def _unbound_axis(error: BaseException, bound: tuple[str, ...]) -> str | None:
+    """The unbound axis name a collective used, from JAX's error; None when ``error`` is something else.
+
+    JAX 0.12 says it two ways: ``NameError("... unbound axis name: X ...")`` (``axis_index``, ``all_gather``)
+    and a bare ``AssertionError`` from ``core.pvary`` (``psum`` / ``pmean`` of a value not varying over the
+    missing axis), whose frame holds the names. Anything else (the user's own ``assert``) is not ours to explain.
+    """
+    if isinstance(error, NameError):
+        match = _UNBOUND.search(str(error))
+        return match.group(1).strip("'\"") if match and match.group(1).strip("'\"") not in bound else None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "pvary" and "jax" in frame.f_code.co_filename:
+            axes = frame.f_locals.get("axes")
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            missing = [a for a in axes if a not in bound]
+            if missing:
+                return missing[0]
+        tb = tb.tb_next
+    return None
+
+
+def _unbound_message(missing: str, axis_name: str, mesh: Mesh) -> str:
+    return (
+        f"strategy.run: the replica function uses axis name {missing!r} (in lax.pmean / psum / axis_index / "
+        f"all_gather, or a flax BatchNorm(axis_name={missing!r})), but no axis of that name is bound here: the "
+        f"replica axis is named {axis_name!r} (mesh axes {tuple(mesh.axis_names)}). pmap-era code names its "
+        f"device axis; bind that name to the replicas with strategy.run(fn, args=..., axis_name={missing!r}) "
+        f"(or create the strategy with axis_name={missing!r})."
+    )

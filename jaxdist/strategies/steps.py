@@ -12,7 +12,7 @@ records a value of the last step, reduced across replicas when an aggregation is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +20,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.collectives import reduce_stacked
-from jaxdist.replicate.layouts import REPLICA_AXIS, batch_sharded
 from jaxdist.replicate.ops import ReduceOp
+from jaxdist.replicate.trees import abstract
 from jaxdist.replicate.values import PerReplica
-from jaxdist.strategies.context import get_replica_context, has_strategy
-from jaxdist.strategies.input import _check_divisible
-from jaxdist.strategies.tracing import computation, probe
-
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
+from jaxdist.strategies import ambient
+from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.input import check_divisible
+from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.programs import ProgramCache
 
 __all__ = ["MultiStepContext", "run_steps_on_dataset"]
 
@@ -80,7 +79,7 @@ class MultiStepContext:
             raise RuntimeError(
                 "set_last_step_output is called from inside step_fn while run_steps_on_dataset traces it."
             )
-        if has_strategy() and get_replica_context() is not None:
+        if ambient.current_replica() is not None:
             raise RuntimeError(
                 "set_last_step_output was called inside a replica function: call it in step_fn with the value "
                 "strategy.run returned (a PerReplica), and give an aggregation to reduce it."
@@ -124,13 +123,13 @@ class MultiStepContext:
         return self._lowered()
 
 
-def _reduce_in_trace(strategy: Strategy, op: ReduceOp | None, value: Any) -> Any:
-    n = strategy.num_replicas_in_sync
+def _reduce_in_trace(policy: LayoutPolicy, op: ReduceOp | None, value: Any) -> Any:
+    n = policy.num_replicas
 
     def one(v):
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
-                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, batch_sharded(strategy.mesh)), strategy)
+                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, policy.batch_sharding), v.owner)
             return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
@@ -171,12 +170,12 @@ def _check_static(batches: list[Any], n: int) -> None:
     for leaf in first_leaves:
         if not np.shape(leaf):
             raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split over the replicas.")
-        _check_divisible(np.shape(leaf)[0], n)
+        check_divisible(np.shape(leaf)[0], n)
 
 
-def _stack(strategy: Strategy, batches: list[Any]) -> Any:
+def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
     """Stack the batches on a new axis 0 and place them, axis 1 split over the replicas (one transfer)."""
-    sharding = NamedSharding(strategy.mesh, PartitionSpec(None, REPLICA_AXIS))
+    sharding = NamedSharding(policy.mesh, PartitionSpec(None, policy.replica_axis))
 
     def stack(*leaves):
         if all(isinstance(x, jax.Array) for x in leaves):
@@ -193,7 +192,8 @@ def _stack(strategy: Strategy, batches: list[Any]) -> Any:
 
 
 def run_steps_on_dataset(
-    strategy: Strategy,
+    policy: LayoutPolicy,
+    programs: ProgramCache,
     step_fn: Callable[..., Any],
     iterator: Iterator[Any],
     iterations: int,
@@ -214,15 +214,15 @@ def run_steps_on_dataset(
             "calls continue where the last one stopped."
         )
     batches = _take(iterator, iterations)
-    _check_static(batches, strategy.num_replicas_in_sync)
-    stacked = _stack(strategy, batches)
+    _check_static(batches, policy.num_replicas)
+    stacked = _stack(policy, batches)
     has_state = initial_loop_values is not None
     ctx = MultiStepContext()
     treedef = jax.tree.structure(batches[0])
     shapes = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in jax.tree.leaves(batches[0]))
     key = ("steps_loop", iterations, has_state, donate, treedef, shapes)
-    program, info = strategy.programs.get(
-        step_fn, key, lambda weak_step: _build(strategy, weak_step, has_state, iterations, donate),
+    program, info = programs.get(
+        step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state, iterations, donate),
         reason=((iterations, has_state, donate), shapes),
     )
     state = initial_loop_values if has_state else ()
@@ -231,30 +231,25 @@ def run_steps_on_dataset(
         dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
         new_state if has_state else None,
         # abstract: the state may be donated; step_fn is kept alive for as long as the context can lower
-        lambda step_fn=step_fn: program.lower(*_abstract((state, stacked))),
+        lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)),
     )
     return ctx
 
 
-def _abstract(tree: Any) -> Any:
-    """Shapes, dtypes and layouts of ``tree`` (readable even from donated arrays)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None)), tree
-    )
-
-
-def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: int, donate: bool):
+def _build(
+    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool, iterations: int, donate: bool
+):
     info: dict[str, Any] = {}
 
     def one_step(state, batch, trace_ctx):
         inputs = batch if isinstance(batch, tuple) else (batch,)
         trace_ctx._begin_step()
-        with computation(strategy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
+        with ambient.computation(policy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
             new_state = step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
         pending = trace_ctx._end_step()
         names = tuple(sorted(pending))
         aggregations = {k: trace_ctx._aggregations[k] for k in names}
-        outs = tuple(_reduce_in_trace(strategy, aggregations[k], pending[k]) for k in names)
+        outs = tuple(_reduce_in_trace(policy, aggregations[k], pending[k]) for k in names)
         info.update(names=names, aggregations=aggregations, non_tensor=trace_ctx.non_tensor_outputs)
         if has_state:
             want, got = jax.tree.structure(state), jax.tree.structure(new_state)
@@ -267,7 +262,7 @@ def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: i
 
     def loop(state, stacked):
         first = jax.tree.map(lambda x: x[0], stacked)
-        with probe():
+        with ambient.probe():
             _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state, first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
         trace_ctx = MultiStepContext()
@@ -279,4 +274,5 @@ def _build(strategy: Strategy, step_fn: Callable, has_state: bool, iterations: i
         (state, outs), _ = jax.lax.scan(body, (state, zeros), stacked, length=iterations)
         return state, outs
 
-    return strategy.jit(loop, donate_argnums=(0,) if donate and has_state else None, batch_argnums=(1,)), info
+    donate_argnums = (0,) if donate and has_state else None
+    return StrategyFunction(policy, programs, loop, donate_argnums=donate_argnums, batch_argnums=(1,)), info

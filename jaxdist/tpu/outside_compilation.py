@@ -35,7 +35,7 @@ import functools
 import itertools
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -46,17 +46,14 @@ from jax.sharding import PartitionSpec
 from jaxdist.gradients.clusters import cluster, clusters, current_gradient_uid, gradient_cluster
 from jaxdist.replicate.collectives import is_varying, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
-from jaxdist.strategies.tracing import current_computation
+from jaxdist.replicate.trees import is_array
+from jaxdist.strategies.ambient import current_computation, state
+from jaxdist.strategies.input import check_divisible
+from jaxdist.strategies.roles import Role, as_argnums, role_in_trace
 
 __all__ = ["host_compute_core", "outside_compilation"]
 
 
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.depth = 0
-
-
-_state = _State()
 _plain_clusters = itertools.count()
 _plain_lock = threading.Lock()
 _CALLBACK_MARKERS = ("pure_callback", "io_callback", "callback")
@@ -134,7 +131,7 @@ class _Region:
 
     def run_host(self, *dynamic):
         """Runs on the host, in the callback: numpy in, numpy out."""
-        _state.depth += 1
+        state.host_regions += 1
         try:
             with jax.default_device(_host_device()):
                 if self.traceable and self.result_shape is not None:
@@ -145,7 +142,7 @@ class _Region:
                 else:  # side-effect regions and opaque functions run as Python, every call
                     out = self.call(*dynamic)
         finally:
-            _state.depth -= 1
+            state.host_regions -= 1
         if self.result_shape is None:
             return None
         return jax.tree.map(lambda o, s: np.asarray(o, dtype=s.dtype).reshape(s.shape), out, self.result_shape)
@@ -235,6 +232,7 @@ def outside_compilation(
     result_shape: Any = None,
     vjp: Callable[[tuple, Any], tuple] | None = None,
     ordered: bool = False,
+    batch_argnums: int | Sequence[int] | None = None,
 ) -> Any:
     """Run ``host_fn(*args)`` on the host, once per replica on its local values, from inside a compiled step.
 
@@ -249,6 +247,11 @@ def outside_compilation(
             gradient per argument), run on the host.
         ordered: run as an ordered side effect (each replica's calls in step order); not differentiable.
             Regions without a result (logging, metric writers) are always ordered.
+        batch_argnums: in the global view (``strategy.jit``, ``run_steps_on_dataset``): the positions in
+            ``args`` whose rows are split over the replicas (every other argument reaches each replica whole).
+            Without it, the step's own batch arguments are split, its other arguments are whole, and a value
+            computed in the step (rank >= 1, say logits) is an error that asks for this declaration. Inside
+            ``run`` the replica's values are already local and this is not needed.
 
     Returns:
         ``host_fn``'s result: this replica's inside ``run``; in the global view the replicas' results
@@ -256,6 +259,8 @@ def outside_compilation(
 
     Raises:
         NotImplementedError: when called inside another outside_compilation region.
+        ValueError: in the global view, for an undeclared argument computed in the step, or a declared
+            batch the replicas do not divide.
         TypeError: when an opaque ``host_fn`` is differentiated without ``vjp``, or ``host_fn`` cannot be
             traced with jax.numpy and no ``result_shape`` was given.
 
@@ -273,7 +278,7 @@ def outside_compilation(
     """
     if not callable(host_fn):
         raise TypeError(f"host_fn={host_fn!r} is not callable: pass the function to run on the host.")
-    if _state.depth:
+    if state.host_regions:
         raise NotImplementedError("Cannot nest outside_compilation clusters")
     frame = current_computation()
     leaves = jax.tree.leaves(args)
@@ -285,7 +290,7 @@ def outside_compilation(
 
     positions, statics, dynamic = set(), [], []
     for i, a in enumerate(args):
-        if isinstance(a, (jax.Array, np.ndarray, np.generic)) or isinstance(a, jax.core.Tracer):
+        if is_array(a):
             dynamic.append(a)
         else:
             positions.add(i)
@@ -293,19 +298,18 @@ def outside_compilation(
     statics_pair = (frozenset(positions), tuple(statics))
     name = _next_cluster(frame)
     kind = frame.kind if frame is not None else "plain"
+    axis = frame.axis_name or REPLICA_AXIS if frame is not None else REPLICA_AXIS
 
     if kind == "global":
-        strategy = frame.strategy
-        n = strategy.num_replicas_in_sync
-        batch = frame.global_batch_size()
-        split = [batch is not None and np.ndim(x) >= 1 and np.shape(x)[0] == batch and batch % n == 0
-                 for x in dynamic]
+        policy = frame.policy
+        n = policy.num_replicas
+        split = _global_view_split(args, dynamic, positions, batch_argnums, policy)
         local_shapes = [
             jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]) if s else np.shape(x), jnp.result_type(x))
             for x, s in zip(dynamic, split, strict=True)
         ]
     else:
-        split = [is_varying(x) for x in dynamic] if kind == "replica" else [False] * len(dynamic)
+        split = [is_varying(x, axis) for x in dynamic] if kind == "replica" else [False] * len(dynamic)
         local_shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in dynamic]
 
     region = _make_region(host_fn, statics_pair, local_shapes, result_shape, vjp, ordered, name)
@@ -328,17 +332,50 @@ def outside_compilation(
 
     # Manual over the replica axis only: `_once_per_replica` runs the call on one device of any other axis.
     mapped = jax.shard_map(
-        per_replica, mesh=strategy.mesh, in_specs=in_specs,
+        per_replica, mesh=policy.mesh, in_specs=in_specs,
         out_specs=spec if region.result_shape is not None else PartitionSpec(), axis_names={REPLICA_AXIS},
     )
     return mapped(*dynamic)
+
+
+def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_argnums: Any, policy: Any) -> list:
+    """Which array arguments of a region in the global view are split over the replicas: the declared ones, or
+    without a declaration the step's own batch arguments (their role, `jaxdist.strategies.roles`)."""
+    positions = [i for i in range(len(args)) if i not in static_positions]
+    if batch_argnums is not None:
+        declared = as_argnums(batch_argnums, "batch_argnums")
+        bad = [i for i in declared if not 0 <= i < len(args) or i in static_positions]
+        if bad:
+            raise ValueError(
+                f"batch_argnums={declared!r} names positions {bad} that are not array arguments of the region "
+                f"(it has {len(args)} arguments)."
+            )
+        split = [i in declared for i in positions]
+        for x, s in zip(dynamic, split, strict=True):
+            if s:
+                if not np.ndim(x):
+                    raise ValueError("outside_compilation batch_argnums names a scalar: a batch needs an axis 0.")
+                check_divisible(np.shape(x)[0], policy.num_replicas, "the rows of a batch_argnums argument")
+        return split
+    split = []
+    for i, x in zip(positions, dynamic, strict=True):
+        role = role_in_trace(x, policy)
+        if role is None and np.ndim(x) >= 1:
+            raise ValueError(
+                f"outside_compilation got args[{i}], an array of shape {tuple(np.shape(x))} computed inside the "
+                "step, whose role jaxdist cannot know: its rows might be the batch's (split over the replicas) or "
+                "a whole value every replica needs. Declare the roles: outside_compilation(host_fn, *args, "
+                "batch_argnums=(i, ...)) lists the arguments to split (the others reach each replica whole)."
+            )
+        split.append(role is Role.BATCH)
+    return split
 
 
 def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, name) -> _Region:
     traceable = result_shape is None
     if traceable:
         probe_args = _Region(host_fn, statics, None, None, True, ordered, name).full_args(local_shapes)
-        _state.depth += 1
+        state.host_regions += 1
         try:
             result_shape = jax.eval_shape(host_fn, *probe_args)
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as err:
@@ -349,7 +386,7 @@ def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, nam
                 "differentiate it, vjp=."
             ) from err
         finally:
-            _state.depth -= 1
+            state.host_regions -= 1
         if result_shape is not None and not jax.tree.leaves(result_shape):
             result_shape = None
     elif not jax.tree.leaves(result_shape):

@@ -13,11 +13,15 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.devices import resolve_devices
+from jaxdist.strategies.extended import StrategyExtended
+from jaxdist.strategies.legacy import StrategyV1Names
+from jaxdist.strategies.policy import LayoutPolicy
 
 __all__ = ["TPUStrategy"]
 
 
-class TPUStrategy(Strategy):
+class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """Synchronous data parallelism over the cores of the default backend, with on-device step loops.
 
     Args:
@@ -26,6 +30,7 @@ class TPUStrategy(Strategy):
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
             loops, streamed to the cores for each loop (see `jaxdist.strategies.offload`); None: device memory.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
 
     Raises:
         ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or an unknown
@@ -39,15 +44,18 @@ class TPUStrategy(Strategy):
     """
 
     def __init__(
-        self, steps_per_run: int = 1, num_cores: int | None = None, devices: Any = None, host_offload: str | None = None
+        self,
+        steps_per_run: int = 1,
+        num_cores: int | None = None,
+        devices: Any = None,
+        host_offload: str | None = None,
+        axis_name: str | None = None,
     ):
         if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
             raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
         if devices is None:
             available = tuple(jax.devices())
         else:
-            from jaxdist.strategies.devices import resolve_devices
-
             available = resolve_devices(devices, "devices")
         if num_cores is not None:
             if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
@@ -56,7 +64,7 @@ class TPUStrategy(Strategy):
                     f"devices here); pass None to use all of them."
                 )
             available = available[:num_cores]
-        super().__init__(available, host_offload=host_offload)
+        super().__init__(LayoutPolicy(available, host_offload=host_offload), axis_name=axis_name)
         self.steps_per_run = steps_per_run
         self._initialized = False
 

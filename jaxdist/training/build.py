@@ -16,19 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdist.replicate.trees import abstract
 from jaxdist.strategies import Strategy
 from jaxdist.training.step import TrainState
 from jaxdist.training.weighted import check_value
 
 __all__ = ["check_losses", "restore_target", "state_builder"]
-
-
-def _abstract(tree: Any) -> Any:
-    def one(a):
-        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-        return jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.canonicalize_dtype(dtype))
-
-    return jax.tree.map(one, tree)
 
 
 def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int, x: Any) -> tuple[Callable, tuple]:
@@ -120,8 +113,8 @@ def check_losses(
     def outputs(s, xb):
         return model.apply(s.params, s.model_state, xb, None, train=False)[0]
 
-    out = jax.eval_shape(outputs, state, _abstract(x))
-    y_abs = _abstract(y)
+    out = jax.eval_shape(outputs, state, abstract(x))
+    y_abs = abstract(y)
     rows = jax.tree.leaves(y_abs)[0].shape[0]
     pairs = set()
     for key, name, fn in [("loss", "loss_fn", loss_fn), *((k, f"metrics[{k!r}]", f) for k, f in metrics.items())]:

@@ -460,9 +460,8 @@ class BatchStream:
                     self._states[(epoch, count + 1)] = it.get_state()
                 batch = self._checked(batch, f"train_data batch {count} of epoch {epoch}", per_process)
                 if place:
-                    batch = place_batch(
-                        self._strategy, batch, process_local=True, where=f"train_data batch {count} of epoch {epoch}"
-                    )
+                    where = f"train_data batch {count} of epoch {epoch}"
+                    batch = place_batch(self._strategy.policy, batch, process_local=True, where=where)
                 yield batch
                 count += 1
             if count == 0:

@@ -1,0 +1,146 @@
+"""Pytree utilities every layer uses: which leaves are traced, their abstract shapes, cache keys and names.
+
+One home for the small questions asked of argument trees everywhere in jaxdist: is a leaf an array (traced)
+or a constant (static, as in tf.function); is it a distributed value (`PerReplica` / `SyncOnRead`); what are
+its shapes (for a cache key or an abstract trace); how does an error name the user's function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdist.replicate.values import PerReplica, SyncOnRead
+
+__all__ = [
+    "abstract",
+    "fn_name",
+    "hashable",
+    "is_array",
+    "is_chief",
+    "is_distributed",
+    "merge_static",
+    "signature",
+    "split_static",
+]
+
+
+def is_distributed(x: Any) -> bool:
+    """True for a value with one component per replica (`PerReplica`, `SyncOnRead`).
+
+    Example:
+        >>> import numpy as np
+        >>> is_distributed(np.ones(2))
+        False
+    """
+    return isinstance(x, (PerReplica, SyncOnRead))
+
+
+def is_array(x: Any) -> bool:
+    """True for a leaf that is traced (a `jax.Array`, a tracer, a numpy array or scalar); other leaves (Python
+    numbers, strings, callables, configs) are compile-time constants.
+
+    Example:
+        >>> import numpy as np
+        >>> is_array(np.float32(1)), is_array(1.0), is_array("relu")
+        (True, False, False)
+    """
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:
+    """``tree``'s array leaves (to trace) and a record of the rest (constants), for `merge_static`.
+
+    Returns:
+        ``(dynamic, treedef, statics)``: the array leaves in order; the tree structure; one entry per leaf,
+        None where the leaf is an array, the constant itself otherwise.
+
+    Example:
+        >>> import numpy as np
+        >>> dynamic, treedef, statics = split_static((np.ones(2), "mean"))
+        >>> len(dynamic), statics
+        (1, (None, 'mean'))
+        >>> merge_static([np.zeros(2)], treedef, statics)[1]
+        'mean'
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [is_array(x) for x in leaves]
+    dynamic = [x for x, a in zip(leaves, arrays, strict=True) if a]
+    statics = tuple(None if a else x for x, a in zip(leaves, arrays, strict=True))
+    return dynamic, treedef, statics
+
+
+def merge_static(dynamic: Sequence[Any], treedef: Any, statics: tuple) -> Any:
+    """The tree `split_static` took apart, with ``dynamic`` (traced values) in the array positions."""
+    it = iter(dynamic)
+    return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in statics])
+
+
+def abstract(tree: Any, keep_sharding: bool = False) -> Any:
+    """``tree`` with every leaf as a `jax.ShapeDtypeStruct` (readable even from donated arrays).
+
+    Args:
+        tree: a pytree of arrays (or anything with a shape).
+        keep_sharding: also keep each leaf's sharding (where it has one).
+
+    Example:
+        >>> import numpy as np
+        >>> abstract({"w": np.zeros((2, 3), np.float32)})["w"]
+        ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+
+    def one(x):
+        sharding = getattr(x, "sharding", None) if keep_sharding else None
+        return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x), sharding=sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def signature(tree: Any) -> tuple:
+    """``tree``'s structure with the shape and dtype of each leaf: equal signatures are interchangeable values.
+
+    Example:
+        >>> import numpy as np
+        >>> signature((np.zeros(2), np.ones(2))) == signature((np.ones(2), np.zeros(2)))
+        True
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in leaves)
+
+
+def hashable(values: tuple) -> Hashable:
+    """``values`` as a cache-key part: itself when hashable, else the identities of its entries.
+
+    Example:
+        >>> hashable((1, "a")), len(hashable(([1],)))
+        ((1, 'a'), 1)
+    """
+    try:
+        hash(values)
+        return values
+    except TypeError:
+        return tuple(id(v) for v in values)
+
+
+def fn_name(fn: Callable | Any) -> str:
+    """How error messages name a user's function.
+
+    Example:
+        >>> def train_step(): ...
+        >>> fn_name(train_step)
+        'train_step'
+    """
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def is_chief() -> bool:
+    """True on process 0, the one process that writes single-writer files (logs, summaries).
+
+    Example:
+        >>> is_chief()
+        True
+    """
+    return jax.process_index() == 0

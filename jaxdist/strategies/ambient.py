@@ -1,0 +1,171 @@
+"""Ambient state: what is open on this thread while user code runs or is traced. The one home of it.
+
+jaxdist keeps five kinds of "current" things, all per thread, all here:
+
+* the open strategy scopes (``with strategy.scope():``) and the replica contexts being traced (``run``);
+* the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a ``run`` replica
+  function, an on-device steps loop) with its view (global or per replica), its layout policy, the counters
+  that name things per computation (``outside_compilation`` clusters "0", "1", ...; gradient uids "uid",
+  "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.roles`);
+* the ``colocate_vars_with`` targets;
+* the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
+* the depth of ``outside_compilation`` host regions (they do not nest).
+
+Nothing here decides anything: the modules that own a concept read and push its state through these helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = [
+    "Computation",
+    "colocation",
+    "colocation_target",
+    "computation",
+    "current_computation",
+    "current_replica",
+    "current_scope",
+    "in_scope_or_replica",
+    "probe",
+    "replica",
+    "replica_axis",
+    "scope",
+    "state",
+]
+
+
+@dataclasses.dataclass
+class Computation:
+    """One strategy program being traced.
+
+    Attributes:
+        policy: the `LayoutPolicy` it is compiled for.
+        kind: ``"global"`` (whole arrays, XLA partitions) or ``"replica"`` (inside shard_map, local values).
+        counters: per-kind numbering, shared by the frames of one computation (``run`` inside ``jit``).
+        batches: the traced values that stand for its batch arguments (declared or carried at entry).
+        variables: the traced values that stand for its other array arguments.
+        axis_name: the name the replica axis is bound to inside a per-replica computation.
+    """
+
+    policy: Any
+    kind: str
+    counters: dict[str, int]
+    batches: list[Any] = dataclasses.field(default_factory=list)
+    variables: list[Any] = dataclasses.field(default_factory=list)
+    axis_name: str | None = None
+
+    def counter(self, kind: str) -> int:
+        """The next number (0, 1, ...) of the things of ``kind`` named in this computation.
+
+        Example:
+            >>> frame = Computation(None, "global", {})
+            >>> frame.counter("outside_compilation"), frame.counter("outside_compilation")
+            (0, 1)
+        """
+        n = self.counters.get(kind, 0)
+        self.counters[kind] = n + 1
+        return n
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[Any] = []  # strategies whose scope() is open
+        self.replicas: list[Any] = []  # ReplicaContexts being traced
+        self.computations: list[Computation] = []
+        self.colocations: list[tuple[Any, Any]] = []  # (strategy, sharding)
+        self.clusters: list[str] = []  # gradient clusters open while tracing
+        self.gradient_uids: list[str] = []  # gradient invocations being traced
+        self.host_regions = 0  # outside_compilation regions being traced
+
+
+state = _State()
+"""This thread's ambient state (read it through the helpers; `jaxdist.gradients` keeps its stacks here)."""
+
+
+@contextlib.contextmanager
+def _pushed(stack: list[Any], item: Any) -> Iterator[Any]:
+    stack.append(item)
+    try:
+        yield item
+    finally:
+        stack.pop()
+
+
+def scope(strategy: Any) -> contextlib.AbstractContextManager[Any]:
+    """Push ``strategy`` as the innermost open scope (checks are the caller's)."""
+    return _pushed(state.scopes, strategy)
+
+
+def current_scope() -> Any | None:
+    """The strategy of the innermost open scope, or None."""
+    return state.scopes[-1] if state.scopes else None
+
+
+def replica(ctx: Any) -> contextlib.AbstractContextManager[Any]:
+    """Mark the code traced inside as replica context ``ctx`` (a `ReplicaContext`)."""
+    return _pushed(state.replicas, ctx)
+
+
+def current_replica() -> Any | None:
+    """The `ReplicaContext` of the replica function being traced, or None in cross-replica code."""
+    return state.replicas[-1] if state.replicas else None
+
+
+def in_scope_or_replica() -> bool:
+    """True inside some strategy's scope or replica function."""
+    return bool(state.scopes or state.replicas)
+
+
+def current_computation() -> Computation | None:
+    """The innermost strategy computation being traced, or None."""
+    return state.computations[-1] if state.computations else None
+
+
+@contextlib.contextmanager
+def computation(
+    policy: Any, kind: str, batches: Iterable[Any] = (), variables: Iterable[Any] = (), axis_name: str | None = None
+) -> Iterator[Computation]:
+    """Trace the block as (part of) a computation of ``policy``; nested frames share the counters."""
+    outer = current_computation()
+    counters = outer.counters if outer is not None else {}
+    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name)
+    with _pushed(state.computations, frame):
+        yield frame
+
+
+@contextlib.contextmanager
+def probe() -> Iterator[None]:
+    """An abstract trace done only to learn shapes: it must not use up the enclosing computation's names."""
+    frame = current_computation()
+    saved = dict(frame.counters) if frame is not None else None
+    try:
+        yield
+    finally:
+        if frame is not None:
+            frame.counters.clear()
+            frame.counters.update(saved)
+
+
+def replica_axis(default: str) -> str:
+    """The name of the replica axis in the code being traced: the innermost per-replica computation's binding
+    (``run(..., axis_name=...)``), else ``default``."""
+    frame = current_computation()
+    return frame.axis_name if frame is not None and frame.axis_name else default
+
+
+def colocation(owner: Any, target: Any) -> contextlib.AbstractContextManager[Any]:
+    """Variables ``owner`` creates inside take ``target``'s layout (``colocate_vars_with``)."""
+    return _pushed(state.colocations, (owner, target))
+
+
+def colocation_target(owner: Any) -> Any | None:
+    """The layout of the innermost open ``colocate_vars_with`` block of ``owner``, or None."""
+    for who, target in reversed(state.colocations):
+        if who is owner:
+            return target
+    return None

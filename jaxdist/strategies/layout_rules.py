@@ -1,0 +1,250 @@
+"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax annotation.
+
+The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable on its largest axis that the
+replica count divides evenly; variables smaller than ``min_shard_size`` elements, or with no divisible axis,
+stay whole. Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec), ...]`` matched with
+`re.search` against the variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu``
+contains the same path, so it follows its parameter).
+
+Partitioning annotations, the Flax way (MaxText / T5X): ``nn.with_logical_partitioning(init, ("embed",
+"mlp"))`` names logical axes that ``logical_axis_rules`` (Flax's own format) map to mesh axes;
+``nn.with_partitioning(init, (None, "model"))`` names mesh axes directly. Which spec a variable gets, first
+that applies:
+
+1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last resort);
+2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's priority
+   order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to use: when no dimension
+   is already split over the replica axis, the largest such dimension the replica count divides is;
+3. the FSDP rule (unannotated variables), when the policy splits variables; else the variable is whole.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax.core.meta import Partitioned
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxdist.replicate.layouts import MODEL_AXIS, path_name
+
+__all__ = ["VariableRules", "is_box", "logical_names"]
+
+
+def is_box(x: Any) -> bool:
+    """True for a Flax partitioning box (``nn.Partitioned`` / ``nn.LogicallyPartitioned``)."""
+    return isinstance(x, Partitioned)
+
+
+def logical_names(tree: Any) -> set[str]:
+    """The logical axis names of the ``nn.with_logical_partitioning`` boxes in ``tree``.
+
+    Example:
+        >>> import flax.linen as nn
+        >>> sorted(logical_names({"k": nn.LogicallyPartitioned(None, ("embed", "mlp"))}))
+        ['embed', 'mlp']
+    """
+    boxes = [leaf for leaf in jax.tree.leaves(tree, is_leaf=is_box) if isinstance(leaf, nn.LogicallyPartitioned)]
+    return {n for box in boxes for n in jax.tree.leaves(tuple(box.names)) if isinstance(n, str)}
+
+
+def _hint(mesh: Mesh) -> str:
+    return "" if MODEL_AXIS in mesh.axis_names else "; pass model_parallelism > 1 for 'model'"
+
+
+class VariableRules:
+    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP rule.
+
+    Args:
+        mesh: the mesh the specs name axes of.
+        replica_axis: the data-parallel axis the FSDP rule splits over.
+        split: whether unannotated variables are split (FSDP) or whole (mirrored).
+        min_shard_size: variables with fewer elements stay whole.
+        layout_rules: ``[(regex, PartitionSpec), ...]``.
+        logical_axis_rules: Flax logical axis rules ``[(logical_name, mesh_axes), ...]``.
+        activation_axes: logical names only activations use (never reported as unmatched).
+
+    Raises:
+        ValueError: for a malformed rule, or a rule naming an axis the mesh does not have.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.sharding.Mesh(jax.devices()[:8], ("replica",))
+        >>> VariableRules(mesh, "replica", split=True, min_shard_size=1).spec("w", (8, 16))
+        PartitionSpec(None, 'replica')
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        replica_axis: str,
+        split: bool = False,
+        min_shard_size: int = 1024,
+        layout_rules: Sequence[tuple[str, PartitionSpec]] = (),
+        logical_axis_rules: Sequence[tuple[str, Any]] = (),
+        activation_axes: Sequence[str] = (),
+    ):
+        if not isinstance(min_shard_size, int) or min_shard_size < 0:
+            raise ValueError(f"min_shard_size={min_shard_size!r} must be an int >= 0 (elements).")
+        if isinstance(activation_axes, str) or not all(isinstance(a, str) for a in activation_axes):
+            raise ValueError(
+                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, e.g. "
+                "activation_axes=('batch', 'length')."
+            )
+        self.mesh = mesh
+        self.replica_axis = replica_axis
+        self.split = split
+        self.min_shard_size = min_shard_size
+        self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
+        self.logical_axis_rules = tuple(self._check_logical_rule(i, r) for i, r in enumerate(logical_axis_rules or ()))
+        self.activation_axes = frozenset(activation_axes)
+
+    # ------------------------------------------------------------------------------------ validation
+    def _check_rule(self, i: int, rule: Any) -> tuple[re.Pattern, PartitionSpec]:
+        try:
+            pattern, spec = rule
+            compiled = re.compile(pattern)
+        except (TypeError, ValueError, re.error) as err:
+            raise ValueError(
+                f"layout_rules[{i}]={rule!r} is not a (regex, PartitionSpec) pair ({err}); e.g. "
+                "(r'Dense_0/kernel', PartitionSpec(None, 'model'))."
+            ) from None
+        if not isinstance(spec, PartitionSpec):
+            raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a jax.sharding.PartitionSpec.")
+        for entry in spec:
+            for name in entry if isinstance(entry, tuple) else (entry,):
+                if name is not None and name not in self.mesh.axis_names:
+                    raise ValueError(
+                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are {self.mesh.axis_names}"
+                        f"{_hint(self.mesh)}."
+                    )
+        return compiled, spec
+
+    def _check_logical_rule(self, i: int, rule: Any) -> tuple[str, Any]:
+        example = "e.g. ('mlp', 'model') or ('embed', None)"
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"logical_axis_rules[{i}]={rule!r} is not a (logical_name, mesh_axes) pair: {example}.")
+        name, axes = rule
+        names = axes if isinstance(axes, (tuple, list)) else (axes,)
+        for axis in names:
+            if axis is not None and axis not in self.mesh.axis_names:
+                raise ValueError(
+                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, but the mesh "
+                    f"axes are {self.mesh.axis_names}{_hint(self.mesh)}: {example}."
+                )
+        return name, tuple(axes) if isinstance(axes, list) else axes
+
+    # ---------------------------------------------------------------------------------------- specs
+    def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None) -> PartitionSpec:
+        """The spec of the variable at ``path`` of ``shape``: first layout rule, else annotation, else FSDP.
+
+        Raises:
+            ValueError: when a rule or annotation splits a dimension into parts that do not divide it, or a
+                ``nn.with_partitioning`` annotation names an axis the mesh does not have.
+        """
+        shape = tuple(shape)
+        for pattern, spec in self.layout_rules:
+            if pattern.search(path):
+                self._check_fits(path, shape, spec, f"layout rule {spec}")
+                return spec
+        if annotation is not None:
+            return self._annotated_spec(path, shape, annotation)
+        return self._fsdp_spec(shape) if self.split else PartitionSpec()
+
+    def _annotated_spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned) -> PartitionSpec:
+        names = tuple(annotation.names)
+        what = f"annotation {names}"
+        if len(names) > len(shape):
+            raise ValueError(
+                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape {shape}: "
+                "annotate one name per dimension."
+            )
+        if isinstance(annotation, nn.LogicallyPartitioned):
+            rules = annotation.rules if annotation.rules is not None else self.logical_axis_rules
+            axes = list(nn.logical_to_mesh_axes(names, rules))  # Flax's own resolution: rule order is priority
+            ruled = {name for name, _ in rules}
+            free = [i for i, name in enumerate(names) if isinstance(name, str) and name not in ruled]
+            what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
+        else:  # nn.with_partitioning names mesh axes: exactly what the model asks for
+            for name in jax.tree.leaves(names):
+                if isinstance(name, str) and name not in self.mesh.axis_names:
+                    raise ValueError(
+                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis {name!r}, but this "
+                        f"strategy's mesh axes are {self.mesh.axis_names}: name mesh axes 'replica' / 'model', or "
+                        "annotate logical names (nn.with_logical_partitioning) and map them with "
+                        "ShardedStrategy(logical_axis_rules=...)."
+                    )
+            axes, free = list(names), []
+        self._check_fits(path, shape, PartitionSpec(*axes), what)
+        used = set(jax.tree.leaves([a for a in axes if a is not None]))
+        n = self.mesh.shape[self.replica_axis]
+        if free and self.replica_axis not in used and n > 1 and self._big_enough(shape):
+            candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
+            if candidates:
+                axes[-max(candidates)[1]] = self.replica_axis
+        while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
+            axes.pop()
+        return PartitionSpec(*axes)
+
+    def _big_enough(self, shape: tuple[int, ...]) -> bool:
+        return int(np.prod(shape, dtype=np.int64)) >= self.min_shard_size
+
+    def _fsdp_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
+        n = self.mesh.shape[self.replica_axis]
+        if n == 1 or not self._big_enough(shape):
+            return PartitionSpec()
+        candidates = [(size, -axis) for axis, size in enumerate(shape) if size % n == 0]
+        if not candidates:
+            return PartitionSpec()
+        _, neg_axis = max(candidates)  # the largest divisible axis (the first of equals)
+        spec = [None] * (-neg_axis + 1)  # no trailing Nones: the canonical form jit returns
+        spec[-neg_axis] = self.replica_axis
+        return PartitionSpec(*spec)
+
+    def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str) -> None:
+        if len(spec) > len(shape):
+            raise ValueError(
+                f"{what} for variable {path!r} of shape {shape} names {len(spec)} axes but the "
+                f"variable has only {len(shape)}: shorten the PartitionSpec."
+            )
+        for axis, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            parts = int(np.prod([self.mesh.shape[a] for a in names if a is not None], dtype=np.int64))
+            if shape[axis] % parts:
+                raise ValueError(
+                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into {parts} "
+                    "parts, which does not divide it: pick another axis or pad the variable."
+                )
+
+    # ----------------------------------------------------------------------------------- rule checks
+    def unmatched(self, tree: Any) -> list[str]:
+        """The rules that placed no variable of ``tree`` (arrays or shapes; Flax boxes keep annotations).
+
+        A ``layout_rules`` entry is unmatched when it is the first match of no variable's path; a
+        ``logical_axis_rules`` entry when no variable's annotation uses its logical name (names in
+        ``activation_axes`` excepted).
+        """
+        used: set[int] = set()
+        names: set[str] = set()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_box):
+            name = path_name(path)
+            first = next((i for i, (pattern, _) in enumerate(self.layout_rules) if pattern.search(name)), None)
+            if first is not None:
+                used.add(first)
+            else:  # a layout rule overrides the annotation: its names placed nothing here
+                names |= logical_names(leaf)
+        out = [
+            f"layout_rules[{i}]=({pattern.pattern!r}, {spec})"
+            for i, (pattern, spec) in enumerate(self.layout_rules)
+            if i not in used
+        ]
+        out += [
+            f"logical_axis_rules[{i}]={(name, axes)!r}"
+            for i, (name, axes) in enumerate(self.logical_axis_rules)
+            if name not in names and name not in self.activation_axes
+        ]
+        return out

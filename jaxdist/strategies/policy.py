@@ -1,0 +1,266 @@
+"""`LayoutPolicy`: the one object that decides where every value of a strategy lives.
+
+A policy owns the mesh and the role of each of its axes (the data-parallel ``"replica"`` axis that batches and
+FSDP variables are split over, the ``"model"`` axis of tensor parallelism), and answers, alone, "which layout
+does this value get":
+
+* variables: `variable_layout` / `variable_shardings` (layout rules, Flax annotations through logical rules,
+  the FSDP rule or mirrored; ``colocate_vars_with`` targets; host offloading as the *memory kind* of the same
+  shardings);
+* batches: `batch_sharding` (axis 0 split over the replicas);
+* outputs of a compiled step: `output_layouts` (shaped like an argument: that argument's layout and memory
+  kind; anything else: the variable layout);
+* what a placed value's layout says of its role: `layout_role`.
+
+Every strategy is a configuration of a policy, and every verb (``jit``, ``run``, loops, input, reduce) takes one
+(see `jaxdist.strategies.base`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax.core.meta import Partitioned
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
+from jaxdist.replicate.trees import is_distributed, signature
+from jaxdist.strategies import ambient
+from jaxdist.strategies.layout_rules import VariableRules, is_box
+from jaxdist.strategies.offload import in_host_memory, offload_shardings, parse_host_offload, to_host_memory
+
+__all__ = ["LayoutPolicy", "colocated_layout"]
+
+
+def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.Sharding:
+    """``target``'s layout for a value of ``aval``'s shape: the same sharding where it fits, else a whole copy on
+    the same devices (same memory kind).
+
+    Example:
+        >>> import jax
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("replica",))
+        >>> colocated_layout(NamedSharding(mesh, P(None, "replica")), jax.ShapeDtypeStruct((), "int32")).spec
+        P()
+    """
+    if not isinstance(target, NamedSharding):
+        return target
+    shape = tuple(np.shape(aval))
+    if len(target.spec) <= len(shape):
+        sizes = dict(target.mesh.shape)
+        fits = True
+        for axis, entry in enumerate(target.spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            parts = int(np.prod([sizes[n] for n in names if n is not None], dtype=np.int64))
+            fits = fits and shape[axis] % parts == 0
+        if fits:
+            return target
+    return NamedSharding(target.mesh, PartitionSpec(), memory_kind=target.memory_kind)
+
+
+class LayoutPolicy:
+    """Mesh, axis roles and the layout of every variable, batch and output of one strategy.
+
+    Args:
+        devices: the devices, in replica order.
+        model_parallelism: devices per replica along a ``"model"`` mesh axis (the mesh is then
+            ``(replica, model)``; a replica's devices hold one model copy).
+        split_variables: whether unannotated variables are split over the replicas (FSDP) or mirrored.
+        min_shard_size: with ``split_variables``, variables with fewer elements stay mirrored.
+        layout_rules: ``[(regex, PartitionSpec), ...]`` overriding the variable rule for matching paths.
+        logical_axis_rules: Flax logical axis rules for annotated variables (and activations in traced steps).
+        activation_axes: logical names only activations use.
+        host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
+
+    Raises:
+        ValueError: for ``model_parallelism`` that does not divide the devices, a malformed rule or one naming
+            an axis the mesh lacks, or an unknown ``host_offload``.
+
+    Example:
+        >>> import jax, jaxdist as jd
+        >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:4], split_variables=True, min_shard_size=1)
+        >>> policy.num_replicas, policy.variable_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
+        (4, PartitionSpec(None, 'replica'))
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[jax.Device],
+        model_parallelism: int = 1,
+        *,
+        split_variables: bool = False,
+        min_shard_size: int = 1024,
+        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
+        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+        activation_axes: Sequence[str] = (),
+        host_offload: str | None = None,
+    ):
+        devices = tuple(devices)
+        if not isinstance(model_parallelism, int) or model_parallelism < 1 or len(devices) % model_parallelism:
+            raise ValueError(
+                f"model_parallelism={model_parallelism!r} must be an int >= 1 that divides the {len(devices)} "
+                "devices (the mesh is (replica, model) = (devices / model_parallelism, model_parallelism))."
+            )
+        self.devices = devices
+        self.host_offload = parse_host_offload(host_offload, devices)
+        # Auto axes (not jax.make_mesh's Explicit default): the global view compiles UNMODIFIED single-device
+        # steps, which sharding-in-types would make annotate their own layouts.
+        if model_parallelism == 1:
+            self.mesh = Mesh(np.array(devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+        else:
+            grid = np.array(devices).reshape(-1, model_parallelism)
+            self.mesh = Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+        self.replica_axis = REPLICA_AXIS
+        self.rules = VariableRules(
+            self.mesh, REPLICA_AXIS, split=split_variables, min_shard_size=min_shard_size,
+            layout_rules=layout_rules or (), logical_axis_rules=logical_axis_rules or (),
+            activation_axes=activation_axes,
+        )
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(REPLICA_AXIS))
+        """The layout of distributed batches (and per-replica values): axis 0 split over the replicas."""
+        self.replicated_sharding = replicated(self.mesh)
+        """The layout of mirrored values: a whole copy on every device."""
+
+    # ------------------------------------------------------------------------------------- topology
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas (the size of the replica axis)."""
+        return self.mesh.shape[self.replica_axis]
+
+    @property
+    def replica_devices(self) -> tuple[jax.Device, ...]:
+        """The first device of each replica, in replica order."""
+        return tuple(self.mesh.devices.reshape(self.num_replicas, -1)[:, 0])
+
+    @property
+    def splits_variables(self) -> bool:
+        """Whether variables can be split (FSDP, tensor parallelism): then a `jit` step that receives no
+        distributed batch gathers them at entry (protection against an XLA Shardy partitioner miscompute of
+        conv nets with split kernels and a replicated batch)."""
+        return self.rules.split or MODEL_AXIS in self.mesh.axis_names
+
+    # ------------------------------------------------------------------------------------ variables
+    def variable_layout(
+        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
+    ) -> NamedSharding:
+        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype ``aval``.
+
+        Args:
+            path: the variable's pytree path, ``/``-joined (what layout rules match).
+            aval: its shape and dtype.
+            annotation: the Flax partitioning box around it, when the model annotated it.
+
+        Raises:
+            ValueError: when a rule or annotation does not fit the variable.
+        """
+        return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
+
+    def variable_shardings(self, shapes: Any) -> Any:
+        """The layout of each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s; Flax boxes kept around
+        their sharding), inside ``colocate_vars_with`` the target's, with offloaded variables in host memory."""
+
+        def one(path, leaf):
+            if is_box(leaf):  # the path of the box, not of its ".value"
+                return leaf.replace_boxed(self.variable_layout(path_name(path), leaf.value, annotation=leaf))
+            return self.variable_layout(path_name(path), leaf)
+
+        layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=is_box)
+        target = ambient.colocation_target(self)
+        if target is not None:
+            return jax.tree.map(lambda _, aval: colocated_layout(target, aval), layouts, shapes)
+        return offload_shardings(self.host_offload, shapes, layouts)
+
+    # ---------------------------------------------------------------------------------------- roles
+    def layout_role(self, x: Any) -> str | None:
+        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when the layout cannot tell.
+
+        None for values not on this mesh (numpy, arrays on other devices: their role must be declared) and,
+        where variables may be split over the replicas too (FSDP), for arrays split like a batch.
+        """
+        if not is_on_mesh(x, self.mesh):
+            return None
+        if not splits_batch_axis(x, self.mesh):
+            return "variable"
+        return None if self.rules.split else "batch"
+
+    def is_batch_layout(self, x: Any) -> bool:
+        """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout)."""
+        return splits_batch_axis(x, self.mesh)
+
+    # -------------------------------------------------------------------------------------- outputs
+    def output_layouts(self, out: Any, arguments: Sequence[Any]) -> Any:
+        """Constrain the outputs of a step being traced: an output with the structure, shapes and dtypes of one
+        of ``arguments`` (the concrete values the step was called with) takes that argument's layout and memory
+        kind; every other output the variable layout (per-replica values: split over the replicas)."""
+        signatures = [(signature(a), a) for a in arguments]
+
+        def like_argument(tree):
+            sig = signature(tree)
+            for s, concrete in signatures:
+                if s == sig:
+                    constrained = _constrain_like(tree, concrete)
+                    if constrained is not tree:
+                        return constrained
+            return None
+
+        whole = like_argument(out)
+        if whole is not None:
+            return whole
+        if isinstance(out, tuple) and not hasattr(out, "_fields"):  # -> (state, metrics): element by element
+            matched = [like_argument(o) for o in out]
+            return tuple(m if m is not None else self._variable_outputs(o) for m, o in zip(matched, out, strict=True))
+        return self._variable_outputs(out)
+
+    def _variable_outputs(self, tree: Any) -> Any:
+        def one(path, x):
+            if is_distributed(x):  # one component per replica: stays split over them
+                return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, self.batch_sharding), x)
+            box = x if is_box(x) else None  # a Flax annotation: laid out as annotated
+            value = x.value if box is not None else x
+            if not isinstance(value, jax.Array):
+                return x
+            aval = jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.result_type(value))
+            value = jax.lax.with_sharding_constraint(value, self.variable_layout(path_name(path), aval, box))
+            return box.replace_boxed(value) if box is not None else value
+
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda v: is_distributed(v) or is_box(v))
+
+    # ------------------------------------------------------------------------------------- contexts
+    def flax_rules(self) -> contextlib.AbstractContextManager[Any]:
+        """Flax's logical axis rules set to this policy's (nothing without rules)."""
+        rules = self.rules.logical_axis_rules
+        return nn.logical_axis_rules(rules) if rules else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def tracing_scope(self):
+        """What a step is traced in: with logical rules, this mesh (as JAX's abstract mesh) and the rules, so
+        ``nn.with_logical_constraint`` in model code lays out activations; without rules, nothing (Flax would
+        replicate every name no rule maps)."""
+        if not self.rules.logical_axis_rules:
+            yield
+            return
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self.flax_rules():
+            yield
+
+    def __repr__(self) -> str:
+        return f"LayoutPolicy(mesh={dict(self.mesh.shape)}, split_variables={self.rules.split})"
+
+
+def _constrain_like(tree: Any, concrete: Any) -> Any:
+    """``tree`` (traced) constrained to the layouts and memory kinds of ``concrete`` (placed arrays)."""
+    shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
+    if not all(isinstance(s, jax.sharding.Sharding) for s in shardings):
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, s, c in zip(leaves, shardings, jax.tree.leaves(concrete), strict=True):
+        if in_host_memory(c):  # an offloaded argument: its new value goes back to host memory
+            out.append(to_host_memory(jax.lax.with_sharding_constraint(x, s.with_memory_kind("device"))))
+        else:
+            out.append(jax.lax.with_sharding_constraint(x, s))
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,170 @@
+"""Roles: is a value a batch, a variable, a per-replica value or a constant? The one place that decides.
+
+A role is declared or carried by the value, never guessed:
+
+* declared: ``batch_argnums`` of ``strategy.jit`` / ``strategy.run`` / ``outside_compilation`` lists the batch
+  arguments; every other array argument is a variable;
+* carried by the type: `PerReplica` / `SyncOnRead` hold one component per replica; Python numbers, strings,
+  callables and configs are compile-time constants;
+* carried by the layout (`LayoutPolicy.layout_role`): an array on the strategy's mesh with axis 0 split over
+  the replicas is a batch (from a distributed dataset); one in another layout there is a variable. Where
+  variables can be split over the replicas too (FSDP) the layout cannot tell: there an array is a batch when the
+  strategy's input functions placed it (`placed_as_batch`: they record what they hand out, weakly), and any
+  other array split like a batch must be declared;
+* inside a compiled step: the step's own arguments keep the role they entered with (the step records them in
+  its computation frame when it is traced); a value COMPUTED in the step (``x / 255``) has no role, and a
+  per-replica verb given one of rank >= 1 (``strategy.run``, ``outside_compilation``) asks for the declaration.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdist.replicate.trees import is_array
+from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.strategies import ambient
+
+__all__ = [
+    "Role",
+    "UndeclaredBatchWarning",
+    "as_argnums",
+    "classify",
+    "mark_placed_batch",
+    "placed_as_batch",
+    "role_in_trace",
+    "role_of_placed",
+]
+
+
+class UndeclaredBatchWarning(UserWarning):
+    """An array whose role jaxdist cannot know reached a strategy computation with no declaration of which
+    arguments are batches (declare them with ``batch_argnums``)."""
+
+
+class Role(enum.Enum):
+    """The role of one argument leaf of a strategy computation."""
+
+    VARIABLE = "variable"  # a whole copy per replica (mirrored) / in the variable layout (global view)
+    BATCH = "batch"  # axis 0 split over the replicas
+    PER_REPLICA = "per_replica"  # a PerReplica: one component per replica
+    SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: one component per replica, aggregated on read
+    STATIC = "static"  # not an array: a compile-time constant
+
+
+def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
+    """``value`` (an int, a sequence of ints or None) as a tuple of argument positions.
+
+    Raises:
+        TypeError: for anything else, naming ``name``.
+
+    Example:
+        >>> as_argnums(1, "batch_argnums"), as_argnums(None, "batch_argnums")
+        ((1,), ())
+    """
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument indices).")
+
+
+_placed: dict[int, weakref.ref] = {}  # id(array) -> weak ref: arrays the input functions placed as batches
+_placed_lock = threading.Lock()
+
+
+def mark_placed_batch(x: Any) -> None:
+    """Record that the input functions placed ``x`` as a distributed batch (the role it carries from now on)."""
+    if not isinstance(x, jax.Array):
+        return
+    key = id(x)
+    with _placed_lock:
+        _placed[key] = weakref.ref(x, lambda _, key=key: _placed.pop(key, None))
+
+
+def placed_as_batch(x: Any) -> bool:
+    """True when ``x`` itself (not a value computed from it) was placed as a batch by the input functions."""
+    ref = _placed.get(id(x))
+    return ref is not None and ref() is x
+
+
+def role_of_placed(policy: Any, x: Any) -> str | None:
+    """The role a placed (concrete) array carries: its layout's (`LayoutPolicy.layout_role`), and where the
+    layout cannot tell (variables split like batches), whether the input functions placed it as a batch."""
+    role = policy.layout_role(x)
+    if role is None and policy.is_batch_layout(x) and placed_as_batch(x):
+        return "batch"
+    return role
+
+
+def role_in_trace(x: Any, policy: Any) -> Role | None:
+    """The role tracer ``x`` entered a computation of ``policy`` with (a step's batch or variable argument);
+    None for values derived inside it. A value being differentiated (``jax.grad`` inside the step wraps its
+    argument in a JVP tracer) keeps the role of the argument it wraps."""
+    candidates = [x]
+    while isinstance(getattr(candidates[-1], "primal", None), jax.core.Tracer):
+        candidates.append(candidates[-1].primal)
+    for frame in reversed(ambient.state.computations):
+        if frame.policy is policy:
+            for c in candidates:
+                if any(t is c for t in frame.batches):
+                    return Role.BATCH
+                if any(t is c for t in frame.variables):
+                    return Role.VARIABLE
+    return None
+
+
+def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: str, warned: list[bool]) -> Role:
+    """The role of one argument leaf of a per-replica computation (``strategy.run``).
+
+    Args:
+        policy: the strategy's `LayoutPolicy`.
+        leaf: the value.
+        declared: True / False when ``batch_argnums`` says whether its argument is a batch, None when the
+            caller declared nothing.
+        where: how errors name the leaf (``"args[1]['x']"``).
+        verb: how errors name the call (``"strategy.run"``).
+        warned: a one-element list, the caller's "already warned about an ambiguous layout" flag.
+
+    Raises:
+        ValueError: for a per-replica value of another strategy, or (undeclared) a value of rank >= 1 computed
+            inside a step.
+    """
+    if isinstance(leaf, (PerReplica, SyncOnRead)):
+        return Role.SYNC_ON_READ if isinstance(leaf, SyncOnRead) else Role.PER_REPLICA
+    if not is_array(leaf):
+        return Role.STATIC
+    if declared is not None:
+        return Role.BATCH if declared else Role.VARIABLE
+    if isinstance(leaf, jax.core.Tracer):
+        role = role_in_trace(leaf, policy)
+        if role is None and np.ndim(leaf) >= 1:
+            raise ValueError(
+                f"{verb} got {where}, an array of shape {tuple(np.shape(leaf))} computed inside the "
+                "step, whose role jaxdist cannot know: only the step's own batch arguments are split over "
+                "the replicas, and a value derived from one (say x / 255) might be a batch or a variable. "
+                f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch "
+                "arguments (every other one is mirrored; batch_argnums=() if none is a batch)."
+            )
+        return role or Role.VARIABLE
+    role = role_of_placed(policy, leaf)
+    if role is None and np.ndim(leaf) >= 1 and policy.is_batch_layout(leaf) and not warned[0]:
+        warned[0] = True
+        warnings.warn(
+            f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by this strategy's "
+            "input functions, on a strategy whose variables can have that layout too, so it is taken as a "
+            "variable (every replica sees all of it). "
+            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            UndeclaredBatchWarning,
+            stacklevel=5,
+        )
+    return Role.BATCH if role == "batch" else Role.VARIABLE

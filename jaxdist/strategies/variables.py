@@ -1,0 +1,85 @@
+"""Creating values in a policy's layouts: variables compiled into place, existing trees placed, sync-on-read.
+
+Variables are created where they live: the initializer runs under `jax.jit` with the policy's variable
+shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its shard), so no host
+copy is ever made. `SyncOnRead` values hold one component per replica, stacked on a leading axis split over
+the replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.replicate.layouts import put
+from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
+from jaxdist.replicate.trees import abstract, fn_name, merge_static, split_static
+from jaxdist.replicate.values import SyncOnRead
+from jaxdist.strategies.policy import LayoutPolicy
+
+__all__ = ["create_variables", "mirror", "sync_on_read"]
+
+
+def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``init_fn(*args, **kwargs)`` compiled straight into ``policy``'s variable layout (see
+    `Strategy.create_variables`).
+
+    Raises:
+        TypeError: when ``init_fn`` is not callable.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> policy = LayoutPolicy(jax.devices()[:2])
+        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (), {})["w"].sharding.is_fully_replicated
+        True
+    """
+    if not callable(init_fn):
+        raise TypeError(
+            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the function that "
+            "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
+            "use strategy.mirror(tree) to place values you already have."
+        )
+    # Only array leaves are traced: a config object, a string or a Python number is a constant of the
+    # initializer (the program is compiled once, so nothing needs to be hashable).
+    dynamic, treedef, statics = split_static((args, kwargs))
+
+    def fn(*dyn):
+        call_args, call_kwargs = merge_static(dyn, treedef, statics)
+        return init_fn(*call_args, **call_kwargs)
+
+    fn.__name__ = fn.__qualname__ = fn_name(init_fn)  # errors name the user's function
+    shapes = jax.eval_shape(fn, *dynamic)
+    return jax.jit(fn, out_shardings=policy.variable_shardings(shapes))(*dynamic)
+
+
+def mirror(policy: LayoutPolicy, tree: Any) -> Any:
+    """``tree`` placed in ``policy``'s variable layout.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2)})["b"].sharding.is_fully_replicated
+        True
+    """
+    return jax.tree.map(put, tree, policy.variable_shardings(abstract(tree)))
+
+
+def sync_on_read(
+    policy: LayoutPolicy, owner: Any, initial_value: Any, aggregation: VariableAggregation | str
+) -> SyncOnRead:
+    """A `SyncOnRead` of ``owner`` with every replica's component at ``initial_value`` (see
+    `Strategy.sync_on_read`).
+
+    Raises:
+        ValueError: for NONE or an unknown aggregation.
+        TypeError: for MEAN on an integer value.
+    """
+    mode = VariableAggregation.parse(aggregation, "aggregation")
+    value = jnp.asarray(initial_value)
+    if mode is VariableAggregation.MEAN:
+        check_mean_dtype(value, "initial_value")
+    n = policy.num_replicas
+    stacked = jax.jit(lambda v: jnp.broadcast_to(v, (n, *v.shape)), out_shardings=policy.batch_sharding)(value)
+    return SyncOnRead(stacked, mode, owner)

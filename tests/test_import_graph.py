@@ -1,0 +1,66 @@
+"""The package's import graph: a tree of layers, with no circle (imports inside functions count too)."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
+LAYERS = ["replicate", "strategies", "gradients", "tpu", "training"]  # bottom up
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):  # every import, at any depth
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    graph = {m: {n for n in deps if not m.startswith(n + ".") and n != "jaxdist"} for m, deps in _graph().items()}
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_layers_import_down_only(layer):
+    above = LAYERS[LAYERS.index(layer) + 1:]
+    for module, deps in _graph().items():
+        if module.startswith(f"jaxdist.{layer}"):
+            upward = sorted(d for d in deps if any(d.startswith(f"jaxdist.{a}") for a in above))
+            assert not upward, f"{module} imports {upward}, a layer above {layer}"

@@ -1,0 +1,251 @@
+"""Porting pmap-era code: a step written for ``jax.pmap(step, axis_name="batch")`` runs unmodified under
+``strategy.run(step, ..., axis_name="batch")`` and computes what pmap computes on the same per-device batches.
+
+The step is shaped like Flax's ImageNet example: a small ResNet-style conv net whose BatchNorm averages its
+batch statistics across replicas (``axis_name="batch"``), ``mutable=["batch_stats"]``, gradients and batch
+statistics averaged with ``lax.pmean``, a flax ``TrainState``. fp32, rtol 1e-5.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax import lax
+
+import jaxdist as jd
+
+DEVICES = 8
+PER_DEVICE = 4
+STEPS = 2
+
+
+class ResidualBlock(nn.Module):
+    features: int
+    train: bool
+
+    @nn.compact
+    def __call__(self, x):
+        norm = lambda: nn.BatchNorm(use_running_average=not self.train, momentum=0.9, axis_name="batch")  # noqa: E731
+        y = nn.relu(norm()(nn.Conv(self.features, (3, 3), use_bias=False)(x)))
+        y = norm()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+        if x.shape[-1] != self.features:
+            x = norm()(nn.Conv(self.features, (1, 1), use_bias=False)(x))
+        return nn.relu(x + y)
+
+
+class TinyResNet(nn.Module):
+    num_classes: int = 4
+    train: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(4, (3, 3), use_bias=False)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not self.train, momentum=0.9, axis_name="batch")(x))
+        x = ResidualBlock(4, self.train)(x)
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        x = ResidualBlock(8, self.train)(x)
+        return nn.Dense(self.num_classes)(x.mean(axis=(1, 2)))
+
+
+class TrainState(train_state.TrainState):
+    batch_stats: Any
+
+
+def create_state(rng):
+    model = TinyResNet()
+    variables = model.init(rng, jnp.ones((1, 8, 8, 3)))  # flax turns axis_name off while initializing
+    return TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        tx=optax.sgd(0.1, momentum=0.9),
+    )
+
+
+def train_step(state, batch):
+    """A pmap-era step: it names the device axis "batch" and all-reduces explicitly (untouched by the port)."""
+
+    def loss_fn(params):
+        logits, new_model_state = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats}, batch["image"], mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, new_model_state
+
+    (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads = lax.pmean(grads, axis_name="batch")
+    new_state = state.apply_gradients(
+        grads=grads, batch_stats=lax.pmean(new_model_state["batch_stats"], axis_name="batch")
+    )
+    metrics = {"loss": lax.pmean(loss, axis_name="batch"), "replica": lax.axis_index("batch")}
+    return new_state, metrics
+
+
+def per_device_batches():
+    """STEPS batches of shape (DEVICES, PER_DEVICE, ...): what a pmap input pipeline feeds."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        image = rng.normal(size=(DEVICES, PER_DEVICE, 8, 8, 3)).astype(np.float32)
+        label = rng.integers(0, 4, size=(DEVICES, PER_DEVICE)).astype(np.int32)
+        out.append({"image": image, "label": label})
+    return out
+
+
+def global_batch(batch):
+    """The same examples as one global batch: the per-device batches concatenated, in device order."""
+    return jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])), batch)
+
+
+def _first(strategy, tree):
+    """Replica 0's copy of every leaf: mirrored arrays and `PerReplica` values alike."""
+    return jax.tree.map(
+        lambda x: np.asarray(strategy.experimental_local_results(x)[0]),
+        tree,
+        is_leaf=lambda x: isinstance(x, jd.PerReplica),
+    )
+
+
+def _assert_close(got, want):
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def pmap_reference():
+    """jax.pmap over the 8 devices: the state replicated with a leading device axis."""
+    if len(jax.devices()) < DEVICES:
+        pytest.skip(f"needs {DEVICES} devices")
+    state = create_state(jax.random.key(0))
+    replicated = jax.tree.map(lambda x: jnp.stack([x] * DEVICES), state)
+    step = jax.pmap(train_step, axis_name="batch")
+    losses = []
+    for batch in per_device_batches():
+        replicated, metrics = step(replicated, batch)
+        np.testing.assert_array_equal(metrics["replica"], np.arange(DEVICES))
+        losses.append(float(metrics["loss"][0]))
+    # pmean'd gradients and statistics keep the replicas identical: any device's copy is the result
+    for leaf in jax.tree.leaves((replicated.params, replicated.batch_stats)):
+        np.testing.assert_allclose(leaf, jnp.broadcast_to(leaf[0], leaf.shape), rtol=1e-6)
+    return jax.tree.map(lambda x: x[0], replicated), losses
+
+
+@pytest.mark.timeout(120)
+def test_pmap_reference_trains(pmap_reference):
+    """The reference itself: the loss is finite and the batch statistics moved off their initial values."""
+    state, losses = pmap_reference
+    assert np.all(np.isfinite(losses)) and len(losses) == STEPS
+    initial = create_state(jax.random.key(0))
+    pairs = zip(jax.tree.leaves(state.batch_stats), jax.tree.leaves(initial.batch_stats), strict=True)
+    assert not any(np.allclose(a, b) for a, b in pairs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("make_strategy", [jd.MirroredStrategy, jd.TPUStrategy], ids=["mirrored", "tpu"])
+def test_unmodified_pmap_step_under_run_equals_pmap(make_strategy, pmap_reference):
+    """strategy.run(train_step, ..., axis_name="batch"): the pmap step, unmodified, gives pmap's losses, params,
+    batch statistics and optimizer state after STEPS steps; each replica sees its own rows of the global
+    batch (axis_index("batch") is the replica id), and the pmean'd loss comes back mirrored."""
+    strategy = make_strategy()
+    assert strategy.num_replicas_in_sync == DEVICES
+    want_state, want_losses = pmap_reference
+    state = strategy.mirror(create_state(jax.random.key(0)))
+    losses = []
+    for batch in per_device_batches():
+        state, metrics = strategy.run(
+            train_step, args=(state, global_batch(batch)), batch_argnums=(1,), axis_name="batch"
+        )
+        # invariant by type (a pmean): mirrored; the replica id varies: PerReplica
+        assert isinstance(metrics["loss"], jax.Array) and metrics["loss"].sharding.is_fully_replicated
+        assert isinstance(metrics["replica"], jd.PerReplica)
+        np.testing.assert_array_equal(
+            [int(r) for r in strategy.experimental_local_results(metrics["replica"])], np.arange(DEVICES)
+        )
+        losses.append(float(metrics["loss"]))
+        # The new state is computed from each replica's own copy of the mirrored state (tf.distribute
+        # semantics), so by type it varies and comes back PerReplica, though the pmeans make the copies equal.
+        for leaf in jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, jd.PerReplica)):
+            copies = [np.asarray(c) for c in strategy.experimental_local_results(leaf)]
+            for c in copies[1:]:
+                np.testing.assert_allclose(c, copies[0], rtol=1e-6)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    got = _first(strategy, state)
+    _assert_close(got.params, want_state.params)
+    _assert_close(got.batch_stats, want_state.batch_stats)
+    _assert_close(got.opt_state, want_state.opt_state)
+    assert int(got.step) == STEPS
+
+
+@pytest.mark.timeout(120)
+def test_axis_name_also_works_with_replica_context():
+    """Inside run(axis_name=...) jaxdist's own collectives still work: the user's name and ctx agree."""
+    strategy = jd.MirroredStrategy()
+
+    def fn(x):
+        ctx = jd.get_replica_context()
+        return lax.psum(x, "batch"), ctx.all_reduce(jd.ReduceOp.SUM, x), ctx.replica_id_in_sync_group
+
+    x = np.arange(DEVICES, dtype=np.float32)
+    by_name, by_ctx, replica_id = strategy.run(fn, args=(x,), batch_argnums=(0,), axis_name="batch")
+    np.testing.assert_allclose(np.asarray(by_name), [x.sum()])
+    np.testing.assert_allclose(np.asarray(by_ctx), [x.sum()])
+    assert [int(r) for r in strategy.experimental_local_results(replica_id)] == list(range(DEVICES))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "collective",
+    [
+        lambda x: lax.pmean(x, "batch"),  # JAX itself raises a bare AssertionError here (jax 0.12)
+        lambda x: lax.psum(x, axis_name="batch"),
+        lambda x: x + lax.axis_index("batch"),  # JAX: NameError
+        lambda x: lax.all_gather(x, "batch"),
+    ],
+    ids=["pmean", "psum", "axis_index", "all_gather"],
+)
+def test_unbound_axis_name_is_a_value_error_naming_the_fix(collective):
+    """A pmap-era step run without axis_name=: a ValueError that names the axis and the fix."""
+    strategy = jd.MirroredStrategy()
+    x = np.ones((DEVICES, 2), np.float32)
+    with pytest.raises(ValueError, match=r"'batch'.*axis_name='batch'"):
+        strategy.run(collective, args=(x,), batch_argnums=(0,))
+    # a different name than the step uses: the same error, naming the step's axis
+    with pytest.raises(ValueError, match=r"'batch'.*axis_name='batch'"):
+        strategy.run(collective, args=(x,), batch_argnums=(0,), axis_name="devices")
+
+
+@pytest.mark.timeout(300)
+def test_unbound_axis_in_flax_batchnorm_step():
+    """The whole pmap step (BatchNorm(axis_name="batch") is the first collective it reaches) without
+    axis_name=: the same ValueError."""
+    strategy = jd.MirroredStrategy()
+    state = strategy.mirror(create_state(jax.random.key(0)))
+    batch = global_batch(per_device_batches()[0])
+    with pytest.raises(ValueError, match=r"'batch'.*axis_name='batch'"):
+        strategy.run(train_step, args=(state, batch), batch_argnums=(1,))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["", 3, ("batch", "x")])
+def test_axis_name_must_be_a_name(bad):
+    strategy = jd.MirroredStrategy()
+    with pytest.raises((TypeError, ValueError), match="axis_name"):
+        strategy.run(lambda x: x, args=(np.ones(DEVICES),), batch_argnums=(0,), axis_name=bad)
+
+
+@pytest.mark.timeout(60)
+def test_other_assertion_errors_pass_through():
+    """Only JAX's unbound-axis errors become the ValueError: the replica function's own assert is untouched."""
+    strategy = jd.MirroredStrategy()
+
+    def fn(x):
+        assert x.shape[0] == 2, "the step's own check"
+        return lax.pmean(x, "batch")
+
+    with pytest.raises(AssertionError, match="the step's own check"):
+        strategy.run(fn, args=(np.ones(DEVICES),), batch_argnums=(0,), axis_name="batch")
