@@ -39,7 +39,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return [*stack[stack.index(n):], n]
             if n not in state and (found := visit(n)):
                 return found
         stack.pop()

@@ -30,6 +30,7 @@ import numpy as np
 from jaxdist.replicate.collectives import all_reduce, axis_size, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
+from jaxdist.strategies.ambient import replica_axis
 
 __all__ = [
     "CastCompressor",
@@ -44,8 +45,11 @@ __all__ = [
 _COLLECTIVES = ("auto", "all_reduce", "all_to_all")
 
 
-def replica_count(axis_name: str = REPLICA_AXIS) -> int | None:
+def replica_count(axis_name: str | None = None) -> int | None:
     """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else None.
+
+    ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``, or the name given
+    with ``run(..., axis_name=...)``).
 
     Example:
         >>> import jaxdist as jd
@@ -54,7 +58,7 @@ def replica_count(axis_name: str = REPLICA_AXIS) -> int | None:
         >>> int(jd.MirroredStrategy().run(lambda: jd.gradients.replica_count()))
         8
     """
-    return axis_size(axis_name)
+    return axis_size(axis_name or replica_axis(REPLICA_AXIS))
 
 
 def _varying(x: jax.Array, axis_name: str) -> jax.Array:

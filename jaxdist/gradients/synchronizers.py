@@ -35,6 +35,7 @@ from jaxdist.gradients.compressors import Compressor, NoneCompressor
 from jaxdist.gradients.sparse import is_sparse, sparse_all_reduce
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
+from jaxdist.strategies.ambient import replica_axis
 
 __all__ = ["AllReduceSynchronizer", "SynchronizerState"]
 
@@ -61,7 +62,8 @@ class AllReduceSynchronizer:
     Args:
         compressor: a `Compressor`: `NoneCompressor` (default), `CastCompressor` or `PowerSGDCompressor`.
         reduce_op: MEAN (default, the global-batch gradient) or SUM.
-        axis_name: the mesh axis to reduce over (jaxdist's strategies use ``"replica"``).
+        axis_name: the mesh axis to reduce over; None (default): the replica axis of the ``strategy.run`` being
+            traced (``"replica"``, or the name given with ``run(..., axis_name=...)``).
 
     Raises:
         TypeError: when ``compressor`` is not a `Compressor` or ``axis_name`` is not a string.
@@ -87,7 +89,7 @@ class AllReduceSynchronizer:
         compressor: Compressor | None = None,
         reduce_op: ReduceOp | str = ReduceOp.MEAN,
         *,
-        axis_name: str = REPLICA_AXIS,
+        axis_name: str | None = None,
     ):
         compressor = NoneCompressor() if compressor is None else compressor
         if not isinstance(compressor, Compressor):
@@ -95,7 +97,7 @@ class AllReduceSynchronizer:
                 f"compressor={compressor!r} (type {type(compressor).__name__}) is not a Compressor: use "
                 "NoneCompressor(), CastCompressor(jnp.bfloat16) or PowerSGDCompressor(rank=4)."
             )
-        if not isinstance(axis_name, str):
+        if axis_name is not None and not isinstance(axis_name, str):
             raise TypeError(f"axis_name={axis_name!r} must be the name of a mesh axis, e.g. {REPLICA_AXIS!r}.")
         self.compressor = compressor
         self.reduce_op = ReduceOp.parse(reduce_op, "reduce_op")
@@ -167,14 +169,15 @@ class AllReduceSynchronizer:
                 f"but the gradients have structure {treedef}: make the state with sync.init on a tree shaped like "
                 "the gradients (e.g. the params)."
             ) from e
+        axis = self.axis_name or replica_axis(REPLICA_AXIS)
         reduced, new_states = [], []
         for grad, leaf_state in zip(leaves, leaf_states, strict=True):
             if is_sparse(grad):  # uncompressed, as in AutoDist, and stateless
-                reduced.append(sparse_all_reduce(grad, self.reduce_op, axis_name=self.axis_name))
+                reduced.append(sparse_all_reduce(grad, self.reduce_op, axis_name=axis))
                 new_states.append(None)
                 continue
             out, leaf_state = self.compressor.reduce(
-                grad, leaf_state, reduce_op=self.reduce_op, axis_name=self.axis_name
+                grad, leaf_state, reduce_op=self.reduce_op, axis_name=axis
             )
             reduced.append(out)
             new_states.append(leaf_state)

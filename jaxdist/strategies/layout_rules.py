@@ -15,7 +15,9 @@ that applies:
 2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's priority
    order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to use: when no dimension
    is already split over the replica axis, the largest such dimension the replica count divides is;
-3. the FSDP rule (unannotated variables), when the policy splits variables; else the variable is whole.
+3. the FSDP rule (unannotated variables).
+
+A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class VariableRules:
     Args:
         mesh: the mesh the specs name axes of.
         replica_axis: the data-parallel axis the FSDP rule splits over.
-        split: whether unannotated variables are split (FSDP) or whole (mirrored).
+        split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole (mirrored:
+            annotations and the FSDP rule are ignored).
         min_shard_size: variables with fewer elements stay whole.
         layout_rules: ``[(regex, PartitionSpec), ...]``.
         logical_axis_rules: Flax logical axis rules ``[(logical_name, mesh_axes), ...]``.
@@ -75,7 +78,7 @@ class VariableRules:
         >>> import jax
         >>> mesh = jax.sharding.Mesh(jax.devices()[:8], ("replica",))
         >>> VariableRules(mesh, "replica", split=True, min_shard_size=1).spec("w", (8, 16))
-        PartitionSpec(None, 'replica')
+        P(None, 'replica')
     """
 
     def __init__(
@@ -146,6 +149,8 @@ class VariableRules:
             ValueError: when a rule or annotation splits a dimension into parts that do not divide it, or a
                 ``nn.with_partitioning`` annotation names an axis the mesh does not have.
         """
+        if not self.split:  # a mirroring policy: every variable whole, annotations notwithstanding
+            return PartitionSpec()
         shape = tuple(shape)
         for pattern, spec in self.layout_rules:
             if pattern.search(path):
@@ -153,7 +158,7 @@ class VariableRules:
                 return spec
         if annotation is not None:
             return self._annotated_spec(path, shape, annotation)
-        return self._fsdp_spec(shape) if self.split else PartitionSpec()
+        return self._fsdp_spec(shape)
 
     def _annotated_spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned) -> PartitionSpec:
         names = tuple(annotation.names)

@@ -85,7 +85,7 @@ class LayoutPolicy:
         >>> import jax, jaxdist as jd
         >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:4], split_variables=True, min_shard_size=1)
         >>> policy.num_replicas, policy.variable_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
-        (4, PartitionSpec(None, 'replica'))
+        (4, P(None, 'replica'))
     """
 
     def __init__(

@@ -47,7 +47,7 @@ from jaxdist.gradients.clusters import cluster, clusters, current_gradient_uid, 
 from jaxdist.replicate.collectives import is_varying, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.trees import is_array
-from jaxdist.strategies.ambient import current_computation, state
+from jaxdist.strategies.ambient import current_computation, replica_axis, state
 from jaxdist.strategies.input import check_divisible
 from jaxdist.strategies.roles import Role, as_argnums, role_in_trace
 
@@ -73,7 +73,7 @@ def _host_device() -> jax.Device:
 
 def _mark(x: Any, varying: bool) -> Any:
     """Give a callback result (typed invariant by JAX) the replica-variance it really has."""
-    return to_varying(x) if varying else x
+    return to_varying(x, replica_axis(REPLICA_AXIS)) if varying else x
 
 
 def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
@@ -218,7 +218,7 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
             if replicated and not varying_in[i]:
                 # An input shared by all replicas (invariant) gets the sum of the replicas' contributions,
                 # as jax.grad of a replicated input does.
-                g = jax.lax.psum(_mark(g, True), REPLICA_AXIS)
+                g = jax.lax.psum(_mark(g, True), replica_axis(REPLICA_AXIS))
             out[i] = g
         return tuple(out)
 
@@ -298,7 +298,7 @@ def outside_compilation(
     statics_pair = (frozenset(positions), tuple(statics))
     name = _next_cluster(frame)
     kind = frame.kind if frame is not None else "plain"
-    axis = frame.axis_name or REPLICA_AXIS if frame is not None else REPLICA_AXIS
+    axis = replica_axis(REPLICA_AXIS)
 
     if kind == "global":
         policy = frame.policy
