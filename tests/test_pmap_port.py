@@ -249,3 +249,25 @@ def test_other_assertion_errors_pass_through():
 
     with pytest.raises(AssertionError, match="the step's own check"):
         strategy.run(fn, args=(np.ones(DEVICES),), batch_argnums=(0,), axis_name="batch")
+
+
+@pytest.mark.timeout(120)
+def test_strategy_axis_name_binds_every_run_and_synchronizers_follow_it():
+    strategy = jd.MirroredStrategy(axis_name="batch")
+    assert strategy.axis_name == "batch"
+    x = strategy.experimental_distribute_values(np.arange(16.0, dtype=np.float32))
+    sync = jd.gradients.AllReduceSynchronizer(jd.gradients.CastCompressor(jnp.bfloat16))
+
+    def replica_fn(x):
+        ctx = jd.get_replica_context()
+        reduced, _ = sync.all_reduce(x, sync.init(x))  # no axis named: the run's binding
+        return lax.psum(x.sum(), "batch"), reduced, ctx.axis_name == "batch", jd.gradients.replica_count()
+
+    total, reduced, named, count = strategy.run(replica_fn, args=(x,))
+    assert float(total) == float(np.arange(16.0).sum()) and bool(named) and int(count) == 8
+    np.testing.assert_allclose(reduced, np.arange(16.0).reshape(8, 2).mean(0), rtol=1e-2)
+    # A per-call axis_name overrides the strategy's; another mesh axis's name is refused.
+    ids = strategy.run(lambda: lax.axis_index("data"), axis_name="data")
+    assert [int(i) for i in strategy.experimental_local_results(ids)] == list(range(8))
+    with pytest.raises(ValueError, match=r"axis_name='model' is already the name of another axis"):
+        jd.ShardedStrategy(model_parallelism=2, axis_name="model")

@@ -404,3 +404,26 @@ def test_more_steps_loop_errors():
 
     with pytest.raises(ValueError, match=r"name=3 must be a string"):
         strategy.run_steps_on_dataset(bad_name, iter([np.ones((8, 1))]), iterations=1, initial_loop_values=w)
+
+
+def test_outside_compilation_global_view_roles_are_declared_or_carried():
+    """In a global-view step a region splits the step's own batch arguments; a value computed in the step is
+    split only when declared (batch_argnums), never because of its shape."""
+    strategy = jd.MirroredStrategy()
+    x_host = np.arange(32, dtype=np.float32).reshape(16, 2)
+    x = strategy.experimental_distribute_values(x_host)
+    rows = lambda v: jnp.full((v.shape[0], 1), v.shape[0], jnp.float32)  # noqa: E731 - rows each call sees
+
+    with pytest.raises(ValueError, match=r"args\[0\], an array of shape \(16, 2\) computed inside the step.*"
+                                         r"batch_argnums=\(i, \.\.\.\)"):
+        strategy.jit(lambda x: oc(rows, x * 2.0))(x)
+    split = strategy.jit(lambda x: oc(rows, x * 2.0, batch_argnums=0))(x)
+    np.testing.assert_array_equal(split, np.full((16, 1), 2.0))  # 8 calls on 2 rows each
+    whole = strategy.jit(lambda x: oc(rows, x * 2.0, batch_argnums=()))(x)
+    np.testing.assert_array_equal(whole, np.full((8 * 16, 1), 16.0))  # 8 calls on all 16 rows, concatenated
+    carried = strategy.jit(lambda x: oc(rows, x))(x)  # the step's own batch argument: split
+    np.testing.assert_array_equal(carried, np.full((16, 1), 2.0))
+    with pytest.raises(ValueError, match=r"batch_argnums=\(3,\) names positions \[3\]"):
+        strategy.jit(lambda x: oc(rows, x, batch_argnums=3))(x)
+    with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 does not divide the rows of a batch_argnums"):
+        strategy.jit(lambda x: oc(rows, x[:4] * 1.0, batch_argnums=0))(x)
