@@ -44,7 +44,7 @@ from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.offload import to_device_memory
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.roles import UndeclaredBatchWarning, as_argnums, role_of_placed
+from jaxdist.strategies.roles import UndeclaredBatchWarning, as_argnums, step_argument_roles
 
 __all__ = ["StrategyFunction"]
 
@@ -237,25 +237,12 @@ class StrategyFunction:
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back, see LayoutPolicy.output_layouts).
         args, state = to_device_memory((args, state))
-        batches, variables, maybe_batches = [], [], []
-        declared = self._batch
-        for i, (a, c) in enumerate(zip(args, concrete_args, strict=True)):
-            if i in self._static or i in nodes:
-                continue
-            for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
-                if declared is not None:
-                    (batches if i in declared else variables).append(t)
-                    continue
-                role = role_of_placed(policy, leaf)
-                if role == "batch":
-                    batches.append(t)
-                elif role == "variable":
-                    variables.append(t)
-                elif policy.is_batch_layout(leaf):  # split like a batch where variables can be too
-                    maybe_batches.append(t)
-        variables.extend(jax.tree.leaves(state))
+        skip = set(self._static) | set(nodes)
+        batches, variables, maybe_batches = step_argument_roles(policy, args, concrete_args, self._batch, skip)
         if not (batches or maybe_batches) and policy.splits_variables:
             args, state = _gather_at_entry(policy, args, concrete_args, state, concrete_state, self._static)
+            batches, variables, _ = step_argument_roles(policy, args, concrete_args, self._batch, skip)
+        variables.extend(jax.tree.leaves(state))
         with computation(policy, "global", batches, variables), policy.tracing_scope():
             if nodes:
                 objects = nnx.merge(graphdef, state)

@@ -120,6 +120,7 @@ class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         initialization_timeout: seconds to wait for every process to join before failing.
         heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead and every
             survivor exits with an error.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
 
     Raises:
         ValueError: for a partial or malformed cluster description.
@@ -140,10 +141,11 @@ class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         *,
         initialization_timeout: int = 120,
         heartbeat_timeout_seconds: int = 30,
+        axis_name: str | None = None,
     ):
         cluster = resolve_cluster(coordinator_address, num_processes, process_id)
         _initialize(cluster, initialization_timeout, heartbeat_timeout_seconds)
-        super().__init__(LayoutPolicy(tuple(jax.devices())))
+        super().__init__(LayoutPolicy(tuple(jax.devices())), axis_name=axis_name)
 
     @property
     def is_chief(self) -> bool:

@@ -41,6 +41,7 @@ __all__ = [
     "placed_as_batch",
     "role_in_trace",
     "role_of_placed",
+    "step_argument_roles",
 ]
 
 
@@ -104,6 +105,42 @@ def role_of_placed(policy: Any, x: Any) -> str | None:
     if role is None and policy.is_batch_layout(x) and placed_as_batch(x):
         return "batch"
     return role
+
+
+def step_argument_roles(
+    policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None, skip: set[int]
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """The roles the arguments of a global-view step enter with, sorted into its traced leaves.
+
+    Args:
+        policy: the strategy's `LayoutPolicy`.
+        args: the step's traced arguments.
+        concrete: the values it was called with (placed arrays, or abstract shapes), same structure.
+        declared: the step's ``batch_argnums`` (None: nothing declared).
+        skip: positions that are not traced arrays (static arguments, nnx graph objects).
+
+    Returns:
+        ``(batches, variables, maybe_batches)``: traced leaves declared or carried as batches, as variables,
+        and (undeclared) split like a batch on a policy whose variables can be split so too.
+    """
+    batches: list[Any] = []
+    variables: list[Any] = []
+    maybe: list[Any] = []
+    for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
+        if i in skip:
+            continue
+        for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
+            if declared is not None:
+                (batches if i in declared else variables).append(t)
+                continue
+            role = role_of_placed(policy, leaf)
+            if role == "batch":
+                batches.append(t)
+            elif role == "variable":
+                variables.append(t)
+            elif policy.is_batch_layout(leaf):
+                maybe.append(t)
+    return batches, variables, maybe
 
 
 def role_in_trace(x: Any, policy: Any) -> Role | None:

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import PartitionSpec
 
 from jaxdist.gradients.clusters import cluster, clusters, current_gradient_uid, gradient_cluster
@@ -174,8 +175,6 @@ class _Region:
 def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: list[bool]) -> Any:
     """The region on local values: a callback, differentiable through a custom VJP that runs on the host."""
     if region.result_shape is None or region.ordered:
-        from jax.experimental import io_callback
-
         # Side effects: no gradient flows through them (stop_gradient lets a logging region sit in a
         # differentiated step, where an io_callback itself has no JVP).
         def side_effect(*xs):
