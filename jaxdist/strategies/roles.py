@@ -42,6 +42,7 @@ __all__ = [
     "role_in_trace",
     "role_of_placed",
     "step_argument_roles",
+    "traced_role",
 ]
 
 
@@ -160,6 +161,27 @@ def role_in_trace(x: Any, policy: Any) -> Role | None:
     return None
 
 
+def traced_role(policy: Any, x: Any, where: str, declaration: str) -> Role:
+    """The role of a traced value reaching a per-replica verb inside a step: the role the step's argument it
+    is entered with; a value of rank >= 1 computed in the step has none, so it is an error naming
+    ``declaration`` (how to declare the batch arguments at that call).
+
+    Raises:
+        ValueError: for a value of rank >= 1 computed inside the step.
+    """
+    role = role_in_trace(x, policy)
+    if role is None and np.ndim(x) >= 1:
+        verb = declaration.split("(", 1)[0]
+        raise ValueError(
+            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, whose role "
+            "jaxdist cannot know: only the step's own batch arguments are split over the replicas, and a value "
+            "derived from one (say x / 255, or logits) might be a batch or a value every replica needs whole. "
+            f"Declare the roles: {declaration} lists the batch arguments (every other one reaches each replica "
+            "whole; batch_argnums=() if none is a batch)."
+        )
+    return role or Role.VARIABLE
+
+
 def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: str, warned: list[bool]) -> Role:
     """The role of one argument leaf of a per-replica computation (``strategy.run``).
 
@@ -183,16 +205,7 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
     if declared is not None:
         return Role.BATCH if declared else Role.VARIABLE
     if isinstance(leaf, jax.core.Tracer):
-        role = role_in_trace(leaf, policy)
-        if role is None and np.ndim(leaf) >= 1:
-            raise ValueError(
-                f"{verb} got {where}, an array of shape {tuple(np.shape(leaf))} computed inside the "
-                "step, whose role jaxdist cannot know: only the step's own batch arguments are split over "
-                "the replicas, and a value derived from one (say x / 255) might be a batch or a variable. "
-                f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch "
-                "arguments (every other one is mirrored; batch_argnums=() if none is a batch)."
-            )
-        return role or Role.VARIABLE
+        return traced_role(policy, leaf, where, f"{verb}(fn, args=..., batch_argnums=(i, ...))")
     role = role_of_placed(policy, leaf)
     if role is None and np.ndim(leaf) >= 1 and policy.is_batch_layout(leaf) and not warned[0]:
         warned[0] = True

@@ -50,7 +50,7 @@ from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.trees import is_array
 from jaxdist.strategies.ambient import current_computation, replica_axis, state
 from jaxdist.strategies.input import check_divisible
-from jaxdist.strategies.roles import Role, as_argnums, role_in_trace
+from jaxdist.strategies.roles import Role, as_argnums, traced_role
 
 __all__ = ["host_compute_core", "outside_compilation"]
 
@@ -356,18 +356,11 @@ def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_
                     raise ValueError("outside_compilation batch_argnums names a scalar: a batch needs an axis 0.")
                 check_divisible(np.shape(x)[0], policy.num_replicas, "the rows of a batch_argnums argument")
         return split
-    split = []
-    for i, x in zip(positions, dynamic, strict=True):
-        role = role_in_trace(x, policy)
-        if role is None and np.ndim(x) >= 1:
-            raise ValueError(
-                f"outside_compilation got args[{i}], an array of shape {tuple(np.shape(x))} computed inside the "
-                "step, whose role jaxdist cannot know: its rows might be the batch's (split over the replicas) or "
-                "a whole value every replica needs. Declare the roles: outside_compilation(host_fn, *args, "
-                "batch_argnums=(i, ...)) lists the arguments to split (the others reach each replica whole)."
-            )
-        split.append(role is Role.BATCH)
-    return split
+    declaration = "outside_compilation(host_fn, *args, batch_argnums=(i, ...))"
+    return [
+        traced_role(policy, x, f"args[{i}]", declaration) is Role.BATCH
+        for i, x in zip(positions, dynamic, strict=True)
+    ]
 
 
 def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, name) -> _Region:
