@@ -18,6 +18,7 @@ import jax
 
 from benchmarks.cases import COMPARISONS
 from benchmarks.plot import plot
+from benchmarks.plot_ratios import plot_ratios, title_of
 from benchmarks.runners import FIT_MIN_BLOCK_SECONDS
 from benchmarks.suite import Row, stepper_rates
 from benchmarks.timing import Settings, spread
@@ -227,6 +228,9 @@ def write_results(
         "memory": list(memory),
     }
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
-    if not plot(rows, machine, paths["plot"]):
+    if not plot_ratios(data["rows"], title_of(machine, mode), paths["plot"]):
         del paths["plot"]
+    paths["rates"] = out_dir / f"{stem}-rates.png"  # absolute steps/s per stepper (not to be compared across rows)
+    if not plot(rows, machine, paths["rates"]):
+        del paths["rates"]
     return paths

@@ -17,8 +17,8 @@ def test_bench_smoke_writes_table_json_and_plot(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    files = sorted(p.suffix for p in tmp_path.iterdir())
-    assert files == [".json", ".md", ".png"]
+    files = sorted(p.name.split("-")[-1] if p.name.endswith("-rates.png") else p.suffix for p in tmp_path.iterdir())
+    assert files == [".json", ".md", ".png", "rates.png"]  # the ratio plot, and steps/s per stepper
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     keys = {row["key"] for row in data["rows"]}
     assert {"P1", "P2", "null", "multiproc", "multiproc-1x8"} <= keys
