@@ -215,3 +215,16 @@ def test_bad_host_offload_options_name_the_fix():
         r"FakeDevice\(id=0\) has only \['device'\]: .* use host_offload=None",
     ):
         parse_host_offload("all", [_FakeDevice()])
+
+
+def test_offloaded_state_with_a_python_number_stays_in_host_memory():
+    """Outputs follow their argument's memory kind leaf by leaf: a Python step counter in the state does not
+    pull the offloaded arrays back into device memory."""
+    strategy = jd.MirroredStrategy(jax.devices()[:4], host_offload="all")
+    state = (strategy.mirror({"w": np.ones((4, 2), np.float32)}), 0)
+    step = strategy.jit(lambda st, x: ((jax.tree.map(lambda a: a - x.mean(), st[0]), st[1] + 1), x.sum()),
+                        batch_argnums=1)
+    for _ in range(2):
+        state, _ = step(state, np.ones((8, 2), np.float32))
+        assert state[0]["w"].sharding.memory_kind == "pinned_host"
+    np.testing.assert_allclose(state[0]["w"], np.full((4, 2), -1.0))

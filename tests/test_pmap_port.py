@@ -6,6 +6,7 @@ batch statistics across replicas (``axis_name="batch"``), ``mutable=["batch_stat
 statistics averaged with ``lax.pmean``, a flax ``TrainState``. fp32, rtol 1e-5.
 """
 
+import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -271,3 +272,17 @@ def test_strategy_axis_name_binds_every_run_and_synchronizers_follow_it():
     assert [int(i) for i in strategy.experimental_local_results(ids)] == list(range(8))
     with pytest.raises(ValueError, match=r"axis_name='model' is already the name of another axis"):
         jd.ShardedStrategy(model_parallelism=2, axis_name="model")
+
+
+@pytest.mark.timeout(120)
+def test_renamed_axis_on_a_model_parallel_mesh_inside_scope_and_host_regions():
+    strategy = jd.ShardedStrategy(model_parallelism=2, axis_name="batch")
+    rid = lambda: jd.get_replica_context().replica_id_in_sync_group  # noqa: E731
+    for ctx in (contextlib.nullcontext(), strategy.scope()):
+        with ctx:
+            ids = strategy.run(rid)
+        assert [int(i) for i in strategy.experimental_local_results(ids)] == [0, 1, 2, 3]
+    x = strategy.experimental_distribute_values(np.ones((8, 2), np.float32))
+    unsupported = r"outside_compilation inside strategy.run\(\.\.\., axis_name='batch'\)"
+    with pytest.raises(NotImplementedError, match=unsupported):
+        strategy.run(lambda x: jd.tpu.outside_compilation(jnp.sin, x), args=(x,))

@@ -161,3 +161,17 @@ def test_rule_that_does_not_fit_a_variable():
     strategy = jd.ShardedStrategy(layout_rules=[("w", P(None, None, "replica"))])
     with pytest.raises(ValueError, match=r"names 3 axes but the variable has only 2"):
         strategy.mirror({"w": np.zeros((4, 8))})
+
+
+def test_a_step_without_a_batch_gathers_variables_split_on_axis_0():
+    """The Shardy conv protection: an FSDP variable split on axis 0 looks like a batch, yet it is a variable,
+    so a step that receives no batch gathers it at entry; a dataset batch keeps its role (`layout_role`)."""
+    strategy = jd.ShardedStrategy(min_shard_size=1)
+    params = strategy.mirror({"w": np.ones((16, 4), np.float32)})
+    assert params["w"].sharding.spec == P("replica")
+    text = strategy.jit(lambda p: jax.tree.map(lambda w: w.sum(), p)).lower(params).as_text()
+    assert any("sharding_constraint" in line and "[{}, {}]" in line for line in text.splitlines()), text[:2000]
+    batch = next(iter(strategy.experimental_distribute_dataset([np.ones((16, 2), np.float32)], prefetch=0)))
+    assert strategy.layout_role(batch) == "batch" and strategy.layout_role(params["w"]) is None
+    text = strategy.jit(lambda p, x: p["w"].sum() + x.sum()).lower(params, batch).as_text()
+    assert not any("sharding_constraint" in line and "[{}, {}]" in line for line in text.splitlines())

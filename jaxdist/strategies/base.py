@@ -41,7 +41,7 @@ from jaxdist.strategies.input import DistributedDataset, InputContext, place_bat
 from jaxdist.strategies.offload import to_device_memory
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.roles import as_argnums
+from jaxdist.strategies.roles import as_argnums, role_of_placed
 from jaxdist.strategies.run import ReplicaRunner, check_axis_name
 from jaxdist.strategies.scopes import enter_scope
 from jaxdist.strategies.steps import MultiStepContext, run_steps_on_dataset
@@ -224,7 +224,7 @@ class Strategy:
             >>> s.layout_role(s.experimental_distribute_values(np.ones((2, 1)))), s.layout_role(np.ones(2))
             ('batch', None)
         """
-        return self._policy.layout_role(x)
+        return role_of_placed(self._policy, x)
 
     @property
     def gathers_variables_without_batch(self) -> bool:

@@ -238,10 +238,10 @@ class StrategyFunction:
         # argument's layout; outputs shaped like them go back, see LayoutPolicy.output_layouts).
         args, state = to_device_memory((args, state))
         skip = set(self._static) | set(nodes)
-        batches, variables, maybe_batches = step_argument_roles(policy, args, concrete_args, self._batch, skip)
-        if not (batches or maybe_batches) and policy.splits_variables:
+        batches, variables = step_argument_roles(policy, args, concrete_args, self._batch, skip)
+        if not batches and policy.splits_variables:
             args, state = _gather_at_entry(policy, args, concrete_args, state, concrete_state, self._static)
-            batches, variables, _ = step_argument_roles(policy, args, concrete_args, self._batch, skip)
+            batches, variables = step_argument_roles(policy, args, concrete_args, self._batch, skip)
         variables.extend(jax.tree.leaves(state))
         with computation(policy, "global", batches, variables), policy.tracing_scope():
             if nodes:

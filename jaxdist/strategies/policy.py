@@ -204,7 +204,7 @@ class LayoutPolicy:
             for s, concrete in signatures:
                 if s == sig:
                     constrained = _constrain_like(tree, concrete)
-                    if constrained is not tree:
+                    if constrained is not None:
                         return constrained
             return None
 
@@ -252,14 +252,18 @@ class LayoutPolicy:
 
 
 def _constrain_like(tree: Any, concrete: Any) -> Any:
-    """``tree`` (traced) constrained to the layouts and memory kinds of ``concrete`` (placed arrays)."""
+    """``tree`` (traced) constrained, leaf by leaf, to the layouts and memory kinds of ``concrete`` (the values a
+    step was called with); leaves whose value has no sharding (a Python number) stay as they are. None when no
+    leaf of ``concrete`` has a sharding (abstract arguments: nothing to follow)."""
     shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
-    if not all(isinstance(s, jax.sharding.Sharding) for s in shardings):
-        return tree
+    if not any(isinstance(s, jax.sharding.Sharding) for s in shardings):
+        return None
     leaves, treedef = jax.tree.flatten(tree)
     out = []
     for x, s, c in zip(leaves, shardings, jax.tree.leaves(concrete), strict=True):
-        if in_host_memory(c):  # an offloaded argument: its new value goes back to host memory
+        if not isinstance(s, jax.sharding.Sharding) or not isinstance(x, jax.Array):
+            out.append(x)
+        elif in_host_memory(c):  # an offloaded argument: its new value goes back to host memory
             out.append(to_host_memory(jax.lax.with_sharding_constraint(x, s.with_memory_kind("device"))))
         else:
             out.append(jax.lax.with_sharding_constraint(x, s))

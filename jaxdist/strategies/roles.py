@@ -110,7 +110,7 @@ def role_of_placed(policy: Any, x: Any) -> str | None:
 
 def step_argument_roles(
     policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None, skip: set[int]
-) -> tuple[list[Any], list[Any], list[Any]]:
+) -> tuple[list[Any], list[Any]]:
     """The roles the arguments of a global-view step enter with, sorted into its traced leaves.
 
     Args:
@@ -121,27 +121,23 @@ def step_argument_roles(
         skip: positions that are not traced arrays (static arguments, nnx graph objects).
 
     Returns:
-        ``(batches, variables, maybe_batches)``: traced leaves declared or carried as batches, as variables,
-        and (undeclared) split like a batch on a policy whose variables can be split so too.
+        ``(batches, variables)``: traced leaves declared or carried as batches, and every other array leaf (an
+        undeclared array split like a batch on a policy whose variables can be split so too is a variable, as
+        the rule says: "everything else is a variable").
     """
     batches: list[Any] = []
     variables: list[Any] = []
-    maybe: list[Any] = []
     for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
         if i in skip:
             continue
         for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
             if declared is not None:
                 (batches if i in declared else variables).append(t)
-                continue
-            role = role_of_placed(policy, leaf)
-            if role == "batch":
+            elif role_of_placed(policy, leaf) == "batch":
                 batches.append(t)
-            elif role == "variable":
+            else:
                 variables.append(t)
-            elif policy.is_batch_layout(leaf):
-                maybe.append(t)
-    return batches, variables, maybe
+    return batches, variables
 
 
 def role_in_trace(x: Any, policy: Any) -> Role | None:

@@ -216,7 +216,8 @@ class ReplicaRunner:
         probe_fn = jax.shard_map(
             functools.partial(body, probe=True), mesh=mesh, in_specs=in_specs, out_specs=split, **manual
         )
-        with ambient.probe(), _context_mesh(mesh, policy):
+        traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
+        with ambient.probe(), _eager_mesh(mesh, policy, traced), _context_mesh(mesh, policy):
             jax.eval_shape(
                 probe_fn, *[jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in dynamic]
             )
@@ -235,7 +236,8 @@ class ReplicaRunner:
         compiled = jax.jit(mapped, out_shardings=out_shardings)
 
         def program(*dyn):
-            results = compiled(*dyn)
+            with _eager_mesh(mesh, policy, any(isinstance(x, jax.core.Tracer) for x in dyn)):
+                results = compiled(*dyn)
             wrapped = []
             for r, (kind, agg) in zip(results, wrappers, strict=True):
                 if kind == "per_replica":
@@ -256,6 +258,14 @@ def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
+def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
+    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh: JAX lowers
+    ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave the strategy's)."""
+    if mesh is policy.mesh or traced:
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
+
+
 def _call_with_bound_axis(fn: Callable, args: Any, kwargs: dict, axis_name: str, mesh: Mesh) -> Any:
     """``fn(*args, **kwargs)``; a collective over an axis name the program does not bind becomes an error that
     names the axis and the fix (JAX 0.12 itself fails with a bare ``AssertionError`` or a ``NameError``)."""
@@ -263,6 +273,13 @@ def _call_with_bound_axis(fn: Callable, args: Any, kwargs: dict, axis_name: str,
         return fn(*args, **kwargs)
     except (NameError, AssertionError) as error:
         missing = _unbound_axis(error, tuple(mesh.axis_names))
+        if missing is None and isinstance(error, NameError) and f"unbound axis name: {axis_name}" in str(error):
+            raise ValueError(
+                f"strategy.run: lax.axis_index over the replica axis renamed {axis_name!r} cannot be lowered on a "
+                f"mesh with other axes ({tuple(mesh.axis_names)}) inside a compiled step (JAX looks the name up in "
+                "the strategy's mesh). Call strategy.run eagerly there, or keep the axis name 'replica' "
+                "(jd.get_replica_context().replica_id_in_sync_group)."
+            ) from error
         if missing is None:
             raise
         raise ValueError(_unbound_message(missing, axis_name, mesh)) from error

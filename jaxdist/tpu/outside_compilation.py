@@ -298,6 +298,13 @@ def outside_compilation(
     name = _next_cluster(frame)
     kind = frame.kind if frame is not None else "plain"
     axis = replica_axis(REPLICA_AXIS)
+    if kind == "replica" and axis != REPLICA_AXIS:
+        raise NotImplementedError(
+            f"outside_compilation inside strategy.run(..., axis_name={axis!r}) is not supported: a host callback "
+            "in a program on the renamed mesh mixes two meshes, which JAX rejects. Keep the replica axis's name "
+            "for replica functions with host regions (run without axis_name), or move the region into the "
+            "global-view step (strategy.jit)."
+        )
 
     if kind == "global":
         policy = frame.policy
