@@ -203,7 +203,7 @@ class LayoutPolicy:
             sig = signature(tree)
             for s, concrete in signatures:
                 if s == sig:
-                    constrained = _constrain_like(tree, concrete)
+                    constrained = self._constrain_like(tree, concrete)
                     if constrained is not None:
                         return constrained
             return None
@@ -215,6 +215,34 @@ class LayoutPolicy:
             matched = [like_argument(o) for o in out]
             return tuple(m if m is not None else self._variable_outputs(o) for m, o in zip(matched, out, strict=True))
         return self._variable_outputs(out)
+
+    def _constrain_like(self, tree: Any, concrete: Any) -> Any:
+        """``tree`` (traced) constrained, leaf by leaf, to the layouts and memory kinds of ``concrete`` (the values
+        the step was called with); leaves whose value has no sharding (a Python number) stay as they are. None
+        when no leaf of ``concrete`` has a sharding (abstract arguments: nothing to follow).
+
+        Where variables are split, an argument that came in whole on every device (say, initialized eagerly
+        inside ``scope()``, on the ambient mesh) leaves in the variable layout: the state settles into FSDP
+        after one step instead of staying replicated on every device.
+        """
+        shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
+        if not any(isinstance(s, jax.sharding.Sharding) for s in shardings):
+            return None
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        out = []
+        for (path, x), s, c in zip(paths_leaves, shardings, jax.tree.leaves(concrete), strict=True):
+            if not isinstance(s, jax.sharding.Sharding) or not isinstance(x, jax.Array):
+                out.append(x)
+                continue
+            if self.rules.split and np.ndim(x) and s.is_fully_replicated:
+                aval = jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
+                layout = self.variable_layout(path_name(path), aval)
+                s = layout if s.memory_kind is None else layout.with_memory_kind(s.memory_kind)
+            if in_host_memory(c):  # an offloaded argument: its new value goes back to host memory
+                out.append(to_host_memory(jax.lax.with_sharding_constraint(x, s.with_memory_kind("device"))))
+            else:
+                out.append(jax.lax.with_sharding_constraint(x, s))
+        return jax.tree.unflatten(treedef, out)
 
     def _variable_outputs(self, tree: Any) -> Any:
         def one(path, x):
@@ -249,22 +277,3 @@ class LayoutPolicy:
 
     def __repr__(self) -> str:
         return f"LayoutPolicy(mesh={dict(self.mesh.shape)}, split_variables={self.rules.split})"
-
-
-def _constrain_like(tree: Any, concrete: Any) -> Any:
-    """``tree`` (traced) constrained, leaf by leaf, to the layouts and memory kinds of ``concrete`` (the values a
-    step was called with); leaves whose value has no sharding (a Python number) stay as they are. None when no
-    leaf of ``concrete`` has a sharding (abstract arguments: nothing to follow)."""
-    shardings = [getattr(c, "sharding", None) for c in jax.tree.leaves(concrete)]
-    if not any(isinstance(s, jax.sharding.Sharding) for s in shardings):
-        return None
-    leaves, treedef = jax.tree.flatten(tree)
-    out = []
-    for x, s, c in zip(leaves, shardings, jax.tree.leaves(concrete), strict=True):
-        if not isinstance(s, jax.sharding.Sharding) or not isinstance(x, jax.Array):
-            out.append(x)
-        elif in_host_memory(c):  # an offloaded argument: its new value goes back to host memory
-            out.append(to_host_memory(jax.lax.with_sharding_constraint(x, s.with_memory_kind("device"))))
-        else:
-            out.append(jax.lax.with_sharding_constraint(x, s))
-    return jax.tree.unflatten(treedef, out)
