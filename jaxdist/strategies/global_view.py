@@ -15,7 +15,8 @@ by what the caller declared or what the value carries, never guessed:
   their state enters in the variable layout, and their in-place updates are written back after the call.
 
 Outputs get a defined layout: an output with the same structure, shapes and dtypes as a positional argument
-(``state -> new_state``) takes that argument's layout, so state keeps its layout from step to step; every
+(``state -> new_state``) takes that argument's layout (on a policy that splits variables, an argument that
+came in whole on every device leaves in the variable layout), so state keeps its layout from step to step; every
 other output takes the strategy's variable layout (metrics and gradients: mirrored, or FSDP like their
 parameters on `ShardedStrategy`). Layouts are read only when the step is traced: steady-state calls cost what
 a hand-written ``jax.jit`` with ``NamedSharding``s costs.
