@@ -20,6 +20,7 @@ from jaxdist.replicate import SyncOnRead as SyncOnRead
 from jaxdist.replicate import VariableAggregation as VariableAggregation
 from jaxdist.strategies import DistributedDataset as DistributedDataset
 from jaxdist.strategies import InputContext as InputContext
+from jaxdist.strategies import LayoutPolicy as LayoutPolicy
 from jaxdist.strategies import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies import MultiStepContext as MultiStepContext
 from jaxdist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -45,6 +46,7 @@ __all__ = [
     "REPLICA_AXIS",
     "DistributedDataset",
     "InputContext",
+    "LayoutPolicy",
     "MirroredStrategy",
     "MultiStepContext",
     "MultiWorkerMirroredStrategy",

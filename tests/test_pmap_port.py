@@ -286,3 +286,12 @@ def test_renamed_axis_on_a_model_parallel_mesh_inside_scope_and_host_regions():
     unsupported = r"outside_compilation inside strategy.run\(\.\.\., axis_name='batch'\)"
     with pytest.raises(NotImplementedError, match=unsupported):
         strategy.run(lambda x: jd.tpu.outside_compilation(jnp.sin, x), args=(x,))
+
+
+@pytest.mark.timeout(120)
+def test_renamed_axis_index_in_a_compiled_step_on_a_model_parallel_mesh():
+    strategy = jd.ShardedStrategy(model_parallelism=2, axis_name="batch")
+    x = strategy.experimental_distribute_values(np.ones((8, 2), np.float32))
+    step = strategy.jit(lambda x: strategy.run(lambda v: lax.axis_index("batch") + v.sum(), args=(x,)))
+    ids = step(x)
+    assert [int(i) for i in strategy.experimental_local_results(ids)] == [4, 5, 6, 7]  # id + its 2x2 ones

@@ -427,3 +427,10 @@ def test_outside_compilation_global_view_roles_are_declared_or_carried():
         strategy.jit(lambda x: oc(rows, x, batch_argnums=3))(x)
     with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 does not divide the rows of a batch_argnums"):
         strategy.jit(lambda x: oc(rows, x[:4] * 1.0, batch_argnums=0))(x)
+
+
+def test_outside_compilation_batch_argnums_naming_a_scalar_is_an_error():
+    strategy = jd.MirroredStrategy()
+    x = strategy.experimental_distribute_values(np.ones((16, 2), np.float32))
+    with pytest.raises(ValueError, match=r"batch_argnums names a scalar: a batch needs an axis 0"):
+        strategy.jit(lambda x: oc(lambda a, b: a * b, x, x.sum(), batch_argnums=(0, 1)))(x)

@@ -93,12 +93,25 @@ class Strategy:
 
     @property
     def policy(self) -> LayoutPolicy:
-        """The `LayoutPolicy` that decides where every value of this strategy lives."""
+        """The `LayoutPolicy` that decides where every value of this strategy lives.
+
+        Example:
+            >>> import jax, jaxdist as jd
+            >>> policy = jd.ShardedStrategy(min_shard_size=1).policy
+            >>> policy.variable_layout("w", jax.ShapeDtypeStruct((8, 4), "float32")).spec
+            P('replica',)
+        """
         return self._policy
 
     @property
     def axis_name(self) -> str:
-        """The name ``run`` binds the replica axis to unless the call says otherwise."""
+        """The name ``run`` binds the replica axis to unless the call says otherwise.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> jd.MirroredStrategy(axis_name="batch").axis_name, jd.MirroredStrategy().axis_name
+            ('batch', 'replica')
+        """
         return self._axis_name
 
     @property

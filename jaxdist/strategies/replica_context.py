@@ -56,7 +56,16 @@ class ReplicaContext:
     @property
     def axis_name(self) -> str:
         """The name of the replica axis inside this replica function (``"replica"``, or ``run``'s ``axis_name``):
-        what ``jax.lax`` collectives in the function can name."""
+        what ``jax.lax`` collectives in the function can name.
+
+        Example:
+            >>> import jaxdist as jd
+            >>> s = jd.OneDeviceStrategy()
+            >>> names = []
+            >>> _ = s.run(lambda: names.append(jd.get_replica_context().axis_name) or 0.0, axis_name="batch")
+            >>> sorted(set(names))  # traced once to learn the outputs, once for the program
+            ['batch']
+        """
         return self._axis
 
     @property

@@ -273,13 +273,6 @@ def _call_with_bound_axis(fn: Callable, args: Any, kwargs: dict, axis_name: str,
         return fn(*args, **kwargs)
     except (NameError, AssertionError) as error:
         missing = _unbound_axis(error, tuple(mesh.axis_names))
-        if missing is None and isinstance(error, NameError) and f"unbound axis name: {axis_name}" in str(error):
-            raise ValueError(
-                f"strategy.run: lax.axis_index over the replica axis renamed {axis_name!r} cannot be lowered on a "
-                f"mesh with other axes ({tuple(mesh.axis_names)}) inside a compiled step (JAX looks the name up in "
-                "the strategy's mesh). Call strategy.run eagerly there, or keep the axis name 'replica' "
-                "(jd.get_replica_context().replica_id_in_sync_group)."
-            ) from error
         if missing is None:
             raise
         raise ValueError(_unbound_message(missing, axis_name, mesh)) from error
