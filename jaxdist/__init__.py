@@ -19,6 +19,7 @@ from jaxdist.replicate import ReduceOp as ReduceOp
 from jaxdist.replicate import SyncOnRead as SyncOnRead
 from jaxdist.replicate import VariableAggregation as VariableAggregation
 from jaxdist.strategies import DistributedDataset as DistributedDataset
+from jaxdist.strategies import IdleAxisWarning as IdleAxisWarning
 from jaxdist.strategies import InputContext as InputContext
 from jaxdist.strategies import LayoutPolicy as LayoutPolicy
 from jaxdist.strategies import MirroredStrategy as MirroredStrategy
@@ -45,6 +46,7 @@ __all__ = [
     "MODEL_AXIS",
     "REPLICA_AXIS",
     "DistributedDataset",
+    "IdleAxisWarning",
     "InputContext",
     "LayoutPolicy",
     "MirroredStrategy",

@@ -1,5 +1,8 @@
 """The model and data shared by the multi-process tests and their single-device reference."""
 
+import sys
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,3 +43,32 @@ def batches(steps=20, batch=32):
         x = rng.normal(size=(batch, 8)).astype(np.float32)
         out.append((x, (x[:, :4].argmax(1)).astype(np.int32)))
     return out
+
+
+# ------------------------------------------------------------------------------ a tiny LM (the char LM example)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from char_lm import CharLM, LMConfig  # noqa: E402
+
+LM = CharLM(LMConfig(vocab_size=16, d_model=16, num_heads=2, num_layers=1, mlp_dim=32, max_len=8))
+
+
+def lm_loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(LM.apply(params, x), y).mean()
+
+
+def lm_train_step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(lm_loss)(params, *batch)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def lm_init_state(key):
+    params = LM.init(key, jnp.zeros((1, 8), jnp.int32))  # boxed: every parameter names its logical axes
+    return params, OPT.init(params)
+
+
+def lm_batches(steps=8, batch=16):
+    rng = np.random.default_rng(11)
+    windows = rng.integers(0, 16, size=(steps, batch, 9)).astype(np.int32)
+    return [(w[:, :-1], w[:, 1:]) for w in windows]

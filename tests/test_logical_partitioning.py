@@ -142,7 +142,8 @@ def test_activation_constraint_uses_the_strategy_rules_in_its_steps():
     outside = strategy.jit(lambda p, x: net.apply(p, x) + 0.0, batch_argnums=1)(params, x)
     assert seen[0] == seen[1] == P("replica", "model")  # batch over the replicas, hidden over the model axis
     plain = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)  # no rules: XLA's own choice
-    plain_params = plain.create_variables(lambda k, x: nn.unbox(net.init(k, x)), jax.random.key(0), x[:1])
+    with pytest.warns(jd.strategies.IdleAxisWarning, match="'model'"):  # no rule splits anything over it
+        plain_params = plain.create_variables(lambda k, x: nn.unbox(net.init(k, x)), jax.random.key(0), x[:1])
     unconstrained = plain.jit(lambda p, x: net.apply(p, x) * 1.0, batch_argnums=1)(plain_params, x)
     assert seen[2] != P("replica", "model")
     np.testing.assert_allclose(inside, net.apply(jax.device_get(params), x), rtol=1e-5)
@@ -182,7 +183,9 @@ def test_unmatched_rules_are_reported_once_naming_the_entry():
         strategy.create_variables(init, jax.random.key(1))  # reported once per strategy
     # Unboxed params carry no annotation: every logical rule is unmatched, and the message says why.
     unboxed = tp_strategy()
-    with pytest.warns(jd.UnmatchedLayoutRuleWarning, match="no variable carries a logical annotation"):
+    with pytest.warns(jd.IdleAxisWarning), pytest.warns(
+        jd.UnmatchedLayoutRuleWarning, match="no variable carries a logical annotation"
+    ):
         unboxed.create_variables(lambda key: nn.unbox(MODEL.init(key, jnp.zeros((1, 8)))), jax.random.key(0))
     assert tp_strategy().unmatched_rules(jax.eval_shape(init, jax.random.key(0))) == []
 

@@ -13,7 +13,7 @@ from multiprocess_model import batches, init_state, train_step
 
 import jaxdist as jd
 from jaxdist.launch import free_port, launch
-from jaxdist.strategies.multi_worker import resolve_cluster
+from jaxdist.strategies.cluster import resolve_cluster
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.replicate.collectives import all_reduce, axis_size, to_varying
+from jaxdist.replicate.collectives import all_reduce, axis_size, is_axis_name, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
@@ -72,8 +72,8 @@ def _all_reduce(x: jax.Array, reduce_op: ReduceOp, axis_name: str) -> jax.Array:
 
 
 def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:
-    if not isinstance(axis_name, str):
-        raise TypeError(f"axis_name={axis_name!r} must be the name of a mesh axis, e.g. {REPLICA_AXIS!r}.")
+    if not is_axis_name(axis_name):
+        raise TypeError(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. {REPLICA_AXIS!r}.")
     return ReduceOp.parse(reduce_op, "reduce_op")
 
 

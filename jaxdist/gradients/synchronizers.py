@@ -33,6 +33,7 @@ import jax
 
 from jaxdist.gradients.compressors import Compressor, NoneCompressor
 from jaxdist.gradients.sparse import is_sparse, sparse_all_reduce
+from jaxdist.replicate.collectives import is_axis_name
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
@@ -97,8 +98,10 @@ class AllReduceSynchronizer:
                 f"compressor={compressor!r} (type {type(compressor).__name__}) is not a Compressor: use "
                 "NoneCompressor(), CastCompressor(jnp.bfloat16) or PowerSGDCompressor(rank=4)."
             )
-        if axis_name is not None and not isinstance(axis_name, str):
-            raise TypeError(f"axis_name={axis_name!r} must be the name of a mesh axis, e.g. {REPLICA_AXIS!r}.")
+        if axis_name is not None and not is_axis_name(axis_name):
+            raise TypeError(
+                f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. {REPLICA_AXIS!r}."
+            )
         self.compressor = compressor
         self.reduce_op = ReduceOp.parse(reduce_op, "reduce_op")
         self.axis_name = axis_name

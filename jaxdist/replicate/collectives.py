@@ -18,32 +18,74 @@ import jax.numpy as jnp
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation
 
-__all__ = ["all_reduce", "axis_size", "is_varying", "reduce_stacked", "to_varying"]
+__all__ = [
+    "AxisName",
+    "all_reduce",
+    "axis_names",
+    "axis_size",
+    "is_axis_name",
+    "is_varying",
+    "reduce_stacked",
+    "to_varying",
+]
+
+AxisName = str | tuple[str, ...]
+"""A replica axis: one mesh axis name, or several (a user mesh whose batch is split over ``("data", "fsdp")``)
+that collectives reduce over together, as JAX's own ``axis_name`` arguments accept."""
 
 
-def is_varying(x: Any, axis_name: str = REPLICA_AXIS) -> bool:
-    """True when traced ``x`` may differ over mesh axis ``axis_name`` (False outside `shard_map`).
+def axis_names(axis_name: AxisName) -> tuple[str, ...]:
+    """The mesh axis names of ``axis_name``.
+
+    Example:
+        >>> axis_names("replica"), axis_names(("data", "fsdp"))
+        (('replica',), ('data', 'fsdp'))
+    """
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def is_axis_name(value: Any) -> bool:
+    """True for a mesh axis name or a non-empty tuple of them (what JAX collectives take as ``axis_name``).
+
+    Example:
+        >>> is_axis_name("replica"), is_axis_name(("data", "fsdp")), is_axis_name(3)
+        (True, True, False)
+    """
+    if isinstance(value, str):
+        return bool(value)
+    return isinstance(value, tuple) and bool(value) and all(isinstance(a, str) and a for a in value)
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return (getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)) or frozenset()
+
+
+def is_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> bool:
+    """True when traced ``x`` may differ over mesh axis ``axis_name`` (over any of several; False outside
+    `shard_map`).
 
     Example:
         >>> import jax.numpy as jnp
         >>> is_varying(jnp.ones(2))
         False
     """
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
-    return axis_name in (varying or frozenset())
+    varying = _varying_axes(x)
+    return any(a in varying for a in axis_names(axis_name))
 
 
-def to_varying(x: Any, axis_name: str = REPLICA_AXIS) -> Any:
-    """``x`` typed as varying over ``axis_name`` (a no-op when it already is).
+def to_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
+    """``x`` typed as varying over ``axis_name`` (every one of several; a no-op when it already is).
 
     Each replica then owns its copy: ``jax.grad`` with respect to it is local, and collectives accept it.
     """
-    return x if is_varying(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying")
+    varying = _varying_axes(x)
+    missing = tuple(a for a in axis_names(axis_name) if a not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def axis_size(axis_name: str = REPLICA_AXIS) -> int | None:
+def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:
     """The size of mesh axis ``axis_name`` where it is bound (inside `shard_map`), else None.
 
     Example:
@@ -56,7 +98,7 @@ def axis_size(axis_name: str = REPLICA_AXIS) -> int | None:
         return None
 
 
-def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation, axis_name: str = REPLICA_AXIS) -> Any:
+def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation, axis_name: AxisName = REPLICA_AXIS) -> Any:
     """psum / pmean (by ``reduce_op``: SUM or MEAN) of a pytree over ``axis_name``; every replica gets it.
 
     Outside `shard_map` (the axis is not bound: one replica) ``value`` is returned unchanged.

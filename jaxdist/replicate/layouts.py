@@ -95,8 +95,9 @@ def _same_devices(a: Mesh, b: Mesh) -> bool:
     return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and (a.devices == b.devices).all()
 
 
-def splits_batch_axis(x: Any, mesh: Mesh) -> bool:
-    """True when ``x`` is on ``mesh`` with its axis 0 split over `REPLICA_AXIS` (a distributed batch).
+def splits_batch_axis(x: Any, mesh: Mesh, axes: tuple[str, ...] = (REPLICA_AXIS,)) -> bool:
+    """True when ``x`` is on ``mesh`` with its axis 0 split over (at least) the batch ``axes`` (a distributed
+    batch; `REPLICA_AXIS` unless the mesh is the user's own).
 
     Example:
         >>> import jax, numpy as np
@@ -107,10 +108,10 @@ def splits_batch_axis(x: Any, mesh: Mesh) -> bool:
     if not is_on_mesh(x, mesh) or x.ndim == 0:
         return False
     spec = x.sharding.spec
-    if not spec:
+    if not spec or spec[0] is None:
         return False
-    first = spec[0]
-    return first == REPLICA_AXIS or (isinstance(first, tuple) and REPLICA_AXIS in first)
+    first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return set(axes) <= set(first)
 
 
 def path_name(path: tuple) -> str:

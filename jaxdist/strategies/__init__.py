@@ -22,6 +22,7 @@ from jaxdist.strategies.programs import ProgramCache as ProgramCache
 from jaxdist.strategies.programs import RecompileWarning as RecompileWarning
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
 from jaxdist.strategies.roles import UndeclaredBatchWarning as UndeclaredBatchWarning
+from jaxdist.strategies.sharded import IdleAxisWarning as IdleAxisWarning
 from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies.sharded import UnmatchedLayoutRuleWarning as UnmatchedLayoutRuleWarning
 from jaxdist.strategies.steps import MultiStepContext as MultiStepContext
@@ -30,6 +31,7 @@ __all__ = [
     "HOST_OFFLOAD_MODES",
     "DistributedDataset",
     "DistributedIterator",
+    "IdleAxisWarning",
     "InputContext",
     "LayoutPolicy",
     "MirroredStrategy",

@@ -57,7 +57,7 @@ class Computation:
     counters: dict[str, int]
     batches: list[Any] = dataclasses.field(default_factory=list)
     variables: list[Any] = dataclasses.field(default_factory=list)
-    axis_name: str | None = None
+    axis_name: str | tuple[str, ...] | None = None
 
     def counter(self, kind: str) -> int:
         """The next number (0, 1, ...) of the things of ``kind`` named in this computation.
@@ -128,7 +128,11 @@ def current_computation() -> Computation | None:
 
 @contextlib.contextmanager
 def computation(
-    policy: Any, kind: str, batches: Iterable[Any] = (), variables: Iterable[Any] = (), axis_name: str | None = None
+    policy: Any,
+    kind: str,
+    batches: Iterable[Any] = (),
+    variables: Iterable[Any] = (),
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> Iterator[Computation]:
     """Trace the block as (part of) a computation of ``policy``; nested frames share the counters."""
     outer = current_computation()
@@ -151,11 +155,13 @@ def probe() -> Iterator[None]:
             frame.counters.update(saved)
 
 
-def replica_axis(default: str) -> str:
+def replica_axis(default: str) -> str | tuple[str, ...]:
     """The name of the replica axis in the code being traced: the innermost per-replica computation's binding
-    (``run(..., axis_name=...)``), else ``default``."""
+    (``run(..., axis_name=...)``), else the traced computation's policy's batch axes, else ``default``."""
     frame = current_computation()
-    return frame.axis_name if frame is not None and frame.axis_name else default
+    if frame is None:
+        return default
+    return frame.axis_name or frame.policy.replica_axis
 
 
 def colocation(owner: Any, target: Any) -> contextlib.AbstractContextManager[Any]:

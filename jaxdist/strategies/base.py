@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation
 from jaxdist.replicate.values import SyncOnRead
 from jaxdist.strategies import ambient, results, variables
+from jaxdist.strategies.cluster import check_spans_processes
 from jaxdist.strategies.global_view import StrategyFunction
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
 from jaxdist.strategies.offload import to_device_memory
@@ -59,7 +60,11 @@ class Strategy:
         policy: where every value lives (mesh, axis roles, variable / batch / output layouts, memory kinds).
         axis_name: the name ``run`` binds the replica axis to by default (pmap-era code: ``"batch"``), so
             ``jax.lax`` collectives and ``BatchNorm(axis_name=...)`` in replica functions find it; None:
-            ``"replica"``.
+            the batch axis (``"replica"``, or the tuple of a user mesh's batch axes).
+
+    Raises:
+        ValueError: when a policy over several devices leaves out processes of the job (each process would
+            train its own copy).
 
     Example:
         >>> import jaxdist as jd
@@ -69,6 +74,8 @@ class Strategy:
     """
 
     def __init__(self, policy: LayoutPolicy, axis_name: str | None = None):
+        if len(policy.devices) > 1:  # a single device (OneDevice, the default strategy) says where it runs
+            check_spans_processes(policy.devices, type(self).__name__)
         self._policy = policy
         self._axis_name = check_axis_name(policy, axis_name)
         self._programs = ProgramCache()
@@ -88,7 +95,8 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The `jax.sharding.Mesh` over `devices`, data-parallel axis ``"replica"``."""
+        """The `jax.sharding.Mesh` over `devices`: data-parallel axis ``"replica"`` (and ``"model"``), or the
+        user's own mesh and axis names."""
         return self._policy.mesh
 
     @property

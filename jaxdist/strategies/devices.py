@@ -57,7 +57,8 @@ def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") ->
     """A non-empty tuple of distinct devices of one backend, in the order given (replica order).
 
     Args:
-        devices: devices, ids or names; None for every local device of the default backend.
+        devices: devices, ids or names; None for every device of the default backend (every process's, once
+            ``jax.distributed`` connects several).
         argument: how the argument is called in error messages.
 
     Raises:
@@ -65,16 +66,16 @@ def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") ->
 
     Example:
         >>> import jax
-        >>> resolve_devices(None) == tuple(jax.local_devices())
+        >>> resolve_devices(None) == tuple(jax.devices())
         True
     """
     if devices is None:
-        return tuple(jax.local_devices())
+        return tuple(jax.devices())
     if isinstance(devices, (str, jax.Device)) or not isinstance(devices, Sequence):
         raise TypeError(f"{argument}={devices!r} must be a list of devices (e.g. ['gpu:0', 'gpu:1']) or None.")
     resolved = tuple(resolve_device(d, f"{argument}[{i}]") for i, d in enumerate(devices))
     if not resolved:
-        raise ValueError(f"{argument}=[] is empty: pass at least one device, or None for all local devices.")
+        raise ValueError(f"{argument}=[] is empty: pass at least one device, or None for all devices.")
     seen: dict[jax.Device, int] = {}
     for i, d in enumerate(resolved):
         if d in seen:

@@ -82,12 +82,22 @@ class InputContext:
         return global_batch_size // check_divisible(global_batch_size, self.num_replicas_in_sync)
 
 
-def check_divisible(batch: int, replicas: int, where: str = "global batch") -> int:
+def check_divisible(batch: int, replicas: int, where: str = "global batch", axes: tuple[str, ...] = ()) -> int:
+    """``replicas``, after checking that it divides ``batch`` rows (``axes``: the batch axes, for the message).
+
+    Raises:
+        ValueError: naming the counts, the batch axes and the two nearest batch sizes that work.
+
+    Example:
+        >>> check_divisible(64, 8)
+        8
+    """
     if batch % replicas:
         up = -(-batch // replicas) * replicas
         down = batch // replicas * replicas
+        over = f" (the product of batch_axes={axes})" if len(axes) > 1 else ""
         raise ValueError(
-            f"num_replicas_in_sync={replicas} does not divide {where} {batch}: drop the remainder "
+            f"num_replicas_in_sync={replicas}{over} does not divide {where} {batch}: drop the remainder "
             f"(batch {down}) or pad to {up}."
         )
     return replicas
@@ -129,10 +139,11 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
             )
         if process_local:
             check_divisible(shape[0], replicas_on_this_process(policy),
-                             "per-process batch" if where is None else f"the per-process rows of {where}")
+                             "per-process batch" if where is None else f"the per-process rows of {where}",
+                             policy.batch_axes)
         else:
             check_divisible(shape[0], policy.num_replicas,
-                             "global batch" if where is None else f"the rows of {where}")
+                             "global batch" if where is None else f"the rows of {where}", policy.batch_axes)
         todo.append(i)
     if todo:
         if n_proc == 1:
@@ -159,18 +170,9 @@ def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> j
     shape = np.shape(x)
     if process_local:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), (shape[0] * n_proc, *shape[1:]))
-    rows = _local_rows(sharding, shape)
-    local = np.asarray(x[rows]) if isinstance(x, jax.Array) else np.asarray(x)[rows]
-    return jax.make_array_from_process_local_data(sharding, local, shape)
-
-
-def _local_rows(sharding, global_shape) -> slice:
-    """The contiguous rows of a global batch that this process's devices hold."""
-    starts, stops = [], []
-    for index in sharding.addressable_devices_indices_map(global_shape).values():
-        starts.append(index[0].start or 0)
-        stops.append(index[0].stop if index[0].stop is not None else global_shape[0])
-    return slice(min(starts), max(stops))
+    # The global batch: each process transfers the rows of its own devices, wherever the mesh puts them.
+    host = x if isinstance(x, jax.Array) else np.asarray(x)
+    return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]))
 
 
 _END = object()

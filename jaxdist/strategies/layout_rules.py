@@ -1,10 +1,11 @@
 """Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax annotation.
 
-The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable on its largest axis that the
-replica count divides evenly; variables smaller than ``min_shard_size`` elements, or with no divisible axis,
-stay whole. Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec), ...]`` matched with
-`re.search` against the variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu``
-contains the same path, so it follows its parameter).
+The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes (all the
+batch axes, or a subset for HSDP: `jaxdist.strategies.meshes`) on its largest dimension that their size
+divides; variables smaller than ``min_shard_size`` elements, or with no divisible axis, stay whole.
+Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec), ...]`` matched with `re.search` against
+the variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the same
+path, so it follows its parameter).
 
 Partitioning annotations, the Flax way (MaxText / T5X): ``nn.with_logical_partitioning(init, ("embed",
 "mlp"))`` names logical axes that ``logical_axis_rules`` (Flax's own format) map to mesh axes;
@@ -14,7 +15,7 @@ that applies:
 1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last resort);
 2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's priority
    order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to use: when no dimension
-   is already split over the replica axis, the largest such dimension the replica count divides is;
+   is already split over an FSDP axis, the largest such dimension their size divides is;
 3. the FSDP rule (unannotated variables).
 
 A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says.
@@ -30,9 +31,10 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax.core.meta import Partitioned
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from jaxdist.replicate.layouts import MODEL_AXIS, path_name
+from jaxdist.replicate.layouts import REPLICA_AXIS, path_name
+from jaxdist.strategies.meshes import AxisRoles
 
 __all__ = ["VariableRules", "is_box", "logical_names"]
 
@@ -54,16 +56,16 @@ def logical_names(tree: Any) -> set[str]:
     return {n for box in boxes for n in jax.tree.leaves(tuple(box.names)) if isinstance(n, str)}
 
 
-def _hint(mesh: Mesh) -> str:
-    return "" if MODEL_AXIS in mesh.axis_names else "; pass model_parallelism > 1 for 'model'"
+def _hint(roles: AxisRoles) -> str:
+    short_form = roles.mesh.axis_names == (REPLICA_AXIS,)
+    return "; pass model_parallelism > 1 for 'model'" if short_form else ""
 
 
 class VariableRules:
     """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP rule.
 
     Args:
-        mesh: the mesh the specs name axes of.
-        replica_axis: the data-parallel axis the FSDP rule splits over.
+        roles: the mesh the specs name axes of, and its FSDP axes (what the FSDP rule splits over).
         split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole (mirrored:
             annotations and the FSDP rule are ignored).
         min_shard_size: variables with fewer elements stay whole.
@@ -76,15 +78,15 @@ class VariableRules:
 
     Example:
         >>> import jax
-        >>> mesh = jax.sharding.Mesh(jax.devices()[:8], ("replica",))
-        >>> VariableRules(mesh, "replica", split=True, min_shard_size=1).spec("w", (8, 16))
+        >>> from jaxdist.strategies.meshes import axis_roles
+        >>> roles = axis_roles(jax.sharding.Mesh(jax.devices()[:8], ("replica",)), split=True)
+        >>> VariableRules(roles, split=True, min_shard_size=1).spec("w", (8, 16))
         P(None, 'replica')
     """
 
     def __init__(
         self,
-        mesh: Mesh,
-        replica_axis: str,
+        roles: AxisRoles,
         split: bool = False,
         min_shard_size: int = 1024,
         layout_rules: Sequence[tuple[str, PartitionSpec]] = (),
@@ -98,8 +100,8 @@ class VariableRules:
                 f"activation_axes={activation_axes!r} must be a sequence of logical axis names, e.g. "
                 "activation_axes=('batch', 'length')."
             )
-        self.mesh = mesh
-        self.replica_axis = replica_axis
+        self.roles = roles
+        self.mesh = roles.mesh
         self.split = split
         self.min_shard_size = min_shard_size
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
@@ -123,7 +125,7 @@ class VariableRules:
                 if name is not None and name not in self.mesh.axis_names:
                     raise ValueError(
                         f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are {self.mesh.axis_names}"
-                        f"{_hint(self.mesh)}."
+                        f"{_hint(self.roles)}."
                     )
         return compiled, spec
 
@@ -137,7 +139,7 @@ class VariableRules:
             if axis is not None and axis not in self.mesh.axis_names:
                 raise ValueError(
                     f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, but the mesh "
-                    f"axes are {self.mesh.axis_names}{_hint(self.mesh)}: {example}."
+                    f"axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
                 )
         return name, tuple(axes) if isinstance(axes, list) else axes
 
@@ -179,18 +181,18 @@ class VariableRules:
                 if isinstance(name, str) and name not in self.mesh.axis_names:
                     raise ValueError(
                         f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis {name!r}, but this "
-                        f"strategy's mesh axes are {self.mesh.axis_names}: name mesh axes 'replica' / 'model', or "
+                        f"strategy's mesh axes are {self.mesh.axis_names}: name axes of that mesh, or "
                         "annotate logical names (nn.with_logical_partitioning) and map them with "
                         "ShardedStrategy(logical_axis_rules=...)."
                     )
             axes, free = list(names), []
         self._check_fits(path, shape, PartitionSpec(*axes), what)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
-        n = self.mesh.shape[self.replica_axis]
-        if free and self.replica_axis not in used and n > 1 and self._big_enough(shape):
+        n = self.roles.size(self.roles.fsdp_axes)
+        if free and not used & set(self.roles.fsdp_axes) and n > 1 and self._big_enough(shape):
             candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
             if candidates:
-                axes[-max(candidates)[1]] = self.replica_axis
+                axes[-max(candidates)[1]] = self.roles.fsdp_entry
         while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
             axes.pop()
         return PartitionSpec(*axes)
@@ -199,7 +201,7 @@ class VariableRules:
         return int(np.prod(shape, dtype=np.int64)) >= self.min_shard_size
 
     def _fsdp_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
-        n = self.mesh.shape[self.replica_axis]
+        n = self.roles.size(self.roles.fsdp_axes)
         if n == 1 or not self._big_enough(shape):
             return PartitionSpec()
         candidates = [(size, -axis) for axis, size in enumerate(shape) if size % n == 0]
@@ -207,7 +209,7 @@ class VariableRules:
             return PartitionSpec()
         _, neg_axis = max(candidates)  # the largest divisible axis (the first of equals)
         spec = [None] * (-neg_axis + 1)  # no trailing Nones: the canonical form jit returns
-        spec[-neg_axis] = self.replica_axis
+        spec[-neg_axis] = self.roles.fsdp_entry
         return PartitionSpec(*spec)
 
     def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str) -> None:

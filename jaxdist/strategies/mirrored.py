@@ -1,11 +1,19 @@
-"""`MirroredStrategy`: synchronous data parallelism over the local devices (tf.distribute.MirroredStrategy)."""
+"""`MirroredStrategy`: synchronous data parallelism over every device (tf.distribute.MirroredStrategy).
+
+In a job of several processes it spans every device of every process once ``jax.distributed`` is connected
+(by `MultiWorkerMirroredStrategy` or ``jax.distributed.initialize()``); in a job whose processes were never
+connected it is an error naming the fix, never a strategy over one process alone.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.cluster import check_connected
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.extended import StrategyExtended
 from jaxdist.strategies.legacy import StrategyV1Names
@@ -19,15 +27,20 @@ class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
 
     Args:
         devices: the devices (``jax.Device``, ids or names such as ``"gpu:0"``), in replica order;
-            None for every local device of the default backend.
+            None for every device of the default backend (of every process).
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory (``"pinned_host"``)
             between steps and stream them to the devices for each step (see `jaxdist.strategies.offload`);
             None: everything in device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
+        mesh: the user's `jax.sharding.Mesh` instead of ``devices``: data parallel over all its axes (a batch's
+            rows are split over them, in order; their names are what replica functions' collectives use).
 
     Raises:
-        ValueError: for an empty list, a device listed twice, devices of two backends, or an unknown
-            ``host_offload`` (or one the devices cannot hold: no ``"pinned_host"`` memory).
+        ValueError: for an empty list, a device listed twice, devices of two backends, an unknown
+            ``host_offload`` (or one the devices cannot hold: no ``"pinned_host"`` memory), or devices that
+            leave out processes of the job.
+        RuntimeError: in a job of several processes (``JAXDIST_*`` / SLURM / ... environment) that
+            ``jax.distributed`` has not connected.
 
     Example:
         >>> import jax, jaxdist as jd
@@ -37,7 +50,16 @@ class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """
 
     def __init__(
-        self, devices: Sequence[Any] | None = None, host_offload: str | None = None, axis_name: str | None = None
+        self,
+        devices: Sequence[Any] | None = None,
+        host_offload: str | None = None,
+        axis_name: str | None = None,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
     ):
-        policy = LayoutPolicy(resolve_devices(devices, "devices"), host_offload=host_offload)
+        check_connected(type(self).__name__)
+        if mesh is not None and devices is not None:
+            raise ValueError("MirroredStrategy got both devices= and mesh=: pass one of them.")
+        policy = LayoutPolicy(None if mesh is not None else resolve_devices(devices, "devices"), mesh=mesh,
+                              host_offload=host_offload)
         super().__init__(policy, axis_name=axis_name)

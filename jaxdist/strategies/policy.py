@@ -1,13 +1,14 @@
 """`LayoutPolicy`: the one object that decides where every value of a strategy lives.
 
-A policy owns the mesh and the role of each of its axes (the data-parallel ``"replica"`` axis that batches and
-FSDP variables are split over, the ``"model"`` axis of tensor parallelism), and answers, alone, "which layout
-does this value get":
+A policy owns the mesh and the role of each of its axes (the batch axes that a batch's rows are split over, the
+FSDP axes among them that unannotated variables are split over, the model axes of tensor parallelism:
+`jaxdist.strategies.meshes`; ``"replica"`` and ``"model"`` in the short form, the user's names on the user's
+mesh), and answers, alone, "which layout does this value get":
 
 * variables: `variable_layout` / `variable_shardings` (layout rules, Flax annotations through logical rules,
   the FSDP rule or mirrored; ``colocate_vars_with`` targets; host offloading as the *memory kind* of the same
   shardings);
-* batches: `batch_sharding` (axis 0 split over the replicas);
+* batches: `batch_sharding` (axis 0 split over the batch axes);
 * outputs of a compiled step: `output_layouts` (shaped like an argument: that argument's layout and memory
   kind; anything else: the variable layout);
 * what a placed value's layout says of its role: `layout_role`.
@@ -26,12 +27,13 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax.core.meta import Partitioned
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
+from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.replicate.trees import is_distributed, signature
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout_rules import VariableRules, is_box
+from jaxdist.strategies.meshes import axis_roles, short_form_mesh
 from jaxdist.strategies.offload import in_host_memory, offload_shardings, parse_host_offload, to_host_memory
 
 __all__ = ["LayoutPolicy", "colocated_layout"]
@@ -67,10 +69,14 @@ class LayoutPolicy:
     """Mesh, axis roles and the layout of every variable, batch and output of one strategy.
 
     Args:
-        devices: the devices, in replica order.
-        model_parallelism: devices per replica along a ``"model"`` mesh axis (the mesh is then
+        devices: the devices, in replica order (the short form; None with ``mesh``).
+        model_parallelism: devices per replica along a ``"model"`` mesh axis (the short-form mesh is then
             ``(replica, model)``; a replica's devices hold one model copy).
-        split_variables: whether unannotated variables are split over the replicas (FSDP) or mirrored.
+        mesh: the user's own `jax.sharding.Mesh` instead of ``devices`` (any axis names; see
+            `jaxdist.strategies.meshes`).
+        batch_axes: with ``mesh``, the axes a batch's rows are split over.
+        fsdp_axes: with ``mesh``, the batch axes the FSDP rule splits variables over (default: ``batch_axes``).
+        split_variables: whether unannotated variables are split over the FSDP axes or mirrored.
         min_shard_size: with ``split_variables``, variables with fewer elements stay mirrored.
         layout_rules: ``[(regex, PartitionSpec), ...]`` overriding the variable rule for matching paths.
         logical_axis_rules: Flax logical axis rules for annotated variables (and activations in traced steps).
@@ -78,21 +84,30 @@ class LayoutPolicy:
         host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
 
     Raises:
-        ValueError: for ``model_parallelism`` that does not divide the devices, a malformed rule or one naming
-            an axis the mesh lacks, or an unknown ``host_offload``.
+        ValueError: for ``model_parallelism`` that does not divide the devices, bad axis roles, a malformed
+            rule or one naming an axis the mesh lacks, or an unknown ``host_offload``.
 
     Example:
         >>> import jax, jaxdist as jd
         >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:4], split_variables=True, min_shard_size=1)
         >>> policy.num_replicas, policy.variable_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
         (4, P(None, 'replica'))
+        >>> hsdp = jd.strategies.LayoutPolicy(mesh=jax.make_mesh((2, 4), ("data", "fsdp")),
+        ...                                   batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",),
+        ...                                   split_variables=True, min_shard_size=1)
+        >>> w = jax.ShapeDtypeStruct((8, 4), "float32")
+        >>> hsdp.num_replicas, hsdp.batch_sharding.spec, hsdp.variable_layout("w", w).spec
+        (8, P(('data', 'fsdp'),), P('fsdp',))
     """
 
     def __init__(
         self,
-        devices: Sequence[jax.Device],
+        devices: Sequence[jax.Device] | None = None,
         model_parallelism: int = 1,
         *,
+        mesh: Mesh | None = None,
+        batch_axes: str | Sequence[str] | None = None,
+        fsdp_axes: str | Sequence[str] | None = None,
         split_variables: bool = False,
         min_shard_size: int = 1024,
         layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
@@ -100,28 +115,38 @@ class LayoutPolicy:
         activation_axes: Sequence[str] = (),
         host_offload: str | None = None,
     ):
-        devices = tuple(devices)
-        if not isinstance(model_parallelism, int) or model_parallelism < 1 or len(devices) % model_parallelism:
-            raise ValueError(
-                f"model_parallelism={model_parallelism!r} must be an int >= 1 that divides the {len(devices)} "
-                "devices (the mesh is (replica, model) = (devices / model_parallelism, model_parallelism))."
-            )
-        self.devices = devices
-        self.host_offload = parse_host_offload(host_offload, devices)
-        # Auto axes (not jax.make_mesh's Explicit default): the global view compiles UNMODIFIED single-device
-        # steps, which sharding-in-types would make annotate their own layouts.
-        if model_parallelism == 1:
-            self.mesh = Mesh(np.array(devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+        if mesh is None:
+            if batch_axes is not None or fsdp_axes is not None:
+                raise ValueError(
+                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} name axes of a mesh: pass mesh= too "
+                    "(without it the mesh is ('replica',) or ('replica', 'model'))."
+                )
+            if devices is None:
+                raise ValueError("LayoutPolicy needs devices= or mesh=.")
+            roles = axis_roles(short_form_mesh(devices, model_parallelism), (REPLICA_AXIS,), split=split_variables)
         else:
-            grid = np.array(devices).reshape(-1, model_parallelism)
-            self.mesh = Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
-        self.replica_axis = REPLICA_AXIS
+            if devices is not None or model_parallelism != 1:
+                raise ValueError(
+                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
+                    "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
+                )
+            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables)
+        self.roles = roles
+        """The axis roles (`jaxdist.strategies.meshes.AxisRoles`): batch, FSDP and model axes."""
+        self.mesh = roles.mesh
+        self.devices = tuple(roles.mesh.devices.flat)
+        self.host_offload = parse_host_offload(host_offload, self.devices)
+        self.batch_axes = roles.batch_axes
+        """The mesh axes a batch's rows are split over."""
+        self.replica_axis = roles.replica_axis
+        """The batch axes as one name (or a tuple of names): a `PartitionSpec` entry and ``run``'s default
+        ``axis_name``."""
         self.rules = VariableRules(
-            self.mesh, REPLICA_AXIS, split=split_variables, min_shard_size=min_shard_size,
+            roles, split=split_variables, min_shard_size=min_shard_size,
             layout_rules=layout_rules or (), logical_axis_rules=logical_axis_rules or (),
             activation_axes=activation_axes,
         )
-        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(REPLICA_AXIS))
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.replica_axis))
         """The layout of distributed batches (and per-replica values): axis 0 split over the replicas."""
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
@@ -129,20 +154,26 @@ class LayoutPolicy:
     # ------------------------------------------------------------------------------------- topology
     @property
     def num_replicas(self) -> int:
-        """How many replicas (the size of the replica axis)."""
-        return self.mesh.shape[self.replica_axis]
+        """How many replicas (the product of the batch axes' sizes)."""
+        return self.roles.size(self.batch_axes)
 
     @property
     def replica_devices(self) -> tuple[jax.Device, ...]:
-        """The first device of each replica, in replica order."""
-        return tuple(self.mesh.devices.reshape(self.num_replicas, -1)[:, 0])
+        """The first device of each replica, in replica order (the order a batch's rows are split in)."""
+        order = [self.mesh.axis_names.index(a) for a in (*self.batch_axes, *self.roles.model_axes)]
+        return tuple(np.transpose(self.mesh.devices, order).reshape(self.num_replicas, -1)[:, 0])
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the mesh's devices belong to more than one process."""
+        return len({d.process_index for d in self.devices}) > 1
 
     @property
     def splits_variables(self) -> bool:
         """Whether variables can be split (FSDP, tensor parallelism): then a `jit` step that receives no
         distributed batch gathers them at entry (protection against an XLA Shardy partitioner miscompute of
         conv nets with split kernels and a replicated batch)."""
-        return self.rules.split or MODEL_AXIS in self.mesh.axis_names
+        return self.rules.split or any(self.mesh.shape[a] > 1 for a in self.roles.model_axes)
 
     # ------------------------------------------------------------------------------------ variables
     def variable_layout(
@@ -184,13 +215,13 @@ class LayoutPolicy:
         """
         if not is_on_mesh(x, self.mesh):
             return None
-        if not splits_batch_axis(x, self.mesh):
+        if not self.is_batch_layout(x):
             return "variable"
         return None if self.rules.split else "batch"
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout)."""
-        return splits_batch_axis(x, self.mesh)
+        return splits_batch_axis(x, self.mesh, self.batch_axes)
 
     # -------------------------------------------------------------------------------------- outputs
     def output_layouts(self, out: Any, arguments: Sequence[Any]) -> Any:
@@ -276,4 +307,5 @@ class LayoutPolicy:
             yield
 
     def __repr__(self) -> str:
-        return f"LayoutPolicy(mesh={dict(self.mesh.shape)}, split_variables={self.rules.split})"
+        return (f"LayoutPolicy(mesh={dict(self.mesh.shape)}, batch_axes={self.batch_axes}, "
+                f"fsdp_axes={self.roles.fsdp_axes}, split_variables={self.rules.split})")

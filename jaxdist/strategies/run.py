@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxdist.replicate.collectives import is_varying, to_varying
+from jaxdist.replicate.collectives import AxisName, axis_names, is_varying, to_varying
 from jaxdist.replicate.layouts import is_on_mesh, put
 from jaxdist.replicate.trees import hashable, is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead
@@ -52,19 +52,29 @@ from jaxdist.strategies.roles import Role, classify
 __all__ = ["ReplicaRunner", "check_axis_name"]
 
 
-def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> str:
+def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
     """``axis_name`` validated as the name to bind the replica axis to inside ``run``.
 
+    On a mesh whose batch is split over several axes (``("data", "fsdp")``), the replica axis is their tuple,
+    which JAX collectives take as it is; it cannot be renamed to one name.
+
     Raises:
-        ValueError: for a name that is not a non-empty string or that names another axis of the mesh.
+        ValueError: for a name that is not a non-empty string, that names another axis of the mesh, or that
+            would rename several batch axes.
 
     Example:
         >>> import jax
         >>> check_axis_name(LayoutPolicy(jax.devices()[:2]), "batch")
         'batch'
     """
-    if axis_name is None:
+    if axis_name is None or axis_name == policy.replica_axis:
         return policy.replica_axis
+    if len(policy.batch_axes) > 1:
+        raise ValueError(
+            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes {policy.batch_axes}, "
+            "which replica functions name together: use axis_name=strategy.axis_name (that tuple) in "
+            "lax.pmean / psum / BatchNorm(axis_name=...), or put the replicas on one mesh axis."
+        )
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(
             f"axis_name={axis_name!r} must be a non-empty string: the name your replica function uses for the "
@@ -160,7 +170,7 @@ class ReplicaRunner:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
-        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
+        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)  # one batch axis
         mesh = policy.mesh if names == policy.mesh.axis_names else Mesh(
             policy.mesh.devices, names, axis_types=policy.mesh.axis_types
         )
@@ -212,7 +222,7 @@ class ReplicaRunner:
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
-        manual = {"axis_names": {axis_name}} if len(mesh.axis_names) > 1 else {}
+        manual = {"axis_names": set(axis_names(axis_name))} if mesh.axis_names != axis_names(axis_name) else {}
         probe_fn = jax.shard_map(
             functools.partial(body, probe=True), mesh=mesh, in_specs=in_specs, out_specs=split, **manual
         )

@@ -65,12 +65,12 @@ def _missing_mesh_axis(error: ValueError, strategy: Any, policy: LayoutPolicy) -
         message += (
             f"If {axis!r} is a logical name, give it a rule: Flax nnx passes a logical name that no rule maps "
             f"through as a mesh axis (linen maps it to None): add ({axis!r}, None) to logical_axis_rules to keep "
-            f"that dimension whole, or ({axis!r}, 'replica') to split it. "
+            f"that dimension whole, or ({axis!r}, {policy.mesh.axis_names[0]!r}) to split it. "
         )
     return ValueError(
         message + "nn.with_partitioning / nnx.with_partitioning name MESH axes, and Flax applies them on the "
         "ambient mesh, which inside strategy.scope() is the strategy's. Name logical axes instead "
         "(nn.with_logical_partitioning) and map them with ShardedStrategy(logical_axis_rules=...): such a model "
-        "runs on every strategy; or use a strategy whose mesh has that axis (ShardedStrategy(model_parallelism=k) "
-        "has 'model')."
+        "runs on every strategy; or use a strategy whose mesh has that axis (ShardedStrategy(mesh=your_mesh, "
+        "batch_axes=...) keeps your mesh's axis names; ShardedStrategy(model_parallelism=k) has 'model')."
     )

@@ -1,16 +1,29 @@
-"""`ShardedStrategy`: FSDP / ZeRO-3 — parameters and optimizer state split over the replicas.
+"""`ShardedStrategy`: FSDP / ZeRO-3, tensor parallelism and HSDP, on its own mesh or the user's, across hosts.
 
-Every variable is split on its largest axis that the replica count divides evenly (AutoDist's partitioned
+Every variable is split on its largest axis that the FSDP group divides evenly (AutoDist's partitioned
 variables, in JAX terms); variables smaller than ``min_shard_size`` elements, or with no divisible axis, stay
 replicated. Batches are split over the replicas as in `MirroredStrategy`. In ``strategy.jit`` XLA gathers
 each parameter where the step needs it and reduce-scatters its gradient, so each device holds ~1/N of the
 parameters and optimizer state and the step still equals single-device training.
 
+The mesh, two ways (`jaxdist.strategies.meshes`):
+
+* the short form: ``ShardedStrategy()`` over every device of every process, axis ``"replica"``; with
+  ``model_parallelism=k`` the mesh is ``(replica, model)`` = ``(N / k, k)`` and rules can split variables
+  over ``"model"`` for tensor parallelism;
+* the user's own mesh, names and all: ``ShardedStrategy(mesh=jax.make_mesh((2, 2, 2), ("data", "fsdp",
+  "tensor")), batch_axes=("data", "fsdp"))``. A batch's rows are split over ``batch_axes``
+  (``num_replicas_in_sync`` is their product); the FSDP rule splits variables over ``fsdp_axes`` (default:
+  all of ``batch_axes``, ZeRO-3; a subset is HSDP, e.g. ``fsdp_axes=("fsdp",)``: shard within a host,
+  replicate across hosts); the other axes are model axes that rules and annotations name verbatim.
+
+Several processes: created after ``jax.distributed.initialize()`` (or given the cluster like
+`MultiWorkerMirroredStrategy`: keyword arguments, ``JAXDIST_*`` variables, JAX's cluster detection), the
+default mesh spans every device of every process, and a mesh over some processes only is an error.
+
 Layout rules (Keras' ``LayoutMap``): ``layout_rules=[(regex, PartitionSpec), ...]`` match the variable's path
 (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the same path, so it follows its
-parameter) with `re.search`; the first match wins, unmatched variables get the FSDP rule. With
-``model_parallelism=k`` the mesh is ``(replica, model)`` = ``(N / k, k)`` and rules can split variables over
-``"model"`` for tensor parallelism.
+parameter) with `re.search`; the first match wins, unmatched variables get the FSDP rule.
 
 Partitioning annotations, the Flax way (MaxText / T5X): a linen model boxes its parameters with
 ``nn.with_logical_partitioning(init, ("embed", "mlp"))`` and ``logical_axis_rules=[("embed", None),
@@ -22,8 +35,8 @@ first that applies:
 1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last resort);
 2. its annotation: mesh axes as named (``nn.with_partitioning``), or logical names through
    ``logical_axis_rules`` in Flax's priority order (``nn.logical_to_mesh_axes``); a logical name with no
-   rule at all is FSDP's to use: when no dimension is already split over ``"replica"``, the largest such
-   dimension that the replica count divides is (a rule ``(name, None)`` keeps a dimension whole);
+   rule at all is FSDP's to use: when no dimension is already split over an FSDP axis, the largest such
+   dimension that the FSDP group divides is (a rule ``(name, None)`` keeps a dimension whole);
 3. the FSDP rule (unannotated variables).
 
 An entry of ``layout_rules`` / ``logical_axis_rules`` that matches no variable of what `create_variables`
@@ -44,13 +57,14 @@ from jax.sharding import PartitionSpec
 
 from jaxdist.replicate.layouts import path_name
 from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.cluster import initialize_cluster, resolve_cluster
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.extended import StrategyExtended
 from jaxdist.strategies.layout_rules import is_box, logical_names
 from jaxdist.strategies.legacy import StrategyV1Names
 from jaxdist.strategies.policy import LayoutPolicy
 
-__all__ = ["ShardedStrategy", "UnmatchedLayoutRuleWarning"]
+__all__ = ["IdleAxisWarning", "ShardedStrategy", "UnmatchedLayoutRuleWarning"]
 
 
 class UnmatchedLayoutRuleWarning(UserWarning):
@@ -62,27 +76,46 @@ class UnmatchedLayoutRuleWarning(UserWarning):
     """
 
 
+class IdleAxisWarning(UserWarning):
+    """A model axis of a `ShardedStrategy`'s mesh splits none of the variables it created.
+
+    A batch is whole along a model axis, so unless model code splits activations over it
+    (``nn.with_logical_constraint``), its devices compute the same thing: map a logical name to it in
+    ``logical_axis_rules``, name it in a layout rule or ``nn.with_partitioning``, or make it a batch axis.
+    """
+
+
 class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """Data parallelism with parameters and optimizer state sharded over the replicas (FSDP / ZeRO-3).
 
     Args:
-        devices: the devices (as for `MirroredStrategy`); None for every local device.
+        devices: the devices (as for `MirroredStrategy`); None for every device of every process.
         min_shard_size: variables with fewer elements stay replicated (sharding tiny arrays costs more in
             collectives than it saves in memory).
         layout_rules: ``[(regex, PartitionSpec), ...]`` overriding the FSDP rule for matching variable paths.
         model_parallelism: devices per replica along a ``"model"`` mesh axis, for tensor-parallel rules.
         logical_axis_rules: Flax logical axis rules ``[(logical_name, mesh_axes), ...]`` (``mesh_axes``: None,
-            ``"replica"``, ``"model"`` or a tuple of them) for variables annotated with
+            a mesh axis name or a tuple of them, e.g. ``"replica"`` / ``"model"``) for variables annotated with
             ``nn.with_logical_partitioning``; earlier rules take priority, as in Flax.
         activation_axes: logical names of ``logical_axis_rules`` that only activations use
             (``nn.with_logical_constraint``): never reported as matching no variable.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between steps,
             in their FSDP layout (ZeRO-Offload; see `jaxdist.strategies.offload`); None: device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
+        mesh: the user's own `jax.sharding.Mesh` (any axis names, any devices of any processes) instead of
+            ``devices`` / ``model_parallelism``.
+        batch_axes: with ``mesh``, the axes a batch's rows are split over (required when it has several).
+        fsdp_axes: with ``mesh``, the batch axes the FSDP rule splits variables over; default ``batch_axes``
+            (ZeRO-3), a subset for HSDP, ``()`` for none (variables split only by rules and annotations).
+        coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
+            the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
+            JAX's cluster detection, else this process alone).
 
     Raises:
-        ValueError: for a bad device list, ``model_parallelism`` that does not divide the device count, a
-            malformed layout rule or logical axis rule, or a rule naming an axis the mesh does not have.
+        ValueError: for a bad device list, ``model_parallelism`` that does not divide the device count, bad
+            axis roles (an axis the mesh lacks or named twice, FSDP axes outside the batch axes, several axes
+            and no ``batch_axes``), a malformed layout rule or logical axis rule, a rule naming an axis the
+            mesh does not have, or devices that leave out processes of the job.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -97,6 +130,14 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         ...                                                               ("embed", "mlp")))
         >>> tp.create_variables(dense.init, jax.random.key(0), jnp.ones((1, 8)))["params"]["kernel"].value.sharding.spec
         P(None, 'model')
+        >>> mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))  # the user's mesh and names
+        >>> hsdp = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",),
+        ...                           min_shard_size=1, logical_axis_rules=[("mlp", "tensor")])
+        >>> hsdp.num_replicas_in_sync, hsdp.batch_sharding.spec
+        (4, P(('data', 'fsdp'),))
+        >>> kernel = hsdp.create_variables(dense.init, jax.random.key(0), jnp.ones((1, 8)))["params"]["kernel"]
+        >>> kernel.value.sharding.spec, kernel.value.sharding.mesh.axis_names
+        (P('fsdp', 'tensor'), ('data', 'fsdp', 'tensor'))
     """
 
     def __init__(
@@ -109,11 +150,26 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         activation_axes: Sequence[str] = (),
         host_offload: str | None = None,
         axis_name: str | None = None,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        batch_axes: str | Sequence[str] | None = None,
+        fsdp_axes: str | Sequence[str] | None = None,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        initialization_timeout: int = 120,
+        heartbeat_timeout_seconds: int = 30,
     ):
+        cluster = resolve_cluster(coordinator_address, num_processes, process_id)
+        initialize_cluster(cluster, initialization_timeout, heartbeat_timeout_seconds, "ShardedStrategy")
+        if mesh is not None and devices is not None:
+            raise ValueError("ShardedStrategy got both devices= and mesh=: a mesh already says which devices; "
+                             "pass one of them.")
         policy = LayoutPolicy(
-            resolve_devices(devices, "devices"), model_parallelism, split_variables=True,
-            min_shard_size=min_shard_size, layout_rules=layout_rules, logical_axis_rules=logical_axis_rules,
-            activation_axes=activation_axes, host_offload=host_offload,
+            None if mesh is not None else resolve_devices(devices, "devices"), model_parallelism, mesh=mesh,
+            batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True, min_shard_size=min_shard_size,
+            layout_rules=layout_rules, logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
+            host_offload=host_offload,
         )
         super().__init__(policy, axis_name=axis_name)
         self._reported: set[str] = set()
@@ -157,14 +213,48 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         """
         return self.policy.rules.unmatched(tree)
 
+    def idle_axes(self, tree: Any) -> list[str]:
+        """The model axes (size > 1) that split no variable of ``tree`` (arrays or shapes) and no activation
+        (``activation_axes`` names mapped to them).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> s = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data")
+            >>> s.idle_axes({"w": jnp.zeros((8, 8))})
+            ['tensor']
+        """
+        model = [a for a in self.policy.roles.model_axes if self.mesh.shape[a] > 1]
+        if not model:
+            return []
+        used = {name for spec in self.variable_layouts(tree).values() for name in jax.tree.leaves(tuple(spec))}
+        rules = self.policy.rules
+        used |= {a for name, axes in rules.logical_axis_rules if name in rules.activation_axes
+                 for a in jax.tree.leaves(axes)}  # activations declared to use it
+        return [a for a in model if a not in used]
+
     def create_variables(self, init_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """As `Strategy.create_variables`; then warns once per rule that placed none of the variables.
+        """As `Strategy.create_variables`; then warns once per rule that placed none of the variables, and once
+        per model axis that splits none of them.
 
         Warns:
             UnmatchedLayoutRuleWarning: naming each ``layout_rules`` / ``logical_axis_rules`` entry that
                 matched no variable (see `unmatched_rules`).
+            IdleAxisWarning: naming each model axis no variable is split over (see `idle_axes`).
         """
         variables = super().create_variables(init_fn, *args, **kwargs)
+        idle = [a for a in self.idle_axes(variables) if f"axis:{a}" not in self._reported]
+        if idle:
+            self._reported.update(f"axis:{a}" for a in idle)
+            axis, size = idle[0], self.mesh.shape[idle[0]]
+            warnings.warn(
+                f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.policy.batch_axes} and splits none "
+                "of the variables created here: a batch is whole along it, so its devices compute the same "
+                f"thing. Map a logical name to it in logical_axis_rules (e.g. ('mlp', {axis!r})), name it in a "
+                "layout rule, declare activation names that use it (activation_axes=...), or add it to "
+                "batch_axes.",
+                IdleAxisWarning,
+                stacklevel=2,
+            )
         unmatched = [entry for entry in self.unmatched_rules(variables) if entry not in self._reported]
         if unmatched:
             self._reported.update(unmatched)

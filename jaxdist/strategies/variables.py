@@ -2,7 +2,9 @@
 
 Variables are created where they live: the initializer runs under `jax.jit` with the policy's variable
 shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its shard), so no host
-copy is ever made. `SyncOnRead` values hold one component per replica, stacked on a leading axis split over
+copy is ever made. On a mesh over several processes the arrays passed in (rng keys, sample inputs, existing
+values) are process 0's, so every process starts from the same state even where its own inputs differ.
+`SyncOnRead` values hold one component per replica, stacked on a leading axis split over
 the replicas.
 """
 
@@ -18,6 +20,7 @@ from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 from jaxdist.replicate.trees import abstract, fn_name, merge_static, split_static
 from jaxdist.replicate.values import SyncOnRead
+from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.policy import LayoutPolicy
 
 __all__ = ["create_variables", "mirror", "sync_on_read"]
@@ -45,6 +48,8 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     # Only array leaves are traced: a config object, a string or a Python number is a constant of the
     # initializer (the program is compiled once, so nothing needs to be hashable).
     dynamic, treedef, statics = split_static((args, kwargs))
+    if policy.spans_processes:
+        dynamic = from_chief(dynamic)
 
     def fn(*dyn):
         call_args, call_kwargs = merge_static(dyn, treedef, statics)
@@ -63,6 +68,8 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         >>> mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2)})["b"].sharding.is_fully_replicated
         True
     """
+    if policy.spans_processes:
+        tree = from_chief(tree)
     return jax.tree.map(put, tree, policy.variable_shardings(abstract(tree)))
 
 

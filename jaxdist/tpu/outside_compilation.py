@@ -298,7 +298,7 @@ def outside_compilation(
     name = _next_cluster(frame)
     kind = frame.kind if frame is not None else "plain"
     axis = replica_axis(REPLICA_AXIS)
-    if kind == "replica" and axis != REPLICA_AXIS:
+    if kind == "replica" and axis != frame.policy.replica_axis:
         raise NotImplementedError(
             f"outside_compilation inside strategy.run(..., axis_name={axis!r}) is not supported: a host callback "
             "in a program on the renamed mesh mixes two meshes, which JAX rejects. Keep the replica axis's name "
@@ -327,8 +327,8 @@ def outside_compilation(
 
     # Global view: one call per replica through a shard_map of its own. The per-replica results come back
     # concatenated along axis 0 (scalars stacked: one value per replica); no collective is added.
-    in_specs = tuple(PartitionSpec(REPLICA_AXIS) if s else PartitionSpec() for s in split)
-    spec = PartitionSpec(REPLICA_AXIS)
+    in_specs = tuple(PartitionSpec(policy.replica_axis) if s else PartitionSpec() for s in split)
+    spec = PartitionSpec(policy.replica_axis)
 
     def per_replica(*xs):
         out = _local_call(region, list(xs), True, split)
@@ -339,7 +339,7 @@ def outside_compilation(
     # Manual over the replica axis only: `_once_per_replica` runs the call on one device of any other axis.
     mapped = jax.shard_map(
         per_replica, mesh=policy.mesh, in_specs=in_specs,
-        out_specs=spec if region.result_shape is not None else PartitionSpec(), axis_names={REPLICA_AXIS},
+        out_specs=spec if region.result_shape is not None else PartitionSpec(), axis_names=set(policy.batch_axes),
     )
     return mapped(*dynamic)
 

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.cluster import initialize_cluster, resolve_cluster
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.extended import StrategyExtended
 from jaxdist.strategies.legacy import StrategyV1Names
@@ -31,6 +32,11 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
             loops, streamed to the cores for each loop (see `jaxdist.strategies.offload`); None: device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
+        mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``: data parallel
+            over all its axes.
+        coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
+            the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
+            JAX's cluster detection: a TPU pod's hosts connect themselves).
 
     Raises:
         ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or an unknown
@@ -50,21 +56,34 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         devices: Any = None,
         host_offload: str | None = None,
         axis_name: str | None = None,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        initialization_timeout: int = 120,
+        heartbeat_timeout_seconds: int = 30,
     ):
         if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
             raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
-        if devices is None:
-            available = tuple(jax.devices())
+        cluster = resolve_cluster(coordinator_address, num_processes, process_id)
+        initialize_cluster(cluster, initialization_timeout, heartbeat_timeout_seconds, "TPUStrategy")
+        if mesh is not None:
+            if devices is not None or num_cores is not None:
+                raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already says which "
+                                 "cores; pass one of them.")
+            policy = LayoutPolicy(mesh=mesh, host_offload=host_offload)
         else:
-            available = resolve_devices(devices, "devices")
-        if num_cores is not None:
-            if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
-                raise ValueError(
-                    f"num_cores={num_cores!r} must be an int in [1, {len(available)}] (the {available[0].platform} "
-                    f"devices here); pass None to use all of them."
-                )
-            available = available[:num_cores]
-        super().__init__(LayoutPolicy(available, host_offload=host_offload), axis_name=axis_name)
+            available = tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
+            if num_cores is not None:
+                if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
+                    raise ValueError(
+                        f"num_cores={num_cores!r} must be an int in [1, {len(available)}] (the "
+                        f"{available[0].platform} devices here); pass None to use all of them."
+                    )
+                available = available[:num_cores]
+            policy = LayoutPolicy(available, host_offload=host_offload)
+        super().__init__(policy, axis_name=axis_name)
         self.steps_per_run = steps_per_run
         self._initialized = False
 

@@ -1,0 +1,228 @@
+"""Processes: joining the job's cluster, checking that a strategy spans it, and the chief's values.
+
+JAX's own multi-controller runtime does the work: `jax.distributed.initialize` connects the processes, and
+XLA's collectives (gloo on CPU, NCCL on GPU, ICI on TPU) move the data; there is no jaxdist protocol. The
+cluster comes from keyword arguments, else the ``JAXDIST_COORDINATOR_ADDRESS`` / ``JAXDIST_NUM_PROCESSES`` /
+``JAXDIST_PROCESS_ID`` environment variables (what ``python -m jaxdist.launch`` sets), else JAX's own
+cluster detection (SLURM, Open MPI, TPU pods, ...); with none of them it is a single process.
+
+Once the processes are connected, a strategy spans every device of every process: a strategy over some of
+them only would leave each process training its own copy without a word, so it is an error
+(`check_spans_processes`). Values that every process passes in (initial variables, rng keys) are taken from
+process 0 (`from_chief`), so the processes start from the same state even if their inputs differ.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxdist.replicate.trees import is_array
+
+try:  # JAX's cluster detectors, to tell a job of several processes that was never connected
+    from jax._src.clusters import ClusterEnv as _ClusterEnv
+except ImportError:  # pragma: no cover - JAX moved them: no detection beyond JAXDIST_*
+    _ClusterEnv = None
+
+__all__ = [
+    "check_connected",
+    "check_spans_processes",
+    "detected_cluster",
+    "from_chief",
+    "initialize_cluster",
+    "resolve_cluster",
+]
+
+_ENV = ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
+_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
+
+
+def resolve_cluster(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> tuple[str, int, int] | None:
+    """The cluster from keyword arguments, else the ``JAXDIST_*`` environment; None when neither says.
+
+    Raises:
+        ValueError: for a partial or malformed cluster description, naming what is missing or wrong.
+
+    Example:
+        >>> resolve_cluster("127.0.0.1:1234", 2, 1)
+        ('127.0.0.1:1234', 2, 1)
+    """
+    given = (coordinator_address, num_processes, process_id)
+    source = "keyword arguments"
+    if all(v is None for v in given):
+        env = [os.environ.get(k) for k in _ENV]
+        if all(v is None for v in env):
+            return None
+        if any(v is None for v in env):
+            missing = [k for k, v in zip(_ENV, env, strict=True) if v is None]
+            raise ValueError(f"the cluster environment is incomplete: {', '.join(missing)} not set; set all three.")
+        source = "environment"
+        try:
+            given = (env[0], int(env[1]), int(env[2]))
+        except ValueError:
+            raise ValueError(
+                f"JAXDIST_NUM_PROCESSES={env[1]!r} and JAXDIST_PROCESS_ID={env[2]!r} must be integers."
+            ) from None
+    elif any(v is None for v in given):
+        names = ("coordinator_address", "num_processes", "process_id")
+        missing = [n for n, v in zip(names, given, strict=True) if v is None]
+        raise ValueError(f"{', '.join(missing)} missing: pass coordinator_address, num_processes and process_id "
+                         "together (or none, to use the environment or JAX's cluster detection).")
+    address, n, pid = given
+    if not isinstance(address, str) or not _ADDRESS.match(address):
+        raise ValueError(f"coordinator_address={address!r} ({source}) must be 'host:port', e.g. '10.0.0.1:1234'.")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_processes={n!r} ({source}) must be an int >= 1.")
+    if not isinstance(pid, int) or not 0 <= pid < n:
+        raise ValueError(f"process_id={pid!r} ({source}) must be in [0, {n}).")
+    return address, n, pid
+
+
+def initialize_cluster(
+    cluster: tuple[str, int, int] | None,
+    initialization_timeout: int = 120,
+    heartbeat_timeout_seconds: int = 30,
+    strategy: str = "MultiWorkerMirroredStrategy",
+) -> None:
+    """Connect this process to the cluster (`resolve_cluster`'s, else JAX's detection), once per process.
+
+    A dead peer is then an error, not a wait: the coordination service's heartbeats
+    (``heartbeat_timeout_seconds``) make the survivors exit with "the JAX distributed service detected fatal
+    errors ... another task died", and a peer that never shows up fails ``initialization_timeout`` seconds
+    after start.
+
+    Raises:
+        ValueError: when JAX is already connected with another process count.
+        RuntimeError: when this process already ran a JAX computation (``jax.distributed.initialize`` must
+            come first).
+    """
+    if jax.distributed.is_initialized():
+        if cluster is not None and jax.process_count() != cluster[1]:
+            raise ValueError(
+                f"jax.distributed is already initialized with {jax.process_count()} processes, but "
+                f"num_processes={cluster[1]} was asked for."
+            )
+        return
+    detected = None if cluster is not None else detected_cluster()
+    if (cluster is not None and cluster[1] == 1) or (cluster is None and detected is None):
+        return  # a cluster of one, or none at all: nothing to connect
+    timeouts = {"initialization_timeout": initialization_timeout,
+                "heartbeat_timeout_seconds": heartbeat_timeout_seconds}
+    try:
+        if cluster is not None:
+            jax.distributed.initialize(*cluster, **timeouts)
+        else:
+            jax.distributed.initialize(**timeouts)  # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
+    except RuntimeError as err:
+        if "before" not in str(err) or not ("computation" in str(err) or "backend" in str(err)):
+            raise
+        if detected is not None and detected[1] is None:
+            return  # a TPU host whose process count JAX reads later: already running, so alone (as before)
+        where = "the keyword arguments" if cluster is not None else f"the {detected[0]} environment"
+        raise RuntimeError(
+            f"{strategy} must be created before any JAX computation or device query in this process: "
+            f"{where} describes a job of several processes, and jax.distributed.initialize has to connect "
+            f"them first ({err}). Create the strategy at the top of your program."
+        ) from None
+
+
+def detected_cluster() -> tuple[str, int | None] | None:
+    """The multi-process job this process's environment describes, as ``(source, process count)``: the
+    ``JAXDIST_*`` variables, else one of JAX's cluster environments (SLURM, Open MPI, Kubernetes, TPU pods;
+    count None where JAX learns it only when connecting). None for a single process.
+
+    Example:
+        >>> detected_cluster() is None   # a plain shell: no cluster
+        True
+    """
+    ours = resolve_cluster()
+    if ours is not None:
+        return ("JAXDIST_*", ours[1]) if ours[1] > 1 else None
+    for env in getattr(_ClusterEnv, "_cluster_types", ()):
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        try:
+            if not env.is_env_present():
+                continue
+            count = None if "Tpu" in env.__name__ else int(env.get_process_count())
+        except Exception:
+            continue
+        if count is None or count > 1:
+            return env.__name__.removesuffix("Cluster"), count
+    return None
+
+
+def check_connected(strategy: str) -> None:
+    """Raise when the environment describes a job of several processes that JAX has not connected: a strategy
+    made now would span this process alone.
+
+    Raises:
+        RuntimeError: naming the environment and the fix.
+
+    Example:
+        >>> check_connected("MirroredStrategy")   # a single process: nothing to say
+    """
+    detected = detected_cluster()
+    if detected is None or jax.distributed.is_initialized():
+        return
+    count = f"{detected[1]} processes" if detected[1] else "several processes"
+    raise RuntimeError(
+        f"{strategy} in a job of {count} ({detected[0]} environment), but jax.distributed is not initialized: "
+        "this process alone would train its own copy. Use MultiWorkerMirroredStrategy (it connects the "
+        "processes), or call jax.distributed.initialize() at the top of the program, before the strategy."
+    )
+
+
+def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
+    """Raise unless ``devices`` belong to every process of the job (always true in a single process).
+
+    Raises:
+        ValueError: naming the processes the devices belong to and the fix.
+
+    Example:
+        >>> import jax
+        >>> check_spans_processes(jax.devices(), "MirroredStrategy")
+    """
+    count = jax.process_count()
+    owners = sorted({d.process_index for d in devices})
+    if count == 1 or len(owners) == count:
+        return
+    raise ValueError(
+        f"{strategy} over the devices of process(es) {owners} only, in a job of {count} processes: each process "
+        "would train its own copy and nothing would keep them in sync. Leave devices= out (every device of "
+        "every process: jax.devices()), pass a mesh over jax.devices(), or use MultiWorkerMirroredStrategy."
+    )
+
+
+def from_chief(tree: Any) -> Any:
+    """``tree`` as process 0 has it: its process-local arrays (rng keys included) broadcast from process 0;
+    global arrays (already one value across the processes) and other leaves are left as they are. A no-op in
+    a single process.
+
+    Example:
+        >>> import numpy as np
+        >>> from_chief({"w": np.ones(2)})["w"].tolist()
+        [1.0, 1.0]
+    """
+    if jax.process_count() == 1:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves)
+              if is_array(x) and (not isinstance(x, jax.Array) or x.is_fully_addressable)]
+    if not arrays:
+        return tree
+    keys = [jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key) for i in arrays]
+    impls = [jax.random.key_impl(leaves[i]) if k else None for i, k in zip(arrays, keys, strict=True)]
+    plain = [np.asarray(jax.random.key_data(leaves[i]) if k else leaves[i]) for i, k in zip(arrays, keys, strict=True)]
+    plain = multihost_utils.broadcast_one_to_all(plain)
+    for i, p, k, impl in zip(arrays, plain, keys, impls, strict=True):
+        leaves[i] = jax.random.wrap_key_data(np.asarray(p), impl=impl) if k else np.asarray(p)
+    return jax.tree.unflatten(treedef, leaves)  # Python scalars and other values are left as they are

@@ -1,0 +1,167 @@
+"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's own mesh.
+
+A strategy's mesh has two kinds of axes:
+
+* **batch axes**: a batch's rows are split over them (together, in order), and ``num_replicas_in_sync`` is
+  the product of their sizes. A subset of them, the **FSDP axes**, are the axes the FSDP rule splits
+  unannotated variables over: all of them is ZeRO-3 over the whole data-parallel group; a subset is HSDP
+  (shard within a host, replicate across hosts: ``batch_axes=("data", "fsdp")``, ``fsdp_axes=("fsdp",)``).
+* **model axes**: every other axis. Only layout rules and annotations split variables over them (tensor
+  parallelism); a batch is whole along them.
+
+The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
+``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand)
+keeps its axis names and device order verbatim; only its axis types become ``Auto``, so unmodified
+single-device steps compile on it (``Explicit`` axes, ``jax.make_mesh``'s default, would make them annotate
+their own layouts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
+
+__all__ = ["AxisRoles", "axis_roles", "short_form_mesh"]
+
+
+def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1) -> Mesh:
+    """``("replica",)`` over ``devices``, or ``("replica", "model")`` = ``(N / k, k)`` with ``k =
+    model_parallelism`` (a replica's ``k`` consecutive devices hold one model copy).
+
+    Raises:
+        ValueError: for ``model_parallelism`` that is not an int >= 1 dividing the device count.
+
+    Example:
+        >>> import jax
+        >>> dict(short_form_mesh(jax.devices()[:8], 2).shape)
+        {'replica': 4, 'model': 2}
+    """
+    devices = tuple(devices)
+    if (not isinstance(model_parallelism, int) or isinstance(model_parallelism, bool) or model_parallelism < 1
+            or len(devices) % model_parallelism):
+        raise ValueError(
+            f"model_parallelism={model_parallelism!r} must be an int >= 1 that divides the {len(devices)} "
+            "devices (the mesh is (replica, model) = (devices / model_parallelism, model_parallelism))."
+        )
+    if model_parallelism == 1:
+        return Mesh(np.array(devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
+    grid = np.array(devices).reshape(-1, model_parallelism)
+    return Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+class AxisRoles:
+    """A mesh with ``Auto`` axes and the role of each axis (see the module doc).
+
+    Attributes:
+        mesh: the mesh (the user's names and device order).
+        batch_axes: the axes a batch's rows are split over, in order.
+        fsdp_axes: the batch axes the FSDP rule splits variables over (empty: none).
+        model_axes: every other axis, in mesh order.
+    """
+
+    def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...], fsdp_axes: tuple[str, ...]):
+        self.mesh = mesh
+        self.batch_axes = batch_axes
+        self.fsdp_axes = fsdp_axes
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes)
+
+    @property
+    def replica_axis(self) -> str | tuple[str, ...]:
+        """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's ``axis_name``: one
+        name, or the tuple of several."""
+        return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
+
+    @property
+    def fsdp_entry(self) -> str | tuple[str, ...] | None:
+        """The FSDP axes as one `PartitionSpec` entry (None: no FSDP axis)."""
+        if not self.fsdp_axes:
+            return None
+        return self.fsdp_axes[0] if len(self.fsdp_axes) == 1 else self.fsdp_axes
+
+    def size(self, axes: Sequence[str]) -> int:
+        """The product of the sizes of ``axes``."""
+        return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{argument}={value!r} must be a mesh axis name or a sequence of them, e.g. ('data', 'fsdp').")
+    names = tuple(names)
+    for name in names:
+        if name not in mesh.axis_names:
+            raise ValueError(f"{argument}={value!r} names axis {name!r}, but the mesh axes are {mesh.axis_names}.")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once.")
+    return names
+
+
+def axis_roles(
+    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy"
+) -> AxisRoles:
+    """Validate a user's ``mesh`` and the roles given to its axes.
+
+    Args:
+        mesh: a `jax.sharding.Mesh` (any axis names, any devices of any processes).
+        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis, or for a mirroring
+            strategy (``split=False``) every axis.
+        fsdp_axes: the batch axes the FSDP rule splits variables over; None: ``batch_axes`` when ``split``,
+            else none.
+        split: whether the strategy splits variables (Sharded) or keeps them whole (Mirrored, TPU).
+        strategy: the strategy's name, for error messages.
+
+    Raises:
+        TypeError: when ``mesh`` is not a `jax.sharding.Mesh`.
+        ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch axes, a
+            mirroring strategy given model axes, or a multi-axis mesh without ``batch_axes``.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+        >>> roles = axis_roles(mesh, ("data", "fsdp"), ("fsdp",), split=True)
+        >>> roles.replica_axis, roles.fsdp_axes, roles.model_axes
+        (('data', 'fsdp'), ('fsdp',), ('tensor',))
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one with "
+            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names)."
+        )
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    if batch_axes is None:
+        if split and len(mesh.axis_names) > 1:
+            raise ValueError(
+                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a batch's rows are "
+                f"split over, e.g. {strategy}(mesh=mesh, batch_axes={mesh.axis_names[:-1]!r}) (the rest are "
+                "model axes, for tensor parallelism)."
+            )
+        batch_axes = mesh.axis_names
+    batch = _names(batch_axes, "batch_axes", mesh)
+    if not batch:
+        raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
+    if not split:
+        model = [a for a in mesh.axis_names if a not in batch]
+        if model:
+            raise ValueError(
+                f"{strategy} keeps every variable whole, so mesh axis {model[0]!r} (not in batch_axes={batch!r}) "
+                "would hold copies that compute the same thing: make it a batch axis, or use "
+                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over it."
+            )
+    fsdp = batch if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
+    if fsdp and not split:
+        raise ValueError(f"fsdp_axes={fsdp_axes!r}: {strategy} keeps variables whole; use ShardedStrategy for FSDP.")
+    outside = [a for a in fsdp if a not in batch]
+    if outside:
+        raise ValueError(
+            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: FSDP splits "
+            "variables over (part of) the data-parallel group; add it to batch_axes, or split variables over a "
+            "model axis with layout rules / logical_axis_rules instead."
+        )
+    return AxisRoles(mesh, batch, fsdp)
