@@ -13,7 +13,7 @@ from multiprocess_model import batches, init_state, train_step
 
 import jaxdist as jd
 from jaxdist.launch import free_port, launch
-from jaxdist.strategies.cluster import resolve_cluster
+from jaxdist.strategies.cluster import detected_cluster, resolve_cluster
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -180,6 +180,39 @@ def test_created_after_computation_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
     assert "must be created before any JAX computation" in out.stdout, out.stdout + out.stderr
+
+
+def test_an_unconnected_multi_process_job_is_an_error_not_a_strategy_per_process(monkeypatch):
+    """The JAXDIST_* (or SLURM, ...) environment describes 2 processes that nothing connected: a strategy made
+    now would span this process alone, so it says so and names the fix."""
+    jax.devices()  # this process's backend runs: joining a cluster now is too late
+    monkeypatch.setenv("JAXDIST_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAXDIST_PROCESS_ID", "0")
+    assert detected_cluster() == ("JAXDIST_*", 2)
+    with pytest.raises(RuntimeError, match=r"MirroredStrategy in a job of 2 processes \(JAXDIST_\* environment\), but "
+                                           r"jax.distributed is not initialized.*MultiWorkerMirroredStrategy"):
+        jd.MirroredStrategy()
+    # Sharded and TPU join the cluster themselves, which must come before any computation (it has run here).
+    for make in (jd.ShardedStrategy, jd.TPUStrategy):
+        with pytest.raises(RuntimeError, match=r"must be created before any JAX computation.*JAXDIST_\* variables "
+                                               r"describes a job of several processes"):
+            make()
+    monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "1")  # a job of one process is no cluster
+    assert detected_cluster() is None and jd.MirroredStrategy().num_replicas_in_sync == 8
+
+
+def test_a_slurm_job_of_several_tasks_is_detected(monkeypatch):
+    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert detected_cluster() is None  # one task: this process is the job
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert detected_cluster() == ("Slurm", 4)
+    with pytest.raises(RuntimeError, match=r"job of 4 processes \(Slurm environment\)"):
+        jd.MirroredStrategy()
 
 
 def test_launcher_command_line_errors(capsys):

@@ -482,9 +482,9 @@ def test_error_paths():
         G.PowerSGDCompressor(seed="a")
     with pytest.raises(TypeError, match=r"compressor='bf16' \(type str\) is not a Compressor: use"):
         G.AllReduceSynchronizer("bf16")
-    with pytest.raises(TypeError, match=r"axis_name=1 must be the name of a mesh axis"):
+    with pytest.raises(TypeError, match=r"axis_name=1 must be a mesh axis name or a tuple of them"):
         G.AllReduceSynchronizer(axis_name=1)
-    with pytest.raises(TypeError, match=r"axis_name=1 must be the name of a mesh axis"):
+    with pytest.raises(TypeError, match=r"axis_name=1 must be a mesh axis name or a tuple of them"):
         G.NoneCompressor().reduce(jnp.ones(2), None, axis_name=1)
     with pytest.raises(ValueError, match=r"reduce_op='max' is not a valid ReduceOp"):
         G.AllReduceSynchronizer(reduce_op="max")

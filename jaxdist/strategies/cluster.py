@@ -126,7 +126,7 @@ def initialize_cluster(
             raise
         if detected is not None and detected[1] is None:
             return  # a TPU host whose process count JAX reads later: already running, so alone (as before)
-        where = "the keyword arguments" if cluster is not None else f"the {detected[0]} environment"
+        where = "the cluster arguments / JAXDIST_* variables" if cluster is not None else f"the {detected[0]} environment"
         raise RuntimeError(
             f"{strategy} must be created before any JAX computation or device query in this process: "
             f"{where} describes a job of several processes, and jax.distributed.initialize has to connect "

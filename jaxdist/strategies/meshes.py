@@ -150,13 +150,15 @@ def axis_roles(
         model = [a for a in mesh.axis_names if a not in batch]
         if model:
             raise ValueError(
-                f"{strategy} keeps every variable whole, so mesh axis {model[0]!r} (not in batch_axes={batch!r}) "
+                f"A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable whole, so mesh "
+                f"axis {model[0]!r} (not in batch_axes={batch!r}) "
                 "would hold copies that compute the same thing: make it a batch axis, or use "
                 "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over it."
             )
     fsdp = batch if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
     if fsdp and not split:
-        raise ValueError(f"fsdp_axes={fsdp_axes!r}: {strategy} keeps variables whole; use ShardedStrategy for FSDP.")
+        raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; use ShardedStrategy "
+                         "for FSDP.")
     outside = [a for a in fsdp if a not in batch]
     if outside:
         raise ValueError(

@@ -1,0 +1,198 @@
+"""The user's own mesh and axis names: ShardedStrategy(mesh=..., batch_axes=..., fsdp_axes=...).
+
+An lm1b-shaped program (Flax's lm1b and MaxText shape theirs this way): a linen transformer whose parameters
+name logical axes, a ``("data", "fsdp", "tensor")`` mesh, a rule table naming THOSE axes, and a train step
+written for one device (``TrainState.apply_gradients``, a batch dict, static config arguments, a dropout rng
+folded with the step). Run unmodified through ``strategy.jit``, it must equal one device; so must HSDP and
+Mirrored / TPU on a user mesh. Bad meshes and rules are errors naming the axis and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import PartitionSpec
+
+import jaxdist as jd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from char_lm import CharLM, LMConfig
+
+CONFIG = LMConfig(vocab_size=32, d_model=32, num_heads=4, num_layers=2, mlp_dim=64, max_len=16)
+# lm1b's own table (configs/default.py) names its mesh's axes; the batch rule is MaxText's.
+LM1B_RULES = [("mlp", "tensor"), ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor")]
+
+
+def mesh3(shape=(2, 2, 2)):
+    return jax.make_mesh(shape, ("data", "fsdp", "tensor"))  # Explicit axes: jax.make_mesh's default
+
+
+def learning_rate_fn(step):
+    return 1e-2 * jnp.minimum(1.0, (step + 1) / 4)
+
+
+def train_step(state, batch, config, learning_rate_fn, label_smoothing=0.0, dropout_rng=None):
+    """lm1b's step, shape for shape: nothing in it knows about devices."""
+    inputs = batch["inputs"]
+    weights = jnp.where(inputs > 0, 1, 0).astype(jnp.float32)
+    dropout_rng = jax.random.fold_in(dropout_rng, state.step)
+
+    def loss_fn(params):
+        logits = CharLM(config).apply({"params": params}, inputs[:, :-1])
+        onehot = jax.nn.one_hot(inputs[:, 1:], config.vocab_size)
+        soft = optax.smooth_labels(onehot, label_smoothing) if label_smoothing else onehot
+        loss = (optax.softmax_cross_entropy(logits, soft) * weights[:, 1:]).sum()
+        return loss / weights[:, 1:].sum(), logits
+
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    new_state = state.apply_gradients(grads=grads)
+    return new_state, {"loss": loss, "learning_rate": learning_rate_fn(state.step),
+                       "noise": jax.random.uniform(dropout_rng)}
+
+
+def create_state(key):
+    params = CharLM(CONFIG).init(key, jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
+    return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adamw(learning_rate_fn))
+
+
+def data(steps=6, batch=16):
+    rng = np.random.default_rng(3)
+    return [{"inputs": rng.integers(0, CONFIG.vocab_size, size=(batch, CONFIG.max_len + 1)).astype(np.int32)}
+            for _ in range(steps)]
+
+
+def run(step, state):
+    metrics = []
+    for batch in data():
+        state, m = step(state, batch, CONFIG, learning_rate_fn, 0.1, jax.random.key(5))
+        metrics.append(jax.tree.map(float, m))
+    return state, metrics
+
+
+@functools.cache
+def reference():
+    return run(jax.jit(train_step, static_argnums=(2, 3, 4)), create_state(jax.random.key(0)))
+
+
+def assert_equals_one_device(strategy):
+    state = strategy.create_variables(create_state, jax.random.key(0))
+    step = strategy.jit(train_step, static_argnums=(2, 3, 4), donate_argnums=0, batch_argnums=1)
+    with strategy.scope():
+        state, metrics = run(step, state)
+    ref_state, ref_metrics = reference()
+    for got, want in zip(metrics, ref_metrics, strict=True):
+        np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(nn.unbox(state.params)), jax.tree.leaves(nn.unbox(ref_state.params)),
+                         strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
+    return state
+
+
+def test_lm1b_shaped_program_on_a_data_fsdp_tensor_mesh_equals_one_device():
+    """MaxText's layout: the batch over data x fsdp, FSDP over fsdp (the 'embed' rule), TP over tensor."""
+    strategy = jd.ShardedStrategy(
+        mesh=mesh3(), batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",), min_shard_size=1,
+        logical_axis_rules=[*LM1B_RULES, ("batch", ("data", "fsdp"))], activation_axes=("batch",),
+    )
+    assert strategy.num_replicas_in_sync == 4 and strategy.mesh.axis_names == ("data", "fsdp", "tensor")
+    state = assert_equals_one_device(strategy)
+    layouts = strategy.variable_layouts(state.params)
+    assert layouts["block_0/mlp_in/kernel"] == PartitionSpec("fsdp", "tensor")  # ('embed', 'mlp'), verbatim
+    assert layouts["embed/embedding"] == PartitionSpec("tensor", "fsdp")  # ('vocab', 'embed')
+    assert layouts["block_0/query"] == PartitionSpec("fsdp", "tensor")  # ('embed', 'heads', 'kv')
+
+
+def test_lm1b_own_layout_batch_over_data_only_equals_one_device():
+    """lm1b's data_sharding=['data']: the batch over 'data' alone; 'fsdp' and 'tensor' only through its rules."""
+    strategy = jd.ShardedStrategy(mesh=mesh3(), batch_axes="data", fsdp_axes=(), min_shard_size=1,
+                                  logical_axis_rules=LM1B_RULES)
+    assert strategy.num_replicas_in_sync == 2 and strategy.policy.roles.model_axes == ("fsdp", "tensor")
+    assert_equals_one_device(strategy)
+
+
+def test_hsdp_on_one_process_equals_one_device_and_shards_within_the_fsdp_axis():
+    mesh = jax.make_mesh((2, 4), ("replicate", "shard"))
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("replicate", "shard"), fsdp_axes="shard",
+                                  min_shard_size=1)
+    state = assert_equals_one_device(strategy)
+    kernel = nn.unbox(state.params)["block_0"]["mlp_in"]["kernel"]  # (32, 64): split 4 ways, 2 copies
+    assert kernel.sharding.spec == PartitionSpec(None, "shard")
+    assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 4}
+
+
+@pytest.mark.parametrize("make", [
+    lambda mesh: jd.MirroredStrategy(mesh=mesh),
+    lambda mesh: jd.TPUStrategy(mesh=mesh, steps_per_run=2),
+], ids=["mirrored", "tpu"])
+def test_data_parallel_strategies_take_a_user_mesh(make):
+    strategy = make(jax.make_mesh((2, 4), ("dcn", "ici")))
+    assert strategy.num_replicas_in_sync == 8 and strategy.batch_sharding.spec == PartitionSpec(("dcn", "ici"))
+    assert strategy.axis_name == ("dcn", "ici")  # what replica functions' collectives name
+    total = strategy.run(lambda: jax.lax.psum(1, strategy.axis_name))
+    assert int(strategy.experimental_local_results(total)[0] if isinstance(total, jd.PerReplica) else total) == 8
+    assert_equals_one_device(strategy)
+
+
+def test_run_on_a_user_mesh_splits_rows_over_the_batch_axes():
+    strategy = jd.ShardedStrategy(mesh=mesh3(), batch_axes=("data", "fsdp"), min_shard_size=1,
+                                  logical_axis_rules=[("mlp", "tensor")])
+    x = np.arange(8, dtype=np.float32)
+    ids = strategy.run(lambda x: x * 0 + jd.get_replica_context().replica_id_in_sync_group, args=(x,),
+                       batch_argnums=0)
+    np.testing.assert_array_equal(strategy.gather(ids), [0, 0, 1, 1, 2, 2, 3, 3])
+    mean = strategy.run(lambda x: jd.get_replica_context().all_reduce("mean", x.sum()), args=(x,), batch_argnums=0)
+    assert float(mean) == pytest.approx(x.sum() / 4)
+    with pytest.raises(ValueError, match=r"axis_name='batch'.*\('data', 'fsdp'\).*strategy.axis_name"):
+        strategy.run(lambda x: x, args=(x,), batch_argnums=0, axis_name="batch")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"mesh": "2x4"}, TypeError, r"mesh='2x4' \(type str\) is not a jax.sharding.Mesh"),
+    ({"mesh": "M3"}, ValueError, r"batch_axes is missing: the mesh has axes \('data', 'fsdp', 'tensor'\)"),
+    ({"mesh": "M3", "batch_axes": ("data", "dp")}, ValueError, r"batch_axes=\('data', 'dp'\) names axis 'dp'"),
+    ({"mesh": "M3", "batch_axes": ("data", "data")}, ValueError, r"lists axis 'data' twice"),
+    ({"mesh": "M3", "batch_axes": "data", "fsdp_axes": "tensor"}, ValueError,
+     r"fsdp_axes='tensor' names 'tensor', which is not in batch_axes=\('data',\).*add it to batch_axes"),
+    ({"mesh": "M3", "batch_axes": "data", "logical_axis_rules": [("mlp", "model")]}, ValueError,
+     r"maps 'mlp' to mesh axis 'model', but the mesh axes are \('data', 'fsdp', 'tensor'\)"),
+    ({"mesh": "M3", "batch_axes": "data", "devices": "all"}, ValueError, r"both devices= and mesh="),
+])
+def test_bad_meshes_and_roles_are_errors_naming_the_axis(kwargs, error, match):
+    kwargs = dict(kwargs)
+    kwargs["mesh"] = mesh3() if kwargs["mesh"] == "M3" else kwargs["mesh"]
+    if kwargs.get("devices") == "all":
+        kwargs["devices"] = jax.devices()
+    with pytest.raises(error, match=match):
+        jd.ShardedStrategy(**kwargs)
+
+
+def test_mirrored_rejects_model_axes_and_batches_must_divide_the_batch_axes():
+    with pytest.raises(ValueError, match=r"mirroring strategy \(Mirrored, TPU, MultiWorkerMirrored\) keeps every variable whole, so mesh axis 'tensor'"):
+        jd.strategies.LayoutPolicy(mesh=mesh3(), batch_axes=("data", "fsdp"))
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "fsdp")), batch_axes=("data", "fsdp"))
+    with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 \(the product of batch_axes=\('data', 'fsdp'\)\) "
+                                         r"does not divide global batch 12: drop the remainder \(batch 8\) or pad"):
+        strategy.experimental_distribute_values(np.zeros((12, 2), np.float32))
+
+
+def test_a_model_axis_nothing_uses_is_reported():
+    strategy = jd.ShardedStrategy(mesh=mesh3(), batch_axes=("data", "fsdp"), min_shard_size=1)
+    with pytest.warns(jd.IdleAxisWarning, match=r"mesh axis 'tensor' \(size 2\).*splits none of the variables"):
+        strategy.create_variables(create_state, jax.random.key(0))
+
+
+def test_a_user_mesh_of_explicit_axes_keeps_its_names_and_devices():
+    mesh = mesh3((1, 4, 2))
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), logical_axis_rules=LM1B_RULES)
+    assert strategy.mesh.axis_names == mesh.axis_names and (strategy.mesh.devices == mesh.devices).all()
+    assert set(strategy.mesh.axis_types) == {jax.sharding.AxisType.Auto}  # unmodified steps compile on it
+    assert strategy.replica_devices == tuple(mesh.devices[0, :, 0])
