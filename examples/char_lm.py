@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,19 +34,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 import jaxdist as jd
 
-LOGICAL_AXIS_RULES = (
-    ("batch", "replica"),  # activations: the batch rows split over the replicas
-    ("heads", "model"),  # attention: each model shard owns whole heads
-    ("mlp", "model"),  # MLP hidden units
-    ("vocab", "model"),  # embedding rows and output logits
-    ("kv", None),  # the dimension within a head stays whole
-)
-"""The rule table (Flax's format). ``"embed"``, ``"length"`` and ``"position"`` have no rule: parameters
-split those dimensions FSDP-style over ``"replica"`` (``ShardedStrategy``'s fallback), activations keep them
-whole (Flax's)."""
+
+def logical_axis_rules(batch_axes: tuple[str, ...] = ("replica",), model_axis: str | None = "model") -> tuple:
+    """The rule table (Flax's format) naming a mesh's axes: ``batch_axes`` for the batch rows, ``model_axis``
+    (None: no tensor parallelism) for heads, MLP units and the vocabulary. ``"embed"``, ``"length"`` and
+    ``"position"`` have no rule: parameters split those dimensions FSDP-style (``ShardedStrategy``'s
+    fallback), activations keep them whole (Flax's).
+
+    Example:
+        >>> logical_axis_rules(("data", "fsdp"), "tensor")[:2]
+        (('batch', ('data', 'fsdp')), ('heads', 'tensor'))
+    """
+    batch = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
+    rules = [("batch", batch)]  # activations: the batch rows split over the replicas
+    if model_axis is not None:
+        rules += [
+            ("heads", model_axis),  # attention: each model shard owns whole heads
+            ("mlp", model_axis),  # MLP hidden units
+            ("vocab", model_axis),  # embedding rows and output logits
+        ]
+    return (*rules, ("kv", None))  # the dimension within a head stays whole
+
+
+LOGICAL_AXIS_RULES = logical_axis_rules()
+"""The rule table of the short-form mesh ``(replica, model)``."""
 
 ACTIVATION_AXES = ("batch",)
 """Logical names of the rule table that only activations use (no parameter has a batch axis)."""
@@ -241,9 +257,10 @@ def generate(
     model: CharLM, params: Any, vocab: CharVocab, prompt: str, length: int, temperature: float = 0.8, seed: int = 0
 ) -> str:
     """``prompt`` and ``length`` sampled characters, on the host's default device (a trained model's params,
-    in any layout, are fetched once)."""
+    in any layout, are fetched once; every process of a multi-process job calls it)."""
     cfg = model.config
-    params = jax.device_put(jax.device_get(params), jax.devices()[0])  # one copy, off the strategy's mesh
+    params = multihost_utils.process_allgather(params, tiled=True)  # whole, even split over processes
+    params = jax.device_put(params, jax.local_devices()[0])  # one copy, off the strategy's mesh
     window = cfg.max_len
 
     @jax.jit
@@ -263,6 +280,45 @@ def generate(
 
 
 # ------------------------------------------------------------------------------------------------ training
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=2"`` as ``{"data": 2, "fsdp": 2, "tensor": 2}`` (axis order kept).
+
+    Raises:
+        ValueError: for an entry that is not ``name=size`` with a size >= 1, or a name given twice.
+
+    Example:
+        >>> parse_mesh("data=2,fsdp=4")
+        {'data': 2, 'fsdp': 4}
+    """
+    axes: dict[str, int] = {}
+    for entry in text.split(","):
+        name, _, size = entry.partition("=")
+        name = name.strip()
+        if not name or not size.strip().isdigit() or int(size) < 1 or name in axes:
+            raise ValueError(f"--mesh {text!r}: {entry!r} is not name=size (size >= 1, each name once); "
+                             "e.g. --mesh data=2,fsdp=2,tensor=2")
+        axes[name] = int(size)
+    return axes
+
+
+def mesh_strategy(axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple[str, ...] | None) -> jd.Strategy:
+    """``ShardedStrategy`` on a mesh with the user's axis names over every device of every process: the batch
+    over every axis but ``model_axis``, FSDP over ``fsdp_axes`` (default: all the batch axes), tensor
+    parallelism over ``model_axis``."""
+    count = int(np.prod(list(axes.values())))
+    if count != len(jax.devices()):
+        raise ValueError(f"--mesh {axes} has {count} devices, but there are {len(jax.devices())} (all processes): "
+                         "make the sizes multiply to the device count.")
+    if model_axis is not None and model_axis not in axes:
+        raise ValueError(f"--model-axis {model_axis!r} is not an axis of --mesh {list(axes)}.")
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes))
+    batch_axes = tuple(a for a in axes if a != model_axis)
+    return jd.ShardedStrategy(
+        mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes,
+        logical_axis_rules=logical_axis_rules(batch_axes, model_axis), activation_axes=ACTIVATION_AXES,
+    )
+
+
 def make_strategy(name: str, model_parallelism: int = 2) -> jd.Strategy:
     """The strategy called ``name``: ``fsdp_tp`` (FSDP x tensor parallelism), ``fsdp``, ``mirrored``,
     ``one_device`` or ``tpu``."""
@@ -295,6 +351,8 @@ class ProgressLines(jd.training.Callback):
         self.total = total
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, Any]) -> None:
+        if jax.process_index():
+            return  # one process prints
         rate = f" lr {logs['learning_rate']:.2e}" if "learning_rate" in logs else ""
         mfu = logs.get("mfu")
         mfu = f"{mfu:.1%}" if isinstance(mfu, float) else "n/a"
@@ -305,13 +363,24 @@ class ProgressLines(jd.training.Callback):
         )
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        if jax.process_index():
+            return
         print(f"step {step}/{self.total} val loss {metrics['loss']:.3f}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default: 8)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="simulated CPU devices per process (default: 8, or jaxdist.launch's --cpu-devices)")
     parser.add_argument("--strategy", choices=("fsdp_tp", "fsdp", "mirrored", "one_device", "tpu"), default="fsdp_tp")
+    parser.add_argument("--mesh", default=None,
+                        help="your own mesh over every device of every process, e.g. data=2,fsdp=2,tensor=2 "
+                             "(ShardedStrategy; overrides --strategy)")
+    parser.add_argument("--model-axis", default=None,
+                        help="the --mesh axis for tensor parallelism (default: 'tensor' or 'model' if present)")
+    parser.add_argument("--fsdp-axes", default=None,
+                        help="the --mesh axes FSDP shards over, comma-separated (default: every batch axis; a "
+                             "subset is HSDP, e.g. fsdp)")
     parser.add_argument("--model-parallelism", type=int, default=2, help="devices per replica on the model axis")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch, split over the replicas")
@@ -337,8 +406,17 @@ def main(argv: list[str] | None = None) -> float:
     """Train, validate, sample; returns the final validation loss (nats/char)."""
     args = parse_args(argv)
     # Simulated devices must be set before JAX starts a backend (importing jax or jaxdist starts none).
-    jax.config.update("jax_num_cpu_devices", args.devices)
-    strategy = make_strategy(args.strategy, args.model_parallelism)
+    if args.devices is not None or "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jax.config.update("jax_num_cpu_devices", args.devices or 8)
+    if args.mesh:
+        axes = parse_mesh(args.mesh)
+        model_axis = args.model_axis or next((a for a in ("tensor", "model") if a in axes), None)
+        fsdp_axes = tuple(args.fsdp_axes.split(",")) if args.fsdp_axes else None
+        jd.initialize_cluster()  # a job of several processes (jaxdist.launch, SLURM, ...): connect them first
+        strategy = mesh_strategy(axes, model_axis, fsdp_axes)
+    else:
+        strategy = make_strategy(args.strategy, args.model_parallelism)
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)  # one process prints
 
     text = load_text()
     vocab = CharVocab.from_text(text)
@@ -353,7 +431,7 @@ def main(argv: list[str] | None = None) -> float:
     )
     model = CharLM(cfg)
     tokens_per_step = args.batch_size * args.seq_len
-    print(
+    say(
         f"{strategy!r}: {len(train_tokens):,} train / {len(val_tokens):,} val characters, vocab {len(vocab.chars)}; "
         f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads; global batch {args.batch_size} x "
         f"{args.seq_len} characters; {args.steps} steps",
@@ -384,14 +462,15 @@ def main(argv: list[str] | None = None) -> float:
     if isinstance(strategy, jd.ShardedStrategy):
         layouts = strategy.variable_layouts(trainer.params)
         for path in ("embed/embedding", "block_0/query", "block_0/mlp_in/kernel", "block_0/mlp_out/kernel"):
-            print(f"  {path:24s} {layouts[path]}")
+            say(f"  {path:24s} {layouts[path]}")
     val_loss = trainer.evaluate(val_data)["loss"]
-    print(
+    say(
         f"trained {args.steps} steps in {seconds:.1f}s ({args.steps * tokens_per_step / seconds:,.0f} tokens/s, "
         "compilation included)"
     )
-    print("sample:", repr(generate(model, trainer.params, vocab, "The ", args.sample_length, seed=args.seed)))
-    print(f"final val loss: {val_loss:.3f}")
+    sample = generate(model, trainer.params, vocab, "The ", args.sample_length, seed=args.seed)
+    say("sample:", repr(sample))
+    say(f"final val loss: {val_loss:.3f}")
     return val_loss
 
 

@@ -38,6 +38,7 @@ from jaxdist.strategies import get_replica_context as get_replica_context
 from jaxdist.strategies import get_strategy as get_strategy
 from jaxdist.strategies import has_strategy as has_strategy
 from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
+from jaxdist.strategies import initialize_cluster as initialize_cluster
 from jaxdist.tpu import TPUStrategy as TPUStrategy
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "initialize_cluster",
     "tpu",
     "training",
 ]

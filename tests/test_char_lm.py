@@ -65,6 +65,7 @@ def _strategy(name):
             activation_axes=lm.ACTIVATION_AXES,
         ),
         "tpu": lambda: jd.TPUStrategy(steps_per_run=5),
+        "mesh_hsdp_tp": lambda: lm.mesh_strategy(lm.parse_mesh("data=2,fsdp=2,tensor=2"), "tensor", ("fsdp",)),
         "one_device": lambda: jd.OneDeviceStrategy(),
     }[name]()
 
@@ -100,7 +101,7 @@ def _params(trainer):
     return jax.device_get(nn.unbox(trainer.params))
 
 
-@pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "tpu"])
+@pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "tpu", "mesh_hsdp_tp"])
 def test_lm_trained_20_steps_equals_one_device(name):
     reference, want = _trained("one_device")
     trainer, got = _trained(name)
@@ -159,3 +160,20 @@ def test_checkpoint_written_under_fsdp_tp_restores_onto(target, tmp_path):
     jax.tree.map(
         np.testing.assert_array_equal, jax.device_get(restored.state.opt_state), jax.device_get(trainer.state.opt_state)
     )
+
+
+def test_the_example_takes_a_user_mesh_with_its_axis_names():
+    trainer, _ = _trained("mesh_hsdp_tp")  # --mesh data=2,fsdp=2,tensor=2 --fsdp-axes fsdp
+    strategy = trainer.strategy
+    assert strategy.mesh.axis_names == ("data", "fsdp", "tensor") and strategy.num_replicas_in_sync == 4
+    layouts = strategy.variable_layouts(trainer.params)
+    assert layouts["block_0/mlp_in/kernel"] == P("fsdp", "tensor")  # HSDP: FSDP within 'fsdp' only, TP on 'tensor'
+    assert layouts["embed/embedding"] == P("tensor", "fsdp")
+    assert lm.parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4}
+    for bad in ("data=2,data=4", "data", "data=0", "=2"):
+        with pytest.raises(ValueError, match="is not name=size"):
+            lm.parse_mesh(bad)
+    with pytest.raises(ValueError, match=r"has 6 devices, but there are 8"):
+        lm.mesh_strategy({"data": 2, "fsdp": 3}, None, None)
+    with pytest.raises(ValueError, match=r"--model-axis 'model' is not an axis"):
+        lm.mesh_strategy({"data": 2, "fsdp": 4}, "model", None)

@@ -179,7 +179,7 @@ def test_created_after_computation_in_a_fresh_process():
         "    print('ERROR', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
-    assert "must be created before any JAX computation" in out.stdout, out.stdout + out.stderr
+    assert "must come before any JAX computation" in out.stdout, out.stdout + out.stderr
 
 
 def test_an_unconnected_multi_process_job_is_an_error_not_a_strategy_per_process(monkeypatch):
@@ -195,7 +195,7 @@ def test_an_unconnected_multi_process_job_is_an_error_not_a_strategy_per_process
         jd.MirroredStrategy()
     # Sharded and TPU join the cluster themselves, which must come before any computation (it has run here).
     for make in (jd.ShardedStrategy, jd.TPUStrategy):
-        with pytest.raises(RuntimeError, match=r"must be created before any JAX computation.*JAXDIST_\* variables "
+        with pytest.raises(RuntimeError, match=r"must come before any JAX computation.*JAXDIST_\* variables "
                                                r"describes a job of several processes"):
             make()
     monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "1")  # a job of one process is no cluster

@@ -30,8 +30,8 @@ STEPS = 24  # 6 epochs of 4 batches, dropout on: data order and RNG both matter
 END = re.compile(r"^\[(\d)\] end (\d+) preempted=(True|False) checkpoints=\[(.*)\]$", re.M)
 
 
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+def _env(strategy="mwms"):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), WORKER_STRATEGY=strategy)
     for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
         env.pop(key, None)
     return env
@@ -57,8 +57,9 @@ def _command(ckpt, out, *extra):
     ]
 
 
-def _run(ckpt, out, *extra):
-    proc = subprocess.run(_command(ckpt, out, *extra), env=_env(), capture_output=True, text=True, timeout=170)
+def _run(ckpt, out, *extra, strategy="mwms"):
+    proc = subprocess.run(_command(ckpt, out, *extra), env=_env(strategy), capture_output=True, text=True,
+                          timeout=170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -70,13 +71,15 @@ def _params(out):
 
 @pytest.mark.timeout(420)
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp_path):
-    straight = _run("", tmp_path / "straight")
+    """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes): each
+    process saves and restores its own shards; MultiWorkerMirroredStrategy runs the stop_training test."""
+    straight = _run("", tmp_path / "straight", strategy="hsdp")
     assert len(END.findall(straight)) == 2
 
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "first"
     proc = subprocess.Popen(
-        _command(ckpt, out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        _command(ckpt, out), env=_env("hsdp"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines, latency = [], None
     try:
@@ -110,7 +113,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
     print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped after step {stop}")
     assert latency < 60
 
-    resumed = _run(ckpt, tmp_path / "resumed")
+    resumed = _run(ckpt, tmp_path / "resumed", strategy="hsdp")
     first = re.search(r"^\[0\] step (\d+)$", resumed, re.M)
     assert first and int(first.group(1)) == stop + 1  # resumed where both stopped
     assert {int(s) for _, s, flag, _ in END.findall(resumed) if flag == "False"} == {STEPS}

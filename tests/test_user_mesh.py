@@ -176,7 +176,8 @@ def test_bad_meshes_and_roles_are_errors_naming_the_axis(kwargs, error, match):
 
 
 def test_mirrored_rejects_model_axes_and_batches_must_divide_the_batch_axes():
-    with pytest.raises(ValueError, match=r"mirroring strategy \(Mirrored, TPU, MultiWorkerMirrored\) keeps every variable whole, so mesh axis 'tensor'"):
+    with pytest.raises(ValueError, match=r"mirroring strategy \(Mirrored, TPU, MultiWorkerMirrored\) keeps every "
+                                         r"variable whole, so mesh axis 'tensor'"):
         jd.strategies.LayoutPolicy(mesh=mesh3(), batch_axes=("data", "fsdp"))
     strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "fsdp")), batch_axes=("data", "fsdp"))
     with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 \(the product of batch_axes=\('data', 'fsdp'\)\) "

@@ -2,6 +2,7 @@
 
 from jaxdist.strategies import compat as compat
 from jaxdist.strategies.base import Strategy as Strategy
+from jaxdist.strategies.cluster import initialize_cluster as initialize_cluster
 from jaxdist.strategies.context import get_replica_context as get_replica_context
 from jaxdist.strategies.context import get_strategy as get_strategy
 from jaxdist.strategies.context import has_strategy as has_strategy
@@ -54,4 +55,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "initialize_cluster",
 ]

@@ -87,23 +87,49 @@ def resolve_cluster(
 
 
 def initialize_cluster(
-    cluster: tuple[str, int, int] | None,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
     initialization_timeout: int = 120,
     heartbeat_timeout_seconds: int = 30,
-    strategy: str = "MultiWorkerMirroredStrategy",
-) -> None:
-    """Connect this process to the cluster (`resolve_cluster`'s, else JAX's detection), once per process.
+    caller: str = "initialize_cluster",
+) -> int:
+    """Connect this process to the job's other processes, once; returns the process count.
+
+    What the strategies that take a cluster do first, for programs that build their own mesh (which needs
+    every process's devices, so the processes must be connected before it). The cluster comes from the
+    arguments, else the ``JAXDIST_*`` variables (``python -m jaxdist.launch``), else JAX's detection (SLURM,
+    Open MPI, Kubernetes, TPU pods); with none of them, or when JAX is already connected, nothing happens.
 
     A dead peer is then an error, not a wait: the coordination service's heartbeats
     (``heartbeat_timeout_seconds``) make the survivors exit with "the JAX distributed service detected fatal
     errors ... another task died", and a peer that never shows up fails ``initialization_timeout`` seconds
     after start.
 
+    Args:
+        coordinator_address, num_processes, process_id: the cluster (all three, or none).
+        initialization_timeout: seconds to wait for every process to join before failing.
+        heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead.
+        caller: who asks, for error messages.
+
     Raises:
-        ValueError: when JAX is already connected with another process count.
+        ValueError: for a partial or malformed cluster, or when JAX is already connected with another count.
         RuntimeError: when this process already ran a JAX computation (``jax.distributed.initialize`` must
             come first).
+
+    Example:
+        >>> import jaxdist as jd
+        >>> jd.initialize_cluster()   # no cluster configured: this process alone
+        1
     """
+    cluster = resolve_cluster(coordinator_address, num_processes, process_id)
+    _join(cluster, initialization_timeout, heartbeat_timeout_seconds, caller)
+    return jax.process_count()
+
+
+def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, heartbeat_timeout_seconds: int,
+          caller: str) -> None:
     if jax.distributed.is_initialized():
         if cluster is not None and jax.process_count() != cluster[1]:
             raise ValueError(
@@ -126,11 +152,11 @@ def initialize_cluster(
             raise
         if detected is not None and detected[1] is None:
             return  # a TPU host whose process count JAX reads later: already running, so alone (as before)
-        where = "the cluster arguments / JAXDIST_* variables" if cluster is not None else f"the {detected[0]} environment"
+        where = f"the {detected[0]} environment" if cluster is None else "the cluster arguments / JAXDIST_* variables"
         raise RuntimeError(
-            f"{strategy} must be created before any JAX computation or device query in this process: "
+            f"{caller} must come before any JAX computation or device query in this process: "
             f"{where} describes a job of several processes, and jax.distributed.initialize has to connect "
-            f"them first ({err}). Create the strategy at the top of your program."
+            f"them first ({err}). Call it (create the strategy) at the top of your program."
         ) from None
 
 

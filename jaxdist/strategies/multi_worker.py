@@ -17,7 +17,7 @@ import jax
 
 from jaxdist.replicate.trees import is_chief
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster, resolve_cluster
+from jaxdist.strategies.cluster import initialize_cluster
 from jaxdist.strategies.extended import StrategyExtended
 from jaxdist.strategies.legacy import StrategyV1Names
 from jaxdist.strategies.policy import LayoutPolicy
@@ -58,8 +58,10 @@ class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         heartbeat_timeout_seconds: int = 30,
         axis_name: str | None = None,
     ):
-        cluster = resolve_cluster(coordinator_address, num_processes, process_id)
-        initialize_cluster(cluster, initialization_timeout, heartbeat_timeout_seconds)
+        initialize_cluster(
+            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="MultiWorkerMirroredStrategy",
+        )
         super().__init__(LayoutPolicy(tuple(jax.devices())), axis_name=axis_name)
 
     @property

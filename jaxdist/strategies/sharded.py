@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec
 
 from jaxdist.replicate.layouts import path_name
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster, resolve_cluster
+from jaxdist.strategies.cluster import initialize_cluster
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.extended import StrategyExtended
 from jaxdist.strategies.layout_rules import is_box, logical_names
@@ -160,8 +160,10 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         initialization_timeout: int = 120,
         heartbeat_timeout_seconds: int = 30,
     ):
-        cluster = resolve_cluster(coordinator_address, num_processes, process_id)
-        initialize_cluster(cluster, initialization_timeout, heartbeat_timeout_seconds, "ShardedStrategy")
+        initialize_cluster(
+            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="ShardedStrategy",
+        )
         if mesh is not None and devices is not None:
             raise ValueError("ShardedStrategy got both devices= and mesh=: a mesh already says which devices; "
                              "pass one of them.")

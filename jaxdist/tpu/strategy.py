@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster, resolve_cluster
+from jaxdist.strategies.cluster import initialize_cluster
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.extended import StrategyExtended
 from jaxdist.strategies.legacy import StrategyV1Names
@@ -66,8 +66,10 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
     ):
         if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
             raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
-        cluster = resolve_cluster(coordinator_address, num_processes, process_id)
-        initialize_cluster(cluster, initialization_timeout, heartbeat_timeout_seconds, "TPUStrategy")
+        initialize_cluster(
+            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="TPUStrategy",
+        )
         if mesh is not None:
             if devices is not None or num_cores is not None:
                 raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already says which "

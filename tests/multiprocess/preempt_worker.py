@@ -1,23 +1,36 @@
 """One process of the coordinated-preemption test (run through jaxdist.launch by tests/test_multihost_preemption.py).
 
-``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices. Arguments: checkpoint_dir ("" for none),
-out_dir, steps, and optionally stop_at: process 1 ALONE sets ``trainer.stop_training`` after that step.
-Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N``
-after every step and ``end STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final
-parameters to ``out_dir/params.npz`` when fit returns.
+``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices, on MultiWorkerMirroredStrategy or, with
+``WORKER_STRATEGY=hsdp``, on ShardedStrategy with HSDP over the user's ``("data", "fsdp")`` mesh.
+Arguments: checkpoint_dir ("" for none), out_dir, steps, and optionally stop_at: process 1 ALONE sets
+``trainer.stop_training`` after that step. Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE
+process), prints ``step N`` after every step and ``end STEP preempted=BOOL checkpoints=[...]`` when fit ends;
+process 0 saves the final parameters to ``out_dir/params.npz`` when fit returns.
 """
 
 import os
 import sys
 
+import jax
+import numpy as np
+
 import jaxdist as jd
 
-strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)  # before any computation
+if os.environ.get("WORKER_STRATEGY") == "hsdp":  # HSDP on the user's mesh: 'data' across processes x 'fsdp'
+    jax.distributed.initialize(heartbeat_timeout_seconds=10, **{  # by hand, as lm1b / MaxText users do
+        "coordinator_address": os.environ["JAXDIST_COORDINATOR_ADDRESS"],
+        "num_processes": int(os.environ["JAXDIST_NUM_PROCESSES"]),
+        "process_id": int(os.environ["JAXDIST_PROCESS_ID"]),
+    })
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(2, 4)
+    strategy = jd.ShardedStrategy(mesh=jax.sharding.Mesh(devices, ("data", "fsdp")), batch_axes=("data", "fsdp"),
+                                  fsdp_axes="fsdp", min_shard_size=1)
+else:
+    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)  # before any computation
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import flax.linen as nn
+import optax
+from jax.experimental import multihost_utils
 
 ckpt_dir, out_dir, steps = sys.argv[1] or None, sys.argv[2], int(sys.argv[3])
 stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -58,7 +71,7 @@ class Tell(jd.training.Callback):
 
 trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
 trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, verbose=0, callbacks=[Tell()])  # SystemExit(0) if preempted
+leaves = jax.tree.leaves(multihost_utils.process_allgather(trainer.params, tiled=True))  # whole, even if sharded
 if pid == 0:
-    leaves = jax.tree.leaves(trainer.params)
-    np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(a.addressable_data(0)) for a in leaves])
+    np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(a) for a in leaves])
 print("done", flush=True)
