@@ -20,9 +20,9 @@ import sys
 import jax
 
 from benchmarks.cases import COMPARISONS, Devices
-from benchmarks.lm import LM_MODELS, memory_table
+from benchmarks.lm import LM_MODELS, add_process_entries, memory_table
 from benchmarks.models import MODELS, TINY
-from benchmarks.multiproc import multiproc_rows
+from benchmarks.multiproc import lm_hsdp_rows, multiproc_rows
 from benchmarks.report import machine_info, markdown, write_results
 from benchmarks.suite import run_plan
 from benchmarks.timing import Settings
@@ -39,6 +39,8 @@ ALL_MODELS = {**MODELS, **LM_MODELS}
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # The multi-process row: (pairs of runs, timed blocks per run, steps per block); each run is new processes.
 MULTIPROC = {"full": (6, 5, 30), "quick": (3, 3, 30), "smoke": (1, 1, 2)}
+LM_MULTIPROC = {"full": (6, 3, 5), "quick": (3, 3, 5), "smoke": (1, 1, 2)}  # the LM's steps take ~0.4 s over gloo
+_PROCESS_ROWS = ("multiproc", "lm-hsdp-mp")  # rows of their own runner (fresh processes per block)
 
 
 def _multiproc_models(args: argparse.Namespace, mode: str) -> list:
@@ -65,10 +67,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace, mode: str, parser: argparse.ArgumentParser) -> list:
-    keys = [k for k in args.rows.split(",") if k and k != "multiproc"]
+    keys = [k for k in args.rows.split(",") if k and k not in _PROCESS_ROWS]
     unknown = sorted(set(keys) - {c.key for c in COMPARISONS})
     if unknown:
-        parser.error(f"--rows: unknown row(s) {unknown}; choose from {[c.key for c in COMPARISONS]}")
+        known = [c.key for c in COMPARISONS] + list(_PROCESS_ROWS)
+        parser.error(f"--rows: unknown row(s) {unknown}; choose from {known}")
     names = [m for m in args.models.split(",") if m]
     bad = sorted(set(names) - set(ALL_MODELS))
     if bad:
@@ -129,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
             memory.append({"model": spec.name, "error": f"{type(error).__name__}: {error}"})
         print(f"[memory {spec.name}] {memory[-1]}", file=sys.stderr, flush=True)
     keys = [k for k in args.rows.split(",") if k]
+    lm_specs = [spec for spec in dict.fromkeys(spec for _, spec in plan) if spec.name in LM_MODELS]
+    if devices[0].platform == "cpu" and ("lm-hsdp-mp" in keys or (not keys and lm_specs)):
+        for spec in lm_specs or [LM_MODELS["lm-tiny" if mode == "smoke" else "lm"]]:
+            new, entries = lm_hsdp_rows(spec, *LM_MULTIPROC[mode], probe_fsdp=mode != "smoke")
+            print(f"[lm-hsdp-mp {spec.name}] {new[0].status} {new[0].note} {entries}", file=sys.stderr, flush=True)
+            rows.extend(new)
+            table = next((t for t in memory if t.get("model") == spec.name and "entries" in t), None)
+            if table is not None and entries:
+                add_process_entries(table, entries)
     if devices[0].platform == "cpu" and (not keys or "multiproc" in keys):
         for spec in _multiproc_models(args, mode):
             pairs, blocks, steps = MULTIPROC[mode]

@@ -71,13 +71,15 @@ def _keras(spe: int) -> Callable[[Problem, Devices], Stepper]:
 
 
 def _lm(stepper: type, layout: str, remat: bool = False, **options: Any) -> Callable[[Problem, Devices], Stepper]:
-    """An LM stepper (`benchmarks.lm`, `benchmarks.keras_lm`) on the FSDP (``"fsdp"``) or FSDP x TP (``"tp"``)
-    strategy, built with ``options``; it reads only the problem's spec, which must be an `lm.LMSpec`."""
+    """An LM stepper (`benchmarks.lm`, `benchmarks.keras_lm`) on the FSDP (``"fsdp"``), FSDP x TP (``"tp"``) or
+    user-mesh (``"mesh"``: ``(data, fsdp, tensor)``, HSDP x TP) strategy, built with ``options``; it reads only
+    the problem's spec, which must be an `lm.LMSpec`."""
 
     def build(p: Problem, d: Devices) -> Stepper:
         if not isinstance(p.spec, lm.LMSpec):
             raise runners.Unavailable(f"this row trains the transformer LM; model {p.spec.name!r} is not one")
-        strategy = d.sharded if layout == "fsdp" else lm.tp_strategy(d.devices)
+        strategy = {"fsdp": lambda: d.sharded, "tp": lambda: lm.tp_strategy(d.devices),
+                    "mesh": lambda: lm.mesh_strategy(d.devices)}[layout]()
         return stepper(strategy, lm.lm_problem(p.spec, remat=remat), **options)
 
     return build
@@ -150,6 +152,13 @@ STEPPERS: dict[str, StepperDef] = {
             "sharded.hand.lm-tp",
             "LM: hand-written jax.jit, FSDP x TP layouts and rules",
             _lm(lm.LMHandJit, "tp"),
+        ),
+        StepperDef("lm.mesh.jit", "LM: Sharded on a user mesh (data, fsdp, tensor) strategy.jit",
+                   _lm(lm.LMStrategyJit, "mesh")),
+        StepperDef(
+            "sharded.hand.lm-mesh",
+            "LM: hand-written jax.jit, the same user mesh, layouts and rules",
+            _lm(lm.LMHandJit, "mesh"),
         ),
         StepperDef(
             "lm.tp.jit+remat",
@@ -310,6 +319,16 @@ COMPARISONS: tuple[Comparison, ...] = (
         "LM: ShardedStrategy FSDP x TP strategy.jit vs hand-written jax.jit, same layouts and rules",
         "lm.tp.jit",
         "sharded.hand.lm-tp",
+        0.97,
+        models=_LM,
+        quick_models=_LM,
+        smoke_models=_LM_SMOKE,
+    ),
+    Comparison(
+        "lm-mesh",
+        "LM: ShardedStrategy on the user's (data, fsdp, tensor) mesh vs hand-written jax.jit, same mesh and layouts",
+        "lm.mesh.jit",
+        "sharded.hand.lm-mesh",
         0.97,
         models=_LM,
         quick_models=_LM,

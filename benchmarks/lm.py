@@ -39,7 +39,9 @@ __all__ = [
     "LMStrategyJit",
     "char_lm",
     "lm_problem",
+    "add_process_entries",
     "memory_table",
+    "mesh_strategy",
     "tp_strategy",
 ]
 
@@ -173,6 +175,28 @@ def tp_strategy(devices: tuple[jax.Device, ...]) -> jd.ShardedStrategy:
     )
 
 
+@functools.cache
+def mesh_strategy(devices: tuple[jax.Device, ...]) -> jd.ShardedStrategy:
+    """The LM on a user's own mesh, MaxText-style: ``(data, fsdp, tensor) = (N / 4, 2, 2)``, the batch over
+    ``data`` x ``fsdp``, FSDP over ``fsdp`` only (HSDP), tensor parallelism over ``tensor``, and the example's
+    rule table naming those axes.
+
+    Raises:
+        Unavailable: when 4 does not divide the device count.
+    """
+    if len(devices) % 4:
+        raise Unavailable(f"the (data, fsdp, tensor) mesh needs a multiple of 4 devices, got {len(devices)}")
+    lm = char_lm()
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, 2, 2), ("data", "fsdp", "tensor"))
+    return jd.ShardedStrategy(
+        mesh=mesh,
+        batch_axes=("data", "fsdp"),
+        fsdp_axes=("fsdp",),
+        logical_axis_rules=lm.logical_axis_rules(("data", "fsdp"), "tensor"),
+        activation_axes=lm.ACTIVATION_AXES,
+    )
+
+
 def _place(strategy: jd.Strategy, problem: LMProblem) -> Any:
     """The problem's initial state in ``strategy``'s variable layout."""
     return jax.device_put(problem.host_state, strategy.variable_shardings(problem.host_state))
@@ -215,7 +239,7 @@ class LMStrategyJit(_Loop):
 
 class LMHandJit(_Loop):
     """Hand-written ``jax.jit`` with in/out shardings copied from the state ``strategy`` places, batches split
-    on ``"replica"``, donated state; traced under the strategy's rules (see `_rules_scope`)."""
+    over the strategy's batch axes, donated state; traced under the strategy's rules (see `_rules_scope`)."""
 
     def __init__(self, strategy: jd.Strategy, problem: LMProblem):
         state = _place(strategy, problem)
@@ -297,3 +321,16 @@ def memory_table(
         out["tp_state_target"] = 1 / n + 0.05
         out["tp_state_pass"] = ratio <= 1 / n + 0.05
     return out
+
+
+def add_process_entries(table: dict, entries: dict) -> None:
+    """Add multi-process layouts (`benchmarks.multiproc.lm_hsdp_rows`: per-device state bytes, the whole
+    state's bytes and the target fraction) to a `memory_table`, with their verdicts in ``process_targets``."""
+    mirrored = table["entries"]["Mirrored"]["state_bytes"]
+    table.setdefault("process_targets", {})
+    for name, e in entries.items():
+        table["entries"][name] = {"param_bytes": None, "optimizer_bytes": None, "state_bytes": e["state_bytes"],
+                                  "temp_bytes": None}
+        fraction = e["state_bytes"] / mirrored
+        table["process_targets"][name] = {"fraction": fraction, "target": e["target"],
+                                          "pass": fraction <= e["target"]}

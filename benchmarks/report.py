@@ -136,6 +136,11 @@ def _memory_lines(memory: Sequence[dict[str, Any]]) -> list[str]:
                 f"| {_mib(e['optimizer_bytes'])} | {_mib(e['state_bytes'])} | {e['state_bytes'] / mirrored:.3f} "
                 f"| {_mib(e['temp_bytes'])} |"
             )
+        for name, verdict in table.get("process_targets", {}).items():
+            notes.append(
+                f"- {table['layers']}: {name} state per device = {verdict['fraction']:.3f} of Mirrored's (target "
+                f"<= {verdict['target']:.3f}): {'pass' if verdict['pass'] else 'above target'}"
+            )
         if "tp_state_fraction_of_mirrored" in table:
             verdict = "pass" if table["tp_state_pass"] else "above target"
             notes.append(

@@ -21,7 +21,8 @@ def test_bench_smoke_writes_table_json_and_plot(tmp_path):
     assert files == [".json", ".md", ".png", "rates.png"]  # the ratio plot, and steps/s per stepper
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     keys = {row["key"] for row in data["rows"]}
-    assert {"P1", "P2", "null", "multiproc", "multiproc-1x8"} <= keys
+    assert {"P1", "P2", "null", "multiproc", "multiproc-1x8", "lm-mesh", "lm-hsdp-mp"} <= keys
     assert all(row["status"] != "error" for row in data["rows"]), [r["note"] for r in data["rows"]]
     table = next(tmp_path.glob("*.md")).read_text()
-    assert "| P1 |" in table and "| multiproc |" in table
+    assert "| P1 |" in table and "| multiproc |" in table and "| lm-hsdp-mp |" in table
+    assert "HSDP 2 x 4 state per device" in table  # the memory table's multi-process entry
