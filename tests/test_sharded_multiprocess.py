@@ -60,7 +60,7 @@ def worker_run(tmp_path_factory):
 def test_two_processes_train_like_one_device(worker_run, layout, model):
     result, _ = worker_run
     init, step_fn, data = {
-        "mlp": (init_state, train_step, batches()),
+        "mlp": (init_state, train_step, batches(steps=10)),
         "lm": (lm_init_state, lm_train_step, lm_batches()),
     }[model]
     state, losses = _reference(init, step_fn, data)

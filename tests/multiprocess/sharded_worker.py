@@ -60,7 +60,7 @@ def train(strategy, name, init, step_fn, data):
 
 
 for label, strategy in (("fsdp", fsdp), ("hsdp", hsdp)):
-    state = train(strategy, f"{label}/mlp", init_state, train_step, batches())
+    state = train(strategy, f"{label}/mlp", init_state, train_step, batches(steps=10))
     kernel = state[0]["params"]["Dense_0"]["kernel"]  # (8, 32): split on its 32 columns
     results[f"{label}/kernel_fraction"] = np.array(
         [shard.data.size / kernel.size for shard in kernel.addressable_shards]
