@@ -40,6 +40,7 @@ from jaxdist.strategies import has_strategy as has_strategy
 from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
 from jaxdist.strategies import initialize_cluster as initialize_cluster
 from jaxdist.tpu import TPUStrategy as TPUStrategy
+from jaxdist.training import configure_compilation_cache as configure_compilation_cache
 
 __version__ = "0.1.0"
 
@@ -67,6 +68,7 @@ __all__ = [
     "UnmatchedLayoutRuleWarning",
     "VariableAggregation",
     "compat",
+    "configure_compilation_cache",
     "gradients",
     "get_replica_context",
     "get_strategy",

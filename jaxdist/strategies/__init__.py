@@ -1,6 +1,7 @@
 """Strategies: where replicas run and how code runs on them."""
 
 from jaxdist.strategies import compat as compat
+from jaxdist.strategies.agreement import ProgramMismatchError as ProgramMismatchError
 from jaxdist.strategies.base import Strategy as Strategy
 from jaxdist.strategies.cluster import initialize_cluster as initialize_cluster
 from jaxdist.strategies.context import get_replica_context as get_replica_context
@@ -40,6 +41,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ProgramCache",
+    "ProgramMismatchError",
     "RecompileWarning",
     "ReplicaContext",
     "ShardedStrategy",

@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxdist.replicate.layouts import path_name, put
 from jaxdist.replicate.trees import abstract, fn_name
+from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.offload import to_device_memory
@@ -94,6 +95,7 @@ class StrategyFunction:
         self._local = threading.local()
         self._warned = False
         self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
+        self._agreed: set = set()  # signatures whose program every process has fingerprinted (several processes)
         functools.update_wrapper(self, fn)
 
     @property
@@ -207,6 +209,8 @@ class StrategyFunction:
         placed, state = self._place(plain, state)
         self._local.args = (placed, state)  # read only if this call traces
         try:
+            if self._policy.spans_processes:
+                self._agree(nodes, graphdef, state, placed)
             out = self._program(nodes)((graphdef, nodes), state, *placed)
         finally:
             self._local.args = None
@@ -215,6 +219,20 @@ class StrategyFunction:
         out, new_state = out
         nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
         return out
+
+    def _agree(self, nodes: tuple, graphdef: Any, state: Any, placed: tuple) -> None:
+        """Before a new program's first step, check that every process compiled the same one (see
+        `jaxdist.strategies.agreement`)."""
+        leaves, treedef = jax.tree.flatten((state, placed))
+        key = (nodes, graphdef, treedef, tuple(
+            (np.shape(x), str(jax.dtypes.result_type(x)), getattr(x, "sharding", None)) if hasattr(x, "shape")
+            else ("static", repr(x)) for x in leaves
+        ))
+        if key in self._agreed:
+            return
+        lowered = self._program(nodes).lower((graphdef, nodes), state, *placed)
+        agree(fn_name(self._fn), fingerprint(lowered))
+        self._agreed.add(key)
 
     def lower(self, *args: Any):
         """Lower for these arguments (for inspecting HLO or memory), as ``jax.jit(...).lower``."""

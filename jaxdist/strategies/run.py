@@ -40,9 +40,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.replicate.collectives import AxisName, axis_names, is_varying, to_varying
 from jaxdist.replicate.layouts import is_on_mesh, put
-from jaxdist.replicate.trees import hashable, is_distributed
+from jaxdist.replicate.trees import fn_name, hashable, is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
+from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
@@ -155,8 +156,9 @@ class ReplicaRunner:
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
         key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name)
         aux = tuple(aux)
+        name = fn_name(fn)
         program = self._programs.get(
-            fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name),
+            fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name),
             reason=(hashable(statics), avals),
         )
         return program(*dynamic)
@@ -166,7 +168,7 @@ class ReplicaRunner:
             return x  # already on the mesh (replicated, or another layout the program will gather)
         return put(x, self._policy.replicated_sharding)
 
-    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name) -> Callable:
+    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name) -> Callable:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
@@ -244,6 +246,9 @@ class ReplicaRunner:
             policy.batch_sharding if s == split else policy.replicated_sharding for s in out_specs
         )
         compiled = jax.jit(mapped, out_shardings=out_shardings)
+        if policy.spans_processes and not traced:  # every process must run this same program (agreement.py)
+            with _eager_mesh(mesh, policy, False):
+                agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic)))
 
         def program(*dyn):
             with _eager_mesh(mesh, policy, any(isinstance(x, jax.core.Tracer) for x in dyn)):

@@ -20,6 +20,7 @@ from jaxdist.training.callbacks import History as History
 from jaxdist.training.callbacks import Progress as Progress
 from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer as Checkpointer
+from jaxdist.training.compilation_cache import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.cost import StepCost as StepCost
 from jaxdist.training.cost import known_peak_flops as known_peak_flops
 from jaxdist.training.data import DataPosition as DataPosition
@@ -31,6 +32,7 @@ from jaxdist.training.step import TrainState as TrainState
 from jaxdist.training.step import accuracy as accuracy
 from jaxdist.training.step import make_train_step as make_train_step
 from jaxdist.training.trainer import Trainer as Trainer
+from jaxdist.training.watchdog import Watchdog as Watchdog
 
 __all__ = [
     "CSVLogger",
@@ -46,7 +48,9 @@ __all__ = [
     "TensorBoardLogger",
     "TrainState",
     "Trainer",
+    "Watchdog",
     "accuracy",
+    "configure_compilation_cache",
     "known_peak_flops",
     "make_train_step",
     "prepare",

@@ -53,6 +53,7 @@ from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.data import BatchStream
 from jaxdist.training.preemption import PreemptionWatcher
+from jaxdist.training.watchdog import Watchdog
 from jaxdist.training.weighted import WEIGHT
 
 __all__ = ["FitOptions", "check_int", "run_fit"]
@@ -85,6 +86,7 @@ class FitOptions:
         checkpoint_every: steps between checkpoints (None: only at the end and on preemption).
         log_every: steps between log points.
         callbacks: the callbacks, called in order.
+        step_timeout: seconds a step may take before the process exits (`Watchdog`); None: not watched.
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, or ``eval_data`` given as
@@ -102,12 +104,16 @@ class FitOptions:
     checkpoint_every: int | None = None
     log_every: int = 10
     callbacks: tuple[Callback, ...] = ()
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         check_int(self.steps, "steps", 0)
         for name in ("eval_every", "checkpoint_every"):
             check_int(getattr(self, name), name, 1)
         check_int(self.log_every, "log_every", 1, allow_none=False)
+        timeout = self.step_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"step_timeout={timeout!r} must be a number of seconds > 0, or None (not watched).")
         if self.eval_every is not None and self.eval_data is None:
             raise ValueError(f"eval_every={self.eval_every} needs eval_data=... to evaluate on.")
         data = self.eval_data
@@ -208,6 +214,22 @@ def _means(names: tuple[str, ...], sums: np.ndarray) -> tuple[dict[str, float], 
     return logs, weights.get("loss")
 
 
+class _Unwatched:
+    """What ``run_fit`` uses instead of a `Watchdog` when steps are not watched."""
+
+    def __enter__(self) -> _Unwatched:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def beat(self) -> None:
+        return None
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
 def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     """Train ``trainer`` on ``stream`` as ``options`` say; the body of ``Trainer.fit``.
 
@@ -244,9 +266,10 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
         ckpt = options.checkpointer
         if ckpt is not None and ckpt.latest_step() != trainer.step:
             logs.flush()
-            written(wait=True)  # the save in flight first (the next save would wait for it anyway)
-            trainer.save(ckpt)  # a no-op when this step is being written already
-            written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
+            with dog.paused():  # checkpoint writes are not watched
+                written(wait=True)  # the save in flight first (the next save would wait for it anyway)
+                trainer.save(ckpt)  # a no-op when this step is being written already
+                written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
 
     def written(wait: bool = False) -> None:
         """``on_checkpoint`` for the saves complete by now; raises for one that failed in the background."""
@@ -257,7 +280,8 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
 
     def evaluate() -> None:
         logs.flush()
-        metrics = trainer.evaluate(options.eval_data)
+        with dog.paused():  # evaluation takes longer than a step: not watched
+            metrics = trainer.evaluate(options.eval_data)
         history.eval.append({"step": trainer.step, **metrics})
         emit("on_eval_end", trainer.step, metrics)
 
@@ -274,11 +298,13 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     logs = _Logs(trainer.step, on_log, rates)
     consumed = 0
     steps = _steps(trainer, stream, options)
+    dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
     try:
-        with PreemptionWatcher(mesh=trainer.strategy.mesh) as watcher:  # agreed by every process
+        with PreemptionWatcher(mesh=trainer.strategy.mesh) as watcher, dog:  # agreed by every process
             emit("on_train_begin")
             try:
                 for n, metrics in steps:
+                    dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
                     before = trainer.step - n  # the step(s) just taken advanced trainer.step
                     consumed += n
                     trainer.data_position = stream.position(consumed)
@@ -304,7 +330,8 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
             close_window()
             logs.flush()
             checkpoint()  # at the end (a no-op when this step is saved already)
-            written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
+            with dog.paused():
+                written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
             if options.eval_data is not None and not history.preempted and not (
                 history.eval and history.eval[-1]["step"] == trainer.step
             ):

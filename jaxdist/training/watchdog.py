@@ -1,0 +1,153 @@
+"""`Watchdog`: a process whose steps stop finishing says why, prints every thread's stack and exits non-zero.
+
+A peer that is alive but stuck (a hung callback, a dead-locked input pipeline, a collective waiting for a
+process that went elsewhere) passes every heartbeat, so the coordination service never fails the job: the
+others wait in their next collective forever. A watchdog thread turns that into an exit a scheduler can act
+on: when no step finishes within ``timeout`` seconds (the first step, which compiles, gets
+``first_timeout``), it writes ``no step finished in S s: a peer may be stuck or dead; stacks follow`` and every
+thread's Python stack (`faulthandler`) to stderr and ends the process with exit code ``exit_code`` (124, as
+``timeout(1)``), so SLURM / Kubernetes restart the job, which resumes from the last complete checkpoint
+(checkpoints are written atomically: an exit mid-write leaves the previous one intact).
+
+Every process runs its own watchdog: the stuck process trips because its loop stops, its peers because they
+block in the next collective, each ``timeout`` seconds after its own last step.
+
+``Trainer.fit(..., step_timeout=S)`` runs one around the training steps (evaluation and checkpoint writes are
+not watched: they take longer than a step). Default: off, because only the user knows how long a step may
+take (a step of a large model on a busy host can take minutes), and a watchdog that trips on a slow but
+healthy step kills a good run; set it to a few times your slowest step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Watchdog"]
+
+
+def _exit(code: int) -> None:  # the process ends here: no cleanup that could block on the stuck collective
+    os._exit(code)
+
+
+class Watchdog:
+    """Exits the process when no step finishes within ``timeout`` seconds (see the module doc).
+
+    Args:
+        timeout: seconds allowed between two finished steps (> 0).
+        first_timeout: seconds allowed for the first step, which compiles; None: ``max(10 * timeout, 600)``.
+        exit_code: the process's exit status when it trips (non-zero).
+        on_trip: called with the message instead of printing stacks and exiting (for tests and for loops that
+            handle it themselves); it runs on the watchdog's thread.
+
+    Raises:
+        ValueError: for a timeout that is not a positive number, or an exit code of 0.
+
+    Example:
+        >>> import time
+        >>> tripped = []
+        >>> with Watchdog(0.2, first_timeout=0.2, on_trip=tripped.append) as dog:
+        ...     for step in range(3):
+        ...         dog.beat()   # a step finished
+        ...     time.sleep(0.6)  # then nothing
+        >>> tripped[0].split(":")[0]
+        'no step finished in 0.2 s'
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        first_timeout: float | None = None,
+        exit_code: int = 124,
+        on_trip: Callable[[str], Any] | None = None,
+    ):
+        for name, value in (("timeout", timeout), ("first_timeout", first_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a number of seconds > 0.")
+        if not isinstance(exit_code, int) or exit_code == 0:
+            raise ValueError(f"exit_code={exit_code!r} must be a non-zero int: the scheduler must see a failure.")
+        self.timeout = float(timeout)
+        self.first_timeout = float(first_timeout) if first_timeout is not None else max(10 * self.timeout, 600.0)
+        self.exit_code = exit_code
+        self.on_trip = on_trip
+        self.steps = 0
+        self._deadline = 0.0
+        self._paused = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.tripped: str | None = None
+
+    def start(self) -> Watchdog:
+        """Start watching (the first step's allowance starts now)."""
+        with self._lock:
+            self._deadline = time.monotonic() + self.first_timeout
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="jaxdist-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def beat(self) -> None:
+        """A step finished: the next one has ``timeout`` seconds."""
+        with self._lock:
+            self.steps += 1
+            self._deadline = time.monotonic() + self.timeout
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not watched inside (evaluation, checkpoint writes); the next step has ``timeout`` seconds after."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+                self._deadline = time.monotonic() + self.timeout
+
+    def _watch(self) -> None:
+        interval = min(1.0, self.timeout / 10)
+        while not self._stop.wait(interval):
+            with self._lock:
+                late = not self._paused and time.monotonic() > self._deadline
+                allowed = self.first_timeout if self.steps == 0 else self.timeout
+            if late:
+                self._trip(allowed)
+                return
+
+    def _trip(self, allowed: float) -> None:
+        what = f"no step finished in {allowed:g} s"
+        if self.steps == 0:
+            what += " (the first step, compilation included)"
+        message = (
+            f"{what}: a peer may be stuck or dead (or this process is); stacks follow. Exiting with status "
+            f"{self.exit_code} so the scheduler restarts the job; it resumes from the last complete checkpoint."
+        )
+        self.tripped = message
+        if self.on_trip is not None:
+            self.on_trip(message)
+            return
+        print(f"[jaxdist watchdog] {message}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        _exit(self.exit_code)

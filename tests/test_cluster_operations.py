@@ -1,0 +1,79 @@
+"""Cluster operations: processes that compiled different programs, a stuck process, the compilation cache.
+
+Real processes (2 x 4 CPU devices, gloo) where it says so; every wait is bounded.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import jaxdist as jd
+from jaxdist.launch import free_port
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+def _env(**extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **{"JAX_NUM_CPU_DEVICES": "4", **extra})
+    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
+        env.pop(key, None)
+    return env
+
+
+def _two(script, *args, env=None, timeout=120):
+    """Start ``script address pid *args`` twice; return [(returncode, output)] (both killed at the timeout)."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), address, str(i), *map(str, args)], env=env or _env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    out = []
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_learning_rate_that_differs_on_one_process_is_an_error_on_both_before_the_first_step():
+    results = _two(HERE / "multiprocess" / "mismatch_worker.py")
+    for pid, (code, text) in enumerate(results):
+        assert code == 3, f"process {pid} exited {code}:\n{text[-3000:]}"
+        assert "step 1" not in text  # nothing ran
+        line = next(line for line in text.splitlines() if line.startswith("MISMATCH"))
+        assert "process(es) [1] differ from process 0" in line and "learning rate" in line, line
+
+
+@pytest.mark.timeout(120)
+def test_the_compilation_cache_makes_a_second_start_compile_nothing(tmp_path):
+    """jd.configure_compilation_cache: the first start compiles and writes every program; a restart of the same
+    job loads every one of them (cache hits == compile requests, no miss)."""
+
+    def start(cache):
+        out = subprocess.run([sys.executable, str(HERE / "multiprocess" / "cache_worker.py"), str(cache)],
+                             env=_env(JAX_NUM_CPU_DEVICES="8"), capture_output=True, text=True, timeout=100)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = start(tmp_path / "cache"), start(tmp_path / "cache")
+    requests = first["events"]["compile_requests_use_cache"]
+    assert requests >= 2 and first["events"].get("cache_misses") == requests  # everything compiled, and written
+    assert second["events"]["compile_requests_use_cache"] == requests
+    assert second["events"].get("cache_hits") == requests and "cache_misses" not in second["events"]
+    print(f"time to first step: {first['first_step_s']:.2f} s cold, {second['first_step_s']:.2f} s from the cache")
+    with pytest.raises(ValueError, match=r"min_compile_seconds=-1 must be a number of seconds >= 0"):
+        jd.configure_compilation_cache(tmp_path, min_compile_seconds=-1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"is a file: pass a directory"):
+        jd.configure_compilation_cache(tmp_path / "file")
