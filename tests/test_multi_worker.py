@@ -198,6 +198,8 @@ def test_an_unconnected_multi_process_job_is_an_error_not_a_strategy_per_process
         with pytest.raises(RuntimeError, match=r"must come before any JAX computation.*JAXDIST_\* variables "
                                                r"describes a job of several processes"):
             make()
+    with pytest.raises(RuntimeError, match=r"call jd.initialize_cluster\(\) at the top of the program"):
+        jd.MirroredStrategy()
     monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "1")  # a job of one process is no cluster
     assert detected_cluster() is None and jd.MirroredStrategy().num_replicas_in_sync == 8
 
@@ -213,6 +215,15 @@ def test_a_slurm_job_of_several_tasks_is_detected(monkeypatch):
     assert detected_cluster() == ("Slurm", 4)
     with pytest.raises(RuntimeError, match=r"job of 4 processes \(Slurm environment\)"):
         jd.MirroredStrategy()
+
+
+def test_a_single_host_tpu_vm_is_no_unconnected_job(monkeypatch):
+    """JAX's TPU detector says yes on every TPU VM, one host included: that alone is no job of several
+    processes (JAX connects pods by itself when a strategy joins its cluster)."""
+    from jax._src.clusters import cloud_tpu_cluster
+
+    monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "is_env_present", classmethod(lambda cls: True))
+    assert detected_cluster() is None and jd.MirroredStrategy().num_replicas_in_sync == 8
 
 
 def test_launcher_command_line_errors(capsys):

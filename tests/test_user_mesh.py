@@ -193,3 +193,25 @@ def test_a_user_mesh_of_explicit_axes_keeps_its_names_and_devices():
     assert strategy.mesh.axis_names == mesh.axis_names and (strategy.mesh.devices == mesh.devices).all()
     assert set(strategy.mesh.axis_types) == {jax.sharding.AxisType.Auto}  # unmodified steps compile on it
     assert strategy.replica_devices == tuple(mesh.devices[0, :, 0])
+
+
+def test_per_replica_values_come_back_in_replica_order_whatever_the_batch_axes_order():
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "fsdp")), batch_axes=("fsdp", "data"))
+    ids = strategy.run(lambda: jd.get_replica_context().replica_id_in_sync_group * 1.0)
+    assert [float(v) for v in strategy.experimental_local_results(ids)] == list(range(8))
+
+
+def test_arrays_placed_on_the_users_own_mesh_enter_a_step():
+    """The user's mesh has Explicit axes (jax.make_mesh); the strategy's copy is Auto. Arrays the user placed
+    on theirs are moved onto the strategy's (JAX would reject two meshes in one program)."""
+    mesh = mesh3()
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), logical_axis_rules=[("mlp", "tensor")])
+    x = jax.device_put(np.ones((8, 4), np.float32), jax.sharding.NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    w = jax.device_put(np.ones((4, 2), np.float32), jax.sharding.NamedSharding(mesh, PartitionSpec()))
+    assert float(strategy.jit(lambda w, x: (x @ w).sum(), batch_argnums=(1,))(w, x)) == 64.0
+
+
+def test_the_short_form_policy_keeps_a_model_axis_for_mirrored_variables():
+    policy = jd.LayoutPolicy(jax.devices()[:8], 2)  # mirrored, on (replica, model) = (4, 2)
+    assert dict(policy.mesh.shape) == {"replica": 4, "model": 2} and policy.num_replicas == 4
+    assert policy.variable_layout("w", jax.ShapeDtypeStruct((8, 4), "float32")).spec == PartitionSpec()

@@ -53,24 +53,13 @@ def local_components(stacked: jax.Array) -> tuple[jax.Array, ...]:
         >>> [float(c) for c in local_components(jax.numpy.arange(1.0))]
         [0.0]
     """
-    order = _replica_order(stacked)
-    shards = sorted(stacked.addressable_shards, key=lambda s: order[s.device])
-    seen, out = set(), []
-    for shard in shards:
-        start = (shard.index[0].start or 0) if shard.index else 0
-        if start in seen:  # several devices may hold the same component when an axis is replicated
-            continue
-        seen.add(start)
-        out.append(shard.data[0] if shard.data.ndim else shard.data)
-    return tuple(out)
+    def start(shard) -> int:  # the row a shard starts at: its replica index (whatever the mesh's device order)
+        return (shard.index[0].start or 0) if shard.index else 0
 
-
-def _replica_order(stacked: jax.Array) -> dict:
-    sharding = stacked.sharding
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None:
-        return {d: i for i, d in enumerate(sharding.device_set)}
-    return {d: i for i, d in enumerate(mesh.devices.flat)}
+    by_replica: dict[int, jax.Array] = {}
+    for shard in stacked.addressable_shards:  # several devices hold one component when an axis is replicated
+        by_replica.setdefault(start(shard), shard.data[0] if shard.data.ndim else shard.data)
+    return tuple(by_replica[i] for i in sorted(by_replica))
 
 
 class _Distributed:

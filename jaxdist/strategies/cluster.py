@@ -138,10 +138,13 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, hea
             )
         return
     detected = None if cluster is not None else detected_cluster()
-    if (cluster is not None and cluster[1] == 1) or (cluster is None and detected is None):
-        return  # a cluster of one, or none at all: nothing to connect
     timeouts = {"initialization_timeout": initialization_timeout,
                 "heartbeat_timeout_seconds": heartbeat_timeout_seconds}
+    if cluster is not None and cluster[1] == 1:
+        return  # a cluster of one: nothing to connect
+    if cluster is None and detected is None:
+        _jax_detection(timeouts)  # TPU pods, Kubernetes: what JAX finds by itself; else this process alone
+        return
     try:
         if cluster is not None:
             jax.distributed.initialize(*cluster, **timeouts)
@@ -150,8 +153,6 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, hea
     except RuntimeError as err:
         if "before" not in str(err) or not ("computation" in str(err) or "backend" in str(err)):
             raise
-        if detected is not None and detected[1] is None:
-            return  # a TPU host whose process count JAX reads later: already running, so alone (as before)
         where = f"the {detected[0]} environment" if cluster is None else "the cluster arguments / JAXDIST_* variables"
         raise RuntimeError(
             f"{caller} must come before any JAX computation or device query in this process: "
@@ -160,10 +161,26 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, hea
         ) from None
 
 
-def detected_cluster() -> tuple[str, int | None] | None:
-    """The multi-process job this process's environment describes, as ``(source, process count)``: the
-    ``JAXDIST_*`` variables, else one of JAX's cluster environments (SLURM, Open MPI, Kubernetes, TPU pods;
-    count None where JAX learns it only when connecting). None for a single process.
+_ENV_DETECTORS = ("SlurmCluster", "OmpiCluster")  # JAX's detectors that read only environment variables
+
+
+def _jax_detection(timeouts: dict) -> None:
+    """``jax.distributed.initialize()`` with JAX's own detection (TPU pods, Kubernetes, ...); nothing found,
+    or JAX already running without a cluster: this process alone."""
+    try:
+        jax.distributed.initialize(**timeouts)
+    except (ValueError, RuntimeError) as err:
+        text = str(err)
+        if "coordinator_address" in text or "cluster" in text.lower() or "must be called before" in text:
+            return
+        raise
+
+
+def detected_cluster() -> tuple[str, int] | None:
+    """The job of several processes this process's environment variables describe, as ``(source, process
+    count)``: the ``JAXDIST_*`` variables, else SLURM's or Open MPI's (read by JAX's own detectors). None for
+    a single process. (TPU pods and Kubernetes are detected by JAX when it connects, through their metadata
+    services: not here.)
 
     Example:
         >>> detected_cluster() is None   # a plain shell: no cluster
@@ -173,15 +190,15 @@ def detected_cluster() -> tuple[str, int | None] | None:
     if ours is not None:
         return ("JAXDIST_*", ours[1]) if ours[1] > 1 else None
     for env in getattr(_ClusterEnv, "_cluster_types", ()):
-        if getattr(env, "opt_in_only_method", False):
+        if env.__name__ not in _ENV_DETECTORS:
             continue
         try:
             if not env.is_env_present():
                 continue
-            count = None if "Tpu" in env.__name__ else int(env.get_process_count())
+            count = int(env.get_process_count())
         except Exception:
             continue
-        if count is None or count > 1:
+        if count > 1:
             return env.__name__.removesuffix("Cluster"), count
     return None
 
@@ -199,11 +216,12 @@ def check_connected(strategy: str) -> None:
     detected = detected_cluster()
     if detected is None or jax.distributed.is_initialized():
         return
-    count = f"{detected[1]} processes" if detected[1] else "several processes"
     raise RuntimeError(
-        f"{strategy} in a job of {count} ({detected[0]} environment), but jax.distributed is not initialized: "
+        f"{strategy} in a job of {detected[1]} processes ({detected[0]} environment), but jax.distributed is not "
+        "initialized: "
         "this process alone would train its own copy. Use MultiWorkerMirroredStrategy (it connects the "
-        "processes), or call jax.distributed.initialize() at the top of the program, before the strategy."
+        "processes), or call jd.initialize_cluster() at the top of the program, before the strategy (it reads "
+        "the JAXDIST_* variables and the cluster's own; jax.distributed.initialize() reads only the latter)."
     )
 
 
@@ -223,8 +241,9 @@ def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
         return
     raise ValueError(
         f"{strategy} over the devices of process(es) {owners} only, in a job of {count} processes: each process "
-        "would train its own copy and nothing would keep them in sync. Leave devices= out (every device of "
-        "every process: jax.devices()), pass a mesh over jax.devices(), or use MultiWorkerMirroredStrategy."
+        "would train its own copy and nothing would keep them in sync. Leave devices= (and num_cores=) out "
+        "(every device of every process: jax.devices()), pass a mesh over jax.devices(), or use "
+        "MultiWorkerMirroredStrategy."
     )
 
 

@@ -297,7 +297,10 @@ def _replicated_rows(x: Any, policy: LayoutPolicy) -> bool:
 def _needs_placing(x: Any, mesh: Any) -> bool:
     if isinstance(x, jax.Array):
         sharding = x.sharding
-        return not (getattr(sharding, "mesh", None) is mesh or sharding.device_set == set(mesh.devices.flat))
+        own = getattr(sharding, "mesh", None)
+        if own is not None and own is not mesh and not own.empty:  # another mesh (say the user's, with Explicit
+            return own != mesh  # axes) over the same devices would mix meshes in one program: moved onto ours
+        return not (own is mesh or sharding.device_set == set(mesh.devices.flat))
     return isinstance(x, (np.ndarray, np.generic))
 
 

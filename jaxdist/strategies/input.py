@@ -105,7 +105,7 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch", axes
 
 def replicas_on_this_process(policy: LayoutPolicy) -> int:
     """How many of ``policy``'s replicas this process's devices hold."""
-    return sum(1 for d in policy.replica_devices if d.process_index == jax.process_index())
+    return len(policy.local_replicas)
 
 
 def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
@@ -125,6 +125,13 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     """
     sharding = policy.batch_sharding
     n_proc = jax.process_count()
+    if process_local and n_proc > 1 and policy.replicas_span_processes:
+        raise ValueError(
+            f"per-process input (distribute_datasets_from_function) on a mesh whose replicas span processes "
+            f"(mesh {dict(policy.mesh.shape)}, batch axes {policy.batch_axes}: a model axis crosses processes), "
+            "so no process owns a replica's rows alone: pass GLOBAL batches (experimental_distribute_dataset, "
+            "the same batch on every process), or put the processes on a batch axis of the mesh."
+        )
     leaves, treedef = jax.tree.flatten(batch)
     todo = []  # indices of leaves to transfer
     for i, x in enumerate(leaves):

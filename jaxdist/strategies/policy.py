@@ -123,7 +123,9 @@ class LayoutPolicy:
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
-            roles = axis_roles(short_form_mesh(devices, model_parallelism), (REPLICA_AXIS,), split=split_variables)
+            # The short form: "model" exists only when asked for (model_parallelism), for rules to split over.
+            roles = axis_roles(short_form_mesh(devices, model_parallelism), (REPLICA_AXIS,),
+                               None if split_variables else (), split=True)
         else:
             if devices is not None or model_parallelism != 1:
                 raise ValueError(
@@ -162,6 +164,21 @@ class LayoutPolicy:
         """The first device of each replica, in replica order (the order a batch's rows are split in)."""
         order = [self.mesh.axis_names.index(a) for a in (*self.batch_axes, *self.roles.model_axes)]
         return tuple(np.transpose(self.mesh.devices, order).reshape(self.num_replicas, -1)[:, 0])
+
+    @property
+    def local_replicas(self) -> tuple[int, ...]:
+        """The replicas (row blocks of a batch) whose rows this process's devices hold, in replica order."""
+        blocks = self.batch_sharding.addressable_devices_indices_map((self.num_replicas,)).values()
+        return tuple(sorted({index[0].start or 0 for index in blocks}))
+
+    @property
+    def replicas_span_processes(self) -> bool:
+        """Whether a replica's devices belong to several processes (a model axis across processes): then no
+        process owns a replica's rows alone."""
+        owners: dict[int, set[int]] = {}
+        for device, index in self.batch_sharding.devices_indices_map((self.num_replicas,)).items():
+            owners.setdefault(index[0].start or 0, set()).add(device.process_index)
+        return any(len(p) > 1 for p in owners.values())
 
     @property
     def spans_processes(self) -> bool:

@@ -116,7 +116,11 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
 def local_results(policy: LayoutPolicy, owner: Any, value: Any) -> tuple[Any, ...]:
     """The values of this process's replicas, one entry per local replica (see
     `Strategy.experimental_local_results`)."""
-    local = [d for d in policy.replica_devices if d.process_index == jax.process_index()]
+    replicas = policy.local_replicas
+    holders: dict[int, jax.Device] = {}  # a device of this process in each local replica
+    for device, index in policy.batch_sharding.addressable_devices_indices_map((policy.num_replicas,)).items():
+        holders.setdefault(index[0].start or 0, device)
+    local = [holders[r] for r in replicas]
 
     def components(v):
         if is_distributed(v):
@@ -126,8 +130,8 @@ def local_results(policy: LayoutPolicy, owner: Any, value: Any) -> tuple[Any, ..
             by_device = {s.device: s.data for s in v.addressable_shards}
             if all(d in by_device for d in local):
                 return tuple(by_device[d] for d in local)
-        return (v,) * len(local)
+        return (v,) * len(replicas)
 
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
     per_leaf = [components(v) for v in leaves]
-    return tuple(jax.tree.unflatten(treedef, [c[i] for c in per_leaf]) for i in range(len(local)))
+    return tuple(jax.tree.unflatten(treedef, [c[i] for c in per_leaf]) for i in range(len(replicas)))

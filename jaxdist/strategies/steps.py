@@ -181,12 +181,9 @@ def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
-        if jax.process_count() == 1:  # each device gets its own columns of the stack, from host views
-            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-        rows = sharding.addressable_devices_indices_map(host.shape)
-        lo = min(i[1].start or 0 for i in rows.values())
-        hi = max(i[1].stop or host.shape[1] for i in rows.values())
-        return jax.make_array_from_process_local_data(sharding, host[:, lo:hi], host.shape)
+        # Each device (of this process) gets its own columns of the stack, from host views, wherever the mesh
+        # puts them.
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(stack, *batches)
 

@@ -40,6 +40,27 @@ except ValueError as error:
     assert "process(es) [" in str(error) and "MultiWorkerMirroredStrategy" in str(error), error
 assert jd.MirroredStrategy().num_replicas_in_sync == 8  # the default spans every process
 
+# Meshes whose axes cross the processes the other way round: each process's rows are not one block ('fsdp'
+# across the processes), and a model axis across the processes (no process owns a replica's rows alone).
+across = Mesh(devices.T, ("data", "fsdp"))  # (4, 2): 'fsdp' pairs a device of process 0 with one of process 1
+woven = jd.TPUStrategy(mesh=across)  # data parallel over both axes: rows 0, 2, 4, 6 on process 0
+rows = np.arange(16, dtype=np.float32).reshape(8, 2)
+ctx = woven.run_steps_on_dataset(
+    lambda ctx, total, x: total + x.sum(), iter([rows] * 2), initial_loop_values=np.float32(0), iterations=2
+)
+assert float(ctx.loop_values) == 2 * rows.sum(), ctx.loop_values
+ids = woven.run(lambda: jd.get_replica_context().replica_id_in_sync_group * 1.0)
+assert [float(v) for v in woven.experimental_local_results(ids)] == [2.0 * i + pid for i in range(4)], pid
+tensor = jd.ShardedStrategy(mesh=Mesh(devices.T, ("data", "tensor")), batch_axes="data", min_shard_size=1)
+assert tensor.num_replicas_per_host == 4  # every replica has a device here
+ids = tensor.run(lambda: 1.0 * jd.get_replica_context().replica_id_in_sync_group)
+assert [float(v) for v in tensor.experimental_local_results(ids)] == [0.0, 1.0, 2.0, 3.0]
+try:
+    next(iter(tensor.distribute_datasets_from_function(lambda ctx: iter([rows]))))
+    raise AssertionError("per-process input on a mesh whose replicas span processes was accepted")
+except ValueError as error:
+    assert "replicas span processes" in str(error), error
+
 results = {}
 
 
