@@ -24,11 +24,19 @@ def loss_fn(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(MODEL.apply(params, x), y).mean()
 
 
-def train_step(state, batch):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-    updates, opt_state = OPT.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+def make_train_step(loss):
+    """The unmodified single-device step of ``loss(params, x, y)``: ``(state, (x, y)) -> (state, loss)``."""
+
+    def train_step(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    return train_step
+
+
+train_step = make_train_step(loss_fn)
 
 
 def init_state(key):
@@ -56,11 +64,7 @@ def lm_loss(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(LM.apply(params, x), y).mean()
 
 
-def lm_train_step(state, batch):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(lm_loss)(params, *batch)
-    updates, opt_state = OPT.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+lm_train_step = make_train_step(lm_loss)
 
 
 def lm_init_state(key):
