@@ -321,6 +321,7 @@ def mesh_strategy(axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple
 
 def make_strategy(name: str, model_parallelism: int = 2) -> jd.Strategy:
     """The strategy called ``name``: ``fsdp_tp`` (FSDP x tensor parallelism), ``fsdp``, ``mirrored``,
+    ``multi_worker`` (data parallel over every process of a cluster: SLURM, ``jaxdist.launch``, ...),
     ``one_device`` or ``tpu``."""
     if name == "fsdp_tp":
         return jd.ShardedStrategy(
@@ -330,6 +331,8 @@ def make_strategy(name: str, model_parallelism: int = 2) -> jd.Strategy:
         return jd.ShardedStrategy()
     if name == "mirrored":
         return jd.MirroredStrategy()
+    if name == "multi_worker":
+        return jd.MultiWorkerMirroredStrategy()  # connects the processes: before any JAX computation
     if name == "tpu":
         return jd.TPUStrategy(steps_per_run=10)
     return jd.OneDeviceStrategy()
@@ -372,7 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=None,
                         help="simulated CPU devices per process (default: 8, or jaxdist.launch's --cpu-devices)")
-    parser.add_argument("--strategy", choices=("fsdp_tp", "fsdp", "mirrored", "one_device", "tpu"), default="fsdp_tp")
+    parser.add_argument("--strategy", choices=("fsdp_tp", "fsdp", "mirrored", "multi_worker", "one_device", "tpu"),
+                        default="fsdp_tp")
     parser.add_argument("--mesh", default=None,
                         help="your own mesh over every device of every process, e.g. data=2,fsdp=2,tensor=2 "
                              "(ShardedStrategy; overrides --strategy)")
@@ -391,6 +395,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
     parser.add_argument("--val-batches", type=int, default=None, help="validate on this many batches (default: all)")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save here every --checkpoint-every steps and resume from here (a restarted or "
+                             "preempted job continues where it stopped)")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--sample-length", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -456,7 +464,8 @@ def main(argv: list[str] | None = None) -> float:
     start = time.perf_counter()
     with strategy.scope():  # traced in the scope: the model's nn.with_logical_constraint use the strategy's rules
         trainer.fit(
-            data_fn, steps=args.steps, log_every=args.log_every, verbose=0, callbacks=[ProgressLines(args.steps)]
+            data_fn, steps=args.steps, log_every=args.log_every, verbose=0, callbacks=[ProgressLines(args.steps)],
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
         )
     seconds = time.perf_counter() - start
     if isinstance(strategy, jd.ShardedStrategy):
@@ -470,7 +479,7 @@ def main(argv: list[str] | None = None) -> float:
     )
     sample = generate(model, trainer.params, vocab, "The ", args.sample_length, seed=args.seed)
     say("sample:", repr(sample))
-    say(f"final val loss: {val_loss:.3f}")
+    say(f"final val loss: {val_loss:.6f}")
     return val_loss
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 import jaxdist as jd
@@ -44,3 +45,16 @@ def assert_variable_layout(strategy: jd.Strategy, tree, what: str = "state") -> 
         if leaf.sharding.device_set != set(strategy.devices) or not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     ]
     assert not wrong, f"{what}: {len(wrong)} of {len(leaves)} arrays not in the strategy's variable layout: {wrong}"
+
+
+FEATURES, CLASSES, BATCH = 8, 4, 32
+
+
+def shuffled_batches(epoch: int) -> list:
+    """4 fixed ``(x, y)`` batches of ``BATCH`` rows, shuffled per epoch with a seed derived from the epoch
+    (deterministic: a resumed run sees the same batches)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * BATCH, FEATURES)).astype(np.float32)
+    y = x[:, :CLASSES].argmax(1).astype(np.int32)
+    order = np.random.default_rng((1, epoch)).permutation(len(x))
+    return [(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)]

@@ -77,3 +77,20 @@ def test_the_compilation_cache_makes_a_second_start_compile_nothing(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"is a file: pass a directory"):
         jd.configure_compilation_cache(tmp_path / "file")
+
+
+@pytest.mark.timeout(150)
+def test_a_process_that_stalls_trips_the_step_watchdog_on_every_process():
+    """Process 1 stalls in a callback after step 3 (alive: its heartbeats go on). Each process's watchdog
+    prints why and every thread's stack and exits 124 within step_timeout + 30 s of the stall."""
+    timeout = 5
+    started = time.monotonic()
+    results = _two(HERE / "multiprocess" / "stall_worker.py", timeout, timeout=120)
+    elapsed = time.monotonic() - started
+    for pid, (code, text) in enumerate(results):
+        assert code == 124, f"process {pid} exited {code}:\n{text[-3000:]}"
+        assert f"no step finished in {timeout} s: a peer may be stuck or dead" in text, text[-3000:]
+        assert "Thread 0x" in text and "most recent call first" in text  # faulthandler's stacks
+        assert "fit returned" not in text
+    assert "stalling" in results[1][1]
+    print(f"both processes exited {elapsed:.1f} s after start (step_timeout {timeout} s)")

@@ -16,11 +16,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from registry import REGISTRY, make
+from registry import CLASSES, FEATURES, REGISTRY, make, shuffled_batches
 
 import jaxdist as jd
 
-FEATURES, CLASSES, BATCH = 8, 4, 32
 STRATEGIES = sorted(REGISTRY)
 
 
@@ -48,14 +47,7 @@ def ce(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def data_fn(epoch):
-    """4 fixed batches, shuffled per epoch with a seed derived from the epoch (deterministic)."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(4 * BATCH, FEATURES)).astype(np.float32)
-    y = x[:, :CLASSES].argmax(1).astype(np.int32)
-    order = np.random.default_rng((1, epoch)).permutation(len(x))
-    return [(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)]
-
+data_fn = shuffled_batches  # 4 fixed batches, shuffled per epoch (deterministic)
 
 SAMPLE = data_fn(0)[0]
 

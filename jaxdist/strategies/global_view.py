@@ -95,7 +95,6 @@ class StrategyFunction:
         self._local = threading.local()
         self._warned = False
         self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
-        self._agreed: set = set()  # signatures whose program every process has fingerprinted (several processes)
         functools.update_wrapper(self, fn)
 
     @property
@@ -112,9 +111,14 @@ class StrategyFunction:
             if any(i in nodes for i in self._donate):
                 donate += (1,)
             jitted = self._jitted[nodes] = jax.jit(
-                self._traced, static_argnums=(0, *(i + shift for i in self._static)), donate_argnums=donate
+                self._traced, static_argnums=self._static_positions, donate_argnums=donate
             )
         return jitted
+
+    @property
+    def _static_positions(self) -> tuple[int, ...]:
+        """Static arguments of the inner function ``(nnx_static, nnx_state, *args)``."""
+        return (0, *(i + 2 for i in self._static))
 
     def _place(self, args: tuple, state: Any) -> tuple[tuple, Any]:
         policy = self._policy
@@ -209,8 +213,6 @@ class StrategyFunction:
         placed, state = self._place(plain, state)
         self._local.args = (placed, state)  # read only if this call traces
         try:
-            if self._policy.spans_processes:
-                self._agree(nodes, graphdef, state, placed)
             out = self._program(nodes)((graphdef, nodes), state, *placed)
         finally:
             self._local.args = None
@@ -220,19 +222,22 @@ class StrategyFunction:
         nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
         return out
 
-    def _agree(self, nodes: tuple, graphdef: Any, state: Any, placed: tuple) -> None:
-        """Before a new program's first step, check that every process compiled the same one (see
-        `jaxdist.strategies.agreement`)."""
-        leaves, treedef = jax.tree.flatten((state, placed))
-        key = (nodes, graphdef, treedef, tuple(
-            (np.shape(x), str(jax.dtypes.result_type(x)), getattr(x, "sharding", None)) if hasattr(x, "shape")
-            else ("static", repr(x)) for x in leaves
-        ))
-        if key in self._agreed:
+    def _agree(self, nnx_static: tuple) -> None:
+        """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
+        here): lower it once more for its fingerprint and check that every process compiled the same one
+        before it runs (see `jaxdist.strategies.agreement`)."""
+        concrete = getattr(self._local, "args", None)
+        if concrete is None or getattr(self._local, "agreeing", False):
             return
-        lowered = self._program(nodes).lower((graphdef, nodes), state, *placed)
+        placed, state = concrete
+        # The same program through a wrapper of its own (JAX refuses to trace a function inside its own trace).
+        twin = jax.jit(lambda *a: self._traced(*a), static_argnums=self._static_positions)
+        self._local.agreeing = True
+        try:
+            lowered = twin.lower(nnx_static, state, *placed)
+        finally:
+            self._local.agreeing = False
         agree(fn_name(self._fn), fingerprint(lowered))
-        self._agreed.add(key)
 
     def lower(self, *args: Any):
         """Lower for these arguments (for inspecting HLO or memory), as ``jax.jit(...).lower``."""
@@ -248,11 +253,14 @@ class StrategyFunction:
     def _traced(self, nnx_static: tuple, state: Any, *args: Any) -> Any:
         policy = self._policy
         graphdef, nodes = nnx_static
+        if policy.spans_processes:
+            self._agree(nnx_static)
         concrete_args, concrete_state = getattr(self._local, "args", None) or (None, None)
         if concrete_args is None:  # traced without concrete values (e.g. jax.eval_shape): layouts unknown
             concrete_args = tuple(None if i in self._static else abstract(a) for i, a in enumerate(args))
             concrete_state = abstract(state)
-        self._programs.note_trace(self._fn, _trace_signature(args, self._static))
+        if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile
+            self._programs.note_trace(self._fn, _trace_signature(args, self._static))
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back, see LayoutPolicy.output_layouts).
         args, state = to_device_memory((args, state))

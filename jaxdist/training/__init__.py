@@ -20,6 +20,7 @@ from jaxdist.training.callbacks import History as History
 from jaxdist.training.callbacks import Progress as Progress
 from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer as Checkpointer
+from jaxdist.training.checkpoint_damage import CheckpointCorruptedError as CheckpointCorruptedError
 from jaxdist.training.compilation_cache import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.cost import StepCost as StepCost
 from jaxdist.training.cost import known_peak_flops as known_peak_flops
@@ -37,6 +38,7 @@ from jaxdist.training.watchdog import Watchdog as Watchdog
 __all__ = [
     "CSVLogger",
     "Callback",
+    "CheckpointCorruptedError",
     "Checkpointer",
     "DataPosition",
     "History",

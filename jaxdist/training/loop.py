@@ -177,9 +177,11 @@ class _Logs:
             self._emit(*entry)
 
     def close(self) -> None:
-        """Stop the watcher thread."""
+        """Stop the watcher thread and wait for it: a thread still inside JAX when the interpreter exits makes
+        the process abort ("terminate called without an active exception", status 134) after a good run."""
         if self._watcher is not None:
             self._watch.put(None)
+            self._watcher.join(timeout=30)
             self._watcher = None
 
     def _emit(self, step: int, names: tuple[str, ...], sums: Any, ready: float) -> None:

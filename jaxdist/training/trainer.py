@@ -401,9 +401,11 @@ class Trainer:
             The restored step.
 
         Raises:
-            FileNotFoundError: when there is no checkpoint.
+            FileNotFoundError: when there is no checkpoint (or none for ``step``, naming the steps there are).
             ValueError: for another model's checkpoint (or one of an nnx model into a linen trainer and vice
                 versa), an optimizer state that does not fit, or no ``batch`` when the state does not exist.
+            CheckpointCorruptedError: when the checkpoint's files are damaged, naming the newest older
+                checkpoint that restores into this trainer (the trainer is left as it was).
         """
         if isinstance(checkpoint_dir, Checkpointer):
             return self._restore(checkpoint_dir, step, batch)
@@ -413,17 +415,25 @@ class Trainer:
         finally:
             ckpt.close()
 
-    def _restore(self, ckpt: Checkpointer, step: int | None, batch: Any) -> int:
-        meta = ckpt.meta(step)
-        if meta.get("model_kind") != self._model.kind:
-            raise ValueError(
-                f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a {meta.get('model_kind')} model, but this "
-                f"Trainer's model is a {self._model.kind} module: pass the {meta.get('model_kind')} model that "
-                "wrote it, or use a fresh checkpoint_dir."
-            )
-        self._state, meta = ckpt.restore(self._restore_target(batch), meta["step"])
-        self._step = int(meta["step"])
-        self.data_position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(self._step))
+    def _restore(self, ckpt: Checkpointer, step: int | None, batch: Any, step_argument: str = "step") -> int:
+        """Restore checkpoint ``step`` (None: the latest) whole (state, step, data position) or not at all."""
+        targets: list[Any] = []  # built once, on the first checkpoint that fits this model
+
+        def read(at: int) -> tuple[Any, int, DataPosition]:
+            meta = ckpt.meta(at)
+            if meta.get("model_kind") != self._model.kind:
+                raise ValueError(
+                    f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a {meta.get('model_kind')} model, but "
+                    f"this Trainer's model is a {self._model.kind} module: pass the {meta.get('model_kind')} model "
+                    "that wrote it, or use a fresh checkpoint_dir."
+                )
+            if not targets:
+                targets.append(self._restore_target(batch))
+            state, meta = ckpt.restore(targets[0], at)
+            position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(at))
+            return state, int(meta["step"]), position
+
+        self._state, self._step, self.data_position = ckpt.read(read, step, step_argument=step_argument)
         self.sync_model()
         return self._step
 
@@ -454,6 +464,8 @@ class Trainer:
         callbacks: Iterable[Callback] = (),
         verbose: str | int = "auto",
         on_preemption: str = "exit",
+        restore_step: int | None = None,
+        step_timeout: float | None = None,
     ) -> History:
         """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
 
@@ -472,7 +484,8 @@ class Trainer:
                 steps and at the end.
             eval_every: steps between evaluations (None: only at the end).
             checkpoint_dir: restore the latest checkpoint from here and save here (every
-                ``checkpoint_every`` steps, at the end, and on preemption). None: no checkpoints.
+                ``checkpoint_every`` steps, at the end, and on preemption). None: no checkpoints. A damaged
+                latest checkpoint is a `CheckpointCorruptedError` naming the newest one that restores.
             checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
             keep_checkpoints: how many recent checkpoints to keep.
             async_checkpoints: write checkpoints in the background: training goes on once the state is
@@ -493,22 +506,41 @@ class Trainer:
                 raises ``SystemExit(0)`` (the job exits cleanly) or ``"return"`` returns the history with
                 ``history.preempted = True``. With several processes a SIGTERM to any one stops them all
                 after the same step (`jaxdist.training.preemption`), and they save together.
-
-        Returns:
+            restore_step: resume from this checkpoint of ``checkpoint_dir`` instead of the latest (e.g. the
+                one before a damaged checkpoint): the run goes back to that step (state, data position), and
+                the checkpoints after it are deleted once it is restored (they belong to the run being
+                replaced; a later resume would otherwise jump back to them).
+            step_timeout: seconds a training step may take; when none finishes in time (the first, which
+                compiles, gets ``max(10 * step_timeout, 600)``), the process writes why and every thread's stack
+                to stderr and exits with status 124 (`jaxdist.training.Watchdog`): a stuck or dead peer ends
+                the job, so the scheduler restarts it from the last complete checkpoint, instead of hanging.
+                Evaluation and checkpoint writes are not watched. None (default): not watched, because only
+                you know how long a step may take; set a few times your slowest step.
             The `History` of logged metrics.
 
         Raises:
             ValueError: for bad arguments, data of the wrong batch structure, batches the replicas do not
-                divide, a non-scalar loss, or a checkpoint_dir holding another model's checkpoint.
+                divide, a non-scalar loss, a checkpoint_dir holding another model's checkpoint, or
+                ``restore_step`` without ``checkpoint_dir``.
+            FileNotFoundError: for a ``restore_step`` that ``checkpoint_dir`` has no checkpoint of (the
+                message names the steps it has).
+            CheckpointCorruptedError: when the checkpoint to resume from is damaged: the message names it,
+                the directory and the newest older checkpoint that restores (delete the damaged one, or pass
+                that step as ``restore_step``).
             SystemExit: after a preemption checkpoint, with ``on_preemption="exit"``.
         """
         if steps is None and epochs is None:
             raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
         check_int(epochs, "epochs", 0)
-        options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every,
-                             checkpoint_every=checkpoint_every, log_every=log_every)  # checks them
+        options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every, checkpoint_every=checkpoint_every,
+                             log_every=log_every, step_timeout=step_timeout)  # checks them
         if on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
+        check_int(restore_step, "restore_step", 0)
+        if restore_step is not None and checkpoint_dir is None:
+            raise ValueError(
+                f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
+            )
         stream = BatchStream(train_data, None, epochs, self._batches, self.strategy)
         sample = None
         if self._state is None:
@@ -516,8 +548,10 @@ class Trainer:
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
         try:
-            if ckpt is not None and (ckpt.latest_step() or 0) > self._step:
-                self._restore(ckpt, None, sample)
+            if restore_step is not None:
+                self._roll_back(ckpt, restore_step, sample)
+            elif ckpt is not None and (ckpt.latest_step() or 0) > self._step:
+                self._restore(ckpt, None, sample, "restore_step")
             if self._state is None:
                 self.init(sample)
             callbacks = list(callbacks)
@@ -535,6 +569,19 @@ class Trainer:
         if history.preempted and on_preemption == "exit":
             raise SystemExit(0)
         return history
+
+    def _roll_back(self, ckpt: Checkpointer, step: int, sample: Any) -> None:
+        """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (another run's: kept,
+        they would be resumed from next time, and a save at one of their steps would be skipped as done)."""
+        steps = ckpt.all_steps()
+        if step not in steps:
+            raise FileNotFoundError(
+                f"restore_step={step}: {ckpt.directory!r} has no checkpoint for step {step}; it has steps {steps}: "
+                "pass one of them, or leave restore_step out to resume from the latest."
+            )
+        self._restore(ckpt, step, sample, "restore_step")
+        for later in steps[steps.index(step) + 1:]:
+            ckpt.delete(later)
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any) -> dict[str, float]:

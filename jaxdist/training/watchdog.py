@@ -10,7 +10,9 @@ thread's Python stack (`faulthandler`) to stderr and ends the process with exit 
 (checkpoints are written atomically: an exit mid-write leaves the previous one intact).
 
 Every process runs its own watchdog: the stuck process trips because its loop stops, its peers because they
-block in the next collective, each ``timeout`` seconds after its own last step.
+block in the next collective, each ``timeout`` seconds after its own last step. Process 0 hosts the job's
+coordination service, whose end kills every peer at once (JAX's "another task died"): when it trips it waits
+``min(timeout, 10)`` seconds more before exiting, so the others' watchdogs write their own stacks first.
 
 ``Trainer.fit(..., step_timeout=S)`` runs one around the training steps (evaluation and checkpoint writes are
 not watched: they take longer than a step). Default: off, because only the user knows how long a step may
@@ -28,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax
 
 __all__ = ["Watchdog"]
 
@@ -150,4 +154,6 @@ class Watchdog:
         print(f"[jaxdist watchdog] {message}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        if jax.process_count() > 1 and jax.process_index() == 0:  # the coordination service's host goes last
+            time.sleep(min(self.timeout, 10.0))
         _exit(self.exit_code)
