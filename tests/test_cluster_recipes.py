@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxdist.strategies.cluster import _ENV
+from jaxdist.strategies.cluster import CLUSTER_VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples" / "cluster"
@@ -204,8 +204,8 @@ def test_the_kubernetes_job_sets_the_cluster_jaxdist_reads():
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
-    address, count, index = _ENV  # jaxdist's names: a rename breaks this test
-    assert set(env) == set(_ENV), sorted(env)
+    address, count, index = CLUSTER_VARIABLES  # jaxdist's names: a rename breaks this test
+    assert set(env) == set(CLUSTER_VARIABLES), sorted(env)
     # An indexed Job whose pods all run at once, one process each.
     processes = int(env[count]["value"])
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == processes > 1

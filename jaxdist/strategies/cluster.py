@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - JAX moved them: no detection beyond JA
     _ClusterEnv = None
 
 __all__ = [
+    "CLUSTER_VARIABLES",
     "check_connected",
     "check_spans_processes",
     "detected_cluster",
@@ -39,7 +40,8 @@ __all__ = [
     "resolve_cluster",
 ]
 
-_ENV = ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
+CLUSTER_VARIABLES = ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
+"""The environment variables that describe a job (what ``python -m jaxdist.launch`` and cluster recipes set)."""
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
@@ -58,11 +60,11 @@ def resolve_cluster(
     given = (coordinator_address, num_processes, process_id)
     source = "keyword arguments"
     if all(v is None for v in given):
-        env = [os.environ.get(k) for k in _ENV]
+        env = [os.environ.get(k) for k in CLUSTER_VARIABLES]
         if all(v is None for v in env):
             return None
         if any(v is None for v in env):
-            missing = [k for k, v in zip(_ENV, env, strict=True) if v is None]
+            missing = [k for k, v in zip(CLUSTER_VARIABLES, env, strict=True) if v is None]
             raise ValueError(f"the cluster environment is incomplete: {', '.join(missing)} not set; set all three.")
         source = "environment"
         try:
