@@ -399,6 +399,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="save here every --checkpoint-every steps and resume from here (a restarted or "
                              "preempted job continues where it stopped)")
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--step-timeout", type=float, default=None,
+                        help="seconds a step may take before the process exits with status 124 (a stuck or dead "
+                             "peer ends the job instead of hanging it; default: not watched)")
+    parser.add_argument("--compilation-cache", default=None,
+                        help="a directory for JAX's persistent compilation cache (a restart loads its programs)")
     parser.add_argument("--sample-length", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -416,6 +421,8 @@ def main(argv: list[str] | None = None) -> float:
     # Simulated devices must be set before JAX starts a backend (importing jax or jaxdist starts none).
     if args.devices is not None or "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", args.devices or 8)
+    if args.compilation_cache:
+        jd.configure_compilation_cache(args.compilation_cache)
     if args.mesh:
         axes = parse_mesh(args.mesh)
         model_axis = args.model_axis or next((a for a in ("tensor", "model") if a in axes), None)
@@ -466,6 +473,7 @@ def main(argv: list[str] | None = None) -> float:
         trainer.fit(
             data_fn, steps=args.steps, log_every=args.log_every, verbose=0, callbacks=[ProgressLines(args.steps)],
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
+            step_timeout=args.step_timeout,
         )
     seconds = time.perf_counter() - start
     if isinstance(strategy, jd.ShardedStrategy):

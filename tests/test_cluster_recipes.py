@@ -127,10 +127,11 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def _one_device(command: list[str]) -> list[str]:
-    """``command`` on one device: ``--strategy one_device``, no mesh."""
+    """``command`` on one device: ``--strategy one_device``, no mesh, and none of the run's own files
+    (checkpoints, compiled programs)."""
     out, words = [], iter(command)
     for word in words:
-        if word in ("--strategy", "--mesh", "--fsdp-axes", "--model-axis"):
+        if word in ("--strategy", "--mesh", "--fsdp-axes", "--model-axis", "--checkpoint-dir", "--compilation-cache"):
             next(words)
         else:
             out.append(word)
@@ -144,7 +145,7 @@ def test_the_batch_script_runs_one_process_per_gpu():
     assert "gpus-per-task" not in options and "ntasks-per-gpu" not in options, options
     assert set(_srun_commands()) == {"multi_worker", "hsdp"}
     nodes, gpus = int(options["nodes"]), int(options["gpus-per-node"])
-    variables = {"SLURM_JOB_NUM_NODES": str(nodes), "SLURM_GPUS_ON_NODE": str(gpus)}
+    variables = {"SLURM_JOB_NUM_NODES": str(nodes), "SLURM_GPUS_ON_NODE": str(gpus), "RUN_DIR": "runs/char-lm"}
     commands = {label: _program(srun, variables) for label, srun in _srun_commands().items()}
     # The two train the same model the same way: the data-parallel one stands for both in the next test.
     assert _one_device(commands["hsdp"]) == _one_device(commands["multi_worker"])
@@ -155,10 +156,13 @@ def test_the_batch_script_runs_one_process_per_gpu():
             assert lm.parse_mesh(args.mesh) == {"data": nodes, "fsdp": gpus} and args.fsdp_axes == "fsdp"
         else:
             assert args.strategy == "multi_worker" and args.mesh is None
+        # a restarted job resumes: checkpoints, compiled programs and a step watchdog
+        assert args.checkpoint_dir.startswith("runs/char-lm/") and args.compilation_cache == "runs/char-lm/jax-cache"
+        assert args.step_timeout and args.step_timeout >= 60
 
 
 @pytest.mark.timeout(300)
-def test_the_slurm_recipe_trains_like_one_device(monkeypatch):
+def test_the_slurm_recipe_trains_like_one_device(monkeypatch, tmp_path):
     """The data-parallel command of the script. (Its HSDP command differs only by --mesh, checked above; the
     mesh across processes is tests/test_sharded_multiprocess.py's.)"""
     from jax._src.clusters import SlurmCluster  # what jax.distributed.initialize will use
@@ -172,7 +176,7 @@ def test_the_slurm_recipe_trains_like_one_device(monkeypatch):
     assert SlurmCluster.is_env_present()
     assert SlurmCluster.get_coordinator_address(None, None) == f"localhost:{port}"
 
-    command = _small(_program(_srun_commands()["multi_worker"], slurm))
+    command = _small(_program(_srun_commands()["multi_worker"], {**slurm, "RUN_DIR": str(tmp_path)}))
     env = _base_env(JAX_NUM_CPU_DEVICES=str(devices), **slurm)  # SLURM's variables, no JAXDIST_*
     procs = [subprocess.Popen(command, cwd=ROOT, env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(nodes)]
@@ -188,6 +192,8 @@ def test_the_slurm_recipe_trains_like_one_device(monkeypatch):
     assert losses[-1] < losses[0] - 0.3  # it learns
     np.testing.assert_allclose(losses, want_losses, atol=1.5e-3)  # printed with 3 decimals
     np.testing.assert_allclose(val_loss, want_val, rtol=1e-4)
+    assert (tmp_path / "multi_worker" / SMALL["--steps"]).is_dir()  # the final checkpoint, for a restart
+    assert any((tmp_path / "jax-cache").iterdir())  # process 0 cached the compiled programs
 
 
 # ------------------------------------------------------------------------------------------ Kubernetes
