@@ -1,13 +1,17 @@
 """A damaged checkpoint: one clear error naming the step, the directory and the newest checkpoint that restores;
 ``fit(restore_step=...)`` resumes from that one; no event-loop noise at exit.
 
-The damage: 16 flipped bytes in the middle of the largest file of ``<step>/state/d/``, the OCDBT root b-tree
-nodes, which tensorstore checks with CRC-32C. (The array chunks themselves, in ``state/ocdbt.process_*/d/``, carry
-no checksum: flipped bytes there restore as wrong values, silently; nothing here can see that.)
+Two kinds of damage, 16 flipped bytes in the middle of the largest file of:
+* ``<step>/state/d/``, the OCDBT root b-tree nodes (and the values of at most 1 KiB stored inline in them), which
+  tensorstore checks with CRC-32C;
+* ``<step>/state/ocdbt.process_*/d/``, the array chunks larger than that, which carry no checksum in orbax's
+  format: they restored as wrong values, silently, until the checksums jaxdist saves in ``meta`` (computed on the
+  devices, compared after each restore). The model is wide enough (128) for some arrays to be stored there.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -25,6 +29,7 @@ import pytest
 from registry import CLASSES, make, shuffled_batches
 
 import jaxdist as jd
+from jaxdist.training.checkpoint_damage import ChecksumMismatchError, checksums
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
-        x = nn.relu(nn.Dense(16)(x))
+        x = nn.relu(nn.Dense(128)(x))  # kernels of 4 and 2 KiB: stored outside the b-tree nodes
         x = nn.Dropout(0.3, deterministic=not train)(x)
         return nn.Dense(CLASSES)(x)
 
@@ -64,6 +69,28 @@ def damage(step_dir: Path) -> None:
     middle = len(data) // 2
     data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
     largest.write_bytes(bytes(data))
+
+
+def damage_data(step_dir: Path) -> None:
+    """Flip 16 bytes in the middle of the largest file of ``step_dir/state/ocdbt.process_*/d`` (array chunks)."""
+    largest = max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    largest.write_bytes(bytes(data))
+
+
+def drop_checksums(step_dir: Path) -> None:
+    """Make ``step_dir`` a checkpoint as written before checksums: its metadata without them."""
+    path = step_dir / "meta" / "metadata"
+    info = json.loads(path.read_text())
+    del info["checksums"]
+    path.write_text(json.dumps(info))
+
+
+def leaves(tree) -> dict[str, bytes]:
+    return {jax.tree_util.keystr(p): a.tobytes() for (p, _), a in
+            zip(jax.tree_util.tree_flatten_with_path(tree)[0], host(tree), strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +186,118 @@ def test_restore_step_that_is_not_there(damaged):
     with pytest.raises(ValueError, match=r"restore_step=-1 must be an int >= 0"):
         trainer().fit(data_fn, steps=30, checkpoint_dir=damaged, restore_step=-1, verbose=0)
     assert jd.training.Checkpointer(damaged).all_steps() == [10, 20]  # nothing deleted
+
+
+@pytest.fixture
+def data_damaged(written, tmp_path):
+    """A copy of ``written`` whose checkpoint 20 has damaged array data, and the leaves that restore wrong from it
+    when nothing checks them (what every restore did before the checksums)."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written, directory)
+    damage_data(directory / "20")
+    unchecked = tmp_path / "unchecked"
+    shutil.copytree(directory, unchecked)
+    drop_checksums(unchecked / "20")
+    like = trainer().init(SAMPLE)
+    intact = leaves(jd.training.Checkpointer(written).restore(like)[0])
+    restored = leaves(jd.training.Checkpointer(unchecked).restore(like)[0])  # no error: silently wrong values
+    wrong = [path for path in intact if restored[path] != intact[path]]
+    assert wrong, "the flipped bytes changed no value: the test damages nothing"
+    return directory, wrong
+
+
+def test_damaged_array_data_is_the_one_error_naming_the_leaf(data_damaged):
+    directory, wrong = data_damaged
+    where = re.escape(str(directory))
+    leaf = re.escape(wrong[0])
+    cause = rf"\(checksum mismatch in {leaf}[^()]*: the array data \(state/ocdbt\.process_\*/d/\) changed\)"
+    ckpt = jd.training.Checkpointer(directory)
+    like = trainer().init(SAMPLE)
+    with pytest.raises(jd.training.CheckpointCorruptedError,
+                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete {where}/20 to resume from "
+                             r"10, or pass step=10\.$") as info:
+        ckpt.restore(like)
+    assert (info.value.step, info.value.intact_step) == (20, 10)
+    mismatch = info.value.__context__
+    assert isinstance(mismatch, ChecksumMismatchError) and list(mismatch.paths) == wrong  # exactly the wrong ones
+    assert pickle.loads(pickle.dumps(mismatch)).paths == mismatch.paths
+    assert ckpt.restore(like, step=10)[1]["step"] == 10
+    ckpt.close()
+
+    fresh = trainer()  # fit's resume says the same, with fit's argument
+    with pytest.raises(jd.training.CheckpointCorruptedError,
+                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete {where}/20 to resume from "
+                             r"10, or pass restore_step=10\.$"):
+        fresh.fit(data_fn, steps=30, checkpoint_dir=directory, verbose=0)
+    assert fresh.state is None and fresh.step == 0
+
+
+def test_a_checkpoint_without_checksums_restores_as_before(written, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written, directory)
+    drop_checksums(directory / "20")
+    like = trainer().init(SAMPLE)
+    state, meta = jd.training.Checkpointer(directory).restore(like)
+    assert "checksums" not in meta and meta["step"] == 20
+    assert leaves(state) == leaves(jd.training.Checkpointer(written).restore(like)[0])
+
+
+@pytest.mark.parametrize("name", ["sharded_8", "one_device"])
+def test_checksums_do_not_depend_on_the_strategy(written, name):
+    """Written under MirroredStrategy (2 devices), restored (and checked) under another: no false alarm."""
+    strategy = jd.ShardedStrategy(min_shard_size=1) if name == "sharded_8" else jd.OneDeviceStrategy()
+    run = trainer(strategy)
+    assert run.restore(written, batch=SAMPLE) == 20
+    if name == "sharded_8":
+        assert any(not a.sharding.is_fully_replicated for a in jax.tree.leaves(run.state))
+    assert checksums(run.state) == jd.training.Checkpointer(written).meta()["checksums"]
+
+
+def test_checksums_depend_on_the_values_only():
+    """The same values give the same checksums in any layout, in device or host memory, and from numpy; a
+    flipped bit changes both sums, two swapped words the position-weighted one."""
+    rng = np.random.default_rng(0)
+    values = {
+        "f32": rng.normal(size=(16, 24)).astype(np.float32),
+        "bf16": rng.normal(size=(8, 4, 2)).astype(jnp.bfloat16),
+        "i8": rng.integers(-100, 100, size=(40,)).astype(np.int8),
+        "u16": rng.integers(0, 60000, size=(8,)).astype(np.uint16),
+        "bool": rng.random((8, 3)) > 0.5,
+        "c64": (rng.normal(size=(8, 2)) + 1j * rng.normal(size=(8, 2))).astype(np.complex64),
+        "scalar": np.ones((), np.float32),
+        "empty": np.zeros((0, 8), np.float32),
+    }
+    expected = checksums(values)  # numpy: summed on the host
+    assert list(expected) == [f"['{k}']" for k in sorted(values)] and expected["['scalar']"] == [0x3F800000] * 2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    P = jax.sharding.PartitionSpec
+    layouts = [jax.devices()[3], *(jax.sharding.NamedSharding(mesh, s) for s in (P(), P("x"), P(None, "y")))]
+    for layout in layouts:
+        def put(a, layout=layout):
+            ok = not isinstance(layout, jax.sharding.NamedSharding) or all(
+                n is None or (i < a.ndim and a.shape[i] % mesh.shape[n] == 0) for i, n in enumerate(layout.spec))
+            return jax.device_put(a, layout if ok else jax.sharding.NamedSharding(mesh, P()))
+        assert checksums(jax.tree.map(put, values)) == expected, layout
+    host_memory = jax.sharding.NamedSharding(mesh, P("x"), memory_kind="pinned_host")
+    assert checksums({"f32": jax.device_put(values["f32"], host_memory)})["['f32']"] == expected["['f32']"]
+    explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mixed = [jax.device_put(values["f32"], s) for s in (jax.devices()[0], jax.sharding.NamedSharding(mesh, P("x")),
+                                                         jax.sharding.NamedSharding(explicit, P(None, "y")))]
+    with jax.set_mesh(explicit):  # an ambient mesh that is not every array's, as inside a strategy's scope
+        assert checksums(mixed) == {f"[{i}]": expected["['f32']"] for i in range(3)}
+    keys = jax.random.split(jax.random.key(1), 8)
+    spread = jax.device_put(keys, jax.sharding.NamedSharding(mesh, P(("x", "y"))))
+    assert checksums([keys]) == checksums([spread]) == checksums([np.asarray(jax.random.key_data(keys))])
+
+    words = np.arange(10, dtype=np.uint32)
+    flipped, swapped = words.copy(), words.copy()
+    flipped[4] ^= 1 << 7
+    swapped[[2, 5]] = swapped[[5, 2]]
+    (a, b), (fa, fb), (sa, sb) = (checksums([jnp.asarray(w)])["[0]"] for w in (words, flipped, swapped))
+    assert fa != a and fb != b and sa == a and sb != b
+    assert checksums({"w": jnp.zeros(4, jnp.int4)}) == {}  # sub-byte types: none (not checked)
+    assert str(ChecksumMismatchError([".a"])).startswith("checksum mismatch in .a: ")
+    assert str(ChecksumMismatchError([".a", ".b"])).startswith("checksum mismatch in .a and .b: ")
 
 
 @pytest.mark.timeout(120)

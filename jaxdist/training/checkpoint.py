@@ -2,8 +2,8 @@
 
 A checkpoint is one orbax step directory with two items: ``state`` (the arrays, written by orbax's
 `PyTreeCheckpointHandler` from global `jax.Array`s, so the files do not depend on how many devices held
-them) and ``meta`` (JSON: the step, the data position, the model kind, and a fingerprint of the state's tree
-paths, shapes and dtypes).
+them) and ``meta`` (JSON: the step, the data position, the model kind, a fingerprint of the state's tree
+paths, shapes and dtypes, and each leaf's checksums).
 
 * Any strategy: `Checkpointer.restore` takes the state it should look like, in the NEW strategy's layout
   (what ``strategy.create_variables`` built), and asks orbax for arrays with exactly those shardings, so a
@@ -17,6 +17,10 @@ paths, shapes and dtypes).
 * Damaged: a checkpoint whose files cannot be read (flipped or missing bytes, caught by tensorstore's
   checksums) is one `CheckpointCorruptedError` naming its step, the directory and the newest older checkpoint
   that actually restores (each tried, newest first, with the same target: `Checkpointer.read`), and the fix.
+  The array data has no checksum in orbax's files, so ``save`` computes two sums per leaf on the devices
+  (`checkpoint_damage.checksums`, layout-independent) into ``meta``, and ``restore`` recomputes them on the
+  restored arrays: a leaf whose bytes changed is the same error, naming the leaf. Checkpoints written
+  without checksums restore unchecked.
 * Asynchronous (``async_save=True``, the default): ``save`` returns once the arrays are copied to host memory
   (the devices are free to go on; a step that donates the state cannot touch the copy) and the files are
   written and renamed into place by a background thread. At most one save is in flight: the next ``save``
@@ -44,8 +48,10 @@ from jaxdist.training.checkpoint_damage import (
     CheckpointCorruptedError,
     SettlingArrayHandler,
     UnsearchedDamage,
+    checksums,
     damage_summary,
     is_damage,
+    verify_checksums,
 )
 
 __all__ = ["Checkpointer", "fingerprint"]
@@ -182,6 +188,8 @@ class Checkpointer:
 
         With ``async_save`` it returns once the arrays are copied to host memory; the files are written in the
         background (the state may be changed or donated meanwhile). It first waits for the save in flight.
+        Each leaf's checksums (`checkpoint_damage.checksums`, computed on the devices before that copy) go into
+        the metadata: `restore` compares them with the restored arrays.
 
         Returns:
             The checkpoint's directory (complete once `poll` reports it, or after `wait_until_finished`).
@@ -206,6 +214,8 @@ class Checkpointer:
             raise TypeError(
                 f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass JSON values."
             ) from None
+        # Before the copy to host (and any donation after this call); while the save in flight, if any, is written.
+        info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -444,8 +454,9 @@ class Checkpointer:
             FileNotFoundError: when there is no such checkpoint.
             ValueError: when it was not written by jaxdist.training or does not fit ``like`` (the message
                 names the differing leaves).
-            CheckpointCorruptedError: when its files are damaged, naming the newest older checkpoint that
-                restores into ``like`` (see `read`).
+            CheckpointCorruptedError: when its files are damaged, or a restored leaf does not match the checksums
+                saved with it (naming the leaf), naming the newest older checkpoint that restores into ``like``
+                (see `read`).
         """
         return self.read(lambda s: self._restore(like, s), step)
 
@@ -457,6 +468,7 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(target, restore_args=restore_args))
         try:
             restored = self._manager.restore(step, args=args)["state"]
+            verify_checksums(info.get("checksums"), restored)  # none in checkpoints written before them
         except Exception as error:
             if is_damage(error):
                 raise self._damaged(step, error) from error

@@ -5,28 +5,49 @@ files; a file can be missing) fails a read with tensorstore's status and a long 
 one `CheckpointCorruptedError` naming the step, the directory and the newest older checkpoint that restores,
 with the fix; `jaxdist.training.checkpoint.Checkpointer.read` does the search. Failures that are not damage
 (memory, network) pass through unchanged.
+
+The array data itself (``state/ocdbt.process_*/d/``) carries no checksum in orbax's format: flipped bytes there
+restore as wrong values without an error. `checksums` closes that gap: two sums per leaf, computed on the
+devices at save time (stored in the checkpoint's metadata) and again on the restored arrays, where a
+difference is a `ChecksumMismatchError` (which `is_damage` recognises).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-__all__ = ["CheckpointCorruptedError", "SettlingArrayHandler", "UnsearchedDamage", "damage_summary", "is_damage"]
+from jaxdist.strategies.offload import to_device_memory
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "ChecksumMismatchError",
+    "SettlingArrayHandler",
+    "UnsearchedDamage",
+    "checksums",
+    "damage_summary",
+    "is_damage",
+    "verify_checksums",
+]
 
 # tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory, network, ...).
 _DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT", "FAILED_PRECONDITION"})
 
 
 class CheckpointCorruptedError(RuntimeError):
-    """A checkpoint whose files cannot be read (damaged, truncated or partly deleted), with the way out.
+    """A checkpoint whose files cannot be read (damaged, truncated or partly deleted), or whose restored arrays do
+    not match the checksums saved with them (`ChecksumMismatchError`), with the way out.
 
     Raised by `Checkpointer.restore`, `Checkpointer.meta`, `Checkpointer.data_iterator_state` (all through
     `Checkpointer.read`), ``Trainer.restore`` and ``Trainer.fit``'s resume. The message names the step, the
@@ -101,7 +122,8 @@ class UnsearchedDamage(CheckpointCorruptedError):
 
 def is_damage(error: BaseException) -> bool:
     """Whether ``error`` (from reading a checkpoint that passed the fingerprint check) means damaged files."""
-    if isinstance(error, (FileNotFoundError, EOFError, UnicodeDecodeError, json.JSONDecodeError)):
+    if isinstance(error, (FileNotFoundError, EOFError, UnicodeDecodeError, json.JSONDecodeError,
+                          ChecksumMismatchError)):
         return True
     code = re.match(r"([A-Z_]+): ", str(error))
     return code is not None and code.group(1) in _DAMAGE_CODES
@@ -110,6 +132,8 @@ def is_damage(error: BaseException) -> bool:
 def damage_summary(error: BaseException, step_dir: str) -> str:
     """One short line for ``error``: tensorstore's status, the damaged file (relative to the step directory) and
     its cause, without the JSON specs (about 2 KB) and the chain of drivers that opened it."""
+    if isinstance(error, ChecksumMismatchError):
+        return str(error)
     text = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0]
     code = re.match(r"([A-Z_]+): ", text)
     files = list(re.finditer(r'local file "([^"]+)"', text))
@@ -121,6 +145,168 @@ def damage_summary(error: BaseException, step_dir: str) -> str:
         text = f"{type(error).__name__}: {text}"
     text = re.sub(r'Error opening "\w+" driver: ', "", text)
     return text if len(text) <= 240 else text[:237] + "..."
+
+
+class ChecksumMismatchError(ValueError):
+    """Restored arrays whose `checksums` differ from those saved with them: the checkpoint's array data is damaged.
+
+    `jaxdist.training.checkpoint.Checkpointer.restore` turns it into a `CheckpointCorruptedError`.
+
+    Args:
+        paths: the mismatching leaves' paths (``jax.tree_util.keystr``), in tree order.
+
+    Example:
+        >>> print(ChecksumMismatchError([".params['w']", ".params['b']", ".step"]))
+        checksum mismatch in .params['w'] and 2 more leaves: the array data (state/ocdbt.process_*/d/) changed
+    """
+
+    def __init__(self, paths: Sequence[str]):
+        self.paths = tuple(paths)
+        rest = len(self.paths) - 1
+        more = "" if not rest else f" and {self.paths[1]}" if rest == 1 else f" and {rest} more leaves"
+        where = "the array data (state/ocdbt.process_*/d/) changed"
+        super().__init__(f"checksum mismatch in {self.paths[0]}{more}: {where}")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.paths,)
+
+
+# Checksums: per leaf, the array's bytes as unsigned words of its item size (8, 16 or 32 bits; 64-bit items as
+# two 32-bit words, low first; complex as real then imaginary; bool as a byte; a PRNG key array as its key data),
+# each widened to uint32, and two sums modulo 2**32 in C order: of the words, and of word * (flat index + 1), so
+# that swapped or moved words are caught too. Both are sums, so the order XLA reduces in (any sharding, device or
+# process count) does not change them: the same values give the same checksums under every strategy.
+_MASK = 0xFFFFFFFF
+
+
+def _checked(dtype: Any) -> bool:
+    """Whether leaves of ``dtype`` get a checksum (numbers, bools, PRNG keys; not sub-byte types such as int4)."""
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+        return False
+    return jax.dtypes.itemsize_bits(dtype) in (8, 16, 32, 64, 128)
+
+
+def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
+    """A layout for a leaf of ``shape`` laid out as ``sharding`` that also splits it over the mesh axes it is
+    replicated on (where a dimension divides), or None. Without it every replica of a mirrored array sums all of
+    it (8 times the work on 8 devices); moving to a finer split of what a device holds is a local slice."""
+    if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto for t in sharding.mesh.axis_types):
+        return None  # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
+    mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    names = [[] if e is None else list(e) if isinstance(e, tuple) else [e] for e in spec]
+    used = {a for axes in names for a in axes}
+    free = sorted((a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1), key=lambda a: -mesh.shape[a])
+    split = False
+    for axis in free:
+        for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+            if shape[dim] % (int(np.prod([mesh.shape[a] for a in names[dim]])) * mesh.shape[axis]) == 0:
+                names[dim].append(axis)
+                split = True
+                break
+    if not split:
+        return None
+    return NamedSharding(mesh, PartitionSpec(*(tuple(axes) if axes else None for axes in names)))
+
+
+def _device_sums(x: jax.Array, spread: NamedSharding | None) -> jax.Array:
+    """``[sum, weighted sum]`` (uint32) of the traced array ``x``, summed in the layout ``spread`` if given."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    bits = jax.dtypes.itemsize_bits(x.dtype)
+    words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{min(bits, 32)}"))
+    if spread is not None:  # trailing word dimensions (64-bit items, key data) stay whole
+        words = jax.lax.with_sharding_constraint(words, spread)
+    words = words.astype(jnp.uint32)
+    # The flat C-order index from one iota per axis (not a reshape, which would gather a sharded array).
+    index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+        index += jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & _MASK)
+        stride *= words.shape[axis]
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (index + 1), dtype=jnp.uint32)])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _device_program(leaves: list[jax.Array], spread: tuple[NamedSharding | None, ...]) -> jax.Array:
+    """``uint32[len(leaves), 2]``: every leaf's sums, in ONE program; the result is replicated (a full
+    reduction), so each process can read it however the leaves are laid out across processes."""
+    return jnp.stack([_device_sums(x, s) for x, s in zip(to_device_memory(leaves), spread, strict=True)])
+
+
+def _host_sums(x: np.ndarray) -> list[int]:
+    """The same two sums, in numpy, for a leaf that is not a `jax.Array`."""
+    x = np.asarray(x)
+    if np.iscomplexobj(x):
+        x = np.stack([x.real, x.imag], axis=-1)
+    bits = x.dtype.itemsize * 8
+    words = np.ascontiguousarray(x).reshape(-1).view(f"uint{min(bits, 32)}").astype(np.uint64)
+    weights = (np.arange(1, words.size + 1, dtype=np.uint64)) & _MASK
+    return [int(words.sum(dtype=np.uint64)) & _MASK, int((words * weights).sum(dtype=np.uint64)) & _MASK]
+
+
+def checksums(tree: Any) -> dict[str, list[int]]:
+    """``{path: [sum, weighted_sum]}`` for every leaf of ``tree``, keyed like `fingerprint`'s paths.
+
+    Computed on the devices holding the arrays: one jitted program per mesh (one for a strategy's state; single-
+    device arrays: per device), compiled once per tree signature, reading each array once (a replicated array
+    is split between its replicas); only ``2 * leaves`` words come back. Any ambient mesh (``jax.set_mesh``,
+    ``strategy.scope()``) is ignored: the arrays' own shardings decide.
+    Independent of layout: the same values give the same checksums on any strategy, device or process count
+    (every process must call it, as for a save). Leaves of sub-byte types (int4, ...) get none.
+
+    Args:
+        tree: a pytree of `jax.Array`s (any sharding, device or host memory) or numpy arrays.
+
+    Returns:
+        A JSON-serializable dict.
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> checksums({"w": jnp.arange(3, dtype=jnp.uint32)}) == checksums({"w": np.arange(3, dtype=np.uint32)})
+        True
+        >>> checksums({"w": np.arange(3, dtype=np.uint32)})  # 0+1+2, 0*1+1*2+2*3
+        {"['w']": [3, 8]}
+    """
+    leaves = [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    out: dict[str, list[int]] = {}
+    groups: dict[Any, list[tuple[str, jax.Array]]] = {}  # one program sees one mesh (or one set of devices)
+    for path, x in leaves:
+        if not _checked(x.dtype):
+            continue
+        if isinstance(x, jax.Array):
+            mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else frozenset(x.sharding.device_set)
+            groups.setdefault(mesh, []).append((path, x))
+        else:
+            out[path] = _host_sums(x)
+    for group in groups.values():
+        spread = tuple(_spread(x.sharding, x.shape) for _, x in group)
+        with jax.set_mesh(None):  # a context mesh would have to match every array's
+            sums = np.asarray(_device_program([x for _, x in group], spread))
+        out.update((path, [int(a), int(b)]) for (path, _), (a, b) in zip(group, sums, strict=True))
+    return {path: out[path] for path, _ in leaves if path in out}  # tree order
+
+
+def verify_checksums(saved: Mapping[str, Sequence[int]] | None, tree: Any) -> None:
+    """Raise `ChecksumMismatchError` when a leaf of ``tree`` (just restored) differs from its ``saved`` checksum.
+
+    Args:
+        saved: the `checksums` stored at save time (None: a checkpoint written without them, not checked).
+        tree: the restored state.
+
+    Raises:
+        ChecksumMismatchError: naming the leaves that differ.
+    """
+    if saved is None:
+        return
+    here = checksums(tree)
+    bad = [path for path, sums in here.items() if path in saved and list(saved[path]) != sums]
+    if bad:
+        raise ChecksumMismatchError(bad)
 
 
 async def _settle(before: set[asyncio.Task]) -> None:
