@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -58,3 +59,14 @@ def shuffled_batches(epoch: int) -> list:
     y = x[:, :CLASSES].argmax(1).astype(np.int32)
     order = np.random.default_rng((1, epoch)).permutation(len(x))
     return [(x[order[i : i + BATCH]], y[order[i : i + BATCH]]) for i in range(0, len(x), BATCH)]
+
+
+def host_leaves(tree) -> list:
+    """Every leaf of ``tree`` as a host numpy array (rng keys as their key data), for bitwise comparisons."""
+
+    def one(a):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a = jax.random.key_data(a)
+        return np.asarray(jax.device_get(a))
+
+    return [one(a) for a in jax.tree.leaves(tree)]

@@ -94,3 +94,47 @@ def test_a_process_that_stalls_trips_the_step_watchdog_on_every_process():
         assert "fit returned" not in text
     assert "stalling" in results[1][1]
     print(f"both processes exited {elapsed:.1f} s after start (step_timeout {timeout} s)")
+
+
+def test_watchdog_and_step_timeout_arguments_are_checked():
+    from jaxdist.training.loop import FitOptions
+
+    with pytest.raises(ValueError, match=r"timeout=0 must be a number of seconds > 0"):
+        jd.training.Watchdog(0)
+    with pytest.raises(ValueError, match=r"first_timeout='x' must be a number of seconds > 0"):
+        jd.training.Watchdog(1, first_timeout="x")
+    with pytest.raises(ValueError, match=r"exit_code=0 must be a non-zero int"):
+        jd.training.Watchdog(1, exit_code=0)
+    with pytest.raises(ValueError, match=r"step_timeout=-1 must be a number of seconds > 0, or None"):
+        FitOptions(steps=1, step_timeout=-1)
+    dog = jd.training.Watchdog(5)
+    assert dog.first_timeout == 600.0  # the first step (compilation) gets its own allowance
+
+
+def test_program_agreement_names_a_peer_that_never_arrives(monkeypatch):
+    """The coordination service's get times out: the error names the missing process, never a wait."""
+    from jaxdist.strategies import agreement
+
+    class Client:
+        def __init__(self):
+            self.store = {}
+
+        def key_value_set(self, key, value):
+            self.store[key] = value
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            if key not in self.store:
+                raise RuntimeError("DEADLINE_EXCEEDED: timed out")
+            return self.store[key]
+
+    client = Client()
+    monkeypatch.setattr(agreement.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(agreement.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(agreement._distributed.global_state, "client", client)
+    with pytest.raises(agreement.ProgramMismatchError, match=r"process 1 did not reach program \d+ \('step'\) "
+                                                             r"within 1 s: it is stuck, dead, or running another"):
+        agreement.agree("step", "ab" * 32, timeout=1)
+    n = int(next(iter(client.store)).split("/")[2]) + 1
+    client.store[f"jaxdist/program/{n}/1"] = "cd" * 32 + " step"  # process 1 arrives first with another one
+    with pytest.raises(agreement.ProgramMismatchError, match=r"process\(es\) \[1\] differ from process 0"):
+        agreement.agree("step", "ab" * 32, timeout=1)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import CLASSES, make, shuffled_batches
+from registry import CLASSES, host_leaves, make, shuffled_batches
 
 import jaxdist as jd
 from jaxdist.training.checkpoint_damage import ChecksumMismatchError, checksums
@@ -51,15 +51,6 @@ def trainer(strategy=None):
     loss = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean()  # noqa: E731
     return jd.training.Trainer(strategy or make("mirrored_2"), MLP(), optax.adam(1e-2), loss,
                                train_kwargs={"train": True}, seed=3)
-
-
-def host(tree):
-    def one(a):
-        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a = jax.random.key_data(a)
-        return np.asarray(jax.device_get(a))
-
-    return [one(a) for a in jax.tree.leaves(tree)]
 
 
 def damage(step_dir: Path) -> None:
@@ -90,7 +81,7 @@ def drop_checksums(step_dir: Path) -> None:
 
 def leaves(tree) -> dict[str, bytes]:
     return {jax.tree_util.keystr(p): a.tobytes() for (p, _), a in
-            zip(jax.tree_util.tree_flatten_with_path(tree)[0], host(tree), strict=True)}
+            zip(jax.tree_util.tree_flatten_with_path(tree)[0], host_leaves(tree), strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +158,7 @@ def test_fit_restore_step_resumes_there_and_ends_as_an_uninterrupted_run(damaged
     history = resumed.fit(data_fn, steps=30, checkpoint_dir=damaged, checkpoint_every=10, restore_step=10,
                           verbose=0)
     assert resumed.step == 30 and resumed.data_position == straight.data_position
-    for a, b in zip(host(resumed.state), host(straight.state), strict=True):
+    for a, b in zip(host_leaves(resumed.state), host_leaves(straight.state), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     # the damaged 20 was deleted once 10 was restored, and written again by this run
     assert [os.path.basename(p) for p in history.checkpoints] == ["20", "30"]

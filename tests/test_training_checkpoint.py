@@ -16,7 +16,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from registry import CLASSES, FEATURES, REGISTRY, make, shuffled_batches
+from registry import CLASSES, FEATURES, REGISTRY, host_leaves, make, shuffled_batches
 
 import jaxdist as jd
 
@@ -61,17 +61,8 @@ def nnx_trainer(strategy):
     return jd.training.Trainer(strategy, NnxDropoutMLP(nnx.Rngs(5)), optax.adam(1e-2), ce)
 
 
-def host(tree):
-    def one(a):
-        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a = jax.random.key_data(a)
-        return np.asarray(jax.device_get(a))
-
-    return [one(a) for a in jax.tree.leaves(tree)]
-
-
 def assert_bitwise(a, b):
-    for x, y in zip(host(a), host(b), strict=True):
+    for x, y in zip(host_leaves(a), host_leaves(b), strict=True):
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
@@ -115,7 +106,7 @@ def test_restore_nnx_across_strategies_and_continue(writer, reader, tmp_path):
     straight = nnx_trainer(make(reader))
     straight.fit(data_fn, steps=6, verbose=0)
     assert resumed.step == 6
-    for a, b in zip(host(resumed.state), host(straight.state), strict=True):
+    for a, b in zip(host_leaves(resumed.state), host_leaves(straight.state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # the user's nnx module holds the trained values
     np.testing.assert_array_equal(np.asarray(resumed.model.out.kernel[...]),

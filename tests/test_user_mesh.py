@@ -215,3 +215,23 @@ def test_the_short_form_policy_keeps_a_model_axis_for_mirrored_variables():
     policy = jd.LayoutPolicy(jax.devices()[:8], 2)  # mirrored, on (replica, model) = (4, 2)
     assert dict(policy.mesh.shape) == {"replica": 4, "model": 2} and policy.num_replicas == 4
     assert policy.variable_layout("w", jax.ShapeDtypeStruct((8, 4), "float32")).spec == PartitionSpec()
+
+
+def test_policy_and_strategy_argument_errors_name_the_fix():
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    with pytest.raises(ValueError, match=r"batch_axes=\('data',\) / fsdp_axes=None name axes of a mesh: pass mesh="):
+        jd.LayoutPolicy(jax.devices()[:8], batch_axes=("data",))
+    with pytest.raises(ValueError, match=r"LayoutPolicy needs devices= or mesh="):
+        jd.LayoutPolicy()
+    with pytest.raises(ValueError, match=r"mesh= and devices= / model_parallelism=1 both given"):
+        jd.LayoutPolicy(jax.devices()[:8], mesh=mesh)
+    with pytest.raises(ValueError, match=r"batch_axes=\(\) is empty"):
+        jd.LayoutPolicy(mesh=mesh, batch_axes=(), split_variables=True)
+    with pytest.raises(ValueError, match=r"fsdp_axes='fsdp': a mirroring strategy keeps variables whole"):
+        jd.LayoutPolicy(mesh=mesh, fsdp_axes="fsdp")
+    with pytest.raises(ValueError, match=r"batch_axes=3 must be a mesh axis name or a sequence of them"):
+        jd.LayoutPolicy(mesh=mesh, batch_axes=3, split_variables=True)
+    with pytest.raises(ValueError, match=r"MirroredStrategy got both devices= and mesh="):
+        jd.MirroredStrategy(devices=jax.devices(), mesh=mesh)
+    with pytest.raises(ValueError, match=r"TPUStrategy got mesh= with devices= / num_cores="):
+        jd.TPUStrategy(mesh=mesh, num_cores=4)

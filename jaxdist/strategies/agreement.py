@@ -34,7 +34,15 @@ _lock = threading.Lock()
 
 
 class ProgramMismatchError(RuntimeError):
-    """The processes of a job compiled different programs for the same step (or one never reached it)."""
+    """The processes of a job compiled different programs for the same step (or one never reached it).
+
+    Raised on every process, before the program runs; the message names the processes and what to check.
+
+    Example:
+        >>> import jaxdist as jd
+        >>> issubclass(jd.strategies.ProgramMismatchError, RuntimeError)
+        True
+    """
 
 
 def fingerprint(lowered: Any) -> str:

@@ -82,6 +82,15 @@ class IdleAxisWarning(UserWarning):
     A batch is whole along a model axis, so unless model code splits activations over it
     (``nn.with_logical_constraint``), its devices compute the same thing: map a logical name to it in
     ``logical_axis_rules``, name it in a layout rule or ``nn.with_partitioning``, or make it a batch axis.
+
+    Example:
+        >>> import warnings, jax, jax.numpy as jnp, jaxdist as jd
+        >>> s = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data")
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = s.create_variables(lambda: {"w": jnp.zeros((8, 8))})
+        >>> [type(w.message).__name__ for w in caught]
+        ['IdleAxisWarning']
     """
 
 
