@@ -61,6 +61,8 @@ _T = TypeVar("_T")
 # Set inside `Checkpointer.read`: a read nested in another (``meta`` inside ``restore``) leaves the search for an
 # intact checkpoint to the outermost one, which knows everything the caller needs to read.
 _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpoint_read", default=False)
+
+
 def fingerprint(tree: Any) -> list[list]:
     """``[[path, shape, dtype], ...]`` for every leaf of ``tree``: what must match for a restore to fit.
 
