@@ -129,6 +129,11 @@ STEPPERS: dict[str, StepperDef] = {
         ),
         StepperDef("trainer.fit", "training.Trainer.fit (host numpy)", lambda p, d: runners.TrainerFit(d.mirrored, p)),
         StepperDef(
+            "trainer.fit+device",
+            "training.Trainer.fit (device-resident batches)",
+            lambda p, d: runners.TrainerFit(d.mirrored, p, feed="device"),
+        ),
+        StepperDef(
             "mirrored.jit+host_metric",
             "Mirrored strategy.jit, accuracy in outside_compilation",
             lambda p, d: runners.HostMetricJit(d.mirrored, p, host=True),
@@ -287,6 +292,15 @@ COMPARISONS: tuple[Comparison, ...] = (
         "trainer.fit",
         "mirrored.jit+dataset",
         0.97,
+        pairs_factor=2,
+    ),
+    # The Trainer's P2: its batch path (check, place, read ahead) against batches it need not move.
+    Comparison(
+        "trainer-P2",
+        "training.Trainer.fit on host numpy vs on device-resident batches",
+        "trainer.fit",
+        "trainer.fit+device",
+        0.95,
         pairs_factor=2,
     ),
     Comparison(

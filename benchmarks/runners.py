@@ -370,7 +370,8 @@ class StepsPerRun:
 
 
 class TrainerFit:
-    """``jd.training.Trainer.fit`` on the problem's host numpy batches, with its defaults (``verbose=0``).
+    """``jd.training.Trainer.fit`` on the problem's host numpy batches (``feed="host"``) or on the same batches
+    placed once up front (``feed="device"``), with its defaults (``verbose=0``).
 
     Each `run` is one ``fit`` call that trains ``steps`` more steps (at least `FIT_MIN_BLOCK_SECONDS`;
     ``fit(steps=...)`` counts the total), so its per-call cost (data stream, prefetch thread, callbacks, log
@@ -384,12 +385,17 @@ class TrainerFit:
     min_block_steps = 1
     min_block_seconds = FIT_MIN_BLOCK_SECONDS
 
-    def __init__(self, strategy: jd.Strategy, problem: Problem):
+    def __init__(self, strategy: jd.Strategy, problem: Problem, feed: str = "host"):
         trainer_cls = getattr(getattr(jd, "training", None), "Trainer", None)
         if trainer_cls is None:
             raise Unavailable("jaxdist.training.Trainer has not landed")
         self._trainer = trainer_cls(strategy, problem.model, problem.optimizer, problem.loss_of_logits)
-        self._data = list(problem.host_batches)
+        if feed == "host":
+            self._data = list(problem.host_batches)
+        elif feed == "device":  # placed once, up front: the Trainer's batch path moves nothing
+            self._data = [strategy.experimental_distribute_values(b) for b in problem.host_batches]
+        else:
+            raise ValueError(f"feed={feed!r} must be 'host' or 'device'.")
 
     def run(self, steps: int) -> None:
         """Train ``steps`` more steps and wait for the state."""

@@ -235,6 +235,7 @@ def test_rare_error_paths(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'jaxdist\[grain\]'"):
         save_args(IteratorSnapshot({"next_index": 1}))  # what Checkpointer.save(..., data_iterator=) calls
 
-    monkeypatch.setattr(jax, "process_count", lambda: 2)  # per-process batches need a strategy to be placed
-    with pytest.raises(ValueError, match=r"BatchStream\(strategy=None\) cannot place per-process .* on 2 processes"):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # per-process batches need a feed to be placed
+    with pytest.raises(ValueError, match=r"BatchStream\(check=None\) cannot place per-process .* on 2 processes: "
+                                         r"pass check= a jaxdist\.training\.feed\.BatchFeed"):
         next(iter(BatchStream(examples().batch(8))))

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.strategies.input import DistributedIterator, place_batch
+from jaxdist.strategies.input import DistributedIterator
 
 __all__ = [
     "BatchChecker",
@@ -249,7 +249,10 @@ class BatchChecker:
     """Brings each training batch to ``(x, y)`` on the host and checks it: structure, divisibility, shapes.
 
     The first batch fixes the signature (one compiled step); a later batch with other shapes is an error that
-    names the fix, never a silent recompile. Called from the prefetch thread and from ``train_on_batch``.
+    names the fix, never a silent recompile. This is the one check a training batch gets: the trainer's
+    `jaxdist.training.feed.BatchFeed` runs it once per batch, at the stream boundary, and what passes it is
+    not checked again. On the first batch it also checks that every leaf has axis 0 (the rows), that they
+    agree on it, and that ``replicas`` x ``grad_accum_steps`` divide it (later batches have the same shapes).
 
     Args:
         replicas: the strategy's ``num_replicas_in_sync``.
@@ -257,8 +260,9 @@ class BatchChecker:
         input_key / target_key: the dict keys of the inputs and targets (see `split_batch`).
 
     Raises:
-        ValueError: (when called) for a batch of the wrong structure, an indivisible first batch, or a batch
-            whose shapes differ from the first one's.
+        ValueError: (when called) for a batch of the wrong structure, a first batch with a scalar leaf, leaves
+            with different rows, or rows that ``replicas`` x ``grad_accum_steps`` do not divide (naming the
+            rows, the replicas and a batch size that works), or a batch whose shapes differ from the first one's.
 
     Examples:
         >>> import numpy as np
@@ -310,9 +314,8 @@ class BatchChecker:
                 sig[0],
                 tuple(((shape[0] * processes, *shape[1:]) if shape else shape, dtype) for shape, dtype in sig[1]),
             )
-        if self._signature is None:
-            leaves = jax.tree.leaves(pair)
-            rows = np.shape(leaves[0])[0] if leaves and np.shape(leaves[0]) else 0
+        if self._signature is None:  # later batches have its signature, so they pass these checks too
+            rows = _common_rows(pair, where)
             need = self.replicas * self.grad_accum_steps
             if rows * processes % need:
                 got = (
@@ -336,29 +339,62 @@ class BatchChecker:
         return pair
 
 
+def _common_rows(pair: Any, where: str) -> int:
+    """The rows (axis 0) that every leaf of ``pair`` has: what the replicas split.
+
+    Raises:
+        ValueError: for a leaf without axis 0, or leaves that disagree on it, naming the leaves.
+    """
+    paths = jax.tree_util.tree_flatten_with_path(pair)[0]
+    if not paths:
+        raise ValueError(f"{where} holds no arrays: yield (x, y) with arrays whose axis 0 is the batch.")
+    first_path, first = paths[0]
+    for path, leaf in paths:
+        if not np.shape(leaf):
+            raise ValueError(
+                f"{where} leaf {_name(path)} is a scalar: every leaf of a training batch needs a batch axis 0 to "
+                "split over the replicas (pass constants to the model or the loss instead)."
+            )
+        if np.shape(leaf)[0] != np.shape(first)[0]:
+            raise ValueError(
+                f"{where} leaf {_name(path)} has {np.shape(leaf)[0]} rows but leaf {_name(first_path)} has "
+                f"{np.shape(first)[0]}: axis 0 of every leaf is the batch (the rows the replicas split), so they "
+                "must agree; move an array that is not per example out of the batch."
+            )
+    return int(np.shape(first)[0])
+
+
+def _name(path: tuple) -> str:
+    """A leaf of the pair ``(x, y)``, named as the user wrote it: ``x['image']``, ``y``."""
+    rest = jax.tree_util.keystr(path[1:])
+    return ("x" if path[0].idx == 0 else "y") + rest
+
+
 class BatchStream:
     """The training batches from a position on, across epochs; maps a consumed count back to a position.
 
     A grain source (a ``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader``, given as it is or
     returned by a ``data_fn(epoch)``) is PER-PROCESS input, as grain pipelines are: on several processes each
-    reads its own share of every global batch (e.g. ``grain.sharding.ShardByJaxProcess``), and the stream
-    yields the global batch, placed (`jaxdist.strategies.input.place_batch` with ``process_local=True``). Its
-    iterator's state is recorded after every batch, so `position` carries it (`DataPosition.state`) and a
-    stream started from such a position restores it instead of re-reading the batches before it.
+    reads its own share of every global batch (e.g. ``grain.sharding.ShardByJaxProcess``), and ``check``
+    gets the process count, to check (and place: `jaxdist.training.feed.BatchFeed`) the global batch those
+    shares form. Its iterator's state is recorded after every batch, so `position` carries it
+    (`DataPosition.state`) and a stream started from such a position restores it instead of re-reading the
+    batches before it.
 
     Args:
         data: ``train_data`` (see the module docstring).
         start: where to start (a restored checkpoint's position); None for the beginning.
         epochs: stop after this many epochs in total (None: repeat until the trainer stops reading).
         check: ``check(batch, where) -> batch`` validates each batch (raises ValueError) and returns what
-            the stream yields (e.g. a `BatchChecker` returns the pair ``(x, y)``); per-process batches on
-            several processes are checked with ``check(batch, where, processes)``.
-        strategy: places per-process batches on several processes (needed only there).
+            the stream yields (a `BatchChecker` returns the pair ``(x, y)``, a `BatchFeed` a placed
+            `TrainBatch`); per-process batches on several processes are passed as ``check(batch, where,
+            processes)``, and need a check that places them (a `BatchFeed`).
 
     Raises:
         TypeError: when ``data`` is neither iterable nor callable.
-        ValueError: (while iterating) when an epoch yields no batches, ends before the restored position, or
-            the restored position's input state does not fit this run (`UnrestorableState`).
+        ValueError: (while iterating) when an epoch yields no batches, ends before the restored position, the
+            restored position's input state does not fit this run (`UnrestorableState`), or per-process
+            batches of several processes come without a ``check`` to place them.
 
     Examples:
         >>> stream = BatchStream([10, 11, 12], DataPosition(0, 1), epochs=2)
@@ -372,14 +408,12 @@ class BatchStream:
         start: DataPosition | None = None,
         epochs: int | None = None,
         check: Callable[..., Any] | None = None,
-        strategy: Any = None,
     ):
         self._data = data
         self._kind = _kind(data, "train_data")
         self._start = start or DataPosition()
         self._epochs = epochs
         self._check = check
-        self._strategy = strategy
         self._lengths: dict[int, int] = {}  # written by whichever thread reads the data (prefetch)
         # A sized re-iterable (a list) has the same known length every epoch: a position at the end of an
         # epoch then reads as the start of the next, whether or not the reader has looked past it.
@@ -448,21 +482,17 @@ class BatchStream:
             source = self._source(epoch)
             per_process, it = is_grain(source), iter(source)
             stateful = _stateful(it)
-            place = per_process and jax.process_count() > 1
-            if place and self._strategy is None:
+            if per_process and jax.process_count() > 1 and self._check is None:
                 raise ValueError(
-                    f"BatchStream(strategy=None) cannot place per-process (grain) batches on {jax.process_count()} "
-                    "processes: pass strategy= (the strategy whose replicas get the rows)."
+                    f"BatchStream(check=None) cannot place per-process (grain) batches on {jax.process_count()} "
+                    "processes: pass check= a jaxdist.training.feed.BatchFeed (it checks the global batch the "
+                    "processes' shares form and places each process's rows on the strategy's replicas)."
                 )
             count = self._resume(it, stateful, epoch, skip)
             for batch in it:
                 if stateful:
                     self._states[(epoch, count + 1)] = it.get_state()
-                batch = self._checked(batch, f"train_data batch {count} of epoch {epoch}", per_process)
-                if place:
-                    where = f"train_data batch {count} of epoch {epoch}"
-                    batch = place_batch(self._strategy.policy, batch, process_local=True, where=where)
-                yield batch
+                yield self._checked(batch, f"train_data batch {count} of epoch {epoch}", per_process)
                 count += 1
             if count == 0:
                 raise ValueError(f"train_data yielded no batches in epoch {epoch}: pass at least one batch.")

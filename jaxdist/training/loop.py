@@ -1,11 +1,12 @@
 """The fit loop: steps, log points, evaluations, checkpoints, preemption and callbacks (``Trainer.fit``'s body).
 
-``Trainer.fit`` checks its arguments, restores or builds the state, and hands the loop a `BatchStream` and a
-`FitOptions`. The loop drives the trainer only through its public surface: ``train_on_batch`` (one compiled
-step per batch, batches placed ahead by ``strategy.experimental_distribute_dataset``'s prefetch thread) or,
-with ``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop,
-``strategy.run_steps_on_dataset``, per ``steps_per_run`` batches); ``step``, ``data_position`` and
-``stop_training``; ``evaluate``, ``save`` and ``sync_model``.
+``Trainer.fit`` checks its arguments, restores or builds the state, and hands the loop a `BatchStream` of
+`TrainBatch` es (each checked and placed once, at the stream boundary: `jaxdist.training.feed`) and a
+`FitOptions`. The loop drives the trainer through one typed interface, `FitTarget`: ``train_on_batch`` (one
+compiled step per batch, the next batches placed ahead while it runs: `jaxdist.training.feed.ahead`) or, with
+``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop, ``strategy.run_steps_on_dataset``,
+per ``steps_per_run`` batches); ``step``, ``data_position`` and ``stop_training``; ``pop_metric_sums`` and
+``step_cost``; ``evaluate``, ``save`` and ``sync_model``.
 
 Three things keep it from slowing the steps down:
 
@@ -14,13 +15,15 @@ Three things keep it from slowing the steps down:
   (``history.train``, ``on_log``) at the first step end at which they have arrived, and at the latest before
   the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or two after the step it
   describes, with that step's number. Nothing is read back per step.
-* The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so the
-  prefetch thread neither places batches no step uses nor has to be stopped mid-read.
+* The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so no
+  batch is placed that no step uses.
+* Nothing waits for a step: the host places the next batches and dispatches the next steps while the
+  devices run the current one.
 * Checkpoints are written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes at
   the first step end after one is complete, a failed write raises there, and ``fit`` ends only when its last
   one is complete. Preemption is agreed by every process without waiting (`jaxdist.training.preemption`).
 
-The data position is the count of batches the steps consumed (never what the prefetcher read ahead). Every
+The data position is the count of batches the steps consumed (never what was read ahead). Every
 log is the mean of each metric over the steps since the previous log point, whichever way they ran: the
 steps add their metrics to running sums on the devices (``trainer.pop_metric_sums``; a token-weighted value
 adds its sum and its weight, and the log divides the two sums: the token-weighted mean over the window), and
@@ -43,20 +46,26 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoint import Checkpointer
-from jaxdist.training.data import BatchStream
+from jaxdist.training.cost import StepCost
+from jaxdist.training.data import BatchStream, DataPosition
+from jaxdist.training.feed import ahead
 from jaxdist.training.preemption import PreemptionWatcher
 from jaxdist.training.watchdog import Watchdog
 from jaxdist.training.weighted import WEIGHT
 
-__all__ = ["FitOptions", "check_int", "run_fit"]
+__all__ = ["READ_AHEAD", "FitOptions", "FitTarget", "check_int", "run_fit"]
+
+READ_AHEAD = 2
+"""Batches placed ahead of the step being dispatched (one compiled step per batch)."""
 
 
 def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> None:
@@ -87,6 +96,9 @@ class FitOptions:
         log_every: steps between log points.
         callbacks: the callbacks, called in order.
         step_timeout: seconds a step may take before the process exits (`Watchdog`); None: not watched.
+        steps_per_run: 1: a compiled step per batch (``train_on_batch``); more: an on-device loop of up to
+            this many steps (``train_on_batches``).
+        mesh: the mesh whose processes agree on preemption (`PreemptionWatcher`); None: this process alone.
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, or ``eval_data`` given as
@@ -105,9 +117,12 @@ class FitOptions:
     log_every: int = 10
     callbacks: tuple[Callback, ...] = ()
     step_timeout: float | None = None
+    steps_per_run: int = 1
+    mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
         check_int(self.steps, "steps", 0)
+        check_int(self.steps_per_run, "steps_per_run", 1, allow_none=False)
         for name in ("eval_every", "checkpoint_every"):
             check_int(getattr(self, name), name, 1)
         check_int(self.log_every, "log_every", 1, allow_none=False)
@@ -122,6 +137,51 @@ class FitOptions:
                 "eval_data is an iterator, which can be read only once: pass a list of batches or a function "
                 "returning a fresh iterable."
             )
+
+
+class FitTarget(Protocol):
+    """What `run_fit` drives: the operations and the three attributes it needs (a `Trainer` is one).
+
+    Callbacks receive the target as their ``trainer`` argument (and may set ``stop_training``).
+    """
+
+    stop_training: bool
+    """Set (by a callback) to end the run after the current step."""
+    data_position: DataPosition
+    """The loop sets it after each step: the position of the last batch a step consumed."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        ...
+
+    def train_on_batch(self, batch: Any) -> Mapping[str, Any]:
+        """One step on a batch of the stream (a `jaxdist.training.feed.TrainBatch`); its metrics."""
+        ...
+
+    def train_on_batches(self, batches: Sequence[Any]) -> Mapping[str, Any]:
+        """One on-device loop over batches of the stream; every step's metrics, stacked."""
+        ...
+
+    def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
+        """The metrics' running sums since the last call (a device vector, never read here)."""
+        ...
+
+    def step_cost(self) -> StepCost:
+        """What a step costs (measured once, after the first step)."""
+        ...
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """The metrics over ``data``."""
+        ...
+
+    def save(self, checkpoint_dir: Checkpointer) -> str:
+        """Save a checkpoint of the current step."""
+        ...
+
+    def sync_model(self) -> None:
+        """Write the trained values back into the user's model."""
+        ...
 
 
 def _crossed(before: int, after: int, every: int | None) -> bool:
@@ -232,12 +292,13 @@ class _Unwatched:
         return contextlib.nullcontext()
 
 
-def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
+def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> History:
     """Train ``trainer`` on ``stream`` as ``options`` say; the body of ``Trainer.fit``.
 
     Args:
-        trainer: the `Trainer` (its state exists: ``fit`` built or restored it).
-        stream: the training batches from the trainer's data position on, checked and as ``(x, y)``.
+        trainer: the `FitTarget` (a `Trainer` whose state exists: ``fit`` built or restored it).
+        stream: the training batches from the trainer's data position on: `TrainBatch` es of the trainer's
+            feed (taken as they are; other batches are checked and placed by ``train_on_batch``).
         options: the `FitOptions`.
 
     Returns:
@@ -302,7 +363,7 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     steps = _steps(trainer, stream, options)
     dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
     try:
-        with PreemptionWatcher(mesh=trainer.strategy.mesh) as watcher, dog:  # agreed by every process
+        with PreemptionWatcher(mesh=options.mesh) as watcher, dog:  # agreed by every process
             emit("on_train_begin")
             try:
                 for n, metrics in steps:
@@ -345,17 +406,19 @@ def run_fit(trainer: Any, stream: BatchStream, options: FitOptions) -> History:
     return history
 
 
-def _steps(trainer: Any, stream: BatchStream, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
+def _steps(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """Run steps; yield ``(steps taken, their metrics)`` after each step or each on-device loop."""
     until = options.steps
     if until is not None and until <= trainer.step:
         return
     # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it.
     source = stream if until is None else itertools.islice(stream, until - trainer.step)
-    if trainer.steps_per_run > 1:
+    if options.steps_per_run > 1:
         yield from _on_device_loops(trainer, iter(source), options)
         return
-    batches = iter(trainer.strategy.experimental_distribute_dataset(source))
+    # Batch n+READ_AHEAD is read (and placed) before step n is dispatched: its transfer overlaps the steps
+    # still running. Nothing here waits for a step, so the host stays ahead of the devices.
+    batches = ahead(source, READ_AHEAD)
     try:
         for batch in batches:
             yield 1, trainer.train_on_batch(batch)
@@ -363,14 +426,16 @@ def _steps(trainer: Any, stream: BatchStream, options: FitOptions) -> Iterator[t
         batches.close()
 
 
-def _on_device_loops(trainer: Any, host: Iterator, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
+def _on_device_loops(
+    trainer: FitTarget, host: Iterator, options: FitOptions
+) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """steps_per_run > 1: ONE compiled on-device loop per ``steps_per_run`` batches. A loop ends at the next
     log, evaluation or checkpoint point, so that they see the same steps as one step at a time would."""
     while True:
         step = trainer.step
         stops = [(step // every + 1) * every for every in
                  (options.log_every, options.eval_every, options.checkpoint_every) if every]
-        chunk = list(itertools.islice(host, min(trainer.steps_per_run, min(stops) - step)))
+        chunk = list(itertools.islice(host, min(options.steps_per_run, min(stops) - step)))
         if not chunk:
             return
         yield len(chunk), trainer.train_on_batches(chunk)

@@ -2,16 +2,17 @@
 
 The train step is an ordinary single-device step (`jaxdist.training.step`) compiled with ``strategy.jit(step,
 donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.compiled`); the state is born in the strategy's
-layout with ``strategy.create_variables``; batches go through ``strategy.experimental_distribute_dataset``
-(which checks divisibility and prefetches). So ``fit`` on any strategy computes what the same training
-computes on one device, and the loss and metrics are means over the GLOBAL batch.
+layout with ``strategy.create_variables``; each batch is checked and placed once, at the stream boundary
+(`jaxdist.training.feed`), the next ones while the current step runs. So ``fit`` on any strategy computes what
+the same training computes on one device, and the loss and metrics are means over the GLOBAL batch.
 
 Resuming is exact: the state's step counter drives the RNG (``fold_in(rng, step)``), the checkpoint stores the
 data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads the same epoch and skips the
 batches already used, so its parameters are bitwise identical to an uninterrupted run's.
 
-``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through the public methods here
-(``train_on_batch``, ``train_on_batches``, ``pop_metric_sums``, ``evaluate``, ``save``, ``sync_model``).
+``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through its typed interface
+(`jaxdist.training.loop.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_metric_sums``,
+``step_cost``, ``evaluate``, ``save``, ``sync_model``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.compiled import CompiledSteps
 from jaxdist.training.cost import CostOptions, StepCost
 from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
+from jaxdist.training.feed import BatchFeed, TrainBatch
 from jaxdist.training.input_state import IteratorSnapshot, restored_position
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
@@ -176,6 +178,10 @@ class Trainer:
         self._step = 0
         self._batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps, input_key=input_key,
                                      target_key=target_key)
+        # The stream boundary: every training batch is checked by self._batches and placed once, here. A
+        # compiled step per batch takes placed batches; an on-device loop stacks host batches and places them.
+        self._feed = BatchFeed(strategy, self._batches, place=True)
+        self._loop_feed = BatchFeed(strategy, self._batches, place=False)
         self._steps = CompiledSteps(strategy, self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
                                     compute_dtype)
 
@@ -255,14 +261,16 @@ class Trainer:
 
         Args:
             batch: ``(x, y)`` or a dict with ``input_key`` / ``target_key``: host arrays (split over the
-                replicas) or a batch of this strategy's distributed dataset.
+                replicas) or a batch of this strategy's distributed dataset; checked and placed here (a
+                batch ``fit``'s stream has already checked and placed is taken as it is).
 
         Returns:
             The step's metrics (``"loss"``, each metric, ``"learning_rate"`` when logged) as device scalars:
             reading one waits for the step.
 
         Raises:
-            ValueError: for a batch of the wrong structure, or whose shapes differ from the first batch's.
+            ValueError: for a batch of the wrong structure, one the replicas (times ``grad_accum_steps``) do
+                not divide, or one whose shapes differ from the first batch's.
 
         Examples:
             >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
@@ -272,8 +280,9 @@ class Trainer:
             >>> trainer.step, sorted(metrics)
             (1, ['loss'])
         """
-        pair = self._batches(batch, "train_on_batch's batch")
-        self._state, metrics = self._steps.train(self.init(pair), pair)
+        fed: TrainBatch = batch if self._feed.trusts(batch) else self._feed(batch, "train_on_batch's batch")
+        state = self._state if self._state is not None else self.init(fed.pair)
+        self._state, metrics = self._steps.train(state, fed.pair)
         self._step += 1
         return metrics
 
@@ -300,10 +309,12 @@ class Trainer:
             >>> trainer.step, metrics["loss"].shape
             (4, (4,))
         """
-        pairs = [self._batches(b, f"train_on_batches' batch {i}") for i, b in enumerate(batches)]
+        feed = self._loop_feed
+        pairs = [(b if feed.trusts(b) else feed(b, f"train_on_batches' batch {i}")).pair for i, b in enumerate(batches)]
         if not pairs:
             raise ValueError("train_on_batches got no batches: pass at least one.")
-        self._state, values = self._steps.train_loop(self.init(pairs[0]), pairs)
+        state = self._state if self._state is not None else self.init(pairs[0])
+        self._state, values = self._steps.train_loop(state, pairs)
         self._step += len(pairs)
         return values
 
@@ -541,7 +552,7 @@ class Trainer:
             raise ValueError(
                 f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
             )
-        stream = BatchStream(train_data, None, epochs, self._batches, self.strategy)
+        stream = BatchStream(train_data, None, epochs, self._batches)  # the first batch, checked, for the state
         sample = None
         if self._state is None:
             sample = stream.peek(self.data_position.epoch)  # checked; a grain iterator is not advanced
@@ -560,9 +571,10 @@ class Trainer:
                 callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1) else verbose))
             if log_dir is not None and writer:
                 callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
-            options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks))
-            history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, self._batches, self.strategy),
-                              options)
+            options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
+                                          steps_per_run=self.steps_per_run, mesh=self.strategy.mesh)
+            feed = self._feed if self.steps_per_run == 1 else self._loop_feed
+            history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, feed), options)
         finally:
             if ckpt is not None:
                 ckpt.close()
