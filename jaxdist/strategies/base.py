@@ -79,6 +79,8 @@ class Strategy:
         if len(policy.devices) > 1:  # a single device (OneDevice, the default strategy) says where it runs
             check_spans_processes(policy.devices, type(self).__name__)
         self._policy = policy
+        if type(self).variable_layout is not Strategy.variable_layout:  # the subclass's hook decides, everywhere
+            policy.use_variable_layout(self.variable_layout)
         self._axis_name = check_axis_name(policy, axis_name)
         self._programs = ProgramCache()
         self._runner = ReplicaRunner(policy, self._programs, self)
@@ -204,8 +206,9 @@ class Strategy:
         The hook a strategy overrides to place variables (Keras' ``get_variable_layout``): mirrored strategies
         replicate every variable; `ShardedStrategy` splits them (FSDP, layout rules, partitioning
         annotations). Everything that places variables goes through it: `create_variables`, `mirror`,
-        `variable_shardings`, unplaced non-batch arguments of `jit` and `run`, and outputs of `jit` not shaped
-        like an argument.
+        `variable_shardings`, unplaced non-batch arguments of `jit` and `run`, nnx state, outputs of `jit`
+        given the variable layout, the `Trainer` and checkpoint restores. An override may call
+        ``super().variable_layout(...)`` for the strategy's own rule.
 
         Args:
             path: the variable's pytree path, ``/``-joined (what layout rules match).
@@ -219,8 +222,20 @@ class Strategy:
             >>> import jax, jaxdist as jd
             >>> jd.OneDeviceStrategy().variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
             P()
+
+            A strategy that keeps biases whole on every device and splits the rest by its own rule:
+
+            >>> class WholeBiases(jd.ShardedStrategy):
+            ...     def variable_layout(self, path, aval, annotation=None):
+            ...         if path.endswith("bias"):
+            ...             return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            ...         return super().variable_layout(path, aval, annotation)
+            >>> s = WholeBiases(min_shard_size=1)
+            >>> params = s.create_variables(lambda: {"bias": jax.numpy.zeros(8), "kernel": jax.numpy.zeros(8)})
+            >>> params["bias"].sharding.spec, params["kernel"].sharding.spec
+            (P(), P('replica',))
         """
-        return self._policy.variable_layout(path, aval, annotation)
+        return self._policy.rule_layout(path, aval, annotation)
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is an array on this strategy's mesh with axis 0 split over the replicas.

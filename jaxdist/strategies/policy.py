@@ -19,6 +19,7 @@ Every strategy is a configuration of a policy, and every verb (``jit``, ``run``,
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -171,9 +172,10 @@ class LayoutPolicy:
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
         self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
+        self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_variable_layout)
 
     # ------------------------------------------------------------------------------------- topology
-    @property
+    @functools.cached_property
     def num_replicas(self) -> int:
         """How many replicas (the product of the batch axes' sizes)."""
         return self.roles.size(self.batch_axes)
@@ -222,10 +224,27 @@ class LayoutPolicy:
             aval: its shape and dtype.
             annotation: the Flax partitioning box around it, when the model annotated it.
 
+        Every caller that places a variable comes here: a strategy that overrides its ``variable_layout`` hook
+        has it installed with `use_variable_layout`, so the override decides for all of them.
+
         Raises:
             ValueError: when a rule or annotation does not fit the variable.
         """
+        if self._variable_hook is not None:
+            return self._variable_hook(path, aval, annotation)
+        return self.rule_layout(path, aval, annotation)
+
+    def rule_layout(
+        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
+    ) -> NamedSharding:
+        """The layout this policy's rules give the variable at ``path`` (what `variable_layout` returns unless a
+        strategy overrides it)."""
         return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
+
+    def use_variable_layout(self, hook: Any) -> None:
+        """Let ``hook(path, aval, annotation) -> Sharding`` decide every variable's layout (a strategy's
+        override of its ``variable_layout``)."""
+        self._variable_hook = hook
 
     def variable_shardings(self, shapes: Any) -> Any:
         """The layout of each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s; Flax boxes kept around
