@@ -35,6 +35,7 @@ from jaxdist.strategies import ambient
 from jaxdist.strategies.layout_rules import VariableRules, is_box
 from jaxdist.strategies.meshes import axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
+from jaxdist.strategies.roles import placed_as_batch
 
 __all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
 
@@ -172,7 +173,8 @@ class LayoutPolicy:
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
         self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
-        self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_variable_layout)
+        self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
+        self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
 
     # ------------------------------------------------------------------------------------- topology
     @functools.cached_property
@@ -225,7 +227,7 @@ class LayoutPolicy:
             annotation: the Flax partitioning box around it, when the model annotated it.
 
         Every caller that places a variable comes here: a strategy that overrides its ``variable_layout`` hook
-        has it installed with `use_variable_layout`, so the override decides for all of them.
+        has it installed with `use_hooks`, so the override decides for all of them.
 
         Raises:
             ValueError: when a rule or annotation does not fit the variable.
@@ -241,10 +243,14 @@ class LayoutPolicy:
         strategy overrides it)."""
         return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
 
-    def use_variable_layout(self, hook: Any) -> None:
-        """Let ``hook(path, aval, annotation) -> Sharding`` decide every variable's layout (a strategy's
-        override of its ``variable_layout``)."""
-        self._variable_hook = hook
+    def use_hooks(self, variable_layout: Any = None, layout_role: Any = None) -> None:
+        """Install a strategy's overrides of its layout hooks: ``variable_layout(path, aval, annotation) ->
+        Sharding`` then decides every variable's layout, ``layout_role(x) -> str | None`` every placed value's
+        role."""
+        if variable_layout is not None:
+            self._variable_hook = variable_layout
+        if layout_role is not None:
+            self._role_hook = layout_role
 
     def variable_shardings(self, shapes: Any) -> Any:
         """The layout of each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s; Flax boxes kept around
@@ -266,13 +272,24 @@ class LayoutPolicy:
         """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when the layout cannot tell.
 
         None for values not on this mesh (numpy, arrays on other devices: their role must be declared) and,
-        where variables may be split over the replicas too (FSDP), for arrays split like a batch.
+        where variables may be split over the replicas too (FSDP), for arrays split like a batch that the
+        input functions did not place (`jaxdist.strategies.roles.placed_as_batch`). A strategy's override of
+        its ``layout_role`` hook decides instead (`use_hooks`).
         """
+        if self._role_hook is not None:
+            return self._role_hook(x)
+        return self.role_from_layout(x)
+
+    def role_from_layout(self, x: Any) -> str | None:
+        """The role this policy's layouts give ``x`` (what `layout_role` returns unless a strategy overrides
+        it)."""
         if not is_on_mesh(x, self.mesh):
             return None
         if not self.is_batch_layout(x):
             return "variable"
-        return None if self.rules.split else "batch"
+        if not self.rules.split or placed_as_batch(x):
+            return "batch"
+        return None
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout)."""
