@@ -451,9 +451,10 @@ def _check_idle(policy, concrete, skip, declared, state_layouts, concrete_state)
     """The idle-axis check on this program's variables (their resolved layouts; batches excluded)."""
     if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
         return
-    specs, names = list(state_layouts), []
+    specs, names, avals = list(state_layouts), [], []
     if concrete_state is not None:
         names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state)]
+        avals = [_aval(x) for x in jax.tree.leaves(concrete_state)]
     for i, c in enumerate(concrete):
         if i in skip or c is None or (declared is not None and i in declared):
             continue
@@ -463,8 +464,13 @@ def _check_idle(policy, concrete, skip, declared, state_layouts, concrete_state)
                     declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
                 specs.append(sharding)
                 names.append(f"argument {i}{jax.tree_util.keystr(path)}")
+                avals.append(_aval(leaf))
     if specs:
-        policy.warn_idle_axes(specs, "the step's variables", names)
+        policy.warn_idle_axes(specs, "the step's variables", names, avals)
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
 
 
 def _typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:

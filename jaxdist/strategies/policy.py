@@ -66,6 +66,39 @@ def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.S
     return NamedSharding(target.mesh, PartitionSpec(), memory_kind=target.memory_kind)
 
 
+def held_whole_bytes(sharding: Any, aval: Any, mesh: Mesh, axis: str) -> int:
+    """Bytes per device of a variable of ``aval`` in ``sharding`` held whole along mesh ``axis`` though one of
+    its dimensions not yet split could be split over it (0 if the axis splits it already, or none could).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+        >>> w = jax.ShapeDtypeStruct((8, 6), jnp.float32)
+        >>> held_whole_bytes(P("data"), w, mesh, "tensor"), held_whole_bytes(P("data", "tensor"), w, mesh, "tensor")
+        (48, 0)
+    """
+    spec = tuple(getattr(sharding, "spec", sharding) or ())
+    if axis in jax.tree.leaves(spec):
+        return 0
+    shape, size = tuple(np.shape(aval)), mesh.shape[axis]
+    entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
+    if not any(e is None and d % size == 0 for e, d in zip(entries, shape, strict=True)):
+        return 0
+    parts = 1
+    for entry in entries:
+        for name in jax.tree.leaves(entry):
+            parts *= mesh.shape[name]
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize // parts
+
+
+def _readable_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
 class IdleAxisWarning(UserWarning):
     """A model axis of a strategy's mesh splits none of a program's variables (checked once per compiled step,
     and by `ShardedStrategy.create_variables`).
@@ -308,13 +341,15 @@ class LayoutPolicy:
                  for a in jax.tree.leaves(axes)}  # activations declared to use it
         return [a for a in model if a not in used]
 
-    def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = ()) -> None:
+    def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = (), avals: Sequence[Any] = ()) -> None:
         """Warn once per axis (`IdleAxisWarning`) about each model axis ``specs`` leave idle (see `idle_axes`).
 
         Args:
             specs: the layouts of the program's variables.
             what: how the message names them ("the variables created here", "the step's variables").
             names: a few of the variables, for the message.
+            avals: the variables' shapes and dtypes (same order as ``specs``): the message then says how many
+                bytes per device are held whole along the idle axis though it could split them.
         """
         idle = [a for a in self.idle_axes(specs) if a not in self._reported_idle]
         if not idle:
@@ -322,6 +357,10 @@ class LayoutPolicy:
         self._reported_idle.update(idle)
         axis, size = idle[0], self.mesh.shape[idle[0]]
         some = f" (e.g. {', '.join(names[:3])})" if names else ""
+        held = sum(held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False))
+        if held:
+            some += (f"; {_readable_bytes(held)} per device of them could be split {size} ways along it but are "
+                     "held whole on each of its devices")
         warnings.warn(
             f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.batch_axes} and splits none of "
             f"{what}{some}: a batch is whole along it, so its devices compute the same thing. Annotate variables "
