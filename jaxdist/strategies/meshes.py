@@ -108,9 +108,11 @@ class AxisRoles:
         self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in context_axes)
 
     @property
-    def replica_axis(self) -> str | tuple[str, ...]:
+    def replica_axis(self) -> str | tuple[str, ...] | None:
         """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's ``axis_name``: one
-        name, or the tuple of several."""
+        name, or the tuple of several (None: no batch axis, a mesh of context axes only)."""
+        if not self.batch_axes:  # context parallelism alone: one replica, whole rows
+            return None
         return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
 
     @property
@@ -204,7 +206,7 @@ def axis_roles(
             f"context_axes={context_axes!r} and batch_axes={batch!r} both name axis {both[0]!r}: a batch's rows "
             "are split over the batch axes and its sequence over the context axes; give each axis one role."
         )
-    if not batch:
+    if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
     if not split:
         model = [a for a in mesh.axis_names if a not in batch and a not in context]

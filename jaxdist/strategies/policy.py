@@ -331,7 +331,12 @@ class LayoutPolicy:
         return None if self.rules.split else "batch"
 
     def is_batch_layout(self, x: Any) -> bool:
-        """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout)."""
+        """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout; on a mesh of
+        context axes only, its sequence dimension split over them)."""
+        if not self.batch_axes:
+            spec = getattr(getattr(x, "sharding", None), "spec", ())
+            return (is_on_mesh(x, self.mesh) and len(spec) > self.sequence_axis
+                    and spec[self.sequence_axis] == self.roles.context_entry)
         return splits_batch_axis(x, self.mesh, self.batch_axes)
 
     # --------------------------------------------------------------------------------------- checks
