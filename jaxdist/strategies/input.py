@@ -120,7 +120,7 @@ def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | No
         ValueError: sequence length 10 (axis 1 of the global batch) is not divisible by the context axes ...
     """
     n, axis = policy.context_size, policy.sequence_axis
-    if n == 1 or len(shape) <= axis or shape[axis] % n == 0:
+    if n == 1 or len(shape) <= axis or shape[axis] % n == 0 or shape[axis] == 1:
         return
     sizes = {a: policy.mesh.shape[a] for a in policy.context_axes}
     raise ValueError(
@@ -164,7 +164,7 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     leaves, treedef = jax.tree.flatten(batch)
     todo = []  # indices of leaves to transfer
     for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and x.sharding == policy.batch_layout(x.ndim):
+        if isinstance(x, jax.Array) and x.sharding == policy.batch_layout(x.ndim, x.shape):
             continue  # already placed: no copy
         shape = np.shape(x)
         if not shape:
@@ -185,9 +185,10 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     if todo:
         if n_proc == 1:
             # One process holds the whole global batch; each device gets its own rows, as views (no host copy).
-            moved = [_place_rows(policy.batch_layout(np.ndim(leaves[i])), leaves[i]) for i in todo]
+            moved = [_place_rows(policy.batch_layout(np.ndim(leaves[i]), np.shape(leaves[i])), leaves[i]) for i in todo]
         else:
-            moved = [_place_process_rows(policy.batch_layout(np.ndim(leaves[i])), leaves[i], process_local, n_proc)
+            moved = [_place_process_rows(policy.batch_layout(np.ndim(leaves[i]), np.shape(leaves[i])), leaves[i],
+                                          process_local, n_proc)
                      for i in todo]
         for i, m in zip(todo, moved, strict=True):
             leaves[i] = m

@@ -226,9 +226,10 @@ class LayoutPolicy:
         """The layout of mirrored values: a whole copy on every device."""
         self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
 
-    def batch_layout(self, ndim: int) -> NamedSharding:
+    def batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> NamedSharding:
         """The layout of a batch leaf of rank ``ndim``: rows split over the batch axes, and with context axes,
-        the sequence dimension (``sequence_axis``) of a leaf that has one split over them.
+        the sequence dimension (``sequence_axis``) of a leaf that has one split over them (a leaf of ``shape``
+        whose sequence dimension has size 1, a broadcast one, stays whole along it).
 
         Examples:
             >>> import jax, jaxdist as jd
@@ -237,7 +238,8 @@ class LayoutPolicy:
             >>> cp.batch_layout(2).spec, cp.batch_layout(1).spec
             (P('data', 'context'), P('data',))
         """
-        if self._sequence_sharding is not None and ndim > self.sequence_axis:
+        if self._sequence_sharding is not None and ndim > self.sequence_axis and (
+                shape is None or shape[self.sequence_axis] != 1):
             return self._sequence_sharding
         return self.batch_sharding
 

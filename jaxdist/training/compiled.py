@@ -227,6 +227,7 @@ def _abstract_batch(signature: tuple, layout: Any) -> Any:
     `LayoutPolicy.batch_layout`)."""
     treedef, leaves = signature
     return jax.tree.unflatten(treedef, [
-        jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype), sharding=layout(len(shape)))
+        jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype),
+                             sharding=layout(len(shape), tuple(shape)))
         for shape, dtype in leaves
     ])
