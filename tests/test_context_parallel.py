@@ -293,3 +293,82 @@ def test_nnx_multi_head_attention_equals_one_device(kind, mode):
     assert_close([t[0] for t in trace], [t[0] for t in ref_trace])
     assert_close([t[1] for t in trace], [t[1] for t in ref_trace])
     assert_close(params, ref_params)
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def attention_step(strategy, **kwargs):
+    def step(q, k, v):
+        return jd.nn.dot_product_attention(q, k, v, **kwargs)
+
+    return strategy.jit(step, batch_argnums=(0, 1, 2))
+
+
+def qkv(length=L, key_length=None):
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(B, length, 2, 4)).astype(np.float32)
+    k = rng.normal(size=(B, key_length or length, 2, 4)).astype(np.float32)
+    return q, k, k
+
+
+def test_a_sequence_the_context_axes_do_not_divide_is_an_error_naming_length_sizes_and_fix():
+    strategy = cp_strategy("data2_context4")
+    with pytest.raises(ValueError, match=r"sequence length 30 \(axis 1 of argument 0 \(in batch_argnums\)\) is not "
+                                         r"divisible by the context axes \('context',\) of sizes \{'context': 4\} "
+                                         r"\(4 parts\): pad the sequence to 32"):
+        attention_step(strategy, causal=True)(*qkv(30))
+    with pytest.raises(ValueError, match=r"sequence length 10 \(axis 1 of the global batch\) is not divisible"):
+        strategy.experimental_distribute_values(np.zeros((2, 10, 3), np.float32))
+    # Load balancing needs 2 x N chunks: 36 splits over 4 devices, not into 8 zig-zag chunks.
+    with pytest.raises(ValueError, match=r"sequence length 36 is not divisible by 8 \(2 x 4 zig-zag chunks for "
+                                         r"load_balance=True\): the context axes \('context',\) of sizes "
+                                         r"\{'context': 4\} split it into 4 parts. Pad the sequence to 40"):
+        attention_step(strategy, causal=True, context="ring", load_balance=True)(*qkv(36))
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"load_balance": True}, ValueError, r"load_balance=True balances causal attention.*pass causal=True, or drop"),
+    ({"context": "ulysses"}, ValueError, r"context='ulysses' is not one of \('all_gather', 'ring'\)"),
+    ({"window": 4}, TypeError, r"unexpected keyword argument\(s\) \['window'\]"),
+    ({"qk_attn_weights_einsum": object()}, NotImplementedError, r"qk_attn_weights_einsum"),
+])
+def test_bad_attention_arguments_are_errors(kwargs, error, match):
+    q, k, v = qkv()
+    with pytest.raises(error, match=match):
+        jd.nn.dot_product_attention(q, k, v, **kwargs)
+
+
+def test_what_context_parallelism_cannot_do_is_an_error_naming_the_fix():
+    strategy = cp_strategy("data2_context4")
+    with pytest.raises(NotImplementedError, match=r"pass deterministic=True \(or dropout_rate=0.0\)"):
+        attention_step(strategy, dropout_rate=0.1, dropout_rng=jax.random.key(0))(*qkv())
+    with pytest.raises(ValueError, match=r"query length 32 != key length 16.*pass context=None"):
+        attention_step(strategy)(*qkv(32, 16))
+    step = strategy.jit(lambda x: jd.nn.dot_product_attention(x[None], x[None], x[None]), batch_argnums=0)
+    with pytest.raises(ValueError, match=r"query has shape \(1, 4, 32, 2, 4\).*\(batch, length, heads, head_dim\)"):
+        step(qkv()[0])
+    # context=None: plain attention even on a context axis (XLA gathers the sequence).
+    q, k, v = qkv()
+    np.testing.assert_allclose(np.asarray(attention_step(strategy, context=None)(q, k, v)),
+                               np.asarray(jd.nn.dot_product_attention(q, k, v)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"batch_axes": "data", "context_axes": "data"}, r"context_axes='data' and batch_axes=\('data',\) both name "
+                                                     r"axis 'data'"),
+    ({"batch_axes": "data", "context_axes": "seq"}, r"context_axes='seq' names axis 'seq', but the mesh axes are"),
+    ({"batch_axes": "data", "context_axes": "context", "context_parallelism": 4},
+     r"mesh= and context_parallelism=4 both given.*context_axes=\('context',\)"),
+    ({"batch_axes": "data", "context_axes": "context", "sequence_axis": 0}, r"sequence_axis=0 must be an int >= 1"),
+])
+def test_bad_context_axes_are_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jd.ShardedStrategy(mesh=mesh("data2_context4"), **kwargs)
+
+
+def test_bad_short_form_context_parallelism_is_an_error():
+    with pytest.raises(ValueError, match=r"context_parallelism=3 must be an int >= 1 that divides the 8 devices"):
+        jd.ShardedStrategy(context_parallelism=3)
+    with pytest.raises(ValueError, match=r"model_parallelism=4 x context_parallelism=4 must divide the 8 devices"):
+        jd.ShardedStrategy(context_parallelism=4, model_parallelism=4)
+    with pytest.raises(ValueError, match=r"context_axes='context' name axes of a mesh: pass mesh= too"):
+        jd.strategies.LayoutPolicy(jax.devices(), context_axes="context")
