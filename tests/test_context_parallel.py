@@ -372,3 +372,36 @@ def test_bad_short_form_context_parallelism_is_an_error():
         jd.ShardedStrategy(context_parallelism=4, model_parallelism=4)
     with pytest.raises(ValueError, match=r"context_axes='context' name axes of a mesh: pass mesh= too"):
         jd.strategies.LayoutPolicy(jax.devices(), context_axes="context")
+
+
+# ------------------------------------------------------------------------- CP x FSDP x TP, checkpoints
+def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_device(tmp_path):
+    three = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"), axis_types=(AUTO,) * 3)
+    strategy = jd.ShardedStrategy(mesh=three, batch_axes="data", context_axes="context", min_shard_size=1,
+                                  logical_axis_rules=logical_axis_rules(("data",), "tensor"),
+                                  activation_axes=("batch",))
+    cfg = LMConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1, mlp_dim=32, max_len=16, context="ring",
+                   load_balance=True)
+    rng = np.random.default_rng(1)
+    batches = [(rng.integers(0, 32, (4, 16)).astype(np.int32), rng.integers(0, 32, (4, 16)).astype(np.int32))
+               for _ in range(2)]
+
+    def trainer_on(s):
+        return jd.training.Trainer(s, CharLM(cfg), optax.sgd(0.1), lambda logits, y: (
+            optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), seed=0)
+
+    trainer, reference = trainer_on(strategy), trainer_on(jd.OneDeviceStrategy())
+    for t in (trainer, reference):
+        with t.strategy.scope():
+            t.fit(batches, steps=2, verbose=0)
+    assert_close(nn.unbox(trainer.params), nn.unbox(reference.params))
+    layouts = strategy.variable_layouts(trainer.params)
+    assert layouts["block_0/query"] == PartitionSpec(("data", "context"), "tensor")  # FSDP over data x context
+    assert layouts["block_0/mlp_in/kernel"] == PartitionSpec(("data", "context"), "tensor")
+    trainer.save(tmp_path)
+    restored = trainer_on(jd.OneDeviceStrategy())
+    assert restored.restore(tmp_path, batch=batches[0]) == 2
+    for got, want in zip(jax.tree.leaves(nn.unbox(restored.params)), jax.tree.leaves(nn.unbox(trainer.params)),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert len(got.sharding.device_set) == 1
