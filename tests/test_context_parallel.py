@@ -405,3 +405,39 @@ def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_dev
                          strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert len(got.sharding.device_set) == 1
+
+
+# ---------------------------------------------------------------------------------- 2 processes x 4 devices
+@pytest.mark.timeout(300)
+def test_two_processes_with_the_context_axis_across_them_train_like_one_device(tmp_path):
+    import os
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(here.parent))
+    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
+        env.pop(key, None)
+    out = tmp_path / "result.npz"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "250",
+         str(here / "multiprocess" / "context_worker.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    sys.path.insert(0, str(here / "multiprocess"))
+    import context_worker as worker
+
+    with np.load(out) as result:
+        for mode in worker.MODES:
+            cfg = worker.config(mode)
+            one = jd.OneDeviceStrategy()
+            params = one.create_variables(worker.init, cfg)
+            step = one.jit(worker.step, static_argnums=2, batch_argnums=1)
+            losses = []
+            for batch in worker.data():
+                params, loss = step(params, batch, cfg)
+                losses.append(float(loss))
+            np.testing.assert_allclose(result[f"{mode}/losses"], losses, rtol=1e-5)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+                np.testing.assert_allclose(result[f"{mode}/params{jax.tree_util.keystr(path)}"], np.asarray(leaf),
+                                           rtol=1e-5, atol=1e-6, err_msg=f"{mode} {jax.tree_util.keystr(path)}")
