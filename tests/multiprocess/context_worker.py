@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from char_lm import CharLM, LMConfig  # noqa: E402
+from char_lm import CharLM, LMConfig
 
 MODES = {"ring_balanced": ("ring", True)}  # all-gather is covered on one process (a fast suite)
 
