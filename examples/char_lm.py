@@ -79,6 +79,9 @@ class LMConfig:
         mlp_dim: the MLP's hidden width ("mlp").
         max_len: the longest context (learned positions, "position").
         remat: recompute each block's activations in the backward pass (``nn.remat``): less memory, more FLOPs.
+        context: None: the block's own attention (on a sequence split over context axes XLA gathers it);
+            ``"all_gather"`` / ``"ring"``: `jaxdist.nn.dot_product_attention` in that context-parallel mode.
+        load_balance: with ``context="ring"``: zig-zag load balancing of the causal mask.
     """
 
     vocab_size: int = 104
@@ -88,6 +91,8 @@ class LMConfig:
     mlp_dim: int = 512
     max_len: int = 128
     remat: bool = False
+    context: str | None = None
+    load_balance: bool = False
 
 
 def _init(std: float, names: tuple) -> Any:
@@ -108,7 +113,7 @@ class Block(nn.Module):
     config: LMConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         head_dim = cfg.d_model // cfg.num_heads
         std = cfg.d_model**-0.5
@@ -128,10 +133,14 @@ class Block(nn.Module):
             )
             for name in ("query", "key", "value")
         )
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        attended = jnp.einsum("bhts,bshk->bthk", weights, v)
+        if cfg.context is None and segment_ids is None:
+            scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
+            causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+            weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+            attended = jnp.einsum("bhts,bshk->bthk", weights, v)
+        else:  # context-parallel attention (plain attention off a context axis); packed sequences
+            attended = jd.nn.dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, context=cfg.context,
+                                                   load_balance=cfg.load_balance)
         out = self.param("attn_out", _init(out_std, ("heads", "kv", "embed")), (cfg.num_heads, head_dim, cfg.d_model))
         x = nn.with_logical_constraint(x + jnp.einsum("bthk,hkd->btd", attended, out), ("batch", "length", "embed"))
 
@@ -163,14 +172,14 @@ class CharLM(nn.Module):
     config: LMConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init(0.02, ("vocab", "embed")), name="embed")(tokens)
         positions = self.param("positions", _init(0.02, ("position", "embed")), (cfg.max_len, cfg.d_model))
         x = nn.with_logical_constraint(x + positions[: tokens.shape[1]], ("batch", "length", "embed"))
         block = nn.remat(Block) if cfg.remat else Block
         for i in range(cfg.num_layers):
-            x = block(cfg, name=f"block_{i}")(x)
+            x = block(cfg, name=f"block_{i}")(x, segment_ids)
         x = nn.RMSNorm(scale_init=_ones(("embed",)), name="final_norm")(x)
         logits = nn.Dense(
             cfg.vocab_size,
@@ -303,8 +312,9 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def mesh_strategy(axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple[str, ...] | None) -> jd.Strategy:
     """``ShardedStrategy`` on a mesh with the user's axis names over every device of every process: the batch
-    over every axis but ``model_axis``, FSDP over ``fsdp_axes`` (default: all the batch axes), tensor
-    parallelism over ``model_axis``."""
+    over every axis but ``model_axis`` and ``"context"``, the sequence over ``"context"`` (context
+    parallelism), FSDP over ``fsdp_axes`` (default: all the batch and context axes), tensor parallelism over
+    ``model_axis``."""
     count = int(np.prod(list(axes.values())))
     if count != len(jax.devices()):
         raise ValueError(f"--mesh {axes} has {count} devices, but there are {len(jax.devices())} (all processes): "
@@ -313,9 +323,10 @@ def mesh_strategy(axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple
         raise ValueError(f"--model-axis {model_axis!r} is not an axis of --mesh {list(axes)}.")
     # Auto axes: the model is written without layout annotations, so XLA propagates layouts through it.
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
-    batch_axes = tuple(a for a in axes if a != model_axis)
+    context_axes = ("context",) if "context" in axes else ()
+    batch_axes = tuple(a for a in axes if a != model_axis and a not in context_axes)
     return jd.ShardedStrategy(
-        mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes,
+        mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes, context_axes=context_axes,
         logical_axis_rules=logical_axis_rules(batch_axes, model_axis), activation_axes=ACTIVATION_AXES,
     )
 
@@ -380,7 +391,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default="fsdp_tp")
     parser.add_argument("--mesh", default=None,
                         help="your own mesh over every device of every process, e.g. data=2,fsdp=2,tensor=2 "
-                             "(ShardedStrategy; overrides --strategy)")
+                             "(ShardedStrategy; overrides --strategy); an axis named context splits the "
+                             "sequence (context parallelism), e.g. data=2,context=4")
+    parser.add_argument("--context-attention", choices=("all_gather", "ring"), default="all_gather",
+                        help="with a context axis: how attention sees the split sequence")
+    parser.add_argument("--load-balance", action="store_true",
+                        help="with --context-attention ring: zig-zag load balancing of the causal mask")
     parser.add_argument("--model-axis", default=None,
                         help="the --mesh axis for tensor parallelism (default: 'tensor' or 'model' if present)")
     parser.add_argument("--fsdp-axes", default=None,
@@ -444,6 +460,8 @@ def main(argv: list[str] | None = None) -> float:
         mlp_dim=4 * args.d_model,
         max_len=args.seq_len,
         remat=args.remat,
+        context=args.context_attention if getattr(strategy, "context_axes", ()) else None,
+        load_balance=args.load_balance,
     )
     model = CharLM(cfg)
     tokens_per_step = args.batch_size * args.seq_len

@@ -10,6 +10,7 @@ Examples:
 """
 
 from jaxdist import gradients as gradients
+from jaxdist import nn as nn
 from jaxdist import tpu as tpu
 from jaxdist import training as training
 from jaxdist.replicate import MODEL_AXIS as MODEL_AXIS
@@ -75,6 +76,7 @@ __all__ = [
     "compute_average_loss",
     "configure_compilation_cache",
     "gradients",
+    "nn",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -38,6 +38,7 @@ __all__ = [
     "DistributedIterator",
     "InputContext",
     "check_divisible",
+    "check_sequence",
     "place_batch",
     "replicas_on_this_process",
 ]
@@ -103,13 +104,41 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch", axes
     return replicas
 
 
+def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | None = None) -> None:
+    """Check that ``policy``'s context axes divide the sequence dimension of a batch leaf of ``shape``.
+
+    Raises:
+        ValueError: naming the sequence length, the context axes and their sizes, and the fix.
+
+    Examples:
+        >>> import jax, jaxdist as jd
+        >>> cp = jd.strategies.LayoutPolicy(mesh=jax.make_mesh((2, 4), ("data", "context")),
+        ...                                 batch_axes="data", context_axes="context")
+        >>> check_sequence(cp, (2, 10))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: sequence length 10 (axis 1 of the global batch) is not divisible by the context axes ...
+    """
+    n, axis = policy.context_size, policy.sequence_axis
+    if n == 1 or len(shape) <= axis or shape[axis] % n == 0 or shape[axis] == 1:
+        return
+    sizes = {a: policy.mesh.shape[a] for a in policy.context_axes}
+    raise ValueError(
+        f"sequence length {shape[axis]} (axis {axis} of {where or 'the global batch'}) is not divisible by the "
+        f"context axes {policy.context_axes} of sizes {sizes} ({n} parts): pad the sequence to "
+        f"{-(-shape[axis] // n) * n} (a multiple of {n}), or pick a context_axes / context_parallelism that "
+        f"divides {shape[axis]}."
+    )
+
+
 def replicas_on_this_process(policy: LayoutPolicy) -> int:
     """How many of ``policy``'s replicas this process's devices hold."""
     return len(policy.local_replicas)
 
 
 def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
-    """Place one batch (a pytree of arrays) split on axis 0 over ``policy``'s replicas.
+    """Place one batch (a pytree of arrays) split on axis 0 over ``policy``'s replicas (with context axes, its
+    sequence dimension over them too: `LayoutPolicy.batch_layout`).
 
     Args:
         policy: the layout policy whose replicas get the rows.
@@ -121,9 +150,9 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
         The batch as global `jax.Array`s laid out with ``policy``'s batch sharding.
 
     Raises:
-        ValueError: for a scalar leaf, or a batch the replicas do not divide evenly.
+        ValueError: for a scalar leaf, a batch the replicas do not divide evenly, or a sequence the context
+            axes do not divide.
     """
-    sharding = policy.batch_sharding
     n_proc = jax.process_count()
     if process_local and n_proc > 1 and policy.replicas_span_processes:
         raise ValueError(
@@ -135,7 +164,7 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     leaves, treedef = jax.tree.flatten(batch)
     todo = []  # indices of leaves to transfer
     for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
+        if isinstance(x, jax.Array) and x.sharding == policy.batch_layout(x.ndim, x.shape):
             continue  # already placed: no copy
         shape = np.shape(x)
         if not shape:
@@ -151,13 +180,16 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
         else:
             check_divisible(shape[0], policy.num_replicas,
                              "global batch" if where is None else f"the rows of {where}", policy.batch_axes)
+        check_sequence(policy, shape, where)
         todo.append(i)
     if todo:
         if n_proc == 1:
             # One process holds the whole global batch; each device gets its own rows, as views (no host copy).
-            moved = [_place_rows(sharding, leaves[i]) for i in todo]
+            moved = [_place_rows(policy.batch_layout(np.ndim(leaves[i]), np.shape(leaves[i])), leaves[i]) for i in todo]
         else:
-            moved = [_place_process_rows(sharding, leaves[i], process_local, n_proc) for i in todo]
+            moved = [_place_process_rows(policy.batch_layout(np.ndim(leaves[i]), np.shape(leaves[i])), leaves[i],
+                                          process_local, n_proc)
+                     for i in todo]
         for i, m in zip(todo, moved, strict=True):
             leaves[i] = m
     for leaf in leaves:  # the role these arrays carry (where the layout alone cannot say: FSDP)

@@ -6,6 +6,10 @@ A strategy's mesh has two kinds of axes:
   the product of their sizes. A subset of them, the **FSDP axes**, are the axes the FSDP rule splits
   unannotated variables over: all of them is ZeRO-3 over the whole data-parallel group; a subset is HSDP
   (shard within a host, replicate across hosts: ``batch_axes=("data", "fsdp")``, ``fsdp_axes=("fsdp",)``).
+* **context axes** (context parallelism): a batch's sequence dimension (axis 1 unless declared) is split over
+  them, its rows are not. A replica (one model copy on one slice of the batch) spans them, so
+  ``num_replicas_in_sync`` leaves them out. The FSDP rule splits variables over them too by default (their
+  devices would otherwise hold the same weights: MaxText does the same).
 * **model axes**: every other axis. Only layout rules and annotations split variables over them (tensor
   parallelism); a batch is whole along them.
 
@@ -32,22 +36,46 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
-__all__ = ["AxisRoles", "axis_roles", "short_form_mesh"]
+__all__ = ["CONTEXT_AXIS", "AxisRoles", "axis_roles", "short_form_mesh"]
+
+CONTEXT_AXIS = "context"
+"""The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
 
 
-def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1) -> Mesh:
+def short_form_mesh(
+    devices: Sequence[jax.Device], model_parallelism: int = 1, context_parallelism: int = 1
+) -> Mesh:
     """``("replica",)`` over ``devices``, or ``("replica", "model")`` = ``(N / k, k)`` with ``k =
-    model_parallelism`` (a replica's ``k`` consecutive devices hold one model copy).
+    model_parallelism`` (a replica's ``k`` consecutive devices hold one model copy); with
+    ``context_parallelism=c > 1`` a ``"context"`` axis of size ``c`` sits before ``"model"``.
 
     Raises:
-        ValueError: for ``model_parallelism`` that is not an int >= 1 dividing the device count.
+        ValueError: for ``model_parallelism`` / ``context_parallelism`` that is not an int >= 1 dividing the
+            device count.
 
     Examples:
         >>> import jax
         >>> dict(short_form_mesh(jax.devices()[:8], 2).shape)
         {'replica': 4, 'model': 2}
+        >>> dict(short_form_mesh(jax.devices()[:8], context_parallelism=4).shape)
+        {'replica': 2, 'context': 4}
     """
     devices = tuple(devices)
+    c = context_parallelism
+    if not isinstance(c, int) or isinstance(c, bool) or c < 1 or len(devices) % c:
+        raise ValueError(
+            f"context_parallelism={c!r} must be an int >= 1 that divides the {len(devices)} devices (the mesh is "
+            "(replica, context) = (devices / context_parallelism, context_parallelism))."
+        )
+    if c > 1:
+        if not isinstance(model_parallelism, int) or model_parallelism < 1 or (len(devices) // c) % model_parallelism:
+            raise ValueError(
+                f"model_parallelism={model_parallelism!r} x context_parallelism={c} must divide the "
+                f"{len(devices)} devices (the mesh is (replica, context, model))."
+            )
+        names = (REPLICA_AXIS, CONTEXT_AXIS) + ((MODEL_AXIS,) if model_parallelism > 1 else ())
+        grid = np.array(devices).reshape(-1, c, *((model_parallelism,) if model_parallelism > 1 else ()))
+        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
     if (not isinstance(model_parallelism, int) or isinstance(model_parallelism, bool) or model_parallelism < 1
             or len(devices) % model_parallelism):
         raise ValueError(
@@ -66,20 +94,25 @@ class AxisRoles:
     Attributes:
         mesh: the mesh (the user's, as it is: names, device order, axis types).
         batch_axes: the axes a batch's rows are split over, in order.
-        fsdp_axes: the batch axes the FSDP rule splits variables over (empty: none).
+        fsdp_axes: the batch (and context) axes the FSDP rule splits variables over (empty: none).
+        context_axes: the axes a batch's sequence dimension is split over (empty: none).
         model_axes: every other axis, in mesh order.
     """
 
-    def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...], fsdp_axes: tuple[str, ...]):
+    def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...], fsdp_axes: tuple[str, ...],
+                 context_axes: tuple[str, ...] = ()):
         self.mesh = mesh
         self.batch_axes = batch_axes
         self.fsdp_axes = fsdp_axes
-        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes)
+        self.context_axes = context_axes
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in context_axes)
 
     @property
-    def replica_axis(self) -> str | tuple[str, ...]:
+    def replica_axis(self) -> str | tuple[str, ...] | None:
         """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's ``axis_name``: one
-        name, or the tuple of several."""
+        name, or the tuple of several (None: no batch axis, a mesh of context axes only)."""
+        if not self.batch_axes:  # context parallelism alone: one replica, whole rows
+            return None
         return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
 
     @property
@@ -88,6 +121,13 @@ class AxisRoles:
         if not self.fsdp_axes:
             return None
         return self.fsdp_axes[0] if len(self.fsdp_axes) == 1 else self.fsdp_axes
+
+    @property
+    def context_entry(self) -> str | tuple[str, ...] | None:
+        """The context axes as one `PartitionSpec` entry (None: no context axis)."""
+        if not self.context_axes:
+            return None
+        return self.context_axes[0] if len(self.context_axes) == 1 else self.context_axes
 
     def size(self, axes: Sequence[str]) -> int:
         """The product of the sizes of ``axes``."""
@@ -115,7 +155,8 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
 
 
 def axis_roles(
-    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy"
+    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy",
+    context_axes: Any = None,
 ) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
@@ -123,10 +164,11 @@ def axis_roles(
         mesh: a `jax.sharding.Mesh` (any axis names, any devices of any processes).
         batch_axes: the axes a batch's rows are split over; None: the mesh's only axis, or for a mirroring
             strategy (``split=False``) every axis.
-        fsdp_axes: the batch axes the FSDP rule splits variables over; None: ``batch_axes`` when ``split``,
-            else none.
+        fsdp_axes: the batch (and context) axes the FSDP rule splits variables over; None: ``batch_axes``
+            and ``context_axes`` when ``split``, else none.
         split: whether the strategy splits variables (Sharded) or keeps them whole (Mirrored, TPU).
         strategy: the strategy's name, for error messages.
+        context_axes: the axes a batch's sequence dimension is split over (context parallelism); None: none.
 
     Raises:
         TypeError: when ``mesh`` is not a `jax.sharding.Mesh`.
@@ -139,25 +181,35 @@ def axis_roles(
         >>> roles = axis_roles(mesh, ("data", "fsdp"), ("fsdp",), split=True)
         >>> roles.replica_axis, roles.fsdp_axes, roles.model_axes
         (('data', 'fsdp'), ('fsdp',), ('tensor',))
+        >>> cp = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True, context_axes="context")
+        >>> cp.context_axes, cp.fsdp_axes, cp.model_axes
+        (('context',), ('data', 'context'), ())
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one with "
             "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names)."
         )
+    context = _names(context_axes or (), "context_axes", mesh)
     if batch_axes is None:
-        if split and len(mesh.axis_names) > 1:
+        if split and len(mesh.axis_names) - len(context) > 1:
             raise ValueError(
                 f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a batch's rows are "
                 f"split over, e.g. {strategy}(mesh=mesh, batch_axes={mesh.axis_names[:-1]!r}) (the rest are "
                 "model axes, for tensor parallelism)."
             )
-        batch_axes = mesh.axis_names
+        batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
-    if not batch:
+    both = [a for a in context if a in batch]
+    if both:
+        raise ValueError(
+            f"context_axes={context_axes!r} and batch_axes={batch!r} both name axis {both[0]!r}: a batch's rows "
+            "are split over the batch axes and its sequence over the context axes; give each axis one role."
+        )
+    if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
     if not split:
-        model = [a for a in mesh.axis_names if a not in batch]
+        model = [a for a in mesh.axis_names if a not in batch and a not in context]
         if model:
             raise ValueError(
                 f"A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable whole, so mesh "
@@ -165,15 +217,15 @@ def axis_roles(
                 "would hold copies that compute the same thing: make it a batch axis, or use "
                 "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over it."
             )
-    fsdp = batch if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
+    fsdp = batch + context if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
     if fsdp and not split:
         raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; use ShardedStrategy "
                          "for FSDP.")
-    outside = [a for a in fsdp if a not in batch]
+    outside = [a for a in fsdp if a not in batch and a not in context]
     if outside:
         raise ValueError(
             f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: FSDP splits "
             "variables over (part of) the data-parallel group; add it to batch_axes, or split variables over a "
             "model axis with layout rules / logical_axis_rules instead."
         )
-    return AxisRoles(mesh, batch, fsdp)
+    return AxisRoles(mesh, batch, fsdp, context)

@@ -8,7 +8,8 @@ mesh), and answers, alone, "which layout does this value get":
 * variables: `variable_layout` / `variable_shardings` (layout rules, Flax annotations through logical rules,
   the FSDP rule or mirrored; ``colocate_vars_with`` targets; host offloading as the *memory kind* of the same
   shardings);
-* batches: `batch_sharding` (axis 0 split over the batch axes);
+* batches: `batch_sharding` (axis 0 split over the batch axes), `batch_layout` (with context axes, the
+  sequence dimension of a batch of rank >= 2 split over them too);
 * outputs of a compiled step: through `jaxdist.strategies.resolve`, which applies these per program;
 * what a placed value's layout says of its role: `layout_role`.
 
@@ -33,11 +34,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout_rules import VariableRules, is_box
-from jaxdist.strategies.meshes import axis_roles, short_form_mesh
+from jaxdist.strategies.meshes import CONTEXT_AXIS, AxisRoles, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.roles import placed_as_batch
 
-__all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
+__all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout", "context_rules"]
 
 
 def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.Sharding:
@@ -99,6 +100,30 @@ def _readable_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
+def context_rules(
+    roles: AxisRoles, logical_axis_rules: Sequence[tuple[str, Any]] | None, activation_axes: Sequence[str]
+) -> tuple[Sequence[tuple[str, Any]] | None, Sequence[str]]:
+    """With context axes: the logical rules with ``("length", context axes)`` and ``("batch", batch axes)``
+    appended where the user's rules do not name them (Flax lm1b / MaxText activation names, so
+    ``nn.with_logical_constraint(x, ("batch", "length", "embed"))`` keeps activations split along the
+    sequence), both declared activation names. Without context axes: the arguments as they are.
+
+    Examples:
+        >>> import jax
+        >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True,
+        ...                    context_axes="context")
+        >>> context_rules(roles, [("embed", None)], ())
+        ([('embed', None), ('length', 'context'), ('batch', 'data')], ('length', 'batch'))
+    """
+    if not roles.context_axes or isinstance(activation_axes, str):
+        return logical_axis_rules, activation_axes
+    rules = list(logical_axis_rules or ())
+    named = {r[0] for r in rules if isinstance(r, (tuple, list)) and r}
+    added = [(name, axes) for name, axes in (("length", roles.context_entry), ("batch", roles.replica_axis))
+             if name not in named]
+    return rules + added, tuple(activation_axes) + tuple(name for name, _ in added)
+
+
 class IdleAxisWarning(UserWarning):
     """A model axis of a strategy's mesh splits none of a program's variables (checked once per compiled step,
     and by `ShardedStrategy.create_variables`).
@@ -134,6 +159,9 @@ class LayoutPolicy:
         layout_rules: ``[(regex, PartitionSpec), ...]`` overriding the variable rule for matching paths.
         logical_axis_rules: Flax logical axis rules for annotated variables (and activations in traced steps).
         activation_axes: logical names only activations use.
+        context_axes: with ``mesh``, the axes a batch's sequence dimension is split over (context parallelism).
+        context_parallelism: the short form's ``"context"`` axis size (1: none).
+        sequence_axis: which dimension of a batch leaf is its sequence (split over the context axes).
         host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
 
     Raises:
@@ -167,25 +195,40 @@ class LayoutPolicy:
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
         activation_axes: Sequence[str] = (),
         host_offload: str | None = None,
+        context_axes: str | Sequence[str] | None = None,
+        context_parallelism: int = 1,
+        sequence_axis: int = 1,
     ):
         if mesh is None:
-            if batch_axes is not None or fsdp_axes is not None:
+            if batch_axes is not None or fsdp_axes is not None or context_axes is not None:
                 raise ValueError(
-                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} name axes of a mesh: pass mesh= too "
+                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} / context_axes={context_axes!r} name axes "
+                    "of a mesh: pass mesh= too "
                     "(without it the mesh is ('replica',) or ('replica', 'model'))."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
             # The short form: "model" exists only when asked for (model_parallelism), for rules to split over.
-            roles = axis_roles(short_form_mesh(devices, model_parallelism), (REPLICA_AXIS,),
-                               None if split_variables else (), split=True)
+            mesh = short_form_mesh(devices, model_parallelism, context_parallelism)
+            roles = axis_roles(mesh, (REPLICA_AXIS,), None if split_variables else (), split=True,
+                               context_axes=(CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else ())
         else:
+            if context_parallelism != 1:
+                raise ValueError(
+                    f"mesh= and context_parallelism={context_parallelism!r} both given: on a user mesh, name the "
+                    "axes the sequence is split over with context_axes=('context',)."
+                )
             if devices is not None or model_parallelism != 1:
                 raise ValueError(
                     f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
                     "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
                 )
-            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables)
+            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes)
+        if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
+            raise ValueError(
+                f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch leaf that holds "
+                "its sequence (axis 0 holds its rows), e.g. 1 for (batch, length, ...)."
+            )
         self.roles = roles
         """The axis roles (`jaxdist.strategies.meshes.AxisRoles`): batch, FSDP and model axes."""
         self.mesh = roles.mesh
@@ -196,18 +239,51 @@ class LayoutPolicy:
         self.replica_axis = roles.replica_axis
         """The batch axes as one name (or a tuple of names): a `PartitionSpec` entry and ``run``'s default
         ``axis_name``."""
+        self.context_axes = roles.context_axes
+        """The mesh axes a batch's sequence dimension is split over (context parallelism; empty: none)."""
+        self.sequence_axis = sequence_axis
+        """The dimension of a batch leaf that the context axes split (1: ``(batch, length, ...)``)."""
+        logical_axis_rules, activation_axes = context_rules(roles, logical_axis_rules, activation_axes)
         self.rules = VariableRules(
             roles, split=split_variables, min_shard_size=min_shard_size,
             layout_rules=layout_rules or (), logical_axis_rules=logical_axis_rules or (),
             activation_axes=activation_axes,
         )
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.replica_axis))
-        """The layout of distributed batches (and per-replica values): axis 0 split over the replicas."""
+        """The layout of per-replica values and of batch leaves of rank 1 (or, without context axes, of any
+        rank): axis 0 split over the replicas. `batch_layout` gives a batch leaf's layout by its rank."""
+        self._sequence_sharding = (
+            NamedSharding(self.mesh, PartitionSpec(self.replica_axis, *[None] * (sequence_axis - 1),
+                                                   roles.context_entry))
+            if self.context_axes else None
+        )
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
         self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
         self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
         self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
+
+    def batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> NamedSharding:
+        """The layout of a batch leaf of rank ``ndim``: rows split over the batch axes, and with context axes,
+        the sequence dimension (``sequence_axis``) of a leaf that has one split over them (a leaf of ``shape``
+        whose sequence dimension has size 1, a broadcast one, stays whole along it).
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> cp = jd.strategies.LayoutPolicy(mesh=jax.make_mesh((2, 4), ("data", "context")),
+            ...                                 batch_axes="data", context_axes="context")
+            >>> cp.batch_layout(2).spec, cp.batch_layout(1).spec
+            (P('data', 'context'), P('data',))
+        """
+        if self._sequence_sharding is not None and ndim > self.sequence_axis and (
+                shape is None or shape[self.sequence_axis] != 1):
+            return self._sequence_sharding
+        return self.batch_sharding
+
+    @property
+    def context_size(self) -> int:
+        """How many parts the context axes split a sequence into (1: no context parallelism)."""
+        return self.roles.size(self.context_axes)
 
     # ------------------------------------------------------------------------------------- topology
     @functools.cached_property
@@ -218,7 +294,8 @@ class LayoutPolicy:
     @property
     def replica_devices(self) -> tuple[jax.Device, ...]:
         """The first device of each replica, in replica order (the order a batch's rows are split in)."""
-        order = [self.mesh.axis_names.index(a) for a in (*self.batch_axes, *self.roles.model_axes)]
+        order = [self.mesh.axis_names.index(a)
+                 for a in (*self.batch_axes, *self.context_axes, *self.roles.model_axes)]
         return tuple(np.transpose(self.mesh.devices, order).reshape(self.num_replicas, -1)[:, 0])
 
     @property
@@ -325,7 +402,12 @@ class LayoutPolicy:
         return None
 
     def is_batch_layout(self, x: Any) -> bool:
-        """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout)."""
+        """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout; on a mesh of
+        context axes only, its sequence dimension split over them)."""
+        if not self.batch_axes:
+            spec = getattr(getattr(x, "sharding", None), "spec", ())
+            return (is_on_mesh(x, self.mesh) and len(spec) > self.sequence_axis
+                    and spec[self.sequence_axis] == self.roles.context_entry)
         return splits_batch_axis(x, self.mesh, self.batch_axes)
 
     # --------------------------------------------------------------------------------------- checks

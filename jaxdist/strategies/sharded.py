@@ -97,7 +97,16 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             ``devices`` / ``model_parallelism``.
         batch_axes: with ``mesh``, the axes a batch's rows are split over (required when it has several).
         fsdp_axes: with ``mesh``, the batch axes the FSDP rule splits variables over; default ``batch_axes``
-            (ZeRO-3), a subset for HSDP, ``()`` for none (variables split only by rules and annotations).
+            (ZeRO-3) and the context axes, a subset for HSDP, ``()`` for none (variables split only by rules
+            and annotations).
+        context_axes: with ``mesh``, the axes a batch's sequence dimension is split over (context parallelism:
+            long sequences; see `jaxdist.nn.dot_product_attention`). Their devices are otherwise idle for
+            weights, so by default the FSDP rule splits variables over them too. The logical name
+            ``"length"`` maps to them (and ``"batch"`` to the batch axes) unless ``logical_axis_rules`` say
+            otherwise.
+        context_parallelism: the short form of ``context_axes``: a ``"context"`` axis of that size on the
+            strategy's own mesh ``(replica, context[, model])``.
+        sequence_axis: which dimension of a batch leaf is its sequence (1: ``(batch, length, ...)``).
         coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
             the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
             JAX's cluster detection, else this process alone).
@@ -129,6 +138,12 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         >>> kernel = hsdp.create_variables(dense.init, jax.random.key(0), jnp.ones((1, 8)))["params"]["kernel"]
         >>> kernel.value.sharding.spec, kernel.value.sharding.mesh.axis_names
         (P('fsdp', 'tensor'), ('data', 'fsdp', 'tensor'))
+        >>> cp = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")), batch_axes="data",
+        ...                         context_axes="context")  # context parallelism: sequences split over 4
+        >>> cp.num_replicas_in_sync, cp.experimental_distribute_values_from_function is not None
+        (2, True)
+        >>> cp.policy.batch_layout(2).spec
+        P('data', 'context')
     """
 
     def __init__(
@@ -145,6 +160,9 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         mesh: jax.sharding.Mesh | None = None,
         batch_axes: str | Sequence[str] | None = None,
         fsdp_axes: str | Sequence[str] | None = None,
+        context_axes: str | Sequence[str] | None = None,
+        context_parallelism: int = 1,
+        sequence_axis: int = 1,
         coordinator_address: str | None = None,
         num_processes: int | None = None,
         process_id: int | None = None,
@@ -162,10 +180,16 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             None if mesh is not None else resolve_devices(devices, "devices"), model_parallelism, mesh=mesh,
             batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True, min_shard_size=min_shard_size,
             layout_rules=layout_rules, logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
-            host_offload=host_offload,
+            host_offload=host_offload, context_axes=context_axes, context_parallelism=context_parallelism,
+            sequence_axis=sequence_axis,
         )
         super().__init__(policy, axis_name=axis_name)
         self._reported: set[str] = set()
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """The mesh axes a batch's sequence dimension is split over (empty: no context parallelism)."""
+        return self.policy.context_axes
 
     @property
     def min_shard_size(self) -> int:

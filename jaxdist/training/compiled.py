@@ -162,7 +162,7 @@ class CompiledSteps:
             return self._cost
         strategy = self.strategy
         like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-        batch = _abstract_batch(batch_signature, strategy.batch_sharding)
+        batch = _abstract_batch(batch_signature, strategy.policy.batch_layout)
         sums = jax.ShapeDtypeStruct((len(self._names),), np.float32)
         sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
         # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
@@ -222,10 +222,12 @@ class CompiledSteps:
         return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
 
 
-def _abstract_batch(signature: tuple, sharding: Any) -> Any:
-    """The batch a `jaxdist.training.data.signature` describes, as abstract arrays (laid out by ``sharding``)."""
+def _abstract_batch(signature: tuple, layout: Any) -> Any:
+    """The batch a `jaxdist.training.data.signature` describes, as abstract arrays (laid out by ``layout(ndim)``,
+    `LayoutPolicy.batch_layout`)."""
     treedef, leaves = signature
     return jax.tree.unflatten(treedef, [
-        jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype), sharding=sharding)
+        jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype),
+                             sharding=layout(len(shape), tuple(shape)))
         for shape, dtype in leaves
     ])

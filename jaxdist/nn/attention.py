@@ -1,0 +1,517 @@
+"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load balancing.
+
+A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``) splits a
+batch's sequence dimension over them. Attention is the one layer where a token needs every other token:
+`dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two ways:
+
+* ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the whole
+  sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters their gradients).
+  Memory per device: K/V of the whole sequence and a ``(L / N, L)`` score block. Simple and fast when K/V are
+  small (few KV heads, moderate L).
+* ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of context
+  devices (`jax.lax.ppermute`), accumulating the output with an online softmax (flash-attention style), one
+  ``(L / N, L / N)`` score block at a time; the next block's transfer is independent of the current block's
+  compute, so XLA can overlap them. Each block is rematerialised in the backward pass (`jax.checkpoint`), so
+  activation memory stays ``O(L / N)`` per device. Blocks a causal mask hides entirely are skipped.
+
+Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions. With a
+causal mask, the devices holding the start of the sequence have less to compute than those holding its end;
+``load_balance=True`` (ring) reorders the sequence once into ``2 N`` chunks, device ``i`` holding chunks
+``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts the output back in the
+original order: transparent to the model, labels and loss.
+
+Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the same
+function computes plain attention with the same formula, so a model equals itself on one device.
+
+Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by ``mask``
+(True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same segment: packed
+sequences); the softmax runs in at least float32; a query that may attend to no key at all (a padding
+position) gets zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxdist.strategies import ambient
+
+__all__ = ["dot_product_attention"]
+
+_MODES = ("all_gather", "ring")
+_UNROLL = 8  # ring steps unrolled up to this many (a longer ring stays a loop)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    causal: bool = False,
+    segment_ids: jax.Array | None = None,
+    context: str | None = "all_gather",
+    load_balance: bool = False,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    is_causal: bool = False,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Any = None,
+    attn_weights_value_einsum: Any = None,
+    promote_dtype: Any = None,
+    **flax_kwargs: Any,
+) -> jax.Array:
+    """Dot-product attention that is correct and cheap on a sequence split over context axes.
+
+    A drop-in Flax ``attention_fn`` (linen ``nn.MultiHeadDotProductAttention`` / ``nn.SelfAttention``, nnx
+    ``nnx.MultiHeadAttention``): ``functools.partial(jd.nn.dot_product_attention, causal=True,
+    context="ring")``. Inside ``strategy.jit`` of a strategy with context axes it runs the context-parallel
+    algorithm ``context`` names (see the module doc); anywhere else it is plain attention.
+
+    Args:
+        query: ``(batch, q_length, heads, head_dim)`` (Flax's layout; off a context axis any leading batch
+            dimensions).
+        key: ``(batch, kv_length, heads, head_dim)``.
+        value: ``(batch, kv_length, heads, v_dim)``.
+        bias: added to the scores; broadcastable to ``(batch, heads, q_length, kv_length)``.
+        mask: True where a query may attend to a key; broadcastable to ``(batch, heads, q_length,
+            kv_length)`` (padding masks, Flax's ``make_attention_mask``).
+        causal: a query attends only to keys at or before its position (never materialised as ``(L, L)``).
+        segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment (packed
+            sequences).
+        context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there (XLA
+            gathers the sequence; for comparison).
+        load_balance: with ``causal`` and ``"ring"``: reorder the sequence into ``2 N`` zig-zag chunks so every
+            context device does the same work (the output comes back in the original order). With
+            ``"all_gather"`` the work is already even: accepted, changes nothing.
+        dropout_rng, dropout_rate, broadcast_dropout, deterministic: Flax's attention dropout (plain
+            attention only: on a context axis, pass ``deterministic=True`` or ``dropout_rate=0``).
+        dtype: the computation dtype (default: the inputs'); the softmax runs in at least float32.
+        precision: the matmuls' `jax.lax.Precision`.
+        module: Flax's module when it sows the attention weights (plain attention only).
+        is_causal: Flax nnx's name for ``causal`` (either one turns the causal mask on).
+        force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype: accepted
+            from Flax's modules (the softmax is in float32 already; custom einsums are not supported).
+        **flax_kwargs: any other keyword a Flax module passes; an unknown one is an error.
+
+    Returns:
+        ``(batch, q_length, heads, v_dim)``, laid out like ``query``.
+
+    Raises:
+        ValueError: for an unknown ``context``, ``load_balance`` without ``causal``, or on a context axis a
+            sequence length the context axes do not divide (``2 N`` chunks with ``load_balance``), query and
+            key lengths that differ, inputs that are not ``(batch, length, heads, head_dim)``.
+        NotImplementedError: for dropout or sowing weights on a context axis, or custom einsums.
+        TypeError: for a keyword argument it does not know.
+
+    Examples:
+        >>> import functools, jax, jax.numpy as jnp, jaxdist as jd
+        >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))
+        >>> out = jd.nn.dot_product_attention(q, k, v, causal=True)
+        >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+        ((2, 8, 4, 16), True)
+        >>> import flax.linen as nn  # a drop-in attention_fn
+        >>> attn = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=functools.partial(
+        ...     jd.nn.dot_product_attention, causal=True, context="ring"))
+        >>> x = jnp.ones((2, 8, 16))
+        >>> attn.apply(attn.init(jax.random.key(0), x), x).shape
+        (2, 8, 16)
+    """
+    if flax_kwargs:
+        raise TypeError(
+            f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it takes Flax's "
+            "attention_fn arguments (mask, bias, dropout_rng, dropout_rate, broadcast_dropout, deterministic, "
+            "dtype, precision, module, is_causal) and causal=, segment_ids=, context=, load_balance=."
+        )
+    if context is not None and context not in _MODES:
+        raise ValueError(
+            f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along the context "
+            "axes, 'ring' passes them around the ring of context devices (None: plain attention)."
+        )
+    causal = bool(causal or is_causal)
+    if load_balance and not causal:
+        raise ValueError(
+            "load_balance=True balances causal attention over the context devices (without a causal mask "
+            "every device already does the same work): pass causal=True, or drop load_balance."
+        )
+    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+        raise NotImplementedError(
+            "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by jd.nn.dot_product_attention: "
+            "leave them unset (Flax's default)."
+        )
+    del force_fp32_for_softmax, promote_dtype  # the softmax is in float32 already; inputs are promoted below
+    if dtype is not None:
+        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    else:
+        dtype = jnp.result_type(query, key, value)
+        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    dropout = dropout_rate > 0.0 and not deterministic
+
+    policy = _context_policy()
+    if policy is None or context is None:
+        return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
+                      (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None, module)
+    if dropout or module is not None:
+        raise NotImplementedError(
+            "attention dropout and sown attention weights need the whole (L, L) weight matrix, which context "
+            "parallelism never builds: pass deterministic=True (or dropout_rate=0.0) and no module to "
+            "jd.nn.dot_product_attention on a context axis, or context=None for plain attention."
+        )
+    return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context, load_balance,
+                             precision)
+
+
+# ------------------------------------------------------------------------------------------ the algorithm
+def _context_policy() -> Any | None:
+    """The layout policy of the strategy step being traced, when it has context axes of size > 1."""
+    frame = ambient.current_computation()
+    if frame is None or frame.kind != "global":
+        return None
+    policy = frame.policy
+    if not getattr(policy, "context_axes", ()) or policy.context_size == 1:
+        return None
+    return policy
+
+
+def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
+    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for all."""
+    vis = None
+    if causal:
+        vis = (q_pos[:, None] >= k_pos[None, :])[None, None]
+    if q_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None]
+        vis = same if vis is None else vis & same
+    if mask is not None:
+        vis = mask if vis is None else vis & mask
+    return vis
+
+
+def _block(carry, q, k, v, vis, bias, precision):
+    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of ``q``.
+
+    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h, q)`` running
+    sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does not depend on it.
+    """
+    o, m, total = carry
+    acc = o.dtype
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
+    if bias is not None:
+        s = s + bias.astype(acc)
+    if vis is not None:
+        s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, jax.lax.stop_gradient(s.max(-1)))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    correction = jnp.exp(m - m_safe)
+    total = total * correction + p.sum(-1)
+    pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=precision, preferred_element_type=acc)
+    o = o * jnp.swapaxes(correction, 1, 2)[..., None] + pv
+    return o, m_new, total
+
+
+def _init_carry(q, v):
+    """Zero output and sum, ``-inf`` max, for the queries ``q``. Built from ``q`` itself so that inside
+    `jax.shard_map` they vary over the same mesh axes as the queries (a loop carry's type must not change)."""
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    zero = q[..., 0].astype(acc) * 0  # (b, q, h)
+    o = zero[..., None] + jnp.zeros((v.shape[-1],), acc)
+    per_row = jnp.swapaxes(zero, 1, 2)  # (b, h, q)
+    return o, per_row - jnp.inf, per_row
+
+
+def _finish(carry, dtype):
+    o, _, total = carry
+    total = jnp.swapaxes(total, 1, 2)[..., None]
+    return jnp.where(total > 0, o / jnp.where(total > 0, total, 1.0), 0.0).astype(dtype)
+
+
+def _as4(x: Any) -> Any:
+    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1 added)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.ndim > 4:
+        raise ValueError(f"a mask/bias of shape {x.shape} has more than 4 dimensions (batch, heads, q, k).")
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module):
+    """Plain attention (one block of the same algorithm), any leading batch dimensions."""
+    batch_shape = query.shape[:-3]
+    lq, lk = query.shape[-3], key.shape[-3]
+    flat = lambda x: x.reshape((-1, *x.shape[-3:]))  # noqa: E731
+    q, k, v = flat(query), flat(key), flat(value)
+    q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+
+    def rank4(x):  # masks/biases over Flax's [batch..., heads, q, k]: batch dimensions flattened too
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        x = x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape) if x.ndim < len(batch_shape) + 3 else x
+        x = jnp.broadcast_to(x, (*batch_shape, *x.shape[len(batch_shape):])) if batch_shape else x[None]
+        return x.reshape((-1, *x.shape[-3:]))
+
+    seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, lq)
+    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None else rank4(mask).astype(bool),
+                   causal)
+    bias4 = rank4(bias)
+    if dropout is None and module is None:
+        out = _finish(_block(_init_carry(q, v), q, k, v, vis, bias4, precision), query.dtype)
+        return out.reshape((*batch_shape, *out.shape[1:]))
+    # Dropout / sown weights need the normalised weights themselves (as Flax's dot_product_attention).
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
+    if bias4 is not None:
+        s = s + bias4.astype(acc)
+    if vis is not None:
+        s = jnp.where(vis, s, -jnp.inf)
+    m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    total = p.sum(-1, keepdims=True)
+    weights = jnp.where(total > 0, p / jnp.where(total > 0, total, 1.0), 0.0)
+    if module is not None:
+        module.sow("intermediates", "attention_weights", weights.reshape((*batch_shape, *weights.shape[1:])))
+    if dropout is not None:
+        rng, rate, broadcast = dropout
+        shape = (weights.shape[0], 1, *weights.shape[2:]) if broadcast else weights.shape
+        keep = jax.random.bernoulli(rng, 1.0 - rate, shape)
+        weights = weights * keep.astype(weights.dtype) / (1.0 - rate)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, precision=precision).astype(query.dtype)
+    return out.reshape((*batch_shape, *out.shape[1:]))
+
+
+# ----------------------------------------------------------------------------- context parallel (shard_map)
+def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
+    n = policy.context_size
+    axes = policy.context_axes
+    sizes = {a: policy.mesh.shape[a] for a in axes}
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if np.ndim(x) != 4:
+            raise ValueError(
+                f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} jd.nn.dot_product_attention takes "
+                "Flax's (batch, length, heads, head_dim) layout; reshape extra batch dimensions into the first."
+            )
+    if query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} the sequence of "
+            "queries and keys is the same split sequence (self-attention); pass context=None for attention "
+            "over another sequence (XLA gathers it)."
+        )
+    length = query.shape[1]
+    parts = 2 * n if load_balance and context == "ring" else n
+    if length % parts:
+        why = f" (2 x {n} zig-zag chunks for load_balance=True)" if parts != n else ""
+        raise ValueError(
+            f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} of sizes "
+            f"{sizes} split it into {n} parts. Pad the sequence to {-(-length // parts) * parts} (a multiple of "
+            f"{parts}), or pick context axes whose size divides {length}."
+        )
+
+
+def _spec_entry(entry: Any, drop: set[str]) -> Any:
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and n not in drop)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context, load_balance,
+                      precision):
+    _check(policy, query, key, value, load_balance, context)
+    axes = tuple(policy.context_axes)
+    entry = axes[0] if len(axes) == 1 else axes
+    n = policy.context_size
+    mesh = policy.mesh
+    explicit = set(policy.roles.explicit_axes)
+    zigzag = load_balance and context == "ring"
+    q = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
+    mask4 = None if mask is None else _as4(mask).astype(bool)
+    bias4 = _as4(bias)
+    seg = None if segment_ids is None else jnp.asarray(segment_ids)
+    length = query.shape[1]
+
+    # Which operands are split along the sequence (the rest are whole on every context device).
+    def seq_spec(x, dim):
+        spec = [None] * x.ndim
+        spec[dim] = entry
+        return spec
+
+    operands = [q, key, value]
+    dims = [1, 1, 1]
+    if seg is not None:
+        operands.append(seg)
+        dims.append(1)
+    for extra in (mask4, bias4):
+        if extra is not None:
+            operands.append(extra)
+            dims.append(2 if extra.shape[2] == length and extra.shape[2] > 1 else None)
+
+    if explicit:
+        # Sharding in types: shard_map over every axis, the other axes as the operands' types say.
+        # The query's type decides the batch and head layout of every operand (they must agree to broadcast).
+        typed = getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ()
+        batch_e, head_e = (_spec_entry(e, set(axes)) for e in (*typed, None, None, None)[0:3:2])
+        b, h = query.shape[0], query.shape[2]
+        specs = []
+        for i, (x, dim) in enumerate(zip(operands, dims, strict=True)):
+            spec = [None] * x.ndim
+            spec[0] = batch_e if x.shape[0] == b else None
+            if i < 3:  # query, key, value: (batch, length, heads, dim)
+                spec[2] = head_e if x.shape[2] == h else None
+            elif x.ndim == 4:  # mask, bias: (batch, heads, q, k)
+                spec[1] = head_e if x.shape[1] == h else None
+            if dim is not None:
+                spec[dim] = entry
+            specs.append(PartitionSpec(*spec))
+        operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, specs, strict=True)]
+        manual = None
+    else:
+        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec() for x, d in zip(
+            operands, dims, strict=True)]
+        manual = frozenset(axes)
+    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2], specs[2][3]) if explicit else PartitionSpec(None, entry)
+
+    has_seg, has_mask, has_bias = seg is not None, mask4 is not None, bias4 is not None
+    mask_rows = mask4 is not None and dims[3 + has_seg] is not None
+    bias_rows = bias4 is not None and dims[3 + has_seg + has_mask] is not None
+
+    def local(*xs):
+        xs = list(xs)
+        q, k, v = xs[:3]
+        rest = xs[3:]
+        s = rest.pop(0) if has_seg else None
+        mk = rest.pop(0) if has_mask else None
+        bs = rest.pop(0) if has_bias else None
+        if zigzag:
+            q, k, v = (_zigzag(x, 1, axes, n) for x in (q, k, v))
+            s = None if s is None else _zigzag(s, 1, axes, n)
+            mk = _zigzag(mk, 2, axes, n) if mask_rows else mk
+            bs = _zigzag(bs, 2, axes, n) if bias_rows else bs
+        algorithm = _ring if context == "ring" else _all_gather
+        out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length, zigzag=zigzag,
+                        mask_rows=mask_rows, bias_rows=bias_rows, precision=precision)
+        if zigzag:
+            out = _unzigzag(out, 1, axes, n)
+        return out
+
+    kwargs = {} if manual is None else {"axis_names": manual}
+    fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec, **kwargs)
+    return fn(*operands).astype(query.dtype)
+
+
+def _positions(block, n: int, lc: int, zigzag: bool):
+    """The sequence positions of the ``lc`` tokens context device ``block`` holds (traced ``block``)."""
+    if not zigzag:
+        return block * lc + jnp.arange(lc)
+    half = lc // 2
+    return jnp.concatenate([block * half + jnp.arange(half), (2 * n - 1 - block) * half + jnp.arange(half)])
+
+
+def _columns(x, positions, lc_total: int):
+    """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes broadcast."""
+    if x is None or x.shape[-1] == 1:
+        return x
+    return jnp.take(x, positions, axis=-1) if x.shape[-1] == lc_total else x
+
+
+def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, mask_rows, bias_rows, precision):
+    del zigzag, mask_rows, bias_rows  # all-gather's work is even without reordering (see the module doc)
+    idx = jax.lax.axis_index(axes)
+    lc = q.shape[1]
+    k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
+    k_seg = None if seg is None else jax.lax.all_gather(seg, axes, axis=1, tiled=True)
+    vis = _visible(idx * lc + jnp.arange(lc), jnp.arange(length), seg, k_seg, mask, causal)
+    return _finish(_block(_init_carry(q, v), q, k_all, v_all, vis, bias, precision), q.dtype)
+
+
+def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, mask_rows, bias_rows, precision):
+    del mask_rows, bias_rows
+    idx = jax.lax.axis_index(axes)
+    lc = q.shape[1]
+    chunks = 2 if zigzag else 1  # the query/key chunks whose causal visibility is decided as a whole
+    cl = lc // chunks
+    q_pos = _positions(idx, n, lc, zigzag)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def fold(carry, qc, qp, qs, kc, vc, kp, ks, mc, bc):
+        return _block(carry, qc, kc, vc, _visible(qp, kp, qs, ks, mc, causal), bc, precision)
+
+    def update(carries, kv, src):
+        kb, vb, kseg = kv
+        k_pos = _positions(src, n, lc, zigzag)
+        mcols = _columns(mask, k_pos, length)
+        bcols = _columns(bias, k_pos, length)
+        new = []
+        for i, carry in enumerate(carries):
+            rows = slice(i * cl, (i + 1) * cl)
+            qc, qp = q[:, rows], q_pos[rows]
+            qs = None if seg is None else seg[:, rows]
+            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc else mcols)
+            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc else bcols)
+            for j in range(chunks):
+                cols = slice(j * cl, (j + 1) * cl)
+                kc, vc, kp = kb[:, cols], vb[:, cols], k_pos[cols]
+                ks = None if kseg is None else kseg[:, cols]
+                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc else mrows)
+                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc else brows)
+                args = (qc, qp, qs, kc, vc, kp, ks, mc, bc)
+                if causal:  # a chunk pair the causal mask hides entirely costs nothing
+                    carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c, carry, args)
+                else:
+                    carry = fold(carry, *args)
+            new.append(carry)
+        return new
+
+    carries = [_init_carry(q[:, i * cl:(i + 1) * cl], v) for i in range(chunks)]
+    kv = (k, v, seg)
+
+    def step(state, s):
+        carries, kv = state
+        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)  # independent of this step's compute
+        carries = update(carries, kv, (idx - s) % n)
+        return (carries, nxt), None
+
+    if n > 1:
+        # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute, and cost
+        # analysis (FLOPs, MFU) counts every block.
+        (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1), unroll=n - 1 <= _UNROLL)
+    carries = update(carries, kv, (idx - (n - 1)) % n)
+    return jnp.concatenate([_finish(c, q.dtype) for c in carries], axis=1)
+
+
+# --------------------------------------------------------------------------------------- zig-zag reorder
+def _dest(c: int, n: int) -> int:
+    """The context device that holds chunk ``c`` of ``2 n`` in the zig-zag order."""
+    return c if c < n else 2 * n - 1 - c
+
+
+def _zigzag(x, axis: int, axes, n: int):
+    """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n - 1 - i``):
+    two collective permutes, one per local half."""
+    h0, h1 = jnp.split(x, 2, axis=axis)
+    r0 = jax.lax.ppermute(h0, axes, [(i, _dest(2 * i, n)) for i in range(n)])
+    r1 = jax.lax.ppermute(h1, axes, [(i, _dest(2 * i + 1, n)) for i in range(n)])
+    even = jax.lax.axis_index(axes) % 2 == 0  # even devices got their first chunk from the first permute
+    return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
+
+
+def _unzigzag(x, axis: int, axes, n: int):
+    """The inverse of `_zigzag`."""
+    s0, s1 = jnp.split(x, 2, axis=axis)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    send0, send1 = jnp.where(even, s0, s1), jnp.where(even, s1, s0)
+    h0 = jax.lax.ppermute(send0, axes, [(_dest(2 * i, n), i) for i in range(n)])
+    h1 = jax.lax.ppermute(send1, axes, [(_dest(2 * i + 1, n), i) for i in range(n)])
+    return jnp.concatenate([h0, h1], axis=axis)
