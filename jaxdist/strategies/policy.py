@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout_rules import VariableRules, is_box
-from jaxdist.strategies.meshes import axis_roles, short_form_mesh
+from jaxdist.strategies.meshes import STAGE_AXIS, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 
 __all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
@@ -100,6 +100,9 @@ class LayoutPolicy:
         logical_axis_rules: Flax logical axis rules for annotated variables (and activations in traced steps).
         activation_axes: logical names only activations use.
         host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
+        stage_axes: with ``mesh``, the model axes pipeline stages are laid out over (the logical axis
+            ``"layers"`` of `jaxdist.nn.Pipeline`'s stacked parameters is split over them).
+        pipeline_parallelism: the short form's stage count: a leading ``"stage"`` mesh axis of that size.
 
     Raises:
         ValueError: for ``model_parallelism`` that does not divide the devices, bad axis roles, a malformed
@@ -132,25 +135,31 @@ class LayoutPolicy:
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
         activation_axes: Sequence[str] = (),
         host_offload: str | None = None,
+        stage_axes: str | Sequence[str] | None = None,
+        pipeline_parallelism: int = 1,
     ):
         if mesh is None:
-            if batch_axes is not None or fsdp_axes is not None:
+            if batch_axes is not None or fsdp_axes is not None or stage_axes is not None:
                 raise ValueError(
-                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} name axes of a mesh: pass mesh= too "
-                    "(without it the mesh is ('replica',) or ('replica', 'model'))."
+                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} / stage_axes={stage_axes!r} name axes of a "
+                    "mesh: pass mesh= too (without it the mesh is ('replica',) or ('replica', 'model'), with "
+                    "pipeline_parallelism > 1 a leading 'stage' axis)."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
-            # The short form: "model" exists only when asked for (model_parallelism), for rules to split over.
-            roles = axis_roles(short_form_mesh(devices, model_parallelism), (REPLICA_AXIS,),
-                               None if split_variables else (), split=True)
+            # The short form: "model" exists only when asked for (model_parallelism), for rules to split over;
+            # "stage" only with pipeline_parallelism.
+            roles = axis_roles(short_form_mesh(devices, model_parallelism, pipeline_parallelism), (REPLICA_AXIS,),
+                               None if split_variables else (), split=True,
+                               stage_axes=(STAGE_AXIS,) if pipeline_parallelism != 1 else ())
         else:
-            if devices is not None or model_parallelism != 1:
+            if devices is not None or model_parallelism != 1 or pipeline_parallelism != 1:
                 raise ValueError(
-                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
-                    "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
+                    f"mesh= and devices= / model_parallelism={model_parallelism!r} / pipeline_parallelism="
+                    f"{pipeline_parallelism!r} both given: a user mesh already says which devices and axes; pass "
+                    "only mesh=, batch_axes=, fsdp_axes= and stage_axes=."
                 )
-            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables)
+            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, stage_axes=stage_axes)
         self.roles = roles
         """The axis roles (`jaxdist.strategies.meshes.AxisRoles`): batch, FSDP and model axes."""
         self.mesh = roles.mesh
@@ -286,6 +295,17 @@ class LayoutPolicy:
         self._reported_idle.update(idle)
         axis, size = idle[0], self.mesh.shape[idle[0]]
         some = f" (e.g. {', '.join(names[:3])})" if names else ""
+        if axis in self.roles.stage_axes:
+            warnings.warn(
+                f"stage axis {axis!r} (size {size}) splits none of {what}{some}: the model has no pipeline layer "
+                "(jd.nn.Pipeline, whose stacked layer parameters carry the logical axis 'layers'), so the stage "
+                "devices are idle: they hold and compute the same thing. Put the model's stack of identical blocks "
+                "in jd.nn.Pipeline(block=..., num_layers=..., num_microbatches=...), or drop stage_axes "
+                "(pipeline_parallelism).",
+                IdleAxisWarning,
+                stacklevel=4,
+            )
+            return
         warnings.warn(
             f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.batch_axes} and splits none of "
             f"{what}{some}: a batch is whole along it, so its devices compute the same thing. Annotate variables "

@@ -15,7 +15,8 @@ The mesh, two ways (`jaxdist.strategies.meshes`):
   "tensor")), batch_axes=("data", "fsdp"))``. A batch's rows are split over ``batch_axes``
   (``num_replicas_in_sync`` is their product); the FSDP rule splits variables over ``fsdp_axes`` (default:
   all of ``batch_axes``, ZeRO-3; a subset is HSDP, e.g. ``fsdp_axes=("fsdp",)``: shard within a host,
-  replicate across hosts); the other axes are model axes that rules and annotations name verbatim.
+  replicate across hosts); the other axes are model axes that rules and annotations name verbatim, and
+  ``stage_axes`` among them lay out pipeline stages (`jaxdist.nn.Pipeline`; short form ``pipeline_parallelism=k``).
 
 Several processes: created after ``jax.distributed.initialize()`` (or given the cluster like
 `MultiWorkerMirroredStrategy`: keyword arguments, ``JAXDIST_*`` variables, JAX's cluster detection), the
@@ -98,6 +99,10 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         batch_axes: with ``mesh``, the axes a batch's rows are split over (required when it has several).
         fsdp_axes: with ``mesh``, the batch axes the FSDP rule splits variables over; default ``batch_axes``
             (ZeRO-3), a subset for HSDP, ``()`` for none (variables split only by rules and annotations).
+        stage_axes: with ``mesh``, the model axes pipeline stages are laid out over: the stacked layers of a
+            `jaxdist.nn.Pipeline` (logical axis ``"layers"``) are split over them and run as a pipeline.
+        pipeline_parallelism: the short form of ``stage_axes``: a leading ``"stage"`` mesh axis of that size
+            (``(stage, replica)``, or ``(stage, replica, model)`` with ``model_parallelism``).
         coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
             the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
             JAX's cluster detection, else this process alone).
@@ -145,6 +150,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         mesh: jax.sharding.Mesh | None = None,
         batch_axes: str | Sequence[str] | None = None,
         fsdp_axes: str | Sequence[str] | None = None,
+        stage_axes: str | Sequence[str] | None = None,
+        pipeline_parallelism: int = 1,
         coordinator_address: str | None = None,
         num_processes: int | None = None,
         process_id: int | None = None,
@@ -162,7 +169,7 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             None if mesh is not None else resolve_devices(devices, "devices"), model_parallelism, mesh=mesh,
             batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True, min_shard_size=min_shard_size,
             layout_rules=layout_rules, logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
-            host_offload=host_offload,
+            host_offload=host_offload, stage_axes=stage_axes, pipeline_parallelism=pipeline_parallelism,
         )
         super().__init__(policy, axis_name=axis_name)
         self._reported: set[str] = set()
