@@ -10,6 +10,7 @@ Examples:
 """
 
 from jaxdist import gradients as gradients
+from jaxdist import nn as nn
 from jaxdist import tpu as tpu
 from jaxdist import training as training
 from jaxdist.replicate import MODEL_AXIS as MODEL_AXIS
@@ -80,6 +81,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_cluster",
+    "nn",
     "scale_regularization_loss",
     "tpu",
     "training",
