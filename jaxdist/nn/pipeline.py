@@ -71,6 +71,16 @@ def bubble_fraction(num_stages: int, num_microbatches: int, repeats: int = 1) ->
     return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
 
 
+def _checked(block: nn.Module, x: jax.Array, y: Any) -> jax.Array:
+    if not isinstance(y, jax.Array) or y.shape != x.shape or y.dtype != x.dtype:
+        raise ValueError(
+            f"block {type(block).__name__} returned {getattr(y, 'shape', type(y).__name__)} "
+            f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block maps x to an x of "
+            "the same shape and dtype (return the new x only, not a (carry, output) pair)."
+        )
+    return y
+
+
 def _unbox(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
 
@@ -170,14 +180,7 @@ class Pipeline(nn.Module):
 
         def layer(params, key, x, args):
             rngs = {"dropout": jax.random.wrap_key_data(key)} if dropout else None
-            y = block.apply({"params": params}, x, *args, rngs=rngs, **kwargs)
-            if not isinstance(y, jax.Array) or y.shape != x.shape or y.dtype != x.dtype:
-                raise ValueError(
-                    f"block {type(self.block).__name__} returned {getattr(y, 'shape', type(y))} "
-                    f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block maps x to "
-                    "an x of the same shape and dtype (return the carry only)."
-                )
-            return y
+            return _checked(self.block, x, block.apply({"params": params}, x, *args, rngs=rngs, **kwargs))
 
         if self.remat is True:
             layer = jax.checkpoint(layer)
@@ -227,7 +230,7 @@ class Pipeline(nn.Module):
         """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for rng)."""
 
         def body(module, carry, *xs):
-            return module(carry, *xs, **kwargs), None
+            return _checked(module, carry, module(carry, *xs, **kwargs)), None
 
         scan = nn.scan(
             body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},

@@ -188,6 +188,8 @@ class VariableRules:
             ruled = {name for name, _ in rules}
             free = [i for i, name in enumerate(names) if isinstance(name, str) and name not in ruled]
             what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
+            if LAYERS in names and self.roles.stage_axes:
+                self._check_stages(path, shape[names.index(LAYERS)], axes[names.index(LAYERS)])
         else:  # nn.with_partitioning names mesh axes: exactly what the model asks for
             for name in jax.tree.leaves(names):
                 if isinstance(name, str) and name not in self.mesh.axis_names:
@@ -208,6 +210,15 @@ class VariableRules:
         while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
             axes.pop()
         return PartitionSpec(*axes)
+
+    def _check_stages(self, path: str, layers: int, entry: Any) -> None:
+        parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
+        if layers % parts:
+            raise ValueError(
+                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the {parts} stages of "
+                f"stage_axes={self.roles.stage_axes}: each stage holds num_layers / stages layers; use a multiple "
+                f"of {parts} layers (times the circular schedule's repeats), or another stage count."
+            )
 
     def _big_enough(self, shape: tuple[int, ...]) -> bool:
         return int(np.prod(shape, dtype=np.int64)) >= self.min_shard_size
