@@ -23,7 +23,7 @@ from pipeline_model import LENGTH, RULES, Block, PipelineLM, ScanBlock, batches,
 import jaxdist as jd
 
 AUTO = jax.sharding.AxisType.Auto
-STEPS = 3
+STEPS = 2
 
 
 def mesh(shape, names):
@@ -41,10 +41,10 @@ STRATEGIES = {
 }
 # (strategy, schedule, repeats, layers, micro-batches): every stage count gets both schedules.
 CASES = [
-    ("stage4_data2", "gpipe", 1, 8, 4),
+    ("stage4_data2", "gpipe", 1, 4, 4),
     ("stage4_data2", "circular", 2, 8, 4),
-    ("stage2_fsdp2_tensor2", "gpipe", 1, 8, 2),
-    ("stage2_fsdp2_tensor2", "circular", 2, 8, 4),
+    ("stage2_fsdp2_tensor2", "gpipe", 1, 4, 2),
+    ("stage2_fsdp2_tensor2", "circular", 2, 4, 4),
     ("stage8", "gpipe", 1, 8, 8),
     ("stage8", "circular", 2, 16, 8),
 ]
