@@ -221,9 +221,10 @@ class Pipeline(nn.Module):
         computation = ambient.current_computation()
         policy = computation.policy if computation is not None and computation.kind == "global" else None
         stages = policy.roles.size(policy.roles.stage_axes) if policy is not None else 1
-        self._check_batch(x, policy.num_replicas if policy is not None else 1)
-        if stages == 1:
+        if stages == 1:  # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
+            self._check_batch(x, 1)
             return self._plain(layer, params, keys, x, args, dropout)
+        self._check_batch(x, policy.num_replicas)
         return self._pipelined(layer, params, keys, x, args, policy, stages)
 
     def _init_scan(self, x: jax.Array, args: tuple, kwargs: dict[str, Any]) -> jax.Array:
