@@ -110,6 +110,8 @@ class Pipeline(nn.Module):
         repeats: ``R``, the circular schedule's trips around the stages (1 for ``"gpipe"``).
         remat: recompute each layer's activations in the backward pass: True (``jax.checkpoint``), False, or a
             ``jax.checkpoint_policies`` policy.
+        unroll: unroll the loops over layers and pipeline iterations (longer compiles; XLA's cost analysis,
+            which counts a loop's body once, then counts every iteration: how the bubble is measured).
 
     Raises (when called):
         ValueError: for an unknown ``schedule``, ``repeats`` or ``num_microbatches`` < 1, ``repeats > 1`` with
@@ -144,6 +146,7 @@ class Pipeline(nn.Module):
     schedule: str = "gpipe"
     repeats: int = 1
     remat: bool | Callable[..., Any] = False
+    unroll: bool = False
 
     # ------------------------------------------------------------------------------------ validation
     def _check(self) -> None:
@@ -196,7 +199,7 @@ class Pipeline(nn.Module):
             key = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), m))
             return layer(p, key, h, args), None
 
-        return lax.scan(body, x, (params, keys))[0]
+        return lax.scan(body, x, (params, keys), unroll=self.unroll)[0]
 
     # ------------------------------------------------------------------------------------------ call
     @nn.compact
@@ -328,7 +331,7 @@ class Pipeline(nn.Module):
                     outs, jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)), done, 0)
                 return (recv, buf, outs), None
 
-            (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations))
+            (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations), unroll=self.unroll)
             return outs[None]
 
         arg_specs = tuple(PartitionSpec() for _ in margs)
