@@ -258,3 +258,27 @@ def test_trainer_fit_pipelined_checkpoint_restores_on_one_device_and_fsdp(tmp_pa
         resumed.fit(_data(), steps=4, checkpoint_dir=tmp_path, verbose=0)  # restores step 2, trains to 4
         assert resumed.step == 4
         assert_trees_close(resumed.state.params, straight.state.params, f"{strategy}: parameter ")
+
+
+def test_explicit_axes_mesh():
+    """jax.make_mesh's default Explicit axes: the pipeline loop runs with them Auto, its output typed as its input."""
+
+    class Tiny(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(x.shape[-1])(nn.relu(x))
+
+    model = jd.nn.Pipeline(block=Tiny(), num_layers=4, num_microbatches=2)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    params = model.init(jax.random.key(0), x)
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("stage", "data")), batch_axes="data",
+                                  stage_axes="stage", min_shard_size=1)
+    placed = strategy.create_variables(lambda: params)
+
+    def loss(p, x):
+        return jnp.sum(model.apply(p, x) ** 2)
+
+    value, grads = strategy.jit(jax.value_and_grad(loss), batch_argnums=(1,))(placed, x)
+    expected_value, expected_grads = jax.value_and_grad(loss)(params, x)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    assert_trees_close(grads, expected_grads, "gradient ")

@@ -276,6 +276,17 @@ class Pipeline(nn.Module):
         return self._merge(ys)
 
     def _pipelined(self, layer, params, keys, x, args, policy, stages) -> jax.Array:
+        explicit = policy.roles.explicit_axes
+        if not explicit:
+            return self._pipeline_loop(layer, params, keys, x, args, policy, stages)
+        # On Explicit axes (a layout is part of a value's type) the loop's reshapes and constraints run with
+        # the axes Auto; the output comes back typed as the input was.
+        return jax.sharding.auto_axes(
+            lambda p, k, h, a: self._pipeline_loop(layer, p, k, h, a, policy, stages),
+            axes=explicit, out_sharding=jax.typeof(x).sharding,
+        )(params, keys, x, args)
+
+    def _pipeline_loop(self, layer, params, keys, x, args, policy, stages) -> jax.Array:
         roles = policy.roles
         num_layers, repeats, m_count = self.num_layers, self.repeats, self.num_microbatches
         if num_layers % (stages * repeats):
@@ -291,10 +302,12 @@ class Pipeline(nn.Module):
             )
         per = num_layers // (stages * repeats)
         stage_spec = PartitionSpec(roles.stage_entry)
+        ambient_mesh = jax.sharding.get_abstract_mesh()  # the step's mesh, with Explicit axes made Auto here
+        mesh = ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names) else policy.mesh
 
         def by_stage(a):  # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
             a = a.reshape(repeats, stages, per, *a.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(policy.mesh, stage_spec))
+            return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, stage_spec))
 
         staged, staged_keys = jax.tree.map(by_stage, params), by_stage(keys)
         batch = x.shape[0]
@@ -336,7 +349,7 @@ class Pipeline(nn.Module):
 
         arg_specs = tuple(PartitionSpec() for _ in margs)
         run = jax.shard_map(
-            stage_fn, mesh=policy.mesh, in_specs=(stage_spec, stage_spec, PartitionSpec(), arg_specs),
+            stage_fn, mesh=mesh, in_specs=(stage_spec, stage_spec, PartitionSpec(), arg_specs),
             out_specs=stage_spec, axis_names=set(axes),
         )
         outs = run(staged, staged_keys, xs, tuple(jnp.asarray(a) for a in margs))
