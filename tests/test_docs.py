@@ -17,7 +17,7 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUNNABLE = [p for p in PAGES if "```python" in p.read_text()]
 # The packages whose __all__ the reference must cover; its pages group the names by use (docs/api/*.md).
 PACKAGES = ["jaxdist", "jaxdist.strategies", "jaxdist.replicate", "jaxdist.gradients", "jaxdist.tpu",
-            "jaxdist.training", "jaxdist.strategies.compat"]
+            "jaxdist.training", "jaxdist.strategies.compat", "jaxdist.nn"]
 
 def _blocks(page: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)

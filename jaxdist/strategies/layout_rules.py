@@ -18,7 +18,9 @@ that applies:
    is already split over an FSDP axis, the largest such dimension their size divides is;
 3. the FSDP rule (unannotated variables).
 
-A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says.
+A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With stage axes
+(pipeline parallelism) the logical name ``"layers"`` (the stacked layer axis of `jaxdist.nn.Pipeline`) is
+mapped to them unless the user's rules map it themselves.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ from jax.sharding import PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, path_name
 from jaxdist.strategies.meshes import AxisRoles
 
-__all__ = ["VariableRules", "is_box", "logical_names"]
+__all__ = ["LAYERS", "VariableRules", "is_box", "logical_names"]
+
+LAYERS = "layers"
+"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME: "layers"}``,
+`jaxdist.nn.Pipeline`): split over a strategy's stage axes."""
 
 
 def is_box(x: Any) -> bool:
@@ -106,6 +112,12 @@ class VariableRules:
         self.min_shard_size = min_shard_size
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
         self.logical_axis_rules = tuple(self._check_logical_rule(i, r) for i, r in enumerate(logical_axis_rules or ()))
+        if roles.stage_axes and LAYERS not in {name for name, _ in self.logical_axis_rules}:
+            # Pipeline stages hold their own layers: the stacked layer axis goes over the stage axes (a user's own
+            # "layers" rule wins). Appended, so every user rule keeps its priority; never reported as unmatched
+            # (a model without a pipeline layer is reported as an idle stage axis instead).
+            self.logical_axis_rules += ((LAYERS, roles.stage_entry),)
+        self._implicit = {LAYERS} if roles.stage_axes else set()
         self.activation_axes = frozenset(activation_axes)
 
     # ------------------------------------------------------------------------------------ validation
@@ -176,6 +188,8 @@ class VariableRules:
             ruled = {name for name, _ in rules}
             free = [i for i, name in enumerate(names) if isinstance(name, str) and name not in ruled]
             what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
+            if LAYERS in names and self.roles.stage_axes:
+                self._check_stages(path, shape[names.index(LAYERS)], axes[names.index(LAYERS)])
         else:  # nn.with_partitioning names mesh axes: exactly what the model asks for
             for name in jax.tree.leaves(names):
                 if isinstance(name, str) and name not in self.mesh.axis_names:
@@ -196,6 +210,15 @@ class VariableRules:
         while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
             axes.pop()
         return PartitionSpec(*axes)
+
+    def _check_stages(self, path: str, layers: int, entry: Any) -> None:
+        parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
+        if layers % parts:
+            raise ValueError(
+                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the {parts} stages of "
+                f"stage_axes={self.roles.stage_axes}: each stage holds num_layers / stages layers; use a multiple "
+                f"of {parts} layers (times the circular schedule's repeats), or another stage count."
+            )
 
     def _big_enough(self, shape: tuple[int, ...]) -> bool:
         return int(np.prod(shape, dtype=np.int64)) >= self.min_shard_size
@@ -252,6 +275,6 @@ class VariableRules:
         out += [
             f"logical_axis_rules[{i}]={(name, axes)!r}"
             for i, (name, axes) in enumerate(self.logical_axis_rules)
-            if name not in names and name not in self.activation_axes
+            if name not in names and name not in self.activation_axes and name not in self._implicit
         ]
         return out

@@ -36,21 +36,28 @@ from jax.sharding import AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
-__all__ = ["CONTEXT_AXIS", "AxisRoles", "axis_roles", "short_form_mesh"]
+__all__ = ["CONTEXT_AXIS", "STAGE_AXIS", "AxisRoles", "axis_roles", "short_form_mesh"]
 
 CONTEXT_AXIS = "context"
 """The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
 
+STAGE_AXIS = "stage"
+"""The pipeline-stage axis of a short-form mesh (``ShardedStrategy(pipeline_parallelism=k)``)."""
+
 
 def short_form_mesh(
-    devices: Sequence[jax.Device], model_parallelism: int = 1, context_parallelism: int = 1
+    devices: Sequence[jax.Device], model_parallelism: int = 1, context_parallelism: int = 1,
+    pipeline_parallelism: int = 1,
 ) -> Mesh:
     """``("replica",)`` over ``devices``, or ``("replica", "model")`` = ``(N / k, k)`` with ``k =
     model_parallelism`` (a replica's ``k`` consecutive devices hold one model copy); with
-    ``context_parallelism=c > 1`` a ``"context"`` axis of size ``c`` sits before ``"model"``.
+    ``context_parallelism=c > 1`` a ``"context"`` axis of size ``c`` sits before ``"model"``; with
+    ``pipeline_parallelism=p > 1`` a leading ``"stage"`` axis of size ``p`` (the outermost, slowest links:
+    stage ``i`` is the ``i``-th block of ``N / p`` devices).
 
     Raises:
-        ValueError: for ``model_parallelism`` / ``context_parallelism`` that is not an int >= 1 dividing the
+        ValueError: for ``model_parallelism`` / ``context_parallelism`` / ``pipeline_parallelism`` that is not
+            an int >= 1 dividing the
             device count.
 
     Examples:
@@ -59,8 +66,22 @@ def short_form_mesh(
         {'replica': 4, 'model': 2}
         >>> dict(short_form_mesh(jax.devices()[:8], context_parallelism=4).shape)
         {'replica': 2, 'context': 4}
+        >>> dict(short_form_mesh(jax.devices()[:8], pipeline_parallelism=4).shape)
+        {'stage': 4, 'replica': 2}
     """
     devices = tuple(devices)
+    if pipeline_parallelism != 1:
+        if (not isinstance(pipeline_parallelism, int) or isinstance(pipeline_parallelism, bool)
+                or pipeline_parallelism < 1 or len(devices) % pipeline_parallelism):
+            raise ValueError(
+                f"pipeline_parallelism={pipeline_parallelism!r} must be an int >= 1 that divides the {len(devices)} "
+                "devices (the mesh is (stage, replica) = (pipeline_parallelism, devices / pipeline_parallelism))."
+            )
+        per_stage = len(devices) // pipeline_parallelism
+        inner = short_form_mesh(devices[:per_stage], model_parallelism, context_parallelism)  # validates them
+        grid = np.array(devices).reshape(pipeline_parallelism, *inner.devices.shape)
+        names = (STAGE_AXIS, *inner.axis_names)
+        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
     c = context_parallelism
     if not isinstance(c, int) or isinstance(c, bool) or c < 1 or len(devices) % c:
         raise ValueError(
@@ -97,15 +118,19 @@ class AxisRoles:
         fsdp_axes: the batch (and context) axes the FSDP rule splits variables over (empty: none).
         context_axes: the axes a batch's sequence dimension is split over (empty: none).
         model_axes: every other axis, in mesh order.
+        stage_axes: the model axes that pipeline stages are laid out over (empty: no pipeline).
     """
 
     def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...], fsdp_axes: tuple[str, ...],
-                 context_axes: tuple[str, ...] = ()):
+                 context_axes: tuple[str, ...] = (), stage_axes: tuple[str, ...] = ()):
         self.mesh = mesh
         self.batch_axes = batch_axes
         self.fsdp_axes = fsdp_axes
         self.context_axes = context_axes
         self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in context_axes)
+        self.stage_axes = stage_axes
+        """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical axis
+        ``"layers"`` of stacked layer parameters is split over them."""
 
     @property
     def replica_axis(self) -> str | tuple[str, ...] | None:
@@ -134,6 +159,13 @@ class AxisRoles:
         return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
 
     @property
+    def stage_entry(self) -> str | tuple[str, ...] | None:
+        """The stage axes as one `PartitionSpec` entry (None: no stage axis)."""
+        if not self.stage_axes:
+            return None
+        return self.stage_axes[0] if len(self.stage_axes) == 1 else self.stage_axes
+
+    @property
     def explicit_axes(self) -> tuple[str, ...]:
         """The mesh axes of type ``Explicit`` (a value's layout over them is part of its type)."""
         return tuple(a for a, t in zip(self.mesh.axis_names, self.mesh.axis_types, strict=True)
@@ -156,7 +188,7 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
 
 def axis_roles(
     mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy",
-    context_axes: Any = None,
+    context_axes: Any = None, stage_axes: Any = (),
 ) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
@@ -169,11 +201,13 @@ def axis_roles(
         split: whether the strategy splits variables (Sharded) or keeps them whole (Mirrored, TPU).
         strategy: the strategy's name, for error messages.
         context_axes: the axes a batch's sequence dimension is split over (context parallelism); None: none.
+        stage_axes: the axes pipeline stages are laid out over (model axes: not batch axes).
 
     Raises:
         TypeError: when ``mesh`` is not a `jax.sharding.Mesh`.
         ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch axes, a
-            mirroring strategy given model axes, or a multi-axis mesh without ``batch_axes``.
+            mirroring strategy given model axes, a multi-axis mesh without ``batch_axes``, or a stage axis that
+            is also a batch axis.
 
     Examples:
         >>> import jax
@@ -228,4 +262,15 @@ def axis_roles(
             "variables over (part of) the data-parallel group; add it to batch_axes, or split variables over a "
             "model axis with layout rules / logical_axis_rules instead."
         )
-    return AxisRoles(mesh, batch, fsdp, context)
+    stage = _names(stage_axes or (), "stage_axes", mesh)
+    if stage and not split:
+        raise ValueError(f"stage_axes={stage_axes!r}: a mirroring strategy keeps every layer whole on every device; "
+                         "use ShardedStrategy(mesh=..., batch_axes=..., stage_axes=...) for pipeline parallelism.")
+    both = [a for a in stage if a in batch]
+    if both:
+        raise ValueError(
+            f"stage_axes={stage_axes!r} names {both[0]!r}, which is also in batch_axes={batch!r}: a pipeline stage "
+            "holds its own layers and sees the whole micro-batch, so a stage axis cannot split a batch's rows; "
+            "drop it from batch_axes."
+        )
+    return AxisRoles(mesh, batch, fsdp, context, stage)

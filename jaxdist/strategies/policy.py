@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout_rules import VariableRules, is_box
-from jaxdist.strategies.meshes import CONTEXT_AXIS, AxisRoles, axis_roles, short_form_mesh
+from jaxdist.strategies.meshes import CONTEXT_AXIS, STAGE_AXIS, AxisRoles, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.roles import placed_as_batch
 
@@ -163,6 +163,9 @@ class LayoutPolicy:
         context_parallelism: the short form's ``"context"`` axis size (1: none).
         sequence_axis: which dimension of a batch leaf is its sequence (split over the context axes).
         host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
+        stage_axes: with ``mesh``, the model axes pipeline stages are laid out over (the logical axis
+            ``"layers"`` of `jaxdist.nn.Pipeline`'s stacked parameters is split over them).
+        pipeline_parallelism: the short form's stage count: a leading ``"stage"`` mesh axis of that size.
 
     Raises:
         ValueError: for ``model_parallelism`` that does not divide the devices, bad axis roles, a malformed
@@ -198,32 +201,39 @@ class LayoutPolicy:
         context_axes: str | Sequence[str] | None = None,
         context_parallelism: int = 1,
         sequence_axis: int = 1,
+        stage_axes: str | Sequence[str] | None = None,
+        pipeline_parallelism: int = 1,
     ):
         if mesh is None:
-            if batch_axes is not None or fsdp_axes is not None or context_axes is not None:
+            if batch_axes is not None or fsdp_axes is not None or context_axes is not None or stage_axes is not None:
                 raise ValueError(
-                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} / context_axes={context_axes!r} name axes "
-                    "of a mesh: pass mesh= too "
-                    "(without it the mesh is ('replica',) or ('replica', 'model'))."
+                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} / context_axes={context_axes!r} / "
+                    f"stage_axes={stage_axes!r} name axes of a mesh: pass mesh= too (without it the mesh is "
+                    "('replica',) or ('replica', 'model'), with context_parallelism > 1 a 'context' axis, with "
+                    "pipeline_parallelism > 1 a leading 'stage' axis)."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
-            # The short form: "model" exists only when asked for (model_parallelism), for rules to split over.
-            mesh = short_form_mesh(devices, model_parallelism, context_parallelism)
+            # The short form: "model" exists only when asked for (model_parallelism), for rules to split over;
+            # "context" only with context_parallelism, "stage" only with pipeline_parallelism.
+            mesh = short_form_mesh(devices, model_parallelism, context_parallelism, pipeline_parallelism)
             roles = axis_roles(mesh, (REPLICA_AXIS,), None if split_variables else (), split=True,
-                               context_axes=(CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else ())
+                               context_axes=(CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else (),
+                               stage_axes=(STAGE_AXIS,) if pipeline_parallelism != 1 else ())
         else:
             if context_parallelism != 1:
                 raise ValueError(
                     f"mesh= and context_parallelism={context_parallelism!r} both given: on a user mesh, name the "
                     "axes the sequence is split over with context_axes=('context',)."
                 )
-            if devices is not None or model_parallelism != 1:
+            if devices is not None or model_parallelism != 1 or pipeline_parallelism != 1:
                 raise ValueError(
-                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
-                    "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
+                    f"mesh= and devices= / model_parallelism={model_parallelism!r} / pipeline_parallelism="
+                    f"{pipeline_parallelism!r} both given: a user mesh already says which devices and axes; pass "
+                    "only mesh=, batch_axes=, fsdp_axes= and stage_axes=."
                 )
-            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes)
+            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes,
+                               stage_axes=stage_axes)
         if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
             raise ValueError(
                 f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch leaf that holds "
@@ -439,6 +449,17 @@ class LayoutPolicy:
         self._reported_idle.update(idle)
         axis, size = idle[0], self.mesh.shape[idle[0]]
         some = f" (e.g. {', '.join(names[:3])})" if names else ""
+        if axis in self.roles.stage_axes:
+            warnings.warn(
+                f"stage axis {axis!r} (size {size}) splits none of {what}{some}: the model has no pipeline layer "
+                "(jd.nn.Pipeline, whose stacked layer parameters carry the logical axis 'layers'), so the stage "
+                "devices are idle: they hold and compute the same thing. Put the model's stack of identical blocks "
+                "in jd.nn.Pipeline(block=..., num_layers=..., num_microbatches=...), or drop stage_axes "
+                "(pipeline_parallelism).",
+                IdleAxisWarning,
+                stacklevel=4,
+            )
+            return
         held = sum(held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False))
         if held:
             some += (f"; {_readable_bytes(held)} per device of them could be split {size} ways along it but are "

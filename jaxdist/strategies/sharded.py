@@ -15,7 +15,8 @@ The mesh, two ways (`jaxdist.strategies.meshes`):
   "tensor")), batch_axes=("data", "fsdp"))``. A batch's rows are split over ``batch_axes``
   (``num_replicas_in_sync`` is their product); the FSDP rule splits variables over ``fsdp_axes`` (default:
   all of ``batch_axes``, ZeRO-3; a subset is HSDP, e.g. ``fsdp_axes=("fsdp",)``: shard within a host,
-  replicate across hosts); the other axes are model axes that rules and annotations name verbatim.
+  replicate across hosts); the other axes are model axes that rules and annotations name verbatim, and
+  ``stage_axes`` among them lay out pipeline stages (`jaxdist.nn.Pipeline`; short form ``pipeline_parallelism=k``).
 
 Several processes: created after ``jax.distributed.initialize()`` (or given the cluster like
 `MultiWorkerMirroredStrategy`: keyword arguments, ``JAXDIST_*`` variables, JAX's cluster detection), the
@@ -107,6 +108,10 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         context_parallelism: the short form of ``context_axes``: a ``"context"`` axis of that size on the
             strategy's own mesh ``(replica, context[, model])``.
         sequence_axis: which dimension of a batch leaf is its sequence (1: ``(batch, length, ...)``).
+        stage_axes: with ``mesh``, the model axes pipeline stages are laid out over: the stacked layers of a
+            `jaxdist.nn.Pipeline` (logical axis ``"layers"``) are split over them and run as a pipeline.
+        pipeline_parallelism: the short form of ``stage_axes``: a leading ``"stage"`` mesh axis of that size
+            (``(stage, replica)``, or ``(stage, replica, model)`` with ``model_parallelism``).
         coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
             the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
             JAX's cluster detection, else this process alone).
@@ -163,6 +168,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         context_axes: str | Sequence[str] | None = None,
         context_parallelism: int = 1,
         sequence_axis: int = 1,
+        stage_axes: str | Sequence[str] | None = None,
+        pipeline_parallelism: int = 1,
         coordinator_address: str | None = None,
         num_processes: int | None = None,
         process_id: int | None = None,
@@ -181,7 +188,7 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True, min_shard_size=min_shard_size,
             layout_rules=layout_rules, logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
             host_offload=host_offload, context_axes=context_axes, context_parallelism=context_parallelism,
-            sequence_axis=sequence_axis,
+            sequence_axis=sequence_axis, stage_axes=stage_axes, pipeline_parallelism=pipeline_parallelism,
         )
         super().__init__(policy, axis_name=axis_name)
         self._reported: set[str] = set()

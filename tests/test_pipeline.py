@@ -1,0 +1,284 @@
+"""Pipeline parallelism: `jd.nn.Pipeline` on a strategy's stage axes equals the plain scan on one device.
+
+A tiny transformer LM (``pipeline_model.py``) whose layers go through the pipeline layer is trained a few steps
+(SGD, fp32) on ``(stage=4, data=2)``, ``(stage=2, fsdp=2, tensor=2)`` and ``(stage=8)``, GPipe and circular,
+dropout off and on (same rngs), and compared with the same model and parameters run as a plain scan on one
+device: losses, gradients and parameters to rtol 1e-5. The parameters are exactly ``nn.scan``'s; every error
+path is run.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from pipeline_model import LENGTH, RULES, Block, PipelineLM, ScanBlock, batches, init_state, make_step
+
+import jaxdist as jd
+
+AUTO = jax.sharding.AxisType.Auto
+STEPS = 2
+
+
+def mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(names))
+
+
+STRATEGIES = {
+    "stage4_data2": lambda: jd.ShardedStrategy(
+        mesh=mesh((4, 2), ("stage", "data")), batch_axes="data", stage_axes="stage", min_shard_size=1),
+    "stage2_fsdp2_tensor2": lambda: jd.ShardedStrategy(
+        mesh=mesh((2, 2, 2), ("stage", "fsdp", "tensor")), batch_axes="fsdp", stage_axes="stage",
+        min_shard_size=1, logical_axis_rules=RULES),
+    "stage8": lambda: jd.ShardedStrategy(
+        mesh=mesh((8, 1), ("stage", "data")), batch_axes="data", stage_axes="stage", min_shard_size=1),
+}
+# (strategy, schedule, repeats, layers, micro-batches): every stage count gets both schedules.
+CASES = [
+    ("stage4_data2", "gpipe", 1, 4, 4),
+    ("stage4_data2", "circular", 2, 8, 4),
+    ("stage2_fsdp2_tensor2", "gpipe", 1, 4, 2),
+    ("stage2_fsdp2_tensor2", "circular", 2, 4, 4),
+    ("stage8", "gpipe", 1, 8, 8),
+    ("stage8", "circular", 2, 16, 8),
+]
+
+
+def run(step, state, data):
+    losses, first_grads = [], None
+    for batch in data:
+        state, (loss, grads) = step(state, batch)
+        losses.append(float(loss))
+        first_grads = grads if first_grads is None else first_grads
+    return state, np.array(losses), first_grads
+
+
+@functools.cache
+def reference(schedule, repeats, layers, micro, dropout):
+    """The same model on one device (no strategy: the pipeline layer runs the plain scan)."""
+    model = PipelineLM(layers, micro, schedule, repeats, dropout)
+    return run(jax.jit(make_step(model, dropout > 0)), init_state(model), batches(STEPS))
+
+
+def assert_trees_close(actual, expected, what):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(nn.unbox(actual)), jax.tree.leaves(nn.unbox(expected)),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("name,schedule,repeats,layers,micro", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_pipeline_equals_plain_scan_on_one_device(name, schedule, repeats, layers, micro, dropout):
+    strategy = STRATEGIES[name]()
+    model = PipelineLM(layers, micro, schedule, repeats, dropout)
+    expected_state, expected_losses, expected_grads = reference(schedule, repeats, layers, micro, dropout)
+    state = strategy.create_variables(lambda: init_state(model))
+    kernel = state[0]["params"]["layers"]["block"]["Dense_0"]["kernel"].value
+    assert kernel.sharding.spec[0] == "stage"  # the layers are split over the stages
+    assert kernel.addressable_shards[0].data.shape[0] == layers // strategy.mesh.shape["stage"]
+    step = strategy.jit(make_step(model, dropout > 0), batch_argnums=(1,))
+    state, losses, grads = run(step, state, batches(STEPS))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(grads, expected_grads, "gradient ")
+    assert_trees_close(state[0], expected_state[0], "parameter ")
+    assert state[0]["params"]["layers"]["block"]["Dense_0"]["kernel"].value.sharding.spec[0] == "stage"
+
+
+def test_pipeline_activations_move_by_collective_permute():
+    strategy = STRATEGIES["stage4_data2"]()
+    model = PipelineLM(8, 4)
+    state = strategy.create_variables(lambda: init_state(model))
+    text = strategy.jit(make_step(model, False), batch_argnums=(1,)).lower(state, batches(1)[0]).compile().as_text()
+    assert "collective-permute" in text
+
+
+def test_short_form_pipeline_parallelism():
+    strategy = jd.ShardedStrategy(pipeline_parallelism=2, min_shard_size=1)
+    assert dict(strategy.mesh.shape) == {"stage": 2, "replica": 4}
+    assert strategy.num_replicas_in_sync == 4 and strategy.policy.roles.stage_axes == ("stage",)
+    model = PipelineLM(4, 2)
+    x = jnp.ones((8, LENGTH), jnp.int32)
+    params = init_state(model)[0]
+    placed = strategy.create_variables(lambda: params)
+    y = strategy.jit(model.apply, batch_argnums=(1,))(placed, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(model.apply(params, x)), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+class PlainScanLM(nn.Module):
+    """The user's model before the pipeline: nn.scan over the scan-shaped block, named like the pipeline's."""
+
+    num_layers: int = 4
+
+    @nn.compact
+    def __call__(self, x, pad):
+        scan = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                       length=self.num_layers, in_axes=nn.broadcast, metadata_params={nn.PARTITION_NAME: "layers"})
+        return scan(name="block")(x, pad)[0]
+
+
+def test_parameters_are_nn_scan_parameters():
+    x = jax.random.normal(jax.random.key(1), (4, LENGTH, 16))
+    pad = jnp.ones((4, LENGTH), bool)
+    plain = PlainScanLM(4).init(jax.random.key(0), x, pad)
+    pipe = jd.nn.Pipeline(block=Block(), num_layers=4, num_microbatches=2)
+    ours = pipe.init(jax.random.key(0), x, pad)
+    assert jax.tree.structure(nn.unbox(ours)) == jax.tree.structure(nn.unbox(plain))
+    assert_trees_close(ours, plain, "parameter ")
+    names = jax.tree.leaves(jax.tree.map(lambda b: b.names, ours, is_leaf=lambda b: isinstance(b, nn.Partitioned)),
+                            is_leaf=lambda n: isinstance(n, tuple))
+    assert all(n[0] == "layers" for n in names)
+    np.testing.assert_allclose(pipe.apply(plain, x, pad), PlainScanLM(4).apply(plain, x, pad), rtol=1e-5, atol=1e-6)
+
+
+def test_unannotated_block_parameters_get_the_layers_name():
+    class Tiny(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(x.shape[-1])(x)
+
+    params = jd.nn.Pipeline(block=Tiny(), num_layers=4).init(jax.random.key(0), jnp.ones((2, 8)))
+    kernel = params["params"]["block"]["Dense_0"]["kernel"]
+    assert isinstance(kernel, nn.LogicallyPartitioned) and kernel.names == ("layers", None, None)
+    strategy = STRATEGIES["stage4_data2"]()
+    assert strategy.variable_layouts(params)["params/block/Dense_0/kernel"] == P("stage")
+
+
+# ------------------------------------------------------------------------------------------------- errors
+def _apply(strategy, model, batch=8):
+    x = jnp.ones((batch, LENGTH), jnp.int32)
+    params = model.init(jax.random.key(0), jnp.ones((8, LENGTH), jnp.int32))
+    return strategy.jit(model.apply, batch_argnums=(1,))(strategy.create_variables(lambda: params), x)
+
+
+def test_microbatches_must_divide_the_per_replica_batch():
+    with pytest.raises(ValueError, match=re.escape("num_microbatches=3 does not divide the per-replica batch 4 "
+                                                   "(global batch 8 over 2 replica(s))")):
+        _apply(STRATEGIES["stage4_data2"](), PipelineLM(8, 3))
+    with pytest.raises(ValueError, match=re.escape("num_microbatches=3 does not divide the per-replica batch 8")):
+        x = jnp.ones((8, LENGTH), jnp.int32)
+        PipelineLM(8, 3).apply(PipelineLM(8, 3).init(jax.random.key(0), x), x)  # one device: the plain scan
+
+
+def test_layers_must_divide_into_stages_and_repeats():
+    with pytest.raises(ValueError, match=re.escape("num_layers=6 (the 'layers' axis of 'params/layers/block/")):
+        _apply(STRATEGIES["stage4_data2"](), PipelineLM(6, 2))  # placing the variables already refuses them
+    with pytest.raises(ValueError, match=re.escape("num_layers=4 is not divisible by the 4 stages x repeats=2")):
+        _apply(STRATEGIES["stage4_data2"](), PipelineLM(4, 4, "circular", 2))
+
+
+def test_circular_needs_as_many_microbatches_as_stages():
+    with pytest.raises(ValueError, match=re.escape("num_microbatches=2 is less than the 4 stages")):
+        _apply(STRATEGIES["stage4_data2"](), PipelineLM(8, 2, "circular", 2))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"schedule": "1f1b"}, "schedule='1f1b' is not one of ('gpipe', 'circular')"),
+    ({"repeats": 2}, "repeats=2 with schedule='gpipe'"),
+    ({"num_microbatches": 0}, "num_microbatches=0 must be an int >= 1"),
+    ({"num_layers": 2.0}, "num_layers=2.0 must be an int >= 1"),
+])
+def test_bad_pipeline_arguments(kwargs, message):
+    args = {"block": Block(), "num_layers": 4, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jd.nn.Pipeline(**args).init(jax.random.key(0), jnp.ones((2, LENGTH, 16)), jnp.ones((2, LENGTH), bool))
+
+
+def test_block_that_changes_the_shape_is_an_error():
+    class Grow(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(x.shape[-1] + 1)(x)
+
+    pipe = jd.nn.Pipeline(block=Grow(), num_layers=2)
+    message = "block Grow returned (2, 5) float32 for an input of (2, 4) float32"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipe.init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+def test_stage_axis_without_a_pipeline_layer_warns_that_stages_are_idle():
+    strategy = STRATEGIES["stage4_data2"]()
+    dense = nn.Dense(8)
+    with pytest.warns(jd.IdleAxisWarning, match=re.escape("stage axis 'stage' (size 4) splits none of the variables "
+                                                          "created here")) as caught:
+        strategy.create_variables(dense.init, jax.random.key(0), jnp.ones((2, 8)))
+    assert "the stage devices are idle" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"mesh": "stage_data", "batch_axes": ("data", "stage"), "stage_axes": "stage"},
+     "stage_axes='stage' names 'stage', which is also in batch_axes=('data', 'stage')"),
+    ({"mesh": "stage_data", "batch_axes": "data", "stage_axes": "pipe"},
+     "stage_axes='pipe' names axis 'pipe', but the mesh axes are ('stage', 'data')"),
+    ({"stage_axes": "stage"}, "stage_axes='stage' name axes of a mesh: pass mesh= too"),
+    ({"pipeline_parallelism": 3}, "pipeline_parallelism=3 must be an int >= 1 that divides the 8 devices"),
+    ({"mesh": "stage_data", "batch_axes": "data", "pipeline_parallelism": 2},
+     "pipeline_parallelism=2 both given: a user mesh already says which devices and axes"),
+])
+def test_bad_stage_axes(kwargs, message):
+    if kwargs.get("mesh") == "stage_data":
+        kwargs = {**kwargs, "mesh": mesh((4, 2), ("stage", "data"))}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jd.ShardedStrategy(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- training
+def _trainer(strategy, grad_accum_steps=2):
+    import optax
+
+    def ce(logits, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    return jd.training.Trainer(strategy, PipelineLM(4, 2, dropout=0.1), optax.sgd(0.5), ce,
+                               grad_accum_steps=grad_accum_steps, train_kwargs={"train": True}, seed=3,
+                               flops_per_step=1e6)  # XLA counts a scanned loop once: say what a step costs
+
+
+def _data():
+    return [{"x": b["inputs"], "y": b["targets"]} for b in batches(4, batch=16)]
+
+
+@pytest.mark.timeout(600)
+def test_trainer_fit_pipelined_checkpoint_restores_on_one_device_and_fsdp(tmp_path):
+    """Trainer.fit with grad_accum_steps=2 (each accumulation micro-batch is split again into the pipeline's
+    micro-batches); a checkpoint written pipelined resumes on OneDevice and on FSDP and continues identically."""
+    straight = _trainer(STRATEGIES["stage4_data2"]())
+    straight.fit(_data(), steps=4, verbose=0)
+    _trainer(STRATEGIES["stage4_data2"]()).fit(_data(), steps=2, checkpoint_dir=tmp_path, verbose=0)
+    for strategy in (jd.OneDeviceStrategy(), jd.ShardedStrategy(min_shard_size=1)):
+        resumed = _trainer(strategy)
+        resumed.fit(_data(), steps=4, checkpoint_dir=tmp_path, verbose=0)  # restores step 2, trains to 4
+        assert resumed.step == 4
+        assert_trees_close(resumed.state.params, straight.state.params, f"{strategy}: parameter ")
+
+
+def test_explicit_axes_mesh():
+    """jax.make_mesh's default Explicit axes: the pipeline loop runs with them Auto, its output typed as its input."""
+
+    class Tiny(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(x.shape[-1])(nn.relu(x))
+
+    model = jd.nn.Pipeline(block=Tiny(), num_layers=4, num_microbatches=2)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    params = model.init(jax.random.key(0), x)
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("stage", "data")), batch_axes="data",
+                                  stage_axes="stage", min_shard_size=1)
+    placed = strategy.create_variables(lambda: params)
+
+    def loss(p, x):
+        return jnp.sum(model.apply(p, x) ** 2)
+
+    value, grads = strategy.jit(jax.value_and_grad(loss), batch_argnums=(1,))(placed, x)
+    expected_value, expected_grads = jax.value_and_grad(loss)(params, x)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    assert_trees_close(grads, expected_grads, "gradient ")
