@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
@@ -140,10 +140,11 @@ def axis_roles(
         >>> roles.replica_axis, roles.fsdp_axes, roles.model_axes
         (('data', 'fsdp'), ('fsdp',), ('tensor',))
     """
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, (Mesh, AbstractMesh)):  # an AbstractMesh (jd.plan_mesh): plans only
         raise TypeError(
             f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one with "
-            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names)."
+            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names) (or, to plan "
+            "without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
         )
     if batch_axes is None:
         if split and len(mesh.axis_names) > 1:
