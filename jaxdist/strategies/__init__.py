@@ -1,6 +1,9 @@
 """Strategies: where replicas run and how code runs on them."""
 
 from jaxdist.strategies import compat as compat
+from jaxdist.strategies.accelerators import ACCELERATORS as ACCELERATORS
+from jaxdist.strategies.accelerators import Accelerator as Accelerator
+from jaxdist.strategies.accelerators import Estimate as Estimate
 from jaxdist.strategies.agreement import ProgramMismatchError as ProgramMismatchError
 from jaxdist.strategies.base import Strategy as Strategy
 from jaxdist.strategies.cluster import initialize_cluster as initialize_cluster
@@ -21,9 +24,6 @@ from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies.offload import HOST_OFFLOAD_MODES as HOST_OFFLOAD_MODES
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
-from jaxdist.strategies.accelerators import ACCELERATORS as ACCELERATORS
-from jaxdist.strategies.accelerators import Accelerator as Accelerator
-from jaxdist.strategies.accelerators import Estimate as Estimate
 from jaxdist.strategies.plan import Plan as Plan
 from jaxdist.strategies.plan_mesh import plan_mesh as plan_mesh
 from jaxdist.strategies.policy import IdleAxisWarning as IdleAxisWarning

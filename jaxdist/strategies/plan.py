@@ -182,8 +182,8 @@ class Plan:
         if not self.collectives:
             lines.append("  none")
         for c in self.collectives.values():
-            lines.append(f"  {c.kind:<20}{c.count:>6} x  {format_bytes(c.bytes):>11}  sent {format_bytes(c.wire_bytes):>11}"
-                         f"  over {', '.join(c.axes) or '?'}")
+            lines.append(f"  {c.kind:<20}{c.count:>6} x  {format_bytes(c.bytes):>11}  sent "
+                         f"{format_bytes(c.wire_bytes):>11}  over {', '.join(c.axes) or '?'}")
         lines.append(f"Held whole along an axis that could split them: {format_bytes(self.replicated_bytes)}")
         for a in self.replicated[:5]:
             lines.append(f"  {a.path} {a.shape} {a.layout}: {format_bytes(a.bytes)}, whole along {', '.join(a.axes)}")
