@@ -273,6 +273,30 @@ def _axes_of(groups: list[list[int]], shape: Sequence[int], axis_names: Sequence
     return tuple(a for a, row in zip(axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
 
 
+def _scattered_bytes(instr: _Instr, size: int, users: dict[str, list[_Instr]], types: dict[str, str]) -> int:
+    """The bytes of an all-reduce's results that every device only slices its 1/``size`` part of (XLA:CPU
+    writes a reduce-scatter so; GPU and TPU compilers turn the pattern into one): 0 when none."""
+    if size <= 1:
+        return 0
+
+    def sliced(value: str, type_text: str) -> bool:
+        consumers = users.get(value, [])
+        return bool(consumers) and all(
+            u.op in ("dynamic-slice", "fusion") and _elements(u.type) * size == _elements(type_text)
+            for u in consumers)
+
+    if not instr.type.startswith("("):
+        return _type_bytes(instr.type) if sliced(instr.name, instr.type) else 0
+    parts = [types.get(o, "") for o in instr.operands]
+    total = 0
+    for j, part in enumerate(parts):
+        getters = [u for u in users.get(instr.name, []) if u.op == "get-tuple-element"
+                   and re.search(rf"\bindex={j}\b", u.attrs)]
+        if getters and all(sliced(g.name, part) for g in getters):
+            total += _type_bytes(part)
+    return total
+
+
 def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[int] = ()) -> ModuleCost:
     """The per-device cost of one call of a compiled module (see the module doc).
 
@@ -293,6 +317,12 @@ def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[
         True
     """
     computations, entry, types = _parse(text)
+    users: dict[str, dict[str, list[_Instr]]] = {}
+    for cname, instrs in computations.items():
+        table = users[cname] = {}
+        for instr in instrs:
+            for o in instr.operands:
+                table.setdefault(o, []).append(instr)
     devices = math.prod(axis_sizes) if axis_sizes else 1
     header = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
     if header and not axis_sizes:
@@ -320,7 +350,14 @@ def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[
                     groups = _group_ids(instr.attrs, devices) or [list(range(devices))]
                     size = 2 if base == "collective-permute" else len(groups[0])
                     axes = _axes_of(groups, axis_sizes, axis_names)
-                collectives.append(CollectiveOp(instr.name, base, operand, result, size, axes, times))
+                if base == "all-reduce" and not op.endswith("-start"):
+                    scattered = _scattered_bytes(instr, size, users.get(name, {}), types)
+                    if scattered:  # XLA:CPU's reduce-scatter: an all-reduce each device slices its part of
+                        collectives.append(CollectiveOp(instr.name, "reduce-scatter", scattered,
+                                                        scattered // size, size, axes, times))
+                        operand, result = operand - scattered, result - scattered
+                if operand or result:
+                    collectives.append(CollectiveOp(instr.name, base, operand, result, size, axes, times))
                 traffic += operand + result
                 continue
             if op == "while":

@@ -1,0 +1,220 @@
+"""Plans: a step's memory, FLOPs and collectives per device, compiled for the strategy's layout, never run."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+from jaxdist.strategies.hlo_cost import module_cost
+
+pytestmark = pytest.mark.timeout(300)
+
+D, H, B = 256, 1024, 8192  # a batch larger than the weights: XLA partitions the MLP as FSDP (gather weights)
+F32 = 4
+
+
+def mlp_params():
+    f = jnp.float32
+    return {"w1": jax.ShapeDtypeStruct((D, H), f), "b1": jax.ShapeDtypeStruct((H,), f),
+            "w2": jax.ShapeDtypeStruct((H, D), f), "b2": jax.ShapeDtypeStruct((D,), f)}
+
+
+def mlp_loss(p, x):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"])
+    return ((h @ p["w2"] + p["b2"] - x) ** 2).mean()
+
+
+def sgd_step(p, x):
+    loss, g = jax.value_and_grad(mlp_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+
+def auto_mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def strategies():
+    return {
+        "mirrored": jd.MirroredStrategy(),
+        "fsdp": jd.ShardedStrategy(),
+        "fsdp_tp": jd.ShardedStrategy(mesh=auto_mesh((4, 2), ("fsdp", "tensor")), batch_axes="fsdp",
+                                      layout_rules=[("w1", P("fsdp", "tensor")), ("w2", P("tensor", "fsdp"))]),
+        "hsdp": jd.ShardedStrategy(mesh=auto_mesh((2, 4), ("data", "fsdp")), batch_axes=("data", "fsdp"),
+                                   fsdp_axes="fsdp"),
+    }
+
+
+# Per device, analytic: (w1, b1, w2, b2) split into these many parts, and the batch's rows.
+# min_shard_size=1024 elements (the default) keeps b2 (256) whole: the documented exception.
+SPLITS = {"mirrored": (1, 1, 1, 1, 8), "fsdp": (8, 8, 8, 1, 8), "fsdp_tp": (8, 4, 8, 1, 4),
+          "hsdp": (4, 4, 4, 1, 8)}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_argument_bytes_per_device_equal_the_analytic_figure(name):
+    plan = strategies()[name].plan(sgd_step, mlp_params(), jax.ShapeDtypeStruct((B, D), jnp.float32),
+                                   batch_argnums=1)
+    w1, b1, w2, b2, rows = SPLITS[name]
+    params = F32 * (D * H / w1 + H / b1 + H * D / w2 + D / b2)
+    batch = F32 * B * D / rows
+    assert plan.state_bytes == {"p": params, "batch": batch}
+    assert plan.argument_bytes == pytest.approx(params + batch, rel=0.01)  # XLA's memory analysis
+    assert plan.peak_bytes == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + plan.temp_bytes
+    assert plan.largest_arrays[0].bytes == max(batch, F32 * D * H / w1)
+    assert {a.path: a.bytes for a in plan.largest_arrays}["x"] == batch
+
+
+def test_collectives_fsdp_gathers_and_scatters_mirrored_all_reduces():
+    made = strategies()
+    x = jax.ShapeDtypeStruct((B, D), jnp.float32)
+    mirrored = made["mirrored"].plan(sgd_step, mlp_params(), x, batch_argnums=1)
+    whole = F32 * (2 * D * H + H + D)
+    assert set(mirrored.collectives) == {"all-reduce"}
+    assert mirrored.collectives["all-reduce"].bytes == pytest.approx(whole, rel=0.05)  # every gradient
+    assert mirrored.collectives["all-reduce"].axes == ("replica",)
+    fsdp = made["fsdp"].plan(sgd_step, mlp_params(), x, batch_argnums=1)
+    split = F32 * (2 * D * H + H)  # b2 stays whole (min_shard_size): its gradient is all-reduced
+    assert fsdp.collectives["all-gather"].bytes == pytest.approx(split, rel=0.05)
+    assert fsdp.collectives["reduce-scatter"].bytes == pytest.approx(split, rel=0.05)
+    assert fsdp.collectives["all-gather"].axes == ("replica",)
+    assert fsdp.collectives["all-gather"].wire_bytes == pytest.approx(split * 7 / 8, rel=0.05)
+    assert fsdp.network_bytes < mirrored.network_bytes * 1.1
+
+
+def test_a_plan_never_runs_the_step():
+    calls = []
+
+    def step(w, x):
+        jax.debug.callback(lambda v: calls.append(v), x.sum())
+        return w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+
+    strategy = jd.ShardedStrategy(min_shard_size=1)
+    plan = strategy.jit(step, batch_argnums=1).plan(np.zeros((64, 32), np.float32), np.zeros((16, 64), np.float32))
+    assert calls == []
+    assert plan.state_bytes == {"w": 64 * 32 * 4 // 8, "batch": 16 * 64 * 4 // 8}
+
+
+def test_flops_count_each_loop_iteration():
+    layers, rows, width = 8, 512, 256
+
+    def loss(w, x):
+        def body(h, wi):
+            return jnp.tanh(h @ wi), None
+        return (jax.lax.scan(body, x, w)[0] ** 2).mean()
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x)
+
+    w = jax.ShapeDtypeStruct((layers, width, width), jnp.float32)
+    x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    plan = jd.MirroredStrategy().plan(step, w, x, batch_argnums=1)
+    analytic = 3 * 2 * (rows // 8) * width * width * layers  # forward + two backward dots per layer, per device
+    assert plan.flops == pytest.approx(analytic, rel=0.10)
+    assert plan.unknown_loops == 0
+
+
+def test_module_cost_agrees_with_xla_on_a_program_without_loops():
+    p = {"w1": jnp.ones((64, 256)), "w2": jnp.ones((256, 64))}
+    compiled = jax.jit(lambda p, x: jax.grad(lambda p: mlp_loss({**p, "b1": 0.0, "b2": 0.0}, x))(p)).lower(
+        p, jnp.ones((32, 64))).compile()
+    cost = module_cost(compiled.as_text())
+    xla = compiled.cost_analysis()
+    assert cost.flops == pytest.approx(xla["flops"], rel=0.01)
+    assert cost.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.05)
+
+
+def test_replicated_bytes_name_the_variable_a_typo_left_whole():
+    mesh = auto_mesh((4, 2), ("data", "tensor"))
+    x = jax.ShapeDtypeStruct((64, D), jnp.float32)
+    good = jd.ShardedStrategy(mesh=mesh, batch_axes="data", fsdp_axes=(),
+                              layout_rules=[("w1", P(None, "tensor")), ("w2", P("tensor", None))])
+    plan = good.plan(sgd_step, mlp_params(), x, batch_argnums=1)
+    assert [a.path for a in plan.replicated] == ["p.b1"]  # the bias of the split layer: small, named
+    typo = jd.ShardedStrategy(mesh=mesh, batch_axes="data", fsdp_axes=(),
+                              layout_rules=[("w_1", P(None, "tensor")), ("w2", P("tensor", None))])
+    plan = typo.plan(sgd_step, mlp_params(), x, batch_argnums=1)
+    assert plan.replicated[0].path == "p.w1" and plan.replicated[0].axes == ("tensor",)
+    assert plan.replicated_bytes == F32 * (D * H + H)
+    assert "p.w1" in str(plan)
+
+
+def test_fits_estimate_and_the_table():
+    plan = jd.ShardedStrategy().plan(sgd_step, mlp_params(), jax.ShapeDtypeStruct((B, D), jnp.float32),
+                                     batch_argnums=1)
+    assert plan.fits(plan.peak_bytes) and not plan.fits(plan.peak_bytes - 1)
+    assert plan.fits("h100")
+    e = plan.estimate("h100")
+    assert e.step_s == max(e.compute_s, e.memory_s, e.network_s) > 0
+    assert e.compute_s == pytest.approx(plan.flops / 989.4e12)
+    assert plan.estimate("b200").step_s < plan.estimate("a100").step_s
+    text = str(plan)
+    for heading in ("Memory per device", "Collectives per device per step", "all-gather", "Largest arrays"):
+        assert heading in text
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_fits_refuses_a_budget_that_is_not_a_positive_int(bad):
+    plan = jd.OneDeviceStrategy().plan(lambda w: w * 2, jnp.ones(4))
+    with pytest.raises(ValueError, match=r"memory_per_device=.* positive number of bytes"):
+        plan.fits(bad)
+
+
+def test_an_unknown_accelerator_lists_the_known_ones():
+    plan = jd.OneDeviceStrategy().plan(lambda w: w * 2, jnp.ones(4))
+    with pytest.raises(ValueError, match=r"accelerator='tpu-v9' .* 'h100'"):
+        plan.estimate("tpu-v9")
+
+
+def test_a_batch_the_replicas_do_not_divide_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"argument 1 \('x'\) has 12 rows, .* 8 replicas .* multiple of 8"):
+        jd.MirroredStrategy().plan(lambda w, x: x @ w, jnp.ones((4, 4)), jnp.ones((12, 4)), batch_argnums=1)
+
+
+def test_placed_arguments_keep_their_layout_and_keyword_arguments_count():
+    strategy = jd.ShardedStrategy(min_shard_size=1)
+    w = strategy.create_variables(lambda: jnp.zeros((64, 8)))
+    plan = strategy.jit(lambda w, x: (x @ w).sum(), batch_argnames="x").plan(w, x=np.zeros((16, 64), np.float32))
+    assert plan.state_bytes == {"w": 64 * 8 * 4 // 8, "batch": 16 * 64 * 4 // 8}
+
+
+# ---------------------------------------------------------------------------------------------- plan meshes
+def test_plan_mesh_strategies_plan_but_do_not_run():
+    mesh = jd.plan_mesh({"data": 16, "fsdp": 32, "tensor": 8})
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1,
+                                  layout_rules=[("w", P("fsdp", "tensor"))])
+    assert strategy.num_replicas_in_sync == 512
+    w = strategy.create_variables(lambda: {"w": jnp.zeros((1024, 512))})["w"]
+    assert isinstance(w, jax.ShapeDtypeStruct) and w.sharding.spec == P("fsdp", "tensor")
+    step = strategy.jit(lambda w, x: (x @ w).sum(), batch_argnums=1)
+    with pytest.raises(RuntimeError, match=r"calling .*<lambda> needs devices.*plan mesh.*step\.plan"):
+        step(w, np.zeros((512, 1024), np.float32))
+
+
+@pytest.mark.parametrize("shape", [{}, {"data": 0}, {"": 2}, [("data", 2)]])
+def test_plan_mesh_refuses_a_bad_shape(shape):
+    with pytest.raises(ValueError, match="shape="):
+        jd.plan_mesh(shape)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("devices", [64, 512])
+def test_a_plan_on_a_large_simulated_mesh_holds_its_share_of_fsdp_state(devices):
+    strategy = jd.ShardedStrategy(mesh=jd.plan_mesh({"fsdp": devices}), min_shard_size=1)
+    params = {"w1": jax.ShapeDtypeStruct((512, 1024), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((1024, 512), jnp.float32)}
+    x = jax.ShapeDtypeStruct((devices * 4, 512), jnp.float32)
+
+    def step(p, x):
+        g = jax.grad(lambda p: ((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2).mean())(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    plan = strategy.plan(step, params, x, batch_argnums=1)
+    whole = F32 * 2 * 512 * 1024
+    assert plan.state_bytes["p"] == whole / devices
+    assert plan.argument_bytes == whole / devices + F32 * 4 * 512
+    assert plan.mesh == {"fsdp": devices} and "subprocess" in plan.compiled_on
+    assert plan.collectives["all-gather"].axes == ("fsdp",)
