@@ -121,7 +121,7 @@ def refuse_to_run(mesh: Any, what: str) -> None:
         >>> try:
         ...     refuse_to_run(plan_mesh({"data": 1024}), "calling step")
         ... except RuntimeError as error:
-        ...     print(str(error)[:53])
+        ...     print(str(error)[:52])
         calling step needs devices, but this strategy's mesh
     """
     if is_plan_mesh(mesh):
