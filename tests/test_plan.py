@@ -1,5 +1,9 @@
 """Plans: a step's memory, FLOPs and collectives per device, compiled for the strategy's layout, never run."""
 
+import importlib.util
+import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +222,61 @@ def test_a_plan_on_a_large_simulated_mesh_holds_its_share_of_fsdp_state(devices)
     assert plan.argument_bytes == whole / devices + F32 * 4 * 512
     assert plan.mesh == {"fsdp": devices} and "subprocess" in plan.compiled_on
     assert plan.collectives["all-gather"].axes == ("fsdp",)
+
+
+# ------------------------------------------------------------------------------------------------ the char LM
+def _load_char_lm():
+    path = pathlib.Path(__file__).parents[1] / "examples" / "char_lm.py"
+    spec = importlib.util.spec_from_file_location("char_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["char_lm"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+LM_CONFIG = dict(vocab_size=104, d_model=64, num_heads=4, num_layers=2, mlp_dim=256, max_len=64)
+LM_BATCH, LM_SEQ = 16, 64
+
+
+def _lm_plan(strategy_name):
+    lm = _load_char_lm()
+    strategy = lm.make_strategy(strategy_name)
+    model = lm.CharLM(lm.LMConfig(**LM_CONFIG))
+    trainer = jd.training.Trainer(strategy, model, lm.make_optimizer(100), lm.loss_fn)
+    tokens = jax.ShapeDtypeStruct((LM_BATCH, LM_SEQ), jnp.int32)
+    with strategy.scope():
+        plan = trainer.plan((tokens, tokens))
+    assert trainer.state is None  # planned from shapes: nothing initialized
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, LM_SEQ), jnp.int32))
+    return strategy, plan, params
+
+
+@pytest.mark.parametrize("name", ["mirrored", "fsdp_tp"])
+def test_the_char_lm_plan_holds_the_analytic_state_and_flops(name):
+    strategy, plan, params = _lm_plan(name)
+    if name == "mirrored":
+        per_device = {k: F32 * math.prod(s.value.shape) for k, s in _flat(params).items()}
+    else:
+        layouts = strategy.variable_layouts(params)
+        sizes = dict(strategy.mesh.shape)
+        per_device = {k: F32 * math.prod(s.value.shape) // math.prod(
+            sizes[n] for e in layouts[k] for n in (e if isinstance(e, tuple) else (e,)) if n) for k, s in
+            _flat(params).items()}
+    assert plan.state_bytes["params"] == sum(per_device.values())
+    assert plan.state_bytes["batch"] == 2 * LM_BATCH * LM_SEQ * 4 // strategy.num_replicas_in_sync
+    assert plan.argument_bytes == pytest.approx(sum(plan.state_bytes.values()), rel=0.01)
+    # FLOPs per step, all devices: 6 x parameters x tokens (embedding lookups aside) + attention's
+    # 12 x layers x length x d_model per token (forward and backward of QK^T and AV).
+    cfg = LM_CONFIG
+    n = sum(math.prod(s.value.shape) for s in _flat(params).values())
+    embeddings = cfg["vocab_size"] * cfg["d_model"] + cfg["max_len"] * cfg["d_model"]
+    tokens = LM_BATCH * LM_SEQ
+    analytic = 6 * (n - embeddings) * tokens + 12 * cfg["num_layers"] * LM_SEQ * cfg["d_model"] * tokens
+    assert plan.flops * plan.num_devices == pytest.approx(analytic, rel=0.10)
+
+
+def _flat(params):
+    from jaxdist.replicate.layouts import path_name
+
+    return {path_name(p): box for p, box in jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: hasattr(x, "names"))}

@@ -331,7 +331,7 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
             size, parts = _per_device(shape, dtype, sharding)
             role = "batch" if batch else _role(name, value, path)
             roles[role] = roles.get(role, 0) + size
-            where = f"{name}.{path_name(path)}" if path else name
+            where = f"{name}.{path_name(path).removesuffix('/value')}" if path else name  # a Flax box's value
             plan = ArrayPlan(where, shape, str(dtype), _layout_text(sharding), size)
             arrays.append(plan)
             if batch or not shape or math.prod(shape) < min_size:
