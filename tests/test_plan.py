@@ -5,9 +5,11 @@ import math
 import pathlib
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -280,3 +282,45 @@ def _flat(params):
 
     return {path_name(p): box for p, box in jax.tree_util.tree_leaves_with_path(
         params, is_leaf=lambda x: hasattr(x, "names"))}
+
+
+# ------------------------------------------------------------------------------------------------- the search
+class _DeepMLP(nn.Module):
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = jax.nn.relu((nn.remat(nn.Dense) if self.remat else nn.Dense)(1024)(x))
+        return nn.Dense(1)(x)
+
+
+def _build(strategy, remat, grad_accum_steps):
+    return jd.training.Trainer(strategy, _DeepMLP(remat), optax.adam(1e-3), lambda o, y: ((o[:, 0] - y) ** 2).mean(),
+                               grad_accum_steps=grad_accum_steps)
+
+
+def test_the_search_finds_a_sharded_layout_where_mirrored_does_not_fit():
+    batch = (jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32))
+    found = jd.training.plan_search(_build, batch, num_devices=8, memory_per_device=40 << 20, remat=(False,),
+                                    layouts=("mirrored", "fsdp", "hsdp"), hsdp_groups=(2,),
+                                    grad_accum_steps=(1, 3))
+    by_layout = {(c.layout, c.grad_accum_steps): c for c in found}
+    mirrored = by_layout["mirrored", 1]
+    assert not mirrored.fits and mirrored.plan.peak_bytes > 40 << 20
+    assert mirrored.plan.state_bytes["params"] == 4 * (4 * 1024 * 1024 + 4 * 1024 + 1024 + 1)
+    best = found[0]
+    assert best.fits and best.layout in ("fsdp", "hsdp")
+    assert best.plan.state_bytes["params"] < mirrored.plan.state_bytes["params"] / 3
+    steps = [c.estimate.step_s for c in found if c.fits]
+    assert steps == sorted(steps)
+    undivided = by_layout["fsdp", 3]  # 256 rows are not 3 micro-batches of 8 replicas
+    assert undivided.plan is None and "3" in undivided.error and "not planned" in str(undivided)
+    assert "fits" in str(best)
+
+
+def test_the_search_refuses_an_unknown_layout_and_a_bad_device_count():
+    with pytest.raises(ValueError, match=r"layouts=.*'zero'.* choose among"):
+        jd.training.plan_search(_build, None, num_devices=8, memory_per_device=1 << 30, layouts=("zero",))
+    with pytest.raises(ValueError, match=r"num_devices=0 must be an int >= 1"):
+        jd.training.plan_search(_build, None, num_devices=0, memory_per_device=1 << 30)
