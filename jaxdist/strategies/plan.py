@@ -178,11 +178,11 @@ class Plan:
         lines.append(f"  {'bytes accessed':<16}{format_bytes(self.bytes_accessed):>12}")
         if self.unknown_loops:
             lines.append(f"  ({self.unknown_loops} loop(s) of unknown trip count counted once)")
-        lines.append("Collectives per device per step")
+        lines.append("Collectives per device per step (how many, their bytes in all, the bytes sent)")
         if not self.collectives:
             lines.append("  none")
         for c in self.collectives.values():
-            lines.append(f"  {c.kind:<20}{c.count:>6} x  {format_bytes(c.bytes):>11}  sent "
+            lines.append(f"  {c.kind:<20}{c.count:>4} op{'s' if c.count > 1 else ' '}{format_bytes(c.bytes):>12}  sent "
                          f"{format_bytes(c.wire_bytes):>11}  over {', '.join(c.axes) or '?'}")
         lines.append(f"Held whole along an axis that could split them: {format_bytes(self.replicated_bytes)}")
         for a in self.replicated[:5]:
