@@ -242,7 +242,10 @@ LM_BATCH, LM_SEQ = 16, 64
 
 def _lm_plan(strategy_name):
     lm = _load_char_lm()
-    strategy = lm.make_strategy(strategy_name)
+    if strategy_name == "hsdp":
+        strategy = lm.mesh_strategy({"data": 2, "fsdp": 4}, None, ("fsdp",))
+    else:
+        strategy = lm.make_strategy(strategy_name)
     model = lm.CharLM(lm.LMConfig(**LM_CONFIG))
     trainer = jd.training.Trainer(strategy, model, lm.make_optimizer(100), lm.loss_fn)
     tokens = jax.ShapeDtypeStruct((LM_BATCH, LM_SEQ), jnp.int32)
@@ -253,7 +256,7 @@ def _lm_plan(strategy_name):
     return strategy, plan, params
 
 
-@pytest.mark.parametrize("name", ["mirrored", "fsdp_tp"])
+@pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "hsdp"])
 def test_the_char_lm_plan_holds_the_analytic_state_and_flops(name):
     strategy, plan, params = _lm_plan(name)
     if name == "mirrored":
