@@ -198,6 +198,8 @@ def test_plan_mesh_strategies_plan_but_do_not_run():
     step = strategy.jit(lambda w, x: (x @ w).sum(), batch_argnums=1)
     with pytest.raises(RuntimeError, match=r"calling .*<lambda> needs devices.*plan mesh.*step\.plan"):
         step(w, np.zeros((512, 1024), np.float32))
+    with pytest.raises(RuntimeError, match=r"strategy.mirror needs devices"):
+        strategy.mirror({"w": np.zeros(4)})
 
 
 @pytest.mark.parametrize("shape", [{}, {"data": 0}, {"": 2}, [("data", 2)]])

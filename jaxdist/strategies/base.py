@@ -41,7 +41,7 @@ from jaxdist.strategies.global_view import StrategyFunction
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
 from jaxdist.strategies.offload import to_device_memory
 from jaxdist.strategies.plan import Plan
-from jaxdist.strategies.plan_mesh import abstract_variables, is_plan_mesh
+from jaxdist.strategies.plan_mesh import abstract_variables, is_plan_mesh, refuse_to_run
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.roles import role_of_placed
@@ -318,6 +318,7 @@ class Strategy:
             >>> strategy.mirror({"b": np.zeros(2)})["b"].sharding.is_fully_replicated
             True
         """
+        refuse_to_run(self._policy.mesh, "strategy.mirror")  # placing values needs devices
         return variables.mirror(self._policy, tree)
 
     def sync_on_read(
