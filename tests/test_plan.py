@@ -91,17 +91,19 @@ def test_collectives_fsdp_gathers_and_scatters_mirrored_all_reduces():
     assert fsdp.network_bytes < mirrored.network_bytes * 1.1
 
 
-def test_a_plan_never_runs_the_step():
+@pytest.mark.parametrize("devices", [8, 32])
+def test_a_plan_never_runs_the_step(devices):
     calls = []
 
     def step(w, x):
         jax.debug.callback(lambda v: calls.append(v), x.sum())
         return w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
 
-    strategy = jd.ShardedStrategy(min_shard_size=1)
-    plan = strategy.jit(step, batch_argnums=1).plan(np.zeros((64, 32), np.float32), np.zeros((16, 64), np.float32))
+    mesh = None if devices == 8 else jd.plan_mesh({"replica": devices})  # compiled here / in a subprocess
+    strategy = jd.ShardedStrategy(mesh=mesh, min_shard_size=1)
+    plan = strategy.jit(step, batch_argnums=1).plan(np.zeros((64, 32), np.float32), np.zeros((64, 64), np.float32))
     assert calls == []
-    assert plan.state_bytes == {"w": 64 * 32 * 4 // 8, "batch": 16 * 64 * 4 // 8}
+    assert plan.state_bytes == {"w": 64 * 32 * 4 // devices, "batch": 64 * 64 * 4 // devices}
 
 
 def test_flops_count_each_loop_iteration():
