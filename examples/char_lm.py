@@ -457,8 +457,9 @@ def plan_or_search(args: argparse.Namespace, strategy: jd.Strategy, trainer: Any
     found = jd.training.plan_search(
         build, (tokens, tokens), num_devices=args.plan_devices or len(jax.devices()), memory_per_device=memory,
         accelerator=args.accelerator, grad_accum_steps=(1, 2), rules=logical_axis_rules,
-        activation_axes=ACTIVATION_AXES,
+        activation_axes=ACTIVATION_AXES, progress=lambda c: say("planned:", c, flush=True),
     )
+    say("ranked (fits first, fastest first):")
     for c in found:
         say(c)
 

@@ -309,9 +309,11 @@ def _build(strategy, remat, grad_accum_steps):
 
 def test_the_search_finds_a_sharded_layout_where_mirrored_does_not_fit():
     batch = (jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32))
+    seen = []
     found = jd.training.plan_search(_build, batch, num_devices=8, memory_per_device=40 << 20, remat=(False,),
                                     layouts=("mirrored", "fsdp", "hsdp"), hsdp_groups=(2,),
-                                    grad_accum_steps=(1, 3))
+                                    grad_accum_steps=(1, 3), progress=seen.append)
+    assert sorted(map(id, seen)) == sorted(map(id, found))
     by_layout = {(c.layout, c.grad_accum_steps): c for c in found}
     mirrored = by_layout["mirrored", 1]
     assert not mirrored.fits and mirrored.plan.peak_bytes > 40 << 20

@@ -109,6 +109,7 @@ def plan_search(
     tensor_parallelism: Sequence[int] = (2, 4, 8),
     rules: Callable[[tuple[str, ...], str | None], Any] | None = None,
     activation_axes: Sequence[str] = (),
+    progress: Callable[[Candidate], Any] | None = None,
 ) -> list[Candidate]:
     """Plan every configuration and rank them (see the module doc).
 
@@ -126,6 +127,7 @@ def plan_search(
         tensor_parallelism: the tensor-axis sizes of the FSDP x TP layouts.
         rules: ``rules(batch_axes, model_axis) -> logical_axis_rules`` for the model (needed for "fsdp_tp").
         activation_axes: logical names only activations use (see `ShardedStrategy`).
+        progress: called with each `Candidate` as soon as it is planned (e.g. ``print``).
 
     Returns:
         Every `Candidate`: those that fit first, fastest first; then the others, smallest peak first.
@@ -148,10 +150,13 @@ def plan_search(
                     with strategy.scope():
                         plan = trainer.plan(batch)
                 except ValueError as error:  # e.g. a batch the replicas (x micro-batches) do not divide
-                    candidates.append(Candidate(layout, shape, r, k, None, None, False, str(error).split("\n")[0]))
-                    continue
-                candidates.append(Candidate(layout, shape, r, k, plan, plan.estimate(accelerator),
-                                            plan.fits(memory_per_device)))
+                    candidate = Candidate(layout, shape, r, k, None, None, False, str(error).split("\n")[0])
+                else:
+                    candidate = Candidate(layout, shape, r, k, plan, plan.estimate(accelerator),
+                                          plan.fits(memory_per_device))
+                candidates.append(candidate)
+                if progress is not None:
+                    progress(candidate)
 
     def rank(c: Candidate) -> tuple:
         if c.plan is None:
