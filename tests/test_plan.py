@@ -333,3 +333,20 @@ def test_the_search_refuses_an_unknown_layout_and_a_bad_device_count():
         jd.training.plan_search(_build, None, num_devices=8, memory_per_device=1 << 30, layouts=("zero",))
     with pytest.raises(ValueError, match=r"num_devices=0 must be an int >= 1"):
         jd.training.plan_search(_build, None, num_devices=0, memory_per_device=1 << 30)
+
+
+def test_a_failed_or_slow_compile_elsewhere_says_so():
+    from jaxdist.strategies.plan_mesh import compile_elsewhere
+
+    with pytest.raises(RuntimeError, match=r"compiling the plan for 2 simulated CPU devices failed"):
+        compile_elsewhere("this is not a module", 2)
+    with pytest.raises(RuntimeError, match=r"took longer than timeout=0.01 s: pass a larger timeout"):
+        compile_elsewhere("module {}", 2, timeout=0.01)
+
+
+def test_create_variables_on_a_plan_mesh_refuses_a_non_callable():
+    strategy = jd.MirroredStrategy(mesh=jd.plan_mesh({"data": 64}))
+    with pytest.raises(TypeError, match=r"init_fn=3 .* is not callable"):
+        strategy.create_variables(3)
+    w = strategy.create_variables(lambda: jnp.zeros((4, 4)))
+    assert w.sharding.is_fully_replicated and w.sharding.mesh.size == 64
