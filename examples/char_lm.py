@@ -310,12 +310,23 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def mesh_strategy(axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple[str, ...] | None) -> jd.Strategy:
+def mesh_strategy(
+    axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple[str, ...] | None, plan: bool = False
+) -> jd.Strategy:
     """``ShardedStrategy`` on a mesh with the user's axis names over every device of every process: the batch
     over every axis but ``model_axis`` and ``"context"``, the sequence over ``"context"`` (context
     parallelism), FSDP over ``fsdp_axes`` (default: all the batch and context axes), tensor parallelism over
-    ``model_axis``."""
+    ``model_axis``. With ``plan``, a mesh of another size than the devices present is a plan mesh
+    (``jd.plan_mesh``: plans only)."""
     count = int(np.prod(list(axes.values())))
+    context_axes = ("context",) if "context" in axes else ()
+    if plan and count != len(jax.devices()):
+        model_axis = model_axis if model_axis in axes else None
+        batch_axes = tuple(a for a in axes if a != model_axis and a not in context_axes)
+        return jd.ShardedStrategy(
+            mesh=jd.plan_mesh(axes), batch_axes=batch_axes, fsdp_axes=fsdp_axes, context_axes=context_axes,
+            logical_axis_rules=logical_axis_rules(batch_axes, model_axis), activation_axes=ACTIVATION_AXES,
+        )
     if count != len(jax.devices()):
         raise ValueError(f"--mesh {axes} has {count} devices, but there are {len(jax.devices())} (all processes): "
                          "make the sizes multiply to the device count.")
@@ -323,7 +334,6 @@ def mesh_strategy(axes: dict[str, int], model_axis: str | None, fsdp_axes: tuple
         raise ValueError(f"--model-axis {model_axis!r} is not an axis of --mesh {list(axes)}.")
     # Auto axes: the model is written without layout annotations, so XLA propagates layouts through it.
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
-    context_axes = ("context",) if "context" in axes else ()
     batch_axes = tuple(a for a in axes if a != model_axis and a not in context_axes)
     return jd.ShardedStrategy(
         mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes, context_axes=context_axes,
@@ -423,6 +433,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a directory for JAX's persistent compilation cache (a restart loads its programs)")
     parser.add_argument("--sample-length", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plan", action="store_true",
+                        help="print the train step's plan (memory, FLOPs, collectives per device) and exit; a --mesh "
+                             "of more devices than present is planned without them (jd.plan_mesh)")
+    parser.add_argument("--search", action="store_true",
+                        help="rank layouts x remat x micro-batches for --plan-devices devices by plan, and exit")
+    parser.add_argument("--plan-devices", type=int, default=None, help="devices --search plans for (default: all)")
+    parser.add_argument("--accelerator", default="h100", help="what plans estimate step times for")
+    parser.add_argument("--memory-per-device", default=None,
+                        help="--search's budget: bytes, or an accelerator name (default: --accelerator's memory)")
     parser.add_argument(
         "--peak-flops",
         type=float,
@@ -430,6 +449,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="peak FLOP/s of one device, for MFU where the Trainer knows no datasheet figure",
     )
     return parser.parse_args(argv)
+
+
+def plan_or_search(args: argparse.Namespace, strategy: jd.Strategy, trainer: Any, cfg: LMConfig, say: Any) -> None:
+    """``--plan``: the train step's plan on ``strategy``; ``--search``: layouts x remat x micro-batches ranked by
+    plan. Nothing is trained, initialized or allocated."""
+    tokens = jax.ShapeDtypeStruct((args.batch_size, args.seq_len), jnp.int32)
+    if args.plan:
+        with strategy.scope():
+            plan = trainer.plan((tokens, tokens))
+        say(plan)
+        say(f"fits {args.accelerator} ({jd.strategies.ACCELERATORS[args.accelerator].memory / 1e9:.0f} GB): "
+            f"{plan.fits(args.accelerator)}")
+        return
+    memory = args.memory_per_device or args.accelerator
+    memory = int(memory) if str(memory).isdigit() else memory
+
+    def build(strategy: jd.Strategy, remat: bool, grad_accum_steps: int) -> Any:
+        return jd.training.Trainer(strategy, CharLM(dataclasses.replace(cfg, remat=remat)),
+                                   make_optimizer(args.steps, args.learning_rate), loss_fn, clip_grad_norm=1.0,
+                                   grad_accum_steps=grad_accum_steps)
+
+    found = jd.training.plan_search(
+        build, (tokens, tokens), num_devices=args.plan_devices or len(jax.devices()), memory_per_device=memory,
+        accelerator=args.accelerator, grad_accum_steps=(1, 2), rules=logical_axis_rules,
+        activation_axes=ACTIVATION_AXES, progress=lambda c: say("planned:", c, flush=True),
+    )
+    say("ranked (fits first, fastest first):")
+    for c in found:
+        say(c)
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -445,7 +493,7 @@ def main(argv: list[str] | None = None) -> float:
         model_axis = args.model_axis or next((a for a in ("tensor", "model") if a in axes), None)
         fsdp_axes = tuple(args.fsdp_axes.split(",")) if args.fsdp_axes else None
         jd.initialize_cluster()  # a job of several processes (jaxdist.launch, SLURM, ...): connect them first
-        strategy = mesh_strategy(axes, model_axis, fsdp_axes)
+        strategy = mesh_strategy(axes, model_axis, fsdp_axes, plan=args.plan)
     else:
         strategy = make_strategy(args.strategy, args.model_parallelism)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)  # one process prints
@@ -482,6 +530,10 @@ def main(argv: list[str] | None = None) -> float:
         tokens_per_example=args.seq_len,
         peak_flops=args.peak_flops,
     )
+
+    if args.plan or args.search:
+        plan_or_search(args, strategy, trainer, cfg, say)
+        return float("nan")
 
     def data_fn(epoch: int) -> list:
         return train_batches(train_tokens, args.batch_size, args.seq_len, args.steps, epoch, args.seed)

@@ -27,6 +27,7 @@ from jaxdist.strategies import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies import MultiStepContext as MultiStepContext
 from jaxdist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies import Plan as Plan
 from jaxdist.strategies import RecompileWarning as RecompileWarning
 from jaxdist.strategies import ReplicaContext as ReplicaContext
 from jaxdist.strategies import ShardedStrategy as ShardedStrategy
@@ -42,6 +43,7 @@ from jaxdist.strategies import get_strategy as get_strategy
 from jaxdist.strategies import has_strategy as has_strategy
 from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
 from jaxdist.strategies import initialize_cluster as initialize_cluster
+from jaxdist.strategies import plan_mesh as plan_mesh
 from jaxdist.strategies import scale_regularization_loss as scale_regularization_loss
 from jaxdist.tpu import TPUStrategy as TPUStrategy
 from jaxdist.training import configure_compilation_cache as configure_compilation_cache
@@ -60,6 +62,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
+    "Plan",
     "RecompileWarning",
     "ReduceOp",
     "ReplicaContext",
@@ -82,6 +85,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_cluster",
+    "plan_mesh",
     "scale_regularization_loss",
     "tpu",
     "training",

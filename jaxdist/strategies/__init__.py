@@ -1,6 +1,9 @@
 """Strategies: where replicas run and how code runs on them."""
 
 from jaxdist.strategies import compat as compat
+from jaxdist.strategies.accelerators import ACCELERATORS as ACCELERATORS
+from jaxdist.strategies.accelerators import Accelerator as Accelerator
+from jaxdist.strategies.accelerators import Estimate as Estimate
 from jaxdist.strategies.agreement import ProgramMismatchError as ProgramMismatchError
 from jaxdist.strategies.base import Strategy as Strategy
 from jaxdist.strategies.cluster import initialize_cluster as initialize_cluster
@@ -21,6 +24,8 @@ from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxdist.strategies.offload import HOST_OFFLOAD_MODES as HOST_OFFLOAD_MODES
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxdist.strategies.plan import Plan as Plan
+from jaxdist.strategies.plan_mesh import plan_mesh as plan_mesh
 from jaxdist.strategies.policy import IdleAxisWarning as IdleAxisWarning
 from jaxdist.strategies.policy import LayoutPolicy as LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache as ProgramCache
@@ -33,9 +38,12 @@ from jaxdist.strategies.steps import MultiStepContext as MultiStepContext
 from jaxdist.strategies.value_context import ValueContext as ValueContext
 
 __all__ = [
+    "ACCELERATORS",
     "HOST_OFFLOAD_MODES",
+    "Accelerator",
     "DistributedDataset",
     "DistributedIterator",
+    "Estimate",
     "IdleAxisWarning",
     "InputContext",
     "LayoutPolicy",
@@ -43,6 +51,7 @@ __all__ = [
     "MultiStepContext",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "Plan",
     "ProgramCache",
     "ProgramMismatchError",
     "RecompileWarning",
@@ -63,5 +72,6 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_cluster",
+    "plan_mesh",
     "scale_regularization_loss",
 ]

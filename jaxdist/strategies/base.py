@@ -40,6 +40,8 @@ from jaxdist.strategies.cluster import check_spans_processes
 from jaxdist.strategies.global_view import StrategyFunction
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
 from jaxdist.strategies.offload import to_device_memory
+from jaxdist.strategies.plan import Plan
+from jaxdist.strategies.plan_mesh import abstract_variables, is_plan_mesh, refuse_to_run
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.run import ReplicaRunner, check_axis_name
@@ -320,6 +322,8 @@ class Strategy:
             >>> params["w"].shape
             (3,)
         """
+        if is_plan_mesh(self._policy.mesh):  # plans only: the variables' shapes in their layouts
+            return abstract_variables(self._policy, init_fn, args, kwargs)
         return variables.create_variables(self._policy, init_fn, args, kwargs)
 
     def mirror(self, tree: Any) -> Any:
@@ -331,6 +335,7 @@ class Strategy:
             >>> strategy.mirror({"b": np.zeros(2)})["b"].sharding.is_fully_replicated
             True
         """
+        refuse_to_run(self._policy.mesh, "strategy.mirror")  # placing values needs devices
         return variables.mirror(self._policy, tree)
 
     def sync_on_read(
@@ -506,6 +511,28 @@ class Strategy:
             batch_argnums=batch_argnums, static_argnames=static_argnames, donate_argnames=donate_argnames,
             batch_argnames=batch_argnames, out_layouts=out_layouts,
         )
+
+    def plan(self, fn: Callable[..., Any], *args: Any, kwargs: dict | None = None, **jit_kwargs: Any) -> Plan:
+        """``self.jit(fn, **jit_kwargs).plan(*args, **kwargs)``: what ``fn`` costs on this strategy's layout
+        (memory, FLOPs, collectives per device), compiled but never run (see `StrategyFunction.plan`).
+
+        Args:
+            fn: the step function.
+            *args: its positional arguments (values or `jax.ShapeDtypeStruct`s).
+            kwargs: its keyword arguments.
+            **jit_kwargs: `jit`'s options (``batch_argnums=``, ``donate_argnums=``, ``static_argnums=``, ...).
+
+        Returns:
+            A `jd.Plan`.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> plan = jd.MirroredStrategy().plan(lambda w, x: (x @ w).sum(), jnp.zeros((16, 4)),
+            ...                                   jnp.zeros((64, 16)), batch_argnums=1)
+            >>> plan.argument_bytes == 16 * 4 * 4 + 64 // 8 * 16 * 4
+            True
+        """
+        return self.jit(fn, **jit_kwargs).plan(*args, **(kwargs or {}))
 
     def run_steps_on_dataset(
         self,

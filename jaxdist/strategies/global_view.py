@@ -46,6 +46,8 @@ from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.offload import in_host_memory, to_device_memory
+from jaxdist.strategies.plan import Plan, plan_step
+from jaxdist.strategies.plan_mesh import refuse_to_run
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.resolve import constrain, constrain_outputs, is_variable, nnx_layouts, typed_whole_at_entry
@@ -258,6 +260,7 @@ class StrategyFunction:
         return args, nodes, graphdef, placed, kwargs, state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         self._local.args = (placed, kwargs, state)  # read only if this call traces
         try:
@@ -305,6 +308,34 @@ class StrategyFunction:
             A `jax.stages.Lowered`.
         """
         return self._stage("lower", args, kwargs)
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """The step's `jd.Plan` for these arguments: memory, FLOPs, collectives per device, compiled for the
+        strategy's layout; the step never runs and nothing is allocated (see `jaxdist.strategies.plan`).
+
+        Arguments may be real values or `jax.ShapeDtypeStruct`s (``jax.eval_shape(init)``); those without a
+        layout get the one a call would give them (declared batches split over the batch axes, everything
+        else the variable layout). On a plan mesh (`jd.plan_mesh`) the program is compiled in a subprocess
+        with that many simulated CPU devices.
+
+        Returns:
+            A `jd.Plan`.
+
+        Raises:
+            ValueError: for a declared batch whose rows the replicas do not divide.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp, jaxdist as jd
+            >>> step = jd.MirroredStrategy().jit(lambda w, x: (x @ w).sum(), batch_argnums=1)
+            >>> plan = step.plan(jax.ShapeDtypeStruct((16, 4), jnp.float32),
+            ...                  jax.ShapeDtypeStruct((64, 16), jnp.float32))
+            >>> plan.state_bytes, plan.collectives["all-reduce"].count
+            ({'w': 256, 'batch': 512}, 1)
+        """
+        args, kwargs = self._bind(args, kwargs)
+        names = list(self._signature.parameters) if self._signature is not None else []
+        return plan_step(self._policy, self.trace, args, kwargs, names=names, batch=self._batch or (),
+                         batch_names=self._batch_names, static=self._static, static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
         _, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
@@ -219,10 +219,11 @@ def axis_roles(
         >>> cp.context_axes, cp.fsdp_axes, cp.model_axes
         (('context',), ('data', 'context'), ())
     """
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, (Mesh, AbstractMesh)):  # an AbstractMesh (jd.plan_mesh): plans only
         raise TypeError(
             f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one with "
-            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names)."
+            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names) (or, to plan "
+            "without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
         )
     context = _names(context_axes or (), "context_axes", mesh)
     if batch_axes is None:

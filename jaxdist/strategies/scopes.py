@@ -47,7 +47,10 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
         )
     # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables annotated with
     # nnx.with_partitioning already sharded, on the ambient mesh.
-    with ambient.scope(strategy), jax.set_mesh(policy.mesh), policy.flax_rules():
+    # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is created).
+    mesh = (jax.sharding.use_abstract_mesh(policy.mesh) if isinstance(policy.mesh, jax.sharding.AbstractMesh)
+            else jax.set_mesh(policy.mesh))
+    with ambient.scope(strategy), mesh, policy.flax_rules():
         try:
             yield strategy
         except ValueError as error:

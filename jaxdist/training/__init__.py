@@ -29,6 +29,8 @@ from jaxdist.training.models import LinenModel as LinenModel
 from jaxdist.training.models import NnxModel as NnxModel
 from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.prepare import prepare as prepare
+from jaxdist.training.search import Candidate as Candidate
+from jaxdist.training.search import plan_search as plan_search
 from jaxdist.training.step import TrainState as TrainState
 from jaxdist.training.step import accuracy as accuracy
 from jaxdist.training.step import make_train_step as make_train_step
@@ -37,6 +39,7 @@ from jaxdist.training.watchdog import Watchdog as Watchdog
 
 __all__ = [
     "CSVLogger",
+    "Candidate",
     "Callback",
     "CheckpointCorruptedError",
     "Checkpointer",
@@ -55,5 +58,6 @@ __all__ = [
     "configure_compilation_cache",
     "known_peak_flops",
     "make_train_step",
+    "plan_search",
     "prepare",
 ]

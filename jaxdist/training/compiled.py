@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxdist.strategies import Strategy
+from jaxdist.strategies import Plan, Strategy
 from jaxdist.training.build import check_losses
 from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
@@ -141,6 +141,12 @@ class CompiledSteps:
                                                  donate=True)
         state, values, _, self._sums = ctx.loop_values
         return state, values
+
+    def plan(self, state: TrainState, pair: Any) -> Plan:
+        """The fit step's `jd.Plan` for ``state`` and the batch ``pair = (x, y)`` (arrays or abstract arrays):
+        compiled for the strategy's layout, never run (see ``Trainer.plan``)."""
+        self._build(state, pair)
+        return self.fit_step.plan(state, pair, self._current_sums())
 
     def pop_sums(self, state: TrainState) -> tuple[tuple[str, ...], Any]:
         """``(names, sums)`` since the last call (see ``Trainer.pop_metric_sums``); restarts them."""

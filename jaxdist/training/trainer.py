@@ -24,9 +24,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jaxdist.strategies import Strategy
+from jaxdist.strategies import Plan, Strategy
+from jaxdist.strategies.plan_mesh import abstract_variables
 from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
@@ -369,6 +371,41 @@ class Trainer:
         if self._state is None or signature is None or self._steps.fit_step is None:
             raise RuntimeError("step_cost() before the first training step: call fit(...) or train_on_batch first.")
         return self._steps.step_cost(self._state, signature, self.cost_options)
+
+    def plan(self, batch: Any) -> Plan:
+        """The `jd.Plan` of the trainer's own train step on a global ``batch``: memory, FLOPs and collectives
+        per device on the strategy's layout (the optimizer state, ``grad_accum_steps``, ``compute_dtype`` and
+        all), compiled but never run. Before the state exists it is planned from its shapes (nothing is
+        initialized or allocated), so a strategy over a plan mesh (`jd.plan_mesh`) works too.
+
+        Args:
+            batch: ``(x, y)`` or a dict with ``input_key`` / ``target_key``, of arrays or
+                `jax.ShapeDtypeStruct`s: the global batch (only shapes and dtypes are read).
+
+        Returns:
+            A `jd.Plan`.
+
+        Raises:
+            ValueError: for a batch of the wrong structure, or one the replicas do not divide.
+
+        Examples:
+            >>> import flax.linen as nn, jax, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.ShardedStrategy(min_shard_size=1), nn.Dense(64), optax.adam(1e-3),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+            >>> plan = trainer.plan((jax.ShapeDtypeStruct((32, 64), np.float32), np.ones(32, np.float32)))
+            >>> plan.state_bytes["params"] == (64 * 64 + 64) * 4 // 8, trainer.state is None
+            (True, True)
+        """
+        x, y = self._batches.split(batch, "plan's batch")
+        if self._state is not None:
+            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
+        else:
+            # The builder reads one example (as init does): one row of zeros of the batch's shapes stands in.
+            row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)), (x, y))
+            build, args = self._checked_builder(row)
+            with self.strategy.scope():
+                state = abstract_variables(self.strategy.policy, build, args, {})
+        return self._steps.plan(state, (x, y))
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
