@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -350,3 +351,21 @@ def test_create_variables_on_a_plan_mesh_refuses_a_non_callable():
         strategy.create_variables(3)
     w = strategy.create_variables(lambda: jnp.zeros((4, 4)))
     assert w.sharding.is_fully_replicated and w.sharding.mesh.size == 64
+
+
+def test_nnx_modules_are_planned_in_their_layout_and_left_as_they_are():
+    strategy = jd.ShardedStrategy(min_shard_size=1)
+    with strategy.scope():
+        model = nnx.Linear(64, 256, rngs=nnx.Rngs(0))
+    before = model.kernel[...].sharding
+
+    def step(m, x):
+        return (m(x) ** 2).mean()
+
+    plan = strategy.jit(step, batch_argnums=1).plan(model, np.zeros((64, 64), np.float32))
+    assert plan.state_bytes == {"m": (64 * 256 + 256) * 4 // 8, "batch": 64 * 64 * 4 // 8}
+    assert model.kernel[...].sharding == before  # nothing moved into the FSDP layout by planning
+    trainer = jd.training.Trainer(strategy, nnx.Linear(64, 8, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                                  lambda out, y: ((out[:, 0] - y) ** 2).mean())
+    plan = trainer.plan((jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32)))
+    assert plan.state_bytes["params"] == (64 * 8 + 8) * 4 // 8

@@ -46,6 +46,7 @@ from jaxdist.replicate.layouts import path_name
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
 from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
+from jaxdist.strategies.resolve import nnx_layouts
 
 __all__ = ["ArrayPlan", "CollectivePlan", "Plan", "plan_step"]
 
@@ -239,14 +240,19 @@ def _on_mesh(sharding: Any, mesh: Any) -> bool:
 
 def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
     """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it: its own where it is
-    on the strategy's mesh, else a batch's (``batch``) or the variable layout. nnx graph objects and Python
-    values are returned as they are.
+    on the strategy's mesh, else a batch's (``batch``) or the variable layout. An nnx graph object comes back
+    with abstract state (nothing is moved); Python values are returned as they are.
 
     Raises:
         ValueError: for a batch whose rows the replicas do not divide.
     """
-    if nnx.graph.is_graph_node(value):
-        return value
+    if nnx.graph.is_graph_node(value):  # the module's state as abstract values in the layouts a call gives them
+        graphdef, state = nnx.split(value)
+        layouts, _ = nnx_layouts(policy, state)
+        values = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
+                                       sharding=layout if isinstance(layout, jax.sharding.Sharding) else None)
+                  for x, layout in zip(jax.tree.leaves(state), layouts, strict=True)]
+        return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))
     mesh = policy.mesh
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) if _is_array(x)
                           else x, value)
