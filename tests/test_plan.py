@@ -369,3 +369,17 @@ def test_nnx_modules_are_planned_in_their_layout_and_left_as_they_are():
                                   lambda out, y: ((out[:, 0] - y) ** 2).mean())
     plan = trainer.plan((jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32)))
     assert plan.state_bytes["params"] == (64 * 8 + 8) * 4 // 8
+
+
+@pytest.mark.parametrize("mesh", [None, {"data": 32}])
+def test_a_per_replica_step_plans_its_explicit_all_reduce(mesh):
+    strategy = jd.MirroredStrategy(mesh=None if mesh is None else jd.plan_mesh(mesh))
+
+    def replica_fn(w, x):
+        g = jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+        return w - 0.1 * jd.get_replica_context().all_reduce("mean", g)
+
+    step = strategy.jit(lambda w, x: strategy.run(replica_fn, args=(w, x), batch_argnums=(1,)), batch_argnums=1)
+    plan = step.plan(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    assert plan.collectives["all-reduce"].count == 1 and plan.collectives["all-reduce"].bytes == 64 * 32 * 4
+    assert plan.state_bytes["batch"] == 64 * 64 * 4 // strategy.num_replicas_in_sync
