@@ -73,6 +73,7 @@ def test_argument_bytes_per_device_equal_the_analytic_figure(name):
     assert plan.peak_bytes == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + plan.temp_bytes
     assert plan.largest_arrays[0].bytes == max(batch, F32 * D * H / w1)
     assert {a.path: a.bytes for a in plan.largest_arrays}["x"] == batch
+    assert all(c.axes for c in plan.collectives.values())  # each kind names the mesh axes it runs over
 
 
 def test_collectives_fsdp_gathers_and_scatters_mirrored_all_reduces():

@@ -266,11 +266,13 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
 
 def _axes_of(groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]) -> tuple[str, ...]:
     total = math.prod(shape)
-    group = next((g for g in groups if len(g) > 1), None)
-    if group is None or not shape or max(group) >= total:
-        return ()
-    coords = np.array(np.unravel_index(group, tuple(shape)))
-    return tuple(a for a, row in zip(axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
+    used: set[str] = set()
+    for group in groups[:64]:  # every group of a collective spans the same axes; a permute's pairs may differ
+        if len(group) < 2 or not shape or max(group) >= total:
+            continue
+        coords = np.array(np.unravel_index(group, tuple(shape)))
+        used.update(a for a, row in zip(axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
+    return tuple(a for a in axis_names if a in used)
 
 
 def _scattered_bytes(instr: _Instr, size: int, users: dict[str, list[_Instr]], types: dict[str, str]) -> int:
