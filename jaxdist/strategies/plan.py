@@ -94,7 +94,27 @@ class CollectivePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What one call of a compiled step costs on each device (see the module doc for every field).
+    """What one call of a compiled step costs on each device (see the module doc).
+
+    Attributes:
+        mesh: the mesh's axis sizes.
+        argument_bytes: the step's arguments on one device (XLA's memory analysis).
+        output_bytes: its outputs.
+        alias_bytes: outputs written into donated arguments.
+        temp_bytes: temporaries.
+        peak_bytes: arguments + outputs - aliased + temporaries (an upper bound).
+        host_bytes: host-offloaded arguments, outputs and temporaries.
+        state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an argument's name).
+        largest_arrays: the ten largest arrays (`ArrayPlan`), with their layouts.
+        flops: floating-point operations per step, every loop iteration counted.
+        transcendentals: transcendental operations per step.
+        bytes_accessed: memory traffic per step.
+        collectives: ``{kind: CollectivePlan}``.
+        replicated_bytes: bytes of variables held whole along an axis that could split them.
+        replicated: those variables (`ArrayPlan` with ``axes``), largest first.
+        unknown_loops: loops whose trip count XLA did not record (counted once).
+        plan_seconds: how long planning took (lowering and compiling).
+        compiled_on: where the program was compiled.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
