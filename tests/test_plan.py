@@ -384,3 +384,20 @@ def test_a_per_replica_step_plans_its_explicit_all_reduce(mesh):
     plan = step.plan(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32))
     assert plan.collectives["all-reduce"].count == 1 and plan.collectives["all-reduce"].bytes == 64 * 32 * 4
     assert plan.state_bytes["batch"] == 64 * 64 * 4 // strategy.num_replicas_in_sync
+
+
+def test_bfloat16_collectives_count_16_bits_though_xla_cpu_computes_them_in_float32():
+    bf16 = jnp.bfloat16
+    params = {"w1": jax.ShapeDtypeStruct((D, H), bf16), "w2": jax.ShapeDtypeStruct((H, D), bf16)}
+    x = jax.ShapeDtypeStruct((B, D), bf16)
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda p: ((jax.nn.relu(x @ p["w1"]) @ p["w2"] - x) ** 2).mean())(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    whole = 2 * 2 * D * H  # bytes of both bfloat16 weights
+    mirrored = jd.MirroredStrategy().plan(step, params, x, batch_argnums=1)
+    assert mirrored.collectives["all-reduce"].bytes == pytest.approx(whole, rel=0.05)
+    fsdp = jd.ShardedStrategy().plan(step, params, x, batch_argnums=1)
+    assert fsdp.collectives["all-gather"].bytes == pytest.approx(whole, rel=0.05)
+    assert fsdp.collectives["reduce-scatter"].bytes == pytest.approx(whole, rel=0.05)
