@@ -212,6 +212,26 @@ def test_plan_mesh_refuses_a_bad_shape(shape):
         jd.plan_mesh(shape)
 
 
+@pytest.mark.parametrize("types", [(AxisType.Auto,), "Explicit"])
+def test_plan_mesh_refuses_bad_axis_types(types):
+    with pytest.raises(ValueError, match=r"axis_types=.* one per axis"):
+        jd.plan_mesh({"data": 4, "fsdp": 2}, types)
+
+
+def test_a_plan_mesh_with_explicit_axes_plans_code_written_for_them():
+    mesh = jd.plan_mesh({"fsdp": 32, "tensor": 2}, AxisType.Explicit)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="fsdp", min_shard_size=1,
+                                  logical_axis_rules=[("mlp", "tensor")], activation_axes=("mlp",))
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+
+    plan = strategy.plan(step, jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                         jax.ShapeDtypeStruct((64, 64), jnp.float32), batch_argnums=1)
+    assert plan.state_bytes == {"w": 64 * 32 * 4 // 32, "batch": 64 * 64 * 4 // 32}
+    assert plan.mesh == {"fsdp": 32, "tensor": 2}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("devices", [64, 512])
 def test_a_plan_on_a_large_simulated_mesh_holds_its_share_of_fsdp_state(devices):
