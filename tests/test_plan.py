@@ -421,3 +421,13 @@ def test_bfloat16_collectives_count_16_bits_though_xla_cpu_computes_them_in_floa
     fsdp = jd.ShardedStrategy().plan(step, params, x, batch_argnums=1)
     assert fsdp.collectives["all-gather"].bytes == pytest.approx(whole, rel=0.05)
     assert fsdp.collectives["reduce-scatter"].bytes == pytest.approx(whole, rel=0.05)
+
+
+def test_the_char_lm_example_prints_its_plan_and_trains_nothing(capsys):
+    lm = _load_char_lm()
+    result = lm.main(["--plan", "--mesh", "data=4,fsdp=16", "--fsdp-axes", "fsdp", "--layers", "1", "--d-model", "32",
+                      "--seq-len", "16", "--batch-size", "64", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert math.isnan(result)
+    assert "Plan for mesh {'data': 4, 'fsdp': 16} (64 devices)" in out and "Memory per device" in out
+    assert "fits h100 (80 GB): True" in out and "trained" not in out
