@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -72,6 +73,7 @@ def test_argument_bytes_per_device_equal_the_analytic_figure(name):
     assert plan.peak_bytes == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + plan.temp_bytes
     assert plan.largest_arrays[0].bytes == max(batch, F32 * D * H / w1)
     assert {a.path: a.bytes for a in plan.largest_arrays}["x"] == batch
+    assert all(c.axes for c in plan.collectives.values())  # each kind names the mesh axes it runs over
 
 
 def test_collectives_fsdp_gathers_and_scatters_mirrored_all_reduces():
@@ -208,6 +210,26 @@ def test_plan_mesh_strategies_plan_but_do_not_run():
 def test_plan_mesh_refuses_a_bad_shape(shape):
     with pytest.raises(ValueError, match="shape="):
         jd.plan_mesh(shape)
+
+
+@pytest.mark.parametrize("types", [(AxisType.Auto,), "Explicit"])
+def test_plan_mesh_refuses_bad_axis_types(types):
+    with pytest.raises(ValueError, match=r"axis_types=.* one per axis"):
+        jd.plan_mesh({"data": 4, "fsdp": 2}, types)
+
+
+def test_a_plan_mesh_with_explicit_axes_plans_code_written_for_them():
+    mesh = jd.plan_mesh({"fsdp": 32, "tensor": 2}, AxisType.Explicit)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="fsdp", min_shard_size=1,
+                                  logical_axis_rules=[("mlp", "tensor")], activation_axes=("mlp",))
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+
+    plan = strategy.plan(step, jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                         jax.ShapeDtypeStruct((64, 64), jnp.float32), batch_argnums=1)
+    assert plan.state_bytes == {"w": 64 * 32 * 4 // 32, "batch": 64 * 64 * 4 // 32}
+    assert plan.mesh == {"fsdp": 32, "tensor": 2}
 
 
 @pytest.mark.timeout(600)
@@ -350,3 +372,62 @@ def test_create_variables_on_a_plan_mesh_refuses_a_non_callable():
         strategy.create_variables(3)
     w = strategy.create_variables(lambda: jnp.zeros((4, 4)))
     assert w.sharding.is_fully_replicated and w.sharding.mesh.size == 64
+
+
+def test_nnx_modules_are_planned_in_their_layout_and_left_as_they_are():
+    strategy = jd.ShardedStrategy(min_shard_size=1)
+    with strategy.scope():
+        model = nnx.Linear(64, 256, rngs=nnx.Rngs(0))
+    before = model.kernel[...].sharding
+
+    def step(m, x):
+        return (m(x) ** 2).mean()
+
+    plan = strategy.jit(step, batch_argnums=1).plan(model, np.zeros((64, 64), np.float32))
+    assert plan.state_bytes == {"m": (64 * 256 + 256) * 4 // 8, "batch": 64 * 64 * 4 // 8}
+    assert model.kernel[...].sharding == before  # nothing moved into the FSDP layout by planning
+    trainer = jd.training.Trainer(strategy, nnx.Linear(64, 8, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                                  lambda out, y: ((out[:, 0] - y) ** 2).mean())
+    plan = trainer.plan((jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32)))
+    assert plan.state_bytes["params"] == (64 * 8 + 8) * 4 // 8
+
+
+@pytest.mark.parametrize("mesh", [None, {"data": 32}])
+def test_a_per_replica_step_plans_its_explicit_all_reduce(mesh):
+    strategy = jd.MirroredStrategy(mesh=None if mesh is None else jd.plan_mesh(mesh))
+
+    def replica_fn(w, x):
+        g = jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+        return w - 0.1 * jd.get_replica_context().all_reduce("mean", g)
+
+    step = strategy.jit(lambda w, x: strategy.run(replica_fn, args=(w, x), batch_argnums=(1,)), batch_argnums=1)
+    plan = step.plan(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    assert plan.collectives["all-reduce"].count == 1 and plan.collectives["all-reduce"].bytes == 64 * 32 * 4
+    assert plan.state_bytes["batch"] == 64 * 64 * 4 // strategy.num_replicas_in_sync
+
+
+def test_bfloat16_collectives_count_16_bits_though_xla_cpu_computes_them_in_float32():
+    bf16 = jnp.bfloat16
+    params = {"w1": jax.ShapeDtypeStruct((D, H), bf16), "w2": jax.ShapeDtypeStruct((H, D), bf16)}
+    x = jax.ShapeDtypeStruct((B, D), bf16)
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda p: ((jax.nn.relu(x @ p["w1"]) @ p["w2"] - x) ** 2).mean())(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    whole = 2 * 2 * D * H  # bytes of both bfloat16 weights
+    mirrored = jd.MirroredStrategy().plan(step, params, x, batch_argnums=1)
+    assert mirrored.collectives["all-reduce"].bytes == pytest.approx(whole, rel=0.05)
+    fsdp = jd.ShardedStrategy().plan(step, params, x, batch_argnums=1)
+    assert fsdp.collectives["all-gather"].bytes == pytest.approx(whole, rel=0.05)
+    assert fsdp.collectives["reduce-scatter"].bytes == pytest.approx(whole, rel=0.05)
+
+
+def test_the_char_lm_example_prints_its_plan_and_trains_nothing(capsys):
+    lm = _load_char_lm()
+    result = lm.main(["--plan", "--mesh", "data=4,fsdp=16", "--fsdp-axes", "fsdp", "--layers", "1", "--d-model", "32",
+                      "--seq-len", "16", "--batch-size", "64", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert math.isnan(result)
+    assert "Plan for mesh {'data': 4, 'fsdp': 16} (64 devices)" in out and "Memory per device" in out
+    assert "fits h100 (80 GB): True" in out and "trained" not in out

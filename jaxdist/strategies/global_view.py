@@ -47,7 +47,7 @@ from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.offload import in_host_memory, to_device_memory
 from jaxdist.strategies.plan import Plan, plan_step
-from jaxdist.strategies.plan_mesh import refuse_to_run
+from jaxdist.strategies.plan_mesh import is_plan_mesh, refuse_to_run
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
 from jaxdist.strategies.resolve import constrain, constrain_outputs, is_variable, nnx_layouts, typed_whole_at_entry
@@ -101,6 +101,7 @@ class StrategyFunction:
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: strategy.jit compiles a step function.")
         self._policy = policy
+        self._plan_only = is_plan_mesh(policy.mesh)  # a mesh without devices: plans, never calls
         self._programs = programs
         self._fn = fn
         self._signature = signature_of(fn)
@@ -260,7 +261,8 @@ class StrategyFunction:
         return args, nodes, graphdef, placed, kwargs, state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
+        if self._plan_only:
+            refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         self._local.args = (placed, kwargs, state)  # read only if this call traces
         try:

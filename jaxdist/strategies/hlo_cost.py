@@ -16,8 +16,10 @@ What is counted, per device (the SPMD-partitioned program every device runs):
   operands and result), loops multiplied by their trip count: the memory traffic of the schedule.
 * ``collectives``: every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute with its
   operand and result bytes, the size of its device groups, the mesh axes it runs over, and how many times
-  it runs (loops multiply). XLA:CPU computes 16-bit float collectives in float32: plans compiled on CPU
-  show those bytes doubled.
+  it runs (loops multiply). XLA:CPU computes 16-bit float collectives in float32; one whose operand was
+  converted from 16 bits, or whose result is converted back, is counted at its 16-bit size (what GPU and TPU
+  move). XLA:CPU writes a reduce-scatter as an all-reduce each device slices its part of: it is counted as the
+  reduce-scatter it is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -37,6 +39,7 @@ _SHAPE = re.compile(r"\b(?P<dtype>pred|token|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"\b(?:calls|body|condition|to_apply)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_NARROW = re.compile(r"(?:bf16|f16)\[")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NO_TRAFFIC = frozenset({
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
@@ -266,35 +269,33 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
 
 def _axes_of(groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]) -> tuple[str, ...]:
     total = math.prod(shape)
-    group = next((g for g in groups if len(g) > 1), None)
-    if group is None or not shape or max(group) >= total:
-        return ()
-    coords = np.array(np.unravel_index(group, tuple(shape)))
-    return tuple(a for a, row in zip(axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
+    used: set[str] = set()
+    for group in groups[:64]:  # every group of a collective spans the same axes; a permute's pairs may differ
+        if len(group) < 2 or not shape or max(group) >= total:
+            continue
+        coords = np.array(np.unravel_index(group, tuple(shape)))
+        used.update(a for a, row in zip(axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
+    return tuple(a for a in axis_names if a in used)
 
 
-def _scattered_bytes(instr: _Instr, size: int, users: dict[str, list[_Instr]], types: dict[str, str]) -> int:
-    """The bytes of an all-reduce's results that every device only slices its 1/``size`` part of (XLA:CPU
-    writes a reduce-scatter so; GPU and TPU compilers turn the pattern into one): 0 when none."""
-    if size <= 1:
-        return 0
-
-    def sliced(value: str, type_text: str) -> bool:
-        consumers = users.get(value, [])
-        return bool(consumers) and all(
-            u.op in ("dynamic-slice", "fusion") and _elements(u.type) * size == _elements(type_text)
-            for u in consumers)
-
+def _part_values(instr: _Instr, users: dict[str, list[_Instr]]) -> list[list[str]]:
+    """For each operand of a collective, the names its result part is read through (the collective itself, or
+    the ``get-tuple-element``s of a combined one)."""
     if not instr.type.startswith("("):
-        return _type_bytes(instr.type) if sliced(instr.name, instr.type) else 0
-    parts = [types.get(o, "") for o in instr.operands]
-    total = 0
-    for j, part in enumerate(parts):
-        getters = [u for u in users.get(instr.name, []) if u.op == "get-tuple-element"
-                   and re.search(rf"\bindex={j}\b", u.attrs)]
-        if getters and all(sliced(g.name, part) for g in getters):
-            total += _type_bytes(part)
-    return total
+        return [[instr.name]]
+    getters = [u for u in users.get(instr.name, []) if u.op == "get-tuple-element"]
+    return [[g.name for g in getters if re.search(rf"\bindex={j}\b", g.attrs)] for j in range(len(instr.operands))]
+
+
+def _sliced(values: list[str], part: str, size: int, users: dict[str, list[_Instr]],
+            converts: Callable[[_Instr], bool]) -> bool:
+    """Every device only slices its 1/``size`` of the all-reduced ``part`` (after converting it back to 16 bits,
+    where XLA:CPU widened it): XLA:CPU's reduce-scatter (GPU and TPU compilers turn the pattern into one)."""
+    consumers = [u for v in values for u in users.get(v, [])]
+    consumers = [c for u in consumers for c in (
+        users.get(u.name, []) if _elements(u.type) == _elements(part) and converts(u) else [u])]
+    return size > 1 and bool(values) and bool(consumers) and all(
+        u.op in ("dynamic-slice", "fusion") and _elements(u.type) * size == _elements(part) for u in consumers)
 
 
 def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[int] = ()) -> ModuleCost:
@@ -323,6 +324,32 @@ def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[
         for instr in instrs:
             for o in instr.operands:
                 table.setdefault(o, []).append(instr)
+    defs = {i.name: i for instrs in computations.values() for i in instrs}
+
+    def fused_converts(instr: _Instr, into16: bool) -> bool:
+        """A fusion holding a convert from (``into16`` False) or to (True) a 16-bit float of its size."""
+        return any(i.op == "convert" and bool(_NARROW.match(i.type if into16 else types.get(i.operands[0], "")))
+                   and _elements(i.type) in (_elements(instr.type), 0)
+                   for c in _CALLS.findall(instr.attrs) for i in computations.get(c, ()) if i.operands)
+
+    def narrows(u: _Instr) -> bool:
+        return (u.op == "convert" and bool(_NARROW.match(u.type))) or (u.op == "fusion" and fused_converts(u, True))
+
+    def widened(value: str, part: str, reads: list[str], table: dict[str, list[_Instr]]) -> bool:
+        """XLA:CPU computes a 16-bit float collective in float32: the operand ``value`` (of type ``part``) was
+        converted from 16 bits, or every consumer of its result (read through ``reads``) converts it back."""
+        if not part.startswith("f32["):
+            return False
+        source = defs.get(value)
+        if source is not None and source.operands and (
+                (source.op == "convert" and _NARROW.match(types.get(source.operands[0], ""))) or
+                (source.op == "fusion" and fused_converts(source, into16=False))):
+            return True
+        consumers = [u for r in reads for u in table.get(r, [])]
+        return bool(consumers) and all(
+            (u.op == "convert" and _NARROW.match(u.type)) or (u.op == "fusion" and fused_converts(u, into16=True))
+            for u in consumers)
+
     devices = math.prod(axis_sizes) if axis_sizes else 1
     header = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
     if header and not axis_sizes:
@@ -339,10 +366,21 @@ def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[
             op = instr.op
             base = op.removesuffix("-start")
             if base in COLLECTIVE_KINDS:
-                operand = sum(_type_bytes(types.get(o, "")) for o in instr.operands)
-                result = _type_bytes(instr.type)
-                if op.endswith("-start"):  # the result is (operands, outputs[, context])
-                    result = max(result - operand, 0) if base != "all-reduce" else operand
+                table = users.get(name, {})
+                parts = [types.get(o, "") for o in instr.operands]
+                start = op.endswith("-start")  # async (GPU, TPU): as the backend wrote it
+                values = [[] for _ in parts] if start else _part_values(instr, table)
+                narrow = [1 if start or not widened(o, part, v, table) else 2
+                          for o, part, v in zip(instr.operands, parts, values, strict=True)]
+                operand = sum(_type_bytes(part) // n for part, n in zip(parts, narrow, strict=True))
+                results = _arrays(instr.type)
+                if start:  # the result is (operands, outputs[, context])
+                    result = max(_type_bytes(instr.type) - operand, 0) if base != "all-reduce" else operand
+                elif len(results) == len(parts):
+                    result = sum(math.ceil(_dtype_bytes(d) * math.prod(shape)) // n
+                                 for (d, shape), n in zip(results, narrow, strict=True))
+                else:
+                    result = _type_bytes(instr.type)
                 mesh = _mesh_groups(instr.attrs, axis_names)
                 if mesh is not None:
                     size, axes = mesh
@@ -350,8 +388,9 @@ def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[
                     groups = _group_ids(instr.attrs, devices) or [list(range(devices))]
                     size = 2 if base == "collective-permute" else len(groups[0])
                     axes = _axes_of(groups, axis_sizes, axis_names)
-                if base == "all-reduce" and not op.endswith("-start"):
-                    scattered = _scattered_bytes(instr, size, users.get(name, {}), types)
+                if base == "all-reduce" and not start:
+                    scattered = sum(_type_bytes(part) // n for part, n, v in zip(parts, narrow, values, strict=True)
+                                    if _sliced(v, part, size, table, narrows))
                     if scattered:  # XLA:CPU's reduce-scatter: an all-reduce each device slices its part of
                         collectives.append(CollectiveOp(instr.name, "reduce-scatter", scattered,
                                                         scattered // size, size, axes, times))

@@ -46,6 +46,7 @@ from jaxdist.replicate.layouts import path_name
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
 from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
+from jaxdist.strategies.resolve import nnx_layouts
 
 __all__ = ["ArrayPlan", "CollectivePlan", "Plan", "plan_step"]
 
@@ -93,7 +94,27 @@ class CollectivePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What one call of a compiled step costs on each device (see the module doc for every field).
+    """What one call of a compiled step costs on each device (see the module doc).
+
+    Attributes:
+        mesh: the mesh's axis sizes.
+        argument_bytes: the step's arguments on one device (XLA's memory analysis).
+        output_bytes: its outputs.
+        alias_bytes: outputs written into donated arguments.
+        temp_bytes: temporaries.
+        peak_bytes: arguments + outputs - aliased + temporaries (an upper bound).
+        host_bytes: host-offloaded arguments, outputs and temporaries.
+        state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an argument's name).
+        largest_arrays: the ten largest arrays (`ArrayPlan`), with their layouts.
+        flops: floating-point operations per step, every loop iteration counted.
+        transcendentals: transcendental operations per step.
+        bytes_accessed: memory traffic per step.
+        collectives: ``{kind: CollectivePlan}``.
+        replicated_bytes: bytes of variables held whole along an axis that could split them.
+        replicated: those variables (`ArrayPlan` with ``axes``), largest first.
+        unknown_loops: loops whose trip count XLA did not record (counted once).
+        plan_seconds: how long planning took (lowering and compiling).
+        compiled_on: where the program was compiled.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -239,14 +260,19 @@ def _on_mesh(sharding: Any, mesh: Any) -> bool:
 
 def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
     """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it: its own where it is
-    on the strategy's mesh, else a batch's (``batch``) or the variable layout. nnx graph objects and Python
-    values are returned as they are.
+    on the strategy's mesh, else a batch's (``batch``) or the variable layout. An nnx graph object comes back
+    with abstract state (nothing is moved); Python values are returned as they are.
 
     Raises:
         ValueError: for a batch whose rows the replicas do not divide.
     """
-    if nnx.graph.is_graph_node(value):
-        return value
+    if nnx.graph.is_graph_node(value):  # the module's state as abstract values in the layouts a call gives them
+        graphdef, state = nnx.split(value)
+        layouts, _ = nnx_layouts(policy, state)
+        values = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
+                                       sharding=layout if isinstance(layout, jax.sharding.Sharding) else None)
+                  for x, layout in zip(jax.tree.leaves(state), layouts, strict=True)]
+        return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))
     mesh = policy.mesh
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) if _is_array(x)
                           else x, value)

@@ -65,29 +65,32 @@ with open(sys.argv[2], "w") as f:
 """
 
 
-def plan_mesh(shape: Mapping[str, int]) -> AbstractMesh:
+def plan_mesh(shape: Mapping[str, int], axis_types: AxisType | tuple[AxisType, ...] = AxisType.Auto) -> AbstractMesh:
     """A mesh of ``shape`` without devices, for plans (see the module doc).
-
-    Its axes are ``Auto`` (XLA propagates layouts through unannotated code, as on the meshes jaxdist builds).
 
     Args:
         shape: ``{axis name: size}``, in mesh order, e.g. ``{"data": 16, "fsdp": 32, "tensor": 8}``.
+        axis_types: one `jax.sharding.AxisType` for every axis, or one per axis. ``Auto`` (the default, as on
+            the meshes jaxdist builds): XLA propagates layouts through unannotated code; ``Explicit`` for model
+            code written for ``jax.make_mesh``'s default (sharding in types).
 
     Returns:
         A `jax.sharding.AbstractMesh`.
 
     Raises:
-        ValueError: for an empty shape, a name that is not a non-empty string, or a size that is not an
-            int >= 1.
+        ValueError: for an empty shape, a name that is not a non-empty string, a size that is not an int >= 1,
+            or ``axis_types`` that are not AxisTypes (one, or one per axis).
 
     Examples:
-        >>> import jaxdist as jd
+        >>> import jax, jaxdist as jd
         >>> mesh = jd.plan_mesh({"data": 16, "fsdp": 32, "tensor": 8})
         >>> mesh.size, mesh.axis_names
         (4096, ('data', 'fsdp', 'tensor'))
         >>> big = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"))
         >>> big.num_replicas_in_sync
         512
+        >>> jd.plan_mesh({"data": 8}, jax.sharding.AxisType.Explicit).axis_types
+        (Explicit,)
     """
     if not isinstance(shape, Mapping) or not shape:
         raise ValueError(f"shape={shape!r} must be a non-empty mapping of axis name to size, e.g. "
@@ -97,7 +100,11 @@ def plan_mesh(shape: Mapping[str, int]) -> AbstractMesh:
             raise ValueError(f"shape={dict(shape)!r}: axis name {name!r} must be a non-empty string.")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"shape={dict(shape)!r}: axis {name!r} has size {size!r}; sizes are ints >= 1.")
-    return AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+    types = (axis_types,) * len(shape) if isinstance(axis_types, AxisType) else tuple(axis_types)
+    if len(types) != len(shape) or not all(isinstance(t, AxisType) for t in types):
+        raise ValueError(f"axis_types={axis_types!r} must be one jax.sharding.AxisType or one per axis of "
+                         f"{dict(shape)!r}, e.g. jax.sharding.AxisType.Explicit.")
+    return AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=types)
 
 
 def is_plan_mesh(mesh: Any) -> bool:
