@@ -31,6 +31,7 @@ MODES = {  # id: (context, load_balance)
     "all_gather": ("all_gather", False),
     "ring": ("ring", False),
     "ring_balanced": ("ring", True),
+    "all_gather_balanced": ("all_gather", True),
 }
 
 
@@ -158,7 +159,7 @@ def lm_reference(config, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed_padded"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["all_gather", "ring", "ring_balanced"])
 @pytest.mark.parametrize("kind", ["data2_context4", "context8"])
 def test_char_lm_with_context_parallel_attention_equals_one_device(kind, mode, packed):
     if kind == "context8" and (mode == "ring" or (mode == "all_gather") == packed):
@@ -231,7 +232,7 @@ def run_linen(strategy, mode):
     return params, trace
 
 
-@pytest.mark.parametrize(("kind", "mode"), [("data2_context4", "all_gather"), ("context8", "ring_balanced")])
+@pytest.mark.parametrize(("kind", "mode"), [("data2_context4", "all_gather_balanced"), ("context8", "ring_balanced")])
 def test_linen_attention_with_a_padding_mask_equals_one_device(kind, mode):
     params, trace = run_linen(cp_strategy(kind), mode)
     ref_params, ref_trace = run_linen(jd.OneDeviceStrategy(), mode)
