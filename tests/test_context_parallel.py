@@ -371,7 +371,7 @@ def test_bad_short_form_context_parallelism_is_an_error():
         jd.ShardedStrategy(context_parallelism=3)
     with pytest.raises(ValueError, match=r"model_parallelism=4 x context_parallelism=4 must divide the 8 devices"):
         jd.ShardedStrategy(context_parallelism=4, model_parallelism=4)
-    with pytest.raises(ValueError, match=r"context_axes='context' name axes of a mesh: pass mesh= too"):
+    with pytest.raises(ValueError, match=r"fsdp_axes=None / context_axes='context' name axes of a mesh: pass mesh="):
         jd.strategies.LayoutPolicy(jax.devices(), context_axes="context")
 
 
@@ -442,3 +442,12 @@ def test_two_processes_with_the_context_axis_across_them_train_like_one_device(t
             for path, leaf in jax.tree_util.tree_leaves_with_path(params):
                 np.testing.assert_allclose(result[f"{mode}/params{jax.tree_util.keystr(path)}"], np.asarray(leaf),
                                            rtol=1e-5, atol=1e-6, err_msg=f"{mode} {jax.tree_util.keystr(path)}")
+
+
+def test_the_example_takes_a_context_axis():
+    import char_lm as lm
+
+    strategy = lm.mesh_strategy({"data": 2, "context": 4}, None, None)
+    assert strategy.context_axes == ("context",) and strategy.num_replicas_in_sync == 2
+    args = lm.parse_args(["--mesh", "data=2,context=4", "--context-attention", "ring", "--load-balance"])
+    assert (args.context_attention, args.load_balance) == ("ring", True)

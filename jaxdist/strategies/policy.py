@@ -166,10 +166,11 @@ class LayoutPolicy:
     ):
         if mesh is None:
             if batch_axes is not None or fsdp_axes is not None or context_axes is not None:
+                named = f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r}" + (
+                    "" if context_axes is None else f" / context_axes={context_axes!r}")
                 raise ValueError(
-                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} / context_axes={context_axes!r} name axes "
-                    "of a mesh: pass mesh= too "
-                    "(without it the mesh is ('replica',) or ('replica', 'model'))."
+                    f"{named} name axes of a mesh: pass mesh= too (without it the mesh is ('replica',) or "
+                    "('replica', 'model'); context_parallelism=N adds 'context')."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
