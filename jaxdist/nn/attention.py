@@ -13,7 +13,7 @@ batch's sequence dimension over them. Attention is the one layer where a token n
   of the current block's compute, so XLA can overlap them. Memory per device: two K/V blocks. N - 1
   transfers per call: the choice when whole-sequence K/V do not fit.
 
-Both accumulate the output with an online softmax (flash-attention style), one ``(L / N, L / N)`` score
+Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)`` score
 block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the attention's
 activation memory stays ``O(L / N)`` per device; blocks that a causal mask hides entirely are skipped.
 
@@ -431,13 +431,15 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
     """The blockwise online softmax of the local queries ``q``: ``(carries, update)``, where
     ``update(carries, (k, v, k_seg), src)`` folds in the K/V block context device ``src`` holds.
 
-    With ``zigzag`` the queries and keys are two chunks each; a chunk pair that the causal mask hides entirely
-    is skipped (`jax.lax.cond`), so the work of a device is what its positions need. Each chunk pair is
+    The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair that the
+    causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what its positions need. Each chunk pair is
     rematerialised in the backward pass (`jax.checkpoint`): memory stays one block per device.
     """
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
-    chunks = 2 if zigzag else 1  # the query/key chunks whose causal visibility is decided as a whole
+    # Two query and two key chunks per block (the zig-zag halves when load balancing): score blocks of
+    # (L / 2N)^2, and causal visibility decided per chunk pair.
+    chunks = 2 if lc % 2 == 0 else 1
     cl = lc // chunks
     q_pos = _positions(idx, n, lc, zigzag)
 
