@@ -10,8 +10,9 @@ batch's sequence dimension over them. Attention is the one layer where a token n
   collective per attention call: the fast choice while K/V fit (few KV heads, moderate L).
 * ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of context
   devices (`jax.lax.ppermute`), folding in each block as it arrives; the next block's transfer is independent
-  of the current block's compute, so XLA can overlap them. Memory per device: two K/V blocks. N - 1
-  transfers per call: the choice when whole-sequence K/V do not fit.
+  of the current block's compute, so XLA can overlap them. Memory per device: two K/V blocks in flight
+  (autodiff keeps each block seen for the backward pass). N - 1 transfers per call: the choice when
+  whole-sequence K/V do not fit, or the interconnect is a ring.
 
 Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)`` score
 block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the attention's
