@@ -43,6 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxdist.nn.load_balance import positions as _positions
+from jaxdist.nn.load_balance import unzigzag as _unzigzag
+from jaxdist.nn.load_balance import zigzag as _zigzag
 from jaxdist.strategies import ambient
 
 __all__ = ["dot_product_attention"]
@@ -413,14 +416,6 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     return fn(*operands).astype(query.dtype)
 
 
-def _positions(block, n: int, lc: int, zigzag: bool):
-    """The sequence positions of the ``lc`` tokens context device ``block`` holds (traced ``block``)."""
-    if not zigzag:
-        return block * lc + jnp.arange(lc)
-    half = lc // 2
-    return jnp.concatenate([block * half + jnp.arange(half), (2 * n - 1 - block) * half + jnp.arange(half)])
-
-
 def _columns(x, positions, lc_total: int):
     """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes broadcast."""
     if x is None or x.shape[-1] == 1:
@@ -433,8 +428,8 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
     ``update(carries, (k, v, k_seg), src)`` folds in the K/V block context device ``src`` holds.
 
     The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair that the
-    causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what its positions need. Each chunk pair is
-    rematerialised in the backward pass (`jax.checkpoint`): memory stays one block per device.
+    causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what its positions need.
+    Each chunk pair is rematerialised in the backward pass (`jax.checkpoint`): memory stays one block per device.
     """
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
@@ -516,29 +511,3 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precisio
         (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1), unroll=n - 1 <= _UNROLL)
     carries = update(carries, kv, (idx - (n - 1)) % n)
     return _finish_all(carries, q.dtype)
-
-
-# --------------------------------------------------------------------------------------- zig-zag reorder
-def _dest(c: int, n: int) -> int:
-    """The context device that holds chunk ``c`` of ``2 n`` in the zig-zag order."""
-    return c if c < n else 2 * n - 1 - c
-
-
-def _zigzag(x, axis: int, axes, n: int):
-    """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n - 1 - i``):
-    two collective permutes, one per local half."""
-    h0, h1 = jnp.split(x, 2, axis=axis)
-    r0 = jax.lax.ppermute(h0, axes, [(i, _dest(2 * i, n)) for i in range(n)])
-    r1 = jax.lax.ppermute(h1, axes, [(i, _dest(2 * i + 1, n)) for i in range(n)])
-    even = jax.lax.axis_index(axes) % 2 == 0  # even devices got their first chunk from the first permute
-    return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
-
-
-def _unzigzag(x, axis: int, axes, n: int):
-    """The inverse of `_zigzag`."""
-    s0, s1 = jnp.split(x, 2, axis=axis)
-    even = jax.lax.axis_index(axes) % 2 == 0
-    send0, send1 = jnp.where(even, s0, s1), jnp.where(even, s1, s0)
-    h0 = jax.lax.ppermute(send0, axes, [(_dest(2 * i, n), i) for i in range(n)])
-    h1 = jax.lax.ppermute(send1, axes, [(_dest(2 * i + 1, n), i) for i in range(n)])
-    return jnp.concatenate([h0, h1], axis=axis)
