@@ -451,3 +451,11 @@ def test_the_example_takes_a_context_axis():
     assert strategy.context_axes == ("context",) and strategy.num_replicas_in_sync == 2
     args = lm.parse_args(["--mesh", "data=2,context=4", "--context-attention", "ring", "--load-balance"])
     assert (args.context_attention, args.load_balance) == ("ring", True)
+
+
+def test_a_declared_sequence_axis_is_the_one_split():
+    strategy = cp_strategy("data2_context4", sequence_axis=2)  # e.g. (batch, channels, length)
+    x = strategy.experimental_distribute_values(np.zeros((2, 3, 8), np.float32))
+    assert x.sharding.spec == PartitionSpec("data", None, "context")
+    assert strategy.experimental_distribute_values(np.zeros((2, 3), np.float32)).sharding.spec == PartitionSpec(
+        "data")  # no sequence dimension: rows only
