@@ -249,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=8, help="pairs of blocks per step-time row (default 8)")
     parser.add_argument("--block-seconds", type=float, default=2.0, help="seconds per block (default 2)")
     parser.add_argument("--skip-time", action="store_true", help="memory only")
+    parser.add_argument("--skip-memory", action="store_true", help="step time only")
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)
     from benchmarks.report import machine_info
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else Sizes()
     machine = machine_info(jax.devices())
     try:
-        mem = memory(sizes)
+        mem = [] if args.skip_memory else memory(sizes)
         times = [] if args.skip_time else step_times(sizes, 2 if args.smoke else args.pairs,
                                                      0.05 if args.smoke else args.block_seconds)
     except Exception:

@@ -5,18 +5,22 @@ batch's sequence dimension over them. Attention is the one layer where a token n
 `dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two ways:
 
 * ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the whole
-  sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters their gradients).
-  Memory per device: K/V of the whole sequence and a ``(L / N, L)`` score block. Simple and fast when K/V are
-  small (few KV heads, moderate L).
+  sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters their gradients),
+  then folds them in one ``(L / N)``-long block at a time. Memory per device: K/V of the whole sequence. One
+  collective per attention call: the fast choice while K/V fit (few KV heads, moderate L).
 * ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of context
-  devices (`jax.lax.ppermute`), accumulating the output with an online softmax (flash-attention style), one
-  ``(L / N, L / N)`` score block at a time; the next block's transfer is independent of the current block's
-  compute, so XLA can overlap them. Each block is rematerialised in the backward pass (`jax.checkpoint`), so
-  activation memory stays ``O(L / N)`` per device. Blocks a causal mask hides entirely are skipped.
+  devices (`jax.lax.ppermute`), folding in each block as it arrives; the next block's transfer is independent
+  of the current block's compute, so XLA can overlap them. Memory per device: two K/V blocks in flight
+  (autodiff keeps each block seen for the backward pass). N - 1 transfers per call: the choice when
+  whole-sequence K/V do not fit, or the interconnect is a ring.
+
+Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)`` score
+block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the attention's
+activation memory stays ``O(L / N)`` per device; blocks that a causal mask hides entirely are skipped.
 
 Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions. With a
 causal mask, the devices holding the start of the sequence have less to compute than those holding its end;
-``load_balance=True`` (ring) reorders the sequence once into ``2 N`` chunks, device ``i`` holding chunks
+``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i`` holding chunks
 ``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts the output back in the
 original order: transparent to the model, labels and loss.
 
@@ -39,6 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxdist.nn.load_balance import positions as _positions
+from jaxdist.nn.load_balance import unzigzag as _unzigzag
+from jaxdist.nn.load_balance import zigzag as _zigzag
 from jaxdist.strategies import ambient
 
 __all__ = ["dot_product_attention"]
@@ -92,9 +99,9 @@ def dot_product_attention(
             sequences).
         context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there (XLA
             gathers the sequence; for comparison).
-        load_balance: with ``causal`` and ``"ring"``: reorder the sequence into ``2 N`` zig-zag chunks so every
-            context device does the same work (the output comes back in the original order). With
-            ``"all_gather"`` the work is already even: accepted, changes nothing.
+        load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every context
+            device does the same work (two collective permutes each way; the output comes back in the
+            original order).
         dropout_rng, dropout_rate, broadcast_dropout, deterministic: Flax's attention dropout (plain
             attention only: on a context axis, pass ``deterministic=True`` or ``dropout_rate=0``).
         dtype: the computation dtype (default: the inputs'); the softmax runs in at least float32.
@@ -310,7 +317,7 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
             "over another sequence (XLA gathers it)."
         )
     length = query.shape[1]
-    parts = 2 * n if load_balance and context == "ring" else n
+    parts = 2 * n if load_balance else n
     if length % parts:
         why = f" (2 x {n} zig-zag chunks for load_balance=True)" if parts != n else ""
         raise ValueError(
@@ -333,7 +340,7 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     n = policy.context_size
     mesh = policy.mesh
     explicit = set(policy.roles.explicit_axes)
-    zigzag = load_balance and context == "ring"
+    zigzag = load_balance
     q = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
     mask4 = None if mask is None else _as4(mask).astype(bool)
     bias4 = _as4(bias)
@@ -399,7 +406,7 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
             bs = _zigzag(bs, 2, axes, n) if bias_rows else bs
         algorithm = _ring if context == "ring" else _all_gather
         out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length, zigzag=zigzag,
-                        mask_rows=mask_rows, bias_rows=bias_rows, precision=precision)
+                        precision=precision)
         if zigzag:
             out = _unzigzag(out, 1, axes, n)
         return out
@@ -409,14 +416,6 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     return fn(*operands).astype(query.dtype)
 
 
-def _positions(block, n: int, lc: int, zigzag: bool):
-    """The sequence positions of the ``lc`` tokens context device ``block`` holds (traced ``block``)."""
-    if not zigzag:
-        return block * lc + jnp.arange(lc)
-    half = lc // 2
-    return jnp.concatenate([block * half + jnp.arange(half), (2 * n - 1 - block) * half + jnp.arange(half)])
-
-
 def _columns(x, positions, lc_total: int):
     """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes broadcast."""
     if x is None or x.shape[-1] == 1:
@@ -424,25 +423,21 @@ def _columns(x, positions, lc_total: int):
     return jnp.take(x, positions, axis=-1) if x.shape[-1] == lc_total else x
 
 
-def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, mask_rows, bias_rows, precision):
-    del zigzag, mask_rows, bias_rows  # all-gather's work is even without reordering (see the module doc)
+def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision):
+    """The blockwise online softmax of the local queries ``q``: ``(carries, update)``, where
+    ``update(carries, (k, v, k_seg), src)`` folds in the K/V block context device ``src`` holds.
+
+    The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair that the
+    causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what its positions need.
+    Each chunk pair is rematerialised in the backward pass (`jax.checkpoint`): memory stays one block per device.
+    """
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
-    k_all = jax.lax.all_gather(k, axes, axis=1, tiled=True)
-    v_all = jax.lax.all_gather(v, axes, axis=1, tiled=True)
-    k_seg = None if seg is None else jax.lax.all_gather(seg, axes, axis=1, tiled=True)
-    vis = _visible(idx * lc + jnp.arange(lc), jnp.arange(length), seg, k_seg, mask, causal)
-    return _finish(_block(_init_carry(q, v), q, k_all, v_all, vis, bias, precision), q.dtype)
-
-
-def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, mask_rows, bias_rows, precision):
-    del mask_rows, bias_rows
-    idx = jax.lax.axis_index(axes)
-    lc = q.shape[1]
-    chunks = 2 if zigzag else 1  # the query/key chunks whose causal visibility is decided as a whole
+    # Two query and two key chunks per block (the zig-zag halves when load balancing): score blocks of
+    # (L / 2N)^2, and causal visibility decided per chunk pair.
+    chunks = 2 if lc % 2 == 0 else 1
     cl = lc // chunks
     q_pos = _positions(idx, n, lc, zigzag)
-    perm = [(i, (i + 1) % n) for i in range(n)]
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def fold(carry, qc, qp, qs, kc, vc, kp, ks, mc, bc):
@@ -474,8 +469,34 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, mask_row
             new.append(carry)
         return new
 
-    carries = [_init_carry(q[:, i * cl:(i + 1) * cl], v) for i in range(chunks)]
-    kv = (k, v, seg)
+    return [_init_carry(q[:, i * cl:(i + 1) * cl], v) for i in range(chunks)], update
+
+
+def _finish_all(carries, dtype):
+    return jnp.concatenate([_finish(c, dtype) for c in carries], axis=1)
+
+
+def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):
+    """Gather K/V (and key segments) along the context axes, then fold them in block by block."""
+    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length, zigzag=zigzag,
+                              precision=precision)
+    lc = k.shape[1]
+    gathered = [None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg)]
+
+    def step(carries, src):
+        kv = [None if x is None else jax.lax.dynamic_slice_in_dim(x, src * lc, lc, axis=1) for x in gathered]
+        return update(carries, kv, src), None
+
+    carries, _ = jax.lax.scan(step, carries, jnp.arange(n), unroll=n <= _UNROLL)
+    return _finish_all(carries, q.dtype)
+
+
+def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):
+    """Pass K/V blocks around the ring of context devices, folding in each as it arrives."""
+    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length, zigzag=zigzag,
+                              precision=precision)
+    idx = jax.lax.axis_index(axes)
+    perm = [(i, (i + 1) % n) for i in range(n)]
 
     def step(state, s):
         carries, kv = state
@@ -483,35 +504,10 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, mask_row
         carries = update(carries, kv, (idx - s) % n)
         return (carries, nxt), None
 
+    kv = (k, v, seg)
     if n > 1:
         # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute, and cost
         # analysis (FLOPs, MFU) counts every block.
         (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1), unroll=n - 1 <= _UNROLL)
     carries = update(carries, kv, (idx - (n - 1)) % n)
-    return jnp.concatenate([_finish(c, q.dtype) for c in carries], axis=1)
-
-
-# --------------------------------------------------------------------------------------- zig-zag reorder
-def _dest(c: int, n: int) -> int:
-    """The context device that holds chunk ``c`` of ``2 n`` in the zig-zag order."""
-    return c if c < n else 2 * n - 1 - c
-
-
-def _zigzag(x, axis: int, axes, n: int):
-    """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n - 1 - i``):
-    two collective permutes, one per local half."""
-    h0, h1 = jnp.split(x, 2, axis=axis)
-    r0 = jax.lax.ppermute(h0, axes, [(i, _dest(2 * i, n)) for i in range(n)])
-    r1 = jax.lax.ppermute(h1, axes, [(i, _dest(2 * i + 1, n)) for i in range(n)])
-    even = jax.lax.axis_index(axes) % 2 == 0  # even devices got their first chunk from the first permute
-    return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
-
-
-def _unzigzag(x, axis: int, axes, n: int):
-    """The inverse of `_zigzag`."""
-    s0, s1 = jnp.split(x, 2, axis=axis)
-    even = jax.lax.axis_index(axes) % 2 == 0
-    send0, send1 = jnp.where(even, s0, s1), jnp.where(even, s1, s0)
-    h0 = jax.lax.ppermute(send0, axes, [(_dest(2 * i, n), i) for i in range(n)])
-    h1 = jax.lax.ppermute(send1, axes, [(_dest(2 * i + 1, n), i) for i in range(n)])
-    return jnp.concatenate([h0, h1], axis=axis)
+    return _finish_all(carries, q.dtype)

@@ -206,11 +206,13 @@ class LayoutPolicy:
     ):
         if mesh is None:
             if batch_axes is not None or fsdp_axes is not None or context_axes is not None or stage_axes is not None:
+                named = f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r}" + (
+                    "" if context_axes is None else f" / context_axes={context_axes!r}") + (
+                    "" if stage_axes is None else f" / stage_axes={stage_axes!r}")
                 raise ValueError(
-                    f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r} / context_axes={context_axes!r} / "
-                    f"stage_axes={stage_axes!r} name axes of a mesh: pass mesh= too (without it the mesh is "
-                    "('replica',) or ('replica', 'model'), with context_parallelism > 1 a 'context' axis, with "
-                    "pipeline_parallelism > 1 a leading 'stage' axis)."
+                    f"{named} name axes of a mesh: pass mesh= too (without it the mesh is ('replica',) or "
+                    "('replica', 'model'); context_parallelism=N adds 'context', pipeline_parallelism=k a leading "
+                    "'stage')."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
