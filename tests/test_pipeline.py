@@ -282,3 +282,26 @@ def test_explicit_axes_mesh():
     expected_value, expected_grads = jax.value_and_grad(loss)(params, x)
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     assert_trees_close(grads, expected_grads, "gradient ")
+
+
+def test_block_with_other_variables_or_an_input_without_batch_is_an_error():
+    class Counting(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            calls = self.variable("counters", "calls", lambda: jnp.zeros((), jnp.int32))
+            calls.value += 1
+            return x + nn.Dense(x.shape[-1])(x)
+
+    class Plain(nn.Module):  # the same parameters, no counter
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(x.shape[-1])(x)
+
+    pipe = jd.nn.Pipeline(block=Counting(), num_layers=2)
+    x = jnp.ones((2, 4))
+    params = jd.nn.Pipeline(block=Plain(), num_layers=2).init(jax.random.key(0), x)
+    params = {**params, "counters": {"block": {"calls": jnp.zeros((2,), jnp.int32)}}}
+    with pytest.raises(ValueError, match=re.escape("block Counting holds variables of collection(s) ['counters']")):
+        pipe.apply(params, x, mutable=["counters"])
+    with pytest.raises(ValueError, match=re.escape("Pipeline got an input of shape (): it needs a leading batch")):
+        pipe.apply({"params": params["params"]}, jnp.float32(1))
