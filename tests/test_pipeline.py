@@ -218,10 +218,10 @@ def test_stage_axis_without_a_pipeline_layer_warns_that_stages_are_idle():
      "stage_axes='stage' names 'stage', which is also in batch_axes=('data', 'stage')"),
     ({"mesh": "stage_data", "batch_axes": "data", "stage_axes": "pipe"},
      "stage_axes='pipe' names axis 'pipe', but the mesh axes are ('stage', 'data')"),
-    ({"stage_axes": "stage"}, "stage_axes='stage' name axes of a mesh: pass mesh= too"),
+    ({"stage_axes": "stage"}, "stage_axes='stage' names axes of a mesh: pass mesh= too, or pipeline_parallelism"),
     ({"pipeline_parallelism": 3}, "pipeline_parallelism=3 must be an int >= 1 that divides the 8 devices"),
     ({"mesh": "stage_data", "batch_axes": "data", "pipeline_parallelism": 2},
-     "pipeline_parallelism=2 both given: a user mesh already says which devices and axes"),
+     "mesh= and pipeline_parallelism=2 both given: name the user mesh's stage axes with stage_axes= instead"),
 ])
 def test_bad_stage_axes(kwargs, message):
     if kwargs.get("mesh") == "stage_data":
@@ -237,7 +237,7 @@ def _trainer(strategy, grad_accum_steps=2):
     def ce(logits, targets):
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    return jd.training.Trainer(strategy, PipelineLM(4, 2, dropout=0.1), optax.sgd(0.5), ce,
+    return jd.training.Trainer(strategy, PipelineLM(4, 2, dropout=0.1, remat=True), optax.sgd(0.5), ce,
                                grad_accum_steps=grad_accum_steps, train_kwargs={"train": True}, seed=3,
                                flops_per_step=1e6)  # XLA counts a scanned loop once: say what a step costs
 
