@@ -45,6 +45,7 @@ def _two(script, *args, env=None, timeout=120):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_learning_rate_that_differs_on_one_process_is_an_error_on_both_before_the_first_step():
     results = _two(HERE / "multiprocess" / "mismatch_worker.py")
@@ -55,6 +56,7 @@ def test_a_learning_rate_that_differs_on_one_process_is_an_error_on_both_before_
         assert "process(es) [1] differ from process 0" in line and "learning rate" in line, line
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_compilation_cache_makes_a_second_start_compile_nothing(tmp_path):
     """jd.configure_compilation_cache: the first start compiles and writes every program; a restart of the same
@@ -79,6 +81,7 @@ def test_the_compilation_cache_makes_a_second_start_compile_nothing(tmp_path):
         jd.configure_compilation_cache(tmp_path / "file")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_a_process_that_stalls_trips_the_step_watchdog_on_every_process():
     """Process 1 stalls in a callback after step 3 (alive: its heartbeats go on). Each process's watchdog

@@ -161,6 +161,7 @@ def test_the_batch_script_runs_one_process_per_gpu():
         assert args.step_timeout and args.step_timeout >= 60
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_slurm_recipe_trains_like_one_device(monkeypatch, tmp_path):
     """The data-parallel command of the script. (Its HSDP command differs only by --mesh, checked above; the

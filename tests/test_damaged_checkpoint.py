@@ -291,6 +291,7 @@ def test_checksums_depend_on_the_values_only():
     assert str(ChecksumMismatchError([".a", ".b"])).startswith("checksum mismatch in .a and .b: ")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_process_that_resumes_from_a_damaged_checkpoint_exits_with_the_one_error(damaged):
     """Before the fix: tensorstore's 2 KB DATA_LOSS text, then a `RuntimeError: Event loop is closed` traceback

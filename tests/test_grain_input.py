@@ -42,6 +42,7 @@ def _env():
     return env
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
     launch = [sys.executable, "-m", "jaxdist.launch", *"-n 2 --cpu-devices 2 --timeout 200".split()]

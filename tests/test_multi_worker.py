@@ -26,6 +26,7 @@ def _env(**extra):
     return env
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_train_like_one_device(tmp_path):
     out = tmp_path / "result.npz"
@@ -62,6 +63,7 @@ def test_two_processes_train_like_one_device(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_killed_worker_makes_the_survivor_fail_fast():
     address = f"127.0.0.1:{free_port()}"
@@ -86,6 +88,7 @@ def test_a_killed_worker_makes_the_survivor_fail_fast():
     assert elapsed < 60, f"the survivor took {elapsed:.0f} s to fail"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
     script = tmp_path / "worker.py"
@@ -123,6 +126,7 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     assert "[launch] process 1 exited with code 3; stopping the others" in text
 
 
+@pytest.mark.multiprocess
 def test_launcher_timeout_and_success(tmp_path):
     ok = tmp_path / "ok.py"
     ok.write_text("print('fine')\n")
@@ -169,6 +173,7 @@ def test_single_process_cluster():
     assert jax.tree.leaves(params)[0].sharding.is_fully_replicated
 
 
+@pytest.mark.multiprocess
 def test_created_after_computation_in_a_fresh_process():
     code = (
         "import jax, jax.numpy as jnp, jaxdist as jd\n"

@@ -69,6 +69,7 @@ def _params(out):
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp_path):
     """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes): each
@@ -121,6 +122,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_stop_training_on_one_process_stops_both_after_the_same_step(tmp_path):
     """A callback on process 1 alone sets stop_training: both processes stop after one step and save one

@@ -18,6 +18,8 @@ from multiprocess_model import batches, init_state, lm_batches, lm_init_state, l
 
 import jaxdist as jd
 
+pytestmark = pytest.mark.multiprocess  # every test here reads one 2-process run
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 

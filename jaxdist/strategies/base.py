@@ -42,7 +42,6 @@ from jaxdist.strategies.input import DistributedDataset, InputContext, place_bat
 from jaxdist.strategies.offload import to_device_memory
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.roles import role_of_placed
 from jaxdist.strategies.run import ReplicaRunner, check_axis_name
 from jaxdist.strategies.scopes import enter_scope
 from jaxdist.strategies.signatures import as_argnums
@@ -79,6 +78,11 @@ class Strategy:
         if len(policy.devices) > 1:  # a single device (OneDevice, the default strategy) says where it runs
             check_spans_processes(policy.devices, type(self).__name__)
         self._policy = policy
+        # A subclass's hooks decide for every internal caller (the verbs ask the policy, which asks them).
+        if type(self).variable_layout is not Strategy.variable_layout:
+            policy.use_hooks(variable_layout=self.variable_layout)
+        if type(self).layout_role is not Strategy.layout_role:
+            policy.use_hooks(layout_role=self.layout_role)
         self._axis_name = check_axis_name(policy, axis_name)
         self._programs = ProgramCache()
         self._runner = ReplicaRunner(policy, self._programs, self)
@@ -204,8 +208,9 @@ class Strategy:
         The hook a strategy overrides to place variables (Keras' ``get_variable_layout``): mirrored strategies
         replicate every variable; `ShardedStrategy` splits them (FSDP, layout rules, partitioning
         annotations). Everything that places variables goes through it: `create_variables`, `mirror`,
-        `variable_shardings`, unplaced non-batch arguments of `jit` and `run`, and outputs of `jit` not shaped
-        like an argument.
+        `variable_shardings`, unplaced non-batch arguments of `jit` and `run`, nnx state, outputs of `jit`
+        given the variable layout, the `Trainer` and checkpoint restores. An override may call
+        ``super().variable_layout(...)`` for the strategy's own rule.
 
         Args:
             path: the variable's pytree path, ``/``-joined (what layout rules match).
@@ -219,8 +224,20 @@ class Strategy:
             >>> import jax, jaxdist as jd
             >>> jd.OneDeviceStrategy().variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
             P()
+
+            A strategy that keeps biases whole on every device and splits the rest by its own rule:
+
+            >>> class WholeBiases(jd.ShardedStrategy):
+            ...     def variable_layout(self, path, aval, annotation=None):
+            ...         if path.endswith("bias"):
+            ...             return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            ...         return super().variable_layout(path, aval, annotation)
+            >>> s = WholeBiases(min_shard_size=1)
+            >>> params = s.create_variables(lambda: {"bias": jax.numpy.zeros(8), "kernel": jax.numpy.zeros(8)})
+            >>> params["bias"].sharding.spec, params["kernel"].sharding.spec
+            (P(), P('replica',))
         """
-        return self._policy.variable_layout(path, aval, annotation)
+        return self._policy.rule_layout(path, aval, annotation)
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is an array on this strategy's mesh with axis 0 split over the replicas.
@@ -237,9 +254,9 @@ class Strategy:
         """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when it cannot tell.
 
         None for values not on this strategy's mesh (numpy, arrays on another device: their role must be
-        declared) and, on strategies whose variables can share the batch layout (`ShardedStrategy`), for
-        arrays split like a batch that did not come through this strategy's input functions. A strategy
-        that adds layouts overrides this hook.
+        declared) and, on strategies whose variables can share the batch layout (`ShardedStrategy`'s FSDP),
+        for arrays split like a batch: there a batch is declared (``batch_argnums``). A strategy that adds
+        layouts overrides this hook; every internal caller goes through the override.
 
         Examples:
             >>> import numpy as np, jaxdist as jd
@@ -247,7 +264,7 @@ class Strategy:
             >>> s.layout_role(s.experimental_distribute_values(np.ones((2, 1)))), s.layout_role(np.ones(2))
             ('batch', None)
         """
-        return role_of_placed(self._policy, x)
+        return self._policy.role_from_layout(x)
 
     @property
     def gathers_variables_without_batch(self) -> bool:

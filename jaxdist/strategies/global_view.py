@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -54,8 +55,14 @@ from jaxdist.strategies.signatures import argument_spec, signature_of
 __all__ = ["StrategyFunction"]
 
 
+_GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
+
+
 def _is_graph_node(x: Any) -> bool:
-    return nnx.graph.is_graph_node(x)
+    known = _GRAPH_TYPES.get(type(x))
+    if known is None:
+        known = _GRAPH_TYPES[type(x)] = nnx.graph.is_graph_node(x)
+    return known
 
 
 class StrategyFunction:
@@ -158,14 +165,7 @@ class StrategyFunction:
         policy = self._policy
         mesh = policy.mesh
         declared = self._batch or ()
-        # Fast path: in steady state every array is already on the mesh (host batches aside). Arrays on the mesh
-        # keep their layout, except a declared batch that every replica holds whole: it is split (its rows are
-        # what the replicas share out; a replicated batch with split variables also walks into an XLA Shardy
-        # miscompute). Only the arguments holding an array to move are walked again.
-        todo = [i for i, a in enumerate(args) if i not in self._static and _to_place(a, mesh, policy, i in declared)]
-        named = [k for k, a in kwargs.items() if k not in self._static_names
-                 and _to_place(a, mesh, policy, k in self._batch_names)]
-        if state is not None and any(_needs_placing(x, mesh) for x in jax.tree.leaves(state)):
+        if state is not None and not _all_on(jax.tree.leaves(state), mesh):
             state = self._place_variables(state, "the nnx state", warn=False)
         if state is not None and policy.splits_variables:
             # Which nnx variables settle into the variable layout depends on their metadata only (part of the
@@ -174,6 +174,19 @@ class StrategyFunction:
             if structure not in self._settled:
                 state = _place_nnx_defaults(policy, state)
                 self._settled.add(structure)
+        # Steady state: every array is on the mesh already and no declared batch is held whole. That is told
+        # from the arguments' distinct shardings (a handful, whatever the number of leaves), so a compiled step
+        # costs no Python work per leaf beyond jax.jit's own.
+        dynamic = [a for i, a in enumerate(args) if i not in self._static]
+        dynamic += [a for k, a in kwargs.items() if k not in self._static_names]
+        if _all_on(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
+            return args, kwargs, state
+        # Arrays on the mesh keep their layout, except a declared batch that every replica holds whole: it is
+        # split (its rows are what the replicas share out; a replicated batch with split variables also walks
+        # into an XLA Shardy miscompute). Only the arguments holding an array to move are walked again.
+        todo = [i for i, a in enumerate(args) if i not in self._static and _to_place(a, mesh, policy, i in declared)]
+        named = [k for k, a in kwargs.items() if k not in self._static_names
+                 and _to_place(a, mesh, policy, k in self._batch_names)]
         if not todo and not named:
             return args, kwargs, state
         placed = list(args)
@@ -189,6 +202,16 @@ class StrategyFunction:
             else:
                 kwargs[k] = self._place_variables(kwargs[k], f"argument {k!r}")
         return tuple(placed), kwargs, state
+
+    def _whole_batch(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a declared batch argument holds a leaf every replica holds whole (to be split)."""
+        if self._policy.num_replicas == 1 or (not self._batch and not self._batch_names):
+            return False
+        batches = [args[i] for i in self._batch or () if i < len(args)]
+        batches += [kwargs[k] for k in self._batch_names if k in kwargs]
+        leaves = jax.tree.leaves(batches)
+        shardings = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
+        return any(s is not None and s.is_fully_replicated for s in shardings)
 
     def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
         mesh = self._policy.mesh
@@ -364,13 +387,28 @@ def _replicated_rows(x: Any, policy: LayoutPolicy) -> bool:
     )
 
 
+def _all_on(leaves: list[Any], mesh: Any) -> bool:
+    """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other non-arrays
+    count as placed): decided on their distinct shardings, not leaf by leaf."""
+    shardings = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
+    if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
+        return False
+    return all(s is None or not _sharding_off(s, mesh) for s in shardings)
+
+
+def _sharding_off(sharding: Any, mesh: Any) -> bool:
+    """Whether an array with ``sharding`` must be moved to be on ``mesh``."""
+    own = getattr(sharding, "mesh", None)
+    if own is mesh:
+        return False
+    if own is not None and not own.empty:  # another mesh (say the user's, with Explicit axes) over the same
+        return own != mesh  # devices would mix meshes in one program: moved onto ours
+    return sharding.device_set != set(mesh.devices.flat)
+
+
 def _needs_placing(x: Any, mesh: Any) -> bool:
     if isinstance(x, jax.Array):
-        sharding = x.sharding
-        own = getattr(sharding, "mesh", None)
-        if own is not None and own is not mesh and not own.empty:  # another mesh (say the user's, with Explicit
-            return own != mesh  # axes) over the same devices would mix meshes in one program: moved onto ours
-        return not (own is mesh or sharding.device_set == set(mesh.devices.flat))
+        return _sharding_off(x.sharding, mesh)
     return isinstance(x, (np.ndarray, np.generic))
 
 
@@ -413,9 +451,10 @@ def _check_idle(policy, concrete, skip, declared, state_layouts, concrete_state)
     """The idle-axis check on this program's variables (their resolved layouts; batches excluded)."""
     if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
         return
-    specs, names = list(state_layouts), []
+    specs, names, avals = list(state_layouts), [], []
     if concrete_state is not None:
         names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state)]
+        avals = [_aval(x) for x in jax.tree.leaves(concrete_state)]
     for i, c in enumerate(concrete):
         if i in skip or c is None or (declared is not None and i in declared):
             continue
@@ -425,8 +464,13 @@ def _check_idle(policy, concrete, skip, declared, state_layouts, concrete_state)
                     declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
                 specs.append(sharding)
                 names.append(f"argument {i}{jax.tree_util.keystr(path)}")
+                avals.append(_aval(leaf))
     if specs:
-        policy.warn_idle_axes(specs, "the step's variables", names)
+        policy.warn_idle_axes(specs, "the step's variables", names, avals)
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
 
 
 def _typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:

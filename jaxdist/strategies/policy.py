@@ -19,6 +19,7 @@ Every strategy is a configuration of a policy, and every verb (``jit``, ``run``,
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from jaxdist.strategies import ambient
 from jaxdist.strategies.layout_rules import VariableRules, is_box
 from jaxdist.strategies.meshes import STAGE_AXIS, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
+from jaxdist.strategies.roles import placed_as_batch
 
 __all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
 
@@ -62,6 +64,39 @@ def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.S
         if fits:
             return target
     return NamedSharding(target.mesh, PartitionSpec(), memory_kind=target.memory_kind)
+
+
+def held_whole_bytes(sharding: Any, aval: Any, mesh: Mesh, axis: str) -> int:
+    """Bytes per device of a variable of ``aval`` in ``sharding`` held whole along mesh ``axis`` though one of
+    its dimensions not yet split could be split over it (0 if the axis splits it already, or none could).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+        >>> w = jax.ShapeDtypeStruct((8, 6), jnp.float32)
+        >>> held_whole_bytes(P("data"), w, mesh, "tensor"), held_whole_bytes(P("data", "tensor"), w, mesh, "tensor")
+        (48, 0)
+    """
+    spec = tuple(getattr(sharding, "spec", sharding) or ())
+    if axis in jax.tree.leaves(spec):
+        return 0
+    shape, size = tuple(np.shape(aval)), mesh.shape[axis]
+    entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
+    if not any(e is None and d % size == 0 for e, d in zip(entries, shape, strict=True)):
+        return 0
+    parts = 1
+    for entry in entries:
+        for name in jax.tree.leaves(entry):
+            parts *= mesh.shape[name]
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize // parts
+
+
+def _readable_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 class IdleAxisWarning(UserWarning):
@@ -188,9 +223,11 @@ class LayoutPolicy:
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
         self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
+        self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
+        self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
 
     # ------------------------------------------------------------------------------------- topology
-    @property
+    @functools.cached_property
     def num_replicas(self) -> int:
         """How many replicas (the product of the batch axes' sizes)."""
         return self.roles.size(self.batch_axes)
@@ -239,10 +276,31 @@ class LayoutPolicy:
             aval: its shape and dtype.
             annotation: the Flax partitioning box around it, when the model annotated it.
 
+        Every caller that places a variable comes here: a strategy that overrides its ``variable_layout`` hook
+        has it installed with `use_hooks`, so the override decides for all of them.
+
         Raises:
             ValueError: when a rule or annotation does not fit the variable.
         """
+        if self._variable_hook is not None:
+            return self._variable_hook(path, aval, annotation)
+        return self.rule_layout(path, aval, annotation)
+
+    def rule_layout(
+        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
+    ) -> NamedSharding:
+        """The layout this policy's rules give the variable at ``path`` (what `variable_layout` returns unless a
+        strategy overrides it)."""
         return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
+
+    def use_hooks(self, variable_layout: Any = None, layout_role: Any = None) -> None:
+        """Install a strategy's overrides of its layout hooks: ``variable_layout(path, aval, annotation) ->
+        Sharding`` then decides every variable's layout, ``layout_role(x) -> str | None`` every placed value's
+        role."""
+        if variable_layout is not None:
+            self._variable_hook = variable_layout
+        if layout_role is not None:
+            self._role_hook = layout_role
 
     def variable_shardings(self, shapes: Any) -> Any:
         """The layout of each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s; Flax boxes kept around
@@ -264,13 +322,24 @@ class LayoutPolicy:
         """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when the layout cannot tell.
 
         None for values not on this mesh (numpy, arrays on other devices: their role must be declared) and,
-        where variables may be split over the replicas too (FSDP), for arrays split like a batch.
+        where variables may be split over the replicas too (FSDP), for arrays split like a batch that the
+        input functions did not place (`jaxdist.strategies.roles.placed_as_batch`). A strategy's override of
+        its ``layout_role`` hook decides instead (`use_hooks`).
         """
+        if self._role_hook is not None:
+            return self._role_hook(x)
+        return self.role_from_layout(x)
+
+    def role_from_layout(self, x: Any) -> str | None:
+        """The role this policy's layouts give ``x`` (what `layout_role` returns unless a strategy overrides
+        it)."""
         if not is_on_mesh(x, self.mesh):
             return None
         if not self.is_batch_layout(x):
             return "variable"
-        return None if self.rules.split else "batch"
+        if not self.rules.split or placed_as_batch(x):
+            return "batch"
+        return None
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is on this mesh with axis 0 split over the replicas (a batch's layout)."""
@@ -289,13 +358,15 @@ class LayoutPolicy:
                  for a in jax.tree.leaves(axes)}  # activations declared to use it
         return [a for a in model if a not in used]
 
-    def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = ()) -> None:
+    def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = (), avals: Sequence[Any] = ()) -> None:
         """Warn once per axis (`IdleAxisWarning`) about each model axis ``specs`` leave idle (see `idle_axes`).
 
         Args:
             specs: the layouts of the program's variables.
             what: how the message names them ("the variables created here", "the step's variables").
             names: a few of the variables, for the message.
+            avals: the variables' shapes and dtypes (same order as ``specs``): the message then says how many
+                bytes per device are held whole along the idle axis though it could split them.
         """
         idle = [a for a in self.idle_axes(specs) if a not in self._reported_idle]
         if not idle:
@@ -314,6 +385,10 @@ class LayoutPolicy:
                 stacklevel=4,
             )
             return
+        held = sum(held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False))
+        if held:
+            some += (f"; {_readable_bytes(held)} per device of them could be split {size} ways along it but are "
+                     "held whole on each of its devices")
         warnings.warn(
             f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.batch_axes} and splits none of "
             f"{what}{some}: a batch is whole along it, so its devices compute the same thing. Annotate variables "

@@ -38,7 +38,6 @@ __all__ = [
     "mark_placed_batch",
     "placed_as_batch",
     "role_in_trace",
-    "role_of_placed",
     "step_argument_roles",
     "traced_role",
     "typed_role",
@@ -79,15 +78,6 @@ def placed_as_batch(x: Any) -> bool:
     return ref is not None and ref() is x
 
 
-def role_of_placed(policy: Any, x: Any) -> str | None:
-    """The role a placed (concrete) array carries: its layout's (`LayoutPolicy.layout_role`), and where the
-    layout cannot tell (variables split like batches), whether the input functions placed it as a batch."""
-    role = policy.layout_role(x)
-    if role is None and policy.is_batch_layout(x) and placed_as_batch(x):
-        return "batch"
-    return role
-
-
 def step_argument_roles(
     policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None, skip: set[int]
 ) -> tuple[list[Any], list[Any]]:
@@ -113,7 +103,7 @@ def step_argument_roles(
         for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
             if declared is not None:
                 (batches if i in declared else variables).append(t)
-            elif role_of_placed(policy, leaf) == "batch":
+            elif policy.layout_role(leaf) == "batch":
                 batches.append(t)
             else:
                 variables.append(t)
@@ -205,7 +195,7 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
         return Role.BATCH if declared else Role.VARIABLE
     if isinstance(leaf, jax.core.Tracer):
         return traced_role(policy, leaf, where, f"{verb}(fn, args=..., batch_argnums=(i, ...))")
-    role = role_of_placed(policy, leaf)
+    role = policy.layout_role(leaf)
     if role is None and np.ndim(leaf) >= 1 and policy.is_batch_layout(leaf) and not warned[0]:
         warned[0] = True
         warnings.warn(

@@ -235,7 +235,10 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             IdleAxisWarning: naming each model axis no variable is split over (see `idle_axes`).
         """
         variables = super().create_variables(init_fn, *args, **kwargs)
-        self.policy.warn_idle_axes(self.variable_layouts(variables).values(), "the variables created here")
+        layouts = self.variable_layouts(variables)
+        leaves = [x.value if is_box(x) else x for x in jax.tree.leaves(variables, is_leaf=is_box)]
+        avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in leaves]
+        self.policy.warn_idle_axes(list(layouts.values()), "the variables created here", list(layouts), avals)
         unmatched = [entry for entry in self.unmatched_rules(variables) if entry not in self._reported]
         if unmatched:
             self._reported.update(unmatched)
