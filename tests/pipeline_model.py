@@ -60,7 +60,7 @@ class PipelineLM(nn.Module):
     schedule: str = "gpipe"
     repeats: int = 1
     dropout: float = 0.0
-    remat: bool = True
+    remat: bool = False
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):

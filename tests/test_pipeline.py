@@ -218,10 +218,10 @@ def test_stage_axis_without_a_pipeline_layer_warns_that_stages_are_idle():
      "stage_axes='stage' names 'stage', which is also in batch_axes=('data', 'stage')"),
     ({"mesh": "stage_data", "batch_axes": "data", "stage_axes": "pipe"},
      "stage_axes='pipe' names axis 'pipe', but the mesh axes are ('stage', 'data')"),
-    ({"stage_axes": "stage"}, "stage_axes='stage' name axes of a mesh: pass mesh= too"),
+    ({"stage_axes": "stage"}, "stage_axes='stage' names axes of a mesh: pass mesh= too, or pipeline_parallelism"),
     ({"pipeline_parallelism": 3}, "pipeline_parallelism=3 must be an int >= 1 that divides the 8 devices"),
     ({"mesh": "stage_data", "batch_axes": "data", "pipeline_parallelism": 2},
-     "pipeline_parallelism=2 both given: a user mesh already says which devices and axes"),
+     "mesh= and pipeline_parallelism=2 both given: name the user mesh's stage axes with stage_axes= instead"),
 ])
 def test_bad_stage_axes(kwargs, message):
     if kwargs.get("mesh") == "stage_data":
@@ -237,7 +237,7 @@ def _trainer(strategy, grad_accum_steps=2):
     def ce(logits, targets):
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    return jd.training.Trainer(strategy, PipelineLM(4, 2, dropout=0.1), optax.sgd(0.5), ce,
+    return jd.training.Trainer(strategy, PipelineLM(4, 2, dropout=0.1, remat=True), optax.sgd(0.5), ce,
                                grad_accum_steps=grad_accum_steps, train_kwargs={"train": True}, seed=3,
                                flops_per_step=1e6)  # XLA counts a scanned loop once: say what a step costs
 
@@ -282,3 +282,26 @@ def test_explicit_axes_mesh():
     expected_value, expected_grads = jax.value_and_grad(loss)(params, x)
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     assert_trees_close(grads, expected_grads, "gradient ")
+
+
+def test_block_with_other_variables_or_an_input_without_batch_is_an_error():
+    class Counting(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            calls = self.variable("counters", "calls", lambda: jnp.zeros((), jnp.int32))
+            calls.value += 1
+            return x + nn.Dense(x.shape[-1])(x)
+
+    class Plain(nn.Module):  # the same parameters, no counter
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(x.shape[-1])(x)
+
+    pipe = jd.nn.Pipeline(block=Counting(), num_layers=2)
+    x = jnp.ones((2, 4))
+    params = jd.nn.Pipeline(block=Plain(), num_layers=2).init(jax.random.key(0), x)
+    params = {**params, "counters": {"block": {"calls": jnp.zeros((2,), jnp.int32)}}}
+    with pytest.raises(ValueError, match=re.escape("block Counting holds variables of collection(s) ['counters']")):
+        pipe.apply(params, x, mutable=["counters"])
+    with pytest.raises(ValueError, match=re.escape("Pipeline got an input of shape (): it needs a leading batch")):
+        pipe.apply({"params": params["params"]}, jnp.float32(1))

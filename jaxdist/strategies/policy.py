@@ -205,14 +205,17 @@ class LayoutPolicy:
         pipeline_parallelism: int = 1,
     ):
         if mesh is None:
-            if batch_axes is not None or fsdp_axes is not None or context_axes is not None or stage_axes is not None:
+            if batch_axes is not None or fsdp_axes is not None or context_axes is not None:
                 named = f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r}" + (
-                    "" if context_axes is None else f" / context_axes={context_axes!r}") + (
-                    "" if stage_axes is None else f" / stage_axes={stage_axes!r}")
+                    "" if context_axes is None else f" / context_axes={context_axes!r}")
                 raise ValueError(
                     f"{named} name axes of a mesh: pass mesh= too (without it the mesh is ('replica',) or "
-                    "('replica', 'model'); context_parallelism=N adds 'context', pipeline_parallelism=k a leading "
-                    "'stage')."
+                    "('replica', 'model'); context_parallelism=N adds 'context')."
+                )
+            if stage_axes is not None:
+                raise ValueError(
+                    f"stage_axes={stage_axes!r} names axes of a mesh: pass mesh= too, or pipeline_parallelism=k for "
+                    "the short form's leading 'stage' axis."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
@@ -228,11 +231,15 @@ class LayoutPolicy:
                     f"mesh= and context_parallelism={context_parallelism!r} both given: on a user mesh, name the "
                     "axes the sequence is split over with context_axes=('context',)."
                 )
-            if devices is not None or model_parallelism != 1 or pipeline_parallelism != 1:
+            if devices is not None or model_parallelism != 1:
                 raise ValueError(
-                    f"mesh= and devices= / model_parallelism={model_parallelism!r} / pipeline_parallelism="
-                    f"{pipeline_parallelism!r} both given: a user mesh already says which devices and axes; pass "
-                    "only mesh=, batch_axes=, fsdp_axes= and stage_axes=."
+                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
+                    "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
+                )
+            if pipeline_parallelism != 1:
+                raise ValueError(
+                    f"mesh= and pipeline_parallelism={pipeline_parallelism!r} both given: name the user mesh's stage "
+                    "axes with stage_axes= instead."
                 )
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes,
                                stage_axes=stage_axes)
