@@ -409,6 +409,7 @@ def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_dev
 
 
 # ---------------------------------------------------------------------------------- 2 processes x 4 devices
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_context_axis_across_them_train_like_one_device(tmp_path):
     import os

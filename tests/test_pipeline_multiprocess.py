@@ -27,6 +27,7 @@ def _env():
     return env
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
     out = tmp_path / "result.npz"
