@@ -2,7 +2,7 @@
 
     python docs/figures/layout.py    # scripts/docs runs it before every build
 
-One row per role (data, FSDP, tensor, and the planned context and pipeline); each shows a batch (rows x sequence
+One row per role (data, FSDP, tensor, context and pipeline); each shows a batch (rows x sequence
 positions) and a model (layers x weights) over an axis of 4 devices, coloured by the device that holds each part;
 grey is a whole copy on every device of the axis. The output is byte-stable (no timestamp, no version), so a
 rebuild leaves git clean.
@@ -28,8 +28,8 @@ ROLES = [  # (role, how it is named, what the batch shows, what the model shows)
     ("data", "batch_axes", "rows split", "a copy on each device"),
     ("FSDP", "fsdp_axes", "rows split", "each weight split;\ngathered to use"),
     ("tensor", "logical_axis_rules", "a copy on each device", "each weight split;\nstays split"),
-    ("context\n(planned)", "", "sequence split", "a copy on each device"),
-    ("pipeline\n(planned)", "", "micro-batches go\nstage by stage", "layers split\ninto stages"),
+    ("context", "context_axes", "sequence split", "split like FSDP\n(by default)"),
+    ("pipeline", "stage_axes", "micro-batches go\nstage by stage", "layers split\ninto stages"),
 ]
 
 
