@@ -312,7 +312,9 @@ def _per_device(shape: Sequence[int], dtype: Any, sharding: Any) -> tuple[int, l
             names = entry if isinstance(entry, tuple) else (entry,)
             parts[i] = math.prod(sizes[n] for n in names if n is not None)
     dims = [-(-d // p) for d, p in zip(shape, parts, strict=True)]
-    return math.prod(dims) * np.dtype(dtype).itemsize, parts
+    # a typed PRNG key (``key<fry>``) is no NumPy dtype; its dtype knows its size
+    itemsize = dtype.itemsize if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).itemsize
+    return math.prod(dims) * itemsize, parts
 
 
 def _layout_text(sharding: Any) -> str:
