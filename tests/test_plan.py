@@ -191,6 +191,14 @@ def test_placed_arguments_keep_their_layout_and_keyword_arguments_count():
     assert plan.state_bytes == {"w": 64 * 8 * 4 // 8, "batch": 16 * 64 * 4 // 8}
 
 
+def test_a_typed_prng_key_argument_is_sized_by_its_dtype():
+    def step(w, key):
+        return w + jax.random.normal(key, w.shape), jax.random.split(key)[0]
+
+    plan = jd.MirroredStrategy().plan(step, jnp.zeros((4, 4)), jax.random.key(0))
+    assert plan.state_bytes["key"] == jax.random.key(0).dtype.itemsize == 8
+
+
 # ---------------------------------------------------------------------------------------------- plan meshes
 def test_plan_mesh_strategies_plan_but_do_not_run():
     mesh = jd.plan_mesh({"data": 16, "fsdp": 32, "tensor": 8})
