@@ -1,7 +1,8 @@
 """jaxdist.training with real processes: SIGKILL during a save, SIGTERM then resume (bitwise identical).
 
-Each test runs small training scripts with ``sys.executable`` (8 simulated CPU devices, MirroredStrategy);
-every subprocess call has a timeout so nothing can hang. Checkpoints are asynchronous (the default) unless a
+Each test runs small training scripts with ``sys.executable`` (8 simulated CPU devices, MirroredStrategy, or
+for a pipelined model ``ShardedStrategy(pipeline_parallelism=2)``); every subprocess call has a timeout so
+nothing can hang. Checkpoints are asynchronous (the default) unless a
 test asks for "sync". Several processes: tests/test_multihost_preemption.py.
 """
 
@@ -66,6 +67,18 @@ SCRIPT = textwrap.dedent(
     strategy = jd.MirroredStrategy()
     if kind == "linen":
         trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
+    elif kind == "pipeline":  # a tiny LM whose layers run as a GPipe pipeline over 2 stages x 4 replicas
+        sys.path.insert(0, TESTS)
+        from pipeline_model import PipelineLM, batches
+
+        tokens = [(b["inputs"], b["targets"]) for b in batches(4, batch=8)]
+
+        def data_fn(epoch):
+            return [tokens[i] for i in np.random.default_rng((1, epoch)).permutation(len(tokens))]
+
+        strategy = jd.ShardedStrategy(pipeline_parallelism=2, min_shard_size=1)
+        trainer = jd.training.Trainer(strategy, PipelineLM(4, 2, dropout=0.1), optax.adam(1e-2), ce,
+                                      train_kwargs={"train": True}, flops_per_step=1e6)
     else:
         trainer = jd.training.Trainer(strategy, NnxMLP(nnx.Rngs(0)), optax.adam(1e-2), ce)
 
@@ -102,10 +115,13 @@ SCRIPT = textwrap.dedent(
 
     trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, checkpoint_every=every, verbose=0,
                 callbacks=[Tell()], async_checkpoints=asynchronous)
+    if kind == "pipeline":  # the layers stayed split over the stages (a restore too puts them there)
+        kernel = nn.unbox(trainer.params)["layers"]["block"]["Dense_0"]["kernel"]
+        assert kernel.sharding.spec[0] == "stage", kernel.sharding
     dump(out)
     print(f"done {trainer.step}", flush=True)
     """
-)
+).replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))  # where pipeline_model.py is
 
 
 def run_script(tmp_path, *args, timeout=TIMEOUT):
@@ -128,8 +144,22 @@ def assert_bitwise(a, b):
 
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_path):
+    sigterm_then_resume(kind, tmp_path)
+
+
+@pytest.mark.timeout(480)
+def test_sigterm_with_a_pipelined_model_resumes_bitwise_identical(tmp_path):
+    """The same with `jd.nn.Pipeline` layers on ShardedStrategy(pipeline_parallelism=2): the stage-split
+    layers, the optimizer state and the dropout rng are saved and restored exactly."""
+    sigterm_then_resume("pipeline", tmp_path, timeout=150)
+
+
+def sigterm_then_resume(kind, tmp_path, timeout=TIMEOUT):
+    """An uninterrupted run; a run sent SIGTERM after step 4 that saves and exits cleanly; its resumption to the
+    same step, whose final parameters must equal the uninterrupted run's bitwise."""
     steps = 10  # 2.5 epochs of 4 batches, dropout on: data order and RNG both matter
-    straight = run_script(tmp_path, kind, "plain", tmp_path / "straight", tmp_path / "straight.npz", steps)
+    straight = run_script(tmp_path, kind, "plain", tmp_path / "straight", tmp_path / "straight.npz", steps,
+                          timeout=timeout)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     script = tmp_path / "train.py"
@@ -139,7 +169,7 @@ def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_p
     )
     try:
         lines = []
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
@@ -148,7 +178,7 @@ def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_p
             if line.strip() == "step 4":
                 proc.send_signal(signal.SIGTERM)
                 break
-        out, err = proc.communicate(timeout=TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -159,7 +189,8 @@ def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_p
     assert 4 <= stopped < steps and f"saved {stopped}" in " ".join(lines)  # finished the step it was in, saved
     assert "done" not in out
 
-    resumed = run_script(tmp_path, kind, "plain", tmp_path / "ckpt", tmp_path / "resumed.npz", steps)
+    resumed = run_script(tmp_path, kind, "plain", tmp_path / "ckpt", tmp_path / "resumed.npz", steps,
+                         timeout=timeout)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"step {stopped + 1}" in resumed.stdout.split("\n")[0]  # resumed where it stopped
     assert_bitwise(load(tmp_path / "resumed.npz"), load(tmp_path / "straight.npz"))
