@@ -64,3 +64,24 @@ def test_strategy_and_policy_agree_on_a_dataset_batch_on_fsdp():
     w = strategy.mirror(np.ones((16, 4), np.float32))
     assert strategy.layout_role(batch) == strategy._policy.layout_role(batch) == "batch"
     assert strategy.layout_role(w) is None and strategy._policy.layout_role(w) is None
+
+
+class WholeLabels(jd.MirroredStrategy):
+    """Batches split as usual, except rank-1 leaves (labels), which every device holds whole."""
+
+    def batch_layout(self, shape):
+        if len(shape) == 1:
+            return NamedSharding(self.mesh, P())
+        return super().batch_layout(shape)
+
+
+def test_batch_layout_override_reaches_every_caller():
+    strategy = WholeLabels()
+    x, y = np.ones((16, 3), np.float32), np.arange(16, dtype=np.float32)
+    placed = strategy.experimental_distribute_values((x, y))
+    assert placed[0].sharding.spec == P("replica") and placed[1].sharding.spec == P()
+    from_dataset = next(iter(strategy.experimental_distribute_dataset([(x, y)], prefetch=0)))
+    assert from_dataset[1].sharding.spec == P()
+    step = strategy.jit(lambda w, b: (w * b[0]).sum() + b[1].sum(), batch_argnums=1)
+    np.testing.assert_allclose(float(step(np.float32(2.0), (x, y))), 2.0 * 48 + 120.0)
+    assert strategy.batch_layout((16,)).spec == P() and strategy.batch_layout((16, 3)).spec == P("replica")

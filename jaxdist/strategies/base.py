@@ -85,6 +85,8 @@ class Strategy:
             policy.use_hooks(variable_layout=self.variable_layout)
         if type(self).layout_role is not Strategy.layout_role:
             policy.use_hooks(layout_role=self.layout_role)
+        if type(self).batch_layout is not Strategy.batch_layout:
+            policy.use_hooks(batch_layout=self.batch_layout)
         self._axis_name = check_axis_name(policy, axis_name)
         self._programs = ProgramCache()
         self._runner = ReplicaRunner(policy, self._programs, self)
@@ -240,6 +242,22 @@ class Strategy:
             (P(), P('replica',))
         """
         return self._policy.rule_layout(path, aval, annotation)
+
+    def batch_layout(self, shape: tuple[int | None, ...]) -> jax.sharding.Sharding:
+        """The layout of a batch leaf of ``shape`` (Keras' ``get_data_layout``).
+
+        The hook a strategy overrides to place batches: rows split over the replicas, and with context axes
+        the sequence too. Everything that places a batch goes through it: ``batch_argnums`` of `jit`,
+        `experimental_distribute_dataset` / `experimental_distribute_values` and the other input functions,
+        the `Trainer`'s batches and plans. ``shape`` has None for a dimension not known where it is asked.
+        An override may call ``super().batch_layout(shape)`` for the strategy's own layout.
+
+        Examples:
+            >>> import jaxdist as jd
+            >>> jd.OneDeviceStrategy().batch_layout((8, 3)).spec
+            P('replica',)
+        """
+        return self._policy.rule_batch_layout(len(shape), shape)
 
     def is_batch_layout(self, x: Any) -> bool:
         """True when ``x`` is an array on this strategy's mesh with axis 0 split over the replicas.

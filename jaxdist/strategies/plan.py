@@ -288,8 +288,8 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
                     f"{where} has {s.shape[0]} rows, which the {policy.num_replicas} replicas do not divide: "
                     f"plan a global batch that is a multiple of {policy.num_replicas} (drop the remainder or pad)."
                 )
-            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=policy.batch_sharding if s.ndim else
-                                        policy.replicated_sharding)
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=policy.batch_layout(s.ndim, s.shape) if s.ndim
+                                        else policy.replicated_sharding)
 
         return jax.tree.map(one, value, shapes)
     layouts = policy.variable_shardings(shapes)

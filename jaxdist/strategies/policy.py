@@ -282,17 +282,32 @@ class LayoutPolicy:
         self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
         self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
         self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
+        self._batch_hook: Any = None  # a strategy's override of batch_layout (see use_hooks)
 
-    def batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> NamedSharding:
-        """The layout of a batch leaf of rank ``ndim``: rows split over the batch axes, and with context axes,
-        the sequence dimension (``sequence_axis``) of a leaf that has one split over them (a leaf of ``shape``
-        whose sequence dimension has size 1, a broadcast one, stays whole along it).
+    def batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> jax.sharding.Sharding:
+        """The layout of a batch leaf of rank ``ndim`` (and ``shape``, where known). Every caller that places a
+        batch comes here: a strategy that overrides its ``batch_layout`` hook has it installed with `use_hooks`
+        and it decides (given the shape, a dimension None where unknown); else `rule_batch_layout`.
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> jd.strategies.LayoutPolicy(jax.devices()[:2]).batch_layout(2, (8, 3)).spec
+            P('replica',)
+        """
+        if self._batch_hook is not None:
+            return self._batch_hook(tuple(shape) if shape is not None else (None,) * ndim)
+        return self.rule_batch_layout(ndim, shape)
+
+    def rule_batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> NamedSharding:
+        """The layout this policy's axes give a batch leaf of rank ``ndim``: rows split over the batch axes,
+        and with context axes, the sequence dimension (``sequence_axis``) of a leaf that has one split over
+        them (a leaf of ``shape`` whose sequence dimension has size 1, a broadcast one, stays whole along it).
 
         Examples:
             >>> import jax, jaxdist as jd
             >>> cp = jd.strategies.LayoutPolicy(mesh=jax.make_mesh((2, 4), ("data", "context")),
             ...                                 batch_axes="data", context_axes="context")
-            >>> cp.batch_layout(2).spec, cp.batch_layout(1).spec
+            >>> cp.rule_batch_layout(2).spec, cp.rule_batch_layout(1).spec
             (P('data', 'context'), P('data',))
         """
         if self._sequence_sharding is not None and ndim > self.sequence_axis and (
@@ -373,10 +388,12 @@ class LayoutPolicy:
         strategy overrides it)."""
         return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
 
-    def use_hooks(self, variable_layout: Any = None, layout_role: Any = None) -> None:
+    def use_hooks(self, variable_layout: Any = None, layout_role: Any = None, batch_layout: Any = None) -> None:
         """Install a strategy's overrides of its layout hooks: ``variable_layout(path, aval, annotation) ->
-        Sharding`` then decides every variable's layout, ``layout_role(x) -> str | None`` every placed value's
-        role."""
+        Sharding`` then decides every variable's layout, ``batch_layout(shape) -> Sharding`` every batch leaf's,
+        ``layout_role(x) -> str | None`` every placed value's role."""
+        if batch_layout is not None:
+            self._batch_hook = batch_layout
         if variable_layout is not None:
             self._variable_hook = variable_layout
         if layout_role is not None:
