@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +73,12 @@ def host_leaves(tree) -> list:
         return np.asarray(jax.device_get(a))
 
     return [one(a) for a in jax.tree.leaves(tree)]
+
+
+def launch_env(**extra: str) -> dict:
+    """The environment of a ``python -m jaxdist.launch`` child: CPU only, this checkout importable, no cluster
+    variables inherited from the test process (the launcher sets its own), plus ``extra``."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parent.parent), **extra)
+    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
+        env.pop(key, None)
+    return env

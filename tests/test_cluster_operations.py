@@ -4,13 +4,13 @@ Real processes (2 x 4 CPU devices, gloo) where it says so; every wait is bounded
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from registry import launch_env
 
 import jaxdist as jd
 from jaxdist.launch import free_port
@@ -20,10 +20,7 @@ ROOT = HERE.parent
 
 
 def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **{"JAX_NUM_CPU_DEVICES": "4", **extra})
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
-    return env
+    return launch_env(**{"JAX_NUM_CPU_DEVICES": "4", **extra})
 
 
 def _two(script, *args, env=None, timeout=120):

@@ -5,7 +5,6 @@ resume AND the one-writer logging; this process then checks what it wrote agains
 """
 
 import csv
-import os
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from grain_model import GLOBAL_BATCH, examples, make_trainer, per_process_batches
+from registry import launch_env
 from tfevents import read_events, scalars
 
 import jaxdist as jd
@@ -36,10 +36,7 @@ def _assert_equal(a, b):
 
 
 def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parent))
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
-    return env
+    return launch_env()
 
 
 @pytest.mark.multiprocess

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from multiprocess_model import batches, init_state, train_step
+from registry import launch_env
 
 import jaxdist as jd
 from jaxdist.launch import free_port, launch
@@ -20,10 +21,7 @@ ROOT = HERE.parent
 
 
 def _env(**extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **extra)
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
-    return env
+    return launch_env(**extra)
 
 
 @pytest.mark.multiprocess

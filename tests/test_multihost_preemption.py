@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from registry import launch_env
 
 import jaxdist as jd
 from jaxdist.training.preemption import PreemptionWatcher, _Agreement
@@ -31,10 +32,7 @@ END = re.compile(r"^\[(\d)\] end (\d+) preempted=(True|False) checkpoints=\[(.*)
 
 
 def _env(strategy="mwms"):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), WORKER_STRATEGY=strategy)
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
-    return env
+    return launch_env(WORKER_STRATEGY=strategy)
 
 
 def _command(ckpt, out, *extra):

@@ -5,7 +5,6 @@ pipelined LM with dropout on a ``(stage=2, data=4)`` mesh whose stages are the t
 gradients and parameters are compared with the same model run as a plain scan on one device.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,14 @@ import jax
 import numpy as np
 import pytest
 from pipeline_model import PipelineLM, batches, init_state, make_step
+from registry import launch_env
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
 def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
-    return env
+    return launch_env()
 
 
 @pytest.mark.multiprocess

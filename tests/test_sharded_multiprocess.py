@@ -6,7 +6,6 @@ sharded variable is checked, and the 2 x 4 HSDP checkpoint is restored on one pr
 and on one device.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from multiprocess_model import batches, init_state, lm_batches, lm_init_state, lm_train_step, train_step
+from registry import launch_env
 
 import jaxdist as jd
 
@@ -25,10 +25,7 @@ ROOT = HERE.parent
 
 
 def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
-    return env
+    return launch_env()
 
 
 def _reference(init, step_fn, data):
