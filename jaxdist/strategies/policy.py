@@ -385,13 +385,28 @@ class LayoutPolicy:
         self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
     ) -> NamedSharding:
         """The layout this policy's rules give the variable at ``path`` (what `variable_layout` returns unless a
-        strategy overrides it)."""
+        strategy overrides it).
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:2], split_variables=True, min_shard_size=1)
+            >>> policy.rule_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
+            P(None, 'replica')
+        """
         return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
 
     def use_hooks(self, variable_layout: Any = None, layout_role: Any = None, batch_layout: Any = None) -> None:
         """Install a strategy's overrides of its layout hooks: ``variable_layout(path, aval, annotation) ->
         Sharding`` then decides every variable's layout, ``batch_layout(shape) -> Sharding`` every batch leaf's,
-        ``layout_role(x) -> str | None`` every placed value's role."""
+        ``layout_role(x) -> str | None`` every placed value's role.
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:2])
+            >>> policy.use_hooks(variable_layout=lambda path, aval, annotation=None: policy.batch_sharding)
+            >>> policy.variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
+            P('replica',)
+        """
         if batch_layout is not None:
             self._batch_hook = batch_layout
         if variable_layout is not None:
@@ -429,7 +444,15 @@ class LayoutPolicy:
 
     def role_from_layout(self, x: Any) -> str | None:
         """The role this policy's layouts give ``x`` (what `layout_role` returns unless a strategy overrides
-        it)."""
+        it).
+
+        Examples:
+            >>> import jax, numpy as np, jaxdist as jd
+            >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:2])
+            >>> batch = jax.device_put(np.ones((4, 2)), policy.batch_sharding)
+            >>> policy.role_from_layout(batch), policy.role_from_layout(np.ones(2))
+            ('batch', None)
+        """
         if not is_on_mesh(x, self.mesh):
             return None
         if not self.is_batch_layout(x):
