@@ -283,9 +283,10 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
     trainer = jd.training.Trainer(strategy, model, optax.adam(1e-2), mse)
     trainer.fit(data, steps=3, verbose=0, checkpoint_dir=tmp_path)
     kernel = trainer.state.params["hidden"]["kernel"]
-    assert kernel.value.sharding.spec == P(None, "model")  # as annotated, not the FSDP rule
+    assert isinstance(kernel, nnx.Param)  # the Variable itself, its annotation in its metadata (no linen box)
+    assert kernel[...].sharding.spec == P(None, "model")  # as annotated, not the FSDP rule
     mu = trainer.state.opt_state[0].mu["hidden"]["kernel"]
-    assert mu.value.sharding.spec == P(None, "model")  # the optimizer state follows it
+    assert mu[...].sharding.spec == P(None, "model")  # the optimizer state follows it
     assert trainer.state.params["out"]["kernel"].sharding.spec == P("replica")  # unannotated: FSDP
     assert model.hidden.kernel[...].sharding.spec == P(None, "model")  # synced back in its layout
 
@@ -293,11 +294,41 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
         jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(0), annotate=False), optax.adam(1e-2), mse
     )
     reference.fit(data, steps=3, verbose=0)
-    np.testing.assert_allclose(kernel.value, reference.state.params["hidden"]["kernel"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kernel[...], reference.state.params["hidden"]["kernel"], rtol=1e-5, atol=1e-6)
 
     with strategy.scope():
         fresh = AnnotatedNnx(nnx.Rngs(1))
     restored = jd.training.Trainer(strategy, fresh, optax.adam(1e-2), mse)
     assert restored.restore(tmp_path, batch=data[0]) == 3
-    assert restored.state.params["hidden"]["kernel"].value.sharding.spec == P(None, "model")
-    np.testing.assert_allclose(restored.state.params["hidden"]["kernel"].value, kernel.value)
+    assert restored.state.params["hidden"]["kernel"][...].sharding.spec == P(None, "model")
+    np.testing.assert_allclose(restored.state.params["hidden"]["kernel"][...], kernel[...])
+
+
+def test_trainer_reads_nnx_annotations_as_strategy_jit_does():
+    """One nnx path: the Trainer lays an nnx model's Variables out by their metadata, through the strategy's
+    logical rules, exactly as ``strategy.jit`` lays out the same model passed to a step: here a model built
+    off any mesh (its logical names not yet resolved by Flax), which only the metadata says how to split."""
+    strategy = tp_strategy(rules=[("embed", None), ("mlp", "model")], activation_axes=())
+    with nnx.use_eager_sharding(False):
+        model = LogicalNnx(nnx.Rngs(0))
+
+    def loss(out, y):
+        return jnp.mean((out - y) ** 2)
+
+    class Head(nnx.Module):
+        def __init__(self, body):
+            self.body = body
+
+        def __call__(self, x):
+            return self.body.hidden(x)
+
+    trainer = jd.training.Trainer(strategy, Head(model), optax.sgd(0.1), loss)
+    x, y = np.ones((8, 8), np.float32), np.ones((8, 16), np.float32)
+    trainer.fit([(x, y)], steps=1, verbose=0)
+    trained = trainer.state.params["body"]["hidden"]["kernel"]
+    assert trained[...].sharding.spec == P(None, "model")  # the metadata's names through the rules
+
+    with nnx.use_eager_sharding(False):
+        same = LogicalNnx(nnx.Rngs(0))
+    kernel = strategy.jit(lambda m, x: nnx.state(m), batch_argnums=1)(same, x)["hidden"]["kernel"]
+    assert kernel[...].sharding.spec == trained[...].sharding.spec  # strategy.jit reads them the same way

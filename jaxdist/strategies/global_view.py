@@ -45,12 +45,13 @@ from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.input import place_batch
+from jaxdist.strategies.layout_rules import is_variable
 from jaxdist.strategies.offload import in_host_memory, to_device_memory
 from jaxdist.strategies.plan import Plan, plan_step
 from jaxdist.strategies.plan_mesh import is_plan_mesh, refuse_to_run
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.resolve import constrain, constrain_outputs, is_variable, nnx_layouts, typed_whole_at_entry
+from jaxdist.strategies.resolve import constrain, constrain_outputs, nnx_layouts, typed_whole_at_entry
 from jaxdist.strategies.roles import UndeclaredBatchWarning, step_argument_roles
 from jaxdist.strategies.signatures import argument_spec, signature_of
 

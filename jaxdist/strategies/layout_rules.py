@@ -32,13 +32,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 from flax.core.meta import Partitioned
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, path_name
 from jaxdist.strategies.meshes import AxisRoles
 
-__all__ = ["LAYERS", "VariableRules", "is_box", "logical_names"]
+__all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_variable", "logical_names", "unboxed"]
 
 LAYERS = "layers"
 """The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME: "layers"}``,
@@ -50,15 +51,69 @@ def is_box(x: Any) -> bool:
     return isinstance(x, Partitioned)
 
 
-def logical_names(tree: Any) -> set[str]:
-    """The logical axis names of the ``nn.with_logical_partitioning`` boxes in ``tree``.
+def is_variable(x: Any) -> bool:
+    """True for an nnx Variable (a pytree node whose one child is its value, its annotation in its metadata)."""
+    return isinstance(x, nnx.Variable)
+
+
+def is_annotated(x: Any) -> bool:
+    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx Variable."""
+    return isinstance(x, (Partitioned, nnx.Variable))
+
+
+def unboxed(x: Any) -> Any:
+    """The value inside a Flax box or an nnx Variable; anything else as it is."""
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    return x.value if isinstance(x, Partitioned) else x
+
+
+def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
+    """The partitioning annotation a variable carries, as the box `VariableRules.spec` reads.
+
+    A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``, ``out_sharding=`` /
+    ``sharding=`` metadata) is boxed as linen's are: names that are all axes of ``mesh_axes`` as a
+    `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the strategy's
+    ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything else.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> with nnx.use_eager_sharding(False):
+        ...     kernel = nnx.Param(jnp.zeros((2, 4)), out_sharding=("embed", "model"))
+        >>> type(annotation(kernel, ("replica", "model"))).__name__, annotation(kernel, ("replica", "model")).names
+        ('LogicallyPartitioned', ('embed', 'model'))
+        >>> annotation(nnx.Param(jnp.zeros(2)), ("replica",)) is None
+        True
+    """
+    if isinstance(x, Partitioned):
+        return x
+    if not isinstance(x, nnx.Variable):
+        return None
+    meta = x.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding")
+    if not names:
+        return None
+    if isinstance(names, NamedSharding):
+        names = names.spec
+    names = tuple(names)
+    if all(n is None or n in set(mesh_axes) for n in jax.tree.leaves(names)):
+        return Partitioned(None, names)
+    return nn.LogicallyPartitioned(None, names, rules=meta.get("sharding_rules") or None)
+
+
+def logical_names(tree: Any, mesh_axes: Sequence[str] | None = None) -> set[str]:
+    """The logical axis names of the ``nn.with_logical_partitioning`` boxes and the nnx Variables annotated with
+    names that are not axes of ``mesh_axes`` in ``tree``.
 
     Examples:
         >>> import flax.linen as nn
         >>> sorted(logical_names({"k": nn.LogicallyPartitioned(None, ("embed", "mlp"))}))
         ['embed', 'mlp']
     """
-    boxes = [leaf for leaf in jax.tree.leaves(tree, is_leaf=is_box) if isinstance(leaf, nn.LogicallyPartitioned)]
+    axes = () if mesh_axes is None else mesh_axes
+    boxes = [annotation(leaf, axes) for leaf in jax.tree.leaves(tree, is_leaf=is_annotated)]
+    boxes = [box for box in boxes if isinstance(box, nn.LogicallyPartitioned)]
     return {n for box in boxes for n in jax.tree.leaves(tuple(box.names)) if isinstance(n, str)}
 
 
@@ -260,13 +315,13 @@ class VariableRules:
         """
         used: set[int] = set()
         names: set[str] = set()
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_box):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_annotated):
             name = path_name(path)
             first = next((i for i, (pattern, _) in enumerate(self.layout_rules) if pattern.search(name)), None)
             if first is not None:
                 used.add(first)
             else:  # a layout rule overrides the annotation: its names placed nothing here
-                names |= logical_names(leaf)
+                names |= logical_names(leaf, self.mesh.axis_names)
         out = [
             f"layout_rules[{i}]=({pattern.pattern!r}, {spec})"
             for i, (pattern, spec) in enumerate(self.layout_rules)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
-from jaxdist.strategies.layout_rules import VariableRules, is_box
+from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
 from jaxdist.strategies.meshes import CONTEXT_AXIS, STAGE_AXIS, AxisRoles, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.roles import placed_as_batch
@@ -415,15 +415,19 @@ class LayoutPolicy:
             self._role_hook = layout_role
 
     def variable_shardings(self, shapes: Any) -> Any:
-        """The layout of each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s; Flax boxes kept around
-        their sharding), inside ``colocate_vars_with`` the target's, with offloaded variables in host memory."""
+        """The layout of each variable of ``shapes`` (arrays or `jax.ShapeDtypeStruct`s; Flax boxes and nnx
+        Variables kept around their sharding), inside ``colocate_vars_with`` the target's, with offloaded
+        variables in host memory."""
 
         def one(path, leaf):
             if is_box(leaf):  # the path of the box, not of its ".value"
                 return leaf.replace_boxed(self.variable_layout(path_name(path), leaf.value, annotation=leaf))
+            if is_variable(leaf):  # an nnx Variable: laid out by its metadata, kept around its layout
+                box = annotation(leaf, self.mesh.axis_names)
+                return leaf.replace(self.variable_layout(path_name(path), leaf.get_value(), annotation=box))
             return self.variable_layout(path_name(path), leaf)
 
-        layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=is_box)
+        layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=is_annotated)
         target = ambient.colocation_target(self)
         if target is not None:
             return jax.tree.map(lambda _, aval: colocated_layout(target, aval), layouts, shapes)

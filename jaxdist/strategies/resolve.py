@@ -33,51 +33,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
-from flax.core.meta import Partitioned
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import path_name
 from jaxdist.replicate.trees import is_distributed, signature
-from jaxdist.strategies.layout_rules import is_box
+from jaxdist.strategies.layout_rules import annotation, is_box, is_variable
 from jaxdist.strategies.offload import in_host_memory, to_host_memory
 
 __all__ = [
-    "annotation",
     "constrain",
     "constrain_outputs",
-    "is_variable",
     "nnx_layouts",
     "typed_whole_at_entry",
 ]
-
-
-def is_variable(x: Any) -> bool:
-    """True for an nnx Variable (a pytree node whose one child is its value)."""
-    return isinstance(x, nnx.Variable)
-
-
-def annotation(policy: Any, v: Any) -> Partitioned | None:
-    """The partitioning annotation an nnx Variable carries (``nnx.with_partitioning``, ``out_sharding=`` /
-    ``sharding=`` metadata) boxed as linen boxes are, so that `LayoutPolicy.variable_layout` reads nnx and linen
-    annotations alike: mesh axis names as a `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by
-    the strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``); None without one."""
-    if not is_variable(v):
-        return None
-    meta = v.get_metadata()
-    names = meta.get("out_sharding") or meta.get("sharding")
-    if not names:
-        return None
-    if isinstance(names, NamedSharding):
-        names = names.spec
-    names = tuple(names)
-    axes = set(policy.mesh.axis_names)
-    if all(n is None or n in axes for n in jax.tree.leaves(names)):
-        return Partitioned(None, names)
-    return nn.LogicallyPartitioned(None, names, rules=meta.get("sharding_rules") or None)
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
@@ -95,7 +66,7 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
     layouts, annotated = [], []
     for path, v in entries:
         value = v.get_value() if is_variable(v) else v
-        box = annotation(policy, v)
+        box = annotation(v, policy.mesh.axis_names)
         annotated.append(box is not None)
         if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(value, jax.core.Tracer):
             layouts.append(getattr(value, "sharding", None) if box is None else policy.variable_layout(
@@ -184,7 +155,7 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
             value = x.get_value()
             if not isinstance(value, jax.Array):
                 return x
-            layout = policy.variable_layout(path_name(path), _aval(value), annotation(policy, x))
+            layout = policy.variable_layout(path_name(path), _aval(value), annotation(x, policy.mesh.axis_names))
             return x.replace(constrain(policy, value, layout))
         box = x if is_box(x) else None  # a linen annotation: laid out as annotated
         value = x.value if box is not None else x

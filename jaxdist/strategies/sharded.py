@@ -61,7 +61,7 @@ from jaxdist.strategies.base import Strategy
 from jaxdist.strategies.cluster import initialize_cluster
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.extended import StrategyExtended
-from jaxdist.strategies.layout_rules import is_box, logical_names
+from jaxdist.strategies.layout_rules import is_annotated, logical_names, unboxed
 from jaxdist.strategies.legacy import StrategyV1Names
 from jaxdist.strategies.policy import IdleAxisWarning, LayoutPolicy
 
@@ -217,8 +217,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             {'w': P(None, 'replica')}
         """
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), tree)
-        leaves = jax.tree_util.tree_leaves_with_path(self.variable_shardings(shapes), is_leaf=is_box)
-        return {path_name(p): (s.value if is_box(s) else s).spec for p, s in leaves}
+        leaves = jax.tree_util.tree_leaves_with_path(self.variable_shardings(shapes), is_leaf=is_annotated)
+        return {path_name(p): unboxed(s).spec for p, s in leaves}
 
     # ------------------------------------------------------------------------------------ rule checks
     def unmatched_rules(self, tree: Any) -> list[str]:
@@ -260,13 +260,13 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         """
         variables = super().create_variables(init_fn, *args, **kwargs)
         layouts = self.variable_layouts(variables)
-        leaves = [x.value if is_box(x) else x for x in jax.tree.leaves(variables, is_leaf=is_box)]
+        leaves = [unboxed(x) for x in jax.tree.leaves(variables, is_leaf=is_annotated)]
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in leaves]
         self.policy.warn_idle_axes(list(layouts.values()), "the variables created here", list(layouts), avals)
         unmatched = [entry for entry in self.unmatched_rules(variables) if entry not in self._reported]
         if unmatched:
             self._reported.update(unmatched)
-            annotated = sorted(logical_names(variables))
+            annotated = sorted(logical_names(variables, self.mesh.axis_names))
             seen = (
                 f"the variables' logical names are {annotated}"
                 if annotated

@@ -6,9 +6,10 @@ differentiate, compile for a strategy, scan over micro-batches and cast to bf16.
 optimizer updates; ``model_state`` is everything else a model carries between steps (linen collections such
 as ``batch_stats``; nnx ``BatchStat`` and ``Rngs`` variables). Both are plain nested dicts of arrays, so
 checkpoints are portable and readable without the model's Python classes. Partitioning annotations ride
-along as Flax's boxes (linen: what ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` put there; nnx:
-variables placed by ``nnx.with_partitioning`` are boxed in ``nn.Partitioned`` with their mesh axes), so the
-strategy lays out the parameters, and the optimizer state built from them, as the model annotated them.
+along where each Flax API keeps them: linen's boxes (what ``nn.with_partitioning`` /
+``nn.with_logical_partitioning`` put there), nnx's Variables (an annotated Variable stays a Variable, its
+metadata read as ``strategy.jit`` reads it), so the strategy lays out the parameters, and the optimizer state
+built from them, as the model annotated them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import flax.linen as nn
 import flax.traverse_util
 import jax
 from flax import nnx
+
+from jaxdist.strategies.layout_rules import annotation, is_variable, unboxed
 
 __all__ = ["LinenModel", "NnxModel", "as_model", "model_kind"]
 
@@ -152,37 +155,24 @@ def _rngs_parameter(module: Any) -> inspect.Parameter | None:
     return param
 
 
-def _annotations(state: Any) -> dict[tuple, tuple]:
-    """``{path: mesh axes}`` of the variables of ``state`` placed by a partitioning annotation
-    (``nnx.with_partitioning``): the layout Flax gave them when they were created on the ambient mesh."""
-    out = {}
-    for path, v in nnx.to_flat_state(state):
-        meta = v.get_metadata() if isinstance(v, nnx.Variable) else {}
-        value = v.get_value() if isinstance(v, nnx.Variable) else v
-        sharding = getattr(value, "sharding", None)
-        if (meta.get("out_sharding") or meta.get("sharding")) and isinstance(sharding, jax.sharding.NamedSharding):
-            out[tuple(path)] = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
-    return out
-
-
-def _to_pure(state: Any, annotations: dict[tuple, tuple]) -> dict:
-    """``state`` as nested dicts of arrays; annotated variables boxed in `flax.linen.Partitioned` (their mesh
-    axes), so strategies lay them, and the optimizer state built from them, out as annotated."""
+def _to_pure(state: Any) -> dict:
+    """``state`` as nested dicts of arrays, except that a Variable annotated with a layout (``out_sharding`` /
+    ``sharding`` metadata, what ``nnx.with_partitioning`` sets) stays an nnx Variable (a copy, detached from the
+    module): strategies read its layout from its metadata, as ``strategy.jit`` does, and the optimizer state
+    built from it carries the same metadata, so it follows its parameter."""
     pure = nnx.to_pure_dict(state)
-    if not annotations:
-        return pure
     flat = flax.traverse_util.flatten_dict(pure)
-    for path, names in annotations.items():
-        if path in flat:
-            flat[path] = nn.Partitioned(flat[path], names)
+    annotated = {tuple(path): v for path, v in nnx.to_flat_state(state) if annotation(v, ()) is not None}
+    if not annotated:
+        return pure
+    for path, v in annotated.items():
+        flat[path] = v.replace(flat[path])
     return flax.traverse_util.unflatten_dict(flat)
 
 
 def _from_pure(template: Any, pure: dict) -> Any:
     state = jax.tree.map(lambda v: v, template)  # a fresh copy: replace_by_pure_dict works in place
-    unboxed = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x, pure,
-                           is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    nnx.replace_by_pure_dict(state, unboxed)
+    nnx.replace_by_pure_dict(state, jax.tree.map(unboxed, pure, is_leaf=is_variable))
     return state
 
 
@@ -190,8 +180,8 @@ class NnxModel:
     """An nnx module seen as ``init`` / ``apply`` over ``(params, model_state)``.
 
     ``params`` are the module's `nnx.Param` variables; ``model_state`` every other variable (batch
-    statistics, ``Rngs`` keys and counts), as nested dicts of arrays (a variable annotated with
-    ``nnx.with_partitioning`` boxed in ``nn.Partitioned``, so it keeps its layout). Training runs the module in
+    statistics, ``Rngs`` keys and counts), as nested dicts of arrays (a Variable annotated with
+    ``nnx.with_partitioning`` kept as a Variable, so it keeps its layout). Training runs the module in
     ``train()`` mode, evaluation in ``eval()`` mode; the user's module is left in the mode it was in and is
     updated in place by ``sync`` (the trainer calls it at the end of ``fit``).
 
@@ -240,8 +230,7 @@ class NnxModel:
         self._rngs_param = _rngs_parameter(module)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         self._params_template, self._rest_template = params, rest
-        self._annotated = (_annotations(params), _annotations(rest))
-        self._initial = (_to_pure(params, self._annotated[0]), _to_pure(rest, self._annotated[1]))
+        self._initial = (_to_pure(params), _to_pure(rest))
         copy = nnx.merge(graphdef, params, rest)  # new module objects over the same arrays: modes set on it
         copy.train()
         self._train_graphdef = nnx.graphdef(copy)
@@ -283,7 +272,7 @@ class NnxModel:
         if not train:
             return out, model_state
         _, rest = nnx.state(module, nnx.Param, ...)
-        return out, _to_pure(rest, self._annotated[1])
+        return out, _to_pure(rest)
 
     def sync(self, params: dict, model_state: dict) -> None:
         """Write trained values back into the user's module (in place, as nnx code expects)."""
