@@ -26,3 +26,14 @@ def test_bench_smoke_writes_table_json_and_plot(tmp_path):
     table = next(tmp_path.glob("*.md")).read_text()
     assert "| P1 |" in table and "| multiproc |" in table and "| lm-hsdp-mp |" in table
     assert "HSDP 2 x 4 state per device" in table  # the memory table's multi-process entry
+
+
+@pytest.mark.timeout(300)
+def test_dispatch_smoke_writes_one_row_per_device_count(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.dispatch", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads(next(tmp_path.glob("*-dispatch-smoke.json")).read_text())
+    assert [r["devices"] for r in rows] == [1, 8] and all(r["ratio"]["n"] == 2 for r in rows)
+    assert "| 8 | 64 |" in next(tmp_path.glob("*-dispatch-smoke.md")).read_text()

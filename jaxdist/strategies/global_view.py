@@ -34,11 +34,12 @@ import itertools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
+from jax._src.config import trace_context  # the state jax.jit keys its programs on (precision, x64, ...)
 
 from jaxdist.replicate.layouts import path_name, put
 from jaxdist.replicate.trees import abstract, fn_name
@@ -59,6 +60,7 @@ __all__ = ["StrategyFunction"]
 
 
 _GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
+_ARRAY_TYPES: dict[type, bool] = {}  # whether values of a type are concrete jax.Arrays (not tracers)
 
 
 def _is_graph_node(x: Any) -> bool:
@@ -66,6 +68,26 @@ def _is_graph_node(x: Any) -> bool:
     if known is None:
         known = _GRAPH_TYPES[type(x)] = nnx.graph.is_graph_node(x)
     return known
+
+
+def _concrete_arrays(leaves: list[Any]) -> bool:
+    """Whether every leaf is a concrete `jax.Array` (no numpy array, Python number or tracer): decided on
+    their distinct types, not leaf by leaf."""
+    for t in set(map(type, leaves)):
+        known = _ARRAY_TYPES.get(t)
+        if known is None:
+            known = _ARRAY_TYPES[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+        if not known:
+            return False
+    return True
+
+
+class _Compiled(NamedTuple):
+    """The executable of a step's latest program, called directly while the arguments keep its signature."""
+
+    treedef: Any  # the arguments' structure
+    context: Any  # JAX's trace context (precision, x64, ...) when it was compiled: what jax.jit keys on too
+    call: Callable
 
 
 class StrategyFunction:
@@ -128,6 +150,8 @@ class StrategyFunction:
         self._warned = False
         self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
         self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
+        self._compiled: _Compiled | None = None  # see __call__
+        self._spans_processes = policy.spans_processes
         functools.update_wrapper(self, fn)
 
     @property
@@ -264,10 +288,27 @@ class StrategyFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
+        # Steady state: the arguments have the structure, types and layouts of the latest program's, so its
+        # executable takes them as they are. It checks them itself (in C++, as jax.jit does) and refuses any
+        # other (a new shape, a batch held whole, an array off the mesh, a tracer): then the full path below
+        # places them and traces or finds their program. Host arrays it would place in the layout the full
+        # path gives them, except across processes (there a host batch is this process's rows): there only
+        # jax.Arrays take this path.
+        compiled = self._compiled
+        if compiled is not None and not kwargs and trace_context() == compiled.context and (
+                not self._spans_processes or self._all_arrays(args, compiled.treedef)):
+            try:
+                return compiled.call(None, *args)
+            except (TypeError, ValueError):
+                pass
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         self._local.args = (placed, kwargs, state)  # read only if this call traces
+        self._local.traced = False
         try:
-            out = self._program(nodes)((graphdef, nodes), state, *placed, **kwargs)
+            program = self._program(nodes)
+            out = program((graphdef, nodes), state, *placed, **kwargs)
+            if self._local.traced and not nodes and not kwargs and not self._static:
+                self._keep_compiled(program, graphdef, placed)
         finally:
             self._local.args = None
         if not nodes:
@@ -275,6 +316,19 @@ class StrategyFunction:
         out, new_state = out
         nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
         return out
+
+    @staticmethod
+    def _all_arrays(args: tuple, treedef: Any) -> bool:
+        leaves, structure = jax.tree.flatten(args)
+        return structure == treedef and _concrete_arrays(leaves)
+
+    def _keep_compiled(self, program: Callable, graphdef: Any, placed: tuple) -> None:
+        """Keep the executable of the program just traced for ``placed`` (jax.jit's caches hold it already:
+        nothing is traced or compiled again), when its arguments are all jax.Arrays."""
+        leaves, treedef = jax.tree.flatten(placed)
+        if _concrete_arrays(leaves):
+            call = program.lower((graphdef, ()), None, *placed).compile()
+            self._compiled = _Compiled(treedef, trace_context(), call)
 
     def _agree(self, nnx_static: tuple) -> None:
         """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
@@ -361,6 +415,7 @@ class StrategyFunction:
             concrete_state = abstract(state)
         if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile
             self._programs.note_trace(self._fn, _trace_signature(args, self._static))
+            self._local.traced = True
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back to host memory).
         args, kwargs, state = to_device_memory((args, kwargs, state))

@@ -1,0 +1,103 @@
+"""A compiled step's steady state: calls with the latest program's signature go straight to its executable
+(no per-leaf Python work), and every other call (a new shape, a batch held whole, host arrays, another
+precision, a tracer) takes the full path, which places the arguments and traces or finds their program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+from jaxdist.strategies.global_view import StrategyFunction
+
+
+def counted(strategy, **options):
+    traces = []
+
+    def step(w, x):
+        traces.append(x.shape)
+        return w - 0.1 * (x @ w).mean(), x
+
+    return strategy.jit(step, batch_argnums=1, **options), traces
+
+
+@pytest.fixture
+def mirrored():
+    return jd.MirroredStrategy(jax.devices()[:4])
+
+
+def test_steady_state_calls_skip_the_placing_path(mirrored, monkeypatch):
+    step, traces = counted(mirrored)
+    w = mirrored.mirror(jnp.eye(3))
+    x = next(iter(mirrored.experimental_distribute_dataset([np.ones((8, 3), np.float32)])))
+    w, _ = step(w, x)
+
+    def no_python_path(*args, **kwargs):
+        raise AssertionError("a steady-state call went through the placing path")
+
+    monkeypatch.setattr(StrategyFunction, "_prepare", no_python_path)
+    for _ in range(3):
+        w, out = step(w, x)
+    assert traces == [(8, 3)]
+    assert out.sharding.spec == P("replica")
+    expected = np.eye(3, dtype=np.float32)
+    for _ in range(4):
+        expected = expected - 0.1 * (np.ones((8, 3), np.float32) @ expected).mean()
+    np.testing.assert_allclose(w, expected, rtol=1e-6)
+
+
+def test_a_batch_held_whole_after_steady_state_is_still_split(mirrored):
+    step, _ = counted(mirrored)
+    w = mirrored.mirror(jnp.eye(3))
+    data = np.arange(24, dtype=np.float32).reshape(8, 3)
+    split = next(iter(mirrored.experimental_distribute_dataset([data])))
+    w, _ = step(w, split)
+    whole = jax.device_put(data, NamedSharding(mirrored.mesh, P()))
+    w2, out = step(w, whole)
+    assert out.sharding.spec == P("replica")  # placed as a batch, not run on the whole copy
+    expected = jax.device_get(w) - 0.1 * (data @ jax.device_get(w)).mean()
+    np.testing.assert_allclose(w2, expected, rtol=1e-6)
+
+
+def test_host_arrays_new_shapes_and_tracers_take_the_full_path(mirrored):
+    step, traces = counted(mirrored)
+    w = mirrored.mirror(jnp.eye(3))
+    data = np.ones((8, 3), np.float32)
+    w, _ = step(w, data)
+    w, out = step(w, data)  # host batch again: placed as a batch
+    assert out.sharding.spec == P("replica")
+    w, _ = step(w, np.ones((4, 3), np.float32))  # a new shape: a new program
+    assert traces == [(8, 3), (4, 3)]
+    w, _ = step(w, data)  # back to the first: its program, not a third trace
+    assert traces == [(8, 3), (4, 3)]
+    nested = jax.jit(lambda w, x: step(w, x)[0])(w, jnp.asarray(data))  # called with tracers
+    np.testing.assert_allclose(nested, jax.device_get(w) - 0.1 * (data @ jax.device_get(w)).mean(), rtol=1e-6)
+
+
+def test_another_precision_is_another_program():
+    """jax.jit keys its programs on JAX's trace context (matmul precision, ...): so does the steady state."""
+    strategy = jd.OneDeviceStrategy()
+    traces = []
+
+    def step(a, b):
+        traces.append(jax.config.jax_default_matmul_precision)
+        return a @ b
+
+    fn = strategy.jit(step, batch_argnums=())
+    a = jax.device_put(np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32), strategy.devices[0])
+    fn(a, a)
+    fn(a, a)
+    with jax.default_matmul_precision("highest"):
+        fn(a, a)
+    assert traces == [None, "highest"]
+
+
+def test_donated_state_is_consumed_in_steady_state(mirrored):
+    step, _ = counted(mirrored, donate_argnums=0)
+    w = mirrored.mirror(jnp.eye(3))
+    x = next(iter(mirrored.experimental_distribute_dataset([np.ones((8, 3), np.float32)])))
+    w1, _ = step(w, x)
+    w2, _ = step(w1, x)
+    assert w1.is_deleted() and not w2.is_deleted()
