@@ -18,8 +18,10 @@ Outputs get a defined layout: an output with the same structure, shapes and dtyp
 (``state -> new_state``) takes that argument's layout (on a policy that splits variables, an argument that
 came in whole on every device leaves in the variable layout), so state keeps its layout from step to step; every
 other output takes the strategy's variable layout (metrics and gradients: mirrored, or FSDP like their
-parameters on `ShardedStrategy`). Layouts are read only when the step is traced: steady-state calls cost what
-a hand-written ``jax.jit`` with ``NamedSharding``s costs.
+parameters on `ShardedStrategy`). Layouts are read only when the step is traced: a steady-state call (the
+arguments keep the structure, types and layouts of the latest program's) goes straight to that program's
+executable, which checks them in C++ as ``jax.jit`` does, so it costs what a hand-written ``jax.jit`` with
+``NamedSharding``s costs; any other call takes the full path (placing, then ``jax.jit``'s own cache).
 
 One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
 kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
@@ -202,9 +204,9 @@ class StrategyFunction:
             if structure not in self._settled:
                 state = _place_nnx_defaults(policy, state)
                 self._settled.add(structure)
-        # Steady state: every array is on the mesh already and no declared batch is held whole. That is told
-        # from the arguments' distinct shardings (a handful, whatever the number of leaves), so a compiled step
-        # costs no Python work per leaf beyond jax.jit's own.
+        # Every array on the mesh already and no declared batch held whole (a call the executable of the
+        # latest program refused, say a new shape): told from the arguments' distinct shardings (a handful,
+        # whatever the number of leaves), not leaf by leaf.
         dynamic = [a for i, a in enumerate(args) if i not in self._static]
         dynamic += [a for k, a in kwargs.items() if k not in self._static_names]
         if _all_on(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
