@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     parser.add_argument("--devices", type=int, nargs="+", default=list(DEVICES), help="device counts")
-    parser.add_argument("--pairs", type=int, default=20, help="pairs of blocks per device count (default 20)")
+    parser.add_argument("--pairs", type=int, default=60, help="pairs of blocks per device count (default 60)")
     parser.add_argument("--block-seconds", type=float, default=0.2, help="seconds per block (default 0.2)")
     parser.add_argument("--smoke", action="store_true", help="1 and 8 devices, 2 short pairs: does it run?")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one device count
