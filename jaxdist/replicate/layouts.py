@@ -22,6 +22,7 @@ __all__ = [
     "REPLICA_AXIS",
     "batch_sharded",
     "is_on_mesh",
+    "on_mesh",
     "path_name",
     "put",
     "replicated",
@@ -74,8 +75,21 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(local.shape, sharding, lambda idx: local[idx])
 
 
+def on_mesh(sharding: Any, mesh: Mesh) -> bool:
+    """True when ``sharding`` lays an array out over exactly ``mesh`` (a `NamedSharding` on it: the same
+    devices in the same order, axis names and axis types). The one answer to "is this on the mesh".
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
+        >>> on_mesh(replicated(mesh), mesh), on_mesh(jax.sharding.SingleDeviceSharding(jax.devices()[0]), mesh)
+        (True, False)
+    """
+    return isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh)
+
+
 def is_on_mesh(x: Any, mesh: Mesh) -> bool:
-    """True when ``x`` is a `jax.Array` laid out with a `NamedSharding` on exactly ``mesh``'s devices.
+    """True when ``x`` is a `jax.Array` laid out on ``mesh`` (`on_mesh`).
 
     Examples:
         >>> import jax, numpy as np
@@ -83,16 +97,7 @@ def is_on_mesh(x: Any, mesh: Mesh) -> bool:
         >>> is_on_mesh(jax.device_put(np.zeros(2), replicated(mesh)), mesh)
         True
     """
-    if not isinstance(x, jax.Array):
-        return False
-    sharding = x.sharding
-    return isinstance(sharding, NamedSharding) and (
-        sharding.mesh is mesh or sharding.mesh == mesh or _same_devices(sharding.mesh, mesh)
-    )
-
-
-def _same_devices(a: Mesh, b: Mesh) -> bool:
-    return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and (a.devices == b.devices).all()
+    return isinstance(x, jax.Array) and on_mesh(x.sharding, mesh)
 
 
 def splits_batch_axis(x: Any, mesh: Mesh, axes: tuple[str, ...] = (REPLICA_AXIS,)) -> bool:

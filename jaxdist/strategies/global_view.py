@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax._src.config import trace_context  # the state jax.jit keys its programs on (precision, x64, ...)
 
-from jaxdist.replicate.layouts import path_name, put
+from jaxdist.replicate.layouts import on_mesh, path_name, put
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
@@ -488,13 +488,14 @@ def _all_on(leaves: list[Any], mesh: Any) -> bool:
 
 
 def _sharding_off(sharding: Any, mesh: Any) -> bool:
-    """Whether an array with ``sharding`` must be moved to be on ``mesh``."""
-    own = getattr(sharding, "mesh", None)
-    if own is mesh:
+    """Whether an array with ``sharding`` must be moved to be on ``mesh``: not on it (`on_mesh`), except one
+    not laid out over any mesh (a single device's) on exactly the mesh's devices, which jax.jit takes as is.
+    An array on another mesh over the same devices (say the user's, with Explicit axes) is moved: one program
+    does not mix meshes."""
+    if on_mesh(sharding, mesh):
         return False
-    if own is not None and not own.empty:  # another mesh (say the user's, with Explicit axes) over the same
-        return own != mesh  # devices would mix meshes in one program: moved onto ours
-    return sharding.device_set != set(mesh.devices.flat)
+    own = getattr(sharding, "mesh", None)
+    return (own is not None and not own.empty) or sharding.device_set != set(mesh.devices.flat)
 
 
 def _needs_placing(x: Any, mesh: Any) -> bool:

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxdist.replicate.layouts import path_name
+from jaxdist.replicate.layouts import on_mesh, path_name
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
 from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
@@ -254,10 +254,6 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
-def _on_mesh(sharding: Any, mesh: Any) -> bool:
-    return isinstance(sharding, NamedSharding) and sharding.mesh == mesh
-
-
 def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
     """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it: its own where it is
     on the strategy's mesh, else a batch's (``batch``) or the variable layout. An nnx graph object comes back
@@ -281,7 +277,7 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
             if not _is_array(x):
                 return x
             own = getattr(x, "sharding", None)
-            if _on_mesh(own, mesh):
+            if on_mesh(own, mesh):
                 return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=own)
             if s.ndim and s.shape[0] % policy.num_replicas:
                 raise ValueError(
@@ -298,7 +294,7 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
         if not _is_array(x):
             return x
         own = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=own if _on_mesh(own, mesh) else layout)
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=own if on_mesh(own, mesh) else layout)
 
     return jax.tree.map(var, value, shapes, layouts)
 

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.replicate.layouts import path_name
+from jaxdist.replicate.layouts import on_mesh, path_name
 from jaxdist.replicate.trees import is_distributed, signature
 from jaxdist.strategies.layout_rules import annotation, is_box, is_variable
 from jaxdist.strategies.offload import in_host_memory, to_host_memory
@@ -76,8 +76,8 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
             layouts.append(policy.variable_layout(path_name(path), _aval(value), box))
             continue
         sharding = getattr(value, "sharding", None)
-        on_mesh = isinstance(sharding, NamedSharding) and sharding.mesh == policy.mesh
-        if on_mesh and not (policy.splits_variables and np.ndim(value) and sharding.is_fully_replicated):
+        if on_mesh(sharding, policy.mesh) and not (
+                policy.splits_variables and np.ndim(value) and sharding.is_fully_replicated):
             layouts.append(sharding)
         else:
             layouts.append(policy.variable_layout(path_name(path), _aval(value)))
