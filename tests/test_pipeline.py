@@ -74,8 +74,13 @@ def assert_trees_close(actual, expected, what):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no_dropout", "dropout"])
-@pytest.mark.parametrize("name,schedule,repeats,layers,micro", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    "name,schedule,repeats,layers,micro,dropout",
+    # Every mesh and schedule with dropout (its keys per micro-batch and stage); without, one mesh (a fast suite).
+    [(*c, 0.1) for c in CASES] + [(*c, 0.0) for c in CASES if c[0] == "stage4_data2"],
+    ids=[f"{c[0]}-{c[1]}-dropout" for c in CASES] + [f"{c[0]}-{c[1]}-no_dropout" for c in CASES
+                                                      if c[0] == "stage4_data2"],
+)
 def test_pipeline_equals_plain_scan_on_one_device(name, schedule, repeats, layers, micro, dropout):
     strategy = STRATEGIES[name]()
     model = PipelineLM(layers, micro, schedule, repeats, dropout)
@@ -328,7 +333,7 @@ def _total_step_flops(pipeline_parallelism, micro, repeats, layers):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("micro,repeats", [(2, 1), (4, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("micro,repeats", [(2, 1), (4, 2)])  # both factors of the bubble vary (a fast suite)
 def test_planned_flops_show_the_bubble(micro, repeats):
     """The plan counts the pipeline loop's ``R M + S - 1`` iterations: the layers' total work pipelined is
     ``(R M + S - 1) / (R M)`` times the plain scan's (S = 2 stages).
