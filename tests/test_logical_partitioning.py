@@ -303,6 +303,15 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
     assert restored.state.params["hidden"]["kernel"][...].sharding.spec == P(None, "model")
     np.testing.assert_allclose(restored.state.params["hidden"]["kernel"][...], kernel[...])
 
+    with nnx.use_eager_sharding(False):  # the same annotated model, off any mesh: restored on one device
+        single = jd.training.Trainer(jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(2)), optax.adam(1e-2), mse)
+    assert single.restore(tmp_path, batch=data[0]) == 3
+    np.testing.assert_allclose(single.state.params["hidden"]["kernel"][...], kernel[...])
+    single.fit(data, steps=4, verbose=0)  # and trains on there: the same next step as on the FSDP x TP strategy
+    restored.fit(data, steps=4, verbose=0)
+    np.testing.assert_allclose(single.state.params["hidden"]["kernel"][...],
+                               restored.state.params["hidden"]["kernel"][...], rtol=1e-5, atol=1e-6)
+
 
 def test_trainer_reads_nnx_annotations_as_strategy_jit_does():
     """One nnx path: the Trainer lays an nnx model's Variables out by their metadata, through the strategy's

@@ -309,7 +309,7 @@ class StrategyFunction:
         try:
             program = self._program(nodes)
             out = program((graphdef, nodes), state, *placed, **kwargs)
-            if self._local.traced and not nodes and not kwargs and not self._static:
+            if self._local.traced and not nodes and not kwargs and not self._static and not self._static_names:
                 self._keep_compiled(program, graphdef, placed)
         finally:
             self._local.args = None
