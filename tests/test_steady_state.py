@@ -1,6 +1,6 @@
-"""A compiled step's steady state: calls with the latest program's signature go straight to its executable
-(no per-leaf Python work), and every other call (a new shape, a batch held whole, host arrays, another
-precision, a tracer) takes the full path, which places the arguments and traces or finds their program."""
+"""A compiled step's steady state: arguments already on the mesh go to jax.jit as they are (no binding,
+splitting or placing), and every other call (a batch held whole, host arrays, a new shape, another precision,
+weak types, a tracer) computes what the full path computes: the placing rules, and jax.jit's own cache."""
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +101,31 @@ def test_donated_state_is_consumed_in_steady_state(mirrored):
     w1, _ = step(w, x)
     w2, _ = step(w1, x)
     assert w1.is_deleted() and not w2.is_deleted()
+
+
+def test_weak_types_python_numbers_and_nan_checks_are_jax_jits(mirrored):
+    """What jax.jit keys its programs on beyond shapes and layouts still decides: an int8 array plus a Python
+    int stays int8 after a call with an int32 array, a weakly typed learning rate keeps a bfloat16 update
+    bfloat16, and the NaN check names the failing operation."""
+    add = mirrored.jit(lambda x, n: x + n, batch_argnums=())
+    x = mirrored.mirror(jnp.full(3, 100, jnp.int8))
+    assert add(x, mirrored.mirror(jnp.int32(1))).dtype == jnp.int32
+    assert add(x, 100).dtype == jnp.int8
+    update = mirrored.jit(lambda w, lr: w - lr * w, batch_argnums=())
+    w = mirrored.mirror(jnp.ones(3, jnp.bfloat16))
+    assert update(w, mirrored.mirror(jnp.float32(0.5))).dtype == jnp.float32
+    assert update(w, mirrored.mirror(0.5)).dtype == jnp.bfloat16
+    log = mirrored.jit(lambda w: jnp.log(w).sum(), batch_argnums=())
+    log(mirrored.mirror(jnp.ones(3)))
+    with jax.debug_nans(True), pytest.raises(FloatingPointError, match="log"):
+        log(mirrored.mirror(-jnp.ones(3)))
+
+
+def test_an_undeclared_host_batch_after_steady_state_still_warns(mirrored):
+    step = mirrored.jit(lambda w, x: (x @ w).sum())
+    w = mirrored.mirror(jnp.ones(3))
+    split = jax.device_put(jnp.ones((8, 3)), NamedSharding(mirrored.mesh, P("replica")))
+    step(w, split)
+    step(w, split)
+    with pytest.warns(jd.UndeclaredBatchWarning, match="batch_argnums"):
+        assert float(step(w, np.ones((8, 3), np.float32))) == 24.0

@@ -18,10 +18,10 @@ Outputs get a defined layout: an output with the same structure, shapes and dtyp
 (``state -> new_state``) takes that argument's layout (on a policy that splits variables, an argument that
 came in whole on every device leaves in the variable layout), so state keeps its layout from step to step; every
 other output takes the strategy's variable layout (metrics and gradients: mirrored, or FSDP like their
-parameters on `ShardedStrategy`). Layouts are read only when the step is traced: a steady-state call (the
-arguments keep the structure, types and layouts of the latest program's) goes straight to that program's
-executable, which checks them in C++ as ``jax.jit`` does, so it costs what a hand-written ``jax.jit`` with
-``NamedSharding``s costs; any other call takes the full path (placing, then ``jax.jit``'s own cache).
+parameters on `ShardedStrategy`). Layouts are read only when the step is traced: a steady-state call (every
+array already on the mesh, no declared batch held whole) is told from the arguments' distinct shardings, read
+in C over the leaves, and then costs what ``jax.jit`` costs (its own cache keys on types, weak types, layouts
+and JAX's trace context).
 
 One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
 kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
@@ -36,12 +36,11 @@ import itertools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax._src.config import trace_context  # the state jax.jit keys its programs on (precision, x64, ...)
 
 from jaxdist.replicate.layouts import on_mesh, path_name, put
 from jaxdist.replicate.trees import abstract, fn_name
@@ -62,7 +61,6 @@ __all__ = ["StrategyFunction"]
 
 
 _GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
-_ARRAY_TYPES: dict[type, bool] = {}  # whether values of a type are concrete jax.Arrays (not tracers)
 
 
 def _is_graph_node(x: Any) -> bool:
@@ -70,26 +68,6 @@ def _is_graph_node(x: Any) -> bool:
     if known is None:
         known = _GRAPH_TYPES[type(x)] = nnx.graph.is_graph_node(x)
     return known
-
-
-def _concrete_arrays(leaves: list[Any]) -> bool:
-    """Whether every leaf is a concrete `jax.Array` (no numpy array, Python number or tracer): decided on
-    their distinct types, not leaf by leaf."""
-    for t in set(map(type, leaves)):
-        known = _ARRAY_TYPES.get(t)
-        if known is None:
-            known = _ARRAY_TYPES[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
-        if not known:
-            return False
-    return True
-
-
-class _Compiled(NamedTuple):
-    """The executable of a step's latest program, called directly while the arguments keep its signature."""
-
-    treedef: Any  # the arguments' structure
-    context: Any  # JAX's trace context (precision, x64, ...) when it was compiled: what jax.jit keys on too
-    call: Callable
 
 
 class StrategyFunction:
@@ -152,8 +130,7 @@ class StrategyFunction:
         self._warned = False
         self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
         self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
-        self._compiled: _Compiled | None = None  # see __call__
-        self._spans_processes = policy.spans_processes
+        self._plain_types: set[tuple[type, ...]] = set()  # argument types that hold no nnx graph object
         functools.update_wrapper(self, fn)
 
     @property
@@ -204,9 +181,9 @@ class StrategyFunction:
             if structure not in self._settled:
                 state = _place_nnx_defaults(policy, state)
                 self._settled.add(structure)
-        # Every array on the mesh already and no declared batch held whole (a call the executable of the
-        # latest program refused, say a new shape): told from the arguments' distinct shardings (a handful,
-        # whatever the number of leaves), not leaf by leaf.
+        # Steady state: every array is on the mesh already and no declared batch is held whole. That is told
+        # from the arguments' distinct shardings (a handful, whatever the number of leaves), read in C, so a
+        # compiled step costs no Python work per leaf beyond jax.jit's own.
         dynamic = [a for i, a in enumerate(args) if i not in self._static]
         dynamic += [a for k, a in kwargs.items() if k not in self._static_names]
         if _all_on(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
@@ -240,8 +217,7 @@ class StrategyFunction:
         batches = [args[i] for i in self._batch or () if i < len(args)]
         batches += [kwargs[k] for k in self._batch_names if k in kwargs]
         leaves = jax.tree.leaves(batches)
-        shardings = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
-        return any(s is not None and s.is_fully_replicated for s in shardings)
+        return any(s is not None and s.is_fully_replicated for s in _shardings(leaves))
 
     def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
         mesh = self._policy.mesh
@@ -290,27 +266,23 @@ class StrategyFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
-        # Steady state: the arguments have the structure, types and layouts of the latest program's, so its
-        # executable takes them as they are. It checks them itself (in C++, as jax.jit does) and refuses any
-        # other (a new shape, a batch held whole, an array off the mesh, a tracer): then the full path below
-        # places them and traces or finds their program. Host arrays it would place in the layout the full
-        # path gives them, except across processes (there a host batch is this process's rows): there only
-        # jax.Arrays take this path.
-        compiled = self._compiled
-        if compiled is not None and not kwargs and trace_context() == compiled.context and (
-                not self._spans_processes or self._all_arrays(args, compiled.treedef)):
+        # Steady state of a step called positionally with no static and no nnx argument (argument types seen
+        # before to hold none): every array on the mesh, no declared batch held whole. Then the arguments go
+        # to jax.jit as they are; anything else takes the full path (binding, splitting, placing).
+        types = None if kwargs or self._static else tuple(map(type, args))
+        if types is not None and types in self._plain_types and _all_on(jax.tree.leaves(args), self._policy.mesh) \
+                and not self._whole_batch(args, kwargs):
+            self._local.args = (args, kwargs, None)  # read only if this call traces
             try:
-                return compiled.call(None, *args)
-            except (TypeError, ValueError):
-                pass
+                return self._program(())((None, ()), None, *args)
+            finally:
+                self._local.args = None
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
+        if types is not None and not nodes:
+            self._plain_types.add(types)
         self._local.args = (placed, kwargs, state)  # read only if this call traces
-        self._local.traced = False
         try:
-            program = self._program(nodes)
-            out = program((graphdef, nodes), state, *placed, **kwargs)
-            if self._local.traced and not nodes and not kwargs and not self._static and not self._static_names:
-                self._keep_compiled(program, graphdef, placed)
+            out = self._program(nodes)((graphdef, nodes), state, *placed, **kwargs)
         finally:
             self._local.args = None
         if not nodes:
@@ -318,19 +290,6 @@ class StrategyFunction:
         out, new_state = out
         nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
         return out
-
-    @staticmethod
-    def _all_arrays(args: tuple, treedef: Any) -> bool:
-        leaves, structure = jax.tree.flatten(args)
-        return structure == treedef and _concrete_arrays(leaves)
-
-    def _keep_compiled(self, program: Callable, graphdef: Any, placed: tuple) -> None:
-        """Keep the executable of the program just traced for ``placed`` (jax.jit's caches hold it already:
-        nothing is traced or compiled again), when its arguments are all jax.Arrays."""
-        leaves, treedef = jax.tree.flatten(placed)
-        if _concrete_arrays(leaves):
-            call = program.lower((graphdef, ()), None, *placed).compile()
-            self._compiled = _Compiled(treedef, trace_context(), call)
 
     def _agree(self, nnx_static: tuple) -> None:
         """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
@@ -417,7 +376,6 @@ class StrategyFunction:
             concrete_state = abstract(state)
         if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile
             self._programs.note_trace(self._fn, _trace_signature(args, self._static))
-            self._local.traced = True
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back to host memory).
         args, kwargs, state = to_device_memory((args, kwargs, state))
@@ -478,10 +436,20 @@ def _replicated_rows(x: Any, policy: LayoutPolicy) -> bool:
     )
 
 
+def _shardings(leaves: list[Any]) -> set[Any]:
+    """The distinct shardings of ``leaves`` (None for a value without one). A `jax.Array`'s is read in C
+    (``_sharding``, the attribute behind its ``sharding`` property); where some leaf has none (Python and host
+    values, tracers, another array type) they are read again through ``sharding``."""
+    found = set(map(getattr, leaves, itertools.repeat("_sharding"), itertools.repeat(None)))
+    if None in found:
+        found = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
+    return found
+
+
 def _all_on(leaves: list[Any], mesh: Any) -> bool:
     """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other non-arrays
     count as placed): decided on their distinct shardings, not leaf by leaf."""
-    shardings = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
+    shardings = _shardings(leaves)
     if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
         return False
     return all(s is None or not _sharding_off(s, mesh) for s in shardings)
