@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -82,3 +84,13 @@ def launch_env(**extra: str) -> dict:
     for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
         env.pop(key, None)
     return env
+
+
+def load_char_lm(name: str = "char_lm"):
+    """``examples/char_lm.py`` imported as module ``name`` (registered in ``sys.modules``: its dataclasses look
+    their module up)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "examples" / "char_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -2,9 +2,6 @@
 FSDP x tensor parallelism its parameters and optimizer state are laid out as annotated; its checkpoints
 restore onto other strategies."""
 
-import importlib.util
-import pathlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -12,22 +9,12 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from registry import assert_variable_layout
+from registry import assert_variable_layout, load_char_lm
 
 import jaxdist as jd
 from jaxdist.replicate.layouts import path_name
 
-
-def _load_example():
-    path = pathlib.Path(__file__).parents[1] / "examples" / "char_lm.py"
-    spec = importlib.util.spec_from_file_location("char_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _load_example()
+lm = load_char_lm()
 TEXT = lm.load_text()
 VOCAB = lm.CharVocab.from_text(TEXT)
 TRAIN, VAL = lm.split(VOCAB.encode(TEXT))

@@ -5,7 +5,6 @@ reads and runs what the example accepts.
 
 The commands come from the recipes themselves, so a recipe that stops working breaks these tests."""
 
-import importlib.util
 import os
 import re
 import shlex
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from registry import load_char_lm
 
 from jaxdist.strategies.cluster import CLUSTER_VARIABLES
 
@@ -30,15 +30,7 @@ SMALL = {"--steps": "6", "--batch-size": "16", "--seq-len": "16", "--d-model": "
 SLURM_PORTS = (65535 - 2**12 + 1, 65535)  # JAX's SlurmCluster: port = SLURM_JOB_ID % 4096 + 61440
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("char_lm_recipes", ROOT / "examples" / "char_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm_recipes"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _load_example()
+lm = load_char_lm("char_lm_recipes")
 
 
 # ----------------------------------------------------------------------------------------------- SLURM

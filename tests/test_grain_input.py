@@ -35,16 +35,12 @@ def _assert_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-def _env():
-    return launch_env()
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
     launch = [sys.executable, "-m", "jaxdist.launch", *"-n 2 --cpu-devices 2 --timeout 200".split()]
     worker = [str(HERE / "multiprocess" / "grain_worker.py"), str(tmp_path)]
-    proc = subprocess.run([*launch, *worker], env=_env(), capture_output=True, text=True, timeout=230)
+    proc = subprocess.run([*launch, *worker], env=launch_env(), capture_output=True, text=True, timeout=230)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
     assert "[0] process 0 done" in out and "[1] process 1 done" in out

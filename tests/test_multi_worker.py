@@ -20,10 +20,6 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
-def _env(**extra):
-    return launch_env(**extra)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_train_like_one_device(tmp_path):
@@ -31,7 +27,7 @@ def test_two_processes_train_like_one_device(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "200",
          str(HERE / "multiprocess" / "train_worker.py"), str(out), str(tmp_path / "checkpoints")],
-        env=_env(), capture_output=True, text=True, timeout=230,
+        env=launch_env(), capture_output=True, text=True, timeout=230,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "[0] process 0 done" in proc.stdout and "[1] process 1 done" in proc.stdout
@@ -66,7 +62,7 @@ def test_two_processes_train_like_one_device(tmp_path):
 def test_a_killed_worker_makes_the_survivor_fail_fast():
     address = f"127.0.0.1:{free_port()}"
     script = str(HERE / "multiprocess" / "killed_worker.py")
-    env = _env(JAX_NUM_CPU_DEVICES="4")
+    env = launch_env(JAX_NUM_CPU_DEVICES="4")
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, script, address, str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -181,7 +177,7 @@ def test_created_after_computation_in_a_fresh_process():
         "except RuntimeError as e:\n"
         "    print('ERROR', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=60)
     assert "must come before any JAX computation" in out.stdout, out.stdout + out.stderr
 
 

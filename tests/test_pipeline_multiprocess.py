@@ -20,10 +20,6 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
-def _env():
-    return launch_env()
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
@@ -31,7 +27,7 @@ def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "330",
          str(HERE / "multiprocess" / "pipeline_worker.py"), str(out)],
-        env=_env(), capture_output=True, text=True, timeout=360,
+        env=launch_env(), capture_output=True, text=True, timeout=360,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert "[0] process 0 done" in proc.stdout and "[1] process 1 done" in proc.stdout

@@ -1,9 +1,6 @@
 """Plans: a step's memory, FLOPs and collectives per device, compiled for the strategy's layout, never run."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -14,6 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from registry import load_char_lm
 
 import jaxdist as jd
 from jaxdist.strategies.hlo_cost import module_cost
@@ -261,21 +259,12 @@ def test_a_plan_on_a_large_simulated_mesh_holds_its_share_of_fsdp_state(devices)
 
 
 # ------------------------------------------------------------------------------------------------ the char LM
-def _load_char_lm():
-    path = pathlib.Path(__file__).parents[1] / "examples" / "char_lm.py"
-    spec = importlib.util.spec_from_file_location("char_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 LM_CONFIG = dict(vocab_size=104, d_model=64, num_heads=4, num_layers=2, mlp_dim=256, max_len=64)
 LM_BATCH, LM_SEQ = 16, 64
 
 
 def _lm_plan(strategy_name):
-    lm = _load_char_lm()
+    lm = load_char_lm()
     if strategy_name == "hsdp":
         strategy = lm.mesh_strategy({"data": 2, "fsdp": 4}, None, ("fsdp",))
     else:
@@ -432,7 +421,7 @@ def test_bfloat16_collectives_count_16_bits_though_xla_cpu_computes_them_in_floa
 
 
 def test_the_char_lm_example_prints_its_plan_and_trains_nothing(capsys):
-    lm = _load_char_lm()
+    lm = load_char_lm()
     result = lm.main(["--plan", "--mesh", "data=4,fsdp=16", "--fsdp-axes", "fsdp", "--layers", "1", "--d-model", "32",
                       "--seq-len", "16", "--batch-size", "64", "--steps", "2"])
     out = capsys.readouterr().out

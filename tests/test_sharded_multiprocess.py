@@ -24,10 +24,6 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
-def _env():
-    return launch_env()
-
-
 def _reference(init, step_fn, data):
     state = init(jax.random.key(0))
     step = jax.jit(step_fn)
@@ -45,7 +41,7 @@ def worker_run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "250",
          str(HERE / "multiprocess" / "sharded_worker.py"), str(out), str(ckpt)],
-        env=_env(), capture_output=True, text=True, timeout=280,
+        env=launch_env(), capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert "[0] process 0 done" in proc.stdout and "[1] process 1 done" in proc.stdout
