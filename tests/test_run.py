@@ -183,3 +183,17 @@ def test_run_inside_plain_jit_is_a_clear_error():
     # Inside strategy.jit the batch keeps its per-replica split.
     rows = strategy.jit(lambda x: strategy.run(lambda v: jnp.float32(v.shape[0]), args=(x,)))(x)
     assert [float(v) for v in strategy.experimental_local_results(rows)] == [1.0] * 8
+
+
+def test_an_undeclared_batch_split_over_another_mesh_warns_and_names_the_declaration():
+    """A batch laid out over a mesh of the same devices and names but other axis types (the user's, say) is not
+    on the strategy's mesh: its layout cannot give it a role, so jaxdist says which declaration decides."""
+    strategy = jd.MirroredStrategy(jax.devices()[:4])
+    explicit = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("replica",),
+                                 axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(np.arange(8.0, dtype=np.float32), jax.sharding.NamedSharding(explicit, jax.P("replica")))
+    with pytest.warns(jd.UndeclaredBatchWarning, match=r"not this strategy's.*batch_argnums=\(i, \.\.\.\)"):
+        whole = strategy.run(lambda v: v.sum(), args=(x,))
+    assert [float(v) for v in strategy.experimental_local_results(whole)] == [28.0] * 4  # a variable: all of it
+    split = strategy.run(lambda v: v.sum(), args=(x,), batch_argnums=(0,))  # declared: each replica its rows
+    assert [float(v) for v in strategy.experimental_local_results(split)] == [1.0, 5.0, 9.0, 13.0]

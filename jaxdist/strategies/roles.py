@@ -206,4 +206,24 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
             UndeclaredBatchWarning,
             stacklevel=5,
         )
+    elif role is None and _rows_split_elsewhere(leaf, policy) and not warned[0]:
+        warned[0] = True
+        warnings.warn(
+            f"{verb} got {where}, split on axis 0 over a mesh that is not this strategy's (axes "
+            f"{leaf.sharding.mesh.axis_names}, types {leaf.sharding.mesh.axis_types}; the strategy's are "
+            f"{policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role cannot be read from its layout and "
+            "it is taken as a variable (every replica sees all of it). "
+            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            UndeclaredBatchWarning,
+            stacklevel=5,
+        )
     return Role.BATCH if role == "batch" else Role.VARIABLE
+
+
+def _rows_split_elsewhere(x: Any, policy: Any) -> bool:
+    """An array laid out over another mesh (say the user's, of other axis types) with its rows split: it may
+    be a batch, which its layout cannot say for this strategy."""
+    sharding = getattr(x, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return (isinstance(x, jax.Array) and np.ndim(x) >= 1 and spec is not None and len(spec) > 0
+            and spec[0] is not None and sharding.mesh != policy.mesh)
