@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from registry import adam
 
 
 class MLP(nn.Module):
@@ -17,7 +18,7 @@ class MLP(nn.Module):
 
 
 MODEL = MLP()
-OPT = optax.adam(1e-2)
+OPT = adam(1e-2)
 
 
 def loss_fn(params, x, y):

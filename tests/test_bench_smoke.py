@@ -11,6 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess  # its multi-process rows launch 2-process runs
 @pytest.mark.timeout(300)
 def test_bench_smoke_writes_table_json_and_plot(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
@@ -28,6 +30,7 @@ def test_bench_smoke_writes_table_json_and_plot(tmp_path):
     assert "HSDP 2 x 4 state per device" in table  # the memory table's multi-process entry
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dispatch_smoke_writes_one_row_per_device_count(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}

@@ -14,6 +14,8 @@ from registry import assert_variable_layout, load_char_lm
 import jaxdist as jd
 from jaxdist.replicate.layouts import path_name
 
+pytestmark = pytest.mark.xdist_group("char_lm")  # one worker computes the one-device reference once
+
 lm = load_char_lm()
 TEXT = lm.load_text()
 VOCAB = lm.CharVocab.from_text(TEXT)
@@ -66,8 +68,8 @@ class _Losses(jd.training.Callback):
 
 
 def _train(strategy):
-    trainer = jd.training.Trainer(
-        strategy, MODEL, optax.adamw(3e-3), lm.loss_fn, clip_grad_norm=1.0, variables=VARIABLES
+    trainer = jd.training.Trainer(  # eps = the learning rate: rounding noise stays noise (registry.adam)
+        strategy, MODEL, optax.adamw(1e-2, eps=1e-2), lm.loss_fn, clip_grad_norm=1.0, variables=VARIABLES
     )
     losses = _Losses()
     with strategy.scope():  # as the demo: the model's activation constraints use the strategy's rules
@@ -88,7 +90,8 @@ def _params(trainer):
     return jax.device_get(nn.unbox(trainer.params))
 
 
-@pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "tpu", "mesh_hsdp_tp"])
+@pytest.mark.parametrize("name", ["mirrored", "fsdp", *(pytest.param(n, marks=pytest.mark.slow)
+                                                          for n in ("fsdp_tp", "tpu", "mesh_hsdp_tp"))])
 def test_lm_trained_20_steps_equals_one_device(name):
     reference, want = _trained("one_device")
     trainer, got = _trained(name)
@@ -139,7 +142,7 @@ def test_checkpoint_written_under_fsdp_tp_restores_onto(target, tmp_path):
     trainer.save(tmp_path)
     strategy = _strategy(target)
     restored = jd.training.Trainer(
-        strategy, MODEL, optax.adamw(3e-3), lm.loss_fn, clip_grad_norm=1.0, variables=VARIABLES
+        strategy, MODEL, optax.adamw(1e-2, eps=1e-2), lm.loss_fn, clip_grad_norm=1.0, variables=VARIABLES
     )
     assert restored.restore(tmp_path, batch=BATCHES[0]) == STEPS
     assert_variable_layout(strategy, (restored.state.params, restored.state.opt_state), "restored state")

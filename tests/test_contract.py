@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from registry import adam
 
 import jaxdist as jd
 
@@ -148,7 +149,7 @@ def _nnx_train_step(model, optimizer, metrics, rngs, batch):
 
 def _nnx_train(jit):
     model = _Net(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, adam(1e-2), wrt=nnx.Param)
     metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
     rngs = nnx.Rngs(1)
     step = jit(_nnx_train_step)

@@ -149,6 +149,21 @@ def test_create_variables_and_mirror(strategy_name):
     assert int(mirrored["step"]) == 3 and mirrored["step"].sharding.device_set == set(strategy.devices)
 
 
+@pytest.mark.parametrize("strategy_name", ["one_device", "mirrored_8", "sharded_8"])
+def test_mirror_and_create_variables_copy_the_callers_arrays(strategy_name):
+    """A mirror is a copy (as tf.distribute's): donating it to a step leaves the caller's arrays valid, whether
+    they sit on device 0 (where the mirror's first copy goes) or already in the strategy's layout."""
+    strategy = make(strategy_name)
+    step = strategy.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)
+    on_device_0 = {"w": jax.device_put(np.arange(8.0, dtype=np.float32), jax.devices()[0])}
+    in_layout = strategy.mirror({"w": np.arange(8.0, dtype=np.float32)})
+    for params in (on_device_0, in_layout):
+        for placed in (strategy.mirror(params), strategy.create_variables(lambda p: p, params)):
+            step(placed)
+            assert not params["w"].is_deleted()
+            np.testing.assert_array_equal(params["w"], np.arange(8.0))
+
+
 def test_create_variables_with_a_non_callable_is_an_error():
     strategy = jd.MirroredStrategy()
     with pytest.raises(TypeError, match=r"init_fn=\{'w': 1\} \(type dict\) is not callable.*strategy\.mirror"):

@@ -84,7 +84,7 @@ def leaves(tree) -> dict[str, bytes]:
             zip(jax.tree_util.tree_flatten_with_path(tree)[0], host_leaves(tree), strict=True)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def written(tmp_path_factory):
     """Checkpoints 10 and 20 written by fit, and the state at 20."""
     directory = tmp_path_factory.mktemp("written")

@@ -12,6 +12,8 @@ import types
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a site build and a process per page
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUNNABLE = [p for p in PAGES if "```python" in p.read_text()]
@@ -23,7 +25,7 @@ def _blocks(page: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     result = subprocess.run(

@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from registry import all_strategies, assert_variable_layout, full_mesh_strategies, make
+from registry import adam, all_strategies, assert_variable_layout, full_mesh_strategies, make
 
 import jaxdist as jd
 
@@ -36,7 +36,7 @@ class MLP(nn.Module):
 
 
 MODEL = MLP()
-OPT = optax.adam(1e-2)
+OPT = adam(1e-2)
 
 
 def loss_fn(params, x, y):
@@ -68,7 +68,7 @@ def init_state(key):
     return params, OPT.init(params)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference():
     state = init_state(jax.random.key(0))
     step = jax.jit(train_step)
@@ -191,7 +191,7 @@ def create_bn_state(rng):
     model = ConvBN()
     variables = model.init(rng, jnp.ones((1, 8, 8, 1)), train=False)
     return BNTrainState.create(
-        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=optax.adam(1e-2)
+        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=adam(1e-2)
     )
 
 
@@ -229,7 +229,7 @@ def image_batches(n, seed):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bn_reference():
     state = create_bn_state(jax.random.key(0))
     step = jax.jit(bn_train_step)
@@ -306,7 +306,7 @@ def nnx_train_step(model, optimizer, x, y):
 NNX_STEPS = 10
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def nnx_reference():
     model = NnxNet(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, OPT, wrt=nnx.Param)

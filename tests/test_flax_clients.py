@@ -32,6 +32,8 @@ from sklearn.datasets import load_digits
 
 import jaxdist as jd
 
+pytestmark = pytest.mark.xdist_group("flax_clients")  # one worker computes the one-device reference once
+
 RTOL, ATOL = 1e-5, 1e-6
 BATCH = 64  # the example's batch size is 128 on 60k images; 64 on 1.8k digits
 TRAIN_ROWS = 512  # 8 steps
@@ -146,7 +148,7 @@ def linen_train_and_evaluate(apply_model, update_model, create_state):
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def linen_reference():
     """The example as written: ``@jax.jit`` steps, one device."""
     return linen_train_and_evaluate(
@@ -378,7 +380,7 @@ def nnx_tutorial(jit, scope):
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def nnx_reference():
     """The tutorial as written: ``@nnx.jit`` steps, one device."""
     return nnx_tutorial(lambda fn, _: nnx.jit(fn), contextlib.nullcontext())

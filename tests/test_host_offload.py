@@ -14,11 +14,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from registry import adam
 
 import jaxdist as jd
 
 model = nn.Dense(4)
-optimizer = optax.adam(1e-2)
+optimizer = adam(1e-2)
 DEVICES = 4  # small meshes: these tests are about placement and equality, not scale
 
 
@@ -50,7 +51,7 @@ def split_kinds(state):
     return set(kinds(state[0])), set(kinds(state[1]))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference():
     state, losses = init(jax.random.key(0)), []
     single = jax.jit(step)
@@ -171,7 +172,7 @@ def test_nnx_model_and_optimizer_offloaded_equal_nnx_jit():
 
     def make():
         model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, adam(1e-2), wrt=nnx.Param)
 
     ref_model, ref_opt = make()
     model, opt = make()

@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from registry import adam
 
 import jaxdist as jd
 
@@ -41,7 +42,7 @@ class MLP(nn.Module):
         )(h)
 
 
-MODEL, OPT = MLP(), optax.adam(1e-2)
+MODEL, OPT = MLP(), adam(1e-2)
 
 
 def init(key):
@@ -280,7 +281,7 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
     strategy = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)
     with strategy.scope():
         model = AnnotatedNnx(nnx.Rngs(0))
-    trainer = jd.training.Trainer(strategy, model, optax.adam(1e-2), mse)
+    trainer = jd.training.Trainer(strategy, model, adam(1e-2), mse)
     trainer.fit(data, steps=3, verbose=0, checkpoint_dir=tmp_path)
     kernel = trainer.state.params["hidden"]["kernel"]
     assert isinstance(kernel, nnx.Param)  # the Variable itself, its annotation in its metadata (no linen box)
@@ -291,20 +292,20 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
     assert model.hidden.kernel[...].sharding.spec == P(None, "model")  # synced back in its layout
 
     reference = jd.training.Trainer(
-        jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(0), annotate=False), optax.adam(1e-2), mse
+        jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(0), annotate=False), adam(1e-2), mse
     )
     reference.fit(data, steps=3, verbose=0)
     np.testing.assert_allclose(kernel[...], reference.state.params["hidden"]["kernel"], rtol=1e-5, atol=1e-6)
 
     with strategy.scope():
         fresh = AnnotatedNnx(nnx.Rngs(1))
-    restored = jd.training.Trainer(strategy, fresh, optax.adam(1e-2), mse)
+    restored = jd.training.Trainer(strategy, fresh, adam(1e-2), mse)
     assert restored.restore(tmp_path, batch=data[0]) == 3
     assert restored.state.params["hidden"]["kernel"][...].sharding.spec == P(None, "model")
     np.testing.assert_allclose(restored.state.params["hidden"]["kernel"][...], kernel[...])
 
     with nnx.use_eager_sharding(False):  # the same annotated model, off any mesh: restored on one device
-        single = jd.training.Trainer(jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(2)), optax.adam(1e-2), mse)
+        single = jd.training.Trainer(jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(2)), adam(1e-2), mse)
     assert single.restore(tmp_path, batch=data[0]) == 3
     np.testing.assert_allclose(single.state.params["hidden"]["kernel"][...], kernel[...])
     single.fit(data, steps=4, verbose=0)  # and trains on there: the same next step as on the FSDP x TP strategy

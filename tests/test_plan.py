@@ -279,6 +279,7 @@ def _lm_plan(strategy_name):
     return strategy, plan, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "hsdp"])
 def test_the_char_lm_plan_holds_the_analytic_state_and_flops(name):
     strategy, plan, params = _lm_plan(name)
@@ -420,6 +421,7 @@ def test_bfloat16_collectives_count_16_bits_though_xla_cpu_computes_them_in_floa
     assert fsdp.collectives["reduce-scatter"].bytes == pytest.approx(whole, rel=0.05)
 
 
+@pytest.mark.slow
 def test_the_char_lm_example_prints_its_plan_and_trains_nothing(capsys):
     lm = load_char_lm()
     result = lm.main(["--plan", "--mesh", "data=4,fsdp=16", "--fsdp-axes", "fsdp", "--layers", "1", "--d-model", "32",

@@ -117,7 +117,7 @@ def _assert_close(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pmap_reference():
     """jax.pmap over the 8 devices: the state replicated with a leading device axis."""
     if len(jax.devices()) < DEVICES:
@@ -136,6 +136,7 @@ def pmap_reference():
     return jax.tree.map(lambda x: x[0], replicated), losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pmap_reference_trains(pmap_reference):
     """The reference itself: the loss is finite and the batch statistics moved off their initial values."""
@@ -146,6 +147,7 @@ def test_pmap_reference_trains(pmap_reference):
     assert not any(np.allclose(a, b) for a, b in pairs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("make_strategy", [jd.MirroredStrategy, jd.TPUStrategy], ids=["mirrored", "tpu"])
 def test_unmodified_pmap_step_under_run_equals_pmap(make_strategy, pmap_reference):

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from registry import adam
 
 import jaxdist as jd
 
@@ -18,7 +19,7 @@ class MLP(nn.Module):
         return nn.Dense(16, name="out")(x)
 
 
-MODEL, OPT = MLP(), optax.adam(1e-3)
+MODEL, OPT = MLP(), adam(1e-3)
 
 
 def init(key):

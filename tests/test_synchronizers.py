@@ -275,7 +275,7 @@ class _MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def digits():
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -314,6 +314,7 @@ def _train_digits(digits, compressor, epochs=8, batch=64):
     return float(np.mean(np.asarray(model.apply(params, x_test)).argmax(-1) == y_test))
 
 
+@pytest.mark.slow
 def test_powersgd_reaches_uncompressed_accuracy_on_digits(digits):
     plain = _train_digits(digits, G.NoneCompressor())
     compressed = _train_digits(digits, G.PowerSGDCompressor(rank=4))

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from registry import all_strategies, make
+from registry import adam, all_strategies, make
 
 import jaxdist as jd
 
@@ -78,7 +78,7 @@ def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def linen_variables():
     return MLP().init(jax.random.key(0), jnp.zeros((1, FEATURES)))
 
@@ -87,7 +87,7 @@ def linen_variables():
 def test_linen_fit_equals_hand_written_single_device(strategy_name, linen_variables):
     strategy = make(strategy_name)
     batches = make_batches()
-    opt = optax.adam(1e-2)
+    opt = adam(1e-2)
     want_params, want_losses = linen_reference(batches, opt, linen_variables)
     trainer = jd.training.Trainer(strategy, MLP(), opt, ce, variables=linen_variables)
     history = trainer.fit(batches, steps=STEPS, log_every=1, verbose=0)
@@ -114,7 +114,7 @@ def nnx_reference(model, batches, opt):
 def test_nnx_fit_equals_hand_written_single_device(strategy_name):
     strategy = make(strategy_name)
     batches = make_batches()
-    opt = optax.adam(1e-2)
+    opt = adam(1e-2)
     reference = NnxMLP(nnx.Rngs(0))
     want_losses = nnx_reference(reference, batches, opt)
     model = NnxMLP(nnx.Rngs(0))
@@ -147,8 +147,8 @@ def test_grad_accumulation_equals_one_step_on_the_whole_batch(kind, linen_variab
 def test_mixed_precision_keeps_fp32_params_and_optimizer_state(linen_variables):
     strategy = make("mirrored_2")
     batches = make_batches()
-    full = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, variables=linen_variables)
-    mixed = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, variables=linen_variables,
+    full = jd.training.Trainer(strategy, MLP(), adam(1e-2), ce, variables=linen_variables)
+    mixed = jd.training.Trainer(strategy, MLP(), adam(1e-2), ce, variables=linen_variables,
                                 compute_dtype=jnp.bfloat16)
     h_full = full.fit(batches, steps=STEPS, log_every=1, verbose=0)
     h_mixed = mixed.fit(batches, steps=STEPS, log_every=1, verbose=0)
@@ -179,7 +179,7 @@ def test_steps_per_run_uses_on_device_loops(linen_variables):
     if not hasattr(strategy, "run_steps_on_dataset"):
         pytest.skip("the strategy core has no run_steps_on_dataset yet")
     batches = make_batches(n=10)
-    opt = optax.adam(1e-2)
+    opt = adam(1e-2)
     want_params, want_losses = linen_reference(batches, opt, linen_variables)
     trainer = jd.training.Trainer(strategy, MLP(), opt, ce, variables=linen_variables)
     assert trainer.steps_per_run == 4
@@ -202,7 +202,7 @@ def test_steps_per_run_uses_on_device_loops(linen_variables):
 
 def test_evaluate_and_predict_cover_every_example_with_padding(linen_variables):
     strategy = make("mirrored_8")
-    trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, variables=linen_variables,
+    trainer = jd.training.Trainer(strategy, MLP(), adam(1e-2), ce, variables=linen_variables,
                                   metrics={"accuracy": jd.training.accuracy})
     rng = np.random.default_rng(1)
     x = rng.normal(size=(37, FEATURES)).astype(np.float32)  # 37 rows: the last batch is ragged
@@ -224,7 +224,7 @@ def test_fit_with_epochs_and_shuffling_function_and_dict_batches():
         batches = make_batches(n=4, seed=3)
         return [{"x": batches[i][0], "y": batches[i][1]} for i in order]
 
-    trainer = jd.training.Trainer(strategy, NnxMLP(nnx.Rngs(1)), optax.adam(1e-2), ce)
+    trainer = jd.training.Trainer(strategy, NnxMLP(nnx.Rngs(1)), adam(1e-2), ce)
     history = trainer.fit(data_fn, epochs=3, eval_data=data_fn(0), eval_every=5, log_every=4, verbose=0)
     assert trainer.step == 12 and trainer.data_position == jd.training.DataPosition(3, 0)
     assert [row["step"] for row in history.eval] == [5, 10, 12]
@@ -253,7 +253,7 @@ def test_callbacks_progress_lines_and_metric_files(tmp_path, capsys, linen_varia
         def on_train_end(self, trainer, history):
             events.append("end")
 
-    trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, variables=linen_variables,
+    trainer = jd.training.Trainer(strategy, MLP(), adam(1e-2), ce, variables=linen_variables,
                                   metrics={"accuracy": jd.training.accuracy})
     batches = make_batches()
     history = trainer.fit(batches, steps=STEPS, eval_data=batches[:2], eval_every=4, checkpoint_dir=tmp_path / "ck",
@@ -323,7 +323,7 @@ def read_tfevents(data: bytes) -> dict:
 def test_prepare_own_loop_equals_hand_written(linen_variables):
     strategy = make("mirrored_8")
     batches = make_batches()
-    opt = optax.adam(1e-2)
+    opt = adam(1e-2)
     want_params, want_losses = linen_reference(batches, opt, linen_variables)
 
     def train_step(state, batch):

@@ -66,7 +66,7 @@ def assert_bitwise(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def written(tmp_path_factory):
     """One checkpoint (step 3) per registry strategy, written by fit."""
     out = {}

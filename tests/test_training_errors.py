@@ -23,7 +23,7 @@ def batches(n=3, rows=16):
             for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def strategy():
     return jd.MirroredStrategy()
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from registry import make
+from registry import adam, make
 
 import jaxdist as jd
 
@@ -48,11 +48,12 @@ def dict_batches(n=6, rows=ROWS, seed=0, **extra):
 
 
 def nnx_trainer(strategy, **kwargs):
-    return jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce,
+    return jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce,
                                input_key="image", target_key="label", **kwargs)
 
 
 # ------------------------------------------------------------------------------------ call-time rngs
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy_name", ["one_device", "mirrored_8"])
 def test_nnx_model_with_call_time_rngs_trains_with_the_steps_key(strategy_name):
@@ -184,6 +185,7 @@ def test_missing_and_malformed_keys_name_the_keys_present_and_the_options():
 
 
 # ----------------------------------------------------------------------- logs with steps_per_run > 1
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("log_every", [5, 3])
 def test_steps_per_run_logs_equal_one_step_at_a_time(log_every):
@@ -209,8 +211,8 @@ def test_steps_per_run_logs_equal_one_step_at_a_time(log_every):
 def test_train_on_batch_and_train_on_batches():
     strategy = jd.TPUStrategy(steps_per_run=4, devices=jax.devices()[:8])
     batches = [(b["image"], b["label"]) for b in dict_batches(n=4)]
-    looped = jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce)
-    stepped = jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce)
+    looped = jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce)
+    stepped = jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce)
     stacked = looped.train_on_batches(batches)
     losses = [float(stepped.train_on_batch(b)["loss"]) for b in batches]  # host numpy: declared, split
     assert looped.step == stepped.step == 4
@@ -224,9 +226,9 @@ def test_train_on_batch_and_train_on_batches():
     assert np.asarray(looped.pop_metric_sums()[1]).tolist() == [0.0, 0.0]
     with pytest.raises(RuntimeError, match=r"pop_metric_sums\(\) before the state exists: call fit\(\.\.\.\) or "
                                            r"init\(batch\) first"):
-        jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce).pop_metric_sums()
+        jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce).pop_metric_sums()
     # any strategy runs on-device loops (here: a MirroredStrategy given steps_per_run)
-    mirrored = jd.training.Trainer(make("mirrored_2"), DropoutNet(rngs=nnx.Rngs(0)), optax.adam(1e-2), ce,
+    mirrored = jd.training.Trainer(make("mirrored_2"), DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce,
                                    steps_per_run=2)
     history = mirrored.fit(batches, steps=4, log_every=1, verbose=0)
     np.testing.assert_allclose(history.metric("loss"), losses, rtol=1e-5)

@@ -20,6 +20,8 @@ import pytest
 
 import jaxdist as jd
 
+pytestmark = pytest.mark.slow  # every test runs training scripts in processes of their own
+
 TIMEOUT = 90
 
 SCRIPT = textwrap.dedent(

@@ -53,7 +53,7 @@ def lm_batches(n, seed=0):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def variables():
     return TinyLM().init(jax.random.key(0), np.zeros((1, SEQ), np.int32))
 
@@ -89,7 +89,7 @@ def close(got, want, rtol=1e-5, atol=1e-7):
 OPT = optax.sgd(0.5, momentum=0.9)  # after step 1 the momentum trace IS the step's gradient
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def accumulation_case(variables):
     """Three batches and their one-big-batch reference (shared by the strategies)."""
     batches = lm_batches(3)
@@ -114,6 +114,7 @@ def test_mean_of_micro_batch_means_would_fail_the_comparison(variables, accumula
         close(wrong, want_grads[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8"])
 def test_token_weighted_accumulation_equals_one_big_batch(strategy_name, variables, accumulation_case, capsys):
     strategy = make(strategy_name)

@@ -65,7 +65,8 @@ def train_step(state, batch, config, learning_rate_fn, label_smoothing=0.0, drop
 
 def create_state(key):
     params = CharLM(CONFIG).init(key, jnp.ones((1, CONFIG.max_len), jnp.int32))["params"]
-    return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adamw(learning_rate_fn))
+    tx = optax.adamw(learning_rate_fn, eps=1e-2)  # eps = the peak rate (see registry.adam)
+    return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
 
 
 def data(steps=4, batch=16):
@@ -97,10 +98,11 @@ def assert_equals_one_device(strategy):
         np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
     for got, want in zip(jax.tree.leaves(nn.unbox(state.params)), jax.tree.leaves(nn.unbox(ref_state.params)),
                          strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     return state
 
 
+@pytest.mark.slow
 def test_lm1b_shaped_program_on_a_data_fsdp_tensor_mesh_equals_one_device():
     """MaxText's layout: the batch over data x fsdp, FSDP over fsdp (the 'embed' rule), TP over tensor."""
     strategy = jd.ShardedStrategy(
@@ -123,6 +125,7 @@ def test_lm1b_own_layout_batch_over_data_only_equals_one_device():
     assert_equals_one_device(strategy)
 
 
+@pytest.mark.slow
 def test_hsdp_on_one_process_equals_one_device_and_shards_within_the_fsdp_axis():
     mesh = jax.make_mesh((2, 4), ("replicate", "shard"), axis_types=AUTO2)
     strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("replicate", "shard"), fsdp_axes="shard",

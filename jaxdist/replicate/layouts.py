@@ -60,8 +60,14 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(REPLICA_AXIS))
 
 
-def put(x: Any, sharding: NamedSharding) -> jax.Array:
+def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
     """Place host or device value ``x`` (the same on every process) with ``sharding``, across processes too.
+
+    Args:
+        x: the value.
+        sharding: where it goes.
+        copy: never share a buffer with ``x`` (a device array already where it goes is copied): a value the
+            caller keeps stays valid when the result is donated.
 
     Examples:
         >>> import jax, numpy as np
@@ -69,6 +75,8 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
         >>> put(np.ones(2), replicated(mesh)).shape
         (2,)
     """
+    if copy and isinstance(x, jax.Array):  # device_put reuses a buffer where it can, whatever may_alias says
+        x = x.copy()
     if jax.process_count() == 1 or sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     local = np.asarray(x)  # every process holds the whole value; each transfers only its own devices' parts

@@ -10,6 +10,7 @@ the replicas.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,9 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     dynamic, treedef, statics = split_static((args, kwargs))
     if policy.spans_processes:
         dynamic = from_chief(dynamic)
+    # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an output that is an
+    # argument unchanged (jit forwards those) never shares the caller's buffer.
+    dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
 
     def fn(*dyn):
         call_args, call_kwargs = merge_static(dyn, treedef, statics)
@@ -70,7 +74,8 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
     """
     if policy.spans_processes:
         tree = from_chief(tree)
-    return jax.tree.map(put, tree, policy.variable_shardings(abstract(tree)))
+    # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
+    return jax.tree.map(functools.partial(put, copy=True), tree, policy.variable_shardings(abstract(tree)))
 
 
 def sync_on_read(
