@@ -244,3 +244,30 @@ def test_policy_and_strategy_argument_errors_name_the_fix():
         jd.MirroredStrategy(devices=jax.devices(), mesh=mesh)
     with pytest.raises(ValueError, match=r"TPUStrategy got mesh= with devices= / num_cores="):
         jd.TPUStrategy(mesh=mesh, num_cores=4)
+
+
+def test_a_global_mesh_of_another_size_is_swapped_out_for_the_strategys_calls():
+    """Flax's MiniGPT calls jax.set_mesh on 2 devices at import; a MirroredStrategy over 8 still runs its jit,
+    run, on-device loop and plan on its own mesh (the user's mesh is JAX's context mesh again afterwards)."""
+    user_mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
+    strategy = jd.MirroredStrategy(jax.devices()[:8])
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    with jax.set_mesh(user_mesh):
+        w = strategy.mirror(np.ones(4, np.float32))
+        step = strategy.jit(lambda w, x: w - 0.1 * x.mean(0), batch_argnums=1)
+        np.testing.assert_allclose(step(w, x), 1 - 0.1 * x.mean(0), rtol=1e-6)
+        np.testing.assert_allclose(step(w, x), 1 - 0.1 * x.mean(0), rtol=1e-6)  # the steady-state path
+        total = strategy.run(lambda w: jd.get_replica_context().all_reduce("sum", w), args=(w,))
+        np.testing.assert_allclose(total, np.full(4, 8.0))
+        ctx = strategy.run_steps_on_dataset(lambda ctx, t, b: t + b.sum(), iter([x, x]), iterations=2,
+                                            initial_loop_values=np.float32(0))
+        assert float(ctx.loop_values) == 2 * x.sum()
+        assert step.plan(w, x).flops > 0
+        assert dict(jax.sharding.get_abstract_mesh().shape) == {"batch": 2}  # the user's, after each call
+
+        @jax.jit
+        def outer(w, x):  # inside another trace the context mesh cannot be swapped out
+            return step(w, x)
+
+        with pytest.raises(ValueError, match=r"inside another jax\.jit while a mesh of 2 devices.*strategy\.scope"):
+            outer(w, x)

@@ -274,7 +274,8 @@ class StrategyFunction:
                 and not self._whole_batch(args, kwargs):
             self._local.args = (args, kwargs, None)  # read only if this call traces
             try:
-                return self._program(())((None, ()), None, *args)
+                with self._policy.call_scope(args):
+                    return self._program(())((None, ()), None, *args)
             finally:
                 self._local.args = None
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
@@ -282,7 +283,8 @@ class StrategyFunction:
             self._plain_types.add(types)
         self._local.args = (placed, kwargs, state)  # read only if this call traces
         try:
-            out = self._program(nodes)((graphdef, nodes), state, *placed, **kwargs)
+            with self._policy.call_scope((placed, kwargs, state)):
+                out = self._program(nodes)((graphdef, nodes), state, *placed, **kwargs)
         finally:
             self._local.args = None
         if not nodes:
@@ -359,7 +361,8 @@ class StrategyFunction:
         _, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         self._local.args = (placed, kwargs, state)
         try:
-            return getattr(self._program(nodes), stage)((graphdef, nodes), state, *placed, **kwargs)
+            with self._policy.call_scope((placed, kwargs, state)):
+                return getattr(self._program(nodes), stage)((graphdef, nodes), state, *placed, **kwargs)
         finally:
             self._local.args = None
 

@@ -412,14 +412,14 @@ def plan_step(
             continue
         placed_kwargs[k] = abstract_argument(policy, v, k in batch_names, f"argument {k!r}")
         described.append((k, placed_kwargs[k], k in batch_names))
-    traced = trace(*placed, **placed_kwargs)
     mesh = policy.mesh
     if is_plan_mesh(mesh):  # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
-        lowered = traced.lower(lowering_platforms=("cpu",))
+        lowered = trace(*placed, **placed_kwargs).lower(lowering_platforms=("cpu",))
         memory, text = compile_elsewhere(lowered.as_text(), mesh.size)
         where = f"compiled for {mesh.size} simulated CPU devices in a subprocess"
     else:
-        compiled = traced.lower().compile()
+        with policy.call_scope():  # traced and lowered on the strategy's mesh, as a call is
+            compiled = trace(*placed, **placed_kwargs).lower().compile()
         stats = compiled.memory_analysis()
         memory = {k: int(getattr(stats, k, 0) or 0) for k in MEMORY_FIELDS}
         text = compiled.as_text()

@@ -542,6 +542,44 @@ class LayoutPolicy:
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self.flax_rules():
             yield
 
+    def call_scope(self, args: Any = ()) -> contextlib.AbstractContextManager[Any]:
+        """What a compiled call of this policy's programs runs under: this mesh as JAX's context mesh when the
+        caller set another one (``jax.set_mesh`` at import, as Flax's MiniGPT does; ``scope()`` sets this one),
+        so the step is traced on the strategy's mesh whatever the user set outside; nothing otherwise (one
+        thread-local read per call).
+
+        Args:
+            args: the call's arguments: a call inside another trace (a tracer among them) cannot change the
+                context mesh; it keeps a mesh of the same size (``tracing_scope`` renames it), and another
+                size is an error.
+
+        Raises:
+            ValueError: for a call inside another ``jax.jit`` while a mesh of another size is set.
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> policy = LayoutPolicy(jax.devices()[:2])
+            >>> with jax.set_mesh(jax.make_mesh((1,), ("other",), devices=jax.devices()[:1])):
+            ...     with policy.call_scope():
+            ...         dict(jax.sharding.get_abstract_mesh().shape)
+            {'replica': 2}
+        """
+        if isinstance(self.mesh, jax.sharding.AbstractMesh):  # a plan mesh compiles in a process of its own
+            return contextlib.nullcontext()
+        current = jax.sharding.get_abstract_mesh()
+        if current.empty or current == self.mesh.abstract_mesh:
+            return contextlib.nullcontext()
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            if current.size == self.mesh.size:
+                return contextlib.nullcontext()
+            raise ValueError(
+                f"this strategy's step was called inside another jax.jit while a mesh of {current.size} devices "
+                f"({dict(current.shape)}) is JAX's context mesh; the strategy's mesh has {self.mesh.size} "
+                f"({dict(self.mesh.shape)}). Call it outside that jit, or inside `with strategy.scope():` "
+                "(its mesh becomes the context mesh), or build the strategy on that mesh (mesh=...)."
+            )
+        return jax.set_mesh(self.mesh)
+
     def __repr__(self) -> str:
         return (f"LayoutPolicy(mesh={dict(self.mesh.shape)}, batch_axes={self.batch_axes}, "
                 f"fsdp_axes={self.roles.fsdp_axes}, split_variables={self.rules.split})")

@@ -160,11 +160,12 @@ class ReplicaRunner:
         key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name)
         aux = tuple(aux)
         name = fn_name(fn)
-        program = self._programs.get(
-            fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name),
-            reason=(hashable(statics), avals),
-        )
-        return program(*dynamic)
+        with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
+            program = self._programs.get(
+                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name),
+                reason=(hashable(statics), avals),
+            )
+            return program(*dynamic)
 
     def _place_mirrored(self, x: Any) -> Any:
         if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is self._policy.mesh:

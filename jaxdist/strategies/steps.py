@@ -218,12 +218,13 @@ def run_steps_on_dataset(
     treedef = jax.tree.structure(batches[0])
     shapes = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in jax.tree.leaves(batches[0]))
     key = ("steps_loop", iterations, has_state, donate, treedef, shapes)
-    program, info = programs.get(
-        step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state, iterations, donate),
-        reason=((iterations, has_state, donate), shapes),
-    )
     state = initial_loop_values if has_state else ()
-    new_state, outputs = program(state, stacked)
+    with policy.call_scope((state, stacked)):  # built and called on the strategy's mesh
+        program, info = programs.get(
+            step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state, iterations, donate),
+            reason=((iterations, has_state, donate), shapes),
+        )
+        new_state, outputs = program(state, stacked)
     ctx._finish(
         dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
         new_state if has_state else None,
