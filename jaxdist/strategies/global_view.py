@@ -46,6 +46,7 @@ from jaxdist.replicate.layouts import on_mesh, path_name, put
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
+from jaxdist.strategies.equinox_args import Static, combine, holds_module, partition
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.layout_rules import is_variable
 from jaxdist.strategies.offload import in_host_memory, to_device_memory
@@ -100,6 +101,7 @@ class StrategyFunction:
         donate_argnames: str | Sequence[str] | None = None,
         batch_argnames: str | Sequence[str] | None = None,
         out_layouts: Any = None,
+        _module_arrays: bool = False,
     ):
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: strategy.jit compiles a step function.")
@@ -126,6 +128,9 @@ class StrategyFunction:
                     "is a compile-time constant, not an array; drop it from one of them."
                 )
         self._out_layouts = out_layouts
+        self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
+        self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
+        self._module_outputs: dict[Static, Static] = {}  # the static part of its outputs, recorded when traced
         self._local = threading.local()
         self._warned = False
         self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
@@ -263,9 +268,39 @@ class StrategyFunction:
         placed, kwargs, state = self._place(plain, kwargs, state)
         return args, nodes, graphdef, placed, kwargs, state
 
+    def _module_step(self) -> StrategyFunction:
+        """This step over its arguments' arrays, for calls with an Equinox module among them: the non-array
+        leaves of every argument are one static argument (``eqx.filter_jit``'s rule); donated and declared
+        batch arguments keep their positions and names."""
+        if self._modules is None:
+            fn, outputs = self._fn, self._module_outputs
+
+            def arrays_step(static: Static, *arrays: Any, **named_arrays: Any) -> Any:
+                args, kwargs = combine((arrays, named_arrays), static)
+                out_arrays, outputs[static] = partition(fn(*args, **kwargs))
+                return out_arrays
+
+            arrays_step.__name__ = arrays_step.__qualname__ = fn_name(fn)
+            self._modules = StrategyFunction(
+                self._policy, self._programs, arrays_step, donate_argnums=tuple(i + 1 for i in self._donate),
+                static_argnums=0, batch_argnums=None if self._batch is None else tuple(i + 1 for i in self._batch),
+                donate_argnames=self._donate_names, batch_argnames=self._batch_names or None,
+                out_layouts=self._out_layouts, _module_arrays=True)
+        return self._modules
+
+    def _call_modules(self, stage: str | None, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._bind(args, kwargs)
+        (arrays, named_arrays), static = partition((args, kwargs))
+        step = self._module_step()
+        if stage is not None:
+            return getattr(step, stage)(static, *arrays, **named_arrays)
+        return combine(step(static, *arrays, **named_arrays), self._module_outputs[static])
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
+        if not self._module_arrays and holds_module(args, kwargs):
+            return self._call_modules(None, args, kwargs)
         # Steady state of a step called positionally with no static and no nnx argument (argument types seen
         # before to hold none): every array on the mesh, no declared batch held whole. Then the arguments go
         # to jax.jit as they are; anything else takes the full path (binding, splitting, placing).
@@ -352,12 +387,16 @@ class StrategyFunction:
             >>> plan.state_bytes, plan.collectives["all-reduce"].count
             ({'w': 256, 'batch': 512}, 1)
         """
+        if not self._module_arrays and holds_module(args, kwargs):
+            return self._call_modules("plan", args, kwargs)
         args, kwargs = self._bind(args, kwargs)
         names = list(self._signature.parameters) if self._signature is not None else []
         return plan_step(self._policy, self.trace, args, kwargs, names=names, batch=self._batch or (),
                          batch_names=self._batch_names, static=self._static, static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
+        if not self._module_arrays and holds_module(args, kwargs):
+            return self._call_modules(stage, args, kwargs)
         _, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         self._local.args = (placed, kwargs, state)
         try:
