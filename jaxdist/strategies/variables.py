@@ -50,10 +50,11 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     # initializer (the program is compiled once, so nothing needs to be hashable).
     dynamic, treedef, statics = split_static((args, kwargs))
     if policy.spans_processes:
-        dynamic = from_chief(dynamic)
-    # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an output that is an
-    # argument unchanged (jit forwards those) never shares the caller's buffer.
-    dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
+        dynamic = from_chief(dynamic)  # new arrays: process 0's values
+    else:
+        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an output that is
+        # an argument unchanged (jit forwards those) never shares the caller's buffer.
+        dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
 
     def fn(*dyn):
         call_args, call_kwargs = merge_static(dyn, treedef, statics)
