@@ -7,8 +7,8 @@ several strategies, one step in several checks, in either worker) compile it onc
 compiled in the run; nothing is kept across runs.
 
 Expensive fixtures (references, multi-process runs, a built site) are session-scoped even where one module
-uses them: pytest-xdist interleaves modules on a worker, and a module-scoped fixture would be computed again
-each time its module comes back.
+uses them: ./scripts/test keeps a file's tests on one pytest-xdist worker (``--dist loadfile``), which may
+interleave files, and a module-scoped fixture would be computed again each time its module comes back.
 """
 
 import atexit

@@ -14,8 +14,6 @@ from registry import assert_variable_layout, load_char_lm
 import jaxdist as jd
 from jaxdist.replicate.layouts import path_name
 
-pytestmark = pytest.mark.xdist_group("char_lm")  # one worker computes the one-device reference once
-
 lm = load_char_lm()
 TEXT = lm.load_text()
 VOCAB = lm.CharVocab.from_text(TEXT)

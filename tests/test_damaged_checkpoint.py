@@ -113,7 +113,8 @@ def test_the_error_names_the_step_the_directory_and_the_intact_checkpoint(damage
         fresh.fit(data_fn, steps=30, checkpoint_dir=damaged, verbose=0)
     error = info.value
     assert (error.step, error.intact_step, error.directory) == (20, 10, str(damaged))
-    assert len(str(error)) < 400 and "tensorstore_spec" not in str(error)  # one short line, not 2 KB of JSON
+    # one short line, not 2 KB of JSON (measured without the directory, whose length depends on the machine)
+    assert len(str(error).replace(str(damaged), "")) < 300 and "tensorstore_spec" not in str(error)
     assert error.__suppress_context__ and "DATA_LOSS" in str(error.__context__)  # the full cause, kept unprinted
     assert pickle.loads(pickle.dumps(error)).args == error.args
     assert fresh.state is None and fresh.step == 0  # nothing half-restored

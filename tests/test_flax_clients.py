@@ -32,8 +32,6 @@ from sklearn.datasets import load_digits
 
 import jaxdist as jd
 
-pytestmark = pytest.mark.xdist_group("flax_clients")  # one worker computes the one-device reference once
-
 RTOL, ATOL = 1e-5, 1e-6
 BATCH = 64  # the example's batch size is 128 on 60k images; 64 on 1.8k digits
 TRAIN_ROWS = 512  # 8 steps

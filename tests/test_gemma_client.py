@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("gemma")]  # one worker: shared references
+pytestmark = pytest.mark.timeout(240)
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3

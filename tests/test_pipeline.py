@@ -27,8 +27,6 @@ from pipeline_model import LENGTH, RULES, Block, PipelineLM, ScanBlock, batches,
 
 import jaxdist as jd
 
-pytestmark = pytest.mark.xdist_group("pipeline")  # one worker: the shared one-device references and compiles
-
 AUTO = jax.sharding.AxisType.Auto
 STEPS = 2
 

@@ -18,7 +18,7 @@ from registry import launch_env
 
 import jaxdist as jd
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("sharded_multiprocess")]  # one 2-process run, once
+pytestmark = pytest.mark.multiprocess  # every test here reads one 2-process run
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
