@@ -211,16 +211,17 @@ def _one_device_micro_grads(w, x):
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
-@pytest.mark.parametrize("explicit", [False, True])
-def test_a_users_micro_batch_loop_calling_run_inside_jit_equals_one_device(checkpoint, explicit):
+@pytest.mark.parametrize(("explicit", "declare"), [(False, True), (True, False), (True, True)])
+def test_a_users_micro_batch_loop_calling_run_inside_jit_equals_one_device(checkpoint, explicit, declare):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(4, 3)).astype(np.float32)
     x = rng.normal(size=(16, 4)).astype(np.float32)
-    if explicit:  # the batch's type says it is a batch, also for a slice inside lax.scan: nothing to declare
+    if explicit:  # the batch's type says it is a batch, also for a slice inside lax.scan: nothing to declare;
+        # unannotated code (declare=True: a plain reshape) runs with the axis Auto, and declares the batch
         strategy = jd.MirroredStrategy(mesh=jax.make_mesh((8,), ("data",)))
     else:  # Auto axes: types carry no layout, so the run call declares its batch argument
         strategy = jd.MirroredStrategy()
-    step = strategy.jit(_micro_step(strategy, checkpoint, declare=not explicit), batch_argnums=1)
+    step = strategy.jit(_micro_step(strategy, checkpoint, declare=declare), batch_argnums=1)
     np.testing.assert_allclose(step(strategy.mirror(w), x), _one_device_micro_grads(w, x), rtol=1e-5, atol=1e-6)
 
 

@@ -47,6 +47,7 @@ from jaxdist.nn.load_balance import positions as _positions
 from jaxdist.nn.load_balance import unzigzag as _unzigzag
 from jaxdist.nn.load_balance import zigzag as _zigzag
 from jaxdist.strategies import ambient
+from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
 
 __all__ = ["dot_product_attention"]
 
@@ -338,8 +339,8 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     axes = tuple(policy.context_axes)
     entry = axes[0] if len(axes) == 1 else axes
     n = policy.context_size
-    mesh = policy.mesh
-    explicit = set(policy.roles.explicit_axes)
+    mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
+    explicit = set(explicit_axes(policy.mesh))
     zigzag = load_balance
     q = query / jnp.sqrt(query.shape[-1]).astype(query.dtype)
     mask4 = None if mask is None else _as4(mask).astype(bool)

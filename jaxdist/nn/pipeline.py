@@ -50,6 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxdist.strategies import ambient
+from jaxdist.strategies.axis_types import explicit_axes
 from jaxdist.strategies.layout_rules import LAYERS, is_box
 
 __all__ = ["SCHEDULES", "Pipeline", "bubble_fraction"]
@@ -276,7 +277,7 @@ class Pipeline(nn.Module):
         return self._merge(ys)
 
     def _pipelined(self, layer, params, keys, x, args, policy, stages) -> jax.Array:
-        explicit = policy.roles.explicit_axes
+        explicit = explicit_axes(policy.mesh)
         if not explicit:
             return self._pipeline_loop(layer, params, keys, x, args, policy, stages)
         # On Explicit axes (a layout is part of a value's type) the loop's reshapes and constraints run with

@@ -473,6 +473,7 @@ class Strategy:
         donate_argnames: str | Sequence[str] | None = None,
         batch_argnames: str | Sequence[str] | None = None,
         out_layouts: Any = None,
+        axis_types: jax.sharding.AxisType | None = None,
     ) -> StrategyFunction:
         """Compile an UNMODIFIED single-device step for this strategy (the global view; the drop-in path).
 
@@ -508,14 +509,20 @@ class Strategy:
             batch_argnames: batch arguments by name.
             out_layouts: the layout of outputs no rule covers: a pytree prefix of the outputs of
                 `jax.sharding.Sharding` / `PartitionSpec` (on this strategy's mesh) / None (jaxdist decides).
+            axis_types: on a mesh with ``Explicit`` axes (``jax.make_mesh``'s default), what types the step
+                runs with: None (each program decides when traced: the mesh's Explicit axes where the step
+                type-checks with them, as code written for that mesh does; Auto where it does not, as
+                unannotated single-device code; logged, and in `Plan.axis_types`), or
+                ``jax.sharding.AxisType.Auto`` / ``jax.sharding.AxisType.Explicit`` to force one (see
+                `jaxdist.strategies.axis_types`). The numbers are the same either way.
 
         Returns:
             A callable `StrategyFunction`.
 
         Raises:
             TypeError: when ``fn`` is not callable or an ``*_argnums`` is not an int / tuple of ints.
-            ValueError: for an argument both static and batch/donated, and (when called) a declared batch
-                the replicas do not divide.
+            ValueError: for an argument both static and batch/donated, an ``axis_types`` that is not an
+                AxisType, and (when called) a declared batch the replicas do not divide.
 
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
@@ -527,7 +534,7 @@ class Strategy:
         return StrategyFunction(
             self._policy, self._programs, fn, donate_argnums=donate_argnums, static_argnums=static_argnums,
             batch_argnums=batch_argnums, static_argnames=static_argnames, donate_argnames=donate_argnames,
-            batch_argnames=batch_argnames, out_layouts=out_layouts,
+            batch_argnames=batch_argnames, out_layouts=out_layouts, axis_types=axis_types,
         )
 
     def plan(self, fn: Callable[..., Any], *args: Any, kwargs: dict | None = None, **jit_kwargs: Any) -> Plan:

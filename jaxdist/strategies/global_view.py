@@ -46,6 +46,17 @@ from jaxdist.replicate.layouts import on_mesh, path_name, put
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
+from jaxdist.strategies.axis_types import (
+    auto_region,
+    decided,
+    explicit_axes,
+    in_trace,
+    leave_auto,
+    program_axis_types,
+    ran_auto,
+    refusals,
+    retyped,
+)
 from jaxdist.strategies.equinox_args import Static, combine, holds_module, partition
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.layout_rules import is_variable
@@ -101,6 +112,7 @@ class StrategyFunction:
         donate_argnames: str | Sequence[str] | None = None,
         batch_argnames: str | Sequence[str] | None = None,
         out_layouts: Any = None,
+        axis_types: jax.sharding.AxisType | None = None,
         _module_arrays: bool = False,
     ):
         if not callable(fn):
@@ -127,6 +139,13 @@ class StrategyFunction:
                     f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a static argument "
                     "is a compile-time constant, not an array; drop it from one of them."
                 )
+        if axis_types is not None and not isinstance(axis_types, jax.sharding.AxisType):
+            raise ValueError(
+                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each program decides: the "
+                "mesh's Explicit axes where the step type-checks with them, Auto where not), "
+                "jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
+            )
+        self._axis_types = axis_types
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
         self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
@@ -285,7 +304,7 @@ class StrategyFunction:
                 self._policy, self._programs, arrays_step, donate_argnums=tuple(i + 1 for i in self._donate),
                 static_argnums=0, batch_argnums=None if self._batch is None else tuple(i + 1 for i in self._batch),
                 donate_argnames=self._donate_names, batch_argnames=self._batch_names or None,
-                out_layouts=self._out_layouts, _module_arrays=True)
+                out_layouts=self._out_layouts, axis_types=self._axis_types, _module_arrays=True)
         return self._modules
 
     def _call_modules(self, stage: str | None, args: tuple, kwargs: dict) -> Any:
@@ -310,7 +329,7 @@ class StrategyFunction:
             self._local.args = (args, kwargs, None)  # read only if this call traces
             try:
                 with self._policy.call_scope(args):
-                    return self._program(())((None, ()), None, *args)
+                    return self._decided(lambda: self._program(())((None, ()), None, *args))
             finally:
                 self._local.args = None
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
@@ -319,7 +338,7 @@ class StrategyFunction:
         self._local.args = (placed, kwargs, state)  # read only if this call traces
         try:
             with self._policy.call_scope((placed, kwargs, state)):
-                out = self._program(nodes)((graphdef, nodes), state, *placed, **kwargs)
+                out = self._decided(lambda: self._program(nodes)((graphdef, nodes), state, *placed, **kwargs))
         finally:
             self._local.args = None
         if not nodes:
@@ -391,8 +410,9 @@ class StrategyFunction:
             return self._call_modules("plan", args, kwargs)
         args, kwargs = self._bind(args, kwargs)
         names = list(self._signature.parameters) if self._signature is not None else []
-        return plan_step(self._policy, self.trace, args, kwargs, names=names, batch=self._batch or (),
-                         batch_names=self._batch_names, static=self._static, static_names=self._static_names)
+        return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of, names=names,
+                         batch=self._batch or (), batch_names=self._batch_names, static=self._static,
+                         static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
         if not self._module_arrays and holds_module(args, kwargs):
@@ -401,9 +421,23 @@ class StrategyFunction:
         self._local.args = (placed, kwargs, state)
         try:
             with self._policy.call_scope((placed, kwargs, state)):
-                return getattr(self._program(nodes), stage)((graphdef, nodes), state, *placed, **kwargs)
+                return self._decided(lambda: getattr(self._program(nodes), stage)(
+                    (graphdef, nodes), state, *placed, **kwargs))
         finally:
             self._local.args = None
+
+    def _decided(self, call: Callable[[], Any]) -> Any:
+        """``call()``, whose trace (if it traces) runs with the axis types decided for the program
+        (`jaxdist.strategies.axis_types`)."""
+        return decided(self._policy.mesh, self._axis_types, call, fn_name(self._fn))
+
+    def axis_types_of(self, traced: jax.stages.Traced) -> dict[str, jax.sharding.AxisType]:
+        """The axis types the program ``traced`` (from `trace`) runs with: the mesh's own, or Auto for every
+        axis where its Explicit axes run Auto (see `jaxdist.strategies.axis_types`)."""
+        mesh = self._policy.mesh
+        auto = ran_auto(traced.jaxpr)
+        return {a: jax.sharding.AxisType.Auto if auto else t for a, t in zip(mesh.axis_names, mesh.axis_types,
+                                                                              strict=True)}
 
     # --------------------------------------------------------------------------------------- tracing
     def _traced(self, nnx_static: tuple, state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -421,42 +455,15 @@ class StrategyFunction:
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back to host memory).
         args, kwargs, state = to_device_memory((args, kwargs, state))
-        skip = set(self._static) | set(nodes)
-        names = [k for k in kwargs if k not in self._static_names]
-        declared = None if self._batch is None else (*self._batch, *(
-            len(args) + j for j, k in enumerate(names) if k in self._batch_names))
-        flat_args = (*args, *(kwargs[k] for k in names))
-        flat_concrete = (*concrete_args, *(concrete_kwargs.get(k) for k in names))
-        batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
         state_layouts, annotated = nnx_layouts(policy, concrete_state) if nodes else ([], [])
-        if policy.roles.explicit_axes:  # variables jaxdist split over Explicit axes enter typed whole
-            flat_args, state = _typed_whole(policy, flat_args, flat_concrete, skip, batches, state, state_layouts,
-                                            annotated)
-        # On Explicit axes the variables jaxdist split were just typed whole, and the others' layouts are the
-        # user's own (as under plain jax.jit): nothing more to gather.
-        if not batches and policy.splits_variables and not policy.roles.explicit_axes:
-            flat_args, state = _gather_at_entry(policy, flat_args, flat_concrete, state, concrete_state, skip)
-            batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
-        _check_idle(policy, flat_concrete, skip, declared, state_layouts, concrete_state)
-        args = flat_args[: len(args)]
-        kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
-        variables.extend(jax.tree.leaves(state))
-        with computation(policy, "global", batches, variables), policy.tracing_scope(), _explained(policy):
-            if nodes:
-                objects = nnx.merge(graphdef, state)
-                call_args = list(args)
-                for i, obj in zip(nodes, objects, strict=True):
-                    call_args[i] = obj
-                out = self._fn(*call_args, **kwargs)
-                new_graphdef, new_state = nnx.split(objects)
-                if new_graphdef != graphdef:
-                    raise ValueError(
-                        f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
-                        "variables or submodules): a compiled step may update variables in place, not create "
-                        "them; create every variable before the first step."
-                    )
-            else:
-                out = self._fn(*args, **kwargs)
+        # The mesh's Explicit axes run Auto inside this program when so decided: the step's arguments are
+        # retyped at entry and its results leave typed by their layouts (see jaxdist.strategies.axis_types).
+        auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(explicit_axes(policy.mesh))
+        with auto_region(policy.mesh) if auto else contextlib.nullcontext():
+            if auto:
+                args, kwargs, state = retyped((args, kwargs, state))
+            out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs, concrete_args,
+                                                 concrete_kwargs, concrete_state, state_layouts, annotated)
         nodes_state = {}
         if nodes:
             keys = [tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
@@ -466,8 +473,50 @@ class StrategyFunction:
         if nodes:
             values = [constrain(policy, v, s, host=in_host_memory(c)) for v, s, c in zip(
                 jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state), strict=True)]
-            return out, jax.tree.unflatten(jax.tree.structure(new_state), values)
-        return out
+            out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
+        return leave_auto(policy.mesh, out) if auto else out
+
+    def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs, concrete_state,
+                       state_layouts, annotated) -> tuple[Any, Any]:
+        """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx state)``."""
+        policy = self._policy
+        skip = set(self._static) | set(nodes)
+        names = [k for k in kwargs if k not in self._static_names]
+        declared = None if self._batch is None else (*self._batch, *(
+            len(args) + j for j, k in enumerate(names) if k in self._batch_names))
+        flat_args = (*args, *(kwargs[k] for k in names))
+        flat_concrete = (*concrete_args, *(concrete_kwargs.get(k) for k in names))
+        batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
+        explicit = explicit_axes(policy.mesh)
+        if explicit:  # variables jaxdist split over Explicit axes enter typed whole
+            flat_args, state = _typed_whole(policy, flat_args, flat_concrete, skip, batches, state, state_layouts,
+                                            annotated)
+        # On Explicit axes the variables jaxdist split were just typed whole, and the others' layouts are the
+        # user's own (as under plain jax.jit): nothing more to gather.
+        if not batches and policy.splits_variables and not explicit:
+            flat_args, state = _gather_at_entry(policy, flat_args, flat_concrete, state, concrete_state, skip)
+            batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
+        _check_idle(policy, flat_concrete, skip, declared, state_layouts, concrete_state)
+        args = flat_args[: len(args)]
+        kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
+        variables.extend(jax.tree.leaves(state))
+        with computation(policy, "global", batches, variables), policy.tracing_scope(), refusals(
+                policy.mesh, fn_name(self._fn)):
+            if not nodes:
+                return self._fn(*args, **kwargs), None
+            objects = nnx.merge(graphdef, state)
+            call_args = list(args)
+            for i, obj in zip(nodes, objects, strict=True):
+                call_args[i] = obj
+            out = self._fn(*call_args, **kwargs)
+            new_graphdef, new_state = nnx.split(objects)
+            if new_graphdef != graphdef:
+                raise ValueError(
+                    f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
+                    "variables or submodules): a compiled step may update variables in place, not create "
+                    "them; create every variable before the first step."
+                )
+            return out, new_state
 
 
 def _replicated_rows(x: Any, policy: LayoutPolicy) -> bool:
@@ -532,7 +581,7 @@ def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
 
 def _gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) -> tuple[tuple, Any]:
     """Constrain split variables to replicated at entry (the Shardy conv workaround; see module doc)."""
-    full = policy.replicated_sharding
+    full = in_trace(policy.replicated_sharding)
 
     def gather(t, c):
         sharding = getattr(c, "sharding", None)
@@ -626,22 +675,3 @@ def _to_place(a: Any, mesh: Any, policy: LayoutPolicy, batch: bool) -> bool:
         if batch and _replicated_rows(x, policy):
             return True
     return False
-
-
-@contextlib.contextmanager
-def _explained(policy: LayoutPolicy):
-    """JAX's sharding-in-types errors, raised inside a step on Explicit axes, say what jaxdist knows: the mesh
-    is the user's own, its axis types kept, and what to do."""
-    try:
-        yield
-    except Exception as error:
-        if type(error).__name__ == "ShardingTypeError" and policy.roles.explicit_axes:
-            error.add_note(
-                f"jaxdist: this step runs on your mesh as it is, whose axes {policy.roles.explicit_axes} are "
-                "Explicit (jax.make_mesh's default): a value's layout over them is part of its type, so code "
-                "that does not annotate layouts can be refused, as with plain jax.jit on that mesh. Annotate the "
-                "operation (out_sharding=, jax.sharding.reshard), or build the mesh with Auto axes "
-                "(jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))) so XLA "
-                "propagates layouts through unannotated code."
-            )
-        raise

@@ -166,21 +166,9 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     for i, x in enumerate(leaves):
         if isinstance(x, jax.Array) and x.sharding == policy.batch_layout(x.ndim, x.shape):
             continue  # already placed: no copy
-        shape = np.shape(x)
-        if not shape:
-            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
-            raise ValueError(
-                f"{where or 'batch'} leaf {path or '<root>'} is a scalar: every leaf of a batch needs a batch axis 0 "
-                "to split over the replicas (pass scalars as separate, non-batch arguments)."
-            )
-        if process_local:
-            check_divisible(shape[0], replicas_on_this_process(policy),
-                             "per-process batch" if where is None else f"the per-process rows of {where}",
-                             policy.batch_axes)
-        else:
-            check_divisible(shape[0], policy.num_replicas,
-                             "global batch" if where is None else f"the rows of {where}", policy.batch_axes)
-        check_sequence(policy, shape, where)
+        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
+        batch_leaf_layout(policy, np.shape(x), f"{where or 'batch'} leaf {path or '<root>'}", where,
+                          process_local=process_local)
         todo.append(i)
     if todo:
         if n_proc == 1:
@@ -195,6 +183,37 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     for leaf in leaves:  # the role these arrays carry (where the layout alone cannot say: FSDP)
         mark_placed_batch(leaf)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, where: str | None = None, *,
+                      process_local: bool = False) -> jax.sharding.Sharding:
+    """The layout a batch leaf of ``shape`` is placed in (`LayoutPolicy.batch_layout`), after the checks every
+    placement makes (calls and plans alike).
+
+    Args:
+        policy: the layout policy.
+        shape: the leaf's (global, or with ``process_local`` this process's) shape.
+        leaf: how errors name the leaf (``"argument 1 (in batch_argnums) leaf ['x']"``).
+        where: how errors name the batch.
+        process_local: whether ``shape`` holds only this process's rows.
+
+    Raises:
+        ValueError: for a scalar leaf, rows the replicas do not divide, or a sequence the context axes do not.
+    """
+    if not shape:
+        raise ValueError(
+            f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split over the replicas (pass "
+            "scalars as separate, non-batch arguments)."
+        )
+    if process_local:
+        check_divisible(shape[0], replicas_on_this_process(policy),
+                        "per-process batch" if where is None else f"the per-process rows of {where}",
+                        policy.batch_axes)
+    else:
+        check_divisible(shape[0], policy.num_replicas,
+                        "global batch" if where is None else f"the rows of {where}", policy.batch_axes)
+    check_sequence(policy, shape, where)
+    return policy.batch_layout(len(shape), shape)
 
 
 def _place_rows(sharding, x: Any) -> jax.Array:

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding
 from jaxdist.replicate.layouts import on_mesh, path_name
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
 from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost
+from jaxdist.strategies.input import batch_leaf_layout
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
 
@@ -115,6 +116,9 @@ class Plan:
         unknown_loops: loops whose trip count XLA did not record (counted once).
         plan_seconds: how long planning took (lowering and compiling).
         compiled_on: where the program was compiled.
+        axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto where its
+            Explicit axes run Auto because the step does not type-check with them (see
+            `jaxdist.strategies.axis_types`).
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -147,6 +151,7 @@ class Plan:
     unknown_loops: int
     plan_seconds: float
     compiled_on: str
+    axis_types: dict[str, jax.sharding.AxisType]
 
     @property
     def num_devices(self) -> int:
@@ -184,7 +189,12 @@ class Plan:
 
     def __str__(self) -> str:
         lines = [f"Plan for mesh {self.mesh} ({self.num_devices} devices), {self.compiled_on}, "
-                 f"planned in {self.plan_seconds:.2f} s", "Memory per device"]
+                 f"planned in {self.plan_seconds:.2f} s"]
+        auto = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Auto]
+        explicit = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Explicit]
+        lines.append("Axis types: " + "; ".join(
+            f"{label} {', '.join(axes)}" for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
+        lines.append("Memory per device")
         roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.state_bytes.items())
         for label, value, note in (
             ("arguments", self.argument_bytes, f"({roles})" if roles else ""),
@@ -273,21 +283,18 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) if _is_array(x)
                           else x, value)
     if batch:
-        def one(x, s):
+        def one(path, x, s):
             if not _is_array(x):
                 return x
             own = getattr(x, "sharding", None)
-            if on_mesh(own, mesh):
+            # As a call does: a batch on the mesh keeps its layout unless every replica holds its rows whole.
+            if on_mesh(own, mesh) and not (s.ndim and policy.num_replicas > 1 and own.is_fully_replicated):
                 return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=own)
-            if s.ndim and s.shape[0] % policy.num_replicas:
-                raise ValueError(
-                    f"{where} has {s.shape[0]} rows, which the {policy.num_replicas} replicas do not divide: "
-                    f"plan a global batch that is a multiple of {policy.num_replicas} (drop the remainder or pad)."
-                )
-            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=policy.batch_layout(s.ndim, s.shape) if s.ndim
-                                        else policy.replicated_sharding)
+            layout = batch_leaf_layout(policy, s.shape, f"{where} leaf {jax.tree_util.keystr(path) or '<root>'}",
+                                       where)
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout)
 
-        return jax.tree.map(one, value, shapes)
+        return jax.tree_util.tree_map_with_path(one, value, shapes)
     layouts = policy.variable_shardings(shapes)
 
     def var(x, s, layout):
@@ -376,6 +383,7 @@ def plan_step(
     args: tuple,
     kwargs: dict,
     *,
+    axis_types_of: Callable[[jax.stages.Traced], dict[str, jax.sharding.AxisType]],
     names: Sequence[str],
     batch: Sequence[int],
     batch_names: Sequence[str],
@@ -387,6 +395,7 @@ def plan_step(
     Args:
         policy: the strategy's `LayoutPolicy`.
         trace: the step's ``trace`` (arguments in, `jax.stages.Traced` out, for the strategy's layout).
+        axis_types_of: the axis types a traced program runs with.
         args, kwargs: the arguments, bound to the step's positional parameters where they have names.
         names: the step's positional parameter names (for the roles; ``argument i`` beyond them).
         batch, batch_names: the declared batch arguments.
@@ -414,12 +423,14 @@ def plan_step(
         described.append((k, placed_kwargs[k], k in batch_names))
     mesh = policy.mesh
     if is_plan_mesh(mesh):  # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
-        lowered = trace(*placed, **placed_kwargs).lower(lowering_platforms=("cpu",))
+        traced = trace(*placed, **placed_kwargs)
+        lowered = traced.lower(lowering_platforms=("cpu",))
         memory, text = compile_elsewhere(lowered.as_text(), mesh.size)
         where = f"compiled for {mesh.size} simulated CPU devices in a subprocess"
     else:
         with policy.call_scope():  # traced and lowered on the strategy's mesh, as a call is
-            compiled = trace(*placed, **placed_kwargs).lower().compile()
+            traced = trace(*placed, **placed_kwargs)
+            compiled = traced.lower().compile()
         stats = compiled.memory_analysis()
         memory = {k: int(getattr(stats, k, 0) or 0) for k in MEMORY_FIELDS}
         text = compiled.as_text()
@@ -446,5 +457,5 @@ def plan_step(
         transcendentals=cost.transcendentals, bytes_accessed=cost.bytes_accessed, collectives=collectives,
         replicated_bytes=sum(a.bytes for a in replicated),
         replicated=tuple(sorted(replicated, key=lambda a: -a.bytes)), unknown_loops=cost.unknown_loops,
-        plan_seconds=time.perf_counter() - start, compiled_on=where,
+        plan_seconds=time.perf_counter() - start, compiled_on=where, axis_types=axis_types_of(traced),
     )

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
+from jaxdist.strategies.axis_types import trace_mesh
 from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
 from jaxdist.strategies.meshes import CONTEXT_AXIS, STAGE_AXIS, AxisRoles, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
@@ -539,7 +540,7 @@ class LayoutPolicy:
         """What a step is traced in: this mesh as JAX's abstract mesh (so ``P(...)`` specs, ``out_sharding=`` and
         ``jax.shard_map`` in model code name its axes, as under the user's own ``jax.set_mesh``) and the logical
         rules (``nn.with_logical_constraint`` lays out activations; without rules Flax leaves them alone)."""
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self.flax_rules():
+        with jax.sharding.use_abstract_mesh(trace_mesh(self.mesh).abstract_mesh), self.flax_rules():
             yield
 
     def call_scope(self, args: Any = ()) -> contextlib.AbstractContextManager[Any]:

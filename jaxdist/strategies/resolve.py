@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import on_mesh, path_name
 from jaxdist.replicate.trees import is_distributed, signature
+from jaxdist.strategies.axis_types import explicit_axes, in_trace
 from jaxdist.strategies.layout_rules import annotation, is_box, is_variable
 from jaxdist.strategies.offload import in_host_memory, to_host_memory
 
@@ -89,7 +90,7 @@ def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[A
     (``own[i]`` False: its layout is the policy's, not the value's annotation) typed whole along those axes
     (see the module doc). Values on ``Auto`` axes, annotated ones, and anything on a mesh without ``Explicit``
     axes are returned as they are."""
-    explicit = set(policy.roles.explicit_axes)
+    explicit = set(explicit_axes(policy.mesh))
     if not explicit:
         return list(traced)
     out = []
@@ -121,10 +122,10 @@ def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
         return to_host_memory(jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
-    if policy.roles.explicit_axes and isinstance(sharding, NamedSharding):
+    if explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
         # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it does).
         return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.lax.with_sharding_constraint(x, in_trace(sharding))
 
 
 def _like_argument(policy: Any, tree: Any, concrete: Any) -> Any:

@@ -30,6 +30,7 @@ import numpy as np
 from jaxdist.replicate.trees import is_array
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
+from jaxdist.strategies.axis_types import explicit_axes
 
 __all__ = [
     "Role",
@@ -132,7 +133,7 @@ def typed_role(x: Any, policy: Any) -> Role | None:
     rows split over every batch axis, a batch (also a slice of one inside ``lax.scan``, or under
     ``jax.checkpoint``); split over none of them, a variable; None where the type cannot tell (Auto axes, or a
     value split over the batch axes some other way)."""
-    explicit = set(policy.roles.explicit_axes)
+    explicit = set(explicit_axes(policy.mesh))
     batch_axes = tuple(policy.batch_axes)
     if not explicit or not set(batch_axes) <= explicit or np.ndim(x) < 1:
         return None

@@ -47,6 +47,7 @@ from jaxdist.replicate.trees import fn_name, hashable, is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
 from jaxdist.strategies.agreement import agree, fingerprint
+from jaxdist.strategies.axis_types import explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
@@ -157,7 +158,8 @@ class ReplicaRunner:
                         x = place_batch(self._policy, x, where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
-        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name)
+        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.axis_types) the program is another one.
+        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh))
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
@@ -177,9 +179,8 @@ class ReplicaRunner:
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
         names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)  # one batch axis
-        mesh = policy.mesh if names == policy.mesh.axis_names else Mesh(
-            policy.mesh.devices, names, axis_types=policy.mesh.axis_types
-        )
+        typed = trace_mesh(policy.mesh)  # inside a step whose Explicit axes run Auto: the mesh with them Auto
+        mesh = typed if names == policy.mesh.axis_names else Mesh(typed.devices, names, axis_types=typed.axis_types)
         split = PartitionSpec(axis_name)
         dyn_kinds = [k for k in kinds if k != Role.STATIC]
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
@@ -230,7 +231,7 @@ class ReplicaRunner:
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
         manual = {"axis_names": set(axis_names(axis_name))} if mesh.axis_names != axis_names(axis_name) else {}
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
-        explicit = bool(policy.roles.explicit_axes)
+        explicit = bool(explicit_axes(policy.mesh))
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
                                       sharding=NamedSharding(mesh, spec) if explicit else None)
                  for x, spec in zip(dynamic, in_specs, strict=True)]
@@ -263,7 +264,7 @@ class ReplicaRunner:
                 return shard_mapped(*dyn)
 
         out_shardings = tuple(
-            policy.batch_sharding if s == split else policy.replicated_sharding for s in out_specs
+            in_trace(policy.batch_sharding if s == split else policy.replicated_sharding) for s in out_specs
         )
         compiled = jax.jit(mapped, out_shardings=out_shardings)
         if policy.spans_processes and not traced:  # every process must run this same program (agreement.py)
@@ -288,7 +289,7 @@ class ReplicaRunner:
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
     """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the strategy's)."""
-    if mesh is policy.mesh:
+    if mesh is trace_mesh(policy.mesh):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 

@@ -24,6 +24,7 @@ from jaxdist.replicate.ops import ReduceOp
 from jaxdist.replicate.trees import abstract
 from jaxdist.replicate.values import PerReplica
 from jaxdist.strategies import ambient
+from jaxdist.strategies.axis_types import in_trace
 from jaxdist.strategies.global_view import StrategyFunction
 from jaxdist.strategies.input import check_divisible
 from jaxdist.strategies.policy import LayoutPolicy
@@ -129,7 +130,7 @@ def _reduce_in_trace(policy: LayoutPolicy, op: ReduceOp | None, value: Any) -> A
     def one(v):
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
-                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, policy.batch_sharding), v.owner)
+                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)), v.owner)
             return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
@@ -174,10 +175,12 @@ def _check_static(batches: list[Any], n: int) -> None:
 
 
 def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
-    """Stack the batches on a new axis 0 and place them, axis 1 split over the replicas (one transfer)."""
-    sharding = NamedSharding(policy.mesh, PartitionSpec(None, policy.replica_axis))
+    """Stack the batches on a new axis 0 and place them, each step's batch in the layout a call gives a batch
+    (`LayoutPolicy.batch_layout`: rows over the replicas, a sequence over the context axes), in one transfer."""
 
     def stack(*leaves):
+        layout = policy.batch_layout(np.ndim(leaves[0]), np.shape(leaves[0]))
+        sharding = NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec), memory_kind=layout.memory_kind)
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])

@@ -1,0 +1,223 @@
+"""Which axis types a program runs with: the user's Explicit axes where the step type-checks, Auto where not.
+
+On a mesh with ``Explicit`` axes (``jax.make_mesh``'s default) a value's layout over them is part of its type,
+and JAX refuses code that does not say where a result goes (an embedding lookup of a whole table with indices
+split over the batch axes asks for ``out_sharding=``). Code written for such a mesh (gemma, JAX's training
+cookbook) type-checks and runs with its axes as they are. Code written for one device (most Flax models) does
+not: it runs as JAX runs unannotated code, with those axes ``Auto`` for the program, so XLA propagates layouts
+from the in/out layouts jaxdist resolved. The numbers are the same either way.
+
+The decision is made once per program, when it is traced (`decided`): the step is traced with the mesh's
+Explicit axes; if JAX raises its sharding type error, that trace is dropped whole (nothing of it runs) and the
+program is traced again with those axes Auto (`auto_region`: the program's arguments and results keep their
+Explicit types; inside, the step sees the same mesh with Auto axes). JAX caches the program that traced, so a
+steady-state call never repeats the decision. A user forces either with ``strategy.jit(...,
+axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``).
+
+Inside a program, code that lays values out asks the trace, not the strategy's mesh: `explicit_axes` (the
+mesh's axes Explicit in the current trace) and `trace_mesh` / `in_trace` (the mesh, or a layout on it, as the
+current trace types it).
+
+Examples:
+    >>> import jax, jax.numpy as jnp, jaxdist as jd
+    >>> mesh = jax.make_mesh((8,), ("data",))                  # Explicit, jax.make_mesh's default
+    >>> strategy = jd.ShardedStrategy(mesh=mesh, min_shard_size=1)
+    >>> table = strategy.mirror(jnp.ones((16, 4)))
+    >>> lookup = strategy.jit(lambda table, ids: table[ids].sum(), batch_argnums=1)
+    >>> float(lookup(table, jnp.arange(8)))                   # refused under Explicit types: runs Auto
+    32.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "is_sharding_type_error",
+           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "trace_mesh"]
+
+log = logging.getLogger("jaxdist")
+
+_MARK = "jaxdist_axis_types_auto"  # the named scope of an Auto program's entry (see `retyped`)
+_state = threading.local()  # the axis types the program being traced runs with (set by `decided`)
+
+
+class ExplicitRefused(Exception):
+    """Raised out of a trace with Explicit axes that JAX refused; `decided` traces the program again Auto."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def is_sharding_type_error(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's sharding type error (a layout that Explicit axes' types refuse). JAX does not
+    export the class; it is told by its name, never by its message."""
+    return type(error).__name__ == "ShardingTypeError"
+
+
+def _explicit(mesh: Any) -> tuple[str, ...]:
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit)
+
+
+@functools.cache
+def _auto_twin(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """``mesh`` with its Explicit axes Auto (same devices, names and order)."""
+    types = {a: AxisType.Auto for a in _explicit(mesh)}
+    if isinstance(mesh, AbstractMesh):
+        return mesh.update_axis_types(types)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=tuple(
+        AxisType.Auto if a in types else t for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)))
+
+
+def _in_auto_twin(mesh: Any) -> bool:
+    current = jax.sharding.get_abstract_mesh()
+    return bool(_explicit(mesh)) and not current.empty and current == _auto_twin(mesh.abstract_mesh if isinstance(
+        mesh, Mesh) else mesh)
+
+
+def explicit_axes(mesh: Any) -> tuple[str, ...]:
+    """The axes of ``mesh`` that are Explicit where this is called: none inside a program that runs them Auto
+    (`auto_region`), the mesh's own Explicit axes elsewhere."""
+    return () if _in_auto_twin(mesh) else _explicit(mesh)
+
+
+def trace_mesh(mesh: Any) -> Any:
+    """``mesh`` as the current trace types it: its Auto twin inside `auto_region`, else ``mesh`` itself (what
+    ``jax.shard_map(mesh=...)`` and layouts inside the program must name)."""
+    return _auto_twin(mesh) if _in_auto_twin(mesh) else mesh
+
+
+def in_trace(sharding: Any) -> Any:
+    """A `NamedSharding` on the mesh as the current trace types it (see `trace_mesh`); anything else as it is."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    mesh = trace_mesh(sharding.mesh)
+    if mesh is sharding.mesh:
+        return sharding
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def program_axis_types() -> AxisType | None:
+    """The axis types the program being traced runs with: ``Auto`` (its Explicit axes run Auto), ``Explicit``,
+    or None outside `decided` (Explicit, refusals raised as they are)."""
+    return getattr(_state, "mode", None)
+
+
+@contextlib.contextmanager
+def _mode(mode: AxisType | None, forced: bool) -> Iterator[None]:
+    previous = getattr(_state, "mode", None), getattr(_state, "forced", True)
+    _state.mode, _state.forced = mode, forced
+    try:
+        yield
+    finally:
+        _state.mode, _state.forced = previous
+
+
+def refused(error: BaseException) -> bool:
+    """Whether ``error``, raised tracing a step with Explicit axes, makes `decided` trace it again Auto."""
+    return is_sharding_type_error(error) and not getattr(_state, "forced", True)
+
+
+def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], name: str) -> Any:
+    """``call()`` (which may trace a program of ``name`` on ``mesh``) with the program's axis types decided:
+    ``axis_types`` when given; else the mesh's Explicit axes, and when the trace raises `ExplicitRefused`, the
+    same call again with them Auto (logged once: the program is traced once per decision).
+
+    Raises:
+        The sharding type error of the Explicit trace, with a note, when the Auto trace fails too (with any
+        error: that one is its cause).
+    """
+    if not _explicit(mesh) or _in_auto_twin(mesh):
+        return call()
+    if axis_types is not None:
+        with _mode(axis_types, forced=True):
+            return call()
+    try:
+        with _mode(AxisType.Explicit, forced=False):
+            return call()
+    except ExplicitRefused as explicit:
+        error = explicit.error
+    log.info("%s: runs with the mesh's axes %s Auto (its code does not type-check with them Explicit: XLA "
+             "propagates the layouts); strategy.jit(..., axis_types=...) chooses.", name, _explicit(mesh))
+    try:
+        with _mode(AxisType.Auto, forced=True):
+            return call()
+    except Exception as auto_error:
+        first = (str(auto_error).splitlines() or [""])[0][:300]
+        error.add_note(f"jaxdist: {name} was traced with the mesh's axes {_explicit(mesh)} Auto too, and failed "
+                       f"there as well ({type(auto_error).__name__}: {first}). If some of its code needs Explicit "
+                       "axes (out_sharding=, jax.sharding.reshard naming them) while the operation above needs "
+                       "an annotation under them, annotate that operation too; or drop the annotations that "
+                       "need Explicit axes.")
+        raise error from auto_error
+
+
+@contextlib.contextmanager
+def refusals(mesh: Any, name: str) -> Iterator[None]:
+    """Where a step's own code is traced: JAX's sharding type error becomes `ExplicitRefused` when `decided`
+    may trace the program again Auto; otherwise it gets a note saying what jaxdist knows and what to do."""
+    try:
+        yield
+    except Exception as error:
+        if not is_sharding_type_error(error) or not explicit_axes(mesh):
+            raise
+        if refused(error):
+            raise ExplicitRefused(error) from error
+        forced = program_axis_types() is AxisType.Explicit
+        error.add_note(
+            f"jaxdist: {name} runs with the mesh's axes {explicit_axes(mesh)} Explicit"
+            + (" (axis_types=AxisType.Explicit)" if forced else "")
+            + ": a value's layout over them is part of its type, so code that does not annotate layouts is "
+            "refused, as under plain jax.jit on that mesh. Annotate the operation (out_sharding=, "
+            "jax.sharding.reshard), or let the program run with them Auto: strategy.jit(..., axis_types=None) "
+            "decides per program, axis_types=jax.sharding.AxisType.Auto forces it."
+        )
+        raise
+
+
+@contextlib.contextmanager
+def auto_region(mesh: Any) -> Iterator[None]:
+    """The inside of a program whose Explicit axes run Auto: ``mesh``'s Auto twin is the abstract mesh. Its
+    arguments enter through `retyped`; its results leave by `jax.sharding.reshard` to their layouts outside
+    the region (or `leave_auto`)."""
+    with jax.sharding.use_abstract_mesh(_auto_twin(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh)):
+        yield
+
+
+def retyped(tree: Any) -> Any:
+    """``tree``'s traced arrays typed on the current `auto_region`'s mesh: their layouts unchanged, their
+    types no longer name the Explicit axes (called inside the region). The retyping is marked in the program
+    (a named scope), which is how `ran_auto` reads the decision back from a trace."""
+    def retype(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        return jax.sharding.reshard(x, PartitionSpec(*[None] * x.ndim))
+
+    with jax.named_scope(_MARK):
+        return jax.tree.map(retype, tree)
+
+
+def ran_auto(jaxpr: Any) -> bool:
+    """Whether the traced program ``jaxpr`` (a `jax.stages.Traced`'s) runs its Explicit axes Auto: its
+    arguments were retyped at entry (`retyped`'s mark, at the program's top level)."""
+    return any(_MARK in str(eqn.source_info.name_stack) for eqn in jaxpr.eqns)
+
+
+def leave_auto(mesh: Any, tree: Any) -> Any:
+    """Results of an `auto_region` that no layout retyped: typed Explicit again, whole (called outside it)."""
+    twin = _auto_twin(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh)
+
+    def retype(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jax.typeof(x).sharding.mesh == twin:
+            return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+        return x
+
+    return jax.tree.map(retype, tree)

@@ -1,0 +1,266 @@
+"""Unannotated steps on JAX's default mesh (`jax.make_mesh`: Explicit axes) run as plain jax.jit runs them.
+
+A step that type-checks under the mesh's Explicit axes keeps them; one that does not (no layout annotations, as
+most Flax code) runs with those axes Auto for its program, so XLA propagates layouts from what jaxdist resolved.
+Decided once per program, reported in the log and in `Plan.axis_types`; `strategy.jit(..., axis_types=...)`
+forces either. The numbers are one device's either way.
+"""
+
+import functools
+import logging
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+from tests.registry import adam
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB, WIDTH, LENGTH = 32, 16, 8
+
+
+class TinyLM(nn.Module):
+    """An lm1b-shaped causal LM, written without a single layout annotation (as most Flax code is)."""
+
+    attention: bool = True
+
+    @nn.compact
+    def __call__(self, tokens, valid=None):
+        x = nn.Embed(VOCAB, WIDTH)(tokens)
+        if self.attention:
+            mask = None if valid is None else nn.make_attention_mask(valid, valid)
+            attend = functools.partial(jd.nn.dot_product_attention, causal=True)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attend, deterministic=True)(x, mask=mask)
+        x = x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(x)))
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def _tokens(batch=8, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, LENGTH)).astype(np.int32)
+
+
+def _train(strategy, model, steps=3, valid=None, **jit_kwargs):
+    tokens = _tokens()
+    tx = adam(1e-2)
+
+    def loss_fn(params, tokens):
+        logits = model.apply(params, tokens, valid)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = model.init(jax.random.key(0), tokens[:2])
+    if strategy is None:
+        run, state = jax.jit(step), (params, tx.init(params))
+    else:
+        run = strategy.jit(step, batch_argnums=2, **jit_kwargs)
+        placed = strategy.mirror(params)
+        state = (placed, strategy.mirror(tx.init(params)))
+    losses = []
+    for _ in range(steps):
+        *state, loss = run(*state, tokens)
+        losses.append(float(loss))
+    return losses, jax.device_get(state[0]), run
+
+
+def test_an_unannotated_lm_on_a_make_mesh_mesh_equals_one_device(caplog):
+    expected, params, _ = _train(None, TinyLM(attention=False))
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    assert mesh.axis_types == (AxisType.Explicit,) * 3
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1,
+                                  layout_rules=[("Dense_0/kernel", P("fsdp", "tensor"))])
+    with caplog.at_level(logging.INFO, logger="jaxdist"):
+        losses, got, _ = _train(strategy, TinyLM(attention=False))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, params)
+    said = [r.getMessage() for r in caplog.records if "Auto" in r.getMessage()]
+    assert len(said) == 1 and "step" in said[0], said  # once per program, not per call
+
+
+def test_attention_with_a_flax_padding_mask_on_a_context_axis_of_a_make_mesh_mesh():
+    valid = np.ones((8, LENGTH), bool)
+    valid[:, -2:] = False
+    expected, _, _ = _train(None, TinyLM(), steps=2, valid=valid)
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")), batch_axes="data",
+                                  context_axes="context")
+    losses, _, _ = _train(strategy, TinyLM(), steps=2, valid=valid)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(nn.relu(x))
+
+
+def test_a_pipeline_on_a_make_mesh_mesh_equals_one_device():
+    model = jd.nn.Pipeline(block=Block(), num_layers=4, num_microbatches=2)
+    x = np.random.default_rng(1).normal(size=(8, 8)).astype(np.float32)
+    params = model.init(jax.random.key(0), x)
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("stage", "data")), batch_axes="data",
+                                  stage_axes="stage", min_shard_size=1)
+    placed = strategy.create_variables(model.init, jax.random.key(0), x)
+    got = strategy.jit(model.apply, batch_argnums=1)(placed, x)
+    np.testing.assert_allclose(got, model.apply(params, x), rtol=1e-5, atol=1e-6)
+
+
+def _lookup_step(params, ids):  # an embedding lookup: refused under Explicit types with split ids
+    h = jax.nn.relu(params["table"][ids] @ params["w"])
+    return h.sum()
+
+
+def _mlp_step(params, x):  # type-checks under Explicit types (jaxdist's FSDP variables enter typed whole)
+    return (jax.nn.relu(x @ params["table"]) @ params["w"]).sum()
+
+
+PARAMS = {"table": jax.ShapeDtypeStruct((16, 32), jnp.float32), "w": jax.ShapeDtypeStruct((32, 4), jnp.float32)}
+
+
+def _strategy():
+    return jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), batch_axes="fsdp",
+                              layout_rules=[("w", P(None, "tensor"))], min_shard_size=1)
+
+
+def test_plan_reports_which_axis_types_a_program_runs_with():
+    strategy = _strategy()
+    auto = strategy.jit(_lookup_step, batch_argnums=1)
+    plan = auto.plan(PARAMS, jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert plan.axis_types == {"fsdp": AxisType.Auto, "tensor": AxisType.Auto}
+    assert "Axis types: Auto fsdp, tensor" in str(plan)
+    again = auto.plan(PARAMS, jax.ShapeDtypeStruct((8,), jnp.int32))  # JAX's cached trace: still known
+    assert again.axis_types == plan.axis_types
+    kept = strategy.jit(_mlp_step, batch_argnums=1).plan(PARAMS, jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    assert kept.axis_types == {"fsdp": AxisType.Explicit, "tensor": AxisType.Explicit}
+    # Same layouts, same collectives as the Auto mesh of the same shape: running Auto moves nothing more.
+    auto_mesh = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2),
+                                   batch_axes="fsdp", layout_rules=[("w", P(None, "tensor"))], min_shard_size=1)
+    reference = auto_mesh.jit(_lookup_step, batch_argnums=1).plan(PARAMS, jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert {k: c.count for k, c in plan.collectives.items()} == {k: c.count for k, c in reference.collectives.items()}
+    assert plan.state_bytes == reference.state_bytes
+
+
+def test_axis_types_forces_either_and_bad_values_name_the_fix():
+    strategy = _strategy()
+    params = strategy.mirror({"table": np.arange(512, dtype=np.float32).reshape(16, 32) / 512,
+                              "w": np.ones((32, 4), np.float32)})
+    ids = np.arange(8, dtype=np.int32) % 16
+    expected = float(_lookup_step(jax.device_get(params), ids))
+    assert float(strategy.jit(_lookup_step, batch_argnums=1, axis_types=AxisType.Auto)(params, ids)) == \
+        pytest.approx(expected, rel=1e-6)
+    assert float(strategy.jit(_lookup_step, batch_argnums=1)(params, ids)) == pytest.approx(expected, rel=1e-6)
+    forced = strategy.jit(_lookup_step, batch_argnums=1, axis_types=AxisType.Explicit)
+    with pytest.raises(Exception) as info:
+        forced(params, ids)
+    assert type(info.value).__name__ == "ShardingTypeError"
+    assert any("axis_types=AxisType.Explicit" in n for n in getattr(info.value, "__notes__", []))
+    with pytest.raises(ValueError, match=r"axis_types='auto' is not a jax\.sharding\.AxisType"):
+        strategy.jit(_lookup_step, axis_types="auto")
+
+
+def test_a_step_that_fails_both_ways_raises_the_explicit_error_with_both_noted():
+    strategy = _strategy()
+
+    def step(params, ids):  # needs Explicit types (an out_sharding naming an axis) AND refuses them (the lookup)
+        h = jnp.einsum("bd,dh->bh", params["table"][ids], params["w"], out_sharding=P("fsdp", "tensor"))
+        return h.sum()
+
+    with pytest.raises(Exception) as info:
+        strategy.jit(step, batch_argnums=1).plan(PARAMS, jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert type(info.value).__name__ == "ShardingTypeError"
+    assert any("Auto too" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_a_step_that_type_checks_keeps_explicit_axes_and_its_output_types():
+    mesh = jax.make_mesh((8,), ("data",))
+    strategy = jd.MirroredStrategy(mesh=mesh)
+
+    def step(w, x):
+        return w - 0.1 * jnp.mean(x, axis=0)
+
+    w = strategy.mirror(np.ones(4, np.float32))
+    out = strategy.jit(step, batch_argnums=1)(w, np.ones((16, 4), np.float32))
+    assert out.sharding.mesh == mesh and out.sharding.is_fully_replicated
+    assert jax.typeof(out).sharding.mesh.axis_types == (AxisType.Explicit,)
+    np.testing.assert_allclose(out, np.full(4, 0.9, np.float32))
+
+
+def _token_ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_the_trainer_fits_an_unannotated_lm_on_a_make_mesh_mesh_as_one_device():
+    tokens = _tokens()
+    batches = [(tokens[:, :-1], tokens[:, 1:])] * 3
+    model = TinyLM(attention=False)
+    variables = model.init(jax.random.key(0), tokens[:2, :-1])
+    reference = jd.training.Trainer(jd.OneDeviceStrategy(), model, adam(1e-2), _token_ce, variables=variables)
+    want = reference.fit(batches, steps=3, log_every=1, verbose=0).metric("loss")
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data",
+                                  layout_rules=[("Dense_0/kernel", P(None, "tensor"))], min_shard_size=1)
+    trainer = jd.training.Trainer(strategy, model, adam(1e-2), _token_ce, variables=variables)
+    got = trainer.fit(batches, steps=3, log_every=1, verbose=0).metric("loss")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_an_on_device_loop_of_an_unannotated_step_on_a_make_mesh_mesh():
+    strategy = jd.MirroredStrategy(mesh=jax.make_mesh((8,), ("data",)))
+    table = np.arange(64, dtype=np.float32).reshape(16, 4) / 64
+
+    def step_fn(ctx, state, ids):
+        table, total = state
+        rows = table[ids]  # a lookup: refused under Explicit types, so the loop runs with the axis Auto
+        ctx.set_last_step_output("rows", rows.sum(-1))
+        return table, total + rows.sum()
+
+    ids = [np.arange(8, dtype=np.int32) + i for i in range(3)]
+    ctx = strategy.run_steps_on_dataset(step_fn, iter(ids), iterations=3,
+                                        initial_loop_values=strategy.mirror((table, np.float32(0))))
+    np.testing.assert_allclose(float(ctx.loop_values[1]), sum(table[i].sum() for i in ids), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ctx.last_step_outputs["rows"]), table[ids[-1]].sum(-1), rtol=1e-6)
+
+
+def test_an_on_device_loop_splits_each_batch_over_the_context_axes_as_a_call_does():
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")), batch_axes="data",
+                                  context_axes="context")
+    seen = []
+
+    def step_fn(ctx, total, tokens):
+        seen.append(jax.typeof(tokens).sharding.spec)
+        return total + tokens.sum()
+
+    batches = [np.full((4, 8), i, np.int32) for i in range(2)]
+    ctx = strategy.run_steps_on_dataset(step_fn, iter(batches), iterations=2, initial_loop_values=jnp.int32(0))
+    assert int(ctx.loop_values) == 32
+    call = strategy.jit(lambda tokens: tokens.sum(), batch_argnums=0)
+    assert call.trace(batches[0]).jaxpr.in_avals[0].sharding.spec == seen[-1] == P("data", "context")
+
+
+def test_a_plan_and_a_call_give_every_batch_leaf_the_same_layout():
+    strategy = jd.MirroredStrategy(mesh=jax.make_mesh((8,), ("data",)))
+    mesh = strategy.mesh
+    step = strategy.jit(lambda w, batch: w + sum(jnp.sum(x) for x in jax.tree.leaves(batch)), batch_argnums=1)
+    w = strategy.mirror(np.float32(0))
+    cases = {
+        "placed": jax.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P("data"))),
+        "replicated": jax.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P())),
+        "host": np.ones((8, 2), np.float32),
+    }
+    for name, batch in cases.items():
+        called = step.trace(w, batch).jaxpr.in_avals[1].sharding.spec  # the layout a call gives it
+        planned = {a.path: a.layout for a in step.plan(w, batch).largest_arrays}
+        assert tuple(called)[:1] == ("data",) and not any(tuple(called)[1:]), name
+        assert [v.replace(", None", "") for k, v in planned.items() if "batch" in k] == ["P('data',)"], (name, planned)
+    with pytest.raises(ValueError, match="scalar"):
+        step(w, np.float32(1))
+    with pytest.raises(ValueError, match="scalar"):
+        step.plan(w, np.float32(1))
