@@ -236,7 +236,12 @@ def test_a_mesh_axis_the_strategy_lacks_is_named_with_the_fix_inside_scope():
         assert sum("jaxdist:" in note for note in raised.value.__notes__) == 1  # one note, scope re-entered
     with pytest.raises(ValueError) as raised, mirrored.scope():  # other errors keep their type and message
         raise ValueError("unrelated")
-    assert str(raised.value) == "unrelated"
+    assert str(raised.value) == "unrelated" and not getattr(raised.value, "__notes__", [])
+    explicit = jd.MirroredStrategy(mesh=jax.make_mesh((8,), ("data",)))
+    bias = explicit.mirror(jnp.ones(4))
+    with pytest.raises(ValueError) as raised, explicit.scope():  # a rank mismatch: not about the mesh's axes
+        jax.sharding.reshard(bias, jax.sharding.PartitionSpec(None, None))
+    assert not [n for n in getattr(raised.value, "__notes__", []) if "jaxdist" in n]
 
 
 class LogicalNnx(nnx.Module):

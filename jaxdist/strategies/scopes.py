@@ -6,10 +6,12 @@ Strategy objects"); re-entering the same strategy's scope is fine.
 Inside a scope, Flax applies ``nn.with_partitioning`` / ``nnx.with_partitioning`` annotations on the strategy's
 mesh as the model's code runs, so an annotation naming an axis that mesh lacks fails in JAX, in code jaxdist
 never sees (an nnx module's constructor). jaxdist cannot tell that ``ValueError`` from any other by its type,
-and reading JAX's message would break silently when JAX rewords it; so a ``ValueError`` leaving the scope keeps
-its type and message and gains a note (PEP 678) that says, from what jaxdist knows (the mesh's axes and the
-logical rules), which names an annotation may use here and the fix. Where jaxdist sees the annotations itself
-(``create_variables`` outside a scope, ``strategy.jit``), the layout rules check them before JAX does.
+and reading JAX's message would break silently when JAX rewords it. It looks at what failed instead: when a
+frame of the error's traceback holds a `PartitionSpec` naming an axis the mesh lacks, the error keeps its type
+and message and gains a note (PEP 678) naming that spec, the names an annotation may use here (the mesh's axes
+and the logical rules) and the fix; any other ``ValueError`` (a rank mismatch, say) passes untouched. Where
+jaxdist sees the annotations itself (``create_variables`` outside a scope, ``strategy.jit``), the layout rules
+check them before JAX does.
 """
 
 from __future__ import annotations
@@ -54,27 +56,44 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
         try:
             yield strategy
         except ValueError as error:
-            note = _scope_note(type(strategy).__name__, policy)
-            if note not in getattr(error, "__notes__", ()):  # a re-entered scope notes it once
+            spec = _missing_axis_spec(error, tuple(policy.mesh.axis_names))
+            note = None if spec is None else _scope_note(type(strategy).__name__, policy, spec)
+            if note is not None and note not in getattr(error, "__notes__", ()):  # a re-entered scope notes once
                 error.add_note(note)
             raise
 
 
-def _scope_note(owner: str, policy: LayoutPolicy) -> str:
-    """The note a ``ValueError`` raised inside ``owner``'s scope carries: the axis names a partitioning
-    annotation may use there, and how to fix one that names another.
+def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
+    """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback (the layout
+    that failed), or None."""
+    tb = error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, jax.sharding.PartitionSpec):
+                names = {n for entry in value for n in (entry if isinstance(entry, tuple) else (entry,))
+                         if isinstance(n, str)}
+                if names - set(axes):
+                    return value
+        tb = tb.tb_next
+    return None
+
+
+def _scope_note(owner: str, policy: LayoutPolicy, spec: jax.sharding.PartitionSpec) -> str:
+    """The note a ``ValueError`` raised inside ``owner``'s scope carries when the layout ``spec`` that failed
+    names an axis the mesh lacks: the axis names a partitioning annotation may use there, and the fix.
 
     Examples:
         >>> import jax
-        >>> print(_scope_note("MirroredStrategy", LayoutPolicy(jax.devices()[:2])).splitlines()[0])
+        >>> policy = LayoutPolicy(jax.devices()[:2])
+        >>> print(_scope_note("MirroredStrategy", policy, jax.sharding.PartitionSpec("model")).splitlines()[0])
         jaxdist: raised inside MirroredStrategy.scope(), where the ambient mesh is this strategy's, axes ('replica',).
     """
     axes = tuple(policy.mesh.axis_names)
     rules = policy.rules.logical_axis_rules
     lines = [
         f"jaxdist: raised inside {owner}.scope(), where the ambient mesh is this strategy's, axes {axes}.",
-        f"If it is JAX's error for a sharding naming an axis not in {axes}: a partitioning annotation "
-        "(nn.with_partitioning / nnx.with_partitioning) names an axis this mesh does not have.",
+        f"The layout {spec} names an axis not in {axes}: a partitioning annotation (nn.with_partitioning / "
+        "nnx.with_partitioning) names an axis this mesh does not have.",
     ]
     if rules:
         aliases = tuple(dict.fromkeys(name for name, _ in rules))
