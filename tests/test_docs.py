@@ -1,9 +1,12 @@
 """The documentation: the site builds in strict mode, the reference lists every public name (internals last)
 and shows every docstring example as code, and the code blocks of the README and of every docs page run (a
-page's blocks in order, in one fresh process)."""
+page's blocks in order, as a fresh script: the pages on 8 simulated CPU devices one after another in one
+process, each in a namespace, directory and environment of its own (tests/doc_pages.py), the others each in a
+fresh process)."""
 
 import importlib
 import importlib.util
+import json
 import pathlib
 import re
 import subprocess
@@ -11,8 +14,10 @@ import sys
 import types
 
 import pytest
+from doc_pages import blocks
 
-pytestmark = pytest.mark.slow  # a site build and a process per page
+pytestmark = pytest.mark.slow  # a site build and the pages' code
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
@@ -21,8 +26,21 @@ RUNNABLE = [p for p in PAGES if "```python" in p.read_text()]
 PACKAGES = ["jaxdist", "jaxdist.strategies", "jaxdist.replicate", "jaxdist.gradients", "jaxdist.tpu",
             "jaxdist.training", "jaxdist.strategies.compat", "jaxdist.nn"]
 
-def _blocks(page: pathlib.Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+# Pages that set up 8 simulated CPU devices share one process (one import of jaxdist, ~4 s, instead of one per
+# page); the rest (a cluster, another device count, nothing set up) run in a process of their own.
+SHARED = [p for p in RUNNABLE if 'jax.config.update("jax_num_cpu_devices", 8)' in p.read_text()]
+
+
+@pytest.fixture(scope="session")
+def shared_pages(tmp_path_factory):
+    """What tests/doc_pages.py reports for each page of ``SHARED``: None (ran) or its traceback."""
+    tmp = tmp_path_factory.mktemp("doc-pages")
+    results = tmp / "results.json"
+    runner = [sys.executable, str(ROOT / "tests" / "doc_pages.py"), str(results), *map(str, SHARED)]
+    out = subprocess.run(runner, cwd=tmp, capture_output=True, text=True, timeout=840)
+    ran = json.loads(results.read_text()) if results.exists() else {}
+    died = f"the process running the pages died (exit status {out.returncode}):\n{out.stderr[-3000:]}"
+    return {page: ran.get(str(page), died) for page in SHARED}
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +105,13 @@ def test_every_page_of_the_site_is_built(site):
         assert want in built, f"docs/{page.relative_to(ROOT / 'docs')} is not in the site (add it to mkdocs.yml nav)"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", RUNNABLE, ids=[p.relative_to(ROOT).as_posix() for p in RUNNABLE])
-def test_code_blocks_run(page, tmp_path):
-    code = "\n\n".join(_blocks(page))
+def test_code_blocks_run(page, tmp_path, request):
+    if page in SHARED:
+        problem = request.getfixturevalue("shared_pages")[page]
+        assert problem is None, f"{page.name}'s code blocks failed:\n{problem}"
+        return
+    code = "\n\n".join(blocks(page))
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, f"{page.name}'s code blocks failed:\n{result.stderr[-3000:]}"
