@@ -18,7 +18,9 @@ import jaxdist as jd
 # name -> (factory, devices needed)
 REGISTRY = {
     "one_device": (lambda: jd.OneDeviceStrategy(), 1),
-    "mirrored_2": (lambda: jd.MirroredStrategy(jax.devices()[:2]), 2),
+    # On jax.make_mesh's default (Explicit) axes, as users build meshes: unannotated steps run with them Auto
+    # (test_explicit_meshes and test_sharding_in_types cover FSDP, tensor, context and pipeline axes there).
+    "mirrored_2": (lambda: jd.MirroredStrategy(mesh=jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])), 2),
     "mirrored_8": (lambda: jd.MirroredStrategy(jax.devices()[:8]), 8),
     "sharded_8": (lambda: jd.ShardedStrategy(jax.devices()[:8], min_shard_size=1), 8),
     # FSDP over 4 replicas on a (replica, model) = (4, 2) mesh: variables split on "replica", each replica's

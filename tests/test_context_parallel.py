@@ -1,6 +1,7 @@
 """Context parallelism: a batch's sequence split over context axes, and attention that is correct on it.
 
-Every model here computes on ``(data=2, context=4)`` and ``(context=8)`` what it computes on one device (fp32,
+Every model here computes on ``(data=2, context=4)`` (Explicit axes, ``jax.make_mesh``'s default) and ``(context=8)``
+(Auto) what it computes on one device (fp32,
 rtol 1e-5): loss, gradients and parameters over a few SGD steps, with causal masks, both attention modes,
 with and without load balancing, with padding and packed segments.
 """
@@ -37,7 +38,7 @@ MODES = {  # id: (context, load_balance)
 
 def mesh(kind: str) -> jax.sharding.Mesh:
     if kind == "data2_context4":
-        return jax.make_mesh((2, 4), ("data", "context"), axis_types=(AUTO, AUTO))
+        return jax.make_mesh((2, 4), ("data", "context"))  # jax.make_mesh's default: Explicit axes
     return jax.make_mesh((8,), ("context",), axis_types=(AUTO,))
 
 

@@ -97,23 +97,6 @@ def test_attention_with_a_flax_padding_mask_on_a_context_axis_of_a_make_mesh_mes
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(x.shape[-1])(nn.relu(x))
-
-
-def test_a_pipeline_on_a_make_mesh_mesh_equals_one_device():
-    model = jd.nn.Pipeline(block=Block(), num_layers=4, num_microbatches=2)
-    x = np.random.default_rng(1).normal(size=(8, 8)).astype(np.float32)
-    params = model.init(jax.random.key(0), x)
-    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("stage", "data")), batch_axes="data",
-                                  stage_axes="stage", min_shard_size=1)
-    placed = strategy.create_variables(model.init, jax.random.key(0), x)
-    got = strategy.jit(model.apply, batch_argnums=1)(placed, x)
-    np.testing.assert_allclose(got, model.apply(params, x), rtol=1e-5, atol=1e-6)
-
-
 def _lookup_step(params, ids):  # an embedding lookup: refused under Explicit types with split ids
     h = jax.nn.relu(params["table"][ids] @ params["w"])
     return h.sum()

@@ -38,8 +38,8 @@ def mesh(shape, names):
 STRATEGIES = {
     "stage4_data2": lambda: jd.ShardedStrategy(
         mesh=mesh((4, 2), ("stage", "data")), batch_axes="data", stage_axes="stage", min_shard_size=1),
-    "stage2_fsdp2_tensor2": lambda: jd.ShardedStrategy(
-        mesh=mesh((2, 2, 2), ("stage", "fsdp", "tensor")), batch_axes="fsdp", stage_axes="stage",
+    "stage2_fsdp2_tensor2": lambda: jd.ShardedStrategy(  # jax.make_mesh's default: Explicit axes
+        mesh=jax.make_mesh((2, 2, 2), ("stage", "fsdp", "tensor")), batch_axes="fsdp", stage_axes="stage",
         min_shard_size=1, logical_axis_rules=RULES),
     "stage8": lambda: jd.ShardedStrategy(
         mesh=mesh((8, 1), ("stage", "data")), batch_axes="data", stage_axes="stage", min_shard_size=1),

@@ -131,5 +131,18 @@ def reduce_stacked(stacked: jax.Array, mode: ReduceOp | VariableAggregation, axi
     if mode.name == "MEAN":
         return jnp.mean(stacked, axis=axis)
     if mode.name == "ONLY_FIRST_REPLICA":
-        return jnp.take(stacked, 0, axis=axis)
+        return jnp.take(_typed_whole_along(stacked, axis), 0, axis=axis)
     raise ValueError(f"mode={mode!r}: a stacked per-replica value reduces by SUM, MEAN or ONLY_FIRST_REPLICA.")
+
+
+def _typed_whole_along(x: jax.Array, axis: int) -> jax.Array:
+    """``x`` typed whole along ``axis`` where its type splits that axis over Explicit mesh axes (a reshard: one
+    component is then indexed as on one device); as it is elsewhere."""
+    typed = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(typed, "spec", None)
+    if not spec or axis >= len(spec) or spec[axis] is None:
+        return x
+    mesh = typed.mesh if isinstance(x, jax.core.Tracer) else x.sharding.mesh
+    entries = list(spec)
+    entries[axis] = None
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries)))

@@ -8,7 +8,8 @@ not: it runs as JAX runs unannotated code, with those axes ``Auto`` for the prog
 from the in/out layouts jaxdist resolved. The numbers are the same either way.
 
 The decision is made once per program, when it is traced (`decided`): the step is traced with the mesh's
-Explicit axes; if JAX raises its sharding type error, that trace is dropped whole (nothing of it runs) and the
+Explicit axes; if JAX refuses it by those types (`is_type_refusal`), that trace is dropped whole (nothing of it
+runs) and the
 program is traced again with those axes Auto (`auto_region`: the program's arguments and results keep their
 Explicit types; inside, the step sees the same mesh with Auto axes). JAX caches the program that traced, so a
 steady-state call never repeats the decision. A user forces either with ``strategy.jit(...,
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -40,11 +42,13 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "is_sharding_type_error",
-           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "trace_mesh"]
+__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "is_type_refusal",
+           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "shape_scope", "trace_mesh",
+           "untyped"]
 
 log = logging.getLogger("jaxdist")
 
+_CONSTRAINT_CODE = inspect.unwrap(jax.lax.with_sharding_constraint).__code__
 _MARK = "jaxdist_axis_types_auto"  # the named scope of an Auto program's entry (see `retyped`)
 _state = threading.local()  # the axis types the program being traced runs with (set by `decided`)
 
@@ -57,10 +61,21 @@ class ExplicitRefused(Exception):
         self.error = error
 
 
-def is_sharding_type_error(error: BaseException) -> bool:
-    """Whether ``error`` is JAX's sharding type error (a layout that Explicit axes' types refuse). JAX does not
-    export the class; it is told by its name, never by its message."""
-    return type(error).__name__ == "ShardingTypeError"
+def is_type_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is JAX refusing code under Explicit axes' types: its sharding type error (JAX does not
+    export the class: told by its name), or the assertion ``jax.lax.with_sharding_constraint`` makes when every
+    axis is Explicit (a layout constraint that disagrees with the value's type: told by that function's frame in
+    the traceback). Never by the message."""
+    if type(error).__name__ == "ShardingTypeError":
+        return True
+    if not isinstance(error, AssertionError):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _CONSTRAINT_CODE:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _explicit(mesh: Any) -> tuple[str, ...]:
@@ -123,7 +138,7 @@ def _mode(mode: AxisType | None, forced: bool) -> Iterator[None]:
 
 def refused(error: BaseException) -> bool:
     """Whether ``error``, raised tracing a step with Explicit axes, makes `decided` trace it again Auto."""
-    return is_sharding_type_error(error) and not getattr(_state, "forced", True)
+    return is_type_refusal(error) and not getattr(_state, "forced", True)
 
 
 def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], name: str) -> Any:
@@ -162,12 +177,12 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
 
 @contextlib.contextmanager
 def refusals(mesh: Any, name: str) -> Iterator[None]:
-    """Where a step's own code is traced: JAX's sharding type error becomes `ExplicitRefused` when `decided`
-    may trace the program again Auto; otherwise it gets a note saying what jaxdist knows and what to do."""
+    """Where a step's own code is traced: JAX's refusal (`is_type_refusal`) becomes `ExplicitRefused` when
+    `decided` may trace the program again Auto; otherwise it gets a note saying what jaxdist knows and what to do."""
     try:
         yield
     except Exception as error:
-        if not is_sharding_type_error(error) or not explicit_axes(mesh):
+        if not is_type_refusal(error) or not explicit_axes(mesh):
             raise
         if refused(error):
             raise ExplicitRefused(error) from error
@@ -190,6 +205,24 @@ def auto_region(mesh: Any) -> Iterator[None]:
     the region (or `leave_auto`)."""
     with jax.sharding.use_abstract_mesh(_auto_twin(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh)):
         yield
+
+
+def shape_scope(mesh: Any) -> contextlib.AbstractContextManager[Any]:
+    """Where only shapes are evaluated (``jax.eval_shape`` of a user's model or loss outside any program, e.g.
+    inside ``strategy.scope()``): ``mesh``'s Explicit axes Auto (a shape never depends on axis types, and
+    unannotated code is refused by them); nothing on a mesh without Explicit axes. Arrays entering it pass
+    through `untyped`."""
+    return auto_region(mesh) if _explicit(mesh) else contextlib.nullcontext()
+
+
+def untyped(tree: Any) -> Any:
+    """``tree``'s arrays as `jax.ShapeDtypeStruct`s without a layout (for `shape_scope`)."""
+    def strip(x: Any) -> Any:
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(strip, tree)
 
 
 def retyped(tree: Any) -> Any:

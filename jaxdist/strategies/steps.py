@@ -24,7 +24,7 @@ from jaxdist.replicate.ops import ReduceOp
 from jaxdist.replicate.trees import abstract
 from jaxdist.replicate.values import PerReplica
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import in_trace
+from jaxdist.strategies.axis_types import explicit_axes, in_trace
 from jaxdist.strategies.global_view import StrategyFunction
 from jaxdist.strategies.input import check_divisible
 from jaxdist.strategies.policy import LayoutPolicy
@@ -265,7 +265,10 @@ def _build(
         first = jax.tree.map(lambda x: x[0], stacked)
         with ambient.probe():
             _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state, first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry it too.
+        typed = bool(explicit_axes(policy.mesh))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed else None),
+                             out_shapes)
         trace_ctx = MultiStepContext()
 
         def body(carry, batch):

@@ -10,17 +10,28 @@ the replicas.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 from jaxdist.replicate.trees import abstract, fn_name, merge_static, split_static
 from jaxdist.replicate.values import SyncOnRead
+from jaxdist.strategies.axis_types import (
+    auto_region,
+    decided,
+    explicit_axes,
+    leave_auto,
+    program_axis_types,
+    refusals,
+    retyped,
+)
 from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.policy import LayoutPolicy
 
@@ -56,13 +67,39 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
         # an argument unchanged (jit forwards those) never shares the caller's buffer.
         dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
 
-    def fn(*dyn):
-        call_args, call_kwargs = merge_static(dyn, treedef, statics)
-        return init_fn(*call_args, **call_kwargs)
+    name = fn_name(init_fn)
+    mesh = policy.mesh
 
-    fn.__name__ = fn.__qualname__ = fn_name(init_fn)  # errors name the user's function
-    shapes = jax.eval_shape(fn, *dynamic)
-    return jax.jit(fn, out_shardings=policy.variable_shardings(shapes))(*dynamic)
+    def traced(dyn: tuple) -> tuple[Any, bool]:
+        # On Explicit axes an initializer that does not type-check with them (Flax's logical constraints on
+        # activations, say) runs with them Auto, as a step does (jaxdist.strategies.axis_types).
+        auto = program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
+        with auto_region(mesh) if auto else contextlib.nullcontext():
+            if auto:
+                dyn = retyped(dyn)
+            call_args, call_kwargs = merge_static(dyn, treedef, statics)
+            with refusals(mesh, name):
+                return init_fn(*call_args, **call_kwargs), auto
+
+    def fn(*dyn):
+        out, auto = traced(dyn)
+        return leave_auto(mesh, out) if auto else out
+
+    fn.__name__ = fn.__qualname__ = name  # errors name the user's function
+
+    def create() -> Any:
+        shapes = jax.eval_shape(fn, *dynamic)
+        layouts = jax.tree.leaves(policy.variable_shardings(shapes))
+
+        def leaves(*dyn):  # the leaves, each in its layout (the tree's static parts are eval_shape's)
+            out, auto = traced(dyn)
+            flat = jax.tree.leaves(out)
+            return [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto else flat
+
+        leaves.__name__ = leaves.__qualname__ = name
+        return jax.tree.unflatten(jax.tree.structure(shapes), jax.jit(leaves, out_shardings=layouts)(*dynamic))
+
+    return decided(mesh, None, create, name)
 
 
 def mirror(policy: LayoutPolicy, tree: Any) -> Any:

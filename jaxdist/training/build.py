@@ -18,6 +18,7 @@ import optax
 
 from jaxdist.replicate.trees import abstract
 from jaxdist.strategies import Strategy
+from jaxdist.strategies.axis_types import shape_scope, untyped
 from jaxdist.training.step import TrainState
 from jaxdist.training.weighted import check_value
 
@@ -65,7 +66,8 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
         >>> restore_target(jd.OneDeviceStrategy(), build, args).params["kernel"].shape
         (3, 2)
     """
-    shapes = jax.eval_shape(build, *args)
+    with shape_scope(strategy.mesh):
+        shapes = jax.eval_shape(build, *untyped(args))
     layouts = strategy.variable_shardings(shapes)  # the layout create_variables would use
     return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                         shapes, layouts)

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Plan, Strategy
+from jaxdist.strategies.axis_types import shape_scope, untyped
 from jaxdist.strategies.plan_mesh import abstract_variables
 from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
@@ -233,8 +234,9 @@ class Trainer:
         x, y = self._batches.split(batch, "the first batch", need_targets=False)
         build, args = state_builder(self._model, self.optimizer, self.seed, x)
         if y is not None:
-            self._steps.weighted = check_losses(self._model, self.loss_fn, self.metrics, jax.eval_shape(build, *args),
-                                                x, y)
+            with shape_scope(self.strategy.mesh):
+                self._steps.weighted = check_losses(self._model, self.loss_fn, self.metrics,
+                                                    jax.eval_shape(build, *untyped(args)), x, y)
         return build, args
 
     def sync_model(self) -> None:
