@@ -94,8 +94,9 @@ def _auto_twin(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
 
 def _in_auto_twin(mesh: Any) -> bool:
     current = jax.sharding.get_abstract_mesh()
-    return bool(_explicit(mesh)) and not current.empty and current == _auto_twin(mesh.abstract_mesh if isinstance(
-        mesh, Mesh) else mesh)
+    if current.empty or not _explicit(mesh):
+        return False
+    return current == _auto_twin(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh)
 
 
 def explicit_axes(mesh: Any) -> tuple[str, ...]:
@@ -155,11 +156,14 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     if axis_types is not None:
         with _mode(axis_types, forced=True):
             return call()
+    previous = getattr(_state, "mode", None), getattr(_state, "forced", True)
+    _state.mode, _state.forced = AxisType.Explicit, False  # (inline: every steady-state call comes here)
     try:
-        with _mode(AxisType.Explicit, forced=False):
-            return call()
+        return call()
     except ExplicitRefused as explicit:
         error = explicit.error
+    finally:
+        _state.mode, _state.forced = previous
     log.info("%s: runs with the mesh's axes %s Auto (its code does not type-check with them Explicit: XLA "
              "propagates the layouts); strategy.jit(..., axis_types=...) chooses.", name, _explicit(mesh))
     try:

@@ -146,6 +146,8 @@ class StrategyFunction:
                 "jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
             )
         self._axis_types = axis_types
+        # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips it).
+        self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
         self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
@@ -429,6 +431,8 @@ class StrategyFunction:
     def _decided(self, call: Callable[[], Any]) -> Any:
         """``call()``, whose trace (if it traces) runs with the axis types decided for the program
         (`jaxdist.strategies.axis_types`)."""
+        if not self._decides:
+            return call()
         return decided(self._policy.mesh, self._axis_types, call, fn_name(self._fn))
 
     def axis_types_of(self, traced: jax.stages.Traced) -> dict[str, jax.sharding.AxisType]:
