@@ -234,8 +234,11 @@ def host_test_set_and_state(linen_reference):
 
 
 # One device and two replicas add nothing here that mirrored_8 does not cover; the TPU strategy's jit is the
-# same as mirrored_8's.
-@pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8", "sharded_4x2", SHARDED_DEFAULT])
+# same as mirrored_8's. The (replica, model) mesh runs in the full suite (registry.QUICK_TIER_LEAVES_OUT).
+SHARDED_4X2 = pytest.param("sharded_4x2", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8", SHARDED_4X2, SHARDED_DEFAULT])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_linen_mnist_evaluation_equals_one_device_for_every_test_set_placement(
     strategy_name, placement, linen_reference
@@ -260,7 +263,7 @@ def loss_and_gradient_norm(state, images, labels):
     return loss, optax.tree.norm(grads)
 
 
-@pytest.mark.parametrize("strategy_name", ["sharded_8", "sharded_4x2", SHARDED_DEFAULT])
+@pytest.mark.parametrize("strategy_name", ["sharded_8", SHARDED_4X2, SHARDED_DEFAULT])
 @pytest.mark.parametrize("placement", ["host_declared", "replicated_on_mesh_declared", "host_undeclared"])
 def test_linen_gradient_norm_on_the_test_set_equals_one_device_for_every_placement(
     strategy_name, placement, linen_reference
@@ -385,8 +388,9 @@ def nnx_reference():
 
 
 # Mirrored and Sharded (one device, two replicas and the TPU strategy's jit add nothing the linen tests and
-# test_equivalence's nnx step do not already cover, and each run of the tutorial costs ~10 s on 2 cores).
-NNX_STRATEGIES = pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8", "sharded_4x2"])
+# test_equivalence's nnx step do not already cover, and each run of the tutorial costs ~10 s on 2 cores); the
+# (replica, model) mesh in the full suite only.
+NNX_STRATEGIES = pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8", SHARDED_4X2])
 _nnx_runs: dict[str, dict] = {}
 
 

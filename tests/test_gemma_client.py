@@ -389,8 +389,13 @@ def test_program_on_its_mesh_equals_one_device(kind):
 # ============================================================================================================
 # (b) Through strategy.jit, called exactly like the example calls its jitted step.
 # ============================================================================================================
+# The quick tier runs the in-place (nnx) step; the state-returning (jax) one, a second program of the same
+# model through the same strategy.jit, is in the full suite.
+KINDS = pytest.mark.parametrize("kind", ["nnx", pytest.param("jax", marks=pytest.mark.slow)])
+
+
 @pytest.mark.parametrize("built_in", ["scope", "set_mesh"])
-@pytest.mark.parametrize("kind", ["nnx", "jax"])
+@KINDS
 def test_strategy_jit_equals_one_device_and_keeps_annotated_layouts(kind, built_in):
     mesh = the_mesh()
     want_losses, want_params = one_device(kind)
@@ -415,7 +420,7 @@ def test_strategy_jit_equals_one_device_and_keeps_annotated_layouts(kind, built_
         assert not drift, drift
 
 
-@pytest.mark.parametrize("kind", ["nnx", "jax"])
+@KINDS
 def test_strategy_jit_declared_host_batches(kind):
     """Host (numpy) batches, declared by name: split over the fsdp axis by jaxdist, same numbers and layouts."""
     mesh = the_mesh()
