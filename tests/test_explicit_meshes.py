@@ -8,6 +8,7 @@ forces either. The numbers are one device's either way.
 
 import functools
 import logging
+import warnings
 
 import flax.linen as nn
 import jax
@@ -163,7 +164,7 @@ def test_a_step_that_fails_both_ways_raises_the_explicit_error_with_both_noted()
     assert any("Auto too" in n for n in getattr(info.value, "__notes__", []))
 
 
-def test_a_step_that_type_checks_keeps_explicit_axes_and_its_output_types():
+def test_a_step_that_type_checks_keeps_explicit_axes_and_its_output_types(caplog):
     mesh = jax.make_mesh((8,), ("data",))
     strategy = jd.MirroredStrategy(mesh=mesh)
 
@@ -171,7 +172,12 @@ def test_a_step_that_type_checks_keeps_explicit_axes_and_its_output_types():
         return w - 0.1 * jnp.mean(x, axis=0)
 
     w = strategy.mirror(np.ones(4, np.float32))
-    out = strategy.jit(step, batch_argnums=1)(w, np.ones((16, 4), np.float32))
+    with caplog.at_level(logging.INFO, logger="jaxdist"):
+        out = strategy.jit(functools.partial(step), batch_argnums=1)(w, np.ones((16, 4), np.float32))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].endswith(  # once, the step's name (not functools.partial's) and why
+        ".<locals>.step: runs with the mesh's axes ('data',) Explicit (its code type-checks with them); "
+        "strategy.jit(..., axis_types=...) chooses."), said
     assert out.sharding.mesh == mesh and out.sharding.is_fully_replicated
     assert jax.typeof(out).sharding.mesh.axis_types == (AxisType.Explicit,)
     np.testing.assert_allclose(out, np.full(4, 0.9, np.float32))
@@ -247,3 +253,13 @@ def test_a_plan_and_a_call_give_every_batch_leaf_the_same_layout():
         step(w, np.float32(1))
     with pytest.raises(ValueError, match="scalar"):
         step.plan(w, np.float32(1))
+
+
+def test_a_refused_trace_is_not_counted_as_a_compile():
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("data",)), min_shard_size=1)
+    params = strategy.mirror({"table": np.ones((16, 4), np.float32)})
+    lookup = strategy.jit(lambda params, ids: params["table"][ids].sum(), batch_argnums=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jd.RecompileWarning)  # 5 programs, each traced twice: 5 compiles
+        for n in range(1, 6):
+            assert float(lookup(params, np.arange(8 * n, dtype=np.int32) % 16)) == 32.0 * n

@@ -7,6 +7,7 @@ its shapes (for a cache key or an abstract trace); how does an error name the us
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -132,7 +133,12 @@ def fn_name(fn: Callable | Any) -> str:
         >>> def train_step(): ...
         >>> fn_name(train_step)
         'train_step'
+        >>> import functools
+        >>> fn_name(functools.partial(train_step))
+        'train_step'
     """
+    while isinstance(fn, functools.partial):  # a step wrapped as Flax's examples wrap theirs
+        fn = fn.func
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 

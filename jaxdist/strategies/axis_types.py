@@ -43,7 +43,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "is_type_refusal",
-           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "shape_scope", "trace_mesh",
+           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say", "shape_scope", "trace_mesh",
            "untyped"]
 
 log = logging.getLogger("jaxdist")
@@ -128,13 +128,13 @@ def program_axis_types() -> AxisType | None:
 
 
 @contextlib.contextmanager
-def _mode(mode: AxisType | None, forced: bool) -> Iterator[None]:
-    previous = getattr(_state, "mode", None), getattr(_state, "forced", True)
-    _state.mode, _state.forced = mode, forced
+def _mode(mode: AxisType | None, forced: bool, why: str) -> Iterator[None]:
+    previous = getattr(_state, "mode", None), getattr(_state, "forced", True), getattr(_state, "why", "")
+    _state.mode, _state.forced, _state.why = mode, forced, why
     try:
         yield
     finally:
-        _state.mode, _state.forced = previous
+        _state.mode, _state.forced, _state.why = previous
 
 
 def refused(error: BaseException) -> bool:
@@ -142,10 +142,19 @@ def refused(error: BaseException) -> bool:
     return is_type_refusal(error) and not getattr(_state, "forced", True)
 
 
+def say(mesh: Any, name: str, auto: bool) -> None:
+    """Log, once per program (where it has been traced), the axis types it runs with and why."""
+    if not _explicit(mesh):
+        return
+    why = getattr(_state, "why", "") or "the mesh's own"
+    log.info("%s: runs with the mesh's axes %s %s (%s); strategy.jit(..., axis_types=...) chooses.", name,
+             _explicit(mesh), "Auto" if auto else "Explicit", why)
+
+
 def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], name: str) -> Any:
     """``call()`` (which may trace a program of ``name`` on ``mesh``) with the program's axis types decided:
     ``axis_types`` when given; else the mesh's Explicit axes, and when the trace raises `ExplicitRefused`, the
-    same call again with them Auto (logged once: the program is traced once per decision).
+    same call again with them Auto (the trace that succeeds logs which: `say`).
 
     Raises:
         The sharding type error of the Explicit trace, with a note, when the Auto trace fails too (with any
@@ -154,20 +163,20 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     if not _explicit(mesh) or _in_auto_twin(mesh):
         return call()
     if axis_types is not None:
-        with _mode(axis_types, forced=True):
+        with _mode(axis_types, forced=True, why=f"axis_types=AxisType.{axis_types.name}"):
             return call()
-    previous = getattr(_state, "mode", None), getattr(_state, "forced", True)
-    _state.mode, _state.forced = AxisType.Explicit, False  # (inline: every steady-state call comes here)
+    previous = getattr(_state, "mode", None), getattr(_state, "forced", True), getattr(_state, "why", "")
+    # (inline, not _mode: every steady-state call comes here)
+    _state.mode, _state.forced, _state.why = AxisType.Explicit, False, "its code type-checks with them"
     try:
         return call()
     except ExplicitRefused as explicit:
         error = explicit.error
     finally:
-        _state.mode, _state.forced = previous
-    log.info("%s: runs with the mesh's axes %s Auto (its code does not type-check with them Explicit: XLA "
-             "propagates the layouts); strategy.jit(..., axis_types=...) chooses.", name, _explicit(mesh))
+        _state.mode, _state.forced, _state.why = previous
     try:
-        with _mode(AxisType.Auto, forced=True):
+        with _mode(AxisType.Auto, forced=True, why="its code does not type-check with them Explicit; XLA "
+                   "propagates the layouts jaxdist resolved"):
             return call()
     except Exception as auto_error:
         first = (str(auto_error).splitlines() or [""])[0][:300]

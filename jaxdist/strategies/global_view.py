@@ -56,6 +56,7 @@ from jaxdist.strategies.axis_types import (
     ran_auto,
     refusals,
     retyped,
+    say,
 )
 from jaxdist.strategies.equinox_args import Static, combine, holds_module, partition
 from jaxdist.strategies.input import place_batch
@@ -454,8 +455,7 @@ class StrategyFunction:
             concrete_args = tuple(None if i in self._static else abstract(a) for i, a in enumerate(args))
             concrete_kwargs = {k: abstract(v) for k, v in kwargs.items()}
             concrete_state = abstract(state)
-        if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile
-            self._programs.note_trace(self._fn, _trace_signature(args, self._static))
+        signature = _trace_signature(args, self._static)
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back to host memory).
         args, kwargs, state = to_device_memory((args, kwargs, state))
@@ -478,6 +478,10 @@ class StrategyFunction:
             values = [constrain(policy, v, s, host=in_host_memory(c)) for v, s, c in zip(
                 jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state), strict=True)]
             out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
+        if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile, and a
+            # trace refused under Explicit types (dropped, traced again Auto) never gets here
+            self._programs.note_trace(self._fn, signature)
+            say(policy.mesh, fn_name(self._fn), auto)
         return leave_auto(policy.mesh, out) if auto else out
 
     def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs, concrete_state,

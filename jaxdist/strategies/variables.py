@@ -31,6 +31,7 @@ from jaxdist.strategies.axis_types import (
     program_axis_types,
     refusals,
     retyped,
+    say,
 )
 from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.policy import LayoutPolicy
@@ -93,6 +94,7 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
 
         def leaves(*dyn):  # the leaves, each in its layout (the tree's static parts are eval_shape's)
             out, auto = traced(dyn)
+            say(mesh, name, auto)
             flat = jax.tree.leaves(out)
             return [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto else flat
 
