@@ -263,3 +263,85 @@ def test_a_refused_trace_is_not_counted_as_a_compile():
         warnings.simplefilter("error", jd.RecompileWarning)  # 5 programs, each traced twice: 5 compiles
         for n in range(1, 6):
             assert float(lookup(params, np.arange(8 * n, dtype=np.int32) % 16)) == 32.0 * n
+
+
+def _mlp(sizes=(16, 32, 32, 8)):
+    keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+    return [{"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
+            for k, m, n in zip(keys, sizes[:-1], sizes[1:], strict=False)]
+
+
+def _predict(params, x):
+    for layer in params:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    return x
+
+
+def _sgd(loss):
+    def step(params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    return step
+
+
+def _plain_loss(params, batch):
+    x, y = batch
+    return jnp.mean((_predict(params, x) - y) ** 2)
+
+
+def _shard_map_loss(params, batch):
+    """JAX's shard_map tutorial FSDP: the loss gathers its parameters itself, in_specs from their types."""
+
+    def local(params, batch):
+        params = jax.tree.map(lambda p: jax.lax.all_gather(p, "batch", tiled=True), params)
+        return jax.lax.pmean(_plain_loss(params, batch), "batch")
+
+    return jax.shard_map(local, out_specs=P())(params, batch)
+
+
+def test_a_layout_the_user_placed_is_its_type_and_jaxdists_own_split_is_typed_whole():
+    mesh = jax.make_mesh((4,), ("batch",), devices=jax.devices()[:4])
+    # jaxdist's rule splits every variable's rows: the tutorial's own layout.
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="batch", fsdp_axes="batch",
+                                  layout_rules=[(r"\d+/[wb]$", P("batch"))])
+    params = _mlp()
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32))
+    ours = strategy.create_variables(lambda: params)
+    assert all(a.sharding.spec == P("batch") for a in jax.tree.leaves(ours))
+    # The user places the same parameters with the very same specs, by hand (the tutorial's device_put).
+    users = jax.tree.map(lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, a.sharding.spec)), ours)
+    assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(users), strict=True))
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(batch, NamedSharding(mesh, P("batch")))
+        expected = jax.jit(_sgd(_shard_map_loss))(users, placed)
+        reference = jax.jit(_sgd(_plain_loss))(params, batch)
+
+    # The user's layout stays the type the shard_map infers its in_specs from (jaxdist typing it whole would
+    # gather it twice: a shape error), and the program's outputs stay the user's on the next call.
+    step = strategy.jit(_sgd(_shard_map_loss), batch_argnums=1)
+    got = step(users, batch)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got[0], expected[0])
+    step(got[0], batch)
+
+    # One step, both placements, equal specs: jaxdist's own split enters typed whole, so the unannotated loss
+    # type-checks Explicit; the user's keeps its split type, does not, and runs Auto. Same numbers.
+    traces = []
+
+    def counted(params, batch):
+        traces.append(1)
+        return _sgd(_plain_loss)(params, batch)
+
+    plain = strategy.jit(counted, batch_argnums=1)
+    assert set(plain.axis_types_of(plain.trace(ours, batch)).values()) == {AxisType.Explicit}
+    assert set(plain.axis_types_of(plain.trace(users, batch)).values()) == {AxisType.Auto}
+    for start in (ours, users, ours):
+        new, loss = plain(start, batch)
+        np.testing.assert_allclose(loss, reference[1], rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, reference[0])
+    # The outputs of jaxdist's split are jaxdist's: the next steps trace nothing new.
+    seen = len(traces)
+    plain(plain(new, batch)[0], batch)
+    assert len(traces) == seen

@@ -21,11 +21,13 @@ __all__ = [
     "MODEL_AXIS",
     "REPLICA_AXIS",
     "batch_sharded",
+    "entry_axes",
     "is_on_mesh",
     "on_mesh",
     "path_name",
     "put",
     "replicated",
+    "spec_axes",
     "splits_batch_axis",
 ]
 
@@ -125,6 +127,28 @@ def splits_batch_axis(x: Any, mesh: Mesh, axes: tuple[str, ...] = (REPLICA_AXIS,
         return False
     first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
     return set(axes) <= set(first)
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one `PartitionSpec` entry names (None, a name, or a tuple of names).
+
+    Examples:
+        >>> entry_axes(None), entry_axes("data"), entry_axes(("data", "fsdp"))
+        ((), ('data',), ('data', 'fsdp'))
+    """
+    if entry is None:
+        return ()
+    return tuple(n for n in entry if n is not None) if isinstance(entry, tuple) else (entry,)
+
+
+def spec_axes(spec: Any) -> set[str]:
+    """Every mesh axis a `PartitionSpec` splits over.
+
+    Examples:
+        >>> sorted(spec_axes(PartitionSpec(("data", "fsdp"), None, "tensor")))
+        ['data', 'fsdp', 'tensor']
+    """
+    return {n for entry in spec for n in entry_axes(entry)}
 
 
 def path_name(path: tuple) -> str:

@@ -41,8 +41,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
-from jaxdist.replicate.layouts import on_mesh, path_name, put
+from jaxdist.replicate.layouts import on_mesh, path_name, put, spec_axes
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
@@ -66,6 +67,7 @@ from jaxdist.strategies.plan import Plan, plan_step
 from jaxdist.strategies.plan_mesh import is_plan_mesh, refuse_to_run
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.programs import ProgramCache
+from jaxdist.strategies.provenance import is_own, mark, own_outputs
 from jaxdist.strategies.resolve import constrain, constrain_outputs, nnx_layouts, typed_whole_at_entry
 from jaxdist.strategies.roles import UndeclaredBatchWarning, step_argument_roles
 from jaxdist.strategies.signatures import argument_spec, signature_of
@@ -149,6 +151,9 @@ class StrategyFunction:
         self._axis_types = axis_types
         # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips it).
         self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
+        # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be confused.
+        self._tells_provenance = bool(policy.roles.explicit_axes) and policy.splits_variables
+        self._owned: dict[tuple, list[bool]] = {}  # (static, output treedef) -> outputs in jaxdist's layouts
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
         self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
@@ -327,27 +332,63 @@ class StrategyFunction:
         # before to hold none): every array on the mesh, no declared batch held whole. Then the arguments go
         # to jax.jit as they are; anything else takes the full path (binding, splitting, placing).
         types = None if kwargs or self._static else tuple(map(type, args))
-        if types is not None and types in self._plain_types and _all_on(jax.tree.leaves(args), self._policy.mesh) \
-                and not self._whole_batch(args, kwargs):
-            self._local.args = (args, kwargs, None)  # read only if this call traces
-            try:
-                with self._policy.call_scope(args):
-                    return self._decided(lambda: self._program(())((None, ()), None, *args))
-            finally:
-                self._local.args = None
+        if types is not None and types in self._plain_types:
+            leaves = jax.tree.leaves(args)
+            shardings = _shardings(leaves)
+            if _all_on(leaves, self._policy.mesh, shardings) and not self._whole_batch(args, kwargs):
+                static = (None, (), self._provenance(leaves, shardings))
+                self._local.args = (args, kwargs, None)  # read only if this call traces
+                try:
+                    with self._policy.call_scope(args):
+                        return self._marked(static, self._decided(lambda: self._program(())(static, None, *args)))
+                finally:
+                    self._local.args = None
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         if types is not None and not nodes:
             self._plain_types.add(types)
+        static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
         self._local.args = (placed, kwargs, state)  # read only if this call traces
         try:
             with self._policy.call_scope((placed, kwargs, state)):
-                out = self._decided(lambda: self._program(nodes)((graphdef, nodes), state, *placed, **kwargs))
+                out = self._marked(static, self._decided(
+                    lambda: self._program(nodes)(static, state, *placed, **kwargs)))
         finally:
             self._local.args = None
         if not nodes:
             return out
         out, new_state = out
         nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
+        return out
+
+    def _provenance(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:
+        """Part of the program's cache key: the layouts among the arguments that split a value over Explicit
+        axes and that the user placed (jaxdist's own are typed whole inside the step, the user's keep their
+        type: `jaxdist.strategies.provenance`), so that a program traced for one is never run for the other.
+        None where there is nothing to tell apart; read from the arguments' distinct shardings, except where
+        one layout arrives both ways (then leaf by leaf)."""
+        if not self._tells_provenance:
+            return None
+        shardings = _shardings(leaves) if shardings is None else shardings
+        explicit = self._policy.roles.explicit_axes
+        users = frozenset(s for s in shardings if isinstance(s, NamedSharding) and not is_own(s)
+                          and not spec_axes(s.spec).isdisjoint(explicit))
+        if not users:
+            return None
+        if any(is_own(s) and s in users for s in shardings):
+            return users, tuple(is_own(getattr(x, "sharding", None)) for x in leaves)
+        return users
+
+    def _marked(self, static: tuple, out: Any) -> Any:
+        """``out`` (a call's results), whose shardings are recorded as jaxdist's where the program says their
+        layout is (`jaxdist.strategies.provenance.mark`). JAX reuses a trace for arguments of the same types
+        whatever their layouts, each with an executable (and output sharding objects) of its own: the flags are
+        the trace's, and a call marks the outputs of an executable not seen yet, told by one leaf."""
+        if not self._tells_provenance:
+            return out
+        leaves, treedef = jax.tree.flatten(out)
+        flags = self._owned.get((static, treedef))
+        if flags is not None and True in flags and not is_own(getattr(leaves[flags.index(True)], "sharding", None)):
+            mark(leaves, flags)
         return out
 
     def _agree(self, nnx_static: tuple) -> None:
@@ -424,8 +465,8 @@ class StrategyFunction:
         self._local.args = (placed, kwargs, state)
         try:
             with self._policy.call_scope((placed, kwargs, state)):
-                return self._decided(lambda: getattr(self._program(nodes), stage)(
-                    (graphdef, nodes), state, *placed, **kwargs))
+                static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
+                return self._decided(lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
         finally:
             self._local.args = None
 
@@ -447,7 +488,7 @@ class StrategyFunction:
     # --------------------------------------------------------------------------------------- tracing
     def _traced(self, nnx_static: tuple, state: Any, *args: Any, **kwargs: Any) -> Any:
         policy = self._policy
-        graphdef, nodes = nnx_static
+        graphdef, nodes, _ = nnx_static  # the third: the arguments' layout provenance (`_provenance`)
         if policy.spans_processes:
             self._agree(nnx_static)
         concrete_args, concrete_kwargs, concrete_state = getattr(self._local, "args", None) or (None, None, None)
@@ -473,11 +514,15 @@ class StrategyFunction:
             keys = [tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
             nodes_state = dict(zip(keys, state_layouts, strict=True))
         arguments = [c for i, c in enumerate(concrete_args) if i not in self._static and i not in nodes]
-        out = constrain_outputs(policy, out, arguments, nodes_state, self._out_layouts)
-        if nodes:
-            values = [constrain(policy, v, s, host=in_host_memory(c)) for v, s, c in zip(
-                jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state), strict=True)]
-            out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
+        with own_outputs() as owned:  # which outputs leave in jaxdist's layouts: marked after the call
+            out = constrain_outputs(policy, out, arguments, nodes_state, self._out_layouts)
+            if nodes:
+                values = [constrain(policy, v, s, host=in_host_memory(c)) for v, s, c in zip(
+                    jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state), strict=True)]
+                out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
+            if self._tells_provenance:
+                leaves, treedef = jax.tree.flatten(out)
+                self._owned[(nnx_static, treedef)] = owned(leaves)
         if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile, and a
             # trace refused under Explicit types (dropped, traced again Auto) never gets here
             self._programs.note_trace(self._fn, signature)
@@ -545,10 +590,10 @@ def _shardings(leaves: list[Any]) -> set[Any]:
     return found
 
 
-def _all_on(leaves: list[Any], mesh: Any) -> bool:
+def _all_on(leaves: list[Any], mesh: Any, shardings: set[Any] | None = None) -> bool:
     """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other non-arrays
-    count as placed): decided on their distinct shardings, not leaf by leaf."""
-    shardings = _shardings(leaves)
+    count as placed): decided on their distinct shardings (``shardings``, when read already), not leaf by leaf."""
+    shardings = _shardings(leaves) if shardings is None else shardings
     if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
         return False
     return all(s is None or not _sharding_off(s, mesh) for s in shardings)
@@ -633,24 +678,18 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def _typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:
-    """On Explicit axes: variables whose layout is the policy's own (not an annotation, not a batch) enter the
-    step typed whole along those axes (see `jaxdist.strategies.resolve`)."""
+    """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation, not a batch)
+    enter the step typed whole along those axes (see `jaxdist.strategies.resolve`)."""
     batch_ids = {id(b) for b in batches}
     out = []
     for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
         if i in skip or c is None:
             out.append(a)
             continue
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(a)
-        c_leaves = jax.tree.leaves(c)
-        fixed = []
-        for (path, t), cl in zip(leaves, c_leaves, strict=True):
-            sharding = getattr(cl, "sharding", None)
-            ours = (id(t) not in batch_ids and isinstance(sharding, jax.sharding.NamedSharding)
-                    and np.ndim(cl) and sharding == policy.variable_layout(
-                        path_name(path), jax.ShapeDtypeStruct(np.shape(cl), jax.dtypes.result_type(cl))))
-            fixed.append(typed_whole_at_entry(policy, [t], [sharding], [not ours])[0])
-        out.append(jax.tree.unflatten(treedef.treedef if hasattr(treedef, "treedef") else treedef, fixed))
+        leaves, treedef = jax.tree.flatten(a)
+        layouts = [getattr(cl, "sharding", None) for cl in jax.tree.leaves(c)]
+        kept = [id(t) in batch_ids or not np.ndim(t) for t in leaves]
+        out.append(jax.tree.unflatten(treedef, typed_whole_at_entry(policy, leaves, layouts, kept)))
     if state is not None and state_layouts:
         values = typed_whole_at_entry(policy, jax.tree.leaves(state), state_layouts, annotated)
         state = jax.tree.unflatten(jax.tree.structure(state), values)

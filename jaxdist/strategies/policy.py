@@ -37,6 +37,7 @@ from jaxdist.strategies.axis_types import trace_mesh
 from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
 from jaxdist.strategies.meshes import CONTEXT_AXIS, STAGE_AXIS, AxisRoles, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
+from jaxdist.strategies.provenance import own
 from jaxdist.strategies.roles import placed_as_batch
 
 __all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout", "context_rules"]
@@ -379,8 +380,8 @@ class LayoutPolicy:
             ValueError: when a rule or annotation does not fit the variable.
         """
         if self._variable_hook is not None:
-            return self._variable_hook(path, aval, annotation)
-        return self.rule_layout(path, aval, annotation)
+            return own(self._variable_hook(path, aval, annotation))
+        return own(self.rule_layout(path, aval, annotation))
 
     def rule_layout(
         self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
@@ -431,8 +432,8 @@ class LayoutPolicy:
         layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=is_annotated)
         target = ambient.colocation_target(self)
         if target is not None:
-            return jax.tree.map(lambda _, aval: colocated_layout(target, aval), layouts, shapes)
-        return offload_shardings(self.host_offload, shapes, layouts)
+            return jax.tree.map(lambda _, aval: own(colocated_layout(target, aval)), layouts, shapes)
+        return jax.tree.map(own, offload_shardings(self.host_offload, shapes, layouts))
 
     # ---------------------------------------------------------------------------------------- roles
     def layout_role(self, x: Any) -> str | None:

@@ -25,7 +25,9 @@ variable whose annotation says "whole" stays whole.
 On ``Explicit`` mesh axes a value's layout is part of its type, and model code written for such a mesh
 (gemma) expects the types it annotated. A variable that jaxdist itself split over an ``Explicit`` axis (the
 FSDP rule, not an annotation) therefore enters the step typed whole along it (`jax.sharding.reshard`; XLA
-all-gathers it at entry and reduce-scatters its gradient), as the single-device code it runs expects.
+all-gathers it at entry and reduce-scatters its gradient), as the single-device code it runs expects. Which
+variables jaxdist split is told by where their layout came from (`jaxdist.strategies.provenance`), never by
+their spec: one the user placed keeps its layout as its type, whatever it is.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.replicate.layouts import on_mesh, path_name
+from jaxdist.replicate.layouts import entry_axes, on_mesh, path_name, spec_axes
 from jaxdist.replicate.trees import is_distributed, signature
 from jaxdist.strategies.axis_types import explicit_axes, in_trace
 from jaxdist.strategies.layout_rules import annotation, is_box, is_variable
 from jaxdist.strategies.offload import in_host_memory, to_host_memory
+from jaxdist.strategies.provenance import constrained, is_own, own
 
 __all__ = [
     "constrain",
@@ -85,18 +88,18 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
     return layouts, annotated
 
 
-def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any], own: Sequence[bool]) -> list:
+def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any], kept: Sequence[bool]) -> list:
     """On a mesh with ``Explicit`` axes: each traced variable that jaxdist split over an ``Explicit`` axis
-    (``own[i]`` False: its layout is the policy's, not the value's annotation) typed whole along those axes
-    (see the module doc). Values on ``Auto`` axes, annotated ones, and anything on a mesh without ``Explicit``
-    axes are returned as they are."""
+    (its layout `jaxdist.strategies.provenance.is_own`, and ``kept[i]`` False: not annotated, not a batch) typed
+    whole along those axes (see the module doc). The user's layouts, values on ``Auto`` axes, annotated ones,
+    and anything on a mesh without ``Explicit`` axes are returned as they are."""
     explicit = set(explicit_axes(policy.mesh))
     if not explicit:
         return list(traced)
     out = []
-    for t, layout, annotated in zip(traced, layouts, own, strict=True):
+    for t, layout, keep in zip(traced, layouts, kept, strict=True):
         spec = getattr(layout, "spec", None)
-        if annotated or spec is None or not isinstance(t, jax.Array) or not _uses(spec, explicit):
+        if keep or spec is None or not isinstance(t, jax.Array) or not is_own(layout) or not _uses(spec, explicit):
             out.append(t)
             continue
         out.append(jax.sharding.reshard(t, NamedSharding(policy.mesh, _drop(spec, explicit))))
@@ -104,12 +107,12 @@ def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[A
 
 
 def _uses(spec: PartitionSpec, axes: set[str]) -> bool:
-    return any(n in axes for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)))
+    return bool(spec_axes(spec) & axes)
 
 
 def _drop(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
     def keep(entry):
-        names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and n not in axes)
+        names = tuple(n for n in entry_axes(entry) if n not in axes)
         return None if not names else names[0] if len(names) == 1 else names
 
     return PartitionSpec(*(keep(e) for e in spec))
@@ -121,11 +124,13 @@ def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding):
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
-        return to_host_memory(jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
-    if explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
+        out = to_host_memory(jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
+    elif explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
         # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it does).
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, in_trace(sharding))
+        out = jax.sharding.reshard(x, sharding)
+    else:
+        out = jax.lax.with_sharding_constraint(x, in_trace(sharding))
+    return constrained(out, sharding)
 
 
 def _like_argument(policy: Any, tree: Any, concrete: Any) -> Any:
@@ -143,7 +148,7 @@ def _like_argument(policy: Any, tree: Any, concrete: Any) -> Any:
             continue
         if policy.splits_variables and np.ndim(x) and s.is_fully_replicated:  # settle into the variable layout
             layout = policy.variable_layout(path_name(path), _aval(x))
-            s = layout if s.memory_kind is None else layout.with_memory_kind(s.memory_kind)
+            s = layout if s.memory_kind is None else own(layout.with_memory_kind(s.memory_kind))
         out.append(constrain(policy, x, s, host=in_host_memory(c)))
     return jax.tree.unflatten(treedef, out)
 

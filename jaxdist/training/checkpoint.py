@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdist.strategies.provenance import is_own, mark
 from jaxdist.training import input_state
 from jaxdist.training.checkpoint_damage import (
     CheckpointCorruptedError,
@@ -477,6 +478,8 @@ class Checkpointer:
             if is_damage(error):
                 raise self._damaged(step, error) from error
             raise
+        # A value restored into a layout jaxdist decided is jaxdist's, as the value it replaces was.
+        mark(jax.tree.leaves(restored), [is_own(getattr(a, "sharding", None)) for a in jax.tree.leaves(like)])
         return restored, info
 
     def data_iterator_state(self, step: int | None = None) -> Any:

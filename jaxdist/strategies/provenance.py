@@ -1,0 +1,93 @@
+"""Where a layout came from: jaxdist's own placements told from the user's, by the sharding object itself.
+
+On a mesh with ``Explicit`` axes a variable that jaxdist split by its own rule (FSDP) enters a step typed whole
+(`jaxdist.strategies.resolve.typed_whole_at_entry`), so unannotated single-device code type-checks; a variable
+the user placed keeps its layout as its type inside the step, as under `jax.jit` (a `jax.shard_map` in the step
+infers its ``in_specs`` from it), even where the two specs are equal. The difference is structural, never a
+comparison of specs:
+
+* jaxdist lays variables out with canonical sharding objects (`own`: one object per layout), and an array placed
+  with one carries that very object (`jax.device_put` keeps it; a `jax.jit` program given it as an out sharding
+  returns it);
+* a compiled step's outputs whose layout came from an own one (an argument jaxdist placed, the variable layout)
+  are marked after the program's first call (`mark`): an executable returns the same sharding object at each
+  output position on every call, one of its own, so later outputs are recognised without any work per call;
+* everything else (the user's `jax.device_put`, an eager op's result, a restored array) is the user's.
+
+A layout misread as the user's costs nothing but its type: the step then runs as it would under `jax.jit` with
+that argument (on Explicit axes, Auto where it does not type-check; see `jaxdist.strategies.axis_types`).
+
+Examples:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    >>> mine = own(NamedSharding(mesh, P("fsdp")))
+    >>> is_own(jax.device_put(np.zeros(4), mine).sharding)
+    True
+    >>> is_own(jax.device_put(np.zeros(4), NamedSharding(mesh, P("fsdp"))).sharding)
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from jax.sharding import NamedSharding
+
+__all__ = ["constrained", "is_own", "mark", "own", "own_outputs"]
+
+_CANONICAL: dict[NamedSharding, NamedSharding] = {}  # a layout -> jaxdist's one object for it
+_OWN: dict[int, NamedSharding] = {}  # id -> object: held, so that an id is never reused by another object
+_LOCK = threading.Lock()
+_TRACE = threading.local()  # .owned: {id: traced value} of outputs constrained to an own layout, while tracing
+
+
+def own(sharding: Any) -> Any:
+    """jaxdist's canonical object for ``sharding`` (a layout jaxdist decided): equal to it, and recognised by
+    `is_own` wherever an array carries it. Anything not a `NamedSharding` is returned as it is."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    canonical = _CANONICAL.get(sharding)
+    if canonical is None:
+        with _LOCK:
+            canonical = _CANONICAL.setdefault(sharding, sharding)
+            _OWN[id(canonical)] = canonical
+    return canonical
+
+
+def is_own(sharding: Any) -> bool:
+    """Whether ``sharding`` (an array's, by identity) is a layout jaxdist placed: from `own` or `mark`."""
+    return id(sharding) in _OWN
+
+
+def mark(values: Iterable[Any], flags: Iterable[bool]) -> None:
+    """Record the shardings of ``values`` (a program's outputs) whose ``flags`` say their layout is jaxdist's."""
+    for value, flag in zip(values, flags, strict=True):
+        sharding = getattr(value, "sharding", None)
+        if flag and isinstance(sharding, NamedSharding) and id(sharding) not in _OWN:
+            with _LOCK:
+                _OWN[id(sharding)] = sharding
+
+
+def constrained(value: Any, sharding: Any) -> Any:
+    """``value`` (a traced output just constrained to ``sharding``), noted as jaxdist's where ``sharding`` is
+    and a step's outputs are being recorded (`own_outputs`)."""
+    owned = getattr(_TRACE, "owned", None)
+    if owned is not None and is_own(sharding):
+        owned[id(value)] = value
+    return value
+
+
+@contextlib.contextmanager
+def own_outputs() -> Iterator[Any]:
+    """Record, while a step is traced, which of its outputs leave in an own layout: yields ``flags``, which
+    called on the step's traced output leaves says for each whether it does (for `mark` after the call)."""
+    previous = getattr(_TRACE, "owned", None)
+    _TRACE.owned = owned = {}
+    try:
+        yield lambda leaves: [id(x) in owned and owned[id(x)] is x for x in leaves]
+    finally:
+        _TRACE.owned = previous
