@@ -153,7 +153,8 @@ class StrategyFunction:
         self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
         # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be confused.
         self._tells_provenance = bool(policy.roles.explicit_axes) and policy.splits_variables
-        self._owned: dict[tuple, list[bool]] = {}  # (static, output treedef) -> outputs in jaxdist's layouts
+        # static -> (output treedef, which outputs leave in jaxdist's layouts, the first one's key path)
+        self._owned: dict[tuple, tuple] = {}
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
         self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
@@ -385,9 +386,14 @@ class StrategyFunction:
         the trace's, and a call marks the outputs of an executable not seen yet, told by one leaf."""
         if not self._tells_provenance:
             return out
-        leaves, treedef = jax.tree.flatten(out)
-        flags = self._owned.get((static, treedef))
-        if flags is not None and True in flags and not is_own(getattr(leaves[flags.index(True)], "sharding", None)):
+        entry = self._owned.get(static)
+        if entry is None:
+            return out
+        treedef, flags, first = entry
+        if is_own(getattr(_walk(out, first), "sharding", None)):
+            return out  # an executable seen before (or one whose first such output is)
+        leaves, structure = jax.tree.flatten(out)
+        if structure == treedef:
             mark(leaves, flags)
         return out
 
@@ -522,7 +528,10 @@ class StrategyFunction:
                 out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
             if self._tells_provenance:
                 leaves, treedef = jax.tree.flatten(out)
-                self._owned[(nnx_static, treedef)] = owned(leaves)
+                flags = owned(leaves)
+                if True in flags:
+                    first = jax.tree_util.tree_flatten_with_path(out)[0][flags.index(True)][0]
+                    self._owned[nnx_static] = treedef, flags, first
         if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile, and a
             # trace refused under Explicit types (dropped, traced again Auto) never gets here
             self._programs.note_trace(self._fn, signature)
@@ -614,6 +623,26 @@ def _needs_placing(x: Any, mesh: Any) -> bool:
     if isinstance(x, jax.Array):
         return _sharding_off(x.sharding, mesh)
     return isinstance(x, (np.ndarray, np.generic))
+
+
+def _walk(tree: Any, path: tuple) -> Any:
+    """The leaf of ``tree`` at key ``path``, read by indexing along it (no flattening); None where a key is not
+    a dict key, sequence index or attribute (or the tree has no such leaf)."""
+    for key in path:
+        try:
+            if isinstance(key, jax.tree_util.DictKey):
+                tree = tree[key.key]
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                tree = tree[key.idx]
+            elif is_variable(tree):  # an nnx Variable: its one child is its value
+                tree = tree.get_value()
+            elif isinstance(key, jax.tree_util.GetAttrKey):
+                tree = getattr(tree, key.name)
+            else:
+                return None
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None
+    return tree
 
 
 def _leaf_at(tree: Any, path: tuple) -> Any:
