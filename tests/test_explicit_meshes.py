@@ -253,6 +253,25 @@ def test_a_plan_and_a_call_give_every_batch_leaf_the_same_layout():
         step(w, np.float32(1))
     with pytest.raises(ValueError, match="scalar"):
         step.plan(w, np.float32(1))
+    placed = cases["placed"]
+    step(w, placed)  # the steady path too: a Python number in a batch is an error, not a silent constant
+    for where in (step, step.plan):
+        with pytest.raises(ValueError, match=r"leaf \['lr'\] is a scalar"):
+            where(w, {"x": placed, "lr": 0.1})
+
+
+def test_a_batch_argument_mixing_host_and_placed_leaves_is_laid_out_by_one_rule():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="data")  # batches split over data only
+    step = strategy.jit(lambda batch: sum(jnp.sum(x) for x in jax.tree.leaves(batch)), batch_argnums=0)
+    eight_ways = jax.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh, P(("data", "model"))))
+    batch = {"host": np.ones((8, 2), np.float32), "yours": eight_ways}
+    called = [a.sharding.spec for a in step.trace(batch).jaxpr.in_avals]
+    planned = {a.path: a.layout for a in step.plan(batch).largest_arrays}
+    # The host leaf is split over the batch axes; the one the user placed keeps the user's layout, in both.
+    assert tuple(called[0])[:1] == ("data",) and tuple(called[1])[:1] == (("data", "model"),), called
+    assert sorted(planned.values()) == sorted(str(P(*tuple(s)[:1])) for s in called), (planned, called)
+    assert float(step(batch)) == 32.0
 
 
 def test_a_refused_trace_is_not_counted_as_a_compile():

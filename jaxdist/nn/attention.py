@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec
 from jaxdist.nn.load_balance import positions as _positions
 from jaxdist.nn.load_balance import unzigzag as _unzigzag
 from jaxdist.nn.load_balance import zigzag as _zigzag
+from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
 
@@ -329,7 +330,7 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
 
 
 def _spec_entry(entry: Any, drop: set[str]) -> Any:
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None and n not in drop)
+    names = tuple(n for n in entry_axes(entry) if n not in drop)
     return None if not names else names[0] if len(names) == 1 else names
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxdist.replicate.layouts import on_mesh, path_name, put, spec_axes
+from jaxdist.replicate.layouts import path_name, put, spec_axes
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
@@ -60,7 +60,7 @@ from jaxdist.strategies.axis_types import (
     say,
 )
 from jaxdist.strategies.equinox_args import Static, combine, holds_module, partition
-from jaxdist.strategies.input import place_batch
+from jaxdist.strategies.input import argument_layouts, kept, place_batch, sharding_off
 from jaxdist.strategies.layout_rules import is_variable
 from jaxdist.strategies.offload import in_host_memory, to_device_memory
 from jaxdist.strategies.plan import Plan, plan_step
@@ -224,9 +224,9 @@ class StrategyFunction:
         # Arrays on the mesh keep their layout, except a declared batch that every replica holds whole: it is
         # split (its rows are what the replicas share out; a replicated batch with split variables also walks
         # into an XLA Shardy miscompute). Only the arguments holding an array to move are walked again.
-        todo = [i for i, a in enumerate(args) if i not in self._static and _to_place(a, mesh, policy, i in declared)]
+        todo = [i for i, a in enumerate(args) if i not in self._static and _to_place(a, policy, i in declared)]
         named = [k for k, a in kwargs.items() if k not in self._static_names
-                 and _to_place(a, mesh, policy, k in self._batch_names)]
+                 and _to_place(a, policy, k in self._batch_names)]
         if not todo and not named:
             return args, kwargs, state
         placed = list(args)
@@ -244,21 +244,26 @@ class StrategyFunction:
         return tuple(placed), kwargs, state
 
     def _whole_batch(self, args: tuple, kwargs: dict) -> bool:
-        """Whether a declared batch argument holds a leaf every replica holds whole (to be split)."""
-        if self._policy.num_replicas == 1 or (not self._batch and not self._batch_names):
+        """Whether a declared batch argument holds a leaf every replica holds whole (to be split) or one that
+        is no array on a mesh (to be placed, or refused: `jaxdist.strategies.input.kept`)."""
+        if not self._batch and not self._batch_names:
             return False
         batches = [args[i] for i in self._batch or () if i < len(args)]
         batches += [kwargs[k] for k in self._batch_names if k in kwargs]
-        leaves = jax.tree.leaves(batches)
-        return any(s is not None and s.is_fully_replicated for s in _shardings(leaves))
+        shardings = _shardings(jax.tree.leaves(batches))
+        if None in shardings:
+            return True
+        return self._policy.num_replicas > 1 and any(s.is_fully_replicated for s in shardings)
 
     def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
-        mesh = self._policy.mesh
-        leaves = jax.tree_util.tree_leaves_with_path(tree)
-        if not any(_needs_placing(x, mesh) for _, x in leaves):
+        layouts = argument_layouts(self._policy, tree, False, where)
+        moved = [(p, x) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                             jax.tree.structure(tree).flatten_up_to(layouts), strict=True)
+                 if s is not None]
+        if not moved:
             return tree
         if warn and self._batch is None and not self._warned:
-            ranked = [p for p, x in leaves if _needs_placing(x, mesh) and np.ndim(x) >= 1]
+            ranked = [p for p, x in moved if np.ndim(x) >= 1]
             if ranked:
                 self._warned = True
                 warnings.warn(
@@ -270,9 +275,8 @@ class StrategyFunction:
                     UndeclaredBatchWarning,
                     stacklevel=5,
                 )
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)), tree)
-        layouts = self._policy.variable_shardings(shapes)
-        return jax.tree.map(lambda x, s: put(x, s) if _needs_placing(x, mesh) else x, tree, layouts)
+        return jax.tree.map(lambda x, s: x if s is None else put(x, s), tree, layouts,
+                            is_leaf=lambda x: x is None)
 
     # ------------------------------------------------------------------------------------------ calls
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], Any, Any]:
@@ -581,14 +585,6 @@ class StrategyFunction:
             return out, new_state
 
 
-def _replicated_rows(x: Any, policy: LayoutPolicy) -> bool:
-    """A declared batch leaf on the mesh that every replica holds whole (its rows are not split)."""
-    return (
-        isinstance(x, jax.Array) and np.ndim(x) >= 1 and policy.num_replicas > 1
-        and x.sharding.is_fully_replicated
-    )
-
-
 def _shardings(leaves: list[Any]) -> set[Any]:
     """The distinct shardings of ``leaves`` (None for a value without one). A `jax.Array`'s is read in C
     (``_sharding``, the attribute behind its ``sharding`` property); where some leaf has none (Python and host
@@ -605,24 +601,7 @@ def _all_on(leaves: list[Any], mesh: Any, shardings: set[Any] | None = None) -> 
     shardings = _shardings(leaves) if shardings is None else shardings
     if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
         return False
-    return all(s is None or not _sharding_off(s, mesh) for s in shardings)
-
-
-def _sharding_off(sharding: Any, mesh: Any) -> bool:
-    """Whether an array with ``sharding`` must be moved to be on ``mesh``: not on it (`on_mesh`), except one
-    not laid out over any mesh (a single device's) on exactly the mesh's devices, which jax.jit takes as is.
-    An array on another mesh over the same devices (say the user's, with Explicit axes) is moved: one program
-    does not mix meshes."""
-    if on_mesh(sharding, mesh):
-        return False
-    own = getattr(sharding, "mesh", None)
-    return (own is not None and not own.empty) or sharding.device_set != set(mesh.devices.flat)
-
-
-def _needs_placing(x: Any, mesh: Any) -> bool:
-    if isinstance(x, jax.Array):
-        return _sharding_off(x.sharding, mesh)
-    return isinstance(x, (np.ndarray, np.generic))
+    return all(s is None or not sharding_off(s, mesh) for s in shardings)
 
 
 def _walk(tree: Any, path: tuple) -> Any:
@@ -739,15 +718,12 @@ def _place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(state), moved)
 
 
-def _to_place(a: Any, mesh: Any, policy: LayoutPolicy, batch: bool) -> bool:
-    """Whether argument ``a`` holds an array to move: one not on the mesh, or a declared batch held whole."""
+def _to_place(a: Any, policy: LayoutPolicy, batch: bool) -> bool:
+    """Whether argument ``a`` holds a leaf a call places (`jaxdist.strategies.input.kept`)."""
+    mesh = policy.mesh
     for x in jax.tree.leaves(a):
-        if getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
-            if batch and _replicated_rows(x, policy):
-                return True  # a declared batch held whole by every replica: split it
-            continue  # the common case, checked without a method call
-        if _needs_placing(x, mesh):
-            return True
-        if batch and _replicated_rows(x, policy):
+        if not batch and getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
+            continue  # the common case, checked without a call
+        if not kept(policy, x, batch):
             return True
     return False

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist.replicate.layouts import on_mesh
 from jaxdist.strategies.policy import LayoutPolicy
 from jaxdist.strategies.roles import mark_placed_batch
 
@@ -37,10 +38,14 @@ __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
+    "argument_layouts",
+    "batch_leaf_layout",
     "check_divisible",
     "check_sequence",
+    "kept",
     "place_batch",
     "replicas_on_this_process",
+    "sharding_off",
 ]
 
 
@@ -162,27 +167,87 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
             "the same batch on every process), or put the processes on a batch axis of the mesh."
         )
     leaves, treedef = jax.tree.flatten(batch)
-    todo = []  # indices of leaves to transfer
-    for i, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and x.sharding == policy.batch_layout(x.ndim, x.shape):
-            continue  # already placed: no copy
-        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(batch)[0][i][0])
-        batch_leaf_layout(policy, np.shape(x), f"{where or 'batch'} leaf {path or '<root>'}", where,
-                          process_local=process_local)
-        todo.append(i)
+    layouts = treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
+    todo = [i for i, layout in enumerate(layouts) if layout is not None]
     if todo:
         if n_proc == 1:
             # One process holds the whole global batch; each device gets its own rows, as views (no host copy).
-            moved = [_place_rows(policy.batch_layout(np.ndim(leaves[i]), np.shape(leaves[i])), leaves[i]) for i in todo]
+            moved = [_place_rows(layouts[i], leaves[i]) for i in todo]
         else:
-            moved = [_place_process_rows(policy.batch_layout(np.ndim(leaves[i]), np.shape(leaves[i])), leaves[i],
-                                          process_local, n_proc)
-                     for i in todo]
+            moved = [_place_process_rows(layouts[i], leaves[i], process_local, n_proc) for i in todo]
         for i, m in zip(todo, moved, strict=True):
             leaves[i] = m
     for leaf in leaves:  # the role these arrays carry (where the layout alone cannot say: FSDP)
         mark_placed_batch(leaf)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def sharding_off(sharding: Any, mesh: Any) -> bool:
+    """Whether an array with ``sharding`` must be moved to be on ``mesh``: not on it (`on_mesh`), except one
+    not laid out over any mesh (a single device's) on exactly the mesh's devices, which jax.jit takes as is.
+    An array on another mesh over the same devices (say the user's, with Explicit axes) is moved: one program
+    does not mix meshes."""
+    if on_mesh(sharding, mesh):
+        return False
+    own = getattr(sharding, "mesh", None)
+    return (own is not None and not own.empty) or sharding.device_set != set(mesh.devices.flat)
+
+
+def kept(policy: LayoutPolicy, x: Any, batch: bool) -> bool:
+    """Whether a step takes argument leaf ``x`` as it is (the one rule of calls, plans, on-device loops and
+    distributed input): an array (or a `jax.ShapeDtypeStruct` with a sharding) on the strategy's mesh, except a
+    batch leaf every replica holds whole (its rows are what the replicas share out); a Python value that is no
+    batch leaf; a tracer (the step called inside another's trace). Anything else is placed: a batch leaf split
+    over the replicas (a scalar one is an error), a variable in the variable layout.
+
+    Examples:
+        >>> import jax, numpy as np, jaxdist as jd
+        >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:1])
+        >>> kept(policy, 0.1, batch=False), kept(policy, np.ones(2), batch=False)
+        (True, False)
+    """
+    if isinstance(x, jax.core.Tracer):  # a step called inside another's trace: its values pass through
+        return True
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = x.sharding
+        if sharding is None or sharding_off(sharding, policy.mesh):
+            return False
+        return not (batch and policy.num_replicas > 1 and np.ndim(x) >= 1 and sharding.is_fully_replicated)
+    return not batch and not isinstance(x, (np.ndarray, np.generic))
+
+
+def argument_layouts(policy: LayoutPolicy, value: Any, batch: bool, where: str | None = None, *,
+                     process_local: bool = False) -> Any:
+    """The layout a step's call gives each leaf of argument ``value`` (a pytree; ``batch``: a declared batch),
+    None for a leaf it takes as it is (`kept`): what a call places and what a plan describes, by one rule.
+
+    Raises:
+        ValueError: for a batch leaf that is a scalar, or whose rows the replicas (or sequence the context axes)
+            do not divide.
+
+    Examples:
+        >>> import jax, numpy as np, jaxdist as jd
+        >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:1])
+        >>> argument_layouts(policy, {"x": np.ones((4, 2)), "lr": 0.1}, batch=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: batch leaf ['lr'] is a scalar: every leaf of a batch needs a batch axis 0 ...
+    """
+    if batch:
+        def one(path, x):
+            if kept(policy, x, True):
+                return None
+            leaf = f"{where or 'batch'} leaf {jax.tree_util.keystr(path) or '<root>'}"
+            return batch_leaf_layout(policy, np.shape(x), leaf, where, process_local=process_local)
+
+        return jax.tree_util.tree_map_with_path(one, value)
+    leaves = jax.tree.leaves(value)
+    if all(kept(policy, x, False) for x in leaves):
+        return jax.tree.map(lambda _: None, value)
+    shapes = jax.tree.map(lambda x: x if kept(policy, x, False) else jax.ShapeDtypeStruct(
+        np.shape(x), jax.dtypes.result_type(x)), value)
+    layouts = policy.variable_shardings(shapes)
+    return jax.tree.map(lambda x, layout: None if kept(policy, x, False) else layout, value, layouts)
 
 
 def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, where: str | None = None, *,

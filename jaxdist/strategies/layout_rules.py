@@ -36,7 +36,7 @@ from flax import nnx
 from flax.core.meta import Partitioned
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.replicate.layouts import REPLICA_AXIS, path_name
+from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.meshes import AxisRoles
 
 __all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_variable", "logical_names", "unboxed"]
@@ -188,8 +188,8 @@ class VariableRules:
         if not isinstance(spec, PartitionSpec):
             raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a jax.sharding.PartitionSpec.")
         for entry in spec:
-            for name in entry if isinstance(entry, tuple) else (entry,):
-                if name is not None and name not in self.mesh.axis_names:
+            for name in entry_axes(entry):
+                if name not in self.mesh.axis_names:
                     raise ValueError(
                         f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are {self.mesh.axis_names}"
                         f"{_hint(self.roles)}."
@@ -297,8 +297,7 @@ class VariableRules:
                 f"variable has only {len(shape)}: shorten the PartitionSpec."
             )
         for axis, entry in enumerate(spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            parts = int(np.prod([self.mesh.shape[a] for a in names if a is not None], dtype=np.int64))
+            parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
             if shape[axis] % parts:
                 raise ValueError(
                     f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into {parts} "

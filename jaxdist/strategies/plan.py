@@ -42,10 +42,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxdist.replicate.layouts import on_mesh, path_name
+from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
 from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost
-from jaxdist.strategies.input import batch_leaf_layout
+from jaxdist.strategies.input import argument_layouts
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
 
@@ -279,31 +279,15 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
                                        sharding=layout if isinstance(layout, jax.sharding.Sharding) else None)
                   for x, layout in zip(jax.tree.leaves(state), layouts, strict=True)]
         return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))
-    mesh = policy.mesh
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) if _is_array(x)
-                          else x, value)
-    if batch:
-        def one(path, x, s):
-            if not _is_array(x):
-                return x
-            own = getattr(x, "sharding", None)
-            # As a call does: a batch on the mesh keeps its layout unless every replica holds its rows whole.
-            if on_mesh(own, mesh) and not (s.ndim and policy.num_replicas > 1 and own.is_fully_replicated):
-                return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=own)
-            layout = batch_leaf_layout(policy, s.shape, f"{where} leaf {jax.tree_util.keystr(path) or '<root>'}",
-                                       where)
-            return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout)
+    layouts = argument_layouts(policy, value, batch, where)  # what a call places, and where
 
-        return jax.tree_util.tree_map_with_path(one, value, shapes)
-    layouts = policy.variable_shardings(shapes)
-
-    def var(x, s, layout):
+    def one(x, layout):
         if not _is_array(x):
             return x
-        own = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=own if on_mesh(own, mesh) else layout)
+        return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
+                                    sharding=getattr(x, "sharding", None) if layout is None else layout)
 
-    return jax.tree.map(var, value, shapes, layouts)
+    return jax.tree.map(one, value, layouts, is_leaf=lambda x: x is None)
 
 
 def _per_device(shape: Sequence[int], dtype: Any, sharding: Any) -> tuple[int, list[int]]:
@@ -312,8 +296,7 @@ def _per_device(shape: Sequence[int], dtype: Any, sharding: Any) -> tuple[int, l
     if isinstance(sharding, NamedSharding):
         sizes = dict(sharding.mesh.shape)
         for i, entry in enumerate(sharding.spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            parts[i] = math.prod(sizes[n] for n in names if n is not None)
+            parts[i] = math.prod(sizes[n] for n in entry_axes(entry))
     dims = [-(-d // p) for d, p in zip(shape, parts, strict=True)]
     # a typed PRNG key (``key<fry>``) is no NumPy dtype; its dtype knows its size
     itemsize = dtype.itemsize if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).itemsize
@@ -368,7 +351,7 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
             if batch or not shape or math.prod(shape) < min_size:
                 continue
             spec = getattr(sharding, "spec", None) or ()
-            used = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None}
+            used = spec_axes(spec)
             axes = tuple(a for a in could_split if a not in used and any(
                 d % (p * mesh_sizes[a]) == 0 for d, p in zip(shape, parts, strict=True)))
             if axes:

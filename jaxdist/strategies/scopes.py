@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from jaxdist.replicate.layouts import spec_axes
 from jaxdist.strategies import ambient
 from jaxdist.strategies.policy import LayoutPolicy
 
@@ -70,8 +71,7 @@ def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.shard
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
             if isinstance(value, jax.sharding.PartitionSpec):
-                names = {n for entry in value for n in (entry if isinstance(entry, tuple) else (entry,))
-                         if isinstance(n, str)}
+                names = {n for n in spec_axes(value) if isinstance(n, str)}
                 if names - set(axes):
                     return value
         tb = tb.tb_next

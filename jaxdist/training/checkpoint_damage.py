@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies.offload import to_device_memory
 
 __all__ = [
@@ -195,7 +196,7 @@ def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
     if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto for t in sharding.mesh.axis_types):
         return None  # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
     mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    names = [[] if e is None else list(e) if isinstance(e, tuple) else [e] for e in spec]
+    names = [list(entry_axes(e)) for e in spec]
     used = {a for axes in names for a in axes}
     free = sorted((a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1), key=lambda a: -mesh.shape[a])
     split = False
