@@ -1,4 +1,4 @@
-"""Layers that need the strategy's mesh: context-parallel attention and pipelines.
+"""Layers that need the strategy's mesh: context-parallel attention, pipelines and mixtures of experts.
 
 Examples:
     >>> import jaxdist as jd
@@ -8,8 +8,14 @@ Examples:
     ('Pipeline', 0.2727272727272727)
 """
 
+from jaxdist.nn import experts as experts
+from jaxdist.nn import nnx as nnx
 from jaxdist.nn.attention import dot_product_attention as dot_product_attention
+from jaxdist.nn.moe import MoE as MoE
+from jaxdist.nn.moe import moe_loss as moe_loss
+from jaxdist.nn.moe import update_router_bias as update_router_bias
 from jaxdist.nn.pipeline import Pipeline as Pipeline
 from jaxdist.nn.pipeline import bubble_fraction as bubble_fraction
 
-__all__ = ["Pipeline", "bubble_fraction", "dot_product_attention"]
+__all__ = ["MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "experts", "moe_loss", "nnx",
+           "update_router_bias"]

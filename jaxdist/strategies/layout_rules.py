@@ -37,13 +37,9 @@ from flax.core.meta import Partitioned
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
-from jaxdist.strategies.meshes import AxisRoles
+from jaxdist.strategies.meshes import LAYERS, AxisRoles
 
 __all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_variable", "logical_names", "unboxed"]
-
-LAYERS = "layers"
-"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME: "layers"}``,
-`jaxdist.nn.Pipeline`): split over a strategy's stage axes."""
 
 
 def is_box(x: Any) -> bool:
@@ -167,12 +163,14 @@ class VariableRules:
         self.min_shard_size = min_shard_size
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
         self.logical_axis_rules = tuple(self._check_logical_rule(i, r) for i, r in enumerate(logical_axis_rules or ()))
-        if roles.stage_axes and LAYERS not in {name for name, _ in self.logical_axis_rules}:
-            # Pipeline stages hold their own layers: the stacked layer axis goes over the stage axes (a user's own
-            # "layers" rule wins). Appended, so every user rule keeps its priority; never reported as unmatched
-            # (a model without a pipeline layer is reported as an idle stage axis instead).
-            self.logical_axis_rules += ((LAYERS, roles.stage_entry),)
-        self._implicit = {LAYERS} if roles.stage_axes else set()
+        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert" over the
+        # expert axes, "length" over the context axes, ...): appended where the user's rules do not name them, so
+        # every user rule keeps its priority; never reported as unmatched (a model without a pipeline layer is
+        # reported as an idle stage axis instead).
+        named = {name for name, _ in self.logical_axis_rules}
+        implied = tuple(rule for rule in roles.logical_rules if rule[0] not in named)
+        self.logical_axis_rules += implied
+        self._implicit = {name for name, _ in implied}
         self.activation_axes = frozenset(activation_axes)
 
     # ------------------------------------------------------------------------------------ validation

@@ -10,8 +10,16 @@ A strategy's mesh has two kinds of axes:
   them, its rows are not. A replica (one model copy on one slice of the batch) spans them, so
   ``num_replicas_in_sync`` leaves them out. The FSDP rule splits variables over them too by default (their
   devices would otherwise hold the same weights: MaxText does the same).
+* **expert axes** (expert parallelism): a subset of the batch axes over which the stacked experts of a
+  mixture-of-experts layer (`jaxdist.nn.MoE`, logical name ``"expert"``) are split; tokens travel to their
+  experts' devices by all-to-all inside the layer. Outside expert layers they split the batch like any batch
+  axis ("dp2ep"), and the FSDP rule splits other variables over them unless ``fsdp_axes`` leaves them out.
 * **model axes**: every other axis. Only layout rules and annotations split variables over them (tensor
-  parallelism); a batch is whole along them.
+  parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline stages.
+
+Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and ``"batch"``) the
+context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert axes. They are appended to the
+user's ``logical_axis_rules`` wherever those do not name them.
 
 The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
 ``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand)
@@ -36,7 +44,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
-__all__ = ["CONTEXT_AXIS", "STAGE_AXIS", "AxisRoles", "axis_roles", "short_form_mesh"]
+__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "STAGE_AXIS", "AxisRoles", "axis_roles",
+           "short_form_mesh"]
 
 CONTEXT_AXIS = "context"
 """The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
@@ -44,16 +53,28 @@ CONTEXT_AXIS = "context"
 STAGE_AXIS = "stage"
 """The pipeline-stage axis of a short-form mesh (``ShardedStrategy(pipeline_parallelism=k)``)."""
 
+EXPERT_AXIS = "expert"
+"""The expert axis of a short-form mesh (``ShardedStrategy(expert_parallelism=e)``)."""
+
+LAYERS = "layers"
+"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME: "layers"}``,
+`jaxdist.nn.Pipeline`): split over the stage axes."""
+
+EXPERT_NAMES = ("expert", "exp")
+"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over the expert
+axes."""
+
 
 def short_form_mesh(
     devices: Sequence[jax.Device], model_parallelism: int = 1, context_parallelism: int = 1,
-    pipeline_parallelism: int = 1,
+    pipeline_parallelism: int = 1, expert_parallelism: int = 1,
 ) -> Mesh:
     """``("replica",)`` over ``devices``, or ``("replica", "model")`` = ``(N / k, k)`` with ``k =
     model_parallelism`` (a replica's ``k`` consecutive devices hold one model copy); with
     ``context_parallelism=c > 1`` a ``"context"`` axis of size ``c`` sits before ``"model"``; with
     ``pipeline_parallelism=p > 1`` a leading ``"stage"`` axis of size ``p`` (the outermost, slowest links:
-    stage ``i`` is the ``i``-th block of ``N / p`` devices).
+    stage ``i`` is the ``i``-th block of ``N / p`` devices); with ``expert_parallelism=e > 1`` an ``"expert"``
+    axis of size ``e`` after ``"replica"`` (both batch axes).
 
     Raises:
         ValueError: for ``model_parallelism`` / ``context_parallelism`` / ``pipeline_parallelism`` that is not
@@ -68,8 +89,28 @@ def short_form_mesh(
         {'replica': 2, 'context': 4}
         >>> dict(short_form_mesh(jax.devices()[:8], pipeline_parallelism=4).shape)
         {'stage': 4, 'replica': 2}
+        >>> dict(short_form_mesh(jax.devices()[:8], expert_parallelism=4).shape)
+        {'replica': 2, 'expert': 4}
     """
     devices = tuple(devices)
+    e = expert_parallelism
+    if e != 1:
+        if not isinstance(e, int) or isinstance(e, bool) or e < 1 or len(devices) % e:
+            raise ValueError(
+                f"expert_parallelism={e!r} must be an int >= 1 that divides the {len(devices)} devices (the mesh is "
+                "(replica, expert) = (devices / expert_parallelism, expert_parallelism))."
+            )
+        if context_parallelism != 1 or pipeline_parallelism != 1:
+            raise ValueError(
+                f"expert_parallelism={e} with context_parallelism={context_parallelism} / pipeline_parallelism="
+                f"{pipeline_parallelism}: the short form has one extra axis; build the mesh yourself "
+                "(jax.make_mesh) and name its axes' roles (batch_axes=, expert_axes=, context_axes=, stage_axes=)."
+            )
+        inner = short_form_mesh(devices[:len(devices) // e], model_parallelism)  # validates model_parallelism
+        extra = (MODEL_AXIS,) if MODEL_AXIS in inner.axis_names else ()
+        grid = np.array(devices).reshape(-1, e, *inner.devices.shape[1:])
+        names = (REPLICA_AXIS, EXPERT_AXIS, *extra)
+        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
     if pipeline_parallelism != 1:
         if (not isinstance(pipeline_parallelism, int) or isinstance(pipeline_parallelism, bool)
                 or pipeline_parallelism < 1 or len(devices) % pipeline_parallelism):
@@ -119,10 +160,12 @@ class AxisRoles:
         context_axes: the axes a batch's sequence dimension is split over (empty: none).
         model_axes: every other axis, in mesh order.
         stage_axes: the model axes that pipeline stages are laid out over (empty: no pipeline).
+        expert_axes: the batch axes that the stacked experts of a mixture-of-experts layer are split over.
     """
 
     def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...], fsdp_axes: tuple[str, ...],
-                 context_axes: tuple[str, ...] = (), stage_axes: tuple[str, ...] = ()):
+                 context_axes: tuple[str, ...] = (), stage_axes: tuple[str, ...] = (),
+                 expert_axes: tuple[str, ...] = ()):
         self.mesh = mesh
         self.batch_axes = batch_axes
         self.fsdp_axes = fsdp_axes
@@ -131,6 +174,29 @@ class AxisRoles:
         self.stage_axes = stage_axes
         """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical axis
         ``"layers"`` of stacked layer parameters is split over them."""
+        self.expert_axes = expert_axes
+        """The batch axes the stacked experts are split over (`jaxdist.nn.MoE`: logical axis ``"expert"``)."""
+
+    @property
+    def logical_rules(self) -> tuple[tuple[str, Any], ...]:
+        """The logical axis names the roles give a meaning, as Flax rules ``(name, mesh axes)``: appended to a
+        strategy's ``logical_axis_rules`` wherever those do not name them (a user's rule wins).
+
+        Examples:
+            >>> import jax
+            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "expert")), ("data", "expert"), split=True,
+            ...                    expert_axes="expert")
+            >>> roles.logical_rules
+            (('expert', 'expert'), ('exp', 'expert'))
+        """
+        rules: list[tuple[str, Any]] = []
+        if self.context_axes:  # Flax lm1b / MaxText activation names: activations stay split along the sequence
+            rules += [("length", self.context_entry), ("batch", self.replica_axis)]
+        if self.stage_axes:
+            rules.append((LAYERS, self.stage_entry))
+        if self.expert_axes:
+            rules += [(name, self.expert_entry) for name in EXPERT_NAMES]
+        return tuple(rules)
 
     @property
     def replica_axis(self) -> str | tuple[str, ...] | None:
@@ -143,16 +209,12 @@ class AxisRoles:
     @property
     def fsdp_entry(self) -> str | tuple[str, ...] | None:
         """The FSDP axes as one `PartitionSpec` entry (None: no FSDP axis)."""
-        if not self.fsdp_axes:
-            return None
-        return self.fsdp_axes[0] if len(self.fsdp_axes) == 1 else self.fsdp_axes
+        return _entry(self.fsdp_axes)
 
     @property
     def context_entry(self) -> str | tuple[str, ...] | None:
         """The context axes as one `PartitionSpec` entry (None: no context axis)."""
-        if not self.context_axes:
-            return None
-        return self.context_axes[0] if len(self.context_axes) == 1 else self.context_axes
+        return _entry(self.context_axes)
 
     def size(self, axes: Sequence[str]) -> int:
         """The product of the sizes of ``axes``."""
@@ -161,15 +223,25 @@ class AxisRoles:
     @property
     def stage_entry(self) -> str | tuple[str, ...] | None:
         """The stage axes as one `PartitionSpec` entry (None: no stage axis)."""
-        if not self.stage_axes:
-            return None
-        return self.stage_axes[0] if len(self.stage_axes) == 1 else self.stage_axes
+        return _entry(self.stage_axes)
+
+    @property
+    def expert_entry(self) -> str | tuple[str, ...] | None:
+        """The expert axes as one `PartitionSpec` entry (None: no expert axis)."""
+        return _entry(self.expert_axes)
 
     @property
     def explicit_axes(self) -> tuple[str, ...]:
         """The mesh axes of type ``Explicit`` (a value's layout over them is part of its type)."""
         return tuple(a for a, t in zip(self.mesh.axis_names, self.mesh.axis_types, strict=True)
                      if t == AxisType.Explicit)
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """``axes`` as one `PartitionSpec` entry: None, one name, or the tuple of several."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
 
 
 def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
@@ -188,7 +260,7 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
 
 def axis_roles(
     mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy",
-    context_axes: Any = None, stage_axes: Any = (),
+    context_axes: Any = None, stage_axes: Any = (), expert_axes: Any = (),
 ) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
@@ -202,6 +274,7 @@ def axis_roles(
         strategy: the strategy's name, for error messages.
         context_axes: the axes a batch's sequence dimension is split over (context parallelism); None: none.
         stage_axes: the axes pipeline stages are laid out over (model axes: not batch axes).
+        expert_axes: the batch axes the stacked experts of mixture-of-experts layers are split over.
 
     Raises:
         TypeError: when ``mesh`` is not a `jax.sharding.Mesh`.
@@ -274,4 +347,17 @@ def axis_roles(
             "holds its own layers and sees the whole micro-batch, so a stage axis cannot split a batch's rows; "
             "drop it from batch_axes."
         )
-    return AxisRoles(mesh, batch, fsdp, context, stage)
+    expert = _names(expert_axes or (), "expert_axes", mesh)
+    if expert and not split:
+        raise ValueError(f"expert_axes={expert_axes!r}: a mirroring strategy keeps every expert whole on every "
+                         "device; use ShardedStrategy(mesh=..., batch_axes=..., expert_axes=...) for expert "
+                         "parallelism.")
+    outside = [a for a in expert if a not in batch]
+    if outside:
+        raise ValueError(
+            f"expert_axes={expert_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: outside "
+            "expert layers the expert axes split the batch like any batch axis (tokens are exchanged between "
+            "their devices inside the layer), so they must be batch axes; add it to batch_axes (an axis that "
+            "splits experts cannot also be a tensor axis)."
+        )
+    return AxisRoles(mesh, batch, fsdp, context, stage, expert)

@@ -35,12 +35,12 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, repli
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import trace_mesh
 from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
-from jaxdist.strategies.meshes import CONTEXT_AXIS, STAGE_AXIS, AxisRoles, axis_roles, short_form_mesh
+from jaxdist.strategies.meshes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.provenance import own
 from jaxdist.strategies.roles import placed_as_batch
 
-__all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout", "context_rules"]
+__all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
 
 
 def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.Sharding:
@@ -102,30 +102,6 @@ def _readable_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def context_rules(
-    roles: AxisRoles, logical_axis_rules: Sequence[tuple[str, Any]] | None, activation_axes: Sequence[str]
-) -> tuple[Sequence[tuple[str, Any]] | None, Sequence[str]]:
-    """With context axes: the logical rules with ``("length", context axes)`` and ``("batch", batch axes)``
-    appended where the user's rules do not name them (Flax lm1b / MaxText activation names, so
-    ``nn.with_logical_constraint(x, ("batch", "length", "embed"))`` keeps activations split along the
-    sequence), both declared activation names. Without context axes: the arguments as they are.
-
-    Examples:
-        >>> import jax
-        >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True,
-        ...                    context_axes="context")
-        >>> context_rules(roles, [("embed", None)], ())
-        ([('embed', None), ('length', 'context'), ('batch', 'data')], ('length', 'batch'))
-    """
-    if not roles.context_axes or isinstance(activation_axes, str):
-        return logical_axis_rules, activation_axes
-    rules = list(logical_axis_rules or ())
-    named = {r[0] for r in rules if isinstance(r, (tuple, list)) and r}
-    added = [(name, axes) for name, axes in (("length", roles.context_entry), ("batch", roles.replica_axis))
-             if name not in named]
-    return rules + added, tuple(activation_axes) + tuple(name for name, _ in added)
-
-
 class IdleAxisWarning(UserWarning):
     """A model axis of a strategy's mesh splits none of a program's variables (checked once per compiled step,
     and by `ShardedStrategy.create_variables`).
@@ -168,6 +144,9 @@ class LayoutPolicy:
         stage_axes: with ``mesh``, the model axes pipeline stages are laid out over (the logical axis
             ``"layers"`` of `jaxdist.nn.Pipeline`'s stacked parameters is split over them).
         pipeline_parallelism: the short form's stage count: a leading ``"stage"`` mesh axis of that size.
+        expert_axes: with ``mesh``, the batch axes the stacked experts of `jaxdist.nn.MoE` layers are split over
+            (logical axis ``"expert"``).
+        expert_parallelism: the short form of ``expert_axes``: an ``"expert"`` batch axis of that size.
 
     Raises:
         ValueError: for ``model_parallelism`` that does not divide the devices, bad axis roles, a malformed
@@ -205,6 +184,8 @@ class LayoutPolicy:
         sequence_axis: int = 1,
         stage_axes: str | Sequence[str] | None = None,
         pipeline_parallelism: int = 1,
+        expert_axes: str | Sequence[str] | None = None,
+        expert_parallelism: int = 1,
     ):
         if mesh is None:
             if batch_axes is not None or fsdp_axes is not None or context_axes is not None:
@@ -219,14 +200,21 @@ class LayoutPolicy:
                     f"stage_axes={stage_axes!r} names axes of a mesh: pass mesh= too, or pipeline_parallelism=k for "
                     "the short form's leading 'stage' axis."
                 )
+            if expert_axes is not None:
+                raise ValueError(
+                    f"expert_axes={expert_axes!r} names axes of a mesh: pass mesh= too, or expert_parallelism=e for "
+                    "the short form's 'expert' axis."
+                )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
             # The short form: "model" exists only when asked for (model_parallelism), for rules to split over;
             # "context" only with context_parallelism, "stage" only with pipeline_parallelism.
-            mesh = short_form_mesh(devices, model_parallelism, context_parallelism, pipeline_parallelism)
-            roles = axis_roles(mesh, (REPLICA_AXIS,), None if split_variables else (), split=True,
+            mesh = short_form_mesh(devices, model_parallelism, context_parallelism, pipeline_parallelism,
+                                   expert_parallelism)
+            expert = (EXPERT_AXIS,) if EXPERT_AXIS in mesh.axis_names else ()
+            roles = axis_roles(mesh, (REPLICA_AXIS, *expert), None if split_variables else (), split=True,
                                context_axes=(CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else (),
-                               stage_axes=(STAGE_AXIS,) if pipeline_parallelism != 1 else ())
+                               stage_axes=(STAGE_AXIS,) if pipeline_parallelism != 1 else (), expert_axes=expert)
         else:
             if context_parallelism != 1:
                 raise ValueError(
@@ -243,8 +231,13 @@ class LayoutPolicy:
                     f"mesh= and pipeline_parallelism={pipeline_parallelism!r} both given: name the user mesh's stage "
                     "axes with stage_axes= instead."
                 )
+            if expert_parallelism != 1:
+                raise ValueError(
+                    f"mesh= and expert_parallelism={expert_parallelism!r} both given: name the user mesh's expert "
+                    "axes with expert_axes= instead."
+                )
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes,
-                               stage_axes=stage_axes)
+                               stage_axes=stage_axes, expert_axes=expert_axes)
         if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
             raise ValueError(
                 f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch leaf that holds "
@@ -265,7 +258,8 @@ class LayoutPolicy:
         """The mesh axes a batch's sequence dimension is split over (context parallelism; empty: none)."""
         self.sequence_axis = sequence_axis
         """The dimension of a batch leaf that the context axes split (1: ``(batch, length, ...)``)."""
-        logical_axis_rules, activation_axes = context_rules(roles, logical_axis_rules, activation_axes)
+        self.expert_axes = roles.expert_axes
+        """The batch axes the stacked experts of mixture-of-experts layers are split over (empty: none)."""
         self.rules = VariableRules(
             roles, split=split_variables, min_shard_size=min_shard_size,
             layout_rules=layout_rules or (), logical_axis_rules=logical_axis_rules or (),

@@ -112,6 +112,13 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             `jaxdist.nn.Pipeline` (logical axis ``"layers"``) are split over them and run as a pipeline.
         pipeline_parallelism: the short form of ``stage_axes``: a leading ``"stage"`` mesh axis of that size
             (``(stage, replica)``, or ``(stage, replica, model)`` with ``model_parallelism``).
+        expert_axes: with ``mesh``, the batch axes the stacked experts of mixture-of-experts layers
+            (`jaxdist.nn.MoE`, logical axis ``"expert"`` or ``"exp"``) are split over (expert parallelism);
+            tokens reach their experts by all-to-all inside the layer. Outside expert layers they split the
+            batch like the other batch axes ("dp2ep"), and by default the FSDP rule splits the other variables
+            over them too (``fsdp_axes`` without them opts out).
+        expert_parallelism: the short form of ``expert_axes``: an ``"expert"`` batch axis of that size on the
+            strategy's own mesh ``(replica, expert[, model])``.
         coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
             the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
             JAX's cluster detection, else this process alone).
@@ -170,6 +177,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         sequence_axis: int = 1,
         stage_axes: str | Sequence[str] | None = None,
         pipeline_parallelism: int = 1,
+        expert_axes: str | Sequence[str] | None = None,
+        expert_parallelism: int = 1,
         coordinator_address: str | None = None,
         num_processes: int | None = None,
         process_id: int | None = None,
@@ -189,6 +198,7 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             layout_rules=layout_rules, logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
             host_offload=host_offload, context_axes=context_axes, context_parallelism=context_parallelism,
             sequence_axis=sequence_axis, stage_axes=stage_axes, pipeline_parallelism=pipeline_parallelism,
+            expert_axes=expert_axes, expert_parallelism=expert_parallelism,
         )
         super().__init__(policy, axis_name=axis_name)
         self._reported: set[str] = set()
@@ -197,6 +207,11 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
     def context_axes(self) -> tuple[str, ...]:
         """The mesh axes a batch's sequence dimension is split over (empty: no context parallelism)."""
         return self.policy.context_axes
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The batch axes the stacked experts of mixture-of-experts layers are split over (empty: none)."""
+        return self.policy.expert_axes
 
     @property
     def min_shard_size(self) -> int:

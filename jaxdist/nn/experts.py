@@ -1,0 +1,257 @@
+"""Mixture of experts: routing, capacity, and tokens moved to their experts' devices by all-to-all.
+
+The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of the layer's weights:
+
+* **routing** (float32): ``logits = x @ router``; scores by ``softmax`` or ``sigmoid``; each token picks its
+  ``top_k`` experts (by score, plus the aux-loss-free bias where there is one: it steers the choice, never the
+  weights), weighted by their scores (renormalised to sum to 1 with ``normalize_top_k``).
+* **capacity per sequence** (``capacity_factor=c``): each batch row sends each expert at most
+  ``ceil(c * length * top_k / num_experts)`` tokens (first come, first served, in position order, then by rank);
+  the rest are dropped (their output is 0, plus the shared experts'). Per row, never per device: which tokens
+  drop does not depend on the mesh, so one device's run is the reference of every mesh. ``capacity_factor=None``
+  is dropless: the capacity is the row's length (a token picks an expert at most once), a worst-case buffer.
+* **dispatch**: ``(rows, length, d) -> (rows, experts, capacity, d)`` by a 0/1 einsum; the experts (stacked
+  ``(E, ...)`` weights, a gated MLP) run on their buffers; the outputs are combined back weighted.
+* **expert parallelism**: inside a step of a strategy with expert axes (`jaxdist.ShardedStrategy(expert_axes=
+  ...)` or ``expert_parallelism=e``), the layer runs in a `jax.shard_map` over the mesh: each device routes its
+  own rows, `jax.lax.all_to_all` over the expert axes sends each expert's buffer to the device holding that
+  expert (explicit collectives, fixed shapes) and brings the outputs back. The expert weights are split over
+  the expert axes (logical name ``"expert"``), so each device holds ``1/EP`` of them and of their optimizer
+  state. Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too).
+* **losses and metrics**, over the whole global batch: the Switch load-balancing loss
+  ``E * sum_e f_e P_e``, the router z-loss ``mean(logsumexp(logits)^2)``, tokens per expert, the largest load
+  over the mean, and the fraction of (token, expert) picks dropped.
+
+Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> config = Routing(num_experts=4, top_k=2, capacity_factor=None)
+    >>> weights = init_weights(jax.random.key(0), config, dim=8, hidden=16)
+    >>> y, stats = apply(config, weights, jnp.ones((2, 3, 8)))
+    >>> y.shape, stats.tokens_per_expert.shape, float(stats.dropped_fraction)
+    ((2, 3, 8), (4,), 0.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxdist.strategies import ambient
+from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
+
+__all__ = ["ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "init_weights"]
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How tokens are routed (static: part of the layer's definition).
+
+    Raises:
+        ValueError: for ``num_experts`` or ``top_k`` that is not an int >= 1, ``top_k > num_experts``, a
+            ``capacity_factor`` that is not a number > 0 (or None), or an unknown ``router``.
+    """
+
+    num_experts: int
+    top_k: int
+    capacity_factor: float | None = None
+    router: str = "softmax"
+    normalize_top_k: bool = True
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} > num_experts={self.num_experts}: each token picks top_k distinct experts; "
+                f"use top_k <= {self.num_experts}."
+            )
+        c = self.capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            raise ValueError(
+                f"capacity_factor={c!r} cannot hold one token: give a number > 0 (1.0: each expert takes its even "
+                "share of a sequence's tokens; more drops fewer) or None (dropless)."
+            )
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r} is not one of {ROUTERS}.")
+
+
+class Weights(NamedTuple):
+    """The layer's weights: ``router (d, E)``, stacked experts ``gate``, ``up`` ``(E, d, h)`` and ``down``
+    ``(E, h, d)``, and the aux-loss-free routing ``bias (E,)`` (None: none)."""
+
+    router: jax.Array
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    bias: jax.Array | None = None
+
+
+class Stats(NamedTuple):
+    """Over the whole global batch: ``load_balance`` (Switch: 1.0 when balanced), ``z_loss``,
+    ``tokens_per_expert (E,)`` (picks, before dropping), ``max_load`` (the busiest expert's picks over the
+    mean), ``dropped_fraction`` (of all picks)."""
+
+    load_balance: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    max_load: jax.Array
+    dropped_fraction: jax.Array
+
+
+def capacity(config: Routing, length: int) -> int:
+    """How many tokens of one sequence of ``length`` each expert takes.
+
+    Examples:
+        >>> capacity(Routing(8, 2, capacity_factor=1.0), 16), capacity(Routing(8, 2), 16)
+        (4, 16)
+    """
+    if config.capacity_factor is None:
+        return length
+    return min(length, max(1, math.ceil(config.capacity_factor * length * config.top_k / config.num_experts)))
+
+
+def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int, dtype: Any = jnp.float32) -> Weights:
+    """Weights for ``config`` on inputs of width ``dim`` with experts of ``hidden`` units (lecun normal)."""
+    k = jax.random.split(key, 4)
+    init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                                batch_axis=(0,))
+    e = config.num_experts
+    return Weights(jax.nn.initializers.lecun_normal()(k[0], (dim, e), dtype), init(k[1], (e, dim, hidden), dtype),
+                   init(k[2], (e, dim, hidden), dtype), init(k[3], (e, hidden, dim), dtype))
+
+
+def apply(config: Routing, weights: Weights, x: jax.Array) -> tuple[jax.Array, Stats]:
+    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens): ``(y, stats)``.
+
+    Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the module doc);
+    anywhere else on whatever holds ``x``, all experts local.
+
+    Raises:
+        ValueError: when the expert axes do not divide ``num_experts``.
+    """
+    shape = x.shape
+    rows = shape[0] if x.ndim > 1 else 1
+    x3 = x.reshape(rows, -1, shape[-1])
+    cap = capacity(config, x3.shape[1])
+    policy = _expert_policy()
+    if policy is None:
+        y, sums = _local(config, weights, x3, cap, (), ())
+    else:
+        y, sums = _expert_parallel(policy, config, weights, x3, cap)
+    return y.reshape(shape), _stats(config, sums)
+
+
+# ------------------------------------------------------------------------------------------ per device
+def _route(config: Routing, weights: Weights, x: jax.Array):
+    logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weights.router.astype(jnp.float32))
+    scores = jax.nn.softmax(logits, -1) if config.router == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if weights.bias is None else scores + jax.lax.stop_gradient(weights.bias.astype(jnp.float32))
+    _, experts = jax.lax.top_k(choice, config.top_k)  # (b, l, k)
+    picked = jnp.take_along_axis(scores, experts, -1)
+    if config.normalize_top_k:
+        picked = picked / jnp.sum(picked, -1, keepdims=True)
+    return logits, scores, experts, picked
+
+
+def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axes: tuple, batch_axes: tuple):
+    """One device's rows ``x (b, l, d)``: routed, sent to the experts (over ``expert_axes`` when any), combined.
+    Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (the global batch)."""
+    b, length, _ = x.shape
+    e, k = config.num_experts, config.top_k
+    logits, scores, experts, picked = _route(config, weights, x)
+    onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (b, l, k, e)
+    # Each pick's place in its expert's buffer: first come, first served along the row (position, then rank).
+    position = jnp.cumsum(onehot.reshape(b, length * k, e), axis=1).reshape(b, length, k, e) - 1
+    position = jnp.sum(position * onehot, -1)  # (b, l, k)
+    kept = position < cap
+    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)  # a dropped pick: no slot
+    dispatch = jnp.einsum("blke,blkc->blec", onehot.astype(x.dtype), slot)
+    combine = jnp.einsum("blk,blke,blkc->blec", (picked * kept).astype(x.dtype), onehot.astype(x.dtype), slot)
+    h = jnp.einsum("bld,blec->becd", x, dispatch)  # (b, e, c, d): each expert's buffer of this device's rows
+    if expert_axes:  # each device gets its experts' buffers from every device of the expert group
+        h = jax.lax.all_to_all(h, expert_axes, 1, 0, tiled=True)  # (b * EP, e / EP, c, d)
+    gate = jnp.einsum("gecd,edh->gech", h, weights.gate.astype(x.dtype))
+    up = jnp.einsum("gecd,edh->gech", h, weights.up.astype(x.dtype))
+    out = jnp.einsum("gech,ehd->gecd", config.activation(gate) * up, weights.down.astype(x.dtype))
+    if expert_axes:
+        out = jax.lax.all_to_all(out, expert_axes, 0, 1, tiled=True)  # back: (b, e, c, d)
+    y = jnp.einsum("becd,blec->bld", out, combine)
+    sums = (
+        jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32),  # picks per expert
+        jnp.sum(scores, (0, 1)),  # scores per expert
+        jnp.sum(jax.nn.logsumexp(logits, -1) ** 2),
+        jnp.sum(kept).astype(jnp.float32),
+        jnp.float32(b * length),
+    )
+    if batch_axes:
+        sums = jax.lax.psum(sums, batch_axes)
+    return y, sums
+
+
+def _stats(config: Routing, sums) -> Stats:
+    picks, score_sums, z_sum, kept, tokens = sums
+    e, k = config.num_experts, config.top_k
+    f = picks / (tokens * k)
+    p = score_sums / tokens
+    mean = jnp.mean(picks)
+    return Stats(load_balance=e * jnp.sum(f * p), z_loss=z_sum / tokens, tokens_per_expert=picks,
+                 max_load=jnp.max(picks) / jnp.maximum(mean, 1.0), dropped_fraction=1.0 - kept / (tokens * k))
+
+
+# ------------------------------------------------------------------------------------- expert parallel
+def _expert_policy() -> Any | None:
+    """The layout policy of the strategy step being traced, when it has expert axes of size > 1."""
+    frame = ambient.current_computation()
+    if frame is None or frame.kind != "global":
+        return None
+    policy = frame.policy
+    axes = getattr(policy, "expert_axes", ())
+    if not axes or policy.roles.size(axes) == 1:
+        return None
+    return policy
+
+
+def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int):
+    roles = policy.roles
+    axes, batch = tuple(roles.expert_axes), tuple(roles.batch_axes)
+    ep = roles.size(axes)
+    if config.num_experts % ep:
+        raise ValueError(
+            f"num_experts={config.num_experts} is not divisible by the {ep} devices of expert_axes={axes} "
+            f"(sizes {[policy.mesh.shape[a] for a in axes]}): each device holds num_experts / {ep} experts; use a "
+            f"multiple of {ep} experts, or expert axes whose sizes multiply to a divisor of {config.num_experts}."
+        )
+    rows = roles.size(batch)
+    if x.shape[0] % rows:
+        raise ValueError(
+            f"jd.nn.MoE got {x.shape[0]} rows (sequences), which the {rows} devices of batch_axes={batch} do not "
+            "divide: each device routes its own rows; the layer's input keeps the batch's rows on axis 0."
+        )
+    mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
+    expert_entry, batch_entry = roles.expert_entry, roles.replica_axis
+    x_spec = PartitionSpec(batch_entry)
+    w_spec = PartitionSpec(expert_entry)
+    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec, None if weights.bias is None else PartitionSpec())
+    if explicit_axes(policy.mesh):  # sharding in types: the operands are retyped to the layouts the layer needs
+        x = jax.sharding.reshard(x, x_spec)
+        weights = Weights(*(w if w is None else jax.sharding.reshard(w, s) for w, s in zip(weights, specs,
+                                                                                          strict=True)))
+
+    def local(w: Weights, rows_x: jax.Array):
+        return _local(config, w, rows_x, cap, axes, batch)
+
+    stats_spec = (PartitionSpec(),) * 5
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, stats_spec))
+    return fn(weights, x)
+
