@@ -255,3 +255,24 @@ def test_moe_errors_name_the_fix():
     params = strategy.create_variables(model.init, jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the 8 devices of expert_axes=\('expert'"):
         strategy.jit(model.apply, batch_argnums=1)(params, x)
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_the_trainer_adds_the_moe_losses_and_logs_the_router_metrics(kind):
+    tokens = _tokens()
+    batches = [(tokens, np.roll(tokens, -1, axis=1))] * 3
+
+    def ce(logits, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def fit(strategy):
+        model = MoELM() if kind == "linen" else NnxMoELM(nnx.Rngs(0))
+        trainer = jd.training.Trainer(strategy, model, adam(1e-2), ce, seed=0)
+        return trainer.fit(batches, steps=3, log_every=1, verbose=0)
+
+    expected = fit(jd.OneDeviceStrategy())
+    got = fit(MESHES["data2_expert4"]())
+    for name in ("loss", "moe_aux_loss", "moe_max_load", "moe_dropped_fraction"):
+        np.testing.assert_allclose(got.metric(name), expected.metric(name), rtol=1e-5, err_msg=name)
+    assert all(v > 0 for v in got.metric("moe_aux_loss"))
+    assert all(v >= 1 for v in got.metric("moe_max_load"))

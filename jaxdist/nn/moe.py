@@ -37,7 +37,10 @@ import jax.numpy as jnp
 
 from jaxdist.nn.experts import Routing, Stats, Weights, apply
 
-__all__ = ["MoE", "moe_loss", "update_router_bias"]
+__all__ = ["SOWN", "MoE", "moe_loss", "moe_metrics", "update_router_bias"]
+
+SOWN = ("moe_losses", "moe_metrics")
+"""The collections `MoE` sows into on every call (values of that call, not state carried between steps)."""
 
 EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "embed", "mlp"),
                   "wo": ("expert", "mlp", "embed")}
@@ -126,6 +129,37 @@ def moe_loss(sown: Any) -> jax.Array:
     """
     losses = sown.get("moe_losses", sown) if isinstance(sown, dict) else sown
     return sum((jnp.asarray(v, jnp.float32) for v in jax.tree.leaves(losses)), jnp.float32(0))
+
+
+def moe_metrics(sown: Any) -> dict[str, jax.Array]:
+    """The router metrics the MoE layers sowed, as scalars over every layer: ``moe_max_load`` (the largest of
+    the layers' busiest-expert loads over the mean), ``moe_dropped_fraction`` and ``moe_load_balance`` (their
+    means); empty when there is none.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> m = moe_metrics({"moe_metrics": {"a": {"max_load": (2.0,), "dropped_fraction": (0.5,),
+        ...                                        "load_balance": (1.0,)}}})
+        >>> {k: float(v) for k, v in m.items()}
+        {'moe_max_load': 2.0, 'moe_dropped_fraction': 0.5, 'moe_load_balance': 1.0}
+    """
+    layers = sown.get("moe_metrics", {}) if isinstance(sown, dict) else {}
+    found: dict[str, list] = {"max_load": [], "dropped_fraction": [], "load_balance": []}
+
+    def visit(tree):
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                if key in found:
+                    found[key].extend(jnp.asarray(v, jnp.float32) for v in jax.tree.leaves(value))
+                else:
+                    visit(value)
+
+    visit(layers)
+    if not found["max_load"]:
+        return {}
+    return {"moe_max_load": jnp.max(jnp.stack(found["max_load"])),
+            "moe_dropped_fraction": jnp.mean(jnp.stack(found["dropped_fraction"])),
+            "moe_load_balance": jnp.mean(jnp.stack(found["load_balance"]))}
 
 
 def update_router_bias(bias: jax.Array, stats: Stats | jax.Array, rate: float = 1e-3) -> jax.Array:

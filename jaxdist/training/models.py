@@ -23,6 +23,8 @@ import flax.traverse_util
 import jax
 from flax import nnx
 
+from jaxdist.nn.moe import SOWN
+from jaxdist.nn.nnx import MoE as NnxMoE
 from jaxdist.strategies.layout_rules import annotation, is_variable, unboxed
 
 __all__ = ["LinenModel", "NnxModel", "as_model", "model_kind"]
@@ -122,21 +124,28 @@ class LinenModel:
             rngs = {"params": keys[0], **dict(zip(self.rng_streams, keys[1:], strict=True))}
             variables = dict(self.module.init(rngs, x, **self.eval_kwargs))
         params = variables.pop("params")
+        for name in SOWN:  # what layers sow per call (jd.nn.MoE's losses and metrics) is no state
+            variables.pop(name, None)
         return params, variables
 
     def apply(self, params: Any, model_state: dict, x: Any, rng: jax.Array | None, train: bool) -> tuple[Any, dict]:
         """``(outputs, new_model_state)``; in training, non-param collections are mutable."""
-        variables = {"params": params, **model_state}
-        if not train:
-            return self.module.apply(variables, x, **self.eval_kwargs), model_state
+        if train:
+            return self.apply_train(params, model_state, x, rng)[:2]
+        return self.module.apply({"params": params, **model_state}, x, **self.eval_kwargs), model_state
+
+    def apply_train(self, params: Any, model_state: dict, x: Any, rng: jax.Array | None) -> tuple[Any, dict, dict]:
+        """``(outputs, new_model_state, sown)`` in training: non-param collections are mutable; ``sown`` holds
+        what the model's layers sowed in `jaxdist.nn.moe.SOWN` (the MoE layers' losses and metrics)."""
         rngs = None
         if rng is not None and self.rng_streams:
             keys = jax.random.split(rng, len(self.rng_streams))
             rngs = dict(zip(self.rng_streams, keys, strict=True))
-        if not model_state:
-            return self.module.apply(variables, x, rngs=rngs, **self.train_kwargs), model_state
-        out, updates = self.module.apply(variables, x, rngs=rngs, mutable=list(model_state), **self.train_kwargs)
-        return out, {**model_state, **updates}
+        out, updates = self.module.apply({"params": params, **model_state}, x, rngs=rngs,
+                                         mutable=[*model_state, *SOWN], **self.train_kwargs)
+        updates = dict(updates)
+        sown = {name: updates.pop(name) for name in SOWN if name in updates}
+        return out, {**model_state, **updates}, sown
 
     def sync(self, params: Any, model_state: dict) -> None:
         """Linen modules hold no state: nothing to write back."""
@@ -258,21 +267,36 @@ class NnxModel:
         ``rng`` (the step's key) becomes ``rngs=nnx.Rngs(rng)`` for a module that takes call-time ``rngs``;
         in training without a key such a module gets ``rngs=None`` (as in evaluation).
         """
-        graphdef = self._train_graphdef if train else self._eval_graphdef
+        if train:
+            return self.apply_train(params, model_state, x, rng)[:2]
+        return self._call(self._eval_graphdef, params, model_state, x, None)[0], model_state
+
+    def apply_train(self, params: dict, model_state: dict, x: Any, rng: Any) -> tuple[Any, dict, dict]:
+        """``(outputs, new_model_state, sown)`` in training; ``sown`` holds the losses and metrics of the
+        model's `jaxdist.nn.nnx.MoE` layers from this call, as linen's `jaxdist.nn.moe.SOWN` collections."""
+        out, module = self._call(self._train_graphdef, params, model_state, x, rng)
+        losses, metrics = {}, {}
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, NnxMoE):
+                name = "/".join(map(str, path)) or "moe"
+                losses[name] = node.aux_loss[...]
+                metrics[name] = {k: v[...] for k, v in node.stats.items()}
+        _, rest = nnx.state(module, nnx.Param, ...)
+        sown = {"moe_losses": losses, "moe_metrics": metrics} if losses else {}
+        return out, _to_pure(rest), sown
+
+    def _call(self, graphdef: Any, params: dict, model_state: dict, x: Any, rng: Any) -> tuple[Any, Any]:
+        """``(outputs, module)``: the module merged from ``graphdef`` and the state, called on ``x``."""
         module = nnx.merge(
             graphdef, _from_pure(self._params_template, params), _from_pure(self._rest_template, model_state)
         )
         kwargs = {}
         if self._rngs_param is not None:
-            if train and rng is not None:
+            if rng is not None:
                 kwargs["rngs"] = nnx.Rngs(rng)
             elif self._rngs_param.default is inspect.Parameter.empty:
                 kwargs["rngs"] = None  # a required parameter: say "no keys" as the tutorial's eval step does
-        out = module(x, **kwargs)
-        if not train:
-            return out, model_state
-        _, rest = nnx.state(module, nnx.Param, ...)
-        return out, _to_pure(rest)
+        return module(x, **kwargs), module
 
     def sync(self, params: dict, model_state: dict) -> None:
         """Write trained values back into the user's module (in place, as nnx code expects)."""

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist.nn.moe import moe_loss, moe_metrics
 from jaxdist.training import weighted
 from jaxdist.training.data import split_batch
 
@@ -144,15 +145,24 @@ def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
     the loss to differentiate is the mean (scalar losses) or the SUM (``(sum, weight)`` losses)."""
 
     def forward(params, model_state, x, y, rng):
-        out, new_model_state = model.apply(
-            _cast(params, compute_dtype), model_state, _cast(x, compute_dtype), rng, train=True
-        )
+        args = (_cast(params, compute_dtype), model_state, _cast(x, compute_dtype), rng)
+        if hasattr(model, "apply_train"):
+            out, new_model_state, sown = model.apply_train(*args)
+        else:  # an adapter of the user's own: apply(..., train=True), nothing sown
+            (out, new_model_state), sown = model.apply(*args, train=True), {}
         out = _cast(out, jnp.float32 if compute_dtype is not None else None)
         values = {}
         for name, fn in metrics.items():
             value, weight = weighted.split_value(f"metrics[{name!r}]", fn(out, y))
             values[name] = (jnp.asarray(value, jnp.float32), weight)
         loss, weight = weighted.split_value("loss_fn", loss_fn(out, y))
+        if sown:  # mixture-of-experts layers: their auxiliary losses join the loss, their metrics the logs
+            def as_loss(v):  # a summed loss (with a weight) sums its means weight times
+                return v if weight is None else v * weight
+
+            aux = moe_loss(sown)
+            loss = loss + as_loss(aux)
+            values.update({k: (as_loss(v), weight) for k, v in {"moe_aux_loss": aux, **moe_metrics(sown)}.items()})
         return loss, (new_model_state, weight, values)
 
     return forward
