@@ -82,6 +82,8 @@ class LMConfig:
         context: None: the block's own attention (on a sequence split over context axes XLA gathers it);
             ``"all_gather"`` / ``"ring"``: `jaxdist.nn.dot_product_attention` in that context-parallel mode.
         load_balance: with ``context="ring"``: zig-zag load balancing of the causal mask.
+        moe: None: each block's MLP is dense; else the keyword arguments of a `jaxdist.nn.MoE` that replaces it
+            (``num_experts``, ``top_k``, ``capacity_factor``, ...; its hidden width is ``mlp_dim``).
     """
 
     vocab_size: int = 104
@@ -93,6 +95,7 @@ class LMConfig:
     remat: bool = False
     context: str | None = None
     load_balance: bool = False
+    moe: tuple[tuple[str, Any], ...] | None = None
 
 
 def _init(std: float, names: tuple) -> Any:
@@ -145,6 +148,9 @@ class Block(nn.Module):
         x = nn.with_logical_constraint(x + jnp.einsum("bthk,hkd->btd", attended, out), ("batch", "length", "embed"))
 
         h = nn.RMSNorm(scale_init=_ones(("embed",)), name="mlp_norm")(x)
+        if cfg.moe is not None:  # a mixture of experts: its experts split over the mesh's expert axes, if any
+            x = x + jd.nn.MoE(hidden_dim=cfg.mlp_dim, name="moe", **dict(cfg.moe))(h)
+            return nn.with_logical_constraint(x, ("batch", "length", "embed"))
         h = nn.Dense(cfg.mlp_dim, kernel_init=_init(std, ("embed", "mlp")), bias_init=_zeros(("mlp",)), name="mlp_in")(
             h
         )
@@ -315,17 +321,20 @@ def mesh_strategy(
 ) -> jd.Strategy:
     """``ShardedStrategy`` on a mesh with the user's axis names over every device of every process: the batch
     over every axis but ``model_axis`` and ``"context"``, the sequence over ``"context"`` (context
-    parallelism), FSDP over ``fsdp_axes`` (default: all the batch and context axes), tensor parallelism over
-    ``model_axis``. With ``plan``, a mesh of another size than the devices present is a plan mesh
-    (``jd.plan_mesh``: plans only)."""
+    parallelism), the experts of MoE blocks over ``"expert"`` (expert parallelism; a batch axis outside them),
+    FSDP over ``fsdp_axes`` (default: all the batch and context axes), tensor parallelism over ``model_axis``.
+    With ``plan``, a mesh of another size than the devices present is a plan mesh (``jd.plan_mesh``: plans
+    only)."""
     count = int(np.prod(list(axes.values())))
     context_axes = ("context",) if "context" in axes else ()
+    expert_axes = ("expert",) if "expert" in axes else ()
     if plan and count != len(jax.devices()):
         model_axis = model_axis if model_axis in axes else None
         batch_axes = tuple(a for a in axes if a != model_axis and a not in context_axes)
         return jd.ShardedStrategy(
             mesh=jd.plan_mesh(axes), batch_axes=batch_axes, fsdp_axes=fsdp_axes, context_axes=context_axes,
-            logical_axis_rules=logical_axis_rules(batch_axes, model_axis), activation_axes=ACTIVATION_AXES,
+            expert_axes=expert_axes, logical_axis_rules=logical_axis_rules(batch_axes, model_axis),
+            activation_axes=ACTIVATION_AXES,
         )
     if count != len(jax.devices()):
         raise ValueError(f"--mesh {axes} has {count} devices, but there are {len(jax.devices())} (all processes): "
@@ -336,7 +345,7 @@ def mesh_strategy(
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
     batch_axes = tuple(a for a in axes if a != model_axis and a not in context_axes)
     return jd.ShardedStrategy(
-        mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes, context_axes=context_axes,
+        mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes, context_axes=context_axes, expert_axes=expert_axes,
         logical_axis_rules=logical_axis_rules(batch_axes, model_axis), activation_axes=ACTIVATION_AXES,
     )
 
@@ -379,6 +388,9 @@ class ProgressLines(jd.training.Callback):
         if jax.process_index():
             return  # one process prints
         rate = f" lr {logs['learning_rate']:.2e}" if "learning_rate" in logs else ""
+        if "moe_max_load" in logs:  # the router's metrics (jd.nn.MoE layers)
+            rate += (f" experts: max load {logs['moe_max_load']:.2f} dropped {logs['moe_dropped_fraction']:.1%} "
+                     f"aux {logs['moe_aux_loss']:.4f}")
         mfu = logs.get("mfu")
         mfu = f"{mfu:.1%}" if isinstance(mfu, float) else "n/a"
         print(
@@ -413,6 +425,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the --mesh axes FSDP shards over, comma-separated (default: every batch axis; a "
                              "subset is HSDP, e.g. fsdp)")
     parser.add_argument("--model-parallelism", type=int, default=2, help="devices per replica on the model axis")
+    parser.add_argument("--moe", default=None,
+                        help="mixture-of-experts blocks: jd.nn.MoE keyword arguments, e.g. experts=8,top_k=2 (and "
+                             "capacity=1.0 to drop past a capacity; dropless by default); an 'expert' --mesh axis "
+                             "splits the experts")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch, split over the replicas")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -449,6 +465,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="peak FLOP/s of one device, for MFU where the Trainer knows no datasheet figure",
     )
     return parser.parse_args(argv)
+
+
+def parse_moe(text: str | None) -> tuple[tuple[str, Any], ...] | None:
+    """``"experts=8,top_k=2,capacity=1.0"`` as `jaxdist.nn.MoE` keyword arguments (None: no MoE).
+
+    Raises:
+        ValueError: for an entry that is not ``experts=``, ``top_k=`` or ``capacity=`` with a number.
+
+    Example:
+        >>> parse_moe("experts=8,top_k=2")
+        (('num_experts', 8), ('top_k', 2))
+    """
+    if not text:
+        return None
+    names = {"experts": ("num_experts", int), "top_k": ("top_k", int), "capacity": ("capacity_factor", float)}
+    out = []
+    for entry in text.split(","):
+        key, _, value = entry.partition("=")
+        if key.strip() not in names:
+            raise ValueError(f"--moe {text!r}: {entry!r} is not experts=N, top_k=K or capacity=C; "
+                             "e.g. --moe experts=8,top_k=2")
+        name, kind = names[key.strip()]
+        try:
+            out.append((name, kind(value)))
+        except ValueError:
+            raise ValueError(f"--moe {text!r}: {entry!r} needs a number after '='") from None
+    return tuple(out)
 
 
 def plan_or_search(args: argparse.Namespace, strategy: jd.Strategy, trainer: Any, cfg: LMConfig, say: Any) -> None:
@@ -510,6 +553,7 @@ def main(argv: list[str] | None = None) -> float:
         remat=args.remat,
         context=args.context_attention if getattr(strategy, "context_axes", ()) else None,
         load_balance=args.load_balance,
+        moe=parse_moe(args.moe),
     )
     model = CharLM(cfg)
     tokens_per_step = args.batch_size * args.seq_len
@@ -549,8 +593,10 @@ def main(argv: list[str] | None = None) -> float:
     seconds = time.perf_counter() - start
     if isinstance(strategy, jd.ShardedStrategy):
         layouts = strategy.variable_layouts(trainer.params)
-        for path in ("embed/embedding", "block_0/query", "block_0/mlp_in/kernel", "block_0/mlp_out/kernel"):
-            say(f"  {path:24s} {layouts[path]}")
+        for path in ("embed/embedding", "block_0/query", "block_0/mlp_in/kernel", "block_0/mlp_out/kernel",
+                     "block_0/moe/wi_gate"):
+            if path in layouts:
+                say(f"  {path:24s} {layouts[path]}")
     val_loss = trainer.evaluate(val_data)["loss"]
     say(
         f"trained {args.steps} steps in {seconds:.1f}s ({args.steps * tokens_per_step / seconds:,.0f} tokens/s, "

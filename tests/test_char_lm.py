@@ -165,3 +165,29 @@ def test_the_example_takes_a_user_mesh_with_its_axis_names():
         lm.mesh_strategy({"data": 2, "fsdp": 3}, None, None)
     with pytest.raises(ValueError, match=r"--model-axis 'model' is not an axis"):
         lm.mesh_strategy({"data": 2, "fsdp": 4}, "model", None)
+
+
+def test_the_example_trains_a_moe_lm_on_an_expert_axis_like_one_device():
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, moe=lm.parse_moe("experts=8,top_k=2,capacity=1.0"))
+    model = lm.CharLM(config)
+    variables = model.init(jax.random.key(0), np.zeros((1, CONFIG.max_len), np.int32))
+
+    def train(strategy):
+        trainer = jd.training.Trainer(strategy, model, optax.adamw(1e-2, eps=1e-2), lm.loss_fn, variables=variables)
+        with strategy.scope():
+            history = trainer.fit(BATCHES[:4], steps=4, log_every=1, verbose=0)
+        return trainer, history
+
+    expected = train(jd.OneDeviceStrategy())[1]
+    trainer, got = train(lm.mesh_strategy(lm.parse_mesh("data=2,expert=4"), None, None))
+    assert trainer.strategy.expert_axes == ("expert",)
+    assert trainer.strategy.variable_layouts(trainer.params)["block_0/moe/wi_gate"] == P("expert")
+    for name in ("loss", "moe_aux_loss", "moe_dropped_fraction"):
+        assert len(got.metric(name)) == 4, name
+        np.testing.assert_allclose(got.metric(name), expected.metric(name), rtol=1e-5, err_msg=name)
+    assert lm.parse_moe(None) is None
+    for bad in ("experts", "experts=x", "layers=2"):
+        with pytest.raises(ValueError, match="--moe"):
+            lm.parse_moe(bad)

@@ -273,6 +273,7 @@ def test_the_trainer_adds_the_moe_losses_and_logs_the_router_metrics(kind):
     expected = fit(jd.OneDeviceStrategy())
     got = fit(MESHES["data2_expert4"]())
     for name in ("loss", "moe_aux_loss", "moe_max_load", "moe_dropped_fraction"):
+        assert len(got.metric(name)) == 3, (name, got)  # logged at every step
         np.testing.assert_allclose(got.metric(name), expected.metric(name), rtol=1e-5, err_msg=name)
     assert all(v > 0 for v in got.metric("moe_aux_loss"))
     assert all(v >= 1 for v in got.metric("moe_max_load"))

@@ -30,6 +30,7 @@ from jaxdist.training.step import (
     ACCUMULATION_SCOPE,
     TrainState,
     add_to_sums,
+    layer_metric_names,
     make_eval_step,
     make_loop_step,
     make_micro_step,
@@ -99,11 +100,14 @@ class CompiledSteps:
         """Build the fit step; False when it cannot be yet (the loss's structure is unknown without a batch)."""
         if self.fit_step is not None:
             return True
+        if pair is None:
+            return False
         if self.weighted is None:
-            if pair is None:
-                return False
             self.weighted = check_losses(self._model, self._loss_fn, self.metrics, state, *pair)
-        names = (*metric_names(self.metrics, state.opt_state, self.weighted), "steps")
+        # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss is.
+        extra = layer_metric_names(self._model, state.params, state.model_state, pair[0])
+        weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
+        names = (*metric_names({**self.metrics, **dict.fromkeys(extra)}, state.opt_state, weighted), "steps")
         train_step = self.train_step
 
         def fit_step(state, batch, sums):

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxdist.nn.moe import moe_loss, moe_metrics
@@ -41,6 +42,7 @@ __all__ = [
     "make_predict_step",
     "make_summed_train_step",
     "make_train_step",
+    "layer_metric_names",
     "metric_names",
     "step_key",
 ]
@@ -160,12 +162,39 @@ def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
             def as_loss(v):  # a summed loss (with a weight) sums its means weight times
                 return v if weight is None else v * weight
 
-            aux = moe_loss(sown)
-            loss = loss + as_loss(aux)
-            values.update({k: (as_loss(v), weight) for k, v in {"moe_aux_loss": aux, **moe_metrics(sown)}.items()})
+            layer_values = _layer_values(sown)
+            loss = loss + as_loss(layer_values["moe_aux_loss"])
+            values.update({k: (as_loss(v), weight) for k, v in layer_values.items()})
         return loss, (new_model_state, weight, values)
 
     return forward
+
+
+def _layer_values(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The metrics of what a model's layers sowed in a training call (its MoE layers' auxiliary loss, which
+    also joins the loss, and router metrics)."""
+    return {"moe_aux_loss": moe_loss(sown), **moe_metrics(sown)}
+
+
+def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tuple[str, ...]:
+    """The names of the metrics ``model``'s own layers add to a train step's (`_layer_values`): nothing runs.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdist as jd
+        >>> from jaxdist.training.models import LinenModel
+        >>> model = LinenModel(jd.nn.MoE(num_experts=2, top_k=1, hidden_dim=4))
+        >>> params, state = model.init(jax.random.key(0), jnp.ones((2, 3, 4)))
+        >>> layer_metric_names(model, params, state, jnp.ones((2, 3, 4)))[:2]
+        ('moe_aux_loss', 'moe_max_load')
+    """
+    if not hasattr(model, "apply_train"):
+        return ()
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.result_type(a)),
+                          (params, model_state, x))
+    sown = jax.eval_shape(lambda p, s, xb, key: model.apply_train(p, s, xb, key)[2], *shapes, jax.random.key(0))
+    if not sown:
+        return ()
+    return tuple(jax.eval_shape(_layer_values, sown))
 
 
 def make_micro_step(
