@@ -13,17 +13,20 @@ aux-loss-free bias ``(E,)`` lives in the ``"router_bias"`` collection (not a par
 `update_router_bias`).
 
 The auxiliary loss (``load_balance_weight`` x the Switch load-balancing loss + ``z_loss_weight`` x the router
-z-loss) is sown in the ``"moe_losses"`` collection and the router metrics in ``"moe_metrics"``: apply with
-``mutable=["moe_losses", "moe_metrics"]`` and add `moe_loss` of what comes back to the training loss.
+z-loss) is sown in the ``"moe_losses"`` collection and the router metrics in ``"moe_metrics"`` on every call
+but ``init`` (whose variables hold weights only): apply with ``mutable=["moe_losses", "moe_metrics"]`` and add
+`moe_loss` of what comes back to the training loss.
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
     >>> layer = jd.nn.MoE(num_experts=4, top_k=2, hidden_dim=16, capacity_factor=1.0)
     >>> x = jnp.ones((2, 8, 8))
     >>> variables = layer.init(jax.random.key(0), x)
+    >>> sorted(variables)  # weights only
+    ['params']
     >>> y, sown = layer.apply(variables, x, mutable=["moe_losses", "moe_metrics"])
-    >>> y.shape, float(jd.nn.moe_loss(sown)) > 0
-    ((2, 8, 8), True)
+    >>> y.shape, float(jd.nn.moe_loss(sown)) > 0, len(sown["moe_losses"]["aux_loss"])
+    ((2, 8, 8), True, 1)
 """
 
 from __future__ import annotations
@@ -112,10 +115,11 @@ class MoE(nn.Module):
             xs = x.astype(dtype)
             hidden = self.activation(dense("shared_wi_gate", width, ("embed", "mlp"))(xs))
             y = y + dense("shared_wo", d, ("mlp", "embed"))(hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs))
-        self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance
-                 + self.z_loss_weight * stats.z_loss)
-        for name, value in stats._asdict().items():
-            self.sow("moe_metrics", name, value)
+        if not self.is_initializing():  # init returns weights only: sown values never ride along as variables
+            self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance
+                     + self.z_loss_weight * stats.z_loss)
+            for name, value in stats._asdict().items():
+                self.sow("moe_metrics", name, value)
         return y
 
 
