@@ -40,3 +40,17 @@ def test_dispatch_smoke_writes_one_row_per_device_count(tmp_path):
     rows = json.loads(next(tmp_path.glob("*-dispatch-smoke.json")).read_text())
     assert [r["devices"] for r in rows] == [1, 8] and all(r["ratio"]["n"] == 2 for r in rows)
     assert "| 8 | 64 |" in next(tmp_path.glob("*-dispatch-smoke.md")).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moe_smoke_writes_the_memory_all_to_all_and_step_time_rows(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.moe", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = next(tmp_path.glob("*-moe-smoke.md")).read_text()
+    for heading in ("## (a)", "## (b)", "## (c)"):
+        assert heading in table, heading
+    assert "| jd.nn.MoE, (data=2, expert=4) | P('expert',) | 0.2500 |" in table  # 1/EP of the experts per device
+    assert "buffer-based" in table and "(ok)" in table  # all-to-all bytes as analysed; losses agree

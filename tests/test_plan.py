@@ -349,6 +349,28 @@ def test_the_search_finds_a_sharded_layout_where_mirrored_does_not_fit():
     assert "fits" in str(best)
 
 
+def test_the_search_tries_expert_axis_sizes_for_a_moe_model():
+    class MoENet(nn.Module):
+        remat: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(x + jd.nn.MoE(num_experts=8, top_k=2, hidden_dim=256, capacity_factor=1.0)(x))
+
+    def build(strategy, remat, grad_accum_steps):
+        return jd.training.Trainer(strategy, MoENet(remat), optax.adam(1e-3),
+                                   lambda o, y: ((o[:, :, 0] - y) ** 2).mean(), grad_accum_steps=grad_accum_steps)
+
+    batch = (jax.ShapeDtypeStruct((16, 4, 128), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32))
+    found = jd.training.plan_search(build, batch, num_devices=8, memory_per_device=1 << 30, remat=(False,),
+                                    layouts=("mirrored", "fsdp_ep"), expert_parallelism=(2, 4, 3))
+    by_mesh = {tuple(c.mesh.items()): c for c in found}
+    assert set(by_mesh) == {(("data", 8),), (("fsdp", 4), ("expert", 2)), (("fsdp", 2), ("expert", 4))}
+    ep4, mirrored = by_mesh[("fsdp", 2), ("expert", 4)], by_mesh[("data", 8),]
+    assert ep4.plan.collectives["all-to-all"].count >= 2  # the tokens' trips to their experts and back
+    assert ep4.plan.state_bytes["params"] < mirrored.plan.state_bytes["params"] / 3
+
+
 def test_the_search_refuses_an_unknown_layout_and_a_bad_device_count():
     with pytest.raises(ValueError, match=r"layouts=.*'zero'.* choose among"):
         jd.training.plan_search(_build, None, num_devices=8, memory_per_device=1 << 30, layouts=("zero",))

@@ -12,7 +12,10 @@ The layouts, on ``jd.plan_mesh`` meshes (real devices when ``num_devices`` is th
 * ``"hsdp"``: ``{"data": d, "fsdp": N / d}`` for ``d`` in ``hsdp_groups``: variables split within a group of
   ``N / d`` devices, replicated across the ``d`` groups;
 * ``"fsdp_tp"``: ``{"fsdp": N / t, "tensor": t}`` for ``t`` in ``tensor_parallelism``: FSDP x tensor
-  parallelism; only with ``rules`` (the model's logical axis rules for a mesh, whose tensor axis they name).
+  parallelism; only with ``rules`` (the model's logical axis rules for a mesh, whose tensor axis they name);
+* ``"fsdp_ep"``: ``{"fsdp": N / e, "expert": e}`` for ``e`` in ``expert_parallelism`` (none unless given: a
+  model with `jaxdist.nn.MoE` layers): the experts split over ``"expert"``, the batch over both axes, the
+  other variables FSDP over ``"fsdp"``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from jaxdist.strategies import Estimate, MirroredStrategy, Plan, ShardedStrategy
 
 __all__ = ["Candidate", "plan_search"]
 
-LAYOUTS = ("mirrored", "fsdp", "hsdp", "fsdp_tp")
+LAYOUTS = ("mirrored", "fsdp", "hsdp", "fsdp_tp", "fsdp_ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Candidate:
     """One configuration of a `plan_search` and its plan.
 
     Attributes:
-        layout: ``"mirrored"``, ``"fsdp"``, ``"hsdp"`` or ``"fsdp_tp"``.
+        layout: ``"mirrored"``, ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"`` or ``"fsdp_ep"``.
         mesh: the mesh's axis sizes.
         remat: whether the model recomputes its activations in the backward pass.
         grad_accum_steps: micro-batches per optimizer step.
@@ -66,7 +69,7 @@ class Candidate:
 
 
 def _meshes(layouts: Sequence[str], n: int, hsdp_groups: Sequence[int], tensor: Sequence[int],
-            rules: Any) -> list[tuple[str, dict[str, int]]]:
+            rules: Any, experts: Sequence[int] = ()) -> list[tuple[str, dict[str, int]]]:
     out = []
     for layout in layouts:
         if layout == "mirrored":
@@ -77,6 +80,8 @@ def _meshes(layouts: Sequence[str], n: int, hsdp_groups: Sequence[int], tensor: 
             out += [(layout, {"data": d, "fsdp": n // d}) for d in hsdp_groups if 1 < d < n and n % d == 0]
         elif layout == "fsdp_tp" and rules is not None:
             out += [(layout, {"fsdp": n // t, "tensor": t}) for t in tensor if 1 < t < n and n % t == 0]
+        elif layout == "fsdp_ep":
+            out += [(layout, {"fsdp": n // e, "expert": e}) for e in experts if 1 < e <= n and n % e == 0]
     return out
 
 
@@ -89,10 +94,10 @@ def _strategy(layout: str, shape: dict[str, int], rules: Any, activation_axes: S
         return MirroredStrategy(mesh=mesh)
     model_axis = "tensor" if "tensor" in shape else None
     batch_axes = tuple(a for a in names if a != model_axis)
-    extra = {}
+    extra = {"expert_axes": "expert"} if "expert" in shape else {}
     if rules is not None:
-        extra = {"logical_axis_rules": rules(batch_axes, model_axis), "activation_axes": tuple(activation_axes)}
-    return ShardedStrategy(mesh=mesh, batch_axes=batch_axes, fsdp_axes="fsdp", **extra)
+        extra.update(logical_axis_rules=rules(batch_axes, model_axis), activation_axes=tuple(activation_axes))
+    return ShardedStrategy(mesh=mesh, batch_axes=batch_axes, fsdp_axes="fsdp" if "fsdp" in shape else (), **extra)
 
 
 def plan_search(
@@ -107,6 +112,7 @@ def plan_search(
     grad_accum_steps: Sequence[int] = (1,),
     hsdp_groups: Sequence[int] = (2, 4, 8),
     tensor_parallelism: Sequence[int] = (2, 4, 8),
+    expert_parallelism: Sequence[int] = (),
     rules: Callable[[tuple[str, ...], str | None], Any] | None = None,
     activation_axes: Sequence[str] = (),
     progress: Callable[[Candidate], Any] | None = None,
@@ -120,11 +126,12 @@ def plan_search(
         num_devices: how many devices to plan for.
         memory_per_device: the budget in bytes, or an accelerator name (its HBM).
         accelerator: what `Plan.estimate` ranks by.
-        layouts: which of ``"mirrored"``, ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"`` to try.
+        layouts: which of ``"mirrored"``, ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"``, ``"fsdp_ep"`` to try.
         remat: the remat settings to try.
         grad_accum_steps: the micro-batch counts to try.
         hsdp_groups: the replica-group counts of the HSDP layouts.
         tensor_parallelism: the tensor-axis sizes of the FSDP x TP layouts.
+        expert_parallelism: the expert-axis sizes of the FSDP x EP layouts (a model with MoE layers).
         rules: ``rules(batch_axes, model_axis) -> logical_axis_rules`` for the model (needed for "fsdp_tp").
         activation_axes: logical names only activations use (see `ShardedStrategy`).
         progress: called with each `Candidate` as soon as it is planned (e.g. ``print``).
@@ -141,7 +148,7 @@ def plan_search(
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be an int >= 1.")
     candidates = []
-    for layout, shape in _meshes(layouts, num_devices, hsdp_groups, tensor_parallelism, rules):
+    for layout, shape in _meshes(layouts, num_devices, hsdp_groups, tensor_parallelism, rules, expert_parallelism):
         strategy = _strategy(layout, shape, rules, activation_axes)
         for r in remat:
             for k in grad_accum_steps:
