@@ -138,6 +138,9 @@ def test_the_plan_counts_the_layers_all_to_alls():
 
     plan = strategy.jit(forward, batch_argnums=1).plan(params, _tokens())
     assert plan.collectives["all-to-all"].count >= 2, plan.collectives  # to the experts and back
+    assert plan.moe_dispatch == ("dropping_all_to_all",) and "MoE dispatch: dropping all to all" in str(plan)
+    local = jd.MirroredStrategy().jit(forward, batch_argnums=1).plan(jax.device_get(params), _tokens())
+    assert local.moe_dispatch == ("dropping_local",) and "all-to-all" not in local.collectives
 
 
 class NnxMoELM(nnx.Module):

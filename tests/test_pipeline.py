@@ -246,10 +246,10 @@ def test_stage_axis_without_a_pipeline_layer_warns_that_stages_are_idle():
      "stage_axes='stage' names 'stage', which is also in batch_axes=('data', 'stage')"),
     ({"mesh": "stage_data", "batch_axes": "data", "stage_axes": "pipe"},
      "stage_axes='pipe' names axis 'pipe', but the mesh axes are ('stage', 'data')"),
-    ({"stage_axes": "stage"}, "stage_axes='stage' names axes of a mesh: pass mesh= too, or pipeline_parallelism"),
+    ({"stage_axes": "stage"}, "stage_axes='stage' name axes of a mesh: pass mesh= too (without it the strategy builds"),
     ({"pipeline_parallelism": 3}, "pipeline_parallelism=3 must be an int >= 1 that divides the 8 devices"),
     ({"mesh": "stage_data", "batch_axes": "data", "pipeline_parallelism": 2},
-     "mesh= and pipeline_parallelism=2 both given: name the user mesh's stage axes with stage_axes= instead"),
+     "mesh= and pipeline_parallelism=2 both given: on a user mesh, name its stage axes with stage_axes=('stage',)"),
 ])
 def test_bad_stage_axes(kwargs, message):
     if kwargs.get("mesh") == "stage_data":

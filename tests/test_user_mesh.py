@@ -228,7 +228,7 @@ def test_the_short_form_policy_keeps_a_model_axis_for_mirrored_variables():
 
 def test_policy_and_strategy_argument_errors_name_the_fix():
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-    with pytest.raises(ValueError, match=r"batch_axes=\('data',\) / fsdp_axes=None name axes of a mesh: pass mesh="):
+    with pytest.raises(ValueError, match=r"batch_axes=\('data',\) name axes of a mesh: pass mesh="):
         jd.LayoutPolicy(jax.devices()[:8], batch_axes=("data",))
     with pytest.raises(ValueError, match=r"LayoutPolicy needs devices= or mesh="):
         jd.LayoutPolicy()

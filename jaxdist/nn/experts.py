@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
+from jaxdist.strategies.hlo_cost import MOE_SCOPE
 
 __all__ = ["ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "init_weights"]
 
@@ -145,10 +146,15 @@ def apply(config: Routing, weights: Weights, x: jax.Array) -> tuple[jax.Array, S
     x3 = x.reshape(rows, -1, shape[-1])
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
-    if policy is None:
-        y, sums = _local(config, weights, x3, cap, (), ())
-    else:
-        y, sums = _expert_parallel(policy, config, weights, x3, cap)
+    path = "dropping" if config.capacity_factor is not None else "dropless"
+    # The dispatch path, as a named scope: plans report it from the compiled program (Plan.moe_dispatch).
+    with jax.named_scope(MOE_SCOPE + path + ("_local" if policy is None else
+                                             "_all_to_all" if config.capacity_factor is not None
+                                             else "_padded_all_to_all")):
+        if policy is None:
+            y, sums = _local(config, weights, x3, cap, (), ())
+        else:
+            y, sums = _expert_parallel(policy, config, weights, x3, cap)
     return y.reshape(shape), _stats(config, sums)
 
 

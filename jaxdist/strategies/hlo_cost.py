@@ -31,7 +31,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["CollectiveOp", "ModuleCost", "module_cost"]
+__all__ = ["MOE_SCOPE", "CollectiveOp", "ModuleCost", "moe_dispatch", "module_cost"]
+
+MOE_SCOPE = "jaxdist_moe_"
+"""The prefix of the named scope a mixture-of-experts layer runs in (``jaxdist_moe_<dispatch path>``): the
+compiled module's op names say which dispatch path a program took (`moe_dispatch`)."""
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
@@ -296,6 +300,17 @@ def _sliced(values: list[str], part: str, size: int, users: dict[str, list[_Inst
         users.get(u.name, []) if _elements(u.type) == _elements(part) and converts(u) else [u])]
     return size > 1 and bool(values) and bool(consumers) and all(
         u.op in ("dynamic-slice", "fusion") and _elements(u.type) * size == _elements(part) for u in consumers)
+
+
+def moe_dispatch(text: str) -> tuple[str, ...]:
+    """The dispatch paths of the mixture-of-experts layers in a compiled module's ``text``, by their named scope
+    (`MOE_SCOPE`): e.g. ``("dropping_all_to_all",)``; empty for none.
+
+    Examples:
+        >>> moe_dispatch('%a = f32[2] add(...), metadata={op_name="jit(f)/jaxdist_moe_dropless_padded/add"}')
+        ('dropless_padded',)
+    """
+    return tuple(sorted(set(re.findall(re.escape(MOE_SCOPE) + r"(\w+)", text))))
 
 
 def module_cost(text: str, axis_names: Sequence[str] = (), axis_sizes: Sequence[int] = ()) -> ModuleCost:

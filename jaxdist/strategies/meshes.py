@@ -35,6 +35,8 @@ are split over the batch axis) asks for an ``out_sharding`` the single-device co
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +46,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
-__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "STAGE_AXIS", "AxisRoles", "axis_roles",
-           "short_form_mesh"]
+__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "ROLES", "STAGE_AXIS", "AxisRoles", "Role",
+           "axis_roles", "short_form_mesh"]
 
 CONTEXT_AXIS = "context"
 """The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
@@ -65,21 +67,40 @@ EXPERT_NAMES = ("expert", "exp")
 axes."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A role mesh axes take besides the batch and model roles: one entry of `ROLES` gives it its argument on a
+    user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an axis ``axis`` of size ``k`` on the
+    strategy's own mesh) and the logical axis names that map to its axes (`AxisRoles.logical_rules`). How its
+    axes relate to the batch axes is checked in `axis_roles`."""
+
+    name: str
+    short_form: str
+    axis: str
+    logical: tuple[str, ...]
+
+
+ROLES = (
+    Role("stage", "pipeline_parallelism", STAGE_AXIS, (LAYERS,)),
+    Role("expert", "expert_parallelism", EXPERT_AXIS, EXPERT_NAMES),
+    Role("context", "context_parallelism", CONTEXT_AXIS, ("length",)),
+)
+"""Every role besides batch and model, in the short-form mesh's axis order around ``"replica"``: ``"stage"``
+outermost (slowest links), then ``"replica"``, ``"expert"``, ``"context"`` and ``"model"`` innermost."""
+
+
 def short_form_mesh(
     devices: Sequence[jax.Device], model_parallelism: int = 1, context_parallelism: int = 1,
     pipeline_parallelism: int = 1, expert_parallelism: int = 1,
 ) -> Mesh:
-    """``("replica",)`` over ``devices``, or ``("replica", "model")`` = ``(N / k, k)`` with ``k =
-    model_parallelism`` (a replica's ``k`` consecutive devices hold one model copy); with
-    ``context_parallelism=c > 1`` a ``"context"`` axis of size ``c`` sits before ``"model"``; with
-    ``pipeline_parallelism=p > 1`` a leading ``"stage"`` axis of size ``p`` (the outermost, slowest links:
-    stage ``i`` is the ``i``-th block of ``N / p`` devices); with ``expert_parallelism=e > 1`` an ``"expert"``
-    axis of size ``e`` after ``"replica"`` (both batch axes).
+    """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for each
+    ``<role>_parallelism=k > 1`` (`ROLES`) and ``"model"`` for ``model_parallelism=k > 1``, in the order
+    ``stage, replica, expert, context, model`` (``"model"``'s ``k`` consecutive devices hold one model copy;
+    stage ``i`` is the ``i``-th block of ``N / p`` devices). ``"replica"`` takes the devices left over.
 
     Raises:
-        ValueError: for ``model_parallelism`` / ``context_parallelism`` / ``pipeline_parallelism`` that is not
-            an int >= 1 dividing the
-            device count.
+        ValueError: for a ``*_parallelism`` that is not an int >= 1 dividing the device count, or several whose
+            product does not.
 
     Examples:
         >>> import jax
@@ -89,65 +110,32 @@ def short_form_mesh(
         {'replica': 2, 'context': 4}
         >>> dict(short_form_mesh(jax.devices()[:8], pipeline_parallelism=4).shape)
         {'stage': 4, 'replica': 2}
-        >>> dict(short_form_mesh(jax.devices()[:8], expert_parallelism=4).shape)
-        {'replica': 2, 'expert': 4}
+        >>> dict(short_form_mesh(jax.devices()[:8], 2, pipeline_parallelism=2, expert_parallelism=2).shape)
+        {'stage': 2, 'replica': 1, 'expert': 2, 'model': 2}
     """
     devices = tuple(devices)
-    e = expert_parallelism
-    if e != 1:
-        if not isinstance(e, int) or isinstance(e, bool) or e < 1 or len(devices) % e:
+    n = len(devices)
+    sizes = {"model_parallelism": model_parallelism, "context_parallelism": context_parallelism,
+             "expert_parallelism": expert_parallelism, "pipeline_parallelism": pipeline_parallelism}
+    axis = {"model_parallelism": MODEL_AXIS, **{r.short_form: r.axis for r in ROLES}}
+    for name, k in sizes.items():
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
             raise ValueError(
-                f"expert_parallelism={e!r} must be an int >= 1 that divides the {len(devices)} devices (the mesh is "
-                "(replica, expert) = (devices / expert_parallelism, expert_parallelism))."
+                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's {axis[name]!r} axis: the "
+                f"'replica' axis takes the devices left over)."
             )
-        if context_parallelism != 1 or pipeline_parallelism != 1:
-            raise ValueError(
-                f"expert_parallelism={e} with context_parallelism={context_parallelism} / pipeline_parallelism="
-                f"{pipeline_parallelism}: the short form has one extra axis; build the mesh yourself "
-                "(jax.make_mesh) and name its axes' roles (batch_axes=, expert_axes=, context_axes=, stage_axes=)."
-            )
-        inner = short_form_mesh(devices[:len(devices) // e], model_parallelism)  # validates model_parallelism
-        extra = (MODEL_AXIS,) if MODEL_AXIS in inner.axis_names else ()
-        grid = np.array(devices).reshape(-1, e, *inner.devices.shape[1:])
-        names = (REPLICA_AXIS, EXPERT_AXIS, *extra)
-        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
-    if pipeline_parallelism != 1:
-        if (not isinstance(pipeline_parallelism, int) or isinstance(pipeline_parallelism, bool)
-                or pipeline_parallelism < 1 or len(devices) % pipeline_parallelism):
-            raise ValueError(
-                f"pipeline_parallelism={pipeline_parallelism!r} must be an int >= 1 that divides the {len(devices)} "
-                "devices (the mesh is (stage, replica) = (pipeline_parallelism, devices / pipeline_parallelism))."
-            )
-        per_stage = len(devices) // pipeline_parallelism
-        inner = short_form_mesh(devices[:per_stage], model_parallelism, context_parallelism)  # validates them
-        grid = np.array(devices).reshape(pipeline_parallelism, *inner.devices.shape)
-        names = (STAGE_AXIS, *inner.axis_names)
-        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
-    c = context_parallelism
-    if not isinstance(c, int) or isinstance(c, bool) or c < 1 or len(devices) % c:
+    asked = {name: k for name, k in sizes.items() if k > 1}
+    if n % math.prod(asked.values()):
         raise ValueError(
-            f"context_parallelism={c!r} must be an int >= 1 that divides the {len(devices)} devices (the mesh is "
-            "(replica, context) = (devices / context_parallelism, context_parallelism))."
+            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices (the mesh is "
+            f"({', '.join(axis[name] for name in asked)}, replica))."
         )
-    if c > 1:
-        if not isinstance(model_parallelism, int) or model_parallelism < 1 or (len(devices) // c) % model_parallelism:
-            raise ValueError(
-                f"model_parallelism={model_parallelism!r} x context_parallelism={c} must divide the "
-                f"{len(devices)} devices (the mesh is (replica, context, model))."
-            )
-        names = (REPLICA_AXIS, CONTEXT_AXIS) + ((MODEL_AXIS,) if model_parallelism > 1 else ())
-        grid = np.array(devices).reshape(-1, c, *((model_parallelism,) if model_parallelism > 1 else ()))
-        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
-    if (not isinstance(model_parallelism, int) or isinstance(model_parallelism, bool) or model_parallelism < 1
-            or len(devices) % model_parallelism):
-        raise ValueError(
-            f"model_parallelism={model_parallelism!r} must be an int >= 1 that divides the {len(devices)} "
-            "devices (the mesh is (replica, model) = (devices / model_parallelism, model_parallelism))."
-        )
-    if model_parallelism == 1:
-        return Mesh(np.array(devices), (REPLICA_AXIS,), axis_types=(AxisType.Auto,))
-    grid = np.array(devices).reshape(-1, model_parallelism)
-    return Mesh(grid, (REPLICA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+    order = (STAGE_AXIS, REPLICA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+    shape = {axis[name]: k for name, k in asked.items()}
+    shape[REPLICA_AXIS] = n // math.prod(asked.values())
+    names = tuple(a for a in order if a in shape)
+    grid = np.array(devices).reshape([shape[a] for a in names])
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 class AxisRoles:
@@ -189,14 +177,15 @@ class AxisRoles:
             >>> roles.logical_rules
             (('expert', 'expert'), ('exp', 'expert'))
         """
-        rules: list[tuple[str, Any]] = []
+        rules = [(name, _entry(self.axes(role.name))) for role in ROLES if self.axes(role.name)
+                 for name in role.logical]
         if self.context_axes:  # Flax lm1b / MaxText activation names: activations stay split along the sequence
-            rules += [("length", self.context_entry), ("batch", self.replica_axis)]
-        if self.stage_axes:
-            rules.append((LAYERS, self.stage_entry))
-        if self.expert_axes:
-            rules += [(name, self.expert_entry) for name in EXPERT_NAMES]
+            rules.append(("batch", self.replica_axis))
         return tuple(rules)
+
+    def axes(self, role: str) -> tuple[str, ...]:
+        """The axes of ``role`` (``"batch"``, ``"fsdp"``, ``"model"`` or a `ROLES` name)."""
+        return getattr(self, f"{role}_axes")
 
     @property
     def replica_axis(self) -> str | tuple[str, ...] | None:

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding
 
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
-from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost
+from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost, moe_dispatch
 from jaxdist.strategies.input import argument_layouts
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
@@ -119,6 +119,10 @@ class Plan:
         axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto where its
             Explicit axes run Auto because the step does not type-check with them (see
             `jaxdist.strategies.axis_types`).
+        moe_dispatch: how the program's mixture-of-experts layers (`jaxdist.nn.MoE`) move tokens:
+            ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a capacity
+            buffer, or a worst-case one), ``"dropping_local"`` / ``"dropless_local"`` (every expert on each
+            device); empty without such layers.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -152,6 +156,7 @@ class Plan:
     plan_seconds: float
     compiled_on: str
     axis_types: dict[str, jax.sharding.AxisType]
+    moe_dispatch: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -194,6 +199,8 @@ class Plan:
         explicit = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Explicit]
         lines.append("Axis types: " + "; ".join(
             f"{label} {', '.join(axes)}" for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
+        if self.moe_dispatch:
+            lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ") for p in self.moe_dispatch))
         lines.append("Memory per device")
         roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.state_bytes.items())
         for label, value, note in (
@@ -441,4 +448,5 @@ def plan_step(
         replicated_bytes=sum(a.bytes for a in replicated),
         replicated=tuple(sorted(replicated, key=lambda a: -a.bytes)), unknown_loops=cost.unknown_loops,
         plan_seconds=time.perf_counter() - start, compiled_on=where, axis_types=axis_types_of(traced),
+        moe_dispatch=moe_dispatch(text),
     )

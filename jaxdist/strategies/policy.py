@@ -35,7 +35,7 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, repli
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import trace_mesh
 from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
-from jaxdist.strategies.meshes import CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS, axis_roles, short_form_mesh
+from jaxdist.strategies.meshes import ROLES, axis_roles, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.provenance import own
 from jaxdist.strategies.roles import placed_as_batch
@@ -187,55 +187,41 @@ class LayoutPolicy:
         expert_axes: str | Sequence[str] | None = None,
         expert_parallelism: int = 1,
     ):
+        # Each role (meshes.ROLES) is named by its axes on a user's mesh, or sized by its short form.
+        role_axes = {"context": context_axes, "stage": stage_axes, "expert": expert_axes}
+        short = {"context_parallelism": context_parallelism, "pipeline_parallelism": pipeline_parallelism,
+                 "expert_parallelism": expert_parallelism}
         if mesh is None:
-            if batch_axes is not None or fsdp_axes is not None or context_axes is not None:
-                named = f"batch_axes={batch_axes!r} / fsdp_axes={fsdp_axes!r}" + (
-                    "" if context_axes is None else f" / context_axes={context_axes!r}")
+            named = {"batch_axes": batch_axes, "fsdp_axes": fsdp_axes, **{f"{r}_axes": v for r, v in role_axes.items()}}
+            named = {k: v for k, v in named.items() if v is not None}
+            if named:
+                forms = ", ".join(f"{r.short_form}=k adds {r.axis!r}" for r in ROLES)
                 raise ValueError(
-                    f"{named} name axes of a mesh: pass mesh= too (without it the mesh is ('replica',) or "
-                    "('replica', 'model'); context_parallelism=N adds 'context')."
-                )
-            if stage_axes is not None:
-                raise ValueError(
-                    f"stage_axes={stage_axes!r} names axes of a mesh: pass mesh= too, or pipeline_parallelism=k for "
-                    "the short form's leading 'stage' axis."
-                )
-            if expert_axes is not None:
-                raise ValueError(
-                    f"expert_axes={expert_axes!r} names axes of a mesh: pass mesh= too, or expert_parallelism=e for "
-                    "the short form's 'expert' axis."
+                    f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes of a mesh: pass mesh= too "
+                    f"(without it the strategy builds its own: ('replica',); model_parallelism=k adds 'model', "
+                    f"{forms})."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
-            # The short form: "model" exists only when asked for (model_parallelism), for rules to split over;
-            # "context" only with context_parallelism, "stage" only with pipeline_parallelism.
+            # The short form: an axis exists only when asked for ("model" for rules to split over).
             mesh = short_form_mesh(devices, model_parallelism, context_parallelism, pipeline_parallelism,
                                    expert_parallelism)
-            expert = (EXPERT_AXIS,) if EXPERT_AXIS in mesh.axis_names else ()
-            roles = axis_roles(mesh, (REPLICA_AXIS, *expert), None if split_variables else (), split=True,
-                               context_axes=(CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else (),
-                               stage_axes=(STAGE_AXIS,) if pipeline_parallelism != 1 else (), expert_axes=expert)
+            present = {r.name: (r.axis,) if r.axis in mesh.axis_names else () for r in ROLES}
+            roles = axis_roles(mesh, (REPLICA_AXIS, *present["expert"]), None if split_variables else (),
+                               split=True, context_axes=present["context"], stage_axes=present["stage"],
+                               expert_axes=present["expert"])
         else:
-            if context_parallelism != 1:
-                raise ValueError(
-                    f"mesh= and context_parallelism={context_parallelism!r} both given: on a user mesh, name the "
-                    "axes the sequence is split over with context_axes=('context',)."
-                )
             if devices is not None or model_parallelism != 1:
                 raise ValueError(
                     f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
                     "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
                 )
-            if pipeline_parallelism != 1:
-                raise ValueError(
-                    f"mesh= and pipeline_parallelism={pipeline_parallelism!r} both given: name the user mesh's stage "
-                    "axes with stage_axes= instead."
-                )
-            if expert_parallelism != 1:
-                raise ValueError(
-                    f"mesh= and expert_parallelism={expert_parallelism!r} both given: name the user mesh's expert "
-                    "axes with expert_axes= instead."
-                )
+            for role in ROLES:
+                if short[role.short_form] != 1:
+                    raise ValueError(
+                        f"mesh= and {role.short_form}={short[role.short_form]!r} both given: on a user mesh, name "
+                        f"its {role.name} axes with {role.name}_axes=({role.axis!r},) (its own names) instead."
+                    )
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes,
                                stage_axes=stage_axes, expert_axes=expert_axes)
         if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Plan, Strategy
+from jaxdist.strategies.axis_types import shape_scope, untyped
 from jaxdist.training.build import check_losses
 from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
@@ -105,7 +106,8 @@ class CompiledSteps:
         if self.weighted is None:
             self.weighted = check_losses(self._model, self._loss_fn, self.metrics, state, *pair)
         # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss is.
-        extra = layer_metric_names(self._model, state.params, state.model_state, pair[0])
+        with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
+            extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
         names = (*metric_names({**self.metrics, **dict.fromkeys(extra)}, state.opt_state, weighted), "steps")
         train_step = self.train_step

@@ -184,8 +184,8 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
         >>> from jaxdist.training.models import LinenModel
         >>> model = LinenModel(jd.nn.MoE(num_experts=2, top_k=1, hidden_dim=4))
         >>> params, state = model.init(jax.random.key(0), jnp.ones((2, 3, 4)))
-        >>> layer_metric_names(model, params, state, jnp.ones((2, 3, 4)))[:2]
-        ('moe_aux_loss', 'moe_max_load')
+        >>> sorted(layer_metric_names(model, params, state, jnp.ones((2, 3, 4))))
+        ['moe_aux_loss', 'moe_dropped_fraction', 'moe_load_balance', 'moe_max_load']
     """
     if not hasattr(model, "apply_train"):
         return ()
