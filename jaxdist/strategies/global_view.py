@@ -153,7 +153,8 @@ class StrategyFunction:
         self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
         # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be confused.
         self._tells_provenance = bool(policy.roles.explicit_axes) and policy.splits_variables
-        # static -> (output treedef, which outputs leave in jaxdist's layouts, the first one's key path)
+        # (nnx positions, provenance) of a program -> (its output treedef, which outputs leave in jaxdist's
+        # layouts, the first one's key path); the graphdef is left out of the key (hashing one costs ~1 ms)
         self._owned: dict[tuple, tuple] = {}
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
@@ -390,7 +391,7 @@ class StrategyFunction:
         the trace's, and a call marks the outputs of an executable not seen yet, told by one leaf."""
         if not self._tells_provenance:
             return out
-        entry = self._owned.get(static)
+        entry = self._owned.get(static[1:])
         if entry is None:
             return out
         treedef, flags, first = entry
@@ -535,7 +536,7 @@ class StrategyFunction:
                 flags = owned(leaves)
                 if True in flags:
                     first = jax.tree_util.tree_flatten_with_path(out)[0][flags.index(True)][0]
-                    self._owned[nnx_static] = treedef, flags, first
+                    self._owned[nnx_static[1:]] = treedef, flags, first
         if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile, and a
             # trace refused under Explicit types (dropped, traced again Auto) never gets here
             self._programs.note_trace(self._fn, signature)
