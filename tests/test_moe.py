@@ -281,3 +281,24 @@ def test_the_trainer_adds_the_moe_losses_and_logs_the_router_metrics(kind):
         np.testing.assert_allclose(got.metric(name), expected.metric(name), rtol=1e-5, err_msg=name)
     assert all(v > 0 for v in got.metric("moe_aux_loss"))
     assert all(v >= 1 for v in got.metric("moe_max_load"))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_dropless_grouped_matmuls_equal_the_worst_case_buffer(router):
+    from jaxdist.nn import experts
+
+    config = experts.Routing(num_experts=EXPERTS, top_k=2, router=router)
+    weights = experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)
+    x = jax.random.normal(jax.random.key(1), (4, LENGTH, WIDTH))
+
+    def run(ragged):
+        def loss(w, x):
+            y, stats = experts.apply(config, w, x, ragged=ragged)
+            return jnp.sum(y ** 2) + stats.load_balance, (y, stats)
+
+        (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(weights, x)
+        return y, stats, grads
+
+    _close(run(True), run(False))
+    plan = jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0]).plan(weights, x)
+    assert plan.moe_dispatch == ("dropless_ragged_local",)

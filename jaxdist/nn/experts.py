@@ -11,7 +11,9 @@ The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functio
   drop does not depend on the mesh, so one device's run is the reference of every mesh. ``capacity_factor=None``
   is dropless: the capacity is the row's length (a token picks an expert at most once), a worst-case buffer.
 * **dispatch**: ``(rows, length, d) -> (rows, experts, capacity, d)`` by a 0/1 einsum; the experts (stacked
-  ``(E, ...)`` weights, a gated MLP) run on their buffers; the outputs are combined back weighted.
+  ``(E, ...)`` weights, a gated MLP) run on their buffers; the outputs are combined back weighted. Dropless with
+  every expert local on a GPU or TPU, the picks are sorted by expert instead and the experts run as grouped
+  matmuls (`jax.lax.ragged_dot`): no worst-case buffer (on CPU ``ragged_dot`` is dense, so the buffer is used).
 * **expert parallelism**: inside a step of a strategy with expert axes (`jaxdist.ShardedStrategy(expert_axes=
   ...)` or ``expert_parallelism=e``), the layer runs in a `jax.shard_map` over the mesh: each device routes its
   own rows, `jax.lax.all_to_all` over the expert axes sends each expert's buffer to the device holding that
@@ -132,11 +134,18 @@ def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int, dtype: 
                    init(k[2], (e, dim, hidden), dtype), init(k[3], (e, hidden, dim), dtype))
 
 
-def apply(config: Routing, weights: Weights, x: jax.Array) -> tuple[jax.Array, Stats]:
+def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | None = None) -> tuple[jax.Array, Stats]:
     """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens): ``(y, stats)``.
 
     Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the module doc);
     anywhere else on whatever holds ``x``, all experts local.
+
+    Args:
+        config: the routing.
+        weights: the layer's weights.
+        x: the input.
+        ragged: dropless with every expert local: grouped matmuls over the picks sorted by expert (True) or the
+            worst-case buffer (False); None: grouped matmuls except on CPU (where ``ragged_dot`` is dense).
 
     Raises:
         ValueError: when the expert axes do not divide ``num_experts``.
@@ -146,15 +155,22 @@ def apply(config: Routing, weights: Weights, x: jax.Array) -> tuple[jax.Array, S
     x3 = x.reshape(rows, -1, shape[-1])
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
-    path = "dropping" if config.capacity_factor is not None else "dropless"
+    if ragged is None:
+        ragged = jax.default_backend() != "cpu"
+    ragged = ragged and policy is None and config.capacity_factor is None
+    if policy is not None:
+        path = "dropping_all_to_all" if config.capacity_factor is not None else "dropless_padded_all_to_all"
+    else:
+        path = "dropping_local" if config.capacity_factor is not None else (
+            "dropless_ragged_local" if ragged else "dropless_local")
     # The dispatch path, as a named scope: plans report it from the compiled program (Plan.moe_dispatch).
-    with jax.named_scope(MOE_SCOPE + path + ("_local" if policy is None else
-                                             "_all_to_all" if config.capacity_factor is not None
-                                             else "_padded_all_to_all")):
-        if policy is None:
-            y, sums = _local(config, weights, x3, cap, (), ())
-        else:
+    with jax.named_scope(MOE_SCOPE + path):
+        if policy is not None:
             y, sums = _expert_parallel(policy, config, weights, x3, cap)
+        elif ragged:
+            y, sums = _grouped(config, weights, x3)
+        else:
+            y, sums = _local(config, weights, x3, cap, (), ())
     return y.reshape(shape), _stats(config, sums)
 
 
@@ -202,6 +218,28 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
     )
     if batch_axes:
         sums = jax.lax.psum(sums, batch_axes)
+    return y, sums
+
+
+def _grouped(config: Routing, weights: Weights, x: jax.Array):
+    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
+    (`jax.lax.ragged_dot`), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as `_local`."""
+    b, length, d = x.shape
+    e, k = config.num_experts, config.top_k
+    logits, scores, experts, picked = _route(config, weights, x)
+    flat = experts.reshape(-1)  # (tokens * k,): token t's picks at t * k ... t * k + k - 1
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    rows = x.reshape(b * length, d)[token]
+    gate = jax.lax.ragged_dot(rows, weights.gate.astype(x.dtype), sizes)
+    up = jax.lax.ragged_dot(rows, weights.up.astype(x.dtype), sizes)
+    out = jax.lax.ragged_dot(config.activation(gate) * up, weights.down.astype(x.dtype), sizes)
+    weight = picked.reshape(-1)[order].astype(out.dtype)
+    y = jnp.zeros((b * length, d), out.dtype).at[token].add(out * weight[:, None]).reshape(b, length, d)
+    onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)
+    sums = (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
+            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), jnp.float32(b * length * k), jnp.float32(b * length))
     return y, sums
 
 

@@ -122,7 +122,8 @@ class Plan:
         moe_dispatch: how the program's mixture-of-experts layers (`jaxdist.nn.MoE`) move tokens:
             ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a capacity
             buffer, or a worst-case one), ``"dropping_local"`` / ``"dropless_local"`` (every expert on each
-            device); empty without such layers.
+            device), ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without
+            such layers.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
