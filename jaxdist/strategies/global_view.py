@@ -332,16 +332,21 @@ class StrategyFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
-        if not self._module_arrays and holds_module(args, kwargs):
-            return self._call_modules(None, args, kwargs)
         # Steady state of a step called positionally with no static and no nnx argument (argument types seen
-        # before to hold none): every array on the mesh, no declared batch held whole. Then the arguments go
-        # to jax.jit as they are; anything else takes the full path (binding, splitting, placing).
+        # before to hold none: no nnx graph, no Equinox module): every array on the mesh, no declared batch held
+        # whole. Then the arguments go to jax.jit as they are; anything else takes the full path (binding,
+        # splitting, placing).
         types = None if kwargs or self._static else tuple(map(type, args))
-        if types is not None and types in self._plain_types:
+        plain = types is not None and types in self._plain_types
+        if not plain and not self._module_arrays and holds_module(args, kwargs):
+            return self._call_modules(None, args, kwargs)
+        if plain:
             leaves = jax.tree.leaves(args)
             shardings = _shardings(leaves)
-            if _all_on(leaves, self._policy.mesh, shardings) and not self._whole_batch(args, kwargs):
+            # One replica and every leaf an array: no batch leaf to split or refuse (read off these shardings).
+            batch_ok = (None not in shardings and self._policy.num_replicas == 1) or not self._whole_batch(
+                args, kwargs)
+            if _all_on(leaves, self._policy.mesh, shardings) and batch_ok:
                 static = (None, (), self._provenance(leaves, shardings))
                 self._local.args = (args, kwargs, None)  # read only if this call traces
                 try:
