@@ -40,20 +40,26 @@ def _tokens(seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, (ROWS, LENGTH)).astype(np.int32)
 
 
-def _train(strategy, model, steps=3):
-    tokens = _tokens()
-    tx = adam(1e-2)
+def make_step(model, tx):
+    """A next-token training step of a linen LM, its MoE layers' losses added and router metrics returned."""
 
     def loss_fn(params, tokens):
         logits, sown = model.apply(params, tokens, mutable=["moe_losses", "moe_metrics"])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
-        return loss + jd.nn.moe_loss(sown), sown["moe_metrics"]
+        return loss + jd.nn.moe_loss(sown), sown.get("moe_metrics", {})
 
     def step(params, opt_state, tokens):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
 
+    return step
+
+
+def _train(strategy, model, steps=3):
+    tokens = _tokens()
+    tx = adam(1e-2)
+    step = make_step(model, tx)
     params = model.init(jax.random.key(0), tokens[:2])
     assert list(params) == ["params"]  # nothing sown at init
     if strategy is None:
@@ -201,38 +207,10 @@ def test_a_users_own_moe_placed_on_the_expert_axis_by_a_layout_rule_equals_one_d
             x = nn.Embed(VOCAB, WIDTH)(tokens)
             return nn.Dense(VOCAB)(x + OwnMoE()(x))
 
-    model = LM()
-
-    def train(strategy):
-        tokens = _tokens()
-        tx = adam(1e-2)
-
-        def step(params, opt_state, tokens):
-            def loss_fn(params):
-                logits = model.apply(params, tokens)
-                return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
-
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        params = model.init(jax.random.key(0), tokens[:2])
-        if strategy is None:
-            run, state = jax.jit(step), (params, tx.init(params))
-        else:
-            run = strategy.jit(step, batch_argnums=2)
-            placed = strategy.create_variables(lambda: params)
-            state = (placed, strategy.create_variables(lambda: tx.init(params)))
-            assert placed["params"]["OwnMoE_0"]["experts"].sharding.spec == P("expert")
-        losses = []
-        for _ in range(3):
-            *state, loss = run(*state, tokens)
-            losses.append(float(loss))
-        return losses, jax.device_get(state[0])
-
-    expected = train(None)
-    got = train(jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")), batch_axes=("data", "expert"),
-                                   expert_axes="expert", layout_rules=[("OwnMoE_0/experts", P("expert"))]))
+    expected = _train(None, LM())
+    got = _train(jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")), batch_axes=("data", "expert"),
+                                    expert_axes="expert", layout_rules=[("OwnMoE_0/experts", P("expert"))]), LM())
+    assert got[3][0]["params"]["OwnMoE_0"]["experts"].sharding.spec[0] == "expert"
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     _close(got[1], expected[1])
 
@@ -248,6 +226,17 @@ def test_moe_errors_name_the_fix():
         jd.strategies.LayoutPolicy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert")
     with pytest.raises(ValueError, match=r"expert_parallelism=3 must be an int >= 1 that divides the 8 devices"):
         jd.ShardedStrategy(expert_parallelism=3)
+    with pytest.raises(ValueError, match=r"router='relu' is not one of \('softmax', 'sigmoid'\)"):
+        jd.nn.experts.Routing(4, 1, router="relu")
+    with pytest.raises(ValueError, match=r"num_experts=0 must be an int >= 1"):
+        jd.nn.experts.Routing(0, 1)
+    with pytest.raises(ValueError, match=r"expert_axes='expert' name axes of a mesh: pass mesh= too .*"
+                                         r"expert_parallelism=k adds 'expert'"):
+        jd.ShardedStrategy(expert_axes="expert")
+    with pytest.raises(ValueError, match=r"mesh= and expert_parallelism=2 both given: .*expert_axes=\('expert',\)"):
+        jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert", expert_parallelism=2)
+    with pytest.raises(ValueError, match=r"expert_parallelism=8 x pipeline_parallelism=2 must divide the 8 devices"):
+        jd.ShardedStrategy(expert_parallelism=8, pipeline_parallelism=2)
     model = jd.nn.MoE(num_experts=6, top_k=2, hidden_dim=8)
     x = jnp.ones((8, 4, 8))
     strategy = jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert")
@@ -302,3 +291,16 @@ def test_dropless_grouped_matmuls_equal_the_worst_case_buffer(router):
     _close(run(True), run(False))
     plan = jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0]).plan(weights, x)
     assert plan.moe_dispatch == ("dropless_ragged_local",)
+
+
+def test_rows_the_batch_axes_do_not_divide_are_an_error_inside_the_layer():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "expert"), expert_axes="expert")
+    model = jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=8)
+    params = strategy.create_variables(model.init, jax.random.key(0), jnp.ones((8, 4, 8)))
+
+    def folded(params, x):  # the layer sees 4 rows of its 8: the batch axes' 8 devices cannot each route their own
+        return model.apply(params, x.reshape(4, 8, 8))
+
+    with pytest.raises(ValueError, match=r"jd.nn.MoE got 4 rows \(sequences\), which the 8 devices of batch_axes="):
+        strategy.jit(folded, batch_argnums=1)(params, np.ones((8, 4, 8), np.float32))

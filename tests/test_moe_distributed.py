@@ -17,10 +17,9 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import numpy as np
-import optax
 import pytest
 from registry import adam, launch_env
-from test_moe import EXPERTS, MoELM, _tokens
+from test_moe import EXPERTS, MoELM, _tokens, make_step
 
 import jaxdist as jd
 
@@ -28,16 +27,7 @@ MODEL = MoELM(capacity_factor=1.0)  # dropping: tokens beyond an expert's capaci
 TX = adam(1e-2)
 
 
-def loss_fn(params, tokens):
-    logits, sown = MODEL.apply(params, tokens, mutable=["moe_losses", "moe_metrics"])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
-    return loss + jd.nn.moe_loss(sown), sown["moe_metrics"]
-
-
-def step(params, opt_state, tokens):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
-    updates, opt_state = TX.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, metrics
+step = make_step(MODEL, TX)
 
 
 def initial_state():

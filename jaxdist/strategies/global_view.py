@@ -244,10 +244,13 @@ class StrategyFunction:
                 kwargs[k] = self._place_variables(kwargs[k], f"argument {k!r}")
         return tuple(placed), kwargs, state
 
-    def _whole_batch(self, args: tuple, kwargs: dict) -> bool:
+    def _whole_batch(self, args: tuple, kwargs: dict, shardings: set[Any] | None = None) -> bool:
         """Whether a declared batch argument holds a leaf every replica holds whole (to be split) or one that
-        is no array on a mesh (to be placed, or refused: `jaxdist.strategies.input.kept`)."""
+        is no array on a mesh (to be placed, or refused: `jaxdist.strategies.input.kept`). ``shardings``: the
+        distinct shardings of all the arguments, when read already (one replica and no leaf without one: no)."""
         if not self._batch and not self._batch_names:
+            return False
+        if shardings is not None and None not in shardings and self._policy.num_replicas == 1:
             return False
         batches = [args[i] for i in self._batch or () if i < len(args)]
         batches += [kwargs[k] for k in self._batch_names if k in kwargs]
@@ -343,10 +346,7 @@ class StrategyFunction:
         if plain:
             leaves = jax.tree.leaves(args)
             shardings = _shardings(leaves)
-            # One replica and every leaf an array: no batch leaf to split or refuse (read off these shardings).
-            batch_ok = (None not in shardings and self._policy.num_replicas == 1) or not self._whole_batch(
-                args, kwargs)
-            if _all_on(leaves, self._policy.mesh, shardings) and batch_ok:
+            if _all_on(leaves, self._policy.mesh, shardings) and not self._whole_batch(args, kwargs, shardings):
                 static = (None, (), self._provenance(leaves, shardings))
                 self._local.args = (args, kwargs, None)  # read only if this call traces
                 try:
@@ -400,7 +400,7 @@ class StrategyFunction:
         if entry is None:
             return out
         treedef, flags, first = entry
-        if is_own(getattr(_walk(out, first), "sharding", None)):
+        if is_own(getattr(_leaf_at(out, first), "sharding", None)):
             return out  # an executable seen before (or one whose first such output is)
         leaves, structure = jax.tree.flatten(out)
         if structure == treedef:
@@ -610,31 +610,26 @@ def _all_on(leaves: list[Any], mesh: Any, shardings: set[Any] | None = None) -> 
     return all(s is None or not sharding_off(s, mesh) for s in shardings)
 
 
-def _walk(tree: Any, path: tuple) -> Any:
-    """The leaf of ``tree`` at key ``path``, read by indexing along it (no flattening); None where a key is not
-    a dict key, sequence index or attribute (or the tree has no such leaf)."""
+def _leaf_at(tree: Any, path: tuple) -> Any:
+    """The leaf of ``tree`` at key ``path``: read by indexing along it (no flattening, for a hot path) where its
+    keys are dict keys, sequence indices and attributes (an nnx Variable's child is its value); else found by
+    flattening. None when there is no such leaf."""
+    node = tree
     for key in path:
         try:
             if isinstance(key, jax.tree_util.DictKey):
-                tree = tree[key.key]
+                node = node[key.key]
             elif isinstance(key, jax.tree_util.SequenceKey):
-                tree = tree[key.idx]
-            elif is_variable(tree):  # an nnx Variable: its one child is its value
-                tree = tree.get_value()
+                node = node[key.idx]
+            elif is_variable(node):
+                node = node.get_value()
             elif isinstance(key, jax.tree_util.GetAttrKey):
-                tree = getattr(tree, key.name)
+                node = getattr(node, key.name)
             else:
-                return None
+                return next((x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path), None)
         except (KeyError, IndexError, TypeError, AttributeError):
             return None
-    return tree
-
-
-def _leaf_at(tree: Any, path: tuple) -> Any:
-    for p, x in jax.tree_util.tree_leaves_with_path(tree):
-        if p == path:
-            return x
-    return None
+    return node
 
 
 def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
