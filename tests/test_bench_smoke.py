@@ -32,11 +32,16 @@ def test_bench_smoke_writes_table_json_and_plot(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dispatch_smoke_writes_one_row_per_device_count(tmp_path):
+def _smoke(module, tmp_path):
+    """``python -m <module> --smoke --out tmp_path``, which must succeed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.dispatch", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=280)
+    out = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_dispatch_smoke_writes_one_row_per_device_count(tmp_path):
+    _smoke("benchmarks.dispatch", tmp_path)
     rows = json.loads(next(tmp_path.glob("*-dispatch-smoke.json")).read_text())
     assert [r["devices"] for r in rows] == [1, 8] and all(r["ratio"]["n"] == 2 for r in rows)
     assert "| 8 | 64 |" in next(tmp_path.glob("*-dispatch-smoke.md")).read_text()
@@ -45,10 +50,7 @@ def test_dispatch_smoke_writes_one_row_per_device_count(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_smoke_writes_the_memory_all_to_all_and_step_time_rows(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.moe", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _smoke("benchmarks.moe", tmp_path)
     table = next(tmp_path.glob("*-moe-smoke.md")).read_text()
     for heading in ("## (a)", "## (b)", "## (c)"):
         assert heading in table, heading
