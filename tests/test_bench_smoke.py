@@ -15,10 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.multiprocess  # its multi-process rows launch 2-process runs
 @pytest.mark.timeout(300)
 def test_bench_smoke_writes_table_json_and_plot(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _smoke("benchmarks", tmp_path)
     files = sorted(p.name.split("-")[-1] if p.name.endswith("-rates.png") else p.suffix for p in tmp_path.iterdir())
     assert files == [".json", ".md", ".png", "rates.png"]  # the ratio plot, and steps/s per stepper
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
