@@ -26,12 +26,14 @@ class MoELM(nn.Module):
     capacity_factor: float | None = 1.0
     shared_experts: int = 0
     router: str = "softmax"
+    ragged: bool | None = None
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, WIDTH)(tokens)
         x = x + jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=2 * WIDTH, capacity_factor=self.capacity_factor,
-                          shared_experts=self.shared_experts, router=self.router, z_loss_weight=1e-3)(
+                          shared_experts=self.shared_experts, router=self.router, z_loss_weight=1e-3,
+                          ragged=self.ragged)(
             nn.LayerNorm()(x))
         return nn.Dense(VOCAB)(x)
 
@@ -105,6 +107,22 @@ def test_a_moe_lm_with_expert_parallelism_equals_one_device(references, mesh, ca
     _close(metrics, expected_metrics)
     (dropped,) = jax.tree.leaves(metrics["MoE_0"]["dropped_fraction"])  # the step's own, nothing from init
     assert (float(dropped) > 0) == (capacity_factor is not None), dropped  # dropping really drops; dropless never
+
+
+@pytest.mark.parametrize("mesh", ["data2_expert4", "expert8"])
+def test_dropless_ragged_exchange_equals_one_device(references, mesh):
+    # The ragged path (picks sorted by expert, counts exchanged, only routed rows moved, grouped matmuls): on CPU
+    # its exchange runs emulated (XLA:CPU has no ragged all-to-all); the code around it is the GPU / TPU path's.
+    expected_losses, expected_params, expected_metrics, _ = references[None]
+    strategy = MESHES[mesh]()
+    losses, params, metrics, state = _train(strategy, MoELM(capacity_factor=None, ragged=True))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    _close(params, expected_params)
+    _close(metrics, expected_metrics)
+    model = MoELM(capacity_factor=None, ragged=True)
+    plan = strategy.jit(lambda p, t: model.apply(p, t, mutable=["moe_losses"])[0], batch_argnums=1).plan(
+        state[0], _tokens())
+    assert plan.moe_dispatch == ("dropless_ragged_all_to_all_emulated",), plan.moe_dispatch
 
 
 def test_expert_fsdp_and_tensor_parallelism_on_one_mesh_equal_one_device(references):

@@ -8,6 +8,7 @@ Examples:
     ('Pipeline', 0.2727272727272727)
 """
 
+from jaxdist.nn import exchange as exchange
 from jaxdist.nn import experts as experts
 from jaxdist.nn import nnx as nnx
 from jaxdist.nn.attention import dot_product_attention as dot_product_attention
@@ -17,5 +18,5 @@ from jaxdist.nn.moe import update_router_bias as update_router_bias
 from jaxdist.nn.pipeline import Pipeline as Pipeline
 from jaxdist.nn.pipeline import bubble_fraction as bubble_fraction
 
-__all__ = ["MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "experts", "moe_loss", "nnx",
+__all__ = ["MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts", "moe_loss", "nnx",
            "update_router_bias"]

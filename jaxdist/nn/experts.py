@@ -19,7 +19,10 @@ The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functio
   own rows, `jax.lax.all_to_all` over the expert axes sends each expert's buffer to the device holding that
   expert (explicit collectives, fixed shapes) and brings the outputs back. The expert weights are split over
   the expert axes (logical name ``"expert"``), so each device holds ``1/EP`` of them and of their optimizer
-  state. Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too).
+  state. Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too). Dropless on GPU / TPU, the
+  exchange is ragged instead (`jaxdist.nn.exchange`): each device sorts its picks by expert, the expert counts
+  are exchanged, `jax.lax.ragged_all_to_all` moves only the routed rows, each device receives them grouped by
+  its local expert, runs grouped matmuls and sends the outputs back the same way.
 * **losses and metrics**, over the whole global batch: the Switch load-balancing loss
   ``E * sum_e f_e P_e``, the router z-loss ``mean(logsumexp(logits)^2)``, tokens per expert, the largest load
   over the mean, and the fraction of (token, expert) picks dropped.
@@ -44,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxdist.nn.exchange import exchange, exchange_plan, has_ragged_exchange
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
 from jaxdist.strategies.hlo_cost import MOE_SCOPE
@@ -144,8 +148,11 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
         config: the routing.
         weights: the layer's weights.
         x: the input.
-        ragged: dropless with every expert local: grouped matmuls over the picks sorted by expert (True) or the
-            worst-case buffer (False); None: grouped matmuls except on CPU (where ``ragged_dot`` is dense).
+        ragged: dropless: the picks sorted by expert, grouped matmuls (`jax.lax.ragged_dot`) and, with expert
+            parallelism, a ragged exchange that moves only the routed rows (True); the worst-case buffer
+            (False); None: ragged where the devices have ragged collectives (GPU, TPU), the buffer on CPU (where
+            ``ragged_dot`` is dense). True on CPU with expert parallelism runs the exchange emulated
+            (`jaxdist.nn.exchange`): the same numbers, the padded bytes.
 
     Raises:
         ValueError: when the expert axes do not divide ``num_experts``.
@@ -155,18 +162,20 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     x3 = x.reshape(rows, -1, shape[-1])
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
-    if ragged is None:
-        ragged = jax.default_backend() != "cpu"
-    ragged = ragged and policy is None and config.capacity_factor is None
-    if policy is not None:
-        path = "dropping_all_to_all" if config.capacity_factor is not None else "dropless_padded_all_to_all"
+    native = has_ragged_exchange(policy.mesh.devices.flat[0].platform if policy is not None
+                                 else jax.default_backend())
+    ragged = config.capacity_factor is None and (native if ragged is None else ragged)
+    if config.capacity_factor is not None:
+        path = "dropping_all_to_all" if policy is not None else "dropping_local"
+    elif policy is not None:
+        path = ("dropless_ragged_all_to_all" + ("" if native else "_emulated")) if ragged else (
+            "dropless_padded_all_to_all")
     else:
-        path = "dropping_local" if config.capacity_factor is not None else (
-            "dropless_ragged_local" if ragged else "dropless_local")
+        path = "dropless_ragged_local" if ragged else "dropless_local"
     # The dispatch path, as a named scope: plans report it from the compiled program (Plan.moe_dispatch).
     with jax.named_scope(MOE_SCOPE + path):
         if policy is not None:
-            y, sums = _expert_parallel(policy, config, weights, x3, cap)
+            y, sums = _expert_parallel(policy, config, weights, x3, cap, ragged, native)
         elif ragged:
             y, sums = _grouped(config, weights, x3)
         else:
@@ -221,26 +230,70 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
     return y, sums
 
 
-def _grouped(config: Routing, weights: Weights, x: jax.Array):
-    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
-    (`jax.lax.ragged_dot`), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as `_local`."""
+class _Picks(NamedTuple):
+    """One device's routing, its (token, expert) picks sorted by expert: ``rows`` (the picked tokens' inputs),
+    ``token`` (each row's token), ``weight`` (its combine weight) and ``sizes (E,)`` (rows per expert)."""
+
+    rows: jax.Array
+    token: jax.Array
+    weight: jax.Array
+    sizes: jax.Array
+    sums: tuple
+
+
+def _sorted_picks(config: Routing, weights: Weights, x: jax.Array) -> _Picks:
     b, length, d = x.shape
     e, k = config.num_experts, config.top_k
     logits, scores, experts, picked = _route(config, weights, x)
     flat = experts.reshape(-1)  # (tokens * k,): token t's picks at t * k ... t * k + k - 1
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    rows = x.reshape(b * length, d)[token]
-    gate = jax.lax.ragged_dot(rows, weights.gate.astype(x.dtype), sizes)
-    up = jax.lax.ragged_dot(rows, weights.up.astype(x.dtype), sizes)
-    out = jax.lax.ragged_dot(config.activation(gate) * up, weights.down.astype(x.dtype), sizes)
-    weight = picked.reshape(-1)[order].astype(out.dtype)
-    y = jnp.zeros((b * length, d), out.dtype).at[token].add(out * weight[:, None]).reshape(b, length, d)
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)
     sums = (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
             jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), jnp.float32(b * length * k), jnp.float32(b * length))
-    return y, sums
+    return _Picks(x.reshape(b * length, d)[token], token, picked.reshape(-1)[order].astype(x.dtype),
+                  jnp.bincount(flat, length=e).astype(jnp.int32), sums)
+
+
+def _grouped_experts(config: Routing, weights: Weights, rows: jax.Array, sizes: jax.Array) -> jax.Array:
+    """The experts on ``rows`` grouped by expert (``sizes`` rows each; rows past their sum give 0)."""
+    gate = jax.lax.ragged_dot(rows, weights.gate.astype(rows.dtype), sizes)
+    up = jax.lax.ragged_dot(rows, weights.up.astype(rows.dtype), sizes)
+    return jax.lax.ragged_dot(config.activation(gate) * up, weights.down.astype(rows.dtype), sizes)
+
+
+def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
+    """Each pick's output added back to its token, weighted: ``(b, l, d)``."""
+    b, length, d = shape
+    return jnp.zeros((b * length, d), out.dtype).at[picks.token].add(out * picks.weight[:, None]).reshape(shape)
+
+
+def _grouped(config: Routing, weights: Weights, x: jax.Array):
+    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
+    (`jax.lax.ragged_dot`), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as `_local`."""
+    picks = _sorted_picks(config, weights, x)
+    return _combine(picks, _grouped_experts(config, weights, picks.rows, picks.sizes), x.shape), picks.sums
+
+
+def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple, batch_axes: tuple,
+                  devices: int, native: bool):
+    """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert, each
+    expert's slice sent to the device holding it by a ragged exchange (only the routed rows move), received
+    grouped by local expert, the experts as grouped matmuls on them, the outputs sent back the same way and
+    combined. Returns ``(y, sums)`` as `_local`."""
+    picks = _sorted_picks(config, weights, x)
+    b, length, d = x.shape
+    tokens = b * length
+    plan = exchange_plan(picks.sizes, expert_axes, devices)
+    # A source sends each local expert at most one row per token: the worst case any device can receive.
+    buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
+    received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes, native=native,
+                        slice_rows=tokens)
+    out = _grouped_experts(config, weights, received, plan.group_sizes)
+    back = exchange(out, jnp.zeros_like(picks.rows), plan.back(), axis_name=expert_axes, native=native,
+                    slice_rows=tokens)
+    sums = picks.sums if not batch_axes else jax.lax.psum(picks.sums, batch_axes)
+    return _combine(picks, back, x.shape), sums
 
 
 def _stats(config: Routing, sums) -> Stats:
@@ -266,7 +319,8 @@ def _expert_policy() -> Any | None:
     return policy
 
 
-def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int):
+def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int, ragged: bool,
+                     native: bool):
     roles = policy.roles
     axes, batch = tuple(roles.expert_axes), tuple(roles.batch_axes)
     ep = roles.size(axes)
@@ -293,6 +347,8 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
                                                                                           strict=True)))
 
     def local(w: Weights, rows_x: jax.Array):
+        if ragged:
+            return _ragged_local(config, w, rows_x, axes, batch, ep, native)
         return _local(config, w, rows_x, cap, axes, batch)
 
     stats_spec = (PartitionSpec(),) * 5

@@ -72,6 +72,9 @@ class MoE(nn.Module):
         load_balance_weight: the Switch load-balancing loss's weight in the sown loss.
         z_loss_weight: the router z-loss's weight in the sown loss.
         router_bias: route with the aux-loss-free bias (collection ``"router_bias"``; see `update_router_bias`).
+        ragged: dropless only: sort the picks by expert, run grouped matmuls and (expert parallel) exchange
+            only the routed rows (True), or use worst-case buffers (False); None: ragged on GPU / TPU, buffers
+            on CPU. See `jaxdist.nn.experts.apply`.
         dtype: the computation's dtype (None: the input's); the router always computes in float32.
         param_dtype: the weights' dtype.
     """
@@ -87,6 +90,7 @@ class MoE(nn.Module):
     load_balance_weight: float = 0.01
     z_loss_weight: float = 0.0
     router_bias: bool = False
+    ragged: bool | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
@@ -103,7 +107,7 @@ class MoE(nn.Module):
         bias = self.variable("router_bias", "bias", jnp.zeros, (e,), jnp.float32).value if self.router_bias else None
         dtype = self.dtype or x.dtype
         y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"], stacked["wo"], bias),
-                         x.astype(dtype))
+                         x.astype(dtype), ragged=self.ragged)
         if self.shared_experts:
             width = self.shared_experts * h
 

@@ -121,9 +121,11 @@ class Plan:
             `jaxdist.strategies.axis_types`).
         moe_dispatch: how the program's mixture-of-experts layers (`jaxdist.nn.MoE`) move tokens:
             ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a capacity
-            buffer, or a worst-case one), ``"dropping_local"`` / ``"dropless_local"`` (every expert on each
-            device), ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without
-            such layers.
+            buffer, or a worst-case one), ``"dropless_ragged_all_to_all"`` (expert parallelism: only the routed
+            rows move, grouped matmuls: GPU / TPU; ``..._emulated`` where the exchange runs emulated on CPU),
+            ``"dropping_local"`` / ``"dropless_local"`` (every expert on each device),
+            ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without such
+            layers.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
