@@ -394,8 +394,8 @@ def test_what_context_parallelism_cannot_do_is_an_error_naming_the_fix():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"batch_axes": "data", "context_axes": "data"}, r"context_axes='data' and batch_axes=\('data',\) both name "
-                                                     r"axis 'data'"),
+    ({"batch_axes": "data", "context_axes": "data"}, r"context_axes='data' names 'data', which is also in "
+                                                     r"batch_axes=\('data',\): a batch's rows are split over"),
     ({"batch_axes": "data", "context_axes": "seq"}, r"context_axes='seq' names axis 'seq', but the mesh axes are"),
     ({"batch_axes": "data", "context_axes": "context", "context_parallelism": 4},
      r"mesh= and context_parallelism=4 both given.*context_axes=\('context',\)"),
@@ -409,7 +409,7 @@ def test_bad_context_axes_are_errors(kwargs, match):
 def test_bad_short_form_context_parallelism_is_an_error():
     with pytest.raises(ValueError, match=r"context_parallelism=3 must be an int >= 1 that divides the 8 devices"):
         jd.ShardedStrategy(context_parallelism=3)
-    with pytest.raises(ValueError, match=r"model_parallelism=4 x context_parallelism=4 must divide the 8 devices"):
+    with pytest.raises(ValueError, match=r"context_parallelism=4 x model_parallelism=4 must divide the 8 devices"):
         jd.ShardedStrategy(context_parallelism=4, model_parallelism=4)
     with pytest.raises(ValueError, match=r"context_axes='context' name axes of a mesh: pass mesh= too .*"
                                          r"context_parallelism=k adds 'context'"):

@@ -253,7 +253,8 @@ def test_moe_errors_name_the_fix():
         jd.ShardedStrategy(expert_axes="expert")
     with pytest.raises(ValueError, match=r"mesh= and expert_parallelism=2 both given: .*expert_axes=\('expert',\)"):
         jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert", expert_parallelism=2)
-    with pytest.raises(ValueError, match=r"expert_parallelism=8 x pipeline_parallelism=2 must divide the 8 devices"):
+    with pytest.raises(ValueError, match=r"pipeline_parallelism=2 x expert_parallelism=8 must divide the 8 devices "
+                                         r"\(the mesh would be \(stage, replica, expert\)\)"):
         jd.ShardedStrategy(expert_parallelism=8, pipeline_parallelism=2)
     model = jd.nn.MoE(num_experts=6, top_k=2, hidden_dim=8)
     x = jnp.ones((8, 4, 8))

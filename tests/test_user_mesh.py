@@ -271,3 +271,23 @@ def test_a_global_mesh_of_another_size_is_swapped_out_for_the_strategys_calls():
 
         with pytest.raises(ValueError, match=r"inside another jax\.jit while a mesh of 2 devices.*strategy\.scope"):
             outer(w, x)
+
+
+def test_every_role_is_one_entry_checked_the_same_way():
+    # Each role of meshes.ROLES: its axes on a user's mesh must keep its relation to the batch axes, a mirroring
+    # strategy refuses it, and an argument that is no role's is a TypeError naming the roles' arguments.
+    from jaxdist.strategies.meshes import ROLES, axis_roles
+    from jaxdist.strategies.policy import LayoutPolicy
+
+    m = jax.make_mesh((2, 4), ("data", "x"))
+    for role in ROLES:
+        batch = ("data", "x") if not role.batch else ("data",)  # the relation broken on purpose
+        with pytest.raises(ValueError, match=rf"{role.argument}='x' names 'x', which is "
+                                             rf"{'not in' if role.batch else 'also in'} batch_axes"):
+            axis_roles(m, batch, split=True, **{role.argument: "x"})
+        with pytest.raises(ValueError, match=rf"{role.argument}='x': a mirroring strategy .* {role.short_form}=k"):
+            axis_roles(m, ("data", "x") if role.batch else ("data",), split=False, **{role.argument: "x"})
+    with pytest.raises(TypeError, match=r"axis_roles got tensor_axes=: the roles' arguments are \['context_axes'"):
+        axis_roles(m, ("data",), split=True, tensor_axes="x")
+    with pytest.raises(TypeError, match=r"LayoutPolicy got tensor_parallelism=: the roles' arguments are"):
+        LayoutPolicy(jax.devices()[:8], tensor_parallelism=2)

@@ -337,7 +337,7 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
             "divide: each device routes its own rows; the layer's input keeps the batch's rows on axis 0."
         )
     mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
-    expert_entry, batch_entry = roles.expert_entry, roles.replica_axis
+    expert_entry, batch_entry = roles.entry("expert"), roles.replica_axis
     x_spec = PartitionSpec(batch_entry)
     w_spec = PartitionSpec(expert_entry)
     specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec, None if weights.bias is None else PartitionSpec())

@@ -302,7 +302,7 @@ class Pipeline(nn.Module):
                 f"micro-batch comes back to stage 0 before the stage is free; use num_microbatches >= {stages}."
             )
         per = num_layers // (stages * repeats)
-        stage_spec = PartitionSpec(roles.stage_entry)
+        stage_spec = PartitionSpec(roles.entry("stage"))
         ambient_mesh = jax.sharding.get_abstract_mesh()  # the step's mesh, with Explicit axes made Auto here
         mesh = ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names) else policy.mesh
 

@@ -259,7 +259,7 @@ class VariableRules:
         if free and not used & set(self.roles.fsdp_axes) and n > 1 and self._big_enough(shape):
             candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
             if candidates:
-                axes[-max(candidates)[1]] = self.roles.fsdp_entry
+                axes[-max(candidates)[1]] = self.roles.entry("fsdp")
         while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
             axes.pop()
         return PartitionSpec(*axes)
@@ -285,7 +285,7 @@ class VariableRules:
             return PartitionSpec()
         _, neg_axis = max(candidates)  # the largest divisible axis (the first of equals)
         spec = [None] * (-neg_axis + 1)  # no trailing Nones: the canonical form jit returns
-        spec[-neg_axis] = self.roles.fsdp_entry
+        spec[-neg_axis] = self.roles.entry("fsdp")
         return PartitionSpec(*spec)
 
     def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str) -> None:

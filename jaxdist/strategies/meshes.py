@@ -21,6 +21,12 @@ Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"len
 context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert axes. They are appended to the
 user's ``logical_axis_rules`` wherever those do not name them.
 
+A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short form
+(``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and whether its axes
+must be batch axes (expert) or never are (stage, context). `axis_roles`, `short_form_mesh`, `AxisRoles` and the
+`jaxdist.strategies.LayoutPolicy` derive everything from it; only `jaxdist.ShardedStrategy`'s signature lists each
+role's two keywords by name, for readers and type checkers.
+
 The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
 ``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand)
 is kept as it is: its axis names, device order AND axis types. Code written for it depends on them: on
@@ -69,36 +75,53 @@ axes."""
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """A role mesh axes take besides the batch and model roles: one entry of `ROLES` gives it its argument on a
-    user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an axis ``axis`` of size ``k`` on the
-    strategy's own mesh) and the logical axis names that map to its axes (`AxisRoles.logical_rules`). How its
-    axes relate to the batch axes is checked in `axis_roles`."""
+    """A role mesh axes take besides the batch and model roles. One entry of `ROLES` is the whole role: its
+    argument on a user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an axis ``axis`` of size
+    ``k`` on the strategy's own mesh, before ``"replica"`` when ``outer``), the logical axis names that map to
+    its axes (`AxisRoles.logical_rules`) and how its axes relate to the batch axes (checked by `axis_roles`,
+    ``reason`` saying why in the error)."""
 
     name: str
     short_form: str
     axis: str
     logical: tuple[str, ...]
+    batch: bool
+    """True: its axes must be batch axes (they split the batch outside the role's layers); False: never."""
+    reason: str
+    outer: bool = False
+
+    @property
+    def argument(self) -> str:
+        """Its argument on a user's mesh: ``"<name>_axes"``."""
+        return f"{self.name}_axes"
 
 
 ROLES = (
-    Role("stage", "pipeline_parallelism", STAGE_AXIS, (LAYERS,)),
-    Role("expert", "expert_parallelism", EXPERT_AXIS, EXPERT_NAMES),
-    Role("context", "context_parallelism", CONTEXT_AXIS, ("length",)),
+    Role("stage", "pipeline_parallelism", STAGE_AXIS, (LAYERS,), batch=False, outer=True, reason=(
+        "a pipeline stage holds its own layers and sees the whole micro-batch, so a stage axis cannot split a "
+        "batch's rows; drop it from batch_axes")),
+    Role("expert", "expert_parallelism", EXPERT_AXIS, EXPERT_NAMES, batch=True, reason=(
+        "outside expert layers the expert axes split the batch like any batch axis (tokens are exchanged between "
+        "their devices inside the layer), so they must be batch axes; add it to batch_axes (an axis that splits "
+        "experts cannot also be a tensor axis)")),
+    Role("context", "context_parallelism", CONTEXT_AXIS, ("length",), batch=False, reason=(
+        "a batch's rows are split over the batch axes and its sequence over the context axes; give each axis "
+        "one role")),
 )
-"""Every role besides batch and model, in the short-form mesh's axis order around ``"replica"``: ``"stage"``
-outermost (slowest links), then ``"replica"``, ``"expert"``, ``"context"`` and ``"model"`` innermost."""
+"""Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes, then
+``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica, expert,
+context, model`` (stages over the slowest links, a model copy on consecutive devices)."""
 
 
-def short_form_mesh(
-    devices: Sequence[jax.Device], model_parallelism: int = 1, context_parallelism: int = 1,
-    pipeline_parallelism: int = 1, expert_parallelism: int = 1,
-) -> Mesh:
+def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, **parallelism: int) -> Mesh:
     """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for each
-    ``<role>_parallelism=k > 1`` (`ROLES`) and ``"model"`` for ``model_parallelism=k > 1``, in the order
-    ``stage, replica, expert, context, model`` (``"model"``'s ``k`` consecutive devices hold one model copy;
-    stage ``i`` is the ``i``-th block of ``N / p`` devices). ``"replica"`` takes the devices left over.
+    ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for ``model_parallelism=k > 1``, in
+    `ROLES`' order (``stage, replica, expert, context, model``: ``"model"``'s ``k`` consecutive devices hold one
+    model copy; stage ``i`` is the ``i``-th block of ``N / p`` devices). ``"replica"`` takes the devices left
+    over.
 
     Raises:
+        TypeError: for a keyword that is no role's short form.
         ValueError: for a ``*_parallelism`` that is not an int >= 1 dividing the device count, or several whose
             product does not.
 
@@ -115,22 +138,24 @@ def short_form_mesh(
     """
     devices = tuple(devices)
     n = len(devices)
-    sizes = {"model_parallelism": model_parallelism, "context_parallelism": context_parallelism,
-             "expert_parallelism": expert_parallelism, "pipeline_parallelism": pipeline_parallelism}
     axis = {"model_parallelism": MODEL_AXIS, **{r.short_form: r.axis for r in ROLES}}
+    unknown = sorted(set(parallelism) - set(axis))
+    if unknown:
+        raise TypeError(f"short_form_mesh got {unknown[0]}=: the short forms are {sorted(axis)}.")
+    sizes = {"model_parallelism": model_parallelism, **parallelism}
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
             raise ValueError(
                 f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's {axis[name]!r} axis: the "
                 f"'replica' axis takes the devices left over)."
             )
-    asked = {name: k for name, k in sizes.items() if k > 1}
+    order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS, *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
+    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a and sizes[name] > 1}
     if n % math.prod(asked.values()):
         raise ValueError(
-            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices (the mesh is "
-            f"({', '.join(axis[name] for name in asked)}, replica))."
+            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices (the mesh "
+            f"would be ({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
         )
-    order = (STAGE_AXIS, REPLICA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
     shape = {axis[name]: k for name, k in asked.items()}
     shape[REPLICA_AXIS] = n // math.prod(asked.values())
     names = tuple(a for a in order if a in shape)
@@ -145,25 +170,33 @@ class AxisRoles:
         mesh: the mesh (the user's, as it is: names, device order, axis types).
         batch_axes: the axes a batch's rows are split over, in order.
         fsdp_axes: the batch (and context) axes the FSDP rule splits variables over (empty: none).
-        context_axes: the axes a batch's sequence dimension is split over (empty: none).
-        model_axes: every other axis, in mesh order.
-        stage_axes: the model axes that pipeline stages are laid out over (empty: no pipeline).
-        expert_axes: the batch axes that the stacked experts of a mixture-of-experts layer are split over.
+        model_axes: every axis that is neither a batch nor a context axis, in mesh order.
+        role_axes: ``{role: axes}`` for each of `ROLES` (empty: none); `axes` reads any role's.
     """
 
     def __init__(self, mesh: Mesh, batch_axes: tuple[str, ...], fsdp_axes: tuple[str, ...],
-                 context_axes: tuple[str, ...] = (), stage_axes: tuple[str, ...] = (),
-                 expert_axes: tuple[str, ...] = ()):
+                 role_axes: dict[str, tuple[str, ...]] | None = None):
         self.mesh = mesh
         self.batch_axes = batch_axes
         self.fsdp_axes = fsdp_axes
-        self.context_axes = context_axes
-        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in context_axes)
-        self.stage_axes = stage_axes
+        self.role_axes = {role.name: tuple((role_axes or {}).get(role.name, ())) for role in ROLES}
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in self.context_axes)
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """The axes a batch's sequence dimension is split over (`jaxdist.nn.dot_product_attention`)."""
+        return self.role_axes["context"]
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
         """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical axis
         ``"layers"`` of stacked layer parameters is split over them."""
-        self.expert_axes = expert_axes
+        return self.role_axes["stage"]
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
         """The batch axes the stacked experts are split over (`jaxdist.nn.MoE`: logical axis ``"expert"``)."""
+        return self.role_axes["expert"]
 
     @property
     def logical_rules(self) -> tuple[tuple[str, Any], ...]:
@@ -177,47 +210,35 @@ class AxisRoles:
             >>> roles.logical_rules
             (('expert', 'expert'), ('exp', 'expert'))
         """
-        rules = [(name, _entry(self.axes(role.name))) for role in ROLES if self.axes(role.name)
-                 for name in role.logical]
+        rules = [(name, self.entry(role.name)) for role in ROLES if self.axes(role.name) for name in role.logical]
         if self.context_axes:  # Flax lm1b / MaxText activation names: activations stay split along the sequence
             rules.append(("batch", self.replica_axis))
         return tuple(rules)
 
     def axes(self, role: str) -> tuple[str, ...]:
         """The axes of ``role`` (``"batch"``, ``"fsdp"``, ``"model"`` or a `ROLES` name)."""
-        return getattr(self, f"{role}_axes")
+        return self.role_axes[role] if role in self.role_axes else getattr(self, f"{role}_axes")
+
+    def entry(self, role: str) -> str | tuple[str, ...] | None:
+        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple of several.
+
+        Examples:
+            >>> import jax
+            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "fsdp")), ("data", "fsdp"), split=True)
+            >>> roles.entry("fsdp"), roles.entry("expert")
+            (('data', 'fsdp'), None)
+        """
+        return _entry(self.axes(role))
 
     @property
     def replica_axis(self) -> str | tuple[str, ...] | None:
         """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's ``axis_name``: one
         name, or the tuple of several (None: no batch axis, a mesh of context axes only)."""
-        if not self.batch_axes:  # context parallelism alone: one replica, whole rows
-            return None
-        return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
-
-    @property
-    def fsdp_entry(self) -> str | tuple[str, ...] | None:
-        """The FSDP axes as one `PartitionSpec` entry (None: no FSDP axis)."""
-        return _entry(self.fsdp_axes)
-
-    @property
-    def context_entry(self) -> str | tuple[str, ...] | None:
-        """The context axes as one `PartitionSpec` entry (None: no context axis)."""
-        return _entry(self.context_axes)
+        return self.entry("batch")
 
     def size(self, axes: Sequence[str]) -> int:
         """The product of the sizes of ``axes``."""
         return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
-
-    @property
-    def stage_entry(self) -> str | tuple[str, ...] | None:
-        """The stage axes as one `PartitionSpec` entry (None: no stage axis)."""
-        return _entry(self.stage_axes)
-
-    @property
-    def expert_entry(self) -> str | tuple[str, ...] | None:
-        """The expert axes as one `PartitionSpec` entry (None: no expert axis)."""
-        return _entry(self.expert_axes)
 
     @property
     def explicit_axes(self) -> tuple[str, ...]:
@@ -249,27 +270,26 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
 
 def axis_roles(
     mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy",
-    context_axes: Any = None, stage_axes: Any = (), expert_axes: Any = (),
+    **role_axes: Any,
 ) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
     Args:
         mesh: a `jax.sharding.Mesh` (any axis names, any devices of any processes).
-        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis, or for a mirroring
-            strategy (``split=False``) every axis.
+        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis (besides context axes),
+            or for a mirroring strategy (``split=False``) every axis.
         fsdp_axes: the batch (and context) axes the FSDP rule splits variables over; None: ``batch_axes``
             and ``context_axes`` when ``split``, else none.
         split: whether the strategy splits variables (Sharded) or keeps them whole (Mirrored, TPU).
         strategy: the strategy's name, for error messages.
-        context_axes: the axes a batch's sequence dimension is split over (context parallelism); None: none.
-        stage_axes: the axes pipeline stages are laid out over (model axes: not batch axes).
-        expert_axes: the batch axes the stacked experts of mixture-of-experts layers are split over.
+        role_axes: ``<role>_axes=`` for each of `ROLES` given (``context_axes``, ``stage_axes``,
+            ``expert_axes``): the axes of that role. Each must be batch axes or never be (`Role.batch`).
 
     Raises:
-        TypeError: when ``mesh`` is not a `jax.sharding.Mesh`.
+        TypeError: when ``mesh`` is not a `jax.sharding.Mesh`, or for an argument that is no role's.
         ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch axes, a
-            mirroring strategy given model axes, a multi-axis mesh without ``batch_axes``, or a stage axis that
-            is also a batch axis.
+            mirroring strategy given model axes or role axes, a multi-axis mesh without ``batch_axes``, or role
+            axes that break their relation to the batch axes.
 
     Examples:
         >>> import jax
@@ -287,7 +307,12 @@ def axis_roles(
             "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names) (or, to plan "
             "without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
         )
-    context = _names(context_axes or (), "context_axes", mesh)
+    arguments = {role.argument: role for role in ROLES}
+    unknown = sorted(set(role_axes) - set(arguments))
+    if unknown:
+        raise TypeError(f"axis_roles got {unknown[0]}=: the roles' arguments are {sorted(arguments)}.")
+    given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh) for role in ROLES}
+    context = given["context"]
     if batch_axes is None:
         if split and len(mesh.axis_names) - len(context) > 1:
             raise ValueError(
@@ -297,16 +322,23 @@ def axis_roles(
             )
         batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
-    both = [a for a in context if a in batch]
-    if both:
-        raise ValueError(
-            f"context_axes={context_axes!r} and batch_axes={batch!r} both name axis {both[0]!r}: a batch's rows "
-            "are split over the batch axes and its sequence over the context axes; give each axis one role."
-        )
+    for role in ROLES:  # each role's axes are batch axes, or never are
+        wrong = [a for a in given[role.name] if (a in batch) != role.batch]
+        if wrong:
+            raise ValueError(
+                f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, which is "
+                f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
+            )
+        if given[role.name] and not split:
+            raise ValueError(
+                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every variable whole on "
+                f"every device and has no {role.name} axes; use ShardedStrategy(mesh=..., batch_axes=..., "
+                f"{role.argument}=...) (or {role.short_form}=k on its own mesh)."
+            )
     if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
     if not split:
-        model = [a for a in mesh.axis_names if a not in batch and a not in context]
+        model = [a for a in mesh.axis_names if a not in batch]
         if model:
             raise ValueError(
                 f"A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable whole, so mesh "
@@ -325,28 +357,4 @@ def axis_roles(
             "variables over (part of) the data-parallel group; add it to batch_axes, or split variables over a "
             "model axis with layout rules / logical_axis_rules instead."
         )
-    stage = _names(stage_axes or (), "stage_axes", mesh)
-    if stage and not split:
-        raise ValueError(f"stage_axes={stage_axes!r}: a mirroring strategy keeps every layer whole on every device; "
-                         "use ShardedStrategy(mesh=..., batch_axes=..., stage_axes=...) for pipeline parallelism.")
-    both = [a for a in stage if a in batch]
-    if both:
-        raise ValueError(
-            f"stage_axes={stage_axes!r} names {both[0]!r}, which is also in batch_axes={batch!r}: a pipeline stage "
-            "holds its own layers and sees the whole micro-batch, so a stage axis cannot split a batch's rows; "
-            "drop it from batch_axes."
-        )
-    expert = _names(expert_axes or (), "expert_axes", mesh)
-    if expert and not split:
-        raise ValueError(f"expert_axes={expert_axes!r}: a mirroring strategy keeps every expert whole on every "
-                         "device; use ShardedStrategy(mesh=..., batch_axes=..., expert_axes=...) for expert "
-                         "parallelism.")
-    outside = [a for a in expert if a not in batch]
-    if outside:
-        raise ValueError(
-            f"expert_axes={expert_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: outside "
-            "expert layers the expert axes split the batch like any batch axis (tokens are exchanged between "
-            "their devices inside the layer), so they must be batch axes; add it to batch_axes (an axis that "
-            "splits experts cannot also be a tensor axis)."
-        )
-    return AxisRoles(mesh, batch, fsdp, context, stage, expert)
+    return AxisRoles(mesh, batch, fsdp, given)

@@ -137,18 +137,15 @@ class LayoutPolicy:
         layout_rules: ``[(regex, PartitionSpec), ...]`` overriding the variable rule for matching paths.
         logical_axis_rules: Flax logical axis rules for annotated variables (and activations in traced steps).
         activation_axes: logical names only activations use.
-        context_axes: with ``mesh``, the axes a batch's sequence dimension is split over (context parallelism).
-        context_parallelism: the short form's ``"context"`` axis size (1: none).
         sequence_axis: which dimension of a batch leaf is its sequence (split over the context axes).
         host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
-        stage_axes: with ``mesh``, the model axes pipeline stages are laid out over (the logical axis
-            ``"layers"`` of `jaxdist.nn.Pipeline`'s stacked parameters is split over them).
-        pipeline_parallelism: the short form's stage count: a leading ``"stage"`` mesh axis of that size.
-        expert_axes: with ``mesh``, the batch axes the stacked experts of `jaxdist.nn.MoE` layers are split over
-            (logical axis ``"expert"``).
-        expert_parallelism: the short form of ``expert_axes``: an ``"expert"`` batch axis of that size.
+        role_arguments: for each role of `jaxdist.strategies.meshes.ROLES`, ``<name>_axes=`` (with ``mesh``: its
+            axes) or ``<short_form>=k`` (the short form: its axis of size ``k``): ``context_axes`` /
+            ``context_parallelism`` (a batch's sequence split), ``stage_axes`` / ``pipeline_parallelism``
+            (pipeline stages), ``expert_axes`` / ``expert_parallelism`` (the stacked experts of `jaxdist.nn.MoE`).
 
     Raises:
+        TypeError: for a keyword that is no role's argument.
         ValueError: for ``model_parallelism`` that does not divide the devices, bad axis roles, a malformed
             rule or one naming an axis the mesh lacks, or an unknown ``host_offload``.
 
@@ -179,20 +176,20 @@ class LayoutPolicy:
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
         activation_axes: Sequence[str] = (),
         host_offload: str | None = None,
-        context_axes: str | Sequence[str] | None = None,
-        context_parallelism: int = 1,
         sequence_axis: int = 1,
-        stage_axes: str | Sequence[str] | None = None,
-        pipeline_parallelism: int = 1,
-        expert_axes: str | Sequence[str] | None = None,
-        expert_parallelism: int = 1,
+        **role_arguments: Any,
     ):
-        # Each role (meshes.ROLES) is named by its axes on a user's mesh, or sized by its short form.
-        role_axes = {"context": context_axes, "stage": stage_axes, "expert": expert_axes}
-        short = {"context_parallelism": context_parallelism, "pipeline_parallelism": pipeline_parallelism,
-                 "expert_parallelism": expert_parallelism}
+        # Each role (meshes.ROLES) is named by its axes on a user's mesh (<name>_axes=), or sized by its short
+        # form (<short_form>=k) on the strategy's own.
+        known = {name for r in ROLES for name in (r.argument, r.short_form)}
+        unknown = sorted(set(role_arguments) - known)
+        if unknown:
+            raise TypeError(f"LayoutPolicy got {unknown[0]}=: the roles' arguments are {sorted(known)}.")
+        role_axes = {r.argument: role_arguments[r.argument] for r in ROLES
+                     if role_arguments.get(r.argument) is not None}
+        short = {r.short_form: role_arguments.get(r.short_form, 1) for r in ROLES}
         if mesh is None:
-            named = {"batch_axes": batch_axes, "fsdp_axes": fsdp_axes, **{f"{r}_axes": v for r, v in role_axes.items()}}
+            named = {"batch_axes": batch_axes, "fsdp_axes": fsdp_axes, **role_axes}
             named = {k: v for k, v in named.items() if v is not None}
             if named:
                 forms = ", ".join(f"{r.short_form}=k adds {r.axis!r}" for r in ROLES)
@@ -204,12 +201,11 @@ class LayoutPolicy:
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
             # The short form: an axis exists only when asked for ("model" for rules to split over).
-            mesh = short_form_mesh(devices, model_parallelism, context_parallelism, pipeline_parallelism,
-                                   expert_parallelism)
-            present = {r.name: (r.axis,) if r.axis in mesh.axis_names else () for r in ROLES}
-            roles = axis_roles(mesh, (REPLICA_AXIS, *present["expert"]), None if split_variables else (),
-                               split=True, context_axes=present["context"], stage_axes=present["stage"],
-                               expert_axes=present["expert"])
+            mesh = short_form_mesh(devices, model_parallelism, **short)
+            present = {r: (r.axis,) for r in ROLES if r.axis in mesh.axis_names}
+            batch = (REPLICA_AXIS, *(axis for r, axes in present.items() if r.batch for axis in axes))
+            roles = axis_roles(mesh, batch, None if split_variables else (), split=True,
+                               **{r.argument: axes for r, axes in present.items()})
         else:
             if devices is not None or model_parallelism != 1:
                 raise ValueError(
@@ -222,8 +218,7 @@ class LayoutPolicy:
                         f"mesh= and {role.short_form}={short[role.short_form]!r} both given: on a user mesh, name "
                         f"its {role.name} axes with {role.name}_axes=({role.axis!r},) (its own names) instead."
                     )
-            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, context_axes=context_axes,
-                               stage_axes=stage_axes, expert_axes=expert_axes)
+            roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, **role_axes)
         if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
             raise ValueError(
                 f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch leaf that holds "
@@ -256,7 +251,7 @@ class LayoutPolicy:
         rank): axis 0 split over the replicas. `batch_layout` gives a batch leaf's layout by its rank."""
         self._sequence_sharding = (
             NamedSharding(self.mesh, PartitionSpec(self.replica_axis, *[None] * (sequence_axis - 1),
-                                                   roles.context_entry))
+                                                   roles.entry("context")))
             if self.context_axes else None
         )
         self.replicated_sharding = replicated(self.mesh)
@@ -453,7 +448,7 @@ class LayoutPolicy:
         if not self.batch_axes:
             spec = getattr(getattr(x, "sharding", None), "spec", ())
             return (is_on_mesh(x, self.mesh) and len(spec) > self.sequence_axis
-                    and spec[self.sequence_axis] == self.roles.context_entry)
+                    and spec[self.sequence_axis] == self.roles.entry("context"))
         return splits_batch_axis(x, self.mesh, self.batch_axes)
 
     # --------------------------------------------------------------------------------------- checks
