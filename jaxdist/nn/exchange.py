@@ -100,11 +100,11 @@ def exchange_plan(send_sizes: jax.Array, axis_name: AxisName, devices: int) -> E
     k = send_sizes.shape[0]
     per_device = k // devices
     sizes = send_sizes.astype(jnp.int32)
-    send_offsets = jnp.cumsum(sizes) - sizes
+    send_offsets = jnp.cumsum(sizes, dtype=jnp.int32) - sizes
     recv = jax.lax.all_to_all(sizes.reshape(devices, per_device), axis_name, 0, 0, tiled=True)  # [source, slot]
-    group_sizes = jnp.sum(recv, 0)
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    recv_offsets = starts[None, :] + jnp.cumsum(recv, 0) - recv  # sources in order inside each group
+    group_sizes = jnp.sum(recv, 0, dtype=jnp.int32)
+    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes
+    recv_offsets = starts[None, :] + jnp.cumsum(recv, 0, dtype=jnp.int32) - recv  # sources in order inside each group
     output_offsets = jax.lax.all_to_all(recv_offsets, axis_name, 0, 0, tiled=True).reshape(k)
     return_offsets = jax.lax.all_to_all(send_offsets.reshape(devices, per_device), axis_name, 0, 0, tiled=True)
     return ExchangePlan(send_offsets, sizes, output_offsets, recv_offsets.reshape(k), recv.reshape(k), group_sizes,

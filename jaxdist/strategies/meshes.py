@@ -79,7 +79,8 @@ class Role:
     argument on a user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an axis ``axis`` of size
     ``k`` on the strategy's own mesh, before ``"replica"`` when ``outer``), the logical axis names that map to
     its axes (`AxisRoles.logical_rules`) and how its axes relate to the batch axes (checked by `axis_roles`,
-    ``reason`` saying why in the error)."""
+    ``reason`` saying why in the error), and whether it splits variables (``variables``: not under a mirroring
+    strategy)."""
 
     name: str
     short_form: str
@@ -89,6 +90,9 @@ class Role:
     """True: its axes must be batch axes (they split the batch outside the role's layers); False: never."""
     reason: str
     outer: bool = False
+    variables: bool = True
+    """Whether the role splits variables over its axes (stage: layers, expert: experts), which a mirroring
+    strategy cannot; context splits a batch's sequences and works with variables kept whole too."""
 
     @property
     def argument(self) -> str:
@@ -106,7 +110,7 @@ ROLES = (
         "experts cannot also be a tensor axis)")),
     Role("context", "context_parallelism", CONTEXT_AXIS, ("length",), batch=False, reason=(
         "a batch's rows are split over the batch axes and its sequence over the context axes; give each axis "
-        "one role")),
+        "one role"), variables=False),
 )
 """Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes, then
 ``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica, expert,
@@ -329,7 +333,7 @@ def axis_roles(
                 f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, which is "
                 f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
             )
-        if given[role.name] and not split:
+        if given[role.name] and role.variables and not split:
             raise ValueError(
                 f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every variable whole on "
                 f"every device and has no {role.name} axes; use ShardedStrategy(mesh=..., batch_axes=..., "
@@ -338,7 +342,7 @@ def axis_roles(
     if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
     if not split:
-        model = [a for a in mesh.axis_names if a not in batch]
+        model = [a for a in mesh.axis_names if a not in batch and a not in context]
         if model:
             raise ValueError(
                 f"A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable whole, so mesh "
