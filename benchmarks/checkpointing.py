@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import shutil
 import statistics
@@ -197,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--every={args.every} must be >= 0")
     jax.config.update("jax_num_cpu_devices", args.devices)
 
-    from benchmarks.report import _version, machine_info
+    from benchmarks.report import _version, machine_info, write_table
 
     machine = machine_info(jax.devices())
     machine["orbax"] = _version("orbax-checkpoint")
@@ -211,13 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
     table = markdown(result, machine)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}-checkpoint"
-    (args.out / f"{stem}.md").write_text(table)
-    data = {"machine": machine, "target": TARGET, "checkpoint_dir": directory, **dataclasses.asdict(result)}
-    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_table(args.out, stem, table, {"machine": machine, "target": TARGET, "checkpoint_dir": directory,
+                                        **dataclasses.asdict(result)})
     print(table)
-    print(f"wrote {args.out / stem}.md and .json", file=sys.stderr)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 import traceback
@@ -252,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-memory", action="store_true", help="step time only")
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)
-    from benchmarks.report import machine_info
+    from benchmarks.report import machine_info, write_table
 
     sizes = SMOKE if args.smoke else Sizes()
     machine = machine_info(jax.devices())
@@ -264,14 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     table = markdown(sizes, mem, times, machine)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}-context"
     stem += "-smoke" if args.smoke else ""
-    (args.out / f"{stem}.md").write_text(table)
-    data = {"machine": machine, "sizes": dataclasses.asdict(sizes), "memory": mem, "step_time": times}
-    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_table(args.out, stem, table, {"machine": machine, "sizes": dataclasses.asdict(sizes), "memory": mem,
+                                        "step_time": times})
     print(table)
-    print(f"wrote {args.out / stem}.md and .json", file=sys.stderr)
     return 0
 
 

@@ -115,13 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(f"{n} devices: {rows[-1]['ratio']['median']:.3f} of jax.jit", file=sys.stderr)
+    from benchmarks.report import write_table
+
     table = markdown(rows)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     kind = ("-explicit" if args.explicit else "") + ("-smoke" if args.smoke else "")
-    stem = f"{rows[0]['machine']['date'][:10]}-{rows[0]['backend']}-dispatch{kind}"
-    (args.out / f"{stem}.md").write_text(table)
-    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1, default=str))
+    write_table(args.out, f"{rows[0]['machine']['date'][:10]}-{rows[0]['backend']}-dispatch{kind}", table, rows)
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 import re
@@ -76,7 +75,7 @@ EP1_MESH = ((8,), ("data",))
 
 
 # ------------------------------------------------------------------------------------------------ model
-def _lm(sizes: Sizes, capacity_factor: float | None) -> Any:
+def _lm(sizes: Sizes, capacity_factor: float | None, ragged: bool | None = None, dtype: Any = None) -> Any:
     import flax.linen as nn
 
     import jaxdist as jd
@@ -84,11 +83,12 @@ def _lm(sizes: Sizes, capacity_factor: float | None) -> Any:
     class MoELM(nn.Module):
         @nn.compact
         def __call__(self, tokens):
-            x = nn.Embed(sizes.vocab, sizes.d_model)(tokens)
+            x = nn.Embed(sizes.vocab, sizes.d_model, dtype=dtype)(tokens)
             for _ in range(sizes.layers):
                 x = x + jd.nn.MoE(num_experts=sizes.experts, top_k=sizes.top_k, hidden_dim=sizes.hidden,
-                                  capacity_factor=capacity_factor)(nn.LayerNorm()(x))
-            return nn.Dense(sizes.vocab)(nn.LayerNorm()(x))
+                                  capacity_factor=capacity_factor, ragged=ragged, dtype=dtype)(
+                    nn.LayerNorm(dtype=dtype)(x))
+            return nn.Dense(sizes.vocab, dtype=dtype)(nn.LayerNorm(dtype=dtype)(x)).astype(jnp.float32)
 
     return MoELM()
 
@@ -110,11 +110,12 @@ def _train_step(loss_fn: Callable, tx: Any) -> Callable:
     return step
 
 
-def jd_step(sizes: Sizes, tx: Any, capacity_factor: float | None) -> Callable:
+def jd_step(sizes: Sizes, tx: Any, capacity_factor: float | None, ragged: bool | None = None,
+            dtype: Any = None) -> Callable:
     """The training step of the `jd.nn.MoE` LM (cross-entropy + the layers' sown auxiliary loss)."""
     import jaxdist as jd
 
-    model = _lm(sizes, capacity_factor)
+    model = _lm(sizes, capacity_factor, ragged, dtype)
 
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
         logits, sown = model.apply(params, tokens, mutable=["moe_losses"])
@@ -514,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-seconds", type=float, default=1.0, help="seconds per block (default 1)")
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)
-    from benchmarks.report import machine_info
+    from benchmarks.report import machine_info, write_table
 
     sizes = SMOKE if args.smoke else Sizes()
     machine = machine_info(jax.devices())
@@ -524,13 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     table = markdown(sizes, result, machine)
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{machine['date'][:10]}-{machine['backend']}-moe" + ("-smoke" if args.smoke else "")
-    (args.out / f"{stem}.md").write_text(table)
-    data = {"machine": machine, "sizes": dataclasses.asdict(sizes), **result}
-    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    write_table(args.out, stem, table, {"machine": machine, "sizes": dataclasses.asdict(sizes), **result})
     print(table)
-    print(f"wrote {args.out / stem}.md and .json", file=sys.stderr)
     return 0
 
 

@@ -203,6 +203,14 @@ def markdown(
     return "\n".join(lines)
 
 
+def write_table(out_dir: pathlib.Path, stem: str, table: str, data: Any) -> None:
+    """Write a runner's ``<stem>.md`` (``table``) and ``<stem>.json`` (``data``) under ``out_dir`` and say so."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(table)
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"wrote {out_dir / stem}.md and .json", file=sys.stderr)
+
+
 def write_results(
     rows: Sequence[Row],
     machine: dict[str, Any],

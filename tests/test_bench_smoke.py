@@ -53,3 +53,14 @@ def test_moe_smoke_writes_the_memory_all_to_all_and_step_time_rows(tmp_path):
         assert heading in table, heading
     assert "| jd.nn.MoE, (data=2, expert=4) | P('expert',) | 0.2500 |" in table  # 1/EP of the experts per device
     assert "buffer-based" in table and "(ok)" in table  # all-to-all bytes as analysed; losses agree
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moe_dropless_smoke_compares_the_ragged_and_padded_paths(tmp_path):
+    _smoke("benchmarks.moe_dropless", tmp_path)
+    data = json.loads(next(tmp_path.glob("*-moe-dropless-smoke.json")).read_text())
+    assert [r["dispatch"] for r in data["rows"]] == [["dropless_ragged_all_to_all_emulated"],
+                                                     ["dropless_padded_all_to_all"]]
+    assert data["max_rel_loss_diff"] <= 1e-4 and data["ratio"]["n"] == 2
+    assert "ragged / padded steps/s" in next(tmp_path.glob("*-moe-dropless-smoke.md")).read_text()
