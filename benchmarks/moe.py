@@ -212,7 +212,7 @@ def hand_shardings(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- steppers
-class _Stepper:
+class Stepper:
     """``params, opt_state, loss = step(params, opt_state, tokens)`` on one fixed placed batch."""
 
     step_multiple = 1
@@ -242,7 +242,7 @@ class _Stepper:
         self.state = None
 
 
-def _host_start(sizes: Sizes, tx: Any) -> tuple[Any, np.ndarray]:
+def host_start(sizes: Sizes, tx: Any) -> tuple[Any, np.ndarray]:
     """The initial parameters (host numpy, Flax boxes kept; the ``"params"`` collection only) and the batch."""
     tokens = np.random.default_rng(0).integers(0, sizes.vocab, (sizes.rows, sizes.length)).astype(np.int32)
     variables = jax.jit(_lm(sizes, sizes.capacity_factor).init)(jax.random.key(0), tokens[:2])
@@ -259,16 +259,16 @@ def strategy(ep: bool) -> Any:
     return jd.ShardedStrategy(mesh=jax.make_mesh(*EP1_MESH), batch_axes="data", fsdp_axes=())
 
 
-def jd_stepper(sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any, ep: bool) -> tuple[_Stepper, Any]:
+def jd_stepper(sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any, ep: bool) -> tuple[Stepper, Any]:
     """``strategy.jit`` of the `jd.nn.MoE` step (donated state); returns the stepper and its strategy."""
     s = strategy(ep)
     params = s.create_variables(lambda: host)
     opt_state = s.create_variables(tx.init, params)
     jitted = s.jit(jd_step(sizes, tx, sizes.capacity_factor), batch_argnums=2, donate_argnums=(0, 1))
-    return _Stepper(jitted, (params, opt_state), s.experimental_distribute_values(tokens)), s
+    return Stepper(jitted, (params, opt_state), s.experimental_distribute_values(tokens)), s
 
 
-def hand_stepper(sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any) -> _Stepper:
+def hand_stepper(sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any) -> Stepper:
     """Hand-written ``jax.jit`` of the MaxText-style step on the (data=2, expert=4) devices (Auto axes: the step
     is unannotated, as MaxText's), in/out shardings of `hand_shardings`, batch split over both axes."""
     import flax.linen as nn
@@ -284,7 +284,7 @@ def hand_stepper(sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any) -> _Stepp
     jitted = jax.jit(_train_step(hand_loss(sizes, mesh), tx), in_shardings=(param_layouts, opt_layouts, split),
                      out_shardings=(param_layouts, opt_layouts, NamedSharding(mesh, PartitionSpec())),
                      donate_argnums=(0, 1))
-    return _Stepper(jitted, (placed, opt_state), jax.device_put(tokens, split))
+    return Stepper(jitted, (placed, opt_state), jax.device_put(tokens, split))
 
 
 # ------------------------------------------------------------------------------------- (a) expert state
@@ -350,7 +350,7 @@ def _plan_collectives(plan: Any) -> dict[str, tuple[int, int, float]]:
     return {k: (c.count, c.bytes, c.wire_bytes) for k, c in plan.collectives.items()}
 
 
-def _hlo_cost(stepper: _Stepper) -> tuple[dict[str, tuple[int, int, float]], float]:
+def _hlo_cost(stepper: Stepper) -> tuple[dict[str, tuple[int, int, float]], float]:
     """The hand-written program's collectives and FLOPs per device, read from its compiled HLO as a `Plan`
     reads jaxdist's."""
     from jaxdist.strategies.hlo_cost import module_cost
@@ -375,7 +375,7 @@ def measure(sizes: Sizes, pairs: int, block_seconds: float) -> dict[str, Any]:
     from benchmarks.timing import Settings, calibrate, measure_pair, spread
 
     tx = optax.adam(1e-3)
-    host, tokens = _host_start(sizes, tx)
+    host, tokens = host_start(sizes, tx)
     cap = expert_capacity(sizes)
     ep4, s4 = jd_stepper(sizes, host, tokens, tx, ep=True)
     ep1, _ = jd_stepper(sizes, host, tokens, tx, ep=False)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.moe import SMOKE, Sizes, _host_start, _Stepper, jd_step
+from benchmarks.moe import SMOKE, Sizes, Stepper, host_start, jd_step
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12, "TPU v5p": 459e12,
@@ -66,11 +66,11 @@ def strategy(sizes: Sizes) -> Any:
     return jd.OneDeviceStrategy()
 
 
-def stepper(s: Any, sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any, ragged: bool, dtype: Any) -> _Stepper:
+def stepper(s: Any, sizes: Sizes, host: Any, tokens: np.ndarray, tx: Any, ragged: bool, dtype: Any) -> Stepper:
     params = s.create_variables(lambda: host)
     opt_state = s.create_variables(tx.init, params)
     jitted = s.jit(jd_step(sizes, tx, None, ragged, dtype), batch_argnums=2, donate_argnums=(0, 1))
-    return _Stepper(jitted, (params, opt_state), s.experimental_distribute_values(tokens))
+    return Stepper(jitted, (params, opt_state), s.experimental_distribute_values(tokens))
 
 
 def measure(sizes: Sizes, pairs: int, block_seconds: float, dtype: Any) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def measure(sizes: Sizes, pairs: int, block_seconds: float, dtype: Any) -> dict[
     from benchmarks.timing import Settings, calibrate, measure_pair, spread
 
     tx = optax.adam(1e-3)
-    host, tokens = _host_start(sizes, tx)
+    host, tokens = host_start(sizes, tx)
     s = strategy(sizes)
     sides = {name: stepper(s, sizes, host, tokens, tx, name == "ragged", dtype) for name in ("ragged", "padded")}
     plans = {name: side.jitted.plan(*side.state, tokens) for name, side in sides.items()}

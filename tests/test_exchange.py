@@ -48,7 +48,7 @@ def test_the_plan_groups_received_rows_by_slot_and_the_way_back_restores_them():
     rows = np.float32([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 0, 0]])
 
     def there_and_back(sizes, rows):
-        plan = exchange_plan(sizes, "x", 2)
+        plan = exchange_plan(sizes, "x")
         got = exchange(rows[:, None], jnp.zeros((8, 1)), plan, axis_name="x", native=False, slice_rows=6)
         back = exchange(got, jnp.zeros_like(rows[:, None]), plan.back(), axis_name="x", native=False, slice_rows=6)
         return jnp.concatenate([got[:, 0], jnp.float32(plan.group_sizes), back[:, 0]])
@@ -72,7 +72,7 @@ def test_expert_parallel_ragged_dispatch_lowers_for_gpu_and_tpu():
 
     def loss(w, x):
         def local(w, x):
-            return experts._ragged_local(config, w, x, ("expert",), ("data", "expert"), 4, True)
+            return experts._ragged_local(config, w, x, ("expert",), ("data", "expert"), True)
 
         y, _ = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(("data", "expert"))),
                              out_specs=(P(("data", "expert")), (P(),) * 5))(w, x)
@@ -85,3 +85,9 @@ def test_expert_parallel_ragged_dispatch_lowers_for_gpu_and_tpu():
     assert module.count("@ragged_all_to_all(") >= 4, module.count("@ragged_all_to_all(")
     assert "ragged_dot" in module
     assert all(has_ragged_exchange(p) for p in ("gpu", "tpu")) and not has_ragged_exchange("cpu")
+
+
+def test_a_plan_whose_slices_the_devices_do_not_divide_is_an_error():
+    with pytest.raises(ValueError, match=r"send_sizes has 3 slices, which the 2 devices of axis_name='x' do not "
+                                         r"divide: .* pad send_sizes with zeros"):
+        _per_device(lambda sizes: exchange_plan(sizes, "x").send_offsets, 2, np.int32([[1, 2, 3], [1, 2, 3]]))

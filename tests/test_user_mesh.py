@@ -276,7 +276,7 @@ def test_a_global_mesh_of_another_size_is_swapped_out_for_the_strategys_calls():
 def test_every_role_is_one_entry_checked_the_same_way():
     # Each role of meshes.ROLES: its axes on a user's mesh must keep its relation to the batch axes, a mirroring
     # strategy refuses it, and an argument that is no role's is a TypeError naming the roles' arguments.
-    from jaxdist.strategies.meshes import ROLES, axis_roles
+    from jaxdist.strategies.meshes import ROLES, axis_roles, short_form_mesh
     from jaxdist.strategies.policy import LayoutPolicy
 
     m = jax.make_mesh((2, 4), ("data", "x"))
@@ -291,7 +291,15 @@ def test_every_role_is_one_entry_checked_the_same_way():
         else:  # context: sequences split, variables whole
             mirrored = axis_roles(m, ("data",), split=False, **{role.argument: "x"})
             assert mirrored.axes(role.name) == ("x",) and mirrored.fsdp_axes == ()
-    with pytest.raises(TypeError, match=r"axis_roles got tensor_axes=: the roles' arguments are \['context_axes'"):
+    with pytest.raises(TypeError, match=r"axis_roles\(\) got an unexpected keyword argument 'tensor_axes': the "
+                                        r"roles' arguments are \['context_axes'"):
         axis_roles(m, ("data",), split=True, tensor_axes="x")
-    with pytest.raises(TypeError, match=r"LayoutPolicy got tensor_parallelism=: the roles' arguments are"):
-        LayoutPolicy(jax.devices()[:8], tensor_parallelism=2)
+    with pytest.raises(TypeError, match=r"LayoutPolicy\(\) got an unexpected keyword argument 'host_ofload': "
+                                        r"besides the parameters it lists, it takes the roles' arguments"):
+        LayoutPolicy(jax.devices()[:8], host_ofload="params")
+    with pytest.raises(TypeError, match=r"short_form_mesh\(\) got an unexpected keyword argument "
+                                        r"'tensor_parallelism': the short forms are \['context_parallelism'"):
+        short_form_mesh(jax.devices()[:8], tensor_parallelism=2)
+    # A mirroring strategy given a stage axis on its default batch axes: the mirroring error, not the relation one.
+    with pytest.raises(ValueError, match=r"stage_axes='x': a mirroring strategy keeps every variable whole"):
+        axis_roles(m, None, split=False, stage_axes="x")

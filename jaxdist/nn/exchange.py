@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from jaxdist.replicate.collectives import AxisName
 
-__all__ = ["ExchangePlan", "exchange", "exchange_plan", "has_ragged_exchange", "ragged_all_to_all"]
+__all__ = ["RAGGED_PLATFORMS", "ExchangePlan", "exchange", "exchange_plan", "has_ragged_exchange",
+           "ragged_all_to_all"]
 
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 """Device platforms with a `jax.lax.ragged_all_to_all` (and grouped `jax.lax.ragged_dot`) implementation."""
@@ -40,7 +41,8 @@ def has_ragged_exchange(platform: str) -> bool:
 
 def exchange(operand: jax.Array, output: jax.Array, plan: ExchangePlan, *, axis_name: AxisName, native: bool,
              slice_rows: int) -> jax.Array:
-    """`ragged_all_to_all` of ``operand``'s slices into ``output`` as ``plan`` says."""
+    """`ragged_all_to_all` of ``operand``'s slices into ``output`` as ``plan`` says (``native``,
+    ``slice_rows``: as there): ``output`` with the received rows written in."""
     return ragged_all_to_all(operand, output, plan.send_offsets, plan.send_sizes, plan.output_offsets,
                              plan.recv_sizes, axis_name=axis_name, native=native, slice_rows=slice_rows)
 
@@ -54,6 +56,9 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
         native: use the real collective (GPU / TPU); False: the emulation by padded `jax.lax.all_to_all`.
         slice_rows: an upper bound of every ``send_sizes`` entry (static): the emulation's padded slice.
         The rest: as `jax.lax.ragged_all_to_all`.
+
+    Returns:
+        ``output`` with the received slices written at ``all_to_all(output_offsets)``, ``recv_sizes`` rows each.
     """
     if native:
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
@@ -76,28 +81,48 @@ class ExchangePlan(NamedTuple):
     ``send_offsets``/``send_sizes``: the sender's slices (K = devices x slices per device);
     ``output_offsets``: where each lands on its receiver; ``recv_offsets``/``recv_sizes``: where the receiver
     wrote each received slot (slot i: from device ``i // per_device``, its slice ``i % per_device``);
-    ``group_sizes``: the receiver's rows per slice index (``(per_device,)``), in buffer order;
-    ``return_offsets``: where each received slot goes back to on its source (the way back's output offsets)."""
+    ``group_sizes``: the receiver's rows per slot (``(per_device,)``), in buffer order (None for the way back,
+    whose rows return to their sources' order); ``return_offsets``: where each received slot goes back to on its
+    source (the way back's output offsets)."""
 
     send_offsets: jax.Array
     send_sizes: jax.Array
     output_offsets: jax.Array
     recv_offsets: jax.Array
     recv_sizes: jax.Array
-    group_sizes: jax.Array
+    group_sizes: jax.Array | None
     return_offsets: jax.Array
 
     def back(self) -> ExchangePlan:
         """The plan of the way back: every received slot returned to where its source sent it from."""
         return ExchangePlan(self.recv_offsets, self.recv_sizes, self.return_offsets, self.send_offsets,
-                            self.send_sizes, self.group_sizes, self.output_offsets)
+                            self.send_sizes, None, self.output_offsets)
 
 
-def exchange_plan(send_sizes: jax.Array, axis_name: AxisName, devices: int) -> ExchangePlan:
-    """The plan of an exchange of contiguous slices (``send_sizes (K,)``, slice i sent to device
-    ``i // (K / devices)``) whose receivers group what they get by slice index (``i % (K / devices)``), sources
-    in order within each group. One small `jax.lax.all_to_all` of the sizes and one of the offsets."""
+def exchange_plan(send_sizes: jax.Array, axis_name: AxisName) -> ExchangePlan:
+    """The plan of an exchange of contiguous slices whose receivers group what they get by slot.
+
+    Inside `jax.shard_map` over ``axis_name`` (n devices): slice ``i`` of this device's rows (``send_sizes[i]``
+    rows, the slices back to back from row 0) goes to device ``i // (K / n)`` as its slot ``i % (K / n)``
+    (e.g. rows sorted by expert, experts split over the devices in order). Each receiver lays out what it gets
+    grouped by slot, sources in order within a slot, from row 0: ready for grouped matmuls. Costs three small
+    `jax.lax.all_to_all` of int32 sizes and offsets.
+
+    Args:
+        send_sizes: ``(K,)`` integer rows per slice; K a multiple of the devices of ``axis_name``.
+        axis_name: the mesh axis (or axes, in order) the exchange runs over.
+
+    Returns:
+        The `ExchangePlan` (its `ExchangePlan.back` returns every slot to where it came from).
+
+    Raises:
+        ValueError: when K is not a multiple of the devices of ``axis_name``.
+    """
     k = send_sizes.shape[0]
+    devices = jax.lax.axis_size(axis_name)
+    if k % devices:
+        raise ValueError(f"send_sizes has {k} slices, which the {devices} devices of axis_name={axis_name!r} do not "
+                         "divide: each device receives the same number of slots; pad send_sizes with zeros.")
     per_device = k // devices
     sizes = send_sizes.astype(jnp.int32)
     send_offsets = jnp.cumsum(sizes, dtype=jnp.int32) - sizes

@@ -232,7 +232,8 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
 
 class _Picks(NamedTuple):
     """One device's routing, its (token, expert) picks sorted by expert: ``rows`` (the picked tokens' inputs),
-    ``token`` (each row's token), ``weight`` (its combine weight) and ``sizes (E,)`` (rows per expert)."""
+    ``token`` (each row's token), ``weight`` (its combine weight), ``sizes (E,)`` (rows per expert) and
+    ``sums`` (the statistics' sums over its rows, as `_local` returns them)."""
 
     rows: jax.Array
     token: jax.Array
@@ -276,7 +277,7 @@ def _grouped(config: Routing, weights: Weights, x: jax.Array):
 
 
 def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple, batch_axes: tuple,
-                  devices: int, native: bool):
+                  native: bool):
     """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert, each
     expert's slice sent to the device holding it by a ragged exchange (only the routed rows move), received
     grouped by local expert, the experts as grouped matmuls on them, the outputs sent back the same way and
@@ -284,7 +285,8 @@ def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: 
     picks = _sorted_picks(config, weights, x)
     b, length, d = x.shape
     tokens = b * length
-    plan = exchange_plan(picks.sizes, expert_axes, devices)
+    plan = exchange_plan(picks.sizes, expert_axes)
+    devices = jax.lax.axis_size(expert_axes)
     # A source sends each local expert at most one row per token: the worst case any device can receive.
     buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
     received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes, native=native,
@@ -348,7 +350,7 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
 
     def local(w: Weights, rows_x: jax.Array):
         if ragged:
-            return _ragged_local(config, w, rows_x, axes, batch, ep, native)
+            return _ragged_local(config, w, rows_x, axes, batch, native)
         return _local(config, w, rows_x, cap, axes, batch)
 
     stats_spec = (PartitionSpec(),) * 5

@@ -145,7 +145,8 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, *
     axis = {"model_parallelism": MODEL_AXIS, **{r.short_form: r.axis for r in ROLES}}
     unknown = sorted(set(parallelism) - set(axis))
     if unknown:
-        raise TypeError(f"short_form_mesh got {unknown[0]}=: the short forms are {sorted(axis)}.")
+        raise TypeError(f"short_form_mesh() got an unexpected keyword argument {unknown[0]!r}: the short forms are "
+                        f"{sorted(axis)}.")
     sizes = {"model_parallelism": model_parallelism, **parallelism}
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
@@ -314,7 +315,8 @@ def axis_roles(
     arguments = {role.argument: role for role in ROLES}
     unknown = sorted(set(role_axes) - set(arguments))
     if unknown:
-        raise TypeError(f"axis_roles got {unknown[0]}=: the roles' arguments are {sorted(arguments)}.")
+        raise TypeError(f"axis_roles() got an unexpected keyword argument {unknown[0]!r}: the roles' arguments are "
+                        f"{sorted(arguments)}.")
     given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh) for role in ROLES}
     context = given["context"]
     if batch_axes is None:
@@ -326,18 +328,18 @@ def axis_roles(
             )
         batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
-    for role in ROLES:  # each role's axes are batch axes, or never are
-        wrong = [a for a in given[role.name] if (a in batch) != role.batch]
-        if wrong:
-            raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, which is "
-                f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
-            )
+    for role in ROLES:
         if given[role.name] and role.variables and not split:
             raise ValueError(
                 f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every variable whole on "
                 f"every device and has no {role.name} axes; use ShardedStrategy(mesh=..., batch_axes=..., "
                 f"{role.argument}=...) (or {role.short_form}=k on its own mesh)."
+            )
+        wrong = [a for a in given[role.name] if (a in batch) != role.batch]  # batch axes, or never
+        if wrong:
+            raise ValueError(
+                f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, which is "
+                f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
             )
     if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")

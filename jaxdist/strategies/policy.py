@@ -184,7 +184,8 @@ class LayoutPolicy:
         known = {name for r in ROLES for name in (r.argument, r.short_form)}
         unknown = sorted(set(role_arguments) - known)
         if unknown:
-            raise TypeError(f"LayoutPolicy got {unknown[0]}=: the roles' arguments are {sorted(known)}.")
+            raise TypeError(f"LayoutPolicy() got an unexpected keyword argument {unknown[0]!r}: besides the "
+                            f"parameters it lists, it takes the roles' arguments {sorted(known)}.")
         role_axes = {r.argument: role_arguments[r.argument] for r in ROLES
                      if role_arguments.get(r.argument) is not None}
         short = {r.short_form: role_arguments.get(r.short_form, 1) for r in ROLES}
