@@ -43,6 +43,10 @@ def test_indivisible_batch_says_drop_or_pad():
         list(strategy.experimental_distribute_dataset([np.zeros((100, 2))]))
     with pytest.raises(ValueError, match="does not divide global batch 12"):
         strategy.experimental_distribute_values((np.zeros((16, 1)), np.zeros((12, 1))))
+    # Fewer rows than replicas: no remainder to drop, the fix is more rows or fewer replicas.
+    with pytest.raises(ValueError, match=r"does not divide global batch 5: each replica needs at least one row: give "
+                                          r"at least 8 rows .* or a strategy with fewer replicas"):
+        list(strategy.experimental_distribute_dataset([np.zeros((5, 2))]))
 
 
 def test_scalar_leaf_and_non_iterable_are_errors():

@@ -97,15 +97,19 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch", axes
     Examples:
         >>> check_divisible(64, 8)
         8
+        >>> check_divisible(5, 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: num_replicas_in_sync=8 does not divide global batch 5: each replica needs at least one row: ...
     """
     if batch % replicas:
         up = -(-batch // replicas) * replicas
         down = batch // replicas * replicas
         over = f" (the product of batch_axes={axes})" if len(axes) > 1 else ""
-        raise ValueError(
-            f"num_replicas_in_sync={replicas}{over} does not divide {where} {batch}: drop the remainder "
-            f"(batch {down}) or pad to {up}."
-        )
+        fix = (f"drop the remainder (batch {down}) or pad to {up}" if down else
+               f"each replica needs at least one row: give at least {replicas} rows (a multiple of {replicas}), "
+               "or a strategy with fewer replicas (jd.OneDeviceStrategy(), or devices= / batch_axes= naming fewer)")
+        raise ValueError(f"num_replicas_in_sync={replicas}{over} does not divide {where} {batch}: {fix}.")
     return replicas
 
 

@@ -12,7 +12,10 @@ comparison of specs:
 * a compiled step's outputs whose layout came from an own one (an argument jaxdist placed, the variable layout)
   are marked after the program's first call (`mark`): an executable returns the same sharding object at each
   output position on every call, one of its own, so later outputs are recognised without any work per call;
-* everything else (the user's `jax.device_put`, an eager op's result, a restored array) is the user's.
+* everything else (the user's `jax.device_put`, an eager op's result, a restored array) is the user's, and so
+  is the layout an nnx Variable's annotation declares (`declared`): Flax places such a Variable itself, and a
+  step's output for it must read the same as the array Flax placed, or the program's cache key (which carries
+  the user's split layouts) would change after the first step and the step compile twice.
 
 A layout misread as the user's costs nothing but its type: the step then runs as it would under `jax.jit` with
 that argument (on Explicit axes, Auto where it does not type-check; see `jaxdist.strategies.axis_types`).
@@ -37,9 +40,10 @@ from typing import Any
 
 from jax.sharding import NamedSharding
 
-__all__ = ["constrained", "is_own", "mark", "own", "own_outputs"]
+__all__ = ["constrained", "declared", "is_own", "mark", "own", "own_outputs"]
 
 _CANONICAL: dict[NamedSharding, NamedSharding] = {}  # a layout -> jaxdist's one object for it
+_DECLARED: dict[NamedSharding, NamedSharding] = {}  # a layout -> one object for it that is not jaxdist's
 _OWN: dict[int, NamedSharding] = {}  # id -> object: held, so that an id is never reused by another object
 _LOCK = threading.Lock()
 _TRACE = threading.local()  # .owned: {id: traced value} of outputs constrained to an own layout, while tracing
@@ -56,6 +60,28 @@ def own(sharding: Any) -> Any:
             canonical = _CANONICAL.setdefault(sharding, sharding)
             _OWN[id(canonical)] = canonical
     return canonical
+
+
+def declared(sharding: Any) -> Any:
+    """An object equal to ``sharding`` that is the user's (never `is_own`): the layout of a value whose
+    annotation declared it. Anything not a `NamedSharding` is returned as it is.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+        >>> layout = own(NamedSharding(mesh, P("model")))
+        >>> declared(layout) == layout, is_own(declared(layout))
+        (True, False)
+    """
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    found = _DECLARED.get(sharding)
+    if found is None:
+        with _LOCK:
+            found = _DECLARED.setdefault(sharding, NamedSharding(sharding.mesh, sharding.spec,
+                                                                 memory_kind=sharding.memory_kind))
+    return found
 
 
 def is_own(sharding: Any) -> bool:

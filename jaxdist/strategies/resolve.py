@@ -45,7 +45,7 @@ from jaxdist.replicate.trees import is_distributed, signature
 from jaxdist.strategies.axis_types import explicit_axes, in_trace
 from jaxdist.strategies.layout_rules import annotation, is_box, is_variable
 from jaxdist.strategies.offload import in_host_memory, to_host_memory
-from jaxdist.strategies.provenance import constrained, is_own, own
+from jaxdist.strategies.provenance import constrained, declared, is_own, own
 
 __all__ = [
     "constrain",
@@ -73,11 +73,11 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
         box = annotation(v, policy.mesh.axis_names)
         annotated.append(box is not None)
         if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(value, jax.core.Tracer):
-            layouts.append(getattr(value, "sharding", None) if box is None else policy.variable_layout(
-                path_name(path), _aval(value), box))
+            layouts.append(getattr(value, "sharding", None) if box is None else declared(policy.variable_layout(
+                path_name(path), _aval(value), box)))
             continue
-        if box is not None:
-            layouts.append(policy.variable_layout(path_name(path), _aval(value), box))
+        if box is not None:  # the annotation's layout: the user's, as where Flax placed the Variable itself
+            layouts.append(declared(policy.variable_layout(path_name(path), _aval(value), box)))
             continue
         sharding = getattr(value, "sharding", None)
         if on_mesh(sharding, policy.mesh) and not (
@@ -161,7 +161,9 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
             value = x.get_value()
             if not isinstance(value, jax.Array):
                 return x
-            layout = policy.variable_layout(path_name(path), _aval(value), annotation(x, policy.mesh.axis_names))
+            box = annotation(x, policy.mesh.axis_names)
+            layout = policy.variable_layout(path_name(path), _aval(value), box)
+            layout = layout if box is None else declared(layout)
             return x.replace(constrain(policy, value, layout))
         box = x if is_box(x) else None  # a linen annotation: laid out as annotated
         value = x.value if box is not None else x
