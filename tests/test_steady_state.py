@@ -129,3 +129,12 @@ def test_an_undeclared_host_batch_after_steady_state_still_warns(mirrored):
     step(w, split)
     with pytest.warns(jd.UndeclaredBatchWarning, match="batch_argnums"):
         assert float(step(w, np.ones((8, 3), np.float32))) == 24.0
+
+
+def test_the_program_carries_the_step_functions_name(mirrored):
+    # Compile logs and profiles name the program after the user's step, as jax.jit does (not jaxdist's wrapper).
+    def train_step(w, x):
+        return w - 0.1 * (x @ w).mean()
+
+    lowered = mirrored.jit(train_step, batch_argnums=1).lower(np.ones(3, np.float32), np.ones((8, 3), np.float32))
+    assert lowered.as_text().startswith("module @jit_train_step "), lowered.as_text()[:80]

@@ -181,10 +181,21 @@ class StrategyFunction:
             if any(i in nodes for i in self._donate):
                 donate += (1,)
             jitted = self._jitted[nodes] = jax.jit(
-                self._traced, static_argnums=self._static_positions, donate_argnums=donate,
+                self._named(self._traced), static_argnums=self._static_positions, donate_argnums=donate,
                 static_argnames=self._static_names, donate_argnames=self._donate_names,
             )
         return jitted
+
+    def _named(self, traced: Callable) -> Callable:
+        """``traced`` under the user's function's name: what compile logs and profiles call the program
+        (``jit(train_step)``, as under `jax.jit`)."""
+
+        def program(*args: Any, **kwargs: Any) -> Any:
+            return traced(*args, **kwargs)
+
+        program.__qualname__ = fn_name(self._fn)
+        program.__name__ = program.__qualname__.rsplit(".", 1)[-1]
+        return program
 
     @property
     def _static_positions(self) -> tuple[int, ...]:
@@ -416,7 +427,7 @@ class StrategyFunction:
             return
         placed, kwargs, state = concrete
         # The same program through a wrapper of its own (JAX refuses to trace a function inside its own trace).
-        twin = jax.jit(lambda *a, **k: self._traced(*a, **k), static_argnums=self._static_positions,
+        twin = jax.jit(self._named(self._traced), static_argnums=self._static_positions,
                        static_argnames=self._static_names)
         self._local.agreeing = True
         try:
