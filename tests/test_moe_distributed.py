@@ -1,9 +1,10 @@
 """Mixture of experts across processes and across checkpoints: `jd.nn.MoE` still equals one device.
 
-The MoE LM of tests/test_moe.py (dropping, ``capacity_factor=1.0``) trains with `jd.ShardedStrategy(...,
-expert_axes="expert")` where the expert axis spans 2 processes x 4 CPU devices (the tokens' all-to-all crosses
-the processes, over gloo), and a checkpoint written under expert parallelism 4 restores on one device and on
-expert parallelism 2; both continue like an uninterrupted one-device run (fp32, rtol 1e-5).
+The MoE LM of tests/test_moe.py (dropping, ``capacity_factor=1.0``; and dropless through the ragged path on
+``(data=2, expert=4)``) trains with `jd.ShardedStrategy(..., expert_axes="expert")` where the expert axis spans
+2 processes x 4 CPU devices (the tokens' all-to-all crosses the processes, over gloo), and a checkpoint written
+under expert parallelism 4 restores on one device and on expert parallelism 2; both continue like an
+uninterrupted one-device run (fp32, rtol 1e-5).
 
 Run as a script (``python -m jaxdist.launch -n 2 --cpu-devices 4 tests/test_moe_distributed.py out.npz``), this
 file is the 2-process test's worker: process 0 saves the losses, the final parameters (gathered) and the last
@@ -28,6 +29,8 @@ TX = adam(1e-2)
 
 
 step = make_step(MODEL, TX)
+# Dropless through the ragged path (its exchange emulated on CPU): counts, offsets and rows cross the processes.
+dropless_step = make_step(MoELM(capacity_factor=None, ragged=True), TX)
 
 
 def initial_state():
@@ -43,9 +46,9 @@ def start(strategy):
     return strategy.create_variables(lambda: params), strategy.create_variables(lambda: opt_state)
 
 
-def train(strategy, state, steps):
-    """``steps`` steps on the same batch from ``state``: ``(state, losses, last metrics)``."""
-    run = jax.jit(step) if strategy is None else strategy.jit(step, batch_argnums=2)
+def train(strategy, state, steps, train_step=step):
+    """``steps`` steps of ``train_step`` on the same batch from ``state``: ``(state, losses, last metrics)``."""
+    run = jax.jit(train_step) if strategy is None else strategy.jit(train_step, batch_argnums=2)
     tokens, losses, metrics = _tokens(), [], None
     for _ in range(steps):
         *state, loss, metrics = run(*state, tokens)
@@ -110,6 +113,11 @@ def worker(out_path: str) -> None:
             gathered = multihost_utils.process_allgather(value, tiled=True)
             for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
                 results[f"{name}/{tree}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"]), STEPS, dropless_step)
+    results["dropless/losses"] = np.array(losses)
+    gathered = multihost_utils.process_allgather(nn.unbox(state[0]), tiled=True)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
+        results[f"dropless/params{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     if pid == 0:
         np.savez(out_path, **results)
     print(f"process {pid} done", flush=True)
@@ -141,6 +149,11 @@ def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_
         dropped = result[f"{name}/metrics['MoE_0']['dropped_fraction'][0]"]
         assert dropped > 0, (name, dropped)  # dropping really drops
         assert result[f"all_to_alls/{name}"] >= 4, name  # tokens to the experts and back, forward and backward
+    state, losses, _ = train(None, start(None), STEPS, dropless_step)
+    np.testing.assert_allclose(result["dropless/losses"], losses, rtol=1e-5)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(state[0])):
+        np.testing.assert_allclose(result[f"dropless/params{jax.tree_util.keystr(path)}"], np.asarray(leaf),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"dropless{jax.tree_util.keystr(path)}")
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
