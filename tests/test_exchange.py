@@ -85,6 +85,7 @@ def test_expert_parallel_ragged_dispatch_lowers_for_gpu_and_tpu():
     assert module.count("@ragged_all_to_all(") >= 4, module.count("@ragged_all_to_all(")
     assert "ragged_dot" in module
     assert all(has_ragged_exchange(p) for p in ("gpu", "tpu")) and not has_ragged_exchange("cpu")
+    assert has_ragged_exchange("tpu", "TPU v5 lite") and not has_ragged_exchange("tpu", "TPU v3")
 
 
 def test_a_plan_whose_slices_the_devices_do_not_divide_is_an_error():

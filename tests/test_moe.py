@@ -346,3 +346,18 @@ def test_expert_axes_of_several_mesh_axes_equal_one_device(names, expert_axes, r
     got, expected = jax.device_get(strategy.jit(grad, batch_argnums=1)(weights, x)), jax.device_get(grad(weights, x))
     # Gradients of order 10: atol 1e-5 is float32 rounding of another summation order, relative to the scale.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, expected)
+
+
+def test_a_plan_on_a_mesh_without_devices_names_the_dispatch_path():
+    # A plan for a mesh of any size (jd.plan_mesh) compiles on simulated CPU devices in a subprocess: it plans the
+    # path that compiles there (the padded exchange) and says so.
+    from jaxdist.nn import experts
+
+    config = experts.Routing(num_experts=EXPERTS, top_k=2)
+    weights = jax.device_get(experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH))
+    strategy = jd.ShardedStrategy(mesh=jd.plan_mesh({"data": 4, "expert": 8}), batch_axes=("data", "expert"),
+                                  expert_axes="expert")
+    step = strategy.jit(lambda w, x: experts.apply(config, w, x)[0].sum(), batch_argnums=1)
+    plan = step.plan(weights, np.ones((64, LENGTH, WIDTH), np.float32))
+    assert plan.moe_dispatch == ("dropless_padded_all_to_all",), plan.moe_dispatch
+    assert plan.collectives["all-to-all"].axes == ("expert",)

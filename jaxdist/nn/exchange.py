@@ -14,8 +14,8 @@ receiver laying out what it gets grouped by its own slice index (e.g. its local 
 is sorted for grouped matmuls with no further permutation.
 
 Examples:
-    >>> has_ragged_exchange("cpu"), has_ragged_exchange("gpu")
-    (False, True)
+    >>> has_ragged_exchange("cpu"), has_ragged_exchange("gpu"), has_ragged_exchange("tpu", "TPU v3")
+    (False, True, False)
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 """Device platforms with a `jax.lax.ragged_all_to_all` (and grouped `jax.lax.ragged_dot`) implementation."""
 
 
-def has_ragged_exchange(platform: str) -> bool:
-    """Whether devices of ``platform`` (``device.platform`` or `jax.default_backend`) run ragged collectives."""
-    return platform in RAGGED_PLATFORMS
+def has_ragged_exchange(platform: str, kind: str = "") -> bool:
+    """Whether devices of ``platform`` (``device.platform`` or `jax.default_backend`) and ``kind``
+    (``device.device_kind``) run ragged collectives: GPUs, and TPUs from v4 on (v2 and v3 have none)."""
+    return platform in RAGGED_PLATFORMS and not kind.startswith(("TPU v2", "TPU v3"))
 
 
 def exchange(operand: jax.Array, output: jax.Array, plan: ExchangePlan, *, axis_name: AxisName, native: bool,

@@ -51,6 +51,7 @@ from jaxdist.nn.exchange import exchange, exchange_plan, has_ragged_exchange
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
 from jaxdist.strategies.hlo_cost import MOE_SCOPE
+from jaxdist.strategies.plan_mesh import is_plan_mesh
 
 __all__ = ["ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "init_weights"]
 
@@ -162,8 +163,11 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     x3 = x.reshape(rows, -1, shape[-1])
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
-    native = has_ragged_exchange(policy.mesh.devices.flat[0].platform if policy is not None
-                                 else jax.default_backend())
+    if policy is not None and is_plan_mesh(policy.mesh):
+        native = False  # a plan's program compiles on simulated CPU devices (`plan_mesh.compile_elsewhere`)
+    else:
+        device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
+        native = has_ragged_exchange(device.platform, device.device_kind)
     ragged = config.capacity_factor is None and (native if ragged is None else ragged)
     if config.capacity_factor is not None:
         path = "dropping_all_to_all" if policy is not None else "dropping_local"

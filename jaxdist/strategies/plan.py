@@ -418,7 +418,7 @@ def plan_step(
     if is_plan_mesh(mesh):  # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
         traced = trace(*placed, **placed_kwargs)
         lowered = traced.lower(lowering_platforms=("cpu",))
-        memory, text = compile_elsewhere(lowered.as_text(), mesh.size)
+        memory, text = compile_elsewhere(lowered.as_text(debug_info=True), mesh.size)  # op names kept
         where = f"compiled for {mesh.size} simulated CPU devices in a subprocess"
     else:
         with policy.call_scope():  # traced and lowered on the strategy's mesh, as a call is
