@@ -409,3 +409,29 @@ def test_an_annotated_nnx_model_flax_placed_compiles_once_and_equals_nnx_jit():
             losses[name] = [float(step(model, optimizer, batch)) for _ in range(3)]
             assert len(traces) == 1, (name, len(traces))
     np.testing.assert_allclose(losses["jaxdist"], losses["nnx.jit"], rtol=1e-5)
+
+
+def test_the_nnx_tutorial_loop_resets_its_metrics_under_the_strategys_scope():
+    # The NNX tutorial's loop: the step updates nnx metrics in place, the loop computes and resets them eagerly.
+    # On jax.make_mesh's Explicit mesh the metrics' arrays are typed with it; the reset runs under scope().
+    mesh = jax.make_mesh((8,), ("data",))
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="data")
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+
+    def train_step(model, optimizer, metrics, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        metrics.update(loss=loss)
+        optimizer.update(model, grads)
+
+    step = strategy.jit(train_step, batch_argnums=(3, 4))
+    x, y = np.ones((16, 4), np.float32), np.zeros((16, 2), np.float32)
+    losses = []
+    for _ in range(2):
+        step(model, optimizer, metrics, x, y)
+        losses.append(float(metrics.compute()["loss"]))
+        with strategy.scope():
+            metrics.reset()
+    assert losses[1] < losses[0]
+    assert float(metrics.loss.count[...]) == 0  # reset
