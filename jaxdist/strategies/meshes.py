@@ -53,7 +53,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
 __all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "ROLES", "STAGE_AXIS", "AxisRoles", "Role",
-           "axis_roles", "short_form_mesh"]
+           "axis_roles", "check_role_keywords", "short_form_mesh"]
 
 CONTEXT_AXIS = "context"
 """The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
@@ -117,6 +117,22 @@ ROLES = (
 context, model`` (stages over the slowest links, a model copy on consecutive devices)."""
 
 
+def check_role_keywords(caller: str, given: Any, known: Any, say: str) -> None:
+    """The keywords of ``given`` that ``caller`` takes generically (``known``: the roles'), else a TypeError as
+    Python's own, naming them.
+
+    Examples:
+        >>> check_role_keywords("f", {"expert_axes": 1}, ["expert_axes"], "it takes")
+        >>> check_role_keywords("f", {"tensor_axes": 1}, ["expert_axes"], "it takes")
+        Traceback (most recent call last):
+        ...
+        TypeError: f() got an unexpected keyword argument 'tensor_axes': it takes ['expert_axes'].
+    """
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}: {say} {sorted(known)}.")
+
+
 def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, **parallelism: int) -> Mesh:
     """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for each
     ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for ``model_parallelism=k > 1``, in
@@ -143,10 +159,7 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, *
     devices = tuple(devices)
     n = len(devices)
     axis = {"model_parallelism": MODEL_AXIS, **{r.short_form: r.axis for r in ROLES}}
-    unknown = sorted(set(parallelism) - set(axis))
-    if unknown:
-        raise TypeError(f"short_form_mesh() got an unexpected keyword argument {unknown[0]!r}: the short forms are "
-                        f"{sorted(axis)}.")
+    check_role_keywords("short_form_mesh", parallelism, axis, "the short forms are")
     sizes = {"model_parallelism": model_parallelism, **parallelism}
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
@@ -312,11 +325,7 @@ def axis_roles(
             "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names) (or, to plan "
             "without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
         )
-    arguments = {role.argument: role for role in ROLES}
-    unknown = sorted(set(role_axes) - set(arguments))
-    if unknown:
-        raise TypeError(f"axis_roles() got an unexpected keyword argument {unknown[0]!r}: the roles' arguments are "
-                        f"{sorted(arguments)}.")
+    check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES], "the roles' arguments are")
     given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh) for role in ROLES}
     context = given["context"]
     if batch_axes is None:

@@ -35,7 +35,7 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, repli
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import trace_mesh
 from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
-from jaxdist.strategies.meshes import ROLES, axis_roles, short_form_mesh
+from jaxdist.strategies.meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
 from jaxdist.strategies.offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.provenance import own
 from jaxdist.strategies.roles import placed_as_batch
@@ -181,11 +181,8 @@ class LayoutPolicy:
     ):
         # Each role (meshes.ROLES) is named by its axes on a user's mesh (<name>_axes=), or sized by its short
         # form (<short_form>=k) on the strategy's own.
-        known = {name for r in ROLES for name in (r.argument, r.short_form)}
-        unknown = sorted(set(role_arguments) - known)
-        if unknown:
-            raise TypeError(f"LayoutPolicy() got an unexpected keyword argument {unknown[0]!r}: besides the "
-                            f"parameters it lists, it takes the roles' arguments {sorted(known)}.")
+        check_role_keywords("LayoutPolicy", role_arguments, [n for r in ROLES for n in (r.argument, r.short_form)],
+                            "besides the parameters it lists, it takes the roles' arguments")
         role_axes = {r.argument: role_arguments[r.argument] for r in ROLES
                      if role_arguments.get(r.argument) is not None}
         short = {r.short_form: role_arguments.get(r.short_form, 1) for r in ROLES}
