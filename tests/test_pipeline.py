@@ -203,6 +203,20 @@ def test_layers_must_divide_into_stages_and_repeats():
         _apply(STRATEGIES["stage4_data2"](), PipelineLM(4, 4, "circular", 2))
 
 
+def test_configuration_errors_on_an_explicit_mesh_are_raised_as_themselves():
+    """On jax.make_mesh's default mesh the step is traced with Explicit axes first (refused by types: a
+    ShardingTypeError), then Auto, where the pipeline's own check fails: that ValueError, which names the fix, is
+    the error raised (the Explicit refusal is a note on it)."""
+    explicit = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("stage", "data")), batch_axes="data",
+                                  stage_axes="stage", min_shard_size=1)
+    with pytest.raises(ValueError, match=re.escape("num_microbatches=3 does not divide the per-replica batch 4")) \
+            as info:
+        _apply(explicit, PipelineLM(8, 3))
+    assert any("traced first with the mesh's axes" in n for n in info.value.__notes__)
+    with pytest.raises(ValueError, match=re.escape("num_layers=4 is not divisible by the 4 stages x repeats=2")):
+        _apply(explicit, PipelineLM(4, 4, "circular", 2))
+
+
 def test_circular_needs_as_many_microbatches_as_stages():
     with pytest.raises(ValueError, match=re.escape("num_microbatches=2 is less than the 4 stages")):
         _apply(STRATEGIES["stage4_data2"](), PipelineLM(8, 2, "circular", 2))

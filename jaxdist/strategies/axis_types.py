@@ -157,8 +157,9 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     same call again with them Auto (the trace that succeeds logs which: `say`).
 
     Raises:
-        The sharding type error of the Explicit trace, with a note, when the Auto trace fails too (with any
-        error: that one is its cause).
+        The Auto trace's own error, with a note, when it fails with an error that is no type refusal (the
+        step's own checks: it is what the user must fix); the sharding type error of the Explicit trace, with a
+        note, when the Auto trace is refused by types too (that refusal is its cause).
     """
     if not _explicit(mesh) or _in_auto_twin(mesh):
         return call()
@@ -179,6 +180,16 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
                    "propagates the layouts jaxdist resolved"):
             return call()
     except Exception as auto_error:
+        if not is_type_refusal(auto_error):
+            # The step's own error (a configuration check of its layers, a shape error): raised as itself,
+            # not buried under the Explicit attempt's type refusal, which is noted.
+            first = (str(error).splitlines() or [""])[0][:300]
+            auto_error.add_note(f"jaxdist: {name} was traced first with the mesh's axes {_explicit(mesh)} "
+                                f"Explicit, where JAX refused it by their types ({type(error).__name__}: {first}); "
+                                "the error above comes from tracing it with them Auto. If it comes from code that "
+                                "needs Explicit axes (out_sharding=, jax.sharding.reshard naming them), annotate the "
+                                "refused operation too, or drop those annotations.")
+            raise
         first = (str(auto_error).splitlines() or [""])[0][:300]
         error.add_note(f"jaxdist: {name} was traced with the mesh's axes {_explicit(mesh)} Auto too, and failed "
                        f"there as well ({type(auto_error).__name__}: {first}). If some of its code needs Explicit "

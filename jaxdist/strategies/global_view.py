@@ -76,6 +76,12 @@ __all__ = ["StrategyFunction"]
 
 
 _GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
+_SCALARS = frozenset({bool, int, float, complex})
+_MAX_MISSES = 16  # calls an express program may refuse for one key before calls of that key skip it
+
+
+class _Refused(Exception):
+    """An express program was asked for a signature it has no program for (see `StrategyFunction.__call__`)."""
 
 
 def _is_graph_node(x: Any) -> bool:
@@ -164,7 +170,15 @@ class StrategyFunction:
         self._warned = False
         self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
         self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
-        self._plain_types: set[tuple[type, ...]] = set()  # argument types that hold no nnx graph object
+        # The express path (see `__call__`): programs whose argument layouts are pinned, by what the full path
+        # decided (family: static key, argument structure and layouts) and by the call's argument types.
+        self._families: dict[tuple, Callable] = {}
+        self._express: dict[Any, tuple[Callable, tuple]] = {}
+        self._misses: dict[Any, int] = {}
+        # What the argument types cannot tell and JAX's cache does not see: the provenance of layouts over
+        # Explicit axes, and host arrays in a job of several processes (a process's own rows there, not the
+        # global value jax.jit would take them for). Read from the leaves on such policies only.
+        self._reads_leaves = self._tells_provenance or policy.spans_processes
         functools.update_wrapper(self, fn)
 
     @property
@@ -344,43 +358,106 @@ class StrategyFunction:
         return combine(step(static, *arrays, **named_arrays), self._module_outputs[static])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The express path: a positional call whose argument types were seen before goes straight to the program
+        # the full path built for them (`_express_program`). JAX's own dispatch then checks everything else the
+        # decision rests on (shapes, dtypes, weak types, layouts, the trace context), in C++ on a hit; a call
+        # whose types JAX has no trace for raises before anything runs and takes the full path below; one it
+        # takes with a trace of its own (another layout, a host array nested in an argument) enters the
+        # program laid out as the full path lays it out.
+        key = refused = None
+        if not kwargs:
+            key = tuple(map(type, args))
+            if self._reads_leaves:
+                key = self._leaf_key(key, args)
+            entry = self._express.get(key) if key is not None else None
+            if entry is not None:
+                program, static = entry
+                try:
+                    out = program(*args)
+                except (_Refused, ValueError):
+                    refused = program
+                    self._missed(key)
+                else:
+                    return self._marked(static, out) if self._tells_provenance else out
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
-        # Steady state of a step called positionally with no static and no nnx argument (argument types seen
-        # before to hold none: no nnx graph, no Equinox module): every array on the mesh, no declared batch held
-        # whole. Then the arguments go to jax.jit as they are; anything else takes the full path (binding,
-        # splitting, placing).
-        types = None if kwargs or self._static else tuple(map(type, args))
-        plain = types is not None and types in self._plain_types
-        if not plain and not self._module_arrays and holds_module(args, kwargs):
+        if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(None, args, kwargs)
-        if plain:
-            leaves = jax.tree.leaves(args)
-            shardings = _shardings(leaves)
-            if _all_on(leaves, self._policy.mesh, shardings) and not self._whole_batch(args, kwargs, shardings):
-                static = (None, (), self._provenance(leaves, shardings))
-                self._local.args = (args, kwargs, None)  # read only if this call traces
-                try:
-                    with self._policy.call_scope(args):
-                        return self._marked(static, self._decided(lambda: self._program(())(static, None, *args)))
-                finally:
-                    self._local.args = None
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
-        if types is not None and not nodes:
-            self._plain_types.add(types)
         static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
+        express = None if kwargs or nodes else self._express_program(static, placed)
         self._local.args = (placed, kwargs, state)  # read only if this call traces
         try:
             with self._policy.call_scope((placed, kwargs, state)):
-                out = self._marked(static, self._decided(
-                    lambda: self._program(nodes)(static, state, *placed, **kwargs)))
+                if express is not None:
+                    out = self._marked(static, self._decided(lambda: express(*placed)))
+                else:
+                    out = self._marked(static, self._decided(
+                        lambda: self._program(nodes)(static, state, *placed, **kwargs)))
         finally:
             self._local.args = None
+        if refused is not None:
+            # JAX's dispatch keeps, for the signature the express program refused, an entry that sends every
+            # later call of it to Python: dropped now that this call has traced it (the traces are kept).
+            refused._clear_cache()
+        if express is not None and key is not None and self._misses.get(key, 0) < _MAX_MISSES and not any(
+                isinstance(x, (np.ndarray, np.generic)) for i in self._donate if i < len(args)
+                for x in jax.tree.leaves(args[i])):
+            # (a host array donated is a program of its own to jax.jit: such calls keep the full path)
+            self._express[key] = express, static
         if not nodes:
             return out
         out, new_state = out
         nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
         return out
+
+    def _leaf_key(self, key: tuple, args: tuple) -> Any:
+        """The express path's key on a policy that reads the leaves (`_reads_leaves`): the argument types and
+        the provenance of their layouts; None (no express call) where a leaf is not on the mesh in a job of
+        several processes (a host array there holds a process's own rows: the full path places it)."""
+        leaves = jax.tree.leaves(args)
+        shardings = _shardings(leaves)
+        if self._policy.spans_processes and not _all_on(leaves, self._policy.mesh, shardings):
+            return None
+        return key, self._provenance(leaves, shardings) if self._tells_provenance else None
+
+    def _missed(self, key: Any) -> None:
+        """A call the express program for ``key`` did not accept: after `_MAX_MISSES` of them (calls alternating
+        between signatures of the same argument types), calls with those types take the full path only."""
+        self._misses[key] = misses = self._misses.get(key, 0) + 1
+        if misses >= _MAX_MISSES:
+            self._express.pop(key, None)
+
+    def _express_program(self, static: tuple, placed: tuple) -> Callable | None:
+        """The program of a positional call without nnx arguments whose arguments ``placed`` hold (the full
+        path's decision made): `jax.jit` of the step, one per static key. It traces only inside the full path
+        (`_traced` needs the call's values); traced from anywhere else (JAX met a signature it has no trace for)
+        it raises `_Refused` before any of the step's code runs. JAX reuses a trace for arguments of the same
+        types whatever their layouts: on a mesh without Explicit axes each array enters the program
+        constrained to the layout it was traced with, so an argument JAX takes as it is on an express call
+        (a host array nested in a batch, a batch held whole) is laid out as the full path would have placed
+        it. None where a leaf is a tracer (a call inside another trace) or no array."""
+        dynamic = tuple(a for i, a in enumerate(placed) if i not in self._static)
+        if not all(type(x) in _SCALARS or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+                   for x in jax.tree.leaves(dynamic)):
+            return None
+        program = self._families.get(static)
+        if program is None:
+            traced, local, skip = self._traced, self._local, set(self._static)
+            pin = not explicit_axes(self._policy.mesh)
+
+            def step(*args: Any) -> Any:
+                concrete = getattr(local, "args", None)
+                if concrete is None:
+                    raise _Refused
+                if pin:
+                    args = tuple(a if i in skip else jax.tree.map(_enter, a, c)
+                                 for i, (a, c) in enumerate(zip(args, concrete[0], strict=True)))
+                return traced(static, None, *args)
+
+            program = self._families[static] = jax.jit(
+                self._named(step), static_argnums=self._static, donate_argnums=self._donate)
+        return program
 
     def _provenance(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:
         """Part of the program's cache key: the layouts among the arguments that split a value over Explicit
@@ -600,6 +677,15 @@ class StrategyFunction:
                     "them; create every variable before the first step."
                 )
             return out, new_state
+
+
+def _enter(traced: Any, concrete: Any) -> Any:
+    """An express program's argument ``traced`` constrained at entry to the layout of ``concrete`` (the value
+    it was traced with), where that is a `NamedSharding`."""
+    sharding = getattr(concrete, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not isinstance(traced, jax.Array):
+        return traced
+    return jax.lax.with_sharding_constraint(traced, sharding)
 
 
 def _shardings(leaves: list[Any]) -> set[Any]:

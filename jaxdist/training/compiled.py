@@ -15,10 +15,12 @@ for the abstract arguments it already ran with, which finds the compiled program
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -95,6 +97,7 @@ class CompiledSteps:
         self._names: tuple[str, ...] = ()  # the running sums'
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
         self._sums: Any = None  # running sums since pop_sums (a device vector; None: zeros)
+        self._zeros: Callable[[], jax.Array] | None = None  # new sums after a pop, in the sums' layout
         self._cost: StepCost | None = None
 
     def _build(self, state: TrainState, pair: Any = None) -> bool:
@@ -123,7 +126,11 @@ class CompiledSteps:
         return True
 
     def _current_sums(self) -> Any:
-        return np.zeros(len(self._names), np.float32) if self._sums is None else self._sums
+        if self._sums is not None:
+            return self._sums
+        if self._zeros is not None:  # zeros laid out as the sums were: the step takes them as they are
+            return self._zeros()
+        return np.zeros(len(self._names), np.float32)
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the sums."""
@@ -159,6 +166,8 @@ class CompiledSteps:
         if not self._build(state):  # no training batch seen yet: no steps to sum
             return ("steps",), np.zeros(1, np.float32)
         sums, self._sums = self._current_sums(), None
+        if self._zeros is None and isinstance(sums, jax.Array):
+            self._zeros = jax.jit(functools.partial(jnp.zeros, sums.shape, sums.dtype), out_shardings=sums.sharding)
         return self._names, sums
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
