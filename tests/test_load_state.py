@@ -1,0 +1,125 @@
+"""Bring your own run: ``Trainer.load_state`` continues a run trained in plain JAX and saved with plain orbax.
+
+The reference is a plain-JAX run (``jax.jit`` on one device, Adam with a warmup-cosine schedule) of 30 steps, saved
+with plain orbax at step 20. Trainers on MirroredStrategy and ShardedStrategy (FSDP) load that checkpoint and train
+steps 21-30: their losses and parameters equal the plain run's. The state is born in the strategy's layout, a state
+that does not fit is a ValueError naming the leaf, and a foreign checkpoint directory is met with the two lines of
+orbax that read it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from registry import CLASSES, FEATURES, assert_variable_layout, make
+
+import jaxdist as jd
+
+STEPS, SAVED, ROWS = 30, 20, 32
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(CLASSES)(nn.relu(nn.Dense(16)(x)))
+
+
+class BatchNormMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(x))
+        return nn.Dense(CLASSES)(nn.relu(x))
+
+
+def ce(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def optimizer():
+    # eps = the peak rate: well-conditioned Adam, so another summation order stays rounding noise (registry.adam)
+    return optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS), eps=1e-2)
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS, ROWS, FEATURES)).astype(np.float32)
+    return [(x[i], x[i, :, :CLASSES].argmax(1).astype(np.int32)) for i in range(STEPS)]
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """A plain-JAX run of ``STEPS`` steps; its state at step ``SAVED`` saved with plain orbax (CheckpointManager
+    and StandardSave, as orbax's own recipe does). Returns the directory, the losses of the steps after
+    ``SAVED`` and the final parameters."""
+    model, tx, data = MLP(), optimizer(), batches()
+    params = model.init(jax.random.key(0), data[0][0][:1])["params"]
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: ce(model.apply({"params": p}, x), y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    directory = tmp_path_factory.mktemp("plain") / "checkpoints"
+    losses = []
+    for step, (x, y) in enumerate(data):
+        if step == SAVED:
+            manager = ocp.CheckpointManager(directory)
+            manager.save(SAVED, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            manager.wait_until_finished()
+            manager.close()
+        params, opt_state, loss = train_step(params, opt_state, x, y)
+        losses.append(float(loss))
+    return directory, np.array(losses[SAVED:]), params
+
+
+def read_plain(directory, with_target):
+    """The saved state as a migrating user reads it with plain orbax: into the structure ``optimizer.init``
+    gives (with a target), or as orbax has it (without one: the optax NamedTuples as dicts, tuples as lists)."""
+    path = directory / str(SAVED) / "default"
+    if not with_target:
+        return ocp.StandardCheckpointer().restore(path)
+    params = MLP().init(jax.random.key(0), np.ones((1, FEATURES), np.float32))["params"]
+    target = jax.eval_shape(lambda: {"params": params, "opt_state": optimizer().init(params)})
+    return ocp.StandardCheckpointer().restore(path, target)
+
+
+def linen_trainer(strategy, model=None, tx=None):
+    return jd.training.Trainer(strategy, model or MLP(), tx or optimizer(), ce)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("strategy_name", "with_target"), [("mirrored_8", True), ("sharded_8", False)])
+def test_a_plain_orbax_run_continues_equal_to_the_plain_run(plain_run, strategy_name, with_target):
+    directory, losses, final = plain_run
+    strategy = make(strategy_name)
+    state = read_plain(directory, with_target)
+    data = batches()
+    trainer = linen_trainer(strategy)
+    loaded = trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED, batch=data[0])
+    assert trainer.step == SAVED and int(loaded.step) == SAVED
+    assert_variable_layout(strategy, loaded, "the loaded state")
+    if strategy_name == "sharded_8":  # born split: each device holds its part of a split leaf, not the whole
+        for leaf in (loaded.params["Dense_0"]["kernel"], loaded.opt_state[0].mu["Dense_0"]["kernel"]):
+            part = leaf.sharding.shard_shape(leaf.shape)
+            assert np.prod(part) < leaf.size
+            assert {s.data.shape for s in leaf.addressable_shards} == {part}
+    # the plain run read batch 20 next: an iterator over the rest is read on
+    history = trainer.fit(iter(data[SAVED:]), steps=STEPS, log_every=1, verbose=0)
+    got = np.array([row["loss"] for row in history.train])
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    assert_close(trainer.params, final)
+    assert trainer.step == STEPS and int(trainer.state.opt_state[0].count) == STEPS
+    assert_variable_layout(strategy, trainer.state, "the state after fit")
