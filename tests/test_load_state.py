@@ -123,3 +123,39 @@ def test_a_plain_orbax_run_continues_equal_to_the_plain_run(plain_run, strategy_
     assert_close(trainer.params, final)
     assert trainer.step == STEPS and int(trainer.state.opt_state[0].count) == STEPS
     assert_variable_layout(strategy, trainer.state, "the state after fit")
+
+
+@pytest.mark.timeout(300)
+def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_path):
+    directory, _, _ = plain_run
+    data = batches()
+    trainer = linen_trainer(make("one_device"))
+    item = str(directory / str(SAVED) / "default")
+    lines = [
+        f"    state = ocp.StandardCheckpointer().restore({item!r})\n",
+        f"    trainer.load_state(params=state['params'], opt_state=state['opt_state'], step={SAVED})\n",
+    ]
+    with pytest.raises(ValueError, match="did not write") as restored:
+        trainer.restore(directory, batch=data[0])
+    with pytest.raises(ValueError, match="did not write") as fitted:
+        trainer.fit(data, steps=2, checkpoint_dir=directory, verbose=0)
+    for error in (restored, fitted):
+        message = str(error.value)
+        assert all(line in message for line in lines), message
+        assert "empty directory" not in message and "its tree's top: ['opt_state', 'params']" in message
+    assert trainer.state is None and sorted(p.name for p in directory.iterdir()) == [str(SAVED)]  # nothing written
+    # The two lines, run as shown, continue the run.
+    state = ocp.StandardCheckpointer().restore(item)
+    trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED, batch=data[0])
+    assert trainer.step == SAVED
+
+    # One StandardCheckpointer directory (no steps): restore and fit say the same, with its path.
+    single = tmp_path / "single"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(single, {"params": state["params"]})
+    for call in (lambda t: t.restore(single, batch=data[0]),
+                 lambda t: t.fit(data, steps=2, checkpoint_dir=single, verbose=0)):
+        with pytest.raises(ValueError, match="holds an orbax checkpoint that jaxdist.training did not write") as e:
+            call(linen_trainer(make("one_device")))
+        assert f"ocp.StandardCheckpointer().restore({str(single)!r})" in str(e.value)
+        assert "trainer.load_state(params=state['params'])" in str(e.value)

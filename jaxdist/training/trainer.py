@@ -476,7 +476,9 @@ class Trainer:
         Raises:
             FileNotFoundError: when there is no checkpoint (or none for ``step``, naming the steps there are).
             ValueError: for another model's checkpoint (or one of an nnx model into a linen trainer and vice
-                versa), an optimizer state that does not fit, or no ``batch`` when the state does not exist.
+                versa), an optimizer state that does not fit, or no ``batch`` when the state does not exist; for
+                a checkpoint jaxdist did not write (plain orbax's), showing the two lines of orbax and
+                `load_state` that continue it.
             CheckpointCorruptedError: when the checkpoint's files are damaged, naming the newest older
                 checkpoint that restores into this trainer (the trainer is left as it was).
         """
@@ -700,7 +702,8 @@ class Trainer:
 
         Raises:
             ValueError: for bad arguments, data of the wrong batch structure, batches the replicas do not
-                divide, a non-scalar loss, a checkpoint_dir holding another model's checkpoint, or
+                divide, a non-scalar loss, a checkpoint_dir holding another model's checkpoint or one jaxdist
+                did not write (the message shows the orbax and `load_state` that continue it), or
                 ``restore_step`` without ``checkpoint_dir``.
             FileNotFoundError: for a ``restore_step`` that ``checkpoint_dir`` has no checkpoint of (the
                 message names the steps it has).
@@ -728,6 +731,8 @@ class Trainer:
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
         try:
+            if ckpt is not None:
+                ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
             if restore_step is not None:
                 self._roll_back(ckpt, restore_step, sample)
             elif ckpt is not None and (ckpt.latest_step() or 0) > self._step:
