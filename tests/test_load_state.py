@@ -159,3 +159,81 @@ def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_
             call(linen_trainer(make("one_device")))
         assert f"ocp.StandardCheckpointer().restore({str(single)!r})" in str(e.value)
         assert "trainer.load_state(params=state['params'])" in str(e.value)
+
+
+def plain_state(model=None, tx=None):
+    """A plain run's parameters and optimizer state (host arrays), as a user has them."""
+    model = model or MLP()
+    variables = model.init(jax.random.key(0), np.ones((1, FEATURES), np.float32))
+    return jax.device_get(variables), jax.device_get((tx or optimizer()).init(variables["params"]))
+
+
+@pytest.mark.timeout(300)
+def test_a_state_that_does_not_fit_is_an_error_naming_the_leaf():
+    data = batches()
+    variables, opt_state = plain_state()
+    params = variables["params"]
+    trainer = linen_trainer(make("mirrored_8"))
+    wrong_params = [
+        ({"Dense_0": params["Dense_0"]}, r"params\['Dense_1'\]\['bias'\] \(\(16,\) float32\) is missing"),
+        ({**params, "Dense_9": params["Dense_0"]}, r"params\['Dense_9'\]\['bias'\] \(\(4,\) float32\) is extra"),
+        ({**params, "Dense_0": {**params["Dense_0"], "kernel": np.zeros((32, 4), np.float32)}},
+         r"params\['Dense_0'\]\['kernel'\] is \(32, 4\) float32 where the trainer has \(16, 4\) float32"),
+        (jax.tree.map(lambda a: a.astype(np.float64), params), r"params\['Dense_0'\]\['bias'\] is \(4,\) float64"),
+        ({**params, "Dense_1": {**params["Dense_1"], "bias": "zeros"}},
+         r"params\['Dense_1'\]\['bias'\] is a str, not an array"),
+    ]
+    for wrong, match in wrong_params:
+        with pytest.raises(ValueError, match=r"params does not fit this trainer's model and optimizer: .*" + match):
+            trainer.load_state(params=wrong, batch=data[0])
+    with pytest.raises(ValueError, match=r"opt_state\[0\]\.mu\['Dense_0'\]\['bias'\] \(\(4,\) float32\) is "
+                                         r"missing.*Fix: pass the state of the optimizer the Trainer was given"):
+        trainer.load_state(params=params, opt_state=optax.sgd(0.1, momentum=0.9).init(params), batch=data[0])
+    with pytest.raises(ValueError, match=r"model_state\['batch_stats'\]\['mean'\] \(\(2,\) float32\) is extra"):
+        trainer.load_state(params=params, model_state={"batch_stats": {"mean": np.zeros(2, np.float32)}},
+                           batch=data[0])
+    with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
+        trainer.load_state(params=params, step=-1, batch=data[0])
+    with pytest.raises(ValueError, match=r"load_state\(\) needs batch=\.\.\. \(a sample batch\)"):
+        trainer.load_state(params=params)
+    assert trainer.state is None and trainer.step == 0  # every error left the trainer as it was
+    with pytest.raises(TypeError, match=r"data_position=\(0, 20\) must be a jd\.training\.DataPosition"):
+        trainer.data_position = (0, 20)
+
+
+@pytest.mark.timeout(300)
+def test_the_step_and_the_optimizer_count_disagreeing_is_said():
+    data = batches()
+    variables, opt_state = plain_state()
+    counted = jax.tree.map(lambda a: a + 7 if a.dtype == np.int32 else a, opt_state)  # a run of 7 steps
+    trainer = linen_trainer(make("one_device"))
+    with pytest.warns(UserWarning, match=r"optimizer state counts opt_state\[0\]\.count = 7, opt_state\[1\]\.count "
+                                         r"= 7 while the trainer's step is 0: .*pass step=7"):
+        trainer.load_state(params=variables["params"], opt_state=counted, batch=data[0])
+    with pytest.warns(UserWarning, match=r"the optimizer state is a fresh one \(opt_state\[0\]\.count = 0.* while "
+                                         r"the step is 7: its schedule and moments start over"):
+        trainer.load_state(params=variables["params"], step=7)
+    trainer.load_state(params=variables["params"], opt_state=counted, step=7)  # they agree: silent
+    assert trainer.step == 7 and int(trainer.state.step) == 7
+
+
+@pytest.mark.timeout(300)
+def test_fit_after_load_state_says_where_a_list_is_read_from(plain_run):
+    directory, losses, final = plain_run
+    data = batches()
+    state = read_plain(directory, with_target=True)
+
+    def loaded():
+        trainer = linen_trainer(make("one_device"))
+        trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED, batch=data[0])
+        return trainer
+
+    trainer = loaded()
+    with pytest.warns(UserWarning, match=r"fit continues the run load_state loaded at step 20 from batch 0 of epoch "
+                                         r"0 of train_data.*DataPosition\(epoch=0, index=20\)"):
+        trainer.fit(data[SAVED:], steps=SAVED + 1, verbose=0)  # the batches that come next: fine, but said
+    trainer = loaded()  # the whole run's batches, and where it stopped: silent, and equal to the plain run
+    trainer.data_position = jd.training.DataPosition(epoch=0, index=SAVED)
+    history = trainer.fit(data, steps=STEPS, log_every=1, verbose=0)
+    np.testing.assert_allclose([row["loss"] for row in history.train], losses, rtol=1e-5)
+    assert_close(trainer.params, final)

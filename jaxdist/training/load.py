@@ -36,10 +36,15 @@ def _flat(tree: Any) -> list[tuple[tuple, Any]]:
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated)[0]
 
 
+def _dtype(value: Any) -> Any:
+    """The value's own dtype (not canonicalized: a float64 host array is float64 even where JAX would make it
+    float32; a typed key's is its key dtype)."""
+    return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+
+
 def _describe(leaf: Any) -> str:
     value = unboxed(leaf)
-    return f"{tuple(np.shape(value))} {jax.dtypes.result_type(value)}" if _is_value(value) else \
-        f"a {type(value).__name__}"
+    return f"{tuple(np.shape(value))} {_dtype(value)}" if _is_value(value) else f"a {type(value).__name__}"
 
 
 def _is_value(x: Any) -> bool:
@@ -91,7 +96,7 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
             value = np.asarray(value, unboxed(want).dtype)  # a Python number (orbax restores saved ints so)
         if not _is_value(value):
             problems.append(f"{where} is {_describe(value)}, not an array")
-        elif (np.shape(value), jax.dtypes.result_type(value)) != (np.shape(unboxed(want)), unboxed(want).dtype):
+        elif (np.shape(value), _dtype(value)) != (np.shape(unboxed(want)), _dtype(unboxed(want))):
             problems.append(f"{where} is {_describe(value)} where the trainer has {_describe(want)}")
         out.append(value)
     problems += [f"{argument}{jax.tree_util.keystr(path)} ({_describe(leaf)}) is extra: the trainer has no such leaf"
@@ -151,7 +156,7 @@ def step_counts(opt_state: Any) -> dict[str, int]:
         last = path[-1] if path else None
         name = getattr(last, "name", getattr(last, "key", None))
         value = unboxed(leaf)
-        if name == "count" and np.ndim(value) == 0 and jax.dtypes.issubdtype(jax.dtypes.result_type(value), np.integer):
+        if name == "count" and np.ndim(value) == 0 and jax.dtypes.issubdtype(_dtype(value), np.integer):
             shard = value.addressable_data(0) if isinstance(value, jax.Array) else value
             out[jax.tree_util.keystr(path)] = int(np.asarray(shard))
     return out
