@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -155,7 +154,7 @@ def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_
         checkpointer.save(single, {"params": state["params"]})
     for call in (lambda t: t.restore(single, batch=data[0]),
                  lambda t: t.fit(data, steps=2, checkpoint_dir=single, verbose=0)):
-        with pytest.raises(ValueError, match="holds an orbax checkpoint that jaxdist.training did not write") as e:
+        with pytest.raises(ValueError, match=r"holds an orbax checkpoint that jaxdist\.training did not write") as e:
             call(linen_trainer(make("one_device")))
         assert f"ocp.StandardCheckpointer().restore({str(single)!r})" in str(e.value)
         assert "trainer.load_state(params=state['params'])" in str(e.value)
@@ -171,8 +170,7 @@ def plain_state(model=None, tx=None):
 @pytest.mark.timeout(300)
 def test_a_state_that_does_not_fit_is_an_error_naming_the_leaf():
     data = batches()
-    variables, opt_state = plain_state()
-    params = variables["params"]
+    params = plain_state()[0]["params"]
     trainer = linen_trainer(make("mirrored_8"))
     wrong_params = [
         ({"Dense_0": params["Dense_0"]}, r"params\['Dense_1'\]\['bias'\] \(\(16,\) float32\) is missing"),
@@ -237,3 +235,64 @@ def test_fit_after_load_state_says_where_a_list_is_read_from(plain_run):
     history = trainer.fit(data, steps=STEPS, log_every=1, verbose=0)
     np.testing.assert_allclose([row["loss"] for row in history.train], losses, rtol=1e-5)
     assert_close(trainer.params, final)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.out = nnx.Linear(16, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
+@pytest.mark.timeout(300)
+def test_an_nnx_run_saved_with_plain_orbax_continues_equal(tmp_path):
+    data = batches()
+    model = NnxNet(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: ce(m(x), y))(model)
+        opt.update(model, grads)
+        return loss
+
+    losses = []
+    for step, (x, y) in enumerate(data):
+        if step == SAVED:  # saved as nnx states, with plain orbax
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(tmp_path / "nnx", {"params": nnx.state(model, nnx.Param),
+                                                     "model_state": nnx.state(model, nnx.Not(nnx.Param)),
+                                                     "opt_state": opt.opt_state})
+        losses.append(float(train_step(model, opt, x, y)))
+
+    saved = ocp.StandardCheckpointer().restore(tmp_path / "nnx")  # no target: each Variable's value under "value"
+    strategy = make("sharded_8")
+    mine = NnxNet(nnx.Rngs(1))  # other initial values: all of them come from the checkpoint
+    trainer = jd.training.Trainer(strategy, mine, optimizer(), ce)
+    loaded = trainer.load_state(params=saved["params"], opt_state=saved["opt_state"], step=SAVED,
+                                model_state=saved["model_state"])
+    assert_variable_layout(strategy, loaded, "the loaded nnx state")
+    np.testing.assert_array_equal(np.asarray(mine.norm.mean[...]), saved["model_state"]["norm"]["mean"]["value"])
+    history = trainer.fit(iter(data[SAVED:]), steps=STEPS, log_every=1, verbose=0)
+    np.testing.assert_allclose([row["loss"] for row in history.train], losses[SAVED:], rtol=1e-5)
+    assert_close(nnx.state(mine, nnx.Param), nnx.state(model, nnx.Param))
+    assert_close(nnx.state(mine, nnx.BatchStat), nnx.state(model, nnx.BatchStat))
+
+
+@pytest.mark.timeout(300)
+def test_a_linen_model_state_is_loaded_or_built_as_init_builds_it():
+    data = batches()
+    variables, opt_state = plain_state(BatchNormMLP())
+    stats = jax.tree.map(lambda a: a + 1.5, variables["batch_stats"])
+    strategy = make("sharded_8")
+    trainer = jd.training.Trainer(strategy, BatchNormMLP(), optimizer(), ce, train_kwargs={"train": True})
+    loaded = trainer.load_state(params=variables["params"], batch=data[0])  # no model_state: init's (mean 0, var 1)
+    assert_variable_layout(strategy, loaded, "the loaded state")
+    assert_close(loaded.model_state, {"batch_stats": variables["batch_stats"]})
+    assert_close(loaded.opt_state, opt_state)  # no opt_state: a fresh one, laid out as init lays it out
+    loaded = trainer.load_state(params=variables["params"], model_state={"batch_stats": stats})
+    assert_close(loaded.model_state, {"batch_stats": stats})
+    assert_variable_layout(strategy, loaded, "the reloaded state")

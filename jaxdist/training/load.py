@@ -11,8 +11,9 @@ exactly as a built or restored one, and the compiled steps take it as they take 
 Leaves are matched by their names, not by the containers holding them: a dict key, an attribute name and a
 sequence index all read as one name (`jaxdist.replicate.layouts.path_name`), and Flax boxes and nnx Variables
 are looked into. So the optax state orbax restores without a target (``NamedTuple`` s as dicts, tuples as
-lists), an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state`` fit as they are. Anything else that differs
-(a leaf missing or extra, another shape or dtype) is a ValueError naming the leaf.
+lists), an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state`` fit as they are, and so do they as orbax restores
+them without a target (each nnx Variable's value one level down, under ``value``). Anything else that differs (a
+leaf missing or extra, another shape or dtype) is a ValueError naming the leaf.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxdist.strategies.layout_rules import is_annotated, is_box, is_variable, u
 __all__ = ["count_mismatch", "loaded_leaves", "place_like", "step_counts"]
 
 _SHOWN = 4  # differences named in one error
+_VARIABLE_VALUE = ("value", "raw_value")  # the key of an nnx Variable's value in a tree saved without nnx
 
 
 def _flat(tree: Any) -> list[tuple[tuple, Any]]:
@@ -82,6 +84,10 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
     have: dict[str, tuple[tuple, Any]] = {}
     for path, leaf in _flat(given):
         have.setdefault(path_name(path), (path, leaf))
+    names = {name for name, _, _ in wanted}
+    for name in [n for n in have if n not in names and n.rsplit("/", 1)[-1] in _VARIABLE_VALUE]:
+        if name.rsplit("/", 1)[0] in names:  # an nnx Variable as orbax saves it: its value one level down
+            have.setdefault(name.rsplit("/", 1)[0], have.pop(name))
     problems, out = [], []
     for name, path, want in wanted:
         found = have.pop(name, None)
