@@ -9,6 +9,10 @@ orbax that read it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -16,7 +20,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from registry import CLASSES, FEATURES, assert_variable_layout, make
+from registry import CLASSES, FEATURES, assert_variable_layout, launch_env, make
 
 import jaxdist as jd
 
@@ -56,11 +60,9 @@ def assert_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-@pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
-    """A plain-JAX run of ``STEPS`` steps; its state at step ``SAVED`` saved with plain orbax (CheckpointManager
-    and StandardSave, as orbax's own recipe does). Returns the directory, the losses of the steps after
-    ``SAVED`` and the final parameters."""
+def plain(steps, at_save=None):
+    """A plain-JAX run (``jax.jit`` on one device) of ``steps`` steps; ``at_save(params, opt_state)`` is called
+    before step ``SAVED``. Returns the parameters, the optimizer state and the losses."""
     model, tx, data = MLP(), optimizer(), batches()
     params = model.init(jax.random.key(0), data[0][0][:1])["params"]
     opt_state = tx.init(params)
@@ -71,17 +73,28 @@ def plain_run(tmp_path_factory):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    directory = tmp_path_factory.mktemp("plain") / "checkpoints"
     losses = []
-    for step, (x, y) in enumerate(data):
-        if step == SAVED:
-            manager = ocp.CheckpointManager(directory)
-            manager.save(SAVED, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-            manager.wait_until_finished()
-            manager.close()
+    for step, (x, y) in enumerate(data[:steps]):
+        if step == SAVED and at_save is not None:
+            at_save(params, opt_state)
         params, opt_state, loss = train_step(params, opt_state, x, y)
         losses.append(float(loss))
-    return directory, np.array(losses[SAVED:]), params
+    return params, opt_state, np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The plain run of ``STEPS`` steps; its state at step ``SAVED`` saved with plain orbax (CheckpointManager
+    and StandardSave, as orbax's own recipe does). Returns the directory, the losses of the steps after
+    ``SAVED`` and the final parameters."""
+    directory = tmp_path_factory.mktemp("plain") / "checkpoints"
+
+    def save(params, opt_state):
+        with ocp.CheckpointManager(directory) as manager:
+            manager.save(SAVED, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+
+    params, _, losses = plain(STEPS, save)
+    return directory, losses[SAVED:], params
 
 
 def read_plain(directory, with_target):
@@ -296,3 +309,23 @@ def test_a_linen_model_state_is_loaded_or_built_as_init_builds_it():
     loaded = trainer.load_state(params=variables["params"], model_state={"batch_stats": stats})
     assert_close(loaded.model_state, {"batch_stats": stats})
     assert_variable_layout(strategy, loaded, "the reloaded state")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_two_processes_load_a_plain_run_and_continue_it(plain_run, tmp_path):
+    _, losses, final = plain_run
+    out = tmp_path / "result.npz"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "340",
+         str(Path(__file__).parent / "multiprocess" / "load_worker.py"), str(out)],
+        env=launch_env(), capture_output=True, text=True, timeout=380,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "[0] process 0 done" in proc.stdout and "[1] process 1 done" in proc.stdout
+    with np.load(out) as result:
+        np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+        for path, want in jax.tree_util.tree_leaves_with_path(jax.device_get(final)):
+            for trainer in ("fsdp", "mirrored"):
+                np.testing.assert_allclose(result[f"{trainer}/{jax.tree_util.keystr(path)}"], want, rtol=1e-5,
+                                           atol=1e-6)
