@@ -19,15 +19,18 @@ leaf missing or extra, another shape or dtype) is a ValueError naming the leaf.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 from jaxdist.replicate.layouts import path_name, put
 from jaxdist.strategies.layout_rules import is_annotated, is_box, is_variable, unboxed
+from jaxdist.training.build import state_keys
+from jaxdist.training.step import TrainState
 
-__all__ = ["count_mismatch", "loaded_leaves", "place_like", "step_counts"]
+__all__ = ["Pieces", "assemble", "checked_pieces", "count_mismatch", "loaded_leaves", "place_like", "step_counts"]
 
 _SHOWN = 4  # differences named in one error
 _VARIABLE_VALUE = ("value", "raw_value")  # the key of an nnx Variable's value in a tree saved without nnx
@@ -196,4 +199,71 @@ def count_mismatch(counts: dict[str, int], step: int, fresh: bool) -> None:
         why = (f"the optimizer state counts {shown} while the trainer's step is {step}: the learning-rate "
                f"schedule follows the optimizer's count, the RNG, checkpoints and fit's totals the step; pass "
                f"step={next(iter(differ.values()))} if the run took that many steps")
-    warnings.warn(f"load_state: {why}.", UserWarning, stacklevel=3)
+    warnings.warn(f"load_state: {why}.", UserWarning, stacklevel=4)  # the caller of Trainer.load_state
+
+
+class Pieces(NamedTuple):
+    """What ``load_state`` was given, checked: each piece's values in the order of the trainer's leaves (None:
+    not given)."""
+
+    params: list
+    opt_state: list | None
+    model_state: list | None
+
+
+def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: Any) -> Pieces:
+    """`loaded_leaves` of each piece given (None: not given) against the trainer's state ``like``.
+
+    Raises:
+        ValueError: as `loaded_leaves`, for the first piece that does not fit.
+
+    Examples:
+        >>> import jax, numpy as np
+        >>> like = TrainState(*jax.eval_shape(lambda: (0, {"w": np.zeros(2, np.float32)}, (), {}, 0)))
+        >>> checked_pieces(like, {"w": np.ones(2, np.float32)}, None, None).params
+        [array([1., 1.], dtype=float32)]
+    """
+    return Pieces(
+        loaded_leaves(params, like.params, "params"),
+        None if opt_state is None else loaded_leaves(opt_state, like.opt_state, "opt_state"),
+        None if model_state is None else loaded_leaves(model_state, like.model_state, "model_state"),
+    )
+
+
+def assemble(
+    like: TrainState,
+    pieces: Pieces,
+    base: TrainState | None,
+    optimizer: optax.GradientTransformation,
+    seed: int,
+    step: int,
+) -> TrainState:
+    """The `TrainState` at ``step`` made of ``pieces``, each placed in ``like``'s layout (`place_like`).
+
+    What was not given comes from ``base`` (the trainer's state, if any): its model state and base key; else the
+    base key a trainer seeded with ``seed`` builds (`jaxdist.training.build.state_keys`). A missing optimizer
+    state is ``optimizer.init`` of the placed parameters, computed where it lives. Warns (`count_mismatch`) when
+    the optimizer's step counts and ``step`` differ.
+
+    Examples:
+        >>> import jax, numpy as np, optax, jaxdist as jd
+        >>> tx, params = optax.sgd(0.1), {"w": np.zeros(2, np.float32)}
+        >>> like = jd.OneDeviceStrategy().mirror(
+        ...     TrainState(np.int32(0), params, tx.init(params), {}, np.zeros(2, np.uint32)))
+        >>> state = assemble(like, Pieces([np.ones(2, np.float32)], None, None), None, tx, 0, 5)
+        >>> int(state.step), state.params["w"].tolist()
+        (5, [1.0, 1.0])
+    """
+    params = place_like(pieces.params, like.params)
+    if pieces.opt_state is not None:
+        opt_state = place_like(pieces.opt_state, like.opt_state)
+    else:  # computed where it lives, from the placed (possibly split) parameters: never whole on every device
+        layouts = jax.tree.map(lambda a: a.sharding, like.opt_state)
+        opt_state = jax.jit(optimizer.init, out_shardings=layouts)(params)
+    if pieces.model_state is not None or base is None:
+        model_state = place_like(pieces.model_state or [], like.model_state)
+    else:
+        model_state = base.model_state
+    rng = base.rng if base is not None else put(state_keys(jax.random.key(seed))[1], like.rng.sharding)
+    count_mismatch(step_counts(opt_state), step, fresh=pieces.opt_state is None)
+    return TrainState(put(np.int32(step), like.step.sharding), params, opt_state, model_state, rng)

@@ -28,11 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxdist.replicate.layouts import put
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.axis_types import shape_scope, untyped
 from jaxdist.strategies.plan_mesh import abstract_variables
-from jaxdist.training.build import check_losses, restore_target, state_builder, state_keys
+from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.compiled import CompiledSteps
@@ -40,7 +39,7 @@ from jaxdist.training.cost import CostOptions, StepCost
 from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
 from jaxdist.training.feed import BatchFeed, TrainBatch
 from jaxdist.training.input_state import IteratorSnapshot, restored_position
-from jaxdist.training.load import count_mismatch, loaded_leaves, place_like, step_counts
+from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.step import TrainState
@@ -601,27 +600,13 @@ class Trainer:
                     "shapes from its inputs, and the trainer has no state yet (or call init(batch) first)."
                 )
             like = restore_target(self.strategy, *self._checked_builder(batch))
-        # Everything the caller passed is checked before anything is built or placed: an error changes nothing.
-        params_in = loaded_leaves(params, like.params, "params")
-        opt_in = None if opt_state is None else loaded_leaves(opt_state, like.opt_state, "opt_state")
-        model_state_in = None if model_state is None else loaded_leaves(model_state, like.model_state, "model_state")
+        # Everything given is checked before anything is built or placed: an error leaves the trainer as it was.
+        pieces = checked_pieces(like, params, opt_state, model_state)
         base = self._state
         if base is None and model_state is None and jax.tree.leaves(like.model_state):
             base = self.init(batch)  # the model's other variables (batch statistics, nnx Rngs), as a new run's
-        new_params = place_like(params_in, like.params)
-        if opt_in is not None:
-            new_opt = place_like(opt_in, like.opt_state)
-        else:  # a fresh optimizer state, computed where it lives (from the placed, possibly split, parameters)
-            layouts = jax.tree.map(lambda a: a.sharding, like.opt_state)
-            new_opt = jax.jit(self.optimizer.init, out_shardings=layouts)(new_params)
-        if model_state_in is not None or base is None:
-            new_model_state = place_like(model_state_in or [], like.model_state)
-        else:
-            new_model_state = base.model_state
-        rng = base.rng if base is not None else put(state_keys(jax.random.key(self.seed))[1], like.rng.sharding)
         step = self._step if step is None else step
-        state = TrainState(put(np.int32(step), like.step.sharding), new_params, new_opt, new_model_state, rng)
-        count_mismatch(step_counts(new_opt), step, fresh=opt_state is None)
+        state = assemble(like, pieces, base, self.optimizer, self.seed, step)
         self._state, self._step = state, step
         self.data_position = DataPosition()
         self._position_unknown = True  # fit says where it starts reading a list (set data_position to say it)
