@@ -329,3 +329,16 @@ def test_two_processes_load_a_plain_run_and_continue_it(plain_run, tmp_path):
             for trainer in ("fsdp", "mirrored"):
                 np.testing.assert_allclose(result[f"{trainer}/{jax.tree_util.keystr(path)}"], want, rtol=1e-5,
                                            atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_an_nnx_trainer_needs_no_batch_and_keeps_its_module_state():
+    fresh = NnxNet(nnx.Rngs(0))
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(fresh, nnx.Param)))
+    params = jax.tree.map(lambda a: a + 1.0, params)
+    model = NnxNet(nnx.Rngs(1))
+    trainer = jd.training.Trainer(make("mirrored_8"), model, optimizer(), ce)
+    loaded = trainer.load_state(params=params)  # no batch: an nnx module knows its shapes
+    assert_close(loaded.params, params)
+    assert_close(nnx.state(model, nnx.Param), params)  # written into the trainer's module
+    assert_close(loaded.model_state, nnx.to_pure_dict(nnx.state(fresh, nnx.Not(nnx.Param))))  # the module's own
