@@ -342,3 +342,15 @@ def test_an_nnx_trainer_needs_no_batch_and_keeps_its_module_state():
     assert_close(loaded.params, params)
     assert_close(nnx.state(model, nnx.Param), params)  # written into the trainer's module
     assert_close(loaded.model_state, nnx.to_pure_dict(nnx.state(fresh, nnx.Not(nnx.Param))))  # the module's own
+
+
+@pytest.mark.timeout(300)
+def test_the_optimizer_state_of_a_run_without_the_trainers_clipping_fits():
+    data = batches()
+    variables, opt_state = plain_state()
+    opt_state = jax.tree.map(lambda a: a + 3 if a.dtype == np.int32 else a, opt_state)
+    trainer = jd.training.Trainer(make("one_device"), MLP(), optimizer(), ce, clip_grad_norm=1.0)
+    loaded = trainer.load_state(params=variables["params"], opt_state=opt_state, step=3, batch=data[0])
+    assert int(loaded.opt_state[1][0].count) == 3  # (the clip's EmptyState, adam's state)
+    with pytest.raises(ValueError, match=r"opt_state\[0\]\.mu\['Dense_0'\]\['bias'\] \(\(4,\) float32\) is missing"):
+        trainer.load_state(params=variables["params"], opt_state=optax.sgd(0.1).init(variables["params"]))

@@ -115,8 +115,8 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
         shown = "; ".join(problems[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
         fix = {
             "params": "pass the parameters of this Trainer's model (the model that trained them)",
-            "opt_state": "pass the state of the optimizer the Trainer was given (the same optax chain, clip_grad_norm "
-                         "included), or leave opt_state out to start a fresh one",
+            "opt_state": "pass the state of the optimizer the Trainer was given (the same optax transformation, so "
+                         "that its schedule continues), or leave opt_state out to start a fresh one",
             "model_state": "pass the model's other variables (linen: the collections besides 'params'; nnx: every "
                            "variable that is not an nnx.Param), or leave model_state out",
         }.get(argument, "pass values of the trainer's structure")
@@ -225,9 +225,21 @@ def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: A
     """
     return Pieces(
         loaded_leaves(params, like.params, "params"),
-        None if opt_state is None else loaded_leaves(opt_state, like.opt_state, "opt_state"),
+        None if opt_state is None else _optimizer_leaves(opt_state, like.opt_state),
         None if model_state is None else loaded_leaves(model_state, like.model_state, "model_state"),
     )
+
+
+def _optimizer_leaves(given: Any, like: Any) -> list:
+    """`loaded_leaves` of an optimizer state. A trainer with ``clip_grad_norm`` runs ``optax.chain(clip, the
+    optimizer)``, whose state is ``(EmptyState(), the optimizer's)``: the optimizer's own state (what a run
+    without the trainer's clipping has) fits it too, as the clip holds no leaves."""
+    if not (isinstance(like, tuple) and len(like) == 2 and not jax.tree.leaves(like[0])):
+        return loaded_leaves(given, like, "opt_state")
+    try:
+        return loaded_leaves(given, like, "opt_state")
+    except ValueError:  # named as the optimizer's own state: the tree a user's run has
+        return loaded_leaves(given, like[1], "opt_state")  # the same leaves, in the same order
 
 
 def assemble(
