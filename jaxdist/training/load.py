@@ -10,10 +10,10 @@ exactly as a built or restored one, and the compiled steps take it as they take 
 
 Leaves are matched by their names, not by the containers holding them: a dict key, an attribute name and a
 sequence index all read as one name (`jaxdist.replicate.layouts.path_name`), and Flax boxes and nnx Variables
-are looked into. So the optax state orbax restores without a target (``NamedTuple`` s as dicts, tuples as
-lists), an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state`` fit as they are, and so do they as orbax restores
-them without a target (each nnx Variable's value one level down, under ``value``). Anything else that differs (a
-leaf missing or extra, another shape or dtype) is a ValueError naming the leaf.
+are looked into. So an optax state orbax restored without a target (its NamedTuples as dicts, tuples as lists),
+an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state`` fit as they are, the nnx ones also as orbax restores them
+without a target (each Variable's value one level down, under ``value``). Anything else that differs (a leaf
+missing or extra, another shape or dtype) is a ValueError naming the leaf.
 """
 
 from __future__ import annotations
