@@ -65,6 +65,9 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
     """Place host or device value ``x`` (the same on every process) with ``sharding``, across processes too.
 
+    A host value is sliced on the host and each device gets only its part (a split layout is born split); a
+    global array spanning processes is resharded on the devices.
+
     Args:
         x: the value.
         sharding: where it goes.
@@ -80,6 +83,8 @@ def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
     if copy and isinstance(x, jax.Array):  # device_put reuses a buffer where it can, whatever may_alias says
         x = x.copy()
     if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # a global array: resharded on the devices
         return jax.device_put(x, sharding)
     local = np.asarray(x)  # every process holds the whole value; each transfers only its own devices' parts
     return jax.make_array_from_callback(local.shape, sharding, lambda idx: local[idx])

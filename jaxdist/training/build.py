@@ -22,7 +22,22 @@ from jaxdist.strategies.axis_types import shape_scope, untyped
 from jaxdist.training.step import TrainState
 from jaxdist.training.weighted import check_value
 
-__all__ = ["check_losses", "restore_target", "state_builder"]
+__all__ = ["check_losses", "restore_target", "state_builder", "state_keys"]
+
+
+def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(init key, base key data)`` of a trainer seeded with ``key``: the key ``model.init`` gets, and the
+    state's base key (``TrainState.rng``, per-step keys ``fold_in(rng, step)``) as raw key data (cheaper to
+    pass into every compiled step than a typed key). One rule for a built state and a loaded one.
+
+    Examples:
+        >>> import jax
+        >>> init_key, rng = state_keys(jax.random.key(0))
+        >>> rng.dtype, rng.shape
+        (dtype('uint32'), (2,))
+    """
+    init_rng, step_rng = jax.random.split(key)
+    return init_rng, jax.random.key_data(step_rng)
 
 
 def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int, x: Any) -> tuple[Callable, tuple]:
@@ -47,11 +62,9 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
     sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
 
     def build(rng, x_sample, given):
-        init_rng, step_rng = jax.random.split(rng)
+        init_rng, step_rng = state_keys(rng)
         params, model_state = model.init(init_rng, x_sample, given)
-        # The raw key data, not the typed key: cheaper to pass into every compiled step (see TrainState.rng).
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state,
-                          jax.random.key_data(step_rng))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state, step_rng)
 
     return build, (jax.random.key(seed), sample, getattr(model, "initial_variables", None))
 

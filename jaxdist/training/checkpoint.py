@@ -54,6 +54,7 @@ from jaxdist.training.checkpoint_damage import (
     is_damage,
     verify_checksums,
 )
+from jaxdist.training.foreign import advice, is_orbax_checkpoint
 
 __all__ = ["Checkpointer", "fingerprint"]
 
@@ -376,7 +377,8 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: when there is no such checkpoint.
-            ValueError: when the directory holds a checkpoint not written by jaxdist.training.
+            ValueError: when the directory holds a checkpoint not written by jaxdist.training (the message shows
+                the plain orbax that reads it and ``Trainer.load_state``).
             CheckpointCorruptedError: when its metadata file is damaged or missing.
         """
         return self.read(self._meta, step)
@@ -392,10 +394,7 @@ class Checkpointer:
         else:
             cause = None
         if not isinstance(info, dict) or info.get("format") != FORMAT:
-            raise ValueError(
-                f"checkpoint_dir={self.directory!r} holds a checkpoint at step {step} that jaxdist.training did not "
-                "write (no 'meta' item): use an empty directory for this run."
-            ) from cause
+            raise ValueError(advice(self.directory, step)) from cause  # the orbax that reads it, and load_state
         return info
 
     def delete(self, step: int) -> None:
@@ -416,10 +415,33 @@ class Checkpointer:
         """
         self._manager.delete(self._step(step))
 
+    def check_writer(self) -> None:
+        """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks before it writes
+        here): the newest one has a ``meta`` item, and the directory is not itself one orbax checkpoint.
+
+        Raises:
+            ValueError: naming the checkpoint, with the two lines of plain orbax and ``Trainer.load_state`` that
+                continue it (`jaxdist.training.foreign.advice`).
+
+        Examples:
+            >>> import tempfile, numpy as np
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> _ = ckpt.save(1, {"w": np.zeros(2)})
+            >>> ckpt.check_writer()  # jaxdist's: silent
+            >>> ckpt.close()
+        """
+        latest = self.latest_step()
+        if latest is None and is_orbax_checkpoint(self.directory):
+            raise ValueError(advice(self.directory, None))
+        if latest is not None and not os.path.isdir(os.path.join(self.directory, str(latest), "meta")):
+            raise ValueError(advice(self.directory, latest))
+
     def _step(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:
             if not steps:
+                if is_orbax_checkpoint(self.directory):  # a StandardCheckpointer's directory: no steps, one tree
+                    raise ValueError(advice(self.directory, None))
                 raise FileNotFoundError(f"no checkpoint in {self.directory!r} (it has no complete step directory).")
             return steps[-1]
         if int(step) not in steps:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +39,7 @@ from jaxdist.training.cost import CostOptions, StepCost
 from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
 from jaxdist.training.feed import BatchFeed, TrainBatch
 from jaxdist.training.input_state import IteratorSnapshot, restored_position
+from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.step import TrainState
@@ -176,6 +178,7 @@ class Trainer:
         self.seed = seed
         self.steps_per_run = steps_per_run or int(getattr(strategy, "steps_per_run", 1) or 1)
         self.stop_training = False
+        self._position_unknown = False  # load_state's run: where its data stopped is unknown until set
         self.data_position = DataPosition()
         self._state: TrainState | None = None
         self._step = 0
@@ -201,8 +204,27 @@ class Trainer:
 
     @property
     def step(self) -> int:
-        """Optimizer steps taken so far (restored from checkpoints)."""
+        """Optimizer steps taken so far (restored from checkpoints, set by `load_state`)."""
         return self._step
+
+    @property
+    def data_position(self) -> DataPosition:
+        """How far training has read ``train_data`` (saved in checkpoints; ``fit`` starts there).
+
+        Set it after `load_state` to say where the loaded run's data stopped, e.g.
+        ``trainer.data_position = jd.training.DataPosition(epoch=0, index=20)``: ``fit`` then skips the first
+        20 batches of epoch 0 of a list or ``data_fn(epoch)``.
+        """
+        return self._data_position
+
+    @data_position.setter
+    def data_position(self, position: DataPosition) -> None:
+        if not isinstance(position, DataPosition):
+            raise TypeError(
+                f"data_position={position!r} must be a jd.training.DataPosition(epoch=..., index=...)."
+            )
+        self._data_position = position
+        self._position_unknown = False
 
     def init(self, batch: Any) -> TrainState:
         """Build the state from a sample batch (done on first use; call it to build it earlier).
@@ -453,7 +475,9 @@ class Trainer:
         Raises:
             FileNotFoundError: when there is no checkpoint (or none for ``step``, naming the steps there are).
             ValueError: for another model's checkpoint (or one of an nnx model into a linen trainer and vice
-                versa), an optimizer state that does not fit, or no ``batch`` when the state does not exist.
+                versa), an optimizer state that does not fit, or no ``batch`` when the state does not exist; for
+                a checkpoint jaxdist did not write (plain orbax's), showing the two lines of orbax and
+                `load_state` that continue it.
             CheckpointCorruptedError: when the checkpoint's files are damaged, naming the newest older
                 checkpoint that restores into this trainer (the trainer is left as it was).
         """
@@ -495,6 +519,99 @@ class Trainer:
         if batch is None:
             raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
         return restore_target(self.strategy, *self._checked_builder(batch))
+
+    def load_state(
+        self,
+        params: Any,
+        opt_state: Any = None,
+        step: int | None = None,
+        model_state: Any = None,
+        *,
+        batch: Any = None,
+    ) -> TrainState:
+        """Continue a run trained elsewhere (plain JAX / Flax, saved with plain orbax or any other way): place
+        its parameters, optimizer state and step onto this trainer's strategy.
+
+        Each piece is checked leaf by leaf against the state this trainer builds for its model and optimizer,
+        then placed in the strategy's layout for it (`jaxdist.training.load`): host arrays are sliced on the
+        host and each device gets only its part (a leaf the layout splits is born split, never whole on every
+        device); device arrays of any layout are resharded. The state is a copy: the arrays passed stay
+        valid. Leaves match by name, whatever holds them: the optax state orbax restores without a target
+        (NamedTuples as dicts, tuples as lists), an ``nnx.State``, an ``nnx.Optimizer``'s ``opt_state`` all fit.
+        On several processes each process passes the same values (each reads the same checkpoint), or global
+        `jax.Array` s.
+
+        ``fit`` continues from here: to ``steps`` in total (``fit(steps=30)`` after ``step=20`` takes 10 steps),
+        with the per-step keys, checkpoints and logs of step 21 on. An iterator is read on from where it is; a
+        list or a ``data_fn(epoch)`` is read from its first batch unless `data_position` is set (``fit`` says
+        so with a warning when it is not).
+
+        Args:
+            params: the model's parameters (linen: ``variables["params"]``; nnx: ``nnx.state(model, nnx.Param)``
+                or its pure dict).
+            opt_state: the state of the optimizer this trainer was given (the same optax transformation, so
+                its schedule continues); None: a fresh one (``optimizer.init(params)``: moments and schedule
+                start over).
+            step: the steps the run took: the trainer's step counter (per-step RNG keys, checkpoint numbers,
+                ``fit``'s totals); None: unchanged.
+            model_state: the model's other variables (linen: the collections besides ``"params"``, e.g.
+                ``{"batch_stats": ...}``; nnx: every variable that is not an ``nnx.Param``); None: the trainer's
+                (a new trainer's: what `init` builds).
+            batch: a sample batch, needed only by a linen model's trainer whose state does not exist yet (to
+                know the model's parameters; see `init`).
+
+        Returns:
+            The new `TrainState` (also `state`).
+
+        Raises:
+            ValueError: when a piece does not fit the model and optimizer: a leaf missing or extra, a shape or
+                dtype that differs (naming each such leaf by its path, e.g. ``opt_state[0].mu['Dense_0']
+                ['kernel']``), for a ``step`` that is not an int >= 0, or without ``batch`` where one is needed.
+                The trainer is left as it was.
+
+        Warns:
+            UserWarning: when the optimizer state's own step count (Adam's, a schedule's ``count``) differs from
+                the trainer's step after the load (the schedule would follow one, the RNG and ``fit`` the other).
+
+        Examples:
+            >>> import flax.linen as nn, jax, numpy as np, optax, jaxdist as jd
+            >>> model, optimizer = nn.Dense(2), optax.adam(optax.linear_schedule(1e-2, 0.0, 100))
+            >>> x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)
+            >>> params = model.init(jax.random.key(0), x)["params"]  # a run of 20 steps elsewhere
+            >>> opt_state = optimizer.init(params)
+            >>> for _ in range(20):
+            ...     grads = jax.grad(lambda p: ((model.apply({"params": p}, x) - y) ** 2).mean())(params)
+            ...     updates, opt_state = optimizer.update(grads, opt_state, params)
+            ...     params = optax.apply_updates(params, updates)
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optimizer,
+            ...                               lambda out, y: ((out - y) ** 2).mean())
+            >>> _ = trainer.load_state(params=params, opt_state=opt_state, step=20, batch=(x, y))
+            >>> _ = trainer.fit(iter([(x, y)] * 5), steps=25, verbose=0)  # the schedule goes on at step 21
+            >>> trainer.step, int(trainer.state.opt_state[0].count)
+            (25, 25)
+        """
+        check_int(step, "step", 0)
+        if self._state is not None:
+            like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
+        else:
+            if batch is None and self._model.kind == "linen" and self._model.initial_variables is None:
+                raise ValueError(
+                    "load_state() needs batch=... (a sample batch) here: this linen model's parameters take their "
+                    "shapes from its inputs, and the trainer has no state yet (or call init(batch) first)."
+                )
+            like = restore_target(self.strategy, *self._checked_builder(batch))
+        # Everything given is checked before anything is built or placed: an error leaves the trainer as it was.
+        pieces = checked_pieces(like, params, opt_state, model_state)
+        base = self._state
+        if base is None and model_state is None and jax.tree.leaves(like.model_state):
+            base = self.init(batch)  # the model's other variables (batch statistics, nnx Rngs), as a new run's
+        step = self._step if step is None else step
+        state = assemble(like, pieces, base, self.optimizer, self.seed, step)
+        self._state, self._step = state, step
+        self.data_position = DataPosition()
+        self._position_unknown = True  # fit says where it starts reading a list (set data_position to say it)
+        self.sync_model()
+        return state
 
     # --------------------------------------------------------------------------------------------- fit
     def fit(
@@ -570,7 +687,8 @@ class Trainer:
 
         Raises:
             ValueError: for bad arguments, data of the wrong batch structure, batches the replicas do not
-                divide, a non-scalar loss, a checkpoint_dir holding another model's checkpoint, or
+                divide, a non-scalar loss, a checkpoint_dir holding another model's checkpoint or one jaxdist
+                did not write (the message shows the orbax and `load_state` that continue it), or
                 ``restore_step`` without ``checkpoint_dir``.
             FileNotFoundError: for a ``restore_step`` that ``checkpoint_dir`` has no checkpoint of (the
                 message names the steps it has).
@@ -598,12 +716,16 @@ class Trainer:
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
         try:
+            if ckpt is not None:
+                ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
             if restore_step is not None:
                 self._roll_back(ckpt, restore_step, sample)
             elif ckpt is not None and (ckpt.latest_step() or 0) > self._step:
                 self._restore(ckpt, None, sample, "restore_step")
             if self._state is None:
                 self.init(sample)
+            if self._position_unknown and not isinstance(train_data, Iterator):
+                self._say_start()
             callbacks = list(callbacks)
             writer = self.strategy.should_save_summary  # one writer: the chief (process 0) shows and writes logs
             if verbose and writer:
@@ -620,6 +742,20 @@ class Trainer:
         if history.preempted and on_preemption == "exit":
             raise SystemExit(0)
         return history
+
+    def _say_start(self) -> None:
+        """After `load_state`: say that ``fit`` reads a list (or ``data_fn``) from its first batch, and how to
+        say otherwise (once: setting `data_position` says where, and ends the warning)."""
+        self._position_unknown = False
+        warnings.warn(
+            f"fit continues the run load_state loaded at step {self._step} from batch 0 of epoch 0 of train_data "
+            "(where that run's data stopped is unknown). If train_data starts with the batches that run trained "
+            f"on, set trainer.data_position = jd.training.DataPosition(epoch=0, index={self._step}) before fit to "
+            "skip them; if it starts with the batches that come next, set trainer.data_position = "
+            "jd.training.DataPosition() to say so. Either silences this; an iterator is read on from where it is.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _roll_back(self, ckpt: Checkpointer, step: int, sample: Any) -> None:
         """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (another run's: kept,
