@@ -48,6 +48,10 @@ def test_fixture_kernels_are_named_by_kind():
     pairs = 1024 * 1025 / 2
     assert cudnn.kernels["cuDNN attention"] == 4 * 7 * 2 * 8 * 16 * pairs * 64
     assert cudnn.recomputed_flops == 4 * 2 * 8 * 16 * pairs * 64  # the scores the flash backward recomputes
+    masked = 1024 * 1024 - pairs
+    assert cudnn.skipped_flops == 4 * 6 * 2 * 8 * 16 * masked * 64  # the mask's half: 2 products forward, 4 back
+    for name in ("lm_xla_h100", "lm_cudnn_h100"):  # model FLOPs: attention whole, as the analytic count has it
+        assert jd.program_cost(fixture_text(name)).model_flops == pytest.approx(4.587e12, rel=0.02)
     lax = jd.program_cost(fixture_text("ragged_lax_h100"))
     assert set(lax.kernels) == {"ragged dot (cuBLAS over masked operands)"}
     assert lax.kernels["ragged dot (cuBLAS over masked operands)"] == 3 * 2 * 32768 * 1024 * 2048

@@ -54,12 +54,15 @@ class KernelCost:
         flops: its floating-point operations.
         transcendentals: its transcendental operations (the softmax's exponentials of fused attention).
         recomputed: the part of ``flops`` that recomputes forward work (a flash-attention backward's scores).
+        skipped: FLOPs the model's math asks for that the kernel skips (the masked-out half of causal attention):
+            not in ``flops``, but model FLOPs count them (attention counted whole, as in the 6N + 12LdT count).
     """
 
     kind: str
     flops: float
     transcendentals: float = 0.0
     recomputed: float = 0.0
+    skipped: float = 0.0
 
 
 def custom_call_target(instr: Instr) -> str:
@@ -125,10 +128,10 @@ def _attention(instr: Instr, module: Module, config: dict[str, Any], backward: b
         pairs = float(np.clip(seen, 0, tk).sum())
     if window > 0:
         pairs = min(pairs, float(tq * min(window, tk)))
-    product = 2.0 * b * h * pairs * d
+    product, masked = 2.0 * b * h * pairs * d, 2.0 * b * h * (tq * tk - pairs) * d
     if backward:  # the scores recomputed, then the gradients of V, the probabilities, Q and K
-        return KernelCost("cuDNN attention", 5 * product, b * h * pairs, recomputed=product)
-    return KernelCost("cuDNN attention", 2 * product, b * h * pairs)
+        return KernelCost("cuDNN attention", 5 * product, b * h * pairs, recomputed=product, skipped=4 * masked)
+    return KernelCost("cuDNN attention", 2 * product, b * h * pairs, skipped=2 * masked)
 
 
 def _tokamax(instr: Instr) -> KernelCost | None:
@@ -195,7 +198,7 @@ def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
         ...     "}"])
         >>> m = parse(text)
         >>> custom_call_cost(m.defs["g"], m)
-        KernelCost(kind='cuBLAS gemm', flops=65536.0, transcendentals=0.0, recomputed=0.0)
+        KernelCost(kind='cuBLAS gemm', flops=65536.0, transcendentals=0.0, recomputed=0.0, skipped=0.0)
     """
     target = custom_call_target(instr)
     if _FREE.match(target):

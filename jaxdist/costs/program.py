@@ -20,9 +20,11 @@ program every device runs) and counts what the device executes:
   collectives in float32; one whose operand was converted from 16 bits, or whose result is converted back, is
   counted at its 16-bit size (what GPU and TPU move). XLA:CPU writes a reduce-scatter as an all-reduce each
   device slices its part of: it is counted as the reduce-scatter it is.
-* ``recomputed_flops``: the part of ``flops`` that recomputes forward work for the backward pass
-  (``jax.checkpoint``'s ``rematted_computation`` ops, the score product a flash-attention backward kernel
-  recomputes): ``flops - recomputed_flops`` is the model's work, the basis of model FLOPs utilisation.
+* ``recomputed_flops``: the part of ``flops`` that recomputes forward work for the backward pass (the ops XLA
+  names ``rematted_computation`` under ``jax.checkpoint``, the scores a flash-attention backward kernel
+  recomputes); ``skipped_flops``: work the model's math asks for that a kernel skips (the masked half of causal
+  attention in cuDNN). ``model_flops = flops - recomputed_flops + skipped_flops`` is the model's work, attention
+  counted whole as in the 6N + 12LdT count: the basis of model FLOPs utilisation.
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ class ProgramCost:
         kernels: FLOPs by the kind of custom call that does them (``{"cuBLAS gemm": ..., "cuDNN attention":
             ...}``), loops multiplied; the rest of ``flops`` is XLA's own code.
         recomputed_flops: the part of ``flops`` that recomputes forward work for the backward pass.
+        skipped_flops: FLOPs of the model's math that kernels skip (causal attention's masked half): not in
+            ``flops``.
 
     Examples:
         >>> ProgramCost(10.0, 0.0, 4.0, (), uncosted=("my_kernel (jit(f)/my_kernel)",)).lower_bound
@@ -139,6 +143,7 @@ class ProgramCost:
     uncosted: tuple[str, ...] = ()
     kernels: dict[str, float] = dataclasses.field(default_factory=dict)
     recomputed_flops: float = 0.0
+    skipped_flops: float = 0.0
 
     @property
     def lower_bound(self) -> bool:
@@ -147,8 +152,9 @@ class ProgramCost:
 
     @property
     def model_flops(self) -> float:
-        """``flops`` without recomputation: the work the model asks for (the basis of MFU)."""
-        return self.flops - self.recomputed_flops
+        """The work the model asks for (the basis of MFU): ``flops`` without recomputation, with what kernels
+        skip under a mask."""
+        return self.flops - self.recomputed_flops + self.skipped_flops
 
     @property
     def network_bytes(self) -> float:
@@ -379,6 +385,7 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
     unknown = [0]
     uncosted: dict[str, None] = {}
     kernels: dict[str, float] = {}
+    skipped = [0.0]
 
     def walk(name: str, times: int, fused: bool) -> tuple[float, float, float, float]:
         """(flops, transcendentals, bytes, recomputed flops) of one call of computation ``name``; collectives
@@ -454,6 +461,7 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                     uncosted[f"{custom_call_target(instr) or '?'} ({op_name(instr) or instr.name})"] = None
                 else:
                     flops, trans, redo = flops + kernel.flops, trans + kernel.transcendentals, redo + kernel.recomputed
+                    skipped[0] += times * kernel.skipped
                     if kernel.flops:
                         kernels[kernel.kind] = kernels.get(kernel.kind, 0.0) + times * kernel.flops
             elif op == "dot":
@@ -474,4 +482,5 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
         return flops, trans, traffic, redo
 
     flops, trans, traffic, redo = walk(entry, 1, False) if entry else (0.0, 0.0, 0.0, 0.0)
-    return ProgramCost(flops, trans, traffic, tuple(collectives), unknown[0], tuple(uncosted), kernels, redo)
+    return ProgramCost(flops, trans, traffic, tuple(collectives), unknown[0], tuple(uncosted), kernels, redo,
+                       skipped[0])
