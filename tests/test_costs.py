@@ -1,6 +1,7 @@
 """The cost model (`jaxdist.costs`): FLOPs as the device does them, on CPU and in programs compiled for an H100."""
 
 import gzip
+import json
 import pathlib
 
 import flax.linen as nn
@@ -69,8 +70,11 @@ def test_a_custom_call_that_cannot_be_costed_is_named_and_makes_the_count_a_lowe
     assert "at least" in str(jd.costs.roofline(cost.flops, cost.bytes_accessed, 0.0, "h100", lower_bound_flops=True))
 
 
-def test_a_pallas_cost_estimate_in_the_backend_config_is_counted():
-    config = '{"custom_call_config":{"body":"...","cost_estimate":{"flops":1234,"transcendentals":5}}}'
+@pytest.mark.parametrize("quoted", [False, True], ids=["json", "quoted_string"])
+def test_a_pallas_cost_estimate_in_the_backend_config_is_counted(quoted):
+    config = '{"custom_call_config": {"body": "TUxJUg==", "cost_estimate": {"flops": 1234, "transcendentals": 5}}}'
+    if quoted:  # how HLO text prints a custom call's own string config (Mosaic TPU)
+        config = json.dumps(config)
     text = "\n".join([
         "ENTRY %main (a: f32[8]) -> f32[8] {",
         "  %a = f32[8]{0} parameter(0)",
@@ -113,6 +117,16 @@ def test_cpu_programs_count_as_xla_counts_them(program):
     assert cost.flops == pytest.approx(xla["flops"], rel=0.01)
     assert cost.transcendentals == pytest.approx(xla.get("transcendentals", 0.0), rel=0.01, abs=1)
     assert cost.uncosted == () and cost.kernels == {}
+
+
+def test_a_cudnn_convolution_counts_as_the_convolution_it_replaced():
+    text = conv_step().as_text()
+    assert " convolution(" in text
+    # XLA:GPU writes each convolution as a cuDNN call that keeps the convolution's window and dimension labels
+    on_gpu = text.replace(" convolution(", " custom-call(").replace(
+        ", window=", ', custom_call_target="__cudnn$convForward", window=')
+    gpu, cpu = jd.program_cost(on_gpu), jd.program_cost(text)
+    assert gpu.flops == cpu.flops and gpu.kernels["cuDNN convolution"] > 0.9 * cpu.flops and gpu.uncosted == ()
 
 
 def test_a_scan_counts_every_iteration_as_the_unrolled_loop_does():

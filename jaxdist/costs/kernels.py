@@ -8,6 +8,8 @@ XLA's own cost analysis counts a custom call as 0 FLOPs; on a GPU most of a step
   that ``jax.lax.ragged_dot`` became (XLA:GPU multiplies operands masked to each group: ``G`` times the work of
   the grouped product) counts the grouped product's FLOPs: the gemm's over ``G``, the masked operand's group
   dimension.
+* cuDNN convolutions (``__cudnn$conv...``): as XLA counts the convolution they replace (its ``window`` and
+  ``dim_labels`` stay on the call).
 * cuDNN fused attention (``__cudnn$fmha...``): ``2 x B x H x Tq x Tk x D`` per matrix product, two forward,
   five backward (the flash backward recomputes the scores), the extent from ``intermediate_tensor_shape``;
   a causal mask (``mask_type`` ``CAUSAL``) does the lower triangle only, a sliding window its band.
@@ -33,13 +35,13 @@ import numpy as np
 
 from jaxdist.costs.text import Instr, Module, arrays, backend_json, op_name
 
-__all__ = ["KernelCost", "custom_call_cost", "custom_call_target"]
+__all__ = ["KernelCost", "conv_flops", "custom_call_cost", "custom_call_target"]
 
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
 _FREE = re.compile(
     r"^(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape|LayoutConstraint|MoveToHost|MoveToDevice|"
-    r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|.*callback.*|.*[Ss]ort.*|.*threefry.*|"
+    r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|PadToStatic|.*callback.*|.*[Ss]ort.*|.*threefry.*|"
     r"__gpu\$xla\.gpu\.ext\.cu_threefry2x32|X64Combine|X64SplitHigh|X64SplitLow|"
     r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$"
 )
@@ -94,6 +96,60 @@ def _trace_group(module: Module, name: str, seen: int = 0) -> int | None:
     if ops <= {"parameter", "transpose", "bitcast", "copy", "reshape"} and instr.operands:
         return _trace_group(module, instr.operands[0], seen + 1)
     return None
+
+
+def _window(attrs: str, key: str, n: int, default: int) -> list[int]:
+    m = re.search(r"\b" + key + r"=([\dx]+)", attrs)
+    return [int(v) for v in m.group(1).split("x")] if m else [default] * n
+
+
+def conv_flops(instr: Instr, types: dict[str, str]) -> float:
+    """A convolution's FLOPs (an HLO ``convolution`` or the cuDNN call it became), as XLA counts them: 2 x batch x
+    input features per group x output features x the (output, kernel) position pairs that read the input rather
+    than its padding or dilation holes, per spatial dimension.
+
+    Args:
+        instr: the instruction (its ``window=`` and ``dim_labels=`` attributes, its first two operands).
+        types: value name -> type text of the module (`jaxdist.costs.text.Module.types`).
+
+    Returns:
+        The FLOPs (0 where the attributes are missing).
+
+    Examples:
+        >>> from jaxdist.costs.text import parse
+        >>> m = parse("\\n".join(["ENTRY %e (x: f32[1,4,4,1], k: f32[3,3,1,2]) -> f32[1,4,4,2] {",
+        ...     "  %x = f32[1,4,4,1]{3,2,1,0} parameter(0)", "  %k = f32[3,3,1,2]{3,2,1,0} parameter(1)",
+        ...     "  ROOT %c = f32[1,4,4,2]{3,2,1,0} convolution(%x, %k), window={size=3x3 pad=1_1x1_1}, "
+        ...     "dim_labels=b01f_01io->b01f", "}"]))
+        >>> conv_flops(m.defs["c"], m.types)  # 2 x 1 x 1 x 2 x (10 valid (out, kernel) pairs per axis) ** 2
+        400.0
+    """
+    lhs = arrays(types.get(instr.operands[0], "")) if instr.operands else []
+    rhs = arrays(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
+    out = arrays(instr.type)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
+    if not lhs or not rhs or not out or not labels:
+        return 0.0
+    (_, in_shape), (_, k_shape), (_, out_shape) = lhs[0], rhs[0], out[0]
+    in_l, k_l, out_l = labels.groups()
+    spatial = sorted(c for c in k_l if c.isdigit())
+    n = len(spatial)
+    size = _window(instr.attrs, "size", n, 1)
+    stride = _window(instr.attrs, "stride", n, 1)
+    lhs_dilate, rhs_dilate = _window(instr.attrs, "lhs_dilate", n, 1), _window(instr.attrs, "rhs_dilate", n, 1)
+    pads = re.search(r"\bpad=([\d_x\-]+)", instr.attrs)
+    low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
+    pairs = 1
+    for i, d in enumerate(spatial):
+        in_size, out_size = in_shape[in_l.index(d)], out_shape[out_l.index(d)]
+        o = np.arange(out_size)[:, None] * stride[i] - low[i] + np.arange(size[i])[None, :] * rhs_dilate[i]
+        valid = (o >= 0) & (o % lhs_dilate[i] == 0) & (o // lhs_dilate[i] < in_size)
+        pairs *= int(valid.sum())
+    groups = re.search(r"feature_group_count=(\d+)", instr.attrs)
+    batch_groups = re.search(r"batch_group_count=(\d+)", instr.attrs)
+    in_features = in_shape[in_l.index("f")] // (int(groups.group(1)) if groups else 1)
+    batch = in_shape[in_l.index("b")] // (int(batch_groups.group(1)) if batch_groups else 1)
+    return 2.0 * batch * in_features * k_shape[k_l.index("o")] * pairs
 
 
 def _gemm(instr: Instr, module: Module, config: dict[str, Any]) -> KernelCost | None:
@@ -167,8 +223,14 @@ def _estimate(config: dict[str, Any]) -> KernelCost | None:
     return None
 
 
+def _conv(instr: Instr, module: Module, config: dict[str, Any]) -> KernelCost | None:
+    flops = conv_flops(instr, module.types)
+    return KernelCost("cuDNN convolution", flops) if flops else None
+
+
 _COSTERS: tuple[tuple[re.Pattern[str], Callable[[Instr, Module, dict[str, Any]], KernelCost | None]], ...] = (
     (re.compile(r"^__cublas"), _gemm),
+    (re.compile(r"^__cudnn\$conv"), _conv),
     (re.compile(r"^__cudnn\$fmha.*Backward"), lambda i, m, c: _attention(i, m, c, backward=True)),
     (re.compile(r"^__cudnn\$fmha"), lambda i, m, c: _attention(i, m, c, backward=False)),
 )

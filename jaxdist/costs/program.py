@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.costs.kernels import custom_call_cost, custom_call_target
+from jaxdist.costs.kernels import conv_flops, custom_call_cost, custom_call_target
 from jaxdist.costs.text import Instr, arrays, elements, op_name, parse
 from jaxdist.costs.text import array_bytes as _type_bytes
 
@@ -173,42 +173,6 @@ def _dot_flops(instr: Instr, types: dict[str, str]) -> float:
         return 0.0
     contracted = math.prod(lhs[0][1][d] for d in _dims(instr.attrs, "lhs_contracting_dims") if d < len(lhs[0][1]))
     return 2.0 * elements(instr.type) * contracted
-
-
-def _window(attrs: str, key: str, n: int, default: int) -> list[int]:
-    m = re.search(r"\b" + key + r"=([\dx]+)", attrs)
-    return [int(v) for v in m.group(1).split("x")] if m else [default] * n
-
-
-def _conv_flops(instr: Instr, types: dict[str, str]) -> float:
-    """XLA's count: 2 x batch x input features per group x output features x the (output, kernel) position pairs
-    that read the input rather than its padding or dilation holes, per spatial dimension."""
-    lhs = arrays(types.get(instr.operands[0], "")) if instr.operands else []
-    rhs = arrays(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
-    out = arrays(instr.type)
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
-    if not lhs or not rhs or not out or not labels:
-        return 0.0
-    (_, in_shape), (_, k_shape), (_, out_shape) = lhs[0], rhs[0], out[0]
-    in_l, k_l, out_l = labels.groups()
-    spatial = sorted(c for c in k_l if c.isdigit())
-    n = len(spatial)
-    size = _window(instr.attrs, "size", n, 1)
-    stride = _window(instr.attrs, "stride", n, 1)
-    lhs_dilate, rhs_dilate = _window(instr.attrs, "lhs_dilate", n, 1), _window(instr.attrs, "rhs_dilate", n, 1)
-    pads = re.search(r"\bpad=([\d_x\-]+)", instr.attrs)
-    low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
-    pairs = 1
-    for i, d in enumerate(spatial):
-        in_size, out_size = in_shape[in_l.index(d)], out_shape[out_l.index(d)]
-        o = np.arange(out_size)[:, None] * stride[i] - low[i] + np.arange(size[i])[None, :] * rhs_dilate[i]
-        valid = (o >= 0) & (o % lhs_dilate[i] == 0) & (o // lhs_dilate[i] < in_size)
-        pairs *= int(valid.sum())
-    groups = re.search(r"feature_group_count=(\d+)", instr.attrs)
-    batch_groups = re.search(r"batch_group_count=(\d+)", instr.attrs)
-    in_features = in_shape[in_l.index("f")] // (int(groups.group(1)) if groups else 1)
-    batch = in_shape[in_l.index("b")] // (int(batch_groups.group(1)) if batch_groups else 1)
-    return 2.0 * batch * in_features * k_shape[k_l.index("o")] * pairs
 
 
 def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
@@ -467,7 +431,7 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
             elif op == "dot":
                 work = _dot_flops(instr, types)
             elif op == "convolution":
-                work = _conv_flops(instr, types)
+                work = conv_flops(instr, types)
             elif op in _TRANSCENDENTAL:
                 trans += elements(instr.type)
             elif op in _ELEMENTWISE:

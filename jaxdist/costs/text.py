@@ -96,13 +96,23 @@ def op_name(instr: Instr) -> str:
 
 
 def backend_json(instr: Instr) -> dict[str, Any]:
-    """An instruction's ``backend_config`` when it is JSON (cuBLAS, cuDNN, TPU kernels), else ``{}``."""
-    start = instr.attrs.find("backend_config={")
+    """An instruction's ``backend_config`` when it is JSON, else ``{}``: written as JSON (cuBLAS, cuDNN) or as a
+    quoted string holding JSON (a custom call's own config, e.g. Mosaic TPU's ``tpu_custom_call``).
+
+    Examples:
+        >>> quoted = json.dumps('{"cost_estimate": {"flops": 7}}')  # '"{\\"cost_estimate\\": ...}"'
+        >>> backend_json(Instr("k", "f32[2]", "custom-call", [], f"backend_config={quoted}"))
+        {'cost_estimate': {'flops': 7}}
+    """
+    start = instr.attrs.find("backend_config=")
     if start < 0:
         return {}
-    start += len("backend_config=")
+    text = instr.attrs[start + len("backend_config="):]
+    decoder = json.JSONDecoder()
     try:
-        value, _ = json.JSONDecoder().raw_decode(instr.attrs[start:])
+        value, _ = decoder.raw_decode(text)
+        if isinstance(value, str):  # a quoted config: the JSON is inside the string
+            value, _ = decoder.raw_decode(value)
     except ValueError:  # an MLIR attribute dictionary (Mosaic GPU), not JSON
         return {}
     return value if isinstance(value, dict) else {}
