@@ -203,3 +203,17 @@ def test_the_roofline_names_its_bound():
     e = jd.costs.roofline(989.4e12, 3.35e12 * 2, 0.0, "h100")
     assert (e.compute_s, e.memory_s, e.step_s, e.bound) == (1.0, 2.0, 2.0, "memory")
     assert np.isclose(jd.costs.roofline(0.0, 0.0, 450e9, "h100").network_s, 1.0)
+
+
+def test_progress_marks_utilisation_a_lower_bound_while_a_custom_call_is_not_costed():
+    import io
+
+    out = io.StringIO()
+    progress = jd.training.Progress(mode="lines", stream=out)
+    cost = jd.training.StepCost(2e12, "program_cost", 1e15, "given", 0, 0, 0, None, "gpu", 1, model_flops=2e12,
+                                uncosted=("mosaic_gpu_v2 (jit(step)/my_kernel)",))
+    progress.on_step_cost(None, cost)
+    progress.on_log(None, 10, {"loss": 1.0, "mfu": 0.25, "hfu": 0.25})
+    lines = out.getvalue().splitlines()
+    assert "at least: 1 custom call(s) not costed: mosaic_gpu_v2 (jit(step)/my_kernel)" in lines[0]
+    assert lines[1] == "step 10 loss 1 mfu >=25.00% hfu >=25.00%"

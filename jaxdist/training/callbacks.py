@@ -118,7 +118,8 @@ def _format(logs: Mapping[str, float]) -> str:
 class Progress(Callback):
     """A tqdm progress bar (loss, steps/s, tokens/s, MFU) on a terminal; plain log lines when output is not a
     terminal. The step's cost (`StepCost.describe`) is one line at the start; MFU shows "n/a" when the
-    device's peak is unknown (CPU without ``peak_flops``).
+    device's peak is unknown (CPU without ``peak_flops``), and ">=" before it (and HFU) when a custom call in the
+    step could not be costed (`StepCost.uncosted`: the figures are lower bounds).
 
     Args:
         total: the step the run trains to (for the bar), or None.
@@ -162,6 +163,9 @@ class Progress(Callback):
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
         if self._cost is not None and self._cost.mfu(1.0) is None and "mfu" not in logs:
             logs = {**logs, "mfu": "n/a"}
+        if self._cost is not None and self._cost.lower_bound:  # a custom call not costed: at least this much
+            logs = {k: f">={_value(k, v)}" if k in ("mfu", "hfu") and not isinstance(v, str) else v
+                    for k, v in logs.items()}
         if self._bar is not None:
             shown = ("loss", "steps_per_sec", "tokens_per_sec", "mfu", "hfu")
             self._bar.set_postfix({k: _value(k, v) for k, v in logs.items() if k in shown})
