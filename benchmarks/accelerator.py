@@ -259,7 +259,9 @@ def attention_rows(config: Config, device: jax.Device) -> list[dict[str, Any]]:
                          "program_flops": counted.flops, "tflops_program": counted.flops / seconds / 1e12,
                          "kernels": counted.kernels, "uncosted": list(counted.uncosted)})
         except Exception as error:  # one kernel failing (a missing cuDNN) leaves the others' rows
-            rows.append({"kernel": label, "error": f"{type(error).__name__}: {error}"})
+            traceback.print_exc()
+            rows.append({"kernel": label, "error": f"{type(error).__name__}: {error}",
+                         "optional": label.startswith("tokamax")})  # an optional extra fails the run in no case
     return rows
 
 
@@ -397,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_table(args.out, stem, table, data)
     print(table)
     failed = [r for r in result.get("rows", []) if r.status == "error"]
-    failed += [r for part in ("lm", "attention") for r in result.get(part, []) if "error" in r]
+    failed += [r for part in ("lm", "attention") for r in result.get(part, [])
+               if "error" in r and not r.get("optional")]
     return 1 if failed or "error" in result.get("moe", {}) else 0
 
 
