@@ -119,6 +119,24 @@ def test_cpu_programs_count_as_xla_counts_them(program):
     assert cost.uncosted == () and cost.kernels == {}
 
 
+def test_an_hlo_ragged_dot_counts_the_grouped_product():
+    text = "\n".join([  # forward and the two backward products, as XLA keeps them where the backend has them
+        "ENTRY %main (x: bf16[4096,256], w: bf16[8,256,512], g: s32[8], ct: bf16[4096,512]) -> bf16[4096,512] {",
+        "  %x = bf16[4096,256]{1,0} parameter(0)", "  %w = bf16[8,256,512]{2,1,0} parameter(1)",
+        "  %g = s32[8]{0} parameter(2)", "  %ct = bf16[4096,512]{1,0} parameter(3)",
+        "  %y = bf16[4096,512]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, "
+        "lhs_ragged_dims={0}, rhs_group_dims={0}",
+        "  %wt = bf16[8,512,256]{2,1,0} transpose(%w), dimensions={0,2,1}",
+        "  %dx = bf16[4096,256]{1,0} ragged-dot(%ct, %wt, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, "
+        "lhs_ragged_dims={0}, rhs_group_dims={0}",
+        "  %dw = bf16[8,256,512]{2,1,0} ragged-dot(%x, %ct, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}, "
+        "lhs_ragged_dims={0}",
+        "  ROOT %t = (bf16[4096,512]{1,0}, bf16[4096,256]{1,0}, bf16[8,256,512]{2,1,0}) tuple(%y, %dx, %dw)",
+        "}",
+    ])
+    assert jd.program_cost(text).flops == 3 * 2 * 4096 * 256 * 512
+
+
 def test_a_cudnn_convolution_counts_as_the_convolution_it_replaced():
     text = conv_step().as_text()
     assert " convolution(" in text

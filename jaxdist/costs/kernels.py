@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxdist.costs.text import Instr, Module, arrays, backend_json, op_name
 
-__all__ = ["KernelCost", "conv_flops", "custom_call_cost", "custom_call_target"]
+__all__ = ["KernelCost", "conv_flops", "custom_call_cost", "custom_call_target", "ragged_dot_flops", "ragged_dot_op"]
 
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
@@ -190,6 +190,30 @@ def _attention(instr: Instr, module: Module, config: dict[str, Any], backward: b
     return KernelCost("cuDNN attention", 2 * product, b * h * pairs, skipped=2 * masked)
 
 
+def ragged_dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], rhs_skip: set[int]) -> float:
+    """The FLOPs of a grouped (ragged) product, whatever the group sizes: 2 x lhs elements x the rhs's free
+    elements (``rhs_skip``: its contracting, batch and group dimensions).
+
+    Examples:
+        >>> ragged_dot_flops((32768, 1024), (8, 1024, 2048), {0, 1})  # 8 groups of (1024, 2048)
+        137438953472.0
+    """
+    return 2.0 * math.prod(lhs) * math.prod(n for i, n in enumerate(rhs) if i not in rhs_skip)
+
+
+def ragged_dot_op(instr: Instr, types: dict[str, str]) -> float:
+    """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul: TPU)."""
+    lhs = arrays(types.get(instr.operands[0], "")) if instr.operands else []
+    rhs = arrays(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
+    if not lhs or not rhs:
+        return 0.0
+    skip = set()
+    for key in ("rhs_contracting_dims", "rhs_batch_dims", "rhs_group_dims"):
+        m = re.search(key + r"=\{([\d,]*)\}", instr.attrs)
+        skip |= {int(d) for d in m.group(1).split(",") if d} if m else set()
+    return ragged_dot_flops(lhs[0][1], rhs[0][1], skip)
+
+
 def _tokamax(instr: Instr) -> KernelCost | None:
     m = _PAYLOAD.search(instr.attrs)
     if m is None:
@@ -207,8 +231,7 @@ def _tokamax(instr: Instr) -> KernelCost | None:
         if not lhs or not rhs:
             return None
         skip = set(contract[1]) | set(batch[1]) | set(numbers.get("rhs_group_dimensions", []))
-        free = math.prod(n for i, n in enumerate(rhs[0][1]) if i not in skip)
-        return KernelCost("ragged dot (tokamax)", 2.0 * math.prod(lhs[0][1]) * free)
+        return KernelCost("ragged dot (tokamax)", ragged_dot_flops(lhs[0][1], rhs[0][1], skip))
     return None
 
 

@@ -4,13 +4,14 @@ One counter for every consumer: `jaxdist.strategies.Plan`, the Trainer's utilisa
 benchmarks all read `program_cost`. It walks the compiled module (``compiled.as_text()``: the SPMD-partitioned
 program every device runs) and counts what the device executes:
 
-* ``flops``: a ``dot`` ``2 x output elements x contracted elements``; a ``convolution`` ``2 x output elements x
-  kernel elements / output features``; an elementwise or reduction op one per element; transcendentals
-  (``exp``, ``tanh``, ...) separately. On CPU this is what XLA's ``compiled.cost_analysis()`` counts. Fusions
-  count what they fuse. Custom calls (what XLA:GPU makes of most matrix products: cuBLAS gemms, cuDNN fused
-  attention, Pallas / Mosaic kernels such as tokamax's), which XLA's analysis counts as 0, count what they
-  compute (`jaxdist.costs.kernels`); one whose work the text does not give is named in
-  `ProgramCost.uncosted`, and the FLOPs are then a lower bound (`ProgramCost.lower_bound`).
+* ``flops``: a ``dot`` ``2 x output elements x contracted elements``; a ``convolution`` as XLA counts it (the
+  window positions that read the input); a ``ragged-dot`` (a grouped matmul XLA keeps whole) the grouped
+  product; an elementwise or reduction op one per element; transcendentals (``exp``, ``tanh``, ...) separately.
+  On CPU this is what XLA's ``compiled.cost_analysis()`` counts. Fusions count what they fuse. Custom calls
+  (what XLA:GPU makes of most matrix products: cuBLAS gemms, cuDNN fused attention, Pallas / Mosaic kernels
+  such as tokamax's), which XLA's analysis counts as 0, count what they compute (`jaxdist.costs.kernels`); one
+  whose work the text does not give is named in `ProgramCost.uncosted`, and the FLOPs are then a lower bound
+  (`ProgramCost.lower_bound`).
 * loops: XLA's analysis counts the body of a ``while`` once; here each body counts once per iteration (the
   ``known_trip_count`` XLA records; a loop without one counts once and shows in ``unknown_loops``).
 * ``bytes_accessed``: operands plus results of each op that is not fused into another, loops multiplied: the
@@ -38,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.costs.kernels import conv_flops, custom_call_cost, custom_call_target
+from jaxdist.costs.kernels import conv_flops, custom_call_cost, custom_call_target, ragged_dot_op
 from jaxdist.costs.text import Instr, arrays, elements, op_name, parse
 from jaxdist.costs.text import array_bytes as _type_bytes
 
@@ -432,6 +433,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 work = _dot_flops(instr, types)
             elif op == "convolution":
                 work = conv_flops(instr, types)
+            elif op == "ragged-dot":  # the grouped product, whatever the group sizes
+                work = ragged_dot_op(instr, types)
             elif op in _TRANSCENDENTAL:
                 trans += elements(instr.type)
             elif op in _ELEMENTWISE:
