@@ -83,3 +83,13 @@ def test_accelerator_smoke_runs_every_part_and_labels_cpu_numbers(tmp_path):
     assert len(timed) >= 2 and all(r["tflops_program"] > 0 for r in timed)
     table = next(tmp_path.glob("*-accelerator-smoke.md")).read_text()
     assert "mean nothing about an accelerator" in table and "| P1 |" in table and "cuDNN needs an NVIDIA GPU" in table
+
+
+def test_accelerator_refuses_an_unknown_part(capsys):
+    from benchmarks import accelerator
+
+    with pytest.raises(SystemExit) as exit_info:
+        accelerator.main(["--parts", "lm,attension"])
+    assert exit_info.value.code == 2
+    assert "--parts: unknown part(s) ['attension']; choose from ['rows', 'lm', 'moe', 'attention']" in (
+        capsys.readouterr().err)
