@@ -202,7 +202,18 @@ def ragged_dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], rhs_skip: set[i
 
 
 def ragged_dot_op(instr: Instr, types: dict[str, str]) -> float:
-    """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul: TPU)."""
+    """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul): the grouped
+    product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims`` attributes.
+
+    Examples:
+        >>> from jaxdist.costs.text import parse
+        >>> m = parse("\\n".join(["ENTRY %e (x: f32[64,16], w: f32[4,16,8], g: s32[4]) -> f32[64,8] {",
+        ...     "  %x = f32[64,16]{1,0} parameter(0)", "  %w = f32[4,16,8]{2,1,0} parameter(1)",
+        ...     "  %g = s32[4]{0} parameter(2)", "  ROOT %r = f32[64,8]{1,0} ragged-dot(%x, %w, %g), "
+        ...     "lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}", "}"]))
+        >>> ragged_dot_op(m.defs["r"], m.types) == 2 * 64 * 16 * 8
+        True
+    """
     lhs = arrays(types.get(instr.operands[0], "")) if instr.operands else []
     rhs = arrays(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
     if not lhs or not rhs:

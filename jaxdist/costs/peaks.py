@@ -83,6 +83,12 @@ the NVL and PCIe variants come before the SXM part of the same name)."""
 def accelerator(name: str | Accelerator) -> Accelerator:
     """The row of ``name`` (case-insensitive), or ``name`` itself when it is an `Accelerator`.
 
+    Args:
+        name: a key of `ACCELERATORS` (``"h100"``, ``"tpu-v5p"``, ...) or an `Accelerator` of your own.
+
+    Returns:
+        The `Accelerator`.
+
     Raises:
         ValueError: for a name not in the table (the message lists the names).
 
@@ -105,6 +111,12 @@ def accelerator(name: str | Accelerator) -> Accelerator:
 def accelerator_of_device(device_or_kind: Any) -> Accelerator | None:
     """The row of a device (a ``jax.Device``, or its ``device_kind`` string), or None for a device not in the
     table (CPUs among them).
+
+    Args:
+        device_or_kind: a ``jax.Device`` or its ``device_kind`` (``"NVIDIA H100 80GB HBM3"``, ``"TPU v5 lite"``).
+
+    Returns:
+        The first `Accelerator` of `ACCELERATORS` whose ``device_kind`` pattern matches, or None.
 
     Examples:
         >>> accelerator_of_device("NVIDIA H100 80GB HBM3").name, accelerator_of_device("NVIDIA H100 PCIe").name
