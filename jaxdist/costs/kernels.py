@@ -12,7 +12,8 @@ XLA's own cost analysis counts a custom call as 0 FLOPs; on a GPU most of a step
   ``dim_labels`` stay on the call).
 * cuDNN fused attention (``__cudnn$fmha...``): ``2 x B x H x Tq x Tk x D`` per matrix product, two forward,
   five backward (the flash backward recomputes the scores), the extent from ``intermediate_tensor_shape``;
-  a causal mask (``mask_type`` ``CAUSAL``) does the lower triangle only, a sliding window its band.
+  a causal mask (``mask_type`` ``CAUSAL``) does the lower triangle only, a sliding window its band; a padding
+  mask counts the whole extent (the sequence lengths are known only when the step runs: an upper bound).
 * kernels that say what they compute: tokamax's (its ``metadata_payload`` names the op and its operands, e.g. a
   ragged dot on Mosaic GPU ``mosaic_gpu_v2`` or on TPU); a Pallas kernel with a ``cost_estimate`` in its backend
   config (Mosaic TPU's ``tpu_custom_call``) counts that estimate.
