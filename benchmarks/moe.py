@@ -17,7 +17,7 @@ measurements, all in one run:
     ``tokens_per_device * top_k * d * bytes`` (sent: ``x (EP - 1) / EP``), and the fixed capacity buffers the
     dropping path exchanges, ``rows_per_device * E * capacity * d * bytes``. Also for the dropless layer
     (``capacity_factor=None``: capacity = the sequence) and for the hand-written program (its compiled HLO read
-    by `jaxdist.strategies.hlo_cost.module_cost`).
+    by `jaxdist.costs.program_cost`).
 (c) **Step time.** ``strategy.jit`` of the LM with `jd.nn.MoE` on ``(data=2, expert=4)`` against (1) the same
     model written the MaxText "dropping" way by hand (``generate_masks`` / ``dense_matmul``: dense 0/1
     dispatch and combine einsums with a capacity, the expert buffers ``(E, B, C, d)`` and stacked expert weights
@@ -353,11 +353,11 @@ def _plan_collectives(plan: Any) -> dict[str, tuple[int, int, float]]:
 def _hlo_cost(stepper: Stepper) -> tuple[dict[str, tuple[int, int, float]], float]:
     """The hand-written program's collectives and FLOPs per device, read from its compiled HLO as a `Plan`
     reads jaxdist's."""
-    from jaxdist.strategies.hlo_cost import module_cost
+    from jaxdist.costs import program_cost
 
     compiled = stepper.jitted.lower(*stepper.state, stepper.tokens).compile()
     mesh = stepper.tokens.sharding.mesh
-    cost = module_cost(compiled.as_text(), mesh.axis_names, tuple(mesh.shape.values()))
+    cost = program_cost(compiled, axis_names=mesh.axis_names, axis_sizes=tuple(mesh.shape.values()))
     out: dict[str, list] = {}
     for op in cost.collectives:
         c = out.setdefault(op.kind, [0, 0, 0.0])
@@ -467,7 +467,7 @@ def markdown(sizes: Sizes, result: dict[str, Any], machine: dict[str, Any]) -> s
     lines += ["", *notes] if notes else []
     lines += ["", "## (b) All-to-all per device, per layer, each way", "",
               "Measured: the compiled step's all-to-alls (jd.nn.MoE: `Plan.collectives['all-to-all']`; hand-written: "
-              "its HLO through `hlo_cost.module_cost`), bytes = the buffer each device hands one op, sent = "
+              "its HLO through `jd.program_cost`), bytes = the buffer each device hands one op, sent = "
               "(EP-1)/EP of it. Token-based: `tokens/device * top_k * d * 4`; buffer-based: `rows/device * E * "
               "capacity * d * 4`. A training step runs 4 per layer: there and back, forward and backward.", "",
               "| program | capacity | all-to-alls / layer / step | measured KiB / op (sent) | token-based KiB "

@@ -14,7 +14,8 @@ batch:
 Both run two steps first and their losses must agree (rtol 1e-4 in float32; 2e-2 in bfloat16). Then
 alternating blocks (`benchmarks.timing`): ratio = steps/s of ragged / steps/s of padded; tokens/s; achieved
 FLOP/s from each compiled step's own FLOP count (`Plan.flops`: per device, x devices); MFU = achieved /
-peak where the device's dense bfloat16 peak is known (`PEAK_BF16`) and the model computes in bfloat16.
+peak where the device's dense bfloat16 peak is known (`jaxdist.costs.ACCELERATORS`) and the model
+computes in bfloat16.
 
 On CPU the numbers mean little and are labelled so: XLA:CPU has no ragged all-to-all (the exchange runs
 emulated: padded bytes) and its ``ragged_dot`` is dense. The row is for GPUs and TPUs (``device`` sessions):
@@ -37,23 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.moe import SMOKE, Sizes, Stepper, host_start, jd_step
+from jaxdist.costs import known_peak_flops
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "B200": 2250e12, "TPU v5p": 459e12,
-             "TPU v5e": 197e12, "TPU v5 lite": 197e12, "TPU v4": 275e12, "TPU v6e": 918e12, "TPU v6 lite": 918e12}
-"""Dense bfloat16 peak FLOP/s per device by (a part of) its ``device_kind``, from the vendors' data sheets."""
 ACCELERATOR = Sizes(vocab=2048, d_model=1024, hidden=2048, experts=8, top_k=2, layers=4, rows=16, length=1024)
 """The model on a GPU / TPU: 16 x 1024 tokens a step, 8 SwiGLU experts of 1024 -> 2048 per layer, 4 layers."""
-
-
-def peak_bf16(device_kind: str) -> float | None:
-    """The dense bfloat16 peak of a device of ``device_kind`` (None: not in `PEAK_BF16`).
-
-    Examples:
-        >>> peak_bf16("NVIDIA H100 80GB HBM3"), peak_bf16("cpu")
-        (989400000000000.0, None)
-    """
-    return next((peak for name, peak in PEAK_BF16.items() if name.lower() in device_kind.lower()), None)
 
 
 def strategy(sizes: Sizes) -> Any:
@@ -93,7 +82,8 @@ def measure(sizes: Sizes, pairs: int, block_seconds: float, dtype: Any) -> dict[
     result = measure_pair(sides["ragged"], sides["padded"], settings, per_step)
     devices = jax.device_count()
     kind = jax.devices()[0].device_kind
-    peak = peak_bf16(kind) if dtype == jnp.bfloat16 else None
+    known = known_peak_flops(kind) if dtype == jnp.bfloat16 else None
+    peak = known[0] if known else None
     rows = []
     for name, rates in (("ragged", result.rates_a), ("padded", result.rates_b)):
         steps_per_sec = float(np.median(rates))

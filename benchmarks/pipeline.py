@@ -91,9 +91,7 @@ def bytes_table(layers: int = 8) -> list[str]:
 
 
 def _flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    return float(cost["flops"])
+    return jd.program_cost(compiled).flops
 
 
 def bubble_table(layers: int = 8, rows_per_micro: int = 4) -> list[str]:

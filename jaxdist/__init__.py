@@ -9,10 +9,12 @@ Examples:
     ...     assert jd.get_strategy() is strategy
 """
 
+from jaxdist import costs as costs
 from jaxdist import gradients as gradients
 from jaxdist import nn as nn
 from jaxdist import tpu as tpu
 from jaxdist import training as training
+from jaxdist.costs import program_cost as program_cost
 from jaxdist.replicate import MODEL_AXIS as MODEL_AXIS
 from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
 from jaxdist.replicate import PerReplica as PerReplica
@@ -78,6 +80,7 @@ __all__ = [
     "compat",
     "compute_average_loss",
     "configure_compilation_cache",
+    "costs",
     "gradients",
     "nn",
     "get_replica_context",
@@ -86,6 +89,7 @@ __all__ = [
     "in_cross_replica_context",
     "initialize_cluster",
     "plan_mesh",
+    "program_cost",
     "scale_regularization_loss",
     "tpu",
     "training",

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 RUNNABLE = [p for p in PAGES if "```python" in p.read_text()]
 # The packages whose __all__ the reference must cover; its pages group the names by use (docs/api/*.md).
-PACKAGES = ["jaxdist", "jaxdist.strategies", "jaxdist.replicate", "jaxdist.gradients", "jaxdist.tpu",
+PACKAGES = ["jaxdist", "jaxdist.costs", "jaxdist.strategies", "jaxdist.replicate", "jaxdist.gradients", "jaxdist.tpu",
             "jaxdist.training", "jaxdist.strategies.compat", "jaxdist.nn"]
 
 # Pages that set up 8 simulated CPU devices share one process (one import of jaxdist, ~4 s, instead of one per

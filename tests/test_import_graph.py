@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
-LAYERS = ["replicate", "strategies", "gradients", "tpu", "training"]  # bottom up
+LAYERS = ["costs", "replicate", "strategies", "gradients", "tpu", "training"]  # bottom up
 
 
 def _module(path: pathlib.Path) -> str:

@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 from registry import load_char_lm
 
 import jaxdist as jd
-from jaxdist.strategies.hlo_cost import module_cost
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,11 +124,11 @@ def test_flops_count_each_loop_iteration():
     assert plan.unknown_loops == 0
 
 
-def test_module_cost_agrees_with_xla_on_a_program_without_loops():
+def test_program_cost_agrees_with_xla_on_a_program_without_loops():
     p = {"w1": jnp.ones((64, 256)), "w2": jnp.ones((256, 64))}
     compiled = jax.jit(lambda p, x: jax.grad(lambda p: mlp_loss({**p, "b1": 0.0, "b2": 0.0}, x))(p)).lower(
         p, jnp.ones((32, 64))).compile()
-    cost = module_cost(compiled.as_text())
+    cost = jd.program_cost(compiled.as_text())
     xla = compiled.cost_analysis()
     assert cost.flops == pytest.approx(xla["flops"], rel=0.01)
     assert cost.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.05)

@@ -136,7 +136,7 @@ def test_token_weighted_accumulation_equals_one_big_batch(strategy_name, variabl
     np.testing.assert_allclose(row["loss"], sums[1:, 0].sum() / sums[1:, 2].sum(), rtol=1e-5)
     np.testing.assert_allclose(row["accuracy"], sums[1:, 1].sum() / sums[1:, 2].sum(), rtol=1e-5)
     np.testing.assert_allclose(row["tokens_per_sec"], sums[1:, 2].sum() * row["steps_per_sec"] / 2, rtol=1e-5)
-    assert "mfu" not in row  # CPU: no datasheet peak, no made-up number
+    assert "mfu" not in row and "hfu" not in row  # CPU: no datasheet peak, no made-up number
     out = capsys.readouterr().out
     assert "train step per device (8 devices):" in out and "optimizer state" in out and "temporaries" in out
     assert "peak n/a (no datasheet peak for cpu" in out and "live memory n/a" in out
@@ -168,7 +168,7 @@ def test_window_loss_is_token_weighted_with_steps_per_run(variables, accumulatio
     np.testing.assert_allclose(row["tokens_per_sec"], BATCH * SEQ * row["steps_per_sec"], rtol=1e-9)
 
 
-def test_mfu_from_xla_flops_and_a_given_peak(variables):
+def test_hfu_and_mfu_from_program_cost_and_a_given_peak(variables):
     strategy = jd.OneDeviceStrategy()
     batches = lm_batches(4, seed=2)
     peak = 5e9  # a "measured" CPU peak, FLOP/s per device
@@ -179,14 +179,18 @@ def test_mfu_from_xla_flops_and_a_given_peak(variables):
     names, _ = trainer.pop_metric_sums()
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), trainer.state)
     compiled = trainer._steps.fit_step.lower(like, batches[0], np.zeros(len(names), np.float32)).compile()
-    assert cost.flops == compiled.cost_analysis()["flops"] > 0  # XLA's count of the step that ran, per device
+    assert cost.flops == jd.program_cost(compiled).flops > 0  # the one counter, of the step that ran
+    assert cost.flops == pytest.approx(compiled.cost_analysis()["flops"], rel=0.01)  # no loop: as XLA counts
+    assert cost.flops == trainer.plan(batches[0]).flops  # the Trainer and Plan read the same count
+    assert cost.model_flops == cost.flops and cost.uncosted == ()  # no remat: the model's work is the program's
     assert cost.temp_bytes == compiled.memory_analysis().temp_size_in_bytes
     assert cost.param_bytes == sum(a.nbytes for a in jax.tree.leaves(variables)) and cost.optimizer_bytes == 0
     for row in history.train:
-        assert row["mfu"] == pytest.approx(cost.flops * row["steps_per_sec"] / peak, rel=1e-9)
+        assert row["hfu"] == pytest.approx(cost.flops * row["steps_per_sec"] / peak, rel=1e-9)
+        assert row["mfu"] == pytest.approx(cost.model_flops * row["steps_per_sec"] / peak, rel=1e-9)
         assert 0 < row["mfu"]
 
-    # Gradient accumulation: XLA counts a loop body once; the trainer counts every micro-batch, so the same
+    # Gradient accumulation: XLA counts a loop body once; program_cost counts every micro-batch, so the same
     # global batch costs about the same with 4 micro-batches as in one piece.
     accum = jd.training.Trainer(
         strategy, TinyLM(), optax.sgd(0.1), token_loss, variables=variables, grad_accum_steps=ACCUM
@@ -200,8 +204,8 @@ def test_mfu_from_xla_flops_and_a_given_peak(variables):
     np.testing.assert_allclose(flops, cost.flops, rtol=0.2)
 
 
-def test_loops_xla_counts_once_warn_and_flops_per_step_replaces_them():
-    def scanned(w, x):  # a loop of 3 matmuls (as nn.scan over layers): XLA counts its body once
+def test_loops_count_per_iteration_and_flops_per_step_sets_the_model_flops():
+    def scanned(w, x):  # a loop of 3 matmuls (as nn.scan over layers): XLA counts its body once, program_cost 3x
         return jax.lax.scan(lambda c, _: (jax.numpy.tanh(c @ w), None), x, None, length=3)[0]
 
     compiled = jax.jit(scanned).lower(np.ones((16, 16), np.float32), np.ones((4, 16), np.float32)).compile()
@@ -209,12 +213,15 @@ def test_loops_xla_counts_once_warn_and_flops_per_step_replaces_them():
     measure = functools.partial(
         measure_step_cost, compiled, state, devices=jax.devices()[:1], local_devices=jax.devices()[:1], rows_per_step=4
     )
-    with pytest.warns(UserWarning, match=r"1 loop\(s\) .* lower bound\. Pass Trainer\(flops_per_step=\.\.\.\)"):
-        cost = measure(options=CostOptions())
-    assert cost.undercounted_loops == 1 and cost.flops < 3 * 2 * 4 * 16 * 16 and cost.param_bytes == 16 * 16 * 4
-    cost = measure(options=CostOptions(flops_per_step=3e6, peak_flops=1e9))  # no warning: the given count rules
-    assert cost.flops == 3e6 and cost.flops_source == "flops_per_step= / devices"
+    cost = measure(options=CostOptions())
+    assert cost.undercounted_loops == 0 and cost.flops >= 3 * 2 * 4 * 16 * 16 and cost.param_bytes == 16 * 16 * 4
+    assert cost.flops > 2 * compiled.cost_analysis()["flops"]
+    assert cost.model_flops_source == "program_cost without recomputation"
+    cost = measure(options=CostOptions(flops_per_step=3e6, peak_flops=1e9))  # the given count is the model's
+    assert cost.model_flops == 3e6 and cost.model_flops_source == "flops_per_step= / devices"
+    assert cost.flops == jd.program_cost(compiled).flops  # what the program executes stays counted
     assert cost.mfu(10.0) == pytest.approx(3e6 * 10 / 1e9)
+    assert cost.hfu(10.0) == pytest.approx(cost.flops * 10 / 1e9)
     trainer = jd.training.Trainer(jd.OneDeviceStrategy(), TinyLM(), OPT, token_loss, flops_per_step=3e6)
     assert trainer.cost_options == CostOptions(flops_per_step=3e6)
 

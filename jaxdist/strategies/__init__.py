@@ -1,9 +1,9 @@
 """Strategies: where replicas run and how code runs on them."""
 
+from jaxdist.costs import ACCELERATORS as ACCELERATORS
+from jaxdist.costs import Accelerator as Accelerator
+from jaxdist.costs import Estimate as Estimate
 from jaxdist.strategies import compat as compat
-from jaxdist.strategies.accelerators import ACCELERATORS as ACCELERATORS
-from jaxdist.strategies.accelerators import Accelerator as Accelerator
-from jaxdist.strategies.accelerators import Estimate as Estimate
 from jaxdist.strategies.agreement import ProgramMismatchError as ProgramMismatchError
 from jaxdist.strategies.base import Strategy as Strategy
 from jaxdist.strategies.cluster import initialize_cluster as initialize_cluster

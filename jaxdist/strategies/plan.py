@@ -17,15 +17,16 @@ A `Plan` holds, per device (the SPMD program every device runs; uneven shards co
 * ``state_bytes``: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, ... : a batch
   argument is ``batch``; an argument with named parts such as a ``TrainState`` is split by part; any other
   argument is named by its parameter) and ``largest_arrays``, the ten largest with their layouts;
-* ``flops`` and ``bytes_accessed`` per step, loop bodies counted once per iteration
-  (`jaxdist.strategies.hlo_cost`);
+* ``flops`` and ``bytes_accessed`` per step: `jaxdist.costs.program_cost` of the compiled program (loop bodies
+  counted once per iteration; cuBLAS, cuDNN and Pallas kernels by what they compute; ``uncosted`` names a custom
+  call it could not cost, and the FLOPs are then a lower bound);
 * ``collectives``: per kind, how many run per step, their bytes and the mesh axes they run over;
 * ``replicated_bytes``: the bytes of variables held whole along a mesh axis that could split them (an FSDP
   or model axis of size > 1 that divides a dimension not yet split, for variables of at least
   ``min_shard_size`` elements), the variables named in ``replicated``: a rule that matched nothing
   (a typo, a renamed layer) shows up here before it shows up as an out-of-memory error.
 
-``plan.estimate(accelerator="h100")`` is a roofline step time (`jaxdist.strategies.accelerators`);
+``plan.estimate(accelerator="h100")`` is a roofline step time (`jaxdist.costs.roofline`);
 ``plan.fits(memory_per_device)`` compares ``peak_bytes`` with a budget; ``str(plan)`` is a readable table.
 """
 
@@ -42,9 +43,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxdist.costs import COLLECTIVE_KINDS, Accelerator, Estimate, accelerator, program_cost, roofline
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
-from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
-from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost, moe_dispatch
+from jaxdist.strategies.hlo_cost import moe_dispatch
 from jaxdist.strategies.input import argument_layouts
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
@@ -107,7 +108,8 @@ class Plan:
         host_bytes: host-offloaded arguments, outputs and temporaries.
         state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an argument's name).
         largest_arrays: the ten largest arrays (`ArrayPlan`), with their layouts.
-        flops: floating-point operations per step, every loop iteration counted.
+        flops: floating-point operations per step (`jaxdist.costs.program_cost`), every loop iteration counted,
+            custom calls (cuBLAS, cuDNN, Pallas kernels) by what they compute.
         transcendentals: transcendental operations per step.
         bytes_accessed: memory traffic per step.
         collectives: ``{kind: CollectivePlan}``.
@@ -126,6 +128,7 @@ class Plan:
             ``"dropping_local"`` / ``"dropless_local"`` (every expert on each device),
             ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without such
             layers.
+        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower bound).
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -160,6 +163,7 @@ class Plan:
     compiled_on: str
     axis_types: dict[str, jax.sharding.AxisType]
     moe_dispatch: tuple[str, ...] = ()
+    uncosted: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -172,7 +176,7 @@ class Plan:
         return float(sum(c.wire_bytes for c in self.collectives.values()))
 
     def estimate(self, accelerator: str | Accelerator = "h100") -> Estimate:
-        """The roofline step time on ``accelerator`` (`jaxdist.strategies.accelerators`): compute, memory and
+        """The roofline step time on ``accelerator`` (`jaxdist.costs.roofline`): compute, memory and
         network terms, and which one bounds the step.
 
         Args:
@@ -182,7 +186,8 @@ class Plan:
         Raises:
             ValueError: for a name not in the table.
         """
-        return roofline(self.flops, self.bytes_accessed, self.network_bytes, accelerator)
+        return roofline(self.flops, self.bytes_accessed, self.network_bytes, accelerator,
+                        lower_bound_flops=bool(self.uncosted))
 
     def fits(self, memory_per_device: int | str | Accelerator) -> bool:
         """Whether ``peak_bytes`` fits ``memory_per_device``.
@@ -219,6 +224,9 @@ class Plan:
         lines.append(f"  {'bytes accessed':<16}{format_bytes(self.bytes_accessed):>12}")
         if self.unknown_loops:
             lines.append(f"  ({self.unknown_loops} loop(s) of unknown trip count counted once)")
+        if self.uncosted:
+            names = ", ".join(self.uncosted[:4])
+            lines.append(f"  (FLOPs at least: {len(self.uncosted)} custom call(s) not costed: {names})")
         lines.append("Collectives per device per step (how many, their bytes in all, the bytes sent)")
         if not self.collectives:
             lines.append("  none")
@@ -428,7 +436,7 @@ def plan_step(
         memory = {k: int(getattr(stats, k, 0) or 0) for k in MEMORY_FIELDS}
         text = compiled.as_text()
         where = f"compiled here ({mesh.devices.flat[0].platform})"
-    cost = module_cost(text, mesh.axis_names, tuple(mesh.shape.values()))
+    cost = program_cost(text, axis_names=mesh.axis_names, axis_sizes=tuple(mesh.shape.values()))
     roles, arrays, replicated = _state(policy, described)
     kinds: dict[str, list] = {}
     for op in cost.collectives:
@@ -451,5 +459,5 @@ def plan_step(
         replicated_bytes=sum(a.bytes for a in replicated),
         replicated=tuple(sorted(replicated, key=lambda a: -a.bytes)), unknown_loops=cost.unknown_loops,
         plan_seconds=time.perf_counter() - start, compiled_on=where, axis_types=axis_types_of(traced),
-        moe_dispatch=moe_dispatch(text),
+        moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted,
     )

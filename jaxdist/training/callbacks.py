@@ -8,7 +8,7 @@ reading one (``float(m)``) waits for the device, so read them only when you need
 same step, at most 3 steps later (the processes agree on it like on a SIGTERM: `jaxdist.training.preemption`).
 
 The trainer logs every ``log_every`` steps: the mean of each metric over those steps (token-weighted for a
-``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``
+``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use``
 (`jaxdist.training.cost`). A log point does not stop the devices: ``on_log`` comes once they have the
 window's values (usually a step or two later, with the log point's step number), and always before the next
 evaluation, checkpoint or the end of ``fit``. `Progress` shows the logs as a tqdm bar on a terminal and as
@@ -36,7 +36,7 @@ class History:
 
     Attributes:
         train: one dict per log point: ``{"step": s, "loss": ..., <metrics>, "steps_per_sec": ...}``, plus
-            ``"tokens_per_sec"``, ``"mfu"`` and ``"peak_bytes_in_use"`` where known.
+            ``"tokens_per_sec"``, ``"mfu"``, ``"hfu"`` and ``"peak_bytes_in_use"`` where known.
         eval: one dict per evaluation: ``{"step": s, "loss": ..., <metrics>}``.
         checkpoints: the paths written.
         preempted: True when a SIGTERM stopped the run early (after saving).
@@ -104,7 +104,7 @@ class Callback:
 def _value(key: str, value: float | str) -> str:
     if isinstance(value, str):  # "n/a"
         return value
-    if key == "mfu":
+    if key in ("mfu", "hfu"):
         return f"{value:.2%}"
     if key.endswith("bytes_in_use"):
         return format_bytes(value)
@@ -118,7 +118,8 @@ def _format(logs: Mapping[str, float]) -> str:
 class Progress(Callback):
     """A tqdm progress bar (loss, steps/s, tokens/s, MFU) on a terminal; plain log lines when output is not a
     terminal. The step's cost (`StepCost.describe`) is one line at the start; MFU shows "n/a" when the
-    device's peak is unknown (CPU without ``peak_flops``).
+    device's peak is unknown (CPU without ``peak_flops``), and ">=" before it (and HFU) when a custom call in the
+    step could not be costed (`StepCost.uncosted`: the figures are lower bounds).
 
     Args:
         total: the step the run trains to (for the bar), or None.
@@ -162,8 +163,11 @@ class Progress(Callback):
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
         if self._cost is not None and self._cost.mfu(1.0) is None and "mfu" not in logs:
             logs = {**logs, "mfu": "n/a"}
+        if self._cost is not None and self._cost.lower_bound:  # a custom call not costed: at least this much
+            logs = {k: f">={_value(k, v)}" if k in ("mfu", "hfu") and not isinstance(v, str) else v
+                    for k, v in logs.items()}
         if self._bar is not None:
-            shown = ("loss", "steps_per_sec", "tokens_per_sec", "mfu")
+            shown = ("loss", "steps_per_sec", "tokens_per_sec", "mfu", "hfu")
             self._bar.set_postfix({k: _value(k, v) for k, v in logs.items() if k in shown})
         else:
             total = f"/{self.total}" if self.total else ""

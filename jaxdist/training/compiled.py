@@ -30,13 +30,11 @@ from jaxdist.training.build import check_losses
 from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
 from jaxdist.training.step import (
-    ACCUMULATION_SCOPE,
     TrainState,
     add_to_sums,
     layer_metric_names,
     make_eval_step,
     make_loop_step,
-    make_micro_step,
     make_predict_step,
     make_summed_train_step,
     metric_names,
@@ -188,22 +186,11 @@ class CompiledSteps:
         sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
         # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
         compiled = self.fit_step.lower(like, batch, sums).compile()
-        k = self.grad_accum_steps
-
-        def micro_step():  # one micro-batch's forward and backward pass, compiled only to count its FLOPs
-            micro = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype, sharding=a.sharding), batch
-            )
-            step = strategy.jit(make_micro_step(self._model, self._loss_fn, self.metrics, self._compute_dtype),
-                                batch_argnums=(1,))
-            return step.lower(like, micro).compile()
-
         rows = jax.tree.leaves(batch)[0].shape[0]
-        self._cost = measure_step_cost(
+        self._cost = measure_step_cost(  # the accumulation loop counted per micro-batch (program_cost)
             compiled, like, devices=tuple(strategy.mesh.devices.flat),
             local_devices=tuple(d for d in strategy.mesh.devices.flat if d.process_index == jax.process_index()),
-            options=options, rows_per_step=rows, grad_accum_steps=k, accumulation_scope=ACCUMULATION_SCOPE,
-            micro_step=micro_step,
+            options=options, rows_per_step=rows,
         )
         return self._cost
 

@@ -1,94 +1,50 @@
-"""What a compiled train step costs: FLOPs, memory per device, the accelerator's peak, MFU and tokens/s.
+"""What a compiled train step costs: FLOPs, memory per device, the accelerator's peak, HFU, MFU and tokens/s.
 
-Everything here is measured once per compiled program, never per step: XLA's cost analysis of the compiled
-step gives its FLOPs per device (``compiled.cost_analysis()``: the partitioned program each device runs, so
-a replicated optimizer update counts on every device), XLA's memory analysis its temporaries
+Everything here is measured once per compiled program, never per step: `jaxdist.costs.program_cost` of the
+compiled step gives the FLOPs each device executes (the partitioned program: a replicated optimizer update
+counts on every device; every loop iteration counted, the gradient-accumulation loop and ``nn.scan`` over layers
+among them; cuBLAS, cuDNN and Pallas kernels by what they compute), XLA's memory analysis its temporaries
 (``compiled.memory_analysis()``), and the state's layout the bytes of parameters and optimizer state each
 device holds. At each log point the fit loop turns the window's steps, seconds and tokens into
 
-* ``mfu``: FLOPs per device per step x steps/s / the device's peak FLOP/s. The peak is the dense bf16 figure
-  of the vendor's datasheet for the accelerators in `PEAK_FLOPS` (per chip; one JAX device is one chip on
-  these), or the ``peak_flops`` the user gives (e.g. a measured one). Nothing else: on CPU, or an accelerator
-  not in the table, MFU is "n/a", never a made-up number.
+* ``hfu``: hardware FLOPs utilisation: the FLOPs the program executes per device per step (rematerialisation
+  and replicated optimizer work included) x steps/s / the device's peak FLOP/s;
+* ``mfu``: model FLOPs utilisation: the model's FLOPs instead, ``flops_per_step=`` / devices when given (e.g.
+  6 x parameters x tokens for a transformer), else the executed FLOPs without recomputation
+  (`jaxdist.costs.ProgramCost.model_flops`).
+
+  The peak is the dense bf16 figure of the vendor's datasheet for the accelerators in
+  `jaxdist.costs.ACCELERATORS` (per chip; one JAX device is one chip on these), or the ``peak_flops`` the user
+  gives (e.g. a measured one). Nothing else: on CPU, or an accelerator not in the table, both are "n/a", never
+  a made-up number. A custom call the count cannot cost (named in `StepCost.uncosted`) makes both lower bounds,
+  and the start line says so.
 * ``tokens_per_sec``: tokens per step / step time, where tokens per step are ``tokens_per_example`` x the
   global batch's rows when given (every position, padding included: what the devices process), else the
   summed weight of a token-weighted loss (the real tokens the loss averages over), else not logged.
 * ``peak_bytes_in_use``: the most any device has held (``device.memory_stats()``), where the backend keeps
   such statistics (GPU, TPU; CPU does not).
-
-XLA counts what it compiles, no more: the body of a loop once (however many times it runs) and a custom
-kernel (Pallas, cuDNN attention) as 0 FLOPs. The trainer's own gradient-accumulation loop is corrected for
-(its body, one micro-batch's forward and backward pass, is compiled once more on its own and counted for every
-iteration); another loop in the step (e.g. ``nn.scan`` over layers) makes the count a lower bound, with a
-warning that names the fix: ``flops_per_step=`` (the model's FLOPs per optimizer step, e.g. 6 x parameters x
-tokens for a transformer), which then replaces XLA's count.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxdist.costs import accelerator_of_device, program_cost
+
 __all__ = [
-    "PEAK_FLOPS",
     "CostOptions",
     "StepCost",
     "device_memory",
     "format_bytes",
     "format_flops",
-    "known_peak_flops",
     "measure_step_cost",
 ]
-
-PEAK_FLOPS: tuple[tuple[str, float, str], ...] = (
-    # (device_kind pattern, dense bf16 FLOP/s per device, source). Vendors quote NVIDIA tensor-core figures
-    # "with sparsity" (2:4 structured); the dense figure, which training uses, is half of it.
-    # NVIDIA H100 datasheet: BF16 Tensor Core 1,979 TFLOPS (SXM), 1,671 (NVL), 1,513 (PCIe), with sparsity.
-    (r"\bh100\b.*\bnvl\b", 835.5e12, "NVIDIA H100 NVL datasheet, dense bf16"),
-    (r"\bh100\b.*\bpcie\b", 756.5e12, "NVIDIA H100 PCIe datasheet, dense bf16"),
-    (r"\bh100\b", 989.4e12, "NVIDIA H100 SXM datasheet, dense bf16"),
-    # NVIDIA H200 datasheet: BF16 Tensor Core 1,979 TFLOPS (SXM), 1,671 (NVL), with sparsity.
-    (r"\bh200\b.*\bnvl\b", 835.5e12, "NVIDIA H200 NVL datasheet, dense bf16"),
-    (r"\bh200\b", 989.4e12, "NVIDIA H200 SXM datasheet, dense bf16"),
-    # NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS (624 with sparsity), SXM and PCIe alike.
-    (r"\ba100\b", 312e12, "NVIDIA A100 datasheet, dense bf16"),
-    # Google Cloud TPU system-architecture pages, "peak compute per chip (bf16)". device_kind strings:
-    # "TPU v4", "TPU v5 lite" (v5e), "TPU v5" (v5p), "TPU v6 lite" (v6e, Trillium).
-    (r"^tpu v4$", 275e12, "Cloud TPU v4 docs, bf16 per chip"),
-    (r"^tpu v5 ?(lite|e)$", 197e12, "Cloud TPU v5e docs, bf16 per chip"),
-    (r"^tpu v5p?$", 459e12, "Cloud TPU v5p docs, bf16 per chip"),
-    (r"^tpu v6 ?(lite|e)$", 918e12, "Cloud TPU v6e docs, bf16 per chip"),
-)
-"""The accelerators whose peak is known: ``(device_kind regex, FLOP/s per device, source)``, first match wins."""
-
-
-def known_peak_flops(device_kind: str) -> tuple[float, str] | None:
-    """The datasheet's dense bf16 peak FLOP/s of one device of this ``device_kind``, and where it comes from.
-
-    Args:
-        device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"TPU v5 lite"``.
-
-    Returns:
-        ``(flop_per_second, source)``, or None for a device not in `PEAK_FLOPS` (CPUs among them).
-
-    Examples:
-        >>> known_peak_flops("NVIDIA H100 80GB HBM3")
-        (989400000000000.0, 'NVIDIA H100 SXM datasheet, dense bf16')
-        >>> known_peak_flops("TPU v5 lite")[0], known_peak_flops("cpu")
-        (197000000000000.0, None)
-    """
-    kind = device_kind.strip().lower()
-    for pattern, flops, source in PEAK_FLOPS:
-        if re.search(pattern, kind):
-            return flops, source
-    return None
 
 
 def _positive(value: Any, name: str, fix: str) -> None:
@@ -105,8 +61,8 @@ class CostOptions:
     Attributes:
         tokens_per_example: tokens in one example (a language model's sequence length): tokens per step are
             this times the global batch's rows. None: the summed weight of a token-weighted loss.
-        peak_flops: the peak FLOP/s of ONE device, replacing the `PEAK_FLOPS` table (e.g. measured).
-        flops_per_step: the model's FLOPs per optimizer step over the global batch, replacing XLA's count.
+        peak_flops: the peak FLOP/s of ONE device, replacing the datasheet table (e.g. measured).
+        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of ``mfu``.
 
     Raises:
         ValueError: for a value that is not a positive number (``tokens_per_example``: an int), naming the
@@ -143,7 +99,8 @@ class CostOptions:
             self.flops_per_step,
             "flops_per_step",
             "the model's FLOPs per optimizer step over the global "
-            "batch (e.g. 6 * parameters * tokens per step), or None to use XLA's count of the compiled step.",
+            "batch (e.g. 6 * parameters * tokens per step), or None to count the compiled step's FLOPs without "
+            "recomputation.",
         )
 
 
@@ -214,24 +171,30 @@ class StepCost:
     """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of ``fit``).
 
     Attributes:
-        flops: FLOPs per device per optimizer step (see ``flops_source``), or None when XLA gave no count.
-        flops_source: where ``flops`` comes from (XLA's cost analysis, or ``flops_per_step=``).
-        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; MFU is then "n/a").
+        flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the basis of HFU),
+            or None when not counted.
+        flops_source: where ``flops`` comes from.
+        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then "n/a").
         peak_source: where ``peak_flops`` comes from, or why it is unknown.
         param_bytes / optimizer_bytes / model_state_bytes: bytes each device holds (its shards).
         temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave none.
         device_kind: the devices' ``device_kind``; num_devices: how many run the step.
         tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted per step
             from a token-weighted loss's weight, or not at all.
-        undercounted_loops: loops in the step whose bodies XLA counted once (not the accumulation loop).
+        undercounted_loops: loops in the step whose trip count XLA did not record (counted once).
         devices: this process's devices (for ``device.memory_stats()``).
+        model_flops: the model's FLOPs per device per step (the basis of MFU): ``flops_per_step=`` / devices,
+            else ``flops`` without recomputation; None when not known.
+        model_flops_source: where ``model_flops`` comes from.
+        uncosted: custom calls the count could not cost (counted as 0): while any is named, ``flops`` and
+            the utilisations are lower bounds.
 
     Examples:
-        >>> cost = StepCost(flops=2e12, flops_source="XLA", peak_flops=1e15, peak_source="given",
+        >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
         ...                 param_bytes=4, optimizer_bytes=8, model_state_bytes=0, temp_bytes=16,
-        ...                 device_kind="cpu", num_devices=1)
-        >>> cost.mfu(steps_per_sec=100.0)
-        0.2
+        ...                 device_kind="cpu", num_devices=1, model_flops=1.5e12)
+        >>> cost.hfu(steps_per_sec=100.0), cost.mfu(steps_per_sec=100.0)
+        (0.2, 0.15)
     """
 
     flops: float | None
@@ -247,26 +210,41 @@ class StepCost:
     tokens_per_step: float | None = None
     undercounted_loops: int = 0
     devices: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    model_flops: float | None = None
+    model_flops_source: str = ""
+    uncosted: tuple[str, ...] = ()
 
-    def mfu(self, steps_per_sec: float) -> float | None:
-        """Model FLOPs utilization at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops`` (None: n/a)."""
+    @property
+    def lower_bound(self) -> bool:
+        """Whether the FLOPs (and so HFU and MFU) may fall short: a custom call not costed, or a loop of unknown
+        trip count."""
+        return bool(self.uncosted) or self.undercounted_loops > 0
+
+    def hfu(self, steps_per_sec: float) -> float | None:
+        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops`` (None: n/a)."""
         if self.flops is None or self.peak_flops is None:
             return None
         return self.flops * steps_per_sec / self.peak_flops
 
+    def mfu(self, steps_per_sec: float) -> float | None:
+        """Model FLOPs utilisation at ``steps_per_sec``: ``model_flops * steps_per_sec / peak_flops`` (None: n/a)."""
+        if self.model_flops is None or self.peak_flops is None:
+            return None
+        return self.model_flops * steps_per_sec / self.peak_flops
+
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict[str, float]:
-        """A log window's ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use`` (each only where known).
+        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only where known).
 
         Args:
             steps: the window's steps; seconds: how long they took.
             loss_weight: the window's summed token-weighted loss weight, or None.
 
         Examples:
-            >>> cost = StepCost(flops=2e12, flops_source="XLA", peak_flops=1e15, peak_source="given",
+            >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
             ...                 param_bytes=0, optimizer_bytes=0, model_state_bytes=0, temp_bytes=None,
-            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0)
+            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0, model_flops=1e12)
             >>> cost.rates(10, 0.5, None)
-            {'tokens_per_sec': 10240.0, 'mfu': 0.04}
+            {'tokens_per_sec': 10240.0, 'mfu': 0.02, 'hfu': 0.04}
         """
         out: dict[str, float] = {}
         if not seconds > 0:
@@ -274,9 +252,9 @@ class StepCost:
         tokens = steps * self.tokens_per_step if self.tokens_per_step is not None else loss_weight
         if tokens is not None:
             out["tokens_per_sec"] = tokens / seconds
-        mfu = self.mfu(steps / seconds)
-        if mfu is not None:
-            out["mfu"] = mfu
+        for key, value in (("mfu", self.mfu(steps / seconds)), ("hfu", self.hfu(steps / seconds))):
+            if value is not None:
+                out[key] = value
         live = device_memory(self.devices)
         if live and "peak_bytes_in_use" in live:
             out["peak_bytes_in_use"] = float(live["peak_bytes_in_use"])
@@ -286,22 +264,33 @@ class StepCost:
         """The one line ``fit`` logs at its start.
 
         Examples:
-            >>> line = StepCost(flops=1.5e9, flops_source="XLA cost analysis", peak_flops=None,
+            >>> line = StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
             ...                 peak_source="no datasheet peak for cpu", param_bytes=2048, optimizer_bytes=4096,
-            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu", num_devices=8).describe()
-            >>> print(line.replace("; ", ";\\n"))
-            train step per device (8 devices): 1.5 GFLOP (XLA cost analysis);
+            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu", num_devices=8,
+            ...                 model_flops=1.5e9, model_flops_source="program_cost without recomputation",
+            ...                 uncosted=("my_kernel (jit(step)/my_kernel)",)).describe()
+            >>> print(line.replace("; ", ";\\n").replace(", model", ",\\nmodel"))
+            train step per device (8 devices): 1.5 GFLOP executed (program_cost),
+            model 1.5 GFLOP (program_cost without recomputation);
+            at least: 1 custom call(s) not costed: my_kernel (jit(step)/my_kernel);
             params 2 KiB, optimizer state 4 KiB, temporaries 1 KiB;
-            peak n/a (no datasheet peak for cpu: MFU n/a, pass Trainer(peak_flops=...));
+            peak n/a (no datasheet peak for cpu: MFU and HFU n/a, pass Trainer(peak_flops=...));
             live memory n/a
         """
-        flops = "FLOPs n/a" if self.flops is None else format_flops(self.flops)
+        flops = "FLOPs n/a" if self.flops is None else f"{format_flops(self.flops)} executed ({self.flops_source})"
+        if self.model_flops is not None:
+            flops += f", model {format_flops(self.model_flops)} ({self.model_flops_source})"
+        if self.uncosted:
+            flops += (f"; at least: {len(self.uncosted)} custom call(s) not costed: {', '.join(self.uncosted[:4])}"
+                      + (", ..." if len(self.uncosted) > 4 else ""))
+        if self.undercounted_loops:
+            flops += f"; at least: {self.undercounted_loops} loop(s) of unknown trip count counted once"
         memory = f"params {format_bytes(self.param_bytes)}, optimizer state {format_bytes(self.optimizer_bytes)}"
         if self.model_state_bytes:
             memory += f", model state {format_bytes(self.model_state_bytes)}"
         memory += f", temporaries {'n/a' if self.temp_bytes is None else format_bytes(self.temp_bytes)}"
         if self.peak_flops is None:
-            peak = f"peak n/a ({self.peak_source}: MFU n/a, pass Trainer(peak_flops=...))"
+            peak = f"peak n/a ({self.peak_source}: MFU and HFU n/a, pass Trainer(peak_flops=...))"
         else:
             peak = f"peak {format_flops(self.peak_flops)}/s ({self.peak_source})"
         live = device_memory(self.devices)
@@ -315,75 +304,9 @@ class StepCost:
         else:
             live_text = "live memory n/a"
         return (
-            f"train step per device ({self.num_devices} devices): {flops} ({self.flops_source}); {memory}; "
+            f"train step per device ({self.num_devices} devices): {flops}; {memory}; "
             f"{peak}; {live_text}"
         )
-
-
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-# Matrix units' work: dots and convolutions, or (GPU) the library calls they become.
-_HEAVY = re.compile(r" (?:dot|convolution)\(|custom_call_target=\"[^\"]*(?:gemm|matmul|conv)", re.IGNORECASE)
-
-
-def _loops(hlo_text: str) -> list[tuple[str, int | None, bool]]:
-    """``(op_name, known trip count or None, heavy)`` of every ``while`` in a compiled module's text; heavy: its
-    body does matrix work (a dot or convolution, directly or in what it calls). Loops without any (such as the
-    rounds of the random-number generator) cost next to nothing, counted once or not."""
-    computations: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in hlo_text.splitlines():
-        if current is None:
-            if line.endswith("{") and not line.startswith((" ", "HloModule")):
-                name = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
-                current = computations.setdefault(name, [])
-        elif line.startswith("}"):
-            current = None
-        else:
-            current.append(line)
-
-    def called(lines: list[str]) -> set[str]:
-        names = set()
-        for line in lines:
-            names.update(_CALLED.findall(line))
-            for group in _BRANCHES.findall(line):
-                names.update(n.strip().lstrip("%") for n in group.split(","))
-        return names
-
-    def heavy(name: str, seen: set[str]) -> bool:
-        if name in seen or name not in computations:
-            return False
-        seen.add(name)
-        lines = computations[name]
-        return any(_HEAVY.search(line) for line in lines) or any(heavy(n, seen) for n in called(lines))
-
-    out = []
-    for lines in computations.values():
-        for line in lines:
-            if " while(" not in line:
-                continue
-            name, trips, body = _OP_NAME.search(line), _TRIP_COUNT.search(line), re.search(r"body=%([\w.\-]+)", line)
-            out.append(
-                (
-                    name.group(1) if name else "",
-                    int(trips.group(1)) if trips else None,
-                    body is not None and heavy(body.group(1), set()),
-                )
-            )
-    return out
-
-
-def _xla_flops(compiled: Any) -> float | None:
-    try:
-        analysis = compiled.cost_analysis()
-    except Exception:  # a backend without cost analysis: no count (MFU n/a), not a failed fit
-        return None
-    if isinstance(analysis, (list, tuple)):  # older jax: one dict per module
-        analysis = analysis[0] if analysis else None
-    flops = (analysis or {}).get("flops")
-    return float(flops) if flops is not None and flops >= 0 else None
 
 
 def measure_step_cost(
@@ -394,68 +317,46 @@ def measure_step_cost(
     local_devices: Sequence[Any],
     options: CostOptions,
     rows_per_step: int,
-    grad_accum_steps: int = 1,
-    accumulation_scope: str = "",
-    micro_step: Callable[[], Any] | None = None,
 ) -> StepCost:
-    """Measure a compiled train step (once: XLA's cost and memory analyses, the state's layout).
+    """Measure a compiled train step (once: `jaxdist.costs.program_cost`, XLA's memory analysis, the state's
+    layout).
 
     Args:
-        compiled: the compiled step (``jitted.lower(...).compile()``: one optimizer step, no outer loop).
+        compiled: the compiled step (``jitted.lower(...).compile()``: one optimizer step).
         state: the `TrainState` (arrays or abstract arrays with shardings).
         devices: every device the step runs on; local_devices: this process's.
         options: the `CostOptions`.
         rows_per_step: the global batch's rows.
-        grad_accum_steps / accumulation_scope: the accumulation loop's iterations and the named scope its
-            ``while`` carries.
-        micro_step: returns the compiled program of one micro-batch's forward and backward pass (called only
-            when the accumulation loop is still a loop in ``compiled``).
 
     Returns:
         The `StepCost`.
 
-    Warns:
-        UserWarning: when other loops in the step make XLA's FLOP count a lower bound (pass flops_per_step).
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxdist as jd
+        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4))).compile()
+        >>> state = jd.training.TrainState(0, {"w": jnp.ones((4, 2))}, (), {}, None)
+        >>> cost = measure_step_cost(compiled, state, devices=jax.devices()[:1], local_devices=jax.devices()[:1],
+        ...                          options=CostOptions(peak_flops=1e9), rows_per_step=8)
+        >>> cost.flops, cost.model_flops, cost.hfu(1000.0)
+        (128.0, 128.0, 0.000128)
     """
     kind = devices[0].device_kind
     if options.peak_flops is not None:
         peak, peak_source = float(options.peak_flops), "peak_flops="
     else:
-        known = known_peak_flops(kind)
-        peak, peak_source = known if known is not None else (None, f"no datasheet peak for {kind}")
-    undercounted = 0
+        row = accelerator_of_device(kind)
+        peak, peak_source = (row.flops, row.source) if row is not None else (None, f"no datasheet peak for {kind}")
+    try:
+        counted = program_cost(compiled)
+    except Exception:  # a backend without module text: no count (HFU and MFU n/a), not a failed fit
+        counted = None
+    flops = None if counted is None else counted.flops
     if options.flops_per_step is not None:
-        flops, flops_source = options.flops_per_step / len(devices), "flops_per_step= / devices"
+        model, model_source = options.flops_per_step / len(devices), "flops_per_step= / devices"
+    elif counted is not None:
+        model, model_source = counted.model_flops, "program_cost without recomputation"
     else:
-        flops, flops_source = _xla_flops(compiled), "XLA cost analysis"
-        try:
-            text = compiled.as_text()
-        except Exception:  # no module text: no loops to find
-            text = ""
-        for name, trips, heavy in _loops(text):
-            if accumulation_scope and name.endswith(f"{accumulation_scope}/while") and grad_accum_steps > 1:
-                # XLA counted this loop's body once; the body holds grad_accum_steps / trips micro-batches
-                # (XLA may have unrolled it). Count every micro-batch.
-                copies = grad_accum_steps // trips if trips and grad_accum_steps % trips == 0 else 1
-                micro = _xla_flops(micro_step()) if micro_step is not None and flops is not None else None
-                if micro is None:
-                    flops = None
-                else:
-                    flops += (grad_accum_steps - copies) * micro
-                    flops_source = (
-                        f"XLA cost analysis, the accumulation loop's micro-batch counted {grad_accum_steps} times"
-                    )
-            elif heavy and (trips is None or trips > 1):
-                undercounted += 1
-        if undercounted:
-            warnings.warn(
-                f"the compiled train step holds {undercounted} loop(s) (e.g. nn.scan / nnx.scan over layers) whose "
-                "body XLA's cost analysis counts once, however many times it runs: the FLOPs and MFU logged are a "
-                "lower bound. Pass Trainer(flops_per_step=...) (the model's FLOPs per optimizer step, e.g. "
-                "6 * parameters * tokens per step for a transformer) to log the true MFU.",
-                UserWarning,
-                stacklevel=4,
-            )
+        model, model_source = None, "n/a"
     try:
         memory = compiled.memory_analysis()
     except Exception:  # a backend without memory analysis
@@ -464,7 +365,7 @@ def measure_step_cost(
     tokens = None if options.tokens_per_example is None else float(options.tokens_per_example * rows_per_step)
     return StepCost(
         flops=flops,
-        flops_source=flops_source,
+        flops_source="program_cost" if counted is not None else "n/a",
         peak_flops=peak,
         peak_source=peak_source,
         param_bytes=_bytes_per_device(state.params),
@@ -474,6 +375,9 @@ def measure_step_cost(
         device_kind=kind,
         num_devices=len(devices),
         tokens_per_step=tokens,
-        undercounted_loops=undercounted,
+        undercounted_loops=0 if counted is None else counted.unknown_loops,
         devices=tuple(local_devices),
+        model_flops=model,
+        model_flops_source=model_source,
+        uncosted=() if counted is None else counted.uncosted,
     )

@@ -32,7 +32,7 @@ loop), so the logs, evaluations and checkpoints of ``steps_per_run > 1`` are tho
 step at a time.
 
 After the first step the loop asks the trainer what a step costs (``trainer.step_cost()``, measured once) and
-hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_sec``, ``mfu`` and
+hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_sec``, ``mfu``, ``hfu`` and
 ``peak_bytes_in_use`` where they are known (`jaxdist.training.cost`), from the window's steps, seconds and
 summed loss weight: nothing more is computed or read per step.
 """

@@ -38,7 +38,6 @@ __all__ = [
     "add_to_sums",
     "make_eval_step",
     "make_loop_step",
-    "make_micro_step",
     "make_predict_step",
     "make_summed_train_step",
     "make_train_step",
@@ -139,7 +138,7 @@ def _micro_batches(tree: Any, k: int) -> Any:
 
 
 ACCUMULATION_SCOPE = "grad_accumulation"
-"""Named scope of the micro-batch loop (its ``while`` op carries it; `jaxdist.training.cost` finds it there)."""
+"""Named scope of the micro-batch loop (its ``while`` op carries it: profiles and the compiled text name it)."""
 
 
 def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
@@ -195,35 +194,6 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
     if not sown:
         return ()
     return tuple(jax.eval_shape(_layer_values, sown))
-
-
-def make_micro_step(
-    model: Any,
-    loss_fn: Callable[[Any, Any], Any],
-    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
-    compute_dtype: Any = None,
-) -> Callable[[TrainState, Any], Any]:
-    """``(state, batch) -> gradients``: one micro-batch's forward and backward pass, as the train step's
-    accumulation loop runs it (what `jaxdist.training.cost` compiles to count one loop iteration's FLOPs).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
-        >>> model = LinenModel(nn.Dense(1))
-        >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
-        >>> state = TrainState(jnp.int32(0), params, (), ms, jax.random.key(1))
-        >>> grads = make_micro_step(model, lambda out, y: jnp.mean((out[:, 0] - y) ** 2))(
-        ...     state, (jnp.ones((4, 2)), jnp.zeros(4)))
-        >>> grads["kernel"].shape
-        (2, 1)
-    """
-    grad_fn = jax.grad(_forward(model, loss_fn, dict(metrics or {}), compute_dtype), has_aux=True)
-
-    def micro_step(state: TrainState, batch: Any) -> Any:
-        x, y = split_batch(batch)
-        return grad_fn(state.params, state.model_state, x, y, step_key(state))[0]
-
-    return micro_step
 
 
 def make_summed_train_step(

@@ -87,12 +87,13 @@ class Trainer:
         tokens_per_example: tokens in one example (a language model's sequence length): logs then show
             ``tokens_per_sec`` = rows x this / step time (padding included: what the devices process). None:
             a token-weighted loss's summed weight counts the tokens (the real ones); other losses log none.
-        peak_flops: peak FLOP/s of ONE device for ``mfu`` (e.g. a measured peak), instead of the datasheet's
-            dense bf16 figure for H100, H200, A100 and TPU v4 / v5e / v5p / v6e (`jaxdist.training.cost`).
-            Without either (CPU), MFU is "n/a".
+        peak_flops: peak FLOP/s of ONE device for ``mfu`` and ``hfu`` (e.g. a measured peak), instead of the
+            datasheet's dense bf16 figure for A100, H100, H200, B200 and TPU v4 / v5e / v5p / v6e
+            (`jaxdist.costs.ACCELERATORS`). Without either (CPU), both are "n/a".
         flops_per_step: the model's FLOPs per optimizer step over the global batch (e.g. 6 x parameters x
-            tokens), instead of XLA's count of the compiled step (which counts a loop body such as
-            ``nn.scan`` over layers once, and custom kernels as 0).
+            tokens): the basis of ``mfu`` (model FLOPs utilisation). Without it, the compiled step's FLOPs
+            without recomputation (`jaxdist.costs.program_cost`). ``hfu`` (hardware FLOPs utilisation) always
+            counts what the compiled step executes, rematerialisation and replicated optimizer work included.
 
     Raises:
         TypeError: for a strategy, model, optimizer or loss_fn of the wrong kind (a module class instead of
@@ -375,9 +376,9 @@ class Trainer:
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
         and temporaries (``fit`` logs it once at its start; `jaxdist.training.cost`). Measured once, from the
-        compiled step (XLA's cost and memory analyses), never per step: the step that ran is found in JAX's
-        cache; with ``steps_per_run > 1`` (on-device loops) the single step is compiled once more for it, and
-        with ``grad_accum_steps > 1`` one micro-batch's pass too (XLA counts a loop's body once).
+        compiled step (`jaxdist.costs.program_cost`, the same count as ``Trainer.plan(...).flops``, and XLA's
+        memory analysis), never per step: the step that ran is found in JAX's cache; with ``steps_per_run > 1``
+        (on-device loops) the single step is compiled once more for it.
 
         Raises:
             RuntimeError: before the first training step.

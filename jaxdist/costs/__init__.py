@@ -1,0 +1,41 @@
+"""Costs: what a compiled program does per device, what the accelerators can do, and the time it takes.
+
+One home for the cost model, below every other package (it imports none of jaxdist): `program_cost` counts a
+compiled program's FLOPs (loops multiplied, library calls and kernels costed), bytes accessed and
+collectives; `ACCELERATORS` holds the published peaks by chip and device kind; `roofline` turns the two into
+a step time. `jaxdist.Plan`, the Trainer's utilisation figures and the benchmarks all read them.
+
+Examples:
+    >>> import jax, jax.numpy as jnp, jaxdist as jd
+    >>> cost = jd.program_cost(jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile())
+    >>> cost.flops
+    128.0
+    >>> str(jd.costs.roofline(cost.flops, cost.bytes_accessed, 0.0, "h100")).split(" (")[1].split(":")[0]
+    'memory-bound'
+"""
+
+from jaxdist.costs.peaks import ACCELERATORS as ACCELERATORS
+from jaxdist.costs.peaks import Accelerator as Accelerator
+from jaxdist.costs.peaks import accelerator as accelerator
+from jaxdist.costs.peaks import accelerator_of_device as accelerator_of_device
+from jaxdist.costs.peaks import known_peak_flops as known_peak_flops
+from jaxdist.costs.program import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from jaxdist.costs.program import CollectiveOp as CollectiveOp
+from jaxdist.costs.program import ProgramCost as ProgramCost
+from jaxdist.costs.program import program_cost as program_cost
+from jaxdist.costs.roofline import Estimate as Estimate
+from jaxdist.costs.roofline import roofline as roofline
+
+__all__ = [
+    "ACCELERATORS",
+    "COLLECTIVE_KINDS",
+    "Accelerator",
+    "CollectiveOp",
+    "Estimate",
+    "ProgramCost",
+    "accelerator",
+    "accelerator_of_device",
+    "known_peak_flops",
+    "program_cost",
+    "roofline",
+]
