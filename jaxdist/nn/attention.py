@@ -266,8 +266,7 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
     ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool (or None) where a query may attend,
     ``causal`` the kernel's own (top-left aligned) causal mask. A query that may attend to nothing gets zeros
     (the kernels would average every value)."""
-    b, lq, h, _ = q.shape
-    lk = k.shape[1]
+    lq, lk = q.shape[1], k.shape[1]
 
     def full(x):  # the kernels take masks/biases of (batch or 1, heads or 1, lq, lk)
         return jnp.broadcast_to(x, (x.shape[0], x.shape[1], lq, lk))

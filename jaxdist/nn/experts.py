@@ -338,7 +338,7 @@ def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
 
 
 def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple, batch_axes: tuple,
-                  native: bool, kernel: str):
+                  native: bool, kernel: str = "ragged_dot"):
     """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert, each
     expert's slice sent to the device holding it by a ragged exchange (only the routed rows move), received
     grouped by local expert, the experts as grouped matmuls on them, the outputs sent back the same way and
@@ -383,7 +383,7 @@ def _expert_policy() -> Any | None:
 
 
 def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int, ragged: bool,
-                     native: bool, kernel: str):
+                     native: bool, kernel: str = "ragged_dot"):
     roles = policy.roles
     axes, batch = tuple(roles.expert_axes), tuple(roles.batch_axes)
     ep = roles.size(axes)

@@ -37,7 +37,8 @@ class MoE(nnx.Module):
                  capacity_factor: float | None = None, router: str = "softmax", normalize_top_k: bool = True,
                  shared_experts: int = 0, activation: Callable[[jax.Array], jax.Array] = nnx.silu,
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.0, router_bias: bool = False,
-                 ragged: bool | None = None, grouped_matmul: str | None = None, dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 ragged: bool | None = None, grouped_matmul: str | None = None,
+                 dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k, activation)
         e, h = num_experts, hidden_dim
         lecun = nnx.initializers.lecun_normal()

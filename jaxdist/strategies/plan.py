@@ -45,8 +45,8 @@ from jax.sharding import NamedSharding
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
 from jaxdist.strategies.accelerators import Accelerator, Estimate, accelerator, roofline
 from jaxdist.strategies.hlo_cost import COLLECTIVE_KINDS, module_cost, moe_dispatch
-from jaxdist.strategies.kernels import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, scoped
 from jaxdist.strategies.input import argument_layouts
+from jaxdist.strategies.kernels import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, scoped
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
 
