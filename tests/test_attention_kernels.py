@@ -1,9 +1,10 @@
 """`jd.nn.dot_product_attention`'s kernels: every implementation that runs on CPU equals the einsums.
 
-``implementation="xla"`` (`jax.nn.dot_product_attention`'s XLA kernel) and ``"einsum"`` (jaxdist's blockwise
-online softmax) are forced on the same inputs and compared in values and gradients (float32): causal, padding
-masks, packed segments and biases; off a context axis, and on the context axes' all-gather (one fused call
-over the gathered keys) and ring (the einsums). cuDNN cannot run here: its path is lowered for CUDA.
+``implementation="xla"`` (`jax.nn.dot_product_attention`'s XLA kernel), ``"tokamax"`` (where the optional
+extra is installed: its XLA implementation on CPU) and ``"einsum"`` (jaxdist's blockwise online softmax) are
+forced on the same inputs and compared in values and gradients (float32): causal, padding masks, packed
+segments and biases; off a context axis, and on the context axes' all-gather (one fused call over the gathered
+keys) and ring (the einsums). cuDNN cannot run here: its path is lowered for CUDA.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from jax import export
 from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
-from jaxdist.nn import attention
+from jaxdist.nn import attention, optional
 
 pytestmark = pytest.mark.timeout(300)
 
 AUTO = jax.sharding.AxisType.Auto
 B, L, H, D = 4, 32, 2, 8
+TOKAMAX = pytest.param("tokamax", marks=pytest.mark.skipif(
+    optional.tokamax is None, reason="tokamax (the optional extra jaxdist[tokamax]) is not installed"))
 
 
 def _inputs(seed=0, length=L):
@@ -62,14 +65,15 @@ def _close(got, want, atol=2e-5):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=atol)
 
 
+@pytest.mark.parametrize("impl", ["xla", None, TOKAMAX])
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_cpu_implementation_equals_the_einsums_in_values_and_gradients(case):
+def test_every_cpu_implementation_equals_the_einsums_in_values_and_gradients(case, impl):
     args = _inputs()
     want = jax.jit(_value_and_grads("einsum", case))(*args)
-    for impl in ("xla", None):
-        _close(jax.jit(_value_and_grads(impl, case))(*args), want)
+    got = jax.jit(_value_and_grads(impl, case))(*args)
+    _close(got, want)
     if case == "padding":  # a query that may attend to nothing (a padding position) gets zeros, every kernel
-        out = np.asarray(jax.jit(_value_and_grads("xla", case))(*args)[0])
+        out = np.asarray(got[0])
         assert np.all(out[3, 3:] == 0) and np.any(out[3, :3] != 0)
 
 
@@ -92,17 +96,18 @@ def _cp_strategy(kind):
 
 
 # (context, load_balance, implementation): the ring runs the einsums whatever the backend (see the module doc).
-CP = [("all_gather", False, "xla"), ("all_gather", True, "xla"), ("all_gather", False, "einsum"),
-      ("ring", True, None), ("ring", False, "einsum")]
+EINSUMS = [("all_gather", False, "einsum"), ("ring", True, None), ("ring", False, "einsum")]
 
 
+@pytest.mark.parametrize("fused", ["xla", TOKAMAX])
 @pytest.mark.parametrize("case", ["causal_padding", "segments", "bias"])
 @pytest.mark.parametrize("kind", ["data2_context4", "context8"])
-def test_context_parallel_kernels_equal_the_einsums_on_one_device(kind, case):
+def test_context_parallel_kernels_equal_the_einsums_on_one_device(kind, case, fused):
     args = _inputs(1)
     want = jax.jit(_value_and_grads("einsum", case))(*args)
     strategy = _cp_strategy(kind)
-    for context, balance, impl in CP:
+    runs = [("all_gather", False, fused), ("all_gather", True, fused)] + (EINSUMS if fused == "xla" else [])
+    for context, balance, impl in runs:
         if balance and not CASES[case](*args[4:]).get("causal"):
             continue
         step = strategy.jit(_value_and_grads(impl, case, context=context, load_balance=balance),
@@ -121,9 +126,10 @@ def test_the_plan_names_the_kernel():
     assert jd.OneDeviceStrategy().jit(lambda x: x + 1).plan(np.ones(2, np.float32)).attention == ()
 
 
-def test_bad_implementations_are_errors_naming_the_argument_and_the_fix():
+def test_bad_implementations_are_errors_naming_the_argument_and_the_fix(monkeypatch):
     q, k, v, *_ = _inputs()
-    with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('einsum', 'xla', 'cudnn'\)"):
+    with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('einsum', 'xla', 'cudnn', "
+                                         r"'tokamax'\)"):
         jd.nn.dot_product_attention(q, k, v, implementation="flash")
     with pytest.raises(ValueError, match=r"implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs "
                                          r"only; these devices are 'cpu': pass implementation=None"):
@@ -137,6 +143,28 @@ def test_bad_implementations_are_errors_naming_the_argument_and_the_fix():
     with pytest.raises(NotImplementedError, match=r"implementation='xla' cannot compute ring attention's steps.*"
                                                   r"Pass context='all_gather'"):
         step(q, k, v)
+    monkeypatch.setattr(attention, "_tokamax", None)
+    with pytest.raises(ValueError, match=r"implementation='tokamax' needs tokamax, which is not importable here: "
+                                         r"pip install 'jaxdist\[tokamax\]'"):
+        jd.nn.dot_product_attention(q, k, v, implementation="tokamax")
+
+
+def test_the_default_kernel_by_backend(monkeypatch):
+    # None: cuDNN on an NVIDIA GPU (16-bit, head_dim a multiple of 8 up to 128), tokamax on a TPU where it is
+    # installed, the einsums elsewhere and wherever a fused kernel cannot serve (ring, dropout, precision).
+    bf16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    choose = attention._implementation
+    for platform, tokamax, want in (("cuda", None, "cudnn"), ("tpu", object(), "tokamax"), ("tpu", None, "einsum"),
+                                    ("rocm", object(), "einsum"), ("cpu", object(), "einsum")):
+        monkeypatch.setattr(attention, "_devices_platform", lambda p=platform: p)
+        monkeypatch.setattr(attention, "_tokamax", tokamax)
+        assert choose(None, bf16, False, None, False) == want, (platform, tokamax)
+    monkeypatch.setattr(attention, "_devices_platform", lambda: "cuda")
+    assert choose(None, bf16.astype(jnp.float32), False, None, False) == "einsum"  # cuDNN: 16-bit only
+    assert choose(None, jnp.zeros((1, 8, 2, 256), jnp.bfloat16), False, None, False) == "einsum"
+    assert choose(None, bf16, True, None, False) == "einsum"  # dropout / sown weights
+    assert choose(None, bf16, False, jax.lax.Precision.HIGHEST, False) == "einsum"
+    assert choose(None, bf16, False, None, True) == "einsum"  # the ring
 
 
 def test_a_plan_mesh_compiles_on_cpu_so_cudnn_is_refused_and_auto_is_the_einsums():
@@ -172,7 +200,7 @@ def test_cudnn_attention_lowers_for_cuda_and_is_the_gpu_default(as_on_a_gpu):
 
     def loss(q, k, v, valid, **kwargs):
         out = jd.nn.dot_product_attention(q, k, v, causal=True, **kwargs)
-        padded = jd.nn.dot_product_attention(q, k, v, mask=valid[:, None, None, :], **kwargs)
+        padded = jd.nn.dot_product_attention(q, k, v, mask=valid[:, None, None, :], causal=True, **kwargs)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(padded.astype(jnp.float32))
 
     exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=("cuda",),
@@ -181,10 +209,6 @@ def test_cudnn_attention_lowers_for_cuda_and_is_the_gpu_default(as_on_a_gpu):
     assert module.count("@__cudnn$fmhaSoftmax(") == 1 and module.count("@__cudnn$fmhaSoftmaxBackward(") == 1
     assert module.count("@__cudnn$fmhaScaleBiasSoftmax(") == 1  # the padding mask, as cuDNN's bias
     assert "jaxdist_attention_cudnn" in module  # the named scope plans read the kernel from
-    # float32 and the ring stay on the einsums by default; forced, cuDNN is taken.
-    assert attention._implementation(None, q.astype(jnp.float32), False, None, False) == "einsum"
-    assert attention._implementation(None, q, False, None, True) == "einsum"
-    assert attention._implementation("cudnn", q, False, None, False) == "cudnn"
 
 
 def test_cudnn_all_gather_attention_lowers_for_cuda(as_on_a_gpu):

@@ -27,6 +27,13 @@ original order: transparent to the model, labels and loss.
 Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the same
 function computes plain attention with the same formula, so a model equals itself on one device.
 
+Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the all-gather's
+blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with ``implementation="cudnn"``;
+8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is `jax.nn.dot_product_attention`'s XLA kernel;
+the einsums above run everywhere and are the ring's kernel: a ring step's partial result is combined through
+its softmax statistics, whose gradient the fused kernels do not give. The kernel runs in a named scope
+(`jaxdist.strategies.kernels`), so `jaxdist.Plan.attention` reports what a compiled step runs.
+
 Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by ``mask``
 (True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same segment: packed
 sequences); the softmax runs in at least float32; a query that may attend to no key at all (a padding
@@ -46,6 +53,7 @@ from jax.sharding import PartitionSpec
 from jaxdist.nn.load_balance import positions as _positions
 from jaxdist.nn.load_balance import unzigzag as _unzigzag
 from jaxdist.nn.load_balance import zigzag as _zigzag
+from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
@@ -55,10 +63,13 @@ from jaxdist.strategies.plan_mesh import is_plan_mesh
 __all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 
 _MODES = ("all_gather", "ring")
-IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "tokamax")
 """What computes each attention block: ``"einsum"`` (jaxdist's blockwise online softmax, every backend),
 ``"xla"`` (`jax.nn.dot_product_attention` with ``implementation="xla"``, every backend), ``"cudnn"``
-(`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash attention, NVIDIA GPUs)."""
+(`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash attention, NVIDIA GPUs),
+``"tokamax"`` (``tokamax.dot_product_attention``: Pallas flash attention for GPUs and TPUs, its XLA one
+elsewhere; the optional extra ``jaxdist[tokamax]``)."""
+_FUSED = ("xla", "cudnn", "tokamax")
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 _UNROLL = 8  # ring steps unrolled up to this many (a longer ring stays a loop)
 
@@ -114,12 +125,14 @@ def dot_product_attention(
             original order).
         implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused flash
             attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16, head_dim a
-            multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA implementation) or
-            ``"einsum"`` (jaxdist's blockwise online softmax). None: cuDNN on an NVIDIA GPU where it supports
-            the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``), the einsums
-            elsewhere. With ``context="all_gather"`` a fused kernel computes the local queries against the
-            gathered keys in one call (its mask, ``(local q, L)``, built from token positions); ring steps need
-            each block's softmax statistics with their gradient, which the fused kernels do not give
+            multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA implementation),
+            ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra ``jaxdist[tokamax]`` is
+            installed) or ``"einsum"`` (jaxdist's blockwise online softmax). None: where a fused kernel serves
+            the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``), cuDNN on an
+            NVIDIA GPU (float16/bfloat16) and tokamax on a TPU where it is installed; the einsums elsewhere.
+            With ``context="all_gather"`` a fused kernel computes the local queries against the gathered keys
+            in one call (its mask, ``(local q, L)``, built from token positions); ring steps need each block's
+            softmax statistics with their gradient, which the fused kernels do not give
             (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under cuDNN): the ring
             runs the einsums. The choice shows in `jaxdist.Plan.attention`.
         dropout_rng, dropout_rate, broadcast_dropout, deterministic: Flax's attention dropout (plain
@@ -137,7 +150,7 @@ def dot_product_attention(
 
     Raises:
         ValueError: for an unknown ``context`` or ``implementation``, ``implementation="cudnn"`` off an NVIDIA
-            GPU, ``load_balance`` without ``causal``, or on a context axis a
+            GPU, ``"tokamax"`` without tokamax, ``load_balance`` without ``causal``, or on a context axis a
             sequence length the context axes do not divide (``2 N`` chunks with ``load_balance``), query and
             key lengths that differ, inputs that are not ``(batch, length, heads, head_dim)``.
         NotImplementedError: for dropout or sowing weights on a context axis or with a fused
@@ -175,8 +188,9 @@ def dot_product_attention(
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is cuDNN's fused "
-            "attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, 'einsum' jaxdist's blockwise "
-            "softmax (None: cuDNN where it serves, the einsums elsewhere)."
+            "attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, 'tokamax' tokamax's (the extra "
+            "jaxdist[tokamax]), 'einsum' jaxdist's blockwise softmax (None: a fused kernel where one serves, the "
+            "einsums elsewhere)."
         )
     causal = bool(causal or is_causal)
     if load_balance and not causal:
@@ -233,25 +247,32 @@ def _devices_platform() -> str:
 def _implementation(implementation: str | None, query: jax.Array, weights_needed: bool, precision: Any,
                     ring: bool) -> str:
     """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice."""
-    fused = ("xla", "cudnn")
     if implementation is None:
-        head_dim = query.shape[-1]
-        if (not ring and not weights_needed and precision is None and query.dtype in _FUSED_DTYPES
-                and head_dim % 8 == 0 and head_dim <= 128 and _devices_platform() == "cuda"):
+        if ring or weights_needed or precision is not None:
+            return "einsum"
+        platform, head_dim = _devices_platform(), query.shape[-1]
+        if platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128:
             return "cudnn"
+        if platform == "tpu" and _tokamax is not None:  # jax has no fused attention of its own for TPUs
+            return "tokamax"
         return "einsum"
     if implementation == "cudnn" and (platform := _devices_platform()) != "cuda":
         raise ValueError(
             f"implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these devices are "
             f"{platform!r}: pass implementation=None (cuDNN on a GPU, the einsums here), 'xla' or 'einsum'."
         )
-    if implementation in fused and weights_needed:
+    if implementation == "tokamax" and _tokamax is None:
+        raise ValueError(
+            "implementation='tokamax' needs tokamax, which is not importable here: pip install "
+            "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or 'einsum'."
+        )
+    if implementation in _FUSED and weights_needed:
         raise NotImplementedError(
             f"implementation={implementation!r} is a fused kernel: it never builds the attention weights that "
             "dropout and sown weights (module=) need; pass implementation='einsum' (or None), or "
             "deterministic=True / dropout_rate=0.0 and no module."
         )
-    if implementation in fused and ring:
+    if implementation in _FUSED and ring:
         raise NotImplementedError(
             f"implementation={implementation!r} cannot compute ring attention's steps: the ring combines each "
             "block's softmax statistics (log-sum-exp) and needs their gradient, which the fused kernels do not "
@@ -275,8 +296,11 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
     if bias is not None and implementation == "cudnn":
         bias = bias.astype(q.dtype)  # cuDNN takes a bias of the inputs' dtype
     mask = None if vis is None else full(vis)
-    out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=1.0, is_causal=causal,
-                                       implementation=implementation)
+    if implementation == "tokamax":
+        out = _tokamax.dot_product_attention(q, k, v, bias, mask, scale=1.0, is_causal=causal)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=1.0, is_causal=causal,
+                                           implementation=implementation)
     if mask is None:
         return out
     seen = mask & (jnp.arange(lq)[:, None] >= jnp.arange(lk)[None, :]) if causal else mask

@@ -52,16 +52,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxdist.nn.exchange import exchange, exchange_plan, has_ragged_exchange
+from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
 from jaxdist.strategies.hlo_cost import MOE_SCOPE
 from jaxdist.strategies.kernels import GROUPED_MATMUL_SCOPE
 from jaxdist.strategies.plan_mesh import is_plan_mesh
-
-try:  # the optional extra jaxdist[tokamax]: grouped-matmul kernels for GPUs and TPUs
-    import tokamax as _tokamax
-except ImportError:  # not installed (or its own imports failed): jax.lax.ragged_dot
-    _tokamax = None
 
 __all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "has_tokamax",
            "init_weights"]
