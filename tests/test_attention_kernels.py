@@ -150,10 +150,14 @@ def test_bad_implementations_are_errors_naming_the_argument_and_the_fix(monkeypa
 
 
 def test_the_default_kernel_by_backend(monkeypatch):
-    # None: cuDNN on an NVIDIA GPU (16-bit, head_dim a multiple of 8 up to 128), tokamax on a TPU where it is
-    # installed, the einsums elsewhere and wherever a fused kernel cannot serve (ring, dropout, precision).
+    # None: cuDNN on an NVIDIA GPU (16-bit, head_dim a multiple of 8 up to 128, even lengths), tokamax on a TPU
+    # where it is installed, the einsums elsewhere and wherever a fused kernel cannot serve (ring, dropout,
+    # precision).
     bf16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-    choose = attention._implementation
+
+    def choose(impl, q, *rest):
+        return attention._implementation(impl, q, q, *rest)
+
     for platform, tokamax, want in (("cuda", None, "cudnn"), ("tpu", object(), "tokamax"), ("tpu", None, "einsum"),
                                     ("rocm", object(), "einsum"), ("cpu", object(), "einsum")):
         monkeypatch.setattr(attention, "_devices_platform", lambda p=platform: p)
@@ -162,6 +166,7 @@ def test_the_default_kernel_by_backend(monkeypatch):
     monkeypatch.setattr(attention, "_devices_platform", lambda: "cuda")
     assert choose(None, bf16.astype(jnp.float32), False, None, False) == "einsum"  # cuDNN: 16-bit only
     assert choose(None, jnp.zeros((1, 8, 2, 256), jnp.bfloat16), False, None, False) == "einsum"
+    assert choose(None, jnp.zeros((1, 7, 2, 64), jnp.bfloat16), False, None, False) == "einsum"  # odd length
     assert choose(None, bf16, True, None, False) == "einsum"  # dropout / sown weights
     assert choose(None, bf16, False, jax.lax.Precision.HIGHEST, False) == "einsum"
     assert choose(None, bf16, False, None, True) == "einsum"  # the ring

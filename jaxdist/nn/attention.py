@@ -213,7 +213,7 @@ def dot_product_attention(
 
     policy = _context_policy()
     ring = policy is not None and context == "ring"
-    impl = _implementation(implementation, query, dropout or module is not None, precision, ring)
+    impl = _implementation(implementation, query, key, dropout or module is not None, precision, ring)
     # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
     with jax.named_scope(ATTENTION_SCOPE + impl):
         if policy is None or context is None:
@@ -244,14 +244,17 @@ def _devices_platform() -> str:
     return device.platform
 
 
-def _implementation(implementation: str | None, query: jax.Array, weights_needed: bool, precision: Any,
-                    ring: bool) -> str:
-    """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice."""
+def _implementation(implementation: str | None, query: jax.Array, key: jax.Array, weights_needed: bool,
+                    precision: Any, ring: bool) -> str:
+    """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice
+    (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU: 16-bit inputs, head_dim a
+    multiple of 8 up to 128, even lengths, which its backward pass needs with a mask or bias)."""
     if implementation is None:
         if ring or weights_needed or precision is not None:
             return "einsum"
         platform, head_dim = _devices_platform(), query.shape[-1]
-        if platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128:
+        even = query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0
+        if platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128 and even:
             return "cudnn"
         if platform == "tpu" and _tokamax is not None:  # jax has no fused attention of its own for TPUs
             return "tokamax"
