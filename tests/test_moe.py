@@ -439,6 +439,9 @@ def test_bad_grouped_matmul_kernels_are_errors_naming_the_fix(monkeypatch):
     x = jnp.ones((2, LENGTH, WIDTH))
     with pytest.raises(ValueError, match=r"grouped_matmul='megablox' is not one of \('ragged_dot', 'tokamax'\)"):
         experts.apply(config, weights, x, grouped_matmul="megablox")
+    layer = jd.nn.nnx.MoE(WIDTH, EXPERTS, 2, 8, grouped_matmul="megablox", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"grouped_matmul='megablox' is not one of"):
+        layer(x)
     monkeypatch.setattr(experts, "_tokamax", None)
     with pytest.raises(ValueError, match=r"grouped_matmul='tokamax' needs tokamax, which is not importable here: "
                                          r"pip install 'jaxdist\[tokamax\]'"):
