@@ -84,6 +84,10 @@ class LMConfig:
         load_balance: with ``context="ring"``: zig-zag load balancing of the causal mask.
         moe: None: each block's MLP is dense; else the keyword arguments of a `jaxdist.nn.MoE` that replaces it
             (``num_experts``, ``top_k``, ``capacity_factor``, ...; its hidden width is ``mlp_dim``).
+        dtype: the computation's dtype (``"bfloat16"``: mixed precision; the parameters, their gradients and
+            the optimizer state stay float32, the loss and the softmax compute in float32).
+        attention: the attention kernel (`jaxdist.nn.dot_product_attention`'s ``implementation``): None
+            picks cuDNN's fused kernel on an NVIDIA GPU in bfloat16, the einsums elsewhere.
     """
 
     vocab_size: int = 104
@@ -96,6 +100,8 @@ class LMConfig:
     context: str | None = None
     load_balance: bool = False
     moe: tuple[tuple[str, Any], ...] | None = None
+    dtype: str = "float32"
+    attention: str | None = None
 
 
 def _init(std: float, names: tuple) -> Any:
@@ -118,11 +124,15 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
         head_dim = cfg.d_model // cfg.num_heads
         std = cfg.d_model**-0.5
         out_std = std / (2 * cfg.num_layers) ** 0.5  # scaled residual projections (GPT-2)
 
-        h = nn.RMSNorm(scale_init=_ones(("embed",)), name="attn_norm")(x)
+        def weight(name: str, init: Any, shape: tuple) -> jax.Array:  # float32 parameters, used in ``dtype``
+            return self.param(name, init, shape).astype(dtype)
+
+        h = nn.RMSNorm(dtype=dtype, scale_init=_ones(("embed",)), name="attn_norm")(x)
         # Projections as plain (embed, heads, kv) parameters and einsums (nn.DenseGeneral reshapes its kernel
         # after the annotation's constraint, which fails under logical rules at init).
         q, k, v = (
@@ -130,33 +140,29 @@ class Block(nn.Module):
                 jnp.einsum(
                     "btd,dhk->bthk",
                     h,
-                    self.param(name, _init(std, ("embed", "heads", "kv")), (cfg.d_model, cfg.num_heads, head_dim)),
+                    weight(name, _init(std, ("embed", "heads", "kv")), (cfg.d_model, cfg.num_heads, head_dim)),
                 ),
                 ("batch", "length", "heads", "kv"),
             )
             for name in ("query", "key", "value")
         )
-        if cfg.context is None and segment_ids is None:
-            scores = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(head_dim).astype(q.dtype)
-            causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-            weights = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
-            attended = jnp.einsum("bhts,bshk->bthk", weights, v)
-        else:  # context-parallel attention (plain attention off a context axis); packed sequences
-            attended = jd.nn.dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, context=cfg.context,
-                                                   load_balance=cfg.load_balance)
-        out = self.param("attn_out", _init(out_std, ("heads", "kv", "embed")), (cfg.num_heads, head_dim, cfg.d_model))
+        # The backend's attention kernel (cuDNN on an NVIDIA GPU in bfloat16); on a sequence split over context
+        # axes, context-parallel attention (context=None there: plain attention, XLA gathers the sequence).
+        attended = jd.nn.dot_product_attention(q, k, v, causal=True, segment_ids=segment_ids, context=cfg.context,
+                                               load_balance=cfg.load_balance, implementation=cfg.attention)
+        out = weight("attn_out", _init(out_std, ("heads", "kv", "embed")), (cfg.num_heads, head_dim, cfg.d_model))
         x = nn.with_logical_constraint(x + jnp.einsum("bthk,hkd->btd", attended, out), ("batch", "length", "embed"))
 
-        h = nn.RMSNorm(scale_init=_ones(("embed",)), name="mlp_norm")(x)
+        h = nn.RMSNorm(dtype=dtype, scale_init=_ones(("embed",)), name="mlp_norm")(x)
         if cfg.moe is not None:  # a mixture of experts: its experts split over the mesh's expert axes, if any
-            x = x + jd.nn.MoE(hidden_dim=cfg.mlp_dim, name="moe", **dict(cfg.moe))(h)
+            x = x + jd.nn.MoE(hidden_dim=cfg.mlp_dim, dtype=dtype, name="moe", **dict(cfg.moe))(h)
             return nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        h = nn.Dense(cfg.mlp_dim, kernel_init=_init(std, ("embed", "mlp")), bias_init=_zeros(("mlp",)), name="mlp_in")(
-            h
-        )
+        h = nn.Dense(cfg.mlp_dim, dtype=dtype, kernel_init=_init(std, ("embed", "mlp")), bias_init=_zeros(("mlp",)),
+                     name="mlp_in")(h)
         h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
         x = x + nn.Dense(
-            cfg.d_model, kernel_init=_init(out_std, ("mlp", "embed")), bias_init=_zeros(("embed",)), name="mlp_out"
+            cfg.d_model, dtype=dtype, kernel_init=_init(out_std, ("mlp", "embed")), bias_init=_zeros(("embed",)),
+            name="mlp_out",
         )(h)
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -180,15 +186,18 @@ class CharLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.config
-        x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init(0.02, ("vocab", "embed")), name="embed")(tokens)
+        dtype = jnp.dtype(cfg.dtype)
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=_init(0.02, ("vocab", "embed")),
+                     name="embed")(tokens)
         positions = self.param("positions", _init(0.02, ("position", "embed")), (cfg.max_len, cfg.d_model))
-        x = nn.with_logical_constraint(x + positions[: tokens.shape[1]], ("batch", "length", "embed"))
+        x = nn.with_logical_constraint(x + positions[: tokens.shape[1]].astype(dtype), ("batch", "length", "embed"))
         block = nn.remat(Block) if cfg.remat else Block
         for i in range(cfg.num_layers):
             x = block(cfg, name=f"block_{i}")(x, segment_ids)
-        x = nn.RMSNorm(scale_init=_ones(("embed",)), name="final_norm")(x)
+        x = nn.RMSNorm(dtype=dtype, scale_init=_ones(("embed",)), name="final_norm")(x)
         logits = nn.Dense(
             cfg.vocab_size,
+            dtype=dtype,
             kernel_init=_init(cfg.d_model**-0.5, ("embed", "vocab")),
             bias_init=_zeros(("vocab",)),
             name="head",
@@ -436,6 +445,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype; bfloat16: mixed precision (float32 parameters and optimizer state)")
+    parser.add_argument("--attention", choices=("einsum", "xla", "cudnn"), default=None,
+                        help="attention kernel (default: cuDNN on an NVIDIA GPU in bfloat16, the einsums elsewhere)")
     parser.add_argument("--val-batches", type=int, default=None, help="validate on this many batches (default: all)")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--checkpoint-dir", default=None,
@@ -554,12 +567,15 @@ def main(argv: list[str] | None = None) -> float:
         context=args.context_attention if getattr(strategy, "context_axes", ()) else None,
         load_balance=args.load_balance,
         moe=parse_moe(args.moe),
+        dtype=args.dtype,
+        attention=args.attention,
     )
     model = CharLM(cfg)
     tokens_per_step = args.batch_size * args.seq_len
     say(
         f"{strategy!r}: {len(train_tokens):,} train / {len(val_tokens):,} val characters, vocab {len(vocab.chars)}; "
-        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads; global batch {args.batch_size} x "
+        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, {cfg.dtype} compute; global batch "
+        f"{args.batch_size} x "
         f"{args.seq_len} characters; {args.steps} steps",
         flush=True,
     )

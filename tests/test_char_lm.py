@@ -191,3 +191,26 @@ def test_the_example_trains_a_moe_lm_on_an_expert_axis_like_one_device():
     for bad in ("experts", "experts=x", "layers=2"):
         with pytest.raises(ValueError, match="--moe"):
             lm.parse_moe(bad)
+
+
+def test_bfloat16_mixed_precision_keeps_float32_parameters_and_optimizer_state():
+    # --dtype bfloat16: the model computes in bfloat16 (attention through jd.nn.dot_product_attention), its
+    # parameters, their gradients and the optimizer state stay float32; the loss is the float32 one's, to bf16.
+    import dataclasses
+
+    model = lm.CharLM(dataclasses.replace(CONFIG, dtype="bfloat16"))
+    x, y = BATCHES[0]
+    logits = model.apply(VARIABLES, x)
+    assert logits.dtype == jax.numpy.bfloat16
+    assert {leaf.dtype for leaf in jax.tree.leaves(nn.unbox(VARIABLES))} == {np.dtype(np.float32)}
+    grads = jax.grad(lambda v: lm.loss_fn(model.apply(v, x), y))(nn.unbox(VARIABLES))
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
+    want = lm.loss_fn(MODEL.apply(VARIABLES, x), y)
+    np.testing.assert_allclose(float(lm.loss_fn(logits, y)), float(want), rtol=2e-2)
+    trainer = jd.training.Trainer(jd.OneDeviceStrategy(), model, optax.adamw(1e-2), lm.loss_fn, variables=VARIABLES)
+    history = trainer.fit(BATCHES[:3], steps=3, log_every=1, verbose=0)
+    assert all(np.isfinite(history.metric("loss")))
+    assert {leaf.dtype for leaf in jax.tree.leaves(trainer.state)
+            if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)} == {np.dtype(np.float32)}
+    args = lm.parse_args(["--dtype", "bfloat16", "--attention", "xla"])
+    assert (args.dtype, args.attention) == ("bfloat16", "xla")

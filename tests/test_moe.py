@@ -361,3 +361,88 @@ def test_a_plan_on_a_mesh_without_devices_names_the_dispatch_path():
     plan = step.plan(weights, np.ones((64, LENGTH, WIDTH), np.float32))
     assert plan.moe_dispatch == ("dropless_padded_all_to_all",), plan.moe_dispatch
     assert plan.collectives["all-to-all"].axes == ("expert",)
+
+
+# --------------------------------------------------------------------------------------- grouped-matmul kernels
+def _tokamax_param():
+    from jaxdist.nn import experts
+
+    return pytest.param("tokamax", marks=pytest.mark.skipif(
+        not experts.has_tokamax(), reason="tokamax (the optional extra jaxdist[tokamax]) is not installed"))
+
+
+def _moe_grads(config, weights, x, **kwargs):
+    from jaxdist.nn import experts
+
+    def loss(w, x):
+        y, stats = experts.apply(config, w, x, **kwargs)
+        return jnp.sum(y ** 2) + stats.load_balance, y
+
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+@pytest.mark.parametrize("kernel", ["ragged_dot", _tokamax_param()])
+def test_every_grouped_matmul_kernel_equals_the_worst_case_buffer(kernel):
+    # Every expert local (grouped matmuls over all the picks) and expert parallel (the ragged exchange, emulated
+    # on CPU: the receive buffer has rows past the groups), values and gradients; the plan names the kernel.
+    from jaxdist.nn import experts
+
+    config = experts.Routing(num_experts=EXPERTS, top_k=2)
+    weights = experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)
+    x = jax.random.normal(jax.random.key(1), (8, LENGTH, WIDTH))
+    expected = jax.device_get(_moe_grads(config, weights, x, ragged=False)(weights, x))
+    grouped = _moe_grads(config, weights, x, ragged=True, grouped_matmul=kernel)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 jax.device_get(jax.jit(grouped)(weights, x)), expected)
+    strategy = MESHES["expert8"]()
+    step = strategy.jit(grouped, batch_argnums=1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 jax.device_get(step(weights, x)), expected)
+    plan = step.plan(weights, x)
+    assert plan.grouped_matmul == (kernel,) and f"Grouped matmuls: {kernel}" in str(plan)
+    assert plan.moe_dispatch == ("dropless_ragged_all_to_all_emulated",)
+
+
+def test_the_kernel_named_runs_and_rows_past_the_groups_stay_zero(monkeypatch):
+    # A stand-in for tokamax whose kernel leaves NaN in the rows past the groups (tokamax's GPU kernels leave
+    # them unwritten): forced, it runs; the expert-parallel buffer's extra rows stay out of values and gradients.
+    from jaxdist.nn import experts
+
+    calls = []
+
+    def ragged_dot(lhs, rhs, sizes):
+        calls.append(lhs.shape)
+        out = jax.lax.ragged_dot(lhs, rhs, sizes)
+        return jnp.where(jnp.arange(lhs.shape[0])[:, None] < jnp.sum(sizes), out, jnp.nan)
+
+    monkeypatch.setattr(experts, "_tokamax", type("Tokamax", (), {"ragged_dot": staticmethod(ragged_dot)}))
+    assert experts.has_tokamax()
+    config = experts.Routing(num_experts=EXPERTS, top_k=2)
+    weights = experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)
+    x = jax.random.normal(jax.random.key(1), (8, LENGTH, WIDTH))
+    expected = jax.device_get(_moe_grads(config, weights, x, ragged=False)(weights, x))
+    strategy = MESHES["expert8"]()
+    got = strategy.jit(_moe_grads(config, weights, x, ragged=True, grouped_matmul="tokamax"), batch_argnums=1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                 jax.device_get(got(weights, x)), expected)
+    assert len(calls) == 3  # gate, up, down: traced once
+    # Unforced on CPU (no ragged collectives, so not the GPU / TPU kernel): jax.lax.ragged_dot, even with tokamax.
+    auto = jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0]).plan(weights, x)
+    assert auto.grouped_matmul == ("ragged_dot",) and len(calls) == 3
+
+
+def test_bad_grouped_matmul_kernels_are_errors_naming_the_fix(monkeypatch):
+    from jaxdist.nn import experts
+
+    config = experts.Routing(num_experts=EXPERTS, top_k=2)
+    weights = experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)
+    x = jnp.ones((2, LENGTH, WIDTH))
+    with pytest.raises(ValueError, match=r"grouped_matmul='megablox' is not one of \('ragged_dot', 'tokamax'\)"):
+        experts.apply(config, weights, x, grouped_matmul="megablox")
+    layer = jd.nn.nnx.MoE(WIDTH, EXPERTS, 2, 8, grouped_matmul="megablox", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"grouped_matmul='megablox' is not one of"):
+        layer(x)
+    monkeypatch.setattr(experts, "_tokamax", None)
+    with pytest.raises(ValueError, match=r"grouped_matmul='tokamax' needs tokamax, which is not importable here: "
+                                         r"pip install 'jaxdist\[tokamax\]'"):
+        jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=8, grouped_matmul="tokamax").init(jax.random.key(0), x)

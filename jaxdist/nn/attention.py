@@ -27,6 +27,13 @@ original order: transparent to the model, labels and loss.
 Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the same
 function computes plain attention with the same formula, so a model equals itself on one device.
 
+Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the all-gather's
+blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with ``implementation="cudnn"``;
+8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is `jax.nn.dot_product_attention`'s XLA kernel;
+the einsums above run everywhere and are the ring's kernel: a ring step's partial result is combined through
+its softmax statistics, whose gradient the fused kernels do not give. The kernel runs in a named scope
+(`jaxdist.strategies.kernels`), so `jaxdist.Plan.attention` reports what a compiled step runs.
+
 Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by ``mask``
 (True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same segment: packed
 sequences); the softmax runs in at least float32; a query that may attend to no key at all (a padding
@@ -46,13 +53,24 @@ from jax.sharding import PartitionSpec
 from jaxdist.nn.load_balance import positions as _positions
 from jaxdist.nn.load_balance import unzigzag as _unzigzag
 from jaxdist.nn.load_balance import zigzag as _zigzag
+from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
+from jaxdist.strategies.kernels import ATTENTION_SCOPE
+from jaxdist.strategies.plan_mesh import is_plan_mesh
 
-__all__ = ["dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 
 _MODES = ("all_gather", "ring")
+IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "tokamax")
+"""What computes each attention block: ``"einsum"`` (jaxdist's blockwise online softmax, every backend),
+``"xla"`` (`jax.nn.dot_product_attention` with ``implementation="xla"``, every backend), ``"cudnn"``
+(`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash attention, NVIDIA GPUs),
+``"tokamax"`` (``tokamax.dot_product_attention``: Pallas flash attention for GPUs and TPUs, its XLA one
+elsewhere; the optional extra ``jaxdist[tokamax]``)."""
+_FUSED = ("xla", "cudnn", "tokamax")
+_FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 _UNROLL = 8  # ring steps unrolled up to this many (a longer ring stays a loop)
 
 
@@ -67,6 +85,7 @@ def dot_product_attention(
     segment_ids: jax.Array | None = None,
     context: str | None = "all_gather",
     load_balance: bool = False,
+    implementation: str | None = None,
     dropout_rng: jax.Array | None = None,
     dropout_rate: float = 0.0,
     broadcast_dropout: bool = True,
@@ -104,6 +123,18 @@ def dot_product_attention(
         load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every context
             device does the same work (two collective permutes each way; the output comes back in the
             original order).
+        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused flash
+            attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16, head_dim a
+            multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA implementation),
+            ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra ``jaxdist[tokamax]`` is
+            installed) or ``"einsum"`` (jaxdist's blockwise online softmax). None: where a fused kernel serves
+            the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``), cuDNN on an
+            NVIDIA GPU (float16/bfloat16) and tokamax on a TPU where it is installed; the einsums elsewhere.
+            With ``context="all_gather"`` a fused kernel computes the local queries against the gathered keys
+            in one call (its mask, ``(local q, L)``, built from token positions); ring steps need each block's
+            softmax statistics with their gradient, which the fused kernels do not give
+            (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under cuDNN): the ring
+            runs the einsums. The choice shows in `jaxdist.Plan.attention`.
         dropout_rng, dropout_rate, broadcast_dropout, deterministic: Flax's attention dropout (plain
             attention only: on a context axis, pass ``deterministic=True`` or ``dropout_rate=0``).
         dtype: the computation dtype (default: the inputs'); the softmax runs in at least float32.
@@ -118,10 +149,12 @@ def dot_product_attention(
         ``(batch, q_length, heads, v_dim)``, laid out like ``query``.
 
     Raises:
-        ValueError: for an unknown ``context``, ``load_balance`` without ``causal``, or on a context axis a
+        ValueError: for an unknown ``context`` or ``implementation``, ``implementation="cudnn"`` off an NVIDIA
+            GPU, ``"tokamax"`` without tokamax, ``load_balance`` without ``causal``, or on a context axis a
             sequence length the context axes do not divide (``2 N`` chunks with ``load_balance``), query and
             key lengths that differ, inputs that are not ``(batch, length, heads, head_dim)``.
-        NotImplementedError: for dropout or sowing weights on a context axis, or custom einsums.
+        NotImplementedError: for dropout or sowing weights on a context axis or with a fused
+            ``implementation``, a fused ``implementation`` with ``context="ring"``, or custom einsums.
         TypeError: for a keyword argument it does not know.
 
     Examples:
@@ -137,6 +170,9 @@ def dot_product_attention(
         >>> x = jnp.ones((2, 8, 16))
         >>> attn.apply(attn.init(jax.random.key(0), x), x).shape
         (2, 8, 16)
+        >>> xla = jd.nn.dot_product_attention(q, k, v, causal=True, implementation="xla")  # forced
+        >>> bool(jnp.allclose(out, xla, atol=1e-5))
+        True
     """
     if flax_kwargs:
         raise TypeError(
@@ -148,6 +184,13 @@ def dot_product_attention(
         raise ValueError(
             f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along the context "
             "axes, 'ring' passes them around the ring of context devices (None: plain attention)."
+        )
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is cuDNN's fused "
+            "attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, 'tokamax' tokamax's (the extra "
+            "jaxdist[tokamax]), 'einsum' jaxdist's blockwise softmax (None: a fused kernel where one serves, the "
+            "einsums elsewhere)."
         )
     causal = bool(causal or is_causal)
     if load_balance and not causal:
@@ -169,17 +212,103 @@ def dot_product_attention(
     dropout = dropout_rate > 0.0 and not deterministic
 
     policy = _context_policy()
-    if policy is None or context is None:
-        return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
-                      (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None, module)
-    if dropout or module is not None:
-        raise NotImplementedError(
-            "attention dropout and sown attention weights need the whole (L, L) weight matrix, which context "
-            "parallelism never builds: pass deterministic=True (or dropout_rate=0.0) and no module to "
-            "jd.nn.dot_product_attention on a context axis, or context=None for plain attention."
+    ring = policy is not None and context == "ring"
+    impl = _implementation(implementation, query, key, dropout or module is not None, precision, ring)
+    # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
+    with jax.named_scope(ATTENTION_SCOPE + impl):
+        if policy is None or context is None:
+            return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
+                          (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None, module, impl)
+        if dropout or module is not None:
+            raise NotImplementedError(
+                "attention dropout and sown attention weights need the whole (L, L) weight matrix, which context "
+                "parallelism never builds: pass deterministic=True (or dropout_rate=0.0) and no module to "
+                "jd.nn.dot_product_attention on a context axis, or context=None for plain attention."
+            )
+        return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
+                                 load_balance, precision, impl)
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+def _devices_platform() -> str:
+    """``"cuda"`` for NVIDIA GPUs, else the platform of the devices the attention is traced for: the step's
+    mesh inside a strategy's step (a plan's mesh without devices compiles on CPU), else JAX's default."""
+    frame = ambient.current_computation()
+    mesh = getattr(getattr(frame, "policy", None), "mesh", None)
+    if mesh is not None and is_plan_mesh(mesh):
+        return "cpu"
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    if device.platform in ("gpu", "cuda"):
+        version = str(getattr(device.client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return device.platform
+
+
+def _implementation(implementation: str | None, query: jax.Array, key: jax.Array, weights_needed: bool,
+                    precision: Any, ring: bool) -> str:
+    """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice
+    (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU: 16-bit inputs, head_dim a
+    multiple of 8 up to 128, even lengths, which its backward pass needs with a mask or bias)."""
+    if implementation is None:
+        if ring or weights_needed or precision is not None:
+            return "einsum"
+        platform, head_dim = _devices_platform(), query.shape[-1]
+        even = query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0
+        if platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128 and even:
+            return "cudnn"
+        if platform == "tpu" and _tokamax is not None:  # jax has no fused attention of its own for TPUs
+            return "tokamax"
+        return "einsum"
+    if implementation == "cudnn" and (platform := _devices_platform()) != "cuda":
+        raise ValueError(
+            f"implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these devices are "
+            f"{platform!r}: pass implementation=None (cuDNN on a GPU, the einsums here), 'xla' or 'einsum'."
         )
-    return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context, load_balance,
-                             precision)
+    if implementation == "tokamax" and _tokamax is None:
+        raise ValueError(
+            "implementation='tokamax' needs tokamax, which is not importable here: pip install "
+            "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or 'einsum'."
+        )
+    if implementation in _FUSED and weights_needed:
+        raise NotImplementedError(
+            f"implementation={implementation!r} is a fused kernel: it never builds the attention weights that "
+            "dropout and sown weights (module=) need; pass implementation='einsum' (or None), or "
+            "deterministic=True / dropout_rate=0.0 and no module."
+        )
+    if implementation in _FUSED and ring:
+        raise NotImplementedError(
+            f"implementation={implementation!r} cannot compute ring attention's steps: the ring combines each "
+            "block's softmax statistics (log-sum-exp) and needs their gradient, which the fused kernels do not "
+            "give. Pass context='all_gather' (one fused call over the gathered keys) or "
+            "implementation='einsum' (or None) for the ring."
+        )
+    return implementation
+
+
+def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
+    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by `jax.nn.dot_product_attention`'s
+    ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool (or None) where a query may attend,
+    ``causal`` the kernel's own (top-left aligned) causal mask. A query that may attend to nothing gets zeros
+    (the kernels would average every value)."""
+    lq, lk = q.shape[1], k.shape[1]
+
+    def full(x):  # the kernels take masks/biases of (batch or 1, heads or 1, lq, lk)
+        return jnp.broadcast_to(x, (x.shape[0], x.shape[1], lq, lk))
+
+    bias = None if bias is None else full(bias)
+    if bias is not None and implementation == "cudnn":
+        bias = bias.astype(q.dtype)  # cuDNN takes a bias of the inputs' dtype
+    mask = None if vis is None else full(vis)
+    if implementation == "tokamax":
+        out = _tokamax.dot_product_attention(q, k, v, bias, mask, scale=1.0, is_causal=causal)
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=1.0, is_causal=causal,
+                                           implementation=implementation)
+    if mask is None:
+        return out
+    seen = mask & (jnp.arange(lq)[:, None] >= jnp.arange(lk)[None, :]) if causal else mask
+    alive = jnp.swapaxes(jnp.any(seen, -1), 1, 2)[..., None]  # (b or 1, lq, h or 1, 1)
+    return jnp.where(alive, out, jnp.zeros((), out.dtype))
 
 
 # ------------------------------------------------------------------------------------------ the algorithm
@@ -256,7 +385,7 @@ def _as4(x: Any) -> Any:
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module):
+def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module, implementation):
     """Plain attention (one block of the same algorithm), any leading batch dimensions."""
     batch_shape = query.shape[:-3]
     lq, lk = query.shape[-3], key.shape[-3]
@@ -273,6 +402,10 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
         return x.reshape((-1, *x.shape[-3:]))
 
     seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, lq)
+    if implementation != "einsum":  # the kernel's own causal mask (cuDNN skips the hidden blocks)
+        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool), False)
+        out = _fused(q, k, v, rank4(bias), vis, causal, implementation)
+        return out.astype(query.dtype).reshape((*batch_shape, *out.shape[1:]))
     vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None else rank4(mask).astype(bool),
                    causal)
     bias4 = rank4(bias)
@@ -335,7 +468,7 @@ def _spec_entry(entry: Any, drop: set[str]) -> Any:
 
 
 def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context, load_balance,
-                      precision):
+                      precision, implementation):
     _check(policy, query, key, value, load_balance, context)
     axes = tuple(policy.context_axes)
     entry = axes[0] if len(axes) == 1 else axes
@@ -406,9 +539,13 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
             s = None if s is None else _zigzag(s, 1, axes, n)
             mk = _zigzag(mk, 2, axes, n) if mask_rows else mk
             bs = _zigzag(bs, 2, axes, n) if bias_rows else bs
-        algorithm = _ring if context == "ring" else _all_gather
-        out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length, zigzag=zigzag,
-                        precision=precision)
+        if implementation != "einsum":  # all-gather only (`_implementation` refuses the ring)
+            out = _all_gather_fused(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length,
+                                    zigzag=zigzag, implementation=implementation)
+        else:
+            algorithm = _ring if context == "ring" else _all_gather
+            out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length, zigzag=zigzag,
+                            precision=precision)
         if zigzag:
             out = _unzigzag(out, 1, axes, n)
         return out
@@ -491,6 +628,19 @@ def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, pr
 
     carries, _ = jax.lax.scan(step, carries, jnp.arange(n), unroll=n <= _UNROLL)
     return _finish_all(carries, q.dtype)
+
+
+def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, implementation):
+    """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel call;
+    the causal mask, built from the local and gathered token positions (zig-zag or contiguous), is part of the
+    kernel's ``(local q, L)`` mask. No softmax statistics to combine: the kernel sees every key at once."""
+    idx = jax.lax.axis_index(axes)
+    lc = q.shape[1]
+    q_pos = _positions(idx, n, lc, zigzag)
+    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])  # the gathered order
+    kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg))
+    vis = _visible(q_pos, k_pos, seg, sg, _columns(mask, k_pos, length), causal)
+    return _fused(q, kg, vg, _columns(bias, k_pos, length), vis, False, implementation)
 
 
 def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):

@@ -13,7 +13,11 @@ The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functio
 * **dispatch**: ``(rows, length, d) -> (rows, experts, capacity, d)`` by a 0/1 einsum; the experts (stacked
   ``(E, ...)`` weights, a gated MLP) run on their buffers; the outputs are combined back weighted. Dropless with
   every expert local on a GPU or TPU, the picks are sorted by expert instead and the experts run as grouped
-  matmuls (`jax.lax.ragged_dot`): no worst-case buffer (on CPU ``ragged_dot`` is dense, so the buffer is used).
+  matmuls: no worst-case buffer (on CPU ``ragged_dot`` is dense, so the buffer is used).
+* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): ``"tokamax"``, tokamax's ``ragged_dot``
+  (openxla's Pallas kernel library: Mosaic GPU / TPU kernels, 3.7x `jax.lax.ragged_dot` forward + backward on
+  an H100), where the optional extra is installed (``pip install 'jaxdist[tokamax]'``) and the devices are GPUs
+  or TPUs; ``"ragged_dot"`` (`jax.lax.ragged_dot`) elsewhere. `jaxdist.Plan.grouped_matmul` names the kernel.
 * **expert parallelism**: inside a step of a strategy with expert axes (`jaxdist.ShardedStrategy(expert_axes=
   ...)` or ``expert_parallelism=e``), the layer runs in a `jax.shard_map` over the mesh: each device routes its
   own rows, `jax.lax.all_to_all` over the expert axes sends each expert's buffer to the device holding that
@@ -48,14 +52,30 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxdist.nn.exchange import exchange, exchange_plan, has_ragged_exchange
+from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
 from jaxdist.strategies.hlo_cost import MOE_SCOPE
+from jaxdist.strategies.kernels import GROUPED_MATMUL_SCOPE
 from jaxdist.strategies.plan_mesh import is_plan_mesh
 
-__all__ = ["ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "init_weights"]
+__all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "has_tokamax",
+           "init_weights"]
 
 ROUTERS = ("softmax", "sigmoid")
+GROUPED_MATMULS = ("ragged_dot", "tokamax")
+"""The dropless path's grouped-matmul kernels: ``"ragged_dot"`` (`jax.lax.ragged_dot`, every backend) and
+``"tokamax"`` (``tokamax.ragged_dot``, the optional extra ``jaxdist[tokamax]``)."""
+
+
+def has_tokamax() -> bool:
+    """Whether tokamax (the optional extra ``jaxdist[tokamax]``) is importable here.
+
+    Examples:
+        >>> isinstance(has_tokamax(), bool)
+        True
+    """
+    return _tokamax is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +159,8 @@ def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int, dtype: 
                    init(k[2], (e, dim, hidden), dtype), init(k[3], (e, hidden, dim), dtype))
 
 
-def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | None = None) -> tuple[jax.Array, Stats]:
+def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | None = None,
+          grouped_matmul: str | None = None) -> tuple[jax.Array, Stats]:
     """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens): ``(y, stats)``.
 
     Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the module doc);
@@ -154,10 +175,28 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
             (False); None: ragged where the devices have ragged collectives (GPU, TPU), the buffer on CPU (where
             ``ragged_dot`` is dense). True on CPU with expert parallelism runs the exchange emulated
             (`jaxdist.nn.exchange`): the same numbers, the padded bytes.
+        grouped_matmul: the ragged path's grouped-matmul kernel (`GROUPED_MATMULS`): ``"tokamax"`` or
+            ``"ragged_dot"``; None: tokamax where it is installed and the devices are GPUs or TPUs,
+            `jax.lax.ragged_dot` elsewhere.
+
+    Returns:
+        ``(y, stats)``: ``y`` shaped like ``x``, and the `Stats` over the global batch.
 
     Raises:
-        ValueError: when the expert axes do not divide ``num_experts``.
+        ValueError: when the expert axes do not divide ``num_experts``, for an unknown ``grouped_matmul``, or
+            ``grouped_matmul="tokamax"`` where tokamax is not installed.
     """
+    if grouped_matmul is not None and grouped_matmul not in GROUPED_MATMULS:
+        raise ValueError(
+            f"grouped_matmul={grouped_matmul!r} is not one of {GROUPED_MATMULS}: 'tokamax' is tokamax's "
+            "ragged_dot (GPU / TPU kernels), 'ragged_dot' jax.lax.ragged_dot (None: tokamax where installed on "
+            "a GPU or TPU, jax.lax.ragged_dot elsewhere)."
+        )
+    if grouped_matmul == "tokamax" and _tokamax is None:
+        raise ValueError(
+            "grouped_matmul='tokamax' needs tokamax, which is not importable here: pip install 'jaxdist[tokamax]' "
+            "(or tokamax), or pass grouped_matmul='ragged_dot' (or None)."
+        )
     shape = x.shape
     rows = shape[0] if x.ndim > 1 else 1
     x3 = x.reshape(rows, -1, shape[-1])
@@ -169,6 +208,7 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
         device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
         native = has_ragged_exchange(device.platform, device.device_kind)
     ragged = config.capacity_factor is None and (native if ragged is None else ragged)
+    kernel = grouped_matmul or ("tokamax" if native and _tokamax is not None else "ragged_dot")
     if config.capacity_factor is not None:
         path = "dropping_all_to_all" if policy is not None else "dropping_local"
     elif policy is not None:
@@ -179,9 +219,9 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     # The dispatch path, as a named scope: plans report it from the compiled program (Plan.moe_dispatch).
     with jax.named_scope(MOE_SCOPE + path):
         if policy is not None:
-            y, sums = _expert_parallel(policy, config, weights, x3, cap, ragged, native)
+            y, sums = _expert_parallel(policy, config, weights, x3, cap, ragged, native, kernel)
         elif ragged:
-            y, sums = _grouped(config, weights, x3)
+            y, sums = _grouped(config, weights, x3, kernel)
         else:
             y, sums = _local(config, weights, x3, cap, (), ())
     return y.reshape(shape), _stats(config, sums)
@@ -260,11 +300,23 @@ def _sorted_picks(config: Routing, weights: Weights, x: jax.Array) -> _Picks:
                   jnp.bincount(flat, length=e).astype(jnp.int32), sums)
 
 
-def _grouped_experts(config: Routing, weights: Weights, rows: jax.Array, sizes: jax.Array) -> jax.Array:
-    """The experts on ``rows`` grouped by expert (``sizes`` rows each; rows past their sum give 0)."""
-    gate = jax.lax.ragged_dot(rows, weights.gate.astype(rows.dtype), sizes)
-    up = jax.lax.ragged_dot(rows, weights.up.astype(rows.dtype), sizes)
-    return jax.lax.ragged_dot(config.activation(gate) * up, weights.down.astype(rows.dtype), sizes)
+def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``tokamax.ragged_dot`` with `jax.lax.ragged_dot`'s zeros in the rows past ``sum(sizes)`` (its GPU
+    kernels leave them unwritten: garbage there would reach the activation, and NaN its gradient)."""
+    out = _tokamax.ragged_dot(lhs, rhs, sizes)
+    live = jnp.arange(lhs.shape[0])[:, None] < jnp.sum(sizes)
+    return jnp.where(live, out, jnp.zeros((), out.dtype))
+
+
+def _grouped_experts(config: Routing, weights: Weights, rows: jax.Array, sizes: jax.Array,
+                     kernel: str) -> jax.Array:
+    """The experts on ``rows`` grouped by expert (``sizes`` rows each; rows past their sum give 0), with the
+    grouped-matmul ``kernel`` (in its named scope: plans report it, `jaxdist.Plan.grouped_matmul`)."""
+    dot = _tokamax_ragged_dot if kernel == "tokamax" else jax.lax.ragged_dot
+    with jax.named_scope(GROUPED_MATMUL_SCOPE + kernel):
+        gate = dot(rows, weights.gate.astype(rows.dtype), sizes)
+        up = dot(rows, weights.up.astype(rows.dtype), sizes)
+        return dot(config.activation(gate) * up, weights.down.astype(rows.dtype), sizes)
 
 
 def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
@@ -273,15 +325,16 @@ def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
     return jnp.zeros((b * length, d), out.dtype).at[picks.token].add(out * picks.weight[:, None]).reshape(shape)
 
 
-def _grouped(config: Routing, weights: Weights, x: jax.Array):
-    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
-    (`jax.lax.ragged_dot`), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as `_local`."""
+def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
+    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls (``kernel``),
+    the outputs added back to their tokens weighted. Returns ``(y, sums)`` as `_local`."""
     picks = _sorted_picks(config, weights, x)
-    return _combine(picks, _grouped_experts(config, weights, picks.rows, picks.sizes), x.shape), picks.sums
+    out = _grouped_experts(config, weights, picks.rows, picks.sizes, kernel)
+    return _combine(picks, out, x.shape), picks.sums
 
 
 def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple, batch_axes: tuple,
-                  native: bool):
+                  native: bool, kernel: str = "ragged_dot"):
     """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert, each
     expert's slice sent to the device holding it by a ragged exchange (only the routed rows move), received
     grouped by local expert, the experts as grouped matmuls on them, the outputs sent back the same way and
@@ -295,7 +348,7 @@ def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: 
     buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
     received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes, native=native,
                         slice_rows=tokens)
-    out = _grouped_experts(config, weights, received, plan.group_sizes)
+    out = _grouped_experts(config, weights, received, plan.group_sizes, kernel)
     back = exchange(out, jnp.zeros_like(picks.rows), plan.back(), axis_name=expert_axes, native=native,
                     slice_rows=tokens)
     sums = picks.sums if not batch_axes else jax.lax.psum(picks.sums, batch_axes)
@@ -326,7 +379,7 @@ def _expert_policy() -> Any | None:
 
 
 def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int, ragged: bool,
-                     native: bool):
+                     native: bool, kernel: str = "ragged_dot"):
     roles = policy.roles
     axes, batch = tuple(roles.expert_axes), tuple(roles.batch_axes)
     ep = roles.size(axes)
@@ -354,7 +407,7 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
 
     def local(w: Weights, rows_x: jax.Array):
         if ragged:
-            return _ragged_local(config, w, rows_x, axes, batch, native)
+            return _ragged_local(config, w, rows_x, axes, batch, native, kernel)
         return _local(config, w, rows_x, cap, axes, batch)
 
     stats_spec = (PartitionSpec(),) * 5

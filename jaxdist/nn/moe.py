@@ -75,6 +75,9 @@ class MoE(nn.Module):
         ragged: dropless only: sort the picks by expert, run grouped matmuls and (expert parallel) exchange
             only the routed rows (True), or use worst-case buffers (False); None: ragged on GPU / TPU, buffers
             on CPU. See `jaxdist.nn.experts.apply`.
+        grouped_matmul: the ragged path's grouped-matmul kernel: ``"tokamax"`` (the optional extra
+            ``jaxdist[tokamax]``) or ``"ragged_dot"`` (`jax.lax.ragged_dot`); None: tokamax where installed
+            on a GPU or TPU, ``ragged_dot`` elsewhere. See `jaxdist.nn.experts.apply`.
         dtype: the computation's dtype (None: the input's); the router always computes in float32.
         param_dtype: the weights' dtype.
     """
@@ -91,6 +94,7 @@ class MoE(nn.Module):
     z_loss_weight: float = 0.0
     router_bias: bool = False
     ragged: bool | None = None
+    grouped_matmul: str | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
@@ -107,7 +111,7 @@ class MoE(nn.Module):
         bias = self.variable("router_bias", "bias", jnp.zeros, (e,), jnp.float32).value if self.router_bias else None
         dtype = self.dtype or x.dtype
         y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"], stacked["wo"], bias),
-                         x.astype(dtype), ragged=self.ragged)
+                         x.astype(dtype), ragged=self.ragged, grouped_matmul=self.grouped_matmul)
         if self.shared_experts:
             width = self.shared_experts * h
 

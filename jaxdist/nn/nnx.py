@@ -37,7 +37,8 @@ class MoE(nnx.Module):
                  capacity_factor: float | None = None, router: str = "softmax", normalize_top_k: bool = True,
                  shared_experts: int = 0, activation: Callable[[jax.Array], jax.Array] = nnx.silu,
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.0, router_bias: bool = False,
-                 ragged: bool | None = None, dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 ragged: bool | None = None, grouped_matmul: str | None = None,
+                 dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k, activation)
         e, h = num_experts, hidden_dim
         lecun = nnx.initializers.lecun_normal()
@@ -60,7 +61,7 @@ class MoE(nnx.Module):
         self.shared = nnx.data(shared)
         self.activation = activation
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
-        self.dtype, self.ragged = dtype, ragged
+        self.dtype, self.ragged, self.grouped_matmul = dtype, ragged, grouped_matmul
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.stats = nnx.Dict({name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
                                for name in Stats._fields})
@@ -69,7 +70,8 @@ class MoE(nnx.Module):
         dtype = self.dtype or x.dtype
         bias = None if self.bias is None else self.bias[...]
         weights = Weights(self.router[...], self.wi_gate[...], self.wi_up[...], self.wo[...], bias)
-        y, stats = apply(self.config, weights, x.astype(dtype), ragged=self.ragged)
+        y, stats = apply(self.config, weights, x.astype(dtype), ragged=self.ragged,
+                         grouped_matmul=self.grouped_matmul)
         if self.shared is not None:
             xs = x.astype(dtype)
             s = self.shared

@@ -47,6 +47,7 @@ from jaxdist.costs import COLLECTIVE_KINDS, Accelerator, Estimate, accelerator, 
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
 from jaxdist.strategies.hlo_cost import moe_dispatch
 from jaxdist.strategies.input import argument_layouts
+from jaxdist.strategies.kernels import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, scoped
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
 
@@ -129,6 +130,10 @@ class Plan:
             ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without such
             layers.
         uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower bound).
+        attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``, ``"xla"``,
+            ``"einsum"``; `jaxdist.strategies.kernels`); empty without it.
+        grouped_matmul: the grouped-matmul kernels of the dropless mixture-of-experts layers
+            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty without.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -164,6 +169,8 @@ class Plan:
     axis_types: dict[str, jax.sharding.AxisType]
     moe_dispatch: tuple[str, ...] = ()
     uncosted: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ()
+    grouped_matmul: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -209,6 +216,9 @@ class Plan:
             f"{label} {', '.join(axes)}" for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
         if self.moe_dispatch:
             lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ") for p in self.moe_dispatch))
+        for label, kernels in (("Attention", self.attention), ("Grouped matmuls", self.grouped_matmul)):
+            if kernels:
+                lines.append(f"{label}: " + ", ".join(kernels))
         lines.append("Memory per device")
         roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.state_bytes.items())
         for label, value, note in (
@@ -459,5 +469,6 @@ def plan_step(
         replicated_bytes=sum(a.bytes for a in replicated),
         replicated=tuple(sorted(replicated, key=lambda a: -a.bytes)), unknown_loops=cost.unknown_loops,
         plan_seconds=time.perf_counter() - start, compiled_on=where, axis_types=axis_types_of(traced),
-        moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted,
+        moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted, attention=scoped(text, ATTENTION_SCOPE),
+        grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE),
     )
