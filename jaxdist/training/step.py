@@ -254,7 +254,7 @@ def make_summed_train_step(
         >>> step = make_summed_train_step(model, opt, lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(), mask.sum()))
         >>> state, m, addends = step(state, (jnp.ones((4, 2)), jnp.zeros(4)))
         >>> float(m["loss"]), {k: float(v) for k, v in addends.items()}
-        (2.0, {'loss': 6.0, 'loss.weight': 3.0, 'non_finite': 0.0})
+        (2.0, {'non_finite': 0.0, 'loss': 6.0, 'loss.weight': 3.0})
     """
     metrics = dict(metrics or {})
     forward = _forward(model, loss_fn, metrics, compute_dtype)
