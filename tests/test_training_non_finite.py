@@ -9,7 +9,11 @@ by 1e30: infinite loss, NaN gradients), a spike that skipping or rolling back ge
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from registry import launch_env
 
 import jaxdist as jd
 from jaxdist.training.loop import FitOptions, _Logs
@@ -282,3 +287,25 @@ def test_bad_on_non_finite_arguments_are_value_errors_naming_the_fix(tmp_path):
     assert t.step == 0 and t.state is None  # nothing ran
     with pytest.raises(RuntimeError, match=r"peek_metric_sums\(\) before the state exists"):
         t.peek_metric_sums()
+
+
+# --------------------------------------------------------------------------------------------- two processes
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_processes_take_the_same_decision_at_the_same_step(tmp_path):
+    """2 processes x 4 devices: "rollback" rolls back once, at the same step, and ends with the same finite
+    parameters on both; "stop" raises on both, naming the same step and checkpoint."""
+    worker = Path(__file__).parent / "multiprocess" / "non_finite_worker.py"
+    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "300",
+               str(worker), str(tmp_path)]
+    proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=360)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-5000:]
+    rollback = dict(re.findall(r"^\[(\d)\] (rollback .*)$", proc.stdout, re.M))
+    stop = dict(re.findall(r"^\[(\d)\] (stop .*)$", proc.stdout, re.M))
+    assert set(rollback) == set(stop) == {"0", "1"}, text[-5000:]
+    assert rollback["0"] == rollback["1"] and stop["0"] == stop["1"]  # the same decisions, at the same steps
+    assert "step=50 finite=True rollbacks=[(35, 30, " in rollback["0"]
+    step = int(re.search(r"error\.step=(\d+) checkpoint=30", stop["0"]).group(1))
+    assert 35 <= step <= 40
