@@ -313,7 +313,7 @@ class NonFiniteGuard:
                      f"fit(..., checkpoint_dir={directory!r}, restore_step={checkpoint})")
         message = (
             f"the loss or gradients of step {first} were not finite ({self.total} non-finite step"
-            f"{'s' if self.total != 1 else ''} so far); {what}. Nothing after them was saved; {where}, with a lower "
+            f"{'s' if self.total != 1 else ''} so far); {what}. No non-finite state was saved; {where}, with a lower "
             "learning rate, gradient clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'."
         )
         return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint, directory=directory)
