@@ -14,7 +14,12 @@ Three things keep it from slowing the steps down:
   start their copy to the host and the loop goes on dispatching steps; the log is emitted
   (``history.train``, ``on_log``) at the first step end at which they have arrived, and at the latest before
   the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or two after the step it
-  describes, with that step's number. Nothing is read back per step.
+  describes, with that step's number. Nothing is read back per step. With several processes a log is
+  emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process (it has almost
+  always arrived by then), so that all act on what it says at the same step.
+* Non-finite steps (`jaxdist.training.non_finite`): each step's flag (its loss or gradient norm is not finite)
+  rides in the same sums; the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log
+  is emitted and before every checkpoint, whose state is refused if it is not finite.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so no
   batch is placed that no step uses.
 * Nothing waits for a step: the host places the next batches and dispatches the next steps while the
