@@ -16,6 +16,7 @@ from flax import nnx
 from registry import adam, make
 
 import jaxdist as jd
+from jaxdist.training.non_finite import NAMES as NON_FINITE
 
 FEATURES, CLASSES, ROWS = 8, 4, 32
 
@@ -220,10 +221,11 @@ def test_train_on_batch_and_train_on_batches():
     with pytest.raises(ValueError, match="train_on_batches got no batches"):
         looped.train_on_batches([])
     # both ways add to the same running sums, read (and restarted) at log points
+    # (with the record of non-finite steps: none here)
     names, sums = looped.pop_metric_sums()
-    assert names == ("loss", "steps")
-    np.testing.assert_allclose(np.asarray(sums), [np.sum(losses), 4.0], rtol=1e-5)
-    assert np.asarray(looped.pop_metric_sums()[1]).tolist() == [0.0, 0.0]
+    assert names == ("loss", *NON_FINITE, "steps")
+    np.testing.assert_allclose(np.asarray(sums), [np.sum(losses), 0, 0, 0, 0, 0, 4.0], rtol=1e-5)
+    assert np.asarray(looped.pop_metric_sums()[1]).tolist() == [0.0] * 7
     with pytest.raises(RuntimeError, match=r"pop_metric_sums\(\) before the state exists: call fit\(\.\.\.\) or "
                                            r"init\(batch\) first"):
         jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce).pop_metric_sums()

@@ -27,6 +27,8 @@ from jaxdist.training.cost import StepCost as StepCost
 from jaxdist.training.data import DataPosition as DataPosition
 from jaxdist.training.models import LinenModel as LinenModel
 from jaxdist.training.models import NnxModel as NnxModel
+from jaxdist.training.non_finite import NonFiniteError as NonFiniteError
+from jaxdist.training.non_finite import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.prepare import prepare as prepare
 from jaxdist.training.search import Candidate as Candidate
@@ -47,6 +49,8 @@ __all__ = [
     "History",
     "LinenModel",
     "NnxModel",
+    "NonFiniteError",
+    "NonFinitePolicy",
     "PreemptionWatcher",
     "Progress",
     "StepCost",

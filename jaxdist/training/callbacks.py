@@ -41,6 +41,10 @@ class History:
         checkpoints: the paths written.
         preempted: True when a SIGTERM stopped the run early (after saving).
         step_cost: what one step costs (a `StepCost`: FLOPs and memory per device), None if no step ran.
+        non_finite_steps: how many steps' loss or gradients were not finite (``fit(on_non_finite=...)``; skipped
+            ones and rolled-back ones included); the log rows of their windows show ``non_finite_steps`` too.
+        rollbacks: one dict per rollback (``on_non_finite="rollback"``): ``{"step": the first non-finite step,
+            "restored": the checkpoint's step, "data_position": where the data went on}``.
 
     Examples:
         >>> h = History()
@@ -55,6 +59,8 @@ class History:
         self.checkpoints: list[str] = []
         self.preempted = False
         self.step_cost: StepCost | None = None
+        self.non_finite_steps = 0
+        self.rollbacks: list[dict[str, Any]] = []
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""

@@ -29,6 +29,7 @@ from jaxdist.strategies.axis_types import shape_scope, untyped
 from jaxdist.training.build import check_losses
 from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
+from jaxdist.training.non_finite import NAMES as NON_FINITE
 from jaxdist.training.step import (
     TrainState,
     add_to_sums,
@@ -64,8 +65,8 @@ class CompiledSteps:
         >>> state = strategy.create_variables(build, *args)
         >>> state, metrics = steps.train(state, batch)
         >>> names, sums = steps.pop_sums(state)
-        >>> names, sums.shape
-        (('loss', 'steps'), (2,))
+        >>> names[0], names[-1], sums.shape  # the loss, the non-finite steps' record (5), the step count
+        ('loss', 'steps', (7,))
     """
 
     def __init__(
@@ -84,23 +85,42 @@ class CompiledSteps:
         self.grad_accum_steps = grad_accum_steps
         self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
                                                  compute_dtype)
+        # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state); built lazily.
+        self._skipping_step = lambda: make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
+                                                             compute_dtype, skip_non_finite=True)
+        self.skip_non_finite = False  # which of the two the training calls run (set by fit)
         self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype), batch_argnums=(1, 2))
         self.predict_step = strategy.jit(make_predict_step(model, compute_dtype), batch_argnums=(1,))
         # Which of "loss" and the metrics return (sum, weight) pairs: set by the trainer's loss check, or read
         # from the first training batch.
         self.weighted: frozenset[str] | None = None
-        # Built with the first state (they need the metric names, which depend on the optimizer state).
-        self.fit_step: Callable | None = None  # (state, batch, sums) -> (state, metrics, sums)
-        self._loop_step: Callable | None = None
+        # Built with the first state (they need the metric names, which depend on the optimizer state): per
+        # skip_non_finite, the compiled (state, batch, sums) -> (state, metrics, sums) and the on-device loop body.
+        self._fit_steps: dict[bool, tuple[Callable, Callable]] = {}
         self._names: tuple[str, ...] = ()  # the running sums'
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
         self._sums: Any = None  # running sums since pop_sums (a device vector; None: zeros)
-        self._zeros: Callable[[], jax.Array] | None = None  # new sums after a pop, in the sums' layout
+        self._zeros: tuple[tuple[int, ...], Callable[[], jax.Array]] | None = None  # (shape, new sums after a pop)
         self._cost: StepCost | None = None
+
+    @property
+    def fit_step(self) -> Callable | None:
+        """The compiled ``(state, batch, sums) -> (state, metrics, sums)`` that training runs now (None before
+        the first training batch)."""
+        steps = self._fit_steps.get(self.skip_non_finite)
+        return None if steps is None else steps[0]
+
+    @property
+    def _loop_step(self) -> Callable | None:
+        steps = self._fit_steps.get(self.skip_non_finite)
+        return None if steps is None else steps[1]
 
     def _build(self, state: TrainState, pair: Any = None) -> bool:
         """Build the fit step; False when it cannot be yet (the loss's structure is unknown without a batch)."""
         if self.fit_step is not None:
+            return True
+        if self._names:  # the other variant is built: same names
+            self._compile(self._skipping_step() if self.skip_non_finite else self.train_step)
             return True
         if pair is None:
             return False
@@ -110,24 +130,28 @@ class CompiledSteps:
         with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
             extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
-        names = (*metric_names({**self.metrics, **dict.fromkeys(extra)}, state.opt_state, weighted), "steps")
-        train_step = self.train_step
+        names = (*metric_names({**self.metrics, **dict.fromkeys(extra)}, state.opt_state, weighted), *NON_FINITE,
+                 "steps")
+        self._names = names
+        self._metrics_out = tuple(n for n in names if n != "steps" and n not in NON_FINITE and not n.endswith(WEIGHT))
+        self._compile(self._skipping_step() if self.skip_non_finite else self.train_step)
+        return True
+
+    def _compile(self, train_step: Callable) -> None:
+        names = self._names
 
         def fit_step(state, batch, sums):
             state, metrics, addends = train_step(state, batch)
             return state, metrics, add_to_sums(sums, addends, names)
 
-        self.fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
-        self._loop_step = make_loop_step(train_step, names)
-        self._names = names
-        self._metrics_out = tuple(n for n in names if n != "steps" and not n.endswith(WEIGHT))
-        return True
+        fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
+        self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, names))
 
     def _current_sums(self) -> Any:
         if self._sums is not None:
             return self._sums
-        if self._zeros is not None:  # zeros laid out as the sums were: the step takes them as they are
-            return self._zeros()
+        if self._zeros is not None and self._zeros[0] == (len(self._names),):
+            return self._zeros[1]()  # zeros laid out as the sums were: the step takes them as they are
         return np.zeros(len(self._names), np.float32)
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -161,12 +185,19 @@ class CompiledSteps:
 
     def pop_sums(self, state: TrainState) -> tuple[tuple[str, ...], Any]:
         """``(names, sums)`` since the last call (see ``Trainer.pop_metric_sums``); restarts them."""
+        names, sums = self.peek_sums(state)
+        self._sums = None
+        if isinstance(sums, jax.Array) and (self._zeros is None or self._zeros[0] != sums.shape):
+            self._zeros = sums.shape, jax.jit(functools.partial(jnp.zeros, sums.shape, sums.dtype),
+                                              out_shardings=sums.sharding)
+        return names, sums
+
+    def peek_sums(self, state: TrainState) -> tuple[tuple[str, ...], Any]:
+        """``(names, sums)`` since the last `pop_sums`, which go on (read them before the next step, which
+        donates them)."""
         if not self._build(state):  # no training batch seen yet: no steps to sum
             return ("steps",), np.zeros(1, np.float32)
-        sums, self._sums = self._current_sums(), None
-        if self._zeros is None and isinstance(sums, jax.Array):
-            self._zeros = jax.jit(functools.partial(jnp.zeros, sums.shape, sums.dtype), out_shardings=sums.sharding)
-        return self._names, sums
+        return self._names, self._current_sums()
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
         """What the compiled train step costs (`jaxdist.training.cost`), measured once (after a training step:

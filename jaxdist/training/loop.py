@@ -14,7 +14,12 @@ Three things keep it from slowing the steps down:
   start their copy to the host and the loop goes on dispatching steps; the log is emitted
   (``history.train``, ``on_log``) at the first step end at which they have arrived, and at the latest before
   the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or two after the step it
-  describes, with that step's number. Nothing is read back per step.
+  describes, with that step's number. Nothing is read back per step. With several processes a log is
+  emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process (it has almost
+  always arrived by then), so that all act on what it says at the same step.
+* Non-finite steps (`jaxdist.training.non_finite`): each step's flag (its loss or gradient norm is not finite)
+  rides in the same sums; the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log
+  is emitted and before every checkpoint, whose state is refused if it is not finite.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so no
   batch is placed that no step uses.
 * Nothing waits for a step: the host places the next batches and dispatches the next steps while the
@@ -46,6 +51,7 @@ import itertools
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -58,6 +64,8 @@ from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.cost import StepCost
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.feed import ahead
+from jaxdist.training.non_finite import NAMES as NON_FINITE
+from jaxdist.training.non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
 from jaxdist.training.preemption import PreemptionWatcher
 from jaxdist.training.watchdog import Watchdog
 from jaxdist.training.weighted import WEIGHT
@@ -66,6 +74,10 @@ __all__ = ["READ_AHEAD", "FitOptions", "FitTarget", "check_int", "run_fit"]
 
 READ_AHEAD = 2
 """Batches placed ahead of the step being dispatched (one compiled step per batch)."""
+
+READ_LAG = 2
+"""Several processes: a log window is read this many checks (steps, or on-device loops) after it closed, at the
+same check on every process, so that every process acts on a non-finite step at the same step."""
 
 
 def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> None:
@@ -98,7 +110,9 @@ class FitOptions:
         step_timeout: seconds a step may take before the process exits (`Watchdog`); None: not watched.
         steps_per_run: 1: a compiled step per batch (``train_on_batch``); more: an on-device loop of up to
             this many steps (``train_on_batches``).
-        mesh: the mesh whose processes agree on preemption (`PreemptionWatcher`); None: this process alone.
+        mesh: the mesh whose processes agree on preemption (`PreemptionWatcher`) and read each log window at
+            the same step; None: this process alone.
+        on_non_finite: the `NonFinitePolicy` for steps whose loss or gradients are not finite.
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, or ``eval_data`` given as
@@ -119,8 +133,13 @@ class FitOptions:
     step_timeout: float | None = None
     steps_per_run: int = 1
     mesh: Mesh | None = None
+    on_non_finite: NonFinitePolicy = dataclasses.field(default_factory=NonFinitePolicy)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.on_non_finite, NonFinitePolicy):
+            raise ValueError(
+                f"on_non_finite={self.on_non_finite!r} must be a NonFinitePolicy: pass NonFinitePolicy.of(...)."
+            )
         check_int(self.steps, "steps", 0)
         check_int(self.steps_per_run, "steps_per_run", 1, allow_none=False)
         for name in ("eval_every", "checkpoint_every"):
@@ -167,6 +186,14 @@ class FitTarget(Protocol):
         """The metrics' running sums since the last call (a device vector, never read here)."""
         ...
 
+    def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
+        """The same sums, which go on (read before a checkpoint, for the flags of non-finite steps)."""
+        ...
+
+    def restore(self, checkpoint_dir: Checkpointer, step: int) -> int:
+        """Restore checkpoint ``step`` (``on_non_finite="rollback"``)."""
+        ...
+
     def step_cost(self) -> StepCost:
         """What a step costs (measured once, after the first step)."""
         ...
@@ -193,54 +220,76 @@ class _Logs:
 
     A watcher thread waits for each window's sums (it only blocks; the main thread never does) and notes
     when they were ready: that is when the window's steps were done, which gives each log its steps/s.
+
+    Each emitted window also goes to ``watch(step, window)`` (its non-finite steps' flags, `Window`), where
+    ``fit`` decides what to do about them. So that several processes decide at the same step, a ``lag`` makes
+    the emission deterministic: a window closed at check ``c`` (a step, or an on-device loop) is emitted at
+    check ``c + lag``, waiting for its sums if they have not arrived (they almost always have), and never
+    earlier. Without a lag (one process) a window is emitted as soon as its sums arrive.
     """
 
     def __init__(self, start_step: int, on_log: Callable[[int, dict], None],
-                 rates: Callable[[int, float, float | None], dict] | None = None):
-        self._pending: collections.deque = collections.deque()  # [step, names, sums, ready time or None]
+                 rates: Callable[[int, float, float | None], dict] | None = None,
+                 watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None):
+        self._pending: collections.deque = collections.deque()  # [step, names, sums, ready time or None, check]
         self._on_log = on_log
         self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
+        self._watch = watch
+        self._lag = lag
         self._last = (start_step, time.perf_counter())
-        self._watch: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
 
-    def close_window(self, step: int, names: tuple[str, ...], sums: Any) -> None:
-        """End a window at ``step`` with the trainer's running sums over it; start copying them to the host."""
+    def close_window(self, step: int, names: tuple[str, ...], sums: Any, check: int = 0) -> None:
+        """End a window at ``step`` (check ``check``) with the trainer's running sums over it; start copying them
+        to the host."""
         copy = getattr(sums, "copy_to_host_async", None)
         if copy is not None:
             copy()
-        entry = [step, names, sums, None]
+        entry = [step, names, sums, None, check]
         self._pending.append(entry)
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._wait, name="jaxdist-log-watcher", daemon=True)
             self._watcher.start()
-        self._watch.put(entry)
+        self._queue.put(entry)
 
     def _wait(self) -> None:
-        while (entry := self._watch.get()) is not None:
+        while (entry := self._queue.get()) is not None:
             with contextlib.suppress(Exception):  # a failed step raises in the main thread, not here
                 jax.block_until_ready(entry[2])
             entry[3] = time.perf_counter()
 
-    def emit_ready(self) -> None:
-        """Emit the closed windows whose sums have arrived, in order (never waits for the devices)."""
-        while self._pending and self._pending[0][3] is not None:
-            self._emit(*self._pending.popleft())
+    def emit_ready(self, check: int = 0) -> None:
+        """Emit the closed windows whose sums have arrived, in order (never waits for the devices); with a lag,
+        the windows closed ``lag`` checks before ``check`` (waiting for them if needed)."""
+        if self._lag is None:
+            while self._pending and self._pending[0][3] is not None:
+                self._emit_first()
+        else:
+            while self._pending and self._pending[0][4] <= check - self._lag:
+                self._emit_first()
 
     def flush(self) -> None:
         """Emit every closed window (waits for the devices)."""
         while self._pending:
-            entry = self._pending.popleft()
-            if entry[3] is None:
-                jax.block_until_ready(entry[2])
-                entry[3] = entry[3] or time.perf_counter()
-            self._emit(*entry)
+            self._emit_first()
+
+    def restart(self, step: int) -> None:
+        """Windows start again after ``step`` (a rollback moved the step back; none may be pending)."""
+        self._last = (step, time.perf_counter())
+
+    def _emit_first(self) -> None:
+        entry = self._pending.popleft()
+        if entry[3] is None:
+            jax.block_until_ready(entry[2])
+            entry[3] = entry[3] or time.perf_counter()
+        self._emit(*entry[:4])
 
     def close(self) -> None:
         """Stop the watcher thread and wait for it: a thread still inside JAX when the interpreter exits makes
         the process abort ("terminate called without an active exception", status 134) after a good run."""
         if self._watcher is not None:
-            self._watch.put(None)
+            self._queue.put(None)
             self._watcher.join(timeout=30)
             self._watcher = None
 
@@ -248,20 +297,25 @@ class _Logs:
         seconds = ready - self._last[1]
         steps = step - self._last[0]
         self._last = (step, ready)
-        means = _means(names, np.asarray(jax.device_get(sums), np.float64))
+        values = np.asarray(jax.device_get(sums), np.float64)
+        window = Window.of(names, values.tolist())
+        means = _means(names, values)
         if means is not None:
             logs, loss_weight = means
+            logs.update(log_values(window))
             logs["steps_per_sec"] = steps / seconds if seconds > 0 else float("nan")
             if self._rates is not None:
                 logs.update(self._rates(steps, seconds, loss_weight))
             self._on_log(step, logs)
+        if self._watch is not None:
+            self._watch(step, window)
 
 
 def _means(names: tuple[str, ...], sums: np.ndarray) -> tuple[dict[str, float], float | None] | None:
     """Each metric's mean over the window (``"loss"`` first; a token-weighted one: its summed sums over its
     summed weights, NaN for weight 0), the last learning rate, and the loss's summed weight (None: a scalar
     loss). None if no steps."""
-    values = dict(zip(names, sums.tolist(), strict=True))
+    values = {k: v for k, v in zip(names, sums.tolist(), strict=True) if k not in NON_FINITE}
     steps = values.pop("steps", 0)
     if not steps:
         return None
@@ -316,6 +370,10 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
     """
     history = History()
     callbacks = options.callbacks
+    policy = options.on_non_finite
+    guard = NonFiniteGuard(policy, trainer.step)
+    rollbacks = 0
+    warned = False
 
     def emit(hook: str, *args: Any) -> None:
         for cb in callbacks:
@@ -325,14 +383,93 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
         history.train.append({"step": step, **logs})
         emit("on_log", step, logs)
 
+    refused = None  # the step whose save "continue" skipped (its state is not finite)
+
     def checkpoint() -> None:
+        nonlocal refused
         ckpt = options.checkpointer
-        if ckpt is not None and ckpt.latest_step() != trainer.step:
+        if ckpt is None or trainer.step in (ckpt.latest_step(), refused):
+            return
+        logs.flush()
+        look()  # before every checkpoint: the open window's flags too (it is closed only if it holds any)
+        if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
+            return
+        with dog.paused():  # checkpoint writes are not watched
+            written(wait=True)  # the save in flight first (the next save would wait for it anyway)
+            try:
+                trainer.save(ckpt)  # a no-op when this step is being written already; refuses a non-finite state
+            except NonFiniteError as error:
+                if policy.action != "continue":
+                    raise
+                refused = trainer.step
+                warnings.warn(f"{error} (on_non_finite='continue': training goes on)", RuntimeWarning, stacklevel=3)
+            written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
+
+    def look() -> None:
+        """Read the open window's flags (a checkpoint is next); if any step in it was not finite, close it."""
+        names, sums = trainer.peek_metric_sums()
+        window = Window.of(names, np.asarray(jax.device_get(sums), np.float64).tolist())
+        if window is not None and window.count:
+            close_window()
             logs.flush()
-            with dog.paused():  # checkpoint writes are not watched
-                written(wait=True)  # the save in flight first (the next save would wait for it anyway)
-                trainer.save(ckpt)  # a no-op when this step is being written already
-                written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
+        act()
+
+    def act() -> bool:
+        """Act on the non-finite steps the looks found (at a point every process reaches at the same step);
+        True when the run rolled back."""
+        nonlocal rollbacks, warned
+        if not guard.pending:
+            return False
+        history.non_finite_steps = guard.total
+        if policy.action == "continue":
+            if not warned:
+                warned = True
+                warnings.warn(
+                    f"the loss or gradients of step {guard.first} were not finite; on_non_finite='continue' trains "
+                    "on (non-finite states are not saved)", RuntimeWarning, stacklevel=3)
+            guard.acted()
+            return False
+        if policy.action == "skip":
+            if guard.too_many_in_a_row:
+                raise stop(f"{guard.longest_run} steps in a row were not finite (on_non_finite='skip' stops at "
+                           f"max_consecutive_skips={policy.max_consecutive_skips}: the run has diverged)")
+            guard.acted()  # skipped on the devices; the logs count them
+            return False
+        if policy.action == "rollback":
+            if rollbacks >= policy.max_rollbacks:
+                raise stop(f"the run stopped after {rollbacks} rollback{'s' if rollbacks != 1 else ''} "
+                           f"(on_non_finite='rollback' rolls back at most max_rollbacks={policy.max_rollbacks} times)")
+            roll_back()
+            return True
+        raise stop("the run stopped (on_non_finite='stop')")
+
+    def stop(what: str) -> NonFiniteError:
+        ckpt = options.checkpointer
+        latest = None if ckpt is None else ckpt.latest_step()  # waits for the save in flight: complete
+        return guard.error(what, latest, None if ckpt is None else ckpt.directory)
+
+    def roll_back() -> None:
+        """Restore the newest checkpoint before the first bad step; the data goes on from where it is."""
+        nonlocal rollbacks
+        ckpt, bad = options.checkpointer, guard.first
+        close_window()
+        logs.flush()  # every step so far is logged (their flags belong to this rollback)
+        with dog.paused():
+            written(wait=True)
+            good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
+            if not good:
+                raise stop("there is no checkpoint before it to roll back to, so the run stopped")
+            trainer.restore(ckpt, good[-1])
+        rollbacks += 1
+        trainer.data_position = stream.position(consumed)  # past the bad batches (and those after them)
+        history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": trainer.data_position})
+        trainer.pop_metric_sums()
+        logs.restart(trainer.step)
+        guard.restart(trainer.step)
+        warnings.warn(
+            f"the loss or gradients of step {bad} were not finite: rolled back to checkpoint {good[-1]} (rollback "
+            f"{rollbacks} of at most {policy.max_rollbacks}); training goes on with the data after the batches "
+            f"read so far, skipping them", RuntimeWarning, stacklevel=4)
 
     def written(wait: bool = False) -> None:
         """``on_checkpoint`` for the saves complete by now; raises for one that failed in the background."""
@@ -343,13 +480,14 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
 
     def evaluate() -> None:
         logs.flush()
+        act()
         with dog.paused():  # evaluation takes longer than a step: not watched
             metrics = trainer.evaluate(options.eval_data)
         history.eval.append({"step": trainer.step, **metrics})
         emit("on_eval_end", trainer.step, metrics)
 
     def close_window() -> None:
-        logs.close_window(trainer.step, *trainer.pop_metric_sums())
+        logs.close_window(trainer.step, *trainer.pop_metric_sums(), checks)
 
     cost = None
 
@@ -358,40 +496,49 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
 
     trainer.stop_training = False
     trainer.pop_metric_sums()  # the windows start here
-    logs = _Logs(trainer.step, on_log, rates)
-    consumed = 0
-    steps = _steps(trainer, stream, options)
+    spans = options.mesh is not None and len({d.process_index for d in options.mesh.devices.flat}) > 1
+    logs = _Logs(trainer.step, on_log, rates, guard.observe, lag=READ_LAG if spans else None)
+    consumed = checks = 0
+    source = iter(stream)
     dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
     try:
         with PreemptionWatcher(mesh=options.mesh) as watcher, dog:  # agreed by every process
             emit("on_train_begin")
-            try:
-                for n, metrics in steps:
-                    dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
-                    before = trainer.step - n  # the step(s) just taken advanced trainer.step
-                    consumed += n
-                    trainer.data_position = stream.position(consumed)
-                    if cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
-                        cost = history.step_cost = trainer.step_cost()
-                        emit("on_step_cost", cost)
-                    emit("on_step_end", trainer.step, metrics)
-                    if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
-                        close_window()
-                    logs.emit_ready()
-                    written()
-                    if _crossed(before, trainer.step, options.eval_every):
-                        evaluate()
-                    if _crossed(before, trainer.step, options.checkpoint_every):
-                        checkpoint()
-                    if watcher.should_stop(stop_training=trainer.stop_training):  # agreed by every process
-                        break
-            finally:
-                steps.close()
-            if not watcher.stopping:  # a signal since the last check
-                watcher.should_stop(final=True, stop_training=trainer.stop_training)
+            while True:  # one round, and one more after each rollback at the end
+                steps = _steps(trainer, source, options)
+                try:
+                    for n, metrics in steps:
+                        dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
+                        before = trainer.step - n  # the step(s) just taken advanced trainer.step
+                        consumed += n
+                        checks += 1
+                        trainer.data_position = stream.position(consumed)
+                        if cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
+                            cost = history.step_cost = trainer.step_cost()
+                            emit("on_step_cost", cost)
+                        emit("on_step_end", trainer.step, metrics)
+                        if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
+                            close_window()
+                        logs.emit_ready(checks)
+                        if act():  # rolled back: the log, evaluation and checkpoint points come again
+                            continue
+                        written()
+                        if _crossed(before, trainer.step, options.eval_every):
+                            evaluate()
+                        if _crossed(before, trainer.step, options.checkpoint_every):
+                            checkpoint()
+                        if watcher.should_stop(stop_training=trainer.stop_training):  # agreed by every process
+                            break
+                finally:
+                    steps.close()
+                if not watcher.stopping:  # a signal since the last check
+                    watcher.should_stop(final=True, stop_training=trainer.stop_training)
+                close_window()
+                logs.flush()
+                if not act() or watcher.stopping:  # rolled back at the end: train to the end again
+                    break
             history.preempted = watcher.preempted
-            close_window()
-            logs.flush()
+            history.non_finite_steps = guard.total
             checkpoint()  # at the end (a no-op when this step is saved already)
             with dog.paused():
                 written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
@@ -403,27 +550,37 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
             emit("on_train_end", history)
     finally:
         logs.close()  # the watcher thread
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
     return history
 
 
-def _steps(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    """Run steps; yield ``(steps taken, their metrics)`` after each step or each on-device loop."""
+def _steps(trainer: FitTarget, source: Iterator, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """Run steps on the batches of ``source`` until ``trainer.step`` reaches ``options.steps`` (or ``source``
+    ends); yield ``(steps taken, their metrics)`` after each step or each on-device loop."""
     until = options.steps
-    if until is not None and until <= trainer.step:
-        return
-    # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it.
-    source = stream if until is None else itertools.islice(stream, until - trainer.step)
-    if options.steps_per_run > 1:
-        yield from _on_device_loops(trainer, iter(source), options)
-        return
-    # Batch n+READ_AHEAD is read (and placed) before step n is dispatched: its transfer overlaps the steps
-    # still running. Nothing here waits for a step, so the host stays ahead of the devices.
-    batches = ahead(source, READ_AHEAD)
-    try:
-        for batch in batches:
-            yield 1, trainer.train_on_batch(batch)
-    finally:
-        batches.close()
+    while until is None or trainer.step < until:
+        # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it. A rollback
+        # moves the step back: another cut then takes the batches for the steps that are left.
+        cut = source if until is None else itertools.islice(source, until - trainer.step)
+        ran = 0
+        if options.steps_per_run > 1:
+            for n, metrics in _on_device_loops(trainer, cut, options):
+                ran += n
+                yield n, metrics
+        else:
+            # Batch n+READ_AHEAD is read (and placed) before step n is dispatched: its transfer overlaps the
+            # steps still running. Nothing here waits for a step, so the host stays ahead of the devices.
+            batches = ahead(cut, READ_AHEAD)
+            try:
+                for batch in batches:
+                    ran += 1
+                    yield 1, trainer.train_on_batch(batch)
+            finally:
+                batches.close()
+        if not ran or until is None:  # the data ended
+            return
 
 
 def _on_device_loops(

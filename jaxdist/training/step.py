@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from jaxdist.nn.moe import moe_loss, moe_metrics
-from jaxdist.training import weighted
+from jaxdist.training import non_finite, weighted
 from jaxdist.training.data import split_batch
 
 __all__ = [
@@ -203,12 +203,16 @@ def make_summed_train_step(
     metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
     grad_accum_steps: int = 1,
     compute_dtype: Any = None,
+    skip_non_finite: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
     """The train step ``(state, batch) -> (state, metrics, addends)`` behind `make_train_step`.
 
     ``addends`` is what this step adds to the running sums (`add_to_sums`): each scalar metric's mean, and for
     a token-weighted one (``(sum, weight)``) its sum under its name and its weight under ``"<name>.weight"``
-    (`jaxdist.training.weighted`), so that sums over steps divide once. Arguments as for `make_train_step`.
+    (`jaxdist.training.weighted`), so that sums over steps divide once; and under ``"non_finite"`` 1.0 when
+    the loss or the gradients' global norm is not finite (`jaxdist.training.non_finite.step_flag`). Arguments
+    as for `make_train_step`, and ``skip_non_finite``: a step whose flag is set keeps the parameters, optimizer
+    and model state it was given (optax's ``apply_if_finite`` semantics; the step counter moves on).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -220,7 +224,7 @@ def make_summed_train_step(
         >>> step = make_summed_train_step(model, opt, lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(), mask.sum()))
         >>> state, m, addends = step(state, (jnp.ones((4, 2)), jnp.zeros(4)))
         >>> float(m["loss"]), {k: float(v) for k, v in addends.items()}
-        (2.0, {'loss': 6.0, 'loss.weight': 3.0})
+        (2.0, {'non_finite': 0.0, 'loss': 6.0, 'loss.weight': 3.0})
     """
     metrics = dict(metrics or {})
     forward = _forward(model, loss_fn, metrics, compute_dtype)
@@ -266,7 +270,11 @@ def make_summed_train_step(
             grads = jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        out, addends = {}, {}
+        flag = non_finite.step_flag(loss, grads)  # the whole step's: summed loss, accumulated gradients
+        if skip_non_finite:
+            params, opt_state, model_state = non_finite.keep_if_finite(
+                flag, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
+        out, addends = {}, {non_finite.FLAG: flag}
         for name, (value, w) in {"loss": (loss, weight), **values}.items():
             out[name] = value if w is None else weighted.mean(value, w)
             addends[name] = value
@@ -356,8 +364,10 @@ def add_to_sums(sums: jax.Array, metrics: Mapping[str, jax.Array], names: Sequen
 
     ``metrics`` holds each name's addend (`make_summed_train_step`'s ``addends``: a token-weighted value's sum
     and, under ``"<name>.weight"``, its weight). ``"learning_rate"`` is replaced by this step's (the current
-    rate, not a sum) and ``"steps"`` counts the steps. Computed inside the compiled step, it costs nothing per
-    step; the host reads one small vector per log point instead of every step's scalars.
+    rate, not a sum) and ``"steps"`` counts the steps. The non-finite entries (`jaxdist.training.non_finite.NAMES`,
+    when ``names`` holds them) follow the step's ``"non_finite"`` flag (`non_finite.sums_update`). Computed
+    inside the compiled step, it costs nothing per step; the host reads one small vector per log point instead
+    of every step's scalars.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -366,8 +376,10 @@ def add_to_sums(sums: jax.Array, metrics: Mapping[str, jax.Array], names: Sequen
         >>> add_to_sums(sums, {"loss": 0.25, "learning_rate": 0.05}, names).tolist()
         [0.75, 0.05000000074505806, 2.0]
     """
-    step = jnp.stack([jnp.asarray(metrics[n] if n != "steps" else 1.0, jnp.float32) for n in names])
-    keep = jnp.asarray([0.0 if n == "learning_rate" else 1.0 for n in names], jnp.float32)
+    replaced = non_finite.sums_update(sums, names, metrics[non_finite.FLAG]) if non_finite.COUNT in names else {}
+    step = jnp.stack([jnp.asarray(replaced[n] if n in replaced else metrics[n] if n != "steps" else 1.0, jnp.float32)
+                      for n in names])
+    keep = jnp.asarray([0.0 if n == "learning_rate" or n in replaced else 1.0 for n in names], jnp.float32)
     return sums * keep + step
 
 

@@ -12,7 +12,11 @@ batches already used, so its parameters are bitwise identical to an uninterrupte
 
 ``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through its typed interface
 (`jaxdist.training.loop.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_metric_sums``,
-``step_cost``, ``evaluate``, ``save``, ``sync_model``).
+``peek_metric_sums``, ``step_cost``, ``evaluate``, ``save``, ``restore``, ``sync_model``).
+
+A diverging run loses nothing (`jaxdist.training.non_finite`): each step flags a non-finite loss or gradient
+norm on the devices, ``fit`` acts on the flags where it reads its logs and before every checkpoint
+(``on_non_finite``: stop, skip, roll back or continue), and `save` refuses a state that is not finite.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from jaxdist.training.input_state import IteratorSnapshot, restored_position
 from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
+from jaxdist.training.non_finite import NonFiniteError, NonFinitePolicy, describe, non_finite_leaves
 from jaxdist.training.step import TrainState
 
 __all__ = ["Trainer"]
@@ -366,12 +371,38 @@ class Trainer:
             >>> for y in (1.0, 2.0):
             ...     _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, y, np.float32)))
             >>> names, sums = trainer.pop_metric_sums()
-            >>> dict(zip(names, sums.tolist()))
-            {'loss': 5.0, 'steps': 2.0}
+            >>> sums = dict(zip(names, sums.tolist()))
+            >>> sums["loss"], sums["steps"], sums["non_finite_steps"]
+            (5.0, 2.0, 0.0)
         """
         if self._state is None:
             raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
         return self._steps.pop_sums(self._state)
+
+    def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
+        """The running sums `pop_metric_sums` would return, without restarting them (read them before the next
+        step, which updates them in place): ``fit`` reads the flags of non-finite steps in them before a
+        checkpoint.
+
+        Returns:
+            ``(names, sums)`` as `pop_metric_sums`.
+
+        Raises:
+            RuntimeError: before the state exists.
+
+        Examples:
+            >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+            >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, np.nan, np.float32)))
+            >>> names, sums = trainer.peek_metric_sums()
+            >>> peeked = dict(zip(names, sums.tolist()))
+            >>> peeked["non_finite_steps"], peeked["steps"], trainer.pop_metric_sums()[1] is sums  # not restarted
+            (1.0, 1.0, True)
+        """
+        if self._state is None:
+            raise RuntimeError("peek_metric_sums() before the state exists: call fit(...) or init(batch) first.")
+        return self._steps.peek_sums(self._state)
 
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
@@ -434,7 +465,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
-        """Write a checkpoint of the state, step, data position and RNG.
+        """Write a checkpoint of the state, step, data position and RNG, unless the state is not finite.
+
+        A state with a NaN or an infinity in its parameters or model state, or a NaN in its optimizer state, is
+        refused: no checkpoint ever holds one, so the rotation (``max_to_keep``) never deletes the newest
+        finite checkpoint in favour of a diverged one. Checking costs one pass over the state on the devices
+        per save (`jaxdist.training.non_finite.non_finite_leaves`).
 
         Args:
             checkpoint_dir: a directory, or an open `Checkpointer` (left open; its own ``max_to_keep``).
@@ -445,9 +481,14 @@ class Trainer:
 
         Raises:
             RuntimeError: before the state exists (nothing trained or initialized yet).
+            NonFiniteError: (a `FloatingPointError`) when the state is not finite, naming the leaves and the
+                newest checkpoint there is; nothing is written.
         """
         if self._state is None:
             raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
+        bad = non_finite_leaves(self._state)
+        if bad:
+            self._refuse(checkpoint_dir, bad)
         position = self.data_position  # a grain source's iterator state goes beside it, one file per process
         meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index}}
         state = position.state
@@ -459,6 +500,27 @@ class Trainer:
             return ckpt.save(self._step, self._state, meta, data_iterator)
         finally:
             ckpt.close()
+
+    def _refuse(self, checkpoint_dir: str | os.PathLike | Checkpointer, bad: list[str]) -> None:
+        """Raise the `NonFiniteError` of a save refused because the leaves ``bad`` are not finite."""
+        if isinstance(checkpoint_dir, Checkpointer):
+            directory, latest = checkpoint_dir.directory, checkpoint_dir.latest_step()
+        else:
+            directory = os.path.abspath(os.fspath(checkpoint_dir))
+            latest = None
+            if os.path.isdir(directory) and os.listdir(directory):
+                ckpt = Checkpointer(directory, None)
+                try:
+                    latest = ckpt.latest_step()
+                finally:
+                    ckpt.close()
+        where = "there is no checkpoint there" if latest is None else f"the newest checkpoint there is step {latest}"
+        raise NonFiniteError(
+            f"not saving step {self._step} to {directory!r}: its state is not finite ({describe(bad)}); {where}. "
+            "Resume from a finite checkpoint (fit(..., restore_step=...)) with a lower learning rate or "
+            "clip_grad_norm=..., or train with on_non_finite='skip' / 'rollback'.",
+            step=self._step, count=0, checkpoint=latest, directory=directory,
+        )
 
     def restore(
         self, checkpoint_dir: str | os.PathLike | Checkpointer, step: int | None = None, batch: Any = None
@@ -634,6 +696,7 @@ class Trainer:
         on_preemption: str = "exit",
         restore_step: int | None = None,
         step_timeout: float | None = None,
+        on_non_finite: str | NonFinitePolicy = "stop",
     ) -> History:
         """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
 
@@ -684,6 +747,18 @@ class Trainer:
                 the job, so the scheduler restarts it from the last complete checkpoint, instead of hanging.
                 Evaluation and checkpoint writes are not watched. None (default): not watched, because only
                 you know how long a step may take; set a few times your slowest step.
+            on_non_finite: what a step whose loss or gradients are not finite (a loss spike, divergence) does;
+                each step computes the flag on the devices and ``fit`` reads it with the logs and before every
+                checkpoint (no cost per step). ``"stop"`` (default): raise `NonFiniteError` (a
+                `FloatingPointError`) naming the first bad step, the last finite checkpoint and how to resume.
+                ``"skip"``: bad steps change no state (optax's ``apply_if_finite``; the step counter and the
+                data move on), the logs count them (``non_finite_steps``); 10 in a row stop as ``"stop"``.
+                ``"rollback"``: restore the last finite checkpoint (needs ``checkpoint_dir``) and go on with the
+                data past the bad batches; at most 3 times, then stop. ``"continue"``: train on, with one
+                warning. A `NonFinitePolicy` sets other limits. Whatever the policy, a non-finite state is
+                never saved (`save`).
+
+        Returns:
             The `History` of logged metrics.
 
         Raises:
@@ -697,6 +772,8 @@ class Trainer:
                 the directory and the newest older checkpoint that restores (delete the damaged one, or pass
                 that step as ``restore_step``).
             SystemExit: after a preemption checkpoint, with ``on_preemption="exit"``.
+            NonFiniteError: (a `FloatingPointError`) when a step's loss or gradients were not finite and the
+                policy stops (see ``on_non_finite``).
         """
         if steps is None and epochs is None:
             raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
@@ -706,6 +783,12 @@ class Trainer:
         if on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
         check_int(restore_step, "restore_step", 0)
+        policy = NonFinitePolicy.of(on_non_finite)
+        if policy.action == "rollback" and checkpoint_dir is None:
+            raise ValueError(
+                "on_non_finite='rollback' needs checkpoint_dir=... (it restores the last finite checkpoint): pass "
+                "one (with checkpoint_every=...), or use on_non_finite='skip' or 'stop'."
+            )
         if restore_step is not None and checkpoint_dir is None:
             raise ValueError(
                 f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
@@ -734,10 +817,13 @@ class Trainer:
             if log_dir is not None and writer:
                 callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
             options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
-                                          steps_per_run=self.steps_per_run, mesh=self.strategy.mesh)
+                                          steps_per_run=self.steps_per_run, mesh=self.strategy.mesh,
+                                          on_non_finite=policy)
             feed = self._feed if self.steps_per_run == 1 else self._loop_feed
+            self._steps.skip_non_finite = policy.action == "skip"  # a step variant that skips on the devices
             history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, feed), options)
         finally:
+            self._steps.skip_non_finite = False
             if ckpt is not None:
                 ckpt.close()
         if history.preempted and on_preemption == "exit":

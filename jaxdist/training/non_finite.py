@@ -1,0 +1,389 @@
+"""Non-finite losses and gradients: detected on the devices, decided at the host's next look, never saved.
+
+A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the most common way a long run dies.
+``Trainer.fit(on_non_finite=...)`` (`NonFinitePolicy`) decides what happens then; this module is the mechanism.
+
+* Detect on the device. Each train step computes whether its loss and its gradients' global norm
+  (``optax.tree.norm``, a reduction over the GLOBAL gradients, so every process computes the same flag) are
+  finite (`step_flag`), and adds the flag to the running metric sums (`sums_update`: how many steps were not
+  finite in the window, where the first one was, and the runs of them in a row). Nothing is read per step:
+  the host sees the flags when it reads a log window's sums anyway, and before every checkpoint.
+* Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when the flag
+  is set (`keep_if_finite`: optax's ``apply_if_finite`` semantics, as a select, so the state's structure and a
+  finite step's numbers do not change); its step counter and the data move on.
+* Decide on the host (`NonFiniteGuard`): at a look, the windows read so far say which steps were not finite;
+  ``"stop"`` raises `NonFiniteError` (a `FloatingPointError`), ``"skip"`` raises it after
+  ``max_consecutive_skips`` skipped steps in a row, ``"rollback"`` goes back to the last checkpoint (at most
+  ``max_rollbacks`` times), ``"continue"`` warns once and trains on.
+* Never saved: `non_finite_leaves` reads, on the devices, which leaves of a state are not finite; the trainer
+  refuses to save such a state (``Trainer.save``), so no checkpoint holds one and the rotation of checkpoints
+  (``keep_checkpoints``) only ever deletes finite checkpoints older than the newest finite one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "ACTIONS",
+    "FLAG",
+    "MAX_CONSECUTIVE_SKIPS",
+    "MAX_ROLLBACKS",
+    "NAMES",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "NonFinitePolicy",
+    "Window",
+    "keep_if_finite",
+    "non_finite_leaves",
+    "step_flag",
+    "sums_update",
+]
+
+ACTIONS = ("stop", "skip", "rollback", "continue")
+"""The values of ``on_non_finite``."""
+
+MAX_CONSECUTIVE_SKIPS = 10
+"""``"skip"`` stops (as ``"stop"``) after this many skipped steps in a row: isolated bad batches are skipped; a
+run whose every step is non-finite from some step on has diverged, and skipping cannot bring it back."""
+
+MAX_ROLLBACKS = 3
+"""``"rollback"`` goes back to the last finite checkpoint at most this many times in one ``fit``, then stops."""
+
+FLAG = "non_finite"
+"""The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0 otherwise)."""
+
+COUNT, FIRST, LEAD, RUN, LONGEST = (
+    "non_finite_steps", "non_finite_first", "non_finite_lead", "non_finite_run", "non_finite_longest")
+NAMES = (COUNT, FIRST, LEAD, RUN, LONGEST)
+"""The running sums' entries of the flags over a window (`sums_update`); ``non_finite_steps`` is also the log's."""
+
+
+def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
+    """1.0 (float32) when ``loss`` or the global norm of ``grads`` is not finite, else 0.0.
+
+    Inside a compiled step over global arrays both are global reductions: every replica and process gets the
+    same flag.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.ones(2)})), float(step_flag(jnp.nan, {"w": jnp.ones(2)}))
+        (0.0, 1.0)
+        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.array([1.0, jnp.inf])}))
+        1.0
+    """
+    norm = optax.tree.norm(grads) if jax.tree.leaves(grads) else jnp.float32(0.0)
+    finite = jnp.isfinite(jnp.asarray(loss, jnp.float32)) & jnp.isfinite(norm)
+    return jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
+
+
+def keep_if_finite(flag: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``flag`` is 0.0, else ``old`` (optax's ``apply_if_finite``: a non-finite step changes nothing).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> keep_if_finite(jnp.float32(1.0), {"w": jnp.array(jnp.nan)}, {"w": jnp.array(2.0)})["w"].tolist()
+        2.0
+    """
+    return optax.tree.where(flag == 0.0, new, old)
+
+
+def sums_update(sums: jax.Array, names: Sequence[str], flag: jax.Array) -> dict[str, jax.Array]:
+    """The new values of the `NAMES` entries of the running sums ``sums`` after a step whose flag is ``flag``.
+
+    Over a window (sums start at zeros): ``non_finite_steps`` counts the flagged steps, ``non_finite_first`` is
+    how many steps came before the first flagged one, ``non_finite_lead`` how many flagged steps in a row open
+    the window, ``non_finite_run`` how many close it (so far), and ``non_finite_longest`` the longest run in it:
+    enough for the host to find the first bad step and the runs across windows (`NonFiniteGuard`). ``names``
+    must hold ``"steps"`` (the steps summed before this one).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> names = (*NAMES, "steps")
+        >>> sums = jnp.zeros(len(names))
+        >>> for flag in (0.0, 1.0, 1.0, 0.0, 1.0):
+        ...     new = sums_update(sums, names, jnp.float32(flag))
+        ...     sums = jnp.stack([new[n] if n in new else sums[i] + 1 for i, n in enumerate(names)])
+        >>> dict(zip(names, sums.tolist()))  # 3 bad; first after 1 step; none opens; 1 closes; 2 in a row
+        {'non_finite_steps': 3.0, 'non_finite_first': 1.0, 'non_finite_lead': 0.0, 'non_finite_run': 1.0, \
+'non_finite_longest': 2.0, 'steps': 5.0}
+    """
+    at = {name: i for i, name in enumerate(names)}
+    count, first, lead, run, longest, steps = (sums[at[n]] for n in (*NAMES, "steps"))
+    bad = flag > 0
+    run = jnp.where(bad, run + 1.0, 0.0)
+    return {
+        COUNT: count + flag,
+        FIRST: jnp.where(bad & (count == 0), steps, first),
+        LEAD: jnp.where(bad & (lead == steps), lead + 1.0, lead),
+        RUN: run,
+        LONGEST: jnp.maximum(longest, run),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinitePolicy:
+    """What ``Trainer.fit`` does when a step's loss or gradients are not finite (``fit(on_non_finite=...)``
+    takes one, or just its ``action``).
+
+    Attributes:
+        action: ``"stop"`` (default): raise `NonFiniteError` (a `FloatingPointError`) naming the first bad
+            step, the last finite checkpoint and how to resume; nothing more is saved. ``"skip"``: the bad
+            steps change nothing (parameters, optimizer and model state kept; the step counter and the data
+            move on), the logs count them; more than ``max_consecutive_skips`` in a row stop as ``"stop"``.
+            ``"rollback"``: restore the last finite checkpoint (needs ``checkpoint_dir``) and go on with the
+            data from where it is, past the bad batches; at most ``max_rollbacks`` times, then stop.
+            ``"continue"``: train on (the old behaviour), with one warning; non-finite states are still
+            not saved (a warning each).
+        max_consecutive_skips: ``"skip"`` only: skipped steps in a row that stop the run.
+        max_rollbacks: ``"rollback"`` only: rollbacks in one ``fit`` before it stops.
+
+    Raises:
+        ValueError: for an unknown action or a count < 1.
+
+    Examples:
+        >>> NonFinitePolicy.of("skip").max_consecutive_skips
+        10
+        >>> NonFinitePolicy.of("rollback") == NonFinitePolicy("rollback", max_rollbacks=3)
+        True
+        >>> NonFinitePolicy("retry")
+        Traceback (most recent call last):
+        ValueError: on_non_finite='retry' is not a policy: pass one of 'stop', 'skip', 'rollback', 'continue' \
+(or a jd.training.NonFinitePolicy).
+    """
+
+    action: str = "stop"
+    max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS
+    max_rollbacks: int = MAX_ROLLBACKS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, str) or self.action not in ACTIONS:
+            raise ValueError(
+                f"on_non_finite={self.action!r} is not a policy: pass one of "
+                f"{', '.join(map(repr, ACTIONS))} (or a jd.training.NonFinitePolicy)."
+            )
+        for name in ("max_consecutive_skips", "max_rollbacks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"NonFinitePolicy({name}={value!r}): it must be an int >= 1.")
+
+    @classmethod
+    def of(cls, value: str | NonFinitePolicy) -> NonFinitePolicy:
+        """``value`` as a policy: a `NonFinitePolicy` as it is, an action name with the default counts.
+
+        Raises:
+            ValueError: for anything else (naming ``on_non_finite``, the value and the choices).
+        """
+        return value if isinstance(value, NonFinitePolicy) else cls(value)
+
+
+class NonFiniteError(FloatingPointError):
+    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped without saving them.
+
+    Attributes:
+        step: the first step whose loss or gradients were not finite (or whose state was not).
+        count: how many steps were not finite when the run stopped.
+        checkpoint: the newest checkpoint (all are finite), or None when there is none.
+        directory: the checkpoint directory, or None.
+
+    Examples:
+        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30, directory="/c")
+        >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
+        (True, 40, 30)
+    """
+
+    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None, directory: str | None):
+        super().__init__(message)
+        self.step, self.count, self.checkpoint, self.directory = step, count, checkpoint, directory
+
+    def __reduce__(self) -> tuple:  # picklable (keyword-only arguments)
+        return _rebuild, (str(self), self.step, self.count, self.checkpoint, self.directory)
+
+
+def _rebuild(message: str, step: int, count: int, checkpoint: int | None, directory: str | None) -> NonFiniteError:
+    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint, directory=directory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The flags of one window of steps, as read from the running sums (see `sums_update`).
+
+    Examples:
+        >>> names = ("loss", *NAMES, "steps")
+        >>> Window.of(names, [4.0, 2.0, 3.0, 0.0, 1.0, 1.0, 10.0])
+        Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)
+        >>> Window.of(("loss", "steps"), [4.0, 10.0]) is None
+        True
+    """
+
+    steps: int
+    count: int
+    first: int
+    lead: int
+    run: int
+    longest: int
+
+    @classmethod
+    def of(cls, names: Sequence[str], sums: Sequence[float]) -> Window | None:
+        """The window in the sums ``sums`` named by ``names`` (None when they carry no flags)."""
+        values = dict(zip(names, sums, strict=True))
+        if COUNT not in values:
+            return None
+        return cls(*(int(values[n]) for n in ("steps", *NAMES)))
+
+
+class NonFiniteGuard:
+    """The host's record of the non-finite steps seen at its looks, and the error that names them.
+
+    ``fit`` hands it every log window it reads (`observe`, in step order; before a checkpoint whose open window
+    holds non-finite steps it closes that window first); `pending` says whether it saw steps the loop has not
+    acted on yet; `error` builds the `NonFiniteError`; `restart` starts over after a rollback.
+
+    Args:
+        policy: the `NonFinitePolicy`.
+        step: the step the first window starts after.
+
+    Examples:
+        >>> guard = NonFiniteGuard(NonFinitePolicy("skip", max_consecutive_skips=3), step=0)
+        >>> guard.observe(10, Window(steps=10, count=2, first=8, lead=0, run=2, longest=2))
+        >>> guard.pending, guard.first, guard.longest_run
+        (True, 9, 2)
+        >>> guard.acted()
+        >>> guard.observe(20, Window(steps=10, count=1, first=0, lead=1, run=0, longest=1))
+        >>> guard.longest_run, guard.too_many_in_a_row, guard.total  # steps 9, 10 and 11 in a row
+        (3, True, 3)
+    """
+
+    def __init__(self, policy: NonFinitePolicy, step: int):
+        self.policy = policy
+        self.total = 0  # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        """Forget the steps seen (after a rollback to ``step``; `total` stays)."""
+        self._start = step  # the step the next window starts after
+        self.first: int | None = None  # the first non-finite step since the start (or the last rollback)
+        self._trailing = 0  # non-finite steps in a row up to the end of the last window
+        self.longest_run = 0
+        self._pending = False
+
+    @property
+    def pending(self) -> bool:
+        """Whether non-finite steps were seen since the loop last acted (`acted`)."""
+        return self._pending
+
+    def acted(self) -> None:
+        """The loop has acted on the steps seen so far (skipped them, warned)."""
+        self._pending = False
+
+    @property
+    def too_many_in_a_row(self) -> bool:
+        """Whether a run of non-finite steps reached the policy's ``max_consecutive_skips``."""
+        return self.longest_run >= self.policy.max_consecutive_skips
+
+    def observe(self, end: int, window: Window | None) -> None:
+        """Record the window of steps after the previous window's end up to step ``end``."""
+        start, self._start = self._start, end
+        if window is None or not window.steps:
+            return
+        if window.count:
+            if self.first is None:
+                self.first = start + window.first + 1
+            self.total += window.count
+            self._pending = True
+            self.longest_run = max(self.longest_run, window.longest, self._trailing + window.lead)
+        self._trailing = self._trailing + window.steps if window.lead == window.steps else window.run
+
+    def error(self, what: str, checkpoint: int | None, directory: str | None) -> NonFiniteError:
+        """The `NonFiniteError` for the steps seen: ``what`` happened (e.g. "the run stopped"), ``checkpoint``
+        the newest one in ``directory``."""
+        first = self.first if self.first is not None else self._start
+        if checkpoint is None:
+            where = ("there is no checkpoint to resume from (pass checkpoint_dir=... and checkpoint_every=... to "
+                     "keep some)" if directory is None else f"{directory!r} holds no checkpoint before it")
+        else:
+            where = (f"the last finite checkpoint is step {checkpoint} in {directory!r}: resume from it with "
+                     f"fit(..., checkpoint_dir={directory!r}, restore_step={checkpoint})")
+        message = (
+            f"the loss or gradients of step {first} were not finite ({self.total} non-finite step"
+            f"{'s' if self.total != 1 else ''} so far); {what}. No non-finite state was saved; {where}, with a lower "
+            "learning rate, gradient clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'."
+        )
+        return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint, directory=directory)
+
+
+def _kinds(tree: Any, name: str) -> list[tuple[str, jax.Array, bool]]:
+    """``(path, leaf, only_nan)`` for the floating leaves of one part of a state."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
+            out.append((f".{name}{jax.tree_util.keystr(path)}", leaf, name == "opt_state"))
+    return out
+
+
+def _all_finite(leaves: list[jax.Array], only_nan: tuple[bool, ...]) -> jax.Array:
+    return jnp.stack([jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x)) for x, nan in zip(leaves, only_nan,
+                                                                                           strict=True)])
+
+
+_PROGRAM = jax.jit(_all_finite, static_argnums=1)
+
+
+def non_finite_leaves(state: Any) -> list[str]:
+    """The paths of ``state``'s leaves (a `TrainState`) that hold a NaN, or an infinity in the parameters or
+    model state, read on the devices (one program; only one flag per leaf comes back).
+
+    The optimizer state may hold infinities by design (``optax.contrib.reduce_on_plateau`` starts its best
+    value at ``inf``), so only NaN counts there; a diverged optimizer state (Adam's moments of an infinite
+    gradient) makes the parameters non-finite with it. Every process of a multi-process job gets the same
+    answer (the flags are global reductions).
+
+    Args:
+        state: a `TrainState` (``params``, ``opt_state`` and ``model_state`` are read).
+
+    Returns:
+        The non-finite leaves' paths (e.g. ``".params['Dense_0']['kernel']"``), empty when all are finite.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist.training.step import TrainState
+        >>> state = TrainState(jnp.int32(0), {"w": jnp.array([1.0, jnp.nan])}, (jnp.array(jnp.inf),), {}, None)
+        >>> non_finite_leaves(state)
+        [".params['w']"]
+    """
+    leaves = [*_kinds(state.params, "params"), *_kinds(state.model_state, "model_state"),
+              *_kinds(state.opt_state, "opt_state")]
+    if not leaves:
+        return []
+    with jax.set_mesh(None):  # the arrays' own shardings decide (a strategy's scope may be open)
+        flags = np.asarray(_PROGRAM([leaf for _, leaf, _ in leaves], tuple(nan for _, _, nan in leaves)))
+    return [path for (path, _, _), bad in zip(leaves, flags, strict=True) if bad]
+
+
+def describe(paths: Sequence[str], limit: int = 3) -> str:
+    """``paths`` for a message: the first ``limit`` and how many more.
+
+    Examples:
+        >>> describe(["a", "b", "c", "d"], limit=2)
+        'a, b and 2 more'
+    """
+    shown = ", ".join(paths[:limit])
+    return f"{shown} and {len(paths) - limit} more" if len(paths) > limit else shown
+
+
+def log_values(window: Window | None) -> Mapping[str, float]:
+    """What a log row adds for ``window``: ``{"non_finite_steps": n}`` when any of its steps was not finite.
+
+    Examples:
+        >>> log_values(Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)), log_values(None)
+        ({'non_finite_steps': 2}, {})
+    """
+    return {COUNT: window.count} if window is not None and window.count else {}
