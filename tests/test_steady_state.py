@@ -138,3 +138,74 @@ def test_the_program_carries_the_step_functions_name(mirrored):
 
     lowered = mirrored.jit(train_step, batch_argnums=1).lower(np.ones(3, np.float32), np.ones((8, 3), np.float32))
     assert lowered.as_text().startswith("module @jit_train_step "), lowered.as_text()[:80]
+
+
+# ------------------------------------------------------------------------------------ the express path
+def _fsdp_explicit():
+    return jd.ShardedStrategy(mesh=jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4]), batch_axes="fsdp",
+                              fsdp_axes="fsdp", min_shard_size=1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jd.OneDeviceStrategy(),
+    lambda: jd.MirroredStrategy(jax.devices()[:4]),
+    lambda: jd.ShardedStrategy(jax.devices()[:4], min_shard_size=1),
+    _fsdp_explicit,
+], ids=["one_device", "mirrored", "fsdp", "fsdp_explicit_mesh"])
+def test_steady_calls_are_served_by_jaxs_compiled_dispatch(make):
+    """Once a signature has been seen, a call never enters JAX's Python path (jax.no_tracing raises there),
+    including after the state changed its weak types (a new trace whose first express attempt JAX refused)."""
+    strategy = make()
+
+    def step(state, batch):
+        return jax.tree.map(lambda w: w * 0.5 + batch.mean(), state), batch.sum()
+
+    state = {f"w{i}": jnp.full((8, 4), float(i)) for i in range(3)}  # weakly typed: the outputs are not
+    batch = strategy.experimental_distribute_values(jnp.ones((8, 4)))
+    compiled = strategy.jit(step, donate_argnums=0, batch_argnums=1)
+    state, _ = compiled(strategy.create_variables(lambda: state), batch)
+    for _ in range(2):
+        state, _ = compiled(state, batch)
+    with jax.no_tracing():
+        for _ in range(3):
+            state, loss = compiled(state, batch)
+    expected = jax.tree.map(lambda i: np.full((8, 4), float(i)), {f"w{i}": i for i in range(3)})
+    for _ in range(6):
+        expected = jax.tree.map(lambda w: w * 0.5 + 1.0, expected)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), state, expected)
+    assert float(loss) == 32.0
+
+
+def test_host_rows_nested_in_a_batch_after_steady_state_are_split(mirrored):
+    """A host array inside a batch argument (not the argument itself) has the argument types of a placed batch:
+    it is laid out as the full path places a batch (split), never whole on every replica."""
+
+    seen = []
+
+    def step(w, batch):
+        x, y = batch
+        jax.debug.inspect_array_sharding(x, callback=lambda s: seen.append(s.spec))  # at each compile
+        return w - 0.1 * ((x @ w) * y[:, None]).mean()
+
+    compiled = mirrored.jit(step, batch_argnums=1)
+    w = mirrored.mirror(jnp.eye(3))
+    x, y = np.arange(24, dtype=np.float32).reshape(8, 3), np.ones(8, np.float32)
+    placed = next(iter(mirrored.experimental_distribute_dataset([(x, y)])))
+    w = compiled(compiled(w, placed), placed)
+    expected = jax.device_get(w) - 0.1 * ((x @ jax.device_get(w)) * y[:, None]).mean()
+    w2 = compiled(w, (x, y))  # a tuple of host arrays: the same argument types as the placed batch
+    assert seen and all(spec == P("replica") for spec in seen), seen  # every program: the rows split
+    np.testing.assert_allclose(w2, expected, rtol=1e-6)
+
+
+def test_alternating_signatures_still_compute_and_compile_once_each(mirrored):
+    step, traces = counted(mirrored)
+    w = mirrored.mirror(jnp.eye(3))
+    big, small = np.ones((8, 3), np.float32), np.ones((4, 3), np.float32)
+    big, small = (next(iter(mirrored.experimental_distribute_dataset([b]))) for b in (big, small))
+    expected = np.eye(3, dtype=np.float32)
+    for i in range(40):  # past the refusals after which such calls take the full path only
+        w, _ = step(w, big if i % 2 else small)
+        expected = expected - 0.1 * ((np.ones((8 if i % 2 else 4, 3)) @ expected).mean())
+    assert traces == [(4, 3), (8, 3)]
+    np.testing.assert_allclose(w, expected, rtol=1e-5)

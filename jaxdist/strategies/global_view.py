@@ -438,8 +438,8 @@ class StrategyFunction:
         (a host array nested in a batch, a batch held whole) is laid out as the full path would have placed
         it. None where a leaf is a tracer (a call inside another trace) or no array."""
         dynamic = tuple(a for i, a in enumerate(placed) if i not in self._static)
-        if not all(type(x) in _SCALARS or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
-                   for x in jax.tree.leaves(dynamic)):
+        if not all(type(x) in _SCALARS or isinstance(x, jax.ShapeDtypeStruct) or (
+                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in jax.tree.leaves(dynamic)):
             return None
         program = self._families.get(static)
         if program is None:
@@ -570,6 +570,10 @@ class StrategyFunction:
         try:
             with self._policy.call_scope((placed, kwargs, state)):
                 static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
+                # The program calls run (the same trace: a plan or a cost read after calls traces nothing new).
+                express = None if kwargs or nodes else self._express_program(static, placed)
+                if express is not None:
+                    return self._decided(lambda: getattr(express, stage)(*placed))
                 return self._decided(lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
         finally:
             self._local.args = None
@@ -681,7 +685,7 @@ class StrategyFunction:
 
 def _enter(traced: Any, concrete: Any) -> Any:
     """An express program's argument ``traced`` constrained at entry to the layout of ``concrete`` (the value
-    it was traced with), where that is a `NamedSharding`."""
+    it was traced with, or the `jax.ShapeDtypeStruct` a plan traced it for), where that is a `NamedSharding`."""
     sharding = getattr(concrete, "sharding", None)
     if not isinstance(sharding, NamedSharding) or not isinstance(traced, jax.Array):
         return traced

@@ -421,6 +421,7 @@ class BatchStream:
         # (epoch, batches read in it) -> the source iterator's state right after them (stateful sources only);
         # written by the reading thread, pruned by `position` up to the batch the steps have consumed.
         self._states: dict[tuple[int, int], Any] = {(self._start.epoch, self._start.index): self._start.state}
+        self._cursor = (0, self._start.epoch, self._start.index)  # (consumed, epoch, index) of the last position
 
     @property
     def data(self) -> Any:
@@ -522,9 +523,15 @@ class BatchStream:
         state after them, for a stateful source)."""
         epoch, index = self._start.epoch, self._start.index + consumed
         if self._kind != "iterator":
+            # Walked on from the last position asked for (fit asks after every step): a constant cost per
+            # step however many epochs lie behind, not one that grows with the steps.
+            done, at_epoch, at_index = self._cursor
+            if consumed >= done:
+                epoch, index = at_epoch, at_index + consumed - done
             while (length := self._lengths.get(epoch, self._length)) and index >= length:
                 index -= length
                 epoch += 1
+            self._cursor = consumed, epoch, index
         if index == 0 and epoch != self._start.epoch:
             return DataPosition(epoch, index)  # the start of an epoch: a fresh iterator, no state
         state = self._states.get((epoch, index))

@@ -30,6 +30,7 @@ C handler that ``jax.distributed.initialize`` installs, which any Python handler
 from __future__ import annotations
 
 import collections
+import functools
 import signal
 import threading
 from typing import Any
@@ -101,9 +102,10 @@ class PreemptionWatcher:
         self._previous.clear()
         self.installed = False
 
-    @property
+    @functools.cached_property
     def spans_processes(self) -> bool:
-        """Whether `should_stop` agrees across processes (the mesh's devices belong to several)."""
+        """Whether `should_stop` agrees across processes (the mesh's devices belong to several); read once,
+        not at every step's check."""
         return self._mesh is not None and len({d.process_index for d in self._mesh.devices.flat}) > 1
 
     @property
