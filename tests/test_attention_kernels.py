@@ -170,6 +170,18 @@ def test_the_default_kernel_by_backend(monkeypatch):
     assert choose(None, bf16, True, None, False) == "einsum"  # dropout / sown weights
     assert choose(None, bf16, False, jax.lax.Precision.HIGHEST, False) == "einsum"
     assert choose(None, bf16, False, None, True) == "einsum"  # the ring
+    assert choose(None, bf16, False, None, False, True) == "einsum"  # context axes (blocks of any length)
+    assert choose("cudnn", bf16, False, None, False, True) == "cudnn"  # forced: as asked
+
+
+def test_a_query_whose_bias_is_minus_infinity_everywhere_gets_zeros_as_with_the_einsums():
+    q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+    bias = jnp.zeros((1, 2, 4, 4)).at[:, :, 1, :].set(-jnp.inf)  # query 1 may attend to nothing
+    einsum = jd.nn.dot_product_attention(q, q, q, bias=bias, implementation="einsum")
+    xla = jd.nn.dot_product_attention(q, q, q, bias=bias, implementation="xla")
+    assert np.isfinite(np.asarray(xla)).all()
+    np.testing.assert_allclose(xla, einsum, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(xla[:, 1], 0.0)
 
 
 def test_a_plan_mesh_compiles_on_cpu_so_cudnn_is_refused_and_auto_is_the_einsums():

@@ -203,6 +203,9 @@ def test_a_state_that_does_not_fit_is_an_error_naming_the_leaf():
     with pytest.raises(ValueError, match=r"model_state\['batch_stats'\]\['mean'\] \(\(2,\) float32\) is extra"):
         trainer.load_state(params=params, model_state={"batch_stats": {"mean": np.zeros(2, np.float32)}},
                            batch=data[0])
+    with pytest.raises(ValueError, match=r"params holds two leaves named 'Dense_0/bias' \(\['Dense_0'\]\['bias'\] "
+                                         r"and \['Dense_0/bias'\]\).*pass one of them"):
+        trainer.load_state(params={**params, "Dense_0/bias": params["Dense_0"]["bias"]}, batch=data[0])
     with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
         trainer.load_state(params=params, step=-1, batch=data[0])
     with pytest.raises(ValueError, match=r"load_state\(\) needs batch=\.\.\. \(a sample batch\)"):
@@ -229,7 +232,7 @@ def test_the_step_and_the_optimizer_count_disagreeing_is_said():
 
 
 @pytest.mark.timeout(300)
-def test_fit_after_load_state_says_where_a_list_is_read_from(plain_run):
+def test_fit_after_load_state_says_where_a_list_is_read_from(plain_run, tmp_path):
     directory, losses, final = plain_run
     data = batches()
     state = read_plain(directory, with_target=True)
@@ -243,6 +246,13 @@ def test_fit_after_load_state_says_where_a_list_is_read_from(plain_run):
     with pytest.warns(UserWarning, match=r"fit continues the run load_state loaded at step 20 from batch 0 of epoch "
                                          r"0 of train_data.*DataPosition\(epoch=0, index=20\)"):
         trainer.fit(data[SAVED:], steps=SAVED + 1, verbose=0)  # the batches that come next: fine, but said
+    trainer = loaded()  # a checkpoint_dir holding a later step: fit resumes from it, and says so
+    other = linen_trainer(make("one_device"))
+    other.fit(data, steps=SAVED + 2, checkpoint_dir=tmp_path / "later", verbose=0)
+    with pytest.warns(UserWarning, match=r"fit resumes from checkpoint 22 of checkpoint_dir=.*which replaces the "
+                                         r"state load_state gave \(step 20\)"):
+        trainer.fit(data, steps=SAVED + 3, checkpoint_dir=tmp_path / "later", verbose=0)
+    assert trainer.step == SAVED + 3
     trainer = loaded()  # the whole run's batches, and where it stopped: silent, and equal to the plain run
     trainer.data_position = jd.training.DataPosition(epoch=0, index=SAVED)
     history = trainer.fit(data, steps=STEPS, log_every=1, verbose=0)

@@ -446,3 +446,18 @@ def test_bad_grouped_matmul_kernels_are_errors_naming_the_fix(monkeypatch):
     with pytest.raises(ValueError, match=r"grouped_matmul='tokamax' needs tokamax, which is not importable here: "
                                          r"pip install 'jaxdist\[tokamax\]'"):
         jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=8, grouped_matmul="tokamax").init(jax.random.key(0), x)
+
+
+def test_a_grouped_matmul_for_a_call_without_the_ragged_path_is_an_error():
+    from jaxdist.nn import experts
+
+    weights_of = lambda config: experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)  # noqa: E731
+    x = jnp.ones((2, LENGTH, WIDTH))
+    dropping = experts.Routing(num_experts=EXPERTS, top_k=2, capacity_factor=1.25)
+    with pytest.raises(ValueError, match=r"grouped_matmul=.ragged_dot. chooses .*\(capacity_factor is set"):
+        experts.apply(dropping, weights_of(dropping), x, grouped_matmul="ragged_dot")
+    dropless = experts.Routing(num_experts=EXPERTS, top_k=2)
+    with pytest.raises(ValueError, match=r"ragged=False\); pass ragged=True or leave grouped_matmul=None"):
+        experts.apply(dropless, weights_of(dropless), x, ragged=False, grouped_matmul="ragged_dot")
+    with pytest.raises(ValueError, match=r"these devices have no ragged exchange"):  # CPU, ragged left to choose
+        experts.apply(dropless, weights_of(dropless), x, grouped_matmul="ragged_dot")

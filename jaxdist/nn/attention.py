@@ -213,7 +213,8 @@ def dot_product_attention(
 
     policy = _context_policy()
     ring = policy is not None and context == "ring"
-    impl = _implementation(implementation, query, key, dropout or module is not None, precision, ring)
+    split = policy is not None and context is not None
+    impl = _implementation(implementation, query, key, dropout or module is not None, precision, ring, split)
     # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
     with jax.named_scope(ATTENTION_SCOPE + impl):
         if policy is None or context is None:
@@ -245,12 +246,14 @@ def _devices_platform() -> str:
 
 
 def _implementation(implementation: str | None, query: jax.Array, key: jax.Array, weights_needed: bool,
-                    precision: Any, ring: bool) -> str:
+                    precision: Any, ring: bool, split: bool = False) -> str:
     """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice
     (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU: 16-bit inputs, head_dim a
-    multiple of 8 up to 128, even lengths, which its backward pass needs with a mask or bias)."""
+    multiple of 8 up to 128, even lengths, which its backward pass needs with a mask or bias). On context axes
+    (``split``) the einsums by default: each device's block of queries may have an odd length, and the fused
+    call over the gathered keys builds a whole (queries, keys) mask; ``implementation=`` forces a kernel."""
     if implementation is None:
-        if ring or weights_needed or precision is not None:
+        if ring or split or weights_needed or precision is not None:
             return "einsum"
         platform, head_dim = _devices_platform(), query.shape[-1]
         even = query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0
@@ -304,9 +307,15 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
     else:
         out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=1.0, is_causal=causal,
                                            implementation=implementation)
-    if mask is None:
+    if mask is None and bias is None:
         return out
-    seen = mask & (jnp.arange(lq)[:, None] >= jnp.arange(lk)[None, :]) if causal else mask
+    # A query that may attend to nothing (masked everywhere, or a bias of -inf everywhere) gets zeros, as the
+    # einsums give it (the kernels give the mean of the values, or NaN).
+    seen = jnp.ones((1, 1, lq, lk), bool) if mask is None else mask
+    if bias is not None:
+        seen = seen & (bias > -jnp.inf)
+    if causal:
+        seen = seen & (jnp.arange(lq)[:, None] >= jnp.arange(lk)[None, :])
     alive = jnp.swapaxes(jnp.any(seen, -1), 1, 2)[..., None]  # (b or 1, lq, h or 1, 1)
     return jnp.where(alive, out, jnp.zeros((), out.dtype))
 

@@ -55,8 +55,7 @@ from jaxdist.nn.exchange import exchange, exchange_plan, has_ragged_exchange
 from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.strategies import ambient
 from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
-from jaxdist.strategies.hlo_cost import MOE_SCOPE
-from jaxdist.strategies.kernels import GROUPED_MATMUL_SCOPE
+from jaxdist.strategies.kernels import GROUPED_MATMUL_SCOPE, MOE_SCOPE
 from jaxdist.strategies.plan_mesh import is_plan_mesh
 
 __all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "has_tokamax",
@@ -183,8 +182,9 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
         ``(y, stats)``: ``y`` shaped like ``x``, and the `Stats` over the global batch.
 
     Raises:
-        ValueError: when the expert axes do not divide ``num_experts``, for an unknown ``grouped_matmul``, or
-            ``grouped_matmul="tokamax"`` where tokamax is not installed.
+        ValueError: when the expert axes do not divide ``num_experts``, for an unknown ``grouped_matmul``,
+            ``grouped_matmul="tokamax"`` where tokamax is not installed, or a ``grouped_matmul`` for a call that
+            takes no ragged path (``capacity_factor`` set, or not ``ragged``).
     """
     if grouped_matmul is not None and grouped_matmul not in GROUPED_MATMULS:
         raise ValueError(
@@ -207,7 +207,15 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     else:
         device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
         native = has_ragged_exchange(device.platform, device.device_kind)
-    ragged = config.capacity_factor is None and (native if ragged is None else ragged)
+    asked, ragged = ragged, config.capacity_factor is None and (native if ragged is None else ragged)
+    if grouped_matmul is not None and not ragged:
+        raise ValueError(
+            f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the dropless ragged path, which this "
+            + ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass capacity_factor=None"
+               if config.capacity_factor is not None else
+               f"call does not take ({'ragged=False' if asked is False else 'these devices have no ragged exchange'}"
+               "); pass ragged=True")
+            + " or leave grouped_matmul=None.")
     kernel = grouped_matmul or ("tokamax" if native and _tokamax is not None else "ragged_dot")
     if config.capacity_factor is not None:
         path = "dropping_all_to_all" if policy is not None else "dropping_local"

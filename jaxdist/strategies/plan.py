@@ -45,9 +45,8 @@ from jax.sharding import NamedSharding
 
 from jaxdist.costs import COLLECTIVE_KINDS, Accelerator, Estimate, accelerator, program_cost, roofline
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
-from jaxdist.strategies.hlo_cost import moe_dispatch
 from jaxdist.strategies.input import argument_layouts
-from jaxdist.strategies.kernels import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, scoped
+from jaxdist.strategies.kernels import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, moe_dispatch, scoped
 from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 from jaxdist.strategies.resolve import nnx_layouts
 
@@ -194,7 +193,7 @@ class Plan:
             ValueError: for a name not in the table.
         """
         return roofline(self.flops, self.bytes_accessed, self.network_bytes, accelerator,
-                        lower_bound_flops=bool(self.uncosted))
+                        lower_bound_flops=bool(self.uncosted) or self.unknown_loops > 0)
 
     def fits(self, memory_per_device: int | str | Accelerator) -> bool:
         """Whether ``peak_bytes`` fits ``memory_per_device``.

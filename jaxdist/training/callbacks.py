@@ -170,7 +170,9 @@ class Progress(Callback):
         if self._cost is not None and self._cost.mfu(1.0) is None and "mfu" not in logs:
             logs = {**logs, "mfu": "n/a"}
         if self._cost is not None and self._cost.lower_bound:  # a custom call not costed: at least this much
-            logs = {k: f">={_value(k, v)}" if k in ("mfu", "hfu") and not isinstance(v, str) else v
+            # (MFU from the user's flops_per_step= does not rest on the count: no bound there)
+            bounded = ("hfu",) if self._cost.model_flops_source.startswith("flops_per_step") else ("mfu", "hfu")
+            logs = {k: f">={_value(k, v)}" if k in bounded and not isinstance(v, str) else v
                     for k, v in logs.items()}
         if self._bar is not None:
             shown = ("loss", "steps_per_sec", "tokens_per_sec", "mfu", "hfu")

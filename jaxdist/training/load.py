@@ -86,7 +86,13 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
     wanted = [(path_name(path), path, leaf) for path, leaf in _flat(like)]
     have: dict[str, tuple[tuple, Any]] = {}
     for path, leaf in _flat(given):
-        have.setdefault(path_name(path), (path, leaf))
+        name = path_name(path)
+        if name in have:
+            raise ValueError(
+                f"{argument} holds two leaves named {name!r} ({jax.tree_util.keystr(have[name][0])} and "
+                f"{jax.tree_util.keystr(path)}): leaves are matched by name, so each name must be given once; "
+                "pass one of them.")
+        have[name] = (path, leaf)
     names = {name for name, _, _ in wanted}
     for name in [n for n in have if n not in names and n.rsplit("/", 1)[-1] in _VARIABLE_VALUE]:
         if name.rsplit("/", 1)[0] in names:  # an nnx Variable as orbax saves it: its value one level down
@@ -238,8 +244,16 @@ def _optimizer_leaves(given: Any, like: Any) -> list:
         return loaded_leaves(given, like, "opt_state")
     try:
         return loaded_leaves(given, like, "opt_state")
-    except ValueError:  # named as the optimizer's own state: the tree a user's run has
-        return loaded_leaves(given, like[1], "opt_state")  # the same leaves, in the same order
+    except ValueError as whole:  # named as the optimizer's own state: the tree a user's run has
+        try:
+            return loaded_leaves(given, like[1], "opt_state")  # the same leaves, in the same order
+        except ValueError:
+            # Fits neither: the error against the whole chain is the one that names what differs when the
+            # user passed the chain's state; against the optimizer's own, when they passed that.
+            if len(jax.tree.leaves(given)) == len(jax.tree.leaves(like)) and isinstance(given, tuple) and len(
+                    given) == 2:
+                raise whole from None
+            raise
 
 
 def assemble(

@@ -480,7 +480,8 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
 
     def evaluate() -> None:
         logs.flush()
-        act()
+        if act():  # rolled back: this evaluation point comes again, at its step
+            return
         with dog.paused():  # evaluation takes longer than a step: not watched
             metrics = trainer.evaluate(options.eval_data)
         history.eval.append({"step": trainer.step, **metrics})
@@ -497,7 +498,10 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
     trainer.stop_training = False
     trainer.pop_metric_sums()  # the windows start here
     spans = options.mesh is not None and len({d.process_index for d in options.mesh.devices.flat}) > 1
-    logs = _Logs(trainer.step, on_log, rates, guard.observe, lag=READ_LAG if spans else None)
+    # Several processes act on a window at the same step, and a rollback moves the data past the same batches
+    # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
+    fixed = spans or policy.action == "rollback"
+    logs = _Logs(trainer.step, on_log, rates, guard.observe, lag=READ_LAG if fixed else None)
     consumed = checks = 0
     source = iter(stream)
     dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()

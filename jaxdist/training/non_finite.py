@@ -3,9 +3,9 @@
 A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the most common way a long run dies.
 ``Trainer.fit(on_non_finite=...)`` (`NonFinitePolicy`) decides what happens then; this module is the mechanism.
 
-* Detect on the device. Each train step computes whether its loss and its gradients' global norm
-  (``optax.tree.norm``, a reduction over the GLOBAL gradients, so every process computes the same flag) are
-  finite (`step_flag`), and adds the flag to the running metric sums (`sums_update`: how many steps were not
+* Detect on the device. Each train step computes whether its loss and every entry of its gradients are
+  finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every process computes
+  the same flag; no squaring, which overflows float16) (`step_flag`), and adds the flag to the running metric sums (`sums_update`: how many steps were not
   finite in the window, where the first one was, and the runs of them in a row). Nothing is read per step:
   the host sees the flags when it reads a log window's sums anyway, and before every checkpoint.
 * Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when the flag
@@ -78,9 +78,14 @@ def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
         (0.0, 1.0)
         >>> float(step_flag(jnp.float32(1.0), {"w": jnp.array([1.0, jnp.inf])}))
         1.0
+        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.full(4, 300.0, jnp.float16)}))  # finite, norm > fp16 max
+        0.0
     """
-    norm = optax.tree.norm(grads) if jax.tree.leaves(grads) else jnp.float32(0.0)
-    finite = jnp.isfinite(jnp.asarray(loss, jnp.float32)) & jnp.isfinite(norm)
+    # Every gradient entry finite (what a finite global norm means, without squaring in the gradients' own
+    # dtype: a float16 norm overflows to inf for gradients that are all finite).
+    finite = jnp.isfinite(jnp.asarray(loss, jnp.float32))
+    for g in jax.tree.leaves(grads):
+        finite = finite & jnp.isfinite(g).all()
     return jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
 
 
@@ -137,7 +142,7 @@ class NonFinitePolicy:
         action: ``"stop"`` (default): raise `NonFiniteError` (a `FloatingPointError`) naming the first bad
             step, the last finite checkpoint and how to resume; nothing more is saved. ``"skip"``: the bad
             steps change nothing (parameters, optimizer and model state kept; the step counter and the data
-            move on), the logs count them; more than ``max_consecutive_skips`` in a row stop as ``"stop"``.
+            move on), the logs count them; ``max_consecutive_skips`` in a row stop as ``"stop"``.
             ``"rollback"``: restore the last finite checkpoint (needs ``checkpoint_dir``) and go on with the
             data from where it is, past the bad batches; at most ``max_rollbacks`` times, then stop.
             ``"continue"``: train on (the old behaviour), with one warning; non-finite states are still

@@ -185,6 +185,7 @@ class Trainer:
         self.steps_per_run = steps_per_run or int(getattr(strategy, "steps_per_run", 1) or 1)
         self.stop_training = False
         self._position_unknown = False  # load_state's run: where its data stopped is unknown until set
+        self._loaded = False  # the state is load_state's and no fit has trained it yet
         self.data_position = DataPosition()
         self._state: TrainState | None = None
         self._step = 0
@@ -673,6 +674,7 @@ class Trainer:
         self._state, self._step = state, step
         self.data_position = DataPosition()
         self._position_unknown = True  # fit says where it starts reading a list (set data_position to say it)
+        self._loaded = True  # until a fit trains on it (one that restores a later checkpoint over it says so)
         self.sync_model()
         return state
 
@@ -804,8 +806,15 @@ class Trainer:
                 ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
             if restore_step is not None:
                 self._roll_back(ckpt, restore_step, sample)
-            elif ckpt is not None and (ckpt.latest_step() or 0) > self._step:
+            elif ckpt is not None and (latest := ckpt.latest_step() or 0) > self._step:
+                if self._loaded:  # the state load_state gave is about to be replaced: say so
+                    warnings.warn(
+                        f"fit resumes from checkpoint {latest} of checkpoint_dir={str(checkpoint_dir)!r}, which replaces "
+                        f"the state load_state gave (step {self._step}); to train on from that state, pass a "
+                        "checkpoint_dir without later checkpoints (or restore_step= to choose one).",
+                        UserWarning, stacklevel=2)
                 self._restore(ckpt, None, sample, "restore_step")
+            self._loaded = False
             if self._state is None:
                 self.init(sample)
             if self._position_unknown and not isinstance(train_data, Iterator):
