@@ -4,10 +4,11 @@ A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the 
 ``Trainer.fit(on_non_finite=...)`` (`NonFinitePolicy`) decides what happens then; this module is the mechanism.
 
 * Detect on the device. Each train step computes whether its loss and every entry of its gradients are
-  finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every process computes
-  the same flag; no squaring, which overflows float16) (`step_flag`), and adds the flag to the running metric sums (`sums_update`: how many steps were not
-  finite in the window, where the first one was, and the runs of them in a row). Nothing is read per step:
-  the host sees the flags when it reads a log window's sums anyway, and before every checkpoint.
+  finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every process
+  computes the same flag; no squaring, which overflows float16) (`step_flag`), and adds the flag to the
+  running metric sums (`sums_update`: how many steps were not finite in the window, where the first one was,
+  and the runs of them in a row). Nothing is read per step: the host sees the flags when it reads a log
+  window's sums anyway, and before every checkpoint.
 * Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when the flag
   is set (`keep_if_finite`: optax's ``apply_if_finite`` semantics, as a select, so the state's structure and a
   finite step's numbers do not change); its step counter and the data move on.

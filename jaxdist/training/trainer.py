@@ -809,8 +809,8 @@ class Trainer:
             elif ckpt is not None and (latest := ckpt.latest_step() or 0) > self._step:
                 if self._loaded:  # the state load_state gave is about to be replaced: say so
                     warnings.warn(
-                        f"fit resumes from checkpoint {latest} of checkpoint_dir={str(checkpoint_dir)!r}, which replaces "
-                        f"the state load_state gave (step {self._step}); to train on from that state, pass a "
+                        f"fit resumes from checkpoint {latest} of checkpoint_dir={str(checkpoint_dir)!r}, which "
+                        f"replaces the state load_state gave (step {self._step}); to train on from that state, pass a "
                         "checkpoint_dir without later checkpoints (or restore_step= to choose one).",
                         UserWarning, stacklevel=2)
                 self._restore(ckpt, None, sample, "restore_step")
