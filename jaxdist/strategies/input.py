@@ -24,6 +24,7 @@ import dataclasses
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -171,7 +172,7 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
             "the same batch on every process), or put the processes on a batch axis of the mesh."
         )
     leaves, treedef = jax.tree.flatten(batch)
-    layouts = treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
+    layouts = _batch_layouts(policy, batch, leaves, treedef, where, process_local)
     todo = [i for i, layout in enumerate(layouts) if layout is not None]
     if todo:
         if n_proc == 1:
@@ -183,6 +184,27 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     for leaf in leaves:  # the role these arrays carry (where the layout alone cannot say: FSDP)
         mark_placed_batch(leaf)
     return jax.tree.unflatten(treedef, leaves)
+
+
+_HOST_BATCH_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # policy -> {signature: layouts}
+
+
+def _batch_layouts(policy: LayoutPolicy, batch: Any, leaves: list[Any], treedef: Any, where: str | None,
+                   process_local: bool) -> list[Any]:
+    """`argument_layouts` of a batch, as a list over its leaves. A batch of host arrays (a training loop's,
+    every step) is laid out by its structure and shapes alone: decided once per signature (its checks made
+    then), not leaf by leaf at every step."""
+    if not all(type(x) is np.ndarray for x in leaves):
+        return treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
+    key = (treedef, tuple(x.shape for x in leaves), process_local)
+    known = _HOST_BATCH_LAYOUTS.setdefault(policy, {})
+    layouts = known.get(key)
+    if layouts is None:
+        layouts = treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
+        if len(known) >= 64:  # bounded: a few signatures per run (a last partial batch, evaluation)
+            known.pop(next(iter(known)))
+        known[key] = layouts
+    return layouts
 
 
 def sharding_off(sharding: Any, mesh: Any) -> bool:
