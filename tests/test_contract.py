@@ -257,9 +257,13 @@ def test_sharded_step_without_a_distributed_batch_gathers_split_variables_at_ent
     placed = strategy.mirror(params)
     assert strategy.gathers_variables_without_batch and not jd.MirroredStrategy().gathers_variables_without_batch
 
-    def entry_gathers(batch_argnums):
+    split = [f"tensor<{'x'.join(map(str, params[k].shape))}xf32>" for k in ("c1", "d0")]
+
+    def entry_gathers(batch_argnums):  # constraints of c1 or d0 to replicated (the entry's own, to their
+        # layouts as they came in, stay split)
         text = strategy.jit(_conv_loss, batch_argnums=batch_argnums).lower(placed, x, y).as_text()
-        return [line for line in text.splitlines() if "sharding_constraint %arg" in line]
+        return [line for line in text.splitlines() if "sharding_constraint" in line and '"replica"' not in line
+                and any(line.endswith(t) for t in split)]
 
     gathered = entry_gathers(())
     assert len(gathered) == 2 and all("[{}, {}" in line for line in gathered)  # c1 and d0, to replicated

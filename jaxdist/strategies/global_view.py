@@ -18,10 +18,15 @@ Outputs get a defined layout: an output with the same structure, shapes and dtyp
 (``state -> new_state``) takes that argument's layout (on a policy that splits variables, an argument that
 came in whole on every device leaves in the variable layout), so state keeps its layout from step to step; every
 other output takes the strategy's variable layout (metrics and gradients: mirrored, or FSDP like their
-parameters on `ShardedStrategy`). Layouts are read only when the step is traced: a steady-state call (every
-array already on the mesh, no declared batch held whole) is told from the arguments' distinct shardings, read
-in C over the leaves, and then costs what ``jax.jit`` costs (its own cache keys on types, weak types, layouts
-and JAX's trace context).
+parameters on `ShardedStrategy`). Layouts are read only when the step is traced.
+
+Calls cost what ``jax.jit`` calls cost (the express path, `StrategyFunction.__call__`): the full path above
+decides once per argument signature and builds a `jax.jit` program; a later positional call with arguments of
+the same types goes straight to it, and JAX's compiled dispatch checks what the decision rests on (shapes,
+dtypes, weak types, layouts, the trace context). A signature JAX has no program for makes the program's trace
+refuse (`_Refused`, before any of the step's code runs) and the call takes the full path. What JAX's cache
+cannot see is read per call only where it exists: the provenance of layouts over Explicit axes on a policy
+that splits variables, and host arrays in a job of several processes.
 
 One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
 kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
@@ -240,9 +245,8 @@ class StrategyFunction:
             if structure not in self._settled:
                 state = _place_nnx_defaults(policy, state)
                 self._settled.add(structure)
-        # Steady state: every array is on the mesh already and no declared batch is held whole. That is told
-        # from the arguments' distinct shardings (a handful, whatever the number of leaves), read in C, so a
-        # compiled step costs no Python work per leaf beyond jax.jit's own.
+        # Every array on the mesh already and no declared batch held whole: nothing to place (told from the
+        # arguments' distinct shardings, a handful whatever the number of leaves).
         dynamic = [a for i, a in enumerate(args) if i not in self._static]
         dynamic += [a for k, a in kwargs.items() if k not in self._static_names]
         if _all_on(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
