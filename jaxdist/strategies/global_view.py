@@ -402,8 +402,15 @@ class StrategyFunction:
             self._local.args = None
         if refused is not None:
             # JAX's dispatch keeps, for the signature the express program refused, an entry that sends every
-            # later call of it to Python: dropped now that this call has traced it (the traces are kept).
-            refused._clear_cache()
+            # later call of it to Python: dropped now that this call has traced it (the traces are kept). A JAX
+            # without that method: the program is built anew for the next call (one more trace).
+            clear = getattr(refused, "_clear_cache", None)
+            if clear is not None:
+                clear()
+            else:
+                self._families = {k: v for k, v in self._families.items() if v is not refused}
+                self._express = {k: v for k, v in self._express.items() if v[0] is not refused}
+                express = None if express is refused else express
         if express is not None and key is not None and self._misses.get(key, 0) < _MAX_MISSES and not any(
                 isinstance(x, (np.ndarray, np.generic)) for i in self._donate if i < len(args)
                 for x in jax.tree.leaves(args[i])):
