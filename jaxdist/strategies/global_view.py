@@ -433,8 +433,10 @@ class StrategyFunction:
         return key, self._provenance(leaves, shardings) if self._tells_provenance else None
 
     def _missed(self, key: Any) -> None:
-        """A call the express program for ``key`` did not accept: after `_MAX_MISSES` of them (calls alternating
-        between signatures of the same argument types), calls with those types take the full path only."""
+        """A call the express program for ``key`` did not accept. It refuses a signature once, when it is new
+        (once the full path has traced it, JAX's dispatch serves it: signatures that alternate cost nothing
+        more); after `_MAX_MISSES` new signatures of the same argument types (a step that keeps compiling, which
+        `RecompileWarning` names), calls with those types take the full path only."""
         self._misses[key] = misses = self._misses.get(key, 0) + 1
         if misses >= _MAX_MISSES:
             self._express.pop(key, None)
