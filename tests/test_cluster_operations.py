@@ -113,7 +113,7 @@ def test_watchdog_and_step_timeout_arguments_are_checked():
 
 def test_program_agreement_names_a_peer_that_never_arrives(monkeypatch):
     """The coordination service's get times out: the error names the missing process, never a wait."""
-    from jaxdist.strategies import agreement
+    from jaxdist.strategies.compile import _agreement as agreement
 
     class Client:
         def __init__(self):

@@ -193,7 +193,7 @@ def test_errors_name_the_argument_and_the_fix(tmp_path):
 
 
 def test_rare_error_paths(monkeypatch):
-    from jaxdist.strategies import input as input_module
+    from jaxdist.strategies.input import _placement as input_module
     from jaxdist.training.data import BatchStream
 
     class Stuck:  # a stateful source whose read does not return until released

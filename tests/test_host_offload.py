@@ -208,7 +208,7 @@ def test_bad_host_offload_options_name_the_fix():
         jd.MirroredStrategy(host_offload="cpu")
     with pytest.raises(ValueError, match=r"host_offload=True is not a host offloading mode"):
         jd.TPUStrategy(host_offload=True)
-    from jaxdist.strategies.offload import parse_host_offload
+    from jaxdist.strategies.layout import parse_host_offload
 
     with pytest.raises(
         ValueError,

@@ -378,7 +378,7 @@ def test_the_search_refuses_an_unknown_layout_and_a_bad_device_count():
 
 
 def test_a_failed_or_slow_compile_elsewhere_says_so():
-    from jaxdist.strategies.plan_mesh import compile_elsewhere
+    from jaxdist.strategies.plan import compile_elsewhere
 
     with pytest.raises(RuntimeError, match=r"compiling the plan for 2 simulated CPU devices failed"):
         compile_elsewhere("this is not a module", 2)

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
-from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.compile import StrategyFunction
 
 
 def counted(strategy, **options):

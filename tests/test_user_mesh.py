@@ -276,8 +276,7 @@ def test_a_global_mesh_of_another_size_is_swapped_out_for_the_strategys_calls():
 def test_every_role_is_one_entry_checked_the_same_way():
     # Each role of meshes.ROLES: its axes on a user's mesh must keep its relation to the batch axes, a mirroring
     # strategy refuses it, and an argument that is no role's is a TypeError naming the roles' arguments.
-    from jaxdist.strategies.meshes import ROLES, axis_roles, short_form_mesh
-    from jaxdist.strategies.policy import LayoutPolicy
+    from jaxdist.strategies.layout import ROLES, LayoutPolicy, axis_roles, short_form_mesh
 
     m = jax.make_mesh((2, 4), ("data", "x"))
     for role in ROLES:

@@ -32,7 +32,7 @@ blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with ``
 8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is `jax.nn.dot_product_attention`'s XLA kernel;
 the einsums above run everywhere and are the ring's kernel: a ring step's partial result is combined through
 its softmax statistics, whose gradient the fused kernels do not give. The kernel runs in a named scope
-(`jaxdist.strategies.kernels`), so `jaxdist.Plan.attention` reports what a compiled step runs.
+(`jaxdist.costs.scopes`), so `jaxdist.Plan.attention` reports what a compiled step runs.
 
 Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by ``mask``
 (True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same segment: packed
@@ -50,15 +50,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxdist.costs.scopes import ATTENTION_SCOPE
 from jaxdist.nn.load_balance import positions as _positions
 from jaxdist.nn.load_balance import unzigzag as _unzigzag
 from jaxdist.nn.load_balance import zigzag as _zigzag
 from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
-from jaxdist.strategies.kernels import ATTENTION_SCOPE
-from jaxdist.strategies.plan_mesh import is_plan_mesh
+from jaxdist.strategies.layout import explicit_axes, trace_mesh
+from jaxdist.strategies.plan import is_plan_mesh
 
 __all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 

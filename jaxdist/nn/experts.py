@@ -51,12 +51,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxdist.costs.scopes import GROUPED_MATMUL_SCOPE, MOE_SCOPE
 from jaxdist.nn.exchange import exchange, exchange_plan, has_ragged_exchange
 from jaxdist.nn.optional import tokamax as _tokamax  # None without the extra jaxdist[tokamax]
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import explicit_axes, trace_mesh
-from jaxdist.strategies.kernels import GROUPED_MATMUL_SCOPE, MOE_SCOPE
-from jaxdist.strategies.plan_mesh import is_plan_mesh
+from jaxdist.strategies.layout import explicit_axes, trace_mesh
+from jaxdist.strategies.plan import is_plan_mesh
 
 __all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "has_tokamax",
            "init_weights"]

@@ -50,8 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import explicit_axes
-from jaxdist.strategies.layout_rules import LAYERS, is_box
+from jaxdist.strategies.layout import LAYERS, explicit_axes, is_box
 
 __all__ = ["SCHEDULES", "Pipeline", "bubble_fraction"]
 

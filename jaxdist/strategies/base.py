@@ -5,17 +5,17 @@ variables, batches and outputs, memory kinds) wired to the verbs that run code o
 
 * values: mirrored pytrees (replicated arrays: `create_variables`, `mirror`), distributed batches (axis 0 split
   over the replicas: `experimental_distribute_dataset`), and one-component-per-replica values (`PerReplica`,
-  `SyncOnRead`: stacked on a leading axis split over the replicas) — `jaxdist.strategies.variables`,
-  `jaxdist.strategies.input`;
+  `SyncOnRead`: stacked on a leading axis split over the replicas) — `jaxdist.strategies.replica._variables`,
+  `jaxdist.strategies.input._placement`;
 * the global view, `jit`: an unmodified single-device step compiled for those layouts (XLA inserts the
-  collectives) — the drop-in path (`jaxdist.strategies.global_view`), and its on-device loop
-  (`jaxdist.strategies.steps`);
+  collectives) — the drop-in path (`jaxdist.strategies.compile._jit`), and its on-device loop
+  (`jaxdist.strategies.compile._loops`);
 * the per-replica view, `run`: tf.distribute's ``run``, a `jax.shard_map` in which each replica sees its rows
   of every batch and its own copy of every mirrored value, with explicit collectives through
-  `get_replica_context()` (`jaxdist.strategies.run`); `reduce`, `gather` and `experimental_local_results` read
-  its outputs (`jaxdist.strategies.results`).
+  `get_replica_context()` (`jaxdist.strategies.compile._run`); `reduce`, `gather` and `experimental_local_results` read
+  its outputs (`jaxdist.strategies.compile._results`).
 
-Roles are declared or carried by the value, never guessed (`jaxdist.strategies.roles`): a value is a batch
+Roles are declared or carried by the value, never guessed (`jaxdist.strategies.layout._roles`): a value is a batch
 because it was placed as one (its layout: axis 0 split over the replicas) or because the caller declared it
 (``batch_argnums``); everything else is a variable in the policy's variable layout. Each verb takes the policy
 and never calls back into a strategy; the strategy classes only configure a policy. Every program a strategy
@@ -35,20 +35,23 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation
 from jaxdist.replicate.values import SyncOnRead
-from jaxdist.strategies import ambient, results, variables
+from jaxdist.strategies import ambient
 from jaxdist.strategies.cluster import check_spans_processes
-from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.compile import (
+    MultiStepContext,
+    ProgramCache,
+    ReplicaRunner,
+    StrategyFunction,
+    as_argnums,
+    check_axis_name,
+    run_steps_on_dataset,
+)
+from jaxdist.strategies.compile import _results as results
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
-from jaxdist.strategies.offload import to_device_memory
-from jaxdist.strategies.plan import Plan
-from jaxdist.strategies.plan_mesh import abstract_variables, is_plan_mesh, refuse_to_run
-from jaxdist.strategies.policy import LayoutPolicy
-from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.run import ReplicaRunner, check_axis_name
-from jaxdist.strategies.scopes import enter_scope
-from jaxdist.strategies.signatures import as_argnums
-from jaxdist.strategies.steps import MultiStepContext, run_steps_on_dataset
-from jaxdist.strategies.value_context import ValueContext, distribute_values_from_function
+from jaxdist.strategies.layout import LayoutPolicy, to_device_memory
+from jaxdist.strategies.plan import Plan, abstract_variables, is_plan_mesh, refuse_to_run
+from jaxdist.strategies.replica import ValueContext, distribute_values_from_function, enter_scope
+from jaxdist.strategies.replica import _variables as variables
 
 __all__ = ["Strategy"]
 
@@ -494,7 +497,7 @@ class Strategy:
         written back in place; a returned ``nnx.state(...)``, path by path; an output shaped like a positional
         argument, ``state -> new_state``); ``out_layouts`` declares any other; the rest takes the variable
         layout (metrics mirrored; gradients FSDP like their parameters on `ShardedStrategy`). Layouts are
-        resolved once per program, when it is traced (`jaxdist.strategies.resolve`).
+        resolved once per program, when it is traced (`jaxdist.strategies.layout._resolve`).
 
         It has `jax.jit`'s shape: keyword arguments at call time, ``*_argnames`` completed from ``*_argnums``
         through the signature (and back), and the ahead-of-time stages ``.trace`` / ``.lower`` / ``.compile``.
@@ -514,7 +517,7 @@ class Strategy:
                 type-checks with them, as code written for that mesh does; Auto where it does not, as
                 unannotated single-device code; logged, and in `Plan.axis_types`), or
                 ``jax.sharding.AxisType.Auto`` / ``jax.sharding.AxisType.Explicit`` to force one (see
-                `jaxdist.strategies.axis_types`). The numbers are the same either way.
+                `jaxdist.strategies.layout._axis_types`). The numbers are the same either way.
 
         Returns:
             A callable `StrategyFunction`.
@@ -756,7 +759,7 @@ class Strategy:
         each batch it yields holds ``ctx.get_per_replica_batch_size(global_batch) * num_replicas_per_host``
         rows, and the global batch is the concatenation over processes. ``dataset_fn`` may return a grain
         ``MapDataset`` / ``IterDataset`` / ``DataLoader`` reading this process's shard; the iterators then have
-        ``get_state`` / ``set_state`` (see `jaxdist.strategies.input`).
+        ``get_state`` / ``set_state`` (see `jaxdist.strategies.input._placement`).
 
         Raises:
             TypeError: when ``dataset_fn`` is not callable.

@@ -1,14 +1,14 @@
 """The 2018 module-level names (``tf.contrib.distribute``): ``jd.compat``.
 
 The strategy methods of 2018 (``call_for_each_tower``, ``num_towers``, ``unwrap``, ...) are on every strategy
-through `StrategyV1Names` (`jaxdist.strategies.legacy`); this module adds the 2018 functions that find the
+through `StrategyV1Names` (`jaxdist.strategies.tf_api._legacy`); this module adds the 2018 functions that find the
 current strategy and tower context, and re-exports the mixin and `TowerContext` under ``jd.compat``.
 """
 
 from __future__ import annotations
 
 from jaxdist.strategies.context import get_replica_context, get_strategy, has_strategy
-from jaxdist.strategies.legacy import StrategyV1Names, TowerContext
+from jaxdist.strategies.tf_api import StrategyV1Names, TowerContext
 
 __all__ = [
     "StrategyV1Names",

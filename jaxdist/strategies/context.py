@@ -5,7 +5,7 @@ running under `Strategy.run`. ``get_strategy()`` returns the strategy whose ``sc
 single-device strategy created on first use (never at import: `jax.distributed.initialize` must be able to
 run before any device is queried). ``get_replica_context()`` returns the `ReplicaContext` of the replica being
 traced, ``None`` in cross-replica context (inside a scope), and a single-replica default context outside any
-scope, as in tf.distribute. (The state itself lives in `jaxdist.strategies.ambient`.)
+scope, as in tf.distribute. (The state itself lives in `jaxdist.strategies.ambient._state`.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxdist.strategies import ambient
 from jaxdist.strategies.one_device import OneDeviceStrategy
-from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.replica import ReplicaContext
 
 __all__ = ["get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context"]
 

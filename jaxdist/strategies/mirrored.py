@@ -13,11 +13,9 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import check_connected
-from jaxdist.strategies.devices import resolve_devices
-from jaxdist.strategies.extended import StrategyExtended
-from jaxdist.strategies.legacy import StrategyV1Names
-from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.cluster import check_connected, resolve_devices
+from jaxdist.strategies.layout import LayoutPolicy
+from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["MirroredStrategy"]
 
@@ -29,7 +27,7 @@ class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         devices: the devices (``jax.Device``, ids or names such as ``"gpu:0"``), in replica order;
             None for every device of the default backend (of every process).
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory (``"pinned_host"``)
-            between steps and stream them to the devices for each step (see `jaxdist.strategies.offload`);
+            between steps and stream them to the devices for each step (see `jaxdist.strategies.layout._offload`);
             None: everything in device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's `jax.sharding.Mesh` instead of ``devices``: data parallel over all its axes (a batch's

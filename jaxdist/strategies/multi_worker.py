@@ -18,9 +18,8 @@ import jax
 from jaxdist.replicate.trees import is_chief
 from jaxdist.strategies.base import Strategy
 from jaxdist.strategies.cluster import initialize_cluster
-from jaxdist.strategies.extended import StrategyExtended
-from jaxdist.strategies.legacy import StrategyV1Names
-from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.layout import LayoutPolicy
+from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["MultiWorkerMirroredStrategy"]
 

@@ -7,10 +7,9 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.devices import resolve_device
-from jaxdist.strategies.extended import StrategyExtended
-from jaxdist.strategies.legacy import StrategyV1Names
-from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.cluster import resolve_device
+from jaxdist.strategies.layout import LayoutPolicy
+from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["OneDeviceStrategy"]
 

@@ -6,7 +6,7 @@ replicated. Batches are split over the replicas as in `MirroredStrategy`. In ``s
 each parameter where the step needs it and reduce-scatters its gradient, so each device holds ~1/N of the
 parameters and optimizer state and the step still equals single-device training.
 
-The mesh, two ways (`jaxdist.strategies.meshes`):
+The mesh, two ways (`jaxdist.strategies.layout._meshes`):
 
 * the short form: ``ShardedStrategy()`` over every device of every process, axis ``"replica"``; with
   ``model_parallelism=k`` the mesh is ``(replica, model)`` = ``(N / k, k)`` and rules can split variables
@@ -58,12 +58,9 @@ from jax.sharding import PartitionSpec
 
 from jaxdist.replicate.layouts import path_name
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster
-from jaxdist.strategies.devices import resolve_devices
-from jaxdist.strategies.extended import StrategyExtended
-from jaxdist.strategies.layout_rules import is_annotated, logical_names, unboxed
-from jaxdist.strategies.legacy import StrategyV1Names
-from jaxdist.strategies.policy import IdleAxisWarning, LayoutPolicy
+from jaxdist.strategies.cluster import initialize_cluster, resolve_devices
+from jaxdist.strategies.layout import IdleAxisWarning, LayoutPolicy, is_annotated, logical_names, unboxed
+from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["IdleAxisWarning", "ShardedStrategy", "UnmatchedLayoutRuleWarning"]
 
@@ -92,7 +89,7 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         activation_axes: logical names of ``logical_axis_rules`` that only activations use
             (``nn.with_logical_constraint``): never reported as matching no variable.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between steps,
-            in their FSDP layout (ZeRO-Offload; see `jaxdist.strategies.offload`); None: device memory.
+            in their FSDP layout (ZeRO-Offload; see `jaxdist.strategies.layout._offload`); None: device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's own `jax.sharding.Mesh` (any axis names, any devices of any processes) instead of
             ``devices`` / ``model_parallelism``.

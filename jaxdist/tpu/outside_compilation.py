@@ -49,9 +49,9 @@ from jaxdist.replicate.collectives import is_varying, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.trees import is_array
 from jaxdist.strategies.ambient import current_computation, replica_axis, state
+from jaxdist.strategies.compile import as_argnums
 from jaxdist.strategies.input import check_divisible
-from jaxdist.strategies.roles import Role, traced_role
-from jaxdist.strategies.signatures import as_argnums
+from jaxdist.strategies.layout import Role, traced_role
 
 __all__ = ["host_compute_core", "outside_compilation"]
 
@@ -347,7 +347,7 @@ def outside_compilation(
 
 def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_argnums: Any, policy: Any) -> list:
     """Which array arguments of a region in the global view are split over the replicas: the declared ones, or
-    without a declaration the step's own batch arguments (their role, `jaxdist.strategies.roles`)."""
+    without a declaration the step's own batch arguments (their role, `jaxdist.strategies.layout._roles`)."""
     positions = [i for i in range(len(args)) if i not in static_positions]
     if batch_argnums is not None:
         declared = as_argnums(batch_argnums, "batch_argnums")

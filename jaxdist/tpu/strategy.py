@@ -13,11 +13,9 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster
-from jaxdist.strategies.devices import resolve_devices
-from jaxdist.strategies.extended import StrategyExtended
-from jaxdist.strategies.legacy import StrategyV1Names
-from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.cluster import initialize_cluster, resolve_devices
+from jaxdist.strategies.layout import LayoutPolicy
+from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["TPUStrategy"]
 
@@ -30,7 +28,7 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         num_cores: use only the first ``num_cores`` devices; None for all of them.
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
-            loops, streamed to the cores for each loop (see `jaxdist.strategies.offload`); None: device memory.
+            loops, streamed to the cores for each loop (see `jaxdist.strategies.layout._offload`); None: device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``: data parallel
             over all its axes.

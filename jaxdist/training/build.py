@@ -18,7 +18,7 @@ import optax
 
 from jaxdist.replicate.trees import abstract
 from jaxdist.strategies import Strategy
-from jaxdist.strategies.axis_types import shape_scope, untyped
+from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.training.step import TrainState
 from jaxdist.training.weighted import check_value
 

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
-from jaxdist.strategies.provenance import is_own, mark
+from jaxdist.strategies.layout import is_own, mark
 from jaxdist.training import input_state
 from jaxdist.training.checkpoint_damage import (
     CheckpointCorruptedError,

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import entry_axes
-from jaxdist.strategies.offload import to_device_memory
+from jaxdist.strategies.layout import to_device_memory
 
 __all__ = [
     "CheckpointCorruptedError",

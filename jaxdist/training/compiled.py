@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Plan, Strategy
-from jaxdist.strategies.axis_types import shape_scope, untyped
+from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.training.build import check_losses
 from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from jaxdist.replicate.layouts import path_name, put
-from jaxdist.strategies.layout_rules import is_annotated, is_box, is_variable, unboxed
+from jaxdist.strategies.layout import is_annotated, is_box, is_variable, unboxed
 from jaxdist.training.build import state_keys
 from jaxdist.training.step import TrainState
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxdist.nn.moe import SOWN
 from jaxdist.nn.nnx import MoE as NnxMoE
-from jaxdist.strategies.layout_rules import annotation, is_variable, unboxed
+from jaxdist.strategies.layout import annotation, is_variable, unboxed
 
 __all__ = ["LinenModel", "NnxModel", "as_model", "model_kind"]
 

@@ -33,8 +33,8 @@ import numpy as np
 import optax
 
 from jaxdist.strategies import Plan, Strategy
-from jaxdist.strategies.axis_types import shape_scope, untyped
-from jaxdist.strategies.plan_mesh import abstract_variables
+from jaxdist.strategies.layout import shape_scope, untyped
+from jaxdist.strategies.plan import abstract_variables
 from jaxdist.training.build import check_losses, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer

@@ -1,7 +1,7 @@
 """Where a layout came from: jaxdist's own placements told from the user's, by the sharding object itself.
 
 On a mesh with ``Explicit`` axes a variable that jaxdist split by its own rule (FSDP) enters a step typed whole
-(`jaxdist.strategies.resolve.typed_whole_at_entry`), so unannotated single-device code type-checks; a variable
+(`jaxdist.strategies.layout._resolve.typed_whole_at_entry`), so unannotated single-device code type-checks; a variable
 the user placed keeps its layout as its type inside the step, as under `jax.jit` (a `jax.shard_map` in the step
 infers its ``in_specs`` from it), even where the two specs are equal. The difference is structural, never a
 comparison of specs:
@@ -18,7 +18,7 @@ comparison of specs:
   the user's split layouts) would change after the first step and the step compile twice.
 
 A layout misread as the user's costs nothing but its type: the step then runs as it would under `jax.jit` with
-that argument (on Explicit axes, Auto where it does not type-check; see `jaxdist.strategies.axis_types`).
+that argument (on Explicit axes, Auto where it does not type-check; see `jaxdist.strategies.layout._axis_types`).
 
 Examples:
     >>> import jax, numpy as np

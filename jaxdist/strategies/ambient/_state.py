@@ -6,7 +6,7 @@ jaxdist keeps five kinds of "current" things, all per thread, all here:
 * the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a ``run`` replica
   function, an on-device steps loop) with its view (global or per replica), its layout policy, the counters
   that name things per computation (``outside_compilation`` clusters "0", "1", ...; gradient uids "uid",
-  "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.roles`);
+  "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.layout._roles`);
 * the ``colocate_vars_with`` targets;
 * the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
 * the depth of ``outside_compilation`` host regions (they do not nest).

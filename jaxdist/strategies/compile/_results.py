@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.replicate.trees import is_distributed
 from jaxdist.replicate.values import local_components
-from jaxdist.strategies.policy import LayoutPolicy
-from jaxdist.strategies.programs import ProgramCache
+from jaxdist.strategies.compile._cache import ProgramCache
+from jaxdist.strategies.layout import LayoutPolicy
 
 __all__ = ["gather", "local_results", "reduce"]
 

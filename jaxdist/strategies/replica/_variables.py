@@ -23,7 +23,9 @@ from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 from jaxdist.replicate.trees import abstract, fn_name, merge_static, split_static
 from jaxdist.replicate.values import SyncOnRead
-from jaxdist.strategies.axis_types import (
+from jaxdist.strategies.cluster import from_chief
+from jaxdist.strategies.layout import (
+    LayoutPolicy,
     auto_region,
     decided,
     explicit_axes,
@@ -33,8 +35,6 @@ from jaxdist.strategies.axis_types import (
     retyped,
     say,
 )
-from jaxdist.strategies.cluster import from_chief
-from jaxdist.strategies.policy import LayoutPolicy
 
 __all__ = ["create_variables", "mirror", "sync_on_read"]
 
@@ -73,7 +73,7 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
 
     def traced(dyn: tuple) -> tuple[Any, bool]:
         # On Explicit axes an initializer that does not type-check with them (Flax's logical constraints on
-        # activations, say) runs with them Auto, as a step does (jaxdist.strategies.axis_types).
+        # activations, say) runs with them Auto, as a step does (jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
         with auto_region(mesh) if auto else contextlib.nullcontext():
             if auto:

@@ -5,7 +5,7 @@ the step for the strategy's layout and reads the compiled program; the step neve
 never allocated: they may be real values or `jax.ShapeDtypeStruct`s (``jax.eval_shape(init)``, for a model
 too big for this machine). Arguments without a layout get the one the step would give them (a declared batch
 split over the batch axes; everything else the strategy's variable layout), so the plan is the program a call
-would compile. On a mesh without devices (`jaxdist.strategies.plan_mesh.plan_mesh`) the program is lowered
+would compile. On a mesh without devices (`jaxdist.strategies.plan._plan_mesh.plan_mesh`) the program is lowered
 here and compiled in a subprocess with that many simulated CPU devices.
 
 A `Plan` holds, per device (the SPMD program every device runs; uneven shards counted at the largest):
@@ -44,11 +44,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxdist.costs import COLLECTIVE_KINDS, Accelerator, Estimate, accelerator, program_cost, roofline
+from jaxdist.costs.scopes import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, moe_dispatch, scoped
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
 from jaxdist.strategies.input import argument_layouts
-from jaxdist.strategies.kernels import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, moe_dispatch, scoped
-from jaxdist.strategies.plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
-from jaxdist.strategies.resolve import nnx_layouts
+from jaxdist.strategies.layout import nnx_layouts
+from jaxdist.strategies.plan._plan_mesh import MEMORY_FIELDS, compile_elsewhere, is_plan_mesh
 
 __all__ = ["ArrayPlan", "CollectivePlan", "Plan", "plan_step"]
 
@@ -120,7 +120,7 @@ class Plan:
         compiled_on: where the program was compiled.
         axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto where its
             Explicit axes run Auto because the step does not type-check with them (see
-            `jaxdist.strategies.axis_types`).
+            `jaxdist.strategies.layout._axis_types`).
         moe_dispatch: how the program's mixture-of-experts layers (`jaxdist.nn.MoE`) move tokens:
             ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a capacity
             buffer, or a worst-case one), ``"dropless_ragged_all_to_all"`` (expert parallelism: only the routed
@@ -130,7 +130,7 @@ class Plan:
             layers.
         uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower bound).
         attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``, ``"xla"``,
-            ``"einsum"``; `jaxdist.strategies.kernels`); empty without it.
+            ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
         grouped_matmul: the grouped-matmul kernels of the dropless mixture-of-experts layers
             (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty without.
 

@@ -1,7 +1,7 @@
 """Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax annotation.
 
 The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes (all the
-batch axes, or a subset for HSDP: `jaxdist.strategies.meshes`) on its largest dimension that their size
+batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest dimension that their size
 divides; variables smaller than ``min_shard_size`` elements, or with no divisible axis, stay whole.
 Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec), ...]`` matched with `re.search` against
 the variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the same
@@ -37,7 +37,7 @@ from flax.core.meta import Partitioned
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
-from jaxdist.strategies.meshes import LAYERS, AxisRoles
+from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
 __all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_variable", "logical_names", "unboxed"]
 
@@ -135,7 +135,7 @@ class VariableRules:
 
     Examples:
         >>> import jax
-        >>> from jaxdist.strategies.meshes import axis_roles
+        >>> from jaxdist.strategies.layout._meshes import axis_roles
         >>> roles = axis_roles(jax.sharding.Mesh(jax.devices()[:8], ("replica",)), split=True)
         >>> VariableRules(roles, split=True, min_shard_size=1).spec("w", (8, 16))
         P(None, 'replica')

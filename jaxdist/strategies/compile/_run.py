@@ -46,13 +46,11 @@ from jaxdist.replicate.layouts import is_on_mesh, put
 from jaxdist.replicate.trees import fn_name, hashable, is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
-from jaxdist.strategies.agreement import agree, fingerprint
-from jaxdist.strategies.axis_types import explicit_axes, in_trace, trace_mesh
+from jaxdist.strategies.compile._agreement import agree, fingerprint
+from jaxdist.strategies.compile._cache import ProgramCache
 from jaxdist.strategies.input import place_batch
-from jaxdist.strategies.policy import LayoutPolicy
-from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.roles import Role, classify
+from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
+from jaxdist.strategies.replica import ReplicaContext
 
 __all__ = ["ReplicaRunner", "check_axis_name"]
 
@@ -158,7 +156,7 @@ class ReplicaRunner:
                         x = place_batch(self._policy, x, where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
-        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.axis_types) the program is another one.
+        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
         key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh))
         aux = tuple(aux)
         name = fn_name(fn)

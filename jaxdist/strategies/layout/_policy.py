@@ -2,7 +2,7 @@
 
 A policy owns the mesh and the role of each of its axes (the batch axes that a batch's rows are split over, the
 FSDP axes among them that unannotated variables are split over, the model axes of tensor parallelism:
-`jaxdist.strategies.meshes`; ``"replica"`` and ``"model"`` in the short form, the user's names on the user's
+`jaxdist.strategies.layout._meshes`; ``"replica"`` and ``"model"`` in the short form, the user's names on the user's
 mesh), and answers, alone, "which layout does this value get":
 
 * variables: `variable_layout` / `variable_shardings` (layout rules, Flax annotations through logical rules,
@@ -10,7 +10,7 @@ mesh), and answers, alone, "which layout does this value get":
   shardings);
 * batches: `batch_sharding` (axis 0 split over the batch axes), `batch_layout` (with context axes, the
   sequence dimension of a batch of rank >= 2 split over them too);
-* outputs of a compiled step: through `jaxdist.strategies.resolve`, which applies these per program;
+* outputs of a compiled step: through `jaxdist.strategies.layout._resolve`, which applies these per program;
 * what a placed value's layout says of its role: `layout_role`.
 
 Every strategy is a configuration of a policy, and every verb (``jit``, ``run``, loops, input, reduce) takes one
@@ -33,12 +33,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import trace_mesh
-from jaxdist.strategies.layout_rules import VariableRules, annotation, is_annotated, is_box, is_variable
-from jaxdist.strategies.meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
-from jaxdist.strategies.offload import offload_shardings, parse_host_offload
-from jaxdist.strategies.provenance import own
-from jaxdist.strategies.roles import placed_as_batch
+from jaxdist.strategies.layout._axis_types import trace_mesh
+from jaxdist.strategies.layout._meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
+from jaxdist.strategies.layout._offload import offload_shardings, parse_host_offload
+from jaxdist.strategies.layout._provenance import own
+from jaxdist.strategies.layout._roles import placed_as_batch
+from jaxdist.strategies.layout._rules import VariableRules, annotation, is_annotated, is_box, is_variable
 
 __all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
 
@@ -129,7 +129,7 @@ class LayoutPolicy:
         model_parallelism: devices per replica along a ``"model"`` mesh axis (the short-form mesh is then
             ``(replica, model)``; a replica's devices hold one model copy).
         mesh: the user's own `jax.sharding.Mesh` instead of ``devices`` (any axis names; see
-            `jaxdist.strategies.meshes`).
+            `jaxdist.strategies.layout._meshes`).
         batch_axes: with ``mesh``, the axes a batch's rows are split over.
         fsdp_axes: with ``mesh``, the batch axes the FSDP rule splits variables over (default: ``batch_axes``).
         split_variables: whether unannotated variables are split over the FSDP axes or mirrored.
@@ -139,7 +139,7 @@ class LayoutPolicy:
         activation_axes: logical names only activations use.
         sequence_axis: which dimension of a batch leaf is its sequence (split over the context axes).
         host_offload: ``"opt_state"``, ``"params"``, ``"all"`` or None: which variables live in host memory.
-        role_arguments: for each role of `jaxdist.strategies.meshes.ROLES`, ``<name>_axes=`` (with ``mesh``: its
+        role_arguments: for each role of `jaxdist.strategies.layout._meshes.ROLES`, ``<name>_axes=`` (with ``mesh``: its
             axes) or ``<short_form>=k`` (the short form: its axis of size ``k``): ``context_axes`` /
             ``context_parallelism`` (a batch's sequence split), ``stage_axes`` / ``pipeline_parallelism``
             (pipeline stages), ``expert_axes`` / ``expert_parallelism`` (the stacked experts of `jaxdist.nn.MoE`).
@@ -223,7 +223,7 @@ class LayoutPolicy:
                 "its sequence (axis 0 holds its rows), e.g. 1 for (batch, length, ...)."
             )
         self.roles = roles
-        """The axis roles (`jaxdist.strategies.meshes.AxisRoles`): batch, FSDP and model axes."""
+        """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP and model axes."""
         self.mesh = roles.mesh
         # A plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies plan, never run.
         self.devices = () if isinstance(roles.mesh, jax.sharding.AbstractMesh) else tuple(roles.mesh.devices.flat)
@@ -414,7 +414,7 @@ class LayoutPolicy:
 
         None for values not on this mesh (numpy, arrays on other devices: their role must be declared) and,
         where variables may be split over the replicas too (FSDP), for arrays split like a batch that the
-        input functions did not place (`jaxdist.strategies.roles.placed_as_batch`). A strategy's override of
+        input functions did not place (`jaxdist.strategies.layout._roles.placed_as_batch`). A strategy's override of
         its ``layout_role`` hook decides instead (`use_hooks`).
         """
         if self._role_hook is not None:

@@ -24,7 +24,7 @@ import jax
 
 from jaxdist.replicate.layouts import spec_axes
 from jaxdist.strategies import ambient
-from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.layout import LayoutPolicy
 
 __all__ = ["enter_scope"]
 

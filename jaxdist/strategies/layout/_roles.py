@@ -30,7 +30,7 @@ import numpy as np
 from jaxdist.replicate.trees import is_array
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import explicit_axes
+from jaxdist.strategies.layout._axis_types import explicit_axes
 
 __all__ = [
     "Role",

@@ -1,6 +1,6 @@
 """The resolver: the layout of every argument and output of one compiled step, decided once, when it is traced.
 
-`jaxdist.strategies.global_view` calls it while JAX traces a step (JAX traces once per program: a cache miss),
+`jaxdist.strategies.compile._jit` calls it while JAX traces a step (JAX traces once per program: a cache miss),
 so none of this runs on a steady-state call. The layouts come, in this order, from:
 
 1. the declarations: ``batch_argnums`` / ``batch_argnames`` (split over the batch axes), ``out_layouts=``;
@@ -26,7 +26,7 @@ On ``Explicit`` mesh axes a value's layout is part of its type, and model code w
 (gemma) expects the types it annotated. A variable that jaxdist itself split over an ``Explicit`` axis (the
 FSDP rule, not an annotation) therefore enters the step typed whole along it (`jax.sharding.reshard`; XLA
 all-gathers it at entry and reduce-scatters its gradient), as the single-device code it runs expects. Which
-variables jaxdist split is told by where their layout came from (`jaxdist.strategies.provenance`), never by
+variables jaxdist split is told by where their layout came from (`jaxdist.strategies.layout._provenance`), never by
 their spec: one the user placed keeps its layout as its type, whatever it is.
 """
 
@@ -42,10 +42,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import entry_axes, on_mesh, path_name, spec_axes
 from jaxdist.replicate.trees import is_distributed, signature
-from jaxdist.strategies.axis_types import explicit_axes, in_trace
-from jaxdist.strategies.layout_rules import annotation, is_box, is_variable
-from jaxdist.strategies.offload import in_host_memory, to_host_memory
-from jaxdist.strategies.provenance import constrained, declared, is_own, own
+from jaxdist.strategies.layout._axis_types import explicit_axes, in_trace
+from jaxdist.strategies.layout._offload import in_host_memory, to_host_memory
+from jaxdist.strategies.layout._provenance import constrained, declared, is_own, own
+from jaxdist.strategies.layout._rules import annotation, is_box, is_variable
 
 __all__ = [
     "constrain",
@@ -90,7 +90,7 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
 
 def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any], kept: Sequence[bool]) -> list:
     """On a mesh with ``Explicit`` axes: each traced variable that jaxdist split over an ``Explicit`` axis
-    (its layout `jaxdist.strategies.provenance.is_own`, and ``kept[i]`` False: not annotated, not a batch) typed
+    (its layout `jaxdist.strategies.layout._provenance.is_own`, and ``kept[i]`` False: not annotated, not a batch) typed
     whole along those axes (see the module doc). The user's layouts, values on ``Auto`` axes, annotated ones,
     and anything on a mesh without ``Explicit`` axes are returned as they are."""
     explicit = set(explicit_axes(policy.mesh))

@@ -50,32 +50,38 @@ from jax.sharding import NamedSharding
 
 from jaxdist.replicate.layouts import path_name, put, spec_axes
 from jaxdist.replicate.trees import abstract, fn_name
-from jaxdist.strategies.agreement import agree, fingerprint
 from jaxdist.strategies.ambient import computation
-from jaxdist.strategies.axis_types import (
+from jaxdist.strategies.compile._agreement import agree, fingerprint
+from jaxdist.strategies.compile._cache import ProgramCache
+from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
+from jaxdist.strategies.compile._signatures import argument_spec, signature_of
+from jaxdist.strategies.input import argument_layouts, kept, place_batch, sharding_off
+from jaxdist.strategies.layout import (
+    LayoutPolicy,
+    UndeclaredBatchWarning,
     auto_region,
+    constrain,
+    constrain_outputs,
     decided,
     explicit_axes,
+    in_host_memory,
     in_trace,
+    is_own,
+    is_variable,
     leave_auto,
+    mark,
+    nnx_layouts,
+    own_outputs,
     program_axis_types,
     ran_auto,
     refusals,
     retyped,
     say,
+    step_argument_roles,
+    to_device_memory,
+    typed_whole_at_entry,
 )
-from jaxdist.strategies.equinox_args import Static, combine, holds_module, partition
-from jaxdist.strategies.input import argument_layouts, kept, place_batch, sharding_off
-from jaxdist.strategies.layout_rules import is_variable
-from jaxdist.strategies.offload import in_host_memory, to_device_memory
-from jaxdist.strategies.plan import Plan, plan_step
-from jaxdist.strategies.plan_mesh import is_plan_mesh, refuse_to_run
-from jaxdist.strategies.policy import LayoutPolicy
-from jaxdist.strategies.programs import ProgramCache
-from jaxdist.strategies.provenance import is_own, mark, own_outputs
-from jaxdist.strategies.resolve import constrain, constrain_outputs, nnx_layouts, typed_whole_at_entry
-from jaxdist.strategies.roles import UndeclaredBatchWarning, step_argument_roles
-from jaxdist.strategies.signatures import argument_spec, signature_of
+from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
 
 __all__ = ["StrategyFunction"]
 
@@ -275,7 +281,7 @@ class StrategyFunction:
 
     def _whole_batch(self, args: tuple, kwargs: dict, shardings: set[Any] | None = None) -> bool:
         """Whether a declared batch argument holds a leaf every replica holds whole (to be split) or one that
-        is no array on a mesh (to be placed, or refused: `jaxdist.strategies.input.kept`). ``shardings``: the
+        is no array on a mesh (to be placed, or refused: `jaxdist.strategies.input._placement.kept`). ``shardings``: the
         distinct shardings of all the arguments, when read already (one replica and no leaf without one: no)."""
         if not self._batch and not self._batch_names:
             return False
@@ -475,7 +481,7 @@ class StrategyFunction:
     def _provenance(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:
         """Part of the program's cache key: the layouts among the arguments that split a value over Explicit
         axes and that the user placed (jaxdist's own are typed whole inside the step, the user's keep their
-        type: `jaxdist.strategies.provenance`), so that a program traced for one is never run for the other.
+        type: `jaxdist.strategies.layout._provenance`), so that a program traced for one is never run for the other.
         None where there is nothing to tell apart; read from the arguments' distinct shardings, except where
         one layout arrives both ways (then leaf by leaf)."""
         if not self._tells_provenance:
@@ -492,7 +498,7 @@ class StrategyFunction:
 
     def _marked(self, static: tuple, out: Any) -> Any:
         """``out`` (a call's results), whose shardings are recorded as jaxdist's where the program says their
-        layout is (`jaxdist.strategies.provenance.mark`). JAX reuses a trace for arguments of the same types
+        layout is (`jaxdist.strategies.layout._provenance.mark`). JAX reuses a trace for arguments of the same types
         whatever their layouts, each with an executable (and output sharding objects) of its own: the flags are
         the trace's, and a call marks the outputs of an executable not seen yet, told by one leaf."""
         if not self._tells_provenance:
@@ -511,7 +517,7 @@ class StrategyFunction:
     def _agree(self, nnx_static: tuple) -> None:
         """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
         here): lower it once more for its fingerprint and check that every process compiled the same one
-        before it runs (see `jaxdist.strategies.agreement`)."""
+        before it runs (see `jaxdist.strategies.compile._agreement`)."""
         concrete = getattr(self._local, "args", None)
         if concrete is None or getattr(self._local, "agreeing", False):
             return
@@ -546,7 +552,7 @@ class StrategyFunction:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The step's `jd.Plan` for these arguments: memory, FLOPs, collectives per device, compiled for the
-        strategy's layout; the step never runs and nothing is allocated (see `jaxdist.strategies.plan`).
+        strategy's layout; the step never runs and nothing is allocated (see `jaxdist.strategies.plan._plan`).
 
         Arguments may be real values or `jax.ShapeDtypeStruct`s (``jax.eval_shape(init)``); those without a
         layout get the one a call would give them (declared batches split over the batch axes, everything
@@ -593,14 +599,14 @@ class StrategyFunction:
 
     def _decided(self, call: Callable[[], Any]) -> Any:
         """``call()``, whose trace (if it traces) runs with the axis types decided for the program
-        (`jaxdist.strategies.axis_types`)."""
+        (`jaxdist.strategies.layout._axis_types`)."""
         if not self._decides:
             return call()
         return decided(self._policy.mesh, self._axis_types, call, fn_name(self._fn))
 
     def axis_types_of(self, traced: jax.stages.Traced) -> dict[str, jax.sharding.AxisType]:
         """The axis types the program ``traced`` (from `trace`) runs with: the mesh's own, or Auto for every
-        axis where its Explicit axes run Auto (see `jaxdist.strategies.axis_types`)."""
+        axis where its Explicit axes run Auto (see `jaxdist.strategies.layout._axis_types`)."""
         mesh = self._policy.mesh
         auto = ran_auto(traced.jaxpr)
         return {a: jax.sharding.AxisType.Auto if auto else t for a, t in zip(mesh.axis_names, mesh.axis_types,
@@ -623,7 +629,7 @@ class StrategyFunction:
         args, kwargs, state = to_device_memory((args, kwargs, state))
         state_layouts, annotated = nnx_layouts(policy, concrete_state) if nodes else ([], [])
         # The mesh's Explicit axes run Auto inside this program when so decided: the step's arguments are
-        # retyped at entry and its results leave typed by their layouts (see jaxdist.strategies.axis_types).
+        # retyped at entry and its results leave typed by their layouts (see jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(explicit_axes(policy.mesh))
         with auto_region(policy.mesh) if auto else contextlib.nullcontext():
             if auto:
@@ -802,7 +808,7 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 def _typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:
     """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation, not a batch)
-    enter the step typed whole along those axes (see `jaxdist.strategies.resolve`)."""
+    enter the step typed whole along those axes (see `jaxdist.strategies.layout._resolve`)."""
     batch_ids = {id(b) for b in batches}
     out = []
     for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
@@ -834,7 +840,7 @@ def _place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
 
 
 def _to_place(a: Any, policy: LayoutPolicy, batch: bool) -> bool:
-    """Whether argument ``a`` holds a leaf a call places (`jaxdist.strategies.input.kept`)."""
+    """Whether argument ``a`` holds a leaf a call places (`jaxdist.strategies.input._placement.kept`)."""
     mesh = policy.mesh
     for x in jax.tree.leaves(a):
         if not batch and getattr(getattr(x, "sharding", None), "mesh", None) is mesh:

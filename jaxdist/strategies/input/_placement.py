@@ -32,8 +32,7 @@ import jax
 import numpy as np
 
 from jaxdist.replicate.layouts import on_mesh
-from jaxdist.strategies.policy import LayoutPolicy
-from jaxdist.strategies.roles import mark_placed_batch
+from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch
 
 __all__ = [
     "DistributedDataset",

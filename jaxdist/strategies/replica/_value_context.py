@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxdist.replicate.values import PerReplica
 from jaxdist.strategies import ambient
-from jaxdist.strategies.policy import LayoutPolicy
+from jaxdist.strategies.layout import LayoutPolicy
 
 __all__ = ["ValueContext", "distribute_values_from_function"]
 

@@ -24,12 +24,12 @@ import numpy as np
 
 from jaxdist.replicate.trees import is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
-from jaxdist.strategies.devices import resolve_device
+from jaxdist.strategies.cluster import resolve_device
 from jaxdist.strategies.input import DistributedDataset
 
 if TYPE_CHECKING:
     from jaxdist.strategies.base import Strategy
-    from jaxdist.strategies.replica_context import ReplicaContext
+    from jaxdist.strategies.replica import ReplicaContext
 
 __all__ = ["StrategyV1Names", "TowerContext"]
 

@@ -24,11 +24,10 @@ from jaxdist.replicate.ops import ReduceOp
 from jaxdist.replicate.trees import abstract
 from jaxdist.replicate.values import PerReplica
 from jaxdist.strategies import ambient
-from jaxdist.strategies.axis_types import explicit_axes, in_trace
-from jaxdist.strategies.global_view import StrategyFunction
+from jaxdist.strategies.compile._cache import ProgramCache
+from jaxdist.strategies.compile._jit import StrategyFunction
 from jaxdist.strategies.input import check_divisible
-from jaxdist.strategies.policy import LayoutPolicy
-from jaxdist.strategies.programs import ProgramCache
+from jaxdist.strategies.layout import LayoutPolicy, explicit_axes, in_trace
 
 __all__ = ["MultiStepContext", "run_steps_on_dataset"]
 

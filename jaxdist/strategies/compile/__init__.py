@@ -1,0 +1,30 @@
+"""Compile: the verbs that turn user functions into programs on the mesh.
+
+``_jit`` is `StrategyFunction`, the global-view ``strategy.jit`` (jax.jit's shape, its express path and its full
+path); ``_run`` is the per-replica ``strategy.run``; ``_loops`` the on-device steps loops (``steps_per_run``);
+``_results`` the reductions of their outputs; ``_cache`` the programs they compile; ``_agreement`` checks that the
+processes of a job compiled the same program; ``_signatures`` reads argument numbers and names; ``_equinox`` splits
+Equinox modules into arrays and statics.
+"""
+
+from jaxdist.strategies.compile._agreement import ProgramMismatchError as ProgramMismatchError
+from jaxdist.strategies.compile._cache import ProgramCache as ProgramCache
+from jaxdist.strategies.compile._cache import RecompileWarning as RecompileWarning
+from jaxdist.strategies.compile._jit import StrategyFunction as StrategyFunction
+from jaxdist.strategies.compile._loops import MultiStepContext as MultiStepContext
+from jaxdist.strategies.compile._loops import run_steps_on_dataset as run_steps_on_dataset
+from jaxdist.strategies.compile._run import ReplicaRunner as ReplicaRunner
+from jaxdist.strategies.compile._run import check_axis_name as check_axis_name
+from jaxdist.strategies.compile._signatures import as_argnums as as_argnums
+
+__all__ = [
+    "MultiStepContext",
+    "ProgramCache",
+    "ProgramMismatchError",
+    "RecompileWarning",
+    "ReplicaRunner",
+    "StrategyFunction",
+    "as_argnums",
+    "check_axis_name",
+    "run_steps_on_dataset",
+]

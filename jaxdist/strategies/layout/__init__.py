@@ -1,0 +1,100 @@
+"""Layout: who decides where each value lives. The layout policy and everything it reads.
+
+A `LayoutPolicy` (``_policy``) is the one place layouts are decided: the mesh and its axis roles (``_meshes``), the
+rules that split variables (``_rules``), the axis types a program is traced with (``_axis_types``), the roles of a
+step's arguments (``_roles``), whose layout a variable carries (``_provenance``), memory kinds (``_offload``), and
+the once-per-program resolution of a traced step's layouts (``_resolve``). Nothing here compiles or runs a step:
+the verbs above (``compile``, ``input``) take the policy and apply it.
+"""
+
+from jaxdist.strategies.layout._axis_types import auto_region as auto_region
+from jaxdist.strategies.layout._axis_types import decided as decided
+from jaxdist.strategies.layout._axis_types import explicit_axes as explicit_axes
+from jaxdist.strategies.layout._axis_types import in_trace as in_trace
+from jaxdist.strategies.layout._axis_types import leave_auto as leave_auto
+from jaxdist.strategies.layout._axis_types import program_axis_types as program_axis_types
+from jaxdist.strategies.layout._axis_types import ran_auto as ran_auto
+from jaxdist.strategies.layout._axis_types import refusals as refusals
+from jaxdist.strategies.layout._axis_types import retyped as retyped
+from jaxdist.strategies.layout._axis_types import say as say
+from jaxdist.strategies.layout._axis_types import shape_scope as shape_scope
+from jaxdist.strategies.layout._axis_types import trace_mesh as trace_mesh
+from jaxdist.strategies.layout._axis_types import untyped as untyped
+from jaxdist.strategies.layout._meshes import ROLES as ROLES
+from jaxdist.strategies.layout._meshes import axis_roles as axis_roles
+from jaxdist.strategies.layout._meshes import short_form_mesh as short_form_mesh
+from jaxdist.strategies.layout._offload import HOST_MEMORY_KIND as HOST_MEMORY_KIND
+from jaxdist.strategies.layout._offload import HOST_OFFLOAD_MODES as HOST_OFFLOAD_MODES
+from jaxdist.strategies.layout._offload import in_host_memory as in_host_memory
+from jaxdist.strategies.layout._offload import parse_host_offload as parse_host_offload
+from jaxdist.strategies.layout._offload import to_device_memory as to_device_memory
+from jaxdist.strategies.layout._policy import IdleAxisWarning as IdleAxisWarning
+from jaxdist.strategies.layout._policy import LayoutPolicy as LayoutPolicy
+from jaxdist.strategies.layout._policy import colocated_layout as colocated_layout
+from jaxdist.strategies.layout._provenance import is_own as is_own
+from jaxdist.strategies.layout._provenance import mark as mark
+from jaxdist.strategies.layout._provenance import own_outputs as own_outputs
+from jaxdist.strategies.layout._resolve import constrain as constrain
+from jaxdist.strategies.layout._resolve import constrain_outputs as constrain_outputs
+from jaxdist.strategies.layout._resolve import nnx_layouts as nnx_layouts
+from jaxdist.strategies.layout._resolve import typed_whole_at_entry as typed_whole_at_entry
+from jaxdist.strategies.layout._roles import Role as Role
+from jaxdist.strategies.layout._roles import UndeclaredBatchWarning as UndeclaredBatchWarning
+from jaxdist.strategies.layout._roles import classify as classify
+from jaxdist.strategies.layout._roles import mark_placed_batch as mark_placed_batch
+from jaxdist.strategies.layout._roles import step_argument_roles as step_argument_roles
+from jaxdist.strategies.layout._roles import traced_role as traced_role
+from jaxdist.strategies.layout._rules import LAYERS as LAYERS
+from jaxdist.strategies.layout._rules import annotation as annotation
+from jaxdist.strategies.layout._rules import is_annotated as is_annotated
+from jaxdist.strategies.layout._rules import is_box as is_box
+from jaxdist.strategies.layout._rules import is_variable as is_variable
+from jaxdist.strategies.layout._rules import logical_names as logical_names
+from jaxdist.strategies.layout._rules import unboxed as unboxed
+
+__all__ = [
+    "HOST_MEMORY_KIND",
+    "HOST_OFFLOAD_MODES",
+    "IdleAxisWarning",
+    "LAYERS",
+    "LayoutPolicy",
+    "ROLES",
+    "Role",
+    "UndeclaredBatchWarning",
+    "annotation",
+    "auto_region",
+    "axis_roles",
+    "classify",
+    "colocated_layout",
+    "constrain",
+    "constrain_outputs",
+    "decided",
+    "explicit_axes",
+    "in_host_memory",
+    "in_trace",
+    "is_annotated",
+    "is_box",
+    "is_own",
+    "is_variable",
+    "leave_auto",
+    "logical_names",
+    "mark",
+    "mark_placed_batch",
+    "nnx_layouts",
+    "own_outputs",
+    "parse_host_offload",
+    "program_axis_types",
+    "ran_auto",
+    "refusals",
+    "retyped",
+    "say",
+    "shape_scope",
+    "short_form_mesh",
+    "step_argument_roles",
+    "to_device_memory",
+    "trace_mesh",
+    "traced_role",
+    "typed_whole_at_entry",
+    "unboxed",
+    "untyped",
+]
