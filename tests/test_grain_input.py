@@ -150,7 +150,7 @@ def test_distributed_iterator_state_is_exact_despite_prefetch():
     after_one = it.get_state()
     np.testing.assert_array_equal(next(it)[0], want[1])
     deadline = time.monotonic() + 10
-    while it._queue.qsize() < 3 and time.monotonic() < deadline:  # let the thread read ahead
+    while it._ahead.queued() < 3 and time.monotonic() < deadline:  # let the thread read ahead
         time.sleep(0.01)
     assert it.get_state() == {"next_index": 2}
     later = iter(strategy.distribute_datasets_from_function(dataset_fn))
@@ -193,7 +193,7 @@ def test_errors_name_the_argument_and_the_fix(tmp_path):
 
 
 def test_rare_error_paths(monkeypatch):
-    from jaxdist.strategies.input import _placement as input_module
+    from jaxdist.strategies.input import _read_ahead
     from jaxdist.training.data import BatchStream
 
     class Stuck:  # a stateful source whose read does not return until released
@@ -214,7 +214,7 @@ def test_rare_error_paths(monkeypatch):
         def set_state(self, state):
             self.n = state["n"]
 
-    monkeypatch.setattr(input_module, "_STOP_SECONDS", 0.2)
+    monkeypatch.setattr(_read_ahead, "STOP_SECONDS", 0.2)
     source = Stuck()
     it = iter(jd.MirroredStrategy().experimental_distribute_dataset(source))
     with pytest.raises(RuntimeError, match=r"still reading from the dataset after 0\.2 s: .* check the dataset"):

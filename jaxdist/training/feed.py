@@ -7,7 +7,8 @@ split over the replicas (``strategy.experimental_distribute_values``'s placement
 `TrainBatch`: a value whose type says that it has been checked and placed, so the stages after it (the fit
 loop, ``Trainer.train_on_batch``, the compiled step) take it as it is and never check, split or move it again.
 
-The next batch's transfer overlaps the current step: `ahead` keeps one or two batches placed ahead of the one
+The next batch's transfer overlaps the current step: the loop's read-ahead
+(`jaxdist.strategies.input.ahead`) keeps one or two batches placed ahead of the one
 the loop trains on. JAX dispatches a step without waiting for it, so placing batch n+1 right before step n is
 dispatched (while step n-1 still runs) hides the transfer behind the devices' work, with no thread. The
 fit loop never waits for a step's results (its logs are read in the background), so the host stays ahead.
@@ -28,16 +29,14 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from jaxdist.strategies import Strategy
 from jaxdist.strategies.input import place_batch
 from jaxdist.training.data import BatchChecker
 
-__all__ = ["BatchFeed", "TrainBatch", "ahead"]
+__all__ = ["BatchFeed", "TrainBatch"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,64 +117,3 @@ class BatchFeed:
     def trusts(self, batch: Any) -> bool:
         """Whether ``batch`` is a `TrainBatch` this feed's checker has checked (taken as it is)."""
         return isinstance(batch, TrainBatch) and batch.checker is self.checker
-
-
-class _Failure:
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-def ahead(batches: Iterable[Any], depth: int = 2) -> Iterator[Any]:
-    """Yield ``batches`` in order, reading (and so placing) ``depth`` of them ahead of the one yielded.
-
-    The loop dispatches the step on batch n after batch n+depth has been read: its transfer goes on while
-    the steps before it run. A read that fails (a bad batch) raises when the loop reaches that batch, after
-    the steps before it, as without the read-ahead. Nothing is read beyond the end of ``batches``.
-
-    Args:
-        batches: the source (e.g. a `BatchStream` whose check is a placing `BatchFeed`).
-        depth: batches read ahead (1 or 2 are enough: JAX dispatch does not wait for the devices).
-
-    Raises:
-        ValueError: for ``depth < 0``.
-
-    Example:
-        >>> reads = []
-        >>> def source():
-        ...     for i in range(4):
-        ...         reads.append(i)
-        ...         yield i
-        >>> it = ahead(source(), depth=2)
-        >>> next(it), reads
-        (0, [0, 1, 2])
-        >>> list(it), reads
-        ([1, 2, 3], [0, 1, 2, 3])
-    """
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise ValueError(f"depth={depth!r} must be an int >= 0 (batches read ahead of the step; 0: none).")
-    return _read_ahead(iter(batches), depth)
-
-
-def _read_ahead(source: Iterator[Any], depth: int) -> Iterator[Any]:
-    queue: collections.deque = collections.deque()
-    ended = False
-    try:
-        while True:
-            while not ended and len(queue) <= depth:
-                try:
-                    queue.append(next(source))
-                except StopIteration:
-                    ended = True
-                except Exception as error:  # raised in order, when the loop reaches this batch
-                    queue.append(_Failure(error))
-                    ended = True
-            if not queue:
-                return
-            item = queue.popleft()
-            if isinstance(item, _Failure):
-                raise item.error
-            yield item
-    finally:  # the loop stopped early (or ended): stop the source too (a stream's epoch iterator, say)
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()

@@ -3,7 +3,7 @@
 ``Trainer.fit`` checks its arguments, restores or builds the state, and hands the loop a `BatchStream` of
 `TrainBatch` es (each checked and placed once, at the stream boundary: `jaxdist.training.feed`) and a
 `FitOptions`. The loop drives the trainer through one typed interface, `FitTarget`: ``train_on_batch`` (one
-compiled step per batch, the next batches placed ahead while it runs: `jaxdist.training.feed.ahead`) or, with
+compiled step per batch, the next batches placed ahead while it runs: `jaxdist.strategies.input.ahead`) or, with
 ``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop, ``strategy.run_steps_on_dataset``,
 per ``steps_per_run`` batches); ``step``, ``data_position`` and ``stop_training``; ``pop_metric_sums`` and
 ``step_cost``; ``evaluate``, ``save`` and ``sync_model``.
@@ -59,11 +59,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxdist.strategies.cluster import spans_processes
+from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.cost import StepCost
 from jaxdist.training.data import BatchStream, DataPosition
-from jaxdist.training.feed import ahead
 from jaxdist.training.non_finite import NAMES as NON_FINITE
 from jaxdist.training.non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
 from jaxdist.training.preemption import PreemptionWatcher
@@ -497,7 +498,7 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
 
     trainer.stop_training = False
     trainer.pop_metric_sums()  # the windows start here
-    spans = options.mesh is not None and len({d.process_index for d in options.mesh.devices.flat}) > 1
+    spans = options.mesh is not None and spans_processes(options.mesh.devices.flat)
     # Several processes act on a window at the same step, and a rollback moves the data past the same batches
     # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
     fixed = spans or policy.action == "rollback"

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.strategies.cluster import spans_processes
+
 __all__ = ["PreemptionWatcher"]
 
 
@@ -106,7 +108,7 @@ class PreemptionWatcher:
     def spans_processes(self) -> bool:
         """Whether `should_stop` agrees across processes (the mesh's devices belong to several); read once,
         not at every step's check."""
-        return self._mesh is not None and len({d.process_index for d in self._mesh.devices.flat}) > 1
+        return self._mesh is not None and spans_processes(self._mesh.devices.flat)
 
     @property
     def stopping(self) -> bool:

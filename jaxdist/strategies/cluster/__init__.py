@@ -13,6 +13,7 @@ from jaxdist.strategies.cluster._join import detected_cluster as detected_cluste
 from jaxdist.strategies.cluster._join import from_chief as from_chief
 from jaxdist.strategies.cluster._join import initialize_cluster as initialize_cluster
 from jaxdist.strategies.cluster._join import resolve_cluster as resolve_cluster
+from jaxdist.strategies.cluster._join import spans_processes as spans_processes
 
 __all__ = [
     "CLUSTER_VARIABLES",
@@ -24,4 +25,5 @@ __all__ = [
     "resolve_cluster",
     "resolve_device",
     "resolve_devices",
+    "spans_processes",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ __all__ = [
     "CLUSTER_VARIABLES",
     "check_connected",
     "check_spans_processes",
+    "spans_processes",
     "detected_cluster",
     "from_chief",
     "initialize_cluster",
@@ -225,6 +226,19 @@ def check_connected(strategy: str) -> None:
         "processes), or call jd.initialize_cluster() at the top of the program, before the strategy (it reads "
         "the JAXDIST_* variables and the cluster's own; jax.distributed.initialize() reads only the latter)."
     )
+
+
+def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
+    """Whether ``devices`` (a strategy's, a mesh's ``devices.flat``; None: none) belong to more than one process:
+    the one answer to "does this job's work span processes" (collectives over processes, agreed decisions,
+    process-local batches).
+
+    Examples:
+        >>> import jax
+        >>> spans_processes(jax.devices()), spans_processes(None)
+        (False, False)
+    """
+    return devices is not None and len({d.process_index for d in devices}) > 1
 
 
 def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:

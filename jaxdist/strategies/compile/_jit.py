@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -55,7 +54,7 @@ from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
-from jaxdist.strategies.input import argument_layouts, kept, place_batch, sharding_off
+from jaxdist.strategies.input import all_on_mesh, argument_layouts, needs_placing, place_batch, shardings_of
 from jaxdist.strategies.layout import (
     LayoutPolicy,
     UndeclaredBatchWarning,
@@ -242,7 +241,7 @@ class StrategyFunction:
         policy = self._policy
         mesh = policy.mesh
         declared = self._batch or ()
-        if state is not None and not _all_on(jax.tree.leaves(state), mesh):
+        if state is not None and not all_on_mesh(jax.tree.leaves(state), mesh):
             state = self._place_variables(state, "the nnx state", warn=False)
         if state is not None and policy.splits_variables:
             # Which nnx variables settle into the variable layout depends on their metadata only (part of the
@@ -255,14 +254,14 @@ class StrategyFunction:
         # arguments' distinct shardings, a handful whatever the number of leaves).
         dynamic = [a for i, a in enumerate(args) if i not in self._static]
         dynamic += [a for k, a in kwargs.items() if k not in self._static_names]
-        if _all_on(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
+        if all_on_mesh(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
             return args, kwargs, state
         # Arrays on the mesh keep their layout, except a declared batch that every replica holds whole: it is
         # split (its rows are what the replicas share out; a replicated batch with split variables also walks
         # into an XLA Shardy miscompute). Only the arguments holding an array to move are walked again.
-        todo = [i for i, a in enumerate(args) if i not in self._static and _to_place(a, policy, i in declared)]
+        todo = [i for i, a in enumerate(args) if i not in self._static and needs_placing(a, policy, i in declared)]
         named = [k for k, a in kwargs.items() if k not in self._static_names
-                 and _to_place(a, policy, k in self._batch_names)]
+                 and needs_placing(a, policy, k in self._batch_names)]
         if not todo and not named:
             return args, kwargs, state
         placed = list(args)
@@ -289,7 +288,7 @@ class StrategyFunction:
             return False
         batches = [args[i] for i in self._batch or () if i < len(args)]
         batches += [kwargs[k] for k in self._batch_names if k in kwargs]
-        shardings = _shardings(jax.tree.leaves(batches))
+        shardings = shardings_of(jax.tree.leaves(batches))
         if None in shardings:
             return True
         return self._policy.num_replicas > 1 and any(s.is_fully_replicated for s in shardings)
@@ -433,8 +432,8 @@ class StrategyFunction:
         the provenance of their layouts; None (no express call) where a leaf is not on the mesh in a job of
         several processes (a host array there holds a process's own rows: the full path places it)."""
         leaves = jax.tree.leaves(args)
-        shardings = _shardings(leaves)
-        if self._policy.spans_processes and not _all_on(leaves, self._policy.mesh, shardings):
+        shardings = shardings_of(leaves)
+        if self._policy.spans_processes and not all_on_mesh(leaves, self._policy.mesh, shardings):
             return None
         return key, self._provenance(leaves, shardings) if self._tells_provenance else None
 
@@ -486,7 +485,7 @@ class StrategyFunction:
         one layout arrives both ways (then leaf by leaf)."""
         if not self._tells_provenance:
             return None
-        shardings = _shardings(leaves) if shardings is None else shardings
+        shardings = shardings_of(leaves) if shardings is None else shardings
         explicit = self._policy.roles.explicit_axes
         users = frozenset(s for s in shardings if isinstance(s, NamedSharding) and not is_own(s)
                           and not spec_axes(s.spec).isdisjoint(explicit))
@@ -711,25 +710,6 @@ def _enter(traced: Any, concrete: Any) -> Any:
     return jax.lax.with_sharding_constraint(traced, sharding)
 
 
-def _shardings(leaves: list[Any]) -> set[Any]:
-    """The distinct shardings of ``leaves`` (None for a value without one). A `jax.Array`'s is read in C
-    (``_sharding``, the attribute behind its ``sharding`` property); where some leaf has none (Python and host
-    values, tracers, another array type) they are read again through ``sharding``."""
-    found = set(map(getattr, leaves, itertools.repeat("_sharding"), itertools.repeat(None)))
-    if None in found:
-        found = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
-    return found
-
-
-def _all_on(leaves: list[Any], mesh: Any, shardings: set[Any] | None = None) -> bool:
-    """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other non-arrays
-    count as placed): decided on their distinct shardings (``shardings``, when read already), not leaf by leaf."""
-    shardings = _shardings(leaves) if shardings is None else shardings
-    if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
-        return False
-    return all(s is None or not sharding_off(s, mesh) for s in shardings)
-
-
 def _leaf_at(tree: Any, path: tuple) -> Any:
     """The leaf of ``tree`` at key ``path``: read by indexing along it (no flattening, for a hot path) where its
     keys are dict keys, sequence indices and attributes (an nnx Variable's child is its value); else found by
@@ -837,14 +817,3 @@ def _place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
         for x, layout, a in zip(values, layouts, annotated, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(state), moved)
-
-
-def _to_place(a: Any, policy: LayoutPolicy, batch: bool) -> bool:
-    """Whether argument ``a`` holds a leaf a call places (`jaxdist.strategies.input._placement.kept`)."""
-    mesh = policy.mesh
-    for x in jax.tree.leaves(a):
-        if not batch and getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
-            continue  # the common case, checked without a call
-        if not kept(policy, x, batch):
-            return True
-    return False

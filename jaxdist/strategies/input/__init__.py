@@ -1,28 +1,39 @@
 """Input: how host batches become global arrays split over the batch axes.
 
 ``_placement`` is the one placement rule (which values need placing, the batch layouts, ``place_batch``);
-``_dataset`` wraps datasets and iterators (`DistributedDataset`, `DistributedIterator`, `InputContext`) and the
-read-ahead that places the next batches while a step runs.
+``_dataset`` wraps datasets and iterators (`DistributedDataset`, `DistributedIterator`, `InputContext`);
+``_read_ahead`` is the one home of reading batches ahead of the step that takes them (in line for the Trainer's
+loop, a thread for `DistributedIterator`).
 """
 
-from jaxdist.strategies.input._placement import DistributedDataset as DistributedDataset
-from jaxdist.strategies.input._placement import DistributedIterator as DistributedIterator
-from jaxdist.strategies.input._placement import InputContext as InputContext
+from jaxdist.strategies.input._dataset import DistributedDataset as DistributedDataset
+from jaxdist.strategies.input._dataset import DistributedIterator as DistributedIterator
+from jaxdist.strategies.input._dataset import InputContext as InputContext
+from jaxdist.strategies.input._placement import all_on_mesh as all_on_mesh
 from jaxdist.strategies.input._placement import argument_layouts as argument_layouts
 from jaxdist.strategies.input._placement import check_divisible as check_divisible
 from jaxdist.strategies.input._placement import kept as kept
+from jaxdist.strategies.input._placement import needs_placing as needs_placing
 from jaxdist.strategies.input._placement import place_batch as place_batch
 from jaxdist.strategies.input._placement import replicas_on_this_process as replicas_on_this_process
 from jaxdist.strategies.input._placement import sharding_off as sharding_off
+from jaxdist.strategies.input._placement import shardings_of as shardings_of
+from jaxdist.strategies.input._read_ahead import Prefetcher as Prefetcher
+from jaxdist.strategies.input._read_ahead import ahead as ahead
 
 __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
+    "Prefetcher",
+    "ahead",
+    "all_on_mesh",
     "argument_layouts",
     "check_divisible",
     "kept",
+    "needs_placing",
     "place_batch",
     "replicas_on_this_process",
     "sharding_off",
+    "shardings_of",
 ]

@@ -1,31 +1,16 @@
-"""Distributed input: global batches placed on the replicas, each process placing only its own rows.
+"""Placement: the one rule for which values a step takes as they are and where the others go.
 
-``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of GLOBAL batches (pytrees of
-arrays whose axis 0 is the global batch). ``strategy.distribute_datasets_from_function(fn)`` calls
-``fn(InputContext)`` once per process for an iterable of that process's batches. Either way every batch comes
-out as global `jax.Array`s split on axis 0 over the replicas, built with
-`jax.make_array_from_process_local_data` (no process ever transfers rows it does not own), and a background
-thread keeps ``prefetch`` batches in flight to the devices so the step rarely waits on the host.
-
-grain (the JAX ecosystem's data loader) plugs in as it is: ``fn(ctx)`` may return a ``grain.MapDataset``,
-``grain.IterDataset`` or ``grain.DataLoader`` that reads this process's share, e.g.
-``grain.experimental.ElasticIterator(examples, global_batch_size, grain.sharding.ShardByJaxProcess())`` or
-``examples[ctx.input_pipeline_id::ctx.num_input_pipelines].batch(per_process_batch)``. Iterators over a source
-with ``get_state`` / ``set_state`` (every grain iterator) have them too, exact despite the prefetch thread
-(`DistributedIterator.get_state`), so a checkpoint can hold the input's position
-(``jd.training.Checkpointer.save(..., data_iterator=it)``).
+`kept` decides a leaf (an array on the strategy's mesh, a tracer, a Python value that is no batch); the rest
+are placed: a batch leaf split on axis 0 over the batch axes (`place_batch`, built with
+`jax.make_array_from_process_local_data`, so no process transfers rows it does not own), a variable in the
+variable layout (`argument_layouts`). Calls (`jaxdist.strategies.compile`), plans, on-device loops and
+distributed input (`jaxdist.strategies.input._dataset`) all ask here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
-import queue
-import threading
-import time
+import itertools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -35,57 +20,19 @@ from jaxdist.replicate.layouts import on_mesh
 from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch
 
 __all__ = [
-    "DistributedDataset",
-    "DistributedIterator",
-    "InputContext",
+    "all_on_mesh",
     "argument_layouts",
     "batch_leaf_layout",
     "check_divisible",
     "check_sequence",
     "kept",
+    "needs_placing",
     "place_batch",
     "replicas_on_this_process",
     "sharding_off",
+    "shardings_of",
 ]
 
-
-
-@dataclasses.dataclass(frozen=True)
-class InputContext:
-    """What an input function needs to know to read its share of the data (tf.distribute.InputContext).
-
-    Attributes:
-        num_input_pipelines: how many input pipelines (processes) read data.
-        input_pipeline_id: this pipeline's index in ``[0, num_input_pipelines)``.
-        num_replicas_in_sync: replicas across all pipelines.
-
-    Examples:
-        >>> ctx = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)
-        >>> ctx.get_per_replica_batch_size(64)
-        8
-    """
-
-    num_input_pipelines: int = 1
-    input_pipeline_id: int = 0
-    num_replicas_in_sync: int = 1
-
-    def __post_init__(self) -> None:
-        if self.num_input_pipelines < 1:
-            raise ValueError(f"num_input_pipelines={self.num_input_pipelines} must be >= 1.")
-        if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
-            raise ValueError(
-                f"input_pipeline_id={self.input_pipeline_id} must be in [0, {self.num_input_pipelines})."
-            )
-        if self.num_replicas_in_sync < 1:
-            raise ValueError(f"num_replicas_in_sync={self.num_replicas_in_sync} must be >= 1.")
-
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """The batch each replica gets from a global batch of ``global_batch_size``.
-
-        Raises:
-            ValueError: when the replicas do not divide the global batch.
-        """
-        return global_batch_size // check_divisible(global_batch_size, self.num_replicas_in_sync)
 
 
 def check_divisible(batch: int, replicas: int, where: str = "global batch", axes: tuple[str, ...] = ()) -> int:
@@ -240,6 +187,36 @@ def kept(policy: LayoutPolicy, x: Any, batch: bool) -> bool:
     return not batch and not isinstance(x, (np.ndarray, np.generic))
 
 
+def shardings_of(leaves: list[Any]) -> set[Any]:
+    """The distinct shardings of ``leaves`` (None for a value without one). A `jax.Array`'s is read in C
+    (``_sharding``, the attribute behind its ``sharding`` property); where some leaf has none (Python and host
+    values, tracers, another array type) they are read again through ``sharding``."""
+    found = set(map(getattr, leaves, itertools.repeat("_sharding"), itertools.repeat(None)))
+    if None in found:
+        found = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
+    return found
+
+
+def all_on_mesh(leaves: list[Any], mesh: Any, shardings: set[Any] | None = None) -> bool:
+    """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other non-arrays
+    count as placed): decided on their distinct shardings (``shardings``, when read already), not leaf by leaf."""
+    shardings = shardings_of(leaves) if shardings is None else shardings
+    if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
+        return False
+    return all(s is None or not sharding_off(s, mesh) for s in shardings)
+
+
+def needs_placing(a: Any, policy: LayoutPolicy, batch: bool) -> bool:
+    """Whether argument ``a`` holds a leaf a call places (`kept`)."""
+    mesh = policy.mesh
+    for x in jax.tree.leaves(a):
+        if not batch and getattr(getattr(x, "sharding", None), "mesh", None) is mesh:
+            continue  # the common case, checked without a call
+        if not kept(policy, x, batch):
+            return True
+    return False
+
+
 def argument_layouts(policy: LayoutPolicy, value: Any, batch: bool, where: str | None = None, *,
                      process_local: bool = False) -> Any:
     """The layout a step's call gives each leaf of argument ``value`` (a pytree; ``batch``: a declared batch),
@@ -329,225 +306,3 @@ def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> j
     # The global batch: each process transfers the rows of its own devices, wherever the mesh puts them.
     host = x if isinstance(x, jax.Array) else np.asarray(x)
     return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]))
-
-
-_END = object()
-_STOP_SECONDS = 5.0  # how long set_state / close wait for the prefetch thread's read in progress
-
-
-class _Failure:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-def _has_state(source: Any) -> bool:
-    return callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None))
-
-
-class DistributedIterator:
-    """Iterates placed global batches; a background thread keeps ``prefetch`` of them in flight.
-
-    Call ``close()`` (or exhaust it, or use it as a context manager) to stop the thread early.
-
-    When the source iterator has ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator`` and
-    ``DataLoaderIterator``), so does this iterator, and its state is the source's state after the last batch
-    THIS iterator handed out, not after the batches the thread has read ahead: restoring it (in this or a new
-    iterator over the same pipeline) continues with exactly the batch that would have come next.
-
-    Examples:
-        >>> import numpy as np, jaxdist as jd
-        >>> strategy = jd.OneDeviceStrategy()
-        >>> with iter(strategy.experimental_distribute_dataset([np.ones((2, 1))] * 5)) as batches:
-        ...     first = next(batches)   # the thread stops on leaving the block, batches in flight are dropped
-        >>> first.shape
-        (2, 1)
-    """
-
-    def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int):
-        self._source = source
-        self._place = place
-        self._prefetch = prefetch
-        self._done = False
-        self._stateful = _has_state(source)
-        self._state = source.get_state() if self._stateful else None  # the state after the last batch handed out
-        self._thread: threading.Thread | None = None
-        if prefetch > 0:
-            self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-            self._stop = threading.Event()
-            self._start_thread()
-
-    @property
-    def source(self) -> Iterator[Any]:
-        """The iterator the batches are read from (e.g. a grain ``DatasetIterator``), before placement."""
-        return self._source
-
-    def _start_thread(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._fill, name="jaxdist-prefetch", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> tuple[Any, Any]:
-        """The next placed batch and the source's state right after it (raises StopIteration at the end)."""
-        batch = next(self._source)
-        state = self._source.get_state() if self._stateful else None
-        return self._place(batch), state
-
-    def _fill(self) -> None:
-        try:
-            while not self._stop.is_set():
-                try:
-                    item = self._read()
-                except StopIteration:
-                    break
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-            if not self._stop.is_set():
-                self._put_final(_END)
-        except BaseException as error:  # re-raised in the consumer's thread
-            self._put_final(_Failure(error))
-
-    def _put_final(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self) -> DistributedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        if self._prefetch == 0:
-            try:
-                batch, state = self._read()
-            except StopIteration:
-                self._done = True
-                raise
-            self._state = state
-            return batch
-        item = self._queue.get()
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self._done = True
-            raise item.error
-        batch, self._state = item
-        return batch
-
-    def _check_stateful(self, method: str) -> None:
-        if not self._stateful:
-            raise TypeError(
-                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no get_state() / "
-                "set_state(state), so its position cannot be saved or restored: read the data with grain "
-                "(grain.MapDataset, grain.IterDataset, grain.DataLoader), or give the iterator both methods."
-            )
-
-    def get_state(self) -> Any:
-        """The source iterator's state after the last batch this iterator returned (batches read ahead by the
-        prefetch thread do not count): save it with the model's checkpoint.
-
-        Returns:
-            What the source's ``get_state()`` returns (a dict for a grain ``DatasetIterator``, JSON bytes for a
-            grain ``DataLoaderIterator``).
-
-        Raises:
-            TypeError: when the source iterator has no ``get_state`` / ``set_state``.
-
-        Examples:
-            >>> import grain, numpy as np, jaxdist as jd
-            >>> strategy = jd.OneDeviceStrategy()
-            >>> ds = grain.MapDataset.source(np.arange(12.0).reshape(6, 2)).batch(2)
-            >>> it = iter(strategy.experimental_distribute_dataset(ds))
-            >>> _ = next(it)
-            >>> state = it.get_state()            # after batch 0, whatever the thread has read ahead
-            >>> later = iter(strategy.experimental_distribute_dataset(ds))
-            >>> later.set_state(state)
-            >>> next(later).tolist(), next(it).tolist()
-            ([[4.0, 5.0], [6.0, 7.0]], [[4.0, 5.0], [6.0, 7.0]])
-        """
-        self._check_stateful("get_state()")
-        return copy.deepcopy(self._state)
-
-    def set_state(self, state: Any) -> None:
-        """Continue from ``state`` (a `get_state` result of an iterator over the same pipeline): the batches in
-        flight are dropped and the next batch is the one that followed ``state``.
-
-        Raises:
-            TypeError: when the source iterator has no ``get_state`` / ``set_state``.
-            RuntimeError: when the prefetch thread does not stop within 5 s (a read that does not return).
-        """
-        self._check_stateful("set_state(state)")
-        if self._prefetch > 0:
-            self._stop_thread()
-        self._source.set_state(state)
-        self._state = copy.deepcopy(state)
-        self._done = False
-        if self._prefetch > 0:
-            self._start_thread()
-
-    def _stop_thread(self) -> None:
-        self._stop.set()
-        deadline = time.monotonic() + _STOP_SECONDS
-        thread = self._thread
-        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
-            with contextlib.suppress(queue.Empty):  # make room: a producer blocked on put sees the stop
-                while True:
-                    self._queue.get_nowait()
-            thread.join(timeout=0.01)
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
-        if thread is not None and thread.is_alive():
-            raise RuntimeError(
-                f"the prefetch thread is still reading from the dataset after {_STOP_SECONDS:g} s: its read does not "
-                "return, so the iterator cannot be repositioned; check the dataset for a blocking read."
-            )
-
-    def close(self) -> None:
-        """Stop the prefetch thread and drop batches in flight."""
-        self._done = True
-        if self._prefetch > 0:
-            with contextlib.suppress(RuntimeError):  # a daemon thread stuck in a read dies with the process
-                self._stop_thread()
-
-    def __enter__(self) -> DistributedIterator:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if self._prefetch > 0 and not self._done:
-            self._stop.set()
-
-
-class DistributedDataset:
-    """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
-
-    Made by ``strategy.experimental_distribute_dataset`` or ``strategy.distribute_datasets_from_function``.
-    Its iterators are `DistributedIterator` objects (with ``get_state`` / ``set_state`` over a grain source).
-
-    Examples:
-        >>> import numpy as np, jaxdist as jd
-        >>> dataset = jd.OneDeviceStrategy().experimental_distribute_dataset([np.zeros((4, 2))] * 3)
-        >>> len(list(dataset)), len(list(dataset))  # each pass iterates the source again
-        (3, 3)
-    """
-
-    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int):
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on demand).")
-        self._make_source = make_source
-        self._place = place
-        self._prefetch = prefetch
-
-    def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(iter(self._make_source()), self._place, self._prefetch)

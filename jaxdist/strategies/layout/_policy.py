@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
+from jaxdist.strategies.cluster import spans_processes
 from jaxdist.strategies.layout._axis_types import trace_mesh
 from jaxdist.strategies.layout._meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
 from jaxdist.strategies.layout._offload import offload_shardings, parse_host_offload
@@ -325,8 +326,8 @@ class LayoutPolicy:
 
     @property
     def spans_processes(self) -> bool:
-        """Whether the mesh's devices belong to more than one process."""
-        return len({d.process_index for d in self.devices}) > 1
+        """Whether the mesh's devices belong to more than one process (`jaxdist.strategies.cluster.spans_processes`)."""
+        return spans_processes(self.devices)
 
     @property
     def splits_variables(self) -> bool:
