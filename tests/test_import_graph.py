@@ -64,3 +64,30 @@ def test_layers_import_down_only(layer):
         if module.startswith(f"jaxdist.{layer}"):
             upward = sorted(d for d in deps if any(d.startswith(f"jaxdist.{a}") for a in above))
             assert not upward, f"{module} imports {upward}, a layer above {layer}"
+
+
+ROOMS = ["ambient", "cluster", "layout", "input", "plan", "replica", "compile", "tf_api"]  # strategies/, bottom up
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_strategy_rooms_import_down_only(room):
+    """Each room of ``strategies/`` imports only the rooms below it, never the strategy classes and public
+    faces at the top of the package (which import the rooms)."""
+    own = f"jaxdist.strategies.{room}"
+    below = {f"jaxdist.strategies.{r}" for r in ROOMS[:ROOMS.index(room)]}
+    for module, deps in _graph().items():
+        if module == own or module.startswith(own + "."):
+            wrong = sorted(
+                d for d in deps if d.startswith("jaxdist.strategies.") and not d.startswith(own)
+                and not any(d == b or d.startswith(b + ".") for b in below)
+            )
+            assert not wrong, f"{module} imports {wrong}: a room above {room}, or the top of strategies/"
+
+
+def test_other_packages_use_the_rooms_interfaces():
+    """Outside ``strategies/`` nothing imports a room's private modules: each room's ``__init__`` is its
+    interface."""
+    for module, deps in _graph().items():
+        if not module.startswith("jaxdist.strategies"):
+            private = sorted(d for d in deps if d.startswith("jaxdist.strategies.") and "._" in d)
+            assert not private, f"{module} imports {private}; import the room (jaxdist.strategies.<room>) instead"

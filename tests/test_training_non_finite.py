@@ -26,7 +26,7 @@ from registry import launch_env
 import jaxdist as jd
 from jaxdist.training.loop import FitOptions, _Logs
 from jaxdist.training.non_finite import NonFiniteGuard, NonFinitePolicy, Window, non_finite_leaves
-from jaxdist.training.step import TrainState
+from jaxdist.training.step_functions import TrainState
 
 STEPS = 60
 BAD = (35, 36, 37)  # the steps whose batches are bad in the second scenario

@@ -33,9 +33,9 @@ from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.prepare import prepare as prepare
 from jaxdist.training.search import Candidate as Candidate
 from jaxdist.training.search import plan_search as plan_search
-from jaxdist.training.step import TrainState as TrainState
-from jaxdist.training.step import accuracy as accuracy
-from jaxdist.training.step import make_train_step as make_train_step
+from jaxdist.training.step_functions import TrainState as TrainState
+from jaxdist.training.step_functions import accuracy as accuracy
+from jaxdist.training.step_functions import make_train_step as make_train_step
 from jaxdist.training.trainer import Trainer as Trainer
 from jaxdist.training.watchdog import Watchdog as Watchdog
 

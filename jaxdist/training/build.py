@@ -19,7 +19,7 @@ import optax
 from jaxdist.replicate.trees import abstract
 from jaxdist.strategies import Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
-from jaxdist.training.step import TrainState
+from jaxdist.training.step_functions import TrainState
 from jaxdist.training.weighted import check_value
 
 __all__ = ["check_losses", "restore_target", "state_builder", "state_keys"]

@@ -30,7 +30,7 @@ from jaxdist.training.build import check_losses
 from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
 from jaxdist.training.non_finite import NAMES as NON_FINITE
-from jaxdist.training.step import (
+from jaxdist.training.step_functions import (
     TrainState,
     add_to_sums,
     layer_metric_names,

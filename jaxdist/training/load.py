@@ -28,7 +28,7 @@ import optax
 from jaxdist.replicate.layouts import path_name, put
 from jaxdist.strategies.layout import is_annotated, is_box, is_variable, unboxed
 from jaxdist.training.build import state_keys
-from jaxdist.training.step import TrainState
+from jaxdist.training.step_functions import TrainState
 
 __all__ = ["Pieces", "assemble", "checked_pieces", "count_mismatch", "loaded_leaves", "place_like", "step_counts"]
 

@@ -1,6 +1,6 @@
 """`Trainer`: one training loop for Flax linen and nnx models with optax, unchanged on every strategy.
 
-The train step is an ordinary single-device step (`jaxdist.training.step`) compiled with ``strategy.jit(step,
+The train step is an ordinary single-device step (`jaxdist.training.step_functions`) compiled with ``strategy.jit(step,
 donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.compiled`); the state is born in the strategy's
 layout with ``strategy.create_variables``; each batch is checked and placed once, at the stream boundary
 (`jaxdist.training.feed`), the next ones while the current step runs. So ``fit`` on any strategy computes what
@@ -47,7 +47,7 @@ from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.non_finite import NonFiniteError, NonFinitePolicy, describe, non_finite_leaves
-from jaxdist.training.step import TrainState
+from jaxdist.training.step_functions import TrainState
 
 __all__ = ["Trainer"]
 

@@ -1,4 +1,5 @@
-"""`ProgramCache`: the one cache of compiled programs a strategy owns (``run``, on-device loops, reduce/gather).
+"""The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather), and
+`StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch serves its calls).
 
 Three promises, the ones `jax.jit` makes for its own cache:
 
@@ -23,7 +24,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["ProgramCache", "RecompileWarning", "weak_callable"]
+__all__ = ["ProgramCache", "RecompileWarning", "StepPrograms", "weak_callable"]
 
 
 class RecompileWarning(UserWarning):
@@ -197,3 +198,65 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
             "e.g. pad or drop a ragged last batch"
         )
     return f"a new signature each call (was {last_sig!r}, now {signature!r})"
+
+
+class StepPrograms:
+    """The programs of one ``strategy.jit`` step (`jaxdist.strategies.StrategyFunction`): `jax.jit` objects, each
+    keeping JAX's own cache of traces, so what is held here is one object per kind of call, not per signature.
+
+    Attributes:
+        full: the full path's program by the positions of nnx graph arguments (the layouts are decided while
+            it traces).
+        families: the express path's programs by static key (graphdef, nnx positions, layout provenance).
+        express: ``(program, static key)`` by a call's argument types (and, where they cannot tell it, the
+            provenance of its layouts): what a steady call runs with one dict lookup.
+        misses: how many new signatures each express key refused.
+
+    Examples:
+        >>> programs = StepPrograms()
+        >>> programs.install(("types",), print, ("static",))
+        >>> programs.express[("types",)]
+        (<built-in function print>, ('static',))
+        >>> for _ in range(StepPrograms.MAX_MISSES):
+        ...     programs.missed(("types",))
+        >>> ("types",) in programs.express, programs.install(("types",), print, ("static",))
+        (False, None)
+        >>> ("types",) in programs.express  # a key that keeps missing takes the full path only
+        False
+    """
+
+    MAX_MISSES = 16  # new signatures an express key may refuse before calls with it take the full path only
+
+    __slots__ = ("express", "families", "full", "misses")
+
+    def __init__(self) -> None:
+        self.full: dict[tuple[int, ...], Callable] = {}
+        self.families: dict[tuple, Callable] = {}
+        self.express: dict[Any, tuple[Callable, tuple]] = {}
+        self.misses: dict[Any, int] = {}
+
+    def install(self, key: Any, program: Callable, static: tuple) -> None:
+        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES` times)."""
+        if self.misses.get(key, 0) < self.MAX_MISSES:
+            self.express[key] = program, static
+
+    def missed(self, key: Any) -> None:
+        """The express program for ``key`` refused a call: a signature new to it (once the full path has traced
+        it, JAX's dispatch serves it, so alternating signatures cost nothing more). After `MAX_MISSES` (a step
+        that keeps compiling, which `RecompileWarning` names) calls with ``key`` take the full path only."""
+        self.misses[key] = misses = self.misses.get(key, 0) + 1
+        if misses >= self.MAX_MISSES:
+            self.express.pop(key, None)
+
+    def cleared(self, refused: Callable) -> bool:
+        """Drop JAX's dispatch entry for the signature ``refused`` (an express program) refused: it would send
+        every later call of it to Python. True where JAX has that method; else ``refused`` is forgotten, to be
+        built anew (one more trace), and False."""
+        clear = getattr(refused, "_clear_cache", None)
+        if clear is not None:
+            clear()
+            return True
+        for table in (self.families, self.express):
+            for k in [k for k, v in table.items() if (v[0] if isinstance(v, tuple) else v) is refused]:
+                del table[k]
+        return False

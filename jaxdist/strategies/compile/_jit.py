@@ -51,7 +51,7 @@ from jaxdist.replicate.layouts import path_name, put, spec_axes
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._agreement import agree, fingerprint
-from jaxdist.strategies.compile._cache import ProgramCache
+from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
 from jaxdist.strategies.input import all_on_mesh, argument_layouts, needs_placing, place_batch, shardings_of
@@ -87,7 +87,6 @@ __all__ = ["StrategyFunction"]
 
 _GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
 _SCALARS = frozenset({bool, int, float, complex})
-_MAX_MISSES = 16  # calls an express program may refuse for one key before calls of that key skip it
 
 
 class _Refused(Exception):
@@ -178,13 +177,9 @@ class StrategyFunction:
         self._module_outputs: dict[Static, Static] = {}  # the static part of its outputs, recorded when traced
         self._local = threading.local()
         self._warned = False
-        self._jitted: dict[tuple[int, ...], Callable] = {}  # by positions of nnx graph arguments
         self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
-        # The express path (see `__call__`): programs whose argument layouts are pinned, by what the full path
-        # decided (family: static key, argument structure and layouts) and by the call's argument types.
-        self._families: dict[tuple, Callable] = {}
-        self._express: dict[Any, tuple[Callable, tuple]] = {}
-        self._misses: dict[Any, int] = {}
+        # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's (see `__call__`).
+        self._compiled = StepPrograms()
         # What the argument types cannot tell and JAX's cache does not see: the provenance of layouts over
         # Explicit axes, and host arrays in a job of several processes (a process's own rows there, not the
         # global value jax.jit would take them for). Read from the leaves on such policies only.
@@ -198,13 +193,13 @@ class StrategyFunction:
 
     # --------------------------------------------------------------------------------------- placing
     def _program(self, nodes: tuple[int, ...]) -> Callable:
-        jitted = self._jitted.get(nodes)
+        jitted = self._compiled.full.get(nodes)
         if jitted is None:
             shift = 2  # the inner function takes (nnx_static, nnx_state, *args, **kwargs)
             donate = tuple(i + shift for i in self._donate if i not in nodes)
             if any(i in nodes for i in self._donate):
                 donate += (1,)
-            jitted = self._jitted[nodes] = jax.jit(
+            jitted = self._compiled.full[nodes] = jax.jit(
                 self._named(self._traced), static_argnums=self._static_positions, donate_argnums=donate,
                 static_argnames=self._static_names, donate_argnames=self._donate_names,
             )
@@ -378,14 +373,14 @@ class StrategyFunction:
             key = tuple(map(type, args))
             if self._reads_leaves:
                 key = self._leaf_key(key, args)
-            entry = self._express.get(key) if key is not None else None
+            entry = self._compiled.express.get(key) if key is not None else None
             if entry is not None:
                 program, static = entry
                 try:
                     out = program(*args)
                 except (_Refused, ValueError):
                     refused = program
-                    self._missed(key)
+                    self._compiled.missed(key)
                 else:
                     return self._marked(static, out) if self._tells_provenance else out
         if self._plan_only:
@@ -409,18 +404,13 @@ class StrategyFunction:
             # JAX's dispatch keeps, for the signature the express program refused, an entry that sends every
             # later call of it to Python: dropped now that this call has traced it (the traces are kept). A JAX
             # without that method: the program is built anew for the next call (one more trace).
-            clear = getattr(refused, "_clear_cache", None)
-            if clear is not None:
-                clear()
-            else:
-                self._families = {k: v for k, v in self._families.items() if v is not refused}
-                self._express = {k: v for k, v in self._express.items() if v[0] is not refused}
+            if not self._compiled.cleared(refused):
                 express = None if express is refused else express
-        if express is not None and key is not None and self._misses.get(key, 0) < _MAX_MISSES and not any(
+        if express is not None and key is not None and not any(
                 isinstance(x, (np.ndarray, np.generic)) for i in self._donate if i < len(args)
                 for x in jax.tree.leaves(args[i])):
             # (a host array donated is a program of its own to jax.jit: such calls keep the full path)
-            self._express[key] = express, static
+            self._compiled.install(key, express, static)
         if not nodes:
             return out
         out, new_state = out
@@ -437,15 +427,6 @@ class StrategyFunction:
             return None
         return key, self._provenance(leaves, shardings) if self._tells_provenance else None
 
-    def _missed(self, key: Any) -> None:
-        """A call the express program for ``key`` did not accept. It refuses a signature once, when it is new
-        (once the full path has traced it, JAX's dispatch serves it: signatures that alternate cost nothing
-        more); after `_MAX_MISSES` new signatures of the same argument types (a step that keeps compiling, which
-        `RecompileWarning` names), calls with those types take the full path only."""
-        self._misses[key] = misses = self._misses.get(key, 0) + 1
-        if misses >= _MAX_MISSES:
-            self._express.pop(key, None)
-
     def _express_program(self, static: tuple, placed: tuple) -> Callable | None:
         """The program of a positional call without nnx arguments whose arguments ``placed`` hold (the full
         path's decision made): `jax.jit` of the step, one per static key. It traces only inside the full path
@@ -459,7 +440,7 @@ class StrategyFunction:
         if not all(type(x) in _SCALARS or isinstance(x, jax.ShapeDtypeStruct) or (
                 isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in jax.tree.leaves(dynamic)):
             return None
-        program = self._families.get(static)
+        program = self._compiled.families.get(static)
         if program is None:
             traced, local, skip = self._traced, self._local, set(self._static)
             pin = not explicit_axes(self._policy.mesh)
@@ -473,7 +454,7 @@ class StrategyFunction:
                                  for i, (a, c) in enumerate(zip(args, concrete[0], strict=True)))
                 return traced(static, None, *args)
 
-            program = self._families[static] = jax.jit(
+            program = self._compiled.families[static] = jax.jit(
                 self._named(step), static_argnums=self._static, donate_argnums=self._donate)
         return program
 

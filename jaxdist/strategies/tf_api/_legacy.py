@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,10 +26,7 @@ from jaxdist.replicate.trees import is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
 from jaxdist.strategies.cluster import resolve_device
 from jaxdist.strategies.input import DistributedDataset
-
-if TYPE_CHECKING:
-    from jaxdist.strategies.base import Strategy
-    from jaxdist.strategies.replica import ReplicaContext
+from jaxdist.strategies.replica import ReplicaContext
 
 __all__ = ["StrategyV1Names", "TowerContext"]
 
@@ -438,8 +435,8 @@ class TowerContext:
         return self._ctx.num_replicas_in_sync
 
     @property
-    def distribution_strategy(self) -> Strategy:
-        """2018 name of ``strategy``."""
+    def distribution_strategy(self) -> Any:
+        """2018 name of ``strategy`` (the `jaxdist.strategies.Strategy` of this replica context)."""
         return self._ctx.strategy
 
     def merge_call(self, merge_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
