@@ -1,13 +1,17 @@
 """What is open on this thread while user code runs or is traced: scopes, replica contexts, computations.
 
 The bottom room of `jaxdist.strategies`: every other room, and `jaxdist.gradients`, `jaxdist.nn` and `jaxdist.tpu`,
-read and push this state through the names below; nothing here decides anything (see ``_state``).
+read and push this state through the names below; nothing here decides anything (``_state`` says why the
+state is kept per thread).
 """
 
+from jaxdist.strategies.ambient._state import Call as Call
 from jaxdist.strategies.ambient._state import Computation as Computation
+from jaxdist.strategies.ambient._state import call as call
 from jaxdist.strategies.ambient._state import colocation as colocation
 from jaxdist.strategies.ambient._state import colocation_target as colocation_target
 from jaxdist.strategies.ambient._state import computation as computation
+from jaxdist.strategies.ambient._state import current_call as current_call
 from jaxdist.strategies.ambient._state import current_computation as current_computation
 from jaxdist.strategies.ambient._state import current_replica as current_replica
 from jaxdist.strategies.ambient._state import current_scope as current_scope
@@ -19,10 +23,13 @@ from jaxdist.strategies.ambient._state import scope as scope
 from jaxdist.strategies.ambient._state import state as state
 
 __all__ = [
+    "Call",
     "Computation",
+    "call",
     "colocation",
     "colocation_target",
     "computation",
+    "current_call",
     "current_computation",
     "current_replica",
     "current_scope",

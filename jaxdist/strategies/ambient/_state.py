@@ -1,6 +1,6 @@
 """Ambient state: what is open on this thread while user code runs or is traced. The one home of it.
 
-jaxdist keeps five kinds of "current" things, all per thread, all here:
+jaxdist keeps these "current" things, all per thread, all here:
 
 * the open strategy scopes (``with strategy.scope():``) and the replica contexts being traced (``run``);
 * the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a ``run`` replica
@@ -9,9 +9,19 @@ jaxdist keeps five kinds of "current" things, all per thread, all here:
   "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.layout._roles`);
 * the ``colocate_vars_with`` targets;
 * the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
-* the depth of ``outside_compilation`` host regions (they do not nest).
+* the depth of ``outside_compilation`` host regions (they do not nest);
+* the ``strategy.jit`` calls being decided (`Call`): their placed concrete arguments, read by the step's trace;
+* the axis types the program being traced runs with (`jaxdist.strategies.layout._axis_types`);
+* the outputs a step's trace has constrained to jaxdist's own layouts (`jaxdist.strategies.layout._provenance`).
 
 Nothing here decides anything: the modules that own a concept read and push its state through these helpers.
+
+Why per thread and not carried by the values: JAX calls a traced function with abstract values only. What
+jaxdist decides once per program (the layouts of the arguments, where their layouts came from, the axis types)
+needs the concrete arguments of the call that traces, and the frames that nest inside it (a ``run`` in a
+``jit`` step, a gradient cluster) need the enclosing computation. Passing them as static arguments would put
+them in JAX's cache key and cost a decision per call; held here they are read only while a program traces (a
+cache miss), and steady calls never touch them.
 """
 
 from __future__ import annotations
@@ -23,10 +33,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 __all__ = [
+    "Call",
     "Computation",
+    "call",
     "colocation",
     "colocation_target",
     "computation",
+    "current_call",
     "current_computation",
     "current_replica",
     "current_scope",
@@ -72,6 +85,22 @@ class Computation:
         return n
 
 
+@dataclasses.dataclass
+class Call:
+    """A ``strategy.jit`` call being decided on this thread: its step and its placed concrete arguments
+    ``(args, kwargs, nnx_state)``, read by the step's trace (only a call that traces reads them).
+
+    Attributes:
+        step: the `StrategyFunction` called.
+        args: ``(placed positional arguments, keyword arguments, nnx state)``.
+        agreeing: True while the step is lowered once more for the processes' agreement (not a recompile).
+    """
+
+    step: Any
+    args: tuple
+    agreeing: bool = False
+
+
 class _State(threading.local):
     def __init__(self) -> None:
         self.scopes: list[Any] = []  # strategies whose scope() is open
@@ -81,6 +110,9 @@ class _State(threading.local):
         self.clusters: list[str] = []  # gradient clusters open while tracing
         self.gradient_uids: list[str] = []  # gradient invocations being traced
         self.host_regions = 0  # outside_compilation regions being traced
+        self.calls: list[Call] = []  # strategy.jit calls being decided
+        self.axis_types: tuple[Any, bool, str] = (None, True, "")  # (mode, forced, why) of the program traced
+        self.owned_outputs: dict[int, Any] | None = None  # outputs constrained to an own layout while tracing
 
 
 state = _State()
@@ -174,4 +206,18 @@ def colocation_target(owner: Any) -> Any | None:
     for who, target in reversed(state.colocations):
         if who is owner:
             return target
+    return None
+
+
+def call(step: Any, args: tuple) -> contextlib.AbstractContextManager[Call]:
+    """Mark the block as deciding a call of ``step`` on ``args`` (its trace, if it traces, reads them)."""
+    return _pushed(state.calls, Call(step, args))
+
+
+def current_call(step: Any) -> Call | None:
+    """The innermost call of ``step`` being decided on this thread, or None (a trace from elsewhere: JAX met a
+    signature outside a jaxdist call, or ``jax.eval_shape``)."""
+    for frame in reversed(state.calls):
+        if frame.step is step:
+            return frame
     return None

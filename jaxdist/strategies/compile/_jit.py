@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +48,7 @@ from jax.sharding import NamedSharding
 
 from jaxdist.replicate.layouts import path_name, put, spec_axes
 from jaxdist.replicate.trees import abstract, fn_name
+from jaxdist.strategies import ambient
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
@@ -175,7 +175,6 @@ class StrategyFunction:
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
         self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
         self._module_outputs: dict[Static, Static] = {}  # the static part of its outputs, recorded when traced
-        self._local = threading.local()
         self._warned = False
         self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
         # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's (see `__call__`).
@@ -390,16 +389,12 @@ class StrategyFunction:
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
         express = None if kwargs or nodes else self._express_program(static, placed)
-        self._local.args = (placed, kwargs, state)  # read only if this call traces
-        try:
-            with self._policy.call_scope((placed, kwargs, state)):
-                if express is not None:
-                    out = self._marked(static, self._decided(lambda: express(*placed)))
-                else:
-                    out = self._marked(static, self._decided(
-                        lambda: self._program(nodes)(static, state, *placed, **kwargs)))
-        finally:
-            self._local.args = None
+        with ambient.call(self, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+            if express is not None:  # (the call's arguments are read only if it traces)
+                out = self._marked(static, self._decided(lambda: express(*placed)))
+            else:
+                out = self._marked(static, self._decided(
+                    lambda: self._program(nodes)(static, state, *placed, **kwargs)))
         if refused is not None:
             # JAX's dispatch keeps, for the signature the express program refused, an entry that sends every
             # later call of it to Python: dropped now that this call has traced it (the traces are kept). A JAX
@@ -442,16 +437,16 @@ class StrategyFunction:
             return None
         program = self._compiled.families.get(static)
         if program is None:
-            traced, local, skip = self._traced, self._local, set(self._static)
+            traced, skip = self._traced, set(self._static)
             pin = not explicit_axes(self._policy.mesh)
 
             def step(*args: Any) -> Any:
-                concrete = getattr(local, "args", None)
-                if concrete is None:
+                call = ambient.current_call(self)
+                if call is None:
                     raise _Refused
                 if pin:
                     args = tuple(a if i in skip else jax.tree.map(_enter, a, c)
-                                 for i, (a, c) in enumerate(zip(args, concrete[0], strict=True)))
+                                 for i, (a, c) in enumerate(zip(args, call.args[0], strict=True)))
                 return traced(static, None, *args)
 
             program = self._compiled.families[static] = jax.jit(
@@ -498,18 +493,18 @@ class StrategyFunction:
         """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
         here): lower it once more for its fingerprint and check that every process compiled the same one
         before it runs (see `jaxdist.strategies.compile._agreement`)."""
-        concrete = getattr(self._local, "args", None)
-        if concrete is None or getattr(self._local, "agreeing", False):
+        call = ambient.current_call(self)
+        if call is None or call.agreeing:
             return
-        placed, kwargs, state = concrete
+        placed, kwargs, state = call.args
         # The same program through a wrapper of its own (JAX refuses to trace a function inside its own trace).
         twin = jax.jit(self._named(self._traced), static_argnums=self._static_positions,
                        static_argnames=self._static_names)
-        self._local.agreeing = True
+        call.agreeing = True
         try:
             lowered = twin.lower(nnx_static, state, *placed, **kwargs)
         finally:
-            self._local.agreeing = False
+            call.agreeing = False
         agree(fn_name(self._fn), fingerprint(lowered))
 
     def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
@@ -565,17 +560,13 @@ class StrategyFunction:
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(stage, args, kwargs)
         _, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
-        self._local.args = (placed, kwargs, state)
-        try:
-            with self._policy.call_scope((placed, kwargs, state)):
-                static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
-                # The program calls run (the same trace: a plan or a cost read after calls traces nothing new).
-                express = None if kwargs or nodes else self._express_program(static, placed)
-                if express is not None:
-                    return self._decided(lambda: getattr(express, stage)(*placed))
-                return self._decided(lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
-        finally:
-            self._local.args = None
+        with ambient.call(self, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+            static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
+            # The program calls run (the same trace: a plan or a cost read after calls traces nothing new).
+            express = None if kwargs or nodes else self._express_program(static, placed)
+            if express is not None:
+                return self._decided(lambda: getattr(express, stage)(*placed))
+            return self._decided(lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
 
     def _decided(self, call: Callable[[], Any]) -> Any:
         """``call()``, whose trace (if it traces) runs with the axis types decided for the program
@@ -598,7 +589,8 @@ class StrategyFunction:
         graphdef, nodes, _ = nnx_static  # the third: the arguments' layout provenance (`_provenance`)
         if policy.spans_processes:
             self._agree(nnx_static)
-        concrete_args, concrete_kwargs, concrete_state = getattr(self._local, "args", None) or (None, None, None)
+        call = ambient.current_call(self)
+        concrete_args, concrete_kwargs, concrete_state = call.args if call is not None else (None, None, None)
         if concrete_args is None:  # traced without concrete values (e.g. jax.eval_shape): layouts unknown
             concrete_args = tuple(None if i in self._static else abstract(a) for i, a in enumerate(args))
             concrete_kwargs = {k: abstract(v) for k, v in kwargs.items()}
@@ -633,7 +625,7 @@ class StrategyFunction:
                 if True in flags:
                     first = jax.tree_util.tree_flatten_with_path(out)[0][flags.index(True)][0]
                     self._owned[nnx_static[1:]] = treedef, flags, first
-        if not getattr(self._local, "agreeing", False):  # the agreement's own trace is not a recompile, and a
+        if call is None or not call.agreeing:  # the agreement's own trace is not a recompile, and a
             # trace refused under Explicit types (dropped, traced again Auto) never gets here
             self._programs.note_trace(self._fn, signature)
             say(policy.mesh, fn_name(self._fn), auto)

@@ -35,12 +35,13 @@ import contextlib
 import functools
 import inspect
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.strategies import ambient
 
 __all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "is_type_refusal",
            "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say", "shape_scope", "trace_mesh",
@@ -50,7 +51,6 @@ log = logging.getLogger("jaxdist")
 
 _CONSTRAINT_CODE = inspect.unwrap(jax.lax.with_sharding_constraint).__code__
 _MARK = "jaxdist_axis_types_auto"  # the named scope of an Auto program's entry (see `retyped`)
-_state = threading.local()  # the axis types the program being traced runs with (set by `decided`)
 
 
 class ExplicitRefused(Exception):
@@ -124,29 +124,28 @@ def in_trace(sharding: Any) -> Any:
 def program_axis_types() -> AxisType | None:
     """The axis types the program being traced runs with: ``Auto`` (its Explicit axes run Auto), ``Explicit``,
     or None outside `decided` (Explicit, refusals raised as they are)."""
-    return getattr(_state, "mode", None)
+    return ambient.state.axis_types[0]
 
 
 @contextlib.contextmanager
 def _mode(mode: AxisType | None, forced: bool, why: str) -> Iterator[None]:
-    previous = getattr(_state, "mode", None), getattr(_state, "forced", True), getattr(_state, "why", "")
-    _state.mode, _state.forced, _state.why = mode, forced, why
+    previous, ambient.state.axis_types = ambient.state.axis_types, (mode, forced, why)
     try:
         yield
     finally:
-        _state.mode, _state.forced, _state.why = previous
+        ambient.state.axis_types = previous
 
 
 def refused(error: BaseException) -> bool:
     """Whether ``error``, raised tracing a step with Explicit axes, makes `decided` trace it again Auto."""
-    return is_type_refusal(error) and not getattr(_state, "forced", True)
+    return is_type_refusal(error) and not ambient.state.axis_types[1]
 
 
 def say(mesh: Any, name: str, auto: bool) -> None:
     """Log, once per program (where it has been traced), the axis types it runs with and why."""
     if not _explicit(mesh):
         return
-    why = getattr(_state, "why", "") or "the mesh's own"
+    why = ambient.state.axis_types[2] or "the mesh's own"
     log.info("%s: runs with the mesh's axes %s %s (%s); strategy.jit(..., axis_types=...) chooses.", name,
              _explicit(mesh), "Auto" if auto else "Explicit", why)
 
@@ -166,15 +165,14 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     if axis_types is not None:
         with _mode(axis_types, forced=True, why=f"axis_types=AxisType.{axis_types.name}"):
             return call()
-    previous = getattr(_state, "mode", None), getattr(_state, "forced", True), getattr(_state, "why", "")
-    # (inline, not _mode: every steady-state call comes here)
-    _state.mode, _state.forced, _state.why = AxisType.Explicit, False, "its code type-checks with them"
+    here = ambient.state  # (inline, not _mode: every call of the full path comes here)
+    previous, here.axis_types = here.axis_types, (AxisType.Explicit, False, "its code type-checks with them")
     try:
         return call()
     except ExplicitRefused as explicit:
         error = explicit.error
     finally:
-        _state.mode, _state.forced, _state.why = previous
+        here.axis_types = previous
     try:
         with _mode(AxisType.Auto, forced=True, why="its code does not type-check with them Explicit; XLA "
                    "propagates the layouts jaxdist resolved"):

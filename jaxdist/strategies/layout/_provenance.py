@@ -40,13 +40,14 @@ from typing import Any
 
 from jax.sharding import NamedSharding
 
+from jaxdist.strategies import ambient
+
 __all__ = ["constrained", "declared", "is_own", "mark", "own", "own_outputs"]
 
 _CANONICAL: dict[NamedSharding, NamedSharding] = {}  # a layout -> jaxdist's one object for it
 _DECLARED: dict[NamedSharding, NamedSharding] = {}  # a layout -> one object for it that is not jaxdist's
 _OWN: dict[int, NamedSharding] = {}  # id -> object: held, so that an id is never reused by another object
 _LOCK = threading.Lock()
-_TRACE = threading.local()  # .owned: {id: traced value} of outputs constrained to an own layout, while tracing
 
 
 def own(sharding: Any) -> Any:
@@ -101,7 +102,7 @@ def mark(values: Iterable[Any], flags: Iterable[bool]) -> None:
 def constrained(value: Any, sharding: Any) -> Any:
     """``value`` (a traced output just constrained to ``sharding``), noted as jaxdist's where ``sharding`` is
     and a step's outputs are being recorded (`own_outputs`)."""
-    owned = getattr(_TRACE, "owned", None)
+    owned = ambient.state.owned_outputs
     if owned is not None and is_own(sharding):
         owned[id(value)] = value
     return value
@@ -111,9 +112,9 @@ def constrained(value: Any, sharding: Any) -> Any:
 def own_outputs() -> Iterator[Any]:
     """Record, while a step is traced, which of its outputs leave in an own layout: yields ``flags``, which
     called on the step's traced output leaves says for each whether it does (for `mark` after the call)."""
-    previous = getattr(_TRACE, "owned", None)
-    _TRACE.owned = owned = {}
+    previous, ambient.state.owned_outputs = ambient.state.owned_outputs, {}
+    owned = ambient.state.owned_outputs
     try:
         yield lambda leaves: [id(x) in owned and owned[id(x)] is x for x in leaves]
     finally:
-        _TRACE.owned = previous
+        ambient.state.owned_outputs = previous
