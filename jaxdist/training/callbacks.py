@@ -203,7 +203,23 @@ def _writes(trainer: Any) -> bool:
     return strategy is None or bool(strategy.should_save_summary)
 
 
-class CSVLogger(Callback):
+class _MetricWriter(Callback):
+    """A callback that writes each log point and evaluation as ``_write(split, step, values)``, on the one
+    writing process (`_writes`)."""
+
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
+        if _writes(trainer):
+            self._write("train", step, logs)
+
+    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
+        if _writes(trainer):
+            self._write("eval", step, metrics)
+
+    def _write(self, split: str, step: int, values: Mapping[str, float]) -> None:
+        raise NotImplementedError
+
+
+class CSVLogger(_MetricWriter):
     """Append training and evaluation metrics to ``path`` as CSV (one row per log point).
 
     Columns: ``split`` (train / eval), ``step``, then every metric name seen; a new name starts a new
@@ -249,19 +265,11 @@ class CSVLogger(Callback):
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, self._columns).writerow(row)
 
-    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        if _writes(trainer):
-            self._write("train", step, logs)
-
-    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-        if _writes(trainer):
-            self._write("eval", step, metrics)
-
 
 _files = itertools.count()  # event files this process has opened: part of each file's name
 
 
-class TensorBoardLogger(Callback):
+class TensorBoardLogger(_MetricWriter):
     """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...) into ``log_dir``.
 
     The event file is tensorboardX's (`tensorboardX.SummaryWriter`; no TensorFlow needed): open it with
@@ -310,14 +318,6 @@ class TensorBoardLogger(Callback):
         for key, value in logs.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._writer.add_scalar(f"{prefix}/{key}", float(value), int(step), walltime=now)
-
-    def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        if _writes(trainer):
-            self._write("train", step, logs)
-
-    def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
-        if _writes(trainer):
-            self._write("eval", step, metrics)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
         self.close()

@@ -32,25 +32,6 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = [
-    "Call",
-    "Computation",
-    "call",
-    "colocation",
-    "colocation_target",
-    "computation",
-    "current_call",
-    "current_computation",
-    "current_replica",
-    "current_scope",
-    "in_scope_or_replica",
-    "probe",
-    "replica",
-    "replica_axis",
-    "scope",
-    "state",
-]
-
 
 @dataclasses.dataclass
 class Computation:

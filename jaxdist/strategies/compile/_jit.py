@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxdist.replicate.layouts import path_name, put, spec_axes
+from jaxdist.replicate.layouts import put, spec_axes
 from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies import ambient
 from jaxdist.strategies.ambient import computation
@@ -54,17 +54,25 @@ from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
-from jaxdist.strategies.input import all_on_mesh, argument_layouts, needs_placing, place_batch, shardings_of
+from jaxdist.strategies.input import (
+    all_on_mesh,
+    argument_layouts,
+    needs_placing,
+    place_batch,
+    place_nnx_defaults,
+    shardings_of,
+)
 from jaxdist.strategies.layout import (
     LayoutPolicy,
     UndeclaredBatchWarning,
     auto_region,
+    check_idle,
     constrain,
     constrain_outputs,
     decided,
     explicit_axes,
+    gather_at_entry,
     in_host_memory,
-    in_trace,
     is_own,
     is_variable,
     leave_auto,
@@ -78,7 +86,7 @@ from jaxdist.strategies.layout import (
     say,
     step_argument_roles,
     to_device_memory,
-    typed_whole_at_entry,
+    typed_whole,
 )
 from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
 
@@ -242,7 +250,7 @@ class StrategyFunction:
             # state's structure): resolved once per structure, not on every call.
             structure = jax.tree.structure(state)
             if structure not in self._settled:
-                state = _place_nnx_defaults(policy, state)
+                state = place_nnx_defaults(policy, state)
                 self._settled.add(structure)
         # Every array on the mesh already and no declared batch held whole: nothing to place (told from the
         # arguments' distinct shardings, a handful whatever the number of leaves).
@@ -644,14 +652,14 @@ class StrategyFunction:
         batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
         explicit = explicit_axes(policy.mesh)
         if explicit:  # variables jaxdist split over Explicit axes enter typed whole
-            flat_args, state = _typed_whole(policy, flat_args, flat_concrete, skip, batches, state, state_layouts,
+            flat_args, state = typed_whole(policy, flat_args, flat_concrete, skip, batches, state, state_layouts,
                                             annotated)
         # On Explicit axes the variables jaxdist split were just typed whole, and the others' layouts are the
         # user's own (as under plain jax.jit): nothing more to gather.
         if not batches and policy.splits_variables and not explicit:
-            flat_args, state = _gather_at_entry(policy, flat_args, flat_concrete, state, concrete_state, skip)
+            flat_args, state = gather_at_entry(policy, flat_args, flat_concrete, state, concrete_state, skip)
             batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
-        _check_idle(policy, flat_concrete, skip, declared, state_layouts, concrete_state)
+        check_idle(policy, flat_concrete, skip, declared, state_layouts, concrete_state)
         args = flat_args[: len(args)]
         kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
         variables.extend(jax.tree.leaves(state))
@@ -712,81 +720,3 @@ def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
         for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a)
     )
     return statics, shapes
-
-
-def _gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) -> tuple[tuple, Any]:
-    """Constrain split variables to replicated at entry (the Shardy conv workaround; see module doc)."""
-    full = in_trace(policy.replicated_sharding)
-
-    def gather(t, c):
-        sharding = getattr(c, "sharding", None)
-        if sharding is None or sharding.is_fully_replicated or not np.ndim(t):
-            return t
-        return jax.lax.with_sharding_constraint(t, full)
-
-    out = tuple(
-        a if i in skip or c is None else jax.tree.map(gather, a, c) for i, (a, c) in enumerate(zip(
-            args, concrete_args, strict=True))
-    )
-    if state is not None and concrete_state is not None:
-        state = jax.tree.map(gather, state, concrete_state)
-    return out, state
-
-
-def _check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:
-    """The idle-axis check on this program's variables (their resolved layouts; batches excluded)."""
-    if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
-        return
-    specs, names, avals = list(state_layouts), [], []
-    if concrete_state is not None:
-        names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state)]
-        avals = [_aval(x) for x in jax.tree.leaves(concrete_state)]
-    for i, c in enumerate(concrete):
-        if i in skip or c is None or (declared is not None and i in declared):
-            continue
-        for path, leaf in jax.tree_util.tree_leaves_with_path(c):
-            sharding = getattr(leaf, "sharding", None)
-            if np.ndim(leaf) and isinstance(sharding, jax.sharding.NamedSharding) and not (
-                    declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
-                specs.append(sharding)
-                names.append(f"argument {i}{jax.tree_util.keystr(path)}")
-                avals.append(_aval(leaf))
-    if specs:
-        policy.warn_idle_axes(specs, "the step's variables", names, avals)
-
-
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
-
-
-def _typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:
-    """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation, not a batch)
-    enter the step typed whole along those axes (see `jaxdist.strategies.layout._resolve`)."""
-    batch_ids = {id(b) for b in batches}
-    out = []
-    for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
-        if i in skip or c is None:
-            out.append(a)
-            continue
-        leaves, treedef = jax.tree.flatten(a)
-        layouts = [getattr(cl, "sharding", None) for cl in jax.tree.leaves(c)]
-        kept = [id(t) in batch_ids or not np.ndim(t) for t in leaves]
-        out.append(jax.tree.unflatten(treedef, typed_whole_at_entry(policy, leaves, layouts, kept)))
-    if state is not None and state_layouts:
-        values = typed_whole_at_entry(policy, jax.tree.leaves(state), state_layouts, annotated)
-        state = jax.tree.unflatten(jax.tree.structure(state), values)
-    return tuple(out), state
-
-
-def _place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
-    """nnx state Flax put on the ambient mesh whole by default (no partitioning annotation) takes the strategy's
-    variable layout; annotated variables keep the layout their annotation gives them."""
-    values = jax.tree.leaves(state)
-    if not any(isinstance(x, jax.Array) and np.ndim(x) and x.sharding.is_fully_replicated for x in values):
-        return state
-    layouts, annotated = nnx_layouts(policy, state)
-    moved = [
-        put(x, layout) if (not a and isinstance(x, jax.Array) and layout is not None and x.sharding != layout) else x
-        for x, layout, a in zip(values, layouts, annotated, strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(state), moved)

@@ -15,6 +15,7 @@ from jaxdist.strategies.input._placement import check_divisible as check_divisib
 from jaxdist.strategies.input._placement import kept as kept
 from jaxdist.strategies.input._placement import needs_placing as needs_placing
 from jaxdist.strategies.input._placement import place_batch as place_batch
+from jaxdist.strategies.input._placement import place_nnx_defaults as place_nnx_defaults
 from jaxdist.strategies.input._placement import replicas_on_this_process as replicas_on_this_process
 from jaxdist.strategies.input._placement import sharding_off as sharding_off
 from jaxdist.strategies.input._placement import shardings_of as shardings_of
@@ -33,6 +34,7 @@ __all__ = [
     "kept",
     "needs_placing",
     "place_batch",
+    "place_nnx_defaults",
     "replicas_on_this_process",
     "sharding_off",
     "shardings_of",

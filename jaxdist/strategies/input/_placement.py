@@ -16,23 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.replicate.layouts import on_mesh
-from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch
-
-__all__ = [
-    "all_on_mesh",
-    "argument_layouts",
-    "batch_leaf_layout",
-    "check_divisible",
-    "check_sequence",
-    "kept",
-    "needs_placing",
-    "place_batch",
-    "replicas_on_this_process",
-    "sharding_off",
-    "shardings_of",
-]
-
+from jaxdist.replicate.layouts import on_mesh, put
+from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch, nnx_layouts
 
 
 def check_divisible(batch: int, replicas: int, where: str = "global batch", axes: tuple[str, ...] = ()) -> int:
@@ -306,3 +291,17 @@ def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> j
     # The global batch: each process transfers the rows of its own devices, wherever the mesh puts them.
     host = x if isinstance(x, jax.Array) else np.asarray(x)
     return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]))
+
+
+def place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
+    """nnx state Flax put on the ambient mesh whole by default (no partitioning annotation) takes the strategy's
+    variable layout; annotated variables keep the layout their annotation gives them."""
+    values = jax.tree.leaves(state)
+    if not any(isinstance(x, jax.Array) and np.ndim(x) and x.sharding.is_fully_replicated for x in values):
+        return state
+    layouts, annotated = nnx_layouts(policy, state)
+    moved = [
+        put(x, layout) if (not a and isinstance(x, jax.Array) and layout is not None and x.sharding != layout) else x
+        for x, layout, a in zip(values, layouts, annotated, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(state), moved)

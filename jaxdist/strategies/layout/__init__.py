@@ -34,9 +34,12 @@ from jaxdist.strategies.layout._policy import colocated_layout as colocated_layo
 from jaxdist.strategies.layout._provenance import is_own as is_own
 from jaxdist.strategies.layout._provenance import mark as mark
 from jaxdist.strategies.layout._provenance import own_outputs as own_outputs
+from jaxdist.strategies.layout._resolve import check_idle as check_idle
 from jaxdist.strategies.layout._resolve import constrain as constrain
 from jaxdist.strategies.layout._resolve import constrain_outputs as constrain_outputs
+from jaxdist.strategies.layout._resolve import gather_at_entry as gather_at_entry
 from jaxdist.strategies.layout._resolve import nnx_layouts as nnx_layouts
+from jaxdist.strategies.layout._resolve import typed_whole as typed_whole
 from jaxdist.strategies.layout._resolve import typed_whole_at_entry as typed_whole_at_entry
 from jaxdist.strategies.layout._roles import Role as Role
 from jaxdist.strategies.layout._roles import UndeclaredBatchWarning as UndeclaredBatchWarning
@@ -64,12 +67,14 @@ __all__ = [
     "annotation",
     "auto_region",
     "axis_roles",
+    "check_idle",
     "classify",
     "colocated_layout",
     "constrain",
     "constrain_outputs",
     "decided",
     "explicit_axes",
+    "gather_at_entry",
     "in_host_memory",
     "in_trace",
     "is_annotated",
@@ -94,6 +99,7 @@ __all__ = [
     "to_device_memory",
     "trace_mesh",
     "traced_role",
+    "typed_whole",
     "typed_whole_at_entry",
     "unboxed",
     "untyped",

@@ -48,9 +48,12 @@ from jaxdist.strategies.layout._provenance import constrained, declared, is_own,
 from jaxdist.strategies.layout._rules import annotation, is_box, is_variable
 
 __all__ = [
+    "check_idle",
     "constrain",
     "constrain_outputs",
+    "gather_at_entry",
     "nnx_layouts",
+    "typed_whole",
     "typed_whole_at_entry",
 ]
 
@@ -269,3 +272,64 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any], no
             f"out_layouts={declared!r} does not match the structure of the step's outputs "
             f"({jax.tree.structure(out)}): give a pytree prefix of the outputs (None where jaxdist decides)."
         ) from error
+
+
+def gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) -> tuple[tuple, Any]:
+    """Constrain split variables to replicated at entry (the Shardy conv workaround:
+    `LayoutPolicy.splits_variables`)."""
+    full = in_trace(policy.replicated_sharding)
+
+    def gather(t, c):
+        sharding = getattr(c, "sharding", None)
+        if sharding is None or sharding.is_fully_replicated or not np.ndim(t):
+            return t
+        return jax.lax.with_sharding_constraint(t, full)
+
+    out = tuple(
+        a if i in skip or c is None else jax.tree.map(gather, a, c) for i, (a, c) in enumerate(zip(
+            args, concrete_args, strict=True))
+    )
+    if state is not None and concrete_state is not None:
+        state = jax.tree.map(gather, state, concrete_state)
+    return out, state
+
+
+def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:
+    """The idle-axis check on this program's variables (their resolved layouts; batches excluded)."""
+    if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
+        return
+    specs, names, avals = list(state_layouts), [], []
+    if concrete_state is not None:
+        names = [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state)]
+        avals = [_aval(x) for x in jax.tree.leaves(concrete_state)]
+    for i, c in enumerate(concrete):
+        if i in skip or c is None or (declared is not None and i in declared):
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(c):
+            sharding = getattr(leaf, "sharding", None)
+            if np.ndim(leaf) and isinstance(sharding, jax.sharding.NamedSharding) and not (
+                    declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
+                specs.append(sharding)
+                names.append(f"argument {i}{jax.tree_util.keystr(path)}")
+                avals.append(_aval(leaf))
+    if specs:
+        policy.warn_idle_axes(specs, "the step's variables", names, avals)
+
+
+def typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:
+    """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation, not a batch)
+    enter the step typed whole along those axes (`typed_whole_at_entry`)."""
+    batch_ids = {id(b) for b in batches}
+    out = []
+    for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
+        if i in skip or c is None:
+            out.append(a)
+            continue
+        leaves, treedef = jax.tree.flatten(a)
+        layouts = [getattr(cl, "sharding", None) for cl in jax.tree.leaves(c)]
+        kept = [id(t) in batch_ids or not np.ndim(t) for t in leaves]
+        out.append(jax.tree.unflatten(treedef, typed_whole_at_entry(policy, leaves, layouts, kept)))
+    if state is not None and state_layouts:
+        values = typed_whole_at_entry(policy, jax.tree.leaves(state), state_layouts, annotated)
+        state = jax.tree.unflatten(jax.tree.structure(state), values)
+    return tuple(out), state
