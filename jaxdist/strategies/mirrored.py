@@ -27,7 +27,7 @@ class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         devices: the devices (``jax.Device``, ids or names such as ``"gpu:0"``), in replica order;
             None for every device of the default backend (of every process).
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory (``"pinned_host"``)
-            between steps and stream them to the devices for each step (see `jaxdist.strategies.layout._offload`);
+            between steps and stream them to the devices for each step (see the host-offload guide);
             None: everything in device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's `jax.sharding.Mesh` instead of ``devices``: data parallel over all its axes (a batch's

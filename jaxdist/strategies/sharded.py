@@ -89,7 +89,7 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         activation_axes: logical names of ``logical_axis_rules`` that only activations use
             (``nn.with_logical_constraint``): never reported as matching no variable.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between steps,
-            in their FSDP layout (ZeRO-Offload; see `jaxdist.strategies.layout._offload`); None: device memory.
+            in their FSDP layout (ZeRO-Offload; see the host-offload guide); None: device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's own `jax.sharding.Mesh` (any axis names, any devices of any processes) instead of
             ``devices`` / ``model_parallelism``.

@@ -28,7 +28,7 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         num_cores: use only the first ``num_cores`` devices; None for all of them.
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
-            loops, streamed to the cores for each loop (see `jaxdist.strategies.layout._offload`); None: device memory.
+            loops, streamed to the cores for each loop (see the host-offload guide); None: device memory.
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``: data parallel
             over all its axes.

@@ -1,0 +1,78 @@
+"""The names users import keep importing: every public name of every public package, as of the release
+before the package was laid out in concept rooms (issue 43). A name removed or moved out of its package fails
+here; add new names freely (the reference test in test_docs.py covers them)."""
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "jaxdist": [
+        "DistributedDataset", "IdleAxisWarning", "InputContext", "LayoutPolicy", "MODEL_AXIS", "MirroredStrategy",
+        "MultiStepContext", "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica", "Plan", "REPLICA_AXIS",
+        "RecompileWarning", "ReduceOp", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyFunction",
+        "SyncOnRead", "TPUStrategy", "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
+        "VariableAggregation", "compat", "compute_average_loss", "configure_compilation_cache", "costs",
+        "get_replica_context", "get_strategy", "gradients", "has_strategy", "in_cross_replica_context",
+        "initialize_cluster", "nn", "plan_mesh", "program_cost", "scale_regularization_loss", "tpu", "training",
+    ],
+    "jaxdist.costs": [
+        "ACCELERATORS", "Accelerator", "COLLECTIVE_KINDS", "CollectiveOp", "Estimate", "ProgramCost", "accelerator",
+        "accelerator_of_device", "known_peak_flops", "program_cost", "roofline",
+    ],
+    "jaxdist.strategies": [
+        "ACCELERATORS", "Accelerator", "DistributedDataset", "DistributedIterator", "Estimate", "HOST_OFFLOAD_MODES",
+        "IdleAxisWarning", "InputContext", "LayoutPolicy", "MirroredStrategy", "MultiStepContext",
+        "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "Plan", "ProgramCache", "ProgramMismatchError",
+        "RecompileWarning", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyExtended", "StrategyFunction",
+        "StrategyV1Names", "TowerContext", "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
+        "compat", "compute_average_loss", "get_replica_context", "get_strategy", "has_strategy",
+        "in_cross_replica_context", "initialize_cluster", "plan_mesh", "scale_regularization_loss",
+    ],
+    "jaxdist.strategies.compat": [
+        "StrategyV1Names", "TowerContext", "get_distribution_strategy", "get_tower_context",
+        "has_distribution_strategy",
+    ],
+    "jaxdist.replicate": [
+        "MODEL_AXIS", "PerReplica", "REPLICA_AXIS", "ReduceOp", "SyncOnRead", "VariableAggregation", "batch_sharded",
+        "component_name", "replicated",
+    ],
+    "jaxdist.gradients": [
+        "AllReduceSynchronizer", "CastCompressor", "CastState", "Compressor", "NoneCompressor", "PowerSGDCompressor",
+        "PowerSGDState", "SparseRows", "SynchronizerState", "all_gather_is_cheaper", "cluster", "cluster_of",
+        "clusters", "current_cluster", "current_gradient_uid", "grad", "gradient_cluster", "is_sparse",
+        "replica_count", "sparse_all_reduce", "value_and_grad", "vjp",
+    ],
+    "jaxdist.nn": [
+        "MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts", "moe_loss", "nnx",
+        "update_router_bias",
+    ],
+    "jaxdist.nn.nnx": [
+        "MoE",
+    ],
+    "jaxdist.tpu": [
+        "MultiStepContext", "TPUStrategy", "host_compute_core", "outside_compilation",
+    ],
+    "jaxdist.training": [
+        "CSVLogger", "Callback", "Candidate", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
+        "LinenModel", "NnxModel", "NonFiniteError", "NonFinitePolicy", "PreemptionWatcher", "Progress", "StepCost",
+        "TensorBoardLogger", "TrainState", "Trainer", "Watchdog", "accuracy", "configure_compilation_cache",
+        "known_peak_flops", "make_train_step", "plan_search", "prepare",
+    ],
+}
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_every_public_name_still_imports(package):
+    module = importlib.import_module(package)
+    missing = [name for name in PUBLIC[package] if not hasattr(module, name)]
+    assert not missing, f"{package} no longer has {missing}: keep a re-export (name as name) in its __init__"
+    dropped = sorted(set(PUBLIC[package]) - set(module.__all__))
+    assert not dropped, f"{package}.__all__ no longer lists {dropped}"
+
+
+def test_top_level_names_are_the_packages_objects():
+    """``jd.X`` and ``jd.strategies.X`` are one object (a re-export, not a copy)."""
+    top, strategies = importlib.import_module("jaxdist"), importlib.import_module("jaxdist.strategies")
+    for name in set(PUBLIC["jaxdist"]) & set(PUBLIC["jaxdist.strategies"]):
+        assert getattr(top, name) is getattr(strategies, name), name
