@@ -102,6 +102,37 @@ def test_errors_in_the_source_reach_the_consumer(prefetch):
         next(it)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failed_read_ends_a_prefetching_iterator_and_not_one_that_reads_on_demand(prefetch):
+    """A source that fails once and then reads on: read on demand, the next call reads it again; read by the
+    prefetch thread, the thread's reading ended with the error, and so did the iterator."""
+    strategy = jd.MirroredStrategy()
+
+    class FailsOnce:
+        def __init__(self):
+            self.calls = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("one bad read")
+            if self.calls > 3:
+                raise StopIteration
+            return np.full((8, 1), self.calls, np.float32)
+
+    it = iter(strategy.experimental_distribute_dataset(FailsOnce(), prefetch=prefetch))
+    assert float(next(it)[0, 0]) == 1.0
+    with pytest.raises(RuntimeError, match="one bad read"):
+        next(it)
+    if prefetch == 0:
+        assert float(next(it)[0, 0]) == 3.0
+    with pytest.raises(StopIteration):
+        next(it)
+
+
 def test_prefetch_runs_ahead_and_close_stops_the_thread():
     strategy = jd.MirroredStrategy()
     pulled = []

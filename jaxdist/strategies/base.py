@@ -44,14 +44,22 @@ from jaxdist.strategies.compile import (
     StrategyFunction,
     as_argnums,
     check_axis_name,
+    local_results,
     run_steps_on_dataset,
 )
-from jaxdist.strategies.compile import _results as results
+from jaxdist.strategies.compile import gather as gather_values
+from jaxdist.strategies.compile import reduce as reduce_values
 from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
 from jaxdist.strategies.layout import LayoutPolicy, to_device_memory
 from jaxdist.strategies.plan import Plan, abstract_variables, is_plan_mesh, refuse_to_run
-from jaxdist.strategies.replica import ValueContext, distribute_values_from_function, enter_scope
-from jaxdist.strategies.replica import _variables as variables
+from jaxdist.strategies.replica import (
+    ValueContext,
+    create_variables,
+    distribute_values_from_function,
+    enter_scope,
+    sync_on_read,
+)
+from jaxdist.strategies.replica import mirror as mirror_tree
 
 __all__ = ["Strategy"]
 
@@ -345,7 +353,7 @@ class Strategy:
         """
         if is_plan_mesh(self._policy.mesh):  # plans only: the variables' shapes in their layouts
             return abstract_variables(self._policy, init_fn, args, kwargs)
-        return variables.create_variables(self._policy, init_fn, args, kwargs)
+        return create_variables(self._policy, init_fn, args, kwargs)
 
     def mirror(self, tree: Any) -> Any:
         """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
@@ -357,7 +365,7 @@ class Strategy:
             True
         """
         refuse_to_run(self._policy.mesh, "strategy.mirror")  # placing values needs devices
-        return variables.mirror(self._policy, tree)
+        return mirror_tree(self._policy, tree)
 
     def sync_on_read(
         self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM
@@ -381,7 +389,7 @@ class Strategy:
             >>> int(count.read())
             0
         """
-        return variables.sync_on_read(self._policy, self, initial_value, aggregation)
+        return sync_on_read(self._policy, self, initial_value, aggregation)
 
     # ------------------------------------------------------------------------------------------ running
     def run(
@@ -633,7 +641,7 @@ class Strategy:
             >>> float(strategy.reduce("sum", ids))
             1.0
         """
-        return results.reduce(self._policy, self._programs, self, reduce_op, value, axis)
+        return reduce_values(self._policy, self._programs, self, reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate the per-replica values along ``axis`` into one mirrored array (cross-replica context).
@@ -656,7 +664,7 @@ class Strategy:
             >>> strategy.gather(rows).shape
             (2, 1)
         """
-        return results.gather(self._policy, self._programs, self, value, axis)
+        return gather_values(self._policy, self._programs, self, value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this process's replicas, one entry per local replica, in replica order.
@@ -671,7 +679,7 @@ class Strategy:
             >>> [int(v) for v in strategy.experimental_local_results(out)]
             [0]
         """
-        return results.local_results(self._policy, self, value)
+        return local_results(self._policy, self, value)
 
     # -------------------------------------------------------------------------------------------- input
     def experimental_distribute_values(self, batch: Any) -> Any:
@@ -759,7 +767,7 @@ class Strategy:
         each batch it yields holds ``ctx.get_per_replica_batch_size(global_batch) * num_replicas_per_host``
         rows, and the global batch is the concatenation over processes. ``dataset_fn`` may return a grain
         ``MapDataset`` / ``IterDataset`` / ``DataLoader`` reading this process's shard; the iterators then have
-        ``get_state`` / ``set_state`` (see `jaxdist.strategies.input._placement`).
+        ``get_state`` / ``set_state`` (see `jaxdist.strategies.DistributedIterator`).
 
         Raises:
             TypeError: when ``dataset_fn`` is not callable.

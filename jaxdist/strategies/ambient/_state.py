@@ -21,7 +21,8 @@ jaxdist decides once per program (the layouts of the arguments, where their layo
 needs the concrete arguments of the call that traces, and the frames that nest inside it (a ``run`` in a
 ``jit`` step, a gradient cluster) need the enclosing computation. Passing them as static arguments would put
 them in JAX's cache key and cost a decision per call; held here they are read only while a program traces (a
-cache miss), and steady calls never touch them.
+cache miss). Calls on the express path never touch them; a full-path call (keyword or nnx arguments) pushes its
+frame and, on Explicit meshes, its axis types, and reads them only if it traces.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ from jaxdist.strategies.compile._cache import RecompileWarning as RecompileWarni
 from jaxdist.strategies.compile._jit import StrategyFunction as StrategyFunction
 from jaxdist.strategies.compile._loops import MultiStepContext as MultiStepContext
 from jaxdist.strategies.compile._loops import run_steps_on_dataset as run_steps_on_dataset
+from jaxdist.strategies.compile._results import gather as gather
+from jaxdist.strategies.compile._results import local_results as local_results
+from jaxdist.strategies.compile._results import reduce as reduce
 from jaxdist.strategies.compile._run import ReplicaRunner as ReplicaRunner
 from jaxdist.strategies.compile._run import check_axis_name as check_axis_name
 from jaxdist.strategies.compile._signatures import as_argnums as as_argnums
@@ -26,5 +29,8 @@ __all__ = [
     "StrategyFunction",
     "as_argnums",
     "check_axis_name",
+    "gather",
+    "local_results",
+    "reduce",
     "run_steps_on_dataset",
 ]

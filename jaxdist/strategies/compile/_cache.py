@@ -1,7 +1,8 @@
 """The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather), and
-`StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch serves its calls).
+`StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch serves its calls;
+they live as long as the step, one per kind of call, with JAX's trace cache inside each).
 
-Three promises, the ones `jax.jit` makes for its own cache:
+`ProgramCache` makes three promises, the ones `jax.jit` makes for its own cache:
 
 * weak on user functions: the programs built for a function live as long as the function does. A program
   never holds its user function strongly (it calls it through a weak reference), so a ``lambda`` made fresh

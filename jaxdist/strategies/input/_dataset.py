@@ -118,8 +118,14 @@ class DistributedIterator:
             raise StopIteration
         try:
             batch, state = self._read() if self._ahead is None else self._ahead.next()
-        except BaseException:
+        except StopIteration:
             self._done = True
+            raise
+        except BaseException:
+            # The thread's reading ended with this error: exhausted, as at the end. Read on demand, the next
+            # call reads the source again (an interrupt while waiting for the thread leaves it reading).
+            if self._ahead is not None and self._ahead.ended:
+                self._done = True
             raise
         self._state = state
         return batch

@@ -93,7 +93,8 @@ class Prefetcher:
     """A thread that calls ``read()`` ahead of the consumer, keeping at most ``depth`` results queued.
 
     ``read`` raises StopIteration at the end; any other error is raised by `next` in the consumer's thread,
-    in order. `stop` ends the thread (and drops what is queued), `start` begins reading again.
+    in order. Either ends the reading (`ended`). `stop` ends the thread (and drops what is queued), `start`
+    begins reading again.
 
     Example:
         >>> items = iter(range(3))
@@ -111,6 +112,7 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.ended = False  # the end, or a read's error, has been handed to the consumer
         self.start()
 
     def queued(self) -> int:
@@ -118,6 +120,7 @@ class Prefetcher:
         return self._queue.qsize()
 
     def start(self) -> None:
+        self.ended = False
         self._stop.clear()
         self._thread = threading.Thread(target=self._fill, name="jaxdist-prefetch", daemon=True)
         self._thread.start()
@@ -125,9 +128,10 @@ class Prefetcher:
     def next(self) -> Any:
         """The next result (raises StopIteration at the end, or the error a read raised)."""
         item = self._queue.get()
-        if item is _END:
-            raise StopIteration
-        if isinstance(item, _Failure):
+        if item is _END or isinstance(item, _Failure):
+            self.ended = True
+            if item is _END:
+                raise StopIteration
             raise item.error
         return item
 
