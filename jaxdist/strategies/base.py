@@ -18,9 +18,15 @@ variables, batches and outputs, memory kinds) wired to the verbs that run code o
 Roles are declared or carried by the value, never guessed (`jaxdist.strategies.layout._roles`): a value is a batch
 because it was placed as one (its layout: axis 0 split over the replicas) or because the caller declared it
 (``batch_argnums``); everything else is a variable in the policy's variable layout. Each verb takes the policy
-and never calls back into a strategy; the strategy classes only configure a policy. Every program a strategy
-compiles lives in its one `ProgramCache` (``strategy.programs``). The 2018 API (`StrategyExtended`,
-`StrategyV1Names`) is mixed into the concrete strategies, outside this core.
+and never calls back into a strategy; the strategy classes only configure a policy. The programs of ``run``,
+on-device loops and reductions live in the strategy's `ProgramCache` (``strategy.programs``); a ``jit`` step
+keeps its own (`StepPrograms`), and both report recompiles to the one `RecompileWarning`. The 2018 API
+(`StrategyExtended`, `StrategyV1Names`) is mixed into the concrete strategies, outside this core.
+
+Where things live: this class and the strategy classes sit on top of eight rooms, each a folder whose
+``__init__`` is its interface, bottom up: ``ambient`` (what is open on this thread), ``cluster`` (the job's
+processes), ``layout`` (the policy and what it reads), ``input`` (placement, datasets, read-ahead), ``plan``,
+``replica`` (variables and contexts), ``compile`` (the verbs) and ``tf_api``.
 """
 
 from __future__ import annotations
