@@ -257,7 +257,8 @@ class StepPrograms:
         if clear is not None:
             clear()
             return True
-        for table in (self.families, self.express):
-            for k in [k for k, v in table.items() if (v[0] if isinstance(v, tuple) else v) is refused]:
-                del table[k]
+        for k in [k for k, program in self.families.items() if program is refused]:
+            del self.families[k]
+        for k in [k for k, (program, _) in self.express.items() if program is refused]:
+            del self.express[k]
         return False
