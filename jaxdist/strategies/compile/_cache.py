@@ -224,6 +224,10 @@ class StepPrograms:
         (False, None)
         >>> ("types",) in programs.express  # a key that keeps missing takes the full path only
         False
+        >>> programs.families[("static",)] = print
+        >>> programs.install(("other types",), print, ("static",))
+        >>> programs.cleared(print), programs.families, programs.express  # no dispatch cache to clear: forgotten
+        (False, {}, {})
     """
 
     MAX_MISSES = 16  # new signatures an express key may refuse before calls with it take the full path only
