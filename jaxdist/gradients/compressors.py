@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.replicate.collectives import all_reduce, axis_size, is_axis_name, to_varying
+from jaxdist.replicate.collectives import all_reduce, axis_size, is_axis_name, keep_per_replica, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
@@ -256,7 +256,7 @@ class CastCompressor(Compressor):
             return _all_reduce(grad, op, axis_name), state
         m = grad if state is None else grad + state.error
         payload = m.astype(self.dtype)  # compress
-        new_state = None if state is None else CastState(m - payload.astype(m.dtype))
+        new_state = None if state is None else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name))
         n = replica_count(axis_name)
         collective = self.collective
         if collective == "auto":
@@ -385,7 +385,7 @@ class PowerSGDCompressor(Compressor):
         p, _ = jnp.linalg.qr(p)
         q = _all_reduce(m.T @ p, ReduceOp.MEAN, axis_name)
         approx = p @ q.T
-        error = (m - approx).reshape(grad.shape)
+        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)  # each replica's own residual
         if op is ReduceOp.SUM:
             approx = approx * (replica_count(axis_name) or 1)
         return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(q=q.astype(state.q.dtype), error=error)

@@ -25,6 +25,8 @@ __all__ = [
     "axis_size",
     "is_axis_name",
     "is_varying",
+    "keep_per_replica",
+    "PER_REPLICA_SCOPE",
     "reduce_stacked",
     "to_varying",
 ]
@@ -83,6 +85,28 @@ def to_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
     varying = _varying_axes(x)
     missing = tuple(a for a in axis_names(axis_name) if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+PER_REPLICA_SCOPE = "jaxdist_per_replica"
+"""The name scope of `keep_per_replica`'s marker: ``strategy.run`` reads it in the replica function's jaxpr."""
+
+
+def keep_per_replica(value: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
+    """``value`` (a pytree) declared different on every replica on purpose: ``strategy.run`` returns it as a
+    `PerReplica` and never takes it for a mirrored value that drifted (error-feedback residuals, local SGD).
+
+    The declaration is a marker in the program (an optimisation barrier, which computes nothing, under the
+    name scope `PER_REPLICA_SCOPE`); outside `shard_map` (one replica) ``value`` is returned unchanged.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> keep_per_replica(jnp.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    if axis_size(axis_name) is None:
+        return value
+    with jax.named_scope(PER_REPLICA_SCOPE):
+        return jax.lax.optimization_barrier(jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value))
 
 
 def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:

@@ -16,7 +16,10 @@ Both are pytree nodes, so they pass through `jax.jit` and `jax.tree_util` unchan
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -25,7 +28,54 @@ import jax.numpy as jnp
 from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 
-__all__ = ["PerReplica", "SyncOnRead", "component_name", "local_components"]
+__all__ = [
+    "CapturedSyncOnRead",
+    "PerReplica",
+    "SyncOnRead",
+    "component_name",
+    "local_components",
+    "local_view",
+    "noticing_captures",
+    "store_components",
+]
+
+_capturing = threading.local()  # per thread: is a replica function being traced for the first time
+
+
+class CapturedSyncOnRead(Exception):
+    """Raised while a replica function is first traced when it updates a `SyncOnRead` it did not get as an
+    argument (one it captured, as tf.distribute code uses its metric objects): ``strategy.run`` then passes
+    that value in, out of sight, and traces again."""
+
+    def __init__(self, value: SyncOnRead):
+        super().__init__("a captured sync-on-read value was updated in replica context")
+        self.value = value
+
+
+@contextlib.contextmanager
+def noticing_captures() -> Iterator[None]:
+    """While active (on this thread), a cross-replica `SyncOnRead` updated in place raises
+    `CapturedSyncOnRead`: ``strategy.run`` traces its replica function under it."""
+    before = getattr(_capturing, "on", False)
+    _capturing.on = True
+    try:
+        yield
+    finally:
+        _capturing.on = before
+
+
+@contextlib.contextmanager
+def local_view(value: SyncOnRead, component: Any) -> Iterator[None]:
+    """``value`` seen as one replica's ``component`` for the time of a replica function's trace (a captured
+    value: its updates there are that replica's); restored after. Read the component with ``value.read()``
+    inside."""
+    saved = value._value, value._local
+    value._value, value._local = component, True
+    try:
+        yield
+    finally:
+        value._value, value._local = saved
+
 
 
 def component_name(name: str, replica_id: int) -> str:
@@ -125,16 +175,20 @@ class SyncOnRead(_Distributed):
     """A value each replica updates locally and that aggregates only when read across replicas.
 
     Create one with ``strategy.sync_on_read(initial_value, aggregation)``. Inside ``strategy.run`` each replica
-    sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` return the updated value
-    (return it from the replica function to keep it). In cross-replica context ``.read()`` aggregates the
-    components (SUM, MEAN or ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components that read back as ``x``
-    (with SUM: ``x / N`` on every replica).
+    sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` / ``.assign_sub(x)`` update
+    it in place, as tf.distribute's sync-on-read variables are updated, and ``run`` keeps the update in the
+    object passed in. In cross-replica context ``.read()`` aggregates the components (SUM, MEAN or
+    ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components that read back as ``x`` (with SUM: ``x / N`` on
+    every replica). Inside ``strategy.jit`` a step that updates one in place returns it (a compiled step's
+    updates leave through its outputs).
 
     Examples:
         >>> import jaxdist as jd, jax.numpy as jnp
         >>> strategy = jd.OneDeviceStrategy()
         >>> total = strategy.sync_on_read(jnp.zeros(()), jd.VariableAggregation.SUM)
-        >>> total = strategy.run(lambda t: t.assign_add(2.0), args=(total,))
+        >>> def count(t):  # updated in place, as in tf.distribute: nothing to return
+        ...     t.assign_add(2.0)
+        >>> strategy.run(count, args=(total,))
         >>> float(total.read())
         2.0
     """
@@ -167,20 +221,18 @@ class SyncOnRead(_Distributed):
             )
         return self._value
 
-    def _replace(self, value: Any) -> SyncOnRead:
-        return SyncOnRead(value, self._aggregation, self._owner, self._local)
-
     def _check_dtype(self, value: Any) -> None:
         if self._aggregation is VariableAggregation.MEAN:
             check_mean_dtype(value, "the sync-on-read value")
 
     def assign(self, value: Any) -> SyncOnRead:
-        """Return this value with ``value`` stored.
+        """Store ``value`` in place (as tf.distribute's variables do) and return this value.
 
-        In replica context, ``value`` becomes this replica's component. In cross-replica context the components
-        are set so that ``.read()`` returns ``value``: with SUM each of the N components is ``value / N``
-        (integers: replica 0 holds ``value``, the others 0, so the sum stays exact); with MEAN and
-        ONLY_FIRST_REPLICA every component is ``value``.
+        In replica context (inside ``strategy.run``), ``value`` becomes this replica's component; ``run`` keeps
+        the update when it returns, in the object passed in. In cross-replica context the components are set
+        so that ``.read()`` returns ``value``: with SUM each of the N components is ``value / N`` (integers:
+        replica 0 holds ``value``, the others 0, so the sum stays exact); with MEAN and ONLY_FIRST_REPLICA
+        every component is ``value``.
         """
         if self._local:
             value = jnp.asarray(value, self._value.dtype)
@@ -189,7 +241,10 @@ class SyncOnRead(_Distributed):
                     f"value has shape {value.shape} but this replica's component has shape {self._value.shape}; "
                     "a sync-on-read value keeps its shape."
                 )
-            return self._replace(value)
+            self._value = value
+            return self
+        if getattr(_capturing, "on", False):
+            raise CapturedSyncOnRead(self)
         target = self._value
         value = jnp.asarray(value, target.dtype)
         if value.shape != target.shape[1:]:
@@ -198,13 +253,18 @@ class SyncOnRead(_Distributed):
                 "a sync-on-read value keeps its shape."
             )
         self._check_dtype(value)
-        return self._replace(_spread(value, target.shape[0], self._aggregation.name, target.sharding))
+        self._value = _spread(value, target.shape[0], self._aggregation.name, target.sharding)
+        return self
 
     def assign_add(self, delta: Any) -> SyncOnRead:
-        """Return this value with ``delta`` added (to this replica's component in replica context)."""
+        """Add ``delta`` in place (to this replica's component in replica context) and return this value."""
         if self._local:
             return self.assign(self._value + jnp.asarray(delta, self._value.dtype))
         return self.assign(self.read() + jnp.asarray(delta, self._value.dtype))
+
+    def assign_sub(self, delta: Any) -> SyncOnRead:
+        """Subtract ``delta`` in place (from this replica's component in replica context); return this value."""
+        return self.assign_add(-jnp.asarray(delta, self._value.dtype))
 
     def read(self) -> jax.Array:
         """The aggregated value in cross-replica context; this replica's component in replica context."""
@@ -221,6 +281,20 @@ class SyncOnRead(_Distributed):
         obj = object.__new__(cls)
         obj._value, obj._aggregation, obj._owner, obj._local = children[0], aggregation, owner, local
         return obj
+
+
+def store_components(value: SyncOnRead, stacked: Any) -> None:
+    """Store ``stacked`` (one component per replica, stacked on axis 0) as ``value``'s components, in place:
+    how ``strategy.run`` keeps the in-place updates its replica function made.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> v = SyncOnRead(jnp.zeros((2,)), "sum")
+        >>> store_components(v, jnp.ones((2,)))
+        >>> float(v.read())
+        2.0
+    """
+    value._value = stacked
 
 
 @functools.partial(jax.jit, static_argnames="mode")

@@ -32,6 +32,7 @@ processes), ``layout`` (the policy and what it reads), ``input`` (placement, dat
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -481,7 +482,7 @@ class Strategy:
 
     def jit(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         static_argnums: int | Sequence[int] | None = None,
         batch_argnums: int | Sequence[int] | None = None,
@@ -491,7 +492,7 @@ class Strategy:
         batch_argnames: str | Sequence[str] | None = None,
         out_layouts: Any = None,
         axis_types: jax.sharding.AxisType | None = None,
-    ) -> StrategyFunction:
+    ) -> StrategyFunction | Callable[[Callable[..., Any]], StrategyFunction]:
         """Compile an UNMODIFIED single-device step for this strategy (the global view; the drop-in path).
 
         ``fn`` sees global values: whole parameters, the whole global batch, and XLA inserts the collectives,
@@ -513,11 +514,14 @@ class Strategy:
         layout (metrics mirrored; gradients FSDP like their parameters on `ShardedStrategy`). Layouts are
         resolved once per program, when it is traced (`jaxdist.strategies.layout._resolve`).
 
-        It has `jax.jit`'s shape: keyword arguments at call time, ``*_argnames`` completed from ``*_argnums``
-        through the signature (and back), and the ahead-of-time stages ``.trace`` / ``.lower`` / ``.compile``.
+        It has `jax.jit`'s shape: ``strategy.jit(step, ...)``, ``@strategy.jit`` and, with no function,
+        a decorator factory (``@strategy.jit(batch_argnums=1)``, as ``nnx.jit(...)`` and
+        ``functools.partial(jax.jit, ...)`` are used); keyword arguments at call time, ``*_argnames``
+        completed from ``*_argnums`` through the signature (and back), and the ahead-of-time stages
+        ``.trace`` / ``.lower`` / ``.compile``.
 
         Args:
-            fn: the step function.
+            fn: the step function (None: return a decorator that takes it, with these options).
             donate_argnums: arguments whose buffers the step may reuse (usually the state), as in `jax.jit`.
             static_argnums: arguments treated as compile-time constants, as in `jax.jit`.
             batch_argnums: the positional arguments that are batches (``()``: none is).
@@ -534,7 +538,7 @@ class Strategy:
                 `jaxdist.strategies.layout._axis_types`). The numbers are the same either way.
 
         Returns:
-            A callable `StrategyFunction`.
+            A callable `StrategyFunction` (without ``fn``: a decorator that makes one).
 
         Raises:
             TypeError: when ``fn`` is not callable or an ``*_argnums`` is not an int / tuple of ints.
@@ -547,7 +551,18 @@ class Strategy:
             >>> step = strategy.jit(lambda w, x: w - 0.5 * x.mean(0), donate_argnums=0, batch_argnums=1)
             >>> step(strategy.mirror(jnp.ones(2)), jnp.ones((4, 2))).tolist()
             [0.5, 0.5]
+            >>> @strategy.jit(batch_argnums=1)
+            ... def sgd(w, x):
+            ...     return w - 0.5 * x.mean(0)
+            >>> sgd(jnp.ones(2), jnp.ones((4, 2))).tolist()
+            [0.5, 0.5]
         """
+        if fn is None:
+            return functools.partial(
+                self.jit, donate_argnums=donate_argnums, static_argnums=static_argnums,
+                batch_argnums=batch_argnums, static_argnames=static_argnames, donate_argnames=donate_argnames,
+                batch_argnames=batch_argnames, out_layouts=out_layouts, axis_types=axis_types,
+            )
         return StrategyFunction(
             self._policy, self._programs, fn, donate_argnums=donate_argnums, static_argnums=static_argnums,
             batch_argnums=batch_argnums, static_argnames=static_argnames, donate_argnames=donate_argnames,

@@ -53,6 +53,7 @@ from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
+from jaxdist.strategies.compile._in_place import InPlaceUpdates
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
 from jaxdist.strategies.input import (
     all_on_mesh,
@@ -665,13 +666,17 @@ class StrategyFunction:
         variables.extend(jax.tree.leaves(state))
         with computation(policy, "global", batches, variables), policy.tracing_scope(), refusals(
                 policy.mesh, fn_name(self._fn)):
+            watch = InPlaceUpdates(fn_name(self._fn), args, kwargs)
             if not nodes:
-                return self._fn(*args, **kwargs), None
+                out = self._fn(*args, **kwargs)
+                watch.check(out)
+                return out, None
             objects = nnx.merge(graphdef, state)
             call_args = list(args)
             for i, obj in zip(nodes, objects, strict=True):
                 call_args[i] = obj
             out = self._fn(*call_args, **kwargs)
+            watch.check(out)
             new_graphdef, new_state = nnx.split(objects)
             if new_graphdef != graphdef:
                 raise ValueError(

@@ -44,10 +44,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.replicate.collectives import AxisName, axis_names, is_varying, to_varying
 from jaxdist.replicate.layouts import is_on_mesh, put
 from jaxdist.replicate.trees import fn_name, hashable, is_distributed
-from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.replicate.values import (
+    CapturedSyncOnRead,
+    PerReplica,
+    SyncOnRead,
+    local_view,
+    noticing_captures,
+    store_components,
+)
 from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
+from jaxdist.strategies.compile._identical import DECLARED, IDENTICAL, check_mirrored_outputs, output_values
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.replica import ReplicaContext
@@ -165,7 +173,10 @@ class ReplicaRunner:
                 fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name),
                 reason=(hashable(statics), avals),
             )
-            return program(*dynamic)
+            out, updated = program(*dynamic)
+        for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
+            store_components(flat[i], components)
+        return out
 
     def _place_mirrored(self, x: Any) -> Any:
         if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is self._policy.mesh:
@@ -183,10 +194,12 @@ class ReplicaRunner:
         dyn_kinds = [k for k in kinds if k != Role.STATIC]
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
+        captured: list[SyncOnRead] = []  # sync-on-read values the function updates without getting them
+        n_dyn = len(dyn_kinds)
 
         def body(*local, probe=False):
-            it = iter(local)
-            leaves = []
+            it = iter(local[:n_dyn])
+            leaves, synced = [], []
             for k, static, agg in zip(kinds, statics, aux, strict=True):
                 if k == Role.STATIC:
                     leaves.append(static)
@@ -198,32 +211,36 @@ class ReplicaRunner:
                     x = x[0]
                 elif k == Role.SYNC_ON_READ:
                     x = SyncOnRead(x[0], agg, owner, local=True)
+                    synced.append((len(leaves), x, x.read()))
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
             ctx = ReplicaContext(owner, policy.num_replicas, axis_name)
-            with ambient.computation(policy, "replica", axis_name=axis_name), ambient.replica(ctx):
-                out = fn(*call_args, **call_kwargs)
+            with contextlib.ExitStack() as views:
+                for value, component in zip(captured, local[n_dyn:], strict=True):
+                    views.enter_context(local_view(value, component[0]))  # this replica's, for the trace
+                if probe:
+                    views.enter_context(noticing_captures())
+                with ambient.computation(policy, "replica", axis_name=axis_name), ambient.replica(ctx):
+                    out = fn(*call_args, **call_kwargs)
+                kept = [to_varying(value.read(), axis_name)[None] for value in captured]
+            # Sync-on-read arguments updated in place (``assign_add``): their new components leave the program
+            # after the outputs and are stored back in the objects passed in (`ReplicaRunner.__call__`).
+            if probe:
+                out_info["updated"] = tuple(i for i, obj, before in synced if obj.read() is not before)
+            updated = [to_varying(obj.read(), axis_name)[None] for i, obj, _ in synced if i in out_info["updated"]]
+            updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
-            results, specs, wrappers = [], [], []
-            for v in out_leaves:
-                if isinstance(v, SyncOnRead):
-                    results.append(to_varying(jax.numpy.asarray(v.read()), axis_name)[None])
-                    specs.append(split)
-                    wrappers.append(("sync", v.aggregation))
-                else:
-                    v = jax.numpy.asarray(v)
-                    if is_varying(v, axis_name):
-                        results.append(v[None])
-                        specs.append(split)
-                        wrappers.append(("per_replica", None))
-                    else:
-                        results.append(v)
-                        specs.append(PartitionSpec())
-                        wrappers.append(("mirrored", None))
-            out_info.update(tree=out_tree, specs=tuple(specs), wrappers=tuple(wrappers))
+            values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
+                      else jax.numpy.asarray(v) for v in out_leaves]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
-                return tuple(r if s == split else r[None] for r, s in zip(results, specs, strict=True))
-            return tuple(results)
+                out_info.update(tree=out_tree, kinds=tuple(
+                    ("sync", v.aggregation) if isinstance(v, SyncOnRead)
+                    else ("per_replica" if is_varying(x, axis_name) else "mirrored", None)
+                    for v, x in zip(out_leaves, values, strict=True)
+                ))
+                return (*(x[None] for x in values), *updated)
+            return (*(x if how in ("mirrored", "whole") else x[None]
+                      for x, how in zip(values, out_info["how"], strict=True)), *updated)
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
@@ -234,24 +251,59 @@ class ReplicaRunner:
                                       sharding=NamedSharding(mesh, spec) if explicit else None)
                  for x, spec in zip(dynamic, in_specs, strict=True)]
 
-        def probe(check_vma: bool) -> None:
+        def probe(check_vma: bool) -> Any:
             probe_fn = jax.shard_map(
-                functools.partial(body, probe=True), mesh=mesh, in_specs=in_specs, out_specs=split,
-                check_vma=check_vma, **manual,
+                functools.partial(body, probe=True), mesh=mesh, in_specs=(*in_specs, *[split] * len(captured)),
+                out_specs=split, check_vma=check_vma, **manual,
             )
+            hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
+                                           sharding=NamedSharding(mesh, split) if explicit else None)
+                      for v in captured]
             with ambient.probe(), _eager_mesh(mesh, policy, traced), _context_mesh(mesh, policy):
-                jax.eval_shape(probe_fn, *avals)
+                while True:
+                    try:
+                        return jax.make_jaxpr(probe_fn)(*avals, *hidden)
+                    except CapturedSyncOnRead as found:  # pass it in, out of sight, and trace again
+                        if traced or found.value in captured:
+                            raise ValueError(_captured_message(name)) from None
+                        captured.append(found.value)
+                        return probe(check_vma)
 
         try:
-            probe(check_vma=True)
+            traced_jaxpr = probe(check_vma=True)
         except (NameError, AssertionError, ValueError):
             unbound = _unbound_axis_error(probe)
             if unbound is None:
                 raise
             raise ValueError(_unbound_message(name, axis_name, mesh)) from unbound
-        out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
+        # Varying by type but the same on every replica (a mirrored value updated with all-reduced gradients):
+        # mirrored, like the invariant ones. Varying in value where a mirrored argument was: refused.
+        replica_jaxpr = _replica_jaxpr(traced_jaxpr)
+        n_out = len(out_info["kinds"])  # then the updated sync-on-read components
+        values = output_values(replica_jaxpr, [k == Role.VARIABLE for k in dyn_kinds] + [False] * len(captured),
+                               axis_names(axis_name))
+        out_tree = out_info["tree"]
+        kinds_out = [(_refine(kind, value), agg)
+                     for (kind, agg), value in zip(out_info["kinds"], values[:n_out], strict=True)]
+        outvars = replica_jaxpr.outvars[:n_out]
+        shapes = [o.aval.shape[1:] for o in outvars]  # the probe stacked every output
+        check_mirrored_outputs(name, treedef, kinds, dynamic, out_tree, [k for k, _ in kinds_out], shapes,
+                               [o.aval.dtype for o in outvars])
+        # How each output leaves the program. An identical value of rank >= 1 leaves as every replica's copy
+        # side by side ("whole": no communication) and becomes one replicated array made of those copies
+        # (`_reassemble`); inside a traced step, and for scalars, the program takes replica 0's copy ("first").
+        how = []
+        for (kind, _), shape in zip(kinds_out, shapes, strict=True):
+            if kind == "identical":
+                how.append("whole" if shape and not traced else "first")
+            else:
+                how.append("mirrored" if kind == "mirrored" else "stacked")
+        out_info["how"] = tuple(how)
+        n_updated = len(out_info["updated"]) + len(captured)
+        out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how), *[split] * n_updated)
 
         # Pass 2: the real program, with exact output layouts (on the strategy's own mesh).
+        in_specs = (*in_specs, *[split] * len(captured))
         shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **manual)
 
         def mapped(*dyn):
@@ -259,30 +311,72 @@ class ReplicaRunner:
                 dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(dyn, in_specs,
                                                                                             strict=True)]
             with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
-                return shard_mapped(*dyn)
+                results = shard_mapped(*dyn)
+            outputs = [r[0] if h == "first" else r for r, h in zip(results[:n_out], how, strict=True)]
+            return (*outputs, *results[n_out:])
 
         out_shardings = tuple(
-            in_trace(policy.batch_sharding if s == split else policy.replicated_sharding) for s in out_specs
+            in_trace(policy.batch_sharding if h in ("stacked", "whole") else policy.replicated_sharding)
+            for h in (*how, *["stacked"] * n_updated)
         )
         compiled = jax.jit(mapped, out_shardings=out_shardings)
         if policy.spans_processes and not traced:  # every process must run this same program (agreement.py)
             with _eager_mesh(mesh, policy, False):
-                agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic)))
+                agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
 
         def program(*dyn):
             with _eager_mesh(mesh, policy, any(isinstance(x, jax.core.Tracer) for x in dyn)):
-                results = compiled(*dyn)
+                results = compiled(*dyn, *(v.stacked for v in captured))
+            n_args = len(out_info["updated"])
+            for value, components in zip(captured, results[n_out + n_args:], strict=True):
+                store_components(value, components)  # updated in place, as tf.distribute's metrics are
             wrapped = []
-            for r, (kind, agg) in zip(results, wrappers, strict=True):
-                if kind == "per_replica":
+            for r, (kind, agg), h in zip(results[:n_out], kinds_out, how, strict=True):
+                if h == "whole":
+                    wrapped.append(_reassemble(r, policy))
+                elif kind in ("per_replica", "declared"):
                     wrapped.append(PerReplica(r, owner))
                 elif kind == "sync":
                     wrapped.append(SyncOnRead(r, agg, owner))
                 else:
                     wrapped.append(r)
-            return jax.tree.unflatten(out_tree, wrapped)
+            return jax.tree.unflatten(out_tree, wrapped), dict(zip(out_info["updated"], results[n_out:n_out + n_args],
+                                                                   strict=True))
 
         return program
+
+
+def _captured_message(fn: str) -> str:
+    return (
+        f"strategy.run({fn}) inside a compiled step updates a sync-on-read value it does not get as an argument "
+        "(captured from the enclosing code): a compiled step cannot update the objects around it. Pass the value "
+        "to the step and to run as an argument, and return it from the step: "
+        "`seen = step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside."
+    )
+
+
+def _refine(kind: str, value: str) -> str:
+    """How an output varying by type leaves ``run``, by what the jaxpr shows of its value: "identical"
+    (mirrored), "declared" (per replica on purpose) or "per_replica"."""
+    if kind != "per_replica":
+        return kind
+    return {IDENTICAL: "identical", DECLARED: "declared"}.get(value, "per_replica")
+
+
+def _replica_jaxpr(traced: Any) -> Any:
+    """The replica function's jaxpr: the body of the one ``shard_map`` the probe traced."""
+    for eqn in traced.jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+    raise AssertionError("the probe of strategy.run traced no shard_map")  # the probe is one shard_map call
+
+
+def _reassemble(copies: jax.Array, policy: LayoutPolicy) -> jax.Array:
+    """One replicated array made of every replica's (identical) copy, laid side by side on axis 0: the copies
+    are the devices' buffers as they are, so nothing is sent or copied."""
+    shards = [s.data for s in copies.addressable_shards]
+    shape = shards[0].shape
+    return jax.make_array_from_single_device_arrays(shape, policy.replicated_sharding, shards)
 
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:

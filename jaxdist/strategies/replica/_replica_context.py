@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.replicate.collectives import all_reduce, to_varying
+from jaxdist.replicate.collectives import all_reduce, keep_per_replica, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
 from jaxdist.replicate.values import PerReplica, SyncOnRead
@@ -92,6 +92,32 @@ class ReplicaContext:
         if not self._traced:
             return value
         return all_reduce(value, op, self._axis)
+
+    def per_replica(self, value: Any) -> Any:
+        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a `PerReplica`.
+
+        ``run`` refuses an output that takes the place of a mirrored argument but differs between replicas
+        (parameters updated with local gradients drift apart). A value each replica keeps apart on purpose
+        (local SGD, an ensemble member, an error-feedback residual) says so here, on the value returned.
+
+        Args:
+            value: a pytree of arrays.
+
+        Returns:
+            ``value``, unchanged in every number.
+
+        Examples:
+            >>> import jax.numpy as jnp, jaxdist as jd
+            >>> strategy = jd.OneDeviceStrategy()
+            >>> w = strategy.mirror({"w": jnp.ones(2)})
+            >>> out = strategy.run(lambda w: jd.get_replica_context().per_replica(jax.tree.map(lambda x: x + 1, w)),
+            ...                    args=(w,))
+            >>> type(out["w"]).__name__
+            'PerReplica'
+        """
+        if not self._traced:
+            return value
+        return keep_per_replica(value, self._axis)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the result.
