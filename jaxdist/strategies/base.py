@@ -56,7 +56,14 @@ from jaxdist.strategies.compile import (
 )
 from jaxdist.strategies.compile import gather as gather_values
 from jaxdist.strategies.compile import reduce as reduce_values
-from jaxdist.strategies.input import DistributedDataset, InputContext, place_batch, replicas_on_this_process
+from jaxdist.strategies.input import (
+    DistributedDataset,
+    InputContext,
+    check_batches,
+    check_remainder,
+    place_batch,
+    replicas_on_this_process,
+)
 from jaxdist.strategies.layout import LayoutPolicy, to_device_memory
 from jaxdist.strategies.plan import Plan, abstract_variables, is_plan_mesh, refuse_to_run
 from jaxdist.strategies.replica import (
@@ -719,20 +726,28 @@ class Strategy:
         """
         return place_batch(self._policy, batch)
 
-    def experimental_distribute_dataset(self, dataset: Iterable[Any], prefetch: int = 2) -> DistributedDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], prefetch: int = 2, remainder: str = "error"
+    ) -> DistributedDataset:
         """Distribute an iterable of GLOBAL batches: each comes out split on axis 0 over the replicas.
 
         Args:
             dataset: a re-iterable of global batches (pytrees of numpy or jax arrays), e.g. a list, a
                 generator function's result is iterable once.
             prefetch: batches placed ahead on the devices by a background thread (0: on demand).
+            remainder: what a batch with fewer rows than the first (the last of an epoch) gets: "error" (a
+                ValueError naming this argument; for a list or tuple, before anything runs), "drop" (skipped:
+                tf.data's ``drop_remainder=True``) or "pad" (padded to the first batch's rows; ``strategy.run``
+                gives its replicas the row weights, `ReplicaContext.batch_weights`, and
+                ``jd.compute_average_loss`` leaves the padding rows out).
 
         Returns:
             A `DistributedDataset`; iterate it in the training loop.
 
         Raises:
             TypeError: when ``dataset`` is not iterable.
-            ValueError: (while iterating) when the replicas do not divide a batch.
+            ValueError: for an unknown ``remainder``; a list of batches of several sizes under "error";
+                (while iterating) when the replicas do not divide a batch.
 
         Examples:
             >>> import numpy as np, jaxdist as jd
@@ -740,13 +755,18 @@ class Strategy:
             >>> batches = [np.ones((4, 2), np.float32) for _ in range(3)]
             >>> [b.shape for b in strategy.experimental_distribute_dataset(batches)]
             [(4, 2), (4, 2), (4, 2)]
+            >>> [b.shape for b in strategy.experimental_distribute_dataset(batches + [np.ones((1, 2))],
+            ...                                                              remainder="drop")]
+            [(4, 2), (4, 2), (4, 2)]
         """
         if not isinstance(dataset, Iterable):
             raise TypeError(
                 f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: pass an iterable of "
                 "global batches, e.g. a list or generator of (x, y) numpy arrays."
             )
-        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch)
+        if check_remainder(remainder) == "error" and isinstance(dataset, (list, tuple)):
+            check_batches(dataset)
+        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch, remainder)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """One value per replica: ``value_fn(ctx)`` for each replica, as `PerReplica` values for `run`.
@@ -780,7 +800,7 @@ class Strategy:
         return distribute_values_from_function(self._policy, self, value_fn)
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2, remainder: str = "error"
     ) -> DistributedDataset:
         """Distribute per-process input: ``dataset_fn(ctx)`` yields this process's share of each batch.
 
@@ -788,10 +808,12 @@ class Strategy:
         each batch it yields holds ``ctx.get_per_replica_batch_size(global_batch) * num_replicas_per_host``
         rows, and the global batch is the concatenation over processes. ``dataset_fn`` may return a grain
         ``MapDataset`` / ``IterDataset`` / ``DataLoader`` reading this process's shard; the iterators then have
-        ``get_state`` / ``set_state`` (see `jaxdist.strategies.DistributedIterator`).
+        ``get_state`` / ``set_state`` (see `jaxdist.strategies.DistributedIterator`). ``remainder`` is as in
+        `experimental_distribute_dataset`, per process: a padded batch is padded to the first batch's rows.
 
         Raises:
             TypeError: when ``dataset_fn`` is not callable.
+            ValueError: for an unknown ``remainder``.
 
         Examples:
             >>> import numpy as np, jaxdist as jd
@@ -805,5 +827,6 @@ class Strategy:
             raise TypeError(f"dataset_fn={dataset_fn!r} is not callable: pass a function of an InputContext.")
         ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
         return DistributedDataset(
-            lambda: dataset_fn(ctx), lambda b: place_batch(self._policy, b, process_local=True), prefetch
+            lambda: dataset_fn(ctx), lambda b: place_batch(self._policy, b, process_local=True), prefetch,
+            check_remainder(remainder),
         )

@@ -92,7 +92,9 @@ def compute_average_loss(
         per_example_loss: the unreduced loss, shape ``(batch, ...)``; every element is summed, then divided
             by the batch size (a ``(batch, time)`` loss gives the mean over examples of the summed time steps).
         global_batch_size: the number of examples in the global batch (a positive int); None: the default
-            above. Pass it when the last batch is smaller, or when padding rows carry zero weight.
+            above. Pass it when the last batch is smaller, or when padding rows carry zero weight. A batch a
+            distributed dataset padded (``remainder="pad"``) needs neither: inside ``strategy.run`` its padding
+            rows are left out and the default is the real rows of the global batch.
         sample_weight: a weight per example (shape ``(batch,)`` or ``(batch, 1)``), a scalar, or an array
             broadcastable to the loss's shape. Note tf.nn's positional order is
             ``(per_example_loss, sample_weight, global_batch_size)``: pass both by name.
@@ -123,6 +125,12 @@ def compute_average_loss(
         weighted = loss * _weights(sample_weight, loss.shape)
         # tf multiplies in float32 and casts back: a bf16 loss stays bf16.
         loss = weighted.astype(loss.dtype) if jnp.issubdtype(loss.dtype, jnp.inexact) else weighted
+    ctx = get_replica_context()
+    padded = getattr(ctx, "batch_weights", None)
+    if padded is not None and padded.shape[0] == loss.shape[0]:  # a padded batch: its padding rows left out
+        loss = loss * padded.reshape((-1,) + (1,) * (loss.ndim - 1)).astype(loss.dtype)
+        if global_batch_size is None:
+            return jnp.sum(loss) / ctx.all_reduce("sum", jnp.sum(padded)).astype(loss.dtype)
     if global_batch_size is None:
         size = loss.shape[0] * _replicas_in_sync()
     else:

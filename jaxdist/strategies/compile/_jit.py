@@ -58,6 +58,7 @@ from jaxdist.strategies.compile._signatures import argument_spec, signature_of
 from jaxdist.strategies.input import (
     all_on_mesh,
     argument_layouts,
+    holds_padded,
     needs_placing,
     place_batch,
     place_nnx_defaults,
@@ -377,6 +378,13 @@ class StrategyFunction:
         # takes with a trace of its own (another layout, a host array nested in an argument) enters the
         # program laid out as the full path lays it out.
         key = refused = None
+        if holds_padded((args, kwargs)):
+            raise ValueError(
+                f"{fn_name(self._fn)} got a batch that a distributed dataset padded (remainder='pad'): a global-view "
+                "step sees its padding rows as data. Run the step with strategy.run (there "
+                "jd.compute_average_loss leaves them out, and ReplicaContext.batch_weights marks them), or "
+                "distribute the dataset with remainder='drop'."
+            )
         if not kwargs:
             key = tuple(map(type, args))
             if self._reads_leaves:

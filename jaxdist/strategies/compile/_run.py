@@ -56,7 +56,7 @@ from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
 from jaxdist.strategies.compile._identical import DECLARED, IDENTICAL, check_mirrored_outputs, output_values
-from jaxdist.strategies.input import place_batch
+from jaxdist.strategies.input import padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.replica import ReplicaContext
 
@@ -146,6 +146,9 @@ class ReplicaRunner:
             where = f"kwargs{jax.tree_util.keystr(path)}"
             kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
         kinds = tuple(kinds)
+        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the arguments.
+        weights = next((w for x, k in zip(flat, kinds, strict=True) if k == Role.BATCH
+                        for w in [padding_weights(x)] if w is not None), None)
         statics = tuple(x if k == Role.STATIC else None for x, k in zip(flat, kinds, strict=True))
         dynamic, aux = [], []
         for x, k in zip(flat, kinds, strict=True):
@@ -163,14 +166,18 @@ class ReplicaRunner:
                     elif not is_on_mesh(x, self._policy.mesh):
                         x = place_batch(self._policy, x, where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
+        if weights is not None:
+            dynamic.append(weights)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
         # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
-        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh))
+        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
+               weights is not None)
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
-                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name),
+                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name,
+                                                     weights is not None),
                 reason=(hashable(statics), avals),
             )
             out, updated = program(*dynamic)
@@ -183,7 +190,7 @@ class ReplicaRunner:
             return x  # already on the mesh (replicated, or another layout the program will gather)
         return put(x, self._policy.replicated_sharding)
 
-    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name) -> Callable:
+    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, padded) -> Callable:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
@@ -191,7 +198,7 @@ class ReplicaRunner:
         typed = trace_mesh(policy.mesh)  # inside a step whose Explicit axes run Auto: the mesh with them Auto
         mesh = typed if names == policy.mesh.axis_names else Mesh(typed.devices, names, axis_types=typed.axis_types)
         split = PartitionSpec(axis_name)
-        dyn_kinds = [k for k in kinds if k != Role.STATIC]
+        dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded  # then the row weights
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
         captured: list[SyncOnRead] = []  # sync-on-read values the function updates without getting them
@@ -214,7 +221,8 @@ class ReplicaRunner:
                     synced.append((len(leaves), x, x.read()))
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
-            ctx = ReplicaContext(owner, policy.num_replicas, axis_name)
+            ctx = ReplicaContext(owner, policy.num_replicas, axis_name,
+                                 batch_weights=local[n_dyn - 1] if padded else None)
             with contextlib.ExitStack() as views:
                 for value, component in zip(captured, local[n_dyn:], strict=True):
                     views.enter_context(local_view(value, component[0]))  # this replica's, for the trace

@@ -2,7 +2,8 @@
 
 ``_placement`` is the one placement rule (which values need placing, the batch layouts, ``place_batch``);
 ``_dataset`` wraps datasets and iterators (`DistributedDataset`, `DistributedIterator`, `InputContext`);
-``_read_ahead`` is the one home of reading batches ahead of the step that takes them (in line for the Trainer's
+``_remainder`` a dataset's smaller last batch (refused, dropped or padded with row weights); ``_read_ahead`` is
+the one home of reading batches ahead of the step that takes them (in line for the Trainer's
 loop, a thread for `DistributedIterator`).
 """
 
@@ -21,6 +22,10 @@ from jaxdist.strategies.input._placement import sharding_off as sharding_off
 from jaxdist.strategies.input._placement import shardings_of as shardings_of
 from jaxdist.strategies.input._read_ahead import Prefetcher as Prefetcher
 from jaxdist.strategies.input._read_ahead import ahead as ahead
+from jaxdist.strategies.input._remainder import check_batches as check_batches
+from jaxdist.strategies.input._remainder import check_remainder as check_remainder
+from jaxdist.strategies.input._remainder import holds_padded as holds_padded
+from jaxdist.strategies.input._remainder import padding_weights as padding_weights
 
 __all__ = [
     "DistributedDataset",
@@ -30,9 +35,13 @@ __all__ = [
     "ahead",
     "all_on_mesh",
     "argument_layouts",
+    "check_batches",
     "check_divisible",
+    "check_remainder",
+    "holds_padded",
     "kept",
     "needs_placing",
+    "padding_weights",
     "place_batch",
     "place_nnx_defaults",
     "replicas_on_this_process",

@@ -26,6 +26,7 @@ from typing import Any
 
 from jaxdist.strategies.input._placement import check_divisible
 from jaxdist.strategies.input._read_ahead import Prefetcher
+from jaxdist.strategies.input._remainder import check_remainder, with_remainder
 
 __all__ = ["DistributedDataset", "DistributedIterator", "InputContext"]
 
@@ -200,6 +201,21 @@ class DistributedIterator:
             ahead.signal_stop()
 
 
+class _Stateful:
+    """The batches of ``source`` under a remainder rule, with the source's ``get_state`` / ``set_state``."""
+
+    def __init__(self, batches: Iterator[Any], source: Iterator[Any]):
+        self._batches, self._source = batches, source
+        if _has_state(source):
+            self.get_state, self.set_state = source.get_state, source.set_state
+
+    def __iter__(self) -> _Stateful:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+
 class DistributedDataset:
     """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
 
@@ -213,12 +229,16 @@ class DistributedDataset:
         (3, 3)
     """
 
-    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int):
+    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int,
+                 remainder: str = "error"):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on demand).")
         self._make_source = make_source
         self._place = place
         self._prefetch = prefetch
+        self._remainder = check_remainder(remainder)
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(iter(self._make_source()), self._place, self._prefetch)
+        source = iter(self._make_source())
+        batches, place = with_remainder(source, self._remainder, self._place)
+        return DistributedIterator(_Stateful(batches, source), place, self._prefetch)

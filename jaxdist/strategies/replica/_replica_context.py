@@ -36,12 +36,24 @@ class ReplicaContext:
         2.0
     """
 
-    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS, traced: bool = True):
+    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS, traced: bool = True,
+                 batch_weights: Any = None):
         self._strategy = strategy
         self._num_replicas = num_replicas
         self._axis = axis_name
         self._traced = traced
         self._merge_depth = 0
+        self._batch_weights = batch_weights
+
+    @property
+    def batch_weights(self) -> jax.Array | None:
+        """This replica's row weights when its batch was padded (a distributed dataset's
+        ``remainder="pad"``): 1.0 for a real row, 0.0 for padding; None when no batch was padded.
+
+        ``jd.compute_average_loss`` uses them by itself; multiply per-example counts by them, e.g.
+        ``correct.assign_add(jnp.sum((pred == y) * ctx.batch_weights))``.
+        """
+        return self._batch_weights
 
     @property
     def strategy(self) -> Any:

@@ -1,0 +1,176 @@
+"""A dataset's smaller last batch (tf.data's ``batch()`` without ``drop_remainder``): refused, dropped or padded.
+
+Every batch of a distributed dataset must have the rows of the first one (a program per batch shape, and the
+replicas must divide them). The last batch of an epoch often has fewer. ``remainder=`` says what to do:
+
+* ``"error"`` (the default): a ValueError, as early as it can come: when the dataset is made, for a list or
+  tuple of batches; at that batch otherwise;
+* ``"drop"``: the smaller batch is skipped (tf.data's ``drop_remainder=True``);
+* ``"pad"``: the batch is padded with zero rows to the first batch's size (the same program runs it) and its
+  placed arrays are registered with their *row weights* (1.0 for a real row, 0.0 for a padding row, laid out
+  like the batch). ``strategy.run`` hands the weights to its replicas (`ReplicaContext.batch_weights`), and
+  ``jd.compute_average_loss`` leaves the padding rows out and divides by the real rows, so an epoch's mean is
+  the mean over the real examples.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["REMAINDERS", "check_batches", "check_remainder", "holds_padded", "padding_weights", "with_remainder"]
+
+REMAINDERS = ("error", "drop", "pad")
+
+_weights: dict[int, tuple[weakref.ref, Any]] = {}  # id(placed array) -> (weak ref to it, its row weights)
+_lock = threading.Lock()
+
+
+def check_remainder(remainder: Any) -> str:
+    """``remainder`` validated.
+
+    Raises:
+        ValueError: for a value other than "error", "drop" and "pad".
+
+    Examples:
+        >>> check_remainder("pad")
+        'pad'
+    """
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last batch, 'drop' "
+            "skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that jd.compute_average_loss "
+            "leaves out."
+        )
+    return remainder
+
+
+def _rows(batch: Any) -> int | None:
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else None
+
+
+def _message(index: int, rows: int, full: int) -> str:
+    return (
+        f"batch {index} has {rows} rows but the first batch has {full}: a smaller last batch (tf.data's batch() "
+        "without drop_remainder gives one). Pass remainder='drop' to skip it (drop_remainder=True) or "
+        "remainder='pad' to pad it (the padding rows are left out of jd.compute_average_loss; "
+        "ReplicaContext.batch_weights marks them) to experimental_distribute_dataset / "
+        "distribute_datasets_from_function."
+    )
+
+
+def check_batches(batches: Sequence[Any]) -> None:
+    """Refuse, before anything runs, a list of batches whose sizes differ (``remainder="error"``).
+
+    Raises:
+        ValueError: naming the batch, its rows, the first batch's rows and ``remainder=``.
+
+    Examples:
+        >>> check_batches([np.zeros((4, 2)), np.zeros((4, 2))])
+    """
+    full = None
+    for index, batch in enumerate(batches):
+        rows = _rows(batch)
+        if full is None:
+            full = rows
+        elif rows != full and rows is not None:
+            raise ValueError(_message(index, rows, full))
+
+
+def with_remainder(
+    source: Iterator[Any], remainder: str, place: Callable[[Any], Any]
+) -> tuple[Iterator[Any], Callable[[Any], Any]]:
+    """The batches of ``source`` under ``remainder``, and the placement that goes with them.
+
+    Args:
+        source: the host batches.
+        remainder: "error", "drop" or "pad".
+        place: how one host batch is placed.
+
+    Returns:
+        ``(batches, place)``: with "pad", a padded batch is placed with its row weights registered.
+
+    Raises:
+        ValueError: (while iterating) for a batch whose size differs from the first one's under "error", or
+            one larger than the first.
+
+    Examples:
+        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop", lambda b: b)
+        >>> [b.shape for b in batches]
+        [(4, 1)]
+    """
+
+    def batches() -> Iterator[Any]:
+        full = None
+        for index, batch in enumerate(source):
+            rows = _rows(batch)
+            if full is None or rows is None or rows == full:
+                full = rows if full is None else full
+                yield (batch, None) if remainder == "pad" else batch
+            elif rows > full or remainder == "error":
+                raise ValueError(_message(index, rows, full))
+            elif remainder == "pad":
+                yield _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
+            # "drop": skipped
+
+    if remainder != "pad":
+        return batches(), place
+
+    def place_padded(item: Any) -> Any:
+        batch, weights = item
+        placed = place(batch)
+        if weights is not None:
+            placed_weights = place(weights)
+            with _lock:
+                for leaf in jax.tree.leaves(placed):
+                    _weights[id(leaf)] = (weakref.ref(leaf, _forget(id(leaf))), placed_weights)
+        return placed
+
+    return batches(), place_padded
+
+
+def _pad(batch: Any, full: int) -> Any:
+    """``batch`` with zero rows appended up to ``full`` rows."""
+
+    def pad(leaf: Any) -> np.ndarray:
+        leaf = np.asarray(leaf)
+        return np.concatenate([leaf, np.zeros((full - leaf.shape[0], *leaf.shape[1:]), leaf.dtype)])
+
+    return jax.tree.map(pad, batch)
+
+
+def _forget(key: int) -> Callable[[Any], None]:
+    def forget(_: Any) -> None:
+        with _lock:
+            _weights.pop(key, None)
+
+    return forget
+
+
+def padding_weights(leaf: Any) -> Any:
+    """The row weights of a padded batch's placed array (``remainder="pad"``); None for any other value.
+
+    Examples:
+        >>> padding_weights(np.zeros(3)) is None
+        True
+    """
+    if not _weights:
+        return None
+    entry = _weights.get(id(leaf))
+    return entry[1] if entry is not None and entry[0]() is leaf else None
+
+
+def holds_padded(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is a padded batch's array (free while no padded batch is alive).
+
+    Examples:
+        >>> holds_padded((np.zeros(2), {"x": 1.0}))
+        False
+    """
+    return bool(_weights) and any(padding_weights(leaf) is not None for leaf in jax.tree.leaves(tree))

@@ -1,0 +1,106 @@
+"""A dataset's smaller last batch: refused early by name, dropped, or padded and left out of the means."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdist as jd
+
+N_EXAMPLES, GLOBAL_BATCH = 500, 64  # 7 full batches and one of 52 rows, as tf.data's batch(64) gives
+
+
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N_EXAMPLES, 5)).astype(np.float32)
+    y = (x[:, 0] + 0.3 * x[:, 1] > 0).astype(np.int32)
+    w = {"w": rng.normal(size=(5, 2)).astype(np.float32), "b": np.zeros(2, np.float32)}
+    batches = [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
+    return x, y, w, batches
+
+
+def _per_example(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(x @ params["w"] + params["b"], y)
+
+
+STRATEGIES = [jd.MirroredStrategy, lambda: jd.ShardedStrategy()]
+
+
+@pytest.mark.parametrize("make", STRATEGIES, ids=["mirrored", "fsdp"])
+def test_padded_epoch_means_equal_one_device(make):
+    """The tutorial's evaluation loop: mean loss by compute_average_loss + reduce(SUM), accuracy by
+    sync-on-read counters weighted by the batch's row weights: over the 500 real examples."""
+    strategy = make()
+    x, y, host, batches = _data()
+    params = strategy.mirror(host)
+    correct = strategy.sync_on_read(0.0, "sum")
+    seen = strategy.sync_on_read(0.0, "sum")
+
+    def test_step(params, x, y):
+        ctx = jd.get_replica_context()
+        per_example = _per_example(params, x, y)
+        weights = ctx.batch_weights if ctx.batch_weights is not None else jnp.ones(x.shape[0])
+        hits = (jnp.argmax(x @ params["w"] + params["b"], axis=1) == y).astype(jnp.float32)
+        correct.assign_add(jnp.sum(hits * weights))
+        seen.assign_add(jnp.sum(weights))
+        return jd.compute_average_loss(per_example)
+
+    total, steps = 0.0, 0
+    dataset = strategy.experimental_distribute_dataset(batches, remainder="pad")
+    for xb, yb in dataset:
+        assert xb.shape[0] == GLOBAL_BATCH  # the last batch padded to the first one's rows
+        total += float(strategy.reduce(jd.ReduceOp.SUM, strategy.run(test_step, args=(params, xb, yb))))
+        steps += 1
+    assert steps == 8 and float(seen.read()) == N_EXAMPLES
+    per_example = np.asarray(_per_example(host, x, y))
+    # Each step's loss is the mean over that batch's real rows; the epoch's mean of step means, as in TF:
+    want = np.mean([per_example[i:i + GLOBAL_BATCH].mean() for i in range(0, N_EXAMPLES, GLOBAL_BATCH)])
+    np.testing.assert_allclose(total / steps, want, rtol=1e-5)
+    want_acc = np.mean(np.argmax(x @ host["w"] + host["b"], axis=1) == y)
+    np.testing.assert_allclose(float(correct.read()) / float(seen.read()), want_acc, rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", STRATEGIES, ids=["mirrored", "fsdp"])
+def test_dropped_remainder_equals_one_device_over_the_full_batches(make):
+    strategy = make()
+    x, y, host, batches = _data()
+    params = strategy.mirror(host)
+    step = strategy.jit(lambda p, x, y: jnp.mean(_per_example(p, x, y)), batch_argnums=(1, 2))
+    losses = [float(step(params, xb, yb)) for xb, yb in
+              strategy.experimental_distribute_dataset(batches, remainder="drop")]
+    per_example = np.asarray(_per_example(host, x, y))
+    want = [per_example[i:i + GLOBAL_BATCH].mean() for i in range(0, 7 * GLOBAL_BATCH, GLOBAL_BATCH)]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+
+
+def test_a_smaller_batch_is_refused_by_name_before_anything_runs():
+    strategy = jd.MirroredStrategy()
+    *_, batches = _data()
+    with pytest.raises(ValueError, match=r"batch 7 has 52 rows but the first batch has 64.*remainder='drop'"):
+        strategy.experimental_distribute_dataset(batches)  # a list: checked when the dataset is made
+    dataset = strategy.experimental_distribute_dataset(b for b in batches)  # a generator: at that batch
+    with pytest.raises(ValueError, match=r"remainder='pad'"):
+        list(dataset)
+    with pytest.raises(ValueError, match=r"remainder='every' is not one of"):
+        strategy.experimental_distribute_dataset(batches, remainder="every")
+    with pytest.raises(ValueError, match=r"remainder='every' is not one of"):
+        strategy.distribute_datasets_from_function(lambda ctx: batches, remainder="every")
+
+
+def test_per_process_input_pads_too():
+    strategy = jd.MirroredStrategy()
+    x, y, host, batches = _data()
+    dataset = strategy.distribute_datasets_from_function(lambda ctx: batches, remainder="pad")
+    shapes = [xb.shape[0] for xb, _ in dataset]
+    assert shapes == [GLOBAL_BATCH] * 8
+
+
+def test_a_padded_batch_in_a_global_view_step_is_refused():
+    strategy = jd.MirroredStrategy()
+    x, y, host, batches = _data()
+    step = strategy.jit(lambda p, x, y: jnp.mean(_per_example(p, x, y)), batch_argnums=(1, 2))
+    *_, (xb, yb) = strategy.experimental_distribute_dataset(batches, remainder="pad")
+    with pytest.raises(ValueError, match="padded.*strategy.run.*remainder='drop'"):
+        step(strategy.mirror(host), xb, yb)
+    assert jax.tree.leaves(xb)  # (kept alive to the end: the weights are registered while it lives)
