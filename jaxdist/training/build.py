@@ -8,6 +8,7 @@ the sample's shapes first (`check_losses`), before anything compiles.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.training.step_functions import TrainState
 from jaxdist.training.weighted import check_value
 
-__all__ = ["check_losses", "restore_target", "state_builder", "state_keys"]
+__all__ = ["check_losses", "params_target", "restore_target", "state_builder", "state_keys"]
 
 
 def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -86,6 +87,32 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
                         shapes, layouts)
 
 
+def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, params: Any,
+                  model_state: Any) -> Any:
+    """The state a run with ``params`` (and ``model_state``, or none) has, as abstract arrays carrying
+    ``strategy``'s variable layout: the optimizer's state from ``optimizer.init``'s shapes, no model needed.
+
+    What `Trainer.load_state` checks the pieces against when the model's own shapes are not known yet (a linen
+    model before its first batch); the model's check follows at that batch.
+
+    Examples:
+        >>> import numpy as np, optax, jaxdist as jd
+        >>> like = params_target(jd.OneDeviceStrategy(), optax.adam(1e-3), {"w": np.ones((3, 2))}, None)
+        >>> like.opt_state[0].mu["w"].shape, like.step.dtype
+        ((3, 2), dtype('int32'))
+    """
+    def build(rng):
+        _, step_rng = state_keys(rng)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state or {}, step_rng)
+
+    params, model_state = abstract(params), abstract(model_state)
+    with shape_scope(strategy.mesh):
+        shapes = jax.eval_shape(build, jax.random.key(0))
+    layouts = strategy.variable_shardings(shapes)
+    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        shapes, layouts)
+
+
 def check_losses(
     model: Any,
     loss_fn: Callable,
@@ -133,6 +160,40 @@ def check_losses(
     rows = jax.tree.leaves(y_abs)[0].shape[0]
     pairs = set()
     for key, name, fn in [("loss", "loss_fn", loss_fn), *((k, f"metrics[{k!r}]", f) for k, f in metrics.items())]:
-        if check_value(name, jax.eval_shape(fn, out, y_abs), rows):
+        _check_call_shape(name, fn)
+        try:
+            value = jax.eval_shape(fn, out, y_abs)
+        except Exception as e:  # the user's function failed on (outputs, targets): say what it is given
+            message = f"{name}(outputs, targets) failed on the first batch: {_CALL_SHAPE}. It raised {e!r}"
+            try:
+                again = type(e)(message)  # the same kind of error, with the call shape said
+            except Exception:
+                again = TypeError(message)
+            raise again from e
+        if check_value(name, value, rows):
             pairs.add(key)
     return frozenset(pairs)
+
+
+_CALL_SHAPE = (
+    "the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), where outputs = the model "
+    "applied to the batch's inputs and targets = its targets (batch[1], or batch[target_key]). A loss written "
+    "as loss_fn(model, batch) (the nnx tutorials' form) becomes, e.g., "
+    "loss_fn=lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()"
+)
+
+
+def _check_call_shape(name: str, fn: Callable) -> None:
+    """Refuse, by its signature, a function that cannot be called as ``fn(outputs, targets)`` or whose
+    parameters are named as the nnx tutorials' ``loss_fn(model, batch)``."""
+    if not callable(fn):
+        raise TypeError(f"{name}={fn!r} is not callable: {_CALL_SHAPE}.")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: its call tells
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if (len(names) < 2 and not varargs) or len(required) > 2 or (names[:1] == ["model"] or names[1:2] == ["batch"]):
+        raise TypeError(f"{name} has the parameters ({', '.join(p.name for p in params)}): {_CALL_SHAPE}.")

@@ -35,7 +35,7 @@ import optax
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.strategies.plan import abstract_variables
-from jaxdist.training.build import check_losses, restore_target, state_builder
+from jaxdist.training.build import check_losses, params_target, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.compiled import CompiledSteps
@@ -186,6 +186,7 @@ class Trainer:
         self.stop_training = False
         self._position_unknown = False  # load_state's run: where its data stopped is unknown until set
         self._loaded = False  # the state is load_state's and no fit has trained it yet
+        self._unchecked = False  # load_state without a batch: the model checks its parameters at its first batch
         self.data_position = DataPosition()
         self._state: TrainState | None = None
         self._step = 0
@@ -251,11 +252,31 @@ class Trainer:
             ValueError: for a batch of the wrong structure, or a loss_fn / metric returning a non-scalar.
         """
         if self._state is not None:
+            if self._unchecked:
+                self._check_loaded(batch)
             return self._state
         build, args = self._checked_builder(batch)
         with self.strategy.scope():
             self._state = self.strategy.create_variables(build, *args)
         return self._state
+
+    def _check_loaded(self, batch: Any) -> None:
+        """At the first batch after ``load_state`` without one: the loaded parameters checked against the
+        model's (before any update), and the model's other variables (batch statistics) as a new run's."""
+        like = restore_target(self.strategy, *self._checked_builder(batch))
+        state = self._state
+        try:
+            checked_pieces(like, state.params, None, None)
+        except ValueError as e:
+            raise ValueError(
+                f"the parameters given to load_state() do not fit this model on its first batch: {e}"
+            ) from None
+        if jax.tree.leaves(like.model_state) and not jax.tree.leaves(state.model_state):
+            build, args = self._checked_builder(batch)
+            with self.strategy.scope():
+                fresh = self.strategy.create_variables(build, *args)
+            state = state._replace(model_state=fresh.model_state)
+        self._state, self._unchecked = state, False
 
     def _checked_builder(self, batch: Any) -> tuple[Callable, tuple]:
         """The state's builder for ``batch``'s shapes, after checking what the losses return on them (which also
@@ -314,7 +335,7 @@ class Trainer:
             (1, ['loss'])
         """
         fed: TrainBatch = batch if self._feed.trusts(batch) else self._feed(batch, "train_on_batch's batch")
-        state = self._state if self._state is not None else self.init(fed.pair)
+        state = self.init(fed.pair)  # the state (built, or checked after load_state, on first use)
         self._state, metrics = self._steps.train(state, fed.pair)
         self._step += 1
         return metrics
@@ -346,7 +367,7 @@ class Trainer:
         pairs = [(b if feed.trusts(b) else feed(b, f"train_on_batches' batch {i}")).pair for i, b in enumerate(batches)]
         if not pairs:
             raise ValueError("train_on_batches got no batches: pass at least one.")
-        state = self._state if self._state is not None else self.init(pairs[0])
+        state = self.init(pairs[0])
         self._state, values = self._steps.train_loop(state, pairs)
         self._step += len(pairs)
         return values
@@ -621,8 +642,10 @@ class Trainer:
             model_state: the model's other variables (linen: the collections besides ``"params"``, e.g.
                 ``{"batch_stats": ...}``; nnx: every variable that is not an ``nnx.Param``); None: the trainer's
                 (a new trainer's: what `init` builds).
-            batch: a sample batch, needed only by a linen model's trainer whose state does not exist yet (to
-                know the model's parameters; see `init`).
+            batch: a sample batch (optional): for a linen model whose trainer has no state yet, the model's
+                shapes come from it; without it the pieces are checked against each other (the optimizer state
+                against ``optimizer.init(params)``'s shapes) and against the model at its first batch, before
+                any update (its other variables, e.g. batch statistics, then start as a new run's).
 
         Returns:
             The new `TrainState` (also `state`).
@@ -630,7 +653,8 @@ class Trainer:
         Raises:
             ValueError: when a piece does not fit the model and optimizer: a leaf missing or extra, a shape or
                 dtype that differs (naming each such leaf by its path, e.g. ``opt_state[0].mu['Dense_0']
-                ['kernel']``), for a ``step`` that is not an int >= 0, or without ``batch`` where one is needed.
+                ['kernel']``), for a ``step`` that is not an int >= 0; parameters that do not fit the model,
+                at its first batch when no ``batch`` was given.
                 The trainer is left as it was.
 
         Warns:
@@ -649,20 +673,20 @@ class Trainer:
             ...     params = optax.apply_updates(params, updates)
             >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optimizer,
             ...                               lambda out, y: ((out - y) ** 2).mean())
-            >>> _ = trainer.load_state(params=params, opt_state=opt_state, step=20, batch=(x, y))
+            >>> _ = trainer.load_state(params=params, opt_state=opt_state, step=20)  # no batch needed
             >>> _ = trainer.fit(iter([(x, y)] * 5), steps=25, verbose=0)  # the schedule goes on at step 21
             >>> trainer.step, int(trainer.state.opt_state[0].count)
             (25, 25)
         """
         check_int(step, "step", 0)
+        unchecked = False  # the model's own check waits for its first batch
         if self._state is not None:
             like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
+        elif batch is None and self._model.kind == "linen" and self._model.initial_variables is None:
+            # A linen model's shapes come from its inputs: the pieces are checked against each other now (the
+            # optimizer state against optimizer.init(params)'s) and against the model at the first batch.
+            like, unchecked = params_target(self.strategy, self.optimizer, params, model_state), True
         else:
-            if batch is None and self._model.kind == "linen" and self._model.initial_variables is None:
-                raise ValueError(
-                    "load_state() needs batch=... (a sample batch) here: this linen model's parameters take their "
-                    "shapes from its inputs, and the trainer has no state yet (or call init(batch) first)."
-                )
             like = restore_target(self.strategy, *self._checked_builder(batch))
         # Everything given is checked before anything is built or placed: an error leaves the trainer as it was.
         pieces = checked_pieces(like, params, opt_state, model_state)
@@ -672,6 +696,7 @@ class Trainer:
         step = self._step if step is None else step
         state = assemble(like, pieces, base, self.optimizer, self.seed, step)
         self._state, self._step = state, step
+        self._unchecked = unchecked
         self.data_position = DataPosition()
         self._position_unknown = True  # fit says where it starts reading a list (set data_position to say it)
         self._loaded = True  # until a fit trains on it (one that restores a later checkpoint over it says so)
@@ -797,7 +822,7 @@ class Trainer:
             )
         stream = BatchStream(train_data, None, epochs, self._batches)  # the first batch, checked, for the state
         sample = None
-        if self._state is None:
+        if self._state is None or self._unchecked:
             sample = stream.peek(self.data_position.epoch)  # checked; a grain iterator is not advanced
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
@@ -815,7 +840,7 @@ class Trainer:
                         UserWarning, stacklevel=2)
                 self._restore(ckpt, None, sample, "restore_step")
             self._loaded = False
-            if self._state is None:
+            if self._state is None or self._unchecked:
                 self.init(sample)
             if self._position_unknown and not isinstance(train_data, Iterator):
                 self._say_start()
@@ -897,4 +922,4 @@ class Trainer:
 
     def _state_for(self, batch: Any) -> TrainState:
         """The state; built from ``batch`` (a placed one) the first time."""
-        return self._state if self._state is not None else self.init(jax.device_get(batch))
+        return self._state if self._state is not None and not self._unchecked else self.init(jax.device_get(batch))
