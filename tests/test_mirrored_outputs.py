@@ -114,7 +114,7 @@ def test_kept_apart_on_purpose_local_sgd():
         xi, yi = x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]
         for _ in range(2):
             # compute_average_loss inside run divides by the global batch: rows * n.
-            grads = jax.grad(lambda q: _loss(q, xi, yi) * rows / GLOBAL_BATCH)(p)
+            grads = jax.grad(lambda q, xi=xi, yi=yi: _loss(q, xi, yi) * rows / GLOBAL_BATCH)(p)
             p = jax.tree.map(lambda a, g: a - 0.5 * g, p, grads)
         copies.append(p)
     want = jax.tree.map(lambda *c: np.mean(c, axis=0), *copies)

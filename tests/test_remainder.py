@@ -77,7 +77,7 @@ def test_dropped_remainder_equals_one_device_over_the_full_batches(make):
 def test_a_smaller_batch_is_refused_by_name_before_anything_runs():
     strategy = jd.MirroredStrategy()
     *_, batches = _data()
-    with pytest.raises(ValueError, match=r"batch 7 has 52 rows but the first batch has 64.*remainder='drop'"):
+    with pytest.raises(ValueError, match=r"batch 7 has 52 rows, which the 8 replicas do not divide.*remainder='drop'"):
         strategy.experimental_distribute_dataset(batches)  # a list: checked when the dataset is made
     dataset = strategy.experimental_distribute_dataset(b for b in batches)  # a generator: at that batch
     with pytest.raises(ValueError, match=r"remainder='pad'"):
@@ -88,9 +88,15 @@ def test_a_smaller_batch_is_refused_by_name_before_anything_runs():
         strategy.distribute_datasets_from_function(lambda ctx: batches, remainder="every")
 
 
+def test_a_smaller_batch_the_replicas_divide_still_runs_under_error():
+    strategy = jd.MirroredStrategy()
+    shapes = [b.shape[0] for b in strategy.experimental_distribute_dataset([np.ones((16, 2)), np.ones((8, 2))])]
+    assert shapes == [16, 8]
+
+
 def test_per_process_input_pads_too():
     strategy = jd.MirroredStrategy()
-    x, y, host, batches = _data()
+    *_, batches = _data()
     dataset = strategy.distribute_datasets_from_function(lambda ctx: batches, remainder="pad")
     shapes = [xb.shape[0] for xb, _ in dataset]
     assert shapes == [GLOBAL_BATCH] * 8
@@ -98,9 +104,9 @@ def test_per_process_input_pads_too():
 
 def test_a_padded_batch_in_a_global_view_step_is_refused():
     strategy = jd.MirroredStrategy()
-    x, y, host, batches = _data()
+    *_, host, batches = _data()
     step = strategy.jit(lambda p, x, y: jnp.mean(_per_example(p, x, y)), batch_argnums=(1, 2))
     *_, (xb, yb) = strategy.experimental_distribute_dataset(batches, remainder="pad")
-    with pytest.raises(ValueError, match="padded.*strategy.run.*remainder='drop'"):
+    with pytest.raises(ValueError, match=r"padded.*strategy.run.*remainder='drop'"):
         step(strategy.mirror(host), xb, yb)
     assert jax.tree.leaves(xb)  # (kept alive to the end: the weights are registered while it lives)

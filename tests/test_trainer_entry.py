@@ -80,7 +80,6 @@ def test_linen_load_state_that_does_not_fit_the_model_fails_at_the_first_batch_b
 
 
 def test_nnx_load_state_needs_no_batch():
-    x, y = _batch()
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     params = jax.tree.map(lambda a: np.asarray(a) * 0 + 0.5, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optax.sgd(0.1), _ce)

@@ -442,14 +442,17 @@ class Strategy:
                 an axis name that is not bound is a ValueError naming the axis and this argument.
 
         Returns:
-            ``fn``'s outputs, same structure. Values identical on every replica by JAX's type system
-            (results of ``all_reduce`` / ``aggregate`` / ``all_gather``, constants) come back mirrored; values
-            that may differ come back as `PerReplica` (this includes values computed from a mirrored argument,
-            which each replica owns a copy of: return ``ctx.aggregate(new_value, aggregation)`` for a mirrored
-            update); `SyncOnRead`s stay `SyncOnRead`.
+            ``fn``'s outputs, same structure. Values the same on every replica come back mirrored: results of
+            ``all_reduce`` / ``aggregate`` / ``all_gather``, constants, and what is computed only from them and
+            from mirrored arguments (parameters updated with all-reduced gradients), read from the program
+            value by value; values that may differ come back as `PerReplica` (``ctx.per_replica(value)``
+            declares one on purpose); `SyncOnRead`s stay `SyncOnRead`. Sync-on-read arguments (and ones
+            ``fn`` captures) updated in place with ``assign`` / ``assign_add`` / ``assign_sub`` keep the update.
 
         Raises:
-            ValueError: for a `PerReplica` / `SyncOnRead` of another strategy, a value computed inside a step
+            ValueError: for an output that takes a mirrored argument's place (same structure, shapes and
+                dtypes) but differs between replicas (all-reduce the gradients first, or declare it with
+                ``ctx.per_replica``), a `PerReplica` / `SyncOnRead` of another strategy, a value computed inside a step
                 whose role is not declared, a declared batch the replicas do not divide, or a collective in
                 ``fn`` over an axis name that is not bound (pass ``axis_name=``).
             RuntimeError: when called inside another replica function.
@@ -736,7 +739,8 @@ class Strategy:
                 generator function's result is iterable once.
             prefetch: batches placed ahead on the devices by a background thread (0: on demand).
             remainder: what a batch with fewer rows than the first (the last of an epoch) gets: "error" (a
-                ValueError naming this argument; for a list or tuple, before anything runs), "drop" (skipped:
+                ValueError naming this argument where the replicas do not divide it; for a list or tuple,
+                before anything runs; one they divide runs, as a program of its own), "drop" (skipped:
                 tf.data's ``drop_remainder=True``) or "pad" (padded to the first batch's rows; ``strategy.run``
                 gives its replicas the row weights, `ReplicaContext.batch_weights`, and
                 ``jd.compute_average_loss`` leaves the padding rows out).
@@ -746,7 +750,8 @@ class Strategy:
 
         Raises:
             TypeError: when ``dataset`` is not iterable.
-            ValueError: for an unknown ``remainder``; a list of batches of several sizes under "error";
+            ValueError: for an unknown ``remainder``; a list with a batch the replicas do not divide, under
+                "error";
                 (while iterating) when the replicas do not divide a batch.
 
         Examples:
@@ -765,8 +770,9 @@ class Strategy:
                 "global batches, e.g. a list or generator of (x, y) numpy arrays."
             )
         if check_remainder(remainder) == "error" and isinstance(dataset, (list, tuple)):
-            check_batches(dataset)
-        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch, remainder)
+            check_batches(dataset, self.num_replicas_in_sync)
+        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch, remainder,
+                                  self.num_replicas_in_sync)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """One value per replica: ``value_fn(ctx)`` for each replica, as `PerReplica` values for `run`.
@@ -828,5 +834,5 @@ class Strategy:
         ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
         return DistributedDataset(
             lambda: dataset_fn(ctx), lambda b: place_batch(self._policy, b, process_local=True), prefetch,
-            check_remainder(remainder),
+            check_remainder(remainder), max(1, replicas_on_this_process(self._policy)),
         )

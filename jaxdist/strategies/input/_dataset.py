@@ -230,15 +230,16 @@ class DistributedDataset:
     """
 
     def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int,
-                 remainder: str = "error"):
+                 remainder: str = "error", divisor: int = 1):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on demand).")
         self._make_source = make_source
         self._place = place
         self._prefetch = prefetch
         self._remainder = check_remainder(remainder)
+        self._divisor = divisor  # the replicas that share a batch's rows
 
     def __iter__(self) -> DistributedIterator:
         source = iter(self._make_source())
-        batches, place = with_remainder(source, self._remainder, self._place)
+        batches, place = with_remainder(source, self._remainder, self._place, self._divisor)
         return DistributedIterator(_Stateful(batches, source), place, self._prefetch)

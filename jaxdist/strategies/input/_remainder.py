@@ -3,9 +3,10 @@
 Every batch of a distributed dataset must have the rows of the first one (a program per batch shape, and the
 replicas must divide them). The last batch of an epoch often has fewer. ``remainder=`` says what to do:
 
-* ``"error"`` (the default): a ValueError, as early as it can come: when the dataset is made, for a list or
-  tuple of batches; at that batch otherwise;
-* ``"drop"``: the smaller batch is skipped (tf.data's ``drop_remainder=True``);
+* ``"error"`` (the default): a batch the replicas do not divide is a ValueError naming ``remainder=``, as early
+  as it can come: when the dataset is made, for a list or tuple of batches; at that batch otherwise (a smaller
+  batch they divide runs, with a program of its own);
+* ``"drop"``: a batch smaller than the first is skipped (tf.data's ``drop_remainder=True``);
 * ``"pad"``: the batch is padded with zero rows to the first batch's size (the same program runs it) and its
   placed arrays are registered with their *row weights* (1.0 for a real row, 0.0 for a padding row, laid out
   like the batch). ``strategy.run`` hands the weights to its replicas (`ReplicaContext.batch_weights`), and
@@ -55,36 +56,38 @@ def _rows(batch: Any) -> int | None:
     return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else None
 
 
-def _message(index: int, rows: int, full: int) -> str:
+def _message(index: int, rows: int, full: int, divisor: int) -> str:
     return (
-        f"batch {index} has {rows} rows but the first batch has {full}: a smaller last batch (tf.data's batch() "
-        "without drop_remainder gives one). Pass remainder='drop' to skip it (drop_remainder=True) or "
+        f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the first batch has {full}): "
+        "a smaller last batch, as tf.data's batch() without drop_remainder gives. Pass remainder='drop' to skip "
+        "it (drop_remainder=True) or "
         "remainder='pad' to pad it (the padding rows are left out of jd.compute_average_loss; "
         "ReplicaContext.batch_weights marks them) to experimental_distribute_dataset / "
         "distribute_datasets_from_function."
     )
 
 
-def check_batches(batches: Sequence[Any]) -> None:
-    """Refuse, before anything runs, a list of batches whose sizes differ (``remainder="error"``).
+def check_batches(batches: Sequence[Any], divisor: int) -> None:
+    """Refuse, before anything runs, a list with a batch that ``divisor`` replicas do not divide after a first
+    batch they do (``remainder="error"``; a first batch they do not divide is the placement's error).
 
     Raises:
         ValueError: naming the batch, its rows, the first batch's rows and ``remainder=``.
 
     Examples:
-        >>> check_batches([np.zeros((4, 2)), np.zeros((4, 2))])
+        >>> check_batches([np.zeros((4, 2)), np.zeros((2, 2))], divisor=2)
     """
     full = None
     for index, batch in enumerate(batches):
         rows = _rows(batch)
         if full is None:
             full = rows
-        elif rows != full and rows is not None:
-            raise ValueError(_message(index, rows, full))
+        elif rows is not None and full is not None and full % divisor == 0 and rows % divisor:
+            raise ValueError(_message(index, rows, full, divisor))
 
 
 def with_remainder(
-    source: Iterator[Any], remainder: str, place: Callable[[Any], Any]
+    source: Iterator[Any], remainder: str, place: Callable[[Any], Any], divisor: int
 ) -> tuple[Iterator[Any], Callable[[Any], Any]]:
     """The batches of ``source`` under ``remainder``, and the placement that goes with them.
 
@@ -92,16 +95,17 @@ def with_remainder(
         source: the host batches.
         remainder: "error", "drop" or "pad".
         place: how one host batch is placed.
+        divisor: the replicas that share a batch's rows (of this process, for per-process input).
 
     Returns:
         ``(batches, place)``: with "pad", a padded batch is placed with its row weights registered.
 
     Raises:
-        ValueError: (while iterating) for a batch whose size differs from the first one's under "error", or
-            one larger than the first.
+        ValueError: (while iterating) under "error", for a batch the replicas do not divide (after a first one
+            they do); under "drop" and "pad", for one larger than the first.
 
     Examples:
-        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop", lambda b: b)
+        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop", lambda b: b, 2)
         >>> [b.shape for b in batches]
         [(4, 1)]
     """
@@ -110,11 +114,19 @@ def with_remainder(
         full = None
         for index, batch in enumerate(source):
             rows = _rows(batch)
-            if full is None or rows is None or rows == full:
+            if remainder == "error":
+                if full is not None and rows is not None and full % divisor == 0 and rows % divisor:
+                    raise ValueError(_message(index, rows, full, divisor))
+                full = rows if full is None else full
+                yield batch
+            elif full is None or rows is None or rows == full:
                 full = rows if full is None else full
                 yield (batch, None) if remainder == "pad" else batch
-            elif rows > full or remainder == "error":
-                raise ValueError(_message(index, rows, full))
+            elif rows > full:
+                raise ValueError(
+                    f"batch {index} has {rows} rows, more than the first batch's {full}: remainder={remainder!r} "
+                    "handles a smaller last batch; give every batch the first one's rows."
+                )
             elif remainder == "pad":
                 yield _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
             # "drop": skipped
