@@ -86,3 +86,13 @@ def test_nnx_load_state_needs_no_batch():
     trainer.load_state(params=params, step=3)
     assert trainer.step == 3
     np.testing.assert_allclose(np.asarray(trainer.state.params["kernel"]), 0.5)
+
+
+def test_per_replica_values_are_refused_in_a_state_s_place():
+    x, y = _batch()
+    strategy = jd.MirroredStrategy()
+    params, _ = _trained_elsewhere(nn.Dense(2), optax.sgd(0.1), x, y, steps=1)
+    apart = strategy.experimental_distribute_values_from_function(lambda ctx: params)  # one copy per replica
+    trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1), _ce)
+    with pytest.raises(ValueError, match=r"params holds per-replica values \(dict\['bias'\] and 1 more\)"):
+        trainer.load_state(params=apart)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdist.replicate.trees import is_distributed
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.strategies.plan import abstract_variables
@@ -679,6 +680,16 @@ class Trainer:
             (25, 25)
         """
         check_int(step, "step", 0)
+        for name, piece in (("params", params), ("opt_state", opt_state), ("model_state", model_state)):
+            held = [jax.tree_util.keystr(p) for p, v in
+                    jax.tree_util.tree_flatten_with_path(piece, is_leaf=is_distributed)[0] if is_distributed(v)]
+            if held:
+                raise ValueError(
+                    f"{name} holds per-replica values ({type(piece).__name__}{held[0]}"
+                    f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): one copy per replica, where the "
+                    "trainer keeps one state. Pass one copy (strategy.experimental_local_results(value)[0]) or "
+                    "their mean (strategy.reduce('mean', value)); replicas that drifted apart were trained apart."
+                )
         unchecked = False  # the model's own check waits for its first batch
         if self._state is not None:
             like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
