@@ -233,5 +233,8 @@ def test_progress_marks_utilisation_a_lower_bound_while_a_custom_call_is_not_cos
     progress.on_step_cost(None, cost)
     progress.on_log(None, 10, {"loss": 1.0, "mfu": 0.25, "hfu": 0.25})
     lines = out.getvalue().splitlines()
-    assert "at least: 1 custom call(s) not costed: mosaic_gpu_v2 (jit(step)/my_kernel)" in lines[0]
+    assert lines[0] == "per device: at least 2 TFLOP/step, params 0 B, optimizer 0 B, peak 1 PFLOP/s"
     assert lines[1] == "step 10 loss 1 mfu >=25.00% hfu >=25.00%"
+    detailed = io.StringIO()
+    jd.training.Progress(mode="lines", stream=detailed, details=True).on_step_cost(None, cost)
+    assert "at least: 1 custom call(s) not costed: mosaic_gpu_v2 (jit(step)/my_kernel)" in detailed.getvalue()

@@ -734,7 +734,8 @@ class Trainer:
                 step number), and always before the next evaluation, checkpoint or the end of ``fit``.
             log_dir: also write ``metrics.csv`` and TensorBoard event files here.
             callbacks: `Callback` instances.
-            verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, or 0 (silent).
+            verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, 2 (``"auto"``
+                with the step's whole cost line, `StepCost.describe`, instead of its summary), or 0 (silent).
             on_preemption: on SIGTERM the current step finishes and a checkpoint is saved; then ``"exit"``
                 raises ``SystemExit(0)`` (the job exits cleanly) or ``"return"`` returns the history with
                 ``history.preempted = True``. With several processes a SIGTERM to any one stops them all
@@ -804,6 +805,7 @@ class Trainer:
         try:
             if ckpt is not None:
                 ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
+            resumed = ckpt is not None and (restore_step is not None or (ckpt.latest_step() or 0) > self._step)
             if restore_step is not None:
                 self._roll_back(ckpt, restore_step, sample)
             elif ckpt is not None and (latest := ckpt.latest_step() or 0) > self._step:
@@ -821,8 +823,9 @@ class Trainer:
                 self._say_start()
             callbacks = list(callbacks)
             writer = self.strategy.should_save_summary  # one writer: the chief (process 0) shows and writes logs
-            if verbose and writer:
-                callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1) else verbose))
+            if verbose and writer:  # 1 / True: "auto"; 2: "auto" with the step's whole cost line
+                callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1, 2) else verbose,
+                                             details=verbose == 2, resumed_from=checkpoint_dir if resumed else None))
             if log_dir is not None and writer:
                 callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
             options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
