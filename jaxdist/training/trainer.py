@@ -70,10 +70,12 @@ class Trainer:
             never biases the mean however it is spread.
         metrics: extra ``{name: fn(outputs, targets)}``, each a batch mean or a ``(sum, weight)`` pair, e.g.
             ``{"accuracy": jd.training.accuracy}``.
-        input_key / target_key: for batches given as dicts: the key of the model's inputs and the key of
-            the targets (default ``"x"`` and ``"y"``), e.g. ``input_key="image", target_key="label"`` for
-            ``{"image": ..., "label": ...}``. A tuple of keys passes their values as a dict. Other keys are
-            dropped on the host (one warning). Batches given as pairs ``(x, y)`` ignore both.
+        input_key: for batches given as dicts: the key of the model's inputs, e.g. ``input_key="image"`` for
+            ``{"image": ..., "label": ...}``. A tuple of keys passes their values as a dict. Other keys than
+            the input and target keys are dropped on the host (one warning). Batches given as pairs ``(x, y)``
+            ignore it.
+        target_key: for batches given as dicts: the key of the targets (``target_key="label"`` above), or a
+            tuple of keys, as ``input_key``.
         variables: linen only: variables to start from (e.g. pretrained) instead of ``model.init``.
         grad_accum_steps: split each batch into this many micro-batches per optimizer step (one update
             equal to a step on the whole batch, with the activation memory of a micro-batch).
@@ -82,8 +84,9 @@ class Trainer:
         clip_grad_norm: clip gradients to this global norm before the optimizer (None: no clipping).
         seed: seeds parameter init (linen) and the per-step key (``fold_in(key, step)``) behind linen rng
             streams and nnx call-time ``rngs``.
-        train_kwargs / eval_kwargs: linen only: keyword arguments for ``model.apply`` in training / in
-            evaluation and prediction (e.g. ``{"train": True}`` / ``{"train": False}``).
+        train_kwargs: linen only: keyword arguments for ``model.apply`` in training (e.g. ``{"train": True}``).
+        eval_kwargs: linen only: keyword arguments for ``model.apply`` in evaluation and prediction (e.g.
+            ``{"train": False}``).
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
         steps_per_run: steps per compiled on-device loop in ``fit`` (``strategy.run_steps_on_dataset``;
             default: ``strategy.steps_per_run`` for a `TPUStrategy`, else 1: one compiled step per batch). A
