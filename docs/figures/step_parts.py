@@ -44,8 +44,9 @@ def main() -> None:
                   fontsize=8)
     ax.set_title(
         f"One training step of a {run['model']}, global batch {run['global_batch']}, MirroredStrategy on "
-        f"{run['devices']} simulated CPU devices ({machine['cpu_count']} cores, jax {machine['versions']['jax']}, "
-        f"{machine['date'][:10]})", fontsize=8)
+        f"{run['devices']} simulated CPU devices\n({machine['cpu_count']} cores at load "
+        f"{machine['load_average_1_5_15'][0]:.1f}, jax {machine['versions']['jax']}, {machine['date'][:10]}; "
+        f"{runs[-1].relative_to(ROOT)})", fontsize=8)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     fig.savefig(OUT, metadata={"Software": None}, bbox_inches="tight", dpi=110)
