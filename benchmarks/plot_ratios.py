@@ -19,7 +19,7 @@ __all__ = ["plot_ratios"]
 _MODELS = {"mlp-small": "small MLP", "mlp-large": "large MLP", "mlp-tiny": "tiny MLP", "lm": "LM", "lm-tiny": "tiny LM"}
 
 
-def plot_ratios(rows: Sequence[dict[str, Any]], title: str, path: pathlib.Path) -> bool:
+def plot_ratios(rows: Sequence[dict[str, Any]], title: str, path: pathlib.Path, stable: bool = False) -> bool:
     """Write a PNG with one line per measured row: median ratio (dot), 95% CI (bar), target (dashed tick).
 
     Args:
@@ -27,6 +27,8 @@ def plot_ratios(rows: Sequence[dict[str, Any]], title: str, path: pathlib.Path) 
             ``target``, ``ratio`` with ``median`` / ``ci_low`` / ``ci_high``); unmeasured rows are skipped.
         title: the figure's title (date, machine, versions).
         path: where the PNG goes.
+        stable: leave matplotlib's version out of the PNG, so the same rows give the same bytes (a figure kept
+            in git). A row with a ``"date"`` shows it after its label.
 
     Returns:
         False (and writes nothing) when no row was measured or matplotlib is not installed.
@@ -64,7 +66,7 @@ def plot_ratios(rows: Sequence[dict[str, Any]], title: str, path: pathlib.Path) 
         fontsize=8,
     )
     ax.set_title(title + "\ngreen: target met, red: missed, blue: information (baselines: see the table)", fontsize=8)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, **({"metadata": {"Software": None}} if stable else {}))
     plt.close(fig)
     return True
 
@@ -72,7 +74,8 @@ def plot_ratios(rows: Sequence[dict[str, Any]], title: str, path: pathlib.Path) 
 def _label(row: dict[str, Any]) -> str:
     model = _MODELS.get(row.get("model", ""), row.get("model", ""))
     text = f"{row['key']} ({model}): {row['candidate_label']}"
-    return text if len(text) <= 64 else text[:63] + "…"
+    text = text if len(text) <= 64 else text[:63] + "…"
+    return f"{text} [{row['date'][5:]}]" if "date" in row else text
 
 
 def title_of(machine: dict[str, Any], mode: str) -> str:

@@ -388,7 +388,7 @@ def make_optimizer(steps: int, learning_rate: float = 3e-3) -> optax.GradientTra
 
 class ProgressLines(jd.training.Callback):
     """Progress lines: step, train loss (nats/char), learning rate, tokens/s and MFU over the last log window
-    (the Trainer's ``tokens_per_sec`` and ``mfu`` logs; MFU needs the devices' peak FLOP/s, "n/a" on CPU)."""
+    (the Trainer's ``tokens_per_sec`` and ``mfu`` logs; MFU needs the devices' peak FLOP/s: none on CPU)."""
 
     def __init__(self, total: int):
         self.total = total
@@ -401,10 +401,10 @@ class ProgressLines(jd.training.Callback):
             rate += (f" experts: max load {logs['moe_max_load']:.2f} dropped {logs['moe_dropped_fraction']:.1%} "
                      f"aux {logs['moe_aux_loss']:.4f}")
         mfu = logs.get("mfu")
-        mfu = f"{mfu:.1%}" if isinstance(mfu, float) else "n/a"
+        mfu = f" MFU {mfu:.1%}" if isinstance(mfu, float) else ""  # shown where the device's peak is known
         print(
-            f"step {step}/{self.total} loss {logs['loss']:.3f}{rate} tokens/s {logs.get('tokens_per_sec', 0):,.0f} "
-            f"MFU {mfu}",
+            f"step {step}/{self.total} loss {logs['loss']:.3f}{rate} tokens/s {logs.get('tokens_per_sec', 0):,.0f}"
+            f"{mfu}",
             flush=True,
         )
 

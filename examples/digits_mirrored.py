@@ -65,6 +65,15 @@ def test_batches(x, y, batch_size):
     return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
 
 
+class FirstStep(jd.training.Callback):
+    """Remembers the step ``fit`` starts from (after it resumed from a checkpoint, if it did)."""
+
+    step = 0
+
+    def on_train_begin(self, trainer):
+        self.step = trainer.step
+
+
 def make_strategy(name: str) -> jd.Strategy:
     if name == "mirrored":
         return jd.MirroredStrategy()
@@ -118,6 +127,8 @@ def parse_args() -> argparse.Namespace:
                         help="where checkpoints go (default: a new temporary directory); reuse one to resume")
     parser.add_argument("--compare-loop", action="store_true",
                         help="also time a hand-written strategy.jit loop on the same model (steps/s side by side)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the step's whole cost line (FLOP sources, peak, live memory) at the start")
     return parser.parse_args()
 
 
@@ -141,11 +152,9 @@ def main() -> None:
     steps_per_epoch = len(x_train) // args.batch_size
     total_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="jaxdist-digits-")
-    print(
-        f"{strategy!r}: global batch {args.batch_size} = {args.batch_size // n} per replica x {n}; "
-        f"{len(x_train)} train / {len(x_test)} test examples; {total_steps} steps",
-        flush=True,  # before the progress bar starts writing to stderr
-    )
+    print(f"{type(strategy).__name__} over {n} replicas: global batch {args.batch_size} ({args.batch_size // n} "
+          f"per replica)\ndigits: {len(x_train)} train / {len(x_test)} test examples, {total_steps} steps",
+          flush=True)  # before the progress bar starts writing to stderr
 
     def data_fn(epoch):
         return train_batches(x_train, y_train, args.batch_size, epoch, args.seed)
@@ -154,15 +163,14 @@ def main() -> None:
         strategy, MLP(), optax.adam(3e-3), loss_fn, metrics={"accuracy": jd.training.accuracy}, seed=args.seed
     )
     test_data = test_batches(x_test, y_test, args.batch_size)
-    start, first_step = time.perf_counter(), trainer.step
+    start, first = time.perf_counter(), FirstStep()
     history = trainer.fit(data_fn, steps=total_steps, eval_data=test_data, checkpoint_dir=checkpoint_dir,
-                          log_every=steps_per_epoch)
+                          log_every=steps_per_epoch, verbose=2 if args.verbose else "auto", callbacks=[first])
     seconds = time.perf_counter() - start
-    trained = trainer.step - first_step
+    trained = trainer.step - first.step
 
     metrics = trainer.evaluate(test_data)
-    print(f"trained {trained} steps in {seconds:.1f}s ({trained / max(seconds, 1e-9):.0f} steps/s, "
-          "compilation, evaluation and checkpoints included)")
+    print(f"trained {trained} steps in {seconds:.1f}s (compilation, evaluation and checkpoints included)")
     print(f"checkpoint: {os.path.join(checkpoint_dir, str(trainer.step))} (history: {len(history.train)} log points)")
     if args.compare_loop:
         steps = min(total_steps, 500)
@@ -172,8 +180,9 @@ def main() -> None:
         timed.fit(data_fn, steps=1 + steps, verbose=0, log_every=10)
         fit_rate = steps / (time.perf_counter() - t0)
         hand_rate = hand_written_steps_per_sec(strategy, data_fn, steps, args.seed, x_train[:1])
-        print(f"steps/s over {steps} steps (compiled, same model and batches): Trainer.fit {fit_rate:.0f} | "
-              f"hand-written strategy.jit loop {hand_rate:.0f} | ratio {fit_rate / hand_rate:.2f}")
+        print(f"steps/s over {steps} compiled steps, same model and batches:\n"
+              f"  Trainer.fit {fit_rate:.0f} | hand-written strategy.jit loop {hand_rate:.0f} | "
+              f"ratio {fit_rate / hand_rate:.2f}")
     print(f"final eval accuracy: {metrics['accuracy']:.4f}")
 
 

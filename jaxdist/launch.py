@@ -2,10 +2,12 @@
 
 For development and tests. Each process gets the cluster environment that `MultiWorkerMirroredStrategy`
 reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port, ``JAXDIST_NUM_PROCESSES``,
-``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K simulated CPU devices. Output is
-streamed line by line with a ``[i]`` prefix. When one process fails, the others are stopped (SIGTERM, then
-SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's code; Ctrl-C / SIGTERM to
-the launcher is passed on to every process.
+``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K simulated CPU devices.
+
+Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU collectives) prints
+as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ..."; ``--verbose`` shows them). When one
+process fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits
+with the failed process's code; Ctrl-C / SIGTERM to the launcher is passed on to every process.
 
 On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ... ssh
 --worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by itself, and
@@ -40,8 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, prefix: str, out) -> None:
+# What gloo writes to the processes' output as its ranks connect, one line per rank and communicator.
+_GLOO_LINE = b"[Gloo] "
+
+
+def _pump(stream, prefix: str, out, verbose: bool = True) -> None:
     for line in iter(stream.readline, b""):
+        if not verbose and line.startswith(_GLOO_LINE):
+            continue
         out.write(prefix + line.decode(errors="replace"))
         out.flush()
     stream.close()
@@ -54,6 +62,7 @@ def launch(
     timeout: float | None = None,
     grace: float = 10.0,
     out=None,
+    verbose: bool = False,
 ) -> int:
     """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating processes.
 
@@ -64,6 +73,7 @@ def launch(
         timeout: stop everything and return 124 after this many seconds.
         grace: seconds between SIGTERM and SIGKILL when stopping processes.
         out: where to write the prefixed output (default: stdout).
+        verbose: also pass on the lines gloo prints as its ranks connect (``[Gloo] Rank i is connected to ...``).
 
     Returns:
         0 when every process exits 0; else the first failing process's exit code (124 on timeout).
@@ -97,7 +107,7 @@ def launch(
         p = subprocess.Popen([sys.executable, *command], env=env_i, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out), daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose), daemon=True)
         t.start()
         pumps.append(t)
 
@@ -149,7 +159,7 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] script.py args...``.
+    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose] script.py args...``.
 
     Returns:
         The exit status (see `launch`).
@@ -166,13 +176,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")
     parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the [Gloo] lines the processes print as they connect")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
         parser.error(f"-n/--num-processes={args.num_processes} must be >= 1")
     if not args.command:
         parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
-    return launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace)
+    return launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
+                  verbose=args.verbose)
 
 
 if __name__ == "__main__":

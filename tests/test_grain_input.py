@@ -48,7 +48,8 @@ def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
 
     # One writer: process 0 printed the progress and wrote one CSV and one event file.
     assert "[0] step 4/12 loss" in out and "[0] step 12/12 loss" in out
-    assert "[1] step" not in out and "[1] train step per device" not in out
+    assert "[0] per device:" in out
+    assert "[1] step" not in out and "[1] per device:" not in out
     logs = tmp_path / "logs"
     (events_file,) = logs.glob("events.out.tfevents.*")
     with open(logs / "metrics.csv", newline="") as f:

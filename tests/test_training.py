@@ -265,7 +265,7 @@ def test_callbacks_progress_lines_and_metric_files(tmp_path, capsys, linen_varia
     assert ("eval", 4) in events and ("eval", 6) in events
     assert ("checkpoint", 4, True) in events and ("checkpoint", 6, True) in events
     out = capsys.readouterr().out
-    assert "step 2/12 loss" in out and "steps_per_sec" in out and "eval at step 4:" in out
+    assert "step 2/12 loss" in out and " steps/s" in out and "eval at step 4:" in out
     with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows if r["split"] == "train"] == ["2", "4", "6"]

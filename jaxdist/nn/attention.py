@@ -135,14 +135,19 @@ def dot_product_attention(
             softmax statistics with their gradient, which the fused kernels do not give
             (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under cuDNN): the ring
             runs the einsums. The choice shows in `jaxdist.Plan.attention`.
-        dropout_rng, dropout_rate, broadcast_dropout, deterministic: Flax's attention dropout (plain
-            attention only: on a context axis, pass ``deterministic=True`` or ``dropout_rate=0``).
+        dropout_rng: Flax's attention dropout key (plain attention only: on a context axis, pass
+            ``deterministic=True`` or ``dropout_rate=0``).
+        dropout_rate: Flax's attention dropout rate (plain attention only).
+        broadcast_dropout: Flax's: one dropout mask for every batch row and head.
+        deterministic: Flax's: no dropout.
         dtype: the computation dtype (default: the inputs'); the softmax runs in at least float32.
         precision: the matmuls' `jax.lax.Precision`.
         module: Flax's module when it sows the attention weights (plain attention only).
         is_causal: Flax nnx's name for ``causal`` (either one turns the causal mask on).
-        force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype: accepted
-            from Flax's modules (the softmax is in float32 already; custom einsums are not supported).
+        force_fp32_for_softmax: accepted from Flax's modules (the softmax is in float32 already).
+        qk_attn_weights_einsum: accepted from Flax's modules (a custom einsum is not supported).
+        attn_weights_value_einsum: accepted from Flax's modules (a custom einsum is not supported).
+        promote_dtype: accepted from Flax's modules.
         **flax_kwargs: any other keyword a Flax module passes; an unknown one is an error.
 
     Returns:

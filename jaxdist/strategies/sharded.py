@@ -116,9 +116,12 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             over them too (``fsdp_axes`` without them opts out).
         expert_parallelism: the short form of ``expert_axes``: an ``"expert"`` batch axis of that size on the
             strategy's own mesh ``(replica, expert[, model])``.
-        coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
-            the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
-            JAX's cluster detection, else this process alone).
+        coordinator_address: the cluster, as for `MultiWorkerMirroredStrategy`: process 0's ``"host:port"``
+            (default: the ``JAXDIST_*`` variables, else JAX's cluster detection, else this process alone).
+        num_processes: as for `MultiWorkerMirroredStrategy`: how many processes take part.
+        process_id: as for `MultiWorkerMirroredStrategy`: this process's index.
+        initialization_timeout: seconds to wait for every process to join.
+        heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead.
 
     Raises:
         ValueError: for a bad device list, ``model_parallelism`` that does not divide the device count, bad

@@ -32,9 +32,12 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
         mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``: data parallel
             over all its axes.
-        coordinator_address, num_processes, process_id, initialization_timeout, heartbeat_timeout_seconds:
-            the cluster, as for `MultiWorkerMirroredStrategy` (default: the ``JAXDIST_*`` variables, else
-            JAX's cluster detection: a TPU pod's hosts connect themselves).
+        coordinator_address: the cluster, as for `MultiWorkerMirroredStrategy`: process 0's ``"host:port"``
+            (default: the ``JAXDIST_*`` variables, else JAX's cluster detection: a TPU pod's hosts connect themselves).
+        num_processes: as for `MultiWorkerMirroredStrategy`: how many processes take part.
+        process_id: as for `MultiWorkerMirroredStrategy`: this process's index.
+        initialization_timeout: seconds to wait for every process to join.
+        heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead.
 
     Raises:
         ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or an unknown

@@ -107,46 +107,65 @@ class Callback:
         """When ``fit`` ends (normally, stopped, or preempted)."""
 
 
+_RATES = {"steps_per_sec": "steps/s", "tokens_per_sec": "tokens/s"}  # shown as "<value> <unit>"
+
+
 def _value(key: str, value: float | str) -> str:
-    if isinstance(value, str):  # "n/a"
+    if isinstance(value, str):  # already formatted (">=25.00%")
         return value
     if key in ("mfu", "hfu"):
         return f"{value:.2%}"
     if key.endswith("bytes_in_use"):
         return format_bytes(value)
+    if key in _RATES:
+        return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
     return f"{value:.4g}"
 
 
 def _format(logs: Mapping[str, float]) -> str:
-    return " ".join(f"{k} {_value(k, v)}" for k, v in logs.items() if k != "step")
+    """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once."""
+    values = [f"{k} {_value(k, v)}" for k, v in logs.items() if k != "step" and k not in _RATES]
+    rates = [f"{_value(k, logs[k])} {unit}" for k, unit in _RATES.items() if k in logs]
+    return " ".join(values + rates)
 
 
 class Progress(Callback):
-    """A tqdm progress bar (loss, steps/s, tokens/s, MFU) on a terminal; plain log lines when output is not a
-    terminal. The step's cost (`StepCost.describe`) is one line at the start; MFU shows "n/a" when the
-    device's peak is unknown (CPU without ``peak_flops``), and ">=" before it (and HFU) when a custom call in the
-    step could not be costed (`StepCost.uncosted`: the figures are lower bounds).
+    """Training progress: a tqdm bar on a terminal, plain lines otherwise (logs, CI), with the loss, the
+    metrics and one rate (the trainer's steps/s over the log window; tokens/s where counted).
+
+    At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
+    cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).
+    MFU and HFU show where the device's peak FLOP/s is known (an accelerator in `jaxdist.costs.ACCELERATORS`,
+    or ``Trainer(peak_flops=...)``), with ">=" before them while a custom call in the step could not be costed
+    (`StepCost.lower_bound`: the figures are lower bounds).
 
     Args:
         total: the step the run trains to (for the bar), or None.
         mode: ``"auto"`` (bar when stderr is a terminal), ``"bar"`` or ``"lines"``.
-        stream: where lines go (default: stdout).
+        stream: where lines (and the bar) go (default: stdout for lines, stderr for the bar).
+        details: show the step's whole cost line (`StepCost.describe`) instead of its summary.
+        resumed_from: the checkpoint directory ``fit`` restored the state from, or None (a fresh start).
+
+    Raises:
+        ValueError: for a ``mode`` that is not one of the three.
 
     Examples:
         >>> import io
         >>> out = io.StringIO()
         >>> p = Progress(total=20, mode="lines", stream=out)
-        >>> p.on_log(None, 10, {"loss": 0.25, "steps_per_sec": 50.0, "tokens_per_sec": 51200.0, "mfu": 0.4123})
+        >>> p.on_log(None, 10, {"loss": 0.25, "accuracy": 0.9, "steps_per_sec": 50.0, "tokens_per_sec": 51200.0})
         >>> out.getvalue()
-        'step 10/20 loss 0.25 steps_per_sec 50 tokens_per_sec 5.12e+04 mfu 41.23%\\n'
+        'step 10/20 loss 0.25 accuracy 0.9 50 steps/s 51,200 tokens/s\\n'
     """
 
-    def __init__(self, total: int | None = None, mode: str = "auto", stream: Any = None):
+    def __init__(self, total: int | None = None, mode: str = "auto", stream: Any = None, *, details: bool = False,
+                 resumed_from: str | os.PathLike | None = None):
         if mode not in ("auto", "bar", "lines"):
             raise ValueError(f"mode={mode!r} must be 'auto', 'bar' or 'lines'.")
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "lines"
-        self.total, self.mode, self.stream = total, mode, stream
+        self.total, self.mode, self.stream, self.details = total, mode, stream, details
+        self.resumed_from = None if resumed_from is None else os.fspath(resumed_from)
         self._bar: Any = None
         self._start_step = 0
         self._cost: StepCost | None = None
@@ -156,27 +175,34 @@ class Progress(Callback):
         if self.mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step")
+            # tqdm's own rate (an average since the bar began, compilation included) is left out: the rate
+            # shown is the trainer's, over the last log window.
+            layout = ("{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}" if self.total
+                      else "{desc} {n_fmt} {elapsed}{postfix}")
+            self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step",
+                             bar_format=layout, file=self.stream)
+        if self.resumed_from is not None:
+            line = f"resumed from step {self._start_step} ({self.resumed_from})"
+            if self.total is not None and self._start_step >= self.total:
+                line += f": already at steps={self.total}, nothing to train"
+            self._write(line)
 
     def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
         self._cost = cost
-        self._write(cost.describe())
+        self._write(cost.describe() if self.details else cost.summary())
 
     def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        if self._cost is not None and self._cost.mfu(1.0) is None and "mfu" not in logs:
-            logs = {**logs, "mfu": "n/a"}
         if self._cost is not None and self._cost.lower_bound:  # a custom call not costed: at least this much
             # (MFU from the user's flops_per_step= does not rest on the count: no bound there)
             bounded = ("hfu",) if self._cost.model_flops_source.startswith("flops_per_step") else ("mfu", "hfu")
             logs = {k: f">={_value(k, v)}" if k in bounded and not isinstance(v, str) else v
                     for k, v in logs.items()}
         if self._bar is not None:
-            shown = ("loss", "steps_per_sec", "tokens_per_sec", "mfu", "hfu")
-            self._bar.set_postfix({k: _value(k, v) for k, v in logs.items() if k in shown})
+            self._bar.set_postfix_str(_format(logs))
         else:
             total = f"/{self.total}" if self.total else ""
             print(f"step {step}{total} {_format(logs)}", file=self.stream or sys.stdout, flush=True)
@@ -186,7 +212,7 @@ class Progress(Callback):
 
     def _write(self, line: str) -> None:
         if self._bar is not None:
-            self._bar.write(line)
+            self._bar.write(line, file=self.stream)
         else:
             print(line, file=self.stream or sys.stdout, flush=True)
 

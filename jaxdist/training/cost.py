@@ -138,10 +138,11 @@ def _bytes_per_device(tree: Any) -> int:
     return total
 
 
-def _size(n: float, unit: str, base: float, prefixes: Sequence[str]) -> str:
+def _size(n: float, unit: str, base: float, prefixes: Sequence[str], digits: int = 4) -> str:
     for prefix in prefixes:
         if abs(n) < base or prefix == prefixes[-1]:
-            return f"{n:.4g} {prefix}{unit}"
+            text = f"{n:.{digits}g}"
+            return f"{n:.0f} {prefix}{unit}" if "e" in text else f"{text} {prefix}{unit}"  # 1000-1023 KiB
         n /= base
     raise AssertionError  # unreachable
 
@@ -260,8 +261,39 @@ class StepCost:
             out["peak_bytes_in_use"] = float(live["peak_bytes_in_use"])
         return out
 
+    def summary(self) -> str:
+        """The short line ``fit`` shows at its start: FLOPs and bytes per device (`describe` has every detail).
+
+        The peak FLOP/s shows only where it is known (MFU and HFU are logged then); "at least" marks FLOPs that
+        are a lower bound (`lower_bound`).
+
+        Examples:
+            >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None, peak_source="cpu",
+            ...          param_bytes=2048, optimizer_bytes=4096, model_state_bytes=0, temp_bytes=1024,
+            ...          device_kind="cpu", num_devices=8).summary()
+            'per device: 1.5 GFLOP/step, params 2 KiB, optimizer 4 KiB, temp 1 KiB'
+        """
+        def size(n: float) -> str:  # three digits: a line that fits 80 columns
+            return _size(n, "B", 1024.0, ("", "Ki", "Mi", "Gi", "Ti"), digits=3)
+
+        def flops(n: float) -> str:
+            return _size(n, "FLOP", 1000.0, ("", "k", "M", "G", "T", "P", "E"), digits=3)
+
+        if self.flops is None:
+            parts = ["FLOPs not counted"]
+        else:
+            parts = [f"{'at least ' if self.lower_bound else ''}{flops(self.flops)}/step"]
+        parts += [f"params {size(self.param_bytes)}", f"optimizer {size(self.optimizer_bytes)}"]
+        if self.model_state_bytes:
+            parts.append(f"model state {size(self.model_state_bytes)}")
+        if self.temp_bytes is not None:
+            parts.append(f"temp {size(self.temp_bytes)}")
+        if self.peak_flops is not None:
+            parts.append(f"peak {flops(self.peak_flops)}/s")
+        return "per device: " + ", ".join(parts)
+
     def describe(self) -> str:
-        """The one line ``fit`` logs at its start.
+        """The one line ``fit`` logs at its start with ``verbose=2`` (`summary` is the short one).
 
         Examples:
             >>> line = StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,

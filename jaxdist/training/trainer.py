@@ -71,10 +71,12 @@ class Trainer:
             never biases the mean however it is spread.
         metrics: extra ``{name: fn(outputs, targets)}``, each a batch mean or a ``(sum, weight)`` pair, e.g.
             ``{"accuracy": jd.training.accuracy}``.
-        input_key / target_key: for batches given as dicts: the key of the model's inputs and the key of
-            the targets (default ``"x"`` and ``"y"``), e.g. ``input_key="image", target_key="label"`` for
-            ``{"image": ..., "label": ...}``. A tuple of keys passes their values as a dict. Other keys are
-            dropped on the host (one warning). Batches given as pairs ``(x, y)`` ignore both.
+        input_key: for batches given as dicts: the key of the model's inputs, e.g. ``input_key="image"`` for
+            ``{"image": ..., "label": ...}``. A tuple of keys passes their values as a dict. Other keys than
+            the input and target keys are dropped on the host (one warning). Batches given as pairs ``(x, y)``
+            ignore it.
+        target_key: for batches given as dicts: the key of the targets (``target_key="label"`` above), or a
+            tuple of keys, as ``input_key``.
         variables: linen only: variables to start from (e.g. pretrained) instead of ``model.init``.
         grad_accum_steps: split each batch into this many micro-batches per optimizer step (one update
             equal to a step on the whole batch, with the activation memory of a micro-batch).
@@ -83,8 +85,9 @@ class Trainer:
         clip_grad_norm: clip gradients to this global norm before the optimizer (None: no clipping).
         seed: seeds parameter init (linen) and the per-step key (``fold_in(key, step)``) behind linen rng
             streams and nnx call-time ``rngs``.
-        train_kwargs / eval_kwargs: linen only: keyword arguments for ``model.apply`` in training / in
-            evaluation and prediction (e.g. ``{"train": True}`` / ``{"train": False}``).
+        train_kwargs: linen only: keyword arguments for ``model.apply`` in training (e.g. ``{"train": True}``).
+        eval_kwargs: linen only: keyword arguments for ``model.apply`` in evaluation and prediction (e.g.
+            ``{"train": False}``).
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
         steps_per_run: steps per compiled on-device loop in ``fit`` (``strategy.run_steps_on_dataset``;
             default: ``strategy.steps_per_run`` for a `TPUStrategy`, else 1: one compiled step per batch). A
@@ -770,7 +773,8 @@ class Trainer:
                 step number), and always before the next evaluation, checkpoint or the end of ``fit``.
             log_dir: also write ``metrics.csv`` and TensorBoard event files here.
             callbacks: `Callback` instances.
-            verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, or 0 (silent).
+            verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, 2 (``"auto"``
+                with the step's whole cost line, `StepCost.describe`, instead of its summary), or 0 (silent).
             on_preemption: on SIGTERM the current step finishes and a checkpoint is saved; then ``"exit"``
                 raises ``SystemExit(0)`` (the job exits cleanly) or ``"return"`` returns the history with
                 ``history.preempted = True``. With several processes a SIGTERM to any one stops them all
@@ -840,6 +844,7 @@ class Trainer:
         try:
             if ckpt is not None:
                 ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
+            resumed = ckpt is not None and (restore_step is not None or (ckpt.latest_step() or 0) > self._step)
             if restore_step is not None:
                 self._roll_back(ckpt, restore_step, sample)
             elif ckpt is not None and (latest := ckpt.latest_step() or 0) > self._step:
@@ -857,8 +862,9 @@ class Trainer:
                 self._say_start()
             callbacks = list(callbacks)
             writer = self.strategy.should_save_summary  # one writer: the chief (process 0) shows and writes logs
-            if verbose and writer:
-                callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1) else verbose))
+            if verbose and writer:  # 1 / True: "auto"; 2: "auto" with the step's whole cost line
+                callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1, 2) else verbose,
+                                             details=verbose == 2, resumed_from=checkpoint_dir if resumed else None))
             if log_dir is not None and writer:
                 callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
             options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),

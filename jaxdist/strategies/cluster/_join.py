@@ -111,7 +111,10 @@ def initialize_cluster(
     after start.
 
     Args:
-        coordinator_address, num_processes, process_id: the cluster (all three, or none).
+        coordinator_address: ``"host:port"`` of process 0's coordination service (with the next two, or none of
+            the three).
+        num_processes: how many processes take part.
+        process_id: this process's index in ``[0, num_processes)``.
         initialization_timeout: seconds to wait for every process to join before failing.
         heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead.
         caller: who asks, for error messages.
