@@ -66,6 +66,7 @@ from jaxdist.strategies.layout import (
     LayoutPolicy,
     UndeclaredBatchWarning,
     auto_region,
+    call_guarded,
     check_idle,
     constrain,
     constrain_outputs,
@@ -663,23 +664,45 @@ class StrategyFunction:
         args = flat_args[: len(args)]
         kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
         variables.extend(jax.tree.leaves(state))
+        # Over a split batch the step's grouped convolutions are kept whole along their groups (an XLA Shardy
+        # miscompute of per-example conv gradients: jaxdist.strategies.layout._shardy).
+        split = bool(batches) and policy.num_replicas > 1
         with computation(policy, "global", batches, variables), policy.tracing_scope(), refusals(
                 policy.mesh, fn_name(self._fn)):
             if not nodes:
+                if split:
+                    return self._guarded(lambda _, a, k: self._fn(*a, **k), None, args, kwargs), None
                 return self._fn(*args, **kwargs), None
-            objects = nnx.merge(graphdef, state)
-            call_args = list(args)
-            for i, obj in zip(nodes, objects, strict=True):
-                call_args[i] = obj
-            out = self._fn(*call_args, **kwargs)
-            new_graphdef, new_state = nnx.split(objects)
-            if new_graphdef != graphdef:
-                raise ValueError(
-                    f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
-                    "variables or submodules): a compiled step may update variables in place, not create "
-                    "them; create every variable before the first step."
-                )
-            return out, new_state
+
+            def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+                objects = nnx.merge(graphdef, state)
+                call_args = list(args)
+                for i, obj in zip(nodes, objects, strict=True):
+                    call_args[i] = obj
+                out = self._fn(*call_args, **kwargs)
+                new_graphdef, new_state = nnx.split(objects)
+                if new_graphdef != graphdef:
+                    raise ValueError(
+                        f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
+                        "variables or submodules): a compiled step may update variables in place, not create "
+                        "them; create every variable before the first step."
+                    )
+                return out, new_state
+
+            return self._guarded(step, state, args, kwargs) if split else step(state, args, kwargs)
+
+    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
+        """``step(state, args, kwargs)`` through `call_guarded`, its static arguments (Python values, not
+        arrays) closed over."""
+        static = {i: args[i] for i in self._static if i < len(args)}
+        named = {k: v for k, v in kwargs.items() if k in self._static_names}
+        dynamic = tuple(None if i in static else a for i, a in enumerate(args))
+
+        def pure(state: Any, dynamic: tuple, dynamic_kwargs: dict) -> Any:
+            full = tuple(static[i] if i in static else a for i, a in enumerate(dynamic))
+            return step(state, full, {**dynamic_kwargs, **named})
+
+        return call_guarded(self._policy, pure, state, dynamic, {k: v for k, v in kwargs.items() if k not in named})
 
 
 def _enter(traced: Any, concrete: Any) -> Any:
