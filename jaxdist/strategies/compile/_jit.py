@@ -671,7 +671,8 @@ class StrategyFunction:
                 policy.mesh, fn_name(self._fn)):
             if not nodes:
                 if split:
-                    return self._guarded(lambda _, a, k: self._fn(*a, **k), None, args, kwargs), None
+                    return self._guarded(lambda _, a, k: self._fn(*a, **k), None, args, kwargs, batches,
+                                         variables), None
                 return self._fn(*args, **kwargs), None
 
             def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -689,20 +690,31 @@ class StrategyFunction:
                     )
                 return out, new_state
 
-            return self._guarded(step, state, args, kwargs) if split else step(state, args, kwargs)
+            if split:
+                return self._guarded(step, state, args, kwargs, batches, variables)
+            return step(state, args, kwargs)
 
-    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
-        """``step(state, args, kwargs)`` through `call_guarded`, its static arguments (Python values, not
-        arrays) closed over."""
+    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list) -> Any:
+        """``step(state, args, kwargs)`` through `call_guarded`: its static arguments (Python values, not arrays)
+        closed over, and the values it is traced with keep the roles of the step's arguments they stand for
+        (what ``strategy.run`` inside the step reads)."""
         static = {i: args[i] for i in self._static if i < len(args)}
         named = {k: v for k, v in kwargs.items() if k in self._static_names}
-        dynamic = tuple(None if i in static else a for i, a in enumerate(args))
+        dynamic = (state, tuple(None if i in static else a for i, a in enumerate(args)),
+                   {k: v for k, v in kwargs.items() if k not in named})
+        batch_ids, variable_ids = {id(b) for b in batches}, {id(v) for v in variables}
+        outer = jax.tree.leaves(dynamic)
 
         def pure(state: Any, dynamic: tuple, dynamic_kwargs: dict) -> Any:
+            inner = jax.tree.leaves((state, dynamic, dynamic_kwargs))
+            roles = computation(self._policy, "global",
+                                [t for t, o in zip(inner, outer, strict=True) if id(o) in batch_ids],
+                                [t for t, o in zip(inner, outer, strict=True) if id(o) in variable_ids])
             full = tuple(static[i] if i in static else a for i, a in enumerate(dynamic))
-            return step(state, full, {**dynamic_kwargs, **named})
+            with roles:
+                return step(state, full, {**dynamic_kwargs, **named})
 
-        return call_guarded(self._policy, pure, state, dynamic, {k: v for k, v in kwargs.items() if k not in named})
+        return call_guarded(self._policy, pure, *dynamic)
 
 
 def _enter(traced: Any, concrete: Any) -> Any:

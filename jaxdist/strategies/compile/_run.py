@@ -48,6 +48,7 @@ from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
+from jaxdist.strategies.compile._vma import first_trace
 from jaxdist.strategies.input import place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.replica import ReplicaContext
@@ -108,7 +109,8 @@ class ReplicaRunner:
         self._warned = [False]
 
     def __call__(
-        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str
+        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
+        check_vma: bool | None = None,
     ) -> Any:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
@@ -157,12 +159,14 @@ class ReplicaRunner:
             dynamic.append(x)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
         # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
-        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh))
+        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
+               check_vma)
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
-                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name),
+                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name,
+                                            check_vma),
                 reason=(hashable(statics), avals),
             )
             return program(*dynamic)
@@ -172,7 +176,7 @@ class ReplicaRunner:
             return x  # already on the mesh (replicated, or another layout the program will gather)
         return put(x, self._policy.replicated_sharding)
 
-    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name) -> Callable:
+    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, check_vma=None) -> Callable:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
@@ -183,6 +187,7 @@ class ReplicaRunner:
         dyn_kinds = [k for k in kinds if k != Role.STATIC]
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
+        vma = {"check": True}  # off: the program runs as jax.pmap runs it, every output per replica (_vma.py)
 
         def body(*local, probe=False):
             it = iter(local)
@@ -212,7 +217,7 @@ class ReplicaRunner:
                     wrappers.append(("sync", v.aggregation))
                 else:
                     v = jax.numpy.asarray(v)
-                    if is_varying(v, axis_name):
+                    if not vma["check"] or is_varying(v, axis_name):
                         results.append(v[None])
                         specs.append(split)
                         wrappers.append(("per_replica", None))
@@ -235,6 +240,7 @@ class ReplicaRunner:
                  for x, spec in zip(dynamic, in_specs, strict=True)]
 
         def probe(check_vma: bool) -> None:
+            vma["check"] = check_vma
             probe_fn = jax.shard_map(
                 functools.partial(body, probe=True), mesh=mesh, in_specs=in_specs, out_specs=split,
                 check_vma=check_vma, **manual,
@@ -243,7 +249,7 @@ class ReplicaRunner:
                 jax.eval_shape(probe_fn, *avals)
 
         try:
-            probe(check_vma=True)
+            vma["check"] = first_trace(probe, check_vma, name)
         except (NameError, AssertionError, ValueError):
             unbound = _unbound_axis_error(probe)
             if unbound is None:
@@ -252,7 +258,8 @@ class ReplicaRunner:
         out_tree, out_specs, wrappers = out_info["tree"], out_info["specs"], out_info["wrappers"]
 
         # Pass 2: the real program, with exact output layouts (on the strategy's own mesh).
-        shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **manual)
+        shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                     check_vma=vma["check"], **manual)
 
         def mapped(*dyn):
             if explicit:  # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
