@@ -22,6 +22,8 @@ all-gather result, a constant) comes back mirrored (a replicated `jax.Array`); a
 `PerReplica`; a `SyncOnRead` comes back as one. Since every replica owns its copy of a mirrored argument,
 values computed from it are varying by type (as in tf.distribute, where they come back PerReplica too); to
 return an updated mirrored value, combine the replicas' updates with ``ctx.aggregate``.
+Where only JAX's varying-type check refuses a function that ``jax.pmap`` runs, its program runs with the check
+off and every output comes back `PerReplica` (``check_vma=``; see `jaxdist.strategies.compile._vma`).
 To know which is which, the function is traced once abstractly before the real program is built; the program
 is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state calls cost one dispatch.
 
