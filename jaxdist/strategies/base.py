@@ -51,6 +51,7 @@ from jaxdist.strategies.compile import (
     StrategyFunction,
     as_argnums,
     check_axis_name,
+    check_vma_arg,
     local_results,
     run_steps_on_dataset,
 )
@@ -413,6 +414,7 @@ class Strategy:
         kwargs: dict | None = None,
         batch_argnums: int | Sequence[int] | None = None,
         axis_name: str | None = None,
+        check_vma: bool | None = None,
     ) -> Any:
         """Run ``fn`` once per replica, in lockstep (tf.distribute's ``Strategy.run``).
 
@@ -440,6 +442,13 @@ class Strategy:
                 ``BatchNorm(axis_name="batch")`` in ``fn`` work over the replicas and compute what
                 ``jax.pmap(fn, axis_name="batch")`` computes on the same per-device batches. A collective over
                 an axis name that is not bound is a ValueError naming the axis and this argument.
+            check_vma: JAX's varying-type check inside the replica program (``jax.shard_map``'s). None (the
+                default): on, except where only the check refuses a function that ``jax.pmap`` runs (a
+                ``lax.scan`` whose carry starts as a constant and comes out different per replica): that one
+                runs with the check off, as ``pmap`` runs it (outputs `PerReplica` unless their values are
+                provably the same on every replica, gradients still local), with a one-time note in the
+                ``"jaxdist"`` log. True: the check always (its error as JAX raises
+                it). False: no check (outputs read the same way), no note. See the run guide's pmap-era section.
 
         Returns:
             ``fn``'s outputs, same structure. Values the same on every replica come back mirrored: results of
@@ -488,7 +497,7 @@ class Strategy:
             # Host-offloaded values are copied to device memory for the replica program (inside a step, the
             # step's entry already did).
             args, kwargs = to_device_memory((args, kwargs))
-        return self._runner(fn, args, kwargs, declared, axis)
+        return self._runner(fn, args, kwargs, declared, axis, check_vma_arg(check_vma))
 
     def jit(
         self,

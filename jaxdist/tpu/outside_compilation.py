@@ -377,7 +377,9 @@ def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, nam
         probe_args = _Region(host_fn, statics, None, None, True, ordered, name).full_args(local_shapes)
         state.host_regions += 1
         try:
-            result_shape = jax.eval_shape(host_fn, *probe_args)
+            # (through a function of its own: jax 0.12 crashes when it traces a numpy ufunc a second time after
+            # a failed first trace, as strategy.run's relaxed varying-type check does)
+            result_shape = jax.eval_shape(lambda *a: host_fn(*a), *probe_args)
         except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as err:
             raise TypeError(
                 f"outside_compilation could not trace host_fn={getattr(host_fn, '__name__', host_fn)!r} with "

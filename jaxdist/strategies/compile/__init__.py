@@ -1,10 +1,10 @@
 """Compile: the verbs that turn user functions into programs on the mesh.
 
 ``_jit`` is `StrategyFunction`, the global-view ``strategy.jit`` (jax.jit's shape, its express path and its full
-path); ``_run`` is the per-replica ``strategy.run``; ``_loops`` the on-device steps loops (``steps_per_run``);
-``_results`` the reductions of their outputs; ``_cache`` the programs they compile; ``_agreement`` checks that the
-processes of a job compiled the same program; ``_signatures`` reads argument numbers and names; ``_equinox`` splits
-Equinox modules into arrays and statics.
+path); ``_run`` is the per-replica ``strategy.run`` (``_vma`` its varying-type check); ``_loops`` the on-device
+steps loops (``steps_per_run``); ``_results`` the reductions of their outputs; ``_cache`` the programs they
+compile; ``_agreement`` checks that the processes of a job compiled the same program; ``_signatures`` reads
+argument numbers and names; ``_equinox`` splits Equinox modules into arrays and statics.
 """
 
 from jaxdist.strategies.compile._agreement import ProgramMismatchError as ProgramMismatchError
@@ -19,6 +19,7 @@ from jaxdist.strategies.compile._results import reduce as reduce
 from jaxdist.strategies.compile._run import ReplicaRunner as ReplicaRunner
 from jaxdist.strategies.compile._run import check_axis_name as check_axis_name
 from jaxdist.strategies.compile._signatures import as_argnums as as_argnums
+from jaxdist.strategies.compile._vma import check_vma_arg as check_vma_arg
 
 __all__ = [
     "MultiStepContext",
@@ -29,6 +30,7 @@ __all__ = [
     "StrategyFunction",
     "as_argnums",
     "check_axis_name",
+    "check_vma_arg",
     "gather",
     "local_results",
     "reduce",

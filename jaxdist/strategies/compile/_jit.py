@@ -68,6 +68,7 @@ from jaxdist.strategies.layout import (
     LayoutPolicy,
     UndeclaredBatchWarning,
     auto_region,
+    call_guarded,
     check_idle,
     constrain,
     constrain_outputs,
@@ -672,27 +673,64 @@ class StrategyFunction:
         args = flat_args[: len(args)]
         kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
         variables.extend(jax.tree.leaves(state))
+        # Over a split batch the step's grouped convolutions are kept whole along their groups (an XLA Shardy
+        # miscompute of per-example conv gradients: jaxdist.strategies.layout._shardy).
+        split = bool(batches) and policy.num_replicas > 1
         with computation(policy, "global", batches, variables), policy.tracing_scope(), refusals(
                 policy.mesh, fn_name(self._fn)):
-            watch = InPlaceUpdates(fn_name(self._fn), args, kwargs)
             if not nodes:
-                out = self._fn(*args, **kwargs)
-                watch.check(out)
-                return out, None
-            objects = nnx.merge(graphdef, state)
-            call_args = list(args)
-            for i, obj in zip(nodes, objects, strict=True):
-                call_args[i] = obj
-            out = self._fn(*call_args, **kwargs)
-            watch.check(out)
-            new_graphdef, new_state = nnx.split(objects)
-            if new_graphdef != graphdef:
-                raise ValueError(
-                    f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
-                    "variables or submodules): a compiled step may update variables in place, not create "
-                    "them; create every variable before the first step."
-                )
-            return out, new_state
+                if split:
+                    return self._guarded(lambda _, a, k: self._watched(a, k), None, args, kwargs, batches,
+                                         variables), None
+                return self._watched(args, kwargs), None
+
+            def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+                objects = nnx.merge(graphdef, state)
+                call_args = list(args)
+                for i, obj in zip(nodes, objects, strict=True):
+                    call_args[i] = obj
+                out = self._watched(call_args, kwargs)
+                new_graphdef, new_state = nnx.split(objects)
+                if new_graphdef != graphdef:
+                    raise ValueError(
+                        f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
+                        "variables or submodules): a compiled step may update variables in place, not create "
+                        "them; create every variable before the first step."
+                    )
+                return out, new_state
+
+            if split:
+                return self._guarded(step, state, args, kwargs, batches, variables)
+            return step(state, args, kwargs)
+
+    def _watched(self, args: Any, kwargs: dict) -> Any:
+        """The step's own code, watched for sync-on-read values updated in place but not returned."""
+        watch = InPlaceUpdates(fn_name(self._fn), args, kwargs)
+        out = self._fn(*args, **kwargs)
+        watch.check(out)
+        return out
+
+    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list) -> Any:
+        """``step(state, args, kwargs)`` through `call_guarded`: its static arguments (Python values, not arrays)
+        closed over, and the values it is traced with keep the roles of the step's arguments they stand for
+        (what ``strategy.run`` inside the step reads)."""
+        static = {i: args[i] for i in self._static if i < len(args)}
+        named = {k: v for k, v in kwargs.items() if k in self._static_names}
+        dynamic = (state, tuple(None if i in static else a for i, a in enumerate(args)),
+                   {k: v for k, v in kwargs.items() if k not in named})
+        batch_ids, variable_ids = {id(b) for b in batches}, {id(v) for v in variables}
+        outer = jax.tree.leaves(dynamic)
+
+        def pure(state: Any, dynamic: tuple, dynamic_kwargs: dict) -> Any:
+            inner = jax.tree.leaves((state, dynamic, dynamic_kwargs))
+            roles = computation(self._policy, "global",
+                                [t for t, o in zip(inner, outer, strict=True) if id(o) in batch_ids],
+                                [t for t, o in zip(inner, outer, strict=True) if id(o) in variable_ids])
+            full = tuple(static[i] if i in static else a for i, a in enumerate(dynamic))
+            with roles:
+                return step(state, full, {**dynamic_kwargs, **named})
+
+        return call_guarded(self._policy, pure, *dynamic)
 
 
 def _enter(traced: Any, concrete: Any) -> Any:

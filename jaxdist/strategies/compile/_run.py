@@ -22,6 +22,8 @@ all-gather result, a constant) comes back mirrored (a replicated `jax.Array`); a
 `PerReplica`; a `SyncOnRead` comes back as one. Since every replica owns its copy of a mirrored argument,
 values computed from it are varying by type (as in tf.distribute, where they come back PerReplica too); to
 return an updated mirrored value, combine the replicas' updates with ``ctx.aggregate``.
+Where only JAX's varying-type check refuses a function that ``jax.pmap`` runs, its program runs with the check
+off and every output comes back `PerReplica` (``check_vma=``; see `jaxdist.strategies.compile._vma`).
 To know which is which, the function is traced once abstractly before the real program is built; the program
 is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state calls cost one dispatch.
 
@@ -56,6 +58,7 @@ from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
 from jaxdist.strategies.compile._identical import DECLARED, IDENTICAL, check_mirrored_outputs, output_values
+from jaxdist.strategies.compile._vma import first_trace
 from jaxdist.strategies.input import padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.replica import ReplicaContext
@@ -116,7 +119,8 @@ class ReplicaRunner:
         self._warned = [False]
 
     def __call__(
-        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str
+        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
+        check_vma: bool | None = None,
     ) -> Any:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
@@ -171,13 +175,13 @@ class ReplicaRunner:
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
         # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
         key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
-               weights is not None)
+               weights is not None, check_vma)
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
                 fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name,
-                                                     weights is not None),
+                                                     weights is not None, check_vma),
                 reason=(hashable(statics), avals),
             )
             out, updated = program(*dynamic)
@@ -190,7 +194,8 @@ class ReplicaRunner:
             return x  # already on the mesh (replicated, or another layout the program will gather)
         return put(x, self._policy.replicated_sharding)
 
-    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, padded) -> Callable:
+    def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, padded,
+               check_vma=None) -> Callable:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
@@ -203,6 +208,7 @@ class ReplicaRunner:
         out_info: dict[str, Any] = {}
         captured: list[SyncOnRead] = []  # sync-on-read values the function updates without getting them
         n_dyn = len(dyn_kinds)
+        vma = {"check": True}  # off: the program runs as jax.pmap runs it, every output per replica (_vma.py)
 
         def body(*local, probe=False):
             it = iter(local[:n_dyn])
@@ -243,7 +249,7 @@ class ReplicaRunner:
             if probe:  # every output gets a replica axis so one out_spec fits all of them
                 out_info.update(tree=out_tree, kinds=tuple(
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
-                    else ("per_replica" if is_varying(x, axis_name) else "mirrored", None)
+                    else ("per_replica" if not vma["check"] or is_varying(x, axis_name) else "mirrored", None)
                     for v, x in zip(out_leaves, values, strict=True)
                 ))
                 return (*(x[None] for x in values), *updated)
@@ -259,7 +265,8 @@ class ReplicaRunner:
                                       sharding=NamedSharding(mesh, spec) if explicit else None)
                  for x, spec in zip(dynamic, in_specs, strict=True)]
 
-        def probe(check_vma: bool) -> Any:
+        def probe(check_vma: bool) -> None:
+            vma["check"] = check_vma
             probe_fn = jax.shard_map(
                 functools.partial(body, probe=True), mesh=mesh, in_specs=(*in_specs, *[split] * len(captured)),
                 out_specs=split, check_vma=check_vma, **manual,
@@ -268,17 +275,18 @@ class ReplicaRunner:
                                            sharding=NamedSharding(mesh, split) if explicit else None)
                       for v in captured]
             with ambient.probe(), _eager_mesh(mesh, policy, traced), _context_mesh(mesh, policy):
-                while True:
-                    try:
-                        return jax.make_jaxpr(probe_fn)(*avals, *hidden)
-                    except CapturedSyncOnRead as found:  # pass it in, out of sight, and trace again
-                        if traced or found.value in captured:
-                            raise ValueError(_captured_message(name)) from None
-                        captured.append(found.value)
-                        return probe(check_vma)
+                try:
+                    out_info["jaxpr"] = jax.make_jaxpr(probe_fn)(*avals, *hidden)
+                    return
+                except CapturedSyncOnRead as found:  # pass it in, out of sight, and trace again
+                    if traced or any(found.value is v for v in captured):
+                        raise ValueError(_captured_message(name)) from None
+                    captured.append(found.value)
+            probe(check_vma)
 
         try:
-            traced_jaxpr = probe(check_vma=True)
+            vma["check"] = first_trace(probe, check_vma, name)
+            traced_jaxpr = out_info["jaxpr"]
         except (NameError, AssertionError, ValueError):
             unbound = _unbound_axis_error(probe)
             if unbound is None:
@@ -312,7 +320,8 @@ class ReplicaRunner:
 
         # Pass 2: the real program, with exact output layouts (on the strategy's own mesh).
         in_specs = (*in_specs, *[split] * len(captured))
-        shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **manual)
+        shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                     check_vma=vma["check"], **manual)
 
         def mapped(*dyn):
             if explicit:  # on Explicit axes an input's type must be its in_spec: mirrored values enter whole

@@ -37,7 +37,6 @@ from jaxdist.strategies.layout._provenance import own_outputs as own_outputs
 from jaxdist.strategies.layout._resolve import check_idle as check_idle
 from jaxdist.strategies.layout._resolve import constrain as constrain
 from jaxdist.strategies.layout._resolve import constrain_outputs as constrain_outputs
-from jaxdist.strategies.layout._resolve import gather_at_entry as gather_at_entry
 from jaxdist.strategies.layout._resolve import nnx_layouts as nnx_layouts
 from jaxdist.strategies.layout._resolve import typed_whole as typed_whole
 from jaxdist.strategies.layout._resolve import typed_whole_at_entry as typed_whole_at_entry
@@ -54,6 +53,9 @@ from jaxdist.strategies.layout._rules import is_box as is_box
 from jaxdist.strategies.layout._rules import is_variable as is_variable
 from jaxdist.strategies.layout._rules import logical_names as logical_names
 from jaxdist.strategies.layout._rules import unboxed as unboxed
+from jaxdist.strategies.layout._shardy import call_guarded as call_guarded
+from jaxdist.strategies.layout._shardy import gather_at_entry as gather_at_entry
+from jaxdist.strategies.layout._shardy import grouped_convolutions as grouped_convolutions
 
 __all__ = [
     "HOST_MEMORY_KIND",
@@ -67,6 +69,7 @@ __all__ = [
     "annotation",
     "auto_region",
     "axis_roles",
+    "call_guarded",
     "check_idle",
     "classify",
     "colocated_layout",
@@ -75,6 +78,7 @@ __all__ = [
     "decided",
     "explicit_axes",
     "gather_at_entry",
+    "grouped_convolutions",
     "in_host_memory",
     "in_trace",
     "is_annotated",

@@ -51,7 +51,6 @@ __all__ = [
     "check_idle",
     "constrain",
     "constrain_outputs",
-    "gather_at_entry",
     "nnx_layouts",
     "typed_whole",
     "typed_whole_at_entry",
@@ -272,26 +271,6 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any], no
             f"out_layouts={declared!r} does not match the structure of the step's outputs "
             f"({jax.tree.structure(out)}): give a pytree prefix of the outputs (None where jaxdist decides)."
         ) from error
-
-
-def gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) -> tuple[tuple, Any]:
-    """Constrain split variables to replicated at entry (the Shardy conv workaround:
-    `LayoutPolicy.splits_variables`)."""
-    full = in_trace(policy.replicated_sharding)
-
-    def gather(t, c):
-        sharding = getattr(c, "sharding", None)
-        if sharding is None or sharding.is_fully_replicated or not np.ndim(t):
-            return t
-        return jax.lax.with_sharding_constraint(t, full)
-
-    out = tuple(
-        a if i in skip or c is None else jax.tree.map(gather, a, c) for i, (a, c) in enumerate(zip(
-            args, concrete_args, strict=True))
-    )
-    if state is not None and concrete_state is not None:
-        state = jax.tree.map(gather, state, concrete_state)
-    return out, state
 
 
 def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:
