@@ -59,6 +59,7 @@ from jaxdist.training.checkpoint_damage import (
     checksums,
     damage_summary,
     is_damage,
+    missing_parts,
     verify_checksums,
 )
 from jaxdist.training.foreign import advice, is_orbax_checkpoint
@@ -437,8 +438,18 @@ class Checkpointer:
                     intact = older
                     break
             steps = self.all_steps()
+            newer = None
+            if intact is None:  # none older: a newer one may still resume the run (never "start again" then)
+                for later in reversed([s for s in steps if s > step]):
+                    try:
+                        fn(later)
+                    except Exception:
+                        continue
+                    newer = later
+                    break
             clear = CheckpointCorruptedError(damaged.step, self.directory, damaged.reason, intact, failed,
-                                             latest=not steps or steps[-1] == damaged.step, step_argument=step_argument)
+                                             latest=not steps or steps[-1] == damaged.step, step_argument=step_argument,
+                                             newer_intact_step=newer)
             clear.__context__ = damaged.__cause__ or damaged  # kept for debugging; not printed (``from None``)
             raise clear from None
         finally:
@@ -461,6 +472,10 @@ class Checkpointer:
         return self.read(self._meta, step)
 
     def _meta(self, step: int) -> dict:
+        missing = missing_parts(os.path.join(self.directory, str(step)))
+        if missing:  # cut short (a save or a delete killed, a copy that stopped): orbax's errors would not say so
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise UnsearchedDamage(step, self.directory, f"{shown} missing: partly written or partly deleted")
         try:
             info = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except (FileNotFoundError, KeyError, ValueError) as error:
