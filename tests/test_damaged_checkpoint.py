@@ -363,3 +363,30 @@ def test_a_damaged_older_checkpoint_names_the_newer_one_that_restores(written, t
             match=r"checkpoint 10 .*there is no older one; the newest checkpoint, 20, restores: pass step=20") as info:
         trainer().restore(ckpt, step=10, batch=SAMPLE)
     assert "empty directory" not in str(info.value) and info.value.newer_intact_step == 20
+
+
+def test_an_interrupted_rollback_never_brings_the_abandoned_steps_back(tmp_path, monkeypatch):
+    """``restore_step=10`` abandons 20 and 30; killed after deleting one of them, the next checkpointer on the
+    directory finishes the deletion before it lists the steps, so a plain resume starts from 10."""
+    state = {"w": np.arange(3.0, dtype=np.float32)}
+    with jd.training.Checkpointer(tmp_path) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save(step, {"w": state["w"] + step})
+    ckpt = jd.training.Checkpointer(tmp_path)
+    deleted = []
+
+    def killed_after_one(step):
+        if deleted:
+            raise KeyboardInterrupt("killed between two deletions")
+        deleted.append(step)
+        shutil.rmtree(tmp_path / str(step))
+
+    monkeypatch.setattr(ckpt._manager, "delete", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.abandon_after(10)
+    assert deleted == [30] and sorted(os.listdir(tmp_path)) == [".jaxdist-rollback.json", "10", "20"]
+    with jd.training.Checkpointer(tmp_path) as again:
+        assert again.all_steps() == [10]
+        restored, meta = again.restore(jd.OneDeviceStrategy().mirror({"w": np.zeros(3, np.float32)}))
+    assert meta["step"] == 10 and restored["w"].tolist() == [10.0, 11.0, 12.0]
+    assert sorted(os.listdir(tmp_path)) == ["10"]

@@ -106,6 +106,27 @@ def _register_at_exit() -> None:
     _AT_EXIT_REGISTERED = True
 
 
+_ROLLBACK = ".jaxdist-rollback.json"
+
+
+def _finish_rollback(directory: str) -> None:
+    """Finish a rollback (`Checkpointer.abandon_after`) that was interrupted: delete the steps its record
+    abandons, then the record (process 0 only)."""
+    record = os.path.join(directory, _ROLLBACK)
+    if jax.process_index() != 0 or not os.path.isfile(record):
+        return
+    try:
+        with open(record) as f:
+            after = int(json.load(f)["after"])
+    except (OSError, ValueError, KeyError, TypeError):
+        after = None  # unreadable: written partly, so nothing was deleted yet (it is written before)
+    if after is not None:
+        for name in os.listdir(directory):
+            if name.isdigit() and int(name) > after:
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    os.remove(record)
+
+
 def _remove_unfinished(directory: str) -> None:
     """Remove the step directories a killed save left unfinished (orbax's temporary ``*.orbax-checkpoint-tmp*``
     names, never listed as steps); by process 0 only, as orbax does."""
@@ -220,6 +241,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
         )
         _remove_unfinished(self.directory)
+        _finish_rollback(self.directory)  # before orbax lists the steps
         handler = ocp.PyTreeCheckpointHandler(**_array_handlers())
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.PyTreeSave, handler)
@@ -506,6 +528,39 @@ class Checkpointer:
             >>> ckpt.close()
         """
         self._manager.delete(self._step(step))
+
+    def abandon_after(self, step: int) -> None:
+        """Delete every checkpoint after ``step`` (a rollback: they belong to the run being replaced), atomically
+        as far as any later run can tell: the decision is written to a record file first (``os.replace``), and a
+        checkpointer opened on this directory after an interruption finishes the deletions before it lists the
+        steps. So no interruption brings an abandoned step back as the newest.
+
+        Args:
+            step: the step to keep as the newest.
+
+        Examples:
+            >>> import tempfile, numpy as np
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     for s in (10, 20, 30):
+            ...         _ = ckpt.save(s, {"w": np.zeros(2)})
+            ...     ckpt.abandon_after(10)
+            ...     ckpt.all_steps()
+            [10]
+        """
+        later = [s for s in self.all_steps() if s > int(step)]
+        if not later:
+            return
+        record = os.path.join(self.directory, _ROLLBACK)
+        if jax.process_index() == 0:
+            with open(record + ".tmp", "w") as f:
+                json.dump({"after": int(step), "abandoned": later}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(record + ".tmp", record)
+        for s in reversed(later):  # newest first
+            self._manager.delete(s)
+        if jax.process_index() == 0:
+            os.remove(record)
 
     def check_writer(self) -> None:
         """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks before it writes

@@ -880,8 +880,7 @@ class Trainer:
                 "pass one of them, or leave restore_step out to resume from the latest."
             )
         self._restore(ckpt, step, sample, "restore_step")
-        for later in steps[steps.index(step) + 1:]:
-            ckpt.delete(later)
+        ckpt.abandon_after(step)  # recorded first: an interruption cannot bring them back as the newest
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any) -> dict[str, float]:
