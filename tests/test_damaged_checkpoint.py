@@ -329,3 +329,64 @@ def test_a_process_that_resumes_from_a_damaged_checkpoint_exits_with_the_one_err
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"jaxdist.training.checkpoint_damage.CheckpointCorruptedError: checkpoint 20 in '{damaged}'")
     assert last.endswith("resume from 10, or pass restore_step=10."), last
+
+
+@pytest.mark.parametrize("part", ["state/_METADATA", "state/manifest.ocdbt", "state", "meta", "everything"])
+def test_a_partly_deleted_checkpoint_is_the_one_error_naming_what_is_missing(written, tmp_path, part):
+    """What a delete (the rotation's, a rollback's) or a copy cut short leaves: a listed step with parts missing."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written, directory)
+    step = directory / "20"
+    if part == "everything":  # all but orbax's top-level files
+        for item in ("meta", "state"):
+            shutil.rmtree(step / item)
+    elif (step / part).is_dir():
+        shutil.rmtree(step / part)
+    else:
+        (step / part).unlink()
+    shown = {"state": "state/_METADATA", "everything": "meta/metadata"}.get(part, part)
+    if part == "meta":
+        shown = "meta/metadata"
+    with jd.training.Checkpointer(directory) as ckpt, pytest.raises(
+            jd.training.CheckpointCorruptedError,
+            match=rf"checkpoint 20 .*\(.*{re.escape(shown)}.* missing: partly written or partly deleted\): delete "
+                  rf".*20 to resume from 10, or pass step=10\.$"):
+        trainer().restore(ckpt, batch=SAMPLE)
+
+
+def test_a_damaged_older_checkpoint_names_the_newer_one_that_restores(written, tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written, directory)
+    (directory / "10" / "state" / "_METADATA").unlink()
+    with jd.training.Checkpointer(directory) as ckpt, pytest.raises(
+            jd.training.CheckpointCorruptedError,
+            match=r"checkpoint 10 .*there is no older one; the newest checkpoint, 20, restores: pass step=20") as info:
+        trainer().restore(ckpt, step=10, batch=SAMPLE)
+    assert "empty directory" not in str(info.value) and info.value.newer_intact_step == 20
+
+
+def test_an_interrupted_rollback_never_brings_the_abandoned_steps_back(tmp_path, monkeypatch):
+    """``restore_step=10`` abandons 20 and 30; killed after deleting one of them, the next checkpointer on the
+    directory finishes the deletion before it lists the steps, so a plain resume starts from 10."""
+    state = {"w": np.arange(3.0, dtype=np.float32)}
+    with jd.training.Checkpointer(tmp_path) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save(step, {"w": state["w"] + step})
+    ckpt = jd.training.Checkpointer(tmp_path)
+    deleted = []
+
+    def killed_after_one(step):
+        if deleted:
+            raise KeyboardInterrupt("killed between two deletions")
+        deleted.append(step)
+        shutil.rmtree(tmp_path / str(step))
+
+    monkeypatch.setattr(ckpt._manager, "delete", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.abandon_after(10)
+    assert deleted == [30] and sorted(os.listdir(tmp_path)) == [".jaxdist-rollback.json", "10", "20"]
+    with jd.training.Checkpointer(tmp_path) as again:
+        assert again.all_steps() == [10]
+        restored, meta = again.restore(jd.OneDeviceStrategy().mirror({"w": np.zeros(3, np.float32)}))
+    assert meta["step"] == 10 and restored["w"].tolist() == [10.0, 11.0, 12.0]
+    assert sorted(os.listdir(tmp_path)) == ["10"]

@@ -25,6 +25,7 @@ from jaxdist.training.checkpoint_damage import CheckpointCorruptedError as Check
 from jaxdist.training.compilation_cache import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.cost import StepCost as StepCost
 from jaxdist.training.data import DataPosition as DataPosition
+from jaxdist.training.job import JobDisagreementError as JobDisagreementError
 from jaxdist.training.models import LinenModel as LinenModel
 from jaxdist.training.models import NnxModel as NnxModel
 from jaxdist.training.non_finite import NonFiniteError as NonFiniteError
@@ -47,6 +48,7 @@ __all__ = [
     "Checkpointer",
     "DataPosition",
     "History",
+    "JobDisagreementError",
     "LinenModel",
     "NnxModel",
     "NonFiniteError",

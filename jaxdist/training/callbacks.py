@@ -45,6 +45,8 @@ class History:
             ones and rolled-back ones included); the log rows of their windows show ``non_finite_steps`` too.
         rollbacks: one dict per rollback (``on_non_finite="rollback"``): ``{"step": the first non-finite step,
             "restored": the checkpoint's step, "data_position": where the data went on}``.
+        data_ended: the step at which ``train_data`` ended before ``steps`` (an iterator shorter than the run;
+            not the ``epochs`` limit), or None.
 
     Examples:
         >>> h = History()
@@ -61,6 +63,7 @@ class History:
         self.step_cost: StepCost | None = None
         self.non_finite_steps = 0
         self.rollbacks: list[dict[str, Any]] = []
+        self.data_ended: int | None = None
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""

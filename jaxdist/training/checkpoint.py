@@ -28,15 +28,22 @@ paths, shapes and dtypes, and each leaf's checksums).
   every step), the next ``save``, `Checkpointer.wait_until_finished` and ``close`` raise it, naming the step.
   A process killed meanwhile leaves the previous checkpoints as they were (the rename is the commit);
   `all_steps`, `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
+* Closed at exit: a checkpointer left open (no ``close``, no ``with`` block) finishes its save in flight when the
+  program ends, normally or with an uncaught exception: every ``save`` that returned is complete on disk, without
+  orbax's shutdown tracebacks ("cannot schedule new futures after shutdown").
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import json
 import os
+import shutil
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -52,6 +59,7 @@ from jaxdist.training.checkpoint_damage import (
     checksums,
     damage_summary,
     is_damage,
+    missing_parts,
     verify_checksums,
 )
 from jaxdist.training.foreign import advice, is_orbax_checkpoint
@@ -63,6 +71,70 @@ _T = TypeVar("_T")
 # Set inside `Checkpointer.read`: a read nested in another (``meta`` inside ``restore``) leaves the search for an
 # intact checkpoint to the outermost one, which knows everything the caller needs to read.
 _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpoint_read", default=False)
+
+
+# The checkpointers with a save that may still be in flight, finished before the interpreter shuts its thread
+# pools down (see `_finish_at_exit`).
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_AT_EXIT_REGISTERED = False
+
+
+def _finish_at_exit() -> None:
+    """Complete every open checkpointer's save in flight, then close it: runs when the main thread ends.
+
+    It must run before ``concurrent.futures`` refuses new work (its own exit hook), since orbax's commit of an
+    asynchronous save schedules work on thread pools: a save finished after that stays a ``*.orbax-checkpoint-tmp``
+    directory, under orbax's "cannot schedule new futures after interpreter shutdown" tracebacks. So it is
+    registered with the hook that runs before those pools stop (threading's, which runs the most recently
+    registered first). A save that fails here is one line on stderr: there is no caller left to raise to.
+    """
+    for ckpt in list(_OPEN):
+        try:
+            ckpt.close()
+        except Exception as error:  # reported; the other checkpointers still finish
+            print(f"jaxdist.training.Checkpointer: {error}", file=sys.stderr, flush=True)
+
+
+def _register_at_exit() -> None:
+    global _AT_EXIT_REGISTERED
+    if _AT_EXIT_REGISTERED:
+        return
+    # CPython's hook that runs before thread pools stop; plain atexit (too late for orbax's pools, but it still
+    # closes the manager) where an interpreter lacks it.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(_finish_at_exit)
+    _AT_EXIT_REGISTERED = True
+
+
+_ROLLBACK = ".jaxdist-rollback.json"
+
+
+def _finish_rollback(directory: str) -> None:
+    """Finish a rollback (`Checkpointer.abandon_after`) that was interrupted: delete the steps its record
+    abandons, then the record (process 0 only)."""
+    record = os.path.join(directory, _ROLLBACK)
+    if jax.process_index() != 0 or not os.path.isfile(record):
+        return
+    try:
+        with open(record) as f:
+            after = int(json.load(f)["after"])
+    except (OSError, ValueError, KeyError, TypeError):
+        after = None  # unreadable: written partly, so nothing was deleted yet (it is written before)
+    if after is not None:
+        for name in os.listdir(directory):
+            if name.isdigit() and int(name) > after:
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    os.remove(record)
+
+
+def _remove_unfinished(directory: str) -> None:
+    """Remove the step directories a killed save left unfinished (orbax's temporary ``*.orbax-checkpoint-tmp*``
+    names, never listed as steps); by process 0 only, as orbax does."""
+    if jax.process_index() != 0 or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def fingerprint(tree: Any) -> list[list]:
@@ -143,6 +215,13 @@ class Checkpointer:
         >>> restored["w"].tolist(), meta["step"], meta["note"]
         ([0.0, 1.0, 2.0], 7, 'hi')
         >>> ckpt.close()
+
+        As a context manager (closed at the block's end; one left open is closed when the program ends):
+
+        >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ...     _ = ckpt.save(8, state)
+        >>> ckpt.all_steps()
+        [8]
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *, async_save: bool = True):
@@ -155,9 +234,14 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
-            cleanup_tmp_directories=True,  # what a killed save left behind
+            # What a killed save left behind is removed here, synchronously (`_remove_unfinished`): orbax does it in
+            # a background thread that its ``close`` does not wait for (a checkpointer closed early then prints
+            # "cannot schedule new futures after shutdown").
+            cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
         )
+        _remove_unfinished(self.directory)
+        _finish_rollback(self.directory)  # before orbax lists the steps
         handler = ocp.PyTreeCheckpointHandler(**_array_handlers())
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.PyTreeSave, handler)
@@ -168,6 +252,22 @@ class Checkpointer:
         self._waiter: threading.Thread | None = None
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by poll
         self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet raised
+        self._closed = False
+        _register_at_exit()
+        _OPEN.add(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        """`close`; with an exception on its way out, a failed save is a note on it rather than a new error."""
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except RuntimeError as failed:
+            error.add_note(str(failed))
 
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first (a save in flight is waited for)."""
@@ -360,8 +460,18 @@ class Checkpointer:
                     intact = older
                     break
             steps = self.all_steps()
+            newer = None
+            if intact is None:  # none older: a newer one may still resume the run (never "start again" then)
+                for later in reversed([s for s in steps if s > step]):
+                    try:
+                        fn(later)
+                    except Exception:
+                        continue
+                    newer = later
+                    break
             clear = CheckpointCorruptedError(damaged.step, self.directory, damaged.reason, intact, failed,
-                                             latest=not steps or steps[-1] == damaged.step, step_argument=step_argument)
+                                             latest=not steps or steps[-1] == damaged.step, step_argument=step_argument,
+                                             newer_intact_step=newer)
             clear.__context__ = damaged.__cause__ or damaged  # kept for debugging; not printed (``from None``)
             raise clear from None
         finally:
@@ -384,6 +494,10 @@ class Checkpointer:
         return self.read(self._meta, step)
 
     def _meta(self, step: int) -> dict:
+        missing = missing_parts(os.path.join(self.directory, str(step)))
+        if missing:  # cut short (a save or a delete killed, a copy that stopped): orbax's errors would not say so
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise UnsearchedDamage(step, self.directory, f"{shown} missing: partly written or partly deleted")
         try:
             info = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except (FileNotFoundError, KeyError, ValueError) as error:
@@ -414,6 +528,39 @@ class Checkpointer:
             >>> ckpt.close()
         """
         self._manager.delete(self._step(step))
+
+    def abandon_after(self, step: int) -> None:
+        """Delete every checkpoint after ``step`` (a rollback: they belong to the run being replaced), atomically
+        as far as any later run can tell: the decision is written to a record file first (``os.replace``), and a
+        checkpointer opened on this directory after an interruption finishes the deletions before it lists the
+        steps. So no interruption brings an abandoned step back as the newest.
+
+        Args:
+            step: the step to keep as the newest.
+
+        Examples:
+            >>> import tempfile, numpy as np
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     for s in (10, 20, 30):
+            ...         _ = ckpt.save(s, {"w": np.zeros(2)})
+            ...     ckpt.abandon_after(10)
+            ...     ckpt.all_steps()
+            [10]
+        """
+        later = [s for s in self.all_steps() if s > int(step)]
+        if not later:
+            return
+        record = os.path.join(self.directory, _ROLLBACK)
+        if jax.process_index() == 0:
+            with open(record + ".tmp", "w") as f:
+                json.dump({"after": int(step), "abandoned": later}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(record + ".tmp", record)
+        for s in reversed(later):  # newest first
+            self._manager.delete(s)
+        if jax.process_index() == 0:
+            os.remove(record)
 
     def check_writer(self) -> None:
         """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks before it writes
@@ -544,11 +691,21 @@ class Checkpointer:
         return input_state.state_for_process(info.get("data_iterator"), read, where)
 
     def close(self) -> None:
-        """Wait for the save in flight and release the directory.
+        """Wait for the save in flight and release the directory (again: nothing to do).
+
+        A checkpointer left open is closed when the program ends normally, or ends with an uncaught exception
+        (after its traceback is printed): every ``save`` that returned is complete on disk by then. A
+        ``with Checkpointer(...) as ckpt:`` block closes it at the block's end.
 
         Raises:
             RuntimeError: when a background save failed and nothing raised it yet (see `poll`).
         """
-        self._join()
-        self._manager.close()
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        try:
+            self._join()
+        finally:
+            self._manager.close()
         self._raise_failure()

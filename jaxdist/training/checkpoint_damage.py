@@ -39,6 +39,7 @@ __all__ = [
     "checksums",
     "damage_summary",
     "is_damage",
+    "missing_parts",
     "verify_checksums",
 ]
 
@@ -66,6 +67,7 @@ class CheckpointCorruptedError(RuntimeError):
         latest: whether ``step`` is the newest checkpoint (then deleting it, and ``failed``, resumes from
             ``intact_step``).
         step_argument: the argument that picks a step, for the fix (``"step"``; ``fit``: ``"restore_step"``).
+        newer_intact_step: when no older checkpoint restores, the newest newer one that does (None: none).
 
     Examples:
         >>> error = CheckpointCorruptedError(20, "/c", "DATA_LOSS in state/d/1f", intact_step=10)
@@ -85,7 +87,9 @@ class CheckpointCorruptedError(RuntimeError):
         *,
         latest: bool = True,
         step_argument: str = "step",
+        newer_intact_step: int | None = None,
     ):
+        self.newer_intact_step = None if newer_intact_step is None else int(newer_intact_step)
         self.step, self.directory, self.reason = int(step), str(directory), str(reason)
         self.intact_step = None if intact_step is None else int(intact_step)
         self.failed, self.latest, self.step_argument = tuple(int(s) for s in failed), bool(latest), step_argument
@@ -96,6 +100,9 @@ class CheckpointCorruptedError(RuntimeError):
         failed = ", ".join(map(str, self.failed))
         if self.intact_step is None:
             older = f"no older checkpoint restores ({failed} failed too)" if self.failed else "there is no older one"
+            if self.newer_intact_step is not None:
+                return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, restores: pass "
+                        f"{self.step_argument}={self.newer_intact_step} (or none, to resume from the newest).")
             return f"{head}, and {older}: nothing here can resume this run; start again in an empty directory."
         also = f" ({failed} failed too)" if self.failed else ""
         fix = f"pass {self.step_argument}={self.intact_step}"
@@ -105,7 +112,8 @@ class CheckpointCorruptedError(RuntimeError):
         return f"{head}: delete {doomed} to resume from {self.intact_step}, or {fix}."
 
     def __reduce__(self) -> tuple:  # picklable (the constructor does not take the message)
-        kwargs = {"latest": self.latest, "step_argument": self.step_argument}
+        kwargs = {"latest": self.latest, "step_argument": self.step_argument,
+                  "newer_intact_step": self.newer_intact_step}
         return _rebuild, (self.step, self.directory, self.reason, self.intact_step, self.failed, kwargs)
 
 
@@ -119,6 +127,33 @@ class UnsearchedDamage(CheckpointCorruptedError):
 
     def _message(self) -> str:
         return f"checkpoint {self.step} in {self.directory!r} is unreadable ({self.reason})."
+
+
+_REQUIRED = ("meta/metadata", "state/_METADATA", "state/manifest.ocdbt")
+
+
+def missing_parts(step_dir: str) -> list[str] | None:
+    """The files of a jaxdist.training checkpoint that ``step_dir`` lacks (a save or a delete cut short, a copy
+    that stopped), relative to it; None when it is another writer's checkpoint (it has items, none of them
+    ``meta`` or ``state``). A few ``stat`` calls, no read.
+
+    Examples:
+        >>> import os, tempfile
+        >>> step = tempfile.mkdtemp()
+        >>> os.makedirs(os.path.join(step, "state"))
+        >>> missing_parts(step)
+        ['meta/metadata', 'state/_METADATA', 'state/manifest.ocdbt']
+    """
+    items = {name for name in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, name))}
+    if items and not items & {"meta", "state"}:
+        return None
+    missing = [part for part in _REQUIRED if not os.path.exists(os.path.join(step_dir, part))]
+    state = os.path.join(step_dir, "state")
+    if os.path.isdir(state):
+        for name in sorted(os.listdir(state)):
+            if name.startswith("ocdbt.process_") and not os.path.exists(os.path.join(state, name, "manifest.ocdbt")):
+                missing.append(f"state/{name}/manifest.ocdbt")
+    return missing
 
 
 def is_damage(error: BaseException) -> bool:

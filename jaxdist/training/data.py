@@ -428,6 +428,11 @@ class BatchStream:
         """The data (after `peek`, an iterator is replaced by one that still yields the peeked batch)."""
         return self._data
 
+    @property
+    def epochs(self) -> int | None:
+        """The epochs the stream ends after (None: it ends only where an iterator ends)."""
+        return self._epochs
+
     def peek(self, epoch: int = 0) -> Any:
         """The first batch of ``epoch`` (for building the state), checked, without consuming an iterator's
         batch (a grain iterator is put back with ``set_state``). Not placed.

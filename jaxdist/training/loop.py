@@ -65,6 +65,7 @@ from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.cost import StepCost
 from jaxdist.training.data import BatchStream, DataPosition
+from jaxdist.training.job import data_ended
 from jaxdist.training.non_finite import NAMES as NON_FINITE
 from jaxdist.training.non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
 from jaxdist.training.preemption import PreemptionWatcher
@@ -536,6 +537,10 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
                             break
                 finally:
                     steps.close()
+                if (options.steps is not None and trainer.step < options.steps and stream.epochs is None
+                        and not watcher.stopping):  # the data ended first: on every process? (before any collective)
+                    data_ended(options.mesh, consumed, consumed + options.steps - trainer.step)
+                    history.data_ended = trainer.step
                 if not watcher.stopping:  # a signal since the last check
                     watcher.should_stop(final=True, stop_training=trainer.stop_training)
                 close_window()

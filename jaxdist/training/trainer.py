@@ -44,6 +44,7 @@ from jaxdist.training.cost import CostOptions, StepCost
 from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
 from jaxdist.training.feed import BatchFeed, TrainBatch
 from jaxdist.training.input_state import IteratorSnapshot, restored_position
+from jaxdist.training.job import agree_on_fit, failing
 from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
@@ -839,6 +840,24 @@ class Trainer:
         sample = None
         if self._state is None or self._unchecked:
             sample = stream.peek(self.data_position.epoch)  # checked; a grain iterator is not advanced
+        settings = {"steps": steps, "epochs": epochs, "checkpoint_every": checkpoint_every, "eval_every": eval_every,
+                    "log_every": log_every, "restore_step": restore_step, "keep_checkpoints": keep_checkpoints,
+                    "checkpoint_dir": checkpoint_dir is not None, "on_non_finite": policy.action}
+        with failing(self.strategy.mesh, lambda: self._step):  # a process that fails ends the job, with its reason
+            agree_on_fit(self.strategy.mesh, settings, checkpoint_dir)  # before anything collective
+            history = self._fit(train_data, stream, sample, checkpoint_dir, keep_checkpoints, async_checkpoints,
+                                restore_step, epochs, steps, verbose, callbacks, log_dir, options, policy)
+        if history.data_ended is not None and verbose and self.strategy.should_save_summary:
+            print(f"fit: train_data ended at step {history.data_ended} of {steps}: the run stopped there "
+                  "(history.data_ended).", flush=True)
+        if history.preempted and on_preemption == "exit":
+            raise SystemExit(0)
+        return history
+
+    def _fit(self, train_data: Any, stream: BatchStream, sample: Any, checkpoint_dir: Any, keep_checkpoints: int,
+             async_checkpoints: bool, restore_step: int | None, epochs: int | None, steps: int | None, verbose: Any,
+             callbacks: Any, log_dir: Any, options: FitOptions, policy: NonFinitePolicy) -> History:
+        """``fit``'s body once its arguments are checked (and, with several processes, agreed)."""
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
         try:
@@ -877,8 +896,6 @@ class Trainer:
             self._steps.skip_non_finite = False
             if ckpt is not None:
                 ckpt.close()
-        if history.preempted and on_preemption == "exit":
-            raise SystemExit(0)
         return history
 
     def _say_start(self) -> None:
@@ -905,8 +922,7 @@ class Trainer:
                 "pass one of them, or leave restore_step out to resume from the latest."
             )
         self._restore(ckpt, step, sample, "restore_step")
-        for later in steps[steps.index(step) + 1:]:
-            ckpt.delete(later)
+        ckpt.abandon_after(step)  # recorded first: an interruption cannot bring them back as the newest
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any) -> dict[str, float]:

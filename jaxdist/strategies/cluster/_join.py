@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist.replicate.trees import is_array
+from jaxdist.strategies.cluster._failure import guard_exit
 
 try:  # JAX's cluster detectors, to tell a job of several processes that was never connected
     from jax._src.clusters import ClusterEnv as _ClusterEnv
@@ -156,6 +157,7 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, hea
             jax.distributed.initialize(*cluster, **timeouts)
         else:
             jax.distributed.initialize(**timeouts)  # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
+        guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
     except RuntimeError as err:
         if "before" not in str(err) or not ("computation" in str(err) or "backend" in str(err)):
             raise

@@ -1,0 +1,68 @@
+"""One process of the disagreement tests (started twice by tests/test_job_failures.py, directly or through
+``python -m jaxdist.launch``).
+
+``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 4 CPU devices, where process 1 differs from
+process 0; every process must say which process and why, and the job must end in bounded time.
+Arguments: ``[address pid] cases directory`` (without address and pid: the ``JAXDIST_*`` environment).
+
+``cases`` is a comma-separated list, run in order in the same processes: ``steps`` (12 vs 16), ``cadence``
+(checkpoint_every 5 vs 7) and ``dir`` (each process its own checkpoint_dir) are errors on both processes before
+the first step (each printed as ``CASE name: message``, and the next case runs); ``data`` (process 1's data ends
+after 5 of 12 batches) and ``raises`` (a callback of process 1 raises at step 5) end the job.
+"""
+
+import sys
+
+import jaxdist as jd
+
+if len(sys.argv) == 5:
+    address, process_id, cases, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    strategy = jd.MultiWorkerMirroredStrategy(address, 2, process_id, heartbeat_timeout_seconds=60)
+else:
+    cases, directory = sys.argv[1], sys.argv[2]
+    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=60)
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+pid = jax.process_index()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(16 * 16, 8)).astype(np.float32)
+batches = [(x[i : i + 16], x[i : i + 16, :4].argmax(1).astype(np.int32)) for i in range(0, len(x), 16)]
+
+
+def ce(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+class Raise(jd.training.Callback):
+    def on_step_end(self, trainer, step, metrics):
+        if pid == 1 and step == 5:
+            raise RuntimeError("a callback failed on purpose")
+
+
+for case in cases.split(","):
+    steps, every, where, data, callbacks = 12, 5, f"{directory}/{case}", batches, []
+    if pid == 1:
+        if case == "steps":
+            steps = 16
+        elif case == "cadence":
+            every = 7
+        elif case == "data":
+            data = batches[:5]
+        elif case == "raises":
+            callbacks = [Raise()]
+    if case == "dir":
+        where = f"{where}-{pid}"
+    trainer = jd.training.Trainer(strategy, nn.Dense(4), optax.adam(1e-2), ce)
+    try:
+        trainer.fit(iter(data), steps=steps, verbose=0, callbacks=callbacks, checkpoint_dir=where,
+                    checkpoint_every=every)
+    except jd.training.JobDisagreementError as error:
+        if not error.on_every_process:
+            raise
+        print(f"CASE {case}: {error}", flush=True)
+    else:
+        print(f"CASE {case}: fit returned", flush=True)
