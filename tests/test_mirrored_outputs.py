@@ -221,3 +221,19 @@ def test_strategy_jit_as_a_decorator_factory():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     with pytest.raises(TypeError, match="fn=3 is not callable"):
         strategy.jit(batch_argnums=1)(3)
+
+
+def test_identical_outputs_cost_no_communication():
+    """An updated parameter comes back mirrored without a byte sent: the step's only collective is the
+    gradients' all-reduce (taking replica 0's copy would broadcast it)."""
+    strategy = jd.MirroredStrategy()
+
+    def replica_fn(w, x):
+        g = jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+        return w - 0.1 * jd.get_replica_context().all_reduce("mean", g)
+
+    step = strategy.jit(lambda w, x: strategy.run(replica_fn, args=(w, x), batch_argnums=(1,)), batch_argnums=1)
+    plan = step.plan(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    assert set(plan.collectives) == {"all-reduce"} and plan.collectives["all-reduce"].count == 1
+    w = strategy.run(replica_fn, args=(jnp.ones((64, 32)), jnp.ones((64, 64))), batch_argnums=(1,))
+    assert isinstance(w, jax.Array) and w.sharding.is_fully_replicated

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -253,7 +253,7 @@ class ReplicaRunner:
                     for v, x in zip(out_leaves, values, strict=True)
                 ))
                 return (*(x[None] for x in values), *updated)
-            return (*(x if how in ("mirrored", "whole") else x[None]
+            return (*(x if how == "mirrored" else x[None]
                       for x, how in zip(values, out_info["how"], strict=True)), *updated)
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
@@ -305,16 +305,12 @@ class ReplicaRunner:
         shapes = [o.aval.shape[1:] for o in outvars]  # the probe stacked every output
         check_mirrored_outputs(name, treedef, kinds, dynamic, out_tree, [k for k, _ in kinds_out], shapes,
                                [o.aval.dtype for o in outvars])
-        # How each output leaves the program. An identical value of rank >= 1 leaves as every replica's copy
-        # side by side ("whole": no communication) and becomes one replicated array made of those copies
-        # (`_reassemble`); inside a traced step, and for scalars, the program takes replica 0's copy ("first").
-        how = []
-        for (kind, _), shape in zip(kinds_out, shapes, strict=True):
-            if kind == "identical":
-                how.append("whole" if shape and not traced else "first")
-            else:
-                how.append("mirrored" if kind == "mirrored" else "stacked")
-        out_info["how"] = tuple(how)
+        # How each output leaves the replica program: "mirrored" (invariant by type), "stacked" (one copy per
+        # replica), or "identical": stacked, then each device's own copy taken as the replicated value
+        # (`_own_copies`: nothing is sent).
+        how = tuple("mirrored" if kind == "mirrored" else "identical" if kind == "identical" else "stacked"
+                    for kind, _ in kinds_out)
+        out_info["how"] = how
         n_updated = len(out_info["updated"]) + len(captured)
         out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how), *[split] * n_updated)
 
@@ -329,11 +325,10 @@ class ReplicaRunner:
                                                                                             strict=True)]
             with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
                 results = shard_mapped(*dyn)
-            outputs = [r[0] if h == "first" else r for r, h in zip(results[:n_out], how, strict=True)]
-            return (*outputs, *results[n_out:])
+            return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
 
         out_shardings = tuple(
-            in_trace(policy.batch_sharding if h in ("stacked", "whole") else policy.replicated_sharding)
+            in_trace(policy.batch_sharding if h == "stacked" else policy.replicated_sharding)
             for h in (*how, *["stacked"] * n_updated)
         )
         compiled = jax.jit(mapped, out_shardings=out_shardings)
@@ -348,10 +343,8 @@ class ReplicaRunner:
             for value, components in zip(captured, results[n_out + n_args:], strict=True):
                 store_components(value, components)  # updated in place, as tf.distribute's metrics are
             wrapped = []
-            for r, (kind, agg), h in zip(results[:n_out], kinds_out, how, strict=True):
-                if h == "whole":
-                    wrapped.append(_reassemble(r, policy))
-                elif kind in ("per_replica", "declared"):
+            for r, (kind, agg) in zip(results[:n_out], kinds_out, strict=True):
+                if kind in ("per_replica", "declared"):
                     wrapped.append(PerReplica(r, owner))
                 elif kind == "sync":
                     wrapped.append(SyncOnRead(r, agg, owner))
@@ -388,12 +381,26 @@ def _replica_jaxpr(traced: Any) -> Any:
     raise AssertionError("the probe of strategy.run traced no shard_map")  # the probe is one shard_map call
 
 
-def _reassemble(copies: jax.Array, policy: LayoutPolicy) -> jax.Array:
-    """One replicated array made of every replica's (identical) copy, laid side by side on axis 0: the copies
-    are the devices' buffers as they are, so nothing is sent or copied."""
-    shards = [s.data for s in copies.addressable_shards]
-    shape = shards[0].shape
-    return jax.make_array_from_single_device_arrays(shape, policy.replicated_sharding, shards)
+def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: PartitionSpec,
+                manual: dict) -> list[Any]:
+    """``results`` with each "identical" one (stacked: one copy per replica, every copy the same value) made
+    one replicated value from each device's own copy.
+
+    The replica program cannot return such a value as replicated: its type is varying (each replica owns its
+    copy of the mirrored arguments it came from), and the type check would refuse it. A second, trivial
+    program without the check does: each device keeps its copy and the result is declared replicated, so no
+    byte is sent (taking replica 0's copy would broadcast it). The values were proven the same on every
+    replica first (`jaxdist.strategies.compile._identical`).
+    """
+    picked = [i for i, h in enumerate(how) if h == "identical"]
+    if not picked:
+        return list(results)
+    own = jax.shard_map(lambda *copies: tuple(c[0] for c in copies), mesh=mesh, in_specs=split,
+                        out_specs=PartitionSpec(), check_vma=False, **manual)(*(results[i] for i in picked))
+    out = list(results)
+    for i, value in zip(picked, own, strict=True):
+        out[i] = value
+    return out
 
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
