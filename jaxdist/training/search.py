@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 
+from jaxdist.costs import format_bytes
 from jaxdist.strategies import Estimate, MirroredStrategy, Plan, ShardedStrategy, Strategy, plan_mesh
 
 __all__ = ["Candidate", "plan_search"]
@@ -62,8 +63,6 @@ class Candidate:
         what = f"{self.layout:<8} {self.mesh!s:<34} remat={self.remat!s:<5} grad_accum={self.grad_accum_steps}"
         if self.plan is None:
             return f"{what}  not planned: {self.error}"
-        from jaxdist.strategies.plan import format_bytes  # one formatter for every table
-
         return (f"{what}  peak {format_bytes(self.plan.peak_bytes):>11}  {'fits' if self.fits else 'too big'}  "
                 f"{self.estimate.step_s * 1e3:.3g} ms/step ({self.estimate.bound})")
 
