@@ -286,7 +286,8 @@ def markdown(result: dict[str, Any], machine: dict[str, Any], config: Config) ->
         lines += ["**CPU: tiny sizes, a check that everything runs. The numbers below mean nothing about an "
                   "accelerator (no peak, so no MFU).**", ""]
     peak = result.get("peak_flops")
-    lines += [f"Peak: {'n/a' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'} ({result.get('peak_source')}).", ""]
+    shown = "n/a" if peak is None else jd.costs.format_flops(peak) + "/s"
+    lines += [f"Peak: {shown} ({result.get('peak_source')}).", ""]
     if "rows" in result:
         lines += ["## Per-call rows (steps/s ratio, jaxdist / hand-written; median [95% CI])", "",
                   "| row | model | candidate / baseline | ratio | steps/s |", "|---|---|---|---|---|"]

@@ -103,6 +103,8 @@ def _abstract_params(model: Any, seq_len: int) -> Any:
 # ------------------------------------------------------------------------------------------------ memory
 def memory(sizes: Sizes, cps: Sequence[int] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
     """Per-device bytes of the compiled train step for each CP and attention (nothing runs)."""
+    from jaxdist.costs import format_bytes
+
     rows = []
     for mode in MODES:
         for cp in cps:
@@ -121,7 +123,7 @@ def memory(sizes: Sizes, cps: Sequence[int] = (1, 2, 4, 8)) -> list[dict[str, An
             temp, alias = int(analysis.temp_size_in_bytes), int(analysis.alias_size_in_bytes)
             rows.append({"mode": mode, "cp": cp, "seq_len": seq, "argument_bytes": arg, "output_bytes": out,
                          "temp_bytes": temp, "peak_bytes": arg + out + temp - alias})
-            print(f"memory {mode} cp={cp} L={seq}: peak {rows[-1]['peak_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
+            print(f"memory {mode} cp={cp} L={seq}: peak {format_bytes(rows[-1]['peak_bytes'])}", file=sys.stderr)
     for row in rows:
         base = next(r for r in rows if r["mode"] == row["mode"] and r["cp"] == 1)
         row["peak_vs_cp1"] = row["peak_bytes"] / base["peak_bytes"]

@@ -265,24 +265,15 @@ class LMHandJit(_Loop):
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def _bytes_per_device(tree: Any) -> int:
-    """The most bytes any one device holds of ``tree``'s arrays (their addressable shards)."""
-    per: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-    return max(per.values(), default=0)
-
-
 def _memory(strategy: jd.Strategy, problem: LMProblem, measure_temp: bool) -> dict[str, Any]:
     stepper = LMHandJit(strategy, problem)
     try:
         params, opt_state = stepper._state
         temp = getattr(stepper.compiled().memory_analysis(), "temp_size_in_bytes", None) if measure_temp else None
         return {
-            "param_bytes": _bytes_per_device(params),
-            "optimizer_bytes": _bytes_per_device(opt_state),
-            "state_bytes": _bytes_per_device((params, opt_state)),
+            "param_bytes": jd.costs.bytes_per_device(params),
+            "optimizer_bytes": jd.costs.bytes_per_device(opt_state),
+            "state_bytes": jd.costs.bytes_per_device((params, opt_state)),
             "temp_bytes": None if temp is None else int(temp),
         }
     finally:

@@ -232,7 +232,7 @@ def test_an_idle_model_axis_is_reported_for_a_compiled_step():
     with strategy.scope():
         model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))  # no annotation: nothing uses "tensor"
     step = strategy.jit(lambda m, x: m(x).sum(), batch_argnums=1)
-    with pytest.warns(jd.IdleAxisWarning, match=r"mesh axis 'tensor' \(size 2\).*step's variables.*288 bytes per "
+    with pytest.warns(jd.IdleAxisWarning, match=r"mesh axis 'tensor' \(size 2\).*step's variables.*288 B per "
                                                 r"device of them could be split 2 ways along it but are held whole"):
         step(model, np.ones((8, 8), np.float32))
 

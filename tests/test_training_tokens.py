@@ -216,7 +216,7 @@ def test_loops_count_per_iteration_and_flops_per_step_sets_the_model_flops():
         measure_step_cost, compiled, state, devices=jax.devices()[:1], local_devices=jax.devices()[:1], rows_per_step=4
     )
     cost = measure(options=CostOptions())
-    assert cost.undercounted_loops == 0 and cost.flops >= 3 * 2 * 4 * 16 * 16 and cost.param_bytes == 16 * 16 * 4
+    assert cost.unknown_loops == 0 and cost.flops >= 3 * 2 * 4 * 16 * 16 and cost.param_bytes == 16 * 16 * 4
     assert cost.flops > 2 * compiled.cost_analysis()["flops"]
     assert cost.model_flops_source == "program_cost without recomputation"
     cost = measure(options=CostOptions(flops_per_step=3e6, peak_flops=1e9))  # the given count is the model's

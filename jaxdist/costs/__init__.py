@@ -5,6 +5,12 @@ compiled program's FLOPs (loops multiplied, library calls and kernels costed), b
 collectives; `ACCELERATORS` holds the published peaks by chip and device kind; `roofline` turns the two into
 a step time. `jaxdist.Plan`, the Trainer's utilisation figures and the benchmarks all read them.
 
+The records of what a step costs live here too, below every package that fills or reads them:
+`jaxdist.costs.plan` holds `jaxdist.Plan` (public as ``jd.Plan``; `jaxdist.strategies` fills it for a
+strategy's layout), `jaxdist.costs.step` the Trainer's `jaxdist.training.StepCost` (a view of its train step's
+plan); `bytes_per_device` is the one count of what a device holds, `format_bytes` and `format_flops` the one
+way to print bytes and FLOPs.
+
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
     >>> cost = jd.program_cost(jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile())
@@ -14,6 +20,7 @@ Examples:
     'memory-bound'
 """
 
+from jaxdist.costs.memory import bytes_per_device as bytes_per_device
 from jaxdist.costs.peaks import ACCELERATORS as ACCELERATORS
 from jaxdist.costs.peaks import Accelerator as Accelerator
 from jaxdist.costs.peaks import accelerator as accelerator
@@ -25,6 +32,8 @@ from jaxdist.costs.program import ProgramCost as ProgramCost
 from jaxdist.costs.program import program_cost as program_cost
 from jaxdist.costs.roofline import Estimate as Estimate
 from jaxdist.costs.roofline import roofline as roofline
+from jaxdist.costs.units import format_bytes as format_bytes
+from jaxdist.costs.units import format_flops as format_flops
 
 __all__ = [
     "ACCELERATORS",
@@ -35,6 +44,9 @@ __all__ = [
     "ProgramCost",
     "accelerator",
     "accelerator_of_device",
+    "bytes_per_device",
+    "format_bytes",
+    "format_flops",
     "known_peak_flops",
     "program_cost",
     "roofline",

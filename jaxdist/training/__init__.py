@@ -15,6 +15,7 @@ Examples:
 """
 
 from jaxdist.costs import known_peak_flops as known_peak_flops
+from jaxdist.costs.step import StepCost as StepCost
 from jaxdist.training.callbacks import Callback as Callback
 from jaxdist.training.callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks import History as History
@@ -23,7 +24,6 @@ from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer as Checkpointer
 from jaxdist.training.checkpoint_damage import CheckpointCorruptedError as CheckpointCorruptedError
 from jaxdist.training.compilation_cache import configure_compilation_cache as configure_compilation_cache
-from jaxdist.training.cost import StepCost as StepCost
 from jaxdist.training.data import DataPosition as DataPosition
 from jaxdist.training.job import JobDisagreementError as JobDisagreementError
 from jaxdist.training.models import LinenModel as LinenModel

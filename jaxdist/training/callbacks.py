@@ -26,7 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist.training.cost import StepCost, format_bytes
+from jaxdist.costs import format_bytes
+from jaxdist.costs.step import StepCost
 
 __all__ = ["CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
 

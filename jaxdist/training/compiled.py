@@ -9,8 +9,9 @@ sums, one small float32 vector on the devices (`add_to_sums`; a token-weighted v
 weight, `jaxdist.training.weighted`): the fit loop reads that vector at a log point instead of every step's
 scalars, so logging costs no work and no transfer per step.
 
-`CompiledSteps.step_cost` measures the compiled train step once (`jaxdist.training.cost`): it lowers the step
-for the abstract arguments it already ran with, which finds the compiled program in JAX's cache.
+`CompiledSteps.step_cost` reads the train step's cost once from its plan (`jaxdist.costs.StepCost.of_plan`):
+it plans the step for the abstract arguments it already ran with, which finds the compiled program in JAX's
+cache.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdist.costs import bytes_per_device
+from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.training.build import check_losses
-from jaxdist.training.cost import CostOptions, StepCost, measure_step_cost
 from jaxdist.training.data import eval_batches
 from jaxdist.training.non_finite import NAMES as NON_FINITE
 from jaxdist.training.step_functions import (
@@ -200,8 +202,8 @@ class CompiledSteps:
         return self._names, self._current_sums()
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
-        """What the compiled train step costs (`jaxdist.training.cost`), measured once (after a training step:
-        the fit step is built).
+        """What the compiled train step costs, read once from its `Plan` (after a training step: the fit step
+        is built).
 
         Args:
             state: the current state (only its shapes, dtypes and layout are read).
@@ -216,13 +218,17 @@ class CompiledSteps:
         sums = jax.ShapeDtypeStruct((len(self._names),), np.float32)
         sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
         # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
-        compiled = self.fit_step.lower(like, batch, sums).compile()
         rows = jax.tree.leaves(batch)[0].shape[0]
-        self._cost = measure_step_cost(  # the accumulation loop counted per micro-batch (program_cost)
-            compiled, like, devices=tuple(strategy.mesh.devices.flat),
-            local_devices=tuple(d for d in strategy.mesh.devices.flat if d.process_index == jax.process_index()),
-            options=options, rows_per_step=rows,
-        )
+        devices = tuple(strategy.mesh.devices.flat)
+        local = tuple(d for d in devices if d.process_index == jax.process_index())
+        try:
+            plan, why = self.fit_step.plan(like, batch, sums), ""  # the accumulation loop counted per micro-batch
+        except Exception as error:  # a backend without program text or memory analysis: FLOPs n/a, not a failed fit
+            first = (str(error).splitlines() or [""])[0][:200]
+            plan, why = None, f"the step could not be planned: {type(error).__name__}: {first}"
+        roles = {k: bytes_per_device(getattr(like, k)) for k in ("params", "opt_state", "model_state")}
+        self._cost = StepCost.of_plan(plan, options=options, devices=devices, local_devices=local,
+                                      rows_per_step=rows, state_bytes=roles, why=why)
         return self._cost
 
     def evaluate(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> dict[str, float]:

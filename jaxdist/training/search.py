@@ -16,6 +16,13 @@ The layouts, on ``jd.plan_mesh`` meshes (real devices when ``num_devices`` is th
 * ``"fsdp_ep"``: ``{"fsdp": N / e, "expert": e}`` for ``e`` in ``expert_parallelism`` (none unless given: a
   model with `jaxdist.nn.MoE` layers): the experts split over ``"expert"``, the batch over both axes, the
   other variables FSDP over ``"fsdp"``.
+
+Why it lives in ``training`` and not with the plans: what it searches are Trainer configurations (remat and
+``grad_accum_steps`` are options of the model and the `Trainer`; ``build`` returns a Trainer and each
+configuration is ranked by ``Trainer.plan``, the train step with its optimizer state), and it builds the
+strategies it plans on. The plan room (`jaxdist.strategies.plan`) sits below the strategy classes, which import
+it, so it cannot build them without an import circle; the records it ranks (`jaxdist.Plan`, its
+`jaxdist.costs.Estimate`) and the formatter of its table live in `jaxdist.costs`.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 
 import jax
 
+from jaxdist.costs import format_bytes
 from jaxdist.strategies import Estimate, MirroredStrategy, Plan, ShardedStrategy, Strategy, plan_mesh
 
 __all__ = ["Candidate", "plan_search"]
@@ -62,8 +70,6 @@ class Candidate:
         what = f"{self.layout:<8} {self.mesh!s:<34} remat={self.remat!s:<5} grad_accum={self.grad_accum_steps}"
         if self.plan is None:
             return f"{what}  not planned: {self.error}"
-        from jaxdist.strategies.plan import format_bytes  # one formatter for every table
-
         return (f"{what}  peak {format_bytes(self.plan.peak_bytes):>11}  {'fits' if self.fits else 'too big'}  "
                 f"{self.estimate.step_s * 1e3:.3g} ms/step ({self.estimate.bound})")
 

@@ -31,6 +31,7 @@ import numpy as np
 from flax.core.meta import Partitioned
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdist.costs import format_bytes
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
 from jaxdist.strategies.cluster import spans_processes
@@ -94,13 +95,6 @@ def held_whole_bytes(sharding: Any, aval: Any, mesh: Mesh, axis: str) -> int:
         for name in jax.tree.leaves(entry):
             parts *= mesh.shape[name]
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize // parts
-
-
-def _readable_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
 
 
 class IdleAxisWarning(UserWarning):
@@ -492,7 +486,7 @@ class LayoutPolicy:
             return
         held = sum(held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False))
         if held:
-            some += (f"; {_readable_bytes(held)} per device of them could be split {size} ways along it but are "
+            some += (f"; {format_bytes(held)} per device of them could be split {size} ways along it but are "
                      "held whole on each of its devices")
         warnings.warn(
             f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.batch_axes} and splits none of "

@@ -1,8 +1,11 @@
 """Plans: what a step will cost (memory, time, layouts) before it runs, on real meshes and meshes without devices.
+
+The record, `Plan`, and the formatters live in `jaxdist.costs` (re-exported here: ``jaxdist.strategies.Plan``
+and ``jd.Plan`` are the same class); this room fills plans for a strategy's layout.
 """
 
-from jaxdist.strategies.plan._plan import Plan as Plan
-from jaxdist.strategies.plan._plan import format_bytes as format_bytes
+from jaxdist.costs.plan import Plan as Plan
+from jaxdist.costs.units import format_bytes as format_bytes
 from jaxdist.strategies.plan._plan import plan_step as plan_step
 from jaxdist.strategies.plan._plan_mesh import abstract_variables as abstract_variables
 from jaxdist.strategies.plan._plan_mesh import compile_elsewhere as compile_elsewhere

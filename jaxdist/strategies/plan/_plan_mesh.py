@@ -28,15 +28,11 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
+from jaxdist.costs.plan import MEMORY_FIELDS
 from jaxdist.replicate.trees import fn_name, merge_static, split_static
 
 __all__ = ["abstract_variables", "compile_elsewhere", "is_plan_mesh", "plan_mesh", "refuse_to_run"]
 
-MEMORY_FIELDS = (
-    "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-    "host_argument_size_in_bytes", "host_output_size_in_bytes", "host_alias_size_in_bytes",
-    "host_temp_size_in_bytes",
-)
 
 # Run in a fresh interpreter with N simulated CPU devices: compile an MLIR module for them, report the memory
 # analysis and the compiled text. Compile options for a raw module have no public API: jax's own helper.
@@ -170,8 +166,8 @@ def compile_elsewhere(module_text: str, num_devices: int, timeout: float = 900.0
         timeout: seconds before the subprocess is stopped.
 
     Returns:
-        ``(memory, text)``: the compiled program's memory analysis (`MEMORY_FIELDS`, bytes per device) and
-        its compiled HLO text.
+        ``(memory, text)``: the compiled program's memory analysis (`jaxdist.costs.plan.MEMORY_FIELDS`, bytes
+        per device) and its compiled HLO text.
 
     Raises:
         RuntimeError: when the subprocess fails or takes longer than ``timeout`` (the message holds the end of
