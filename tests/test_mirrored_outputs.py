@@ -237,3 +237,17 @@ def test_identical_outputs_cost_no_communication():
     assert set(plan.collectives) == {"all-reduce"} and plan.collectives["all-reduce"].count == 1
     w = strategy.run(replica_fn, args=(jnp.ones((64, 32)), jnp.ones((64, 64))), batch_argnums=(1,))
     assert isinstance(w, jax.Array) and w.sharding.is_fully_replicated
+
+
+def test_per_replica_gradients_returned_for_a_cross_replica_reduce_are_not_an_update():
+    """Gradients have the parameters' structure but carry none of them element-wise: returned per replica and
+    reduced outside (a cross-replica reduce), they are not a drifting copy."""
+    strategy = jd.MirroredStrategy()
+    x, y, host = _data()
+    params = strategy.mirror(host)
+    grads = strategy.run(lambda p, x, y: jax.grad(_loss)(p, x, y), args=(params, x, y), batch_argnums=(1, 2))
+    assert all(isinstance(g, jd.PerReplica) for g in grads.values())
+    summed = strategy.reduce(jd.ReduceOp.SUM, grads)
+    want = jax.grad(_loss)(host, x, y)  # compute_average_loss over the global batch: the sum of the replicas'
+    for got, ref in zip(jax.tree.leaves(summed), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)

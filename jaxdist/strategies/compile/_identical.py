@@ -29,7 +29,7 @@ from jax.extend import core as jcore
 from jaxdist.replicate.collectives import PER_REPLICA_SCOPE
 from jaxdist.strategies.layout import Role
 
-__all__ = ["DECLARED", "DIFFERENT", "IDENTICAL", "check_mirrored_outputs", "output_values"]
+__all__ = ["DECLARED", "DIFFERENT", "IDENTICAL", "carried_inputs", "check_mirrored_outputs", "output_values"]
 
 # Results identical on every replica when the collective spans every replica axis.
 _COLLECTIVES = frozenset({
@@ -185,11 +185,70 @@ def _holds_source(param: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     """One leaf as the check sees it (a leaf to JAX too): its role (an argument's) or how it leaves (an
-    output's), its shape and its dtype."""
+    output's), its shape and its dtype; an argument's input position, an output's `carried_inputs`."""
 
     what: Any
     shape: tuple[int, ...] | None
     dtype: Any
+    index: int | None = None
+    carries: frozenset[int] = frozenset()
+
+
+# Element-wise primitives: an output of one carries the inputs of its own shape (``p - lr * g`` carries ``p``).
+_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "max", "min", "select_n", "convert_element_type", "pvary", "copy",
+    "integer_pow", "pow", "sqrt", "rsqrt", "exp", "log", "abs", "sign", "clamp", "tanh", "logistic", "square",
+    "add_any", "optimization_barrier", "stop_gradient", "reduce_precision", "nextafter", "rem", "floor", "ceil",
+    "round", "expm1", "log1p",
+})
+
+
+_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+
+
+def _size(var: Any) -> int | None:
+    shape = getattr(getattr(var, "aval", None), "shape", None)
+    return None if shape is None else int(np.prod(shape))
+
+
+def carried_inputs(jaxpr: Any) -> list[frozenset[int]]:
+    """For each output of ``jaxpr``, the inputs it carries element-wise: reached from them by element-wise
+    arithmetic alone (``params - lr * grads`` carries ``params``; a gradient, reached through matrix products
+    and sums over the batch, carries nothing). What tells an updated value from a result of the same shape.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> jaxpr = jax.make_jaxpr(lambda w, x: (w - 0.1 * x, x @ w))(jnp.ones((2, 2)), jnp.ones((2, 2)))
+        >>> carried_inputs(jaxpr)
+        [frozenset({0, 1}), frozenset()]
+    """
+    inner = _open(jaxpr)
+    return _carry(inner, [frozenset({i}) for i in range(len(inner.invars))])
+
+
+def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
+    known: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, inputs, strict=True))
+
+    def get(v: Any) -> frozenset[int]:
+        return frozenset() if isinstance(v, jcore.Literal) else known.get(v, frozenset())
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        call = next((eqn.params[k] for k in _CALL_PARAMS if isinstance(eqn.params.get(k), (jcore.Jaxpr,
+                     jcore.ClosedJaxpr)) and len(_open(eqn.params[k]).invars) == len(eqn.invars)), None)
+        if call is not None:
+            outs = _carry(_open(call), [get(v) for v in eqn.invars])
+        elif name in _RESHAPING and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0]):
+            outs = [get(eqn.invars[0])] * len(eqn.outvars)  # the same elements (the probe's ``x[None]``)
+        elif name in _ELEMENTWISE:
+            shape = eqn.outvars[0].aval.shape if eqn.outvars else ()
+            carried = frozenset().union(*(get(v) for v in eqn.invars
+                                          if getattr(v.aval, "shape", None) == shape))
+            outs = [carried] * len(eqn.outvars)
+        else:
+            outs = [frozenset()] * len(eqn.outvars)
+        known.update(zip(eqn.outvars, outs, strict=True))
+    return [get(v) for v in jaxpr.outvars]
 
 
 def _subtrees(tree: Any, where: str, depth: int) -> list[tuple[str, Any]]:
@@ -211,14 +270,16 @@ def _signature(tree: Any) -> tuple[Any, tuple] | None:
 def check_mirrored_outputs(
     fn: str, treedef: Any, roles: Sequence[Role], dynamic: Sequence[Any],
     out_tree: Any, out_kinds: Sequence[str], out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
+    out_carries: Sequence[frozenset[int]],
 ) -> None:
     """Refuse a replica function whose output takes the place of a mirrored argument but differs between
     replicas (tf.distribute refuses to update a mirrored variable from replica context without aggregating).
 
     An output subtree takes an argument's place when it has the argument's structure, shapes and dtypes
-    (``state -> new_state``); it differs between replicas when any of its leaves is not provably identical
-    (`output_values`) and was not declared per replica: typically parameters updated with each replica's local
-    gradients.
+    (``state -> new_state``) and carries it (`carried_inputs`: a leaf reached from the argument's leaf at the
+    same path by element-wise arithmetic, as an update is; per-replica gradients of the same structure are
+    not); it is refused when such a leaf is not provably identical (`output_values`) and was not declared per
+    replica: typically parameters updated with each replica's local gradients.
 
     Args:
         fn: the replica function's name, for the message.
@@ -226,40 +287,41 @@ def check_mirrored_outputs(
         dynamic: the array leaves (those whose role is not static), in order.
         out_tree, out_kinds, out_shapes, out_dtypes: the outputs' structure and, per leaf, how it leaves the
             program ("per_replica" where its replicas' values may differ), its shape and dtype.
+        out_carries: per output leaf, the positions in ``dynamic`` it carries (`carried_inputs`).
 
     Raises:
         ValueError: naming the output, the argument it replaces, and the two fixes (all-reduce the gradients;
             declare the value per replica on purpose).
     """
-    arrays = iter(dynamic)
+    arrays = iter(enumerate(dynamic))
     leaves = []
     for role in roles:
         if role == Role.VARIABLE:
-            x = next(arrays)
-            leaves.append(_Leaf(role, tuple(np.shape(x)), np.dtype(jax.dtypes.result_type(x))))
+            i, x = next(arrays)
+            leaves.append(_Leaf(role, tuple(np.shape(x)), np.dtype(jax.dtypes.result_type(x)), index=i))
         else:
             if role != Role.STATIC:
                 next(arrays)
             leaves.append(_Leaf(role, None, None))
     args, kwargs = jax.tree.unflatten(treedef, leaves)
-    places = {}
+    places: dict[Any, list[tuple[str, Any]]] = {}
     for where, sub in [*_subtrees(tuple(args), "args", 2), *_subtrees(dict(kwargs), "kwargs", 1)][1:]:
         sig = _signature(sub)
         if sig is not None and all(leaf.what == Role.VARIABLE for leaf in jax.tree.leaves(sub)):
-            places.setdefault(sig, where)
+            places.setdefault(sig, []).append((where, sub))
     if not places:
         return
     outs = jax.tree.unflatten(out_tree, [
-        _Leaf(k, tuple(s), np.dtype(d)) for k, s, d in zip(out_kinds, out_shapes, out_dtypes, strict=True)
+        _Leaf(k, tuple(s), np.dtype(d), carries=c)
+        for k, s, d, c in zip(out_kinds, out_shapes, out_dtypes, out_carries, strict=True)
     ])
     for where, sub in _subtrees(outs, "output", 2):
-        sig = _signature(sub)
-        if sig is None or sig not in places:
-            continue
-        differ = [jax.tree_util.keystr(p) or "" for p, leaf in jax.tree_util.tree_flatten_with_path(sub)[0]
-                  if leaf.what == "per_replica"]
-        if differ:
-            raise ValueError(_message(fn, where, places[sig], differ))
+        for argument, arg_sub in places.get(_signature(sub), ()):
+            differ = [jax.tree_util.keystr(p) or "" for (p, leaf), given in zip(
+                jax.tree_util.tree_flatten_with_path(sub)[0], jax.tree.leaves(arg_sub), strict=True)
+                if leaf.what == "per_replica" and given.index in leaf.carries]
+            if differ:
+                raise ValueError(_message(fn, where, argument, differ))
 
 
 def _message(fn: str, output: str, argument: str, differ: list[str]) -> str:

@@ -57,7 +57,13 @@ from jaxdist.replicate.values import (
 from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
-from jaxdist.strategies.compile._identical import DECLARED, IDENTICAL, check_mirrored_outputs, output_values
+from jaxdist.strategies.compile._identical import (
+    DECLARED,
+    IDENTICAL,
+    carried_inputs,
+    check_mirrored_outputs,
+    output_values,
+)
 from jaxdist.strategies.compile._vma import first_trace
 from jaxdist.strategies.input import padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
@@ -304,7 +310,7 @@ class ReplicaRunner:
         outvars = replica_jaxpr.outvars[:n_out]
         shapes = [o.aval.shape[1:] for o in outvars]  # the probe stacked every output
         check_mirrored_outputs(name, treedef, kinds, dynamic, out_tree, [k for k, _ in kinds_out], shapes,
-                               [o.aval.dtype for o in outvars])
+                               [o.aval.dtype for o in outvars], carried_inputs(replica_jaxpr)[:n_out])
         # How each output leaves the replica program: "mirrored" (invariant by type), "stacked" (one copy per
         # replica), or "identical": stacked, then each device's own copy taken as the replicated value
         # (`_own_copies`: nothing is sent).
