@@ -39,6 +39,7 @@ from jaxdist.strategies.plan import abstract_variables
 from jaxdist.training.build import check_losses, params_target, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
+from jaxdist.training.checkpoint_storage import check_directory
 from jaxdist.training.compiled import CompiledSteps
 from jaxdist.training.cost import CostOptions, StepCost
 from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
@@ -836,6 +837,8 @@ class Trainer:
             raise ValueError(
                 f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
             )
+        if checkpoint_dir is not None:  # storage trouble before any step, not at the first save
+            check_directory(checkpoint_dir, "checkpoint_dir", create=jax.process_index() == 0)
         stream = BatchStream(train_data, None, epochs, self._batches)  # the first batch, checked, for the state
         sample = None
         if self._state is None or self._unchecked:
@@ -862,6 +865,7 @@ class Trainer:
                                                                  async_save=async_checkpoints)
         try:
             if ckpt is not None:
+                ckpt.claim()  # one writer per directory: a second live run is refused here, before any step
                 ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
             resumed = ckpt is not None and (restore_step is not None or (ckpt.latest_step() or 0) > self._step)
             if restore_step is not None:
