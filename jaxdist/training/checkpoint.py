@@ -162,6 +162,30 @@ def _mismatch_entries(saved: list, here: list) -> list[list]:
     return [saved_by.get(p) or here_by[p] for p in paths if saved_by.get(p) != here_by.get(p)]
 
 
+def node_types(tree: Any) -> list[list[str]]:
+    """``[[path, type name], ...]`` for every NamedTuple node of ``tree`` (optax's states are NamedTuples): what
+    tells two optimizers apart whose states have the same leaves (Adam's and AdaBelief's ``mu``/``nu``).
+
+    Examples:
+        >>> import optax, numpy as np
+        >>> node_types(optax.adam(0.1).init({"w": np.zeros(2)}))
+        [['[0]', 'ScaleByAdamState'], ['[1]', 'EmptyState']]
+    """
+    out: list[list[str]] = []
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            out.append([jax.tree_util.keystr(path), type(node).__name__])
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        if len(children) == 1 and children[0][1] is node:  # a leaf
+            return
+        for key, child in children:
+            walk(child, path + key)
+
+    walk(tree, ())
+    return out
+
+
 def _describe(entry: list | None) -> str:
     return "absent" if entry is None else f"{tuple(entry[1])} {entry[2]}"
 
@@ -328,7 +352,8 @@ class Checkpointer:
         if step in self._manager.all_steps():  # complete, or being written
             self._check_same(step, state)
             return path
-        info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state)}
+        info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state),
+                "node_types": node_types(state)}
         items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(info)}
         if data_iterator is not None:
             info["data_iterator"], items["data_iterator"] = input_state.save_args(data_iterator)
@@ -666,6 +691,18 @@ class Checkpointer:
     def check(self, like: Any, meta: Mapping[str, Any]) -> None:
         """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming the leaves."""
         diff = _mismatch(meta["fingerprint"], fingerprint(like))
+        saved_types = meta.get("node_types")  # none in checkpoints written before them
+        if not diff and saved_types is not None:
+            saved_by, here_by = dict(map(tuple, saved_types)), dict(map(tuple, node_types(like)))
+            types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} here"
+                     for p in sorted(set(saved_by) | set(here_by)) if saved_by.get(p) != here_by.get(p)]
+            if types:
+                shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3 else "")
+                raise ValueError(
+                    f"checkpoint_dir={self.directory!r} (step {meta['step']}) holds the state of another optimizer "
+                    f"(its state types differ): {shown}. Fix: use the optimizer that wrote it (same transforms, in "
+                    "the same chain), or a fresh checkpoint_dir (to keep only the parameters: "
+                    "Trainer.load_state(params=...)).")
         if not diff:
             return
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")

@@ -42,7 +42,15 @@ from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.checkpoint_storage import check_directory
 from jaxdist.training.compiled import CompiledSteps
 from jaxdist.training.cost import CostOptions, StepCost
-from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
+from jaxdist.training.data import (
+    BatchChecker,
+    BatchStream,
+    DataPosition,
+    UnrestorableState,
+    check_key,
+    global_rows,
+    say_batch_change,
+)
 from jaxdist.training.feed import BatchFeed, TrainBatch
 from jaxdist.training.input_state import IteratorSnapshot, restored_position
 from jaxdist.training.job import agree_on_fit, failing
@@ -518,7 +526,8 @@ class Trainer:
         if bad:
             self._refuse(checkpoint_dir, bad)
         position = self.data_position  # a grain source's iterator state goes beside it, one file per process
-        meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index}}
+        meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
+                "global_batch": global_rows(self._batches.signature)}
         state = position.state
         data_iterator = None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
         if isinstance(checkpoint_dir, Checkpointer):
@@ -878,6 +887,8 @@ class Trainer:
                         "checkpoint_dir without later checkpoints (or restore_step= to choose one).",
                         UserWarning, stacklevel=2)
                 self._restore(ckpt, None, sample, "restore_step")
+            if ckpt is not None and resumed:  # the position counts batches: another batch size moves it
+                say_batch_change(ckpt.meta(self._step), global_rows(self._batches.signature), self.data_position)
             self._loaded = False
             if self._state is None or self._unchecked:
                 self.init(sample)
