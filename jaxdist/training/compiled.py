@@ -261,7 +261,7 @@ class CompiledSteps:
         """A non-finite evaluation with integer targets: raise when they fall outside the outputs' classes."""
         outputs = jax.tree.leaves(self.predict_step(state, batch[0]))
         classes = np.shape(outputs[0])[-1] if outputs and np.ndim(outputs[0]) >= 2 else None
-        if classes is None or 0 <= labels[0] and labels[1] < classes:
+        if classes is None or (0 <= labels[0] and labels[1] < classes):
             return
         raise ValueError(
             f"evaluate's results are not finite ({result}): eval_data's integer labels run from {labels[0]} to "
