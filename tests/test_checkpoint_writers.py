@@ -112,6 +112,8 @@ def test_saving_an_existing_step_again_is_a_no_op_for_the_same_contents_and_an_e
         assert restored["w"].tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_two_fits_started_together_one_trains_and_the_other_is_refused_by_name(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
@@ -211,6 +213,7 @@ def test_a_full_disk_is_one_named_error_without_orbax_tracebacks(tmp_path, full_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_full_disk_ends_the_program_with_one_short_traceback(tmp_path):
     script = textwrap.dedent(f"""
         import errno
