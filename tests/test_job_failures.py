@@ -5,6 +5,9 @@ checkpoint cadence, a checkpoint_dir each process has to itself) and then data t
 another, under ``python -m jaxdist.launch``, a process that raises at step 5. Every wait is bounded.
 """
 
+import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ from test_cluster_operations import _two
 import jaxdist as jd
 from jaxdist.strategies import cluster
 from jaxdist.training import job
+from jaxdist.training.checkpoint_claim import CLAIM_FILE
 
 HERE = Path(__file__).parent
 WORKER = HERE / "multiprocess" / "disagree_worker.py"
@@ -55,6 +59,23 @@ def test_a_process_that_raises_ends_the_job_under_the_launcher(tmp_path):
     assert ("[0] [jaxdist] process 1 raised RuntimeError(a callback failed on purpose) at step 5; process 0 stops "
             "too (exit status 1)") in text, text[-3000:]
     print(f"the job ended {elapsed:.1f} s after start")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_checkpoint_dir_another_live_run_writes_ends_the_job_at_the_start(tmp_path):
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / CLAIM_FILE).write_text(json.dumps(  # this test's process: alive on this host
+        {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "run": "other"}))
+    results = _two(WORKER, "claimed", tmp_path, timeout=120)
+    for pid, (code, text) in enumerate(results):
+        assert code == 1, f"process {pid} exited {code}:\n{text[-3000:]}"
+        assert "is being written by another run: run other" in text, text[-3000:]
+        assert "CASE" not in text  # no fit returned
+    assert "CheckpointConflictError: checkpoint_dir=" in results[0][1]  # process 0 claims for the job
+    assert "process 0 raised CheckpointConflictError(checkpoint_dir=" in results[1][1], results[1][1][-3000:]
+    assert (claimed / CLAIM_FILE).exists() and not any(p.name.isdigit() for p in claimed.iterdir())
 
 
 def test_one_process_has_nothing_to_agree_and_data_that_ends_early_is_said(capsys):

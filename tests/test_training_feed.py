@@ -126,7 +126,7 @@ def test_batch_leaves_must_share_their_rows():
     with pytest.raises(ValueError, match=r"batch 0 leaf x\[1\] is a scalar: every leaf of a training batch needs a "
                                          r"batch axis 0"):
         check(((np.ones((8, 2)), np.float32(2.0)), np.ones(8)), "batch 0")
-    with pytest.raises(ValueError, match=r"batch 0 holds no arrays: yield \(x, y\)"):
+    with pytest.raises(ValueError, match=r"batch 0 has inputs \{\} \(no array\): yield \(x, y\)"):
         check(({}, {}), "batch 0")
 
 

@@ -22,7 +22,9 @@ from jaxdist.training.callbacks import History as History
 from jaxdist.training.callbacks import Progress as Progress
 from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer as Checkpointer
+from jaxdist.training.checkpoint_claim import CheckpointConflictError as CheckpointConflictError
 from jaxdist.training.checkpoint_damage import CheckpointCorruptedError as CheckpointCorruptedError
+from jaxdist.training.checkpoint_storage import CheckpointSaveError as CheckpointSaveError
 from jaxdist.training.compilation_cache import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.data import DataPosition as DataPosition
 from jaxdist.training.job import JobDisagreementError as JobDisagreementError
@@ -44,7 +46,9 @@ __all__ = [
     "CSVLogger",
     "Candidate",
     "Callback",
+    "CheckpointConflictError",
     "CheckpointCorruptedError",
+    "CheckpointSaveError",
     "Checkpointer",
     "DataPosition",
     "History",

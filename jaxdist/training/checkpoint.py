@@ -39,6 +39,7 @@ import atexit
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import shutil
 import sys
@@ -52,6 +53,7 @@ import orbax.checkpoint as ocp
 
 from jaxdist.strategies.layout import is_own, mark
 from jaxdist.training import input_state
+from jaxdist.training.checkpoint_claim import CheckpointConflictError, Claim, live_claim
 from jaxdist.training.checkpoint_damage import (
     CheckpointCorruptedError,
     SettlingArrayHandler,
@@ -62,12 +64,14 @@ from jaxdist.training.checkpoint_damage import (
     missing_parts,
     verify_checksums,
 )
+from jaxdist.training.checkpoint_storage import CheckpointSaveError, check_directory, quiet_orbax
 from jaxdist.training.foreign import advice, is_orbax_checkpoint
 
 __all__ = ["Checkpointer", "fingerprint"]
 
 FORMAT = "jaxdist.training/1"
 _T = TypeVar("_T")
+LOG = logging.getLogger("jaxdist.training.checkpoint")
 # Set inside `Checkpointer.read`: a read nested in another (``meta`` inside ``restore``) leaves the search for an
 # intact checkpoint to the outermost one, which knows everything the caller needs to read.
 _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpoint_read", default=False)
@@ -151,6 +155,37 @@ def fingerprint(tree: Any) -> list[list]:
     return out
 
 
+def _mismatch_entries(saved: list, here: list) -> list[list]:
+    """The entries of ``saved`` and ``here`` (fingerprints) that differ, by path."""
+    saved_by, here_by = {e[0]: e for e in saved}, {e[0]: e for e in here}
+    paths = sorted(set(saved_by) | set(here_by))
+    return [saved_by.get(p) or here_by[p] for p in paths if saved_by.get(p) != here_by.get(p)]
+
+
+def node_types(tree: Any) -> list[list[str]]:
+    """``[[path, type name], ...]`` for every NamedTuple node of ``tree`` (optax's states are NamedTuples): what
+    tells two optimizers apart whose states have the same leaves (Adam's and AdaBelief's ``mu``/``nu``).
+
+    Examples:
+        >>> import optax, numpy as np
+        >>> node_types(optax.adam(0.1).init({"w": np.zeros(2)}))
+        [['[0]', 'ScaleByAdamState'], ['[1]', 'EmptyState']]
+    """
+    out: list[list[str]] = []
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            out.append([jax.tree_util.keystr(path), type(node).__name__])
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        if len(children) == 1 and children[0][1] is node:  # a leaf
+            return
+        for key, child in children:
+            walk(child, path + key)
+
+    walk(tree, ())
+    return out
+
+
 def _describe(entry: list | None) -> str:
     return "absent" if entry is None else f"{tuple(entry[1])} {entry[2]}"
 
@@ -203,7 +238,7 @@ class Checkpointer:
             ``save`` returns when the checkpoint is complete.
 
     Raises:
-        ValueError: for ``max_to_keep < 1``.
+        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""`` or a regular file.
 
     Examples:
         >>> import tempfile, jax.numpy as jnp, jaxdist as jd
@@ -229,7 +264,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep all).")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False.")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = check_directory(directory, "directory", create=False, probe=False)
         self.async_save = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -240,8 +275,9 @@ class Checkpointer:
             cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
         )
-        _remove_unfinished(self.directory)
-        _finish_rollback(self.directory)  # before orbax lists the steps
+        if live_claim(self.directory) is None:  # else a live writer's save in flight, or its rollback
+            _remove_unfinished(self.directory)
+            _finish_rollback(self.directory)  # before orbax lists the steps
         handler = ocp.PyTreeCheckpointHandler(**_array_handlers())
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.PyTreeSave, handler)
@@ -253,6 +289,8 @@ class Checkpointer:
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by poll
         self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet raised
         self._closed = False
+        self._claim: Claim | None = None
+        self._quiet = contextlib.ExitStack()  # orbax's log records of the save in flight, kept out of the terminal
         _register_at_exit()
         _OPEN.add(self)
 
@@ -283,7 +321,8 @@ class Checkpointer:
         """Write ``state`` as checkpoint ``step`` (atomically; the oldest beyond ``max_to_keep`` is removed).
 
         Args:
-            step: the step number (an int; saving an existing step again is a no-op).
+            step: the step number (an int; saving an existing step again is a no-op when the contents are the
+                same, an error when they differ).
             state: a pytree of arrays (global `jax.Array`s of any layout, or numpy).
             meta: extra JSON-serializable metadata stored beside it.
             data_iterator: the input iterator (a grain iterator, or a distributed iterator over one): its
@@ -301,14 +340,20 @@ class Checkpointer:
         Raises:
             TypeError: for metadata that is not JSON-serializable, or a ``data_iterator`` without
                 ``get_state()``.
-            RuntimeError: when an earlier background save failed (see `poll`).
+            CheckpointConflictError: when another live run holds the directory (`claim`), or ``step`` exists
+                with other contents (its saved checksums differ).
+            CheckpointSaveError: (a RuntimeError) when this save, or an earlier background one (see `poll`),
+                failed: naming the step, the directory, the last complete checkpoint and the fix.
         """
         step = int(step)
         path = os.path.join(self.directory, str(step))
         self._raise_failure()
+        self.claim()
         if step in self._manager.all_steps():  # complete, or being written
+            self._check_same(step, state)
             return path
-        info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state)}
+        info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state),
+                "node_types": node_types(state)}
         items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(info)}
         if data_iterator is not None:
             info["data_iterator"], items["data_iterator"] = input_state.save_args(data_iterator)
@@ -322,13 +367,63 @@ class Checkpointer:
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._quiet.enter_context(quiet_orbax())  # until the save has ended (`_join`)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as error:
+            self._quiet.close()
+            with contextlib.suppress(Exception):  # orbax raises it again to every waiter: take this turn now
+                with quiet_orbax():
+                    self._manager.wait_until_finished()
+            LOG.debug("saving checkpoint step %d failed", step, exc_info=error)
+            failed = CheckpointSaveError(step, self.directory, self.latest_step(), error)
+            failed.__context__ = error  # kept for debugging, not printed (``from None``)
+            raise failed from None
         if not self.async_save:
+            self._quiet.close()
             self._finished.append((step, path))
             return path
         self._waiter = threading.Thread(target=self._wait, args=(step, path), name="jaxdist-checkpoint", daemon=True)
         self._waiter.start()
         return path
+
+    def claim(self) -> None:
+        """Claim the directory for this run's saves (`save` does at its first call; ``fit`` at its start).
+
+        Of two runs on one directory, the second (while the first is alive) is refused: two writers lose one
+        run's checkpoints (`jaxdist.training.checkpoint_claim`). The claim is released by `close`. In a job of
+        several processes process 0 claims for all (the others share its directory).
+
+        Raises:
+            CheckpointConflictError: when another live run holds the directory (naming it, with the fix), or
+                this run's claim was taken over.
+            ValueError: when the directory cannot be written (read-only, full, ...).
+        """
+        if jax.process_index() != 0:
+            return
+        if self._claim is not None:
+            self._claim.check()
+            return
+        check_directory(self.directory, "directory")  # exists (orbax made it) and is writable
+        self._claim = Claim.acquire(self.directory, "checkpoint_dir")
+
+    def _check_same(self, step: int, state: Any) -> None:
+        """Checkpoint ``step`` exists: saving it again is a no-op for the same contents, an error for others."""
+        self._join()
+        saved = self.meta(step)
+        differ = [e[0] for e in _mismatch_entries(saved.get("fingerprint", []), fingerprint(state))]
+        sums = saved.get("checksums")
+        if not differ and sums is not None:
+            here = checksums(state)
+            differ = [p for p, v in here.items() if p in sums and list(sums[p]) != v]
+        if not differ:
+            return
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise CheckpointConflictError(
+            f"checkpoint step {step} in {self.directory!r} already exists with other contents ({shown} differ): "
+            "saving over it would keep the old state under this step. Another run wrote this directory, or this "
+            "run went back without restore_step=. Fix: pass a fresh directory, resume from the newest checkpoint "
+            f"(fit does), or delete {os.path.join(self.directory, str(step))} first.", self.directory)
 
     def _wait(self, step: int, path: str) -> None:
         """The waiter thread: wait for the background save of ``step`` and record how it ended."""
@@ -352,6 +447,7 @@ class Checkpointer:
             # (the error is recorded), or a later save or close would raise it again.
             with contextlib.suppress(Exception):
                 self._manager.wait_until_finished()
+        self._quiet.close()
 
     def _raise_failure(self) -> None:
         with self._lock:
@@ -359,13 +455,10 @@ class Checkpointer:
         if failed is None:
             return
         step, error = failed
-        latest = self.latest_step()
-        last = "there is no complete checkpoint" if latest is None else f"the last complete checkpoint is step {latest}"
-        raise RuntimeError(
-            f"saving checkpoint step {step} in {self.directory!r} failed in the background "
-            f"({type(error).__name__}: {error}); {last}. Fix the cause (disk space, permissions, ...) and run "
-            "again to resume from there."
-        ) from error
+        LOG.debug("saving checkpoint step %d failed in the background", step, exc_info=error)
+        clear = CheckpointSaveError(step, self.directory, self.latest_step(), error, background=True)
+        clear.__context__ = error  # kept for debugging, not printed (``from None``)
+        raise clear from None
 
     def poll(self, wait: bool = False) -> list[tuple[int, str]]:
         """The saves that became complete since the last call, as ``(step, path)``, oldest first.
@@ -380,8 +473,8 @@ class Checkpointer:
             ``[(step, path), ...]``, possibly empty.
 
         Raises:
-            RuntimeError: when a background save failed (raised once), naming its step and the last complete
-                checkpoint.
+            CheckpointSaveError: (a RuntimeError) when a background save failed (raised once), naming its step,
+                the last complete checkpoint and the fix.
 
         Examples:
             >>> import tempfile, numpy as np
@@ -598,6 +691,18 @@ class Checkpointer:
     def check(self, like: Any, meta: Mapping[str, Any]) -> None:
         """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming the leaves."""
         diff = _mismatch(meta["fingerprint"], fingerprint(like))
+        saved_types = meta.get("node_types")  # none in checkpoints written before them
+        if not diff and saved_types is not None:
+            saved_by, here_by = dict(map(tuple, saved_types)), dict(map(tuple, node_types(like)))
+            types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} here"
+                     for p in sorted(set(saved_by) | set(here_by)) if saved_by.get(p) != here_by.get(p)]
+            if types:
+                shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3 else "")
+                raise ValueError(
+                    f"checkpoint_dir={self.directory!r} (step {meta['step']}) holds the state of another optimizer "
+                    f"(its state types differ): {shown}. Fix: use the optimizer that wrote it (same transforms, in "
+                    "the same chain), or a fresh checkpoint_dir (to keep only the parameters: "
+                    "Trainer.load_state(params=...)).")
         if not diff:
             return
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
@@ -708,4 +813,7 @@ class Checkpointer:
             self._join()
         finally:
             self._manager.close()
+            if self._claim is not None:
+                self._claim.release()
+                self._claim = None
         self._raise_failure()

@@ -238,8 +238,19 @@ class CompiledSteps:
         returns a batch's ``(x, y)``.
         """
         sums, counts, examples = {}, {}, 0.0
-        source = ((b, w) for b, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "eval_data", split))
-        for batch, weights in self.strategy.experimental_distribute_dataset(source):
+        labels: list[int] = []  # the smallest and largest integer target seen (host side, free)
+
+        def source() -> Any:
+            for b, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "eval_data", split):
+                ints = [np.asarray(a) for a in jax.tree.leaves(b[1]) if np.issubdtype(np.asarray(a).dtype, np.integer)]
+                if ints and all(a.size for a in ints):
+                    seen = [int(a.min()) for a in ints] + [int(a.max()) for a in ints] + labels
+                    labels[:] = [min(seen), max(seen)]
+                yield b, w
+
+        first = None
+        for batch, weights in self.strategy.experimental_distribute_dataset(source()):
+            first = batch if first is None else first
             batch_sums, batch_counts, rows = jax.device_get(self.eval_step(state_for(batch), batch, weights))
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -247,7 +258,21 @@ class CompiledSteps:
             examples += float(rows)
         if examples == 0:
             raise ValueError("evaluate got no examples: pass at least one batch.")
-        return {k: v / counts[k] if counts[k] else float("nan") for k, v in sums.items()}
+        result = {k: v / counts[k] if counts[k] else float("nan") for k, v in sums.items()}
+        if labels and not all(np.isfinite(v) for v in result.values()):
+            self._check_labels(state_for(first), first, labels, result)
+        return result
+
+    def _check_labels(self, state: TrainState, batch: Any, labels: list[int], result: dict[str, float]) -> None:
+        """A non-finite evaluation with integer targets: raise when they fall outside the outputs' classes."""
+        outputs = jax.tree.leaves(self.predict_step(state, batch[0]))
+        classes = np.shape(outputs[0])[-1] if outputs and np.ndim(outputs[0]) >= 2 else None
+        if classes is None or (0 <= labels[0] and labels[1] < classes):
+            return
+        raise ValueError(
+            f"evaluate's results are not finite ({result}): eval_data's integer labels run from {labels[0]} to "
+            f"{labels[1]}, but the model's outputs have {classes} classes (their last axis), so labels outside "
+            f"[0, {classes}) make the loss NaN. Fix the labels (or the model's number of outputs).")
 
     def predict(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> Any:
         """The outputs for every example of ``data``, as numpy arrays (see ``Trainer.predict``)."""

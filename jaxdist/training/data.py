@@ -129,7 +129,8 @@ def split_batch(
             missing += [(k, "target_key", target_key) for k in _keys(target_key) if k not in batch]
         if not missing:
             has_targets = all(k in batch for k in _keys(target_key))
-            return _pick(batch, input_key), (_pick(batch, target_key) if has_targets else None)
+            return _present(_pick(batch, input_key), (_pick(batch, target_key) if has_targets else None), where,
+                            need_targets)
         present = sorted(map(str, batch))
         lacks = " and ".join(f"no {k!r} ({option}={value!r})" for k, option, value in missing)
         raise ValueError(
@@ -138,7 +139,7 @@ def split_batch(
         )
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
         if len(batch) == 2 or (not need_targets and len(batch) == 1):
-            return batch[0], (batch[1] if len(batch) == 2 else None)
+            return _present(batch[0], (batch[1] if len(batch) == 2 else None), where, need_targets)
         got = f"a {type(batch).__name__} of {len(batch)} items"
     elif not need_targets:
         return batch, None
@@ -150,6 +151,19 @@ def split_batch(
         f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x may be any pytree, e.g. a dict "
         "of model inputs), or a dict and name its keys with Trainer(..., input_key=..., target_key=...)."
     )
+
+
+def _present(x: Any, y: Any, where: str, need_targets: bool) -> tuple[Any, Any]:
+    """``(x, y)``, unless the inputs (or the targets a loss needs) hold no array: ``(x, None)`` is named."""
+    if not jax.tree.leaves(x):
+        raise ValueError(f"{where} has inputs {x!r} (no array): yield (x, y) with x an array (or a pytree of "
+                         "arrays) whose axis 0 is the batch.")
+    if need_targets and not jax.tree.leaves(y):
+        raise ValueError(
+            f"{where} has targets {y!r} (no array): loss_fn(outputs, targets) gets the targets, and their rows count "
+            "the examples. Fix: yield (x, y) with y an array of the batch's rows (a loss without targets, e.g. an "
+            "autoencoder's: yield (x, x)); for predictions without targets use trainer.predict.")
+    return x, y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +353,31 @@ class BatchChecker:
         return pair
 
 
+def global_rows(sig: tuple | None) -> int | None:
+    """The global batch's rows in a `BatchChecker.signature` (None before the first batch)."""
+    if sig is None or not sig[1] or not sig[1][0][0]:
+        return None
+    return int(sig[1][0][0][0])
+
+
+def say_batch_change(meta: Mapping[str, Any], rows: int | None, position: DataPosition) -> None:
+    """Warn when a run resumes from a checkpoint written with global batches of other ``rows``: the data position
+    is counted in batches, so it moves in examples (what it does is said, and how to keep it).
+
+    Examples:
+        >>> say_batch_change({"global_batch": 32, "step": 4}, 32, DataPosition(0, 4))   # the same: silent
+    """
+    old = meta.get("global_batch")
+    if old is None or rows is None or int(old) == rows:
+        return
+    warnings.warn(
+        f"fit resumes from checkpoint {meta.get('step')}, written with global batches of {old} rows; train_data now "
+        f"yields {rows}. The data position counts batches: it resumes at batch {position.index} of epoch "
+        f"{position.epoch}, skipping {position.index * rows} examples of that epoch where the run that wrote it had "
+        f"read {position.index * int(old)}. To resume on the same examples use batches of {old} rows, or set "
+        "trainer.data_position before fit.", UserWarning, stacklevel=4)
+
+
 def _common_rows(pair: Any, where: str) -> int:
     """The rows (axis 0) that every leaf of ``pair`` has: what the replicas split.
 
@@ -349,6 +388,9 @@ def _common_rows(pair: Any, where: str) -> int:
     if not paths:
         raise ValueError(f"{where} holds no arrays: yield (x, y) with arrays whose axis 0 is the batch.")
     first_path, first = paths[0]
+    if np.shape(first) and np.shape(first)[0] == 0:
+        raise ValueError(f"{where} has 0 rows (an empty batch): its loss would be the mean of nothing (NaN). Skip "
+                         "empty batches in train_data (e.g. filter them out, or drop a last batch with no rows).")
     for path, leaf in paths:
         if not np.shape(leaf):
             raise ValueError(

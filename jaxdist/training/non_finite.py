@@ -270,6 +270,7 @@ class NonFiniteGuard:
     def __init__(self, policy: NonFinitePolicy, step: int):
         self.policy = policy
         self.total = 0  # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
+        self.fit_start = step  # a first step that is already not finite points at the inputs
         self.restart(step)
 
     def restart(self, step: int) -> None:
@@ -317,10 +318,15 @@ class NonFiniteGuard:
         else:
             where = (f"the last finite checkpoint is step {checkpoint} in {directory!r}: resume from it with "
                      f"fit(..., checkpoint_dir={directory!r}, restore_step={checkpoint})")
+        inputs = ""
+        if first == self.fit_start + 1:  # nothing trained yet: the data is the likelier cause than the optimizer
+            inputs = (" The first step of this fit was not finite, which points at the inputs first: integer labels "
+                      "outside the logits' classes (each label must be in [0, number of classes)), NaN or inf in "
+                      "the batch, an empty batch; then at the learning rate.")
         message = (
             f"the loss or gradients of step {first} were not finite ({self.total} non-finite step"
-            f"{'s' if self.total != 1 else ''} so far); {what}. No non-finite state was saved; {where}, with a lower "
-            "learning rate, gradient clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'."
+            f"{'s' if self.total != 1 else ''} so far); {what}.{inputs} No non-finite state was saved; {where}, with "
+            "a lower learning rate, gradient clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'."
         )
         return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint, directory=directory)
 

@@ -39,9 +39,18 @@ from jaxdist.strategies.plan import abstract_variables
 from jaxdist.training.build import check_losses, params_target, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoint import Checkpointer
+from jaxdist.training.checkpoint_storage import check_directory
 from jaxdist.training.compiled import CompiledSteps
 from jaxdist.training.cost import CostOptions, StepCost
-from jaxdist.training.data import BatchChecker, BatchStream, DataPosition, UnrestorableState, check_key
+from jaxdist.training.data import (
+    BatchChecker,
+    BatchStream,
+    DataPosition,
+    UnrestorableState,
+    check_key,
+    global_rows,
+    say_batch_change,
+)
 from jaxdist.training.feed import BatchFeed, TrainBatch
 from jaxdist.training.input_state import IteratorSnapshot, restored_position
 from jaxdist.training.job import agree_on_fit, failing
@@ -517,7 +526,8 @@ class Trainer:
         if bad:
             self._refuse(checkpoint_dir, bad)
         position = self.data_position  # a grain source's iterator state goes beside it, one file per process
-        meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index}}
+        meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
+                "global_batch": global_rows(self._batches.signature)}
         state = position.state
         data_iterator = None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
         if isinstance(checkpoint_dir, Checkpointer):
@@ -836,6 +846,8 @@ class Trainer:
             raise ValueError(
                 f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
             )
+        if checkpoint_dir is not None:  # storage trouble before any step, not at the first save
+            check_directory(checkpoint_dir, "checkpoint_dir", create=jax.process_index() == 0)
         stream = BatchStream(train_data, None, epochs, self._batches)  # the first batch, checked, for the state
         sample = None
         if self._state is None or self._unchecked:
@@ -862,6 +874,7 @@ class Trainer:
                                                                  async_save=async_checkpoints)
         try:
             if ckpt is not None:
+                ckpt.claim()  # one writer per directory: a second live run is refused here, before any step
                 ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
             resumed = ckpt is not None and (restore_step is not None or (ckpt.latest_step() or 0) > self._step)
             if restore_step is not None:
@@ -874,6 +887,8 @@ class Trainer:
                         "checkpoint_dir without later checkpoints (or restore_step= to choose one).",
                         UserWarning, stacklevel=2)
                 self._restore(ckpt, None, sample, "restore_step")
+            if ckpt is not None and resumed:  # the position counts batches: another batch size moves it
+                say_batch_change(ckpt.meta(self._step), global_rows(self._batches.signature), self.data_position)
             self._loaded = False
             if self._state is None or self._unchecked:
                 self.init(sample)

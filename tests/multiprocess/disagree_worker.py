@@ -8,7 +8,8 @@ Arguments: ``[address pid] cases directory`` (without address and pid: the ``JAX
 ``cases`` is a comma-separated list, run in order in the same processes: ``steps`` (12 vs 16), ``cadence``
 (checkpoint_every 5 vs 7) and ``dir`` (each process its own checkpoint_dir) are errors on both processes before
 the first step (each printed as ``CASE name: message``, and the next case runs); ``data`` (process 1's data ends
-after 5 of 12 batches) and ``raises`` (a callback of process 1 raises at step 5) end the job.
+after 5 of 12 batches), ``raises`` (a callback of process 1 raises at step 5) and ``claimed`` (another live run
+holds the checkpoint_dir: process 0, which claims it for the job, is refused) end the job.
 """
 
 import sys

@@ -98,6 +98,14 @@ def argument_spec(
                     f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take by name: its "
                     f"parameters are {tuple(signature.parameters)}."
                 )
+    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):  # with *args any position may come
+        beyond = [i for i in positions if i >= len(positional)]
+        if beyond:
+            raise ValueError(
+                f"{what}_argnums={argnums!r} names position(s) {beyond}, but {fn_name(fn)} takes "
+                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: pass positions below "
+                f"{len(positional)} (counting from 0), or {what}_argnames=."
+            )
     by_name = {p.name: i for i, p in enumerate(positional) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     positions = tuple(sorted({*positions, *(by_name[n] for n in names if n in by_name)}))
     names = tuple(sorted({*names, *(positional[i].name for i in positions

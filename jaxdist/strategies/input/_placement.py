@@ -103,6 +103,10 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
             "the same batch on every process), or put the processes on a batch axis of the mesh."
         )
     leaves, treedef = jax.tree.flatten(batch)
+    if any(np.ndim(x) and np.shape(x)[0] == 0 for x in leaves):  # a mean over it is NaN, silently
+        raise ValueError(
+            f"{where or 'the batch'} has 0 rows (an empty batch, shapes {[np.shape(x) for x in leaves]}): a mean "
+            "over it is NaN. Skip empty batches before the step (or pad them and weight the padding out).")
     layouts = _batch_layouts(policy, batch, leaves, treedef, where, process_local)
     todo = [i for i, layout in enumerate(layouts) if layout is not None]
     if todo:
