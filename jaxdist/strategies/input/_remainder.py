@@ -110,29 +110,9 @@ def with_remainder(
         [(4, 1)]
     """
 
-    def batches() -> Iterator[Any]:
-        full = None
-        for index, batch in enumerate(source):
-            rows = _rows(batch)
-            if remainder == "error":
-                if full is not None and rows is not None and full % divisor == 0 and rows % divisor:
-                    raise ValueError(_message(index, rows, full, divisor))
-                full = rows if full is None else full
-                yield batch
-            elif full is None or rows is None or rows == full:
-                full = rows if full is None else full
-                yield (batch, None) if remainder == "pad" else batch
-            elif rows > full:
-                raise ValueError(
-                    f"batch {index} has {rows} rows, more than the first batch's {full}: remainder={remainder!r} "
-                    "handles a smaller last batch; give every batch the first one's rows."
-                )
-            elif remainder == "pad":
-                yield _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
-            # "drop": skipped
-
+    batches = _Batches(source, remainder, divisor)
     if remainder != "pad":
-        return batches(), place
+        return batches, place
 
     def place_padded(item: Any) -> Any:
         batch, weights = item
@@ -144,7 +124,44 @@ def with_remainder(
                     _weights[id(leaf)] = (weakref.ref(leaf, _forget(id(leaf))), placed_weights)
         return placed
 
-    return batches(), place_padded
+    return batches, place_padded
+
+
+class _Batches:
+    """The batches of ``source`` under ``remainder`` (an iterator, not a generator: an error reading the source
+    passes through and the next call reads on, as the source itself would)."""
+
+    def __init__(self, source: Iterator[Any], remainder: str, divisor: int):
+        self._source, self._remainder, self._divisor = source, remainder, divisor
+        self._full: int | None = None  # the first batch's rows
+        self._index = 0
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            batch = next(self._source)
+            index, self._index = self._index, self._index + 1
+            rows, full = _rows(batch), self._full
+            if full is None or rows is None:
+                self._full = rows if full is None else full
+                return (batch, None) if self._remainder == "pad" else batch
+            if self._remainder == "error":
+                if full % self._divisor == 0 and rows % self._divisor:
+                    raise ValueError(_message(index, rows, full, self._divisor))
+                return batch
+            if rows == full:
+                return (batch, None) if self._remainder == "pad" else batch
+            if rows > full:
+                raise ValueError(
+                    f"batch {index} has {rows} rows, more than the first batch's {full}: "
+                    f"remainder={self._remainder!r} handles a smaller last batch; give every batch the first one's "
+                    "rows."
+                )
+            if self._remainder == "pad":
+                return _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
+            # "drop": skipped, read on
 
 
 def _pad(batch: Any, full: int) -> Any:
