@@ -31,6 +31,11 @@ that splits variables, and host arrays in a job of several processes.
 One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
 kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
 distributed batch therefore gathers its variables at entry (`Strategy.gathers_variables_without_batch`).
+
+This module is the step's calls: its declarations, its programs and the express path. Where a call's arguments
+go is `jaxdist.strategies.compile._placing`; what runs while a program traces (resolution at entry, roles,
+provenance, the Shardy guards, the outputs' layouts) is the room `jaxdist.strategies.compile._trace`; which
+layout a value gets, and which axis types a program runs with, is `jaxdist.strategies.layout`.
 """
 
 from __future__ import annotations
