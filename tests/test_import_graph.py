@@ -91,3 +91,26 @@ def test_other_packages_use_the_rooms_interfaces():
         private = sorted(d for d in deps if d.startswith("jaxdist.strategies.") and "._" in d
                          and not (module + ".").startswith(d.rsplit("._", 1)[0] + "."))
         assert not private, f"{module} imports {private}; import the room (jaxdist.strategies.<room>) instead"
+
+
+SUBROOMS = {"compile._trace": "compile"}  # a room inside a room: its own interface, below the rest of its room
+
+
+@pytest.mark.parametrize("subroom", sorted(SUBROOMS))
+def test_subrooms_import_down_only(subroom):
+    """A room inside a room (``compile/_trace``: what runs while a ``strategy.jit`` step traces) imports only the
+    rooms below its room, never the rest of its own room; and nothing outside its room imports it at all (its
+    ``__init__`` is the interface its room uses)."""
+    own = f"jaxdist.strategies.{subroom}"
+    room = f"jaxdist.strategies.{SUBROOMS[subroom]}"
+    graph = _graph()
+    assert own in graph, f"{own} is no package"
+    for module, deps in graph.items():
+        inside = module == own or module.startswith(own + ".")
+        if inside:
+            sideways = sorted(d for d in deps if (d == room or d.startswith(room + "."))
+                              and not (d == own or d.startswith(own + ".")))
+            assert not sideways, f"{module} imports {sideways}: the rest of its room sits above it"
+        elif not (module == room or module.startswith(room + ".")):
+            wrong = sorted(d for d in deps if d == own or d.startswith(own + "."))
+            assert not wrong, f"{module} imports {wrong}: only {room} uses its room {own}"

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxdist as jd
-from jaxdist.strategies.layout import grouped_convolutions
+from jaxdist.strategies.compile._trace import grouped_convolutions
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -25,8 +25,9 @@ keeps its own (`StepPrograms`), and both report recompiles to the one `Recompile
 
 Where things live: this class and the strategy classes sit on top of eight rooms, each a folder whose
 ``__init__`` is its interface, bottom up: ``ambient`` (what is open on this thread), ``cluster`` (the job's
-processes), ``layout`` (the policy and what it reads), ``input`` (placement, datasets, read-ahead), ``plan``,
-``replica`` (variables and contexts), ``compile`` (the verbs) and ``tf_api``.
+processes), ``layout`` (the policy and what it reads: which layout a value gets), ``input`` (placement,
+datasets, read-ahead), ``plan``, ``replica`` (variables and contexts), ``compile`` (the verbs; its room
+``_trace`` holds what runs while a ``jit`` step traces) and ``tf_api``.
 """
 
 from __future__ import annotations
@@ -531,7 +532,7 @@ class Strategy:
         written back in place; a returned ``nnx.state(...)``, path by path; an output shaped like a positional
         argument, ``state -> new_state``); ``out_layouts`` declares any other; the rest takes the variable
         layout (metrics mirrored; gradients FSDP like their parameters on `ShardedStrategy`). Layouts are
-        resolved once per program, when it is traced (`jaxdist.strategies.layout._resolve`).
+        resolved once per program, when it is traced (`jaxdist.strategies.compile._trace._resolve`).
 
         It has `jax.jit`'s shape: ``strategy.jit(step, ...)``, ``@strategy.jit`` and, with no function,
         a decorator factory (``@strategy.jit(batch_argnums=1)``, as ``nnx.jit(...)`` and

@@ -6,13 +6,15 @@ jaxdist keeps these "current" things, all per thread, all here:
 * the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a ``run`` replica
   function, an on-device steps loop) with its view (global or per replica), its layout policy, the counters
   that name things per computation (``outside_compilation`` clusters "0", "1", ...; gradient uids "uid",
-  "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.layout._roles`);
+  "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.layout._roles`; a ``jit``
+  step's: `jaxdist.strategies.compile._trace._roles`);
 * the ``colocate_vars_with`` targets;
 * the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
 * the depth of ``outside_compilation`` host regions (they do not nest);
-* the ``strategy.jit`` calls being decided (`Call`): their placed concrete arguments, read by the step's trace;
+* the ``strategy.jit`` calls being decided (`Call`): their placed concrete arguments, read by the step's trace
+  (`jaxdist.strategies.compile._trace`);
 * the axis types the program being traced runs with (`jaxdist.strategies.layout._axis_types`);
-* the outputs a step's trace has constrained to jaxdist's own layouts (`jaxdist.strategies.layout._provenance`).
+* the outputs a step's trace has constrained to jaxdist's own layouts (`jaxdist.strategies.compile._trace._provenance`).
 
 Nothing here decides anything: the modules that own a concept read and push its state through these helpers.
 
@@ -73,7 +75,7 @@ class Call:
     ``(args, kwargs, nnx_state)``, read by the step's trace (only a call that traces reads them).
 
     Attributes:
-        step: the `StrategyFunction` called.
+        step: the step called (its `StepTrace`, the body its programs trace: by identity).
         args: ``(placed positional arguments, keyword arguments, nnx state)``.
         agreeing: True while the step is lowered once more for the processes' agreement (not a recompile).
     """

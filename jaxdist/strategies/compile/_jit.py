@@ -31,66 +31,33 @@ that splits variables, and host arrays in a job of several processes.
 One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
 kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
 distributed batch therefore gathers its variables at entry (`Strategy.gathers_variables_without_batch`).
+
+This module is the step's calls: its declarations, its programs and the express path. Where a call's arguments
+go is `jaxdist.strategies.compile._placing`; what runs while a program traces (resolution at entry, roles,
+provenance, the Shardy guards, the outputs' layouts) is the room `jaxdist.strategies.compile._trace`; which
+layout a value gets, and which axis types a program runs with, is `jaxdist.strategies.layout`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
-from jaxdist.replicate.layouts import put, spec_axes
-from jaxdist.replicate.trees import abstract, fn_name
+from jaxdist.replicate.trees import fn_name
 from jaxdist.strategies import ambient
-from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
-from jaxdist.strategies.compile._in_place import InPlaceUpdates
+from jaxdist.strategies.compile._placing import ArgumentPlacement
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
-from jaxdist.strategies.input import (
-    all_on_mesh,
-    argument_layouts,
-    holds_padded,
-    needs_placing,
-    place_batch,
-    place_nnx_defaults,
-    shardings_of,
-)
-from jaxdist.strategies.layout import (
-    LayoutPolicy,
-    UndeclaredBatchWarning,
-    auto_region,
-    call_guarded,
-    check_idle,
-    constrain,
-    constrain_outputs,
-    decided,
-    explicit_axes,
-    gather_at_entry,
-    in_host_memory,
-    is_own,
-    is_variable,
-    leave_auto,
-    mark,
-    nnx_layouts,
-    own_outputs,
-    program_axis_types,
-    ran_auto,
-    refusals,
-    retyped,
-    say,
-    step_argument_roles,
-    to_device_memory,
-    typed_whole,
-)
+from jaxdist.strategies.compile._trace import Provenance, StepTrace, enter, named
+from jaxdist.strategies.input import all_on_mesh, holds_padded, shardings_of
+from jaxdist.strategies.layout import LayoutPolicy, decided, explicit_axes, ran_auto
 from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
 
 __all__ = ["StrategyFunction"]
@@ -178,22 +145,23 @@ class StrategyFunction:
         # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips it).
         self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
         # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be confused.
-        self._tells_provenance = bool(policy.roles.explicit_axes) and policy.splits_variables
-        # (nnx positions, provenance) of a program -> (its output treedef, which outputs leave in jaxdist's
-        # layouts, the first one's key path); the graphdef is left out of the key (hashing one costs ~1 ms)
-        self._owned: dict[tuple, tuple] = {}
+        self._provenance = Provenance(policy)
+        self._tells_provenance = self._provenance.tells
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
         self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
         self._module_outputs: dict[Static, Static] = {}  # the static part of its outputs, recorded when traced
-        self._warned = False
-        self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
         # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's (see `__call__`).
         self._compiled = StepPrograms()
         # What the argument types cannot tell and JAX's cache does not see: the provenance of layouts over
         # Explicit axes, and host arrays in a job of several processes (a process's own rows there, not the
         # global value jax.jit would take them for). Read from the leaves on such policies only.
         self._reads_leaves = self._tells_provenance or policy.spans_processes
+        # Where its arguments go before a program runs, and what runs while its programs trace.
+        self._place = ArgumentPlacement(policy, fn, self._static, self._static_names, self._batch,
+                                        self._batch_names)
+        self._trace = StepTrace(policy, programs, fn, self._static, self._static_names, self._batch,
+                                self._batch_names, out_layouts, self._provenance, self._agree)
         functools.update_wrapper(self, fn)
 
     @property
@@ -201,7 +169,7 @@ class StrategyFunction:
         """The declared batch arguments' positions (None: nothing declared)."""
         return self._batch
 
-    # --------------------------------------------------------------------------------------- placing
+    # -------------------------------------------------------------------------------------- programs
     def _program(self, nodes: tuple[int, ...]) -> Callable:
         jitted = self._compiled.full.get(nodes)
         if jitted is None:
@@ -210,21 +178,10 @@ class StrategyFunction:
             if any(i in nodes for i in self._donate):
                 donate += (1,)
             jitted = self._compiled.full[nodes] = jax.jit(
-                self._named(self._traced), static_argnums=self._static_positions, donate_argnums=donate,
+                named(self._trace, self._fn), static_argnums=self._static_positions, donate_argnums=donate,
                 static_argnames=self._static_names, donate_argnames=self._donate_names,
             )
         return jitted
-
-    def _named(self, traced: Callable) -> Callable:
-        """``traced`` under the user's function's name: what compile logs and profiles call the program
-        (``jit(train_step)``, as under `jax.jit`)."""
-
-        def program(*args: Any, **kwargs: Any) -> Any:
-            return traced(*args, **kwargs)
-
-        program.__qualname__ = fn_name(self._fn)
-        program.__name__ = program.__qualname__.rsplit(".", 1)[-1]
-        return program
 
     @property
     def _static_positions(self) -> tuple[int, ...]:
@@ -241,85 +198,6 @@ class StrategyFunction:
         except TypeError as error:
             raise TypeError(f"{fn_name(self._fn)}: {error}") from None
         return bound.args, bound.kwargs
-
-    def _place(self, args: tuple, kwargs: dict, state: Any) -> tuple[tuple, dict, Any]:
-        policy = self._policy
-        mesh = policy.mesh
-        declared = self._batch or ()
-        if state is not None and not all_on_mesh(jax.tree.leaves(state), mesh):
-            state = self._place_variables(state, "the nnx state", warn=False)
-        if state is not None and policy.splits_variables:
-            # Which nnx variables settle into the variable layout depends on their metadata only (part of the
-            # state's structure): resolved once per structure, not on every call.
-            structure = jax.tree.structure(state)
-            if structure not in self._settled:
-                state = place_nnx_defaults(policy, state)
-                self._settled.add(structure)
-        # Every array on the mesh already and no declared batch held whole: nothing to place (told from the
-        # arguments' distinct shardings, a handful whatever the number of leaves).
-        dynamic = [a for i, a in enumerate(args) if i not in self._static]
-        dynamic += [a for k, a in kwargs.items() if k not in self._static_names]
-        if all_on_mesh(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
-            return args, kwargs, state
-        # Arrays on the mesh keep their layout, except a declared batch that every replica holds whole: it is
-        # split (its rows are what the replicas share out; a replicated batch with split variables also walks
-        # into an XLA Shardy miscompute). Only the arguments holding an array to move are walked again.
-        todo = [i for i, a in enumerate(args) if i not in self._static and needs_placing(a, policy, i in declared)]
-        named = [k for k, a in kwargs.items() if k not in self._static_names
-                 and needs_placing(a, policy, k in self._batch_names)]
-        if not todo and not named:
-            return args, kwargs, state
-        placed = list(args)
-        for i in todo:
-            if i in declared:
-                placed[i] = place_batch(policy, args[i], where=f"argument {i} (in batch_argnums)")
-            else:
-                placed[i] = self._place_variables(args[i], f"argument {i}")
-        kwargs = dict(kwargs)
-        for k in named:
-            if k in self._batch_names:
-                kwargs[k] = place_batch(policy, kwargs[k], where=f"argument {k!r} (in batch_argnames)")
-            else:
-                kwargs[k] = self._place_variables(kwargs[k], f"argument {k!r}")
-        return tuple(placed), kwargs, state
-
-    def _whole_batch(self, args: tuple, kwargs: dict, shardings: set[Any] | None = None) -> bool:
-        """Whether a declared batch argument holds a leaf every replica holds whole (to be split) or one that
-        is no array on a mesh (to be placed, or refused: `jaxdist.strategies.input._placement.kept`). ``shardings``: the
-        distinct shardings of all the arguments, when read already (one replica and no leaf without one: no)."""
-        if not self._batch and not self._batch_names:
-            return False
-        if shardings is not None and None not in shardings and self._policy.num_replicas == 1:
-            return False
-        batches = [args[i] for i in self._batch or () if i < len(args)]
-        batches += [kwargs[k] for k in self._batch_names if k in kwargs]
-        shardings = shardings_of(jax.tree.leaves(batches))
-        if None in shardings:
-            return True
-        return self._policy.num_replicas > 1 and any(s.is_fully_replicated for s in shardings)
-
-    def _place_variables(self, tree: Any, where: str, warn: bool = True) -> Any:
-        layouts = argument_layouts(self._policy, tree, False, where)
-        moved = [(p, x) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(tree),
-                                             jax.tree.structure(tree).flatten_up_to(layouts), strict=True)
-                 if s is not None]
-        if not moved:
-            return tree
-        if warn and self._batch is None and not self._warned:
-            ranked = [p for p, x in moved if np.ndim(x) >= 1]
-            if ranked:
-                self._warned = True
-                warnings.warn(
-                    f"{fn_name(self._fn)}: {where} holds unplaced arrays (e.g. {where}{jax.tree_util.keystr(ranked[0])}"
-                    f" of shape {np.shape(_leaf_at(tree, ranked[0]))}) and no argument is declared a batch, so they "
-                    "are placed as variables (mirrored: every replica computes on all of their rows). If an "
-                    "argument is a batch, declare it: strategy.jit(fn, batch_argnums=(i,)) splits its rows over "
-                    "the replicas; pass batch_argnums=() to declare that there is none.",
-                    UndeclaredBatchWarning,
-                    stacklevel=5,
-                )
-        return jax.tree.map(lambda x, s: x if s is None else put(x, s), tree, layouts,
-                            is_leaf=lambda x: x is None)
 
     # ------------------------------------------------------------------------------------------ calls
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], Any, Any]:
@@ -399,19 +277,19 @@ class StrategyFunction:
                     refused = program
                     self._compiled.missed(key)
                 else:
-                    return self._marked(static, out) if self._tells_provenance else out
+                    return self._provenance.marked(static[1:], out) if self._tells_provenance else out
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(None, args, kwargs)
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
-        static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
+        static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
         express = None if kwargs or nodes else self._express_program(static, placed)
-        with ambient.call(self, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+        with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
             if express is not None:  # (the call's arguments are read only if it traces)
-                out = self._marked(static, self._decided(lambda: express(*placed)))
+                out = self._provenance.marked(static[1:], self._decided(lambda: express(*placed)))
             else:
-                out = self._marked(static, self._decided(
+                out = self._provenance.marked(static[1:], self._decided(
                     lambda: self._program(nodes)(static, state, *placed, **kwargs)))
         if refused is not None:
             # JAX's dispatch keeps, for the signature the express program refused, an entry that sends every
@@ -438,12 +316,12 @@ class StrategyFunction:
         shardings = shardings_of(leaves)
         if self._policy.spans_processes and not all_on_mesh(leaves, self._policy.mesh, shardings):
             return None
-        return key, self._provenance(leaves, shardings) if self._tells_provenance else None
+        return key, self._provenance.key(leaves, shardings) if self._tells_provenance else None
 
     def _express_program(self, static: tuple, placed: tuple) -> Callable | None:
         """The program of a positional call without nnx arguments whose arguments ``placed`` hold (the full
         path's decision made): `jax.jit` of the step, one per static key. It traces only inside the full path
-        (`_traced` needs the call's values); traced from anywhere else (JAX met a signature it has no trace for)
+        (`StepTrace` needs the call's values); traced from anywhere else (JAX met a signature it has no trace for)
         it raises `_Refused` before any of the step's code runs. JAX reuses a trace for arguments of the same
         types whatever their layouts: on a mesh without Explicit axes each array enters the program
         constrained to the layout it was traced with, so an argument JAX takes as it is on an express call
@@ -455,68 +333,32 @@ class StrategyFunction:
             return None
         program = self._compiled.families.get(static)
         if program is None:
-            traced, skip = self._traced, set(self._static)
+            traced, skip = self._trace, set(self._static)
             pin = not explicit_axes(self._policy.mesh)
 
             def step(*args: Any) -> Any:
-                call = ambient.current_call(self)
+                call = ambient.current_call(traced)
                 if call is None:
                     raise _Refused
                 if pin:
-                    args = tuple(a if i in skip else jax.tree.map(_enter, a, c)
+                    args = tuple(a if i in skip else jax.tree.map(enter, a, c)
                                  for i, (a, c) in enumerate(zip(args, call.args[0], strict=True)))
                 return traced(static, None, *args)
 
             program = self._compiled.families[static] = jax.jit(
-                self._named(step), static_argnums=self._static, donate_argnums=self._donate)
+                named(step, self._fn), static_argnums=self._static, donate_argnums=self._donate)
         return program
-
-    def _provenance(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:
-        """Part of the program's cache key: the layouts among the arguments that split a value over Explicit
-        axes and that the user placed (jaxdist's own are typed whole inside the step, the user's keep their
-        type: `jaxdist.strategies.layout._provenance`), so that a program traced for one is never run for the other.
-        None where there is nothing to tell apart; read from the arguments' distinct shardings, except where
-        one layout arrives both ways (then leaf by leaf)."""
-        if not self._tells_provenance:
-            return None
-        shardings = shardings_of(leaves) if shardings is None else shardings
-        explicit = self._policy.roles.explicit_axes
-        users = frozenset(s for s in shardings if isinstance(s, NamedSharding) and not is_own(s)
-                          and not spec_axes(s.spec).isdisjoint(explicit))
-        if not users:
-            return None
-        if any(is_own(s) and s in users for s in shardings):
-            return users, tuple(is_own(getattr(x, "sharding", None)) for x in leaves)
-        return users
-
-    def _marked(self, static: tuple, out: Any) -> Any:
-        """``out`` (a call's results), whose shardings are recorded as jaxdist's where the program says their
-        layout is (`jaxdist.strategies.layout._provenance.mark`). JAX reuses a trace for arguments of the same types
-        whatever their layouts, each with an executable (and output sharding objects) of its own: the flags are
-        the trace's, and a call marks the outputs of an executable not seen yet, told by one leaf."""
-        if not self._tells_provenance:
-            return out
-        entry = self._owned.get(static[1:])
-        if entry is None:
-            return out
-        treedef, flags, first = entry
-        if is_own(getattr(_leaf_at(out, first), "sharding", None)):
-            return out  # an executable seen before (or one whose first such output is)
-        leaves, structure = jax.tree.flatten(out)
-        if structure == treedef:
-            mark(leaves, flags)
-        return out
 
     def _agree(self, nnx_static: tuple) -> None:
         """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
         here): lower it once more for its fingerprint and check that every process compiled the same one
         before it runs (see `jaxdist.strategies.compile._agreement`)."""
-        call = ambient.current_call(self)
+        call = ambient.current_call(self._trace)
         if call is None or call.agreeing:
             return
         placed, kwargs, state = call.args
         # The same program through a wrapper of its own (JAX refuses to trace a function inside its own trace).
-        twin = jax.jit(self._named(self._traced), static_argnums=self._static_positions,
+        twin = jax.jit(named(self._trace, self._fn), static_argnums=self._static_positions,
                        static_argnames=self._static_names)
         call.agreeing = True
         try:
@@ -578,8 +420,8 @@ class StrategyFunction:
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(stage, args, kwargs)
         _, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
-        with ambient.call(self, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
-            static = (graphdef, nodes, self._provenance(jax.tree.leaves((placed, kwargs, state))))
+        with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+            static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
             # The program calls run (the same trace: a plan or a cost read after calls traces nothing new).
             express = None if kwargs or nodes else self._express_program(static, placed)
             if express is not None:
@@ -600,174 +442,3 @@ class StrategyFunction:
         auto = ran_auto(traced.jaxpr)
         return {a: jax.sharding.AxisType.Auto if auto else t for a, t in zip(mesh.axis_names, mesh.axis_types,
                                                                               strict=True)}
-
-    # --------------------------------------------------------------------------------------- tracing
-    def _traced(self, nnx_static: tuple, state: Any, *args: Any, **kwargs: Any) -> Any:
-        policy = self._policy
-        graphdef, nodes, _ = nnx_static  # the third: the arguments' layout provenance (`_provenance`)
-        if policy.spans_processes:
-            self._agree(nnx_static)
-        call = ambient.current_call(self)
-        concrete_args, concrete_kwargs, concrete_state = call.args if call is not None else (None, None, None)
-        if concrete_args is None:  # traced without concrete values (e.g. jax.eval_shape): layouts unknown
-            concrete_args = tuple(None if i in self._static else abstract(a) for i, a in enumerate(args))
-            concrete_kwargs = {k: abstract(v) for k, v in kwargs.items()}
-            concrete_state = abstract(state)
-        signature = _trace_signature(args, self._static)
-        # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
-        # argument's layout; outputs shaped like them go back to host memory).
-        args, kwargs, state = to_device_memory((args, kwargs, state))
-        state_layouts, annotated = nnx_layouts(policy, concrete_state) if nodes else ([], [])
-        # The mesh's Explicit axes run Auto inside this program when so decided: the step's arguments are
-        # retyped at entry and its results leave typed by their layouts (see jaxdist.strategies.layout._axis_types).
-        auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(explicit_axes(policy.mesh))
-        with auto_region(policy.mesh) if auto else contextlib.nullcontext():
-            if auto:
-                args, kwargs, state = retyped((args, kwargs, state))
-            out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs, concrete_args,
-                                                 concrete_kwargs, concrete_state, state_layouts, annotated)
-        nodes_state = {}
-        if nodes:
-            keys = [tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
-            nodes_state = dict(zip(keys, state_layouts, strict=True))
-        arguments = [c for i, c in enumerate(concrete_args) if i not in self._static and i not in nodes]
-        with own_outputs() as owned:  # which outputs leave in jaxdist's layouts: marked after the call
-            out = constrain_outputs(policy, out, arguments, nodes_state, self._out_layouts)
-            if nodes:
-                values = [constrain(policy, v, s, host=in_host_memory(c)) for v, s, c in zip(
-                    jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state), strict=True)]
-                out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
-            if self._tells_provenance:
-                leaves, treedef = jax.tree.flatten(out)
-                flags = owned(leaves)
-                if True in flags:
-                    first = jax.tree_util.tree_flatten_with_path(out)[0][flags.index(True)][0]
-                    self._owned[nnx_static[1:]] = treedef, flags, first
-        if call is None or not call.agreeing:  # the agreement's own trace is not a recompile, and a
-            # trace refused under Explicit types (dropped, traced again Auto) never gets here
-            self._programs.note_trace(self._fn, signature)
-            say(policy.mesh, fn_name(self._fn), auto)
-        return leave_auto(policy.mesh, out) if auto else out
-
-    def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs, concrete_state,
-                       state_layouts, annotated) -> tuple[Any, Any]:
-        """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx state)``."""
-        policy = self._policy
-        skip = set(self._static) | set(nodes)
-        names = [k for k in kwargs if k not in self._static_names]
-        declared = None if self._batch is None else (*self._batch, *(
-            len(args) + j for j, k in enumerate(names) if k in self._batch_names))
-        flat_args = (*args, *(kwargs[k] for k in names))
-        flat_concrete = (*concrete_args, *(concrete_kwargs.get(k) for k in names))
-        batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
-        explicit = explicit_axes(policy.mesh)
-        if explicit:  # variables jaxdist split over Explicit axes enter typed whole
-            flat_args, state = typed_whole(policy, flat_args, flat_concrete, skip, batches, state, state_layouts,
-                                            annotated)
-        # On Explicit axes the variables jaxdist split were just typed whole, and the others' layouts are the
-        # user's own (as under plain jax.jit): nothing more to gather.
-        if not batches and policy.splits_variables and not explicit:
-            flat_args, state = gather_at_entry(policy, flat_args, flat_concrete, state, concrete_state, skip)
-            batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
-        check_idle(policy, flat_concrete, skip, declared, state_layouts, concrete_state)
-        args = flat_args[: len(args)]
-        kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
-        variables.extend(jax.tree.leaves(state))
-        # Over a split batch the step's grouped convolutions are kept whole along their groups (an XLA Shardy
-        # miscompute of per-example conv gradients: jaxdist.strategies.layout._shardy).
-        split = bool(batches) and policy.num_replicas > 1
-        with computation(policy, "global", batches, variables), policy.tracing_scope(), refusals(
-                policy.mesh, fn_name(self._fn)):
-            if not nodes:
-                if split:
-                    return self._guarded(lambda _, a, k: self._watched(a, k), None, args, kwargs, batches,
-                                         variables), None
-                return self._watched(args, kwargs), None
-
-            def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-                objects = nnx.merge(graphdef, state)
-                call_args = list(args)
-                for i, obj in zip(nodes, objects, strict=True):
-                    call_args[i] = obj
-                out = self._watched(call_args, kwargs)
-                new_graphdef, new_state = nnx.split(objects)
-                if new_graphdef != graphdef:
-                    raise ValueError(
-                        f"{fn_name(self._fn)} changed the structure of its nnx arguments (added or removed "
-                        "variables or submodules): a compiled step may update variables in place, not create "
-                        "them; create every variable before the first step."
-                    )
-                return out, new_state
-
-            if split:
-                return self._guarded(step, state, args, kwargs, batches, variables)
-            return step(state, args, kwargs)
-
-    def _watched(self, args: Any, kwargs: dict) -> Any:
-        """The step's own code, watched for sync-on-read values updated in place but not returned."""
-        watch = InPlaceUpdates(fn_name(self._fn), args, kwargs)
-        out = self._fn(*args, **kwargs)
-        watch.check(out)
-        return out
-
-    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list) -> Any:
-        """``step(state, args, kwargs)`` through `call_guarded`: its static arguments (Python values, not arrays)
-        closed over, and the values it is traced with keep the roles of the step's arguments they stand for
-        (what ``strategy.run`` inside the step reads)."""
-        static = {i: args[i] for i in self._static if i < len(args)}
-        named = {k: v for k, v in kwargs.items() if k in self._static_names}
-        dynamic = (state, tuple(None if i in static else a for i, a in enumerate(args)),
-                   {k: v for k, v in kwargs.items() if k not in named})
-        batch_ids, variable_ids = {id(b) for b in batches}, {id(v) for v in variables}
-        outer = jax.tree.leaves(dynamic)
-
-        def pure(state: Any, dynamic: tuple, dynamic_kwargs: dict) -> Any:
-            inner = jax.tree.leaves((state, dynamic, dynamic_kwargs))
-            roles = computation(self._policy, "global",
-                                [t for t, o in zip(inner, outer, strict=True) if id(o) in batch_ids],
-                                [t for t, o in zip(inner, outer, strict=True) if id(o) in variable_ids])
-            full = tuple(static[i] if i in static else a for i, a in enumerate(dynamic))
-            with roles:
-                return step(state, full, {**dynamic_kwargs, **named})
-
-        return call_guarded(self._policy, pure, *dynamic)
-
-
-def _enter(traced: Any, concrete: Any) -> Any:
-    """An express program's argument ``traced`` constrained at entry to the layout of ``concrete`` (the value
-    it was traced with, or the `jax.ShapeDtypeStruct` a plan traced it for), where that is a `NamedSharding`."""
-    sharding = getattr(concrete, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not isinstance(traced, jax.Array):
-        return traced
-    return jax.lax.with_sharding_constraint(traced, sharding)
-
-
-def _leaf_at(tree: Any, path: tuple) -> Any:
-    """The leaf of ``tree`` at key ``path``: read by indexing along it (no flattening, for a hot path) where its
-    keys are dict keys, sequence indices and attributes (an nnx Variable's child is its value); else found by
-    flattening. None when there is no such leaf."""
-    node = tree
-    for key in path:
-        try:
-            if isinstance(key, jax.tree_util.DictKey):
-                node = node[key.key]
-            elif isinstance(key, jax.tree_util.SequenceKey):
-                node = node[key.idx]
-            elif is_variable(node):
-                node = node.get_value()
-            elif isinstance(key, jax.tree_util.GetAttrKey):
-                node = getattr(node, key.name)
-            else:
-                return next((x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path), None)
-        except (KeyError, IndexError, TypeError, AttributeError):
-            return None
-    return node
-
-
-def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
-    statics = tuple(repr(args[i])[:80] for i in static if i < len(args))
-    shapes = tuple(
-        (tuple(np.shape(x)), str(jax.dtypes.result_type(x)))
-        for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a)
-    )
-    return statics, shapes

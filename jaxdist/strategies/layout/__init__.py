@@ -1,10 +1,11 @@
-"""Layout: who decides where each value lives. The layout policy and everything it reads.
+"""Layout: which layout does this value get? The layout policy and everything it reads.
 
 A `LayoutPolicy` (``_policy``) is the one place layouts are decided: the mesh and its axis roles (``_meshes``), the
-rules that split variables (``_rules``), the axis types a program is traced with (``_axis_types``), the roles of a
-step's arguments (``_roles``), whose layout a variable carries (``_provenance``), memory kinds (``_offload``), and
-the once-per-program resolution of a traced step's layouts (``_resolve``). Nothing here compiles or runs a step:
-the verbs above (``compile``, ``input``) take the policy and apply it.
+rules that split variables (``_rules``), the layouts of an nnx state's Variables (``_nnx``), the axis types a
+program is traced with (``_axis_types``), the role a value has or carries (``_roles``), whose layout a variable
+carries (``_provenance``) and memory kinds (``_offload``). Nothing here compiles, traces or runs a step: the verbs
+above take the policy and apply it (``input`` places arguments; ``compile`` compiles, and its ``_trace`` room
+applies these answers while a ``strategy.jit`` step traces).
 """
 
 from jaxdist.strategies.layout._axis_types import auto_region as auto_region
@@ -23,28 +24,24 @@ from jaxdist.strategies.layout._axis_types import untyped as untyped
 from jaxdist.strategies.layout._meshes import ROLES as ROLES
 from jaxdist.strategies.layout._meshes import axis_roles as axis_roles
 from jaxdist.strategies.layout._meshes import short_form_mesh as short_form_mesh
+from jaxdist.strategies.layout._nnx import nnx_layouts as nnx_layouts
 from jaxdist.strategies.layout._offload import HOST_MEMORY_KIND as HOST_MEMORY_KIND
 from jaxdist.strategies.layout._offload import HOST_OFFLOAD_MODES as HOST_OFFLOAD_MODES
 from jaxdist.strategies.layout._offload import in_host_memory as in_host_memory
 from jaxdist.strategies.layout._offload import parse_host_offload as parse_host_offload
 from jaxdist.strategies.layout._offload import to_device_memory as to_device_memory
+from jaxdist.strategies.layout._offload import to_host_memory as to_host_memory
 from jaxdist.strategies.layout._policy import IdleAxisWarning as IdleAxisWarning
 from jaxdist.strategies.layout._policy import LayoutPolicy as LayoutPolicy
 from jaxdist.strategies.layout._policy import colocated_layout as colocated_layout
+from jaxdist.strategies.layout._provenance import declared as declared
 from jaxdist.strategies.layout._provenance import is_own as is_own
 from jaxdist.strategies.layout._provenance import mark as mark
-from jaxdist.strategies.layout._provenance import own_outputs as own_outputs
-from jaxdist.strategies.layout._resolve import check_idle as check_idle
-from jaxdist.strategies.layout._resolve import constrain as constrain
-from jaxdist.strategies.layout._resolve import constrain_outputs as constrain_outputs
-from jaxdist.strategies.layout._resolve import nnx_layouts as nnx_layouts
-from jaxdist.strategies.layout._resolve import typed_whole as typed_whole
-from jaxdist.strategies.layout._resolve import typed_whole_at_entry as typed_whole_at_entry
+from jaxdist.strategies.layout._provenance import own as own
 from jaxdist.strategies.layout._roles import Role as Role
 from jaxdist.strategies.layout._roles import UndeclaredBatchWarning as UndeclaredBatchWarning
 from jaxdist.strategies.layout._roles import classify as classify
 from jaxdist.strategies.layout._roles import mark_placed_batch as mark_placed_batch
-from jaxdist.strategies.layout._roles import step_argument_roles as step_argument_roles
 from jaxdist.strategies.layout._roles import traced_role as traced_role
 from jaxdist.strategies.layout._rules import LAYERS as LAYERS
 from jaxdist.strategies.layout._rules import annotation as annotation
@@ -53,9 +50,6 @@ from jaxdist.strategies.layout._rules import is_box as is_box
 from jaxdist.strategies.layout._rules import is_variable as is_variable
 from jaxdist.strategies.layout._rules import logical_names as logical_names
 from jaxdist.strategies.layout._rules import unboxed as unboxed
-from jaxdist.strategies.layout._shardy import call_guarded as call_guarded
-from jaxdist.strategies.layout._shardy import gather_at_entry as gather_at_entry
-from jaxdist.strategies.layout._shardy import grouped_convolutions as grouped_convolutions
 
 __all__ = [
     "HOST_MEMORY_KIND",
@@ -69,16 +63,11 @@ __all__ = [
     "annotation",
     "auto_region",
     "axis_roles",
-    "call_guarded",
-    "check_idle",
     "classify",
     "colocated_layout",
-    "constrain",
-    "constrain_outputs",
     "decided",
+    "declared",
     "explicit_axes",
-    "gather_at_entry",
-    "grouped_convolutions",
     "in_host_memory",
     "in_trace",
     "is_annotated",
@@ -90,7 +79,7 @@ __all__ = [
     "mark",
     "mark_placed_batch",
     "nnx_layouts",
-    "own_outputs",
+    "own",
     "parse_host_offload",
     "program_axis_types",
     "ran_auto",
@@ -99,12 +88,10 @@ __all__ = [
     "say",
     "shape_scope",
     "short_form_mesh",
-    "step_argument_roles",
     "to_device_memory",
+    "to_host_memory",
     "trace_mesh",
     "traced_role",
-    "typed_whole",
-    "typed_whole_at_entry",
     "unboxed",
     "untyped",
 ]

@@ -10,7 +10,8 @@ mesh), and answers, alone, "which layout does this value get":
   shardings);
 * batches: `batch_sharding` (axis 0 split over the batch axes), `batch_layout` (with context axes, the
   sequence dimension of a batch of rank >= 2 split over them too);
-* outputs of a compiled step: through `jaxdist.strategies.layout._resolve`, which applies these per program;
+* outputs of a compiled step: through `jaxdist.strategies.compile._trace._resolve`, which applies these per
+  program while the step traces;
 * what a placed value's layout says of its role: `layout_role`.
 
 Every strategy is a configuration of a policy, and every verb (``jit``, ``run``, loops, input, reduce) takes one

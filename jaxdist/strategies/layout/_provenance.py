@@ -1,16 +1,17 @@
 """Where a layout came from: jaxdist's own placements told from the user's, by the sharding object itself.
 
 On a mesh with ``Explicit`` axes a variable that jaxdist split by its own rule (FSDP) enters a step typed whole
-(`jaxdist.strategies.layout._resolve.typed_whole_at_entry`), so unannotated single-device code type-checks; a variable
-the user placed keeps its layout as its type inside the step, as under `jax.jit` (a `jax.shard_map` in the step
-infers its ``in_specs`` from it), even where the two specs are equal. The difference is structural, never a
-comparison of specs:
+(`jaxdist.strategies.compile._trace._resolve.typed_whole_at_entry`), so unannotated single-device code
+type-checks; a variable the user placed keeps its layout as its type inside the step, as under `jax.jit` (a
+`jax.shard_map` in the step infers its ``in_specs`` from it), even where the two specs are equal. The difference
+is structural, never a comparison of specs:
 
 * jaxdist lays variables out with canonical sharding objects (`own`: one object per layout), and an array placed
   with one carries that very object (`jax.device_put` keeps it; a `jax.jit` program given it as an out sharding
   returns it);
 * a compiled step's outputs whose layout came from an own one (an argument jaxdist placed, the variable layout)
-  are marked after the program's first call (`mark`): an executable returns the same sharding object at each
+  are marked after the program's first call (`mark`; the step's trace records which:
+  `jaxdist.strategies.compile._trace._provenance`): an executable returns the same sharding object at each
   output position on every call, one of its own, so later outputs are recognised without any work per call;
 * everything else (the user's `jax.device_put`, an eager op's result, a restored array) is the user's, and so
   is the layout an nnx Variable's annotation declares (`declared`): Flax places such a Variable itself, and a
@@ -40,16 +41,13 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from jax.sharding import NamedSharding
 
-from jaxdist.strategies import ambient
-
-__all__ = ["constrained", "declared", "is_own", "mark", "own", "own_outputs"]
+__all__ = ["declared", "is_own", "mark", "own"]
 
 _CANONICAL: dict[NamedSharding, NamedSharding] = {}  # a layout -> jaxdist's one object for it
 _DECLARED: dict[NamedSharding, NamedSharding] = {}  # a layout -> one object for it that is not jaxdist's
@@ -104,24 +102,3 @@ def mark(values: Iterable[Any], flags: Iterable[bool]) -> None:
         if flag and isinstance(sharding, NamedSharding) and id(sharding) not in _OWN:
             with _LOCK:
                 _OWN[id(sharding)] = sharding
-
-
-def constrained(value: Any, sharding: Any) -> Any:
-    """``value`` (a traced output just constrained to ``sharding``), noted as jaxdist's where ``sharding`` is
-    and a step's outputs are being recorded (`own_outputs`)."""
-    owned = ambient.state.owned_outputs
-    if owned is not None and is_own(sharding):
-        owned[id(value)] = value
-    return value
-
-
-@contextlib.contextmanager
-def own_outputs() -> Iterator[Any]:
-    """Record, while a step is traced, which of its outputs leave in an own layout: yields ``flags``, which
-    called on the step's traced output leaves says for each whether it does (for `mark` after the call)."""
-    previous, ambient.state.owned_outputs = ambient.state.owned_outputs, {}
-    owned = ambient.state.owned_outputs
-    try:
-        yield lambda leaves: [id(x) in owned and owned[id(x)] is x for x in leaves]
-    finally:
-        ambient.state.owned_outputs = previous

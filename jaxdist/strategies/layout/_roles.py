@@ -15,8 +15,9 @@ A role is declared or carried by the value, never guessed:
   another mesh, which one program refuses. The record is weak, costs one entry per placed leaf, and is read only
   where roles are decided without declarations: a `jit` step's trace, a `run` call.);
 * inside a compiled step: the step's own arguments keep the role they entered with (the step records them in
-  its computation frame when it is traced); a value COMPUTED in the step (``x / 255``) has no role, and a
-  per-replica verb given one of rank >= 1 (``strategy.run``, ``outside_compilation``) asks for the declaration.
+  its computation frame when it is traced: `jaxdist.strategies.compile._trace._roles`); a value COMPUTED in
+  the step (``x / 255``) has no role, and a per-replica verb given one of rank >= 1 (``strategy.run``,
+  ``outside_compilation``) asks for the declaration.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ __all__ = [
     "mark_placed_batch",
     "placed_as_batch",
     "role_in_trace",
-    "step_argument_roles",
     "traced_role",
     "typed_role",
 ]
@@ -80,38 +80,6 @@ def placed_as_batch(x: Any) -> bool:
     """True when ``x`` itself (not a value computed from it) was placed as a batch by the input functions."""
     ref = _placed.get(id(x))
     return ref is not None and ref() is x
-
-
-def step_argument_roles(
-    policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None, skip: set[int]
-) -> tuple[list[Any], list[Any]]:
-    """The roles the arguments of a global-view step enter with, sorted into its traced leaves.
-
-    Args:
-        policy: the strategy's `LayoutPolicy`.
-        args: the step's traced arguments.
-        concrete: the values it was called with (placed arrays, or abstract shapes), same structure.
-        declared: the step's ``batch_argnums`` (None: nothing declared).
-        skip: positions that are not traced arrays (static arguments, nnx graph objects).
-
-    Returns:
-        ``(batches, variables)``: traced leaves declared or carried as batches, and every other array leaf (an
-        undeclared array split like a batch on a policy whose variables can be split so too is a variable, as
-        the rule says: "everything else is a variable").
-    """
-    batches: list[Any] = []
-    variables: list[Any] = []
-    for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
-        if i in skip:
-            continue
-        for t, leaf in zip(jax.tree.leaves(a), jax.tree.leaves(c), strict=True):
-            if declared is not None:
-                (batches if i in declared else variables).append(t)
-            elif policy.layout_role(leaf) == "batch":
-                batches.append(t)
-            else:
-                variables.append(t)
-    return batches, variables
 
 
 def role_in_trace(x: Any, policy: Any) -> Role | None:

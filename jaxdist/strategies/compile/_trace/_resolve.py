@@ -1,7 +1,9 @@
 """The resolver: the layout of every argument and output of one compiled step, decided once, when it is traced.
 
-`jaxdist.strategies.compile._jit` calls it while JAX traces a step (JAX traces once per program: a cache miss),
-so none of this runs on a steady-state call. The layouts come, in this order, from:
+The step's trace (`jaxdist.strategies.compile._trace._step`) calls it while JAX traces a step (JAX traces once
+per program: a cache miss), so none of this runs on a steady-state call. It applies the layouts the policy
+gives (`jaxdist.strategies.layout`: ``variable_layout``, ``nnx_layouts``, the annotations); they come, in this
+order, from:
 
 1. the declarations: ``batch_argnums`` / ``batch_argnames`` (split over the batch axes), ``out_layouts=``;
 2. each value's own layout: a placed array's sharding, an nnx Variable's partitioning metadata
@@ -40,59 +42,32 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.replicate.layouts import entry_axes, on_mesh, path_name, spec_axes
+from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
 from jaxdist.replicate.trees import is_distributed, signature
-from jaxdist.strategies.layout._axis_types import explicit_axes, in_trace
-from jaxdist.strategies.layout._offload import in_host_memory, to_host_memory
-from jaxdist.strategies.layout._provenance import constrained, declared, is_own, own
-from jaxdist.strategies.layout._rules import annotation, is_box, is_variable
+from jaxdist.strategies.compile._trace._provenance import constrained
+from jaxdist.strategies.layout import (
+    annotation,
+    declared,
+    explicit_axes,
+    in_host_memory,
+    in_trace,
+    is_box,
+    is_own,
+    is_variable,
+    own,
+    to_host_memory,
+)
 
-__all__ = [
-    "check_idle",
-    "constrain",
-    "constrain_outputs",
-    "nnx_layouts",
-    "typed_whole",
-    "typed_whole_at_entry",
-]
+__all__ = ["check_idle", "constrain", "constrain_outputs", "typed_whole", "typed_whole_at_entry"]
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
 
 
-def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
-    """The layout of each value of an nnx ``state`` (placed arrays) and whether its Variable is annotated.
-
-    An annotated Variable gets its annotation's layout (through the layout rules, which come first); an
-    unannotated one keeps the layout it has on the mesh, except that where variables can be split, one Flax put
-    on the ambient mesh whole (its default) takes the variable layout; anything else takes the variable layout.
-    """
-    entries = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable)
-    layouts, annotated = [], []
-    for path, v in entries:
-        value = v.get_value() if is_variable(v) else v
-        box = annotation(v, policy.mesh.axis_names)
-        annotated.append(box is not None)
-        if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(value, jax.core.Tracer):
-            layouts.append(getattr(value, "sharding", None) if box is None else declared(policy.variable_layout(
-                path_name(path), _aval(value), box)))
-            continue
-        if box is not None:  # the annotation's layout: the user's, as where Flax placed the Variable itself
-            layouts.append(declared(policy.variable_layout(path_name(path), _aval(value), box)))
-            continue
-        sharding = getattr(value, "sharding", None)
-        if on_mesh(sharding, policy.mesh) and not (
-                policy.splits_variables and np.ndim(value) and sharding.is_fully_replicated):
-            layouts.append(sharding)
-        else:
-            layouts.append(policy.variable_layout(path_name(path), _aval(value)))
-    return layouts, annotated
-
-
 def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any], kept: Sequence[bool]) -> list:
     """On a mesh with ``Explicit`` axes: each traced variable that jaxdist split over an ``Explicit`` axis
-    (its layout `jaxdist.strategies.layout._provenance.is_own`, and ``kept[i]`` False: not annotated, not a batch) typed
+    (its layout `jaxdist.strategies.layout.is_own`, and ``kept[i]`` False: not annotated, not a batch) typed
     whole along those axes (see the module doc). The user's layouts, values on ``Auto`` axes, annotated ones,
     and anything on a mesh without ``Explicit`` axes are returned as they are."""
     explicit = set(explicit_axes(policy.mesh))

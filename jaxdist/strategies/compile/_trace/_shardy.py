@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.strategies.layout._axis_types import in_trace, trace_mesh
+from jaxdist.strategies.layout import in_trace, trace_mesh
 
 __all__ = ["call_guarded", "gather_at_entry", "grouped_convolutions"]
 
