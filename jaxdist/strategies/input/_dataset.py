@@ -92,8 +92,10 @@ class DistributedIterator:
         (2, 1)
     """
 
-    def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int):
+    def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int,
+                 batches: Iterator[Any] | None = None):
         self._source = source
+        self._batches = source if batches is None else batches  # what is read: the source, under a remainder rule
         self._place = place
         self._done = False
         self._stateful = _has_state(source)
@@ -107,7 +109,7 @@ class DistributedIterator:
 
     def _read(self) -> tuple[Any, Any]:
         """The next placed batch and the source's state right after it (raises StopIteration at the end)."""
-        batch = next(self._source)
+        batch = next(self._batches)
         state = self._source.get_state() if self._stateful else None
         return self._place(batch), state
 
@@ -201,21 +203,6 @@ class DistributedIterator:
             ahead.signal_stop()
 
 
-class _Stateful:
-    """The batches of ``source`` under a remainder rule, with the source's ``get_state`` / ``set_state``."""
-
-    def __init__(self, batches: Iterator[Any], source: Iterator[Any]):
-        self._batches, self._source = batches, source
-        if _has_state(source):
-            self.get_state, self.set_state = source.get_state, source.set_state
-
-    def __iter__(self) -> _Stateful:
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._batches)
-
-
 class DistributedDataset:
     """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
 
@@ -242,4 +229,4 @@ class DistributedDataset:
     def __iter__(self) -> DistributedIterator:
         source = iter(self._make_source())
         batches, place = with_remainder(source, self._remainder, self._place, self._divisor)
-        return DistributedIterator(_Stateful(batches, source), place, self._prefetch)
+        return DistributedIterator(source, place, self._prefetch, batches)
