@@ -1,0 +1,240 @@
+"""The running sums: what the train steps add up on the devices between two looks of the host.
+
+Every train step (one compiled step, or each step of an on-device loop) adds its metrics to a `RunningSums`
+inside the compiled program: nothing is read per step. The host reads the sums at a log point (the fit loop:
+each log window's means; ``Trainer.pop_running_sums``), all of them in one ``jax.device_get``
+(`RunningSums.to_host`), and starts new ones.
+
+The sums are a pytree of named parts, as Flax's ``nnx.metrics`` keeps metrics (``Average``: a total and a
+count):
+
+* ``averages``: each metric as an `Average` ``(total, weight)``: a scalar metric adds its step mean and 1, a
+  token-weighted one (``(sum, weight)``, `jaxdist.training.weighted`) its sum and its weight, so a window's
+  mean is one division of two sums;
+* ``non_finite``: the `jaxdist.training.non_finite.NonFiniteRecord` of the window's non-finite steps;
+* ``steps``: how many steps were added;
+* ``learning_rate``: the last step's rate (optimizers built with `optax.inject_hyperparams`; not a sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist.training.non_finite import NonFiniteRecord
+
+__all__ = ["Average", "RunningSums", "as_named_vector"]
+
+
+class Average(NamedTuple):
+    """A running mean as its two sums: ``total / weight``.
+
+    Attributes:
+        total: the summed values (float32): a scalar metric's step means, or a token-weighted metric's sums.
+        weight: what they are divided by (float32): the steps, or the summed weights (e.g. real tokens).
+
+    Examples:
+        >>> import numpy as np
+        >>> Average(np.float32(6.0), np.float32(4.0)).mean(), Average(np.float32(0.0), np.float32(0.0)).mean()
+        (1.5, nan)
+    """
+
+    total: Any
+    weight: Any
+
+    def mean(self) -> float:
+        """``total / weight`` as a Python float (NaN for weight 0: no steps, or no tokens). Reads the values
+        (call it on host sums, `RunningSums.to_host`)."""
+        total, weight = float(self.total), float(self.weight)
+        return total / weight if weight else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningSums:
+    """The running sums of a trainer's steps since the last read: a pytree (its leaves are scalars).
+
+    On the devices (``Trainer.pop_running_sums``) its leaves are device arrays the next steps have not
+    touched; `to_host` reads all of them in one ``jax.device_get``, and `mean`, `means` and `loss_weight`
+    read host values.
+
+    Attributes:
+        averages: ``{name: Average(total, weight)}``: ``"loss"`` first, then each metric.
+        non_finite: the `jaxdist.training.non_finite.NonFiniteRecord` of the steps that were not finite.
+        steps: how many steps were added (int32).
+        learning_rate: the last step's learning rate, or None when the optimizer does not expose it (build it
+            with `optax.inject_hyperparams`).
+        names: the averages' names, in order (static: part of the pytree's structure).
+        token_weighted: the names whose average is token-weighted (a ``(sum, weight)`` pair; static).
+
+    Examples:
+        >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+        >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
+        ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
+        >>> for y in (1.0, 2.0):
+        ...     _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, y, np.float32)))
+        >>> sums = trainer.pop_running_sums().to_host()  # one transfer
+        >>> sums.mean("loss"), int(sums.steps), int(sums.non_finite.count)  # (1 + 4) / 2
+        (2.5, 2, 0)
+    """
+
+    averages: Mapping[str, Average]
+    non_finite: NonFiniteRecord
+    steps: Any
+    learning_rate: Any = None
+    names: tuple[str, ...] = ()
+    token_weighted: tuple[str, ...] = ()
+
+    @classmethod
+    def zeros(cls, names: Iterable[str], token_weighted: Iterable[str] = (),
+              learning_rate: bool = False) -> RunningSums:
+        """The sums of no steps, on the host (a compiled step takes them as its first sums).
+
+        Args:
+            names: the metrics' names (``"loss"`` first).
+            token_weighted: those whose values are ``(sum, weight)`` pairs.
+            learning_rate: whether the steps report a learning rate.
+
+        Raises:
+            ValueError: for a token-weighted name that is not among ``names``.
+
+        Examples:
+            >>> RunningSums.zeros(["loss"]).means()
+            {'loss': nan}
+        """
+        names = tuple(names)
+        weighted = tuple(n for n in names if n in set(token_weighted))
+        unknown = sorted(set(token_weighted) - set(names))
+        if unknown:
+            raise ValueError(f"token_weighted={unknown!r} names no metric: pass some of names={names!r}.")
+        zero = lambda dtype: np.zeros((), dtype)  # noqa: E731
+        return cls({n: Average(zero(np.float32), zero(np.float32)) for n in names}, NonFiniteRecord.zeros(),
+                   zero(np.int32), zero(np.float32) if learning_rate else None, names, weighted)
+
+    @classmethod
+    def of_step(cls, values: Mapping[str, tuple[Any, Any]], flag: Any = None,
+                learning_rate: Any = None) -> RunningSums:
+        """The sums of one step (inside a compiled step).
+
+        Args:
+            values: ``{name: (value, weight)}``: a scalar metric's mean with weight None, or a token-weighted
+                metric's sum and its weight.
+            flag: the step's `jaxdist.training.non_finite.step_flag` (None: finite).
+            learning_rate: the step's learning rate, or None.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> step = RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0)), "acc": (0.5, None)})
+            >>> step.mean("loss"), step.mean("acc"), step.token_weighted
+            (2.0, 0.5, ('loss',))
+        """
+        averages = {}
+        for name, (value, weight) in values.items():
+            averages[name] = Average(jnp.asarray(value, jnp.float32),
+                                     jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32))
+        return cls(averages, NonFiniteRecord.of_step(flag), jnp.ones((), jnp.int32),
+                   None if learning_rate is None else jnp.asarray(learning_rate, jnp.float32), tuple(values),
+                   tuple(n for n, (_, w) in values.items() if w is not None))
+
+    def then(self, later: RunningSums) -> RunningSums:
+        """These sums followed by ``later``'s (a later step's, or a later window's): what a compiled step
+        computes to add itself.
+
+        Raises:
+            ValueError: when ``later`` sums other metrics, weights them otherwise, or differs in reporting a
+                learning rate.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> sums = RunningSums.zeros(["loss"], ["loss"])
+            >>> for total, tokens in ((6.0, 3.0), (2.0, 1.0)):
+            ...     sums = sums.then(RunningSums.of_step({"loss": (jnp.float32(total), jnp.float32(tokens))}))
+            >>> sums.mean("loss"), float(sums.loss_weight), int(sums.steps)  # (6 + 2) / (3 + 1)
+            (2.0, 4.0, 2)
+        """
+        if (set(later.names) != set(self.names) or set(later.token_weighted) != set(self.token_weighted)
+                or (later.learning_rate is None) != (self.learning_rate is None)):
+            raise ValueError(
+                f"running sums of {self._describe()} cannot add sums of {later._describe()}: a step must report "
+                "the same metrics, each weighted the same way, every time."
+            )
+        averages = {n: Average(a.total + later.averages[n].total, a.weight + later.averages[n].weight)
+                    for n, a in self.averages.items()}
+        return dataclasses.replace(
+            self, averages=averages, non_finite=self.non_finite.then(later.non_finite, self.steps, later.steps),
+            steps=self.steps + later.steps, learning_rate=later.learning_rate)
+
+    def _describe(self) -> str:
+        rate = " and a learning rate" if self.learning_rate is not None else ""
+        return f"metrics {list(self.names)} (token-weighted: {list(self.token_weighted)}){rate}"
+
+    def to_host(self) -> RunningSums:
+        """These sums with every leaf a numpy value, read in ONE ``jax.device_get`` (waits for the steps).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> host = RunningSums.of_step({"loss": (jnp.float32(1.0), None)}).to_host()
+            >>> type(host.steps).__name__, host.mean("loss")
+            ('ndarray', 1.0)
+        """
+        return jax.device_get(self)
+
+    def mean(self, name: str) -> float:
+        """The mean of ``name`` over the summed steps: its total over its weight (NaN for weight 0).
+
+        Raises:
+            KeyError: for a name that is not summed, naming those that are.
+        """
+        if name not in self.averages:
+            raise KeyError(f"no running sums of {name!r}: the sums hold {list(self.names)}.")
+        return self.averages[name].mean()
+
+    def means(self) -> dict[str, float]:
+        """Every metric's `mean`, ``"loss"`` first (NaN for all when no steps were added)."""
+        return {name: self.mean(name) for name in self.names}
+
+    @property
+    def loss_weight(self) -> Any:
+        """The loss's summed weight (e.g. real tokens) when the loss is token-weighted, else None."""
+        return self.averages["loss"].weight if "loss" in self.token_weighted else None
+
+
+jax.tree_util.register_dataclass(RunningSums, data_fields=["averages", "non_finite", "steps", "learning_rate"],
+                                 meta_fields=["names", "token_weighted"])
+
+
+def as_named_vector(sums: RunningSums) -> tuple[tuple[str, ...], Any]:
+    """``sums`` packed as ``(names, vector)``: what the deprecated ``Trainer.pop_metric_sums`` returns.
+
+    ``names`` lists each metric (a token-weighted one followed by ``"<name>.weight"``), ``"learning_rate"`` when
+    reported, the non-finite record's five counts (``"non_finite_steps"``, ``"non_finite_first"``,
+    ``"non_finite_lead"``, ``"non_finite_run"``, ``"non_finite_longest"``) and ``"steps"``; ``vector`` (float32)
+    holds their values: a device array, or a numpy one when ``sums`` are on the host.
+
+    Examples:
+        >>> names, vector = as_named_vector(RunningSums.zeros(["loss"], ["loss"]))
+        >>> names[:3], names[-1], vector.shape
+        (('loss', 'loss.weight', 'non_finite_steps'), 'steps', (8,))
+    """
+    names, values = [], []
+    for name in sums.names:
+        average = sums.averages[name]
+        names.append(name)
+        values.append(average.total)
+        if name in sums.token_weighted:
+            names.append(f"{name}.weight")
+            values.append(average.weight)
+    if sums.learning_rate is not None:
+        names.append("learning_rate")
+        values.append(sums.learning_rate)
+    for field, value in zip(NonFiniteRecord._fields, sums.non_finite, strict=True):
+        names.append("non_finite_steps" if field == "count" else f"non_finite_{field}")
+        values.append(value)
+    names.append("steps")
+    values.append(sums.steps)
+    stack = jnp.stack if any(isinstance(v, jax.Array) for v in values) else np.stack
+    return tuple(names), stack([v.astype(np.float32) if hasattr(v, "astype") else np.float32(v) for v in values])
