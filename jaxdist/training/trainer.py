@@ -387,7 +387,7 @@ class Trainer:
         Returns:
             A `RunningSums`: ``averages`` (each metric's ``Average(total, weight)``, ``"loss"`` first),
             ``non_finite`` (the record of the steps whose loss or gradients were not finite), ``steps`` and
-            ``learning_rate`` (the last step's, when logged). Its leaves are device arrays (host zeros when no
+            ``learning_rate`` (the last step's, when logged). Its leaves are device arrays (zeros when no
             step ran since the last call): ``sums.to_host()`` reads them all in one ``jax.device_get``.
 
         Raises:
@@ -440,7 +440,7 @@ class Trainer:
             ``(names, sums)``: ``sums[i]`` belongs to ``names[i]``: each metric's sum (``"loss"`` first; a
             token-weighted one followed by ``"<name>.weight"``), ``"learning_rate"`` the last step's rate (when
             logged), the non-finite steps' record (``"non_finite_steps"``, ...) and ``"steps"``. A device vector
-            (numpy zeros when no step ran since the last call).
+            (zeros when no step ran since the last call).
 
         Raises:
             RuntimeError: before the state exists.
@@ -450,7 +450,8 @@ class Trainer:
             >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
             ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
             >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, 2.0, np.float32)))
-            >>> with warnings.catch_warnings(record=True):
+            >>> with warnings.catch_warnings():
+            ...     warnings.simplefilter("ignore", DeprecationWarning)
             ...     names, sums = trainer.pop_metric_sums()
             >>> dict(zip(names, sums.tolist()))["loss"]
             4.0
@@ -458,7 +459,7 @@ class Trainer:
         _deprecated("pop_metric_sums", "pop_running_sums")
         if self._state is None:
             raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
-        return as_named_vector(self._steps.pop_sums(self._state))
+        return _packed(self._steps.pop_sums(self._state))
 
     def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
         """Deprecated: `peek_running_sums` packed as ``(names, vector)`` (see `pop_metric_sums`).
@@ -469,7 +470,7 @@ class Trainer:
         _deprecated("peek_metric_sums", "peek_running_sums")
         if self._state is None:
             raise RuntimeError("peek_metric_sums() before the state exists: call fit(...) or init(batch) first.")
-        return as_named_vector(self._steps.peek_sums(self._state))
+        return _packed(self._steps.peek_sums(self._state))
 
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
@@ -1003,3 +1004,9 @@ def _deprecated(old: str, new: str) -> None:
         f"Trainer.{old}() is deprecated: use Trainer.{new}(), which returns a jd.training.RunningSums read by name "
         f"(sums = trainer.{new}().to_host(); sums.mean('loss'), sums.steps, sums.non_finite.count) instead of "
         "(names, vector).", DeprecationWarning, stacklevel=3)
+
+
+def _packed(sums: RunningSums) -> tuple[tuple[str, ...], Any]:
+    """What ``pop_metric_sums`` returned: ``as_named_vector(sums)``; before the first training step (no metrics
+    known yet) ``(("steps",), zeros(1))``."""
+    return as_named_vector(sums) if sums.names else (("steps",), np.zeros(1, np.float32))
