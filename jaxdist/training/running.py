@@ -72,14 +72,16 @@ class RunningSums:
         token_weighted: the names whose average is token-weighted (a ``(sum, weight)`` pair; static).
 
     Examples:
-        >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
-        >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
-        ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
-        >>> for y in (1.0, 2.0):
-        ...     _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, y, np.float32)))
-        >>> sums = trainer.pop_running_sums().to_host()  # one transfer
-        >>> sums.mean("loss"), int(sums.steps), int(sums.non_finite.count)  # (1 + 4) / 2
-        (2.5, 2, 0)
+        >>> import jax.numpy as jnp
+        >>> sums = RunningSums.zeros(["loss", "accuracy"], token_weighted=["loss"])
+        >>> for loss_sum, tokens, accuracy in ((6.0, 3.0, 0.5), (2.0, 1.0, 1.0)):
+        ...     step = {"loss": (jnp.float32(loss_sum), jnp.float32(tokens)), "accuracy": (accuracy, None)}
+        ...     sums = sums.then(RunningSums.of_step(step))
+        >>> sums = sums.to_host()  # one transfer
+        >>> sums.means(), int(sums.steps), int(sums.non_finite.count)  # loss: (6 + 2) / (3 + 1) tokens
+        ({'loss': 2.0, 'accuracy': 0.75}, 2, 0)
+
+        ``Trainer.pop_running_sums`` returns a trainer's.
     """
 
     averages: Mapping[str, Average]
@@ -150,11 +152,10 @@ class RunningSums:
 
         Examples:
             >>> import jax.numpy as jnp
-            >>> sums = RunningSums.zeros(["loss"], ["loss"])
-            >>> for total, tokens in ((6.0, 3.0), (2.0, 1.0)):
-            ...     sums = sums.then(RunningSums.of_step({"loss": (jnp.float32(total), jnp.float32(tokens))}))
-            >>> sums.mean("loss"), float(sums.loss_weight), int(sums.steps)  # (6 + 2) / (3 + 1)
-            (2.0, 4.0, 2)
+            >>> bad = RunningSums.of_step({"loss": (jnp.float32(1.0), None)}, flag=jnp.float32(1.0))
+            >>> both = bad.then(RunningSums.of_step({"loss": (jnp.float32(3.0), None)}))
+            >>> both.mean("loss"), int(both.steps), int(both.non_finite.count), int(both.non_finite.lead)
+            (2.0, 2, 1, 1)
         """
         if (set(later.names) != set(self.names) or set(later.token_weighted) != set(self.token_weighted)
                 or (later.learning_rate is None) != (self.learning_rate is None)):
