@@ -165,7 +165,7 @@ class Recorder:
 
     def pop_running_sums(self):
         sums, self._sums = self._sums, jd.training.RunningSums.zeros(["loss"])
-        return sums
+        return sums.pack()
 
     def step_cost(self):
         return StepCost(None, "n/a", None, "n/a", 0, 0, 0, None, "cpu", 1)

@@ -225,7 +225,7 @@ def test_train_on_batch_and_train_on_batches():
     assert sums.names == ("loss",) and int(sums.steps) == 4 and int(sums.non_finite.count) == 0
     np.testing.assert_allclose(float(sums.averages["loss"].total), np.sum(losses), rtol=1e-5)
     np.testing.assert_allclose(sums.mean("loss"), np.mean(losses), rtol=1e-5)
-    assert int(looped.pop_running_sums().steps) == 0  # restarted
+    assert int(looped.pop_running_sums().to_host().steps) == 0  # restarted
     with pytest.raises(RuntimeError, match=r"pop_running_sums\(\) before the state exists: call fit\(\.\.\.\) or "
                                            r"init\(batch\) first"):
         jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce).pop_running_sums()

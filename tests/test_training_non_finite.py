@@ -253,7 +253,7 @@ def test_a_window_is_read_at_the_same_check_on_every_process_with_a_lag():
     seen = []
     logs = _Logs(0, lambda step, row: None, watch=lambda step, window: seen.append(step), lag=2)
     sums = jd.training.RunningSums.zeros(["loss"]).then(jd.training.RunningSums.of_step({"loss": (1.0, None)}))
-    logs.close_window(1, sums, check=1)
+    logs.close_window(1, sums.pack(), check=1)
     logs.emit_ready(2)
     assert seen == []  # ready, but not due: every process reads it at check 3
     logs.emit_ready(3)

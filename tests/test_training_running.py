@@ -12,7 +12,6 @@ import pytest
 from registry import make
 
 import jaxdist as jd
-from jaxdist.training import running
 from jaxdist.training.non_finite import NonFiniteRecord
 
 ROWS = 8
@@ -85,7 +84,7 @@ def test_sums_equal_a_hand_computation_with_tokens_and_non_finite_steps(looped):
     assert int(sums.steps) == 5 and float(sums.averages["loss"].weight) == 5 * ROWS
     assert np.isinf(float(sums.averages["loss"].total))
     assert [int(v) for v in sums.non_finite] == reference_record(flags) == [3, 1, 0, 2, 2]
-    assert int(trainer.pop_running_sums().steps) == 0  # restarted
+    assert int(trainer.pop_running_sums().to_host().steps) == 0  # restarted
 
 
 def test_records_compose_as_one_window():
@@ -109,22 +108,34 @@ def test_records_compose_as_one_window():
 
 def test_a_log_point_reads_the_sums_in_one_transfer(monkeypatch):
     trainer = make_trainer(make("mirrored_8"))
-    reads = []
-    device_get = jax.device_get
+    reads, inside = [], []
+    device_get, to_host = jax.device_get, jd.training.PackedSums.to_host
 
     def counting(tree):
-        if isinstance(tree, jd.training.RunningSums):
-            reads.append(len(jax.tree.leaves(tree)))
+        if inside:
+            inside[-1].append(jax.tree.leaves(tree))
         return device_get(tree)
 
+    def read(self):
+        inside.append([])
+        try:
+            return to_host(self)
+        finally:
+            reads.append(inside.pop())
+
     monkeypatch.setattr(jax, "device_get", counting)
+    monkeypatch.setattr(jd.training.PackedSums, "to_host", read)
     batches = [batch(float(i), MASKS[i % 3]) for i in range(6)]
     # No implicit read (float(leaf), np.asarray(leaf)) of any device value: only explicit device_get calls.
     with jax.transfer_guard_device_to_host("disallow"):
         history = trainer.fit(batches, steps=6, log_every=2, verbose=0)
     assert [row["step"] for row in history.train] == [2, 4, 6]
-    # one call per window, of all 11 leaves: the three log points, and the (empty) window closed as fit ends
-    assert len(reads) == 4 and all(n == 11 for n in reads)
+    # one read per window (the three log points, and the empty window closed as fit ends), each one
+    # jax.device_get of one array: the loss's total and weight, the metric's total, the learning rate, the
+    # non-finite record (5) and the step count
+    assert len(reads) == 4, reads
+    for calls in reads:
+        assert len(calls) == 1 and len(calls[0]) == 1 and calls[0][0].shape == (10,), calls
     assert history.train[0]["loss"] == pytest.approx((0 * 3 + 1 * 8) / 11)
 
 
@@ -143,7 +154,7 @@ def test_the_deprecated_methods_warn_and_return_names_and_a_vector():
         "loss", "loss.weight", "mean_y", "learning_rate", "non_finite_steps", "non_finite_first", "non_finite_lead",
         "non_finite_run", "non_finite_longest", "steps")
     assert isinstance(sums, jax.Array) and sums.dtype == np.float32
-    np.testing.assert_array_equal(np.asarray(peeked), np.asarray(sums))
+    assert peeked is sums  # the vector the steps carry, as before
     np.testing.assert_array_equal(np.asarray(sums), [np.inf, 11.0, np.inf, 0.0, 1, 1, 0, 1, 1, 2])
     with pytest.warns(DeprecationWarning):
         names, zeros = trainer.pop_metric_sums()  # no step since: zeros
@@ -161,5 +172,20 @@ def test_bad_sums_name_the_fix():
     with pytest.raises(ValueError, match=r"running sums of metrics \['loss', 'acc'\] \(token-weighted: \['loss'\]\) "
                                          r"cannot add sums of metrics \['loss', 'acc'\] \(token-weighted: \[\]\)"):
         sums.then(step)
-    assert running.as_named_vector(jd.training.RunningSums.zeros(()))[0] == (
+    assert jd.training.RunningSums.zeros(()).pack().fields == (
         "non_finite_steps", "non_finite_first", "non_finite_lead", "non_finite_run", "non_finite_longest", "steps")
+
+
+def test_packing_keeps_every_part():
+    step = jd.training.RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0)), "acc": (0.5, None)},
+                                           flag=jnp.float32(1.0), learning_rate=jnp.float32(0.1))
+    sums = jd.training.RunningSums.zeros(["loss", "acc"], ["loss"], learning_rate=True).then(step).then(step)
+    packed = sums.pack()
+    assert jax.tree.leaves(packed) == [packed.vector] and packed.vector.shape == (10,)
+    host = packed.to_host()
+    assert host.names == ("loss", "acc") and host.token_weighted == ("loss",)
+    assert host.means() == {"loss": 2.0, "acc": 0.5} and float(host.loss_weight) == 6.0
+    assert [int(v) for v in host.non_finite] == [2, 0, 2, 2, 2] and int(host.steps) == 2
+    assert float(host.learning_rate) == pytest.approx(0.1)
+    assert jax.tree.map(lambda a, b: bool(np.asarray(a) == np.asarray(b)), host, sums) == jax.tree.map(
+        lambda _: True, host)

@@ -34,6 +34,7 @@ from jaxdist.training.non_finite import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.prepare import prepare as prepare
 from jaxdist.training.running import Average as Average
+from jaxdist.training.running import PackedSums as PackedSums
 from jaxdist.training.running import RunningSums as RunningSums
 from jaxdist.training.search import Candidate as Candidate
 from jaxdist.training.search import plan_search as plan_search
@@ -58,6 +59,7 @@ __all__ = [
     "NonFiniteError",
     "NonFinitePolicy",
     "NonFiniteRecord",
+    "PackedSums",
     "PreemptionWatcher",
     "Progress",
     "RunningSums",

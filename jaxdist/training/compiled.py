@@ -5,9 +5,10 @@ Evaluation and prediction pad a ragged batch to a multiple of the replica count 
 
 Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over the
 replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to the
-running sums, a small pytree of scalars on the devices (`jaxdist.training.running.RunningSums`; a
-token-weighted value adds its sum and its weight, `jaxdist.training.weighted`): the fit loop reads them at a
-log point instead of every step's scalars, so logging costs no work and no transfer per step.
+running sums (`jaxdist.training.running.RunningSums`; a token-weighted value adds its sum and its weight,
+`jaxdist.training.weighted`), which stay on the devices packed in one small vector (`PackedSums`): the fit
+loop reads them at a log point instead of every step's scalars, so logging costs no work and no transfer per
+step.
 
 `CompiledSteps.step_cost` reads the train step's cost once from its plan (`jaxdist.costs.StepCost.of_plan`):
 it plans the step for the abstract arguments it already ran with, which finds the compiled program in JAX's
@@ -30,7 +31,7 @@ from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.training.build import check_losses
 from jaxdist.training.data import eval_batches
-from jaxdist.training.running import RunningSums
+from jaxdist.training.running import PackedSums, RunningSums
 from jaxdist.training.step_functions import (
     TrainState,
     layer_metric_names,
@@ -96,11 +97,11 @@ class CompiledSteps:
         # Built with the first state (they need the metric names, which depend on the optimizer state): per
         # skip_non_finite, the compiled (state, batch, sums) -> (state, metrics, sums) and the on-device loop body.
         self._fit_steps: dict[bool, tuple[Callable, Callable]] = {}
-        self._zero: RunningSums | None = None  # the running sums of no steps, on the host
+        self._zero: PackedSums | None = None  # the running sums of no steps, on the host
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
-        self._sums: RunningSums | None = None  # running sums since pop_sums (on the devices; None: zeros)
+        self._sums: PackedSums | None = None  # running sums since pop_sums (on the devices; None: zeros)
         # (structure, new sums after a pop, laid out as the sums were: the step takes them as they are)
-        self._zeros: tuple[Any, Callable[[], RunningSums]] | None = None
+        self._zeros: tuple[Any, Callable[[], PackedSums]] | None = None
         self._cost: StepCost | None = None
 
     @property
@@ -130,7 +131,8 @@ class CompiledSteps:
         with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
             extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
-        zero = self._zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)
+        zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)
+        self._zero = zero.pack()
         self._metrics_out = (*zero.names, *(("learning_rate",) if zero.learning_rate is not None else ()))
         self._compile(self._skipping_step() if self.skip_non_finite else self.train_step)
         return True
@@ -138,12 +140,12 @@ class CompiledSteps:
     def _compile(self, train_step: Callable) -> None:
         def fit_step(state, batch, sums):
             state, metrics, addends = train_step(state, batch)
-            return state, metrics, sums.then(addends)
+            return state, metrics, sums.unpack().then(addends).pack()
 
         fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
         self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step))
 
-    def _current_sums(self) -> RunningSums:
+    def _current_sums(self) -> PackedSums:
         if self._sums is not None:
             return self._sums
         if self._zeros is not None and self._zeros[0] == jax.tree.structure(self._zero):
@@ -179,22 +181,22 @@ class CompiledSteps:
         self._build(state, pair)
         return self.fit_step.plan(state, pair, self._current_sums())
 
-    def pop_sums(self, state: TrainState) -> RunningSums:
-        """The `RunningSums` since the last call (see ``Trainer.pop_running_sums``); restarts them."""
+    def pop_sums(self, state: TrainState) -> PackedSums:
+        """The running sums since the last call (see ``Trainer.pop_running_sums``); restarts them."""
         sums = self.peek_sums(state)
         self._sums = None
         leaves, structure = jax.tree.flatten(sums)
         if (leaves and all(isinstance(x, jax.Array) for x in leaves)
                 and (self._zeros is None or self._zeros[0] != structure)):
-            zero, shardings = self._zero, jax.tree.map(lambda x: x.sharding, sums)
+            zero, shardings = self._zero, jax.tree.map(lambda x: x.sharding, sums)  # (one leaf)
             self._zeros = structure, jax.jit(lambda: jax.tree.map(jnp.asarray, zero), out_shardings=shardings)
         return sums
 
-    def peek_sums(self, state: TrainState) -> RunningSums:
-        """The `RunningSums` since the last `pop_sums`, which go on (read them before the next step, which
+    def peek_sums(self, state: TrainState) -> PackedSums:
+        """The running sums since the last `pop_sums`, which go on (read them before the next step, which
         donates them)."""
         if not self._build(state):  # no training batch seen yet: no steps to sum
-            return RunningSums.zeros(())
+            return RunningSums.zeros(()).pack()
         return self._current_sums()
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:

@@ -10,8 +10,8 @@ per ``steps_per_run`` batches); ``step``, ``data_position`` and ``stop_training`
 
 Three things keep it from slowing the steps down:
 
-* Log points never wait for the devices. At a log point the window's running sums (a few device scalars,
-  `jaxdist.training.running.RunningSums`) start their copy to the host and the loop goes on dispatching
+* Log points never wait for the devices. At a log point the window's running sums (one small device vector,
+  `jaxdist.training.running.PackedSums`) start their copy to the host and the loop goes on dispatching
   steps; the log is emitted (``history.train``, ``on_log``) at the first step end at which they have arrived,
   and at the latest before the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or
   two after the step it describes, with that step's number. Nothing is read back per step. With several
@@ -67,7 +67,7 @@ from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.job import data_ended
 from jaxdist.training.non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
 from jaxdist.training.preemption import PreemptionWatcher
-from jaxdist.training.running import RunningSums
+from jaxdist.training.running import PackedSums, RunningSums
 from jaxdist.training.watchdog import Watchdog
 
 __all__ = ["READ_AHEAD", "FitOptions", "FitTarget", "check_int", "run_fit"]
@@ -182,11 +182,11 @@ class FitTarget(Protocol):
         """One on-device loop over batches of the stream; every step's metrics, stacked."""
         ...
 
-    def pop_running_sums(self) -> RunningSums:
-        """The `RunningSums` since the last call (on the devices; read at a log point, never waited for)."""
+    def pop_running_sums(self) -> PackedSums:
+        """The running sums since the last call (on the devices; read at a log point, never waited for)."""
         ...
 
-    def peek_running_sums(self) -> RunningSums:
+    def peek_running_sums(self) -> PackedSums:
         """The same sums, which go on (read before a checkpoint, for the record of non-finite steps)."""
         ...
 
@@ -240,13 +240,12 @@ class _Logs:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
 
-    def close_window(self, step: int, sums: RunningSums, check: int = 0) -> None:
+    def close_window(self, step: int, sums: PackedSums, check: int = 0) -> None:
         """End a window at ``step`` (check ``check``) with the trainer's running sums over it; start copying them
-        to the host (every leaf at once: `_emit` reads them in one ``jax.device_get``)."""
-        for leaf in jax.tree.leaves(sums):
-            copy = getattr(leaf, "copy_to_host_async", None)
-            if copy is not None:
-                copy()
+        to the host (one vector)."""
+        copy = getattr(sums.vector, "copy_to_host_async", None)
+        if copy is not None:
+            copy()
         entry = [step, sums, None, check]
         self._pending.append(entry)
         if self._watcher is None:
@@ -294,11 +293,11 @@ class _Logs:
             self._watcher.join(timeout=30)
             self._watcher = None
 
-    def _emit(self, step: int, sums: RunningSums, ready: float) -> None:
+    def _emit(self, step: int, packed: PackedSums, ready: float) -> None:
         seconds = ready - self._last[1]
         steps = step - self._last[0]
         self._last = (step, ready)
-        sums = sums.to_host()  # one jax.device_get for the whole window
+        sums = packed.to_host()  # one transfer for the whole window
         window = Window.of(sums.non_finite, sums.steps)
         if window.steps:
             logs = _means(sums)

@@ -1,9 +1,10 @@
 """The running sums: what the train steps add up on the devices between two looks of the host.
 
 Every train step (one compiled step, or each step of an on-device loop) adds its metrics to a `RunningSums`
-inside the compiled program: nothing is read per step. The host reads the sums at a log point (the fit loop:
-each log window's means; ``Trainer.pop_running_sums``), all of them in one ``jax.device_get``
-(`RunningSums.to_host`), and starts new ones.
+inside the compiled program: nothing is read per step. Between steps the sums stay on the devices packed in
+one float32 vector (`PackedSums`: a compiled step takes and returns one array, not one per part, which keeps
+its host cost per call that of one argument). The host reads them at a log point (the fit loop: each log
+window's means; ``Trainer.pop_running_sums``) in one transfer (`PackedSums.to_host`), and starts new ones.
 
 The sums are a pytree of named parts, as Flax's ``nnx.metrics`` keeps metrics (``Average``: a total and a
 count):
@@ -28,7 +29,7 @@ import numpy as np
 
 from jaxdist.training.non_finite import NonFiniteRecord
 
-__all__ = ["Average", "RunningSums", "as_named_vector"]
+__all__ = ["Average", "PackedSums", "RunningSums"]
 
 
 class Average(NamedTuple):
@@ -49,7 +50,7 @@ class Average(NamedTuple):
 
     def mean(self) -> float:
         """``total / weight`` as a Python float (NaN for weight 0: no steps, or no tokens). Reads the values
-        (call it on host sums, `RunningSums.to_host`)."""
+        (call it on host sums, `PackedSums.to_host`)."""
         total, weight = float(self.total), float(self.weight)
         return total / weight if weight else float("nan")
 
@@ -58,9 +59,9 @@ class Average(NamedTuple):
 class RunningSums:
     """The running sums of a trainer's steps since the last read: a pytree (its leaves are scalars).
 
-    On the devices (``Trainer.pop_running_sums``) its leaves are device arrays the next steps have not
-    touched; `to_host` reads all of them in one ``jax.device_get``, and `mean`, `means` and `loss_weight`
-    read host values.
+    Inside a compiled step the sums are traced values; between steps they stay on the devices packed in one
+    vector (`pack`, `PackedSums`); ``Trainer.pop_running_sums().to_host()`` reads them in one transfer.
+    `mean`, `means` and `loss_weight` read host values.
 
     Attributes:
         averages: ``{name: Average(total, weight)}``: ``"loss"`` first, then each metric.
@@ -77,7 +78,7 @@ class RunningSums:
         >>> for loss_sum, tokens, accuracy in ((6.0, 3.0, 0.5), (2.0, 1.0, 1.0)):
         ...     step = {"loss": (jnp.float32(loss_sum), jnp.float32(tokens)), "accuracy": (accuracy, None)}
         ...     sums = sums.then(RunningSums.of_step(step))
-        >>> sums = sums.to_host()  # one transfer
+        >>> sums = sums.pack().to_host()  # one vector, one transfer
         >>> sums.means(), int(sums.steps), int(sums.non_finite.count)  # loss: (6 + 2) / (3 + 1) tokens
         ({'loss': 2.0, 'accuracy': 0.75}, 2, 0)
 
@@ -173,16 +174,27 @@ class RunningSums:
         rate = " and a learning rate" if self.learning_rate is not None else ""
         return f"metrics {list(self.names)} (token-weighted: {list(self.token_weighted)}){rate}"
 
-    def to_host(self) -> RunningSums:
-        """These sums with every leaf a numpy value, read in ONE ``jax.device_get`` (waits for the steps).
+    def pack(self) -> PackedSums:
+        """These sums packed in one float32 vector (`PackedSums`), as a compiled step carries them.
 
         Examples:
             >>> import jax.numpy as jnp
-            >>> host = RunningSums.of_step({"loss": (jnp.float32(1.0), None)}).to_host()
-            >>> type(host.steps).__name__, host.mean("loss")
-            ('ndarray', 1.0)
+            >>> packed = RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0))}).pack()
+            >>> packed.fields, packed.vector.tolist()
+            (('loss', 'loss.weight', 'non_finite_steps', 'non_finite_first', 'non_finite_lead', 'non_finite_run', \
+'non_finite_longest', 'steps'), [6.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
         """
-        return jax.device_get(self)
+        values = []
+        for name in self.names:
+            values.append(self.averages[name].total)
+            if name in self.token_weighted:
+                values.append(self.averages[name].weight)
+        if self.learning_rate is not None:
+            values.append(self.learning_rate)
+        values += [*self.non_finite, self.steps]
+        stack = jnp.stack if any(isinstance(v, jax.Array) for v in values) else np.stack
+        return PackedSums(stack([_as(v, np.float32) for v in values]), self.names, self.token_weighted,
+                          self.learning_rate is not None)
 
     def mean(self, name: str) -> float:
         """The mean of ``name`` over the summed steps: its total over its weight (NaN for weight 0).
@@ -208,34 +220,67 @@ jax.tree_util.register_dataclass(RunningSums, data_fields=["averages", "non_fini
                                  meta_fields=["names", "token_weighted"])
 
 
-def as_named_vector(sums: RunningSums) -> tuple[tuple[str, ...], Any]:
-    """``sums`` packed as ``(names, vector)``: what the deprecated ``Trainer.pop_metric_sums`` returns.
+def _as(value: Any, dtype: Any) -> Any:
+    return value.astype(dtype) if hasattr(value, "astype") else np.asarray(value, dtype)
 
-    ``names`` lists each metric (a token-weighted one followed by ``"<name>.weight"``), ``"learning_rate"`` when
-    reported, the non-finite record's five counts (``"non_finite_steps"``, ``"non_finite_first"``,
-    ``"non_finite_lead"``, ``"non_finite_run"``, ``"non_finite_longest"``) and ``"steps"``; ``vector`` (float32)
-    holds their values: a device array, or a numpy one when ``sums`` are on the host.
+
+@dataclasses.dataclass(frozen=True)
+class PackedSums:
+    """`RunningSums` packed in one float32 vector: how they stay on the devices between steps (a compiled step
+    takes and returns one array instead of one per part) and travel to the host (one transfer).
+
+    ``Trainer.pop_running_sums`` returns them without waiting for the steps; `to_host` reads the vector and
+    unpacks it. A pytree: the vector is its one leaf, the structure is static.
+
+    Attributes:
+        vector: the values (float32), in the order of `fields`: a device array, or a numpy one.
+        names: the metrics' names (`RunningSums.names`).
+        token_weighted: those that are token-weighted (`RunningSums.token_weighted`).
+        learning_rate: whether the sums hold a learning rate.
 
     Examples:
-        >>> names, vector = as_named_vector(RunningSums.zeros(["loss"], ["loss"]))
-        >>> names[:3], names[-1], vector.shape
-        (('loss', 'loss.weight', 'non_finite_steps'), 'steps', (8,))
+        >>> import jax.numpy as jnp
+        >>> packed = RunningSums.zeros(["loss"]).then(RunningSums.of_step({"loss": (jnp.float32(2.0), None)})).pack()
+        >>> sums = packed.to_host()  # one transfer
+        >>> sums.mean("loss"), int(sums.steps)
+        (2.0, 1)
     """
-    names, values = [], []
-    for name in sums.names:
-        average = sums.averages[name]
-        names.append(name)
-        values.append(average.total)
-        if name in sums.token_weighted:
-            names.append(f"{name}.weight")
-            values.append(average.weight)
-    if sums.learning_rate is not None:
-        names.append("learning_rate")
-        values.append(sums.learning_rate)
-    for field, value in zip(NonFiniteRecord._fields, sums.non_finite, strict=True):
-        names.append("non_finite_steps" if field == "count" else f"non_finite_{field}")
-        values.append(value)
-    names.append("steps")
-    values.append(sums.steps)
-    stack = jnp.stack if any(isinstance(v, jax.Array) for v in values) else np.stack
-    return tuple(names), stack([v.astype(np.float32) if hasattr(v, "astype") else np.float32(v) for v in values])
+
+    vector: Any
+    names: tuple[str, ...] = ()
+    token_weighted: tuple[str, ...] = ()
+    learning_rate: bool = False
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """What each entry of `vector` holds: each metric's total (a token-weighted one followed by
+        ``"<name>.weight"``; a scalar metric's weight is the step count), ``"learning_rate"``, the non-finite
+        record (``"non_finite_steps"``, ``"non_finite_first"``, ``"non_finite_lead"``, ``"non_finite_run"``,
+        ``"non_finite_longest"``) and ``"steps"``."""
+        out = []
+        for name in self.names:
+            out += [name, f"{name}.weight"] if name in self.token_weighted else [name]
+        out += ["learning_rate"] if self.learning_rate else []
+        out += ["non_finite_steps" if f == "count" else f"non_finite_{f}" for f in NonFiniteRecord._fields]
+        return (*out, "steps")
+
+    def unpack(self) -> RunningSums:
+        """The `RunningSums` (of device or traced values for a device vector, numpy values for a host one)."""
+        vector, at = self.vector, iter(range(len(self.fields)))
+        steps = _as(vector[len(self.fields) - 1], np.int32)
+        averages = {}
+        for name in self.names:
+            total = vector[next(at)]
+            weight = vector[next(at)] if name in self.token_weighted else _as(steps, np.float32)
+            averages[name] = Average(total, weight)
+        rate = vector[next(at)] if self.learning_rate else None
+        record = NonFiniteRecord(*(_as(vector[next(at)], np.int32) for _ in NonFiniteRecord._fields))
+        return RunningSums(averages, record, steps, rate, self.names, self.token_weighted)
+
+    def to_host(self) -> RunningSums:
+        """The `RunningSums`, read in ONE transfer (``jax.device_get`` of the vector; waits for the steps)."""
+        return dataclasses.replace(self, vector=np.asarray(jax.device_get(self.vector))).unpack()
+
+
+jax.tree_util.register_dataclass(PackedSums, data_fields=["vector"],
+                                 meta_fields=["names", "token_weighted", "learning_rate"])

@@ -49,7 +49,7 @@ from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.non_finite import NonFiniteError, NonFinitePolicy, describe, non_finite_leaves
-from jaxdist.training.running import RunningSums, as_named_vector
+from jaxdist.training.running import PackedSums
 from jaxdist.training.step_functions import TrainState
 
 __all__ = ["Trainer"]
@@ -378,17 +378,18 @@ class Trainer:
         self._step += len(pairs)
         return values
 
-    def pop_running_sums(self) -> RunningSums:
+    def pop_running_sums(self) -> PackedSums:
         """The running sums of the steps taken since the last call, on the devices; restarts them.
 
-        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to a few scalars on the devices (no
-        extra work per step): ``fit`` pops them at each log point and reads them in one transfer.
+        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to the running sums on the devices
+        (no extra work per step): ``fit`` pops them at each log point and reads them in one transfer.
 
         Returns:
-            A `RunningSums`: ``averages`` (each metric's ``Average(total, weight)``, ``"loss"`` first),
-            ``non_finite`` (the record of the steps whose loss or gradients were not finite), ``steps`` and
-            ``learning_rate`` (the last step's, when logged). Its leaves are device arrays (zeros when no
-            step ran since the last call): ``sums.to_host()`` reads them all in one ``jax.device_get``.
+            The sums still on the devices, packed in one vector (`jd.training.PackedSums`; zeros when no step
+            ran since the last call); nothing waits here. Their ``to_host()`` reads them in one transfer and
+            returns the `jd.training.RunningSums`: ``averages`` (each metric's ``Average(total, weight)``,
+            ``"loss"`` first), ``non_finite`` (the record of the steps whose loss or gradients were not
+            finite), ``steps`` and ``learning_rate`` (the last step's, when logged).
 
         Raises:
             RuntimeError: before the state exists (nothing trained or initialized yet).
@@ -402,20 +403,20 @@ class Trainer:
             >>> sums = trainer.pop_running_sums().to_host()
             >>> sums.mean("loss"), int(sums.steps), int(sums.non_finite.count)
             (2.5, 2, 0)
-            >>> int(trainer.pop_running_sums().steps)  # restarted
+            >>> int(trainer.pop_running_sums().to_host().steps)  # restarted
             0
         """
         if self._state is None:
             raise RuntimeError("pop_running_sums() before the state exists: call fit(...) or init(batch) first.")
         return self._steps.pop_sums(self._state)
 
-    def peek_running_sums(self) -> RunningSums:
+    def peek_running_sums(self) -> PackedSums:
         """The running sums `pop_running_sums` would return, without restarting them (read them before the next
         step, which updates them in place): ``fit`` reads the non-finite steps' record in them before a
         checkpoint.
 
         Returns:
-            A `RunningSums`, as `pop_running_sums`.
+            The `PackedSums`, as `pop_running_sums`.
 
         Raises:
             RuntimeError: before the state exists.
@@ -425,8 +426,8 @@ class Trainer:
             >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
             ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
             >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, np.nan, np.float32)))
-            >>> peeked = trainer.peek_running_sums().to_host()
-            >>> int(peeked.non_finite.count), int(peeked.steps), int(trainer.pop_running_sums().steps)  # not restarted
+            >>> peeked = trainer.peek_running_sums().to_host()  # not restarted:
+            >>> int(peeked.non_finite.count), int(peeked.steps), int(trainer.pop_running_sums().to_host().steps)
             (1, 1, 1)
         """
         if self._state is None:
@@ -434,7 +435,7 @@ class Trainer:
         return self._steps.peek_sums(self._state)
 
     def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """Deprecated: `pop_running_sums` (a `RunningSums`, read by name) packed as ``(names, vector)``.
+        """Deprecated: `pop_running_sums` (read by name: ``.to_host().mean("loss")``) as ``(names, vector)``.
 
         Returns:
             ``(names, sums)``: ``sums[i]`` belongs to ``names[i]``: each metric's sum (``"loss"`` first; a
@@ -1006,7 +1007,7 @@ def _deprecated(old: str, new: str) -> None:
         "(names, vector).", DeprecationWarning, stacklevel=3)
 
 
-def _packed(sums: RunningSums) -> tuple[tuple[str, ...], Any]:
-    """What ``pop_metric_sums`` returned: ``as_named_vector(sums)``; before the first training step (no metrics
-    known yet) ``(("steps",), zeros(1))``."""
-    return as_named_vector(sums) if sums.names else (("steps",), np.zeros(1, np.float32))
+def _packed(sums: PackedSums) -> tuple[tuple[str, ...], Any]:
+    """What ``pop_metric_sums`` returned: ``(sums.fields, sums.vector)``; before the first training step (no
+    metrics known yet) ``(("steps",), zeros(1))``."""
+    return (sums.fields, sums.vector) if sums.names else (("steps",), np.zeros(1, np.float32))
