@@ -17,6 +17,7 @@ cache.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -99,9 +100,10 @@ class CompiledSteps:
         self._fit_steps: dict[bool, tuple[Callable, Callable]] = {}
         self._zero: PackedSums | None = None  # the running sums of no steps, on the host
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
-        self._sums: PackedSums | None = None  # running sums since pop_sums (on the devices; None: zeros)
-        # (structure, new sums after a pop, laid out as the sums were: the step takes them as they are)
-        self._zeros: tuple[Any, Callable[[], PackedSums]] | None = None
+        # The running sums since pop_sums: the packed vector alone (the compiled steps take and return one array,
+        # which costs the host what one argument costs; `_zero` knows its structure). On the devices; None: zeros.
+        self._sums: jax.Array | None = None
+        self._zeros: tuple[tuple[int, ...], Callable[[], jax.Array]] | None = None  # (shape, new sums after a pop)
         self._cost: StepCost | None = None
 
     @property
@@ -138,19 +140,23 @@ class CompiledSteps:
         return True
 
     def _compile(self, train_step: Callable) -> None:
+        like = self._zero
+
         def fit_step(state, batch, sums):
             state, metrics, addends = train_step(state, batch)
-            return state, metrics, sums.unpack().then(addends).pack()
+            return state, metrics, like.holding(sums).unpack().then(addends).pack().vector
 
         fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
-        self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step))
+        self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, like))
 
-    def _current_sums(self) -> PackedSums:
+    def _current_sums(self) -> Any:
+        """The sums' vector: the running one, or zeros (laid out as the last one was: the step takes them as they
+        are; host zeros before the first step)."""
         if self._sums is not None:
             return self._sums
-        if self._zeros is not None and self._zeros[0] == jax.tree.structure(self._zero):
-            return self._zeros[1]()  # zeros laid out as the sums were: the step takes them as they are
-        return self._zero
+        if self._zeros is not None and self._zeros[0] == self._zero.vector.shape:
+            return self._zeros[1]()
+        return self._zero.vector
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the sums."""
@@ -185,11 +191,10 @@ class CompiledSteps:
         """The running sums since the last call (see ``Trainer.pop_running_sums``); restarts them."""
         sums = self.peek_sums(state)
         self._sums = None
-        leaves, structure = jax.tree.flatten(sums)
-        if (leaves and all(isinstance(x, jax.Array) for x in leaves)
-                and (self._zeros is None or self._zeros[0] != structure)):
-            zero, shardings = self._zero, jax.tree.map(lambda x: x.sharding, sums)  # (one leaf)
-            self._zeros = structure, jax.jit(lambda: jax.tree.map(jnp.asarray, zero), out_shardings=shardings)
+        vector = sums.vector
+        if isinstance(vector, jax.Array) and (self._zeros is None or self._zeros[0] != vector.shape):
+            self._zeros = vector.shape, jax.jit(functools.partial(jnp.zeros, vector.shape, vector.dtype),
+                                                out_shardings=vector.sharding)
         return sums
 
     def peek_sums(self, state: TrainState) -> PackedSums:
@@ -197,7 +202,7 @@ class CompiledSteps:
         donates them)."""
         if not self._build(state):  # no training batch seen yet: no steps to sum
             return RunningSums.zeros(()).pack()
-        return self._current_sums()
+        return self._zero.holding(self._current_sums())
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
         """What the compiled train step costs, read once from its `Plan` (after a training step: the fit step
@@ -213,9 +218,8 @@ class CompiledSteps:
         strategy = self.strategy
         like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
         batch = _abstract_batch(batch_signature, strategy.policy.batch_layout)
-        sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._zero)
-        sums = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sums,
-                            strategy.variable_shardings(sums))
+        sums = jax.ShapeDtypeStruct(self._zero.vector.shape, np.float32)
+        sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
         # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
         rows = jax.tree.leaves(batch)[0].shape[0]
         devices = tuple(strategy.mesh.devices.flat)

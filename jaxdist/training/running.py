@@ -264,6 +264,10 @@ class PackedSums:
         out += ["non_finite_steps" if f == "count" else f"non_finite_{f}" for f in NonFiniteRecord._fields]
         return (*out, "steps")
 
+    def holding(self, vector: Any) -> PackedSums:
+        """Sums of this structure whose values are ``vector`` (e.g. the vector a compiled step carries)."""
+        return dataclasses.replace(self, vector=vector)
+
     def unpack(self) -> RunningSums:
         """The `RunningSums` (of device or traced values for a device vector, numpy values for a host one)."""
         vector, at = self.vector, iter(range(len(self.fields)))
@@ -279,7 +283,7 @@ class PackedSums:
 
     def to_host(self) -> RunningSums:
         """The `RunningSums`, read in ONE transfer (``jax.device_get`` of the vector; waits for the steps)."""
-        return dataclasses.replace(self, vector=np.asarray(jax.device_get(self.vector))).unpack()
+        return self.holding(np.asarray(jax.device_get(self.vector))).unpack()
 
 
 jax.tree_util.register_dataclass(PackedSums, data_fields=["vector"],

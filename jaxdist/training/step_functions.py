@@ -31,7 +31,7 @@ import optax
 from jaxdist.nn.moe import moe_loss, moe_metrics
 from jaxdist.training import non_finite, weighted
 from jaxdist.training.data import split_batch
-from jaxdist.training.running import RunningSums
+from jaxdist.training.running import PackedSums, RunningSums
 
 __all__ = [
     "TrainState",
@@ -355,12 +355,13 @@ def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection
     return RunningSums.zeros(("loss", *metrics), weighted_names, learning_rate=has_rate)
 
 
-def make_loop_step(train_step: Callable[[TrainState, Any], tuple]) -> Callable:
+def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedSums) -> Callable:
     """The body of an on-device loop of train steps, for ``strategy.run_steps_on_dataset``.
 
     ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs ``train_step``
     on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``;
-    ``i`` starts at 0) and adds the step to ``sums`` (`PackedSums`). After a loop of ``n`` steps
+    ``i`` starts at 0) and adds the step to ``sums`` (the vector of a `PackedSums` structured as ``like``).
+    After a loop of ``n`` steps
     ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step`` returns ``(state,
     metrics)`` (each metric a scalar mean), or ``(state, metrics, addends)`` (`make_summed_train_step`) whose
     addends go to the sums.
@@ -370,12 +371,12 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple]) -> Callable:
         >>> def train_step(w, batch):
         ...     return w + 1.0, {"loss": batch[0].mean()}
         >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)])
-        >>> sums = RunningSums.zeros(["loss"]).pack()
-        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), sums)
+        >>> like = RunningSums.zeros(["loss"]).pack()
+        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), like.vector)
         >>> ctx = jd.OneDeviceStrategy().run_steps_on_dataset(
-        ...     make_loop_step(train_step), batches, iterations=3, initial_loop_values=start)
+        ...     make_loop_step(train_step, like), batches, iterations=3, initial_loop_values=start)
         >>> state, values, _, sums = ctx.loop_values
-        >>> sums = sums.to_host()
+        >>> sums = like.holding(sums).to_host()
         >>> float(state), values["loss"].tolist(), sums.mean("loss"), int(sums.steps)
         (3.0, [0.0, 1.0, 2.0], 1.0, 3)
     """
@@ -386,7 +387,7 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple]) -> Callable:
         state, metrics, *addends = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
         step = addends[0] if addends else RunningSums.of_step({k: (v, None) for k, v in metrics.items()})
-        return state, values, i + 1, sums.unpack().then(step).pack()
+        return state, values, i + 1, like.holding(sums).unpack().then(step).pack().vector
 
     return loop_step
 
