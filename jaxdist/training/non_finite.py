@@ -256,7 +256,7 @@ class Window:
 
     @classmethod
     def of(cls, record: NonFiniteRecord, steps: Any) -> Window:
-        """The window of ``steps`` steps whose record is ``record`` (host values: see ``RunningSums.to_host``)."""
+        """The window of ``steps`` steps whose record is ``record`` (host values: see ``PackedSums.to_host``)."""
         return cls(int(steps), *(int(v) for v in record))
 
 
