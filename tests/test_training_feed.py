@@ -146,7 +146,7 @@ class Recorder:
     def __init__(self):
         self.stop_training = False
         self.data_position = DataPosition()
-        self.seen, self.saved, self._sums, self._step = [], [], np.zeros(2, np.float32), 0
+        self.seen, self.saved, self._sums, self._step = [], [], jd.training.RunningSums.zeros(["loss"]), 0
 
     @property
     def step(self):
@@ -155,7 +155,7 @@ class Recorder:
     def train_on_batch(self, batch):
         self.seen.append(batch)
         self._step += 1
-        self._sums = self._sums + np.array([float(batch), 1.0], np.float32)
+        self._sums = self._sums.then(jd.training.RunningSums.of_step({"loss": (float(batch), None)}))
         return {"loss": float(batch)}
 
     def train_on_batches(self, batches):
@@ -163,9 +163,9 @@ class Recorder:
             self.train_on_batch(b)
         return {"loss": np.array([float(b) for b in batches])}
 
-    def pop_metric_sums(self):
-        sums, self._sums = self._sums, np.zeros(2, np.float32)
-        return ("loss", "steps"), sums
+    def pop_running_sums(self):
+        sums, self._sums = self._sums, jd.training.RunningSums.zeros(["loss"])
+        return sums.pack()
 
     def step_cost(self):
         return StepCost(None, "n/a", None, "n/a", 0, 0, 0, None, "cpu", 1)

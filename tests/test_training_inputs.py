@@ -16,7 +16,6 @@ from flax import nnx
 from registry import adam, make
 
 import jaxdist as jd
-from jaxdist.training.non_finite import NAMES as NON_FINITE
 
 FEATURES, CLASSES, ROWS = 8, 4, 32
 
@@ -222,13 +221,14 @@ def test_train_on_batch_and_train_on_batches():
         looped.train_on_batches([])
     # both ways add to the same running sums, read (and restarted) at log points
     # (with the record of non-finite steps: none here)
-    names, sums = looped.pop_metric_sums()
-    assert names == ("loss", *NON_FINITE, "steps")
-    np.testing.assert_allclose(np.asarray(sums), [np.sum(losses), 0, 0, 0, 0, 0, 4.0], rtol=1e-5)
-    assert np.asarray(looped.pop_metric_sums()[1]).tolist() == [0.0] * 7
-    with pytest.raises(RuntimeError, match=r"pop_metric_sums\(\) before the state exists: call fit\(\.\.\.\) or "
+    sums = looped.pop_running_sums().to_host()
+    assert sums.names == ("loss",) and int(sums.steps) == 4 and int(sums.non_finite.count) == 0
+    np.testing.assert_allclose(float(sums.averages["loss"].total), np.sum(losses), rtol=1e-5)
+    np.testing.assert_allclose(sums.mean("loss"), np.mean(losses), rtol=1e-5)
+    assert int(looped.pop_running_sums().to_host().steps) == 0  # restarted
+    with pytest.raises(RuntimeError, match=r"pop_running_sums\(\) before the state exists: call fit\(\.\.\.\) or "
                                            r"init\(batch\) first"):
-        jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce).pop_metric_sums()
+        jd.training.Trainer(strategy, DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce).pop_running_sums()
     # any strategy runs on-device loops (here: a MirroredStrategy given steps_per_run)
     mirrored = jd.training.Trainer(make("mirrored_2"), DropoutNet(rngs=nnx.Rngs(0)), adam(1e-2), ce,
                                    steps_per_run=2)

@@ -252,8 +252,8 @@ def test_a_preemption_during_a_stop_leaves_the_last_good_checkpoint(tmp_path):
 def test_a_window_is_read_at_the_same_check_on_every_process_with_a_lag():
     seen = []
     logs = _Logs(0, lambda step, row: None, watch=lambda step, window: seen.append(step), lag=2)
-    names, sums = ("loss", "steps"), np.array([1.0, 1.0], np.float32)
-    logs.close_window(1, names, sums, check=1)
+    sums = jd.training.RunningSums.zeros(["loss"]).then(jd.training.RunningSums.of_step({"loss": (1.0, None)}))
+    logs.close_window(1, sums.pack(), check=1)
     logs.emit_ready(2)
     assert seen == []  # ready, but not due: every process reads it at check 3
     logs.emit_ready(3)
@@ -287,8 +287,8 @@ def test_bad_on_non_finite_arguments_are_value_errors_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"on_non_finite='stop' must be a NonFinitePolicy: pass NonFinitePolicy"):
         FitOptions(steps=1, on_non_finite="stop")
     assert t.step == 0 and t.state is None  # nothing ran
-    with pytest.raises(RuntimeError, match=r"peek_metric_sums\(\) before the state exists"):
-        t.peek_metric_sums()
+    with pytest.raises(RuntimeError, match=r"peek_running_sums\(\) before the state exists"):
+        t.peek_running_sums()
 
 
 # --------------------------------------------------------------------------------------------- two processes

@@ -32,8 +32,12 @@ from jaxdist.training.models import LinenModel as LinenModel
 from jaxdist.training.models import NnxModel as NnxModel
 from jaxdist.training.non_finite import NonFiniteError as NonFiniteError
 from jaxdist.training.non_finite import NonFinitePolicy as NonFinitePolicy
+from jaxdist.training.non_finite import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.preemption import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.prepare import prepare as prepare
+from jaxdist.training.running import Average as Average
+from jaxdist.training.running import PackedSums as PackedSums
+from jaxdist.training.running import RunningSums as RunningSums
 from jaxdist.training.search import Candidate as Candidate
 from jaxdist.training.search import plan_search as plan_search
 from jaxdist.training.step_functions import TrainState as TrainState
@@ -43,6 +47,7 @@ from jaxdist.training.trainer import Trainer as Trainer
 from jaxdist.training.watchdog import Watchdog as Watchdog
 
 __all__ = [
+    "Average",
     "CSVLogger",
     "Candidate",
     "Callback",
@@ -57,8 +62,11 @@ __all__ = [
     "NnxModel",
     "NonFiniteError",
     "NonFinitePolicy",
+    "NonFiniteRecord",
+    "PackedSums",
     "PreemptionWatcher",
     "Progress",
+    "RunningSums",
     "StepCost",
     "TensorBoardLogger",
     "TrainState",

@@ -4,10 +4,11 @@ Evaluation and prediction pad a ragged batch to a multiple of the replica count 
 (`eval_batches`), so their results cover every example exactly once.
 
 Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over the
-replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to running
-sums, one small float32 vector on the devices (`add_to_sums`; a token-weighted value adds its sum and its
-weight, `jaxdist.training.weighted`): the fit loop reads that vector at a log point instead of every step's
-scalars, so logging costs no work and no transfer per step.
+replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to the
+running sums (`jaxdist.training.running.RunningSums`; a token-weighted value adds its sum and its weight,
+`jaxdist.training.weighted`), which stay on the devices packed in one small vector (`PackedSums`): the fit
+loop reads them at a log point instead of every step's scalars, so logging costs no work and no transfer per
+step.
 
 `CompiledSteps.step_cost` reads the train step's cost once from its plan (`jaxdist.costs.StepCost.of_plan`):
 it plans the step for the abstract arguments it already ran with, which finds the compiled program in JAX's
@@ -31,18 +32,16 @@ from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.training.build import check_losses
 from jaxdist.training.data import eval_batches
-from jaxdist.training.non_finite import NAMES as NON_FINITE
+from jaxdist.training.running import PackedSums, RunningSums
 from jaxdist.training.step_functions import (
     TrainState,
-    add_to_sums,
     layer_metric_names,
     make_eval_step,
     make_loop_step,
     make_predict_step,
     make_summed_train_step,
-    metric_names,
+    zero_sums,
 )
-from jaxdist.training.weighted import WEIGHT
 
 __all__ = ["CompiledSteps"]
 
@@ -66,9 +65,9 @@ class CompiledSteps:
         >>> build, args = state_builder(model, optax.sgd(0.1), 0, batch[0])
         >>> state = strategy.create_variables(build, *args)
         >>> state, metrics = steps.train(state, batch)
-        >>> names, sums = steps.pop_sums(state)
-        >>> names[0], names[-1], sums.shape  # the loss, the non-finite steps' record (5), the step count
-        ('loss', 'steps', (7,))
+        >>> sums = steps.pop_sums(state).to_host()
+        >>> sums.names, int(sums.steps), int(sums.non_finite.count)
+        (('loss',), 1, 0)
     """
 
     def __init__(
@@ -99,9 +98,11 @@ class CompiledSteps:
         # Built with the first state (they need the metric names, which depend on the optimizer state): per
         # skip_non_finite, the compiled (state, batch, sums) -> (state, metrics, sums) and the on-device loop body.
         self._fit_steps: dict[bool, tuple[Callable, Callable]] = {}
-        self._names: tuple[str, ...] = ()  # the running sums'
+        self._zero: PackedSums | None = None  # the running sums of no steps, on the host
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
-        self._sums: Any = None  # running sums since pop_sums (a device vector; None: zeros)
+        # The running sums since pop_sums: the packed vector alone (the compiled steps take and return one array,
+        # which costs the host what one argument costs; `_zero` knows its structure). On the devices; None: zeros.
+        self._sums: jax.Array | None = None
         self._zeros: tuple[tuple[int, ...], Callable[[], jax.Array]] | None = None  # (shape, new sums after a pop)
         self._cost: StepCost | None = None
 
@@ -121,7 +122,7 @@ class CompiledSteps:
         """Build the fit step; False when it cannot be yet (the loss's structure is unknown without a batch)."""
         if self.fit_step is not None:
             return True
-        if self._names:  # the other variant is built: same names
+        if self._zero is not None:  # the other variant is built: same sums
             self._compile(self._skipping_step() if self.skip_non_finite else self.train_step)
             return True
         if pair is None:
@@ -132,29 +133,30 @@ class CompiledSteps:
         with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
             extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
-        names = (*metric_names({**self.metrics, **dict.fromkeys(extra)}, state.opt_state, weighted), *NON_FINITE,
-                 "steps")
-        self._names = names
-        self._metrics_out = tuple(n for n in names if n != "steps" and n not in NON_FINITE and not n.endswith(WEIGHT))
+        zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)
+        self._zero = zero.pack()
+        self._metrics_out = (*zero.names, *(("learning_rate",) if zero.learning_rate is not None else ()))
         self._compile(self._skipping_step() if self.skip_non_finite else self.train_step)
         return True
 
     def _compile(self, train_step: Callable) -> None:
-        names = self._names
+        like = self._zero
 
         def fit_step(state, batch, sums):
             state, metrics, addends = train_step(state, batch)
-            return state, metrics, add_to_sums(sums, addends, names)
+            return state, metrics, like.holding(sums).unpack().then(addends).pack().vector
 
         fit_step = self.strategy.jit(fit_step, donate_argnums=(0, 2), batch_argnums=(1,))
-        self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, names))
+        self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, like))
 
     def _current_sums(self) -> Any:
+        """The sums' vector: the running one, or zeros (laid out as the last one was: the step takes them as they
+        are; host zeros before the first step)."""
         if self._sums is not None:
             return self._sums
-        if self._zeros is not None and self._zeros[0] == (len(self._names),):
-            return self._zeros[1]()  # zeros laid out as the sums were: the step takes them as they are
-        return np.zeros(len(self._names), np.float32)
+        if self._zeros is not None and self._zeros[0] == self._zero.vector.shape:
+            return self._zeros[1]()
+        return self._zero.vector
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the sums."""
@@ -185,21 +187,22 @@ class CompiledSteps:
         self._build(state, pair)
         return self.fit_step.plan(state, pair, self._current_sums())
 
-    def pop_sums(self, state: TrainState) -> tuple[tuple[str, ...], Any]:
-        """``(names, sums)`` since the last call (see ``Trainer.pop_metric_sums``); restarts them."""
-        names, sums = self.peek_sums(state)
+    def pop_sums(self, state: TrainState) -> PackedSums:
+        """The running sums since the last call (see ``Trainer.pop_running_sums``); restarts them."""
+        sums = self.peek_sums(state)
         self._sums = None
-        if isinstance(sums, jax.Array) and (self._zeros is None or self._zeros[0] != sums.shape):
-            self._zeros = sums.shape, jax.jit(functools.partial(jnp.zeros, sums.shape, sums.dtype),
-                                              out_shardings=sums.sharding)
-        return names, sums
+        vector = sums.vector
+        if isinstance(vector, jax.Array) and (self._zeros is None or self._zeros[0] != vector.shape):
+            self._zeros = vector.shape, jax.jit(functools.partial(jnp.zeros, vector.shape, vector.dtype),
+                                                out_shardings=vector.sharding)
+        return sums
 
-    def peek_sums(self, state: TrainState) -> tuple[tuple[str, ...], Any]:
-        """``(names, sums)`` since the last `pop_sums`, which go on (read them before the next step, which
+    def peek_sums(self, state: TrainState) -> PackedSums:
+        """The running sums since the last `pop_sums`, which go on (read them before the next step, which
         donates them)."""
         if not self._build(state):  # no training batch seen yet: no steps to sum
-            return ("steps",), np.zeros(1, np.float32)
-        return self._names, self._current_sums()
+            return RunningSums.zeros(()).pack()
+        return self._zero.holding(self._current_sums())
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
         """What the compiled train step costs, read once from its `Plan` (after a training step: the fit step
@@ -215,7 +218,7 @@ class CompiledSteps:
         strategy = self.strategy
         like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
         batch = _abstract_batch(batch_signature, strategy.policy.batch_layout)
-        sums = jax.ShapeDtypeStruct((len(self._names),), np.float32)
+        sums = jax.ShapeDtypeStruct(self._zero.vector.shape, np.float32)
         sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
         # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
         rows = jax.tree.leaves(batch)[0].shape[0]

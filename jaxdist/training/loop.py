@@ -5,18 +5,18 @@
 `FitOptions`. The loop drives the trainer through one typed interface, `FitTarget`: ``train_on_batch`` (one
 compiled step per batch, the next batches placed ahead while it runs: `jaxdist.strategies.input.ahead`) or, with
 ``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop, ``strategy.run_steps_on_dataset``,
-per ``steps_per_run`` batches); ``step``, ``data_position`` and ``stop_training``; ``pop_metric_sums`` and
+per ``steps_per_run`` batches); ``step``, ``data_position`` and ``stop_training``; ``pop_running_sums`` and
 ``step_cost``; ``evaluate``, ``save`` and ``sync_model``.
 
 Three things keep it from slowing the steps down:
 
-* Log points never wait for the devices. At a log point the window's metric sums (one small device vector)
-  start their copy to the host and the loop goes on dispatching steps; the log is emitted
-  (``history.train``, ``on_log``) at the first step end at which they have arrived, and at the latest before
-  the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or two after the step it
-  describes, with that step's number. Nothing is read back per step. With several processes a log is
-  emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process (it has almost
-  always arrived by then), so that all act on what it says at the same step.
+* Log points never wait for the devices. At a log point the window's running sums (one small device vector,
+  `jaxdist.training.running.PackedSums`) start their copy to the host and the loop goes on dispatching
+  steps; the log is emitted (``history.train``, ``on_log``) at the first step end at which they have arrived,
+  and at the latest before the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or
+  two after the step it describes, with that step's number. Nothing is read back per step. With several
+  processes a log is emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process
+  (it has almost always arrived by then), so that all act on what it says at the same step.
 * Non-finite steps (`jaxdist.training.non_finite`): each step's flag (its loss or gradient norm is not finite)
   rides in the same sums; the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log
   is emitted and before every checkpoint, whose state is refused if it is not finite.
@@ -30,7 +30,7 @@ Three things keep it from slowing the steps down:
 
 The data position is the count of batches the steps consumed (never what was read ahead). Every
 log is the mean of each metric over the steps since the previous log point, whichever way they ran: the
-steps add their metrics to running sums on the devices (``trainer.pop_metric_sums``; a token-weighted value
+steps add their metrics to running sums on the devices (``trainer.pop_running_sums``; a token-weighted value
 adds its sum and its weight, and the log divides the two sums: the token-weighted mean over the window), and
 an on-device loop ends at the next log, evaluation or checkpoint point (``steps_per_run`` is the longest
 loop), so the logs, evaluations and checkpoints of ``steps_per_run > 1`` are those of the same training one
@@ -56,7 +56,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.strategies.cluster import spans_processes
@@ -66,11 +65,10 @@ from jaxdist.training.checkpoint import Checkpointer
 from jaxdist.training.cost import StepCost
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.job import data_ended
-from jaxdist.training.non_finite import NAMES as NON_FINITE
 from jaxdist.training.non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
 from jaxdist.training.preemption import PreemptionWatcher
+from jaxdist.training.running import PackedSums, RunningSums
 from jaxdist.training.watchdog import Watchdog
-from jaxdist.training.weighted import WEIGHT
 
 __all__ = ["READ_AHEAD", "FitOptions", "FitTarget", "check_int", "run_fit"]
 
@@ -184,12 +182,12 @@ class FitTarget(Protocol):
         """One on-device loop over batches of the stream; every step's metrics, stacked."""
         ...
 
-    def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """The metrics' running sums since the last call (a device vector, never read here)."""
+    def pop_running_sums(self) -> PackedSums:
+        """The running sums since the last call (on the devices; read at a log point, never waited for)."""
         ...
 
-    def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """The same sums, which go on (read before a checkpoint, for the flags of non-finite steps)."""
+    def peek_running_sums(self) -> PackedSums:
+        """The same sums, which go on (read before a checkpoint, for the record of non-finite steps)."""
         ...
 
     def restore(self, checkpoint_dir: Checkpointer, step: int) -> int:
@@ -233,7 +231,7 @@ class _Logs:
     def __init__(self, start_step: int, on_log: Callable[[int, dict], None],
                  rates: Callable[[int, float, float | None], dict] | None = None,
                  watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None):
-        self._pending: collections.deque = collections.deque()  # [step, names, sums, ready time or None, check]
+        self._pending: collections.deque = collections.deque()  # [step, sums, ready time or None, check]
         self._on_log = on_log
         self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
         self._watch = watch
@@ -242,13 +240,13 @@ class _Logs:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
 
-    def close_window(self, step: int, names: tuple[str, ...], sums: Any, check: int = 0) -> None:
+    def close_window(self, step: int, sums: PackedSums, check: int = 0) -> None:
         """End a window at ``step`` (check ``check``) with the trainer's running sums over it; start copying them
-        to the host."""
-        copy = getattr(sums, "copy_to_host_async", None)
+        to the host (one vector)."""
+        copy = getattr(sums.vector, "copy_to_host_async", None)
         if copy is not None:
             copy()
-        entry = [step, names, sums, None, check]
+        entry = [step, sums, None, check]
         self._pending.append(entry)
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._wait, name="jaxdist-log-watcher", daemon=True)
@@ -258,17 +256,17 @@ class _Logs:
     def _wait(self) -> None:
         while (entry := self._queue.get()) is not None:
             with contextlib.suppress(Exception):  # a failed step raises in the main thread, not here
-                jax.block_until_ready(entry[2])
-            entry[3] = time.perf_counter()
+                jax.block_until_ready(entry[1])
+            entry[2] = time.perf_counter()
 
     def emit_ready(self, check: int = 0) -> None:
         """Emit the closed windows whose sums have arrived, in order (never waits for the devices); with a lag,
         the windows closed ``lag`` checks before ``check`` (waiting for them if needed)."""
         if self._lag is None:
-            while self._pending and self._pending[0][3] is not None:
+            while self._pending and self._pending[0][2] is not None:
                 self._emit_first()
         else:
-            while self._pending and self._pending[0][4] <= check - self._lag:
+            while self._pending and self._pending[0][3] <= check - self._lag:
                 self._emit_first()
 
     def flush(self) -> None:
@@ -282,10 +280,10 @@ class _Logs:
 
     def _emit_first(self) -> None:
         entry = self._pending.popleft()
-        if entry[3] is None:
-            jax.block_until_ready(entry[2])
-            entry[3] = entry[3] or time.perf_counter()
-        self._emit(*entry[:4])
+        if entry[2] is None:
+            jax.block_until_ready(entry[1])
+            entry[2] = entry[2] or time.perf_counter()
+        self._emit(*entry[:3])
 
     def close(self) -> None:
         """Stop the watcher thread and wait for it: a thread still inside JAX when the interpreter exits makes
@@ -295,15 +293,15 @@ class _Logs:
             self._watcher.join(timeout=30)
             self._watcher = None
 
-    def _emit(self, step: int, names: tuple[str, ...], sums: Any, ready: float) -> None:
+    def _emit(self, step: int, packed: PackedSums, ready: float) -> None:
         seconds = ready - self._last[1]
         steps = step - self._last[0]
         self._last = (step, ready)
-        values = np.asarray(jax.device_get(sums), np.float64)
-        window = Window.of(names, values.tolist())
-        means = _means(names, values)
-        if means is not None:
-            logs, loss_weight = means
+        sums = packed.to_host()  # one transfer for the whole window
+        window = Window.of(sums.non_finite, sums.steps)
+        if window.steps:
+            logs = _means(sums)
+            loss_weight = None if sums.loss_weight is None else float(sums.loss_weight)
             logs.update(log_values(window))
             logs["steps_per_sec"] = steps / seconds if seconds > 0 else float("nan")
             if self._rates is not None:
@@ -313,23 +311,14 @@ class _Logs:
             self._watch(step, window)
 
 
-def _means(names: tuple[str, ...], sums: np.ndarray) -> tuple[dict[str, float], float | None] | None:
-    """Each metric's mean over the window (``"loss"`` first; a token-weighted one: its summed sums over its
-    summed weights, NaN for weight 0), the last learning rate, and the loss's summed weight (None: a scalar
-    loss). None if no steps."""
-    values = {k: v for k, v in zip(names, sums.tolist(), strict=True) if k not in NON_FINITE}
-    steps = values.pop("steps", 0)
-    if not steps:
-        return None
-    rate = values.pop("learning_rate", None)
-    weights = {k[: -len(WEIGHT)]: values.pop(k) for k in [k for k in values if k.endswith(WEIGHT)]}
-    logs = {}
-    for k in ["loss", *sorted(k for k in values if k != "loss")]:
-        weight = weights.get(k, steps)
-        logs[k] = values[k] / weight if weight else float("nan")
-    if rate is not None:  # the current rate, not a mean
-        logs["learning_rate"] = rate
-    return logs, weights.get("loss")
+def _means(sums: RunningSums) -> dict[str, float]:
+    """A log row's metrics from host sums: each metric's mean over the window (``"loss"`` first, then by name;
+    a token-weighted one: its summed sums over its summed weights, NaN for weight 0) and the last learning
+    rate (the current rate, not a mean)."""
+    logs = {name: sums.mean(name) for name in ["loss", *sorted(n for n in sums.names if n != "loss")]}
+    if sums.learning_rate is not None:
+        logs["learning_rate"] = float(sums.learning_rate)
+    return logs
 
 
 class _Unwatched:
@@ -409,9 +398,8 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
 
     def look() -> None:
         """Read the open window's flags (a checkpoint is next); if any step in it was not finite, close it."""
-        names, sums = trainer.peek_metric_sums()
-        window = Window.of(names, np.asarray(jax.device_get(sums), np.float64).tolist())
-        if window is not None and window.count:
+        sums = trainer.peek_running_sums().to_host()
+        if sums.non_finite.count:
             close_window()
             logs.flush()
         act()
@@ -465,7 +453,7 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
         rollbacks += 1
         trainer.data_position = stream.position(consumed)  # past the bad batches (and those after them)
         history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": trainer.data_position})
-        trainer.pop_metric_sums()
+        trainer.pop_running_sums()
         logs.restart(trainer.step)
         guard.restart(trainer.step)
         warnings.warn(
@@ -490,7 +478,7 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
         emit("on_eval_end", trainer.step, metrics)
 
     def close_window() -> None:
-        logs.close_window(trainer.step, *trainer.pop_metric_sums(), checks)
+        logs.close_window(trainer.step, trainer.pop_running_sums(), checks)
 
     cost = None
 
@@ -498,7 +486,7 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
         return {} if cost is None else cost.rates(steps, seconds, loss_weight)
 
     trainer.stop_training = False
-    trainer.pop_metric_sums()  # the windows start here
+    trainer.pop_running_sums()  # the windows start here
     spans = options.mesh is not None and spans_processes(options.mesh.devices.flat)
     # Several processes act on a window at the same step, and a rollback moves the data past the same batches
     # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.

@@ -5,8 +5,8 @@ A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the 
 
 * Detect on the device. Each train step computes whether its loss and every entry of its gradients are
   finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every process
-  computes the same flag; no squaring, which overflows float16) (`step_flag`), and adds the flag to the
-  running metric sums (`sums_update`: how many steps were not finite in the window, where the first one was,
+  computes the same flag; no squaring, which overflows float16) (`step_flag`), and adds its record to the
+  running sums (`NonFiniteRecord`: how many steps were not finite in the window, where the first one was,
   and the runs of them in a row). Nothing is read per step: the host sees the flags when it reads a log
   window's sums anyway, and before every checkpoint.
 * Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when the flag
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,15 +37,14 @@ __all__ = [
     "FLAG",
     "MAX_CONSECUTIVE_SKIPS",
     "MAX_ROLLBACKS",
-    "NAMES",
     "NonFiniteError",
     "NonFiniteGuard",
     "NonFinitePolicy",
+    "NonFiniteRecord",
     "Window",
     "keep_if_finite",
     "non_finite_leaves",
     "step_flag",
-    "sums_update",
 ]
 
 ACTIONS = ("stop", "skip", "rollback", "continue")
@@ -61,10 +60,8 @@ MAX_ROLLBACKS = 3
 FLAG = "non_finite"
 """The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0 otherwise)."""
 
-COUNT, FIRST, LEAD, RUN, LONGEST = (
-    "non_finite_steps", "non_finite_first", "non_finite_lead", "non_finite_run", "non_finite_longest")
-NAMES = (COUNT, FIRST, LEAD, RUN, LONGEST)
-"""The running sums' entries of the flags over a window (`sums_update`); ``non_finite_steps`` is also the log's."""
+COUNT = "non_finite_steps"
+"""The log's entry of the non-finite steps in a log window."""
 
 
 def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
@@ -101,37 +98,60 @@ def keep_if_finite(flag: jax.Array, new: Any, old: Any) -> Any:
     return optax.tree.where(flag == 0.0, new, old)
 
 
-def sums_update(sums: jax.Array, names: Sequence[str], flag: jax.Array) -> dict[str, jax.Array]:
-    """The new values of the `NAMES` entries of the running sums ``sums`` after a step whose flag is ``flag``.
+class NonFiniteRecord(NamedTuple):
+    """The non-finite steps of a window of steps, as the running sums carry them on the devices
+    (`jaxdist.training.RunningSums.non_finite`): enough for the host to find the first bad step and the runs of
+    bad steps across windows (`NonFiniteGuard`). Every field is an int32 count.
 
-    Over a window (sums start at zeros): ``non_finite_steps`` counts the flagged steps, ``non_finite_first`` is
-    how many steps came before the first flagged one, ``non_finite_lead`` how many flagged steps in a row open
-    the window, ``non_finite_run`` how many close it (so far), and ``non_finite_longest`` the longest run in it:
-    enough for the host to find the first bad step and the runs across windows (`NonFiniteGuard`). ``names``
-    must hold ``"steps"`` (the steps summed before this one).
+    Attributes:
+        count: how many steps were not finite.
+        first: how many steps came before the first non-finite one (0 when none was).
+        lead: how many non-finite steps in a row open the window.
+        run: how many close it (so far).
+        longest: the longest run of non-finite steps in it.
+
+    Records compose (`then`): the record of a window is that of its first part followed by that of the rest,
+    so each step adds its own record (`of_step`) inside the compiled step.
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> names = (*NAMES, "steps")
-        >>> sums = jnp.zeros(len(names))
+        >>> record, steps = NonFiniteRecord.zeros(), 0
         >>> for flag in (0.0, 1.0, 1.0, 0.0, 1.0):
-        ...     new = sums_update(sums, names, jnp.float32(flag))
-        ...     sums = jnp.stack([new[n] if n in new else sums[i] + 1 for i, n in enumerate(names)])
-        >>> dict(zip(names, sums.tolist()))  # 3 bad; first after 1 step; none opens; 1 closes; 2 in a row
-        {'non_finite_steps': 3.0, 'non_finite_first': 1.0, 'non_finite_lead': 0.0, 'non_finite_run': 1.0, \
-'non_finite_longest': 2.0, 'steps': 5.0}
+        ...     record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps, 1), steps + 1
+        >>> [int(v) for v in record]  # 3 bad; first after 1 step; none opens; 1 closes; 2 in a row
+        [3, 1, 0, 1, 2]
     """
-    at = {name: i for i, name in enumerate(names)}
-    count, first, lead, run, longest, steps = (sums[at[n]] for n in (*NAMES, "steps"))
-    bad = flag > 0
-    run = jnp.where(bad, run + 1.0, 0.0)
-    return {
-        COUNT: count + flag,
-        FIRST: jnp.where(bad & (count == 0), steps, first),
-        LEAD: jnp.where(bad & (lead == steps), lead + 1.0, lead),
-        RUN: run,
-        LONGEST: jnp.maximum(longest, run),
-    }
+
+    count: Any
+    first: Any
+    lead: Any
+    run: Any
+    longest: Any
+
+    @classmethod
+    def zeros(cls) -> NonFiniteRecord:
+        """The record of no steps (host zeros, int32)."""
+        return cls(*(np.zeros((), np.int32) for _ in cls._fields))
+
+    @classmethod
+    def of_step(cls, flag: jax.Array | None) -> NonFiniteRecord:
+        """The record of one step whose `step_flag` is ``flag`` (None: a step without a flag, finite)."""
+        if flag is None:
+            return cls.zeros()
+        bad = (jnp.asarray(flag) > 0).astype(jnp.int32)
+        return cls(bad, jnp.zeros((), jnp.int32), bad, bad, bad)
+
+    def then(self, later: NonFiniteRecord, steps: Any, later_steps: Any) -> NonFiniteRecord:
+        """The record of this window (of ``steps`` steps) followed by ``later`` (of ``later_steps`` steps)."""
+        count, first, lead, run, longest = self
+        count2, first2, lead2, run2, longest2 = later
+        return NonFiniteRecord(
+            count + count2,
+            jnp.where((count == 0) & (count2 > 0), steps + first2, first),
+            jnp.where(lead == steps, lead + lead2, lead),
+            jnp.where(run2 == later_steps, run + run2, run2),
+            jnp.maximum(jnp.maximum(longest, longest2), run + lead2),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,14 +239,12 @@ def _rebuild(message: str, step: int, count: int, checkpoint: int | None, direct
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """The flags of one window of steps, as read from the running sums (see `sums_update`).
+    """The non-finite steps of one window of steps, read on the host from the running sums (`NonFiniteRecord`).
 
     Examples:
-        >>> names = ("loss", *NAMES, "steps")
-        >>> Window.of(names, [4.0, 2.0, 3.0, 0.0, 1.0, 1.0, 10.0])
+        >>> record = NonFiniteRecord(*np.array([2, 3, 0, 1, 1], np.int32))
+        >>> Window.of(record, steps=10)
         Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)
-        >>> Window.of(("loss", "steps"), [4.0, 10.0]) is None
-        True
     """
 
     steps: int
@@ -237,12 +255,9 @@ class Window:
     longest: int
 
     @classmethod
-    def of(cls, names: Sequence[str], sums: Sequence[float]) -> Window | None:
-        """The window in the sums ``sums`` named by ``names`` (None when they carry no flags)."""
-        values = dict(zip(names, sums, strict=True))
-        if COUNT not in values:
-            return None
-        return cls(*(int(values[n]) for n in ("steps", *NAMES)))
+    def of(cls, record: NonFiniteRecord, steps: Any) -> Window:
+        """The window of ``steps`` steps whose record is ``record`` (host values: see ``PackedSums.to_host``)."""
+        return cls(int(steps), *(int(v) for v in record))
 
 
 class NonFiniteGuard:

@@ -20,7 +20,7 @@ batch (never a mean of per-replica means).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -31,19 +31,19 @@ import optax
 from jaxdist.nn.moe import moe_loss, moe_metrics
 from jaxdist.training import non_finite, weighted
 from jaxdist.training.data import split_batch
+from jaxdist.training.running import PackedSums, RunningSums
 
 __all__ = [
     "TrainState",
     "accuracy",
-    "add_to_sums",
     "make_eval_step",
     "make_loop_step",
     "make_predict_step",
     "make_summed_train_step",
     "make_train_step",
     "layer_metric_names",
-    "metric_names",
     "step_key",
+    "zero_sums",
 ]
 
 
@@ -207,12 +207,13 @@ def make_summed_train_step(
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
     """The train step ``(state, batch) -> (state, metrics, addends)`` behind `make_train_step`.
 
-    ``addends`` is what this step adds to the running sums (`add_to_sums`): each scalar metric's mean, and for
-    a token-weighted one (``(sum, weight)``) its sum under its name and its weight under ``"<name>.weight"``
-    (`jaxdist.training.weighted`), so that sums over steps divide once; and under ``"non_finite"`` 1.0 when
-    the loss or the gradients' global norm is not finite (`jaxdist.training.non_finite.step_flag`). Arguments
-    as for `make_train_step`, and ``skip_non_finite``: a step whose flag is set keeps the parameters, optimizer
-    and model state it was given (optax's ``apply_if_finite`` semantics; the step counter moves on).
+    ``addends`` is this step's `RunningSums` (`RunningSums.of_step`), which the compiled step adds to the
+    running sums: each scalar metric's mean (weight 1), a token-weighted one's (``(sum, weight)``) sum and
+    weight (`jaxdist.training.weighted`), so that sums over steps divide once; the step's non-finite record
+    (its loss or its gradients' global norm is not finite: `jaxdist.training.non_finite.step_flag`); and the
+    learning rate when the optimizer exposes it. Arguments as for `make_train_step`, and ``skip_non_finite``: a
+    step whose flag is set keeps the parameters, optimizer and model state it was given (optax's
+    ``apply_if_finite`` semantics; the step counter moves on).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -223,8 +224,8 @@ def make_summed_train_step(
         >>> mask = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last row is padding
         >>> step = make_summed_train_step(model, opt, lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(), mask.sum()))
         >>> state, m, addends = step(state, (jnp.ones((4, 2)), jnp.zeros(4)))
-        >>> float(m["loss"]), {k: float(v) for k, v in addends.items()}
-        (2.0, {'non_finite': 0.0, 'loss': 6.0, 'loss.weight': 3.0})
+        >>> float(m["loss"]), addends.averages["loss"], int(addends.non_finite.count)
+        (2.0, Average(total=Array(6., dtype=float32), weight=Array(3., dtype=float32)), 0)
     """
     metrics = dict(metrics or {})
     forward = _forward(model, loss_fn, metrics, compute_dtype)
@@ -274,15 +275,14 @@ def make_summed_train_step(
         if skip_non_finite:
             params, opt_state, model_state = non_finite.keep_if_finite(
                 flag, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
-        out, addends = {}, {non_finite.FLAG: flag}
+        out, summed = {}, {}
         for name, (value, w) in {"loss": (loss, weight), **values}.items():
             out[name] = value if w is None else weighted.mean(value, w)
-            addends[name] = value
-            if w is not None:
-                addends[weighted.weight_name(name)] = w
+            summed[name] = (value, w)
         lr = _learning_rate(opt_state)
         if lr is not None:
-            out["learning_rate"] = addends["learning_rate"] = lr
+            out["learning_rate"] = lr
+        addends = RunningSums.of_step(summed, flag, lr)
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), out, addends
 
     return train_step
@@ -336,83 +336,58 @@ def make_train_step(
     return train_step
 
 
-def metric_names(
-    metrics: Mapping[str, Any], opt_state: Any, weighted_names: Collection[str] = ()
-) -> tuple[str, ...]:
-    """The names of a train step's running sums: ``"loss"``, each metric, ``"<name>.weight"`` after each
-    token-weighted one (``weighted_names``), and ``"learning_rate"`` when the optimizer was built with
+def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection[str] = ()) -> RunningSums:
+    """The running sums of no train steps (`RunningSums.zeros`): ``"loss"`` and each of ``metrics``, the
+    ``weighted_names`` token-weighted, and a learning rate when the optimizer was built with
     `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
 
     Examples:
         >>> import optax, jax.numpy as jnp
         >>> opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-        >>> metric_names({"accuracy": None}, opt.init({"w": jnp.ones(2)}), weighted_names={"loss"})
-        ('loss', 'loss.weight', 'accuracy', 'learning_rate')
+        >>> sums = zero_sums(["accuracy"], opt.init({"w": jnp.ones(2)}), weighted_names={"loss"})
+        >>> sums.names, sums.token_weighted, sums.learning_rate is not None
+        (('loss', 'accuracy'), ('loss',), True)
     """
     has_rate = any(
         isinstance(getattr(node, "hyperparams", None), Mapping) and "learning_rate" in node.hyperparams
         for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams"))
     )
-    names = []
-    for name in ("loss", *metrics):
-        names += [name, weighted.weight_name(name)] if name in weighted_names else [name]
-    return (*names, *(("learning_rate",) if has_rate else ()))
+    return RunningSums.zeros(("loss", *metrics), weighted_names, learning_rate=has_rate)
 
 
-def add_to_sums(sums: jax.Array, metrics: Mapping[str, jax.Array], names: Sequence[str]) -> jax.Array:
-    """Running metric sums, one float32 vector: ``sums[i]`` for ``names[i]`` plus this step's value.
-
-    ``metrics`` holds each name's addend (`make_summed_train_step`'s ``addends``: a token-weighted value's sum
-    and, under ``"<name>.weight"``, its weight). ``"learning_rate"`` is replaced by this step's (the current
-    rate, not a sum) and ``"steps"`` counts the steps. The non-finite entries (`jaxdist.training.non_finite.NAMES`,
-    when ``names`` holds them) follow the step's ``"non_finite"`` flag (`non_finite.sums_update`). Computed
-    inside the compiled step, it costs nothing per step; the host reads one small vector per log point instead
-    of every step's scalars.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> names = ("loss", "learning_rate", "steps")
-        >>> sums = add_to_sums(jnp.zeros(3), {"loss": 0.5, "learning_rate": 0.1}, names)
-        >>> add_to_sums(sums, {"loss": 0.25, "learning_rate": 0.05}, names).tolist()
-        [0.75, 0.05000000074505806, 2.0]
-    """
-    replaced = non_finite.sums_update(sums, names, metrics[non_finite.FLAG]) if non_finite.COUNT in names else {}
-    step = jnp.stack([jnp.asarray(replaced[n] if n in replaced else metrics[n] if n != "steps" else 1.0, jnp.float32)
-                      for n in names])
-    keep = jnp.asarray([0.0 if n == "learning_rate" or n in replaced else 1.0 for n in names], jnp.float32)
-    return sums * keep + step
-
-
-def make_loop_step(train_step: Callable[[TrainState, Any], tuple], names: Sequence[str]) -> Callable:
+def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedSums) -> Callable:
     """The body of an on-device loop of train steps, for ``strategy.run_steps_on_dataset``.
 
     ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs ``train_step``
     on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``;
-    ``i`` starts at 0) and adds them to ``sums`` (see `add_to_sums`; ``names`` orders it). After a loop of
-    ``n`` steps ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step``
-    returns ``(state, metrics)``, or ``(state, metrics, addends)`` (`make_summed_train_step`) whose addends
-    go to the sums.
+    ``i`` starts at 0) and adds the step to ``sums`` (the vector of a `PackedSums` structured as ``like``).
+    After a loop of ``n`` steps
+    ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step`` returns ``(state,
+    metrics)`` (each metric a scalar mean), or ``(state, metrics, addends)`` (`make_summed_train_step`) whose
+    addends go to the sums.
 
     Examples:
         >>> import numpy as np, jax.numpy as jnp, jaxdist as jd
         >>> def train_step(w, batch):
         ...     return w + 1.0, {"loss": batch[0].mean()}
         >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)])
-        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), np.zeros(2, np.float32))
+        >>> like = RunningSums.zeros(["loss"]).pack()
+        >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), like.vector)
         >>> ctx = jd.OneDeviceStrategy().run_steps_on_dataset(
-        ...     make_loop_step(train_step, ("loss", "steps")), batches, iterations=3, initial_loop_values=start)
+        ...     make_loop_step(train_step, like), batches, iterations=3, initial_loop_values=start)
         >>> state, values, _, sums = ctx.loop_values
-        >>> float(state), values["loss"].tolist(), sums.tolist()
-        (3.0, [0.0, 1.0, 2.0], [3.0, 3.0])
+        >>> sums = like.holding(sums).to_host()
+        >>> float(state), values["loss"].tolist(), sums.mean("loss"), int(sums.steps)
+        (3.0, [0.0, 1.0, 2.0], 1.0, 3)
     """
-    names = tuple(names)
 
     def loop_step(ctx, carry, x, y):
         del ctx
         state, values, i, sums = carry
         state, metrics, *addends = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
-        return state, values, i + 1, add_to_sums(sums, addends[0] if addends else metrics, names)
+        step = addends[0] if addends else RunningSums.of_step({k: (v, None) for k, v in metrics.items()})
+        return state, values, i + 1, like.holding(sums).unpack().then(step).pack().vector
 
     return loop_step
 

@@ -11,8 +11,8 @@ data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads t
 batches already used, so its parameters are bitwise identical to an uninterrupted run's.
 
 ``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through its typed interface
-(`jaxdist.training.loop.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_metric_sums``,
-``peek_metric_sums``, ``step_cost``, ``evaluate``, ``save``, ``restore``, ``sync_model``).
+(`jaxdist.training.loop.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_running_sums``,
+``peek_running_sums``, ``step_cost``, ``evaluate``, ``save``, ``restore``, ``sync_model``).
 
 A diverging run loses nothing (`jaxdist.training.non_finite`): each step flags a non-finite loss or gradient
 norm on the devices, ``fit`` acts on the flags where it reads its logs and before every checkpoint
@@ -58,6 +58,7 @@ from jaxdist.training.load import assemble, checked_pieces
 from jaxdist.training.loop import FitOptions, check_int, run_fit
 from jaxdist.training.models import as_model
 from jaxdist.training.non_finite import NonFiniteError, NonFinitePolicy, describe, non_finite_leaves
+from jaxdist.training.running import PackedSums
 from jaxdist.training.step_functions import TrainState
 
 __all__ = ["Trainer"]
@@ -386,16 +387,18 @@ class Trainer:
         self._step += len(pairs)
         return values
 
-    def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """The running sums of the metrics over the steps taken since the last call; restarts them.
+    def pop_running_sums(self) -> PackedSums:
+        """The running sums of the steps taken since the last call, on the devices; restarts them.
 
-        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to one small vector on the devices
-        (no extra work per step, one transfer to read): ``fit`` reads it at each log point.
+        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to the running sums on the devices
+        (no extra work per step): ``fit`` pops them at each log point and reads them in one transfer.
 
         Returns:
-            ``(names, sums)``: ``sums[i]`` belongs to ``names[i]``: each metric's sum (``"loss"`` first),
-            ``"learning_rate"`` the last step's rate (when logged), ``"steps"`` how many steps were added. A
-            device vector (numpy zeros when no step ran since the last call).
+            The sums still on the devices, packed in one vector (`jd.training.PackedSums`; zeros when no step
+            ran since the last call); nothing waits here. Their ``to_host()`` reads them in one transfer and
+            returns the `jd.training.RunningSums`: ``averages`` (each metric's ``Average(total, weight)``,
+            ``"loss"`` first), ``non_finite`` (the record of the steps whose loss or gradients were not
+            finite), ``steps`` and ``learning_rate`` (the last step's, when logged).
 
         Raises:
             RuntimeError: before the state exists (nothing trained or initialized yet).
@@ -406,22 +409,23 @@ class Trainer:
             ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
             >>> for y in (1.0, 2.0):
             ...     _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, y, np.float32)))
-            >>> names, sums = trainer.pop_metric_sums()
-            >>> sums = dict(zip(names, sums.tolist()))
-            >>> sums["loss"], sums["steps"], sums["non_finite_steps"]
-            (5.0, 2.0, 0.0)
+            >>> sums = trainer.pop_running_sums().to_host()
+            >>> sums.mean("loss"), int(sums.steps), int(sums.non_finite.count)
+            (2.5, 2, 0)
+            >>> int(trainer.pop_running_sums().to_host().steps)  # restarted
+            0
         """
         if self._state is None:
-            raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
+            raise RuntimeError("pop_running_sums() before the state exists: call fit(...) or init(batch) first.")
         return self._steps.pop_sums(self._state)
 
-    def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """The running sums `pop_metric_sums` would return, without restarting them (read them before the next
-        step, which updates them in place): ``fit`` reads the flags of non-finite steps in them before a
+    def peek_running_sums(self) -> PackedSums:
+        """The running sums `pop_running_sums` would return, without restarting them (read them before the next
+        step, which updates them in place): ``fit`` reads the non-finite steps' record in them before a
         checkpoint.
 
         Returns:
-            ``(names, sums)`` as `pop_metric_sums`.
+            The `PackedSums`, as `pop_running_sums`.
 
         Raises:
             RuntimeError: before the state exists.
@@ -431,14 +435,52 @@ class Trainer:
             >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
             ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
             >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, np.nan, np.float32)))
-            >>> names, sums = trainer.peek_metric_sums()
-            >>> peeked = dict(zip(names, sums.tolist()))
-            >>> peeked["non_finite_steps"], peeked["steps"], trainer.pop_metric_sums()[1] is sums  # not restarted
-            (1.0, 1.0, True)
+            >>> peeked = trainer.peek_running_sums().to_host()  # not restarted:
+            >>> int(peeked.non_finite.count), int(peeked.steps), int(trainer.pop_running_sums().to_host().steps)
+            (1, 1, 1)
         """
         if self._state is None:
-            raise RuntimeError("peek_metric_sums() before the state exists: call fit(...) or init(batch) first.")
+            raise RuntimeError("peek_running_sums() before the state exists: call fit(...) or init(batch) first.")
         return self._steps.peek_sums(self._state)
+
+    def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
+        """Deprecated: `pop_running_sums` (read by name: ``.to_host().mean("loss")``) as ``(names, vector)``.
+
+        Returns:
+            ``(names, sums)``: ``sums[i]`` belongs to ``names[i]``: each metric's sum (``"loss"`` first; a
+            token-weighted one followed by ``"<name>.weight"``), ``"learning_rate"`` the last step's rate (when
+            logged), the non-finite steps' record (``"non_finite_steps"``, ...) and ``"steps"``. A device vector
+            (zeros when no step ran since the last call).
+
+        Raises:
+            RuntimeError: before the state exists.
+
+        Examples:
+            >>> import warnings, flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
+            ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
+            >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, 2.0, np.float32)))
+            >>> with warnings.catch_warnings():
+            ...     warnings.simplefilter("ignore", DeprecationWarning)
+            ...     names, sums = trainer.pop_metric_sums()
+            >>> dict(zip(names, sums.tolist()))["loss"]
+            4.0
+        """
+        _deprecated("pop_metric_sums", "pop_running_sums")
+        if self._state is None:
+            raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
+        return _packed(self._steps.pop_sums(self._state))
+
+    def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
+        """Deprecated: `peek_running_sums` packed as ``(names, vector)`` (see `pop_metric_sums`).
+
+        Raises:
+            RuntimeError: before the state exists.
+        """
+        _deprecated("peek_metric_sums", "peek_running_sums")
+        if self._state is None:
+            raise RuntimeError("peek_metric_sums() before the state exists: call fit(...) or init(batch) first.")
+        return _packed(self._steps.peek_sums(self._state))
 
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
@@ -971,3 +1013,16 @@ class Trainer:
     def _state_for(self, batch: Any) -> TrainState:
         """The state; built from ``batch`` (a placed one) the first time."""
         return self._state if self._state is not None and not self._unchecked else self.init(jax.device_get(batch))
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"Trainer.{old}() is deprecated: use Trainer.{new}(), which returns a jd.training.RunningSums read by name "
+        f"(sums = trainer.{new}().to_host(); sums.mean('loss'), sums.steps, sums.non_finite.count) instead of "
+        "(names, vector).", DeprecationWarning, stacklevel=3)
+
+
+def _packed(sums: PackedSums) -> tuple[tuple[str, ...], Any]:
+    """What ``pop_metric_sums`` returned: ``(sums.fields, sums.vector)``; before the first training step (no
+    metrics known yet) ``(("steps",), zeros(1))``."""
+    return (sums.fields, sums.vector) if sums.names else (("steps",), np.zeros(1, np.float32))

@@ -27,21 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["WEIGHT", "check_value", "mean", "split_value", "weight_name"]
-
-WEIGHT = ".weight"
-"""Suffix of the running-sum entry that holds a token-weighted value's weight (``"loss.weight"``)."""
-
-
-def weight_name(name: str) -> str:
-    """The running-sum name of ``name``'s weight.
-
-    Examples:
-        >>> weight_name("loss")
-        'loss.weight'
-    """
-    return name + WEIGHT
-
+__all__ = ["check_value", "mean", "split_value"]
 
 def _describe(value: Any) -> str:
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
