@@ -27,7 +27,8 @@ from orbax.checkpoint._src.serialization import serialization
 from registry import launch_env
 
 import jaxdist as jd
-from jaxdist.training import checkpoint_claim, checkpoint_storage
+from jaxdist.training.checkpoints import _claim as checkpoint_claim
+from jaxdist.training.checkpoints import _storage as checkpoint_storage
 
 CLAIM = checkpoint_claim.CLAIM_FILE
 

@@ -29,7 +29,7 @@ import pytest
 from registry import CLASSES, host_leaves, make, shuffled_batches
 
 import jaxdist as jd
-from jaxdist.training.checkpoint_damage import ChecksumMismatchError, checksums
+from jaxdist.training.checkpoints._damage import ChecksumMismatchError, checksums
 
 HERE = Path(__file__).resolve().parent
 
@@ -327,7 +327,8 @@ def test_a_process_that_resumes_from_a_damaged_checkpoint_exits_with_the_one_err
     assert "Event loop is closed" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"jaxdist.training.checkpoint_damage.CheckpointCorruptedError: checkpoint 20 in '{damaged}'")
+    error = "jaxdist.training.checkpoints._damage.CheckpointCorruptedError"
+    assert last.startswith(f"{error}: checkpoint 20 in '{damaged}'")
     assert last.endswith("resume from 10, or pass restore_step=10."), last
 
 

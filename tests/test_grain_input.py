@@ -20,8 +20,7 @@ from registry import launch_env
 from tfevents import read_events, scalars
 
 import jaxdist as jd
-from jaxdist.training.data import BatchChecker
-from jaxdist.training.input_state import IteratorSnapshot, save_args
+from jaxdist.training.data import BatchChecker, IteratorSnapshot, save_args
 
 HERE = Path(__file__).parent
 
@@ -232,5 +231,5 @@ def test_rare_error_paths(monkeypatch):
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # per-process batches need a feed to be placed
     with pytest.raises(ValueError, match=r"BatchStream\(check=None\) cannot place per-process .* on 2 processes: "
-                                         r"pass check= a jaxdist\.training\.feed\.BatchFeed"):
+                                         r"pass check= a jaxdist\.training\.data\.BatchFeed"):
         next(iter(BatchStream(examples().batch(8))))

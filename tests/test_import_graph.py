@@ -114,3 +114,31 @@ def test_subrooms_import_down_only(subroom):
         elif not (module == room or module.startswith(room + ".")):
             wrong = sorted(d for d in deps if d == own or d.startswith(own + "."))
             assert not wrong, f"{module} imports {wrong}: only {room} uses its room {own}"
+
+
+FOLDERS = ["callbacks", "data", "step", "checkpoints", "loop"]  # training/, bottom up
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_training_folders_import_down_only(folder):
+    """Each concept folder of ``training/`` imports only the folders below it, never the modules at the top of
+    the package (the `Trainer`, ``prepare``, ``plan_search``: they import the folders)."""
+    own = f"jaxdist.training.{folder}"
+    below = {f"jaxdist.training.{f}" for f in FOLDERS[:FOLDERS.index(folder)]}
+    graph = _graph()
+    assert own in graph, f"{own} is no package"
+    for module, deps in graph.items():
+        if module == own or module.startswith(own + "."):
+            inside = [d for d in deps if d == "jaxdist.training" or d.startswith("jaxdist.training.")]
+            wrong = sorted(d for d in inside if not (d == own or d.startswith(own + "."))
+                           and not any(d == b or d.startswith(b + ".") for b in below))
+            assert not wrong, f"{module} imports {wrong}: a folder above {folder}, or the top of training/"
+
+
+def test_other_modules_use_the_training_folders_interfaces():
+    """Outside its folder nothing imports a training folder's private modules: each folder's ``__init__`` is its
+    interface."""
+    for module, deps in _graph().items():
+        private = sorted(d for d in deps if d.startswith("jaxdist.training.") and "._" in d
+                         and not (module + ".").startswith(d.rsplit("._", 1)[0] + "."))
+        assert not private, f"{module} imports {private}; import the folder (jaxdist.training.<folder>) instead"

@@ -19,8 +19,8 @@ from test_cluster_operations import _two
 
 import jaxdist as jd
 from jaxdist.strategies import cluster
-from jaxdist.training import job
-from jaxdist.training.checkpoint_claim import CLAIM_FILE
+from jaxdist.training.checkpoints._claim import CLAIM_FILE
+from jaxdist.training.loop import _job as job
 
 HERE = Path(__file__).parent
 WORKER = HERE / "multiprocess" / "disagree_worker.py"

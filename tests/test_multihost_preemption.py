@@ -2,7 +2,7 @@
 
 The real thing runs 2 processes x 4 CPU devices (``python -m jaxdist.launch``, gloo): an uninterrupted run, a
 run whose process 1 gets SIGTERM, and the same command again, which resumes and must end bitwise identical to
-the uninterrupted run. The agreement itself (`jaxdist.training.preemption`) is also checked in this process
+the uninterrupted run. The agreement itself (`jaxdist.training.loop`) is also checked in this process
 over 8 local devices, where every check is cheap. Every subprocess wait has a timeout.
 """
 
@@ -22,7 +22,8 @@ import pytest
 from registry import launch_env
 
 import jaxdist as jd
-from jaxdist.training.preemption import PreemptionWatcher, _Agreement
+from jaxdist.training.loop import PreemptionWatcher
+from jaxdist.training.loop._preemption import _Agreement
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

@@ -11,10 +11,9 @@ import pytest
 
 import jaxdist as jd
 from jaxdist.strategies.input import ahead
-from jaxdist.training import feed as feed_module
 from jaxdist.training.cost import StepCost
-from jaxdist.training.data import BatchChecker, BatchStream, DataPosition
-from jaxdist.training.feed import BatchFeed, TrainBatch
+from jaxdist.training.data import BatchChecker, BatchFeed, BatchStream, DataPosition, TrainBatch
+from jaxdist.training.data import _feed as feed_module
 from jaxdist.training.loop import FitOptions, run_fit
 
 

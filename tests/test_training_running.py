@@ -12,7 +12,7 @@ import pytest
 from registry import make
 
 import jaxdist as jd
-from jaxdist.training.non_finite import NonFiniteRecord
+from jaxdist.training.step import NonFiniteRecord
 
 ROWS = 8
 MASKS = [np.array([1, 1, 1, 0, 0, 0, 0, 0], np.float32), np.ones(ROWS, np.float32),

@@ -1,9 +1,9 @@
 """`Trainer`: one training loop for Flax linen and nnx models with optax, unchanged on every strategy.
 
-The train step is an ordinary single-device step (`jaxdist.training.step_functions`) compiled with ``strategy.jit(step,
-donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.compiled`); the state is born in the strategy's
+The train step is an ordinary single-device step (`jaxdist.training.step._functions`) compiled with ``strategy.jit(step,
+donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.step._compiled`); the state is born in the strategy's
 layout with ``strategy.create_variables``; each batch is checked and placed once, at the stream boundary
-(`jaxdist.training.feed`), the next ones while the current step runs. So ``fit`` on any strategy computes what
+(`jaxdist.training.data._feed`), the next ones while the current step runs. So ``fit`` on any strategy computes what
 the same training computes on one device, and the loss and metrics are means over the GLOBAL batch.
 
 Resuming is exact: the state's step counter drives the RNG (``fold_in(rng, step)``), the checkpoint stores the
@@ -11,10 +11,10 @@ data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads t
 batches already used, so its parameters are bitwise identical to an uninterrupted run's.
 
 ``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through its typed interface
-(`jaxdist.training.loop.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_running_sums``,
+(`jaxdist.training.loop._fit.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_running_sums``,
 ``peek_running_sums``, ``step_cost``, ``evaluate``, ``save``, ``restore``, ``sync_model``).
 
-A diverging run loses nothing (`jaxdist.training.non_finite`): each step flags a non-finite loss or gradient
+A diverging run loses nothing (`jaxdist.training.step._non_finite`): each step flags a non-finite loss or gradient
 norm on the devices, ``fit`` acts on the flags where it reads its logs and before every checkpoint
 (``on_non_finite``: stop, skip, roll back or continue), and `save` refuses a state that is not finite.
 """
@@ -32,34 +32,41 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.replicate.trees import is_distributed
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.strategies.plan import abstract_variables
-from jaxdist.training.build import check_losses, params_target, restore_target, state_builder
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
-from jaxdist.training.checkpoint import Checkpointer
-from jaxdist.training.checkpoint_storage import check_directory
-from jaxdist.training.compiled import CompiledSteps
-from jaxdist.training.cost import CostOptions, StepCost
+from jaxdist.training.checkpoints import Checkpointer, assemble, check_directory, checked_pieces
 from jaxdist.training.data import (
     BatchChecker,
+    BatchFeed,
     BatchStream,
     DataPosition,
+    IteratorSnapshot,
+    TrainBatch,
     UnrestorableState,
     check_key,
     global_rows,
+    restored_position,
     say_batch_change,
 )
-from jaxdist.training.feed import BatchFeed, TrainBatch
-from jaxdist.training.input_state import IteratorSnapshot, restored_position
-from jaxdist.training.job import agree_on_fit, failing
-from jaxdist.training.load import assemble, checked_pieces
-from jaxdist.training.loop import FitOptions, check_int, run_fit
-from jaxdist.training.models import as_model
-from jaxdist.training.non_finite import NonFiniteError, NonFinitePolicy, describe, non_finite_leaves
-from jaxdist.training.running import PackedSums
-from jaxdist.training.step_functions import TrainState
+from jaxdist.training.loop import FitOptions, agree_on_fit, check_int, failing, run_fit
+from jaxdist.training.step import (
+    CompiledSteps,
+    NonFiniteError,
+    NonFinitePolicy,
+    PackedSums,
+    TrainState,
+    as_model,
+    check_losses,
+    describe,
+    non_finite_leaves,
+    params_target,
+    restore_target,
+    state_builder,
+)
 
 __all__ = ["Trainer"]
 
@@ -78,7 +85,7 @@ class Trainer:
             ``lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``, or a
             token-weighted pair ``(sum, weight)``: the SUM of per-token losses and how many (real) tokens it
             covers, e.g. ``return (losses * mask).sum(), mask.sum()``. Pairs are summed and divided once over
-            the global batch, its micro-batches and each log window (`jaxdist.training.weighted`), so padding
+            the global batch, its micro-batches and each log window (`jaxdist.training.step._weighted`), so padding
             never biases the mean however it is spread.
         metrics: extra ``{name: fn(outputs, targets)}``, each a batch mean or a ``(sum, weight)`` pair, e.g.
             ``{"accuracy": jd.training.accuracy}``.
@@ -548,7 +555,7 @@ class Trainer:
         A state with a NaN or an infinity in its parameters or model state, or a NaN in its optimizer state, is
         refused: no checkpoint ever holds one, so the rotation (``max_to_keep``) never deletes the newest
         finite checkpoint in favour of a diverged one. Checking costs one pass over the state on the devices
-        per save (`jaxdist.training.non_finite.non_finite_leaves`).
+        per save (`jaxdist.training.step.non_finite_leaves`).
 
         Args:
             checkpoint_dir: a directory, or an open `Checkpointer` (left open; its own ``max_to_keep``).
@@ -675,8 +682,8 @@ class Trainer:
         its parameters, optimizer state and step onto this trainer's strategy.
 
         Each piece is checked leaf by leaf against the state this trainer builds for its model and optimizer,
-        then placed in the strategy's layout for it (`jaxdist.training.load`): host arrays are sliced on the
-        host and each device gets only its part (a leaf the layout splits is born split, never whole on every
+        then placed in the strategy's layout for it (`jaxdist.training.checkpoints._load`): host arrays are sliced
+        on the host and each device gets only its part (a leaf the layout splits is born split, never whole on every
         device); device arrays of any layout are resharded. The state is a copy: the arrays passed stay
         valid. Leaves match by name, whatever holds them: the optax state orbax restores without a target
         (NamedTuples as dicts, tuples as lists), an ``nnx.State``, an ``nnx.Optimizer``'s ``opt_state`` all fit.
@@ -831,7 +838,7 @@ class Trainer:
             on_preemption: on SIGTERM the current step finishes and a checkpoint is saved; then ``"exit"``
                 raises ``SystemExit(0)`` (the job exits cleanly) or ``"return"`` returns the history with
                 ``history.preempted = True``. With several processes a SIGTERM to any one stops them all
-                after the same step (`jaxdist.training.preemption`), and they save together.
+                after the same step (`jaxdist.training.loop._preemption`), and they save together.
             restore_step: resume from this checkpoint of ``checkpoint_dir`` instead of the latest (e.g. the
                 one before a damaged checkpoint): the run goes back to that step (state, data position), and
                 the checkpoints after it are deleted once it is restored (they belong to the run being

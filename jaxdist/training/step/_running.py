@@ -10,9 +10,9 @@ The sums are a pytree of named parts, as Flax's ``nnx.metrics`` keeps metrics (`
 count):
 
 * ``averages``: each metric as an `Average` ``(total, weight)``: a scalar metric adds its step mean and 1, a
-  token-weighted one (``(sum, weight)``, `jaxdist.training.weighted`) its sum and its weight, so a window's
+  token-weighted one (``(sum, weight)``, `jaxdist.training.step._weighted`) its sum and its weight, so a window's
   mean is one division of two sums;
-* ``non_finite``: the `jaxdist.training.non_finite.NonFiniteRecord` of the window's non-finite steps;
+* ``non_finite``: the `jaxdist.training.step.NonFiniteRecord` of the window's non-finite steps;
 * ``steps``: how many steps were added;
 * ``learning_rate``: the last step's rate (optimizers built with `optax.inject_hyperparams`; not a sum).
 """
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.training.non_finite import NonFiniteRecord
+from jaxdist.training.step._non_finite import NonFiniteRecord
 
 __all__ = ["Average", "PackedSums", "RunningSums"]
 
@@ -65,7 +65,7 @@ class RunningSums:
 
     Attributes:
         averages: ``{name: Average(total, weight)}``: ``"loss"`` first, then each metric.
-        non_finite: the `jaxdist.training.non_finite.NonFiniteRecord` of the steps that were not finite.
+        non_finite: the `jaxdist.training.step.NonFiniteRecord` of the steps that were not finite.
         steps: how many steps were added (int32).
         learning_rate: the last step's learning rate, or None when the optimizer does not expose it (build it
             with `optax.inject_hyperparams`).
@@ -126,7 +126,7 @@ class RunningSums:
         Args:
             values: ``{name: (value, weight)}``: a scalar metric's mean with weight None, or a token-weighted
                 metric's sum and its weight.
-            flag: the step's `jaxdist.training.non_finite.step_flag` (None: finite).
+            flag: the step's `jaxdist.training.step._non_finite.step_flag` (None: finite).
             learning_rate: the step's learning rate, or None.
 
         Examples:

@@ -5,8 +5,8 @@ Evaluation and prediction pad a ragged batch to a multiple of the replica count 
 
 Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over the
 replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to the
-running sums (`jaxdist.training.running.RunningSums`; a token-weighted value adds its sum and its weight,
-`jaxdist.training.weighted`), which stay on the devices packed in one small vector (`PackedSums`): the fit
+running sums (`jaxdist.training.step.RunningSums`; a token-weighted value adds its sum and its weight,
+`jaxdist.training.step._weighted`), which stay on the devices packed in one small vector (`PackedSums`): the fit
 loop reads them at a log point instead of every step's scalars, so logging costs no work and no transfer per
 step.
 
@@ -30,10 +30,9 @@ from jaxdist.costs import bytes_per_device
 from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
-from jaxdist.training.build import check_losses
 from jaxdist.training.data import eval_batches
-from jaxdist.training.running import PackedSums, RunningSums
-from jaxdist.training.step_functions import (
+from jaxdist.training.step._build import check_losses
+from jaxdist.training.step._functions import (
     TrainState,
     layer_metric_names,
     make_eval_step,
@@ -42,6 +41,7 @@ from jaxdist.training.step_functions import (
     make_summed_train_step,
     zero_sums,
 )
+from jaxdist.training.step._running import PackedSums, RunningSums
 
 __all__ = ["CompiledSteps"]
 
@@ -57,8 +57,8 @@ class CompiledSteps:
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn, jaxdist as jd
-        >>> from jaxdist.training.build import state_builder
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._build import state_builder
+        >>> from jaxdist.training.step._models import LinenModel
         >>> strategy, model = jd.MirroredStrategy(), LinenModel(nn.Dense(1))
         >>> steps = CompiledSteps(strategy, model, optax.sgd(0.1), lambda out, y: ((out[:, 0] - y) ** 2).mean())
         >>> batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
@@ -210,7 +210,7 @@ class CompiledSteps:
 
         Args:
             state: the current state (only its shapes, dtypes and layout are read).
-            batch_signature: the training batches' `jaxdist.training.data.signature`.
+            batch_signature: the training batches' `jaxdist.training.data._batches.signature`.
             options: the `CostOptions`.
         """
         if self._cost is not None:
@@ -296,8 +296,8 @@ class CompiledSteps:
 
 
 def _abstract_batch(signature: tuple, layout: Any) -> Any:
-    """The batch a `jaxdist.training.data.signature` describes, as abstract arrays (laid out by ``layout(ndim)``,
-    `LayoutPolicy.batch_layout`)."""
+    """The batch a `jaxdist.training.data._batches.signature` describes, as abstract arrays (laid out by
+    ``layout(ndim)``, `LayoutPolicy.batch_layout`)."""
     treedef, leaves = signature
     return jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype),

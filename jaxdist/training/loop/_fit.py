@@ -1,7 +1,7 @@
 """The fit loop: steps, log points, evaluations, checkpoints, preemption and callbacks (``Trainer.fit``'s body).
 
 ``Trainer.fit`` checks its arguments, restores or builds the state, and hands the loop a `BatchStream` of
-`TrainBatch` es (each checked and placed once, at the stream boundary: `jaxdist.training.feed`) and a
+`TrainBatch` es (each checked and placed once, at the stream boundary: `jaxdist.training.data._feed`) and a
 `FitOptions`. The loop drives the trainer through one typed interface, `FitTarget`: ``train_on_batch`` (one
 compiled step per batch, the next batches placed ahead while it runs: `jaxdist.strategies.input.ahead`) or, with
 ``steps_per_run > 1``, ``train_on_batches`` (one compiled on-device loop, ``strategy.run_steps_on_dataset``,
@@ -11,13 +11,13 @@ per ``steps_per_run`` batches); ``step``, ``data_position`` and ``stop_training`
 Three things keep it from slowing the steps down:
 
 * Log points never wait for the devices. At a log point the window's running sums (one small device vector,
-  `jaxdist.training.running.PackedSums`) start their copy to the host and the loop goes on dispatching
+  `jaxdist.training.step.PackedSums`) start their copy to the host and the loop goes on dispatching
   steps; the log is emitted (``history.train``, ``on_log``) at the first step end at which they have arrived,
   and at the latest before the next evaluation, checkpoint or the end of ``fit``. So a log comes a step or
   two after the step it describes, with that step's number. Nothing is read back per step. With several
   processes a log is emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process
   (it has almost always arrived by then), so that all act on what it says at the same step.
-* Non-finite steps (`jaxdist.training.non_finite`): each step's flag (its loss or gradient norm is not finite)
+* Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag (its loss or gradient norm is not finite)
   rides in the same sums; the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log
   is emitted and before every checkpoint, whose state is refused if it is not finite.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so no
@@ -26,7 +26,7 @@ Three things keep it from slowing the steps down:
   devices run the current one.
 * Checkpoints are written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes at
   the first step end after one is complete, a failed write raises there, and ``fit`` ends only when its last
-  one is complete. Preemption is agreed by every process without waiting (`jaxdist.training.preemption`).
+  one is complete. Preemption is agreed by every process without waiting (`jaxdist.training.loop._preemption`).
 
 The data position is the count of batches the steps consumed (never what was read ahead). Every
 log is the mean of each metric over the steps since the previous log point, whichever way they ran: the
@@ -58,17 +58,24 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
+from jaxdist.costs.step import StepCost
 from jaxdist.strategies.cluster import spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import Callback, History
-from jaxdist.training.checkpoint import Checkpointer
-from jaxdist.training.cost import StepCost
+from jaxdist.training.checkpoints import Checkpointer
 from jaxdist.training.data import BatchStream, DataPosition
-from jaxdist.training.job import data_ended
-from jaxdist.training.non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
-from jaxdist.training.preemption import PreemptionWatcher
-from jaxdist.training.running import PackedSums, RunningSums
-from jaxdist.training.watchdog import Watchdog
+from jaxdist.training.loop._job import data_ended
+from jaxdist.training.loop._preemption import PreemptionWatcher
+from jaxdist.training.loop._watchdog import Watchdog
+from jaxdist.training.step import (
+    NonFiniteError,
+    NonFiniteGuard,
+    NonFinitePolicy,
+    PackedSums,
+    RunningSums,
+    Window,
+    log_values,
+)
 
 __all__ = ["READ_AHEAD", "FitOptions", "FitTarget", "check_int", "run_fit"]
 
@@ -175,7 +182,7 @@ class FitTarget(Protocol):
         ...
 
     def train_on_batch(self, batch: Any) -> Mapping[str, Any]:
-        """One step on a batch of the stream (a `jaxdist.training.feed.TrainBatch`); its metrics."""
+        """One step on a batch of the stream (a `jaxdist.training.data.TrainBatch`); its metrics."""
         ...
 
     def train_on_batches(self, batches: Sequence[Any]) -> Mapping[str, Any]:

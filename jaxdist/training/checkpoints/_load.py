@@ -2,7 +2,7 @@
 
 A run trained in plain JAX / Flax (saved with plain orbax, a Flax checkpoint, numpy files) comes as pieces:
 parameters, an optax state, maybe a model state, and a step. `loaded_leaves` checks each piece against the
-state the trainer would build itself (its abstract twin, `jaxdist.training.build.restore_target`, or the live
+state the trainer would build itself (its abstract twin, `jaxdist.training.step.restore_target`, or the live
 state) leaf by leaf, and `place_like` puts each leaf onto that state's layout with `jaxdist.replicate.layouts.put`
 (the one placement primitive: a host array is sliced on the host and each device gets its own part, so a leaf
 the layout splits is born split; a device array of any layout is resharded), so a loaded state is laid out
@@ -27,8 +27,7 @@ import optax
 
 from jaxdist.replicate.layouts import path_name, put
 from jaxdist.strategies.layout import is_annotated, is_box, is_variable, unboxed
-from jaxdist.training.build import state_keys
-from jaxdist.training.step_functions import TrainState
+from jaxdist.training.step import TrainState, state_keys
 
 __all__ = ["Pieces", "assemble", "checked_pieces", "count_mismatch", "loaded_leaves", "place_like", "step_counts"]
 
@@ -267,7 +266,7 @@ def assemble(
     """The `TrainState` at ``step`` made of ``pieces``, each placed in ``like``'s layout (`place_like`).
 
     What was not given comes from ``base`` (the trainer's state, if any): its model state and base key; else the
-    base key a trainer seeded with ``seed`` builds (`jaxdist.training.build.state_keys`). A missing optimizer
+    base key a trainer seeded with ``seed`` builds (`jaxdist.training.step.state_keys`). A missing optimizer
     state is ``optimizer.init`` of the placed parameters, computed where it lives. Warns (`count_mismatch`) when
     the optimizer's step counts and ``step`` differ.
 

@@ -5,7 +5,7 @@ A `Callback` gets ``on_train_begin``, ``on_step_cost``, ``on_step_end``, ``on_lo
 reading one (``float(m)``) waits for the device, so read them only when you need them. Setting
 ``trainer.stop_training = True`` from a callback ends ``fit`` after the current step (with a checkpoint when
 ``checkpoint_dir`` is set); in a multi-process run, set on any process, it ends ``fit`` on all of them after the
-same step, at most 3 steps later (the processes agree on it like on a SIGTERM: `jaxdist.training.preemption`).
+same step, at most 3 steps later (the processes agree on it like on a SIGTERM: `jaxdist.training.loop._preemption`).
 
 The trainer logs every ``log_every`` steps: the mean of each metric over those steps (token-weighted for a
 ``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use``

@@ -49,7 +49,7 @@ class PreemptionWatcher:
     """A context manager: while open, SIGTERM (and any extra ``signals``) set ``requested`` instead of killing.
 
     ``requested`` says whether THIS process got a signal; `should_stop` says whether every process of the job
-    stops now (the agreement described in `jaxdist.training.preemption`), for a signal or for a
+    stops now (the agreement described in `jaxdist.training.loop._preemption`), for a signal or for a
     ``stop_training`` request of any process; ``preempted`` whether a signal was among the reasons. Signal
     handlers can only be installed from the main thread; elsewhere the watcher installs nothing and
     ``installed`` is False.

@@ -381,7 +381,7 @@ def non_finite_leaves(state: Any) -> list[str]:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from jaxdist.training.step_functions import TrainState
+        >>> from jaxdist.training.step._functions import TrainState
         >>> state = TrainState(jnp.int32(0), {"w": jnp.array([1.0, jnp.nan])}, (jnp.array(jnp.inf),), {}, None)
         >>> non_finite_leaves(state)
         [".params['w']"]

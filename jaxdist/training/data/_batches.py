@@ -264,7 +264,7 @@ class BatchChecker:
 
     The first batch fixes the signature (one compiled step); a later batch with other shapes is an error that
     names the fix, never a silent recompile. This is the one check a training batch gets: the trainer's
-    `jaxdist.training.feed.BatchFeed` runs it once per batch, at the stream boundary, and what passes it is
+    `jaxdist.training.data.BatchFeed` runs it once per batch, at the stream boundary, and what passes it is
     not checked again. On the first batch it also checks that every leaf has axis 0 (the rows), that they
     agree on it, and that ``replicas`` x ``grad_accum_steps`` divide it (later batches have the same shapes).
 
@@ -418,7 +418,7 @@ class BatchStream:
     A grain source (a ``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader``, given as it is or
     returned by a ``data_fn(epoch)``) is PER-PROCESS input, as grain pipelines are: on several processes each
     reads its own share of every global batch (e.g. ``grain.sharding.ShardByJaxProcess``), and ``check``
-    gets the process count, to check (and place: `jaxdist.training.feed.BatchFeed`) the global batch those
+    gets the process count, to check (and place: `jaxdist.training.data.BatchFeed`) the global batch those
     shares form. Its iterator's state is recorded after every batch, so `position` carries it
     (`DataPosition.state`) and a stream started from such a position restores it instead of re-reading the
     batches before it.
@@ -533,7 +533,7 @@ class BatchStream:
             if per_process and jax.process_count() > 1 and self._check is None:
                 raise ValueError(
                     f"BatchStream(check=None) cannot place per-process (grain) batches on {jax.process_count()} "
-                    "processes: pass check= a jaxdist.training.feed.BatchFeed (it checks the global batch the "
+                    "processes: pass check= a jaxdist.training.data.BatchFeed (it checks the global batch the "
                     "processes' shares form and places each process's rows on the strategy's replicas)."
                 )
             count = self._resume(it, stateful, epoch, skip)

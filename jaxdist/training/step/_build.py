@@ -20,8 +20,8 @@ import optax
 from jaxdist.replicate.trees import abstract
 from jaxdist.strategies import Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
-from jaxdist.training.step_functions import TrainState
-from jaxdist.training.weighted import check_value
+from jaxdist.training.step._functions import TrainState
+from jaxdist.training.step._weighted import check_value
 
 __all__ = ["check_losses", "params_target", "restore_target", "state_builder", "state_keys"]
 
@@ -55,7 +55,7 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
         >>> jax.eval_shape(build, *args).params["kernel"].shape
         (3, 2)
@@ -75,7 +75,7 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
 
     Examples:
         >>> import numpy as np, optax, flax.linen as nn, jaxdist as jd
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
         >>> restore_target(jd.OneDeviceStrategy(), build, args).params["kernel"].shape
         (3, 2)
@@ -132,14 +132,14 @@ def check_losses(
         x / y: a batch's inputs and targets (only shapes and dtypes are used; nothing runs).
 
     Returns:
-        The token-weighted names (see `jaxdist.training.weighted`).
+        The token-weighted names (see `jaxdist.training.step._weighted`).
 
     Raises:
         ValueError: for anything else, naming the function, what it returned and the fix.
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> model = LinenModel(nn.Dense(2))
         >>> build, args = state_builder(model, optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
         >>> x, y = np.ones((8, 3), np.float32), np.ones(8, np.float32)

@@ -3,7 +3,7 @@
 A checkpoint whose stored bytes are wrong or missing (tensorstore's checksums catch flipped bytes in its index
 files; a file can be missing) fails a read with tensorstore's status and a long JSON spec. Here that becomes
 one `CheckpointCorruptedError` naming the step, the directory and the newest older checkpoint that restores,
-with the fix; `jaxdist.training.checkpoint.Checkpointer.read` does the search. Failures that are not damage
+with the fix; `jaxdist.training.checkpoints.Checkpointer.read` does the search. Failures that are not damage
 (memory, network) pass through unchanged.
 
 The array data itself (``state/ocdbt.process_*/d/``) carries no checksum in orbax's format: flipped bytes there
@@ -186,7 +186,7 @@ def damage_summary(error: BaseException, step_dir: str) -> str:
 class ChecksumMismatchError(ValueError):
     """Restored arrays whose `checksums` differ from those saved with them: the checkpoint's array data is damaged.
 
-    `jaxdist.training.checkpoint.Checkpointer.restore` turns it into a `CheckpointCorruptedError`.
+    `jaxdist.training.checkpoints.Checkpointer.restore` turns it into a `CheckpointCorruptedError`.
 
     Args:
         paths: the mismatching leaves' paths (``jax.tree_util.keystr``), in tree order.

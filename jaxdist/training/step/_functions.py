@@ -1,7 +1,7 @@
 """The trainer's step functions: ordinary single-device code, compiled by ``strategy.jit``.
 
 Nothing here knows about replicas. The trainer compiles `make_train_step`'s function with ``strategy.jit(step,
-donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.compiled`): on a global batch split over the
+donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.step._compiled`): on a global batch split over the
 replicas it computes what it computes on one device, so the loss and every metric are means over the GLOBAL
 batch (never a mean of per-replica means).
 
@@ -9,7 +9,7 @@ batch (never a mean of per-replica means).
   (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient makes ONE optimizer
   update: the same update as one step on the whole batch. Micro-batch j takes rows ``j, j+k, j+2k, ...``, so
   every replica splits its own rows and no data moves between devices.
-* Token-weighted losses (`jaxdist.training.weighted`): a loss or metric that returns ``(sum, weight)`` is
+* Token-weighted losses (`jaxdist.training.step._weighted`): a loss or metric that returns ``(sum, weight)`` is
   summed over micro-batches and divided once by the summed weight, so micro-batches holding different numbers
   of real tokens make the update one step on the whole batch makes; a scalar loss is a mean over equal-sized
   micro-batches, and their means are averaged.
@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxdist.training.step._non_finite as non_finite
+import jaxdist.training.step._weighted as weighted
 from jaxdist.nn.moe import moe_loss, moe_metrics
-from jaxdist.training import non_finite, weighted
 from jaxdist.training.data import split_batch
-from jaxdist.training.running import PackedSums, RunningSums
+from jaxdist.training.step._running import PackedSums, RunningSums
 
 __all__ = [
     "TrainState",
@@ -180,7 +181,7 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdist as jd
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> model = LinenModel(jd.nn.MoE(num_experts=2, top_k=1, hidden_dim=4))
         >>> params, state = model.init(jax.random.key(0), jnp.ones((2, 3, 4)))
         >>> sorted(layer_metric_names(model, params, state, jnp.ones((2, 3, 4))))
@@ -209,15 +210,15 @@ def make_summed_train_step(
 
     ``addends`` is this step's `RunningSums` (`RunningSums.of_step`), which the compiled step adds to the
     running sums: each scalar metric's mean (weight 1), a token-weighted one's (``(sum, weight)``) sum and
-    weight (`jaxdist.training.weighted`), so that sums over steps divide once; the step's non-finite record
-    (its loss or its gradients' global norm is not finite: `jaxdist.training.non_finite.step_flag`); and the
+    weight (`jaxdist.training.step._weighted`), so that sums over steps divide once; the step's non-finite record
+    (its loss or its gradients' global norm is not finite: `jaxdist.training.step._non_finite.step_flag`); and the
     learning rate when the optimizer exposes it. Arguments as for `make_train_step`, and ``skip_non_finite``: a
     step whose flag is set keeps the parameters, optimizer and model state it was given (optax's
     ``apply_if_finite`` semantics; the step counter moves on).
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> model, opt = LinenModel(nn.Dense(1)), optax.sgd(0.1)
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, opt.init(params), ms, jax.random.key(1))
@@ -307,7 +308,7 @@ def make_train_step(
         model: a `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation (clipping already chained in).
         loss_fn: ``loss_fn(outputs, targets)`` returning the mean over the batch, or a pair ``(sum, weight)``
-            (e.g. the summed loss over real tokens and their count; see `jaxdist.training.weighted`).
+            (e.g. the summed loss over real tokens and their count; see `jaxdist.training.step._weighted`).
         metrics: extra ``name -> fn(outputs, targets)``, each a batch mean or a ``(sum, weight)`` pair.
         grad_accum_steps: micro-batches per optimizer step (1: none).
         compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision; None computes in the parameters' dtype.
@@ -318,7 +319,7 @@ def make_train_step(
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> model, opt = LinenModel(nn.Dense(1)), optax.sgd(0.1)
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, opt.init(params), ms, jax.random.key(1))
@@ -414,7 +415,7 @@ def make_eval_step(
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> model = LinenModel(nn.Dense(1))
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, (), ms, jax.random.key(1))
@@ -451,7 +452,7 @@ def make_predict_step(model: Any, compute_dtype: Any = None) -> Callable[[TrainS
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
-        >>> from jaxdist.training.models import LinenModel
+        >>> from jaxdist.training.step._models import LinenModel
         >>> model = LinenModel(nn.Dense(3))
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> make_predict_step(model)(TrainState(jnp.int32(0), params, (), ms, jax.random.key(1)),

@@ -52,9 +52,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxdist.strategies.layout import is_own, mark
-from jaxdist.training import input_state
-from jaxdist.training.checkpoint_claim import CheckpointConflictError, Claim, live_claim
-from jaxdist.training.checkpoint_damage import (
+from jaxdist.training.checkpoints._claim import CheckpointConflictError, Claim, live_claim
+from jaxdist.training.checkpoints._damage import (
     CheckpointCorruptedError,
     SettlingArrayHandler,
     UnsearchedDamage,
@@ -64,8 +63,9 @@ from jaxdist.training.checkpoint_damage import (
     missing_parts,
     verify_checksums,
 )
-from jaxdist.training.checkpoint_storage import CheckpointSaveError, check_directory, quiet_orbax
-from jaxdist.training.foreign import advice, is_orbax_checkpoint
+from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
+from jaxdist.training.checkpoints._storage import CheckpointSaveError, check_directory, quiet_orbax
+from jaxdist.training.data import IteratorSnapshot, restore_args, save_args, state_for_process
 
 __all__ = ["Checkpointer", "fingerprint"]
 
@@ -326,7 +326,7 @@ class Checkpointer:
             state: a pytree of arrays (global `jax.Array`s of any layout, or numpy).
             meta: extra JSON-serializable metadata stored beside it.
             data_iterator: the input iterator (a grain iterator, or a distributed iterator over one): its
-                ``get_state()``, one file per process (`jaxdist.training.input_state`); read it back with
+                ``get_state()``, one file per process (`jaxdist.training.data._input_state`); read it back with
                 `data_iterator_state`.
 
         With ``async_save`` it returns once the arrays are copied to host memory; the files are written in the
@@ -356,7 +356,7 @@ class Checkpointer:
                 "node_types": node_types(state)}
         items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(info)}
         if data_iterator is not None:
-            info["data_iterator"], items["data_iterator"] = input_state.save_args(data_iterator)
+            info["data_iterator"], items["data_iterator"] = save_args(data_iterator)
         try:  # here, not in the background thread that writes it
             json.dumps(info)
         except (TypeError, ValueError) as error:
@@ -391,7 +391,7 @@ class Checkpointer:
         """Claim the directory for this run's saves (`save` does at its first call; ``fit`` at its start).
 
         Of two runs on one directory, the second (while the first is alive) is refused: two writers lose one
-        run's checkpoints (`jaxdist.training.checkpoint_claim`). The claim is released by `close`. In a job of
+        run's checkpoints (`jaxdist.training.checkpoints._claim`). The claim is released by `close`. In a job of
         several processes process 0 claims for all (the others share its directory).
 
         Raises:
@@ -661,7 +661,7 @@ class Checkpointer:
 
         Raises:
             ValueError: naming the checkpoint, with the two lines of plain orbax and ``Trainer.load_state`` that
-                continue it (`jaxdist.training.foreign.advice`).
+                continue it (`jaxdist.training.checkpoints._foreign.advice`).
 
         Examples:
             >>> import tempfile, numpy as np
@@ -763,7 +763,7 @@ class Checkpointer:
         Raises:
             FileNotFoundError: when there is no such checkpoint.
             ValueError: when another number of processes saved a per-process state (see
-                `jaxdist.training.input_state`; an ElasticIterator's state restores on any count).
+                `jaxdist.training.data._input_state`; an ElasticIterator's state restores on any count).
             CheckpointCorruptedError: when its files are damaged (see `read`).
 
         Examples:
@@ -784,8 +784,8 @@ class Checkpointer:
         info = self.meta(step)
 
         def read() -> Any:
-            holder = input_state.IteratorSnapshot()
-            args = ocp.args.Composite(data_iterator=input_state.restore_args(holder))
+            holder = IteratorSnapshot()
+            args = ocp.args.Composite(data_iterator=restore_args(holder))
             try:
                 self._manager.restore(step, args=args)
             except (OSError, KeyError, ValueError) as error:
@@ -793,7 +793,7 @@ class Checkpointer:
             return holder.state
 
         where = f"checkpoint_dir={self.directory!r} step {step}"
-        return input_state.state_for_process(info.get("data_iterator"), read, where)
+        return state_for_process(info.get("data_iterator"), read, where)
 
     def close(self) -> None:
         """Wait for the save in flight and release the directory (again: nothing to do).

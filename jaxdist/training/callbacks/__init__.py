@@ -1,0 +1,19 @@
+"""What a fit reports to: the `Callback` hooks, `History`, and the writers (`Progress`, `CSVLogger`,
+`TensorBoardLogger`).
+
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
+"""
+
+from jaxdist.training.callbacks._callbacks import Callback as Callback
+from jaxdist.training.callbacks._callbacks import CSVLogger as CSVLogger
+from jaxdist.training.callbacks._callbacks import History as History
+from jaxdist.training.callbacks._callbacks import Progress as Progress
+from jaxdist.training.callbacks._callbacks import TensorBoardLogger as TensorBoardLogger
+
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "History",
+    "Progress",
+    "TensorBoardLogger",
+]

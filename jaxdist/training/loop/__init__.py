@@ -1,0 +1,26 @@
+"""The host loop of `Trainer.fit`: the fit itself, preemption, the watchdog and the agreement of a job's processes.
+
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
+"""
+
+from jaxdist.training.loop._fit import FitOptions as FitOptions
+from jaxdist.training.loop._fit import check_int as check_int
+from jaxdist.training.loop._fit import run_fit as run_fit
+from jaxdist.training.loop._job import JobDisagreementError as JobDisagreementError
+from jaxdist.training.loop._job import agree_on_fit as agree_on_fit
+from jaxdist.training.loop._job import data_ended as data_ended
+from jaxdist.training.loop._job import failing as failing
+from jaxdist.training.loop._preemption import PreemptionWatcher as PreemptionWatcher
+from jaxdist.training.loop._watchdog import Watchdog as Watchdog
+
+__all__ = [
+    "FitOptions",
+    "JobDisagreementError",
+    "PreemptionWatcher",
+    "Watchdog",
+    "agree_on_fit",
+    "check_int",
+    "data_ended",
+    "failing",
+    "run_fit",
+]
