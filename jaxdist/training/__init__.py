@@ -28,6 +28,8 @@ from jaxdist.training.checkpoints import CheckpointSaveError as CheckpointSaveEr
 from jaxdist.training.checkpoints import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.data import DataPosition as DataPosition
 from jaxdist.training.loop import JobDisagreementError as JobDisagreementError
+from jaxdist.training.loop import NonFiniteError as NonFiniteError
+from jaxdist.training.loop import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.loop import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.loop import Watchdog as Watchdog
 from jaxdist.training.prepare import prepare as prepare
@@ -36,8 +38,6 @@ from jaxdist.training.search import plan_search as plan_search
 from jaxdist.training.step import Average as Average
 from jaxdist.training.step import LinenModel as LinenModel
 from jaxdist.training.step import NnxModel as NnxModel
-from jaxdist.training.step import NonFiniteError as NonFiniteError
-from jaxdist.training.step import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.step import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.step import PackedSums as PackedSums
 from jaxdist.training.step import RunningSums as RunningSums

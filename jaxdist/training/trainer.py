@@ -52,11 +52,9 @@ from jaxdist.training.data import (
     restored_position,
     say_batch_change,
 )
-from jaxdist.training.loop import FitOptions, agree_on_fit, check_int, failing, run_fit
+from jaxdist.training.loop import FitOptions, NonFiniteError, NonFinitePolicy, agree_on_fit, check_int, failing, run_fit
 from jaxdist.training.step import (
     CompiledSteps,
-    NonFiniteError,
-    NonFinitePolicy,
     PackedSums,
     TrainState,
     as_model,

@@ -10,17 +10,27 @@ from jaxdist.training.loop._job import JobDisagreementError as JobDisagreementEr
 from jaxdist.training.loop._job import agree_on_fit as agree_on_fit
 from jaxdist.training.loop._job import data_ended as data_ended
 from jaxdist.training.loop._job import failing as failing
+from jaxdist.training.loop._non_finite import NonFiniteError as NonFiniteError
+from jaxdist.training.loop._non_finite import NonFiniteGuard as NonFiniteGuard
+from jaxdist.training.loop._non_finite import NonFinitePolicy as NonFinitePolicy
+from jaxdist.training.loop._non_finite import Window as Window
+from jaxdist.training.loop._non_finite import log_values as log_values
 from jaxdist.training.loop._preemption import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.loop._watchdog import Watchdog as Watchdog
 
 __all__ = [
     "FitOptions",
     "JobDisagreementError",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "NonFinitePolicy",
     "PreemptionWatcher",
     "Watchdog",
+    "Window",
     "agree_on_fit",
     "check_int",
     "data_ended",
     "failing",
+    "log_values",
     "run_fit",
 ]

@@ -16,13 +16,8 @@ from jaxdist.training.step._functions import make_train_step as make_train_step
 from jaxdist.training.step._models import LinenModel as LinenModel
 from jaxdist.training.step._models import NnxModel as NnxModel
 from jaxdist.training.step._models import as_model as as_model
-from jaxdist.training.step._non_finite import NonFiniteError as NonFiniteError
-from jaxdist.training.step._non_finite import NonFiniteGuard as NonFiniteGuard
-from jaxdist.training.step._non_finite import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.step._non_finite import NonFiniteRecord as NonFiniteRecord
-from jaxdist.training.step._non_finite import Window as Window
 from jaxdist.training.step._non_finite import describe as describe
-from jaxdist.training.step._non_finite import log_values as log_values
 from jaxdist.training.step._non_finite import non_finite_leaves as non_finite_leaves
 from jaxdist.training.step._running import Average as Average
 from jaxdist.training.step._running import PackedSums as PackedSums
@@ -33,19 +28,14 @@ __all__ = [
     "CompiledSteps",
     "LinenModel",
     "NnxModel",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "NonFinitePolicy",
     "NonFiniteRecord",
     "PackedSums",
     "RunningSums",
     "TrainState",
-    "Window",
     "accuracy",
     "as_model",
     "check_losses",
     "describe",
-    "log_values",
     "make_train_step",
     "non_finite_leaves",
     "params_target",
