@@ -8,6 +8,13 @@ wraps your own loop's step and data in two lines.
 
 Importing jaxdist starts no JAX backend: devices are looked up when a strategy is created.
 
+Each public object has one canonical path: a name exported here (``jd.MirroredStrategy``, ``jd.PerReplica``,
+``jd.get_strategy``, ``jd.program_cost``, ``jd.configure_compilation_cache``, ...) is canonical here, and the same
+object under ``jd.strategies``, ``jd.replicate``, ``jd.tpu``, ``jd.costs`` or ``jd.training`` is an alias kept
+for imports written against it. ``Accelerator``, ``ACCELERATORS``, ``Estimate`` and ``known_peak_flops`` are
+``jd.costs``'s (aliases in ``jd.strategies`` and ``jd.training``); ``StrategyV1Names`` and ``TowerContext`` are
+``jd.strategies.compat``'s (aliases in ``jd.strategies``).
+
 Examples:
     >>> import jax, numpy as np, jaxdist as jd
     >>> def sgd_step(w, x):

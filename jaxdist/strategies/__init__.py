@@ -1,4 +1,9 @@
-"""Strategies: where replicas run and how code runs on them."""
+"""Strategies: where replicas run and how code runs on them.
+
+The names also exported at ``jd.`` are canonical there (``jd.MirroredStrategy``); ``ACCELERATORS``,
+``Accelerator`` and ``Estimate`` are ``jd.costs``'s, ``StrategyV1Names`` and ``TowerContext``
+``jd.strategies.compat``'s. Here they are aliases (the same objects), kept for imports written against them.
+"""
 
 from jaxdist.costs import ACCELERATORS as ACCELERATORS
 from jaxdist.costs import Accelerator as Accelerator

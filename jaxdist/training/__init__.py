@@ -3,7 +3,11 @@
 ``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=..., checkpoint_dir=...)`` trains
 on any strategy (a loss may return a token-weighted ``(sum, weight)`` pair; logs show tokens/s, MFU and
 memory, `StepCost`); `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
-saves and restores state across strategies and device counts.
+saves and restores state across strategies and device counts. ``known_peak_flops`` (``jd.costs``'s) and
+``configure_compilation_cache`` (``jd.configure_compilation_cache``) are aliases of their canonical paths.
+The package is concept folders behind this face: ``callbacks``, ``data``, ``step`` (what runs on the devices),
+``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up; ``trainer``, ``prepare``, ``search`` and
+``cost`` sit on top.
 
 Examples:
     >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
