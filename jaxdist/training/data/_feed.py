@@ -18,7 +18,7 @@ them in a prefetch thread instead cost about 9% (the thread contends with the lo
 
 Example:
     >>> import numpy as np, jaxdist as jd
-    >>> from jaxdist.training.data._batches import BatchChecker
+    >>> from jaxdist.training.data._checks import BatchChecker
     >>> strategy = jd.MirroredStrategy()
     >>> feed = BatchFeed(strategy, BatchChecker(strategy.num_replicas_in_sync, target_key="label"))
     >>> batch = feed({"x": np.ones((8, 3), np.float32), "label": np.zeros(8, np.int32)}, "batch 0")
@@ -34,7 +34,7 @@ from typing import Any
 
 from jaxdist.strategies import Strategy
 from jaxdist.strategies.input import place_batch
-from jaxdist.training.data._batches import BatchChecker
+from jaxdist.training.data._checks import BatchChecker
 
 __all__ = ["BatchFeed", "TrainBatch"]
 
@@ -52,7 +52,7 @@ class TrainBatch:
 
     Example:
         >>> import numpy as np
-        >>> from jaxdist.training.data._batches import BatchChecker
+        >>> from jaxdist.training.data._checks import BatchChecker
         >>> checker = BatchChecker(1)
         >>> TrainBatch((np.ones((2, 1)), np.ones(2)), placed=False, checker=checker).pair[1].shape
         (2,)
@@ -81,7 +81,7 @@ class BatchFeed:
 
     Example:
         >>> import numpy as np, jaxdist as jd
-        >>> from jaxdist.training.data._batches import BatchChecker
+        >>> from jaxdist.training.data._checks import BatchChecker
         >>> strategy = jd.MirroredStrategy()
         >>> feed = BatchFeed(strategy, BatchChecker(strategy.num_replicas_in_sync))
         >>> feed((np.ones((12, 2)), np.ones(12)), "batch 0")  # doctest: +ELLIPSIS

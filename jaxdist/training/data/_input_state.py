@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.training.data._batches import DataPosition, UnrestorableState
+from jaxdist.training.data._position import DataPosition, UnrestorableState
 
 __all__ = [
     "IteratorSnapshot",

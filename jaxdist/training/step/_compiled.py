@@ -210,7 +210,7 @@ class CompiledSteps:
 
         Args:
             state: the current state (only its shapes, dtypes and layout are read).
-            batch_signature: the training batches' `jaxdist.training.data._batches.signature`.
+            batch_signature: the training batches' `jaxdist.training.data._checks.signature`.
             options: the `CostOptions`.
         """
         if self._cost is not None:
@@ -296,7 +296,7 @@ class CompiledSteps:
 
 
 def _abstract_batch(signature: tuple, layout: Any) -> Any:
-    """The batch a `jaxdist.training.data._batches.signature` describes, as abstract arrays (laid out by
+    """The batch a `jaxdist.training.data._checks.signature` describes, as abstract arrays (laid out by
     ``layout(ndim)``, `LayoutPolicy.batch_layout`)."""
     treedef, leaves = signature
     return jax.tree.unflatten(treedef, [
