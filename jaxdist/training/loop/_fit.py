@@ -70,7 +70,7 @@ from jaxdist.training.loop._preemption import PreemptionWatcher
 from jaxdist.training.loop._watchdog import Watchdog
 from jaxdist.training.step import PackedSums, RunningSums
 
-__all__ = ["READ_AHEAD", "FitOptions", "FitTarget", "check_int", "run_fit"]
+__all__ = ["READ_AHEAD", "Fit", "FitOptions", "FitTarget", "check_int", "run_fit"]
 
 READ_AHEAD = 2
 """Batches placed ahead of the step being dispatched (one compiled step per batch)."""
@@ -338,7 +338,7 @@ class _Unwatched:
 
 
 def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> History:
-    """Train ``trainer`` on ``stream`` as ``options`` say; the body of ``Trainer.fit``.
+    """Train ``trainer`` on ``stream`` as ``options`` say; the body of ``Trainer.fit`` (a `Fit` run once).
 
     Args:
         trainer: the `FitTarget` (a `Trainer` whose state exists: ``fit`` built or restored it).
@@ -359,199 +359,215 @@ def run_fit(trainer: FitTarget, stream: BatchStream, options: FitOptions) -> His
         >>> trainer.step, [row["step"] for row in history.train]
         (6, [3, 6])
     """
-    history = History()
-    callbacks = options.callbacks
-    policy = options.on_non_finite
-    guard = NonFiniteGuard(policy, trainer.step)
-    rollbacks = 0
-    warned = False
+    return Fit(trainer, stream, options).run()
 
-    def emit(hook: str, *args: Any) -> None:
-        for cb in callbacks:
-            getattr(cb, hook)(trainer, *args)
 
-    def on_log(step: int, logs: dict) -> None:
-        history.train.append({"step": step, **logs})
-        emit("on_log", step, logs)
+class Fit:
+    """One run of the fit loop: its state (the history, the non-finite guard, the data consumed, the log
+    windows) and its steps as methods: `checkpoint`, `roll_back` (with `look` and `act`, the non-finite
+    policy), `evaluate`, `close_window` (logging) and `run`, the loop that calls them. Used once: ``run``.
 
-    refused = None  # the step whose save "continue" skipped (its state is not finite)
+    Args:
+        trainer: the `FitTarget`.
+        stream: the training batches (see `run_fit`).
+        options: the `FitOptions`.
+    """
 
-    def checkpoint() -> None:
-        nonlocal refused
-        ckpt = options.checkpointer
-        if ckpt is None or trainer.step in (ckpt.latest_step(), refused):
+    def __init__(self, trainer: FitTarget, stream: BatchStream, options: FitOptions):
+        self.trainer, self.stream, self.options = trainer, stream, options
+        self.history = History()
+        self.policy = options.on_non_finite
+        self.guard = NonFiniteGuard(self.policy, trainer.step)
+        self.rollbacks = 0
+        self.warned = False
+        self.refused: int | None = None  # the step whose save "continue" skipped (its state is not finite)
+        self.cost: StepCost | None = None
+        self.consumed = self.checks = 0
+
+    def emit(self, hook: str, *args: Any) -> None:
+        for cb in self.options.callbacks:
+            getattr(cb, hook)(self.trainer, *args)
+
+    def on_log(self, step: int, logs: dict) -> None:
+        self.history.train.append({"step": step, **logs})
+        self.emit("on_log", step, logs)
+
+    def checkpoint(self) -> None:
+        trainer, ckpt = self.trainer, self.options.checkpointer
+        if ckpt is None or trainer.step in (ckpt.latest_step(), self.refused):
             return
-        logs.flush()
-        look()  # before every checkpoint: the open window's flags too (it is closed only if it holds any)
+        self.logs.flush()
+        self.look()  # before every checkpoint: the open window's flags too (it is closed only if it holds any)
         if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
             return
-        with dog.paused():  # checkpoint writes are not watched
-            written(wait=True)  # the save in flight first (the next save would wait for it anyway)
+        with self.dog.paused():  # checkpoint writes are not watched
+            self.written(wait=True)  # the save in flight first (the next save would wait for it anyway)
             try:
                 trainer.save(ckpt)  # a no-op when this step is being written already; refuses a non-finite state
             except NonFiniteError as error:
-                if policy.action != "continue":
+                if self.policy.action != "continue":
                     raise
-                refused = trainer.step
-                warnings.warn(f"{error} (on_non_finite='continue': training goes on)", RuntimeWarning, stacklevel=3)
-            written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
+                self.refused = trainer.step
+                warnings.warn(f"{error} (on_non_finite='continue': training goes on)", RuntimeWarning, stacklevel=4)
+            self.written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
 
-    def look() -> None:
+    def look(self) -> None:
         """Read the open window's flags (a checkpoint is next); if any step in it was not finite, close it."""
-        sums = trainer.peek_running_sums().to_host()
+        sums = self.trainer.peek_running_sums().to_host()
         if sums.non_finite.count:
-            close_window()
-            logs.flush()
-        act()
+            self.close_window()
+            self.logs.flush()
+        self.act()
 
-    def act() -> bool:
+    def act(self) -> bool:
         """Act on the non-finite steps the looks found (at a point every process reaches at the same step);
         True when the run rolled back."""
-        nonlocal rollbacks, warned
+        guard, policy = self.guard, self.policy
         if not guard.pending:
             return False
-        history.non_finite_steps = guard.total
+        self.history.non_finite_steps = guard.total
         if policy.action == "continue":
-            if not warned:
-                warned = True
+            if not self.warned:
+                self.warned = True
                 warnings.warn(
                     f"the loss or gradients of step {guard.first} were not finite; on_non_finite='continue' trains "
-                    "on (non-finite states are not saved)", RuntimeWarning, stacklevel=3)
+                    "on (non-finite states are not saved)", RuntimeWarning, stacklevel=4)
             guard.acted()
             return False
         if policy.action == "skip":
             if guard.too_many_in_a_row:
-                raise stop(f"{guard.longest_run} steps in a row were not finite (on_non_finite='skip' stops at "
-                           f"max_consecutive_skips={policy.max_consecutive_skips}: the run has diverged)")
+                raise self.stop(f"{guard.longest_run} steps in a row were not finite (on_non_finite='skip' stops "
+                                f"at max_consecutive_skips={policy.max_consecutive_skips}: the run has diverged)")
             guard.acted()  # skipped on the devices; the logs count them
             return False
         if policy.action == "rollback":
-            if rollbacks >= policy.max_rollbacks:
-                raise stop(f"the run stopped after {rollbacks} rollback{'s' if rollbacks != 1 else ''} "
-                           f"(on_non_finite='rollback' rolls back at most max_rollbacks={policy.max_rollbacks} times)")
-            roll_back()
+            if self.rollbacks >= policy.max_rollbacks:
+                raise self.stop(
+                    f"the run stopped after {self.rollbacks} rollback{'s' if self.rollbacks != 1 else ''} "
+                    f"(on_non_finite='rollback' rolls back at most max_rollbacks={policy.max_rollbacks} times)")
+            self.roll_back()
             return True
-        raise stop("the run stopped (on_non_finite='stop')")
+        raise self.stop("the run stopped (on_non_finite='stop')")
 
-    def stop(what: str) -> NonFiniteError:
-        ckpt = options.checkpointer
+    def stop(self, what: str) -> NonFiniteError:
+        ckpt = self.options.checkpointer
         latest = None if ckpt is None else ckpt.latest_step()  # waits for the save in flight: complete
-        return guard.error(what, latest, None if ckpt is None else ckpt.directory)
+        return self.guard.error(what, latest, None if ckpt is None else ckpt.directory)
 
-    def roll_back() -> None:
+    def roll_back(self) -> None:
         """Restore the newest checkpoint before the first bad step; the data goes on from where it is."""
-        nonlocal rollbacks
-        ckpt, bad = options.checkpointer, guard.first
-        close_window()
-        logs.flush()  # every step so far is logged (their flags belong to this rollback)
-        with dog.paused():
-            written(wait=True)
+        trainer, ckpt, bad = self.trainer, self.options.checkpointer, self.guard.first
+        self.close_window()
+        self.logs.flush()  # every step so far is logged (their flags belong to this rollback)
+        with self.dog.paused():
+            self.written(wait=True)
             good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
             if not good:
-                raise stop("there is no checkpoint before it to roll back to, so the run stopped")
+                raise self.stop("there is no checkpoint before it to roll back to, so the run stopped")
             trainer.restore(ckpt, good[-1])
-        rollbacks += 1
-        trainer.data_position = stream.position(consumed)  # past the bad batches (and those after them)
-        history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": trainer.data_position})
+        self.rollbacks += 1
+        trainer.data_position = self.stream.position(self.consumed)  # past the bad batches (and those after them)
+        self.history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": trainer.data_position})
         trainer.pop_running_sums()
-        logs.restart(trainer.step)
-        guard.restart(trainer.step)
+        self.logs.restart(trainer.step)
+        self.guard.restart(trainer.step)
         warnings.warn(
             f"the loss or gradients of step {bad} were not finite: rolled back to checkpoint {good[-1]} (rollback "
-            f"{rollbacks} of at most {policy.max_rollbacks}); training goes on with the data after the batches "
-            f"read so far, skipping them", RuntimeWarning, stacklevel=4)
+            f"{self.rollbacks} of at most {self.policy.max_rollbacks}); training goes on with the data after the "
+            f"batches read so far, skipping them", RuntimeWarning, stacklevel=5)
 
-    def written(wait: bool = False) -> None:
+    def written(self, wait: bool = False) -> None:
         """``on_checkpoint`` for the saves complete by now; raises for one that failed in the background."""
-        if options.checkpointer is not None:
-            for step, path in options.checkpointer.poll(wait):
-                history.checkpoints.append(path)
-                emit("on_checkpoint", step, path)
+        if self.options.checkpointer is not None:
+            for step, path in self.options.checkpointer.poll(wait):
+                self.history.checkpoints.append(path)
+                self.emit("on_checkpoint", step, path)
 
-    def evaluate() -> None:
-        logs.flush()
-        if act():  # rolled back: this evaluation point comes again, at its step
+    def evaluate(self) -> None:
+        self.logs.flush()
+        if self.act():  # rolled back: this evaluation point comes again, at its step
             return
-        with dog.paused():  # evaluation takes longer than a step: not watched
-            metrics = trainer.evaluate(options.eval_data)
-        history.eval.append({"step": trainer.step, **metrics})
-        emit("on_eval_end", trainer.step, metrics)
+        with self.dog.paused():  # evaluation takes longer than a step: not watched
+            metrics = self.trainer.evaluate(self.options.eval_data)
+        self.history.eval.append({"step": self.trainer.step, **metrics})
+        self.emit("on_eval_end", self.trainer.step, metrics)
 
-    def close_window() -> None:
-        logs.close_window(trainer.step, trainer.pop_running_sums(), checks)
+    def close_window(self) -> None:
+        self.logs.close_window(self.trainer.step, self.trainer.pop_running_sums(), self.checks)
 
-    cost = None
+    def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
+        return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
 
-    def rates(steps: int, seconds: float, loss_weight: float | None) -> dict:
-        return {} if cost is None else cost.rates(steps, seconds, loss_weight)
-
-    trainer.stop_training = False
-    trainer.pop_running_sums()  # the windows start here
-    spans = options.mesh is not None and spans_processes(options.mesh.devices.flat)
-    # Several processes act on a window at the same step, and a rollback moves the data past the same batches
-    # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
-    fixed = spans or policy.action == "rollback"
-    logs = _Logs(trainer.step, on_log, rates, guard.observe, lag=READ_LAG if fixed else None)
-    consumed = checks = 0
-    source = iter(stream)
-    dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
-    try:
-        with PreemptionWatcher(mesh=options.mesh) as watcher, dog:  # agreed by every process
-            emit("on_train_begin")
-            while True:  # one round, and one more after each rollback at the end
-                steps = _steps(trainer, source, options)
-                try:
-                    for n, metrics in steps:
-                        dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
-                        before = trainer.step - n  # the step(s) just taken advanced trainer.step
-                        consumed += n
-                        checks += 1
-                        trainer.data_position = stream.position(consumed)
-                        if cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
-                            cost = history.step_cost = trainer.step_cost()
-                            emit("on_step_cost", cost)
-                        emit("on_step_end", trainer.step, metrics)
-                        if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
-                            close_window()
-                        logs.emit_ready(checks)
-                        if act():  # rolled back: the log, evaluation and checkpoint points come again
-                            continue
-                        written()
-                        if _crossed(before, trainer.step, options.eval_every):
-                            evaluate()
-                        if _crossed(before, trainer.step, options.checkpoint_every):
-                            checkpoint()
-                        if watcher.should_stop(stop_training=trainer.stop_training):  # agreed by every process
-                            break
-                finally:
-                    steps.close()
-                if (options.steps is not None and trainer.step < options.steps and stream.epochs is None
-                        and not watcher.stopping):  # the data ended first: on every process? (before any collective)
-                    data_ended(options.mesh, consumed, consumed + options.steps - trainer.step)
-                    history.data_ended = trainer.step
-                if not watcher.stopping:  # a signal since the last check
-                    watcher.should_stop(final=True, stop_training=trainer.stop_training)
-                close_window()
-                logs.flush()
-                if not act() or watcher.stopping:  # rolled back at the end: train to the end again
-                    break
-            history.preempted = watcher.preempted
-            history.non_finite_steps = guard.total
-            checkpoint()  # at the end (a no-op when this step is saved already)
-            with dog.paused():
-                written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
-            if options.eval_data is not None and not history.preempted and not (
-                history.eval and history.eval[-1]["step"] == trainer.step
-            ):
-                evaluate()
-            trainer.sync_model()
-            emit("on_train_end", history)
-    finally:
-        logs.close()  # the watcher thread
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
-    return history
+    def run(self) -> History:
+        """The loop: steps, and at their points the logs, evaluations and checkpoints; the `History`."""
+        trainer, stream, options, history = self.trainer, self.stream, self.options, self.history
+        trainer.stop_training = False
+        trainer.pop_running_sums()  # the windows start here
+        spans = options.mesh is not None and spans_processes(options.mesh.devices.flat)
+        # Several processes act on a window at the same step, and a rollback moves the data past the same batches
+        # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
+        fixed = spans or self.policy.action == "rollback"
+        self.logs = _Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None)
+        source = iter(stream)
+        self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
+        try:
+            with PreemptionWatcher(mesh=options.mesh) as watcher, self.dog:  # agreed by every process
+                self.emit("on_train_begin")
+                while True:  # one round, and one more after each rollback at the end
+                    steps = _steps(trainer, source, options)
+                    try:
+                        for n, metrics in steps:
+                            self.dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
+                            before = trainer.step - n  # the step(s) just taken advanced trainer.step
+                            self.consumed += n
+                            self.checks += 1
+                            trainer.data_position = stream.position(self.consumed)
+                            if self.cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
+                                self.cost = history.step_cost = trainer.step_cost()
+                                self.emit("on_step_cost", self.cost)
+                            self.emit("on_step_end", trainer.step, metrics)
+                            if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
+                                self.close_window()
+                            self.logs.emit_ready(self.checks)
+                            if self.act():  # rolled back: the log, evaluation and checkpoint points come again
+                                continue
+                            self.written()
+                            if _crossed(before, trainer.step, options.eval_every):
+                                self.evaluate()
+                            if _crossed(before, trainer.step, options.checkpoint_every):
+                                self.checkpoint()
+                            if watcher.should_stop(stop_training=trainer.stop_training):  # agreed by every process
+                                break
+                    finally:
+                        steps.close()
+                    # The data ended first: on every process? (before any collective)
+                    if (options.steps is not None and trainer.step < options.steps and stream.epochs is None
+                            and not watcher.stopping):
+                        data_ended(options.mesh, self.consumed, self.consumed + options.steps - trainer.step)
+                        history.data_ended = trainer.step
+                    if not watcher.stopping:  # a signal since the last check
+                        watcher.should_stop(final=True, stop_training=trainer.stop_training)
+                    self.close_window()
+                    self.logs.flush()
+                    if not self.act() or watcher.stopping:  # rolled back at the end: train to the end again
+                        break
+                history.preempted = watcher.preempted
+                history.non_finite_steps = self.guard.total
+                self.checkpoint()  # at the end (a no-op when this step is saved already)
+                with self.dog.paused():
+                    self.written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
+                if options.eval_data is not None and not history.preempted and not (
+                    history.eval and history.eval[-1]["step"] == trainer.step
+                ):
+                    self.evaluate()
+                trainer.sync_model()
+                self.emit("on_train_end", history)
+        finally:
+            self.logs.close()  # the watcher thread
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+        return history
 
 
 def _steps(trainer: FitTarget, source: Iterator, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
