@@ -25,7 +25,7 @@ from registry import launch_env
 
 import jaxdist as jd
 from jaxdist.training.loop import FitOptions, NonFiniteGuard, NonFinitePolicy, Window
-from jaxdist.training.loop._fit import _Logs
+from jaxdist.training.loop._logs import Logs
 from jaxdist.training.step import TrainState, non_finite_leaves
 
 STEPS = 60
@@ -251,7 +251,7 @@ def test_a_preemption_during_a_stop_leaves_the_last_good_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------------------------- mechanism
 def test_a_window_is_read_at_the_same_check_on_every_process_with_a_lag():
     seen = []
-    logs = _Logs(0, lambda step, row: None, watch=lambda step, window: seen.append(step), lag=2)
+    logs = Logs(0, lambda step, row: None, watch=lambda step, window: seen.append(step), lag=2)
     sums = jd.training.RunningSums.zeros(["loss"]).then(jd.training.RunningSums.of_step({"loss": (1.0, None)}))
     logs.close_window(1, sums.pack(), check=1)
     logs.emit_ready(2)

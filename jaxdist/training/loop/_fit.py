@@ -44,18 +44,13 @@ summed loss weight: nothing more is computed or read per step.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
-import queue
-import threading
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-import jax
 from jax.sharding import Mesh
 
 from jaxdist.costs.step import StepCost
@@ -65,10 +60,11 @@ from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoints import Checkpointer
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._job import data_ended
-from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy, Window, log_values
+from jaxdist.training.loop._logs import Logs
+from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
 from jaxdist.training.loop._preemption import PreemptionWatcher
 from jaxdist.training.loop._watchdog import Watchdog
-from jaxdist.training.step import PackedSums, RunningSums
+from jaxdist.training.step import PackedSums
 
 __all__ = ["READ_AHEAD", "Fit", "FitOptions", "FitTarget", "check_int", "run_fit"]
 
@@ -213,112 +209,6 @@ class FitTarget(Protocol):
 
 def _crossed(before: int, after: int, every: int | None) -> bool:
     return bool(every) and after // every > before // every
-
-
-class _Logs:
-    """Closed log windows whose sums are still on their way to the host, emitted in order once they arrive.
-
-    A watcher thread waits for each window's sums (it only blocks; the main thread never does) and notes
-    when they were ready: that is when the window's steps were done, which gives each log its steps/s.
-
-    Each emitted window also goes to ``watch(step, window)`` (its non-finite steps' flags, `Window`), where
-    ``fit`` decides what to do about them. So that several processes decide at the same step, a ``lag`` makes
-    the emission deterministic: a window closed at check ``c`` (a step, or an on-device loop) is emitted at
-    check ``c + lag``, waiting for its sums if they have not arrived (they almost always have), and never
-    earlier. Without a lag (one process) a window is emitted as soon as its sums arrive.
-    """
-
-    def __init__(self, start_step: int, on_log: Callable[[int, dict], None],
-                 rates: Callable[[int, float, float | None], dict] | None = None,
-                 watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None):
-        self._pending: collections.deque = collections.deque()  # [step, sums, ready time or None, check]
-        self._on_log = on_log
-        self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
-        self._watch = watch
-        self._lag = lag
-        self._last = (start_step, time.perf_counter())
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._watcher: threading.Thread | None = None
-
-    def close_window(self, step: int, sums: PackedSums, check: int = 0) -> None:
-        """End a window at ``step`` (check ``check``) with the trainer's running sums over it; start copying them
-        to the host (one vector)."""
-        copy = getattr(sums.vector, "copy_to_host_async", None)
-        if copy is not None:
-            copy()
-        entry = [step, sums, None, check]
-        self._pending.append(entry)
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._wait, name="jaxdist-log-watcher", daemon=True)
-            self._watcher.start()
-        self._queue.put(entry)
-
-    def _wait(self) -> None:
-        while (entry := self._queue.get()) is not None:
-            with contextlib.suppress(Exception):  # a failed step raises in the main thread, not here
-                jax.block_until_ready(entry[1])
-            entry[2] = time.perf_counter()
-
-    def emit_ready(self, check: int = 0) -> None:
-        """Emit the closed windows whose sums have arrived, in order (never waits for the devices); with a lag,
-        the windows closed ``lag`` checks before ``check`` (waiting for them if needed)."""
-        if self._lag is None:
-            while self._pending and self._pending[0][2] is not None:
-                self._emit_first()
-        else:
-            while self._pending and self._pending[0][3] <= check - self._lag:
-                self._emit_first()
-
-    def flush(self) -> None:
-        """Emit every closed window (waits for the devices)."""
-        while self._pending:
-            self._emit_first()
-
-    def restart(self, step: int) -> None:
-        """Windows start again after ``step`` (a rollback moved the step back; none may be pending)."""
-        self._last = (step, time.perf_counter())
-
-    def _emit_first(self) -> None:
-        entry = self._pending.popleft()
-        if entry[2] is None:
-            jax.block_until_ready(entry[1])
-            entry[2] = entry[2] or time.perf_counter()
-        self._emit(*entry[:3])
-
-    def close(self) -> None:
-        """Stop the watcher thread and wait for it: a thread still inside JAX when the interpreter exits makes
-        the process abort ("terminate called without an active exception", status 134) after a good run."""
-        if self._watcher is not None:
-            self._queue.put(None)
-            self._watcher.join(timeout=30)
-            self._watcher = None
-
-    def _emit(self, step: int, packed: PackedSums, ready: float) -> None:
-        seconds = ready - self._last[1]
-        steps = step - self._last[0]
-        self._last = (step, ready)
-        sums = packed.to_host()  # one transfer for the whole window
-        window = Window.of(sums.non_finite, sums.steps)
-        if window.steps:
-            logs = _means(sums)
-            loss_weight = None if sums.loss_weight is None else float(sums.loss_weight)
-            logs.update(log_values(window))
-            logs["steps_per_sec"] = steps / seconds if seconds > 0 else float("nan")
-            if self._rates is not None:
-                logs.update(self._rates(steps, seconds, loss_weight))
-            self._on_log(step, logs)
-        if self._watch is not None:
-            self._watch(step, window)
-
-
-def _means(sums: RunningSums) -> dict[str, float]:
-    """A log row's metrics from host sums: each metric's mean over the window (``"loss"`` first, then by name;
-    a token-weighted one: its summed sums over its summed weights, NaN for weight 0) and the last learning
-    rate (the current rate, not a mean)."""
-    logs = {name: sums.mean(name) for name in ["loss", *sorted(n for n in sums.names if n != "loss")]}
-    if sums.learning_rate is not None:
-        logs["learning_rate"] = float(sums.learning_rate)
-    return logs
 
 
 class _Unwatched:
@@ -507,7 +397,7 @@ class Fit:
         # Several processes act on a window at the same step, and a rollback moves the data past the same batches
         # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
         fixed = spans or self.policy.action == "rollback"
-        self.logs = _Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None)
+        self.logs = Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None)
         source = iter(stream)
         self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
         try:
