@@ -188,11 +188,14 @@ def full_disk(monkeypatch):
     return install
 
 
-class _FullAt(jd.training.Callback):
+class _FullAfter(jd.training.Callback):
+    """The disk fills once checkpoint ``step`` is complete (not at a step end: an asynchronous save of it may
+    still be writing then, and would be the one that fails)."""
+
     def __init__(self, step, install):
         self.step, self.install = step, install
 
-    def on_step_end(self, trainer, step, metrics):
+    def on_checkpoint(self, trainer, step, path):
         if step == self.step:
             self.install()
 
@@ -202,7 +205,7 @@ def test_a_full_disk_is_one_named_error_without_orbax_tracebacks(tmp_path, full_
     trainer = _trainer()
     with pytest.raises(jd.training.CheckpointSaveError) as info:
         trainer.fit(_data(), steps=8, checkpoint_dir=tmp_path, checkpoint_every=2, verbose=0,
-                    async_checkpoints=async_checkpoints, callbacks=[_FullAt(3, full_disk)])
+                    async_checkpoints=async_checkpoints, callbacks=[_FullAfter(2, full_disk)])
     message = str(info.value)
     assert "saving checkpoint step 4 in" in message and "the disk is full (OSError: [Errno 28]" in message
     assert "the last complete checkpoint is step 2. Fix: free space there" in message
@@ -222,15 +225,15 @@ def test_a_full_disk_ends_the_program_with_one_short_traceback(tmp_path):
         from orbax.checkpoint._src.serialization import serialization
         async def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        class FullAt3(jd.training.Callback):
-            def on_step_end(self, trainer, step, metrics):
-                if step == 3:
+        class FullAfter2(jd.training.Callback):  # once checkpoint 2 is complete (an async save may still write)
+            def on_checkpoint(self, trainer, step, path):
+                if step == 2:
                     serialization.async_serialize_from_host = full
         x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
         trainer = jd.training.Trainer(jd.OneDeviceStrategy(), nn.Dense(2), optax.sgd(0.1),
                                       lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
         trainer.fit([(x, np.zeros(16, np.int32))], steps=8, checkpoint_dir={str(tmp_path)!r}, checkpoint_every=2,
-                    verbose=0, callbacks=[FullAt3()])
+                    verbose=0, callbacks=[FullAfter2()])
     """)
     out = subprocess.run([sys.executable, "-c", script], env=launch_env(), capture_output=True, text=True,
                          timeout=120)  # bounded: no minutes-long wait at exit

@@ -1,5 +1,11 @@
-"""The batch format: a pair ``(x, y)`` or a dict whose inputs and targets ``input_key`` / ``target_key`` name
-(`split_batch`, `check_key`)."""
+"""The batch format (`split_batch`, `check_key`).
+
+A batch is a pair ``(x, y)`` or a dict. Dict batches hold the inputs under ``input_key`` and the targets under
+``target_key`` (``"x"`` and ``"y"`` unless the `Trainer` is told otherwise, e.g. ``input_key="image",
+target_key="label"`` for the NNX tutorial's ``{"image": ..., "label": ...}``). Every batch is brought to the
+pair ``(x, y)`` on the host, before it is placed: keys that neither option names are dropped there (with a
+one-time warning), never sent to the devices.
+"""
 
 from __future__ import annotations
 

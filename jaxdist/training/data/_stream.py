@@ -1,10 +1,4 @@
-"""Training data on the host: batch formats, epochs, a resumable position, batch checks, padding for evaluation.
-
-A batch is a pair ``(x, y)`` or a dict. Dict batches hold the inputs under ``input_key`` and the targets under
-``target_key`` (``"x"`` and ``"y"`` unless the `Trainer` is told otherwise, e.g. ``input_key="image",
-target_key="label"`` for the NNX tutorial's ``{"image": ..., "label": ...}``). Every batch is brought to the
-pair ``(x, y)`` on the host, before it is placed: keys that neither option names are dropped there (with a
-one-time warning), never sent to the devices.
+"""The training batches on the host (`BatchStream`): epochs and a resumable position over any source.
 
 ``train_data`` is one of
 

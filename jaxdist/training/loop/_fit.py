@@ -454,6 +454,7 @@ class Fit:
                 self.emit("on_train_end", history)
         finally:
             self.logs.close()  # the watcher thread
+            del self.logs  # no cycle (self -> logs -> self.on_log) keeps the run's objects alive after it
             close = getattr(source, "close", None)
             if close is not None:
                 close()
