@@ -56,7 +56,7 @@ from jaxdist.strategies.compile._equinox import Static, combine, holds_module, p
 from jaxdist.strategies.compile._placing import ArgumentPlacement
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
 from jaxdist.strategies.compile._trace import Provenance, StepTrace, enter, named
-from jaxdist.strategies.input import all_on_mesh, holds_padded, shardings_of
+from jaxdist.strategies.input import PADDED, all_on_mesh, holds_padded, shardings_of
 from jaxdist.strategies.layout import LayoutPolicy, decided, explicit_axes, ran_auto
 from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
 
@@ -257,7 +257,7 @@ class StrategyFunction:
         # takes with a trace of its own (another layout, a host array nested in an argument) enters the
         # program laid out as the full path lays it out.
         key = refused = None
-        if holds_padded((args, kwargs)):
+        if PADDED and holds_padded((args, kwargs)):  # (a dict's truth first: free while no batch is padded)
             raise ValueError(
                 f"{fn_name(self._fn)} got a batch that a distributed dataset padded (remainder='pad'): a global-view "
                 "step sees its padding rows as data. Run the step with strategy.run (there "

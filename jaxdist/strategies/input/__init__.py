@@ -22,12 +22,14 @@ from jaxdist.strategies.input._placement import sharding_off as sharding_off
 from jaxdist.strategies.input._placement import shardings_of as shardings_of
 from jaxdist.strategies.input._read_ahead import Prefetcher as Prefetcher
 from jaxdist.strategies.input._read_ahead import ahead as ahead
+from jaxdist.strategies.input._remainder import PADDED as PADDED
 from jaxdist.strategies.input._remainder import check_batches as check_batches
 from jaxdist.strategies.input._remainder import check_remainder as check_remainder
 from jaxdist.strategies.input._remainder import holds_padded as holds_padded
 from jaxdist.strategies.input._remainder import padding_weights as padding_weights
 
 __all__ = [
+    "PADDED",
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",

@@ -24,11 +24,22 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["REMAINDERS", "check_batches", "check_remainder", "holds_padded", "padding_weights", "with_remainder"]
+__all__ = [
+    "PADDED",
+    "REMAINDERS",
+    "check_batches",
+    "check_remainder",
+    "holds_padded",
+    "padding_weights",
+    "with_remainder",
+]
 
 REMAINDERS = ("error", "drop", "pad")
 
 _weights: dict[int, tuple[weakref.ref, Any]] = {}  # id(placed array) -> (weak ref to it, its row weights)
+PADDED = _weights
+"""The padded batches alive (empty, hence false, while there are none): a step's per-call check reads it before
+calling `holds_padded`, which costs a call."""
 _lock = threading.Lock()
 
 
