@@ -138,3 +138,43 @@ def test_program_agreement_names_a_peer_that_never_arrives(monkeypatch):
     client.store[f"jaxdist/program/{n}/1"] = "cd" * 32 + " step"  # process 1 arrives first with another one
     with pytest.raises(agreement.ProgramMismatchError, match=r"process\(es\) \[1\] differ from process 0"):
         agreement.agree("step", "ab" * 32, timeout=1)
+
+
+_HELD = """
+import ctypes, sys, time
+from jaxdist.training.loop import Watchdog
+dog = Watchdog({timeout}, first_timeout={timeout}).start()
+dog.beat()
+print(f"holding {{time.monotonic()}}", flush=True)
+ctypes.pythonapi.usleep(60_000_000)  # the C library's usleep, called with the interpreter lock held: no thread runs
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_watchdog_dumps_and_exits_on_time_while_the_main_thread_holds_the_interpreter_lock_in_c():
+    """The main thread sleeps 60 s inside a C call that keeps the interpreter lock, so the watchdog's Python
+    thread cannot run: its backstop writes every thread's stack within 2x the timeout and exits 124."""
+    timeout = 2.0
+    proc = subprocess.Popen([sys.executable, "-c", _HELD.format(timeout=timeout)], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, held, dumped = [], None, None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("holding "):
+                held = float(line.split()[1])  # CLOCK_MONOTONIC: one clock for every process of the machine
+            if line.startswith("Timeout (") and dumped is None:
+                dumped = time.monotonic()  # read late, if anything: the dump came no later than this
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    text = "".join(lines)
+    assert code == 124, f"exited {code}:\n{text[-3000:]}"
+    assert held is not None and dumped is not None, text[-3000:]
+    assert "Thread 0x" in text and "most recent call first" in text and 'File "<string>", line 7' in text, text
+    assert "not reached" not in text
+    assert dumped - held < 2 * timeout, f"the stacks came {dumped - held:.2f} s after the last step (timeout {timeout})"

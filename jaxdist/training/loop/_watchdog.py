@@ -14,6 +14,15 @@ block in the next collective, each ``timeout`` seconds after its own last step. 
 coordination service, whose end kills every peer at once (JAX's "another task died"): when it trips it waits
 ``min(timeout, 10)`` seconds more before exiting, so the others' watchdogs write their own stacks first.
 
+The watchdog's thread is Python: it runs only when it gets the interpreter lock, which a main thread inside a
+C call may keep (an extension that never releases it). So a `Backstop` (`faulthandler` and a C timer, which
+need no lock) is armed ``slack`` seconds (``min(timeout / 2, 10)``) past the deadline: behind such a call every
+thread's stack is written between ``slack / 2`` and ``slack`` seconds late, under faulthandler's
+``Timeout (H:MM:SS)!`` line, and the process exits with ``exit_code`` ``min(slack, 1)`` seconds after (Linux;
+elsewhere faulthandler exits with status 1). The watchdog's own thread re-arms it (about every ``slack / 2``
+seconds while steps finish): the steps pay nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s
+timer serves something else, note that a process has one: the watchdog takes it while it watches.
+
 ``Trainer.fit(..., step_timeout=S)`` runs one around the training steps (evaluation and checkpoint writes are
 not watched: they take longer than a step). Default: off, because only the user knows how long a step may
 take (a step of a large model on a busy host can take minutes), and a watchdog that trips on a slow but
@@ -33,6 +42,8 @@ from typing import Any
 
 import jax
 
+from jaxdist.training.loop._backstop import Backstop
+
 __all__ = ["Watchdog"]
 
 
@@ -48,7 +59,7 @@ class Watchdog:
         first_timeout: seconds allowed for the first step, which compiles; None: ``max(10 * timeout, 600)``.
         exit_code: the process's exit status when it trips (non-zero).
         on_trip: called with the message instead of printing stacks and exiting (for tests and for loops that
-            handle it themselves); it runs on the watchdog's thread.
+            handle it themselves); it runs on the watchdog's thread, and no `Backstop` is armed.
 
     Raises:
         ValueError: for a timeout that is not a positive number, or an exit code of 0.
@@ -88,11 +99,19 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.tripped: str | None = None
+        self.slack = min(self.timeout / 2, 10.0)
+        self._backstop: Backstop | None = None
+        self._arming = threading.Lock()  # taken before _lock: the backstop follows the pauses exactly
 
     def start(self) -> Watchdog:
         """Start watching (the first step's allowance starts now)."""
         with self._lock:
             self._deadline = time.monotonic() + self.first_timeout
+        if self.on_trip is None:
+            exit_delay = min(self.slack, 1.0) + self._last_delay()
+            self._backstop = Backstop(self.exit_code, exit_delay)
+            with self._arming:
+                self._rearm()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="jaxdist-watchdog", daemon=True)
         self._thread.start()
@@ -104,6 +123,10 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        with self._arming:
+            if self._backstop is not None:
+                self._backstop.close()
+                self._backstop = None
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -120,14 +143,35 @@ class Watchdog:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Not watched inside (evaluation, checkpoint writes); the next step has ``timeout`` seconds after."""
-        with self._lock:
-            self._paused += 1
+        with self._arming:
+            with self._lock:
+                self._paused += 1
+            if self._backstop is not None:
+                self._backstop.cancel()
         try:
             yield
         finally:
-            with self._lock:
-                self._paused -= 1
-                self._deadline = time.monotonic() + self.timeout
+            with self._arming:
+                with self._lock:
+                    self._paused -= 1
+                    self._deadline = time.monotonic() + self.timeout
+                self._rearm()
+
+    def _last_delay(self) -> float:
+        """Process 0 of a job hosts its coordination service, whose end kills every peer: it exits last."""
+        return min(self.timeout, 10.0) if jax.process_count() > 1 and jax.process_index() == 0 else 0.0
+
+    def _rearm(self) -> None:
+        """Arm the backstop ``slack`` past the deadline when it is armed less than ``slack / 2`` past it (so
+        once per ``slack / 2`` seconds while steps finish); cancel it while paused. Holds ``_arming``."""
+        if self._backstop is None:
+            return
+        with self._lock:
+            deadline, paused = self._deadline, self._paused
+        if paused:
+            self._backstop.cancel()
+        elif self._backstop.armed is None or self._backstop.armed - deadline < self.slack / 2:
+            self._backstop.arm(deadline + self.slack)
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 10)
@@ -138,6 +182,8 @@ class Watchdog:
             if late:
                 self._trip(allowed)
                 return
+            with self._arming:
+                self._rearm()
 
     def _trip(self, allowed: float) -> None:
         what = f"no step finished in {allowed:g} s"
@@ -148,12 +194,14 @@ class Watchdog:
             f"{self.exit_code} so the scheduler restarts the job; it resumes from the last complete checkpoint."
         )
         self.tripped = message
+        with self._arming:  # this thread does the rest: the backstop must not end the process meanwhile
+            if self._backstop is not None:
+                self._backstop.cancel()
         if self.on_trip is not None:
             self.on_trip(message)
             return
         print(f"[jaxdist watchdog] {message}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        if jax.process_count() > 1 and jax.process_index() == 0:  # the coordination service's host goes last
-            time.sleep(min(self.timeout, 10.0))
+        time.sleep(self._last_delay())  # the coordination service's host goes last
         _exit(self.exit_code)
