@@ -35,6 +35,7 @@ from jaxdist.training.loop import JobDisagreementError as JobDisagreementError
 from jaxdist.training.loop import NonFiniteError as NonFiniteError
 from jaxdist.training.loop import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.loop import PreemptionWatcher as PreemptionWatcher
+from jaxdist.training.loop import StragglerWarning as StragglerWarning
 from jaxdist.training.loop import Watchdog as Watchdog
 from jaxdist.training.prepare import prepare as prepare
 from jaxdist.training.search import Candidate as Candidate
@@ -72,6 +73,7 @@ __all__ = [
     "Progress",
     "RunningSums",
     "StepCost",
+    "StragglerWarning",
     "TensorBoardLogger",
     "TrainState",
     "Trainer",

@@ -796,6 +796,7 @@ class Trainer:
         restore_step: int | None = None,
         step_timeout: float | None = None,
         on_non_finite: str | NonFinitePolicy = "stop",
+        straggler_ratio: float | None = 1.25,
     ) -> History:
         """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
 
@@ -857,6 +858,11 @@ class Trainer:
                 data past the bad batches; at most 3 times, then stop. ``"continue"``: train on, with one
                 warning. A `NonFinitePolicy` sets other limits. Whatever the policy, a non-finite state is
                 never saved (`save`).
+            straggler_ratio: with several processes, each one's step time and input wait per log window reach
+                process 0 at the log points (through the job's key-value store, no collective); a process that
+                waits on its input this many times as long as the median process (longer by at least this
+                minus one times the median step) is named in a `StragglerWarning` (its index, host, times and
+                the median's). ``history.processes`` keeps every window's figures. None: nobody is named.
 
         Returns:
             The `History` of logged metrics.
@@ -879,7 +885,8 @@ class Trainer:
             raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
         check_int(epochs, "epochs", 0)
         options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                             log_every=log_every, step_timeout=step_timeout)  # checks them
+                             log_every=log_every, step_timeout=step_timeout,
+                             straggler_ratio=straggler_ratio)  # checks them
         if on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
         check_int(restore_step, "restore_step", 0)

@@ -48,6 +48,11 @@ class History:
             "restored": the checkpoint's step, "data_position": where the data went on}``.
         data_ended: the step at which ``train_data`` ended before ``steps`` (an iterator shorter than the run;
             not the ``epochs`` limit), or None.
+        processes: on process 0 (empty on the others), one dict per log window: ``{"step": s, "step_time":
+            [seconds per step of process 0, 1, ...], "input_wait": [seconds per step each process waited for
+            its next batch], "host": [each process's host name], "stragglers": [the processes named in a
+            StragglerWarning]}``; a process whose figures did not arrive has None. One entry per list in a
+            single process.
 
     Examples:
         >>> h = History()
@@ -65,6 +70,7 @@ class History:
         self.non_finite_steps = 0
         self.rollbacks: list[dict[str, Any]] = []
         self.data_ended: int | None = None
+        self.processes: list[dict[str, Any]] = []
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""

@@ -6,6 +6,7 @@ This `__init__` is the folder's interface: the rest of `jaxdist.training` import
 from jaxdist.training.loop._fit import FitOptions as FitOptions
 from jaxdist.training.loop._fit import check_int as check_int
 from jaxdist.training.loop._fit import run_fit as run_fit
+from jaxdist.training.loop._hosts import StragglerWarning as StragglerWarning
 from jaxdist.training.loop._job import JobDisagreementError as JobDisagreementError
 from jaxdist.training.loop._job import agree_on_fit as agree_on_fit
 from jaxdist.training.loop._job import data_ended as data_ended
@@ -25,6 +26,7 @@ __all__ = [
     "NonFiniteGuard",
     "NonFinitePolicy",
     "PreemptionWatcher",
+    "StragglerWarning",
     "Watchdog",
     "Window",
     "agree_on_fit",

@@ -59,6 +59,7 @@ from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoints import Checkpointer
 from jaxdist.training.data import BatchStream, DataPosition
+from jaxdist.training.loop._hosts import HostTimes, check_ratio
 from jaxdist.training.loop._job import data_ended
 from jaxdist.training.loop._logs import Logs
 from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
@@ -109,6 +110,9 @@ class FitOptions:
         mesh: the mesh whose processes agree on preemption (`PreemptionWatcher`) and read each log window at
             the same step; None: this process alone.
         on_non_finite: the `NonFinitePolicy` for steps whose loss or gradients are not finite.
+        straggler_ratio: a process whose input wait is this many times the median process's (and longer by this
+            much minus one of a step) is named in a `StragglerWarning` (`jaxdist.training.loop._hosts`); None:
+            nobody is named (``History.processes`` is kept either way).
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, or ``eval_data`` given as
@@ -130,8 +134,10 @@ class FitOptions:
     steps_per_run: int = 1
     mesh: Mesh | None = None
     on_non_finite: NonFinitePolicy = dataclasses.field(default_factory=NonFinitePolicy)
+    straggler_ratio: float | None = 1.25
 
     def __post_init__(self) -> None:
+        check_ratio(self.straggler_ratio)
         if not isinstance(self.on_non_finite, NonFinitePolicy):
             raise ValueError(
                 f"on_non_finite={self.on_non_finite!r} must be a NonFinitePolicy: pass NonFinitePolicy.of(...)."
@@ -281,6 +287,7 @@ class Fit:
     def on_log(self, step: int, logs: dict) -> None:
         self.history.train.append({"step": step, **logs})
         self.emit("on_log", step, logs)
+        self.hosts.collect()  # process 0: the other processes' figures of the windows emitted so far
 
     def checkpoint(self) -> None:
         trainer, ckpt = self.trainer, self.options.checkpointer
@@ -384,6 +391,7 @@ class Fit:
 
     def close_window(self) -> None:
         self.logs.close_window(self.trainer.step, self.trainer.pop_running_sums(), self.checks)
+        self.hosts.close_window(self.trainer.step, self.consumed)
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
@@ -398,7 +406,8 @@ class Fit:
         # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
         fixed = spans or self.policy.action == "rollback"
         self.logs = Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None)
-        source = iter(stream)
+        self.hosts = HostTimes(spans=spans, ratio=options.straggler_ratio, rows=history.processes)
+        source = self.hosts.timed(iter(stream))  # each process's input wait per log window
         self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
         try:
             with PreemptionWatcher(mesh=options.mesh) as watcher, self.dog:  # agreed by every process
@@ -441,6 +450,7 @@ class Fit:
                     self.logs.flush()
                     if not self.act() or watcher.stopping:  # rolled back at the end: train to the end again
                         break
+                self.hosts.collect(final=True)  # process 0: every window's figures (a peer's, waited for briefly)
                 history.preempted = watcher.preempted
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)

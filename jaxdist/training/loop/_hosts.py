@@ -1,0 +1,230 @@
+"""Which host is slow: each process's step time and input wait per log window, compared on process 0.
+
+In a job of several processes every step's collectives wait for the slowest process, so a slow host shows only
+as everyone's slow step. What the loop can attribute to a host is the time that host spends before it can join
+the step: waiting for its next batch (reading it from ``train_data``, checking and placing it). So each process
+times, per log window, its steps (the window's wall time over its steps, as its host saw it) and its input wait
+(the time inside the data iterator, per step). A device that is slow shows in every process's step time alike
+(use a profile to find it).
+
+Nothing is exchanged per step. At each log point a process posts its window's figures to the job's key-value
+store (the coordination service's, which every process of a ``jax.distributed`` job talks to anyway: no
+collective, no device); process 0 reads them when the window's log is emitted (the processes reach it at the
+same step), without waiting (a figure not there yet is read at the next log point; at the end of ``fit``
+process 0 waits at most `READ_SECONDS` for each, then goes on without it).
+
+A process is named in a `StragglerWarning` when it waits on its input at least ``straggler_ratio`` times as long
+as the median process and that excess is at least ``straggler_ratio - 1`` times the median step time (so that
+microseconds of input on a fast pipeline name nobody): every step of the job is then that much longer because of
+it. A process is named again only after a window in which it was not slow.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax._src import distributed as _distributed  # JAX's coordination client (as jaxdist.strategies.cluster)
+
+__all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "TimedSource", "check_ratio"]
+
+READ_SECONDS = 10.0
+"""How long process 0 waits, at the end of ``fit``, for another process's figures of a window."""
+
+_fits = itertools.count()  # every process of a job runs its fits in the same order: one key prefix per fit
+
+
+class StragglerWarning(Warning):
+    """A process of the job is slow: it waits on its input longer than the others, and every step waits for it.
+
+    Raised on process 0 (at the log point whose window showed it) by ``Trainer.fit``, naming the process index,
+    its host, its input wait and step time per step and the median process's. ``History.processes`` keeps the
+    figures of every window.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn("process 1 (host node7) is slow", StragglerWarning)
+        >>> caught[0].category.__name__
+        'StragglerWarning'
+    """
+
+
+def check_ratio(value: Any) -> None:
+    """Raise a ValueError naming ``straggler_ratio`` unless ``value`` is a number > 1 or None.
+
+    Examples:
+        >>> check_ratio(1.25)
+        >>> check_ratio(1)
+        Traceback (most recent call last):
+        ValueError: straggler_ratio=1 must be a number > 1, or None (nobody is named).
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+        raise ValueError(f"straggler_ratio={value!r} must be a number > 1, or None (nobody is named).")
+
+
+class TimedSource:
+    """An iterator of batches that adds the time spent in each ``next`` to ``waited`` (seconds).
+
+    Examples:
+        >>> source = TimedSource(iter([1, 2]))
+        >>> list(source), source.waited >= 0
+        ([1, 2], True)
+    """
+
+    def __init__(self, source: Iterator[Any]):
+        self._source = source
+        self.waited = 0.0
+
+    def __iter__(self) -> TimedSource:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self._source)
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def close(self) -> None:
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+
+def _client() -> Any:
+    return None if jax.process_count() == 1 else _distributed.global_state.client
+
+
+class HostTimes:
+    """The per-process figures of a fit's log windows (see the module doc).
+
+    Args:
+        spans: whether the fit's devices span processes (the figures then travel through the key-value store).
+        ratio: the ``straggler_ratio`` (None: figures are kept, nobody is named).
+        rows: where process 0 appends one row per window (``History.processes``).
+
+    Examples:
+        >>> rows = []
+        >>> times = HostTimes(spans=False, ratio=1.25, rows=rows)
+        >>> source = times.timed(iter(range(4)))
+        >>> _ = list(source)
+        >>> times.close_window(step=4, consumed=4)
+        >>> times.collect()
+        >>> [sorted(row) for row in rows]
+        [['host', 'input_wait', 'step', 'step_time', 'stragglers']]
+    """
+
+    def __init__(self, *, spans: bool, ratio: float | None, rows: list[dict[str, Any]]):
+        self._client = _client() if spans else None
+        self._me = jax.process_index() if spans else 0
+        self._count = jax.process_count() if spans else 1
+        self._prefix = f"jaxdist/hosts/{next(_fits)}" if spans else ""
+        self._ratio = ratio
+        self._rows = rows
+        self._host = socket.gethostname()
+        self._source: TimedSource | None = None
+        self._last = (0, time.perf_counter(), 0.0)  # consumed, time, waited at the last close
+        self._windows = itertools.count()
+        self._pending: collections.deque = collections.deque()  # (window, step, this process's figures)
+        self._named: set[int] = set()  # slow in the last window: not named again until it recovers
+
+    def timed(self, source: Iterator[Any]) -> TimedSource:
+        """``source`` with its ``next`` timed (the fit's training batches); the windows start now."""
+        self._source = TimedSource(source)
+        self._last = (0, time.perf_counter(), 0.0)
+        return self._source
+
+    def close_window(self, step: int, consumed: int) -> None:
+        """A log window ended at ``step`` after ``consumed`` batches in all: note (and post) its figures."""
+        now = time.perf_counter()
+        waited = self._source.waited if self._source is not None else 0.0
+        last_consumed, last_time, last_waited = self._last
+        steps = consumed - last_consumed
+        window = next(self._windows)  # every window counts (every process closes the same ones)
+        if steps <= 0:
+            return
+        self._last = (consumed, now, waited)
+        mine = {"host": self._host, "step_time": (now - last_time) / steps,
+                "input_wait": (waited - last_waited) / steps}
+        if self._client is not None and self._me != 0:
+            self._client.key_value_set(f"{self._prefix}/{window}/{self._me}", json.dumps(mine))
+        elif self._me == 0:
+            self._pending.append((window, step, mine))
+
+    def collect(self, final: bool = False) -> None:
+        """Process 0: append the rows of the windows whose figures have all arrived (in order, never waiting),
+        and name the slow processes; ``final``: every window, waiting up to `READ_SECONDS` for each figure."""
+        while self._pending:
+            window, step, mine = self._pending[0]
+            figures = [mine]
+            for pid in range(1, self._count):
+                figure = self._read(f"{self._prefix}/{window}/{pid}", final)
+                if figure is None and not final:
+                    return  # not there yet: at the next log point
+                figures.append(figure)
+            self._pending.popleft()
+            for pid in range(1, self._count):
+                self._delete(f"{self._prefix}/{window}/{pid}")
+            self._row(step, figures)
+
+    def _read(self, key: str, wait: bool) -> dict[str, Any] | None:
+        try:
+            if wait:
+                return json.loads(self._client.blocking_key_value_get(key, int(1000 * READ_SECONDS)))
+            return json.loads(self._client.key_value_try_get(key))
+        except Exception:  # not posted (yet): the service's NOT_FOUND or deadline
+            return None
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._client.key_value_delete(key)
+        except Exception:  # already gone: nothing to free
+            pass
+
+    def _row(self, step: int, figures: list[dict[str, Any] | None]) -> None:
+        known = [f for f in figures if f is not None]
+        median_wait = statistics.median(f["input_wait"] for f in known)
+        median_step = statistics.median(f["step_time"] for f in known)
+        slow = []
+        if self._ratio is not None and len(known) > 1:
+            for pid, f in enumerate(figures):
+                if f is None:
+                    continue
+                excess = f["input_wait"] - median_wait
+                if f["input_wait"] >= self._ratio * median_wait and excess >= (self._ratio - 1) * median_step:
+                    slow.append(pid)
+        self._rows.append({
+            "step": step,
+            "step_time": [None if f is None else f["step_time"] for f in figures],
+            "input_wait": [None if f is None else f["input_wait"] for f in figures],
+            "host": [None if f is None else f["host"] for f in figures],
+            "stragglers": slow,
+        })
+        for pid in slow:
+            if pid in self._named:
+                continue
+            f = figures[pid]
+            warnings.warn(
+                f"process {pid} (host {f['host']}) is slow: it waits {_ms(f['input_wait'])} per step on its input, "
+                f"{f['input_wait'] / median_wait if median_wait > 0 else float('inf'):.1f}x the median process's "
+                f"{_ms(median_wait)} (straggler_ratio={self._ratio:g}); its steps take {_ms(f['step_time'])} "
+                f"(median {_ms(median_step)}), and every process waits for it in each step's collectives "
+                f"(window ending at step {step}). Speed up its input (more reader threads, prefetching, a local "
+                "copy of the data) or move it off that host.", StragglerWarning, stacklevel=2)
+        self._named = set(slow)
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.3g} ms"

@@ -1,0 +1,90 @@
+"""Which host is slow: each process's step time and input wait per log window, compared on process 0.
+
+The real thing runs 2 processes x 2 CPU devices (``python -m jaxdist.launch``, gloo): a run where neither
+process is slow names nobody, a run whose process 1 sleeps 50 ms before each batch names process 1. The rule
+itself and the single-process figures are checked in this process. Every subprocess wait has a timeout.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import numpy as np
+import optax
+import pytest
+from registry import launch_env
+
+import jaxdist as jd
+from jaxdist.training.loop._hosts import HostTimes
+
+HERE = Path(__file__).parent
+
+
+def _trainer():
+    return jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+                               lambda out, y: ((out[:, 0] - y) ** 2).mean())
+
+
+def test_history_processes_keeps_each_windows_figures_and_straggler_ratio_is_checked():
+    batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
+    history = _trainer().fit([batch] * 3, steps=6, log_every=3, verbose=0)
+    assert [row["step"] for row in history.processes] == [3, 6]
+    for row in history.processes:
+        assert sorted(row) == ["host", "input_wait", "step", "step_time", "stragglers"]
+        assert len(row["step_time"]) == len(row["input_wait"]) == len(row["host"]) == 1  # one process
+        assert row["step_time"][0] > 0 and 0 <= row["input_wait"][0] <= row["step_time"][0]
+        assert row["stragglers"] == []
+    for bad in (1, 0.5, "2", True):
+        with pytest.raises(ValueError, match=rf"straggler_ratio={bad!r} must be a number > 1, or None"):
+            _trainer().fit([batch], steps=1, verbose=0, straggler_ratio=bad)
+
+
+def test_a_process_is_named_when_its_input_wait_exceeds_the_median_by_the_ratio_and_matters():
+    """The rule on three processes' figures: 1.25x the median input wait AND an excess of at least 0.25 of the
+    median step; microseconds of input on a fast pipeline name nobody; a process is named again only after a
+    window in which it was not slow."""
+    rows = []
+    times = HostTimes(spans=False, ratio=1.25, rows=rows)
+
+    def window(step, waits, step_time=0.1):
+        times._row(step, [{"host": f"h{p}", "step_time": step_time, "input_wait": w} for p, w in enumerate(waits)])
+
+    with pytest.warns(jd.training.StragglerWarning, match=r"^process 2 \(host h2\) is slow: it waits 60 ms per "
+                                                          r"step on its input, 6\.0x the median process's 10 ms"):
+        window(10, [0.010, 0.009, 0.060])
+    window(20, [0.010, 0.009, 0.070])  # still slow: not named again (the row says so)
+    window(30, [20e-6, 10e-6, 80e-6])  # 8x the median, but 70 us of a 100 ms step: nobody
+    window(40, [0.010, 0.034, 0.011])  # 3.1x the median, but 23 ms more in a 100 ms step: under 0.25 of it
+    with pytest.warns(jd.training.StragglerWarning, match=r"^process 2 "):
+        window(50, [0.010, 0.009, 0.060])  # slow again after a window that was not
+    assert [row["stragglers"] for row in rows] == [[2], [2], [], [], [2]]
+    assert rows[0]["host"] == ["h0", "h1", "h2"] and rows[0]["input_wait"][2] == 0.060
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_process_slow_in_its_input_is_named_on_process_0_and_nobody_when_none_is():
+    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "200",
+               str(HERE / "multiprocess" / "straggler_worker.py")]
+    proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    results = {(r["run"], r["pid"]): r for r in
+               (json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines() if " RESULT " in line)}
+    assert len(results) == 4, proc.stdout[-4000:]
+    for run in ("even", "slow"):
+        assert results[(run, 1)] == {"run": run, "pid": 1, "named": [], "processes": []}  # process 0 collects
+    even, slow = results[("even", 0)], results[("slow", 0)]
+    assert even["named"] == [] and all(row["stragglers"] == [] for row in even["processes"]), even
+    assert [row["step"] for row in even["processes"]] == [10, 20, 30]
+    assert all(None not in row["input_wait"] and len(row["input_wait"]) == 2 for row in even["processes"])
+    assert len(slow["named"]) == 1 and slow["named"][0].startswith("process 1 (host "), slow
+    assert "waits" in slow["named"][0] and "on its input" in slow["named"][0]
+    assert any(row["stragglers"] == [1] for row in slow["processes"]), slow
+    waits = [row["input_wait"][1] for row in slow["processes"]]  # per step: a window reads ahead of its steps
+    assert sum(waits) / len(waits) >= 0.045, waits  # it slept 50 ms before each batch
+    print("\n".join(f"{run} run: " + ", ".join(
+        f"step {row['step']}: step time " + "/".join(f"{1e3 * t:.1f}" for t in row["step_time"]) + " ms, input "
+        + "/".join(f"{1e3 * t:.1f}" for t in row["input_wait"]) + " ms" for row in results[(run, 0)]["processes"])
+        for run in ("even", "slow")))
