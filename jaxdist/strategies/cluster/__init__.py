@@ -11,7 +11,10 @@ from jaxdist.strategies.cluster._failure import EXIT_SECONDS as EXIT_SECONDS
 from jaxdist.strategies.cluster._failure import POLL_SECONDS as POLL_SECONDS
 from jaxdist.strategies.cluster._failure import FailureMonitor as FailureMonitor
 from jaxdist.strategies.cluster._failure import exchange as exchange
+from jaxdist.strategies.cluster._failure import forget as forget
 from jaxdist.strategies.cluster._failure import guard_exit as guard_exit
+from jaxdist.strategies.cluster._failure import post as post
+from jaxdist.strategies.cluster._failure import read as read
 from jaxdist.strategies.cluster._failure import report_failure as report_failure
 from jaxdist.strategies.cluster._join import CLUSTER_VARIABLES as CLUSTER_VARIABLES
 from jaxdist.strategies.cluster._join import check_connected as check_connected
@@ -28,7 +31,10 @@ __all__ = [
     "POLL_SECONDS",
     "FailureMonitor",
     "exchange",
+    "forget",
     "guard_exit",
+    "post",
+    "read",
     "report_failure",
     "check_connected",
     "check_spans_processes",

@@ -14,6 +14,8 @@ process of a ``jax.distributed`` job already talks to; nothing in a single proce
   process exits with status 1 right after its traceback (`guard_exit`): the interpreter's own exit would wait
   for the peers in ``jax.distributed.shutdown``, and a checkpoint write still in flight needs them too (the
   last complete checkpoint stands; checkpoints are committed atomically).
+* `post`, `read` and `forget`: a value one process leaves for another (``fit``'s per-process figures), read
+  without waiting or with a timeout.
 * `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`); when one comes, it
   prints it and ends this process with status 1, wherever the main thread is blocked (a collective, a
   checkpoint write).
@@ -36,7 +38,8 @@ from typing import Any
 import jax
 from jax._src import distributed as _distributed  # JAX's coordination client (private; orbax reads it too)
 
-__all__ = ["EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "guard_exit", "report_failure"]
+__all__ = ["EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "guard_exit", "post", "read",
+           "report_failure"]
 
 EXIT_SECONDS = 10.0
 """How long a process that failed may take to exit by itself (its traceback printed, its files closed) before it
@@ -93,6 +96,49 @@ def exchange(name: str, value: str, timeout: float) -> list[str]:
         except Exception:  # the service's deadline: the peer is elsewhere (stuck, dead, or past this point)
             raise TimeoutError(f"process {pid} did not reach {name!r} within {timeout:g} s") from None
     return out
+
+
+def post(key: str, value: str) -> None:
+    """Post ``value`` under ``key`` in the job's key-value store, for another process to `read` (nothing in a
+    single process).
+
+    Examples:
+        >>> post("jaxdist/example", "1")   # one process: nobody to read it
+    """
+    client = _client()
+    if client is not None:
+        client.key_value_set(key, value)
+
+
+def read(key: str, timeout: float | None = None) -> str | None:
+    """The value another process posted under ``key``; None when it is not there (within ``timeout`` seconds;
+    None: without waiting), or in a single process.
+
+    Examples:
+        >>> read("jaxdist/example") is None   # one process
+        True
+    """
+    client = _client()
+    if client is None:
+        return None
+    try:
+        if timeout is None:
+            return client.key_value_try_get(key)
+        return client.blocking_key_value_get(key, int(1000 * timeout))
+    except Exception:  # not posted (yet): the service's NOT_FOUND, or its deadline
+        return None
+
+
+def forget(key: str) -> None:
+    """Delete ``key`` from the job's key-value store (read and done with: the store is the coordinator's memory).
+
+    Examples:
+        >>> forget("jaxdist/example")   # one process: nothing stored
+    """
+    client = _client()
+    if client is not None:
+        with contextlib.suppress(Exception):  # already gone
+            client.key_value_delete(key)
 
 
 def report_failure(reason: str) -> None:

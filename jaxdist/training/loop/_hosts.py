@@ -32,7 +32,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-from jax._src import distributed as _distributed  # JAX's coordination client (as jaxdist.strategies.cluster)
+
+from jaxdist.strategies.cluster import forget, post, read
 
 __all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "TimedSource", "check_ratio"]
 
@@ -103,10 +104,6 @@ class TimedSource:
             close()
 
 
-def _client() -> Any:
-    return None if jax.process_count() == 1 else _distributed.global_state.client
-
-
 class HostTimes:
     """The per-process figures of a fit's log windows (see the module doc).
 
@@ -127,7 +124,7 @@ class HostTimes:
     """
 
     def __init__(self, *, spans: bool, ratio: float | None, rows: list[dict[str, Any]]):
-        self._client = _client() if spans else None
+        self._spans = spans and jax.process_count() > 1
         self._me = jax.process_index() if spans else 0
         self._count = jax.process_count() if spans else 1
         self._prefix = f"jaxdist/hosts/{next(_fits)}" if spans else ""
@@ -158,8 +155,8 @@ class HostTimes:
         self._last = (consumed, now, waited)
         mine = {"host": self._host, "step_time": (now - last_time) / steps,
                 "input_wait": (waited - last_waited) / steps}
-        if self._client is not None and self._me != 0:
-            self._client.key_value_set(f"{self._prefix}/{window}/{self._me}", json.dumps(mine))
+        if self._spans and self._me != 0:
+            post(f"{self._prefix}/{window}/{self._me}", json.dumps(mine))
         elif self._me == 0:
             self._pending.append((window, step, mine))
 
@@ -170,28 +167,15 @@ class HostTimes:
             window, step, mine = self._pending[0]
             figures = [mine]
             for pid in range(1, self._count):
-                figure = self._read(f"{self._prefix}/{window}/{pid}", final)
+                text = read(f"{self._prefix}/{window}/{pid}", READ_SECONDS if final else None)
+                figure = None if text is None else json.loads(text)
                 if figure is None and not final:
                     return  # not there yet: at the next log point
                 figures.append(figure)
             self._pending.popleft()
             for pid in range(1, self._count):
-                self._delete(f"{self._prefix}/{window}/{pid}")
+                forget(f"{self._prefix}/{window}/{pid}")
             self._row(step, figures)
-
-    def _read(self, key: str, wait: bool) -> dict[str, Any] | None:
-        try:
-            if wait:
-                return json.loads(self._client.blocking_key_value_get(key, int(1000 * READ_SECONDS)))
-            return json.loads(self._client.key_value_try_get(key))
-        except Exception:  # not posted (yet): the service's NOT_FOUND or deadline
-            return None
-
-    def _delete(self, key: str) -> None:
-        try:
-            self._client.key_value_delete(key)
-        except Exception:  # already gone: nothing to free
-            pass
 
     def _row(self, step: int, figures: list[dict[str, Any] | None]) -> None:
         known = [f for f in figures if f is not None]
