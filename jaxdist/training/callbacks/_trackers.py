@@ -55,8 +55,11 @@ class WandbLogger(_MetricWriter):
 
     Args:
         run: an existing run (``wandb.init(...)``'s) to write into instead; it stays open at the end.
-        project / name / config / dir / mode: ``wandb.init``'s arguments (``mode`` None: ``"offline"`` unless
-            ``WANDB_MODE`` is set).
+        project: the W&B project (``wandb.init``'s).
+        name: the run's name.
+        config: the run's configuration (hyperparameters).
+        dir: the folder the run's files go under (``<dir>/wandb/``; default: the working directory).
+        mode: ``"offline"``, ``"online"`` or ``"disabled"``; None: ``"offline"`` unless ``WANDB_MODE`` is set.
         **init_kwargs: more ``wandb.init`` arguments (``id=..., resume="allow"`` continues one run across
             restarts of a job).
 
