@@ -685,8 +685,8 @@ class Trainer:
             position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(at))
             return state, int(meta["step"]), position
 
-        state, self._step, self.data_position = ckpt.read(read, step, step_argument=step_argument)
-        self._state = with_ema(state, self.ema_decay)
+        state, at, position = ckpt.read(read, step, step_argument=step_argument)
+        self._state, self._step, self.data_position = with_ema(state, self.ema_decay), at, position
         self.sync_model()
         return self._step
 
