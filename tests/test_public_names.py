@@ -55,8 +55,9 @@ PUBLIC = {
     ],
     "jaxdist.training": [
         "CSVLogger", "Callback", "Candidate", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
-        "JobDisagreementError", "LinenModel", "NnxModel", "NonFiniteError", "NonFinitePolicy", "PreemptionWatcher",
-        "Progress", "StepCost", "TensorBoardLogger", "TrainState", "Trainer", "Watchdog", "accuracy",
+        "JobDisagreementError", "LinenModel", "MLflowLogger", "NnxModel", "NonFiniteError", "NonFinitePolicy",
+        "PreemptionWatcher", "Progress", "StepCost", "TensorBoardLogger", "TrainState", "Trainer", "Watchdog",
+        "WandbLogger", "accuracy",
         "configure_compilation_cache", "known_peak_flops", "make_train_step", "plan_search", "prepare",
     ],
 }

@@ -23,8 +23,10 @@ from jaxdist.costs.step import StepCost as StepCost
 from jaxdist.training.callbacks import Callback as Callback
 from jaxdist.training.callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks import History as History
+from jaxdist.training.callbacks import MLflowLogger as MLflowLogger
 from jaxdist.training.callbacks import Progress as Progress
 from jaxdist.training.callbacks import TensorBoardLogger as TensorBoardLogger
+from jaxdist.training.callbacks import WandbLogger as WandbLogger
 from jaxdist.training.checkpoints import CheckpointConflictError as CheckpointConflictError
 from jaxdist.training.checkpoints import CheckpointCorruptedError as CheckpointCorruptedError
 from jaxdist.training.checkpoints import Checkpointer as Checkpointer
@@ -64,6 +66,7 @@ __all__ = [
     "History",
     "JobDisagreementError",
     "LinenModel",
+    "MLflowLogger",
     "NnxModel",
     "NonFiniteError",
     "NonFinitePolicy",
@@ -78,6 +81,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "Watchdog",
+    "WandbLogger",
     "accuracy",
     "configure_compilation_cache",
     "known_peak_flops",

@@ -38,7 +38,7 @@ from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import shape_scope, untyped
 from jaxdist.strategies.plan import abstract_variables
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
-from jaxdist.training.checkpoints import Checkpointer, assemble, check_directory, checked_pieces
+from jaxdist.training.checkpoints import Checkpointer, assemble, check_directory, checked_pieces, restore_state
 from jaxdist.training.data import (
     BatchChecker,
     BatchFeed,
@@ -58,12 +58,15 @@ from jaxdist.training.step import (
     PackedSums,
     TrainState,
     as_model,
+    averaged,
+    check_ema_decay,
     check_losses,
     describe,
     non_finite_leaves,
     params_target,
     restore_target,
     state_builder,
+    with_ema,
 )
 
 __all__ = ["Trainer"]
@@ -119,12 +122,18 @@ class Trainer:
             tokens): the basis of ``mfu`` (model FLOPs utilisation). Without it, the compiled step's FLOPs
             without recomputation (`jaxdist.costs.program_cost`). ``hfu`` (hardware FLOPs utilisation) always
             counts what the compiled step executes, rematerialisation and replicated optimizer work included.
+        ema_decay: keep averaged weights (`ema_params`): an exponential moving average of the parameters,
+            ``ema = ema_decay * ema + (1 - ema_decay) * params`` after each optimizer step, starting from the
+            first parameters; on the devices, in the parameters' layout and dtype (`jaxdist.training.step._ema`),
+            saved in checkpoints, used by ``evaluate(..., ema=True)`` and ``predict(..., ema=True)``. A step
+            skipped as non-finite leaves it as it was. A checkpoint without averaged weights (and `load_state`)
+            starts them from its parameters. None (default): no averaged weights.
 
     Raises:
         TypeError: for a strategy, model, optimizer or loss_fn of the wrong kind (a module class instead of
             an instance; linen options with an nnx module), or a key option that is not a string.
-        ValueError: for out-of-range numbers (``peak_flops=-1``), a metric named "loss", or ``variables``
-            with an nnx module.
+        ValueError: for out-of-range numbers (``peak_flops=-1``, ``ema_decay=1.0``), a metric named "loss", or
+            ``variables`` with an nnx module.
 
     Examples:
         >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
@@ -160,6 +169,7 @@ class Trainer:
         tokens_per_example: int | None = None,
         peak_flops: float | None = None,
         flops_per_step: float | None = None,
+        ema_decay: float | None = None,
     ):
         if not isinstance(strategy, Strategy):
             raise TypeError(
@@ -186,6 +196,7 @@ class Trainer:
         check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
         check_int(steps_per_run, "steps_per_run", 1)
         check_int(seed, "seed", 0, allow_none=False)
+        self.ema_decay = check_ema_decay(ema_decay)
         if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None.")
         if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
@@ -217,7 +228,7 @@ class Trainer:
         self._feed = BatchFeed(strategy, self._batches, place=True)
         self._loop_feed = BatchFeed(strategy, self._batches, place=False)
         self._steps = CompiledSteps(strategy, self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
-                                    compute_dtype)
+                                    compute_dtype, ema_decay=self.ema_decay)
 
     # --------------------------------------------------------------------------------------------- state
     @property
@@ -229,6 +240,23 @@ class Trainer:
     def params(self) -> Any:
         """The current parameters (a nested dict of arrays)."""
         return None if self._state is None else self._state.params
+
+    @property
+    def ema_params(self) -> Any:
+        """The averaged weights (``Trainer(ema_decay=...)``): a tree like `params`, with their shardings; None
+        before the first batch is seen or without ``ema_decay``.
+
+        Examples:
+            >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+            ...                               lambda out, y: ((out[:, 0] - y) ** 2).mean(), ema_decay=0.9)
+            >>> batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
+            >>> start = np.asarray(trainer.init(batch).params["bias"])
+            >>> _ = trainer.train_on_batch(batch)
+            >>> bool(np.allclose(trainer.ema_params["bias"], 0.9 * start + 0.1 * np.asarray(trainer.params["bias"])))
+            True
+        """
+        return None if self._state is None else self._state.ema
 
     @property
     def step(self) -> int:
@@ -277,7 +305,7 @@ class Trainer:
             return self._state
         build, args = self._checked_builder(batch)
         with self.strategy.scope():
-            self._state = self.strategy.create_variables(build, *args)
+            self._state = with_ema(self.strategy.create_variables(build, *args), self.ema_decay)
         return self._state
 
     def _check_loaded(self, batch: Any) -> None:
@@ -543,7 +571,7 @@ class Trainer:
             row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)), (x, y))
             build, args = self._checked_builder(row)
             with self.strategy.scope():
-                state = abstract_variables(self.strategy.policy, build, args, {})
+                state = with_ema(abstract_variables(self.strategy.policy, build, args, {}), self.ema_decay)
         return self._steps.plan(state, (x, y))
 
     # ------------------------------------------------------------------------------------- checkpoints
@@ -611,6 +639,9 @@ class Trainer:
     ) -> int:
         """Load a checkpoint (default: the latest) onto THIS trainer's strategy, whatever wrote it.
 
+        With ``ema_decay``, the averaged weights come from the checkpoint; from one without them (a run without
+        ``ema_decay``) they start again from its parameters, with a warning (`jaxdist.training.checkpoints._ema`).
+
         Args:
             checkpoint_dir: the directory ``fit`` or `save` wrote, or an open `Checkpointer` (left open).
             step: which checkpoint; None for the latest.
@@ -650,11 +681,12 @@ class Trainer:
                 )
             if not targets:
                 targets.append(self._restore_target(batch))
-            state, meta = ckpt.restore(targets[0], at)
+            state, meta = restore_state(ckpt, targets[0], at)  # with or without averaged weights
             position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(at))
             return state, int(meta["step"]), position
 
-        self._state, self._step, self.data_position = ckpt.read(read, step, step_argument=step_argument)
+        state, at, position = ckpt.read(read, step, step_argument=step_argument)
+        self._state, self._step, self.data_position = with_ema(state, self.ema_decay), at, position
         self.sync_model()
         return self._step
 
@@ -665,7 +697,7 @@ class Trainer:
             return self._state
         if batch is None:
             raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
-        return restore_target(self.strategy, *self._checked_builder(batch))
+        return with_ema(restore_target(self.strategy, *self._checked_builder(batch)), self.ema_decay)
 
     def load_state(
         self,
@@ -686,7 +718,7 @@ class Trainer:
         valid. Leaves match by name, whatever holds them: the optax state orbax restores without a target
         (NamedTuples as dicts, tuples as lists), an ``nnx.State``, an ``nnx.Optimizer``'s ``opt_state`` all fit.
         On several processes each process passes the same values (each reads the same checkpoint), or global
-        `jax.Array` s.
+        `jax.Array` s. With ``ema_decay`` the averaged weights start again from the loaded parameters.
 
         ``fit`` continues from here: to ``steps`` in total (``fit(steps=30)`` after ``step=20`` takes 10 steps),
         with the per-step keys, checkpoints and logs of step 21 on. An iterator is read on from where it is; a
@@ -766,7 +798,7 @@ class Trainer:
         if base is None and model_state is None and jax.tree.leaves(like.model_state):
             base = self.init(batch)  # the model's other variables (batch statistics, nnx Rngs), as a new run's
         step = self._step if step is None else step
-        state = assemble(like, pieces, base, self.optimizer, self.seed, step)
+        state = with_ema(assemble(like, pieces, base, self.optimizer, self.seed, step), self.ema_decay)
         self._state, self._step = state, step
         self._unchecked = unchecked
         self.data_position = DataPosition()
@@ -994,33 +1026,40 @@ class Trainer:
         ckpt.abandon_after(step)  # recorded first: an interruption cannot bring them back as the newest
 
     # --------------------------------------------------------------------------------- evaluate, predict
-    def evaluate(self, data: Any) -> dict[str, float]:
+    def evaluate(self, data: Any, *, ema: bool = False) -> dict[str, float]:
         """Loss and metrics averaged over EVERY example of ``data`` (evaluation mode).
 
         Args:
             data: batches ``(x, y)`` / dicts with ``input_key`` and ``target_key``, of any size (a ragged
                 last batch is padded to a multiple of the replica count and its padding masked out): a list,
                 an iterator, or a function of no arguments returning an iterable.
+            ema: evaluate the averaged weights (`ema_params`) instead of the parameters.
 
         Returns:
             ``{"loss": ..., <metric>: ...}`` as floats.
 
         Raises:
-            ValueError: for batches of the wrong structure, or empty data.
+            ValueError: for batches of the wrong structure, or empty data; ``ema=True`` without ``ema_decay``.
         """
-        return self._steps.evaluate(self._state_for, data, self._batches.split)
+        state_for = averaged(self._state_for, self.ema_decay, "evaluate(ema=True)") if ema else self._state_for
+        return self._steps.evaluate(state_for, data, self._batches.split)
 
-    def predict(self, data: Any) -> Any:
+    def predict(self, data: Any, *, ema: bool = False) -> Any:
         """The model's outputs (evaluation mode) for every example of ``data``, as numpy arrays.
 
         Args:
             data: batches of inputs: ``x``, ``(x,)``, ``(x, y)`` or dicts with ``input_key`` (targets are
                 ignored), any size (padded and stripped like `evaluate`); a single array is one batch.
+            ema: predict with the averaged weights (`ema_params`) instead of the parameters.
 
         Returns:
             The outputs concatenated along axis 0 (a pytree of arrays if the model returns one).
+
+        Raises:
+            ValueError: ``ema=True`` without ``ema_decay``.
         """
-        return self._steps.predict(self._state_for, data, self._batches.split)
+        state_for = averaged(self._state_for, self.ema_decay, "predict(ema=True)") if ema else self._state_for
+        return self._steps.predict(state_for, data, self._batches.split)
 
     def _state_for(self, batch: Any) -> TrainState:
         """The state; built from ``batch`` (a placed one) the first time."""

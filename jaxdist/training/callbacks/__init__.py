@@ -1,5 +1,5 @@
 """What a fit reports to: the `Callback` hooks, `History`, and the writers (`Progress`, `CSVLogger`,
-`TensorBoardLogger`).
+`TensorBoardLogger`, and the trackers' `WandbLogger`, `MLflowLogger`).
 
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
@@ -9,11 +9,15 @@ from jaxdist.training.callbacks._callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks._callbacks import History as History
 from jaxdist.training.callbacks._callbacks import Progress as Progress
 from jaxdist.training.callbacks._callbacks import TensorBoardLogger as TensorBoardLogger
+from jaxdist.training.callbacks._trackers import MLflowLogger as MLflowLogger
+from jaxdist.training.callbacks._trackers import WandbLogger as WandbLogger
 
 __all__ = [
     "CSVLogger",
     "Callback",
     "History",
+    "MLflowLogger",
     "Progress",
     "TensorBoardLogger",
+    "WandbLogger",
 ]

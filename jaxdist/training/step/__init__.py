@@ -1,5 +1,5 @@
 """What runs on the devices: the train state, the step functions, their compiled forms, the running sums they add
-to, the weighted (token) losses, the model wrappers and the non-finite checks.
+to, the weighted (token) losses, the model wrappers, the non-finite checks and the averaged weights.
 
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
@@ -10,6 +10,9 @@ from jaxdist.training.step._build import restore_target as restore_target
 from jaxdist.training.step._build import state_builder as state_builder
 from jaxdist.training.step._build import state_keys as state_keys
 from jaxdist.training.step._compiled import CompiledSteps as CompiledSteps
+from jaxdist.training.step._ema import averaged as averaged
+from jaxdist.training.step._ema import check_ema_decay as check_ema_decay
+from jaxdist.training.step._ema import with_ema as with_ema
 from jaxdist.training.step._functions import TrainState as TrainState
 from jaxdist.training.step._functions import accuracy as accuracy
 from jaxdist.training.step._functions import make_train_step as make_train_step
@@ -34,6 +37,8 @@ __all__ = [
     "TrainState",
     "accuracy",
     "as_model",
+    "averaged",
+    "check_ema_decay",
     "check_losses",
     "describe",
     "make_train_step",
@@ -42,4 +47,5 @@ __all__ = [
     "restore_target",
     "state_builder",
     "state_keys",
+    "with_ema",
 ]

@@ -54,6 +54,8 @@ class CompiledSteps:
         model: the `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation (clipping chained in).
         loss_fn / metrics / grad_accum_steps / compute_dtype: as for `make_train_step`.
+        ema_decay: the averaged weights' decay (`make_summed_train_step`; the states must carry ``ema``,
+            `jaxdist.training.step._ema.with_ema`), or None.
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn, jaxdist as jd
@@ -79,16 +81,18 @@ class CompiledSteps:
         metrics: Mapping[str, Callable] | None = None,
         grad_accum_steps: int = 1,
         compute_dtype: Any = None,
+        ema_decay: float | None = None,
     ):
         self.strategy = strategy
         self.metrics = dict(metrics or {})
         self._model, self._loss_fn, self._compute_dtype = model, loss_fn, compute_dtype
         self.grad_accum_steps = grad_accum_steps
         self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
-                                                 compute_dtype)
+                                                 compute_dtype, ema_decay=ema_decay)
         # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state); built lazily.
         self._skipping_step = lambda: make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
-                                                             compute_dtype, skip_non_finite=True)
+                                                             compute_dtype, skip_non_finite=True,
+                                                             ema_decay=ema_decay)
         self.skip_non_finite = False  # which of the two the training calls run (set by fit)
         self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype), batch_argnums=(1, 2))
         self.predict_step = strategy.jit(make_predict_step(model, compute_dtype), batch_argnums=(1,))

@@ -32,6 +32,7 @@ import jaxdist.training.step._non_finite as non_finite
 import jaxdist.training.step._weighted as weighted
 from jaxdist.nn.moe import moe_loss, moe_metrics
 from jaxdist.training.data import split_batch
+from jaxdist.training.step._ema import ema_update
 from jaxdist.training.step._running import PackedSums, RunningSums
 
 __all__ = [
@@ -60,6 +61,8 @@ class TrainState(NamedTuple):
             same numbers as an uninterrupted one. A typed key (``jax.random.key``) or its raw data
             (``jax.random.key_data``; what the `Trainer` keeps: a plain uint32 array costs less per step to
             pass into a compiled step than a typed key does); `step_key` reads either.
+        ema: the averaged weights (`jaxdist.training.step._ema`): a tree like ``params`` with their shardings,
+            updated after each optimizer step; None (the default) when the run keeps none.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -73,6 +76,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: Any
     rng: jax.Array
+    ema: Any = None
 
 
 def step_key(state: TrainState) -> jax.Array:
@@ -205,6 +209,7 @@ def make_summed_train_step(
     grad_accum_steps: int = 1,
     compute_dtype: Any = None,
     skip_non_finite: bool = False,
+    ema_decay: float | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
     """The train step ``(state, batch) -> (state, metrics, addends)`` behind `make_train_step`.
 
@@ -214,7 +219,9 @@ def make_summed_train_step(
     (its loss or its gradients' global norm is not finite: `jaxdist.training.step._non_finite.step_flag`); and the
     learning rate when the optimizer exposes it. Arguments as for `make_train_step`, and ``skip_non_finite``: a
     step whose flag is set keeps the parameters, optimizer and model state it was given (optax's
-    ``apply_if_finite`` semantics; the step counter moves on).
+    ``apply_if_finite`` semantics; the step counter moves on), and ``ema_decay``: the state's averaged weights
+    (``TrainState.ema``) move towards the new parameters (`jaxdist.training.step._ema.ema_update`), except in a
+    step that is skipped.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -273,9 +280,11 @@ def make_summed_train_step(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         flag = non_finite.step_flag(loss, grads)  # the whole step's: summed loss, accumulated gradients
-        if skip_non_finite:
-            params, opt_state, model_state = non_finite.keep_if_finite(
-                flag, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
+        ema = state.ema if ema_decay is None else ema_update(ema_decay, state.ema, params)
+        if skip_non_finite:  # a skipped step moves nothing, the average included
+            params, opt_state, model_state, ema = non_finite.keep_if_finite(
+                flag, (params, opt_state, model_state, ema),
+                (state.params, state.opt_state, state.model_state, state.ema))
         out, summed = {}, {}
         for name, (value, w) in {"loss": (loss, weight), **values}.items():
             out[name] = value if w is None else weighted.mean(value, w)
@@ -284,7 +293,7 @@ def make_summed_train_step(
         if lr is not None:
             out["learning_rate"] = lr
         addends = RunningSums.of_step(summed, flag, lr)
-        return TrainState(state.step + 1, params, opt_state, model_state, state.rng), out, addends
+        return TrainState(state.step + 1, params, opt_state, model_state, state.rng, ema), out, addends
 
     return train_step
 
