@@ -4,7 +4,6 @@ This `__init__` is the folder's interface: the rest of `jaxdist.training` import
 """
 
 from jaxdist.training.loop._fit import FitOptions as FitOptions
-from jaxdist.training.loop._fit import check_int as check_int
 from jaxdist.training.loop._fit import run_fit as run_fit
 from jaxdist.training.loop._job import JobDisagreementError as JobDisagreementError
 from jaxdist.training.loop._job import agree_on_fit as agree_on_fit
@@ -16,6 +15,7 @@ from jaxdist.training.loop._non_finite import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.loop._non_finite import Window as Window
 from jaxdist.training.loop._non_finite import log_values as log_values
 from jaxdist.training.loop._preemption import PreemptionWatcher as PreemptionWatcher
+from jaxdist.training.loop._start import fit_live as fit_live
 from jaxdist.training.loop._watchdog import Watchdog as Watchdog
 
 __all__ = [
@@ -28,9 +28,9 @@ __all__ = [
     "Watchdog",
     "Window",
     "agree_on_fit",
-    "check_int",
     "data_ended",
     "failing",
+    "fit_live",
     "log_values",
     "run_fit",
 ]

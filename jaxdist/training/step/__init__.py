@@ -1,5 +1,6 @@
 """What runs on the devices: the train state, the step functions, their compiled forms, the running sums they add
-to, the weighted (token) losses, the model wrappers and the non-finite checks.
+to, the weighted (token) losses, the model wrappers and the non-finite checks; and `LiveState`, a Trainer's
+state, step counter and data position with the steps that advance them (the Trainer is a facade over it).
 
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
@@ -13,9 +14,13 @@ from jaxdist.training.step._compiled import CompiledSteps as CompiledSteps
 from jaxdist.training.step._functions import TrainState as TrainState
 from jaxdist.training.step._functions import accuracy as accuracy
 from jaxdist.training.step._functions import make_train_step as make_train_step
+from jaxdist.training.step._live import LiveState as LiveState
+from jaxdist.training.step._live import abstract_state as abstract_state
+from jaxdist.training.step._live import check_int as check_int
 from jaxdist.training.step._models import LinenModel as LinenModel
 from jaxdist.training.step._models import NnxModel as NnxModel
 from jaxdist.training.step._models import as_model as as_model
+from jaxdist.training.step._non_finite import NonFiniteError as NonFiniteError
 from jaxdist.training.step._non_finite import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.step._non_finite import describe as describe
 from jaxdist.training.step._non_finite import non_finite_leaves as non_finite_leaves
@@ -27,13 +32,17 @@ __all__ = [
     "Average",
     "CompiledSteps",
     "LinenModel",
+    "LiveState",
     "NnxModel",
+    "NonFiniteError",
     "NonFiniteRecord",
     "PackedSums",
     "RunningSums",
     "TrainState",
+    "abstract_state",
     "accuracy",
     "as_model",
+    "check_int",
     "check_losses",
     "describe",
     "make_train_step",
