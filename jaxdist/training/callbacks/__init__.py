@@ -11,9 +11,5 @@ from jaxdist.training.callbacks._callbacks import Progress as Progress
 from jaxdist.training.callbacks._callbacks import TensorBoardLogger as TensorBoardLogger
 
 __all__ = [
-    "CSVLogger",
-    "Callback",
-    "History",
-    "Progress",
-    "TensorBoardLogger",
+    "CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger",
 ]

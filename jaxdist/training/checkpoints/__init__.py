@@ -17,14 +17,6 @@ from jaxdist.training.checkpoints._storage import CheckpointSaveError as Checkpo
 from jaxdist.training.checkpoints._storage import check_directory as check_directory
 
 __all__ = [
-    "CheckpointConflictError",
-    "CheckpointCorruptedError",
-    "CheckpointSaveError",
-    "Checkpointer",
-    "check_directory",
-    "configure_compilation_cache",
-    "load_live",
-    "restore_live",
-    "roll_back",
-    "save_live",
+    "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "check_directory",
+    "configure_compilation_cache", "load_live", "restore_live", "roll_back", "save_live",
 ]

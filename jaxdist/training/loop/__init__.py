@@ -19,18 +19,7 @@ from jaxdist.training.loop._start import fit_live as fit_live
 from jaxdist.training.loop._watchdog import Watchdog as Watchdog
 
 __all__ = [
-    "FitOptions",
-    "JobDisagreementError",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "NonFinitePolicy",
-    "PreemptionWatcher",
-    "Watchdog",
-    "Window",
-    "agree_on_fit",
-    "data_ended",
-    "failing",
-    "fit_live",
-    "log_values",
+    "FitOptions", "JobDisagreementError", "NonFiniteError", "NonFiniteGuard", "NonFinitePolicy",
+    "PreemptionWatcher", "Watchdog", "Window", "agree_on_fit", "data_ended", "failing", "fit_live", "log_values",
     "run_fit",
 ]
