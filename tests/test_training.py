@@ -154,7 +154,7 @@ def test_mixed_precision_keeps_fp32_params_and_optimizer_state(linen_variables):
     h_mixed = mixed.fit(batches, steps=STEPS, log_every=1, verbose=0)
     for leaf in jax.tree.leaves((mixed.state.params, mixed.state.opt_state)):
         assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype
-    hlo = mixed._steps.fit_step.lower(mixed.state, make_batches(1)[0], mixed.peek_running_sums().vector).as_text()
+    hlo = mixed._live.steps.fit_step.lower(mixed.state, make_batches(1)[0], mixed.peek_running_sums().vector).as_text()
     assert "bf16" in hlo and "dot" in hlo  # the matmuls run in bf16
     np.testing.assert_allclose(h_mixed.metric("loss"), h_full.metric("loss"), rtol=0.05)
     assert h_mixed.metric("loss")[-1] < h_mixed.metric("loss")[0]

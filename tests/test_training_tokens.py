@@ -179,7 +179,7 @@ def test_hfu_and_mfu_from_program_cost_and_a_given_peak(variables):
     cost = history.step_cost
     assert cost is trainer.step_cost() and cost.peak_flops == peak and cost.peak_source == "peak_flops="
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), trainer.state)
-    compiled = trainer._steps.fit_step.lower(like, batches[0], trainer.peek_running_sums().vector).compile()
+    compiled = trainer._live.steps.fit_step.lower(like, batches[0], trainer.peek_running_sums().vector).compile()
     assert cost.flops == jd.program_cost(compiled).flops > 0  # the one counter, of the step that ran
     assert cost.flops == pytest.approx(compiled.cost_analysis()["flops"], rel=0.01)  # no loop: as XLA counts
     assert cost.flops == trainer.plan(batches[0]).flops  # the Trainer and Plan read the same count
@@ -198,7 +198,7 @@ def test_hfu_and_mfu_from_program_cost_and_a_given_peak(variables):
     )
     accum.train_on_batch(batches[0])
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), accum.state)
-    counted_once = accum._steps.fit_step.lower(like, batches[0], accum.pop_running_sums().vector).compile()
+    counted_once = accum._live.steps.fit_step.lower(like, batches[0], accum.pop_running_sums().vector).compile()
     flops = accum.step_cost().flops
     assert flops > 2 * counted_once.cost_analysis()["flops"]
     np.testing.assert_allclose(flops, cost.flops, rtol=0.2)

@@ -20,6 +20,7 @@ Examples:
 
 from jaxdist.costs import known_peak_flops as known_peak_flops
 from jaxdist.costs.step import StepCost as StepCost
+from jaxdist.training import _moved
 from jaxdist.training.callbacks import Callback as Callback
 from jaxdist.training.callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks import History as History
@@ -52,6 +53,8 @@ from jaxdist.training.step import TrainState as TrainState
 from jaxdist.training.step import accuracy as accuracy
 from jaxdist.training.step import make_train_step as make_train_step
 from jaxdist.training.trainer import Trainer as Trainer
+
+_moved.install()  # the flat module paths of before the folders import, with a DeprecationWarning
 
 __all__ = [
     "Average",

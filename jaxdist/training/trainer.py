@@ -10,9 +10,10 @@ Resuming is exact: the state's step counter drives the RNG (``fold_in(rng, step)
 data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads the same epoch and skips the
 batches already used, so its parameters are bitwise identical to an uninterrupted run's.
 
-``fit``'s loop lives in `jaxdist.training.loop`; it drives the trainer through its typed interface
-(`jaxdist.training.loop._fit.FitTarget`: ``train_on_batch``, ``train_on_batches``, ``pop_running_sums``,
-``peek_running_sums``, ``step_cost``, ``evaluate``, ``save``, ``restore``, ``sync_model``).
+The Trainer is a facade: its state, step counter and data position are a `jaxdist.training.step.LiveState`, whose
+methods build and step it, evaluate and predict; `jaxdist.training.checkpoints` saves, restores and loads it
+(``save_live``, ``restore_live``, ``load_live``); `jaxdist.training.loop` prepares and runs ``fit`` (``fit_live``,
+``run_fit``), driving the trainer through its typed interface (`jaxdist.training.loop._fit.FitTarget`).
 
 A diverging run loses nothing (`jaxdist.training.step._non_finite`): each step flags a non-finite loss or gradient
 norm on the devices, ``fit`` acts on the flags where it reads its logs and before every checkpoint
@@ -21,53 +22,22 @@ norm on the devices, ``fit`` acts on the flags where it reads its logs and befor
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxdist.costs.step import CostOptions, StepCost
-from jaxdist.replicate.trees import is_distributed
 from jaxdist.strategies import Plan, Strategy
-from jaxdist.strategies.layout import shape_scope, untyped
-from jaxdist.strategies.plan import abstract_variables
-from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
-from jaxdist.training.checkpoints import Checkpointer, assemble, check_directory, checked_pieces, restore_state
-from jaxdist.training.data import (
-    BatchChecker,
-    BatchFeed,
-    BatchStream,
-    DataPosition,
-    IteratorSnapshot,
-    TrainBatch,
-    UnrestorableState,
-    check_key,
-    global_rows,
-    restored_position,
-    say_batch_change,
-)
-from jaxdist.training.loop import FitOptions, NonFiniteError, NonFinitePolicy, agree_on_fit, check_int, failing, run_fit
-from jaxdist.training.step import (
-    CompiledSteps,
-    PackedSums,
-    TrainState,
-    as_model,
-    averaged,
-    check_ema_decay,
-    check_losses,
-    describe,
-    non_finite_leaves,
-    params_target,
-    restore_target,
-    state_builder,
-    with_ema,
-)
+from jaxdist.training.callbacks import Callback, History
+from jaxdist.training.checkpoints import Checkpointer, load_live, restore_live, save_live
+from jaxdist.training.data import DataPosition
+from jaxdist.training.loop import NonFinitePolicy, fit_live
+from jaxdist.training.step import LiveState, PackedSums, TrainState, check_int
 
 __all__ = ["Trainer"]
 
@@ -171,75 +141,31 @@ class Trainer:
         flops_per_step: float | None = None,
         ema_decay: float | None = None,
     ):
-        if not isinstance(strategy, Strategy):
-            raise TypeError(
-                f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. jd.MirroredStrategy() or "
-                "jd.OneDeviceStrategy()."
-            )
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(
-                f"optimizer={optimizer!r} is not an optax GradientTransformation: pass e.g. optax.adam(1e-3)."
-            )
-        if not callable(loss_fn):
-            raise TypeError(
-                f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar mean or (sum, weight)."
-            )
+        self.strategy, self.model, self.loss_fn = strategy, model, loss_fn
+        self._live = LiveState(strategy, model, optimizer, loss_fn, metrics=metrics, input_key=input_key,
+                               target_key=target_key, variables=variables, grad_accum_steps=grad_accum_steps,
+                               compute_dtype=compute_dtype, clip_grad_norm=clip_grad_norm, seed=seed,
+                               train_kwargs=train_kwargs, eval_kwargs=eval_kwargs, rng_streams=rng_streams,
+                               ema_decay=ema_decay)
         self.cost_options = CostOptions(tokens_per_example, peak_flops, flops_per_step)  # checks them
-        metrics = dict(metrics or {})
-        for name, fn in metrics.items():
-            if name == "loss" or not isinstance(name, str) or not callable(fn):
-                raise ValueError(
-                    f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to fn(outputs, targets) -> "
-                    "scalar (the loss is always reported as 'loss')."
-                )
-        input_key, target_key = check_key(input_key, "input_key"), check_key(target_key, "target_key")
-        check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
         check_int(steps_per_run, "steps_per_run", 1)
-        check_int(seed, "seed", 0, allow_none=False)
-        self.ema_decay = check_ema_decay(ema_decay)
-        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None.")
-        if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
-            raise ValueError(f"compute_dtype={compute_dtype!r} must be a floating dtype such as jnp.bfloat16.")
-        self.strategy = strategy
-        self._model = as_model(model, variables, train_kwargs=train_kwargs, eval_kwargs=eval_kwargs,
-                               rng_streams=tuple(rng_streams) if rng_streams is not None else None)
-        self.model = model
-        self.loss_fn = loss_fn
-        self.metrics = metrics
-        self.input_key, self.target_key = input_key, target_key
-        self.optimizer = optax.chain(optax.clip_by_global_norm(clip_grad_norm), optimizer) if clip_grad_norm \
-            else optimizer
-        self.grad_accum_steps = grad_accum_steps
-        self.compute_dtype = compute_dtype
-        self.seed = seed
+        self.metrics, self.optimizer, self.seed = self._live.metrics, self._live.optimizer, seed
+        self.input_key, self.target_key = self._live.input_key, self._live.target_key
+        self.grad_accum_steps, self.compute_dtype = grad_accum_steps, compute_dtype
+        self.ema_decay = self._live.ema_decay
         self.steps_per_run = steps_per_run or int(getattr(strategy, "steps_per_run", 1) or 1)
         self.stop_training = False
-        self._position_unknown = False  # load_state's run: where its data stopped is unknown until set
-        self._loaded = False  # the state is load_state's and no fit has trained it yet
-        self._unchecked = False  # load_state without a batch: the model checks its parameters at its first batch
-        self.data_position = DataPosition()
-        self._state: TrainState | None = None
-        self._step = 0
-        self._batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps, input_key=input_key,
-                                     target_key=target_key)
-        # The stream boundary: every training batch is checked by self._batches and placed once, here. A
-        # compiled step per batch takes placed batches; an on-device loop stacks host batches and places them.
-        self._feed = BatchFeed(strategy, self._batches, place=True)
-        self._loop_feed = BatchFeed(strategy, self._batches, place=False)
-        self._steps = CompiledSteps(strategy, self._model, self.optimizer, loss_fn, metrics, grad_accum_steps,
-                                    compute_dtype, ema_decay=self.ema_decay)
 
     # --------------------------------------------------------------------------------------------- state
     @property
     def state(self) -> TrainState | None:
         """The `TrainState` in the strategy's layout (None before the first batch is seen)."""
-        return self._state
+        return self._live.state
 
     @property
     def params(self) -> Any:
         """The current parameters (a nested dict of arrays)."""
-        return None if self._state is None else self._state.params
+        return None if self._live.state is None else self._live.state.params
 
     @property
     def ema_params(self) -> Any:
@@ -256,12 +182,12 @@ class Trainer:
             >>> bool(np.allclose(trainer.ema_params["bias"], 0.9 * start + 0.1 * np.asarray(trainer.params["bias"])))
             True
         """
-        return None if self._state is None else self._state.ema
+        return None if self._live.state is None else self._live.state.ema
 
     @property
     def step(self) -> int:
         """Optimizer steps taken so far (restored from checkpoints, set by `load_state`)."""
-        return self._step
+        return self._live.step
 
     @property
     def data_position(self) -> DataPosition:
@@ -271,16 +197,11 @@ class Trainer:
         ``trainer.data_position = jd.training.DataPosition(epoch=0, index=20)``: ``fit`` then skips the first
         20 batches of epoch 0 of a list or ``data_fn(epoch)``.
         """
-        return self._data_position
+        return self._live.position
 
     @data_position.setter
     def data_position(self, position: DataPosition) -> None:
-        if not isinstance(position, DataPosition):
-            raise TypeError(
-                f"data_position={position!r} must be a jd.training.DataPosition(epoch=..., index=...)."
-            )
-        self._data_position = position
-        self._position_unknown = False
+        self._live.position = position
 
     def init(self, batch: Any) -> TrainState:
         """Build the state from a sample batch (done on first use; call it to build it earlier).
@@ -299,43 +220,7 @@ class Trainer:
         Raises:
             ValueError: for a batch of the wrong structure, or a loss_fn / metric returning a non-scalar.
         """
-        if self._state is not None:
-            if self._unchecked:
-                self._check_loaded(batch)
-            return self._state
-        build, args = self._checked_builder(batch)
-        with self.strategy.scope():
-            self._state = with_ema(self.strategy.create_variables(build, *args), self.ema_decay)
-        return self._state
-
-    def _check_loaded(self, batch: Any) -> None:
-        """At the first batch after ``load_state`` without one: the loaded parameters checked against the
-        model's (before any update), and the model's other variables (batch statistics) as a new run's."""
-        like = restore_target(self.strategy, *self._checked_builder(batch))
-        state = self._state
-        try:
-            checked_pieces(like, state.params, None, None)
-        except ValueError as e:
-            raise ValueError(
-                f"the parameters given to load_state() do not fit this model on its first batch: {e}"
-            ) from None
-        if jax.tree.leaves(like.model_state) and not jax.tree.leaves(state.model_state):
-            build, args = self._checked_builder(batch)
-            with self.strategy.scope():
-                fresh = self.strategy.create_variables(build, *args)
-            state = state._replace(model_state=fresh.model_state)
-        self._state, self._unchecked = state, False
-
-    def _checked_builder(self, batch: Any) -> tuple[Callable, tuple]:
-        """The state's builder for ``batch``'s shapes, after checking what the losses return on them (which also
-        tells the compiled steps which of them are token-weighted)."""
-        x, y = self._batches.split(batch, "the first batch", need_targets=False)
-        build, args = state_builder(self._model, self.optimizer, self.seed, x)
-        if y is not None:
-            with shape_scope(self.strategy.mesh):
-                self._steps.weighted = check_losses(self._model, self.loss_fn, self.metrics,
-                                                    jax.eval_shape(build, *untyped(args)), x, y)
-        return build, args
+        return self._live.init(batch)
 
     def sync_model(self) -> None:
         """Write the trained values back into the model the trainer was given (``fit`` does this at its end).
@@ -354,8 +239,7 @@ class Trainer:
             >>> float(model.bias[0]) != before
             True
         """
-        if self._state is not None:
-            self._model.sync(self._state.params, self._state.model_state)
+        self._live.sync()
 
     # ------------------------------------------------------------------------------------------ steps
     def train_on_batch(self, batch: Any) -> dict[str, jax.Array]:
@@ -382,11 +266,7 @@ class Trainer:
             >>> trainer.step, sorted(metrics)
             (1, ['loss'])
         """
-        fed: TrainBatch = batch if self._feed.trusts(batch) else self._feed(batch, "train_on_batch's batch")
-        state = self.init(fed.pair)  # the state (built, or checked after load_state, on first use)
-        self._state, metrics = self._steps.train(state, fed.pair)
-        self._step += 1
-        return metrics
+        return self._live.train(batch, "train_on_batch's batch")
 
     def train_on_batches(self, batches: Sequence[Any]) -> dict[str, jax.Array]:
         """``len(batches)`` optimizer steps in ONE compiled on-device loop (``strategy.run_steps_on_dataset``).
@@ -411,14 +291,7 @@ class Trainer:
             >>> trainer.step, metrics["loss"].shape
             (4, (4,))
         """
-        feed = self._loop_feed
-        pairs = [(b if feed.trusts(b) else feed(b, f"train_on_batches' batch {i}")).pair for i, b in enumerate(batches)]
-        if not pairs:
-            raise ValueError("train_on_batches got no batches: pass at least one.")
-        state = self.init(pairs[0])
-        self._state, values = self._steps.train_loop(state, pairs)
-        self._step += len(pairs)
-        return values
+        return self._live.train_loop(batches)
 
     def pop_running_sums(self) -> PackedSums:
         """The running sums of the steps taken since the last call, on the devices; restarts them.
@@ -448,9 +321,7 @@ class Trainer:
             >>> int(trainer.pop_running_sums().to_host().steps)  # restarted
             0
         """
-        if self._state is None:
-            raise RuntimeError("pop_running_sums() before the state exists: call fit(...) or init(batch) first.")
-        return self._steps.pop_sums(self._state)
+        return self._live.sums("pop_running_sums")
 
     def peek_running_sums(self) -> PackedSums:
         """The running sums `pop_running_sums` would return, without restarting them (read them before the next
@@ -472,37 +343,18 @@ class Trainer:
             >>> int(peeked.non_finite.count), int(peeked.steps), int(trainer.pop_running_sums().to_host().steps)
             (1, 1, 1)
         """
-        if self._state is None:
-            raise RuntimeError("peek_running_sums() before the state exists: call fit(...) or init(batch) first.")
-        return self._steps.peek_sums(self._state)
+        return self._live.sums("peek_running_sums", pop=False)
 
     def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """Deprecated: `pop_running_sums` (read by name: ``.to_host().mean("loss")``) as ``(names, vector)``.
-
-        Returns:
-            ``(names, sums)``: ``sums[i]`` belongs to ``names[i]``: each metric's sum (``"loss"`` first; a
-            token-weighted one followed by ``"<name>.weight"``), ``"learning_rate"`` the last step's rate (when
-            logged), the non-finite steps' record (``"non_finite_steps"``, ...) and ``"steps"``. A device vector
-            (zeros when no step ran since the last call).
+        """Deprecated: `pop_running_sums` (read by name: ``.to_host().mean("loss")``) as ``(names, vector)``:
+        ``vector[i]`` belongs to ``names[i]`` (each metric's sum, ``"loss"`` first, a token-weighted one followed by
+        ``"<name>.weight"``; ``"learning_rate"``; the non-finite steps' record; ``"steps"``).
 
         Raises:
             RuntimeError: before the state exists.
-
-        Examples:
-            >>> import warnings, flax.linen as nn, numpy as np, optax, jaxdist as jd
-            >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
-            ...                               lambda out, y: ((out[:, 0] * 0 + y) ** 2).mean())
-            >>> _ = trainer.train_on_batch((np.ones((8, 2), np.float32), np.full(8, 2.0, np.float32)))
-            >>> with warnings.catch_warnings():
-            ...     warnings.simplefilter("ignore", DeprecationWarning)
-            ...     names, sums = trainer.pop_metric_sums()
-            >>> dict(zip(names, sums.tolist()))["loss"]
-            4.0
         """
         _deprecated("pop_metric_sums", "pop_running_sums")
-        if self._state is None:
-            raise RuntimeError("pop_metric_sums() before the state exists: call fit(...) or init(batch) first.")
-        return _packed(self._steps.pop_sums(self._state))
+        return _packed(self._live.sums("pop_metric_sums"))
 
     def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
         """Deprecated: `peek_running_sums` packed as ``(names, vector)`` (see `pop_metric_sums`).
@@ -511,9 +363,7 @@ class Trainer:
             RuntimeError: before the state exists.
         """
         _deprecated("peek_metric_sums", "peek_running_sums")
-        if self._state is None:
-            raise RuntimeError("peek_metric_sums() before the state exists: call fit(...) or init(batch) first.")
-        return _packed(self._steps.peek_sums(self._state))
+        return _packed(self._live.sums("peek_metric_sums", pop=False))
 
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
@@ -534,10 +384,7 @@ class Trainer:
             >>> cost.flops > 0, cost.peak_flops, cost.param_bytes  # kernel (2, 1) + bias (1,), float32
             (True, 1000000000.0, 12)
         """
-        signature = self._batches.signature
-        if self._state is None or signature is None or self._steps.fit_step is None:
-            raise RuntimeError("step_cost() before the first training step: call fit(...) or train_on_batch first.")
-        return self._steps.step_cost(self._state, signature, self.cost_options)
+        return self._live.step_cost(self.cost_options)
 
     def plan(self, batch: Any) -> Plan:
         """The `jd.Plan` of the trainer's own train step on a global ``batch``: memory, FLOPs and collectives
@@ -563,16 +410,7 @@ class Trainer:
             >>> plan.state_bytes["params"] == (64 * 64 + 64) * 4 // 8, trainer.state is None
             (True, True)
         """
-        x, y = self._batches.split(batch, "plan's batch")
-        if self._state is not None:
-            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
-        else:
-            # The builder reads one example (as init does): one row of zeros of the batch's shapes stands in.
-            row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)), (x, y))
-            build, args = self._checked_builder(row)
-            with self.strategy.scope():
-                state = with_ema(abstract_variables(self.strategy.policy, build, args, {}), self.ema_decay)
-        return self._steps.plan(state, (x, y))
+        return self._live.plan(batch)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def save(self, checkpoint_dir: str | os.PathLike | Checkpointer, max_to_keep: int | None = 3) -> str:
@@ -595,44 +433,7 @@ class Trainer:
             NonFiniteError: (a `FloatingPointError`) when the state is not finite, naming the leaves and the
                 newest checkpoint there is; nothing is written.
         """
-        if self._state is None:
-            raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
-        bad = non_finite_leaves(self._state)
-        if bad:
-            self._refuse(checkpoint_dir, bad)
-        position = self.data_position  # a grain source's iterator state goes beside it, one file per process
-        meta = {"model_kind": self._model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
-                "global_batch": global_rows(self._batches.signature)}
-        state = position.state
-        data_iterator = None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
-        if isinstance(checkpoint_dir, Checkpointer):
-            return checkpoint_dir.save(self._step, self._state, meta, data_iterator)
-        ckpt = Checkpointer(checkpoint_dir, max_to_keep)
-        try:
-            return ckpt.save(self._step, self._state, meta, data_iterator)
-        finally:
-            ckpt.close()
-
-    def _refuse(self, checkpoint_dir: str | os.PathLike | Checkpointer, bad: list[str]) -> None:
-        """Raise the `NonFiniteError` of a save refused because the leaves ``bad`` are not finite."""
-        if isinstance(checkpoint_dir, Checkpointer):
-            directory, latest = checkpoint_dir.directory, checkpoint_dir.latest_step()
-        else:
-            directory = os.path.abspath(os.fspath(checkpoint_dir))
-            latest = None
-            if os.path.isdir(directory) and os.listdir(directory):
-                ckpt = Checkpointer(directory, None)
-                try:
-                    latest = ckpt.latest_step()
-                finally:
-                    ckpt.close()
-        where = "there is no checkpoint there" if latest is None else f"the newest checkpoint there is step {latest}"
-        raise NonFiniteError(
-            f"not saving step {self._step} to {directory!r}: its state is not finite ({describe(bad)}); {where}. "
-            "Resume from a finite checkpoint (fit(..., restore_step=...)) with a lower learning rate or "
-            "clip_grad_norm=..., or train with on_non_finite='skip' / 'rollback'.",
-            step=self._step, count=0, checkpoint=latest, directory=directory,
-        )
+        return save_live(self._live, checkpoint_dir, max_to_keep)
 
     def restore(
         self, checkpoint_dir: str | os.PathLike | Checkpointer, step: int | None = None, batch: Any = None
@@ -659,45 +460,7 @@ class Trainer:
             CheckpointCorruptedError: when the checkpoint's files are damaged, naming the newest older
                 checkpoint that restores into this trainer (the trainer is left as it was).
         """
-        if isinstance(checkpoint_dir, Checkpointer):
-            return self._restore(checkpoint_dir, step, batch)
-        ckpt = Checkpointer(checkpoint_dir, None)
-        try:
-            return self._restore(ckpt, step, batch)
-        finally:
-            ckpt.close()
-
-    def _restore(self, ckpt: Checkpointer, step: int | None, batch: Any, step_argument: str = "step") -> int:
-        """Restore checkpoint ``step`` (None: the latest) whole (state, step, data position) or not at all."""
-        targets: list[Any] = []  # built once, on the first checkpoint that fits this model
-
-        def read(at: int) -> tuple[Any, int, DataPosition]:
-            meta = ckpt.meta(at)
-            if meta.get("model_kind") != self._model.kind:
-                raise ValueError(
-                    f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a {meta.get('model_kind')} model, but "
-                    f"this Trainer's model is a {self._model.kind} module: pass the {meta.get('model_kind')} model "
-                    "that wrote it, or use a fresh checkpoint_dir."
-                )
-            if not targets:
-                targets.append(self._restore_target(batch))
-            state, meta = restore_state(ckpt, targets[0], at)  # with or without averaged weights
-            position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(at))
-            return state, int(meta["step"]), position
-
-        state, at, position = ckpt.read(read, step, step_argument=step_argument)
-        self._state, self._step, self.data_position = with_ema(state, self.ema_decay), at, position
-        self.sync_model()
-        return self._step
-
-    def _restore_target(self, batch: Any) -> Any:
-        """What a restore reads into: the live state, or (cheaper: nothing is computed or allocated twice)
-        abstract arrays carrying the strategy's variable layout."""
-        if self._state is not None:
-            return self._state
-        if batch is None:
-            raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
-        return with_ema(restore_target(self.strategy, *self._checked_builder(batch)), self.ema_decay)
+        return restore_live(self._live, checkpoint_dir, step, batch)
 
     def load_state(
         self,
@@ -772,40 +535,7 @@ class Trainer:
             >>> trainer.step, int(trainer.state.opt_state[0].count)
             (25, 25)
         """
-        check_int(step, "step", 0)
-        for name, piece in (("params", params), ("opt_state", opt_state), ("model_state", model_state)):
-            held = [jax.tree_util.keystr(p) for p, v in
-                    jax.tree_util.tree_flatten_with_path(piece, is_leaf=is_distributed)[0] if is_distributed(v)]
-            if held:
-                raise ValueError(
-                    f"{name} holds per-replica values ({type(piece).__name__}{held[0]}"
-                    f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): one copy per replica, where the "
-                    "trainer keeps one state. Pass one copy (strategy.experimental_local_results(value)[0]) or "
-                    "their mean (strategy.reduce('mean', value)); replicas that drifted apart were trained apart."
-                )
-        unchecked = False  # the model's own check waits for its first batch
-        if self._state is not None:
-            like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._state)
-        elif batch is None and self._model.kind == "linen" and self._model.initial_variables is None:
-            # A linen model's shapes come from its inputs: the pieces are checked against each other now (the
-            # optimizer state against optimizer.init(params)'s) and against the model at the first batch.
-            like, unchecked = params_target(self.strategy, self.optimizer, params, model_state), True
-        else:
-            like = restore_target(self.strategy, *self._checked_builder(batch))
-        # Everything given is checked before anything is built or placed: an error leaves the trainer as it was.
-        pieces = checked_pieces(like, params, opt_state, model_state)
-        base = self._state
-        if base is None and model_state is None and jax.tree.leaves(like.model_state):
-            base = self.init(batch)  # the model's other variables (batch statistics, nnx Rngs), as a new run's
-        step = self._step if step is None else step
-        state = with_ema(assemble(like, pieces, base, self.optimizer, self.seed, step), self.ema_decay)
-        self._state, self._step = state, step
-        self._unchecked = unchecked
-        self.data_position = DataPosition()
-        self._position_unknown = True  # fit says where it starts reading a list (set data_position to say it)
-        self._loaded = True  # until a fit trains on it (one that restores a later checkpoint over it says so)
-        self.sync_model()
-        return state
+        return load_live(self._live, params, opt_state, step, model_state, batch)
 
     # --------------------------------------------------------------------------------------------- fit
     def fit(
@@ -913,117 +643,12 @@ class Trainer:
             NonFiniteError: (a `FloatingPointError`) when a step's loss or gradients were not finite and the
                 policy stops (see ``on_non_finite``).
         """
-        if steps is None and epochs is None:
-            raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
-        check_int(epochs, "epochs", 0)
-        options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                             log_every=log_every, step_timeout=step_timeout,
-                             straggler_ratio=straggler_ratio)  # checks them
-        if on_preemption not in ("exit", "return"):
-            raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
-        check_int(restore_step, "restore_step", 0)
-        policy = NonFinitePolicy.of(on_non_finite)
-        if policy.action == "rollback" and checkpoint_dir is None:
-            raise ValueError(
-                "on_non_finite='rollback' needs checkpoint_dir=... (it restores the last finite checkpoint): pass "
-                "one (with checkpoint_every=...), or use on_non_finite='skip' or 'stop'."
-            )
-        if restore_step is not None and checkpoint_dir is None:
-            raise ValueError(
-                f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
-            )
-        if checkpoint_dir is not None:  # storage trouble before any step, not at the first save
-            check_directory(checkpoint_dir, "checkpoint_dir", create=jax.process_index() == 0)
-        stream = BatchStream(train_data, None, epochs, self._batches)  # the first batch, checked, for the state
-        sample = None
-        if self._state is None or self._unchecked:
-            sample = stream.peek(self.data_position.epoch)  # checked; a grain iterator is not advanced
-        settings = {"steps": steps, "epochs": epochs, "checkpoint_every": checkpoint_every, "eval_every": eval_every,
-                    "log_every": log_every, "restore_step": restore_step, "keep_checkpoints": keep_checkpoints,
-                    "checkpoint_dir": checkpoint_dir is not None, "on_non_finite": policy.action}
-        with failing(self.strategy.mesh, lambda: self._step):  # a process that fails ends the job, with its reason
-            agree_on_fit(self.strategy.mesh, settings, checkpoint_dir)  # before anything collective
-            history = self._fit(train_data, stream, sample, checkpoint_dir, keep_checkpoints, async_checkpoints,
-                                restore_step, epochs, steps, verbose, callbacks, log_dir, options, policy)
-        if history.data_ended is not None and verbose and self.strategy.should_save_summary:
-            print(f"fit: train_data ended at step {history.data_ended} of {steps}: the run stopped there "
-                  "(history.data_ended).", flush=True)
-        if history.preempted and on_preemption == "exit":
-            raise SystemExit(0)
-        return history
-
-    def _fit(self, train_data: Any, stream: BatchStream, sample: Any, checkpoint_dir: Any, keep_checkpoints: int,
-             async_checkpoints: bool, restore_step: int | None, epochs: int | None, steps: int | None, verbose: Any,
-             callbacks: Any, log_dir: Any, options: FitOptions, policy: NonFinitePolicy) -> History:
-        """``fit``'s body once its arguments are checked (and, with several processes, agreed)."""
-        ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
-                                                                 async_save=async_checkpoints)
-        try:
-            if ckpt is not None:
-                ckpt.claim()  # one writer per directory: a second live run is refused here, before any step
-                ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
-            resumed = ckpt is not None and (restore_step is not None or (ckpt.latest_step() or 0) > self._step)
-            if restore_step is not None:
-                self._roll_back(ckpt, restore_step, sample)
-            elif ckpt is not None and (latest := ckpt.latest_step() or 0) > self._step:
-                if self._loaded:  # the state load_state gave is about to be replaced: say so
-                    warnings.warn(
-                        f"fit resumes from checkpoint {latest} of checkpoint_dir={str(checkpoint_dir)!r}, which "
-                        f"replaces the state load_state gave (step {self._step}); to train on from that state, pass a "
-                        "checkpoint_dir without later checkpoints (or restore_step= to choose one).",
-                        UserWarning, stacklevel=2)
-                self._restore(ckpt, None, sample, "restore_step")
-            if ckpt is not None and resumed:  # the position counts batches: another batch size moves it
-                say_batch_change(ckpt.meta(self._step), global_rows(self._batches.signature), self.data_position)
-            self._loaded = False
-            if self._state is None or self._unchecked:
-                self.init(sample)
-            if self._position_unknown and not isinstance(train_data, Iterator):
-                self._say_start()
-            callbacks = list(callbacks)
-            writer = self.strategy.should_save_summary  # one writer: the chief (process 0) shows and writes logs
-            if verbose and writer:  # 1 / True: "auto"; 2: "auto" with the step's whole cost line
-                callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1, 2) else verbose,
-                                             details=verbose == 2, resumed_from=checkpoint_dir if resumed else None))
-            if log_dir is not None and writer:
-                callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
-            options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
-                                          steps_per_run=self.steps_per_run, mesh=self.strategy.mesh,
-                                          on_non_finite=policy)
-            feed = self._feed if self.steps_per_run == 1 else self._loop_feed
-            self._steps.skip_non_finite = policy.action == "skip"  # a step variant that skips on the devices
-            history = run_fit(self, BatchStream(stream.data, self.data_position, epochs, feed), options)
-        finally:
-            self._steps.skip_non_finite = False
-            if ckpt is not None:
-                ckpt.close()
-        return history
-
-    def _say_start(self) -> None:
-        """After `load_state`: say that ``fit`` reads a list (or ``data_fn``) from its first batch, and how to
-        say otherwise (once: setting `data_position` says where, and ends the warning)."""
-        self._position_unknown = False
-        warnings.warn(
-            f"fit continues the run load_state loaded at step {self._step} from batch 0 of epoch 0 of train_data "
-            "(where that run's data stopped is unknown). If train_data starts with the batches that run trained "
-            f"on, set trainer.data_position = jd.training.DataPosition(epoch=0, index={self._step}) before fit to "
-            "skip them; if it starts with the batches that come next, set trainer.data_position = "
-            "jd.training.DataPosition() to say so. Either silences this; an iterator is read on from where it is.",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    def _roll_back(self, ckpt: Checkpointer, step: int, sample: Any) -> None:
-        """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (another run's: kept,
-        they would be resumed from next time, and a save at one of their steps would be skipped as done)."""
-        steps = ckpt.all_steps()
-        if step not in steps:
-            raise FileNotFoundError(
-                f"restore_step={step}: {ckpt.directory!r} has no checkpoint for step {step}; it has steps {steps}: "
-                "pass one of them, or leave restore_step out to resume from the latest."
-            )
-        self._restore(ckpt, step, sample, "restore_step")
-        ckpt.abandon_after(step)  # recorded first: an interruption cannot bring them back as the newest
+        return fit_live(self, self._live, self.steps_per_run, train_data, steps, epochs=epochs, eval_data=eval_data,
+                        eval_every=eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                        keep_checkpoints=keep_checkpoints, async_checkpoints=async_checkpoints, log_every=log_every,
+                        log_dir=log_dir, callbacks=callbacks, verbose=verbose, on_preemption=on_preemption,
+                        restore_step=restore_step, step_timeout=step_timeout, on_non_finite=on_non_finite,
+                        straggler_ratio=straggler_ratio)
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any, *, ema: bool = False) -> dict[str, float]:
@@ -1041,8 +666,7 @@ class Trainer:
         Raises:
             ValueError: for batches of the wrong structure, or empty data; ``ema=True`` without ``ema_decay``.
         """
-        state_for = averaged(self._state_for, self.ema_decay, "evaluate(ema=True)") if ema else self._state_for
-        return self._steps.evaluate(state_for, data, self._batches.split)
+        return self._live.evaluate(data, ema)
 
     def predict(self, data: Any, *, ema: bool = False) -> Any:
         """The model's outputs (evaluation mode) for every example of ``data``, as numpy arrays.
@@ -1058,12 +682,7 @@ class Trainer:
         Raises:
             ValueError: ``ema=True`` without ``ema_decay``.
         """
-        state_for = averaged(self._state_for, self.ema_decay, "predict(ema=True)") if ema else self._state_for
-        return self._steps.predict(state_for, data, self._batches.split)
-
-    def _state_for(self, batch: Any) -> TrainState:
-        """The state; built from ``batch`` (a placed one) the first time."""
-        return self._state if self._state is not None and not self._unchecked else self.init(jax.device_get(batch))
+        return self._live.predict(data, ema)
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -13,11 +13,5 @@ from jaxdist.training.callbacks._trackers import MLflowLogger as MLflowLogger
 from jaxdist.training.callbacks._trackers import WandbLogger as WandbLogger
 
 __all__ = [
-    "CSVLogger",
-    "Callback",
-    "History",
-    "MLflowLogger",
-    "Progress",
-    "TensorBoardLogger",
-    "WandbLogger",
+    "CSVLogger", "Callback", "History", "MLflowLogger", "Progress", "TensorBoardLogger", "WandbLogger",
 ]

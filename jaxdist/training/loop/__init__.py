@@ -4,7 +4,6 @@ This `__init__` is the folder's interface: the rest of `jaxdist.training` import
 """
 
 from jaxdist.training.loop._fit import FitOptions as FitOptions
-from jaxdist.training.loop._fit import check_int as check_int
 from jaxdist.training.loop._fit import run_fit as run_fit
 from jaxdist.training.loop._hosts import StragglerWarning as StragglerWarning
 from jaxdist.training.loop._job import JobDisagreementError as JobDisagreementError
@@ -17,22 +16,12 @@ from jaxdist.training.loop._non_finite import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.loop._non_finite import Window as Window
 from jaxdist.training.loop._non_finite import log_values as log_values
 from jaxdist.training.loop._preemption import PreemptionWatcher as PreemptionWatcher
+from jaxdist.training.loop._start import fit_live as fit_live
 from jaxdist.training.loop._watchdog import Watchdog as Watchdog
 
 __all__ = [
-    "FitOptions",
-    "JobDisagreementError",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "NonFinitePolicy",
-    "PreemptionWatcher",
-    "StragglerWarning",
-    "Watchdog",
-    "Window",
-    "agree_on_fit",
-    "check_int",
-    "data_ended",
-    "failing",
-    "log_values",
+    "FitOptions", "JobDisagreementError", "NonFiniteError", "NonFiniteGuard", "NonFinitePolicy",
+    "PreemptionWatcher", "StragglerWarning", "Watchdog", "Window", "agree_on_fit", "data_ended", "failing",
+    "fit_live", "log_values",
     "run_fit",
 ]

@@ -65,9 +65,9 @@ from jaxdist.training.loop._logs import Logs
 from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
 from jaxdist.training.loop._preemption import PreemptionWatcher
 from jaxdist.training.loop._watchdog import Watchdog
-from jaxdist.training.step import PackedSums
+from jaxdist.training.step import PackedSums, check_int
 
-__all__ = ["READ_AHEAD", "Fit", "FitOptions", "FitTarget", "check_int", "run_fit"]
+__all__ = ["READ_AHEAD", "Fit", "FitOptions", "FitTarget", "run_fit"]
 
 READ_AHEAD = 2
 """Batches placed ahead of the step being dispatched (one compiled step per batch)."""
@@ -75,21 +75,6 @@ READ_AHEAD = 2
 READ_LAG = 2
 """Several processes: a log window is read this many checks (steps, or on-device loops) after it closed, at the
 same check on every process, so that every process acts on a non-finite step at the same step."""
-
-
-def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (or None when allowed).
-
-    Examples:
-        >>> check_int(None, "eval_every", 1)
-        >>> check_int(0, "log_every", 1, allow_none=False)
-        Traceback (most recent call last):
-        ValueError: log_every=0 must be an int >= 1.
-    """
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{' or None' if allow_none else ''}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist.training.step import NonFiniteRecord
+from jaxdist.training.step import NonFiniteError, NonFiniteRecord
 
 __all__ = [
     "ACTIONS",
@@ -97,33 +97,6 @@ class NonFinitePolicy:
             ValueError: for anything else (naming ``on_non_finite``, the value and the choices).
         """
         return value if isinstance(value, NonFinitePolicy) else cls(value)
-
-
-class NonFiniteError(FloatingPointError):
-    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped without saving them.
-
-    Attributes:
-        step: the first step whose loss or gradients were not finite (or whose state was not).
-        count: how many steps were not finite when the run stopped.
-        checkpoint: the newest checkpoint (all are finite), or None when there is none.
-        directory: the checkpoint directory, or None.
-
-    Examples:
-        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30, directory="/c")
-        >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
-        (True, 40, 30)
-    """
-
-    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None, directory: str | None):
-        super().__init__(message)
-        self.step, self.count, self.checkpoint, self.directory = step, count, checkpoint, directory
-
-    def __reduce__(self) -> tuple:  # picklable (keyword-only arguments)
-        return _rebuild, (str(self), self.step, self.count, self.checkpoint, self.directory)
-
-
-def _rebuild(message: str, step: int, count: int, checkpoint: int | None, directory: str | None) -> NonFiniteError:
-    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint, directory=directory)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """What runs on the devices: the train state, the step functions, their compiled forms, the running sums they add
-to, the weighted (token) losses, the model wrappers, the non-finite checks and the averaged weights.
+to, the weighted (token) losses, the model wrappers, the non-finite checks and the averaged weights; and
+`LiveState`, a Trainer's state, step counter and data position with the steps that advance them (the Trainer
+is a facade over it).
 
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
@@ -16,9 +18,13 @@ from jaxdist.training.step._ema import with_ema as with_ema
 from jaxdist.training.step._functions import TrainState as TrainState
 from jaxdist.training.step._functions import accuracy as accuracy
 from jaxdist.training.step._functions import make_train_step as make_train_step
+from jaxdist.training.step._live import LiveState as LiveState
+from jaxdist.training.step._live import abstract_state as abstract_state
+from jaxdist.training.step._live import check_int as check_int
 from jaxdist.training.step._models import LinenModel as LinenModel
 from jaxdist.training.step._models import NnxModel as NnxModel
 from jaxdist.training.step._models import as_model as as_model
+from jaxdist.training.step._non_finite import NonFiniteError as NonFiniteError
 from jaxdist.training.step._non_finite import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.step._non_finite import describe as describe
 from jaxdist.training.step._non_finite import non_finite_leaves as non_finite_leaves
@@ -27,25 +33,8 @@ from jaxdist.training.step._running import PackedSums as PackedSums
 from jaxdist.training.step._running import RunningSums as RunningSums
 
 __all__ = [
-    "Average",
-    "CompiledSteps",
-    "LinenModel",
-    "NnxModel",
-    "NonFiniteRecord",
-    "PackedSums",
-    "RunningSums",
-    "TrainState",
-    "accuracy",
-    "as_model",
-    "averaged",
-    "check_ema_decay",
-    "check_losses",
-    "describe",
-    "make_train_step",
-    "non_finite_leaves",
-    "params_target",
-    "restore_target",
-    "state_builder",
-    "state_keys",
-    "with_ema",
+    "Average", "CompiledSteps", "LinenModel", "LiveState", "NnxModel", "NonFiniteError", "NonFiniteRecord",
+    "PackedSums", "RunningSums", "TrainState", "abstract_state", "accuracy", "as_model", "averaged",
+    "check_ema_decay", "check_int", "check_losses", "describe", "make_train_step", "non_finite_leaves",
+    "params_target", "restore_target", "state_builder", "state_keys", "with_ema",
 ]

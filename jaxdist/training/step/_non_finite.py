@@ -16,6 +16,9 @@ part of it (the host's is in `jaxdist.training.loop`).
 * Never saved: `non_finite_leaves` reads, on the devices, which leaves of a state are not finite; the trainer
   refuses to save such a state (``Trainer.save``), so no checkpoint holds one and the rotation of checkpoints
   (``keep_checkpoints``) only ever deletes finite checkpoints older than the newest finite one.
+
+`NonFiniteError` (a `FloatingPointError`) is the error of both: a run stopped on its non-finite steps, a state
+refused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import optax
 
 __all__ = [
     "FLAG",
+    "NonFiniteError",
     "NonFiniteRecord",
     "describe",
     "keep_if_finite",
@@ -39,6 +43,33 @@ __all__ = [
 
 FLAG = "non_finite"
 """The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0 otherwise)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped without saving them.
+
+    Attributes:
+        step: the first step whose loss or gradients were not finite (or whose state was not).
+        count: how many steps were not finite when the run stopped.
+        checkpoint: the newest checkpoint (all are finite), or None when there is none.
+        directory: the checkpoint directory, or None.
+
+    Examples:
+        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30, directory="/c")
+        >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
+        (True, 40, 30)
+    """
+
+    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None, directory: str | None):
+        super().__init__(message)
+        self.step, self.count, self.checkpoint, self.directory = step, count, checkpoint, directory
+
+    def __reduce__(self) -> tuple:  # picklable (keyword-only arguments)
+        return _rebuild, (str(self), self.step, self.count, self.checkpoint, self.directory)
+
+
+def _rebuild(message: str, step: int, count: int, checkpoint: int | None, directory: str | None) -> NonFiniteError:
+    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint, directory=directory)
 
 
 def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
