@@ -796,6 +796,8 @@ class Trainer:
         restore_step: int | None = None,
         step_timeout: float | None = None,
         on_non_finite: str | NonFinitePolicy = "stop",
+        profile_steps: tuple[int, int] | None = None,
+        profile_processes: int | Sequence[int] | str = (0,),
     ) -> History:
         """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
 
@@ -825,7 +827,8 @@ class Trainer:
                 blocks until written.
             log_every: steps between log points: each log is the mean of every metric over the steps since
                 the previous one (with ``steps_per_run > 1`` too; token-weighted for ``(sum, weight)`` losses),
-                plus steps/s and, where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
+                plus steps/s, the window's seconds by part (``time/steps``, ...: `History`'s ``time``) and,
+                where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
                 step's cost (`step_cost`) is logged once, after the first step. A log point does not wait for
                 the devices: it is emitted once they have the values (a step or two later, with its own
                 step number), and always before the next evaluation, checkpoint or the end of ``fit``.
@@ -857,9 +860,17 @@ class Trainer:
                 data past the bad batches; at most 3 times, then stop. ``"continue"``: train on, with one
                 warning. A `NonFinitePolicy` sets other limits. Whatever the policy, a non-finite state is
                 never saved (`save`).
+            profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` with `jax.profiler` (step ``n``
+                is the one numbered ``n`` in the logs: after it ``trainer.step == n``) into
+                ``<log_dir>/profile``, for xprof, TensorBoard's profile plugin (``plugins/profile/*/
+                *.xplane.pb``) or Perfetto (``perfetto_trace.json.gz``). With ``steps_per_run > 1`` the trace
+                covers the on-device loops that run those steps; a resumed run traces what is left of the
+                window. Needs ``log_dir``.
+            profile_processes: the processes that trace (``profile_steps``): a process index, several, or
+                ``"all"``; default process 0.
 
         Returns:
-            The `History` of logged metrics.
+            The `History` of logged metrics, and where the time went (``history.time``, ``history.goodput``).
 
         Raises:
             ValueError: for bad arguments, data of the wrong batch structure, batches the replicas do not
@@ -879,7 +890,8 @@ class Trainer:
             raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
         check_int(epochs, "epochs", 0)
         options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                             log_every=log_every, step_timeout=step_timeout)  # checks them
+                             log_every=log_every, step_timeout=step_timeout, log_dir=log_dir,
+                             profile_steps=profile_steps, profile_processes=profile_processes)  # checks them
         if on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
         check_int(restore_step, "restore_step", 0)

@@ -4,6 +4,7 @@
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
 
+from jaxdist.training.callbacks._callbacks import TIME_PARTS as TIME_PARTS
 from jaxdist.training.callbacks._callbacks import Callback as Callback
 from jaxdist.training.callbacks._callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks._callbacks import History as History
@@ -11,6 +12,7 @@ from jaxdist.training.callbacks._callbacks import Progress as Progress
 from jaxdist.training.callbacks._callbacks import TensorBoardLogger as TensorBoardLogger
 
 __all__ = [
+    "TIME_PARTS",
     "CSVLogger",
     "Callback",
     "History",

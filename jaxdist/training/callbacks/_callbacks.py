@@ -29,7 +29,10 @@ from typing import Any
 from jaxdist.costs import format_bytes
 from jaxdist.costs.step import StepCost
 
-__all__ = ["CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
+__all__ = ["TIME_PARTS", "CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
+
+TIME_PARTS = ("steps", "compile", "input", "checkpoint", "evaluation", "lost", "other")
+"""The parts of `History.time`, in the order they are shown (a log row's ``time/<part>`` too)."""
 
 
 class History:
@@ -48,12 +51,24 @@ class History:
             "restored": the checkpoint's step, "data_position": where the data went on}``.
         data_ended: the step at which ``train_data`` ended before ``steps`` (an iterator shorter than the run;
             not the ``epochs`` limit), or None.
+        time: where the fit's wall time went, in seconds (`TIME_PARTS`, in this order): ``"steps"`` (calling
+            the steps and waiting for the devices to finish them), ``"compile"`` (tracing, lowering and
+            compiling, as JAX reports it), ``"input"`` (reading and placing batches), ``"checkpoint"`` (writing
+            them, and reading one to roll back), ``"evaluation"``, ``"lost"`` (steps thrown away: those a
+            rollback undid) and ``"other"`` (the rest: callbacks, the setup before the first step, the loop
+            itself). They add up to the wall time of ``fit``; measured on the host, with no read from the
+            devices per step. Each log row has the same parts over its window as ``time/<part>`` (its
+            ``time/steps`` includes steps a later rollback throws away; that rollback's window shows them as
+            ``time/lost``). Empty before ``fit`` ends.
 
     Examples:
         >>> h = History()
         >>> h.train.append({"step": 10, "loss": 0.5})
         >>> h.metric("loss")
         [0.5]
+        >>> h.time = {"steps": 9.0, "compile": 0.5, "other": 0.5}
+        >>> h.goodput
+        0.9
     """
 
     def __init__(self) -> None:
@@ -65,6 +80,14 @@ class History:
         self.non_finite_steps = 0
         self.rollbacks: list[dict[str, Any]] = []
         self.data_ended: int | None = None
+        self.time: dict[str, float] = {}
+
+    @property
+    def goodput(self) -> float:
+        """The share of the fit's wall time spent in steps that count: ``time["steps"] / sum(time.values())``
+        (NaN before ``fit`` ends)."""
+        total = sum(self.time.values())
+        return self.time.get("steps", 0.0) / total if total > 0 else float("nan")
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
@@ -127,10 +150,26 @@ def _value(key: str, value: float | str) -> str:
 
 
 def _format(logs: Mapping[str, float]) -> str:
-    """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once."""
-    values = [f"{k} {_value(k, v)}" for k, v in logs.items() if k != "step" and k not in _RATES]
+    """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once (a window's
+    ``time/<part>`` seconds are left to the files: the line at the end shows the whole fit's)."""
+    values = [f"{k} {_value(k, v)}" for k, v in logs.items()
+              if k != "step" and k not in _RATES and not k.startswith("time/")]
     rates = [f"{_value(k, logs[k])} {unit}" for k, unit in _RATES.items() if k in logs]
     return " ".join(values + rates)
+
+
+def _format_time(seconds: Mapping[str, float]) -> str:
+    """`History.time` as one line: the total, then each part that is not zero with its share, and the goodput.
+
+    Examples:
+        >>> _format_time({"steps": 9.0, "compile": 0.75, "input": 0.0, "other": 0.25})
+        'time 10 s: steps 9 s (90%), compile 0.75 s (8%), other 0.25 s (2%); goodput 90%'
+    """
+    total = sum(seconds.values())
+    if total <= 0:
+        return "time 0 s"
+    parts = [f"{k} {v:.3g} s ({v / total:.0%})" for k, v in seconds.items() if v > 0]
+    return f"time {total:.3g} s: {', '.join(parts)}; goodput {seconds.get('steps', 0.0) / total:.0%}"
 
 
 class Progress(Callback):
@@ -139,6 +178,7 @@ class Progress(Callback):
 
     At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
     cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).
+    At the end: where the time went (`History.time`).
     MFU and HFU show where the device's peak FLOP/s is known (an accelerator in `jaxdist.costs.ACCELERATORS`,
     or ``Trainer(peak_flops=...)``), with ">=" before them while a custom call in the step could not be costed
     (`StepCost.lower_bound`: the figures are lower bounds).
@@ -221,6 +261,8 @@ class Progress(Callback):
             print(line, file=self.stream or sys.stdout, flush=True)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
+        if history is not None and history.time:
+            self._write(_format_time(history.time))
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -300,7 +342,8 @@ _files = itertools.count()  # event files this process has opened: part of each 
 
 
 class TensorBoardLogger(_MetricWriter):
-    """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...) into ``log_dir``.
+    """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...; a log window's
+    ``time/<part>`` seconds under their own name: ``time/steps``, ...) into ``log_dir``.
 
     The event file is tensorboardX's (`tensorboardX.SummaryWriter`; no TensorFlow needed): open it with
     ``tensorboard --logdir``. It is created at the first value and flushed every ``flush_secs`` and when
@@ -347,7 +390,8 @@ class TensorBoardLogger(_MetricWriter):
         now = time.time()
         for key, value in logs.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(f"{prefix}/{key}", float(value), int(step), walltime=now)
+                tag = key if key.startswith("time/") else f"{prefix}/{key}"
+                self._writer.add_scalar(tag, float(value), int(step), walltime=now)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
         self.close()
