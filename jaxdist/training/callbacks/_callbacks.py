@@ -158,18 +158,36 @@ def _format(logs: Mapping[str, float]) -> str:
     return " ".join(values + rates)
 
 
-def _format_time(seconds: Mapping[str, float]) -> str:
-    """`History.time` as one line: the total, then each part that is not zero with its share, and the goodput.
+def _duration(seconds: float) -> str:
+    """``6.19 s``, ``12.5 min``, ``36.2 h``."""
+    if seconds < 100:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 6000 else f"{seconds / 3600:.3g} h"
+
+
+def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
+    """`History.time` in short: the total, the goodput (the share of ``steps``), then the other parts' shares,
+    largest first (those under 0.5% left out); on a second line when one would be wider than ``width``.
 
     Examples:
         >>> _format_time({"steps": 9.0, "compile": 0.75, "input": 0.0, "other": 0.25})
-        'time 10 s: steps 9 s (90%), compile 0.75 s (8%), other 0.25 s (2%); goodput 90%'
+        'time 10 s, goodput 90%: compile 8%, other 2%'
+        >>> print(_format_time({"steps": 4e3, "compile": 1e3, "input": 1e3, "checkpoint": 1e3, "evaluation": 1e3,
+        ...                     "lost": 1e3, "other": 1e3}))
+        time 2.78 h, goodput 40%:
+          compile 10%, input 10%, checkpoint 10%, evaluation 10%, lost 10%, other 10%
     """
     total = sum(seconds.values())
     if total <= 0:
         return "time 0 s"
-    parts = [f"{k} {v:.3g} s ({v / total:.0%})" for k, v in seconds.items() if v > 0]
-    return f"time {total:.3g} s: {', '.join(parts)}; goodput {seconds.get('steps', 0.0) / total:.0%}"
+    head = f"time {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
+    shares = sorted(((v / total, k) for k, v in seconds.items() if k != "steps" and v / total >= 0.005),
+                    key=lambda share: -share[0])
+    if not shares:
+        return head
+    parts = ", ".join(f"{k} {share:.0%}" for share, k in shares)
+    line = f"{head}: {parts}"
+    return line if len(line) <= width else f"{head}:\n  {parts}"
 
 
 class Progress(Callback):
@@ -178,7 +196,7 @@ class Progress(Callback):
 
     At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
     cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).
-    At the end: where the time went (`History.time`).
+    At the end of a fit that trained: where the time went (`History.time`).
     MFU and HFU show where the device's peak FLOP/s is known (an accelerator in `jaxdist.costs.ACCELERATORS`,
     or ``Trainer(peak_flops=...)``), with ">=" before them while a custom call in the step could not be costed
     (`StepCost.lower_bound`: the figures are lower bounds).
@@ -261,7 +279,8 @@ class Progress(Callback):
             print(line, file=self.stream or sys.stdout, flush=True)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
-        if history is not None and history.time:
+        trained = trainer is None or int(trainer.step) > self._start_step  # not for "nothing to train"
+        if history is not None and history.time and trained:
             self._write(_format_time(history.time))
         if self._bar is not None:
             self._bar.close()
