@@ -443,6 +443,7 @@ class Fit:
         # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
         fixed = spans or self.policy.action == "rollback"
         clock, profile = self.clock, self.profile
+        clock.open()  # heard since the options were made; again if they serve a second run
         self.logs = Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None,
                          waited=clock.waited)
         source = iter(stream)

@@ -98,6 +98,10 @@ class FitClock:
         self._thread = threading.get_ident()
         self._marks: dict[int, float] = {}  # checkpoint step -> step seconds when its state was saved
         self._restored = 0.0  # step seconds at the last rollback (what came before is counted already)
+        self.open()
+
+    def open(self) -> None:
+        """Hear the compiles of this thread (again, after `close`)."""
         _listen()
         _CLOCKS[self._thread] = weakref.ref(self)
 
