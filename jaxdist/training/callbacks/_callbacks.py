@@ -58,8 +58,8 @@ class History:
             rollback undid) and ``"other"`` (the rest: callbacks, the setup before the first step, the loop
             itself). They add up to the wall time of ``fit``; measured on the host, with no read from the
             devices per step. Each log row has the same parts over its window as ``time/<part>`` (its
-            ``time/steps`` includes steps a later rollback throws away; that rollback's window shows them as
-            ``time/lost``). Empty before ``fit`` ends.
+            ``time/steps`` includes steps a later rollback throws away; the first window after the rollback
+            shows their seconds as ``time/lost``). Empty before ``fit`` ends.
 
     Examples:
         >>> h = History()

@@ -495,7 +495,7 @@ class Fit:
                 history.preempted = watcher.preempted
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
-                with self.dog.paused():
+                with self.dog.paused(), clock.timing("checkpoint"):
                     self.written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
                 if options.eval_data is not None and not history.preempted and not (
                     history.eval and history.eval[-1]["step"] == trainer.step

@@ -190,7 +190,7 @@ class FitClock:
 def window_seconds(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> dict[str, float]:
     """A log window's ``time/<part>`` values from two `FitClock.gross` snapshots ``(perf_counter, gross)``:
     the seconds of each part in the window (``time/steps`` including steps a rollback threw away, shown in
-    ``time/lost`` of the window that rolled back) and ``time/other``, the rest of the window's wall time.
+    ``time/lost`` of the first window after it) and ``time/other``, the rest of the window's wall time.
 
     Examples:
         >>> zero = dict.fromkeys(KEYS[:-1], 0.0)
