@@ -80,9 +80,9 @@ def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path
     assert all(len(line) <= 80 for line in out.getvalue().splitlines())
     for row in history.train:
         assert all(row[f"time/{part}"] >= 0 for part in TIME_PARTS), row
-    # Over the windows the parts are the fit's (the time after the last log point aside).
+    # Over the windows the parts are the fit's (but for the time after the last log point).
     assert sum(row["time/compile"] for row in history.train) <= seconds["compile"] + 1e-9
-    assert sum(row["time/steps"] for row in history.train) == pytest.approx(seconds["steps"], rel=0.5)
+    assert 0 < sum(row["time/steps"] for row in history.train) <= seconds["steps"] + 1e-9
     # The writers: CSV columns and TensorBoard scalars named time/<part>.
     with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["split"] == "train"]
@@ -103,7 +103,7 @@ def test_the_parts_add_up_with_on_device_loops_and_the_second_fit_compiles_nothi
     assert history.time["compile"] > 0
     again, wall = timed(lambda: t.fit(data, steps=12, log_every=3, verbose=0))
     assert_adds_up(again, wall)
-    assert again.time["compile"] < history.time["compile"]  # the same programs: from JAX's caches
+    assert again.time["compile"] == 0  # the same programs: from JAX's caches, nothing traced or compiled
 
 
 @pytest.mark.timeout(120)
@@ -143,6 +143,13 @@ class Calls(list):
     trainer = None
 
 
+def calls(monkeypatch) -> Calls:
+    record = Calls()
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: record.append(("start", record.trainer.step)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: record.append(("stop", record.trainer.step)))
+    return record
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("steps_per_run", "log_every", "window", "want"), [
     (1, 10, (3, 5), [("start", 2), ("stop", 4)]),  # before step 3 is dispatched; after step 4 has run
@@ -153,9 +160,7 @@ class Calls(list):
     (1, 10, (10, 12), []),  # after the fit's last step
 ])
 def test_the_trace_covers_the_window(monkeypatch, tmp_path, steps_per_run, log_every, window, want):
-    record = Calls()
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: record.append(("start", record.trainer.step)))
-    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: record.append(("stop", record.trainer.step)))
+    record = calls(monkeypatch)
     record.trainer = trainer(steps_per_run=steps_per_run)
     record.trainer.fit(batches(8), steps=8, log_every=log_every, log_dir=tmp_path, profile_steps=window, verbose=0)
     assert record == want
@@ -163,9 +168,7 @@ def test_the_trace_covers_the_window(monkeypatch, tmp_path, steps_per_run, log_e
 
 @pytest.mark.timeout(120)
 def test_a_resumed_run_traces_what_is_left_and_a_failing_fit_stops_the_trace(monkeypatch, tmp_path):
-    record = Calls()
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: record.append(("start", record.trainer.step)))
-    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: record.append(("stop", record.trainer.step)))
+    record = calls(monkeypatch)
     record.trainer = trainer()
     record.trainer.fit(batches(8), steps=4, checkpoint_dir=tmp_path / "ck", verbose=0)
     record.trainer = trainer()
