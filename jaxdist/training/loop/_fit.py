@@ -40,6 +40,11 @@ After the first step the loop asks the trainer what a step costs (``trainer.step
 hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_sec``, ``mfu``, ``hfu`` and
 ``peak_bytes_in_use`` where they are known (`jaxdist.training.cost`), from the window's steps, seconds and
 summed loss weight: nothing more is computed or read per step.
+
+Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the host around
+what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step); ``profile_steps``
+traces a window of steps with `jax.profiler` (`jaxdist.training.loop._profile.StepProfile`: one comparison
+per step outside the window).
 """
 
 from __future__ import annotations
