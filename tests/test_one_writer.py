@@ -62,6 +62,7 @@ def test_tensorboard_events_read_back_and_resume_purges(tmp_path):
         "train/steps_per_sec",
         "eval/loss",
         "eval/accuracy",
+        *(f"time/{part}" for part in jd.training.callbacks.TIME_PARTS),  # each window's seconds by part
     }
 
     # A resumed fit opens a second file that tells TensorBoard to drop what came after its checkpoint.

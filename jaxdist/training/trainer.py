@@ -559,6 +559,8 @@ class Trainer:
         step_timeout: float | None = None,
         on_non_finite: str | NonFinitePolicy = "stop",
         straggler_ratio: float | None = 1.25,
+        profile_steps: tuple[int, int] | None = None,
+        profile_processes: int | Sequence[int] | str = (0,),
     ) -> History:
         """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
 
@@ -588,7 +590,8 @@ class Trainer:
                 blocks until written.
             log_every: steps between log points: each log is the mean of every metric over the steps since
                 the previous one (with ``steps_per_run > 1`` too; token-weighted for ``(sum, weight)`` losses),
-                plus steps/s and, where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
+                plus steps/s, the window's seconds by part (``time/steps``, ...: `History`'s ``time``) and,
+                where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
                 step's cost (`step_cost`) is logged once, after the first step. A log point does not wait for
                 the devices: it is emitted once they have the values (a step or two later, with its own
                 step number), and always before the next evaluation, checkpoint or the end of ``fit``.
@@ -625,9 +628,17 @@ class Trainer:
                 waits on its input this many times as long as the median process (longer by at least this
                 minus one times the median step) is named in a `StragglerWarning` (its index, host, times and
                 the median's). ``history.processes`` keeps every window's figures. None: nobody is named.
+            profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` with `jax.profiler` (step ``n``
+                is the one numbered ``n`` in the logs: after it ``trainer.step == n``) into
+                ``<log_dir>/profile``, for xprof, TensorBoard's profile plugin (``plugins/profile/*/
+                *.xplane.pb``) or Perfetto (``perfetto_trace.json.gz``). With ``steps_per_run > 1`` the trace
+                covers the on-device loops that run those steps; a resumed run traces what is left of the
+                window. Needs ``log_dir``.
+            profile_processes: the processes that trace (``profile_steps``): a process index, several, or
+                ``"all"``; default process 0.
 
         Returns:
-            The `History` of logged metrics.
+            The `History` of logged metrics, and where the time went (``history.time``, ``history.goodput``).
 
         Raises:
             ValueError: for bad arguments, data of the wrong batch structure, batches the replicas do not
@@ -648,7 +659,8 @@ class Trainer:
                         keep_checkpoints=keep_checkpoints, async_checkpoints=async_checkpoints, log_every=log_every,
                         log_dir=log_dir, callbacks=callbacks, verbose=verbose, on_preemption=on_preemption,
                         restore_step=restore_step, step_timeout=step_timeout, on_non_finite=on_non_finite,
-                        straggler_ratio=straggler_ratio)
+                        straggler_ratio=straggler_ratio,
+                        profile_steps=profile_steps, profile_processes=profile_processes)
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any, *, ema: bool = False) -> dict[str, float]:

@@ -4,6 +4,7 @@
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
 
+from jaxdist.training.callbacks._callbacks import TIME_PARTS as TIME_PARTS
 from jaxdist.training.callbacks._callbacks import Callback as Callback
 from jaxdist.training.callbacks._callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks._callbacks import History as History
@@ -13,5 +14,6 @@ from jaxdist.training.callbacks._trackers import MLflowLogger as MLflowLogger
 from jaxdist.training.callbacks._trackers import WandbLogger as WandbLogger
 
 __all__ = [
-    "CSVLogger", "Callback", "History", "MLflowLogger", "Progress", "TensorBoardLogger", "WandbLogger",
+    "TIME_PARTS", "CSVLogger", "Callback", "History", "MLflowLogger", "Progress", "TensorBoardLogger",
+    "WandbLogger",
 ]

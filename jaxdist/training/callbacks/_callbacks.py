@@ -29,7 +29,10 @@ from typing import Any
 from jaxdist.costs import format_bytes
 from jaxdist.costs.step import StepCost
 
-__all__ = ["CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
+__all__ = ["TIME_PARTS", "CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
+
+TIME_PARTS = ("steps", "compile", "input", "checkpoint", "evaluation", "lost", "other")
+"""The parts of `History.time`, in the order they are shown (a log row's ``time/<part>`` too)."""
 
 
 class History:
@@ -53,12 +56,24 @@ class History:
             its next batch], "host": [each process's host name], "stragglers": [the processes named in a
             StragglerWarning]}``; a process whose figures did not arrive has None. One entry per list in a
             single process.
+        time: where the fit's wall time went, in seconds (`TIME_PARTS`, in this order): ``"steps"`` (calling
+            the steps and waiting for the devices to finish them), ``"compile"`` (tracing, lowering and
+            compiling, as JAX reports it), ``"input"`` (reading and placing batches), ``"checkpoint"`` (writing
+            them, and reading one to roll back), ``"evaluation"``, ``"lost"`` (steps thrown away: those a
+            rollback undid) and ``"other"`` (the rest: callbacks, the setup before the first step, the loop
+            itself). They add up to the wall time of ``fit``; measured on the host, with no read from the
+            devices per step. Each log row has the same parts over its window as ``time/<part>`` (its
+            ``time/steps`` includes steps a later rollback throws away; the first window after the rollback
+            shows their seconds as ``time/lost``). Empty before ``fit`` ends.
 
     Examples:
         >>> h = History()
         >>> h.train.append({"step": 10, "loss": 0.5})
         >>> h.metric("loss")
         [0.5]
+        >>> h.time = {"steps": 9.0, "compile": 0.5, "other": 0.5}
+        >>> h.goodput
+        0.9
     """
 
     def __init__(self) -> None:
@@ -71,6 +86,14 @@ class History:
         self.rollbacks: list[dict[str, Any]] = []
         self.data_ended: int | None = None
         self.processes: list[dict[str, Any]] = []
+        self.time: dict[str, float] = {}
+
+    @property
+    def goodput(self) -> float:
+        """The share of the fit's wall time spent in steps that count: ``time["steps"] / sum(time.values())``
+        (NaN before ``fit`` ends)."""
+        total = sum(self.time.values())
+        return self.time.get("steps", 0.0) / total if total > 0 else float("nan")
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
@@ -133,10 +156,44 @@ def _value(key: str, value: float | str) -> str:
 
 
 def _format(logs: Mapping[str, float]) -> str:
-    """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once."""
-    values = [f"{k} {_value(k, v)}" for k, v in logs.items() if k != "step" and k not in _RATES]
+    """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once (a window's
+    ``time/<part>`` seconds are left to the files: the line at the end shows the whole fit's)."""
+    values = [f"{k} {_value(k, v)}" for k, v in logs.items()
+              if k != "step" and k not in _RATES and not k.startswith("time/")]
     rates = [f"{_value(k, logs[k])} {unit}" for k, unit in _RATES.items() if k in logs]
     return " ".join(values + rates)
+
+
+def _duration(seconds: float) -> str:
+    """``6.19 s``, ``12.5 min``, ``36.2 h``."""
+    if seconds < 100:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.3g} min" if seconds < 6000 else f"{seconds / 3600:.3g} h"
+
+
+def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
+    """`History.time` in short: the total, the goodput (the share of ``steps``), then the other parts' shares,
+    largest first (those under 0.5% left out); on a second line when one would be wider than ``width``.
+
+    Examples:
+        >>> _format_time({"steps": 9.0, "compile": 0.75, "input": 0.0, "other": 0.25})
+        'time 10 s, goodput 90%: compile 8%, other 2%'
+        >>> print(_format_time({"steps": 4e3, "compile": 1e3, "input": 1e3, "checkpoint": 1e3, "evaluation": 1e3,
+        ...                     "lost": 1e3, "other": 1e3}))
+        time 2.78 h, goodput 40%:
+          compile 10%, input 10%, checkpoint 10%, evaluation 10%, lost 10%, other 10%
+    """
+    total = sum(seconds.values())
+    if total <= 0:
+        return "time 0 s"
+    head = f"time {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
+    shares = sorted(((v / total, k) for k, v in seconds.items() if k != "steps" and v / total >= 0.005),
+                    key=lambda share: -share[0])
+    if not shares:
+        return head
+    parts = ", ".join(f"{k} {share:.0%}" for share, k in shares)
+    line = f"{head}: {parts}"
+    return line if len(line) <= width else f"{head}:\n  {parts}"
 
 
 class Progress(Callback):
@@ -145,6 +202,7 @@ class Progress(Callback):
 
     At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
     cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).
+    At the end of a fit that trained: where the time went (`History.time`).
     MFU and HFU show where the device's peak FLOP/s is known (an accelerator in `jaxdist.costs.ACCELERATORS`,
     or ``Trainer(peak_flops=...)``), with ">=" before them while a custom call in the step could not be costed
     (`StepCost.lower_bound`: the figures are lower bounds).
@@ -227,6 +285,9 @@ class Progress(Callback):
             print(line, file=self.stream or sys.stdout, flush=True)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
+        trained = trainer is None or int(trainer.step) > self._start_step  # not for "nothing to train"
+        if history is not None and history.time and trained:
+            self._write(_format_time(history.time))
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -306,7 +367,8 @@ _files = itertools.count()  # event files this process has opened: part of each 
 
 
 class TensorBoardLogger(_MetricWriter):
-    """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...) into ``log_dir``.
+    """Write metrics as TensorBoard scalars (``train/loss``, ``eval/accuracy``, ...; a log window's
+    ``time/<part>`` seconds under their own name: ``time/steps``, ...) into ``log_dir``.
 
     The event file is tensorboardX's (`tensorboardX.SummaryWriter`; no TensorFlow needed): open it with
     ``tensorboard --logdir``. It is created at the first value and flushed every ``flush_secs`` and when
@@ -353,7 +415,8 @@ class TensorBoardLogger(_MetricWriter):
         now = time.time()
         for key, value in logs.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(f"{prefix}/{key}", float(value), int(step), walltime=now)
+                tag = key if key.startswith("time/") else f"{prefix}/{key}"
+                self._writer.add_scalar(tag, float(value), int(step), walltime=now)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
         self.close()

@@ -40,15 +40,23 @@ After the first step the loop asks the trainer what a step costs (``trainer.step
 hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_sec``, ``mfu``, ``hfu`` and
 ``peak_bytes_in_use`` where they are known (`jaxdist.training.cost`), from the window's steps, seconds and
 summed loss weight: nothing more is computed or read per step.
+
+Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the host around
+what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step); ``profile_steps``
+traces a window of steps with `jax.profiler` (`jaxdist.training.loop._profile.StepProfile`: one comparison
+per step outside the window).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from time import perf_counter
 from typing import Any, Protocol
 
 from jax.sharding import Mesh
@@ -64,6 +72,8 @@ from jaxdist.training.loop._job import data_ended
 from jaxdist.training.loop._logs import Logs
 from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
 from jaxdist.training.loop._preemption import PreemptionWatcher
+from jaxdist.training.loop._profile import NEVER, StepProfile, check_profile
+from jaxdist.training.loop._time import FitClock, window_seconds
 from jaxdist.training.loop._watchdog import Watchdog
 from jaxdist.training.step import PackedSums, check_int
 
@@ -98,10 +108,17 @@ class FitOptions:
         straggler_ratio: a process whose input wait is this many times the median process's (and longer by this
             much minus one of a step) is named in a `StragglerWarning` (`jaxdist.training.loop._hosts`); None:
             nobody is named (``History.processes`` is kept either way).
+        log_dir: where metric files go; the profile goes to ``<log_dir>/profile``.
+        profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` (`jaxdist.training.loop._profile`),
+            or None.
+        profile_processes: the processes that trace: process indices, or ``"all"``.
+        clock: the fit's `FitClock` (`History.time`), started when these options are made (``Trainer.fit`` makes
+            them first): one per fit.
 
     Raises:
-        ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, or ``eval_data`` given as
-            an iterator (it would be read up by the first evaluation).
+        ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, ``eval_data`` given as
+            an iterator (it would be read up by the first evaluation), or ``profile_steps`` that are not a
+            window of steps, or without ``log_dir``.
 
     Examples:
         >>> FitOptions(steps=100, log_every=10).log_every
@@ -120,6 +137,10 @@ class FitOptions:
     mesh: Mesh | None = None
     on_non_finite: NonFinitePolicy = dataclasses.field(default_factory=NonFinitePolicy)
     straggler_ratio: float | None = 1.25
+    log_dir: str | os.PathLike | None = None
+    profile_steps: tuple[int, int] | None = None
+    profile_processes: Any = (0,)
+    clock: FitClock = dataclasses.field(default_factory=FitClock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_ratio(self.straggler_ratio)
@@ -143,6 +164,7 @@ class FitOptions:
                 "eval_data is an iterator, which can be read only once: pass a list of batches or a function "
                 "returning a fresh iterable."
             )
+        check_profile(self.profile_steps, self.profile_processes, self.log_dir)
 
 
 class FitTarget(Protocol):
@@ -200,6 +222,18 @@ class FitTarget(Protocol):
 
 def _crossed(before: int, after: int, every: int | None) -> bool:
     return bool(every) and after // every > before // every
+
+
+class _NoProfile:
+    """What ``run_fit`` uses instead of a `StepProfile` when no steps are profiled."""
+
+    due = NEVER
+
+    def check(self, step: int, last: Any = None) -> None:
+        return None
+
+    def close(self, last: Any = None) -> None:
+        return None
 
 
 class _Unwatched:
@@ -264,12 +298,24 @@ class Fit:
         self.refused: int | None = None  # the step whose save "continue" skipped (its state is not finite)
         self.cost: StepCost | None = None
         self.consumed = self.checks = 0
+        self.clock = options.clock
+        self.windows: collections.deque = collections.deque()  # (step, clock snapshot) of each closed window
+        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))  # the last window logged
+        profile = StepProfile.of(options.profile_steps, options.profile_processes, options.log_dir,
+                                 lambda step: _run_length(step, options))
+        self.profile = _NoProfile() if profile is None else profile
 
     def emit(self, hook: str, *args: Any) -> None:
         for cb in self.options.callbacks:
             getattr(cb, hook)(self.trainer, *args)
 
     def on_log(self, step: int, logs: dict) -> None:
+        while self.windows:  # the snapshot of this window (windows without steps are not logged: skipped)
+            closed, snapshot = self.windows.popleft()
+            if closed == step:
+                logs.update(window_seconds(self.logged, snapshot))
+                self.logged = snapshot
+                break
         self.history.train.append({"step": step, **logs})
         self.emit("on_log", step, logs)
         self.hosts.collect()  # process 0: the other processes' figures of the windows emitted so far
@@ -282,10 +328,11 @@ class Fit:
         self.look()  # before every checkpoint: the open window's flags too (it is closed only if it holds any)
         if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
             return
-        with self.dog.paused():  # checkpoint writes are not watched
+        with self.dog.paused(), self.clock.timing("checkpoint"):  # checkpoint writes are not watched
             self.written(wait=True)  # the save in flight first (the next save would wait for it anyway)
             try:
                 trainer.save(ckpt)  # a no-op when this step is being written already; refuses a non-finite state
+                self.clock.saved(trainer.step)
             except NonFiniteError as error:
                 if self.policy.action != "continue":
                     raise
@@ -295,7 +342,8 @@ class Fit:
 
     def look(self) -> None:
         """Read the open window's flags (a checkpoint is next); if any step in it was not finite, close it."""
-        sums = self.trainer.peek_running_sums().to_host()
+        with self.clock.timing("waited"):  # the devices finish the steps dispatched
+            sums = self.trainer.peek_running_sums().to_host()
         if sums.non_finite.count:
             self.close_window()
             self.logs.flush()
@@ -341,12 +389,13 @@ class Fit:
         trainer, ckpt, bad = self.trainer, self.options.checkpointer, self.guard.first
         self.close_window()
         self.logs.flush()  # every step so far is logged (their flags belong to this rollback)
-        with self.dog.paused():
+        with self.dog.paused(), self.clock.timing("checkpoint"):
             self.written(wait=True)
             good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
             if not good:
                 raise self.stop("there is no checkpoint before it to roll back to, so the run stopped")
             trainer.restore(ckpt, good[-1])
+        self.clock.rolled_back(good[-1])  # the steps since that checkpoint: lost
         self.rollbacks += 1
         trainer.data_position = self.stream.position(self.consumed)  # past the bad batches (and those after them)
         self.history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": trainer.data_position})
@@ -369,12 +418,13 @@ class Fit:
         self.logs.flush()
         if self.act():  # rolled back: this evaluation point comes again, at its step
             return
-        with self.dog.paused():  # evaluation takes longer than a step: not watched
+        with self.dog.paused(), self.clock.timing("evaluation"):  # longer than a step: not watched
             metrics = self.trainer.evaluate(self.options.eval_data)
         self.history.eval.append({"step": self.trainer.step, **metrics})
         self.emit("on_eval_end", self.trainer.step, metrics)
 
     def close_window(self) -> None:
+        self.windows.append((self.trainer.step, (perf_counter(), self.clock.gross())))
         self.logs.close_window(self.trainer.step, self.trainer.pop_running_sums(), self.checks)
         self.hosts.close_window(self.trainer.step, self.consumed)
 
@@ -390,18 +440,24 @@ class Fit:
         # Several processes act on a window at the same step, and a rollback moves the data past the same batches
         # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
         fixed = spans or self.policy.action == "rollback"
-        self.logs = Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None)
+        clock, profile = self.clock, self.profile
+        clock.open()  # heard since the options were made; again if they serve a second run
+        self.logs = Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None,
+                         waited=clock.waited)
         self.hosts = HostTimes(spans=spans, ratio=options.straggler_ratio, rows=history.processes)
         source = self.hosts.timed(iter(stream))  # each process's input wait per log window
         self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
         try:
             with PreemptionWatcher(mesh=options.mesh) as watcher, self.dog:  # agreed by every process
                 self.emit("on_train_begin")
+                profile.check(trainer.step)  # the window may start at the first step
                 while True:  # one round, and one more after each rollback at the end
-                    steps = _steps(trainer, source, options)
+                    steps = _steps(trainer, source, options, clock)
                     try:
                         for n, metrics in steps:
                             self.dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
+                            if trainer.step >= profile.due:  # the profile's window starts or ends here
+                                profile.check(trainer.step, metrics)
                             before = trainer.step - n  # the step(s) just taken advanced trainer.step
                             self.consumed += n
                             self.checks += 1
@@ -439,26 +495,32 @@ class Fit:
                 history.preempted = watcher.preempted
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
-                with self.dog.paused():
+                with self.dog.paused(), clock.timing("checkpoint"):
                     self.written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
                 if options.eval_data is not None and not history.preempted and not (
                     history.eval and history.eval[-1]["step"] == trainer.step
                 ):
                     self.evaluate()
                 trainer.sync_model()
+                history.time = clock.totals()  # for on_train_end (and again once the fit is over)
                 self.emit("on_train_end", history)
         finally:
+            clock.close()
+            profile.close()  # a fit that ends or fails inside the window: the trace so far
             self.logs.close()  # the watcher thread
             del self.logs  # no cycle (self -> logs -> self.on_log) keeps the run's objects alive after it
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+        history.time = clock.totals()
         return history
 
 
-def _steps(trainer: FitTarget, source: Iterator, options: FitOptions) -> Iterator[tuple[int, Mapping[str, Any]]]:
+def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,
+           clock: FitClock) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """Run steps on the batches of ``source`` until ``trainer.step`` reaches ``options.steps`` (or ``source``
-    ends); yield ``(steps taken, their metrics)`` after each step or each on-device loop."""
+    ends); yield ``(steps taken, their metrics)`` after each step or each on-device loop. ``clock`` hears the
+    seconds spent reading batches and in steps (`FitClock`: two sums and its phase, per step)."""
     until = options.steps
     while until is None or trainer.step < until:
         # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it. A rollback
@@ -466,7 +528,7 @@ def _steps(trainer: FitTarget, source: Iterator, options: FitOptions) -> Iterato
         cut = source if until is None else itertools.islice(source, until - trainer.step)
         ran = 0
         if options.steps_per_run > 1:
-            for n, metrics in _on_device_loops(trainer, cut, options):
+            for n, metrics in _on_device_loops(trainer, cut, options, clock):
                 ran += n
                 yield n, metrics
         else:
@@ -474,25 +536,58 @@ def _steps(trainer: FitTarget, source: Iterator, options: FitOptions) -> Iterato
             # steps still running. Nothing here waits for a step, so the host stays ahead of the devices.
             batches = ahead(cut, READ_AHEAD)
             try:
-                for batch in batches:
+                while True:
+                    clock.phase = "input"
+                    start = perf_counter()
+                    batch = next(batches, _END)
+                    read = perf_counter()
+                    clock.input += read - start
+                    if batch is _END:
+                        clock.phase = "other"
+                        break
+                    clock.phase = "steps"
+                    metrics = trainer.train_on_batch(batch)
+                    clock.steps += perf_counter() - read
+                    clock.phase = "other"
                     ran += 1
-                    yield 1, trainer.train_on_batch(batch)
+                    yield 1, metrics
             finally:
                 batches.close()
         if not ran or until is None:  # the data ended
             return
 
 
+_END = object()
+
+
+def _run_length(step: int, options: FitOptions) -> int:
+    """The steps the next dispatch at ``step`` runs: 1, or (``steps_per_run > 1``) an on-device loop's, which
+    ends at the next log, evaluation or checkpoint point (and at ``options.steps``)."""
+    if options.steps_per_run == 1:
+        return 1
+    stops = [(step // every + 1) * every for every in
+             (options.log_every, options.eval_every, options.checkpoint_every) if every]
+    if options.steps is not None:
+        stops.append(max(options.steps, step + 1))
+    return min(options.steps_per_run, min(stops) - step)
+
+
 def _on_device_loops(
-    trainer: FitTarget, host: Iterator, options: FitOptions
+    trainer: FitTarget, host: Iterator, options: FitOptions, clock: FitClock
 ) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """steps_per_run > 1: ONE compiled on-device loop per ``steps_per_run`` batches. A loop ends at the next
     log, evaluation or checkpoint point, so that they see the same steps as one step at a time would."""
     while True:
-        step = trainer.step
-        stops = [(step // every + 1) * every for every in
-                 (options.log_every, options.eval_every, options.checkpoint_every) if every]
-        chunk = list(itertools.islice(host, min(options.steps_per_run, min(stops) - step)))
+        clock.phase = "input"
+        start = perf_counter()
+        chunk = list(itertools.islice(host, _run_length(trainer.step, options)))
+        read = perf_counter()
+        clock.input += read - start
         if not chunk:
+            clock.phase = "other"
             return
-        yield len(chunk), trainer.train_on_batches(chunk)
+        clock.phase = "steps"
+        metrics = trainer.train_on_batches(chunk)
+        clock.steps += perf_counter() - read
+        clock.phase = "other"
+        yield len(chunk), metrics

@@ -33,16 +33,21 @@ class Logs:
     the emission deterministic: a window closed at check ``c`` (a step, or an on-device loop) is emitted at
     check ``c + lag``, waiting for its sums if they have not arrived (they almost always have), and never
     earlier. Without a lag (one process) a window is emitted as soon as its sums arrive.
+
+    ``waited(seconds)``, when given, hears how long the main thread waited for a window's sums (the devices
+    finishing steps; `jaxdist.training.loop._time`).
     """
 
     def __init__(self, start_step: int, on_log: Callable[[int, dict], None],
                  rates: Callable[[int, float, float | None], dict] | None = None,
-                 watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None):
+                 watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None,
+                 waited: Callable[[float], None] | None = None):
         self._pending: collections.deque = collections.deque()  # [step, sums, ready time or None, check]
         self._on_log = on_log
         self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
         self._watch = watch
         self._lag = lag
+        self._waited = waited
         self._last = (start_step, time.perf_counter())
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
@@ -88,8 +93,12 @@ class Logs:
     def _emit_first(self) -> None:
         entry = self._pending.popleft()
         if entry[2] is None:
+            start = time.perf_counter()
             jax.block_until_ready(entry[1])
-            entry[2] = entry[2] or time.perf_counter()
+            now = time.perf_counter()
+            entry[2] = entry[2] or now
+            if self._waited is not None:
+                self._waited(now - start)
         self._emit(*entry[:3])
 
     def close(self) -> None:

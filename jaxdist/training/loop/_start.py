@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -50,6 +50,8 @@ def fit_live(
     step_timeout: float | None,
     on_non_finite: str | NonFinitePolicy,
     straggler_ratio: float | None,
+    profile_steps: tuple[int, int] | None,
+    profile_processes: int | Sequence[int] | str,
 ) -> History:
     """``Trainer.fit`` (see it for every argument, what it returns and raises) on ``trainer`` and its ``live``
     state, with on-device loops of ``steps_per_run`` steps."""
@@ -57,8 +59,9 @@ def fit_live(
         raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
     check_int(epochs, "epochs", 0)
     options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                         log_every=log_every, step_timeout=step_timeout,
-                         straggler_ratio=straggler_ratio)  # checks them
+                         log_every=log_every, step_timeout=step_timeout, straggler_ratio=straggler_ratio,
+                         log_dir=log_dir, profile_steps=profile_steps,
+                         profile_processes=profile_processes)  # checks them
     if on_preemption not in ("exit", "return"):
         raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
     check_int(restore_step, "restore_step", 0)

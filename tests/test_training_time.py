@@ -1,0 +1,228 @@
+"""Where a fit's time went (``History.time``, ``History.goodput``, the log rows' ``time/<part>``) and a profile of
+chosen steps (``fit(profile_steps=(start, stop))``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from contextlib import redirect_stdout
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from tfevents import read_events, scalars
+
+import jaxdist as jd
+from jaxdist.training.callbacks import TIME_PARTS
+from jaxdist.training.loop._profile import StepProfile
+
+
+class Net(nn.Module):
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(nn.relu(nn.Dense(self.features)(x)))
+
+
+def mse(out, y):
+    return ((out[:, 0] - y) ** 2).mean()
+
+
+def batches(n, bad=()):
+    """``n`` batches; those of the steps in ``bad`` (1-based) have inputs scaled by 1e30 (a non-finite step)."""
+    xs = np.random.default_rng(0).normal(size=(n, 16, 4)).astype(np.float32)
+    out = [(x, x.sum(1)) for x in xs]
+    for step in bad:
+        out[step - 1] = (out[step - 1][0] * 1e30, out[step - 1][1])
+    return out
+
+
+def trainer(features=16, **kwargs):
+    # A width no other test uses: the steps compile afresh in this process.
+    return jd.training.Trainer(jd.MirroredStrategy(), Net(features), optax.sgd(0.01), mse, **kwargs)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def assert_adds_up(history, wall):
+    assert list(history.time) == list(TIME_PARTS)
+    assert all(v >= 0 for v in history.time.values()), history.time
+    assert sum(history.time.values()) == pytest.approx(wall, rel=0.05), (history.time, wall)
+    assert history.goodput == pytest.approx(history.time["steps"] / sum(history.time.values()))
+
+
+# ------------------------------------------------------------------------------------------ History.time
+@pytest.mark.timeout(120)
+def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path):
+    data = batches(12)
+    t = trainer(features=13)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        history, wall = timed(lambda: t.fit(data, steps=12, log_every=4, eval_data=data[:2], eval_every=6,
+                                            checkpoint_dir=tmp_path / "ck", checkpoint_every=6,
+                                            log_dir=tmp_path / "logs", verbose="lines"))
+    assert_adds_up(history, wall)
+    seconds = history.time
+    assert seconds["compile"] > 0 and seconds["steps"] > 0 and seconds["input"] > 0
+    assert seconds["checkpoint"] > 0 and seconds["evaluation"] > 0 and seconds["lost"] == 0
+    assert 0 < history.goodput < 1
+    # The whole fit's breakdown is the last line shown; each log row has its window's.
+    assert any(line.startswith("time ") and "goodput" in line for line in out.getvalue().splitlines()[-2:])
+    assert "goodput" in out.getvalue() and "time/steps" not in out.getvalue()
+    assert all(len(line) <= 80 for line in out.getvalue().splitlines())
+    for row in history.train:
+        assert all(row[f"time/{part}"] >= 0 for part in TIME_PARTS), row
+    # Over the windows the parts are the fit's (but for the time after the last log point).
+    assert sum(row["time/compile"] for row in history.train) <= seconds["compile"] + 1e-9
+    assert 0 < sum(row["time/steps"] for row in history.train) <= seconds["steps"] + 1e-9
+    # The writers: CSV columns and TensorBoard scalars named time/<part>.
+    with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["split"] == "train"]
+    assert [float(r["time/steps"]) for r in rows] == pytest.approx([r["time/steps"] for r in history.train])
+    jd.training.TensorBoardLogger(tmp_path / "logs").close()
+    (events,) = (tmp_path / "logs").glob("events.out.tfevents.*")
+    got = scalars(read_events(events))
+    for row in history.train:
+        assert got[("time/input", row["step"])] == pytest.approx(row["time/input"], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_the_parts_add_up_with_on_device_loops_and_the_second_fit_compiles_nothing():
+    data = batches(12)
+    t = trainer(features=11, steps_per_run=3)
+    history, wall = timed(lambda: t.fit(data, steps=6, log_every=3, verbose=0))
+    assert_adds_up(history, wall)
+    assert history.time["compile"] > 0
+    again, wall = timed(lambda: t.fit(data, steps=12, log_every=3, verbose=0))
+    assert_adds_up(again, wall)
+    assert again.time["compile"] == 0  # the same programs: from JAX's caches, nothing traced or compiled
+
+
+@pytest.mark.timeout(120)
+def test_a_rollback_counts_the_steps_it_threw_away_as_lost(tmp_path):
+    t = trainer(features=9)
+    with pytest.warns(RuntimeWarning, match=r"step 8 were not finite: rolled back to checkpoint 5"):
+        history, wall = timed(lambda: t.fit(batches(30, bad=(8,)), steps=14, checkpoint_dir=tmp_path,
+                                            checkpoint_every=5, log_every=2, verbose=0, on_non_finite="rollback"))
+    assert [r["restored"] for r in history.rollbacks] == [5]
+    assert_adds_up(history, wall)
+    assert history.time["lost"] > 0
+    assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
+
+
+def test_time_is_shown_in_one_line_and_goodput_is_nan_before_a_fit():
+    history = jd.training.History()
+    assert history.time == {} and np.isnan(history.goodput)
+    out = io.StringIO()
+    history.time = {"steps": 3.0, "compile": 1.0, "input": 0.0, "other": 0.0}
+    jd.training.Progress(mode="lines", stream=out).on_train_end(None, history)
+    assert out.getvalue() == "time 4 s, goodput 75%: compile 25%\n"
+
+
+# ------------------------------------------------------------------------------------------ profile_steps
+@pytest.mark.timeout(120)
+def test_profile_steps_leave_a_trace_under_log_dir_profile(tmp_path):
+    t = trainer()
+    t.fit(batches(6), steps=6, log_every=3, log_dir=tmp_path, profile_steps=(3, 5), verbose=0)
+    traces = list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert list(traces[0].parent.glob("perfetto_trace.json.gz"))
+
+
+class Calls(list):
+    """The trace's starts and stops, each with ``trainer.step`` at that moment (no trace is taken)."""
+
+    trainer = None
+
+
+def calls(monkeypatch) -> Calls:
+    record = Calls()
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: record.append(("start", record.trainer.step)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: record.append(("stop", record.trainer.step)))
+    return record
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("steps_per_run", "log_every", "window", "want"), [
+    (1, 10, (3, 5), [("start", 2), ("stop", 4)]),  # before step 3 is dispatched; after step 4 has run
+    (1, 10, (1, 2), [("start", 0), ("stop", 1)]),
+    (3, 2, (3, 5), [("start", 2), ("stop", 4)]),  # loops [1-2] [3-4] [5-6]: the one running steps 3 and 4
+    (4, 10, (3, 5), [("start", 0), ("stop", 4)]),  # loops [1-4] [5-8]: the first runs steps 3 and 4
+    (1, 10, (5, 20), [("start", 4), ("stop", 8)]),  # the fit ends inside the window: stopped at the end
+    (1, 10, (10, 12), []),  # after the fit's last step
+])
+def test_the_trace_covers_the_window(monkeypatch, tmp_path, steps_per_run, log_every, window, want):
+    record = calls(monkeypatch)
+    record.trainer = trainer(steps_per_run=steps_per_run)
+    record.trainer.fit(batches(8), steps=8, log_every=log_every, log_dir=tmp_path, profile_steps=window, verbose=0)
+    assert record == want
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_traces_what_is_left_and_a_failing_fit_stops_the_trace(monkeypatch, tmp_path):
+    record = calls(monkeypatch)
+    record.trainer = trainer()
+    record.trainer.fit(batches(8), steps=4, checkpoint_dir=tmp_path / "ck", verbose=0)
+    record.trainer = trainer()
+    record.trainer.fit(batches(8), steps=8, checkpoint_dir=tmp_path / "ck", log_dir=tmp_path, profile_steps=(3, 7),
+                       verbose=0)
+    assert record == [("start", 4), ("stop", 6)]  # resumed at step 4: steps 5 and 6 are left
+
+    class Fail(jd.training.Callback):
+        def on_step_end(self, trainer, step, metrics):
+            if step == 3:
+                raise RuntimeError("a callback failed")
+
+    record.clear()
+    record.trainer = trainer()
+    with pytest.raises(RuntimeError, match="a callback failed"):
+        record.trainer.fit(batches(8), steps=8, log_dir=tmp_path, profile_steps=(2, 6), callbacks=[Fail()],
+                           verbose=0)
+    assert record == [("start", 1), ("stop", 3)]
+
+
+def test_another_trace_running_is_left_alone_with_a_warning(monkeypatch, tmp_path):
+    def busy(*args, **kwargs):
+        raise RuntimeError("busy")
+
+    monkeypatch.setattr(jax.profiler, "start_trace", busy)
+    t = trainer()
+    with pytest.warns(RuntimeWarning, match=r"profile_steps=\(1, 3\): no trace taken, the profiler is busy"):
+        t.fit(batches(4), steps=4, log_dir=tmp_path, profile_steps=(1, 3), verbose=0)
+    assert t.step == 4
+
+
+def test_only_the_chosen_processes_trace(monkeypatch, tmp_path):
+    assert StepProfile.of((1, 2), (0,), tmp_path, lambda s: 1).directory == str(tmp_path / "profile")
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert StepProfile.of((1, 2), (0,), tmp_path, lambda s: 1) is None
+    assert StepProfile.of((1, 2), "all", tmp_path, lambda s: 1) is not None
+    assert StepProfile.of((1, 2), 1, tmp_path, lambda s: 1) is not None
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"profile_steps": (3, 5)}, r"profile_steps=\(3, 5\) needs log_dir=\.\.\.: the trace is written to "
+                                r"<log_dir>/profile"),
+    ({"profile_steps": (0, 2), "log_dir": "x"}, r"profile_steps=\(0, 2\) must be \(start, stop\), two ints with "
+                                                r"1 <= start < stop"),
+    ({"profile_steps": (3, 3), "log_dir": "x"}, r"profile_steps=\(3, 3\) must be"),
+    ({"profile_steps": (3,), "log_dir": "x"}, r"profile_steps=\(3,\) must be"),
+    ({"profile_steps": (3.0, 5), "log_dir": "x"}, r"profile_steps=\(3.0, 5\) must be"),
+    ({"profile_steps": 3, "log_dir": "x"}, r"profile_steps=3 must be"),
+    ({"profile_steps": (1, 2), "log_dir": "x", "profile_processes": (1,)},
+     r"profile_processes=\(1,\) must be 'all' or process indices in \[0, 1\)"),
+    ({"profile_steps": (1, 2), "log_dir": "x", "profile_processes": "some"}, r"profile_processes='some' must be"),
+])
+def test_bad_profile_arguments_are_named(kwargs, match):
+    t = trainer()
+    with pytest.raises(ValueError, match=match):
+        t.fit(batches(2), steps=2, verbose=0, **kwargs)
+    assert t.step == 0
