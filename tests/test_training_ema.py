@@ -213,3 +213,24 @@ def test_a_rollback_restores_the_ema_with_the_state(tmp_path):
     assert t.step == 6
     used = [0, 1, 2, 3, *range(history.rollbacks[0]["data_position"].index, 8)][:6]
     assert_close(t.ema_params, hand_ema(trajectory(trainer(), [data[i] for i in used])))
+
+
+def test_a_checkpoint_without_averaged_weights_is_stored_as_before_and_plain_orbax_reads_it(tmp_path):
+    """``TrainState.ema`` is None without ``ema_decay``: nothing of it on disk, so checkpoints written before the
+    field existed restore, and plain orbax reads the state with a dict target of the five fields it always had."""
+    import orbax.checkpoint as ocp
+
+    data = batches(2)
+    plain = trainer(ema_decay=None)
+    plain.fit(data, steps=2, verbose=0)
+    path = plain.save(tmp_path / "run")
+    tree = ocp.PyTreeCheckpointer().metadata(f"{path}/state").item_metadata.tree
+    assert sorted(tree) == ["model_state", "opt_state", "params", "rng", "step"]
+    like = jax.eval_shape(lambda: jax.device_get(plain.state)._asdict())
+    del like["ema"]
+    state = ocp.PyTreeCheckpointer().restore(f"{path}/state", args=ocp.args.PyTreeRestore(
+        like, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), like)))
+    assert_equal(state["params"], plain.params)
+    again = trainer(ema_decay=None)
+    assert again.restore(tmp_path / "run", batch=data[0]) == 2
+    assert_equal(again.params, plain.params)

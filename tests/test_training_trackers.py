@@ -43,13 +43,14 @@ def mae(out, y):
 
 
 def expected(history):
-    """``{(step, "train/loss"): value, ...}``: what the TensorBoard writer writes for ``history``."""
+    """``{(step, "train/loss"): value, ...}``: what the TensorBoard writer writes for ``history`` (a window's
+    seconds by part under their own ``time/<part>`` names)."""
     out = {}
     for split in ("train", "eval"):
         for row in getattr(history, split):
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    out[(row["step"], f"{split}/{key}")] = float(value)
+                    out[(row["step"], key if key.startswith("time/") else f"{split}/{key}")] = float(value)
     return out
 
 
@@ -94,10 +95,10 @@ def test_wandb_logger_records_the_logged_scalars_offline(tmp_path, monkeypatch):
     for record in wandb_records(logs[0]):
         if record.WhichOneof("record_type") == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            got.update({(row["step"], k): v for k, v in row.items() if k.startswith(("train/", "eval/"))})
+            got.update({(row["step"], k): v for k, v in row.items() if k.startswith(("train/", "eval/", "time/"))})
     want = expected(history)
     assert {k for k in want if k[1] == "train/loss"} == {(2, "train/loss"), (4, "train/loss")}
-    assert {(4, "eval/mae"), (2, "train/steps_per_sec")} <= set(want)
+    assert {(4, "eval/mae"), (2, "train/steps_per_sec"), (4, "time/steps")} <= set(want)
     assert got == pytest.approx(want, rel=1e-6)
 
 

@@ -315,6 +315,19 @@ class _MetricWriter(Callback):
     def _write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def scalars(split: str, values: Mapping[str, Any]) -> dict[str, float]:
+        """The scalars every writer records for one log point or evaluation: ``{tag: float}``, tags
+        ``<split>/<name>`` (``train/loss``), except a window's seconds by part, which keep their own name
+        (``time/steps``); booleans, strings and ``step`` are left out.
+
+        Examples:
+            >>> _MetricWriter.scalars("train", {"step": 10, "loss": 0.5, "time/steps": 1.25})
+            {'train/loss': 0.5, 'time/steps': 1.25}
+        """
+        return {key if key.startswith("time/") else f"{split}/{key}": float(value) for key, value in values.items()
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
 
 class CSVLogger(_MetricWriter):
     """Append training and evaluation metrics to ``path`` as CSV (one row per log point).
@@ -413,10 +426,8 @@ class TensorBoardLogger(_MetricWriter):
                 filename_suffix=f".jaxdist.{os.getpid()}.{next(_files)}",
             )
         now = time.time()
-        for key, value in logs.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                tag = key if key.startswith("time/") else f"{prefix}/{key}"
-                self._writer.add_scalar(tag, float(value), int(step), walltime=now)
+        for tag, value in self.scalars(prefix, logs).items():
+            self._writer.add_scalar(tag, value, int(step), walltime=now)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
         self.close()

@@ -26,12 +26,6 @@ __all__ = ["MLflowLogger", "WandbLogger"]
 _INSTALL = "pip install 'jaxdist[trackers]'"
 
 
-def _scalars(prefix: str, values: Mapping[str, Any]) -> dict[str, float]:
-    """``{prefix/name: float}`` for the numeric values (what `TensorBoardLogger` writes)."""
-    return {f"{prefix}/{k}": float(v) for k, v in values.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
 def _require(module: str, logger: str) -> Any:
     try:
         return __import__(module, fromlist=["_"])
@@ -104,10 +98,10 @@ class WandbLogger(_MetricWriter):
             self.run = self._wandb.init(**self.init_kwargs)
         if not self._defined:
             self.run.define_metric("step")
-            for prefix in ("train", "eval"):
+            for prefix in ("train", "eval", "time"):
                 self.run.define_metric(f"{prefix}/*", step_metric="step")
             self._defined = True
-        scalars = _scalars(split, values)
+        scalars = self.scalars(split, values)
         if scalars:
             self.run.log({"step": int(step), **scalars})
 
@@ -229,7 +223,7 @@ class MLflowLogger(_MetricWriter):
         if not self._open_run:
             self._open()
         now = int(time.time() * 1000)
-        metrics = [self._entities.Metric(k, v, now, int(step)) for k, v in _scalars(split, values).items()]
+        metrics = [self._entities.Metric(k, v, now, int(step)) for k, v in self.scalars(split, values).items()]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 

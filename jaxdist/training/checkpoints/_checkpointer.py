@@ -55,6 +55,7 @@ from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
 from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
 from jaxdist.training.checkpoints._reading import read_intact, read_iterator_state, read_meta, read_state
 from jaxdist.training.checkpoints._storage import CheckpointSaveError, check_directory, quiet_orbax
+from jaxdist.training.checkpoints._tree import to_disk
 from jaxdist.training.checkpoints._writes import InFlight, array_handlers, forget, keep_open
 from jaxdist.training.data import save_args
 
@@ -185,7 +186,7 @@ class Checkpointer:
             return path
         info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state),
                 "node_types": node_types(state)}
-        items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(info)}
+        items = {"state": ocp.args.PyTreeSave(to_disk(state)), "meta": ocp.args.JsonSave(info)}
         if data_iterator is not None:
             info["data_iterator"], items["data_iterator"] = save_args(data_iterator)
         try:  # here, not in the background thread that writes it

@@ -26,6 +26,7 @@ from jaxdist.training.checkpoints._damage import (
 )
 from jaxdist.training.checkpoints._foreign import advice
 from jaxdist.training.checkpoints._metadata import FORMAT
+from jaxdist.training.checkpoints._tree import from_disk, to_disk
 from jaxdist.training.data import IteratorSnapshot, restore_args, state_for_process
 
 __all__ = ["read_intact", "read_iterator_state", "read_meta", "read_state"]
@@ -107,11 +108,11 @@ def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict
 def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: Any, info: dict) -> Any:
     """The state of checkpoint ``step`` (metadata ``info``, checked to fit) read into ``like``'s layout, its
     checksums verified."""
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
+    target = to_disk(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like))
     args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     try:
-        restored = manager.restore(step, args=args)["state"]
+        restored = from_disk(like, manager.restore(step, args=args)["state"])
         verify_checksums(info.get("checksums"), restored)  # none in checkpoints written before them
     except Exception as error:
         if is_damage(error):
