@@ -124,10 +124,14 @@ def test_a_rollback_counts_the_steps_it_threw_away_as_lost(tmp_path):
 
 
 class Crash(jd.training.Callback):
-    """Fails the fit at ``step`` (after its last checkpoint, without a final one): a crash, or a kill."""
+    """Fails the fit at ``step`` (after its last checkpoint, without a final one): a crash, or a kill. Keeps
+    the progress record at each log."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, step, directory):
+        self.step, self.directory, self.records = step, directory, []
+
+    def on_log(self, trainer, step, logs):
+        self.records.append((step, read_progress(self.directory)))
 
     def on_step_end(self, trainer, step, metrics):
         if step == self.step:
@@ -158,18 +162,21 @@ def test_a_resumed_run_counts_the_steps_taken_again_after_a_crash_as_lost(tmp_pa
     # A fresh run in an empty directory loses nothing.
     history, wall = timed(lambda: trainer(features=7).fit(data, steps=2, **options))
     assert_adds_up(history, wall)
-    assert history.time["lost"] == 0 and read_progress(str(ck)) == 2
+    assert history.time["lost"] == 0
+    assert sorted(p.name for p in ck.iterdir()) == ["2"]  # it ended with a checkpoint of its last step: no record
     # It goes on, and crashes at step 7: its last checkpoint is step 4, it got to step 7.
+    crash = Crash(7, str(ck))
     with pytest.raises(RuntimeError, match="crashed"):
-        trainer(features=7).fit(data, steps=8, callbacks=[Crash(7)], **options)
-    assert read_progress(str(ck)) == 7
+        trainer(features=7).fit(data, steps=8, callbacks=[crash], **options)
+    assert crash.records[0] == (4, 4)  # recorded at its first log point (a kill after it leaves that)
+    assert read_progress(str(ck)) == 7  # and on its way out
     # The next run resumes from step 4 (its restore counted as checkpoint) and takes steps 5, 6 and 7 again.
     phases = restores(monkeypatch)
     again = trainer(features=7)
     history, wall = timed(lambda: again.fit(data, steps=8, **options))
     assert phases == ["checkpoint"] and history.time["checkpoint"] > 0
     assert_adds_up(history, wall)
-    assert history.time["lost"] > 0 and read_progress(str(ck)) == 8
+    assert history.time["lost"] > 0 and read_progress(str(ck)) == 0
     rows = {row["step"]: row for row in history.train}
     assert list(rows) == [6, 8]
     assert rows[6]["time/lost"] == pytest.approx(rows[6]["time/steps"])  # steps 5, 6: taken before
@@ -177,7 +184,7 @@ def test_a_resumed_run_counts_the_steps_taken_again_after_a_crash_as_lost(tmp_pa
     assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
     # From where a run stopped, nothing is taken again.
     history = trainer(features=7).fit(data, steps=10, **options)
-    assert history.time["lost"] == 0 and read_progress(str(ck)) == 10
+    assert history.time["lost"] == 0
 
 
 @pytest.mark.timeout(120)

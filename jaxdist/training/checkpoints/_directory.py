@@ -1,8 +1,8 @@
 """A checkpoint directory's own bookkeeping around orbax's steps: what a killed save left unfinished is removed,
 and a rollback (`abandon`) is recorded before its deletions, so that the next checkpointer opened there finishes
 it (`tidy`) before any step is listed: no interruption brings an abandoned step back as the newest. A fit
-also records how far it got (`write_progress`, `read_progress`): a run resumed after a crash knows which of
-its steps it takes again.
+also records how far it got (`write_progress`, `read_progress`; removed when it ends with a checkpoint of
+that step, `clear_progress`): a run resumed after a crash knows which of its steps it takes again.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["PROGRESS_FILE", "abandon", "read_progress", "tidy", "write_progress"]
+__all__ = ["PROGRESS_FILE", "abandon", "clear_progress", "read_progress", "tidy", "write_progress"]
 
 _ROLLBACK = ".jaxdist-rollback.json"
 PROGRESS_FILE = ".jaxdist-progress.json"
-"""The step the last fit in the directory reached (`write_progress`)."""
+"""The step the last fit in the directory reached, where that is past its newest checkpoint (`write_progress`)."""
 
 
 def _finish_rollback(directory: str) -> None:
@@ -107,3 +107,19 @@ def read_progress(directory: str) -> int:
     except (OSError, ValueError, KeyError, TypeError):
         return 0
     return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+
+
+def clear_progress(directory: str) -> None:
+    """Remove the record of `write_progress` (the fit ended with a checkpoint of the step it reached, which says
+    as much); never an error.
+
+    Examples:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> write_progress(directory, 7)
+        >>> clear_progress(directory)
+        >>> read_progress(directory)
+        0
+    """
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(directory, PROGRESS_FILE))

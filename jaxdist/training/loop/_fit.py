@@ -66,7 +66,7 @@ from jaxdist.costs.step import StepCost
 from jaxdist.strategies.cluster import spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import Callback, History
-from jaxdist.training.checkpoints import Checkpointer, write_progress
+from jaxdist.training.checkpoints import Checkpointer, clear_progress, write_progress
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import HostTimes, check_ratio
 from jaxdist.training.loop._job import data_ended
@@ -317,6 +317,7 @@ class Fit:
         # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for the next run.
         self.recorder = options.checkpointer is not None and jax.process_index() == 0
         self.recorded = float("-inf")  # when (perf_counter) it last did
+        self.saved_at_end = False  # the fit ended with a checkpoint of its last step (no record needed then)
         profile = StepProfile.of(options.profile_steps, options.profile_processes, options.log_dir,
                                  lambda step: _run_length(step, options))
         self.profile = _NoProfile() if profile is None else profile
@@ -456,9 +457,14 @@ class Fit:
         self.redo = NEVER
 
     def record(self) -> None:
-        """Record the step reached in the checkpoint directory (process 0; never an error)."""
+        """Record the step reached in the checkpoint directory (process 0; never an error); once the fit has
+        ended with a checkpoint of that step, which says as much, remove the record."""
         if self.recorder:
-            write_progress(self.options.checkpointer.directory, self.trainer.step)
+            directory = self.options.checkpointer.directory
+            if self.saved_at_end:
+                clear_progress(directory)
+            else:
+                write_progress(directory, self.trainer.step)
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
@@ -539,6 +545,8 @@ class Fit:
                 trainer.sync_model()
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
                 self.emit("on_train_end", history)
+                ckpt = options.checkpointer
+                self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
         finally:
             self.record()  # how far this run got (a run that fails: the next one knows what it takes again)
             clock.close()
