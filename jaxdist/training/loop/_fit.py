@@ -42,7 +42,10 @@ hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_se
 summed loss weight: nothing more is computed or read per step.
 
 Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the host around
-what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step); ``profile_steps``
+what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step). Process 0 records the
+step reached in the checkpoint directory at log points (at most every `PROGRESS_SECONDS`) and when the fit
+ends or fails (`jaxdist.training.checkpoints.write_progress`), so that a fit resumed behind it counts the steps
+it takes again as ``lost`` (``FitOptions.reached``: one comparison per step). ``profile_steps``
 traces a window of steps with `jax.profiler` (`jaxdist.training.loop._profile.StepProfile`: one comparison
 per step outside the window).
 """
