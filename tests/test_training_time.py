@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import threading
 import time
 from contextlib import redirect_stdout
 
@@ -17,6 +18,10 @@ from tfevents import read_events, scalars
 
 import jaxdist as jd
 from jaxdist.training.callbacks import TIME_PARTS
+from jaxdist.training.checkpoints import read_progress, write_progress
+from jaxdist.training.checkpoints._directory import PROGRESS_FILE
+from jaxdist.training.loop import _start as start_module
+from jaxdist.training.loop import _time as time_module
 from jaxdist.training.loop._profile import StepProfile
 
 
@@ -116,6 +121,95 @@ def test_a_rollback_counts_the_steps_it_threw_away_as_lost(tmp_path):
     assert_adds_up(history, wall)
     assert history.time["lost"] > 0
     assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
+
+
+class Crash(jd.training.Callback):
+    """Fails the fit at ``step`` (after its last checkpoint, without a final one): a crash, or a kill. Keeps
+    the progress record at each log."""
+
+    def __init__(self, step, directory):
+        self.step, self.directory, self.records = step, directory, []
+
+    def on_log(self, trainer, step, logs):
+        self.records.append((step, read_progress(self.directory)))
+
+    def on_step_end(self, trainer, step, metrics):
+        if step == self.step:
+            raise RuntimeError("crashed")
+
+
+class Restores(list):
+    """The clock's phase at each restore of a resuming fit."""
+
+
+def restores(monkeypatch) -> Restores:
+    record = Restores()
+    restore = start_module.restore_live
+
+    def traced(*args, **kwargs):
+        clock = time_module._CLOCKS[threading.get_ident()]()
+        record.append(clock.phase)
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(start_module, "restore_live", traced)
+    return record
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_counts_the_steps_taken_again_after_a_crash_as_lost(tmp_path, monkeypatch):
+    data, ck = batches(12), tmp_path / "ck"
+    options = {"checkpoint_dir": ck, "checkpoint_every": 4, "log_every": 2, "verbose": 0}
+    # A fresh run in an empty directory loses nothing.
+    history, wall = timed(lambda: trainer(features=7).fit(data, steps=2, **options))
+    assert_adds_up(history, wall)
+    assert history.time["lost"] == 0
+    assert sorted(p.name for p in ck.iterdir()) == ["2"]  # it ended with a checkpoint of its last step: no record
+    # It goes on, and crashes at step 7: its last checkpoint is step 4, it got to step 7.
+    crash = Crash(7, str(ck))
+    with pytest.raises(RuntimeError, match="crashed"):
+        trainer(features=7).fit(data, steps=8, callbacks=[crash], **options)
+    assert crash.records[0] == (4, 4)  # recorded at its first log point (a kill after it leaves that)
+    assert read_progress(str(ck)) == 7  # and on its way out
+    # The next run resumes from step 4 (its restore counted as checkpoint) and takes steps 5, 6 and 7 again.
+    phases = restores(monkeypatch)
+    again = trainer(features=7)
+    history, wall = timed(lambda: again.fit(data, steps=8, **options))
+    assert phases == ["checkpoint"] and history.time["checkpoint"] > 0
+    assert_adds_up(history, wall)
+    assert history.time["lost"] > 0 and read_progress(str(ck)) == 0
+    rows = {row["step"]: row for row in history.train}
+    assert list(rows) == [6, 8]
+    assert rows[6]["time/lost"] == pytest.approx(rows[6]["time/steps"])  # steps 5, 6: taken before
+    assert 0 < rows[8]["time/lost"] < rows[8]["time/steps"]  # step 7 was, step 8 was not
+    assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
+    # From where a run stopped, nothing is taken again.
+    history = trainer(features=7).fit(data, steps=10, **options)
+    assert history.time["lost"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_restore_step_counts_the_steps_it_takes_again_as_lost(tmp_path):
+    data, ck = batches(12), tmp_path / "ck"
+    options = {"checkpoint_dir": ck, "checkpoint_every": 2, "log_every": 2, "verbose": 0}
+    trainer(features=7).fit(data, steps=8, **options)
+    history, wall = timed(lambda: trainer(features=7).fit(data, steps=8, restore_step=4, **options))
+    assert_adds_up(history, wall)
+    # Steps 5 to 8 were taken before (they are deleted with their checkpoints, and taken again): all lost.
+    assert [row["step"] for row in history.train] == [6, 8]
+    for row in history.train:
+        assert 0 < row["time/lost"] == pytest.approx(row["time/steps"]), row
+    assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
+
+
+def test_a_missing_or_damaged_progress_record_means_nothing_was_taken_before(tmp_path):
+    assert read_progress(str(tmp_path)) == 0
+    write_progress(str(tmp_path), 12)
+    assert read_progress(str(tmp_path)) == 12
+    for text in ("", "{", '{"step": "12"}', '{"step": -3}', '{"step": true}', "[12]"):
+        (tmp_path / PROGRESS_FILE).write_text(text)
+        assert read_progress(str(tmp_path)) == 0, text
+    write_progress(str(tmp_path / "missing"), 3)  # cannot be written: no error, no record
+    assert read_progress(str(tmp_path / "missing")) == 0
 
 
 def test_time_is_shown_in_one_line_and_goodput_is_nan_before_a_fit():

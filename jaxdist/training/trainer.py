@@ -606,7 +606,9 @@ class Trainer:
             restore_step: resume from this checkpoint of ``checkpoint_dir`` instead of the latest (e.g. the
                 one before a damaged checkpoint): the run goes back to that step (state, data position), and
                 the checkpoints after it are deleted once it is restored (they belong to the run being
-                replaced; a later resume would otherwise jump back to them).
+                replaced; a later resume would otherwise jump back to them). The steps it takes again count as
+                ``history.time["lost"]``, as do those a run resumed after a crash takes again (process 0 records
+                in ``checkpoint_dir`` how far a run got).
             step_timeout: seconds a training step may take; when none finishes in time (the first, which
                 compiles, gets ``max(10 * step_timeout, 600)``), the process writes why and every thread's stack
                 to stderr and exits with status 124 (`jaxdist.training.Watchdog`): a stuck or dead peer ends

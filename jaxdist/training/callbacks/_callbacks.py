@@ -59,12 +59,14 @@ class History:
         time: where the fit's wall time went, in seconds (`TIME_PARTS`, in this order): ``"steps"`` (calling
             the steps and waiting for the devices to finish them), ``"compile"`` (tracing, lowering and
             compiling, as JAX reports it), ``"input"`` (reading and placing batches), ``"checkpoint"`` (writing
-            them, and reading one to roll back), ``"evaluation"``, ``"lost"`` (steps thrown away: those a
-            rollback undid) and ``"other"`` (the rest: callbacks, the setup before the first step, the loop
-            itself). They add up to the wall time of ``fit``; measured on the host, with no read from the
-            devices per step. Each log row has the same parts over its window as ``time/<part>`` (its
-            ``time/steps`` includes steps a later rollback throws away; the first window after the rollback
-            shows their seconds as ``time/lost``). Empty before ``fit`` ends.
+            them, and reading one to resume or roll back), ``"evaluation"``, ``"lost"`` (steps thrown away or
+            taken again: those a rollback undid, and those a resumed run takes again because an earlier run
+            got past the checkpoint it resumes from: a crash after the last checkpoint, or ``restore_step``)
+            and ``"other"`` (the rest: callbacks, the setup before the first step, the loop itself). They add
+            up to the wall time of ``fit``; measured on the host, with no read from the devices per step. Each
+            log row has the same parts over its window as ``time/<part>`` (its ``time/steps`` counts every step
+            it ran, ``time/lost`` those of them taken again, and, in the first window after a rollback, the
+            steps the rollback threw away). Empty before ``fit`` ends.
 
     Examples:
         >>> h = History()

@@ -1,6 +1,6 @@
 """State on disk: the `Checkpointer`, its damage checks, the one-writer claim, storage errors, foreign (Orbax)
-checkpoints, states loaded into a strategy's layout, a Trainer's state saved, restored and loaded (averaged
-weights with it or not), and the compilation cache.
+checkpoints, the record of how far a fit got, states loaded into a strategy's layout, a Trainer's state saved,
+restored and loaded (averaged weights with it or not), and the compilation cache.
 
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
@@ -9,6 +9,9 @@ from jaxdist.training.checkpoints._checkpointer import Checkpointer as Checkpoin
 from jaxdist.training.checkpoints._claim import CheckpointConflictError as CheckpointConflictError
 from jaxdist.training.checkpoints._compilation_cache import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.checkpoints._damage import CheckpointCorruptedError as CheckpointCorruptedError
+from jaxdist.training.checkpoints._directory import clear_progress as clear_progress
+from jaxdist.training.checkpoints._directory import read_progress as read_progress
+from jaxdist.training.checkpoints._directory import write_progress as write_progress
 from jaxdist.training.checkpoints._live import load_live as load_live
 from jaxdist.training.checkpoints._live import restore_live as restore_live
 from jaxdist.training.checkpoints._live import roll_back as roll_back
@@ -18,5 +21,6 @@ from jaxdist.training.checkpoints._storage import check_directory as check_direc
 
 __all__ = [
     "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "check_directory",
-    "configure_compilation_cache", "load_live", "restore_live", "roll_back", "save_live",
+    "clear_progress", "configure_compilation_cache", "load_live", "read_progress", "restore_live", "roll_back",
+    "save_live", "write_progress",
 ]

@@ -1,20 +1,26 @@
 """A checkpoint directory's own bookkeeping around orbax's steps: what a killed save left unfinished is removed,
 and a rollback (`abandon`) is recorded before its deletions, so that the next checkpointer opened there finishes
-it (`tidy`) before any step is listed: no interruption brings an abandoned step back as the newest.
+it (`tidy`) before any step is listed: no interruption brings an abandoned step back as the newest. A fit
+also records how far it got (`write_progress`, `read_progress`; removed when it ends with a checkpoint of
+that step, `clear_progress`): a run resumed after a crash knows which of its steps it takes again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 
 import jax
 
-__all__ = ["abandon", "tidy"]
+__all__ = ["PROGRESS_FILE", "abandon", "clear_progress", "read_progress", "tidy", "write_progress"]
 
 _ROLLBACK = ".jaxdist-rollback.json"
+PROGRESS_FILE = ".jaxdist-progress.json"
+"""The step the last fit in the directory reached, where that is past its newest checkpoint (`write_progress`)."""
 
 
 def _finish_rollback(directory: str) -> None:
@@ -66,3 +72,54 @@ def abandon(directory: str, step: int, later: list[int], delete: Callable[[int],
         delete(s)
     if jax.process_index() == 0:
         os.remove(record)
+
+
+def write_progress(directory: str, step: int) -> None:
+    """Record that the fit writing ``directory`` reached ``step`` (`PROGRESS_FILE`: the step and the time),
+    replacing the record before (written aside, then ``os.replace``: a reader sees the old or the new one).
+    Never an error: a record that cannot be written is left as it was (it only informs `read_progress`).
+
+    Examples:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> write_progress(directory, 7)
+        >>> read_progress(directory)
+        7
+    """
+    record = os.path.join(directory, PROGRESS_FILE)
+    with contextlib.suppress(OSError):
+        with open(record + ".tmp", "w") as f:
+            json.dump({"step": int(step), "time": time.time()}, f)
+        os.replace(record + ".tmp", record)
+
+
+def read_progress(directory: str) -> int:
+    """The step `write_progress` last recorded in ``directory``; 0 when there is no record or it is unreadable.
+
+    Examples:
+        >>> import tempfile
+        >>> read_progress(tempfile.mkdtemp())
+        0
+    """
+    try:
+        with open(os.path.join(directory, PROGRESS_FILE)) as f:
+            step = json.load(f)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+
+
+def clear_progress(directory: str) -> None:
+    """Remove the record of `write_progress` (the fit ended with a checkpoint of the step it reached, which says
+    as much); never an error.
+
+    Examples:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> write_progress(directory, 7)
+        >>> clear_progress(directory)
+        >>> read_progress(directory)
+        0
+    """
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(directory, PROGRESS_FILE))

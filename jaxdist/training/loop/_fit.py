@@ -42,7 +42,10 @@ hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_se
 summed loss weight: nothing more is computed or read per step.
 
 Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the host around
-what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step); ``profile_steps``
+what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step). Process 0 records the
+step reached in the checkpoint directory at log points (at most every `PROGRESS_SECONDS`) and when the fit
+ends or fails (`jaxdist.training.checkpoints.write_progress`), so that a fit resumed behind it counts the steps
+it takes again as ``lost`` (``FitOptions.reached``: one comparison per step). ``profile_steps``
 traces a window of steps with `jax.profiler` (`jaxdist.training.loop._profile.StepProfile`: one comparison
 per step outside the window).
 """
@@ -59,13 +62,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from time import perf_counter
 from typing import Any, Protocol
 
+import jax
 from jax.sharding import Mesh
 
 from jaxdist.costs.step import StepCost
 from jaxdist.strategies.cluster import spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import Callback, History
-from jaxdist.training.checkpoints import Checkpointer
+from jaxdist.training.checkpoints import Checkpointer, clear_progress, write_progress
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import HostTimes, check_ratio
 from jaxdist.training.loop._job import data_ended
@@ -81,6 +85,9 @@ __all__ = ["READ_AHEAD", "Fit", "FitOptions", "FitTarget", "run_fit"]
 
 READ_AHEAD = 2
 """Batches placed ahead of the step being dispatched (one compiled step per batch)."""
+
+PROGRESS_SECONDS = 5.0
+"""The step reached is recorded in the checkpoint directory at a log point at most this often (and at the end)."""
 
 READ_LAG = 2
 """Several processes: a log window is read this many checks (steps, or on-device loops) after it closed, at the
@@ -114,6 +121,9 @@ class FitOptions:
         profile_processes: the processes that trace: process indices, or ``"all"``.
         clock: the fit's `FitClock` (`History.time`), started when these options are made (``Trainer.fit`` makes
             them first): one per fit.
+        reached: the step an earlier run on ``checkpointer``'s directory reached (its progress record, or its
+            newest checkpoint before a ``restore_step``): the time of the steps up to it that this fit takes
+            again is ``lost``. 0: none.
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, ``eval_data`` given as
@@ -141,6 +151,7 @@ class FitOptions:
     profile_steps: tuple[int, int] | None = None
     profile_processes: Any = (0,)
     clock: FitClock = dataclasses.field(default_factory=FitClock, repr=False, compare=False)
+    reached: int = 0
 
     def __post_init__(self) -> None:
         check_ratio(self.straggler_ratio)
@@ -153,6 +164,7 @@ class FitOptions:
         for name in ("eval_every", "checkpoint_every"):
             check_int(getattr(self, name), name, 1)
         check_int(self.log_every, "log_every", 1, allow_none=False)
+        check_int(self.reached, "reached", 0, allow_none=False)
         timeout = self.step_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"step_timeout={timeout!r} must be a number of seconds > 0, or None (not watched).")
@@ -301,6 +313,14 @@ class Fit:
         self.clock = options.clock
         self.windows: collections.deque = collections.deque()  # (step, clock snapshot) of each closed window
         self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))  # the last window logged
+        # An earlier run got to step ``reached`` (it crashed after its last checkpoint, or restore_step went back):
+        # the steps up to it are taken again, their time is lost (`FitClock.redone`, at the step that reaches it
+        # and at each window closed before).
+        self.redo = options.reached if options.reached > trainer.step else NEVER
+        # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for the next run.
+        self.recorder = options.checkpointer is not None and jax.process_index() == 0
+        self.recorded = float("-inf")  # when (perf_counter) it last did
+        self.saved_at_end = False  # the fit ended with a checkpoint of its last step (no record needed then)
         profile = StepProfile.of(options.profile_steps, options.profile_processes, options.log_dir,
                                  lambda step: _run_length(step, options))
         self.profile = _NoProfile() if profile is None else profile
@@ -424,9 +444,30 @@ class Fit:
         self.emit("on_eval_end", self.trainer.step, metrics)
 
     def close_window(self) -> None:
-        self.windows.append((self.trainer.step, (perf_counter(), self.clock.gross())))
+        if self.redo is not NEVER:  # every step so far was taken before, by an earlier run
+            self.clock.redone()
+        now = perf_counter()
+        self.windows.append((self.trainer.step, (now, self.clock.gross())))
+        if self.recorder and now - self.recorded >= PROGRESS_SECONDS:
+            self.record()
+            self.recorded = now
         self.logs.close_window(self.trainer.step, self.trainer.pop_running_sums(), self.checks)
         self.hosts.close_window(self.trainer.step, self.consumed)
+
+    def redone(self) -> None:
+        """The step an earlier run reached is reached again: the steps up to here are lost (`FitClock.redone`)."""
+        self.clock.redone()
+        self.redo = NEVER
+
+    def record(self) -> None:
+        """Record the step reached in the checkpoint directory (process 0; never an error); once the fit has
+        ended with a checkpoint of that step, which says as much, remove the record."""
+        if self.recorder:
+            directory = self.options.checkpointer.directory
+            if self.saved_at_end:
+                clear_progress(directory)
+            else:
+                write_progress(directory, self.trainer.step)
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
@@ -456,17 +497,20 @@ class Fit:
                     try:
                         for n, metrics in steps:
                             self.dog.beat()  # a step finished (a callback that stalls from here on trips the watchdog)
-                            if trainer.step >= profile.due:  # the profile's window starts or ends here
-                                profile.check(trainer.step, metrics)
-                            before = trainer.step - n  # the step(s) just taken advanced trainer.step
+                            step = trainer.step
+                            if step >= profile.due:  # the profile's window starts or ends here
+                                profile.check(step, metrics)
+                            if step >= self.redo:  # the step an earlier run reached: the steps up to it were lost
+                                self.redone()
+                            before = step - n  # the step(s) just taken advanced trainer.step
                             self.consumed += n
                             self.checks += 1
                             trainer.data_position = stream.position(self.consumed)
                             if self.cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
                                 self.cost = history.step_cost = trainer.step_cost()
                                 self.emit("on_step_cost", self.cost)
-                            self.emit("on_step_end", trainer.step, metrics)
-                            if _crossed(before, trainer.step, options.log_every) or trainer.step == options.steps:
+                            self.emit("on_step_end", step, metrics)
+                            if _crossed(before, step, options.log_every) or step == options.steps:
                                 self.close_window()
                             self.logs.emit_ready(self.checks)
                             if self.act():  # rolled back: the log, evaluation and checkpoint points come again
@@ -504,7 +548,10 @@ class Fit:
                 trainer.sync_model()
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
                 self.emit("on_train_end", history)
+                ckpt = options.checkpointer
+                self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
         finally:
+            self.record()  # how far this run got (a run that fails: the next one knows what it takes again)
             clock.close()
             profile.close()  # a fit that ends or fails inside the window: the trace so far
             self.logs.close()  # the watcher thread

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
-from jaxdist.training.checkpoints import Checkpointer, check_directory, restore_live, roll_back
+from jaxdist.training.checkpoints import Checkpointer, check_directory, read_progress, restore_live, roll_back
 from jaxdist.training.data import BatchStream, global_rows, say_batch_change
 from jaxdist.training.loop._fit import FitOptions, FitTarget, run_fit
 from jaxdist.training.loop._job import agree_on_fit, failing
@@ -90,14 +90,16 @@ def fit_live(
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
         try:
-            resumed = _restore(live, ckpt, restore_step, sample, checkpoint_dir)
+            with options.clock.timing("checkpoint"):  # the clock started with the options: the restore is checkpoint
+                resumed, reached = _restore(live, ckpt, restore_step, sample, checkpoint_dir)
             if live.state is None or live.unchecked is not None:
                 live.init(sample)
             if live.position_unknown and not isinstance(train_data, Iterator):
                 _say_start(live)
             callbacks = _writers(live, list(callbacks), steps, verbose, log_dir, checkpoint_dir if resumed else None)
             options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
-                                          steps_per_run=steps_per_run, mesh=mesh, on_non_finite=policy)
+                                          steps_per_run=steps_per_run, mesh=mesh, on_non_finite=policy,
+                                          reached=reached)
             feed = live.feed if steps_per_run == 1 else live.loop_feed
             live.steps.skip_non_finite = policy.action == "skip"  # a step variant that skips on the devices
             history = run_fit(trainer, BatchStream(stream.data, live.position, epochs, feed), options)
@@ -114,15 +116,18 @@ def fit_live(
 
 
 def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | None, sample: Any,
-             checkpoint_dir: Any) -> bool:
+             checkpoint_dir: Any) -> tuple[bool, int]:
     """Claim the directory, then go back to ``restore_step`` or resume from its latest checkpoint when it is
-    ahead of ``live``; whether the run resumed from a checkpoint."""
+    ahead of ``live``; whether the run resumed from a checkpoint, and the step the runs before it reached
+    there (`FitOptions.reached`: the progress record of the last one, a crash after its last checkpoint, or the
+    newest checkpoint, which ``restore_step`` goes back from; 0 for a new directory)."""
     if ckpt is None:
         live.loaded = False
-        return False
+        return False, 0
     ckpt.claim()  # one writer per directory: a second live run is refused here, before any step
     ckpt.check_writer()  # another writer's checkpoints: the orbax that reads them, never written over
     latest = ckpt.latest_step() or 0
+    reached = max(latest, read_progress(ckpt.directory))
     resumed = restore_step is not None or latest > live.step
     if restore_step is not None:
         roll_back(live, ckpt, restore_step, sample)
@@ -137,7 +142,7 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
     if resumed:  # the position counts batches: another batch size moves it
         say_batch_change(ckpt.meta(live.step), global_rows(live.batches.signature), live.position)
     live.loaded = False
-    return resumed
+    return resumed, reached
 
 
 def _writers(live: LiveState, callbacks: list, steps: int | None, verbose: Any, log_dir: Any,

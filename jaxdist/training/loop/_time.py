@@ -8,8 +8,10 @@ checkpoint (``steps`` too: that is the devices finishing steps), writing and rea
 (``checkpoint``) and evaluating (``evaluation``). ``compile`` is what JAX itself reports through
 `jax.monitoring` (tracing, lowering and compiling, on the fit's thread, from the moment the clock is made:
 ``Trainer.fit`` makes it first, so building the state counts too), taken out of the part it happened in.
-``lost`` is step time thrown away: a rollback (``on_non_finite="rollback"``) moves the time of the steps since
-the checkpoint it restores from ``steps`` to ``lost``. ``other`` is the remainder (callbacks, the loop itself,
+``lost`` is step time thrown away or spent again: a rollback (``on_non_finite="rollback"``) moves the time of
+the steps since the checkpoint it restores from ``steps`` to ``lost``, and so does a fit that resumes behind
+the step an earlier run reached (``redone``: a crash after the last checkpoint, or ``restore_step``), for the
+steps up to that step. ``other`` is the remainder (callbacks, the loop itself,
 the setup before the first step), so that the parts add up to the wall time exactly.
 
 Per step this costs three ``perf_counter`` calls and a few attribute writes. JAX reports compiles to one
@@ -97,7 +99,7 @@ class FitClock:
         self._spans: list[tuple[float, float]] = []
         self._thread = threading.get_ident()
         self._marks: dict[int, float] = {}  # checkpoint step -> step seconds when its state was saved
-        self._restored = 0.0  # step seconds at the last rollback (what came before is counted already)
+        self._restored = 0.0  # step seconds at the last loss (what came before is counted already)
         self.open()
 
     def open(self) -> None:
@@ -154,7 +156,15 @@ class FitClock:
 
     def rolled_back(self, step: int) -> float:
         """The state went back to checkpoint ``step``: the steps since then are lost; their seconds."""
-        since = max(self._marks.get(step, 0.0), self._restored)  # 0: a checkpoint from before this fit
+        return self._lose(self._marks.get(step, 0.0))  # 0: a checkpoint from before this fit
+
+    def redone(self) -> float:
+        """The steps measured so far (since the last rollback or call) were taken before, by an earlier run
+        that got further than the checkpoint this fit resumed from: lost; their seconds."""
+        return self._lose(0.0)
+
+    def _lose(self, since: float) -> float:
+        since = max(since, self._restored)  # what came before the last loss is counted already
         now = self._stepped()
         lost = max(now - since, 0.0)
         self.lost += lost
