@@ -55,10 +55,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from time import perf_counter
 from typing import Any, Protocol
 
@@ -583,19 +584,7 @@ def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,
             # steps still running. Nothing here waits for a step, so the host stays ahead of the devices.
             batches = ahead(cut, READ_AHEAD)
             try:
-                while True:
-                    clock.phase = "input"
-                    start = perf_counter()
-                    batch = next(batches, _END)
-                    read = perf_counter()
-                    clock.input += read - start
-                    if batch is _END:
-                        clock.phase = "other"
-                        break
-                    clock.phase = "steps"
-                    metrics = trainer.train_on_batch(batch)
-                    clock.steps += perf_counter() - read
-                    clock.phase = "other"
+                for _, metrics in _timed(clock, functools.partial(next, batches, _END), trainer.train_on_batch):
                     ran += 1
                     yield 1, metrics
             finally:
@@ -605,6 +594,25 @@ def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,
 
 
 _END = object()
+
+
+def _timed(clock: FitClock, read: Callable[[], Any], run: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
+    """``(read(), run(read()))`` until ``read`` returns ``_END``: the reading timed as ``input``, the running as
+    ``steps`` (two clock reads per step; the clock's phase says where a compile happens)."""
+    while True:
+        clock.phase = "input"
+        start = perf_counter()
+        got = read()
+        read_at = perf_counter()
+        clock.input += read_at - start
+        if got is _END:
+            clock.phase = "other"
+            return
+        clock.phase = "steps"
+        metrics = run(got)
+        clock.steps += perf_counter() - read_at
+        clock.phase = "other"
+        yield got, metrics
 
 
 def _run_length(step: int, options: FitOptions) -> int:
@@ -624,17 +632,8 @@ def _on_device_loops(
 ) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """steps_per_run > 1: ONE compiled on-device loop per ``steps_per_run`` batches. A loop ends at the next
     log, evaluation or checkpoint point, so that they see the same steps as one step at a time would."""
-    while True:
-        clock.phase = "input"
-        start = perf_counter()
-        chunk = list(itertools.islice(host, _run_length(trainer.step, options)))
-        read = perf_counter()
-        clock.input += read - start
-        if not chunk:
-            clock.phase = "other"
-            return
-        clock.phase = "steps"
-        metrics = trainer.train_on_batches(chunk)
-        clock.steps += perf_counter() - read
-        clock.phase = "other"
-        yield len(chunk), metrics
+    def chunk() -> Any:
+        return list(itertools.islice(host, _run_length(trainer.step, options))) or _END
+
+    for batches, metrics in _timed(clock, chunk, trainer.train_on_batches):
+        yield len(batches), metrics
