@@ -87,3 +87,45 @@ def test_an_unhashable_non_array_leaf_is_an_error_naming_the_fix():
     holder = Holder(jnp.ones(2), [Config(a=1)])
     with pytest.raises(TypeError, match=r"not hashable.*eqx\.filter_jit.*make it hashable"):
         jd.OneDeviceStrategy().jit(lambda h: h.weight * 2)(holder)
+
+
+def replica_step(model, opt_state, x, y):
+    """The per-replica port of `train_step` (tf.distribute's shape): local gradients, all-reduced."""
+    ctx = jd.get_replica_context()
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    grads = ctx.all_reduce(jd.ReduceOp.MEAN, grads)
+    updates, opt_state = OPTIM.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, ctx.all_reduce(jd.ReduceOp.MEAN, loss)
+
+
+def test_an_equinox_module_comes_back_from_strategy_run_mirrored_and_equals_filter_jit():
+    """A module in and out of `strategy.run`: its functions come back as they went in (statics, as
+    `eqx.filter_jit` keeps them) and its arrays mirrored, equal to one device."""
+    want_model, want_losses = train(eqx.filter_jit(train_step), *init())
+    strategy = jd.MirroredStrategy()
+    model, opt_state = strategy.mirror(init())
+
+    def step(model, opt_state, x, y):
+        return strategy.run(replica_step, args=(model, opt_state, x, y), batch_argnums=(2, 3))
+
+    got_model, losses = train(step, model, opt_state)
+    assert isinstance(got_model, eqx.nn.MLP) and got_model.activation is want_model.activation
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    arrays = (jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in (got_model, want_model))
+    for got, want in zip(*arrays, strict=True):
+        assert got.sharding.is_fully_replicated
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_equinox_module_updated_with_local_gradients_is_refused_by_name():
+    strategy = jd.MirroredStrategy()
+    model, opt_state = strategy.mirror(init())
+    x, y = (a[0] for a in data())
+
+    def local_step(model, opt_state, x, y):  # no all-reduce: every replica's copy drifts
+        grads = eqx.filter_grad(loss_fn)(model, x, y)
+        updates, opt_state = OPTIM.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state
+
+    with pytest.raises(ValueError, match=r"takes the place of the mirrored argument .*all_reduce"):
+        strategy.run(local_step, args=(model, opt_state, x, y), batch_argnums=(2, 3))

@@ -251,3 +251,20 @@ def test_per_replica_gradients_returned_for_a_cross_replica_reduce_are_not_an_up
     want = jax.grad(_loss)(host, x, y)  # compute_average_loss over the global batch: the sum of the replicas'
     for got, ref in zip(jax.tree.leaves(summed), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_a_typed_prng_key_in_a_mirrored_state_runs_and_comes_back_mirrored():
+    """optax's DP-SGD keeps a ``jax.random.key`` in its state: a per-replica step that splits it the same way on
+    every replica returns it (and the noise drawn from it) mirrored, equal to one device."""
+    strategy = jd.MirroredStrategy()
+    host = {"key": jax.random.key(0), "w": jnp.ones(3)}
+
+    def step(state):
+        key, sub = jax.random.split(state["key"])
+        return {"key": key, "w": state["w"] + jax.random.normal(sub, (3,))}
+
+    got = strategy.run(step, args=(strategy.mirror(host),))
+    want = step(host)
+    assert got["key"].sharding.is_fully_replicated and got["w"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(jax.random.key_data(got["key"]), jax.random.key_data(want["key"]))
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)

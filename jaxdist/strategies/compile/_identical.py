@@ -267,6 +267,11 @@ def _signature(tree: Any) -> tuple[Any, tuple] | None:
     return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)) if leaves else None
 
 
+def _dtype(dtype: Any) -> Any:
+    """``dtype`` comparable with another: numpy's, or JAX's own (a typed PRNG key's ``key<fry>``) as it is."""
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
+
+
 def check_mirrored_outputs(
     fn: str, treedef: Any, roles: Sequence[Role], dynamic: Sequence[Any],
     out_tree: Any, out_kinds: Sequence[str], out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
@@ -286,7 +291,8 @@ def check_mirrored_outputs(
         treedef, roles: the structure of ``(args, kwargs)`` and each leaf's role.
         dynamic: the array leaves (those whose role is not static), in order.
         out_tree, out_kinds, out_shapes, out_dtypes: the outputs' structure and, per leaf, how it leaves the
-            program ("per_replica" where its replicas' values may differ), its shape and dtype.
+            program ("per_replica" where its replicas' values may differ; "static": not an array, such as an
+            Equinox module's functions, which only the structure keeps), its shape and dtype.
         out_carries: per output leaf, the positions in ``dynamic`` it carries (`carried_inputs`).
 
     Raises:
@@ -298,10 +304,11 @@ def check_mirrored_outputs(
     for role in roles:
         if role == Role.VARIABLE:
             i, x = next(arrays)
-            leaves.append(_Leaf(role, tuple(np.shape(x)), np.dtype(jax.dtypes.result_type(x)), index=i))
+            leaves.append(_Leaf(role, tuple(np.shape(x)), _dtype(jax.dtypes.result_type(x)), index=i))
+        elif role == Role.STATIC:
+            leaves.append(None)  # not an array (an Equinox module's functions): part of the structure only
         else:
-            if role != Role.STATIC:
-                next(arrays)
+            next(arrays)
             leaves.append(_Leaf(role, None, None))
     args, kwargs = jax.tree.unflatten(treedef, leaves)
     places: dict[Any, list[tuple[str, Any]]] = {}
@@ -312,7 +319,7 @@ def check_mirrored_outputs(
     if not places:
         return
     outs = jax.tree.unflatten(out_tree, [
-        _Leaf(k, tuple(s), np.dtype(d), carries=c)
+        None if k == "static" else _Leaf(k, tuple(s), _dtype(d), carries=c)
         for k, s, d, c in zip(out_kinds, out_shapes, out_dtypes, out_carries, strict=True)
     ])
     for where, sub in _subtrees(outs, "output", 2):

@@ -250,6 +250,9 @@ class ReplicaRunner:
             updated = [to_varying(obj.read(), axis_name)[None] for i, obj, _ in synced if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
+            if probe:  # leaves that are not values (an Equinox module's functions) leave as they are, as statics
+                out_info["statics"] = tuple(v if not _is_value(v) else _VALUE for v in out_leaves)
+            out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True) if static is _VALUE]
             values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
                       else jax.numpy.asarray(v) for v in out_leaves]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
@@ -309,8 +312,11 @@ class ReplicaRunner:
                      for (kind, agg), value in zip(out_info["kinds"], values[:n_out], strict=True)]
         outvars = replica_jaxpr.outvars[:n_out]
         shapes = [o.aval.shape[1:] for o in outvars]  # the probe stacked every output
-        check_mirrored_outputs(name, treedef, kinds, dynamic, out_tree, [k for k, _ in kinds_out], shapes,
-                               [o.aval.dtype for o in outvars], carried_inputs(replica_jaxpr)[:n_out])
+        out_statics = out_info["statics"]
+        check_mirrored_outputs(name, treedef, kinds, dynamic, out_tree, *(
+            _with_statics(out_statics, column, fill) for column, fill in (
+                ([k for k, _ in kinds_out], "static"), (shapes, None), ([o.aval.dtype for o in outvars], None),
+                (carried_inputs(replica_jaxpr)[:n_out], frozenset()))))
         # How each output leaves the replica program: "mirrored" (invariant by type), "stacked" (one copy per
         # replica), or "identical": stacked, then each device's own copy taken as the replicated value
         # (`_own_copies`: nothing is sent).
@@ -356,10 +362,28 @@ class ReplicaRunner:
                     wrapped.append(SyncOnRead(r, agg, owner))
                 else:
                     wrapped.append(r)
-            return jax.tree.unflatten(out_tree, wrapped), dict(zip(out_info["updated"], results[n_out:n_out + n_args],
-                                                                   strict=True))
+            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args], strict=True))
+            return jax.tree.unflatten(out_tree, _with_statics(out_statics, wrapped)), updated
 
         return program
+
+
+_VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static
+
+
+def _is_value(leaf: Any) -> bool:
+    """Whether an output leaf leaves the program as a value; the others (an Equinox module's activation
+    functions, strings) are statics put back around it, as ``eqx.filter_jit`` does."""
+    return isinstance(leaf, (SyncOnRead, jax.Array, jax.core.Tracer, np.ndarray, np.generic, int, float, complex))
+
+
+def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> list[Any]:
+    """The output leaves in order: ``values`` where the outputs have values, the recorded statics elsewhere (or
+    ``fill`` in their place, when given)."""
+    it = iter(values)
+    out = [next(it) if static is _VALUE else static if fill is _VALUE else fill for static in statics]
+    assert next(it, None) is None
+    return out
 
 
 def _captured_message(fn: str) -> str:

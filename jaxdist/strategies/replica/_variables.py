@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
-from jaxdist.replicate.trees import abstract, fn_name, merge_static, split_static
+from jaxdist.replicate.trees import abstract, fn_name, is_array, merge_static, split_static
 from jaxdist.replicate.values import SyncOnRead
 from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.layout import (
@@ -112,10 +112,19 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         >>> mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2)})["b"].sharding.is_fully_replicated
         True
     """
+    leaves, treedef = jax.tree.flatten(tree)
+    # Leaves that are not values (an Equinox module's activation functions) stay as they are.
+    values = [x for x in leaves if _is_value(x)]
     if policy.spans_processes:
-        tree = from_chief(tree)
+        values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
-    return jax.tree.map(functools.partial(put, copy=True), tree, policy.variable_shardings(abstract(tree)))
+    placed = iter(jax.tree.map(functools.partial(put, copy=True), values, policy.variable_shardings(abstract(values))))
+    return jax.tree.unflatten(treedef, [next(placed) if _is_value(x) else x for x in leaves])
+
+
+def _is_value(leaf: Any) -> bool:
+    """Whether ``mirror`` places a leaf: an array or a number (not a function, a string, a module's setting)."""
+    return is_array(leaf) or isinstance(leaf, (int, float, complex))
 
 
 def sync_on_read(
