@@ -113,12 +113,14 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         True
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Leaves that are not values (an Equinox module's activation functions) stay as they are.
-    values = [x for x in leaves if _is_value(x)]
+    # Leaves that are not values (an Equinox module's activation functions) stay as they are; the values keep
+    # their places in the tree (layout rules match paths).
+    values = jax.tree.unflatten(treedef, [x if _is_value(x) else None for x in leaves])
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
-    placed = iter(jax.tree.map(functools.partial(put, copy=True), values, policy.variable_shardings(abstract(values))))
+    placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
+                                               policy.variable_shardings(abstract(values)))))
     return jax.tree.unflatten(treedef, [next(placed) if _is_value(x) else x for x in leaves])
 
 
