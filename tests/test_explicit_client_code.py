@@ -1,0 +1,79 @@
+"""Client code on Explicit meshes (`jax.make_mesh`'s default axis types) and Auto ones: Flax nnx scan over layers
+with per-layer dropout keys, JAX's training cookbook's `jax.Ref` state and `out_sharding=` initialisers, and a
+batch from a distributed dataset. Each equals what `jax.jit` computes on one device."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxdist as jd
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Block(nnx.Module):
+    def __init__(self, dim, *, rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.linear(x))
+
+
+class ScanMLP(nnx.Module):
+    """Flax's scan-over-layers example (nnx_toy_examples/06): one dropout key per layer, stacked."""
+
+    def __init__(self, dim, *, n_layers, rngs):
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs):
+            return Block(dim, rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x):
+        @nnx.scan
+        def scan_fn(x, block):
+            return block(x), None
+
+        return scan_fn(x, self.layers)[0]
+
+
+def _scan_loss(model, x):
+    return model(x).sum()
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_per_layer_dropout_keys_of_a_scanned_nnx_model_stay_whole_and_equal_one_device(axis_type):
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
+    reference = ScanMLP(16, n_layers=4, rngs=nnx.Rngs(0))
+    expected = [float(nnx.jit(_scan_loss)(reference, x)) for _ in range(2)]  # the keys advance in place
+
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(axis_type,) * 2)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1)
+    with strategy.scope():
+        model = ScanMLP(16, n_layers=4, rngs=nnx.Rngs(0))
+    step = strategy.jit(_scan_loss, batch_argnums=1)
+    got = [float(step(model, x)) for _ in range(2)]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    rngs = model.layers.dropout.rngs
+    assert rngs.key.get_value().sharding.spec in (P(), P(None))  # the FSDP rule leaves key arrays whole
+    assert rngs.count.get_value().sharding.spec == P("fsdp")  # a counter of the same shape is split by it
+    np.testing.assert_array_equal(jax.random.key_data(rngs.key.get_value()),
+                                  jax.random.key_data(reference.layers.dropout.rngs.key.get_value()))
+    np.testing.assert_array_equal(rngs.count.get_value(), reference.layers.dropout.rngs.count.get_value())
+
+
+def test_the_fsdp_rule_leaves_key_arrays_whole_and_a_layout_rule_still_splits_them():
+    keys = jax.ShapeDtypeStruct((8,), jax.random.key(0).dtype)
+    fsdp = jd.ShardedStrategy(min_shard_size=1)
+    assert fsdp.policy.variable_layout("rngs/key", keys).spec == P()
+    assert fsdp.policy.variable_layout("rngs/count", jax.ShapeDtypeStruct((8,), jnp.uint32)).spec == P("replica")
+    ruled = jd.ShardedStrategy(min_shard_size=1, layout_rules=[("key", P("replica"))])
+    assert ruled.policy.variable_layout("rngs/key", keys).spec == P("replica")
