@@ -45,7 +45,8 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
 __all__ = [
-    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable", "logical_names", "unboxed",
+    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable", "logical_names",
+    "unboxed",
 ]
 
 
