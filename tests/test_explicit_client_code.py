@@ -114,3 +114,43 @@ def test_state_held_in_refs_is_updated_in_place_as_one_device(axis_type, placed_
     for k in host:  # updated in place, each ref keeping its layout
         np.testing.assert_allclose(refs[k][...], one[k][...], rtol=1e-5, atol=1e-6)
         assert refs[k].sharding.spec == layouts[k]
+
+
+def _cookbook_init():  # the training cookbook's way: each parameter created in the layout the user wants
+    return {"pos": jnp.zeros((32, 64), out_sharding=P(None, None)),
+            "w": jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128),
+            "v": jax.sharding.reshard(jnp.ones((64, 128)), P("fsdp", None))}
+
+
+def test_an_output_the_steps_code_types_split_keeps_that_layout_and_a_whole_one_is_declared():
+    mesh = jax.make_mesh((8,), ("fsdp",))  # Explicit axes
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="fsdp")
+
+    def init():
+        out = _cookbook_init()
+        out["w"] = jax.sharding.reshard(out["w"], P("fsdp", None))  # not the FSDP rule's P(None, 'fsdp')
+        return out
+
+    with jax.set_mesh(mesh):
+        plain = jax.jit(init)()
+    with strategy.scope():
+        mine = strategy.jit(init)()
+        declared = strategy.jit(init, out_layouts={"pos": P(), "w": None, "v": None})()
+    for k in ("w", "v"):  # stated by the step's code: kept, as jax.jit keeps it
+        assert mine[k].sharding.spec == plain[k].sharding.spec == P("fsdp", None)
+        np.testing.assert_array_equal(mine[k], plain[k])
+    # a whole type is what jaxdist's own split variables have inside a step too: the variable layout, unless declared
+    assert mine["pos"].sharding.spec == P(None, "fsdp")
+    assert declared["pos"].sharding.is_fully_replicated and declared["w"].sharding.spec == P("fsdp", None)
+
+    # the kept layouts are the user's: a step taking them sees them as its types (as under jax.jit)
+    seen = []
+
+    def step(params, x):
+        seen.append(jax.typeof(params["w"]).sharding.spec)
+        return (x @ params["w"]).sum()
+
+    x = np.ones((16, 64), np.float32)
+    got = float(strategy.jit(step, batch_argnums=1)(mine, x))
+    np.testing.assert_allclose(got, float((x @ np.asarray(plain["w"])).sum()), rtol=1e-6)
+    assert seen == [P("fsdp", None)]
