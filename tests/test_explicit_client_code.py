@@ -154,3 +154,20 @@ def test_an_output_the_steps_code_types_split_keeps_that_layout_and_a_whole_one_
     got = float(strategy.jit(step, batch_argnums=1)(mine, x))
     np.testing.assert_allclose(got, float((x @ np.asarray(plain["w"])).sum()), rtol=1e-6)
     assert seen == [P("fsdp", None)]
+
+
+@pytest.mark.parametrize("strategy_class", [jd.MirroredStrategy, jd.ShardedStrategy])
+def test_a_batch_from_a_distributed_dataset_declares_the_calls_roles_and_a_host_one_does_not(strategy_class):
+    strategy = strategy_class()
+    host_batch = np.ones((16, 4), np.float32)
+
+    def step(p, x):
+        return (x @ p["w"]).sum()
+
+    params = {"w": np.ones((4, 2), np.float32)}  # created eagerly, unplaced (Equinox / Flax users' habit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no UndeclaredBatchWarning: the batch's layout says it is one
+        for x in strategy.experimental_distribute_dataset([host_batch]):
+            assert float(strategy.jit(step)(params, x)) == 128.0
+    with pytest.warns(jd.UndeclaredBatchWarning, match="batch_argnums"):
+        assert float(strategy.jit(step)(params, host_batch)) == 128.0
