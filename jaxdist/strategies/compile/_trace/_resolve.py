@@ -18,7 +18,11 @@ Outputs follow the same order. An output that IS one of the step's variables kee
   the variable layout;
 * an output with the structure, shapes and dtypes of a positional argument (``state -> new_state``) takes that
   argument's layout, leaf by leaf;
-* everything else (metrics, gradients) takes the variable layout (per-replica values: split over the replicas).
+* everything else (metrics, gradients) takes the variable layout (per-replica values: split over the replicas),
+  except that on ``Explicit`` axes an output whose type splits it over one keeps that layout: jaxdist's own
+  variables enter typed whole, so a split type is the user's (``out_sharding=`` or `jax.sharding.reshard` in
+  the step's code, a layout the user placed, a batch). A whole type is what jaxdist's variables have inside the
+  step too: it takes the variable layout unless ``out_layouts=`` declares it.
 
 Where variables can be split (FSDP), an unannotated variable that came in whole on every device (say, created
 eagerly inside ``scope()``) leaves in the variable layout: the state settles into FSDP after one step. A
