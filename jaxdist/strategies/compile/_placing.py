@@ -4,7 +4,9 @@ The rule is `jaxdist.strategies.input`'s (`kept`: an array on the strategy's mes
 else is placed): a declared batch is split over the replicas (`place_batch`), also when every replica holds it
 whole; every other argument takes the variable layout, and an nnx state Flax put on the mesh whole settles into
 it (once per state structure). Without any ``batch_argnums`` an unplaced array of rank >= 1 might be a batch:
-the first one met raises a one-time `UndeclaredBatchWarning` that names the declaration. A call whose arrays
+the first one met raises a one-time `UndeclaredBatchWarning` that names the declaration, unless an argument
+carries the batch role by its layout (a batch from a distributed dataset: then the role of every other argument
+is known, it is a variable). A call whose arrays
 are all on the mesh already is told so from their distinct shardings, without walking their leaves.
 """
 
@@ -49,6 +51,7 @@ class ArgumentPlacement:
         self._static, self._static_names = static, static_names
         self._batch, self._batch_names = batch, batch_names
         self._warned = False
+        self._call: list[Any] = []  # the dynamic arguments of the call being placed
         self._settled: set[Any] = set()  # nnx state structures whose default layouts were placed
 
     def __call__(self, args: tuple, kwargs: dict, state: Any) -> tuple[tuple, dict, Any]:
@@ -84,6 +87,7 @@ class ArgumentPlacement:
                  and needs_placing(a, policy, k in self._batch_names)]
         if not todo and not named:
             return args, kwargs, state
+        self._call = dynamic  # read only where the warning would be raised (`_variables`)
         placed = list(args)
         for i in todo:
             if i in declared:
@@ -122,7 +126,8 @@ class ArgumentPlacement:
             return tree
         if warn and self._batch is None and not self._warned:
             ranked = [(p, x) for p, x in moved if np.ndim(x) >= 1]
-            if ranked:
+            if ranked and not any(self._policy.layout_role(x) == "batch" for x in jax.tree.leaves(self._call)):
+                # (a batch carried by its layout, as a distributed dataset's is, declares the call's roles)
                 self._warned = True
                 path, leaf = ranked[0]
                 warnings.warn(

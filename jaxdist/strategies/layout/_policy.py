@@ -364,7 +364,8 @@ class LayoutPolicy:
             >>> policy.rule_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
             P(None, 'replica')
         """
-        return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation))
+        return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation,
+                                                        getattr(aval, "dtype", None)))
 
     def use_hooks(self, variable_layout: Any = None, layout_role: Any = None, batch_layout: Any = None) -> None:
         """Install a strategy's overrides of its layout hooks: ``variable_layout(path, aval, annotation) ->

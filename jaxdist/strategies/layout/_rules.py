@@ -18,6 +18,11 @@ that applies:
    is already split over an FSDP axis, the largest such dimension their size divides is;
 3. the FSDP rule (unannotated variables).
 
+Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned model) are
+never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words a key), and code that
+splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them whole. A ``layout_rules`` entry or an
+annotation naming their axes still splits them.
+
 A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With stage axes
 (pipeline parallelism) the logical name ``"layers"`` (the stacked layer axis of `jaxdist.nn.Pipeline`) is
 mapped to them unless the user's rules map it themselves.
@@ -39,7 +44,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
-__all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_variable", "logical_names", "unboxed"]
+__all__ = [
+    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable", "logical_names",
+    "unboxed",
+]
+
+
+def is_key(dtype: Any) -> bool:
+    """True for the dtype of a typed PRNG key array (``jax.random.key``'s ``key<fry>``); False for None."""
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def is_box(x: Any) -> bool:
@@ -209,8 +222,10 @@ class VariableRules:
         return name, tuple(axes) if isinstance(axes, list) else axes
 
     # ---------------------------------------------------------------------------------------- specs
-    def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None) -> PartitionSpec:
-        """The spec of the variable at ``path`` of ``shape``: first layout rule, else annotation, else FSDP.
+    def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None,
+             dtype: Any = None) -> PartitionSpec:
+        """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first layout rule, else
+        annotation, else FSDP (never for a typed PRNG key array: see the module doc).
 
         Raises:
             ValueError: when a rule or annotation splits a dimension into parts that do not divide it, or a
@@ -223,11 +238,13 @@ class VariableRules:
             if pattern.search(path):
                 self._check_fits(path, shape, spec, f"layout rule {spec}")
                 return spec
+        fsdp = not is_key(dtype)
         if annotation is not None:
-            return self._annotated_spec(path, shape, annotation)
-        return self._fsdp_spec(shape)
+            return self._annotated_spec(path, shape, annotation, fsdp)
+        return self._fsdp_spec(shape) if fsdp else PartitionSpec()
 
-    def _annotated_spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned) -> PartitionSpec:
+    def _annotated_spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned,
+                        fsdp: bool = True) -> PartitionSpec:
         names = tuple(annotation.names)
         what = f"annotation {names}"
         if len(names) > len(shape):
@@ -256,7 +273,7 @@ class VariableRules:
         self._check_fits(path, shape, PartitionSpec(*axes), what)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
         n = self.roles.size(self.roles.fsdp_axes)
-        if free and not used & set(self.roles.fsdp_axes) and n > 1 and self._big_enough(shape):
+        if fsdp and free and not used & set(self.roles.fsdp_axes) and n > 1 and self._big_enough(shape):
             candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
             if candidates:
                 axes[-max(candidates)[1]] = self.roles.entry("fsdp")

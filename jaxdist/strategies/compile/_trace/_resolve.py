@@ -18,7 +18,11 @@ Outputs follow the same order. An output that IS one of the step's variables kee
   the variable layout;
 * an output with the structure, shapes and dtypes of a positional argument (``state -> new_state``) takes that
   argument's layout, leaf by leaf;
-* everything else (metrics, gradients) takes the variable layout (per-replica values: split over the replicas).
+* everything else (metrics, gradients) takes the variable layout (per-replica values: split over the replicas),
+  except that on ``Explicit`` axes an output whose type splits it over one keeps that layout: jaxdist's own
+  variables enter typed whole, so a split type is the user's (``out_sharding=`` or `jax.sharding.reshard` in
+  the step's code, a layout the user placed, a batch). A whole type is what jaxdist's variables have inside the
+  step too: it takes the variable layout unless ``out_layouts=`` declares it.
 
 Where variables can be split (FSDP), an unannotated variable that came in whole on every device (say, created
 eagerly inside ``scope()``) leaves in the variable layout: the state settles into FSDP after one step. A
@@ -146,12 +150,30 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
         value = x.value if box is not None else x
         if not isinstance(value, jax.Array):
             return x
+        typed = box is None and _typed_split(value)
+        if typed is not None:  # split by its type over Explicit axes: the user's layout, kept
+            return constrain(policy, value, declared(NamedSharding(policy.mesh, typed)))
         value = constrain(policy, value, policy.variable_layout(path_name(path), _aval(value), box))
         return box.replace_boxed(value) if box is not None else value
 
     return jax.tree_util.tree_map_with_path(
         one, tree, is_leaf=lambda v: is_distributed(v) or is_box(v) or is_variable(v)
     )
+
+
+def _typed_split(x: jax.Array) -> PartitionSpec | None:
+    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program, else None.
+
+    Such a type is the user's: the variables jaxdist split enter typed whole, so a split type was stated by the
+    step's code (``out_sharding=``, `jax.sharding.reshard`), came from a layout the user placed, or from a
+    batch. A whole type cannot be told apart from a variable jaxdist typed whole at entry: it takes the
+    variable layout (declare ``out_layouts=`` to keep it whole)."""
+    sharding = jax.typeof(x).sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.are_all_axes_auto:
+        return None
+    explicit = {n for n, t in zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True)
+                if t == jax.sharding.AxisType.Explicit}
+    return sharding.spec if _uses(sharding.spec, explicit) else None
 
 
 def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:

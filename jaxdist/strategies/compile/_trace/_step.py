@@ -36,6 +36,7 @@ from jaxdist.strategies import ambient
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._trace._in_place import InPlaceUpdates
 from jaxdist.strategies.compile._trace._provenance import Provenance, own_outputs
+from jaxdist.strategies.compile._trace._refs import RefArguments
 from jaxdist.strategies.compile._trace._resolve import check_idle, constrain, constrain_outputs, typed_whole
 from jaxdist.strategies.compile._trace._roles import carried, step_argument_roles
 from jaxdist.strategies.compile._trace._shardy import call_guarded, gather_at_entry
@@ -121,6 +122,10 @@ class StepTrace:
             concrete_kwargs = {k: abstract(v) for k, v in kwargs.items()}
             concrete_state = abstract(state)
         signature = _trace_signature(args, self.static)
+        # jax.Ref arguments (JAX's training cookbook's state) enter as the arrays they hold; the step's code
+        # gets refs of its own, written back into the caller's after it (`_refs`).
+        refs = RefArguments()
+        args, kwargs = refs.read(args, kwargs, set(self.static) | set(nodes), set(self.static_names))
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is part of the
         # argument's layout; outputs shaped like them go back to host memory).
         args, kwargs, state = to_device_memory((args, kwargs, state))
@@ -132,7 +137,10 @@ class StepTrace:
             if auto:
                 args, kwargs, state = retyped((args, kwargs, state))
             out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs, concrete_args,
-                                                 concrete_kwargs, concrete_state, state_layouts, annotated)
+                                                 concrete_kwargs, concrete_state, state_layouts, annotated, refs)
+        if refs:
+            out, held = out
+            refs.write_back(policy.mesh, held)
         nodes_state = {}
         if nodes:
             keys = [tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
@@ -152,7 +160,7 @@ class StepTrace:
         return leave_auto(policy.mesh, out) if auto else out
 
     def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs, concrete_state,
-                       state_layouts, annotated) -> tuple[Any, Any]:
+                       state_layouts, annotated, refs) -> tuple[Any, Any]:
         """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx state)``."""
         policy = self.policy
         skip = set(self.static) | set(nodes)
@@ -182,16 +190,16 @@ class StepTrace:
                 policy.mesh, fn_name(self.fn)):
             if not nodes:
                 if split:
-                    return self._guarded(lambda _, a, k: self._watched(a, k), None, args, kwargs, batches,
+                    return self._guarded(lambda _, a, k: self._watched(a, k, refs), None, args, kwargs, batches,
                                          variables), None
-                return self._watched(args, kwargs), None
+                return self._watched(args, kwargs, refs), None
 
             def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
                 objects = nnx.merge(graphdef, state)
                 call_args = list(args)
                 for i, obj in zip(nodes, objects, strict=True):
                     call_args[i] = obj
-                out = self._watched(call_args, kwargs)
+                out = self._watched(call_args, kwargs, refs)
                 new_graphdef, new_state = nnx.split(objects)
                 if new_graphdef != graphdef:
                     raise ValueError(
@@ -205,12 +213,14 @@ class StepTrace:
                 return self._guarded(step, state, args, kwargs, batches, variables)
             return step(state, args, kwargs)
 
-    def _watched(self, args: Any, kwargs: dict) -> Any:
-        """The step's own code, watched for sync-on-read values updated in place but not returned."""
+    def _watched(self, args: Any, kwargs: dict, refs: RefArguments) -> Any:
+        """The step's own code, watched for sync-on-read values updated in place but not returned; with ref
+        arguments (``refs``): ``(out, what the step's refs hold after it)``."""
+        args, kwargs, inner = refs.wrap(args, kwargs)
         watch = InPlaceUpdates(fn_name(self.fn), args, kwargs)
         out = self.fn(*args, **kwargs)
         watch.check(out)
-        return out
+        return (out, [r[...] for r in inner]) if refs else out
 
     def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list) -> Any:
         """``step(state, args, kwargs)`` through `call_guarded`: its static arguments (Python values, not arrays)
