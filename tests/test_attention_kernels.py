@@ -106,7 +106,9 @@ def test_context_parallel_kernels_equal_the_einsums_on_one_device(kind, case, fu
     args = _inputs(1)
     want = jax.jit(_value_and_grads("einsum", case))(*args)
     strategy = _cp_strategy(kind)
-    runs = [("all_gather", False, fused), ("all_gather", True, fused)] + (EINSUMS if fused == "xla" else [])
+    # The einsum paths on one mesh (the context parallelism tests run them on others and in models).
+    runs = [("all_gather", False, fused), ("all_gather", True, fused)] + (
+        EINSUMS if fused == "xla" and kind == "context8" else [])
     for context, balance, impl in runs:
         if balance and not CASES[case](*args[4:]).get("causal"):
             continue
