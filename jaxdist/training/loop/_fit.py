@@ -486,8 +486,10 @@ class Fit:
         clock.open()  # heard since the options were made; again if they serve a second run
         self.logs = Logs(trainer.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None,
                          waited=clock.waited)
-        self.hosts = HostTimes(spans=spans, ratio=options.straggler_ratio, rows=history.processes)
-        source = self.hosts.timed(iter(stream))  # each process's input wait per log window
+        self.hosts = HostTimes(spans=spans, ratio=options.straggler_ratio, rows=history.processes,
+                               waited=lambda: clock.input)  # each process's input wait per log window
+        self.hosts.start()
+        source = iter(stream)
         self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
         try:
             with PreemptionWatcher(mesh=options.mesh) as watcher, self.dog:  # agreed by every process
@@ -584,9 +586,9 @@ def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,
             # steps still running. Nothing here waits for a step, so the host stays ahead of the devices.
             batches = ahead(cut, READ_AHEAD)
             try:
-                for _, metrics in _timed(clock, functools.partial(next, batches, _END), trainer.train_on_batch):
-                    ran += 1
-                    yield 1, metrics
+                for taken in _timed(clock, functools.partial(next, batches, _END), trainer.train_on_batch, _one):
+                    ran += 1  # counted here: a rollback between steps moves trainer.step back
+                    yield taken
             finally:
                 batches.close()
         if not ran or until is None:  # the data ended
@@ -596,9 +598,15 @@ def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,
 _END = object()
 
 
-def _timed(clock: FitClock, read: Callable[[], Any], run: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
-    """``(read(), run(read()))`` until ``read`` returns ``_END``: the reading timed as ``input``, the running as
-    ``steps`` (two clock reads per step; the clock's phase says where a compile happens)."""
+def _one(batch: Any) -> int:
+    return 1
+
+
+def _timed(clock: FitClock, read: Callable[[], Any], run: Callable[[Any], Any],
+           count: Callable[[Any], int]) -> Iterator[tuple[int, Any]]:
+    """``(count(batches), run(batches))`` for each ``batches = read()`` until it returns ``_END``: the reading
+    timed as ``input``, the running as ``steps`` (two clock reads per step; the clock's phase says where a
+    compile happens)."""
     while True:
         clock.phase = "input"
         start = perf_counter()
@@ -612,7 +620,7 @@ def _timed(clock: FitClock, read: Callable[[], Any], run: Callable[[Any], Any]) 
         metrics = run(got)
         clock.steps += perf_counter() - read_at
         clock.phase = "other"
-        yield got, metrics
+        yield count(got), metrics
 
 
 def _run_length(step: int, options: FitOptions) -> int:
@@ -635,5 +643,4 @@ def _on_device_loops(
     def chunk() -> Any:
         return list(itertools.islice(host, _run_length(trainer.step, options))) or _END
 
-    for batches, metrics in _timed(clock, chunk, trainer.train_on_batches):
-        yield len(batches), metrics
+    yield from _timed(clock, chunk, trainer.train_on_batches, len)

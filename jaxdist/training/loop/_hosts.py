@@ -28,14 +28,14 @@ import socket
 import statistics
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jaxdist.strategies.cluster import forget, post, read
 
-__all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "TimedSource", "check_ratio"]
+__all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "check_ratio"]
 
 READ_SECONDS = 10.0
 """How long process 0 waits, at the end of ``fit``, for another process's figures of a window."""
@@ -75,35 +75,6 @@ def check_ratio(value: Any) -> None:
         raise ValueError(f"straggler_ratio={value!r} must be a number > 1, or None (nobody is named).")
 
 
-class TimedSource:
-    """An iterator of batches that adds the time spent in each ``next`` to ``waited`` (seconds).
-
-    Examples:
-        >>> source = TimedSource(iter([1, 2]))
-        >>> list(source), source.waited >= 0
-        ([1, 2], True)
-    """
-
-    def __init__(self, source: Iterator[Any]):
-        self._source = source
-        self.waited = 0.0
-
-    def __iter__(self) -> TimedSource:
-        return self
-
-    def __next__(self) -> Any:
-        start = time.perf_counter()
-        try:
-            return next(self._source)
-        finally:
-            self.waited += time.perf_counter() - start
-
-    def close(self) -> None:
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
-
-
 class HostTimes:
     """The per-process figures of a fit's log windows (see the module doc).
 
@@ -111,19 +82,21 @@ class HostTimes:
         spans: whether the fit's devices span processes (the figures then travel through the key-value store).
         ratio: the ``straggler_ratio`` (None: figures are kept, nobody is named).
         rows: where process 0 appends one row per window (``History.processes``).
+        waited: the seconds this process has spent reading its training batches so far (the fit's clock
+            measures them: `FitClock.input`).
 
     Examples:
         >>> rows = []
-        >>> times = HostTimes(spans=False, ratio=1.25, rows=rows)
-        >>> source = times.timed(iter(range(4)))
-        >>> _ = list(source)
+        >>> times = HostTimes(spans=False, ratio=1.25, rows=rows, waited=lambda: 0.001)
+        >>> times.start()
         >>> times.close_window(step=4, consumed=4)
         >>> times.collect()
         >>> [sorted(row) for row in rows]
         [['host', 'input_wait', 'step', 'step_time', 'stragglers']]
     """
 
-    def __init__(self, *, spans: bool, ratio: float | None, rows: list[dict[str, Any]]):
+    def __init__(self, *, spans: bool, ratio: float | None, rows: list[dict[str, Any]],
+                 waited: Callable[[], float]):
         self._spans = spans and jax.process_count() > 1
         self._me = jax.process_index() if spans else 0
         self._count = jax.process_count() if spans else 1
@@ -131,22 +104,20 @@ class HostTimes:
         self._ratio = ratio
         self._rows = rows
         self._host = socket.gethostname()
-        self._source: TimedSource | None = None
+        self._waited = waited
         self._last = (0, time.perf_counter(), 0.0)  # consumed, time, waited at the last close
         self._windows = itertools.count()
         self._pending: collections.deque = collections.deque()  # (window, step, this process's figures)
         self._named: set[int] = set()  # slow in the last window: not named again until it recovers
 
-    def timed(self, source: Iterator[Any]) -> TimedSource:
-        """``source`` with its ``next`` timed (the fit's training batches); the windows start now."""
-        self._source = TimedSource(source)
-        self._last = (0, time.perf_counter(), 0.0)
-        return self._source
+    def start(self) -> None:
+        """The windows start now (the fit's first batch is about to be read)."""
+        self._last = (0, time.perf_counter(), self._waited())
 
     def close_window(self, step: int, consumed: int) -> None:
         """A log window ended at ``step`` after ``consumed`` batches in all: note (and post) its figures."""
         now = time.perf_counter()
-        waited = self._source.waited if self._source is not None else 0.0
+        waited = self._waited()
         last_consumed, last_time, last_waited = self._last
         steps = consumed - last_consumed
         window = next(self._windows)  # every window counts (every process closes the same ones)

@@ -184,7 +184,9 @@ class LiveState:
     def train(self, batch: Any, where: str) -> dict[str, jax.Array]:
         """One compiled step on ``batch`` (checked and placed unless the feed did it); its metrics."""
         fed: TrainBatch = batch if self.feed.trusts(batch) else self.feed(batch, where)
-        state = self.init(fed.pair)  # the state (built, or checked after load_state, on first use)
+        state = self.state
+        if state is None or self.unchecked is not None:
+            state = self.init(fed.pair)  # the state (built, or checked after load_state, on first use)
         self.state, metrics = self.steps.train(state, fed.pair)
         self.step += 1
         return metrics
