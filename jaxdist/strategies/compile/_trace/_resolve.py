@@ -150,7 +150,7 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
         value = x.value if box is not None else x
         if not isinstance(value, jax.Array):
             return x
-        typed = box is None and _typed_split(value)
+        typed = _typed_split(value) if box is None else None
         if typed is not None:  # split by its type over Explicit axes: the user's layout, kept
             return constrain(policy, value, declared(NamedSharding(policy.mesh, typed)))
         value = constrain(policy, value, policy.variable_layout(path_name(path), _aval(value), box))
