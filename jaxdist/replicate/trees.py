@@ -52,6 +52,18 @@ def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def is_value(x: Any) -> bool:
+    """True for a leaf that is a value a program takes or returns: an array (`is_array`) or a Python number;
+    other leaves (functions, strings, an Equinox module's activations) are not.
+
+    Examples:
+        >>> import numpy as np
+        >>> is_value(np.float32(1)), is_value(1.0), is_value(abs)
+        (True, True, False)
+    """
+    return is_array(x) or isinstance(x, (int, float, complex))
+
+
 def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:
     """``tree``'s array leaves (to trace) and a record of the rest (constants), for `merge_static`.
 

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.collectives import AxisName, axis_names, is_varying, to_varying
 from jaxdist.replicate.layouts import is_on_mesh, put
-from jaxdist.replicate.trees import fn_name, hashable, is_distributed
+from jaxdist.replicate.trees import fn_name, hashable, is_distributed, is_value
 from jaxdist.replicate.values import (
     CapturedSyncOnRead,
     PerReplica,
@@ -251,7 +251,8 @@ class ReplicaRunner:
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             if probe:  # leaves that are not values (an Equinox module's functions) leave as they are, as statics
-                out_info["statics"] = tuple(v if not _is_value(v) else _VALUE for v in out_leaves)
+                out_info["statics"] = tuple(_VALUE if isinstance(v, SyncOnRead) or is_value(v) else v
+                                            for v in out_leaves)
             out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True) if static is _VALUE]
             values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
                       else jax.numpy.asarray(v) for v in out_leaves]
@@ -369,12 +370,6 @@ class ReplicaRunner:
 
 
 _VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static
-
-
-def _is_value(leaf: Any) -> bool:
-    """Whether an output leaf leaves the program as a value; the others (an Equinox module's activation
-    functions, strings) are statics put back around it, as ``eqx.filter_jit`` does."""
-    return isinstance(leaf, (SyncOnRead, jax.Array, jax.core.Tracer, np.ndarray, np.generic, int, float, complex))
 
 
 def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> list[Any]:

@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
-from jaxdist.replicate.trees import abstract, fn_name, is_array, merge_static, split_static
+from jaxdist.replicate.trees import abstract, fn_name, is_value, merge_static, split_static
 from jaxdist.replicate.values import SyncOnRead
 from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.layout import (
@@ -115,18 +115,14 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     # Leaves that are not values (an Equinox module's activation functions) stay as they are; the values keep
     # their places in the tree (layout rules match paths).
-    values = jax.tree.unflatten(treedef, [x if _is_value(x) else None for x in leaves])
+    values = jax.tree.unflatten(treedef, [x if is_value(x) else None for x in leaves])
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(treedef, [next(placed) if _is_value(x) else x for x in leaves])
+    return jax.tree.unflatten(treedef, [next(placed) if is_value(x) else x for x in leaves])
 
-
-def _is_value(leaf: Any) -> bool:
-    """Whether ``mirror`` places a leaf: an array or a number (not a function, a string, a module's setting)."""
-    return is_array(leaf) or isinstance(leaf, (int, float, complex))
 
 
 def sync_on_read(
