@@ -13,7 +13,7 @@ import pytest
 
 import jaxdist as jd
 from jaxdist.replicate.collectives import keep_per_replica
-from jaxdist.strategies.compile._identical import DECLARED, DIFFERENT, IDENTICAL, output_values
+from jaxdist.strategies.compile._identical import DECLARED, DIFFERENT, IDENTICAL, output_values, program_values
 
 GLOBAL_BATCH = 64
 
@@ -71,7 +71,8 @@ def test_the_port_without_the_all_reduce_is_refused_before_any_update():
     x, y, host = _data()
     tx = optax.sgd(0.1)
     params, opt_state = strategy.mirror(host), strategy.mirror(tx.init(host))
-    with pytest.raises(ValueError, match=r"output\[0\] takes the place of the mirrored argument args\[0\]") as e:
+    place = r"output\[0\]\['b'\] takes the place of the mirrored argument args\[0\]\['b'\]"
+    with pytest.raises(ValueError, match=place) as e:
         strategy.run(_tutorial_step(tx, reduce_grads=False), args=(params, opt_state, x, y), batch_argnums=(2, 3))
     assert "all_reduce" in str(e.value) and "per_replica" in str(e.value)
     assert "output[0]['b']" in str(e.value) and "output[0]['w']" in str(e.value)
@@ -86,7 +87,8 @@ def test_a_train_state_returned_whole_is_checked_too():
         return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads), "step": state["step"] + 1}
 
     state = strategy.mirror({"params": host, "step": jnp.zeros((), jnp.int32)})
-    with pytest.raises(ValueError, match=r"output takes the place of the mirrored argument args\[0\]"):
+    place = r"output\['params'\]\['b'\] takes the place of the mirrored argument args\[0\]\['params'\]\['b'\]"
+    with pytest.raises(ValueError, match=place):
         strategy.run(step, args=(state, x, y), batch_argnums=(1, 2))
 
 
@@ -143,10 +145,11 @@ def test_values_read_from_the_jaxpr():
     f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica")), out_specs=P("replica"))
     traced = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones((16, 3)))
     inner = traced.jaxpr.eqns[0].params["jaxpr"]
-    got = output_values(inner, [True, False], ["replica"])
+    got = output_values(inner, [False, True], ["replica"])
     assert got == [IDENTICAL, IDENTICAL, IDENTICAL, DIFFERENT, IDENTICAL, IDENTICAL, DIFFERENT, DECLARED]
+    assert program_values(traced, {"replica": 8}) == got
     # A collective over only part of the replica axes does not make a value identical.
-    assert output_values(inner, [True, False], ["replica", "other"])[1] == DIFFERENT
+    assert output_values(inner, [False, True], ["replica", "other"])[1] == DIFFERENT
 
 
 def test_a_sync_on_read_metric_updated_in_place_counts_what_it_saw():

@@ -213,6 +213,10 @@ def test_outside_compilation_values_and_gradients(strategy_name):
     # Per-replica view.
     got = strategy.run(lambda w, x: jd.get_replica_context().all_reduce("mean", jax.grad(loss)(w, x)), args=(w, x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The same program as jax.pmap runs it (no varying types: each replica's values are its own).
+    got = strategy.run(lambda w, x: jd.get_replica_context().all_reduce("mean", jax.grad(loss)(w, x)), args=(w, x),
+                       check_vma=False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Global view: the same, and the host fn still sees per-replica rows.
     np.testing.assert_allclose(strategy.jit(jax.grad(loss))(w, x), want, rtol=1e-5, atol=1e-6)
     # atol: an output near 0 is a difference of O(1) products, exact only to their rounding (~1e-7)

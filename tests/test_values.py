@@ -51,7 +51,7 @@ def test_aggregate_modes_in_replica_context(strategy_name):
             ctx.aggregate(local, jd.VariableAggregation.SUM),
             ctx.aggregate(local, "mean"),
             ctx.aggregate(local, jd.VariableAggregation.ONLY_FIRST_REPLICA),
-            local,
+            ctx.per_replica(local),  # w updated on each replica its own way: declared, or refused
         )
 
     total, mean, first, local = strategy.run(fn, args=(jnp.zeros(3),))

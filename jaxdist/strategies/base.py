@@ -498,7 +498,10 @@ class Strategy:
             # Host-offloaded values are copied to device memory for the replica program (inside a step, the
             # step's entry already did).
             args, kwargs = to_device_memory((args, kwargs))
-        return self._runner(fn, args, kwargs, declared, axis, check_vma_arg(check_vma))
+        check_vma = check_vma_arg(check_vma)
+        if check_vma is None and axis_name is not None:
+            check_vma = False  # pmap-era code names its axis: it runs as jax.pmap runs it (its gradients too)
+        return self._runner(fn, args, kwargs, declared, axis, check_vma)
 
     def jit(
         self,

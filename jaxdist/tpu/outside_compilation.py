@@ -316,7 +316,10 @@ def outside_compilation(
             for x, s in zip(dynamic, split, strict=True)
         ]
     else:
-        split = [is_varying(x, axis) for x in dynamic] if kind == "replica" else [False] * len(dynamic)
+        # Inside a replica program traced without JAX's varying types (as jax.pmap runs it) every value is the
+        # replica's own: its gradient is the replica's own too, never summed over the replicas.
+        split = ([is_varying(x, axis) or not frame.typed for x in dynamic] if kind == "replica"
+                 else [False] * len(dynamic))
         local_shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in dynamic]
 
     region = _make_region(host_fn, statics_pair, local_shapes, result_shape, vjp, ordered, name)

@@ -47,6 +47,8 @@ class Computation:
         batches: the traced values that stand for its batch arguments (declared or carried at entry).
         variables: the traced values that stand for its other array arguments.
         axis_name: the name the replica axis is bound to inside a per-replica computation.
+        typed: whether JAX's varying types hold inside it (a per-replica program traced with ``check_vma``
+            off, as ``jax.pmap`` runs it, types every value invariant: each value is then the replica's own).
     """
 
     policy: Any
@@ -55,6 +57,7 @@ class Computation:
     batches: list[Any] = dataclasses.field(default_factory=list)
     variables: list[Any] = dataclasses.field(default_factory=list)
     axis_name: str | tuple[str, ...] | None = None
+    typed: bool = True
 
     def counter(self, kind: str) -> int:
         """The next number (0, 1, ...) of the things of ``kind`` named in this computation.
@@ -149,11 +152,12 @@ def computation(
     batches: Iterable[Any] = (),
     variables: Iterable[Any] = (),
     axis_name: str | tuple[str, ...] | None = None,
+    typed: bool = True,
 ) -> Iterator[Computation]:
     """Trace the block as (part of) a computation of ``policy``; nested frames share the counters."""
     outer = current_computation()
     counters = outer.counters if outer is not None else {}
-    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name)
+    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name, typed)
     with _pushed(state.computations, frame):
         yield frame
 

@@ -1,25 +1,41 @@
-"""Which values of a replica function are the same on every replica: a dataflow reading of its jaxpr.
+"""Which values of a replica function are the same on every replica: a proof read from its jaxpr, failing closed.
 
-JAX's varying types answer a coarser question. Inside ``strategy.run`` each replica owns its copy of a mirrored
-argument (it enters cast to *varying*, so that ``jax.grad`` gives local gradients, as in tf.distribute), and so
-everything computed from it is varying by type, even a parameter updated with all-reduced gradients, which is
-the same on every replica. Two cases that the types cannot tell apart:
+JAX's varying types answer a coarser question, and fail open where this one must not. Inside ``strategy.run``
+each replica owns its copy of a mirrored argument (it enters cast to *varying*, so that ``jax.grad`` gives
+local gradients, as in tf.distribute), and so everything computed from it is varying by type, even a parameter
+updated with all-reduced gradients, which is the same on every replica. Two cases the types cannot tell apart:
 
-* ``params - lr * all_reduce(grads)``: identical on every replica (tf.distribute's ``apply_gradients``);
+* ``params - lr * all_reduce(grads)``: the same on every replica (tf.distribute's ``apply_gradients``);
 * ``params - lr * grads`` with local gradients: every replica's copy drifts apart, silently.
 
-`output_values` tells them apart by following values, not types, through the jaxpr: a value is *identical*
-when it is computed only from values identical on every replica (mirrored arguments, constants, results of a
-collective over every replica axis), and *different* once anything replica-specific flows into it (a batch, a
-per-replica component, ``axis_index``, a host callback, a permutation between replicas). The reading is
-conservative: "identical" is proven, and a primitive it does not know is different whenever an input is, or
-whenever a jaxpr inside it holds a source of difference.
+And a primitive JAX's typing does not know (a new one, an FFI call) types its result invariant whatever its
+inputs. So `program_values` follows *values*, not types: for each value, the set of replica axes over which it
+may differ (empty: the same on every replica, proven). The rules, one per kind of primitive:
+
+* a primitive in `PURE` (arithmetic, shapes, reductions, products, sorting, linear algebra, random bits from
+  a key, ``pure_callback``: a function of its operands alone, as JAX itself assumes) differs where one of its
+  operands does;
+* a collective over axes ``A``: ``psum`` / ``pmax`` / ``pmin`` / ``all_gather`` (`REDUCING`) no longer differ
+  over ``A``; ``ppermute`` / ``all_to_all`` / ``psum_scatter`` (`SPREADING`) differ over ``A`` too; device
+  groups (``axis_index_groups``) differ over ``A``; ``axis_index`` differs over ``A``, within known bounds;
+* ``jit`` / ``remat`` / ``custom_jvp`` / ``custom_vjp`` / ``shard_map`` (`CALLS`), ``cond``, ``scan`` and
+  ``while`` are read through (a loop to a fixed point; a loop whose trip count may differ differs);
+* ANY other primitive (unknown, an FFI call, ``io_callback``, ``rng_uniform``) differs over every replica axis,
+  and so does a value the reading never saw: what is not proven is not identical.
+
+Integer bounds widen the proof where the values are known: ``replica_id >= 0`` is true on every replica, and
+so a constant; ``where(replica_id >= 0, update, 0)`` is the update. The proof is checked on device at the first
+call of each program (`jaxdist.strategies.compile._run`).
+
+`updated_inputs` answers a second question: which mirrored argument an output takes the place of (reached
+from it element-wise, outside the backward pass: ``params - lr * grads`` does, the gradient does not).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,181 +45,321 @@ from jax.extend import core as jcore
 from jaxdist.replicate.collectives import PER_REPLICA_SCOPE
 from jaxdist.strategies.layout import Role
 
-__all__ = ["DECLARED", "DIFFERENT", "IDENTICAL", "carried_inputs", "check_mirrored_outputs", "output_values"]
+__all__ = [
+    "CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING", "check_mirrored_outputs",
+    "output_values", "program_values", "updated_inputs",
+]
 
-# Results identical on every replica when the collective spans every replica axis.
-_COLLECTIVES = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "pmax_invariant", "pmin_invariant", "all_gather",
-    "all_gather_invariant", "pmean",
+PURE = frozenset({
+    # element-wise arithmetic and comparisons
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "bessel_i0e",
+    "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh", "digamma", "div", "eq",
+    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "igamma_grad_a", "igammac",
+    "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "one_minus_square", "or", "polygamma", "population_count", "pow", "real",
+    "reduce_precision", "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
+    "tanh", "xor", "zeta", "mulhi",
+    # shapes, types, indexing, placement (the values stay what they are)
+    "bitcast_convert_type", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice",
+    "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice", "split", "squeeze", "transpose",
+    "stack", "unstack", "tile", "zeros_like", "stop_gradient", "reciprocal", "log2",
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max", "device_put",
+    "sharding_constraint", "reshard", "pvary", "optimization_barrier",
+    # reductions, scans, products, sorting
+    "argmax", "argmin", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum",
+    "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min", "reduce_window_sum",
+    "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+    "dot_general", "conv_general_dilated", "sort", "top_k",
+    # linear algebra, FFT
+    "cholesky", "eigh", "lu", "lu_pivots_to_permutation", "qr", "householder_product", "geqrf", "svd",
+    "triangular_solve", "tridiagonal_solve", "fft",
+    # random bits: functions of the key
+    "random_bits", "random_fold_in", "random_seed", "random_split", "random_unwrap", "random_wrap",
+    "threefry2x32", "rng_bit_generator", "random_gamma", "random_clone",
+    # a host function JAX itself treats as pure (same operands, same result; JAX may drop or merge calls)
+    "pure_callback",
 })
-# Results that differ between replicas whatever their inputs.
-_SOURCES = frozenset({
-    "axis_index", "ppermute", "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter",
-    "pure_callback", "io_callback", "rng_uniform", "rng_bit_generator",
-})
-# Reshaping and retyping keep a value's declaration (the probe of ``run`` stacks every output with ``x[None]``).
-_KEEP_DECLARED = frozenset({
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p", "pvary",
-})
-# Higher-order primitives whose inner jaxpr takes the equation's inputs one for one.
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+"""Primitives whose results are functions of their operands alone: identical operands, identical results."""
 
+REDUCING = frozenset({"psum", "pmax", "pmin", "psum_invariant", "all_gather", "all_gather_invariant"})
+"""Collectives whose result is the same on every device of the axes they span."""
+
+SPREADING = frozenset({"ppermute", "all_to_all", "reduce_scatter", "ragged_all_to_all", "pbroadcast"})
+"""Collectives whose result may differ over the axes they span (each device gets its own part)."""
+
+CALLS = frozenset({"jit", "remat2", "custom_jvp_call", "custom_vjp_call", "shard_map", "compute_on"})
+"""Higher-order primitives that call their inner jaxpr on their operands, one for one."""
 
 IDENTICAL, DIFFERENT, DECLARED = "identical", "different", "declared"
-"""What `output_values` says of a value: the same on every replica (proven), possibly different, or declared
+"""What `program_values` says of a value: the same on every replica (proven), possibly different, or declared
 different on purpose (`jaxdist.replicate.collectives.keep_per_replica`)."""
 
+_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "copy", "pvary"})
+_COMPARE = {"ge": lambda a, b: (a[0] >= b[1], a[1] < b[0]), "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
+            "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]), "lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
+            "eq": lambda a, b: (a[0] == a[1] == b[0] == b[1], a[1] < b[0] or b[1] < a[0]),
+            "ne": lambda a, b: (a[1] < b[0] or b[1] < a[0], a[0] == a[1] == b[0] == b[1])}
 
-def output_values(jaxpr: Any, identical_inputs: Sequence[bool], axes: Sequence[str]) -> list[str]:
-    """For each output of ``jaxpr``: `IDENTICAL` (proven the same on every replica), `DECLARED` (marked per
-    replica on purpose with ``ReplicaContext.per_replica``) or `DIFFERENT`.
 
-    Args:
-        jaxpr: the replica function's jaxpr (a ``Jaxpr`` or ``ClosedJaxpr``), as traced inside ``shard_map``.
-        identical_inputs: per input of ``jaxpr``, whether it is the same on every replica (a mirrored argument).
-        axes: the mesh axes the replicas are laid over (a collective must span all of them to agree).
+@dataclasses.dataclass(frozen=True)
+class _Fact:
+    """What the reading knows of one value: the replica axes over which it may differ, whether it was declared
+    per replica on purpose, and its integer bounds where known (the same bounds on every replica)."""
 
-    Returns:
-        One of the three per output.
+    axes: frozenset[str]
+    declared: bool = False
+    bounds: tuple[int, int] | None = None
 
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> jaxpr = jax.make_jaxpr(lambda w, x: (w * 2, w * x))(jnp.ones(2), jnp.ones(2))
-        >>> output_values(jaxpr, [True, False], ["replica"])
-        ['identical', 'different']
-    """
-    inputs = [IDENTICAL if flag else DIFFERENT for flag in identical_inputs]
-    return _read(_open(jaxpr), inputs, frozenset(axes))
+
+_SAME = _Fact(frozenset())
+
+
+class _Reader:
+    def __init__(self, sizes: Mapping[str, int | None]):
+        self.sizes = dict(sizes)
+        self.every = _Fact(frozenset(sizes))
+
+    def replica(self, names: Any) -> frozenset[str]:
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+        return frozenset(a for a in names if a in self.sizes)
+
+    def literal(self, v: Any) -> _Fact:
+        value = np.asarray(v.val)
+        if value.ndim == 0 and (value.dtype.kind in "iub"):
+            return _Fact(frozenset(), bounds=(int(value), int(value)))
+        return _SAME
+
+    def read(self, jaxpr: Any, inputs: Sequence[_Fact]) -> list[_Fact]:
+        jaxpr = _open(jaxpr)
+        if len(jaxpr.invars) != len(inputs):  # a form not known: nothing is proven
+            return [self.every] * len(jaxpr.outvars)
+        known: dict[Any, _Fact] = {v: _SAME for v in jaxpr.constvars}  # closed-over constants: one value
+        known.update(zip(jaxpr.invars, inputs, strict=True))
+
+        def get(v: Any) -> _Fact:
+            return self.literal(v) if isinstance(v, jcore.Literal) else known.get(v, self.every)
+
+        for eqn in jaxpr.eqns:
+            outs = self.equation(eqn, [get(v) for v in eqn.invars])
+            known.update(zip(eqn.outvars, outs, strict=True))
+        return [get(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
+        name, n_out = eqn.primitive.name, len(eqn.outvars)
+        union = _union(inputs)
+        if name == "optimization_barrier" and PER_REPLICA_SCOPE in str(eqn.source_info.name_stack):
+            return [dataclasses.replace(self.every, declared=True)] * n_out
+        if name in _RESHAPING and len(inputs) == 1:  # keeps a declaration and bounds (the probe's ``x[None]``)
+            return [inputs[0]] * n_out
+        if name in REDUCING or name in SPREADING:
+            spanned = self.replica(eqn.params.get("axes", eqn.params.get("axis_name")))
+            grouped = eqn.params.get("axis_index_groups") is not None
+            if name in REDUCING and not grouped:
+                return [_Fact(union.axes - spanned)] * n_out
+            return [_Fact(union.axes | spanned)] * n_out
+        if name == "axis_index":
+            named = eqn.params.get("axis_name")
+            named = (named,) if isinstance(named, str) else tuple(named or ())
+            spanned = self.replica(named)
+            sizes = [self.sizes.get(a) for a in named]
+            top = math.prod(sizes) - 1 if sizes and None not in sizes else None
+            return [_Fact(spanned, bounds=None if top is None else (0, top))] * n_out
+        if name in _COMPARE:
+            known = self.compare(name, inputs)
+            if known is not None:
+                return [known] * n_out
+        if name == "select_n" and inputs[0].bounds is not None and inputs[0].bounds[0] == inputs[0].bounds[1]:
+            case = inputs[0].bounds[0] + 1  # a predicate the same and known on every replica picks one case
+            if case < len(inputs):
+                return [inputs[case]] * n_out
+        if name in ("add", "sub", "max", "min") and all(f.bounds for f in inputs) and len(inputs) == 2:
+            (a0, a1), (b0, b1) = inputs[0].bounds, inputs[1].bounds
+            bounds = {"add": (a0 + b0, a1 + b1), "sub": (a0 - b1, a1 - b0), "max": (max(a0, b0), max(a1, b1)),
+                      "min": (min(a0, b0), min(a1, b1))}[name]
+            return [_Fact(frozenset() if bounds[0] == bounds[1] else union.axes, bounds=bounds)] * n_out
+        if name == "cond":
+            return self.cond(eqn, inputs)
+        if name == "scan":
+            return self.scan(eqn, inputs)
+        if name == "while":
+            return self.loop(eqn, inputs)
+        if name in CALLS:
+            inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr") if _is_jaxpr(eqn.params.get(k))), None)
+            if inner is not None:
+                return self.read(inner, inputs)
+            return [self.every] * n_out
+        if name in PURE:
+            inner = [p for p in _jaxprs(eqn.params)]
+            if all(self.pure(j) for j in inner):  # a reduction's own computation, say: pure too
+                return [_Fact(union.axes)] * n_out
+        return [self.every] * n_out  # not known: not proven
+
+    def compare(self, name: str, inputs: list[_Fact]) -> _Fact | None:
+        if len(inputs) != 2 or inputs[0].bounds is None or inputs[1].bounds is None:
+            return None
+        true, false = _COMPARE[name](inputs[0].bounds, inputs[1].bounds)
+        if true or false:
+            return _Fact(frozenset(), bounds=(int(true), int(true)))
+        return None
+
+    def pure(self, jaxpr: Any) -> bool:
+        return all(e.primitive.name in PURE and all(self.pure(j) for j in _jaxprs(e.params))
+                   for e in _open(jaxpr).eqns)
+
+    def cond(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
+        index, operands = inputs[0], inputs[1:]
+        branches = eqn.params["branches"]
+        if index.bounds is not None and index.bounds[0] == index.bounds[1] and 0 <= index.bounds[0] < len(branches):
+            return self.read(branches[index.bounds[0]], operands)  # the same branch on every replica
+        outs = [self.read(b, operands) for b in branches]
+        return [_Fact(index.axes | _union([b[i] for b in outs]).axes) for i in range(len(eqn.outvars))]
+
+    def scan(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
+        n_consts, n_carry = _scan_parts(eqn, len(inputs))
+        if n_consts is None:
+            return [self.every] * len(eqn.outvars)
+        consts, carry, xs = inputs[:n_consts], inputs[n_consts:n_consts + n_carry], inputs[n_consts + n_carry:]
+        carry = [_Fact(c.axes | (self.every.axes if c.declared else frozenset())) for c in carry]
+        while True:  # a carry only ever gains axes: at most (carries x axes) rounds
+            outs = self.read(eqn.params["jaxpr"], consts + carry + xs)
+            joined = [_Fact(a.axes | b.axes) for a, b in zip(carry, outs[:n_carry], strict=True)]
+            if joined == carry:
+                return carry + [_Fact(o.axes | (self.every.axes if o.declared else frozenset()))
+                                for o in outs[n_carry:]]
+            carry = joined
+
+    def loop(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
+        n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        cond_consts, body_consts = inputs[:n_cond], inputs[n_cond:n_cond + n_body]
+        carry = [_Fact(c.axes) for c in inputs[n_cond + n_body:]]
+        while True:
+            test = _union(self.read(eqn.params["cond_jaxpr"], cond_consts + carry))
+            outs = self.read(eqn.params["body_jaxpr"], body_consts + carry)
+            # a trip count that may differ between replicas makes every carry differ where it may
+            joined = [_Fact(a.axes | b.axes | test.axes) for a, b in zip(carry, outs, strict=True)]
+            if joined == carry:
+                return carry
+            carry = joined
+
+
+def _union(facts: Sequence[_Fact]) -> _Fact:
+    axes = frozenset().union(*(f.axes for f in facts)) if facts else frozenset()
+    return _Fact(axes)
 
 
 def _open(jaxpr: Any) -> Any:
     return jaxpr.jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else jaxpr
 
 
-def _all_same(values: Sequence[str]) -> str:
-    return IDENTICAL if all(v == IDENTICAL for v in values) else DIFFERENT
+def _is_jaxpr(value: Any) -> bool:
+    return isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr))
 
 
-def _read(jaxpr: Any, inputs: list[str], axes: frozenset[str]) -> list[str]:
-    known: dict[Any, str] = {}
-
-    def get(v: Any) -> str:
-        return IDENTICAL if isinstance(v, jcore.Literal) else known.get(v, IDENTICAL)
-
-    for var in jaxpr.constvars:
-        known[var] = IDENTICAL
-    for var, value in zip(jaxpr.invars, inputs, strict=True):
-        known[var] = value
-    for eqn in jaxpr.eqns:
-        outs = _equation(eqn, [get(v) for v in eqn.invars], axes)
-        for var, value in zip(eqn.outvars, outs, strict=True):
-            known[var] = value
-    return [get(v) for v in jaxpr.outvars]
+def _jaxprs(params: Mapping[str, Any]) -> list[Any]:
+    found = []
+    for p in params.values():
+        for item in (p if isinstance(p, (tuple, list)) else (p,)):
+            if _is_jaxpr(item):
+                found.append(item)
+    return found
 
 
-def _spans(eqn: Any, axes: frozenset[str]) -> bool:
-    named = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-    named = (named,) if isinstance(named, str) else tuple(named)
-    return axes <= {a for a in named if isinstance(a, str)}
-
-
-def _equation(eqn: Any, inputs: list[str], axes: frozenset[str]) -> list[str]:
-    name, n_out = eqn.primitive.name.lower(), len(eqn.outvars)
-    if name == "optimization_barrier" and PER_REPLICA_SCOPE in str(eqn.source_info.name_stack):
-        return [DECLARED] * n_out
-    if name in _SOURCES:
-        return [DIFFERENT] * n_out
-    if name in _KEEP_DECLARED and inputs == [DECLARED]:
-        return [DECLARED] * n_out
-    if name in _COLLECTIVES:
-        return [IDENTICAL if _spans(eqn, axes) else _all_same(inputs)] * n_out
-    if name == "scan":
-        return _scan(eqn, inputs, axes)
-    if name == "while":
-        return _while(eqn, inputs, axes)
-    if name == "cond":
-        index, operands = inputs[0], inputs[1:]
-        branches = [_read(_open(b), operands, axes) for b in eqn.params["branches"]]
-        return [_all_same([index, *(b[i] for b in branches)]) for i in range(n_out)]
-    for key in _CALL_PARAMS:
-        inner = eqn.params.get(key)
-        if isinstance(inner, (jcore.Jaxpr, jcore.ClosedJaxpr)) and len(_open(inner).invars) == len(inputs):
-            return _read(_open(inner), inputs, axes)
-    if any(_holds_source(p) for p in eqn.params.values()):
-        return [DIFFERENT] * n_out
-    return [_all_same(inputs)] * n_out
-
-
-def _scan(eqn: Any, inputs: list[str], axes: frozenset[str]) -> list[str]:
-    body = _open(eqn.params["jaxpr"])
+def _scan_parts(eqn: Any, n_inputs: int) -> tuple[int | None, int]:
+    """How many of a scan's operands are constants and carries (jax >= 0.12 says it by the inputs' structure)."""
     if "num_consts" in eqn.params:
-        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    else:  # jax >= 0.12: the inputs' structure, (consts, carry, xs), each part as many entries as leaves
-        try:
-            consts_part, carry_part, _ = eqn.params["ft_in"].unpack()
-            n_consts, n_carry = len(list(consts_part)), len(list(carry_part))
-        except (AttributeError, TypeError, ValueError):
-            n_consts, n_carry = len(inputs) + 1, 0  # unknown: the conservative reading below
-    if len(body.invars) != len(inputs) or n_consts + n_carry > len(inputs):  # a form not known: conservative
-        return [_all_same(inputs) if not _holds_source(body) else DIFFERENT] * len(eqn.outvars)
-    consts, carry, xs = inputs[:n_consts], inputs[n_consts:n_consts + n_carry], inputs[n_consts + n_carry:]
-    carry = [_all_same([c]) for c in carry]
-    while True:  # a carry that becomes different stays different: at most n_carry rounds
-        outs = _read(body, consts + carry + xs, axes)
-        joined = [_all_same([a, b]) for a, b in zip(carry, outs[:n_carry], strict=True)]
-        if joined == carry:
-            return carry + outs[n_carry:]
-        carry = joined
+        return eqn.params["num_consts"], eqn.params["num_carry"]
+    try:
+        consts, carry, _ = eqn.params["ft_in"].unpack()
+        n_consts, n_carry = len(list(consts)), len(list(carry))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None, 0
+    return (n_consts, n_carry) if n_consts + n_carry <= n_inputs else (None, 0)
 
 
-def _while(eqn: Any, inputs: list[str], axes: frozenset[str]) -> list[str]:
-    cond, body = _open(eqn.params["cond_jaxpr"]), _open(eqn.params["body_jaxpr"])
-    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cond_consts, body_consts = inputs[:n_cond], inputs[n_cond:n_cond + n_body]
-    carry = [_all_same([c]) for c in inputs[n_cond + n_body:]]
-    while True:
-        if _all_same(_read(cond, cond_consts + carry, axes)) != IDENTICAL:  # replicas may loop unequally
-            return [DIFFERENT] * len(carry)
-        outs = _read(body, body_consts + carry, axes)
-        joined = [_all_same([a, b]) for a, b in zip(carry, outs, strict=True)]
-        if joined == carry:
-            return carry
-        carry = joined
+def _verdict(fact: _Fact) -> str:
+    return DECLARED if fact.declared else IDENTICAL if not fact.axes else DIFFERENT
 
 
-def _holds_source(param: Any) -> bool:
-    if isinstance(param, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-        return any(
-            e.primitive.name in _SOURCES or any(_holds_source(p) for p in e.params.values())
-            for e in _open(param).eqns
-        )
-    if isinstance(param, (tuple, list)):
-        return any(_holds_source(p) for p in param)
-    return False
+def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
+                  axes: Mapping[str, int | None] | Sequence[str]) -> list[str]:
+    """For each output of a replica function's ``jaxpr``: `IDENTICAL` (proven the same on every replica),
+    `DECLARED` (marked per replica on purpose with ``ReplicaContext.per_replica``) or `DIFFERENT`.
+
+    Args:
+        jaxpr: the replica function's jaxpr (a ``Jaxpr`` or ``ClosedJaxpr``), as traced inside ``shard_map``.
+        varying_inputs: per input of ``jaxpr``, the replica axes over which it may differ (True: every one,
+            False: none, as for a mirrored argument).
+        axes: the replica axes, with their sizes where known (a collective must span all of them to agree).
+
+    Returns:
+        One of the three per output; every output `DIFFERENT` when the inputs do not match ``jaxpr``'s.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> jaxpr = jax.make_jaxpr(lambda w, x: (w * 2, w * x))(jnp.ones(2), jnp.ones(2))
+        >>> output_values(jaxpr, [False, True], ["replica"])
+        ['identical', 'different']
+    """
+    reader = _Reader(axes if isinstance(axes, Mapping) else dict.fromkeys(axes))
+    inputs = [_Fact(reader.every.axes if v is True else frozenset() if v is False else frozenset(v))
+              for v in varying_inputs]
+    return [_verdict(f) for f in reader.read(jaxpr, inputs)]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """One leaf as the check sees it (a leaf to JAX too): its role (an argument's) or how it leaves (an
-    output's), its shape and its dtype; an argument's input position, an output's `carried_inputs`."""
-
-    what: Any
-    shape: tuple[int, ...] | None
-    dtype: Any
-    index: int | None = None
-    carries: frozenset[int] = frozenset()
+def _shard_map(program: Any) -> Any:
+    eqns = [e for e in _open(program).eqns if e.primitive.name == "shard_map"]
+    if len(eqns) != 1:
+        raise AssertionError("strategy.run's probe traces exactly one shard_map")  # built so in _run.py
+    return eqns[0]
 
 
-# Element-wise primitives: an output of one carries the inputs of its own shape (``p - lr * g`` carries ``p``).
-_ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "select_n", "convert_element_type", "pvary", "copy",
-    "integer_pow", "pow", "sqrt", "rsqrt", "exp", "log", "abs", "sign", "clamp", "tanh", "logistic", "square",
-    "add_any", "optimization_barrier", "stop_gradient", "reduce_precision", "nextafter", "rem", "floor", "ceil",
-    "round", "expm1", "log1p",
-})
+def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
+    """`output_values` of the one ``shard_map`` in ``program`` (the probe of ``strategy.run``), each input's
+    facts read from the outside: an input split over replica axes (``in_specs``) differs over them; one
+    passed whole (a mirrored argument, a constant the function closed over) is the same on every replica.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,),
+        ...                      devices=jax.devices()[:2])
+        >>> body = lambda w, x: ((w * np.arange(2.0))[None], (w * x)[None])
+        >>> f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica")), out_specs=P("replica"))
+        >>> program_values(jax.make_jaxpr(f)(jnp.ones(2), jnp.ones(4)), {"replica": 2})
+        ['identical', 'different']
+    """
+    eqn = _shard_map(program)
+    reader = _Reader(axes)
+    outer = _outer_facts(program, reader)
+    inputs = [_Fact(outer(v).axes | reader.replica(_spec_axes(spec)))
+              for v, spec in zip(eqn.invars, eqn.params["in_specs"], strict=True)]
+    return [_verdict(f) for f in reader.read(eqn.params["jaxpr"], inputs)]
 
 
-_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+def _outer_facts(program: Any, reader: _Reader) -> Any:
+    jaxpr = _open(program)
+    outer_inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+
+    def fact(v: Any) -> _Fact:  # outside the shard_map a value is one value; computed there: not known
+        return _SAME if isinstance(v, jcore.Literal) or v in outer_inputs else reader.every
+    return fact
+
+
+def _spec_axes(spec: Any) -> list[str]:
+    names: list[str] = []
+    for entry in tuple(spec):
+        names += [entry] if isinstance(entry, str) else list(entry or ())
+    return names
+
+
+# How an update reaches an output from the value it updates: passed on as it is (one for one), summed with
+# others (``p - lr * g``, ``max(p, 0)``), scaled by a number (``b1 * mu``, ``p * (1 - lr * wd)``), selected.
+_PASSED = frozenset({"convert_element_type", "copy", "pvary", "optimization_barrier", "reduce_precision",
+                     "sharding_constraint", "reshard", "device_put"})
+_SUMMED = frozenset({"add", "sub", "add_any", "max", "min"})
+_SCALED = frozenset({"mul", "div"})
+_SAME_ELEMENTS = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
 
 
 def _size(var: Any) -> int | None:
@@ -211,60 +367,99 @@ def _size(var: Any) -> int | None:
     return None if shape is None else int(np.prod(shape))
 
 
-def carried_inputs(jaxpr: Any) -> list[frozenset[int]]:
-    """For each output of ``jaxpr``, the inputs it carries element-wise: reached from them by element-wise
-    arithmetic alone (``params - lr * grads`` carries ``params``; a gradient, reached through matrix products
-    and sums over the batch, carries nothing). What tells an updated value from a result of the same shape.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> jaxpr = jax.make_jaxpr(lambda w, x: (w - 0.1 * x, x @ w))(jnp.ones((2, 2)), jnp.ones((2, 2)))
-        >>> carried_inputs(jaxpr)
-        [frozenset({0, 1}), frozenset()]
-    """
-    inner = _open(jaxpr)
-    return _carry(inner, [frozenset({i}) for i in range(len(inner.invars))])
+def _backward(eqn: Any) -> bool:
+    """An equation of a backward pass (JAX names it ``transpose(...)``): what it computes is a gradient."""
+    return "transpose(" in str(eqn.source_info.name_stack)
 
 
 def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
+    jaxpr = _open(jaxpr)
+    if len(jaxpr.invars) != len(inputs):
+        return [frozenset()] * len(jaxpr.outvars)
     known: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, inputs, strict=True))
+    numbers: set[Any] = set()  # values that are one number, broadcast or not (a learning rate, a decay)
 
     def get(v: Any) -> frozenset[int]:
         return frozenset() if isinstance(v, jcore.Literal) else known.get(v, frozenset())
 
+    def number(v: Any) -> bool:
+        return isinstance(v, jcore.Literal) or v in numbers or _size(v) == 1
+
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        call = next((eqn.params[k] for k in _CALL_PARAMS if isinstance(eqn.params.get(k), (jcore.Jaxpr,
-                     jcore.ClosedJaxpr)) and len(_open(eqn.params[k]).invars) == len(eqn.invars)), None)
-        if call is not None:
-            outs = _carry(_open(call), [get(v) for v in eqn.invars])
-        elif name in _RESHAPING and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0]):
-            outs = [get(eqn.invars[0])] * len(eqn.outvars)  # the same elements (the probe's ``x[None]``)
-        elif name in _ELEMENTWISE:
-            shape = eqn.outvars[0].aval.shape if eqn.outvars else ()
-            carried = frozenset().union(*(get(v) for v in eqn.invars
-                                          if getattr(v.aval, "shape", None) == shape))
-            outs = [carried] * len(eqn.outvars)
+        name, given = eqn.primitive.name, [get(v) for v in eqn.invars]
+        n_out = len(eqn.outvars)
+        shape = getattr(eqn.outvars[0].aval, "shape", None) if eqn.outvars else None
+        if name == "broadcast_in_dim" and number(eqn.invars[0]):
+            numbers.update(eqn.outvars)
+        inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr") if _is_jaxpr(eqn.params.get(k))), None)
+        if _backward(eqn):
+            outs = [frozenset()] * n_out
+        elif name in CALLS and inner is not None:
+            outs = _carry(inner, given)
+        elif name == "cond":
+            branches = [_carry(b, given[1:]) for b in eqn.params["branches"]]
+            outs = [frozenset().union(*(b[i] for b in branches)) for i in range(n_out)]
+        elif name in ("scan", "while"):
+            outs = _carry_loop(eqn, given)
+        elif name in _SAME_ELEMENTS and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0]):
+            outs = [given[0]] * n_out  # the same elements (the probe's ``x[None]``)
+        elif name in _PASSED:
+            outs = given if len(given) == n_out else [given[0]] * n_out
+        elif name in _SUMMED or name in ("select_n", "clamp"):
+            picked = {"select_n": eqn.invars[1:], "clamp": eqn.invars[1:2]}.get(name, eqn.invars)
+            outs = [frozenset().union(*(get(v) for v in picked if getattr(v.aval, "shape", None) == shape))] * n_out
+        elif name in _SCALED and len(eqn.invars) == 2:
+            a, b = eqn.invars
+            carried = get(a) if number(b) else get(b) if name == "mul" and number(a) else frozenset()
+            outs = [carried if getattr((a if number(b) else b).aval, "shape", None) == shape else frozenset()] * n_out
         else:
-            outs = [frozenset()] * len(eqn.outvars)
+            outs = [frozenset()] * n_out
         known.update(zip(eqn.outvars, outs, strict=True))
     return [get(v) for v in jaxpr.outvars]
 
 
-def _subtrees(tree: Any, where: str, depth: int) -> list[tuple[str, Any]]:
-    """``tree`` and its subtrees down to ``depth`` levels, each with the path that names it."""
-    found = [(where, tree)]
-    if depth and not isinstance(tree, _Leaf):
-        for path, child in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]:
-            found += _subtrees(child, where + jax.tree_util.keystr(path), depth - 1)
-    return found
+def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
+    """A loop's carries carry what they start from and what the body adds to them (to a fixed point)."""
+    if eqn.primitive.name == "scan":
+        n_consts, n_carry = _scan_parts(eqn, len(given))
+        if n_consts is None:
+            return [frozenset()] * len(eqn.outvars)
+        body, head, carry, tail = eqn.params["jaxpr"], given[:n_consts], given[n_consts:n_consts + n_carry], \
+            given[n_consts + n_carry:]
+    else:
+        n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        body, head, carry, tail = eqn.params["body_jaxpr"], given[n_cond:n_cond + n_body], \
+            given[n_cond + n_body:], []
+    while True:
+        outs = _carry(body, head + carry + tail)
+        joined = [a | b for a, b in zip(carry, outs[:len(carry)], strict=True)]
+        if joined == carry:
+            return carry + [frozenset()] * (len(eqn.outvars) - len(carry))
+        carry = joined
 
 
-def _signature(tree: Any) -> tuple[Any, tuple] | None:
-    if isinstance(tree, _Leaf):
-        return None  # a lone array: too easily the shape of an unrelated result
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)) if leaves else None
+def updated_inputs(program: Any) -> list[frozenset[int]]:
+    """For each output of the one ``shard_map`` in ``program``, the inputs of ``program`` it takes the place
+    of: reached from them by element-wise arithmetic (any depth of nesting, casts, selects, loops), outside a
+    backward pass. ``params - lr * grads`` carries ``params``; a gradient carries nothing (JAX computes it in
+    its backward pass, even the ``wd * params`` of a weight-decay term).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,),
+        ...                      devices=jax.devices()[:2])
+        >>> def body(w, x):
+        ...     g = jax.grad(lambda w: jnp.sum((x @ w) ** 2) + jnp.sum(w ** 2))(w)
+        ...     return (w - 0.1 * g)[None], g[None]
+        >>> f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica")), out_specs=P("replica"))
+        >>> updated_inputs(jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((4, 2))))
+        [frozenset({0}), frozenset()]
+    """
+    eqn = _shard_map(program)
+    positions = {v: i for i, v in enumerate(_open(program).invars)}
+    inputs = [frozenset({positions[v]}) if v in positions else frozenset() for v in eqn.invars]
+    return _carry(eqn.params["jaxpr"], inputs)
 
 
 def _dtype(dtype: Any) -> Any:
@@ -273,74 +468,50 @@ def _dtype(dtype: Any) -> Any:
 
 
 def check_mirrored_outputs(
-    fn: str, treedef: Any, roles: Sequence[Role], dynamic: Sequence[Any],
-    out_tree: Any, out_kinds: Sequence[str], out_shapes: Sequence[tuple[int, ...]], out_dtypes: Sequence[Any],
-    out_carries: Sequence[frozenset[int]],
+    fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str], out_kinds: Sequence[str],
+    out_updates: Sequence[frozenset[int]],
 ) -> None:
-    """Refuse a replica function whose output takes the place of a mirrored argument but differs between
-    replicas (tf.distribute refuses to update a mirrored variable from replica context without aggregating).
+    """Refuse a replica function whose output takes the place of a mirrored argument but may differ between
+    replicas: tf.distribute refuses to update a mirrored variable from replica context without aggregating,
+    and a value so returned and fed back as the variable drifts apart silently.
 
-    An output subtree takes an argument's place when it has the argument's structure, shapes and dtypes
-    (``state -> new_state``) and carries it (`carried_inputs`: a leaf reached from the argument's leaf at the
-    same path by element-wise arithmetic, as an update is; per-replica gradients of the same structure are
-    not); it is refused when such a leaf is not provably identical (`output_values`) and was not declared per
-    replica: typically parameters updated with each replica's local gradients.
+    An output takes an argument's place when it is reached from it element-wise outside a backward pass
+    (`updated_inputs`: ``params - lr * grads`` does, however deep in the output, as a lone array or cast to
+    another dtype; a gradient does not). It is refused when it is not proven the same on every replica
+    (`program_values`) and was not declared per replica.
 
     Args:
         fn: the replica function's name, for the message.
         treedef, roles: the structure of ``(args, kwargs)`` and each leaf's role.
-        dynamic: the array leaves (those whose role is not static), in order.
-        out_tree, out_kinds, out_shapes, out_dtypes: the outputs' structure and, per leaf, how it leaves the
-            program ("per_replica" where its replicas' values may differ; "static": not an array, such as an
-            Equinox module's functions, which only the structure keeps), its shape and dtype.
-        out_carries: per output leaf, the positions in ``dynamic`` it carries (`carried_inputs`).
+        out_paths, out_kinds: per output leaf that is a value, its path and how it leaves the program
+            ("per_replica" where its replicas' values may differ).
+        out_updates: per output leaf, the positions among the array arguments (those whose role is not
+            static) that it takes the place of (`updated_inputs`).
 
     Raises:
         ValueError: naming the output, the argument it replaces, and the two fixes (all-reduce the gradients;
             declare the value per replica on purpose).
     """
-    arrays = iter(enumerate(dynamic))
-    leaves = []
-    for role in roles:
-        if role == Role.VARIABLE:
-            i, x = next(arrays)
-            leaves.append(_Leaf(role, tuple(np.shape(x)), _dtype(jax.dtypes.result_type(x)), index=i))
-        elif role == Role.STATIC:
-            leaves.append(None)  # not an array (an Equinox module's functions): part of the structure only
-        else:
-            next(arrays)
-            leaves.append(_Leaf(role, None, None))
-    args, kwargs = jax.tree.unflatten(treedef, leaves)
-    places: dict[Any, list[tuple[str, Any]]] = {}
-    for where, sub in [*_subtrees(tuple(args), "args", 2), *_subtrees(dict(kwargs), "kwargs", 1)][1:]:
-        sig = _signature(sub)
-        if sig is not None and all(leaf.what == Role.VARIABLE for leaf in jax.tree.leaves(sub)):
-            places.setdefault(sig, []).append((where, sub))
-    if not places:
-        return
-    outs = jax.tree.unflatten(out_tree, [
-        None if k == "static" else _Leaf(k, tuple(s), _dtype(d), carries=c)
-        for k, s, d, c in zip(out_kinds, out_shapes, out_dtypes, out_carries, strict=True)
-    ])
-    for where, sub in _subtrees(outs, "output", 2):
-        for argument, arg_sub in places.get(_signature(sub), ()):
-            differ = [jax.tree_util.keystr(p) or "" for (p, leaf), given in zip(
-                jax.tree_util.tree_flatten_with_path(sub)[0], jax.tree.leaves(arg_sub), strict=True)
-                if leaf.what == "per_replica" and given.index in leaf.carries]
-            if differ:
-                raise ValueError(_message(fn, where, argument, differ))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
+    arguments = [("args" if p.startswith("[0]") else "kwargs") + p[3:]
+                 for p, role in zip(paths, roles, strict=True) if role != Role.STATIC]
+    variables = {i for i, role in enumerate(r for r in roles if r != Role.STATIC) if role == Role.VARIABLE}
+    found = [(where, arguments[i]) for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
+             if kind == "per_replica" for i in sorted(updates & variables)[:1]]
+    if found:
+        raise ValueError(_message(fn, found))
 
 
-def _message(fn: str, output: str, argument: str, differ: list[str]) -> str:
-    shown = ", ".join(f"{output}{p}" for p in differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3
-                                                              else "")
+def _message(fn: str, found: list[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{out} takes the place of the mirrored argument {arg}" for out, arg in found[:3]) + (
+        f" and {len(found) - 3} more outputs do" if len(found) > 3 else "")
     return (
-        f"strategy.run({fn}): {output} takes the place of the mirrored argument {argument} (same structure, "
-        f"shapes and dtypes) but differs between replicas ({shown}): each replica updated its own copy, e.g. "
-        "with its local gradients, and the copies drift apart. tf.distribute's optimizer.apply_gradients "
-        "all-reduces the gradients for you; here, combine them before the update: grads = "
-        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled by "
-        "jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps apart on purpose "
-        "(local SGD, an ensemble, a residual) is declared where it is returned: "
+        f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each replica updated "
+        "its own copy, e.g. with its local gradients, and the copies drift apart. "
+        "tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; here, combine them before "
+        "the update: grads = jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled "
+        "by jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps apart on "
+        "purpose (local SGD, an ensemble, a residual) is declared where it is returned: "
         "jd.get_replica_context().per_replica(new_value); it then comes back as jd.PerReplica."
     )

@@ -60,10 +60,11 @@ from jaxdist.strategies.compile._cache import ProgramCache
 from jaxdist.strategies.compile._identical import (
     DECLARED,
     IDENTICAL,
-    carried_inputs,
     check_mirrored_outputs,
-    output_values,
+    program_values,
+    updated_inputs,
 )
+from jaxdist.strategies.compile._mirror_check import agreement, check_every, raise_on_disagreement
 from jaxdist.strategies.compile._vma import first_trace
 from jaxdist.strategies.input import padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
@@ -216,7 +217,7 @@ class ReplicaRunner:
         n_dyn = len(dyn_kinds)
         vma = {"check": True}  # off: the program runs as jax.pmap runs it, every output per replica (_vma.py)
 
-        def body(*local, probe=False):
+        def body(*local, probe=False, agree_on=None):
             it = iter(local[:n_dyn])
             leaves, synced = [], []
             for k, static, agg in zip(kinds, statics, aux, strict=True):
@@ -240,7 +241,8 @@ class ReplicaRunner:
                     views.enter_context(local_view(value, component[0]))  # this replica's, for the trace
                 if probe:
                     views.enter_context(noticing_captures())
-                with ambient.computation(policy, "replica", axis_name=axis_name), ambient.replica(ctx):
+                with ambient.computation(policy, "replica", axis_name=axis_name, typed=vma["check"]), \
+                        ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
             # Sync-on-read arguments updated in place (``assign_add``): their new components leave the program
@@ -263,8 +265,11 @@ class ReplicaRunner:
                     for v, x in zip(out_leaves, values, strict=True)
                 ))
                 return (*(x[None] for x in values), *updated)
-            return (*(x if how == "mirrored" else x[None]
-                      for x, how in zip(values, out_info["how"], strict=True)), *updated)
+            results = (*(x if how == "mirrored" else x[None]
+                         for x, how in zip(values, out_info["how"], strict=True)), *updated)
+            if agree_on is None:
+                return results
+            return (*results, agreement([values[i] for i in agree_on], axis_name))
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
@@ -302,56 +307,79 @@ class ReplicaRunner:
             if unbound is None:
                 raise
             raise ValueError(_unbound_message(name, axis_name, mesh)) from unbound
-        # Varying by type but the same on every replica (a mirrored value updated with all-reduced gradients):
-        # mirrored, like the invariant ones. Varying in value where a mirrored argument was: refused.
-        replica_jaxpr = _replica_jaxpr(traced_jaxpr)
+        # Which outputs are the same on every replica is proven from the program's values, never taken from
+        # JAX's types alone (they fail open for a primitive they do not know). Varying by type but proven the
+        # same (a mirrored value updated with all-reduced gradients): mirrored. Taking a mirrored argument's
+        # place but not proven the same: refused.
         n_out = len(out_info["kinds"])  # then the updated sync-on-read components
-        values = output_values(replica_jaxpr, [k == Role.VARIABLE for k in dyn_kinds] + [False] * len(captured),
-                               axis_names(axis_name))
+        values = program_values(traced_jaxpr, {a: mesh.shape[a] for a in axis_names(axis_name)})
         out_tree = out_info["tree"]
         kinds_out = [(_refine(kind, value), agg)
                      for (kind, agg), value in zip(out_info["kinds"], values[:n_out], strict=True)]
-        outvars = replica_jaxpr.outvars[:n_out]
-        shapes = [o.aval.shape[1:] for o in outvars]  # the probe stacked every output
         out_statics = out_info["statics"]
-        check_mirrored_outputs(name, treedef, kinds, dynamic, out_tree, *(
-            _with_statics(out_statics, column, fill) for column, fill in (
-                ([k for k, _ in kinds_out], "static"), (shapes, None), ([o.aval.dtype for o in outvars], None),
-                (carried_inputs(replica_jaxpr)[:n_out], frozenset()))))
-        # How each output leaves the replica program: "mirrored" (invariant by type), "stacked" (one copy per
-        # replica), or "identical": stacked, then each device's own copy taken as the replicated value
-        # (`_own_copies`: nothing is sent).
-        how = tuple("mirrored" if kind == "mirrored" else "identical" if kind == "identical" else "stacked"
+        out_paths = [p for p, static in zip(_leaf_paths(out_tree), out_statics, strict=True) if static is _VALUE]
+        check_mirrored_outputs(name, treedef, kinds, out_paths, [k for k, _ in kinds_out],
+                               updated_inputs(traced_jaxpr)[:n_out])
+        # How each output leaves the replica program: "mirrored" (one value: out_spec P()), "stacked" (one copy
+        # per replica), or "identical": proven the same but varying by type, where the type check is on:
+        # stacked, then each device's own copy taken as the replicated value (`_own_copies`: nothing is sent).
+        how = tuple("stacked" if kind not in ("mirrored", "identical")
+                    else "mirrored" if kind == "mirrored" or not vma["check"] else "identical"
                     for kind, _ in kinds_out)
         out_info["how"] = how
         n_updated = len(out_info["updated"]) + len(captured)
+        checked = [i for i, h in enumerate(how) if h != "stacked"]  # what the first call checks on device
         out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how), *[split] * n_updated)
 
-        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh).
+        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh); a second one, for
+        # the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on device whether each
+        # output returned as mirrored is the same on every replica.
         in_specs = (*in_specs, *[split] * len(captured))
-        shard_mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                     check_vma=vma["check"], **manual)
-
-        def mapped(*dyn):
-            if explicit:  # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
-                dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(dyn, in_specs,
-                                                                                            strict=True)]
-            with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
-                results = shard_mapped(*dyn)
-            return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
-
         out_shardings = tuple(
             in_trace(policy.batch_sharding if h == "stacked" else policy.replicated_sharding)
             for h in (*how, *["stacked"] * n_updated)
         )
-        compiled = jax.jit(mapped, out_shardings=out_shardings)
+
+        def build(check: bool) -> Callable:
+            shard_mapped = jax.shard_map(
+                functools.partial(body, agree_on=checked if check else None), mesh=mesh, in_specs=in_specs,
+                out_specs=(*out_specs, PartitionSpec()) if check else out_specs, check_vma=vma["check"], **manual)
+
+            def mapped(*dyn):
+                if explicit:  # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
+                    dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(dyn, in_specs,
+                                                                                                strict=True)]
+                with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
+                    results = shard_mapped(*dyn)
+                return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
+
+            return jax.jit(mapped, out_shardings=(*out_shardings, in_trace(policy.replicated_sharding))
+                           if check else out_shardings)
+
+        compiled = build(False)
+        first = {"checked": None if checked else True, "compiled": build(True) if checked else None}
         if policy.spans_processes and not traced:  # every process must run this same program (agreement.py)
             with _eager_mesh(mesh, policy, False):
                 agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
+        mirrored_paths = [out_paths[i] for i in checked]
 
         def program(*dyn):
-            with _eager_mesh(mesh, policy, any(isinstance(x, jax.core.Tracer) for x in dyn)):
-                results = compiled(*dyn, *(v.stacked for v in captured))
+            tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
+            # Inside a compiled step the check is a host callback of that step, on request only (it would run
+            # at every call of the step); called eagerly, the first call and every call on request.
+            verify = checked and (check_every() or (first["checked"] is None and not tracing))
+            with _eager_mesh(mesh, policy, tracing):
+                results = (first["compiled"] if verify else compiled)(*dyn, *(v.stacked for v in captured))
+            if verify and tracing:
+                *results, agreed = results
+                jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths), agreed)
+            elif verify:
+                *results, agreed = results
+                raise_on_disagreement(name, mirrored_paths, agreed)
+                if first["checked"] is None:  # compiled now, so that the second call costs what every later one does
+                    with _eager_mesh(mesh, policy, False):
+                        compiled.lower(*dyn, *(v.stacked for v in captured)).compile()
+                first["checked"] = True
             n_args = len(out_info["updated"])
             for value, components in zip(captured, results[n_out + n_args:], strict=True):
                 store_components(value, components)  # updated in place, as tf.distribute's metrics are
@@ -391,19 +419,20 @@ def _captured_message(fn: str) -> str:
 
 
 def _refine(kind: str, value: str) -> str:
-    """How an output varying by type leaves ``run``, by what the jaxpr shows of its value: "identical"
-    (mirrored), "declared" (per replica on purpose) or "per_replica"."""
-    if kind != "per_replica":
+    """How an output leaves ``run``, by what the program's values prove (`program_values`), whatever its type:
+    "mirrored" (proven the same, invariant by type), "identical" (proven the same, varying by type),
+    "declared" (per replica on purpose) or "per_replica"; a sync-on-read value stays one."""
+    if kind == "sync":
         return kind
-    return {IDENTICAL: "identical", DECLARED: "declared"}.get(value, "per_replica")
+    if value == IDENTICAL:
+        return "mirrored" if kind == "mirrored" else "identical"
+    return "declared" if value == DECLARED else "per_replica"
 
 
-def _replica_jaxpr(traced: Any) -> Any:
-    """The replica function's jaxpr: the body of the one ``shard_map`` the probe traced."""
-    for eqn in traced.jaxpr.eqns:
-        if eqn.primitive.name == "shard_map":
-            return eqn.params["jaxpr"]
-    raise AssertionError("the probe of strategy.run traced no shard_map")  # the probe is one shard_map call
+def _leaf_paths(tree: Any) -> list[str]:
+    """The path of each leaf of ``tree`` (a treedef), as ``output[0]['w']``."""
+    marked = jax.tree.unflatten(tree, range(tree.num_leaves))
+    return ["output" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(marked)[0]]
 
 
 def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: PartitionSpec,
