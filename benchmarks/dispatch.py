@@ -14,6 +14,9 @@ Cases (each device count in a process of its own: ``jax_num_cpu_devices`` is fix
   ``jax.jit`` with the same in/out shardings and donated state, for ``MirroredStrategy`` and
   ``ShardedStrategy`` with FSDP, tensor and expert roles, on meshes with Auto axes (limit: 5 us); and FSDP on
   ``jax.make_mesh``'s default mesh (Explicit axes: the path that reads the layouts' provenance);
+* ``run-mirrored-50``: ``strategy.run`` of a per-replica update of the 50-leaf state (its outputs proven
+  mirrored) against ``jax.jit(jax.shard_map(...))``; also both sides' first call in wall seconds (``run``'s
+  includes the on-device check of its mirrored outputs and the compile of the unchecked program);
 * ``trainer-<n>dev``: ``Trainer.fit`` per optimizer step against a hand loop of the same step (``jax.jit``,
   one ``jax.device_put`` of each host batch, the loss read at every 10th step as ``fit``'s log points do), on
   the small MLP of `benchmarks.models`, one ``fit`` call of ``steps`` steps per block (limit: 25 us).
@@ -107,6 +110,40 @@ def _state_case(strategy: Any, pairs: int, calls: int) -> dict[str, Any]:
     return _pairs(ours, baseline, calls, pairs)
 
 
+def _run_case(strategy: Any, pairs: int, calls: int) -> dict[str, Any]:
+    """``strategy.run`` of a per-replica step (the 50-leaf state updated with an all-reduced value: mirrored
+    outputs, proven so) against ``jax.jit(jax.shard_map(...))`` written by hand; also each side's first call
+    (trace, compile and, for ``run``, the on-device check of its mirrored outputs and the plain program's compile)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxdist as jd
+
+    def replica_step(state, batch):
+        g = jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, batch.mean())
+        return jax.tree.map(lambda w: w * 0.5 + g, state), batch.sum()
+
+    def hand_step(state, batch):
+        g = jax.lax.pmean(batch.mean(), "replica")
+        return jax.tree.map(lambda w: w * 0.5 + g, state), batch.sum()[None]
+
+    state = strategy.mirror({f"w{i:02d}": jnp.full((64, 64), float(i)) for i in range(LEAVES)})
+    batch = strategy.experimental_distribute_values(jnp.ones((64, 64)))
+    hand = jax.jit(jax.shard_map(hand_step, mesh=strategy.mesh, in_specs=(P(), P("replica")),
+                                 out_specs=(P(), P("replica")), check_vma=False))
+    first = {}
+    for side, call in (("candidate", lambda: strategy.run(replica_step, args=(state, batch))),
+                       ("baseline", lambda: hand(state, batch))):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        first[side] = time.perf_counter() - start
+    result = _pairs(lambda: strategy.run(replica_step, args=(state, batch))[1].stacked,
+                    lambda: hand(state, batch)[1], calls, pairs)
+    result["first_call_s"] = first
+    return result
+
+
 def _trivial_case(pairs: int, calls: int) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -182,6 +219,7 @@ def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, 
 
         rows += [
             ("mirrored-50", lambda: _state_case(jd.MirroredStrategy(), pairs, calls)),
+            ("run-mirrored-50", lambda: _run_case(jd.MirroredStrategy(), pairs, calls)),
             ("fsdp-50", lambda: _state_case(jd.ShardedStrategy(min_shard_size=1), pairs, calls)),
             ("tensor-50", lambda: _state_case(jd.ShardedStrategy(
                 mesh=jax.make_mesh((4, 2), ("data", "model"), axis_types=auto), batch_axes="data",
@@ -221,6 +259,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['case']} | {r['devices']} | {q['median']:+.2f} | [{q['ci_low']:+.2f}, {q['ci_high']:+.2f}]"
                      f" | {r['candidate_us']:.1f} | {r['baseline_us']:.1f} | {r['ratio']:.3f} | "
                      f"<= {r['limit_us']:g}: {met} |")
+    firsts = [r for r in rows if "first_call_s" in r]
+    if firsts:
+        lines += ["", "First call (trace and compile; for `strategy.run` also the on-device check of its mirrored "
+                  "outputs and the compile of the program later calls run), wall seconds:", "",
+                  "| case | jaxdist s | hand-written s |", "|---|---|---|"]
+        lines += [f"| {r['case']} | {r['first_call_s']['candidate']:.3f} | {r['first_call_s']['baseline']:.3f} |"
+                  for r in firsts]
     return "\n".join(lines) + "\n"
 
 

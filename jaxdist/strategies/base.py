@@ -444,28 +444,33 @@ class Strategy:
                 ``jax.pmap(fn, axis_name="batch")`` computes on the same per-device batches. A collective over
                 an axis name that is not bound is a ValueError naming the axis and this argument.
             check_vma: JAX's varying-type check inside the replica program (``jax.shard_map``'s). None (the
-                default): on, except where only the check refuses a function that ``jax.pmap`` runs (a
-                ``lax.scan`` whose carry starts as a constant and comes out different per replica): that one
-                runs with the check off, as ``pmap`` runs it (outputs `PerReplica` unless their values are
-                provably the same on every replica, gradients still local), with a one-time note in the
-                ``"jaxdist"`` log. True: the check always (its error as JAX raises
-                it). False: no check (outputs read the same way), no note. See the run guide's pmap-era section.
+                default): off where ``axis_name`` is given (pmap-era code runs as ``jax.pmap`` runs it, its
+                gradients through ``pmean`` included); otherwise on, except where only the check refuses a
+                function that ``jax.pmap`` runs (a ``lax.scan`` whose carry starts as a constant and comes out
+                different per replica): that one runs with the check off, as ``pmap`` runs it (gradients
+                still local), with a one-time note in the ``"jaxdist"`` log. True: the check always (its error
+                as JAX raises it). False: no check, no note. Which outputs are mirrored is proven from the
+                program's values in every case. See the run guide.
 
         Returns:
-            ``fn``'s outputs, same structure. Values the same on every replica come back mirrored: results of
-            ``all_reduce`` / ``aggregate`` / ``all_gather``, constants, and what is computed only from them and
-            from mirrored arguments (parameters updated with all-reduced gradients), read from the program
-            value by value; values that may differ come back as `PerReplica` (``ctx.per_replica(value)``
-            declares one on purpose); `SyncOnRead`s stay `SyncOnRead`. Sync-on-read arguments (and ones
+            ``fn``'s outputs, same structure. Values proven the same on every replica come back mirrored:
+            results of ``all_reduce`` / ``aggregate`` / ``all_gather``, constants, and what pure operations
+            compute only from them and from mirrored arguments (parameters updated with all-reduced
+            gradients), read from the program value by value and checked on device at the first call
+            (``JAXDIST_CHECK_MIRRORED=every``: every call); everything else (what the analysis cannot prove)
+            comes back as `PerReplica` (``ctx.per_replica(value)`` declares one on purpose); `SyncOnRead`s
+            stay `SyncOnRead`. Sync-on-read arguments (and ones
             ``fn`` captures) updated in place with ``assign`` / ``assign_add`` / ``assign_sub`` keep the update.
 
         Raises:
-            ValueError: for an output that takes a mirrored argument's place (same structure, shapes and
-                dtypes) but differs between replicas (all-reduce the gradients first, or declare it with
-                ``ctx.per_replica``), a `PerReplica` / `SyncOnRead` of another strategy, a value computed inside a step
+            ValueError: for an output that takes a mirrored argument's place (computed from it element-wise,
+                outside the backward pass: an update) but may differ between replicas (all-reduce the gradients
+                first, or declare it with ``ctx.per_replica``), a `PerReplica` / `SyncOnRead` of another
+                strategy, a value computed inside a step
                 whose role is not declared, a declared batch the replicas do not divide, or a collective in
                 ``fn`` over an axis name that is not bound (pass ``axis_name=``).
-            RuntimeError: when called inside another replica function.
+            RuntimeError: when called inside another replica function, or when an output proven the same on
+                every replica is found to differ on device (the first call's check).
 
         Examples:
             >>> import jax, jax.numpy as jnp, jaxdist as jd

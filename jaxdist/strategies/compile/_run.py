@@ -17,13 +17,15 @@ replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` g
 invariant, shard_map's ``grad`` would return gradients already summed over replicas.) The all-reduce is
 explicit: ``ctx.all_reduce(MEAN, grads)``.
 
-Outputs: a value that is invariant over the replica axis by JAX's type system (an all-reduce, aggregate or
-all-gather result, a constant) comes back mirrored (a replicated `jax.Array`); a varying value comes back as
-`PerReplica`; a `SyncOnRead` comes back as one. Since every replica owns its copy of a mirrored argument,
-values computed from it are varying by type (as in tf.distribute, where they come back PerReplica too); to
-return an updated mirrored value, combine the replicas' updates with ``ctx.aggregate``.
-Where only JAX's varying-type check refuses a function that ``jax.pmap`` runs, its program runs with the check
-off and every output comes back `PerReplica` (``check_vma=``; see `jaxdist.strategies.compile._vma`).
+Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an all-reduce,
+aggregate or all-gather result, a constant, a parameter updated with all-reduced gradients) comes back mirrored
+(a replicated `jax.Array`), whatever JAX's varying types say of it (they cannot prove an updated parameter the
+same, and they call a primitive they do not know invariant); everything else comes back as `PerReplica`; a
+`SyncOnRead` comes back as one. The first call of each program checks on device that every output it returns
+mirrored is the same on every replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a
+mirrored argument element-wise (an update) that is not proven the same is refused.
+pmap-era code that names its axis (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs
+it; so does, by default, code that only that check refuses (``check_vma=``; see `_vma`).
 To know which is which, the function is traced once abstractly before the real program is built; the program
 is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state calls cost one dispatch.
 

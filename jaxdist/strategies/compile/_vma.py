@@ -10,12 +10,12 @@ with the check off succeeds, only the check refused the function, and its progra
 
 What the relaxed check changes, and what it keeps:
 
-* no type proves a value identical on every replica with the check off: outputs come back `PerReplica` (a
-  `SyncOnRead` stays one), except those the program's values prove identical (`_identical`: a ``psum``'s
-  result, what is computed from it and from mirrored arguments), which come back mirrored as they would with
-  the check on;
-* gradients stay local, as with the check on: mirrored arguments still enter cast to varying, and ``jax.grad``
-  differentiates each replica's own copy; the all-reduce stays explicit (``ctx.all_reduce``);
+* which outputs come back mirrored is proven from the program's values (`_identical`), with the check on or
+  off: types never decide it;
+* gradients stay local, as with the check on: ``jax.grad`` differentiates each replica's own copy; the
+  all-reduce stays explicit (``ctx.all_reduce``). Gradients THROUGH a collective follow pmap's rule with the
+  check off (the gradient of a ``psum`` is a ``psum``), JAX's typed rule with it on; pmap-era code that names
+  its axis (``run(..., axis_name=)``) therefore runs with the check off from the start (`Strategy.run`);
 * a one-time note (logger ``"jaxdist"``, level WARNING) names the function and says what was relaxed.
 
 ``check_vma=True`` asks for the strict check only (JAX's error, as it is, when it refuses); ``check_vma=False``
