@@ -336,3 +336,50 @@ def test_renamed_axis_index_in_a_compiled_step_on_a_model_parallel_mesh():
     step = strategy.jit(lambda x: strategy.run(lambda v: lax.axis_index("batch") + v.sum(), args=(x,)))
     ids = step(x)
     assert [int(i) for i in strategy.experimental_local_results(ids)] == [4, 5, 6, 7]  # id + its 2x2 ones
+
+
+class _DropoutMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dropout(0.3, deterministic=not train)(nn.relu(nn.Dense(16)(x)))
+        return nn.Dense(3)(x)
+
+
+def _dropout_step(state, batch, dropout_rng):
+    """Shaped like Flax's WMT pmap step: a per-device dropout key folded with the step, pmean'd gradients."""
+    dropout_rng = jax.random.fold_in(dropout_rng, state.step)
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["x"], rngs={"dropout": dropout_rng})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    grads = lax.pmean(grads, "batch")
+    return state.apply_gradients(grads=grads), {"loss": lax.pmean(loss, "batch")}
+
+
+@pytest.mark.timeout(120)
+def test_a_pmap_step_with_per_device_dropout_keys_equals_pmap_bit_for_bit():
+    """Closed-over constants in the step (Flax's module code holds some), a per-device key as a batch argument:
+    run(..., axis_name="batch") runs pmap's program, so the parameters equal pmap's exactly, and come back
+    mirrored (proven: updated with pmean'd gradients)."""
+    strategy = jd.MirroredStrategy()
+    rng = np.random.default_rng(0)
+    model = _DropoutMLP()
+    params = model.init(jax.random.key(0), jnp.ones((1, 5)), train=False)["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    keys = jax.random.split(jax.random.key(1), DEVICES)
+    pmapped = jax.pmap(_dropout_step, axis_name="batch")
+    theirs = jax.tree.map(lambda x: jnp.stack([x] * DEVICES), state)
+    ours = strategy.mirror(state)
+    per_device = strategy.experimental_distribute_values_from_function(lambda ctx: keys[ctx.replica_id_in_sync_group])
+    for _ in range(STEPS):
+        batch = {"x": rng.normal(size=(DEVICES, PER_DEVICE, 5)).astype(np.float32),
+                 "y": rng.integers(0, 3, size=(DEVICES, PER_DEVICE)).astype(np.int32)}
+        theirs, want = pmapped(theirs, batch, keys)
+        flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+        ours, got = strategy.run(_dropout_step, args=(ours, flat, per_device), batch_argnums=(1,), axis_name="batch")
+        assert float(got["loss"]) == float(want["loss"][0])
+    for mine, pm in zip(jax.tree.leaves(ours.params), jax.tree.leaves(theirs.params), strict=True):
+        assert isinstance(mine, jax.Array) and mine.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(pm[0]))

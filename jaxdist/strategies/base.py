@@ -444,8 +444,9 @@ class Strategy:
                 ``jax.pmap(fn, axis_name="batch")`` computes on the same per-device batches. A collective over
                 an axis name that is not bound is a ValueError naming the axis and this argument.
             check_vma: JAX's varying-type check inside the replica program (``jax.shard_map``'s). None (the
-                default): off where ``axis_name`` is given (pmap-era code runs as ``jax.pmap`` runs it, its
-                gradients through ``pmean`` included); otherwise on, except where only the check refuses a
+                default): off where the replica axis is named (``axis_name`` here or the strategy's own:
+                pmap-era code runs as ``jax.pmap`` runs it, its gradients through ``pmean`` included);
+                otherwise on, except where only the check refuses a
                 function that ``jax.pmap`` runs (a ``lax.scan`` whose carry starts as a constant and comes out
                 different per replica): that one runs with the check off, as ``pmap`` runs it (gradients
                 still local), with a one-time note in the ``"jaxdist"`` log. True: the check always (its error
@@ -504,7 +505,7 @@ class Strategy:
             # step's entry already did).
             args, kwargs = to_device_memory((args, kwargs))
         check_vma = check_vma_arg(check_vma)
-        if check_vma is None and axis_name is not None:
+        if check_vma is None and (axis_name is not None or axis != self._policy.replica_axis):
             check_vma = False  # pmap-era code names its axis: it runs as jax.pmap runs it (its gradients too)
         return self._runner(fn, args, kwargs, declared, axis, check_vma)
 
