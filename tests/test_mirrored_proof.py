@@ -289,3 +289,27 @@ def test_inside_a_compiled_step_the_check_runs_on_request(monkeypatch):
     monkeypatch.setenv("JAXDIST_CHECK_MIRRORED", "every")
     with pytest.raises(Exception, match=r"replica_step\): output .*all_reduce"):
         jax.block_until_ready(step(w, x))
+
+
+def test_a_collective_in_a_loop_some_replicas_may_leave_early_is_named_before_it_runs():
+    """Replicas that loop a different number of times with a psum inside would wait for each other forever
+    (XLA aborts after a rendezvous timeout): a ValueError before anything runs. The same loop with its
+    condition combined across replicas runs."""
+    strategy = jd.MirroredStrategy()
+    x = np.arange(N * 2, dtype=np.float32).reshape(N, 2)
+
+    def local_condition(x):
+        def body(c):
+            return c[0] + 1, c[1] + jax.lax.psum(x.sum(), "replica")
+        return jax.lax.while_loop(lambda c: c[1] < x.sum() * 10, body, (0, 0.0))[0]
+
+    with pytest.raises(ValueError, match=r"strategy.run\(.*local_condition\): a while_loop whose trip count .*psum"):
+        strategy.run(local_condition, args=(x,), batch_argnums=(0,))
+
+    def combined_condition(x):
+        limit = jax.lax.psum(x.sum(), "replica") * 10
+        return jax.lax.while_loop(lambda c: c[1] < limit,
+                                  lambda c: (c[0] + 1, c[1] + jax.lax.psum(x.sum(), "replica")), (0, 0.0))[0]
+
+    count = strategy.run(combined_condition, args=(x,), batch_argnums=(0,))
+    assert isinstance(count, jax.Array) and int(count) == 10

@@ -119,6 +119,7 @@ class _Reader:
     def __init__(self, sizes: Mapping[str, int | None]):
         self.sizes = dict(sizes)
         self.every = _Fact(frozenset(sizes))
+        self.stalls: list[str] = []  # collectives inside loops whose trip count may differ between replicas
 
     def replica(self, names: Any) -> frozenset[str]:
         names = (names,) if isinstance(names, str) else tuple(names or ())
@@ -239,8 +240,21 @@ class _Reader:
             # a trip count that may differ between replicas makes every carry differ where it may
             joined = [_Fact(a.axes | b.axes | test.axes) for a, b in zip(carry, outs, strict=True)]
             if joined == carry:
+                if test.axes:
+                    self.stalls += self.collectives(eqn.params["cond_jaxpr"]) + self.collectives(eqn.params["body_jaxpr"])
                 return carry
             carry = joined
+
+    def collectives(self, jaxpr: Any) -> list[str]:
+        """The collectives over replica axes ``jaxpr`` runs (inner jaxprs included), by name."""
+        found = []
+        for e in _open(jaxpr).eqns:
+            named = e.params.get("axes", e.params.get("axis_name"))
+            if (e.primitive.name in REDUCING or e.primitive.name in SPREADING) and self.replica(named):
+                found.append(e.primitive.name)
+            for inner in _jaxprs(e.params):
+                found += self.collectives(inner)
+        return found
 
 
 def _union(facts: Sequence[_Fact]) -> _Fact:
@@ -319,6 +333,10 @@ def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
     facts read from the outside: an input split over replica axes (``in_specs``) differs over them; one
     passed whole (a mirrored argument, a constant the function closed over) is the same on every replica.
 
+    Raises:
+        ValueError: for a ``while_loop`` whose trip count may differ between replicas with a collective over the
+            replicas inside: a replica that stops early would leave the others waiting forever.
+
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
         >>> from jax.sharding import PartitionSpec as P
@@ -334,7 +352,21 @@ def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
     outer = _outer_facts(program, reader)
     inputs = [_Fact(outer(v).axes | reader.replica(_spec_axes(spec)))
               for v, spec in zip(eqn.invars, eqn.params["in_specs"], strict=True)]
-    return [_verdict(f) for f in reader.read(eqn.params["jaxpr"], inputs)]
+    values = [_verdict(f) for f in reader.read(eqn.params["jaxpr"], inputs)]
+    if reader.stalls:
+        raise ValueError(_stall_message(sorted(set(reader.stalls))))
+    return values
+
+
+def _stall_message(collectives: list[str]) -> str:
+    return (
+        f"a while_loop whose trip count may differ between replicas (its condition is computed from a replica's "
+        f"own values) runs a collective over the replicas inside ({', '.join(collectives)}): a replica that stops "
+        "early leaves the others waiting for it forever (XLA aborts after a rendezvous timeout). Make the "
+        "condition the same on every replica (combine what it reads first, e.g. "
+        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed number of times with "
+        "lax.fori_loop / lax.scan), or move the collective out of the loop."
+    )
 
 
 def _outer_facts(program: Any, reader: _Reader) -> Any:

@@ -314,7 +314,10 @@ class ReplicaRunner:
         # same (a mirrored value updated with all-reduced gradients): mirrored. Taking a mirrored argument's
         # place but not proven the same: refused.
         n_out = len(out_info["kinds"])  # then the updated sync-on-read components
-        values = program_values(traced_jaxpr, {a: mesh.shape[a] for a in axis_names(axis_name)})
+        try:
+            values = program_values(traced_jaxpr, {a: mesh.shape[a] for a in axis_names(axis_name)})
+        except ValueError as stall:  # a collective in a loop some replicas may leave early: named before it runs
+            raise ValueError(f"strategy.run({name}): {stall}") from None
         out_tree = out_info["tree"]
         kinds_out = [(_refine(kind, value), agg)
                      for (kind, agg), value in zip(out_info["kinds"], values[:n_out], strict=True)]
