@@ -241,7 +241,8 @@ class _Reader:
             joined = [_Fact(a.axes | b.axes | test.axes) for a, b in zip(carry, outs, strict=True)]
             if joined == carry:
                 if test.axes:
-                    self.stalls += self.collectives(eqn.params["cond_jaxpr"]) + self.collectives(eqn.params["body_jaxpr"])
+                    for part in ("cond_jaxpr", "body_jaxpr"):
+                        self.stalls += self.collectives(eqn.params[part])
                 return carry
             carry = joined
 
