@@ -457,7 +457,9 @@ class Strategy:
             from mirrored arguments (parameters updated with all-reduced gradients), read from the program
             value by value; values that may differ come back as `PerReplica` (``ctx.per_replica(value)``
             declares one on purpose); `SyncOnRead`s stay `SyncOnRead`. Sync-on-read arguments (and ones
-            ``fn`` captures) updated in place with ``assign`` / ``assign_add`` / ``assign_sub`` keep the update.
+            ``fn`` captures) updated in place with ``assign`` / ``assign_add`` / ``assign_sub`` keep the update,
+            also from inside ``lax.scan`` / ``lax.cond`` / a nested ``jax.jit`` in ``fn``; one that ``fn``
+            returns (``return seen.assign_add(1.0)``) comes back as the object passed in or captured.
 
         Raises:
             ValueError: for an output that takes a mirrored argument's place (same structure, shapes and
