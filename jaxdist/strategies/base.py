@@ -755,7 +755,8 @@ class Strategy:
                 before anything runs; one they divide runs, as a program of its own), "drop" (skipped:
                 tf.data's ``drop_remainder=True``) or "pad" (padded to the first batch's rows; ``strategy.run``
                 gives its replicas the row weights, `ReplicaContext.batch_weights`, and
-                ``jd.compute_average_loss`` leaves the padding rows out).
+                ``jd.compute_average_loss`` leaves the padding rows out; also a ``run`` inside a
+                ``strategy.jit`` step that got the batch, while a step that hands it to no ``run`` is refused).
 
         Returns:
             A `DistributedDataset`; iterate it in the training loop.
