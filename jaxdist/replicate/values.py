@@ -32,7 +32,9 @@ __all__ = [
     "CapturedSyncOnRead",
     "PerReplica",
     "SyncOnRead",
+    "assigned",
     "component_name",
+    "in_replica",
     "local_components",
     "local_view",
     "noticing_captures",
@@ -43,21 +45,64 @@ _capturing = threading.local()  # per thread: is a replica function being traced
 
 
 class CapturedSyncOnRead(Exception):
-    """Raised while a replica function is first traced when it updates a `SyncOnRead` it did not get as an
-    argument (one it captured, as tf.distribute code uses its metric objects): ``strategy.run`` then passes
-    that value in, out of sight, and traces again."""
+    """Raised while a replica function is first traced when it reads or updates a `SyncOnRead` it did not get
+    as an argument (one it captured, as tf.distribute code uses its metric objects): ``strategy.run`` then
+    passes that value in, out of sight, and traces again."""
 
     def __init__(self, value: SyncOnRead):
-        super().__init__("a captured sync-on-read value was updated in replica context")
+        super().__init__("a captured sync-on-read value was used in replica context")
         self.value = value
 
 
+class _View:
+    """One trace of a replica function's view of a sync-on-read value: whether the function assigned it.
+
+    Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a nested
+    ``jax.jit`` is flattened and made again): the flag is the view's, not one object's.
+    """
+
+    __slots__ = ("assigned",)
+
+    def __init__(self) -> None:
+        self.assigned = False
+
+
+def in_replica(component: Any, aggregation: Any, owner: Any = None) -> SyncOnRead:
+    """A sync-on-read value as a replica function sees it while ``strategy.run`` traces it: ``component`` (this
+    replica's) held in a `jax.Ref`, so that its updates are effects JAX carries out of ``lax.scan`` /
+    ``lax.cond`` bodies and nested ``jax.jit`` functions, as tf.distribute's in-place updates are. Read what
+    it holds at the end with ``.read()``; `assigned` says whether the function updated it.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> def replica(c):
+        ...     v = in_replica(c, "sum")
+        ...     def body(i, carry):
+        ...         v.assign_add(1.0)  # an effect of the loop's body, carried out of it
+        ...         return carry
+        ...     jax.lax.fori_loop(0, 3, body, 0)
+        ...     return v.read()
+        >>> float(jax.jit(replica)(jnp.zeros(())))
+        3.0
+    """
+    return SyncOnRead(jax.ref.new_ref(component), aggregation, owner, local=_View())
+
+
+def assigned(value: SyncOnRead) -> bool:
+    """Whether the replica function being traced assigned ``value`` (one made by `in_replica` or seen through
+    `local_view`); False for any other value."""
+    view = value._local
+    return isinstance(view, _View) and view.assigned
+
+
 @contextlib.contextmanager
-def noticing_captures() -> Iterator[None]:
-    """While active (on this thread), a cross-replica `SyncOnRead` updated in place raises
-    `CapturedSyncOnRead`: ``strategy.run`` traces its replica function under it."""
+def noticing_captures(on: bool = True) -> Iterator[None]:
+    """While active (on this thread), a cross-replica `SyncOnRead` read or updated raises
+    `CapturedSyncOnRead`: ``strategy.run`` traces its replica function under it. ``on=False`` suspends that
+    for cross-replica code inside the replica function (``merge_call``'s function, where a sync-on-read value
+    reads aggregated)."""
     before = getattr(_capturing, "on", False)
-    _capturing.on = True
+    _capturing.on = on
     try:
         yield
     finally:
@@ -67,15 +112,14 @@ def noticing_captures() -> Iterator[None]:
 @contextlib.contextmanager
 def local_view(value: SyncOnRead, component: Any) -> Iterator[None]:
     """``value`` seen as one replica's ``component`` for the time of a replica function's trace (a captured
-    value: its updates there are that replica's); restored after. Read the component with ``value.read()``
-    inside."""
+    value: its updates there are that replica's, held in a `jax.Ref` as `in_replica` holds them); restored
+    after. Read the component with ``value.read()`` inside, and whether it was updated with `assigned`."""
     saved = value._value, value._local
-    value._value, value._local = component, True
+    value._value, value._local = jax.ref.new_ref(component), _View()
     try:
         yield
     finally:
         value._value, value._local = saved
-
 
 
 def component_name(name: str, replica_id: int) -> str:
@@ -213,13 +257,19 @@ class SyncOnRead(_Distributed):
 
     @property
     def value(self) -> jax.Array:
-        """This replica's component (replica context only)."""
+        """This replica's component (replica context only: inside a function ``strategy.run`` runs, whether
+        the value was passed to it or captured)."""
         if not self._local:
+            if getattr(_capturing, "on", False):
+                raise CapturedSyncOnRead(self)
             raise RuntimeError(
                 "SyncOnRead.value is this replica's component and exists only inside strategy.run; "
                 "in cross-replica context use .read() for the aggregated value or .values for the components."
             )
-        return self._value
+        return self._component()
+
+    def _component(self) -> jax.Array:
+        return self._value[...] if isinstance(self._local, _View) else self._value
 
     def _check_dtype(self, value: Any) -> None:
         if self._aggregation is VariableAggregation.MEAN:
@@ -241,7 +291,13 @@ class SyncOnRead(_Distributed):
                     f"value has shape {value.shape} but this replica's component has shape {self._value.shape}; "
                     "a sync-on-read value keeps its shape."
                 )
-            self._value = value
+            if isinstance(self._local, _View):
+                # An assignment is not differentiable (as tf.Variable.assign is not): what a replica function
+                # stores while jax.grad traces it is the value, not a path for gradients.
+                self._value[...] = jax.lax.stop_gradient(value)
+                self._local.assigned = True
+            else:
+                self._value = value
             return self
         if getattr(_capturing, "on", False):
             raise CapturedSyncOnRead(self)
@@ -253,13 +309,21 @@ class SyncOnRead(_Distributed):
                 "a sync-on-read value keeps its shape."
             )
         self._check_dtype(value)
-        self._value = _spread(value, target.shape[0], self._aggregation.name, target.sharding)
+        traced = isinstance(target, jax.core.Tracer)
+        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced else target.sharding)
+        if isinstance(stacked, jax.core.Tracer) and not traced:
+            raise ValueError(
+                f"a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read value "
+                f"({self._aggregation.name}, shape {target.shape[1:]}) that it captured from the enclosing code: the "
+                "update would live only in that trace (a JAX function cannot change the objects around it), and "
+                "the value would read as before. Pass it to the step as an argument and return it: "
+                "`seen = step(seen, batch)`."
+            )
+        self._value = stacked
         return self
 
     def assign_add(self, delta: Any) -> SyncOnRead:
         """Add ``delta`` in place (to this replica's component in replica context) and return this value."""
-        if self._local:
-            return self.assign(self._value + jnp.asarray(delta, self._value.dtype))
         return self.assign(self.read() + jnp.asarray(delta, self._value.dtype))
 
     def assign_sub(self, delta: Any) -> SyncOnRead:
@@ -267,9 +331,12 @@ class SyncOnRead(_Distributed):
         return self.assign_add(-jnp.asarray(delta, self._value.dtype))
 
     def read(self) -> jax.Array:
-        """The aggregated value in cross-replica context; this replica's component in replica context."""
+        """The aggregated value in cross-replica context; this replica's component in replica context (inside
+        a function ``strategy.run`` runs, whether the value was passed to it or captured)."""
         if self._local:
-            return self._value
+            return self._component()
+        if getattr(_capturing, "on", False):
+            raise CapturedSyncOnRead(self)
         return _aggregate_stacked(self._value, self._aggregation.name)
 
     def tree_flatten(self):
@@ -303,7 +370,8 @@ def _aggregate_stacked(stacked: jax.Array, mode: str) -> jax.Array:
 
 
 def _spread(value: jax.Array, n: int, mode: str, sharding) -> jax.Array:
-    """Components, stacked, that aggregate back to ``value`` under ``mode``."""
+    """Components, stacked, that aggregate back to ``value`` under ``mode`` (laid out with ``sharding``; None
+    inside a trace, where the enclosing program lays them out)."""
 
     def build(v):
         if mode != "SUM" or n == 1:
@@ -313,4 +381,6 @@ def _spread(value: jax.Array, n: int, mode: str, sharding) -> jax.Array:
         first = (jnp.arange(n) == 0).reshape((n,) + (1,) * v.ndim)
         return jnp.where(first, v, jnp.zeros_like(v))
 
+    if sharding is None:
+        return build(value)
     return jax.jit(build, out_shardings=sharding)(value)

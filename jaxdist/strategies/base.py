@@ -460,8 +460,10 @@ class Strategy:
             gradients), read from the program value by value and checked on device at the first call
             (``JAXDIST_CHECK_MIRRORED=every``: every call); everything else (what the analysis cannot prove)
             comes back as `PerReplica` (``ctx.per_replica(value)`` declares one on purpose); `SyncOnRead`s
-            stay `SyncOnRead`. Sync-on-read arguments (and ones
-            ``fn`` captures) updated in place with ``assign`` / ``assign_add`` / ``assign_sub`` keep the update.
+            stay `SyncOnRead`. Sync-on-read arguments (and ones ``fn`` captures) updated in place with
+            ``assign`` / ``assign_add`` / ``assign_sub`` keep the update, also from inside ``lax.scan`` /
+            ``lax.cond`` / a nested ``jax.jit`` in ``fn``; one that ``fn`` returns (``return
+            seen.assign_add(1.0)``) comes back as the object passed in or captured.
 
         Raises:
             ValueError: for an output that takes a mirrored argument's place (computed from it element-wise,
@@ -762,7 +764,8 @@ class Strategy:
                 before anything runs; one they divide runs, as a program of its own), "drop" (skipped:
                 tf.data's ``drop_remainder=True``) or "pad" (padded to the first batch's rows; ``strategy.run``
                 gives its replicas the row weights, `ReplicaContext.batch_weights`, and
-                ``jd.compute_average_loss`` leaves the padding rows out).
+                ``jd.compute_average_loss`` leaves the padding rows out; also a ``run`` inside a
+                ``strategy.jit`` step that got the batch, while a step that hands it to no ``run`` is refused).
 
         Returns:
             A `DistributedDataset`; iterate it in the training loop.

@@ -7,6 +7,7 @@ state is kept per thread).
 
 from jaxdist.strategies.ambient._state import Call as Call
 from jaxdist.strategies.ambient._state import Computation as Computation
+from jaxdist.strategies.ambient._state import Padded as Padded
 from jaxdist.strategies.ambient._state import call as call
 from jaxdist.strategies.ambient._state import colocation as colocation
 from jaxdist.strategies.ambient._state import colocation_target as colocation_target
@@ -25,6 +26,7 @@ from jaxdist.strategies.ambient._state import state as state
 __all__ = [
     "Call",
     "Computation",
+    "Padded",
     "call",
     "colocation",
     "colocation_target",

@@ -7,7 +7,7 @@ jaxdist keeps these "current" things, all per thread, all here:
   function, an on-device steps loop) with its view (global or per replica), its layout policy, the counters
   that name things per computation (``outside_compilation`` clusters "0", "1", ...; gradient uids "uid",
   "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.layout._roles`; a ``jit``
-  step's: `jaxdist.strategies.compile._trace._roles`);
+  step's: `jaxdist.strategies.compile._trace._roles`), with a padded batch's row weights (`Padded`);
 * the ``colocate_vars_with`` targets;
 * the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
 * the depth of ``outside_compilation`` host regions (they do not nest);
@@ -49,6 +49,7 @@ class Computation:
         axis_name: the name the replica axis is bound to inside a per-replica computation.
         typed: whether JAX's varying types hold inside it (a per-replica program traced with ``check_vma``
             off, as ``jax.pmap`` runs it, types every value invariant: each value is then the replica's own).
+        padded: the traced leaves of a padded batch among its arguments, with their row weights (`Padded`).
     """
 
     policy: Any
@@ -58,6 +59,7 @@ class Computation:
     variables: list[Any] = dataclasses.field(default_factory=list)
     axis_name: str | tuple[str, ...] | None = None
     typed: bool = True
+    padded: list[Padded] = dataclasses.field(default_factory=list)
 
     def counter(self, kind: str) -> int:
         """The next number (0, 1, ...) of the things of ``kind`` named in this computation.
@@ -70,6 +72,22 @@ class Computation:
         n = self.counters.get(kind, 0)
         self.counters[kind] = n + 1
         return n
+
+
+@dataclasses.dataclass
+class Padded:
+    """A traced leaf of a padded batch (``remainder="pad"``) that a ``strategy.jit`` step got, and the traced row
+    weights that came with it (`jaxdist.strategies.compile._trace._padded`).
+
+    Attributes:
+        leaf: the traced leaf.
+        weights: its traced row weights (1.0 for a real row, 0.0 for a padding row).
+        handed: shared by the leaves of one batch: ``[True]`` once a ``strategy.run`` in the step took them.
+    """
+
+    leaf: Any
+    weights: Any
+    handed: list[bool]
 
 
 @dataclasses.dataclass
@@ -152,12 +170,14 @@ def computation(
     batches: Iterable[Any] = (),
     variables: Iterable[Any] = (),
     axis_name: str | tuple[str, ...] | None = None,
+    padded: Iterable[Padded] = (),
     typed: bool = True,
 ) -> Iterator[Computation]:
     """Trace the block as (part of) a computation of ``policy``; nested frames share the counters."""
     outer = current_computation()
     counters = outer.counters if outer is not None else {}
-    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name, typed)
+    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name, typed=typed,
+                        padded=list(padded))
     with _pushed(state.computations, frame):
         yield frame
 

@@ -26,7 +26,9 @@ the same types goes straight to it, and JAX's compiled dispatch checks what the 
 dtypes, weak types, layouts, the trace context). A signature JAX has no program for makes the program's trace
 refuse (`_Refused`, before any of the step's code runs) and the call takes the full path. What JAX's cache
 cannot see is read per call only where it exists: the provenance of layouts over Explicit axes on a policy
-that splits variables, and host arrays in a job of several processes.
+that splits variables, and host arrays in a job of several processes. A call with a batch a distributed dataset
+padded (``remainder="pad"``) always takes the full path, with the batch's row weights as one more argument
+for the ``strategy.run`` inside the step (`jaxdist.strategies.compile._trace._padded`).
 
 One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
 kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
@@ -55,7 +57,7 @@ from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
 from jaxdist.strategies.compile._placing import ArgumentPlacement
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
-from jaxdist.strategies.compile._trace import Provenance, StepTrace, enter, named
+from jaxdist.strategies.compile._trace import PADDING, Provenance, StepTrace, enter, named, padding_argument
 from jaxdist.strategies.input import PADDED, all_on_mesh, holds_padded, shardings_of
 from jaxdist.strategies.layout import LayoutPolicy, decided, explicit_axes, ran_auto
 from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
@@ -221,6 +223,12 @@ class StrategyFunction:
         placed, kwargs, state = self._place(plain, kwargs, state)
         return args, nodes, graphdef, placed, kwargs, state
 
+    def _with_padding(self, args: tuple, bound_kwargs: dict, kwargs: dict, nodes: tuple[int, ...]) -> dict:
+        """The placed ``kwargs`` with the row weights of the padded batches among the call's arguments (``args``
+        / ``bound_kwargs``, as the call got them), for the ``strategy.run`` inside (`_trace._padded`)."""
+        skip = set(self._static) | set(nodes)
+        return {**kwargs, PADDING: padding_argument(args, bound_kwargs, skip, self._static_names)}
+
     def _module_step(self) -> StrategyFunction:
         """This step over its arguments' arrays, for calls with an Equinox module among them: the non-array
         leaves of every argument are one static argument (``eqx.filter_jit``'s rule); donated and declared
@@ -257,14 +265,10 @@ class StrategyFunction:
         # takes with a trace of its own (another layout, a host array nested in an argument) enters the
         # program laid out as the full path lays it out.
         key = refused = None
-        if PADDED and holds_padded((args, kwargs)):  # (a dict's truth first: free while no batch is padded)
-            raise ValueError(
-                f"{fn_name(self._fn)} got a batch that a distributed dataset padded (remainder='pad'): a global-view "
-                "step sees its padding rows as data. Run the step with strategy.run (there "
-                "jd.compute_average_loss leaves them out, and ReplicaContext.batch_weights marks them), or "
-                "distribute the dataset with remainder='drop'."
-            )
-        if not kwargs:
+        # A batch a distributed dataset padded (remainder="pad") takes the full path, its row weights brought in
+        # for the strategy.run inside the step (`_trace._padded`; a step that hands it to none is refused).
+        padded = bool(PADDED) and holds_padded((args, kwargs))  # (a dict's truth first: free while none is padded)
+        if not kwargs and not padded:
             key = tuple(map(type, args))
             if self._reads_leaves:
                 key = self._leaf_key(key, args)
@@ -282,8 +286,11 @@ class StrategyFunction:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(None, args, kwargs)
+        bound_kwargs = self._bind(args, kwargs)[1] if padded else None
         args, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
+        if padded:  # (never the express path: its programs are for calls without the weights)
+            kwargs = self._with_padding(args, bound_kwargs, kwargs, nodes)
         express = None if kwargs or nodes else self._express_program(static, placed)
         with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
             if express is not None:  # (the call's arguments are read only if it traces)
@@ -419,9 +426,13 @@ class StrategyFunction:
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(stage, args, kwargs)
-        _, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
+        padded = bool(PADDED) and holds_padded((args, kwargs))  # the program a call would run: with the weights
+        bound_kwargs = self._bind(args, kwargs)[1] if padded else None
+        bound, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
+        static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
+        if padded:
+            kwargs = self._with_padding(bound, bound_kwargs, kwargs, nodes)
         with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
-            static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
             # The program calls run (the same trace: a plan or a cost read after calls traces nothing new).
             express = None if kwargs or nodes else self._express_program(static, placed)
             if express is not None:

@@ -52,6 +52,8 @@ from jaxdist.replicate.values import (
     CapturedSyncOnRead,
     PerReplica,
     SyncOnRead,
+    assigned,
+    in_replica,
     local_view,
     noticing_captures,
     store_components,
@@ -183,8 +185,10 @@ class ReplicaRunner:
             dynamic.append(weights)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
         # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
+        # Inside any compiled step too: there it may not store into the sync-on-read values it captured.
+        traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
         key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
-               weights is not None, check_vma)
+               weights is not None, check_vma, traced)
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
@@ -193,7 +197,7 @@ class ReplicaRunner:
                                                      weights is not None, check_vma),
                 reason=(hashable(statics), avals),
             )
-            out, updated = program(*dynamic)
+            out, updated = program(*dynamic, arguments=flat)
         for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
             store_components(flat[i], components)
         return out
@@ -215,7 +219,7 @@ class ReplicaRunner:
         dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded  # then the row weights
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
-        captured: list[SyncOnRead] = []  # sync-on-read values the function updates without getting them
+        captured: list[SyncOnRead] = []  # sync-on-read values the function uses without getting them
         n_dyn = len(dyn_kinds)
         vma = {"check": True}  # off: the program runs as jax.pmap runs it, every output per replica (_vma.py)
 
@@ -232,8 +236,8 @@ class ReplicaRunner:
                 elif k == Role.PER_REPLICA:
                     x = x[0]
                 elif k == Role.SYNC_ON_READ:
-                    x = SyncOnRead(x[0], agg, owner, local=True)
-                    synced.append((len(leaves), x, x.read()))
+                    x = in_replica(x[0], agg, owner)  # its component in a jax.Ref: updates leave loops and jits
+                    synced.append((len(leaves), x))
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
             ctx = ReplicaContext(owner, policy.num_replicas, axis_name,
@@ -247,11 +251,14 @@ class ReplicaRunner:
                         ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
+                # A sync-on-read argument or captured value returned (``return seen.assign_add(...)``): read now,
+                # while its view is open, and given back as the very object (`_passed_back`).
+                out, passed = _passed_back(out, synced, captured)
             # Sync-on-read arguments updated in place (``assign_add``): their new components leave the program
             # after the outputs and are stored back in the objects passed in (`ReplicaRunner.__call__`).
             if probe:
-                out_info["updated"] = tuple(i for i, obj, before in synced if obj.read() is not before)
-            updated = [to_varying(obj.read(), axis_name)[None] for i, obj, _ in synced if i in out_info["updated"]]
+                out_info["updated"] = tuple(i for i, obj in synced if assigned(obj))
+            updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             if probe:  # leaves that are not values (an Equinox module's functions) leave as they are, as statics
@@ -265,7 +272,7 @@ class ReplicaRunner:
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
                     else ("per_replica" if not vma["check"] or is_varying(x, axis_name) else "mirrored", None)
                     for v, x in zip(out_leaves, values, strict=True)
-                ))
+                ), passed=tuple(passed.get(id(v)) for v in out_leaves))
                 return (*(x[None] for x in values), *updated)
             results = (*(x if how == "mirrored" else x[None]
                          for x, how in zip(values, out_info["how"], strict=True)), *updated)
@@ -368,7 +375,7 @@ class ReplicaRunner:
                 agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
         mirrored_paths = [out_paths[i] for i in checked]
 
-        def program(*dyn):
+        def program(*dyn, arguments=()):
             tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
             # Inside a compiled step the check is a host callback of that step, on request only (it would run
             # at every call of the step); called eagerly, the first call and every call on request.
@@ -389,9 +396,11 @@ class ReplicaRunner:
             for value, components in zip(captured, results[n_out + n_args:], strict=True):
                 store_components(value, components)  # updated in place, as tf.distribute's metrics are
             wrapped = []
-            for r, (kind, agg) in zip(results[:n_out], kinds_out, strict=True):
+            for r, (kind, agg), passed in zip(results[:n_out], kinds_out, out_info["passed"], strict=True):
                 if kind in ("per_replica", "declared"):
                     wrapped.append(PerReplica(r, owner))
+                elif passed is not None:  # the object passed in (updated in place), as TF's assign_add returns it
+                    wrapped.append(arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]])
                 elif kind == "sync":
                     wrapped.append(SyncOnRead(r, agg, owner))
                 else:
@@ -414,12 +423,35 @@ def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> 
     return out
 
 
+def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]], captured: Sequence[SyncOnRead]
+                 ) -> tuple[Any, dict]:
+    """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured value that it
+    returns replaced by its component read now (its view closes when the replica function's trace ends), and
+    ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the argument's flat index, ``j`` the
+    captured value's, whose objects ``run`` then returns."""
+    found: dict[int, tuple[str, int]] = {}
+    where = {id(v): ("argument", i) for i, v in arguments} | {id(v): ("captured", j) for j, v in enumerate(captured)}
+    if not where:
+        return out, found
+
+    def back(v: Any) -> Any:
+        if not isinstance(v, SyncOnRead) or id(v) not in where:
+            return v
+        read = SyncOnRead(v.read(), v.aggregation, v.owner, local=True)
+        found[id(read)] = where[id(v)]
+        return read
+
+    return jax.tree.map(back, out, is_leaf=lambda v: isinstance(v, SyncOnRead)), found
+
+
 def _captured_message(fn: str) -> str:
     return (
-        f"strategy.run({fn}) inside a compiled step updates a sync-on-read value it does not get as an argument "
-        "(captured from the enclosing code): a compiled step cannot update the objects around it. Pass the value "
-        "to the step and to run as an argument, and return it from the step: "
-        "`seen = step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside."
+        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does not get as an "
+        "argument (captured from the enclosing code): a compiled step cannot update the objects around it, and "
+        "would read the value they held when it was traced. Pass the value to the step and to run as an "
+        "argument, and return it from the step: `seen = step(seen, batch)` with "
+        "`strategy.run(fn, args=(seen, batch))` inside, the replica function returning `seen.assign_add(...)` "
+        "or updating it in place."
     )
 
 

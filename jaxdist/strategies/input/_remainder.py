@@ -11,7 +11,9 @@ replicas must divide them). The last batch of an epoch often has fewer. ``remain
   placed arrays are registered with their *row weights* (1.0 for a real row, 0.0 for a padding row, laid out
   like the batch). ``strategy.run`` hands the weights to its replicas (`ReplicaContext.batch_weights`), and
   ``jd.compute_average_loss`` leaves the padding rows out and divides by the real rows, so an epoch's mean is
-  the mean over the real examples.
+  the mean over the real examples. Inside a ``strategy.jit`` step the batch is a tracer, which carries no
+  weights: the step's call brings them in and records which traced leaf has which
+  (`jaxdist.strategies.compile._trace._padded`), and `padding_weights` reads them there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jaxdist.strategies import ambient
 
 __all__ = [
     "PADDED",
@@ -40,7 +44,7 @@ _weights: dict[int, tuple[weakref.ref, Any]] = {}  # id(placed array) -> (weak r
 PADDED = _weights
 """The padded batches alive (empty, hence false, while there are none): a step's per-call check reads it before
 calling `holds_padded`, which costs a call."""
-_lock = threading.Lock()
+_lock = threading.Lock()  # registering from the read-ahead thread while the loop reads (never in a weakref callback)
 
 
 def check_remainder(remainder: Any) -> str:
@@ -185,21 +189,35 @@ def _pad(batch: Any, full: int) -> Any:
     return jax.tree.map(pad, batch)
 
 
-def _forget(key: int) -> Callable[[Any], None]:
-    def forget(_: Any) -> None:
-        with _lock:
-            _weights.pop(key, None)
+def _forget(key: int, entries: dict = _weights) -> Callable[[Any], None]:
+    """The callback that drops ``key``'s entry when its array dies: only that array's entry (``key`` may be a
+    newer array's by then), and without the lock (the callback may run in the middle of a registration, on the
+    same thread, when the garbage collector frees an old batch; at exit the module's globals are gone)."""
+
+    def forget(ref: weakref.ref) -> None:
+        entry = entries.get(key)
+        if entry is not None and entry[0] is ref:
+            entries.pop(key, None)
 
     return forget
 
 
 def padding_weights(leaf: Any) -> Any:
-    """The row weights of a padded batch's placed array (``remainder="pad"``); None for any other value.
+    """The row weights of a padded batch's placed array (``remainder="pad"``), or of the tracer that stands for
+    it in a ``strategy.jit`` step's trace (the traced weights the step got with it; the step then counts the
+    batch as handed to ``strategy.run``); None for any other value.
 
     Examples:
         >>> padding_weights(np.zeros(3)) is None
         True
     """
+    if isinstance(leaf, jax.core.Tracer):
+        for frame in reversed(ambient.state.computations):
+            for padded in frame.padded:
+                if padded.leaf is leaf:
+                    padded.handed[0] = True
+                    return padded.weights
+        return None
     if not _weights:
         return None
     entry = _weights.get(id(leaf))

@@ -16,7 +16,7 @@ import numpy as np
 from jaxdist.replicate.collectives import all_reduce, keep_per_replica, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation, check_mean_dtype
-from jaxdist.replicate.values import PerReplica, SyncOnRead
+from jaxdist.replicate.values import PerReplica, SyncOnRead, noticing_captures
 
 __all__ = ["ReplicaContext"]
 
@@ -277,7 +277,8 @@ class ReplicaContext:
         args, kwargs = jax.tree.map(to_cross_replica, (tuple(args), kwargs), is_leaf=is_value)
         self._merge_depth += 1
         try:
-            result = merge_fn(strategy, *args, **kwargs)
+            with noticing_captures(False):  # cross-replica code: a sync-on-read value there reads aggregated
+                result = merge_fn(strategy, *args, **kwargs)
         finally:
             self._merge_depth -= 1
         return jax.tree.map(to_replica, result, is_leaf=is_value)

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.strategies.ambient import computation
+from jaxdist.strategies.ambient import Padded, computation
 
 __all__ = ["carried", "step_argument_roles"]
 
@@ -53,10 +53,14 @@ def step_argument_roles(
 
 
 def carried(policy: Any, outer: Sequence[Any], inner: Sequence[Any], batches: Sequence[Any],
-            variables: Sequence[Any]) -> contextlib.AbstractContextManager[Any]:
+            variables: Sequence[Any], padded: Sequence[Padded] = ()) -> contextlib.AbstractContextManager[Any]:
     """The computation frame of a nested trace of the step whose leaves ``inner`` stand for ``outer`` (the
     step's traced leaves, one for one): each keeps the role its counterpart entered with (``batches`` /
-    ``variables``: the step's, from `step_argument_roles`)."""
+    ``variables``: the step's, from `step_argument_roles`), and a padded batch's leaves their row weights
+    (``padded``: read in the nested trace from the step's, whose flag they share)."""
     batch_ids, variable_ids = {id(b) for b in batches}, {id(v) for v in variables}
+    weights = {id(p.leaf): p for p in padded}
     return computation(policy, "global", [t for t, o in zip(inner, outer, strict=True) if id(o) in batch_ids],
-                       [t for t, o in zip(inner, outer, strict=True) if id(o) in variable_ids])
+                       [t for t, o in zip(inner, outer, strict=True) if id(o) in variable_ids],
+                       padded=[Padded(t, weights[id(o)].weights, weights[id(o)].handed)
+                               for t, o in zip(inner, outer, strict=True) if id(o) in weights])

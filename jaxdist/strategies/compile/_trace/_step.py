@@ -35,6 +35,7 @@ from jaxdist.replicate.trees import abstract, fn_name
 from jaxdist.strategies import ambient
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._trace._in_place import InPlaceUpdates
+from jaxdist.strategies.compile._trace._padded import PADDING, check_handed, padded_leaves
 from jaxdist.strategies.compile._trace._provenance import Provenance, own_outputs
 from jaxdist.strategies.compile._trace._refs import RefArguments
 from jaxdist.strategies.compile._trace._resolve import check_idle, constrain, constrain_outputs, typed_whole
@@ -164,6 +165,9 @@ class StepTrace:
         """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx state)``."""
         policy = self.policy
         skip = set(self.static) | set(nodes)
+        kwargs = dict(kwargs)
+        padding = kwargs.pop(PADDING, None)  # a padded batch's row weights, for the strategy.run inside (_padded)
+        padded = padded_leaves(padding, args, kwargs, skip, self.static_names)
         names = [k for k in kwargs if k not in self.static_names]
         declared = None if self.batch is None else (*self.batch, *(
             len(args) + j for j, k in enumerate(names) if k in self.batch_names))
@@ -186,20 +190,20 @@ class StepTrace:
         # Over a split batch the step's grouped convolutions are kept whole along their groups (an XLA Shardy
         # miscompute of per-example conv gradients: jaxdist.strategies.compile._trace._shardy).
         split = bool(batches) and policy.num_replicas > 1
-        with computation(policy, "global", batches, variables), policy.tracing_scope(), refusals(
+        with computation(policy, "global", batches, variables, padded=padded), policy.tracing_scope(), refusals(
                 policy.mesh, fn_name(self.fn)):
             if not nodes:
                 if split:
-                    return self._guarded(lambda _, a, k: self._watched(a, k, refs), None, args, kwargs, batches,
-                                         variables), None
-                return self._watched(args, kwargs, refs), None
+                    return self._guarded(lambda _, a, k: self._watched(a, k, refs, padded), None, args, kwargs,
+                                         batches, variables, padded), None
+                return self._watched(args, kwargs, refs, padded), None
 
             def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
                 objects = nnx.merge(graphdef, state)
                 call_args = list(args)
                 for i, obj in zip(nodes, objects, strict=True):
                     call_args[i] = obj
-                out = self._watched(call_args, kwargs, refs)
+                out = self._watched(call_args, kwargs, refs, padded)
                 new_graphdef, new_state = nnx.split(objects)
                 if new_graphdef != graphdef:
                     raise ValueError(
@@ -210,19 +214,22 @@ class StepTrace:
                 return out, new_state
 
             if split:
-                return self._guarded(step, state, args, kwargs, batches, variables)
+                return self._guarded(step, state, args, kwargs, batches, variables, padded)
             return step(state, args, kwargs)
 
-    def _watched(self, args: Any, kwargs: dict, refs: RefArguments) -> Any:
-        """The step's own code, watched for sync-on-read values updated in place but not returned; with ref
-        arguments (``refs``): ``(out, what the step's refs hold after it)``."""
+    def _watched(self, args: Any, kwargs: dict, refs: RefArguments, padded: list) -> Any:
+        """The step's own code, watched for sync-on-read values updated in place but not returned and for a
+        padded batch it hands to no ``strategy.run`` (``padded``); with ref arguments (``refs``): ``(out, what
+        the step's refs hold after it)``."""
         args, kwargs, inner = refs.wrap(args, kwargs)
         watch = InPlaceUpdates(fn_name(self.fn), args, kwargs)
         out = self.fn(*args, **kwargs)
         watch.check(out)
+        check_handed(padded, self.fn)
         return (out, [r[...] for r in inner]) if refs else out
 
-    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list) -> Any:
+    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list,
+                 padded: list) -> Any:
         """``step(state, args, kwargs)`` through `call_guarded`: its static arguments (Python values, not arrays)
         closed over, and the values it is traced with keep the roles of the step's arguments they stand for
         (what ``strategy.run`` inside the step reads)."""
@@ -235,7 +242,7 @@ class StepTrace:
         def pure(state: Any, dynamic: tuple, dynamic_kwargs: dict) -> Any:
             inner = jax.tree.leaves((state, dynamic, dynamic_kwargs))
             full = tuple(static[i] if i in static else a for i, a in enumerate(dynamic))
-            with carried(self.policy, outer, inner, batches, variables):
+            with carried(self.policy, outer, inner, batches, variables, padded):
                 return step(state, full, {**dynamic_kwargs, **named_static})
 
         return call_guarded(self.policy, pure, *dynamic)
