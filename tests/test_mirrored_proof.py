@@ -313,3 +313,9 @@ def test_a_collective_in_a_loop_some_replicas_may_leave_early_is_named_before_it
 
     count = strategy.run(combined_condition, args=(x,), batch_argnums=(0,))
     assert isinstance(count, jax.Array) and int(count) == 10
+
+
+def test_values_passed_through_together_keep_their_own_facts():
+    """An optimization barrier (remat emits them) passes each operand through as its own output."""
+    jaxpr = jax.make_jaxpr(lambda w, x: jax.lax.optimization_barrier((w * 2, x)))(jnp.ones(2), jnp.ones(2))
+    assert _identical.output_values(jaxpr, [False, True], ["replica"]) == ["identical", "different"]

@@ -96,6 +96,7 @@ IDENTICAL, DIFFERENT, DECLARED = "identical", "different", "declared"
 different on purpose (`jaxdist.replicate.collectives.keep_per_replica`)."""
 
 _RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "copy", "pvary"})
+_ONE_FOR_ONE = frozenset({"optimization_barrier", "device_put"})  # each output is its own operand
 _COMPARE = {"ge": lambda a, b: (a[0] >= b[1], a[1] < b[0]), "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
             "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]), "lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
             "eq": lambda a, b: (a[0] == a[1] == b[0] == b[1], a[1] < b[0] or b[1] < a[0]),
@@ -153,6 +154,8 @@ class _Reader:
             return [dataclasses.replace(self.every, declared=True)] * n_out
         if name in _RESHAPING and len(inputs) == 1:  # keeps a declaration and bounds (the probe's ``x[None]``)
             return [inputs[0]] * n_out
+        if name in _ONE_FOR_ONE and len(inputs) == n_out:
+            return list(inputs)
         if name in REDUCING or name in SPREADING:
             spanned = self.replica(eqn.params.get("axes", eqn.params.get("axis_name")))
             grouped = eqn.params.get("axis_index_groups") is not None
