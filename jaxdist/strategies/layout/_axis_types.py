@@ -148,7 +148,7 @@ def _mode(mode: AxisType | None, forced: bool, why: str) -> Iterator[None]:
 def refused(error: BaseException) -> bool:
     """Whether ``error``, raised tracing a step with Explicit axes, makes `decided` trace it again Auto: any
     error, where `decided` chooses the axis types (not forced by ``axis_types=``, not outside `decided`)."""
-    return isinstance(error, Exception) and not isinstance(error, ExplicitRefused) and not ambient.state.axis_types[1]
+    return not isinstance(error, ExplicitRefused) and not ambient.state.axis_types[1]
 
 
 def say(mesh: Any, name: str, auto: bool) -> None:
