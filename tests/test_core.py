@@ -144,9 +144,11 @@ def test_create_variables_and_mirror(strategy_name):
     # keyword arguments are passed through as constants
     ones = strategy.create_variables(lambda shape: {"b": jax.numpy.ones(shape)}, shape=(8,))
     assert ones["b"].shape == (8,)
-    mirrored = strategy.mirror({"b": np.array([1.0, 2.0]), "step": 3})
-    assert mirrored["b"].sharding.device_set == set(strategy.devices)
-    assert int(mirrored["step"]) == 3 and mirrored["step"].sharding.device_set == set(strategy.devices)
+    mirrored = strategy.mirror({"b": np.array([1.0, 2.0]), "s": np.int32(3), "step": 3, "on": True, "act": abs})
+    assert mirrored["b"].sharding.device_set == mirrored["s"].sharding.device_set == set(strategy.devices)
+    # only arrays are placed (numpy scalars are arrays); a Python value stays one (a constant of the steps)
+    assert mirrored["step"] == 3 and type(mirrored["step"]) is int and mirrored["on"] is True
+    assert mirrored["act"] is abs
 
 
 @pytest.mark.parametrize("strategy_name", ["one_device", "mirrored_8", "sharded_8"])

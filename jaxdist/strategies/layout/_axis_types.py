@@ -8,12 +8,17 @@ not: it runs as JAX runs unannotated code, with those axes ``Auto`` for the prog
 from the in/out layouts jaxdist resolved. The numbers are the same either way.
 
 The decision is made once per program, when it is traced (`decided`): the step is traced with the mesh's
-Explicit axes; if JAX refuses it by those types (`is_type_refusal`), that trace is dropped whole (nothing of it
-runs) and the
-program is traced again with those axes Auto (`auto_region`: the program's arguments and results keep their
-Explicit types; inside, the step sees the same mesh with Auto axes). JAX caches the program that traced, so a
-steady-state call never repeats the decision. A user forces either with ``strategy.jit(...,
-axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``).
+Explicit axes; if that trace fails, it is dropped whole (nothing of it runs) and the program is traced again
+with those axes Auto (`auto_region`: the program's arguments and results keep their Explicit types; inside, the
+step sees the same mesh with Auto axes). JAX refusing the step by those types (`is_type_refusal`) is the usual
+cause, but not the only one: Equinox's ``State.set`` compares the old and new values' types (layouts included)
+and raises a ValueError of its own, and diffrax's solver meets a ValueError of JAX's that is no sharding type
+error. So ANY error of the Explicit trace is retried Auto: where the Auto trace succeeds, the axis types were
+its cause and the program runs Auto; where it fails too, the Explicit trace's error is raised (the step's own
+bug; where the Auto trace failed otherwise, its error is chained as the cause and ``axis_types=`` named). Told
+apart by re-tracing and by the errors' types and places, never by reading an error's message. JAX caches the
+program that traced, so a steady-state call never repeats the decision. A user forces either with
+``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``).
 
 Inside a program, code that lays values out asks the trace, not the strategy's mesh: `explicit_axes` (the
 mesh's axes Explicit in the current trace) and `trace_mesh` / `in_trace` (the mesh, or a layout on it, as the
@@ -54,11 +59,15 @@ _MARK = "jaxdist_axis_types_auto"  # the named scope of an Auto program's entry 
 
 
 class ExplicitRefused(Exception):
-    """Raised out of a trace with Explicit axes that JAX refused; `decided` traces the program again Auto."""
+    """Raised out of a trace with Explicit axes that failed; `decided` traces the program again Auto.
 
-    def __init__(self, error: Exception):
+    ``typed``: whether JAX refused it by the axes' types (`is_type_refusal`); otherwise the step's code (or a
+    library's under it) raised an error of its own, which only the Auto trace tells apart from a bug.
+    """
+
+    def __init__(self, error: Exception, typed: bool = True):
         super().__init__(str(error))
-        self.error = error
+        self.error, self.typed = error, typed
 
 
 def is_type_refusal(error: BaseException) -> bool:
@@ -137,8 +146,9 @@ def _mode(mode: AxisType | None, forced: bool, why: str) -> Iterator[None]:
 
 
 def refused(error: BaseException) -> bool:
-    """Whether ``error``, raised tracing a step with Explicit axes, makes `decided` trace it again Auto."""
-    return is_type_refusal(error) and not ambient.state.axis_types[1]
+    """Whether ``error``, raised tracing a step with Explicit axes, makes `decided` trace it again Auto: any
+    error, where `decided` chooses the axis types (not forced by ``axis_types=``, not outside `decided`)."""
+    return not isinstance(error, ExplicitRefused) and not ambient.state.axis_types[1]
 
 
 def say(mesh: Any, name: str, auto: bool) -> None:
@@ -156,9 +166,13 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     same call again with them Auto (the trace that succeeds logs which: `say`).
 
     Raises:
-        The Auto trace's own error, with a note, when it fails with an error that is no type refusal (the
-        step's own checks: it is what the user must fix); the sharding type error of the Explicit trace, with a
-        note, when the Auto trace is refused by types too (that refusal is its cause).
+        Where the Explicit trace failed with an error that is no type refusal (a library's own check of its
+        values' types, or a bug) and the Auto trace fails too: the Explicit trace's error, with a note; caused by
+        the Auto trace's where that is another error or raised at another place (the note names
+        ``axis_types=``, which raises the Auto one alone). Where JAX refused the Explicit trace
+        by types: the Auto trace's own error, with a note, when it fails with an error that is no type refusal
+        (the step's own checks: it is what the user must fix); the sharding type error of the Explicit trace,
+        with a note, when the Auto trace is refused by types too (that refusal is its cause).
     """
     if not _explicit(mesh) or _in_auto_twin(mesh):
         return call()
@@ -170,44 +184,83 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     try:
         return call()
     except ExplicitRefused as explicit:
-        error = explicit.error
+        error, typed = explicit.error, explicit.typed
     finally:
         here.axis_types = previous
+    why = ("its code does not type-check with them Explicit" if typed else
+           f"its code raised {type(error).__name__} with them Explicit and traces with them Auto")
     try:
-        with _mode(AxisType.Auto, forced=True, why="its code does not type-check with them Explicit; XLA "
-                   "propagates the layouts jaxdist resolved"):
+        with _mode(AxisType.Auto, forced=True, why=f"{why}; XLA propagates the layouts jaxdist resolved"):
             return call()
     except Exception as auto_error:
-        if not is_type_refusal(auto_error):
-            # The step's own error (a configuration check of its layers, a shape error): raised as itself,
-            # not buried under the Explicit attempt's type refusal, which is noted.
-            first = (str(error).splitlines() or [""])[0][:300]
-            auto_error.add_note(f"jaxdist: {name} was traced first with the mesh's axes {_explicit(mesh)} "
-                                f"Explicit, where JAX refused it by their types ({type(error).__name__}: {first}); "
-                                "the error above comes from tracing it with them Auto. If it comes from code that "
-                                "needs Explicit axes (out_sharding=, jax.sharding.reshard naming them), annotate the "
-                                "refused operation too, or drop those annotations.")
-            raise
-        first = (str(auto_error).splitlines() or [""])[0][:300]
-        error.add_note(f"jaxdist: {name} was traced with the mesh's axes {_explicit(mesh)} Auto too, and failed "
-                       f"there as well ({type(auto_error).__name__}: {first}). If some of its code needs Explicit "
-                       "axes (out_sharding=, jax.sharding.reshard naming them) while the operation above needs "
-                       "an annotation under them, annotate that operation too; or drop the annotations that "
-                       "need Explicit axes.")
-        raise error from auto_error
+        if typed:
+            _raise_typed(error, auto_error, mesh, name)
+        if type(auto_error) is not type(error) or _raised_at(auto_error) != _raised_at(error):
+            # Another error at another place: the first may be a library's check of its values' types under
+            # Explicit axes, and the second the step's own bug past it. Both are shown, the first last.
+            first = (str(auto_error).splitlines() or [""])[0][:300]
+            error.add_note(
+                f"jaxdist: {name} raised the error above with the mesh's axes {_explicit(mesh)} Explicit, and "
+                f"another with them Auto ({type(auto_error).__name__}: {first}; its traceback is shown first). If "
+                "the error above is a library checking its values' types (layouts are part of them on Explicit "
+                "axes), the other one is the step's to fix: strategy.jit(..., "
+                "axis_types=jax.sharding.AxisType.Auto) raises it alone.")
+            raise error from auto_error
+        # The same error at the same place: the step's own, raised as its code raised it (outside this handler,
+        # so that its traceback does not carry the Auto trace's).
+        error.add_note(f"jaxdist: {name} was traced again with the mesh's axes {_explicit(mesh)} Auto and failed "
+                       f"there the same way: the axis types are not its cause.")
+    raise error
+
+
+def _raised_at(error: BaseException) -> tuple[Any, int] | None:
+    """Where ``error`` was raised: the innermost frame's code and line (None without a traceback)."""
+    tb = error.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code, tb.tb_lineno
+
+
+def _raise_typed(error: Exception, auto_error: Exception, mesh: Any, name: str) -> None:
+    """Raise what `decided` raises where JAX refused the Explicit trace by types (``error``) and the Auto trace
+    failed too (``auto_error``, being handled)."""
+    if not is_type_refusal(auto_error):
+        # The step's own error (a configuration check of its layers, a shape error): raised as itself,
+        # not buried under the Explicit attempt's type refusal, which is noted.
+        first = (str(error).splitlines() or [""])[0][:300]
+        auto_error.add_note(f"jaxdist: {name} was traced first with the mesh's axes {_explicit(mesh)} "
+                            f"Explicit, where JAX refused it by their types ({type(error).__name__}: {first}); "
+                            "the error above comes from tracing it with them Auto. If it comes from code that "
+                            "needs Explicit axes (out_sharding=, jax.sharding.reshard naming them), annotate the "
+                            "refused operation too, or drop those annotations.")
+        raise auto_error
+    first = (str(auto_error).splitlines() or [""])[0][:300]
+    error.add_note(f"jaxdist: {name} was traced with the mesh's axes {_explicit(mesh)} Auto too, and failed "
+                   f"there as well ({type(auto_error).__name__}: {first}). If some of its code needs Explicit "
+                   "axes (out_sharding=, jax.sharding.reshard naming them) while the operation above needs "
+                   "an annotation under them, annotate that operation too; or drop the annotations that "
+                   "need Explicit axes.")
+    raise error from auto_error
 
 
 @contextlib.contextmanager
 def refusals(mesh: Any, name: str) -> Iterator[None]:
-    """Where a step's own code is traced: JAX's refusal (`is_type_refusal`) becomes `ExplicitRefused` when
-    `decided` may trace the program again Auto; otherwise it gets a note saying what jaxdist knows and what to do."""
+    """Where a step's own code is traced with Explicit axes: its error becomes `ExplicitRefused` when `decided`
+    may trace the program again Auto (JAX's type refusal, `is_type_refusal`, or any other: only the Auto trace
+    tells a library's own type check from a bug); otherwise JAX's refusal gets a note saying what jaxdist knows
+    and what to do."""
     try:
         yield
     except Exception as error:
-        if not is_type_refusal(error) or not explicit_axes(mesh):
+        if not explicit_axes(mesh):
             raise
+        typed = is_type_refusal(error)
         if refused(error):
-            raise ExplicitRefused(error) from error
+            raise ExplicitRefused(error, typed) from error
+        if not typed:
+            raise
         forced = program_axis_types() is AxisType.Explicit
         error.add_note(
             f"jaxdist: {name} runs with the mesh's axes {explicit_axes(mesh)} Explicit"

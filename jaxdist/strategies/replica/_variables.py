@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
-from jaxdist.replicate.trees import abstract, fn_name, is_value, merge_static, split_static
+from jaxdist.replicate.trees import abstract, fn_name, is_array, merge_static, split_static
 from jaxdist.replicate.values import SyncOnRead
 from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.layout import (
@@ -105,24 +105,27 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
 
 
 def mirror(policy: LayoutPolicy, tree: Any) -> Any:
-    """``tree`` placed in ``policy``'s variable layout.
+    """``tree`` with its arrays (jax and numpy) placed in ``policy``'s variable layout and every other leaf as it
+    is (see `Strategy.mirror`).
 
     Examples:
         >>> import jax, numpy as np
-        >>> mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2)})["b"].sharding.is_fully_replicated
-        True
+        >>> placed = mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2), "training": True})
+        >>> placed["b"].sharding.is_fully_replicated, placed["training"]
+        (True, True)
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Leaves that are not values (an Equinox module's activation functions) stay as they are; the values keep
-    # their places in the tree (layout rules match paths).
-    values = jax.tree.unflatten(treedef, [x if is_value(x) else None for x in leaves])
+    # Only arrays are placed. A Python bool, number or string, a function, None: a setting of the program, not a
+    # value on the devices. eqx.filter_jit keeps them static and strategy.run makes Python scalars compile-time
+    # constants, so an array in their place breaks the step (Equinox's BatchNorm branches on its `inference`
+    # flag). The arrays keep their places in the tree (layout rules match paths).
+    values = jax.tree.unflatten(treedef, [x if is_array(x) else None for x in leaves])
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(treedef, [next(placed) if is_value(x) else x for x in leaves])
-
+    return jax.tree.unflatten(treedef, [next(placed) if is_array(x) else x for x in leaves])
 
 
 def sync_on_read(
