@@ -178,6 +178,7 @@ def test_a_bug_past_equinox_s_type_check_is_chained_and_axis_types_named():
         strategy.jit(broken, batch_argnums=(2,), axis_types=AxisType.Auto)(model, state, data()[0][0])
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: diffrax's adaptive solver and its gradient compile under both axis types
 def test_a_diffrax_neural_ode_on_explicit_axes_equals_one_device():
     diffrax = pytest.importorskip("diffrax")
 
@@ -225,3 +226,19 @@ def test_a_diffrax_neural_ode_on_explicit_axes_equals_one_device():
     for a, b in zip(jax.tree.leaves(eqx.filter(got_model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(want_model, eqx.is_array)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_returned_from_run_keeps_its_python_settings():
+    """strategy.run returns a module as eqx.filter_jit and strategy.jit do: its bool and int fields stay Python
+    values (an array there would fail the next ``if inference:`` or slice), its arrays mirrored when the same on
+    every replica."""
+    strategy = jd.MirroredStrategy()
+    model = strategy.mirror(eqx.nn.inference_mode(Model(jax.random.key(0))))
+
+    def replica_fn(model):
+        return eqx.tree_at(lambda m: m.last.bias, model, model.last.bias + 1.0)
+
+    out = strategy.run(replica_fn, args=(model,))
+    assert out.norm.inference is True and type(out.width) is int and out.width == 16
+    assert isinstance(out.last.bias, jax.Array) and out.last.bias.sharding.is_fully_replicated
+    np.testing.assert_allclose(out.last.bias, np.asarray(model.last.bias) + 1.0)
