@@ -103,13 +103,30 @@ def test_mirror_places_arrays_and_keeps_every_other_leaf():
     assert eqx.nn.inference_mode(model).norm.inference is True
     for leaf in jax.tree.leaves(eqx.filter((model, state, opt_state), eqx.is_array)):
         assert leaf.sharding.device_set == set(strategy.devices) and leaf.sharding.is_fully_replicated
+    # Outside a module, Python numbers are values, as jax.device_put takes them (a TrainState's step=0 counts);
+    # functions, strings and None are not.
     tree = {"flag": True, "n": 3, "lr": 0.5, "name": "relu", "fn": jax.nn.relu, "none": None,
             "np": np.ones(2, np.float32), "np_scalar": np.float32(2), "jax": jnp.zeros(3)}
     placed = strategy.mirror(tree)
-    for key in ("flag", "n", "lr", "name", "fn", "none"):
+    for key in ("name", "fn", "none"):
         assert placed[key] is tree[key], key
-    for key in ("np", "np_scalar", "jax"):
+    for key in ("flag", "n", "lr", "np", "np_scalar", "jax"):
         assert isinstance(placed[key], jax.Array) and placed[key].sharding.device_set == set(strategy.devices)
+
+
+def test_a_flax_train_state_step_counter_is_placed():
+    """Flax's TrainState.create starts ``step`` at the Python int 0: mirrored, it is an array, so a learning-rate
+    schedule of the step is computed on device (Flax's WMT schedule raises ZeroDivisionError in Python at 0)."""
+    from flax.training import train_state
+
+    strategy = make("mirrored_8")
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+    assert type(state.step) is int
+    placed = strategy.mirror(state)
+    assert isinstance(placed.step, jax.Array) and placed.step.sharding.is_fully_replicated
+    schedule = lambda count: 1.0 * count ** -0.5  # noqa: E731  (inf at 0 on device; an error in Python)
+    lr = strategy.run(lambda s: schedule(s.step), args=(placed,))
+    assert np.isinf(float(lr))
 
 
 @pytest.mark.parametrize("strategy_name", list(STRATEGIES))

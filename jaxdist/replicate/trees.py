@@ -16,6 +16,11 @@ import numpy as np
 
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 
+try:
+    import equinox as eqx
+except ImportError:  # the extra is not installed: no leaf is in an Equinox module
+    eqx = None
+
 __all__ = [
     "abstract",
     "fn_name",
@@ -62,6 +67,35 @@ def is_value(x: Any) -> bool:
         (True, True, False)
     """
     return is_array(x) or isinstance(x, (int, float, complex))
+
+
+def is_module(x: Any) -> bool:
+    """True for an Equinox module (False for everything when Equinox is not installed).
+
+    Examples:
+        >>> is_module({"w": 1.0})
+        False
+    """
+    return eqx is not None and isinstance(x, eqx.Module)
+
+
+def placed_leaves(tree: Any) -> list[bool]:
+    """Per leaf of ``tree``, whether it is a value to place on devices: an array or a Python number, as
+    ``jax.device_put`` places them (a Flax ``TrainState``'s ``step=0`` is a counter), except inside an Equinox
+    module, whose Python numbers and bools are its settings (``eqx.filter_jit``'s rule: BatchNorm's
+    ``inference`` flag is branched on in Python). Functions, strings and None are never placed.
+
+    Examples:
+        >>> placed_leaves({"step": 0, "act": abs, "w": np.zeros(2)})
+        [False, True, True]
+    """
+    flags: list[bool] = []
+    for node in jax.tree.leaves(tree, is_leaf=is_module):
+        if is_module(node):
+            flags += [is_array(x) for x in jax.tree.leaves(node)]
+        else:
+            flags.append(is_value(node))
+    return flags
 
 
 def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:

@@ -374,24 +374,23 @@ class Strategy:
     def mirror(self, tree: Any) -> Any:
         """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every replica).
 
-        Only arrays are placed (jax arrays, numpy arrays and scalars): every other leaf is kept as it is, Python
-        bools, ints, floats and strings, functions, None, so an Equinox module's settings (``eqx.nn.BatchNorm``'s
-        ``inference`` flag, its activation functions) stay what ``eqx.filter_jit`` and the step's ``if`` see.
-        A Python number stays a compile-time constant of the steps it enters (`jit` / `run`); a value that
-        changes from step to step belongs in an array.
+        Values are placed as ``jax.device_put`` places them: arrays (jax and numpy) and Python numbers (a Flax
+        ``TrainState``'s ``step=0`` is a counter). Inside an Equinox module only arrays are: its Python bools and
+        numbers are settings (``eqx.filter_jit``'s rule), so ``eqx.nn.BatchNorm``'s ``inference`` flag stays
+        what the step's ``if`` sees. Functions, strings and None are kept as they are everywhere.
 
         Args:
             tree: any pytree (a model, an optimizer state, an Equinox module and its ``eqx.nn.State``).
 
         Returns:
-            ``tree`` with its arrays copied into the variable layout and its other leaves unchanged.
+            ``tree`` with its values copied into the variable layout and its other leaves unchanged.
 
         Examples:
             >>> import numpy as np, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
-            >>> placed = strategy.mirror({"b": np.zeros(2), "inference": False})
-            >>> placed["b"].sharding.is_fully_replicated, placed["inference"]
-            (True, False)
+            >>> placed = strategy.mirror({"b": np.zeros(2), "act": abs})
+            >>> placed["b"].sharding.is_fully_replicated, placed["act"]
+            (True, <built-in function abs>)
         """
         refuse_to_run(self._policy.mesh, "strategy.mirror")  # placing values needs devices
         return mirror_tree(self._policy, tree)

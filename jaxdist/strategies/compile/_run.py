@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.replicate.collectives import AxisName, axis_names, is_varying, to_varying
 from jaxdist.replicate.layouts import is_on_mesh, put
-from jaxdist.replicate.trees import fn_name, hashable, is_array, is_distributed, is_value
+from jaxdist.replicate.trees import fn_name, hashable, is_distributed, is_module, placed_leaves
 from jaxdist.replicate.values import (
     CapturedSyncOnRead,
     PerReplica,
@@ -61,7 +61,6 @@ from jaxdist.replicate.values import (
 from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache
-from jaxdist.strategies.compile._equinox import holds_module
 from jaxdist.strategies.compile._identical import (
     DECLARED,
     IDENTICAL,
@@ -195,7 +194,7 @@ class ReplicaRunner:
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
                 fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name,
-                                                     weights is not None, check_vma, holds_module(args, kwargs)),
+                                                     weights is not None, check_vma),
                 reason=(hashable(statics), avals),
             )
             out, updated = program(*dynamic, arguments=flat)
@@ -209,7 +208,7 @@ class ReplicaRunner:
         return put(x, self._policy.replicated_sharding)
 
     def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, padded,
-               check_vma=None, modules=False) -> Callable:
+               check_vma=None) -> Callable:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
         # so arguments on the strategy's mesh enter without a copy.
@@ -262,12 +261,10 @@ class ReplicaRunner:
             updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
-            if probe:  # leaves that are not values (an Equinox module's functions) leave as they are, as statics;
-                # with an Equinox module among the arguments, Python numbers too (``eqx.filter_jit``'s rule, and
-                # strategy.jit's: a module's ``inference: bool`` stays a bool)
-                value = is_array if modules else is_value
-                out_info["statics"] = tuple(_VALUE if isinstance(v, SyncOnRead) or value(v) else v
-                                            for v in out_leaves)
+            if probe:  # leaves that are not values (an Equinox module's functions, and its Python settings:
+                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as they are
+                out_info["statics"] = tuple(_VALUE if value else v for v, value in zip(
+                    out_leaves, _values_of(out), strict=True))
             out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True) if static is _VALUE]
             values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
                       else jax.numpy.asarray(v) for v in out_leaves]
@@ -416,6 +413,15 @@ class ReplicaRunner:
 
 
 _VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static
+
+
+def _values_of(out: Any) -> list[bool]:
+    """Per leaf of a replica function's output (a `SyncOnRead` one leaf): whether it leaves the program as a
+    value, as `jaxdist.replicate.trees.placed_leaves` says (an Equinox module's Python settings do not)."""
+    flags: list[bool] = []
+    for node in jax.tree.leaves(out, is_leaf=lambda v: isinstance(v, SyncOnRead) or is_module(v)):
+        flags += [True] if isinstance(node, SyncOnRead) else placed_leaves(node)
+    return flags
 
 
 def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> list[Any]:

@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
-from jaxdist.replicate.trees import abstract, fn_name, is_array, merge_static, split_static
+from jaxdist.replicate.trees import abstract, fn_name, merge_static, placed_leaves, split_static
 from jaxdist.replicate.values import SyncOnRead
 from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.layout import (
@@ -105,27 +105,29 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
 
 
 def mirror(policy: LayoutPolicy, tree: Any) -> Any:
-    """``tree`` with its arrays (jax and numpy) placed in ``policy``'s variable layout and every other leaf as it
-    is (see `Strategy.mirror`).
+    """``tree`` with its values (`jaxdist.replicate.trees.placed_leaves`) placed in ``policy``'s variable layout
+    and every other leaf as it is (see `Strategy.mirror`).
 
     Examples:
         >>> import jax, numpy as np
-        >>> placed = mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2), "training": True})
-        >>> placed["b"].sharding.is_fully_replicated, placed["training"]
-        (True, True)
+        >>> placed = mirror(LayoutPolicy(jax.devices()[:2]), {"b": np.zeros(2), "act": abs})
+        >>> placed["b"].sharding.is_fully_replicated, placed["act"]
+        (True, <built-in function abs>)
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Only arrays are placed. A Python bool, number or string, a function, None: a setting of the program, not a
-    # value on the devices. eqx.filter_jit keeps them static and strategy.run makes Python scalars compile-time
-    # constants, so an array in their place breaks the step (Equinox's BatchNorm branches on its `inference`
-    # flag). The arrays keep their places in the tree (layout rules match paths).
-    values = jax.tree.unflatten(treedef, [x if is_array(x) else None for x in leaves])
+    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's step=0 is a
+    # counter: kept a Python int, a learning-rate schedule would compute in Python on it, and every step would
+    # compile anew); inside an Equinox module only arrays: its Python bools and numbers are settings
+    # (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on its `inference` flag). Functions,
+    # strings, None stay as they are. The values keep their places in the tree (layout rules match paths).
+    placed_flags = placed_leaves(tree)
+    values = jax.tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)])
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(treedef, [next(placed) if is_array(x) else x for x in leaves])
+    return jax.tree.unflatten(treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)])
 
 
 def sync_on_read(
