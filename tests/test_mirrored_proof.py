@@ -124,6 +124,11 @@ def test_the_first_call_is_checked_and_every_call_on_request(monkeypatch):
     monkeypatch.setenv("JAXDIST_CHECK_MIRRORED", "sometimes")
     with pytest.raises(ValueError, match=r"JAXDIST_CHECK_MIRRORED='sometimes'.*'first'.*'every'"):
         strategy.run(scaled, args=(w, x, one), batch_argnums=(1,))
+    monkeypatch.delenv("JAXDIST_CHECK_MIRRORED")
+    with pytest.raises(RuntimeError, match=r"output .*all_reduce"):  # the argument, as the variable
+        strategy.run(scaled, args=(w, x, one), batch_argnums=(1,), check_mirrored="every")
+    with pytest.raises(ValueError, match=r"check_mirrored='always'.*'first'.*'every'"):
+        strategy.run(scaled, args=(w, x, one), batch_argnums=(1,), check_mirrored="always")
 
 
 @pytest.mark.parametrize("body, want", [

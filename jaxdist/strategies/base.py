@@ -52,6 +52,7 @@ from jaxdist.strategies.compile import (
     StrategyFunction,
     as_argnums,
     check_axis_name,
+    check_mirrored_arg,
     check_vma_arg,
     local_results,
     run_steps_on_dataset,
@@ -428,6 +429,7 @@ class Strategy:
         batch_argnums: int | Sequence[int] | None = None,
         axis_name: str | None = None,
         check_vma: bool | None = None,
+        check_mirrored: str | None = None,
     ) -> Any:
         """Run ``fn`` once per replica, in lockstep (tf.distribute's ``Strategy.run``).
 
@@ -464,6 +466,10 @@ class Strategy:
                 still local), with a one-time note in the ``"jaxdist"`` log. True: the check always (its error
                 as JAX raises it). False: no check, no note. Which outputs are mirrored is proven from the
                 program's values in every case. See the run guide.
+            check_mirrored: when to check on device that the outputs returned mirrored are the same on every
+                replica: ``"first"`` (the first call of each compiled program; the default, or what the
+                ``JAXDIST_CHECK_MIRRORED`` environment variable says) or ``"every"`` (every call, while
+                debugging; inside a ``strategy.jit`` step, as a host callback of the step).
 
         Returns:
             ``fn``'s outputs, same structure. Values proven the same on every replica come back mirrored:
@@ -521,7 +527,7 @@ class Strategy:
         check_vma = check_vma_arg(check_vma)
         if check_vma is None and (axis_name is not None or axis != self._policy.replica_axis):
             check_vma = False  # pmap-era code names its axis: it runs as jax.pmap runs it (its gradients too)
-        return self._runner(fn, args, kwargs, declared, axis, check_vma)
+        return self._runner(fn, args, kwargs, declared, axis, check_vma, check_mirrored_arg(check_mirrored))
 
     def jit(
         self,

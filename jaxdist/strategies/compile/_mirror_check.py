@@ -5,8 +5,8 @@ replica; the proof is then checked where it is cheap. The first call of each com
 variant that also returns, per output it returns mirrored, whether every replica holds the same bits: each
 device hashes its copy to one 32-bit number (`fingerprint`), and ``pmax == pmin`` of those numbers over the
 replica axes is one boolean per output. Only those booleans reach the host; the arrays never leave the devices.
-Later calls run the program without the check (nothing added to a step); ``JAXDIST_CHECK_MIRRORED=every`` checks
-every call while debugging.
+Later calls run the program without the check (nothing added to a step); ``strategy.run(...,
+check_mirrored="every")`` or ``JAXDIST_CHECK_MIRRORED=every`` checks every call while debugging.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxdist.replicate.collectives import AxisName, to_varying
 
-__all__ = ["CHECK_MIRRORED_ENV", "agreement", "check_every", "fingerprint", "raise_on_disagreement"]
+__all__ = ["CHECK_MIRRORED_ENV", "agreement", "check_mirrored_arg", "fingerprint", "raise_on_disagreement"]
 
 CHECK_MIRRORED_ENV = "JAXDIST_CHECK_MIRRORED"
 """Environment variable: ``every`` checks every call of a ``strategy.run`` program, not just the first."""
@@ -29,23 +29,27 @@ CHECK_MIRRORED_ENV = "JAXDIST_CHECK_MIRRORED"
 _MULTIPLIER = np.uint32(0x9E3779B1)  # odd: an element's change always changes the sum (mod 2**32)
 
 
-def check_every() -> bool:
-    """True when ``JAXDIST_CHECK_MIRRORED=every`` asks to check every call (read at each call: a debugger's switch).
+def check_mirrored_arg(check_mirrored: str | None) -> str:
+    """``strategy.run``'s ``check_mirrored`` validated: ``"first"`` or ``"every"``; None reads
+    ``JAXDIST_CHECK_MIRRORED`` (a debugger's switch, read at each call), ``"first"`` where it is not set.
 
     Raises:
-        ValueError: for a value other than ``every`` or ``first`` (the default).
+        ValueError: for another value (of the argument or of the environment variable), naming both choices.
 
     Examples:
-        >>> check_every()
-        False
+        >>> check_mirrored_arg(None), check_mirrored_arg("every")
+        ('first', 'every')
     """
-    value = os.environ.get(CHECK_MIRRORED_ENV, "first").strip().lower() or "first"
-    if value not in ("first", "every"):
+    where = "check_mirrored"
+    if check_mirrored is None:
+        check_mirrored, where = os.environ.get(CHECK_MIRRORED_ENV, "").strip().lower() or "first", CHECK_MIRRORED_ENV
+    if check_mirrored not in ("first", "every"):
         raise ValueError(
-            f"{CHECK_MIRRORED_ENV}={value!r}: use 'first' (the default: the first call of each strategy.run "
-            "program checks its mirrored outputs on device) or 'every' (every call does, while debugging)."
+            f"{where}={check_mirrored!r}: use 'first' (the default: the first call of each strategy.run program "
+            "checks on device that its mirrored outputs are the same on every replica) or 'every' (every call "
+            "does, while debugging)."
         )
-    return value == "every"
+    return check_mirrored
 
 
 def fingerprint(x: Any) -> jax.Array:

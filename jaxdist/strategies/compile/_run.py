@@ -68,7 +68,7 @@ from jaxdist.strategies.compile._identical import (
     program_values,
     updated_inputs,
 )
-from jaxdist.strategies.compile._mirror_check import agreement, check_every, raise_on_disagreement
+from jaxdist.strategies.compile._mirror_check import agreement, raise_on_disagreement
 from jaxdist.strategies.compile._vma import first_trace
 from jaxdist.strategies.input import padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
@@ -131,7 +131,7 @@ class ReplicaRunner:
 
     def __call__(
         self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
-        check_vma: bool | None = None,
+        check_vma: bool | None = None, check_mirrored: str = "first",
     ) -> Any:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
@@ -197,7 +197,7 @@ class ReplicaRunner:
                                                      weights is not None, check_vma),
                 reason=(hashable(statics), avals),
             )
-            out, updated = program(*dynamic, arguments=flat)
+            out, updated = program(*dynamic, arguments=flat, every=check_mirrored == "every")
         for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
             store_components(flat[i], components)
         return out
@@ -376,11 +376,11 @@ class ReplicaRunner:
                 agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
         mirrored_paths = [out_paths[i] for i in checked]
 
-        def program(*dyn, arguments=()):
+        def program(*dyn, arguments=(), every=False):
             tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
             # Inside a compiled step the check is a host callback of that step, on request only (it would run
             # at every call of the step); called eagerly, the first call and every call on request.
-            verify = checked and (check_every() or (first["checked"] is None and not tracing))
+            verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
                 results = (first["compiled"] if verify else compiled)(*dyn, *(v.stacked for v in captured))
             if verify and tracing:
