@@ -324,3 +324,17 @@ def test_values_passed_through_together_keep_their_own_facts():
     """An optimization barrier (remat emits them) passes each operand through as its own output."""
     jaxpr = jax.make_jaxpr(lambda w, x: jax.lax.optimization_barrier((w * 2, x)))(jnp.ones(2), jnp.ones(2))
     assert _identical.output_values(jaxpr, [False, True], ["replica"]) == ["identical", "different"]
+
+
+def test_bounds_are_dropped_where_a_narrower_type_may_not_keep_them():
+    """A replica id cast to bool is 0 or 1, not 0..7: no test of it is proven from the id's bounds."""
+    def body(i):
+        flag = i.astype(jnp.bool_)
+        return jnp.where(flag == jnp.bool_(True), 1.0, 2.0), jnp.where(i.astype(jnp.int8) >= 0, 1.0, 2.0)
+
+    jaxpr = jax.make_jaxpr(body)(jnp.int32(0))
+    reader = _identical._Reader({"replica": 8})
+    i = _identical._Fact(frozenset({"replica"}), bounds=(0, 7))
+    flags = reader.read(jaxpr, [i])
+    assert flags[0].axes == {"replica"}  # not proven
+    assert flags[1].axes == frozenset()  # int8 holds 0..7: proven the same everywhere

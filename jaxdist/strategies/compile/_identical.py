@@ -152,6 +152,9 @@ class _Reader:
         union = _union(inputs)
         if name == "optimization_barrier" and PER_REPLICA_SCOPE in str(eqn.source_info.name_stack):
             return [dataclasses.replace(self.every, declared=True)] * n_out
+        if name == "convert_element_type" and inputs[0].bounds is not None and not _holds(
+                eqn.params.get("new_dtype"), inputs[0].bounds):
+            return [dataclasses.replace(inputs[0], bounds=None)] * n_out  # bounds a narrower type may not keep
         if name in _RESHAPING and len(inputs) == 1:  # keeps a declaration and bounds (the probe's ``x[None]``)
             return [inputs[0]] * n_out
         if name in _ONE_FOR_ONE and len(inputs) == n_out:
@@ -259,6 +262,18 @@ class _Reader:
             for inner in _jaxprs(e.params):
                 found += self.collectives(inner)
         return found
+
+
+def _holds(dtype: Any, bounds: tuple[int, int]) -> bool:
+    """Whether integer ``dtype`` (not bool) holds every value within ``bounds``."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return False
+    if dtype.kind not in "iu":
+        return False
+    info = np.iinfo(dtype)
+    return info.min <= bounds[0] and bounds[1] <= info.max
 
 
 def _union(facts: Sequence[_Fact]) -> _Fact:
