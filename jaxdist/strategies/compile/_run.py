@@ -221,7 +221,7 @@ class ReplicaRunner:
         out_info: dict[str, Any] = {}
         captured: list[SyncOnRead] = []  # sync-on-read values the function uses without getting them
         n_dyn = len(dyn_kinds)
-        vma = {"check": True}  # off: the program runs as jax.pmap runs it, every output per replica (_vma.py)
+        vma = {"check": True}  # off: the program runs as jax.pmap runs it (_vma.py); outputs are proven either way
 
         def body(*local, probe=False, agree_on=None):
             it = iter(local[:n_dyn])
