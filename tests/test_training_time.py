@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import subprocess
+import sys
 import threading
 import time
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
+from registry import launch_env
 from tfevents import read_events, scalars
 
 import jaxdist as jd
@@ -97,6 +102,33 @@ def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path
     got = scalars(read_events(events))
     for row in history.train:
         assert got[("time/input", row["step"])] == pytest.approx(row["time/input"], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_on_two_processes_the_steps_are_steps_and_other_is_the_loops_own_cost():
+    # Each step sleeps 20 ms on the devices' side and each batch 4 ms to read. The preemption agreement's read
+    # (one per step, two steps behind) is where a 2-process host waits for the devices: it was counted as
+    # "other" (steps 0.3 s, other 2.4 s of a 4.2 s fit of 80 such steps), now as steps.
+    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "200",
+               str(Path(__file__).parent / "multiprocess" / "time_worker.py")]
+    proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split(" RESULT ", 1)[1]) for line in proc.stdout.splitlines() if " RESULT " in line]
+    assert sorted(r["pid"] for r in results) == [0, 1], proc.stdout[-4000:]
+    for r in results:
+        seconds, shown = r["time"], {k: round(v, 3) for k, v in r["time"].items()}
+        assert sum(seconds.values()) == pytest.approx(r["wall"], rel=0.05), (shown, r["wall"])
+        # Each part against its stopwatch: the devices cannot be faster than the steps' sleeps, nor the input
+        # than the data's; the steps as the loop saw them (end of step 1 to the end of the last) are steps,
+        # input and the loop's own cost, of which the steps are most.
+        assert seconds["steps"] >= 0.9 * r["steps"] * r["step_sleep"], shown
+        assert seconds["input"] >= 0.95 * r["input_slept"], (shown, r["input_slept"])
+        assert seconds["steps"] >= 0.7 * (r["loop"] - r["input_slept"]), (shown, r["loop"])
+        assert seconds["other"] <= 0.25 * r["wall"], (shown, r["wall"])
+    print("\n".join(f"process {r['pid']}: wall {r['wall']:.2f} s, steps 2..{r['steps']} {r['loop']:.2f} s, input "
+                    f"slept {r['input_slept']:.2f} s; " + ", ".join(f"{k} {v:.3f}" for k, v in r["time"].items())
+                    for r in sorted(results, key=lambda r: r["pid"])))
 
 
 @pytest.mark.timeout(120)

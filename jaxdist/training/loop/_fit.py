@@ -492,7 +492,7 @@ class Fit:
         source = iter(stream)
         self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
         try:
-            with PreemptionWatcher(mesh=options.mesh) as watcher, self.dog:  # agreed by every process
+            with PreemptionWatcher(mesh=options.mesh, waited=clock.waited) as watcher, self.dog:  # agreed by all
                 self.emit("on_train_begin")
                 profile.check(trainer.step)  # the window may start at the first step
                 while True:  # one round, and one more after each rollback at the end
