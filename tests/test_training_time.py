@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -106,12 +107,12 @@ def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_on_two_processes_the_steps_are_steps_and_other_is_the_loops_own_cost():
+def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_profile(tmp_path):
     # Each step sleeps 20 ms on the devices' side and each batch 4 ms to read. The preemption agreement's read
     # (one per step, two steps behind) is where a 2-process host waits for the devices: it was counted as
     # "other" (steps 0.3 s, other 2.4 s of a 4.2 s fit of 80 such steps), now as steps.
     command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "200",
-               str(Path(__file__).parent / "multiprocess" / "time_worker.py")]
+               str(Path(__file__).parent / "multiprocess" / "time_worker.py"), str(tmp_path)]
     proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     results = [json.loads(line.split(" RESULT ", 1)[1]) for line in proc.stdout.splitlines() if " RESULT " in line]
@@ -126,6 +127,14 @@ def test_on_two_processes_the_steps_are_steps_and_other_is_the_loops_own_cost():
         assert seconds["input"] >= 0.95 * r["input_slept"], (shown, r["input_slept"])
         assert seconds["steps"] >= 0.7 * (r["loop"] - r["input_slept"]), (shown, r["loop"])
         assert seconds["other"] <= 0.25 * r["wall"], (shown, r["wall"])
+    # Then a fit traced steps 3 to 5 on both processes (one host): a run of its own each, named by process,
+    # each with its Perfetto file and a step marker per traced step.
+    runs = sorted((tmp_path / "profile" / "plugins" / "profile").iterdir())
+    assert [run.name.rsplit("_", 1)[1] for run in runs] == ["process0", "process1"], runs
+    for run in runs:
+        (trace,) = run.glob("*.xplane.pb")
+        assert [m["step_num"] for m in step_markers(trace)] == [3, 4, 5]
+        assert (run / "perfetto_trace.json.gz").stat().st_size > 0
     print("\n".join(f"process {r['pid']}: wall {r['wall']:.2f} s, steps 2..{r['steps']} {r['loop']:.2f} s, input "
                     f"slept {r['input_slept']:.2f} s; " + ", ".join(f"{k} {v:.3f}" for k, v in r["time"].items())
                     for r in sorted(results, key=lambda r: r["pid"])))
@@ -261,6 +270,32 @@ def test_profile_steps_leave_a_trace_under_log_dir_profile(tmp_path):
     traces = list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     assert list(traces[0].parent.glob("perfetto_trace.json.gz"))
+
+
+def step_markers(path):
+    """The step markers in the trace ``path`` (an ``.xplane.pb``, the file XProf reads): ``{stat: value}`` of
+    each ``train`` event carrying a ``step_num``, in time order."""
+    with warnings.catch_warnings():  # jaxlib's reader types warn on first use (DeprecationWarning, Python 3.13):
+        warnings.simplefilter("ignore", DeprecationWarning)  # as an error inside its C++ iterator, an abort
+        data = jax.profiler.ProfileData.from_file(str(path))
+        events = [event for plane in data.planes for line in plane.lines for event in line.events]
+        found = sorted((event.start_ns, {key: value for key, value in event.stats}) for event in events
+                       if event.name == "train")
+    return [stats for _, stats in found if "step_num" in stats]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("steps_per_run", "log_every", "window", "want"), [
+    (1, 4, (3, 6), [{"step_num": 3}, {"step_num": 4}, {"step_num": 5}]),
+    (3, 2, (3, 5), [{"step_num": 3, "last_step": 4}]),  # loops [1-2] [3-4] [5-6]: the one running steps 3 and 4
+])
+def test_every_traced_step_carries_a_step_marker_xprof_reads(tmp_path, steps_per_run, log_every, window, want):
+    t = trainer(steps_per_run=steps_per_run)
+    t.fit(batches(8), steps=8, log_every=log_every, log_dir=tmp_path, profile_steps=window, verbose=0)
+    (trace,) = (tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb")
+    markers = step_markers(trace)
+    assert all(m.pop("_r") == 1 for m in markers), markers  # a root event: XProf's step (StepTraceAnnotation)
+    assert markers == want
 
 
 class Calls(list):

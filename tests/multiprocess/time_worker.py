@@ -4,7 +4,8 @@
 costs a known time on the devices (a host callback sleeping ``STEP_SLEEP``) and whose every batch costs a known
 time to read (``INPUT_SLEEP`` in the data), with stopwatches around both and around the steps as the loop sees
 them (from the end of step 1 to the end of the last). Each process prints one JSON line: ``History.time``, the
-wall time of ``fit`` and the stopwatches.
+wall time of ``fit`` and the stopwatches. With a log directory as argument, a second fit traces steps 3 to 5
+on every process into it.
 """
 
 import json
@@ -57,4 +58,7 @@ wall = time.perf_counter() - start
 print("RESULT " + json.dumps({"pid": pid, "time": history.time, "wall": wall, "input_slept": slept["input"],
                               "loop": watch.ends[STEPS] - watch.ends[1], "steps": STEPS, "step_sleep": STEP_SLEEP}),
       flush=True)
-sys.stdout.flush()
+if len(sys.argv) > 1:
+    jd.training.Trainer(strategy, nn.Dense(1), optax.sgd(0.02), mse).fit(
+        batches[:8], steps=8, log_every=4, verbose=0, log_dir=sys.argv[1], profile_steps=(3, 6),
+        profile_processes="all")
