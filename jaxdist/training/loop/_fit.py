@@ -490,7 +490,8 @@ class Fit:
                                waited=lambda: clock.input)  # each process's input wait per log window
         self.hosts.start()
         source = iter(stream)
-        self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
+        self.dog = (Watchdog(options.step_timeout, step=lambda: trainer.step) if options.step_timeout is not None
+                    else _Unwatched())
         try:
             with PreemptionWatcher(mesh=options.mesh, waited=clock.waited) as watcher, self.dog:  # agreed by all
                 self.emit("on_train_begin")
