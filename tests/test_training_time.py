@@ -141,6 +141,40 @@ def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_pro
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_checkpoints", [True, False])
+def test_waiting_for_a_checkpoint_in_flight_counts_as_checkpoint(tmp_path, monkeypatch, async_checkpoints):
+    # Every wait for the save in flight (orbax's join, under latest_step / all_steps / poll(wait=True)) takes
+    # 0.2 s more here: each one in the fit is "checkpoint" time (the waits at the start of each checkpoint point
+    # were "other": 4 of them here).
+    from jaxdist.training.checkpoints._checkpointer import Checkpointer
+
+    waits, real, closing = [], Checkpointer._join, Checkpointer.close
+
+    def slow_join(self):
+        if None in waits:  # closing, after the fit's clock: not one of its parts
+            return real(self)
+        start = time.perf_counter()
+        time.sleep(0.2)
+        real(self)
+        waits.append(time.perf_counter() - start)
+
+    def close(self):
+        waits.append(None)
+        closing(self)
+
+    monkeypatch.setattr(Checkpointer, "_join", slow_join)
+    monkeypatch.setattr(Checkpointer, "close", close)
+    t = trainer(features=9)
+    history, wall = timed(lambda: t.fit(batches(8), steps=8, log_every=4, checkpoint_dir=tmp_path / "ck",
+                                        checkpoint_every=4, async_checkpoints=async_checkpoints, verbose=0))
+    assert_adds_up(history, wall)
+    waited = sum(waits[:waits.index(None)])
+    assert waited >= 1.0, waits
+    assert history.time["checkpoint"] >= waited, (history.time, waits)
+    assert history.time["other"] < 0.4, history.time
+
+
+@pytest.mark.timeout(120)
 def test_the_parts_add_up_with_on_device_loops_and_the_second_fit_compiles_nothing():
     data = batches(12)
     t = trainer(features=11, steps_per_run=3)

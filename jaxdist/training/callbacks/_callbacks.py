@@ -157,12 +157,31 @@ def _value(key: str, value: float | str) -> str:
     return f"{value:.4g}"
 
 
+_BESIDE = 0.1
+"""A log window's rates are labelled with the parts of its wall time other than steps (`History.time`'s
+compile, checkpoint, evaluation, input, other) that took at least this share of it."""
+
+
 def _format(logs: Mapping[str, float]) -> str:
     """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once (a window's
-    ``time/<part>`` seconds are left to the files: the line at the end shows the whole fit's)."""
+    ``time/<part>`` seconds are left to the files: the line at the end shows the whole fit's).
+
+    The rates are over the window's wall time: when a part other than the steps took `_BESIDE` of it or more (a
+    compile, an evaluation, a checkpoint), the largest says so, so that a rate that swings says why.
+
+    Examples:
+        >>> _format({"loss": 0.5, "steps_per_sec": 14.0, "time/steps": 0.1, "time/compile": 0.6, "time/other": 0})
+        'loss 0.5 14 steps/s (incl. compile 86%)'
+    """
     values = [f"{k} {_value(k, v)}" for k, v in logs.items()
               if k != "step" and k not in _RATES and not k.startswith("time/")]
     rates = [f"{_value(k, logs[k])} {unit}" for k, unit in _RATES.items() if k in logs]
+    parts = {k[5:]: v for k, v in logs.items() if k.startswith("time/") and k != "time/lost"}  # lost: in steps
+    wall = sum(parts.values())
+    beside = sorted(((v / wall, k) for k, v in parts.items() if k != "steps" and v >= _BESIDE * wall),
+                    reverse=True) if rates and wall > 0 else []
+    if beside:
+        rates[-1] += f" (incl. {beside[0][1]} {beside[0][0]:.0%})"
     return " ".join(values + rates)
 
 
@@ -200,7 +219,9 @@ def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
 
 class Progress(Callback):
     """Training progress: a tqdm bar on a terminal, plain lines otherwise (logs, CI), with the loss, the
-    metrics and one rate (the trainer's steps/s over the log window; tokens/s where counted).
+    metrics and one rate (the trainer's steps/s over the log window; tokens/s where counted). A window whose
+    wall time went largely elsewhere than its steps (a compile, an evaluation, a checkpoint: 10% or more) says
+    so after the rate: ``14 steps/s (incl. compile 86%)``.
 
     At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
     cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).

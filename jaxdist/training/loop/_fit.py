@@ -343,13 +343,17 @@ class Fit:
 
     def checkpoint(self) -> None:
         trainer, ckpt = self.trainer, self.options.checkpointer
-        if ckpt is None or trainer.step in (ckpt.latest_step(), self.refused):
+        if ckpt is None:
+            return
+        with self.dog.paused(), self.clock.timing("checkpoint"):  # waits for an asynchronous save in flight
+            latest = ckpt.latest_step()
+        if trainer.step in (latest, self.refused):
             return
         self.logs.flush()
         self.look()  # before every checkpoint: the open window's flags too (it is closed only if it holds any)
-        if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
-            return
         with self.dog.paused(), self.clock.timing("checkpoint"):  # checkpoint writes are not watched
+            if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
+                return
             self.written(wait=True)  # the save in flight first (the next save would wait for it anyway)
             try:
                 trainer.save(ckpt)  # a no-op when this step is being written already; refuses a non-finite state
@@ -553,7 +557,8 @@ class Fit:
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
                 self.emit("on_train_end", history)
                 ckpt = options.checkpointer
-                self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
+                with clock.timing("checkpoint"):
+                    self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
         finally:
             self.record()  # how far this run got (a run that fails: the next one knows what it takes again)
             clock.close()
