@@ -127,6 +127,11 @@ def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_pro
         assert seconds["input"] >= 0.95 * r["input_slept"], (shown, r["input_slept"])
         assert seconds["steps"] >= 0.7 * (r["loop"] - r["input_slept"]), (shown, r["loop"])
         assert seconds["other"] <= 0.25 * r["wall"], (shown, r["wall"])
+        # The run's configuration (the trackers' parameters) says where it ran, on every process alike.
+        assert {k: r["config"][k] for k in ("strategy", "mesh", "devices", "processes", "global_batch_size",
+                                            "optimizer.learning_rate")} == {
+            "strategy": "MultiWorkerMirroredStrategy", "mesh": "replica=4", "devices": 4, "processes": 2,
+            "global_batch_size": 16, "optimizer.learning_rate": 0.02}, r["config"]
     # Then a fit traced steps 3 to 5 on both processes (one host): a run of its own each, named by process,
     # each with its Perfetto file and a step marker per traced step.
     runs = sorted((tmp_path / "profile" / "plugins" / "profile").iterdir())

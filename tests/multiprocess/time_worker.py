@@ -51,12 +51,19 @@ class Stopwatch(jd.training.Callback):
 
 
 watch = Stopwatch()
-trainer = jd.training.Trainer(strategy, nn.Dense(1), optax.sgd(0.02), mse)
+class Config(jd.training.Callback):
+    def on_config(self, trainer, config):
+        self.config = config
+
+
+config = Config()
+trainer = jd.training.Trainer(strategy, nn.Dense(1), optax.inject_hyperparams(optax.sgd)(0.02), mse)
 start = time.perf_counter()
-history = trainer.fit(data(), steps=STEPS, log_every=10, verbose=0, callbacks=[watch])
+history = trainer.fit(data(), steps=STEPS, log_every=10, verbose=0, callbacks=[watch, config])
 wall = time.perf_counter() - start
 print("RESULT " + json.dumps({"pid": pid, "time": history.time, "wall": wall, "input_slept": slept["input"],
-                              "loop": watch.ends[STEPS] - watch.ends[1], "steps": STEPS, "step_sleep": STEP_SLEEP}),
+                              "loop": watch.ends[STEPS] - watch.ends[1], "steps": STEPS, "step_sleep": STEP_SLEEP,
+                              "config": config.config}),
       flush=True)
 if len(sys.argv) > 1:
     jd.training.Trainer(strategy, nn.Dense(1), optax.sgd(0.02), mse).fit(

@@ -1,7 +1,7 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
-A `Callback` gets ``on_train_begin``, ``on_step_cost``, ``on_step_end``, ``on_log``, ``on_eval_end``,
-``on_checkpoint`` and ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars:
+A `Callback` gets ``on_train_begin``, ``on_config``, ``on_step_cost``, ``on_step_end``, ``on_log``,
+``on_eval_end``, ``on_checkpoint`` and ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars:
 reading one (``float(m)``) waits for the device, so read them only when you need them. Setting
 ``trainer.stop_training = True`` from a callback ends ``fit`` after the current step (with a checkpoint when
 ``checkpoint_dir`` is set); in a multi-process run, set on any process, it ends ``fit`` on all of them after the
@@ -119,6 +119,11 @@ class Callback:
 
     def on_train_begin(self, trainer: Any) -> None:
         """Before the first step of ``fit`` (after any restore)."""
+
+    def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
+        """Once per ``fit``, right after ``on_train_begin``: how the run is configured, a flat ``{name: JSON
+        scalar}`` (``fit``'s arguments, the strategy, mesh and devices, the global batch size, the optimizer as
+        far as its state says: `jaxdist.training.loop._config`). The trackers keep it as the run's parameters."""
 
     def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
         """Once per ``fit``, after its first step compiled: what one step costs per device (FLOPs, peak FLOP/s,

@@ -125,6 +125,8 @@ class FitOptions:
         reached: the step an earlier run on ``checkpointer``'s directory reached (its progress record, or its
             newest checkpoint before a ``restore_step``): the time of the steps up to it that this fit takes
             again is ``lost``. 0: none.
+        config: how the run is configured (`jaxdist.training.loop._config.run_config`), handed to the callbacks'
+            ``on_config`` before the first step.
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, ``eval_data`` given as
@@ -153,6 +155,7 @@ class FitOptions:
     profile_processes: Any = (0,)
     clock: FitClock = dataclasses.field(default_factory=FitClock, repr=False, compare=False)
     reached: int = 0
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_ratio(self.straggler_ratio)
@@ -499,6 +502,7 @@ class Fit:
         try:
             with PreemptionWatcher(mesh=options.mesh, waited=clock.waited) as watcher, self.dog:  # agreed by all
                 self.emit("on_train_begin")
+                self.emit("on_config", dict(options.config))
                 profile.check(trainer.step)  # the window may start at the first step
                 while True:  # one round, and one more after each rollback at the end
                     steps = _steps(trainer, source, options, clock)
