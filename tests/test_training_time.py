@@ -180,6 +180,48 @@ def test_waiting_for_a_checkpoint_in_flight_counts_as_checkpoint(tmp_path, monke
 
 
 @pytest.mark.timeout(120)
+def test_the_first_evaluations_compile_is_counted_once(monkeypatch):
+    # JAX's compile spans on the fit's thread, heard beside the clock: their union is "compile" (a span inside
+    # another counts once), and each evaluation's stopwatch is its "evaluation" plus the compiles inside it.
+    spans, evaluations = [], []
+    fit_thread = threading.get_ident()
+
+    def heard(event, start, end, **_):
+        if event in time_module.COMPILE_EVENTS and threading.get_ident() == fit_thread:
+            spans.append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(heard)
+    from jaxdist.training.loop._fit import Fit
+
+    real = Fit.evaluate
+
+    def evaluate(self):
+        before = (time.time(), self.clock.seconds["evaluation"], self.clock.compiled.get("evaluation", 0.0))
+        real(self)
+        evaluations.append((before[0], time.time(), self.clock.seconds["evaluation"] - before[1],
+                            self.clock.compiled.get("evaluation", 0.0) - before[2]))
+
+    monkeypatch.setattr(Fit, "evaluate", evaluate)
+    try:
+        history = trainer(features=5).fit(batches(8), steps=8, log_every=4, eval_data=batches(2), eval_every=4,
+                                          verbose=0)
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(heard)
+    union, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        union += max(stop - max(start, end), 0.0)
+        end = max(end, stop)
+    assert history.time["compile"] == pytest.approx(union, abs=1e-6)
+    (first_start, first_end, first_timed, first_compiled), second = evaluations
+    inside = [(a, b) for a, b in spans if first_start <= a and b <= first_end]
+    assert inside and first_compiled == pytest.approx(sum(b - a for a, b in inside if not any(
+        (c, d) != (a, b) and c <= a and b <= d for c, d in inside)), abs=1e-6)  # the eval step's compile, once
+    assert 0 <= first_timed - first_compiled <= first_end - first_start  # evaluation: what is left of it
+    assert second[3] == 0 and history.time["evaluation"] == pytest.approx(
+        first_timed - first_compiled + second[2], abs=1e-6)
+
+
+@pytest.mark.timeout(120)
 def test_the_parts_add_up_with_on_device_loops_and_the_second_fit_compiles_nothing():
     data = batches(12)
     t = trainer(features=11, steps_per_run=3)
