@@ -323,6 +323,45 @@ def test_restore_step_counts_the_steps_it_takes_again_as_lost(tmp_path):
     assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
 
 
+@pytest.mark.timeout(120)
+def test_a_jobs_time_adds_up_its_runs_and_the_restart_after_a_crash(tmp_path):
+    from jaxdist.training.loop._job_time import JOB_FILE, JOB_PARTS
+
+    class Crash(jd.training.Callback):
+        def on_step_end(self, trainer, step, metrics):
+            if step == 6:
+                raise RuntimeError("the job crashed at step 6")
+
+    data, ck = batches(16), tmp_path / "ck"
+    options = dict(log_every=2, checkpoint_dir=ck, checkpoint_every=4)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="crashed"):
+        trainer(features=6).fit(data, steps=12, callbacks=[Crash()], verbose=0, **options)
+    crashed = time.perf_counter()
+    time.sleep(0.5)  # the scheduler restarts the job
+    restarted = time.perf_counter()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        history = trainer(features=6).fit(data, steps=12, verbose="lines", **options)
+    ended = time.perf_counter()
+    job = history.job_time
+    assert history.job_runs == 2 and list(job) == list(JOB_PARTS), job
+    # Against the stopwatch: the whole job, and the gap between the crash and the resumed run (the sleep, and
+    # building the second trainer), within the time it takes to raise and to start fit.
+    assert sum(job.values()) == pytest.approx(ended - started, rel=0.05), (job, ended - started)
+    assert restarted - crashed <= job["restart"] <= ended - crashed - sum(history.time.values()) + 0.05, job
+    assert job["lost"] == pytest.approx(history.time["lost"]) and job["lost"] > 0  # steps 5 and 6, again
+    assert job["steps"] > history.time["steps"] and job["compile"] >= history.time["compile"]
+    assert history.job_goodput == pytest.approx(job["steps"] / sum(job.values()))
+    assert any(line.startswith("job over 2 runs ") for line in out.getvalue().splitlines()[-4:]), out.getvalue()
+    # It ended normally, with a checkpoint of its last step: the job is over, its record removed; a later fit
+    # on the directory is a job of its own.
+    assert not (ck / JOB_FILE).exists() and read_progress(str(ck)) == 0
+    more = trainer(features=6).fit(data, steps=14, verbose=0, **options)
+    assert more.job_runs == 1 and more.job_time["restart"] == 0
+    assert sum(more.job_time.values()) == pytest.approx(sum(more.time.values()))
+
+
 def test_a_missing_or_damaged_progress_record_means_nothing_was_taken_before(tmp_path):
     assert read_progress(str(tmp_path)) == 0
     write_progress(str(tmp_path), 12)

@@ -67,6 +67,11 @@ class History:
             log row has the same parts over its window as ``time/<part>`` (its ``time/steps`` counts every step
             it ran, ``time/lost`` those of them taken again, and, in the first window after a rollback, the
             steps the rollback threw away). Empty before ``fit`` ends.
+        job_time: with a ``checkpoint_dir``, on process 0: the job's time, over every run that wrote to that
+            directory (a crashed run and the runs that resumed it, `jaxdist.training.loop._job_time`): the
+            parts of ``time`` summed over the runs, and ``"restart"``, the gaps between a run that failed (or
+            was preempted) and the next one. Empty otherwise.
+        job_runs: how many runs ``job_time`` adds up (0 without it).
 
     Examples:
         >>> h = History()
@@ -89,6 +94,8 @@ class History:
         self.data_ended: int | None = None
         self.processes: list[dict[str, Any]] = []
         self.time: dict[str, float] = {}
+        self.job_time: dict[str, float] = {}
+        self.job_runs = 0
 
     @property
     def goodput(self) -> float:
@@ -96,6 +103,13 @@ class History:
         (NaN before ``fit`` ends)."""
         total = sum(self.time.values())
         return self.time.get("steps", 0.0) / total if total > 0 else float("nan")
+
+    @property
+    def job_goodput(self) -> float:
+        """The same share of the job's time, over every run on its checkpoint directory (``job_time``; NaN
+        without it)."""
+        total = sum(self.job_time.values())
+        return self.job_time.get("steps", 0.0) / total if total > 0 else float("nan")
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
@@ -197,7 +211,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.3g} min" if seconds < 6000 else f"{seconds / 3600:.3g} h"
 
 
-def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
+def _format_time(seconds: Mapping[str, float], width: int = 80, label: str = "time") -> str:
     """`History.time` in short: the total, the goodput (the share of ``steps``), then the other parts' shares,
     largest first (those under 0.5% left out); on a second line when one would be wider than ``width``.
 
@@ -212,7 +226,7 @@ def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
     total = sum(seconds.values())
     if total <= 0:
         return "time 0 s"
-    head = f"time {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
+    head = f"{label} {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
     shares = sorted(((v / total, k) for k, v in seconds.items() if k != "steps" and v / total >= 0.005),
                     key=lambda share: -share[0])
     if not shares:
@@ -316,6 +330,8 @@ class Progress(Callback):
         trained = trainer is None or int(trainer.step) > self._start_step  # not for "nothing to train"
         if history is not None and history.time and trained:
             self._write(_format_time(history.time))
+            if history.job_runs > 1:  # a job resumed: its time over every run, the restarts included
+                self._write(_format_time(history.job_time, label=f"job over {history.job_runs} runs"))
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -58,6 +58,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from time import perf_counter
@@ -74,6 +75,7 @@ from jaxdist.training.checkpoints import Checkpointer, clear_progress, write_pro
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import HostTimes, check_ratio
 from jaxdist.training.loop._job import data_ended
+from jaxdist.training.loop._job_time import JobTime
 from jaxdist.training.loop._logs import Logs
 from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
 from jaxdist.training.loop._preemption import PreemptionWatcher
@@ -324,6 +326,10 @@ class Fit:
         # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for the next run.
         self.recorder = options.checkpointer is not None and jax.process_index() == 0
         self.recorded = float("-inf")  # when (perf_counter) it last did
+        # ... and the job's time over its runs, beside it (`jaxdist.training.loop._job_time`).
+        self.job = JobTime(options.checkpointer.directory, time.time() - self.clock.wall()) if self.recorder \
+            else None
+        self.ended = False  # the run ended normally (not failed, not preempted): no restart follows it
         self.saved_at_end = False  # the fit ended with a checkpoint of its last step (no record needed then)
         profile = StepProfile.of(options.profile_steps, options.profile_processes, options.log_dir,
                                  lambda step: _run_length(step, options))
@@ -476,6 +482,10 @@ class Fit:
                 clear_progress(directory)
             else:
                 write_progress(directory, self.trainer.step)
+            if self.saved_at_end and self.ended:  # the job ended here: a later fit is a new one
+                self.job.clear()
+            else:
+                self.job.record(self.clock.totals(), ended=self.ended)
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
@@ -559,10 +569,12 @@ class Fit:
                     self.evaluate()
                 trainer.sync_model()
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
+                self.job_time()
                 self.emit("on_train_end", history)
                 ckpt = options.checkpointer
                 with clock.timing("checkpoint"):
                     self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
+                self.ended = not history.preempted
         finally:
             self.record()  # how far this run got (a run that fails: the next one knows what it takes again)
             clock.close()
@@ -573,7 +585,13 @@ class Fit:
             if close is not None:
                 close()
         history.time = clock.totals()
+        self.job_time()
         return history
+
+    def job_time(self) -> None:
+        """``History.job_time`` (process 0, with a checkpoint directory): this run's time with the runs before."""
+        if self.job is not None:
+            self.history.job_time, self.history.job_runs = self.job.totals(self.history.time)
 
 
 def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,
