@@ -45,7 +45,8 @@ Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) i
 what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step). Process 0 records the
 step reached in the checkpoint directory at log points (at most every `PROGRESS_SECONDS`) and when the fit
 ends or fails (`jaxdist.training.checkpoints.write_progress`), so that a fit resumed behind it counts the steps
-it takes again as ``lost`` (``FitOptions.reached``: one comparison per step). ``profile_steps``
+it takes again as ``lost`` (``FitOptions.reached``: one comparison per step), and, beside it, the job's time
+over its runs (`jaxdist.training.loop._job_time`: ``History.job_time``). ``profile_steps``
 traces a window of steps with `jax.profiler` (`jaxdist.training.loop._profile.StepProfile`: one comparison
 per step outside the window).
 """
