@@ -418,6 +418,21 @@ def test_every_traced_step_carries_a_step_marker_xprof_reads(tmp_path, steps_per
     assert markers == want
 
 
+@pytest.mark.timeout(120)
+def test_xprofs_overview_page_finds_the_traced_steps(tmp_path):
+    # XProf's own converter (pip install xprof): the overview page's step-time graph has one row per traced
+    # step, and a step time (without markers: "No step marker observed", step time 0.0).
+    convert = pytest.importorskip("xprof.convert.raw_to_tool_data", exc_type=ImportError)
+    trainer().fit(batches(12), steps=12, log_every=4, log_dir=tmp_path, profile_steps=(5, 10), verbose=0)
+    (trace,) = (tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb")
+    data, _ = convert.xspace_to_tool_data([str(trace)], "overview_page", {})
+    tables = json.loads(data)
+    (graph,) = [t for t in tables if isinstance(t, dict) and any(c.get("id") == "stepnum" for c in t.get("cols", ()))]
+    assert [row["c"][0]["v"] for row in graph["rows"]] == [f"train {n}" for n in range(5, 10)]
+    (summary,) = [t["p"] for t in tables if isinstance(t, dict) and "steptime_ms_average" in t.get("p", {})]
+    assert float(summary["steptime_ms_average"]) > 0, summary
+
+
 class Calls(list):
     """The trace's starts and stops, each with ``trainer.step`` at that moment (no trace is taken)."""
 
