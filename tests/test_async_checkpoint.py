@@ -21,6 +21,7 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 import jaxdist as jd
+from jaxdist.training.loop._job_time import JOB_FILE
 
 BATCH = 32
 
@@ -117,7 +118,8 @@ def test_preemption_and_the_end_of_fit_wait_for_the_save_in_flight(tmp_path, at_
     )
     assert history.preempted
     assert [os.path.basename(p) for p in history.checkpoints] == ["3", "4"]
-    assert sorted(os.listdir(tmp_path)) == ["3", "4"]  # both complete when fit returned: no temporary left
+    # Both complete when fit returned: no temporary left; the job's record of its time stays for the restart.
+    assert sorted(os.listdir(tmp_path)) == [JOB_FILE, "3", "4"]
 
 
 def test_a_failed_background_save_raises_at_a_later_step_or_at_the_end(tmp_path, at_commit):

@@ -4,6 +4,7 @@ Real processes (2 x 4 CPU devices, gloo) where it says so; every wait is bounded
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -89,7 +90,8 @@ def test_a_process_that_stalls_trips_the_step_watchdog_on_every_process():
     elapsed = time.monotonic() - started
     for pid, (code, text) in enumerate(results):
         assert code == 124, f"process {pid} exited {code}:\n{text[-3000:]}"
-        assert f"no step finished in {timeout} s: a peer may be stuck or dead" in text, text[-3000:]
+        assert re.search(rf"no step finished in {timeout} s after step \d+ \(step_timeout={timeout} s\): a peer may "
+                         "be stuck or dead", text), text[-3000:]
         assert "Thread 0x" in text and "most recent call first" in text  # faulthandler's stacks
         assert "fit returned" not in text
     assert "stalling" in results[1][1]
@@ -178,3 +180,60 @@ def test_the_watchdog_dumps_and_exits_on_time_while_the_main_thread_holds_the_in
     assert "Thread 0x" in text and "most recent call first" in text and 'File "<string>", line 7' in text, text
     assert "not reached" not in text
     assert dumped - held < 2 * timeout, f"the stacks came {dumped - held:.2f} s after the last step (timeout {timeout})"
+
+
+_HELD_IN_FIT = """
+import ctypes, time
+import flax.linen as nn, numpy as np, optax
+import jaxdist as jd
+
+
+class Hold(jd.training.Callback):
+    def on_step_end(self, trainer, step, logs):
+        if step == 2:
+            print(f"holding {{time.monotonic()}}", flush=True)
+            ctypes.pythonapi.usleep(60_000_000)  # the interpreter lock held in C: no Python thread runs
+
+
+data = [(np.ones((8, 2), np.float32), np.ones(8, np.float32))] * 8
+trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+                              lambda out, y: ((out[:, 0] - y) ** 2).mean())
+trainer.fit(data, steps=8, step_timeout={timeout}, callbacks=[Hold()], verbose=0)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_in_fit_the_backstop_covers_the_second_step_and_says_why_before_the_stacks():
+    """step_timeout=2 with the first step's allowance left at its default (600 s): a callback holds the
+    interpreter lock in C after step 2. The backstop (armed at the end of the first step) says jaxdist's reason,
+    then the stacks, within 2x the timeout, and exits 124 (it slept through the first 600 s before)."""
+    timeout = 2.0
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_IN_FIT.format(timeout=timeout)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, held, said = [], None, None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("holding "):
+                held = float(line.split()[1])
+            if "[jaxdist watchdog]" in line and said is None:
+                said = time.monotonic()
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stdout.close()
+    text = "".join(lines)
+    assert code == 124, f"exited {code}:\n{text[-3000:]}"
+    assert held is not None and said is not None, text[-3000:]
+    assert said - held < 2 * timeout, f"the reason came {said - held:.2f} s after step 2 (timeout {timeout})"
+    (reason,) = [line for line in lines if "[jaxdist watchdog]" in line]
+    # The step the watchdog saw last: the first step's end armed the backstop; step 2's came too soon after it
+    # for the watchdog's thread to re-arm (it does every slack / 2 s), and the steps never arm it themselves.
+    assert re.search(r"no step finished in 2\.5 s or more after step [12] \(the last one the watchdog saw; "
+                     r"step_timeout=2 s\), and the watchdog's thread could not run", reason), reason
+    assert "Exiting with status 124" in reason
+    assert text.index("[jaxdist watchdog]") < text.index("Timeout (") < text.index("Thread 0x"), text[-3000:]
+    assert "not reached" not in text

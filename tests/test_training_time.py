@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import subprocess
+import sys
 import threading
 import time
+import warnings
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
+from registry import launch_env
 from tfevents import read_events, scalars
 
 import jaxdist as jd
@@ -97,6 +103,122 @@ def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path
     got = scalars(read_events(events))
     for row in history.train:
         assert got[("time/input", row["step"])] == pytest.approx(row["time/input"], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_profile(tmp_path):
+    # Each step sleeps 20 ms on the devices' side and each batch 4 ms to read. The preemption agreement's read
+    # (one per step, two steps behind) is where a 2-process host waits for the devices: it was counted as
+    # "other" (steps 0.3 s, other 2.4 s of a 4.2 s fit of 80 such steps), now as steps.
+    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "200",
+               str(Path(__file__).parent / "multiprocess" / "time_worker.py"), str(tmp_path)]
+    proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split(" RESULT ", 1)[1]) for line in proc.stdout.splitlines() if " RESULT " in line]
+    assert sorted(r["pid"] for r in results) == [0, 1], proc.stdout[-4000:]
+    for r in results:
+        seconds, shown = r["time"], {k: round(v, 3) for k, v in r["time"].items()}
+        assert sum(seconds.values()) == pytest.approx(r["wall"], rel=0.05), (shown, r["wall"])
+        # Each part against its stopwatch: the devices cannot be faster than the steps' sleeps, nor the input
+        # than the data's; the steps as the loop saw them (end of step 1 to the end of the last) are steps,
+        # input and the loop's own cost, of which the steps are most.
+        assert seconds["steps"] >= 0.9 * r["steps"] * r["step_sleep"], shown
+        assert seconds["input"] >= 0.95 * r["input_slept"], (shown, r["input_slept"])
+        assert seconds["steps"] >= 0.7 * (r["loop"] - r["input_slept"]), (shown, r["loop"])
+        assert seconds["other"] <= 0.25 * r["wall"], (shown, r["wall"])
+        # The run's configuration (the trackers' parameters) says where it ran, on every process alike.
+        assert {k: r["config"][k] for k in ("strategy", "mesh", "devices", "processes", "global_batch_size",
+                                            "optimizer.learning_rate")} == {
+            "strategy": "MultiWorkerMirroredStrategy", "mesh": "replica=4", "devices": 4, "processes": 2,
+            "global_batch_size": 16, "optimizer.learning_rate": 0.02}, r["config"]
+    # Then a fit traced steps 3 to 5 on both processes (one host): a run of its own each, named by process,
+    # each with its Perfetto file and a step marker per traced step.
+    runs = sorted((tmp_path / "profile" / "plugins" / "profile").iterdir())
+    assert [run.name.rsplit("_", 1)[1] for run in runs] == ["process0", "process1"], runs
+    for run in runs:
+        (trace,) = run.glob("*.xplane.pb")
+        assert [m["step_num"] for m in step_markers(trace)] == [3, 4, 5]
+        assert (run / "perfetto_trace.json.gz").stat().st_size > 0
+    print("\n".join(f"process {r['pid']}: wall {r['wall']:.2f} s, steps 2..{r['steps']} {r['loop']:.2f} s, input "
+                    f"slept {r['input_slept']:.2f} s; " + ", ".join(f"{k} {v:.3f}" for k, v in r["time"].items())
+                    for r in sorted(results, key=lambda r: r["pid"])))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_checkpoints", [True, False])
+def test_waiting_for_a_checkpoint_in_flight_counts_as_checkpoint(tmp_path, monkeypatch, async_checkpoints):
+    # Every wait for the save in flight (orbax's join, under latest_step / all_steps / poll(wait=True)) takes
+    # 0.2 s more here: each one in the fit is "checkpoint" time (the waits at the start of each checkpoint point
+    # were "other": 4 of them here).
+    from jaxdist.training.checkpoints._checkpointer import Checkpointer
+
+    waits, real, closing = [], Checkpointer._join, Checkpointer.close
+
+    def slow_join(self):
+        if None in waits:  # closing, after the fit's clock: not one of its parts
+            return real(self)
+        start = time.perf_counter()
+        time.sleep(0.2)
+        real(self)
+        waits.append(time.perf_counter() - start)
+
+    def close(self):
+        waits.append(None)
+        closing(self)
+
+    monkeypatch.setattr(Checkpointer, "_join", slow_join)
+    monkeypatch.setattr(Checkpointer, "close", close)
+    t = trainer(features=9)
+    history, wall = timed(lambda: t.fit(batches(8), steps=8, log_every=4, checkpoint_dir=tmp_path / "ck",
+                                        checkpoint_every=4, async_checkpoints=async_checkpoints, verbose=0))
+    assert_adds_up(history, wall)
+    waited = sum(waits[:waits.index(None)])
+    assert waited >= 1.0, waits
+    assert history.time["checkpoint"] >= waited, (history.time, waits)
+    assert history.time["other"] < 0.4, history.time
+
+
+@pytest.mark.timeout(120)
+def test_the_first_evaluations_compile_is_counted_once(monkeypatch):
+    # JAX's compile spans on the fit's thread, heard beside the clock: their union is "compile" (a span inside
+    # another counts once), and each evaluation's stopwatch is its "evaluation" plus the compiles inside it.
+    spans, evaluations = [], []
+    fit_thread = threading.get_ident()
+
+    def heard(event, start, end, **_):
+        if event in time_module.COMPILE_EVENTS and threading.get_ident() == fit_thread:
+            spans.append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(heard)
+    from jaxdist.training.loop._fit import Fit
+
+    real = Fit.evaluate
+
+    def evaluate(self):
+        before = (time.time(), self.clock.seconds["evaluation"], self.clock.compiled.get("evaluation", 0.0))
+        real(self)
+        evaluations.append((before[0], time.time(), self.clock.seconds["evaluation"] - before[1],
+                            self.clock.compiled.get("evaluation", 0.0) - before[2]))
+
+    monkeypatch.setattr(Fit, "evaluate", evaluate)
+    try:
+        history = trainer(features=5).fit(batches(8), steps=8, log_every=4, eval_data=batches(2), eval_every=4,
+                                          verbose=0)
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(heard)
+    union, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        union += max(stop - max(start, end), 0.0)
+        end = max(end, stop)
+    assert history.time["compile"] == pytest.approx(union, abs=1e-6)
+    (first_start, first_end, first_timed, first_compiled), second = evaluations
+    inside = [(a, b) for a, b in spans if first_start <= a and b <= first_end]
+    assert inside and first_compiled == pytest.approx(sum(b - a for a, b in inside if not any(
+        (c, d) != (a, b) and c <= a and b <= d for c, d in inside)), abs=1e-6)  # the eval step's compile, once
+    assert 0 <= first_timed - first_compiled <= first_end - first_start  # evaluation: what is left of it
+    assert second[3] == 0 and history.time["evaluation"] == pytest.approx(
+        first_timed - first_compiled + second[2], abs=1e-6)
 
 
 @pytest.mark.timeout(120)
@@ -201,6 +323,45 @@ def test_restore_step_counts_the_steps_it_takes_again_as_lost(tmp_path):
     assert sum(row["time/lost"] for row in history.train) == pytest.approx(history.time["lost"])
 
 
+@pytest.mark.timeout(120)
+def test_a_jobs_time_adds_up_its_runs_and_the_restart_after_a_crash(tmp_path):
+    from jaxdist.training.loop._job_time import JOB_FILE, JOB_PARTS
+
+    class Crash(jd.training.Callback):
+        def on_step_end(self, trainer, step, metrics):
+            if step == 6:
+                raise RuntimeError("the job crashed at step 6")
+
+    data, ck = batches(16), tmp_path / "ck"
+    options = dict(log_every=2, checkpoint_dir=ck, checkpoint_every=4)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="crashed"):
+        trainer(features=6).fit(data, steps=12, callbacks=[Crash()], verbose=0, **options)
+    crashed = time.perf_counter()
+    time.sleep(0.5)  # the scheduler restarts the job
+    restarted = time.perf_counter()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        history = trainer(features=6).fit(data, steps=12, verbose="lines", **options)
+    ended = time.perf_counter()
+    job = history.job_time
+    assert history.job_runs == 2 and list(job) == list(JOB_PARTS), job
+    # Against the stopwatch: the whole job, and the gap between the crash and the resumed run (the sleep, and
+    # building the second trainer), within the time it takes to raise and to start fit.
+    assert sum(job.values()) == pytest.approx(ended - started, rel=0.05), (job, ended - started)
+    assert restarted - crashed <= job["restart"] <= ended - crashed - sum(history.time.values()) + 0.05, job
+    assert job["lost"] == pytest.approx(history.time["lost"]) and job["lost"] > 0  # steps 5 and 6, again
+    assert job["steps"] > history.time["steps"] and job["compile"] >= history.time["compile"]
+    assert history.job_goodput == pytest.approx(job["steps"] / sum(job.values()))
+    assert any(line.startswith("job over 2 runs ") for line in out.getvalue().splitlines()[-4:]), out.getvalue()
+    # It ended normally, with a checkpoint of its last step: the job is over, its record removed; a later fit
+    # on the directory is a job of its own.
+    assert not (ck / JOB_FILE).exists() and read_progress(str(ck)) == 0
+    more = trainer(features=6).fit(data, steps=14, verbose=0, **options)
+    assert more.job_runs == 1 and more.job_time["restart"] == 0
+    assert sum(more.job_time.values()) == pytest.approx(sum(more.time.values()))
+
+
 def test_a_missing_or_damaged_progress_record_means_nothing_was_taken_before(tmp_path):
     assert read_progress(str(tmp_path)) == 0
     write_progress(str(tmp_path), 12)
@@ -229,6 +390,47 @@ def test_profile_steps_leave_a_trace_under_log_dir_profile(tmp_path):
     traces = list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
     assert list(traces[0].parent.glob("perfetto_trace.json.gz"))
+
+
+def step_markers(path):
+    """The step markers in the trace ``path`` (an ``.xplane.pb``, the file XProf reads): ``{stat: value}`` of
+    each ``train`` event carrying a ``step_num``, in time order."""
+    with warnings.catch_warnings():  # jaxlib's reader types warn on first use (DeprecationWarning, Python 3.13):
+        warnings.simplefilter("ignore", DeprecationWarning)  # as an error inside its C++ iterator, an abort
+        data = jax.profiler.ProfileData.from_file(str(path))
+        events = [event for plane in data.planes for line in plane.lines for event in line.events]
+        found = sorted((event.start_ns, {key: value for key, value in event.stats}) for event in events
+                       if event.name == "train")
+    return [stats for _, stats in found if "step_num" in stats]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("steps_per_run", "log_every", "window", "want"), [
+    (1, 4, (3, 6), [{"step_num": 3}, {"step_num": 4}, {"step_num": 5}]),
+    (3, 2, (3, 5), [{"step_num": 3, "last_step": 4}]),  # loops [1-2] [3-4] [5-6]: the one running steps 3 and 4
+])
+def test_every_traced_step_carries_a_step_marker_xprof_reads(tmp_path, steps_per_run, log_every, window, want):
+    t = trainer(steps_per_run=steps_per_run)
+    t.fit(batches(8), steps=8, log_every=log_every, log_dir=tmp_path, profile_steps=window, verbose=0)
+    (trace,) = (tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb")
+    markers = step_markers(trace)
+    assert all(m.pop("_r") == 1 for m in markers), markers  # a root event: XProf's step (StepTraceAnnotation)
+    assert markers == want
+
+
+@pytest.mark.timeout(120)
+def test_xprofs_overview_page_finds_the_traced_steps(tmp_path):
+    # XProf's own converter (pip install xprof): the overview page's step-time graph has one row per traced
+    # step, and a step time (without markers: "No step marker observed", step time 0.0).
+    convert = pytest.importorskip("xprof.convert.raw_to_tool_data", exc_type=ImportError)
+    trainer().fit(batches(12), steps=12, log_every=4, log_dir=tmp_path, profile_steps=(5, 10), verbose=0)
+    (trace,) = (tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb")
+    data, _ = convert.xspace_to_tool_data([str(trace)], "overview_page", {})
+    tables = json.loads(data)
+    (graph,) = [t for t in tables if isinstance(t, dict) and any(c.get("id") == "stepnum" for c in t.get("cols", ()))]
+    assert [row["c"][0]["v"] for row in graph["rows"]] == [f"train {n}" for n in range(5, 10)]
+    (summary,) = [t["p"] for t in tables if isinstance(t, dict) and "steptime_ms_average" in t.get("p", {})]
+    assert float(summary["steptime_ms_average"]) > 0, summary
 
 
 class Calls(list):

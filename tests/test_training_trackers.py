@@ -32,7 +32,7 @@ def offline(monkeypatch):
 def fit(callbacks, steps=4):
     rng = np.random.default_rng(0)
     data = [(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=8).astype(np.float32)) for _ in range(4)]
-    trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
+    trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.inject_hyperparams(optax.sgd)(0.1),
                                   lambda out, y: ((out[:, 0] - y) ** 2).mean(), metrics={"mae": mae})
     return trainer.fit(data, steps=steps, log_every=2, eval_data=data[:2], eval_every=2, callbacks=callbacks,
                        verbose=0)
@@ -52,6 +52,12 @@ def expected(history):
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     out[(row["step"], key if key.startswith("time/") else f"{split}/{key}")] = float(value)
     return out
+
+
+FIT_CONFIG = {"steps": 4, "log_every": 2, "eval_every": 2, "strategy": "MirroredStrategy", "mesh": "replica=8",
+              "devices": 8, "processes": 1, "global_batch_size": 8, "optimizer": "InjectStatefulHyperparamsState",
+              "optimizer.learning_rate": 0.1, "on_non_finite": "stop", "steps_per_run": 1}
+"""Some of what ``fit`` records of the run's configuration (``on_config``) for `fit`'s run."""
 
 
 def wandb_records(path):
@@ -85,14 +91,19 @@ def test_wandb_logger_records_the_logged_scalars_offline(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / "home" / name.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_API_KEY", "")
-    logger = jd.training.WandbLogger(project="jaxdist-test", name="ema", config={"lr": 0.1}, dir=tmp_path / "wb")
+    logger = jd.training.WandbLogger(project="jaxdist-test", name="ema", config={"lr": 0.1, "log_every": "mine"},
+                                     dir=tmp_path / "wb")
     assert logger.init_kwargs["mode"] == "offline"
     history = fit([logger])
     assert logger.run is None  # finished at the end of fit
     logs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs
-    got = {}
+    got, config = {}, {}
     for record in wandb_records(logs[0]):
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):  # the config the run started with, and later updates
+            items = record.run.config.update if kind == "run" else record.config.update
+            config.update({item.key: json.loads(item.value_json) for item in items})
         if record.WhichOneof("record_type") == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             got.update({(row["step"], k): v for k, v in row.items() if k.startswith(("train/", "eval/", "time/"))})
@@ -100,6 +111,9 @@ def test_wandb_logger_records_the_logged_scalars_offline(tmp_path, monkeypatch):
     assert {k for k in want if k[1] == "train/loss"} == {(2, "train/loss"), (4, "train/loss")}
     assert {(4, "eval/mae"), (2, "train/steps_per_sec"), (4, "time/steps")} <= set(want)
     assert got == pytest.approx(want, rel=1e-6)
+    # The run's config: fit's record of it, the user's values on top.
+    assert config["lr"] == 0.1 and config["log_every"] == "mine", config
+    assert all(config[k] == v for k, v in FIT_CONFIG.items() if k != "log_every"), config
 
 
 def test_wandb_logger_arguments(monkeypatch):
@@ -117,13 +131,17 @@ def test_mlflow_logger_records_the_logged_scalars_in_a_local_file_store(tmp_path
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read MLflow 3's file store back here
     from mlflow.tracking import MlflowClient
 
-    logger = jd.training.MLflowLogger(experiment_name="jaxdist-test", run_name="ema", config={"lr": 0.1},
-                                      tracking_uri=tmp_path / "mlruns")
+    logger = jd.training.MLflowLogger(experiment_name="jaxdist-test", run_name="ema",
+                                      config={"lr": 0.1, "log_every": "mine"}, tracking_uri=tmp_path / "mlruns")
     assert logger.tracking_uri == (tmp_path / "mlruns").as_uri()
     history = fit([logger])
     client = MlflowClient(logger.tracking_uri)
     run = client.get_run(logger.run_id)
-    assert run.info.status == "FINISHED" and run.info.run_name == "ema" and run.data.params == {"lr": "0.1"}
+    assert run.info.status == "FINISHED" and run.info.run_name == "ema"
+    # The run's parameters: fit's record of its configuration, the user's values on top.
+    params = run.data.params
+    assert params["lr"] == "0.1" and params["log_every"] == "mine", params
+    assert all(params[k] == str(v) for k, v in FIT_CONFIG.items() if k != "log_every"), params
     assert client.get_experiment(run.info.experiment_id).name == "jaxdist-test"
     got = {(m.step, key): m.value for key in run.data.metrics for m in client.get_metric_history(logger.run_id, key)}
     want = expected(history)

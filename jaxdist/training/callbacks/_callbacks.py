@@ -1,7 +1,7 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
-A `Callback` gets ``on_train_begin``, ``on_step_cost``, ``on_step_end``, ``on_log``, ``on_eval_end``,
-``on_checkpoint`` and ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars:
+A `Callback` gets ``on_train_begin``, ``on_config``, ``on_step_cost``, ``on_step_end``, ``on_log``,
+``on_eval_end``, ``on_checkpoint`` and ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars:
 reading one (``float(m)``) waits for the device, so read them only when you need them. Setting
 ``trainer.stop_training = True`` from a callback ends ``fit`` after the current step (with a checkpoint when
 ``checkpoint_dir`` is set); in a multi-process run, set on any process, it ends ``fit`` on all of them after the
@@ -67,6 +67,11 @@ class History:
             log row has the same parts over its window as ``time/<part>`` (its ``time/steps`` counts every step
             it ran, ``time/lost`` those of them taken again, and, in the first window after a rollback, the
             steps the rollback threw away). Empty before ``fit`` ends.
+        job_time: with a ``checkpoint_dir``, on process 0: the job's time, over every run that wrote to that
+            directory (a crashed run and the runs that resumed it, `jaxdist.training.loop._job_time`): the
+            parts of ``time`` summed over the runs, and ``"restart"``, the gaps between a run that failed (or
+            was preempted) and the next one. Empty otherwise.
+        job_runs: how many runs ``job_time`` adds up (0 without it).
 
     Examples:
         >>> h = History()
@@ -89,6 +94,8 @@ class History:
         self.data_ended: int | None = None
         self.processes: list[dict[str, Any]] = []
         self.time: dict[str, float] = {}
+        self.job_time: dict[str, float] = {}
+        self.job_runs = 0
 
     @property
     def goodput(self) -> float:
@@ -96,6 +103,13 @@ class History:
         (NaN before ``fit`` ends)."""
         total = sum(self.time.values())
         return self.time.get("steps", 0.0) / total if total > 0 else float("nan")
+
+    @property
+    def job_goodput(self) -> float:
+        """The same share of the job's time, over every run on its checkpoint directory (``job_time``; NaN
+        without it)."""
+        total = sum(self.job_time.values())
+        return self.job_time.get("steps", 0.0) / total if total > 0 else float("nan")
 
     def metric(self, name: str, split: str = "train") -> list[float]:
         """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
@@ -119,6 +133,11 @@ class Callback:
 
     def on_train_begin(self, trainer: Any) -> None:
         """Before the first step of ``fit`` (after any restore)."""
+
+    def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
+        """Once per ``fit``, right after ``on_train_begin``: how the run is configured, a flat ``{name: JSON
+        scalar}`` (``fit``'s arguments, the strategy, mesh and devices, the global batch size, the optimizer as
+        far as its state says: `jaxdist.training.loop._config`). The trackers keep it as the run's parameters."""
 
     def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
         """Once per ``fit``, after its first step compiled: what one step costs per device (FLOPs, peak FLOP/s,
@@ -157,12 +176,31 @@ def _value(key: str, value: float | str) -> str:
     return f"{value:.4g}"
 
 
+_BESIDE = 0.1
+"""A log window's rates are labelled with the parts of its wall time other than steps (`History.time`'s
+compile, checkpoint, evaluation, input, other) that took at least this share of it."""
+
+
 def _format(logs: Mapping[str, float]) -> str:
     """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once (a window's
-    ``time/<part>`` seconds are left to the files: the line at the end shows the whole fit's)."""
+    ``time/<part>`` seconds are left to the files: the line at the end shows the whole fit's).
+
+    The rates are over the window's wall time: when a part other than the steps took `_BESIDE` of it or more (a
+    compile, an evaluation, a checkpoint), the largest says so, so that a rate that swings says why.
+
+    Examples:
+        >>> _format({"loss": 0.5, "steps_per_sec": 14.0, "time/steps": 0.1, "time/compile": 0.6, "time/other": 0})
+        'loss 0.5 14 steps/s (incl. compile 86%)'
+    """
     values = [f"{k} {_value(k, v)}" for k, v in logs.items()
               if k != "step" and k not in _RATES and not k.startswith("time/")]
     rates = [f"{_value(k, logs[k])} {unit}" for k, unit in _RATES.items() if k in logs]
+    parts = {k[5:]: v for k, v in logs.items() if k.startswith("time/") and k != "time/lost"}  # lost: in steps
+    wall = sum(parts.values())
+    beside = sorted(((v / wall, k) for k, v in parts.items() if k != "steps" and v >= _BESIDE * wall),
+                    reverse=True) if rates and wall > 0 else []
+    if beside:
+        rates[-1] += f" (incl. {beside[0][1]} {beside[0][0]:.0%})"
     return " ".join(values + rates)
 
 
@@ -173,7 +211,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.3g} min" if seconds < 6000 else f"{seconds / 3600:.3g} h"
 
 
-def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
+def _format_time(seconds: Mapping[str, float], width: int = 80, label: str = "time") -> str:
     """`History.time` in short: the total, the goodput (the share of ``steps``), then the other parts' shares,
     largest first (those under 0.5% left out); on a second line when one would be wider than ``width``.
 
@@ -188,7 +226,7 @@ def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
     total = sum(seconds.values())
     if total <= 0:
         return "time 0 s"
-    head = f"time {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
+    head = f"{label} {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
     shares = sorted(((v / total, k) for k, v in seconds.items() if k != "steps" and v / total >= 0.005),
                     key=lambda share: -share[0])
     if not shares:
@@ -200,7 +238,9 @@ def _format_time(seconds: Mapping[str, float], width: int = 80) -> str:
 
 class Progress(Callback):
     """Training progress: a tqdm bar on a terminal, plain lines otherwise (logs, CI), with the loss, the
-    metrics and one rate (the trainer's steps/s over the log window; tokens/s where counted).
+    metrics and one rate (the trainer's steps/s over the log window; tokens/s where counted). A window whose
+    wall time went largely elsewhere than its steps (a compile, an evaluation, a checkpoint: 10% or more) says
+    so after the rate: ``14 steps/s (incl. compile 86%)``.
 
     At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
     cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).
@@ -290,6 +330,8 @@ class Progress(Callback):
         trained = trainer is None or int(trainer.step) > self._start_step  # not for "nothing to train"
         if history is not None and history.time and trained:
             self._write(_format_time(history.time))
+            if history.job_runs > 1:  # a job resumed: its time over every run, the restarts included
+                self._write(_format_time(history.job_time, label=f"job over {history.job_runs} runs"))
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -2,7 +2,10 @@
 
 Both write what `TensorBoardLogger` writes: each log point's values as ``train/<name>`` and each evaluation's as
 ``eval/<name>`` (numbers only), at the trainer's step, on the one process that writes (process 0,
-``strategy.should_save_summary``). Neither needs a server: W&B runs in ``mode="offline"`` unless told otherwise
+``strategy.should_save_summary``). A run a logger starts also records how it was configured (``fit``'s
+``on_config``: its arguments, the strategy, mesh and devices, the global batch size, the optimizer as far as
+its state says), under the user's ``config``, which wins where both name a value: as W&B's run config, as
+MLflow's run parameters. Neither needs a server: W&B runs in ``mode="offline"`` unless told otherwise
 (the run's files go under ``dir``; ``wandb sync`` uploads them later), and MLflow writes to a local file store
 (``./mlruns``) unless a tracking URI is configured. A run the logger started is closed when ``fit`` ends; a run
 given to it stays open (its owner closes it).
@@ -51,7 +54,8 @@ class WandbLogger(_MetricWriter):
         run: an existing run (``wandb.init(...)``'s) to write into instead; it stays open at the end.
         project: the W&B project (``wandb.init``'s).
         name: the run's name.
-        config: the run's configuration (hyperparameters).
+        config: the run's configuration (hyperparameters), beside ``fit``'s record of it (``on_config``; the
+            values given here win).
         dir: the folder the run's files go under (``<dir>/wandb/``; default: the working directory).
         mode: ``"offline"``, ``"online"`` or ``"disabled"``; None: ``"offline"`` unless ``WANDB_MODE`` is set.
         **init_kwargs: more ``wandb.init`` arguments (``id=..., resume="allow"`` continues one run across
@@ -90,12 +94,19 @@ class WandbLogger(_MetricWriter):
         self.run = run
         self._owns = run is None
         self._defined = False
+        self._fit_config: dict[str, Any] = {}
+
+    def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
+        self._fit_config = dict(config)  # the run's config, with the user's on top, when the run starts
 
     def _write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if self.run is None:
             if self.init_kwargs.get("dir") is not None:
                 os.makedirs(self.init_kwargs["dir"], exist_ok=True)
-            self.run = self._wandb.init(**self.init_kwargs)
+            kwargs = dict(self.init_kwargs)
+            if self._fit_config:
+                kwargs["config"] = {**self._fit_config, **dict(kwargs.get("config") or {})}
+            self.run = self._wandb.init(**kwargs)
         if not self._defined:
             self.run.define_metric("step")
             for prefix in ("train", "eval", "time"):
@@ -157,7 +168,8 @@ class MLflowLogger(_MetricWriter):
         experiment_name: the experiment (default ``"jaxdist"``).
         run_name: the run's name (default: MLflow's).
         tracking_uri: where to write (see above).
-        config: the run's parameters (``{"lr": 1e-3}``), written once as strings.
+        config: the run's parameters (``{"lr": 1e-3}``), written once as strings, beside ``fit``'s record of
+            its configuration (``on_config``; the values given here win).
         tags: the run's tags.
 
     Raises:
@@ -202,6 +214,10 @@ class MLflowLogger(_MetricWriter):
         self._owns = run is None
         self._open_run = False  # a run is being written (closed by `close`)
         self.client: Any = None  # the MlflowClient, from the first value on
+        self._fit_config: dict[str, Any] = {}
+
+    def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
+        self._fit_config = dict(config)  # the run's parameters, with the user's on top, when the run starts
 
     def _open(self) -> None:
         with _file_store_allowed() if self.tracking_uri.startswith("file:") else contextlib.nullcontext():
@@ -215,8 +231,9 @@ class MLflowLogger(_MetricWriter):
                              else experiment.experiment_id)
             run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
             self.run_id = run.info.run_id
-            if self.config:
-                params = [self._entities.Param(str(k), str(v)) for k, v in self.config.items()]
+            config = {**self._fit_config, **self.config}
+            if config:
+                params = [self._entities.Param(str(k), str(v)) for k, v in config.items()]
                 self.client.log_batch(self.run_id, params=params)
 
     def _write(self, split: str, step: int, values: Mapping[str, float]) -> None:

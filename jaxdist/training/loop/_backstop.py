@@ -11,6 +11,9 @@ that does not return. Two timers of the C library need no lock:
   ``_exit`` ends the process with the watchdog's status (124) ``exit_delay`` seconds later, once the stacks are
   written. Elsewhere (or where the timer cannot be made) faulthandler ends the process itself, with its own
   status, 1.
+* On Linux, a second such timer says why first (`SAY_LEAD` seconds before the stacks): its notify function is
+  the C library's ``warnx``, handed the reason the watchdog last armed it with (which step, how long, the
+  timeout), from a buffer of its own (`REASON_BYTES`): ``python3: [jaxdist watchdog] no step finished ...``.
 
 Arming costs two calls from the watchdog's thread (faulthandler's starts a thread: about 80 us; the POSIX
 timer's ``timer_settime``: about 1.5 us): the steps' thread never arms it. `faulthandler` holds one timer per
@@ -24,7 +27,13 @@ import faulthandler
 import sys
 import time
 
-__all__ = ["Backstop"]
+__all__ = ["REASON_BYTES", "SAY_LEAD", "Backstop"]
+
+SAY_LEAD = 0.1
+"""Seconds between the reason's line and faulthandler's stacks."""
+
+REASON_BYTES = 1024
+"""The longest reason said (in bytes, longer ones are cut)."""
 
 _SIGEV_THREAD = 2  # Linux's <signal.h>
 _CLOCK_MONOTONIC = 1  # Linux's <time.h>; time.monotonic() reads the same clock
@@ -44,14 +53,15 @@ class _Itimerspec(ctypes.Structure):
 
 
 class _ExitTimer:
-    """A POSIX timer that calls ``_exit(status)`` on its own C thread when it expires (Linux only)."""
+    """A POSIX timer that calls ``function(value)`` (default: ``_exit(status)``) on its own C thread when it
+    expires (Linux only)."""
 
-    def __init__(self, status: int):
+    def __init__(self, status: int, function: str = "_exit"):
         libc = ctypes.CDLL(None, use_errno=True)
         self._settime = libc.timer_settime
         self._delete = libc.timer_delete
         event = _Sigevent(value=status, notify=_SIGEV_THREAD,
-                          function=ctypes.cast(libc._exit, ctypes.c_void_p).value)
+                          function=ctypes.cast(getattr(libc, function), ctypes.c_void_p).value)
         self._id = ctypes.c_void_p()
         if libc.timer_create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(self._id)) != 0:
             raise OSError(ctypes.get_errno(), "timer_create failed")
@@ -68,13 +78,36 @@ class _ExitTimer:
         self._delete(self._id)
 
 
-def _exit_timer(status: int) -> _ExitTimer | None:
+def _exit_timer(status: int, function: str = "_exit") -> _ExitTimer | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return _ExitTimer(status)
-    except (OSError, AttributeError):  # no timer_create in this C library: faulthandler exits instead
+        return _ExitTimer(status, function)
+    except (OSError, AttributeError):  # no timer_create (or warnx) in this C library: faulthandler alone
         return None
+
+
+class _Say:
+    """A POSIX timer that writes a reason to stderr on its own C thread (``warnx`` of a buffer it owns: no
+    interpreter lock needed), or None where it cannot be made."""
+
+    def __init__(self) -> None:
+        self.buffer = ctypes.create_string_buffer(REASON_BYTES)
+        self.timer = _exit_timer(ctypes.addressof(self.buffer), "warnx")  # warnx(format): no % in the text
+
+    def set(self, at: float | None, reason: str = "") -> None:
+        if self.timer is None:
+            return
+        self.timer.set(None)  # never while the text changes
+        if at is not None:
+            text = reason.replace("%", "%%").encode("utf-8", "replace")[:REASON_BYTES - 1]
+            ctypes.memmove(self.buffer, text + b"\0", len(text) + 1)
+            self.timer.set(at)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.close()
+            self.timer = None
 
 
 def _stderr() -> object:
@@ -96,8 +129,8 @@ class Backstop:
 
     Examples:
         >>> backstop = Backstop(124, exit_delay=1.0)
-        >>> backstop.arm(time.monotonic() + 600)   # stacks at 600 s from now, the exit 1 s later
-        >>> backstop.cancel()                      # nothing happens
+        >>> backstop.arm(time.monotonic() + 600, "stuck")  # "stuck" and the stacks in 600 s, the exit 1 s later
+        >>> backstop.cancel()                               # nothing happens
         >>> backstop.close()
     """
 
@@ -106,16 +139,20 @@ class Backstop:
         self.exit_delay = exit_delay
         self.armed: float | None = None
         self._timer = _exit_timer(status)
+        self._say = _Say()
 
     @property
     def exits_with(self) -> int:
         """The status the process exits with when the backstop fires: ``status``, or faulthandler's 1."""
         return self.status if self._timer is not None else 1
 
-    def arm(self, at: float) -> None:
-        """Write the stacks at ``at`` (`time.monotonic` seconds) and exit ``exit_delay`` later, unless re-armed
-        or cancelled before."""
-        delay = max(at - time.monotonic(), 1e-3)
+    def arm(self, at: float, reason: str = "") -> None:
+        """Write ``reason`` (Linux; one line, `SAY_LEAD` seconds before) and the stacks at ``at``
+        (`time.monotonic` seconds) and exit ``exit_delay`` later, unless re-armed or cancelled before."""
+        now = time.monotonic()
+        delay = max(at - now, 1e-3)
+        if reason:
+            self._say.set(max(at - SAY_LEAD, now + 1e-3), reason)
         faulthandler.dump_traceback_later(delay, exit=self._timer is None, file=_stderr())
         if self._timer is not None:
             self._timer.set(at + self.exit_delay)
@@ -127,12 +164,14 @@ class Backstop:
             return
         if self._timer is not None:
             self._timer.set(None)
+        self._say.set(None)
         faulthandler.cancel_dump_traceback_later()
         self.armed = None
 
     def close(self) -> None:
         """Cancel, and free the timer."""
         self.cancel()
+        self._say.close()
         if self._timer is not None:
             self._timer.close()
             self._timer = None

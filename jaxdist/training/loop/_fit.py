@@ -45,7 +45,8 @@ Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) i
 what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step). Process 0 records the
 step reached in the checkpoint directory at log points (at most every `PROGRESS_SECONDS`) and when the fit
 ends or fails (`jaxdist.training.checkpoints.write_progress`), so that a fit resumed behind it counts the steps
-it takes again as ``lost`` (``FitOptions.reached``: one comparison per step). ``profile_steps``
+it takes again as ``lost`` (``FitOptions.reached``: one comparison per step), and, beside it, the job's time
+over its runs (`jaxdist.training.loop._job_time`: ``History.job_time``). ``profile_steps``
 traces a window of steps with `jax.profiler` (`jaxdist.training.loop._profile.StepProfile`: one comparison
 per step outside the window).
 """
@@ -58,6 +59,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from time import perf_counter
@@ -74,6 +76,7 @@ from jaxdist.training.checkpoints import Checkpointer, clear_progress, write_pro
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import HostTimes, check_ratio
 from jaxdist.training.loop._job import data_ended
+from jaxdist.training.loop._job_time import JobTime
 from jaxdist.training.loop._logs import Logs
 from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
 from jaxdist.training.loop._preemption import PreemptionWatcher
@@ -125,6 +128,8 @@ class FitOptions:
         reached: the step an earlier run on ``checkpointer``'s directory reached (its progress record, or its
             newest checkpoint before a ``restore_step``): the time of the steps up to it that this fit takes
             again is ``lost``. 0: none.
+        config: how the run is configured (`jaxdist.training.loop._config.run_config`), handed to the callbacks'
+            ``on_config`` before the first step.
 
     Raises:
         ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, ``eval_data`` given as
@@ -153,6 +158,7 @@ class FitOptions:
     profile_processes: Any = (0,)
     clock: FitClock = dataclasses.field(default_factory=FitClock, repr=False, compare=False)
     reached: int = 0
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_ratio(self.straggler_ratio)
@@ -321,6 +327,10 @@ class Fit:
         # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for the next run.
         self.recorder = options.checkpointer is not None and jax.process_index() == 0
         self.recorded = float("-inf")  # when (perf_counter) it last did
+        # ... and the job's time over its runs, beside it (`jaxdist.training.loop._job_time`).
+        self.job = JobTime(options.checkpointer.directory, time.time() - self.clock.wall()) if self.recorder \
+            else None
+        self.ended = False  # the run ended normally (not failed, not preempted): no restart follows it
         self.saved_at_end = False  # the fit ended with a checkpoint of its last step (no record needed then)
         profile = StepProfile.of(options.profile_steps, options.profile_processes, options.log_dir,
                                  lambda step: _run_length(step, options))
@@ -343,13 +353,17 @@ class Fit:
 
     def checkpoint(self) -> None:
         trainer, ckpt = self.trainer, self.options.checkpointer
-        if ckpt is None or trainer.step in (ckpt.latest_step(), self.refused):
+        if ckpt is None:
+            return
+        with self.dog.paused(), self.clock.timing("checkpoint"):  # waits for an asynchronous save in flight
+            latest = ckpt.latest_step()
+        if trainer.step in (latest, self.refused):
             return
         self.logs.flush()
         self.look()  # before every checkpoint: the open window's flags too (it is closed only if it holds any)
-        if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
-            return
         with self.dog.paused(), self.clock.timing("checkpoint"):  # checkpoint writes are not watched
+            if ckpt.latest_step() == trainer.step:  # rolled back to a checkpoint
+                return
             self.written(wait=True)  # the save in flight first (the next save would wait for it anyway)
             try:
                 trainer.save(ckpt)  # a no-op when this step is being written already; refuses a non-finite state
@@ -469,6 +483,10 @@ class Fit:
                 clear_progress(directory)
             else:
                 write_progress(directory, self.trainer.step)
+            if self.saved_at_end and self.ended:  # the job ended here: a later fit is a new one
+                self.job.clear()
+            else:
+                self.job.record(self.clock.totals(), ended=self.ended)
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
@@ -490,10 +508,12 @@ class Fit:
                                waited=lambda: clock.input)  # each process's input wait per log window
         self.hosts.start()
         source = iter(stream)
-        self.dog = Watchdog(options.step_timeout) if options.step_timeout is not None else _Unwatched()
+        self.dog = (Watchdog(options.step_timeout, step=lambda: trainer.step) if options.step_timeout is not None
+                    else _Unwatched())
         try:
-            with PreemptionWatcher(mesh=options.mesh) as watcher, self.dog:  # agreed by every process
+            with PreemptionWatcher(mesh=options.mesh, waited=clock.waited) as watcher, self.dog:  # agreed by all
                 self.emit("on_train_begin")
+                self.emit("on_config", dict(options.config))
                 profile.check(trainer.step)  # the window may start at the first step
                 while True:  # one round, and one more after each rollback at the end
                     steps = _steps(trainer, source, options, clock)
@@ -550,9 +570,12 @@ class Fit:
                     self.evaluate()
                 trainer.sync_model()
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
+                self.job_time()
                 self.emit("on_train_end", history)
                 ckpt = options.checkpointer
-                self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
+                with clock.timing("checkpoint"):
+                    self.saved_at_end = ckpt is not None and ckpt.latest_step() == trainer.step  # none in flight
+                self.ended = not history.preempted
         finally:
             self.record()  # how far this run got (a run that fails: the next one knows what it takes again)
             clock.close()
@@ -563,7 +586,13 @@ class Fit:
             if close is not None:
                 close()
         history.time = clock.totals()
+        self.job_time()
         return history
+
+    def job_time(self) -> None:
+        """``History.job_time`` (process 0, with a checkpoint directory): this run's time with the runs before."""
+        if self.job is not None:
+            self.history.job_time, self.history.job_runs = self.job.totals(self.history.time)
 
 
 def _steps(trainer: FitTarget, source: Iterator, options: FitOptions,

@@ -9,12 +9,23 @@ that ends or fails inside the window stops the trace on its way out.
 
 The trace goes to ``<log_dir>/profile`` (``plugins/profile/<run>/<host>.xplane.pb``, which xprof and
 TensorBoard's profile plugin open, and ``perfetto_trace.json.gz`` for https://ui.perfetto.dev), on the
-processes chosen (process 0 by default).
+processes chosen (process 0 by default). In a job of several processes each one's run is its own, named by
+process (``<run>`` = ``<time>_process<i>``): JAX names a trace's file by host and its run by the second it
+ended, so two processes on one host would overwrite each other's file.
+
+Every traced dispatch carries a step marker, as XProf finds steps (`jax.profiler.StepTraceAnnotation`
+``"train"`` with ``step_num``, the step it runs; an on-device loop's marker is numbered by its first step and
+says its last in ``last_step``): a marker spans the loop's work from the end of one dispatch to the end of the
+next (the callbacks, the next batch, the dispatch). The markers are set between steps, where the loop checks
+the window anyway: no step outside the window pays for them.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -65,14 +76,19 @@ class StepProfile:
         start, stop: the window: steps ``start ... stop - 1``.
         directory: where the trace goes (``<log_dir>/profile``).
         run_length: ``step -> the number of steps the next dispatch runs from step`` (1, or an on-device loop's).
+        process: this process's index when the job has several (its run is named by it), else None.
     """
 
-    def __init__(self, start: int, stop: int, directory: str | os.PathLike, run_length: Callable[[int], int]):
+    def __init__(self, start: int, stop: int, directory: str | os.PathLike, run_length: Callable[[int], int],
+                 process: int | None = None):
         self.start, self.stop, self.directory = start, stop, os.fspath(directory)
         self.run_length = run_length
+        self.process = process
+        self.run: str | None = None  # the run's folder name, when named by process
         self.tracing = False
         self.done = False
         self.due = 0.0  # check at the first step (a resumed run may start inside the window)
+        self.marker: Any = None  # the open step marker (a StepTraceAnnotation), while tracing
 
     @classmethod
     def of(cls, steps: Any, processes: Any, log_dir: Any, run_length: Callable[[int], int]) -> StepProfile | None:
@@ -82,13 +98,17 @@ class StepProfile:
         chosen = (processes,) if isinstance(processes, int) else processes
         if processes != "all" and jax.process_index() not in chosen:
             return None
-        return cls(steps[0], steps[1], os.path.join(os.fspath(log_dir), "profile"), run_length)
+        process = jax.process_index() if jax.process_count() > 1 else None
+        return cls(steps[0], steps[1], os.path.join(os.fspath(log_dir), "profile"), run_length, process)
 
     def check(self, step: int, last: Any = None) -> None:
         """Between steps, at ``step`` (``last``: what the last dispatch returned): start or stop the trace."""
         if self.tracing:
+            self.unmark()
             if step >= self.stop - 1:  # the window's last step is dispatched: let it finish, then stop
                 self.close(last)
+            else:
+                self.mark(step)
             return
         if self.done or step >= self.stop - 1:
             self.done, self.due = True, NEVER
@@ -97,17 +117,38 @@ class StepProfile:
             self.due = max(step + 1, self.start - self.run_length(step))
             return
         try:
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            if self.process is None:
+                jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            else:  # a run of its own, named by process; its Perfetto file written here (JAX's picks the newest run)
+                options = jax.profiler.ProfileOptions()
+                options.session_id = self.run = f"{time.strftime('%Y_%m_%d_%H_%M_%S')}_process{self.process}"
+                jax.profiler.start_trace(self.directory, profiler_options=options)
         except RuntimeError as error:  # another trace is running (the user's): theirs goes on, none here
             warnings.warn(f"profile_steps=({self.start}, {self.stop}): no trace taken, the profiler is busy "
                           f"({type(error).__name__}: another trace is running)", RuntimeWarning, stacklevel=3)
             self.done, self.due = True, NEVER
             return
-        self.tracing, self.due = True, self.stop - 1
+        self.tracing = True
+        self.mark(step)
+
+    def mark(self, step: int) -> None:
+        """Open the marker of the dispatch that runs the steps after ``step``; check again after it."""
+        steps = self.run_length(step)
+        extra = {} if steps == 1 else {"last_step": step + steps}
+        self.marker = jax.profiler.StepTraceAnnotation("train", step_num=step + 1, **extra)
+        self.marker.__enter__()
+        self.due = step + 1
+
+    def unmark(self) -> None:
+        """Close the open step marker, if any."""
+        marker, self.marker = self.marker, None
+        if marker is not None:
+            marker.__exit__(None, None, None)
 
     def close(self, last: Any = None) -> None:
         """Stop the trace (once the devices have finished ``last``), if one is running; the window is done."""
         self.done, self.due = True, NEVER
+        self.unmark()
         if not self.tracing:
             return
         self.tracing = False
@@ -116,3 +157,19 @@ class StepProfile:
                 jax.block_until_ready(last)
         finally:
             jax.profiler.stop_trace()
+            if self.run is not None:
+                _perfetto(os.path.join(self.directory, "plugins", "profile", self.run))
+
+
+def _perfetto(run: str) -> None:
+    """Write ``perfetto_trace.json.gz`` into the trace folder ``run`` from its ``*.trace.json.gz`` (what
+    ``start_trace(create_perfetto_trace=True)`` does for the newest folder: the trace without its ``metadata``,
+    which Perfetto refuses); nothing when there is none."""
+    traces = sorted(name for name in os.listdir(run) if name.endswith(".trace.json.gz")) if os.path.isdir(run) else []
+    if not traces:
+        return
+    with gzip.open(os.path.join(run, traces[0]), "rb") as f:
+        trace = json.load(f)
+    trace.pop("metadata", None)
+    with gzip.open(os.path.join(run, "perfetto_trace.json.gz"), "wb") as f:
+        f.write(json.dumps(trace).encode())

@@ -19,6 +19,7 @@ import jax
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoints import Checkpointer, check_directory, read_progress, restore_live, roll_back
 from jaxdist.training.data import BatchStream, global_rows, say_batch_change
+from jaxdist.training.loop._config import run_config
 from jaxdist.training.loop._fit import FitOptions, FitTarget, run_fit
 from jaxdist.training.loop._job import agree_on_fit, failing
 from jaxdist.training.loop._non_finite import NonFinitePolicy
@@ -97,9 +98,12 @@ def fit_live(
             if live.position_unknown and not isinstance(train_data, Iterator):
                 _say_start(live)
             callbacks = _writers(live, list(callbacks), steps, verbose, log_dir, checkpoint_dir if resumed else None)
+            config = run_config(trainer, live, {**settings, "checkpoint_dir": checkpoint_dir,
+                                                "async_checkpoints": async_checkpoints, "step_timeout": step_timeout,
+                                                "profile_steps": profile_steps})
             options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
                                           steps_per_run=steps_per_run, mesh=mesh, on_non_finite=policy,
-                                          reached=reached)
+                                          reached=reached, config=config)
             feed = live.feed if steps_per_run == 1 else live.loop_feed
             live.steps.skip_non_finite = policy.action == "skip"  # a step variant that skips on the devices
             history = run_fit(trainer, BatchStream(stream.data, live.position, epochs, feed), options)

@@ -4,10 +4,10 @@ A peer that is alive but stuck (a hung callback, a dead-locked input pipeline, a
 process that went elsewhere) passes every heartbeat, so the coordination service never fails the job: the
 others wait in their next collective forever. A watchdog thread turns that into an exit a scheduler can act
 on: when no step finishes within ``timeout`` seconds (the first step, which compiles, gets
-``first_timeout``), it writes ``no step finished in S s: a peer may be stuck or dead; stacks follow`` and every
-thread's Python stack (`faulthandler`) to stderr and ends the process with exit code ``exit_code`` (124, as
-``timeout(1)``), so SLURM / Kubernetes restart the job, which resumes from the last complete checkpoint
-(checkpoints are written atomically: an exit mid-write leaves the previous one intact).
+``first_timeout``), it writes ``no step finished in S s after step N (step_timeout=S s): a peer may be stuck or
+dead ...; stacks follow`` and every thread's Python stack (`faulthandler`) to stderr and ends the process with
+exit code ``exit_code`` (124, as ``timeout(1)``), so SLURM / Kubernetes restart the job, which resumes from the
+last complete checkpoint (checkpoints are written atomically: an exit mid-write leaves the previous one intact).
 
 Every process runs its own watchdog: the stuck process trips because its loop stops, its peers because they
 block in the next collective, each ``timeout`` seconds after its own last step. Process 0 hosts the job's
@@ -18,9 +18,12 @@ The watchdog's thread is Python: it runs only when it gets the interpreter lock,
 C call may keep (an extension that never releases it). So a `Backstop` (`faulthandler` and a C timer, which
 need no lock) is armed ``slack`` seconds (``min(timeout / 2, 10)``) past the deadline: behind such a call every
 thread's stack is written between ``slack / 2`` and ``slack`` seconds late, under faulthandler's
-``Timeout (H:MM:SS)!`` line, and the process exits with ``exit_code`` ``min(slack, 1)`` seconds after (Linux;
-elsewhere faulthandler exits with status 1). The watchdog's own thread re-arms it (about every ``slack / 2``
-seconds while steps finish): the steps pay nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s
+``Timeout (H:MM:SS)!`` line, which the watchdog's reason precedes (``python3: [jaxdist watchdog] no step
+finished in S s after step N (step_timeout=...) ...``), and the process exits with ``exit_code``
+``min(slack, 1)`` seconds after (Linux; elsewhere faulthandler exits with status 1, without the reason). The
+backstop follows the deadline from the first step on: the first step's end arms it (once, on the steps'
+thread: about 80 us), and the watchdog's own thread re-arms it (about every ``slack / 2`` seconds while steps
+finish): the other steps pay nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s
 timer serves something else, note that a process has one: the watchdog takes it while it watches.
 
 ``Trainer.fit(..., step_timeout=S)`` runs one around the training steps (evaluation and checkpoint writes are
@@ -60,6 +63,8 @@ class Watchdog:
         exit_code: the process's exit status when it trips (non-zero).
         on_trip: called with the message instead of printing stacks and exiting (for tests and for loops that
             handle it themselves); it runs on the watchdog's thread, and no `Backstop` is armed.
+        step: returns the step reached, named in the messages (``fit`` passes its trainer's); None: the
+            number of `beat` s.
 
     Raises:
         ValueError: for a timeout that is not a positive number, or an exit code of 0.
@@ -72,7 +77,7 @@ class Watchdog:
         ...         dog.beat()   # a step finished
         ...     time.sleep(0.6)  # then nothing
         >>> tripped[0].split(":")[0]
-        'no step finished in 0.2 s'
+        'no step finished in 0.2 s after step 3 (step_timeout=0.2 s)'
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class Watchdog:
         first_timeout: float | None = None,
         exit_code: int = 124,
         on_trip: Callable[[str], Any] | None = None,
+        step: Callable[[], int] | None = None,
     ):
         for name, value in (("timeout", timeout), ("first_timeout", first_timeout)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
@@ -92,6 +98,7 @@ class Watchdog:
         self.first_timeout = float(first_timeout) if first_timeout is not None else max(10 * self.timeout, 600.0)
         self.exit_code = exit_code
         self.on_trip = on_trip
+        self._step = step
         self.steps = 0
         self._deadline = 0.0
         self._paused = 0
@@ -112,6 +119,7 @@ class Watchdog:
             self._backstop = Backstop(self.exit_code, exit_delay)
             with self._arming:
                 self._rearm()
+            self.beat = self._first_beat  # type: ignore[method-assign]  # the first step's end arms the backstop
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="jaxdist-watchdog", daemon=True)
         self._thread.start()
@@ -140,6 +148,14 @@ class Watchdog:
             self.steps += 1
             self._deadline = time.monotonic() + self.timeout
 
+    def _first_beat(self) -> None:
+        """`beat`, the first time with a backstop: it arms the backstop for the second step at once (the
+        watchdog's thread might not run again before it: a step that holds the interpreter lock)."""
+        self.__dict__.pop("beat", None)  # the plain beat from now on
+        self.beat()
+        with self._arming:
+            self._rearm()
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Not watched inside (evaluation, checkpoint writes); the next step has ``timeout`` seconds after."""
@@ -163,36 +179,53 @@ class Watchdog:
 
     def _rearm(self) -> None:
         """Arm the backstop ``slack`` past the deadline when it is armed less than ``slack / 2`` past it (so
-        once per ``slack / 2`` seconds while steps finish); cancel it while paused. Holds ``_arming``."""
+        once per ``slack / 2`` seconds while steps finish) or more than ``slack`` (the first step's allowance,
+        after the first step); cancel it while paused. Holds ``_arming``."""
         if self._backstop is None:
             return
         with self._lock:
-            deadline, paused = self._deadline, self._paused
+            deadline, paused, steps = self._deadline, self._paused, self.steps
+        armed = self._backstop.armed
         if paused:
             self._backstop.cancel()
-        elif self._backstop.armed is None or self._backstop.armed - deadline < self.slack / 2:
-            self._backstop.arm(deadline + self.slack)
+        elif armed is None or not self.slack / 2 <= armed - deadline <= self.slack:  # too early, or too late
+            self._backstop.arm(deadline + self.slack, self._reason(steps, backstop=True))
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 10)
         while not self._stop.wait(interval):
             with self._lock:
                 late = not self._paused and time.monotonic() > self._deadline
-                allowed = self.first_timeout if self.steps == 0 else self.timeout
             if late:
-                self._trip(allowed)
+                self._trip()
                 return
             with self._arming:
                 self._rearm()
 
-    def _trip(self, allowed: float) -> None:
-        what = f"no step finished in {allowed:g} s"
-        if self.steps == 0:
-            what += " (the first step, compilation included)"
-        message = (
-            f"{what}: a peer may be stuck or dead (or this process is); stacks follow. Exiting with status "
-            f"{self.exit_code} so the scheduler restarts the job; it resumes from the last complete checkpoint."
-        )
+    def _reason(self, steps: int, backstop: bool = False) -> str:
+        """Why the process exits when no step finishes after the ``steps``-th: said by the watchdog's thread,
+        or by the backstop (armed ``slack / 2`` to ``slack`` past the deadline, by then step ``steps`` is the
+        last one the watchdog saw: the steps since its last arming are not named)."""
+        allowed = self.first_timeout if steps == 0 else self.timeout
+        step = self._step() if self._step is not None else steps
+        late = f"{allowed + self.slack / 2:g} s or more" if backstop else f"{allowed:g} s"
+        seen = "the last one the watchdog saw; " if backstop else ""
+        if steps == 0:
+            what = (f"no step finished in {late} after step {step}, where this watch began (the first step, "
+                    f"compilation included, gets first_timeout={self.first_timeout:g} s; "
+                    f"step_timeout={self.timeout:g} s)")
+        else:
+            what = f"no step finished in {late} after step {step} ({seen}step_timeout={self.timeout:g} s)"
+        if backstop:
+            status = self._backstop.exits_with if self._backstop is not None else self.exit_code
+            return (f"[jaxdist watchdog] {what}, and the watchdog's thread could not run: the interpreter lock is "
+                    f"held (a C call that keeps it?); stacks follow. Exiting with status {status} so the scheduler "
+                    "restarts the job; it resumes from the last complete checkpoint.")
+        return (f"{what}: a peer may be stuck or dead (or this process is); stacks follow. Exiting with status "
+                f"{self.exit_code} so the scheduler restarts the job; it resumes from the last complete checkpoint.")
+
+    def _trip(self) -> None:
+        message = self._reason(self.steps)
         self.tripped = message
         with self._arming:  # this thread does the rest: the backstop must not end the process meanwhile
             if self._backstop is not None:

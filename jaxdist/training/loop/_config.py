@@ -1,0 +1,127 @@
+"""How a run is configured: the flat record ``fit`` hands its callbacks once (``on_config``), which the trackers
+keep as the run's parameters (MLflow) or configuration (W&B).
+
+A run's curves are read months later, beside other runs: what was it? The record answers with what ``fit``
+knows for certain, one flat ``{name: value}`` of JSON scalars (a tracker's parameters are flat, and MLflow's are
+strings):
+
+* ``fit``'s arguments that shape the run (``steps``, ``epochs``, ``log_every``, ``eval_every``,
+  ``checkpoint_every``, ``keep_checkpoints``, ``async_checkpoints``, ``checkpoint_dir``, ``restore_step``,
+  ``step_timeout``, ``on_non_finite``, ``profile_steps``);
+* the trainer's: ``steps_per_run``, ``grad_accum_steps``, ``compute_dtype``, ``ema_decay``, ``seed``;
+* the strategy and where it runs: ``strategy`` (its class), ``mesh`` (``"replica=8"``, its axes and sizes),
+  ``devices``, ``device_kind``, ``processes``, ``num_replicas_in_sync``;
+* ``global_batch_size``: the rows of a training batch (None before the first batch is seen);
+* the optimizer, as far as its state says: ``optimizer`` (its state's types, ``"ScaleByAdamState"``: optax's
+  transformations are closures that carry no name) and, for one built with `optax.inject_hyperparams`, each
+  scalar hyperparameter as ``optimizer.<name>`` (``optimizer.learning_rate``; not a ``/``: MLflow's file store
+  would need a folder named like the file ``optimizer``).
+
+Computing it reads no device value but those hyperparameters (once per ``fit``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdist.training.data import global_rows
+
+__all__ = ["run_config"]
+
+
+def _scalar(value: Any) -> Any:
+    """A JSON scalar for ``value``: bools, ints, floats, strings and None as they are; paths as strings; tuples
+    of scalars as ``"a,b"``; anything else by its name or ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, str)) for v in value):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    name = getattr(value, "__name__", None) or getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value)
+
+
+def _optimizer(opt_state: Any) -> dict[str, Any]:
+    """What the optimizer's state says of it: its state types, outer first, and `optax.inject_hyperparams`'
+    scalars (at the precision of their dtype)."""
+    out: dict[str, Any] = {}
+    kinds: list[str] = []
+
+    def walk(node: Any) -> None:
+        if hasattr(node, "_fields"):  # optax's states are NamedTuples
+            kind = type(node).__name__
+            if kind != "EmptyState" and kind not in kinds:
+                kinds.append(kind)
+            hyper = getattr(node, "hyperparams", None)
+            for name, value in (hyper.items() if isinstance(hyper, Mapping) else ()):
+                if isinstance(value, jax.Array):  # this process's copy (a global array may span processes)
+                    value = value.addressable_data(0)
+                array = np.asarray(jax.device_get(value))
+                if array.shape == () and array.dtype.kind in "biuf":
+                    digits = np.finfo(array.dtype).precision + 1 if array.dtype.kind == "f" else None
+                    out[f"optimizer.{name}"] = float(f"{array.item():.{digits}g}") if digits else array.item()
+        if isinstance(node, (tuple, list)):
+            for child in node:
+                walk(child)
+        elif isinstance(node, Mapping):
+            for child in node.values():
+                walk(child)
+
+    walk(opt_state)
+    return {"optimizer": ",".join(kinds), **out} if kinds else out
+
+
+def run_config(trainer: Any, live: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's configuration (see the module): ``fit``'s ``arguments``, the ``trainer``'s settings, its
+    strategy, mesh and devices, the global batch size and the optimizer as its state in ``live`` says.
+
+    Args:
+        trainer: the `Trainer` (its settings: ``steps_per_run``, ``grad_accum_steps``, ...; missing ones are
+            left out).
+        live: its `LiveState` (the strategy, the state, the batch signature).
+        arguments: ``fit``'s arguments by name (the ones the record keeps are taken, see the module).
+
+    Returns:
+        ``{name: JSON scalar}``, in a fixed order.
+
+    Examples:
+        >>> import types, jaxdist as jd
+        >>> live = types.SimpleNamespace(strategy=jd.OneDeviceStrategy(), state=None,
+        ...                              batches=types.SimpleNamespace(signature=None))
+        >>> config = run_config(types.SimpleNamespace(steps_per_run=1), live, {"steps": 100, "log_every": 10})
+        >>> config["steps"], config["strategy"], config["mesh"], config["global_batch_size"]
+        (100, 'OneDeviceStrategy', 'replica=1', None)
+    """
+    config: dict[str, Any] = {key: _scalar(arguments[key]) for key in _FIT if key in arguments}
+    for key in ("steps_per_run", "grad_accum_steps", "compute_dtype", "ema_decay", "seed"):
+        if hasattr(trainer, key):
+            config[key] = _scalar(getattr(trainer, key))
+    strategy = live.strategy
+    mesh = strategy.mesh
+    devices = list(mesh.devices.flat)
+    config.update({
+        "strategy": type(strategy).__name__,
+        "mesh": ",".join(f"{name}={size}" for name, size in mesh.shape.items()),
+        "num_replicas_in_sync": int(strategy.num_replicas_in_sync),
+        "devices": len(devices),
+        "device_kind": _scalar(getattr(devices[0], "device_kind", None)),
+        "processes": len({d.process_index for d in devices}),
+        "global_batch_size": global_rows(live.batches.signature),
+    })
+    state = getattr(live, "state", None)
+    if state is not None:
+        config.update(_optimizer(state.opt_state))
+    return config
+
+
+_FIT = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
+        "checkpoint_dir", "restore_step", "step_timeout", "on_non_finite", "profile_steps")
+"""The arguments of ``fit`` kept in the record (those that shape the run, not where its logs are shown)."""
