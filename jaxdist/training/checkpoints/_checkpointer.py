@@ -29,7 +29,7 @@ paths, shapes and dtypes, and each leaf's checksums).
   A process killed meanwhile leaves the previous checkpoints as they were (the rename is the commit);
   `all_steps`, `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
 * Where the parts live: the metadata and the fit check (`_metadata`), reading items and the search for an intact
-  checkpoint (`_reading`), the save in flight and the exit hook (`_writes`), the directory's own bookkeeping
+  checkpoint (`_reading`), the save in flight (`_writes`), the exit hook (`_at_exit`), the directory's own bookkeeping
   (`_directory`: unfinished saves, rollbacks), damage (`_damage`), the one-writer claim (`_claim`).
 * Closed at exit: a checkpointer left open (no ``close``, no ``with`` block) finishes its save in flight when the
   program ends, normally or with an uncaught exception: every ``save`` that returned is complete on disk, without
@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdist.training.checkpoints._at_exit import forget, keep_open, reserve_threads
 from jaxdist.training.checkpoints._claim import Claim, live_claim
 from jaxdist.training.checkpoints._damage import checksums
 from jaxdist.training.checkpoints._directory import abandon, tidy
@@ -56,7 +57,7 @@ from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_sam
 from jaxdist.training.checkpoints._reading import read_intact, read_iterator_state, read_meta, read_state
 from jaxdist.training.checkpoints._storage import CheckpointSaveError, check_directory, quiet_orbax
 from jaxdist.training.checkpoints._tree import to_disk
-from jaxdist.training.checkpoints._writes import InFlight, array_handlers, forget, keep_open
+from jaxdist.training.checkpoints._writes import InFlight, array_handlers
 from jaxdist.training.data import save_args
 
 __all__ = ["Checkpointer"]
@@ -199,6 +200,7 @@ class Checkpointer:
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
+        reserve_threads()  # threads to finish it at exit where the interpreter refuses new ones then
         self._writes.quiet.enter_context(quiet_orbax())  # until the save has ended (`_join`)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)

@@ -1,15 +1,12 @@
-"""Writing checkpoints with orbax: the state's array handlers, the save in flight (`InFlight`: a waiter thread
-records how it ended, the error raised once by the thread that uses the checkpointer), and the checkpointers
-left open, whose save in flight is finished when the program ends (`keep_open`).
+"""Writing checkpoints with orbax: the state's array handlers and the save in flight (`InFlight`: a waiter thread
+records how it ended, the error raised once by the thread that uses the checkpointer). The checkpointers left
+open, whose save in flight is finished when the program ends, are `jaxdist.training.checkpoints._at_exit`'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import sys
 import threading
-import weakref
 from typing import Any
 
 import jax
@@ -17,50 +14,7 @@ import orbax.checkpoint as ocp
 
 from jaxdist.training.checkpoints._damage import SettlingArrayHandler
 
-__all__ = ["InFlight", "array_handlers", "forget", "keep_open"]
-
-# The checkpointers with a save that may still be in flight, finished before the interpreter shuts its thread
-# pools down (see `_finish_at_exit`).
-_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
-_AT_EXIT_REGISTERED = False
-
-
-def _finish_at_exit() -> None:
-    """Complete every open checkpointer's save in flight, then close it: runs when the main thread ends.
-
-    It must run before ``concurrent.futures`` refuses new work (its own exit hook), since orbax's commit of an
-    asynchronous save schedules work on thread pools: a save finished after that stays a ``*.orbax-checkpoint-tmp``
-    directory, under orbax's "cannot schedule new futures after interpreter shutdown" tracebacks. So it is
-    registered with the hook that runs before those pools stop (threading's, which runs the most recently
-    registered first). A save that fails here is one line on stderr: there is no caller left to raise to.
-    """
-    for ckpt in list(_OPEN):
-        try:
-            ckpt.close()
-        except Exception as error:  # reported; the other checkpointers still finish
-            print(f"jaxdist.training.Checkpointer: {error}", file=sys.stderr, flush=True)
-
-
-def _register_at_exit() -> None:
-    global _AT_EXIT_REGISTERED
-    if _AT_EXIT_REGISTERED:
-        return
-    # CPython's hook that runs before thread pools stop; plain atexit (too late for orbax's pools, but it still
-    # closes the manager) where an interpreter lacks it.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(_finish_at_exit)
-    _AT_EXIT_REGISTERED = True
-
-
-def keep_open(ckpt: Any) -> None:
-    """Close ``ckpt`` (finishing its save in flight) when the program ends, unless `forget` is called first."""
-    _register_at_exit()
-    _OPEN.add(ckpt)
-
-
-def forget(ckpt: Any) -> None:
-    """``ckpt`` is closed: nothing to finish at exit."""
-    _OPEN.discard(ckpt)
+__all__ = ["InFlight", "array_handlers"]
 
 
 def array_handlers() -> dict[str, Any]:
