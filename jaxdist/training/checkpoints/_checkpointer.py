@@ -39,6 +39,7 @@ paths, shapes and dtypes, and each leaf's checksums).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -55,9 +56,14 @@ from jaxdist.training.checkpoints._directory import abandon, tidy
 from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
 from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
 from jaxdist.training.checkpoints._reading import read_intact, read_iterator_state, read_meta, read_state
-from jaxdist.training.checkpoints._storage import CheckpointSaveError, check_directory, quiet_orbax
+from jaxdist.training.checkpoints._storage import (
+    CheckpointSaveError,
+    check_directory,
+    quiet_after_failure,
+    quiet_orbax,
+)
 from jaxdist.training.checkpoints._tree import to_disk
-from jaxdist.training.checkpoints._writes import InFlight, array_handlers
+from jaxdist.training.checkpoints._writes import InFlight, array_handlers, operation, release_stalled
 from jaxdist.training.data import save_args
 
 __all__ = ["Checkpointer"]
@@ -77,7 +83,9 @@ class Checkpointer:
             ``save`` returns when the checkpoint is complete.
 
     Raises:
-        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""`` or a regular file.
+        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""``, a regular file, or cannot be
+            created (a read-only filesystem, no permission). An existing read-only directory opens (to restore
+            from); its first ``save`` raises.
 
     Examples:
         >>> import tempfile, jax.numpy as jnp, jaxdist as jd
@@ -103,7 +111,8 @@ class Checkpointer:
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep all).")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False.")
-        self.directory = check_directory(directory, "directory", create=False, probe=False)
+        # Created here (process 0; orbax would, with a bare OSError where it cannot): a named error instead.
+        self.directory = check_directory(directory, "directory", create=jax.process_index() == 0, probe=False)
         self.async_save = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -180,6 +189,9 @@ class Checkpointer:
         step = int(step)
         path = os.path.join(self.directory, str(step))
         self._raise_failure()
+        if jax.process_index() == 0 and not os.path.isdir(self.directory):  # removed, or unmounted, since
+            gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.directory)
+            raise CheckpointSaveError(step, self.directory, None, gone) from None
         self.claim()
         if step in self._manager.all_steps():  # complete, or being written
             self._join()
@@ -206,9 +218,12 @@ class Checkpointer:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as error:
             self._writes.quiet.close()
+            self._writes.any_failed = True
+            quiet_after_failure()  # orbax's other threads of this save may report it again, later
             with contextlib.suppress(Exception):  # orbax raises it again to every waiter: take this turn now
                 with quiet_orbax():
                     self._manager.wait_until_finished()
+            release_stalled(operation())  # its threads left waiting for a part that failed
             LOG.debug("saving checkpoint step %d failed", step, exc_info=error)
             failed = CheckpointSaveError(step, self.directory, self.latest_step(), error)
             failed.__context__ = error  # kept for debugging, not printed (``from None``)
@@ -236,7 +251,8 @@ class Checkpointer:
         if self._claim is not None:
             self._claim.check()
             return
-        check_directory(self.directory, "directory")  # exists (orbax made it) and is writable
+        # exists (orbax made it) and is writable
+        check_directory(self.directory, "directory", consequence="Nothing was saved.")
         self._claim = Claim.acquire(self.directory, "checkpoint_dir")
 
     def _join(self) -> None:
@@ -482,7 +498,14 @@ class Checkpointer:
         try:
             self._join()
         finally:
-            self._manager.close()
+            try:
+                with quiet_orbax():
+                    self._manager.close()
+            except Exception as error:  # orbax raises a failed save again to each caller that waits for it
+                if self._writes.any_failed or self._writes.last_step is None:
+                    LOG.debug("closing the checkpoint manager of %r", self.directory, exc_info=error)
+                else:  # not seen yet: the newest save's (close waits for it)
+                    self._writes.fail(self._writes.last_step, error)
             if self._claim is not None:
                 self._claim.release()
                 self._claim = None
