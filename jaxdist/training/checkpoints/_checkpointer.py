@@ -51,7 +51,7 @@ import orbax.checkpoint as ocp
 
 from jaxdist.training.checkpoints._at_exit import forget, keep_open, reserve_threads
 from jaxdist.training.checkpoints._claim import Claim, live_claim
-from jaxdist.training.checkpoints._damage import checksums
+from jaxdist.training.checkpoints._damage import checksums, missing_parts
 from jaxdist.training.checkpoints._directory import abandon, tidy
 from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
 from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
@@ -395,7 +395,8 @@ class Checkpointer:
 
     def check_writer(self) -> None:
         """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks before it writes
-        here): the newest one has a ``meta`` item, and the directory is not itself one orbax checkpoint.
+        here): the newest one has jaxdist's items (``meta``, ``state``; one of them missing is damage, which
+        reading it reports), and the directory is not itself one orbax checkpoint.
 
         Raises:
             ValueError: naming the checkpoint, with the two lines of plain orbax and ``Trainer.load_state`` that
@@ -411,7 +412,9 @@ class Checkpointer:
         latest = self.latest_step()
         if latest is None and is_orbax_checkpoint(self.directory):
             raise ValueError(advice(self.directory, None))
-        if latest is not None and not os.path.isdir(os.path.join(self.directory, str(latest), "meta")):
+        # A step with jaxdist's items that lacks some of them (its ``meta``, a process's part) is jaxdist's,
+        # damaged: reading it says so, with the newest intact step. Another writer's has neither item.
+        if latest is not None and missing_parts(os.path.join(self.directory, str(latest))) is None:
             raise ValueError(advice(self.directory, latest))
 
     def _step(self, step: int | None) -> int:
