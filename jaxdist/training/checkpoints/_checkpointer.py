@@ -55,7 +55,13 @@ from jaxdist.training.checkpoints._damage import checksums, missing_parts
 from jaxdist.training.checkpoints._directory import abandon, tidy
 from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
 from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
-from jaxdist.training.checkpoints._reading import read_intact, read_iterator_state, read_meta, read_state
+from jaxdist.training.checkpoints._reading import (
+    check_target,
+    read_intact,
+    read_iterator_state,
+    read_meta,
+    read_state,
+)
 from jaxdist.training.checkpoints._storage import (
     CheckpointSaveError,
     check_directory,
@@ -449,10 +455,13 @@ class Checkpointer:
             FileNotFoundError: when there is no such checkpoint.
             ValueError: when it was not written by jaxdist.training or does not fit ``like`` (the message
                 names the differing leaves).
+            TypeError: when a leaf of ``like`` has no layout (a numpy array), naming it.
             CheckpointCorruptedError: when its files are damaged, or a restored leaf does not match the checksums
                 saved with it (naming the leaf), naming the newest older checkpoint that restores into ``like``
                 (see `read`).
         """
+        check_target(like)
+
         def read(at: int) -> tuple[Any, dict]:
             info = self.meta(at)
             self.check(like, info)
