@@ -13,7 +13,8 @@
   of lines for one full disk), some of them after the error is raised (at ``close``, at exit), and tensorstore's
   callbacks into the event loops orbax closed print "Event loop is closed" tracebacks. `quiet_orbax` moves
   orbax's records to the ``jaxdist.training.checkpoint`` logger at DEBUG while jaxdist's saves run, and
-  `quiet_after_failure` for the rest of the process once one failed (with those closed-loop callbacks);
+  `quiet_after_failure` for the rest of the process once one failed (with those closed-loop callbacks, and
+  asyncio's reports of orbax's tasks the failure abandoned);
   ``logging.getLogger("jaxdist.training.checkpoint").setLevel(logging.DEBUG)`` shows them. The error keeps
   orbax's exception as ``__context__`` (not printed).
 """
@@ -252,6 +253,31 @@ class _Quiet(logging.Filter):
 
 _FILTER = _Quiet()
 logging.getLogger("absl").addFilter(_FILTER)
+
+
+def _from_orbax(tb: Any) -> bool:
+    """Whether a traceback passes through orbax's code."""
+    while tb is not None:
+        if _ORBAX in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _QuietAsyncio(logging.Filter):
+    """On the ``asyncio`` logger: the exceptions of orbax's tasks that a failed save abandoned (reported when the
+    task is collected, often at exit, where printing them fails too: "--- Logging error ---") go to `LOG` at
+    DEBUG, while jaxdist's saves run or once one failed; everything else passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (_FILTER.active or _FILTER.pinned) or not record.exc_info or not _from_orbax(record.exc_info[2]):
+            return True
+        if LOG.isEnabledFor(logging.DEBUG):
+            LOG.debug("asyncio: %s", record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+logging.getLogger("asyncio").addFilter(_QuietAsyncio())
 
 
 def _closed_loop_callback(unraisable: Any) -> bool:
