@@ -265,12 +265,17 @@ def _from_orbax(tb: Any) -> bool:
 
 
 class _QuietAsyncio(logging.Filter):
-    """On the ``asyncio`` logger: the exceptions of orbax's tasks that a failed save abandoned (reported when the
-    task is collected, often at exit, where printing them fails too: "--- Logging error ---") go to `LOG` at
-    DEBUG, while jaxdist's saves run or once one failed; everything else passes."""
+    """On the ``asyncio`` logger: the exceptions of orbax's tasks and tensorstore's futures that a failed save
+    abandoned (reported when they are collected, often at exit, where printing them fails too: "--- Logging
+    error ---") go to `LOG` at DEBUG: while jaxdist's saves run, those raised through orbax's code; once one
+    failed, also those raised with no Python frame at all (tensorstore's, set from C++). Everything else
+    passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not (_FILTER.active or _FILTER.pinned) or not record.exc_info or not _from_orbax(record.exc_info[2]):
+        if not record.exc_info or not (_FILTER.active or _FILTER.pinned):
+            return True
+        tb = record.exc_info[2]
+        if not (_from_orbax(tb) or (_FILTER.pinned and tb is None)):
             return True
         if LOG.isEnabledFor(logging.DEBUG):
             LOG.debug("asyncio: %s", record.getMessage(), exc_info=record.exc_info)
