@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import CLASSES, host_leaves, make, shuffled_batches
+from registry import CLASSES, host_leaves, launch_env, make, shuffled_batches
 
 import jaxdist as jd
 from jaxdist.training.checkpoints._damage import ChecksumMismatchError, checksums
@@ -353,6 +353,52 @@ def test_a_partly_deleted_checkpoint_is_the_one_error_naming_what_is_missing(wri
             match=rf"checkpoint 20 .*\(.*{re.escape(shown)}.* missing: partly written or partly deleted\): delete "
                   rf".*20 to resume from 10, or pass step=10\.$"):
         trainer().restore(ckpt, batch=SAMPLE)
+
+
+@pytest.mark.parametrize("part", ["meta", "state/ocdbt.process_0"])
+def test_fit_names_a_checkpoint_missing_an_item_or_a_process_part_as_damage(written, tmp_path, part):
+    """Not "a checkpoint jaxdist.training did not write" (a missing ``meta``), nor orbax's bare ``Exception``
+    from tensorstore's read (a process's database gone): damage, with the step that resumes."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written, directory)
+    shutil.rmtree(directory / "20" / part)
+    shown = "meta/metadata" if part == "meta" else part
+    with pytest.raises(jd.training.CheckpointCorruptedError,
+                       match=rf"^checkpoint 20 in .*\({re.escape(shown)} missing: partly written or partly deleted\): "
+                             rf"delete .*20 to resume from 10, or pass restore_step=10\.$") as info:
+        trainer().fit(data_fn, steps=30, checkpoint_dir=directory, verbose=0)
+    assert (info.value.step, info.value.intact_step) == (20, 10)
+    another = tmp_path / "orbax"  # another writer's steps (no jaxdist item) still get the plain orbax advice
+    shutil.copytree(written, another)
+    for step in ("10", "20"):
+        for item in ("meta", "state"):
+            shutil.move(another / step / item, another / step / f"default_{item}")
+    with pytest.raises(ValueError, match=r"holds a checkpoint at step 20 that jaxdist.training did not write"):
+        trainer().fit(data_fn, steps=30, checkpoint_dir=another, verbose=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_job_whose_checkpoint_lost_one_process_part_names_it_on_every_process(tmp_path):
+    """2 processes (FSDP: each writes its own ``state/ocdbt.process_<i>``); process 1's part of checkpoint 6
+    removed: before, process 1 failed in orbax's words ("Encountered error while reading array index") and
+    process 0 was stopped for it; now every process says which part is missing and that 3 resumes."""
+    worker = str(HERE / "multiprocess" / "damaged_worker.py")
+    launch = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "120", worker,
+              str(tmp_path / "ckpt")]
+    wrote = subprocess.run([*launch, "write"], env=launch_env(), capture_output=True, text=True, timeout=150)
+    assert wrote.returncode == 0 and "[1] reached 6" in wrote.stdout, wrote.stdout[-3000:] + wrote.stderr[-3000:]
+    part = tmp_path / "ckpt" / "6" / "state" / "ocdbt.process_1"
+    assert (part / "manifest.ocdbt").is_file()
+    shutil.rmtree(part)
+    out = subprocess.run([*launch, "resume"], env=launch_env(), capture_output=True, text=True, timeout=150)
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    for process in (0, 1):
+        said = [line for line in out.stdout.splitlines() if line.startswith(f"[{process}] CheckpointCorrupted")]
+        assert said, out.stdout[-3000:]
+        assert "(state/ocdbt.process_1 missing: partly written or partly deleted)" in said[0], said
+        assert said[0].endswith("resume from 3, or pass restore_step=3."), said
+    assert "Encountered error while reading" not in out.stdout + out.stderr
 
 
 def test_a_damaged_older_checkpoint_names_the_newer_one_that_restores(written, tmp_path):

@@ -41,8 +41,9 @@ def test_indivisible_batch_says_drop_or_pad():
     with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 does not divide global batch 100: drop the "
                                           r"remainder \(batch 96\) or pad to 104"):
         list(strategy.experimental_distribute_dataset([np.zeros((100, 2))]))
-    with pytest.raises(ValueError, match="does not divide global batch 12"):
-        strategy.experimental_distribute_values((np.zeros((16, 1)), np.zeros((12, 1))))
+    with pytest.raises(ValueError, match=r"the batch is ragged: its leaves have different rows \(\[0\]: 16, \[1\]: "
+                                         r"12\)"):
+        strategy.experimental_distribute_values((np.zeros((16, 1)), np.zeros((12, 1))))  # not a short batch
     # Fewer rows than replicas: no remainder to drop, the fix is more rows or fewer replicas.
     with pytest.raises(ValueError, match=r"does not divide global batch 5: each replica needs at least one row: give "
                                           r"at least 8 rows .* or a strategy with fewer replicas"):

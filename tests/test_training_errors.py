@@ -146,8 +146,10 @@ def test_one_shot_iterator_is_read_once_and_resumes_by_skipping(strategy, tmp_pa
     t.fit(iter(data[:3]), steps=3, checkpoint_dir=tmp_path, verbose=0)
     assert t.data_position == jd.training.DataPosition(0, 3)
     resumed = trainer(strategy)
-    resumed.fit(iter(data), steps=10, checkpoint_dir=tmp_path, verbose=0)  # skips 3, then 2 left: stops at 5
+    with pytest.warns(UserWarning, match=r"train_data ended at step 5 of steps=10"):
+        resumed.fit(iter(data), steps=10, checkpoint_dir=tmp_path, verbose=0)  # skips 3, then 2 left: stops at 5
     assert resumed.step == 5
     straight = trainer(strategy)
-    straight.fit(iter(data), steps=10, verbose=0)
+    with pytest.warns(UserWarning, match=r"train_data ended at step 5 of steps=10"):
+        straight.fit(iter(data), steps=10, verbose=0)
     np.testing.assert_array_equal(np.asarray(resumed.params["kernel"]), np.asarray(straight.params["kernel"]))

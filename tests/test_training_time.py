@@ -461,7 +461,13 @@ def calls(monkeypatch) -> Calls:
 def test_the_trace_covers_the_window(monkeypatch, tmp_path, steps_per_run, log_every, window, want):
     record = calls(monkeypatch)
     record.trainer = trainer(steps_per_run=steps_per_run)
-    record.trainer.fit(batches(8), steps=8, log_every=log_every, log_dir=tmp_path, profile_steps=window, verbose=0)
+    fit = lambda: record.trainer.fit(batches(8), steps=8, log_every=log_every, log_dir=tmp_path,  # noqa: E731
+                                     profile_steps=window, verbose=0)
+    if want:
+        fit()
+    else:  # a window the fit never reaches is said
+        with pytest.warns(UserWarning, match=r"profile_steps=\(10, 12\): no trace taken: this fit ended at step 8"):
+            fit()
     assert record == want
 
 

@@ -275,6 +275,22 @@ class SyncOnRead(_Distributed):
         if self._aggregation is VariableAggregation.MEAN:
             check_mean_dtype(value, "the sync-on-read value")
 
+    def _check_kind(self, value: Any, call: str) -> None:
+        """Refuse ``value`` of a kind the components' dtype cannot hold (a float for an integer value, a complex
+        for a real one): stored, it would be truncated without a word (``assign_add(0.5)`` on an int32 value
+        adds 0). tf.distribute refuses it too (a dtype mismatch)."""
+        source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype  # a list, a Python number
+        target = self._value.dtype
+        if _kind(source) <= _kind(target):
+            return
+        shown = value if isinstance(value, (bool, int, float, complex)) else f"a {source} value"
+        raise TypeError(
+            f"{call}({shown}): the sync-on-read value is {target}, which cannot hold a {source} value (it would "
+            f"be truncated without a word). Pass a value of dtype {target} (e.g. jnp.asarray(x, jnp.{target})), or "
+            f"create the value with a {_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
+            f"jnp.{jnp.dtype(source).name}), aggregation)."
+        )
+
     def assign(self, value: Any) -> SyncOnRead:
         """Store ``value`` in place (as tf.distribute's variables do) and return this value.
 
@@ -283,7 +299,11 @@ class SyncOnRead(_Distributed):
         so that ``.read()`` returns ``value``: with SUM each of the N components is ``value / N`` (integers:
         replica 0 holds ``value``, the others 0, so the sum stays exact); with MEAN and ONLY_FIRST_REPLICA
         every component is ``value``.
+
+        Raises:
+            TypeError: for a value the dtype cannot hold (a float for an integer value, a complex for a real one).
         """
+        self._check_kind(value, "assign")
         if self._local:
             value = jnp.asarray(value, self._value.dtype)
             if value.shape != self._value.shape:
@@ -323,12 +343,31 @@ class SyncOnRead(_Distributed):
         return self
 
     def assign_add(self, delta: Any) -> SyncOnRead:
-        """Add ``delta`` in place (to this replica's component in replica context) and return this value."""
+        """Add ``delta`` in place (to this replica's component in replica context) and return this value.
+
+        Raises:
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer value).
+
+        Examples:
+            >>> import jax.numpy as jnp, jaxdist as jd
+            >>> seen = jd.OneDeviceStrategy().sync_on_read(jnp.zeros((), jnp.int32), "sum")
+            >>> int(seen.assign_add(2).read())
+            2
+            >>> seen.assign_add(0.5)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            TypeError: assign_add(0.5): the sync-on-read value is int32, which cannot hold a float32 value ...
+        """
+        self._check_kind(delta, "assign_add")
         return self.assign(self.read() + jnp.asarray(delta, self._value.dtype))
 
     def assign_sub(self, delta: Any) -> SyncOnRead:
-        """Subtract ``delta`` in place (from this replica's component in replica context); return this value."""
-        return self.assign_add(-jnp.asarray(delta, self._value.dtype))
+        """Subtract ``delta`` in place (from this replica's component in replica context); return this value.
+
+        Raises:
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer value).
+        """
+        self._check_kind(delta, "assign_sub")
+        return self.assign(self.read() - jnp.asarray(delta, self._value.dtype))
 
     def read(self) -> jax.Array:
         """The aggregated value in cross-replica context; this replica's component in replica context (inside
@@ -348,6 +387,20 @@ class SyncOnRead(_Distributed):
         obj = object.__new__(cls)
         obj._value, obj._aggregation, obj._owner, obj._local = children[0], aggregation, owner, local
         return obj
+
+
+_KIND_NAMES = ("bool", "integer", "floating", "complex")
+
+
+def _kind(dtype: Any) -> int:
+    """0 bool, 1 integer, 2 floating, 3 complex: a value of a higher kind does not fit a lower one."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return 3
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return 2
+    if jnp.issubdtype(dtype, jnp.integer):
+        return 1
+    return 0 if jnp.issubdtype(dtype, jnp.bool_) else 2  # other types (keys, ...): as floating
 
 
 def store_components(value: SyncOnRead, stacked: Any) -> None:

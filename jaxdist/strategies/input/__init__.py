@@ -12,6 +12,7 @@ from jaxdist.strategies.input._dataset import DistributedIterator as Distributed
 from jaxdist.strategies.input._dataset import InputContext as InputContext
 from jaxdist.strategies.input._placement import all_on_mesh as all_on_mesh
 from jaxdist.strategies.input._placement import argument_layouts as argument_layouts
+from jaxdist.strategies.input._placement import check_batch_leaves as check_batch_leaves
 from jaxdist.strategies.input._placement import check_divisible as check_divisible
 from jaxdist.strategies.input._placement import kept as kept
 from jaxdist.strategies.input._placement import needs_placing as needs_placing
@@ -20,6 +21,7 @@ from jaxdist.strategies.input._placement import place_nnx_defaults as place_nnx_
 from jaxdist.strategies.input._placement import replicas_on_this_process as replicas_on_this_process
 from jaxdist.strategies.input._placement import sharding_off as sharding_off
 from jaxdist.strategies.input._placement import shardings_of as shardings_of
+from jaxdist.strategies.input._placement import text_kind as text_kind
 from jaxdist.strategies.input._read_ahead import Prefetcher as Prefetcher
 from jaxdist.strategies.input._read_ahead import ahead as ahead
 from jaxdist.strategies.input._remainder import PADDED as PADDED
@@ -37,6 +39,7 @@ __all__ = [
     "ahead",
     "all_on_mesh",
     "argument_layouts",
+    "check_batch_leaves",
     "check_batches",
     "check_divisible",
     "check_remainder",
@@ -48,5 +51,6 @@ __all__ = [
     "place_nnx_defaults",
     "replicas_on_this_process",
     "sharding_off",
+    "text_kind",
     "shardings_of",
 ]

@@ -45,6 +45,63 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch", axes
     return replicas
 
 
+def text_kind(x: Any) -> str | None:
+    """What ``x`` is when it is text or objects, which no JAX array holds (``"str"``, ``"numpy dtype <U1"``), or
+    None for anything else.
+
+    Examples:
+        >>> import numpy as np
+        >>> text_kind(np.array(["a"])), text_kind(np.zeros(2)), text_kind("a")
+        ('numpy dtype <U1', None, 'str')
+    """
+    if isinstance(x, (str, bytes)):
+        return type(x).__name__
+    if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "USOV":  # str, bytes, object, void
+        return f"numpy dtype {x.dtype}"
+    return None
+
+
+def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> None:
+    """Name the plain mistakes in a batch before JAX or the row split meets them: a leaf of strings (or
+    objects), which no JAX array holds; leaves whose rows differ where the replicas cannot split them (a ragged
+    batch: saying that ``replicas`` does not divide one leaf's rows would point at the wrong fix).
+
+    Args:
+        batch: the batch (a pytree; its host or device arrays).
+        replicas: the replicas that split its rows.
+        where: how the message names the batch (default ``"the batch"``).
+
+    Raises:
+        TypeError: for a leaf of strings, bytes or objects, naming it and the fix.
+        ValueError: for leaves with different rows that the replicas do not all divide, naming them.
+
+    Examples:
+        >>> import numpy as np
+        >>> check_batch_leaves({"x": np.zeros((64, 4)), "y": np.zeros(64)}, 8)
+        >>> check_batch_leaves((np.zeros((64, 4)), np.zeros(60)), 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the batch is ragged: its leaves have different rows ([0]: 64, [1]: 60), ...
+    """
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    name = where or "the batch"
+    for path, x in flat:
+        dtype = text_kind(x)
+        if dtype is not None:
+            raise TypeError(
+                f"{name} leaf {jax.tree_util.keystr(path) or '(the batch itself)'} holds text or objects ({dtype}): "
+                "JAX arrays hold numbers and bools only. Encode it before the batch (e.g. token ids or a "
+                "vocabulary lookup as int32), or keep it out of the batch (a separate, non-batch argument).")
+    rows = {jax.tree_util.keystr(path): np.shape(x)[0] for path, x in flat if np.ndim(x)}
+    if len(set(rows.values())) > 1 and any(r % replicas for r in rows.values()):
+        shown = ", ".join(f"{path}: {r}" for path, r in rows.items())
+        raise ValueError(
+            f"{name} is ragged: its leaves have different rows ({shown}), and axis 0 of every leaf is the batch "
+            f"the {replicas} replicas split. Give every leaf the same rows (one per example; a last short batch: "
+            f"drop it or pad every leaf to {-(-max(rows.values()) // replicas) * replicas}), or move an array "
+            "that is not per example out of the batch.")
+
+
 def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | None = None) -> None:
     """Check that ``policy``'s context axes divide the sequence dimension of a batch leaf of ``shape``.
 
@@ -129,12 +186,15 @@ def _batch_layouts(policy: LayoutPolicy, batch: Any, leaves: list[Any], treedef:
     """`argument_layouts` of a batch, as a list over its leaves. A batch of host arrays (a training loop's,
     every step) is laid out by its structure and shapes alone: decided once per signature (its checks made
     then), not leaf by leaf at every step."""
+    replicas = replicas_on_this_process(policy) if process_local else policy.num_replicas
     if not all(type(x) is np.ndarray for x in leaves):
+        check_batch_leaves(batch, replicas, where)
         return treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
-    key = (treedef, tuple(x.shape for x in leaves), process_local)
+    key = (treedef, tuple((x.shape, x.dtype) for x in leaves), process_local)
     known = _HOST_BATCH_LAYOUTS.setdefault(policy, {})
     layouts = known.get(key)
     if layouts is None:
+        check_batch_leaves(batch, replicas, where)  # once per signature, as the layouts
         layouts = treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
         if len(known) >= 64:  # bounded: a few signatures per run (a last partial batch, evaluation)
             known.pop(next(iter(known)))

@@ -29,7 +29,7 @@ paths, shapes and dtypes, and each leaf's checksums).
   A process killed meanwhile leaves the previous checkpoints as they were (the rename is the commit);
   `all_steps`, `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
 * Where the parts live: the metadata and the fit check (`_metadata`), reading items and the search for an intact
-  checkpoint (`_reading`), the save in flight and the exit hook (`_writes`), the directory's own bookkeeping
+  checkpoint (`_reading`), the save in flight (`_writes`), the exit hook (`_at_exit`), the directory's own bookkeeping
   (`_directory`: unfinished saves, rollbacks), damage (`_damage`), the one-writer claim (`_claim`).
 * Closed at exit: a checkpointer left open (no ``close``, no ``with`` block) finishes its save in flight when the
   program ends, normally or with an uncaught exception: every ``save`` that returned is complete on disk, without
@@ -39,6 +39,7 @@ paths, shapes and dtypes, and each leaf's checksums).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -48,15 +49,27 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdist.training.checkpoints._at_exit import forget, keep_open, reserve_threads
 from jaxdist.training.checkpoints._claim import Claim, live_claim
-from jaxdist.training.checkpoints._damage import checksums
+from jaxdist.training.checkpoints._damage import checksums, missing_parts
 from jaxdist.training.checkpoints._directory import abandon, tidy
 from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
 from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
-from jaxdist.training.checkpoints._reading import read_intact, read_iterator_state, read_meta, read_state
-from jaxdist.training.checkpoints._storage import CheckpointSaveError, check_directory, quiet_orbax
+from jaxdist.training.checkpoints._reading import (
+    check_target,
+    read_intact,
+    read_iterator_state,
+    read_meta,
+    read_state,
+)
+from jaxdist.training.checkpoints._storage import (
+    CheckpointSaveError,
+    check_directory,
+    quiet_after_failure,
+    quiet_orbax,
+)
 from jaxdist.training.checkpoints._tree import to_disk
-from jaxdist.training.checkpoints._writes import InFlight, array_handlers, forget, keep_open
+from jaxdist.training.checkpoints._writes import InFlight, array_handlers, operation, release_stalled
 from jaxdist.training.data import save_args
 
 __all__ = ["Checkpointer"]
@@ -76,7 +89,9 @@ class Checkpointer:
             ``save`` returns when the checkpoint is complete.
 
     Raises:
-        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""`` or a regular file.
+        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""``, a regular file, or cannot be
+            created (a read-only filesystem, no permission). An existing read-only directory opens (to restore
+            from); its first ``save`` raises.
 
     Examples:
         >>> import tempfile, jax.numpy as jnp, jaxdist as jd
@@ -102,7 +117,8 @@ class Checkpointer:
             raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep all).")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False.")
-        self.directory = check_directory(directory, "directory", create=False, probe=False)
+        # Created here (process 0; orbax would, with a bare OSError where it cannot): a named error instead.
+        self.directory = check_directory(directory, "directory", create=jax.process_index() == 0, probe=False)
         self.async_save = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -179,6 +195,9 @@ class Checkpointer:
         step = int(step)
         path = os.path.join(self.directory, str(step))
         self._raise_failure()
+        if jax.process_index() == 0 and not os.path.isdir(self.directory):  # removed, or unmounted, since
+            gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.directory)
+            raise CheckpointSaveError(step, self.directory, None, gone) from None
         self.claim()
         if step in self._manager.all_steps():  # complete, or being written
             self._join()
@@ -199,14 +218,18 @@ class Checkpointer:
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
+        reserve_threads()  # threads to finish it at exit where the interpreter refuses new ones then
         self._writes.quiet.enter_context(quiet_orbax())  # until the save has ended (`_join`)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as error:
             self._writes.quiet.close()
+            self._writes.any_failed = True
+            quiet_after_failure()  # orbax's other threads of this save may report it again, later
             with contextlib.suppress(Exception):  # orbax raises it again to every waiter: take this turn now
                 with quiet_orbax():
                     self._manager.wait_until_finished()
+            release_stalled(operation())  # its threads left waiting for a part that failed
             LOG.debug("saving checkpoint step %d failed", step, exc_info=error)
             failed = CheckpointSaveError(step, self.directory, self.latest_step(), error)
             failed.__context__ = error  # kept for debugging, not printed (``from None``)
@@ -234,7 +257,8 @@ class Checkpointer:
         if self._claim is not None:
             self._claim.check()
             return
-        check_directory(self.directory, "directory")  # exists (orbax made it) and is writable
+        # exists (orbax made it) and is writable
+        check_directory(self.directory, "directory", consequence="Nothing was saved.")
         self._claim = Claim.acquire(self.directory, "checkpoint_dir")
 
     def _join(self) -> None:
@@ -377,7 +401,8 @@ class Checkpointer:
 
     def check_writer(self) -> None:
         """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks before it writes
-        here): the newest one has a ``meta`` item, and the directory is not itself one orbax checkpoint.
+        here): the newest one has jaxdist's items (``meta``, ``state``; one of them missing is damage, which
+        reading it reports), and the directory is not itself one orbax checkpoint.
 
         Raises:
             ValueError: naming the checkpoint, with the two lines of plain orbax and ``Trainer.load_state`` that
@@ -393,7 +418,9 @@ class Checkpointer:
         latest = self.latest_step()
         if latest is None and is_orbax_checkpoint(self.directory):
             raise ValueError(advice(self.directory, None))
-        if latest is not None and not os.path.isdir(os.path.join(self.directory, str(latest), "meta")):
+        # A step with jaxdist's items that lacks some of them (its ``meta``, a process's part) is jaxdist's,
+        # damaged: reading it says so, with the newest intact step. Another writer's has neither item.
+        if latest is not None and missing_parts(os.path.join(self.directory, str(latest))) is None:
             raise ValueError(advice(self.directory, latest))
 
     def _step(self, step: int | None) -> int:
@@ -428,10 +455,13 @@ class Checkpointer:
             FileNotFoundError: when there is no such checkpoint.
             ValueError: when it was not written by jaxdist.training or does not fit ``like`` (the message
                 names the differing leaves).
+            TypeError: when a leaf of ``like`` has no layout (a numpy array), naming it.
             CheckpointCorruptedError: when its files are damaged, or a restored leaf does not match the checksums
                 saved with it (naming the leaf), naming the newest older checkpoint that restores into ``like``
                 (see `read`).
         """
+        check_target(like)
+
         def read(at: int) -> tuple[Any, dict]:
             info = self.meta(at)
             self.check(like, info)
@@ -480,7 +510,14 @@ class Checkpointer:
         try:
             self._join()
         finally:
-            self._manager.close()
+            try:
+                with quiet_orbax():
+                    self._manager.close()
+            except Exception as error:  # orbax raises a failed save again to each caller that waits for it
+                if self._writes.any_failed or self._writes.last_step is None:
+                    LOG.debug("closing the checkpoint manager of %r", self.directory, exc_info=error)
+                else:  # not seen yet: the newest save's (close waits for it)
+                    self._writes.fail(self._writes.last_step, error)
             if self._claim is not None:
                 self._claim.release()
                 self._claim = None

@@ -150,24 +150,47 @@ def missing_parts(step_dir: str) -> list[str] | None:
     missing = [part for part in _REQUIRED if not os.path.exists(os.path.join(step_dir, part))]
     state = os.path.join(step_dir, "state")
     if os.path.isdir(state):
-        for name in sorted(os.listdir(state)):
-            if name.startswith("ocdbt.process_") and not os.path.exists(os.path.join(state, name, "manifest.ocdbt")):
+        # Each process that wrote arrays left its metadata (``array_metadatas/process_<i>``) and its own database
+        # (``ocdbt.process_<i>``): a process's part gone as a whole is named too, not only a part cut short.
+        writers = os.listdir(os.path.join(state, "array_metadatas")) if os.path.isdir(
+            os.path.join(state, "array_metadatas")) else []
+        names = {name for name in os.listdir(state) if name.startswith("ocdbt.process_")}
+        names |= {f"ocdbt.{name}" for name in writers if name.startswith("process_")}
+        for name in sorted(names, key=lambda n: (len(n), n)):
+            if not os.path.isdir(os.path.join(state, name)):
+                missing.append(f"state/{name}")
+            elif not os.path.exists(os.path.join(state, name, "manifest.ocdbt")):
                 missing.append(f"state/{name}/manifest.ocdbt")
     return missing
 
 
+def _damage_link(error: BaseException) -> BaseException | None:
+    """The error in ``error``'s chain (itself, then its causes: orbax wraps tensorstore's failed reads in a plain
+    ``Exception``) that says the stored bytes are wrong or missing, or None."""
+    seen, link = set(), error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, (FileNotFoundError, EOFError, UnicodeDecodeError, json.JSONDecodeError,
+                             ChecksumMismatchError)):
+            return link
+        code = re.match(r"([A-Z_]+): ", str(link))
+        if code is not None and code.group(1) in _DAMAGE_CODES:
+            return link
+        link = link.__cause__ or link.__context__
+    return None
+
+
 def is_damage(error: BaseException) -> bool:
-    """Whether ``error`` (from reading a checkpoint that passed the fingerprint check) means damaged files."""
-    if isinstance(error, (FileNotFoundError, EOFError, UnicodeDecodeError, json.JSONDecodeError,
-                          ChecksumMismatchError)):
-        return True
-    code = re.match(r"([A-Z_]+): ", str(error))
-    return code is not None and code.group(1) in _DAMAGE_CODES
+    """Whether ``error`` (from reading a checkpoint that passed the fingerprint check), or an error it was raised
+    from, means damaged files."""
+    return _damage_link(error) is not None
 
 
 def damage_summary(error: BaseException, step_dir: str) -> str:
-    """One short line for ``error``: tensorstore's status, the damaged file (relative to the step directory) and
-    its cause, without the JSON specs (about 2 KB) and the chain of drivers that opened it."""
+    """One short line for ``error`` (the damage in its chain, where it has one): tensorstore's status, the damaged
+    file (relative to the step directory) and its cause, without the JSON specs (about 2 KB) and the chain of
+    drivers that opened it."""
+    error = _damage_link(error) or error
     if isinstance(error, ChecksumMismatchError):
         return str(error)
     text = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0]

@@ -2,7 +2,8 @@
 and a rollback (`abandon`) is recorded before its deletions, so that the next checkpointer opened there finishes
 it (`tidy`) before any step is listed: no interruption brings an abandoned step back as the newest. A fit
 also records how far it got (`write_progress`, `read_progress`; removed when it ends with a checkpoint of
-that step, `clear_progress`): a run resumed after a crash knows which of its steps it takes again.
+that step, `clear_progress`): a run resumed after a crash knows which of its steps it takes again, and a record
+that is not the directory's (copied in, or older than its checkpoints' run) is said and ignored.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -74,10 +76,19 @@ def abandon(directory: str, step: int, later: list[int], delete: Callable[[int],
         os.remove(record)
 
 
+def _newest_step(directory: str) -> int:
+    """The newest complete step directory's number in ``directory`` (0: none); a listing, no orbax."""
+    try:
+        return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=0)
+    except OSError:
+        return 0
+
+
 def write_progress(directory: str, step: int) -> None:
-    """Record that the fit writing ``directory`` reached ``step`` (`PROGRESS_FILE`: the step and the time),
-    replacing the record before (written aside, then ``os.replace``: a reader sees the old or the new one).
-    Never an error: a record that cannot be written is left as it was (it only informs `read_progress`).
+    """Record that the fit writing ``directory`` reached ``step`` (`PROGRESS_FILE`: the step, the newest
+    checkpoint there then, and the time), replacing the record before (written aside, then ``os.replace``: a
+    reader sees the old or the new one). Never an error: a record that cannot be written is left as it was (it
+    only informs `read_progress`).
 
     Examples:
         >>> import tempfile
@@ -89,24 +100,49 @@ def write_progress(directory: str, step: int) -> None:
     record = os.path.join(directory, PROGRESS_FILE)
     with contextlib.suppress(OSError):
         with open(record + ".tmp", "w") as f:
-            json.dump({"step": int(step), "time": time.time()}, f)
+            json.dump({"step": int(step), "checkpoint": _newest_step(directory), "time": time.time()}, f)
         os.replace(record + ".tmp", record)
 
 
+_SAID_STALE: set[str] = set()
+
+
 def read_progress(directory: str) -> int:
-    """The step `write_progress` last recorded in ``directory``; 0 when there is no record or it is unreadable.
+    """The step `write_progress` last recorded in ``directory``; 0 when there is no record, it is unreadable, or it
+    is not this directory's.
+
+    A record names the newest checkpoint there was when it was written: one that names a checkpoint newer than
+    any in the directory now was copied in with the directory from elsewhere, or left by a run whose checkpoints
+    are gone. Taken at its word it would count every step of the next fit as taken again (``lost``): it is
+    ignored instead, with a warning (once per directory), and the next fit's record replaces it.
 
     Examples:
         >>> import tempfile
         >>> read_progress(tempfile.mkdtemp())
         0
     """
+    record = os.path.join(directory, PROGRESS_FILE)
     try:
-        with open(os.path.join(directory, PROGRESS_FILE)) as f:
-            step = json.load(f)["step"]
+        with open(record) as f:
+            info = json.load(f)
+        step = info["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return 0
-    return step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 0
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        return 0
+    based = info.get("checkpoint")  # none in records written before it was kept
+    newest = _newest_step(directory)
+    if isinstance(based, int) and based > newest and step > newest:
+        if record not in _SAID_STALE:
+            _SAID_STALE.add(record)
+            warnings.warn(
+                f"checkpoint_dir={directory!r}: its progress record ({PROGRESS_FILE}) says a run reached step {step} "
+                f"after checkpoint {based}, which this directory does not have (its newest is "
+                f"{newest or 'none'}): a record copied from another directory, or left by a run whose checkpoints "
+                "are gone. It is ignored (no step of this fit counts as taken again) and replaced by this fit's; "
+                "delete it to silence this.", UserWarning, stacklevel=3)
+        return 0
+    return step
 
 
 def clear_progress(directory: str) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdist.strategies.layout import is_own, mark
@@ -29,7 +30,7 @@ from jaxdist.training.checkpoints._metadata import FORMAT
 from jaxdist.training.checkpoints._tree import from_disk, to_disk
 from jaxdist.training.data import IteratorSnapshot, restore_args, state_for_process
 
-__all__ = ["read_intact", "read_iterator_state", "read_meta", "read_state"]
+__all__ = ["check_target", "read_intact", "read_iterator_state", "read_meta", "read_state"]
 
 # Set inside `read_intact`: a read nested in another (``meta`` inside ``restore``) leaves the search for an
 # intact checkpoint to the outermost one, which knows everything the caller needs to read.
@@ -103,6 +104,29 @@ def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ValueError(advice(directory, step)) from cause  # the orbax that reads it, and load_state
     return info
+
+
+def check_target(like: Any, argument: str = "like") -> None:
+    """Raise TypeError unless every leaf of ``like`` says where its restored array goes: a `jax.Array` (its
+    sharding) or a `jax.ShapeDtypeStruct` with a sharding. A numpy array has no layout to restore into.
+
+    Examples:
+        >>> import numpy as np
+        >>> check_target({"w": np.zeros(4)})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: like['w'] is a numpy.ndarray (shape (4,), float64), which says no layout to restore into: ...
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(like)[0]:
+        if getattr(leaf, "sharding", None) is not None:
+            continue
+        kind = type(leaf)
+        shown = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
+        detail = f" (shape {np.shape(leaf)}, {getattr(leaf, 'dtype', None) or np.result_type(leaf)})"
+        raise TypeError(
+            f"{argument}{jax.tree_util.keystr(path)} is a {shown}{detail}, which says no layout to restore into: "
+            f"pass the state in the layout to restore onto (e.g. {argument}=strategy.mirror(host_state), or the "
+            "state strategy.create_variables built), or jax.ShapeDtypeStruct(shape, dtype, sharding=...) leaves.")
 
 
 def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: Any, info: dict) -> Any:

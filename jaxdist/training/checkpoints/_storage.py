@@ -3,47 +3,131 @@
 * `check_directory`: a checkpoint directory that is ``""`` (it would write step directories into the current
   directory), a regular file, or not writable (read-only, no permission, full) is a ValueError naming the
   argument, the value and the fix, before any training: not at the first save, after the steps up to it.
-* `CheckpointSaveError`: a save that fails (a full disk, in a synchronous or an asynchronous save) is one error
-  naming the step, the directory, the last intact checkpoint and the fix. orbax reports such a failure from
-  each of its threads with a traceback on the ``absl`` logger (hundreds of lines for one full disk);
-  `quiet_orbax` moves those records to the ``jaxdist.training.checkpoint`` logger at DEBUG while jaxdist's
-  saves run (``logging.getLogger("jaxdist.training.checkpoint").setLevel(logging.DEBUG)`` shows them), and
-  the error keeps orbax's exception as ``__context__`` (not printed).
+* `CheckpointSaveError`: a save that fails (a full disk, a used-up quota, a file-size limit, a read-only
+  filesystem, a directory removed or unmounted meanwhile; in a synchronous or an asynchronous save) is one error
+  naming the step, the directory, the cause, the last intact checkpoint and the fix. The cause is the OSError in
+  the failure's chain where there is one; tensorstore reports its own writes' failures as a status text instead,
+  so where the chain has none the directory is looked at (does it exist?) and probed with a small write of our
+  own, whose errno says what happened: the message never depends on another library's wording.
+* Quiet: orbax reports one failure from each of its threads with a traceback on the ``absl`` logger (hundreds
+  of lines for one full disk), some of them after the error is raised (at ``close``, at exit), and tensorstore's
+  callbacks into the event loops orbax closed print "Event loop is closed" tracebacks. `quiet_orbax` moves
+  orbax's records to the ``jaxdist.training.checkpoint`` logger at DEBUG while jaxdist's saves run, and
+  `quiet_after_failure` for the rest of the process once one failed (with those closed-loop callbacks, and
+  asyncio's reports of orbax's tasks the failure abandoned);
+  ``logging.getLogger("jaxdist.training.checkpoint").setLevel(logging.DEBUG)`` shows them. The error keeps
+  orbax's exception as ``__context__`` (not printed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CheckpointSaveError", "check_directory", "quiet_orbax"]
+__all__ = ["CheckpointSaveError", "check_directory", "quiet_after_failure", "quiet_orbax"]
 
 LOG = logging.getLogger("jaxdist.training.checkpoint")
 _ORBAX = os.sep + os.path.join("orbax", "checkpoint") + os.sep
 
 
-def _reason(error: BaseException) -> tuple[str, str]:
-    """``(what happened, fix)`` for an OSError found in ``error``'s chain (full disk, permissions), else generic."""
+_NOT_WRITABLE = ("it is not writable", "make it writable, or pass a directory you can write")
+_REASONS = {
+    errno.ENOSPC: ("the disk is full", "free space there (or delete old checkpoints), or pass a directory on "
+                   "another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free space in your quota (delete old checkpoints) or ask for a "
+                   "larger one, or pass a directory on another disk"),
+    errno.EFBIG: ("a file reached the largest size this process may write (a file-size limit: ulimit -f, "
+                  "RLIMIT_FSIZE; or the filesystem's largest file)", "raise the limit (ulimit -f unlimited, or "
+                  "ask for it to be raised), or pass a directory on a filesystem that takes larger files"),
+    errno.EROFS: _NOT_WRITABLE,
+    errno.EACCES: _NOT_WRITABLE,
+    errno.EPERM: _NOT_WRITABLE,
+}
+_VANISHED = ("the directory no longer exists (removed, or its filesystem unmounted, while this run used it; its "
+             "checkpoints went with it)", "recreate it (or remount it), or pass another directory")
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The first OSError with a known cause (`_REASONS`) in ``error``'s chain, or None."""
     seen, cause = set(), error
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            fix = "free space there (or delete old checkpoints), or pass a directory on another disk"
-            return "the disk is full", fix
-        if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return "it is not writable", "make it writable, or pass a directory you can write"
+        if isinstance(cause, OSError) and cause.errno in _REASONS:
+            return cause
         cause = cause.__cause__ or cause.__context__
-    return f"{type(error).__name__}: {error}", "fix the cause (disk space, permissions, ...)"
+    return None
+
+
+def _probe(path: str) -> OSError | None:
+    """Write, sync and remove a small file in ``path``: the OSError that fails it (full, read-only, ...), or None."""
+    test = os.path.join(path, f".jaxdist-write-check-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(test, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        return error
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(test)
+    return None
+
+
+def _reason(error: BaseException) -> tuple[str, str]:
+    """``(what happened, fix)`` for an OSError found in ``error``'s chain (full disk, permissions), else generic."""
+    found = _os_error(error)
+    if found is not None:
+        return _REASONS[found.errno]
+    return f"{type(error).__name__}: {_short(error)}", "fix the cause (disk space, permissions, ...)"
+
+
+def _short(error: BaseException) -> str:
+    """``error``'s text, its first line and at most 300 characters (tensorstore's carry a 2 KB JSON spec)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def describe_failure(error: BaseException, directory: str | None = None) -> tuple[str, str, bool]:
+    """``(cause, fix, vanished)`` of a failed save of a checkpoint into ``directory``.
+
+    The cause: the OSError in ``error``'s chain with a known errno; else, when the directory is gone, that; else
+    the errno of a probe write into the directory (`_probe`); else ``error`` itself, shortened. ``vanished``:
+    whether the directory no longer exists (its checkpoints with it).
+
+    Examples:
+        >>> import errno, tempfile
+        >>> describe_failure(OSError(errno.EFBIG, "File too large"))[0][:34]
+        'a file reached the largest size th'
+        >>> describe_failure(ValueError("OUT_OF_RANGE: ..."), "/no/such/directory")[2]
+        True
+        >>> describe_failure(ValueError("OUT_OF_RANGE: x"), tempfile.mkdtemp())[0]  # the probe writes fine
+        'ValueError: OUT_OF_RANGE: x'
+    """
+    found = _os_error(error)
+    if found is None and directory is not None:
+        if not os.path.isdir(directory):
+            return (*_VANISHED, True)
+        found = _probe(directory)
+        if found is not None and found.errno not in _REASONS:
+            found = None
+    if found is None:
+        what, fix = _reason(error)
+        return what, fix, False
+    what, fix = _REASONS[found.errno]
+    return f"{what} ({type(found).__name__}: [Errno {found.errno}] {found.strerror})", fix, False
 
 
 def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create: bool = True,
-                    probe: bool = True) -> str:
+                    probe: bool = True, consequence: str = "Nothing has run.") -> str:
     """Check that ``directory`` can hold checkpoints; return its absolute path.
 
     Args:
@@ -51,6 +135,7 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
         argument: the argument's name, for the message.
         create: create it when it does not exist (process 0 of a job; the others check only what exists).
         probe: write and remove a small file in it (a read-only or full filesystem fails here).
+        consequence: the sentence that ends a failed probe's message (what did not happen because of it).
 
     Returns:
         The absolute path.
@@ -89,28 +174,23 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
             what, fix = _reason(error)
             if isinstance(error, (NotADirectoryError, FileExistsError)):
                 what, fix = "a part of its path is a file", "pass a path whose parents are directories"
+            elif (what, fix) == _NOT_WRITABLE:
+                what = "the directory it would be made in is not writable"
             raise ValueError(f"{argument}={text!r} cannot be created ({what}; {type(error).__name__}: "
                              f"{error.strerror or error}): {fix}.") from None
     if probe:
-        test = os.path.join(path, f".jaxdist-write-check-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            with open(test, "wb") as f:
-                f.write(b"\0" * 4096)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as error:
+        error = _probe(path)
+        if error is not None:
             what, fix = _reason(error)
             raise ValueError(f"{argument}={text!r} cannot hold checkpoints ({what}; {type(error).__name__}: "
-                             f"{error.strerror or error}): {fix}. Nothing has run.") from None
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(test)
+                             f"{error.strerror or error}): {fix}. {consequence}") from None
     return path
 
 
 class CheckpointSaveError(RuntimeError):
-    """Saving a checkpoint failed (a full disk, permissions, ...): its step, directory, the last intact
-    checkpoint and the fix, in one message; the underlying error is kept as ``__context__`` (not printed) and
+    """Saving a checkpoint failed (a full disk, a quota, a file-size limit, a read-only filesystem, a directory
+    that vanished, ...): its step, directory, cause, the last intact checkpoint and the fix, in one message
+    (`describe_failure` finds the cause); the underlying error is kept as ``__context__`` (not printed) and
     orbax's own tracebacks go to the ``jaxdist.training.checkpoint`` logger at DEBUG.
 
     Args:
@@ -119,6 +199,7 @@ class CheckpointSaveError(RuntimeError):
         latest: the newest complete checkpoint's step (None: none).
         error: what failed.
         background: whether it failed in the background (an asynchronous save).
+        probe: look at the directory for the cause where ``error``'s chain names none (it exists; a probe write).
 
     Examples:
         >>> import errno
@@ -130,14 +211,13 @@ class CheckpointSaveError(RuntimeError):
     """
 
     def __init__(self, step: int, directory: str, latest: int | None, error: BaseException, *,
-                 background: bool = False):
+                 background: bool = False, probe: bool = True):
+        cause, fix, vanished = describe_failure(error, str(directory) if probe else None)
+        latest = None if vanished else latest
         self.step, self.directory, self.latest = int(step), str(directory), latest
-        what, fix = _reason(error)
-        detail = f"{type(error).__name__}: {error}"
-        cause = what if what == detail else f"{what} ({detail})"
         last = ("there is no complete checkpoint" if latest is None
                 else f"the last complete checkpoint is step {latest}")
-        resume = "to start again" if latest is None else f"to resume from step {latest}"
+        resume = "from the start" if latest is None else f"to resume from step {latest}"
         where = " in the background" if background else ""
         super().__init__(f"saving checkpoint step {step} in {directory!r} failed{where}: {cause}; {last}. Fix: {fix}, "
                          f"then run again {resume}.")
@@ -154,15 +234,17 @@ def _rebuild(message: str, step: int, directory: str, latest: int | None) -> Che
 
 
 class _Quiet(logging.Filter):
-    """On the ``absl`` logger: orbax's records while a jaxdist save runs go to `LOG` at DEBUG instead."""
+    """On the ``absl`` logger: orbax's records while a jaxdist save runs (or for good, once one failed) go to `LOG`
+    at DEBUG instead."""
 
     def __init__(self) -> None:
         super().__init__()
         self.active = 0
+        self.pinned = False  # a save failed: orbax's threads of it may report it at any time from now on
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.active or _ORBAX not in record.pathname or record.levelno < logging.WARNING:
+        if not (self.active or self.pinned) or _ORBAX not in record.pathname or record.levelno < logging.WARNING:
             return True
         if LOG.isEnabledFor(logging.DEBUG):
             LOG.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
@@ -173,15 +255,78 @@ _FILTER = _Quiet()
 logging.getLogger("absl").addFilter(_FILTER)
 
 
+def _from_orbax(tb: Any) -> bool:
+    """Whether a traceback passes through orbax's code."""
+    while tb is not None:
+        if _ORBAX in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _QuietAsyncio(logging.Filter):
+    """On the ``asyncio`` logger: the exceptions of orbax's tasks and tensorstore's futures that a failed save
+    abandoned (reported when they are collected, often at exit, where printing them fails too: "--- Logging
+    error ---") go to `LOG` at DEBUG: while jaxdist's saves run, those raised through orbax's code; once one
+    failed, also those raised with no Python frame at all (tensorstore's, set from C++). Everything else
+    passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or not (_FILTER.active or _FILTER.pinned):
+            return True
+        tb = record.exc_info[2]
+        if not (_from_orbax(tb) or (_FILTER.pinned and tb is None)):
+            return True
+        if LOG.isEnabledFor(logging.DEBUG):
+            LOG.debug("asyncio: %s", record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+logging.getLogger("asyncio").addFilter(_QuietAsyncio())
+
+
+def _closed_loop_callback(unraisable: Any) -> bool:
+    """Whether an unraisable exception is asyncio's refusal of a callback into a closed event loop (what
+    tensorstore's writes, completing after orbax closed the loop that started them, run into)."""
+    tb = unraisable.exc_traceback
+    if not isinstance(unraisable.exc_value, RuntimeError) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code is asyncio.base_events.BaseEventLoop._check_closed.__code__
+
+
+class _QuietUnraisable:
+    """``sys.unraisablehook`` while jaxdist saves run or after one failed: closed-loop callbacks go to `LOG` at
+    DEBUG; everything else to the hook that was there before."""
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        if (_FILTER.active or _FILTER.pinned) and _closed_loop_callback(unraisable):
+            LOG.debug("tensorstore callback into a closed event loop (after a failed save)",
+                      exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+            return
+        self.previous(unraisable)
+
+
+def _hook_unraisable() -> None:
+    if not isinstance(sys.unraisablehook, _QuietUnraisable):
+        sys.unraisablehook = _QuietUnraisable(sys.unraisablehook)
+
+
 @contextlib.contextmanager
 def quiet_orbax() -> Iterator[None]:
     """While inside: orbax's warnings and errors go to the ``jaxdist.training.checkpoint`` logger at DEBUG
-    (a failed save is raised as one `CheckpointSaveError` instead).
+    (a failed save is raised as one `CheckpointSaveError` instead), and so do tensorstore's callbacks into
+    event loops orbax closed (`sys.unraisablehook`).
 
     Examples:
         >>> with quiet_orbax():
         ...     pass
     """
+    _hook_unraisable()
     with _FILTER.lock:
         _FILTER.active += 1
     try:
@@ -189,3 +334,19 @@ def quiet_orbax() -> Iterator[None]:
     finally:
         with _FILTER.lock:
             _FILTER.active -= 1
+
+
+def quiet_after_failure() -> None:
+    """A save failed: orbax's other threads of it report the same failure again, later (after the error is
+    raised, when the checkpointer closes, at exit). From now on, for the rest of the process, orbax's records go
+    to the ``jaxdist.training.checkpoint`` logger at DEBUG as inside `quiet_orbax`.
+
+    Examples:
+        >>> from jaxdist.training.checkpoints import _storage
+        >>> quiet_after_failure()
+        >>> _storage._FILTER.pinned
+        True
+        >>> _storage._FILTER.pinned = False  # (the doctest leaves the process as it found it)
+    """
+    _hook_unraisable()
+    _FILTER.pinned = True

@@ -1,66 +1,22 @@
 """Writing checkpoints with orbax: the state's array handlers, the save in flight (`InFlight`: a waiter thread
-records how it ended, the error raised once by the thread that uses the checkpointer), and the checkpointers
-left open, whose save in flight is finished when the program ends (`keep_open`).
+records how it ended, the error raised once by the thread that uses the checkpointer), and the orbax threads a
+failed save leaves waiting (`release_stalled`). The checkpointers left open, whose save in flight is finished
+when the program ends, are `jaxdist.training.checkpoints._at_exit`'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import sys
 import threading
-import weakref
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxdist.training.checkpoints._damage import SettlingArrayHandler
+from jaxdist.training.checkpoints._storage import quiet_after_failure
 
-__all__ = ["InFlight", "array_handlers", "forget", "keep_open"]
-
-# The checkpointers with a save that may still be in flight, finished before the interpreter shuts its thread
-# pools down (see `_finish_at_exit`).
-_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
-_AT_EXIT_REGISTERED = False
-
-
-def _finish_at_exit() -> None:
-    """Complete every open checkpointer's save in flight, then close it: runs when the main thread ends.
-
-    It must run before ``concurrent.futures`` refuses new work (its own exit hook), since orbax's commit of an
-    asynchronous save schedules work on thread pools: a save finished after that stays a ``*.orbax-checkpoint-tmp``
-    directory, under orbax's "cannot schedule new futures after interpreter shutdown" tracebacks. So it is
-    registered with the hook that runs before those pools stop (threading's, which runs the most recently
-    registered first). A save that fails here is one line on stderr: there is no caller left to raise to.
-    """
-    for ckpt in list(_OPEN):
-        try:
-            ckpt.close()
-        except Exception as error:  # reported; the other checkpointers still finish
-            print(f"jaxdist.training.Checkpointer: {error}", file=sys.stderr, flush=True)
-
-
-def _register_at_exit() -> None:
-    global _AT_EXIT_REGISTERED
-    if _AT_EXIT_REGISTERED:
-        return
-    # CPython's hook that runs before thread pools stop; plain atexit (too late for orbax's pools, but it still
-    # closes the manager) where an interpreter lacks it.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(_finish_at_exit)
-    _AT_EXIT_REGISTERED = True
-
-
-def keep_open(ckpt: Any) -> None:
-    """Close ``ckpt`` (finishing its save in flight) when the program ends, unless `forget` is called first."""
-    _register_at_exit()
-    _OPEN.add(ckpt)
-
-
-def forget(ckpt: Any) -> None:
-    """``ckpt`` is closed: nothing to finish at exit."""
-    _OPEN.discard(ckpt)
+__all__ = ["InFlight", "array_handlers", "operation", "release_stalled"]
 
 
 def array_handlers() -> dict[str, Any]:
@@ -84,6 +40,55 @@ def array_handlers() -> dict[str, Any]:
     return {"type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))}
 
 
+def operation() -> str | None:
+    """orbax's id of the save started last in this process (the signals between its threads carry it), or None
+    in an orbax without one."""
+    try:
+        from orbax.checkpoint._src.futures import synchronization
+
+        return synchronization.OperationIdGenerator.get_current_operation_id()
+    except (ImportError, AttributeError):
+        return None
+
+
+def release_stalled(operation_id: str | None) -> int:
+    """End the orbax threads of a FAILED save (``operation_id``) that still wait for a signal from a part of it
+    that failed (a step directory it could not create, say): they are not daemon threads, so each would keep
+    the process from ending for orbax's coordination timeout (300 s). Each is woken by setting the signals it
+    waits for: it runs its part, which fails or writes into the failed save's temporary directory (never renamed
+    into place; removed when the directory is next opened), and ends. (orbax's ``cancel`` would end it without
+    running, but leaves its coroutine never awaited: a RuntimeWarning at exit.) Its report of that goes where
+    the failed save's do (`jaxdist.training.checkpoints._storage.quiet_after_failure`).
+
+    One process only: a job's signals are shared with its peers, whose threads must not be woken. Where
+    orbax's threads are not the ones of orbax-checkpoint 0.12 (no such class or attributes), nothing is done.
+
+    Args:
+        operation_id: the failed save's `operation` (None: nothing to do).
+
+    Returns:
+        How many threads were released.
+    """
+    if operation_id is None or jax.process_count() > 1:
+        return 0
+    try:
+        from orbax.checkpoint._src.futures import future, signaling_client
+
+        client = signaling_client.get_signaling_client()
+        released = 0
+        for thread in threading.enumerate():
+            if not isinstance(thread, future._SignalingThread) or thread._operation_id != operation_id:
+                continue
+            for signal in thread._receive_signals:
+                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, operation_id)
+                if client.key_value_try_get(key) is None:
+                    client.key_value_set(key, "released by jaxdist after a failed save", allow_overwrite=True)
+            released += 1
+        return released
+    except (ImportError, AttributeError, TypeError):
+        return 0
+
+
 class InFlight:
     """The save in flight of one orbax ``CheckpointManager`` (at most one): a waiter thread waits for it and
     records how it ended, complete (`take_finished`) or failed (`take_failure`), for the thread that uses the
@@ -99,15 +104,20 @@ class InFlight:
         self._waiter: threading.Thread | None = None
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by take_finished
         self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet taken
+        self.last_step: int | None = None  # the newest save started
+        self.operation: str | None = None  # orbax's id of it (`operation`)
+        self.any_failed = False  # whether a save of this manager failed (orbax raises it again on ``close``)
         self.quiet = contextlib.ExitStack()  # orbax's log records of the save in flight, kept out of the terminal
 
     def started(self, step: int, path: str) -> None:
         """The manager started an asynchronous save of ``step`` into ``path``: wait for it in the background."""
+        self.last_step, self.operation = step, operation()
         self._waiter = threading.Thread(target=self._wait, args=(step, path), name="jaxdist-checkpoint", daemon=True)
         self._waiter.start()
 
     def done(self, step: int, path: str) -> None:
         """A synchronous save of ``step`` is complete."""
+        self.last_step = step
         self.quiet.close()
         self._finished.append((step, path))
 
@@ -116,11 +126,18 @@ class InFlight:
         try:
             self._manager.wait_until_finished()
         except Exception as error:  # recorded for the thread that uses the checkpointer, which raises it
-            with self._lock:
-                self._failed = (step, error)
+            self.fail(step, error)
         else:
             with self._lock:
                 self._finished.append((step, path))
+
+    def fail(self, step: int, error: Exception) -> None:
+        """Saving ``step`` failed with ``error``: recorded (`take_failure`); orbax's other threads of it may still
+        report it, so its records stay off the terminal from now on (`quiet_after_failure`)."""
+        quiet_after_failure()
+        with self._lock:
+            self._failed = (step, error)
+            self.any_failed = True
 
     @property
     def ended(self) -> bool:
@@ -138,6 +155,7 @@ class InFlight:
             # (the error is recorded), or a later save or close would raise it again.
             with contextlib.suppress(Exception):
                 self._manager.wait_until_finished()
+            release_stalled(self.operation)
         self.quiet.close()
 
     def take_failure(self) -> tuple[int, Exception] | None:

@@ -254,6 +254,9 @@ class _NoProfile:
     def close(self, last: Any = None) -> None:
         return None
 
+    def finish(self, step: int) -> None:
+        return None
+
 
 class _Unwatched:
     """What ``run_fit`` uses instead of a `Watchdog` when steps are not watched."""
@@ -559,6 +562,8 @@ class Fit:
                     if not self.act() or watcher.stopping:  # rolled back at the end: train to the end again
                         break
                 self.hosts.collect(final=True)  # process 0: every window's figures (a peer's, waited for briefly)
+                if not watcher.stopping:  # a window the fit never reached (not stopped early on request): said
+                    profile.finish(trainer.step)
                 history.preempted = watcher.preempted
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)

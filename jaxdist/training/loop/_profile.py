@@ -18,6 +18,9 @@ Every traced dispatch carries a step marker, as XProf finds steps (`jax.profiler
 says its last in ``last_step``): a marker spans the loop's work from the end of one dispatch to the end of the
 next (the callbacks, the next batch, the dispatch). The markers are set between steps, where the loop checks
 the window anyway: no step outside the window pays for them.
+
+A window the fit never reaches (it ends before the window's first step: too few steps, or data that ended) is
+said when the fit returns: no trace is taken then.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class StepProfile:
         self.run: str | None = None  # the run's folder name, when named by process
         self.tracing = False
         self.done = False
+        self.traced = False  # a trace was started (or the profiler was busy: said then)
         self.due = 0.0  # check at the first step (a resumed run may start inside the window)
         self.marker: Any = None  # the open step marker (a StepTraceAnnotation), while tracing
 
@@ -126,9 +130,9 @@ class StepProfile:
         except RuntimeError as error:  # another trace is running (the user's): theirs goes on, none here
             warnings.warn(f"profile_steps=({self.start}, {self.stop}): no trace taken, the profiler is busy "
                           f"({type(error).__name__}: another trace is running)", RuntimeWarning, stacklevel=3)
-            self.done, self.due = True, NEVER
+            self.done, self.due, self.traced = True, NEVER, True
             return
-        self.tracing = True
+        self.tracing, self.traced = True, True
         self.mark(step)
 
     def mark(self, step: int) -> None:
@@ -144,6 +148,17 @@ class StepProfile:
         marker, self.marker = self.marker, None
         if marker is not None:
             marker.__exit__(None, None, None)
+
+    def finish(self, step: int) -> None:
+        """The fit ended at ``step`` (not by an error): a window it never reached is said, once (no trace of it was
+        taken). A window before the run's first step (a resumed run past it) is not: its run traced it."""
+        if self.traced or step >= self.start:
+            return
+        self.done = True
+        warnings.warn(
+            f"profile_steps=({self.start}, {self.stop}): no trace taken: this fit ended at step {step}, before "
+            f"the window's first step {self.start}. Pass a window within the steps the fit runs (e.g. "
+            f"profile_steps=({max(1, step - 1)}, {step + 1})), or more steps.", UserWarning, stacklevel=3)
 
     def close(self, last: Any = None) -> None:
         """Stop the trace (once the devices have finished ``last``), if one is running; the window is done."""

@@ -111,9 +111,12 @@ def fit_live(
             live.steps.skip_non_finite = False
             if ckpt is not None:
                 ckpt.close()
-    if history.data_ended is not None and verbose and live.strategy.should_save_summary:
-        print(f"fit: train_data ended at step {history.data_ended} of {steps}: the run stopped there "
-              "(history.data_ended).", flush=True)
+    if history.data_ended is not None:  # said on every process (each one's data ended at the same batch)
+        warnings.warn(
+            f"fit: train_data ended at step {history.data_ended} of steps={steps}: the run stopped there "
+            f"(history.data_ended == {history.data_ended}). An iterator is read once: pass a list or a "
+            "data_fn(epoch) (read again each epoch), an iterator with enough batches, or fewer steps.",
+            UserWarning, stacklevel=3)
     if history.preempted and on_preemption == "exit":
         raise SystemExit(0)
     return history
