@@ -48,6 +48,8 @@ def test_text_or_a_ragged_batch_through_the_strategy_is_named():
     with pytest.raises(TypeError, match=r"^argument 1 \(in batch_argnums\) leaf \[1\] holds text or objects \(numpy "
                                         r"dtype <U1\)"):
         step(np.zeros(3, np.float32), (X, np.array(["a"] * 64)))
+    with pytest.raises(ValueError, match=rf"^args\[1\] of strategy.run {said}"):
+        strategy.run(lambda w, b: b[0].sum(), args=(np.zeros(3, np.float32), ragged), batch_argnums=(1,))
     # Leaves of different rows that the replicas all divide are still split, each on its own (as before).
     x, w = next(iter(strategy.experimental_distribute_dataset([(X, np.zeros(16, np.float32))])))
     assert x.shape == (64, 4) and w.shape == (16,)

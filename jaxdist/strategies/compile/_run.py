@@ -70,7 +70,7 @@ from jaxdist.strategies.compile._identical import (
 )
 from jaxdist.strategies.compile._mirror_check import agreement, raise_on_disagreement
 from jaxdist.strategies.compile._vma import first_trace
-from jaxdist.strategies.input import padding_weights, place_batch
+from jaxdist.strategies.input import check_batch_leaves, padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.replica import ReplicaContext
 
@@ -143,6 +143,9 @@ class ReplicaRunner:
                 "plain jax.jit or jax.grad): there it cannot tell distributed batches from mirrored values. "
                 "Compile the enclosing step with strategy.jit (or run_steps_on_dataset), or call run eagerly."
             )
+        for i in batch_argnums or ():  # a declared batch's plain mistakes (text, ragged rows), named as such
+            if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args[i])):
+                check_batch_leaves(args[i], self._policy.num_replicas, f"args[{i}] of strategy.run")
         kinds = []
         for leaf in flat:
             if is_distributed(leaf) and leaf.owner is not None and leaf.owner is not self._owner:
