@@ -51,12 +51,14 @@ def text_kind(x: Any) -> str | None:
 
     Examples:
         >>> import numpy as np
-        >>> text_kind(np.array(["a"])), text_kind(np.zeros(2)), text_kind("a")
-        ('numpy dtype <U1', None, 'str')
+        >>> import jax.numpy as jnp
+        >>> text_kind(np.array(["a"])), text_kind(np.zeros(2)), text_kind("a"), text_kind(np.ones(2, jnp.bfloat16))
+        ('numpy dtype <U1', None, 'str', None)
     """
     if isinstance(x, (str, bytes)):
         return type(x).__name__
-    if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "USOV":  # str, bytes, object, void
+    # str, bytes, object, raw void (bfloat16 and float8 are numpy "void" kinds too, with types of their own)
+    if isinstance(x, (np.ndarray, np.generic)) and (x.dtype.kind in "USO" or x.dtype.type is np.void):
         return f"numpy dtype {x.dtype}"
     return None
 
