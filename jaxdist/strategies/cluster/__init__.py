@@ -7,6 +7,7 @@ failing process tells the others why, none waits forever); ``_devices`` turns ``
 
 from jaxdist.strategies.cluster._devices import resolve_device as resolve_device
 from jaxdist.strategies.cluster._devices import resolve_devices as resolve_devices
+from jaxdist.strategies.cluster._failure import BEAT_SECONDS as BEAT_SECONDS
 from jaxdist.strategies.cluster._failure import EXIT_SECONDS as EXIT_SECONDS
 from jaxdist.strategies.cluster._failure import POLL_SECONDS as POLL_SECONDS
 from jaxdist.strategies.cluster._failure import FailureMonitor as FailureMonitor
@@ -16,6 +17,8 @@ from jaxdist.strategies.cluster._failure import guard_exit as guard_exit
 from jaxdist.strategies.cluster._failure import post as post
 from jaxdist.strategies.cluster._failure import read as read
 from jaxdist.strategies.cluster._failure import report_failure as report_failure
+from jaxdist.strategies.cluster._failure import set_heartbeat_timeout as set_heartbeat_timeout
+from jaxdist.strategies.cluster._failure import silence_seconds as silence_seconds
 from jaxdist.strategies.cluster._join import CLUSTER_VARIABLES as CLUSTER_VARIABLES
 from jaxdist.strategies.cluster._join import check_connected as check_connected
 from jaxdist.strategies.cluster._join import check_spans_processes as check_spans_processes
@@ -26,6 +29,7 @@ from jaxdist.strategies.cluster._join import resolve_cluster as resolve_cluster
 from jaxdist.strategies.cluster._join import spans_processes as spans_processes
 
 __all__ = [
+    "BEAT_SECONDS",
     "CLUSTER_VARIABLES",
     "EXIT_SECONDS",
     "POLL_SECONDS",
@@ -36,6 +40,8 @@ __all__ = [
     "post",
     "read",
     "report_failure",
+    "set_heartbeat_timeout",
+    "silence_seconds",
     "check_connected",
     "check_spans_processes",
     "detected_cluster",

@@ -23,23 +23,47 @@ process of a ``jax.distributed`` job already talks to; nothing in a single proce
 So every process of a failing job exits non-zero within about ``POLL_SECONDS + EXIT_SECONDS`` of the failure
 (11 s by default), each saying which process failed and why; the launcher (``python -m jaxdist.launch``), SLURM
 or Kubernetes sees the exit codes.
+
+A process that ends without a word (killed, ``os._exit``, a crash) or stops (SIGSTOP, a machine lost) cannot
+report anything, and JAX's own end of the job is a C++ abort Python cannot catch or precede: the coordination
+service declares a task dead between ``heartbeat_timeout_seconds / 2`` and ``heartbeat_timeout_seconds`` after
+its last heartbeat, and a dead coordinator (process 0) ends the others within milliseconds. (JAX's client takes a
+``missed_heartbeat_callback``, but this jaxlib cannot hand it its argument: ``std::bad_cast``, then abort.) So a
+monitor opened with ``progress`` (``fit``'s) also keeps a *line*: a TCP connection between process 0 and every
+other process (process 0 listens on a port it posts in the key-value store), over which each side sends its
+progress (step, newest complete checkpoint) every `BEAT_SECONDS`, and a goodbye when the monitor closes:
+
+* a line that closes without a goodbye is a process that ended (a connection closes when its process does,
+  whatever killed it; a live process, however slow or stuck, keeps it open): the other side says so at once, in
+  jaxdist's words (which process, the last step each reached, the newest checkpoint, restart to resume), and ends
+  with status 1 (process 0 first tells the others through the key-value store, as a failure);
+* a line silent for `silence_seconds` (under half the heartbeat timeout, so before JAX can act) is a process
+  stopped, hung in a C call that holds the interpreter lock, or unreachable: said, with the same facts, and left
+  to JAX (whose text follows when its heartbeats stay away too); if it answers again, that is said too.
+
+Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat also leaves the process's progress
+in ``<dir>/<process>.json`` for the launcher's summary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
+import selectors
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax._src import distributed as _distributed  # JAX's coordination client (private; orbax reads it too)
 
-__all__ = ["EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "guard_exit", "post", "read",
-           "report_failure"]
+__all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "guard_exit",
+           "post", "read", "report_failure", "set_heartbeat_timeout", "silence_seconds"]
 
 EXIT_SECONDS = 10.0
 """How long a process that failed may take to exit by itself (its traceback printed, its files closed) before it
@@ -48,8 +72,14 @@ exits with status 1 regardless."""
 POLL_SECONDS = 1.0
 """How often a `FailureMonitor` asks whether a peer failed."""
 
+BEAT_SECONDS = 0.5
+"""How often a monitor's line sends this process's progress (and so how soon a silence can be seen)."""
+
+_heartbeat_timeout = 100.0  # JAX's default; the strategies' join sets the job's (`set_heartbeat_timeout`)
+
 _FAILURE_KEY = "jaxdist/failure"
 _counter = itertools.count()
+_lines = itertools.count()
 _lock = threading.Lock()
 _armed = False
 _hooked = False
@@ -171,20 +201,46 @@ def _arm_exit() -> None:
     threading.Thread(target=exit_later, name="jaxdist-failure-exit", daemon=True).start()
 
 
-def _await_acknowledgements() -> None:
-    """Wait (at most ``2 * POLL_SECONDS + 1`` s in all) until every other process's monitor has printed the
-    failure; the coordination service's host (process 0) then gives them a moment to exit first."""
+def set_heartbeat_timeout(seconds: float) -> None:
+    """Record the job's ``heartbeat_timeout_seconds`` (what the strategies pass to ``jax.distributed``), which
+    `silence_seconds` is measured against.
+
+    Examples:
+        >>> set_heartbeat_timeout(30); silence_seconds()
+        14.0
+        >>> set_heartbeat_timeout(100)
+    """
+    global _heartbeat_timeout
+    _heartbeat_timeout = float(seconds)
+
+
+def silence_seconds() -> float:
+    """How long a line may stay silent before its peer is said to be silent: JAX's heartbeats go every half
+    heartbeat timeout, so its service may declare a stopped task dead as soon as half the timeout after it
+    stopped; the silence is said a beat and a half before that.
+
+    Examples:
+        >>> set_heartbeat_timeout(10); silence_seconds()
+        4.0
+        >>> set_heartbeat_timeout(100)
+    """
+    return max(2.0, _heartbeat_timeout / 2 - 2 * BEAT_SECONDS)
+
+
+def _await_acknowledgements(dead: int | None = None) -> None:
+    """Wait (at most ``2 * POLL_SECONDS + 1`` s in all) until every other process's monitor (but ``dead``'s)
+    has printed the failure; the coordination service's host (process 0) then gives them a moment to exit first."""
     client = _client()
     if client is None:
         return
     me = jax.process_index()
     deadline = time.monotonic() + 2 * POLL_SECONDS + 1.0
     for pid in range(jax.process_count()):
-        if pid != me:
+        if pid not in (me, dead):
             with contextlib.suppress(Exception):  # no monitor there (not in fit), or gone: the deadline stands
                 client.blocking_key_value_get(f"{_FAILURE_KEY}/seen/{pid}",
                                               max(1, int(1000 * (deadline - time.monotonic()))))
-    if me == 0:
+    if me == 0 and any(pid not in (me, dead) for pid in range(jax.process_count())):
         time.sleep(0.5)
 
 
@@ -223,20 +279,25 @@ def guard_exit() -> None:
 
 
 class FailureMonitor:
-    """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it.
+    """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it; with
+    ``progress``, a peer's death or silence is said too (the line: see the module doc).
 
     Args:
         interval: seconds between two polls.
+        progress: this process's progress, ``{"step": int, "checkpoint": int | None, "checkpoint_dir": str |
+            None}`` (read on the line's thread every `BEAT_SECONDS`: it must not wait); None: no line.
 
     Examples:
-        >>> with FailureMonitor():   # one process: no thread
+        >>> with FailureMonitor(progress=lambda: {"step": 0, "checkpoint": None}):   # one process: no thread
         ...     pass
     """
 
-    def __init__(self, interval: float = POLL_SECONDS):
+    def __init__(self, interval: float = POLL_SECONDS, progress: Callable[[], dict] | None = None):
         self.interval = interval
+        self.progress = progress
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._line: _Line | None = None
 
     def __enter__(self) -> FailureMonitor:
         client = _client()
@@ -244,10 +305,15 @@ class FailureMonitor:
             self._thread = threading.Thread(target=self._poll, args=(client,), name="jaxdist-failure-monitor",
                                             daemon=True)
             self._thread.start()
+            if self.progress is not None:
+                self._line = _Line(client, self.progress)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
         self._stop.set()
+        if self._line is not None:  # a goodbye only when fit ended well: a process failing leaves it open
+            self._line.close(goodbye=kind is None)
+            self._line = None
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval)
             self._thread = None
@@ -266,3 +332,197 @@ class FailureMonitor:
             with contextlib.suppress(Exception):
                 client.key_value_set(f"{_FAILURE_KEY}/seen/{me}", "1")
             _exit_now(None)
+
+
+def _failure_posted(client: Any) -> bool:
+    """Whether a process posted a failure (its monitor says it); False too when the store is gone."""
+    try:
+        client.key_value_try_get(_FAILURE_KEY)
+    except Exception:  # not set, or the coordination service is gone
+        return False
+    return True
+
+
+def _resume(progress: dict) -> str:
+    checkpoint = progress.get("checkpoint")
+    if checkpoint is None:
+        where = "" if progress.get("checkpoint_dir") else " (fit has no checkpoint_dir)"
+        return f"There is no checkpoint{where}: a restart starts over from step 0."
+    return f"The newest checkpoint is step {checkpoint}: restart the job to resume from step {checkpoint}."
+
+
+class _Line:
+    """Process 0's connections to every other process, or this process's to process 0, and the thread that
+    beats on them and watches them (see the module doc)."""
+
+    def __init__(self, client: Any, progress: Callable[[], dict]):
+        self.client, self.progress = client, progress
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.key = f"jaxdist/line/{next(_lines)}"
+        self.heard: dict[int, float] = {}  # pid -> when its last beat came
+        self.peers: dict[int, dict] = {}  # pid -> its last progress
+        self.silent: set[int] = set()
+        self.links: dict[socket.socket, int | None] = {}  # connected sockets -> their process (None: not said yet)
+        self.buffers: dict[socket.socket, bytes] = {}
+        self.selector = selectors.DefaultSelector()
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.report = os.environ.get("JAXDIST_LAUNCH_DIR")
+        self.reported: dict | None = None
+        self.thread = threading.Thread(target=self._run, name="jaxdist-line", daemon=True)
+        self.thread.start()
+
+    def close(self, goodbye: bool) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=5.0)
+        with self.lock:
+            for link in list(self.links):
+                if goodbye:
+                    with contextlib.suppress(OSError):
+                        link.sendall(b'{"bye": true}\n')
+                link.close()  # without a goodbye (fit failed): the failure was posted first, the peers say it
+            self.links.clear()
+            self.selector.close()
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+        except Exception:  # no line (a port nobody can reach, a store gone): JAX's heartbeats stand alone
+            return
+        beat = 0.0
+        while not self.stopping.is_set():
+            wait = min(0.25, max(0.0, beat + BEAT_SECONDS - time.monotonic()))  # the stop is seen within 0.25 s
+            for key, _ in self.selector.select(timeout=wait):
+                if isinstance(key.fileobj, socket.socket) and key.data == "listen":
+                    self._accept(key.fileobj)
+                else:
+                    self._receive(key.fileobj)
+            now = time.monotonic()
+            if now - beat >= BEAT_SECONDS:
+                beat = now
+                self._beat()
+            self._watch(now)
+
+    def _connect(self) -> None:
+        if self.me == 0:
+            family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+            server = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6)
+            server.setblocking(False)
+            self.selector.register(server, selectors.EVENT_READ, "listen")
+            self.client.key_value_set(self.key, str(server.getsockname()[1]))
+            return
+        port = None
+        while port is None and not self.stopping.is_set():
+            with contextlib.suppress(Exception):  # not posted yet: process 0 is not in fit yet
+                port = int(self.client.blocking_key_value_get(self.key, 1000))
+        if port is None:
+            return
+        host = _distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
+        link = socket.create_connection((host, port), timeout=30)
+        link.sendall(json.dumps({"process": self.me}).encode() + b"\n")
+        self._add(link, 0)
+
+    def _add(self, link: socket.socket, pid: int | None) -> None:
+        link.setblocking(False)
+        with self.lock:
+            self.links[link] = pid
+            self.buffers[link] = b""
+            self.selector.register(link, selectors.EVENT_READ, "link")
+        if pid is not None:
+            self.heard[pid] = time.monotonic()
+
+    def _accept(self, server: socket.socket) -> None:
+        with contextlib.suppress(BlockingIOError):
+            link, _ = server.accept()
+            self._add(link, None)
+
+    def _receive(self, link: socket.socket) -> None:
+        try:
+            data = link.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        pid = self.links.get(link)
+        if not data:  # closed without a goodbye: its process ended
+            self._drop(link)
+            if pid is not None:
+                self.heard.pop(pid, None)
+                self._died(pid)
+            return
+        self.buffers[link] += data
+        *lines, self.buffers[link] = self.buffers[link].split(b"\n")
+        for line in lines:
+            message = json.loads(line)
+            if "process" in message:
+                pid = self.links[link] = message["process"]
+            if message.get("bye"):
+                self._drop(link)
+                self.heard.pop(pid, None)
+                return
+            if pid is not None:
+                self.heard[pid] = time.monotonic()
+                if "step" in message:
+                    self.peers[pid] = message
+                if pid in self.silent:
+                    self.silent.discard(pid)
+                    print(f"[jaxdist] process {pid} answers again: it was only slow", file=sys.stderr, flush=True)
+
+    def _drop(self, link: socket.socket) -> None:
+        with self.lock:
+            self.links.pop(link, None)
+            self.buffers.pop(link, None)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(link)
+            link.close()
+
+    def _beat(self) -> None:
+        mine = dict(self.progress())
+        message = json.dumps({"process": self.me, **mine}).encode() + b"\n"
+        with self.lock:
+            links = list(self.links)
+        for link in links:
+            with contextlib.suppress(OSError):  # a closed line is seen by the reader
+                link.sendall(message)
+        if self.report and mine != self.reported:
+            self.reported = mine
+            with contextlib.suppress(OSError):
+                path = os.path.join(self.report, f"{self.me}.json")
+                with open(path + ".tmp", "w") as f:
+                    json.dump(mine, f)
+                os.replace(path + ".tmp", path)
+
+    def _watch(self, now: float) -> None:
+        limit = silence_seconds()
+        for pid, heard in list(self.heard.items()):
+            if now - heard > limit and pid not in self.silent:
+                self.silent.add(pid)
+                words = self._words(pid, f"has given no sign for {now - heard:.0f} s", "it is stopped, hung in a "
+                                    "call that holds the interpreter lock, or its machine is unreachable")
+                print(f"[jaxdist] {words}. JAX's coordination service ends the job when its heartbeats stay away for "
+                      f"heartbeat_timeout_seconds={_heartbeat_timeout:g} (its text follows). "
+                      f"{_resume(self.progress())}", file=sys.stderr, flush=True)
+
+    def _words(self, pid: int, what: str, why: str) -> str:
+        """``process 1 <what> (<why>)``, with the last steps reached."""
+        who = f"process {pid}" + (" (the coordinator: it hosts the job's coordination service)" if pid == 0 else "")
+        steps = {self.me: self.progress().get("step"), **{p: v.get("step") for p, v in self.peers.items()}}
+        shown = ", ".join(f"process {p} step {steps[p]}" for p in sorted(steps) if steps[p] is not None)
+        return f"{who} {what} ({why}); last steps reached: {shown}"
+
+    def _died(self, pid: int) -> None:
+        if self.stopping.is_set():
+            return
+        # A failing peer posted its reason before its line closed (its monitor, or this one's, says it); the
+        # coordinator's end is said at once without asking its store: JAX ends this process within milliseconds.
+        if pid != 0 and _failure_posted(self.client):
+            return
+        words = self._words(pid, "ended without a word", "its connection closed: it exited, was killed or crashed")
+        resume = _resume(self.progress())
+        print(f"[jaxdist] {words}. {resume} Process {self.me} stops too (exit status 1).", file=sys.stderr,
+              flush=True)
+        if self.me == 0:  # the others learn it from the store, then the coordinator goes
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(_FAILURE_KEY, f"0\n{words}. {resume}")
+            _await_acknowledgements(dead=pid)
+        _exit_now(None)

@@ -1,0 +1,58 @@
+"""One process of the tests of a process that dies or stops mid-fit (tests/test_job_deaths.py), started twice,
+directly or through ``python -m jaxdist.launch``.
+
+``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 2 CPU devices, ``heartbeat_timeout_seconds=10``,
+a synchronous checkpoint every 3 steps. Arguments: ``[address pid] case directory`` (without address and pid:
+the ``JAXDIST_*`` environment). At the end of step 8 the victim (process 1; process 0 for ``coordinator``) waits
+a beat and a half, so its line has carried step 8, then: ``exits`` (``os._exit(3)``: no word, no exit hook),
+``killed`` (SIGKILL to itself), ``stopped`` (SIGSTOP to itself; the test kills it) or ``coordinator`` (process 0
+SIGKILLs itself). ``healthy``: no victim, but one step of process 1 takes 6 s (longer than the line's silence
+of 4 s: a slow step is no death); fit runs its 12 steps and ``FIT DONE`` is printed.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import jaxdist as jd
+
+if len(sys.argv) == 5:
+    address, process_id, case, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    strategy = jd.MultiWorkerMirroredStrategy(address, 2, process_id, heartbeat_timeout_seconds=10)
+else:
+    case, directory = sys.argv[1], sys.argv[2]
+    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+pid = jax.process_index()
+victim = 0 if case == "coordinator" else 1
+rng = np.random.default_rng(0)
+x = rng.normal(size=(16 * 8, 4)).astype(np.float32)
+batches = [(x[i : i + 8], x[i : i + 8, :2].argmax(1).astype(np.int32)) for i in range(0, len(x), 8)]
+
+
+class Die(jd.training.Callback):
+    def on_step_end(self, trainer, step, metrics):
+        if case == "healthy":
+            if pid == 1 and step == 4:
+                time.sleep(6.0)
+            return
+        if pid != victim or step != 8:
+            return
+        time.sleep(3 * jd.strategies.cluster.BEAT_SECONDS)
+        print(f"VICTIM {pid} at step {step}, {time.time():.3f}", flush=True)
+        if case == "exits":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGSTOP if case == "stopped" else signal.SIGKILL)
+
+
+trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1),
+                              lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
+trainer.fit(batches, steps=12 if case == "healthy" else 1000, verbose=0, callbacks=[Die()],
+            checkpoint_dir=directory, checkpoint_every=3, async_checkpoints=False)
+print("FIT DONE", flush=True)
