@@ -6,8 +6,8 @@ a synchronous checkpoint every 3 steps. Arguments: ``[address pid] case director
 the ``JAXDIST_*`` environment). At the end of step 8 the victim (process 1; process 0 for ``coordinator``) waits
 a beat and a half, so its line has carried step 8, then: ``exits`` (``os._exit(3)``: no word, no exit hook),
 ``killed`` (SIGKILL to itself), ``stopped`` (SIGSTOP to itself; the test kills it) or ``coordinator`` (process 0
-SIGKILLs itself). ``healthy``: no victim, but one step of process 1 takes 6 s (longer than the line's silence
-of 4 s: a slow step is no death); fit runs its 12 steps and ``FIT DONE`` is printed.
+SIGKILLs itself). ``healthy``: no victim, but one step of process 1 takes 5 s (longer than the line's silence
+of 4 s: a slow step is no death); fit runs its 5 steps and ``FIT DONE`` is printed.
 """
 
 import os
@@ -40,7 +40,7 @@ class Die(jd.training.Callback):
     def on_step_end(self, trainer, step, metrics):
         if case == "healthy":
             if pid == 1 and step == 4:
-                time.sleep(6.0)
+                time.sleep(5.0)
             return
         if pid != victim or step != 8:
             return
@@ -53,6 +53,6 @@ class Die(jd.training.Callback):
 
 trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1),
                               lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
-trainer.fit(batches, steps=12 if case == "healthy" else 1000, verbose=0, callbacks=[Die()],
+trainer.fit(batches, steps=5 if case == "healthy" else 1000, verbose=0, callbacks=[Die()],
             checkpoint_dir=directory, checkpoint_every=3, async_checkpoints=False)
 print("FIT DONE", flush=True)

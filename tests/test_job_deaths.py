@@ -1,0 +1,142 @@
+"""A process of a job that dies, exits or stops mid-fit is said in jaxdist's words before JAX's, and so is the
+launcher's summary.
+
+Real 2-process jobs (2 x 2 CPU devices, ``heartbeat_timeout_seconds=10``, a checkpoint every 3 steps; the victim
+acts after step 8: tests/multiprocess/deaths_worker.py). Every survivor's output must name the process, the last
+step each reached, the newest checkpoint (6) and the restart, before any text of JAX's; a healthy job with a
+step slower than the line's silence says nothing of the kind. Every run is bounded.
+"""
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from interpreters import pythons
+from registry import launch_env
+
+from jaxdist.launch import free_port
+
+HERE = Path(__file__).parent
+WORKER = HERE / "multiprocess" / "deaths_worker.py"
+JAX_TEXT = re.compile(r"Terminating process because|coordination_service|UNAVAILABLE")
+
+
+def _lines(stream, into: list) -> None:
+    for line in iter(stream.readline, ""):
+        into.append((time.time(), line))
+
+
+def _job(case: str, tmp_path: Path, python: str = sys.executable, timeout: float = 90) -> list[tuple[int, list]]:
+    """Run the worker's ``case`` as a 2-process job; ``[(returncode, [(time, line), ...]), ...]`` per process,
+    stdout and stderr interleaved as read (a stopped process is killed once its peer has ended)."""
+    address = f"127.0.0.1:{free_port()}"
+    env = launch_env(JAX_NUM_CPU_DEVICES="2")
+    procs = [subprocess.Popen([python, str(WORKER), address, str(i), case, str(tmp_path / "ckpt")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    lines = [[], []]
+    readers = [threading.Thread(target=_lines, args=(p.stdout, out), daemon=True)
+               for p, out in zip(procs, lines, strict=True)]
+    for reader in readers:
+        reader.start()
+    survivor = procs[1 if case == "coordinator" else 0]
+    try:
+        survivor.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)  # the stopped victim, or anything left at the timeout
+            p.wait(timeout=30)
+        for reader, p in zip(readers, procs, strict=True):
+            reader.join(timeout=10)
+            p.stdout.close()
+    return [(p.returncode, out) for p, out in zip(procs, lines, strict=True)]
+
+
+def _victim_time(lines: list) -> float:
+    line = next(line for _, line in lines if line.startswith("VICTIM"))
+    return float(line.rsplit(",", 1)[1])
+
+
+def _said(lines: list, dead: int) -> tuple[float, int, str]:
+    """When and where (line index) the survivor's jaxdist message about ``dead`` came, and its text."""
+    for index, (when, line) in enumerate(lines):
+        if line.startswith(f"[jaxdist] process {dead}"):
+            return when, index, line
+    raise AssertionError("no jaxdist message:\n" + "".join(line for _, line in lines)[-3000:])
+
+
+def _text(lines: list) -> str:
+    return "".join(line for _, line in lines)[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", ["exits", "stopped", "coordinator"])
+def test_a_process_that_ends_or_stops_is_named_with_the_steps_and_checkpoint_before_jax_speaks(case, tmp_path):
+    results = _job(case, tmp_path)
+    dead, alive = (0, 1) if case == "coordinator" else (1, 0)
+    code, lines = results[alive]
+    when, index, message = _said(lines, dead)
+    assert f"process {alive} step 9" in message and f"process {dead} step 8" in message, message
+    assert "The newest checkpoint is step 6: restart the job to resume from step 6" in message, message
+    assert (tmp_path / "ckpt" / "6").is_dir()
+    jax_said = [i for i, (_, line) in enumerate(lines) if JAX_TEXT.search(line)]
+    assert all(i > index for i in jax_said), _text(lines)  # JAX's text, if any, after jaxdist's
+    delay = when - _victim_time(results[dead][1])
+    if case == "stopped":  # said within the silence (4 s), then left to JAX: its heartbeats end the job
+        assert "has given no sign for 4 s" in message and "heartbeat_timeout_seconds=10" in message, message
+        assert jax_said and code != 0, _text(lines)
+        assert 3.5 < delay < 5.5, delay
+    else:  # the connection closed: said and ended at once (JAX's heartbeats would take 5-10 s)
+        assert "ended without a word" in message and f"Process {alive} stops too (exit status 1)" in message
+        assert code == 1, _text(lines)
+        assert delay < 2.0, delay
+        assert results[dead][0] == (3 if case == "exits" else -signal.SIGKILL)
+    print(f"{case}: process {alive} said it {delay:.2f} s after process {dead} {case}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("python", pythons())
+def test_a_killed_process_under_the_launcher_is_said_by_the_survivor_and_the_summary(python, tmp_path):
+    out = subprocess.run(
+        [python, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "100", "--grace", "2",
+         str(WORKER), "killed", str(tmp_path / "ckpt")], env=launch_env(), capture_output=True, text=True,
+        timeout=130)
+    text = out.stdout + out.stderr
+    assert out.returncode in (1, -signal.SIGKILL), text[-3000:]
+    said = text.index("[0] [jaxdist] process 1 ended without a word")
+    assert not JAX_TEXT.search(text[:said]), text[-3000:]
+    assert "[launch] process 1 killed by SIGKILL at step 8" in text, text[-3000:]
+    assert ("[launch] process 0 exited with status 1 at step 9; it said: process 1 ended without a word (its "
+            "connection closed: it exited, was killed or crashed)") in text, text[-3000:]
+    assert (f"[launch] the newest checkpoint is step 6 (in {tmp_path / 'ckpt'}): restart the job to resume from "
+            "step 6") in text, text[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_healthy_job_with_a_slow_step_says_nothing_of_deaths(tmp_path):
+    results = _job("healthy", tmp_path)
+    for code, lines in results:
+        assert code == 0, _text(lines)
+        assert "FIT DONE\n" in [line for _, line in lines]
+        assert not any("[jaxdist]" in line for _, line in lines), _text(lines)
+
+
+def test_the_silence_said_is_under_half_the_heartbeat_timeout():
+    from jaxdist.strategies import cluster
+
+    try:
+        said = {}
+        for timeout in (4, 10, 30, 100):
+            cluster.set_heartbeat_timeout(timeout)
+            said[timeout] = cluster.silence_seconds()
+        assert said == {4: 2.0, 10: 4.0, 30: 14.0, 100: 49.0}
+    finally:
+        cluster.set_heartbeat_timeout(100)
