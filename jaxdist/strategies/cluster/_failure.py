@@ -369,6 +369,7 @@ class _Line:
         self.lock = threading.Lock()
         self.report = os.environ.get("JAXDIST_LAUNCH_DIR")
         self.reported: dict | None = None
+        self.epitaph = b""  # what to say when the coordinator's line closes, ready at every beat (`_beat`)
         self.thread = threading.Thread(target=self._run, name="jaxdist-line", daemon=True)
         self.thread.start()
 
@@ -444,6 +445,9 @@ class _Line:
         except OSError:
             data = b""
         pid = self.links.get(link)
+        if not data and pid == 0 and not self.stopping.is_set():  # the coordinator: JAX aborts within ms, race it
+            os.write(2, self.epitaph)
+            _exit_now(None)
         if not data:  # closed without a goodbye: its process ended
             self._drop(link)
             if pid is not None:
@@ -484,6 +488,8 @@ class _Line:
         for link in links:
             with contextlib.suppress(OSError):  # a closed line is seen by the reader
                 link.sendall(message)
+        if self.me != 0:
+            self.epitaph = f"[jaxdist] {self._ended(0, mine)}\n".encode()
         if self.report and mine != self.reported:
             self.reported = mine
             with contextlib.suppress(OSError):
@@ -517,12 +523,14 @@ class _Line:
         # coordinator's end is said at once without asking its store: JAX ends this process within milliseconds.
         if pid != 0 and _failure_posted(self.client):
             return
-        words = self._words(pid, "ended without a word", "its connection closed: it exited, was killed or crashed")
-        resume = _resume(self.progress())
-        print(f"[jaxdist] {words}. {resume} Process {self.me} stops too (exit status 1).", file=sys.stderr,
-              flush=True)
+        said = self._ended(pid, self.progress())
+        print(f"[jaxdist] {said}", file=sys.stderr, flush=True)
         if self.me == 0:  # the others learn it from the store, then the coordinator goes
             with contextlib.suppress(Exception):
-                self.client.key_value_set(_FAILURE_KEY, f"0\n{words}. {resume}")
+                self.client.key_value_set(_FAILURE_KEY, f"0\n{said.rsplit(' Process ', 1)[0]}")
             _await_acknowledgements(dead=pid)
         _exit_now(None)
+
+    def _ended(self, pid: int, mine: dict) -> str:
+        words = self._words(pid, "ended without a word", "its connection closed: it exited, was killed or crashed")
+        return f"{words}. {_resume(mine)} Process {self.me} stops too (exit status 1)."
