@@ -85,7 +85,7 @@ def _ended(code: int | None, stopped: bool, ours: bool) -> str:
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     if stopped:
         return f"was stopped (SIGSTOP), then {how} by the launcher"
-    return f"{how} (stopped by the launcher)" if ours else how
+    return f"{how} (stopped by the launcher)" if ours and code < 0 else how  # else it ended by itself meanwhile
 
 
 def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set) -> list[str]:
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose] script.py args...``.
 
     Returns:
-        The exit status (see `launch`).
+        The exit status (see `launch`; a process killed by signal N: 128 + N).
 
     Examples:
         >>> import pathlib, tempfile
@@ -251,8 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"-n/--num-processes={args.num_processes} must be >= 1")
     if not args.command:
         parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
-    return launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
+    code = launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
                   verbose=args.verbose)
+    return 128 - code if code < 0 else code  # a process killed by signal N: 128 + N, as a shell says it
 
 
 if __name__ == "__main__":

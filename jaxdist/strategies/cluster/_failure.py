@@ -31,7 +31,8 @@ its last heartbeat, and a dead coordinator (process 0) ends the others within mi
 ``missed_heartbeat_callback``, but this jaxlib cannot hand it its argument: ``std::bad_cast``, then abort.) So a
 monitor opened with ``progress`` (``fit``'s) also keeps a *line*: a TCP connection between process 0 and every
 other process (process 0 listens on a port it posts in the key-value store), over which each side sends its
-progress (step, newest complete checkpoint) every `BEAT_SECONDS`, and a goodbye when the monitor closes:
+progress (step, newest complete checkpoint) every `BEAT_SECONDS`, and a goodbye when the monitor closes (however
+``fit`` ended: a failure that needs telling was posted before):
 
 * a line that closes without a goodbye is a process that ended (a connection closes when its process does,
   whatever killed it; a live process, however slow or stuck, keeps it open): the other side says so at once, in
@@ -309,10 +310,10 @@ class FailureMonitor:
                 self._line = _Line(client, self.progress)
         return self
 
-    def __exit__(self, kind: Any, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        if self._line is not None:  # a goodbye only when fit ended well: a process failing leaves it open
-            self._line.close(goodbye=kind is None)
+        if self._line is not None:  # with a goodbye, however fit ended: this process leaves, it did not die
+            self._line.close()
             self._line = None
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval)
@@ -373,15 +374,14 @@ class _Line:
         self.thread = threading.Thread(target=self._run, name="jaxdist-line", daemon=True)
         self.thread.start()
 
-    def close(self, goodbye: bool) -> None:
+    def close(self) -> None:
         self.stopping.set()
         self.thread.join(timeout=5.0)
         with self.lock:
             for link in list(self.links):
-                if goodbye:
-                    with contextlib.suppress(OSError):
-                        link.sendall(b'{"bye": true}\n')
-                link.close()  # without a goodbye (fit failed): the failure was posted first, the peers say it
+                with contextlib.suppress(OSError):
+                    link.sendall(b'{"bye": true}\n')
+                link.close()
             self.links.clear()
             self.selector.close()
 
