@@ -18,7 +18,7 @@ import pytest
 from registry import make
 
 import jaxdist as jd
-from jaxdist.training.cost import CostOptions, measure_step_cost
+from jaxdist.costs.step import CostOptions, measure_step_cost
 
 VOCAB, SEQ, BATCH, ACCUM = 11, 6, 64, 4
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import jax
 
-from jaxdist.costs import format_bytes
-from jaxdist.strategies import Estimate, MirroredStrategy, Plan, ShardedStrategy, Strategy, plan_mesh
+from jaxdist.costs import Estimate, format_bytes
+from jaxdist.strategies import MirroredStrategy, Plan, ShardedStrategy, Strategy, plan_mesh
 
 __all__ = ["Candidate", "plan_search"]
 
