@@ -123,7 +123,7 @@ FOLDERS = ["callbacks", "data", "step", "checkpoints", "loop"]  # training/, bot
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_training_folders_import_down_only(folder):
     """Each concept folder of ``training/`` imports only the folders below it, never the modules at the top of
-    the package (the `Trainer`, ``prepare``, ``plan_search``: they import the folders)."""
+    the package (the `Trainer`, ``prepare``: they import the folders)."""
     own = f"jaxdist.training.{folder}"
     below = {f"jaxdist.training.{f}" for f in FOLDERS[:FOLDERS.index(folder)]}
     graph = _graph()

@@ -22,13 +22,13 @@ PUBLIC = {
         "accelerator_of_device", "known_peak_flops", "program_cost", "roofline",
     ],
     "jaxdist.strategies": [
-        "DistributedDataset", "DistributedIterator", "HOST_OFFLOAD_MODES",
+        "Candidate", "DistributedDataset", "DistributedIterator", "HOST_OFFLOAD_MODES",
         "IdleAxisWarning", "InputContext", "LayoutPolicy", "MirroredStrategy", "MultiStepContext",
         "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "Plan", "ProgramCache", "ProgramMismatchError",
         "RecompileWarning", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyExtended", "StrategyFunction",
         "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
         "compat", "compute_average_loss", "get_replica_context", "get_strategy", "has_strategy",
-        "in_cross_replica_context", "plan_mesh", "scale_regularization_loss",
+        "in_cross_replica_context", "plan_mesh", "plan_search", "scale_regularization_loss",
     ],
     "jaxdist.strategies.compat": [
         "StrategyV1Names", "TowerContext", "get_distribution_strategy", "get_tower_context",
@@ -55,11 +55,11 @@ PUBLIC = {
         "TPUStrategy", "host_compute_core", "outside_compilation",
     ],
     "jaxdist.training": [
-        "CSVLogger", "Callback", "Candidate", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
+        "CSVLogger", "Callback", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
         "JobDisagreementError", "LinenModel", "MLflowLogger", "NnxModel", "NonFiniteError", "NonFinitePolicy",
         "PreemptionWatcher", "Progress", "StepCost", "TensorBoardLogger", "TrainState", "Trainer", "Watchdog",
         "WandbLogger", "accuracy",
-        "make_train_step", "plan_search", "prepare",
+        "make_train_step", "prepare",
     ],
 }
 

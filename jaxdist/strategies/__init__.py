@@ -30,12 +30,15 @@ from jaxdist.strategies.plan import Plan as Plan
 from jaxdist.strategies.plan import plan_mesh as plan_mesh
 from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
 from jaxdist.strategies.replica_context import ValueContext as ValueContext
+from jaxdist.strategies.search import Candidate as Candidate
+from jaxdist.strategies.search import plan_search as plan_search
 from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies.sharded import UnmatchedLayoutRuleWarning as UnmatchedLayoutRuleWarning
 from jaxdist.strategies.tf_api import StrategyExtended as StrategyExtended
 
 __all__ = [
     "HOST_OFFLOAD_MODES",
+    "Candidate",
     "DistributedDataset",
     "DistributedIterator",
     "IdleAxisWarning",
@@ -64,5 +67,6 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "plan_mesh",
+    "plan_search",
     "scale_regularization_loss",
 ]

@@ -5,8 +5,8 @@ on any strategy (a loss may return a token-weighted ``(sum, weight)`` pair; logs
 memory, `StepCost`); `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
 saves and restores state across strategies and device counts.
 The package is concept folders behind this face: ``callbacks``, ``data``, ``step`` (what runs on the devices),
-``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up; ``trainer``, ``prepare`` and ``search`` sit
-on top.
+``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up; ``trainer`` and ``prepare`` sit on
+top.
 
 Examples:
     >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
@@ -35,8 +35,6 @@ from jaxdist.training.loop import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.loop import StragglerWarning as StragglerWarning
 from jaxdist.training.loop import Watchdog as Watchdog
 from jaxdist.training.prepare import prepare as prepare
-from jaxdist.training.search import Candidate as Candidate
-from jaxdist.training.search import plan_search as plan_search
 from jaxdist.training.step import Average as Average
 from jaxdist.training.step import LinenModel as LinenModel
 from jaxdist.training.step import NnxModel as NnxModel
@@ -53,7 +51,6 @@ from jaxdist.training.trainer import Trainer as Trainer
 __all__ = [
     "Average",
     "CSVLogger",
-    "Candidate",
     "Callback",
     "CheckpointConflictError",
     "CheckpointCorruptedError",
@@ -81,6 +78,5 @@ __all__ = [
     "WandbLogger",
     "accuracy",
     "make_train_step",
-    "plan_search",
     "prepare",
 ]
