@@ -419,7 +419,7 @@ class Trainer:
         """Load a checkpoint (default: the latest) onto THIS trainer's strategy, whatever wrote it.
 
         With ``ema_decay``, the averaged weights come from the checkpoint; from one without them (a run without
-        ``ema_decay``) they start again from its parameters, with a warning (`jaxdist.training.checkpoints._ema`).
+        ``ema_decay``) they start again from its parameters, with a warning (`jaxdist.training.step._ema`).
 
         Args:
             checkpoint_dir: the directory ``fit`` or `save` wrote, or an open `Checkpointer` (left open).

@@ -17,7 +17,7 @@ Three things keep it from slowing the steps down:
   two after the step it describes, with that step's number. Nothing is read back per step. With several
   processes a log is emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process
   (it has almost always arrived by then), so that all act on what it says at the same step.
-* Non-finite steps (`jaxdist.training.loop._non_finite`): each step's flag (its loss or gradient norm is not finite)
+* Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag (its loss or gradient norm is not finite)
   rides in the same sums; the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log
   is emitted and before every checkpoint, whose state is refused if it is not finite.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so no
