@@ -515,7 +515,7 @@ def plan_or_search(args: argparse.Namespace, strategy: jd.Strategy, trainer: Any
         with strategy.scope():
             plan = trainer.plan((tokens, tokens))
         say(plan)
-        say(f"fits {args.accelerator} ({jd.strategies.ACCELERATORS[args.accelerator].memory / 1e9:.0f} GB): "
+        say(f"fits {args.accelerator} ({jd.costs.ACCELERATORS[args.accelerator].memory / 1e9:.0f} GB): "
             f"{plan.fits(args.accelerator)}")
         return
     memory = args.memory_per_device or args.accelerator
@@ -526,7 +526,7 @@ def plan_or_search(args: argparse.Namespace, strategy: jd.Strategy, trainer: Any
                                    make_optimizer(args.steps, args.learning_rate), loss_fn, clip_grad_norm=1.0,
                                    grad_accum_steps=grad_accum_steps)
 
-    found = jd.training.plan_search(
+    found = jd.strategies.plan_search(
         build, (tokens, tokens), num_devices=args.plan_devices or len(jax.devices()), memory_per_device=memory,
         accelerator=args.accelerator, grad_accum_steps=(1, 2), rules=logical_axis_rules,
         activation_axes=ACTIVATION_AXES, progress=lambda c: say("planned:", c, flush=True),

@@ -8,12 +8,9 @@ wraps your own loop's step and data in two lines.
 
 Importing jaxdist starts no JAX backend: devices are looked up when a strategy is created.
 
-Each public object has one canonical path: a name exported here (``jd.MirroredStrategy``, ``jd.PerReplica``,
-``jd.get_strategy``, ``jd.program_cost``, ``jd.configure_compilation_cache``, ...) is canonical here, and the same
-object under ``jd.strategies``, ``jd.replicate``, ``jd.tpu``, ``jd.costs`` or ``jd.training`` is an alias kept
-for imports written against it. ``Accelerator``, ``ACCELERATORS``, ``Estimate`` and ``known_peak_flops`` are
-``jd.costs``'s (aliases in ``jd.strategies`` and ``jd.training``); ``StrategyV1Names`` and ``TowerContext`` are
-``jd.strategies.compat``'s (aliases in ``jd.strategies``).
+Each public name lives in one package (``jd.strategies``, ``jd.replicate``, ``jd.costs``, ``jd.training``, ...);
+the ones used most are also here (``jd.MirroredStrategy`` is ``jd.strategies.MirroredStrategy``). The job's
+own two, ``jd.initialize_cluster`` and ``jd.configure_compilation_cache``, are only here.
 
 Examples:
     >>> import jax, numpy as np, jaxdist as jd
@@ -43,6 +40,8 @@ from jaxdist import nn as nn
 from jaxdist import tpu as tpu
 from jaxdist import training as training
 from jaxdist.costs import program_cost as program_cost
+from jaxdist.job import configure_compilation_cache as configure_compilation_cache
+from jaxdist.job import initialize_cluster as initialize_cluster
 from jaxdist.replicate import MODEL_AXIS as MODEL_AXIS
 from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
 from jaxdist.replicate import PerReplica as PerReplica
@@ -72,11 +71,9 @@ from jaxdist.strategies import get_replica_context as get_replica_context
 from jaxdist.strategies import get_strategy as get_strategy
 from jaxdist.strategies import has_strategy as has_strategy
 from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
-from jaxdist.strategies import initialize_cluster as initialize_cluster
 from jaxdist.strategies import plan_mesh as plan_mesh
 from jaxdist.strategies import scale_regularization_loss as scale_regularization_loss
 from jaxdist.tpu import TPUStrategy as TPUStrategy
-from jaxdist.training import configure_compilation_cache as configure_compilation_cache
 
 __version__ = "0.1.0"
 

@@ -53,7 +53,7 @@ def free_port() -> int:
 _GLOO_LINE = b"[Gloo] "
 
 
-# How jaxdist starts what it says about a job's end (`jaxdist.strategies.cluster`): the first such line of a
+# How jaxdist starts what it says about a job's end (`jaxdist.job`): the first such line of a
 # process is its reason, repeated in the summary.
 _JAXDIST_LINE = "[jaxdist] "
 

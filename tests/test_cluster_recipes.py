@@ -18,7 +18,7 @@ import pytest
 import yaml
 from registry import load_char_lm
 
-from jaxdist.strategies.cluster import CLUSTER_VARIABLES
+from jaxdist.job import CLUSTER_VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "examples" / "cluster"

@@ -9,7 +9,7 @@ import pytest
 from registry import all_strategies, make
 
 import jaxdist as jd
-from jaxdist.strategies.cluster import _devices as devices_mod
+from jaxdist.strategies.layout import _devices as devices_mod
 
 
 @all_strategies

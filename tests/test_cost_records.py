@@ -21,12 +21,6 @@ def test_one_byte_formatter_and_one_flop_formatter_everywhere():
     assert [f(0), f(12), f(1536), f(3 * 2**20), f(1000 * 1024), f(80 * 2**30)] == [
         "0 B", "12 B", "1.5 KiB", "3 MiB", "1000 KiB", "80 GiB"]
     assert jd.costs.format_flops(989.4e12) == "989 TFLOP" and jd.costs.format_flops(1.5e3) == "1.5 kFLOP"
-    # the former homes hand out the same functions
-    from jaxdist.strategies.plan import format_bytes as plan_format
-    from jaxdist.training.cost import format_bytes as training_format
-    from jaxdist.training.cost import format_flops as training_flops
-
-    assert plan_format is f and training_format is f and training_flops is jd.costs.format_flops
 
 
 def test_the_layout_warning_prints_bytes_with_the_one_formatter():
@@ -48,7 +42,7 @@ def test_one_per_device_byte_count_counts_the_largest_shard():
     assert jd.costs.bytes_per_device(placed) == shard
 
 
-def test_plan_and_step_cost_share_the_field_names_and_the_old_name_warns():
+def test_plan_and_step_cost_share_the_field_names():
     compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile()
     plan = read_plan(compiled, state_bytes={"params": 32})
     assert plan.unknown_loops == 0 and not plan.lower_bound and plan.model_flops == plan.flops == 128.0
@@ -56,8 +50,6 @@ def test_plan_and_step_cost_share_the_field_names_and_the_old_name_warns():
                                         local_devices=jax.devices()[:1], rows_per_step=8)
     for name in ("flops", "model_flops", "temp_bytes", "unknown_loops", "uncosted", "lower_bound"):
         assert getattr(cost, name) == getattr(plan, name), name
-    with pytest.warns(DeprecationWarning, match="StepCost.unknown_loops"):
-        assert cost.undercounted_loops == cost.unknown_loops
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert str(plan).startswith("Plan for mesh {'devices': 1} (1 devices), planned in")

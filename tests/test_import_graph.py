@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
-LAYERS = ["costs", "replicate", "strategies", "gradients", "nn", "tpu", "training"]  # bottom up
+LAYERS = ["costs", "replicate", "job", "strategies", "gradients", "nn", "tpu", "training"]  # bottom up
 
 
 def _module(path: pathlib.Path) -> str:
@@ -66,7 +66,7 @@ def test_layers_import_down_only(layer):
             assert not upward, f"{module} imports {upward}, a layer above {layer}"
 
 
-ROOMS = ["ambient", "cluster", "layout", "input", "plan", "replica", "compile", "tf_api"]  # strategies/, bottom up
+ROOMS = ["ambient", "layout", "input", "plan", "replica_context", "compile", "tf_api"]  # strategies/, bottom up
 
 
 @pytest.mark.parametrize("room", ROOMS)
@@ -86,9 +86,10 @@ def test_strategy_rooms_import_down_only(room):
 
 def test_other_packages_use_the_rooms_interfaces():
     """Outside its room nothing imports a room's private modules (the other rooms, the strategy classes and the
-    public faces at the top of ``strategies/``, the other packages): each room's ``__init__`` is its interface."""
+    public faces at the top of ``strategies/``, the other packages): each room's ``__init__`` is its interface,
+    ``jaxdist.job``'s too."""
     for module, deps in _graph().items():
-        private = sorted(d for d in deps if d.startswith("jaxdist.strategies.") and "._" in d
+        private = sorted(d for d in deps if d.startswith(("jaxdist.strategies.", "jaxdist.job.")) and "._" in d
                          and not (module + ".").startswith(d.rsplit("._", 1)[0] + "."))
         assert not private, f"{module} imports {private}; import the room (jaxdist.strategies.<room>) instead"
 
@@ -122,7 +123,7 @@ FOLDERS = ["callbacks", "data", "step", "checkpoints", "loop"]  # training/, bot
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_training_folders_import_down_only(folder):
     """Each concept folder of ``training/`` imports only the folders below it, never the modules at the top of
-    the package (the `Trainer`, ``prepare``, ``plan_search``: they import the folders)."""
+    the package (the `Trainer`, ``prepare``: they import the folders)."""
     own = f"jaxdist.training.{folder}"
     below = {f"jaxdist.training.{f}" for f in FOLDERS[:FOLDERS.index(folder)]}
     graph = _graph()

@@ -134,7 +134,7 @@ def test_a_healthy_job_with_a_slow_step_says_nothing_of_deaths(tmp_path):
 
 
 def test_the_silence_said_is_under_half_the_heartbeat_timeout():
-    from jaxdist.strategies import cluster
+    from jaxdist import job as cluster
 
     try:
         said = {}

@@ -18,9 +18,8 @@ from registry import launch_env
 from test_cluster_operations import _two
 
 import jaxdist as jd
-from jaxdist.strategies import cluster
+from jaxdist import job
 from jaxdist.training.checkpoints._claim import CLAIM_FILE
-from jaxdist.training.loop import _job as job
 
 HERE = Path(__file__).parent
 WORKER = HERE / "multiprocess" / "disagree_worker.py"
@@ -83,7 +82,7 @@ def test_one_process_has_nothing_to_agree_and_data_that_ends_early_is_said():
     import numpy as np
     import optax
 
-    assert cluster.exchange("x", "1", timeout=0.1) == ["1"]
+    assert job.exchange("x", "1", timeout=0.1) == ["1"]
     job.agree_on_fit(None, {"steps": 3}, None)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 4)).astype(np.float32)

@@ -13,8 +13,8 @@ from multiprocess_model import batches, init_state, train_step
 from registry import launch_env
 
 import jaxdist as jd
+from jaxdist.job import detected_cluster, resolve_cluster
 from jaxdist.launch import free_port, launch
-from jaxdist.strategies.cluster import detected_cluster, resolve_cluster
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

@@ -330,7 +330,7 @@ def _build(strategy, remat, grad_accum_steps):
 def test_the_search_finds_a_sharded_layout_where_mirrored_does_not_fit():
     batch = (jax.ShapeDtypeStruct((256, 1024), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32))
     seen = []
-    found = jd.training.plan_search(_build, batch, num_devices=8, memory_per_device=40 << 20, remat=(False,),
+    found = jd.strategies.plan_search(_build, batch, num_devices=8, memory_per_device=40 << 20, remat=(False,),
                                     layouts=("mirrored", "fsdp", "hsdp"), hsdp_groups=(2,),
                                     grad_accum_steps=(1, 3), progress=seen.append)
     assert sorted(map(id, seen)) == sorted(map(id, found))
@@ -361,7 +361,7 @@ def test_the_search_tries_expert_axis_sizes_for_a_moe_model():
                                    lambda o, y: ((o[:, :, 0] - y) ** 2).mean(), grad_accum_steps=grad_accum_steps)
 
     batch = (jax.ShapeDtypeStruct((16, 4, 128), jnp.float32), jax.ShapeDtypeStruct((16, 4), jnp.float32))
-    found = jd.training.plan_search(build, batch, num_devices=8, memory_per_device=1 << 30, remat=(False,),
+    found = jd.strategies.plan_search(build, batch, num_devices=8, memory_per_device=1 << 30, remat=(False,),
                                     layouts=("mirrored", "fsdp_ep"), expert_parallelism=(2, 4, 3))
     by_mesh = {tuple(c.mesh.items()): c for c in found}
     assert set(by_mesh) == {(("data", 8),), (("fsdp", 4), ("expert", 2)), (("fsdp", 2), ("expert", 4))}
@@ -372,9 +372,9 @@ def test_the_search_tries_expert_axis_sizes_for_a_moe_model():
 
 def test_the_search_refuses_an_unknown_layout_and_a_bad_device_count():
     with pytest.raises(ValueError, match=r"layouts=.*'zero'.* choose among"):
-        jd.training.plan_search(_build, None, num_devices=8, memory_per_device=1 << 30, layouts=("zero",))
+        jd.strategies.plan_search(_build, None, num_devices=8, memory_per_device=1 << 30, layouts=("zero",))
     with pytest.raises(ValueError, match=r"num_devices=0 must be an int >= 1"):
-        jd.training.plan_search(_build, None, num_devices=0, memory_per_device=1 << 30)
+        jd.strategies.plan_search(_build, None, num_devices=0, memory_per_device=1 << 30)
 
 
 def test_a_failed_or_slow_compile_elsewhere_says_so():

@@ -302,7 +302,7 @@ def test_non_numeric_value_is_an_error():
 
 
 def test_process_without_replicas_is_an_error():
-    from jaxdist.strategies.replica import distribute_values_from_function
+    from jaxdist.strategies.replica_context import distribute_values_from_function
 
     # A policy over other processes' devices only (possible in a multi-process job): its local replicas are none.
     policy = types.SimpleNamespace(num_replicas=4, local_replicas=(), mesh=types.SimpleNamespace(shape={"replica": 4}))

@@ -1,6 +1,7 @@
-"""The names users import keep importing: every public name of every public package, as of the release
-before the package was laid out in concept rooms (issue 43). A name removed or moved out of its package fails
-here; add new names freely (the reference test in test_docs.py covers them)."""
+"""The names users import keep importing: every public name of every public package. A name removed or moved
+out of its package fails here (say where it went in CHANGELOG.md); add new names freely (the reference test in
+test_docs.py covers them). Each public name has one path: its package's, and, for the names used most, also the
+top level (``jd.X``)."""
 
 import importlib
 
@@ -21,13 +22,13 @@ PUBLIC = {
         "accelerator_of_device", "known_peak_flops", "program_cost", "roofline",
     ],
     "jaxdist.strategies": [
-        "ACCELERATORS", "Accelerator", "DistributedDataset", "DistributedIterator", "Estimate", "HOST_OFFLOAD_MODES",
+        "Candidate", "DistributedDataset", "DistributedIterator", "HOST_OFFLOAD_MODES",
         "IdleAxisWarning", "InputContext", "LayoutPolicy", "MirroredStrategy", "MultiStepContext",
         "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "Plan", "ProgramCache", "ProgramMismatchError",
         "RecompileWarning", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyExtended", "StrategyFunction",
-        "StrategyV1Names", "TowerContext", "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
+        "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
         "compat", "compute_average_loss", "get_replica_context", "get_strategy", "has_strategy",
-        "in_cross_replica_context", "initialize_cluster", "plan_mesh", "scale_regularization_loss",
+        "in_cross_replica_context", "plan_mesh", "plan_search", "scale_regularization_loss",
     ],
     "jaxdist.strategies.compat": [
         "StrategyV1Names", "TowerContext", "get_distribution_strategy", "get_tower_context",
@@ -51,14 +52,14 @@ PUBLIC = {
         "MoE",
     ],
     "jaxdist.tpu": [
-        "MultiStepContext", "TPUStrategy", "host_compute_core", "outside_compilation",
+        "TPUStrategy", "host_compute_core", "outside_compilation",
     ],
     "jaxdist.training": [
-        "CSVLogger", "Callback", "Candidate", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
+        "CSVLogger", "Callback", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
         "JobDisagreementError", "LinenModel", "MLflowLogger", "NnxModel", "NonFiniteError", "NonFinitePolicy",
         "PreemptionWatcher", "Progress", "StepCost", "TensorBoardLogger", "TrainState", "Trainer", "Watchdog",
         "WandbLogger", "accuracy",
-        "configure_compilation_cache", "known_peak_flops", "make_train_step", "plan_search", "prepare",
+        "make_train_step", "prepare",
     ],
 }
 
@@ -77,3 +78,17 @@ def test_top_level_names_are_the_packages_objects():
     top, strategies = importlib.import_module("jaxdist"), importlib.import_module("jaxdist.strategies")
     for name in set(PUBLIC["jaxdist"]) & set(PUBLIC["jaxdist.strategies"]):
         assert getattr(top, name) is getattr(strategies, name), name
+
+
+def test_each_public_name_has_one_package():
+    """A public object is exported by one package (its owner) and, optionally, at the top level; never also by a
+    sibling package (``jd.tpu.MultiStepContext`` beside ``jd.strategies.MultiStepContext``)."""
+    owners: dict[int, list[str]] = {}
+    for package in sorted(set(PUBLIC) - {"jaxdist"}):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if not isinstance(value, (int, float, str, tuple)):  # constants are compared by value nowhere
+                owners.setdefault(id(value), []).append(f"{package}.{name}")
+    shared = sorted(paths for paths in owners.values() if len(paths) > 1)
+    assert not shared, f"exported by more than one package (keep one, and jd.X if it is used often): {shared}"

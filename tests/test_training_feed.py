@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import jaxdist as jd
+from jaxdist.costs.step import StepCost
 from jaxdist.strategies.input import ahead
-from jaxdist.training.cost import StepCost
 from jaxdist.training.data import BatchChecker, BatchFeed, BatchStream, DataPosition, TrainBatch
 from jaxdist.training.data import _feed as feed_module
 from jaxdist.training.loop import FitOptions, run_fit

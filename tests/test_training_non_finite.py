@@ -24,9 +24,9 @@ import pytest
 from registry import launch_env
 
 import jaxdist as jd
-from jaxdist.training.loop import FitOptions, NonFiniteGuard, NonFinitePolicy, Window
+from jaxdist.training.loop import FitOptions
 from jaxdist.training.loop._logs import Logs
-from jaxdist.training.step import TrainState, non_finite_leaves
+from jaxdist.training.step import NonFiniteGuard, NonFinitePolicy, TrainState, Window, non_finite_leaves
 
 STEPS = 60
 BAD = (35, 36, 37)  # the steps whose batches are bad in the second scenario

@@ -139,28 +139,6 @@ def test_a_log_point_reads_the_sums_in_one_transfer(monkeypatch):
     assert history.train[0]["loss"] == pytest.approx((0 * 3 + 1 * 8) / 11)
 
 
-def test_the_deprecated_methods_warn_and_return_names_and_a_vector():
-    trainer = make_trainer(make("mirrored_2"))
-    with pytest.warns(DeprecationWarning, match=r"pop_metric_sums\(\) is deprecated: use Trainer.pop_running_sums"):
-        with pytest.raises(RuntimeError, match=r"pop_metric_sums\(\) before the state exists"):
-            trainer.pop_metric_sums()
-    train(trainer, [batch(2.0, MASKS[0]), batch(np.inf, MASKS[1])], looped=False)
-    with pytest.warns(DeprecationWarning, match=r"peek_metric_sums\(\) is deprecated: use Trainer.peek_running_sums"):
-        names, peeked = trainer.peek_metric_sums()
-    with pytest.warns(DeprecationWarning, match=r"use Trainer.pop_running_sums\(\), which returns a "
-                                                r"jd.training.RunningSums"):
-        popped_names, sums = trainer.pop_metric_sums()
-    assert names == popped_names == (
-        "loss", "loss.weight", "mean_y", "learning_rate", "non_finite_steps", "non_finite_first", "non_finite_lead",
-        "non_finite_run", "non_finite_longest", "steps")
-    assert isinstance(sums, jax.Array) and sums.dtype == np.float32
-    assert peeked is sums  # the vector the steps carry, as before
-    np.testing.assert_array_equal(np.asarray(sums), [np.inf, 11.0, np.inf, 0.0, 1, 1, 0, 1, 1, 2])
-    with pytest.warns(DeprecationWarning):
-        names, zeros = trainer.pop_metric_sums()  # no step since: zeros
-    assert len(names) == 10 and np.asarray(zeros).tolist() == [0.0] * 10
-
-
 def test_bad_sums_name_the_fix():
     sums = jd.training.RunningSums.zeros(["loss", "acc"], token_weighted=["loss"])
     with pytest.raises(KeyError, match=r"no running sums of 'accuracy': the sums hold \['loss', 'acc'\]"):

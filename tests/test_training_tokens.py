@@ -18,7 +18,7 @@ import pytest
 from registry import make
 
 import jaxdist as jd
-from jaxdist.training.cost import CostOptions, measure_step_cost
+from jaxdist.costs.step import CostOptions, measure_step_cost
 
 VOCAB, SEQ, BATCH, ACCUM = 11, 6, 64, 4
 
@@ -246,7 +246,7 @@ def test_loops_count_per_iteration_and_flops_per_step_sets_the_model_flops():
     ],
 )
 def test_peak_table(kind, peak):
-    got = jd.training.known_peak_flops(kind)
+    got = jd.costs.known_peak_flops(kind)
     assert (got[0] if got else None) == peak
 
 

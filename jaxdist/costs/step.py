@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,7 +117,7 @@ class StepCost:
         tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted per step
             from a token-weighted loss's weight, or not at all.
         unknown_loops: loops in the step whose trip count XLA did not record (counted once: ``flops`` is then a
-            lower bound). ``undercounted_loops`` is its former name (deprecated).
+            lower bound).
         devices: this process's devices (for ``device.memory_stats()``).
         model_flops: the model's FLOPs per device per step (the basis of MFU): ``flops_per_step=`` / devices,
             else ``flops`` without recomputation; None when not known.
@@ -223,13 +222,6 @@ class StepCost:
             uncosted=() if plan is None else plan.uncosted,
             plan=plan,
         )
-
-    @property
-    def undercounted_loops(self) -> int:
-        """Deprecated: `unknown_loops` (the name `Plan` and `jaxdist.costs.ProgramCost` use)."""
-        warnings.warn("StepCost.undercounted_loops is deprecated: read StepCost.unknown_loops (the name Plan and "
-                      "ProgramCost use).", DeprecationWarning, stacklevel=2)
-        return self.unknown_loops
 
     @property
     def lower_bound(self) -> bool:

@@ -1,16 +1,10 @@
 """Strategies: where replicas run and how code runs on them.
 
-The names also exported at ``jd.`` are canonical there (``jd.MirroredStrategy``); ``ACCELERATORS``,
-``Accelerator`` and ``Estimate`` are ``jd.costs``'s, ``StrategyV1Names`` and ``TowerContext``
-``jd.strategies.compat``'s. Here they are aliases (the same objects), kept for imports written against them.
+The names used most are also at the top (``jd.MirroredStrategy`` is ``jd.strategies.MirroredStrategy``).
 """
 
-from jaxdist.costs import ACCELERATORS as ACCELERATORS
-from jaxdist.costs import Accelerator as Accelerator
-from jaxdist.costs import Estimate as Estimate
 from jaxdist.strategies import compat as compat
 from jaxdist.strategies.base import Strategy as Strategy
-from jaxdist.strategies.cluster import initialize_cluster as initialize_cluster
 from jaxdist.strategies.compile import MultiStepContext as MultiStepContext
 from jaxdist.strategies.compile import ProgramCache as ProgramCache
 from jaxdist.strategies.compile import ProgramMismatchError as ProgramMismatchError
@@ -34,21 +28,19 @@ from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as Multi
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies.plan import Plan as Plan
 from jaxdist.strategies.plan import plan_mesh as plan_mesh
-from jaxdist.strategies.replica import ReplicaContext as ReplicaContext
-from jaxdist.strategies.replica import ValueContext as ValueContext
+from jaxdist.strategies.replica_context import ReplicaContext as ReplicaContext
+from jaxdist.strategies.replica_context import ValueContext as ValueContext
+from jaxdist.strategies.search import Candidate as Candidate
+from jaxdist.strategies.search import plan_search as plan_search
 from jaxdist.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxdist.strategies.sharded import UnmatchedLayoutRuleWarning as UnmatchedLayoutRuleWarning
 from jaxdist.strategies.tf_api import StrategyExtended as StrategyExtended
-from jaxdist.strategies.tf_api import StrategyV1Names as StrategyV1Names
-from jaxdist.strategies.tf_api import TowerContext as TowerContext
 
 __all__ = [
-    "ACCELERATORS",
     "HOST_OFFLOAD_MODES",
-    "Accelerator",
+    "Candidate",
     "DistributedDataset",
     "DistributedIterator",
-    "Estimate",
     "IdleAxisWarning",
     "InputContext",
     "LayoutPolicy",
@@ -65,8 +57,6 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "StrategyFunction",
-    "StrategyV1Names",
-    "TowerContext",
     "UndeclaredBatchWarning",
     "UnmatchedLayoutRuleWarning",
     "ValueContext",
@@ -76,7 +66,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
-    "initialize_cluster",
     "plan_mesh",
+    "plan_search",
     "scale_regularization_loss",
 ]

@@ -5,7 +5,7 @@ variables, batches and outputs, memory kinds) wired to the verbs that run code o
 
 * values: mirrored pytrees (replicated arrays: `create_variables`, `mirror`), distributed batches (axis 0 split
   over the replicas: `experimental_distribute_dataset`), and one-component-per-replica values (`PerReplica`,
-  `SyncOnRead`: stacked on a leading axis split over the replicas) — `jaxdist.strategies.replica._variables`,
+  `SyncOnRead`: stacked on a leading axis split over the replicas) — `jaxdist.strategies.replica_context._variables`,
   `jaxdist.strategies.input._placement`;
 * the global view, `jit`: an unmodified single-device step compiled for those layouts (XLA inserts the
   collectives) — the drop-in path (`jaxdist.strategies.compile._jit`), and its on-device loop
@@ -41,10 +41,10 @@ import jax
 from flax.core.meta import Partitioned
 from jax.sharding import Mesh, NamedSharding
 
+from jaxdist.job import check_spans_processes
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation
 from jaxdist.replicate.values import SyncOnRead
 from jaxdist.strategies import ambient
-from jaxdist.strategies.cluster import check_spans_processes
 from jaxdist.strategies.compile import (
     MultiStepContext,
     ProgramCache,
@@ -69,14 +69,14 @@ from jaxdist.strategies.input import (
 )
 from jaxdist.strategies.layout import LayoutPolicy, to_device_memory
 from jaxdist.strategies.plan import Plan, abstract_variables, is_plan_mesh, refuse_to_run
-from jaxdist.strategies.replica import (
+from jaxdist.strategies.replica_context import (
     ValueContext,
     create_variables,
     distribute_values_from_function,
     enter_scope,
     sync_on_read,
 )
-from jaxdist.strategies.replica import mirror as mirror_tree
+from jaxdist.strategies.replica_context import mirror as mirror_tree
 
 __all__ = ["Strategy"]
 

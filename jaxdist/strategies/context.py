@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxdist.strategies import ambient
 from jaxdist.strategies.one_device import OneDeviceStrategy
-from jaxdist.strategies.replica import ReplicaContext
+from jaxdist.strategies.replica_context import ReplicaContext
 
 __all__ = ["get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import jax
 
+from jaxdist.job import check_connected
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import check_connected, resolve_devices
-from jaxdist.strategies.layout import LayoutPolicy
+from jaxdist.strategies.layout import LayoutPolicy, resolve_devices
 from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["MirroredStrategy"]

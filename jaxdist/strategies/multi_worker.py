@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import jax
 
+from jaxdist.job import initialize_cluster
 from jaxdist.replicate.trees import is_chief
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster
 from jaxdist.strategies.layout import LayoutPolicy
 from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 

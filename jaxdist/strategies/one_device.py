@@ -7,8 +7,7 @@ from typing import Any
 import jax
 
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import resolve_device
-from jaxdist.strategies.layout import LayoutPolicy
+from jaxdist.strategies.layout import LayoutPolicy, resolve_device
 from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["OneDeviceStrategy"]

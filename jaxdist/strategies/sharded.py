@@ -56,10 +56,17 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxdist.job import initialize_cluster
 from jaxdist.replicate.layouts import path_name
 from jaxdist.strategies.base import Strategy
-from jaxdist.strategies.cluster import initialize_cluster, resolve_devices
-from jaxdist.strategies.layout import IdleAxisWarning, LayoutPolicy, is_annotated, logical_names, unboxed
+from jaxdist.strategies.layout import (
+    IdleAxisWarning,
+    LayoutPolicy,
+    is_annotated,
+    logical_names,
+    resolve_devices,
+    unboxed,
+)
 from jaxdist.strategies.tf_api import StrategyExtended, StrategyV1Names
 
 __all__ = ["IdleAxisWarning", "ShardedStrategy", "UnmatchedLayoutRuleWarning"]

@@ -3,11 +3,10 @@
 ``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=..., checkpoint_dir=...)`` trains
 on any strategy (a loss may return a token-weighted ``(sum, weight)`` pair; logs show tokens/s, MFU and
 memory, `StepCost`); `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
-saves and restores state across strategies and device counts. ``known_peak_flops`` (``jd.costs``'s) and
-``configure_compilation_cache`` (``jd.configure_compilation_cache``) are aliases of their canonical paths.
+saves and restores state across strategies and device counts.
 The package is concept folders behind this face: ``callbacks``, ``data``, ``step`` (what runs on the devices),
-``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up; ``trainer``, ``prepare``, ``search`` and
-``cost`` sit on top.
+``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up; ``trainer`` and ``prepare`` sit on
+top.
 
 Examples:
     >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
@@ -18,9 +17,8 @@ Examples:
     3
 """
 
-from jaxdist.costs import known_peak_flops as known_peak_flops
 from jaxdist.costs.step import StepCost as StepCost
-from jaxdist.training import _moved
+from jaxdist.job import JobDisagreementError as JobDisagreementError
 from jaxdist.training.callbacks import Callback as Callback
 from jaxdist.training.callbacks import CSVLogger as CSVLogger
 from jaxdist.training.callbacks import History as History
@@ -32,20 +30,16 @@ from jaxdist.training.checkpoints import CheckpointConflictError as CheckpointCo
 from jaxdist.training.checkpoints import CheckpointCorruptedError as CheckpointCorruptedError
 from jaxdist.training.checkpoints import Checkpointer as Checkpointer
 from jaxdist.training.checkpoints import CheckpointSaveError as CheckpointSaveError
-from jaxdist.training.checkpoints import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.data import DataPosition as DataPosition
-from jaxdist.training.loop import JobDisagreementError as JobDisagreementError
-from jaxdist.training.loop import NonFiniteError as NonFiniteError
-from jaxdist.training.loop import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.loop import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.loop import StragglerWarning as StragglerWarning
 from jaxdist.training.loop import Watchdog as Watchdog
 from jaxdist.training.prepare import prepare as prepare
-from jaxdist.training.search import Candidate as Candidate
-from jaxdist.training.search import plan_search as plan_search
 from jaxdist.training.step import Average as Average
 from jaxdist.training.step import LinenModel as LinenModel
 from jaxdist.training.step import NnxModel as NnxModel
+from jaxdist.training.step import NonFiniteError as NonFiniteError
+from jaxdist.training.step import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.step import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.step import PackedSums as PackedSums
 from jaxdist.training.step import RunningSums as RunningSums
@@ -54,12 +48,9 @@ from jaxdist.training.step import accuracy as accuracy
 from jaxdist.training.step import make_train_step as make_train_step
 from jaxdist.training.trainer import Trainer as Trainer
 
-_moved.install()  # the flat module paths of before the folders import, with a DeprecationWarning
-
 __all__ = [
     "Average",
     "CSVLogger",
-    "Candidate",
     "Callback",
     "CheckpointConflictError",
     "CheckpointCorruptedError",
@@ -86,9 +77,6 @@ __all__ = [
     "Watchdog",
     "WandbLogger",
     "accuracy",
-    "configure_compilation_cache",
-    "known_peak_flops",
     "make_train_step",
-    "plan_search",
     "prepare",
 ]

@@ -23,12 +23,10 @@ norm on the devices, ``fit`` acts on the flags where it reads its logs and befor
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from jaxdist.costs.step import CostOptions, StepCost
@@ -36,8 +34,8 @@ from jaxdist.strategies import Plan, Strategy
 from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoints import Checkpointer, load_live, restore_live, save_live
 from jaxdist.training.data import DataPosition
-from jaxdist.training.loop import NonFinitePolicy, fit_live
-from jaxdist.training.step import LiveState, PackedSums, TrainState, check_int
+from jaxdist.training.loop import fit_live
+from jaxdist.training.step import LiveState, NonFinitePolicy, PackedSums, TrainState, check_int
 
 __all__ = ["Trainer"]
 
@@ -345,29 +343,9 @@ class Trainer:
         """
         return self._live.sums("peek_running_sums", pop=False)
 
-    def pop_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """Deprecated: `pop_running_sums` (read by name: ``.to_host().mean("loss")``) as ``(names, vector)``:
-        ``vector[i]`` belongs to ``names[i]`` (each metric's sum, ``"loss"`` first, a token-weighted one followed by
-        ``"<name>.weight"``; ``"learning_rate"``; the non-finite steps' record; ``"steps"``).
-
-        Raises:
-            RuntimeError: before the state exists.
-        """
-        _deprecated("pop_metric_sums", "pop_running_sums")
-        return _packed(self._live.sums("pop_metric_sums"))
-
-    def peek_metric_sums(self) -> tuple[tuple[str, ...], Any]:
-        """Deprecated: `peek_running_sums` packed as ``(names, vector)`` (see `pop_metric_sums`).
-
-        Raises:
-            RuntimeError: before the state exists.
-        """
-        _deprecated("peek_metric_sums", "peek_running_sums")
-        return _packed(self._live.sums("peek_metric_sums", pop=False))
-
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters, optimizer state
-        and temporaries (``fit`` logs it once at its start; `jaxdist.training.cost`). Measured once, from the
+        and temporaries (``fit`` logs it once at its start; `jaxdist.costs.step`). Measured once, from the
         compiled step (`jaxdist.costs.program_cost`, the same count as ``Trainer.plan(...).flops``, and XLA's
         memory analysis), never per step: the step that ran is found in JAX's cache; with ``steps_per_run > 1``
         (on-device loops) the single step is compiled once more for it.
@@ -441,7 +419,7 @@ class Trainer:
         """Load a checkpoint (default: the latest) onto THIS trainer's strategy, whatever wrote it.
 
         With ``ema_decay``, the averaged weights come from the checkpoint; from one without them (a run without
-        ``ema_decay``) they start again from its parameters, with a warning (`jaxdist.training.checkpoints._ema`).
+        ``ema_decay``) they start again from its parameters, with a warning (`jaxdist.training.step._ema`).
 
         Args:
             checkpoint_dir: the directory ``fit`` or `save` wrote, or an open `Checkpointer` (left open).
@@ -697,16 +675,3 @@ class Trainer:
             ValueError: ``ema=True`` without ``ema_decay``.
         """
         return self._live.predict(data, ema)
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"Trainer.{old}() is deprecated: use Trainer.{new}(), which returns a jd.training.RunningSums read by name "
-        f"(sums = trainer.{new}().to_host(); sums.mean('loss'), sums.steps, sums.non_finite.count) instead of "
-        "(names, vector).", DeprecationWarning, stacklevel=3)
-
-
-def _packed(sums: PackedSums) -> tuple[tuple[str, ...], Any]:
-    """What ``pop_metric_sums`` returned: ``(sums.fields, sums.vector)``; before the first training step (no
-    metrics known yet) ``(("steps",), zeros(1))``."""
-    return (sums.fields, sums.vector) if sums.names else (("steps",), np.zeros(1, np.float32))

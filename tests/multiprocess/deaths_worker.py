@@ -44,7 +44,7 @@ class Die(jd.training.Callback):
             return
         if pid != victim or step != 8:
             return
-        time.sleep(3 * jd.strategies.cluster.BEAT_SECONDS)
+        time.sleep(3 * jd.job.BEAT_SECONDS)
         print(f"VICTIM {pid} at step {step}, {time.time():.3f}", flush=True)
         if case == "exits":
             os._exit(3)

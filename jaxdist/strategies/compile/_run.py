@@ -72,7 +72,7 @@ from jaxdist.strategies.compile._mirror_check import agreement, raise_on_disagre
 from jaxdist.strategies.compile._vma import first_trace
 from jaxdist.strategies.input import check_batch_leaves, padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
-from jaxdist.strategies.replica import ReplicaContext
+from jaxdist.strategies.replica_context import ReplicaContext
 
 __all__ = ["ReplicaRunner", "check_axis_name"]
 

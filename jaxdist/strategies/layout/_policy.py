@@ -33,9 +33,9 @@ from flax.core.meta import Partitioned
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.costs import format_bytes
+from jaxdist.job import spans_processes
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
-from jaxdist.strategies.cluster import spans_processes
 from jaxdist.strategies.layout._axis_types import trace_mesh
 from jaxdist.strategies.layout._meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
 from jaxdist.strategies.layout._offload import offload_shardings, parse_host_offload
@@ -321,7 +321,7 @@ class LayoutPolicy:
 
     @property
     def spans_processes(self) -> bool:
-        """Whether the mesh's devices belong to more than one process (`jaxdist.strategies.cluster.spans_processes`)."""
+        """Whether the mesh's devices belong to more than one process (`jaxdist.job.spans_processes`)."""
         return spans_processes(self.devices)
 
     @property

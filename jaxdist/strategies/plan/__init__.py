@@ -1,11 +1,11 @@
 """Plans: what a step will cost (memory, time, layouts) before it runs, on real meshes and meshes without devices.
 
-The record, `Plan`, and the formatters live in `jaxdist.costs` (re-exported here: ``jaxdist.strategies.Plan``
-and ``jd.Plan`` are the same class); this room fills plans for a strategy's layout.
+The record, `Plan`, lives in `jaxdist.costs.plan` with the other cost records (public as ``jd.Plan``); this room
+fills plans for a strategy's layout. The search over layouts sits above the strategy classes
+(`jaxdist.strategies.search`).
 """
 
 from jaxdist.costs.plan import Plan as Plan
-from jaxdist.costs.units import format_bytes as format_bytes
 from jaxdist.strategies.plan._plan import plan_step as plan_step
 from jaxdist.strategies.plan._plan_mesh import abstract_variables as abstract_variables
 from jaxdist.strategies.plan._plan_mesh import compile_elsewhere as compile_elsewhere
@@ -17,7 +17,6 @@ __all__ = [
     "Plan",
     "abstract_variables",
     "compile_elsewhere",
-    "format_bytes",
     "is_plan_mesh",
     "plan_mesh",
     "plan_step",

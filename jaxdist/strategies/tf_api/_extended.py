@@ -31,8 +31,13 @@ from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 from jaxdist.replicate.trees import fn_name, hashable, is_chief, is_distributed, merge_static, signature, split_static
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
-from jaxdist.strategies.cluster import resolve_device, resolve_devices
-from jaxdist.strategies.layout import HOST_MEMORY_KIND, colocated_layout, to_device_memory
+from jaxdist.strategies.layout import (
+    HOST_MEMORY_KIND,
+    colocated_layout,
+    resolve_device,
+    resolve_devices,
+    to_device_memory,
+)
 
 __all__ = ["StrategyExtended"]
 

@@ -24,9 +24,9 @@ import numpy as np
 
 from jaxdist.replicate.trees import is_distributed
 from jaxdist.replicate.values import PerReplica, SyncOnRead, local_components
-from jaxdist.strategies.cluster import resolve_device
 from jaxdist.strategies.input import DistributedDataset
-from jaxdist.strategies.replica import ReplicaContext
+from jaxdist.strategies.layout import resolve_device
+from jaxdist.strategies.replica_context import ReplicaContext
 
 __all__ = ["StrategyV1Names", "TowerContext"]
 

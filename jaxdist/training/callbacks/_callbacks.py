@@ -9,7 +9,7 @@ same step, at most 3 steps later (the processes agree on it like on a SIGTERM: `
 
 The trainer logs every ``log_every`` steps: the mean of each metric over those steps (token-weighted for a
 ``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use``
-(`jaxdist.training.cost`). A log point does not stop the devices: ``on_log`` comes once they have the
+(`jaxdist.costs.step`). A log point does not stop the devices: ``on_log`` comes once they have the
 window's values (usually a step or two later, with the log point's step number), and always before the next
 evaluation, checkpoint or the end of ``fit``. `Progress` shows the logs as a tqdm bar on a terminal and as
 plain lines otherwise (logs, CI); `CSVLogger` and `TensorBoardLogger` (tensorboardX) write them to files. In a

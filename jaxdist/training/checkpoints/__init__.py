@@ -7,7 +7,6 @@ This `__init__` is the folder's interface: the rest of `jaxdist.training` import
 
 from jaxdist.training.checkpoints._checkpointer import Checkpointer as Checkpointer
 from jaxdist.training.checkpoints._claim import CheckpointConflictError as CheckpointConflictError
-from jaxdist.training.checkpoints._compilation_cache import configure_compilation_cache as configure_compilation_cache
 from jaxdist.training.checkpoints._damage import CheckpointCorruptedError as CheckpointCorruptedError
 from jaxdist.training.checkpoints._directory import clear_progress as clear_progress
 from jaxdist.training.checkpoints._directory import read_progress as read_progress
@@ -21,6 +20,6 @@ from jaxdist.training.checkpoints._storage import check_directory as check_direc
 
 __all__ = [
     "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "check_directory",
-    "clear_progress", "configure_compilation_cache", "load_live", "read_progress", "restore_live", "roll_back",
+    "clear_progress", "load_live", "read_progress", "restore_live", "roll_back",
     "save_live", "write_progress",
 ]

@@ -20,7 +20,6 @@ import jax
 
 from jaxdist.replicate.trees import is_distributed
 from jaxdist.training.checkpoints._checkpointer import Checkpointer
-from jaxdist.training.checkpoints._ema import restore_state
 from jaxdist.training.checkpoints._load import assemble, checked_pieces
 from jaxdist.training.data import DataPosition, IteratorSnapshot, UnrestorableState, global_rows, restored_position
 from jaxdist.training.step import (
@@ -32,6 +31,7 @@ from jaxdist.training.step import (
     describe,
     non_finite_leaves,
     params_target,
+    restore_state,
     with_ema,
 )
 

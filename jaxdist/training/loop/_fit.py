@@ -17,7 +17,7 @@ Three things keep it from slowing the steps down:
   two after the step it describes, with that step's number. Nothing is read back per step. With several
   processes a log is emitted exactly ``READ_LAG`` steps (or loops) after its window closed, on every process
   (it has almost always arrived by then), so that all act on what it says at the same step.
-* Non-finite steps (`jaxdist.training.loop._non_finite`): each step's flag (its loss or gradient norm is not finite)
+* Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag (its loss or gradient norm is not finite)
   rides in the same sums; the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log
   is emitted and before every checkpoint, whose state is refused if it is not finite.
 * The loop reads only the batches it trains on: the stream is cut at the step ``fit`` trains to, so no
@@ -38,7 +38,7 @@ step at a time.
 
 After the first step the loop asks the trainer what a step costs (``trainer.step_cost()``, measured once) and
 hands it to the callbacks (``on_step_cost``); each log then adds ``tokens_per_sec``, ``mfu``, ``hfu`` and
-``peak_bytes_in_use`` where they are known (`jaxdist.training.cost`), from the window's steps, seconds and
+``peak_bytes_in_use`` where they are known (`jaxdist.costs.step`), from the window's steps, seconds and
 summed loss weight: nothing more is computed or read per step.
 
 Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the host around
@@ -69,21 +69,19 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist.costs.step import StepCost
-from jaxdist.strategies.cluster import spans_processes
+from jaxdist.job import data_ended, spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoints import Checkpointer, clear_progress, write_progress
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import HostTimes, check_ratio
-from jaxdist.training.loop._job import data_ended
 from jaxdist.training.loop._job_time import JobTime
 from jaxdist.training.loop._logs import Logs
-from jaxdist.training.loop._non_finite import NonFiniteError, NonFiniteGuard, NonFinitePolicy
 from jaxdist.training.loop._preemption import PreemptionWatcher
 from jaxdist.training.loop._profile import NEVER, StepProfile, check_profile
 from jaxdist.training.loop._time import FitClock, window_seconds
 from jaxdist.training.loop._watchdog import Watchdog
-from jaxdist.training.step import PackedSums, check_int
+from jaxdist.training.step import NonFiniteError, NonFiniteGuard, NonFinitePolicy, PackedSums, check_int
 
 __all__ = ["READ_AHEAD", "Fit", "FitOptions", "FitTarget", "run_fit"]
 

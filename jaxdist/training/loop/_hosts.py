@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.strategies.cluster import forget, post, read
+from jaxdist.job import forget, post, read
 
 __all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "check_ratio"]
 

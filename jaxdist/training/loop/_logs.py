@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxdist.training.loop._non_finite import Window, log_values
-from jaxdist.training.step import PackedSums, RunningSums
+from jaxdist.training.step import PackedSums, RunningSums, Window, log_values
 
 __all__ = ["Logs", "means"]
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.strategies.cluster import spans_processes
+from jaxdist.job import spans_processes
 
 __all__ = ["PreemptionWatcher"]
 

@@ -16,14 +16,13 @@ from typing import Any
 
 import jax
 
+from jaxdist.job import agree_on_fit, failing
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoints import Checkpointer, check_directory, read_progress, restore_live, roll_back
 from jaxdist.training.data import BatchStream, global_rows, say_batch_change
 from jaxdist.training.loop._config import run_config
 from jaxdist.training.loop._fit import FitOptions, FitTarget, run_fit
-from jaxdist.training.loop._job import agree_on_fit, failing
-from jaxdist.training.loop._non_finite import NonFinitePolicy
-from jaxdist.training.step import LiveState, check_int
+from jaxdist.training.step import LiveState, NonFinitePolicy, check_int
 
 __all__ = ["fit_live"]
 

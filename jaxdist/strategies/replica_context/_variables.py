@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+from jaxdist.job import from_chief
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 from jaxdist.replicate.trees import abstract, fn_name, merge_static, placed_leaves, split_static
 from jaxdist.replicate.values import SyncOnRead
-from jaxdist.strategies.cluster import from_chief
 from jaxdist.strategies.layout import (
     LayoutPolicy,
     auto_region,

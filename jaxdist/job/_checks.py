@@ -8,9 +8,9 @@ forever, without a word. So (nothing of this in a single process):
 * `agree_on_fit`, before anything collective: every process's settings are compared with process 0's (an error
   on every process names the setting and each process's value), and process 0 writes a token file into
   ``checkpoint_dir`` that every other process must read back (a directory that is not shared is named).
-* `failing`: while ``fit`` runs, a peer's failure ends this process (`jaxdist.strategies.cluster.FailureMonitor`)
+* `failing`: while ``fit`` runs, a peer's failure ends this process (`jaxdist.job.FailureMonitor`)
   and this process's own failure is told to its peers (``process 1 raised RuntimeError(...) at step 5``) before
-  it propagates; the process then exits within `jaxdist.strategies.cluster.EXIT_SECONDS` even when its exit
+  it propagates; the process then exits within `jaxdist.job.EXIT_SECONDS` even when its exit
   blocks on a peer.
 * `data_ended`: when this process's data ends before ``steps``, the processes compare where theirs ended
   (waiting `DATA_END_SECONDS` for the others). Ending at the same batch everywhere is an early end like a single
@@ -33,7 +33,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxdist.strategies.cluster import FailureMonitor, exchange, guard_exit, report_failure, spans_processes
+from jaxdist.job._failure import FailureMonitor, exchange, guard_exit, report_failure
+from jaxdist.job._join import spans_processes
 
 __all__ = ["AGREE_SECONDS", "DATA_END_SECONDS", "JobDisagreementError", "agree_on_fit", "data_ended", "failing"]
 
@@ -136,7 +137,7 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any], checkpoint_dir:
 def failing(mesh: Mesh | None, step: Callable[[], int], checkpoint: Callable[[], int | None] = lambda: None,
             checkpoint_dir: str | os.PathLike | None = None) -> Iterator[None]:
     """Around ``fit``: a peer's failure ends this process; this process's failure is told to the peers; a peer
-    that dies or stops is said in jaxdist's words (`jaxdist.strategies.cluster.FailureMonitor`'s line).
+    that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s line).
 
     Args:
         mesh: the strategy's mesh (nothing happens unless it spans processes).

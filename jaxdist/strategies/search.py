@@ -1,8 +1,8 @@
 """A search over layouts, rematerialization and micro-batches, by plan: which configuration fits, and which is fastest.
 
-`plan_search` builds a `Trainer` for every configuration (a layout of ``num_devices`` devices x remat on or off
-x ``grad_accum_steps``), plans its train step on the global batch (`Trainer.plan`: compiled, never run) and
-ranks them: the configurations whose ``peak_bytes`` fit ``memory_per_device`` first, fastest first by the
+`plan_search` builds a `jaxdist.training.Trainer` for every configuration (a layout of ``num_devices`` devices x
+remat on or off x ``grad_accum_steps``), plans its train step on the global batch (``Trainer.plan``: compiled,
+never run) and ranks them: the configurations whose ``peak_bytes`` fit ``memory_per_device`` first, fastest first by the
 roofline estimate on ``accelerator``; then those that do not fit, smallest peak first.
 
 The layouts, on ``jd.plan_mesh`` meshes (real devices when ``num_devices`` is this process's device count):
@@ -17,12 +17,11 @@ The layouts, on ``jd.plan_mesh`` meshes (real devices when ``num_devices`` is th
   model with `jaxdist.nn.MoE` layers): the experts split over ``"expert"``, the batch over both axes, the
   other variables FSDP over ``"fsdp"``.
 
-Why it lives in ``training`` and not with the plans: what it searches are Trainer configurations (remat and
-``grad_accum_steps`` are options of the model and the `Trainer`; ``build`` returns a Trainer and each
-configuration is ranked by ``Trainer.plan``, the train step with its optimizer state), and it builds the
-strategies it plans on. The plan room (`jaxdist.strategies.plan`) sits below the strategy classes, which import
-it, so it cannot build them without an import circle; the records it ranks (`jaxdist.Plan`, its
-`jaxdist.costs.Estimate`) and the formatter of its table live in `jaxdist.costs`.
+Planning has one package, this one: the plan room (`jaxdist.strategies.plan`: one step laid out and compiled,
+meshes without devices) sits below the strategy classes, which plan with it; this search sits above them, as it
+builds the strategies it plans on. What it ranks are Trainer configurations (``build`` returns a Trainer or
+anything with its ``plan(batch)``), but it imports nothing of ``training``. The records it ranks (`jaxdist.Plan`,
+its `jaxdist.costs.Estimate`) and the formatter of its table are cost records, in `jaxdist.costs`.
 """
 
 from __future__ import annotations
@@ -34,8 +33,11 @@ from typing import Any
 
 import jax
 
-from jaxdist.costs import format_bytes
-from jaxdist.strategies import Estimate, MirroredStrategy, Plan, ShardedStrategy, Strategy, plan_mesh
+from jaxdist.costs import Estimate, format_bytes
+from jaxdist.strategies.base import Strategy
+from jaxdist.strategies.mirrored import MirroredStrategy
+from jaxdist.strategies.plan import Plan, plan_mesh
+from jaxdist.strategies.sharded import ShardedStrategy
 
 __all__ = ["Candidate", "plan_search"]
 
@@ -128,7 +130,7 @@ def plan_search(
     Args:
         build: ``build(strategy, remat=..., grad_accum_steps=...) -> Trainer``: the trainer of one configuration
             (its model built with or without remat).
-        batch: the global batch (arrays or `jax.ShapeDtypeStruct`s), as for `Trainer.plan`.
+        batch: the global batch (arrays or `jax.ShapeDtypeStruct`s), as for ``Trainer.plan``.
         num_devices: how many devices to plan for.
         memory_per_device: the budget in bytes, or an accelerator name (its HBM).
         accelerator: what `Plan.estimate` ranks by.

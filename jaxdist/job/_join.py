@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxdist.job._failure import guard_exit, set_heartbeat_timeout
 from jaxdist.replicate.trees import is_array
-from jaxdist.strategies.cluster._failure import guard_exit, set_heartbeat_timeout
 
 try:  # JAX's cluster detectors, to tell a job of several processes that was never connected
     from jax._src.clusters import ClusterEnv as _ClusterEnv
