@@ -1,10 +1,11 @@
 """A process of a job that dies, exits or stops mid-fit is said in jaxdist's words before JAX's, and so is the
 launcher's summary.
 
-Real 2-process jobs (2 x 2 CPU devices, ``heartbeat_timeout_seconds=10``, a checkpoint every 3 steps; the victim
-acts after step 8: tests/multiprocess/deaths_worker.py). Every survivor's output must name the process, the last
-step each reached, the newest checkpoint (6) and the restart, before any text of JAX's; a healthy job with a
-step slower than the line's silence says nothing of the kind. Every run is bounded.
+Real 2-process jobs (2 x 2 CPU devices, ``heartbeat_timeout_seconds=6``: a silence of 2 s is said, where JAX
+acts after 3 to 6 s; a checkpoint every 3 steps; the victim acts after step 8: tests/multiprocess/deaths_worker.py).
+Every survivor's output must name the process, the last step each reached, the newest checkpoint (6) and the
+restart, before any text of JAX's; a step or an end of ``fit`` slower than the silence says nothing of the kind.
+Every run is bounded.
 """
 
 import re
@@ -24,6 +25,8 @@ from jaxdist.launch import free_port
 HERE = Path(__file__).parent
 WORKER = HERE / "multiprocess" / "deaths_worker.py"
 JAX_TEXT = re.compile(r"Terminating process because|coordination_service|UNAVAILABLE")
+GONE = re.compile(r"stopped answering: it ended, was killed or stopped \(silent for \d+\.\d s in the job's key-value "
+                  r"store\)")
 
 
 def _lines(stream, into: list) -> None:
@@ -80,52 +83,66 @@ def _text(lines: list) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", ["exits", "stopped", "coordinator"])
+@pytest.mark.parametrize("case", ["exits"])
 def test_a_process_that_ends_or_stops_is_named_with_the_steps_and_checkpoint_before_jax_speaks(case, tmp_path):
     results = _job(case, tmp_path)
-    dead, alive = (0, 1) if case == "coordinator" else (1, 0)
+    dead, alive = 1, 0
     code, lines = results[alive]
     when, index, message = _said(lines, dead)
+    assert not any("[jaxdist]" in line for _, line in lines[:index]), _text(lines)  # the slow step 4: no word
+    assert GONE.search(message), message
     assert f"process {alive} step 9" in message and f"process {dead} step 8" in message, message
     assert "The newest checkpoint is step 6: restart the job to resume from step 6" in message, message
+    assert f"Process {alive} stops too (exit status 1)" in message, message
     assert (tmp_path / "ckpt" / "6").is_dir()
     jax_said = [i for i, (_, line) in enumerate(lines) if JAX_TEXT.search(line)]
     assert all(i > index for i in jax_said), _text(lines)  # JAX's text, if any, after jaxdist's
+    assert code == 1, _text(lines)
+    # The beats stayed still for the silence (2 s) from their last move (up to a beat before the death), seen
+    # within a beat: before JAX's 3 to 6 s.
     delay = when - _victim_time(results[dead][1])
-    if case == "stopped":  # said within the silence (4 s), then left to JAX: its heartbeats end the job
-        assert "has given no sign for 4 s" in message and "heartbeat_timeout_seconds=10" in message, message
-        assert jax_said and code != 0, _text(lines)
-        assert 3.5 < delay < 5.5, delay
-    else:  # the connection closed: said and ended at once (JAX's heartbeats would take 5-10 s)
-        assert "ended without a word" in message and f"Process {alive} stops too (exit status 1)" in message
-        assert code == 1, _text(lines)
-        assert delay < 2.0, delay
-        assert results[dead][0] == (3 if case == "exits" else -signal.SIGKILL)
-    print(f"{case}: process {alive} said it {delay:.2f} s after process {dead} {case}")
+    assert 1.4 < delay < 3.0, delay
+    assert results[dead][0] == 3
+    print(f"{case}: process {alive} said it {delay:.3f} s after process {dead} {case}")
+
+
+_SUMMARY = {
+    "killed": ["[launch] process 1 killed by SIGKILL at step 8"],
+    "stopped": ["[launch] process 1 was stopped (SIGSTOP), then "],
+    # The survivors' own words race JAX's abort, which wins (see jaxdist.job._failure): the summary says it.
+    "coordinator": ["[launch] process 0 killed by SIGKILL at step 8", "[launch] process 1 killed by SIGABRT at step 9"],
+}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("python", pythons())
-def test_a_killed_process_under_the_launcher_is_said_by_the_survivor_and_the_summary(python, tmp_path):
+@pytest.mark.parametrize(("python", "case"), [  # SIGKILL on this Python, SIGSTOP (then SIGCONT) on 3.12
+    pytest.param(*p.values, case, id=f"{p.id}-{case}", marks=p.marks)
+    for p, case in zip(pythons(), ["killed", "stopped"], strict=True)] + [
+    pytest.param(sys.executable, "coordinator", id="this-coordinator")])
+def test_a_process_killed_or_stopped_under_the_launcher_is_said_by_the_survivor_and_the_summary(python, case,
+                                                                                                tmp_path):
     out = subprocess.run(
         [python, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "100", "--grace", "2",
-         str(WORKER), "killed", str(tmp_path / "ckpt")], env=launch_env(), capture_output=True, text=True,
+         str(WORKER), case, str(tmp_path / "ckpt")], env=launch_env(), capture_output=True, text=True,
         timeout=130)
     text = out.stdout + out.stderr
     assert out.returncode in (1, 128 + signal.SIGKILL), text[-3000:]  # the first process seen to fail
-    said = text.index("[0] [jaxdist] process 1 ended without a word")
-    assert not JAX_TEXT.search(text[:said]), text[-3000:]
-    assert "[launch] process 1 killed by SIGKILL at step 8" in text, text[-3000:]
-    assert ("[launch] process 0 exited with status 1 at step 9; it said: process 1 ended without a word (its "
-            "connection closed: it exited, was killed or crashed)") in text, text[-3000:]
+    for line in _SUMMARY[case]:
+        assert line in text, text[-3000:]
     assert (f"[launch] the newest checkpoint is step 6 (in {tmp_path / 'ckpt'}): restart the job to resume from "
             "step 6") in text, text[-3000:]
+    if case == "coordinator":
+        return
+    said = text.index("[0] [jaxdist] process 1 stopped answering")
+    assert not JAX_TEXT.search(text[:said]), text[-3000:]
+    summary = re.search(r"\[launch\] process 0 exited with status 1 at step 9; it said: process 1 (.*)", text)
+    assert summary and GONE.fullmatch(summary[1]), text[-3000:]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_healthy_job_with_a_slow_step_says_nothing_of_deaths(tmp_path):
+def test_a_healthy_job_with_a_slow_step_and_a_slow_end_says_nothing_of_deaths(tmp_path):
     results = _job("healthy", tmp_path)
     for code, lines in results:
         assert code == 0, _text(lines)
@@ -134,13 +151,13 @@ def test_a_healthy_job_with_a_slow_step_says_nothing_of_deaths(tmp_path):
 
 
 def test_the_silence_said_is_under_half_the_heartbeat_timeout():
-    from jaxdist import job as cluster
+    from jaxdist import job
 
     try:
         said = {}
-        for timeout in (4, 10, 30, 100):
-            cluster.set_heartbeat_timeout(timeout)
-            said[timeout] = cluster.silence_seconds()
-        assert said == {4: 2.0, 10: 4.0, 30: 14.0, 100: 49.0}
+        for timeout in (4, 6, 10, 30, 100):
+            job.set_heartbeat_timeout(timeout)
+            said[timeout] = job.silence_seconds()
+        assert said == {4: 2.0, 6: 2.0, 10: 4.0, 30: 14.0, 100: 49.0}
     finally:
-        cluster.set_heartbeat_timeout(100)
+        job.set_heartbeat_timeout(100)

@@ -28,19 +28,30 @@ A process that ends without a word (killed, ``os._exit``, a crash) or stops (SIG
 report anything, and JAX's own end of the job is a C++ abort Python cannot catch or precede: the coordination
 service declares a task dead between ``heartbeat_timeout_seconds / 2`` and ``heartbeat_timeout_seconds`` after
 its last heartbeat, and a dead coordinator (process 0) ends the others within milliseconds. (JAX's client takes a
-``missed_heartbeat_callback``, but this jaxlib cannot hand it its argument: ``std::bad_cast``, then abort.) So a
-monitor opened with ``progress`` (``fit``'s) also keeps a *line*: a TCP connection between process 0 and every
-other process (process 0 listens on a port it posts in the key-value store), over which each side sends its
-progress (step, newest complete checkpoint) every `BEAT_SECONDS`, and a goodbye when the monitor closes (however
-``fit`` ended: a failure that needs telling was posted before):
+``missed_heartbeat_callback``, but this jaxlib cannot hand it its argument: ``std::bad_cast``, then abort; and its
+``get_live_nodes`` is a barrier.) So a monitor opened with ``progress`` (``fit``'s) also *beats*, through the same
+key-value store (no port of its own, no protocol but the store's): a daemon thread posts this process's progress
+(step, newest complete checkpoint, its directory, a beat counter) under ``jaxdist/beats/<n>/<process>`` every
+`BEAT_SECONDS`, reads every process's beats in one ``key_value_dir_get``, and posts a goodbye
+(``jaxdist/beats/<n>/bye/<process>``) when the monitor closes, however ``fit`` ended (a failure that needs telling
+was posted before):
 
-* a line that closes without a goodbye is a process that ended (a connection closes when its process does,
-  whatever killed it; a live process, however slow or stuck, keeps it open): the other side says so at once, in
-  jaxdist's words (which process, the last step each reached, the newest checkpoint, restart to resume), and ends
-  with status 1 (process 0 first tells the others through the key-value store, as a failure);
-* a line silent for `silence_seconds` (under half the heartbeat timeout, so before JAX can act) is a process
-  stopped, hung in a C call that holds the interpreter lock, or unreachable: said, with the same facts, and left
-  to JAX (whose text follows when its heartbeats stay away too); if it answers again, that is said too.
+* a process whose beat counter has not moved for `silence_seconds` (under half the heartbeat timeout, so before
+  JAX can act) and that said no goodbye stopped answering: it ended, was killed or stopped (the store cannot tell
+  these apart). The first survivor to see it says so in jaxdist's words (which process, the last step each
+  reached, the newest checkpoint, "restart the job to resume from step N"), posts it as the job's failure so that
+  every process says it, and exits with status 1; so do the others.
+* a call to the store that fails is the coordinator gone (it hosts the store): the message for it, made ready at
+  every beat, is written at once and the process exits with status 1. When the coordinator was killed this races
+  JAX's abort, and JAX wins: its client's own call (``PollForError``) fails on the same connection and is handled
+  first, on gRPC's thread, aborting within a millisecond (measured: 0 of 7 runs said first). The launcher's
+  summary (``python -m jaxdist.launch``) says that case in jaxdist's words, from the progress each beat leaves.
+
+Nothing of it runs on the training thread (no collective, no device read). A live process cannot fall silent: its
+beats come from their own thread, which a slow step, a compilation, a collective, a checkpoint write or a sleep
+never holds (they release the interpreter lock, and Python code gives it up every few milliseconds); only a single
+C call holding the interpreter lock for longer than `silence_seconds` could, and a watcher's own stall counts for
+nothing (it compares counters between its own reads).
 
 Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat also leaves the process's progress
 in ``<dir>/<process>.json`` for the launcher's summary.
@@ -52,8 +63,6 @@ import contextlib
 import itertools
 import json
 import os
-import selectors
-import socket
 import sys
 import threading
 import time
@@ -74,13 +83,14 @@ POLL_SECONDS = 1.0
 """How often a `FailureMonitor` asks whether a peer failed."""
 
 BEAT_SECONDS = 0.5
-"""How often a monitor's line sends this process's progress (and so how soon a silence can be seen)."""
+"""How often a monitor posts this process's progress and reads the others' (and so how soon a silence is seen)."""
 
 _heartbeat_timeout = 100.0  # JAX's default; the strategies' join sets the job's (`set_heartbeat_timeout`)
 
 _FAILURE_KEY = "jaxdist/failure"
 _counter = itertools.count()
-_lines = itertools.count()
+_rounds = itertools.count()
+_BEATS_KEY = "jaxdist/beats"
 _lock = threading.Lock()
 _armed = False
 _hooked = False
@@ -216,9 +226,16 @@ def set_heartbeat_timeout(seconds: float) -> None:
 
 
 def silence_seconds() -> float:
-    """How long a line may stay silent before its peer is said to be silent: JAX's heartbeats go every half
-    heartbeat timeout, so its service may declare a stopped task dead as soon as half the timeout after it
-    stopped; the silence is said a beat and a half before that.
+    """How long a process's beats may stay still before it is said to have stopped answering (it ended, was
+    killed or stopped), and how long a call to the coordinator's store may stay unanswered: as long as possible
+    while still before JAX's own verdict. JAX's heartbeats go every half heartbeat timeout, so its service may
+    declare a silent task dead as soon as half the timeout after it went silent; the silence is said two beats
+    before that (one beat to see it, one to spare), and never under 2 s.
+
+    It cannot fire in a healthy job: the beats come from a daemon thread, which a slow step, a compilation, a
+    collective, a checkpoint write or a sleep never holds (all release the interpreter lock; Python code gives it
+    up every few milliseconds); only one C call keeping the lock longer than this (14 s at the strategies' default
+    ``heartbeat_timeout_seconds=30``) could silence a live process.
 
     Examples:
         >>> set_heartbeat_timeout(10); silence_seconds()
@@ -281,12 +298,12 @@ def guard_exit() -> None:
 
 class FailureMonitor:
     """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it; with
-    ``progress``, a peer's death or silence is said too (the line: see the module doc).
+    ``progress``, a peer that ends or stops is said too (the beats: see the module doc).
 
     Args:
         interval: seconds between two polls.
         progress: this process's progress, ``{"step": int, "checkpoint": int | None, "checkpoint_dir": str |
-            None}`` (read on the line's thread every `BEAT_SECONDS`: it must not wait); None: no line.
+            None}`` (read on the beats' thread every `BEAT_SECONDS`: it must not wait); None: no beats.
 
     Examples:
         >>> with FailureMonitor(progress=lambda: {"step": 0, "checkpoint": None}):   # one process: no thread
@@ -298,7 +315,7 @@ class FailureMonitor:
         self.progress = progress
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._line: _Line | None = None
+        self._beats: _Beats | None = None
 
     def __enter__(self) -> FailureMonitor:
         client = _client()
@@ -307,14 +324,14 @@ class FailureMonitor:
                                             daemon=True)
             self._thread.start()
             if self.progress is not None:
-                self._line = _Line(client, self.progress)
+                self._beats = _Beats(client, self.progress)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        if self._line is not None:  # with a goodbye, however fit ended: this process leaves, it did not die
-            self._line.close()
-            self._line = None
+        if self._beats is not None:  # with a goodbye, however fit ended: this process leaves, it did not die
+            self._beats.close()
+            self._beats = None
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval)
             self._thread = None
@@ -335,13 +352,12 @@ class FailureMonitor:
             _exit_now(None)
 
 
-def _failure_posted(client: Any) -> bool:
-    """Whether a process posted a failure (its monitor says it); False too when the store is gone."""
+def _failure_posted(client: Any) -> str | None:
+    """The failure a process posted (``"<pid>\\n<reason>"``); None when there is none, or the store is gone."""
     try:
-        client.key_value_try_get(_FAILURE_KEY)
+        return client.key_value_try_get(_FAILURE_KEY)
     except Exception:  # not set, or the coordination service is gone
-        return False
-    return True
+        return None
 
 
 def _resume(progress: dict) -> str:
@@ -352,142 +368,60 @@ def _resume(progress: dict) -> str:
     return f"The newest checkpoint is step {checkpoint}: restart the job to resume from step {checkpoint}."
 
 
-class _Line:
-    """Process 0's connections to every other process, or this process's to process 0, and the thread that
-    beats on them and watches them (see the module doc)."""
+class _Beats:
+    """This process's beats in the job's key-value store, and the thread that posts them and watches every other
+    process's (see the module doc)."""
 
     def __init__(self, client: Any, progress: Callable[[], dict]):
         self.client, self.progress = client, progress
         self.me, self.count = jax.process_index(), jax.process_count()
-        self.key = f"jaxdist/line/{next(_lines)}"
-        self.heard: dict[int, float] = {}  # pid -> when its last beat came
+        self.prefix = f"{_BEATS_KEY}/{next(_rounds)}/"  # the n-th fit of every process: the same n everywhere
+        self.beats = 0
+        self.seen: dict[int, tuple[int, float]] = {}  # pid -> (its last beat counter, when it was seen to move)
         self.peers: dict[int, dict] = {}  # pid -> its last progress
-        self.silent: set[int] = set()
-        self.links: dict[socket.socket, int | None] = {}  # connected sockets -> their process (None: not said yet)
-        self.buffers: dict[socket.socket, bytes] = {}
-        self.selector = selectors.DefaultSelector()
+        self.gone: set[int] = set()  # the peers that said goodbye
         self.stopping = threading.Event()
-        self.lock = threading.Lock()
         self.report = os.environ.get("JAXDIST_LAUNCH_DIR")
         self.reported: dict | None = None
-        self.epitaph = b""  # what to say when the coordinator's line closes, ready at every beat (`_beat`)
-        self.thread = threading.Thread(target=self._run, name="jaxdist-line", daemon=True)
+        self.epitaph = b""  # what to say when the coordinator stops answering, ready at every beat (`_beat`)
+        self.thread = threading.Thread(target=self._run, name="jaxdist-beats", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
+        """Post the goodbye (it also wakes the thread, which waits on it) and stop."""
         self.stopping.set()
+        with contextlib.suppress(Exception):  # the store is gone: nobody is left to read it
+            self.client.key_value_set(f"{self.prefix}bye/{self.me}", "1", allow_overwrite=True)
         self.thread.join(timeout=5.0)
-        with self.lock:
-            for link in list(self.links):
-                with contextlib.suppress(OSError):
-                    link.sendall(b'{"bye": true}\n')
-                link.close()
-            self.links.clear()
-            self.selector.close()
 
     def _run(self) -> None:
-        try:
-            self._connect()
-        except Exception:  # no line (a port nobody can reach, a store gone): JAX's heartbeats stand alone
-            return
-        beat = 0.0
+        bye = f"{self.prefix}bye/{self.me}"
         while not self.stopping.is_set():
-            wait = min(0.25, max(0.0, beat + BEAT_SECONDS - time.monotonic()))  # the stop is seen within 0.25 s
-            for key, _ in self.selector.select(timeout=wait):
-                if isinstance(key.fileobj, socket.socket) and key.data == "listen":
-                    self._accept(key.fileobj)
-                else:
-                    self._receive(key.fileobj)
-            now = time.monotonic()
-            if now - beat >= BEAT_SECONDS:
-                beat = now
+            try:
                 self._beat()
-            self._watch(now)
+                entries = self.client.key_value_dir_get(self.prefix)
+                self._watch(entries)
+                self.client.blocking_key_value_get(bye, int(1000 * BEAT_SECONDS))  # the wait: until a goodbye
+                return  # this process's goodbye (`close`)
+            except Exception as error:
+                if "DEADLINE_EXCEEDED" in str(error):  # the wait's end: the next beat
+                    continue
+                if self.stopping.is_set() or self.me == 0:  # leaving; or process 0's own store ends
+                    return
+                self._coordinator_gone()
 
-    def _connect(self) -> None:
-        if self.me == 0:
-            family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
-            server = socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6)
-            server.setblocking(False)
-            self.selector.register(server, selectors.EVENT_READ, "listen")
-            self.client.key_value_set(self.key, str(server.getsockname()[1]))
-            return
-        port = None
-        while port is None and not self.stopping.is_set():
-            with contextlib.suppress(Exception):  # not posted yet: process 0 is not in fit yet
-                port = int(self.client.blocking_key_value_get(self.key, 1000))
-        if port is None:
-            return
-        host = _distributed.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
-        link = socket.create_connection((host, port), timeout=30)
-        link.sendall(json.dumps({"process": self.me}).encode() + b"\n")
-        self._add(link, 0)
-
-    def _add(self, link: socket.socket, pid: int | None) -> None:
-        link.setblocking(False)
-        with self.lock:
-            self.links[link] = pid
-            self.buffers[link] = b""
-            self.selector.register(link, selectors.EVENT_READ, "link")
-        if pid is not None:
-            self.heard[pid] = time.monotonic()
-
-    def _accept(self, server: socket.socket) -> None:
-        with contextlib.suppress(BlockingIOError):
-            link, _ = server.accept()
-            self._add(link, None)
-
-    def _receive(self, link: socket.socket) -> None:
-        try:
-            data = link.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        pid = self.links.get(link)
-        if not data and pid == 0 and not self.stopping.is_set():  # the coordinator: JAX aborts within ms, race it
-            os.write(2, self.epitaph)
-            _exit_now(None)
-        if not data:  # closed without a goodbye: its process ended
-            self._drop(link)
-            if pid is not None:
-                self.heard.pop(pid, None)
-                self._died(pid)
-            return
-        self.buffers[link] += data
-        *lines, self.buffers[link] = self.buffers[link].split(b"\n")
-        for line in lines:
-            message = json.loads(line)
-            if "process" in message:
-                pid = self.links[link] = message["process"]
-            if message.get("bye"):
-                self._drop(link)
-                self.heard.pop(pid, None)
-                return
-            if pid is not None:
-                self.heard[pid] = time.monotonic()
-                if "step" in message:
-                    self.peers[pid] = message
-                if pid in self.silent:
-                    self.silent.discard(pid)
-                    print(f"[jaxdist] process {pid} answers again: it was only slow", file=sys.stderr, flush=True)
-
-    def _drop(self, link: socket.socket) -> None:
-        with self.lock:
-            self.links.pop(link, None)
-            self.buffers.pop(link, None)
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(link)
-            link.close()
+    def _coordinator_gone(self) -> None:
+        """A call to the coordinator's store failed: write the message made ready at the last beat and exit. A
+        race JAX's abort wins when the coordinator was killed: its client's own failed call (``PollForError``)
+        is handled first, on gRPC's thread, and aborts within a millisecond; the launcher's summary says it."""
+        os.write(2, self.epitaph)
+        _exit_now(None)
 
     def _beat(self) -> None:
+        self.beats += 1
         mine = dict(self.progress())
-        message = json.dumps({"process": self.me, **mine}).encode() + b"\n"
-        with self.lock:
-            links = list(self.links)
-        for link in links:
-            with contextlib.suppress(OSError):  # a closed line is seen by the reader
-                link.sendall(message)
+        self.client.key_value_set(f"{self.prefix}{self.me}", json.dumps({"beat": self.beats, **mine}),
+                                  allow_overwrite=True)
         if self.me != 0:
             self.epitaph = f"[jaxdist] {self._ended(0, mine)}\n".encode()
         if self.report and mine != self.reported:
@@ -498,39 +432,56 @@ class _Line:
                     json.dump(mine, f)
                 os.replace(path + ".tmp", path)
 
-    def _watch(self, now: float) -> None:
+    def _watch(self, entries: list[tuple[str, str]]) -> None:
+        """Every other process's beat, from one read of the store: a counter that moved is a process alive; one
+        still for `silence_seconds` (measured from when this process saw it move) without a goodbye is a process
+        that ended or stopped."""
+        now = time.monotonic()
+        beats = {}
+        for key, value in entries:
+            name = key[len(self.prefix):]
+            if name.startswith("bye/"):
+                self.gone.add(int(name[4:]))
+            elif name.isdigit() and int(name) != self.me:
+                beats[int(name)] = json.loads(value)
+        for pid, beat in beats.items():
+            self.peers[pid] = beat
+            last = self.seen.get(pid)
+            if last is None or last[0] != beat["beat"]:
+                self.seen[pid] = (beat["beat"], now)
         limit = silence_seconds()
-        for pid, heard in list(self.heard.items()):
-            if now - heard > limit and pid not in self.silent:
-                self.silent.add(pid)
-                words = self._words(pid, f"has given no sign for {now - heard:.0f} s", "it is stopped, hung in a "
-                                    "call that holds the interpreter lock, or its machine is unreachable")
-                print(f"[jaxdist] {words}. JAX's coordination service ends the job when its heartbeats stay away for "
-                      f"heartbeat_timeout_seconds={_heartbeat_timeout:g} (its text follows). "
-                      f"{_resume(self.progress())}", file=sys.stderr, flush=True)
+        for pid, (_, moved) in sorted(self.seen.items()):
+            if pid not in self.gone and now - moved > limit:
+                self._died(pid, now - moved)
 
-    def _words(self, pid: int, what: str, why: str) -> str:
-        """``process 1 <what> (<why>)``, with the last steps reached."""
+    def _words(self, pid: int, what: str) -> str:
+        """``process 1 <what>``, with the last steps reached."""
         who = f"process {pid}" + (" (the coordinator: it hosts the job's coordination service)" if pid == 0 else "")
         steps = {self.me: self.progress().get("step"), **{p: v.get("step") for p, v in self.peers.items()}}
         shown = ", ".join(f"process {p} step {steps[p]}" for p in sorted(steps) if steps[p] is not None)
-        return f"{who} {what} ({why}); last steps reached: {shown}"
+        return f"{who} {what}; last steps reached: {shown}"
 
-    def _died(self, pid: int) -> None:
+    def _died(self, pid: int, silent: float) -> None:
         if self.stopping.is_set():
             return
-        # A failing peer posted its reason before its line closed (its monitor, or this one's, says it); the
-        # coordinator's end is said at once without asking its store: JAX ends this process within milliseconds.
-        if pid != 0 and _failure_posted(self.client):
-            return
-        said = self._ended(pid, self.progress())
+        said = self._ended(pid, self.progress(), silent)
+        try:  # the first process to tell it posts it: every other process's monitor says it too
+            self.client.key_value_set(_FAILURE_KEY, f"{self.me}\n{said.rsplit(' Process ', 1)[0]}")
+        except Exception:  # posted already (another survivor, or a failure): said as the monitor says it
+            value = _failure_posted(self.client)
+            if value is not None:
+                reason = value.partition("\n")[2]
+                print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)", file=sys.stderr,
+                      flush=True)
+                with contextlib.suppress(Exception):
+                    self.client.key_value_set(f"{_FAILURE_KEY}/seen/{self.me}", "1")
+                _exit_now(None)
         print(f"[jaxdist] {said}", file=sys.stderr, flush=True)
-        if self.me == 0:  # the others learn it from the store, then the coordinator goes
-            with contextlib.suppress(Exception):
-                self.client.key_value_set(_FAILURE_KEY, f"0\n{said.rsplit(' Process ', 1)[0]}")
-            _await_acknowledgements(dead=pid)
+        _await_acknowledgements(dead=pid)
         _exit_now(None)
 
-    def _ended(self, pid: int, mine: dict) -> str:
-        words = self._words(pid, "ended without a word", "its connection closed: it exited, was killed or crashed")
+    def _ended(self, pid: int, mine: dict, silent: float | None = None) -> str:
+        how = "" if silent is None else f" for {silent:.1f} s"
+        words = self._words(pid, f"stopped answering: it ended, was killed or stopped (silent{how} in the job's "
+                            "key-value store)")
         return f"{words}. {_resume(mine)} Process {self.me} stops too (exit status 1)."

@@ -1,13 +1,15 @@
 """One process of the tests of a process that dies or stops mid-fit (tests/test_job_deaths.py), started twice,
 directly or through ``python -m jaxdist.launch``.
 
-``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 2 CPU devices, ``heartbeat_timeout_seconds=10``,
-a synchronous checkpoint every 3 steps. Arguments: ``[address pid] case directory`` (without address and pid:
-the ``JAXDIST_*`` environment). At the end of step 8 the victim (process 1; process 0 for ``coordinator``) waits
-a beat and a half, so its line has carried step 8, then: ``exits`` (``os._exit(3)``: no word, no exit hook),
-``killed`` (SIGKILL to itself), ``stopped`` (SIGSTOP to itself; the test kills it) or ``coordinator`` (process 0
-SIGKILLs itself). ``healthy``: no victim, but one step of process 1 takes 5 s (longer than the line's silence
-of 4 s: a slow step is no death); fit runs its 5 steps and ``FIT DONE`` is printed.
+``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 2 CPU devices, ``heartbeat_timeout_seconds=6``
+(a silence of 2 s is said), a synchronous checkpoint every 3 steps. Arguments: ``[address pid] case directory``
+(without address and pid: the ``JAXDIST_*`` environment). At the end of step 8 the victim (process 1; process 0
+for ``coordinator``) waits a beat and a half, so its beats have carried step 8, then: ``exits`` (``os._exit(3)``:
+no word, no exit hook; step 4 of process 1 takes 5 s before, a slow step that is no death), ``killed`` (SIGKILL
+to itself), ``stopped`` (SIGSTOP to itself; the test or the launcher ends it) or ``coordinator`` (process 0
+SIGKILLs itself). ``healthy``: no victim, but step 4 of process 1 takes 5 s and process 1 stays 5 s longer in
+``fit`` at its end (longer than the silence of 2 s: a slow step is no death, a process gone from ``fit`` said
+goodbye); fit runs its 5 steps and ``FIT DONE`` is printed.
 """
 
 import os
@@ -19,10 +21,10 @@ import jaxdist as jd
 
 if len(sys.argv) == 5:
     address, process_id, case, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    strategy = jd.MultiWorkerMirroredStrategy(address, 2, process_id, heartbeat_timeout_seconds=10)
+    strategy = jd.MultiWorkerMirroredStrategy(address, 2, process_id, heartbeat_timeout_seconds=6)
 else:
     case, directory = sys.argv[1], sys.argv[2]
-    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)
+    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=6)
 
 import flax.linen as nn
 import jax
@@ -38,9 +40,9 @@ batches = [(x[i : i + 8], x[i : i + 8, :2].argmax(1).astype(np.int32)) for i in 
 
 class Die(jd.training.Callback):
     def on_step_end(self, trainer, step, metrics):
+        if case in ("healthy", "exits") and pid == 1 and step == 4:
+            time.sleep(5.0)
         if case == "healthy":
-            if pid == 1 and step == 4:
-                time.sleep(5.0)
             return
         if pid != victim or step != 8:
             return
@@ -49,6 +51,10 @@ class Die(jd.training.Callback):
         if case == "exits":
             os._exit(3)
         os.kill(os.getpid(), signal.SIGSTOP if case == "stopped" else signal.SIGKILL)
+
+    def on_train_end(self, trainer, history):
+        if case == "healthy" and pid == 1:
+            time.sleep(5.0)
 
 
 trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1),

@@ -87,7 +87,7 @@ def fit_live(
     mesh = live.strategy.mesh
     ckpt = None
 
-    def newest() -> int | None:  # read by the job's line (another thread): never waits
+    def newest() -> int | None:  # read by the job's beats (another thread): never waits
         return None if ckpt is None else ckpt.newest_written
 
     with failing(mesh, lambda: live.step, newest, checkpoint_dir):  # a process that fails ends the job, saying why
