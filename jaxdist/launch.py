@@ -85,7 +85,8 @@ def _ended(code: int | None, stopped: bool, ours: bool) -> str:
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     if stopped:
         return f"was stopped (SIGSTOP), then {how} by the launcher"
-    return f"{how} (stopped by the launcher)" if ours and code < 0 else how  # else it ended by itself meanwhile
+    by_us = ours and -code in (signal.SIGTERM, signal.SIGKILL)  # else it ended by itself meanwhile (an abort)
+    return f"{how} (stopped by the launcher)" if by_us else how
 
 
 def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set) -> list[str]:

@@ -5,11 +5,11 @@ directly or through ``python -m jaxdist.launch``.
 (a silence of 2 s is said), a synchronous checkpoint every 3 steps. Arguments: ``[address pid] case directory``
 (without address and pid: the ``JAXDIST_*`` environment). At the end of step 8 the victim (process 1; process 0
 for ``coordinator``) waits a beat and a half, so its beats have carried step 8, then: ``exits`` (``os._exit(3)``:
-no word, no exit hook; step 4 of process 1 takes 5 s before, a slow step that is no death), ``killed`` (SIGKILL
-to itself), ``stopped`` (SIGSTOP to itself; the test or the launcher ends it) or ``coordinator`` (process 0
-SIGKILLs itself). ``healthy``: no victim, but step 4 of process 1 takes 5 s and process 1 stays 5 s longer in
-``fit`` at its end (longer than the silence of 2 s: a slow step is no death, a process gone from ``fit`` said
-goodbye); fit runs its 5 steps and ``FIT DONE`` is printed.
+no word, no exit hook), ``killed`` (SIGKILL to itself), ``stopped`` (SIGSTOP to itself; the test or the launcher
+ends it) or ``coordinator`` (process 0 SIGKILLs itself). ``exits`` first runs a healthy ``fit`` of 3 steps where
+step 2 of process 1 takes 3 s and process 1 stays 3 s longer in ``fit`` at its end (longer than the silence of
+2 s: a slow step is no death, and a process gone from ``fit`` said goodbye; ``FIT DONE`` is printed), then the
+``fit`` that resumes from its checkpoint (step 3) and loses process 1.
 """
 
 import os
@@ -38,12 +38,18 @@ x = rng.normal(size=(16 * 8, 4)).astype(np.float32)
 batches = [(x[i : i + 8], x[i : i + 8, :2].argmax(1).astype(np.int32)) for i in range(0, len(x), 8)]
 
 
+class Slow(jd.training.Callback):
+    def on_step_end(self, trainer, step, metrics):
+        if pid == 1 and step == 2:
+            time.sleep(3.0)
+
+    def on_train_end(self, trainer, history):
+        if pid == 1:
+            time.sleep(3.0)
+
+
 class Die(jd.training.Callback):
     def on_step_end(self, trainer, step, metrics):
-        if case in ("healthy", "exits") and pid == 1 and step == 4:
-            time.sleep(5.0)
-        if case == "healthy":
-            return
         if pid != victim or step != 8:
             return
         time.sleep(3 * jd.job.BEAT_SECONDS)
@@ -52,13 +58,12 @@ class Die(jd.training.Callback):
             os._exit(3)
         os.kill(os.getpid(), signal.SIGSTOP if case == "stopped" else signal.SIGKILL)
 
-    def on_train_end(self, trainer, history):
-        if case == "healthy" and pid == 1:
-            time.sleep(5.0)
-
 
 trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1),
                               lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
-trainer.fit(batches, steps=5 if case == "healthy" else 1000, verbose=0, callbacks=[Die()],
-            checkpoint_dir=directory, checkpoint_every=3, async_checkpoints=False)
-print("FIT DONE", flush=True)
+if case == "exits":
+    trainer.fit(batches, steps=3, verbose=0, callbacks=[Slow()], checkpoint_dir=directory, checkpoint_every=3,
+                async_checkpoints=False)
+    print("FIT DONE", flush=True)
+trainer.fit(batches, steps=1000, verbose=0, callbacks=[Die()], checkpoint_dir=directory, checkpoint_every=3,
+            async_checkpoints=False)
