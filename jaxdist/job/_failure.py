@@ -397,18 +397,24 @@ class _Beats:
     def _run(self) -> None:
         bye = f"{self.prefix}bye/{self.me}"
         while not self.stopping.is_set():
+            mine = dict(self.progress())
             try:
-                self._beat()
+                self._beat(mine)
                 entries = self.client.key_value_dir_get(self.prefix)
-                self._watch(entries)
+            except Exception:  # the store is gone
+                return self._store_failed()
+            self._watch(entries)
+            try:
                 self.client.blocking_key_value_get(bye, int(1000 * BEAT_SECONDS))  # the wait: until a goodbye
-                return  # this process's goodbye (`close`)
+                return None  # this process's goodbye (`close`)
             except Exception as error:
-                if "DEADLINE_EXCEEDED" in str(error):  # the wait's end: the next beat
-                    continue
-                if self.stopping.is_set() or self.me == 0:  # leaving; or process 0's own store ends
-                    return
-                self._coordinator_gone()
+                if "DEADLINE_EXCEEDED" not in str(error):  # else the wait's end: the next beat
+                    return self._store_failed()
+        return None
+
+    def _store_failed(self) -> None:
+        if not self.stopping.is_set() and self.me != 0:  # else leaving; or process 0's own store ending
+            self._coordinator_gone()
 
     def _coordinator_gone(self) -> None:
         """A call to the coordinator's store failed: write the message made ready at the last beat and exit. A
@@ -417,9 +423,8 @@ class _Beats:
         os.write(2, self.epitaph)
         _exit_now(None)
 
-    def _beat(self) -> None:
+    def _beat(self, mine: dict) -> None:
         self.beats += 1
-        mine = dict(self.progress())
         self.client.key_value_set(f"{self.prefix}{self.me}", json.dumps({"beat": self.beats, **mine}),
                                   allow_overwrite=True)
         if self.me != 0:
