@@ -6,8 +6,12 @@ reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port, ``JAXDIST_NUM_P
 
 Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU collectives) prints
 as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ..."; ``--verbose`` shows them). When one
-process fails, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits
-with the failed process's code; Ctrl-C / SIGTERM to the launcher is passed on to every process.
+process fails, the others are stopped (SIGTERM and SIGCONT, then SIGKILL after ``--grace`` seconds) and the
+launcher exits with the failed process's code; Ctrl-C / SIGTERM to the launcher is passed on to every process.
+A job that fails ends with a summary: how each process ended (its status or signal, stopped, stopped by the
+launcher), the last step of ``fit`` each reached and what jaxdist said, then the newest checkpoint and the step a
+restart resumes from (each process's ``fit`` leaves its progress in ``JAXDIST_LAUNCH_DIR``, a directory the
+launcher makes).
 
 On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ... ssh
 --worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by itself, and
@@ -18,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -46,13 +53,64 @@ def free_port() -> int:
 _GLOO_LINE = b"[Gloo] "
 
 
-def _pump(stream, prefix: str, out, verbose: bool = True) -> None:
+# How jaxdist starts what it says about a job's end (`jaxdist.job`): the first such line of a
+# process is its reason, repeated in the summary.
+_JAXDIST_LINE = "[jaxdist] "
+
+
+def _pump(stream, prefix: str, out, verbose: bool = True, said: list | None = None) -> None:
     for line in iter(stream.readline, b""):
         if not verbose and line.startswith(_GLOO_LINE):
             continue
-        out.write(prefix + line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        if said is not None and not said and text.startswith(_JAXDIST_LINE):
+            said.append(text[len(_JAXDIST_LINE):].split("; last steps")[0].strip())
+        out.write(prefix + text)
         out.flush()
     stream.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP; Linux's /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+    except (OSError, IndexError):
+        return False
+
+
+def _ended(code: int | None, stopped: bool, ours: bool) -> str:
+    if code is None:
+        return "still running"
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    if stopped:
+        return f"was stopped (SIGSTOP), then {how} by the launcher"
+    by_us = ours and -code in (signal.SIGTERM, signal.SIGKILL)  # else it ended by itself meanwhile (an abort)
+    return f"{how} (stopped by the launcher)" if by_us else how
+
+
+def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set) -> list[str]:
+    """The lines of a failed job's summary: how each process ended, at which step and what jaxdist said there,
+    then the newest checkpoint and the step a restart resumes from."""
+    lines, progress = [], {}
+    for i, p in enumerate(procs):
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(progress_dir, f"{i}.json")) as f:
+                progress[i] = json.load(f)
+        step = f" at step {progress[i]['step']}" if i in progress else ""
+        words = f"; it said: {said[i][0]}" if said[i] else ""
+        lines.append(f"[launch] process {i} {_ended(p.returncode, i in stopped, i in ours)}{step}{words}")
+    if progress:
+        latest = progress.get(0) or next(iter(progress.values()))
+        checkpoint, where = latest.get("checkpoint"), latest.get("checkpoint_dir")
+        if checkpoint is not None:
+            lines.append(f"[launch] the newest checkpoint is step {checkpoint} (in {where}): restart the job to "
+                         f"resume from step {checkpoint}")
+        elif where:
+            lines.append(f"[launch] no checkpoint was complete in {where}: a restart starts over from step 0")
+        else:
+            lines.append("[launch] fit had no checkpoint_dir: a restart starts over from step 0")
+    return lines
 
 
 def launch(
@@ -98,24 +156,30 @@ def launch(
     env["JAXDIST_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
     env["JAXDIST_NUM_PROCESSES"] = str(num_processes)
     env["PYTHONUNBUFFERED"] = "1"
+    progress_dir = tempfile.mkdtemp(prefix="jaxdist-launch-")
+    env["JAXDIST_LAUNCH_DIR"] = progress_dir
     if cpu_devices is not None:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         env["JAX_PLATFORMS"] = "cpu"
-    procs, pumps = [], []
+    procs, pumps, said, stopped, ours = [], [], [[] for _ in range(num_processes)], set(), set()
     for i in range(num_processes):
         env_i = dict(env, JAXDIST_PROCESS_ID=str(i))
         p = subprocess.Popen([sys.executable, *command], env=env_i, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose), daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose, said[i]), daemon=True)
         t.start()
         pumps.append(t)
 
     def stop(signum=signal.SIGTERM):
-        for p in procs:
+        for i, p in enumerate(procs):
             if p.poll() is None:
+                ours.add(i)
+                if _stopped(p.pid):
+                    stopped.add(i)
                 with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
                     os.killpg(p.pid, signum)
+                    os.killpg(p.pid, signal.SIGCONT)  # a stopped process takes its SIGTERM now
         deadline = time.monotonic() + grace
         for p in procs:
             try:
@@ -137,7 +201,7 @@ def launch(
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                out.write(f"[launch] process {i} exited with code {code}; stopping the others\n")
+                out.write(f"[launch] process {i} {_ended(code, False, False)}; stopping the others\n")
                 out.flush()
                 stop()
                 break
@@ -155,6 +219,10 @@ def launch(
             signal.signal(sig, handler)
         for t in pumps:
             t.join(timeout=5)
+        if code != 0:
+            out.write("".join(line + "\n" for line in _summary(procs, progress_dir, said, stopped, ours)))
+            out.flush()
+        shutil.rmtree(progress_dir, ignore_errors=True)
     return code
 
 
@@ -162,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose] script.py args...``.
 
     Returns:
-        The exit status (see `launch`).
+        The exit status (see `launch`; a process killed by signal N: 128 + N).
 
     Examples:
         >>> import pathlib, tempfile
@@ -184,8 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"-n/--num-processes={args.num_processes} must be >= 1")
     if not args.command:
         parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
-    return launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
+    code = launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
                   verbose=args.verbose)
+    return 128 - code if code < 0 else code  # a process killed by signal N: 128 + N, as a shell says it
 
 
 if __name__ == "__main__":

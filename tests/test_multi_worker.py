@@ -117,7 +117,7 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     assert code == 3
     assert time.monotonic() - start < 30
     assert "[1] hello from 1 3 127.0.0.1:" in text and "[0] hello from 0 3" in text
-    assert "[launch] process 1 exited with code 3; stopping the others" in text
+    assert "[launch] process 1 exited with status 3; stopping the others" in text
 
 
 @pytest.mark.multiprocess

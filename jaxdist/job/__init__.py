@@ -16,6 +16,7 @@ from jaxdist.job._checks import agree_on_fit as agree_on_fit
 from jaxdist.job._checks import data_ended as data_ended
 from jaxdist.job._checks import failing as failing
 from jaxdist.job._compilation_cache import configure_compilation_cache as configure_compilation_cache
+from jaxdist.job._failure import BEAT_SECONDS as BEAT_SECONDS
 from jaxdist.job._failure import EXIT_SECONDS as EXIT_SECONDS
 from jaxdist.job._failure import POLL_SECONDS as POLL_SECONDS
 from jaxdist.job._failure import FailureMonitor as FailureMonitor
@@ -25,6 +26,8 @@ from jaxdist.job._failure import guard_exit as guard_exit
 from jaxdist.job._failure import post as post
 from jaxdist.job._failure import read as read
 from jaxdist.job._failure import report_failure as report_failure
+from jaxdist.job._failure import set_heartbeat_timeout as set_heartbeat_timeout
+from jaxdist.job._failure import silence_seconds as silence_seconds
 from jaxdist.job._join import CLUSTER_VARIABLES as CLUSTER_VARIABLES
 from jaxdist.job._join import check_connected as check_connected
 from jaxdist.job._join import check_spans_processes as check_spans_processes
@@ -36,6 +39,7 @@ from jaxdist.job._join import spans_processes as spans_processes
 
 __all__ = [
     "AGREE_SECONDS",
+    "BEAT_SECONDS",
     "CLUSTER_VARIABLES",
     "DATA_END_SECONDS",
     "EXIT_SECONDS",
@@ -58,5 +62,7 @@ __all__ = [
     "read",
     "report_failure",
     "resolve_cluster",
+    "set_heartbeat_timeout",
+    "silence_seconds",
     "spans_processes",
 ]

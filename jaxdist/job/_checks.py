@@ -134,12 +134,17 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any], checkpoint_dir:
 
 
 @contextlib.contextmanager
-def failing(mesh: Mesh | None, step: Callable[[], int]) -> Iterator[None]:
-    """Around ``fit``: a peer's failure ends this process; this process's failure is told to the peers.
+def failing(mesh: Mesh | None, step: Callable[[], int], checkpoint: Callable[[], int | None] = lambda: None,
+            checkpoint_dir: str | os.PathLike | None = None) -> Iterator[None]:
+    """Around ``fit``: a peer's failure ends this process; this process's failure is told to the peers; a peer
+    that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s line).
 
     Args:
         mesh: the strategy's mesh (nothing happens unless it spans processes).
         step: the current step (named in the reason).
+        checkpoint: the newest complete checkpoint's step, or None (named with the step a restart resumes
+            from); read from another thread, so it must not wait.
+        checkpoint_dir: where the checkpoints are (None: nowhere).
 
     Examples:
         >>> with failing(None, lambda: 0):   # one process: nothing to watch
@@ -149,7 +154,12 @@ def failing(mesh: Mesh | None, step: Callable[[], int]) -> Iterator[None]:
         yield
         return
     guard_exit()
-    with FailureMonitor():
+    where = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+
+    def progress() -> dict:
+        return {"step": step(), "checkpoint": checkpoint(), "checkpoint_dir": where}
+
+    with FailureMonitor(progress=progress):
         try:
             yield
         except SystemExit as error:

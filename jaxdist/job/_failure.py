@@ -23,23 +23,57 @@ process of a ``jax.distributed`` job already talks to; nothing in a single proce
 So every process of a failing job exits non-zero within about ``POLL_SECONDS + EXIT_SECONDS`` of the failure
 (11 s by default), each saying which process failed and why; the launcher (``python -m jaxdist.launch``), SLURM
 or Kubernetes sees the exit codes.
+
+A process that ends without a word (killed, ``os._exit``, a crash) or stops (SIGSTOP, a machine lost) cannot
+report anything, and JAX's own end of the job is a C++ abort Python cannot catch or precede: the coordination
+service declares a task dead between ``heartbeat_timeout_seconds / 2`` and ``heartbeat_timeout_seconds`` after
+its last heartbeat, and a dead coordinator (process 0) ends the others within milliseconds. (JAX's client takes a
+``missed_heartbeat_callback``, but this jaxlib cannot hand it its argument: ``std::bad_cast``, then abort; and its
+``get_live_nodes`` is a barrier.) So a monitor opened with ``progress`` (``fit``'s) also *beats*, through the same
+key-value store (no port of its own, no protocol but the store's): a daemon thread posts this process's progress
+(step, newest complete checkpoint, its directory, a beat counter) under ``jaxdist/beats/<n>/<process>`` every
+`BEAT_SECONDS`, reads every process's beats in one ``key_value_dir_get``, and posts a goodbye
+(``jaxdist/beats/<n>/bye/<process>``) when the monitor closes, however ``fit`` ended (a failure that needs telling
+was posted before):
+
+* a process whose beat counter has not moved for `silence_seconds` (under half the heartbeat timeout, so before
+  JAX can act) and that said no goodbye stopped answering: it ended, was killed or stopped (the store cannot tell
+  these apart). The first survivor to see it says so in jaxdist's words (which process, the last step each
+  reached, the newest checkpoint, "restart the job to resume from step N"), posts it as the job's failure so that
+  every process says it, and exits with status 1; so do the others.
+* a call to the store that fails is the coordinator gone (it hosts the store): the message for it, made ready at
+  every beat, is written at once and the process exits with status 1. When the coordinator was killed this races
+  JAX's abort, and JAX wins: its client's own call (``PollForError``) fails on the same connection and is handled
+  first, on gRPC's thread, aborting within a millisecond (measured: 0 of 7 runs said first). The launcher's
+  summary (``python -m jaxdist.launch``) says that case in jaxdist's words, from the progress each beat leaves.
+
+Nothing of it runs on the training thread (no collective, no device read). A live process cannot fall silent: its
+beats come from their own thread, which a slow step, a compilation, a collective, a checkpoint write or a sleep
+never holds (they release the interpreter lock, and Python code gives it up every few milliseconds); only a single
+C call holding the interpreter lock for longer than `silence_seconds` could, and a watcher's own stall counts for
+nothing (it compares counters between its own reads).
+
+Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat also leaves the process's progress
+in ``<dir>/<process>.json`` for the launcher's summary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax._src import distributed as _distributed  # JAX's coordination client (private; orbax reads it too)
 
-__all__ = ["EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "guard_exit", "post", "read",
-           "report_failure"]
+__all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "guard_exit",
+           "post", "read", "report_failure", "set_heartbeat_timeout", "silence_seconds"]
 
 EXIT_SECONDS = 10.0
 """How long a process that failed may take to exit by itself (its traceback printed, its files closed) before it
@@ -48,8 +82,15 @@ exits with status 1 regardless."""
 POLL_SECONDS = 1.0
 """How often a `FailureMonitor` asks whether a peer failed."""
 
+BEAT_SECONDS = 0.5
+"""How often a monitor posts this process's progress and reads the others' (and so how soon a silence is seen)."""
+
+_heartbeat_timeout = 100.0  # JAX's default; the strategies' join sets the job's (`set_heartbeat_timeout`)
+
 _FAILURE_KEY = "jaxdist/failure"
 _counter = itertools.count()
+_rounds = itertools.count()
+_BEATS_KEY = "jaxdist/beats"
 _lock = threading.Lock()
 _armed = False
 _hooked = False
@@ -171,20 +212,53 @@ def _arm_exit() -> None:
     threading.Thread(target=exit_later, name="jaxdist-failure-exit", daemon=True).start()
 
 
-def _await_acknowledgements() -> None:
-    """Wait (at most ``2 * POLL_SECONDS + 1`` s in all) until every other process's monitor has printed the
-    failure; the coordination service's host (process 0) then gives them a moment to exit first."""
+def set_heartbeat_timeout(seconds: float) -> None:
+    """Record the job's ``heartbeat_timeout_seconds`` (what the strategies pass to ``jax.distributed``), which
+    `silence_seconds` is measured against.
+
+    Examples:
+        >>> set_heartbeat_timeout(30); silence_seconds()
+        14.0
+        >>> set_heartbeat_timeout(100)
+    """
+    global _heartbeat_timeout
+    _heartbeat_timeout = float(seconds)
+
+
+def silence_seconds() -> float:
+    """How long a process's beats may stay still before it is said to have stopped answering (it ended, was
+    killed or stopped), and how long a call to the coordinator's store may stay unanswered: as long as possible
+    while still before JAX's own verdict. JAX's heartbeats go every half heartbeat timeout, so its service may
+    declare a silent task dead as soon as half the timeout after it went silent; the silence is said two beats
+    before that (one beat to see it, one to spare), and never under 2 s.
+
+    It cannot fire in a healthy job: the beats come from a daemon thread, which a slow step, a compilation, a
+    collective, a checkpoint write or a sleep never holds (all release the interpreter lock; Python code gives it
+    up every few milliseconds); only one C call keeping the lock longer than this (14 s at the strategies' default
+    ``heartbeat_timeout_seconds=30``) could silence a live process.
+
+    Examples:
+        >>> set_heartbeat_timeout(10); silence_seconds()
+        4.0
+        >>> set_heartbeat_timeout(100)
+    """
+    return max(2.0, _heartbeat_timeout / 2 - 2 * BEAT_SECONDS)
+
+
+def _await_acknowledgements(dead: int | None = None) -> None:
+    """Wait (at most ``2 * POLL_SECONDS + 1`` s in all) until every other process's monitor (but ``dead``'s)
+    has printed the failure; the coordination service's host (process 0) then gives them a moment to exit first."""
     client = _client()
     if client is None:
         return
     me = jax.process_index()
     deadline = time.monotonic() + 2 * POLL_SECONDS + 1.0
     for pid in range(jax.process_count()):
-        if pid != me:
+        if pid not in (me, dead):
             with contextlib.suppress(Exception):  # no monitor there (not in fit), or gone: the deadline stands
                 client.blocking_key_value_get(f"{_FAILURE_KEY}/seen/{pid}",
                                               max(1, int(1000 * (deadline - time.monotonic()))))
-    if me == 0:
+    if me == 0 and any(pid not in (me, dead) for pid in range(jax.process_count())):
         time.sleep(0.5)
 
 
@@ -223,20 +297,25 @@ def guard_exit() -> None:
 
 
 class FailureMonitor:
-    """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it.
+    """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it; with
+    ``progress``, a peer that ends or stops is said too (the beats: see the module doc).
 
     Args:
         interval: seconds between two polls.
+        progress: this process's progress, ``{"step": int, "checkpoint": int | None, "checkpoint_dir": str |
+            None}`` (read on the beats' thread every `BEAT_SECONDS`: it must not wait); None: no beats.
 
     Examples:
-        >>> with FailureMonitor():   # one process: no thread
+        >>> with FailureMonitor(progress=lambda: {"step": 0, "checkpoint": None}):   # one process: no thread
         ...     pass
     """
 
-    def __init__(self, interval: float = POLL_SECONDS):
+    def __init__(self, interval: float = POLL_SECONDS, progress: Callable[[], dict] | None = None):
         self.interval = interval
+        self.progress = progress
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beats: _Beats | None = None
 
     def __enter__(self) -> FailureMonitor:
         client = _client()
@@ -244,10 +323,15 @@ class FailureMonitor:
             self._thread = threading.Thread(target=self._poll, args=(client,), name="jaxdist-failure-monitor",
                                             daemon=True)
             self._thread.start()
+            if self.progress is not None:
+                self._beats = _Beats(client, self.progress)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
+        if self._beats is not None:  # with a goodbye, however fit ended: this process leaves, it did not die
+            self._beats.close()
+            self._beats = None
         if self._thread is not None:
             self._thread.join(timeout=5 * self.interval)
             self._thread = None
@@ -266,3 +350,143 @@ class FailureMonitor:
             with contextlib.suppress(Exception):
                 client.key_value_set(f"{_FAILURE_KEY}/seen/{me}", "1")
             _exit_now(None)
+
+
+def _failure_posted(client: Any) -> str | None:
+    """The failure a process posted (``"<pid>\\n<reason>"``); None when there is none, or the store is gone."""
+    try:
+        return client.key_value_try_get(_FAILURE_KEY)
+    except Exception:  # not set, or the coordination service is gone
+        return None
+
+
+def _resume(progress: dict) -> str:
+    checkpoint = progress.get("checkpoint")
+    if checkpoint is None:
+        where = "" if progress.get("checkpoint_dir") else " (fit has no checkpoint_dir)"
+        return f"There is no checkpoint{where}: a restart starts over from step 0."
+    return f"The newest checkpoint is step {checkpoint}: restart the job to resume from step {checkpoint}."
+
+
+class _Beats:
+    """This process's beats in the job's key-value store, and the thread that posts them and watches every other
+    process's (see the module doc)."""
+
+    def __init__(self, client: Any, progress: Callable[[], dict]):
+        self.client, self.progress = client, progress
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.prefix = f"{_BEATS_KEY}/{next(_rounds)}/"  # the n-th fit of every process: the same n everywhere
+        self.beats = 0
+        self.seen: dict[int, tuple[int, float]] = {}  # pid -> (its last beat counter, when it was seen to move)
+        self.peers: dict[int, dict] = {}  # pid -> its last progress
+        self.gone: set[int] = set()  # the peers that said goodbye
+        self.stopping = threading.Event()
+        self.report = os.environ.get("JAXDIST_LAUNCH_DIR")
+        self.reported: dict | None = None
+        self.epitaph = b""  # what to say when the coordinator stops answering, ready at every beat (`_beat`)
+        self.thread = threading.Thread(target=self._run, name="jaxdist-beats", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Post the goodbye (it also wakes the thread, which waits on it) and stop."""
+        self.stopping.set()
+        with contextlib.suppress(Exception):  # the store is gone: nobody is left to read it
+            self.client.key_value_set(f"{self.prefix}bye/{self.me}", "1", allow_overwrite=True)
+        self.thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        bye = f"{self.prefix}bye/{self.me}"
+        while not self.stopping.is_set():
+            mine = dict(self.progress())
+            try:
+                self._beat(mine)
+                entries = self.client.key_value_dir_get(self.prefix)
+            except Exception:  # the store is gone
+                return self._store_failed()
+            self._watch(entries)
+            try:
+                self.client.blocking_key_value_get(bye, int(1000 * BEAT_SECONDS))  # the wait: until a goodbye
+                return None  # this process's goodbye (`close`)
+            except Exception as error:
+                if "DEADLINE_EXCEEDED" not in str(error):  # else the wait's end: the next beat
+                    return self._store_failed()
+        return None
+
+    def _store_failed(self) -> None:
+        if not self.stopping.is_set() and self.me != 0:  # else leaving; or process 0's own store ending
+            self._coordinator_gone()
+
+    def _coordinator_gone(self) -> None:
+        """A call to the coordinator's store failed: write the message made ready at the last beat and exit. A
+        race JAX's abort wins when the coordinator was killed: its client's own failed call (``PollForError``)
+        is handled first, on gRPC's thread, and aborts within a millisecond; the launcher's summary says it."""
+        os.write(2, self.epitaph)
+        _exit_now(None)
+
+    def _beat(self, mine: dict) -> None:
+        self.beats += 1
+        self.client.key_value_set(f"{self.prefix}{self.me}", json.dumps({"beat": self.beats, **mine}),
+                                  allow_overwrite=True)
+        if self.me != 0:
+            self.epitaph = f"[jaxdist] {self._ended(0, mine)}\n".encode()
+        if self.report and mine != self.reported:
+            self.reported = mine
+            with contextlib.suppress(OSError):
+                path = os.path.join(self.report, f"{self.me}.json")
+                with open(path + ".tmp", "w") as f:
+                    json.dump(mine, f)
+                os.replace(path + ".tmp", path)
+
+    def _watch(self, entries: list[tuple[str, str]]) -> None:
+        """Every other process's beat, from one read of the store: a counter that moved is a process alive; one
+        still for `silence_seconds` (measured from when this process saw it move) without a goodbye is a process
+        that ended or stopped."""
+        now = time.monotonic()
+        beats = {}
+        for key, value in entries:
+            name = key[len(self.prefix):]
+            if name.startswith("bye/"):
+                self.gone.add(int(name[4:]))
+            elif name.isdigit() and int(name) != self.me:
+                beats[int(name)] = json.loads(value)
+        for pid, beat in beats.items():
+            self.peers[pid] = beat
+            last = self.seen.get(pid)
+            if last is None or last[0] != beat["beat"]:
+                self.seen[pid] = (beat["beat"], now)
+        limit = silence_seconds()
+        for pid, (_, moved) in sorted(self.seen.items()):
+            if pid not in self.gone and now - moved > limit:
+                self._died(pid, now - moved)
+
+    def _words(self, pid: int, what: str) -> str:
+        """``process 1 <what>``, with the last steps reached."""
+        who = f"process {pid}" + (" (the coordinator: it hosts the job's coordination service)" if pid == 0 else "")
+        steps = {self.me: self.progress().get("step"), **{p: v.get("step") for p, v in self.peers.items()}}
+        shown = ", ".join(f"process {p} step {steps[p]}" for p in sorted(steps) if steps[p] is not None)
+        return f"{who} {what}; last steps reached: {shown}"
+
+    def _died(self, pid: int, silent: float) -> None:
+        if self.stopping.is_set():
+            return
+        said = self._ended(pid, self.progress(), silent)
+        try:  # the first process to tell it posts it: every other process's monitor says it too
+            self.client.key_value_set(_FAILURE_KEY, f"{self.me}\n{said.rsplit(' Process ', 1)[0]}")
+        except Exception:  # posted already (another survivor, or a failure): said as the monitor says it
+            value = _failure_posted(self.client)
+            if value is not None:
+                reason = value.partition("\n")[2]
+                print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)", file=sys.stderr,
+                      flush=True)
+                with contextlib.suppress(Exception):
+                    self.client.key_value_set(f"{_FAILURE_KEY}/seen/{self.me}", "1")
+                _exit_now(None)
+        print(f"[jaxdist] {said}", file=sys.stderr, flush=True)
+        _await_acknowledgements(dead=pid)
+        _exit_now(None)
+
+    def _ended(self, pid: int, mine: dict, silent: float | None = None) -> str:
+        how = "" if silent is None else f" for {silent:.1f} s"
+        words = self._words(pid, f"stopped answering: it ended, was killed or stopped (silent{how} in the job's "
+                            "key-value store)")
+        return f"{words}. {_resume(mine)} Process {self.me} stops too (exit status 1)."

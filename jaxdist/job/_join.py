@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdist.job._failure import guard_exit
+from jaxdist.job._failure import guard_exit, set_heartbeat_timeout
 from jaxdist.replicate.trees import is_array
 
 try:  # JAX's cluster detectors, to tell a job of several processes that was never connected
@@ -151,12 +151,14 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, hea
         return  # a cluster of one: nothing to connect
     if cluster is None and detected is None:
         _jax_detection(timeouts)  # TPU pods, Kubernetes: what JAX finds by itself; else this process alone
+        set_heartbeat_timeout(heartbeat_timeout_seconds)
         return
     try:
         if cluster is not None:
             jax.distributed.initialize(*cluster, **timeouts)
         else:
             jax.distributed.initialize(**timeouts)  # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
+        set_heartbeat_timeout(heartbeat_timeout_seconds)  # a silent peer is said before JAX's service acts
         guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
     except RuntimeError as err:
         if "before" not in str(err) or not ("computation" in str(err) or "backend" in str(err)):

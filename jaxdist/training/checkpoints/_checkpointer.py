@@ -137,6 +137,7 @@ class Checkpointer:
         registry.add("state", ocp.args.PyTreeRestore, handler)
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._writes = InFlight(self._manager)  # the save in flight, and how it ended
+        self._opened_with = self._manager.latest_step()  # complete: what a killed save left was removed (tidy)
         self._closed = False
         self._claim: Claim | None = None
         keep_open(self)  # closed when the program ends, if not before
@@ -158,6 +159,12 @@ class Checkpointer:
         """The steps of the complete checkpoints, oldest first (a save in flight is waited for)."""
         self._join()
         return sorted(self._manager.all_steps())
+
+    @property
+    def newest_written(self) -> int | None:
+        """The newest checkpoint known complete right now, without waiting (any thread may read it): the newest
+        save of this checkpointer that finished, else the newest there when it was opened; None: none."""
+        return self._writes.newest if self._writes.newest is not None else self._opened_with
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None when there is none (waits like `all_steps`)."""

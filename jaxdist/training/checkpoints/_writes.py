@@ -105,6 +105,7 @@ class InFlight:
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by take_finished
         self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet taken
         self.last_step: int | None = None  # the newest save started
+        self.newest: int | None = None  # the newest save complete (read from other threads: never waits)
         self.operation: str | None = None  # orbax's id of it (`operation`)
         self.any_failed = False  # whether a save of this manager failed (orbax raises it again on ``close``)
         self.quiet = contextlib.ExitStack()  # orbax's log records of the save in flight, kept out of the terminal
@@ -117,7 +118,7 @@ class InFlight:
 
     def done(self, step: int, path: str) -> None:
         """A synchronous save of ``step`` is complete."""
-        self.last_step = step
+        self.last_step = self.newest = step
         self.quiet.close()
         self._finished.append((step, path))
 
@@ -130,6 +131,7 @@ class InFlight:
         else:
             with self._lock:
                 self._finished.append((step, path))
+                self.newest = step
 
     def fail(self, step: int, error: Exception) -> None:
         """Saving ``step`` failed with ``error``: recorded (`take_failure`); orbax's other threads of it may still

@@ -85,7 +85,12 @@ def fit_live(
                 "log_every": log_every, "restore_step": restore_step, "keep_checkpoints": keep_checkpoints,
                 "checkpoint_dir": checkpoint_dir is not None, "on_non_finite": policy.action}
     mesh = live.strategy.mesh
-    with failing(mesh, lambda: live.step):  # a process that fails ends the job, with its reason
+    ckpt = None
+
+    def newest() -> int | None:  # read by the job's beats (another thread): never waits
+        return None if ckpt is None else ckpt.newest_written
+
+    with failing(mesh, lambda: live.step, newest, checkpoint_dir):  # a process that fails ends the job, saying why
         agree_on_fit(mesh, settings, checkpoint_dir)  # before anything collective
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
                                                                  async_save=async_checkpoints)
