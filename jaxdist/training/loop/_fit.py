@@ -307,6 +307,8 @@ class FitLoop(FitControl):
                             self.place()
                             for call in step_end:
                                 call(self.owner, step, metrics)
+                            if not self.due and self.points(step - n, step, None):  # one asked to save or skip
+                                continue
                         if logs.pending:  # 4. the logs whose values have arrived
                             logs.emit_ready(self.checks)
                             if self.guard.pending and self.act():
@@ -328,7 +330,7 @@ class FitLoop(FitControl):
 
     def points(self, before: int, step: int, metrics: Any) -> bool:
         """What is due at ``step`` (after the steps from ``before``, which returned ``metrics``), ``on_step_end``
-        included; True when the run rolled back."""
+        included (unless ``metrics`` is None: it was called); True when the run rolled back."""
         options, live = self.options, self.live
         if step >= self.redo:  # the step an earlier run reached: the steps up to it were lost
             self.clock.redone()
@@ -336,7 +338,8 @@ class FitLoop(FitControl):
         if self.cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
             self.cost = self.history.step_cost = live.step_cost(self.cost_options)
             self.emit("on_step_cost", self.cost)
-        self.emit("on_step_end", step, metrics)
+        if metrics is not None:
+            self.emit("on_step_end", step, metrics)
         if self.skip_asked:
             self.skip_batches()
         if _crossed(before, step, options.log_every) or step == options.steps:
