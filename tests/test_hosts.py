@@ -46,7 +46,7 @@ def test_a_process_is_named_when_its_input_wait_exceeds_the_median_by_the_ratio_
     median step; microseconds of input on a fast pipeline name nobody; a process is named again only after a
     window in which it was not slow."""
     rows = []
-    times = HostTimes(spans=False, ratio=1.25, rows=rows, waited=lambda: 0.0)
+    times = HostTimes(spans=False, ratio=1.25, rows=rows)
 
     def window(step, waits, step_time=0.1):
         times._row(step, [{"host": f"h{p}", "step_time": step_time, "input_wait": w} for p, w in enumerate(waits)])

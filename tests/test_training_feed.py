@@ -10,11 +10,11 @@ import optax
 import pytest
 
 import jaxdist as jd
-from jaxdist.costs.step import StepCost
 from jaxdist.strategies.input import ahead
 from jaxdist.training.data import BatchChecker, BatchFeed, BatchStream, DataPosition, TrainBatch
 from jaxdist.training.data import _feed as feed_module
 from jaxdist.training.loop import FitOptions, run_fit
+from jaxdist.training.step import LiveState
 
 
 def mse(out, y):
@@ -139,54 +139,22 @@ def test_only_the_trainers_own_checked_batches_are_taken_as_they_are():
     assert other.train_on_batch(batches(1)[0])["loss"].shape == ()
 
 
-class Recorder:
-    """A fit target that is not a Trainer: what run_fit needs, and nothing else."""
-
-    def __init__(self):
-        self.stop_training = False
-        self.data_position = DataPosition()
-        self.seen, self.saved, self._sums, self._step = [], [], jd.training.RunningSums.zeros(["loss"]), 0
-
-    @property
-    def step(self):
-        return self._step
-
-    def train_on_batch(self, batch):
-        self.seen.append(batch)
-        self._step += 1
-        self._sums = self._sums.then(jd.training.RunningSums.of_step({"loss": (float(batch), None)}))
-        return {"loss": float(batch)}
-
-    def train_on_batches(self, batches):
-        for b in batches:
-            self.train_on_batch(b)
-        return {"loss": np.array([float(b) for b in batches])}
-
-    def pop_running_sums(self):
-        sums, self._sums = self._sums, jd.training.RunningSums.zeros(["loss"])
-        return sums.pack()
-
-    def step_cost(self):
-        return StepCost(None, "n/a", None, "n/a", 0, 0, 0, None, "cpu", 1)
-
-    def evaluate(self, data):
-        return {"loss": 0.0}
-
-    def save(self, checkpoint_dir):
-        self.saved.append(self._step)
-        return str(self._step)
-
-    def sync_model(self):
-        pass
-
-
 @pytest.mark.parametrize("steps_per_run", [1, 2])
-def test_run_fit_drives_any_fit_target(steps_per_run):
-    target = Recorder()
-    history = run_fit(target, BatchStream([1.0, 2.0, 3.0, 4.0]), FitOptions(steps=6, log_every=2,
-                                                                            steps_per_run=steps_per_run))
-    assert target.seen == [1.0, 2.0, 3.0, 4.0, 1.0, 2.0]
+def test_run_fit_drives_the_live_state_and_callbacks_see_the_run(steps_per_run):
+    """The loop drives a LiveState directly (no Trainer); callbacks receive their ``owner`` and see the run."""
+    live = LiveState(jd.OneDeviceStrategy(), nn.Dense(1), optax.sgd(0.0), lambda out, y: (out[:, 0] * 0 + y).mean())
+    data = [(np.ones((4, 2), np.float32), np.full(4, v, np.float32)) for v in (1.0, 2.0, 3.0, 4.0)]
+    live.init(data[0])
+    seen = []
+
+    class Look(jd.training.Callback):
+        def on_step_end(self, trainer, step, metrics):
+            seen.append((trainer, step, self.control.step, self.control.epoch))
+
+    history = run_fit(live, BatchStream(data), FitOptions(steps=6, log_every=2, steps_per_run=steps_per_run,
+                                                          callbacks=[Look()]), owner="owner")
     assert [(row["step"], row["loss"]) for row in history.train] == [(2, 1.5), (4, 3.5), (6, 1.5)]
-    assert target.data_position == DataPosition(1, 2)
+    assert live.step == 6 and live.position == DataPosition(1, 2)
+    assert seen[-1] == ("owner", 6, 6, 1) and len(seen) == (6 if steps_per_run == 1 else 3)
     with pytest.raises(ValueError, match=r"steps_per_run=0 must be an int >= 1\."):
         FitOptions(steps=1, steps_per_run=0)

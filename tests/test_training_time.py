@@ -192,7 +192,7 @@ def test_the_first_evaluations_compile_is_counted_once(monkeypatch):
             spans.append((start, end))
 
     jax.monitoring.register_event_time_span_listener(heard)
-    from jaxdist.training.loop._fit import Fit
+    from jaxdist.training.loop._fit import FitLoop as Fit
 
     real = Fit.evaluate
 

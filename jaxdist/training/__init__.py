@@ -21,6 +21,7 @@ from jaxdist.costs.step import StepCost as StepCost
 from jaxdist.job import JobDisagreementError as JobDisagreementError
 from jaxdist.training.callbacks import Callback as Callback
 from jaxdist.training.callbacks import CSVLogger as CSVLogger
+from jaxdist.training.callbacks import FitControl as FitControl
 from jaxdist.training.callbacks import History as History
 from jaxdist.training.callbacks import MLflowLogger as MLflowLogger
 from jaxdist.training.callbacks import Progress as Progress
@@ -57,6 +58,7 @@ __all__ = [
     "CheckpointSaveError",
     "Checkpointer",
     "DataPosition",
+    "FitControl",
     "History",
     "JobDisagreementError",
     "LinenModel",

@@ -12,8 +12,9 @@ batches already used, so its parameters are bitwise identical to an uninterrupte
 
 The Trainer is a facade: its state, step counter and data position are a `jaxdist.training.step.LiveState`, whose
 methods build and step it, evaluate and predict; `jaxdist.training.checkpoints` saves, restores and loads it
-(``save_live``, ``restore_live``, ``load_live``); `jaxdist.training.loop` prepares and runs ``fit`` (``fit_live``,
-``run_fit``), driving the trainer through its typed interface (`jaxdist.training.loop._fit.FitTarget`).
+(``save_live``, ``restore_live``, ``load_live``); `jaxdist.training.loop` runs ``fit`` on it (``loop.fit``, with
+``fit``'s keyword arguments as one `jaxdist.training.loop.FitOptions`): the loop drives the `LiveState`, and hands
+the trainer to the callbacks only.
 
 A diverging run loses nothing (`jaxdist.training.step._non_finite`): each step flags a non-finite loss or gradient
 norm on the devices, ``fit`` acts on the flags where it reads its logs and before every checkpoint
@@ -34,7 +35,8 @@ from jaxdist.strategies import Plan, Strategy
 from jaxdist.training.callbacks import Callback, History
 from jaxdist.training.checkpoints import Checkpointer, load_live, restore_live, save_live
 from jaxdist.training.data import DataPosition
-from jaxdist.training.loop import fit_live
+from jaxdist.training.loop import FitOptions
+from jaxdist.training.loop import fit as fit_live
 from jaxdist.training.step import LiveState, NonFinitePolicy, PackedSums, TrainState, check_int
 
 __all__ = ["Trainer"]
@@ -152,7 +154,16 @@ class Trainer:
         self.grad_accum_steps, self.compute_dtype = grad_accum_steps, compute_dtype
         self.ema_decay = self._live.ema_decay
         self.steps_per_run = steps_per_run or int(getattr(strategy, "steps_per_run", 1) or 1)
-        self.stop_training = False
+
+    @property
+    def stop_training(self) -> bool:
+        """Set it (from a callback) to end the running ``fit`` after the current step (``fit`` clears it when it
+        starts); with several processes, set on any one, every process stops after the same step."""
+        return self._live.stop_training
+
+    @stop_training.setter
+    def stop_training(self, value: bool) -> None:
+        self._live.stop_training = bool(value)
 
     # --------------------------------------------------------------------------------------------- state
     @property
@@ -542,105 +553,67 @@ class Trainer:
     ) -> History:
         """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
 
-        Both counts are totals, not increments: a resumed run (same ``checkpoint_dir``) restores the latest
-        checkpoint, continues from its step and data position, and stops at the same place an uninterrupted
-        run would.
+        Both counts are totals: a resumed run (same ``checkpoint_dir``) restores the latest checkpoint, continues
+        from its step and data position, and stops where an uninterrupted run would, with bitwise the same state.
+        The keyword arguments are one `jaxdist.training.loop.FitOptions`; the operations features they switch on
+        (``step_timeout``, ``profile_steps``, ``straggler_ratio``) are callbacks, documented in their modules.
 
         Args:
-            train_data: global batches ``(x, y)`` or dicts with ``input_key`` and ``target_key``, all of one
-                shape: a function ``epoch -> iterable`` (shuffle per epoch with a seed derived from
-                ``epoch``), a re-iterable (a list: repeated each epoch) or an iterator (read once). Resuming
-                needs the same batches for the same epoch (deterministic data).
+            train_data: global batches ``(x, y)`` or dicts with ``input_key`` / ``target_key``, of one shape: a
+                function ``epoch -> iterable``, a re-iterable (a list: repeated each epoch) or an iterator (read
+                once). Resuming needs the same batches for the same epoch.
             steps: train until ``trainer.step == steps``.
             epochs: stop after this many epochs in total (with ``steps``, whichever comes first).
-            eval_data: batches for `evaluate` (any size; padded and masked), evaluated every ``eval_every``
-                steps and at the end.
+            eval_data: batches for `evaluate` (any size), evaluated every ``eval_every`` steps and at the end.
             eval_every: steps between evaluations (None: only at the end).
-            checkpoint_dir: restore the latest checkpoint from here and save here (every
-                ``checkpoint_every`` steps, at the end, and on preemption). None: no checkpoints. A damaged
-                latest checkpoint is a `CheckpointCorruptedError` naming the newest one that restores.
+            checkpoint_dir: restore the latest checkpoint from here, and save here every ``checkpoint_every``
+                steps, at the end and on preemption. None: no checkpoints.
             checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
             keep_checkpoints: how many recent checkpoints to keep.
-            async_checkpoints: write checkpoints in the background: training goes on once the state is
-                copied to host memory (`Checkpointer`'s ``async_save``); ``on_checkpoint`` comes once one is
-                complete, a failed write raises at the next step or at the end of ``fit``, and ``fit``
-                returns (or exits on preemption) only when the last one is complete. False: each save
-                blocks until written.
-            log_every: steps between log points: each log is the mean of every metric over the steps since
-                the previous one (with ``steps_per_run > 1`` too; token-weighted for ``(sum, weight)`` losses),
-                plus steps/s, the window's seconds by part (``time/steps``, ...: `History`'s ``time``) and,
-                where known, ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``; the
-                step's cost (`step_cost`) is logged once, after the first step. A log point does not wait for
-                the devices: it is emitted once they have the values (a step or two later, with its own
-                step number), and always before the next evaluation, checkpoint or the end of ``fit``.
+            async_checkpoints: write checkpoints in the background (training goes on once the state is copied
+                to host memory); ``fit`` returns once the last one is complete. False: each save blocks.
+            log_every: steps between log points: each log is the mean of every metric over the window, steps/s,
+                the window's seconds by part (``time/<part>``) and, where known, ``tokens_per_sec``, ``mfu`` and
+                ``peak_bytes_in_use``. A log is emitted once the devices have its values, never waited for.
             log_dir: also write ``metrics.csv`` and TensorBoard event files here.
-            callbacks: `Callback` instances.
+            callbacks: `Callback` instances (their hooks may stop the run, save or skip: `FitControl`).
             verbose: ``"auto"`` (a bar on a terminal, lines otherwise), ``"bar"``, ``"lines"``, 2 (``"auto"``
-                with the step's whole cost line, `StepCost.describe`, instead of its summary), or 0 (silent).
-            on_preemption: on SIGTERM the current step finishes and a checkpoint is saved; then ``"exit"``
-                raises ``SystemExit(0)`` (the job exits cleanly) or ``"return"`` returns the history with
-                ``history.preempted = True``. With several processes a SIGTERM to any one stops them all
-                after the same step (`jaxdist.training.loop._preemption`), and they save together.
-            restore_step: resume from this checkpoint of ``checkpoint_dir`` instead of the latest (e.g. the
-                one before a damaged checkpoint): the run goes back to that step (state, data position), and
-                the checkpoints after it are deleted once it is restored (they belong to the run being
-                replaced; a later resume would otherwise jump back to them). The steps it takes again count as
-                ``history.time["lost"]``, as do those a run resumed after a crash takes again (process 0 records
-                in ``checkpoint_dir`` how far a run got).
-            step_timeout: seconds a training step may take; when none finishes in time (the first, which
-                compiles, gets ``max(10 * step_timeout, 600)``), the process writes why and every thread's stack
-                to stderr and exits with status 124 (`jaxdist.training.Watchdog`): a stuck or dead peer ends
-                the job, so the scheduler restarts it from the last complete checkpoint, instead of hanging.
-                Evaluation and checkpoint writes are not watched. None (default): not watched, because only
-                you know how long a step may take; set a few times your slowest step.
-            on_non_finite: what a step whose loss or gradients are not finite (a loss spike, divergence) does;
-                each step computes the flag on the devices and ``fit`` reads it with the logs and before every
-                checkpoint (no cost per step). ``"stop"`` (default): raise `NonFiniteError` (a
-                `FloatingPointError`) naming the first bad step, the last finite checkpoint and how to resume.
-                ``"skip"``: bad steps change no state (optax's ``apply_if_finite``; the step counter and the
-                data move on), the logs count them (``non_finite_steps``); 10 in a row stop as ``"stop"``.
-                ``"rollback"``: restore the last finite checkpoint (needs ``checkpoint_dir``) and go on with the
-                data past the bad batches; at most 3 times, then stop. ``"continue"``: train on, with one
-                warning. A `NonFinitePolicy` sets other limits. Whatever the policy, a non-finite state is
-                never saved (`save`).
-            straggler_ratio: with several processes, each one's step time and input wait per log window reach
-                process 0 at the log points (through the job's key-value store, no collective); a process that
-                waits on its input this many times as long as the median process (longer by at least this
-                minus one times the median step) is named in a `StragglerWarning` (its index, host, times and
-                the median's). ``history.processes`` keeps every window's figures. None: nobody is named.
-            profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` with `jax.profiler` (step ``n``
-                is the one numbered ``n`` in the logs: after it ``trainer.step == n``) into
-                ``<log_dir>/profile``, for xprof, TensorBoard's profile plugin (``plugins/profile/*/
-                *.xplane.pb``) or Perfetto (``perfetto_trace.json.gz``). With ``steps_per_run > 1`` the trace
-                covers the on-device loops that run those steps; a resumed run traces what is left of the
-                window. Needs ``log_dir``.
-            profile_processes: the processes that trace (``profile_steps``): a process index, several, or
-                ``"all"``; default process 0.
+                with the step's whole cost line), or 0 (silent).
+            on_preemption: on SIGTERM (to any process) the current step finishes and a checkpoint is saved; then
+                ``"exit"`` raises ``SystemExit(0)``, ``"return"`` returns with ``history.preempted = True``.
+            restore_step: resume from this checkpoint of ``checkpoint_dir`` instead of the latest (the later ones
+                are deleted once it is restored); the steps taken again count as ``history.time["lost"]``.
+            step_timeout: seconds a step may take before the process prints every thread's stack and exits with
+                status 124 (`jaxdist.training.Watchdog`; the first step gets ``max(10 * step_timeout, 600)``).
+                None (default): not watched.
+            on_non_finite: what a step whose loss or gradients are not finite does, read with the logs and before
+                every checkpoint: ``"stop"`` (raise `NonFiniteError`), ``"skip"`` (the step changes nothing),
+                ``"rollback"`` (to the last finite checkpoint), ``"continue"``, or a `NonFinitePolicy`. A
+                non-finite state is never saved.
+            straggler_ratio: with several processes, a process whose input wait per step is this many times the
+                median's is named in a `StragglerWarning` (`jaxdist.training.loop._hosts`); ``history.processes``
+                keeps every window's figures. None: nobody is named.
+            profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` with `jax.profiler` into
+                ``<log_dir>/profile`` (`jaxdist.training.loop._profile`). Needs ``log_dir``.
+            profile_processes: the processes that trace: an index, several, or ``"all"`` (default process 0).
 
         Returns:
             The `History` of logged metrics, and where the time went (``history.time``, ``history.goodput``).
 
         Raises:
-            ValueError: for bad arguments, data of the wrong batch structure, batches the replicas do not
-                divide, a non-scalar loss, a checkpoint_dir holding another model's checkpoint or one jaxdist
-                did not write (the message shows the orbax and `load_state` that continue it), or
-                ``restore_step`` without ``checkpoint_dir``.
-            FileNotFoundError: for a ``restore_step`` that ``checkpoint_dir`` has no checkpoint of (the
-                message names the steps it has).
-            CheckpointCorruptedError: when the checkpoint to resume from is damaged: the message names it,
-                the directory and the newest older checkpoint that restores (delete the damaged one, or pass
-                that step as ``restore_step``).
+            ValueError: for bad arguments or data, or a ``checkpoint_dir`` holding another model's checkpoint or
+                one jaxdist did not write (the message shows how to continue it).
+            FileNotFoundError: for a ``restore_step`` that ``checkpoint_dir`` has no checkpoint of.
+            CheckpointCorruptedError: when the checkpoint to resume from is damaged (the message names the newest
+                one that restores).
             SystemExit: after a preemption checkpoint, with ``on_preemption="exit"``.
-            NonFiniteError: (a `FloatingPointError`) when a step's loss or gradients were not finite and the
-                policy stops (see ``on_non_finite``).
+            NonFiniteError: when a step was not finite and the policy stops.
         """
-        return fit_live(self, self._live, self.steps_per_run, train_data, steps, epochs=epochs, eval_data=eval_data,
-                        eval_every=eval_every, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                        keep_checkpoints=keep_checkpoints, async_checkpoints=async_checkpoints, log_every=log_every,
-                        log_dir=log_dir, callbacks=callbacks, verbose=verbose, on_preemption=on_preemption,
-                        restore_step=restore_step, step_timeout=step_timeout, on_non_finite=on_non_finite,
-                        straggler_ratio=straggler_ratio,
-                        profile_steps=profile_steps, profile_processes=profile_processes)
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "train_data")}
+        options = FitOptions(**arguments, steps_per_run=self.steps_per_run)
+        return fit_live(self._live, train_data, options, owner=self, cost=self.cost_options, settings={
+            "steps_per_run": self.steps_per_run, "grad_accum_steps": self.grad_accum_steps,
+            "compute_dtype": self.compute_dtype, "ema_decay": self.ema_decay, "seed": self.seed})
 
     # --------------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any, *, ema: bool = False) -> dict[str, float]:

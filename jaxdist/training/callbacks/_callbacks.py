@@ -1,11 +1,15 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
 A `Callback` gets ``on_train_begin``, ``on_config``, ``on_step_cost``, ``on_step_end``, ``on_log``,
-``on_eval_end``, ``on_checkpoint`` and ``on_train_end``. ``on_step_end`` receives the step's metrics as device scalars:
-reading one (``float(m)``) waits for the device, so read them only when you need them. Setting
-``trainer.stop_training = True`` from a callback ends ``fit`` after the current step (with a checkpoint when
-``checkpoint_dir`` is set); in a multi-process run, set on any process, it ends ``fit`` on all of them after the
-same step, at most 3 steps later (the processes agree on it like on a SIGTERM: `jaxdist.training.loop._preemption`).
+``on_eval_end``, ``on_checkpoint``, ``on_pause`` / ``on_resume`` (around evaluations and checkpoints),
+``on_train_end`` and, when ``fit`` fails, ``on_exception``. ``on_step_end`` receives the step's metrics as device
+scalars: reading one (``float(m)``) waits for the device, so read them only when you need them. During ``fit``
+a callback's ``control`` is the run's `FitControl`: where the run is (``step``, ``epoch``, ``history``) and what a
+callback may ask of it (``stop``, ``save``, ``skip``). ``fit`` calls a per-step hook only on the callbacks that
+override it. Setting ``trainer.stop_training = True`` (or ``control.stop()``) ends ``fit`` after the current step
+(with a checkpoint when ``checkpoint_dir`` is set); in a multi-process run, set on any process, it ends ``fit``
+on all of them after the same step, at most 3 steps later (the processes agree on it like on a SIGTERM:
+`jaxdist.training.loop._preemption`).
 
 The trainer logs every ``log_every`` steps: the mean of each metric over those steps (token-weighted for a
 ``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use``
@@ -29,7 +33,8 @@ from typing import Any
 from jaxdist.costs import format_bytes
 from jaxdist.costs.step import StepCost
 
-__all__ = ["TIME_PARTS", "CSVLogger", "Callback", "History", "Progress", "TensorBoardLogger"]
+__all__ = ["HOOKS", "TIME_PARTS", "CSVLogger", "Callback", "FitControl", "History", "Progress", "TensorBoardLogger",
+           "overriding"]
 
 TIME_PARTS = ("steps", "compile", "input", "checkpoint", "evaluation", "lost", "other")
 """The parts of `History.time`, in the order they are shown (a log row's ``time/<part>`` too)."""
@@ -120,8 +125,54 @@ class History:
         return f"History(train={len(self.train)} rows, eval={len(self.eval)} rows, last={last})"
 
 
+class FitControl:
+    """A running ``fit`` as its callbacks see it (a callback's ``control`` during ``fit``): where it is, and what
+    a callback may ask of it. Requests take effect after the current step (or on-device loop).
+
+    Attributes:
+        history: the run's `History` so far.
+        stopping: the run is stopping (a request to stop, or a SIGTERM, agreed by every process).
+    """
+
+    history: History
+    stopping: bool = False
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (the trainer's step counter)."""
+        raise NotImplementedError
+
+    @property
+    def data_position(self) -> Any:
+        """How far the steps have read the training data (a `jd.training.DataPosition`)."""
+        raise NotImplementedError
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the training data the steps are reading (``data_position.epoch``)."""
+        return self.data_position.epoch
+
+    def stop(self) -> None:
+        """End the run after the current step (``trainer.stop_training = True``; with a checkpoint when
+        ``checkpoint_dir`` is set)."""
+        raise NotImplementedError
+
+    def save(self) -> None:
+        """Write a checkpoint after the current step (into ``checkpoint_dir``: without one, a ValueError)."""
+        raise NotImplementedError
+
+    def skip(self, batches: int = 1) -> None:
+        """Read the next ``batches`` batches without training on them (the data position moves past them)."""
+        raise NotImplementedError
+
+
 class Callback:
     """Base class: override the hooks you need (each does nothing by default).
+
+    A hook receives the trainer first. During ``fit``, ``self.control`` is the run's `FitControl` (None
+    otherwise): a callback can read the step, epoch and history there, and stop the run, save a checkpoint or
+    skip batches. The run's operations features are callbacks too (the watchdog, `jd.training.Watchdog`; the
+    profile of ``profile_steps``; the slow-host check of ``straggler_ratio``).
 
     Examples:
         >>> class PrintEval(Callback):
@@ -130,6 +181,9 @@ class Callback:
         >>> PrintEval().on_eval_end(None, 5, {"loss": 0.123})
         5 0.12
     """
+
+    control: FitControl | None = None
+    """The running fit (set by ``fit`` before ``on_train_begin``, None once it has ended)."""
 
     def on_train_begin(self, trainer: Any) -> None:
         """Before the first step of ``fit`` (after any restore)."""
@@ -157,8 +211,38 @@ class Callback:
     def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
         """After each checkpoint is written (complete and renamed into place)."""
 
+    def on_pause(self, trainer: Any, part: str) -> None:
+        """The loop leaves its steps for ``part``: ``"evaluation"``, or ``"checkpoint"`` (writing one, waiting
+        for one in flight, or restoring one)."""
+
+    def on_resume(self, trainer: Any, part: str) -> None:
+        """The loop is back to its steps after ``part`` (the ``on_pause`` before)."""
+
     def on_train_end(self, trainer: Any, history: History) -> None:
         """When ``fit`` ends (normally, stopped, or preempted)."""
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        """When ``fit`` fails with ``error`` (raised on after the callbacks have heard it)."""
+
+
+HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+"""Every hook of `Callback`, in the order ``fit`` first calls them."""
+
+
+def overriding(callbacks: Any, hook: str) -> list:
+    """The bound ``hook`` of each of ``callbacks`` that does something: one that overrides `Callback`'s (or
+    any object's method of that name), so that ``fit`` calls a per-step hook only where it does something.
+
+    Examples:
+        >>> class Steps(Callback):
+        ...     def on_step_end(self, trainer, step, metrics):
+        ...         pass
+        >>> [hook.__self__.__class__.__name__ for hook in overriding([Callback(), Steps()], "on_step_end")]
+        ['Steps']
+    """
+    base = getattr(Callback, hook)
+    return [getattr(cb, hook) for cb in callbacks
+            if getattr(type(cb), hook, None) not in (None, base) or hook in getattr(cb, "__dict__", {})]
 
 
 _RATES = {"steps_per_sec": "steps/s", "tokens_per_sec": "tokens/s"}  # shown as "<value> <unit>"
@@ -279,6 +363,8 @@ class Progress(Callback):
         self._bar: Any = None
         self._start_step = 0
         self._cost: StepCost | None = None
+        if mode == "bar":  # lines have nothing to do per step: no on_step_end, so fit calls nothing per step
+            self.on_step_end = self._advance  # type: ignore[method-assign]
 
     def on_train_begin(self, trainer: Any) -> None:
         self._start_step = int(trainer.step) if trainer is not None else 0
@@ -301,7 +387,7 @@ class Progress(Callback):
         self._cost = cost
         self._write(cost.describe() if self.details else cost.summary())
 
-    def on_step_end(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
+    def _advance(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 

@@ -79,13 +79,13 @@ def _optimizer(opt_state: Any) -> dict[str, Any]:
     return {"optimizer": ",".join(kinds), **out} if kinds else out
 
 
-def run_config(trainer: Any, live: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's configuration (see the module): ``fit``'s ``arguments``, the ``trainer``'s settings, its
+def run_config(settings: Mapping[str, Any], live: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's configuration (see the module): ``fit``'s ``arguments``, the trainer's ``settings``, its
     strategy, mesh and devices, the global batch size and the optimizer as its state in ``live`` says.
 
     Args:
-        trainer: the `Trainer` (its settings: ``steps_per_run``, ``grad_accum_steps``, ...; missing ones are
-            left out).
+        settings: the trainer's settings (``steps_per_run``, ``grad_accum_steps``, ...; missing ones are left
+            out).
         live: its `LiveState` (the strategy, the state, the batch signature).
         arguments: ``fit``'s arguments by name (the ones the record keeps are taken, see the module).
 
@@ -96,14 +96,14 @@ def run_config(trainer: Any, live: Any, arguments: Mapping[str, Any]) -> dict[st
         >>> import types, jaxdist as jd
         >>> live = types.SimpleNamespace(strategy=jd.OneDeviceStrategy(), state=None,
         ...                              batches=types.SimpleNamespace(signature=None))
-        >>> config = run_config(types.SimpleNamespace(steps_per_run=1), live, {"steps": 100, "log_every": 10})
+        >>> config = run_config({"steps_per_run": 1}, live, {"steps": 100, "log_every": 10})
         >>> config["steps"], config["strategy"], config["mesh"], config["global_batch_size"]
         (100, 'OneDeviceStrategy', 'replica=1', None)
     """
     config: dict[str, Any] = {key: _scalar(arguments[key]) for key in _FIT if key in arguments}
     for key in ("steps_per_run", "grad_accum_steps", "compute_dtype", "ema_decay", "seed"):
-        if hasattr(trainer, key):
-            config[key] = _scalar(getattr(trainer, key))
+        if key in settings:
+            config[key] = _scalar(settings[key])
     strategy = live.strategy
     mesh = strategy.mesh
     devices = list(mesh.devices.flat)

@@ -7,11 +7,11 @@ times, per log window, its steps (the window's wall time over its steps, as its 
 (the time inside the data iterator, per step). A device that is slow shows in every process's step time alike
 (use a profile to find it).
 
-Nothing is exchanged per step. At each log point a process posts its window's figures to the job's key-value
-store (the coordination service's, which every process of a ``jax.distributed`` job talks to anyway: no
-collective, no device); process 0 reads them when the window's log is emitted (the processes reach it at the
-same step), without waiting (a figure not there yet is read at the next log point; at the end of ``fit``
-process 0 waits at most `READ_SECONDS` for each, then goes on without it).
+`HostTimes` is a fit's callback, which works at its log rows (``on_log``): nothing is exchanged per step. At
+each log a process posts its window's figures to the job's key-value store (the coordination service's, which
+every process of a ``jax.distributed`` job talks to anyway: no collective, no device); process 0 reads them
+at its logs (the processes emit them at the same step), without waiting (a figure not there yet is read at
+the next log; at the end of ``fit`` process 0 waits at most `READ_SECONDS` for each, then goes on without it).
 
 A process is named in a `StragglerWarning` when it waits on its input at least ``straggler_ratio`` times as long
 as the median process and that excess is at least ``straggler_ratio - 1`` times the median step time (so that
@@ -26,14 +26,14 @@ import itertools
 import json
 import socket
 import statistics
-import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
 from jaxdist.job import forget, post, read
+from jaxdist.training.callbacks import Callback
 
 __all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "check_ratio"]
 
@@ -75,28 +75,23 @@ def check_ratio(value: Any) -> None:
         raise ValueError(f"straggler_ratio={value!r} must be a number > 1, or None (nobody is named).")
 
 
-class HostTimes:
-    """The per-process figures of a fit's log windows (see the module doc).
+class HostTimes(Callback):
+    """The per-process figures of a fit's log windows (see the module doc): a fit's callback.
 
     Args:
         spans: whether the fit's devices span processes (the figures then travel through the key-value store).
         ratio: the ``straggler_ratio`` (None: figures are kept, nobody is named).
         rows: where process 0 appends one row per window (``History.processes``).
-        waited: the seconds this process has spent reading its training batches so far (the fit's clock
-            measures them: `FitClock.input`).
 
     Examples:
         >>> rows = []
-        >>> times = HostTimes(spans=False, ratio=1.25, rows=rows, waited=lambda: 0.001)
-        >>> times.start()
-        >>> times.close_window(step=4, consumed=4)
-        >>> times.collect()
-        >>> [sorted(row) for row in rows]
-        [['host', 'input_wait', 'step', 'step_time', 'stragglers']]
+        >>> times = HostTimes(spans=False, ratio=1.25, rows=rows)
+        >>> times.on_log(None, 4, {"loss": 0.5, "time/steps": 0.03, "time/input": 0.01, "time/other": 0.0})
+        >>> [(row["step"], row["input_wait"], row["stragglers"]) for row in rows]
+        [(4, [0.0025], [])]
     """
 
-    def __init__(self, *, spans: bool, ratio: float | None, rows: list[dict[str, Any]],
-                 waited: Callable[[], float]):
+    def __init__(self, *, spans: bool, ratio: float | None, rows: list[dict[str, Any]]):
         self._spans = spans and jax.process_count() > 1
         self._me = jax.process_index() if spans else 0
         self._count = jax.process_count() if spans else 1
@@ -104,28 +99,30 @@ class HostTimes:
         self._ratio = ratio
         self._rows = rows
         self._host = socket.gethostname()
-        self._waited = waited
-        self._last = (0, time.perf_counter(), 0.0)  # consumed, time, waited at the last close
+        self._last = 0  # the step the last window ended at
         self._windows = itertools.count()
         self._pending: collections.deque = collections.deque()  # (window, step, this process's figures)
         self._named: set[int] = set()  # slow in the last window: not named again until it recovers
 
-    def start(self) -> None:
-        """The windows start now (the fit's first batch is about to be read)."""
-        self._last = (0, time.perf_counter(), self._waited())
+    def on_train_begin(self, trainer: Any) -> None:
+        self._last = self.control.step if self.control is not None else 0
 
-    def close_window(self, step: int, consumed: int) -> None:
-        """A log window ended at ``step`` after ``consumed`` batches in all: note (and post) its figures."""
-        now = time.perf_counter()
-        waited = self._waited()
-        last_consumed, last_time, last_waited = self._last
-        steps = consumed - last_consumed
-        window = next(self._windows)  # every window counts (every process closes the same ones)
-        if steps <= 0:
+    def on_log(self, trainer: Any, step: int, logs: Mapping[str, Any]) -> None:
+        self.close_window(step, logs)
+        self.collect()  # process 0: the other processes' figures of the windows emitted so far
+
+    def on_train_end(self, trainer: Any, history: Any) -> None:
+        self.collect(final=True)  # process 0: every window's figures (a peer's, waited for briefly)
+
+    def close_window(self, step: int, logs: Mapping[str, Any]) -> None:
+        """A log window ended at ``step`` with the seconds ``logs`` says (``time/<part>``): note (and post) its
+        figures."""
+        steps, self._last = step - self._last, step
+        if steps <= 0:  # the first window after a rollback: its steps are not known here
             return
-        self._last = (consumed, now, waited)
-        mine = {"host": self._host, "step_time": (now - last_time) / steps,
-                "input_wait": (waited - last_waited) / steps}
+        window = next(self._windows)  # every process logs the same windows
+        wall = sum(v for k, v in logs.items() if k.startswith("time/") and k != "time/lost")
+        mine = {"host": self._host, "step_time": wall / steps, "input_wait": logs.get("time/input", 0.0) / steps}
         if self._spans and self._me != 0:
             post(f"{self._prefix}/{window}/{self._me}", json.dumps(mine))
         elif self._me == 0:

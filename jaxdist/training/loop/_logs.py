@@ -41,7 +41,7 @@ class Logs:
                  rates: Callable[[int, float, float | None], dict] | None = None,
                  watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None,
                  waited: Callable[[float], None] | None = None):
-        self._pending: collections.deque = collections.deque()  # [step, sums, ready time or None, check]
+        self.pending: collections.deque = collections.deque()  # [step, sums, ready time or None, check]: closed
         self._on_log = on_log
         self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
         self._watch = watch
@@ -58,7 +58,7 @@ class Logs:
         if copy is not None:
             copy()
         entry = [step, sums, None, check]
-        self._pending.append(entry)
+        self.pending.append(entry)
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._wait, name="jaxdist-log-watcher", daemon=True)
             self._watcher.start()
@@ -74,15 +74,15 @@ class Logs:
         """Emit the closed windows whose sums have arrived, in order (never waits for the devices); with a lag,
         the windows closed ``lag`` checks before ``check`` (waiting for them if needed)."""
         if self._lag is None:
-            while self._pending and self._pending[0][2] is not None:
+            while self.pending and self.pending[0][2] is not None:
                 self._emit_first()
         else:
-            while self._pending and self._pending[0][3] <= check - self._lag:
+            while self.pending and self.pending[0][3] <= check - self._lag:
                 self._emit_first()
 
     def flush(self) -> None:
         """Emit every closed window (waits for the devices)."""
-        while self._pending:
+        while self.pending:
             self._emit_first()
 
     def restart(self, step: int) -> None:
@@ -90,7 +90,7 @@ class Logs:
         self._last = (step, time.perf_counter())
 
     def _emit_first(self) -> None:
-        entry = self._pending.popleft()
+        entry = self.pending.popleft()
         if entry[2] is None:
             start = time.perf_counter()
             jax.block_until_ready(entry[1])

@@ -35,6 +35,8 @@ from typing import Any
 
 import jax
 
+from jaxdist.training.callbacks import Callback
+
 __all__ = ["StepProfile", "check_profile"]
 
 NEVER = float("inf")
@@ -70,10 +72,10 @@ def check_profile(steps: Any, processes: Any, log_dir: Any) -> None:
             "the default: process 0 alone).")
 
 
-class StepProfile:
-    """The trace of one window of steps (see the module), driven by the fit loop between steps.
+class StepProfile(Callback):
+    """The trace of one window of steps (see the module): a fit's callback, which checks between steps.
 
-    The loop calls `check` when ``trainer.step`` reaches `due` (one comparison per step otherwise).
+    Its ``on_step_end`` calls `check` when the step reaches `due` (one comparison per step otherwise).
 
     Args:
         start, stop: the window: steps ``start ... stop - 1``.
@@ -104,6 +106,21 @@ class StepProfile:
             return None
         process = jax.process_index() if jax.process_count() > 1 else None
         return cls(steps[0], steps[1], os.path.join(os.fspath(log_dir), "profile"), run_length, process)
+
+    def on_train_begin(self, trainer: Any) -> None:
+        self.check(self.control.step)  # the window may start at the first step
+
+    def on_step_end(self, trainer: Any, step: int, metrics: Any) -> None:
+        if step >= self.due:  # the window starts or ends here
+            self.check(step, metrics)
+
+    def on_train_end(self, trainer: Any, history: Any) -> None:
+        if not self.control.stopping:  # a window the fit never reached (not stopped early on request): said
+            self.finish(self.control.step)
+        self.close()  # a fit that ends inside the window: the trace so far
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.close()
 
     def check(self, step: int, last: Any = None) -> None:
         """Between steps, at ``step`` (``last``: what the last dispatch returned): start or stop the trace."""

@@ -1,89 +1,59 @@
 """``Trainer.fit`` up to its loop: the arguments checked (and, with several processes, agreed), the checkpoint
-directory claimed, the state restored (``restore_step``, a resume) or built from the first batch, the writers
-and the stream set up; then `run_fit` (the loop, `jaxdist.training.loop._fit`).
-
-`fit_live` takes the trainer (the `FitTarget` the loop drives) and its `LiveState` (the state, step and data
-position `jaxdist.training.checkpoints` restores into).
+directory claimed, the state restored (``restore_step``, a resume) or built from the first batch, the features
+the options switch on made callbacks (`features`), the writers and the stream set up; then the loop
+(`jaxdist.training.loop._fit.FitLoop`), which drives the `LiveState` directly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 
-from jaxdist.job import agree_on_fit, failing
+from jaxdist.costs.step import CostOptions
+from jaxdist.job import agree_on_fit, failing, spans_processes
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
 from jaxdist.training.checkpoints import Checkpointer, check_directory, read_progress, restore_live, roll_back
 from jaxdist.training.data import BatchStream, global_rows, say_batch_change
 from jaxdist.training.loop._config import run_config
-from jaxdist.training.loop._fit import FitOptions, FitTarget, run_fit
-from jaxdist.training.step import LiveState, NonFinitePolicy, check_int
+from jaxdist.training.loop._fit import FitLoop
+from jaxdist.training.loop._hosts import HostTimes
+from jaxdist.training.loop._options import FitOptions
+from jaxdist.training.loop._profile import StepProfile
+from jaxdist.training.loop._time import FitClock
+from jaxdist.training.loop._watchdog import Watchdog
+from jaxdist.training.step import LiveState
 
-__all__ = ["fit_live"]
+__all__ = ["features", "fit"]
 
 
-def fit_live(
-    trainer: FitTarget,
-    live: LiveState,
-    steps_per_run: int,
-    train_data: Any,
-    steps: int | None,
-    *,
-    epochs: int | None,
-    eval_data: Any,
-    eval_every: int | None,
-    checkpoint_dir: str | os.PathLike | None,
-    checkpoint_every: int | None,
-    keep_checkpoints: int,
-    async_checkpoints: bool,
-    log_every: int,
-    log_dir: str | os.PathLike | None,
-    callbacks: Iterable[Callback],
-    verbose: str | int,
-    on_preemption: str,
-    restore_step: int | None,
-    step_timeout: float | None,
-    on_non_finite: str | NonFinitePolicy,
-    straggler_ratio: float | None,
-    profile_steps: tuple[int, int] | None,
-    profile_processes: int | Sequence[int] | str,
-) -> History:
-    """``Trainer.fit`` (see it for every argument, what it returns and raises) on ``trainer`` and its ``live``
-    state, with on-device loops of ``steps_per_run`` steps."""
-    if steps is None and epochs is None:
+def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = None, cost: CostOptions | None = None,
+        settings: Mapping[str, Any] | None = None) -> History:
+    """``Trainer.fit`` (see it for what it returns and raises) on ``live``, as ``options`` say.
+
+    Args:
+        live: the trainer's `LiveState`.
+        train_data: ``fit``'s training data.
+        options: ``fit``'s keyword arguments (`FitOptions`).
+        owner: what the callbacks receive as their ``trainer`` (the `Trainer`).
+        cost: the trainer's `CostOptions` (what a step costs: `StepCost`).
+        settings: the trainer's settings for the run's configuration (``on_config``: `run_config`).
+    """
+    clock = FitClock()  # first: building the state, the restore and the setup count in History.time
+    if options.steps is None and options.epochs is None:
         raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
-    check_int(epochs, "epochs", 0)
-    options = FitOptions(steps=steps, eval_data=eval_data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                         log_every=log_every, step_timeout=step_timeout, straggler_ratio=straggler_ratio,
-                         log_dir=log_dir, profile_steps=profile_steps,
-                         profile_processes=profile_processes)  # checks them
-    if on_preemption not in ("exit", "return"):
-        raise ValueError(f"on_preemption={on_preemption!r} must be 'exit' or 'return'.")
-    check_int(restore_step, "restore_step", 0)
-    policy = NonFinitePolicy.of(on_non_finite)
-    if policy.action == "rollback" and checkpoint_dir is None:
-        raise ValueError(
-            "on_non_finite='rollback' needs checkpoint_dir=... (it restores the last finite checkpoint): pass "
-            "one (with checkpoint_every=...), or use on_non_finite='skip' or 'stop'."
-        )
-    if restore_step is not None and checkpoint_dir is None:
-        raise ValueError(
-            f"restore_step={restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
-        )
+    checkpoint_dir = options.checkpoint_dir
     if checkpoint_dir is not None:  # storage trouble before any step, not at the first save
         check_directory(checkpoint_dir, "checkpoint_dir", create=jax.process_index() == 0)
-    stream = BatchStream(train_data, None, epochs, live.batches)  # the first batch, checked, for the state
+    stream = BatchStream(train_data, None, options.epochs, live.batches)  # the first batch, checked, for the state
     sample = None
     if live.state is None or live.unchecked is not None:
         sample = stream.peek(live.position.epoch)  # checked; a grain iterator is not advanced
-    settings = {"steps": steps, "epochs": epochs, "checkpoint_every": checkpoint_every, "eval_every": eval_every,
-                "log_every": log_every, "restore_step": restore_step, "keep_checkpoints": keep_checkpoints,
-                "checkpoint_dir": checkpoint_dir is not None, "on_non_finite": policy.action}
+    agreed = {name: getattr(options, name) for name in _AGREED}
+    agreed.update(checkpoint_dir=checkpoint_dir is not None, on_non_finite=options.on_non_finite.action)
     mesh = live.strategy.mesh
     ckpt = None
 
@@ -91,39 +61,64 @@ def fit_live(
         return None if ckpt is None else ckpt.newest_written
 
     with failing(mesh, lambda: live.step, newest, checkpoint_dir):  # a process that fails ends the job, saying why
-        agree_on_fit(mesh, settings, checkpoint_dir)  # before anything collective
-        ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, keep_checkpoints,
-                                                                 async_save=async_checkpoints)
+        agree_on_fit(mesh, agreed, checkpoint_dir)  # before anything collective
+        ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, options.keep_checkpoints,
+                                                                 async_save=options.async_checkpoints)
         try:
-            with options.clock.timing("checkpoint"):  # the clock started with the options: the restore is checkpoint
-                resumed, reached = _restore(live, ckpt, restore_step, sample, checkpoint_dir)
+            with clock.timing("checkpoint"):  # the restore is checkpoint time
+                resumed, reached = _restore(live, ckpt, options.restore_step, sample, checkpoint_dir)
             if live.state is None or live.unchecked is not None:
                 live.init(sample)
             if live.position_unknown and not isinstance(train_data, Iterator):
                 _say_start(live)
-            callbacks = _writers(live, list(callbacks), steps, verbose, log_dir, checkpoint_dir if resumed else None)
-            config = run_config(trainer, live, {**settings, "checkpoint_dir": checkpoint_dir,
-                                                "async_checkpoints": async_checkpoints, "step_timeout": step_timeout,
-                                                "profile_steps": profile_steps})
-            options = dataclasses.replace(options, checkpointer=ckpt, callbacks=tuple(callbacks),
-                                          steps_per_run=steps_per_run, mesh=mesh, on_non_finite=policy,
-                                          reached=reached, config=config)
-            feed = live.feed if steps_per_run == 1 else live.loop_feed
-            live.steps.skip_non_finite = policy.action == "skip"  # a step variant that skips on the devices
-            history = run_fit(trainer, BatchStream(stream.data, live.position, epochs, feed), options)
+            history = History()
+            config = run_config(settings or {}, live, {name: getattr(options, name) for name in _CONFIG}
+                                | {"on_non_finite": options.on_non_finite.action})
+            display, writers = _writers(live, options, checkpoint_dir if resumed else None)
+            callbacks = [*features(options, history, spans_processes(mesh.devices.flat)), *display,
+                         *options.callbacks, *writers]
+            feed = live.feed if options.steps_per_run == 1 else live.loop_feed
+            live.steps.skip_non_finite = options.on_non_finite.action == "skip"  # a step that skips on the devices
+            loop = FitLoop(live, BatchStream(stream.data, live.position, options.epochs, feed), options,
+                           callbacks=callbacks, owner=owner, checkpointer=ckpt, clock=clock, reached=reached,
+                           config=config, cost=cost, history=history)
+            history = loop.run()
         finally:
             live.steps.skip_non_finite = False
             if ckpt is not None:
                 ckpt.close()
     if history.data_ended is not None:  # said on every process (each one's data ended at the same batch)
         warnings.warn(
-            f"fit: train_data ended at step {history.data_ended} of steps={steps}: the run stopped there "
+            f"fit: train_data ended at step {history.data_ended} of steps={options.steps}: the run stopped there "
             f"(history.data_ended == {history.data_ended}). An iterator is read once: pass a list or a "
             "data_fn(epoch) (read again each epoch), an iterator with enough batches, or fewer steps.",
             UserWarning, stacklevel=3)
-    if history.preempted and on_preemption == "exit":
+    if history.preempted and options.on_preemption == "exit":
         raise SystemExit(0)
     return history
+
+
+def features(options: FitOptions, history: History, spans: bool) -> list[Callback]:
+    """The operations features ``options`` switch on, as the callbacks that run them (called before any other):
+    the watchdog (``step_timeout``: `Watchdog`), the profile (``profile_steps``: `StepProfile`) and the slow
+    hosts' check (``straggler_ratio``; its figures, ``history.processes``, are kept either way: `HostTimes`)."""
+    out: list[Callback] = []
+    if options.step_timeout is not None:
+        out.append(Watchdog(options.step_timeout))
+    profile = StepProfile.of(options.profile_steps, options.profile_processes, options.log_dir, options.run_length)
+    if profile is not None:
+        out.append(profile)
+    out.append(HostTimes(spans=spans, ratio=options.straggler_ratio, rows=history.processes))
+    return out
+
+
+_AGREED = ("steps", "epochs", "checkpoint_every", "eval_every", "log_every", "restore_step", "keep_checkpoints")
+"""The options every process of a job must give alike (`agree_on_fit`), with whether there is a checkpoint
+directory and the non-finite policy's action."""
+
+_CONFIG = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
+           "checkpoint_dir", "restore_step", "step_timeout", "profile_steps")
+"""The options the run's configuration keeps (`run_config`)."""
 
 
 def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | None, sample: Any,
@@ -156,17 +151,17 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
     return resumed, reached
 
 
-def _writers(live: LiveState, callbacks: list, steps: int | None, verbose: Any, log_dir: Any,
-             resumed_from: Any) -> list:
-    """The callbacks with the progress display and the log writers ``verbose`` and ``log_dir`` ask for (on the
-    chief, process 0, which alone shows and writes logs)."""
-    writer = live.strategy.should_save_summary
+def _writers(live: LiveState, options: FitOptions, resumed_from: Any) -> tuple[list, list]:
+    """The progress display and the log writers ``verbose`` and ``log_dir`` ask for (on the chief, process 0,
+    which alone shows and writes logs): the display goes before the user's callbacks, the writers after."""
+    writer, verbose, log_dir = live.strategy.should_save_summary, options.verbose, options.log_dir
+    display, writers = [], []
     if verbose and writer:  # 1 / True: "auto"; 2: "auto" with the step's whole cost line
-        callbacks.insert(0, Progress(steps, "auto" if verbose in (True, 1, 2) else verbose,
-                                     details=verbose == 2, resumed_from=resumed_from))
+        display.append(Progress(options.steps, "auto" if verbose in (True, 1, 2) else verbose,
+                                details=verbose == 2, resumed_from=resumed_from))
     if log_dir is not None and writer:
-        callbacks += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
-    return callbacks
+        writers += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
+    return display, writers
 
 
 def _say_start(live: LiveState) -> None:

@@ -26,10 +26,12 @@ thread: about 80 us), and the watchdog's own thread re-arms it (about every ``sl
 finish): the other steps pay nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s
 timer serves something else, note that a process has one: the watchdog takes it while it watches.
 
-``Trainer.fit(..., step_timeout=S)`` runs one around the training steps (evaluation and checkpoint writes are
-not watched: they take longer than a step). Default: off, because only the user knows how long a step may
-take (a step of a large model on a busy host can take minutes), and a watchdog that trips on a slow but
-healthy step kills a good run; set it to a few times your slowest step.
+A `Watchdog` is a `Callback`: ``Trainer.fit(..., step_timeout=S)`` adds one (or pass your own in
+``callbacks``), which watches from ``on_train_begin`` to the end of ``fit``, hears each step end
+(``on_step_end``) and does not watch evaluations and checkpoint writes (``on_pause`` to ``on_resume``: they
+take longer than a step). Default: off, because only the user knows how long a step may take (a step of a
+large model on a busy host can take minutes), and a watchdog that trips on a slow but healthy step kills a
+good run; set it to a few times your slowest step.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 
 import jax
 
+from jaxdist.training.callbacks import Callback
 from jaxdist.training.loop._backstop import Backstop
 
 __all__ = ["Watchdog"]
@@ -54,8 +57,9 @@ def _exit(code: int) -> None:  # the process ends here: no cleanup that could bl
     os._exit(code)
 
 
-class Watchdog:
-    """Exits the process when no step finishes within ``timeout`` seconds (see the module doc).
+class Watchdog(Callback):
+    """Exits the process when no step finishes within ``timeout`` seconds (see the module doc); as a fit's
+    callback, it watches that fit's steps.
 
     Args:
         timeout: seconds allowed between two finished steps (> 0).
@@ -63,8 +67,8 @@ class Watchdog:
         exit_code: the process's exit status when it trips (non-zero).
         on_trip: called with the message instead of printing stacks and exiting (for tests and for loops that
             handle it themselves); it runs on the watchdog's thread, and no `Backstop` is armed.
-        step: returns the step reached, named in the messages (``fit`` passes its trainer's); None: the
-            number of `beat` s.
+        step: returns the step reached, named in the messages; None: the number of `beat` s (in a fit: the
+            fit's step).
 
     Raises:
         ValueError: for a timeout that is not a positive number, or an exit code of 0.
@@ -98,7 +102,7 @@ class Watchdog:
         self.first_timeout = float(first_timeout) if first_timeout is not None else max(10 * self.timeout, 600.0)
         self.exit_code = exit_code
         self.on_trip = on_trip
-        self._step = step
+        self._step = self._given_step = step
         self.steps = 0
         self._deadline = 0.0
         self._paused = 0
@@ -159,19 +163,48 @@ class Watchdog:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Not watched inside (evaluation, checkpoint writes); the next step has ``timeout`` seconds after."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def pause(self) -> None:
+        """Stop watching until `resume` (pauses nest)."""
         with self._arming:
             with self._lock:
                 self._paused += 1
             if self._backstop is not None:
                 self._backstop.cancel()
-        try:
-            yield
-        finally:
-            with self._arming:
-                with self._lock:
-                    self._paused -= 1
-                    self._deadline = time.monotonic() + self.timeout
-                self._rearm()
+
+    def resume(self) -> None:
+        """Watch again after a `pause`: the next step has ``timeout`` seconds from now."""
+        with self._arming:
+            with self._lock:
+                self._paused -= 1
+                self._deadline = time.monotonic() + self.timeout
+            self._rearm()
+
+    # ------------------------------------------------------------------------- as a fit's callback
+    def on_train_begin(self, trainer: Any) -> None:
+        control = self.control
+        self._step = self._given_step or (None if control is None else (lambda: control.step))
+        self.start()
+
+    def on_step_end(self, trainer: Any, step: int, metrics: Any) -> None:
+        self.beat()
+
+    def on_pause(self, trainer: Any, part: str) -> None:
+        self.pause()
+
+    def on_resume(self, trainer: Any, part: str) -> None:
+        self.resume()
+
+    def on_train_end(self, trainer: Any, history: Any) -> None:
+        self.stop()
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.stop()
 
     def _last_delay(self) -> float:
         """Process 0 of a job hosts its coordination service, whose end kills every peer: it exits last."""

@@ -3,8 +3,9 @@ first batch, and the compiled steps that advance it (`LiveState`).
 
 The ``Trainer`` is a facade over one `LiveState`: its steps, evaluation, prediction and plans are the methods
 here; `jaxdist.training.checkpoints` saves, restores and loads a `LiveState` (``save_live``, ``restore_live``,
-``load_live``) and `jaxdist.training.loop` prepares and runs a fit on it (``fit``). The settings that build it
-(model, optimizer, losses, keys, micro-batches, precision, seed) are checked here, at the Trainer's construction.
+``load_live``) and `jaxdist.training.loop` runs a fit on it (``fit``), driving it directly. The settings that
+build it (model, optimizer, losses, keys, micro-batches, precision, seed) are checked here, at the Trainer's
+construction.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class LiveState:
         self.unchecked: Callable[[Any], None] | None = None
         self.loaded = False  # the state is load_state's and no fit has trained it yet
         self.position_unknown = False  # load_state's run: where its data stopped is unknown until set
+        self.stop_training = False  # a request (a callback's) that the running fit stop after its current step
         self._position = DataPosition()
 
     @property

@@ -1,0 +1,105 @@
+"""`FitOptions`: ``Trainer.fit``'s keyword arguments as one value, checked once (``Trainer.fit`` says what each
+one means)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jaxdist.training.callbacks import Callback
+from jaxdist.training.loop._hosts import check_ratio
+from jaxdist.training.loop._profile import check_profile
+from jaxdist.training.step import NonFinitePolicy, check_int
+
+__all__ = ["FitOptions"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    """``Trainer.fit``'s keyword arguments (see it for each one), and the trainer's ``steps_per_run``.
+
+    ``on_non_finite`` is kept as a `NonFinitePolicy` and ``callbacks`` as a tuple.
+
+    Raises:
+        ValueError: for out-of-range numbers, ``eval_every`` without ``eval_data``, ``eval_data`` given as
+            an iterator (it would be read up by the first evaluation), ``profile_steps`` that are not a window
+            of steps or come without ``log_dir``, an unknown ``on_preemption`` or ``on_non_finite``, or
+            ``restore_step`` / ``on_non_finite="rollback"`` without ``checkpoint_dir``.
+
+    Examples:
+        >>> FitOptions(steps=100, log_every=10).on_non_finite.action
+        'stop'
+    """
+
+    steps: int | None = None
+    epochs: int | None = None
+    eval_data: Any = None
+    eval_every: int | None = None
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 3
+    async_checkpoints: bool = True
+    log_every: int = 10
+    log_dir: str | os.PathLike | None = None
+    callbacks: Iterable[Callback] = ()
+    verbose: str | int = "auto"
+    on_preemption: str = "exit"
+    restore_step: int | None = None
+    step_timeout: float | None = None
+    on_non_finite: str | NonFinitePolicy = "stop"
+    straggler_ratio: float | None = 1.25
+    profile_steps: tuple[int, int] | None = None
+    profile_processes: int | Sequence[int] | str = (0,)
+    steps_per_run: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_non_finite", NonFinitePolicy.of(self.on_non_finite))
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))
+        check_ratio(self.straggler_ratio)
+        for name in ("steps", "epochs", "restore_step"):
+            check_int(getattr(self, name), name, 0)
+        check_int(self.steps_per_run, "steps_per_run", 1, allow_none=False)
+        for name in ("eval_every", "checkpoint_every"):
+            check_int(getattr(self, name), name, 1)
+        check_int(self.log_every, "log_every", 1, allow_none=False)
+        timeout = self.step_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"step_timeout={timeout!r} must be a number of seconds > 0, or None (not watched).")
+        if self.eval_every is not None and self.eval_data is None:
+            raise ValueError(f"eval_every={self.eval_every} needs eval_data=... to evaluate on.")
+        data = self.eval_data
+        if data is not None and isinstance(data, Iterable) and iter(data) is data:
+            raise ValueError(
+                "eval_data is an iterator, which can be read only once: pass a list of batches or a function "
+                "returning a fresh iterable."
+            )
+        check_profile(self.profile_steps, self.profile_processes, self.log_dir)
+        if self.on_preemption not in ("exit", "return"):
+            raise ValueError(f"on_preemption={self.on_preemption!r} must be 'exit' or 'return'.")
+        if self.on_non_finite.action == "rollback" and self.checkpoint_dir is None:
+            raise ValueError(
+                "on_non_finite='rollback' needs checkpoint_dir=... (it restores the last finite checkpoint): pass "
+                "one (with checkpoint_every=...), or use on_non_finite='skip' or 'stop'."
+            )
+        if self.restore_step is not None and self.checkpoint_dir is None:
+            raise ValueError(
+                f"restore_step={self.restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
+            )
+
+    def run_length(self, step: int) -> int:
+        """The steps the next dispatch at ``step`` runs: 1, or (``steps_per_run > 1``) an on-device loop's, which
+        ends at the next log, evaluation or checkpoint point (and at ``steps``).
+
+        Examples:
+            >>> FitOptions(steps=100, log_every=10, steps_per_run=4).run_length(8)
+            2
+        """
+        if self.steps_per_run == 1:
+            return 1
+        stops = [(step // every + 1) * every for every in (self.log_every, self.eval_every, self.checkpoint_every)
+                 if every]
+        if self.steps is not None:
+            stops.append(max(self.steps, step + 1))
+        return min(self.steps_per_run, min(stops) - step)
