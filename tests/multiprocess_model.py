@@ -40,9 +40,21 @@ def make_train_step(loss):
 train_step = make_train_step(loss_fn)
 
 
+# Jitted: one program, where flax's eager init dispatches (and on CPU compiles) every operation on its own: ~3 s
+# for the MLP and ~10 s for the LM per process, for the same values bit for bit.
+@jax.jit
 def init_state(key):
     params = MODEL.init(key, jnp.zeros((1, 8), jnp.float32))
     return params, OPT.init(params)
+
+
+def gather(tree):
+    """The global values of a tree of global arrays (on one mesh), as numpy arrays, on every process: what
+    ``multihost_utils.process_allgather(tree, tiled=True)`` returns, through ONE program for the whole tree where
+    that compiles one per leaf shape (~3 s for the LM's parameters)."""
+    mesh = jax.tree.leaves(tree)[0].sharding.mesh
+    whole = jax.jit(lambda t: t, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(tree)
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), whole)
 
 
 def batches(steps=20, batch=32):
@@ -68,6 +80,7 @@ def lm_loss(params, x, y):
 lm_train_step = make_train_step(lm_loss)
 
 
+@jax.jit  # see init_state
 def lm_init_state(key):
     params = LM.init(key, jnp.zeros((1, 8), jnp.int32))  # boxed: every parameter names its logical axes
     return params, OPT.init(params)

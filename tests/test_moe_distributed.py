@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from registry import adam, launch_env
+from registry import LAUNCH, adam, launch_env
 from test_moe import EXPERTS, MoELM, _tokens, make_step
 
 import jaxdist as jd
@@ -128,7 +128,7 @@ def worker(out_path: str) -> None:
 def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_device(tmp_path):
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "250",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",
          str(Path(__file__).resolve()), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=280,
     )

@@ -12,14 +12,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 import jaxdist as jd
 from jaxdist.training.loop import PreemptionWatcher
@@ -38,22 +37,8 @@ def _env(strategy="mwms"):
 
 def _command(ckpt, out, *extra):
     out.mkdir(exist_ok=True)
-    return [
-        sys.executable,
-        "-m",
-        "jaxdist.launch",
-        "-n",
-        "2",
-        "--cpu-devices",
-        "4",
-        "--timeout",
-        "150",
-        str(WORKER),
-        str(ckpt),
-        str(out),
-        str(STEPS),
-        *extra,
-    ]
+    return [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", str(WORKER), str(ckpt), str(out),
+            str(STEPS), *extra]
 
 
 def _run(ckpt, out, *extra, strategy="mwms"):

@@ -6,7 +6,6 @@ gradients and parameters are compared with the same model run as a plain scan on
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -14,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from pipeline_model import PipelineLM, batches, init_state, make_step
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -25,7 +24,7 @@ ROOT = HERE.parent
 def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "330",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "330",
          str(HERE / "multiprocess" / "pipeline_worker.py"), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=360,
     )

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 import jaxdist as jd
 from jaxdist.training.loop import FitOptions
@@ -300,7 +299,7 @@ def test_two_processes_take_the_same_decision_at_the_same_step(tmp_path):
     """2 processes x 4 devices: "rollback" rolls back once, at the same step, and ends with the same finite
     parameters on both; "stop" raises on both, naming the same step and checkpoint."""
     worker = Path(__file__).parent / "multiprocess" / "non_finite_worker.py"
-    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "300",
+    command = [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "300",
                str(worker), str(tmp_path)]
     proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=360)
     text = proc.stdout + proc.stderr
