@@ -33,6 +33,7 @@ step = make_step(MODEL, TX)
 dropless_step = make_step(MoELM(capacity_factor=None, ragged=True), TX)
 
 
+@jax.jit  # one program: flax's eager init dispatches (and on CPU compiles) every operation on its own
 def initial_state():
     params = MODEL.init(jax.random.key(0), _tokens()[:2])  # weights only: jd.nn.MoE sows nothing at init
     return params, TX.init(params)
@@ -81,8 +82,10 @@ STEPS = 3
 
 def worker(out_path: str) -> None:
     jd.initialize_cluster()  # before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
-    from jax.experimental import multihost_utils
     from jax.sharding import AxisType, Mesh
+
+    sys.path.insert(0, str(Path(__file__).parent / "multiprocess"))
+    from gathering import gather
 
     pid = jax.process_index()
     local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
@@ -110,12 +113,12 @@ def worker(out_path: str) -> None:
         results[f"all_to_alls/{name}"] = np.array(plan.collectives["all-to-all"].count)
         for tree in ("params", "metrics"):
             value = nn.unbox(state[0] if tree == "params" else metrics)
-            gathered = multihost_utils.process_allgather(value, tiled=True)
+            gathered = gather(value)
             for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
                 results[f"{name}/{tree}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"]), STEPS, dropless_step)
     results["dropless/losses"] = np.array(losses)
-    gathered = multihost_utils.process_allgather(nn.unbox(state[0]), tiled=True)
+    gathered = gather(nn.unbox(state[0]))
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
         results[f"dropless/params{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     if pid == 0:

@@ -30,7 +30,7 @@ else:
 
 import flax.linen as nn
 import optax
-from jax.experimental import multihost_utils
+from gathering import gather
 
 ckpt_dir, out_dir, steps = sys.argv[1] or None, sys.argv[2], int(sys.argv[3])
 stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -71,7 +71,7 @@ class Tell(jd.training.Callback):
 
 trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
 trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, verbose=0, callbacks=[Tell()])  # SystemExit(0) if preempted
-leaves = jax.tree.leaves(multihost_utils.process_allgather(trainer.params, tiled=True))  # whole, even if sharded
+leaves = jax.tree.leaves(gather(trainer.params))  # whole, even if sharded
 if pid == 0:
     np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(a) for a in leaves])
 print("done", flush=True)

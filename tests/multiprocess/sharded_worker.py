@@ -18,7 +18,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from multiprocess_model import batches, gather, init_state, lm_batches, lm_init_state, lm_train_step, train_step  # noqa: E402
+from gathering import gather  # noqa: E402
+from multiprocess_model import batches, init_state, lm_batches, lm_init_state, lm_train_step, train_step  # noqa: E402
 
 out_path, ckpt_dir = sys.argv[1], sys.argv[2]
 pid = jax.process_index()
