@@ -57,10 +57,9 @@ def _params(out):
 @pytest.mark.timeout(420)
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp_path):
     """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes): each
-    process saves and restores its own shards; MultiWorkerMirroredStrategy runs the stop_training test."""
-    straight = _run("", tmp_path / "straight", strategy="hsdp")
-    assert len(END.findall(straight)) == 2
-
+    process saves and restores its own shards; MultiWorkerMirroredStrategy runs the stop_training test. The
+    uninterrupted run to compare with runs after the resumed one, in the same job (a trainer of its own, from the
+    start): one 2-process job fewer. Slow because of its 2 jobs of 2 processes (imports, gloo, compiles)."""
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "first"
     proc = subprocess.Popen(
@@ -98,10 +97,13 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
     print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped after step {stop}")
     assert latency < 60
 
-    resumed = _run(ckpt, tmp_path / "resumed", strategy="hsdp")
+    (tmp_path / "straight").mkdir()
+    resumed = _run(ckpt, tmp_path / "resumed", f"straight={tmp_path / 'straight'}", strategy="hsdp")
     first = re.search(r"^\[0\] step (\d+)$", resumed, re.M)
     assert first and int(first.group(1)) == stop + 1  # resumed where both stopped
-    assert {int(s) for _, s, flag, _ in END.findall(resumed) if flag == "False"} == {STEPS}
+    ends = END.findall(resumed)  # the resumed run's, then the uninterrupted one's, on both processes
+    assert len(ends) == 4 and {(int(s), flag) for _, s, flag, _ in ends} == {(STEPS, "False")}, resumed[-3000:]
+    assert [int(s) for s in re.findall(r"^\[0\] step (\d+)$", resumed, re.M)][-STEPS:] == list(range(1, STEPS + 1))
     for a, b in zip(_params(tmp_path / "resumed"), _params(tmp_path / "straight"), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
