@@ -36,7 +36,8 @@ def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
     np.testing.assert_array_equal(result["layer_share"], [1 / 8] * 4)
 
     model = PipelineLM(num_layers=4, num_microbatches=2, dropout=0.1)
-    state, step = init_state(model), jax.jit(make_step(model, True))
+    # init jitted as in test_pipeline (one program, not flax's eager op-by-op init: the same values, seconds less)
+    state, step = jax.jit(lambda: init_state(model))(), jax.jit(make_step(model, True))
     losses, first_grads = [], None
     for batch in batches(3):
         state, (loss, grads) = step(state, batch)
