@@ -455,6 +455,8 @@ def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_dev
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_context_axis_across_them_train_like_one_device(tmp_path):
+    """Slow because of its 2-process job: ring attention's step compiled in each process (one mode: the others
+    are covered on one process)."""
     import subprocess
 
     from registry import LAUNCH, launch_env

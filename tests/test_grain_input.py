@@ -37,6 +37,8 @@ def _assert_equal(a, b):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
+    """Slow because its one 2-process job runs 4 fits (logged, checkpointed, resumed, elastic), each a fresh
+    trainer that traces and compiles its step, with grain's reader threads beside them on 2 cores."""
     launch = [*LAUNCH, *"-n 2 --cpu-devices 2 --timeout 200".split()]
     worker = [str(HERE / "multiprocess" / "grain_worker.py"), str(tmp_path)]
     proc = subprocess.run([*launch, *worker], env=launch_env(), capture_output=True, text=True, timeout=230)

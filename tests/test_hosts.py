@@ -65,6 +65,7 @@ def test_a_process_is_named_when_its_input_wait_exceeds_the_median_by_the_ratio_
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_process_slow_in_its_input_is_named_on_process_0_and_nobody_when_none_is():
+    """Slow because of its 2-process job (both runs in it: even, then process 1 slow in its input)."""
     command = [*LAUNCH, "-n", "2", "--cpu-devices", "2", "--timeout", "200",
                str(HERE / "multiprocess" / "straggler_worker.py")]
     proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)

@@ -321,6 +321,7 @@ def test_a_linen_model_state_is_loaded_or_built_as_init_builds_it():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_two_processes_load_a_plain_run_and_continue_it(plain_run, tmp_path):
+    """Slow because of its 2-process job (imports, gloo, compiles of the FSDP and the mirrored trainer)."""
     _, losses, final = plain_run
     out = tmp_path / "result.npz"
     proc = subprocess.run(

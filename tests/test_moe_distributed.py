@@ -129,6 +129,8 @@ def worker(out_path: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_device(tmp_path):
+    """Slow because each of the 2 processes compiles the MoE LM's step on 2 meshes (and their plans) and the
+    dropless ragged step, and this process the one-device references."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
         [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",

@@ -22,6 +22,8 @@ ROOT = HERE.parent
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
+    """Slow because the pipelined LM's step (GPipe schedule, 2 stages across the processes) is the costliest
+    compile of the multi-process tests, in each process and for the one-device reference here."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
         [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "330",

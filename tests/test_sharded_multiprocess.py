@@ -35,6 +35,8 @@ def _reference(init, step_fn, data):
 
 @pytest.fixture(scope="session")
 def worker_run(tmp_path_factory):
+    """The one 2-process run every test here reads. Slow (~45 s on 2 loaded cores) because each process compiles
+    4 trainings (FSDP and HSDP, of the MLP and of the LM) and the checks on the other meshes; it runs once."""
     tmp = tmp_path_factory.mktemp("sharded_mp")
     out, ckpt = tmp / "result.npz", tmp / "checkpoints"
     proc = subprocess.run(

@@ -107,6 +107,7 @@ def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_profile(tmp_path):
+    """Slow because of its 2-process job and the profiler's trace in each process."""
     # Each step sleeps 20 ms on the devices' side and each batch 4 ms to read. The preemption agreement's read
     # (one per step, two steps behind) is where a 2-process host waits for the devices: it was counted as
     # "other" (steps 0.3 s, other 2.4 s of a 4.2 s fit of 80 such steps), now as steps.
