@@ -40,6 +40,9 @@ def make_train_step(loss):
 train_step = make_train_step(loss_fn)
 
 
+# Jitted: one program, where flax's eager init dispatches (and on CPU compiles) every operation on its own: ~3 s
+# for the MLP and ~10 s for the LM per process, for the same values bit for bit.
+@jax.jit
 def init_state(key):
     params = MODEL.init(key, jnp.zeros((1, 8), jnp.float32))
     return params, OPT.init(params)
@@ -68,6 +71,7 @@ def lm_loss(params, x, y):
 lm_train_step = make_train_step(lm_loss)
 
 
+@jax.jit  # see init_state
 def lm_init_state(key):
     params = LM.init(key, jnp.zeros((1, 8), jnp.int32))  # boxed: every parameter names its logical axes
     return params, OPT.init(params)

@@ -104,6 +104,13 @@ def host_leaves(tree) -> list:
     return [one(a) for a in jax.tree.leaves(tree)]
 
 
+# ``python -m jaxdist.launch``, run as the file jaxdist/launch.py (``-P``: its folder is not put on sys.path): the
+# same launcher, which imports only the standard library, where ``-m`` would first import the package jaxdist
+# (jax, flax, orbax: ~2 s of CPU, before any process starts) once per job. test_multi_worker keeps one job
+# started through ``-m jaxdist.launch``, and test_job_failures its own.
+LAUNCH = [sys.executable, "-P", str(Path(__file__).parent.parent / "jaxdist" / "launch.py")]
+
+
 def launch_env(**extra: str) -> dict:
     """The environment of a ``python -m jaxdist.launch`` child: CPU only, this checkout importable, no cluster
     variables inherited from the test process (the launcher sets its own), plus ``extra``."""

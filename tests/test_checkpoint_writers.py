@@ -116,8 +116,10 @@ def test_saving_an_existing_step_again_is_a_no_op_for_the_same_contents_and_an_e
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_fits_started_together_one_trains_and_the_other_is_refused_by_name(tmp_path):
+    """Slow because it starts two Pythons (each imports jax and jaxdist) and the winner trains ~4 s (0.5 s a step)
+    so that the loser's claim surely comes while the winner's run is live, even on a loaded machine."""
     script = textwrap.dedent(f"""
-        import sys, time
+        import os, sys, time
         import flax.linen as nn, numpy as np, optax, jaxdist as jd
         class Slow(jd.training.Callback):
             def on_step_end(self, trainer, step, metrics):
@@ -126,7 +128,9 @@ def test_two_fits_started_together_one_trains_and_the_other_is_refused_by_name(t
         trainer = jd.training.Trainer(jd.OneDeviceStrategy(), nn.Dense(2), optax.sgd(0.1),
                                       lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
         trainer.init((x, np.zeros(16, np.int32)))
-        while time.time() < float(sys.argv[1]):
+        ready, deadline = sys.argv[1], time.monotonic() + 90
+        open(f"{{ready}}-{{sys.argv[2]}}", "w").close()  # imported and ready: both start fit once both are
+        while not all(os.path.exists(f"{{ready}}-{{i}}") for i in (0, 1)) and time.monotonic() < deadline:
             time.sleep(0.01)
         try:
             trainer.fit([(x, np.zeros(16, np.int32))], steps=8, checkpoint_dir={str(tmp_path / "ck")!r},
@@ -136,9 +140,9 @@ def test_two_fits_started_together_one_trains_and_the_other_is_refused_by_name(t
         else:
             print("TRAINED", trainer.step)
     """)
-    start = str(time.time() + 20)  # both imported and ready by then
-    procs = [subprocess.Popen([sys.executable, "-c", script, start], env=launch_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    ready = str(tmp_path / "ready")  # each process writes ready-<i> once imported; both wait for both (no fixed wait)
+    procs = [subprocess.Popen([sys.executable, "-c", script, ready, str(i)], env=launch_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sorted(o.strip().splitlines()[-1].split()[0] for o in outs) == ["REFUSED", "TRAINED"], outs

@@ -46,6 +46,7 @@ def _two(script, *args, env=None, timeout=120):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_learning_rate_that_differs_on_one_process_is_an_error_on_both_before_the_first_step():
+    """Slow because it starts 2 processes (imports, gloo); they end before the first step."""
     results = _two(HERE / "multiprocess" / "mismatch_worker.py")
     for pid, (code, text) in enumerate(results):
         assert code == 3, f"process {pid} exited {code}:\n{text[-3000:]}"
@@ -58,7 +59,8 @@ def test_a_learning_rate_that_differs_on_one_process_is_an_error_on_both_before_
 @pytest.mark.timeout(120)
 def test_the_compilation_cache_makes_a_second_start_compile_nothing(tmp_path):
     """jd.configure_compilation_cache: the first start compiles and writes every program; a restart of the same
-    job loads every one of them (cache hits == compile requests, no miss)."""
+    job loads every one of them (cache hits == compile requests, no miss). Slow because it starts two Pythons
+    one after the other (the second needs the first's cache)."""
 
     def start(cache):
         out = subprocess.run([sys.executable, str(HERE / "multiprocess" / "cache_worker.py"), str(cache)],
@@ -83,8 +85,10 @@ def test_the_compilation_cache_makes_a_second_start_compile_nothing(tmp_path):
 @pytest.mark.timeout(150)
 def test_a_process_that_stalls_trips_the_step_watchdog_on_every_process():
     """Process 1 stalls in a callback after step 3 (alive: its heartbeats go on). Each process's watchdog
-    prints why and every thread's stack and exits 124 within step_timeout + 30 s of the stall."""
-    timeout = 5
+    prints why and every thread's stack and exits 124 within step_timeout + 30 s of the stall. Slow because of
+    its 2 processes (imports, gloo, a compile) and the step_timeout it waits out (3 s,
+    once 5: steps 2 and 3 of a dense layer take milliseconds; the first step has its own 600 s allowance.)"""
+    timeout = 3
     started = time.monotonic()
     results = _two(HERE / "multiprocess" / "stall_worker.py", timeout, timeout=120)
     elapsed = time.monotonic() - started
@@ -153,10 +157,12 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_the_watchdog_dumps_and_exits_on_time_while_the_main_thread_holds_the_interpreter_lock_in_c():
     """The main thread sleeps 60 s inside a C call that keeps the interpreter lock, so the watchdog's Python
-    thread cannot run: its backstop writes every thread's stack within 2x the timeout and exits 124."""
+    thread cannot run: its backstop writes every thread's stack within 2x the timeout and exits 124. Slow
+    because it starts a Python (imports jaxdist) and waits out the 2 s timeout and the backstop's slack."""
     timeout = 2.0
     proc = subprocess.Popen([sys.executable, "-c", _HELD.format(timeout=timeout)], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -203,6 +209,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.slow  # a Python of its own (imports jaxdist, compiles a step), then the 2 s timeout and its slack
 @pytest.mark.timeout(120)
 def test_in_fit_the_backstop_covers_the_second_step_and_says_why_before_the_stacks():
     """step_timeout=2 with the first step's allowance left at its default (600 s): a callback holds the

@@ -157,7 +157,8 @@ def test_the_batch_script_runs_one_process_per_gpu():
 @pytest.mark.timeout(300)
 def test_the_slurm_recipe_trains_like_one_device(monkeypatch, tmp_path):
     """The data-parallel command of the script. (Its HSDP command differs only by --mesh, checked above; the
-    mesh across processes is tests/test_sharded_multiprocess.py's.)"""
+    mesh across processes is tests/test_sharded_multiprocess.py's.) Slow because it runs the example 3 times at
+    once: 2 SLURM tasks and the one-device reference."""
     from jax._src.clusters import SlurmCluster  # what jax.distributed.initialize will use
 
     nodes, devices = 2, 4  # 2 "nodes" (this machine twice) x 1 task with 4 CPU devices

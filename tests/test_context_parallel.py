@@ -455,16 +455,17 @@ def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_dev
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_context_axis_across_them_train_like_one_device(tmp_path):
-    import os
+    """Slow because of its 2-process job: ring attention's step compiled in each process (one mode: the others
+    are covered on one process)."""
     import subprocess
 
+    from registry import LAUNCH, launch_env
+
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(here.parent))
-    for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
-        env.pop(key, None)
+    env = launch_env()
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "250",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",
          str(here / "multiprocess" / "context_worker.py"), str(out)],
         env=env, capture_output=True, text=True, timeout=280,
     )

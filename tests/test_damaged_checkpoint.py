@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from registry import CLASSES, host_leaves, launch_env, make, shuffled_batches
+from registry import CLASSES, LAUNCH, host_leaves, launch_env, make, shuffled_batches
 
 import jaxdist as jd
 from jaxdist.training.checkpoints._damage import ChecksumMismatchError, checksums
@@ -384,7 +384,7 @@ def test_a_job_whose_checkpoint_lost_one_process_part_names_it_on_every_process(
     removed: before, process 1 failed in orbax's words ("Encountered error while reading array index") and
     process 0 was stopped for it; now every process says which part is missing and that 3 resumes."""
     worker = str(HERE / "multiprocess" / "damaged_worker.py")
-    launch = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "120", worker,
+    launch = [*LAUNCH, "-n", "2", "--cpu-devices", "2", "--timeout", "120", worker,
               str(tmp_path / "ckpt")]
     wrote = subprocess.run([*launch, "write"], env=launch_env(), capture_output=True, text=True, timeout=150)
     assert wrote.returncode == 0 and "[1] reached 6" in wrote.stdout, wrote.stdout[-3000:] + wrote.stderr[-3000:]

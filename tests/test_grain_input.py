@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from grain_model import GLOBAL_BATCH, examples, make_trainer, per_process_batches
-from registry import launch_env
+from registry import LAUNCH, launch_env
 from tfevents import read_events, scalars
 
 import jaxdist as jd
@@ -37,7 +37,9 @@ def _assert_equal(a, b):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
-    launch = [sys.executable, "-m", "jaxdist.launch", *"-n 2 --cpu-devices 2 --timeout 200".split()]
+    """Slow because its one 2-process job runs 4 fits (logged, checkpointed, resumed, elastic), each a fresh
+    trainer that traces and compiles its step, with grain's reader threads beside them on 2 cores."""
+    launch = [*LAUNCH, *"-n 2 --cpu-devices 2 --timeout 200".split()]
     worker = [str(HERE / "multiprocess" / "grain_worker.py"), str(tmp_path)]
     proc = subprocess.run([*launch, *worker], env=launch_env(), capture_output=True, text=True, timeout=230)
     out = proc.stdout

@@ -7,14 +7,13 @@ itself and the single-process figures are checked in this process. Every subproc
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
 import numpy as np
 import optax
 import pytest
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 import jaxdist as jd
 from jaxdist.training.loop._hosts import HostTimes
@@ -66,7 +65,8 @@ def test_a_process_is_named_when_its_input_wait_exceeds_the_median_by_the_ratio_
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_process_slow_in_its_input_is_named_on_process_0_and_nobody_when_none_is():
-    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "200",
+    """Slow because of its 2-process job (both runs in it: even, then process 1 slow in its input)."""
+    command = [*LAUNCH, "-n", "2", "--cpu-devices", "2", "--timeout", "200",
                str(HERE / "multiprocess" / "straggler_worker.py")]
     proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]

@@ -10,7 +10,6 @@ orbax that read it.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -20,7 +19,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from registry import CLASSES, FEATURES, assert_variable_layout, launch_env, make
+from registry import CLASSES, FEATURES, LAUNCH, assert_variable_layout, launch_env, make
 
 import jaxdist as jd
 
@@ -322,10 +321,11 @@ def test_a_linen_model_state_is_loaded_or_built_as_init_builds_it():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_two_processes_load_a_plain_run_and_continue_it(plain_run, tmp_path):
+    """Slow because of its 2-process job (imports, gloo, compiles of the FSDP and the mirrored trainer)."""
     _, losses, final = plain_run
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "340",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "340",
          str(Path(__file__).parent / "multiprocess" / "load_worker.py"), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=380,
     )

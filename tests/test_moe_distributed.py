@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from registry import adam, launch_env
+from registry import LAUNCH, adam, launch_env
 from test_moe import EXPERTS, MoELM, _tokens, make_step
 
 import jaxdist as jd
@@ -33,6 +33,7 @@ step = make_step(MODEL, TX)
 dropless_step = make_step(MoELM(capacity_factor=None, ragged=True), TX)
 
 
+@jax.jit  # one program: flax's eager init dispatches (and on CPU compiles) every operation on its own
 def initial_state():
     params = MODEL.init(jax.random.key(0), _tokens()[:2])  # weights only: jd.nn.MoE sows nothing at init
     return params, TX.init(params)
@@ -81,8 +82,10 @@ STEPS = 3
 
 def worker(out_path: str) -> None:
     jd.initialize_cluster()  # before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
-    from jax.experimental import multihost_utils
     from jax.sharding import AxisType, Mesh
+
+    sys.path.insert(0, str(Path(__file__).parent / "multiprocess"))
+    from gathering import gather
 
     pid = jax.process_index()
     local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
@@ -110,12 +113,12 @@ def worker(out_path: str) -> None:
         results[f"all_to_alls/{name}"] = np.array(plan.collectives["all-to-all"].count)
         for tree in ("params", "metrics"):
             value = nn.unbox(state[0] if tree == "params" else metrics)
-            gathered = multihost_utils.process_allgather(value, tiled=True)
+            gathered = gather(value)
             for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
                 results[f"{name}/{tree}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"]), STEPS, dropless_step)
     results["dropless/losses"] = np.array(losses)
-    gathered = multihost_utils.process_allgather(nn.unbox(state[0]), tiled=True)
+    gathered = gather(nn.unbox(state[0]))
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
         results[f"dropless/params{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     if pid == 0:
@@ -126,9 +129,11 @@ def worker(out_path: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_device(tmp_path):
+    """Slow because each of the 2 processes compiles the MoE LM's step on 2 meshes (and their plans) and the
+    dropless ragged step, and this process the one-device references."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "250",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",
          str(Path(__file__).resolve()), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=280,
     )

@@ -23,6 +23,8 @@ ROOT = HERE.parent
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_train_like_one_device(tmp_path):
+    """Slow because of its 2-process job; started through ``python -m jaxdist.launch`` (the module entry point,
+    which the other multi-process tests skip: `registry.LAUNCH`)."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "200",
@@ -60,6 +62,7 @@ def test_two_processes_train_like_one_device(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_killed_worker_makes_the_survivor_fail_fast():
+    """Slow because of its 2 processes and the survivor's wait for the dead peer's heartbeats (5 s timeout)."""
     address = f"127.0.0.1:{free_port()}"
     script = str(HERE / "multiprocess" / "killed_worker.py")
     env = launch_env(JAX_NUM_CPU_DEVICES="4")

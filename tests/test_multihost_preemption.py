@@ -12,14 +12,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 import jaxdist as jd
 from jaxdist.training.loop import PreemptionWatcher
@@ -38,22 +37,8 @@ def _env(strategy="mwms"):
 
 def _command(ckpt, out, *extra):
     out.mkdir(exist_ok=True)
-    return [
-        sys.executable,
-        "-m",
-        "jaxdist.launch",
-        "-n",
-        "2",
-        "--cpu-devices",
-        "4",
-        "--timeout",
-        "150",
-        str(WORKER),
-        str(ckpt),
-        str(out),
-        str(STEPS),
-        *extra,
-    ]
+    return [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", str(WORKER), str(ckpt), str(out),
+            str(STEPS), *extra]
 
 
 def _run(ckpt, out, *extra, strategy="mwms"):
@@ -72,10 +57,9 @@ def _params(out):
 @pytest.mark.timeout(420)
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp_path):
     """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes): each
-    process saves and restores its own shards; MultiWorkerMirroredStrategy runs the stop_training test."""
-    straight = _run("", tmp_path / "straight", strategy="hsdp")
-    assert len(END.findall(straight)) == 2
-
+    process saves and restores its own shards; MultiWorkerMirroredStrategy runs the stop_training test. The
+    uninterrupted run to compare with runs after the resumed one, in the same job (a trainer of its own, from the
+    start): one 2-process job fewer. Slow because of its 2 jobs of 2 processes (imports, gloo, compiles)."""
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "first"
     proc = subprocess.Popen(
@@ -113,10 +97,13 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
     print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped after step {stop}")
     assert latency < 60
 
-    resumed = _run(ckpt, tmp_path / "resumed", strategy="hsdp")
+    (tmp_path / "straight").mkdir()
+    resumed = _run(ckpt, tmp_path / "resumed", f"straight={tmp_path / 'straight'}", strategy="hsdp")
     first = re.search(r"^\[0\] step (\d+)$", resumed, re.M)
     assert first and int(first.group(1)) == stop + 1  # resumed where both stopped
-    assert {int(s) for _, s, flag, _ in END.findall(resumed) if flag == "False"} == {STEPS}
+    ends = END.findall(resumed)  # the resumed run's, then the uninterrupted one's, on both processes
+    assert len(ends) == 4 and {(int(s), flag) for _, s, flag, _ in ends} == {(STEPS, "False")}, resumed[-3000:]
+    assert [int(s) for s in re.findall(r"^\[0\] step (\d+)$", resumed, re.M)][-STEPS:] == list(range(1, STEPS + 1))
     for a, b in zip(_params(tmp_path / "resumed"), _params(tmp_path / "straight"), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 

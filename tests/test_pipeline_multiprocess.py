@@ -6,7 +6,6 @@ gradients and parameters are compared with the same model run as a plain scan on
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -14,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from pipeline_model import PipelineLM, batches, init_state, make_step
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -23,9 +22,11 @@ ROOT = HERE.parent
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
+    """Slow because the pipelined LM's step (GPipe schedule, 2 stages across the processes) is the costliest
+    compile of the multi-process tests, in each process and for the one-device reference here."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "330",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "330",
          str(HERE / "multiprocess" / "pipeline_worker.py"), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=360,
     )
@@ -37,7 +38,8 @@ def test_stage_axis_across_two_processes_trains_like_one_device(tmp_path):
     np.testing.assert_array_equal(result["layer_share"], [1 / 8] * 4)
 
     model = PipelineLM(num_layers=4, num_microbatches=2, dropout=0.1)
-    state, step = init_state(model), jax.jit(make_step(model, True))
+    # init jitted as in test_pipeline (one program, not flax's eager op-by-op init: the same values, seconds less)
+    state, step = jax.jit(lambda: init_state(model))(), jax.jit(make_step(model, True))
     losses, first_grads = [], None
     for batch in batches(3):
         state, (loss, grads) = step(state, batch)

@@ -7,14 +7,13 @@ and on one device.
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from multiprocess_model import batches, init_state, lm_batches, lm_init_state, lm_train_step, train_step
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 import jaxdist as jd
 
@@ -36,10 +35,12 @@ def _reference(init, step_fn, data):
 
 @pytest.fixture(scope="session")
 def worker_run(tmp_path_factory):
+    """The one 2-process run every test here reads. Slow (~45 s on 2 loaded cores) because each process compiles
+    4 trainings (FSDP and HSDP, of the MLP and of the LM) and the checks on the other meshes; it runs once."""
     tmp = tmp_path_factory.mktemp("sharded_mp")
     out, ckpt = tmp / "result.npz", tmp / "checkpoints"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "250",
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",
          str(HERE / "multiprocess" / "sharded_worker.py"), str(out), str(ckpt)],
         env=launch_env(), capture_output=True, text=True, timeout=280,
     )

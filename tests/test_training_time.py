@@ -7,7 +7,6 @@ import csv
 import io
 import json
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from registry import launch_env
+from registry import LAUNCH, launch_env
 from tfevents import read_events, scalars
 
 import jaxdist as jd
@@ -108,10 +107,11 @@ def test_the_parts_add_up_to_the_wall_time_and_a_fresh_program_compiles(tmp_path
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_profile(tmp_path):
+    """Slow because of its 2-process job and the profiler's trace in each process."""
     # Each step sleeps 20 ms on the devices' side and each batch 4 ms to read. The preemption agreement's read
     # (one per step, two steps behind) is where a 2-process host waits for the devices: it was counted as
     # "other" (steps 0.3 s, other 2.4 s of a 4.2 s fit of 80 such steps), now as steps.
-    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "200",
+    command = [*LAUNCH, "-n", "2", "--cpu-devices", "2", "--timeout", "200",
                str(Path(__file__).parent / "multiprocess" / "time_worker.py"), str(tmp_path)]
     proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]

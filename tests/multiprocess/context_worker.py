@@ -54,7 +54,7 @@ def main(out_path: str) -> None:
     import jaxdist as jd
 
     jd.initialize_cluster()  # before any computation: connects the processes
-    from jax.experimental import multihost_utils
+    from gathering import gather
     from jax.sharding import AxisType, Mesh
 
     pid = jax.process_index()
@@ -74,7 +74,7 @@ def main(out_path: str) -> None:
                 params, loss = jitted(params, batch, cfg)
                 losses.append(float(loss))
         results[f"{mode}/losses"] = np.array(losses)
-        gathered = multihost_utils.process_allgather(params, tiled=True)
+        gathered = gather(params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
             results[f"{mode}/params{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     if pid == 0:

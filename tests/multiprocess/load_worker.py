@@ -15,9 +15,9 @@ fsdp = jd.ShardedStrategy(min_shard_size=1)  # before any computation: connects 
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from gathering import gather  # noqa: E402
 from test_load_state import MLP, SAVED, STEPS, batches, ce, optimizer, plain  # noqa: E402
 
 out_path = sys.argv[1]
@@ -37,7 +37,7 @@ mirrored = jd.training.Trainer(jd.MirroredStrategy(), MLP(), optimizer(), ce)
 again = mirrored.load_state(params=trainer.params, opt_state=trainer.state.opt_state, step=STEPS, batch=data[0])
 assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(again.params))
 
-fsdp_params = multihost_utils.process_allgather(trainer.params, tiled=True)
+fsdp_params = gather(trainer.params)
 mirrored_params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), again.params)
 if jax.process_index() == 0:
     flat = {}

@@ -14,10 +14,10 @@ jd.initialize_cluster()  # before any computation: connects the processes (JAXDI
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from gathering import gather  # noqa: E402
 from pipeline_model import PipelineLM, batches, init_state, make_step  # noqa: E402
 
 out_path = sys.argv[1]
@@ -42,8 +42,7 @@ results = {
     "layer_share": np.array([s.data.size / kernel.size for s in kernel.addressable_shards]),
 }
 for name, tree in (("params", state[0]), ("grads", first_grads)):
-    gathered = multihost_utils.process_allgather(jax.tree.map(lambda b: getattr(b, "value", b), tree,
-                                                              is_leaf=lambda b: hasattr(b, "value")), tiled=True)
+    gathered = gather(jax.tree.map(lambda b: getattr(b, "value", b), tree, is_leaf=lambda b: hasattr(b, "value")))
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
         results[f"{name}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
 if pid == 0:

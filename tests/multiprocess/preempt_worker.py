@@ -3,9 +3,11 @@
 ``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices, on MultiWorkerMirroredStrategy or, with
 ``WORKER_STRATEGY=hsdp``, on ShardedStrategy with HSDP over the user's ``("data", "fsdp")`` mesh.
 Arguments: checkpoint_dir ("" for none), out_dir, steps, and optionally stop_at: process 1 ALONE sets
-``trainer.stop_training`` after that step. Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE
-process), prints ``step N`` after every step and ``end STEP preempted=BOOL checkpoints=[...]`` when fit ends;
-process 0 saves the final parameters to ``out_dir/params.npz`` when fit returns.
+``trainer.stop_training`` after that step, or ``straight=DIR``: once fit returned, an uninterrupted run from the
+start in a trainer of its own (no checkpoints), whose final parameters go to ``DIR/params.npz``. Writes its
+pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N`` after every step and ``end
+STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final parameters to
+``out_dir/params.npz`` when fit returns.
 """
 
 import os
@@ -30,10 +32,11 @@ else:
 
 import flax.linen as nn
 import optax
-from jax.experimental import multihost_utils
+from gathering import gather
 
 ckpt_dir, out_dir, steps = sys.argv[1] or None, sys.argv[2], int(sys.argv[3])
-stop_at = int(sys.argv[4]) if len(sys.argv) > 4 else None
+stop_at = next((int(a) for a in sys.argv[4:] if a.isdigit()), None)
+straight = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("straight=")]
 pid = jax.process_index()
 with open(os.path.join(out_dir, f"pid_{pid}"), "w") as f:
     f.write(str(os.getpid()))
@@ -69,9 +72,11 @@ class Tell(jd.training.Callback):
         print(f"end {trainer.step} preempted={history.preempted} checkpoints={names}", flush=True)
 
 
-trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
-trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, verbose=0, callbacks=[Tell()])  # SystemExit(0) if preempted
-leaves = jax.tree.leaves(multihost_utils.process_allgather(trainer.params, tiled=True))  # whole, even if sharded
-if pid == 0:
-    np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(a) for a in leaves])
-print("done", flush=True)
+for directory, out in [(ckpt_dir, out_dir)] + [(None, path) for path in straight]:
+    trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
+    # SystemExit(0) if preempted
+    trainer.fit(data_fn, steps=steps, checkpoint_dir=directory, verbose=0, callbacks=[Tell()])
+    leaves = jax.tree.leaves(gather(trainer.params))  # whole, even if sharded
+    if pid == 0:
+        np.savez(os.path.join(out, "params.npz"), *[np.asarray(a) for a in leaves])
+    print("done", flush=True)

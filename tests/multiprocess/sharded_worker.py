@@ -15,10 +15,10 @@ fsdp = jd.ShardedStrategy(min_shard_size=1)  # before any computation: connects 
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from gathering import gather  # noqa: E402
 from multiprocess_model import batches, init_state, lm_batches, lm_init_state, lm_train_step, train_step  # noqa: E402
 
 out_path, ckpt_dir = sys.argv[1], sys.argv[2]
@@ -74,7 +74,7 @@ def train(strategy, name, init, step_fn, data):
             state, loss = step(state, batch)
             losses.append(float(loss))
     results[f"{name}/losses"] = np.array(losses)
-    gathered = multihost_utils.process_allgather(state[0], tiled=True)
+    gathered = gather(state[0])
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
         results[f"{name}/params{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     return state
