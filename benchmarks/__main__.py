@@ -40,6 +40,9 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # The multi-process row: (pairs of runs, timed blocks per run, steps per block); each run is new processes.
 MULTIPROC = {"full": (6, 5, 30), "quick": (3, 3, 30), "smoke": (1, 1, 2)}
 LM_MULTIPROC = {"full": (6, 3, 5), "quick": (3, 3, 5), "smoke": (1, 1, 2)}  # the LM's steps take ~0.4 s over gloo
+# Untimed steps each multi-process run takes first: the first compiles; the rest settle the collectives, which a
+# smoke run (no timing worth the name) skips.
+MULTIPROC_WARMUP = {"full": 10, "quick": 10, "smoke": 1}
 _PROCESS_ROWS = ("multiproc", "lm-hsdp-mp")  # rows of their own runner (fresh processes per block)
 
 
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     lm_specs = [spec for spec in dict.fromkeys(spec for _, spec in plan) if spec.name in LM_MODELS]
     if devices[0].platform == "cpu" and ("lm-hsdp-mp" in keys or (not keys and lm_specs)):
         for spec in lm_specs or [LM_MODELS["lm-tiny" if mode == "smoke" else "lm"]]:
-            new, entries = lm_hsdp_rows(spec, *LM_MULTIPROC[mode], probe_fsdp=mode != "smoke")
+            new, entries = lm_hsdp_rows(spec, *LM_MULTIPROC[mode], probe_fsdp=mode != "smoke",
+                                        warmup=MULTIPROC_WARMUP[mode])
             print(f"[lm-hsdp-mp {spec.name}] {new[0].status} {new[0].note} {entries}", file=sys.stderr, flush=True)
             rows.extend(new)
             table = next((t for t in memory if t.get("model") == spec.name and "entries" in t), None)
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if devices[0].platform == "cpu" and (not keys or "multiproc" in keys):
         for spec in _multiproc_models(args, mode):
             pairs, blocks, steps = MULTIPROC[mode]
-            new = multiproc_rows(spec, pairs, blocks, steps if spec.name != "mlp-large" else max(2, steps // 6))
+            new = multiproc_rows(spec, pairs, blocks, steps if spec.name != "mlp-large" else max(2, steps // 6),
+                                 warmup=MULTIPROC_WARMUP[mode])
             for row in new:
                 print(f"[{row.key} {spec.name}] {row.status} {row.note}", file=sys.stderr, flush=True)
             rows.extend(new)

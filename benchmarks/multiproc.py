@@ -14,8 +14,8 @@ only starts the processes and sets the coordinator environment; the hand-written
 median over its blocks. Runs rotate (each pair runs the three sides in a different order) and each ratio is
 taken per pair.
 
-Also the worker: ``python benchmarks/multiproc.py worker SIDE MODEL BLOCKS STEPS`` (started by the rows), SIDE
-``jaxdist`` or ``hand``.
+Also the worker: ``python benchmarks/multiproc.py worker SIDE MODEL BLOCKS STEPS [WARMUP]`` (started by the
+rows; WARMUP steps before the timed blocks, 10 unless given), SIDE one of ``_WORKER_SIDES``.
 """
 
 from __future__ import annotations
@@ -141,8 +141,9 @@ def _state_bytes(state) -> int:
     return max(per.values(), default=0)
 
 
-def worker(side: str, model: str, blocks: int, steps: int) -> None:
-    """One side of the rows, in this process (and its peers): time ``blocks`` x ``steps`` training steps.
+def worker(side: str, model: str, blocks: int, steps: int, warmup: int = 10) -> None:
+    """One side of the rows, in this process (and its peers): ``warmup`` steps (the first compiles), then time
+    ``blocks`` x ``steps`` training steps.
 
     Sides: ``jaxdist`` / ``hand`` (an MLP of `benchmarks.models`, data parallel), ``jaxdist-hsdp`` /
     ``hand-hsdp`` / ``jaxdist-fsdp`` (an LM of `benchmarks.lm`). With ``blocks`` 0 nothing is compiled: the
@@ -176,7 +177,7 @@ def worker(side: str, model: str, blocks: int, steps: int) -> None:
     state_bytes = _state_bytes(state)
     seconds = []
     if blocks:
-        for i in range(10):  # warm-up: compile, settle the collectives
+        for i in range(warmup):  # warm-up: compile, settle the collectives
             state, loss = step(state, batches[i % len(batches)])
         jax.block_until_ready(loss)
         for _ in range(blocks):
@@ -204,19 +205,20 @@ _WORKER_SIDES = ("jaxdist", "hand", "jaxdist-hsdp", "hand-hsdp", "jaxdist-fsdp")
 
 
 def measure_multiproc(
-    model: str, pairs: int, blocks: int, steps: int, timeout: float = 300.0, sides: tuple[str, ...] = _SIDES
+    model: str, pairs: int, blocks: int, steps: int, timeout: float = 300.0, sides: tuple[str, ...] = _SIDES,
+    warmup: int = 10,
 ) -> dict:
     """Rotate the sides' runs; return ``{side: (block seconds, median seconds per run, run order, result)}``
     (``result``: the last run's worker result).
 
     Sides: ``jaxdist`` (MultiWorkerMirroredStrategy, 2 x 4), ``hand`` (hand-written JAX, 2 x 4) and ``one``
     (MirroredStrategy, 1 x 8) for an MLP; ``jaxdist-hsdp`` / ``hand-hsdp`` (2 x 4) for an LM. Pair ``k`` runs
-    them in the order ``sides`` rotated by ``k``.
+    them in the order ``sides`` rotated by ``k``. Each run takes ``warmup`` untimed steps first.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     script = [str(pathlib.Path(__file__).resolve()), "worker"]
-    tail = [model, str(blocks), str(steps)]
+    tail = [model, str(blocks), str(steps), str(warmup)]
     two = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", str(timeout)]
     commands = {side: ([*two, *script, side, *tail], env, 2) for side in _WORKER_SIDES}
     commands["one"] = ([sys.executable, *script, "jaxdist", *tail], dict(env, JAX_NUM_CPU_DEVICES="8"), 1)
@@ -243,7 +245,7 @@ def memory_probe(model: str, side: str, timeout: float = 300.0) -> dict:
     return _run(command, env, timeout + 30)
 
 
-def multiproc_rows(spec, pairs: int, blocks: int, steps: int) -> list:
+def multiproc_rows(spec, pairs: int, blocks: int, steps: int, warmup: int = 10) -> list:
     """The ``multiproc`` (vs hand-written 2 x 4) and ``multiproc-1x8`` (vs 1 x 8) `Row` s for model ``spec``
     (error rows, with the reason, when a run fails)."""
     from benchmarks.suite import Row
@@ -274,7 +276,7 @@ def multiproc_rows(spec, pairs: int, blocks: int, steps: int) -> list:
     ]
     start = time.perf_counter()
     try:
-        runs = measure_multiproc(spec.name, pairs, blocks, steps)
+        runs = measure_multiproc(spec.name, pairs, blocks, steps, warmup=warmup)
     except Exception as error:  # reported in the rows; the suite goes on
         for row in rows:
             row.status, row.note = "error", f"{type(error).__name__}: {error}"
@@ -301,7 +303,9 @@ def _fill(rows: list, runs: dict, candidate: str, baselines: tuple[str, ...], st
         row.wall_seconds = time.perf_counter() - start
 
 
-def lm_hsdp_rows(spec, pairs: int, blocks: int, steps: int, probe_fsdp: bool = True) -> tuple[list, dict]:
+def lm_hsdp_rows(
+    spec, pairs: int, blocks: int, steps: int, probe_fsdp: bool = True, warmup: int = 10
+) -> tuple[list, dict]:
     """The ``lm-hsdp-mp`` `Row` (ShardedStrategy HSDP on the user's mesh vs hand-written, both 2 x 4) for LM
     ``spec``, and the multi-process memory entries: per-device state of HSDP 2 x 4 and (``probe_fsdp``: one
     more run) of FSDP over the 8 devices of both processes, as fractions of the whole state (what Mirrored
@@ -323,7 +327,7 @@ def lm_hsdp_rows(spec, pairs: int, blocks: int, steps: int, probe_fsdp: bool = T
     start = time.perf_counter()
     memory: dict = {}
     try:
-        runs = measure_multiproc(spec.name, pairs, blocks, steps, sides=("jaxdist-hsdp", "hand-hsdp"))
+        runs = measure_multiproc(spec.name, pairs, blocks, steps, sides=("jaxdist-hsdp", "hand-hsdp"), warmup=warmup)
         _fill([row], runs, "jaxdist-hsdp", ("hand-hsdp",), steps, start)
         hsdp = runs["jaxdist-hsdp"][3]
         memory = {"HSDP 2 x 4": {"state_bytes": hsdp["state_bytes"], "full": hsdp["full_state_bytes"],
@@ -338,8 +342,9 @@ def lm_hsdp_rows(spec, pairs: int, blocks: int, steps: int, probe_fsdp: bool = T
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "worker" and sys.argv[2] in _WORKER_SIDES:
+    if len(sys.argv) in (6, 7) and sys.argv[1] == "worker" and sys.argv[2] in _WORKER_SIDES:
         sys.path.insert(0, str(ROOT))
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
     else:
-        sys.exit(f"usage: python benchmarks/multiproc.py worker {{{','.join(_WORKER_SIDES)}}} MODEL BLOCKS STEPS")
+        sys.exit(f"usage: python benchmarks/multiproc.py worker {{{','.join(_WORKER_SIDES)}}} MODEL BLOCKS STEPS "
+                 "[WARMUP]")

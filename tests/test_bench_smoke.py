@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.multiprocess  # its multi-process rows launch 2-process runs
 @pytest.mark.timeout(300)
 def test_bench_smoke_writes_table_json_and_plot(tmp_path):
+    """Slow because it compiles every stepper of the suite's rows (tiny MLP, tiny LM) in a fresh process and
+    starts the multi-process rows' runs (4 launches of 2 processes, 1 of one); ``--smoke`` leaves out only rows
+    whose stepper another row runs (see benchmarks/README.md)."""
     _smoke("benchmarks", tmp_path)
     files = sorted(p.name.split("-")[-1] if p.name.endswith("-rates.png") else p.suffix for p in tmp_path.iterdir())
     assert files == [".json", ".md", ".png", "rates.png"]  # the ratio plot, and steps/s per stepper
@@ -40,6 +43,8 @@ def _smoke(module, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dispatch_smoke_writes_one_row_per_case(tmp_path):
+    """Slow because each device count runs in a process of its own (1 and 8 devices) and compiles each case's two
+    sides."""
     _smoke("benchmarks.dispatch", tmp_path)
     rows = json.loads(next(tmp_path.glob("*-dispatch-smoke.json")).read_text())
     assert [r["case"] for r in rows] == ["1dev-trivial", "trainer-1dev", "mirrored-50", "run-mirrored-50", "fsdp-50",
@@ -54,6 +59,7 @@ def test_dispatch_smoke_writes_one_row_per_case(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_smoke_writes_the_memory_all_to_all_and_step_time_rows(tmp_path):
+    """Slow because it is a fresh process that compiles the MoE LM under each layout it compares."""
     _smoke("benchmarks.moe", tmp_path)
     table = next(tmp_path.glob("*-moe-smoke.md")).read_text()
     for heading in ("## (a)", "## (b)", "## (c)"):
@@ -65,6 +71,7 @@ def test_moe_smoke_writes_the_memory_all_to_all_and_step_time_rows(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_dropless_smoke_compares_the_ragged_and_padded_paths(tmp_path):
+    """Slow because it is a fresh process that compiles the ragged and the padded MoE programs on 8 devices."""
     _smoke("benchmarks.moe_dropless", tmp_path)
     data = json.loads(next(tmp_path.glob("*-moe-dropless-smoke.json")).read_text())
     assert [r["dispatch"] for r in data["rows"]] == [["dropless_ragged_all_to_all_emulated"],
@@ -76,6 +83,8 @@ def test_moe_dropless_smoke_compares_the_ragged_and_padded_paths(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_accelerator_smoke_runs_every_part_and_labels_cpu_numbers(tmp_path):
+    """Slow because it is a fresh process that compiles every part on one device: the four rows' steppers, the LM
+    twice (one attention each), the MoE's two paths and each attention kernel."""
     _smoke("benchmarks.accelerator", tmp_path)
     data = json.loads(next(tmp_path.glob("*-accelerator-smoke.json")).read_text())
     assert [r["key"] for r in data["rows"]] == ["P1", "1dev", "trainer", "fsdp"]

@@ -172,7 +172,8 @@ def test_the_example_trains_a_moe_lm_on_an_expert_axis_like_one_device():
 
     config = dataclasses.replace(CONFIG, moe=lm.parse_moe("experts=8,top_k=2,capacity=1.0"))
     model = lm.CharLM(config)
-    variables = model.init(jax.random.key(0), np.zeros((1, CONFIG.max_len), np.int32))
+    # jitted: one compile of the initializer instead of one per eager op (the variables are the same either way)
+    variables = jax.jit(model.init)(jax.random.key(0), np.zeros((1, CONFIG.max_len), np.int32))
 
     def train(strategy):
         trainer = jd.training.Trainer(strategy, model, optax.adamw(1e-2, eps=1e-2), lm.loss_fn, variables=variables)
@@ -200,12 +201,13 @@ def test_bfloat16_mixed_precision_keeps_float32_parameters_and_optimizer_state()
 
     model = lm.CharLM(dataclasses.replace(CONFIG, dtype="bfloat16"))
     x, y = BATCHES[0]
-    logits = model.apply(VARIABLES, x)
+    # Under jax.jit: the same dtypes and values as run op by op, at one compile per function instead of one per op.
+    logits = jax.jit(model.apply)(VARIABLES, x)
     assert logits.dtype == jax.numpy.bfloat16
     assert {leaf.dtype for leaf in jax.tree.leaves(nn.unbox(VARIABLES))} == {np.dtype(np.float32)}
-    grads = jax.grad(lambda v: lm.loss_fn(model.apply(v, x), y))(nn.unbox(VARIABLES))
+    grads = jax.jit(jax.grad(lambda v: lm.loss_fn(model.apply(v, x), y)))(nn.unbox(VARIABLES))
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
-    want = lm.loss_fn(MODEL.apply(VARIABLES, x), y)
+    want = jax.jit(lambda v: lm.loss_fn(MODEL.apply(v, x), y))(VARIABLES)
     np.testing.assert_allclose(float(lm.loss_fn(logits, y)), float(want), rtol=2e-2)
     trainer = jd.training.Trainer(jd.OneDeviceStrategy(), model, optax.adamw(1e-2), lm.loss_fn, variables=VARIABLES)
     history = trainer.fit(BATCHES[:3], steps=3, log_every=1, verbose=0)
