@@ -153,6 +153,31 @@ class ProgramCache:
             self.note_trace(fn, reason if reason is not None else key)
         return program
 
+    def peek(self, fn: Any, key: Hashable) -> Callable | None:
+        """The program cached for ``(fn, key)``, or None (nothing is built): a caller's fast path.
+
+        Examples:
+            >>> cache = ProgramCache()
+            >>> def f(x):
+            ...     return x
+            >>> cache.peek(f, "k") is None, cache.put(f, "k", abs), cache.peek(f, "k")
+            (True, None, <built-in function abs>)
+        """
+        with self._lock:
+            programs = self._programs_of(fn)
+            program = programs.get(key)
+            if program is not None:
+                programs.move_to_end(key)
+            return program
+
+    def put(self, fn: Any, key: Hashable, program: Callable) -> None:
+        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: bounded like every other)."""
+        with self._lock:
+            programs = self._programs_of(fn)
+            programs[key] = program
+            while len(programs) > self.max_per_function:
+                programs.popitem(last=False)
+
     def note_trace(self, fn: Any, signature: Any) -> None:
         """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a churning site."""
         site = _site(fn)
