@@ -236,11 +236,11 @@ class ReplicaRunner:
         leaves, treedef = jax.tree.flatten((args, kwargs))
         if PADDED and holds_padded(leaves):
             return None
-        try:
-            layouts = tuple([(x.aval, x.sharding) for x in leaves])
-        except AttributeError:  # a leaf that is no array: a static, which the full path keys by value
+        try:  # (a jax.Array's ``_sharding``: the attribute behind its ``sharding`` property, read in C)
+            layouts = tuple([(type(x), x.aval, x._sharding) for x in leaves])
+        except AttributeError:  # a leaf that is no placed array (a static, a tracer): the full path only
             return None
-        return _HashedKey((treedef, tuple(map(type, leaves)), layouts, batch_argnums, axis_name, check_vma)), leaves
+        return _HashedKey((treedef, layouts, batch_argnums, axis_name, check_vma)), leaves
 
     def _place_mirrored(self, x: Any) -> Any:
         if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is self._policy.mesh:
