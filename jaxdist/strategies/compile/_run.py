@@ -139,11 +139,11 @@ class ReplicaRunner:
         # them follow from those layouts and the declaration alone, so every check it made holds again.
         fast = self._fast_key(args, kwargs, batch_argnums, axis_name, check_vma)
         if fast is not None:
-            key, plain = fast
-            program = self._programs.peek(fn, key)
-            if program is not None:
-                with self._policy.call_scope(plain):
-                    return program(*plain, arguments=plain, every=check_mirrored == "every", tracing=False)[0]
+            key, layouts, plain = fast
+            for seen, program in self._programs.peek(fn, key) or ():
+                if seen == layouts:  # (the same aval and sharding objects, compared by identity first)
+                    with self._policy.call_scope(plain):
+                        return program(*plain, arguments=plain, every=check_mirrored == "every", tracing=False)[0]
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
         if (frame is None or frame.policy is not self._policy) and any(
@@ -215,21 +215,27 @@ class ReplicaRunner:
         for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
             store_components(flat[i], components)
         if (fast is not None and frame is None and not updated and weights is None and len(dynamic) == len(flat)
-                and all(d is x for d, x in zip(dynamic, fast[1], strict=True))
+                and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
             # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica` is its
             # stacked array, its node and owner part of the structure): later calls like this one take the
             # fast path.
-            self._programs.put(fn, fast[0], program)
+            known = self._programs.peek(fn, fast[0])
+            if known is None:
+                self._programs.put(fn, fast[0], known := [])
+            known.insert(0, (fast[1], program))
+            del known[_FAST_SIGNATURES:]
         return out
 
     def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
-                  check_vma: bool | None) -> tuple[Any, list] | None:
-        """``(key, leaves)`` of a call the fast path may serve: its leaves (flattened through per-replica values,
-        whose nodes and owners the structure then holds) and a key of everything the full path's decision rests on (the
-        structure, each leaf's type, aval and layout, the declaration); None where the decision also rests on
-        more (a strategy's ``layout_role`` hook, which batch arrays the input functions placed on a policy
-        that splits variables, a padded batch's weights, an enclosing computation)."""
+                  check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
+        """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened through
+        per-replica values, whose nodes and owners the structure then holds), each leaf's type, aval and layout,
+        and a key of the rest the full path's decision rests on (the structure, the declaration). None where
+        the decision also rests on more (a strategy's ``layout_role`` hook, which batch arrays the input
+        functions placed on a policy that splits variables, a padded batch's weights, an enclosing
+        computation). The layouts are compared, not hashed: JAX shares aval and sharding objects between
+        arrays of one program, so a steady call's compare by identity."""
         policy = self._policy
         if (batch_argnums is None and not policy.roles_by_layout) or ambient.current_computation() is not None:
             return None
@@ -240,7 +246,7 @@ class ReplicaRunner:
             layouts = tuple([(type(x), x.aval, x._sharding) for x in leaves])
         except AttributeError:  # a leaf that is no placed array (a static, a tracer): the full path only
             return None
-        return _HashedKey((treedef, layouts, batch_argnums, axis_name, check_vma)), leaves
+        return ("fast", treedef, batch_argnums, axis_name, check_vma), layouts, leaves
 
     def _place_mirrored(self, x: Any) -> Any:
         if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is self._policy.mesh:
@@ -457,21 +463,7 @@ class ReplicaRunner:
         return program
 
 
-class _HashedKey:
-    """A fast-path key hashed once (the cache's lookup and its LRU bookkeeping hash it again otherwise: a
-    tuple of every leaf's aval and layout does not keep its hash)."""
-
-    __slots__ = ("_hash", "key")
-
-    def __init__(self, key: tuple):
-        self.key = key
-        self._hash = hash(key)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _HashedKey) and self._hash == other._hash and self.key == other.key
+_FAST_SIGNATURES = 8  # fast-path signatures kept per function and call structure (most recent first)
 
 
 _VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static
