@@ -27,7 +27,9 @@ mirrored argument element-wise (an update) that is not proven the same is refuse
 pmap-era code that names its axis (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs
 it; so does, by default, code that only that check refuses (``check_vma=``; see `_vma`).
 To know which is which, the function is traced once abstractly before the real program is built; the program
-is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state calls cost one dispatch.
+is cached in the strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
+layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its program
+(`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
 
 A collective over an axis name the program does not bind (pmap-era ``lax.pmean(x, "batch")`` without
 ``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own errors by
