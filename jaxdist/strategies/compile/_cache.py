@@ -153,8 +153,9 @@ class ProgramCache:
             self.note_trace(fn, reason if reason is not None else key)
         return program
 
-    def peek(self, fn: Any, key: Hashable) -> Callable | None:
-        """The program cached for ``(fn, key)``, or None (nothing is built): a caller's fast path.
+    def peek(self, fn: Any, key: Hashable) -> Any:
+        """The entry cached for ``(fn, key)`` (a program, or what a caller's fast path keeps: `strategy.run`'s
+        programs by their arguments' layouts), or None; nothing is built.
 
         Examples:
             >>> cache = ProgramCache()
@@ -170,8 +171,9 @@ class ProgramCache:
                 programs.move_to_end(key)
             return program
 
-    def put(self, fn: Any, key: Hashable, program: Callable) -> None:
-        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: bounded like every other)."""
+    def put(self, fn: Any, key: Hashable, program: Any) -> None:
+        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and bounded like
+        every other)."""
         with self._lock:
             programs = self._programs_of(fn)
             programs[key] = program
