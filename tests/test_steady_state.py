@@ -209,3 +209,66 @@ def test_alternating_signatures_still_compute_and_compile_once_each(mirrored):
         expected = expected - 0.1 * ((np.ones((8 if i % 2 else 4, 3)) @ expected).mean())
     assert traces == [(4, 3), (8, 3)]
     np.testing.assert_allclose(w, expected, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ strategy.run's fast path
+def _replica_step(w, x):
+    g = jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, x.mean())
+    return w * 0.5 + g, x.sum()
+
+
+def test_steady_run_calls_skip_the_classifying_path(mirrored, monkeypatch):
+    from jaxdist.strategies.compile import _run
+    from jaxdist.strategies.compile._mirror_check import raise_on_disagreement
+
+    w = mirrored.mirror(jnp.ones(3))
+    x = mirrored.experimental_distribute_values(jnp.arange(8.0))
+    first = mirrored.run(_replica_step, args=(w, x))
+    checks = []
+    monkeypatch.setattr(_run, "classify", lambda *a, **k: pytest.fail("a steady call classified its arguments"))
+    monkeypatch.setattr(_run, "raise_on_disagreement", lambda *a: checks.append(a) or raise_on_disagreement(*a))
+    for _ in range(3):
+        out, total = mirrored.run(_replica_step, args=(w, x))
+    assert not checks  # the on-device check of the mirrored outputs: the first call only
+    np.testing.assert_allclose(out, first[0])
+    assert out.sharding.is_fully_replicated and isinstance(total, jd.PerReplica)
+    np.testing.assert_allclose(total.stacked, [1, 5, 9, 13])  # each replica's rows summed
+    mirrored.run(_replica_step, args=(w, x), check_mirrored="every")
+    assert len(checks) == 1  # on request, also in steady state
+
+
+def test_run_calls_after_steady_state_keep_their_checks(mirrored):
+    w = mirrored.mirror(jnp.ones(3))
+    x = mirrored.experimental_distribute_values(jnp.arange(8.0))
+    for _ in range(2):
+        mirrored.run(_replica_step, args=(w, x))
+    other = jd.MirroredStrategy(jax.devices()[:4])
+    per_replica = other.run(lambda v: v * 2, args=(other.experimental_distribute_values(jnp.arange(8.0)),))
+    with pytest.raises(ValueError, match="another strategy"):
+        mirrored.run(_replica_step, args=(w, per_replica))
+    with pytest.raises(ValueError, match="traced arguments"):
+        jax.jit(lambda w, x: mirrored.run(_replica_step, args=(w, x)))(w, x)
+    with pytest.raises(ValueError, match="batch_argnums"):  # a declared batch the replicas do not divide
+        mirrored.run(_replica_step, args=(w, jnp.arange(6.0)), batch_argnums=1)
+    # A host batch and another precision: placed, another program; the same results as placed arrays.
+    _, total = mirrored.run(_replica_step, args=(np.ones(3, np.float32), np.arange(8.0, dtype=np.float32)),
+                              batch_argnums=1)
+    np.testing.assert_allclose(total.stacked, [1, 5, 9, 13])
+    out16, _ = mirrored.run(_replica_step, args=(w.astype(jnp.bfloat16), x.astype(jnp.bfloat16)))
+    assert out16.dtype == jnp.bfloat16
+
+
+def test_steady_run_calls_with_per_replica_values(mirrored, monkeypatch):
+    from jaxdist.strategies.compile import _run
+
+    def plus_one(v):
+        return v + 1
+
+    values = mirrored.experimental_distribute_values(jnp.arange(8.0))
+    per_replica = mirrored.run(lambda v: v * 2, args=(values,))
+    mirrored.run(plus_one, args=(per_replica,))
+    monkeypatch.setattr(_run, "classify", lambda *a, **k: pytest.fail("a steady call classified its arguments"))
+    for _ in range(3):
+        again = mirrored.run(plus_one, args=(per_replica,))
+    assert isinstance(again, jd.PerReplica) and again.owner is mirrored
+    np.testing.assert_allclose(again.stacked, (np.arange(8.0) * 2 + 1).reshape(4, 2))

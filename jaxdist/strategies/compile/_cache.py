@@ -153,6 +153,33 @@ class ProgramCache:
             self.note_trace(fn, reason if reason is not None else key)
         return program
 
+    def peek(self, fn: Any, key: Hashable) -> Any:
+        """The entry cached for ``(fn, key)`` (a program, or what a caller's fast path keeps: `strategy.run`'s
+        programs by their arguments' layouts), or None; nothing is built.
+
+        Examples:
+            >>> cache = ProgramCache()
+            >>> def f(x):
+            ...     return x
+            >>> cache.peek(f, "k") is None, cache.put(f, "k", abs), cache.peek(f, "k")
+            (True, None, <built-in function abs>)
+        """
+        with self._lock:
+            programs = self._programs_of(fn)
+            program = programs.get(key)
+            if program is not None:
+                programs.move_to_end(key)
+            return program
+
+    def put(self, fn: Any, key: Hashable, program: Any) -> None:
+        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and bounded like
+        every other)."""
+        with self._lock:
+            programs = self._programs_of(fn)
+            programs[key] = program
+            while len(programs) > self.max_per_function:
+                programs.popitem(last=False)
+
     def note_trace(self, fn: Any, signature: Any) -> None:
         """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a churning site."""
         site = _site(fn)

@@ -27,7 +27,9 @@ mirrored argument element-wise (an update) that is not proven the same is refuse
 pmap-era code that names its axis (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs
 it; so does, by default, code that only that check refuses (``check_vma=``; see `_vma`).
 To know which is which, the function is traced once abstractly before the real program is built; the program
-is cached in the strategy's `ProgramCache` (weak on ``fn``), so steady-state calls cost one dispatch.
+is cached in the strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
+layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its program
+(`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
 
 A collective over an axis name the program does not bind (pmap-era ``lax.pmean(x, "batch")`` without
 ``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own errors by
@@ -70,7 +72,7 @@ from jaxdist.strategies.compile._identical import (
 )
 from jaxdist.strategies.compile._mirror_check import agreement, raise_on_disagreement
 from jaxdist.strategies.compile._vma import first_trace
-from jaxdist.strategies.input import check_batch_leaves, padding_weights, place_batch
+from jaxdist.strategies.input import PADDED, check_batch_leaves, holds_padded, padding_weights, place_batch
 from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
 from jaxdist.strategies.replica_context import ReplicaContext
 
@@ -133,6 +135,17 @@ class ReplicaRunner:
         self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
         check_vma: bool | None = None, check_mirrored: str = "first",
     ) -> Any:
+        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no statics,
+        # no sync-on-read values) with the structure, avals and layouts of one the full path below has run,
+        # which placed none of them, goes straight to that program (`_fast_key`). The roles the full path gave
+        # them follow from those layouts and the declaration alone, so every check it made holds again.
+        fast = self._fast_key(args, kwargs, batch_argnums, axis_name, check_vma)
+        if fast is not None:
+            key, layouts, plain = fast
+            for seen, program in self._programs.peek(fn, key) or ():
+                if seen == layouts:  # (the same aval and sharding objects, compared by identity first)
+                    with self._policy.call_scope(plain):
+                        return program(*plain, arguments=plain, every=check_mirrored == "every", tracing=False)[0]
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
         if (frame is None or frame.policy is not self._policy) and any(
@@ -203,7 +216,39 @@ class ReplicaRunner:
             out, updated = program(*dynamic, arguments=flat, every=check_mirrored == "every")
         for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
             store_components(flat[i], components)
+        if (fast is not None and frame is None and not updated and weights is None and len(dynamic) == len(flat)
+                and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
+                and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
+            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica` is its
+            # stacked array, its node and owner part of the structure): later calls like this one take the
+            # fast path.
+            known = self._programs.peek(fn, fast[0])
+            if known is None:
+                self._programs.put(fn, fast[0], known := [])
+            known.insert(0, (fast[1], program))
+            del known[_FAST_SIGNATURES:]
         return out
+
+    def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
+                  check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
+        """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened through
+        per-replica values, whose nodes and owners the structure then holds), each leaf's type, aval and layout,
+        and a key of the rest the full path's decision rests on (the structure, the declaration). None where
+        the decision also rests on more (a strategy's ``layout_role`` hook, which batch arrays the input
+        functions placed on a policy that splits variables, a padded batch's weights, an enclosing
+        computation). The layouts are compared, not hashed: JAX shares aval and sharding objects between
+        arrays of one program, so a steady call's compare by identity."""
+        policy = self._policy
+        if (batch_argnums is None and not policy.roles_by_layout) or ambient.current_computation() is not None:
+            return None
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        if PADDED and holds_padded(leaves):
+            return None
+        try:  # (a jax.Array's ``_sharding``: the attribute behind its ``sharding`` property, read in C)
+            layouts = tuple([(type(x), x.aval, x._sharding) for x in leaves])
+        except AttributeError:  # a leaf that is no placed array (a static, a tracer): the full path only
+            return None
+        return ("fast", treedef, batch_argnums, axis_name, check_vma), layouts, leaves
 
     def _place_mirrored(self, x: Any) -> Any:
         if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) is self._policy.mesh:
@@ -379,8 +424,9 @@ class ReplicaRunner:
                 agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
         mirrored_paths = [out_paths[i] for i in checked]
 
-        def program(*dyn, arguments=(), every=False):
-            tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
+        def program(*dyn, arguments=(), every=False, tracing=None):
+            if tracing is None:
+                tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
             # Inside a compiled step the check is a host callback of that step, on request only (it would run
             # at every call of the step); called eagerly, the first call and every call on request.
             verify = checked and (every or (first["checked"] is None and not tracing))
@@ -399,20 +445,27 @@ class ReplicaRunner:
             n_args = len(out_info["updated"])
             for value, components in zip(captured, results[n_out + n_args:], strict=True):
                 store_components(value, components)  # updated in place, as tf.distribute's metrics are
-            wrapped = []
-            for r, (kind, agg), passed in zip(results[:n_out], kinds_out, out_info["passed"], strict=True):
+            wrapped = list(results[:n_out])
+            for i, (kind, agg), passed in wrapping:
                 if kind in ("per_replica", "declared"):
-                    wrapped.append(PerReplica(r, owner))
+                    wrapped[i] = PerReplica(wrapped[i], owner)
                 elif passed is not None:  # the object passed in (updated in place), as TF's assign_add returns it
-                    wrapped.append(arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]])
-                elif kind == "sync":
-                    wrapped.append(SyncOnRead(r, agg, owner))
+                    wrapped[i] = arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
                 else:
-                    wrapped.append(r)
-            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args], strict=True))
-            return jax.tree.unflatten(out_tree, _with_statics(out_statics, wrapped)), updated
+                    wrapped[i] = SyncOnRead(wrapped[i], agg, owner)
+            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args], strict=True)) if n_args else {}
+            return out_tree.unflatten(wrapped if values_only else _with_statics(out_statics, wrapped)), updated
+
+        # Per call, only the outputs that leave as other than the array itself are visited.
+        wrapping = [(i, (kind, agg), passed) for i, ((kind, agg), passed) in enumerate(zip(
+            kinds_out, out_info["passed"], strict=True)) if kind in ("per_replica", "declared", "sync")
+            or passed is not None]
+        values_only = all(static is _VALUE for static in out_statics)
 
         return program
+
+
+_FAST_SIGNATURES = 8  # fast-path signatures kept per function and call structure (most recent first)
 
 
 _VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static

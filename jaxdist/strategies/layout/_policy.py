@@ -406,6 +406,19 @@ class LayoutPolicy:
         return jax.tree.map(own, offload_shardings(self.host_offload, shapes, layouts))
 
     # ---------------------------------------------------------------------------------------- roles
+    @property
+    def roles_by_layout(self) -> bool:
+        """True when `layout_role` is a function of an array's layout alone (no strategy hook, and variables
+        never split like a batch, where which arrays the input functions placed decides): a program chosen by
+        its arguments' layouts then also holds for their roles.
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> jd.strategies.LayoutPolicy(jax.devices()[:2]).roles_by_layout
+            True
+        """
+        return self._role_hook is None and not self.rules.split
+
     def layout_role(self, x: Any) -> str | None:
         """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when the layout cannot tell.
 
