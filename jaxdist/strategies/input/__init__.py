@@ -18,10 +18,10 @@ from jaxdist.strategies.input._placement import kept as kept
 from jaxdist.strategies.input._placement import needs_placing as needs_placing
 from jaxdist.strategies.input._placement import place_batch as place_batch
 from jaxdist.strategies.input._placement import place_nnx_defaults as place_nnx_defaults
+from jaxdist.strategies.input._placement import refuse_text as refuse_text
 from jaxdist.strategies.input._placement import replicas_on_this_process as replicas_on_this_process
 from jaxdist.strategies.input._placement import sharding_off as sharding_off
 from jaxdist.strategies.input._placement import shardings_of as shardings_of
-from jaxdist.strategies.input._placement import text_kind as text_kind
 from jaxdist.strategies.input._read_ahead import Prefetcher as Prefetcher
 from jaxdist.strategies.input._read_ahead import ahead as ahead
 from jaxdist.strategies.input._remainder import PADDED as PADDED
@@ -51,6 +51,6 @@ __all__ = [
     "place_nnx_defaults",
     "replicas_on_this_process",
     "sharding_off",
-    "text_kind",
+    "refuse_text",
     "shardings_of",
 ]

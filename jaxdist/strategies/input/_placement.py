@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -63,6 +64,24 @@ def text_kind(x: Any) -> str | None:
     return None
 
 
+def refuse_text(leaves: Iterable[tuple[Any, Any]], name: Callable[[Any], str], fix: str) -> None:
+    """A `TypeError` for the first of ``leaves`` (``(path, leaf)`` pairs) that holds text or objects (`text_kind`),
+    which no JAX array holds: ``name(path)`` names the leaf, ``fix`` says what to do instead.
+
+    Examples:
+        >>> import numpy as np
+        >>> refuse_text([("x", np.zeros(2)), ("y", np.array(["a"]))], str, "Encode it.")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: y holds text or objects (numpy dtype <U1): JAX arrays hold numbers and bools only. Encode it.
+    """
+    for path, x in leaves:
+        dtype = text_kind(x)
+        if dtype is not None:
+            raise TypeError(f"{name(path)} holds text or objects ({dtype}): JAX arrays hold numbers and bools only. "
+                            f"{fix}")
+
+
 def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> None:
     """Name the plain mistakes in a batch before JAX or the row split meets them: a leaf of strings (or
     objects), which no JAX array holds; leaves whose rows differ where the replicas cannot split them (a ragged
@@ -87,13 +106,9 @@ def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> N
     """
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     name = where or "the batch"
-    for path, x in flat:
-        dtype = text_kind(x)
-        if dtype is not None:
-            raise TypeError(
-                f"{name} leaf {jax.tree_util.keystr(path) or '(the batch itself)'} holds text or objects ({dtype}): "
-                "JAX arrays hold numbers and bools only. Encode it before the batch (e.g. token ids or a "
-                "vocabulary lookup as int32), or keep it out of the batch (a separate, non-batch argument).")
+    refuse_text(flat, lambda path: f"{name} leaf {jax.tree_util.keystr(path) or '(the batch itself)'}",
+                "Encode it before the batch (e.g. token ids or a vocabulary lookup as int32), or keep it out of "
+                "the batch (a separate, non-batch argument).")
     rows = {jax.tree_util.keystr(path): np.shape(x)[0] for path, x in flat if np.ndim(x)}
     if len(set(rows.values())) > 1 and any(r % replicas for r in rows.values()):
         shown = ", ".join(f"{path}: {r}" for path, r in rows.items())

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.strategies.input import text_kind
+from jaxdist.strategies.input import refuse_text
 from jaxdist.training.data._format import Key, keys_of, split_batch
 from jaxdist.training.data._position import DataPosition
 
@@ -176,13 +176,8 @@ def _common_rows(pair: Any, where: str) -> int:
         TypeError: for a leaf of text or objects (no JAX array holds them), naming it.
     """
     paths = jax.tree_util.tree_flatten_with_path(pair)[0]
-    for path, leaf in paths:
-        dtype = text_kind(leaf)
-        if dtype is not None:
-            raise TypeError(
-                f"{where} leaf {_name(path)} holds text or objects ({dtype}): JAX arrays hold numbers and bools "
-                "only. Encode it in train_data (e.g. token ids, or labels looked up as int32), or keep it out of "
-                "the batch.")
+    refuse_text(paths, lambda path: f"{where} leaf {_name(path)}", "Encode it in train_data (e.g. token ids, "
+                "or labels looked up as int32), or keep it out of the batch.")
     if not paths:
         raise ValueError(f"{where} holds no arrays: yield (x, y) with arrays whose axis 0 is the batch.")
     first_path, first = paths[0]
