@@ -132,6 +132,19 @@ class FitControl:
     Attributes:
         history: the run's `History` so far.
         stopping: the run is stopping (a request to stop, or a SIGTERM, agreed by every process).
+
+    Examples:
+        >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
+        >>> class StopAt3(jd.training.Callback):
+        ...     def on_step_end(self, trainer, step, metrics):
+        ...         if self.control.step >= 3:
+        ...             self.control.stop()
+        >>> trainer = jd.training.Trainer(jd.OneDeviceStrategy(), nn.Dense(1), optax.sgd(0.1),
+        ...                               lambda p, y: ((p[:, 0] - y) ** 2).mean())
+        >>> data = [(np.ones((4, 2), np.float32), np.zeros(4, np.float32))] * 10
+        >>> _ = trainer.fit(data, steps=10, verbose=0, callbacks=[StopAt3()])
+        >>> trainer.step
+        3
     """
 
     history: History
