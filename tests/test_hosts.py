@@ -8,6 +8,7 @@ itself and the single-process figures are checked in this process. Every subproc
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import flax.linen as nn
 import numpy as np
@@ -16,7 +17,9 @@ import pytest
 from registry import LAUNCH, launch_env
 
 import jaxdist as jd
-from jaxdist.training.loop._hosts import HostTimes
+from jaxdist.training.data import WholeBatch
+from jaxdist.training.loop import _hosts
+from jaxdist.training.loop._hosts import HostTimes, SameBatches
 
 HERE = Path(__file__).parent
 
@@ -88,3 +91,31 @@ def test_a_process_slow_in_its_input_is_named_on_process_0_and_nobody_when_none_
         f"step {row['step']}: step time " + "/".join(f"{1e3 * t:.1f}" for t in row["step_time"]) + " ms, input "
         + "/".join(f"{1e3 * t:.1f}" for t in row["input_wait"]) + " ms" for row in results[(run, 0)]["processes"])
         for run in ("even", "slow")))
+
+
+def test_process_0_decides_the_batch_comparison_and_deletes_its_keys_a_block_at_a_time(monkeypatch):
+    """Process 0's side of `SameBatches` on a fake store (process 1's fingerprints posted ahead): a verdict per
+    point, the keys of 64 points deleted in one call once the next 64 have begun, and a fingerprint that differs
+    an error naming the process, the step and the point before. (The real thing: tests/test_job_failures.py.)"""
+    store = {}
+    monkeypatch.setattr(_hosts, "jax", SimpleNamespace(process_count=lambda: 2, process_index=lambda: 0))
+    monkeypatch.setattr(_hosts, "post", store.__setitem__)
+    monkeypatch.setattr(_hosts, "gather", lambda prefix, timeout, own: [own, store.get(f"{prefix}/1")])
+    monkeypatch.setattr(_hosts, "forget", lambda key: [store.pop(k) for k in list(store) if k.startswith(f"{key}/")])
+    pair = (np.arange(32.0).reshape(16, 2), np.arange(16))
+    batch = WholeBatch(pair, False, None, pair)
+    same = SameBatches(spans=True)
+    for n in range(131):  # process 1 passes the same batches up to point 130, then its rows in another order
+        store[f"{same._prefix}/{n // 64}/{n % 64}/1"] = (batch if n < 130 else WholeBatch(pair, False, None, (
+            pair[0][::-1], pair[1]))).fingerprint()
+    for step in range(1, 131):
+        same.check(step, [batch])  # an on-device loop's batches: the last one is compared
+    same.check(130, batch)  # a step compared already: nothing
+    blocks = sorted({key.split("/")[3] for key in store})
+    assert blocks == ["2"], blocks  # points 0-63 and 64-127 deleted; 128-130 left
+    assert [store[f"{same._prefix}/2/{i}/verdict"] for i in range(2)] == ["alike:"] * 2
+    with pytest.raises(jd.training.JobDisagreementError, match=r"passed different global batches at step 131: process "
+                       r"1 differs from process 0 \(fingerprints: process 0: \w{8}; process 1: \w{8}\); they agreed "
+                       r"at step 130, the check before\. .* Fix: every process passes the same global batch") as error:
+        same.check(131, batch)
+    assert error.value.on_every_process and store[f"{same._prefix}/2/2/verdict"].startswith("differ:")

@@ -1,7 +1,9 @@
 """A job whose processes disagree or fail ends, every process with the reason, in bounded time.
 
 Real processes (2 x 4 CPU devices, gloo): one pair runs the disagreements found at the start of ``fit`` (steps,
-checkpoint cadence, a checkpoint_dir each process has to itself) and then data that ends early on one process;
+checkpoint cadence, a checkpoint_dir each process has to itself), different global batches (named at the first step,
+or at the first log point after they start to differ; the same ones train), and then data that ends early on one
+process;
 another, under ``python -m jaxdist.launch``, a process that raises at step 5. Every wait is bounded.
 """
 
@@ -29,13 +31,22 @@ WORKER = HERE / "multiprocess" / "disagree_worker.py"
 @pytest.mark.timeout(240)
 def test_processes_that_disagree_are_named_at_the_start_and_data_that_ends_early_ends_the_job(tmp_path):
     started = time.monotonic()
-    results = _two(WORKER, "steps,cadence,dir,data", tmp_path, timeout=200)
+    results = _two(WORKER, "steps,cadence,dir,batches,diverges,same,data", tmp_path, timeout=200)
     elapsed = time.monotonic() - started
     for pid, (code, text) in enumerate(results):
         cases = {line.split(":")[0][5:]: line for line in text.splitlines() if line.startswith("CASE ")}
         assert "steps=12 on process 0, 16 on process 1" in cases["steps"], text[-3000:]
         assert "checkpoint_every=5 on process 0, 7 on process 1" in cases["cadence"], text[-3000:]
         assert "is not one directory shared by the processes of this job: process(es) [1]" in cases["dir"]
+        # each process shuffling with its own seed: named at the first step, with the fix
+        assert "passed different global batches at step 1: process 1 differs from process 0" in cases["batches"]
+        assert "seed the shuffle the same on every process" in cases["batches"], cases["batches"]
+        assert "they agreed" not in cases["batches"] and "distribute_datasets_from_function" in cases["batches"]
+        # alike up to step 4, then not: named at the next log point (log_every=3)
+        assert ("passed different global batches at step 6: process 1 differs from process 0 (fingerprints: "
+                "process 0: ") in cases["diverges"], cases["diverges"]
+        assert "they agreed at step 3, the check before" in cases["diverges"], cases["diverges"]
+        assert cases["same"] == "CASE same: fit returned", text[-3000:]
         assert "data" not in cases, text[-3000:]  # the job ended there
         assert code == 1, f"process {pid} exited {code}:\n{text[-3000:]}"
         assert "process 1: its data ended after batch 5 of 12" in text, text[-3000:]

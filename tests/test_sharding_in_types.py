@@ -2,9 +2,11 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -241,3 +243,72 @@ def test_compute_average_loss_in_a_step_on_an_explicit_mesh():
     strategy = jd.MirroredStrategy(mesh=jax.make_mesh((8,), ("data",)))
     loss = strategy.jit(functools.partial(jd.compute_average_loss), batch_argnums=0)(np.arange(8, dtype=np.float32))
     assert float(loss) == pytest.approx(3.5)
+
+
+# ------------------------------------------------------------- a model that constrains its activations, in fit
+class GuideMLP(nn.Module):
+    """Flax's "Scale up Flax Modules on multiple devices": parameters annotated with ``nn.with_partitioning``,
+    activations laid out by ``jax.lax.with_sharding_constraint`` in ``__call__``: a bare `PartitionSpec` (it
+    names the context mesh's axes) or a `NamedSharding` on ``mesh``."""
+
+    batch: str | None = None
+    model: str | None = None
+    mesh: jax.sharding.Mesh | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        init, spec = nn.initializers.lecun_normal(), P(self.batch, self.model)
+        h = nn.relu(nn.Dense(16, kernel_init=nn.with_partitioning(init, (None, self.model)))(x))
+        h = jax.lax.with_sharding_constraint(h, spec if self.mesh is None else NamedSharding(self.mesh, spec))
+        return nn.Dense(1, kernel_init=nn.with_partitioning(init, (self.model, None)))(h)
+
+
+def _guide_case(case):
+    """``(strategy, model)``: each strategy with the model naming its mesh's axes (on Explicit axes a
+    NamedSharding constraint is an assert in JAX, the guide's own code fails there: bare specs only)."""
+    auto, named = AxisType.Auto, case.endswith("named")
+    if case.startswith("sharded"):
+        mesh = jax.make_mesh((4, 2), ("data", "model"), **({"axis_types": (auto,) * 2} if "auto" in case else {}))
+        return (jd.ShardedStrategy(mesh=mesh, batch_axes="data", min_shard_size=1),
+                GuideMLP("data", "model", mesh if named else None))
+    if case.startswith("mirrored"):
+        mesh = jax.make_mesh((8,), ("data",), **({"axis_types": (auto,)} if "auto" in case else {}))
+        return jd.MirroredStrategy(mesh=mesh), GuideMLP("data", None, mesh if named else None)
+    strategy = jd.OneDeviceStrategy()
+    return strategy, GuideMLP(None, None, strategy.mesh if named else None)
+
+
+@pytest.mark.parametrize("case", ["sharded_explicit_bare", "sharded_auto_bare", "sharded_auto_named",
+                                  "mirrored_explicit_bare", "mirrored_auto_named", "one_device_bare",
+                                  "one_device_named"])
+def test_a_model_constraining_its_activations_fits_evaluates_and_predicts_without_a_scope_as_plain_jit(case):
+    """The Trainer's loss check, state, steps, evaluation and prediction trace the model on the strategy's mesh,
+    as strategy.jit does: no ``strategy.scope()`` needed, and the numbers are plain jax.jit's."""
+    strategy, model = _guide_case(case)
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=16).astype(np.float32)) for _ in range(3)]
+
+    def loss(out, y):
+        return ((out[:, 0] - y) ** 2).mean()
+
+    trainer = jd.training.Trainer(strategy, model, optax.sgd(0.1), loss)
+    params = jax.device_get(trainer.init(data[0]).params)  # the loss check and the state: before any step
+    trainer.fit(data, steps=3, verbose=0)
+    evaluated, predicted = trainer.evaluate(data)["loss"], trainer.predict(data[0][0])
+
+    # plain jax.jit on the same devices, under JAX's own context mesh (its axes Auto: on Explicit axes JAX
+    # makes the guide's constraints asserts, which the unsplit arguments of plain jit fail)
+    mesh = strategy.mesh
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    with jax.set_mesh(auto):
+        apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
+        step = jax.jit(lambda p, x, y: jax.tree.map(
+            lambda w, g: w - 0.1 * g, p, jax.grad(lambda p: loss(model.apply({"params": p}, x), y))(p)))
+        for x, y in data:
+            params = step(params, x, y)
+        expected = np.mean([float(loss(apply(params, x), y)) for x, y in data])
+        outputs = np.asarray(apply(params, data[0][0]))
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    jax.tree.map(close, jax.device_get(trainer.params), jax.device_get(params))
+    close(evaluated, expected)
+    close(predicted, outputs)

@@ -22,6 +22,7 @@ from jaxdist.job._failure import POLL_SECONDS as POLL_SECONDS
 from jaxdist.job._failure import FailureMonitor as FailureMonitor
 from jaxdist.job._failure import exchange as exchange
 from jaxdist.job._failure import forget as forget
+from jaxdist.job._failure import gather as gather
 from jaxdist.job._failure import guard_exit as guard_exit
 from jaxdist.job._failure import post as post
 from jaxdist.job._failure import read as read
@@ -55,6 +56,7 @@ __all__ = [
     "exchange",
     "failing",
     "forget",
+    "gather",
     "from_chief",
     "guard_exit",
     "initialize_cluster",

@@ -15,7 +15,8 @@ process of a ``jax.distributed`` job already talks to; nothing in a single proce
   for the peers in ``jax.distributed.shutdown``, and a checkpoint write still in flight needs them too (the
   last complete checkpoint stands; checkpoints are committed atomically).
 * `post`, `read` and `forget`: a value one process leaves for another (``fit``'s per-process figures), read
-  without waiting or with a timeout.
+  without waiting or with a timeout; `gather`: every process's value under one prefix, read by the one process
+  that decides for all (``fit``'s comparison of the processes' batches).
 * `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`); when one comes, it
   prints it and ends this process with status 1, wherever the main thread is blocked (a collective, a
   checkpoint write).
@@ -72,8 +73,8 @@ from typing import Any
 import jax
 from jax._src import distributed as _distributed  # JAX's coordination client (private; orbax reads it too)
 
-__all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "guard_exit",
-           "post", "read", "report_failure", "set_heartbeat_timeout", "silence_seconds"]
+__all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "gather",
+           "guard_exit", "post", "read", "report_failure", "set_heartbeat_timeout", "silence_seconds"]
 
 EXIT_SECONDS = 10.0
 """How long a process that failed may take to exit by itself (its traceback printed, its files closed) before it
@@ -168,6 +169,37 @@ def read(key: str, timeout: float | None = None) -> str | None:
         return client.blocking_key_value_get(key, int(1000 * timeout))
     except Exception:  # not posted (yet): the service's NOT_FOUND, or its deadline
         return None
+
+
+def gather(prefix: str, timeout: float, own: str | None = None) -> list[str | None]:
+    """The values the processes posted under ``<prefix>/<process index>`` (`post`), in process order: one listing
+    of the prefix (``key_value_dir_get``), then a wait of up to ``timeout`` seconds in all for those not there
+    yet; None for a process whose value did not come. ``own``: this process's value, not posted (nothing is read
+    for it). What one process reads to decide for all (then it posts the decision for the others to `read`: two
+    calls to the store for each of them, however many processes there are). An empty list in a single process.
+
+    Examples:
+        >>> gather("jaxdist/example", timeout=1.0)   # one process
+        []
+    """
+    client = _client()
+    if client is None:
+        return []
+    try:
+        found = dict(client.key_value_dir_get(prefix))
+    except Exception:  # nothing under it yet
+        found = {}
+    me, deadline = jax.process_index(), time.monotonic() + timeout
+    out = []
+    for pid in range(jax.process_count()):
+        key = f"{prefix}/{pid}"
+        if pid == me and own is not None:
+            out.append(own)
+        elif key in found:
+            out.append(found[key])
+        else:
+            out.append(read(key, max(0.001, deadline - time.monotonic())))
+    return out
 
 
 def forget(key: str) -> None:

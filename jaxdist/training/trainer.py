@@ -608,6 +608,9 @@ class Trainer:
                 one that restores).
             SystemExit: after a preemption checkpoint, with ``on_preemption="exit"``.
             NonFiniteError: when a step was not finite and the policy stops.
+            JobDisagreementError: with several processes, on every process, when they called ``fit`` differently,
+                or passed different global batches (compared at the first step and at each log point: every
+                process passes the same global batch, or each its own part through per-process input).
         """
         arguments = {name: value for name, value in locals().items() if name not in ("self", "train_data")}
         options = FitOptions(**arguments, steps_per_run=self.steps_per_run)

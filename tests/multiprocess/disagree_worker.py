@@ -7,9 +7,12 @@ Arguments: ``[address pid] cases directory`` (without address and pid: the ``JAX
 
 ``cases`` is a comma-separated list, run in order in the same processes: ``steps`` (12 vs 16), ``cadence``
 (checkpoint_every 5 vs 7) and ``dir`` (each process its own checkpoint_dir) are errors on both processes before
-the first step (each printed as ``CASE name: message``, and the next case runs); ``data`` (process 1's data ends
-after 5 of 12 batches), ``raises`` (a callback of process 1 raises at step 5) and ``claimed`` (another live run
-holds the checkpoint_dir: process 0, which claims it for the job, is refused) end the job.
+the first step (each printed as ``CASE name: message``, and the next case runs); so are ``batches`` (each process
+shuffles the batches with its own seed: named at step 1) and ``diverges`` (the same first 4 batches, then process
+1's differ: named at the log point of step 6; log_every=3), while ``same`` (both shuffle with one seed) trains
+(``CASE same: fit returned``); ``data`` (process 1's data ends after 5 of 12 batches), ``raises`` (a callback of
+process 1 raises at step 5) and ``claimed`` (another live run holds the checkpoint_dir: process 0, which claims it
+for the job, is refused) end the job.
 """
 
 import sys
@@ -51,7 +54,12 @@ class Raise(jd.training.Callback):
 
 
 for case in cases.split(","):
-    steps, every, where, data, callbacks = 12, 5, f"{directory}/{case}", batches, []
+    steps, every, where, data, callbacks, log_every = 12, 5, f"{directory}/{case}", batches, [], 10
+    if case in ("batches", "diverges", "same"):  # shuffled: with each process's own seed, or one seed
+        data = [batches[i] for i in np.random.default_rng(pid if case == "batches" else 0).permutation(len(batches))]
+        if case == "diverges" and pid == 1:
+            data = data[:4] + data[4:][::-1]  # steps 1-4 alike, then other batches
+        log_every = 3
     if pid == 1:
         if case == "steps":
             steps = 16
@@ -66,7 +74,7 @@ for case in cases.split(","):
     trainer = jd.training.Trainer(strategy, nn.Dense(4), optax.adam(1e-2), ce)
     try:
         trainer.fit(iter(data), steps=steps, verbose=0, callbacks=callbacks, checkpoint_dir=where,
-                    checkpoint_every=every)
+                    checkpoint_every=every, log_every=log_every)
     except jd.training.JobDisagreementError as error:
         if not error.on_every_process:
             raise

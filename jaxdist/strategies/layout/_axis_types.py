@@ -284,10 +284,13 @@ def auto_region(mesh: Any) -> Iterator[None]:
 
 def shape_scope(mesh: Any) -> contextlib.AbstractContextManager[Any]:
     """Where only shapes are evaluated (``jax.eval_shape`` of a user's model or loss outside any program, e.g.
-    inside ``strategy.scope()``): ``mesh``'s Explicit axes Auto (a shape never depends on axis types, and
-    unannotated code is refused by them); nothing on a mesh without Explicit axes. Arrays entering it pass
-    through `untyped`."""
-    return auto_region(mesh) if _explicit(mesh) else contextlib.nullcontext()
+    inside ``strategy.scope()``): ``mesh`` is JAX's abstract mesh, as in a ``strategy.jit`` trace (so a model's
+    ``jax.lax.with_sharding_constraint(x, PartitionSpec(...))`` names its axes), with its Explicit axes Auto (a
+    shape never depends on axis types, and unannotated code is refused by them). Arrays entering it pass through
+    `untyped`. The mesh must be of the context mesh's size, if one is set (`LayoutPolicy.shape_scope` sets it)."""
+    if _explicit(mesh):
+        return auto_region(mesh)
+    return jax.sharding.use_abstract_mesh(mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh)
 
 
 def untyped(tree: Any) -> Any:

@@ -36,7 +36,7 @@ from jaxdist.costs import format_bytes
 from jaxdist.job import spans_processes
 from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
 from jaxdist.strategies import ambient
-from jaxdist.strategies.layout._axis_types import trace_mesh
+from jaxdist.strategies.layout._axis_types import shape_scope, trace_mesh
 from jaxdist.strategies.layout._meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
 from jaxdist.strategies.layout._offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.layout._provenance import own
@@ -525,6 +525,26 @@ class LayoutPolicy:
         ``jax.shard_map`` in model code name its axes, as under the user's own ``jax.set_mesh``) and the logical
         rules (``nn.with_logical_constraint`` lays out activations; without rules Flax leaves them alone)."""
         with jax.sharding.use_abstract_mesh(trace_mesh(self.mesh).abstract_mesh), self.flax_rules():
+            yield
+
+    @contextlib.contextmanager
+    def shape_scope(self):
+        """What a user's model and losses are evaluated in for their shapes alone, outside any program (the
+        Trainer's loss check and state shapes, a restore's target): what `tracing_scope` gives a ``strategy.jit``
+        step (this mesh as JAX's abstract mesh, so ``jax.lax.with_sharding_constraint`` with a bare
+        ``PartitionSpec`` names its axes, and the logical rules), with the mesh's Explicit axes Auto (a shape never
+        depends on axis types: `jaxdist.strategies.layout.shape_scope`), on this mesh whatever mesh the caller
+        set (`call_scope`). Arrays entering it pass through `untyped`.
+
+        Examples:
+            >>> import jax, jaxdist as jd
+            >>> from jax.sharding import PartitionSpec as P
+            >>> policy = LayoutPolicy(jax.devices()[:2])
+            >>> with policy.shape_scope():
+            ...     jax.eval_shape(lambda x: jax.lax.with_sharding_constraint(x, P("replica")), jax.numpy.ones(4))
+            ShapeDtypeStruct(shape=(4,), dtype=float32)
+        """
+        with self.call_scope(), shape_scope(self.mesh), self.flax_rules():
             yield
 
     def call_scope(self, args: Any = ()) -> contextlib.AbstractContextManager[Any]:

@@ -10,6 +10,7 @@ from jaxdist.training.data._checks import say_batch_change as say_batch_change
 from jaxdist.training.data._eval import eval_batches as eval_batches
 from jaxdist.training.data._feed import BatchFeed as BatchFeed
 from jaxdist.training.data._feed import TrainBatch as TrainBatch
+from jaxdist.training.data._feed import WholeBatch as WholeBatch
 from jaxdist.training.data._format import check_key as check_key
 from jaxdist.training.data._format import split_batch as split_batch
 from jaxdist.training.data._input_state import IteratorSnapshot as IteratorSnapshot
@@ -23,6 +24,6 @@ from jaxdist.training.data._stream import BatchStream as BatchStream
 
 __all__ = [
     "BatchChecker", "BatchFeed", "BatchStream", "DataPosition", "IteratorSnapshot", "TrainBatch",
-    "UnrestorableState", "check_key", "eval_batches", "global_rows", "restore_args", "restored_position",
+    "UnrestorableState", "WholeBatch", "check_key", "eval_batches", "global_rows", "restore_args", "restored_position",
     "save_args", "say_batch_change", "split_batch", "state_for_process",
 ]

@@ -16,6 +16,13 @@ Measured (the ``trainer-P2`` benchmark row, small MLP on 8 simulated CPU devices
 work the read-ahead cannot hide): this path costs about 5% against batches already on the devices; placing
 them in a prefetch thread instead cost about 9% (the thread contends with the loop for the interpreter).
 
+In a job of several processes each process passes the same global batch whole and places only its own devices'
+rows of it, so processes that pass different batches would train on a mix of them without a word. There the feed
+returns `WholeBatch` es, which keep the host batch the process passed (a reference: nothing is computed or copied
+per step); ``fit`` compares their `WholeBatch.fingerprint` across the processes at its first step and its log
+points (`jaxdist.training.loop._hosts.SameBatches`). Per-process input (grain) and batches already placed (a
+distributed dataset's) are not compared.
+
 Example:
     >>> import numpy as np, jaxdist as jd
     >>> from jaxdist.training.data._checks import BatchChecker
@@ -30,13 +37,23 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
+
+import jax
+import numpy as np
 
 from jaxdist.strategies import Strategy
 from jaxdist.strategies.input import place_batch
 from jaxdist.training.data._checks import BatchChecker
 
-__all__ = ["BatchFeed", "TrainBatch"]
+__all__ = ["FINGERPRINT_BYTES", "ROW_SAMPLES", "BatchFeed", "TrainBatch", "WholeBatch"]
+
+FINGERPRINT_BYTES = 1 << 16
+"""A leaf of at most this many bytes enters a `WholeBatch.fingerprint` whole."""
+
+ROW_SAMPLES = 64
+"""A larger leaf enters it by this many evenly spaced values of each of its rows (axis 0)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,6 +78,46 @@ class TrainBatch:
     pair: tuple[Any, Any]
     placed: bool
     checker: BatchChecker = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WholeBatch(TrainBatch):
+    """A `TrainBatch` of a job of several processes that each pass the global batch whole: with the host batch
+    this process passed (``host``, the checked pair ``(x, y)``; kept, not copied), for ``fit`` to compare across
+    the processes (`fingerprint`).
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxdist.training.data._checks import BatchChecker
+        >>> pair = (np.arange(6.0).reshape(3, 2), np.arange(3))
+        >>> batch = WholeBatch(pair, placed=False, checker=BatchChecker(1), host=pair)
+        >>> batch.fingerprint() == WholeBatch(pair, False, BatchChecker(1), (pair[0].copy(), pair[1])).fingerprint()
+        True
+        >>> batch.fingerprint() == WholeBatch(pair, False, BatchChecker(1), (pair[0][::-1], pair[1])).fingerprint()
+        False
+    """
+
+    host: Any = dataclasses.field(repr=False)
+
+    def fingerprint(self) -> str | None:
+        """A cheap fingerprint of the host batch: its structure, each leaf's shape and dtype, and a CRC-32 of
+        each leaf's bytes (a leaf of at most `FINGERPRINT_BYTES`) or of `ROW_SAMPLES` evenly spaced values of
+        each of its rows. Two batches that hold other examples, or the same ones in another order, differ in
+        it; a change of a few values inside one large example may not. None for a batch of global arrays
+        (already placed: nothing of it is this process's alone). Computed when asked (``fit``: at its first
+        step and its log points), never per step."""
+        leaves, treedef = jax.tree.flatten(self.host)
+        parts = [str(treedef)]
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                return None
+            a = np.asarray(leaf)
+            if a.nbytes > FINGERPRINT_BYTES and a.ndim and a.shape[0]:
+                rows = a.reshape(a.shape[0], -1)
+                a = rows[:, np.unique(np.linspace(0, rows.shape[1] - 1, ROW_SAMPLES).astype(np.intp))]
+            a = np.ascontiguousarray(a).reshape(-1)
+            parts.append(f"{a.dtype}{np.shape(leaf)}:{zlib.crc32(a.view(np.uint8)):08x}")
+        return ";".join(parts)
 
 
 class BatchFeed:
@@ -93,6 +150,7 @@ class BatchFeed:
         self.strategy = strategy
         self.checker = checker
         self.place = place
+        self.whole = strategy.policy.spans_processes  # several processes: each passes global batches whole
 
     def __call__(self, batch: Any, where: str, processes: int = 1) -> TrainBatch:
         """``batch`` checked and (see ``place``) placed: the one check and the one transfer it gets.
@@ -107,11 +165,13 @@ class BatchFeed:
         """
         if isinstance(batch, TrainBatch):  # another checker's (another trainer's): checked again, for this one
             batch = batch.pair
-        pair = self.checker(batch, where, processes)
+        pair = checked = self.checker(batch, where, processes)
         if processes > 1:
             pair = place_batch(self.strategy.policy, pair, process_local=True, where=where)
         elif self.place:
             pair = place_batch(self.strategy.policy, pair, where=where)
+        if self.whole and processes == 1:  # every process passes this global batch: fit compares them
+            return WholeBatch(pair, self.place, self.checker, checked)
         return TrainBatch(pair, self.place or processes > 1, self.checker)
 
     def trusts(self, batch: Any) -> bool:

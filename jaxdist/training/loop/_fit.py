@@ -50,6 +50,7 @@ from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import HOOKS, Callback, FitControl, History, overriding
 from jaxdist.training.checkpoints import Checkpointer, clear_progress, restore_live, save_live, write_progress
 from jaxdist.training.data import BatchStream, DataPosition
+from jaxdist.training.loop._hosts import SameBatches
 from jaxdist.training.loop._job_time import JobTime
 from jaxdist.training.loop._logs import Logs
 from jaxdist.training.loop._options import FitOptions
@@ -158,6 +159,7 @@ class FitLoop(FitControl):
         mesh = live.strategy.mesh
         self.spans = spans_processes(mesh.devices.flat)
         self.watcher = PreemptionWatcher(mesh=mesh, waited=self.clock.waited)
+        self.same = SameBatches(self.spans)  # the processes' batches, compared at the first step and log points
 
     # ----------------------------------------------------------------------------------- FitControl
     @property
@@ -300,7 +302,7 @@ class FitLoop(FitControl):
                     self.checks += 1
                     step = live.step
                     if step >= self.due:  # 3. a point is due at this step (rare): it calls on_step_end too
-                        if self.points(step - n, step, metrics):
+                        if self.points(step - n, step, metrics, batch):
                             continue  # rolled back: the log, evaluation and checkpoint points come again
                     else:
                         if step_end:  # 3. the callbacks that look at every step
@@ -328,10 +330,12 @@ class FitLoop(FitControl):
         """An on-device loop's batches: up to the next log, evaluation or checkpoint point."""
         return list(itertools.islice(self.reader, self.options.run_length(self.live.step)))
 
-    def points(self, before: int, step: int, metrics: Any) -> bool:
-        """What is due at ``step`` (after the steps from ``before``, which returned ``metrics``), ``on_step_end``
-        included (unless ``metrics`` is None: it was called); True when the run rolled back."""
+    def points(self, before: int, step: int, metrics: Any, batch: Any = None) -> bool:
+        """What is due at ``step`` (after the steps from ``before``, which returned ``metrics`` from ``batch``),
+        ``on_step_end`` included (unless ``metrics`` is None: it was called); True when the run rolled back."""
         options, live = self.options, self.live
+        if self.cost is None or _crossed(before, step, options.log_every) or step == options.steps:
+            self.same.check(step, batch)  # the first step and the log points: every process's batch alike
         if step >= self.redo:  # the step an earlier run reached: the steps up to it were lost
             self.clock.redone()
             self.redo = NEVER

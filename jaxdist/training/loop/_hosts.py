@@ -13,6 +13,12 @@ every process of a ``jax.distributed`` job talks to anyway: no collective, no de
 at its logs (the processes emit them at the same step), without waiting (a figure not there yet is read at
 the next log; at the end of ``fit`` process 0 waits at most `READ_SECONDS` for each, then goes on without it).
 
+Every process passes the same global batch (each places only its own devices' rows of it), so processes that
+pass different ones (each shuffling with its own seed) train on a mix of them and give other numbers without a
+word. `SameBatches` compares a fingerprint of each process's batch (`jaxdist.training.data.WholeBatch`) through
+the same store at the fit's first step and at its log points, and raises a `jaxdist.job.JobDisagreementError`
+on every process, naming the processes that differ, the step and the fix. Between those points it costs nothing.
+
 A process is named in a `StragglerWarning` when it waits on its input at least ``straggler_ratio`` times as long
 as the median process and that excess is at least ``straggler_ratio - 1`` times the median step time (so that
 microseconds of input on a fast pipeline name nobody): every step of the job is then that much longer because of
@@ -27,20 +33,24 @@ import json
 import socket
 import statistics
 import warnings
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from jaxdist.job import forget, post, read
+from jaxdist.job import AGREE_SECONDS, JobDisagreementError, forget, gather, post, read
 from jaxdist.training.callbacks import Callback
+from jaxdist.training.data import WholeBatch
 
-__all__ = ["READ_SECONDS", "HostTimes", "StragglerWarning", "check_ratio"]
+__all__ = ["READ_SECONDS", "HostTimes", "SameBatches", "StragglerWarning", "check_ratio"]
 
 READ_SECONDS = 10.0
 """How long process 0 waits, at the end of ``fit``, for another process's figures of a window."""
 
 _fits = itertools.count()  # every process of a job runs its fits in the same order: one key prefix per fit
+_inputs = itertools.count()  # the same for `SameBatches`
+_BLOCK = 64  # `SameBatches`' keys are deleted a block of this many comparisons at a time (one call)
 
 
 class StragglerWarning(Warning):
@@ -176,6 +186,102 @@ class HostTimes(Callback):
                 f"(window ending at step {step}). Speed up its input (more reader threads, prefetching, a local "
                 "copy of the data) or move it off that host.", StragglerWarning, stacklevel=2)
         self._named = set(slow)
+
+
+class SameBatches:
+    """Every process of a fit passes the same global batch: compared at the first step and the log points.
+
+    `check` is called by the fit loop at those points with the step's batch. Where the batches are
+    `jaxdist.training.data.WholeBatch` es (several processes, each passing its global batch whole), each process
+    posts its batch's fingerprint to the job's key-value store (the coordination service's, which every process
+    of the job already talks to); process 0 reads them all (`jaxdist.job.gather`: one listing, and a wait for those
+    not there yet) and posts the verdict, which the others read: two calls to the store per process and point,
+    however many processes there are (and one more, every 64 points, that deletes them). Every process acts
+    on the same verdict at the same step: all go on, or all raise. A peer that failed meanwhile ends the wait
+    through the job's failure monitor. Per-process input (grain) and placed batches are not compared; one process
+    has nothing to compare. Cost per point: the fingerprint (`WholeBatch.fingerprint`) and that exchange.
+
+    Args:
+        spans: whether the fit's devices span processes.
+
+    Raises:
+        JobDisagreementError: (from `check`) on every process when the processes' batches differ, naming them,
+            the step and the fix; when a process did not reach the comparison within `AGREE_SECONDS`, naming it.
+
+    Examples:
+        >>> same = SameBatches(spans=False)
+        >>> same.check(1, None)   # one process: nothing to compare
+        >>> print(disagreement(6, ["a", "a", "b"], 3))  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
+        the processes of this job passed different global batches at step 6: process 2 differs from process 0
+        (fingerprints: processes 0, 1: e8b7be43; process 2: 71beeff9); they agreed at step 3, the check before. ...
+    """
+
+    def __init__(self, spans: bool):
+        self._spans = spans and jax.process_count() > 1
+        self._prefix = f"jaxdist/batches/{next(_inputs)}" if self._spans else ""
+        self._checks = 0
+        self._agreed: int | None = None  # the step of the last check, where every process's batch was alike
+
+    def check(self, step: int, batch: Any) -> None:
+        """Compare the processes' batches of ``step`` (a `WholeBatch`, or an on-device loop's list of them: its
+        last); nothing for other batches, or a step already compared."""
+        if not self._spans or step == self._agreed:
+            return
+        if isinstance(batch, list):
+            batch = batch[-1] if batch else None
+        mine = batch.fingerprint() if isinstance(batch, WholeBatch) else None
+        if mine is None:
+            return
+        me, n = jax.process_index(), self._checks
+        self._checks += 1
+        where = f"{self._prefix}/{n // _BLOCK}/{n % _BLOCK}"
+        if me == 0:  # decides for all
+            seen = gather(where, AGREE_SECONDS, own=mine)
+            missing = [pid for pid, value in enumerate(seen) if value is None]
+            if missing:
+                verdict = (f"missing:process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
+                           f"not reach the comparison of step {step}'s batches within {AGREE_SECONDS:g} s: every "
+                           "process must run the same steps of fit")
+            elif any(value != mine for value in seen):
+                verdict = "differ:" + disagreement(step, seen, self._agreed)
+            else:
+                verdict = "alike:"
+            post(f"{where}/verdict", verdict)
+            if n % _BLOCK == 0 and n:  # every process read the verdicts of the block before (it posted after them)
+                forget(f"{self._prefix}/{n // _BLOCK - 1}")  # its values and verdicts, in one call
+        else:
+            post(f"{where}/{me}", mine)
+            verdict = read(f"{where}/verdict", 2 * AGREE_SECONDS)
+            if verdict is None:
+                raise JobDisagreementError(f"process {me}: process 0 did not compare step {step}'s batches within "
+                                           f"{2 * AGREE_SECONDS:g} s", on_every_process=False)
+        kind, _, message = verdict.partition(":")
+        if kind != "alike":
+            raise JobDisagreementError(message, on_every_process=kind == "differ")
+        self._agreed = step
+
+
+def disagreement(step: int, seen: list[str], agreed: int | None) -> str:
+    """The message of processes whose batches of ``step`` differ (``seen``: each process's fingerprint; ``agreed``:
+    the step of the check before, where they were alike, or None)."""
+    groups: dict[str, list[int]] = {}
+    for pid, value in enumerate(seen):
+        groups.setdefault(value, []).append(pid)
+    odd = [pid for pid, value in enumerate(seen) if value != seen[0]]
+    shown = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: {zlib.crc32(value.encode()):08x}"
+                      for value, p in groups.items())
+    before = "" if agreed is None else f"; they agreed at step {agreed}, the check before"
+    return (
+        f"the processes of this job passed different global batches at step {step}: "
+        f"process{'es' if len(odd) > 1 else ''} {', '.join(map(str, odd))} "
+        f"differ{'' if len(odd) > 1 else 's'} from process 0 (fingerprints: {shown}){before}. In a multi-process "
+        "fit every process passes the same global batch and places only its own devices' rows of it, so different "
+        "batches train on a mix of them and give other numbers. Fix: every process passes the same global batch: "
+        "seed the shuffle the same on every process (e.g. a train_data function of the epoch shuffling with "
+        "np.random.default_rng((seed, epoch)), not with the process index); or give each process its own part of "
+        "every batch: a grain pipeline sharded by process (grain.sharding.ShardByJaxProcess()), or "
+        "strategy.distribute_datasets_from_function(fn), whose fn(ctx) yields process ctx.input_pipeline_id's rows."
+    )
 
 
 def _ms(seconds: float) -> str:

@@ -19,7 +19,7 @@ import optax
 
 from jaxdist.replicate.trees import abstract
 from jaxdist.strategies import Strategy
-from jaxdist.strategies.layout import shape_scope, untyped
+from jaxdist.strategies.layout import untyped
 from jaxdist.training.step._functions import TrainState
 from jaxdist.training.step._weighted import check_value
 
@@ -80,7 +80,7 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
         >>> restore_target(jd.OneDeviceStrategy(), build, args).params["kernel"].shape
         (3, 2)
     """
-    with shape_scope(strategy.mesh):
+    with strategy.policy.shape_scope():
         shapes = jax.eval_shape(build, *untyped(args))
     layouts = strategy.variable_shardings(shapes)  # the layout create_variables would use
     return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
@@ -106,7 +106,7 @@ def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, p
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state or {}, step_rng)
 
     params, model_state = abstract(params), abstract(model_state)
-    with shape_scope(strategy.mesh):
+    with strategy.policy.shape_scope():
         shapes = jax.eval_shape(build, jax.random.key(0))
     layouts = strategy.variable_shardings(shapes)
     return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),

@@ -29,7 +29,7 @@ import optax
 from jaxdist.costs import bytes_per_device
 from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.strategies import Plan, Strategy
-from jaxdist.strategies.layout import shape_scope, untyped
+from jaxdist.strategies.layout import untyped
 from jaxdist.training.data import eval_batches
 from jaxdist.training.step._build import check_losses
 from jaxdist.training.step._functions import (
@@ -131,10 +131,11 @@ class CompiledSteps:
             return True
         if pair is None:
             return False
-        if self.weighted is None:
-            self.weighted = check_losses(self._model, self._loss_fn, self.metrics, state, *pair)
-        # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss is.
-        with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
+        # Shapes only, outside any program: on the strategy's mesh, as strategy.jit traces the step.
+        with self.strategy.policy.shape_scope():
+            if self.weighted is None:
+                self.weighted = check_losses(self._model, self._loss_fn, self.metrics, untyped(state), *pair)
+            # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss is.
             extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
         zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)

@@ -20,7 +20,7 @@ import optax
 
 from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.strategies import Plan, Strategy
-from jaxdist.strategies.layout import shape_scope, untyped
+from jaxdist.strategies.layout import untyped
 from jaxdist.strategies.plan import abstract_variables
 from jaxdist.training.data import BatchChecker, BatchFeed, DataPosition, TrainBatch, check_key
 from jaxdist.training.step._build import check_losses, restore_target, state_builder
@@ -164,7 +164,7 @@ class LiveState:
         x, y = self.batches.split(batch, "the first batch", need_targets=False)
         build, args = state_builder(self.model, self.optimizer, self.seed, x)
         if y is not None:
-            with shape_scope(self.strategy.mesh):
+            with self.strategy.policy.shape_scope():  # the strategy's mesh, as strategy.jit traces the step
                 self.steps.weighted = check_losses(self.model, self.loss_fn, self.metrics,
                                                    jax.eval_shape(build, *untyped(args)), x, y)
         return build, args
