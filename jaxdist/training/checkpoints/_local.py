@@ -319,15 +319,40 @@ class LocalCheckpointer:
         ValueError: for a ``directory`` that cannot hold checkpoints, or ``max_to_keep < 1``.
 
     Examples:
-        See the module's example; in an own loop::
+        An own loop with both tiers, persistent every 3 steps and local every 2, then its restart. Here the job
+        is this one process, whose local tier has no neighbour to copy to; in a job of several processes each
+        one runs the same lines, and every shard is also held by the previous process:
 
-            local = LocalCheckpointer("/mnt/ssd/run-{process}", persistent=ckpt.directory)
-            restored = local.restore(state, persistent_step=ckpt.latest_step())
-            if restored.step is None and ckpt.latest_step() is not None:
-                state, meta = ckpt.restore(state)
-            ...
-            if step % 2 == 0:
-                local.save(step, state)
+        >>> import tempfile, jax.numpy as jnp, jaxdist as jd
+        >>> strategy, root = jd.OneDeviceStrategy(), tempfile.mkdtemp()
+        >>> train_step = strategy.jit(lambda s: {"w": s["w"] + 1.0})
+        >>> state = strategy.mirror({"w": jnp.zeros(3)})
+        >>> ckpt = jd.training.Checkpointer(root + "/persistent")
+        >>> local = LocalCheckpointer(root + "/local-{process}", persistent=ckpt.directory)
+        >>> for step in range(1, 6):
+        ...     state = train_step(state)
+        ...     if step % 3 == 0:
+        ...         _ = ckpt.save(step, state)
+        ...     if step % 2 == 0:
+        ...         local.save(step, state)
+        >>> local.close()
+        >>> ckpt.all_steps(), local.all_steps()
+        ([3], [2, 4])
+
+        The restart (a new process on the same directories): the local tier first, else the persistent one.
+
+        >>> local = LocalCheckpointer(root + "/local-{process}", persistent=ckpt.directory)
+        >>> like = strategy.mirror({"w": jnp.zeros(3)})
+        >>> restored = local.restore(like, persistent_step=ckpt.latest_step())
+        >>> if restored.step is not None:
+        ...     state, step = restored.state, restored.step
+        ... else:
+        ...     (state, _), step = ckpt.restore(like), ckpt.latest_step()
+        >>> restored.step, restored.sources, restored.persistent_step  # its log line: restored.message()
+        (4, (0,), 3)
+        >>> step, state["w"].tolist()
+        (4, [4.0, 4.0, 4.0])
+        >>> local.close(); ckpt.close()
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int = 2, *,
