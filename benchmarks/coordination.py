@@ -20,11 +20,11 @@ service that process 0 hosts; what `jaxdist.job` uses):
 
 Each figure is the median over ``rounds`` rounds (the slowest process's round for the collective
 ones: every process takes part, and the job waits for the last). The checkpoint claim is not timed:
-it is one file, written by process 0 only, touched every 10 s, whatever N is. A least-squares line
-(seconds = a + b N) is fitted to each figure over the process counts and evaluated at N = 1,000:
-EXTRAPOLATED, not measured (and on this machine the processes share 2 cores, so a round's time grows
-with N for that reason too). Writes ``<date>-<backend>-coordination.md`` and ``.json`` under
-``--out``.
+it is one file, written by process 0 only, touched every 10 s, whatever N is. A power law (ms = a
+N^k, least squares on the logarithms) is fitted to each figure over the process counts and evaluated
+at N = 1,000: EXTRAPOLATED, not measured (and on this machine the processes share 2 cores, so a
+round's time grows with N for that reason too; the coordinator's own requests are counted per round
+besides). Writes ``<date>-<backend>-coordination.md`` and ``.json`` under ``--out``.
 
 Also the worker: ``python benchmarks/coordination.py worker ROUNDS``.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -43,21 +44,28 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["FIGURES", "fit_line", "main", "markdown", "worker"]
+__all__ = ["FIGURES", "fit_power", "main", "markdown", "worker"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 _MARK = "COORDINATION "
 FIGURES = ("exchange", "tiers", "beat", "poll", "stragglers")
 HOSTS = 1000
+REQUESTS = {  # the coordinator's requests per round of each figure, for N processes
+    "exchange": lambda n: n + n * n,  # each process: one set, one get per process
+    "tiers": lambda n: n + n * n,
+    "beat": lambda n: 3 * n,  # each: set, read every beat, wait on its goodbye key
+    "poll": lambda n: n,
+    "stragglers": lambda n: n + 2 * (n - 1),  # each posts; process 0 reads and forgets each other's
+}
 
 
 def _records(me: int, count: int) -> dict[str, Any]:
-    """What `LocalCheckpointer.restore` exchanges: this process's two kept local steps and its run
-    token."""
-    base = {"processes": count, "identity": "0" * 16, "layout": "1" * 16, "run": uuid.uuid4().hex}
+    """What `LocalCheckpointer.restore` exchanges: this process's two kept local steps (written by
+    one run: its token is the job's) and its own run token."""
+    base = {"processes": count, "identity": "0" * 16, "layout": "1" * 16, "run": "2" * 32}
     steps = [dict(base, step=s, process=me, peer=(me + 1) % count) for s in (12, 14)]
-    return {"records": steps, "run": base["run"]}
+    return {"records": steps, "run": uuid.uuid4().hex}
 
 
 def worker(rounds: int) -> None:
@@ -98,7 +106,7 @@ def worker(rounds: int) -> None:
         exchange("beats", "", 60.0)
         prefix = f"bench/beats/{r}/"
         value = json.dumps({"beat": r, **beat})
-        sizes["beat"] = len(value)
+        sizes["beat"] = len(f"{prefix}{me}") + len(value)  # one entry of the read, key and value
 
         def one_beat(prefix: str = prefix, value: str = value) -> list:
             client.key_value_set(f"{prefix}{me}", value, allow_overwrite=True)
@@ -151,19 +159,21 @@ def _job(processes: int, rounds: int, timeout: float = 300.0) -> dict[str, Any]:
                        f"{(proc.stdout + proc.stderr)[-2000:]}")
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x``: ``(a, b)`` (``b`` 0 for a single point).
+def fit_power(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares on the logarithms, ``y = a x ** k``: ``(a, k)`` (``k`` 0 for a single point).
 
     Examples:
-        >>> fit_line([2, 4, 8], [3.0, 5.0, 9.0])
-        (1.0, 1.0)
+        >>> a, k = fit_power([2, 4, 8], [2.0, 8.0, 32.0])
+        >>> round(a, 6), round(k, 6)
+        (0.5, 2.0)
     """
     if len(xs) < 2:
         return float(ys[0]), 0.0
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    b = covariance / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    covariance = sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True))
+    k = covariance / sum((x - mx) ** 2 for x in lx)
+    return math.exp(my - k * mx), k
 
 
 def _load(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,7 +186,7 @@ def _load(results: list[dict[str, Any]]) -> dict[str, Any]:
         return {"requests_per_s": n * 3 / BEAT_SECONDS + n / POLL_SECONDS,
                 "read_bytes_per_s": n * n * beat_bytes / BEAT_SECONDS}
 
-    entry = statistics.fmean(r["bytes"]["beat_read"] / r["processes"] for r in results)
+    entry = statistics.fmean(r["bytes"]["beat"] for r in results)
     return {"beat_entry_bytes": entry, "beat_seconds": BEAT_SECONDS, "poll_seconds": POLL_SECONDS,
             "measured": {r["processes"]: rates(r["processes"], entry) for r in results},
             "extrapolated": rates(HOSTS, entry)}
@@ -197,20 +207,20 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         f"(git {machine['git_commit']})",
         f"- load average at start (1/5/15 min): {machine['load_average_1_5_15']}",
         f"- milliseconds per round, median of {len(results[0]['seconds']['exchange'])} rounds; "
-        f"fit: ms = a + b N (least squares); the N = {HOSTS:,} column is EXTRAPOLATED from the "
-        "fit.",
+        f"fit: ms = a N^k (least squares on the logarithms); the N = {HOSTS:,} column is "
+        "EXTRAPOLATED from the fit.",
         "",
         "| figure | " + " | ".join(f"N = {n} ms" for n in counts)
-        + f" | fit a + b N (ms) | N = {HOSTS:,} ms (extrapolated) |",
-        "|---|" + "---|" * (len(counts) + 2),
+        + f" | fit a N^k (ms) | N = {HOSTS:,} ms (extrapolated) | requests per round, N = "
+        f"{max(counts)} / {HOSTS:,} |",
+        "|---|" + "---|" * (len(counts) + 3),
     ]
-    fits = {}
     for name in FIGURES:
         ms = [1e3 * statistics.median(r["seconds"][name]) for r in results]
-        a, b = fit_line(counts, ms)
-        fits[name] = (a, b)
+        a, k = fit_power(counts, ms)
         lines.append(f"| {name} | " + " | ".join(f"{x:.2f}" for x in ms)
-                     + f" | {a:.2f} + {b:.3f} N | {a + b * HOSTS:.0f} |")
+                     + f" | {a:.3f} N^{k:.2f} | {a * HOSTS ** k:,.0f} | "
+                     f"{REQUESTS[name](max(counts)):,} / {REQUESTS[name](HOSTS):,} |")
     load = _load(results)
     lines += [
         "",
