@@ -365,6 +365,8 @@ class FitLoop(FitControl):
             self.checkpoint()
         if self.local is not None and _crossed(before, live.step, options.local_checkpoint_every):
             self.place()  # the data position after this step's batches goes with it
+            with self.clock.timing("waited"):  # the devices finish the steps dispatched: steps, not the save
+                jax.block_until_ready(live.state)
             with self.paused("checkpoint"):
                 save_live_local(live, self.local)
         self.schedule(live.step)
