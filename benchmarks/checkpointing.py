@@ -2,6 +2,9 @@
 
 ``python -m benchmarks.checkpointing [--out DIR] [--pairs N] [--saves N] [--every SECONDS] [--width W]``
 
+``python -m benchmarks.checkpointing --row two-tier [--out DIR] [--pairs N] [--width W] [--smoke]``:
+the two-tier row instead (`benchmarks.two_tier`: a lost host with a local tier or not, 2 processes).
+
 The state: a 784-W-W-10 MLP with adam (parameters and both moments, float32; W=2048: 70 MB), mirrored on
 8 simulated CPU devices (`MirroredStrategy`), trained by a ``strategy.jit`` step that donates it. A run
 saves every ``every`` seconds with one `Checkpointer` (a fresh directory on the disk of ``--dir``) and
@@ -183,17 +186,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temp dir)")
-    parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (default 3)")
+    parser.add_argument("--row", choices=("ckpt", "two-tier"), default="ckpt",
+                        help="ckpt (default) or two-tier (benchmarks.two_tier)")
+    parser.add_argument("--smoke", action="store_true", help="two-tier: tiny sizes (does it run?)")
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="pairs of runs (default 3; two-tier: 2)")
     parser.add_argument("--saves", type=int, default=3, help="counted saves per run (default 3)")
     parser.add_argument("--every", type=float, default=4.0, help="seconds between saves (default 4)")
-    parser.add_argument("--width", type=int, default=2048, help="hidden width (default 2048: a 70 MB state)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="hidden width (default 2048: a 70 MB state)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     args = parser.parse_args(argv)
     for name in ("pairs", "saves", "width", "devices"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
     if args.every < 0:
         parser.error(f"--every={args.every} must be >= 0")
+    if args.row == "two-tier":
+        return _two_tier(args)
+    args.pairs, args.width = args.pairs or 3, args.width or 2048
     jax.config.update("jax_num_cpu_devices", args.devices)
 
     from benchmarks.report import _version, machine_info, write_table
@@ -213,6 +224,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}-checkpoint"
     write_table(args.out, stem, table, {"machine": machine, "target": TARGET, "checkpoint_dir": directory,
                                         **dataclasses.asdict(result)})
+    print(table)
+    return 0
+
+
+def _two_tier(args: argparse.Namespace) -> int:
+    """The two-tier row (`benchmarks.two_tier`): measure, write ``<date>-<backend>-two-tier`` ``.md``
+    and ``.json`` (``-smoke`` added with ``--smoke``) under ``--out``, print the table."""
+    from benchmarks import two_tier
+    from benchmarks.report import _version, machine_info, write_table
+
+    settings = two_tier.SETTINGS["smoke" if args.smoke else "full"]
+    settings = dataclasses.replace(settings, pairs=args.pairs or settings.pairs,
+                                   width=args.width or settings.width)
+    machine = machine_info(jax.devices())
+    machine["orbax"] = _version("orbax-checkpoint")
+    directory = args.dir or tempfile.mkdtemp(prefix="jaxdist-two-tier-bench-")
+    try:
+        result = two_tier.measure(settings, directory)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    table = two_tier.markdown(result, machine)
+    stem = f"{machine['date'][:10]}-{machine['backend']}-two-tier{'-smoke' if args.smoke else ''}"
+    write_table(args.out, stem, table, {"machine": machine, **dataclasses.asdict(result),
+                                        "ratios": two_tier.ratios(result)})
     print(table)
     return 0
 

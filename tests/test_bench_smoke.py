@@ -101,6 +101,19 @@ def test_accelerator_smoke_runs_every_part_and_labels_cpu_numbers(tmp_path):
     assert "mean nothing about an accelerator" in table and "| P1 |" in table and "cuDNN needs an NVIDIA GPU" in table
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_coordination_smoke_times_every_figure_on_two_processes(tmp_path):
+    """Slow because it launches a job of 2 processes (about 7 s of CPU)."""
+    _smoke("benchmarks.coordination", tmp_path)
+    data = json.loads(next(tmp_path.glob("*-coordination-smoke.json")).read_text())
+    (result,) = data["results"]
+    assert result["processes"] == 2
+    assert sorted(result["seconds"]) == sorted(["exchange", "tiers", "beat", "poll", "stragglers"])
+    assert all(len(v) == 2 and min(v) > 0 for v in result["seconds"].values())
+    assert "(extrapolated)" in next(tmp_path.glob("*-coordination-smoke.md")).read_text()
+
+
 def test_accelerator_refuses_an_unknown_part(capsys):
     from benchmarks import accelerator
 

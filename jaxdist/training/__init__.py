@@ -31,6 +31,7 @@ from jaxdist.training.checkpoints import CheckpointConflictError as CheckpointCo
 from jaxdist.training.checkpoints import CheckpointCorruptedError as CheckpointCorruptedError
 from jaxdist.training.checkpoints import Checkpointer as Checkpointer
 from jaxdist.training.checkpoints import CheckpointSaveError as CheckpointSaveError
+from jaxdist.training.checkpoints import LocalCheckpointer as LocalCheckpointer
 from jaxdist.training.data import DataPosition as DataPosition
 from jaxdist.training.loop import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.loop import StragglerWarning as StragglerWarning
@@ -62,6 +63,7 @@ __all__ = [
     "History",
     "JobDisagreementError",
     "LinenModel",
+    "LocalCheckpointer",
     "MLflowLogger",
     "NnxModel",
     "NonFiniteError",

@@ -538,6 +538,8 @@ class Trainer:
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
+        local_checkpoint_dir: str | os.PathLike | None = None,
+        local_checkpoint_every: int | None = None,
         async_checkpoints: bool = True,
         log_every: int = 10,
         log_dir: str | os.PathLike | None = None,
@@ -570,6 +572,12 @@ class Trainer:
                 steps, at the end and on preemption. None: no checkpoints.
             checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
             keep_checkpoints: how many recent checkpoints to keep.
+            local_checkpoint_dir: the local tier: each process's own directory (``{process}`` becomes its index,
+                e.g. ``"/mnt/ssd/ckpt-{process}"``), saved every ``local_checkpoint_every`` steps with what the
+                process holds and a copy of the next process's shards; a restart restores the newest step the
+                surviving processes' copies assemble, else ``checkpoint_dir`` (which it needs), and the log says
+                which (`jaxdist.training.LocalCheckpointer`).
+            local_checkpoint_every: steps between local checkpoints (with ``local_checkpoint_dir``).
             async_checkpoints: write checkpoints in the background (training goes on once the state is copied
                 to host memory); ``fit`` returns once the last one is complete. False: each save blocks.
             log_every: steps between log points: each log is the mean of every metric over the window, steps/s,

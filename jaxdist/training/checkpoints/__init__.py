@@ -1,6 +1,7 @@
 """State on disk: the `Checkpointer`, its damage checks, the one-writer claim, storage errors, foreign (Orbax)
-checkpoints, the record of how far a fit got, states loaded into a strategy's layout, a Trainer's state saved,
-restored and loaded (averaged weights with it or not), and the compilation cache.
+checkpoints, the record of how far a fit got, states loaded into a strategy's layout, the local tier
+(`LocalCheckpointer`: each process's own disk, every shard on two processes), a Trainer's state saved, restored
+and loaded (averaged weights with it or not), and the compilation cache.
 
 This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
 """
@@ -15,11 +16,16 @@ from jaxdist.training.checkpoints._live import load_live as load_live
 from jaxdist.training.checkpoints._live import restore_live as restore_live
 from jaxdist.training.checkpoints._live import roll_back as roll_back
 from jaxdist.training.checkpoints._live import save_live as save_live
+from jaxdist.training.checkpoints._local import LocalCheckpointer as LocalCheckpointer
+from jaxdist.training.checkpoints._local import LocalRestore as LocalRestore
+from jaxdist.training.checkpoints._local_live import restore_live_local as restore_live_local
+from jaxdist.training.checkpoints._local_live import save_live_local as save_live_local
 from jaxdist.training.checkpoints._storage import CheckpointSaveError as CheckpointSaveError
 from jaxdist.training.checkpoints._storage import check_directory as check_directory
 
 __all__ = [
-    "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "check_directory",
+    "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "LocalCheckpointer",
+    "LocalRestore", "check_directory",
     "clear_progress", "load_live", "read_progress", "restore_live", "roll_back",
-    "save_live", "write_progress",
+    "restore_live_local", "save_live", "save_live_local", "write_progress",
 ]

@@ -48,7 +48,15 @@ from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.job import data_ended, spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import HOOKS, Callback, FitControl, History, overriding
-from jaxdist.training.checkpoints import Checkpointer, clear_progress, restore_live, save_live, write_progress
+from jaxdist.training.checkpoints import (
+    Checkpointer,
+    LocalCheckpointer,
+    clear_progress,
+    restore_live,
+    save_live,
+    save_live_local,
+    write_progress,
+)
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import SameBatches
 from jaxdist.training.loop._job_time import JobTime
@@ -123,11 +131,13 @@ class FitLoop(FitControl):
     def __init__(self, live: LiveState, stream: BatchStream, options: FitOptions, *,
                  callbacks: Iterable[Any] | None = None, owner: Any = None, checkpointer: Checkpointer | None = None,
                  clock: FitClock | None = None, reached: int = 0, config: Mapping[str, Any] | None = None,
-                 cost: CostOptions | None = None, history: History | None = None):
+                 cost: CostOptions | None = None, history: History | None = None,
+                 local: LocalCheckpointer | None = None):
         self.live, self.stream, self.options, self.owner = live, stream, options, owner
         self.callbacks = tuple(options.callbacks if callbacks is None else callbacks)
         self.hooks = {hook: overriding(self.callbacks, hook) for hook in HOOKS}  # only those that do something
         self.ckpt, self.config, self.cost_options = checkpointer, dict(config or {}), cost or CostOptions()
+        self.local = local  # the local tier (`LocalCheckpointer`), saved every ``local_checkpoint_every`` steps
         self.history = history if history is not None else History()
         self.clock = clock if clock is not None else FitClock()
         self.policy = options.on_non_finite
@@ -357,6 +367,12 @@ class FitLoop(FitControl):
         if _crossed(before, live.step, options.checkpoint_every) or self.save_asked:
             self.save_asked = False
             self.checkpoint()
+        if self.local is not None and _crossed(before, live.step, options.local_checkpoint_every):
+            self.place()  # the data position after this step's batches goes with it
+            with self.clock.timing("waited"):  # the devices finish the steps dispatched: steps, not the save
+                jax.block_until_ready(live.state)
+            with self.paused("checkpoint"):
+                save_live_local(live, self.local)
         self.schedule(live.step)
         return False
 
@@ -365,7 +381,7 @@ class FitLoop(FitControl):
         step, the step an earlier run reached; every step while a checkpoint is in flight."""
         options = self.options
         due = min(_next(step, options.log_every), _next(step, options.eval_every),
-                  _next(step, options.checkpoint_every), self.redo)
+                  _next(step, options.checkpoint_every), _next(step, options.local_checkpoint_every), self.redo)
         if options.steps is not None:
             due = min(due, options.steps)
         self.due = step + 1 if self.in_flight or self.skip_asked or self.save_asked else due

@@ -40,6 +40,8 @@ class FitOptions:
     checkpoint_dir: str | os.PathLike | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
+    local_checkpoint_dir: str | os.PathLike | None = None
+    local_checkpoint_every: int | None = None
     async_checkpoints: bool = True
     log_every: int = 10
     log_dir: str | os.PathLike | None = None
@@ -61,7 +63,7 @@ class FitOptions:
         for name in ("steps", "epochs", "restore_step"):
             check_int(getattr(self, name), name, 0)
         check_int(self.steps_per_run, "steps_per_run", 1, allow_none=False)
-        for name in ("eval_every", "checkpoint_every"):
+        for name in ("eval_every", "checkpoint_every", "local_checkpoint_every"):
             check_int(getattr(self, name), name, 1)
         check_int(self.log_every, "log_every", 1, allow_none=False)
         timeout = self.step_timeout
@@ -83,10 +85,22 @@ class FitOptions:
                 "on_non_finite='rollback' needs checkpoint_dir=... (it restores the last finite checkpoint): pass "
                 "one (with checkpoint_every=...), or use on_non_finite='skip' or 'stop'."
             )
+        self._check_local()
         if self.restore_step is not None and self.checkpoint_dir is None:
             raise ValueError(
                 f"restore_step={self.restore_step} needs checkpoint_dir=... (the directory holding that checkpoint)."
             )
+
+    def _check_local(self) -> None:
+        """The local tier (`jaxdist.training.checkpoints.LocalCheckpointer`) comes with the persistent one."""
+        local, every = self.local_checkpoint_dir, self.local_checkpoint_every
+        if (local is None) != (every is None):
+            given = f"local_checkpoint_dir={local!r}" if every is None else f"local_checkpoint_every={every!r}"
+            raise ValueError(f"{given} needs the other one: pass both local_checkpoint_dir=... (each process's own "
+                             "directory, e.g. '/mnt/ssd/ckpt-{process}') and local_checkpoint_every=N.")
+        if local is not None and self.checkpoint_dir is None:
+            raise ValueError(f"local_checkpoint_dir={local!r} needs checkpoint_dir=... (the persistent tier a "
+                             "restart falls back to when the local copies cannot assemble a step).")
 
     def run_length(self, step: int) -> int:
         """The steps the next dispatch at ``step`` runs: 1, or (``steps_per_run > 1``) an on-device loop's, which
@@ -98,8 +112,8 @@ class FitOptions:
         """
         if self.steps_per_run == 1:
             return 1
-        stops = [(step // every + 1) * every for every in (self.log_every, self.eval_every, self.checkpoint_every)
-                 if every]
+        stops = [(step // every + 1) * every for every in (self.log_every, self.eval_every, self.checkpoint_every,
+                                                               self.local_checkpoint_every) if every]
         if self.steps is not None:
             stops.append(max(self.steps, step + 1))
         return min(self.steps_per_run, min(stops) - step)

@@ -16,7 +16,15 @@ import jax
 from jaxdist.costs.step import CostOptions
 from jaxdist.job import agree_on_fit, failing, spans_processes
 from jaxdist.training.callbacks import Callback, CSVLogger, History, Progress, TensorBoardLogger
-from jaxdist.training.checkpoints import Checkpointer, check_directory, read_progress, restore_live, roll_back
+from jaxdist.training.checkpoints import (
+    Checkpointer,
+    LocalCheckpointer,
+    check_directory,
+    read_progress,
+    restore_live,
+    restore_live_local,
+    roll_back,
+)
 from jaxdist.training.data import BatchStream, global_rows, say_batch_change
 from jaxdist.training.loop._config import run_config
 from jaxdist.training.loop._fit import FitLoop
@@ -25,7 +33,7 @@ from jaxdist.training.loop._options import FitOptions
 from jaxdist.training.loop._profile import StepProfile
 from jaxdist.training.loop._time import FitClock
 from jaxdist.training.loop._watchdog import Watchdog
-from jaxdist.training.step import LiveState
+from jaxdist.training.step import LiveState, with_ema
 
 __all__ = ["features", "fit"]
 
@@ -64,9 +72,11 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
         agree_on_fit(mesh, agreed, checkpoint_dir)  # before anything collective
         ckpt = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, options.keep_checkpoints,
                                                                  async_save=options.async_checkpoints)
+        local = None if options.local_checkpoint_dir is None else LocalCheckpointer(
+            options.local_checkpoint_dir, persistent=checkpoint_dir)
         try:
             with clock.timing("checkpoint"):  # the restore is checkpoint time
-                resumed, reached = _restore(live, ckpt, options.restore_step, sample, checkpoint_dir)
+                resumed, reached = _restore(live, ckpt, options.restore_step, sample, checkpoint_dir, local)
             if live.state is None or live.unchecked is not None:
                 live.init(sample)
             if live.position_unknown and not isinstance(train_data, Iterator):
@@ -81,10 +91,12 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
             live.steps.skip_non_finite = options.on_non_finite.action == "skip"  # a step that skips on the devices
             loop = FitLoop(live, BatchStream(stream.data, live.position, options.epochs, feed), options,
                            callbacks=callbacks, owner=owner, checkpointer=ckpt, clock=clock, reached=reached,
-                           config=config, cost=cost, history=history)
+                           config=config, cost=cost, history=history, local=local)
             history = loop.run()
         finally:
             live.steps.skip_non_finite = False
+            if local is not None:
+                local.close()
             if ckpt is not None:
                 ckpt.close()
     if history.data_ended is not None:  # said on every process (each one's data ended at the same batch)
@@ -112,7 +124,8 @@ def features(options: FitOptions, history: History, spans: bool) -> list[Callbac
     return out
 
 
-_AGREED = ("steps", "epochs", "checkpoint_every", "eval_every", "log_every", "restore_step", "keep_checkpoints")
+_AGREED = ("steps", "epochs", "checkpoint_every", "eval_every", "log_every", "restore_step", "keep_checkpoints",
+           "local_checkpoint_every")
 """The options every process of a job must give alike (`agree_on_fit`), with whether there is a checkpoint
 directory and the non-finite policy's action."""
 
@@ -122,7 +135,7 @@ _CONFIG = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every", "ke
 
 
 def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | None, sample: Any,
-             checkpoint_dir: Any) -> tuple[bool, int]:
+             checkpoint_dir: Any, local: LocalCheckpointer | None = None) -> tuple[bool, int]:
     """Claim the directory, then go back to ``restore_step`` or resume from its latest checkpoint when it is
     ahead of ``live``; whether the run resumed from a checkpoint, and the step the runs before it reached
     there (`FitOptions.reached`: the progress record of the last one, a crash after its last checkpoint, or the
@@ -135,7 +148,11 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
     latest = ckpt.latest_step() or 0
     reached = max(latest, read_progress(ckpt.directory))
     resumed = restore_step is not None or latest > live.step
-    if restore_step is not None:
+    # the local tier first (every process, collectively): its newest step the survivors assemble, when not older
+    from_local = local is not None and restore_step is None and _restore_local(live, local, latest, sample)
+    if from_local:
+        resumed, reached = True, max(reached, live.step)
+    elif restore_step is not None:
         roll_back(live, ckpt, restore_step, sample)
     elif latest > live.step:
         if live.loaded:  # the state load_state gave is about to be replaced: say so
@@ -145,10 +162,20 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
                 "checkpoint_dir without later checkpoints (or restore_step= to choose one).",
                 UserWarning, stacklevel=4)
         restore_live(live, ckpt, None, sample, "restore_step")
-    if resumed:  # the position counts batches: another batch size moves it
+    if resumed and not from_local:  # the position counts batches: another batch size moves it
         say_batch_change(ckpt.meta(live.step), global_rows(live.batches.signature), live.position)
     live.loaded = False
     return resumed, reached
+
+
+def _restore_local(live: LiveState, local: LocalCheckpointer, latest: int, sample: Any) -> bool:
+    """Whether the local tier restored ``live`` (`restore_live_local`; the target built as a resume's is)."""
+    if live.state is None and sample is None:
+        return False
+    target = live.state if live.state is not None else with_ema(live.target(sample), live.ema_decay)
+    before = live.step
+    decision = restore_live_local(live, local, latest or None, target)
+    return decision.step is not None and live.step > before
 
 
 def _writers(live: LiveState, options: FitOptions, resumed_from: Any) -> tuple[list, list]:
