@@ -1,16 +1,18 @@
 """jaxdist: tf.distribute strategies rebuilt on JAX, for Flax and Optax.
 
-Two ways in. ``strategy.jit(step, batch_argnums=...)`` compiles your own single-device step for a strategy: the
-arguments named by ``batch_argnums`` are split over the replicas, the rest are laid out by the strategy, and the
-step computes the numbers it computes on one device. ``jd.training.Trainer(strategy, model, optimizer,
-loss_fn).fit(data, steps=...)`` is the loop built on it (checkpoints, preemption, logs); `jd.training.prepare`
-wraps your own loop's step and data in two lines.
+Two ways in. ``strategy.jit(step, batch_argnums=...)`` compiles your own single-device step for a
+strategy: the arguments named by ``batch_argnums`` are split over the replicas, the rest are laid
+out by the strategy, and the step computes the numbers it computes on one device.
+``jd.training.Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=...)`` is the loop built
+on it (checkpoints, preemption, logs); `jd.training.prepare` wraps your own loop's step and data in
+two lines.
 
 Importing jaxdist starts no JAX backend: devices are looked up when a strategy is created.
 
-Each public name lives in one package (``jd.strategies``, ``jd.replicate``, ``jd.costs``, ``jd.training``, ...);
-the ones used most are also here (``jd.MirroredStrategy`` is ``jd.strategies.MirroredStrategy``). The job's
-own two, ``jd.initialize_cluster`` and ``jd.configure_compilation_cache``, are only here.
+Each public name lives in one package (``jd.strategies``, ``jd.replicate``, ``jd.costs``,
+``jd.training``, ...); the ones used most are also here (``jd.MirroredStrategy`` is
+``jd.strategies.MirroredStrategy``). The job's own two, ``jd.initialize_cluster`` and
+``jd.configure_compilation_cache``, are only here.
 
 Examples:
     >>> import jax, numpy as np, jaxdist as jd

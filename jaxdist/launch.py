@@ -1,21 +1,24 @@
-"""``python -m jaxdist.launch -n 2 script.py args...``: run N processes of one program on this machine.
+"""``python -m jaxdist.launch -n 2 script.py args...``: run N processes of one program on this
+machine.
 
-For development and tests. Each process gets the cluster environment that `MultiWorkerMirroredStrategy`
-reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port, ``JAXDIST_NUM_PROCESSES``,
-``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K simulated CPU devices.
+For development and tests. Each process gets the cluster environment that
+`MultiWorkerMirroredStrategy` reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port,
+``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K
+simulated CPU devices.
 
-Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU collectives) prints
-as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ..."; ``--verbose`` shows them). When one
-process fails, the others are stopped (SIGTERM and SIGCONT, then SIGKILL after ``--grace`` seconds) and the
-launcher exits with the failed process's code; Ctrl-C / SIGTERM to the launcher is passed on to every process.
-A job that fails ends with a summary: how each process ended (its status or signal, stopped, stopped by the
-launcher), the last step of ``fit`` each reached and what jaxdist said, then the newest checkpoint and the step a
-restart resumes from (each process's ``fit`` leaves its progress in ``JAXDIST_LAUNCH_DIR``, a directory the
+Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU
+collectives) prints as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ...";
+``--verbose`` shows them). When one process fails, the others are stopped (SIGTERM and SIGCONT, then
+SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's code; Ctrl-C /
+SIGTERM to the launcher is passed on to every process. A job that fails ends with a summary: how
+each process ended (its status or signal, stopped, stopped by the launcher), the last step of
+``fit`` each reached and what jaxdist said, then the newest checkpoint and the step a restart
+resumes from (each process's ``fit`` leaves its progress in ``JAXDIST_LAUNCH_DIR``, a directory the
 launcher makes).
 
-On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ... ssh
---worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by itself, and
-elsewhere set the three ``JAXDIST_*`` variables per process.
+On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ...
+ssh --worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by
+itself, and elsewhere set the three ``JAXDIST_*`` variables per process.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What gloo writes to the processes' output as its ranks connect, one line per rank and communicator.
+# What gloo writes to the processes' output as its ranks connect, one line per rank and
+# communicator.
 _GLOO_LINE = b"[Gloo] "
 
 
@@ -90,8 +94,8 @@ def _ended(code: int | None, stopped: bool, ours: bool) -> str:
 
 
 def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set) -> list[str]:
-    """The lines of a failed job's summary: how each process ended, at which step and what jaxdist said there,
-    then the newest checkpoint and the step a restart resumes from."""
+    """The lines of a failed job's summary: how each process ended, at which step and what jaxdist
+    said there, then the newest checkpoint and the step a restart resumes from."""
     lines, progress = [], {}
     for i, p in enumerate(procs):
         with contextlib.suppress(OSError, ValueError):
@@ -122,16 +126,19 @@ def launch(
     out=None,
     verbose: bool = False,
 ) -> int:
-    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating processes.
+    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating
+    processes.
 
     Args:
         command: e.g. ``["train.py", "--steps", "10"]`` or ``["-m", "pkg.train"]``.
         num_processes: how many processes (>= 1).
-        cpu_devices: simulated CPU devices per process (sets ``JAX_NUM_CPU_DEVICES``, ``JAX_PLATFORMS=cpu``).
+        cpu_devices: simulated CPU devices per process (sets ``JAX_NUM_CPU_DEVICES``,
+            ``JAX_PLATFORMS=cpu``).
         timeout: stop everything and return 124 after this many seconds.
         grace: seconds between SIGTERM and SIGKILL when stopping processes.
         out: where to write the prefixed output (default: stdout).
-        verbose: also pass on the lines gloo prints as its ranks connect (``[Gloo] Rank i is connected to ...``).
+        verbose: also pass on the lines gloo prints as its ranks connect (``[Gloo] Rank i is
+            connected to ...``).
 
     Returns:
         0 when every process exits 0; else the first failing process's exit code (124 on timeout).
@@ -227,7 +234,8 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose] script.py args...``.
+    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose]
+    script.py args...``.
 
     Returns:
         The exit status (see `launch`; a process killed by signal N: 128 + N).

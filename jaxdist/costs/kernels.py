@@ -1,26 +1,28 @@
 """FLOPs of the library calls and kernels a compiled program makes (``custom-call`` instructions).
 
-XLA's own cost analysis counts a custom call as 0 FLOPs; on a GPU most of a step's matrix work is custom calls.
-`custom_call_cost` costs each kind from what the compiled text says about it:
+XLA's own cost analysis counts a custom call as 0 FLOPs; on a GPU most of a step's matrix work is
+custom calls. `custom_call_cost` costs each kind from what the compiled text says about it:
 
-* cuBLAS / cuBLASLt gemms (``__cublas$gemm``, ``__cublas$lt$matmul``, ``...$f8``): ``2 x output elements x
-  contracted elements``, the contracted dimensions from ``dot_dimension_numbers`` in the backend config. A gemm
-  that ``jax.lax.ragged_dot`` became (XLA:GPU multiplies operands masked to each group: ``G`` times the work of
-  the grouped product) counts the grouped product's FLOPs: the gemm's over ``G``, the masked operand's group
-  dimension.
-* cuDNN convolutions (``__cudnn$conv...``): as XLA counts the convolution they replace (its ``window`` and
-  ``dim_labels`` stay on the call).
-* cuDNN fused attention (``__cudnn$fmha...``): ``2 x B x H x Tq x Tk x D`` per matrix product, two forward,
-  five backward (the flash backward recomputes the scores), the extent from ``intermediate_tensor_shape``;
-  a causal mask (``mask_type`` ``CAUSAL``) does the lower triangle only, a sliding window its band; a padding
-  mask counts the whole extent (the sequence lengths are known only when the step runs: an upper bound).
-* kernels that say what they compute: tokamax's (its ``metadata_payload`` names the op and its operands, e.g. a
-  ragged dot on Mosaic GPU ``mosaic_gpu_v2`` or on TPU); a Pallas kernel with a ``cost_estimate`` in its backend
-  config (Mosaic TPU's ``tpu_custom_call``) counts that estimate.
-* calls that move or order data (sharding annotations, host transfers, callbacks, sorts, random bits) cost no
-  FLOPs.
+* cuBLAS / cuBLASLt gemms (``__cublas$gemm``, ``__cublas$lt$matmul``, ``...$f8``): ``2 x output
+  elements x contracted elements``, the contracted dimensions from ``dot_dimension_numbers`` in the
+  backend config. A gemm that ``jax.lax.ragged_dot`` became (XLA:GPU multiplies operands masked to
+  each group: ``G`` times the work of the grouped product) counts the grouped product's FLOPs: the
+  gemm's over ``G``, the masked operand's group dimension.
+* cuDNN convolutions (``__cudnn$conv...``): as XLA counts the convolution they replace (its
+  ``window`` and ``dim_labels`` stay on the call).
+* cuDNN fused attention (``__cudnn$fmha...``): ``2 x B x H x Tq x Tk x D`` per matrix product, two
+  forward, five backward (the flash backward recomputes the scores), the extent from
+  ``intermediate_tensor_shape``; a causal mask (``mask_type`` ``CAUSAL``) does the lower triangle
+  only, a sliding window its band; a padding mask counts the whole extent (the sequence lengths are
+  known only when the step runs: an upper bound).
+* kernels that say what they compute: tokamax's (its ``metadata_payload`` names the op and its
+  operands, e.g. a ragged dot on Mosaic GPU ``mosaic_gpu_v2`` or on TPU); a Pallas kernel with a
+  ``cost_estimate`` in its backend config (Mosaic TPU's ``tpu_custom_call``) counts that estimate.
+* calls that move or order data (sharding annotations, host transfers, callbacks, sorts, random
+  bits) cost no FLOPs.
 
-Any other custom call cannot be costed: `custom_call_cost` returns None and the program's cost names it.
+Any other custom call cannot be costed: `custom_call_cost` returns None and the program's cost names
+it.
 """
 
 from __future__ import annotations
@@ -55,10 +57,14 @@ class KernelCost:
     Attributes:
         kind: what it is (``"cuBLAS gemm"``, ``"cuDNN attention"``, ``"ragged dot"``, ...).
         flops: its floating-point operations.
-        transcendentals: its transcendental operations (the softmax's exponentials of fused attention).
-        recomputed: the part of ``flops`` that recomputes forward work (a flash-attention backward's scores).
-        skipped: FLOPs the model's math asks for that the kernel skips (the masked-out half of causal attention):
-            not in ``flops``, but model FLOPs count them (attention counted whole, as in the 6N + 12LdT count).
+        transcendentals: its transcendental operations (the softmax's exponentials of fused
+            attention).
+        recomputed: the part of ``flops`` that recomputes forward work (a flash-attention backward's
+            scores).
+        skipped: FLOPs the model's math asks for that the kernel skips (the masked-out half of
+            causal attention):
+            not in ``flops``, but model FLOPs count them (attention counted whole, as in the 6N +
+            12LdT count).
     """
 
     kind: str
@@ -79,8 +85,9 @@ def _dims(config: dict[str, Any], key: str) -> tuple[int, ...]:
 
 
 def _trace_group(module: Module, name: str, seen: int = 0) -> int | None:
-    """The group count ``G`` of the ragged-dot mask an operand comes from (through bitcasts, copies and
-    transposes): a fusion that selects its operand into a ``[G, ...]`` array by an ``iota`` comparison."""
+    """The group count ``G`` of the ragged-dot mask an operand comes from (through bitcasts, copies
+    and transposes): a fusion that selects its operand into a ``[G, ...]`` array by an ``iota``
+    comparison."""
     instr = module.defs.get(name)
     if instr is None or seen > 8:
         return None
@@ -105,12 +112,13 @@ def _window(attrs: str, key: str, n: int, default: int) -> list[int]:
 
 
 def conv_flops(instr: Instr, types: dict[str, str]) -> float:
-    """A convolution's FLOPs (an HLO ``convolution`` or the cuDNN call it became), as XLA counts them: 2 x batch x
-    input features per group x output features x the (output, kernel) position pairs that read the input rather
-    than its padding or dilation holes, per spatial dimension.
+    """A convolution's FLOPs (an HLO ``convolution`` or the cuDNN call it became), as XLA counts
+    them: 2 x batch x input features per group x output features x the (output, kernel) position
+    pairs that read the input rather than its padding or dilation holes, per spatial dimension.
 
     Args:
-        instr: the instruction (its ``window=`` and ``dim_labels=`` attributes, its first two operands).
+        instr: the instruction (its ``window=`` and ``dim_labels=`` attributes, its first two
+            operands).
         types: value name -> type text of the module (`jaxdist.costs.text.Module.types`).
 
     Returns:
@@ -192,8 +200,8 @@ def _attention(instr: Instr, module: Module, config: dict[str, Any], backward: b
 
 
 def ragged_dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], rhs_skip: set[int]) -> float:
-    """The FLOPs of a grouped (ragged) product, whatever the group sizes: 2 x lhs elements x the rhs's free
-    elements (``rhs_skip``: its contracting, batch and group dimensions).
+    """The FLOPs of a grouped (ragged) product, whatever the group sizes: 2 x lhs elements x the
+    rhs's free elements (``rhs_skip``: its contracting, batch and group dimensions).
 
     Examples:
         >>> ragged_dot_flops((32768, 1024), (8, 1024, 2048), {0, 1})  # 8 groups of (1024, 2048)
@@ -203,8 +211,9 @@ def ragged_dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], rhs_skip: set[i
 
 
 def ragged_dot_op(instr: Instr, types: dict[str, str]) -> float:
-    """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul): the grouped
-    product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims`` attributes.
+    """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul):
+    the grouped product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims``
+    attributes.
 
     Examples:
         >>> from jaxdist.costs.text import parse
@@ -248,8 +257,8 @@ def _tokamax(instr: Instr) -> KernelCost | None:
 
 
 def _estimate(config: dict[str, Any]) -> KernelCost | None:
-    """A Pallas kernel's own ``cost_estimate`` (``pl.pallas_call(..., cost_estimate=...)``), where its backend
-    config carries it (Mosaic TPU)."""
+    """A Pallas kernel's own ``cost_estimate`` (``pl.pallas_call(..., cost_estimate=...)``), where
+    its backend config carries it (Mosaic TPU)."""
     for holder in (config, config.get("custom_call_config", {})):
         estimate = holder.get("cost_estimate") if isinstance(holder, dict) else None
         if isinstance(estimate, dict) and "flops" in estimate:
@@ -272,12 +281,13 @@ _COSTERS: tuple[tuple[re.Pattern[str], Callable[[Instr, Module, dict[str, Any]],
 
 
 def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
-    """What a ``custom-call`` instruction of ``module`` computes (see the module doc), or None when it cannot be
-    told.
+    """What a ``custom-call`` instruction of ``module`` computes (see the module doc), or None when
+    it cannot be told.
 
     Args:
         instr: the custom call.
-        module: the parsed module it is in (`jaxdist.costs.text.parse`): operand types and producers.
+        module: the parsed module it is in (`jaxdist.costs.text.parse`): operand types and
+            producers.
 
     Returns:
         A `KernelCost`, or None for a kernel whose work the text does not give.

@@ -1,9 +1,11 @@
-"""Bytes per device: the one count of what a device holds of an array or a pytree, and what devices report.
+"""Bytes per device: the one count of what a device holds of an array or a pytree, and what devices
+report.
 
-`bytes_per_device` reads a value's layout, not its buffers: it works on `jax.ShapeDtypeStruct`s (a plan of a
-model too big for this machine) and on arrays spread over processes alike, and counts an uneven split at its
-largest shard (the device that holds the most). `jaxdist.Plan`'s ``state_bytes`` and the Trainer's
-`jaxdist.costs.StepCost` both count with it. `device_memory` is what the devices themselves report.
+`bytes_per_device` reads a value's layout, not its buffers: it works on `jax.ShapeDtypeStruct`s (a
+plan of a model too big for this machine) and on arrays spread over processes alike, and counts an
+uneven split at its largest shard (the device that holds the most). `jaxdist.Plan`'s ``state_bytes``
+and the Trainer's `jaxdist.costs.StepCost` both count with it. `device_memory` is what the devices
+themselves report.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ __all__ = ["array_bytes_per_device", "bytes_per_device", "device_memory", "split
 
 
 def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
-    """How many parts each dimension of an array of ``shape`` is split into by ``sharding`` (1: whole).
+    """How many parts each dimension of an array of ``shape`` is split into by ``sharding`` (1:
+    whole).
 
     Examples:
         >>> import jax
@@ -46,8 +49,8 @@ def _itemsize(dtype: Any) -> int:
 
 
 def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = None) -> int:
-    """Bytes of an array of ``shape`` and ``dtype`` on the device holding the most of it under ``sharding``
-    (None: the whole array).
+    """Bytes of an array of ``shape`` and ``dtype`` on the device holding the most of it under
+    ``sharding`` (None: the whole array).
 
     Examples:
         >>> import jax, numpy as np
@@ -63,8 +66,9 @@ def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = Non
 
 
 def bytes_per_device(tree: Any) -> int:
-    """Bytes of ``tree``'s arrays one device holds: each array's largest shard under its own sharding (whole
-    where it has none), summed. Arrays, `jax.ShapeDtypeStruct`s and NumPy values count; other leaves do not.
+    """Bytes of ``tree``'s arrays one device holds: each array's largest shard under its own
+    sharding (whole where it has none), summed. Arrays, `jax.ShapeDtypeStruct`s and NumPy values
+    count; other leaves do not.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -1,10 +1,11 @@
-"""Published peaks of accelerator chips: the one table `Plan.estimate`, the Trainer's utilisation and the
-benchmarks read.
+"""Published peaks of accelerator chips: the one table `Plan.estimate`, the Trainer's utilisation
+and the benchmarks read.
 
-One row per chip (one JAX device is one chip on all of these): the dense bf16 FLOP/s, the HBM bandwidth, the
-chip's interconnect bandwidth (NVLink for GPUs, ICI for TPUs: the total of its links in one direction, as the
-datasheet gives it), its HBM capacity, and the ``jax.Device.device_kind`` strings it answers to. Vendors quote
-NVIDIA tensor-core FLOP/s "with sparsity" (2:4 structured); the dense figure, which training uses, is half of it.
+One row per chip (one JAX device is one chip on all of these): the dense bf16 FLOP/s, the HBM
+bandwidth, the chip's interconnect bandwidth (NVLink for GPUs, ICI for TPUs: the total of its links
+in one direction, as the datasheet gives it), its HBM capacity, and the ``jax.Device.device_kind``
+strings it answers to. Vendors quote NVIDIA tensor-core FLOP/s "with sparsity" (2:4 structured); the
+dense figure, which training uses, is half of it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class Accelerator:
         network_bandwidth: interconnect bytes/s per chip, one direction.
         memory: HBM bytes.
         source: where the numbers come from.
-        device_kind: a regular expression matching the lower-cased ``jax.Device.device_kind`` of this chip
-            (empty: matched by name only).
+        device_kind: a regular expression matching the lower-cased ``jax.Device.device_kind`` of
+            this chip (empty: matched by name only).
 
     Examples:
         >>> Accelerator("mine", 100e12, 1e12, 1e11, 16 << 30, "measured").flops
@@ -76,15 +77,16 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
                 "Google Cloud TPU v6e (Trillium): 918 TFLOPS bf16, 1,640 GB/s, 32 GiB, ICI 3,584 Gbps",
                 r"^tpu v6 ?(lite|e)$"),
 )}
-"""The published peaks, by name; for a device, the first row whose ``device_kind`` matches (`accelerator_of_device`:
-the NVL and PCIe variants come before the SXM part of the same name)."""
+"""The published peaks, by name; for a device, the first row whose ``device_kind`` matches
+(`accelerator_of_device`: the NVL and PCIe variants come before the SXM part of the same name)."""
 
 
 def accelerator(name: str | Accelerator) -> Accelerator:
     """The row of ``name`` (case-insensitive), or ``name`` itself when it is an `Accelerator`.
 
     Args:
-        name: a key of `ACCELERATORS` (``"h100"``, ``"tpu-v5p"``, ...) or an `Accelerator` of your own.
+        name: a key of `ACCELERATORS` (``"h100"``, ``"tpu-v5p"``, ...) or an `Accelerator` of your
+            own.
 
     Returns:
         The `Accelerator`.
@@ -109,11 +111,12 @@ def accelerator(name: str | Accelerator) -> Accelerator:
 
 
 def accelerator_of_device(device_or_kind: Any) -> Accelerator | None:
-    """The row of a device (a ``jax.Device``, or its ``device_kind`` string), or None for a device not in the
-    table (CPUs among them).
+    """The row of a device (a ``jax.Device``, or its ``device_kind`` string), or None for a device
+    not in the table (CPUs among them).
 
     Args:
-        device_or_kind: a ``jax.Device`` or its ``device_kind`` (``"NVIDIA H100 80GB HBM3"``, ``"TPU v5 lite"``).
+        device_or_kind: a ``jax.Device`` or its ``device_kind`` (``"NVIDIA H100 80GB HBM3"``, ``"TPU
+            v5 lite"``).
 
     Returns:
         The first `Accelerator` of `ACCELERATORS` whose ``device_kind`` pattern matches, or None.
@@ -132,10 +135,12 @@ def accelerator_of_device(device_or_kind: Any) -> Accelerator | None:
 
 
 def known_peak_flops(device_kind: str) -> tuple[float, str] | None:
-    """The datasheet's dense bf16 peak FLOP/s of one device of this ``device_kind``, and where it comes from.
+    """The datasheet's dense bf16 peak FLOP/s of one device of this ``device_kind``, and where it
+    comes from.
 
     Args:
-        device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"TPU v5 lite"``.
+        device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"TPU v5
+            lite"``.
 
     Returns:
         ``(flop_per_second, source)``, or None for a device not in `ACCELERATORS` (CPUs among them).

@@ -1,10 +1,12 @@
-"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives), as a record.
+"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives), as a
+record.
 
 `Plan` is the record `jaxdist.strategies` fills when it plans a step for a strategy's layout
-(``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``; `jaxdist.strategies.plan` lays the arguments out
-and compiles); `read_plan` turns a compiled program (or its text and XLA's memory analysis) into one, and the
-Trainer's `jaxdist.costs.StepCost` is read from the plan of its train step. The records live here, below
-every package that fills or reads them; they import nothing of jaxdist but the cost model.
+(``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``; `jaxdist.strategies.plan` lays the
+arguments out and compiles); `read_plan` turns a compiled program (or its text and XLA's memory
+analysis) into one, and the Trainer's `jaxdist.costs.StepCost` is read from the plan of its train
+step. The records live here, below every package that fills or reads them; they import nothing of
+jaxdist but the cost model.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class CollectivePlan:
         kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"all-to-all"`` or
             ``"collective-permute"``.
         count: how many run per step (loops multiply).
-        bytes: the buffers' bytes per device per step (an all-gather's gathered result, a reduction's operand).
+        bytes: the buffers' bytes per device per step (an all-gather's gathered result, a
+            reduction's operand).
         wire_bytes: what each device sends per step under the bandwidth-optimal algorithms.
         axes: the mesh axes they run over.
     """
@@ -87,36 +90,40 @@ class Plan:
         temp_bytes: temporaries.
         peak_bytes: arguments + outputs - aliased + temporaries (an upper bound).
         host_bytes: host-offloaded arguments, outputs and temporaries.
-        state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an argument's name).
+        state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an
+            argument's name).
         largest_arrays: the ten largest arrays (`ArrayPlan`), with their layouts.
-        flops: floating-point operations per step (`jaxdist.costs.program_cost`), every loop iteration counted,
-            custom calls (cuBLAS, cuDNN, Pallas kernels) by what they compute.
+        flops: floating-point operations per step (`jaxdist.costs.program_cost`), every loop
+            iteration counted, custom calls (cuBLAS, cuDNN, Pallas kernels) by what they compute.
         transcendentals: transcendental operations per step.
         bytes_accessed: memory traffic per step.
         collectives: ``{kind: CollectivePlan}``.
         replicated_bytes: bytes of variables held whole along an axis that could split them.
         replicated: those variables (`ArrayPlan` with ``axes``), largest first.
-        unknown_loops: loops whose trip count XLA did not record (counted once: ``flops`` is then a lower
-            bound).
+        unknown_loops: loops whose trip count XLA did not record (counted once: ``flops`` is then a
+            lower bound).
         plan_seconds: how long planning took (lowering and compiling).
         compiled_on: where the program was compiled.
-        axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto where its
-            Explicit axes run Auto because the step does not type-check with them (see
+        axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto
+            where its Explicit axes run Auto because the step does not type-check with them (see
             `jaxdist.strategies.layout._axis_types`).
         moe_dispatch: how the program's mixture-of-experts layers (`jaxdist.nn.MoE`) move tokens:
-            ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a capacity
-            buffer, or a worst-case one), ``"dropless_ragged_all_to_all"`` (expert parallelism: only the routed
-            rows move, grouped matmuls: GPU / TPU; ``..._emulated`` where the exchange runs emulated on CPU),
-            ``"dropping_local"`` / ``"dropless_local"`` (every expert on each device),
-            ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without such
-            layers.
-        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower bound).
-        attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``, ``"xla"``,
-            ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
+            ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a
+            capacity buffer, or a worst-case one), ``"dropless_ragged_all_to_all"`` (expert
+            parallelism: only the routed rows move, grouped matmuls: GPU / TPU; ``..._emulated``
+            where the exchange runs emulated on CPU), ``"dropping_local"`` / ``"dropless_local"``
+            (every expert on each device), ``"dropless_ragged_local"`` (every expert local, grouped
+            matmuls: GPU / TPU); empty without such layers.
+        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower
+            bound).
+        attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``,
+            ``"xla"``, ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
         grouped_matmul: the grouped-matmul kernels of the dropless mixture-of-experts layers
-            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty without.
-        model_flops: the model's FLOPs per step (`jaxdist.costs.ProgramCost.model_flops`: ``flops`` without
-            recomputation, with what kernels skip under a mask; the basis of MFU), None when not counted.
+            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty
+            without.
+        model_flops: the model's FLOPs per step (`jaxdist.costs.ProgramCost.model_flops`: ``flops``
+            without recomputation, with what kernels skip under a mask; the basis of MFU), None when
+            not counted.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -163,12 +170,14 @@ class Plan:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip count."""
+        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
+        count."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per step, all collectives together (bandwidth-optimal algorithms)."""
+        """Bytes each device sends per step, all collectives together (bandwidth-optimal
+        algorithms)."""
         return float(sum(c.wire_bytes for c in self.collectives.values()))
 
     def estimate(self, accelerator: str | Accelerator = "h100") -> Estimate:
@@ -274,11 +283,12 @@ def read_plan(
     compiled_on: str = "",
     started: float | None = None,
 ) -> Plan:
-    """The `Plan` of a compiled program: its FLOPs, bytes accessed and collectives (`program_cost`), its
-    memory (XLA's memory analysis) and what the caller knows of its arguments.
+    """The `Plan` of a compiled program: its FLOPs, bytes accessed and collectives (`program_cost`),
+    its memory (XLA's memory analysis) and what the caller knows of its arguments.
 
     Args:
-        program: a compiled program (``jitted.lower(...).compile()``) or its text (``compiled.as_text()``).
+        program: a compiled program (``jitted.lower(...).compile()``) or its text
+            (``compiled.as_text()``).
         memory: XLA's memory analysis as `MEMORY_FIELDS`; read from ``program`` when it is compiled.
         mesh: the mesh's axis sizes (names the collectives' axes); None: ``{"devices": 1}``.
         state_bytes: the arguments' bytes per device by role (`bytes_per_device`).
@@ -292,7 +302,8 @@ def read_plan(
         The `Plan`.
 
     Raises:
-        ValueError: for program text without a module (``program_cost``), or a text without ``memory``.
+        ValueError: for program text without a module (``program_cost``), or a text without
+            ``memory``.
 
     Examples:
         >>> import jax, jax.numpy as jnp

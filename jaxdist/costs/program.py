@@ -1,31 +1,36 @@
-"""What a compiled program does per device per step: FLOPs, bytes accessed, collectives (`program_cost`).
+"""What a compiled program does per device per step: FLOPs, bytes accessed, collectives
+(`program_cost`).
 
-One counter for every consumer: `jaxdist.strategies.Plan`, the Trainer's utilisation, `plan_search` and the
-benchmarks all read `program_cost`. It walks the compiled module (``compiled.as_text()``: the SPMD-partitioned
-program every device runs) and counts what the device executes:
+One counter for every consumer: `jaxdist.strategies.Plan`, the Trainer's utilisation, `plan_search`
+and the benchmarks all read `program_cost`. It walks the compiled module (``compiled.as_text()``:
+the SPMD-partitioned program every device runs) and counts what the device executes:
 
-* ``flops``: a ``dot`` ``2 x output elements x contracted elements``; a ``convolution`` as XLA counts it (the
-  window positions that read the input); a ``ragged-dot`` (a grouped matmul XLA keeps whole) the grouped
-  product; an elementwise or reduction op one per element; transcendentals (``exp``, ``tanh``, ...) separately.
-  On CPU this is what XLA's ``compiled.cost_analysis()`` counts. Fusions count what they fuse. Custom calls
-  (what XLA:GPU makes of most matrix products: cuBLAS gemms, cuDNN fused attention, Pallas / Mosaic kernels
-  such as tokamax's), which XLA's analysis counts as 0, count what they compute (`jaxdist.costs.kernels`); one
-  whose work the text does not give is named in `ProgramCost.uncosted`, and the FLOPs are then a lower bound
+* ``flops``: a ``dot`` ``2 x output elements x contracted elements``; a ``convolution`` as XLA
+  counts it (the window positions that read the input); a ``ragged-dot`` (a grouped matmul XLA keeps
+  whole) the grouped product; an elementwise or reduction op one per element; transcendentals
+  (``exp``, ``tanh``, ...) separately. On CPU this is what XLA's ``compiled.cost_analysis()``
+  counts. Fusions count what they fuse. Custom calls (what XLA:GPU makes of most matrix products:
+  cuBLAS gemms, cuDNN fused attention, Pallas / Mosaic kernels such as tokamax's), which XLA's
+  analysis counts as 0, count what they compute (`jaxdist.costs.kernels`); one whose work the text
+  does not give is named in `ProgramCost.uncosted`, and the FLOPs are then a lower bound
   (`ProgramCost.lower_bound`).
-* loops: XLA's analysis counts the body of a ``while`` once; here each body counts once per iteration (the
-  ``known_trip_count`` XLA records; a loop without one counts once and shows in ``unknown_loops``).
-* ``bytes_accessed``: operands plus results of each op that is not fused into another, loops multiplied: the
-  memory traffic of the schedule.
-* ``collectives``: every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute with its
-  operand and result bytes, group size, mesh axes and how many times it runs. XLA:CPU computes 16-bit float
-  collectives in float32; one whose operand was converted from 16 bits, or whose result is converted back, is
-  counted at its 16-bit size (what GPU and TPU move). XLA:CPU writes a reduce-scatter as an all-reduce each
-  device slices its part of: it is counted as the reduce-scatter it is.
-* ``recomputed_flops``: the part of ``flops`` that recomputes forward work for the backward pass (the ops XLA
-  names ``rematted_computation`` under ``jax.checkpoint``, the scores a flash-attention backward kernel
-  recomputes); ``skipped_flops``: work the model's math asks for that a kernel skips (the masked half of causal
-  attention in cuDNN). ``model_flops = flops - recomputed_flops + skipped_flops`` is the model's work, attention
-  counted whole as in the 6N + 12LdT count: the basis of model FLOPs utilisation.
+* loops: XLA's analysis counts the body of a ``while`` once; here each body counts once per
+  iteration (the ``known_trip_count`` XLA records; a loop without one counts once and shows in
+  ``unknown_loops``).
+* ``bytes_accessed``: operands plus results of each op that is not fused into another, loops
+  multiplied: the memory traffic of the schedule.
+* ``collectives``: every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute
+  with its operand and result bytes, group size, mesh axes and how many times it runs. XLA:CPU
+  computes 16-bit float collectives in float32; one whose operand was converted from 16 bits, or
+  whose result is converted back, is counted at its 16-bit size (what GPU and TPU move). XLA:CPU
+  writes a reduce-scatter as an all-reduce each device slices its part of: it is counted as the
+  reduce-scatter it is.
+* ``recomputed_flops``: the part of ``flops`` that recomputes forward work for the backward pass
+  (the ops XLA names ``rematted_computation`` under ``jax.checkpoint``, the scores a flash-attention
+  backward kernel recomputes); ``skipped_flops``: work the model's math asks for that a kernel skips
+  (the masked half of causal attention in cuDNN). ``model_flops = flops - recomputed_flops +
+  skipped_flops`` is the model's work, attention counted whole as in the 6N + 12LdT count: the basis
+  of model FLOPs utilisation.
 """
 
 from __future__ import annotations
@@ -97,14 +102,16 @@ class CollectiveOp:
 
     @property
     def bytes(self) -> int:
-        """The whole buffer's bytes on one device: the gathered result of an all-gather, the reduced operand
-        of a reduce-scatter or all-reduce, the exchanged operand of an all-to-all or permute."""
+        """The whole buffer's bytes on one device: the gathered result of an all-gather, the reduced
+        operand of a reduce-scatter or all-reduce, the exchanged operand of an all-to-all or
+        permute."""
         return max(self.operand_bytes, self.result_bytes)
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes each device sends under the bandwidth-optimal (ring) algorithm: all-reduce ``2(n-1)/n B``,
-        all-gather / reduce-scatter / all-to-all ``(n-1)/n B``, permute ``B`` (``B`` = `bytes`)."""
+        """Bytes each device sends under the bandwidth-optimal (ring) algorithm: all-reduce
+        ``2(n-1)/n B``, all-gather / reduce-scatter / all-to-all ``(n-1)/n B``, permute ``B`` (``B``
+        = `bytes`)."""
         n, b = self.group_size, self.bytes
         if n <= 1 and self.kind != "collective-permute":
             return 0.0
@@ -117,19 +124,20 @@ class ProgramCost:
     """What one call of a compiled program costs on one device (see the module doc).
 
     Attributes:
-        flops: floating-point operations (transcendentals excluded), loop bodies counted per iteration, custom
-            calls by what they compute.
+        flops: floating-point operations (transcendentals excluded), loop bodies counted per
+            iteration, custom calls by what they compute.
         transcendentals: transcendental operations, the same way.
         bytes_accessed: memory traffic of the ops that are not fused into others.
         collectives: the collectives, in program order.
         unknown_loops: loops whose trip count XLA did not record (counted once).
-        uncosted: the custom calls whose work could not be told (``"target (op name)"``, once each): counted
-            as 0, so ``flops`` is a lower bound while any is named.
-        kernels: FLOPs by the kind of custom call that does them (``{"cuBLAS gemm": ..., "cuDNN attention":
+        uncosted: the custom calls whose work could not be told (``"target (op name)"``, once each):
+            counted as 0, so ``flops`` is a lower bound while any is named.
+        kernels: FLOPs by the kind of custom call that does them (``{"cuBLAS gemm": ..., "cuDNN
+            attention":
             ...}``), loops multiplied; the rest of ``flops`` is XLA's own code.
         recomputed_flops: the part of ``flops`` that recomputes forward work for the backward pass.
-        skipped_flops: FLOPs of the model's math that kernels skip (causal attention's masked half): not in
-            ``flops``.
+        skipped_flops: FLOPs of the model's math that kernels skip (causal attention's masked half):
+            not in ``flops``.
 
     Examples:
         >>> ProgramCost(10.0, 0.0, 4.0, (), uncosted=("my_kernel (jit(f)/my_kernel)",)).lower_bound
@@ -148,18 +156,20 @@ class ProgramCost:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip count."""
+        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
+        count."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
     @property
     def model_flops(self) -> float:
-        """The work the model asks for (the basis of MFU): ``flops`` without recomputation, with what kernels
-        skip under a mask."""
+        """The work the model asks for (the basis of MFU): ``flops`` without recomputation, with
+        what kernels skip under a mask."""
         return self.flops - self.recomputed_flops + self.skipped_flops
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per call, all collectives together (bandwidth-optimal algorithms)."""
+        """Bytes each device sends per call, all collectives together (bandwidth-optimal
+        algorithms)."""
         return float(sum(c.times * c.wire_bytes for c in self.collectives))
 
 
@@ -177,7 +187,8 @@ def _dot_flops(instr: Instr, types: dict[str, str]) -> float:
 
 
 def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
-    """The device (partition) ids of each group of a collective, or None when written by mesh axes."""
+    """The device (partition) ids of each group of a collective, or None when written by mesh
+    axes."""
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
         groups, size = int(m.group(1)), int(m.group(2))
@@ -227,8 +238,8 @@ def _axes_of(groups: list[list[int]], shape: Sequence[int], axis_names: Sequence
 
 
 def _part_values(instr: Instr, users: dict[str, list[Instr]]) -> list[list[str]]:
-    """For each operand of a collective, the names its result part is read through (the collective itself, or
-    the ``get-tuple-element``s of a combined one)."""
+    """For each operand of a collective, the names its result part is read through (the collective
+    itself, or the ``get-tuple-element``s of a combined one)."""
     if not instr.type.startswith("("):
         return [[instr.name]]
     getters = [u for u in users.get(instr.name, []) if u.op == "get-tuple-element"]
@@ -237,8 +248,9 @@ def _part_values(instr: Instr, users: dict[str, list[Instr]]) -> list[list[str]]
 
 def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr]],
             converts: Callable[[Instr], bool]) -> bool:
-    """Every device only slices its 1/``size`` of the all-reduced ``part`` (after converting it back to 16 bits,
-    where XLA:CPU widened it): XLA:CPU's reduce-scatter (GPU and TPU compilers turn the pattern into one)."""
+    """Every device only slices its 1/``size`` of the all-reduced ``part`` (after converting it back
+    to 16 bits, where XLA:CPU widened it): XLA:CPU's reduce-scatter (GPU and TPU compilers turn the
+    pattern into one)."""
     consumers = [u for v in values for u in users.get(v, [])]
     consumers = [c for u in consumers for c in (
         users.get(u.name, []) if elements(u.type) == elements(part) and converts(u) else [u])]
@@ -248,7 +260,8 @@ def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr
 
 
 def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The axis names and sizes of the mesh a compiled program's inputs are laid out on (empty when none)."""
+    """The axis names and sizes of the mesh a compiled program's inputs are laid out on (empty when
+    none)."""
     try:
         shardings = jax.tree.leaves(compiled.input_shardings)
     except Exception:  # an executable without sharding information: collectives get no axis names
@@ -263,22 +276,25 @@ def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def program_cost(
     compiled_or_text: Any, *, axis_names: Sequence[str] | None = None, axis_sizes: Sequence[int] | None = None
 ) -> ProgramCost:
-    """What one call of a compiled program does on one device: FLOPs (loops multiplied, custom calls costed),
-    bytes accessed and collectives (see the module doc). The count `jaxdist.Plan` reports as ``flops``.
+    """What one call of a compiled program does on one device: FLOPs (loops multiplied, custom calls
+    costed), bytes accessed and collectives (see the module doc). The count `jaxdist.Plan` reports
+    as ``flops``.
 
     Args:
-        compiled_or_text: a compiled program (``jax.jit(f).lower(...).compile()``, a `jax.stages.Compiled`) or
-            its text (``compiled.as_text()``; e.g. saved from a GPU or TPU run).
-        axis_names: the mesh's axis names, in order, to say which axes each collective runs over (default: the
-            mesh of a compiled program's inputs; none for text).
+        compiled_or_text: a compiled program (``jax.jit(f).lower(...).compile()``, a
+            `jax.stages.Compiled`) or its text (``compiled.as_text()``; e.g. saved from a GPU or TPU
+            run).
+        axis_names: the mesh's axis names, in order, to say which axes each collective runs over
+            (default: the mesh of a compiled program's inputs; none for text).
         axis_sizes: their sizes (partition ``i`` is the mesh's ``i``-th device in row-major order).
 
     Returns:
         A `ProgramCost`.
 
     Raises:
-        ValueError: for an argument that is neither a compiled program nor its text (a `jax.stages.Lowered`
-            among them: compile it first), or axis names and sizes of different lengths.
+        ValueError: for an argument that is neither a compiled program nor its text (a
+            `jax.stages.Lowered` among them: compile it first), or axis names and sizes of different
+            lengths.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -319,7 +335,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
     defs = {i.name: i for instrs in computations.values() for i in instrs}
 
     def fused_converts(instr: Instr, into16: bool) -> bool:
-        """A fusion holding a convert from (``into16`` False) or to (True) a 16-bit float of its size."""
+        """A fusion holding a convert from (``into16`` False) or to (True) a 16-bit float of its
+        size."""
         return any(i.op == "convert" and bool(_NARROW.match(i.type if into16 else types.get(i.operands[0], "")))
                    and elements(i.type) in (elements(instr.type), 0)
                    for c in _CALLS.findall(instr.attrs) for i in computations.get(c, ()) if i.operands)
@@ -328,8 +345,9 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
         return (u.op == "convert" and bool(_NARROW.match(u.type))) or (u.op == "fusion" and fused_converts(u, True))
 
     def widened(value: str, part: str, reads: list[str], table: dict[str, list[Instr]]) -> bool:
-        """XLA:CPU computes a 16-bit float collective in float32: the operand ``value`` (of type ``part``) was
-        converted from 16 bits, or every consumer of its result (read through ``reads``) converts it back."""
+        """XLA:CPU computes a 16-bit float collective in float32: the operand ``value`` (of type
+        ``part``) was converted from 16 bits, or every consumer of its result (read through
+        ``reads``) converts it back."""
         if not part.startswith("f32["):
             return False
         source = defs.get(value)
@@ -353,9 +371,9 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
     skipped = [0.0]
 
     def walk(name: str, times: int, fused: bool) -> tuple[float, float, float, float]:
-        """(flops, transcendentals, bytes, recomputed flops) of one call of computation ``name``; collectives
-        and kernels recorded with ``times`` (once per computation and multiplier: a computation called from two
-        places is walked twice)."""
+        """(flops, transcendentals, bytes, recomputed flops) of one call of computation ``name``;
+        collectives and kernels recorded with ``times`` (once per computation and multiplier: a
+        computation called from two places is walked twice)."""
         flops = trans = traffic = redo = 0.0
         for instr in computations.get(name, ()):
             op = instr.op

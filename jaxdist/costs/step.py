@@ -1,26 +1,29 @@
-"""What a compiled train step costs per device, for utilisation: `StepCost`, read from the step's `Plan`.
+"""What a compiled train step costs per device, for utilisation: `StepCost`, read from the step's
+`Plan`.
 
-The Trainer plans its compiled train step once (``Trainer.plan``: `jaxdist.costs.program_cost` of the
-partitioned program every device runs, XLA's memory analysis, the state's layout) and reads its `StepCost`
-from that plan (`StepCost.of_plan`): the same FLOPs and bytes, under the same names, plus what a plan cannot
-know. At each log point the fit loop turns the window's steps, seconds and tokens into
+The Trainer plans its compiled train step once (``Trainer.plan``: `jaxdist.costs.program_cost` of
+the partitioned program every device runs, XLA's memory analysis, the state's layout) and reads its
+`StepCost` from that plan (`StepCost.of_plan`): the same FLOPs and bytes, under the same names, plus
+what a plan cannot know. At each log point the fit loop turns the window's steps, seconds and tokens
+into
 
-* ``hfu``: hardware FLOPs utilisation: the FLOPs the program executes per device per step (rematerialisation
-  and replicated optimizer work included) x steps/s / the device's peak FLOP/s;
-* ``mfu``: model FLOPs utilisation: the model's FLOPs instead, ``flops_per_step=`` / devices when given (e.g.
-  6 x parameters x tokens for a transformer), else the executed FLOPs without recomputation
-  (`jaxdist.costs.ProgramCost.model_flops`).
+* ``hfu``: hardware FLOPs utilisation: the FLOPs the program executes per device per step
+  (rematerialisation and replicated optimizer work included) x steps/s / the device's peak FLOP/s;
+* ``mfu``: model FLOPs utilisation: the model's FLOPs instead, ``flops_per_step=`` / devices when
+  given (e.g. 6 x parameters x tokens for a transformer), else the executed FLOPs without
+  recomputation (`jaxdist.costs.ProgramCost.model_flops`).
 
   The peak is the dense bf16 figure of the vendor's datasheet for the accelerators in
-  `jaxdist.costs.ACCELERATORS` (per chip; one JAX device is one chip on these), or the ``peak_flops`` the user
-  gives (e.g. a measured one). Nothing else: on CPU, or an accelerator not in the table, both are "n/a", never
-  a made-up number. A custom call the count cannot cost (named in `StepCost.uncosted`) makes both lower bounds,
-  and the start line says so.
-* ``tokens_per_sec``: tokens per step / step time, where tokens per step are ``tokens_per_example`` x the
-  global batch's rows when given (every position, padding included: what the devices process), else the
-  summed weight of a token-weighted loss (the real tokens the loss averages over), else not logged.
-* ``peak_bytes_in_use``: the most any device has held (``device.memory_stats()``), where the backend keeps
-  such statistics (GPU, TPU; CPU does not).
+  `jaxdist.costs.ACCELERATORS` (per chip; one JAX device is one chip on these), or the
+  ``peak_flops`` the user gives (e.g. a measured one). Nothing else: on CPU, or an accelerator not
+  in the table, both are "n/a", never a made-up number. A custom call the count cannot cost (named
+  in `StepCost.uncosted`) makes both lower bounds, and the start line says so.
+* ``tokens_per_sec``: tokens per step / step time, where tokens per step are ``tokens_per_example``
+  x the global batch's rows when given (every position, padding included: what the devices process),
+  else the summed weight of a token-weighted loss (the real tokens the loss averages over), else not
+  logged.
+* ``peak_bytes_in_use``: the most any device has held (``device.memory_stats()``), where the backend
+  keeps such statistics (GPU, TPU; CPU does not).
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ class CostOptions:
     """How the trainer counts tokens and FLOPs (the `Trainer` options of the same names).
 
     Attributes:
-        tokens_per_example: tokens in one example (a language model's sequence length): tokens per step are
-            this times the global batch's rows. None: the summed weight of a token-weighted loss.
+        tokens_per_example: tokens in one example (a language model's sequence length): tokens per
+            step are this times the global batch's rows. None: the summed weight of a token-weighted
+            loss.
         peak_flops: the peak FLOP/s of ONE device, replacing the datasheet table (e.g. measured).
-        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of ``mfu``.
+        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of
+            ``mfu``.
 
     Raises:
-        ValueError: for a value that is not a positive number (``tokens_per_example``: an int), naming the
-            option, the value and the fix.
+        ValueError: for a value that is not a positive number (``tokens_per_example``: an int),
+            naming the option, the value and the fix.
 
     Examples:
         >>> CostOptions(tokens_per_example=128).tokens_per_example
@@ -97,35 +102,37 @@ class CostOptions:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of ``fit``): a
-    view of the train step's `Plan` for utilisation.
+    """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of
+    ``fit``): a view of the train step's `Plan` for utilisation.
 
     Its counts are the plan's, under the plan's names (``flops``, ``model_flops``, ``temp_bytes``,
-    ``unknown_loops``, ``uncosted``; ``param_bytes`` is ``plan.state_bytes["params"]``, and so on), the whole
-    plan in ``plan``; it adds what a plan cannot know: the devices' peak FLOP/s, the tokens a step processes and
-    the devices to ask for live memory. `of_plan` builds it.
+    ``unknown_loops``, ``uncosted``; ``param_bytes`` is ``plan.state_bytes["params"]``, and so on),
+    the whole plan in ``plan``; it adds what a plan cannot know: the devices' peak FLOP/s, the
+    tokens a step processes and the devices to ask for live memory. `of_plan` builds it.
 
     Attributes:
-        flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the basis of HFU),
-            or None when not counted.
+        flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the
+            basis of HFU), or None when not counted.
         flops_source: where ``flops`` comes from.
-        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then "n/a").
+        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then
+            "n/a").
         peak_source: where ``peak_flops`` comes from, or why it is unknown.
         param_bytes / optimizer_bytes / model_state_bytes: bytes each device holds (its shards).
-        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave none.
+        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave
+            none.
         device_kind: the devices' ``device_kind``; num_devices: how many run the step.
-        tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted per step
-            from a token-weighted loss's weight, or not at all.
-        unknown_loops: loops in the step whose trip count XLA did not record (counted once: ``flops`` is then a
-            lower bound).
+        tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted
+            per step from a token-weighted loss's weight, or not at all.
+        unknown_loops: loops in the step whose trip count XLA did not record (counted once:
+            ``flops`` is then a lower bound).
         devices: this process's devices (for ``device.memory_stats()``).
-        model_flops: the model's FLOPs per device per step (the basis of MFU): ``flops_per_step=`` / devices,
-            else ``flops`` without recomputation; None when not known.
+        model_flops: the model's FLOPs per device per step (the basis of MFU): ``flops_per_step=`` /
+            devices, else ``flops`` without recomputation; None when not known.
         model_flops_source: where ``model_flops`` comes from.
-        uncosted: custom calls the count could not cost (counted as 0): while any is named, ``flops`` and
-            the utilisations are lower bounds.
-        plan: the train step's `Plan` these figures were read from (None for a hand-built cost, or when the
-            step could not be planned: ``flops_source`` says why).
+        uncosted: custom calls the count could not cost (counted as 0): while any is named,
+            ``flops`` and the utilisations are lower bounds.
+        plan: the train step's `Plan` these figures were read from (None for a hand-built cost, or
+            when the step could not be planned: ``flops_source`` says why).
 
     Examples:
         >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
@@ -225,24 +232,27 @@ class StepCost:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether the FLOPs (and so HFU and MFU) may fall short: a custom call not costed, or a loop of unknown
-        trip count."""
+        """Whether the FLOPs (and so HFU and MFU) may fall short: a custom call not costed, or a
+        loop of unknown trip count."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
     def hfu(self, steps_per_sec: float) -> float | None:
-        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops`` (None: n/a)."""
+        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops``
+        (None: n/a)."""
         if self.flops is None or self.peak_flops is None:
             return None
         return self.flops * steps_per_sec / self.peak_flops
 
     def mfu(self, steps_per_sec: float) -> float | None:
-        """Model FLOPs utilisation at ``steps_per_sec``: ``model_flops * steps_per_sec / peak_flops`` (None: n/a)."""
+        """Model FLOPs utilisation at ``steps_per_sec``: ``model_flops * steps_per_sec /
+        peak_flops`` (None: n/a)."""
         if self.model_flops is None or self.peak_flops is None:
             return None
         return self.model_flops * steps_per_sec / self.peak_flops
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict[str, float]:
-        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only where known).
+        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only
+        where known).
 
         Args:
             steps: the window's steps; seconds: how long they took.
@@ -270,10 +280,11 @@ class StepCost:
         return out
 
     def summary(self) -> str:
-        """The short line ``fit`` shows at its start: FLOPs and bytes per device (`describe` has every detail).
+        """The short line ``fit`` shows at its start: FLOPs and bytes per device (`describe` has
+        every detail).
 
-        The peak FLOP/s shows only where it is known (MFU and HFU are logged then); "at least" marks FLOPs that
-        are a lower bound (`lower_bound`).
+        The peak FLOP/s shows only where it is known (MFU and HFU are logged then); "at least" marks
+        FLOPs that are a lower bound (`lower_bound`).
 
         Examples:
             >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None, peak_source="cpu",
@@ -352,13 +363,14 @@ def measure_step_cost(
     options: CostOptions,
     rows_per_step: int,
 ) -> StepCost:
-    """The `StepCost` of a compiled train step that was not planned through a strategy: its `Plan` read from
-    the compiled program (`jaxdist.costs.plan.read_plan`), the roles' bytes from ``state``'s layout.
+    """The `StepCost` of a compiled train step that was not planned through a strategy: its `Plan`
+    read from the compiled program (`jaxdist.costs.plan.read_plan`), the roles' bytes from
+    ``state``'s layout.
 
     Args:
         compiled: the compiled step (``jitted.lower(...).compile()``: one optimizer step).
-        state: the `TrainState` (arrays or abstract arrays with shardings): its ``params``, ``opt_state`` and
-            ``model_state`` are counted (`bytes_per_device`).
+        state: the `TrainState` (arrays or abstract arrays with shardings): its ``params``,
+            ``opt_state`` and ``model_state`` are counted (`bytes_per_device`).
         devices: every device the step runs on; local_devices: this process's.
         options: the `CostOptions`.
         rows_per_step: the global batch's rows.

@@ -1,7 +1,9 @@
-"""Reading a compiled module's text (``compiled.as_text()``): its computations, instructions and array types.
+"""Reading a compiled module's text (``compiled.as_text()``): its computations, instructions and
+array types.
 
-The pieces the cost walk (`jaxdist.costs.program`) and the kernel costs (`jaxdist.costs.kernels`) share:
-one parse of the text into computations of instructions, and the shapes and bytes of HLO types.
+The pieces the cost walk (`jaxdist.costs.program`) and the kernel costs (`jaxdist.costs.kernels`)
+share: one parse of the text into computations of instructions, and the shapes and bytes of HLO
+types.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class Instr:
 
 @dataclasses.dataclass
 class Module:
-    """A parsed module: ``computations`` (name -> instructions), the ``entry`` computation's name, ``types``
-    (value name -> type text) and ``defs`` (value name -> its instruction)."""
+    """A parsed module: ``computations`` (name -> instructions), the ``entry`` computation's name,
+    ``types`` (value name -> type text) and ``defs`` (value name -> its instruction)."""
 
     computations: dict[str, list[Instr]]
     entry: str | None
@@ -96,8 +98,9 @@ def op_name(instr: Instr) -> str:
 
 
 def backend_json(instr: Instr) -> dict[str, Any]:
-    """An instruction's ``backend_config`` when it is JSON, else ``{}``: written as JSON (cuBLAS, cuDNN) or as a
-    quoted string holding JSON (a custom call's own config, e.g. Mosaic TPU's ``tpu_custom_call``).
+    """An instruction's ``backend_config`` when it is JSON, else ``{}``: written as JSON (cuBLAS,
+    cuDNN) or as a quoted string holding JSON (a custom call's own config, e.g. Mosaic TPU's
+    ``tpu_custom_call``).
 
     Examples:
         >>> quoted = json.dumps('{"cost_estimate": {"flops": 7}}')  # '"{\\"cost_estimate\\": ...}"'

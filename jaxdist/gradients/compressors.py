@@ -4,18 +4,21 @@ A compressor reduces ONE gradient leaf across the replicas: ``decompress(all_red
 
 * `NoneCompressor`: the plain all-reduce.
 * `CastCompressor`: cast to bfloat16 / float16 before the all-reduce and back after (Horovod's fp16
-  compression; AutoDist's "cast" went to float32 and so saved nothing), with optional error feedback.
-* `PowerSGDCompressor`: rank-r PowerSGD (Vogels et al., 2019): one power iteration per step, Q warm-started
-  from the previous step and the compression error fed back into the next step's gradient. Both are state
-  carried from step to step (AutoDist redrew Q every step and computed an error it never fed back).
+  compression; AutoDist's "cast" went to float32 and so saved nothing), with optional error
+  feedback.
+* `PowerSGDCompressor`: rank-r PowerSGD (Vogels et al., 2019): one power iteration per step, Q
+  warm-started from the previous step and the compression error fed back into the next step's
+  gradient. Both are state carried from step to step (AutoDist redrew Q every step and computed an
+  error it never fed back).
 
-Compressors are stateless configuration objects, optax-style: ``init(leaf, index)`` makes a leaf's state (a
-NamedTuple, or None when there is none) and ``reduce(grad, state, ...)`` returns ``(reduced, new_state)``.
-Use them through `jaxdist.gradients.AllReduceSynchronizer`, which maps them over a gradient pytree.
+Compressors are stateless configuration objects, optax-style: ``init(leaf, index)`` makes a leaf's
+state (a NamedTuple, or None when there is none) and ``reduce(grad, state, ...)`` returns
+``(reduced, new_state)``. Use them through `jaxdist.gradients.AllReduceSynchronizer`, which maps
+them over a gradient pytree.
 
-Collectives run over a named axis (``"replica"`` inside ``strategy.run``). Outside any mapped axis there is
-one replica: the collectives return their input, but the compression still happens, so a single device sees
-exactly what one replica would.
+Collectives run over a named axis (``"replica"`` inside ``strategy.run``). Outside any mapped axis
+there is one replica: the collectives return their input, but the compression still happens, so a
+single device sees exactly what one replica would.
 """
 
 from __future__ import annotations
@@ -46,10 +49,11 @@ _COLLECTIVES = ("auto", "all_reduce", "all_to_all")
 
 
 def replica_count(axis_name: str | None = None) -> int | None:
-    """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else None.
+    """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else
+    None.
 
-    ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``, or the name given
-    with ``run(..., axis_name=...)``).
+    ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``, or the
+    name given with ``run(..., axis_name=...)``).
 
     Examples:
         >>> import jaxdist as jd
@@ -80,8 +84,8 @@ def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:
 class Compressor:
     """Base class of the compressors: how one gradient leaf is all-reduced.
 
-    Subclasses implement `reduce` (and `init` when they carry state). See `NoneCompressor` for the smallest
-    one.
+    Subclasses implement `reduce` (and `init` when they carry state). See `NoneCompressor` for the
+    smallest one.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -91,7 +95,8 @@ class Compressor:
     """
 
     def init(self, leaf: Any, index: int) -> Any:
-        """The initial state for a gradient leaf shaped like ``leaf`` (None: this compressor keeps none).
+        """The initial state for a gradient leaf shaped like ``leaf`` (None: this compressor keeps
+        none).
 
         Args:
             leaf: an array (or anything with ``shape`` and ``dtype``) shaped like the gradient.
@@ -115,8 +120,8 @@ class Compressor:
             axis_name: the mapped axis to reduce over.
 
         Returns:
-            ``(reduced, new_state)``: the reduced gradient (identical on every replica) and the state to pass to
-            the next step.
+            ``(reduced, new_state)``: the reduced gradient (identical on every replica) and the
+            state to pass to the next step.
 
         Raises:
             ValueError: for an unknown ``reduce_op``.
@@ -143,11 +148,12 @@ class NoneCompressor(Compressor):
 
 
 class CastState(NamedTuple):
-    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next one.
+    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next
+    one.
 
     Attributes:
-        error: this replica's rounding error, shaped like the gradient (different on every replica: after
-            ``strategy.run`` it is a `jaxdist.PerReplica`).
+        error: this replica's rounding error, shaped like the gradient (different on every replica:
+            after ``strategy.run`` it is a `jaxdist.PerReplica`).
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -168,11 +174,11 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
     """A low-precision all-reduce that moves only low-precision bytes on every backend.
 
     XLA:CPU converts every bfloat16/float16 collective to float32 (measured on jax 0.12: all-reduce,
-    reduce-scatter, all-gather and all-to-all alike), which would undo the compression. Integer collectives
-    are left alone, so the payload travels as its bit pattern: a reduce-scatter built from an all-to-all
-    (replica i receives chunk i of everyone's payload and sums it in float32, rounding once) and an
-    all-gather of the reduced chunks. Each replica sends (n-1)/n of the payload twice, exactly what a ring
-    all-reduce sends, at half the width.
+    reduce-scatter, all-gather and all-to-all alike), which would undo the compression. Integer
+    collectives are left alone, so the payload travels as its bit pattern: a reduce-scatter built
+    from an all-to-all (replica i receives chunk i of everyone's payload and sums it in float32,
+    rounding once) and an all-gather of the reduced chunks. Each replica sends (n-1)/n of the
+    payload twice, exactly what a ring all-reduce sends, at half the width.
     """
     shape, dtype, size = payload.shape, payload.dtype, payload.size
     bits = _bits_dtype(dtype)
@@ -189,24 +195,25 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
 
 
 class CastCompressor(Compressor):
-    """Cast to a 16-bit float for the all-reduce, back after: half the bytes of a float32 all-reduce.
+    """Cast to a 16-bit float for the all-reduce, back after: half the bytes of a float32
+    all-reduce.
 
-    Only floating leaves wider than ``dtype`` are cast; others (already bfloat16, integers) take the plain
-    all-reduce. With ``error_feedback=True`` the rounding error of each step is added to the next step's
-    gradient (state: `CastState`, per replica).
+    Only floating leaves wider than ``dtype`` are cast; others (already bfloat16, integers) take the
+    plain all-reduce. With ``error_feedback=True`` the rounding error of each step is added to the
+    next step's gradient (state: `CastState`, per replica).
 
     Args:
         dtype: the wire dtype, ``jnp.bfloat16`` (default) or ``jnp.float16`` (or a narrower float).
         error_feedback: carry the rounding error from step to step (off by default, as in Horovod).
         collective: ``"all_reduce"``: a ``psum`` in ``dtype`` (what GPUs and TPUs run natively);
-            ``"all_to_all"``: a reduce-scatter made of an all-to-all of the bit patterns plus an all-gather,
-            summed in float32 locally (the only way to move 16-bit payloads on XLA:CPU, which converts 16-bit
-            float collectives to float32); ``"auto"`` (default): ``"all_to_all"`` when JAX's default backend
-            is the CPU, else ``"all_reduce"``.
+            ``"all_to_all"``: a reduce-scatter made of an all-to-all of the bit patterns plus an
+            all-gather, summed in float32 locally (the only way to move 16-bit payloads on XLA:CPU,
+            which converts 16-bit float collectives to float32); ``"auto"`` (default):
+            ``"all_to_all"`` when JAX's default backend is the CPU, else ``"all_reduce"``.
 
     Raises:
-        ValueError: for a ``dtype`` that is not a float of at most 16 bits (casting to float32 saves nothing)
-            or an unknown ``collective``.
+        ValueError: for a ``dtype`` that is not a float of at most 16 bits (casting to float32 saves
+            nothing) or an unknown ``collective``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -280,10 +287,11 @@ class PowerSGDState(NamedTuple):
     """State of `PowerSGDCompressor` for one matrix leaf, carried from step to step.
 
     Attributes:
-        q: the ``(cols, rank)`` right factor of the last step, the warm start of the next power iteration;
-            identical on every replica (mirrored after ``strategy.run``).
-        error: this replica's residual ``M - P Qᵀ``, shaped like the gradient, added to the next gradient
-            (error feedback); different on every replica (a `jaxdist.PerReplica` after ``strategy.run``).
+        q: the ``(cols, rank)`` right factor of the last step, the warm start of the next power
+            iteration; identical on every replica (mirrored after ``strategy.run``).
+        error: this replica's residual ``M - P Qᵀ``, shaped like the gradient, added to the next
+            gradient (error feedback); different on every replica (a `jaxdist.PerReplica` after
+            ``strategy.run``).
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -308,14 +316,16 @@ class PowerSGDCompressor(Compressor):
         result = P Qᵀ              # ≈ mean of the replicas' M, rank ``rank``
         error = M - P Qᵀ           # kept locally;  Q kept as the next step's warm start
 
-    so each replica sends ``(rows + cols) * rank`` numbers instead of ``rows * cols``. A leaf of rank > 2 is
-    viewed as ``(prod(shape[:-1]), shape[-1])`` (features last, as Flax lays out Dense and Conv kernels).
-    Vectors, scalars, matrices with a dimension of 1, non-float leaves, and matrices too small to gain
-    (``(rows + cols) * rank >= rows * cols``) take the plain all-reduce and keep no state.
+    so each replica sends ``(rows + cols) * rank`` numbers instead of ``rows * cols``. A leaf of
+    rank > 2 is viewed as ``(prod(shape[:-1]), shape[-1])`` (features last, as Flax lays out Dense
+    and Conv kernels). Vectors, scalars, matrices with a dimension of 1, non-float leaves, and
+    matrices too small to gain (``(rows + cols) * rank >= rows * cols``) take the plain all-reduce
+    and keep no state.
 
     Args:
         rank: the rank of the approximation (capped at ``min(rows, cols)``).
-        seed: seeds the initial Q (drawn once, in `init`; leaf ``i`` uses ``fold_in(key(seed), i)``).
+        seed: seeds the initial Q (drawn once, in `init`; leaf ``i`` uses ``fold_in(key(seed),
+            i)``).
 
     Raises:
         ValueError: when ``rank`` is not a positive int.
@@ -338,7 +348,8 @@ class PowerSGDCompressor(Compressor):
         self.seed = int(seed)
 
     def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """``(rows, cols, rank)`` of the matrix a leaf of this shape is compressed as; None: plain all-reduce.
+        """``(rows, cols, rank)`` of the matrix a leaf of this shape is compressed as; None: plain
+        all-reduce.
 
         Examples:
             >>> import jaxdist as jd

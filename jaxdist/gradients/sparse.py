@@ -1,17 +1,19 @@
-"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the whole table.
+"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the whole
+table.
 
-The gradient of an embedding lookup ``table[ids]`` is zero except in the rows ``ids`` touched. A dense
-all-reduce sends the whole table; gathering every replica's ``(indices, rows)`` sends
-``num_replicas * k * (row_bytes + index_bytes)``, far less when few rows are touched. JAX shapes are static,
-so a `SparseRows` has a fixed number ``k`` of rows (one per looked-up id, repeats allowed: they are summed),
-exactly what the gradient with respect to the lookup's output gives::
+The gradient of an embedding lookup ``table[ids]`` is zero except in the rows ``ids`` touched. A
+dense all-reduce sends the whole table; gathering every replica's ``(indices, rows)`` sends
+``num_replicas * k * (row_bytes + index_bytes)``, far less when few rows are touched. JAX shapes are
+static, so a `SparseRows` has a fixed number ``k`` of rows (one per looked-up id, repeats allowed:
+they are summed), exactly what the gradient with respect to the lookup's output gives::
 
     rows = table[ids]                                  # ids: (batch, seq) int
     row_grads = jax.grad(lambda r: loss_of_rows(r, batch))(rows)
     grad = SparseRows(ids.reshape(-1), row_grads.reshape(-1, dim), num_rows=table.shape[0])
 
-`sparse_all_reduce` picks the all-gather when it moves fewer bytes than the dense all-reduce (the choice is
-static: it depends on shapes only) and returns the dense reduced gradient, ready for any optax optimizer.
+`sparse_all_reduce` picks the all-gather when it moves fewer bytes than the dense all-reduce (the
+choice is static: it depends on shapes only) and returns the dense reduced gradient, ready for any
+optax optimizer.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ _METHODS = ("auto", "all_gather", "dense")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SparseRows:
-    """A gradient that is zero outside some rows: ``dense[indices[i]] += values[i]`` (TF's IndexedSlices).
+    """A gradient that is zero outside some rows: ``dense[indices[i]] += values[i]`` (TF's
+    IndexedSlices).
 
     Attributes:
         indices: ``(k,)`` integer row ids, repeats allowed (their rows add up).
@@ -95,10 +98,11 @@ def _check(grad: Any) -> None:
 
 
 def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
-    """Whether gathering every replica's rows moves fewer bytes than all-reducing the dense gradient.
+    """Whether gathering every replica's rows moves fewer bytes than all-reducing the dense
+    gradient.
 
-    The rule: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica receives and
-    scatters, against the dense table).
+    The rule: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica
+    receives and scatters, against the dense table).
 
     Args:
         grad: this replica's `SparseRows`.
@@ -135,8 +139,8 @@ def sparse_all_reduce(
         grad: this replica's `SparseRows`.
         reduce_op: MEAN (default) or SUM.
         method: ``"all_gather"`` (gather every replica's indices and rows, scatter-add locally),
-            ``"dense"`` (scatter locally, all-reduce the dense table), or ``"auto"`` (default): the all-gather
-            when `all_gather_is_cheaper`.
+            ``"dense"`` (scatter locally, all-reduce the dense table), or ``"auto"`` (default): the
+            all-gather when `all_gather_is_cheaper`.
         axis_name: the mapped axis (``"replica"`` inside ``strategy.run``); unbound: one replica.
 
     Returns:

@@ -1,8 +1,9 @@
-"""`AllReduceSynchronizer`: the gradient all-reduce of a replica function, with a pluggable compressor.
+"""`AllReduceSynchronizer`: the gradient all-reduce of a replica function, with a pluggable
+compressor.
 
 AutoDist's synchronizers rewrote a TF graph to put a collective after every gradient. In jaxdist the
-replica function is already explicit (``strategy.run``), so a synchronizer is a pure function object used
-inside it, optax-style::
+replica function is already explicit (``strategy.run``), so a synchronizer is a pure function object
+used inside it, optax-style::
 
     sync = jd.gradients.AllReduceSynchronizer(jd.gradients.PowerSGDCompressor(rank=4))
     sync_state = strategy.run(sync.init, args=(params,))        # Q mirrored, error feedback per replica
@@ -14,15 +15,16 @@ inside it, optax-style::
 
     grads, sync_state = strategy.run(replica_fn, args=(params, sync_state, batch))
 
-State that is identical on every replica (PowerSGD's Q) comes back from ``run`` mirrored; state that differs
-(the error-feedback residuals) comes back as `jaxdist.PerReplica`, and passing it back into ``run`` gives each
-replica its own component again. ``sync.init(params)`` called outside ``run`` works too (the first step then
-sees the zero residuals as mirrored values, a different signature, so ``run`` compiles once more on step 2).
+State that is identical on every replica (PowerSGD's Q) comes back from ``run`` mirrored; state that
+differs (the error-feedback residuals) comes back as `jaxdist.PerReplica`, and passing it back into
+``run`` gives each replica its own component again. ``sync.init(params)`` called outside ``run``
+works too (the first step then sees the zero residuals as mirrored values, a different signature, so
+``run`` compiles once more on step 2).
 
-Leaves that are `SparseRows` (embedding gradients) are reduced by `sparse_all_reduce` (an all-gather of the
-touched rows when that moves fewer bytes), uncompressed, and come back dense. They keep no state: state that
-``init(params)`` made for the dense table is dropped on the first step (so ``run`` compiles once more on
-step 2); ``init`` on a tree with the `SparseRows` in place avoids that.
+Leaves that are `SparseRows` (embedding gradients) are reduced by `sparse_all_reduce` (an all-gather
+of the touched rows when that moves fewer bytes), uncompressed, and come back dense. They keep no
+state: state that ``init(params)`` made for the dense table is dropped on the first step (so ``run``
+compiles once more on step 2); ``init`` on a tree with the `SparseRows` in place avoids that.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class SynchronizerState(NamedTuple):
     """The state an `AllReduceSynchronizer` carries from step to step.
 
     Attributes:
-        leaves: one compressor state per gradient leaf, in the gradients' tree structure (None where the
-            compressor keeps none, e.g. every leaf of `NoneCompressor`, or PowerSGD's vectors).
+        leaves: one compressor state per gradient leaf, in the gradients' tree structure (None where
+            the compressor keeps none, e.g. every leaf of `NoneCompressor`, or PowerSGD's vectors).
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -58,13 +60,16 @@ class SynchronizerState(NamedTuple):
 
 
 class AllReduceSynchronizer:
-    """All-reduce a gradient pytree across replicas inside ``strategy.run``, compressing each leaf on the wire.
+    """All-reduce a gradient pytree across replicas inside ``strategy.run``, compressing each leaf
+    on the wire.
 
     Args:
-        compressor: a `Compressor`: `NoneCompressor` (default), `CastCompressor` or `PowerSGDCompressor`.
+        compressor: a `Compressor`: `NoneCompressor` (default), `CastCompressor` or
+            `PowerSGDCompressor`.
         reduce_op: MEAN (default, the global-batch gradient) or SUM.
-        axis_name: the mesh axis to reduce over; None (default): the replica axis of the ``strategy.run`` being
-            traced (``"replica"``, or the name given with ``run(..., axis_name=...)``).
+        axis_name: the mesh axis to reduce over; None (default): the replica axis of the
+            ``strategy.run`` being traced (``"replica"``, or the name given with ``run(...,
+            axis_name=...)``).
 
     Raises:
         TypeError: when ``compressor`` is not a `Compressor` or ``axis_name`` is not a string.
@@ -109,8 +114,9 @@ class AllReduceSynchronizer:
     def init(self, tree: Any) -> SynchronizerState:
         """The initial state for gradients shaped like ``tree`` (the params, or a gradient pytree).
 
-        Call it inside ``strategy.run`` (``strategy.run(sync.init, args=(params,))``) to get the steady-state
-        layout at once: the parts identical on every replica mirrored, the per-replica parts `PerReplica`.
+        Call it inside ``strategy.run`` (``strategy.run(sync.init, args=(params,))``) to get the
+        steady-state layout at once: the parts identical on every replica mirrored, the per-replica
+        parts `PerReplica`.
 
         Args:
             tree: a pytree of arrays shaped like the gradients (`SparseRows` leaves get no state).
@@ -135,15 +141,16 @@ class AllReduceSynchronizer:
     def all_reduce(self, grads: Any, state: SynchronizerState) -> tuple[Any, SynchronizerState]:
         """Reduce this replica's gradients across the replicas (inside ``strategy.run``).
 
-        Outside any replica function there is one replica: compression still applies, no collective runs.
+        Outside any replica function there is one replica: compression still applies, no collective
+        runs.
 
         Args:
             grads: this replica's gradient pytree (dense arrays and `SparseRows`).
             state: the `SynchronizerState` from `init` or the previous step.
 
         Returns:
-            ``(reduced, new_state)``: the reduced gradients, identical on every replica (`SparseRows` come back
-            dense), and the state for the next step.
+            ``(reduced, new_state)``: the reduced gradients, identical on every replica
+            (`SparseRows` come back dense), and the state for the next step.
 
         Raises:
             TypeError: when ``state`` is not a `SynchronizerState`.

@@ -1,4 +1,5 @@
-"""Layers that need the strategy's mesh: context-parallel attention, pipelines and mixtures of experts.
+"""Layers that need the strategy's mesh: context-parallel attention, pipelines and mixtures of
+experts.
 
 Examples:
     >>> import jaxdist as jd

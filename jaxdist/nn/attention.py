@@ -1,43 +1,49 @@
-"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load balancing.
+"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load
+balancing.
 
-A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``) splits a
-batch's sequence dimension over them. Attention is the one layer where a token needs every other token:
-`dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two ways:
+A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``)
+splits a batch's sequence dimension over them. Attention is the one layer where a token needs every
+other token: `dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two
+ways:
 
-* ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the whole
-  sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters their gradients),
-  then folds them in one ``(L / N)``-long block at a time. Memory per device: K/V of the whole sequence. One
-  collective per attention call: the fast choice while K/V fit (few KV heads, moderate L).
-* ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of context
-  devices (`jax.lax.ppermute`), folding in each block as it arrives; the next block's transfer is independent
-  of the current block's compute, so XLA can overlap them. Memory per device: two K/V blocks in flight
-  (autodiff keeps each block seen for the backward pass). N - 1 transfers per call: the choice when
-  whole-sequence K/V do not fit, or the interconnect is a ring.
+* ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the
+  whole sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters
+  their gradients), then folds them in one ``(L / N)``-long block at a time. Memory per device: K/V
+  of the whole sequence. One collective per attention call: the fast choice while K/V fit (few KV
+  heads, moderate L).
+* ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of
+  context devices (`jax.lax.ppermute`), folding in each block as it arrives; the next block's
+  transfer is independent of the current block's compute, so XLA can overlap them. Memory per
+  device: two K/V blocks in flight (autodiff keeps each block seen for the backward pass). N - 1
+  transfers per call: the choice when whole-sequence K/V do not fit, or the interconnect is a ring.
 
-Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)`` score
-block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the attention's
-activation memory stays ``O(L / N)`` per device; blocks that a causal mask hides entirely are skipped.
+Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)``
+score block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the
+attention's activation memory stays ``O(L / N)`` per device; blocks that a causal mask hides
+entirely are skipped.
 
-Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions. With a
-causal mask, the devices holding the start of the sequence have less to compute than those holding its end;
-``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i`` holding chunks
-``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts the output back in the
-original order: transparent to the model, labels and loss.
+Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions.
+With a causal mask, the devices holding the start of the sequence have less to compute than those
+holding its end; ``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i``
+holding chunks ``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts
+the output back in the original order: transparent to the model, labels and loss.
 
-Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the same
-function computes plain attention with the same formula, so a model equals itself on one device.
+Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the
+same function computes plain attention with the same formula, so a model equals itself on one
+device.
 
-Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the all-gather's
-blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with ``implementation="cudnn"``;
-8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is `jax.nn.dot_product_attention`'s XLA kernel;
-the einsums above run everywhere and are the ring's kernel: a ring step's partial result is combined through
-its softmax statistics, whose gradient the fused kernels do not give. The kernel runs in a named scope
-(`jaxdist.costs.scopes`), so `jaxdist.Plan.attention` reports what a compiled step runs.
+Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the
+all-gather's blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with
+``implementation="cudnn"``; 8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is
+`jax.nn.dot_product_attention`'s XLA kernel; the einsums above run everywhere and are the ring's
+kernel: a ring step's partial result is combined through its softmax statistics, whose gradient the
+fused kernels do not give. The kernel runs in a named scope (`jaxdist.costs.scopes`), so
+`jaxdist.Plan.attention` reports what a compiled step runs.
 
-Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by ``mask``
-(True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same segment: packed
-sequences); the softmax runs in at least float32; a query that may attend to no key at all (a padding
-position) gets zeros.
+Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by
+``mask`` (True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same
+segment: packed sequences); the softmax runs in at least float32; a query that may attend to no key
+at all (a padding position) gets zeros.
 """
 
 from __future__ import annotations
@@ -64,11 +70,11 @@ __all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 
 _MODES = ("all_gather", "ring")
 IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "tokamax")
-"""What computes each attention block: ``"einsum"`` (jaxdist's blockwise online softmax, every backend),
-``"xla"`` (`jax.nn.dot_product_attention` with ``implementation="xla"``, every backend), ``"cudnn"``
-(`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash attention, NVIDIA GPUs),
-``"tokamax"`` (``tokamax.dot_product_attention``: Pallas flash attention for GPUs and TPUs, its XLA one
-elsewhere; the optional extra ``jaxdist[tokamax]``)."""
+"""What computes each attention block: ``"einsum"`` (jaxdist's blockwise online softmax, every
+backend), ``"xla"`` (`jax.nn.dot_product_attention` with ``implementation="xla"``, every backend),
+``"cudnn"`` (`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash
+attention, NVIDIA GPUs), ``"tokamax"`` (``tokamax.dot_product_attention``: Pallas flash attention
+for GPUs and TPUs, its XLA one elsewhere; the optional extra ``jaxdist[tokamax]``)."""
 _FUSED = ("xla", "cudnn", "tokamax")
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 _UNROLL = 8  # ring steps unrolled up to this many (a longer ring stays a loop)
@@ -102,39 +108,42 @@ def dot_product_attention(
 ) -> jax.Array:
     """Dot-product attention that is correct and cheap on a sequence split over context axes.
 
-    A drop-in Flax ``attention_fn`` (linen ``nn.MultiHeadDotProductAttention`` / ``nn.SelfAttention``, nnx
-    ``nnx.MultiHeadAttention``): ``functools.partial(jd.nn.dot_product_attention, causal=True,
-    context="ring")``. Inside ``strategy.jit`` of a strategy with context axes it runs the context-parallel
-    algorithm ``context`` names (see the module doc); anywhere else it is plain attention.
+    A drop-in Flax ``attention_fn`` (linen ``nn.MultiHeadDotProductAttention`` /
+    ``nn.SelfAttention``, nnx ``nnx.MultiHeadAttention``):
+    ``functools.partial(jd.nn.dot_product_attention, causal=True, context="ring")``. Inside
+    ``strategy.jit`` of a strategy with context axes it runs the context-parallel algorithm
+    ``context`` names (see the module doc); anywhere else it is plain attention.
 
     Args:
-        query: ``(batch, q_length, heads, head_dim)`` (Flax's layout; off a context axis any leading batch
-            dimensions).
+        query: ``(batch, q_length, heads, head_dim)`` (Flax's layout; off a context axis any leading
+            batch dimensions).
         key: ``(batch, kv_length, heads, head_dim)``.
         value: ``(batch, kv_length, heads, v_dim)``.
         bias: added to the scores; broadcastable to ``(batch, heads, q_length, kv_length)``.
         mask: True where a query may attend to a key; broadcastable to ``(batch, heads, q_length,
             kv_length)`` (padding masks, Flax's ``make_attention_mask``).
-        causal: a query attends only to keys at or before its position (never materialised as ``(L, L)``).
-        segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment (packed
-            sequences).
-        context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there (XLA
-            gathers the sequence; for comparison).
-        load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every context
-            device does the same work (two collective permutes each way; the output comes back in the
-            original order).
-        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused flash
-            attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16, head_dim a
-            multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA implementation),
-            ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra ``jaxdist[tokamax]`` is
-            installed) or ``"einsum"`` (jaxdist's blockwise online softmax). None: where a fused kernel serves
-            the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``), cuDNN on an
-            NVIDIA GPU (float16/bfloat16) and tokamax on a TPU where it is installed; the einsums elsewhere.
-            With ``context="all_gather"`` a fused kernel computes the local queries against the gathered keys
-            in one call (its mask, ``(local q, L)``, built from token positions); ring steps need each block's
-            softmax statistics with their gradient, which the fused kernels do not give
-            (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under cuDNN): the ring
-            runs the einsums. The choice shows in `jaxdist.Plan.attention`.
+        causal: a query attends only to keys at or before its position (never materialised as ``(L,
+            L)``).
+        segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment
+            (packed sequences).
+        context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there
+            (XLA gathers the sequence; for comparison).
+        load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every
+            context device does the same work (two collective permutes each way; the output comes
+            back in the original order).
+        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused
+            flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16,
+            head_dim a multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA
+            implementation), ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra
+            ``jaxdist[tokamax]`` is installed) or ``"einsum"`` (jaxdist's blockwise online softmax).
+            None: where a fused kernel serves the case (no dropout, no sown weights, no
+            ``precision``, not ``context="ring"``), cuDNN on an NVIDIA GPU (float16/bfloat16) and
+            tokamax on a TPU where it is installed; the einsums elsewhere. With
+            ``context="all_gather"`` a fused kernel computes the local queries against the gathered
+            keys in one call (its mask, ``(local q, L)``, built from token positions); ring steps
+            need each block's softmax statistics with their gradient, which the fused kernels do not
+            give (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under
+            cuDNN): the ring runs the einsums. The choice shows in `jaxdist.Plan.attention`.
         dropout_rng: Flax's attention dropout key (plain attention only: on a context axis, pass
             ``deterministic=True`` or ``dropout_rate=0``).
         dropout_rate: Flax's attention dropout rate (plain attention only).
@@ -154,12 +163,14 @@ def dot_product_attention(
         ``(batch, q_length, heads, v_dim)``, laid out like ``query``.
 
     Raises:
-        ValueError: for an unknown ``context`` or ``implementation``, ``implementation="cudnn"`` off an NVIDIA
-            GPU, ``"tokamax"`` without tokamax, ``load_balance`` without ``causal``, or on a context axis a
-            sequence length the context axes do not divide (``2 N`` chunks with ``load_balance``), query and
-            key lengths that differ, inputs that are not ``(batch, length, heads, head_dim)``.
+        ValueError: for an unknown ``context`` or ``implementation``, ``implementation="cudnn"`` off
+            an NVIDIA GPU, ``"tokamax"`` without tokamax, ``load_balance`` without ``causal``, or on
+            a context axis a sequence length the context axes do not divide (``2 N`` chunks with
+            ``load_balance``), query and key lengths that differ, inputs that are not ``(batch,
+            length, heads, head_dim)``.
         NotImplementedError: for dropout or sowing weights on a context axis or with a fused
-            ``implementation``, a fused ``implementation`` with ``context="ring"``, or custom einsums.
+            ``implementation``, a fused ``implementation`` with ``context="ring"``, or custom
+            einsums.
         TypeError: for a keyword argument it does not know.
 
     Examples:
@@ -235,10 +246,11 @@ def dot_product_attention(
                                  load_balance, precision, impl)
 
 
-# ------------------------------------------------------------------------------------------ the kernel
+# --------------------------------------------------------------------------------------- the kernel
 def _devices_platform() -> str:
-    """``"cuda"`` for NVIDIA GPUs, else the platform of the devices the attention is traced for: the step's
-    mesh inside a strategy's step (a plan's mesh without devices compiles on CPU), else JAX's default."""
+    """``"cuda"`` for NVIDIA GPUs, else the platform of the devices the attention is traced for: the
+    step's mesh inside a strategy's step (a plan's mesh without devices compiles on CPU), else JAX's
+    default."""
     frame = ambient.current_computation()
     mesh = getattr(getattr(frame, "policy", None), "mesh", None)
     if mesh is not None and is_plan_mesh(mesh):
@@ -252,11 +264,12 @@ def _devices_platform() -> str:
 
 def _implementation(implementation: str | None, query: jax.Array, key: jax.Array, weights_needed: bool,
                     precision: Any, ring: bool, split: bool = False) -> str:
-    """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice
-    (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU: 16-bit inputs, head_dim a
-    multiple of 8 up to 128, even lengths, which its backward pass needs with a mask or bias). On context axes
-    (``split``) the einsums by default: each device's block of queries may have an odd length, and the fused
-    call over the gathered keys builds a whole (queries, keys) mask; ``implementation=`` forces a kernel."""
+    """The kernel that computes the attention's blocks: ``implementation``, checked, or the
+    backend's choice (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU:
+    16-bit inputs, head_dim a multiple of 8 up to 128, even lengths, which its backward pass needs
+    with a mask or bias). On context axes (``split``) the einsums by default: each device's block of
+    queries may have an odd length, and the fused call over the gathered keys builds a whole
+    (queries, keys) mask; ``implementation=`` forces a kernel."""
     if implementation is None:
         if ring or split or weights_needed or precision is not None:
             return "einsum"
@@ -294,10 +307,10 @@ def _implementation(implementation: str | None, query: jax.Array, key: jax.Array
 
 
 def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
-    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by `jax.nn.dot_product_attention`'s
-    ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool (or None) where a query may attend,
-    ``causal`` the kernel's own (top-left aligned) causal mask. A query that may attend to nothing gets zeros
-    (the kernels would average every value)."""
+    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by
+    `jax.nn.dot_product_attention`'s ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool
+    (or None) where a query may attend, ``causal`` the kernel's own (top-left aligned) causal mask.
+    A query that may attend to nothing gets zeros (the kernels would average every value)."""
     lq, lk = q.shape[1], k.shape[1]
 
     def full(x):  # the kernels take masks/biases of (batch or 1, heads or 1, lq, lk)
@@ -314,8 +327,8 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
                                            implementation=implementation)
     if mask is None and bias is None:
         return out
-    # A query that may attend to nothing (masked everywhere, or a bias of -inf everywhere) gets zeros, as the
-    # einsums give it (the kernels give the mean of the values, or NaN).
+    # A query that may attend to nothing (masked everywhere, or a bias of -inf everywhere) gets
+    # zeros, as the einsums give it (the kernels give the mean of the values, or NaN).
     seen = jnp.ones((1, 1, lq, lk), bool) if mask is None else mask
     if bias is not None:
         seen = seen & (bias > -jnp.inf)
@@ -325,7 +338,7 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
     return jnp.where(alive, out, jnp.zeros((), out.dtype))
 
 
-# ------------------------------------------------------------------------------------------ the algorithm
+# ------------------------------------------------------------------------------------ the algorithm
 def _context_policy() -> Any | None:
     """The layout policy of the strategy step being traced, when it has context axes of size > 1."""
     frame = ambient.current_computation()
@@ -338,7 +351,8 @@ def _context_policy() -> Any | None:
 
 
 def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
-    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for all."""
+    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for
+    all."""
     vis = None
     if causal:
         vis = (q_pos[:, None] >= k_pos[None, :])[None, None]
@@ -351,10 +365,12 @@ def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
 
 
 def _block(carry, q, k, v, vis, bias, precision):
-    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of ``q``.
+    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of
+    ``q``.
 
-    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h, q)`` running
-    sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does not depend on it.
+    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h,
+    q)`` running sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does
+    not depend on it.
     """
     o, m, total = carry
     acc = o.dtype
@@ -374,8 +390,9 @@ def _block(carry, q, k, v, vis, bias, precision):
 
 
 def _init_carry(q, v):
-    """Zero output and sum, ``-inf`` max, for the queries ``q``. Built from ``q`` itself so that inside
-    `jax.shard_map` they vary over the same mesh axes as the queries (a loop carry's type must not change)."""
+    """Zero output and sum, ``-inf`` max, for the queries ``q``. Built from ``q`` itself so that
+    inside `jax.shard_map` they vary over the same mesh axes as the queries (a loop carry's type
+    must not change)."""
     acc = jnp.promote_types(q.dtype, jnp.float32)
     zero = q[..., 0].astype(acc) * 0  # (b, q, h)
     o = zero[..., None] + jnp.zeros((v.shape[-1],), acc)
@@ -390,7 +407,8 @@ def _finish(carry, dtype):
 
 
 def _as4(x: Any) -> Any:
-    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1 added)."""
+    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1
+    added)."""
     if x is None:
         return None
     x = jnp.asarray(x)
@@ -426,7 +444,8 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
     if dropout is None and module is None:
         out = _finish(_block(_init_carry(q, v), q, k, v, vis, bias4, precision), query.dtype)
         return out.reshape((*batch_shape, *out.shape[1:]))
-    # Dropout / sown weights need the normalised weights themselves (as Flax's dot_product_attention).
+    # Dropout / sown weights need the normalised weights themselves (as Flax's
+    # dot_product_attention).
     acc = jnp.promote_types(q.dtype, jnp.float32)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
     if bias4 is not None:
@@ -448,7 +467,7 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
     return out.reshape((*batch_shape, *out.shape[1:]))
 
 
-# ----------------------------------------------------------------------------- context parallel (shard_map)
+# --------------------------------------------------------------------- context parallel (shard_map)
 def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
     n = policy.context_size
     axes = policy.context_axes
@@ -514,7 +533,8 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
 
     if explicit:
         # Sharding in types: shard_map over every axis, the other axes as the operands' types say.
-        # The query's type decides the batch and head layout of every operand (they must agree to broadcast).
+        # The query's type decides the batch and head layout of every operand (they must agree to
+        # broadcast).
         typed = getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ()
         batch_e, head_e = (_spec_entry(e, set(axes)) for e in (*typed, None, None, None)[0:3:2])
         b, h = query.shape[0], query.shape[2]
@@ -570,7 +590,8 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
 
 
 def _columns(x, positions, lc_total: int):
-    """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes broadcast."""
+    """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes
+    broadcast."""
     if x is None or x.shape[-1] == 1:
         return x
     return jnp.take(x, positions, axis=-1) if x.shape[-1] == lc_total else x
@@ -580,14 +601,15 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
     """The blockwise online softmax of the local queries ``q``: ``(carries, update)``, where
     ``update(carries, (k, v, k_seg), src)`` folds in the K/V block context device ``src`` holds.
 
-    The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair that the
-    causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what its positions need.
-    Each chunk pair is rematerialised in the backward pass (`jax.checkpoint`): memory stays one block per device.
+    The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair
+    that the causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what
+    its positions need. Each chunk pair is rematerialised in the backward pass (`jax.checkpoint`):
+    memory stays one block per device.
     """
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
-    # Two query and two key chunks per block (the zig-zag halves when load balancing): score blocks of
-    # (L / 2N)^2, and causal visibility decided per chunk pair.
+    # Two query and two key chunks per block (the zig-zag halves when load balancing): score blocks
+    # of (L / 2N)^2, and causal visibility decided per chunk pair.
     chunks = 2 if lc % 2 == 0 else 1
     cl = lc // chunks
     q_pos = _positions(idx, n, lc, zigzag)
@@ -645,9 +667,10 @@ def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, pr
 
 
 def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, implementation):
-    """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel call;
-    the causal mask, built from the local and gathered token positions (zig-zag or contiguous), is part of the
-    kernel's ``(local q, L)`` mask. No softmax statistics to combine: the kernel sees every key at once."""
+    """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel
+    call; the causal mask, built from the local and gathered token positions (zig-zag or
+    contiguous), is part of the kernel's ``(local q, L)`` mask. No softmax statistics to combine:
+    the kernel sees every key at once."""
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
     q_pos = _positions(idx, n, lc, zigzag)
@@ -672,8 +695,8 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precisio
 
     kv = (k, v, seg)
     if n > 1:
-        # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute, and cost
-        # analysis (FLOPs, MFU) counts every block.
+        # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute,
+        # and cost analysis (FLOPs, MFU) counts every block.
         (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1), unroll=n - 1 <= _UNROLL)
     carries = update(carries, kv, (idx - (n - 1)) % n)
     return _finish_all(carries, q.dtype)

@@ -1,35 +1,42 @@
 """Mixture of experts: routing, capacity, and tokens moved to their experts' devices by all-to-all.
 
-The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of the layer's weights:
+The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of the layer's
+weights:
 
-* **routing** (float32): ``logits = x @ router``; scores by ``softmax`` or ``sigmoid``; each token picks its
-  ``top_k`` experts (by score, plus the aux-loss-free bias where there is one: it steers the choice, never the
-  weights), weighted by their scores (renormalised to sum to 1 with ``normalize_top_k``).
+* **routing** (float32): ``logits = x @ router``; scores by ``softmax`` or ``sigmoid``; each token
+  picks its ``top_k`` experts (by score, plus the aux-loss-free bias where there is one: it steers
+  the choice, never the weights), weighted by their scores (renormalised to sum to 1 with
+  ``normalize_top_k``).
 * **capacity per sequence** (``capacity_factor=c``): each batch row sends each expert at most
-  ``ceil(c * length * top_k / num_experts)`` tokens (first come, first served, in position order, then by rank);
-  the rest are dropped (their output is 0, plus the shared experts'). Per row, never per device: which tokens
-  drop does not depend on the mesh, so one device's run is the reference of every mesh. ``capacity_factor=None``
-  is dropless: the capacity is the row's length (a token picks an expert at most once), a worst-case buffer.
-* **dispatch**: ``(rows, length, d) -> (rows, experts, capacity, d)`` by a 0/1 einsum; the experts (stacked
-  ``(E, ...)`` weights, a gated MLP) run on their buffers; the outputs are combined back weighted. Dropless with
-  every expert local on a GPU or TPU, the picks are sorted by expert instead and the experts run as grouped
-  matmuls: no worst-case buffer (on CPU ``ragged_dot`` is dense, so the buffer is used).
-* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): ``"tokamax"``, tokamax's ``ragged_dot``
-  (openxla's Pallas kernel library: Mosaic GPU / TPU kernels, 3.7x `jax.lax.ragged_dot` forward + backward on
-  an H100), where the optional extra is installed (``pip install 'jaxdist[tokamax]'``) and the devices are GPUs
-  or TPUs; ``"ragged_dot"`` (`jax.lax.ragged_dot`) elsewhere. `jaxdist.Plan.grouped_matmul` names the kernel.
-* **expert parallelism**: inside a step of a strategy with expert axes (`jaxdist.ShardedStrategy(expert_axes=
-  ...)` or ``expert_parallelism=e``), the layer runs in a `jax.shard_map` over the mesh: each device routes its
-  own rows, `jax.lax.all_to_all` over the expert axes sends each expert's buffer to the device holding that
-  expert (explicit collectives, fixed shapes) and brings the outputs back. The expert weights are split over
-  the expert axes (logical name ``"expert"``), so each device holds ``1/EP`` of them and of their optimizer
-  state. Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too). Dropless on GPU / TPU, the
-  exchange is ragged instead (`jaxdist.nn.exchange`): each device sorts its picks by expert, the expert counts
-  are exchanged, `jax.lax.ragged_all_to_all` moves only the routed rows, each device receives them grouped by
-  its local expert, runs grouped matmuls and sends the outputs back the same way.
+  ``ceil(c * length * top_k / num_experts)`` tokens (first come, first served, in position order,
+  then by rank); the rest are dropped (their output is 0, plus the shared experts'). Per row, never
+  per device: which tokens drop does not depend on the mesh, so one device's run is the reference of
+  every mesh. ``capacity_factor=None`` is dropless: the capacity is the row's length (a token picks
+  an expert at most once), a worst-case buffer.
+* **dispatch**: ``(rows, length, d) -> (rows, experts, capacity, d)`` by a 0/1 einsum; the experts
+  (stacked ``(E, ...)`` weights, a gated MLP) run on their buffers; the outputs are combined back
+  weighted. Dropless with every expert local on a GPU or TPU, the picks are sorted by expert instead
+  and the experts run as grouped matmuls: no worst-case buffer (on CPU ``ragged_dot`` is dense, so
+  the buffer is used).
+* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): ``"tokamax"``, tokamax's
+  ``ragged_dot`` (openxla's Pallas kernel library: Mosaic GPU / TPU kernels, 3.7x
+  `jax.lax.ragged_dot` forward + backward on an H100), where the optional extra is installed (``pip
+  install 'jaxdist[tokamax]'``) and the devices are GPUs or TPUs; ``"ragged_dot"``
+  (`jax.lax.ragged_dot`) elsewhere. `jaxdist.Plan.grouped_matmul` names the kernel.
+* **expert parallelism**: inside a step of a strategy with expert axes
+  (`jaxdist.ShardedStrategy(expert_axes= ...)` or ``expert_parallelism=e``), the layer runs in a
+  `jax.shard_map` over the mesh: each device routes its own rows, `jax.lax.all_to_all` over the
+  expert axes sends each expert's buffer to the device holding that expert (explicit collectives,
+  fixed shapes) and brings the outputs back. The expert weights are split over the expert axes
+  (logical name ``"expert"``), so each device holds ``1/EP`` of them and of their optimizer state.
+  Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too). Dropless on GPU / TPU, the
+  exchange is ragged instead (`jaxdist.nn.exchange`): each device sorts its picks by expert, the
+  expert counts are exchanged, `jax.lax.ragged_all_to_all` moves only the routed rows, each device
+  receives them grouped by its local expert, runs grouped matmuls and sends the outputs back the
+  same way.
 * **losses and metrics**, over the whole global batch: the Switch load-balancing loss
-  ``E * sum_e f_e P_e``, the router z-loss ``mean(logsumexp(logits)^2)``, tokens per expert, the largest load
-  over the mean, and the fraction of (token, expert) picks dropped.
+  ``E * sum_e f_e P_e``, the router z-loss ``mean(logsumexp(logits)^2)``, tokens per expert, the
+  largest load over the mean, and the fraction of (token, expert) picks dropped.
 
 Examples:
     >>> import jax, jax.numpy as jnp
@@ -63,8 +70,8 @@ __all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply",
 
 ROUTERS = ("softmax", "sigmoid")
 GROUPED_MATMULS = ("ragged_dot", "tokamax")
-"""The dropless path's grouped-matmul kernels: ``"ragged_dot"`` (`jax.lax.ragged_dot`, every backend) and
-``"tokamax"`` (``tokamax.ragged_dot``, the optional extra ``jaxdist[tokamax]``)."""
+"""The dropless path's grouped-matmul kernels: ``"ragged_dot"`` (`jax.lax.ragged_dot`, every
+backend) and ``"tokamax"`` (``tokamax.ragged_dot``, the optional extra ``jaxdist[tokamax]``)."""
 
 
 def has_tokamax() -> bool:
@@ -82,8 +89,9 @@ class Routing:
     """How tokens are routed (static: part of the layer's definition).
 
     Raises:
-        ValueError: for ``num_experts`` or ``top_k`` that is not an int >= 1, ``top_k > num_experts``, a
-            ``capacity_factor`` that is not a number > 0 (or None), or an unknown ``router``.
+        ValueError: for ``num_experts`` or ``top_k`` that is not an int >= 1, ``top_k >
+            num_experts``, a ``capacity_factor`` that is not a number > 0 (or None), or an unknown
+            ``router``.
     """
 
     num_experts: int
@@ -114,8 +122,8 @@ class Routing:
 
 
 class Weights(NamedTuple):
-    """The layer's weights: ``router (d, E)``, stacked experts ``gate``, ``up`` ``(E, d, h)`` and ``down``
-    ``(E, h, d)``, and the aux-loss-free routing ``bias (E,)`` (None: none)."""
+    """The layer's weights: ``router (d, E)``, stacked experts ``gate``, ``up`` ``(E, d, h)`` and
+    ``down`` ``(E, h, d)``, and the aux-loss-free routing ``bias (E,)`` (None: none)."""
 
     router: jax.Array
     gate: jax.Array
@@ -126,8 +134,8 @@ class Weights(NamedTuple):
 
 class Stats(NamedTuple):
     """Over the whole global batch: ``load_balance`` (Switch: 1.0 when balanced), ``z_loss``,
-    ``tokens_per_expert (E,)`` (picks, before dropping), ``max_load`` (the busiest expert's picks over the
-    mean), ``dropped_fraction`` (of all picks)."""
+    ``tokens_per_expert (E,)`` (picks, before dropping), ``max_load`` (the busiest expert's picks
+    over the mean), ``dropped_fraction`` (of all picks)."""
 
     load_balance: jax.Array
     z_loss: jax.Array
@@ -149,7 +157,8 @@ def capacity(config: Routing, length: int) -> int:
 
 
 def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int, dtype: Any = jnp.float32) -> Weights:
-    """Weights for ``config`` on inputs of width ``dim`` with experts of ``hidden`` units (lecun normal)."""
+    """Weights for ``config`` on inputs of width ``dim`` with experts of ``hidden`` units (lecun
+    normal)."""
     k = jax.random.split(key, 4)
     init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
                                                 batch_axis=(0,))
@@ -160,31 +169,34 @@ def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int, dtype: 
 
 def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | None = None,
           grouped_matmul: str | None = None) -> tuple[jax.Array, Stats]:
-    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens): ``(y, stats)``.
+    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens):
+    ``(y, stats)``.
 
-    Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the module doc);
-    anywhere else on whatever holds ``x``, all experts local.
+    Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the
+    module doc); anywhere else on whatever holds ``x``, all experts local.
 
     Args:
         config: the routing.
         weights: the layer's weights.
         x: the input.
-        ragged: dropless: the picks sorted by expert, grouped matmuls (`jax.lax.ragged_dot`) and, with expert
-            parallelism, a ragged exchange that moves only the routed rows (True); the worst-case buffer
-            (False); None: ragged where the devices have ragged collectives (GPU, TPU), the buffer on CPU (where
-            ``ragged_dot`` is dense). True on CPU with expert parallelism runs the exchange emulated
-            (`jaxdist.nn.exchange`): the same numbers, the padded bytes.
-        grouped_matmul: the ragged path's grouped-matmul kernel (`GROUPED_MATMULS`): ``"tokamax"`` or
-            ``"ragged_dot"``; None: tokamax where it is installed and the devices are GPUs or TPUs,
-            `jax.lax.ragged_dot` elsewhere.
+        ragged: dropless: the picks sorted by expert, grouped matmuls (`jax.lax.ragged_dot`) and,
+            with expert parallelism, a ragged exchange that moves only the routed rows (True); the
+            worst-case buffer (False); None: ragged where the devices have ragged collectives (GPU,
+            TPU), the buffer on CPU (where ``ragged_dot`` is dense). True on CPU with expert
+            parallelism runs the exchange emulated (`jaxdist.nn.exchange`): the same numbers, the
+            padded bytes.
+        grouped_matmul: the ragged path's grouped-matmul kernel (`GROUPED_MATMULS`): ``"tokamax"``
+            or ``"ragged_dot"``; None: tokamax where it is installed and the devices are GPUs or
+            TPUs, `jax.lax.ragged_dot` elsewhere.
 
     Returns:
         ``(y, stats)``: ``y`` shaped like ``x``, and the `Stats` over the global batch.
 
     Raises:
-        ValueError: when the expert axes do not divide ``num_experts``, for an unknown ``grouped_matmul``,
-            ``grouped_matmul="tokamax"`` where tokamax is not installed, or a ``grouped_matmul`` for a call that
-            takes no ragged path (``capacity_factor`` set, or not ``ragged``).
+        ValueError: when the expert axes do not divide ``num_experts``, for an unknown
+            ``grouped_matmul``, ``grouped_matmul="tokamax"`` where tokamax is not installed, or a
+            ``grouped_matmul`` for a call that takes no ragged path (``capacity_factor`` set, or not
+            ``ragged``).
     """
     if grouped_matmul is not None and grouped_matmul not in GROUPED_MATMULS:
         raise ValueError(
@@ -224,7 +236,8 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
             "dropless_padded_all_to_all")
     else:
         path = "dropless_ragged_local" if ragged else "dropless_local"
-    # The dispatch path, as a named scope: plans report it from the compiled program (Plan.moe_dispatch).
+    # The dispatch path, as a named scope: plans report it from the compiled program
+    # (Plan.moe_dispatch).
     with jax.named_scope(MOE_SCOPE + path):
         if policy is not None:
             y, sums = _expert_parallel(policy, config, weights, x3, cap, ragged, native, kernel)
@@ -235,7 +248,7 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     return y.reshape(shape), _stats(config, sums)
 
 
-# ------------------------------------------------------------------------------------------ per device
+# --------------------------------------------------------------------------------------- per device
 def _route(config: Routing, weights: Weights, x: jax.Array):
     logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weights.router.astype(jnp.float32))
     scores = jax.nn.softmax(logits, -1) if config.router == "softmax" else jax.nn.sigmoid(logits)
@@ -248,13 +261,15 @@ def _route(config: Routing, weights: Weights, x: jax.Array):
 
 
 def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axes: tuple, batch_axes: tuple):
-    """One device's rows ``x (b, l, d)``: routed, sent to the experts (over ``expert_axes`` when any), combined.
-    Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (the global batch)."""
+    """One device's rows ``x (b, l, d)``: routed, sent to the experts (over ``expert_axes`` when
+    any), combined. Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (the global
+    batch)."""
     b, length, _ = x.shape
     e, k = config.num_experts, config.top_k
     logits, scores, experts, picked = _route(config, weights, x)
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (b, l, k, e)
-    # Each pick's place in its expert's buffer: first come, first served along the row (position, then rank).
+    # Each pick's place in its expert's buffer: first come, first served along the row (position,
+    # then rank).
     position = jnp.cumsum(onehot.reshape(b, length * k, e), axis=1).reshape(b, length, k, e) - 1
     position = jnp.sum(position * onehot, -1)  # (b, l, k)
     kept = position < cap
@@ -283,9 +298,10 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
 
 
 class _Picks(NamedTuple):
-    """One device's routing, its (token, expert) picks sorted by expert: ``rows`` (the picked tokens' inputs),
-    ``token`` (each row's token), ``weight`` (its combine weight), ``sizes (E,)`` (rows per expert) and
-    ``sums`` (the statistics' sums over its rows, as `_local` returns them)."""
+    """One device's routing, its (token, expert) picks sorted by expert: ``rows`` (the picked
+    tokens' inputs), ``token`` (each row's token), ``weight`` (its combine weight), ``sizes (E,)``
+    (rows per expert) and ``sums`` (the statistics' sums over its rows, as `_local` returns
+    them)."""
 
     rows: jax.Array
     token: jax.Array
@@ -309,8 +325,9 @@ def _sorted_picks(config: Routing, weights: Weights, x: jax.Array) -> _Picks:
 
 
 def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
-    """``tokamax.ragged_dot`` with `jax.lax.ragged_dot`'s zeros in the rows past ``sum(sizes)`` (its GPU
-    kernels leave them unwritten: garbage there would reach the activation, and NaN its gradient)."""
+    """``tokamax.ragged_dot`` with `jax.lax.ragged_dot`'s zeros in the rows past ``sum(sizes)`` (its
+    GPU kernels leave them unwritten: garbage there would reach the activation, and NaN its
+    gradient)."""
     out = _tokamax.ragged_dot(lhs, rhs, sizes)
     live = jnp.arange(lhs.shape[0])[:, None] < jnp.sum(sizes)
     return jnp.where(live, out, jnp.zeros((), out.dtype))
@@ -318,8 +335,9 @@ def _tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax
 
 def _grouped_experts(config: Routing, weights: Weights, rows: jax.Array, sizes: jax.Array,
                      kernel: str) -> jax.Array:
-    """The experts on ``rows`` grouped by expert (``sizes`` rows each; rows past their sum give 0), with the
-    grouped-matmul ``kernel`` (in its named scope: plans report it, `jaxdist.Plan.grouped_matmul`)."""
+    """The experts on ``rows`` grouped by expert (``sizes`` rows each; rows past their sum give 0),
+    with the grouped-matmul ``kernel`` (in its named scope: plans report it,
+    `jaxdist.Plan.grouped_matmul`)."""
     dot = _tokamax_ragged_dot if kernel == "tokamax" else jax.lax.ragged_dot
     with jax.named_scope(GROUPED_MATMUL_SCOPE + kernel):
         gate = dot(rows, weights.gate.astype(rows.dtype), sizes)
@@ -334,8 +352,9 @@ def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
 
 
 def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
-    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls (``kernel``),
-    the outputs added back to their tokens weighted. Returns ``(y, sums)`` as `_local`."""
+    """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
+    (``kernel``), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as
+    `_local`."""
     picks = _sorted_picks(config, weights, x)
     out = _grouped_experts(config, weights, picks.rows, picks.sizes, kernel)
     return _combine(picks, out, x.shape), picks.sums
@@ -343,16 +362,17 @@ def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
 
 def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple, batch_axes: tuple,
                   native: bool, kernel: str = "ragged_dot"):
-    """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert, each
-    expert's slice sent to the device holding it by a ragged exchange (only the routed rows move), received
-    grouped by local expert, the experts as grouped matmuls on them, the outputs sent back the same way and
-    combined. Returns ``(y, sums)`` as `_local`."""
+    """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert,
+    each expert's slice sent to the device holding it by a ragged exchange (only the routed rows
+    move), received grouped by local expert, the experts as grouped matmuls on them, the outputs
+    sent back the same way and combined. Returns ``(y, sums)`` as `_local`."""
     picks = _sorted_picks(config, weights, x)
     b, length, d = x.shape
     tokens = b * length
     plan = exchange_plan(picks.sizes, expert_axes)
     devices = jax.lax.axis_size(expert_axes)
-    # A source sends each local expert at most one row per token: the worst case any device can receive.
+    # A source sends each local expert at most one row per token: the worst case any device can
+    # receive.
     buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
     received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes, native=native,
                         slice_rows=tokens)
@@ -373,7 +393,7 @@ def _stats(config: Routing, sums) -> Stats:
                  max_load=jnp.max(picks) / jnp.maximum(mean, 1.0), dropped_fraction=1.0 - kept / (tokens * k))
 
 
-# ------------------------------------------------------------------------------------- expert parallel
+# ---------------------------------------------------------------------------------- expert parallel
 def _expert_policy() -> Any | None:
     """The layout policy of the strategy step being traced, when it has expert axes of size > 1."""
     frame = ambient.current_computation()

@@ -1,9 +1,10 @@
-"""Causal load balancing for context parallelism: the zig-zag ("dual chunk swap") order of a split sequence.
+"""Causal load balancing for context parallelism: the zig-zag ("dual chunk swap") order of a split
+sequence.
 
-A sequence split contiguously over ``N`` context devices gives device ``i`` chunks ``2i`` and ``2i + 1`` of
-``2 N``; under a causal mask the last device has ``2N - 1`` times the work of the first. The zig-zag order gives
-device ``i`` chunks ``i`` and ``2N - 1 - i``, the same work for all. These helpers run inside `jax.shard_map`
-over the context axes, on each device's local block.
+A sequence split contiguously over ``N`` context devices gives device ``i`` chunks ``2i`` and ``2i +
+1`` of ``2 N``; under a causal mask the last device has ``2N - 1`` times the work of the first. The
+zig-zag order gives device ``i`` chunks ``i`` and ``2N - 1 - i``, the same work for all. These
+helpers run inside `jax.shard_map` over the context axes, on each device's local block.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ __all__ = ["positions", "unzigzag", "zigzag"]
 
 
 def positions(block, n: int, lc: int, zigzag: bool):
-    """The sequence positions of the ``lc`` tokens context device ``block`` of ``n`` holds (``block`` may be
-    traced), contiguous or in the zig-zag order.
+    """The sequence positions of the ``lc`` tokens context device ``block`` of ``n`` holds
+    (``block`` may be traced), contiguous or in the zig-zag order.
 
     Examples:
         >>> positions(1, 4, 4, zigzag=False).tolist(), positions(1, 4, 4, zigzag=True).tolist()
@@ -34,8 +35,9 @@ def _dest(c: int, n: int) -> int:
 
 
 def zigzag(x, axis: int, axes, n: int):
-    """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n - 1 - i``):
-    two collective permutes, one per local half. Inside `jax.shard_map` over ``axes`` (``n`` devices).
+    """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n -
+    1 - i``): two collective permutes, one per local half. Inside `jax.shard_map` over ``axes``
+    (``n`` devices).
 
     Examples:
         >>> import jax, numpy as np

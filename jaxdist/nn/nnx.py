@@ -1,10 +1,11 @@
 """Flax nnx counterparts of jaxdist's linen layers, named as Flax names them: ``jd.nn.nnx.MoE``.
 
-`MoE` is `jaxdist.nn.MoE`'s layer as an ``nnx.Module``: the same math (`jaxdist.nn.experts`), the same weights
-and logical names (``out_sharding`` metadata, laid out by the strategy's rules: experts over the expert axes).
-After each call its ``aux_loss`` (an ``nnx.Intermediate``: ``load_balance_weight`` x the load-balancing loss +
-``z_loss_weight`` x the z-loss) and ``stats`` (``nnx.Intermediate``s named as `jaxdist.nn.experts.Stats`'
-fields) hold the call's values: add ``layer.aux_loss[...]`` to the training loss.
+`MoE` is `jaxdist.nn.MoE`'s layer as an ``nnx.Module``: the same math (`jaxdist.nn.experts`), the
+same weights and logical names (``out_sharding`` metadata, laid out by the strategy's rules: experts
+over the expert axes). After each call its ``aux_loss`` (an ``nnx.Intermediate``:
+``load_balance_weight`` x the load-balancing loss + ``z_loss_weight`` x the z-loss) and ``stats``
+(``nnx.Intermediate``s named as `jaxdist.nn.experts.Stats`' fields) hold the call's values: add
+``layer.aux_loss[...]`` to the training loss.
 
 Examples:
     >>> import jax.numpy as jnp
@@ -31,7 +32,8 @@ __all__ = ["MoE"]
 
 
 class MoE(nnx.Module):
-    """A mixture-of-experts feed-forward layer on inputs of width ``dim`` (arguments as `jaxdist.nn.MoE`'s)."""
+    """A mixture-of-experts feed-forward layer on inputs of width ``dim`` (arguments as
+    `jaxdist.nn.MoE`'s)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, hidden_dim: int, *,
                  capacity_factor: float | None = None, router: str = "softmax", normalize_top_k: bool = True,

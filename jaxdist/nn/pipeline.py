@@ -1,40 +1,45 @@
-"""`Pipeline`: a stack of identical blocks, run as a pipeline over a strategy's stage axes (GPipe, circular).
+"""`Pipeline`: a stack of identical blocks, run as a pipeline over a strategy's stage axes (GPipe,
+circular).
 
 A drop-in for the user's ``nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True,
-"dropout": True}, length=L)``: the parameters are exactly that scan's (``params[<pipeline name>]["block"]``,
-every leaf with a leading axis of size ``L`` whose logical name is ``"layers"``), so one model definition and
-one checkpoint serve every strategy:
+"dropout": True}, length=L)``: the parameters are exactly that scan's (``params[<pipeline
+name>]["block"]``, every leaf with a leading axis of size ``L`` whose logical name is ``"layers"``),
+so one model definition and one checkpoint serve every strategy:
 
-* off a stage axis (one device, Mirrored, FSDP / tensor parallelism without ``stage_axes``) the layers run as
-  the plain scan;
-* under a `ShardedStrategy` with ``stage_axes`` (``pipeline_parallelism=k``), the strategy splits the
-  ``"layers"`` axis over the stages (stage ``s`` holds layers ``[s L/S, (s+1) L/S)``), and the layer runs
-  MaxText's SPMD pipeline: every stage at once inside ``jax.shard_map`` over the stage axes only (data, FSDP
-  and tensor axes stay with XLA), activations shifted to the next stage with ``lax.ppermute``, one
-  ``lax.scan`` over ``M x R + S - 1`` iterations (``M`` micro-batches, ``R`` circular repeats, ``S``
-  stages); the backward pass is autodiff's (GPipe: all forwards, then all backwards), each layer rematerialised
-  with ``remat``. Stage ``s`` idles for ``S - 1`` iterations: the bubble, ``(S - 1) / (R M + S - 1)``.
+* off a stage axis (one device, Mirrored, FSDP / tensor parallelism without ``stage_axes``) the
+  layers run as the plain scan;
+* under a `ShardedStrategy` with ``stage_axes`` (``pipeline_parallelism=k``), the strategy splits
+  the ``"layers"`` axis over the stages (stage ``s`` holds layers ``[s L/S, (s+1) L/S)``), and the
+  layer runs MaxText's SPMD pipeline: every stage at once inside ``jax.shard_map`` over the stage
+  axes only (data, FSDP and tensor axes stay with XLA), activations shifted to the next stage with
+  ``lax.ppermute``, one ``lax.scan`` over ``M x R + S - 1`` iterations (``M`` micro-batches, ``R``
+  circular repeats, ``S`` stages); the backward pass is autodiff's (GPipe: all forwards, then all
+  backwards), each layer rematerialised with ``remat``. Stage ``s`` idles for ``S - 1`` iterations:
+  the bubble, ``(S - 1) / (R M + S - 1)``.
 
 Schedules. ``"gpipe"``: each stage runs its ``L / S`` consecutive layers once per micro-batch.
-``"circular"`` (``repeats=R``): each micro-batch goes ``R`` times around the stages, running ``L / (S R)``
-layers per visit: the bubble shrinks ``R``-fold for the same ``M``. The stored layout is nn.scan's (stage
-``s`` holds a contiguous block of layers), and a circular visit ``r`` of stage ``s`` runs layers
-``[(r S + s) K, (r S + s + 1) K)`` (``K = L / (S R)``), so the step first moves each layer to the stage that
-runs it (an all-to-all of ``(R - 1) / R`` of the layer weights, and its transpose for the gradients); GPipe
-moves no weights. 1F1B and interleaved 1F1B are not offered: they interleave one micro-batch's backward with
-later micro-batches' forwards, which needs each stage to run its own program (MPMD); in one SPMD program
-autodiff runs the whole backward after the whole forward. What it would take: a hand-written VJP of the
-pipeline loop (forward and backward iterations interleaved in one scan, activations stashed per stage).
+``"circular"`` (``repeats=R``): each micro-batch goes ``R`` times around the stages, running ``L /
+(S R)`` layers per visit: the bubble shrinks ``R``-fold for the same ``M``. The stored layout is
+nn.scan's (stage ``s`` holds a contiguous block of layers), and a circular visit ``r`` of stage
+``s`` runs layers ``[(r S + s) K, (r S + s + 1) K)`` (``K = L / (S R)``), so the step first moves
+each layer to the stage that runs it (an all-to-all of ``(R - 1) / R`` of the layer weights, and its
+transpose for the gradients); GPipe moves no weights. 1F1B and interleaved 1F1B are not offered:
+they interleave one micro-batch's backward with later micro-batches' forwards, which needs each
+stage to run its own program (MPMD); in one SPMD program autodiff runs the whole backward after the
+whole forward. What it would take: a hand-written VJP of the pipeline loop (forward and backward
+iterations interleaved in one scan, activations stashed per stage).
 
-Micro-batches: a batch of ``B`` rows (per replica ``B / D``) is split into ``M`` micro-batches of ``B / M``
-rows, micro-batch ``m`` taking rows ``m, m + M, m + 2M, ...`` (so that each keeps its rows on the data axes
-they are on). ``M`` must divide the per-replica batch. Extra arguments (masks, positions) whose leading
-dimension is the batch's are split the same way; others, and keyword arguments, go whole to every layer.
+Micro-batches: a batch of ``B`` rows (per replica ``B / D``) is split into ``M`` micro-batches of
+``B / M`` rows, micro-batch ``m`` taking rows ``m, m + M, m + 2M, ...`` (so that each keeps its rows
+on the data axes they are on). ``M`` must divide the per-replica batch. Extra arguments (masks,
+positions) whose leading dimension is the batch's are split the same way; others, and keyword
+arguments, go whole to every layer.
 
-Randomness: with a ``"dropout"`` rng, layer ``l`` of micro-batch ``m`` draws from ``fold_in(k_l, m)``, ``k_l``
-the ``l``-th of ``split(make_rng("dropout"), L)``, in every path (pipelined or plain), so a model gives the
-same numbers under every strategy. (Dropout masks are drawn per micro-batch, so they differ from a plain
-``nn.scan`` over the whole batch; without dropout the plain scan's numbers are the pipeline's.)
+Randomness: with a ``"dropout"`` rng, layer ``l`` of micro-batch ``m`` draws from ``fold_in(k_l,
+m)``, ``k_l`` the ``l``-th of ``split(make_rng("dropout"), L)``, in every path (pipelined or plain),
+so a model gives the same numbers under every strategy. (Dropout masks are drawn per micro-batch, so
+they differ from a plain ``nn.scan`` over the whole batch; without dropout the plain scan's numbers
+are the pipeline's.)
 """
 
 from __future__ import annotations
@@ -61,8 +66,9 @@ SCHEDULES = ("gpipe", "circular")
 def bubble_fraction(num_stages: int, num_microbatches: int, repeats: int = 1) -> float:
     """The idle share of a pipelined step: ``(S - 1) / (R M + S - 1)``.
 
-    The step runs ``R M + S - 1`` iterations of ``L / (S R)`` layers on one micro-batch per stage where an
-    unpipelined one would run ``R M``: its compiled FLOPs are ``(R M + S - 1) / (R M)`` of the unpipelined step's.
+    The step runs ``R M + S - 1`` iterations of ``L / (S R)`` layers on one micro-batch per stage
+    where an unpipelined one would run ``R M``: its compiled FLOPs are ``(R M + S - 1) / (R M)`` of
+    the unpipelined step's.
 
     Examples:
         >>> bubble_fraction(4, 4), bubble_fraction(4, 16), bubble_fraction(4, 4, repeats=2)
@@ -86,8 +92,8 @@ def _unbox(tree: Any) -> Any:
 
 
 def _box_layers(tree: Any) -> Any:
-    """Leaves the scan left unboxed (the block annotates nothing) get the logical names ``("layers", None, ...)``,
-    so a strategy with stage axes splits them over the stages."""
+    """Leaves the scan left unboxed (the block annotates nothing) get the logical names ``("layers",
+    None, ...)``, so a strategy with stage axes splits them over the stages."""
 
     def box(x):
         return x if is_box(x) else nn.LogicallyPartitioned(x, (LAYERS,) + (None,) * (np.ndim(x) - 1))
@@ -96,28 +102,31 @@ def _box_layers(tree: Any) -> Any:
 
 
 class Pipeline(nn.Module):
-    """``num_layers`` copies of ``block`` run one after the other: a pipeline over a strategy's stage axes,
-    the plain ``nn.scan`` elsewhere (see the module doc).
+    """``num_layers`` copies of ``block`` run one after the other: a pipeline over a strategy's
+    stage axes, the plain ``nn.scan`` elsewhere (see the module doc).
 
     Attributes:
-        block: a linen module for ONE layer, called ``block(x, *args, **kwargs) -> x`` (same shape and dtype);
-            created where you write it (e.g. inside the parent's ``@nn.compact``): the pipeline clones it, and
-            its parameters live under ``params[<pipeline name>]["block"]``. Only ``"params"`` variables
-            (no BatchNorm statistics, no cache).
+        block: a linen module for ONE layer, called ``block(x, *args, **kwargs) -> x`` (same shape
+            and dtype); created where you write it (e.g. inside the parent's ``@nn.compact``): the
+            pipeline clones it, and its parameters live under ``params[<pipeline name>]["block"]``.
+            Only ``"params"`` variables (no BatchNorm statistics, no cache).
         num_layers: ``L``, the number of layers (the leading axis of every parameter).
-        num_microbatches: ``M``: the batch is split into ``M`` micro-batches; must divide the per-replica batch.
+        num_microbatches: ``M``: the batch is split into ``M`` micro-batches; must divide the
+            per-replica batch.
         schedule: ``"gpipe"`` or ``"circular"``.
         repeats: ``R``, the circular schedule's trips around the stages (1 for ``"gpipe"``).
-        remat: recompute each layer's activations in the backward pass: True (``jax.checkpoint``), False, or a
-            ``jax.checkpoint_policies`` policy.
-        unroll: unroll the loops over layers and pipeline iterations (longer compiles; XLA's cost analysis,
-            which counts a loop's body once, then counts every iteration: how the bubble is measured).
+        remat: recompute each layer's activations in the backward pass: True (``jax.checkpoint``),
+            False, or a ``jax.checkpoint_policies`` policy.
+        unroll: unroll the loops over layers and pipeline iterations (longer compiles; XLA's cost
+            analysis, which counts a loop's body once, then counts every iteration: how the bubble
+            is measured).
 
     Raises (when called):
-        ValueError: for an unknown ``schedule``, ``repeats`` or ``num_microbatches`` < 1, ``repeats > 1`` with
-            ``"gpipe"``, ``num_microbatches`` that does not divide the per-replica batch, ``num_layers`` that
-            the stages x repeats do not divide, a circular schedule with fewer micro-batches than stages, or a
-            block that returns another shape or holds variables other than ``"params"``.
+        ValueError: for an unknown ``schedule``, ``repeats`` or ``num_microbatches`` < 1, ``repeats
+            > 1`` with ``"gpipe"``, ``num_microbatches`` that does not divide the per-replica batch,
+            ``num_layers`` that the stages x repeats do not divide, a circular schedule with fewer
+            micro-batches than stages, or a block that returns another shape or holds variables
+            other than ``"params"``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdist as jd
@@ -148,7 +157,7 @@ class Pipeline(nn.Module):
     remat: bool | Callable[..., Any] = False
     unroll: bool = False
 
-    # ------------------------------------------------------------------------------------ validation
+    # ----------------------------------------------------------------------------------- validation
     def _check(self) -> None:
         if not isinstance(self.block, nn.Module):
             raise ValueError(f"block={self.block!r} is not a flax.linen Module: pass one layer, e.g. block=Block(64).")
@@ -176,7 +185,7 @@ class Pipeline(nn.Module):
                 f"batch a multiple of {m * replicas}."
             )
 
-    # ---------------------------------------------------------------------------------------- layers
+    # --------------------------------------------------------------------------------------- layers
     def _layer_fn(self, kwargs: dict[str, Any], dropout: bool) -> Callable:
         """``(params_of_one_layer, key, x, args) -> x``: one layer, applied functionally."""
         block = self.block.clone(parent=None, name=None)
@@ -192,7 +201,8 @@ class Pipeline(nn.Module):
         return layer
 
     def _run_layers(self, layer: Callable, params: Any, keys: jax.Array, x: jax.Array, m: Any, args: tuple) -> Any:
-        """``x`` through the stacked layers of ``params`` (leading axis: layers), micro-batch ``m``'s keys."""
+        """``x`` through the stacked layers of ``params`` (leading axis: layers), micro-batch
+        ``m``'s keys."""
 
         def body(h, per_layer):
             p, k = per_layer
@@ -201,7 +211,7 @@ class Pipeline(nn.Module):
 
         return lax.scan(body, x, (params, keys), unroll=self.unroll)[0]
 
-    # ------------------------------------------------------------------------------------------ call
+    # ----------------------------------------------------------------------------------------- call
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         self._check()
@@ -231,7 +241,8 @@ class Pipeline(nn.Module):
         return self._pipelined(layer, params, keys, x, args, policy, stages)
 
     def _init_scan(self, x: jax.Array, args: tuple, kwargs: dict[str, Any]) -> jax.Array:
-        """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for rng)."""
+        """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for
+        rng)."""
 
         def body(module, carry, *xs):
             return _checked(module, carry, module(carry, *xs, **kwargs)), None
@@ -240,11 +251,12 @@ class Pipeline(nn.Module):
             body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
             length=self.num_layers, in_axes=(nn.broadcast,) * len(args), metadata_params={nn.PARTITION_NAME: LAYERS},
         )
-        # A block created outside any module is this module's child "block" already; one created in the
-        # parent's @nn.compact belongs to the parent: clone it here, under the same name.
+        # A block created outside any module is this module's child "block" already; one created in
+        # the parent's @nn.compact belongs to the parent: clone it here, under the same name.
         block = self.block if self.block.parent is self else self.block.clone(parent=self, name="block")
         y = scan(block, x, *args)[0]
-        # Unannotated leaves get the "layers" name too (the values are the scan's, only the box is added).
+        # Unannotated leaves get the "layers" name too (the values are the scan's, only the box is
+        # added).
         self.put_variable("params", "block", _box_layers(self.variables["params"]["block"]))
         return y
 
@@ -279,8 +291,8 @@ class Pipeline(nn.Module):
         explicit = explicit_axes(policy.mesh)
         if not explicit:
             return self._pipeline_loop(layer, params, keys, x, args, policy, stages)
-        # On Explicit axes (a layout is part of a value's type) the loop's reshapes and constraints run with
-        # the axes Auto; the output comes back typed as the input was.
+        # On Explicit axes (a layout is part of a value's type) the loop's reshapes and constraints
+        # run with the axes Auto; the output comes back typed as the input was.
         return jax.sharding.auto_axes(
             lambda p, k, h, a: self._pipeline_loop(layer, p, k, h, a, policy, stages),
             axes=explicit, out_sharding=jax.typeof(x).sharding,

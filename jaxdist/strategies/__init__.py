@@ -1,6 +1,7 @@
 """Strategies: where replicas run and how code runs on them.
 
-The names used most are also at the top (``jd.MirroredStrategy`` is ``jd.strategies.MirroredStrategy``).
+The names used most are also at the top (``jd.MirroredStrategy`` is
+``jd.strategies.MirroredStrategy``).
 """
 
 from jaxdist.strategies import compat as compat

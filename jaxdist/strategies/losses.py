@@ -1,17 +1,20 @@
-"""Loss scaling for custom training loops: ``jd.compute_average_loss`` and ``jd.scale_regularization_loss``.
+"""Loss scaling for custom training loops: ``jd.compute_average_loss`` and
+``jd.scale_regularization_loss``.
 
 tf.nn's two helpers, with the same semantics, for the two views a jaxdist step can have:
 
-* inside ``strategy.run`` (a replica context: ``jd.get_replica_context()`` has ``num_replicas_in_sync`` > 1)
-  each replica sees its own rows. ``compute_average_loss`` divides the replica's summed loss by the GLOBAL batch
-  (its rows times ``num_replicas_in_sync``) and ``scale_regularization_loss`` divides by the replica count, so
-  that ``ctx.all_reduce(SUM, ...)`` of the replicas' losses (and of their gradients) is the global mean: the
-  number one device computes on the whole batch.
-* in the global view (inside ``strategy.jit``, in cross-replica code, or without any strategy) the step sees
-  the whole global batch as one device would, so the default global batch is the loss's own batch size and the
-  regularization loss is not divided.
+* inside ``strategy.run`` (a replica context: ``jd.get_replica_context()`` has
+  ``num_replicas_in_sync`` > 1) each replica sees its own rows. ``compute_average_loss`` divides the
+  replica's summed loss by the GLOBAL batch (its rows times ``num_replicas_in_sync``) and
+  ``scale_regularization_loss`` divides by the replica count, so that ``ctx.all_reduce(SUM, ...)``
+  of the replicas' losses (and of their gradients) is the global mean: the number one device
+  computes on the whole batch.
+* in the global view (inside ``strategy.jit``, in cross-replica code, or without any strategy) the
+  step sees the whole global batch as one device would, so the default global batch is the loss's
+  own batch size and the regularization loss is not divided.
 
-The replica count is read from the replica context (`jaxdist.strategies.context`), never passed by hand.
+The replica count is read from the replica context (`jaxdist.strategies.context`), never passed by
+hand.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ def _batch_size(global_batch_size: Any) -> int:
 
 
 def _weights(sample_weight: Any, shape: tuple[int, ...]) -> jax.Array:
-    """``sample_weight`` reshaped as tf.nn does (one trailing axis squeezed or added), checked to broadcast to
-    the loss's ``shape`` without changing it."""
+    """``sample_weight`` reshaped as tf.nn does (one trailing axis squeezed or added), checked to
+    broadcast to the loss's ``shape`` without changing it."""
     weight = jnp.asarray(sample_weight)
     if weight.ndim == len(shape) + 1 and weight.shape[-1] == 1:
         weight = weight[..., 0]  # (batch, 1) weights for (batch,) losses
@@ -82,29 +85,32 @@ def compute_average_loss(
 ) -> jax.Array:
     """``sum(per_example_loss * sample_weight) / global_batch_size`` (tf.nn.compute_average_loss).
 
-    Inside ``strategy.run`` the default global batch is this replica's batch (``per_example_loss.shape[0]``)
-    times ``num_replicas_in_sync``, so ``ctx.all_reduce(jd.ReduceOp.SUM, ...)`` of the replicas' results (and
-    of their gradients) is the mean over the global batch, as one device computes it. In the global view
-    (inside ``strategy.jit``, in cross-replica code, or with no strategy) the step already sees the global
+    Inside ``strategy.run`` the default global batch is this replica's batch
+    (``per_example_loss.shape[0]``) times ``num_replicas_in_sync``, so
+    ``ctx.all_reduce(jd.ReduceOp.SUM, ...)`` of the replicas' results (and of their gradients) is
+    the mean over the global batch, as one device computes it. In the global view (inside
+    ``strategy.jit``, in cross-replica code, or with no strategy) the step already sees the global
     batch and the default is ``per_example_loss.shape[0]``: the plain mean.
 
     Args:
-        per_example_loss: the unreduced loss, shape ``(batch, ...)``; every element is summed, then divided
-            by the batch size (a ``(batch, time)`` loss gives the mean over examples of the summed time steps).
-        global_batch_size: the number of examples in the global batch (a positive int); None: the default
-            above. Pass it when the last batch is smaller, or when padding rows carry zero weight. A batch a
-            distributed dataset padded (``remainder="pad"``) needs neither: inside ``strategy.run`` its padding
-            rows are left out and the default is the real rows of the global batch.
-        sample_weight: a weight per example (shape ``(batch,)`` or ``(batch, 1)``), a scalar, or an array
-            broadcastable to the loss's shape. Note tf.nn's positional order is
+        per_example_loss: the unreduced loss, shape ``(batch, ...)``; every element is summed, then
+            divided by the batch size (a ``(batch, time)`` loss gives the mean over examples of the
+            summed time steps).
+        global_batch_size: the number of examples in the global batch (a positive int); None: the
+            default above. Pass it when the last batch is smaller, or when padding rows carry zero
+            weight. A batch a distributed dataset padded (``remainder="pad"``) needs neither: inside
+            ``strategy.run`` its padding rows are left out and the default is the real rows of the
+            global batch.
+        sample_weight: a weight per example (shape ``(batch,)`` or ``(batch, 1)``), a scalar, or an
+            array broadcastable to the loss's shape. Note tf.nn's positional order is
             ``(per_example_loss, sample_weight, global_batch_size)``: pass both by name.
 
     Returns:
         The scalar loss, in ``per_example_loss``'s dtype.
 
     Raises:
-        ValueError: for a scalar ``per_example_loss`` (already reduced), a ``sample_weight`` that does not
-            broadcast to it, or a ``global_batch_size`` that is not a positive int.
+        ValueError: for a scalar ``per_example_loss`` (already reduced), a ``sample_weight`` that
+            does not broadcast to it, or a ``global_batch_size`` that is not a positive int.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -139,16 +145,17 @@ def compute_average_loss(
 
 
 def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
-    """The summed regularization loss divided by ``num_replicas_in_sync`` (tf.nn.scale_regularization_loss).
+    """The summed regularization loss divided by ``num_replicas_in_sync``
+    (tf.nn.scale_regularization_loss).
 
-    Inside ``strategy.run`` every replica adds the same regularization term to its loss, and the replicas'
-    losses are summed (``ctx.all_reduce(SUM, ...)``): dividing by the replica count makes the sum count it
-    once. In the global view (``strategy.jit``, cross-replica code, no strategy) it is returned summed but
-    unscaled.
+    Inside ``strategy.run`` every replica adds the same regularization term to its loss, and the
+    replicas' losses are summed (``ctx.all_reduce(SUM, ...)``): dividing by the replica count makes
+    the sum count it once. In the global view (``strategy.jit``, cross-replica code, no strategy) it
+    is returned summed but unscaled.
 
     Args:
-        regularization_loss: an array, or a pytree (list, dict) of arrays (e.g. one L2 term per layer); every
-            element of every leaf is summed.
+        regularization_loss: an array, or a pytree (list, dict) of arrays (e.g. one L2 term per
+            layer); every element of every leaf is summed.
 
     Returns:
         The scalar, summed and scaled.

@@ -1,27 +1,32 @@
-"""A search over layouts, rematerialization and micro-batches, by plan: which configuration fits, and which is fastest.
+"""A search over layouts, rematerialization and micro-batches, by plan: which configuration fits,
+and which is fastest.
 
-`plan_search` builds a `jaxdist.training.Trainer` for every configuration (a layout of ``num_devices`` devices x
-remat on or off x ``grad_accum_steps``), plans its train step on the global batch (``Trainer.plan``: compiled,
-never run) and ranks them: the configurations whose ``peak_bytes`` fit ``memory_per_device`` first, fastest first by the
-roofline estimate on ``accelerator``; then those that do not fit, smallest peak first.
+`plan_search` builds a `jaxdist.training.Trainer` for every configuration (a layout of
+``num_devices`` devices x remat on or off x ``grad_accum_steps``), plans its train step on the
+global batch (``Trainer.plan``: compiled, never run) and ranks them: the configurations whose
+``peak_bytes`` fit ``memory_per_device`` first, fastest first by the roofline estimate on
+``accelerator``; then those that do not fit, smallest peak first.
 
-The layouts, on ``jd.plan_mesh`` meshes (real devices when ``num_devices`` is this process's device count):
+The layouts, on ``jd.plan_mesh`` meshes (real devices when ``num_devices`` is this process's device
+count):
 
 * ``"mirrored"``: ``{"data": N}``, every variable whole on every device;
 * ``"fsdp"``: ``{"fsdp": N}``, variables split over all devices (ZeRO-3);
-* ``"hsdp"``: ``{"data": d, "fsdp": N / d}`` for ``d`` in ``hsdp_groups``: variables split within a group of
-  ``N / d`` devices, replicated across the ``d`` groups;
+* ``"hsdp"``: ``{"data": d, "fsdp": N / d}`` for ``d`` in ``hsdp_groups``: variables split within a
+  group of ``N / d`` devices, replicated across the ``d`` groups;
 * ``"fsdp_tp"``: ``{"fsdp": N / t, "tensor": t}`` for ``t`` in ``tensor_parallelism``: FSDP x tensor
-  parallelism; only with ``rules`` (the model's logical axis rules for a mesh, whose tensor axis they name);
-* ``"fsdp_ep"``: ``{"fsdp": N / e, "expert": e}`` for ``e`` in ``expert_parallelism`` (none unless given: a
-  model with `jaxdist.nn.MoE` layers): the experts split over ``"expert"``, the batch over both axes, the
-  other variables FSDP over ``"fsdp"``.
+  parallelism; only with ``rules`` (the model's logical axis rules for a mesh, whose tensor axis
+  they name);
+* ``"fsdp_ep"``: ``{"fsdp": N / e, "expert": e}`` for ``e`` in ``expert_parallelism`` (none unless
+  given: a model with `jaxdist.nn.MoE` layers): the experts split over ``"expert"``, the batch over
+  both axes, the other variables FSDP over ``"fsdp"``.
 
-Planning has one package, this one: the plan room (`jaxdist.strategies.plan`: one step laid out and compiled,
-meshes without devices) sits below the strategy classes, which plan with it; this search sits above them, as it
-builds the strategies it plans on. What it ranks are Trainer configurations (``build`` returns a Trainer or
-anything with its ``plan(batch)``), but it imports nothing of ``training``. The records it ranks (`jaxdist.Plan`,
-its `jaxdist.costs.Estimate`) and the formatter of its table are cost records, in `jaxdist.costs`.
+Planning has one package, this one: the plan room (`jaxdist.strategies.plan`: one step laid out and
+compiled, meshes without devices) sits below the strategy classes, which plan with it; this search
+sits above them, as it builds the strategies it plans on. What it ranks are Trainer configurations
+(``build`` returns a Trainer or anything with its ``plan(batch)``), but it imports nothing of
+``training``. The records it ranks (`jaxdist.Plan`, its `jaxdist.costs.Estimate`) and the formatter
+of its table are cost records, in `jaxdist.costs`.
 """
 
 from __future__ import annotations
@@ -128,24 +133,28 @@ def plan_search(
     """Plan every configuration and rank them (see the module doc).
 
     Args:
-        build: ``build(strategy, remat=..., grad_accum_steps=...) -> Trainer``: the trainer of one configuration
-            (its model built with or without remat).
+        build: ``build(strategy, remat=..., grad_accum_steps=...) -> Trainer``: the trainer of one
+            configuration (its model built with or without remat).
         batch: the global batch (arrays or `jax.ShapeDtypeStruct`s), as for ``Trainer.plan``.
         num_devices: how many devices to plan for.
         memory_per_device: the budget in bytes, or an accelerator name (its HBM).
         accelerator: what `Plan.estimate` ranks by.
-        layouts: which of ``"mirrored"``, ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"``, ``"fsdp_ep"`` to try.
+        layouts: which of ``"mirrored"``, ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"``, ``"fsdp_ep"`` to
+            try.
         remat: the remat settings to try.
         grad_accum_steps: the micro-batch counts to try.
         hsdp_groups: the replica-group counts of the HSDP layouts.
         tensor_parallelism: the tensor-axis sizes of the FSDP x TP layouts.
-        expert_parallelism: the expert-axis sizes of the FSDP x EP layouts (a model with MoE layers).
-        rules: ``rules(batch_axes, model_axis) -> logical_axis_rules`` for the model (needed for "fsdp_tp").
+        expert_parallelism: the expert-axis sizes of the FSDP x EP layouts (a model with MoE
+            layers).
+        rules: ``rules(batch_axes, model_axis) -> logical_axis_rules`` for the model (needed for
+            "fsdp_tp").
         activation_axes: logical names only activations use (see `ShardedStrategy`).
         progress: called with each `Candidate` as soon as it is planned (e.g. ``print``).
 
     Returns:
-        Every `Candidate`: those that fit first, fastest first; then the others, smallest peak first.
+        Every `Candidate`: those that fit first, fastest first; then the others, smallest peak
+        first.
 
     Raises:
         ValueError: for an unknown layout, or a ``num_devices`` that is not an int >= 1.

@@ -1,9 +1,10 @@
-"""`TPUStrategy`: every device of the default backend, with on-device loops (tf.distribute.TPUStrategy).
+"""`TPUStrategy`: every device of the default backend, with on-device loops
+(tf.distribute.TPUStrategy).
 
-On a TPU host the default backend is the TPU and its cores are the replicas; elsewhere it is whatever JAX
-runs on (the simulated CPU devices in tests), so TPU code runs unchanged on a laptop. ``steps_per_run`` is how
-many steps ``run_steps_on_dataset`` runs per call by default (the on-device loop amortises the host round
-trip, which on TPUs is the dominant cost of small steps).
+On a TPU host the default backend is the TPU and its cores are the replicas; elsewhere it is
+whatever JAX runs on (the simulated CPU devices in tests), so TPU code runs unchanged on a laptop.
+``steps_per_run`` is how many steps ``run_steps_on_dataset`` runs per call by default (the on-device
+loop amortises the host round trip, which on TPUs is the dominant cost of small steps).
 """
 
 from __future__ import annotations
@@ -21,27 +22,32 @@ __all__ = ["TPUStrategy"]
 
 
 class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Synchronous data parallelism over the cores of the default backend, with on-device step loops.
+    """Synchronous data parallelism over the cores of the default backend, with on-device step
+    loops.
 
     Args:
-        steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>= 1).
+        steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>=
+            1).
         num_cores: use only the first ``num_cores`` devices; None for all of them.
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
-        host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
-            loops, streamed to the cores for each loop (see the host-offload guide); None: device memory.
-        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
-        mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``: data parallel
-            over all its axes.
-        coordinator_address: the cluster, as for `MultiWorkerMirroredStrategy`: process 0's ``"host:port"``
-            (default: the ``JAXDIST_*`` variables, else JAX's cluster detection: a TPU pod's hosts connect themselves).
+        host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory
+            between on-device loops, streamed to the cores for each loop (see the host-offload
+            guide); None: device memory.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None:
+            ``"replica"``.
+        mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``:
+            data parallel over all its axes.
+        coordinator_address: the cluster, as for `MultiWorkerMirroredStrategy`: process 0's
+            ``"host:port"`` (default: the ``JAXDIST_*`` variables, else JAX's cluster detection: a
+            TPU pod's hosts connect themselves).
         num_processes: as for `MultiWorkerMirroredStrategy`: how many processes take part.
         process_id: as for `MultiWorkerMirroredStrategy`: this process's index.
         initialization_timeout: seconds to wait for every process to join.
         heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead.
 
     Raises:
-        ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or an unknown
-            ``host_offload``.
+        ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or
+            an unknown ``host_offload``.
 
     Examples:
         >>> import jaxdist as jd
@@ -96,7 +102,8 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         return self.num_replicas_in_sync
 
     def get_host_cpu_device(self, host_id: int = 0) -> jax.Device:
-        """The CPU device of host ``host_id`` (this process's host; other hosts' CPUs are not addressable).
+        """The CPU device of host ``host_id`` (this process's host; other hosts' CPUs are not
+        addressable).
 
         Raises:
             ValueError: for a host id outside ``[0, num_hosts)`` or another process's host.
@@ -128,7 +135,8 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
             self._initialized = True
 
     def finalize(self) -> None:
-        """Drop this strategy's compiled programs. Safe to call any number of times, before or after initialize."""
+        """Drop this strategy's compiled programs. Safe to call any number of times, before or after
+        initialize."""
         self.programs.clear()
         self._initialized = False
 

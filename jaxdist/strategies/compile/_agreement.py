@@ -1,16 +1,18 @@
-"""Program agreement: in a job of several processes, every process must run the same compiled programs.
+"""Program agreement: in a job of several processes, every process must run the same compiled
+programs.
 
-Processes that compile different programs (another code version on one host, a configuration that drifted, an
-optimizer built with another learning rate) still meet in the same collectives, so nothing fails: the
-all-reduced gradients agree, each process applies its own update, and the "mirrored" values diverge without a
-word. Or the programs' collectives do not match and every process waits forever. So before the first step of
-each program a strategy compiles, the processes compare a fingerprint of it (a hash of its lowered StableHLO)
-through the coordination service's key-value store, with a timeout: a mismatch is an error on every process,
-raised before the program runs, naming the processes that differ and what to check; a process that never
-arrives is an error after ``timeout`` seconds, not a wait.
+Processes that compile different programs (another code version on one host, a configuration that
+drifted, an optimizer built with another learning rate) still meet in the same collectives, so
+nothing fails: the all-reduced gradients agree, each process applies its own update, and the
+"mirrored" values diverge without a word. Or the programs' collectives do not match and every
+process waits forever. So before the first step of each program a strategy compiles, the processes
+compare a fingerprint of it (a hash of its lowered StableHLO) through the coordination service's
+key-value store, with a timeout: a mismatch is an error on every process, raised before the program
+runs, naming the processes that differ and what to check; a process that never arrives is an error
+after ``timeout`` seconds, not a wait.
 
-It costs one lowering and one key-value exchange per program and process (a few milliseconds; the numbers
-are in the benchmarks' notes), nothing per step, and nothing at all in a single process.
+It costs one lowering and one key-value exchange per program and process (a few milliseconds; the
+numbers are in the benchmarks' notes), nothing per step, and nothing at all in a single process.
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ from jax._src import distributed as _distributed  # JAX's coordination client (p
 __all__ = ["ProgramMismatchError", "agree", "fingerprint"]
 
 TIMEOUT_SECONDS = 600.0
-"""How long a process waits for its peers to reach the same program (they may still be compiling an earlier
-one, or loading data)."""
+"""How long a process waits for its peers to reach the same program (they may still be compiling an
+earlier one, or loading data)."""
 
 _counter = itertools.count()
 _lock = threading.Lock()
 
 
 class ProgramMismatchError(RuntimeError):
-    """The processes of a job compiled different programs for the same step (or one never reached it).
+    """The processes of a job compiled different programs for the same step (or one never reached
+    it).
 
-    Raised on every process, before the program runs; the message names the processes and what to check.
+    Raised on every process, before the program runs; the message names the processes and what to
+    check.
 
     Examples:
         >>> import jaxdist as jd
@@ -59,14 +63,16 @@ def fingerprint(lowered: Any) -> str:
 
 
 def agree(name: str, digest: str, timeout: float | None = None) -> None:
-    """Compare ``digest`` (this process's fingerprint of program ``name``) with every other process's.
+    """Compare ``digest`` (this process's fingerprint of program ``name``) with every other
+    process's.
 
-    Every process calls it for its programs in the order it compiles them; the n-th call of each process is
-    compared with the n-th call of the others. A no-op in a single process.
+    Every process calls it for its programs in the order it compiles them; the n-th call of each
+    process is compared with the n-th call of the others. A no-op in a single process.
 
     Raises:
-        ProgramMismatchError: on every process when the fingerprints differ (naming the processes and what to
-            check), or when a peer does not arrive within ``timeout`` seconds (default `TIMEOUT_SECONDS`).
+        ProgramMismatchError: on every process when the fingerprints differ (naming the processes
+            and what to check), or when a peer does not arrive within ``timeout`` seconds (default
+            `TIMEOUT_SECONDS`).
 
     Examples:
         >>> agree("train_step", "0" * 64)   # one process: nothing to compare

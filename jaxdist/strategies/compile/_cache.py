@@ -1,19 +1,21 @@
-"""The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather), and
-`StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch serves its calls;
-they live as long as the step, one per kind of call, with JAX's trace cache inside each).
+"""The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather),
+and `StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch
+serves its calls; they live as long as the step, one per kind of call, with JAX's trace cache inside
+each).
 
 `ProgramCache` makes three promises, the ones `jax.jit` makes for its own cache:
 
-* weak on user functions: the programs built for a function live as long as the function does. A program
-  never holds its user function strongly (it calls it through a weak reference), so a ``lambda`` made fresh
-  in a loop and its programs are freed together;
+* weak on user functions: the programs built for a function live as long as the function does. A
+  program never holds its user function strongly (it calls it through a weak reference), so a
+  ``lambda`` made fresh in a loop and its programs are freed together;
 * bounded: at most ``max_per_function`` programs per function and ``max_functions`` functions held
   strongly (callables that cannot be weakly referenced), least recently used first out;
-* loud about waste: when the same call site (the same code object) keeps compiling, one warning says why
-  — a new function object every call, a new static value, or new shapes — and what to do about it.
+* loud about waste: when the same call site (the same code object) keeps compiling, one warning says
+  why — a new function object every call, a new static value, or new shapes — and what to do about
+  it.
 
-``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way a
-strategy compiles.
+``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way
+a strategy compiles.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ def _describe(fn: Any) -> str:
 
 
 def weak_callable(fn: Callable) -> Callable:
-    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it alive).
+    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it
+    alive).
 
-    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced are held
-    as they are.
+    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced
+    are held as they are.
 
     Examples:
         >>> def f(x):
@@ -77,9 +80,10 @@ class ProgramCache:
 
     Args:
         max_per_function: programs kept per function (least recently used first out).
-        max_functions: strongly held functions kept (for callables that cannot be weakly referenced).
-        warn_after: compiles at one call site, each for a different reason than a cache hit, before the
-            `RecompileWarning`.
+        max_functions: strongly held functions kept (for callables that cannot be weakly
+            referenced).
+        warn_after: compiles at one call site, each for a different reason than a cache hit, before
+            the `RecompileWarning`.
 
     Examples:
         >>> cache = ProgramCache()
@@ -154,8 +158,8 @@ class ProgramCache:
         return program
 
     def peek(self, fn: Any, key: Hashable) -> Any:
-        """The entry cached for ``(fn, key)`` (a program, or what a caller's fast path keeps: `strategy.run`'s
-        programs by their arguments' layouts), or None; nothing is built.
+        """The entry cached for ``(fn, key)`` (a program, or what a caller's fast path keeps:
+        `strategy.run`'s programs by their arguments' layouts), or None; nothing is built.
 
         Examples:
             >>> cache = ProgramCache()
@@ -172,8 +176,8 @@ class ProgramCache:
             return program
 
     def put(self, fn: Any, key: Hashable, program: Any) -> None:
-        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and bounded like
-        every other)."""
+        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and
+        bounded like every other)."""
         with self._lock:
             programs = self._programs_of(fn)
             programs[key] = program
@@ -181,7 +185,8 @@ class ProgramCache:
                 programs.popitem(last=False)
 
     def note_trace(self, fn: Any, signature: Any) -> None:
-        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a churning site."""
+        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a
+        churning site."""
         site = _site(fn)
         with self._lock:
             info = self._sites.setdefault(site, {"count": 0, "last": None, "warned": False})
@@ -229,15 +234,17 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
 
 
 class StepPrograms:
-    """The programs of one ``strategy.jit`` step (`jaxdist.strategies.StrategyFunction`): `jax.jit` objects, each
-    keeping JAX's own cache of traces, so what is held here is one object per kind of call, not per signature.
+    """The programs of one ``strategy.jit`` step (`jaxdist.strategies.StrategyFunction`): `jax.jit`
+    objects, each keeping JAX's own cache of traces, so what is held here is one object per kind of
+    call, not per signature.
 
     Attributes:
-        full: the full path's program by the positions of nnx graph arguments (the layouts are decided while
-            it traces).
-        families: the express path's programs by static key (graphdef, nnx positions, layout provenance).
-        express: ``(program, static key)`` by a call's argument types (and, where they cannot tell it, the
-            provenance of its layouts): what a steady call runs with one dict lookup.
+        full: the full path's program by the positions of nnx graph arguments (the layouts are
+            decided while it traces).
+        families: the express path's programs by static key (graphdef, nnx positions, layout
+            provenance).
+        express: ``(program, static key)`` by a call's argument types (and, where they cannot tell
+            it, the provenance of its layouts): what a steady call runs with one dict lookup.
         misses: how many new signatures each express key refused.
 
     Examples:
@@ -268,22 +275,24 @@ class StepPrograms:
         self.misses: dict[Any, int] = {}
 
     def install(self, key: Any, program: Callable, static: tuple) -> None:
-        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES` times)."""
+        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES`
+        times)."""
         if self.misses.get(key, 0) < self.MAX_MISSES:
             self.express[key] = program, static
 
     def missed(self, key: Any) -> None:
-        """The express program for ``key`` refused a call: a signature new to it (once the full path has traced
-        it, JAX's dispatch serves it, so alternating signatures cost nothing more). After `MAX_MISSES` (a step
-        that keeps compiling, which `RecompileWarning` names) calls with ``key`` take the full path only."""
+        """The express program for ``key`` refused a call: a signature new to it (once the full path
+        has traced it, JAX's dispatch serves it, so alternating signatures cost nothing more). After
+        `MAX_MISSES` (a step that keeps compiling, which `RecompileWarning` names) calls with
+        ``key`` take the full path only."""
         self.misses[key] = misses = self.misses.get(key, 0) + 1
         if misses >= self.MAX_MISSES:
             self.express.pop(key, None)
 
     def cleared(self, refused: Callable) -> bool:
-        """Drop JAX's dispatch entry for the signature ``refused`` (an express program) refused: it would send
-        every later call of it to Python. True where JAX has that method; else ``refused`` is forgotten, to be
-        built anew (one more trace), and False."""
+        """Drop JAX's dispatch entry for the signature ``refused`` (an express program) refused: it
+        would send every later call of it to Python. True where JAX has that method; else
+        ``refused`` is forgotten, to be built anew (one more trace), and False."""
         clear = getattr(refused, "_clear_cache", None)
         if clear is not None:
             clear()

@@ -1,34 +1,41 @@
-"""Which values of a replica function are the same on every replica: a proof read from its jaxpr, failing closed.
+"""Which values of a replica function are the same on every replica: a proof read from its jaxpr,
+failing closed.
 
-JAX's varying types answer a coarser question, and fail open where this one must not. Inside ``strategy.run``
-each replica owns its copy of a mirrored argument (it enters cast to *varying*, so that ``jax.grad`` gives
-local gradients, as in tf.distribute), and so everything computed from it is varying by type, even a parameter
-updated with all-reduced gradients, which is the same on every replica. Two cases the types cannot tell apart:
+JAX's varying types answer a coarser question, and fail open where this one must not. Inside
+``strategy.run`` each replica owns its copy of a mirrored argument (it enters cast to *varying*, so
+that ``jax.grad`` gives local gradients, as in tf.distribute), and so everything computed from it is
+varying by type, even a parameter updated with all-reduced gradients, which is the same on every
+replica. Two cases the types cannot tell apart:
 
-* ``params - lr * all_reduce(grads)``: the same on every replica (tf.distribute's ``apply_gradients``);
+* ``params - lr * all_reduce(grads)``: the same on every replica (tf.distribute's
+  ``apply_gradients``);
 * ``params - lr * grads`` with local gradients: every replica's copy drifts apart, silently.
 
-And a primitive JAX's typing does not know (a new one, an FFI call) types its result invariant whatever its
-inputs. So `program_values` follows *values*, not types: for each value, the set of replica axes over which it
-may differ (empty: the same on every replica, proven). The rules, one per kind of primitive:
+And a primitive JAX's typing does not know (a new one, an FFI call) types its result invariant
+whatever its inputs. So `program_values` follows *values*, not types: for each value, the set of
+replica axes over which it may differ (empty: the same on every replica, proven). The rules, one per
+kind of primitive:
 
-* a primitive in `PURE` (arithmetic, shapes, reductions, products, sorting, linear algebra, random bits from
-  a key, ``pure_callback``: a function of its operands alone, as JAX itself assumes) differs where one of its
-  operands does;
-* a collective over axes ``A``: ``psum`` / ``pmax`` / ``pmin`` / ``all_gather`` (`REDUCING`) no longer differ
-  over ``A``; ``ppermute`` / ``all_to_all`` / ``psum_scatter`` (`SPREADING`) differ over ``A`` too; device
-  groups (``axis_index_groups``) differ over ``A``; ``axis_index`` differs over ``A``, within known bounds;
-* ``jit`` / ``remat`` / ``custom_jvp`` / ``custom_vjp`` / ``shard_map`` (`CALLS`), ``cond``, ``scan`` and
-  ``while`` are read through (a loop to a fixed point; a loop whose trip count may differ differs);
-* ANY other primitive (unknown, an FFI call, ``io_callback``, ``rng_uniform``) differs over every replica axis,
-  and so does a value the reading never saw: what is not proven is not identical.
+* a primitive in `PURE` (arithmetic, shapes, reductions, products, sorting, linear algebra, random
+  bits from a key, ``pure_callback``: a function of its operands alone, as JAX itself assumes)
+  differs where one of its operands does;
+* a collective over axes ``A``: ``psum`` / ``pmax`` / ``pmin`` / ``all_gather`` (`REDUCING`) no
+  longer differ over ``A``; ``ppermute`` / ``all_to_all`` / ``psum_scatter`` (`SPREADING`) differ
+  over ``A`` too; device groups (``axis_index_groups``) differ over ``A``; ``axis_index`` differs
+  over ``A``, within known bounds;
+* ``jit`` / ``remat`` / ``custom_jvp`` / ``custom_vjp`` / ``shard_map`` (`CALLS`), ``cond``,
+  ``scan`` and ``while`` are read through (a loop to a fixed point; a loop whose trip count may
+  differ differs);
+* ANY other primitive (unknown, an FFI call, ``io_callback``, ``rng_uniform``) differs over every
+  replica axis, and so does a value the reading never saw: what is not proven is not identical.
 
-Integer bounds widen the proof where the values are known: ``replica_id >= 0`` is true on every replica, and
-so a constant; ``where(replica_id >= 0, update, 0)`` is the update. The proof is checked on device at the first
-call of each program (`jaxdist.strategies.compile._run`).
+Integer bounds widen the proof where the values are known: ``replica_id >= 0`` is true on every
+replica, and so a constant; ``where(replica_id >= 0, update, 0)`` is the update. The proof is
+checked on device at the first call of each program (`jaxdist.strategies.compile._run`).
 
-`updated_inputs` answers a second question: which mirrored argument an output takes the place of (reached
-from it element-wise, outside the backward pass: ``params - lr * grads`` does, the gradient does not).
+`updated_inputs` answers a second question: which mirrored argument an output takes the place of
+(reached from it element-wise, outside the backward pass: ``params - lr * grads`` does, the gradient
+does not).
 """
 
 from __future__ import annotations
@@ -77,10 +84,12 @@ PURE = frozenset({
     # random bits: functions of the key
     "random_bits", "random_fold_in", "random_seed", "random_split", "random_unwrap", "random_wrap",
     "threefry2x32", "rng_bit_generator", "random_gamma", "random_clone",
-    # a host function JAX itself treats as pure (same operands, same result; JAX may drop or merge calls)
+    # a host function JAX itself treats as pure (same operands, same result; JAX may drop or merge
+    # calls)
     "pure_callback",
 })
-"""Primitives whose results are functions of their operands alone: identical operands, identical results."""
+"""Primitives whose results are functions of their operands alone: identical operands, identical
+results."""
 
 REDUCING = frozenset({"psum", "pmax", "pmin", "psum_invariant", "all_gather", "all_gather_invariant"})
 """Collectives whose result is the same on every device of the axes they span."""
@@ -92,8 +101,8 @@ CALLS = frozenset({"jit", "remat2", "custom_jvp_call", "custom_vjp_call", "shard
 """Higher-order primitives that call their inner jaxpr on their operands, one for one."""
 
 IDENTICAL, DIFFERENT, DECLARED = "identical", "different", "declared"
-"""What `program_values` says of a value: the same on every replica (proven), possibly different, or declared
-different on purpose (`jaxdist.replicate.collectives.keep_per_replica`)."""
+"""What `program_values` says of a value: the same on every replica (proven), possibly different, or
+declared different on purpose (`jaxdist.replicate.collectives.keep_per_replica`)."""
 
 _RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "copy", "pvary"})
 _ONE_FOR_ONE = frozenset({"optimization_barrier", "device_put"})  # each output is its own operand
@@ -105,8 +114,9 @@ _COMPARE = {"ge": lambda a, b: (a[0] >= b[1], a[1] < b[0]), "gt": lambda a, b: (
 
 @dataclasses.dataclass(frozen=True)
 class _Fact:
-    """What the reading knows of one value: the replica axes over which it may differ, whether it was declared
-    per replica on purpose, and its integer bounds where known (the same bounds on every replica)."""
+    """What the reading knows of one value: the replica axes over which it may differ, whether it
+    was declared per replica on purpose, and its integer bounds where known (the same bounds on
+    every replica)."""
 
     axes: frozenset[str]
     declared: bool = False
@@ -299,7 +309,8 @@ def _jaxprs(params: Mapping[str, Any]) -> list[Any]:
 
 
 def _scan_parts(eqn: Any, n_inputs: int) -> tuple[int | None, int]:
-    """How many of a scan's operands are constants and carries (jax >= 0.12 says it by the inputs' structure)."""
+    """How many of a scan's operands are constants and carries (jax >= 0.12 says it by the inputs'
+    structure)."""
     if "num_consts" in eqn.params:
         return eqn.params["num_consts"], eqn.params["num_carry"]
     try:
@@ -316,17 +327,21 @@ def _verdict(fact: _Fact) -> str:
 
 def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
                   axes: Mapping[str, int | None] | Sequence[str]) -> list[str]:
-    """For each output of a replica function's ``jaxpr``: `IDENTICAL` (proven the same on every replica),
-    `DECLARED` (marked per replica on purpose with ``ReplicaContext.per_replica``) or `DIFFERENT`.
+    """For each output of a replica function's ``jaxpr``: `IDENTICAL` (proven the same on every
+    replica), `DECLARED` (marked per replica on purpose with ``ReplicaContext.per_replica``) or
+    `DIFFERENT`.
 
     Args:
-        jaxpr: the replica function's jaxpr (a ``Jaxpr`` or ``ClosedJaxpr``), as traced inside ``shard_map``.
-        varying_inputs: per input of ``jaxpr``, the replica axes over which it may differ (True: every one,
-            False: none, as for a mirrored argument).
-        axes: the replica axes, with their sizes where known (a collective must span all of them to agree).
+        jaxpr: the replica function's jaxpr (a ``Jaxpr`` or ``ClosedJaxpr``), as traced inside
+            ``shard_map``.
+        varying_inputs: per input of ``jaxpr``, the replica axes over which it may differ (True:
+            every one, False: none, as for a mirrored argument).
+        axes: the replica axes, with their sizes where known (a collective must span all of them to
+            agree).
 
     Returns:
-        One of the three per output; every output `DIFFERENT` when the inputs do not match ``jaxpr``'s.
+        One of the three per output; every output `DIFFERENT` when the inputs do not match
+        ``jaxpr``'s.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -348,13 +363,15 @@ def _shard_map(program: Any) -> Any:
 
 
 def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
-    """`output_values` of the one ``shard_map`` in ``program`` (the probe of ``strategy.run``), each input's
-    facts read from the outside: an input split over replica axes (``in_specs``) differs over them; one
-    passed whole (a mirrored argument, a constant the function closed over) is the same on every replica.
+    """`output_values` of the one ``shard_map`` in ``program`` (the probe of ``strategy.run``), each
+    input's facts read from the outside: an input split over replica axes (``in_specs``) differs
+    over them; one passed whole (a mirrored argument, a constant the function closed over) is the
+    same on every replica.
 
     Raises:
-        ValueError: for a ``while_loop`` whose trip count may differ between replicas with a collective over the
-            replicas inside: a replica that stops early would leave the others waiting forever.
+        ValueError: for a ``while_loop`` whose trip count may differ between replicas with a
+            collective over the replicas inside: a replica that stops early would leave the others
+            waiting forever.
 
     Examples:
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -404,8 +421,9 @@ def _spec_axes(spec: Any) -> list[str]:
     return names
 
 
-# How an update reaches an output from the value it updates: passed on as it is (one for one), summed with
-# others (``p - lr * g``, ``max(p, 0)``), scaled by a number (``b1 * mu``, ``p * (1 - lr * wd)``), selected.
+# How an update reaches an output from the value it updates: passed on as it is (one for one),
+# summed with others (``p - lr * g``, ``max(p, 0)``), scaled by a number (``b1 * mu``, ``p * (1 - lr
+# * wd)``), selected.
 _PASSED = frozenset({"convert_element_type", "copy", "pvary", "optimization_barrier", "reduce_precision",
                      "sharding_constraint", "reshard", "device_put"})
 _SUMMED = frozenset({"add", "sub", "add_any", "max", "min"})
@@ -419,7 +437,8 @@ def _size(var: Any) -> int | None:
 
 
 def _backward(eqn: Any) -> bool:
-    """An equation of a backward pass (JAX names it ``transpose(...)``): what it computes is a gradient."""
+    """An equation of a backward pass (JAX names it ``transpose(...)``): what it computes is a
+    gradient."""
     return "transpose(" in str(eqn.source_info.name_stack)
 
 
@@ -470,7 +489,8 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
 
 
 def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
-    """A loop's carries carry what they start from and what the body adds to them (to a fixed point)."""
+    """A loop's carries carry what they start from and what the body adds to them (to a fixed
+    point)."""
     if eqn.primitive.name == "scan":
         n_consts, n_carry = _scan_parts(eqn, len(given))
         if n_consts is None:
@@ -490,10 +510,11 @@ def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
 
 
 def updated_inputs(program: Any) -> list[frozenset[int]]:
-    """For each output of the one ``shard_map`` in ``program``, the inputs of ``program`` it takes the place
-    of: reached from them by element-wise arithmetic (any depth of nesting, casts, selects, loops), outside a
-    backward pass. ``params - lr * grads`` carries ``params``; a gradient carries nothing (JAX computes it in
-    its backward pass, even the ``wd * params`` of a weight-decay term).
+    """For each output of the one ``shard_map`` in ``program``, the inputs of ``program`` it takes
+    the place of: reached from them by element-wise arithmetic (any depth of nesting, casts,
+    selects, loops), outside a backward pass. ``params - lr * grads`` carries ``params``; a gradient
+    carries nothing (JAX computes it in its backward pass, even the ``wd * params`` of a
+    weight-decay term).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -514,7 +535,8 @@ def updated_inputs(program: Any) -> list[frozenset[int]]:
 
 
 def _dtype(dtype: Any) -> Any:
-    """``dtype`` comparable with another: numpy's, or JAX's own (a typed PRNG key's ``key<fry>``) as it is."""
+    """``dtype`` comparable with another: numpy's, or JAX's own (a typed PRNG key's ``key<fry>``) as
+    it is."""
     return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 
@@ -522,26 +544,26 @@ def check_mirrored_outputs(
     fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str], out_kinds: Sequence[str],
     out_updates: Sequence[frozenset[int]],
 ) -> None:
-    """Refuse a replica function whose output takes the place of a mirrored argument but may differ between
-    replicas: tf.distribute refuses to update a mirrored variable from replica context without aggregating,
-    and a value so returned and fed back as the variable drifts apart silently.
+    """Refuse a replica function whose output takes the place of a mirrored argument but may differ
+    between replicas: tf.distribute refuses to update a mirrored variable from replica context
+    without aggregating, and a value so returned and fed back as the variable drifts apart silently.
 
-    An output takes an argument's place when it is reached from it element-wise outside a backward pass
-    (`updated_inputs`: ``params - lr * grads`` does, however deep in the output, as a lone array or cast to
-    another dtype; a gradient does not). It is refused when it is not proven the same on every replica
-    (`program_values`) and was not declared per replica.
+    An output takes an argument's place when it is reached from it element-wise outside a backward
+    pass (`updated_inputs`: ``params - lr * grads`` does, however deep in the output, as a lone
+    array or cast to another dtype; a gradient does not). It is refused when it is not proven the
+    same on every replica (`program_values`) and was not declared per replica.
 
     Args:
         fn: the replica function's name, for the message.
         treedef, roles: the structure of ``(args, kwargs)`` and each leaf's role.
-        out_paths, out_kinds: per output leaf that is a value, its path and how it leaves the program
-            ("per_replica" where its replicas' values may differ).
-        out_updates: per output leaf, the positions among the array arguments (those whose role is not
-            static) that it takes the place of (`updated_inputs`).
+        out_paths, out_kinds: per output leaf that is a value, its path and how it leaves the
+            program ("per_replica" where its replicas' values may differ).
+        out_updates: per output leaf, the positions among the array arguments (those whose role is
+            not static) that it takes the place of (`updated_inputs`).
 
     Raises:
-        ValueError: naming the output, the argument it replaces, and the two fixes (all-reduce the gradients;
-            declare the value per replica on purpose).
+        ValueError: naming the output, the argument it replaces, and the two fixes (all-reduce the
+            gradients; declare the value per replica on purpose).
     """
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]

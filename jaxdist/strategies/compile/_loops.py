@@ -1,12 +1,15 @@
-"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's steps_per_run).
+"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's
+steps_per_run).
 
-The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked and placed
-once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU infeed), and a
-`jax.lax.scan` runs the step over them on the devices. The host is involved once per call, not once per step.
+The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked
+and placed once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU
+infeed), and a `jax.lax.scan` runs the step over them on the devices. The host is involved once per
+call, not once per step.
 
-``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may call
-``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value, aggregation)``
-records a value of the last step, reduced across replicas when an aggregation is given.
+``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may
+call ``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value,
+aggregation)`` records a value of the last step, reduced across replicas when an aggregation is
+given.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class MultiStepContext:
     """What a multi-step loop returns, and what its step function records (tf's MultiStepContext).
 
     Inside ``step_fn``: ``set_last_step_output`` and ``set_non_tensor_output``. After the loop:
-    ``last_step_outputs`` (a dict), ``non_tensor_outputs`` (a dict) and ``loop_values`` (the state after the
-    last step).
+    ``last_step_outputs`` (a dict), ``non_tensor_outputs`` (a dict) and ``loop_values`` (the state
+    after the last step).
 
     Examples:
         >>> import numpy as np, jaxdist as jd
@@ -60,13 +63,14 @@ class MultiStepContext:
         self._lowered: Callable[[], Any] | None = None
 
     def set_last_step_output(self, name: str, output: Any, aggregation: ReduceOp | str | None = None) -> None:
-        """Record ``output`` of the current step under ``name``; after the loop, the last step's value is kept.
+        """Record ``output`` of the current step under ``name``; after the loop, the last step's
+        value is kept.
 
         Args:
             name: the key in ``last_step_outputs``.
             output: a pytree of arrays or `PerReplica` values (what ``strategy.run`` returned).
-            aggregation: a `ReduceOp` (or "sum" / "mean") to return the value reduced across replicas once;
-                None to keep one value per replica (`PerReplica` stays `PerReplica`).
+            aggregation: a `ReduceOp` (or "sum" / "mean") to return the value reduced across
+                replicas once; None to keep one value per replica (`PerReplica` stays `PerReplica`).
 
         Raises:
             RuntimeError: when called outside the step function, or inside a replica function.
@@ -88,7 +92,8 @@ class MultiStepContext:
         self._pending[name] = output
 
     def set_non_tensor_output(self, name: str, output: Any) -> None:
-        """Record a Python (non-array) value from the step function, kept as is in ``non_tensor_outputs``."""
+        """Record a Python (non-array) value from the step function, kept as is in
+        ``non_tensor_outputs``."""
         self._non_tensor_outputs[name] = output
 
     @property
@@ -101,7 +106,8 @@ class MultiStepContext:
         """The values recorded by ``set_non_tensor_output``, by name."""
         return dict(self._non_tensor_outputs)
 
-    # The loop drives the context through these: one step's recording while tracing, the results after.
+    # The loop drives the context through these: one step's recording while tracing, the results
+    # after.
     def _begin_step(self) -> None:
         self._pending = {}
 
@@ -117,7 +123,8 @@ class MultiStepContext:
         self._lowered = lower
 
     def lower(self) -> Any:
-        """The lowered loop program (for ``jd.gradients.clusters`` and ``jd.tpu.host_compute_core``)."""
+        """The lowered loop program (for ``jd.gradients.clusters`` and
+        ``jd.tpu.host_compute_core``)."""
         if self._lowered is None:
             raise RuntimeError("lower() is available after run_steps_on_dataset has compiled the loop.")
         return self._lowered()
@@ -174,8 +181,9 @@ def _check_static(batches: list[Any], n: int) -> None:
 
 
 def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
-    """Stack the batches on a new axis 0 and place them, each step's batch in the layout a call gives a batch
-    (`LayoutPolicy.batch_layout`: rows over the replicas, a sequence over the context axes), in one transfer."""
+    """Stack the batches on a new axis 0 and place them, each step's batch in the layout a call
+    gives a batch (`LayoutPolicy.batch_layout`: rows over the replicas, a sequence over the context
+    axes), in one transfer."""
 
     def stack(*leaves):
         layout = policy.batch_layout(np.ndim(leaves[0]), np.shape(leaves[0]))
@@ -183,8 +191,8 @@ def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
-        # Each device (of this process) gets its own columns of the stack, from host views, wherever the mesh
-        # puts them.
+        # Each device (of this process) gets its own columns of the stack, from host views, wherever
+        # the mesh puts them.
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(stack, *batches)
@@ -230,7 +238,8 @@ def run_steps_on_dataset(
     ctx._finish(
         dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
         new_state if has_state else None,
-        # abstract: the state may be donated; step_fn is kept alive for as long as the context can lower
+        # abstract: the state may be donated; step_fn is kept alive for as long as the context can
+        # lower
         lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)),
     )
     return ctx
@@ -264,7 +273,8 @@ def _build(
         first = jax.tree.map(lambda x: x[0], stacked)
         with ambient.probe():
             _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state, first)
-        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry it too.
+        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry
+        # it too.
         typed = bool(explicit_axes(policy.mesh))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed else None),
                              out_shapes)

@@ -1,8 +1,9 @@
 """Reading per-replica results in cross-replica code: reduce, gather, and this process's components.
 
-``strategy.run`` returns `PerReplica` / `SyncOnRead` values (one component per replica, stacked on a leading
-axis split over the replicas). These verbs turn them into one mirrored value (`reduce`, `gather`) or list this
-process's components (`local_results`); each compiled program lives in the strategy's `ProgramCache`.
+``strategy.run`` returns `PerReplica` / `SyncOnRead` values (one component per replica, stacked on a
+leading axis split over the replicas). These verbs turn them into one mirrored value (`reduce`,
+`gather`) or list this process's components (`local_results`); each compiled program lives in the
+strategy's `ProgramCache`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def reduce(
 
 
 def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any, axis: int) -> Any:
-    """Concatenate per-replica values along ``axis`` into one mirrored array (see `Strategy.gather`)."""
+    """Concatenate per-replica values along ``axis`` into one mirrored array (see
+    `Strategy.gather`)."""
     n = policy.num_replicas
 
     def one(v):

@@ -1,39 +1,44 @@
-"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map` program.
+"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map`
+program.
 
-Each argument leaf is classified once per call signature, by declaration or by what the value carries:
+Each argument leaf is classified once per call signature, by declaration or by what the value
+carries:
 
-* with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host arrays
-  are split over the replicas), every other array is mirrored;
-* without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a distributed
-  dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the tracers of the step's own
-  batch / variable arguments keep their role, and a value computed in the step (rank >= 1) is refused with
-  an error that names ``batch_argnums``; any other array is mirrored (tf.distribute's rule for values that
-  are not distributed);
+* with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host
+  arrays are split over the replicas), every other array is mirrored;
+* without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a
+  distributed dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the
+  tracers of the step's own batch / variable arguments keep their role, and a value computed in the
+  step (rank >= 1) is refused with an error that names ``batch_argnums``; any other array is
+  mirrored (tf.distribute's rule for values that are not distributed);
 * `PerReplica` / `SyncOnRead`: each replica sees its own component;
-* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in tf.function).
+* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in
+  tf.function).
 
-tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying* over the
-replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL gradients. (Left
-invariant, shard_map's ``grad`` would return gradients already summed over replicas.) The all-reduce is
-explicit: ``ctx.all_reduce(MEAN, grads)``.
+tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying*
+over the replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL
+gradients. (Left invariant, shard_map's ``grad`` would return gradients already summed over
+replicas.) The all-reduce is explicit: ``ctx.all_reduce(MEAN, grads)``.
 
-Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an all-reduce,
-aggregate or all-gather result, a constant, a parameter updated with all-reduced gradients) comes back mirrored
-(a replicated `jax.Array`), whatever JAX's varying types say of it (they cannot prove an updated parameter the
-same, and they call a primitive they do not know invariant); everything else comes back as `PerReplica`; a
-`SyncOnRead` comes back as one. The first call of each program checks on device that every output it returns
-mirrored is the same on every replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a
-mirrored argument element-wise (an update) that is not proven the same is refused.
-pmap-era code that names its axis (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs
-it; so does, by default, code that only that check refuses (``check_vma=``; see `_vma`).
-To know which is which, the function is traced once abstractly before the real program is built; the program
-is cached in the strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
-layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its program
-(`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
+Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an
+all-reduce, aggregate or all-gather result, a constant, a parameter updated with all-reduced
+gradients) comes back mirrored (a replicated `jax.Array`), whatever JAX's varying types say of it
+(they cannot prove an updated parameter the same, and they call a primitive they do not know
+invariant); everything else comes back as `PerReplica`; a `SyncOnRead` comes back as one. The first
+call of each program checks on device that every output it returns mirrored is the same on every
+replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a mirrored argument
+element-wise (an update) that is not proven the same is refused. pmap-era code that names its axis
+(``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs it; so does, by
+default, code that only that check refuses (``check_vma=``; see `_vma`). To know which is which, the
+function is traced once abstractly before the real program is built; the program is cached in the
+strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
+layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its
+program (`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
 
 A collective over an axis name the program does not bind (pmap-era ``lax.pmean(x, "batch")`` without
-``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own errors by
-types alone (see `_unbound_axis_error`), never by JAX's message, and becomes a ``ValueError`` naming the fix.
+``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own
+errors by types alone (see `_unbound_axis_error`), never by JAX's message, and becomes a
+``ValueError`` naming the fix.
 """
 
 from __future__ import annotations
@@ -82,12 +87,12 @@ __all__ = ["ReplicaRunner", "check_axis_name"]
 def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
     """``axis_name`` validated as the name to bind the replica axis to inside ``run``.
 
-    On a mesh whose batch is split over several axes (``("data", "fsdp")``), the replica axis is their tuple,
-    which JAX collectives take as it is; it cannot be renamed to one name.
+    On a mesh whose batch is split over several axes (``("data", "fsdp")``), the replica axis is
+    their tuple, which JAX collectives take as it is; it cannot be renamed to one name.
 
     Raises:
-        ValueError: for a name that is not a non-empty string, that names another axis of the mesh, or that
-            would rename several batch axes.
+        ValueError: for a name that is not a non-empty string, that names another axis of the mesh,
+            or that would rename several batch axes.
 
     Examples:
         >>> import jax
@@ -122,7 +127,8 @@ class ReplicaRunner:
     Args:
         policy: the strategy's layout policy.
         programs: the strategy's program cache.
-        owner: the strategy (what `ReplicaContext.strategy` and the per-replica values it returns name).
+        owner: the strategy (what `ReplicaContext.strategy` and the per-replica values it returns
+            name).
     """
 
     def __init__(self, policy: LayoutPolicy, programs: ProgramCache, owner: Any):
@@ -135,10 +141,11 @@ class ReplicaRunner:
         self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
         check_vma: bool | None = None, check_mirrored: str = "first",
     ) -> Any:
-        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no statics,
-        # no sync-on-read values) with the structure, avals and layouts of one the full path below has run,
-        # which placed none of them, goes straight to that program (`_fast_key`). The roles the full path gave
-        # them follow from those layouts and the declaration alone, so every check it made holds again.
+        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no
+        # statics, no sync-on-read values) with the structure, avals and layouts of one the full
+        # path below has run, which placed none of them, goes straight to that program
+        # (`_fast_key`). The roles the full path gave them follow from those layouts and the
+        # declaration alone, so every check it made holds again.
         fast = self._fast_key(args, kwargs, batch_argnums, axis_name, check_vma)
         if fast is not None:
             key, layouts, plain = fast
@@ -177,7 +184,8 @@ class ReplicaRunner:
             where = f"kwargs{jax.tree_util.keystr(path)}"
             kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
         kinds = tuple(kinds)
-        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the arguments.
+        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the
+        # arguments.
         weights = next((w for x, k in zip(flat, kinds, strict=True) if k == Role.BATCH
                         for w in [padding_weights(x)] if w is not None), None)
         statics = tuple(x if k == Role.STATIC else None for x, k in zip(flat, kinds, strict=True))
@@ -200,8 +208,9 @@ class ReplicaRunner:
         if weights is not None:
             dynamic.append(weights)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
-        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
-        # Inside any compiled step too: there it may not store into the sync-on-read values it captured.
+        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the
+        # program is another one. Inside any compiled step too: there it may not store into the
+        # sync-on-read values it captured.
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
         key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
                weights is not None, check_vma, traced)
@@ -219,9 +228,9 @@ class ReplicaRunner:
         if (fast is not None and frame is None and not updated and weights is None and len(dynamic) == len(flat)
                 and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
-            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica` is its
-            # stacked array, its node and owner part of the structure): later calls like this one take the
-            # fast path.
+            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica`
+            # is its stacked array, its node and owner part of the structure): later calls like this
+            # one take the fast path.
             known = self._programs.peek(fn, fast[0])
             if known is None:
                 self._programs.put(fn, fast[0], known := [])
@@ -231,13 +240,14 @@ class ReplicaRunner:
 
     def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
                   check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
-        """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened through
-        per-replica values, whose nodes and owners the structure then holds), each leaf's type, aval and layout,
-        and a key of the rest the full path's decision rests on (the structure, the declaration). None where
-        the decision also rests on more (a strategy's ``layout_role`` hook, which batch arrays the input
-        functions placed on a policy that splits variables, a padded batch's weights, an enclosing
-        computation). The layouts are compared, not hashed: JAX shares aval and sharding objects between
-        arrays of one program, so a steady call's compare by identity."""
+        """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened
+        through per-replica values, whose nodes and owners the structure then holds), each leaf's
+        type, aval and layout, and a key of the rest the full path's decision rests on (the
+        structure, the declaration). None where the decision also rests on more (a strategy's
+        ``layout_role`` hook, which batch arrays the input functions placed on a policy that splits
+        variables, a padded batch's weights, an enclosing computation). The layouts are compared,
+        not hashed: JAX shares aval and sharding objects between arrays of one program, so a steady
+        call's compare by identity."""
         policy = self._policy
         if (batch_argnums is None and not policy.roles_by_layout) or ambient.current_computation() is not None:
             return None
@@ -258,8 +268,8 @@ class ReplicaRunner:
     def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, padded,
                check_vma=None) -> Callable:
         policy, owner = self._policy, self._owner
-        # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
-        # so arguments on the strategy's mesh enter without a copy.
+        # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the
+        # same order, so arguments on the strategy's mesh enter without a copy.
         names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)  # one batch axis
         typed = trace_mesh(policy.mesh)  # inside a step whose Explicit axes run Auto: the mesh with them Auto
         mesh = typed if names == policy.mesh.axis_names else Mesh(typed.devices, names, axis_types=typed.axis_types)
@@ -299,18 +309,21 @@ class ReplicaRunner:
                         ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
-                # A sync-on-read argument or captured value returned (``return seen.assign_add(...)``): read now,
-                # while its view is open, and given back as the very object (`_passed_back`).
+                # A sync-on-read argument or captured value returned (``return
+                # seen.assign_add(...)``): read now, while its view is open, and given back as the
+                # very object (`_passed_back`).
                 out, passed = _passed_back(out, synced, captured)
-            # Sync-on-read arguments updated in place (``assign_add``): their new components leave the program
-            # after the outputs and are stored back in the objects passed in (`ReplicaRunner.__call__`).
+            # Sync-on-read arguments updated in place (``assign_add``): their new components leave
+            # the program after the outputs and are stored back in the objects passed in
+            # (`ReplicaRunner.__call__`).
             if probe:
                 out_info["updated"] = tuple(i for i, obj in synced if assigned(obj))
             updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             if probe:  # leaves that are not values (an Equinox module's functions, and its Python settings:
-                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as they are
+                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as
+                # they are
                 out_info["statics"] = tuple(_VALUE if value else v for v, value in zip(
                     out_leaves, _values_of(out), strict=True))
             out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True) if static is _VALUE]
@@ -365,10 +378,10 @@ class ReplicaRunner:
             if unbound is None:
                 raise
             raise ValueError(_unbound_message(name, axis_name, mesh)) from unbound
-        # Which outputs are the same on every replica is proven from the program's values, never taken from
-        # JAX's types alone (they fail open for a primitive they do not know). Varying by type but proven the
-        # same (a mirrored value updated with all-reduced gradients): mirrored. Taking a mirrored argument's
-        # place but not proven the same: refused.
+        # Which outputs are the same on every replica is proven from the program's values, never
+        # taken from JAX's types alone (they fail open for a primitive they do not know). Varying by
+        # type but proven the same (a mirrored value updated with all-reduced gradients): mirrored.
+        # Taking a mirrored argument's place but not proven the same: refused.
         n_out = len(out_info["kinds"])  # then the updated sync-on-read components
         try:
             values = program_values(traced_jaxpr, {a: mesh.shape[a] for a in axis_names(axis_name)})
@@ -381,9 +394,10 @@ class ReplicaRunner:
         out_paths = [p for p, static in zip(_leaf_paths(out_tree), out_statics, strict=True) if static is _VALUE]
         check_mirrored_outputs(name, treedef, kinds, out_paths, [k for k, _ in kinds_out],
                                updated_inputs(traced_jaxpr)[:n_out])
-        # How each output leaves the replica program: "mirrored" (one value: out_spec P()), "stacked" (one copy
-        # per replica), or "identical": proven the same but varying by type, where the type check is on:
-        # stacked, then each device's own copy taken as the replicated value (`_own_copies`: nothing is sent).
+        # How each output leaves the replica program: "mirrored" (one value: out_spec P()),
+        # "stacked" (one copy per replica), or "identical": proven the same but varying by type,
+        # where the type check is on: stacked, then each device's own copy taken as the replicated
+        # value (`_own_copies`: nothing is sent).
         how = tuple("stacked" if kind not in ("mirrored", "identical")
                     else "mirrored" if kind == "mirrored" or not vma["check"] else "identical"
                     for kind, _ in kinds_out)
@@ -392,9 +406,9 @@ class ReplicaRunner:
         checked = [i for i, h in enumerate(how) if h != "stacked"]  # what the first call checks on device
         out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how), *[split] * n_updated)
 
-        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh); a second one, for
-        # the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on device whether each
-        # output returned as mirrored is the same on every replica.
+        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh); a second
+        # one, for the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on
+        # device whether each output returned as mirrored is the same on every replica.
         in_specs = (*in_specs, *[split] * len(captured))
         out_shardings = tuple(
             in_trace(policy.batch_sharding if h == "stacked" else policy.replicated_sharding)
@@ -427,8 +441,9 @@ class ReplicaRunner:
         def program(*dyn, arguments=(), every=False, tracing=None):
             if tracing is None:
                 tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
-            # Inside a compiled step the check is a host callback of that step, on request only (it would run
-            # at every call of the step); called eagerly, the first call and every call on request.
+            # Inside a compiled step the check is a host callback of that step, on request only (it
+            # would run at every call of the step); called eagerly, the first call and every call on
+            # request.
             verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
                 results = (first["compiled"] if verify else compiled)(*dyn, *(v.stacked for v in captured))
@@ -472,8 +487,9 @@ _VALUE = object()  # an output leaf that is a value (an array, a number, a sync-
 
 
 def _values_of(out: Any) -> list[bool]:
-    """Per leaf of a replica function's output (a `SyncOnRead` one leaf): whether it leaves the program as a
-    value, as `jaxdist.replicate.trees.placed_leaves` says (an Equinox module's Python settings do not)."""
+    """Per leaf of a replica function's output (a `SyncOnRead` one leaf): whether it leaves the
+    program as a value, as `jaxdist.replicate.trees.placed_leaves` says (an Equinox module's Python
+    settings do not)."""
     flags: list[bool] = []
     for node in jax.tree.leaves(out, is_leaf=lambda v: isinstance(v, SyncOnRead) or is_module(v)):
         flags += [True] if isinstance(node, SyncOnRead) else placed_leaves(node)
@@ -481,8 +497,8 @@ def _values_of(out: Any) -> list[bool]:
 
 
 def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> list[Any]:
-    """The output leaves in order: ``values`` where the outputs have values, the recorded statics elsewhere (or
-    ``fill`` in their place, when given)."""
+    """The output leaves in order: ``values`` where the outputs have values, the recorded statics
+    elsewhere (or ``fill`` in their place, when given)."""
     it = iter(values)
     out = [next(it) if static is _VALUE else static if fill is _VALUE else fill for static in statics]
     assert next(it, None) is None
@@ -491,10 +507,10 @@ def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> 
 
 def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]], captured: Sequence[SyncOnRead]
                  ) -> tuple[Any, dict]:
-    """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured value that it
-    returns replaced by its component read now (its view closes when the replica function's trace ends), and
-    ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the argument's flat index, ``j`` the
-    captured value's, whose objects ``run`` then returns."""
+    """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured
+    value that it returns replaced by its component read now (its view closes when the replica
+    function's trace ends), and ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the
+    argument's flat index, ``j`` the captured value's, whose objects ``run`` then returns."""
     found: dict[int, tuple[str, int]] = {}
     where = {id(v): ("argument", i) for i, v in arguments} | {id(v): ("captured", j) for j, v in enumerate(captured)}
     if not where:
@@ -522,9 +538,10 @@ def _captured_message(fn: str) -> str:
 
 
 def _refine(kind: str, value: str) -> str:
-    """How an output leaves ``run``, by what the program's values prove (`program_values`), whatever its type:
-    "mirrored" (proven the same, invariant by type), "identical" (proven the same, varying by type),
-    "declared" (per replica on purpose) or "per_replica"; a sync-on-read value stays one."""
+    """How an output leaves ``run``, by what the program's values prove (`program_values`), whatever
+    its type: "mirrored" (proven the same, invariant by type), "identical" (proven the same, varying
+    by type), "declared" (per replica on purpose) or "per_replica"; a sync-on-read value stays
+    one."""
     if kind == "sync":
         return kind
     if value == IDENTICAL:
@@ -540,14 +557,14 @@ def _leaf_paths(tree: Any) -> list[str]:
 
 def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: PartitionSpec,
                 manual: dict) -> list[Any]:
-    """``results`` with each "identical" one (stacked: one copy per replica, every copy the same value) made
-    one replicated value from each device's own copy.
+    """``results`` with each "identical" one (stacked: one copy per replica, every copy the same
+    value) made one replicated value from each device's own copy.
 
-    The replica program cannot return such a value as replicated: its type is varying (each replica owns its
-    copy of the mirrored arguments it came from), and the type check would refuse it. A second, trivial
-    program without the check does: each device keeps its copy and the result is declared replicated, so no
-    byte is sent (taking replica 0's copy would broadcast it). The values were proven the same on every
-    replica first (`jaxdist.strategies.compile._identical`).
+    The replica program cannot return such a value as replicated: its type is varying (each replica
+    owns its copy of the mirrored arguments it came from), and the type check would refuse it. A
+    second, trivial program without the check does: each device keeps its copy and the result is
+    declared replicated, so no byte is sent (taking replica 0's copy would broadcast it). The values
+    were proven the same on every replica first (`jaxdist.strategies.compile._identical`).
     """
     picked = [i for i, h in enumerate(how) if h == "identical"]
     if not picked:
@@ -561,29 +578,33 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
 
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
-    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the strategy's)."""
+    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the
+    strategy's)."""
     if mesh is trace_mesh(policy.mesh):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
-    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh: JAX lowers
-    ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave the strategy's)."""
+    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh:
+    JAX lowers ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave
+    the strategy's)."""
     if mesh is policy.mesh or traced:
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)
 
 
 def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
-    """JAX's error for a collective over an axis name the program does not bind, found by tracing again; None
-    when the first trace failed for another reason (the replica function's own ``assert`` or NameError).
+    """JAX's error for a collective over an axis name the program does not bind, found by tracing
+    again; None when the first trace failed for another reason (the replica function's own
+    ``assert`` or NameError).
 
     JAX fails such a collective in several ways (a ``NameError``; inside ``psum`` / ``pmean`` a bare
-    ``AssertionError`` of its value-type check; a ``ValueError`` for a tuple of names), and only its message
-    names the axis. Traced again without that check (``check_vma=False``, on the failure path only), every one
-    is a ``NameError`` JAX raises itself, which unlike Python's own for an undefined variable carries no
-    ``name``: the type and that attribute say which it is, never the message text.
+    ``AssertionError`` of its value-type check; a ``ValueError`` for a tuple of names), and only its
+    message names the axis. Traced again without that check (``check_vma=False``, on the failure
+    path only), every one is a ``NameError`` JAX raises itself, which unlike Python's own for an
+    undefined variable carries no ``name``: the type and that attribute say which it is, never the
+    message text.
     """
     try:
         probe(False)

@@ -1,7 +1,8 @@
-"""Which arguments of a step a declaration means: ``*_argnums`` and ``*_argnames`` resolved as `jax.jit` does.
+"""Which arguments of a step a declaration means: ``*_argnums`` and ``*_argnames`` resolved as
+`jax.jit` does.
 
-A declaration may name an argument by position or by name; each is completed from the other through the
-function's signature, so ``static_argnames=("lr",)`` also covers ``lr`` passed positionally, and
+A declaration may name an argument by position or by name; each is completed from the other through
+the function's signature, so ``static_argnames=("lr",)`` also covers ``lr`` passed positionally, and
 ``batch_argnums=(1,)`` also covers ``batch=`` passed by keyword.
 """
 
@@ -70,8 +71,8 @@ def signature_of(fn: Callable) -> inspect.Signature | None:
 def argument_spec(
     signature: inspect.Signature | None, fn: Any, argnums: Any, argnames: Any, what: str
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The positions and names a ``{what}_argnums`` / ``{what}_argnames`` declaration covers, each completed
-    from the other through ``signature``.
+    """The positions and names a ``{what}_argnums`` / ``{what}_argnames`` declaration covers, each
+    completed from the other through ``signature``.
 
     Raises:
         TypeError: for malformed declarations.

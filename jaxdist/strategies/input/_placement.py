@@ -1,10 +1,10 @@
 """Placement: the one rule for which values a step takes as they are and where the others go.
 
-`kept` decides a leaf (an array on the strategy's mesh, a tracer, a Python value that is no batch); the rest
-are placed: a batch leaf split on axis 0 over the batch axes (`place_batch`, built with
-`jax.make_array_from_process_local_data`, so no process transfers rows it does not own), a variable in the
-variable layout (`argument_layouts`). Calls (`jaxdist.strategies.compile`), plans, on-device loops and
-distributed input (`jaxdist.strategies.input._dataset`) all ask here.
+`kept` decides a leaf (an array on the strategy's mesh, a tracer, a Python value that is no batch);
+the rest are placed: a batch leaf split on axis 0 over the batch axes (`place_batch`, built with
+`jax.make_array_from_process_local_data`, so no process transfers rows it does not own), a variable
+in the variable layout (`argument_layouts`). Calls (`jaxdist.strategies.compile`), plans, on-device
+loops and distributed input (`jaxdist.strategies.input._dataset`) all ask here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch, nnx_layou
 
 
 def check_divisible(batch: int, replicas: int, where: str = "global batch", axes: tuple[str, ...] = ()) -> int:
-    """``replicas``, after checking that it divides ``batch`` rows (``axes``: the batch axes, for the message).
+    """``replicas``, after checking that it divides ``batch`` rows (``axes``: the batch axes, for
+    the message).
 
     Raises:
         ValueError: naming the counts, the batch axes and the two nearest batch sizes that work.
@@ -47,8 +48,8 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch", axes
 
 
 def text_kind(x: Any) -> str | None:
-    """What ``x`` is when it is text or objects, which no JAX array holds (``"str"``, ``"numpy dtype <U1"``), or
-    None for anything else.
+    """What ``x`` is when it is text or objects, which no JAX array holds (``"str"``, ``"numpy dtype
+    <U1"``), or None for anything else.
 
     Examples:
         >>> import numpy as np
@@ -58,15 +59,17 @@ def text_kind(x: Any) -> str | None:
     """
     if isinstance(x, (str, bytes)):
         return type(x).__name__
-    # str, bytes, object, raw void (bfloat16 and float8 are numpy "void" kinds too, with types of their own)
+    # str, bytes, object, raw void (bfloat16 and float8 are numpy "void" kinds too, with types of
+    # their own)
     if isinstance(x, (np.ndarray, np.generic)) and (x.dtype.kind in "USO" or x.dtype.type is np.void):
         return f"numpy dtype {x.dtype}"
     return None
 
 
 def refuse_text(leaves: Iterable[tuple[Any, Any]], name: Callable[[Any], str], fix: str) -> None:
-    """A `TypeError` for the first of ``leaves`` (``(path, leaf)`` pairs) that holds text or objects (`text_kind`),
-    which no JAX array holds: ``name(path)`` names the leaf, ``fix`` says what to do instead.
+    """A `TypeError` for the first of ``leaves`` (``(path, leaf)`` pairs) that holds text or objects
+    (`text_kind`), which no JAX array holds: ``name(path)`` names the leaf, ``fix`` says what to do
+    instead.
 
     Examples:
         >>> import numpy as np
@@ -83,9 +86,10 @@ def refuse_text(leaves: Iterable[tuple[Any, Any]], name: Callable[[Any], str], f
 
 
 def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> None:
-    """Name the plain mistakes in a batch before JAX or the row split meets them: a leaf of strings (or
-    objects), which no JAX array holds; leaves whose rows differ where the replicas cannot split them (a ragged
-    batch: saying that ``replicas`` does not divide one leaf's rows would point at the wrong fix).
+    """Name the plain mistakes in a batch before JAX or the row split meets them: a leaf of strings
+    (or objects), which no JAX array holds; leaves whose rows differ where the replicas cannot split
+    them (a ragged batch: saying that ``replicas`` does not divide one leaf's rows would point at
+    the wrong fix).
 
     Args:
         batch: the batch (a pytree; its host or device arrays).
@@ -120,7 +124,8 @@ def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> N
 
 
 def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | None = None) -> None:
-    """Check that ``policy``'s context axes divide the sequence dimension of a batch leaf of ``shape``.
+    """Check that ``policy``'s context axes divide the sequence dimension of a batch leaf of
+    ``shape``.
 
     Raises:
         ValueError: naming the sequence length, the context axes and their sizes, and the fix.
@@ -152,8 +157,8 @@ def replicas_on_this_process(policy: LayoutPolicy) -> int:
 
 
 def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
-    """Place one batch (a pytree of arrays) split on axis 0 over ``policy``'s replicas (with context axes, its
-    sequence dimension over them too: `LayoutPolicy.batch_layout`).
+    """Place one batch (a pytree of arrays) split on axis 0 over ``policy``'s replicas (with context
+    axes, its sequence dimension over them too: `LayoutPolicy.batch_layout`).
 
     Args:
         policy: the layout policy whose replicas get the rows.
@@ -165,8 +170,8 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
         The batch as global `jax.Array`s laid out with ``policy``'s batch sharding.
 
     Raises:
-        ValueError: for a scalar leaf, a batch the replicas do not divide evenly, or a sequence the context
-            axes do not divide.
+        ValueError: for a scalar leaf, a batch the replicas do not divide evenly, or a sequence the
+            context axes do not divide.
     """
     n_proc = jax.process_count()
     if process_local and n_proc > 1 and policy.replicas_span_processes:
@@ -200,9 +205,9 @@ _HOST_BATCH_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # 
 
 def _batch_layouts(policy: LayoutPolicy, batch: Any, leaves: list[Any], treedef: Any, where: str | None,
                    process_local: bool) -> list[Any]:
-    """`argument_layouts` of a batch, as a list over its leaves. A batch of host arrays (a training loop's,
-    every step) is laid out by its structure and shapes alone: decided once per signature (its checks made
-    then), not leaf by leaf at every step."""
+    """`argument_layouts` of a batch, as a list over its leaves. A batch of host arrays (a training
+    loop's, every step) is laid out by its structure and shapes alone: decided once per signature
+    (its checks made then), not leaf by leaf at every step."""
     replicas = replicas_on_this_process(policy) if process_local else policy.num_replicas
     if not all(type(x) is np.ndarray for x in leaves):
         check_batch_leaves(batch, replicas, where)
@@ -220,10 +225,10 @@ def _batch_layouts(policy: LayoutPolicy, batch: Any, leaves: list[Any], treedef:
 
 
 def sharding_off(sharding: Any, mesh: Any) -> bool:
-    """Whether an array with ``sharding`` must be moved to be on ``mesh``: not on it (`on_mesh`), except one
-    not laid out over any mesh (a single device's) on exactly the mesh's devices, which jax.jit takes as is.
-    An array on another mesh over the same devices (say the user's, with Explicit axes) is moved: one program
-    does not mix meshes."""
+    """Whether an array with ``sharding`` must be moved to be on ``mesh``: not on it (`on_mesh`),
+    except one not laid out over any mesh (a single device's) on exactly the mesh's devices, which
+    jax.jit takes as is. An array on another mesh over the same devices (say the user's, with
+    Explicit axes) is moved: one program does not mix meshes."""
     if on_mesh(sharding, mesh):
         return False
     own = getattr(sharding, "mesh", None)
@@ -231,11 +236,12 @@ def sharding_off(sharding: Any, mesh: Any) -> bool:
 
 
 def kept(policy: LayoutPolicy, x: Any, batch: bool) -> bool:
-    """Whether a step takes argument leaf ``x`` as it is (the one rule of calls, plans, on-device loops and
-    distributed input): an array (or a `jax.ShapeDtypeStruct` with a sharding) on the strategy's mesh, except a
-    batch leaf every replica holds whole (its rows are what the replicas share out); a Python value that is no
-    batch leaf; a tracer (the step called inside another's trace). Anything else is placed: a batch leaf split
-    over the replicas (a scalar one is an error), a variable in the variable layout.
+    """Whether a step takes argument leaf ``x`` as it is (the one rule of calls, plans, on-device
+    loops and distributed input): an array (or a `jax.ShapeDtypeStruct` with a sharding) on the
+    strategy's mesh, except a batch leaf every replica holds whole (its rows are what the replicas
+    share out); a Python value that is no batch leaf; a tracer (the step called inside another's
+    trace). Anything else is placed: a batch leaf split over the replicas (a scalar one is an
+    error), a variable in the variable layout.
 
     Examples:
         >>> import jax, numpy as np, jaxdist as jd
@@ -254,9 +260,10 @@ def kept(policy: LayoutPolicy, x: Any, batch: bool) -> bool:
 
 
 def shardings_of(leaves: list[Any]) -> set[Any]:
-    """The distinct shardings of ``leaves`` (None for a value without one). A `jax.Array`'s is read in C
-    (``_sharding``, the attribute behind its ``sharding`` property); where some leaf has none (Python and host
-    values, tracers, another array type) they are read again through ``sharding``."""
+    """The distinct shardings of ``leaves`` (None for a value without one). A `jax.Array`'s is read
+    in C (``_sharding``, the attribute behind its ``sharding`` property); where some leaf has none
+    (Python and host values, tracers, another array type) they are read again through
+    ``sharding``."""
     found = set(map(getattr, leaves, itertools.repeat("_sharding"), itertools.repeat(None)))
     if None in found:
         found = set(map(getattr, leaves, itertools.repeat("sharding"), itertools.repeat(None)))
@@ -264,8 +271,9 @@ def shardings_of(leaves: list[Any]) -> set[Any]:
 
 
 def all_on_mesh(leaves: list[Any], mesh: Any, shardings: set[Any] | None = None) -> bool:
-    """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other non-arrays
-    count as placed): decided on their distinct shardings (``shardings``, when read already), not leaf by leaf."""
+    """Whether every array among ``leaves`` is a `jax.Array` on ``mesh`` (Python scalars and other
+    non-arrays count as placed): decided on their distinct shardings (``shardings``, when read
+    already), not leaf by leaf."""
     shardings = shardings_of(leaves) if shardings is None else shardings
     if None in shardings and any(isinstance(x, (np.ndarray, np.generic)) for x in leaves):
         return False
@@ -285,12 +293,13 @@ def needs_placing(a: Any, policy: LayoutPolicy, batch: bool) -> bool:
 
 def argument_layouts(policy: LayoutPolicy, value: Any, batch: bool, where: str | None = None, *,
                      process_local: bool = False) -> Any:
-    """The layout a step's call gives each leaf of argument ``value`` (a pytree; ``batch``: a declared batch),
-    None for a leaf it takes as it is (`kept`): what a call places and what a plan describes, by one rule.
+    """The layout a step's call gives each leaf of argument ``value`` (a pytree; ``batch``: a
+    declared batch), None for a leaf it takes as it is (`kept`): what a call places and what a plan
+    describes, by one rule.
 
     Raises:
-        ValueError: for a batch leaf that is a scalar, or whose rows the replicas (or sequence the context axes)
-            do not divide.
+        ValueError: for a batch leaf that is a scalar, or whose rows the replicas (or sequence the
+            context axes) do not divide.
 
     Examples:
         >>> import jax, numpy as np, jaxdist as jd
@@ -319,8 +328,8 @@ def argument_layouts(policy: LayoutPolicy, value: Any, batch: bool, where: str |
 
 def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, where: str | None = None, *,
                       process_local: bool = False) -> jax.sharding.Sharding:
-    """The layout a batch leaf of ``shape`` is placed in (`LayoutPolicy.batch_layout`), after the checks every
-    placement makes (calls and plans alike).
+    """The layout a batch leaf of ``shape`` is placed in (`LayoutPolicy.batch_layout`), after the
+    checks every placement makes (calls and plans alike).
 
     Args:
         policy: the layout policy.
@@ -330,7 +339,8 @@ def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, w
         process_local: whether ``shape`` holds only this process's rows.
 
     Raises:
-        ValueError: for a scalar leaf, rows the replicas do not divide, or a sequence the context axes do not.
+        ValueError: for a scalar leaf, rows the replicas do not divide, or a sequence the context
+            axes do not.
     """
     if not shape:
         raise ValueError(
@@ -350,8 +360,9 @@ def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, w
 
 def _place_rows(shardings: list[Any], values: list[Any]) -> list[jax.Array]:
     """One process holds the whole global batch: each device gets its own rows. On accelerators, one
-    `jax.device_put` of every leaf (one batched transfer, dispatched in C++). On CPU devices, each device's rows
-    are views of the host array (no host copy: measured cheaper there than a copy per leaf)."""
+    `jax.device_put` of every leaf (one batched transfer, dispatched in C++). On CPU devices, each
+    device's rows are views of the host array (no host copy: measured cheaper there than a copy per
+    leaf)."""
     if not shardings or any(d.platform != "cpu" for d in shardings[0].device_set):
         return jax.device_put(values, shardings)
     moved = []
@@ -369,14 +380,16 @@ def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> j
     shape = np.shape(x)
     if process_local:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), (shape[0] * n_proc, *shape[1:]))
-    # The global batch: each process transfers the rows of its own devices, wherever the mesh puts them.
+    # The global batch: each process transfers the rows of its own devices, wherever the mesh puts
+    # them.
     host = x if isinstance(x, jax.Array) else np.asarray(x)
     return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]))
 
 
 def place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
-    """nnx state Flax put on the ambient mesh whole by default (no partitioning annotation) takes the strategy's
-    variable layout; annotated variables keep the layout their annotation gives them."""
+    """nnx state Flax put on the ambient mesh whole by default (no partitioning annotation) takes
+    the strategy's variable layout; annotated variables keep the layout their annotation gives
+    them."""
     values = jax.tree.leaves(state)
     if not any(isinstance(x, jax.Array) and np.ndim(x) and x.sharding.is_fully_replicated for x in values):
         return state

@@ -14,7 +14,8 @@ _DEVICE_NAME = re.compile(r"^/?(?:device:)?(?P<platform>[a-zA-Z]+):(?P<index>\d+
 
 
 def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
-    """One device from a `jax.Device`, a global device id, or a name such as ``"gpu:0"`` / ``"/cpu:1"``.
+    """One device from a `jax.Device`, a global device id, or a name such as ``"gpu:0"`` /
+    ``"/cpu:1"``.
 
     Raises:
         ValueError: for a name or id that matches no device.
@@ -57,8 +58,8 @@ def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") ->
     """A non-empty tuple of distinct devices of one backend, in the order given (replica order).
 
     Args:
-        devices: devices, ids or names; None for every device of the default backend (every process's, once
-            ``jax.distributed`` connects several).
+        devices: devices, ids or names; None for every device of the default backend (every
+            process's, once ``jax.distributed`` connects several).
         argument: how the argument is called in error messages.
 
     Raises:

@@ -1,42 +1,49 @@
-"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's own mesh.
+"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's
+own mesh.
 
 A strategy's mesh has two kinds of axes:
 
-* **batch axes**: a batch's rows are split over them (together, in order), and ``num_replicas_in_sync`` is
-  the product of their sizes. A subset of them, the **FSDP axes**, are the axes the FSDP rule splits
-  unannotated variables over: all of them is ZeRO-3 over the whole data-parallel group; a subset is HSDP
-  (shard within a host, replicate across hosts: ``batch_axes=("data", "fsdp")``, ``fsdp_axes=("fsdp",)``).
-* **context axes** (context parallelism): a batch's sequence dimension (axis 1 unless declared) is split over
-  them, its rows are not. A replica (one model copy on one slice of the batch) spans them, so
-  ``num_replicas_in_sync`` leaves them out. The FSDP rule splits variables over them too by default (their
-  devices would otherwise hold the same weights: MaxText does the same).
-* **expert axes** (expert parallelism): a subset of the batch axes over which the stacked experts of a
-  mixture-of-experts layer (`jaxdist.nn.MoE`, logical name ``"expert"``) are split; tokens travel to their
-  experts' devices by all-to-all inside the layer. Outside expert layers they split the batch like any batch
-  axis ("dp2ep"), and the FSDP rule splits other variables over them unless ``fsdp_axes`` leaves them out.
-* **model axes**: every other axis. Only layout rules and annotations split variables over them (tensor
-  parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline stages.
+* **batch axes**: a batch's rows are split over them (together, in order), and
+  ``num_replicas_in_sync`` is the product of their sizes. A subset of them, the **FSDP axes**, are
+  the axes the FSDP rule splits unannotated variables over: all of them is ZeRO-3 over the whole
+  data-parallel group; a subset is HSDP (shard within a host, replicate across hosts:
+  ``batch_axes=("data", "fsdp")``, ``fsdp_axes=("fsdp",)``).
+* **context axes** (context parallelism): a batch's sequence dimension (axis 1 unless declared) is
+  split over them, its rows are not. A replica (one model copy on one slice of the batch) spans
+  them, so ``num_replicas_in_sync`` leaves them out. The FSDP rule splits variables over them too by
+  default (their devices would otherwise hold the same weights: MaxText does the same).
+* **expert axes** (expert parallelism): a subset of the batch axes over which the stacked experts of
+  a mixture-of-experts layer (`jaxdist.nn.MoE`, logical name ``"expert"``) are split; tokens travel
+  to their experts' devices by all-to-all inside the layer. Outside expert layers they split the
+  batch like any batch axis ("dp2ep"), and the FSDP rule splits other variables over them unless
+  ``fsdp_axes`` leaves them out.
+* **model axes**: every other axis. Only layout rules and annotations split variables over them
+  (tensor parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline
+  stages.
 
-Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and ``"batch"``) the
-context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert axes. They are appended to the
-user's ``logical_axis_rules`` wherever those do not name them.
+Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and
+``"batch"``) the context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert
+axes. They are appended to the user's ``logical_axis_rules`` wherever those do not name them.
 
-A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short form
-(``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and whether its axes
-must be batch axes (expert) or never are (stage, context). `axis_roles`, `short_form_mesh`, `AxisRoles` and the
-`jaxdist.strategies.LayoutPolicy` derive everything from it; only `jaxdist.ShardedStrategy`'s signature lists each
-role's two keywords by name, for readers and type checkers.
+A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short
+form (``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and
+whether its axes must be batch axes (expert) or never are (stage, context). `axis_roles`,
+`short_form_mesh`, `AxisRoles` and the `jaxdist.strategies.LayoutPolicy` derive everything from it;
+only `jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and
+type checkers.
 
 The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
-``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand)
-is kept as it is: its axis names, device order AND axis types. Code written for it depends on them: on
-``Explicit`` axes (``jax.make_mesh``'s default) a value's layout is part of its type, and model code annotates
-(``out_sharding=``, ``jax.reshard``, ``jax.shard_map`` with specs that match its inputs' types).
+``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``,
+by hand) is kept as it is: its axis names, device order AND axis types. Code written for it depends
+on them: on ``Explicit`` axes (``jax.make_mesh``'s default) a value's layout is part of its type,
+and model code annotates (``out_sharding=``, ``jax.reshard``, ``jax.shard_map`` with specs that
+match its inputs' types).
 
-The meshes jaxdist builds itself (the short form) have ``Auto`` axes, deliberately: there XLA propagates
-layouts through unannotated code, so an unmodified single-device step compiles as it is. On ``Explicit`` axes
-the same step can be refused by JAX: an embedding lookup (``jnp.take`` of a whole table with indices whose rows
-are split over the batch axis) asks for an ``out_sharding`` the single-device code does not give.
+The meshes jaxdist builds itself (the short form) have ``Auto`` axes, deliberately: there XLA
+propagates layouts through unannotated code, so an unmodified single-device step compiles as it is.
+On ``Explicit`` axes the same step can be refused by JAX: an embedding lookup (``jnp.take`` of a
+whole table with indices whose rows are split over the batch axis) asks for an ``out_sharding`` the
+single-device code does not give.
 """
 
 from __future__ import annotations
@@ -65,34 +72,36 @@ EXPERT_AXIS = "expert"
 """The expert axis of a short-form mesh (``ShardedStrategy(expert_parallelism=e)``)."""
 
 LAYERS = "layers"
-"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME: "layers"}``,
-`jaxdist.nn.Pipeline`): split over the stage axes."""
+"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME:
+"layers"}``, `jaxdist.nn.Pipeline`): split over the stage axes."""
 
 EXPERT_NAMES = ("expert", "exp")
-"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over the expert
-axes."""
+"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over
+the expert axes."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """A role mesh axes take besides the batch and model roles. One entry of `ROLES` is the whole role: its
-    argument on a user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an axis ``axis`` of size
-    ``k`` on the strategy's own mesh, before ``"replica"`` when ``outer``), the logical axis names that map to
-    its axes (`AxisRoles.logical_rules`) and how its axes relate to the batch axes (checked by `axis_roles`,
-    ``reason`` saying why in the error), and whether it splits variables (``variables``: not under a mirroring
-    strategy)."""
+    """A role mesh axes take besides the batch and model roles. One entry of `ROLES` is the whole
+    role: its argument on a user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an
+    axis ``axis`` of size ``k`` on the strategy's own mesh, before ``"replica"`` when ``outer``),
+    the logical axis names that map to its axes (`AxisRoles.logical_rules`) and how its axes relate
+    to the batch axes (checked by `axis_roles`, ``reason`` saying why in the error), and whether it
+    splits variables (``variables``: not under a mirroring strategy)."""
 
     name: str
     short_form: str
     axis: str
     logical: tuple[str, ...]
     batch: bool
-    """True: its axes must be batch axes (they split the batch outside the role's layers); False: never."""
+    """True: its axes must be batch axes (they split the batch outside the role's layers); False:
+    never."""
     reason: str
     outer: bool = False
     variables: bool = True
-    """Whether the role splits variables over its axes (stage: layers, expert: experts), which a mirroring
-    strategy cannot; context splits a batch's sequences and works with variables kept whole too."""
+    """Whether the role splits variables over its axes (stage: layers, expert: experts), which a
+    mirroring strategy cannot; context splits a batch's sequences and works with variables kept
+    whole too."""
 
     @property
     def argument(self) -> str:
@@ -112,14 +121,14 @@ ROLES = (
         "a batch's rows are split over the batch axes and its sequence over the context axes; give each axis "
         "one role"), variables=False),
 )
-"""Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes, then
-``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica, expert,
-context, model`` (stages over the slowest links, a model copy on consecutive devices)."""
+"""Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes,
+then ``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica,
+expert, context, model`` (stages over the slowest links, a model copy on consecutive devices)."""
 
 
 def check_role_keywords(caller: str, given: Any, known: Any, say: str) -> None:
-    """The keywords of ``given`` that ``caller`` takes generically (``known``: the roles'), else a TypeError as
-    Python's own, naming them.
+    """The keywords of ``given`` that ``caller`` takes generically (``known``: the roles'), else a
+    TypeError as Python's own, naming them.
 
     Examples:
         >>> check_role_keywords("f", {"expert_axes": 1}, ["expert_axes"], "it takes")
@@ -134,16 +143,16 @@ def check_role_keywords(caller: str, given: Any, known: Any, say: str) -> None:
 
 
 def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, **parallelism: int) -> Mesh:
-    """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for each
-    ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for ``model_parallelism=k > 1``, in
-    `ROLES`' order (``stage, replica, expert, context, model``: ``"model"``'s ``k`` consecutive devices hold one
-    model copy; stage ``i`` is the ``i``-th block of ``N / p`` devices). ``"replica"`` takes the devices left
-    over.
+    """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for
+    each ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for
+    ``model_parallelism=k > 1``, in `ROLES`' order (``stage, replica, expert, context, model``:
+    ``"model"``'s ``k`` consecutive devices hold one model copy; stage ``i`` is the ``i``-th block
+    of ``N / p`` devices). ``"replica"`` takes the devices left over.
 
     Raises:
         TypeError: for a keyword that is no role's short form.
-        ValueError: for a ``*_parallelism`` that is not an int >= 1 dividing the device count, or several whose
-            product does not.
+        ValueError: for a ``*_parallelism`` that is not an int >= 1 dividing the device count, or
+            several whose product does not.
 
     Examples:
         >>> import jax
@@ -202,24 +211,27 @@ class AxisRoles:
 
     @property
     def context_axes(self) -> tuple[str, ...]:
-        """The axes a batch's sequence dimension is split over (`jaxdist.nn.dot_product_attention`)."""
+        """The axes a batch's sequence dimension is split over
+        (`jaxdist.nn.dot_product_attention`)."""
         return self.role_axes["context"]
 
     @property
     def stage_axes(self) -> tuple[str, ...]:
-        """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical axis
-        ``"layers"`` of stacked layer parameters is split over them."""
+        """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical
+        axis ``"layers"`` of stacked layer parameters is split over them."""
         return self.role_axes["stage"]
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
-        """The batch axes the stacked experts are split over (`jaxdist.nn.MoE`: logical axis ``"expert"``)."""
+        """The batch axes the stacked experts are split over (`jaxdist.nn.MoE`: logical axis
+        ``"expert"``)."""
         return self.role_axes["expert"]
 
     @property
     def logical_rules(self) -> tuple[tuple[str, Any], ...]:
-        """The logical axis names the roles give a meaning, as Flax rules ``(name, mesh axes)``: appended to a
-        strategy's ``logical_axis_rules`` wherever those do not name them (a user's rule wins).
+        """The logical axis names the roles give a meaning, as Flax rules ``(name, mesh axes)``:
+        appended to a strategy's ``logical_axis_rules`` wherever those do not name them (a user's
+        rule wins).
 
         Examples:
             >>> import jax
@@ -238,7 +250,8 @@ class AxisRoles:
         return self.role_axes[role] if role in self.role_axes else getattr(self, f"{role}_axes")
 
     def entry(self, role: str) -> str | tuple[str, ...] | None:
-        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple of several.
+        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple
+        of several.
 
         Examples:
             >>> import jax
@@ -250,8 +263,9 @@ class AxisRoles:
 
     @property
     def replica_axis(self) -> str | tuple[str, ...] | None:
-        """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's ``axis_name``: one
-        name, or the tuple of several (None: no batch axis, a mesh of context axes only)."""
+        """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's
+        ``axis_name``: one name, or the tuple of several (None: no batch axis, a mesh of context
+        axes only)."""
         return self.entry("batch")
 
     def size(self, axes: Sequence[str]) -> int:
@@ -294,20 +308,21 @@ def axis_roles(
 
     Args:
         mesh: a `jax.sharding.Mesh` (any axis names, any devices of any processes).
-        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis (besides context axes),
-            or for a mirroring strategy (``split=False``) every axis.
-        fsdp_axes: the batch (and context) axes the FSDP rule splits variables over; None: ``batch_axes``
-            and ``context_axes`` when ``split``, else none.
+        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis (besides
+            context axes), or for a mirroring strategy (``split=False``) every axis.
+        fsdp_axes: the batch (and context) axes the FSDP rule splits variables over; None:
+            ``batch_axes`` and ``context_axes`` when ``split``, else none.
         split: whether the strategy splits variables (Sharded) or keeps them whole (Mirrored, TPU).
         strategy: the strategy's name, for error messages.
         role_axes: ``<role>_axes=`` for each of `ROLES` given (``context_axes``, ``stage_axes``,
-            ``expert_axes``): the axes of that role. Each must be batch axes or never be (`Role.batch`).
+            ``expert_axes``): the axes of that role. Each must be batch axes or never be
+            (`Role.batch`).
 
     Raises:
         TypeError: when ``mesh`` is not a `jax.sharding.Mesh`, or for an argument that is no role's.
-        ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch axes, a
-            mirroring strategy given model axes or role axes, a multi-axis mesh without ``batch_axes``, or role
-            axes that break their relation to the batch axes.
+        ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch
+            axes, a mirroring strategy given model axes or role axes, a multi-axis mesh without
+            ``batch_axes``, or role axes that break their relation to the batch axes.
 
     Examples:
         >>> import jax

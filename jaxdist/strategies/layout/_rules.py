@@ -1,31 +1,34 @@
-"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax annotation.
+"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax
+annotation.
 
-The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes (all the
-batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest dimension that their size
-divides; variables smaller than ``min_shard_size`` elements, or with no divisible axis, stay whole.
-Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec), ...]`` matched with `re.search` against
-the variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the same
-path, so it follows its parameter).
+The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes
+(all the batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest
+dimension that their size divides; variables smaller than ``min_shard_size`` elements, or with no
+divisible axis, stay whole. Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec),
+...]`` matched with `re.search` against the variable's path (``"params/Dense_0/kernel"``; optimizer
+state such as Adam's ``mu`` contains the same path, so it follows its parameter).
 
-Partitioning annotations, the Flax way (MaxText / T5X): ``nn.with_logical_partitioning(init, ("embed",
-"mlp"))`` names logical axes that ``logical_axis_rules`` (Flax's own format) map to mesh axes;
-``nn.with_partitioning(init, (None, "model"))`` names mesh axes directly. Which spec a variable gets, first
-that applies:
+Partitioning annotations, the Flax way (MaxText / T5X): ``nn.with_logical_partitioning(init,
+("embed", "mlp"))`` names logical axes that ``logical_axis_rules`` (Flax's own format) map to mesh
+axes; ``nn.with_partitioning(init, (None, "model"))`` names mesh axes directly. Which spec a
+variable gets, first that applies:
 
-1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last resort);
-2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's priority
-   order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to use: when no dimension
-   is already split over an FSDP axis, the largest such dimension their size divides is;
+1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last
+   resort);
+2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's
+   priority order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to
+   use: when no dimension is already split over an FSDP axis, the largest such dimension their size
+   divides is;
 3. the FSDP rule (unannotated variables).
 
-Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned model) are
-never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words a key), and code that
-splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them whole. A ``layout_rules`` entry or an
-annotation naming their axes still splits them.
+Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned
+model) are never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words
+a key), and code that splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them
+whole. A ``layout_rules`` entry or an annotation naming their axes still splits them.
 
-A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With stage axes
-(pipeline parallelism) the logical name ``"layers"`` (the stacked layer axis of `jaxdist.nn.Pipeline`) is
-mapped to them unless the user's rules map it themselves.
+A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With
+stage axes (pipeline parallelism) the logical name ``"layers"`` (the stacked layer axis of
+`jaxdist.nn.Pipeline`) is mapped to them unless the user's rules map it themselves.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ __all__ = [
 
 
 def is_key(dtype: Any) -> bool:
-    """True for the dtype of a typed PRNG key array (``jax.random.key``'s ``key<fry>``); False for None."""
+    """True for the dtype of a typed PRNG key array (``jax.random.key``'s ``key<fry>``); False for
+    None."""
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
@@ -61,12 +65,14 @@ def is_box(x: Any) -> bool:
 
 
 def is_variable(x: Any) -> bool:
-    """True for an nnx Variable (a pytree node whose one child is its value, its annotation in its metadata)."""
+    """True for an nnx Variable (a pytree node whose one child is its value, its annotation in its
+    metadata)."""
     return isinstance(x, nnx.Variable)
 
 
 def is_annotated(x: Any) -> bool:
-    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx Variable."""
+    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx
+    Variable."""
     return isinstance(x, (Partitioned, nnx.Variable))
 
 
@@ -80,10 +86,11 @@ def unboxed(x: Any) -> Any:
 def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
     """The partitioning annotation a variable carries, as the box `VariableRules.spec` reads.
 
-    A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``, ``out_sharding=`` /
-    ``sharding=`` metadata) is boxed as linen's are: names that are all axes of ``mesh_axes`` as a
-    `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the strategy's
-    ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything else.
+    A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``,
+    ``out_sharding=`` / ``sharding=`` metadata) is boxed as linen's are: names that are all axes of
+    ``mesh_axes`` as a `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the
+    strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything
+    else.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -112,8 +119,8 @@ def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
 
 
 def logical_names(tree: Any, mesh_axes: Sequence[str] | None = None) -> set[str]:
-    """The logical axis names of the ``nn.with_logical_partitioning`` boxes and the nnx Variables annotated with
-    names that are not axes of ``mesh_axes`` in ``tree``.
+    """The logical axis names of the ``nn.with_logical_partitioning`` boxes and the nnx Variables
+    annotated with names that are not axes of ``mesh_axes`` in ``tree``.
 
     Examples:
         >>> import flax.linen as nn
@@ -132,11 +139,13 @@ def _hint(roles: AxisRoles) -> str:
 
 
 class VariableRules:
-    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP rule.
+    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP
+    rule.
 
     Args:
         roles: the mesh the specs name axes of, and its FSDP axes (what the FSDP rule splits over).
-        split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole (mirrored:
+        split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole
+            (mirrored:
             annotations and the FSDP rule are ignored).
         min_shard_size: variables with fewer elements stay whole.
         layout_rules: ``[(regex, PartitionSpec), ...]``.
@@ -176,17 +185,17 @@ class VariableRules:
         self.min_shard_size = min_shard_size
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
         self.logical_axis_rules = tuple(self._check_logical_rule(i, r) for i, r in enumerate(logical_axis_rules or ()))
-        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert" over the
-        # expert axes, "length" over the context axes, ...): appended where the user's rules do not name them, so
-        # every user rule keeps its priority; never reported as unmatched (a model without a pipeline layer is
-        # reported as an idle stage axis instead).
+        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert"
+        # over the expert axes, "length" over the context axes, ...): appended where the user's
+        # rules do not name them, so every user rule keeps its priority; never reported as unmatched
+        # (a model without a pipeline layer is reported as an idle stage axis instead).
         named = {name for name, _ in self.logical_axis_rules}
         implied = tuple(rule for rule in roles.logical_rules if rule[0] not in named)
         self.logical_axis_rules += implied
         self._implicit = {name for name, _ in implied}
         self.activation_axes = frozenset(activation_axes)
 
-    # ------------------------------------------------------------------------------------ validation
+    # ----------------------------------------------------------------------------------- validation
     def _check_rule(self, i: int, rule: Any) -> tuple[re.Pattern, PartitionSpec]:
         try:
             pattern, spec = rule
@@ -224,12 +233,13 @@ class VariableRules:
     # ---------------------------------------------------------------------------------------- specs
     def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None,
              dtype: Any = None) -> PartitionSpec:
-        """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first layout rule, else
-        annotation, else FSDP (never for a typed PRNG key array: see the module doc).
+        """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first
+        layout rule, else annotation, else FSDP (never for a typed PRNG key array: see the module
+        doc).
 
         Raises:
-            ValueError: when a rule or annotation splits a dimension into parts that do not divide it, or a
-                ``nn.with_partitioning`` annotation names an axis the mesh does not have.
+            ValueError: when a rule or annotation splits a dimension into parts that do not divide
+                it, or a ``nn.with_partitioning`` annotation names an axis the mesh does not have.
         """
         if not self.split:  # a mirroring policy: every variable whole, annotations notwithstanding
             return PartitionSpec()
@@ -319,9 +329,10 @@ class VariableRules:
                     "parts, which does not divide it: pick another axis or pad the variable."
                 )
 
-    # ----------------------------------------------------------------------------------- rule checks
+    # ---------------------------------------------------------------------------------- rule checks
     def unmatched(self, tree: Any) -> list[str]:
-        """The rules that placed no variable of ``tree`` (arrays or shapes; Flax boxes keep annotations).
+        """The rules that placed no variable of ``tree`` (arrays or shapes; Flax boxes keep
+        annotations).
 
         A ``layout_rules`` entry is unmatched when it is the first match of no variable's path; a
         ``logical_axis_rules`` entry when no variable's annotation uses its logical name (names in

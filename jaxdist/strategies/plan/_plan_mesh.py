@@ -1,17 +1,19 @@
-"""Meshes to plan on, not to run on: a mesh of any shape without its devices, and a compiler that has them.
+"""Meshes to plan on, not to run on: a mesh of any shape without its devices, and a compiler that
+has them.
 
-`plan_mesh` returns a `jax.sharding.AbstractMesh`: axis names and sizes, no devices. Every strategy accepts
-it as ``mesh=``; it can then plan (``strategy.create_variables`` gives abstract values with their layouts,
-``strategy.jit(step).plan(...)`` compiles the step) but not run (`refuse_to_run`): a 1,024-device plan from a
-laptop.
+`plan_mesh` returns a `jax.sharding.AbstractMesh`: axis names and sizes, no devices. Every strategy
+accepts it as ``mesh=``; it can then plan (``strategy.create_variables`` gives abstract values with
+their layouts, ``strategy.jit(step).plan(...)`` compiles the step) but not run (`refuse_to_run`): a
+1,024-device plan from a laptop.
 
-A program for an abstract mesh is traced and lowered here (JAX lowers for an abstract mesh); compiling needs
-the devices. `compile_elsewhere` compiles the lowered module in a subprocess with that many simulated CPU
-devices (``jax_num_cpu_devices``) and reads back its memory analysis and its compiled text. What comes back
-is exact on every backend where it is decided before the backend's own passes (the arguments' and outputs'
-bytes per device, which collectives run and on how many bytes) and the CPU compiler's estimate of another
-backend where it is not (temporaries and peak: another backend fuses, schedules and rematerializes
-differently; XLA:CPU also computes 16-bit float collectives in float32).
+A program for an abstract mesh is traced and lowered here (JAX lowers for an abstract mesh);
+compiling needs the devices. `compile_elsewhere` compiles the lowered module in a subprocess with
+that many simulated CPU devices (``jax_num_cpu_devices``) and reads back its memory analysis and its
+compiled text. What comes back is exact on every backend where it is decided before the backend's
+own passes (the arguments' and outputs' bytes per device, which collectives run and on how many
+bytes) and the CPU compiler's estimate of another backend where it is not (temporaries and peak:
+another backend fuses, schedules and rematerializes differently; XLA:CPU also computes 16-bit float
+collectives in float32).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from jaxdist.replicate.trees import fn_name, merge_static, split_static
 __all__ = ["abstract_variables", "compile_elsewhere", "is_plan_mesh", "plan_mesh", "refuse_to_run"]
 
 
-# Run in a fresh interpreter with N simulated CPU devices: compile an MLIR module for them, report the memory
-# analysis and the compiled text. Compile options for a raw module have no public API: jax's own helper.
+# Run in a fresh interpreter with N simulated CPU devices: compile an MLIR module for them, report
+# the memory analysis and the compiled text. Compile options for a raw module have no public API:
+# jax's own helper.
 _COMPILER = """
 import json, sys
 import jax
@@ -66,16 +69,17 @@ def plan_mesh(shape: Mapping[str, int], axis_types: AxisType | tuple[AxisType, .
 
     Args:
         shape: ``{axis name: size}``, in mesh order, e.g. ``{"data": 16, "fsdp": 32, "tensor": 8}``.
-        axis_types: one `jax.sharding.AxisType` for every axis, or one per axis. ``Auto`` (the default, as on
-            the meshes jaxdist builds): XLA propagates layouts through unannotated code; ``Explicit`` for model
-            code written for ``jax.make_mesh``'s default (sharding in types).
+        axis_types: one `jax.sharding.AxisType` for every axis, or one per axis. ``Auto`` (the
+            default, as on the meshes jaxdist builds): XLA propagates layouts through unannotated
+            code; ``Explicit`` for model code written for ``jax.make_mesh``'s default (sharding in
+            types).
 
     Returns:
         A `jax.sharding.AbstractMesh`.
 
     Raises:
-        ValueError: for an empty shape, a name that is not a non-empty string, a size that is not an int >= 1,
-            or ``axis_types`` that are not AxisTypes (one, or one per axis).
+        ValueError: for an empty shape, a name that is not a non-empty string, a size that is not an
+            int >= 1, or ``axis_types`` that are not AxisTypes (one, or one per axis).
 
     Examples:
         >>> import jax, jaxdist as jd
@@ -136,8 +140,8 @@ def refuse_to_run(mesh: Any, what: str) -> None:
 
 
 def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``init_fn(*args, **kwargs)``'s shapes (`jax.eval_shape`: nothing runs, nothing is allocated) as
-    `jax.ShapeDtypeStruct`s carrying ``policy``'s variable layout.
+    """``init_fn(*args, **kwargs)``'s shapes (`jax.eval_shape`: nothing runs, nothing is allocated)
+    as `jax.ShapeDtypeStruct`s carrying ``policy``'s variable layout.
 
     Raises:
         TypeError: when ``init_fn`` is not callable.
@@ -158,20 +162,22 @@ def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kw
 
 
 def compile_elsewhere(module_text: str, num_devices: int, timeout: float = 900.0) -> tuple[dict[str, int], str]:
-    """Compile a lowered module (StableHLO text) for ``num_devices`` simulated CPU devices in a subprocess.
+    """Compile a lowered module (StableHLO text) for ``num_devices`` simulated CPU devices in a
+    subprocess.
 
     Args:
-        module_text: ``lowered.as_text()`` of a program lowered for a mesh of ``num_devices`` devices.
+        module_text: ``lowered.as_text()`` of a program lowered for a mesh of ``num_devices``
+            devices.
         num_devices: how many devices the program is partitioned over.
         timeout: seconds before the subprocess is stopped.
 
     Returns:
-        ``(memory, text)``: the compiled program's memory analysis (`jaxdist.costs.plan.MEMORY_FIELDS`, bytes
-        per device) and its compiled HLO text.
+        ``(memory, text)``: the compiled program's memory analysis
+        (`jaxdist.costs.plan.MEMORY_FIELDS`, bytes per device) and its compiled HLO text.
 
     Raises:
-        RuntimeError: when the subprocess fails or takes longer than ``timeout`` (the message holds the end of
-            its output).
+        RuntimeError: when the subprocess fails or takes longer than ``timeout`` (the message holds
+            the end of its output).
     """
     with tempfile.TemporaryDirectory(prefix="jaxdist-plan-") as tmp:
         source, result = os.path.join(tmp, "module.mlir"), os.path.join(tmp, "compiled.json")

@@ -1,7 +1,7 @@
 """`ReplicaContext`: what a replica function sees of its strategy (tf.distribute.ReplicaContext).
 
-Collectives here run over the strategy's replica axis inside `Strategy.run` (a `jax.shard_map`). Outside any
-strategy the default context has one replica and every collective returns its input.
+Collectives here run over the strategy's replica axis inside `Strategy.run` (a `jax.shard_map`).
+Outside any strategy the default context has one replica and every collective returns its input.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class ReplicaContext:
 
     @property
     def axis_name(self) -> str:
-        """The name of the replica axis inside this replica function (``"replica"``, or ``run``'s ``axis_name``):
-        what ``jax.lax`` collectives in the function can name.
+        """The name of the replica axis inside this replica function (``"replica"``, or ``run``'s
+        ``axis_name``): what ``jax.lax`` collectives in the function can name.
 
         Examples:
             >>> import jaxdist as jd
@@ -106,11 +106,13 @@ class ReplicaContext:
         return all_reduce(value, op, self._axis)
 
     def per_replica(self, value: Any) -> Any:
-        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a `PerReplica`.
+        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a
+        `PerReplica`.
 
-        ``run`` refuses an output that takes the place of a mirrored argument but differs between replicas
-        (parameters updated with local gradients drift apart). A value each replica keeps apart on purpose
-        (local SGD, an ensemble member, an error-feedback residual) says so here, on the value returned.
+        ``run`` refuses an output that takes the place of a mirrored argument but differs between
+        replicas (parameters updated with local gradients drift apart). A value each replica keeps
+        apart on purpose (local SGD, an ensemble member, an error-feedback residual) says so here,
+        on the value returned.
 
         Args:
             value: a pytree of arrays.
@@ -132,7 +134,8 @@ class ReplicaContext:
         return keep_per_replica(value, self._axis)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the result.
+        """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the
+        result.
 
         Args:
             value: a pytree of arrays of rank >= 1, the same shapes on every replica.
@@ -155,11 +158,12 @@ class ReplicaContext:
         return jax.tree.map(gather, value)
 
     def aggregate(self, value: Any, aggregation: VariableAggregation | str) -> Any:
-        """Turn replica-local updates of a mirrored value into one mirrored value (a replica-context update).
+        """Turn replica-local updates of a mirrored value into one mirrored value (a replica-context
+        update).
 
-        This is how a mirrored value is updated from replica context: the per-replica new values are combined
-        with ``aggregation`` (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's value is broadcast), so every
-        replica holds the same result and ``run`` returns it mirrored.
+        This is how a mirrored value is updated from replica context: the per-replica new values are
+        combined with ``aggregation`` (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's value is
+        broadcast), so every replica holds the same result and ``run`` returns it mirrored.
 
         Args:
             value: a pytree of per-replica new values.
@@ -203,22 +207,26 @@ class ReplicaContext:
 
     @property
     def in_merge_call(self) -> bool:
-        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the replica)."""
+        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the
+        replica)."""
         return self._merge_depth > 0
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Step from this replica into cross-replica code: ``merge_fn(strategy, *args, **kwargs)`` sees every
-        replica's values, and its result comes back to every replica (tf.distribute's ``merge_call``).
+        """Step from this replica into cross-replica code: ``merge_fn(strategy, *args, **kwargs)``
+        sees every replica's values, and its result comes back to every replica (tf.distribute's
+        ``merge_call``).
 
-        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the replicas'
-        values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so ``merge_fn`` can
-        ``strategy.reduce`` / ``strategy.gather`` them or list them with ``strategy.experimental_local_results``.
-        All replicas run ``merge_fn`` on the same values (SPMD: it is part of the one compiled program), so
-        its result is the same everywhere; a `PerReplica` in the result gives each replica its own component
-        back. Inside ``merge_fn``, ``jd.get_replica_context()`` still returns this context (the code is still
-        traced per replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
-        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns its copy).
-        Outside ``run`` (the default single-replica context) ``merge_fn`` is called on the arguments as they are.
+        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the
+        replicas' values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so
+        ``merge_fn`` can ``strategy.reduce`` / ``strategy.gather`` them or list them with
+        ``strategy.experimental_local_results``. All replicas run ``merge_fn`` on the same values
+        (SPMD: it is part of the one compiled program), so its result is the same everywhere; a
+        `PerReplica` in the result gives each replica its own component back. Inside ``merge_fn``,
+        ``jd.get_replica_context()`` still returns this context (the code is still traced per
+        replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
+        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns
+        its copy). Outside ``run`` (the default single-replica context) ``merge_fn`` is called on
+        the arguments as they are.
 
         Args:
             merge_fn: ``merge_fn(strategy, *args, **kwargs)``.
@@ -229,7 +237,8 @@ class ReplicaContext:
             ``merge_fn``'s result, on every replica.
 
         Raises:
-            TypeError: when ``merge_fn`` is not callable, ``args`` is not a tuple or ``kwargs`` not a dict.
+            TypeError: when ``merge_fn`` is not callable, ``args`` is not a tuple or ``kwargs`` not
+                a dict.
 
         Examples:
             >>> import jaxdist as jd

@@ -1,17 +1,19 @@
-"""``strategy.scope()``: the strategy is current, its mesh JAX's ambient mesh, its logical rules Flax's.
+"""``strategy.scope()``: the strategy is current, its mesh JAX's ambient mesh, its logical rules
+Flax's.
 
-Entering a second, different strategy's scope inside another's is an error (tf.distribute's "Mixing different
-Strategy objects"); re-entering the same strategy's scope is fine.
+Entering a second, different strategy's scope inside another's is an error (tf.distribute's "Mixing
+different Strategy objects"); re-entering the same strategy's scope is fine.
 
-Inside a scope, Flax applies ``nn.with_partitioning`` / ``nnx.with_partitioning`` annotations on the strategy's
-mesh as the model's code runs, so an annotation naming an axis that mesh lacks fails in JAX, in code jaxdist
-never sees (an nnx module's constructor). jaxdist cannot tell that ``ValueError`` from any other by its type,
-and reading JAX's message would break silently when JAX rewords it. It looks at what failed instead: when a
-frame of the error's traceback holds a `PartitionSpec` naming an axis the mesh lacks, the error keeps its type
-and message and gains a note (PEP 678) naming that spec, the names an annotation may use here (the mesh's axes
-and the logical rules) and the fix; any other ``ValueError`` (a rank mismatch, say) passes untouched. Where
-jaxdist sees the annotations itself (``create_variables`` outside a scope, ``strategy.jit``), the layout rules
-check them before JAX does.
+Inside a scope, Flax applies ``nn.with_partitioning`` / ``nnx.with_partitioning`` annotations on the
+strategy's mesh as the model's code runs, so an annotation naming an axis that mesh lacks fails in
+JAX, in code jaxdist never sees (an nnx module's constructor). jaxdist cannot tell that
+``ValueError`` from any other by its type, and reading JAX's message would break silently when JAX
+rewords it. It looks at what failed instead: when a frame of the error's traceback holds a
+`PartitionSpec` naming an axis the mesh lacks, the error keeps its type and message and gains a note
+(PEP 678) naming that spec, the names an annotation may use here (the mesh's axes and the logical
+rules) and the fix; any other ``ValueError`` (a rank mismatch, say) passes untouched. Where jaxdist
+sees the annotations itself (``create_variables`` outside a scope, ``strategy.jit``), the layout
+rules check them before JAX does.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ __all__ = ["enter_scope"]
 
 @contextlib.contextmanager
 def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
-    """Push ``strategy`` as the current one: its mesh is JAX's ambient mesh and its logical axis rules Flax's
-    inside; another strategy's scope inside it is an error.
+    """Push ``strategy`` as the current one: its mesh is JAX's ambient mesh and its logical axis
+    rules Flax's inside; another strategy's scope inside it is an error.
 
     Raises:
-        RuntimeError: for another strategy's scope open around this one, or inside a replica function.
+        RuntimeError: for another strategy's scope open around this one, or inside a replica
+            function.
     """
     current = ambient.current_scope()
     if current is not None and current is not strategy:
@@ -48,9 +51,10 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
             "strategy.scope() cannot be entered inside a replica function (strategy.run); "
             "open the scope in cross-replica code, around the training loop."
         )
-    # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables annotated with
-    # nnx.with_partitioning already sharded, on the ambient mesh.
-    # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is created).
+    # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables
+    # annotated with nnx.with_partitioning already sharded, on the ambient mesh.
+    # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is
+    # created).
     mesh = (jax.sharding.use_abstract_mesh(policy.mesh) if isinstance(policy.mesh, jax.sharding.AbstractMesh)
             else jax.set_mesh(policy.mesh))
     with ambient.scope(strategy), mesh, policy.flax_rules():
@@ -65,8 +69,8 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
 
 
 def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
-    """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback (the layout
-    that failed), or None."""
+    """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback
+    (the layout that failed), or None."""
     tb = error.__traceback__
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
@@ -79,8 +83,9 @@ def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.shard
 
 
 def _scope_note(owner: str, policy: LayoutPolicy, spec: jax.sharding.PartitionSpec) -> str:
-    """The note a ``ValueError`` raised inside ``owner``'s scope carries when the layout ``spec`` that failed
-    names an axis the mesh lacks: the axis names a partitioning annotation may use there, and the fix.
+    """The note a ``ValueError`` raised inside ``owner``'s scope carries when the layout ``spec``
+    that failed names an axis the mesh lacks: the axis names a partitioning annotation may use
+    there, and the fix.
 
     Examples:
         >>> import jax

@@ -1,14 +1,16 @@
-"""Per-replica values from a function: `ValueContext` and ``experimental_distribute_values_from_function``.
+"""Per-replica values from a function: `ValueContext` and
+``experimental_distribute_values_from_function``.
 
-tf.distribute's way to give each replica its own value without a dataset: ``value_fn(ctx)`` is called once
-per replica with a `ValueContext` (the replica's id and the replica count), and the results become one
-`PerReplica` per leaf, which ``strategy.run`` hands back to each replica as its own component (per-replica
-dropout keys, per-replica seeds, a replica's slice of a schedule).
+tf.distribute's way to give each replica its own value without a dataset: ``value_fn(ctx)`` is
+called once per replica with a `ValueContext` (the replica's id and the replica count), and the
+results become one `PerReplica` per leaf, which ``strategy.run`` hands back to each replica as its
+own component (per-replica dropout keys, per-replica seeds, a replica's slice of a schedule).
 
-The components are placed as `PerReplica` values always are (one global array whose leading axis indexes the
-replicas, split over the batch axes), built from single-device arrays with
-`jax.make_array_from_single_device_arrays`: each process calls ``value_fn`` only for the replicas its devices
-hold, as tf.distribute does, and no value ever travels between processes or through device 0.
+The components are placed as `PerReplica` values always are (one global array whose leading axis
+indexes the replicas, split over the batch axes), built from single-device arrays with
+`jax.make_array_from_single_device_arrays`: each process calls ``value_fn`` only for the replicas
+its devices hold, as tf.distribute does, and no value ever travels between processes or through
+device 0.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ __all__ = ["ValueContext", "distribute_values_from_function"]
 
 @dataclasses.dataclass(frozen=True)
 class ValueContext:
-    """What ``value_fn`` of ``experimental_distribute_values_from_function`` learns about its replica
-    (tf.distribute.experimental.ValueContext).
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` learns about its
+    replica (tf.distribute.experimental.ValueContext).
 
     Attributes:
         replica_id_in_sync_group: the replica the value is for, in ``[0, num_replicas_in_sync)``.
         num_replicas_in_sync: how many replicas run in lockstep.
 
     Raises:
-        ValueError: when ``num_replicas_in_sync < 1`` or the replica id is outside ``[0, num_replicas_in_sync)``.
+        ValueError: when ``num_replicas_in_sync < 1`` or the replica id is outside ``[0,
+            num_replicas_in_sync)``.
 
     Examples:
         >>> ctx = ValueContext(replica_id_in_sync_group=2, num_replicas_in_sync=4)
@@ -59,7 +62,8 @@ class ValueContext:
 
 
 def _component(leaf: Any, replica: int, path: str) -> Any:
-    """One replica's leaf as an array (host or device), after checking it can be a per-replica component."""
+    """One replica's leaf as an array (host or device), after checking it can be a per-replica
+    component."""
     if isinstance(leaf, jax.core.Tracer):
         raise ValueError(
             f"value_fn returned a traced value for replica {replica} at {path}: per-replica values "
@@ -74,19 +78,20 @@ def _component(leaf: Any, replica: int, path: str) -> Any:
             f"value_fn returned {leaf!r} (type {type(leaf).__name__}) for replica {replica} at {path}: each "
             "leaf must be an array or a number (e.g. a jax.random key, a seed, a float)."
         )
-    # Numbers and numpy arrays take the dtype JAX would give them (float64 -> float32 without x64), so that a
-    # replica returning a Python number and one returning a jax array of it agree.
+    # Numbers and numpy arrays take the dtype JAX would give them (float64 -> float32 without x64),
+    # so that a replica returning a Python number and one returning a jax array of it agree.
     return array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
 
 
 def distribute_values_from_function(
     policy: LayoutPolicy, owner: Any, value_fn: Callable[[ValueContext], Any]
 ) -> Any:
-    """``value_fn(ValueContext)`` for each of this process's replicas, as a pytree of `PerReplica` leaves
-    (see `Strategy.experimental_distribute_values_from_function`).
+    """``value_fn(ValueContext)`` for each of this process's replicas, as a pytree of `PerReplica`
+    leaves (see `Strategy.experimental_distribute_values_from_function`).
 
     Raises:
-        TypeError: when ``value_fn`` is not callable or returns a leaf that is not an array or a number.
+        TypeError: when ``value_fn`` is not callable or returns a leaf that is not an array or a
+            number.
         ValueError: when replicas' values differ in structure, shape or dtype, or a value is traced.
         RuntimeError: when called inside a replica function.
     """
@@ -137,7 +142,8 @@ def distribute_values_from_function(
     stacked = []
     for i, component in enumerate(first):
         shape = (n, *np.shape(component))
-        # One shard per device: several devices hold one replica's component when a model axis is replicated.
+        # One shard per device: several devices hold one replica's component when a model axis is
+        # replicated.
         shards = [
             jax.device_put(per_replica[index[0].start or 0][i][None], device)
             for device, index in sharding.addressable_devices_indices_map(shape).items()

@@ -1,11 +1,12 @@
-"""Creating values in a policy's layouts: variables compiled into place, existing trees placed, sync-on-read.
+"""Creating values in a policy's layouts: variables compiled into place, existing trees placed,
+sync-on-read.
 
-Variables are created where they live: the initializer runs under `jax.jit` with the policy's variable
-shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its shard), so no host
-copy is ever made. On a mesh over several processes the arrays passed in (rng keys, sample inputs, existing
-values) are process 0's, so every process starts from the same state even where its own inputs differ.
-`SyncOnRead` values hold one component per replica, stacked on a leading axis split over
-the replicas.
+Variables are created where they live: the initializer runs under `jax.jit` with the policy's
+variable shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its
+shard), so no host copy is ever made. On a mesh over several processes the arrays passed in (rng
+keys, sample inputs, existing values) are process 0's, so every process starts from the same state
+even where its own inputs differ. `SyncOnRead` values hold one component per replica, stacked on a
+leading axis split over the replicas.
 """
 
 from __future__ import annotations
@@ -58,22 +59,24 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
             "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
             "use strategy.mirror(tree) to place values you already have."
         )
-    # Only array leaves are traced: a config object, a string or a Python number is a constant of the
-    # initializer (the program is compiled once, so nothing needs to be hashable).
+    # Only array leaves are traced: a config object, a string or a Python number is a constant of
+    # the initializer (the program is compiled once, so nothing needs to be hashable).
     dynamic, treedef, statics = split_static((args, kwargs))
     if policy.spans_processes:
         dynamic = from_chief(dynamic)  # new arrays: process 0's values
     else:
-        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an output that is
-        # an argument unchanged (jit forwards those) never shares the caller's buffer.
+        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an
+        # output that is an argument unchanged (jit forwards those) never shares the caller's
+        # buffer.
         dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
 
     name = fn_name(init_fn)
     mesh = policy.mesh
 
     def traced(dyn: tuple) -> tuple[Any, bool]:
-        # On Explicit axes an initializer that does not type-check with them (Flax's logical constraints on
-        # activations, say) runs with them Auto, as a step does (jaxdist.strategies.layout._axis_types).
+        # On Explicit axes an initializer that does not type-check with them (Flax's logical
+        # constraints on activations, say) runs with them Auto, as a step does
+        # (jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
         with auto_region(mesh) if auto else contextlib.nullcontext():
             if auto:
@@ -105,8 +108,8 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
 
 
 def mirror(policy: LayoutPolicy, tree: Any) -> Any:
-    """``tree`` with its values (`jaxdist.replicate.trees.placed_leaves`) placed in ``policy``'s variable layout
-    and every other leaf as it is (see `Strategy.mirror`).
+    """``tree`` with its values (`jaxdist.replicate.trees.placed_leaves`) placed in ``policy``'s
+    variable layout and every other leaf as it is (see `Strategy.mirror`).
 
     Examples:
         >>> import jax, numpy as np
@@ -115,11 +118,12 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         (True, <built-in function abs>)
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's step=0 is a
-    # counter: kept a Python int, a learning-rate schedule would compute in Python on it, and every step would
-    # compile anew); inside an Equinox module only arrays: its Python bools and numbers are settings
-    # (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on its `inference` flag). Functions,
-    # strings, None stay as they are. The values keep their places in the tree (layout rules match paths).
+    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's
+    # step=0 is a counter: kept a Python int, a learning-rate schedule would compute in Python on
+    # it, and every step would compile anew); inside an Equinox module only arrays: its Python bools
+    # and numbers are settings (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on
+    # its `inference` flag). Functions, strings, None stay as they are. The values keep their places
+    # in the tree (layout rules match paths).
     placed_flags = placed_leaves(tree)
     values = jax.tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)])
     if policy.spans_processes:

@@ -1,17 +1,20 @@
-"""`StrategyExtended`: the lower-level cross-replica API of tf.distribute, on every jaxdist strategy.
+"""`StrategyExtended`: the lower-level cross-replica API of tf.distribute, on every jaxdist
+strategy.
 
-TF's 2018 DistributionStrategy (later ``strategy.extended``) had a layer below ``run`` / ``reduce``: update a
-variable on every device that holds it, reduce many values in one call and send them where variables live,
-place new variables next to existing ones, and say which process writes checkpoints. In JAX a variable is an
-array whose sharding says where its copies (or shards) live, so each of these is a compiled function whose
-output sharding is the variable's own:
+TF's 2018 DistributionStrategy (later ``strategy.extended``) had a layer below ``run`` / ``reduce``:
+update a variable on every device that holds it, reduce many values in one call and send them where
+variables live, place new variables next to existing ones, and say which process writes checkpoints.
+In JAX a variable is an array whose sharding says where its copies (or shards) live, so each of
+these is a compiled function whose output sharding is the variable's own:
 
-* `update` / `update_non_slot`: ``fn`` applied to every copy of a variable, the layout (and memory kind) kept;
-* `batch_reduce` / `broadcast`: per-replica values reduced, or one value mirrored, in one program, placed at a
-  destination (a variable, a sharding, a device);
+* `update` / `update_non_slot`: ``fn`` applied to every copy of a variable, the layout (and memory
+  kind) kept;
+* `batch_reduce` / `broadcast`: per-replica values reduced, or one value mirrored, in one program,
+  placed at a destination (a variable, a sharding, a device);
 * `colocate_vars_with` / `non_slot_devices` / `parameter_devices`: where variables are created;
 * `read_var`: the aggregated value of a sync-on-read variable;
-* `should_checkpoint` / `should_save_summary` / `should_init`: this process's part in writing and initializing.
+* `should_checkpoint` / `should_save_summary` / `should_init`: this process's part in writing and
+  initializing.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ __all__ = ["StrategyExtended"]
 
 
 def _checked(var: Any, new: Any, name: str) -> Any:
-    """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps the variable's layout)."""
+    """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps the variable's
+    layout)."""
     if signature(new) != signature(var):
         described = [", ".join(f"{d}{list(s)}" for s, d in signature(t)[1]) for t in (new, var)]
         raise ValueError(
@@ -55,19 +59,20 @@ def _checked(var: Any, new: Any, name: str) -> Any:
 
 
 class StrategyExtended:
-    """Cross-replica updates, reductions and variable placement (TF's ``DistributionStrategy`` lower layer).
+    """Cross-replica updates, reductions and variable placement (TF's ``DistributionStrategy`` lower
+    layer).
 
     A mixin of `Strategy`: every strategy has these methods. See the module doc.
     """
 
-    # ------------------------------------------------------------------------------------ process roles
+    # -------------------------------------------------------------------------------- process roles
     @property
     def should_checkpoint(self) -> bool:
         """Whether this process writes checkpoints: True on the chief (process 0) only.
 
-        The one-writer rule for files a single process writes (a ``np.save`` of gathered values, a log).
-        Orbax's ``CheckpointManager.save`` is collective: every process calls it and orbax itself lets only
-        the primary host write shared files.
+        The one-writer rule for files a single process writes (a ``np.save`` of gathered values, a
+        log). Orbax's ``CheckpointManager.save`` is collective: every process calls it and orbax
+        itself lets only the primary host write shared files.
 
         Examples:
             >>> import jaxdist as jd
@@ -78,7 +83,8 @@ class StrategyExtended:
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether this process writes summaries (TensorBoard, CSV logs): True on the chief (process 0) only.
+        """Whether this process writes summaries (TensorBoard, CSV logs): True on the chief (process
+        0) only.
 
         Examples:
             >>> import jaxdist as jd
@@ -91,8 +97,8 @@ class StrategyExtended:
     def should_init(self) -> bool:
         """Whether this process takes part in initializing variables: True on every process.
 
-        ``create_variables`` is one SPMD program every process runs (each creates the parts on its own
-        devices); on `MultiWorkerMirroredStrategy` the chief's arguments are used everywhere.
+        ``create_variables`` is one SPMD program every process runs (each creates the parts on its
+        own devices); on `MultiWorkerMirroredStrategy` the chief's arguments are used everywhere.
 
         Examples:
             >>> import jaxdist as jd
@@ -101,7 +107,7 @@ class StrategyExtended:
         """
         return True
 
-    # -------------------------------------------------------------------------------------- placement
+    # ------------------------------------------------------------------------------------ placement
     @property
     def parameter_devices(self) -> tuple[jax.Device, ...]:
         """The devices that hold variables: every device of the mesh (a copy or a shard each).
@@ -119,9 +125,9 @@ class StrategyExtended:
     def non_slot_devices(self, var_list: Any) -> jax.sharding.Sharding:
         """The layout of non-slot variables (an optimizer's step count, Adam's bias corrections).
 
-        Non-slot variables belong to no one parameter: they are mirrored on every device (in host memory when
-        optimizer state is offloaded). Pass the result to `colocate_vars_with` to create such variables and
-        to `update_non_slot` to update them; its ``.device_set`` is the devices.
+        Non-slot variables belong to no one parameter: they are mirrored on every device (in host
+        memory when optimizer state is offloaded). Pass the result to `colocate_vars_with` to create
+        such variables and to `update_non_slot` to update them; its ``.device_set`` is the devices.
 
         Args:
             var_list: the variables being optimized (a pytree of arrays), as in TF; only checked.
@@ -148,18 +154,20 @@ class StrategyExtended:
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Variables created inside take the layout of ``colocate_with_variable`` (a slot next to its variable).
+        """Variables created inside take the layout of ``colocate_with_variable`` (a slot next to
+        its variable).
 
-        Inside the block, `create_variables`, `mirror` and variables placed by `jit` get that variable's
-        sharding (devices, partition spec and memory kind) when their shape fits it, else a whole copy on the
-        same devices (a scalar next to a split matrix).
+        Inside the block, `create_variables`, `mirror` and variables placed by `jit` get that
+        variable's sharding (devices, partition spec and memory kind) when their shape fits it, else
+        a whole copy on the same devices (a scalar next to a split matrix).
 
         Args:
             colocate_with_variable: a variable (`jax.Array`), a `jax.sharding.Sharding` (e.g. from
                 `non_slot_devices`) or a `jax.Device`.
 
         Raises:
-            RuntimeError: outside this strategy's ``scope()`` (as in TF), or inside a replica function.
+            RuntimeError: outside this strategy's ``scope()`` (as in TF), or inside a replica
+                function.
             TypeError: for anything else as ``colocate_with_variable``.
 
         Examples:
@@ -191,30 +199,36 @@ class StrategyExtended:
         with ambient.colocation(self.policy, target):
             yield
 
-    # ---------------------------------------------------------------------------------------- updates
+    # -------------------------------------------------------------------------------------- updates
     def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(var, *args, **kwargs)`` applied to every copy of ``var``: a cross-replica update, layout kept.
+        """``fn(var, *args, **kwargs)`` applied to every copy of ``var``: a cross-replica update,
+        layout kept.
 
-        ``var`` is a variable (or a pytree of them: mirrored, FSDP-split, host-offloaded); ``fn`` returns its
-        new value, which comes back in exactly ``var``'s layout (sharding and memory kind). Mirrored ``args``
-        are used as they are; per-replica values are refused, as in TF (reduce them first). The update is
-        compiled once per ``fn`` and signature. Inside a compiled step (`jit`, or in ``ctx.merge_call``)
-        ``fn`` is simply applied: the enclosing program keeps the layout.
+        ``var`` is a variable (or a pytree of them: mirrored, FSDP-split, host-offloaded); ``fn``
+        returns its new value, which comes back in exactly ``var``'s layout (sharding and memory
+        kind). Mirrored ``args`` are used as they are; per-replica values are refused, as in TF
+        (reduce them first). The update is compiled once per ``fn`` and signature. Inside a compiled
+        step (`jit`, or in ``ctx.merge_call``) ``fn`` is simply applied: the enclosing program keeps
+        the layout.
 
         Args:
             var: the variable(s) to update.
-            fn: ``fn(var, *args, **kwargs) -> new_var`` (same structure, shapes and dtypes as ``var``).
+            fn: ``fn(var, *args, **kwargs) -> new_var`` (same structure, shapes and dtypes as
+                ``var``).
             *args: more arguments for ``fn``; array leaves are traced, other leaves are constants.
-            **kwargs: keyword arguments for ``fn``; ``grouped=False`` (TF's option, not passed to ``fn``)
-                returns a list with the new value's copy on each local replica instead.
+            **kwargs: keyword arguments for ``fn``; ``grouped=False`` (TF's option, not passed to
+                ``fn``) returns a list with the new value's copy on each local replica instead.
 
         Returns:
             The updated variable(s), in ``var``'s layout.
 
         Raises:
-            TypeError: when ``fn`` is not callable or ``var`` holds something other than placed arrays.
-            ValueError: for per-replica values in ``var`` / ``args``, or a result not shaped like ``var``.
-            RuntimeError: inside a replica function (use ``ctx.merge_call`` or ``ctx.aggregate`` there).
+            TypeError: when ``fn`` is not callable or ``var`` holds something other than placed
+                arrays.
+            ValueError: for per-replica values in ``var`` / ``args``, or a result not shaped like
+                ``var``.
+            RuntimeError: inside a replica function (use ``ctx.merge_call`` or ``ctx.aggregate``
+                there).
 
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
@@ -278,20 +292,25 @@ class StrategyExtended:
         return _checked(var, fn(var, *args, **kwargs), fn_name(fn))
 
     def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` compiled with its results placed at ``colocate_with`` (non-slot variables).
+        """``fn(*args, **kwargs)`` compiled with its results placed at ``colocate_with`` (non-slot
+        variables).
 
         Args:
-            colocate_with: where the results live: the result of `non_slot_devices`, another sharding, or a
-                variable (its layout).
-            fn: the update; array leaves of ``args`` / ``kwargs`` are traced, other leaves are constants.
+            colocate_with: where the results live: the result of `non_slot_devices`, another
+                sharding, or a variable (its layout).
+            fn: the update; array leaves of ``args`` / ``kwargs`` are traced, other leaves are
+                constants.
             *args: positional arguments for ``fn`` (per-replica values are refused).
-            **kwargs: keyword arguments for ``fn``; ``grouped=False`` returns one entry per local replica.
+            **kwargs: keyword arguments for ``fn``; ``grouped=False`` returns one entry per local
+                replica.
 
         Returns:
-            ``fn``'s results, each in ``colocate_with``'s layout (a whole copy where the shape does not fit it).
+            ``fn``'s results, each in ``colocate_with``'s layout (a whole copy where the shape does
+            not fit it).
 
         Raises:
-            TypeError: when ``fn`` is not callable or ``colocate_with`` is not a sharding or an array.
+            TypeError: when ``fn`` is not callable or ``colocate_with`` is not a sharding or an
+                array.
             ValueError: for per-replica values in ``args`` / ``kwargs``.
 
         Examples:
@@ -335,7 +354,8 @@ class StrategyExtended:
 
     # ----------------------------------------------------------------------------------- reductions
     def _destination(self, destination: Any, aval: Any, argument: str) -> jax.sharding.Sharding:
-        """The layout ``destination`` (None, a variable, a sharding, a device or devices) gives a value."""
+        """The layout ``destination`` (None, a variable, a sharding, a device or devices) gives a
+        value."""
         if destination is None:
             return replicated(self.mesh)
         if isinstance(destination, jax.Array) and not isinstance(destination, jax.core.Tracer):
@@ -353,21 +373,24 @@ class StrategyExtended:
         )
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
-        """Reduce several per-replica values in ONE compiled program, each placed at its destination.
+        """Reduce several per-replica values in ONE compiled program, each placed at its
+        destination.
 
         Args:
-            reduce_op: SUM, MEAN (`jd.ReduceOp` or `jd.VariableAggregation`) or ONLY_FIRST_REPLICA (replica 0's
-                value), or their names.
-            value_destination_pairs: ``[(value, destination), ...]``; a value is a pytree of `PerReplica` /
-                `SyncOnRead` leaves (a plain array counts as the same value on every replica); a destination is
-                None (mirrored on every replica), a variable (its layout: reduce straight into an FSDP or
-                host-offloaded layout), a `jax.sharding.Sharding`, a device (``"cpu:0"``) or a list of devices.
+            reduce_op: SUM, MEAN (`jd.ReduceOp` or `jd.VariableAggregation`) or ONLY_FIRST_REPLICA
+                (replica 0's value), or their names.
+            value_destination_pairs: ``[(value, destination), ...]``; a value is a pytree of
+                `PerReplica` / `SyncOnRead` leaves (a plain array counts as the same value on every
+                replica); a destination is None (mirrored on every replica), a variable (its layout:
+                reduce straight into an FSDP or host-offloaded layout), a `jax.sharding.Sharding`, a
+                device (``"cpu:0"``) or a list of devices.
 
         Returns:
             A list with one reduced pytree per pair.
 
         Raises:
-            ValueError: for an unknown or NONE ``reduce_op``, a malformed pair, or a value of another strategy.
+            ValueError: for an unknown or NONE ``reduce_op``, a malformed pair, or a value of
+                another strategy.
             TypeError: for MEAN of integers, or a destination of another kind.
 
         Examples:
@@ -422,8 +445,8 @@ class StrategyExtended:
 
             return jax.jit(reduce_all, out_shardings=in_program)
 
-        # Destinations on the mesh's devices are the program's output layouts; others (a single device, other
-        # devices) are reached by one copy of the mirrored result.
+        # Destinations on the mesh's devices are the program's output layouts; others (a single
+        # device, other devices) are reached by one copy of the mirrored result.
         mesh_devices = set(self.mesh.devices.flat)
         in_program = tuple(s if s.device_set == mesh_devices else replicated(self.mesh) for s in outs)
         key = ("batch_reduce", mode, tuple(flags), tuple((x.shape, str(x.dtype)) for x in inputs), in_program)
@@ -432,12 +455,13 @@ class StrategyExtended:
         return [jax.tree.unflatten(tree, [next(results) for _ in range(k)]) for tree, k in trees]
 
     def broadcast(self, tensor: Any, destinations: Any = None) -> Any:
-        """Mirror ``tensor`` (a value on one device, or on the host) onto every replica, or onto ``destinations``.
+        """Mirror ``tensor`` (a value on one device, or on the host) onto every replica, or onto
+        ``destinations``.
 
         Args:
             tensor: a pytree of arrays (the same value on every process).
-            destinations: None (a whole copy on every device of the mesh), a variable (its layout), a
-                `jax.sharding.Sharding`, a device or a list of devices.
+            destinations: None (a whole copy on every device of the mesh), a variable (its layout),
+                a `jax.sharding.Sharding`, a device or a list of devices.
 
         Returns:
             The placed pytree.
@@ -470,16 +494,19 @@ class StrategyExtended:
         return jax.tree.unflatten(treedef, placed)
 
     def read_var(self, var: Any) -> Any:
-        """The value of a variable: a sync-on-read value aggregated across replicas, a mirrored one as it is.
+        """The value of a variable: a sync-on-read value aggregated across replicas, a mirrored one
+        as it is.
 
         Args:
             var: a pytree of `SyncOnRead` values and mirrored arrays.
 
         Returns:
-            The same pytree with every `SyncOnRead` read (in a replica function: this replica's component).
+            The same pytree with every `SyncOnRead` read (in a replica function: this replica's
+            component).
 
         Raises:
-            ValueError: for a `PerReplica`, which is not a variable (combine it with ``strategy.reduce``).
+            ValueError: for a `PerReplica`, which is not a variable (combine it with
+                ``strategy.reduce``).
 
         Examples:
             >>> import jaxdist as jd

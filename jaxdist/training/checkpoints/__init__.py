@@ -1,8 +1,10 @@
-"""State on disk: the `Checkpointer`, its damage checks, the one-writer claim, storage errors, foreign (Orbax)
-checkpoints, the record of how far a fit got, states loaded into a strategy's layout, a Trainer's state saved,
-restored and loaded (averaged weights with it or not), and the compilation cache.
+"""State on disk: the `Checkpointer`, its damage checks, the one-writer claim, storage errors,
+foreign (Orbax) checkpoints, the record of how far a fit got, states loaded into a strategy's
+layout, a Trainer's state saved, restored and loaded (averaged weights with it or not), and the
+compilation cache.
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
+here.
 """
 
 from jaxdist.training.checkpoints._checkpointer import Checkpointer as Checkpointer

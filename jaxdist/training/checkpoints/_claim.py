@@ -1,16 +1,19 @@
-"""One writer per checkpoint directory: a run claims the directory it saves into, and a second one is refused.
+"""One writer per checkpoint directory: a run claims the directory it saves into, and a second one
+is refused.
 
-Two runs saving into one directory (a job started twice, a duplicate pod) lose one run without a word: each
-skips the steps the other already wrote, and every kept checkpoint ends up holding one of them. So the first
-save of a run (``fit`` at its start) claims the directory: it creates ``.jaxdist-writer.json`` there, exclusively
-(``O_EXCL``: of two runs started together exactly one creates it), holding the process id, the host, the time
-and a run id, and touches it every `HEARTBEAT_SECONDS` while the run holds it.
+Two runs saving into one directory (a job started twice, a duplicate pod) lose one run without a
+word: each skips the steps the other already wrote, and every kept checkpoint ends up holding one of
+them. So the first save of a run (``fit`` at its start) claims the directory: it creates
+``.jaxdist-writer.json`` there, exclusively (``O_EXCL``: of two runs started together exactly one
+creates it), holding the process id, the host, the time and a run id, and touches it every
+`HEARTBEAT_SECONDS` while the run holds it.
 
-A claim is a **live writer** when its process is alive on this host (for another host: when its file was
-touched within `STALE_SECONDS`); a second run is then a `CheckpointConflictError` naming the writer and the
-fix. A claim whose process is gone (killed, crashed) is stale: the next run takes it over, with a line on
-stderr. Checkpointers of one process share its claim (the claim is released when the last one closes). In a
-job of several processes process 0 claims for all of them (they share its directory).
+A claim is a **live writer** when its process is alive on this host (for another host: when its file
+was touched within `STALE_SECONDS`); a second run is then a `CheckpointConflictError` naming the
+writer and the fix. A claim whose process is gone (killed, crashed) is stale: the next run takes it
+over, with a line on stderr. Checkpointers of one process share its claim (the claim is released
+when the last one closes). In a job of several processes process 0 claims for all of them (they
+share its directory).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ _BEAT: threading.Thread | None = None
 class CheckpointConflictError(RuntimeError):
     """Another run writes (or wrote other contents into) this checkpoint directory.
 
-    Raised by ``Trainer.fit`` at its start and by `jaxdist.training.Checkpointer.save` when another live run
-    holds the directory's claim (the message names its process, host and start, and the fix: wait for it,
-    pass another directory, or remove a claim you know is stale), and by ``save`` for a step that exists
-    with other contents (the checksums saved with it differ): saving over it would keep the old state.
+    Raised by ``Trainer.fit`` at its start and by `jaxdist.training.Checkpointer.save` when another
+    live run holds the directory's claim (the message names its process, host and start, and the
+    fix: wait for it, pass another directory, or remove a claim you know is stale), and by ``save``
+    for a step that exists with other contents (the checksums saved with it differ): saving over it
+    would keep the old state.
 
     Attributes:
         directory: the checkpoint directory.
@@ -134,7 +138,8 @@ def live_claim(directory: str) -> dict | None:
 
 
 class Claim:
-    """This process's claim on a checkpoint directory (see the module docstring); made by `acquire`."""
+    """This process's claim on a checkpoint directory (see the module docstring); made by
+    `acquire`."""
 
     def __init__(self, path: str, record: dict):
         self.path, self.record, self.count = path, record, 1
@@ -183,7 +188,8 @@ class Claim:
         return found is not None and found[0] is not None and found[0].get("run") == self.record["run"]
 
     def check(self, argument: str = "directory") -> None:
-        """Raise `CheckpointConflictError` unless this process still holds the claim (before each save)."""
+        """Raise `CheckpointConflictError` unless this process still holds the claim (before each
+        save)."""
         if self.holds():
             return
         found = _read(self.path)
@@ -196,7 +202,8 @@ class Claim:
             "finish, or pass another directory).", directory, other)
 
     def release(self) -> None:
-        """Give the claim up once every checkpointer of this process that shares it has (idempotent per call)."""
+        """Give the claim up once every checkpointer of this process that shares it has (idempotent
+        per call)."""
         with _LOCK:
             self.count -= 1
             if self.count > 0:

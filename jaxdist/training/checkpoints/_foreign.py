@@ -1,10 +1,12 @@
-"""Checkpoints jaxdist.training did not write: the plain orbax that reads one, and how it enters a `Trainer`.
+"""Checkpoints jaxdist.training did not write: the plain orbax that reads one, and how it enters a
+`Trainer`.
 
 A migrating run's checkpoint directory (orbax's ``CheckpointManager`` with ``StandardSave``, or one
-``StandardCheckpointer`` directory) is no jaxdist checkpoint: it has no ``meta`` item (the step, the data
-position, the model kind). ``Trainer.restore`` and ``fit(checkpoint_dir=...)`` do not guess what its arrays
-are; they answer with `advice`: the two lines that read it with plain orbax and hand it to
-``Trainer.load_state``, written for the directory found (its item's path, the names at its top).
+``StandardCheckpointer`` directory) is no jaxdist checkpoint: it has no ``meta`` item (the step, the
+data position, the model kind). ``Trainer.restore`` and ``fit(checkpoint_dir=...)`` do not guess
+what its arrays are; they answer with `advice`: the two lines that read it with plain orbax and hand
+it to ``Trainer.load_state``, written for the directory found (its item's path, the names at its
+top).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _TREE_FILES = ("_METADATA", "manifest.ocdbt")  # what one orbax pytree (item) di
 
 
 def is_orbax_checkpoint(path: str) -> bool:
-    """Whether ``path`` is one orbax pytree checkpoint (a ``StandardCheckpointer`` directory or an item).
+    """Whether ``path`` is one orbax pytree checkpoint (a ``StandardCheckpointer`` directory or an
+    item).
 
     Examples:
         >>> import tempfile
@@ -30,7 +33,8 @@ def is_orbax_checkpoint(path: str) -> bool:
 
 
 def _items(where: str) -> list[str]:
-    """The orbax pytree checkpoints at ``where``: itself, or its item directories (a manager's step)."""
+    """The orbax pytree checkpoints at ``where``: itself, or its item directories (a manager's
+    step)."""
     if is_orbax_checkpoint(where):
         return [where]
     try:
@@ -41,7 +45,8 @@ def _items(where: str) -> list[str]:
 
 
 def _top_names(item: str) -> list[str]:
-    """The names at the top of the tree saved in ``item`` (from orbax's ``_METADATA``; [] if unreadable)."""
+    """The names at the top of the tree saved in ``item`` (from orbax's ``_METADATA``; [] if
+    unreadable)."""
     try:
         with open(os.path.join(item, "_METADATA")) as f:
             tree = json.load(f)["tree_metadata"]
@@ -62,8 +67,9 @@ def _pick(names: list[str], exact: str, part: str) -> str | None:
 
 
 def advice(directory: str, step: int | None) -> str:
-    """What to tell about a checkpoint jaxdist did not write: ``directory``'s step ``step`` (None: the
-    directory is one orbax checkpoint itself): the two lines of plain orbax and ``load_state`` that continue it.
+    """What to tell about a checkpoint jaxdist did not write: ``directory``'s step ``step`` (None:
+    the directory is one orbax checkpoint itself): the two lines of plain orbax and ``load_state``
+    that continue it.
 
     Args:
         directory: the checkpoint directory given to ``restore`` / ``fit``.

@@ -1,11 +1,15 @@
-"""A Trainer's state on disk: its `LiveState` (state, step, data position) saved, restored and loaded.
+"""A Trainer's state on disk: its `LiveState` (state, step, data position) saved, restored and
+loaded.
 
-* `save_live` (``Trainer.save``) writes the state, the step, the data position (and a grain source's iterator
-  state, one file per process) as one checkpoint, and refuses a state that is not finite (`NonFiniteError`).
-* `restore_live` (``Trainer.restore``, ``fit``'s resume) reads one back whole or not at all, into the trainer's
-  layout; `roll_back` is ``fit(restore_step=)``: that checkpoint restored, the later ones abandoned.
-* `load_live` (``Trainer.load_state``) places a run trained elsewhere, checked leaf by leaf (`checked_pieces`,
-  `assemble`); without a batch, a linen model's parameters are checked at its first batch (``LiveState.unchecked``).
+* `save_live` (``Trainer.save``) writes the state, the step, the data position (and a grain source's
+  iterator state, one file per process) as one checkpoint, and refuses a state that is not finite
+  (`NonFiniteError`).
+* `restore_live` (``Trainer.restore``, ``fit``'s resume) reads one back whole or not at all, into
+  the trainer's layout; `roll_back` is ``fit(restore_step=)``: that checkpoint restored, the later
+  ones abandoned.
+* `load_live` (``Trainer.load_state``) places a run trained elsewhere, checked leaf by leaf
+  (`checked_pieces`, `assemble`); without a batch, a linen model's parameters are checked at its
+  first batch (``LiveState.unchecked``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ Directory = str | os.PathLike | Checkpointer
 
 @contextlib.contextmanager
 def _opened(checkpoint_dir: Directory, max_to_keep: int | None) -> Iterator[Checkpointer]:
-    """An open `Checkpointer` given (left open), or one opened on a directory for the block (then closed)."""
+    """An open `Checkpointer` given (left open), or one opened on a directory for the block (then
+    closed)."""
     if isinstance(checkpoint_dir, Checkpointer):
         yield checkpoint_dir
         return
@@ -54,7 +59,8 @@ def _opened(checkpoint_dir: Directory, max_to_keep: int | None) -> Iterator[Chec
 
 
 def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | None) -> str:
-    """``Trainer.save``: checkpoint ``live``'s state at its step, unless it is not finite; the checkpoint's path."""
+    """``Trainer.save``: checkpoint ``live``'s state at its step, unless it is not finite; the
+    checkpoint's path."""
     if live.state is None:
         raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
     bad = non_finite_leaves(live.state)
@@ -90,8 +96,8 @@ def _refuse(live: LiveState, checkpoint_dir: Directory, bad: list[str]) -> None:
 
 def restore_live(live: LiveState, checkpoint_dir: Directory, step: int | None, batch: Any,
                  step_argument: str = "step") -> int:
-    """Restore checkpoint ``step`` (None: the latest) into ``live`` whole (state, step, data position) or not at
-    all; the model synced. The restored step."""
+    """Restore checkpoint ``step`` (None: the latest) into ``live`` whole (state, step, data
+    position) or not at all; the model synced. The restored step."""
     with _opened(checkpoint_dir, None) as ckpt:
         targets: list[Any] = []  # built once, on the first checkpoint that fits this model
 
@@ -116,8 +122,8 @@ def restore_live(live: LiveState, checkpoint_dir: Directory, step: int | None, b
 
 
 def _restore_target(live: LiveState, batch: Any) -> Any:
-    """What a restore reads into: the live state, or (cheaper: nothing is computed or allocated twice)
-    abstract arrays carrying the strategy's variable layout."""
+    """What a restore reads into: the live state, or (cheaper: nothing is computed or allocated
+    twice) abstract arrays carrying the strategy's variable layout."""
     if live.state is not None:
         return live.state
     if batch is None:
@@ -126,8 +132,9 @@ def _restore_target(live: LiveState, batch: Any) -> Any:
 
 
 def roll_back(live: LiveState, ckpt: Checkpointer, step: int, batch: Any) -> None:
-    """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (another run's: kept,
-    they would be resumed from next time, and a save at one of their steps would be skipped as done)."""
+    """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (another
+    run's: kept, they would be resumed from next time, and a save at one of their steps would be
+    skipped as done)."""
     steps = ckpt.all_steps()
     if step not in steps:
         raise FileNotFoundError(
@@ -140,8 +147,9 @@ def roll_back(live: LiveState, ckpt: Checkpointer, step: int, batch: Any) -> Non
 
 def load_live(live: LiveState, params: Any, opt_state: Any, step: int | None, model_state: Any,
               batch: Any) -> TrainState:
-    """``Trainer.load_state``: every piece checked before anything is built or placed (an error leaves ``live``
-    as it was), then the state assembled in the strategy's layout; the data position unknown until set."""
+    """``Trainer.load_state``: every piece checked before anything is built or placed (an error
+    leaves ``live`` as it was), then the state assembled in the strategy's layout; the data position
+    unknown until set."""
     check_int(step, "step", 0)
     for name, piece in (("params", params), ("opt_state", opt_state), ("model_state", model_state)):
         held = [jax.tree_util.keystr(p) for p, v in
@@ -157,8 +165,9 @@ def load_live(live: LiveState, params: Any, opt_state: Any, step: int | None, mo
     if live.state is not None:
         like = abstract_state(live.state)
     elif batch is None and live.model.kind == "linen" and live.model.initial_variables is None:
-        # A linen model's shapes come from its inputs: the pieces are checked against each other now (the
-        # optimizer state against optimizer.init(params)'s) and against the model at the first batch.
+        # A linen model's shapes come from its inputs: the pieces are checked against each other now
+        # (the optimizer state against optimizer.init(params)'s) and against the model at the first
+        # batch.
         like, unchecked = params_target(live.strategy, live.optimizer, params, model_state), True
     else:
         like = live.target(batch)
@@ -178,8 +187,9 @@ def load_live(live: LiveState, params: Any, opt_state: Any, step: int | None, mo
 
 
 def _check_at_first_batch(live: LiveState, batch: Any) -> None:
-    """At the first batch after `load_live` without one: the loaded parameters checked against the model's
-    (before any update), and the model's other variables (batch statistics) as a new run's."""
+    """At the first batch after `load_live` without one: the loaded parameters checked against the
+    model's (before any update), and the model's other variables (batch statistics) as a new
+    run's."""
     like = live.target(batch)
     state = live.state
     try:

@@ -1,19 +1,22 @@
-"""Bring your own run: a state trained elsewhere placed onto a trainer's layout (``Trainer.load_state``).
+"""Bring your own run: a state trained elsewhere placed onto a trainer's layout
+(``Trainer.load_state``).
 
-A run trained in plain JAX / Flax (saved with plain orbax, a Flax checkpoint, numpy files) comes as pieces:
-parameters, an optax state, maybe a model state, and a step. `loaded_leaves` checks each piece against the
-state the trainer would build itself (its abstract twin, `jaxdist.training.step.restore_target`, or the live
-state) leaf by leaf, and `place_like` puts each leaf onto that state's layout with `jaxdist.replicate.layouts.put`
-(the one placement primitive: a host array is sliced on the host and each device gets its own part, so a leaf
-the layout splits is born split; a device array of any layout is resharded), so a loaded state is laid out
-exactly as a built or restored one, and the compiled steps take it as they take those.
+A run trained in plain JAX / Flax (saved with plain orbax, a Flax checkpoint, numpy files) comes as
+pieces: parameters, an optax state, maybe a model state, and a step. `loaded_leaves` checks each
+piece against the state the trainer would build itself (its abstract twin,
+`jaxdist.training.step.restore_target`, or the live state) leaf by leaf, and `place_like` puts each
+leaf onto that state's layout with `jaxdist.replicate.layouts.put` (the one placement primitive: a
+host array is sliced on the host and each device gets its own part, so a leaf the layout splits is
+born split; a device array of any layout is resharded), so a loaded state is laid out exactly as a
+built or restored one, and the compiled steps take it as they take those.
 
-Leaves are matched by their names, not by the containers holding them: a dict key, an attribute name and a
-sequence index all read as one name (`jaxdist.replicate.layouts.path_name`), and Flax boxes and nnx Variables
-are looked into. So an optax state orbax restored without a target (its NamedTuples as dicts, tuples as lists),
-an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state`` fit as they are, the nnx ones also as orbax restores them
-without a target (each Variable's value one level down, under ``value``). Anything else that differs (a leaf
-missing or extra, another shape or dtype) is a ValueError naming the leaf.
+Leaves are matched by their names, not by the containers holding them: a dict key, an attribute name
+and a sequence index all read as one name (`jaxdist.replicate.layouts.path_name`), and Flax boxes
+and nnx Variables are looked into. So an optax state orbax restored without a target (its
+NamedTuples as dicts, tuples as lists), an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state``
+fit as they are, the nnx ones also as orbax restores them without a target (each Variable's value
+one level down, under ``value``). Anything else that differs (a leaf missing or extra, another shape
+or dtype) is a ValueError naming the leaf.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ _VARIABLE_VALUE = ("value", "raw_value")  # the key of an nnx Variable's value i
 
 
 def _flat(tree: Any) -> list[tuple[tuple, Any]]:
-    """``[(path, leaf)]`` of ``tree`` with Flax boxes and nnx Variables as leaves (``None`` is no leaf)."""
+    """``[(path, leaf)]`` of ``tree`` with Flax boxes and nnx Variables as leaves (``None`` is no
+    leaf)."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated)[0]
 
 
 def _dtype(value: Any) -> Any:
-    """The value's own dtype (not canonicalized: a float64 host array is float64 even where JAX would make it
-    float32; a typed key's is its key dtype)."""
+    """The value's own dtype (not canonicalized: a float64 host array is float64 even where JAX
+    would make it float32; a typed key's is its key dtype)."""
     return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
@@ -56,7 +60,8 @@ def _is_value(x: Any) -> bool:
 
 
 def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
-    """The leaves of ``given`` in the order of ``like``'s (Flax boxes and nnx Variables unboxed), checked.
+    """The leaves of ``given`` in the order of ``like``'s (Flax boxes and nnx Variables unboxed),
+    checked.
 
     Args:
         given: what the caller passed (a pytree of host or device arrays).
@@ -67,9 +72,9 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
         One value per leaf of ``like`` (flattened with boxes and Variables as leaves), in its order.
 
     Raises:
-        ValueError: for a leaf of ``like`` that ``given`` lacks, a leaf of ``given`` that ``like`` lacks, a
-            shape or dtype that differs, or a leaf that is not an array; the message names each such leaf (the
-            first few) by its path under ``argument``.
+        ValueError: for a leaf of ``like`` that ``given`` lacks, a leaf of ``given`` that ``like``
+            lacks, a shape or dtype that differs, or a leaf that is not an array; the message names
+            each such leaf (the first few) by its path under ``argument``.
 
     Examples:
         >>> import numpy as np, jax
@@ -130,12 +135,12 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
 
 
 def place_like(values: list[Any], like: Any) -> Any:
-    """``values`` (one per leaf of ``like``, as `loaded_leaves` returns them) placed on ``like``'s shardings
-    and assembled in its structure (boxes and Variables around them as in ``like``).
+    """``values`` (one per leaf of ``like``, as `loaded_leaves` returns them) placed on ``like``'s
+    shardings and assembled in its structure (boxes and Variables around them as in ``like``).
 
-    Each value is placed with `jaxdist.replicate.layouts.put` (a copy: donating the state never deletes the
-    caller's arrays). Host values must be the same on every process (as each process reading one checkpoint
-    has them); a global `jax.Array` is resharded on the devices.
+    Each value is placed with `jaxdist.replicate.layouts.put` (a copy: donating the state never
+    deletes the caller's arrays). Host values must be the same on every process (as each process
+    reading one checkpoint has them); a global `jax.Array` is resharded on the devices.
 
     Examples:
         >>> import jax, numpy as np, jaxdist as jd
@@ -157,8 +162,8 @@ def place_like(values: list[Any], like: Any) -> Any:
 
 
 def step_counts(opt_state: Any) -> dict[str, int]:
-    """``{path: value}`` of the step counts an optax state holds (its integer scalar leaves named ``count``:
-    Adam's, a schedule's, ...), read from the devices (one scalar each).
+    """``{path: value}`` of the step counts an optax state holds (its integer scalar leaves named
+    ``count``: Adam's, a schedule's, ...), read from the devices (one scalar each).
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -177,10 +182,11 @@ def step_counts(opt_state: Any) -> dict[str, int]:
 
 
 def count_mismatch(counts: dict[str, int], step: int, fresh: bool) -> None:
-    """Warn when an optimizer state's step counts (`step_counts`) disagree with the trainer's ``step``.
+    """Warn when an optimizer state's step counts (`step_counts`) disagree with the trainer's
+    ``step``.
 
-    A schedule reads the optimizer's count, the trainer's RNG, checkpoints and ``fit``'s totals read its
-    step: two counters that disagree make a run that differs from the one being continued.
+    A schedule reads the optimizer's count, the trainer's RNG, checkpoints and ``fit``'s totals read
+    its step: two counters that disagree make a run that differs from the one being continued.
 
     Args:
         counts: the loaded optimizer state's counts.
@@ -208,8 +214,8 @@ def count_mismatch(counts: dict[str, int], step: int, fresh: bool) -> None:
 
 
 class Pieces(NamedTuple):
-    """What ``load_state`` was given, checked: each piece's values in the order of the trainer's leaves (None:
-    not given)."""
+    """What ``load_state`` was given, checked: each piece's values in the order of the trainer's
+    leaves (None: not given)."""
 
     params: list
     opt_state: list | None
@@ -236,9 +242,10 @@ def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: A
 
 
 def _optimizer_leaves(given: Any, like: Any) -> list:
-    """`loaded_leaves` of an optimizer state. A trainer with ``clip_grad_norm`` runs ``optax.chain(clip, the
-    optimizer)``, whose state is ``(EmptyState(), the optimizer's)``: the optimizer's own state (what a run
-    without the trainer's clipping has) fits it too, as the clip holds no leaves."""
+    """`loaded_leaves` of an optimizer state. A trainer with ``clip_grad_norm`` runs
+    ``optax.chain(clip, the optimizer)``, whose state is ``(EmptyState(), the optimizer's)``: the
+    optimizer's own state (what a run without the trainer's clipping has) fits it too, as the clip
+    holds no leaves."""
     if not (isinstance(like, tuple) and len(like) == 2 and not jax.tree.leaves(like[0])):
         return loaded_leaves(given, like, "opt_state")
     try:
@@ -247,8 +254,9 @@ def _optimizer_leaves(given: Any, like: Any) -> list:
         try:
             return loaded_leaves(given, like[1], "opt_state")  # the same leaves, in the same order
         except ValueError:
-            # Fits neither: the error against the whole chain is the one that names what differs when the
-            # user passed the chain's state; against the optimizer's own, when they passed that.
+            # Fits neither: the error against the whole chain is the one that names what differs
+            # when the user passed the chain's state; against the optimizer's own, when they passed
+            # that.
             if len(jax.tree.leaves(given)) == len(jax.tree.leaves(like)) and isinstance(given, tuple) and len(
                     given) == 2:
                 raise whole from None
@@ -263,12 +271,14 @@ def assemble(
     seed: int,
     step: int,
 ) -> TrainState:
-    """The `TrainState` at ``step`` made of ``pieces``, each placed in ``like``'s layout (`place_like`).
+    """The `TrainState` at ``step`` made of ``pieces``, each placed in ``like``'s layout
+    (`place_like`).
 
-    What was not given comes from ``base`` (the trainer's state, if any): its model state and base key; else the
-    base key a trainer seeded with ``seed`` builds (`jaxdist.training.step.state_keys`). A missing optimizer
-    state is ``optimizer.init`` of the placed parameters, computed where it lives. Warns (`count_mismatch`) when
-    the optimizer's step counts and ``step`` differ.
+    What was not given comes from ``base`` (the trainer's state, if any): its model state and base
+    key; else the base key a trainer seeded with ``seed`` builds
+    (`jaxdist.training.step.state_keys`). A missing optimizer state is ``optimizer.init`` of the
+    placed parameters, computed where it lives. Warns (`count_mismatch`) when the optimizer's step
+    counts and ``step`` differ.
 
     Examples:
         >>> import jax, numpy as np, optax, jaxdist as jd

@@ -1,8 +1,9 @@
-"""Reading one checkpoint's items with orbax (its metadata, its state into a layout, its input iterator's state),
-and the search for an intact checkpoint when one is damaged (`read_intact`).
+"""Reading one checkpoint's items with orbax (its metadata, its state into a layout, its input
+iterator's state), and the search for an intact checkpoint when one is damaged (`read_intact`).
 
-A damaged item is an `UnsearchedDamage` here; `read_intact` (behind every ``Checkpointer.read``) turns it into
-the one `CheckpointCorruptedError` that names the newest older checkpoint that restores.
+A damaged item is an `UnsearchedDamage` here; `read_intact` (behind every ``Checkpointer.read``)
+turns it into the one `CheckpointCorruptedError` that names the newest older checkpoint that
+restores.
 """
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ from jaxdist.training.data import IteratorSnapshot, restore_args, state_for_proc
 
 __all__ = ["check_target", "read_intact", "read_iterator_state", "read_meta", "read_state"]
 
-# Set inside `read_intact`: a read nested in another (``meta`` inside ``restore``) leaves the search for an
-# intact checkpoint to the outermost one, which knows everything the caller needs to read.
+# Set inside `read_intact`: a read nested in another (``meta`` inside ``restore``) leaves the search
+# for an intact checkpoint to the outermost one, which knows everything the caller needs to read.
 _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpoint_read", default=False)
 
 
 def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], list[int]], directory: str,
                    step_argument: str) -> T:
-    """``fn(step)``, with ONE clear `CheckpointCorruptedError` when it finds checkpoint ``step`` of ``directory``
-    damaged: ``fn`` is tried on the older checkpoints (``all_steps()``), newest first, and the error names the
-    first one it reads without error (else a newer one that does). A read nested in another (``meta`` inside
-    ``restore``) leaves the search to the outer one (see ``Checkpointer.read``)."""
+    """``fn(step)``, with ONE clear `CheckpointCorruptedError` when it finds checkpoint ``step`` of
+    ``directory`` damaged: ``fn`` is tried on the older checkpoints (``all_steps()``), newest first,
+    and the error names the first one it reads without error (else a newer one that does). A read
+    nested in another (``meta`` inside ``restore``) leaves the search to the outer one (see
+    ``Checkpointer.read``)."""
     if _READING.get():
         return fn(step)
     token = _READING.set(True)
@@ -80,14 +82,16 @@ def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], li
 
 
 def _damaged(directory: str, step: int, error: BaseException, item: str = "") -> CheckpointCorruptedError:
-    """The error for checkpoint ``step`` found damaged by ``error`` (`read_intact` adds the intact step)."""
+    """The error for checkpoint ``step`` found damaged by ``error`` (`read_intact` adds the intact
+    step)."""
     reason = damage_summary(error, os.path.join(directory, str(step)))
     return UnsearchedDamage(step, directory, f"{item}: {reason}" if item else reason)
 
 
 def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict:
-    """The JSON metadata of checkpoint ``step``: `UnsearchedDamage` when parts are missing or it is unreadable,
-    ValueError (the orbax that reads it, and ``load_state``) when jaxdist.training did not write it."""
+    """The JSON metadata of checkpoint ``step``: `UnsearchedDamage` when parts are missing or it is
+    unreadable, ValueError (the orbax that reads it, and ``load_state``) when jaxdist.training did
+    not write it."""
     missing = missing_parts(os.path.join(directory, str(step)))
     if missing:  # cut short (a save or a delete killed, a copy that stopped): orbax's errors would not say so
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -107,8 +111,9 @@ def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict
 
 
 def check_target(like: Any, argument: str = "like") -> None:
-    """Raise TypeError unless every leaf of ``like`` says where its restored array goes: a `jax.Array` (its
-    sharding) or a `jax.ShapeDtypeStruct` with a sharding. A numpy array has no layout to restore into.
+    """Raise TypeError unless every leaf of ``like`` says where its restored array goes: a
+    `jax.Array` (its sharding) or a `jax.ShapeDtypeStruct` with a sharding. A numpy array has no
+    layout to restore into.
 
     Examples:
         >>> import numpy as np
@@ -130,8 +135,8 @@ def check_target(like: Any, argument: str = "like") -> None:
 
 
 def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: Any, info: dict) -> Any:
-    """The state of checkpoint ``step`` (metadata ``info``, checked to fit) read into ``like``'s layout, its
-    checksums verified."""
+    """The state of checkpoint ``step`` (metadata ``info``, checked to fit) read into ``like``'s
+    layout, its checksums verified."""
     target = to_disk(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like))
     args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
@@ -148,7 +153,8 @@ def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: 
 
 
 def read_iterator_state(manager: ocp.CheckpointManager, directory: str, step: int, info: dict) -> Any:
-    """This process's input iterator state saved with checkpoint ``step`` (metadata ``info``), or None."""
+    """This process's input iterator state saved with checkpoint ``step`` (metadata ``info``), or
+    None."""
 
     def read() -> Any:
         holder = IteratorSnapshot()

@@ -1,4 +1,5 @@
-"""The batches' checks: one structure, shapes and dtypes for a whole run (`BatchChecker`), said in messages."""
+"""The batches' checks: one structure, shapes and dtypes for a whole run (`BatchChecker`), said in
+messages."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ __all__ = [
 ]
 
 def signature(batch: Any) -> tuple:
-    """The structure, shapes and dtypes of a batch (batches with equal signatures share one compiled step).
+    """The structure, shapes and dtypes of a batch (batches with equal signatures share one compiled
+    step).
 
     Cheap enough to run on every batch: the dtypes stay dtype objects (`describe` spells them out).
 
@@ -50,23 +52,27 @@ def describe(sig: tuple) -> str:
 
 
 class BatchChecker:
-    """Brings each training batch to ``(x, y)`` on the host and checks it: structure, divisibility, shapes.
+    """Brings each training batch to ``(x, y)`` on the host and checks it: structure, divisibility,
+    shapes.
 
-    The first batch fixes the signature (one compiled step); a later batch with other shapes is an error that
-    names the fix, never a silent recompile. This is the one check a training batch gets: the trainer's
-    `jaxdist.training.data.BatchFeed` runs it once per batch, at the stream boundary, and what passes it is
-    not checked again. On the first batch it also checks that every leaf has axis 0 (the rows), that they
-    agree on it, and that ``replicas`` x ``grad_accum_steps`` divide it (later batches have the same shapes).
+    The first batch fixes the signature (one compiled step); a later batch with other shapes is an
+    error that names the fix, never a silent recompile. This is the one check a training batch gets:
+    the trainer's `jaxdist.training.data.BatchFeed` runs it once per batch, at the stream boundary,
+    and what passes it is not checked again. On the first batch it also checks that every leaf has
+    axis 0 (the rows), that they agree on it, and that ``replicas`` x ``grad_accum_steps`` divide it
+    (later batches have the same shapes).
 
     Args:
         replicas: the strategy's ``num_replicas_in_sync``.
-        grad_accum_steps: micro-batches per step (the global batch must divide by ``replicas`` times this).
+        grad_accum_steps: micro-batches per step (the global batch must divide by ``replicas`` times
+            this).
         input_key / target_key: the dict keys of the inputs and targets (see `split_batch`).
 
     Raises:
-        ValueError: (when called) for a batch of the wrong structure, a first batch with a scalar leaf, leaves
-            with different rows, or rows that ``replicas`` x ``grad_accum_steps`` do not divide (naming the
-            rows, the replicas and a batch size that works), or a batch whose shapes differ from the first one's.
+        ValueError: (when called) for a batch of the wrong structure, a first batch with a scalar
+            leaf, leaves with different rows, or rows that ``replicas`` x ``grad_accum_steps`` do
+            not divide (naming the rows, the replicas and a batch size that works), or a batch whose
+            shapes differ from the first one's.
 
     Examples:
         >>> import numpy as np
@@ -85,11 +91,13 @@ class BatchChecker:
 
     @property
     def signature(self) -> tuple | None:
-        """The first training batch's `signature` (every training batch has it); None before one is checked."""
+        """The first training batch's `signature` (every training batch has it); None before one is
+        checked."""
         return self._signature
 
     def split(self, batch: Any, where: str, need_targets: bool = True) -> tuple[Any, Any]:
-        """``(x, y)`` of ``batch`` (see `split_batch`); warns once about dict keys that neither option names."""
+        """``(x, y)`` of ``batch`` (see `split_batch`); warns once about dict keys that neither
+        option names."""
         x, y = split_batch(batch, where, need_targets, input_key=self.input_key, target_key=self.target_key)
         if isinstance(batch, Mapping) and not self._warned:
             extra = sorted(str(k) for k in batch if k not in self._named)
@@ -107,9 +115,9 @@ class BatchChecker:
     def __call__(self, batch: Any, where: str, processes: int = 1) -> tuple[Any, Any]:
         """The training batch ``(x, y)``, checked.
 
-        ``processes > 1``: ``batch`` is this process's share of a global batch that many processes read
-        together (per-process input): the checks and the signature are those of the global batch (axis 0
-        times ``processes``).
+        ``processes > 1``: ``batch`` is this process's share of a global batch that many processes
+        read together (per-process input): the checks and the signature are those of the global
+        batch (axis 0 times ``processes``).
         """
         pair = self.split(batch, where)
         sig = signature(pair)
@@ -151,8 +159,9 @@ def global_rows(sig: tuple | None) -> int | None:
 
 
 def say_batch_change(meta: Mapping[str, Any], rows: int | None, position: DataPosition) -> None:
-    """Warn when a run resumes from a checkpoint written with global batches of other ``rows``: the data position
-    is counted in batches, so it moves in examples (what it does is said, and how to keep it).
+    """Warn when a run resumes from a checkpoint written with global batches of other ``rows``: the
+    data position is counted in batches, so it moves in examples (what it does is said, and how to
+    keep it).
 
     Examples:
         >>> say_batch_change({"global_batch": 32, "step": 4}, 32, DataPosition(0, 4))   # the same: silent

@@ -1,20 +1,22 @@
 """The stream boundary: where a `Trainer`'s data becomes device batches, checked and placed once.
 
-Every training batch crosses this boundary exactly once. A `BatchFeed` brings it to the pair ``(x, y)``,
-checks it (structure, shapes, and that the replicas times ``grad_accum_steps`` divide its rows: one check,
-`jaxdist.training.data.BatchChecker`, whose message names the rows, the replicas and the fix) and places it
-split over the replicas (``strategy.experimental_distribute_values``'s placement). What comes out is a
-`TrainBatch`: a value whose type says that it has been checked and placed, so the stages after it (the fit
-loop, ``Trainer.train_on_batch``, the compiled step) take it as it is and never check, split or move it again.
+Every training batch crosses this boundary exactly once. A `BatchFeed` brings it to the pair ``(x,
+y)``, checks it (structure, shapes, and that the replicas times ``grad_accum_steps`` divide its
+rows: one check, `jaxdist.training.data.BatchChecker`, whose message names the rows, the replicas
+and the fix) and places it split over the replicas (``strategy.experimental_distribute_values``'s
+placement). What comes out is a `TrainBatch`: a value whose type says that it has been checked and
+placed, so the stages after it (the fit loop, ``Trainer.train_on_batch``, the compiled step) take it
+as it is and never check, split or move it again.
 
 The next batch's transfer overlaps the current step: the loop's read-ahead
 (`jaxdist.strategies.input.ahead`) keeps one or two batches placed ahead of the one
-the loop trains on. JAX dispatches a step without waiting for it, so placing batch n+1 right before step n is
-dispatched (while step n-1 still runs) hides the transfer behind the devices' work, with no thread. The
-fit loop never waits for a step's results (its logs are read in the background), so the host stays ahead.
-Measured (the ``trainer-P2`` benchmark row, small MLP on 8 simulated CPU devices, where a transfer is host
-work the read-ahead cannot hide): this path costs about 5% against batches already on the devices; placing
-them in a prefetch thread instead cost about 9% (the thread contends with the loop for the interpreter).
+the loop trains on. JAX dispatches a step without waiting for it, so placing batch n+1 right before
+step n is dispatched (while step n-1 still runs) hides the transfer behind the devices' work, with
+no thread. The fit loop never waits for a step's results (its logs are read in the background), so
+the host stays ahead. Measured (the ``trainer-P2`` benchmark row, small MLP on 8 simulated CPU
+devices, where a transfer is host work the read-ahead cannot hide): this path costs about 5% against
+batches already on the devices; placing them in a prefetch thread instead cost about 9% (the thread
+contends with the loop for the interpreter).
 
 Example:
     >>> import numpy as np, jaxdist as jd
@@ -41,14 +43,16 @@ __all__ = ["BatchFeed", "TrainBatch"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainBatch:
-    """A training batch that a `BatchFeed` has checked (and, unless it is left for an on-device loop, placed).
+    """A training batch that a `BatchFeed` has checked (and, unless it is left for an on-device
+    loop, placed).
 
     Attributes:
-        pair: ``(x, y)``: global `jax.Array` s split on axis 0 over the replicas when ``placed``; host arrays
-            otherwise (an on-device loop stacks several and places them with one transfer).
+        pair: ``(x, y)``: global `jax.Array` s split on axis 0 over the replicas when ``placed``;
+            host arrays otherwise (an on-device loop stacks several and places them with one
+            transfer).
         placed: whether ``pair`` is on the devices in the strategy's batch layout.
-        checker: the `BatchChecker` that checked it (a trainer takes as they are only the batches its own
-            checker has seen: same keys, same replicas, same signature).
+        checker: the `BatchChecker` that checked it (a trainer takes as they are only the batches
+            its own checker has seen: same keys, same replicas, same signature).
 
     Example:
         >>> import numpy as np
@@ -64,20 +68,21 @@ class TrainBatch:
 
 
 class BatchFeed:
-    """Turns a trainer's batches into `TrainBatch` es: normalised to ``(x, y)``, checked, placed once.
+    """Turns a trainer's batches into `TrainBatch` es: normalised to ``(x, y)``, checked, placed
+    once.
 
     Args:
         strategy: the strategy whose replicas get the rows.
-        checker: the trainer's `BatchChecker` (input and target keys, replicas x ``grad_accum_steps``, the
-            first batch's signature).
-        place: True (a compiled step per batch): place every batch. False (an on-device loop per several
-            batches): leave global batches on the host, since the loop stacks them and places the stack in
-            one transfer; per-process batches of several processes are placed either way (only the global
-            array they form together can hold them).
+        checker: the trainer's `BatchChecker` (input and target keys, replicas x
+            ``grad_accum_steps``, the first batch's signature).
+        place: True (a compiled step per batch): place every batch. False (an on-device loop per
+            several batches): leave global batches on the host, since the loop stacks them and
+            places the stack in one transfer; per-process batches of several processes are placed
+            either way (only the global array they form together can hold them).
 
     Raises:
-        ValueError: (when called) for a batch of the wrong structure, one the replicas do not divide, or one
-            whose shapes differ from the first batch's (`BatchChecker`).
+        ValueError: (when called) for a batch of the wrong structure, one the replicas do not
+            divide, or one whose shapes differ from the first batch's (`BatchChecker`).
 
     Example:
         >>> import numpy as np, jaxdist as jd
@@ -98,12 +103,12 @@ class BatchFeed:
         """``batch`` checked and (see ``place``) placed: the one check and the one transfer it gets.
 
         Args:
-            batch: a batch as the user gives it: ``(x, y)``, a dict with the trainer's keys, or a placed
-                batch of this strategy's distributed dataset (kept where it is).
+            batch: a batch as the user gives it: ``(x, y)``, a dict with the trainer's keys, or a
+                placed batch of this strategy's distributed dataset (kept where it is).
             where: how errors name the batch (``"train_data batch 3 of epoch 0"``).
-            processes: > 1 when ``batch`` is this process's share of a global batch that many processes read
-                together (per-process input, e.g. grain): it is checked as the global batch and placed from
-                each process's rows.
+            processes: > 1 when ``batch`` is this process's share of a global batch that many
+                processes read together (per-process input, e.g. grain): it is checked as the global
+                batch and placed from each process's rows.
         """
         if isinstance(batch, TrainBatch):  # another checker's (another trainer's): checked again, for this one
             batch = batch.pair

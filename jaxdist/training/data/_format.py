@@ -1,10 +1,10 @@
 """The batch format (`split_batch`, `check_key`).
 
-A batch is a pair ``(x, y)`` or a dict. Dict batches hold the inputs under ``input_key`` and the targets under
-``target_key`` (``"x"`` and ``"y"`` unless the `Trainer` is told otherwise, e.g. ``input_key="image",
-target_key="label"`` for the NNX tutorial's ``{"image": ..., "label": ...}``). Every batch is brought to the
-pair ``(x, y)`` on the host, before it is placed: keys that neither option names are dropped there (with a
-one-time warning), never sent to the devices.
+A batch is a pair ``(x, y)`` or a dict. Dict batches hold the inputs under ``input_key`` and the
+targets under ``target_key`` (``"x"`` and ``"y"`` unless the `Trainer` is told otherwise, e.g.
+``input_key="image", target_key="label"`` for the NNX tutorial's ``{"image": ..., "label": ...}``).
+Every batch is brought to the pair ``(x, y)`` on the host, before it is placed: keys that neither
+option names are dropped there (with a one-time warning), never sent to the devices.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ __all__ = [
 ]
 
 Key = str | tuple[str, ...]
-"""A dict batch's key for the inputs or the targets: one key, or several (their values then form a dict)."""
+"""A dict batch's key for the inputs or the targets: one key, or several (their values then form a
+dict)."""
 
 
 _TARGET_NAMES = ("label", "labels", "target", "targets", "y")
@@ -75,23 +76,25 @@ def split_batch(
     input_key: Key = "x",
     target_key: Key = "y",
 ) -> tuple[Any, Any]:
-    """``(x, y)`` of a batch given as a tuple / list ``(x, y)`` or a dict with ``input_key`` and ``target_key``.
+    """``(x, y)`` of a batch given as a tuple / list ``(x, y)`` or a dict with ``input_key`` and
+    ``target_key``.
 
     Args:
         batch: the batch.
         where: how to name the batch in errors (e.g. ``"train_data batch 3"``).
-        need_targets: False for prediction: a bare array / pytree, ``(x,)`` or a dict without the target key
-            is fine.
-        input_key: the dict key holding the inputs, or several keys (``x`` is then the dict of their values).
+        need_targets: False for prediction: a bare array / pytree, ``(x,)`` or a dict without the
+            target key is fine.
+        input_key: the dict key holding the inputs, or several keys (``x`` is then the dict of their
+            values).
         target_key: the dict key (or keys) holding the targets.
 
     Returns:
-        ``(x, y)``; ``y`` is None when there are no targets and ``need_targets`` is False. Other dict keys are
-        left out.
+        ``(x, y)``; ``y`` is None when there are no targets and ``need_targets`` is False. Other
+        dict keys are left out.
 
     Raises:
-        ValueError: for any other structure, naming what was received; for a dict without the keys, naming
-            the keys it has and the options to set.
+        ValueError: for any other structure, naming what was received; for a dict without the keys,
+            naming the keys it has and the options to set.
 
     Examples:
         >>> split_batch({"x": 1, "y": 2})
@@ -130,7 +133,8 @@ def split_batch(
 
 
 def _present(x: Any, y: Any, where: str, need_targets: bool) -> tuple[Any, Any]:
-    """``(x, y)``, unless the inputs (or the targets a loss needs) hold no array: ``(x, None)`` is named."""
+    """``(x, y)``, unless the inputs (or the targets a loss needs) hold no array: ``(x, None)`` is
+    named."""
     if not jax.tree.leaves(x):
         raise ValueError(f"{where} has inputs {x!r} (no array): yield (x, y) with x an array (or a pytree of "
                          "arrays) whose axis 0 is the batch.")

@@ -1,10 +1,11 @@
-"""What runs on the devices: the train state, the step functions, their compiled forms, the running sums they add
-to, the weighted (token) losses, the model wrappers, the non-finite checks (with the host's policy for them)
-and the averaged weights (with their restore from a checkpoint); and
-`LiveState`, a Trainer's state, step counter and data position with the steps that advance them (the Trainer
-is a facade over it).
+"""What runs on the devices: the train state, the step functions, their compiled forms, the running
+sums they add to, the weighted (token) losses, the model wrappers, the non-finite checks (with the
+host's policy for them) and the averaged weights (with their restore from a checkpoint); and
+`LiveState`, a Trainer's state, step counter and data position with the steps that advance them (the
+Trainer is a facade over it).
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
+here.
 """
 
 from jaxdist.training.step._build import check_losses as check_losses

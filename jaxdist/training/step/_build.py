@@ -1,9 +1,10 @@
-"""Building the trainer's state: the initial `TrainState` from a sample batch, its abstract twin, loss checks.
+"""Building the trainer's state: the initial `TrainState` from a sample batch, its abstract twin,
+loss checks.
 
-``Trainer.init`` runs `state_builder`'s function under ``strategy.create_variables`` (born in the strategy's
-layout, no host copy); a restore into a trainer that has no state yet reads into `restore_target`'s
-abstract arrays instead (nothing computed or allocated twice). Both check ``loss_fn`` and the metrics on
-the sample's shapes first (`check_losses`), before anything compiles.
+``Trainer.init`` runs `state_builder`'s function under ``strategy.create_variables`` (born in the
+strategy's layout, no host copy); a restore into a trainer that has no state yet reads into
+`restore_target`'s abstract arrays instead (nothing computed or allocated twice). Both check
+``loss_fn`` and the metrics on the sample's shapes first (`check_losses`), before anything compiles.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ __all__ = ["check_losses", "params_target", "restore_target", "state_builder", "
 
 
 def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(init key, base key data)`` of a trainer seeded with ``key``: the key ``model.init`` gets, and the
-    state's base key (``TrainState.rng``, per-step keys ``fold_in(rng, step)``) as raw key data (cheaper to
-    pass into every compiled step than a typed key). One rule for a built state and a loaded one.
+    """``(init key, base key data)`` of a trainer seeded with ``key``: the key ``model.init`` gets,
+    and the state's base key (``TrainState.rng``, per-step keys ``fold_in(rng, step)``) as raw key
+    data (cheaper to pass into every compiled step than a typed key). One rule for a built state and
+    a loaded one.
 
     Examples:
         >>> import jax
@@ -42,16 +44,19 @@ def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int, x: Any) -> tuple[Callable, tuple]:
-    """``(build, args)``: ``build(*args)`` returns the initial `TrainState` for inputs shaped like ``x``.
+    """``(build, args)``: ``build(*args)`` returns the initial `TrainState` for inputs shaped like
+    ``x``.
 
     Args:
         model: the `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation.
-        seed: seeds ``model.init`` (linen) and the state's base key (per-step keys are ``fold_in(rng, step)``).
+        seed: seeds ``model.init`` (linen) and the state's base key (per-step keys are
+            ``fold_in(rng, step)``).
         x: a sample of the inputs (only the first row's shape and dtype are used).
 
     Returns:
-        The pure function and its arguments (the key, a one-row sample, the model's given variables).
+        The pure function and its arguments (the key, a one-row sample, the model's given
+        variables).
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn
@@ -71,7 +76,8 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
 
 
 def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
-    """The state ``build(*args)`` would make, as abstract arrays carrying ``strategy``'s variable layout.
+    """The state ``build(*args)`` would make, as abstract arrays carrying ``strategy``'s variable
+    layout.
 
     Examples:
         >>> import numpy as np, optax, flax.linen as nn, jaxdist as jd
@@ -89,11 +95,12 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
 
 def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, params: Any,
                   model_state: Any) -> Any:
-    """The state a run with ``params`` (and ``model_state``, or none) has, as abstract arrays carrying
-    ``strategy``'s variable layout: the optimizer's state from ``optimizer.init``'s shapes, no model needed.
+    """The state a run with ``params`` (and ``model_state``, or none) has, as abstract arrays
+    carrying ``strategy``'s variable layout: the optimizer's state from ``optimizer.init``'s shapes,
+    no model needed.
 
-    What `Trainer.load_state` checks the pieces against when the model's own shapes are not known yet (a linen
-    model before its first batch); the model's check follows at that batch.
+    What `Trainer.load_state` checks the pieces against when the model's own shapes are not known
+    yet (a linen model before its first batch); the model's check follows at that batch.
 
     Examples:
         >>> import numpy as np, optax, jaxdist as jd
@@ -121,12 +128,14 @@ def check_losses(
     x: Any,
     y: Any,
 ) -> frozenset[str]:
-    """Check that ``loss_fn`` and each metric return a scalar mean or a ``(sum, weight)`` pair on the model's
-    outputs for ``(x, y)``; return the names (``"loss"`` and metric names) that return pairs.
+    """Check that ``loss_fn`` and each metric return a scalar mean or a ``(sum, weight)`` pair on
+    the model's outputs for ``(x, y)``; return the names (``"loss"`` and metric names) that return
+    pairs.
 
     Args:
         model: the adapter.
-        loss_fn: ``loss_fn(outputs, targets)``; must return a float scalar or a pair (float sum, numeric weight).
+        loss_fn: ``loss_fn(outputs, targets)``; must return a float scalar or a pair (float sum,
+            numeric weight).
         metrics: ``{name: fn(outputs, targets)}``; each must return a numeric scalar or such a pair.
         state: the state (or its abstract shapes, from ``jax.eval_shape``).
         x / y: a batch's inputs and targets (only shapes and dtypes are used; nothing runs).
@@ -184,8 +193,8 @@ _CALL_SHAPE = (
 
 
 def _check_call_shape(name: str, fn: Callable) -> None:
-    """Refuse, by its signature, a function that cannot be called as ``fn(outputs, targets)`` or whose
-    parameters are named as the nnx tutorials' ``loss_fn(model, batch)``."""
+    """Refuse, by its signature, a function that cannot be called as ``fn(outputs, targets)`` or
+    whose parameters are named as the nnx tutorials' ``loss_fn(model, batch)``."""
     if not callable(fn):
         raise TypeError(f"{name}={fn!r} is not callable: {_CALL_SHAPE}.")
     try:

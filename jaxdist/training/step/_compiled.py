@@ -1,18 +1,19 @@
-"""The trainer's steps compiled for a strategy: training (one step, or an on-device loop), evaluation, prediction.
+"""The trainer's steps compiled for a strategy: training (one step, or an on-device loop),
+evaluation, prediction.
 
-Evaluation and prediction pad a ragged batch to a multiple of the replica count and mask the padding out
-(`eval_batches`), so their results cover every example exactly once.
+Evaluation and prediction pad a ragged batch to a multiple of the replica count and mask the padding
+out (`eval_batches`), so their results cover every example exactly once.
 
-Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over the
-replicas, the state keeps the strategy's variable layout. Training steps also add their metrics to the
-running sums (`jaxdist.training.step.RunningSums`; a token-weighted value adds its sum and its weight,
-`jaxdist.training.step._weighted`), which stay on the devices packed in one small vector (`PackedSums`): the fit
-loop reads them at a log point instead of every step's scalars, so logging costs no work and no transfer per
-step.
+Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over
+the replicas, the state keeps the strategy's variable layout. Training steps also add their metrics
+to the running sums (`jaxdist.training.step.RunningSums`; a token-weighted value adds its sum and
+its weight, `jaxdist.training.step._weighted`), which stay on the devices packed in one small vector
+(`PackedSums`): the fit loop reads them at a log point instead of every step's scalars, so logging
+costs no work and no transfer per step.
 
-`CompiledSteps.step_cost` reads the train step's cost once from its plan (`jaxdist.costs.StepCost.of_plan`):
-it plans the step for the abstract arguments it already ran with, which finds the compiled program in JAX's
-cache.
+`CompiledSteps.step_cost` reads the train step's cost once from its plan
+(`jaxdist.costs.StepCost.of_plan`): it plans the step for the abstract arguments it already ran
+with, which finds the compiled program in JAX's cache.
 """
 
 from __future__ import annotations
@@ -47,15 +48,16 @@ __all__ = ["CompiledSteps"]
 
 
 class CompiledSteps:
-    """One model's train, evaluation and prediction steps, compiled for ``strategy``, with running sums.
+    """One model's train, evaluation and prediction steps, compiled for ``strategy``, with running
+    sums.
 
     Args:
         strategy: the strategy to compile for.
         model: the `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation (clipping chained in).
         loss_fn / metrics / grad_accum_steps / compute_dtype: as for `make_train_step`.
-        ema_decay: the averaged weights' decay (`make_summed_train_step`; the states must carry ``ema``,
-            `jaxdist.training.step._ema.with_ema`), or None.
+        ema_decay: the averaged weights' decay (`make_summed_train_step`; the states must carry
+            ``ema``, `jaxdist.training.step._ema.with_ema`), or None.
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn, jaxdist as jd
@@ -89,31 +91,34 @@ class CompiledSteps:
         self.grad_accum_steps = grad_accum_steps
         self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
                                                  compute_dtype, ema_decay=ema_decay)
-        # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state); built lazily.
+        # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state);
+        # built lazily.
         self._skipping_step = lambda: make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
                                                              compute_dtype, skip_non_finite=True,
                                                              ema_decay=ema_decay)
         self.skip_non_finite = False  # which of the two the training calls run (set by fit)
         self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype), batch_argnums=(1, 2))
         self.predict_step = strategy.jit(make_predict_step(model, compute_dtype), batch_argnums=(1,))
-        # Which of "loss" and the metrics return (sum, weight) pairs: set by the trainer's loss check, or read
-        # from the first training batch.
+        # Which of "loss" and the metrics return (sum, weight) pairs: set by the trainer's loss
+        # check, or read from the first training batch.
         self.weighted: frozenset[str] | None = None
-        # Built with the first state (they need the metric names, which depend on the optimizer state): per
-        # skip_non_finite, the compiled (state, batch, sums) -> (state, metrics, sums) and the on-device loop body.
+        # Built with the first state (they need the metric names, which depend on the optimizer
+        # state): per skip_non_finite, the compiled (state, batch, sums) -> (state, metrics, sums)
+        # and the on-device loop body.
         self._fit_steps: dict[bool, tuple[Callable, Callable]] = {}
         self._zero: PackedSums | None = None  # the running sums of no steps, on the host
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
-        # The running sums since pop_sums: the packed vector alone (the compiled steps take and return one array,
-        # which costs the host what one argument costs; `_zero` knows its structure). On the devices; None: zeros.
+        # The running sums since pop_sums: the packed vector alone (the compiled steps take and
+        # return one array, which costs the host what one argument costs; `_zero` knows its
+        # structure). On the devices; None: zeros.
         self._sums: jax.Array | None = None
         self._zeros: tuple[tuple[int, ...], Callable[[], jax.Array]] | None = None  # (shape, new sums after a pop)
         self._cost: StepCost | None = None
 
     @property
     def fit_step(self) -> Callable | None:
-        """The compiled ``(state, batch, sums) -> (state, metrics, sums)`` that training runs now (None before
-        the first training batch)."""
+        """The compiled ``(state, batch, sums) -> (state, metrics, sums)`` that training runs now
+        (None before the first training batch)."""
         steps = self._fit_steps.get(self.skip_non_finite)
         return None if steps is None else steps[0]
 
@@ -123,7 +128,8 @@ class CompiledSteps:
         return None if steps is None else steps[1]
 
     def _build(self, state: TrainState, pair: Any = None) -> bool:
-        """Build the fit step; False when it cannot be yet (the loss's structure is unknown without a batch)."""
+        """Build the fit step; False when it cannot be yet (the loss's structure is unknown without
+        a batch)."""
         if self.fit_step is not None:
             return True
         if self._zero is not None:  # the other variant is built: same sums
@@ -133,7 +139,8 @@ class CompiledSteps:
             return False
         if self.weighted is None:
             self.weighted = check_losses(self._model, self._loss_fn, self.metrics, state, *pair)
-        # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss is.
+        # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss
+        # is.
         with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
             extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
@@ -154,8 +161,8 @@ class CompiledSteps:
         self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, like))
 
     def _current_sums(self) -> Any:
-        """The sums' vector: the running one, or zeros (laid out as the last one was: the step takes them as they
-        are; host zeros before the first step)."""
+        """The sums' vector: the running one, or zeros (laid out as the last one was: the step takes
+        them as they are; host zeros before the first step)."""
         if self._sums is not None:
             return self._sums
         if self._zeros is not None and self._zeros[0] == self._zero.vector.shape:
@@ -163,7 +170,8 @@ class CompiledSteps:
         return self._zero.vector
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the sums."""
+        """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the
+        sums."""
         if self.fit_step is None:
             self._build(state, pair)
         state, metrics, self._sums = self.fit_step(state, pair, self._current_sums())
@@ -186,13 +194,14 @@ class CompiledSteps:
         return state, values
 
     def plan(self, state: TrainState, pair: Any) -> Plan:
-        """The fit step's `jd.Plan` for ``state`` and the batch ``pair = (x, y)`` (arrays or abstract arrays):
-        compiled for the strategy's layout, never run (see ``Trainer.plan``)."""
+        """The fit step's `jd.Plan` for ``state`` and the batch ``pair = (x, y)`` (arrays or
+        abstract arrays): compiled for the strategy's layout, never run (see ``Trainer.plan``)."""
         self._build(state, pair)
         return self.fit_step.plan(state, pair, self._current_sums())
 
     def pop_sums(self, state: TrainState) -> PackedSums:
-        """The running sums since the last call (see ``Trainer.pop_running_sums``); restarts them."""
+        """The running sums since the last call (see ``Trainer.pop_running_sums``); restarts
+        them."""
         sums = self.peek_sums(state)
         self._sums = None
         vector = sums.vector
@@ -202,15 +211,15 @@ class CompiledSteps:
         return sums
 
     def peek_sums(self, state: TrainState) -> PackedSums:
-        """The running sums since the last `pop_sums`, which go on (read them before the next step, which
-        donates them)."""
+        """The running sums since the last `pop_sums`, which go on (read them before the next step,
+        which donates them)."""
         if not self._build(state):  # no training batch seen yet: no steps to sum
             return RunningSums.zeros(()).pack()
         return self._zero.holding(self._current_sums())
 
     def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
-        """What the compiled train step costs, read once from its `Plan` (after a training step: the fit step
-        is built).
+        """What the compiled train step costs, read once from its `Plan` (after a training step: the
+        fit step is built).
 
         Args:
             state: the current state (only its shapes, dtypes and layout are read).
@@ -224,7 +233,8 @@ class CompiledSteps:
         batch = _abstract_batch(batch_signature, strategy.policy.batch_layout)
         sums = jax.ShapeDtypeStruct(self._zero.vector.shape, np.float32)
         sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
-        # The arguments the step ran with, abstractly: JAX's caches hand back the program it already compiled.
+        # The arguments the step ran with, abstractly: JAX's caches hand back the program it already
+        # compiled.
         rows = jax.tree.leaves(batch)[0].shape[0]
         devices = tuple(strategy.mesh.devices.flat)
         local = tuple(d for d in devices if d.process_index == jax.process_index())
@@ -241,8 +251,8 @@ class CompiledSteps:
     def evaluate(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> dict[str, float]:
         """Each metric's mean over every example of ``data`` (see ``Trainer.evaluate``).
 
-        ``state_for(batch)`` gives the state (built from the first batch if needed); ``split(batch, where)``
-        returns a batch's ``(x, y)``.
+        ``state_for(batch)`` gives the state (built from the first batch if needed); ``split(batch,
+        where)`` returns a batch's ``(x, y)``.
         """
         sums, counts, examples = {}, {}, 0.0
         labels: list[int] = []  # the smallest and largest integer target seen (host side, free)
@@ -271,7 +281,8 @@ class CompiledSteps:
         return result
 
     def _check_labels(self, state: TrainState, batch: Any, labels: list[int], result: dict[str, float]) -> None:
-        """A non-finite evaluation with integer targets: raise when they fall outside the outputs' classes."""
+        """A non-finite evaluation with integer targets: raise when they fall outside the outputs'
+        classes."""
         outputs = jax.tree.leaves(self.predict_step(state, batch[0]))
         classes = np.shape(outputs[0])[-1] if outputs and np.ndim(outputs[0]) >= 2 else None
         if classes is None or (0 <= labels[0] and labels[1] < classes):
@@ -300,8 +311,8 @@ class CompiledSteps:
 
 
 def _abstract_batch(signature: tuple, layout: Any) -> Any:
-    """The batch a `jaxdist.training.data._checks.signature` describes, as abstract arrays (laid out by
-    ``layout(ndim)``, `LayoutPolicy.batch_layout`)."""
+    """The batch a `jaxdist.training.data._checks.signature` describes, as abstract arrays (laid out
+    by ``layout(ndim)``, `LayoutPolicy.batch_layout`)."""
     treedef, leaves = signature
     return jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype),

@@ -1,11 +1,11 @@
-"""What a `Trainer` trains: the state in the strategy's layout, its step counter and data position, built from the
-first batch, and the compiled steps that advance it (`LiveState`).
+"""What a `Trainer` trains: the state in the strategy's layout, its step counter and data position,
+built from the first batch, and the compiled steps that advance it (`LiveState`).
 
-The ``Trainer`` is a facade over one `LiveState`: its steps, evaluation, prediction and plans are the methods
-here; `jaxdist.training.checkpoints` saves, restores and loads a `LiveState` (``save_live``, ``restore_live``,
-``load_live``) and `jaxdist.training.loop` runs a fit on it (``fit``), driving it directly. The settings that
-build it (model, optimizer, losses, keys, micro-batches, precision, seed) are checked here, at the Trainer's
-construction.
+The ``Trainer`` is a facade over one `LiveState`: its steps, evaluation, prediction and plans are
+the methods here; `jaxdist.training.checkpoints` saves, restores and loads a `LiveState`
+(``save_live``, ``restore_live``, ``load_live``) and `jaxdist.training.loop` runs a fit on it
+(``fit``), driving it directly. The settings that build it (model, optimizer, losses, keys,
+micro-batches, precision, seed) are checked here, at the Trainer's construction.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ __all__ = ["LiveState", "abstract_state", "check_int"]
 
 
 def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (or None when allowed).
+    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (or None when
+    allowed).
 
     Examples:
         >>> check_int(None, "eval_every", 1)
@@ -49,7 +50,8 @@ def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> N
 
 
 def abstract_state(state: Any) -> Any:
-    """``state`` as `jax.ShapeDtypeStruct`s with its shardings (what a restore or a plan reads into)."""
+    """``state`` as `jax.ShapeDtypeStruct`s with its shardings (what a restore or a plan reads
+    into)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
 
 
@@ -82,10 +84,10 @@ def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mappin
 
 
 class LiveState:
-    """A Trainer's state (`TrainState`, None before its first batch), step counter and data position, with what
-    builds and advances them: the model adapter, the optimizer (clipping chained in), the batch checks and
-    feeds (`jaxdist.training.data`), the compiled steps (`CompiledSteps`); with ``ema_decay``, the state carries
-    averaged weights (`jaxdist.training.step._ema`).
+    """A Trainer's state (`TrainState`, None before its first batch), step counter and data
+    position, with what builds and advances them: the model adapter, the optimizer (clipping chained
+    in), the batch checks and feeds (`jaxdist.training.data`), the compiled steps (`CompiledSteps`);
+    with ``ema_decay``, the state carries averaged weights (`jaxdist.training.step._ema`).
 
     Args: as ``Trainer``'s of the same names (checked here).
 
@@ -118,15 +120,17 @@ class LiveState:
             else optimizer
         self.batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps, input_key=self.input_key,
                                     target_key=self.target_key)
-        # The stream boundary: every training batch is checked by `batches` and placed once, here. A compiled
-        # step per batch takes placed batches; an on-device loop stacks host batches and places them.
+        # The stream boundary: every training batch is checked by `batches` and placed once, here. A
+        # compiled step per batch takes placed batches; an on-device loop stacks host batches and
+        # places them.
         self.feed = BatchFeed(strategy, self.batches, place=True)
         self.loop_feed = BatchFeed(strategy, self.batches, place=False)
         self.steps = CompiledSteps(strategy, self.model, self.optimizer, loss_fn, metrics, grad_accum_steps,
                                    compute_dtype, ema_decay=self.ema_decay)
         self.state: TrainState | None = None
         self.step = 0
-        # load_state without a batch: the check of its parameters against the model's, at the model's first batch
+        # load_state without a batch: the check of its parameters against the model's, at the
+        # model's first batch
         self.unchecked: Callable[[Any], None] | None = None
         self.loaded = False  # the state is load_state's and no fit has trained it yet
         self.position_unknown = False  # load_state's run: where its data stopped is unknown until set
@@ -135,7 +139,8 @@ class LiveState:
 
     @property
     def position(self) -> DataPosition:
-        """How far training has read its data (``Trainer.data_position``); setting it says where it is known."""
+        """How far training has read its data (``Trainer.data_position``); setting it says where it
+        is known."""
         return self._position
 
     @position.setter
@@ -145,10 +150,10 @@ class LiveState:
         self._position = position
         self.position_unknown = False
 
-    # ------------------------------------------------------------------------------------------ the state
+    # ------------------------------------------------------------------------------------ the state
     def init(self, batch: Any) -> TrainState:
-        """The state, built from ``batch`` on first use (or, after a load without a batch, checked on it: the
-        load's check, `unchecked`)."""
+        """The state, built from ``batch`` on first use (or, after a load without a batch, checked
+        on it: the load's check, `unchecked`)."""
         if self.state is not None:
             if self.unchecked is not None:
                 self.unchecked(batch)
@@ -159,8 +164,8 @@ class LiveState:
         return self.state
 
     def builder(self, batch: Any) -> tuple[Callable, tuple]:
-        """The state's builder for ``batch``'s shapes, after checking what the losses return on them (which also
-        tells the compiled steps which of them are token-weighted)."""
+        """The state's builder for ``batch``'s shapes, after checking what the losses return on them
+        (which also tells the compiled steps which of them are token-weighted)."""
         x, y = self.batches.split(batch, "the first batch", need_targets=False)
         build, args = state_builder(self.model, self.optimizer, self.seed, x)
         if y is not None:
@@ -170,7 +175,8 @@ class LiveState:
         return build, args
 
     def target(self, batch: Any) -> Any:
-        """Abstract arrays in the strategy's variable layout for the state ``batch`` builds (nothing computed)."""
+        """Abstract arrays in the strategy's variable layout for the state ``batch`` builds (nothing
+        computed)."""
         return restore_target(self.strategy, *self.builder(batch))
 
     def state_for(self, batch: Any) -> TrainState:
@@ -178,13 +184,15 @@ class LiveState:
         return self.state if self.state is not None and self.unchecked is None else self.init(jax.device_get(batch))
 
     def sync(self) -> None:
-        """Write the trained values back into the user's model (nnx in place; linen: nothing to do)."""
+        """Write the trained values back into the user's model (nnx in place; linen: nothing to
+        do)."""
         if self.state is not None:
             self.model.sync(self.state.params, self.state.model_state)
 
-    # ------------------------------------------------------------------------------------------ the steps
+    # ------------------------------------------------------------------------------------ the steps
     def train(self, batch: Any, where: str) -> dict[str, jax.Array]:
-        """One compiled step on ``batch`` (checked and placed unless the feed did it); its metrics."""
+        """One compiled step on ``batch`` (checked and placed unless the feed did it); its
+        metrics."""
         fed: TrainBatch = batch if self.feed.trusts(batch) else self.feed(batch, where)
         state = self.state
         if state is None or self.unchecked is not None:
@@ -223,7 +231,8 @@ class LiveState:
         if self.state is not None:
             state = abstract_state(self.state)
         else:
-            # The builder reads one example (as init does): one row of zeros of the batch's shapes stands in.
+            # The builder reads one example (as init does): one row of zeros of the batch's shapes
+            # stands in.
             row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)), (x, y))
             build, args = self.builder(row)
             with self.strategy.scope():
@@ -231,12 +240,13 @@ class LiveState:
         return self.steps.plan(state, (x, y))
 
     def evaluate(self, data: Any, ema: bool = False) -> dict[str, float]:
-        """``Trainer.evaluate``: each metric's mean over every example of ``data`` (``ema``: with the averaged
-        weights as the parameters)."""
+        """``Trainer.evaluate``: each metric's mean over every example of ``data`` (``ema``: with
+        the averaged weights as the parameters)."""
         state_for = averaged(self.state_for, self.ema_decay, "evaluate(ema=True)") if ema else self.state_for
         return self.steps.evaluate(state_for, data, self.batches.split)
 
     def predict(self, data: Any, ema: bool = False) -> Any:
-        """``Trainer.predict``: the outputs for every example of ``data`` (``ema``: as `evaluate`)."""
+        """``Trainer.predict``: the outputs for every example of ``data`` (``ema``: as
+        `evaluate`)."""
         state_for = averaged(self.state_for, self.ema_decay, "predict(ema=True)") if ema else self.state_for
         return self.steps.predict(state_for, data, self.batches.split)

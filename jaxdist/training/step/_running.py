@@ -1,20 +1,22 @@
 """The running sums: what the train steps add up on the devices between two looks of the host.
 
-Every train step (one compiled step, or each step of an on-device loop) adds its metrics to a `RunningSums`
-inside the compiled program: nothing is read per step. Between steps the sums stay on the devices packed in
-one float32 vector (`PackedSums`: a compiled step takes and returns one array, not one per part, which keeps
-its host cost per call that of one argument). The host reads them at a log point (the fit loop: each log
-window's means; ``Trainer.pop_running_sums``) in one transfer (`PackedSums.to_host`), and starts new ones.
+Every train step (one compiled step, or each step of an on-device loop) adds its metrics to a
+`RunningSums` inside the compiled program: nothing is read per step. Between steps the sums stay on
+the devices packed in one float32 vector (`PackedSums`: a compiled step takes and returns one array,
+not one per part, which keeps its host cost per call that of one argument). The host reads them at a
+log point (the fit loop: each log window's means; ``Trainer.pop_running_sums``) in one transfer
+(`PackedSums.to_host`), and starts new ones.
 
-The sums are a pytree of named parts, as Flax's ``nnx.metrics`` keeps metrics (``Average``: a total and a
-count):
+The sums are a pytree of named parts, as Flax's ``nnx.metrics`` keeps metrics (``Average``: a total
+and a count):
 
-* ``averages``: each metric as an `Average` ``(total, weight)``: a scalar metric adds its step mean and 1, a
-  token-weighted one (``(sum, weight)``, `jaxdist.training.step._weighted`) its sum and its weight, so a window's
-  mean is one division of two sums;
+* ``averages``: each metric as an `Average` ``(total, weight)``: a scalar metric adds its step mean
+  and 1, a token-weighted one (``(sum, weight)``, `jaxdist.training.step._weighted`) its sum and its
+  weight, so a window's mean is one division of two sums;
 * ``non_finite``: the `jaxdist.training.step.NonFiniteRecord` of the window's non-finite steps;
 * ``steps``: how many steps were added;
-* ``learning_rate``: the last step's rate (optimizers built with `optax.inject_hyperparams`; not a sum).
+* ``learning_rate``: the last step's rate (optimizers built with `optax.inject_hyperparams`; not a
+  sum).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class Average(NamedTuple):
     """A running mean as its two sums: ``total / weight``.
 
     Attributes:
-        total: the summed values (float32): a scalar metric's step means, or a token-weighted metric's sums.
-        weight: what they are divided by (float32): the steps, or the summed weights (e.g. real tokens).
+        total: the summed values (float32): a scalar metric's step means, or a token-weighted
+            metric's sums.
+        weight: what they are divided by (float32): the steps, or the summed weights (e.g. real
+            tokens).
 
     Examples:
         >>> import numpy as np
@@ -49,8 +53,8 @@ class Average(NamedTuple):
     weight: Any
 
     def mean(self) -> float:
-        """``total / weight`` as a Python float (NaN for weight 0: no steps, or no tokens). Reads the values
-        (call it on host sums, `PackedSums.to_host`)."""
+        """``total / weight`` as a Python float (NaN for weight 0: no steps, or no tokens). Reads
+        the values (call it on host sums, `PackedSums.to_host`)."""
         total, weight = float(self.total), float(self.weight)
         return total / weight if weight else float("nan")
 
@@ -59,18 +63,19 @@ class Average(NamedTuple):
 class RunningSums:
     """The running sums of a trainer's steps since the last read: a pytree (its leaves are scalars).
 
-    Inside a compiled step the sums are traced values; between steps they stay on the devices packed in one
-    vector (`pack`, `PackedSums`); ``Trainer.pop_running_sums().to_host()`` reads them in one transfer.
-    `mean`, `means` and `loss_weight` read host values.
+    Inside a compiled step the sums are traced values; between steps they stay on the devices packed
+    in one vector (`pack`, `PackedSums`); ``Trainer.pop_running_sums().to_host()`` reads them in one
+    transfer. `mean`, `means` and `loss_weight` read host values.
 
     Attributes:
         averages: ``{name: Average(total, weight)}``: ``"loss"`` first, then each metric.
         non_finite: the `jaxdist.training.step.NonFiniteRecord` of the steps that were not finite.
         steps: how many steps were added (int32).
-        learning_rate: the last step's learning rate, or None when the optimizer does not expose it (build it
-            with `optax.inject_hyperparams`).
+        learning_rate: the last step's learning rate, or None when the optimizer does not expose it
+            (build it with `optax.inject_hyperparams`).
         names: the averages' names, in order (static: part of the pytree's structure).
-        token_weighted: the names whose average is token-weighted (a ``(sum, weight)`` pair; static).
+        token_weighted: the names whose average is token-weighted (a ``(sum, weight)`` pair;
+            static).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -124,8 +129,8 @@ class RunningSums:
         """The sums of one step (inside a compiled step).
 
         Args:
-            values: ``{name: (value, weight)}``: a scalar metric's mean with weight None, or a token-weighted
-                metric's sum and its weight.
+            values: ``{name: (value, weight)}``: a scalar metric's mean with weight None, or a
+                token-weighted metric's sum and its weight.
             flag: the step's `jaxdist.training.step._non_finite.step_flag` (None: finite).
             learning_rate: the step's learning rate, or None.
 
@@ -144,12 +149,12 @@ class RunningSums:
                    tuple(n for n, (_, w) in values.items() if w is not None))
 
     def then(self, later: RunningSums) -> RunningSums:
-        """These sums followed by ``later``'s (a later step's, or a later window's): what a compiled step
-        computes to add itself.
+        """These sums followed by ``later``'s (a later step's, or a later window's): what a compiled
+        step computes to add itself.
 
         Raises:
-            ValueError: when ``later`` sums other metrics, weights them otherwise, or differs in reporting a
-                learning rate.
+            ValueError: when ``later`` sums other metrics, weights them otherwise, or differs in
+                reporting a learning rate.
 
         Examples:
             >>> import jax.numpy as jnp
@@ -212,7 +217,8 @@ class RunningSums:
 
     @property
     def loss_weight(self) -> Any:
-        """The loss's summed weight (e.g. real tokens) when the loss is token-weighted, else None."""
+        """The loss's summed weight (e.g. real tokens) when the loss is token-weighted, else
+        None."""
         return self.averages["loss"].weight if "loss" in self.token_weighted else None
 
 
@@ -226,11 +232,12 @@ def _as(value: Any, dtype: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class PackedSums:
-    """`RunningSums` packed in one float32 vector: how they stay on the devices between steps (a compiled step
-    takes and returns one array instead of one per part) and travel to the host (one transfer).
+    """`RunningSums` packed in one float32 vector: how they stay on the devices between steps (a
+    compiled step takes and returns one array instead of one per part) and travel to the host (one
+    transfer).
 
-    ``Trainer.pop_running_sums`` returns them without waiting for the steps; `to_host` reads the vector and
-    unpacks it. A pytree: the vector is its one leaf, the structure is static.
+    ``Trainer.pop_running_sums`` returns them without waiting for the steps; `to_host` reads the
+    vector and unpacks it. A pytree: the vector is its one leaf, the structure is static.
 
     Attributes:
         vector: the values (float32), in the order of `fields`: a device array, or a numpy one.
@@ -254,9 +261,9 @@ class PackedSums:
     @property
     def fields(self) -> tuple[str, ...]:
         """What each entry of `vector` holds: each metric's total (a token-weighted one followed by
-        ``"<name>.weight"``; a scalar metric's weight is the step count), ``"learning_rate"``, the non-finite
-        record (``"non_finite_steps"``, ``"non_finite_first"``, ``"non_finite_lead"``, ``"non_finite_run"``,
-        ``"non_finite_longest"``) and ``"steps"``."""
+        ``"<name>.weight"``; a scalar metric's weight is the step count), ``"learning_rate"``, the
+        non-finite record (``"non_finite_steps"``, ``"non_finite_first"``, ``"non_finite_lead"``,
+        ``"non_finite_run"``, ``"non_finite_longest"``) and ``"steps"``."""
         out = []
         for name in self.names:
             out += [name, f"{name}.weight"] if name in self.token_weighted else [name]
@@ -265,11 +272,13 @@ class PackedSums:
         return (*out, "steps")
 
     def holding(self, vector: Any) -> PackedSums:
-        """Sums of this structure whose values are ``vector`` (e.g. the vector a compiled step carries)."""
+        """Sums of this structure whose values are ``vector`` (e.g. the vector a compiled step
+        carries)."""
         return dataclasses.replace(self, vector=vector)
 
     def unpack(self) -> RunningSums:
-        """The `RunningSums` (of device or traced values for a device vector, numpy values for a host one)."""
+        """The `RunningSums` (of device or traced values for a device vector, numpy values for a
+        host one)."""
         vector, at = self.vector, iter(range(len(self.fields)))
         steps = _as(vector[len(self.fields) - 1], np.int32)
         averages = {}
@@ -282,7 +291,8 @@ class PackedSums:
         return RunningSums(averages, record, steps, rate, self.names, self.token_weighted)
 
     def to_host(self) -> RunningSums:
-        """The `RunningSums`, read in ONE transfer (``jax.device_get`` of the vector; waits for the steps)."""
+        """The `RunningSums`, read in ONE transfer (``jax.device_get`` of the vector; waits for the
+        steps)."""
         return self.holding(np.asarray(jax.device_get(self.vector))).unpack()
 
 

@@ -3,20 +3,21 @@
 A loss (or metric) given to the `Trainer` returns either
 
 * a scalar: the MEAN over the batch's rows (every row counts the same), or
-* a pair ``(sum, weight)``: the SUM of the per-token (or per-example) values and the weight they carry, e.g.
-  the count of real tokens: ``return (losses * mask).sum(), mask.sum()``. Padded or masked positions then
-  count for nothing, however they are spread over the batch.
+* a pair ``(sum, weight)``: the SUM of the per-token (or per-example) values and the weight they
+  carry, e.g. the count of real tokens: ``return (losses * mask).sum(), mask.sum()``. Padded or
+  masked positions then count for nothing, however they are spread over the batch.
 
-A pair is never averaged per piece: the trainer adds the sums and the weights separately and divides once,
-wherever the pieces were computed. So the mean over a step is ``sum of sums / sum of weights`` over the
-whole global batch, whatever its split into replicas (the step is compiled with ``strategy.jit`` and sees
-the global batch) or into ``grad_accum_steps`` micro-batches holding different numbers of real tokens, and
-the gradient is that of the same mean. A logged value is the same ratio over all the steps of its log
-window. (Averaging per-micro-batch means instead over-weights the tokens of sparsely filled micro-batches:
-a bug that gradient accumulation in other trainers has had.)
+A pair is never averaged per piece: the trainer adds the sums and the weights separately and divides
+once, wherever the pieces were computed. So the mean over a step is ``sum of sums / sum of weights``
+over the whole global batch, whatever its split into replicas (the step is compiled with
+``strategy.jit`` and sees the global batch) or into ``grad_accum_steps`` micro-batches holding
+different numbers of real tokens, and the gradient is that of the same mean. A logged value is the
+same ratio over all the steps of its log window. (Averaging per-micro-batch means instead
+over-weights the tokens of sparsely filled micro-batches: a bug that gradient accumulation in other
+trainers has had.)
 
-The weight is a count, not a function of the parameters: it is not differentiated. A step (or a log window)
-whose weight is 0 has no mean (NaN) and contributes a zero gradient.
+The weight is a count, not a function of the parameters: it is not differentiated. A step (or a log
+window) whose weight is 0 has no mean (NaN) and contributes a zero gradient.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def check_value(name: str, value: Any, rows: int | None = None) -> bool:
 
 
 def split_value(name: str, value: Any) -> tuple[jax.Array, jax.Array | None]:
-    """``(total, weight)`` of a traced result: ``(mean, None)`` for a scalar, ``(sum, weight)`` for a pair.
+    """``(total, weight)`` of a traced result: ``(mean, None)`` for a scalar, ``(sum, weight)`` for
+    a pair.
 
     The weight comes back as a float32 scalar that gradients do not flow through.
 

@@ -1,9 +1,11 @@
-"""In-place updates inside a ``strategy.jit`` step: a sync-on-read value assigned there must leave by the outputs.
+"""In-place updates inside a ``strategy.jit`` step: a sync-on-read value assigned there must leave
+by the outputs.
 
-``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated. Eagerly (and in
-``strategy.run``) the object passed in keeps the update. A compiled step, though, sees copies of its arguments
-made for the trace; an update that is not returned would vanish when the step ends, and the value would read as
-before, silently. `InPlaceUpdates` notices, and says how to thread the value.
+``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated.
+Eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step, though,
+sees copies of its arguments made for the trace; an update that is not returned would vanish when
+the step ends, and the value would read as before, silently. `InPlaceUpdates` notices, and says how
+to thread the value.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class InPlaceUpdates:
 
     Args:
         fn: the step's name, for the message.
-        arguments: the step's positional arguments as its code sees them (`SyncOnRead` leaves are watched).
+        arguments: the step's positional arguments as its code sees them (`SyncOnRead` leaves are
+            watched).
         keywords: its keyword arguments, likewise.
 
     Examples:

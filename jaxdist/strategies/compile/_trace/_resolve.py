@@ -1,39 +1,44 @@
-"""The resolver: the layout of every argument and output of one compiled step, decided once, when it is traced.
+"""The resolver: the layout of every argument and output of one compiled step, decided once, when it
+is traced.
 
-The step's trace (`jaxdist.strategies.compile._trace._step`) calls it while JAX traces a step (JAX traces once
-per program: a cache miss), so none of this runs on a steady-state call. It applies the layouts the policy
-gives (`jaxdist.strategies.layout`: ``variable_layout``, ``nnx_layouts``, the annotations); they come, in this
-order, from:
+The step's trace (`jaxdist.strategies.compile._trace._step`) calls it while JAX traces a step (JAX
+traces once per program: a cache miss), so none of this runs on a steady-state call. It applies the
+layouts the policy gives (`jaxdist.strategies.layout`: ``variable_layout``, ``nnx_layouts``, the
+annotations); they come, in this order, from:
 
-1. the declarations: ``batch_argnums`` / ``batch_argnames`` (split over the batch axes), ``out_layouts=``;
+1. the declarations: ``batch_argnums`` / ``batch_argnames`` (split over the batch axes),
+   ``out_layouts=``;
 2. each value's own layout: a placed array's sharding, an nnx Variable's partitioning metadata
    (``out_sharding`` / ``sharding``, through the strategy's logical rules), a linen box's names;
 3. the policy's variable layout (`LayoutPolicy.variable_layout`), only for what carries none.
 
-Outputs follow the same order. An output that IS one of the step's variables keeps that variable's layout:
+Outputs follow the same order. An output that IS one of the step's variables keeps that variable's
+layout:
 
 * the nnx state written back in place (``nnx.jit``'s in-place updates) keeps each Variable's layout;
-* an nnx ``State`` returned by the step (``return nnx.state((model, optimizer))``) is matched to the state of
-  the step's nnx arguments path by path; Variables it holds that match no argument take their annotation, else
-  the variable layout;
-* an output with the structure, shapes and dtypes of a positional argument (``state -> new_state``) takes that
-  argument's layout, leaf by leaf;
-* everything else (metrics, gradients) takes the variable layout (per-replica values: split over the replicas),
-  except that on ``Explicit`` axes an output whose type splits it over one keeps that layout: jaxdist's own
-  variables enter typed whole, so a split type is the user's (``out_sharding=`` or `jax.sharding.reshard` in
-  the step's code, a layout the user placed, a batch). A whole type is what jaxdist's variables have inside the
-  step too: it takes the variable layout unless ``out_layouts=`` declares it.
+* an nnx ``State`` returned by the step (``return nnx.state((model, optimizer))``) is matched to the
+  state of the step's nnx arguments path by path; Variables it holds that match no argument take
+  their annotation, else the variable layout;
+* an output with the structure, shapes and dtypes of a positional argument (``state -> new_state``)
+  takes that argument's layout, leaf by leaf;
+* everything else (metrics, gradients) takes the variable layout (per-replica values: split over the
+  replicas), except that on ``Explicit`` axes an output whose type splits it over one keeps that
+  layout: jaxdist's own variables enter typed whole, so a split type is the user's
+  (``out_sharding=`` or `jax.sharding.reshard` in the step's code, a layout the user placed, a
+  batch). A whole type is what jaxdist's variables have inside the step too: it takes the variable
+  layout unless ``out_layouts=`` declares it.
 
-Where variables can be split (FSDP), an unannotated variable that came in whole on every device (say, created
-eagerly inside ``scope()``) leaves in the variable layout: the state settles into FSDP after one step. A
-variable whose annotation says "whole" stays whole.
+Where variables can be split (FSDP), an unannotated variable that came in whole on every device
+(say, created eagerly inside ``scope()``) leaves in the variable layout: the state settles into FSDP
+after one step. A variable whose annotation says "whole" stays whole.
 
-On ``Explicit`` mesh axes a value's layout is part of its type, and model code written for such a mesh
-(gemma) expects the types it annotated. A variable that jaxdist itself split over an ``Explicit`` axis (the
-FSDP rule, not an annotation) therefore enters the step typed whole along it (`jax.sharding.reshard`; XLA
-all-gathers it at entry and reduce-scatters its gradient), as the single-device code it runs expects. Which
-variables jaxdist split is told by where their layout came from (`jaxdist.strategies.layout._provenance`), never by
-their spec: one the user placed keeps its layout as its type, whatever it is.
+On ``Explicit`` mesh axes a value's layout is part of its type, and model code written for such a
+mesh (gemma) expects the types it annotated. A variable that jaxdist itself split over an
+``Explicit`` axis (the FSDP rule, not an annotation) therefore enters the step typed whole along it
+(`jax.sharding.reshard`; XLA all-gathers it at entry and reduce-scatters its gradient), as the
+single-device code it runs expects. Which variables jaxdist split is told by where their layout came
+from (`jaxdist.strategies.layout._provenance`), never by their spec: one the user placed keeps its
+layout as its type, whatever it is.
 """
 
 from __future__ import annotations
@@ -70,10 +75,11 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any], kept: Sequence[bool]) -> list:
-    """On a mesh with ``Explicit`` axes: each traced variable that jaxdist split over an ``Explicit`` axis
-    (its layout `jaxdist.strategies.layout.is_own`, and ``kept[i]`` False: not annotated, not a batch) typed
-    whole along those axes (see the module doc). The user's layouts, values on ``Auto`` axes, annotated ones,
-    and anything on a mesh without ``Explicit`` axes are returned as they are."""
+    """On a mesh with ``Explicit`` axes: each traced variable that jaxdist split over an
+    ``Explicit`` axis (its layout `jaxdist.strategies.layout.is_own`, and ``kept[i]`` False: not
+    annotated, not a batch) typed whole along those axes (see the module doc). The user's layouts,
+    values on ``Auto`` axes, annotated ones, and anything on a mesh without ``Explicit`` axes are
+    returned as they are."""
     explicit = set(explicit_axes(policy.mesh))
     if not explicit:
         return list(traced)
@@ -99,15 +105,17 @@ def _drop(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
     return PartitionSpec(*(keep(e) for e in spec))
 
 
-# --------------------------------------------------------------------------------------------------- outputs
+# ------------------------------------------------------------------------------------------ outputs
 def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
-    """Traced ``x`` constrained to ``sharding`` (on Explicit axes: resharded, so its type says the same)."""
+    """Traced ``x`` constrained to ``sharding`` (on Explicit axes: resharded, so its type says the
+    same)."""
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding):
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
         out = to_host_memory(jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
     elif explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
-        # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it does).
+        # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it
+        # does).
         out = jax.sharding.reshard(x, sharding)
     else:
         out = jax.lax.with_sharding_constraint(x, in_trace(sharding))
@@ -115,8 +123,8 @@ def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
 
 
 def _like_argument(policy: Any, tree: Any, concrete: Any) -> Any:
-    """``tree`` (traced) in the layouts of ``concrete`` (an argument's placed values), leaf by leaf; None when
-    no leaf of ``concrete`` has a sharding (abstract arguments: nothing to follow)."""
+    """``tree`` (traced) in the layouts of ``concrete`` (an argument's placed values), leaf by leaf;
+    None when no leaf of ``concrete`` has a sharding (abstract arguments: nothing to follow)."""
     leaves = jax.tree.leaves(concrete)
     if not any(isinstance(getattr(c, "sharding", None), jax.sharding.Sharding) for c in leaves):
         return None
@@ -162,12 +170,13 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
 
 
 def _typed_split(x: jax.Array) -> PartitionSpec | None:
-    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program, else None.
+    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program,
+    else None.
 
-    Such a type is the user's: the variables jaxdist split enter typed whole, so a split type was stated by the
-    step's code (``out_sharding=``, `jax.sharding.reshard`), came from a layout the user placed, or from a
-    batch. A whole type cannot be told apart from a variable jaxdist typed whole at entry: it takes the
-    variable layout (declare ``out_layouts=`` to keep it whole)."""
+    Such a type is the user's: the variables jaxdist split enter typed whole, so a split type was
+    stated by the step's code (``out_sharding=``, `jax.sharding.reshard`), came from a layout the
+    user placed, or from a batch. A whole type cannot be told apart from a variable jaxdist typed
+    whole at entry: it takes the variable layout (declare ``out_layouts=`` to keep it whole)."""
     sharding = jax.typeof(x).sharding
     if not isinstance(sharding, NamedSharding) or sharding.mesh.are_all_axes_auto:
         return None
@@ -177,8 +186,9 @@ def _typed_split(x: jax.Array) -> PartitionSpec | None:
 
 
 def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
-    """A returned nnx ``State`` whose paths are those of the step's nnx arguments (all of them, as a tuple, or
-    one of them): each Variable in that argument's layout. None when its paths match no argument's."""
+    """A returned nnx ``State`` whose paths are those of the step's nnx arguments (all of them, as a
+    tuple, or one of them): each Variable in that argument's layout. None when its paths match no
+    argument's."""
     entries = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable)
     keys = [tuple(path) for path, _ in entries]
     if not keys:
@@ -201,10 +211,12 @@ def constrain_outputs(
     Args:
         policy: the strategy's `LayoutPolicy`.
         out: the step's traced outputs.
-        arguments: the placed (concrete) positional arguments the step was called with, nnx ones excluded.
-        nodes_state: ``{key path: layout}`` of the state of the step's nnx arguments (as one tuple of nodes).
-        out_layouts: the caller's declaration: a pytree prefix of ``out`` of `jax.sharding.Sharding` /
-            `PartitionSpec` (on the strategy's mesh) / None (no declaration for that part).
+        arguments: the placed (concrete) positional arguments the step was called with, nnx ones
+            excluded.
+        nodes_state: ``{key path: layout}`` of the state of the step's nnx arguments (as one tuple
+            of nodes).
+        out_layouts: the caller's declaration: a pytree prefix of ``out`` of `jax.sharding.Sharding`
+            / `PartitionSpec` (on the strategy's mesh) / None (no declaration for that part).
     """
     if out_layouts is not None:
         return _declared(policy, out, out_layouts, arguments, nodes_state)
@@ -234,7 +246,8 @@ def constrain_outputs(
 
 
 def _rest(policy: Any, tree: Any, nodes_state: dict) -> Any:
-    """Outputs that are no argument as a whole: nnx States inside them still match the arguments' state."""
+    """Outputs that are no argument as a whole: nnx States inside them still match the arguments'
+    state."""
     if nodes_state:
         def one(x):
             if isinstance(x, nnx.State):
@@ -271,7 +284,8 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any], no
 
 
 def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:
-    """The idle-axis check on this program's variables (their resolved layouts; batches excluded)."""
+    """The idle-axis check on this program's variables (their resolved layouts; batches
+    excluded)."""
     if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
         return
     specs, names, avals = list(state_layouts), [], []
@@ -293,8 +307,8 @@ def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) 
 
 
 def typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:
-    """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation, not a batch)
-    enter the step typed whole along those axes (`typed_whole_at_entry`)."""
+    """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation,
+    not a batch) enter the step typed whole along those axes (`typed_whole_at_entry`)."""
     batch_ids = {id(b) for b in batches}
     out = []
     for i, (a, c) in enumerate(zip(args, concrete, strict=True)):
