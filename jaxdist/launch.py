@@ -89,7 +89,8 @@ def _ended(code: int | None, stopped: bool, ours: bool) -> str:
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     if stopped:
         return f"was stopped (SIGSTOP), then {how} by the launcher"
-    by_us = ours and -code in (signal.SIGTERM, signal.SIGKILL)  # else it ended by itself meanwhile (an abort)
+    # else it ended by itself meanwhile (an abort)
+    by_us = ours and -code in (signal.SIGTERM, signal.SIGKILL)
     return f"{how} (stopped by the launcher)" if by_us else how
 
 
@@ -103,15 +104,17 @@ def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set
                 progress[i] = json.load(f)
         step = f" at step {progress[i]['step']}" if i in progress else ""
         words = f"; it said: {said[i][0]}" if said[i] else ""
-        lines.append(f"[launch] process {i} {_ended(p.returncode, i in stopped, i in ours)}{step}{words}")
+        lines.append(f"[launch] process {i} "
+                     f"{_ended(p.returncode, i in stopped, i in ours)}{step}{words}")
     if progress:
         latest = progress.get(0) or next(iter(progress.values()))
         checkpoint, where = latest.get("checkpoint"), latest.get("checkpoint_dir")
         if checkpoint is not None:
-            lines.append(f"[launch] the newest checkpoint is step {checkpoint} (in {where}): restart the job to "
-                         f"resume from step {checkpoint}")
+            lines.append(f"[launch] the newest checkpoint is step {checkpoint} (in {where}): "
+                         f"restart the job to resume from step {checkpoint}")
         elif where:
-            lines.append(f"[launch] no checkpoint was complete in {where}: a restart starts over from step 0")
+            lines.append(f"[launch] no checkpoint was complete in {where}: a restart starts over "
+                         "from step 0")
         else:
             lines.append("[launch] fit had no checkpoint_dir: a restart starts over from step 0")
     return lines
@@ -174,7 +177,8 @@ def launch(
         p = subprocess.Popen([sys.executable, *command], env=env_i, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose, said[i]), daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose, said[i]),
+                             daemon=True)
         t.start()
         pumps.append(t)
 
@@ -208,7 +212,8 @@ def launch(
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                out.write(f"[launch] process {i} {_ended(code, False, False)}; stopping the others\n")
+                out.write(f"[launch] process {i} {_ended(code, False, False)}; stopping the "
+                          "others\n")
                 out.flush()
                 stop()
                 break
@@ -247,14 +252,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["-n", "2", str(script)])
         0
     """
-    parser = argparse.ArgumentParser(prog="python -m jaxdist.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxdist.launch",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
-    parser.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")
-    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="simulated CPU devices per process")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop everything after this many seconds")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--verbose", action="store_true",
                         help="also show the [Gloo] lines the processes print as they connect")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="script.py args... (or -m module args...)")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
         parser.error(f"-n/--num-processes={args.num_processes} must be >= 1")
@@ -262,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
     code = launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
                   verbose=args.verbose)
-    return 128 - code if code < 0 else code  # a process killed by signal N: 128 + N, as a shell says it
+    # a process killed by signal N: 128 + N, as a shell says it
+    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

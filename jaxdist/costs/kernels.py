@@ -38,7 +38,8 @@ import numpy as np
 
 from jaxdist.costs.text import Instr, Module, arrays, backend_json, op_name
 
-__all__ = ["KernelCost", "conv_flops", "custom_call_cost", "custom_call_target", "ragged_dot_flops", "ragged_dot_op"]
+__all__ = ["KernelCost", "conv_flops", "custom_call_cost", "custom_call_target", "ragged_dot_flops",
+           "ragged_dot_op"]
 
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
@@ -91,7 +92,8 @@ def _trace_group(module: Module, name: str, seen: int = 0) -> int | None:
     instr = module.defs.get(name)
     if instr is None or seen > 8:
         return None
-    if instr.op in ("bitcast", "copy", "transpose", "reshape", "get-tuple-element") and instr.operands:
+    if instr.op in ("bitcast", "copy", "transpose", "reshape",
+                    "get-tuple-element") and instr.operands:
         return _trace_group(module, instr.operands[0], seen + 1)
     if instr.op != "fusion":
         return None
@@ -168,7 +170,8 @@ def _gemm(instr: Instr, module: Module, config: dict[str, Any]) -> KernelCost | 
     out = arrays(instr.type)
     if numbers is None or not lhs or not out:
         return None
-    contracted = math.prod(lhs[0][1][d] for d in _dims(numbers, "lhs_contracting_dimensions") if d < len(lhs[0][1]))
+    contracted = math.prod(lhs[0][1][d] for d in _dims(numbers, "lhs_contracting_dimensions")
+                           if d < len(lhs[0][1]))
     flops = 2.0 * math.prod(out[0][1]) * contracted
     if "ragged_dot" in op_name(instr):
         groups = [g for g in (_trace_group(module, o) for o in instr.operands[:2]) if g]
@@ -177,7 +180,8 @@ def _gemm(instr: Instr, module: Module, config: dict[str, Any]) -> KernelCost | 
     return KernelCost("cuBLAS gemm", flops)
 
 
-def _attention(instr: Instr, module: Module, config: dict[str, Any], backward: bool) -> KernelCost | None:
+def _attention(instr: Instr, module: Module, config: dict[str, Any],
+               backward: bool) -> KernelCost | None:
     fmha = config.get("cudnn_fmha_backend_config", config)
     extent = [int(d) for d in fmha.get("intermediate_tensor_shape", {}).get("dimensions", ())]
     q = arrays(module.types.get(instr.operands[0], "")) if instr.operands else []
@@ -188,14 +192,16 @@ def _attention(instr: Instr, module: Module, config: dict[str, Any], backward: b
     mask = str(fmha.get("mask_type", "NO_MASK")).upper()
     window = int(fmha.get("sliding_window_length", 0) or 0)
     pairs = float(tq * tk)
-    if "CAUSAL" in mask:  # the lower triangle, diagonal included (square), or up to the bottom right
+    # the lower triangle, diagonal included (square), or up to the bottom right
+    if "CAUSAL" in mask:
         seen = np.arange(1, tq + 1) + (tk - tq if "BOTTOM_RIGHT" in mask else 0)
         pairs = float(np.clip(seen, 0, tk).sum())
     if window > 0:
         pairs = min(pairs, float(tq * min(window, tk)))
     product, masked = 2.0 * b * h * pairs * d, 2.0 * b * h * (tq * tk - pairs) * d
     if backward:  # the scores recomputed, then the gradients of V, the probabilities, Q and K
-        return KernelCost("cuDNN attention", 5 * product, b * h * pairs, recomputed=product, skipped=4 * masked)
+        return KernelCost("cuDNN attention", 5 * product, b * h * pairs, recomputed=product,
+                          skipped=4 * masked)
     return KernelCost("cuDNN attention", 2 * product, b * h * pairs, skipped=2 * masked)
 
 
@@ -272,7 +278,8 @@ def _conv(instr: Instr, module: Module, config: dict[str, Any]) -> KernelCost | 
     return KernelCost("cuDNN convolution", flops) if flops else None
 
 
-_COSTERS: tuple[tuple[re.Pattern[str], Callable[[Instr, Module, dict[str, Any]], KernelCost | None]], ...] = (
+_COSTERS: tuple[tuple[re.Pattern[str], Callable[[Instr, Module, dict[str, Any]],
+                                                KernelCost | None]], ...] = (
     (re.compile(r"^__cublas"), _gemm),
     (re.compile(r"^__cudnn\$conv"), _conv),
     (re.compile(r"^__cudnn\$fmha.*Backward"), lambda i, m, c: _attention(i, m, c, backward=True)),

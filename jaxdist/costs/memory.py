@@ -35,17 +35,20 @@ def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
     if isinstance(sharding, NamedSharding):
         sizes = dict(sharding.mesh.shape)
         entries = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-        return tuple(math.prod(sizes[n] for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str))
+        return tuple(math.prod(sizes[n] for n in (e if isinstance(e, tuple) else (e,))
+                               if isinstance(n, str))
                      for e in entries[:len(shape)])
     if sharding is None or not len(shape):
         return (1,) * len(shape)
-    shard = sharding.shard_shape(tuple(shape))  # any other sharding: its own word (these split evenly)
+    # any other sharding: its own word (these split evenly)
+    shard = sharding.shard_shape(tuple(shape))
     return tuple(d // s if s else 1 for d, s in zip(shape, shard, strict=True))
 
 
 def _itemsize(dtype: Any) -> int:
     # a typed PRNG key (``key<fry>``) is no NumPy dtype; its dtype knows its size
-    return dtype.itemsize if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).itemsize
+    return dtype.itemsize if jax.dtypes.issubdtype(dtype,
+                                                   jax.dtypes.prng_key) else np.dtype(dtype).itemsize
 
 
 def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = None) -> int:

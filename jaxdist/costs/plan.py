@@ -207,22 +207,26 @@ class Plan:
 
     def __str__(self) -> str:
         where = f", {self.compiled_on}" if self.compiled_on else ""
-        lines = [f"Plan for mesh {self.mesh} ({self.num_devices} devices){where}, planned in {self.plan_seconds:.2f} s"]
+        lines = [f"Plan for mesh {self.mesh} ({self.num_devices} devices){where}, planned in "
+                 f"{self.plan_seconds:.2f} s"]
         auto = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Auto]
         explicit = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Explicit]
         if explicit or auto:
             lines.append("Axis types: " + "; ".join(
                 f"{label} {', '.join(axes)}" for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
         if self.moe_dispatch:
-            lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ") for p in self.moe_dispatch))
-        for label, kernels in (("Attention", self.attention), ("Grouped matmuls", self.grouped_matmul)):
+            lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ")
+                                                      for p in self.moe_dispatch))
+        for label, kernels in (("Attention", self.attention),
+                               ("Grouped matmuls", self.grouped_matmul)):
             if kernels:
                 lines.append(f"{label}: " + ", ".join(kernels))
         lines.append("Memory per device")
         roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.state_bytes.items())
         for label, value, note in (
             ("arguments", self.argument_bytes, f"({roles})" if roles else ""),
-            ("outputs", self.output_bytes, ""), ("aliased", self.alias_bytes, "(outputs in donated arguments)"),
+            ("outputs", self.output_bytes, ""), ("aliased", self.alias_bytes,
+                                                 "(outputs in donated arguments)"),
             ("temporaries", self.temp_bytes, ""), ("peak", self.peak_bytes, "(arguments + outputs - aliased + "
                                                                           "temporaries)"),
             ("host", self.host_bytes, "(host-offloaded)"),
@@ -235,19 +239,25 @@ class Plan:
             lines.append(f"  ({self.unknown_loops} loop(s) of unknown trip count counted once)")
         if self.uncosted:
             names = ", ".join(self.uncosted[:4])
-            lines.append(f"  (FLOPs at least: {len(self.uncosted)} custom call(s) not costed: {names})")
-        lines.append("Collectives per device per step (how many, their bytes in all, the bytes sent)")
+            lines.append(f"  (FLOPs at least: {len(self.uncosted)} custom call(s) not costed: "
+                         f"{names})")
+        lines.append("Collectives per device per step (how many, their bytes in all, the bytes "
+                     "sent)")
         if not self.collectives:
             lines.append("  none")
         for c in self.collectives.values():
-            lines.append(f"  {c.kind:<20}{c.count:>4} op{'s' if c.count > 1 else ' '}{format_bytes(c.bytes):>12}  sent "
+            lines.append(f"  {c.kind:<20}{c.count:>4} "
+                         f"op{'s' if c.count > 1 else ' '}{format_bytes(c.bytes):>12}  sent "
                          f"{format_bytes(c.wire_bytes):>11}  over {', '.join(c.axes) or '?'}")
-        lines.append(f"Held whole along an axis that could split them: {format_bytes(self.replicated_bytes)}")
+        lines.append("Held whole along an axis that could split them: "
+                     f"{format_bytes(self.replicated_bytes)}")
         for a in self.replicated[:5]:
-            lines.append(f"  {a.path} {a.shape} {a.layout}: {format_bytes(a.bytes)}, whole along {', '.join(a.axes)}")
+            lines.append(f"  {a.path} {a.shape} {a.layout}: {format_bytes(a.bytes)}, whole along "
+                         f"{', '.join(a.axes)}")
         lines.append("Largest arrays per device")
         for a in self.largest_arrays:
-            lines.append(f"  {format_bytes(a.bytes):>11}  {a.path} {a.dtype}{list(a.shape)} {a.layout}")
+            lines.append(f"  {format_bytes(a.bytes):>11}  {a.path} {a.dtype}{list(a.shape)} "
+                         f"{a.layout}")
         e = self.estimate("h100")
         lines.append(f"Estimate: {e}")
         return "\n".join(lines)
@@ -259,8 +269,8 @@ def _budget(memory_per_device: Any) -> int:
     if not isinstance(memory_per_device, (int, np.integer)) or isinstance(memory_per_device, bool) or (
             memory_per_device <= 0):
         raise ValueError(
-            f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 << 30) or an "
-            "accelerator name such as 'h100'."
+            f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 "
+            "<< 30) or an accelerator name such as 'h100'."
         )
     return int(memory_per_device)
 
@@ -315,8 +325,8 @@ def read_plan(
     started = time.perf_counter() if started is None else started
     if memory is None:
         if isinstance(program, str):
-            raise ValueError("read_plan(program=<text>) needs memory=: XLA's memory analysis of the program "
-                             "(the text alone does not say it).")
+            raise ValueError("read_plan(program=<text>) needs memory=: XLA's memory analysis of "
+                             "the program (the text alone does not say it).")
         memory = memory_of(program)
     text = program if isinstance(program, str) else program.as_text()
     mesh = dict(mesh) if mesh else {"devices": 1}
@@ -341,9 +351,12 @@ def read_plan(
         mesh=mesh, argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
         peak_bytes=arg + out - alias + temp, host_bytes=host, state_bytes=dict(state_bytes or {}),
         largest_arrays=tuple(sorted(largest_arrays, key=lambda a: -a.bytes)[:10]), flops=cost.flops,
-        transcendentals=cost.transcendentals, bytes_accessed=cost.bytes_accessed, collectives=collectives,
-        replicated_bytes=sum(a.bytes for a in replicated), replicated=replicated, unknown_loops=cost.unknown_loops,
-        plan_seconds=time.perf_counter() - started, compiled_on=compiled_on, axis_types=dict(axis_types or {}),
+        transcendentals=cost.transcendentals, bytes_accessed=cost.bytes_accessed,
+        collectives=collectives,
+        replicated_bytes=sum(a.bytes for a in replicated), replicated=replicated,
+        unknown_loops=cost.unknown_loops,
+        plan_seconds=time.perf_counter() - started, compiled_on=compiled_on,
+        axis_types=dict(axis_types or {}),
         moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted, attention=scoped(text, ATTENTION_SCOPE),
         grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE), model_flops=cost.model_flops,
     )

@@ -50,7 +50,8 @@ from jaxdist.costs.text import array_bytes as _type_bytes
 
 __all__ = ["COLLECTIVE_KINDS", "CollectiveOp", "ProgramCost", "program_cost"]
 
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                    "collective-permute")
 _CALLS = re.compile(r"\b(?:calls|body|condition|to_apply)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _NARROW = re.compile(r"(?:bf16|f16)\[")
@@ -62,13 +63,15 @@ _NO_TRAFFIC = frozenset({
     "collective-permute-done", "async-done", "copy-done", "send-done", "recv-done",
 })
 _TRANSCENDENTAL = frozenset({
-    "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sine", "cosine",
-    "tan", "atan2", "sqrt", "rsqrt", "cbrt", "power", "erf",
+    "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sine",
+    "cosine", "tan", "atan2", "sqrt", "rsqrt", "cbrt", "power", "erf",
 })
 _ELEMENTWISE = frozenset({
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select",
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare",
+    "select",
     "clamp", "and", "or", "xor", "not", "remainder", "sign", "floor", "ceil", "round-nearest-afz",
-    "round-nearest-even", "is-finite", "shift-left", "shift-right-arithmetic", "shift-right-logical",
+    "round-nearest-even", "is-finite", "shift-left", "shift-right-arithmetic",
+    "shift-right-logical",
 })
 
 
@@ -182,7 +185,8 @@ def _dot_flops(instr: Instr, types: dict[str, str]) -> float:
     lhs = arrays(types.get(instr.operands[0], "")) if instr.operands else []
     if not lhs:
         return 0.0
-    contracted = math.prod(lhs[0][1][d] for d in _dims(instr.attrs, "lhs_contracting_dims") if d < len(lhs[0][1]))
+    contracted = math.prod(lhs[0][1][d] for d in _dims(instr.attrs, "lhs_contracting_dims")
+                           if d < len(lhs[0][1]))
     return 2.0 * elements(instr.type) * contracted
 
 
@@ -229,11 +233,13 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
 def _axes_of(groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]) -> tuple[str, ...]:
     total = math.prod(shape)
     used: set[str] = set()
-    for group in groups[:64]:  # every group of a collective spans the same axes; a permute's pairs may differ
+    # every group of a collective spans the same axes; a permute's pairs may differ
+    for group in groups[:64]:
         if len(group) < 2 or not shape or max(group) >= total:
             continue
         coords = np.array(np.unravel_index(group, tuple(shape)))
-        used.update(a for a, row in zip(axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
+        used.update(a for a, row in zip(axis_names, coords, strict=True)
+                    if len(set(row.tolist())) > 1)
     return tuple(a for a in axis_names if a in used)
 
 
@@ -243,7 +249,8 @@ def _part_values(instr: Instr, users: dict[str, list[Instr]]) -> list[list[str]]
     if not instr.type.startswith("("):
         return [[instr.name]]
     getters = [u for u in users.get(instr.name, []) if u.op == "get-tuple-element"]
-    return [[g.name for g in getters if re.search(rf"\bindex={j}\b", g.attrs)] for j in range(len(instr.operands))]
+    return [[g.name for g in getters if re.search(rf"\bindex={j}\b", g.attrs)]
+            for j in range(len(instr.operands))]
 
 
 def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr]],
@@ -255,7 +262,8 @@ def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr
     consumers = [c for u in consumers for c in (
         users.get(u.name, []) if elements(u.type) == elements(part) and converts(u) else [u])]
     return size > 1 and bool(values) and bool(consumers) and all(
-        u.op in ("dynamic-slice", "fusion") and elements(u.type) * size == elements(part) for u in consumers)
+        u.op in ("dynamic-slice", "fusion") and elements(u.type) * size == elements(part)
+        for u in consumers)
 
 
 
@@ -274,7 +282,8 @@ def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def program_cost(
-    compiled_or_text: Any, *, axis_names: Sequence[str] | None = None, axis_sizes: Sequence[int] | None = None
+    compiled_or_text: Any, *, axis_names: Sequence[str] | None = None,
+    axis_sizes: Sequence[int] | None = None
 ) -> ProgramCost:
     """What one call of a compiled program does on one device: FLOPs (loops multiplied, custom calls
     costed), bytes accessed and collectives (see the module doc). The count `jaxdist.Plan` reports
@@ -313,13 +322,13 @@ def program_cost(
     else:
         fix = ("compile it first: program_cost(lowered.compile())" if isinstance(compiled_or_text, jax.stages.Lowered)
                else "pass jax.jit(f).lower(*args).compile() or its .as_text()")
-        raise ValueError(f"compiled_or_text={type(compiled_or_text).__name__} is not a compiled program or its "
-                         f"text: {fix}.")
+        raise ValueError(f"compiled_or_text={type(compiled_or_text).__name__} is not a compiled "
+                         f"program or its text: {fix}.")
     names = tuple(axis_names) if axis_names is not None else names
     sizes = tuple(int(s) for s in axis_sizes) if axis_sizes is not None else sizes
     if names and sizes and len(names) != len(sizes):
-        raise ValueError(f"axis_names={names!r} and axis_sizes={sizes!r} differ in length: give one size per "
-                         "mesh axis, in the mesh's order.")
+        raise ValueError(f"axis_names={names!r} and axis_sizes={sizes!r} differ in length: give "
+                         "one size per mesh axis, in the mesh's order.")
     return _walk_module(text, names, sizes)
 
 
@@ -337,9 +346,11 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
     def fused_converts(instr: Instr, into16: bool) -> bool:
         """A fusion holding a convert from (``into16`` False) or to (True) a 16-bit float of its
         size."""
-        return any(i.op == "convert" and bool(_NARROW.match(i.type if into16 else types.get(i.operands[0], "")))
+        return any(i.op == "convert"
+                   and bool(_NARROW.match(i.type if into16 else types.get(i.operands[0], "")))
                    and elements(i.type) in (elements(instr.type), 0)
-                   for c in _CALLS.findall(instr.attrs) for i in computations.get(c, ()) if i.operands)
+                   for c in _CALLS.findall(instr.attrs) for i in computations.get(c, ())
+                   if i.operands)
 
     def narrows(u: Instr) -> bool:
         return (u.op == "convert" and bool(_NARROW.match(u.type))) or (u.op == "fusion" and fused_converts(u, True))
@@ -388,7 +399,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 operand = sum(_type_bytes(part) // n for part, n in zip(parts, narrow, strict=True))
                 results = arrays(instr.type)
                 if start:  # the result is (operands, outputs[, context])
-                    result = max(_type_bytes(instr.type) - operand, 0) if base != "all-reduce" else operand
+                    result = max(_type_bytes(instr.type) - operand,
+                                 0) if base != "all-reduce" else operand
                 elif len(results) == len(parts):
                     result = sum(_type_bytes(f"{d}[{','.join(map(str, shape))}]") // n
                                  for (d, shape), n in zip(results, narrow, strict=True))
@@ -404,12 +416,14 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 if base == "all-reduce" and not start:
                     scattered = sum(_type_bytes(part) // n for part, n, v in zip(parts, narrow, values, strict=True)
                                     if _sliced(v, part, size, table, narrows))
-                    if scattered:  # XLA:CPU's reduce-scatter: an all-reduce each device slices its part of
+                    # XLA:CPU's reduce-scatter: an all-reduce each device slices its part of
+                    if scattered:
                         collectives.append(CollectiveOp(instr.name, "reduce-scatter", scattered,
                                                         scattered // size, size, axes, times))
                         operand, result = operand - scattered, result - scattered
                 if operand or result:
-                    collectives.append(CollectiveOp(instr.name, base, operand, result, size, axes, times))
+                    collectives.append(CollectiveOp(instr.name, base, operand, result, size, axes,
+                                                    times))
                 traffic += operand + result
                 continue
             if op == "while":
@@ -422,7 +436,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 continue
             if op == "conditional":
                 branches = _BRANCHES.search(instr.attrs)
-                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+                names = [b.strip().lstrip("%")
+                         for b in branches.group(1).split(",")] if branches else []
                 names += re.findall(r"(?:true|false)_computation=%([\w.\-]+)", instr.attrs)
                 costs = [walk(b, times, fused) for b in names] or [(0.0, 0.0, 0.0, 0.0)]
                 f, t, b, r = max(costs)
@@ -463,9 +478,10 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
             if work and _REMAT in op_name(instr):
                 redo += work
             if not fused and op not in _NO_TRAFFIC:
-                traffic += _type_bytes(instr.type) + sum(_type_bytes(types.get(o, "")) for o in instr.operands)
+                traffic += _type_bytes(instr.type) + sum(_type_bytes(types.get(o, ""))
+                                                         for o in instr.operands)
         return flops, trans, traffic, redo
 
     flops, trans, traffic, redo = walk(entry, 1, False) if entry else (0.0, 0.0, 0.0, 0.0)
-    return ProgramCost(flops, trans, traffic, tuple(collectives), unknown[0], tuple(uncosted), kernels, redo,
-                       skipped[0])
+    return ProgramCost(flops, trans, traffic, tuple(collectives), unknown[0], tuple(uncosted),
+                       kernels, redo, skipped[0])

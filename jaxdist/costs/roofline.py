@@ -43,9 +43,9 @@ class Estimate:
 
     def __str__(self) -> str:
         note = ", at least: custom calls not costed" if self.lower_bound_flops else ""
-        return (f"{self.step_s * 1e3:.3g} ms/step on {self.accelerator} ({self.bound}-bound: compute "
-                f"{self.compute_s * 1e3:.3g} ms{note}, memory {self.memory_s * 1e3:.3g} ms, network "
-                f"{self.network_s * 1e3:.3g} ms)")
+        return (f"{self.step_s * 1e3:.3g} ms/step on {self.accelerator} ({self.bound}-bound: "
+                f"compute {self.compute_s * 1e3:.3g} ms{note}, memory {self.memory_s * 1e3:.3g} "
+                f"ms, network {self.network_s * 1e3:.3g} ms)")
 
 
 def roofline(flops: float, bytes_accessed: float, network_bytes: float, chip: str | Accelerator,
@@ -77,5 +77,5 @@ def roofline(flops: float, bytes_accessed: float, network_bytes: float, chip: st
         "network": network_bytes / chip.network_bandwidth,
     }
     bound = max(terms, key=terms.get)
-    return Estimate(chip.name, terms["compute"], terms["memory"], terms["network"], terms[bound], bound,
-                    lower_bound_flops)
+    return Estimate(chip.name, terms["compute"], terms["memory"], terms["network"], terms[bound],
+                    bound, lower_bound_flops)

@@ -44,7 +44,9 @@ __all__ = ["CostOptions", "StepCost", "measure_step_cost"]
 def _positive(value: Any, name: str, fix: str) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value,
+                                                 (int,
+                                                  float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive number: {fix}")
 
 
@@ -82,21 +84,22 @@ class CostOptions:
         n = self.tokens_per_example
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(
-                f"tokens_per_example={n!r} must be an int >= 1 (the tokens in one example, e.g. the sequence "
-                "length) or None (count the weight a token-weighted loss returns)."
+                f"tokens_per_example={n!r} must be an int >= 1 (the tokens in one example, e.g. "
+                "the sequence length) or None (count the weight a token-weighted loss returns)."
             )
         _positive(
             self.peak_flops,
             "peak_flops",
             "the peak FLOP/s of ONE device (e.g. 989.4e12 for an H100 SXM "
-            "in dense bf16, or a measured peak), or None to use the datasheet table (MFU n/a where unknown).",
+            "in dense bf16, or a measured peak), or None to use the datasheet table (MFU n/a where "
+            "unknown).",
         )
         _positive(
             self.flops_per_step,
             "flops_per_step",
             "the model's FLOPs per optimizer step over the global "
-            "batch (e.g. 6 * parameters * tokens per step), or None to count the compiled step's FLOPs without "
-            "recomputation.",
+            "batch (e.g. 6 * parameters * tokens per step), or None to count the compiled step's "
+            "FLOPs without recomputation.",
         )
 
 
@@ -296,7 +299,8 @@ class StepCost:
             parts = ["FLOPs not counted"]
         else:
             parts = [f"{'at least ' if self.lower_bound else ''}{format_flops(self.flops)}/step"]
-        parts += [f"params {format_bytes(self.param_bytes)}", f"optimizer {format_bytes(self.optimizer_bytes)}"]
+        parts += [f"params {format_bytes(self.param_bytes)}",
+                  f"optimizer {format_bytes(self.optimizer_bytes)}"]
         if self.model_state_bytes:
             parts.append(f"model state {format_bytes(self.model_state_bytes)}")
         if self.temp_bytes is not None:
@@ -326,7 +330,8 @@ class StepCost:
         if self.model_flops is not None:
             flops += f", model {format_flops(self.model_flops)} ({self.model_flops_source})"
         if self.uncosted:
-            flops += (f"; at least: {len(self.uncosted)} custom call(s) not costed: {', '.join(self.uncosted[:4])}"
+            flops += (f"; at least: {len(self.uncosted)} custom call(s) not costed: "
+                      f"{', '.join(self.uncosted[:4])}"
                       + (", ..." if len(self.uncosted) > 4 else ""))
         if self.unknown_loops:
             flops += f"; at least: {self.unknown_loops} loop(s) of unknown trip count counted once"
@@ -342,7 +347,8 @@ class StepCost:
         if live:
             parts = [
                 f"{format_bytes(live[k])} {label}"
-                for k, label in (("bytes_in_use", "in use"), ("peak_bytes_in_use", "peak"), ("bytes_limit", "limit"))
+                for k, label in (("bytes_in_use", "in use"), ("peak_bytes_in_use", "peak"),
+                                 ("bytes_limit", "limit"))
                 if k in live
             ]
             live_text = "live memory " + ", ".join(parts)
@@ -390,8 +396,10 @@ def measure_step_cost(
     roles = {k: bytes_per_device(getattr(state, k)) for k in ("params", "opt_state", "model_state")}
     try:
         plan = read_plan(compiled, state_bytes=roles)
-    except Exception as error:  # a backend without module text or memory analysis: no count, not a failed fit
+    except Exception as error:
+        # a backend without module text or memory analysis: no count, not a failed fit
         return StepCost.of_plan(None, options=options, devices=devices, local_devices=local_devices,
-                                rows_per_step=rows_per_step, state_bytes=roles, why=f"{type(error).__name__}")
+                                rows_per_step=rows_per_step, state_bytes=roles,
+                                why=f"{type(error).__name__}")
     return StepCost.of_plan(plan, options=options, devices=devices, local_devices=local_devices,
                             rows_per_step=rows_per_step)

@@ -14,7 +14,8 @@ import math
 import re
 from typing import Any
 
-__all__ = ["Instr", "Module", "array_bytes", "arrays", "backend_json", "elements", "op_name", "parse"]
+__all__ = ["Instr", "Module", "array_bytes", "arrays", "backend_json", "elements", "op_name",
+           "parse"]
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _SHAPE = re.compile(r"\b(?P<dtype>pred|token|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
@@ -67,7 +68,8 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
         [('bf16', (8, 1024)), ('s8', (64,))]
     """
     text = re.sub(r"/\*.*?\*/", "", type_text)
-    return [(m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d)) for m in _SHAPE.finditer(text)]
+    return [(m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d))
+            for m in _SHAPE.finditer(text)]
 
 
 def array_bytes(type_text: str) -> int:
@@ -178,6 +180,7 @@ def parse(text: str) -> Module:
         if op is None:
             continue
         args, end = _balanced(rest, op.end() - 1)
-        current.append(Instr(m.group("name"), type_text, op.group(1), _OPERAND.findall(args), rest[end:]))
+        current.append(Instr(m.group("name"), type_text, op.group(1), _OPERAND.findall(args),
+                             rest[end:]))
     defs = {i.name: i for instrs in computations.values() for i in instrs}
     return Module(computations, entry, types, defs)

@@ -69,12 +69,14 @@ def _next_uid() -> str:
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or any(c in name for c in '/()"'):
         raise ValueError(
-            f"name={name!r} is not a valid cluster name: use a non-empty string without '/', '(', ')' or '\"'."
+            f"name={name!r} is not a valid cluster name: use a non-empty string without '/', '(', "
+            "')' or '\"'."
         )
     return name
 
 
-class cluster(contextlib.ContextDecorator):  # lower case: used like a function, as contextlib.contextmanager
+# lower case: used like a function, as contextlib.contextmanager
+class cluster(contextlib.ContextDecorator):
     """Put the ops traced inside into gradient cluster ``name`` (a context manager and a decorator).
 
     Args:
@@ -162,7 +164,8 @@ def _invocation(uid: str | None = None) -> Iterator[str]:
         state.gradient_uids.pop()
 
 
-def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
+def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
+         **kwargs: Any) -> Callable:
     """`jax.grad` whose every invocation gets a gradient uid, so cluster ``C``'s gradient lands in
     ``C.uid``.
 
@@ -288,8 +291,8 @@ def clusters(lowered_or_text: Any) -> dict[str, list[str]]:
         text = lowered_or_text.as_text(debug_info=True)
     else:
         raise TypeError(
-            f"lowered_or_text={type(lowered_or_text).__name__} is neither a lowered computation nor text: pass "
-            "jax.jit(f).lower(*args) or its .as_text(debug_info=True)."
+            f"lowered_or_text={type(lowered_or_text).__name__} is neither a lowered computation "
+            "nor text: pass jax.jit(f).lower(*args) or its .as_text(debug_info=True)."
         )
     out: dict[str, set[str]] = {}
     for stack in _LOC.findall(text):

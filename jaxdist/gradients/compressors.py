@@ -77,7 +77,8 @@ def _all_reduce(x: jax.Array, reduce_op: ReduceOp, axis_name: str) -> jax.Array:
 
 def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:
     if not is_axis_name(axis_name):
-        raise TypeError(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. {REPLICA_AXIS!r}.")
+        raise TypeError(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, "
+                        f"e.g. {REPLICA_AXIS!r}.")
     return ReduceOp.parse(reduce_op, "reduce_op")
 
 
@@ -109,7 +110,8 @@ class Compressor:
         return None
 
     def reduce(
-        self, grad: jax.Array, state: Any, *, reduce_op: ReduceOp | str = ReduceOp.MEAN, axis_name: str = REPLICA_AXIS
+        self, grad: jax.Array, state: Any, *, reduce_op: ReduceOp | str = ReduceOp.MEAN,
+        axis_name: str = REPLICA_AXIS
     ) -> tuple[jax.Array, Any]:
         """All-reduce ``grad`` (this replica's gradient) across the replicas of ``axis_name``.
 
@@ -170,7 +172,8 @@ def _bits_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
 
 
-def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name: str, n: int) -> jax.Array:
+def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name: str,
+                              n: int) -> jax.Array:
     """A low-precision all-reduce that moves only low-precision bytes on every backend.
 
     XLA:CPU converts every bfloat16/float16 collective to float32 (measured on jax 0.12: all-reduce,
@@ -185,7 +188,8 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
     chunk = -(-size // n)
     flat = jnp.pad(payload.reshape(-1), (0, chunk * n - size)).reshape(n, chunk)
     flat = _varying(jax.lax.bitcast_convert_type(flat, bits), axis_name)
-    mine = jax.lax.all_to_all(flat, axis_name, 0, 0, tiled=True)  # row j: replica j's chunk of my slice
+    # row j: replica j's chunk of my slice
+    mine = jax.lax.all_to_all(flat, axis_name, 0, 0, tiled=True)
     part = jax.lax.bitcast_convert_type(mine, dtype).astype(jnp.float32).sum(0)
     if reduce_op is ReduceOp.MEAN:
         part = part / n
@@ -222,18 +226,21 @@ class CastCompressor(Compressor):
         1.0
     """
 
-    def __init__(self, dtype: Any = jnp.bfloat16, *, error_feedback: bool = False, collective: str = "auto"):
+    def __init__(self, dtype: Any = jnp.bfloat16, *, error_feedback: bool = False,
+                 collective: str = "auto"):
         try:
             wire = np.dtype(dtype)
         except TypeError as e:
             raise ValueError(f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16.") from e
         if not jnp.issubdtype(wire, jnp.floating) or wire.itemsize > 2:
             raise ValueError(
-                f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must narrow the "
-                "gradients to save bytes (a cast to float32 compresses nothing); use jnp.bfloat16 or jnp.float16."
+                f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must "
+                "narrow the gradients to save bytes (a cast to float32 compresses nothing); use "
+                "jnp.bfloat16 or jnp.float16."
             )
         if collective not in _COLLECTIVES:
-            raise ValueError(f"collective={collective!r} is not one of {', '.join(map(repr, _COLLECTIVES))}.")
+            raise ValueError(f"collective={collective!r} is not one of "
+                             f"{', '.join(map(repr, _COLLECTIVES))}.")
         self.dtype = wire
         self.error_feedback = bool(error_feedback)
         self.collective = collective
@@ -376,7 +383,8 @@ class PowerSGDCompressor(Compressor):
             return None
         _, cols, rank = plan
         dtype = jnp.promote_types(leaf.dtype, jnp.float32)
-        q = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), index), (cols, rank), dtype)
+        q = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), index), (cols, rank),
+                              dtype)
         return PowerSGDState(q=q, error=jnp.zeros_like(leaf, dtype))  # varying like leaf
 
     def reduce(self, grad, state, *, reduce_op=ReduceOp.MEAN, axis_name=REPLICA_AXIS):
@@ -387,8 +395,9 @@ class PowerSGDCompressor(Compressor):
             return _all_reduce(grad, op, axis_name), state
         if not isinstance(state, PowerSGDState):
             raise ValueError(
-                f"state={state!r} is not the PowerSGDState of a {grad.shape} gradient: make the state with "
-                "init() on a tree shaped like the gradients and pass each step's new state to the next."
+                f"state={state!r} is not the PowerSGDState of a {grad.shape} gradient: make the "
+                "state with init() on a tree shaped like the gradients and pass each step's new "
+                "state to the next."
             )
         rows, cols, _ = plan
         m = grad.reshape(rows, cols).astype(state.error.dtype) + state.error.reshape(rows, cols)
@@ -396,7 +405,8 @@ class PowerSGDCompressor(Compressor):
         p, _ = jnp.linalg.qr(p)
         q = _all_reduce(m.T @ p, ReduceOp.MEAN, axis_name)
         approx = p @ q.T
-        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)  # each replica's own residual
+        # each replica's own residual
+        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)
         if op is ReduceOp.SUM:
             approx = approx * (replica_count(axis_name) or 1)
         return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(q=q.astype(state.q.dtype), error=error)

@@ -80,21 +80,25 @@ def is_sparse(x: Any) -> bool:
 
 def _check(grad: Any) -> None:
     if not isinstance(grad, SparseRows):
-        raise TypeError(f"grad={type(grad).__name__} is not a SparseRows: build one with SparseRows(indices, rows, "
-                        "num_rows), or all-reduce dense gradients with AllReduceSynchronizer.")
+        raise TypeError(f"grad={type(grad).__name__} is not a SparseRows: build one with "
+                        "SparseRows(indices, rows, num_rows), or all-reduce dense gradients with "
+                        "AllReduceSynchronizer.")
     idx, values = grad.indices, grad.values
     if np.ndim(idx) != 1 or not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
         raise ValueError(
-            f"SparseRows.indices has shape {np.shape(idx)} and dtype {jnp.result_type(idx)}: it must be a 1-D "
-            "integer array of row ids (flatten the ids: ids.reshape(-1))."
+            f"SparseRows.indices has shape {np.shape(idx)} and dtype {jnp.result_type(idx)}: it "
+            "must be a 1-D integer array of row ids (flatten the ids: ids.reshape(-1))."
         )
     if np.ndim(values) < 1 or np.shape(values)[0] != np.shape(idx)[0]:
         raise ValueError(
-            f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it needs one row per "
-            "index, shape (k, *row_shape) (reshape the row gradients to (-1, dim))."
+            f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it "
+            "needs one row per index, shape (k, *row_shape) (reshape the row gradients to (-1, "
+            "dim))."
         )
-    if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows, (int, np.integer)) or grad.num_rows < 1:
-        raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the table's row count).")
+    if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows,
+                                                         (int, np.integer)) or grad.num_rows < 1:
+        raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the "
+                         "table's row count).")
 
 
 def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
@@ -173,7 +177,8 @@ def sparse_all_reduce(
         return _all_reduce(grad.to_dense(), op, axis_name)
 
     def gather(x):
-        return jax.lax.all_gather(_varying(jnp.asarray(x), axis_name), axis_name, axis=0, tiled=True, to="invarying")
+        return jax.lax.all_gather(_varying(jnp.asarray(x), axis_name), axis_name, axis=0,
+                                  tiled=True, to="invarying")
 
     dense = SparseRows(gather(grad.indices), gather(grad.values), grad.num_rows).to_dense()
     return dense / n if op is ReduceOp.MEAN else dense

@@ -100,12 +100,14 @@ class AllReduceSynchronizer:
         compressor = NoneCompressor() if compressor is None else compressor
         if not isinstance(compressor, Compressor):
             raise TypeError(
-                f"compressor={compressor!r} (type {type(compressor).__name__}) is not a Compressor: use "
-                "NoneCompressor(), CastCompressor(jnp.bfloat16) or PowerSGDCompressor(rank=4)."
+                f"compressor={compressor!r} (type {type(compressor).__name__}) is not a "
+                "Compressor: use NoneCompressor(), CastCompressor(jnp.bfloat16) or "
+                "PowerSGDCompressor(rank=4)."
             )
         if axis_name is not None and not is_axis_name(axis_name):
             raise TypeError(
-                f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. {REPLICA_AXIS!r}."
+                f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. "
+                f"{REPLICA_AXIS!r}."
             )
         self.compressor = compressor
         self.reduce_op = ReduceOp.parse(reduce_op, "reduce_op")
@@ -175,9 +177,10 @@ class AllReduceSynchronizer:
             leaf_states = treedef.flatten_up_to(state.leaves)
         except (ValueError, TypeError) as e:
             raise ValueError(
-                f"state was made for a tree of structure {jax.tree.structure(state.leaves, is_leaf=_is_state)} "
-                f"but the gradients have structure {treedef}: make the state with sync.init on a tree shaped like "
-                "the gradients (e.g. the params)."
+                "state was made for a tree of structure "
+                f"{jax.tree.structure(state.leaves, is_leaf=_is_state)} but the gradients have "
+                f"structure {treedef}: make the state with sync.init on a tree shaped like the "
+                "gradients (e.g. the params)."
             ) from e
         axis = self.axis_name or replica_axis(REPLICA_AXIS)
         reduced, new_states = [], []

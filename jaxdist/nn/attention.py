@@ -192,34 +192,38 @@ def dot_product_attention(
     """
     if flax_kwargs:
         raise TypeError(
-            f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it takes Flax's "
-            "attention_fn arguments (mask, bias, dropout_rng, dropout_rate, broadcast_dropout, deterministic, "
-            "dtype, precision, module, is_causal) and causal=, segment_ids=, context=, load_balance=."
+            f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it "
+            "takes Flax's attention_fn arguments (mask, bias, dropout_rng, dropout_rate, "
+            "broadcast_dropout, deterministic, dtype, precision, module, is_causal) and causal=, "
+            "segment_ids=, context=, load_balance=."
         )
     if context is not None and context not in _MODES:
         raise ValueError(
-            f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along the context "
-            "axes, 'ring' passes them around the ring of context devices (None: plain attention)."
+            f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along "
+            "the context axes, 'ring' passes them around the ring of context devices (None: plain "
+            "attention)."
         )
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is cuDNN's fused "
-            "attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, 'tokamax' tokamax's (the extra "
-            "jaxdist[tokamax]), 'einsum' jaxdist's blockwise softmax (None: a fused kernel where one serves, the "
-            "einsums elsewhere)."
+            f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is "
+            "cuDNN's fused attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, "
+            "'tokamax' tokamax's (the extra jaxdist[tokamax]), 'einsum' jaxdist's blockwise "
+            "softmax (None: a fused kernel where one serves, the einsums elsewhere)."
         )
     causal = bool(causal or is_causal)
     if load_balance and not causal:
         raise ValueError(
-            "load_balance=True balances causal attention over the context devices (without a causal mask "
-            "every device already does the same work): pass causal=True, or drop load_balance."
+            "load_balance=True balances causal attention over the context devices (without a "
+            "causal mask every device already does the same work): pass causal=True, or drop "
+            "load_balance."
         )
     if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
         raise NotImplementedError(
-            "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by jd.nn.dot_product_attention: "
-            "leave them unset (Flax's default)."
+            "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by "
+            "jd.nn.dot_product_attention: leave them unset (Flax's default)."
         )
-    del force_fp32_for_softmax, promote_dtype  # the softmax is in float32 already; inputs are promoted below
+    # the softmax is in float32 already; inputs are promoted below
+    del force_fp32_for_softmax, promote_dtype
     if dtype is not None:
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     else:
@@ -230,20 +234,23 @@ def dot_product_attention(
     policy = _context_policy()
     ring = policy is not None and context == "ring"
     split = policy is not None and context is not None
-    impl = _implementation(implementation, query, key, dropout or module is not None, precision, ring, split)
+    impl = _implementation(implementation, query, key, dropout or module is not None, precision,
+                           ring, split)
     # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
     with jax.named_scope(ATTENTION_SCOPE + impl):
         if policy is None or context is None:
             return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
-                          (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None, module, impl)
+                          (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None,
+                          module, impl)
         if dropout or module is not None:
             raise NotImplementedError(
-                "attention dropout and sown attention weights need the whole (L, L) weight matrix, which context "
-                "parallelism never builds: pass deterministic=True (or dropout_rate=0.0) and no module to "
-                "jd.nn.dot_product_attention on a context axis, or context=None for plain attention."
+                "attention dropout and sown attention weights need the whole (L, L) weight matrix, "
+                "which context parallelism never builds: pass deterministic=True (or "
+                "dropout_rate=0.0) and no module to jd.nn.dot_product_attention on a context axis, "
+                "or context=None for plain attention."
             )
-        return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
-                                 load_balance, precision, impl)
+        return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids,
+                                 context, load_balance, precision, impl)
 
 
 # --------------------------------------------------------------------------------------- the kernel
@@ -262,8 +269,8 @@ def _devices_platform() -> str:
     return device.platform
 
 
-def _implementation(implementation: str | None, query: jax.Array, key: jax.Array, weights_needed: bool,
-                    precision: Any, ring: bool, split: bool = False) -> str:
+def _implementation(implementation: str | None, query: jax.Array, key: jax.Array,
+                    weights_needed: bool, precision: Any, ring: bool, split: bool = False) -> str:
     """The kernel that computes the attention's blocks: ``implementation``, checked, or the
     backend's choice (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU:
     16-bit inputs, head_dim a multiple of 8 up to 128, even lengths, which its backward pass needs
@@ -277,31 +284,34 @@ def _implementation(implementation: str | None, query: jax.Array, key: jax.Array
         even = query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0
         if platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128 and even:
             return "cudnn"
-        if platform == "tpu" and _tokamax is not None:  # jax has no fused attention of its own for TPUs
+        # jax has no fused attention of its own for TPUs
+        if platform == "tpu" and _tokamax is not None:
             return "tokamax"
         return "einsum"
     if implementation == "cudnn" and (platform := _devices_platform()) != "cuda":
         raise ValueError(
-            f"implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these devices are "
-            f"{platform!r}: pass implementation=None (cuDNN on a GPU, the einsums here), 'xla' or 'einsum'."
+            "implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these "
+            f"devices are {platform!r}: pass implementation=None (cuDNN on a GPU, the einsums "
+            "here), 'xla' or 'einsum'."
         )
     if implementation == "tokamax" and _tokamax is None:
         raise ValueError(
             "implementation='tokamax' needs tokamax, which is not importable here: pip install "
-            "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or 'einsum'."
+            "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or "
+            "'einsum'."
         )
     if implementation in _FUSED and weights_needed:
         raise NotImplementedError(
-            f"implementation={implementation!r} is a fused kernel: it never builds the attention weights that "
-            "dropout and sown weights (module=) need; pass implementation='einsum' (or None), or "
-            "deterministic=True / dropout_rate=0.0 and no module."
+            f"implementation={implementation!r} is a fused kernel: it never builds the attention "
+            "weights that dropout and sown weights (module=) need; pass implementation='einsum' "
+            "(or None), or deterministic=True / dropout_rate=0.0 and no module."
         )
     if implementation in _FUSED and ring:
         raise NotImplementedError(
-            f"implementation={implementation!r} cannot compute ring attention's steps: the ring combines each "
-            "block's softmax statistics (log-sum-exp) and needs their gradient, which the fused kernels do not "
-            "give. Pass context='all_gather' (one fused call over the gathered keys) or "
-            "implementation='einsum' (or None) for the ring."
+            f"implementation={implementation!r} cannot compute ring attention's steps: the ring "
+            "combines each block's softmax statistics (log-sum-exp) and needs their gradient, "
+            "which the fused kernels do not give. Pass context='all_gather' (one fused call over "
+            "the gathered keys) or implementation='einsum' (or None) for the ring."
         )
     return implementation
 
@@ -384,7 +394,8 @@ def _block(carry, q, k, v, vis, bias, precision):
     p = jnp.exp(s - m_safe[..., None])
     correction = jnp.exp(m - m_safe)
     total = total * correction + p.sum(-1)
-    pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=precision, preferred_element_type=acc)
+    pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=precision,
+                    preferred_element_type=acc)
     o = o * jnp.swapaxes(correction, 1, 2)[..., None] + pv
     return o, m_new, total
 
@@ -413,11 +424,13 @@ def _as4(x: Any) -> Any:
         return None
     x = jnp.asarray(x)
     if x.ndim > 4:
-        raise ValueError(f"a mask/bias of shape {x.shape} has more than 4 dimensions (batch, heads, q, k).")
+        raise ValueError(f"a mask/bias of shape {x.shape} has more than 4 dimensions (batch, "
+                         "heads, q, k).")
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module, implementation):
+def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module,
+           implementation):
     """Plain attention (one block of the same algorithm), any leading batch dimensions."""
     batch_shape = query.shape[:-3]
     lq, lk = query.shape[-3], key.shape[-3]
@@ -425,21 +438,25 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
     q, k, v = flat(query), flat(key), flat(value)
     q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
-    def rank4(x):  # masks/biases over Flax's [batch..., heads, q, k]: batch dimensions flattened too
+    # masks/biases over Flax's [batch..., heads, q, k]: batch dimensions flattened too
+    def rank4(x):
         if x is None:
             return None
         x = jnp.asarray(x)
         x = x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape) if x.ndim < len(batch_shape) + 3 else x
-        x = jnp.broadcast_to(x, (*batch_shape, *x.shape[len(batch_shape):])) if batch_shape else x[None]
+        x = jnp.broadcast_to(x,
+                             (*batch_shape,
+                              *x.shape[len(batch_shape):])) if batch_shape else x[None]
         return x.reshape((-1, *x.shape[-3:]))
 
     seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, lq)
     if implementation != "einsum":  # the kernel's own causal mask (cuDNN skips the hidden blocks)
-        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool), False)
+        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool),
+                       False)
         out = _fused(q, k, v, rank4(bias), vis, causal, implementation)
         return out.astype(query.dtype).reshape((*batch_shape, *out.shape[1:]))
-    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None else rank4(mask).astype(bool),
-                   causal)
+    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None
+                   else rank4(mask).astype(bool), causal)
     bias4 = rank4(bias)
     if dropout is None and module is None:
         out = _finish(_block(_init_carry(q, v), q, k, v, vis, bias4, precision), query.dtype)
@@ -457,13 +474,15 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
     total = p.sum(-1, keepdims=True)
     weights = jnp.where(total > 0, p / jnp.where(total > 0, total, 1.0), 0.0)
     if module is not None:
-        module.sow("intermediates", "attention_weights", weights.reshape((*batch_shape, *weights.shape[1:])))
+        module.sow("intermediates", "attention_weights",
+                   weights.reshape((*batch_shape, *weights.shape[1:])))
     if dropout is not None:
         rng, rate, broadcast = dropout
         shape = (weights.shape[0], 1, *weights.shape[2:]) if broadcast else weights.shape
         keep = jax.random.bernoulli(rng, 1.0 - rate, shape)
         weights = weights * keep.astype(weights.dtype) / (1.0 - rate)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, precision=precision).astype(query.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v,
+                     precision=precision).astype(query.dtype)
     return out.reshape((*batch_shape, *out.shape[1:]))
 
 
@@ -475,23 +494,25 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if np.ndim(x) != 4:
             raise ValueError(
-                f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} jd.nn.dot_product_attention takes "
-                "Flax's (batch, length, heads, head_dim) layout; reshape extra batch dimensions into the first."
+                f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} "
+                "jd.nn.dot_product_attention takes Flax's (batch, length, heads, head_dim) layout; "
+                "reshape extra batch dimensions into the first."
             )
     if query.shape[1] != key.shape[1]:
         raise ValueError(
-            f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} the sequence of "
-            "queries and keys is the same split sequence (self-attention); pass context=None for attention "
-            "over another sequence (XLA gathers it)."
+            f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} "
+            "the sequence of queries and keys is the same split sequence (self-attention); pass "
+            "context=None for attention over another sequence (XLA gathers it)."
         )
     length = query.shape[1]
     parts = 2 * n if load_balance else n
     if length % parts:
         why = f" (2 x {n} zig-zag chunks for load_balance=True)" if parts != n else ""
         raise ValueError(
-            f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} of sizes "
-            f"{sizes} split it into {n} parts. Pad the sequence to {-(-length // parts) * parts} (a multiple of "
-            f"{parts}), or pick context axes whose size divides {length}."
+            f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} "
+            f"of sizes {sizes} split it into {n} parts. Pad the sequence to "
+            f"{-(-length // parts) * parts} (a multiple of {parts}), or pick context axes whose "
+            f"size divides {length}."
         )
 
 
@@ -500,8 +521,8 @@ def _spec_entry(entry: Any, drop: set[str]) -> Any:
     return None if not names else names[0] if len(names) == 1 else names
 
 
-def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context, load_balance,
-                      precision, implementation):
+def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
+                      load_balance, precision, implementation):
     _check(policy, query, key, value, load_balance, context)
     axes = tuple(policy.context_axes)
     entry = axes[0] if len(axes) == 1 else axes
@@ -552,10 +573,12 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
         operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, specs, strict=True)]
         manual = None
     else:
-        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec() for x, d in zip(
+        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec()
+                 for x, d in zip(
             operands, dims, strict=True)]
         manual = frozenset(axes)
-    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2], specs[2][3]) if explicit else PartitionSpec(None, entry)
+    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2],
+                             specs[2][3]) if explicit else PartitionSpec(None, entry)
 
     has_seg, has_mask, has_bias = seg is not None, mask4 is not None, bias4 is not None
     mask_rows = mask4 is not None and dims[3 + has_seg] is not None
@@ -574,12 +597,12 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
             mk = _zigzag(mk, 2, axes, n) if mask_rows else mk
             bs = _zigzag(bs, 2, axes, n) if bias_rows else bs
         if implementation != "einsum":  # all-gather only (`_implementation` refuses the ring)
-            out = _all_gather_fused(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length,
-                                    zigzag=zigzag, implementation=implementation)
+            out = _all_gather_fused(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n,
+                                    length=length, zigzag=zigzag, implementation=implementation)
         else:
             algorithm = _ring if context == "ring" else _all_gather
-            out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length, zigzag=zigzag,
-                            precision=precision)
+            out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length,
+                            zigzag=zigzag, precision=precision)
         if zigzag:
             out = _unzigzag(out, 1, axes, n)
         return out
@@ -628,17 +651,22 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
             rows = slice(i * cl, (i + 1) * cl)
             qc, qp = q[:, rows], q_pos[rows]
             qs = None if seg is None else seg[:, rows]
-            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc else mcols)
-            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc else bcols)
+            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc
+                                                else mcols)
+            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc
+                                                else bcols)
             for j in range(chunks):
                 cols = slice(j * cl, (j + 1) * cl)
                 kc, vc, kp = kb[:, cols], vb[:, cols], k_pos[cols]
                 ks = None if kseg is None else kseg[:, cols]
-                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc else mrows)
-                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc else brows)
+                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc
+                                                 else mrows)
+                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc
+                                                 else brows)
                 args = (qc, qp, qs, kc, vc, kp, ks, mc, bc)
                 if causal:  # a chunk pair the causal mask hides entirely costs nothing
-                    carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c, carry, args)
+                    carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c,
+                                         carry, args)
                 else:
                     carry = fold(carry, *args)
             new.append(carry)
@@ -653,13 +681,14 @@ def _finish_all(carries, dtype):
 
 def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):
     """Gather K/V (and key segments) along the context axes, then fold them in block by block."""
-    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length, zigzag=zigzag,
-                              precision=precision)
+    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length,
+                              zigzag=zigzag, precision=precision)
     lc = k.shape[1]
     gathered = [None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg)]
 
     def step(carries, src):
-        kv = [None if x is None else jax.lax.dynamic_slice_in_dim(x, src * lc, lc, axis=1) for x in gathered]
+        kv = [None if x is None else jax.lax.dynamic_slice_in_dim(x, src * lc, lc, axis=1)
+              for x in gathered]
         return update(carries, kv, src), None
 
     carries, _ = jax.lax.scan(step, carries, jnp.arange(n), unroll=n <= _UNROLL)
@@ -674,22 +703,25 @@ def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigz
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
     q_pos = _positions(idx, n, lc, zigzag)
-    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])  # the gathered order
-    kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg))
+    # the gathered order
+    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])
+    kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
+                  for x in (k, v, seg))
     vis = _visible(q_pos, k_pos, seg, sg, _columns(mask, k_pos, length), causal)
     return _fused(q, kg, vg, _columns(bias, k_pos, length), vis, False, implementation)
 
 
 def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):
     """Pass K/V blocks around the ring of context devices, folding in each as it arrives."""
-    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length, zigzag=zigzag,
-                              precision=precision)
+    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length,
+                              zigzag=zigzag, precision=precision)
     idx = jax.lax.axis_index(axes)
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def step(state, s):
         carries, kv = state
-        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)  # independent of this step's compute
+        # independent of this step's compute
+        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)
         carries = update(carries, kv, (idx - s) % n)
         return (carries, nxt), None
 
@@ -697,6 +729,7 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precisio
     if n > 1:
         # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute,
         # and cost analysis (FLOPs, MFU) counts every block.
-        (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1), unroll=n - 1 <= _UNROLL)
+        (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1),
+                                        unroll=n - 1 <= _UNROLL)
     carries = update(carries, kv, (idx - (n - 1)) % n)
     return _finish_all(carries, q.dtype)

@@ -44,17 +44,20 @@ def has_ragged_exchange(platform: str, kind: str = "") -> bool:
     return platform in RAGGED_PLATFORMS and not kind.startswith(("TPU v2", "TPU v3"))
 
 
-def exchange(operand: jax.Array, output: jax.Array, plan: ExchangePlan, *, axis_name: AxisName, native: bool,
-             slice_rows: int) -> jax.Array:
+def exchange(operand: jax.Array, output: jax.Array, plan: ExchangePlan, *, axis_name: AxisName,
+             native: bool, slice_rows: int) -> jax.Array:
     """`ragged_all_to_all` of ``operand``'s slices into ``output`` as ``plan`` says (``native``,
     ``slice_rows``: as there): ``output`` with the received rows written in."""
-    return ragged_all_to_all(operand, output, plan.send_offsets, plan.send_sizes, plan.output_offsets,
-                             plan.recv_sizes, axis_name=axis_name, native=native, slice_rows=slice_rows)
+    return ragged_all_to_all(operand, output, plan.send_offsets, plan.send_sizes,
+                             plan.output_offsets,
+                             plan.recv_sizes, axis_name=axis_name, native=native,
+                             slice_rows=slice_rows)
 
 
-def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                      output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: AxisName, native: bool,
-                      slice_rows: int) -> jax.Array:
+def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                      send_sizes: jax.Array,
+                      output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: AxisName,
+                      native: bool, slice_rows: int) -> jax.Array:
     """`jax.lax.ragged_all_to_all` (same arguments, same result) inside `jax.shard_map`.
 
     Args:
@@ -69,8 +72,8 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
         ``recv_sizes`` rows each.
     """
     if native:
-        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                         axis_name=axis_name)
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                         recv_sizes, axis_name=axis_name)
     step = jnp.arange(slice_rows, dtype=input_offsets.dtype)
     rows = input_offsets[:, None] + step  # (K, slice_rows)
     chunks = jnp.take(operand, jnp.clip(rows, 0, operand.shape[0] - 1), axis=0)
@@ -80,7 +83,8 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     # collective's.
     got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    targets = jnp.where(step < recv_sizes[:, None], where[:, None] + step, output.shape[0])  # past the end: unused
+    # past the end: unused
+    targets = jnp.where(step < recv_sizes[:, None], where[:, None] + step, output.shape[0])
     return output.at[targets.reshape(-1)].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
@@ -105,8 +109,8 @@ class ExchangePlan(NamedTuple):
     def back(self) -> ExchangePlan:
         """The plan of the way back: every received slot returned to where its source sent it
         from."""
-        return ExchangePlan(self.recv_offsets, self.recv_sizes, self.return_offsets, self.send_offsets,
-                            self.send_sizes, None, self.output_offsets)
+        return ExchangePlan(self.recv_offsets, self.recv_sizes, self.return_offsets,
+                            self.send_offsets, self.send_sizes, None, self.output_offsets)
 
 
 def exchange_plan(send_sizes: jax.Array, axis_name: AxisName) -> ExchangePlan:
@@ -131,16 +135,20 @@ def exchange_plan(send_sizes: jax.Array, axis_name: AxisName) -> ExchangePlan:
     k = send_sizes.shape[0]
     devices = jax.lax.axis_size(axis_name)
     if k % devices:
-        raise ValueError(f"send_sizes has {k} slices, which the {devices} devices of axis_name={axis_name!r} do not "
-                         "divide: each device receives the same number of slots; pad send_sizes with zeros.")
+        raise ValueError(f"send_sizes has {k} slices, which the {devices} devices of "
+                         f"axis_name={axis_name!r} do not divide: each device receives the same "
+                         "number of slots; pad send_sizes with zeros.")
     per_device = k // devices
     sizes = send_sizes.astype(jnp.int32)
     send_offsets = jnp.cumsum(sizes, dtype=jnp.int32) - sizes
-    recv = jax.lax.all_to_all(sizes.reshape(devices, per_device), axis_name, 0, 0, tiled=True)  # [source, slot]
+    # [source, slot]
+    recv = jax.lax.all_to_all(sizes.reshape(devices, per_device), axis_name, 0, 0, tiled=True)
     group_sizes = jnp.sum(recv, 0, dtype=jnp.int32)
     starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes
-    recv_offsets = starts[None, :] + jnp.cumsum(recv, 0, dtype=jnp.int32) - recv  # sources in order inside each group
+    # sources in order inside each group
+    recv_offsets = starts[None, :] + jnp.cumsum(recv, 0, dtype=jnp.int32) - recv
     output_offsets = jax.lax.all_to_all(recv_offsets, axis_name, 0, 0, tiled=True).reshape(k)
-    return_offsets = jax.lax.all_to_all(send_offsets.reshape(devices, per_device), axis_name, 0, 0, tiled=True)
-    return ExchangePlan(send_offsets, sizes, output_offsets, recv_offsets.reshape(k), recv.reshape(k), group_sizes,
-                        return_offsets.reshape(k))
+    return_offsets = jax.lax.all_to_all(send_offsets.reshape(devices, per_device), axis_name, 0, 0,
+                                        tiled=True)
+    return ExchangePlan(send_offsets, sizes, output_offsets, recv_offsets.reshape(k),
+                        recv.reshape(k), group_sizes, return_offsets.reshape(k))

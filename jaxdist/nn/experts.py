@@ -65,8 +65,8 @@ from jaxdist.strategies import ambient
 from jaxdist.strategies.layout import explicit_axes, trace_mesh
 from jaxdist.strategies.plan import is_plan_mesh
 
-__all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity", "has_tokamax",
-           "init_weights"]
+__all__ = ["GROUPED_MATMULS", "ROUTERS", "Routing", "Stats", "Weights", "apply", "capacity",
+           "has_tokamax", "init_weights"]
 
 ROUTERS = ("softmax", "sigmoid")
 GROUPED_MATMULS = ("ragged_dot", "tokamax")
@@ -108,14 +108,14 @@ class Routing:
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
         if self.top_k > self.num_experts:
             raise ValueError(
-                f"top_k={self.top_k} > num_experts={self.num_experts}: each token picks top_k distinct experts; "
-                f"use top_k <= {self.num_experts}."
+                f"top_k={self.top_k} > num_experts={self.num_experts}: each token picks top_k "
+                f"distinct experts; use top_k <= {self.num_experts}."
             )
         c = self.capacity_factor
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
             raise ValueError(
-                f"capacity_factor={c!r} cannot hold one token: give a number > 0 (1.0: each expert takes its even "
-                "share of a sequence's tokens; more drops fewer) or None (dropless)."
+                f"capacity_factor={c!r} cannot hold one token: give a number > 0 (1.0: each expert "
+                "takes its even share of a sequence's tokens; more drops fewer) or None (dropless)."
             )
         if self.router not in ROUTERS:
             raise ValueError(f"router={self.router!r} is not one of {ROUTERS}.")
@@ -153,17 +153,21 @@ def capacity(config: Routing, length: int) -> int:
     """
     if config.capacity_factor is None:
         return length
-    return min(length, max(1, math.ceil(config.capacity_factor * length * config.top_k / config.num_experts)))
+    return min(length,
+               max(1,
+                   math.ceil(config.capacity_factor * length * config.top_k / config.num_experts)))
 
 
-def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int, dtype: Any = jnp.float32) -> Weights:
+def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int,
+                 dtype: Any = jnp.float32) -> Weights:
     """Weights for ``config`` on inputs of width ``dim`` with experts of ``hidden`` units (lecun
     normal)."""
     k = jax.random.split(key, 4)
-    init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
-                                                batch_axis=(0,))
+    init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                                out_axis=-1, batch_axis=(0,))
     e = config.num_experts
-    return Weights(jax.nn.initializers.lecun_normal()(k[0], (dim, e), dtype), init(k[1], (e, dim, hidden), dtype),
+    return Weights(jax.nn.initializers.lecun_normal()(k[0], (dim, e), dtype),
+                   init(k[1], (e, dim, hidden), dtype),
                    init(k[2], (e, dim, hidden), dtype), init(k[3], (e, hidden, dim), dtype))
 
 
@@ -200,14 +204,14 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     """
     if grouped_matmul is not None and grouped_matmul not in GROUPED_MATMULS:
         raise ValueError(
-            f"grouped_matmul={grouped_matmul!r} is not one of {GROUPED_MATMULS}: 'tokamax' is tokamax's "
-            "ragged_dot (GPU / TPU kernels), 'ragged_dot' jax.lax.ragged_dot (None: tokamax where installed on "
-            "a GPU or TPU, jax.lax.ragged_dot elsewhere)."
+            f"grouped_matmul={grouped_matmul!r} is not one of {GROUPED_MATMULS}: 'tokamax' is "
+            "tokamax's ragged_dot (GPU / TPU kernels), 'ragged_dot' jax.lax.ragged_dot (None: "
+            "tokamax where installed on a GPU or TPU, jax.lax.ragged_dot elsewhere)."
         )
     if grouped_matmul == "tokamax" and _tokamax is None:
         raise ValueError(
-            "grouped_matmul='tokamax' needs tokamax, which is not importable here: pip install 'jaxdist[tokamax]' "
-            "(or tokamax), or pass grouped_matmul='ragged_dot' (or None)."
+            "grouped_matmul='tokamax' needs tokamax, which is not importable here: pip install "
+            "'jaxdist[tokamax]' (or tokamax), or pass grouped_matmul='ragged_dot' (or None)."
         )
     shape = x.shape
     rows = shape[0] if x.ndim > 1 else 1
@@ -215,18 +219,21 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
     if policy is not None and is_plan_mesh(policy.mesh):
-        native = False  # a plan's program compiles on simulated CPU devices (`plan_mesh.compile_elsewhere`)
+        # a plan's program compiles on simulated CPU devices (`plan_mesh.compile_elsewhere`)
+        native = False
     else:
         device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
         native = has_ragged_exchange(device.platform, device.device_kind)
     asked, ragged = ragged, config.capacity_factor is None and (native if ragged is None else ragged)
     if grouped_matmul is not None and not ragged:
         raise ValueError(
-            f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the dropless ragged path, which this "
-            + ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass capacity_factor=None"
+            f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the dropless ragged "
+            "path, which this "
+            + ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass "
+               "capacity_factor=None"
                if config.capacity_factor is not None else
-               f"call does not take ({'ragged=False' if asked is False else 'these devices have no ragged exchange'}"
-               "); pass ragged=True")
+               "call does not take "
+               f"({'ragged=False' if asked is False else 'these devices have no ragged exchange'}); pass ragged=True")
             + " or leave grouped_matmul=None.")
     kernel = grouped_matmul or ("tokamax" if native and _tokamax is not None else "ragged_dot")
     if config.capacity_factor is not None:
@@ -260,7 +267,8 @@ def _route(config: Routing, weights: Weights, x: jax.Array):
     return logits, scores, experts, picked
 
 
-def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axes: tuple, batch_axes: tuple):
+def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axes: tuple,
+           batch_axes: tuple):
     """One device's rows ``x (b, l, d)``: routed, sent to the experts (over ``expert_axes`` when
     any), combined. Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (the global
     batch)."""
@@ -273,10 +281,13 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
     position = jnp.cumsum(onehot.reshape(b, length * k, e), axis=1).reshape(b, length, k, e) - 1
     position = jnp.sum(position * onehot, -1)  # (b, l, k)
     kept = position < cap
-    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)  # a dropped pick: no slot
+    # a dropped pick: no slot
+    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)
     dispatch = jnp.einsum("blke,blkc->blec", onehot.astype(x.dtype), slot)
-    combine = jnp.einsum("blk,blke,blkc->blec", (picked * kept).astype(x.dtype), onehot.astype(x.dtype), slot)
-    h = jnp.einsum("bld,blec->becd", x, dispatch)  # (b, e, c, d): each expert's buffer of this device's rows
+    combine = jnp.einsum("blk,blke,blkc->blec", (picked * kept).astype(x.dtype),
+                         onehot.astype(x.dtype), slot)
+    # (b, e, c, d): each expert's buffer of this device's rows
+    h = jnp.einsum("bld,blec->becd", x, dispatch)
     if expert_axes:  # each device gets its experts' buffers from every device of the expert group
         h = jax.lax.all_to_all(h, expert_axes, 1, 0, tiled=True)  # (b * EP, e / EP, c, d)
     gate = jnp.einsum("gecd,edh->gech", h, weights.gate.astype(x.dtype))
@@ -319,7 +330,8 @@ def _sorted_picks(config: Routing, weights: Weights, x: jax.Array) -> _Picks:
     token = order // k
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)
     sums = (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
-            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), jnp.float32(b * length * k), jnp.float32(b * length))
+            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), jnp.float32(b * length * k),
+            jnp.float32(b * length))
     return _Picks(x.reshape(b * length, d)[token], token, picked.reshape(-1)[order].astype(x.dtype),
                   jnp.bincount(flat, length=e).astype(jnp.int32), sums)
 
@@ -360,8 +372,8 @@ def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
     return _combine(picks, out, x.shape), picks.sums
 
 
-def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple, batch_axes: tuple,
-                  native: bool, kernel: str = "ragged_dot"):
+def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: tuple,
+                  batch_axes: tuple, native: bool, kernel: str = "ragged_dot"):
     """Dropless expert parallelism on one device's rows ``x (b, l, d)``: its picks sorted by expert,
     each expert's slice sent to the device holding it by a ragged exchange (only the routed rows
     move), received grouped by local expert, the experts as grouped matmuls on them, the outputs
@@ -374,11 +386,11 @@ def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: 
     # A source sends each local expert at most one row per token: the worst case any device can
     # receive.
     buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
-    received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes, native=native,
-                        slice_rows=tokens)
+    received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes,
+                        native=native, slice_rows=tokens)
     out = _grouped_experts(config, weights, received, plan.group_sizes, kernel)
-    back = exchange(out, jnp.zeros_like(picks.rows), plan.back(), axis_name=expert_axes, native=native,
-                    slice_rows=tokens)
+    back = exchange(out, jnp.zeros_like(picks.rows), plan.back(), axis_name=expert_axes,
+                    native=native, slice_rows=tokens)
     sums = picks.sums if not batch_axes else jax.lax.psum(picks.sums, batch_axes)
     return _combine(picks, back, x.shape), sums
 
@@ -390,7 +402,8 @@ def _stats(config: Routing, sums) -> Stats:
     p = score_sums / tokens
     mean = jnp.mean(picks)
     return Stats(load_balance=e * jnp.sum(f * p), z_loss=z_sum / tokens, tokens_per_expert=picks,
-                 max_load=jnp.max(picks) / jnp.maximum(mean, 1.0), dropped_fraction=1.0 - kept / (tokens * k))
+                 max_load=jnp.max(picks) / jnp.maximum(mean, 1.0),
+                 dropped_fraction=1.0 - kept / (tokens * k))
 
 
 # ---------------------------------------------------------------------------------- expert parallel
@@ -406,29 +419,33 @@ def _expert_policy() -> Any | None:
     return policy
 
 
-def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int, ragged: bool,
-                     native: bool, kernel: str = "ragged_dot"):
+def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Array, cap: int,
+                     ragged: bool, native: bool, kernel: str = "ragged_dot"):
     roles = policy.roles
     axes, batch = tuple(roles.expert_axes), tuple(roles.batch_axes)
     ep = roles.size(axes)
     if config.num_experts % ep:
         raise ValueError(
-            f"num_experts={config.num_experts} is not divisible by the {ep} devices of expert_axes={axes} "
-            f"(sizes {[policy.mesh.shape[a] for a in axes]}): each device holds num_experts / {ep} experts; use a "
-            f"multiple of {ep} experts, or expert axes whose sizes multiply to a divisor of {config.num_experts}."
+            f"num_experts={config.num_experts} is not divisible by the {ep} devices of "
+            f"expert_axes={axes} (sizes {[policy.mesh.shape[a] for a in axes]}): each device holds "
+            f"num_experts / {ep} experts; use a multiple of {ep} experts, or expert axes whose "
+            f"sizes multiply to a divisor of {config.num_experts}."
         )
     rows = roles.size(batch)
     if x.shape[0] % rows:
         raise ValueError(
-            f"jd.nn.MoE got {x.shape[0]} rows (sequences), which the {rows} devices of batch_axes={batch} do not "
-            "divide: each device routes its own rows; the layer's input keeps the batch's rows on axis 0."
+            f"jd.nn.MoE got {x.shape[0]} rows (sequences), which the {rows} devices of "
+            f"batch_axes={batch} do not divide: each device routes its own rows; the layer's input "
+            "keeps the batch's rows on axis 0."
         )
     mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
     expert_entry, batch_entry = roles.entry("expert"), roles.replica_axis
     x_spec = PartitionSpec(batch_entry)
     w_spec = PartitionSpec(expert_entry)
-    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec, None if weights.bias is None else PartitionSpec())
-    if explicit_axes(policy.mesh):  # sharding in types: the operands are retyped to the layouts the layer needs
+    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec, None if weights.bias is None
+                    else PartitionSpec())
+    # sharding in types: the operands are retyped to the layouts the layer needs
+    if explicit_axes(policy.mesh):
         x = jax.sharding.reshard(x, x_spec)
         weights = Weights(*(w if w is None else jax.sharding.reshard(w, s) for w, s in zip(weights, specs,
                                                                                           strict=True)))

@@ -26,7 +26,8 @@ def positions(block, n: int, lc: int, zigzag: bool):
     if not zigzag:
         return block * lc + jnp.arange(lc)
     half = lc // 2
-    return jnp.concatenate([block * half + jnp.arange(half), (2 * n - 1 - block) * half + jnp.arange(half)])
+    return jnp.concatenate([block * half + jnp.arange(half),
+                            (2 * n - 1 - block) * half + jnp.arange(half)])
 
 
 def _dest(c: int, n: int) -> int:
@@ -55,7 +56,8 @@ def zigzag(x, axis: int, axes, n: int):
     h0, h1 = jnp.split(x, 2, axis=axis)
     r0 = jax.lax.ppermute(h0, axes, [(i, _dest(2 * i, n)) for i in range(n)])
     r1 = jax.lax.ppermute(h1, axes, [(i, _dest(2 * i + 1, n)) for i in range(n)])
-    even = jax.lax.axis_index(axes) % 2 == 0  # even devices got their first chunk from the first permute
+    # even devices got their first chunk from the first permute
+    even = jax.lax.axis_index(axes) % 2 == 0
     return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
 
 

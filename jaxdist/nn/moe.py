@@ -55,8 +55,8 @@ EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "em
 def stacked_init() -> Callable:
     """Lecun-normal per expert: fan-in is each expert's own input width (axis 0 stacks the
     experts)."""
-    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
-                                            batch_axis=(0,))
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                            out_axis=-1, batch_axis=(0,))
 
 
 class MoE(nn.Module):
@@ -105,30 +105,34 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        config = Routing(self.num_experts, self.top_k, self.capacity_factor, self.router, self.normalize_top_k,
-                         self.activation)
+        config = Routing(self.num_experts, self.top_k, self.capacity_factor, self.router,
+                         self.normalize_top_k, self.activation)
         d, e, h = x.shape[-1], self.num_experts, self.hidden_dim
         router = self.param("router", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
                             (d, e), self.param_dtype)
         shapes = {"wi_gate": (e, d, h), "wi_up": (e, d, h), "wo": (e, h, d)}
         stacked = {name: self.param(name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
                                     shapes[name], self.param_dtype) for name in shapes}
-        bias = self.variable("router_bias", "bias", jnp.zeros, (e,), jnp.float32).value if self.router_bias else None
+        bias = self.variable("router_bias", "bias", jnp.zeros, (e,),
+                             jnp.float32).value if self.router_bias else None
         dtype = self.dtype or x.dtype
-        y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"], stacked["wo"], bias),
+        y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"],
+                                         stacked["wo"], bias),
                          x.astype(dtype), ragged=self.ragged, grouped_matmul=self.grouped_matmul)
         if self.shared_experts:
             width = self.shared_experts * h
 
             def dense(name, features, axes):
-                return nn.DenseGeneral(features, use_bias=False, dtype=dtype, param_dtype=self.param_dtype,
+                return nn.DenseGeneral(features, use_bias=False, dtype=dtype,
+                                       param_dtype=self.param_dtype,
                                        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                                                                 axes), name=name)
 
             xs = x.astype(dtype)
             hidden = self.activation(dense("shared_wi_gate", width, ("embed", "mlp"))(xs))
             y = y + dense("shared_wo", d, ("mlp", "embed"))(hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs))
-        if not self.is_initializing():  # init returns weights only: sown values never ride along as variables
+        # init returns weights only: sown values never ride along as variables
+        if not self.is_initializing():
             self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance
                      + self.z_loss_weight * stats.z_loss)
             for name, value in stats._asdict().items():

@@ -36,22 +36,27 @@ class MoE(nnx.Module):
     `jaxdist.nn.MoE`'s)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, hidden_dim: int, *,
-                 capacity_factor: float | None = None, router: str = "softmax", normalize_top_k: bool = True,
+                 capacity_factor: float | None = None, router: str = "softmax",
+                 normalize_top_k: bool = True,
                  shared_experts: int = 0, activation: Callable[[jax.Array], jax.Array] = nnx.silu,
-                 load_balance_weight: float = 0.01, z_loss_weight: float = 0.0, router_bias: bool = False,
+                 load_balance_weight: float = 0.01, z_loss_weight: float = 0.0,
+                 router_bias: bool = False,
                  ragged: bool | None = None, grouped_matmul: str | None = None,
                  dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k, activation)
+        self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k,
+                              activation)
         e, h = num_experts, hidden_dim
         lecun = nnx.initializers.lecun_normal()
 
-        def param(value, names):  # laid out by the strategy (its rules), not eagerly by Flax's ambient mesh
+        # laid out by the strategy (its rules), not eagerly by Flax's ambient mesh
+        def param(value, names):
             return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
         self.router = param(lecun(rngs.params(), (dim, e), param_dtype), ("embed", None))
         shapes = {"wi_gate": (e, dim, h), "wi_up": (e, dim, h), "wo": (e, h, dim)}
         for name, shape in shapes.items():
-            setattr(self, name, param(stacked_init()(rngs.params(), shape, param_dtype), EXPERT_WEIGHTS[name]))
+            setattr(self, name, param(stacked_init()(rngs.params(), shape, param_dtype),
+                                      EXPERT_WEIGHTS[name]))
         self.bias = nnx.data(nnx.BatchStat(jnp.zeros((e,), jnp.float32)) if router_bias else None)
         shared = None
         if shared_experts:

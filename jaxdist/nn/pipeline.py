@@ -81,8 +81,9 @@ def _checked(block: nn.Module, x: jax.Array, y: Any) -> jax.Array:
     if not isinstance(y, jax.Array) or y.shape != x.shape or y.dtype != x.dtype:
         raise ValueError(
             f"block {type(block).__name__} returned {getattr(y, 'shape', type(y).__name__)} "
-            f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block maps x to an x of "
-            "the same shape and dtype (return the new x only, not a (carry, output) pair)."
+            f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block "
+            "maps x to an x of the same shape and dtype (return the new x only, not a (carry, "
+            "output) pair)."
         )
     return y
 
@@ -96,7 +97,8 @@ def _box_layers(tree: Any) -> Any:
     None, ...)``, so a strategy with stage axes splits them over the stages."""
 
     def box(x):
-        return x if is_box(x) else nn.LogicallyPartitioned(x, (LAYERS,) + (None,) * (np.ndim(x) - 1))
+        return x if is_box(x) else nn.LogicallyPartitioned(x,
+                                                           (LAYERS,) + (None,) * (np.ndim(x) - 1))
 
     return jax.tree.map(box, tree, is_leaf=is_box)
 
@@ -160,7 +162,8 @@ class Pipeline(nn.Module):
     # ----------------------------------------------------------------------------------- validation
     def _check(self) -> None:
         if not isinstance(self.block, nn.Module):
-            raise ValueError(f"block={self.block!r} is not a flax.linen Module: pass one layer, e.g. block=Block(64).")
+            raise ValueError(f"block={self.block!r} is not a flax.linen Module: pass one layer, "
+                             "e.g. block=Block(64).")
         for name in ("num_layers", "num_microbatches", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -169,20 +172,21 @@ class Pipeline(nn.Module):
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}.")
         if self.schedule == "gpipe" and self.repeats != 1:
             raise ValueError(
-                f"repeats={self.repeats} with schedule='gpipe': GPipe runs each stage's layers once per micro-batch; "
-                "use schedule='circular' for repeats > 1."
+                f"repeats={self.repeats} with schedule='gpipe': GPipe runs each stage's layers "
+                "once per micro-batch; use schedule='circular' for repeats > 1."
             )
 
     def _check_batch(self, x: jax.Array, replicas: int) -> None:
         if np.ndim(x) < 1:
-            raise ValueError(f"Pipeline got an input of shape {np.shape(x)}: it needs a leading batch dimension.")
+            raise ValueError(f"Pipeline got an input of shape {np.shape(x)}: it needs a leading "
+                             "batch dimension.")
         batch, m = x.shape[0], self.num_microbatches
         if batch % replicas or (batch // replicas) % m:
             per = batch // replicas if batch % replicas == 0 else batch / replicas
             raise ValueError(
-                f"num_microbatches={m} does not divide the per-replica batch {per} (global batch {batch} over "
-                f"{replicas} replica(s)): pick num_microbatches among the divisors of {per}, or make the global "
-                f"batch a multiple of {m * replicas}."
+                f"num_microbatches={m} does not divide the per-replica batch {per} (global batch "
+                f"{batch} over {replicas} replica(s)): pick num_microbatches among the divisors of "
+                f"{per}, or make the global batch a multiple of {m * replicas}."
             )
 
     # --------------------------------------------------------------------------------------- layers
@@ -192,7 +196,8 @@ class Pipeline(nn.Module):
 
         def layer(params, key, x, args):
             rngs = {"dropout": jax.random.wrap_key_data(key)} if dropout else None
-            return _checked(self.block, x, block.apply({"params": params}, x, *args, rngs=rngs, **kwargs))
+            return _checked(self.block, x, block.apply({"params": params}, x, *args, rngs=rngs,
+                                                       **kwargs))
 
         if self.remat is True:
             layer = jax.checkpoint(layer)
@@ -200,7 +205,8 @@ class Pipeline(nn.Module):
             layer = jax.checkpoint(layer, policy=self.remat)
         return layer
 
-    def _run_layers(self, layer: Callable, params: Any, keys: jax.Array, x: jax.Array, m: Any, args: tuple) -> Any:
+    def _run_layers(self, layer: Callable, params: Any, keys: jax.Array, x: jax.Array, m: Any,
+                    args: tuple) -> Any:
         """``x`` through the stacked layers of ``params`` (leading axis: layers), micro-batch
         ``m``'s keys."""
 
@@ -221,8 +227,9 @@ class Pipeline(nn.Module):
         extra = sorted(c for c, tree in variables.items() if c != "params" and "block" in tree)
         if extra:
             raise ValueError(
-                f"block {type(self.block).__name__} holds variables of collection(s) {extra}: Pipeline carries only "
-                "'params' (no BatchNorm statistics or caches) from layer to layer."
+                f"block {type(self.block).__name__} holds variables of collection(s) {extra}: "
+                "Pipeline carries only 'params' (no BatchNorm statistics or caches) from layer to "
+                "layer."
             )
         params = _unbox(variables["params"]["block"])
         dropout = self.has_rng("dropout")
@@ -234,7 +241,8 @@ class Pipeline(nn.Module):
         computation = ambient.current_computation()
         policy = computation.policy if computation is not None and computation.kind == "global" else None
         stages = policy.roles.size(policy.roles.stage_axes) if policy is not None else 1
-        if stages == 1:  # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
+        # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
+        if stages == 1:
             self._check_batch(x, 1)
             return self._plain(layer, params, keys, x, args, dropout)
         self._check_batch(x, policy.num_replicas)
@@ -249,7 +257,8 @@ class Pipeline(nn.Module):
 
         scan = nn.scan(
             body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-            length=self.num_layers, in_axes=(nn.broadcast,) * len(args), metadata_params={nn.PARTITION_NAME: LAYERS},
+            length=self.num_layers, in_axes=(nn.broadcast,) * len(args),
+            metadata_params={nn.PARTITION_NAME: LAYERS},
         )
         # A block created outside any module is this module's child "block" already; one created in
         # the parent's @nn.compact belongs to the parent: clone it here, under the same name.
@@ -261,14 +270,16 @@ class Pipeline(nn.Module):
         return y
 
     def _split(self, x: jax.Array, batch: int) -> jax.Array:
-        m = self.num_microbatches  # micro-batch i: rows i, i + M, ... (each keeps its rows on their data shards)
+        # micro-batch i: rows i, i + M, ... (each keeps its rows on their data shards)
+        m = self.num_microbatches
         return x.reshape(batch // m, m, *x.shape[1:]).swapaxes(0, 1)
 
     def _merge(self, xs: jax.Array) -> jax.Array:
         return xs.swapaxes(0, 1).reshape(-1, *xs.shape[2:])
 
     def _split_args(self, args: tuple, batch: int) -> tuple[tuple, tuple[bool, ...]]:
-        split = tuple(isinstance(a, jax.Array | np.ndarray) and np.ndim(a) >= 1 and a.shape[0] == batch for a in args)
+        split = tuple(isinstance(a, jax.Array | np.ndarray) and np.ndim(a) >= 1
+                      and a.shape[0] == batch for a in args)
         return tuple(self._split(jnp.asarray(a), batch) if s else a for a, s in zip(args, split, strict=True)), split
 
     def _plain(self, layer, params, keys, x, args, dropout) -> jax.Array:
@@ -303,21 +314,25 @@ class Pipeline(nn.Module):
         num_layers, repeats, m_count = self.num_layers, self.repeats, self.num_microbatches
         if num_layers % (stages * repeats):
             raise ValueError(
-                f"num_layers={num_layers} is not divisible by the {stages} stages x repeats={repeats}: each stage "
-                f"runs num_layers / (stages x repeats) layers per visit; use a multiple of {stages * repeats} "
-                "layers, or another stage count or repeats."
+                f"num_layers={num_layers} is not divisible by the {stages} stages x "
+                f"repeats={repeats}: each stage runs num_layers / (stages x repeats) layers per "
+                f"visit; use a multiple of {stages * repeats} layers, or another stage count or "
+                "repeats."
             )
         if repeats > 1 and m_count < stages:
             raise ValueError(
-                f"num_microbatches={m_count} is less than the {stages} stages with schedule='circular': a "
-                f"micro-batch comes back to stage 0 before the stage is free; use num_microbatches >= {stages}."
+                f"num_microbatches={m_count} is less than the {stages} stages with "
+                "schedule='circular': a micro-batch comes back to stage 0 before the stage is "
+                f"free; use num_microbatches >= {stages}."
             )
         per = num_layers // (stages * repeats)
         stage_spec = PartitionSpec(roles.entry("stage"))
-        ambient_mesh = jax.sharding.get_abstract_mesh()  # the step's mesh, with Explicit axes made Auto here
+        # the step's mesh, with Explicit axes made Auto here
+        ambient_mesh = jax.sharding.get_abstract_mesh()
         mesh = ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names) else policy.mesh
 
-        def by_stage(a):  # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
+        # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
+        def by_stage(a):
             a = a.reshape(repeats, stages, per, *a.shape[1:]).swapaxes(0, 1)
             return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, stage_spec))
 
@@ -356,7 +371,8 @@ class Pipeline(nn.Module):
                     outs, jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)), done, 0)
                 return (recv, buf, outs), None
 
-            (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations), unroll=self.unroll)
+            (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations),
+                                       unroll=self.unroll)
             return outs[None]
 
         arg_specs = tuple(PartitionSpec() for _ in margs)

@@ -128,7 +128,8 @@ def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:
         return None
 
 
-def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation, axis_name: AxisName = REPLICA_AXIS) -> Any:
+def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation,
+               axis_name: AxisName = REPLICA_AXIS) -> Any:
     """psum / pmean (by ``reduce_op``: SUM or MEAN) of a pytree over ``axis_name``; every replica
     gets it.
 
@@ -141,7 +142,8 @@ def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation, axis_name:
     """
     if axis_size(axis_name) is None:
         return value
-    value = jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value)  # invariant x sums to N * x
+    # invariant x sums to N * x
+    value = jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value)
     if reduce_op.name == "SUM":
         return jax.lax.psum(value, axis_name)
     if reduce_op.name == "MEAN":
@@ -149,7 +151,8 @@ def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation, axis_name:
     raise ValueError(f"reduce_op={reduce_op!r}: all_reduce takes SUM or MEAN.")
 
 
-def reduce_stacked(stacked: jax.Array, mode: ReduceOp | VariableAggregation, axis: int = 0) -> jax.Array:
+def reduce_stacked(stacked: jax.Array, mode: ReduceOp | VariableAggregation,
+                   axis: int = 0) -> jax.Array:
     """Combine the components of a per-replica value stacked on ``axis``: SUM, MEAN or
     ONLY_FIRST_REPLICA.
 
@@ -164,7 +167,8 @@ def reduce_stacked(stacked: jax.Array, mode: ReduceOp | VariableAggregation, axi
         return jnp.mean(stacked, axis=axis)
     if mode.name == "ONLY_FIRST_REPLICA":
         return jnp.take(_typed_whole_along(stacked, axis), 0, axis=axis)
-    raise ValueError(f"mode={mode!r}: a stacked per-replica value reduces by SUM, MEAN or ONLY_FIRST_REPLICA.")
+    raise ValueError(f"mode={mode!r}: a stacked per-replica value reduces by SUM, MEAN or "
+                     "ONLY_FIRST_REPLICA.")
 
 
 def _typed_whole_along(x: jax.Array, axis: int) -> jax.Array:

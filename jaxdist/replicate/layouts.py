@@ -82,13 +82,16 @@ def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
         >>> put(np.ones(2), replicated(mesh)).shape
         (2,)
     """
-    if copy and isinstance(x, jax.Array):  # device_put reuses a buffer where it can, whatever may_alias says
+    # device_put reuses a buffer where it can, whatever may_alias says
+    if copy and isinstance(x, jax.Array):
         x = x.copy()
     if jax.process_count() == 1 or sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # a global array: resharded on the devices
+    # a global array: resharded on the devices
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)
-    local = np.asarray(x)  # every process holds the whole value; each transfers only its own devices' parts
+    # every process holds the whole value; each transfers only its own devices' parts
+    local = np.asarray(x)
     return jax.make_array_from_callback(local.shape, sharding, lambda idx: local[idx])
 
 

@@ -150,11 +150,13 @@ def local_components(stacked: jax.Array) -> tuple[jax.Array, ...]:
         >>> [float(c) for c in local_components(jax.numpy.arange(1.0))]
         [0.0]
     """
-    def start(shard) -> int:  # the row a shard starts at: its replica index (whatever the mesh's device order)
+    # the row a shard starts at: its replica index (whatever the mesh's device order)
+    def start(shard) -> int:
         return (shard.index[0].start or 0) if shard.index else 0
 
     by_replica: dict[int, jax.Array] = {}
-    for shard in stacked.addressable_shards:  # several devices hold one component when an axis is replicated
+    # several devices hold one component when an axis is replicated
+    for shard in stacked.addressable_shards:
         by_replica.setdefault(start(shard), shard.data[0] if shard.data.ndim else shard.data)
     return tuple(by_replica[i] for i in sorted(by_replica))
 
@@ -248,8 +250,9 @@ class SyncOnRead(_Distributed):
         aggregation = VariableAggregation.parse(aggregation, "aggregation")
         if aggregation is VariableAggregation.NONE:
             raise ValueError(
-                "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: reading it across "
-                "replicas needs an aggregation; specify an aggregation (SUM, MEAN or ONLY_FIRST_REPLICA)."
+                "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: "
+                "reading it across replicas needs an aggregation; specify an aggregation (SUM, "
+                "MEAN or ONLY_FIRST_REPLICA)."
             )
         self._aggregation = aggregation
         self._local = local
@@ -268,7 +271,8 @@ class SyncOnRead(_Distributed):
                 raise CapturedSyncOnRead(self)
             raise RuntimeError(
                 "SyncOnRead.value is this replica's component and exists only inside strategy.run; "
-                "in cross-replica context use .read() for the aggregated value or .values for the components."
+                "in cross-replica context use .read() for the aggregated value or .values for the "
+                "components."
             )
         return self._component()
 
@@ -284,15 +288,17 @@ class SyncOnRead(_Distributed):
         value, a complex for a real one): stored, it would be truncated without a word
         (``assign_add(0.5)`` on an int32 value adds 0). tf.distribute refuses it too (a dtype
         mismatch)."""
-        source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype  # a list, a Python number
+        # a list, a Python number
+        source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
         target = self._value.dtype
         if _kind(source) <= _kind(target):
             return
         shown = value if isinstance(value, (bool, int, float, complex)) else f"a {source} value"
         raise TypeError(
-            f"{call}({shown}): the sync-on-read value is {target}, which cannot hold a {source} value (it would "
-            f"be truncated without a word). Pass a value of dtype {target} (e.g. jnp.asarray(x, jnp.{target})), or "
-            f"create the value with a {_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
+            f"{call}({shown}): the sync-on-read value is {target}, which cannot hold a {source} "
+            f"value (it would be truncated without a word). Pass a value of dtype {target} (e.g. "
+            f"jnp.asarray(x, jnp.{target})), or create the value with a "
+            f"{_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
             f"jnp.{jnp.dtype(source).name}), aggregation)."
         )
 
@@ -314,8 +320,8 @@ class SyncOnRead(_Distributed):
             value = jnp.asarray(value, self._value.dtype)
             if value.shape != self._value.shape:
                 raise ValueError(
-                    f"value has shape {value.shape} but this replica's component has shape {self._value.shape}; "
-                    "a sync-on-read value keeps its shape."
+                    f"value has shape {value.shape} but this replica's component has shape "
+                    f"{self._value.shape}; a sync-on-read value keeps its shape."
                 )
             if isinstance(self._local, _View):
                 # An assignment is not differentiable (as tf.Variable.assign is not): what a replica
@@ -331,19 +337,20 @@ class SyncOnRead(_Distributed):
         value = jnp.asarray(value, target.dtype)
         if value.shape != target.shape[1:]:
             raise ValueError(
-                f"value has shape {value.shape} but the sync-on-read value has shape {target.shape[1:]}; "
-                "a sync-on-read value keeps its shape."
+                f"value has shape {value.shape} but the sync-on-read value has shape "
+                f"{target.shape[1:]}; a sync-on-read value keeps its shape."
             )
         self._check_dtype(value)
         traced = isinstance(target, jax.core.Tracer)
-        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced else target.sharding)
+        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced
+                          else target.sharding)
         if isinstance(stacked, jax.core.Tracer) and not traced:
             raise ValueError(
-                f"a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read value "
-                f"({self._aggregation.name}, shape {target.shape[1:]}) that it captured from the enclosing code: the "
-                "update would live only in that trace (a JAX function cannot change the objects around it), and "
-                "the value would read as before. Pass it to the step as an argument and return it: "
-                "`seen = step(seen, batch)`."
+                "a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read "
+                f"value ({self._aggregation.name}, shape {target.shape[1:]}) that it captured from "
+                "the enclosing code: the update would live only in that trace (a JAX function "
+                "cannot change the objects around it), and the value would read as before. Pass it "
+                "to the step as an argument and return it: `seen = step(seen, batch)`."
             )
         self._value = stacked
         return self

@@ -110,7 +110,8 @@ class Strategy:
     """
 
     def __init__(self, policy: LayoutPolicy, axis_name: str | None = None):
-        if len(policy.devices) > 1:  # a single device (OneDevice, the default strategy) says where it runs
+        # a single device (OneDevice, the default strategy) says where it runs
+        if len(policy.devices) > 1:
             check_spans_processes(policy.devices, type(self).__name__)
         self._policy = policy
         # A subclass's hooks decide for every internal caller (the verbs ask the policy, which asks
@@ -538,13 +539,15 @@ class Strategy:
                 "call the inner function directly (it already runs per replica)."
             )
         if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. args=(params, batch).")
+            raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. "
+                            "args=(params, batch).")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
         declared = None if batch_argnums is None else as_argnums(batch_argnums, "batch_argnums")
         if declared is not None and any(not 0 <= i < len(args) for i in declared):
             raise ValueError(
-                f"batch_argnums={declared!r} names positions outside args (it has {len(args)} arguments)."
+                f"batch_argnums={declared!r} names positions outside args (it has {len(args)} "
+                "arguments)."
             )
         axis = self._axis_name if axis_name is None else check_axis_name(self._policy, axis_name)
         args, kwargs = tuple(args), kwargs or {}
@@ -554,8 +557,10 @@ class Strategy:
             args, kwargs = to_device_memory((args, kwargs))
         check_vma = check_vma_arg(check_vma)
         if check_vma is None and (axis_name is not None or axis != self._policy.replica_axis):
-            check_vma = False  # pmap-era code names its axis: it runs as jax.pmap runs it (its gradients too)
-        return self._runner(fn, args, kwargs, declared, axis, check_vma, check_mirrored_arg(check_mirrored))
+            # pmap-era code names its axis: it runs as jax.pmap runs it (its gradients too)
+            check_vma = False
+        return self._runner(fn, args, kwargs, declared, axis, check_vma,
+                            check_mirrored_arg(check_mirrored))
 
     def jit(
         self,
@@ -644,16 +649,20 @@ class Strategy:
         if fn is None:
             return functools.partial(
                 self.jit, donate_argnums=donate_argnums, static_argnums=static_argnums,
-                batch_argnums=batch_argnums, static_argnames=static_argnames, donate_argnames=donate_argnames,
+                batch_argnums=batch_argnums, static_argnames=static_argnames,
+                donate_argnames=donate_argnames,
                 batch_argnames=batch_argnames, out_layouts=out_layouts, axis_types=axis_types,
             )
         return StrategyFunction(
-            self._policy, self._programs, fn, donate_argnums=donate_argnums, static_argnums=static_argnums,
-            batch_argnums=batch_argnums, static_argnames=static_argnames, donate_argnames=donate_argnames,
+            self._policy, self._programs, fn, donate_argnums=donate_argnums,
+            static_argnums=static_argnums,
+            batch_argnums=batch_argnums, static_argnames=static_argnames,
+            donate_argnames=donate_argnames,
             batch_argnames=batch_argnames, out_layouts=out_layouts, axis_types=axis_types,
         )
 
-    def plan(self, fn: Callable[..., Any], *args: Any, kwargs: dict | None = None, **jit_kwargs: Any) -> Plan:
+    def plan(self, fn: Callable[..., Any], *args: Any, kwargs: dict | None = None,
+             **jit_kwargs: Any) -> Plan:
         """``self.jit(fn, **jit_kwargs).plan(*args, **kwargs)``: what ``fn`` costs on this
         strategy's layout (memory, FLOPs, collectives per device), compiled but never run (see
         `StrategyFunction.plan`).
@@ -729,7 +738,8 @@ class Strategy:
         """
         return run_steps_on_dataset(
             self._policy, self._programs, step_fn, iterator,
-            self.steps_per_run if iterations is None else iterations, initial_loop_values, donate=donate,
+            self.steps_per_run if iterations is None else iterations, initial_loop_values,
+            donate=donate,
         )
 
     # -------------------------------------------------------------------------------------- results
@@ -858,13 +868,13 @@ class Strategy:
         """
         if not isinstance(dataset, Iterable):
             raise TypeError(
-                f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: pass an iterable of "
-                "global batches, e.g. a list or generator of (x, y) numpy arrays."
+                f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: pass an "
+                "iterable of global batches, e.g. a list or generator of (x, y) numpy arrays."
             )
         if check_remainder(remainder) == "error" and isinstance(dataset, (list, tuple)):
             check_batches(dataset, self.num_replicas_in_sync)
-        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch, remainder,
-                                  self.num_replicas_in_sync)
+        return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch,
+                                  remainder, self.num_replicas_in_sync)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """One value per replica: ``value_fn(ctx)`` for each replica, as `PerReplica` values for
@@ -900,7 +910,8 @@ class Strategy:
         return distribute_values_from_function(self._policy, self, value_fn)
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2, remainder: str = "error"
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2,
+        remainder: str = "error"
     ) -> DistributedDataset:
         """Distribute per-process input: ``dataset_fn(ctx)`` yields this process's share of each
         batch.
@@ -927,9 +938,10 @@ class Strategy:
             [(4, 1), (4, 1)]
         """
         if not callable(dataset_fn):
-            raise TypeError(f"dataset_fn={dataset_fn!r} is not callable: pass a function of an InputContext.")
+            raise TypeError(f"dataset_fn={dataset_fn!r} is not callable: pass a function of an "
+                            "InputContext.")
         ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
         return DistributedDataset(
-            lambda: dataset_fn(ctx), lambda b: place_batch(self._policy, b, process_local=True), prefetch,
-            check_remainder(remainder), max(1, replicas_on_this_process(self._policy)),
+            lambda: dataset_fn(ctx), lambda b: place_batch(self._policy, b, process_local=True),
+            prefetch, check_remainder(remainder), max(1, replicas_on_this_process(self._policy)),
         )

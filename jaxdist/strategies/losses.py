@@ -34,7 +34,8 @@ __all__ = ["compute_average_loss", "scale_regularization_loss"]
 def _replicas_in_sync() -> int:
     """Replicas whose losses are summed after this call: >1 only inside ``strategy.run``."""
     ctx = get_replica_context()
-    return 1 if ctx is None else ctx.num_replicas_in_sync  # None: cross-replica code, the global view
+    # None: cross-replica code, the global view
+    return 1 if ctx is None else ctx.num_replicas_in_sync
 
 
 def _batch_size(global_batch_size: Any) -> int:
@@ -45,16 +46,18 @@ def _batch_size(global_batch_size: Any) -> int:
         size = operator.index(global_batch_size)
     except TypeError:  # also a traced int (TracerIntegerConversionError)
         hint = ""
-        if np.ndim(global_batch_size) > 0:  # tf's positional order is (loss, sample_weight, global_batch_size)
+        # tf's positional order is (loss, sample_weight, global_batch_size)
+        if np.ndim(global_batch_size) > 0:
             hint = " It looks like sample weights: pass them by name, sample_weight=..."
         raise ValueError(
-            f"global_batch_size={global_batch_size!r} (type {type(global_batch_size).__name__}) must be a "
-            f"positive Python int (the number of examples in the global batch), or None for the default.{hint}"
+            f"global_batch_size={global_batch_size!r} (type {type(global_batch_size).__name__}) "
+            "must be a positive Python int (the number of examples in the global batch), or None "
+            f"for the default.{hint}"
         ) from None
     if size <= 0:
         raise ValueError(
-            f"global_batch_size={size} must be positive: the number of examples in the global batch, or None for "
-            "the default (this replica's batch times num_replicas_in_sync)."
+            f"global_batch_size={size} must be positive: the number of examples in the global "
+            "batch, or None for the default (this replica's batch times num_replicas_in_sync)."
         )
     return size
 
@@ -73,9 +76,9 @@ def _weights(sample_weight: Any, shape: tuple[int, ...]) -> jax.Array:
         ok = False
     if not ok:
         raise ValueError(
-            f"sample_weight has shape {tuple(jnp.shape(sample_weight))}, which does not broadcast to "
-            f"per_example_loss's shape {shape}: pass one weight per example (shape {shape[:1]}), a scalar, or "
-            "an array of the loss's shape."
+            f"sample_weight has shape {tuple(jnp.shape(sample_weight))}, which does not broadcast "
+            f"to per_example_loss's shape {shape}: pass one weight per example (shape "
+            f"{shape[:1]}), a scalar, or an array of the loss's shape."
         )
     return weight
 
@@ -123,8 +126,8 @@ def compute_average_loss(
     loss = jnp.asarray(per_example_loss)
     if loss.ndim == 0:
         raise ValueError(
-            "per_example_loss has shape () (a scalar, already reduced): compute_average_loss averages "
-            "per-example losses; pass the unreduced loss of shape (batch, ...), e.g. "
+            "per_example_loss has shape () (a scalar, already reduced): compute_average_loss "
+            "averages per-example losses; pass the unreduced loss of shape (batch, ...), e.g. "
             "optax.softmax_cross_entropy_with_integer_labels(logits, labels) without .mean()."
         )
     if sample_weight is not None:
@@ -133,7 +136,8 @@ def compute_average_loss(
         loss = weighted.astype(loss.dtype) if jnp.issubdtype(loss.dtype, jnp.inexact) else weighted
     ctx = get_replica_context()
     padded = getattr(ctx, "batch_weights", None)
-    if padded is not None and padded.shape[0] == loss.shape[0]:  # a padded batch: its padding rows left out
+    # a padded batch: its padding rows left out
+    if padded is not None and padded.shape[0] == loss.shape[0]:
         loss = loss * padded.reshape((-1,) + (1,) * (loss.ndim - 1)).astype(loss.dtype)
         if global_batch_size is None:
             return jnp.sum(loss) / ctx.all_reduce("sum", jnp.sum(padded)).astype(loss.dtype)
@@ -171,8 +175,8 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
     leaves = jax.tree.leaves(regularization_loss)
     if not leaves:
         raise ValueError(
-            f"regularization_loss={regularization_loss!r} holds no array: pass the regularization term(s), "
-            "e.g. 1e-4 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params))."
+            f"regularization_loss={regularization_loss!r} holds no array: pass the regularization "
+            "term(s), e.g. 1e-4 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params))."
         )
     total = sum(jnp.sum(jnp.asarray(leaf)) for leaf in leaves)
     return total / _replicas_in_sync()

@@ -62,6 +62,6 @@ class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         check_connected(type(self).__name__)
         if mesh is not None and devices is not None:
             raise ValueError("MirroredStrategy got both devices= and mesh=: pass one of them.")
-        policy = LayoutPolicy(None if mesh is not None else resolve_devices(devices, "devices"), mesh=mesh,
-                              host_offload=host_offload)
+        policy = LayoutPolicy(None if mesh is not None else resolve_devices(devices, "devices"),
+                              mesh=mesh, host_offload=host_offload)
         super().__init__(policy, axis_name=axis_name)

@@ -62,8 +62,10 @@ class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         axis_name: str | None = None,
     ):
         initialize_cluster(
-            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="MultiWorkerMirroredStrategy",
+            coordinator_address, num_processes, process_id,
+            initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            caller="MultiWorkerMirroredStrategy",
         )
         super().__init__(LayoutPolicy(tuple(jax.devices())), axis_name=axis_name)
 

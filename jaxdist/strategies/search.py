@@ -77,8 +77,9 @@ class Candidate:
         what = f"{self.layout:<8} {self.mesh!s:<34} remat={self.remat!s:<5} grad_accum={self.grad_accum_steps}"
         if self.plan is None:
             return f"{what}  not planned: {self.error}"
-        return (f"{what}  peak {format_bytes(self.plan.peak_bytes):>11}  {'fits' if self.fits else 'too big'}  "
-                f"{self.estimate.step_s * 1e3:.3g} ms/step ({self.estimate.bound})")
+        return (f"{what}  peak {format_bytes(self.plan.peak_bytes):>11}  "
+                f"{'fits' if self.fits else 'too big'}  {self.estimate.step_s * 1e3:.3g} ms/step "
+                f"({self.estimate.bound})")
 
 
 def _meshes(layouts: Sequence[str], n: int, hsdp_groups: Sequence[int], tensor: Sequence[int],
@@ -90,18 +91,23 @@ def _meshes(layouts: Sequence[str], n: int, hsdp_groups: Sequence[int], tensor: 
         elif layout == "fsdp":
             out.append((layout, {"fsdp": n}))
         elif layout == "hsdp":
-            out += [(layout, {"data": d, "fsdp": n // d}) for d in hsdp_groups if 1 < d < n and n % d == 0]
+            out += [(layout, {"data": d, "fsdp": n // d}) for d in hsdp_groups if 1 < d < n
+                    and n % d == 0]
         elif layout == "fsdp_tp" and rules is not None:
-            out += [(layout, {"fsdp": n // t, "tensor": t}) for t in tensor if 1 < t < n and n % t == 0]
+            out += [(layout, {"fsdp": n // t, "tensor": t}) for t in tensor if 1 < t < n
+                    and n % t == 0]
         elif layout == "fsdp_ep":
-            out += [(layout, {"fsdp": n // e, "expert": e}) for e in experts if 1 < e <= n and n % e == 0]
+            out += [(layout, {"fsdp": n // e, "expert": e}) for e in experts if 1 < e <= n
+                    and n % e == 0]
     return out
 
 
-def _strategy(layout: str, shape: dict[str, int], rules: Any, activation_axes: Sequence[str]) -> Strategy:
+def _strategy(layout: str, shape: dict[str, int], rules: Any,
+              activation_axes: Sequence[str]) -> Strategy:
     real = len(jax.devices()) == math.prod(shape.values())  # compiled here; else in a subprocess
     names = tuple(shape)
-    mesh = (jax.make_mesh(tuple(shape.values()), names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    mesh = (jax.make_mesh(tuple(shape.values()), names,
+                          axis_types=(jax.sharding.AxisType.Auto,) * len(names))
             if real else plan_mesh(shape))
     if layout == "mirrored":
         return MirroredStrategy(mesh=mesh)
@@ -109,8 +115,10 @@ def _strategy(layout: str, shape: dict[str, int], rules: Any, activation_axes: S
     batch_axes = tuple(a for a in names if a != model_axis)
     extra = {"expert_axes": "expert"} if "expert" in shape else {}
     if rules is not None:
-        extra.update(logical_axis_rules=rules(batch_axes, model_axis), activation_axes=tuple(activation_axes))
-    return ShardedStrategy(mesh=mesh, batch_axes=batch_axes, fsdp_axes="fsdp" if "fsdp" in shape else (), **extra)
+        extra.update(logical_axis_rules=rules(batch_axes, model_axis),
+                     activation_axes=tuple(activation_axes))
+    return ShardedStrategy(mesh=mesh, batch_axes=batch_axes, fsdp_axes="fsdp" if "fsdp" in shape
+                           else (), **extra)
 
 
 def plan_search(
@@ -165,7 +173,8 @@ def plan_search(
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be an int >= 1.")
     candidates = []
-    for layout, shape in _meshes(layouts, num_devices, hsdp_groups, tensor_parallelism, rules, expert_parallelism):
+    for layout, shape in _meshes(layouts, num_devices, hsdp_groups, tensor_parallelism, rules,
+                                 expert_parallelism):
         strategy = _strategy(layout, shape, rules, activation_axes)
         for r in remat:
             for k in grad_accum_steps:
@@ -173,8 +182,10 @@ def plan_search(
                     trainer = build(strategy, remat=r, grad_accum_steps=k)
                     with strategy.scope():
                         plan = trainer.plan(batch)
-                except ValueError as error:  # e.g. a batch the replicas (x micro-batches) do not divide
-                    candidate = Candidate(layout, shape, r, k, None, None, False, str(error).split("\n")[0])
+                except ValueError as error:
+                    # e.g. a batch the replicas (x micro-batches) do not divide
+                    candidate = Candidate(layout, shape, r, k, None, None, False,
+                                          str(error).split("\n")[0])
                 else:
                     candidate = Candidate(layout, shape, r, k, plan, plan.estimate(accelerator),
                                           plan.fits(memory_per_device))

@@ -216,18 +216,24 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         heartbeat_timeout_seconds: int = 30,
     ):
         initialize_cluster(
-            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
+            coordinator_address, num_processes, process_id,
+            initialization_timeout=initialization_timeout,
             heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="ShardedStrategy",
         )
         if mesh is not None and devices is not None:
-            raise ValueError("ShardedStrategy got both devices= and mesh=: a mesh already says which devices; "
-                             "pass one of them.")
+            raise ValueError("ShardedStrategy got both devices= and mesh=: a mesh already says "
+                             "which devices; pass one of them.")
         policy = LayoutPolicy(
-            None if mesh is not None else resolve_devices(devices, "devices"), model_parallelism, mesh=mesh,
-            batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True, min_shard_size=min_shard_size,
-            layout_rules=layout_rules, logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
-            host_offload=host_offload, context_axes=context_axes, context_parallelism=context_parallelism,
-            sequence_axis=sequence_axis, stage_axes=stage_axes, pipeline_parallelism=pipeline_parallelism,
+            None if mesh is not None else resolve_devices(devices, "devices"), model_parallelism,
+            mesh=mesh,
+            batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True,
+            min_shard_size=min_shard_size,
+            layout_rules=layout_rules, logical_axis_rules=logical_axis_rules,
+            activation_axes=activation_axes,
+            host_offload=host_offload, context_axes=context_axes,
+            context_parallelism=context_parallelism,
+            sequence_axis=sequence_axis, stage_axes=stage_axes,
+            pipeline_parallelism=pipeline_parallelism,
             expert_axes=expert_axes, expert_parallelism=expert_parallelism,
         )
         super().__init__(policy, axis_name=axis_name)
@@ -266,7 +272,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             {'w': P(None, 'replica')}
         """
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), tree)
-        leaves = jax.tree_util.tree_leaves_with_path(self.variable_shardings(shapes), is_leaf=is_annotated)
+        leaves = jax.tree_util.tree_leaves_with_path(self.variable_shardings(shapes),
+                                                     is_leaf=is_annotated)
         return {path_name(p): unboxed(s).spec for p, s in leaves}
 
     # ---------------------------------------------------------------------------------- rule checks
@@ -313,21 +320,24 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         layouts = self.variable_layouts(variables)
         leaves = [unboxed(x) for x in jax.tree.leaves(variables, is_leaf=is_annotated)]
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in leaves]
-        self.policy.warn_idle_axes(list(layouts.values()), "the variables created here", list(layouts), avals)
-        unmatched = [entry for entry in self.unmatched_rules(variables) if entry not in self._reported]
+        self.policy.warn_idle_axes(list(layouts.values()), "the variables created here",
+                                   list(layouts), avals)
+        unmatched = [entry for entry in self.unmatched_rules(variables)
+                     if entry not in self._reported]
         if unmatched:
             self._reported.update(unmatched)
             annotated = sorted(logical_names(variables, self.mesh.axis_names))
             seen = (
                 f"the variables' logical names are {annotated}"
                 if annotated
-                else "no variable carries a logical annotation (nn.with_logical_partitioning; unboxed params lose it)"
+                else "no variable carries a logical annotation (nn.with_logical_partitioning; "
+                     "unboxed params lose it)"
             )
             warnings.warn(
-                f"{', '.join(unmatched)} matched no variable created here ({seen}): the variables meant for "
-                f"{'it' if len(unmatched) == 1 else 'them'} got another layout (the FSDP rule). Fix the regex or "
-                "logical name, or drop the entry; a logical name only activations use goes in "
-                "ShardedStrategy(activation_axes=...).",
+                f"{', '.join(unmatched)} matched no variable created here ({seen}): the variables "
+                f"meant for {'it' if len(unmatched) == 1 else 'them'} got another layout (the FSDP "
+                "rule). Fix the regex or logical name, or drop the entry; a logical name only "
+                "activations use goes in ShardedStrategy(activation_axes=...).",
                 UnmatchedLayoutRuleWarning,
                 stacklevel=2,
             )

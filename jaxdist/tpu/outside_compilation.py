@@ -110,7 +110,8 @@ def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
         return jax.tree.map(broadcast, jax.lax.cond(first, call, zeros, *xs))
 
     spec = PartitionSpec()
-    return jax.shard_map(first_device_only, in_specs=spec, out_specs=spec, axis_names=set(auto))(*xs)
+    return jax.shard_map(first_device_only, in_specs=spec, out_specs=spec,
+                         axis_names=set(auto))(*xs)
 
 
 class _Region:
@@ -119,7 +120,8 @@ class _Region:
 
     def __init__(self, host_fn, statics, result_shape, vjp, traceable, ordered, name):
         self.host_fn = host_fn
-        self.statics = statics  # (positions, values) of non-array arguments, passed through unchanged
+        # (positions, values) of non-array arguments, passed through unchanged
+        self.statics = statics
         self.result_shape = result_shape
         self.vjp = vjp
         self.traceable = traceable
@@ -154,7 +156,8 @@ class _Region:
             state.host_regions -= 1
         if self.result_shape is None:
             return None
-        return jax.tree.map(lambda o, s: np.asarray(o, dtype=s.dtype).reshape(s.shape), out, self.result_shape)
+        return jax.tree.map(lambda o, s: np.asarray(o, dtype=s.dtype).reshape(s.shape), out,
+                            self.result_shape)
 
     def backward(self, name: str, xs: tuple, cotangent: Any) -> tuple[_Region, list[int]]:
         """The region computing this region's input gradients on the host: itself differentiable
@@ -176,7 +179,8 @@ class _Region:
             return tuple(grads[i] for i in floats)
 
         shapes = tuple(jax.ShapeDtypeStruct(xs[i].shape, xs[i].dtype) for i in floats)
-        region = _Region(pullback, (frozenset(), ()), shapes, None, self.vjp is None and self.traceable, False, name)
+        region = _Region(pullback, (frozenset(), ()), shapes, None, self.vjp is None
+                         and self.traceable, False, name)
         return region, floats
 
 
@@ -190,10 +194,12 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
             return io_callback(region.run_host, region.result_shape, *xs, ordered=True)
 
         with cluster(region.name):
-            return _once_per_replica(side_effect, [jax.lax.stop_gradient(x) for x in dynamic], region.result_shape)
+            return _once_per_replica(side_effect, [jax.lax.stop_gradient(x) for x in dynamic],
+                                     region.result_shape)
 
     def callback(*xs):
-        return jax.pure_callback(region.run_host, region.result_shape, *xs, vmap_method="sequential")
+        return jax.pure_callback(region.run_host, region.result_shape, *xs,
+                                 vmap_method="sequential")
 
     def forward(*xs):
         with cluster(region.name):
@@ -211,9 +217,10 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
     def bwd(xs, cotangent):
         if not region.traceable and region.vjp is None:
             raise TypeError(
-                f"outside_compilation region {region.name!r} ({getattr(region.host_fn, '__name__', region.host_fn)})"
-                " is being differentiated, but its host function is opaque (it was given result_shape=, so it "
-                "is not traced with jax.numpy): pass vjp=lambda args, cotangent: grads, or write it with "
+                f"outside_compilation region {region.name!r} "
+                f"({getattr(region.host_fn, '__name__', region.host_fn)}) is being differentiated, "
+                "but its host function is opaque (it was given result_shape=, so it is not traced "
+                "with jax.numpy): pass vjp=lambda args, cotangent: grads, or write it with "
                 "jax.numpy and drop result_shape."
             )
         # The gradient region is cluster C.uid, uid being the gradient invocation that is tracing
@@ -221,7 +228,8 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
         name = gradient_cluster(region.name, current_gradient_uid())
         back, floats = region.backward(name, xs, cotangent)
         ct_leaves = jax.tree.leaves(cotangent)
-        grads = _local_call(back, [*xs, *ct_leaves], replicated, [*varying_in, *([True] * len(ct_leaves))])
+        grads = _local_call(back, [*xs, *ct_leaves], replicated,
+                            [*varying_in, *([True] * len(ct_leaves))])
         out: list[Any] = [None] * len(xs)
         for i, g in zip(floats, grads, strict=True):
             if replicated and not varying_in[i]:
@@ -289,7 +297,8 @@ def outside_compilation(
         ([(2, 2)], 8)
     """
     if not callable(host_fn):
-        raise TypeError(f"host_fn={host_fn!r} is not callable: pass the function to run on the host.")
+        raise TypeError(f"host_fn={host_fn!r} is not callable: pass the function to run on the "
+                        "host.")
     if state.host_regions:
         raise NotImplementedError("Cannot nest outside_compilation clusters")
     frame = current_computation()
@@ -313,10 +322,10 @@ def outside_compilation(
     axis = replica_axis(REPLICA_AXIS)
     if kind == "replica" and axis != frame.policy.replica_axis:
         raise NotImplementedError(
-            f"outside_compilation inside strategy.run(..., axis_name={axis!r}) is not supported: a host callback "
-            "in a program on the renamed mesh mixes two meshes, which JAX rejects. Keep the replica axis's name "
-            "for replica functions with host regions (run without axis_name), or move the region into the "
-            "global-view step (strategy.jit)."
+            f"outside_compilation inside strategy.run(..., axis_name={axis!r}) is not supported: a "
+            "host callback in a program on the renamed mesh mixes two meshes, which JAX rejects. "
+            "Keep the replica axis's name for replica functions with host regions (run without "
+            "axis_name), or move the region into the global-view step (strategy.jit)."
         )
 
     if kind == "global":
@@ -324,7 +333,8 @@ def outside_compilation(
         n = policy.num_replicas
         split = _global_view_split(args, dynamic, positions, batch_argnums, policy)
         local_shapes = [
-            jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]) if s else np.shape(x), jnp.result_type(x))
+            jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]) if s else np.shape(x),
+                                 jnp.result_type(x))
             for x, s in zip(dynamic, split, strict=True)
         ]
     else:
@@ -358,12 +368,14 @@ def outside_compilation(
     # other axis.
     mapped = jax.shard_map(
         per_replica, mesh=policy.mesh, in_specs=in_specs,
-        out_specs=spec if region.result_shape is not None else PartitionSpec(), axis_names=set(policy.batch_axes),
+        out_specs=spec if region.result_shape is not None else PartitionSpec(),
+        axis_names=set(policy.batch_axes),
     )
     return mapped(*dynamic)
 
 
-def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_argnums: Any, policy: Any) -> list:
+def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_argnums: Any,
+                       policy: Any) -> list:
     """Which array arguments of a region in the global view are split over the replicas: the
     declared ones, or without a declaration the step's own batch arguments (their role,
     `jaxdist.strategies.layout._roles`)."""
@@ -373,15 +385,17 @@ def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_
         bad = [i for i in declared if not 0 <= i < len(args) or i in static_positions]
         if bad:
             raise ValueError(
-                f"batch_argnums={declared!r} names positions {bad} that are not array arguments of the region "
-                f"(it has {len(args)} arguments)."
+                f"batch_argnums={declared!r} names positions {bad} that are not array arguments of "
+                f"the region (it has {len(args)} arguments)."
             )
         split = [i in declared for i in positions]
         for x, s in zip(dynamic, split, strict=True):
             if s:
                 if not np.ndim(x):
-                    raise ValueError("outside_compilation batch_argnums names a scalar: a batch needs an axis 0.")
-                check_divisible(np.shape(x)[0], policy.num_replicas, "the rows of a batch_argnums argument")
+                    raise ValueError("outside_compilation batch_argnums names a scalar: a batch "
+                                     "needs an axis 0.")
+                check_divisible(np.shape(x)[0], policy.num_replicas,
+                                "the rows of a batch_argnums argument")
         return split
     declaration = "outside_compilation(host_fn, *args, batch_argnums=(i, ...))"
     return [
@@ -393,18 +407,21 @@ def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_
 def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, name) -> _Region:
     traceable = result_shape is None
     if traceable:
-        probe_args = _Region(host_fn, statics, None, None, True, ordered, name).full_args(local_shapes)
+        probe_args = _Region(host_fn, statics, None, None, True, ordered,
+                             name).full_args(local_shapes)
         state.host_regions += 1
         try:
             # (through a function of its own: jax 0.12 crashes when it traces a numpy ufunc a second
             # time after a failed first trace, as strategy.run's relaxed varying-type check does)
             result_shape = jax.eval_shape(lambda *a: host_fn(*a), *probe_args)
-        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError) as err:
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+                TypeError) as err:
             raise TypeError(
-                f"outside_compilation could not trace host_fn={getattr(host_fn, '__name__', host_fn)!r} with "
-                f"jax.numpy to infer its result ({type(err).__name__}): pass result_shape= (a pytree of "
-                "jax.ShapeDtypeStruct for one replica's result, or () when it returns nothing) and, to "
-                "differentiate it, vjp=."
+                "outside_compilation could not trace "
+                f"host_fn={getattr(host_fn, '__name__', host_fn)!r} with jax.numpy to infer its "
+                f"result ({type(err).__name__}): pass result_shape= (a pytree of "
+                "jax.ShapeDtypeStruct for one replica's result, or () when it returns nothing) "
+                "and, to differentiate it, vjp=."
             ) from err
         finally:
             state.host_regions -= 1

@@ -71,16 +71,19 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         initialization_timeout: int = 120,
         heartbeat_timeout_seconds: int = 30,
     ):
-        if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
-            raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
+        if not isinstance(steps_per_run, int) or isinstance(steps_per_run,
+                                                            bool) or steps_per_run < 1:
+            raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per "
+                             "on-device loop).")
         initialize_cluster(
-            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
+            coordinator_address, num_processes, process_id,
+            initialization_timeout=initialization_timeout,
             heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="TPUStrategy",
         )
         if mesh is not None:
             if devices is not None or num_cores is not None:
-                raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already says which "
-                                 "cores; pass one of them.")
+                raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already "
+                                 "says which cores; pass one of them.")
             policy = LayoutPolicy(mesh=mesh, host_offload=host_offload)
         else:
             available = tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
@@ -114,12 +117,14 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
             'cpu'
         """
         if not isinstance(host_id, int) or not 0 <= host_id < self.num_hosts:
-            raise ValueError(f"host_id={host_id!r} must be in [0, {self.num_hosts}) (num_hosts={self.num_hosts}).")
+            raise ValueError(f"host_id={host_id!r} must be in [0, {self.num_hosts}) "
+                             f"(num_hosts={self.num_hosts}).")
         hosts = sorted({d.process_index for d in self.devices})
         if hosts[host_id] != jax.process_index():
             raise ValueError(
-                f"host_id={host_id} is process {hosts[host_id]}, not this process ({jax.process_index()}): only "
-                "this host's CPU is addressable here; ask that process."
+                f"host_id={host_id} is process {hosts[host_id]}, not this process "
+                f"({jax.process_index()}): only this host's CPU is addressable here; ask that "
+                "process."
             )
         return jax.local_devices(backend="cpu")[0]
 
@@ -131,7 +136,8 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         if not self._initialized:
             for d in self.devices:
                 if d.process_index == jax.process_index():
-                    _ = d.platform  # touching the devices fails here, clearly, if the backend cannot start
+                    # touching the devices fails here, clearly, if the backend cannot start
+                    _ = d.platform
             self._initialized = True
 
     def finalize(self) -> None:

@@ -63,12 +63,15 @@ def prepare(
         0.0
     """
     if not isinstance(strategy, Strategy):
-        raise TypeError(f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. jd.MirroredStrategy().")
+        raise TypeError(f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. "
+                        "jd.MirroredStrategy().")
     if not callable(train_step):
-        raise TypeError(f"train_step={train_step!r} is not callable: pass train_step(state, batch) -> (state, ...).")
+        raise TypeError(f"train_step={train_step!r} is not callable: pass train_step(state, batch) "
+                        "-> (state, ...).")
     step: StrategyFunction = strategy.jit(
         train_step, donate_argnums=(0,) if donate else None, batch_argnums=batch_argnums
     )
     placed = strategy.mirror(state)
-    distributed: list[DistributedDataset] = [strategy.experimental_distribute_dataset(d) for d in datasets]
+    distributed: list[DistributedDataset] = [strategy.experimental_distribute_dataset(d)
+                                             for d in datasets]
     return (step, placed, *distributed)

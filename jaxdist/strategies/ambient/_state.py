@@ -129,8 +129,10 @@ class _State(threading.local):
         self.gradient_uids: list[str] = []  # gradient invocations being traced
         self.host_regions = 0  # outside_compilation regions being traced
         self.calls: list[Call] = []  # strategy.jit calls being decided
-        self.axis_types: tuple[Any, bool, str] = (None, True, "")  # (mode, forced, why) of the program traced
-        self.owned_outputs: dict[int, Any] | None = None  # outputs constrained to an own layout while tracing
+        # (mode, forced, why) of the program traced
+        self.axis_types: tuple[Any, bool, str] = (None, True, "")
+        # outputs constrained to an own layout while tracing
+        self.owned_outputs: dict[int, Any] | None = None
 
 
 state = _State()
@@ -191,8 +193,8 @@ def computation(
     counters."""
     outer = current_computation()
     counters = outer.counters if outer is not None else {}
-    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name, typed=typed,
-                        padded=list(padded))
+    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name,
+                        typed=typed, padded=list(padded))
     with _pushed(state.computations, frame):
         yield frame
 

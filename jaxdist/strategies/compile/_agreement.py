@@ -23,7 +23,9 @@ import threading
 from typing import Any
 
 import jax
-from jax._src import distributed as _distributed  # JAX's coordination client (private; orbax reads it too)
+from jax._src import (
+    distributed as _distributed,  # JAX's coordination client (private; orbax reads it too)
+)
 
 __all__ = ["ProgramMismatchError", "agree", "fingerprint"]
 
@@ -81,7 +83,8 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
     if count == 1:
         return
     client = _distributed.global_state.client
-    if client is None:  # several processes without the coordination service: nothing to talk through
+    # several processes without the coordination service: nothing to talk through
+    if client is None:
         return
     with _lock:
         n = next(_counter)
@@ -94,9 +97,10 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
             value = client.blocking_key_value_get(f"jaxdist/program/{n}/{pid}", wait)
         except Exception as error:
             raise ProgramMismatchError(
-                f"process {pid} did not reach program {n} ({name!r}) within {wait / 1000:.0f} s: it is stuck, "
-                f"dead, or running another program (code version, configuration); its stack or log says which "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})."
+                f"process {pid} did not reach program {n} ({name!r}) within {wait / 1000:.0f} s: "
+                "it is stuck, dead, or running another program (code version, configuration); its "
+                f"stack or log says which ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''})."
             ) from None
         other_digest, _, other_name = value.partition(" ")
         seen[pid] = (other_digest, other_name)
@@ -105,7 +109,8 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
     if differ:
         names = ", ".join(f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}" for pid in [0, *differ])
         raise ProgramMismatchError(
-            f"the processes compiled different programs for step {n} of this job ({name!r} here): process(es) "
-            f"{differ} differ from process 0 ({names}). Every process must run the same code version, the same "
-            "configuration (optimizer, learning rate, model sizes) and the same input shapes; nothing has run."
+            f"the processes compiled different programs for step {n} of this job ({name!r} here): "
+            f"process(es) {differ} differ from process 0 ({names}). Every process must run the "
+            "same code version, the same configuration (optimizer, learning rate, model sizes) and "
+            "the same input shapes; nothing has run."
         )

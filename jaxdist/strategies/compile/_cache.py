@@ -68,7 +68,8 @@ def weak_callable(fn: Callable) -> Callable:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         target = ref()
-        if target is None:  # only reachable if a program outlives its function: a bug, not a user error
+        # only reachable if a program outlives its function: a bug, not a user error
+        if target is None:
             raise RuntimeError("the function of this compiled program has been garbage-collected")
         return target(*args, **kwargs)
 
@@ -99,8 +100,10 @@ class ProgramCache:
         self.max_functions = max_functions
         self.warn_after = warn_after
         self._lock = threading.RLock()
-        self._weak: dict[Any, collections.OrderedDict] = {}  # id token -> programs (entry dropped when fn dies)
-        self._strong: collections.OrderedDict = collections.OrderedDict()  # fn -> programs (bounded LRU)
+        # id token -> programs (entry dropped when fn dies)
+        self._weak: dict[Any, collections.OrderedDict] = {}
+        # fn -> programs (bounded LRU)
+        self._strong: collections.OrderedDict = collections.OrderedDict()
         self._sites: dict[Any, dict] = {}  # code object -> {"count", "last", "warned"}
 
     def clear(self) -> None:
@@ -133,7 +136,8 @@ class ProgramCache:
         programs = self._weak[token] = collections.OrderedDict()
         return programs
 
-    def get(self, fn: Any, key: Hashable, build: Callable[[Callable], Callable], *, reason: Any = None) -> Callable:
+    def get(self, fn: Any, key: Hashable, build: Callable[[Callable], Callable], *,
+            reason: Any = None) -> Callable:
         """The program for ``(fn, key)``; built with ``build(weak_callable(fn))`` on a miss.
 
         Args:
@@ -190,15 +194,16 @@ class ProgramCache:
         site = _site(fn)
         with self._lock:
             info = self._sites.setdefault(site, {"count": 0, "last": None, "warned": False})
-            last, info["last"] = info["last"], (weakref.ref(fn) if _weakable(fn) else None, id(fn), signature)
+            last, info["last"] = info["last"], (weakref.ref(fn) if _weakable(fn) else None, id(fn),
+                                                signature)
             info["count"] += 1
             if info["warned"] or info["count"] <= self.warn_after or last is None:
                 return
             info["warned"] = True
         why = _why(last, fn, signature)
         warnings.warn(
-            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: {why}. Each compile "
-            "costs ~100 ms or more.",
+            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: "
+            f"{why}. Each compile costs ~100 ms or more.",
             RecompileWarning,
             stacklevel=4,
         )
@@ -217,18 +222,21 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
     same_fn = (last_ref() is fn) if last_ref is not None else last_id == id(fn)
     if not same_fn:
         return (
-            "a new function object every call (e.g. a lambda or nested function defined inside the loop); "
-            "define the function once, outside the loop, and pass changing values as arguments"
+            "a new function object every call (e.g. a lambda or nested function defined inside the "
+            "loop); define the function once, outside the loop, and pass changing values as "
+            "arguments"
         )
-    if isinstance(signature, tuple) and isinstance(last_sig, tuple) and len(signature) == len(last_sig) == 2:
+    if isinstance(signature, tuple) and isinstance(last_sig,
+                                                   tuple) and len(signature) == len(last_sig) == 2:
         if signature[0] != last_sig[0]:
             return (
-                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now {signature[0]!r}); pass "
-                "values that change as arrays, not Python scalars or static arguments"
+                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
+                f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "
+                "static arguments"
             )
         return (
-            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep shapes fixed, "
-            "e.g. pad or drop a ragged last batch"
+            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep "
+            "shapes fixed, e.g. pad or drop a ragged last batch"
         )
     return f"a new signature each call (was {last_sig!r}, now {signature!r})"
 
@@ -264,7 +272,8 @@ class StepPrograms:
         (False, {}, {})
     """
 
-    MAX_MISSES = 16  # new signatures an express key may refuse before calls with it take the full path only
+    # new signatures an express key may refuse before calls with it take the full path only
+    MAX_MISSES = 16
 
     __slots__ = ("express", "families", "full", "misses")
 

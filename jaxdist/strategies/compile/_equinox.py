@@ -53,7 +53,8 @@ class Static:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Static) and self.treedef == other.treedef and self.leaves == other.leaves
+        return isinstance(other,
+                          Static) and self.treedef == other.treedef and self.leaves == other.leaves
 
 
 def _is_traced(x: Any) -> bool:
@@ -81,9 +82,9 @@ def partition(tree: Any) -> tuple[Any, Static]:
     except TypeError as error:
         bad = next(x for x in rest if getattr(type(x), "__hash__", None) is None)
         raise TypeError(
-            f"a non-array leaf of an Equinox argument, {bad!r} (type {type(bad).__name__}), is not hashable: "
-            "strategy.jit makes every non-array leaf part of the compiled program, as eqx.filter_jit does; "
-            "make it hashable (a tuple, a frozen dataclass) or an array."
+            f"a non-array leaf of an Equinox argument, {bad!r} (type {type(bad).__name__}), is not "
+            "hashable: strategy.jit makes every non-array leaf part of the compiled program, as "
+            "eqx.filter_jit does; make it hashable (a tuple, a frozen dataclass) or an array."
         ) from error
     return jax.tree.unflatten(treedef, arrays), static
 
@@ -97,6 +98,7 @@ def combine(arrays: Any, static: Static) -> Any:
         >>> tree["act"] is abs, tree["w"].shape
         (True, (2,))
     """
-    flat = static.treedef.flatten_up_to(arrays)  # None at a leaf's place is that leaf (not an empty subtree)
+    # None at a leaf's place is that leaf (not an empty subtree)
+    flat = static.treedef.flatten_up_to(arrays)
     return jax.tree.unflatten(
         static.treedef, [a if s is None else s for a, s in zip(flat, static.leaves, strict=True)])

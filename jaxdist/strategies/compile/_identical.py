@@ -53,34 +53,43 @@ from jaxdist.replicate.collectives import PER_REPLICA_SCOPE
 from jaxdist.strategies.layout import Role
 
 __all__ = [
-    "CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING", "check_mirrored_outputs",
-    "output_values", "program_values", "updated_inputs",
+    "CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING",
+    "check_mirrored_outputs", "output_values", "program_values", "updated_inputs",
 ]
 
 PURE = frozenset({
     # element-wise arithmetic and comparisons
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "bessel_i0e",
-    "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh", "digamma", "div", "eq",
-    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "igamma_grad_a", "igammac",
-    "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul",
-    "ne", "neg", "nextafter", "not", "one_minus_square", "or", "polygamma", "population_count", "pow", "real",
-    "reduce_precision", "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n", "shift_left",
-    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan",
-    "tanh", "xor", "zeta", "mulhi",
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
+    "bessel_i0e",
+    "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh", "digamma",
+    "div", "eq",
+    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma",
+    "igamma_grad_a", "igammac",
+    "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max",
+    "min", "mul",
+    "ne", "neg", "nextafter", "not", "one_minus_square", "or", "polygamma", "population_count",
+    "pow", "real",
+    "reduce_precision", "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n",
+    "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub",
+    "tan", "tanh", "xor", "zeta", "mulhi",
     # shapes, types, indexing, placement (the values stay what they are)
-    "bitcast_convert_type", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice",
-    "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice", "split", "squeeze", "transpose",
-    "stack", "unstack", "tile", "zeros_like", "stop_gradient", "reciprocal", "log2",
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max", "device_put",
-    "sharding_constraint", "reshard", "pvary", "optimization_barrier",
+    "bitcast_convert_type", "broadcast_in_dim", "concatenate", "convert_element_type", "copy",
+    "dynamic_slice",
+    "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice", "split", "squeeze",
+    "transpose", "stack", "unstack", "tile", "zeros_like", "stop_gradient", "reciprocal", "log2",
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "device_put", "sharding_constraint", "reshard", "pvary", "optimization_barrier",
     # reductions, scans, products, sorting
-    "argmax", "argmin", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum",
-    "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min", "reduce_window_sum",
-    "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-    "dot_general", "conv_general_dilated", "sort", "top_k",
+    "argmax", "argmin", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod",
+    "reduce_sum",
+    "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min",
+    "reduce_window_sum",
+    "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "dot_general", "conv_general_dilated", "sort", "top_k",
     # linear algebra, FFT
-    "cholesky", "eigh", "lu", "lu_pivots_to_permutation", "qr", "householder_product", "geqrf", "svd",
-    "triangular_solve", "tridiagonal_solve", "fft",
+    "cholesky", "eigh", "lu", "lu_pivots_to_permutation", "qr", "householder_product", "geqrf",
+    "svd", "triangular_solve", "tridiagonal_solve", "fft",
     # random bits: functions of the key
     "random_bits", "random_fold_in", "random_seed", "random_split", "random_unwrap", "random_wrap",
     "threefry2x32", "rng_bit_generator", "random_gamma", "random_clone",
@@ -91,20 +100,24 @@ PURE = frozenset({
 """Primitives whose results are functions of their operands alone: identical operands, identical
 results."""
 
-REDUCING = frozenset({"psum", "pmax", "pmin", "psum_invariant", "all_gather", "all_gather_invariant"})
+REDUCING = frozenset({"psum", "pmax", "pmin", "psum_invariant", "all_gather",
+                      "all_gather_invariant"})
 """Collectives whose result is the same on every device of the axes they span."""
 
-SPREADING = frozenset({"ppermute", "all_to_all", "reduce_scatter", "ragged_all_to_all", "pbroadcast"})
+SPREADING = frozenset({"ppermute", "all_to_all", "reduce_scatter", "ragged_all_to_all",
+                       "pbroadcast"})
 """Collectives whose result may differ over the axes they span (each device gets its own part)."""
 
-CALLS = frozenset({"jit", "remat2", "custom_jvp_call", "custom_vjp_call", "shard_map", "compute_on"})
+CALLS = frozenset({"jit", "remat2", "custom_jvp_call", "custom_vjp_call", "shard_map",
+                   "compute_on"})
 """Higher-order primitives that call their inner jaxpr on their operands, one for one."""
 
 IDENTICAL, DIFFERENT, DECLARED = "identical", "different", "declared"
 """What `program_values` says of a value: the same on every replica (proven), possibly different, or
 declared different on purpose (`jaxdist.replicate.collectives.keep_per_replica`)."""
 
-_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "copy", "pvary"})
+_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "copy",
+                        "pvary"})
 _ONE_FOR_ONE = frozenset({"optimization_barrier", "device_put"})  # each output is its own operand
 _COMPARE = {"ge": lambda a, b: (a[0] >= b[1], a[1] < b[0]), "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
             "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]), "lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
@@ -130,7 +143,8 @@ class _Reader:
     def __init__(self, sizes: Mapping[str, int | None]):
         self.sizes = dict(sizes)
         self.every = _Fact(frozenset(sizes))
-        self.stalls: list[str] = []  # collectives inside loops whose trip count may differ between replicas
+        # collectives inside loops whose trip count may differ between replicas
+        self.stalls: list[str] = []
 
     def replica(self, names: Any) -> frozenset[str]:
         names = (names,) if isinstance(names, str) else tuple(names or ())
@@ -146,7 +160,8 @@ class _Reader:
         jaxpr = _open(jaxpr)
         if len(jaxpr.invars) != len(inputs):  # a form not known: nothing is proven
             return [self.every] * len(jaxpr.outvars)
-        known: dict[Any, _Fact] = {v: _SAME for v in jaxpr.constvars}  # closed-over constants: one value
+        # closed-over constants: one value
+        known: dict[Any, _Fact] = {v: _SAME for v in jaxpr.constvars}
         known.update(zip(jaxpr.invars, inputs, strict=True))
 
         def get(v: Any) -> _Fact:
@@ -164,8 +179,10 @@ class _Reader:
             return [dataclasses.replace(self.every, declared=True)] * n_out
         if name == "convert_element_type" and inputs[0].bounds is not None and not _holds(
                 eqn.params.get("new_dtype"), inputs[0].bounds):
-            return [dataclasses.replace(inputs[0], bounds=None)] * n_out  # bounds a narrower type may not keep
-        if name in _RESHAPING and len(inputs) == 1:  # keeps a declaration and bounds (the probe's ``x[None]``)
+            # bounds a narrower type may not keep
+            return [dataclasses.replace(inputs[0], bounds=None)] * n_out
+        # keeps a declaration and bounds (the probe's ``x[None]``)
+        if name in _RESHAPING and len(inputs) == 1:
             return [inputs[0]] * n_out
         if name in _ONE_FOR_ONE and len(inputs) == n_out:
             return list(inputs)
@@ -187,14 +204,17 @@ class _Reader:
             if known is not None:
                 return [known] * n_out
         if name == "select_n" and inputs[0].bounds is not None and inputs[0].bounds[0] == inputs[0].bounds[1]:
-            case = inputs[0].bounds[0] + 1  # a predicate the same and known on every replica picks one case
+            # a predicate the same and known on every replica picks one case
+            case = inputs[0].bounds[0] + 1
             if case < len(inputs):
                 return [inputs[case]] * n_out
-        if name in ("add", "sub", "max", "min") and all(f.bounds for f in inputs) and len(inputs) == 2:
+        if name in ("add", "sub", "max", "min") and all(f.bounds
+                                                        for f in inputs) and len(inputs) == 2:
             (a0, a1), (b0, b1) = inputs[0].bounds, inputs[1].bounds
             bounds = {"add": (a0 + b0, a1 + b1), "sub": (a0 - b1, a1 - b0), "max": (max(a0, b0), max(a1, b1)),
                       "min": (min(a0, b0), min(a1, b1))}[name]
-            return [_Fact(frozenset() if bounds[0] == bounds[1] else union.axes, bounds=bounds)] * n_out
+            return [_Fact(frozenset() if bounds[0] == bounds[1] else union.axes,
+                          bounds=bounds)] * n_out
         if name == "cond":
             return self.cond(eqn, inputs)
         if name == "scan":
@@ -202,7 +222,8 @@ class _Reader:
         if name == "while":
             return self.loop(eqn, inputs)
         if name in CALLS:
-            inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr") if _is_jaxpr(eqn.params.get(k))), None)
+            inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr")
+                          if _is_jaxpr(eqn.params.get(k))), None)
             if inner is not None:
                 return self.read(inner, inputs)
             return [self.every] * n_out
@@ -228,9 +249,11 @@ class _Reader:
         index, operands = inputs[0], inputs[1:]
         branches = eqn.params["branches"]
         if index.bounds is not None and index.bounds[0] == index.bounds[1] and 0 <= index.bounds[0] < len(branches):
-            return self.read(branches[index.bounds[0]], operands)  # the same branch on every replica
+            # the same branch on every replica
+            return self.read(branches[index.bounds[0]], operands)
         outs = [self.read(b, operands) for b in branches]
-        return [_Fact(index.axes | _union([b[i] for b in outs]).axes) for i in range(len(eqn.outvars))]
+        return [_Fact(index.axes | _union([b[i] for b in outs]).axes)
+                for i in range(len(eqn.outvars))]
 
     def scan(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
         n_consts, n_carry = _scan_parts(eqn, len(inputs))
@@ -267,7 +290,8 @@ class _Reader:
         found = []
         for e in _open(jaxpr).eqns:
             named = e.params.get("axes", e.params.get("axis_name"))
-            if (e.primitive.name in REDUCING or e.primitive.name in SPREADING) and self.replica(named):
+            if (e.primitive.name in REDUCING
+                or e.primitive.name in SPREADING) and self.replica(named):
                 found.append(e.primitive.name)
             for inner in _jaxprs(e.params):
                 found += self.collectives(inner)
@@ -358,7 +382,8 @@ def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
 def _shard_map(program: Any) -> Any:
     eqns = [e for e in _open(program).eqns if e.primitive.name == "shard_map"]
     if len(eqns) != 1:
-        raise AssertionError("strategy.run's probe traces exactly one shard_map")  # built so in _run.py
+        # built so in _run.py
+        raise AssertionError("strategy.run's probe traces exactly one shard_map")
     return eqns[0]
 
 
@@ -396,12 +421,13 @@ def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
 
 def _stall_message(collectives: list[str]) -> str:
     return (
-        f"a while_loop whose trip count may differ between replicas (its condition is computed from a replica's "
-        f"own values) runs a collective over the replicas inside ({', '.join(collectives)}): a replica that stops "
-        "early leaves the others waiting for it forever (XLA aborts after a rendezvous timeout). Make the "
-        "condition the same on every replica (combine what it reads first, e.g. "
-        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed number of times with "
-        "lax.fori_loop / lax.scan), or move the collective out of the loop."
+        "a while_loop whose trip count may differ between replicas (its condition is computed from "
+        "a replica's own values) runs a collective over the replicas inside "
+        f"({', '.join(collectives)}): a replica that stops early leaves the others waiting for it "
+        "forever (XLA aborts after a rendezvous timeout). Make the condition the same on every "
+        "replica (combine what it reads first, e.g. "
+        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed number of "
+        "times with lax.fori_loop / lax.scan), or move the collective out of the loop."
     )
 
 
@@ -409,7 +435,8 @@ def _outer_facts(program: Any, reader: _Reader) -> Any:
     jaxpr = _open(program)
     outer_inputs = set(jaxpr.invars) | set(jaxpr.constvars)
 
-    def fact(v: Any) -> _Fact:  # outside the shard_map a value is one value; computed there: not known
+    # outside the shard_map a value is one value; computed there: not known
+    def fact(v: Any) -> _Fact:
         return _SAME if isinstance(v, jcore.Literal) or v in outer_inputs else reader.every
     return fact
 
@@ -424,8 +451,8 @@ def _spec_axes(spec: Any) -> list[str]:
 # How an update reaches an output from the value it updates: passed on as it is (one for one),
 # summed with others (``p - lr * g``, ``max(p, 0)``), scaled by a number (``b1 * mu``, ``p * (1 - lr
 # * wd)``), selected.
-_PASSED = frozenset({"convert_element_type", "copy", "pvary", "optimization_barrier", "reduce_precision",
-                     "sharding_constraint", "reshard", "device_put"})
+_PASSED = frozenset({"convert_element_type", "copy", "pvary", "optimization_barrier",
+                     "reduce_precision", "sharding_constraint", "reshard", "device_put"})
 _SUMMED = frozenset({"add", "sub", "add_any", "max", "min"})
 _SCALED = frozenset({"mul", "div"})
 _SAME_ELEMENTS = frozenset({"broadcast_in_dim", "reshape", "squeeze"})
@@ -447,7 +474,8 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
     if len(jaxpr.invars) != len(inputs):
         return [frozenset()] * len(jaxpr.outvars)
     known: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, inputs, strict=True))
-    numbers: set[Any] = set()  # values that are one number, broadcast or not (a learning rate, a decay)
+    # values that are one number, broadcast or not (a learning rate, a decay)
+    numbers: set[Any] = set()
 
     def get(v: Any) -> frozenset[int]:
         return frozenset() if isinstance(v, jcore.Literal) else known.get(v, frozenset())
@@ -461,7 +489,8 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
         shape = getattr(eqn.outvars[0].aval, "shape", None) if eqn.outvars else None
         if name == "broadcast_in_dim" and number(eqn.invars[0]):
             numbers.update(eqn.outvars)
-        inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr") if _is_jaxpr(eqn.params.get(k))), None)
+        inner = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr")
+                      if _is_jaxpr(eqn.params.get(k))), None)
         if _backward(eqn):
             outs = [frozenset()] * n_out
         elif name in CALLS and inner is not None:
@@ -481,7 +510,8 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
         elif name in _SCALED and len(eqn.invars) == 2:
             a, b = eqn.invars
             carried = get(a) if number(b) else get(b) if name == "mul" and number(a) else frozenset()
-            outs = [carried if getattr((a if number(b) else b).aval, "shape", None) == shape else frozenset()] * n_out
+            outs = [carried if getattr((a if number(b) else b).aval, "shape", None) == shape
+                    else frozenset()] * n_out
         else:
             outs = [frozenset()] * n_out
         known.update(zip(eqn.outvars, outs, strict=True))
@@ -541,8 +571,8 @@ def _dtype(dtype: Any) -> Any:
 
 
 def check_mirrored_outputs(
-    fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str], out_kinds: Sequence[str],
-    out_updates: Sequence[frozenset[int]],
+    fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str],
+    out_kinds: Sequence[str], out_updates: Sequence[frozenset[int]],
 ) -> None:
     """Refuse a replica function whose output takes the place of a mirrored argument but may differ
     between replicas: tf.distribute refuses to update a mirrored variable from replica context
@@ -569,7 +599,8 @@ def check_mirrored_outputs(
         jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))[0]]
     arguments = [("args" if p.startswith("[0]") else "kwargs") + p[3:]
                  for p, role in zip(paths, roles, strict=True) if role != Role.STATIC]
-    variables = {i for i, role in enumerate(r for r in roles if r != Role.STATIC) if role == Role.VARIABLE}
+    variables = {i for i, role in enumerate(r for r in roles if r != Role.STATIC)
+                 if role == Role.VARIABLE}
     found = [(where, arguments[i]) for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
              if kind == "per_replica" for i in sorted(updates & variables)[:1]]
     if found:
@@ -577,14 +608,16 @@ def check_mirrored_outputs(
 
 
 def _message(fn: str, found: list[tuple[str, str]]) -> str:
-    shown = ", ".join(f"{out} takes the place of the mirrored argument {arg}" for out, arg in found[:3]) + (
+    shown = ", ".join(f"{out} takes the place of the mirrored argument {arg}"
+                      for out, arg in found[:3]) + (
         f" and {len(found) - 3} more outputs do" if len(found) > 3 else "")
     return (
-        f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each replica updated "
-        "its own copy, e.g. with its local gradients, and the copies drift apart. "
-        "tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; here, combine them before "
-        "the update: grads = jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled "
-        "by jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps apart on "
-        "purpose (local SGD, an ensemble, a residual) is declared where it is returned: "
+        f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each "
+        "replica updated its own copy, e.g. with its local gradients, and the copies drift apart. "
+        "tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; here, "
+        "combine them before the update: grads = "
+        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled by "
+        "jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps "
+        "apart on purpose (local SGD, an ensemble, a residual) is declared where it is returned: "
         "jd.get_replica_context().per_replica(new_value); it then comes back as jd.PerReplica."
     )

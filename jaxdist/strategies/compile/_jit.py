@@ -73,7 +73,8 @@ from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
 __all__ = ["StrategyFunction"]
 
 
-_GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
+# whether values of a type are nnx graph nodes (decided by type alone)
+_GRAPH_TYPES: dict[type, bool] = {}
 _SCALARS = frozenset({bool, int, float, complex})
 
 
@@ -143,14 +144,15 @@ class StrategyFunction:
             both = sorted(set(nums) & set(self._static)) or sorted(set(names) & set(self._static_names))
             if both:
                 raise ValueError(
-                    f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a static argument "
-                    "is a compile-time constant, not an array; drop it from one of them."
+                    f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a "
+                    "static argument is a compile-time constant, not an array; drop it from one of "
+                    "them."
                 )
         if axis_types is not None and not isinstance(axis_types, jax.sharding.AxisType):
             raise ValueError(
-                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each program decides: the "
-                "mesh's Explicit axes where the step type-checks with them, Auto where not), "
-                "jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
+                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each "
+                "program decides: the mesh's Explicit axes where the step type-checks with them, "
+                "Auto where not), jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
             )
         self._axis_types = axis_types
         # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips
@@ -162,8 +164,10 @@ class StrategyFunction:
         self._tells_provenance = self._provenance.tells
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
-        self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
-        self._module_outputs: dict[Static, Static] = {}  # the static part of its outputs, recorded when traced
+        # that program, for calls with Equinox arguments
+        self._modules: StrategyFunction | None = None
+        # the static part of its outputs, recorded when traced
+        self._module_outputs: dict[Static, Static] = {}
         # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's
         # (see `__call__`).
         self._compiled = StepPrograms()
@@ -193,7 +197,8 @@ class StrategyFunction:
             if any(i in nodes for i in self._donate):
                 donate += (1,)
             jitted = self._compiled.full[nodes] = jax.jit(
-                named(self._trace, self._fn), static_argnums=self._static_positions, donate_argnums=donate,
+                named(self._trace, self._fn), static_argnums=self._static_positions,
+                donate_argnums=donate,
                 static_argnames=self._static_names, donate_argnames=self._donate_names,
             )
         return jitted
@@ -220,9 +225,9 @@ class StrategyFunction:
         for k, a in kwargs.items():
             if _is_graph_node(a):
                 raise TypeError(
-                    f"{fn_name(self._fn)}: nnx object passed as keyword-only argument {k!r}; pass nnx modules, "
-                    "optimizers and metrics positionally (or by the name of a positional parameter), so their "
-                    "in-place updates are written back."
+                    f"{fn_name(self._fn)}: nnx object passed as keyword-only argument {k!r}; pass "
+                    "nnx modules, optimizers and metrics positionally (or by the name of a "
+                    "positional parameter), so their in-place updates are written back."
                 )
         nodes = tuple(i for i, a in enumerate(args) if i not in self._static and _is_graph_node(a))
         if not nodes:
@@ -237,7 +242,8 @@ class StrategyFunction:
         placed, kwargs, state = self._place(plain, kwargs, state)
         return args, nodes, graphdef, placed, kwargs, state
 
-    def _with_padding(self, args: tuple, bound_kwargs: dict, kwargs: dict, nodes: tuple[int, ...]) -> dict:
+    def _with_padding(self, args: tuple, bound_kwargs: dict, kwargs: dict,
+                      nodes: tuple[int, ...]) -> dict:
         """The placed ``kwargs`` with the row weights of the padded batches among the call's
         arguments (``args`` / ``bound_kwargs``, as the call got them), for the ``strategy.run``
         inside (`_trace._padded`)."""
@@ -258,8 +264,10 @@ class StrategyFunction:
 
             arrays_step.__name__ = arrays_step.__qualname__ = fn_name(fn)
             self._modules = StrategyFunction(
-                self._policy, self._programs, arrays_step, donate_argnums=tuple(i + 1 for i in self._donate),
-                static_argnums=0, batch_argnums=None if self._batch is None else tuple(i + 1 for i in self._batch),
+                self._policy, self._programs, arrays_step,
+                donate_argnums=tuple(i + 1 for i in self._donate),
+                static_argnums=0, batch_argnums=None if self._batch is None
+                else tuple(i + 1 for i in self._batch),
                 donate_argnames=self._donate_names, batch_argnames=self._batch_names or None,
                 out_layouts=self._out_layouts, axis_types=self._axis_types, _module_arrays=True)
         return self._modules
@@ -284,7 +292,8 @@ class StrategyFunction:
         # A batch a distributed dataset padded (remainder="pad") takes the full path, its row
         # weights brought in for the strategy.run inside the step (`_trace._padded`; a step that
         # hands it to none is refused).
-        padded = bool(PADDED) and holds_padded((args, kwargs))  # (a dict's truth first: free while none is padded)
+        # (a dict's truth first: free while none is padded)
+        padded = bool(PADDED) and holds_padded((args, kwargs))
         if not kwargs and not padded:
             key = tuple(map(type, args))
             if self._reads_leaves:
@@ -298,7 +307,8 @@ class StrategyFunction:
                     refused = program
                     self._compiled.missed(key)
                 else:
-                    return self._provenance.marked(static[1:], out) if self._tells_provenance else out
+                    return self._provenance.marked(static[1:],
+                                                   out) if self._tells_provenance else out
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         if not self._module_arrays and holds_module(args, kwargs):
@@ -357,7 +367,8 @@ class StrategyFunction:
         a tracer (a call inside another trace) or no array."""
         dynamic = tuple(a for i, a in enumerate(placed) if i not in self._static)
         if not all(type(x) in _SCALARS or isinstance(x, jax.ShapeDtypeStruct) or (
-                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in jax.tree.leaves(dynamic)):
+                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+                   for x in jax.tree.leaves(dynamic)):
             return None
         program = self._compiled.families.get(static)
         if program is None:
@@ -444,14 +455,16 @@ class StrategyFunction:
             return self._call_modules("plan", args, kwargs)
         args, kwargs = self._bind(args, kwargs)
         names = list(self._signature.parameters) if self._signature is not None else []
-        return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of, names=names,
-                         batch=self._batch or (), batch_names=self._batch_names, static=self._static,
-                         static_names=self._static_names)
+        return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of,
+                         names=names,
+                         batch=self._batch or (), batch_names=self._batch_names,
+                         static=self._static, static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(stage, args, kwargs)
-        padded = bool(PADDED) and holds_padded((args, kwargs))  # the program a call would run: with the weights
+        # the program a call would run: with the weights
+        padded = bool(PADDED) and holds_padded((args, kwargs))
         bound_kwargs = self._bind(args, kwargs)[1] if padded else None
         bound, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))

@@ -62,7 +62,8 @@ class MultiStepContext:
         self.loop_values: Any = None
         self._lowered: Callable[[], Any] | None = None
 
-    def set_last_step_output(self, name: str, output: Any, aggregation: ReduceOp | str | None = None) -> None:
+    def set_last_step_output(self, name: str, output: Any,
+                             aggregation: ReduceOp | str | None = None) -> None:
         """Record ``output`` of the current step under ``name``; after the loop, the last step's
         value is kept.
 
@@ -81,12 +82,14 @@ class MultiStepContext:
         op = None if aggregation is None else ReduceOp.parse(aggregation, "aggregation")
         if self._pending is None:
             raise RuntimeError(
-                "set_last_step_output is called from inside step_fn while run_steps_on_dataset traces it."
+                "set_last_step_output is called from inside step_fn while run_steps_on_dataset "
+                "traces it."
             )
         if ambient.current_replica() is not None:
             raise RuntimeError(
-                "set_last_step_output was called inside a replica function: call it in step_fn with the value "
-                "strategy.run returned (a PerReplica), and give an aggregation to reduce it."
+                "set_last_step_output was called inside a replica function: call it in step_fn "
+                "with the value strategy.run returned (a PerReplica), and give an aggregation to "
+                "reduce it."
             )
         self._aggregations[name] = op
         self._pending[name] = output
@@ -115,7 +118,8 @@ class MultiStepContext:
         pending, self._pending = self._pending, None
         return pending
 
-    def _finish(self, outputs: dict, aggregations: dict, non_tensor: dict, loop_values: Any, lower: Callable) -> None:
+    def _finish(self, outputs: dict, aggregations: dict, non_tensor: dict, loop_values: Any,
+                lower: Callable) -> None:
         self._last_step_outputs = dict(outputs)
         self._aggregations = dict(aggregations)
         self._non_tensor_outputs = dict(non_tensor)
@@ -126,7 +130,8 @@ class MultiStepContext:
         """The lowered loop program (for ``jd.gradients.clusters`` and
         ``jd.tpu.host_compute_core``)."""
         if self._lowered is None:
-            raise RuntimeError("lower() is available after run_steps_on_dataset has compiled the loop.")
+            raise RuntimeError("lower() is available after run_steps_on_dataset has compiled the "
+                               "loop.")
         return self._lowered()
 
 
@@ -155,9 +160,10 @@ def _take(iterator: Iterator[Any], iterations: int) -> list[Any]:
         raise StopIteration
     if len(batches) < iterations:
         raise ValueError(
-            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an on-device loop "
-            f"runs a fixed number of steps; drop the remainder (make the number of batches a multiple of "
-            f"{iterations}) or pad, or pass iterations={len(batches)} for the last call."
+            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an "
+            "on-device loop runs a fixed number of steps; drop the remainder (make the number of "
+            f"batches a multiple of {iterations}) or pad, or pass iterations={len(batches)} for "
+            "the last call."
         )
     return batches
 
@@ -167,16 +173,19 @@ def _check_static(batches: list[Any], n: int) -> None:
     for i, batch in enumerate(batches):
         leaves, tree = jax.tree.flatten(batch)
         if tree != first_tree:
-            raise ValueError(f"batch {i} has structure {tree}, batch 0 has {first_tree}: batches must agree.")
+            raise ValueError(f"batch {i} has structure {tree}, batch 0 has {first_tree}: batches "
+                             "must agree.")
         for a, b in zip(leaves, first_leaves, strict=True):
             if np.shape(a) != np.shape(b):
                 raise ValueError(
-                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: on-device "
-                    "loops need static shapes; drop the remainder (a ragged last batch) or pad it to the same shape."
+                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: "
+                    "on-device loops need static shapes; drop the remainder (a ragged last batch) "
+                    "or pad it to the same shape."
                 )
     for leaf in first_leaves:
         if not np.shape(leaf):
-            raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split over the replicas.")
+            raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split "
+                             "over the replicas.")
         check_divisible(np.shape(leaf)[0], n)
 
 
@@ -187,7 +196,8 @@ def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
 
     def stack(*leaves):
         layout = policy.batch_layout(np.ndim(leaves[0]), np.shape(leaves[0]))
-        sharding = NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec), memory_kind=layout.memory_kind)
+        sharding = NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec),
+                                 memory_kind=layout.memory_kind)
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
@@ -212,13 +222,14 @@ def run_steps_on_dataset(
     See `Strategy.run_steps_on_dataset`.
     """
     if not callable(step_fn):
-        raise TypeError(f"step_fn={step_fn!r} is not callable: pass step_fn(ctx, state, *inputs) -> state.")
+        raise TypeError(f"step_fn={step_fn!r} is not callable: pass step_fn(ctx, state, *inputs) "
+                        "-> state.")
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} must be an int >= 1 (the steps run per call).")
     if not isinstance(iterator, Iterator):
         raise TypeError(
-            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that consecutive "
-            "calls continue where the last one stopped."
+            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that "
+            "consecutive calls continue where the last one stopped."
         )
     batches = _take(iterator, iterations)
     _check_static(batches, policy.num_replicas)
@@ -231,7 +242,8 @@ def run_steps_on_dataset(
     state = initial_loop_values if has_state else ()
     with policy.call_scope((state, stacked)):  # built and called on the strategy's mesh
         program, info = programs.get(
-            step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state, iterations, donate),
+            step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state,
+                                                   iterations, donate),
             reason=((iterations, has_state, donate), shapes),
         )
         new_state, outputs = program(state, stacked)
@@ -246,7 +258,8 @@ def run_steps_on_dataset(
 
 
 def _build(
-    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool, iterations: int, donate: bool
+    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool,
+    iterations: int, donate: bool
 ):
     info: dict[str, Any] = {}
 
@@ -272,11 +285,13 @@ def _build(
     def loop(state, stacked):
         first = jax.tree.map(lambda x: x[0], stacked)
         with ambient.probe():
-            _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state, first)
+            _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state,
+                                           first)
         # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry
         # it too.
         typed = bool(explicit_axes(policy.mesh))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed else None),
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed
+                                                 else None),
                              out_shapes)
         trace_ctx = MultiStepContext()
 
@@ -288,4 +303,5 @@ def _build(
         return state, outs
 
     donate_argnums = (0,) if donate and has_state else None
-    return StrategyFunction(policy, programs, loop, donate_argnums=donate_argnums, batch_argnums=(1,)), info
+    return StrategyFunction(policy, programs, loop, donate_argnums=donate_argnums,
+                            batch_argnums=(1,)), info

@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxdist.replicate.collectives import AxisName, to_varying
 
-__all__ = ["CHECK_MIRRORED_ENV", "agreement", "check_mirrored_arg", "fingerprint", "raise_on_disagreement"]
+__all__ = ["CHECK_MIRRORED_ENV", "agreement", "check_mirrored_arg", "fingerprint",
+           "raise_on_disagreement"]
 
 CHECK_MIRRORED_ENV = "JAXDIST_CHECK_MIRRORED"
 """Environment variable: ``every`` checks every call of a ``strategy.run`` program, not just the
@@ -47,12 +48,13 @@ def check_mirrored_arg(check_mirrored: str | None) -> str:
     """
     where = "check_mirrored"
     if check_mirrored is None:
-        check_mirrored, where = os.environ.get(CHECK_MIRRORED_ENV, "").strip().lower() or "first", CHECK_MIRRORED_ENV
+        check_mirrored, where = os.environ.get(CHECK_MIRRORED_ENV,
+                                               "").strip().lower() or "first", CHECK_MIRRORED_ENV
     if check_mirrored not in ("first", "every"):
         raise ValueError(
-            f"{where}={check_mirrored!r}: use 'first' (the default: the first call of each strategy.run program "
-            "checks on device that its mirrored outputs are the same on every replica) or 'every' (every call "
-            "does, while debugging)."
+            f"{where}={check_mirrored!r}: use 'first' (the default: the first call of each "
+            "strategy.run program checks on device that its mirrored outputs are the same on every "
+            "replica) or 'every' (every call does, while debugging)."
         )
     return check_mirrored
 
@@ -107,10 +109,11 @@ def raise_on_disagreement(fn: str, paths: Sequence[str], agreed: jax.Array) -> N
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise RuntimeError(
-            f"strategy.run({fn}): {shown} was proven the same on every replica and would come back mirrored, "
-            "but on device the replicas hold different values (checked at the first call). Combine the "
-            "replicas' values before returning them: jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, value) "
-            "(or declare a value kept apart on purpose with ctx.per_replica(value)). Please report this program: "
-            "the analysis should not have proven it (a non-deterministic operation, such as a scatter-add with "
-            "atomics on a GPU, can also give each replica other bits)."
+            f"strategy.run({fn}): {shown} was proven the same on every replica and would come back "
+            "mirrored, but on device the replicas hold different values (checked at the first "
+            "call). Combine the replicas' values before returning them: "
+            "jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, value) (or declare a value kept "
+            "apart on purpose with ctx.per_replica(value)). Please report this program: the "
+            "analysis should not have proven it (a non-deterministic operation, such as a "
+            "scatter-add with atomics on a GPU, can also give each replica other bits)."
         )

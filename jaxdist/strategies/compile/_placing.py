@@ -48,7 +48,8 @@ class ArgumentPlacement:
             names.
     """
 
-    def __init__(self, policy: LayoutPolicy, fn: Callable, static: tuple[int, ...], static_names: tuple[str, ...],
+    def __init__(self, policy: LayoutPolicy, fn: Callable, static: tuple[int, ...],
+                 static_names: tuple[str, ...],
                  batch: tuple[int, ...] | None, batch_names: tuple[str, ...]):
         self._policy = policy
         self._fn = fn
@@ -102,7 +103,8 @@ class ArgumentPlacement:
         kwargs = dict(kwargs)
         for k in named:
             if k in self._batch_names:
-                kwargs[k] = place_batch(policy, kwargs[k], where=f"argument {k!r} (in batch_argnames)")
+                kwargs[k] = place_batch(policy, kwargs[k],
+                                        where=f"argument {k!r} (in batch_argnames)")
             else:
                 kwargs[k] = self._variables(kwargs[k], f"argument {k!r}")
         return tuple(placed), kwargs, state
@@ -126,23 +128,26 @@ class ArgumentPlacement:
     def _variables(self, tree: Any, where: str, warn: bool = True) -> Any:
         layouts = argument_layouts(self._policy, tree, False, where)
         moved = [(p, x) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(tree),
-                                             jax.tree.structure(tree).flatten_up_to(layouts), strict=True)
+                                             jax.tree.structure(tree).flatten_up_to(layouts),
+                                             strict=True)
                  if s is not None]
         if not moved:
             return tree
         if warn and self._batch is None and not self._warned:
             ranked = [(p, x) for p, x in moved if np.ndim(x) >= 1]
-            if ranked and not any(self._policy.layout_role(x) == "batch" for x in jax.tree.leaves(self._call)):
+            if ranked and not any(self._policy.layout_role(x) == "batch"
+                                  for x in jax.tree.leaves(self._call)):
                 # (a batch carried by its layout, as a distributed dataset's is, declares the call's
                 # roles)
                 self._warned = True
                 path, leaf = ranked[0]
                 warnings.warn(
-                    f"{fn_name(self._fn)}: {where} holds unplaced arrays (e.g. {where}{jax.tree_util.keystr(path)}"
-                    f" of shape {np.shape(leaf)}) and no argument is declared a batch, so they "
-                    "are placed as variables (mirrored: every replica computes on all of their rows). If an "
-                    "argument is a batch, declare it: strategy.jit(fn, batch_argnums=(i,)) splits its rows over "
-                    "the replicas; pass batch_argnums=() to declare that there is none.",
+                    f"{fn_name(self._fn)}: {where} holds unplaced arrays (e.g. "
+                    f"{where}{jax.tree_util.keystr(path)} of shape {np.shape(leaf)}) and no "
+                    "argument is declared a batch, so they are placed as variables (mirrored: "
+                    "every replica computes on all of their rows). If an argument is a batch, "
+                    "declare it: strategy.jit(fn, batch_argnums=(i,)) splits its rows over the "
+                    "replicas; pass batch_argnums=() to declare that there is none.",
                     UndeclaredBatchWarning,
                     stacklevel=5,
                 )

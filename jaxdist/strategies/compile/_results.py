@@ -26,8 +26,8 @@ __all__ = ["gather", "local_results", "reduce"]
 def _check_owner(owner: Any, value: Any, what: str) -> None:
     if value.owner is not None and value.owner is not owner:
         raise ValueError(
-            f"{what} got a {type(value).__name__} of another strategy ({value.owner!r}), not {owner!r}: "
-            "use the strategy that produced it."
+            f"{what} got a {type(value).__name__} of another strategy ({value.owner!r}), not "
+            f"{owner!r}: use the strategy that produced it."
         )
 
 
@@ -36,14 +36,15 @@ def _program(programs: ProgramCache, key: Any, build: Callable[[], Callable]) ->
 
 
 def reduce(
-    policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: ReduceOp | str, value: Any, axis: int | None
+    policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: ReduceOp | str, value: Any,
+    axis: int | None
 ) -> Any:
     """Combine per-replica values into one mirrored value (see `Strategy.reduce`)."""
     op = ReduceOp.parse(reduce_op, "reduce_op")
     if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
         raise TypeError(  # e.g. 2018 code passing reduce(aggregation, value, destinations)
-            f"axis={axis!r} must be an int or None. The 2018 form reduce(aggregation, value, destinations) is "
-            "strategy.batch_reduce(aggregation, [(value, destinations)])."
+            f"axis={axis!r} must be an int or None. The 2018 form reduce(aggregation, value, "
+            "destinations) is strategy.batch_reduce(aggregation, [(value, destinations)])."
         )
     n = policy.num_replicas
 
@@ -56,8 +57,8 @@ def reduce(
         ndim = stacked.ndim - (1 if distributed else 0)
         if axis is not None and not -ndim <= axis < ndim:
             raise ValueError(
-                f"axis={axis} is out of range for per-replica values of rank {ndim}; use None or an axis "
-                f"in [{-ndim}, {ndim})."
+                f"axis={axis} is out of range for per-replica values of rank {ndim}; use None or "
+                f"an axis in [{-ndim}, {ndim})."
             )
         inner = None if axis is None else axis % ndim
 
@@ -93,8 +94,8 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
         ndim = (stacked.ndim - 1) if stacked is not None else v.ndim
         if ndim == 0:
             raise ValueError(
-                "strategy.gather got scalar per-replica values: gather concatenates along an axis; use "
-                "strategy.experimental_local_results or strategy.reduce for scalars."
+                "strategy.gather got scalar per-replica values: gather concatenates along an axis; "
+                "use strategy.experimental_local_results or strategy.reduce for scalars."
             )
         if not -ndim <= axis < ndim:
             raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}.")
@@ -136,4 +137,5 @@ def local_results(policy: LayoutPolicy, owner: Any, value: Any) -> tuple[Any, ..
 
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_distributed)
     per_leaf = [components(v) for v in leaves]
-    return tuple(jax.tree.unflatten(treedef, [c[i] for c in per_leaf]) for i in range(len(replicas)))
+    return tuple(jax.tree.unflatten(treedef, [c[i] for c in per_leaf])
+                 for i in range(len(replicas)))

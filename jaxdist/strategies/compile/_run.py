@@ -103,20 +103,22 @@ def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
         return policy.replica_axis
     if len(policy.batch_axes) > 1:
         raise ValueError(
-            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes {policy.batch_axes}, "
-            "which replica functions name together: use axis_name=strategy.axis_name (that tuple) in "
-            "lax.pmean / psum / BatchNorm(axis_name=...), or put the replicas on one mesh axis."
+            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes "
+            f"{policy.batch_axes}, which replica functions name together: use "
+            "axis_name=strategy.axis_name (that tuple) in lax.pmean / psum / "
+            "BatchNorm(axis_name=...), or put the replicas on one mesh axis."
         )
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(
-            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function uses for the "
-            "data-parallel axis (pmap-era code: axis_name='batch')."
+            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function "
+            "uses for the data-parallel axis (pmap-era code: axis_name='batch')."
         )
     others = [a for a in policy.mesh.axis_names if a != policy.replica_axis]
     if axis_name in others:
         raise ValueError(
-            f"axis_name={axis_name!r} is already the name of another axis of the mesh {tuple(policy.mesh.axis_names)}: "
-            "pick a name the mesh does not use for the replica axis."
+            f"axis_name={axis_name!r} is already the name of another axis of the mesh "
+            f"{tuple(policy.mesh.axis_names)}: pick a name the mesh does not use for the replica "
+            "axis."
         )
     return axis_name
 
@@ -138,8 +140,8 @@ class ReplicaRunner:
         self._warned = [False]
 
     def __call__(
-        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
-        check_vma: bool | None = None, check_mirrored: str = "first",
+        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
+        axis_name: str, check_vma: bool | None = None, check_mirrored: str = "first",
     ) -> Any:
         # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no
         # statics, no sync-on-read values) with the structure, avals and layouts of one the full
@@ -150,39 +152,46 @@ class ReplicaRunner:
         if fast is not None:
             key, layouts, plain = fast
             for seen, program in self._programs.peek(fn, key) or ():
-                if seen == layouts:  # (the same aval and sharding objects, compared by identity first)
+                # (the same aval and sharding objects, compared by identity first)
+                if seen == layouts:
                     with self._policy.call_scope(plain):
-                        return program(*plain, arguments=plain, every=check_mirrored == "every", tracing=False)[0]
+                        return program(*plain, arguments=plain, every=check_mirrored == "every",
+                                       tracing=False)[0]
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
         if (frame is None or frame.policy is not self._policy) and any(
             isinstance(x, jax.core.Tracer) for x in flat
         ):
             raise ValueError(
-                "strategy.run got traced arguments outside this strategy's compiled computations (e.g. inside a "
-                "plain jax.jit or jax.grad): there it cannot tell distributed batches from mirrored values. "
-                "Compile the enclosing step with strategy.jit (or run_steps_on_dataset), or call run eagerly."
+                "strategy.run got traced arguments outside this strategy's compiled computations "
+                "(e.g. inside a plain jax.jit or jax.grad): there it cannot tell distributed "
+                "batches from mirrored values. Compile the enclosing step with strategy.jit (or "
+                "run_steps_on_dataset), or call run eagerly."
             )
-        for i in batch_argnums or ():  # a declared batch's plain mistakes (text, ragged rows), named as such
+        # a declared batch's plain mistakes (text, ragged rows), named as such
+        for i in batch_argnums or ():
             if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args[i])):
                 check_batch_leaves(args[i], self._policy.num_replicas, f"args[{i}] of strategy.run")
         kinds = []
         for leaf in flat:
             if is_distributed(leaf) and leaf.owner is not None and leaf.owner is not self._owner:
                 raise ValueError(
-                    f"strategy.run got a {type(leaf).__name__} of another strategy ({leaf.owner!r}) but runs "
-                    f"on {self._owner!r}: per-replica values belong to the strategy that made them; reduce or "
-                    "gather it there first (strategy.reduce / strategy.gather), or run on that strategy."
+                    f"strategy.run got a {type(leaf).__name__} of another strategy "
+                    f"({leaf.owner!r}) but runs on {self._owner!r}: per-replica values belong to "
+                    "the strategy that made them; reduce or gather it there first (strategy.reduce "
+                    "/ strategy.gather), or run on that strategy."
                 )
         for i, a in enumerate(args):
             for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=is_distributed)[0]:
                 declared = None if batch_argnums is None else i in batch_argnums
                 where = f"args[{i}]{jax.tree_util.keystr(path)}"
-                kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
+                kinds.append(classify(self._policy, leaf, declared, where, "strategy.run",
+                                      self._warned))
         for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs, is_leaf=is_distributed)[0]:
             declared = None if batch_argnums is None else False
             where = f"kwargs{jax.tree_util.keystr(path)}"
-            kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
+            kinds.append(classify(self._policy, leaf, declared, where, "strategy.run",
+                                  self._warned))
         kinds = tuple(kinds)
         # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the
         # arguments.
@@ -203,7 +212,8 @@ class ReplicaRunner:
                     if k == Role.VARIABLE:
                         x = self._place_mirrored(x)
                     elif not is_on_mesh(x, self._policy.mesh):
-                        x = place_batch(self._policy, x, where="a batch_argnums argument of strategy.run")
+                        x = place_batch(self._policy, x,
+                                        where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
         if weights is not None:
             dynamic.append(weights)
@@ -212,20 +222,23 @@ class ReplicaRunner:
         # program is another one. Inside any compiled step too: there it may not store into the
         # sync-on-read values it captured.
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
-        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
-               weights is not None, check_vma, traced)
+        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name,
+               explicit_axes(self._policy.mesh), weights is not None, check_vma, traced)
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
-                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name,
+                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic,
+                                                     axis_name, name,
                                                      weights is not None, check_vma),
                 reason=(hashable(statics), avals),
             )
             out, updated = program(*dynamic, arguments=flat, every=check_mirrored == "every")
-        for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
+        # sync-on-read arguments updated in place: kept, as in tf.distribute
+        for i, components in updated.items():
             store_components(flat[i], components)
-        if (fast is not None and frame is None and not updated and weights is None and len(dynamic) == len(flat)
+        if (fast is not None and frame is None and not updated and weights is None
+                and len(dynamic) == len(flat)
                 and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
             # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica`
@@ -238,8 +251,8 @@ class ReplicaRunner:
             del known[_FAST_SIGNATURES:]
         return out
 
-    def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
-                  check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
+    def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
+                  axis_name: str, check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
         """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened
         through per-replica values, whose nodes and owners the structure then holds), each leaf's
         type, aval and layout, and a key of the rest the full path's decision rests on (the
@@ -249,14 +262,17 @@ class ReplicaRunner:
         not hashed: JAX shares aval and sharding objects between arrays of one program, so a steady
         call's compare by identity."""
         policy = self._policy
-        if (batch_argnums is None and not policy.roles_by_layout) or ambient.current_computation() is not None:
+        if (batch_argnums is None
+            and not policy.roles_by_layout) or ambient.current_computation() is not None:
             return None
         leaves, treedef = jax.tree.flatten((args, kwargs))
         if PADDED and holds_padded(leaves):
             return None
-        try:  # (a jax.Array's ``_sharding``: the attribute behind its ``sharding`` property, read in C)
+        # (a jax.Array's ``_sharding``: the attribute behind its ``sharding`` property, read in C)
+        try:
             layouts = tuple([(type(x), x.aval, x._sharding) for x in leaves])
-        except AttributeError:  # a leaf that is no placed array (a static, a tracer): the full path only
+        except AttributeError:
+            # a leaf that is no placed array (a static, a tracer): the full path only
             return None
         return ("fast", treedef, batch_argnums, axis_name, check_vma), layouts, leaves
 
@@ -270,16 +286,21 @@ class ReplicaRunner:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the
         # same order, so arguments on the strategy's mesh enter without a copy.
-        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)  # one batch axis
-        typed = trace_mesh(policy.mesh)  # inside a step whose Explicit axes run Auto: the mesh with them Auto
+        # one batch axis
+        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
+        # inside a step whose Explicit axes run Auto: the mesh with them Auto
+        typed = trace_mesh(policy.mesh)
         mesh = typed if names == policy.mesh.axis_names else Mesh(typed.devices, names, axis_types=typed.axis_types)
         split = PartitionSpec(axis_name)
-        dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded  # then the row weights
+        # then the row weights
+        dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
-        captured: list[SyncOnRead] = []  # sync-on-read values the function uses without getting them
+        # sync-on-read values the function uses without getting them
+        captured: list[SyncOnRead] = []
         n_dyn = len(dyn_kinds)
-        vma = {"check": True}  # off: the program runs as jax.pmap runs it (_vma.py); outputs are proven either way
+        # off: the program runs as jax.pmap runs it (_vma.py); outputs are proven either way
+        vma = {"check": True}
 
         def body(*local, probe=False, agree_on=None):
             it = iter(local[:n_dyn])
@@ -290,11 +311,13 @@ class ReplicaRunner:
                     continue
                 x = next(it)
                 if k == Role.VARIABLE:
-                    x = to_varying(x, axis_name)  # each replica owns its copy: local gradients (see module doc)
+                    # each replica owns its copy: local gradients (see module doc)
+                    x = to_varying(x, axis_name)
                 elif k == Role.PER_REPLICA:
                     x = x[0]
                 elif k == Role.SYNC_ON_READ:
-                    x = in_replica(x[0], agg, owner)  # its component in a jax.Ref: updates leave loops and jits
+                    # its component in a jax.Ref: updates leave loops and jits
+                    x = in_replica(x[0], agg, owner)
                     synced.append((len(leaves), x))
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
@@ -302,10 +325,12 @@ class ReplicaRunner:
                                  batch_weights=local[n_dyn - 1] if padded else None)
             with contextlib.ExitStack() as views:
                 for value, component in zip(captured, local[n_dyn:], strict=True):
-                    views.enter_context(local_view(value, component[0]))  # this replica's, for the trace
+                    # this replica's, for the trace
+                    views.enter_context(local_view(value, component[0]))
                 if probe:
                     views.enter_context(noticing_captures())
-                with ambient.computation(policy, "replica", axis_name=axis_name, typed=vma["check"]), \
+                with ambient.computation(policy, "replica", axis_name=axis_name,
+                                         typed=vma["check"]), \
                         ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
@@ -318,21 +343,25 @@ class ReplicaRunner:
             # (`ReplicaRunner.__call__`).
             if probe:
                 out_info["updated"] = tuple(i for i, obj in synced if assigned(obj))
-            updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced if i in out_info["updated"]]
+            updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced
+                       if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
-            if probe:  # leaves that are not values (an Equinox module's functions, and its Python settings:
+            # leaves that are not values (an Equinox module's functions, and its Python settings:
+            if probe:
                 # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as
                 # they are
                 out_info["statics"] = tuple(_VALUE if value else v for v, value in zip(
                     out_leaves, _values_of(out), strict=True))
-            out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True) if static is _VALUE]
+            out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True)
+                          if static is _VALUE]
             values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
                       else jax.numpy.asarray(v) for v in out_leaves]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
                 out_info.update(tree=out_tree, kinds=tuple(
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
-                    else ("per_replica" if not vma["check"] or is_varying(x, axis_name) else "mirrored", None)
+                    else ("per_replica" if not vma["check"] or is_varying(x, axis_name)
+                          else "mirrored", None)
                     for v, x in zip(out_leaves, values, strict=True)
                 ), passed=tuple(passed.get(id(v)) for v in out_leaves))
                 return (*(x[None] for x in values), *updated)
@@ -358,7 +387,8 @@ class ReplicaRunner:
                 out_specs=split, check_vma=check_vma, **manual,
             )
             hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
-                                           sharding=NamedSharding(mesh, split) if explicit else None)
+                                           sharding=NamedSharding(mesh, split) if explicit
+                                           else None)
                       for v in captured]
             with ambient.probe(), _eager_mesh(mesh, policy, traced), _context_mesh(mesh, policy):
                 try:
@@ -385,13 +415,15 @@ class ReplicaRunner:
         n_out = len(out_info["kinds"])  # then the updated sync-on-read components
         try:
             values = program_values(traced_jaxpr, {a: mesh.shape[a] for a in axis_names(axis_name)})
-        except ValueError as stall:  # a collective in a loop some replicas may leave early: named before it runs
+        except ValueError as stall:
+            # a collective in a loop some replicas may leave early: named before it runs
             raise ValueError(f"strategy.run({name}): {stall}") from None
         out_tree = out_info["tree"]
         kinds_out = [(_refine(kind, value), agg)
                      for (kind, agg), value in zip(out_info["kinds"], values[:n_out], strict=True)]
         out_statics = out_info["statics"]
-        out_paths = [p for p, static in zip(_leaf_paths(out_tree), out_statics, strict=True) if static is _VALUE]
+        out_paths = [p for p, static in zip(_leaf_paths(out_tree), out_statics, strict=True)
+                     if static is _VALUE]
         check_mirrored_outputs(name, treedef, kinds, out_paths, [k for k, _ in kinds_out],
                                updated_inputs(traced_jaxpr)[:n_out])
         # How each output leaves the replica program: "mirrored" (one value: out_spec P()),
@@ -403,8 +435,10 @@ class ReplicaRunner:
                     for kind, _ in kinds_out)
         out_info["how"] = how
         n_updated = len(out_info["updated"]) + len(captured)
-        checked = [i for i, h in enumerate(how) if h != "stacked"]  # what the first call checks on device
-        out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how), *[split] * n_updated)
+        # what the first call checks on device
+        checked = [i for i, h in enumerate(how) if h != "stacked"]
+        out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how),
+                     *[split] * n_updated)
 
         # Pass 2: the real program, with exact output layouts (on the strategy's own mesh); a second
         # one, for the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on
@@ -417,25 +451,33 @@ class ReplicaRunner:
 
         def build(check: bool) -> Callable:
             shard_mapped = jax.shard_map(
-                functools.partial(body, agree_on=checked if check else None), mesh=mesh, in_specs=in_specs,
-                out_specs=(*out_specs, PartitionSpec()) if check else out_specs, check_vma=vma["check"], **manual)
+                functools.partial(body, agree_on=checked if check else None), mesh=mesh,
+                in_specs=in_specs,
+                out_specs=(*out_specs, PartitionSpec()) if check else out_specs,
+                check_vma=vma["check"], **manual)
 
             def mapped(*dyn):
-                if explicit:  # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
-                    dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(dyn, in_specs,
-                                                                                                strict=True)]
-                with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
+                # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
+                if explicit:
+                    dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                           for x, spec in zip(dyn, in_specs,
+                                             strict=True)]
+                # traced under the renamed mesh (also inside strategy.scope())
+                with _context_mesh(mesh, policy):
                     results = shard_mapped(*dyn)
                 return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
 
-            return jax.jit(mapped, out_shardings=(*out_shardings, in_trace(policy.replicated_sharding))
+            return jax.jit(mapped, out_shardings=(*out_shardings,
+                                                  in_trace(policy.replicated_sharding))
                            if check else out_shardings)
 
         compiled = build(False)
         first = {"checked": None if checked else True, "compiled": build(True) if checked else None}
-        if policy.spans_processes and not traced:  # every process must run this same program (agreement.py)
+        # every process must run this same program (agreement.py)
+        if policy.spans_processes and not traced:
             with _eager_mesh(mesh, policy, False):
-                agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
+                agree(f"strategy.run({name})",
+                      fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
         mirrored_paths = [out_paths[i] for i in checked]
 
         def program(*dyn, arguments=(), every=False, tracing=None):
@@ -449,26 +491,31 @@ class ReplicaRunner:
                 results = (first["compiled"] if verify else compiled)(*dyn, *(v.stacked for v in captured))
             if verify and tracing:
                 *results, agreed = results
-                jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths), agreed)
+                jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths),
+                                   agreed)
             elif verify:
                 *results, agreed = results
                 raise_on_disagreement(name, mirrored_paths, agreed)
-                if first["checked"] is None:  # compiled now, so that the second call costs what every later one does
+                # compiled now, so that the second call costs what every later one does
+                if first["checked"] is None:
                     with _eager_mesh(mesh, policy, False):
                         compiled.lower(*dyn, *(v.stacked for v in captured)).compile()
                 first["checked"] = True
             n_args = len(out_info["updated"])
             for value, components in zip(captured, results[n_out + n_args:], strict=True):
-                store_components(value, components)  # updated in place, as tf.distribute's metrics are
+                # updated in place, as tf.distribute's metrics are
+                store_components(value, components)
             wrapped = list(results[:n_out])
             for i, (kind, agg), passed in wrapping:
                 if kind in ("per_replica", "declared"):
                     wrapped[i] = PerReplica(wrapped[i], owner)
-                elif passed is not None:  # the object passed in (updated in place), as TF's assign_add returns it
+                elif passed is not None:
+                    # the object passed in (updated in place), as TF's assign_add returns it
                     wrapped[i] = arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
                 else:
                     wrapped[i] = SyncOnRead(wrapped[i], agg, owner)
-            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args], strict=True)) if n_args else {}
+            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args],
+                               strict=True)) if n_args else {}
             return out_tree.unflatten(wrapped if values_only else _with_statics(out_statics, wrapped)), updated
 
         # Per call, only the outputs that leave as other than the array itself are visited.
@@ -480,10 +527,12 @@ class ReplicaRunner:
         return program
 
 
-_FAST_SIGNATURES = 8  # fast-path signatures kept per function and call structure (most recent first)
+# fast-path signatures kept per function and call structure (most recent first)
+_FAST_SIGNATURES = 8
 
 
-_VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static
+# an output leaf that is a value (an array, a number, a sync-on-read value), not a static
+_VALUE = object()
 
 
 def _values_of(out: Any) -> list[bool]:
@@ -500,12 +549,14 @@ def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> 
     """The output leaves in order: ``values`` where the outputs have values, the recorded statics
     elsewhere (or ``fill`` in their place, when given)."""
     it = iter(values)
-    out = [next(it) if static is _VALUE else static if fill is _VALUE else fill for static in statics]
+    out = [next(it) if static is _VALUE else static if fill is _VALUE else fill
+           for static in statics]
     assert next(it, None) is None
     return out
 
 
-def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]], captured: Sequence[SyncOnRead]
+def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
+                 captured: Sequence[SyncOnRead]
                  ) -> tuple[Any, dict]:
     """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured
     value that it returns replaced by its component read now (its view closes when the replica
@@ -528,12 +579,12 @@ def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]], captured
 
 def _captured_message(fn: str) -> str:
     return (
-        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does not get as an "
-        "argument (captured from the enclosing code): a compiled step cannot update the objects around it, and "
-        "would read the value they held when it was traced. Pass the value to the step and to run as an "
-        "argument, and return it from the step: `seen = step(seen, batch)` with "
-        "`strategy.run(fn, args=(seen, batch))` inside, the replica function returning `seen.assign_add(...)` "
-        "or updating it in place."
+        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does "
+        "not get as an argument (captured from the enclosing code): a compiled step cannot update "
+        "the objects around it, and would read the value they held when it was traced. Pass the "
+        "value to the step and to run as an argument, and return it from the step: `seen = "
+        "step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside, the replica "
+        "function returning `seen.assign_add(...)` or updating it in place."
     )
 
 
@@ -552,7 +603,8 @@ def _refine(kind: str, value: str) -> str:
 def _leaf_paths(tree: Any) -> list[str]:
     """The path of each leaf of ``tree`` (a treedef), as ``output[0]['w']``."""
     marked = jax.tree.unflatten(tree, range(tree.num_leaves))
-    return ["output" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(marked)[0]]
+    return ["output" + jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(marked)[0]]
 
 
 def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: PartitionSpec,
@@ -570,7 +622,8 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
     if not picked:
         return list(results)
     own = jax.shard_map(lambda *copies: tuple(c[0] for c in copies), mesh=mesh, in_specs=split,
-                        out_specs=PartitionSpec(), check_vma=False, **manual)(*(results[i] for i in picked))
+                        out_specs=PartitionSpec(), check_vma=False,
+                        **manual)(*(results[i] for i in picked))
     out = list(results)
     for i, value in zip(picked, own, strict=True):
         out[i] = value
@@ -617,9 +670,10 @@ def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
 
 def _unbound_message(fn: str, axis_name: AxisName, mesh: Mesh) -> str:
     return (
-        f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / axis_index / "
-        "all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that is not bound here (JAX's "
-        f"error above names it): the names bound are the mesh axes {tuple(mesh.axis_names)}, the replicas "
-        f"under {axis_name!r}. pmap-era code names its device axis; bind that name to the replicas with "
-        "strategy.run(fn, args=..., axis_name=<that name>) (or create the strategy with axis_name=<that name>)."
+        f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / "
+        "axis_index / all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that is "
+        "not bound here (JAX's error above names it): the names bound are the mesh axes "
+        f"{tuple(mesh.axis_names)}, the replicas under {axis_name!r}. pmap-era code names its "
+        "device axis; bind that name to the replicas with strategy.run(fn, args=..., "
+        "axis_name=<that name>) (or create the strategy with axis_name=<that name>)."
     )

@@ -34,10 +34,13 @@ def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
-    if not (isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-        raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument indices).")
+    if not (isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                     for v in value)):
+        raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument "
+                        "indices).")
     if any(v < 0 for v in value):
-        raise ValueError(f"{name}={tuple(value)!r}: use non-negative positions (counted from the first argument).")
+        raise ValueError(f"{name}={tuple(value)!r}: use non-negative positions (counted from the "
+                         "first argument).")
     return tuple(value)
 
 
@@ -57,7 +60,8 @@ def as_argnames(value: str | Sequence[str] | None, name: str) -> tuple[str, ...]
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise TypeError(f"{name}={value!r} must be a parameter name or a tuple of them, e.g. ('batch',).")
+    raise TypeError(f"{name}={value!r} must be a parameter name or a tuple of them, e.g. "
+                    "('batch',).")
 
 
 def signature_of(fn: Callable) -> inspect.Signature | None:
@@ -96,18 +100,20 @@ def argument_spec(
         for name in names:
             if name not in signature.parameters or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
                 raise ValueError(
-                    f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take by name: its "
-                    f"parameters are {tuple(signature.parameters)}."
+                    f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take "
+                    f"by name: its parameters are {tuple(signature.parameters)}."
                 )
-    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):  # with *args any position may come
+    # with *args any position may come
+    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         beyond = [i for i in positions if i >= len(positional)]
         if beyond:
             raise ValueError(
                 f"{what}_argnums={argnums!r} names position(s) {beyond}, but {fn_name(fn)} takes "
-                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: pass positions below "
-                f"{len(positional)} (counting from 0), or {what}_argnames=."
+                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: "
+                f"pass positions below {len(positional)} (counting from 0), or {what}_argnames=."
             )
-    by_name = {p.name: i for i, p in enumerate(positional) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    by_name = {p.name: i for i, p in enumerate(positional)
+               if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     positions = tuple(sorted({*positions, *(by_name[n] for n in names if n in by_name)}))
     names = tuple(sorted({*names, *(positional[i].name for i in positions
                                     if i < len(positional) and positional[i].name in by_name)}))

@@ -50,8 +50,9 @@ def check_vma_arg(check_vma: bool | None) -> bool | None:
     if check_vma is None or isinstance(check_vma, bool):
         return check_vma
     raise TypeError(
-        f"check_vma={check_vma!r} must be None (the default: JAX's varying-type check, turned off as jax.pmap "
-        "runs the function where only that check refuses it), True (the check, always) or False (no check)."
+        f"check_vma={check_vma!r} must be None (the default: JAX's varying-type check, turned off "
+        "as jax.pmap runs the function where only that check refuses it), True (the check, always) "
+        "or False (no check)."
     )
 
 
@@ -88,10 +89,11 @@ def first_trace(probe: Callable[[bool], None], check_vma: bool | None, name: str
     if name not in _noted:
         _noted.add(name)
         log.warning(
-            "strategy.run(%s): JAX's varying-type check (shard_map's check_vma) refuses this replica function "
-            "(e.g. a lax.scan whose carry starts as a constant and comes out different on each replica), which "
-            "jax.pmap runs with the check off: it runs so here too. Outputs come back PerReplica unless their values "
-            "are provably the same on every replica; "
-            "gradients stay local (all-reduce them explicitly). strategy.run(..., check_vma=False) asks for this "
+            "strategy.run(%s): JAX's varying-type check (shard_map's check_vma) refuses this "
+            "replica function (e.g. a lax.scan whose carry starts as a constant and comes out "
+            "different on each replica), which jax.pmap runs with the check off: it runs so here "
+            "too. Outputs come back PerReplica unless their values are provably the same on every "
+            "replica; gradients stay local (all-reduce them explicitly). strategy.run(..., "
+            "check_vma=False) asks for this "
             "without this note; check_vma=True keeps the check (and its error).", name)
     return False

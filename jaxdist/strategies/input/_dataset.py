@@ -58,7 +58,8 @@ class InputContext:
             raise ValueError(f"num_input_pipelines={self.num_input_pipelines} must be >= 1.")
         if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
             raise ValueError(
-                f"input_pipeline_id={self.input_pipeline_id} must be in [0, {self.num_input_pipelines})."
+                f"input_pipeline_id={self.input_pipeline_id} must be in [0, "
+                f"{self.num_input_pipelines})."
             )
         if self.num_replicas_in_sync < 1:
             raise ValueError(f"num_replicas_in_sync={self.num_replicas_in_sync} must be >= 1.")
@@ -99,11 +100,13 @@ class DistributedIterator:
     def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int,
                  batches: Iterator[Any] | None = None):
         self._source = source
-        self._batches = source if batches is None else batches  # what is read: the source, under a remainder rule
+        # what is read: the source, under a remainder rule
+        self._batches = source if batches is None else batches
         self._place = place
         self._done = False
         self._stateful = _has_state(source)
-        self._state = source.get_state() if self._stateful else None  # the state after the last batch handed out
+        # the state after the last batch handed out
+        self._state = source.get_state() if self._stateful else None
         self._ahead = Prefetcher(self._read, prefetch) if prefetch > 0 else None
 
     @property
@@ -143,9 +146,10 @@ class DistributedIterator:
     def _check_stateful(self, method: str) -> None:
         if not self._stateful:
             raise TypeError(
-                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no get_state() / "
-                "set_state(state), so its position cannot be saved or restored: read the data with grain "
-                "(grain.MapDataset, grain.IterDataset, grain.DataLoader), or give the iterator both methods."
+                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no "
+                "get_state() / set_state(state), so its position cannot be saved or restored: read "
+                "the data with grain (grain.MapDataset, grain.IterDataset, grain.DataLoader), or "
+                "give the iterator both methods."
             )
 
     def get_state(self) -> Any:
@@ -196,7 +200,8 @@ class DistributedIterator:
         """Stop the prefetch thread and drop batches in flight."""
         self._done = True
         if self._ahead is not None:
-            with contextlib.suppress(RuntimeError):  # a daemon thread stuck in a read dies with the process
+            # a daemon thread stuck in a read dies with the process
+            with contextlib.suppress(RuntimeError):
                 self._ahead.stop()
 
     def __enter__(self) -> DistributedIterator:
@@ -226,10 +231,11 @@ class DistributedDataset:
         (3, 3)
     """
 
-    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int,
-                 remainder: str = "error", divisor: int = 1):
+    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any],
+                 prefetch: int, remainder: str = "error", divisor: int = 1):
         if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on demand).")
+            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on "
+                             "demand).")
         self._make_source = make_source
         self._place = place
         self._prefetch = prefetch

@@ -21,7 +21,8 @@ from jaxdist.replicate.layouts import on_mesh, put
 from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch, nnx_layouts
 
 
-def check_divisible(batch: int, replicas: int, where: str = "global batch", axes: tuple[str, ...] = ()) -> int:
+def check_divisible(batch: int, replicas: int, where: str = "global batch",
+                    axes: tuple[str, ...] = ()) -> int:
     """``replicas``, after checking that it divides ``batch`` rows (``axes``: the batch axes, for
     the message).
 
@@ -41,9 +42,11 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch", axes
         down = batch // replicas * replicas
         over = f" (the product of batch_axes={axes})" if len(axes) > 1 else ""
         fix = (f"drop the remainder (batch {down}) or pad to {up}" if down else
-               f"each replica needs at least one row: give at least {replicas} rows (a multiple of {replicas}), "
-               "or a strategy with fewer replicas (jd.OneDeviceStrategy(), or devices= / batch_axes= naming fewer)")
-        raise ValueError(f"num_replicas_in_sync={replicas}{over} does not divide {where} {batch}: {fix}.")
+               f"each replica needs at least one row: give at least {replicas} rows (a multiple of "
+               f"{replicas}), or a strategy with fewer replicas (jd.OneDeviceStrategy(), or "
+               "devices= / batch_axes= naming fewer)")
+        raise ValueError(f"num_replicas_in_sync={replicas}{over} does not divide {where} {batch}: "
+                         f"{fix}.")
     return replicas
 
 
@@ -61,7 +64,8 @@ def text_kind(x: Any) -> str | None:
         return type(x).__name__
     # str, bytes, object, raw void (bfloat16 and float8 are numpy "void" kinds too, with types of
     # their own)
-    if isinstance(x, (np.ndarray, np.generic)) and (x.dtype.kind in "USO" or x.dtype.type is np.void):
+    if isinstance(x, (np.ndarray, np.generic)) and (x.dtype.kind in "USO"
+                                                    or x.dtype.type is np.void):
         return f"numpy dtype {x.dtype}"
     return None
 
@@ -81,8 +85,8 @@ def refuse_text(leaves: Iterable[tuple[Any, Any]], name: Callable[[Any], str], f
     for path, x in leaves:
         dtype = text_kind(x)
         if dtype is not None:
-            raise TypeError(f"{name(path)} holds text or objects ({dtype}): JAX arrays hold numbers and bools only. "
-                            f"{fix}")
+            raise TypeError(f"{name(path)} holds text or objects ({dtype}): JAX arrays hold "
+                            f"numbers and bools only. {fix}")
 
 
 def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> None:
@@ -110,17 +114,19 @@ def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> N
     """
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     name = where or "the batch"
-    refuse_text(flat, lambda path: f"{name} leaf {jax.tree_util.keystr(path) or '(the batch itself)'}",
-                "Encode it before the batch (e.g. token ids or a vocabulary lookup as int32), or keep it out of "
-                "the batch (a separate, non-batch argument).")
+    refuse_text(flat,
+                lambda path: f"{name} leaf {jax.tree_util.keystr(path) or '(the batch itself)'}",
+                "Encode it before the batch (e.g. token ids or a vocabulary lookup as int32), or "
+                "keep it out of the batch (a separate, non-batch argument).")
     rows = {jax.tree_util.keystr(path): np.shape(x)[0] for path, x in flat if np.ndim(x)}
     if len(set(rows.values())) > 1 and any(r % replicas for r in rows.values()):
         shown = ", ".join(f"{path}: {r}" for path, r in rows.items())
         raise ValueError(
-            f"{name} is ragged: its leaves have different rows ({shown}), and axis 0 of every leaf is the batch "
-            f"the {replicas} replicas split. Give every leaf the same rows (one per example; a last short batch: "
-            f"drop it or pad every leaf to {-(-max(rows.values()) // replicas) * replicas}), or move an array "
-            "that is not per example out of the batch.")
+            f"{name} is ragged: its leaves have different rows ({shown}), and axis 0 of every leaf "
+            f"is the batch the {replicas} replicas split. Give every leaf the same rows (one per "
+            "example; a last short batch: drop it or pad every leaf to "
+            f"{-(-max(rows.values()) // replicas) * replicas}), or move an array that is not per "
+            "example out of the batch.")
 
 
 def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | None = None) -> None:
@@ -144,10 +150,10 @@ def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | No
         return
     sizes = {a: policy.mesh.shape[a] for a in policy.context_axes}
     raise ValueError(
-        f"sequence length {shape[axis]} (axis {axis} of {where or 'the global batch'}) is not divisible by the "
-        f"context axes {policy.context_axes} of sizes {sizes} ({n} parts): pad the sequence to "
-        f"{-(-shape[axis] // n) * n} (a multiple of {n}), or pick a context_axes / context_parallelism that "
-        f"divides {shape[axis]}."
+        f"sequence length {shape[axis]} (axis {axis} of {where or 'the global batch'}) is not "
+        f"divisible by the context axes {policy.context_axes} of sizes {sizes} ({n} parts): pad "
+        f"the sequence to {-(-shape[axis] // n) * n} (a multiple of {n}), or pick a context_axes / "
+        f"context_parallelism that divides {shape[axis]}."
     )
 
 
@@ -156,7 +162,8 @@ def replicas_on_this_process(policy: LayoutPolicy) -> int:
     return len(policy.local_replicas)
 
 
-def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False, where: str | None = None) -> Any:
+def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False,
+                where: str | None = None) -> Any:
     """Place one batch (a pytree of arrays) split on axis 0 over ``policy``'s replicas (with context
     axes, its sequence dimension over them too: `LayoutPolicy.batch_layout`).
 
@@ -176,23 +183,26 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     n_proc = jax.process_count()
     if process_local and n_proc > 1 and policy.replicas_span_processes:
         raise ValueError(
-            f"per-process input (distribute_datasets_from_function) on a mesh whose replicas span processes "
-            f"(mesh {dict(policy.mesh.shape)}, batch axes {policy.batch_axes}: a model axis crosses processes), "
-            "so no process owns a replica's rows alone: pass GLOBAL batches (experimental_distribute_dataset, "
-            "the same batch on every process), or put the processes on a batch axis of the mesh."
+            "per-process input (distribute_datasets_from_function) on a mesh whose replicas span "
+            f"processes (mesh {dict(policy.mesh.shape)}, batch axes {policy.batch_axes}: a model "
+            "axis crosses processes), so no process owns a replica's rows alone: pass GLOBAL "
+            "batches (experimental_distribute_dataset, the same batch on every process), or put "
+            "the processes on a batch axis of the mesh."
         )
     leaves, treedef = jax.tree.flatten(batch)
     if any(np.ndim(x) and np.shape(x)[0] == 0 for x in leaves):  # a mean over it is NaN, silently
         raise ValueError(
-            f"{where or 'the batch'} has 0 rows (an empty batch, shapes {[np.shape(x) for x in leaves]}): a mean "
-            "over it is NaN. Skip empty batches before the step (or pad them and weight the padding out).")
+            f"{where or 'the batch'} has 0 rows (an empty batch, shapes "
+            f"{[np.shape(x) for x in leaves]}): a mean over it is NaN. Skip empty batches before "
+            "the step (or pad them and weight the padding out).")
     layouts = _batch_layouts(policy, batch, leaves, treedef, where, process_local)
     todo = [i for i, layout in enumerate(layouts) if layout is not None]
     if todo:
         if n_proc == 1:
             moved = _place_rows([layouts[i] for i in todo], [leaves[i] for i in todo])
         else:
-            moved = [_place_process_rows(layouts[i], leaves[i], process_local, n_proc) for i in todo]
+            moved = [_place_process_rows(layouts[i], leaves[i], process_local, n_proc)
+                     for i in todo]
         for i, m in zip(todo, moved, strict=True):
             leaves[i] = m
     for leaf in leaves:  # the role these arrays carry (where the layout alone cannot say: FSDP)
@@ -200,24 +210,27 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     return jax.tree.unflatten(treedef, leaves)
 
 
-_HOST_BATCH_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # policy -> {signature: layouts}
+# policy -> {signature: layouts}
+_HOST_BATCH_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _batch_layouts(policy: LayoutPolicy, batch: Any, leaves: list[Any], treedef: Any, where: str | None,
-                   process_local: bool) -> list[Any]:
+def _batch_layouts(policy: LayoutPolicy, batch: Any, leaves: list[Any], treedef: Any,
+                   where: str | None, process_local: bool) -> list[Any]:
     """`argument_layouts` of a batch, as a list over its leaves. A batch of host arrays (a training
     loop's, every step) is laid out by its structure and shapes alone: decided once per signature
     (its checks made then), not leaf by leaf at every step."""
     replicas = replicas_on_this_process(policy) if process_local else policy.num_replicas
     if not all(type(x) is np.ndarray for x in leaves):
         check_batch_leaves(batch, replicas, where)
-        return treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
+        return treedef.flatten_up_to(argument_layouts(policy, batch, True, where,
+                                                      process_local=process_local))
     key = (treedef, tuple((x.shape, x.dtype) for x in leaves), process_local)
     known = _HOST_BATCH_LAYOUTS.setdefault(policy, {})
     layouts = known.get(key)
     if layouts is None:
         check_batch_leaves(batch, replicas, where)  # once per signature, as the layouts
-        layouts = treedef.flatten_up_to(argument_layouts(policy, batch, True, where, process_local=process_local))
+        layouts = treedef.flatten_up_to(argument_layouts(policy, batch, True, where,
+                                                         process_local=process_local))
         if len(known) >= 64:  # bounded: a few signatures per run (a last partial batch, evaluation)
             known.pop(next(iter(known)))
         known[key] = layouts
@@ -249,13 +262,15 @@ def kept(policy: LayoutPolicy, x: Any, batch: bool) -> bool:
         >>> kept(policy, 0.1, batch=False), kept(policy, np.ones(2), batch=False)
         (True, False)
     """
-    if isinstance(x, jax.core.Tracer):  # a step called inside another's trace: its values pass through
+    # a step called inside another's trace: its values pass through
+    if isinstance(x, jax.core.Tracer):
         return True
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         sharding = x.sharding
         if sharding is None or sharding_off(sharding, policy.mesh):
             return False
-        return not (batch and policy.num_replicas > 1 and np.ndim(x) >= 1 and sharding.is_fully_replicated)
+        return not (batch and policy.num_replicas > 1 and np.ndim(x) >= 1
+                    and sharding.is_fully_replicated)
     return not batch and not isinstance(x, (np.ndarray, np.generic))
 
 
@@ -323,10 +338,12 @@ def argument_layouts(policy: LayoutPolicy, value: Any, batch: bool, where: str |
     shapes = jax.tree.map(lambda x: x if kept(policy, x, False) else jax.ShapeDtypeStruct(
         np.shape(x), jax.dtypes.result_type(x)), value)
     layouts = policy.variable_shardings(shapes)
-    return jax.tree.map(lambda x, layout: None if kept(policy, x, False) else layout, value, layouts)
+    return jax.tree.map(lambda x, layout: None if kept(policy, x, False) else layout, value,
+                        layouts)
 
 
-def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, where: str | None = None, *,
+def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str,
+                      where: str | None = None, *,
                       process_local: bool = False) -> jax.sharding.Sharding:
     """The layout a batch leaf of ``shape`` is placed in (`LayoutPolicy.batch_layout`), after the
     checks every placement makes (calls and plans alike).
@@ -344,16 +361,17 @@ def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str, w
     """
     if not shape:
         raise ValueError(
-            f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split over the replicas (pass "
-            "scalars as separate, non-batch arguments)."
+            f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split over the "
+            "replicas (pass scalars as separate, non-batch arguments)."
         )
     if process_local:
         check_divisible(shape[0], replicas_on_this_process(policy),
-                        "per-process batch" if where is None else f"the per-process rows of {where}",
-                        policy.batch_axes)
+                        "per-process batch" if where is None
+                        else f"the per-process rows of {where}", policy.batch_axes)
     else:
         check_divisible(shape[0], policy.num_replicas,
-                        "global batch" if where is None else f"the rows of {where}", policy.batch_axes)
+                        "global batch" if where is None else f"the rows of {where}",
+                        policy.batch_axes)
     check_sequence(policy, shape, where)
     return policy.batch_layout(len(shape), shape)
 
@@ -371,7 +389,8 @@ def _place_rows(shardings: list[Any], values: list[Any]) -> list[jax.Array]:
             moved.append(jax.device_put(x, sharding))
         else:
             host = np.asarray(x)
-            moved.append(jax.make_array_from_callback(host.shape, sharding, lambda index, host=host: host[index]))
+            moved.append(jax.make_array_from_callback(host.shape, sharding,
+                                                      lambda index, host=host: host[index]))
     return moved
 
 
@@ -379,7 +398,8 @@ def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> j
     """Several processes: each transfers only the rows its own devices hold."""
     shape = np.shape(x)
     if process_local:
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x), (shape[0] * n_proc, *shape[1:]))
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x),
+                                                      (shape[0] * n_proc, *shape[1:]))
     # The global batch: each process transfers the rows of its own devices, wherever the mesh puts
     # them.
     host = x if isinstance(x, jax.Array) else np.asarray(x)
@@ -391,11 +411,13 @@ def place_nnx_defaults(policy: LayoutPolicy, state: Any) -> Any:
     the strategy's variable layout; annotated variables keep the layout their annotation gives
     them."""
     values = jax.tree.leaves(state)
-    if not any(isinstance(x, jax.Array) and np.ndim(x) and x.sharding.is_fully_replicated for x in values):
+    if not any(isinstance(x, jax.Array) and np.ndim(x) and x.sharding.is_fully_replicated
+               for x in values):
         return state
     layouts, annotated = nnx_layouts(policy, state)
     moved = [
-        put(x, layout) if (not a and isinstance(x, jax.Array) and layout is not None and x.sharding != layout) else x
+        put(x, layout) if (not a and isinstance(x, jax.Array) and layout is not None
+                           and x.sharding != layout) else x
         for x, layout, a in zip(values, layouts, annotated, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(state), moved)

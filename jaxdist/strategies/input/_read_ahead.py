@@ -63,7 +63,8 @@ def ahead(batches: Iterable[Any], depth: int = 2) -> Iterator[Any]:
         ([1, 2, 3], [0, 1, 2, 3])
     """
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise ValueError(f"depth={depth!r} must be an int >= 0 (batches read ahead of the step; 0: none).")
+        raise ValueError(f"depth={depth!r} must be an int >= 0 (batches read ahead of the step; 0: "
+                         "none).")
     return _read_ahead(iter(batches), depth)
 
 
@@ -86,7 +87,8 @@ def _read_ahead(source: Iterator[Any], depth: int) -> Iterator[Any]:
             if isinstance(item, _Failure):
                 raise item.error
             yield item
-    finally:  # the loop stopped early (or ended): stop the source too (a stream's epoch iterator, say)
+    finally:
+        # the loop stopped early (or ended): stop the source too (a stream's epoch iterator, say)
         close = getattr(source, "close", None)
         if close is not None:
             close()
@@ -178,8 +180,9 @@ class Prefetcher:
         self._drain()
         if thread is not None and thread.is_alive():
             raise RuntimeError(
-                f"the prefetch thread is still reading from the dataset after {STOP_SECONDS:g} s: its read does not "
-                "return, so the iterator cannot be repositioned; check the dataset for a blocking read."
+                f"the prefetch thread is still reading from the dataset after {STOP_SECONDS:g} s: "
+                "its read does not return, so the iterator cannot be repositioned; check the "
+                "dataset for a blocking read."
             )
 
     def _drain(self) -> None:

@@ -43,11 +43,13 @@ __all__ = [
 
 REMAINDERS = ("error", "drop", "pad")
 
-_weights: dict[int, tuple[weakref.ref, Any]] = {}  # id(placed array) -> (weak ref to it, its row weights)
+# id(placed array) -> (weak ref to it, its row weights)
+_weights: dict[int, tuple[weakref.ref, Any]] = {}
 PADDED = _weights
 """The padded batches alive (empty, hence false, while there are none): a step's per-call check
 reads it before calling `holds_padded`, which costs a call."""
-_lock = threading.Lock()  # registering from the read-ahead thread while the loop reads (never in a weakref callback)
+# registering from the read-ahead thread while the loop reads (never in a weakref callback)
+_lock = threading.Lock()
 
 
 def check_remainder(remainder: Any) -> str:
@@ -62,9 +64,9 @@ def check_remainder(remainder: Any) -> str:
     """
     if remainder not in REMAINDERS:
         raise ValueError(
-            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last batch, 'drop' "
-            "skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that jd.compute_average_loss "
-            "leaves out."
+            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last "
+            "batch, 'drop' skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that "
+            "jd.compute_average_loss leaves out."
         )
     return remainder
 
@@ -76,9 +78,9 @@ def _rows(batch: Any) -> int | None:
 
 def _message(index: int, rows: int, full: int, divisor: int) -> str:
     return (
-        f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the first batch has {full}): "
-        "a smaller last batch, as tf.data's batch() without drop_remainder gives. Pass remainder='drop' to skip "
-        "it (drop_remainder=True) or "
+        f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the first "
+        f"batch has {full}): a smaller last batch, as tf.data's batch() without drop_remainder "
+        "gives. Pass remainder='drop' to skip it (drop_remainder=True) or "
         "remainder='pad' to pad it (the padding rows are left out of jd.compute_average_loss; "
         "ReplicaContext.batch_weights marks them) to experimental_distribute_dataset / "
         "distribute_datasets_from_function."
@@ -175,8 +177,8 @@ class _Batches:
             if rows > full:
                 raise ValueError(
                     f"batch {index} has {rows} rows, more than the first batch's {full}: "
-                    f"remainder={self._remainder!r} handles a smaller last batch; give every batch the first one's "
-                    "rows."
+                    f"remainder={self._remainder!r} handles a smaller last batch; give every batch "
+                    "the first one's rows."
                 )
             if self._remainder == "pad":
                 return _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
@@ -236,4 +238,5 @@ def holds_padded(tree: Any) -> bool:
         >>> holds_padded((np.zeros(2), {"x": 1.0}))
         False
     """
-    return bool(_weights) and any(padding_weights(leaf) is not None for leaf in jax.tree.leaves(tree))
+    return bool(_weights) and any(padding_weights(leaf) is not None
+                                  for leaf in jax.tree.leaves(tree))

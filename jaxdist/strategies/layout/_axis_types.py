@@ -51,9 +51,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxdist.strategies import ambient
 
-__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "is_type_refusal",
-           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say", "shape_scope", "trace_mesh",
-           "untyped"]
+__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace",
+           "is_type_refusal",
+           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say",
+           "shape_scope", "trace_mesh", "untyped"]
 
 log = logging.getLogger("jaxdist")
 
@@ -94,7 +95,8 @@ def is_type_refusal(error: BaseException) -> bool:
 
 
 def _explicit(mesh: Any) -> tuple[str, ...]:
-    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit)
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                 if t == AxisType.Explicit)
 
 
 @functools.cache
@@ -104,7 +106,8 @@ def _auto_twin(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
     if isinstance(mesh, AbstractMesh):
         return mesh.update_axis_types(types)
     return Mesh(mesh.devices, mesh.axis_names, axis_types=tuple(
-        AxisType.Auto if a in types else t for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)))
+        AxisType.Auto if a in types else t for a, t in zip(mesh.axis_names, mesh.axis_types,
+                                                           strict=True)))
 
 
 def _in_auto_twin(mesh: Any) -> bool:
@@ -164,8 +167,8 @@ def say(mesh: Any, name: str, auto: bool) -> None:
     if not _explicit(mesh):
         return
     why = ambient.state.axis_types[2] or "the mesh's own"
-    log.info("%s: runs with the mesh's axes %s %s (%s); strategy.jit(..., axis_types=...) chooses.", name,
-             _explicit(mesh), "Auto" if auto else "Explicit", why)
+    log.info("%s: runs with the mesh's axes %s %s (%s); strategy.jit(..., axis_types=...) chooses.",
+             name, _explicit(mesh), "Auto" if auto else "Explicit", why)
 
 
 def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], name: str) -> Any:
@@ -193,7 +196,8 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
         with _mode(axis_types, forced=True, why=f"axis_types=AxisType.{axis_types.name}"):
             return call()
     here = ambient.state  # (inline, not _mode: every call of the full path comes here)
-    previous, here.axis_types = here.axis_types, (AxisType.Explicit, False, "its code type-checks with them")
+    previous, here.axis_types = here.axis_types, (AxisType.Explicit, False,
+                                                  "its code type-checks with them")
     try:
         return call()
     except ExplicitRefused as explicit:
@@ -203,7 +207,8 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     why = ("its code does not type-check with them Explicit" if typed else
            f"its code raised {type(error).__name__} with them Explicit and traces with them Auto")
     try:
-        with _mode(AxisType.Auto, forced=True, why=f"{why}; XLA propagates the layouts jaxdist resolved"):
+        with _mode(AxisType.Auto, forced=True,
+                   why=f"{why}; XLA propagates the layouts jaxdist resolved"):
             return call()
     except Exception as auto_error:
         if typed:
@@ -214,16 +219,16 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
             # the first last.
             first = (str(auto_error).splitlines() or [""])[0][:300]
             error.add_note(
-                f"jaxdist: {name} raised the error above with the mesh's axes {_explicit(mesh)} Explicit, and "
-                f"another with them Auto ({type(auto_error).__name__}: {first}; its traceback is shown first). If "
-                "the error above is a library checking its values' types (layouts are part of them on Explicit "
-                "axes), the other one is the step's to fix: strategy.jit(..., "
-                "axis_types=jax.sharding.AxisType.Auto) raises it alone.")
+                f"jaxdist: {name} raised the error above with the mesh's axes {_explicit(mesh)} "
+                f"Explicit, and another with them Auto ({type(auto_error).__name__}: {first}; its "
+                "traceback is shown first). If the error above is a library checking its values' "
+                "types (layouts are part of them on Explicit axes), the other one is the step's to "
+                "fix: strategy.jit(..., axis_types=jax.sharding.AxisType.Auto) raises it alone.")
             raise error from auto_error
         # The same error at the same place: the step's own, raised as its code raised it (outside
         # this handler, so that its traceback does not carry the Auto trace's).
-        error.add_note(f"jaxdist: {name} was traced again with the mesh's axes {_explicit(mesh)} Auto and failed "
-                       f"there the same way: the axis types are not its cause.")
+        error.add_note(f"jaxdist: {name} was traced again with the mesh's axes {_explicit(mesh)} "
+                       f"Auto and failed there the same way: the axis types are not its cause.")
     raise error
 
 
@@ -245,18 +250,19 @@ def _raise_typed(error: Exception, auto_error: Exception, mesh: Any, name: str) 
         # The step's own error (a configuration check of its layers, a shape error): raised as
         # itself, not buried under the Explicit attempt's type refusal, which is noted.
         first = (str(error).splitlines() or [""])[0][:300]
-        auto_error.add_note(f"jaxdist: {name} was traced first with the mesh's axes {_explicit(mesh)} "
-                            f"Explicit, where JAX refused it by their types ({type(error).__name__}: {first}); "
-                            "the error above comes from tracing it with them Auto. If it comes from code that "
-                            "needs Explicit axes (out_sharding=, jax.sharding.reshard naming them), annotate the "
+        auto_error.add_note(f"jaxdist: {name} was traced first with the mesh's axes "
+                            f"{_explicit(mesh)} Explicit, where JAX refused it by their types "
+                            f"({type(error).__name__}: {first}); the error above comes from "
+                            "tracing it with them Auto. If it comes from code that needs Explicit "
+                            "axes (out_sharding=, jax.sharding.reshard naming them), annotate the "
                             "refused operation too, or drop those annotations.")
         raise auto_error
     first = (str(auto_error).splitlines() or [""])[0][:300]
-    error.add_note(f"jaxdist: {name} was traced with the mesh's axes {_explicit(mesh)} Auto too, and failed "
-                   f"there as well ({type(auto_error).__name__}: {first}). If some of its code needs Explicit "
-                   "axes (out_sharding=, jax.sharding.reshard naming them) while the operation above needs "
-                   "an annotation under them, annotate that operation too; or drop the annotations that "
-                   "need Explicit axes.")
+    error.add_note(f"jaxdist: {name} was traced with the mesh's axes {_explicit(mesh)} Auto too, "
+                   f"and failed there as well ({type(auto_error).__name__}: {first}). If some of "
+                   "its code needs Explicit axes (out_sharding=, jax.sharding.reshard naming them) "
+                   "while the operation above needs an annotation under them, annotate that "
+                   "operation too; or drop the annotations that need Explicit axes.")
     raise error from auto_error
 
 
@@ -280,10 +286,11 @@ def refusals(mesh: Any, name: str) -> Iterator[None]:
         error.add_note(
             f"jaxdist: {name} runs with the mesh's axes {explicit_axes(mesh)} Explicit"
             + (" (axis_types=AxisType.Explicit)" if forced else "")
-            + ": a value's layout over them is part of its type, so code that does not annotate layouts is "
+            + ": a value's layout over them is part of its type, so code that does not annotate "
+              "layouts is "
             "refused, as under plain jax.jit on that mesh. Annotate the operation (out_sharding=, "
-            "jax.sharding.reshard), or let the program run with them Auto: strategy.jit(..., axis_types=None) "
-            "decides per program, axis_types=jax.sharding.AxisType.Auto forces it."
+            "jax.sharding.reshard), or let the program run with them Auto: strategy.jit(..., "
+            "axis_types=None) decides per program, axis_types=jax.sharding.AxisType.Auto forces it."
         )
         raise
 
@@ -293,7 +300,8 @@ def auto_region(mesh: Any) -> Iterator[None]:
     """The inside of a program whose Explicit axes run Auto: ``mesh``'s Auto twin is the abstract
     mesh. Its arguments enter through `retyped`; its results leave by `jax.sharding.reshard` to
     their layouts outside the region (or `leave_auto`)."""
-    with jax.sharding.use_abstract_mesh(_auto_twin(mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh)):
+    with jax.sharding.use_abstract_mesh(_auto_twin(mesh.abstract_mesh if isinstance(mesh, Mesh)
+                                                   else mesh)):
         yield
 
 

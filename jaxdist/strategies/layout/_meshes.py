@@ -59,8 +59,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
-__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "ROLES", "STAGE_AXIS", "AxisRoles", "Role",
-           "axis_roles", "check_role_keywords", "short_form_mesh"]
+__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "ROLES", "STAGE_AXIS",
+           "AxisRoles", "Role", "axis_roles", "check_role_keywords", "short_form_mesh"]
 
 CONTEXT_AXIS = "context"
 """The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
@@ -111,14 +111,15 @@ class Role:
 
 ROLES = (
     Role("stage", "pipeline_parallelism", STAGE_AXIS, (LAYERS,), batch=False, outer=True, reason=(
-        "a pipeline stage holds its own layers and sees the whole micro-batch, so a stage axis cannot split a "
-        "batch's rows; drop it from batch_axes")),
+        "a pipeline stage holds its own layers and sees the whole micro-batch, so a stage axis "
+        "cannot split a batch's rows; drop it from batch_axes")),
     Role("expert", "expert_parallelism", EXPERT_AXIS, EXPERT_NAMES, batch=True, reason=(
-        "outside expert layers the expert axes split the batch like any batch axis (tokens are exchanged between "
-        "their devices inside the layer), so they must be batch axes; add it to batch_axes (an axis that splits "
-        "experts cannot also be a tensor axis)")),
+        "outside expert layers the expert axes split the batch like any batch axis (tokens are "
+        "exchanged between their devices inside the layer), so they must be batch axes; add it to "
+        "batch_axes (an axis that splits experts cannot also be a tensor axis)")),
     Role("context", "context_parallelism", CONTEXT_AXIS, ("length",), batch=False, reason=(
-        "a batch's rows are split over the batch axes and its sequence over the context axes; give each axis "
+        "a batch's rows are split over the batch axes and its sequence over the context axes; give "
+        "each axis "
         "one role"), variables=False),
 )
 """Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes,
@@ -139,10 +140,12 @@ def check_role_keywords(caller: str, given: Any, known: Any, say: str) -> None:
     """
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}: {say} {sorted(known)}.")
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}: {say} "
+                        f"{sorted(known)}.")
 
 
-def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, **parallelism: int) -> Mesh:
+def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1,
+                    **parallelism: int) -> Mesh:
     """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for
     each ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for
     ``model_parallelism=k > 1``, in `ROLES`' order (``stage, replica, expert, context, model``:
@@ -173,15 +176,18 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, *
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
             raise ValueError(
-                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's {axis[name]!r} axis: the "
-                f"'replica' axis takes the devices left over)."
+                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's "
+                f"{axis[name]!r} axis: the 'replica' axis takes the devices left over)."
             )
-    order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS, *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
-    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a and sizes[name] > 1}
+    order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS,
+             *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
+    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a
+             and sizes[name] > 1}
     if n % math.prod(asked.values()):
         raise ValueError(
-            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices (the mesh "
-            f"would be ({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
+            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices "
+            "(the mesh would be "
+            f"({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
         )
     shape = {axis[name]: k for name, k in asked.items()}
     shape[REPLICA_AXIS] = n // math.prod(asked.values())
@@ -207,7 +213,8 @@ class AxisRoles:
         self.batch_axes = batch_axes
         self.fsdp_axes = fsdp_axes
         self.role_axes = {role.name: tuple((role_axes or {}).get(role.name, ())) for role in ROLES}
-        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in self.context_axes)
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes
+                                and a not in self.context_axes)
 
     @property
     def context_axes(self) -> tuple[str, ...]:
@@ -240,8 +247,10 @@ class AxisRoles:
             >>> roles.logical_rules
             (('expert', 'expert'), ('exp', 'expert'))
         """
-        rules = [(name, self.entry(role.name)) for role in ROLES if self.axes(role.name) for name in role.logical]
-        if self.context_axes:  # Flax lm1b / MaxText activation names: activations stay split along the sequence
+        rules = [(name, self.entry(role.name)) for role in ROLES if self.axes(role.name)
+                 for name in role.logical]
+        # Flax lm1b / MaxText activation names: activations stay split along the sequence
+        if self.context_axes:
             rules.append(("batch", self.replica_axis))
         return tuple(rules)
 
@@ -289,11 +298,13 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{argument}={value!r} must be a mesh axis name or a sequence of them, e.g. ('data', 'fsdp').")
+        raise ValueError(f"{argument}={value!r} must be a mesh axis name or a sequence of them, "
+                         "e.g. ('data', 'fsdp').")
     names = tuple(names)
     for name in names:
         if name not in mesh.axis_names:
-            raise ValueError(f"{argument}={value!r} names axis {name!r}, but the mesh axes are {mesh.axis_names}.")
+            raise ValueError(f"{argument}={value!r} names axis {name!r}, but the mesh axes are "
+                             f"{mesh.axis_names}.")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once.")
@@ -301,8 +312,8 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
 
 
 def axis_roles(
-    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy",
-    **role_axes: Any,
+    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool,
+    strategy: str = "ShardedStrategy", **role_axes: Any,
 ) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
@@ -336,28 +347,32 @@ def axis_roles(
     """
     if not isinstance(mesh, (Mesh, AbstractMesh)):  # an AbstractMesh (jd.plan_mesh): plans only
         raise TypeError(
-            f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one with "
-            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names) (or, to plan "
-            "without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
+            f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one "
+            "with jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, "
+            "axis_names) (or, to plan without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
         )
-    check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES], "the roles' arguments are")
-    given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh) for role in ROLES}
+    check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES],
+                        "the roles' arguments are")
+    given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh)
+             for role in ROLES}
     context = given["context"]
     if batch_axes is None:
         if split and len(mesh.axis_names) - len(context) > 1:
             raise ValueError(
-                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a batch's rows are "
-                f"split over, e.g. {strategy}(mesh=mesh, batch_axes={mesh.axis_names[:-1]!r}) (the rest are "
-                "model axes, for tensor parallelism)."
+                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a "
+                f"batch's rows are split over, e.g. {strategy}(mesh=mesh, "
+                f"batch_axes={mesh.axis_names[:-1]!r}) (the rest are model axes, for tensor "
+                "parallelism)."
             )
         batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
     for role in ROLES:
         if given[role.name] and role.variables and not split:
             raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every variable whole on "
-                f"every device and has no {role.name} axes; use ShardedStrategy(mesh=..., batch_axes=..., "
-                f"{role.argument}=...) (or {role.short_form}=k on its own mesh)."
+                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every "
+                f"variable whole on every device and has no {role.name} axes; use "
+                f"ShardedStrategy(mesh=..., batch_axes=..., {role.argument}=...) (or "
+                f"{role.short_form}=k on its own mesh)."
             )
         wrong = [a for a in given[role.name] if (a in batch) != role.batch]  # batch axes, or never
         if wrong:
@@ -366,25 +381,27 @@ def axis_roles(
                 f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
             )
     if not batch and not context:
-        raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
+        raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows "
+                         "over.")
     if not split:
         model = [a for a in mesh.axis_names if a not in batch and a not in context]
         if model:
             raise ValueError(
-                f"A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable whole, so mesh "
-                f"axis {model[0]!r} (not in batch_axes={batch!r}) "
+                "A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable "
+                f"whole, so mesh axis {model[0]!r} (not in batch_axes={batch!r}) "
                 "would hold copies that compute the same thing: make it a batch axis, or use "
-                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over it."
+                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over "
+                "it."
             )
     fsdp = batch + context if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
     if fsdp and not split:
-        raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; use ShardedStrategy "
-                         "for FSDP.")
+        raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; "
+                         "use ShardedStrategy for FSDP.")
     outside = [a for a in fsdp if a not in batch and a not in context]
     if outside:
         raise ValueError(
-            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: FSDP splits "
-            "variables over (part of) the data-parallel group; add it to batch_axes, or split variables over a "
-            "model axis with layout rules / logical_axis_rules instead."
+            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: "
+            "FSDP splits variables over (part of) the data-parallel group; add it to batch_axes, "
+            "or split variables over a model axis with layout rules / logical_axis_rules instead."
         )
     return AxisRoles(mesh, batch, fsdp, given)

@@ -55,7 +55,8 @@ HOST_OFFLOAD_MODES = ("opt_state", "params", "all")
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def parse_host_offload(value: Any, devices: Sequence[Any], argument: str = "host_offload") -> str | None:
+def parse_host_offload(value: Any, devices: Sequence[Any],
+                       argument: str = "host_offload") -> str | None:
     """Validate a ``host_offload`` option against the devices it will run on.
 
     Args:
@@ -78,16 +79,16 @@ def parse_host_offload(value: Any, devices: Sequence[Any], argument: str = "host
         return None
     if not isinstance(value, str) or value not in HOST_OFFLOAD_MODES:
         raise ValueError(
-            f"{argument}={value!r} is not a host offloading mode: use None (everything in device memory), "
-            "'opt_state' (optimizer state in host memory), 'params' (every variable but the optimizer state) "
-            "or 'all'."
+            f"{argument}={value!r} is not a host offloading mode: use None (everything in device "
+            "memory), 'opt_state' (optimizer state in host memory), 'params' (every variable but "
+            "the optimizer state) or 'all'."
         )
     for device in devices:
         kinds = sorted(m.kind for m in device.addressable_memories())
         if HOST_MEMORY_KIND not in kinds:
             raise ValueError(
-                f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every device, but {device} has only "
-                f"{kinds}: this backend cannot offload; use {argument}=None here."
+                f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every device, but "
+                f"{device} has only {kinds}: this backend cannot offload; use {argument}=None here."
             )
     return value
 
@@ -104,7 +105,8 @@ def is_optimizer_state(node: Any) -> bool:
     if isinstance(node, nnx.OptState):
         return True
     cls = type(node)
-    return isinstance(node, tuple) and hasattr(cls, "_fields") and cls.__module__.split(".")[0] == "optax"
+    return isinstance(node, tuple) and hasattr(cls,
+                                               "_fields") and cls.__module__.split(".")[0] == "optax"
 
 
 def _optimizer_mask(shapes: Any) -> list[bool]:

@@ -185,7 +185,8 @@ class LayoutPolicy:
     ):
         # Each role (meshes.ROLES) is named by its axes on a user's mesh (<name>_axes=), or sized by
         # its short form (<short_form>=k) on the strategy's own.
-        check_role_keywords("LayoutPolicy", role_arguments, [n for r in ROLES for n in (r.argument, r.short_form)],
+        check_role_keywords("LayoutPolicy", role_arguments,
+                            [n for r in ROLES for n in (r.argument, r.short_form)],
                             "besides the parameters it lists, it takes the roles' arguments")
         role_axes = {r.argument: role_arguments[r.argument] for r in ROLES
                      if role_arguments.get(r.argument) is not None}
@@ -196,35 +197,40 @@ class LayoutPolicy:
             if named:
                 forms = ", ".join(f"{r.short_form}=k adds {r.axis!r}" for r in ROLES)
                 raise ValueError(
-                    f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes of a mesh: pass mesh= too "
-                    f"(without it the strategy builds its own: ('replica',); model_parallelism=k adds 'model', "
-                    f"{forms})."
+                    f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes of a mesh: "
+                    "pass mesh= too (without it the strategy builds its own: ('replica',); "
+                    f"model_parallelism=k adds 'model', {forms})."
                 )
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
             # The short form: an axis exists only when asked for ("model" for rules to split over).
             mesh = short_form_mesh(devices, model_parallelism, **short)
             present = {r: (r.axis,) for r in ROLES if r.axis in mesh.axis_names}
-            batch = (REPLICA_AXIS, *(axis for r, axes in present.items() if r.batch for axis in axes))
+            batch = (REPLICA_AXIS, *(axis for r, axes in present.items() if r.batch
+                                     for axis in axes))
             roles = axis_roles(mesh, batch, None if split_variables else (), split=True,
                                **{r.argument: axes for r, axes in present.items()})
         else:
             if devices is not None or model_parallelism != 1:
                 raise ValueError(
-                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a user mesh already "
-                    "says which devices and axes; pass only mesh=, batch_axes= and fsdp_axes=."
+                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a "
+                    "user mesh already says which devices and axes; pass only mesh=, batch_axes= "
+                    "and fsdp_axes=."
                 )
             for role in ROLES:
                 if short[role.short_form] != 1:
                     raise ValueError(
-                        f"mesh= and {role.short_form}={short[role.short_form]!r} both given: on a user mesh, name "
-                        f"its {role.name} axes with {role.name}_axes=({role.axis!r},) (its own names) instead."
+                        f"mesh= and {role.short_form}={short[role.short_form]!r} both given: on a "
+                        f"user mesh, name its {role.name} axes with "
+                        f"{role.name}_axes=({role.axis!r},) (its own names) instead."
                     )
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, **role_axes)
-        if not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool) or sequence_axis < 1:
+        if not isinstance(sequence_axis, int) or isinstance(sequence_axis,
+                                                            bool) or sequence_axis < 1:
             raise ValueError(
-                f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch leaf that holds "
-                "its sequence (axis 0 holds its rows), e.g. 1 for (batch, length, ...)."
+                f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch "
+                "leaf that holds its sequence (axis 0 holds its rows), e.g. 1 for (batch, length, "
+                "...)."
             )
         self.roles = roles
         """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP and model
@@ -232,7 +238,8 @@ class LayoutPolicy:
         self.mesh = roles.mesh
         # A plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies plan, never
         # run.
-        self.devices = () if isinstance(roles.mesh, jax.sharding.AbstractMesh) else tuple(roles.mesh.devices.flat)
+        self.devices = () if isinstance(roles.mesh,
+                                        jax.sharding.AbstractMesh) else tuple(roles.mesh.devices.flat)
         self.host_offload = parse_host_offload(host_offload, self.devices)
         self.batch_axes = roles.batch_axes
         """The mesh axes a batch's rows are split over."""
@@ -264,7 +271,8 @@ class LayoutPolicy:
         )
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
-        self._reported_idle: set[str] = set()  # model axes already reported idle (IdleAxisWarning, once each)
+        # model axes already reported idle (IdleAxisWarning, once each)
+        self._reported_idle: set[str] = set()
         self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
         self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
         self._batch_hook: Any = None  # a strategy's override of batch_layout (see use_hooks)
@@ -388,7 +396,8 @@ class LayoutPolicy:
         return NamedSharding(self.mesh, self.rules.spec(path, tuple(np.shape(aval)), annotation,
                                                         getattr(aval, "dtype", None)))
 
-    def use_hooks(self, variable_layout: Any = None, layout_role: Any = None, batch_layout: Any = None) -> None:
+    def use_hooks(self, variable_layout: Any = None, layout_role: Any = None,
+                  batch_layout: Any = None) -> None:
         """Install a strategy's overrides of its layout hooks: ``variable_layout(path, aval,
         annotation) -> Sharding`` then decides every variable's layout, ``batch_layout(shape) ->
         Sharding`` every batch leaf's, ``layout_role(x) -> str | None`` every placed value's role.
@@ -415,15 +424,18 @@ class LayoutPolicy:
         def one(path, leaf):
             if is_box(leaf):  # the path of the box, not of its ".value"
                 return leaf.replace_boxed(self.variable_layout(path_name(path), leaf.value, annotation=leaf))
-            if is_variable(leaf):  # an nnx Variable: laid out by its metadata, kept around its layout
+            # an nnx Variable: laid out by its metadata, kept around its layout
+            if is_variable(leaf):
                 box = annotation(leaf, self.mesh.axis_names)
-                return leaf.replace(self.variable_layout(path_name(path), leaf.get_value(), annotation=box))
+                return leaf.replace(self.variable_layout(path_name(path), leaf.get_value(),
+                                                         annotation=box))
             return self.variable_layout(path_name(path), leaf)
 
         layouts = jax.tree_util.tree_map_with_path(one, shapes, is_leaf=is_annotated)
         target = ambient.colocation_target(self)
         if target is not None:
-            return jax.tree.map(lambda _, aval: own(colocated_layout(target, aval)), layouts, shapes)
+            return jax.tree.map(lambda _, aval: own(colocated_layout(target, aval)), layouts,
+                                shapes)
         return jax.tree.map(own, offload_shardings(self.host_offload, shapes, layouts))
 
     # ---------------------------------------------------------------------------------------- roles
@@ -496,7 +508,8 @@ class LayoutPolicy:
                  for a in jax.tree.leaves(axes)}  # activations declared to use it
         return [a for a in model if a not in used]
 
-    def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = (), avals: Sequence[Any] = ()) -> None:
+    def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = (),
+                       avals: Sequence[Any] = ()) -> None:
         """Warn once per axis (`IdleAxisWarning`) about each model axis ``specs`` leave idle (see
         `idle_axes`).
 
@@ -516,25 +529,26 @@ class LayoutPolicy:
         some = f" (e.g. {', '.join(names[:3])})" if names else ""
         if axis in self.roles.stage_axes:
             warnings.warn(
-                f"stage axis {axis!r} (size {size}) splits none of {what}{some}: the model has no pipeline layer "
-                "(jd.nn.Pipeline, whose stacked layer parameters carry the logical axis 'layers'), so the stage "
-                "devices are idle: they hold and compute the same thing. Put the model's stack of identical blocks "
-                "in jd.nn.Pipeline(block=..., num_layers=..., num_microbatches=...), or drop stage_axes "
-                "(pipeline_parallelism).",
+                f"stage axis {axis!r} (size {size}) splits none of {what}{some}: the model has no "
+                "pipeline layer (jd.nn.Pipeline, whose stacked layer parameters carry the logical "
+                "axis 'layers'), so the stage devices are idle: they hold and compute the same "
+                "thing. Put the model's stack of identical blocks in jd.nn.Pipeline(block=..., "
+                "num_layers=..., num_microbatches=...), or drop stage_axes (pipeline_parallelism).",
                 IdleAxisWarning,
                 stacklevel=4,
             )
             return
         held = sum(held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False))
         if held:
-            some += (f"; {format_bytes(held)} per device of them could be split {size} ways along it but are "
-                     "held whole on each of its devices")
+            some += (f"; {format_bytes(held)} per device of them could be split {size} ways along "
+                     "it but are held whole on each of its devices")
         warnings.warn(
-            f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.batch_axes} and splits none of "
-            f"{what}{some}: a batch is whole along it, so its devices compute the same thing. Annotate variables "
-            f"with it (nnx.with_partitioning / nn.with_partitioning, e.g. (None, {axis!r})), map a logical name to "
-            f"it in logical_axis_rules (e.g. ('mlp', {axis!r})), name it in a layout rule, declare activation "
-            "names that use it (activation_axes=...), or add it to batch_axes.",
+            f"mesh axis {axis!r} (size {size}) is not in batch_axes={self.batch_axes} and splits "
+            f"none of {what}{some}: a batch is whole along it, so its devices compute the same "
+            "thing. Annotate variables with it (nnx.with_partitioning / nn.with_partitioning, e.g. "
+            f"(None, {axis!r})), map a logical name to it in logical_axis_rules (e.g. ('mlp', "
+            f"{axis!r})), name it in a layout rule, declare activation names that use it "
+            "(activation_axes=...), or add it to batch_axes.",
             IdleAxisWarning,
             stacklevel=4,
         )
@@ -576,7 +590,8 @@ class LayoutPolicy:
             ...         dict(jax.sharding.get_abstract_mesh().shape)
             {'replica': 2}
         """
-        if isinstance(self.mesh, jax.sharding.AbstractMesh):  # a plan mesh compiles in a process of its own
+        # a plan mesh compiles in a process of its own
+        if isinstance(self.mesh, jax.sharding.AbstractMesh):
             return contextlib.nullcontext()
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current == self.mesh.abstract_mesh:
@@ -585,10 +600,11 @@ class LayoutPolicy:
             if current.size == self.mesh.size:
                 return contextlib.nullcontext()
             raise ValueError(
-                f"this strategy's step was called inside another jax.jit while a mesh of {current.size} devices "
-                f"({dict(current.shape)}) is JAX's context mesh; the strategy's mesh has {self.mesh.size} "
-                f"({dict(self.mesh.shape)}). Call it outside that jit, or inside `with strategy.scope():` "
-                "(its mesh becomes the context mesh), or build the strategy on that mesh (mesh=...)."
+                "this strategy's step was called inside another jax.jit while a mesh of "
+                f"{current.size} devices ({dict(current.shape)}) is JAX's context mesh; the "
+                f"strategy's mesh has {self.mesh.size} ({dict(self.mesh.shape)}). Call it outside "
+                "that jit, or inside `with strategy.scope():` (its mesh becomes the context mesh), "
+                "or build the strategy on that mesh (mesh=...)."
             )
         return jax.set_mesh(self.mesh)
 

@@ -55,8 +55,10 @@ from jax.sharding import NamedSharding
 __all__ = ["declared", "is_own", "mark", "own"]
 
 _CANONICAL: dict[NamedSharding, NamedSharding] = {}  # a layout -> jaxdist's one object for it
-_DECLARED: dict[NamedSharding, NamedSharding] = {}  # a layout -> one object for it that is not jaxdist's
-_OWN: dict[int, NamedSharding] = {}  # id -> object: held, so that an id is never reused by another object
+# a layout -> one object for it that is not jaxdist's
+_DECLARED: dict[NamedSharding, NamedSharding] = {}
+# id -> object: held, so that an id is never reused by another object
+_OWN: dict[int, NamedSharding] = {}
 _LOCK = threading.Lock()
 
 

@@ -58,14 +58,16 @@ class UndeclaredBatchWarning(UserWarning):
 class Role(enum.Enum):
     """The role of one argument leaf of a strategy computation."""
 
-    VARIABLE = "variable"  # a whole copy per replica (mirrored) / in the variable layout (global view)
+    # a whole copy per replica (mirrored) / in the variable layout (global view)
+    VARIABLE = "variable"
     BATCH = "batch"  # axis 0 split over the replicas
     PER_REPLICA = "per_replica"  # a PerReplica: one component per replica
     SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: one component per replica, aggregated on read
     STATIC = "static"  # not an array: a compile-time constant
 
 
-_placed: dict[int, weakref.ref] = {}  # id(array) -> weak ref: arrays the input functions placed as batches
+# id(array) -> weak ref: arrays the input functions placed as batches
+_placed: dict[int, weakref.ref] = {}
 _placed_lock = threading.Lock()
 
 
@@ -138,16 +140,18 @@ def traced_role(policy: Any, x: Any, where: str, declaration: str) -> Role:
     if role is None and np.ndim(x) >= 1:
         verb = declaration.split("(", 1)[0]
         raise ValueError(
-            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, whose role "
-            "jaxdist cannot know: only the step's own batch arguments are split over the replicas, and a value "
-            "derived from one (say x / 255, or logits) might be a batch or a value every replica needs whole. "
-            f"Declare the roles: {declaration} lists the batch arguments (every other one reaches each replica "
-            "whole; batch_argnums=() if none is a batch)."
+            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, "
+            "whose role jaxdist cannot know: only the step's own batch arguments are split over "
+            "the replicas, and a value derived from one (say x / 255, or logits) might be a batch "
+            f"or a value every replica needs whole. Declare the roles: {declaration} lists the "
+            "batch arguments (every other one reaches each replica whole; batch_argnums=() if none "
+            "is a batch)."
         )
     return role or Role.VARIABLE
 
 
-def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: str, warned: list[bool]) -> Role:
+def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: str,
+             warned: list[bool]) -> Role:
     """The role of one argument leaf of a per-replica computation (``strategy.run``).
 
     Args:
@@ -175,10 +179,11 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
     if role is None and np.ndim(leaf) >= 1 and policy.is_batch_layout(leaf) and not warned[0]:
         warned[0] = True
         warnings.warn(
-            f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by this strategy's "
-            "input functions, on a strategy whose variables can have that layout too, so it is taken as a "
-            "variable (every replica sees all of it). "
-            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by "
+            "this strategy's input functions, on a strategy whose variables can have that layout "
+            "too, so it is taken as a variable (every replica sees all of it). "
+            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch "
+            "arguments.",
             UndeclaredBatchWarning,
             stacklevel=5,
         )
@@ -186,10 +191,11 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
         warned[0] = True
         warnings.warn(
             f"{verb} got {where}, split on axis 0 over a mesh that is not this strategy's (axes "
-            f"{leaf.sharding.mesh.axis_names}, types {leaf.sharding.mesh.axis_types}; the strategy's are "
-            f"{policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role cannot be read from its layout and "
-            "it is taken as a variable (every replica sees all of it). "
-            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            f"{leaf.sharding.mesh.axis_names}, types {leaf.sharding.mesh.axis_types}; the "
+            f"strategy's are {policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role "
+            "cannot be read from its layout and it is taken as a variable (every replica sees all "
+            f"of it). Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the "
+            "batch arguments.",
             UndeclaredBatchWarning,
             stacklevel=5,
         )

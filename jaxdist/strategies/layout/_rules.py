@@ -48,8 +48,8 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
 __all__ = [
-    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable", "logical_names",
-    "unboxed",
+    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable",
+    "logical_names", "unboxed",
 ]
 
 
@@ -176,15 +176,16 @@ class VariableRules:
             raise ValueError(f"min_shard_size={min_shard_size!r} must be an int >= 0 (elements).")
         if isinstance(activation_axes, str) or not all(isinstance(a, str) for a in activation_axes):
             raise ValueError(
-                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, e.g. "
-                "activation_axes=('batch', 'length')."
+                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, "
+                "e.g. activation_axes=('batch', 'length')."
             )
         self.roles = roles
         self.mesh = roles.mesh
         self.split = split
         self.min_shard_size = min_shard_size
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
-        self.logical_axis_rules = tuple(self._check_logical_rule(i, r) for i, r in enumerate(logical_axis_rules or ()))
+        self.logical_axis_rules = tuple(self._check_logical_rule(i, r)
+                                        for i, r in enumerate(logical_axis_rules or ()))
         # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert"
         # over the expert axes, "length" over the context axes, ...): appended where the user's
         # rules do not name them, so every user rule keeps its priority; never reported as unmatched
@@ -206,27 +207,29 @@ class VariableRules:
                 "(r'Dense_0/kernel', PartitionSpec(None, 'model'))."
             ) from None
         if not isinstance(spec, PartitionSpec):
-            raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a jax.sharding.PartitionSpec.")
+            raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a "
+                             "jax.sharding.PartitionSpec.")
         for entry in spec:
             for name in entry_axes(entry):
                 if name not in self.mesh.axis_names:
                     raise ValueError(
-                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are {self.mesh.axis_names}"
-                        f"{_hint(self.roles)}."
+                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are "
+                        f"{self.mesh.axis_names}{_hint(self.roles)}."
                     )
         return compiled, spec
 
     def _check_logical_rule(self, i: int, rule: Any) -> tuple[str, Any]:
         example = "e.g. ('mlp', 'model') or ('embed', None)"
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ValueError(f"logical_axis_rules[{i}]={rule!r} is not a (logical_name, mesh_axes) pair: {example}.")
+            raise ValueError(f"logical_axis_rules[{i}]={rule!r} is not a (logical_name, mesh_axes) "
+                             f"pair: {example}.")
         name, axes = rule
         names = axes if isinstance(axes, (tuple, list)) else (axes,)
         for axis in names:
             if axis is not None and axis not in self.mesh.axis_names:
                 raise ValueError(
-                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, but the mesh "
-                    f"axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
+                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, "
+                    f"but the mesh axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
                 )
         return name, tuple(axes) if isinstance(axes, list) else axes
 
@@ -259,14 +262,16 @@ class VariableRules:
         what = f"annotation {names}"
         if len(names) > len(shape):
             raise ValueError(
-                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape {shape}: "
-                "annotate one name per dimension."
+                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape "
+                f"{shape}: annotate one name per dimension."
             )
         if isinstance(annotation, nn.LogicallyPartitioned):
             rules = annotation.rules if annotation.rules is not None else self.logical_axis_rules
-            axes = list(nn.logical_to_mesh_axes(names, rules))  # Flax's own resolution: rule order is priority
+            # Flax's own resolution: rule order is priority
+            axes = list(nn.logical_to_mesh_axes(names, rules))
             ruled = {name for name, _ in rules}
-            free = [i for i, name in enumerate(names) if isinstance(name, str) and name not in ruled]
+            free = [i for i, name in enumerate(names) if isinstance(name, str)
+                    and name not in ruled]
             what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
             if LAYERS in names and self.roles.stage_axes:
                 self._check_stages(path, shape[names.index(LAYERS)], axes[names.index(LAYERS)])
@@ -274,9 +279,10 @@ class VariableRules:
             for name in jax.tree.leaves(names):
                 if isinstance(name, str) and name not in self.mesh.axis_names:
                     raise ValueError(
-                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis {name!r}, but this "
-                        f"strategy's mesh axes are {self.mesh.axis_names}: name axes of that mesh, or "
-                        "annotate logical names (nn.with_logical_partitioning) and map them with "
+                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis "
+                        f"{name!r}, but this strategy's mesh axes are {self.mesh.axis_names}: name "
+                        "axes of that mesh, or annotate logical names "
+                        "(nn.with_logical_partitioning) and map them with "
                         "ShardedStrategy(logical_axis_rules=...)."
                     )
             axes, free = list(names), []
@@ -295,9 +301,10 @@ class VariableRules:
         parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
         if layers % parts:
             raise ValueError(
-                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the {parts} stages of "
-                f"stage_axes={self.roles.stage_axes}: each stage holds num_layers / stages layers; use a multiple "
-                f"of {parts} layers (times the circular schedule's repeats), or another stage count."
+                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the "
+                f"{parts} stages of stage_axes={self.roles.stage_axes}: each stage holds "
+                f"num_layers / stages layers; use a multiple of {parts} layers (times the circular "
+                "schedule's repeats), or another stage count."
             )
 
     def _big_enough(self, shape: tuple[int, ...]) -> bool:
@@ -315,7 +322,8 @@ class VariableRules:
         spec[-neg_axis] = self.roles.entry("fsdp")
         return PartitionSpec(*spec)
 
-    def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str) -> None:
+    def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec,
+                    what: str) -> None:
         if len(spec) > len(shape):
             raise ValueError(
                 f"{what} for variable {path!r} of shape {shape} names {len(spec)} axes but the "
@@ -325,8 +333,9 @@ class VariableRules:
             parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
             if shape[axis] % parts:
                 raise ValueError(
-                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into {parts} "
-                    "parts, which does not divide it: pick another axis or pad the variable."
+                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into "
+                    f"{parts} parts, which does not divide it: pick another axis or pad the "
+                    "variable."
                 )
 
     # ---------------------------------------------------------------------------------- rule checks
@@ -342,7 +351,8 @@ class VariableRules:
         names: set[str] = set()
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_annotated):
             name = path_name(path)
-            first = next((i for i, (pattern, _) in enumerate(self.layout_rules) if pattern.search(name)), None)
+            first = next((i for i, (pattern, _) in enumerate(self.layout_rules)
+                          if pattern.search(name)), None)
             if first is not None:
                 used.add(first)
             else:  # a layout rule overrides the annotation: its names placed nothing here

@@ -74,11 +74,13 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
     Raises:
         ValueError: for a batch whose rows the replicas do not divide.
     """
-    if nnx.graph.is_graph_node(value):  # the module's state as abstract values in the layouts a call gives them
+    # the module's state as abstract values in the layouts a call gives them
+    if nnx.graph.is_graph_node(value):
         graphdef, state = nnx.split(value)
         layouts, _ = nnx_layouts(policy, state)
         values = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
-                                       sharding=layout if isinstance(layout, jax.sharding.Sharding) else None)
+                                       sharding=layout if isinstance(layout, jax.sharding.Sharding)
+                                       else None)
                   for x, layout in zip(jax.tree.leaves(state), layouts, strict=True)]
         return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))
     layouts = argument_layouts(policy, value, batch, where)  # what a call places, and where
@@ -87,7 +89,8 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
         if not _is_array(x):
             return x
         return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
-                                    sharding=getattr(x, "sharding", None) if layout is None else layout)
+                                    sharding=getattr(x, "sharding", None) if layout is None
+                                    else layout)
 
     return jax.tree.map(one, value, layouts, is_leaf=lambda x: x is None)
 
@@ -125,7 +128,8 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
     arrays: list[ArrayPlan] = []
     replicated: list[ArrayPlan] = []
     mesh_sizes = dict(policy.mesh.shape)
-    could_split = [a for a in (*policy.roles.fsdp_axes, *policy.roles.model_axes) if mesh_sizes[a] > 1]
+    could_split = [a for a in (*policy.roles.fsdp_axes, *policy.roles.model_axes)
+                   if mesh_sizes[a] > 1]
     min_size = policy.rules.min_shard_size
     for name, value, batch in arguments:
         for path, x in _leaves(value):
@@ -134,7 +138,8 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
             size, parts = array_bytes_per_device(shape, dtype, sharding), split_parts(shape, sharding)
             role = "batch" if batch else _role(name, value, path)
             roles[role] = roles.get(role, 0) + size
-            where = f"{name}.{path_name(path).removesuffix('/value')}" if path else name  # a Flax box's value
+            # a Flax box's value
+            where = f"{name}.{path_name(path).removesuffix('/value')}" if path else name
             plan = ArrayPlan(where, shape, str(dtype), _layout_text(sharding), size)
             arrays.append(plan)
             if batch or not shape or math.prod(shape) < min_size:
@@ -196,10 +201,12 @@ def plan_step(
         placed_kwargs[k] = abstract_argument(policy, v, k in batch_names, f"argument {k!r}")
         described.append((k, placed_kwargs[k], k in batch_names))
     mesh = policy.mesh
-    if is_plan_mesh(mesh):  # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
+    # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
+    if is_plan_mesh(mesh):
         traced = trace(*placed, **placed_kwargs)
         lowered = traced.lower(lowering_platforms=("cpu",))
-        memory, program = compile_elsewhere(lowered.as_text(debug_info=True), mesh.size)  # op names kept
+        # op names kept
+        memory, program = compile_elsewhere(lowered.as_text(debug_info=True), mesh.size)
         where = f"compiled for {mesh.size} simulated CPU devices in a subprocess"
     else:
         with policy.call_scope():  # traced and lowered on the strategy's mesh, as a call is
@@ -208,5 +215,7 @@ def plan_step(
         memory = memory_of(program)
         where = f"compiled here ({mesh.devices.flat[0].platform})"
     roles, arrays, replicated = _state(policy, described)
-    return read_plan(program, memory=memory, mesh=dict(mesh.shape), state_bytes=roles, largest_arrays=arrays,
-                     replicated=replicated, axis_types=axis_types_of(traced), compiled_on=where, started=start)
+    return read_plan(program, memory=memory, mesh=dict(mesh.shape), state_bytes=roles,
+                     largest_arrays=arrays,
+                     replicated=replicated, axis_types=axis_types_of(traced), compiled_on=where,
+                     started=start)

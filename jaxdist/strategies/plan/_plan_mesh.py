@@ -97,13 +97,15 @@ def plan_mesh(shape: Mapping[str, int], axis_types: AxisType | tuple[AxisType, .
                          "plan_mesh({'data': 16, 'fsdp': 32}).")
     for name, size in shape.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"shape={dict(shape)!r}: axis name {name!r} must be a non-empty string.")
+            raise ValueError(f"shape={dict(shape)!r}: axis name {name!r} must be a non-empty "
+                             "string.")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"shape={dict(shape)!r}: axis {name!r} has size {size!r}; sizes are ints >= 1.")
+            raise ValueError(f"shape={dict(shape)!r}: axis {name!r} has size {size!r}; sizes are "
+                             "ints >= 1.")
     types = (axis_types,) * len(shape) if isinstance(axis_types, AxisType) else tuple(axis_types)
     if len(types) != len(shape) or not all(isinstance(t, AxisType) for t in types):
-        raise ValueError(f"axis_types={axis_types!r} must be one jax.sharding.AxisType or one per axis of "
-                         f"{dict(shape)!r}, e.g. jax.sharding.AxisType.Explicit.")
+        raise ValueError(f"axis_types={axis_types!r} must be one jax.sharding.AxisType or one per "
+                         f"axis of {dict(shape)!r}, e.g. jax.sharding.AxisType.Explicit.")
     return AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=types)
 
 
@@ -133,9 +135,10 @@ def refuse_to_run(mesh: Any, what: str) -> None:
     """
     if is_plan_mesh(mesh):
         raise RuntimeError(
-            f"{what} needs devices, but this strategy's mesh {dict(mesh.shape)} is a plan mesh (jd.plan_mesh): "
-            "it can plan, not run. Call step.plan(*args) (or strategy.plan(step, *args)) for its memory, "
-            "FLOPs and collectives, and run on a strategy built over real devices (mesh=jax.make_mesh(...))."
+            f"{what} needs devices, but this strategy's mesh {dict(mesh.shape)} is a plan mesh "
+            "(jd.plan_mesh): it can plan, not run. Call step.plan(*args) (or strategy.plan(step, "
+            "*args)) for its memory, FLOPs and collectives, and run on a strategy built over real "
+            "devices (mesh=jax.make_mesh(...))."
         )
 
 
@@ -147,8 +150,9 @@ def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kw
         TypeError: when ``init_fn`` is not callable.
     """
     if not callable(init_fn):
-        raise TypeError(f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the "
-                        "function that builds the variables, e.g. strategy.create_variables(model.init, rng, x).")
+        raise TypeError(f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: "
+                        "pass the function that builds the variables, e.g. "
+                        "strategy.create_variables(model.init, rng, x).")
     dynamic, treedef, statics = split_static((args, kwargs))
 
     def fn(*dyn):
@@ -188,18 +192,20 @@ def compile_elsewhere(module_text: str, num_devices: int, timeout: float = 900.0
         start = time.perf_counter()
         try:
             done = subprocess.run(
-                [sys.executable, "-c", _COMPILER, source, result, str(num_devices), json.dumps(MEMORY_FIELDS)],
+                [sys.executable, "-c", _COMPILER, source, result, str(num_devices),
+                 json.dumps(MEMORY_FIELDS)],
                 env=env, capture_output=True, text=True, timeout=timeout, check=False,
             )
         except subprocess.TimeoutExpired as error:
             raise RuntimeError(
-                f"compiling the plan for {num_devices} simulated CPU devices took longer than timeout={timeout} s: "
-                "pass a larger timeout, or plan a smaller mesh."
+                f"compiling the plan for {num_devices} simulated CPU devices took longer than "
+                f"timeout={timeout} s: pass a larger timeout, or plan a smaller mesh."
             ) from error
         if done.returncode != 0:
             raise RuntimeError(
-                f"compiling the plan for {num_devices} simulated CPU devices failed (exit {done.returncode} after "
-                f"{time.perf_counter() - start:.1f} s):\n{done.stderr[-3000:]}"
+                f"compiling the plan for {num_devices} simulated CPU devices failed (exit "
+                f"{done.returncode} after {time.perf_counter() - start:.1f} "
+                f"s):\n{done.stderr[-3000:]}"
             )
         with open(result) as f:
             out = json.load(f)

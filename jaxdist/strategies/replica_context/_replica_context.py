@@ -36,8 +36,8 @@ class ReplicaContext:
         2.0
     """
 
-    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS, traced: bool = True,
-                 batch_weights: Any = None):
+    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS,
+                 traced: bool = True, batch_weights: Any = None):
         self._strategy = strategy
         self._num_replicas = num_replicas
         self._axis = axis_name
@@ -151,7 +151,8 @@ class ReplicaContext:
             x = jnp.asarray(x)
             if x.ndim == 0:
                 raise ValueError(
-                    "all_gather got a scalar: it concatenates along an axis; gather x[None] to stack scalars."
+                    "all_gather got a scalar: it concatenates along an axis; gather x[None] to "
+                    "stack scalars."
                 )
             return jax.lax.all_gather(x, self._axis, axis=axis % x.ndim, tiled=True, to="invarying")
 
@@ -187,8 +188,9 @@ class ReplicaContext:
         mode = VariableAggregation.parse(aggregation, "aggregation")
         if mode is VariableAggregation.NONE:
             raise ValueError(
-                "aggregation=VariableAggregation.NONE: a mirrored value updated in replica context would "
-                "differ between replicas; specify an aggregation (SUM, MEAN or ONLY_FIRST_REPLICA)."
+                "aggregation=VariableAggregation.NONE: a mirrored value updated in replica context "
+                "would differ between replicas; specify an aggregation (SUM, MEAN or "
+                "ONLY_FIRST_REPLICA)."
             )
         if mode is VariableAggregation.MEAN:
             for leaf in jax.tree.leaves(value):
@@ -211,7 +213,8 @@ class ReplicaContext:
         replica)."""
         return self._merge_depth > 0
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
+                   kwargs: dict | None = None) -> Any:
         """Step from this replica into cross-replica code: ``merge_fn(strategy, *args, **kwargs)``
         sees every replica's values, and its result comes back to every replica (tf.distribute's
         ``merge_call``).
@@ -252,11 +255,13 @@ class ReplicaContext:
             [37.0, 38.0, 39.0]
         """
         if not callable(merge_fn):
-            raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, *args).")
+            raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, "
+                            "*args).")
         if not isinstance(args, (tuple, list)):
             raise TypeError(
-                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, args=(v,)) "
-                "(the 2018 form merge_call(fn, *args) is jd.compat.get_tower_context().merge_call)."
+                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, "
+                "args=(v,)) (the 2018 form merge_call(fn, *args) is "
+                "jd.compat.get_tower_context().merge_call)."
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
@@ -265,8 +270,10 @@ class ReplicaContext:
             return merge_fn(self._strategy, *args, **kwargs)
         strategy, axis = self._strategy, self._axis
 
-        def everyone(x):  # every replica's value, stacked on a leading replica axis (the same on all replicas)
-            return jax.lax.all_gather(to_varying(jnp.asarray(x), axis)[None], axis, tiled=True, to="invarying")
+        # every replica's value, stacked on a leading replica axis (the same on all replicas)
+        def everyone(x):
+            return jax.lax.all_gather(to_varying(jnp.asarray(x), axis)[None], axis, tiled=True,
+                                      to="invarying")
 
         def to_cross_replica(v):
             if isinstance(v, SyncOnRead):
@@ -279,14 +286,16 @@ class ReplicaContext:
             if isinstance(v, PerReplica):
                 return v.stacked[jax.lax.axis_index(axis)]
             if isinstance(v, SyncOnRead):
-                return SyncOnRead(v.stacked[jax.lax.axis_index(axis)], v.aggregation, strategy, local=True)
+                return SyncOnRead(v.stacked[jax.lax.axis_index(axis)], v.aggregation, strategy,
+                                  local=True)
             return v
 
         is_value = lambda v: isinstance(v, (PerReplica, SyncOnRead))  # noqa: E731
         args, kwargs = jax.tree.map(to_cross_replica, (tuple(args), kwargs), is_leaf=is_value)
         self._merge_depth += 1
         try:
-            with noticing_captures(False):  # cross-replica code: a sync-on-read value there reads aggregated
+            # cross-replica code: a sync-on-read value there reads aggregated
+            with noticing_captures(False):
                 result = merge_fn(strategy, *args, **kwargs)
         finally:
             self._merge_depth -= 1

@@ -43,8 +43,8 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
     current = ambient.current_scope()
     if current is not None and current is not strategy:
         raise RuntimeError(
-            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the scope of "
-            f"{current!r}. Leave the outer scope first, or use one strategy for both."
+            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the "
+            f"scope of {current!r}. Leave the outer scope first, or use one strategy for both."
         )
     if ambient.current_replica() is not None:
         raise RuntimeError(
@@ -63,12 +63,14 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
         except ValueError as error:
             spec = _missing_axis_spec(error, tuple(policy.mesh.axis_names))
             note = None if spec is None else _scope_note(type(strategy).__name__, policy, spec)
-            if note is not None and note not in getattr(error, "__notes__", ()):  # a re-entered scope notes once
+            # a re-entered scope notes once
+            if note is not None and note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
             raise
 
 
-def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
+def _missing_axis_spec(error: BaseException,
+                       axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
     """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback
     (the layout that failed), or None."""
     tb = error.__traceback__
@@ -96,21 +98,22 @@ def _scope_note(owner: str, policy: LayoutPolicy, spec: jax.sharding.PartitionSp
     axes = tuple(policy.mesh.axis_names)
     rules = policy.rules.logical_axis_rules
     lines = [
-        f"jaxdist: raised inside {owner}.scope(), where the ambient mesh is this strategy's, axes {axes}.",
-        f"The layout {spec} names an axis not in {axes}: a partitioning annotation (nn.with_partitioning / "
-        "nnx.with_partitioning) names an axis this mesh does not have.",
+        f"jaxdist: raised inside {owner}.scope(), where the ambient mesh is this strategy's, axes "
+        f"{axes}.",
+        f"The layout {spec} names an axis not in {axes}: a partitioning annotation "
+        "(nn.with_partitioning / nnx.with_partitioning) names an axis this mesh does not have.",
     ]
     if rules:
         aliases = tuple(dict.fromkeys(name for name, _ in rules))
         lines.append(
-            f"Its logical_axis_rules map {aliases}; Flax nnx passes a logical name no rule maps through as a "
-            f"mesh axis (linen maps it to None): give that name a rule, e.g. add (name, None) to keep the "
-            f"dimension whole, or (name, {axes[0]!r}) to split it."
+            f"Its logical_axis_rules map {aliases}; Flax nnx passes a logical name no rule maps "
+            "through as a mesh axis (linen maps it to None): give that name a rule, e.g. add "
+            f"(name, None) to keep the dimension whole, or (name, {axes[0]!r}) to split it."
         )
     lines.append(
         "Fix: name logical axes (nn.with_logical_partitioning) and map them with "
-        "ShardedStrategy(logical_axis_rules=...): such a model runs on every strategy; or use a strategy whose "
-        "mesh has that axis (ShardedStrategy(mesh=your_mesh, batch_axes=...) keeps your mesh's axis names; "
-        "ShardedStrategy(model_parallelism=k) has 'model')."
+        "ShardedStrategy(logical_axis_rules=...): such a model runs on every strategy; or use a "
+        "strategy whose mesh has that axis (ShardedStrategy(mesh=your_mesh, batch_axes=...) keeps "
+        "your mesh's axis names; ShardedStrategy(model_parallelism=k) has 'model')."
     )
     return "\n".join(lines)

@@ -40,7 +40,8 @@ from jaxdist.strategies.layout import (
 __all__ = ["create_variables", "mirror", "sync_on_read"]
 
 
-def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple,
+                     kwargs: dict) -> Any:
     """``init_fn(*args, **kwargs)`` compiled straight into ``policy``'s variable layout (see
     `Strategy.create_variables`).
 
@@ -55,9 +56,9 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     """
     if not callable(init_fn):
         raise TypeError(
-            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the function that "
-            "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
-            "use strategy.mirror(tree) to place values you already have."
+            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the "
+            "function that builds the variables, e.g. strategy.create_variables(model.init, rng, "
+            "x); use strategy.mirror(tree) to place values you already have."
         )
     # Only array leaves are traced: a config object, a string or a Python number is a constant of
     # the initializer (the program is compiled once, so nothing needs to be hashable).
@@ -68,7 +69,8 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
         # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an
         # output that is an argument unchanged (jit forwards those) never shares the caller's
         # buffer.
-        dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
+        dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x
+                   for x in dynamic]
 
     name = fn_name(init_fn)
     mesh = policy.mesh
@@ -95,14 +97,16 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
         shapes = jax.eval_shape(fn, *dynamic)
         layouts = jax.tree.leaves(policy.variable_shardings(shapes))
 
-        def leaves(*dyn):  # the leaves, each in its layout (the tree's static parts are eval_shape's)
+        # the leaves, each in its layout (the tree's static parts are eval_shape's)
+        def leaves(*dyn):
             out, auto = traced(dyn)
             say(mesh, name, auto)
             flat = jax.tree.leaves(out)
             return [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto else flat
 
         leaves.__name__ = leaves.__qualname__ = name
-        return jax.tree.unflatten(jax.tree.structure(shapes), jax.jit(leaves, out_shardings=layouts)(*dynamic))
+        return jax.tree.unflatten(jax.tree.structure(shapes),
+                                  jax.jit(leaves, out_shardings=layouts)(*dynamic))
 
     return decided(mesh, None, create, name)
 
@@ -149,5 +153,6 @@ def sync_on_read(
     if mode is VariableAggregation.MEAN:
         check_mean_dtype(value, "initial_value")
     n = policy.num_replicas
-    stacked = jax.jit(lambda v: jnp.broadcast_to(v, (n, *v.shape)), out_shardings=policy.batch_sharding)(value)
+    stacked = jax.jit(lambda v: jnp.broadcast_to(v, (n, *v.shape)),
+                      out_shardings=policy.batch_sharding)(value)
     return SyncOnRead(stacked, mode, owner)

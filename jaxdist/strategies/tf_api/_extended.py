@@ -51,9 +51,10 @@ def _checked(var: Any, new: Any, name: str) -> Any:
     if signature(new) != signature(var):
         described = [", ".join(f"{d}{list(s)}" for s, d in signature(t)[1]) for t in (new, var)]
         raise ValueError(
-            f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: strategy.update stores "
-            "fn's result in the variable's layout, so it must return the new value of var with the same "
-            "structure, shapes and dtypes; compute other results with strategy.jit."
+            f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: "
+            "strategy.update stores fn's result in the variable's layout, so it must return the "
+            "new value of var with the same structure, shapes and dtypes; compute other results "
+            "with strategy.jit."
         )
     return new
 
@@ -146,11 +147,12 @@ class StrategyExtended:
         bad = [x for x in jax.tree.leaves(var_list) if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))]
         if bad:
             raise TypeError(
-                f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the variables being optimized (a pytree "
-                "of arrays, e.g. the params)."
+                f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the variables being "
+                "optimized (a pytree of arrays, e.g. the params)."
             )
         offloaded = self.host_offload in ("opt_state", "all")
-        return NamedSharding(self.mesh, PartitionSpec(), memory_kind=HOST_MEMORY_KIND if offloaded else None)
+        return NamedSharding(self.mesh, PartitionSpec(), memory_kind=HOST_MEMORY_KIND if offloaded
+                             else None)
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
@@ -192,9 +194,10 @@ class StrategyExtended:
             target = SingleDeviceSharding(target)
         elif not isinstance(target, jax.sharding.Sharding):
             raise TypeError(
-                f"colocate_with_variable={colocate_with_variable!r} (type {type(colocate_with_variable).__name__}) "
-                "is not a variable: pass a placed jax.Array, a jax.sharding.Sharding (e.g. "
-                "strategy.non_slot_devices(params)) or a jax.Device."
+                f"colocate_with_variable={colocate_with_variable!r} (type "
+                f"{type(colocate_with_variable).__name__}) is not a variable: pass a placed "
+                "jax.Array, a jax.sharding.Sharding (e.g. strategy.non_slot_devices(params)) or a "
+                "jax.Device."
             )
         with ambient.colocation(self.policy, target):
             yield
@@ -244,8 +247,9 @@ class StrategyExtended:
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update")
         if any(is_distributed(x) for x in jax.tree.leaves(var, is_leaf=is_distributed)):
             raise ValueError(
-                "strategy.update got a PerReplica / SyncOnRead as var: update applies fn to a variable's copies; "
-                "update a sync-on-read value with .assign (or inside strategy.run), reduce a PerReplica first."
+                "strategy.update got a PerReplica / SyncOnRead as var: update applies fn to a "
+                "variable's copies; update a sync-on-read value with .assign (or inside "
+                "strategy.run), reduce a PerReplica first."
             )
         leaves = jax.tree.leaves(var)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -253,8 +257,9 @@ class StrategyExtended:
         bad = [x for x in leaves if not isinstance(x, jax.Array)]
         if bad:
             raise TypeError(
-                f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: var must be placed variables "
-                "(from strategy.create_variables or strategy.mirror) so that its layout can be kept."
+                f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: var must be "
+                "placed variables (from strategy.create_variables or strategy.mirror) so that its "
+                "layout can be kept."
             )
         dynamic, treedef, statics = split_static((args, kwargs))
         shardings = tuple(x.sharding for x in leaves)
@@ -285,13 +290,15 @@ class StrategyExtended:
         ctx = ambient.current_replica()
         if ctx is not None and not ctx.in_merge_call:
             raise RuntimeError(
-                "strategy.update was called inside a replica function: every replica would update its own copy. "
-                "Combine the replicas' values first: return ctx.aggregate(new_value, aggregation), or call "
-                "update inside ctx.merge_call(lambda strategy, *a: strategy.update(...), args=(...))."
+                "strategy.update was called inside a replica function: every replica would update "
+                "its own copy. Combine the replicas' values first: return ctx.aggregate(new_value, "
+                "aggregation), or call update inside ctx.merge_call(lambda strategy, *a: "
+                "strategy.update(...), args=(...))."
             )
         return _checked(var, fn(var, *args, **kwargs), fn_name(fn))
 
-    def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any,
+                        **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` compiled with its results placed at ``colocate_with`` (non-slot
         variables).
 
@@ -326,8 +333,8 @@ class StrategyExtended:
         target = colocate_with.sharding if isinstance(colocate_with, jax.Array) else colocate_with
         if not isinstance(target, jax.sharding.Sharding):
             raise TypeError(
-                f"colocate_with={colocate_with!r} is not a layout: pass strategy.non_slot_devices(var_list), a "
-                "jax.sharding.Sharding or a placed variable."
+                f"colocate_with={colocate_with!r} is not a layout: pass "
+                "strategy.non_slot_devices(var_list), a jax.sharding.Sharding or a placed variable."
             )
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update_non_slot")
         dynamic, treedef, statics = split_static((args, kwargs))
@@ -339,7 +346,8 @@ class StrategyExtended:
                 return weak_fn(*call_args, **call_kwargs)
 
             shapes = jax.eval_shape(body, dynamic)
-            return jax.jit(body, out_shardings=jax.tree.map(lambda a: colocated_layout(target, a), shapes))
+            return jax.jit(body, out_shardings=jax.tree.map(lambda a: colocated_layout(target, a),
+                                                            shapes))
 
         key = ("update_non_slot", target, treedef, hashable(statics), avals)
         new = self.programs.get(fn, key, build, reason=(hashable(statics), avals))(dynamic)
@@ -348,8 +356,9 @@ class StrategyExtended:
     def _refuse_per_replica(self, tree: Any, where: str) -> None:
         if any(is_distributed(x) for x in jax.tree.leaves(tree, is_leaf=is_distributed)):
             raise ValueError(
-                f"{where} hold a PerReplica / SyncOnRead value: they must be the same on every replica (as in TF). "
-                "Combine it first with strategy.reduce(op, value) or read it with strategy.read_var(value)."
+                f"{where} hold a PerReplica / SyncOnRead value: they must be the same on every "
+                "replica (as in TF). Combine it first with strategy.reduce(op, value) or read it "
+                "with strategy.read_var(value)."
             )
 
     # ----------------------------------------------------------------------------------- reductions
@@ -368,8 +377,9 @@ class StrategyExtended:
             devices = resolve_devices(destination, argument)
             return NamedSharding(Mesh(np.array(devices), (REPLICA_AXIS,)), PartitionSpec())
         raise TypeError(
-            f"{argument}={destination!r} (type {type(destination).__name__}) is not a destination: pass None (every "
-            "replica), a variable (its layout), a jax.sharding.Sharding, a device ('cpu:0') or a list of devices."
+            f"{argument}={destination!r} (type {type(destination).__name__}) is not a destination: "
+            "pass None (every replica), a variable (its layout), a jax.sharding.Sharding, a device "
+            "('cpu:0') or a list of devices."
         )
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
@@ -403,13 +413,15 @@ class StrategyExtended:
         mode = VariableAggregation.parse(reduce_op, "reduce_op")
         if mode is VariableAggregation.NONE:
             raise ValueError(
-                "reduce_op=VariableAggregation.NONE: specify how to combine (SUM, MEAN or ONLY_FIRST_REPLICA)."
+                "reduce_op=VariableAggregation.NONE: specify how to combine (SUM, MEAN or "
+                "ONLY_FIRST_REPLICA)."
             )
-        pairs = list(value_destination_pairs) if isinstance(value_destination_pairs, (list, tuple)) else None
+        pairs = list(value_destination_pairs) if isinstance(value_destination_pairs,
+                                                            (list, tuple)) else None
         if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
             raise ValueError(
-                f"value_destination_pairs={value_destination_pairs!r} must be a list of (value, destination) pairs, "
-                "e.g. [(grads, None), (loss, 'cpu:0')]."
+                f"value_destination_pairs={value_destination_pairs!r} must be a list of (value, "
+                "destination) pairs, e.g. [(grads, None), (loss, 'cpu:0')]."
             )
         n = self.num_replicas_in_sync
         inputs, flags, outs, trees = [], [], [], []
@@ -420,8 +432,9 @@ class StrategyExtended:
                 if is_distributed(leaf):
                     if leaf.owner is not None and leaf.owner is not self:
                         raise ValueError(
-                            f"value_destination_pairs[{i}] holds a {type(leaf).__name__} of {leaf.owner!r}, not "
-                            f"{self!r}: reduce it with the strategy that produced it."
+                            f"value_destination_pairs[{i}] holds a {type(leaf).__name__} of "
+                            f"{leaf.owner!r}, not {self!r}: reduce it with the strategy that "
+                            "produced it."
                         )
                     x, distributed = leaf.stacked, True
                 else:
@@ -431,7 +444,8 @@ class StrategyExtended:
                 aval = jax.ShapeDtypeStruct(x.shape[1:] if distributed else x.shape, x.dtype)
                 inputs.append(x)
                 flags.append(distributed)
-                outs.append(self._destination(destination, aval, f"value_destination_pairs[{i}] destination"))
+                outs.append(self._destination(destination, aval,
+                                              f"value_destination_pairs[{i}] destination"))
 
         def build():
             def reduce_all(*xs):
@@ -448,8 +462,10 @@ class StrategyExtended:
         # Destinations on the mesh's devices are the program's output layouts; others (a single
         # device, other devices) are reached by one copy of the mirrored result.
         mesh_devices = set(self.mesh.devices.flat)
-        in_program = tuple(s if s.device_set == mesh_devices else replicated(self.mesh) for s in outs)
-        key = ("batch_reduce", mode, tuple(flags), tuple((x.shape, str(x.dtype)) for x in inputs), in_program)
+        in_program = tuple(s if s.device_set == mesh_devices else replicated(self.mesh)
+                           for s in outs)
+        key = ("batch_reduce", mode, tuple(flags), tuple((x.shape, str(x.dtype)) for x in inputs),
+               in_program)
         reduced = self.programs.get(None, key, lambda _: build())(*inputs)
         results = iter(r if s is p else jax.device_put(r, s) for r, s, p in zip(reduced, outs, in_program, strict=True))
         return [jax.tree.unflatten(tree, [next(results) for _ in range(k)]) for tree, k in trees]
@@ -482,14 +498,17 @@ class StrategyExtended:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             if ambient.current_replica() is not None:
                 raise RuntimeError(
-                    "strategy.broadcast was called inside a replica function: to give every replica replica 0's "
-                    "value, return ctx.aggregate(x, 'only_first_replica') (or use ctx.merge_call)."
+                    "strategy.broadcast was called inside a replica function: to give every "
+                    "replica replica 0's value, return ctx.aggregate(x, 'only_first_replica') (or "
+                    "use ctx.merge_call)."
                 )
-            return tensor  # inside a compiled global-view step a value is already the same for every device
+            # inside a compiled global-view step a value is already the same for every device
+            return tensor
         placed = []
         for x in leaves:
             x = x if isinstance(x, jax.Array) else np.asarray(x)
-            where = self._destination(destinations, jax.ShapeDtypeStruct(np.shape(x), x.dtype), "destinations")
+            where = self._destination(destinations, jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      "destinations")
             placed.append(put(x, where) if isinstance(where, NamedSharding) else jax.device_put(x, where))
         return jax.tree.unflatten(treedef, placed)
 
@@ -521,8 +540,9 @@ class StrategyExtended:
                 return v.read()
             if isinstance(v, PerReplica):
                 raise ValueError(
-                    "strategy.read_var got a PerReplica: it holds one value per replica, not a variable; combine "
-                    "them with strategy.reduce(op, value) or list them with strategy.experimental_local_results."
+                    "strategy.read_var got a PerReplica: it holds one value per replica, not a "
+                    "variable; combine them with strategy.reduce(op, value) or list them with "
+                    "strategy.experimental_local_results."
                 )
             return v
 

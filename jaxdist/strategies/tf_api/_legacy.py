@@ -42,8 +42,10 @@ class _Components:
     """
 
     def __init__(self) -> None:
-        self.by_container: dict[int, tuple[weakref.ref, tuple]] = {}  # id(array) -> (ref, components)
-        self.container_of: dict[int, tuple[weakref.ref, weakref.ref, Callable]] = {}  # id(component) -> ...
+        # id(array) -> (ref, components)
+        self.by_container: dict[int, tuple[weakref.ref, tuple]] = {}
+        # id(component) -> ...
+        self.container_of: dict[int, tuple[weakref.ref, weakref.ref, Callable]] = {}
 
 
 _components = _Components()
@@ -187,8 +189,8 @@ class StrategyV1Names:
         """
         if not callable(dataset_fn):
             raise TypeError(
-                f"dataset_fn={dataset_fn!r} is not callable: pass a function returning the dataset (an iterable "
-                "of per-replica batches)."
+                f"dataset_fn={dataset_fn!r} is not callable: pass a function returning the dataset "
+                "(an iterable of per-replica batches)."
             )
         per_step = self.num_replicas_per_host
 
@@ -216,12 +218,13 @@ class StrategyV1Names:
         mode = getattr(replication_mode, "name", replication_mode)
         if not isinstance(mode, str) or mode.lower() != "per_worker":
             raise ValueError(
-                f"replication_mode={replication_mode!r}: only PER_WORKER exists (input_fn runs once per process "
-                "and yields that process's share of each batch)."
+                f"replication_mode={replication_mode!r}: only PER_WORKER exists (input_fn runs "
+                "once per process and yields that process's share of each batch)."
             )
         return iter(self.distribute_datasets_from_function(input_fn))
 
-    def map(self, map_over: Iterable[Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def map(self, map_over: Iterable[Any], fn: Callable[..., Any], *args: Any,
+            **kwargs: Any) -> list[Any]:
         """``[fn(m, *args, **kwargs) for m in map_over]`` computed with the elements spread over the
         replicas.
 
@@ -253,7 +256,8 @@ class StrategyV1Names:
         stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *padded)
         stacked = self.experimental_distribute_values(stacked)
 
-        def build(weak_fn):  # one program per fn (jax.jit retraces for new shapes), holding fn weakly
+        # one program per fn (jax.jit retraces for new shapes), holding fn weakly
+        def build(weak_fn):
             return jax.jit(lambda rows, a, kw: jax.vmap(lambda m: weak_fn(m, *a, **kw))(rows))
 
         out = self.programs.get(fn, ("compat.map",), build)(stacked, args, kwargs)
@@ -284,7 +288,8 @@ class StrategyV1Names:
     def _components(self, leaf: Any) -> tuple:
         if is_distributed(leaf):
             stacked = leaf.stacked
-            if isinstance(stacked, jax.core.Tracer):  # inside merge_call: every replica's value is here
+            # inside merge_call: every replica's value is here
+            if isinstance(stacked, jax.core.Tracer):
                 return tuple(stacked[i] for i in range(stacked.shape[0]))
             return _remember(stacked, leaf, local_components(stacked))
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -313,7 +318,8 @@ class StrategyV1Names:
 
     # ----------------------------------------------------------------- TF graph and session names
     def configure(
-        self, session_config: Any = None, cluster_spec: Any = None, task_type: Any = None, task_id: Any = None
+        self, session_config: Any = None, cluster_spec: Any = None, task_type: Any = None,
+        task_id: Any = None
     ) -> None:
         """A no-op for ``session_config`` (there is no session); cluster arguments are an error.
 
@@ -331,14 +337,16 @@ class StrategyV1Names:
         del session_config  # a tf.ConfigProto tunes a TF session; JAX has none
         given = {
             k: v
-            for k, v in (("cluster_spec", cluster_spec), ("task_type", task_type), ("task_id", task_id))
+            for k, v in (("cluster_spec", cluster_spec), ("task_type", task_type),
+                         ("task_id", task_id))
             if v is not None
         }
         if given:
             raise ValueError(
-                f"configure({', '.join(f'{k}={v!r}' for k, v in given.items())}): jaxdist joins the cluster when the "
-                "strategy is created, not later: jd.MultiWorkerMirroredStrategy(coordinator_address='host:port', "
-                "num_processes=N, process_id=i), or the JAXDIST_COORDINATOR_ADDRESS / JAXDIST_NUM_PROCESSES / "
+                f"configure({', '.join(f'{k}={v!r}' for k, v in given.items())}): jaxdist joins "
+                "the cluster when the strategy is created, not later: "
+                "jd.MultiWorkerMirroredStrategy(coordinator_address='host:port', num_processes=N, "
+                "process_id=i), or the JAXDIST_COORDINATOR_ADDRESS / JAXDIST_NUM_PROCESSES / "
                 "JAXDIST_PROCESS_ID environment."
             )
 
@@ -367,7 +375,8 @@ class StrategyV1Names:
         del name
         jax.block_until_ready([x for x in jax.tree.leaves(value) if isinstance(x, jax.Array)])
 
-    def fetch(self, val: Any, destination: Any = "/device:CPU:0", fn: Callable[[Any], Any] = lambda x: x) -> Any:
+    def fetch(self, val: Any, destination: Any = "/device:CPU:0",
+              fn: Callable[[Any], Any] = lambda x: x) -> Any:
         """``fn`` of a copy of ``val`` on ``destination`` (default: the host CPU), as 2018's
         ``fetch``.
 
@@ -387,8 +396,9 @@ class StrategyV1Names:
         """
         if any(is_distributed(x) for x in jax.tree.leaves(val, is_leaf=is_distributed)):
             raise ValueError(
-                "strategy.fetch got a PerReplica / SyncOnRead: it copies one value; combine the replicas' values "
-                "first with strategy.reduce(op, value) or strategy.read_var(value)."
+                "strategy.fetch got a PerReplica / SyncOnRead: it copies one value; combine the "
+                "replicas' values first with strategy.reduce(op, value) or "
+                "strategy.read_var(value)."
             )
         device = resolve_device(destination, "destination")
         return fn(jax.device_put(val, device))
@@ -411,9 +421,10 @@ class _PerTowerGroups:
                 group = []
         if group:
             raise ValueError(
-                f"the dataset of distribute_dataset ended after {len(group)} of the {self._k} per-replica batches "
-                f"of a step: each step takes one element per replica; make the number of elements a multiple of "
-                f"{self._k} (drop the remainder, or repeat the dataset)."
+                f"the dataset of distribute_dataset ended after {len(group)} of the {self._k} "
+                "per-replica batches of a step: each step takes one element per replica; make the "
+                f"number of elements a multiple of {self._k} (drop the remainder, or repeat the "
+                "dataset)."
             )
 
 

@@ -21,7 +21,7 @@ from jaxdist.training.checkpoints._storage import CheckpointSaveError as Checkpo
 from jaxdist.training.checkpoints._storage import check_directory as check_directory
 
 __all__ = [
-    "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "check_directory",
-    "clear_progress", "load_live", "read_progress", "restore_live", "roll_back",
+    "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer",
+    "check_directory", "clear_progress", "load_live", "read_progress", "restore_live", "roll_back",
     "save_live", "write_progress",
 ]

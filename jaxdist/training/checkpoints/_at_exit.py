@@ -140,7 +140,8 @@ class Reserve:
             while self.parked < count:
                 try:
                     self._start(self._park, ())
-                except RuntimeError:  # shutting down already, or out of threads: keep what is parked
+                except RuntimeError:
+                    # shutting down already, or out of threads: keep what is parked
                     return
                 self.parked += 1
 

@@ -118,14 +118,17 @@ class Checkpointer:
         [8]
     """
 
-    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
+                 async_save: bool = True):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep all).")
+            raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep "
+                             "all).")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False.")
         # Created here (process 0; orbax would, with a bare OSError where it cannot): a named error
         # instead.
-        self.directory = check_directory(directory, "directory", create=jax.process_index() == 0, probe=False)
+        self.directory = check_directory(directory, "directory", create=jax.process_index() == 0,
+                                         probe=False)
         self.async_save = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -136,15 +139,18 @@ class Checkpointer:
             cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
         )
-        if live_claim(self.directory) is None:  # else a live writer's save in flight, or its rollback
+        # else a live writer's save in flight, or its rollback
+        if live_claim(self.directory) is None:
             tidy(self.directory)
         handler = ocp.PyTreeCheckpointHandler(**array_handlers())
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.PyTreeSave, handler)
         registry.add("state", ocp.args.PyTreeRestore, handler)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              handler_registry=registry)
         self._writes = InFlight(self._manager)  # the save in flight, and how it ended
-        self._opened_with = self._manager.latest_step()  # complete: what a killed save left was removed (tidy)
+        # complete: what a killed save left was removed (tidy)
+        self._opened_with = self._manager.latest_step()
         self._closed = False
         self._claim: Claim | None = None
         keep_open(self)  # closed when the program ends, if not before
@@ -152,7 +158,8 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: Any) -> None:
         """`close`; with an exception on its way out, a failed save is a note on it rather than a
         new error."""
         if error is None:
@@ -181,7 +188,8 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None, data_iterator: Any = None) -> str:
+    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None,
+             data_iterator: Any = None) -> str:
         """Write ``state`` as checkpoint ``step`` (atomically; the oldest beyond ``max_to_keep`` is
         removed).
 
@@ -216,7 +224,8 @@ class Checkpointer:
         step = int(step)
         path = os.path.join(self.directory, str(step))
         self._raise_failure()
-        if jax.process_index() == 0 and not os.path.isdir(self.directory):  # removed, or unmounted, since
+        # removed, or unmounted, since
+        if jax.process_index() == 0 and not os.path.isdir(self.directory):
             gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.directory)
             raise CheckpointSaveError(step, self.directory, None, gone) from None
         self.claim()
@@ -224,8 +233,8 @@ class Checkpointer:
             self._join()
             check_same(self.directory, step, self.meta(step), state)
             return path
-        info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state),
-                "node_types": node_types(state)}
+        info = {**dict(meta or {}), "format": FORMAT, "step": step,
+                "fingerprint": fingerprint(state), "node_types": node_types(state)}
         items = {"state": ocp.args.PyTreeSave(to_disk(state)), "meta": ocp.args.JsonSave(info)}
         if data_iterator is not None:
             info["data_iterator"], items["data_iterator"] = save_args(data_iterator)
@@ -240,7 +249,8 @@ class Checkpointer:
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
-        reserve_threads()  # threads to finish it at exit where the interpreter refuses new ones then
+        # threads to finish it at exit where the interpreter refuses new ones then
+        reserve_threads()
         self._writes.quiet.enter_context(quiet_orbax())  # until the save has ended (`_join`)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -248,7 +258,8 @@ class Checkpointer:
             self._writes.quiet.close()
             self._writes.any_failed = True
             quiet_after_failure()  # orbax's other threads of this save may report it again, later
-            with contextlib.suppress(Exception):  # orbax raises it again to every waiter: take this turn now
+            # orbax raises it again to every waiter: take this turn now
+            with contextlib.suppress(Exception):
                 with quiet_orbax():
                     self._manager.wait_until_finished()
             release_stalled(operation())  # its threads left waiting for a part that failed
@@ -294,7 +305,8 @@ class Checkpointer:
             return
         step, error = failed
         LOG.debug("saving checkpoint step %d failed in the background", step, exc_info=error)
-        clear = CheckpointSaveError(step, self.directory, self.latest_step(), error, background=True)
+        clear = CheckpointSaveError(step, self.directory, self.latest_step(), error,
+                                    background=True)
         clear.__context__ = error  # kept for debugging, not printed (``from None``)
         raise clear from None
 
@@ -336,7 +348,8 @@ class Checkpointer:
         self._join()
         self._raise_failure()
 
-    def read(self, fn: Callable[[int], _T], step: int | None = None, *, step_argument: str = "step") -> _T:
+    def read(self, fn: Callable[[int], _T], step: int | None = None, *,
+             step_argument: str = "step") -> _T:
         """``fn(step)`` for checkpoint ``step`` (default: the latest), with ONE clear error when it
         is damaged.
 
@@ -459,12 +472,15 @@ class Checkpointer:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                if is_orbax_checkpoint(self.directory):  # a StandardCheckpointer's directory: no steps, one tree
+                # a StandardCheckpointer's directory: no steps, one tree
+                if is_orbax_checkpoint(self.directory):
                     raise ValueError(advice(self.directory, None))
-                raise FileNotFoundError(f"no checkpoint in {self.directory!r} (it has no complete step directory).")
+                raise FileNotFoundError(f"no checkpoint in {self.directory!r} (it has no complete "
+                                        "step directory).")
             return steps[-1]
         if int(step) not in steps:
-            raise FileNotFoundError(f"no checkpoint for step={step} in {self.directory!r}; it has steps {steps}.")
+            raise FileNotFoundError(f"no checkpoint for step={step} in {self.directory!r}; it has "
+                                    f"steps {steps}.")
         return int(step)
 
     def check(self, like: Any, meta: Mapping[str, Any]) -> None:
@@ -526,7 +542,8 @@ class Checkpointer:
             [2, 3]
             >>> ckpt.close()
         """
-        return self.read(lambda s: read_iterator_state(self._manager, self.directory, s, self.meta(s)), step)
+        return self.read(lambda s: read_iterator_state(self._manager, self.directory, s,
+                                                       self.meta(s)), step)
 
     def close(self) -> None:
         """Wait for the save in flight and release the directory (again: nothing to do).
@@ -548,9 +565,11 @@ class Checkpointer:
             try:
                 with quiet_orbax():
                     self._manager.close()
-            except Exception as error:  # orbax raises a failed save again to each caller that waits for it
+            except Exception as error:
+                # orbax raises a failed save again to each caller that waits for it
                 if self._writes.any_failed or self._writes.last_step is None:
-                    LOG.debug("closing the checkpoint manager of %r", self.directory, exc_info=error)
+                    LOG.debug("closing the checkpoint manager of %r", self.directory,
+                              exc_info=error)
                 else:  # not seen yet: the newest save's (close waits for it)
                     self._writes.fail(self._writes.last_step, error)
             if self._claim is not None:

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 
-__all__ = ["CLAIM_FILE", "HEARTBEAT_SECONDS", "STALE_SECONDS", "CheckpointConflictError", "Claim", "live_claim"]
+__all__ = ["CLAIM_FILE", "HEARTBEAT_SECONDS", "STALE_SECONDS", "CheckpointConflictError", "Claim",
+           "live_claim"]
 
 CLAIM_FILE = ".jaxdist-writer.json"
 HEARTBEAT_SECONDS = 10.0
@@ -157,8 +158,8 @@ class Claim:
             if held is not None and held.holds():
                 held.count += 1
                 return held
-            record = {"pid": os.getpid(), "host": _HOST, "started": time.time(), "run": secrets.token_hex(6),
-                      "argv": " ".join(sys.argv)[:200]}
+            record = {"pid": os.getpid(), "host": _HOST, "started": time.time(),
+                      "run": secrets.token_hex(6), "argv": " ".join(sys.argv)[:200]}
             for _ in range(5):  # another run may claim or release between our steps: look again
                 try:
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -168,8 +169,8 @@ class Claim:
                         continue
                     other, mtime = found
                     if _live(other, mtime):
-                        raise CheckpointConflictError(_conflict(directory, argument, other, path), directory,
-                                                      other) from None
+                        raise CheckpointConflictError(_conflict(directory, argument, other, path),
+                                                      directory, other) from None
                     _take_over(path, other, record["run"], directory, argument)
                     continue
                 with os.fdopen(fd, "w") as f:
@@ -179,7 +180,8 @@ class Claim:
                 _start_heartbeat()
                 return claim
             raise CheckpointConflictError(
-                f"{argument}={directory!r}: could not claim it (other runs kept claiming and releasing it): run one "
+                f"{argument}={directory!r}: could not claim it (other runs kept claiming and "
+                "releasing it): run one "
                 "writer per directory.", directory)
 
     def holds(self) -> bool:
@@ -197,8 +199,10 @@ class Claim:
         directory = os.path.dirname(self.path)
         raise CheckpointConflictError(
             f"{argument}={directory!r} is no longer claimed by this run: "
-            + ("its claim file was removed" if found is None else f"{_describe(other)} took it over")
-            + "; saving on would mix two runs' checkpoints. Fix: run one writer per directory (let the other run "
+            + ("its claim file was removed" if found is None
+               else f"{_describe(other)} took it over")
+            + "; saving on would mix two runs' checkpoints. Fix: run one writer per directory (let "
+              "the other run "
             "finish, or pass another directory).", directory, other)
 
     def release(self) -> None:
@@ -216,9 +220,9 @@ class Claim:
 
 
 def _conflict(directory: str, argument: str, other: dict | None, path: str) -> str:
-    return (f"{argument}={directory!r} is being written by another run: {_describe(other)}. Two runs saving "
-            "into one directory lose one run's checkpoints. Fix: wait for that run to end, pass another "
-            f"{argument}, or, if that run is gone, remove its claim: rm {path}")
+    return (f"{argument}={directory!r} is being written by another run: {_describe(other)}. Two "
+            "runs saving into one directory lose one run's checkpoints. Fix: wait for that run to "
+            f"end, pass another {argument}, or, if that run is gone, remove its claim: rm {path}")
 
 
 def _take_over(path: str, stale: dict | None, run: str, directory: str, argument: str) -> None:
@@ -238,7 +242,8 @@ def _take_over(path: str, stale: dict | None, run: str, directory: str, argument
         return
     with contextlib.suppress(OSError):
         os.remove(aside)
-    print(f"jaxdist: {argument}={directory!r}: taking over the claim of {_describe(stale)}, which is no longer "
+    print(f"jaxdist: {argument}={directory!r}: taking over the claim of {_describe(stale)}, which "
+          "is no longer "
           "running.", file=sys.stderr, flush=True)
 
 

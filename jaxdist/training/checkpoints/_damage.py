@@ -46,7 +46,8 @@ __all__ = [
 
 # tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory,
 # network, ...).
-_DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT", "FAILED_PRECONDITION"})
+_DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT",
+                           "FAILED_PRECONDITION"})
 
 
 class CheckpointCorruptedError(RuntimeError):
@@ -107,8 +108,9 @@ class CheckpointCorruptedError(RuntimeError):
         if self.intact_step is None:
             older = f"no older checkpoint restores ({failed} failed too)" if self.failed else "there is no older one"
             if self.newer_intact_step is not None:
-                return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, restores: pass "
-                        f"{self.step_argument}={self.newer_intact_step} (or none, to resume from the newest).")
+                return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, "
+                        f"restores: pass {self.step_argument}={self.newer_intact_step} (or none, "
+                        "to resume from the newest).")
             return f"{head}, and {older}: nothing here can resume this run; start again in an empty directory."
         also = f" ({failed} failed too)" if self.failed else ""
         fix = f"pass {self.step_argument}={self.intact_step}"
@@ -120,7 +122,8 @@ class CheckpointCorruptedError(RuntimeError):
     def __reduce__(self) -> tuple:  # picklable (the constructor does not take the message)
         kwargs = {"latest": self.latest, "step_argument": self.step_argument,
                   "newer_intact_step": self.newer_intact_step}
-        return _rebuild, (self.step, self.directory, self.reason, self.intact_step, self.failed, kwargs)
+        return _rebuild, (self.step, self.directory, self.reason, self.intact_step, self.failed,
+                          kwargs)
 
 
 def _rebuild(*args: Any) -> CheckpointCorruptedError:
@@ -263,16 +266,20 @@ def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
     axes it is replicated on (where a dimension divides), or None. Without it every replica of a
     mirrored array sums all of it (8 times the work on 8 devices); moving to a finer split of what a
     device holds is a local slice."""
-    if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto for t in sharding.mesh.axis_types):
-        return None  # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
+    if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto
+                                                      for t in sharding.mesh.axis_types):
+        # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
+        return None
     mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     names = [list(entry_axes(e)) for e in spec]
     used = {a for axes in names for a in axes}
-    free = sorted((a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1), key=lambda a: -mesh.shape[a])
+    free = sorted((a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1),
+                  key=lambda a: -mesh.shape[a])
     split = False
     for axis in free:
         for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
-            if shape[dim] % (int(np.prod([mesh.shape[a] for a in names[dim]])) * mesh.shape[axis]) == 0:
+            if shape[dim] % (int(np.prod([mesh.shape[a]
+                                          for a in names[dim]])) * mesh.shape[axis]) == 0:
                 names[dim].append(axis)
                 split = True
                 break
@@ -309,7 +316,8 @@ def _device_program(leaves: list[jax.Array], spread: tuple[NamedSharding | None,
     """``uint32[len(leaves), 2]``: every leaf's sums, in ONE program; the result is replicated (a
     full reduction), so each process can read it however the leaves are laid out across
     processes."""
-    return jnp.stack([_device_sums(x, s) for x, s in zip(to_device_memory(leaves), spread, strict=True)])
+    return jnp.stack([_device_sums(x, s) for x, s in zip(to_device_memory(leaves), spread,
+                                                         strict=True)])
 
 
 def _host_sums(x: np.ndarray) -> list[int]:
@@ -320,7 +328,8 @@ def _host_sums(x: np.ndarray) -> list[int]:
     bits = x.dtype.itemsize * 8
     words = np.ascontiguousarray(x).reshape(-1).view(f"uint{min(bits, 32)}").astype(np.uint64)
     weights = (np.arange(1, words.size + 1, dtype=np.uint64)) & _MASK
-    return [int(words.sum(dtype=np.uint64)) & _MASK, int((words * weights).sum(dtype=np.uint64)) & _MASK]
+    return [int(words.sum(dtype=np.uint64)) & _MASK,
+            int((words * weights).sum(dtype=np.uint64)) & _MASK]
 
 
 def checksums(tree: Any) -> dict[str, list[int]]:
@@ -347,14 +356,17 @@ def checksums(tree: Any) -> dict[str, list[int]]:
         >>> checksums({"w": np.arange(3, dtype=np.uint32)})  # 0+1+2, 0*1+1*2+2*3
         {"['w']": [3, 8]}
     """
-    leaves = [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    leaves = [(jax.tree_util.keystr(path), x)
+              for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
     out: dict[str, list[int]] = {}
-    groups: dict[Any, list[tuple[str, jax.Array]]] = {}  # one program sees one mesh (or one set of devices)
+    # one program sees one mesh (or one set of devices)
+    groups: dict[Any, list[tuple[str, jax.Array]]] = {}
     for path, x in leaves:
         if not _checked(x.dtype):
             continue
         if isinstance(x, jax.Array):
-            mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else frozenset(x.sharding.device_set)
+            mesh = x.sharding.mesh if isinstance(x.sharding,
+                                                 NamedSharding) else frozenset(x.sharding.device_set)
             groups.setdefault(mesh, []).append((path, x))
         else:
             out[path] = _host_sums(x)
@@ -407,7 +419,8 @@ class SettlingArrayHandler(ocp.type_handlers.ArrayHandler):
     open, lets them end quietly.
     """
 
-    async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> Sequence[jax.Array]:
+    async def deserialize(self, infos: Sequence[Any],
+                          args: Sequence[Any] | None = None) -> Sequence[jax.Array]:
         before = asyncio.all_tasks()
         try:
             return await super().deserialize(infos, args)

@@ -37,7 +37,8 @@ def _finish_rollback(directory: str) -> None:
         with open(record) as f:
             after = int(json.load(f)["after"])
     except (OSError, ValueError, KeyError, TypeError):
-        after = None  # unreadable: written partly, so nothing was deleted yet (it is written before)
+        # unreadable: written partly, so nothing was deleted yet (it is written before)
+        after = None
     if after is not None:
         for name in os.listdir(directory):
             if name.isdigit() and int(name) > after:
@@ -103,7 +104,8 @@ def write_progress(directory: str, step: int) -> None:
     record = os.path.join(directory, PROGRESS_FILE)
     with contextlib.suppress(OSError):
         with open(record + ".tmp", "w") as f:
-            json.dump({"step": int(step), "checkpoint": _newest_step(directory), "time": time.time()}, f)
+            json.dump({"step": int(step), "checkpoint": _newest_step(directory),
+                       "time": time.time()}, f)
         os.replace(record + ".tmp", record)
 
 
@@ -140,10 +142,11 @@ def read_progress(directory: str) -> int:
         if record not in _SAID_STALE:
             _SAID_STALE.add(record)
             warnings.warn(
-                f"checkpoint_dir={directory!r}: its progress record ({PROGRESS_FILE}) says a run reached step {step} "
-                f"after checkpoint {based}, which this directory does not have (its newest is "
-                f"{newest or 'none'}): a record copied from another directory, or left by a run whose checkpoints "
-                "are gone. It is ignored (no step of this fit counts as taken again) and replaced by this fit's; "
+                f"checkpoint_dir={directory!r}: its progress record ({PROGRESS_FILE}) says a run "
+                f"reached step {step} after checkpoint {based}, which this directory does not have "
+                f"(its newest is {newest or 'none'}): a record copied from another directory, or "
+                "left by a run whose checkpoints are gone. It is ignored (no step of this fit "
+                "counts as taken again) and replaced by this fit's; "
                 "delete it to silence this.", UserWarning, stacklevel=3)
         return 0
     return step

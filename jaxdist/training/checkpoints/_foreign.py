@@ -103,11 +103,12 @@ def advice(directory: str, step: int | None) -> str:
     seen = f" (its tree's top: {names})" if names else ""
     others = f"; the other items here: {[os.path.basename(i) for i in items[1:]]}" if len(items) > 1 else ""
     return (
-        f"checkpoint_dir={directory!r} holds {what} that jaxdist.training did not write (no 'meta' item){seen}"
-        f"{others}. To continue that run in this Trainer, read it with plain orbax (import orbax.checkpoint as "
-        "ocp) and load it:\n"
+        f"checkpoint_dir={directory!r} holds {what} that jaxdist.training did not write (no 'meta' "
+        f"item){seen}{others}. To continue that run in this Trainer, read it with plain orbax "
+        "(import orbax.checkpoint as ocp) and load it:\n"
         f"    state = ocp.StandardCheckpointer().restore({item!r})\n"
         f"    trainer.load_state({args})\n"
-        "(a linen model's trainer with no state yet also takes batch=a sample batch), then fit with a "
-        "checkpoint_dir of this run's own: jaxdist writes its checkpoints where no other writer's are."
+        "(a linen model's trainer with no state yet also takes batch=a sample batch), then fit "
+        "with a checkpoint_dir of this run's own: jaxdist writes its checkpoints where no other "
+        "writer's are."
     )

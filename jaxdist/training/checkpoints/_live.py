@@ -70,7 +70,8 @@ def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | Non
     meta = {"model_kind": live.model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
             "global_batch": global_rows(live.batches.signature)}
     state = position.state
-    data_iterator = None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
+    data_iterator = None if state is None or isinstance(state,
+                                                        UnrestorableState) else IteratorSnapshot(state)
     with _opened(checkpoint_dir, max_to_keep) as ckpt:
         return ckpt.save(live.step, live.state, meta, data_iterator)
 
@@ -87,9 +88,9 @@ def _refuse(live: LiveState, checkpoint_dir: Directory, bad: list[str]) -> None:
                 latest = ckpt.latest_step()
     where = "there is no checkpoint there" if latest is None else f"the newest checkpoint there is step {latest}"
     raise NonFiniteError(
-        f"not saving step {live.step} to {directory!r}: its state is not finite ({describe(bad)}); {where}. "
-        "Resume from a finite checkpoint (fit(..., restore_step=...)) with a lower learning rate or "
-        "clip_grad_norm=..., or train with on_non_finite='skip' / 'rollback'.",
+        f"not saving step {live.step} to {directory!r}: its state is not finite ({describe(bad)}); "
+        f"{where}. Resume from a finite checkpoint (fit(..., restore_step=...)) with a lower "
+        "learning rate or clip_grad_norm=..., or train with on_non_finite='skip' / 'rollback'.",
         step=live.step, count=0, checkpoint=latest, directory=directory,
     )
 
@@ -105,18 +106,21 @@ def restore_live(live: LiveState, checkpoint_dir: Directory, step: int | None, b
             meta = ckpt.meta(at)
             if meta.get("model_kind") != live.model.kind:
                 raise ValueError(
-                    f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a {meta.get('model_kind')} model, but "
-                    f"this Trainer's model is a {live.model.kind} module: pass the {meta.get('model_kind')} model "
-                    "that wrote it, or use a fresh checkpoint_dir."
+                    f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a "
+                    f"{meta.get('model_kind')} model, but this Trainer's model is a "
+                    f"{live.model.kind} module: pass the {meta.get('model_kind')} model that wrote "
+                    "it, or use a fresh checkpoint_dir."
                 )
             if not targets:
                 targets.append(_restore_target(live, batch))
             state, meta = restore_state(ckpt, targets[0], at)  # with or without averaged weights
-            position = restored_position(meta["data_position"], lambda: ckpt.data_iterator_state(at))
+            position = restored_position(meta["data_position"],
+                                         lambda: ckpt.data_iterator_state(at))
             return state, int(meta["step"]), position
 
         state, live.step, live.position = ckpt.read(read, step, step_argument=step_argument)
-        live.state = with_ema(state, live.ema_decay)  # a checkpoint without them: started from its parameters
+        # a checkpoint without them: started from its parameters
+        live.state = with_ema(state, live.ema_decay)
     live.sync()
     return live.step
 
@@ -127,7 +131,8 @@ def _restore_target(live: LiveState, batch: Any) -> Any:
     if live.state is not None:
         return live.state
     if batch is None:
-        raise ValueError("restore() needs batch=... (a sample batch) to build the state it restores into.")
+        raise ValueError("restore() needs batch=... (a sample batch) to build the state it "
+                         "restores into.")
     return with_ema(live.target(batch), live.ema_decay)
 
 
@@ -138,8 +143,8 @@ def roll_back(live: LiveState, ckpt: Checkpointer, step: int, batch: Any) -> Non
     steps = ckpt.all_steps()
     if step not in steps:
         raise FileNotFoundError(
-            f"restore_step={step}: {ckpt.directory!r} has no checkpoint for step {step}; it has steps {steps}: "
-            "pass one of them, or leave restore_step out to resume from the latest."
+            f"restore_step={step}: {ckpt.directory!r} has no checkpoint for step {step}; it has "
+            f"steps {steps}: pass one of them, or leave restore_step out to resume from the latest."
         )
     restore_live(live, ckpt, step, batch, "restore_step")
     ckpt.abandon_after(step)  # recorded first: an interruption cannot bring them back as the newest
@@ -153,13 +158,15 @@ def load_live(live: LiveState, params: Any, opt_state: Any, step: int | None, mo
     check_int(step, "step", 0)
     for name, piece in (("params", params), ("opt_state", opt_state), ("model_state", model_state)):
         held = [jax.tree_util.keystr(p) for p, v in
-                jax.tree_util.tree_flatten_with_path(piece, is_leaf=is_distributed)[0] if is_distributed(v)]
+                jax.tree_util.tree_flatten_with_path(piece, is_leaf=is_distributed)[0]
+                if is_distributed(v)]
         if held:
             raise ValueError(
                 f"{name} holds per-replica values ({type(piece).__name__}{held[0]}"
-                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): one copy per replica, where the "
-                "trainer keeps one state. Pass one copy (strategy.experimental_local_results(value)[0]) or "
-                "their mean (strategy.reduce('mean', value)); replicas that drifted apart were trained apart."
+                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): one copy per replica, "
+                "where the trainer keeps one state. Pass one copy "
+                "(strategy.experimental_local_results(value)[0]) or their mean "
+                "(strategy.reduce('mean', value)); replicas that drifted apart were trained apart."
             )
     unchecked = False  # the model's own check waits for its first batch
     if live.state is not None:
@@ -174,14 +181,17 @@ def load_live(live: LiveState, params: Any, opt_state: Any, step: int | None, mo
     pieces = checked_pieces(like, params, opt_state, model_state)
     base = live.state
     if base is None and model_state is None and jax.tree.leaves(like.model_state):
-        base = live.init(batch)  # the model's other variables (batch statistics, nnx Rngs), as a new run's
+        # the model's other variables (batch statistics, nnx Rngs), as a new run's
+        base = live.init(batch)
     step = live.step if step is None else step
     state = with_ema(assemble(like, pieces, base, live.optimizer, live.seed, step), live.ema_decay)
     live.state, live.step = state, step
     live.unchecked = functools.partial(_check_at_first_batch, live) if unchecked else None
     live.position = DataPosition()
-    live.position_unknown = True  # fit says where it starts reading a list (set data_position to say it)
-    live.loaded = True  # until a fit trains on it (one that restores a later checkpoint over it says so)
+    # fit says where it starts reading a list (set data_position to say it)
+    live.position_unknown = True
+    # until a fit trains on it (one that restores a later checkpoint over it says so)
+    live.loaded = True
     live.sync()
     return state
 

@@ -32,10 +32,12 @@ from jaxdist.replicate.layouts import path_name, put
 from jaxdist.strategies.layout import is_annotated, is_box, is_variable, unboxed
 from jaxdist.training.step import TrainState, state_keys
 
-__all__ = ["Pieces", "assemble", "checked_pieces", "count_mismatch", "loaded_leaves", "place_like", "step_counts"]
+__all__ = ["Pieces", "assemble", "checked_pieces", "count_mismatch", "loaded_leaves", "place_like",
+           "step_counts"]
 
 _SHOWN = 4  # differences named in one error
-_VARIABLE_VALUE = ("value", "raw_value")  # the key of an nnx Variable's value in a tree saved without nnx
+# the key of an nnx Variable's value in a tree saved without nnx
+_VARIABLE_VALUE = ("value", "raw_value")
 
 
 def _flat(tree: Any) -> list[tuple[tuple, Any]]:
@@ -93,13 +95,14 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
         name = path_name(path)
         if name in have:
             raise ValueError(
-                f"{argument} holds two leaves named {name!r} ({jax.tree_util.keystr(have[name][0])} and "
-                f"{jax.tree_util.keystr(path)}): leaves are matched by name, so each name must be given once; "
-                "pass one of them.")
+                f"{argument} holds two leaves named {name!r} "
+                f"({jax.tree_util.keystr(have[name][0])} and {jax.tree_util.keystr(path)}): leaves "
+                "are matched by name, so each name must be given once; pass one of them.")
         have[name] = (path, leaf)
     names = {name for name, _, _ in wanted}
     for name in [n for n in have if n not in names and n.rsplit("/", 1)[-1] in _VARIABLE_VALUE]:
-        if name.rsplit("/", 1)[0] in names:  # an nnx Variable as orbax saves it: its value one level down
+        # an nnx Variable as orbax saves it: its value one level down
+        if name.rsplit("/", 1)[0] in names:
             have.setdefault(name.rsplit("/", 1)[0], have.pop(name))
     problems, out = [], []
     for name, path, want in wanted:
@@ -112,25 +115,30 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
         kind = np.integer if isinstance(value, int) else np.floating if isinstance(value, float) else None
         if kind is not None and not isinstance(value, bool) and np.shape(unboxed(want)) == () and \
                 jax.dtypes.issubdtype(unboxed(want).dtype, kind):
-            value = np.asarray(value, unboxed(want).dtype)  # a Python number (orbax restores saved ints so)
+            # a Python number (orbax restores saved ints so)
+            value = np.asarray(value, unboxed(want).dtype)
         if not _is_value(value):
             problems.append(f"{where} is {_describe(value)}, not an array")
         elif (np.shape(value), _dtype(value)) != (np.shape(unboxed(want)), _dtype(unboxed(want))):
             problems.append(f"{where} is {_describe(value)} where the trainer has {_describe(want)}")
         out.append(value)
-    problems += [f"{argument}{jax.tree_util.keystr(path)} ({_describe(leaf)}) is extra: the trainer has no such leaf"
+    problems += [f"{argument}{jax.tree_util.keystr(path)} ({_describe(leaf)}) is extra: the "
+                 "trainer has no such leaf"
                  for path, leaf in have.values()]
     if problems:
         more = len(problems) - _SHOWN
         shown = "; ".join(problems[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
         fix = {
             "params": "pass the parameters of this Trainer's model (the model that trained them)",
-            "opt_state": "pass the state of the optimizer the Trainer was given (the same optax transformation, so "
-                         "that its schedule continues), or leave opt_state out to start a fresh one",
-            "model_state": "pass the model's other variables (linen: the collections besides 'params'; nnx: every "
-                           "variable that is not an nnx.Param), or leave model_state out",
+            "opt_state": "pass the state of the optimizer the Trainer was given (the same optax "
+                         "transformation, so that its schedule continues), or leave opt_state out "
+                         "to start a fresh one",
+            "model_state": "pass the model's other variables (linen: the collections besides "
+                           "'params'; nnx: every variable that is not an nnx.Param), or leave "
+                           "model_state out",
         }.get(argument, "pass values of the trainer's structure")
-        raise ValueError(f"{argument} does not fit this trainer's model and optimizer: {shown}. Fix: {fix}.")
+        raise ValueError(f"{argument} does not fit this trainer's model and optimizer: {shown}. "
+                         f"Fix: {fix}.")
     return out
 
 
@@ -204,13 +212,16 @@ def count_mismatch(counts: dict[str, int], step: int, fresh: bool) -> None:
         return
     shown = ", ".join(f"opt_state{path} = {n}" for path, n in list(differ.items())[:_SHOWN])
     if fresh:
-        why = (f"the optimizer state is a fresh one ({shown}: no opt_state was given) while the step is {step}: "
-               "its schedule and moments start over; pass the run's opt_state to continue them")
+        why = (f"the optimizer state is a fresh one ({shown}: no opt_state was given) while the "
+               f"step is {step}: its schedule and moments start over; pass the run's opt_state to "
+               "continue them")
     else:
-        why = (f"the optimizer state counts {shown} while the trainer's step is {step}: the learning-rate "
-               f"schedule follows the optimizer's count, the RNG, checkpoints and fit's totals the step; pass "
-               f"step={next(iter(differ.values()))} if the run took that many steps")
-    warnings.warn(f"load_state: {why}.", UserWarning, stacklevel=4)  # the caller of Trainer.load_state
+        why = (f"the optimizer state counts {shown} while the trainer's step is {step}: the "
+               "learning-rate schedule follows the optimizer's count, the RNG, checkpoints and "
+               f"fit's totals the step; pass step={next(iter(differ.values()))} if the run took "
+               "that many steps")
+    # the caller of Trainer.load_state
+    warnings.warn(f"load_state: {why}.", UserWarning, stacklevel=4)
 
 
 class Pieces(NamedTuple):
@@ -237,7 +248,8 @@ def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: A
     return Pieces(
         loaded_leaves(params, like.params, "params"),
         None if opt_state is None else _optimizer_leaves(opt_state, like.opt_state),
-        None if model_state is None else loaded_leaves(model_state, like.model_state, "model_state"),
+        None if model_state is None else loaded_leaves(model_state, like.model_state,
+                                                       "model_state"),
     )
 
 
@@ -292,13 +304,15 @@ def assemble(
     params = place_like(pieces.params, like.params)
     if pieces.opt_state is not None:
         opt_state = place_like(pieces.opt_state, like.opt_state)
-    else:  # computed where it lives, from the placed (possibly split) parameters: never whole on every device
+    else:
+        # computed where it lives, from the placed (possibly split) parameters: never whole on every device
         layouts = jax.tree.map(lambda a: a.sharding, like.opt_state)
         opt_state = jax.jit(optimizer.init, out_shardings=layouts)(params)
     if pieces.model_state is not None or base is None:
         model_state = place_like(pieces.model_state or [], like.model_state)
     else:
         model_state = base.model_state
-    rng = base.rng if base is not None else put(state_keys(jax.random.key(seed))[1], like.rng.sharding)
+    rng = base.rng if base is not None else put(state_keys(jax.random.key(seed))[1],
+                                                like.rng.sharding)
     count_mismatch(step_counts(opt_state), step, fresh=pieces.opt_state is None)
     return TrainState(put(np.int32(step), like.step.sharding), params, opt_state, model_state, rng)

@@ -97,15 +97,17 @@ def check_fits(directory: str, like: Any, meta: Mapping[str, Any]) -> None:
     saved_types = meta.get("node_types")  # none in checkpoints written before them
     if not diff and saved_types is not None:
         saved_by, here_by = dict(map(tuple, saved_types)), dict(map(tuple, node_types(like)))
-        types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} here"
+        types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} "
+                 "here"
                  for p in sorted(set(saved_by) | set(here_by)) if saved_by.get(p) != here_by.get(p)]
         if types:
-            shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3 else "")
+            shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3
+                                            else "")
             raise ValueError(
-                f"checkpoint_dir={directory!r} (step {meta['step']}) holds the state of another optimizer "
-                f"(its state types differ): {shown}. Fix: use the optimizer that wrote it (same transforms, in "
-                "the same chain), or a fresh checkpoint_dir (to keep only the parameters: "
-                "Trainer.load_state(params=...)).")
+                f"checkpoint_dir={directory!r} (step {meta['step']}) holds the state of another "
+                f"optimizer (its state types differ): {shown}. Fix: use the optimizer that wrote "
+                "it (same transforms, in the same chain), or a fresh checkpoint_dir (to keep only "
+                "the parameters: Trainer.load_state(params=...)).")
     if not diff:
         return
     shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
@@ -118,7 +120,8 @@ def check_fits(directory: str, like: Any, meta: Mapping[str, Any]) -> None:
     else:
         what = "a state that does not fit this trainer"
         fix = "use the model and settings that wrote it, or a fresh checkpoint_dir"
-    raise ValueError(f"checkpoint_dir={directory!r} (step {meta['step']}) holds {what}: {shown}. Fix: {fix}.")
+    raise ValueError(f"checkpoint_dir={directory!r} (step {meta['step']}) holds {what}: {shown}. "
+                     f"Fix: {fix}.")
 
 
 def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) -> None:
@@ -133,7 +136,8 @@ def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) 
         return
     shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
     raise CheckpointConflictError(
-        f"checkpoint step {step} in {directory!r} already exists with other contents ({shown} differ): "
-        "saving over it would keep the old state under this step. Another run wrote this directory, or this "
-        "run went back without restore_step=. Fix: pass a fresh directory, resume from the newest checkpoint "
+        f"checkpoint step {step} in {directory!r} already exists with other contents ({shown} "
+        "differ): saving over it would keep the old state under this step. Another run wrote this "
+        "directory, or this run went back without restore_step=. Fix: pass a fresh directory, "
+        "resume from the newest checkpoint "
         f"(fit does), or delete {os.path.join(directory, str(step))} first.", directory)

@@ -42,19 +42,24 @@ _ORBAX = os.sep + os.path.join("orbax", "checkpoint") + os.sep
 
 _NOT_WRITABLE = ("it is not writable", "make it writable, or pass a directory you can write")
 _REASONS = {
-    errno.ENOSPC: ("the disk is full", "free space there (or delete old checkpoints), or pass a directory on "
+    errno.ENOSPC: ("the disk is full",
+                   "free space there (or delete old checkpoints), or pass a directory on "
                    "another disk"),
-    errno.EDQUOT: ("the disk quota is used up", "free space in your quota (delete old checkpoints) or ask for a "
+    errno.EDQUOT: ("the disk quota is used up",
+                   "free space in your quota (delete old checkpoints) or ask for a "
                    "larger one, or pass a directory on another disk"),
-    errno.EFBIG: ("a file reached the largest size this process may write (a file-size limit: ulimit -f, "
-                  "RLIMIT_FSIZE; or the filesystem's largest file)", "raise the limit (ulimit -f unlimited, or "
-                  "ask for it to be raised), or pass a directory on a filesystem that takes larger files"),
+    errno.EFBIG: ("a file reached the largest size this process may write (a file-size limit: "
+                  "ulimit -f, RLIMIT_FSIZE; or the filesystem's largest file)",
+                  "raise the limit (ulimit -f unlimited, or "
+                  "ask for it to be raised), or pass a directory on a filesystem that takes larger "
+                  "files"),
     errno.EROFS: _NOT_WRITABLE,
     errno.EACCES: _NOT_WRITABLE,
     errno.EPERM: _NOT_WRITABLE,
 }
-_VANISHED = ("the directory no longer exists (removed, or its filesystem unmounted, while this run used it; its "
-             "checkpoints went with it)", "recreate it (or remount it), or pass another directory")
+_VANISHED = ("the directory no longer exists (removed, or its filesystem unmounted, while this run "
+             "used it; its checkpoints went with it)",
+             "recreate it (or remount it), or pass another directory")
 
 
 def _os_error(error: BaseException) -> OSError | None:
@@ -163,16 +168,18 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
         checkpoint_dir='' names no directory (it would put the ch
     """
     if not isinstance(directory, (str, os.PathLike)):
-        raise ValueError(f"{argument}={directory!r} is not a path: pass a directory path (a str or os.PathLike).")
+        raise ValueError(f"{argument}={directory!r} is not a path: pass a directory path (a str or "
+                         "os.PathLike).")
     text = os.fspath(directory)
     if not isinstance(text, str) or not text.strip():
         raise ValueError(
-            f"{argument}={text!r} names no directory (it would put the checkpoints into the current directory): pass "
-            f"a directory path (e.g. {argument}='checkpoints'), or None for no checkpoints.")
+            f"{argument}={text!r} names no directory (it would put the checkpoints into the "
+            f"current directory): pass a directory path (e.g. {argument}='checkpoints'), or None "
+            "for no checkpoints.")
     path = os.path.abspath(text)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{argument}={text!r} is a file, not a directory: pass a directory (new or holding "
-                         "checkpoints), e.g. its parent directory plus a new name.")
+        raise ValueError(f"{argument}={text!r} is a file, not a directory: pass a directory (new "
+                         "or holding checkpoints), e.g. its parent directory plus a new name.")
     if not os.path.isdir(path):
         if not create:
             return path
@@ -184,13 +191,15 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
                 what, fix = "a part of its path is a file", "pass a path whose parents are directories"
             elif (what, fix) == _NOT_WRITABLE:
                 what = "the directory it would be made in is not writable"
-            raise ValueError(f"{argument}={text!r} cannot be created ({what}; {type(error).__name__}: "
+            raise ValueError(f"{argument}={text!r} cannot be created ({what}; "
+                             f"{type(error).__name__}: "
                              f"{error.strerror or error}): {fix}.") from None
     if probe:
         error = _probe(path)
         if error is not None:
             what, fix = _reason(error)
-            raise ValueError(f"{argument}={text!r} cannot hold checkpoints ({what}; {type(error).__name__}: "
+            raise ValueError(f"{argument}={text!r} cannot hold checkpoints ({what}; "
+                             f"{type(error).__name__}: "
                              f"{error.strerror or error}): {fix}. {consequence}") from None
     return path
 
@@ -229,8 +238,8 @@ class CheckpointSaveError(RuntimeError):
                 else f"the last complete checkpoint is step {latest}")
         resume = "from the start" if latest is None else f"to resume from step {latest}"
         where = " in the background" if background else ""
-        super().__init__(f"saving checkpoint step {step} in {directory!r} failed{where}: {cause}; {last}. Fix: {fix}, "
-                         f"then run again {resume}.")
+        super().__init__(f"saving checkpoint step {step} in {directory!r} failed{where}: {cause}; "
+                         f"{last}. Fix: {fix}, then run again {resume}.")
 
     def __reduce__(self) -> tuple:
         return _rebuild, (str(self), self.step, self.directory, self.latest)
@@ -250,11 +259,13 @@ class _Quiet(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.active = 0
-        self.pinned = False  # a save failed: orbax's threads of it may report it at any time from now on
+        # a save failed: orbax's threads of it may report it at any time from now on
+        self.pinned = False
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not (self.active or self.pinned) or _ORBAX not in record.pathname or record.levelno < logging.WARNING:
+        if not (self.active
+                or self.pinned) or _ORBAX not in record.pathname or record.levelno < logging.WARNING:
             return True
         if LOG.isEnabledFor(logging.DEBUG):
             LOG.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
@@ -317,7 +328,8 @@ class _QuietUnraisable:
     def __call__(self, unraisable: Any) -> None:
         if (_FILTER.active or _FILTER.pinned) and _closed_loop_callback(unraisable):
             LOG.debug("tensorstore callback into a closed event loop (after a failed save)",
-                      exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+                      exc_info=(unraisable.exc_type, unraisable.exc_value,
+                                unraisable.exc_traceback))
             return
         self.previous(unraisable)
 

@@ -33,12 +33,14 @@ def array_handlers() -> dict[str, Any]:
     """
     try:  # the store that keeps random-key metadata, as in orbax's own registry
         from orbax.checkpoint._src.metadata.array_metadata_store import Store
-    except ImportError:  # moved in another orbax: its default handlers (correct, only slower to start a save)
+    except ImportError:
+        # moved in another orbax: its default handlers (correct, only slower to start a save)
         return {}
     types = ocp.type_handlers
     parallel = {} if jax.process_count() > 1 else {"use_replica_parallel": False}
     arrays = SettlingArrayHandler(**parallel, array_metadata_store=Store())
-    handlers = [(t, types.get_type_handler(t)) for t in types.supported_types() if t is not jax.Array]
+    handlers = [(t, types.get_type_handler(t)) for t in types.supported_types()
+                if t is not jax.Array]
     return {"type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))}
 
 
@@ -81,12 +83,14 @@ def release_stalled(operation_id: str | None) -> int:
         client = signaling_client.get_signaling_client()
         released = 0
         for thread in threading.enumerate():
-            if not isinstance(thread, future._SignalingThread) or thread._operation_id != operation_id:
+            if not isinstance(thread,
+                              future._SignalingThread) or thread._operation_id != operation_id:
                 continue
             for signal in thread._receive_signals:
                 key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, operation_id)
                 if client.key_value_try_get(key) is None:
-                    client.key_value_set(key, "released by jaxdist after a failed save", allow_overwrite=True)
+                    client.key_value_set(key, "released by jaxdist after a failed save",
+                                         allow_overwrite=True)
             released += 1
         return released
     except (ImportError, AttributeError, TypeError):
@@ -108,18 +112,23 @@ class InFlight:
         self._lock = threading.Lock()
         self._waiter: threading.Thread | None = None
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by take_finished
-        self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet taken
+        # a background save's error, not yet taken
+        self._failed: tuple[int, Exception] | None = None
         self.last_step: int | None = None  # the newest save started
-        self.newest: int | None = None  # the newest save complete (read from other threads: never waits)
+        # the newest save complete (read from other threads: never waits)
+        self.newest: int | None = None
         self.operation: str | None = None  # orbax's id of it (`operation`)
-        self.any_failed = False  # whether a save of this manager failed (orbax raises it again on ``close``)
-        self.quiet = contextlib.ExitStack()  # orbax's log records of the save in flight, kept out of the terminal
+        # whether a save of this manager failed (orbax raises it again on ``close``)
+        self.any_failed = False
+        # orbax's log records of the save in flight, kept out of the terminal
+        self.quiet = contextlib.ExitStack()
 
     def started(self, step: int, path: str) -> None:
         """The manager started an asynchronous save of ``step`` into ``path``: wait for it in the
         background."""
         self.last_step, self.operation = step, operation()
-        self._waiter = threading.Thread(target=self._wait, args=(step, path), name="jaxdist-checkpoint", daemon=True)
+        self._waiter = threading.Thread(target=self._wait, args=(step, path),
+                                        name="jaxdist-checkpoint", daemon=True)
         self._waiter.start()
 
     def done(self, step: int, path: str) -> None:
@@ -132,7 +141,8 @@ class InFlight:
         """The waiter thread: wait for the background save of ``step`` and record how it ended."""
         try:
             self._manager.wait_until_finished()
-        except Exception as error:  # recorded for the thread that uses the checkpointer, which raises it
+        except Exception as error:
+            # recorded for the thread that uses the checkpointer, which raises it
             self.fail(step, error)
         else:
             with self._lock:

@@ -24,6 +24,6 @@ from jaxdist.training.data._stream import BatchStream as BatchStream
 
 __all__ = [
     "BatchChecker", "BatchFeed", "BatchStream", "DataPosition", "IteratorSnapshot", "TrainBatch",
-    "UnrestorableState", "check_key", "eval_batches", "global_rows", "restore_args", "restored_position",
-    "save_args", "say_batch_change", "split_batch", "state_for_process",
+    "UnrestorableState", "check_key", "eval_batches", "global_rows", "restore_args",
+    "restored_position", "save_args", "say_batch_change", "split_batch", "state_for_process",
 ]

@@ -110,7 +110,8 @@ class BatchFeed:
                 processes read together (per-process input, e.g. grain): it is checked as the global
                 batch and placed from each process's rows.
         """
-        if isinstance(batch, TrainBatch):  # another checker's (another trainer's): checked again, for this one
+        # another checker's (another trainer's): checked again, for this one
+        if isinstance(batch, TrainBatch):
             batch = batch.pair
         pair = self.checker(batch, where, processes)
         if processes > 1:

@@ -41,11 +41,12 @@ def check_key(key: Any, name: str) -> Key:
     """
     if isinstance(key, str):
         return key
-    if isinstance(key, Sequence) and key and all(isinstance(k, str) for k in key) and len(set(key)) == len(key):
+    if isinstance(key, Sequence) and key and all(isinstance(k, str)
+                                                 for k in key) and len(set(key)) == len(key):
         return tuple(key)
     raise TypeError(
-        f"{name}={key!r} must be a dict key (a string such as 'image') or a sequence of distinct strings "
-        "(their values are passed to the model as a dict)."
+        f"{name}={key!r} must be a dict key (a string such as 'image') or a sequence of distinct "
+        "strings (their values are passed to the model as a dict)."
     )
 
 
@@ -105,16 +106,18 @@ def split_batch(
     if isinstance(batch, Mapping):
         missing = [(k, "input_key", input_key) for k in keys_of(input_key) if k not in batch]
         if need_targets:
-            missing += [(k, "target_key", target_key) for k in keys_of(target_key) if k not in batch]
+            missing += [(k, "target_key", target_key) for k in keys_of(target_key)
+                        if k not in batch]
         if not missing:
             has_targets = all(k in batch for k in keys_of(target_key))
-            return _present(_pick(batch, input_key), (_pick(batch, target_key) if has_targets else None), where,
+            return _present(_pick(batch, input_key), (_pick(batch, target_key) if has_targets
+                                                      else None), where,
                             need_targets)
         present = sorted(map(str, batch))
         lacks = " and ".join(f"no {k!r} ({option}={value!r})" for k, option, value in missing)
         raise ValueError(
-            f"{where} is a dict with keys {present} and {lacks}: name the keys that hold the inputs and the "
-            f"targets, e.g. Trainer(..., {_suggest(present)})."
+            f"{where} is a dict with keys {present} and {lacks}: name the keys that hold the "
+            f"inputs and the targets, e.g. Trainer(..., {_suggest(present)})."
         )
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
         if len(batch) == 2 or (not need_targets and len(batch) == 1):
@@ -127,8 +130,9 @@ def split_batch(
     want = f"(x, y) or a dict with keys {input_key!r} and {target_key!r}" if need_targets else \
         f"x, (x,), (x, y) or a dict with key {input_key!r}"
     raise ValueError(
-        f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x may be any pytree, e.g. a dict "
-        "of model inputs), or a dict and name its keys with Trainer(..., input_key=..., target_key=...)."
+        f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x may be any "
+        "pytree, e.g. a dict of model inputs), or a dict and name its keys with Trainer(..., "
+        "input_key=..., target_key=...)."
     )
 
 
@@ -136,11 +140,12 @@ def _present(x: Any, y: Any, where: str, need_targets: bool) -> tuple[Any, Any]:
     """``(x, y)``, unless the inputs (or the targets a loss needs) hold no array: ``(x, None)`` is
     named."""
     if not jax.tree.leaves(x):
-        raise ValueError(f"{where} has inputs {x!r} (no array): yield (x, y) with x an array (or a pytree of "
-                         "arrays) whose axis 0 is the batch.")
+        raise ValueError(f"{where} has inputs {x!r} (no array): yield (x, y) with x an array (or a "
+                         "pytree of arrays) whose axis 0 is the batch.")
     if need_targets and not jax.tree.leaves(y):
         raise ValueError(
-            f"{where} has targets {y!r} (no array): loss_fn(outputs, targets) gets the targets, and their rows count "
-            "the examples. Fix: yield (x, y) with y an array of the batch's rows (a loss without targets, e.g. an "
-            "autoencoder's: yield (x, x)); for predictions without targets use trainer.predict.")
+            f"{where} has targets {y!r} (no array): loss_fn(outputs, targets) gets the targets, "
+            "and their rows count the examples. Fix: yield (x, y) with y an array of the batch's "
+            "rows (a loss without targets, e.g. an autoencoder's: yield (x, x)); for predictions "
+            "without targets use trainer.predict.")
     return x, y

@@ -64,8 +64,8 @@ def data_kind(data: Any, name: str) -> str:
     if callable(data):
         return "function"
     raise TypeError(
-        f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor callable: pass a list of "
-        "batches, a generator, or a function epoch -> iterable of batches."
+        f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor callable: pass a "
+        "list of batches, a generator, or a function epoch -> iterable of batches."
     )
 
 
@@ -123,8 +123,10 @@ class BatchStream:
         # (epoch, batches read in it) -> the source iterator's state right after them (stateful
         # sources only); written by the reading thread, pruned by `position` up to the batch the
         # steps have consumed.
-        self._states: dict[tuple[int, int], Any] = {(self._start.epoch, self._start.index): self._start.state}
-        self._cursor = (0, self._start.epoch, self._start.index)  # (consumed, epoch, index) of the last position
+        self._states: dict[tuple[int, int], Any] = {(self._start.epoch,
+                                                     self._start.index): self._start.state}
+        # (consumed, epoch, index) of the last position
+        self._cursor = (0, self._start.epoch, self._start.index)
 
     @property
     def data(self) -> Any:
@@ -164,7 +166,8 @@ class BatchStream:
             if first is _END or first is None:  # (a filtered MapDataset's element may be None)
                 first = next(iter(source), _END)
         if first is _END:
-            raise ValueError(f"train_data yielded no batches (epoch {epoch}): pass at least one batch.")
+            raise ValueError(f"train_data yielded no batches (epoch {epoch}): pass at least one "
+                             "batch.")
         return self._checked(first, f"train_data batch 0 of epoch {epoch}", per_process)
 
     def _source(self, epoch: int) -> Any:
@@ -173,7 +176,8 @@ class BatchStream:
             source = self._data(epoch)
             if not isinstance(source, Iterable):
                 raise TypeError(
-                    f"train_data({epoch}) returned {type(source).__name__}, not an iterable of batches."
+                    f"train_data({epoch}) returned {type(source).__name__}, not an iterable of "
+                    "batches."
                 )
             return source
         return self._data
@@ -194,25 +198,29 @@ class BatchStream:
             stateful = _stateful(it)
             if per_process and jax.process_count() > 1 and self._check is None:
                 raise ValueError(
-                    f"BatchStream(check=None) cannot place per-process (grain) batches on {jax.process_count()} "
-                    "processes: pass check= a jaxdist.training.data.BatchFeed (it checks the global batch the "
-                    "processes' shares form and places each process's rows on the strategy's replicas)."
+                    "BatchStream(check=None) cannot place per-process (grain) batches on "
+                    f"{jax.process_count()} processes: pass check= a "
+                    "jaxdist.training.data.BatchFeed (it checks the global batch the processes' "
+                    "shares form and places each process's rows on the strategy's replicas)."
                 )
             count = self._resume(it, stateful, epoch, skip)
             for batch in it:
                 if stateful:
                     self._states[(epoch, count + 1)] = it.get_state()
-                yield self._checked(batch, f"train_data batch {count} of epoch {epoch}", per_process)
+                yield self._checked(batch, f"train_data batch {count} of epoch {epoch}",
+                                    per_process)
                 count += 1
             if count == 0:
-                raise ValueError(f"train_data yielded no batches in epoch {epoch}: pass at least one batch.")
+                raise ValueError(f"train_data yielded no batches in epoch {epoch}: pass at least "
+                                 "one batch.")
             self._lengths[epoch] = count
             epoch, skip = epoch + 1, 0
 
     def _resume(self, it: Iterator[Any], stateful: bool, epoch: int, skip: int) -> int:
         """Bring ``it`` to batch ``skip`` of ``epoch``: restore the recorded state of a stateful
         source, else read and drop ``skip`` batches. Returns ``skip``."""
-        state = self._start.state if (epoch, skip) == (self._start.epoch, self._start.index) else None
+        state = self._start.state if (epoch, skip) == (self._start.epoch,
+                                                       self._start.index) else None
         if skip and stateful and state is not None:
             if isinstance(state, UnrestorableState):
                 raise state.error
@@ -221,9 +229,10 @@ class BatchStream:
         for count in range(skip):
             if next(it, _END) is _END:
                 raise ValueError(
-                    f"train_data has {count} batches in epoch {epoch}, but the restored position is batch "
-                    f"{skip} of that epoch: the data differs from the run that wrote the checkpoint (pass the "
-                    "same deterministic data, or start from a fresh checkpoint_dir)."
+                    f"train_data has {count} batches in epoch {epoch}, but the restored position "
+                    f"is batch {skip} of that epoch: the data differs from the run that wrote the "
+                    "checkpoint (pass the same deterministic data, or start from a fresh "
+                    "checkpoint_dir)."
                 )
         return skip
 

@@ -40,9 +40,12 @@ from jaxdist.training.step._running import PackedSums as PackedSums
 from jaxdist.training.step._running import RunningSums as RunningSums
 
 __all__ = [
-    "Average", "CompiledSteps", "LinenModel", "LiveState", "NnxModel", "NonFiniteError", "NonFiniteGuard",
-    "NonFinitePolicy", "NonFiniteRecord", "PackedSums", "RunningSums", "TrainState", "Window", "abstract_state",
-    "accuracy", "as_model", "averaged", "check_ema_decay", "check_int", "check_losses", "describe", "log_values",
-    "make_train_step", "non_finite_leaves", "params_target", "restore_state", "restore_target", "state_builder",
-    "state_keys", "with_ema",
+    "Average", "CompiledSteps", "LinenModel", "LiveState", "NnxModel", "NonFiniteError",
+    "NonFiniteGuard",
+    "NonFinitePolicy", "NonFiniteRecord", "PackedSums", "RunningSums", "TrainState", "Window",
+    "abstract_state",
+    "accuracy", "as_model", "averaged", "check_ema_decay", "check_int", "check_losses", "describe",
+    "log_values",
+    "make_train_step", "non_finite_leaves", "params_target", "restore_state", "restore_target",
+    "state_builder", "state_keys", "with_ema",
 ]

@@ -43,7 +43,8 @@ def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return init_rng, jax.random.key_data(step_rng)
 
 
-def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int, x: Any) -> tuple[Callable, tuple]:
+def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int,
+                  x: Any) -> tuple[Callable, tuple]:
     """``(build, args)``: ``build(*args)`` returns the initial `TrainState` for inputs shaped like
     ``x``.
 
@@ -70,7 +71,8 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
     def build(rng, x_sample, given):
         init_rng, step_rng = state_keys(rng)
         params, model_state = model.init(init_rng, x_sample, given)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state, step_rng)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state,
+                          step_rng)
 
     return build, (jax.random.key(seed), sample, getattr(model, "initial_variables", None))
 
@@ -110,7 +112,8 @@ def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, p
     """
     def build(rng):
         _, step_rng = state_keys(rng)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state or {}, step_rng)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state
+                          or {}, step_rng)
 
     params, model_state = abstract(params), abstract(model_state)
     with shape_scope(strategy.mesh):
@@ -168,11 +171,13 @@ def check_losses(
     y_abs = abstract(y)
     rows = jax.tree.leaves(y_abs)[0].shape[0]
     pairs = set()
-    for key, name, fn in [("loss", "loss_fn", loss_fn), *((k, f"metrics[{k!r}]", f) for k, f in metrics.items())]:
+    for key, name, fn in [("loss", "loss_fn", loss_fn),
+                          *((k, f"metrics[{k!r}]", f) for k, f in metrics.items())]:
         _check_call_shape(name, fn)
         try:
             value = jax.eval_shape(fn, out, y_abs)
-        except Exception as e:  # the user's function failed on (outputs, targets): say what it is given
+        except Exception as e:
+            # the user's function failed on (outputs, targets): say what it is given
             message = f"{name}(outputs, targets) failed on the first batch: {_CALL_SHAPE}. It raised {e!r}"
             try:
                 again = type(e)(message)  # the same kind of error, with the call shape said
@@ -185,10 +190,11 @@ def check_losses(
 
 
 _CALL_SHAPE = (
-    "the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), where outputs = the model "
-    "applied to the batch's inputs and targets = its targets (batch[1], or batch[target_key]). A loss written "
-    "as loss_fn(model, batch) (the nnx tutorials' form) becomes, e.g., "
-    "loss_fn=lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()"
+    "the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), where outputs "
+    "= the model applied to the batch's inputs and targets = its targets (batch[1], or "
+    "batch[target_key]). A loss written as loss_fn(model, batch) (the nnx tutorials' form) "
+    "becomes, e.g., loss_fn=lambda logits, labels: "
+    "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()"
 )
 
 
@@ -205,4 +211,5 @@ def _check_call_shape(name: str, fn: Callable) -> None:
     varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if (len(names) < 2 and not varargs) or len(required) > 2 or (names[:1] == ["model"] or names[1:2] == ["batch"]):
-        raise TypeError(f"{name} has the parameters ({', '.join(p.name for p in params)}): {_CALL_SHAPE}.")
+        raise TypeError(f"{name} has the parameters ({', '.join(p.name for p in params)}): "
+                        f"{_CALL_SHAPE}.")

@@ -89,7 +89,8 @@ class CompiledSteps:
         self.metrics = dict(metrics or {})
         self._model, self._loss_fn, self._compute_dtype = model, loss_fn, compute_dtype
         self.grad_accum_steps = grad_accum_steps
-        self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
+        self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics,
+                                                 grad_accum_steps,
                                                  compute_dtype, ema_decay=ema_decay)
         # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state);
         # built lazily.
@@ -97,8 +98,10 @@ class CompiledSteps:
                                                              compute_dtype, skip_non_finite=True,
                                                              ema_decay=ema_decay)
         self.skip_non_finite = False  # which of the two the training calls run (set by fit)
-        self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype), batch_argnums=(1, 2))
-        self.predict_step = strategy.jit(make_predict_step(model, compute_dtype), batch_argnums=(1,))
+        self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype),
+                                      batch_argnums=(1, 2))
+        self.predict_step = strategy.jit(make_predict_step(model, compute_dtype),
+                                         batch_argnums=(1,))
         # Which of "loss" and the metrics return (sum, weight) pairs: set by the trainer's loss
         # check, or read from the first training batch.
         self.weighted: frozenset[str] | None = None
@@ -112,7 +115,8 @@ class CompiledSteps:
         # return one array, which costs the host what one argument costs; `_zero` knows its
         # structure). On the devices; None: zeros.
         self._sums: jax.Array | None = None
-        self._zeros: tuple[tuple[int, ...], Callable[[], jax.Array]] | None = None  # (shape, new sums after a pop)
+        # (shape, new sums after a pop)
+        self._zeros: tuple[tuple[int, ...], Callable[[], jax.Array]] | None = None
         self._cost: StepCost | None = None
 
     @property
@@ -141,12 +145,14 @@ class CompiledSteps:
             self.weighted = check_losses(self._model, self._loss_fn, self.metrics, state, *pair)
         # The metrics the model's own layers add (MoE router metrics): token-weighted where the loss
         # is.
-        with shape_scope(self.strategy.mesh):  # shapes only, outside any program (as the trainer's loss check)
+        # shapes only, outside any program (as the trainer's loss check)
+        with shape_scope(self.strategy.mesh):
             extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
         zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)
         self._zero = zero.pack()
-        self._metrics_out = (*zero.names, *(("learning_rate",) if zero.learning_rate is not None else ()))
+        self._metrics_out = (*zero.names, *(("learning_rate",) if zero.learning_rate is not None
+                                            else ()))
         self._compile(self._skipping_step() if self.skip_non_finite else self.train_step)
         return True
 
@@ -205,7 +211,8 @@ class CompiledSteps:
         sums = self.peek_sums(state)
         self._sums = None
         vector = sums.vector
-        if isinstance(vector, jax.Array) and (self._zeros is None or self._zeros[0] != vector.shape):
+        if isinstance(vector, jax.Array) and (self._zeros is None
+                                              or self._zeros[0] != vector.shape):
             self._zeros = vector.shape, jax.jit(functools.partial(jnp.zeros, vector.shape, vector.dtype),
                                                 out_shardings=vector.sharding)
         return sums
@@ -217,7 +224,8 @@ class CompiledSteps:
             return RunningSums.zeros(()).pack()
         return self._zero.holding(self._current_sums())
 
-    def step_cost(self, state: TrainState, batch_signature: tuple, options: CostOptions) -> StepCost:
+    def step_cost(self, state: TrainState, batch_signature: tuple,
+                  options: CostOptions) -> StepCost:
         """What the compiled train step costs, read once from its `Plan` (after a training step: the
         fit step is built).
 
@@ -229,18 +237,22 @@ class CompiledSteps:
         if self._cost is not None:
             return self._cost
         strategy = self.strategy
-        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            state)
         batch = _abstract_batch(batch_signature, strategy.policy.batch_layout)
         sums = jax.ShapeDtypeStruct(self._zero.vector.shape, np.float32)
-        sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype, sharding=strategy.variable_shardings(sums))
+        sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype,
+                                    sharding=strategy.variable_shardings(sums))
         # The arguments the step ran with, abstractly: JAX's caches hand back the program it already
         # compiled.
         rows = jax.tree.leaves(batch)[0].shape[0]
         devices = tuple(strategy.mesh.devices.flat)
         local = tuple(d for d in devices if d.process_index == jax.process_index())
         try:
-            plan, why = self.fit_step.plan(like, batch, sums), ""  # the accumulation loop counted per micro-batch
-        except Exception as error:  # a backend without program text or memory analysis: FLOPs n/a, not a failed fit
+            # the accumulation loop counted per micro-batch
+            plan, why = self.fit_step.plan(like, batch, sums), ""
+        except Exception as error:
+            # a backend without program text or memory analysis: FLOPs n/a, not a failed fit
             first = (str(error).splitlines() or [""])[0][:200]
             plan, why = None, f"the step could not be planned: {type(error).__name__}: {first}"
         roles = {k: bytes_per_device(getattr(like, k)) for k in ("params", "opt_state", "model_state")}
@@ -248,7 +260,8 @@ class CompiledSteps:
                                       rows_per_step=rows, state_bytes=roles, why=why)
         return self._cost
 
-    def evaluate(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> dict[str, float]:
+    def evaluate(self, state_for: Callable[[Any], TrainState], data: Any,
+                 split: Callable) -> dict[str, float]:
         """Each metric's mean over every example of ``data`` (see ``Trainer.evaluate``).
 
         ``state_for(batch)`` gives the state (built from the first batch if needed); ``split(batch,
@@ -258,8 +271,10 @@ class CompiledSteps:
         labels: list[int] = []  # the smallest and largest integer target seen (host side, free)
 
         def source() -> Any:
-            for b, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "eval_data", split):
-                ints = [np.asarray(a) for a in jax.tree.leaves(b[1]) if np.issubdtype(np.asarray(a).dtype, np.integer)]
+            for b, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "eval_data",
+                                        split):
+                ints = [np.asarray(a) for a in jax.tree.leaves(b[1])
+                        if np.issubdtype(np.asarray(a).dtype, np.integer)]
                 if ints and all(a.size for a in ints):
                     seen = [int(a.min()) for a in ints] + [int(a.max()) for a in ints] + labels
                     labels[:] = [min(seen), max(seen)]
@@ -280,7 +295,8 @@ class CompiledSteps:
             self._check_labels(state_for(first), first, labels, result)
         return result
 
-    def _check_labels(self, state: TrainState, batch: Any, labels: list[int], result: dict[str, float]) -> None:
+    def _check_labels(self, state: TrainState, batch: Any, labels: list[int],
+                      result: dict[str, float]) -> None:
         """A non-finite evaluation with integer targets: raise when they fall outside the outputs'
         classes."""
         outputs = jax.tree.leaves(self.predict_step(state, batch[0]))
@@ -288,9 +304,10 @@ class CompiledSteps:
         if classes is None or (0 <= labels[0] and labels[1] < classes):
             return
         raise ValueError(
-            f"evaluate's results are not finite ({result}): eval_data's integer labels run from {labels[0]} to "
-            f"{labels[1]}, but the model's outputs have {classes} classes (their last axis), so labels outside "
-            f"[0, {classes}) make the loss NaN. Fix the labels (or the model's number of outputs).")
+            f"evaluate's results are not finite ({result}): eval_data's integer labels run from "
+            f"{labels[0]} to {labels[1]}, but the model's outputs have {classes} classes (their "
+            f"last axis), so labels outside [0, {classes}) make the loss NaN. Fix the labels (or "
+            "the model's number of outputs).")
 
     def predict(self, state_for: Callable[[Any], TrainState], data: Any, split: Callable) -> Any:
         """The outputs for every example of ``data``, as numpy arrays (see ``Trainer.predict``)."""
@@ -301,7 +318,8 @@ class CompiledSteps:
             return split(batch, where, need_targets=False)[0]
 
         outputs = []
-        source = ((x, w) for x, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync, "data", inputs))
+        source = ((x, w) for x, w, _ in eval_batches(data, self.strategy.num_replicas_in_sync,
+                                                     "data", inputs))
         for x, weights in self.strategy.experimental_distribute_dataset(source):
             keep, out = np.asarray(weights) > 0, self.predict_step(state_for(x), x)
             outputs.append(jax.tree.map(lambda a, keep=keep: np.asarray(a)[keep], out))

@@ -71,9 +71,9 @@ def check_ema_decay(ema_decay: Any) -> float | None:
     number = isinstance(ema_decay, (int, float)) and not isinstance(ema_decay, bool)
     if not number or not math.isfinite(ema_decay) or not 0 <= ema_decay < 1:
         raise ValueError(
-            f"ema_decay={ema_decay!r} must be a number in [0, 1): the weight of the old average in each update "
-            "(ema = ema_decay * ema + (1 - ema_decay) * params), e.g. ema_decay=0.999 (an average over about "
-            "1000 steps); None (the default) keeps no averaged weights."
+            f"ema_decay={ema_decay!r} must be a number in [0, 1): the weight of the old average in "
+            "each update (ema = ema_decay * ema + (1 - ema_decay) * params), e.g. ema_decay=0.999 "
+            "(an average over about 1000 steps); None (the default) keeps no averaged weights."
         )
     return float(ema_decay)
 
@@ -150,8 +150,9 @@ def averaged(state_for: Callable[[Any], Any], decay: float | None, where: str) -
     """
     if decay is None:
         raise ValueError(
-            f"{where} needs averaged weights, but this Trainer keeps none (ema_decay=None): build it with "
-            "Trainer(..., ema_decay=0.999) (or another decay in [0, 1)), or call it with ema=False."
+            f"{where} needs averaged weights, but this Trainer keeps none (ema_decay=None): build "
+            "it with Trainer(..., ema_decay=0.999) (or another decay in [0, 1)), or call it with "
+            "ema=False."
         )
 
     def state_with_average(batch: Any) -> Any:
@@ -210,8 +211,10 @@ def restore_state(ckpt: Any, like: Any, step: int) -> tuple[Any, dict]:
     if wanted:
         state, meta = ckpt.restore(like._replace(ema=None), step)
         warnings.warn(
-            f"checkpoint step {step} of {ckpt.directory!r} has no averaged weights (the run that wrote it had no "
+            f"checkpoint step {step} of {ckpt.directory!r} has no averaged weights (the run that "
+            "wrote it had no "
             "ema_decay): the average starts again from its parameters.", UserWarning, stacklevel=4)
         return state, meta
-    state, meta = ckpt.restore(like._replace(ema=like.params), step)  # the average's leaves are the params'
+    # the average's leaves are the params'
+    state, meta = ckpt.restore(like._replace(ema=like.params), step)
     return state._replace(ema=None), meta

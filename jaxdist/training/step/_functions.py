@@ -121,7 +121,8 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def _cast(tree: Any, dtype: Any) -> Any:
     if dtype is None:
         return tree
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        tree)
 
 
 def _learning_rate(opt_state: Any) -> jax.Array | None:
@@ -140,8 +141,8 @@ def _micro_batches(tree: Any, k: int) -> Any:
     def split(a):
         if a.shape[0] % k:
             raise ValueError(
-                f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} rows: use a batch that is a "
-                f"multiple of {k} (and of the replica count times {k})."
+                f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} rows: use a batch "
+                f"that is a multiple of {k} (and of the replica count times {k})."
             )
         return jnp.moveaxis(a.reshape((a.shape[0] // k, k, *a.shape[1:])), 1, 0)
 
@@ -170,7 +171,8 @@ def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
             value, weight = weighted.split_value(f"metrics[{name!r}]", fn(out, y))
             values[name] = (jnp.asarray(value, jnp.float32), weight)
         loss, weight = weighted.split_value("loss_fn", loss_fn(out, y))
-        if sown:  # mixture-of-experts layers: their auxiliary losses join the loss, their metrics the logs
+        # mixture-of-experts layers: their auxiliary losses join the loss, their metrics the logs
+        if sown:
             def as_loss(v):  # a summed loss (with a weight) sums its means weight times
                 return v if weight is None else v * weight
 
@@ -204,7 +206,8 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
         return ()
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.result_type(a)),
                           (params, model_state, x))
-    sown = jax.eval_shape(lambda p, s, xb, key: model.apply_train(p, s, xb, key)[2], *shapes, jax.random.key(0))
+    sown = jax.eval_shape(lambda p, s, xb, key: model.apply_train(p, s, xb, key)[2], *shapes,
+                          jax.random.key(0))
     if not sown:
         return ()
     return tuple(jax.eval_shape(_layer_values, sown))
@@ -276,8 +279,8 @@ def make_summed_train_step(
             with jax.named_scope(ACCUMULATION_SCOPE):
                 (grads, loss, weight, values, model_state), _ = jax.lax.scan(
                     micro,
-                    (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zeros(weight0),
-                     zeros(values0), state.model_state),
+                    (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+                     zeros(weight0), zeros(values0), state.model_state),
                     (jnp.arange(grad_accum_steps), _micro_batches(x, grad_accum_steps),
                      _micro_batches(y, grad_accum_steps)),
                 )
@@ -285,12 +288,14 @@ def make_summed_train_step(
             values = {name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()}
             if weight is None:
                 loss, grads = loss * scale, jax.tree.map(lambda g: g * scale, grads)
-        if weight is not None:  # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
+        # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
+        if weight is not None:
             inverse = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        flag = non_finite.step_flag(loss, grads)  # the whole step's: summed loss, accumulated gradients
+        # the whole step's: summed loss, accumulated gradients
+        flag = non_finite.step_flag(loss, grads)
         ema = state.ema if ema_decay is None else ema_update(ema_decay, state.ema, params)
         if skip_non_finite:  # a skipped step moves nothing, the average included
             params, opt_state, model_state, ema = non_finite.keep_if_finite(
@@ -304,14 +309,16 @@ def make_summed_train_step(
         if lr is not None:
             out["learning_rate"] = lr
         addends = RunningSums.of_step(summed, flag, lr)
-        return TrainState(state.step + 1, params, opt_state, model_state, state.rng, ema), out, addends
+        return TrainState(state.step + 1, params, opt_state, model_state, state.rng,
+                          ema), out, addends
 
     return train_step
 
 
 def _first_micro(x: Any, y: Any, k: int) -> tuple[Any, Any]:
     """Shapes of micro-batch 0 (for `jax.eval_shape`)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), (x, y))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype),
+                        (x, y))
 
 
 def make_train_step(
@@ -351,7 +358,8 @@ def make_train_step(
         >>> int(state.step), sorted(m)
         (1, ['loss'])
     """
-    summed = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype)
+    summed = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
+                                    compute_dtype)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         state, metrics, _ = summed(state, batch)
@@ -360,7 +368,8 @@ def make_train_step(
     return train_step
 
 
-def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection[str] = ()) -> RunningSums:
+def zero_sums(metrics: Iterable[str], opt_state: Any,
+              weighted_names: Collection[str] = ()) -> RunningSums:
     """The running sums of no train steps (`RunningSums.zeros`): ``"loss"`` and each of ``metrics``,
     the ``weighted_names`` token-weighted, and a learning rate when the optimizer was built with
     `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
@@ -373,7 +382,8 @@ def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection
         (('loss', 'accuracy'), ('loss',), True)
     """
     has_rate = any(
-        isinstance(getattr(node, "hyperparams", None), Mapping) and "learning_rate" in node.hyperparams
+        isinstance(getattr(node, "hyperparams", None), Mapping)
+        and "learning_rate" in node.hyperparams
         for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams"))
     )
     return RunningSums.zeros(("loss", *metrics), weighted_names, learning_rate=has_rate)
@@ -454,7 +464,8 @@ def make_eval_step(
     def eval_step(state: TrainState, batch: Any, weights: jax.Array) -> tuple[dict, dict, jax.Array]:
         x, y = split_batch(batch)
         out, _ = model.apply(
-            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None, train=False
+            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,
+            train=False
         )
         out = _cast(out, jnp.float32 if compute_dtype is not None else None)
         sums, counts = {}, {}
@@ -487,7 +498,8 @@ def make_predict_step(model: Any, compute_dtype: Any = None) -> Callable[[TrainS
 
     def predict_step(state: TrainState, x: Any) -> Any:
         out, _ = model.apply(
-            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None, train=False
+            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,
+            train=False
         )
         return _cast(out, jnp.float32 if compute_dtype is not None else None)
 

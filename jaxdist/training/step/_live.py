@@ -46,16 +46,19 @@ def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> N
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{' or None' if allow_none else ''}.")
+        raise ValueError(f"{name}={value!r} must be an int >= "
+                         f"{minimum}{' or None' if allow_none else ''}.")
 
 
 def abstract_state(state: Any) -> Any:
     """``state`` as `jax.ShapeDtypeStruct`s with its shardings (what a restore or a plan reads
     into)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        state)
 
 
-def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mapping, grad_accum_steps: Any,
+def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mapping,
+                    grad_accum_steps: Any,
                     seed: Any, clip_grad_norm: Any, compute_dtype: Any) -> None:
     """The Trainer's arguments that build the state, checked before anything is built."""
     if not isinstance(strategy, Strategy):
@@ -64,23 +67,27 @@ def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mappin
             "jd.OneDeviceStrategy()."
         )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation: pass e.g. optax.adam(1e-3).")
+        raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation: pass "
+                        "e.g. optax.adam(1e-3).")
     if not callable(loss_fn):
         raise TypeError(
-            f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar mean or (sum, weight)."
+            f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar mean "
+            "or (sum, weight)."
         )
     for name, fn in metrics.items():
         if name == "loss" or not isinstance(name, str) or not callable(fn):
             raise ValueError(
-                f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to fn(outputs, targets) -> "
-                "scalar (the loss is always reported as 'loss')."
+                f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to fn(outputs, "
+                "targets) -> scalar (the loss is always reported as 'loss')."
             )
     check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
     check_int(seed, "seed", 0, allow_none=False)
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
+                                           and clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number or None.")
     if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
-        raise ValueError(f"compute_dtype={compute_dtype!r} must be a floating dtype such as jnp.bfloat16.")
+        raise ValueError(f"compute_dtype={compute_dtype!r} must be a floating dtype such as "
+                         "jnp.bfloat16.")
 
 
 class LiveState:
@@ -103,38 +110,45 @@ class LiveState:
         (1, DataPosition(epoch=0, index=0))
     """
 
-    def __init__(self, strategy: Strategy, model: Any, optimizer: optax.GradientTransformation, loss_fn: Callable, *,
-                 metrics: Mapping[str, Callable] | None = None, input_key: Any = "x", target_key: Any = "y",
+    def __init__(self, strategy: Strategy, model: Any, optimizer: optax.GradientTransformation,
+                 loss_fn: Callable, *,
+                 metrics: Mapping[str, Callable] | None = None, input_key: Any = "x",
+                 target_key: Any = "y",
                  variables: Any = None, grad_accum_steps: int = 1, compute_dtype: Any = None,
-                 clip_grad_norm: float | None = None, seed: int = 0, train_kwargs: dict | None = None,
+                 clip_grad_norm: float | None = None, seed: int = 0,
+                 train_kwargs: dict | None = None,
                  eval_kwargs: dict | None = None, rng_streams: Sequence[str] | None = None,
                  ema_decay: float | None = None):
         metrics = dict(metrics or {})
-        _check_settings(strategy, optimizer, loss_fn, metrics, grad_accum_steps, seed, clip_grad_norm, compute_dtype)
+        _check_settings(strategy, optimizer, loss_fn, metrics, grad_accum_steps, seed,
+                        clip_grad_norm, compute_dtype)
         self.ema_decay = check_ema_decay(ema_decay)
         self.input_key, self.target_key = check_key(input_key, "input_key"), check_key(target_key, "target_key")
         self.strategy, self.loss_fn, self.metrics, self.seed = strategy, loss_fn, metrics, seed
         self.model = as_model(model, variables, train_kwargs=train_kwargs, eval_kwargs=eval_kwargs,
                               rng_streams=tuple(rng_streams) if rng_streams is not None else None)
-        self.optimizer = optax.chain(optax.clip_by_global_norm(clip_grad_norm), optimizer) if clip_grad_norm \
+        self.optimizer = optax.chain(optax.clip_by_global_norm(clip_grad_norm),
+                                     optimizer) if clip_grad_norm \
             else optimizer
-        self.batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps, input_key=self.input_key,
-                                    target_key=self.target_key)
+        self.batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps,
+                                    input_key=self.input_key, target_key=self.target_key)
         # The stream boundary: every training batch is checked by `batches` and placed once, here. A
         # compiled step per batch takes placed batches; an on-device loop stacks host batches and
         # places them.
         self.feed = BatchFeed(strategy, self.batches, place=True)
         self.loop_feed = BatchFeed(strategy, self.batches, place=False)
-        self.steps = CompiledSteps(strategy, self.model, self.optimizer, loss_fn, metrics, grad_accum_steps,
-                                   compute_dtype, ema_decay=self.ema_decay)
+        self.steps = CompiledSteps(strategy, self.model, self.optimizer, loss_fn, metrics,
+                                   grad_accum_steps, compute_dtype, ema_decay=self.ema_decay)
         self.state: TrainState | None = None
         self.step = 0
         # load_state without a batch: the check of its parameters against the model's, at the
         # model's first batch
         self.unchecked: Callable[[Any], None] | None = None
         self.loaded = False  # the state is load_state's and no fit has trained it yet
-        self.position_unknown = False  # load_state's run: where its data stopped is unknown until set
-        self.stop_training = False  # a request (a callback's) that the running fit stop after its current step
+        # load_state's run: where its data stopped is unknown until set
+        self.position_unknown = False
+        # a request (a callback's) that the running fit stop after its current step
+        self.stop_training = False
         self._position = DataPosition()
 
     @property
@@ -146,7 +160,8 @@ class LiveState:
     @position.setter
     def position(self, position: DataPosition) -> None:
         if not isinstance(position, DataPosition):
-            raise TypeError(f"data_position={position!r} must be a jd.training.DataPosition(epoch=..., index=...).")
+            raise TypeError(f"data_position={position!r} must be a "
+                            "jd.training.DataPosition(epoch=..., index=...).")
         self._position = position
         self.position_unknown = False
 
@@ -196,7 +211,8 @@ class LiveState:
         fed: TrainBatch = batch if self.feed.trusts(batch) else self.feed(batch, where)
         state = self.state
         if state is None or self.unchecked is not None:
-            state = self.init(fed.pair)  # the state (built, or checked after load_state, on first use)
+            # the state (built, or checked after load_state, on first use)
+            state = self.init(fed.pair)
         self.state, metrics = self.steps.train(state, fed.pair)
         self.step += 1
         return metrics
@@ -204,7 +220,8 @@ class LiveState:
     def train_loop(self, batches: Sequence[Any]) -> dict[str, jax.Array]:
         """``len(batches)`` steps in one compiled on-device loop; every step's metrics, stacked."""
         feed = self.loop_feed
-        pairs = [(b if feed.trusts(b) else feed(b, f"train_on_batches' batch {i}")).pair for i, b in enumerate(batches)]
+        pairs = [(b if feed.trusts(b) else feed(b, f"train_on_batches' batch {i}")).pair
+                 for i, b in enumerate(batches)]
         if not pairs:
             raise ValueError("train_on_batches got no batches: pass at least one.")
         state = self.init(pairs[0])
@@ -215,14 +232,16 @@ class LiveState:
     def sums(self, caller: str, pop: bool = True) -> PackedSums:
         """The running sums (`CompiledSteps.pop_sums`, or ``peek_sums`` without ``pop``)."""
         if self.state is None:
-            raise RuntimeError(f"{caller}() before the state exists: call fit(...) or init(batch) first.")
+            raise RuntimeError(f"{caller}() before the state exists: call fit(...) or init(batch) "
+                               "first.")
         return self.steps.pop_sums(self.state) if pop else self.steps.peek_sums(self.state)
 
     def step_cost(self, options: CostOptions) -> StepCost:
         """What one training step costs (``Trainer.step_cost``)."""
         signature = self.batches.signature
         if self.state is None or signature is None or self.steps.fit_step is None:
-            raise RuntimeError("step_cost() before the first training step: call fit(...) or train_on_batch first.")
+            raise RuntimeError("step_cost() before the first training step: call fit(...) or "
+                               "train_on_batch first.")
         return self.steps.step_cost(self.state, signature, options)
 
     def plan(self, batch: Any) -> Plan:
@@ -233,20 +252,24 @@ class LiveState:
         else:
             # The builder reads one example (as init does): one row of zeros of the batch's shapes
             # stands in.
-            row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)), (x, y))
+            row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)),
+                               (x, y))
             build, args = self.builder(row)
             with self.strategy.scope():
-                state = with_ema(abstract_variables(self.strategy.policy, build, args, {}), self.ema_decay)
+                state = with_ema(abstract_variables(self.strategy.policy, build, args, {}),
+                                 self.ema_decay)
         return self.steps.plan(state, (x, y))
 
     def evaluate(self, data: Any, ema: bool = False) -> dict[str, float]:
         """``Trainer.evaluate``: each metric's mean over every example of ``data`` (``ema``: with
         the averaged weights as the parameters)."""
-        state_for = averaged(self.state_for, self.ema_decay, "evaluate(ema=True)") if ema else self.state_for
+        state_for = averaged(self.state_for, self.ema_decay,
+                             "evaluate(ema=True)") if ema else self.state_for
         return self.steps.evaluate(state_for, data, self.batches.split)
 
     def predict(self, data: Any, ema: bool = False) -> Any:
         """``Trainer.predict``: the outputs for every example of ``data`` (``ema``: as
         `evaluate`)."""
-        state_for = averaged(self.state_for, self.ema_decay, "predict(ema=True)") if ema else self.state_for
+        state_for = averaged(self.state_for, self.ema_decay,
+                             "predict(ema=True)") if ema else self.state_for
         return self.steps.predict(state_for, data, self.batches.split)

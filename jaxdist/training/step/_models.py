@@ -54,7 +54,8 @@ def model_kind(model: Any) -> str:
         return "nnx"
     if inspect.isclass(model) and issubclass(model, nn.Module):
         raise TypeError(
-            f"model={model.__name__} is a linen module class, not an instance: pass {model.__name__}(...)."
+            f"model={model.__name__} is a linen module class, not an instance: pass "
+            f"{model.__name__}(...)."
         )
     if inspect.isclass(model) and issubclass(model, nnx.Module):
         raise TypeError(
@@ -62,8 +63,9 @@ def model_kind(model: Any) -> str:
             f"{model.__name__}(..., rngs=nnx.Rngs(0))."
         )
     raise TypeError(
-        f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a flax.linen.Module "
-        "instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance (e.g. nnx.Linear(4, 10, rngs=nnx.Rngs(0)))."
+        f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a "
+        "flax.linen.Module instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance (e.g. "
+        "nnx.Linear(4, 10, rngs=nnx.Rngs(0)))."
     )
 
 
@@ -103,8 +105,9 @@ class LinenModel:
     def __post_init__(self) -> None:
         if model_kind(self.module) != "linen":
             raise TypeError(
-                f"model={type(self.module).__name__} is an nnx module where a linen module is expected: pass it "
-                "to Trainer directly (nnx modules are detected), or use NnxModel(module)."
+                f"model={type(self.module).__name__} is an nnx module where a linen module is "
+                "expected: pass it to Trainer directly (nnx modules are detected), or use "
+                "NnxModel(module)."
             )
         if self.variables is not None and "params" not in self.variables:
             raise ValueError(
@@ -131,13 +134,16 @@ class LinenModel:
             variables.pop(name, None)
         return params, variables
 
-    def apply(self, params: Any, model_state: dict, x: Any, rng: jax.Array | None, train: bool) -> tuple[Any, dict]:
+    def apply(self, params: Any, model_state: dict, x: Any, rng: jax.Array | None,
+              train: bool) -> tuple[Any, dict]:
         """``(outputs, new_model_state)``; in training, non-param collections are mutable."""
         if train:
             return self.apply_train(params, model_state, x, rng)[:2]
-        return self.module.apply({"params": params, **model_state}, x, **self.eval_kwargs), model_state
+        return self.module.apply({"params": params, **model_state}, x,
+                                 **self.eval_kwargs), model_state
 
-    def apply_train(self, params: Any, model_state: dict, x: Any, rng: jax.Array | None) -> tuple[Any, dict, dict]:
+    def apply_train(self, params: Any, model_state: dict, x: Any,
+                    rng: jax.Array | None) -> tuple[Any, dict, dict]:
         """``(outputs, new_model_state, sown)`` in training: non-param collections are mutable;
         ``sown`` holds what the model's layers sowed in `jaxdist.nn.moe.SOWN` (the MoE layers'
         losses and metrics)."""
@@ -164,7 +170,8 @@ def _rngs_parameter(module: Any) -> inspect.Parameter | None:
     except (TypeError, ValueError):  # a builtin or C-implemented __call__: nothing to inspect
         return None
     param = parameters.get("rngs")
-    if param is None or param.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+    if param is None or param.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                           inspect.Parameter.KEYWORD_ONLY):
         return None
     return param
 
@@ -240,15 +247,17 @@ class NnxModel:
     def __init__(self, module: Any):
         if model_kind(module) != "nnx":
             raise TypeError(
-                f"model={type(module).__name__} is a linen module where an nnx module is expected: pass it to "
-                "Trainer directly (linen modules are detected), or use LinenModel(module)."
+                f"model={type(module).__name__} is a linen module where an nnx module is expected: "
+                "pass it to Trainer directly (linen modules are detected), or use "
+                "LinenModel(module)."
             )
         self.module = module
         self._rngs_param = _rngs_parameter(module)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         self._params_template, self._rest_template = params, rest
         self._initial = (_to_pure(params), _to_pure(rest))
-        copy = nnx.merge(graphdef, params, rest)  # new module objects over the same arrays: modes set on it
+        # new module objects over the same arrays: modes set on it
+        copy = nnx.merge(graphdef, params, rest)
         copy.train()
         self._train_graphdef = nnx.graphdef(copy)
         copy.eval()
@@ -309,7 +318,8 @@ class NnxModel:
             if rng is not None:
                 kwargs["rngs"] = nnx.Rngs(rng)
             elif self._rngs_param.default is inspect.Parameter.empty:
-                kwargs["rngs"] = None  # a required parameter: say "no keys" as the tutorial's eval step does
+                # a required parameter: say "no keys" as the tutorial's eval step does
+                kwargs["rngs"] = None
         return module(x, **kwargs), module
 
     def sync(self, params: dict, model_state: dict) -> None:
@@ -344,17 +354,19 @@ def as_model(model: Any, variables: Any = None, **linen_options: Any) -> LinenMo
         return model
     kind = model_kind(model)
     if kind == "linen":
-        return LinenModel(model, variables, **{k: v for k, v in linen_options.items() if v is not None})
+        return LinenModel(model, variables, **{k: v for k, v in linen_options.items()
+                                               if v is not None})
     if variables is not None:
         raise ValueError(
-            "variables=... was given with an nnx module: nnx modules carry their own variables; load weights "
-            "into the module (nnx.update(model, state)) and drop variables=."
+            "variables=... was given with an nnx module: nnx modules carry their own variables; "
+            "load weights into the module (nnx.update(model, state)) and drop variables=."
         )
     extra = sorted(k for k, v in linen_options.items() if v is not None)
     if extra:
         raise TypeError(
-            f"{', '.join(extra)} apply to linen modules only; model={type(model).__name__} is an nnx module: "
-            "set train/eval behaviour on the module itself (Dropout(deterministic=...), nnx.Rngs)."
+            f"{', '.join(extra)} apply to linen modules only; model={type(model).__name__} is an "
+            "nnx module: set train/eval behaviour on the module itself "
+            "(Dropout(deterministic=...), nnx.Rngs)."
         )
     return NnxModel(model)
 

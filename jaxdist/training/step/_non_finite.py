@@ -79,7 +79,8 @@ class NonFiniteError(FloatingPointError):
         (True, 40, 30)
     """
 
-    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None, directory: str | None):
+    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None,
+                 directory: str | None):
         super().__init__(message)
         self.step, self.count, self.checkpoint, self.directory = step, count, checkpoint, directory
 
@@ -87,8 +88,10 @@ class NonFiniteError(FloatingPointError):
         return _rebuild, (str(self), self.step, self.count, self.checkpoint, self.directory)
 
 
-def _rebuild(message: str, step: int, count: int, checkpoint: int | None, directory: str | None) -> NonFiniteError:
-    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint, directory=directory)
+def _rebuild(message: str, step: int, count: int, checkpoint: int | None,
+             directory: str | None) -> NonFiniteError:
+    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint,
+                          directory=directory)
 
 
 def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
@@ -230,7 +233,8 @@ def non_finite_leaves(state: Any) -> list[str]:
     if not leaves:
         return []
     with jax.set_mesh(None):  # the arrays' own shardings decide (a strategy's scope may be open)
-        flags = np.asarray(_PROGRAM([leaf for _, leaf, _ in leaves], tuple(nan for _, _, nan in leaves)))
+        flags = np.asarray(_PROGRAM([leaf for _, leaf, _ in leaves],
+                                    tuple(nan for _, _, nan in leaves)))
     return [path for (path, _, _), bad in zip(leaves, flags, strict=True) if bad]
 
 
@@ -371,14 +375,16 @@ class NonFiniteGuard:
 
     def __init__(self, policy: NonFinitePolicy, step: int):
         self.policy = policy
-        self.total = 0  # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
+        # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
+        self.total = 0
         self.fit_start = step  # a first step that is already not finite points at the inputs
         self.restart(step)
 
     def restart(self, step: int) -> None:
         """Forget the steps seen (after a rollback to ``step``; `total` stays)."""
         self._start = step  # the step the next window starts after
-        self.first: int | None = None  # the first non-finite step since the start (or the last rollback)
+        # the first non-finite step since the start (or the last rollback)
+        self.first: int | None = None
         self._trailing = 0  # non-finite steps in a row up to the end of the last window
         self.longest_run = 0
         self._pending = False
@@ -415,22 +421,28 @@ class NonFiniteGuard:
         ``checkpoint`` the newest one in ``directory``."""
         first = self.first if self.first is not None else self._start
         if checkpoint is None:
-            where = ("there is no checkpoint to resume from (pass checkpoint_dir=... and checkpoint_every=... to "
-                     "keep some)" if directory is None else f"{directory!r} holds no checkpoint before it")
+            where = ("there is no checkpoint to resume from (pass checkpoint_dir=... and "
+                     "checkpoint_every=... to keep some)" if directory is None
+                     else f"{directory!r} holds no checkpoint before it")
         else:
-            where = (f"the last finite checkpoint is step {checkpoint} in {directory!r}: resume from it with "
-                     f"fit(..., checkpoint_dir={directory!r}, restore_step={checkpoint})")
+            where = (f"the last finite checkpoint is step {checkpoint} in {directory!r}: resume "
+                     f"from it with fit(..., checkpoint_dir={directory!r}, "
+                     f"restore_step={checkpoint})")
         inputs = ""
-        if first == self.fit_start + 1:  # nothing trained yet: the data is the likelier cause than the optimizer
-            inputs = (" The first step of this fit was not finite, which points at the inputs first: integer labels "
-                      "outside the logits' classes (each label must be in [0, number of classes)), NaN or inf in "
-                      "the batch, an empty batch; then at the learning rate.")
+        # nothing trained yet: the data is the likelier cause than the optimizer
+        if first == self.fit_start + 1:
+            inputs = (" The first step of this fit was not finite, which points at the inputs "
+                      "first: integer labels outside the logits' classes (each label must be in "
+                      "[0, number of classes)), NaN or inf in the batch, an empty batch; then at "
+                      "the learning rate.")
         message = (
             f"the loss or gradients of step {first} were not finite ({self.total} non-finite step"
-            f"{'s' if self.total != 1 else ''} so far); {what}.{inputs} No non-finite state was saved; {where}, with "
-            "a lower learning rate, gradient clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'."
+            f"{'s' if self.total != 1 else ''} so far); {what}.{inputs} No non-finite state was "
+            f"saved; {where}, with a lower learning rate, gradient clipping (clip_grad_norm=...), "
+            "or on_non_finite='skip' / 'rollback'."
         )
-        return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint, directory=directory)
+        return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint,
+                              directory=directory)
 
 
 def log_values(window: Window | None) -> Mapping[str, float]:

@@ -118,9 +118,11 @@ class RunningSums:
         weighted = tuple(n for n in names if n in set(token_weighted))
         unknown = sorted(set(token_weighted) - set(names))
         if unknown:
-            raise ValueError(f"token_weighted={unknown!r} names no metric: pass some of names={names!r}.")
+            raise ValueError(f"token_weighted={unknown!r} names no metric: pass some of "
+                             f"names={names!r}.")
         zero = lambda dtype: np.zeros((), dtype)  # noqa: E731
-        return cls({n: Average(zero(np.float32), zero(np.float32)) for n in names}, NonFiniteRecord.zeros(),
+        return cls({n: Average(zero(np.float32), zero(np.float32)) for n in names},
+                   NonFiniteRecord.zeros(),
                    zero(np.int32), zero(np.float32) if learning_rate else None, names, weighted)
 
     @classmethod
@@ -143,10 +145,11 @@ class RunningSums:
         averages = {}
         for name, (value, weight) in values.items():
             averages[name] = Average(jnp.asarray(value, jnp.float32),
-                                     jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32))
+                                     jnp.ones((), jnp.float32) if weight is None
+                                     else jnp.asarray(weight, jnp.float32))
         return cls(averages, NonFiniteRecord.of_step(flag), jnp.ones((), jnp.int32),
-                   None if learning_rate is None else jnp.asarray(learning_rate, jnp.float32), tuple(values),
-                   tuple(n for n, (_, w) in values.items() if w is not None))
+                   None if learning_rate is None else jnp.asarray(learning_rate, jnp.float32),
+                   tuple(values), tuple(n for n, (_, w) in values.items() if w is not None))
 
     def then(self, later: RunningSums) -> RunningSums:
         """These sums followed by ``later``'s (a later step's, or a later window's): what a compiled
@@ -163,13 +166,15 @@ class RunningSums:
             >>> both.mean("loss"), int(both.steps), int(both.non_finite.count), int(both.non_finite.lead)
             (2.0, 2, 1, 1)
         """
-        if (set(later.names) != set(self.names) or set(later.token_weighted) != set(self.token_weighted)
+        if (set(later.names) != set(self.names)
+                or set(later.token_weighted) != set(self.token_weighted)
                 or (later.learning_rate is None) != (self.learning_rate is None)):
             raise ValueError(
-                f"running sums of {self._describe()} cannot add sums of {later._describe()}: a step must report "
-                "the same metrics, each weighted the same way, every time."
+                f"running sums of {self._describe()} cannot add sums of {later._describe()}: a "
+                "step must report the same metrics, each weighted the same way, every time."
             )
-        averages = {n: Average(a.total + later.averages[n].total, a.weight + later.averages[n].weight)
+        averages = {n: Average(a.total + later.averages[n].total,
+                               a.weight + later.averages[n].weight)
                     for n, a in self.averages.items()}
         return dataclasses.replace(
             self, averages=averages, non_finite=self.non_finite.then(later.non_finite, self.steps, later.steps),
@@ -198,8 +203,8 @@ class RunningSums:
             values.append(self.learning_rate)
         values += [*self.non_finite, self.steps]
         stack = jnp.stack if any(isinstance(v, jax.Array) for v in values) else np.stack
-        return PackedSums(stack([_as(v, np.float32) for v in values]), self.names, self.token_weighted,
-                          self.learning_rate is not None)
+        return PackedSums(stack([_as(v, np.float32) for v in values]), self.names,
+                          self.token_weighted, self.learning_rate is not None)
 
     def mean(self, name: str) -> float:
         """The mean of ``name`` over the summed steps: its total over its weight (NaN for weight 0).
@@ -222,7 +227,8 @@ class RunningSums:
         return self.averages["loss"].weight if "loss" in self.token_weighted else None
 
 
-jax.tree_util.register_dataclass(RunningSums, data_fields=["averages", "non_finite", "steps", "learning_rate"],
+jax.tree_util.register_dataclass(RunningSums, data_fields=["averages", "non_finite", "steps",
+                                                           "learning_rate"],
                                  meta_fields=["names", "token_weighted"])
 
 
@@ -268,7 +274,8 @@ class PackedSums:
         for name in self.names:
             out += [name, f"{name}.weight"] if name in self.token_weighted else [name]
         out += ["learning_rate"] if self.learning_rate else []
-        out += ["non_finite_steps" if f == "count" else f"non_finite_{f}" for f in NonFiniteRecord._fields]
+        out += ["non_finite_steps" if f == "count" else f"non_finite_{f}"
+                for f in NonFiniteRecord._fields]
         return (*out, "steps")
 
     def holding(self, vector: Any) -> PackedSums:
@@ -287,7 +294,8 @@ class PackedSums:
             weight = vector[next(at)] if name in self.token_weighted else _as(steps, np.float32)
             averages[name] = Average(total, weight)
         rate = vector[next(at)] if self.learning_rate else None
-        record = NonFiniteRecord(*(_as(vector[next(at)], np.int32) for _ in NonFiniteRecord._fields))
+        record = NonFiniteRecord(*(_as(vector[next(at)], np.int32)
+                                   for _ in NonFiniteRecord._fields))
         return RunningSums(averages, record, steps, rate, self.names, self.token_weighted)
 
     def to_host(self) -> RunningSums:

@@ -24,4 +24,5 @@ from jaxdist.strategies.compile._trace._step import StepTrace as StepTrace
 from jaxdist.strategies.compile._trace._step import enter as enter
 from jaxdist.strategies.compile._trace._step import named as named
 
-__all__ = ["PADDING", "Provenance", "StepTrace", "enter", "grouped_convolutions", "named", "padding_argument"]
+__all__ = ["PADDING", "Provenance", "StepTrace", "enter", "grouped_convolutions", "named",
+           "padding_argument"]

@@ -41,7 +41,8 @@ class InPlaceUpdates:
         found = [("args" + jax.tree_util.keystr(p), v) for p, v in
                  jax.tree_util.tree_flatten_with_path(tuple(arguments), is_leaf=is_distributed)[0]]
         found += [("kwargs" + jax.tree_util.keystr(p), v) for p, v in
-                  jax.tree_util.tree_flatten_with_path(dict(keywords or {}), is_leaf=is_distributed)[0]]
+                  jax.tree_util.tree_flatten_with_path(dict(keywords or {}),
+                                                       is_leaf=is_distributed)[0]]
         self._watched = [(where, v, v.stacked) for where, v in found if isinstance(v, SyncOnRead)]
 
     def check(self, out: Any) -> None:
@@ -56,9 +57,9 @@ class InPlaceUpdates:
         for where, value, before in self._watched:
             if value.stacked is not before and id(value) not in returned and id(value.stacked) not in returned:
                 raise ValueError(
-                    f"{self._fn} updated the sync-on-read value {where} in place (assign / assign_add / "
-                    "assign_sub) but does not return it: inside strategy.jit the update would be lost when the "
-                    "step returns. Return it and rebind it, e.g. `return loss, seen` and "
-                    "`loss, seen = step(params, seen, batch)` (strategy.run outside a compiled step keeps such "
-                    "updates by itself)."
+                    f"{self._fn} updated the sync-on-read value {where} in place (assign / "
+                    "assign_add / assign_sub) but does not return it: inside strategy.jit the "
+                    "update would be lost when the step returns. Return it and rebind it, e.g. "
+                    "`return loss, seen` and `loss, seen = step(params, seen, batch)` "
+                    "(strategy.run outside a compiled step keeps such updates by itself)."
                 )

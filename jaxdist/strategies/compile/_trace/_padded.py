@@ -32,15 +32,18 @@ PADDING = "__jaxdist_padding__"
 its trace."""
 
 
-def _array_leaves(args: Sequence[Any], kwargs: dict, skip: set[int], static_names: Sequence[str]) -> list[Any]:
+def _array_leaves(args: Sequence[Any], kwargs: dict, skip: set[int],
+                  static_names: Sequence[str]) -> list[Any]:
     """The leaves of a step's arguments that may be batches, in one order outside the trace and in
     it: the positional arguments outside ``skip`` (static, nnx), then the keyword arguments that are
     not static, by name."""
     names = sorted(k for k in kwargs if k not in static_names and k != PADDING)
-    return jax.tree.leaves(([a for i, a in enumerate(args) if i not in skip], [kwargs[k] for k in names]))
+    return jax.tree.leaves(([a for i, a in enumerate(args) if i not in skip],
+                            [kwargs[k] for k in names]))
 
 
-def padding_argument(args: Sequence[Any], kwargs: dict, skip: set[int], static_names: Sequence[str]) -> Any:
+def padding_argument(args: Sequence[Any], kwargs: dict, skip: set[int],
+                     static_names: Sequence[str]) -> Any:
     """What a call passes as `PADDING`: ``(weights, where)``, the row weights of each padded batch
     among the arguments (the placed arrays, as the call got them) and ``{"leaf:batch": None}``,
     which leaves they belong to (in the keys: a static part of the program's signature); None
@@ -89,9 +92,10 @@ def check_handed(padded: Sequence[Padded], fn: Any) -> None:
     """
     if any(not p.handed[0] for p in padded):
         raise ValueError(
-            f"{fn_name(fn)} got a batch that a distributed dataset padded (remainder='pad') and hands it to no "
-            "strategy.run: its global-view code sees the padding rows as data. Run the per-example work with "
-            "strategy.run inside the step (as TF's tf.function around strategy.run: there jd.compute_average_loss "
-            "leaves the padding rows out, and ReplicaContext.batch_weights marks them), or distribute the "
-            "dataset with remainder='drop'."
+            f"{fn_name(fn)} got a batch that a distributed dataset padded (remainder='pad') and "
+            "hands it to no strategy.run: its global-view code sees the padding rows as data. Run "
+            "the per-example work with strategy.run inside the step (as TF's tf.function around "
+            "strategy.run: there jd.compute_average_loss leaves the padding rows out, and "
+            "ReplicaContext.batch_weights marks them), or distribute the dataset with "
+            "remainder='drop'."
         )

@@ -141,7 +141,8 @@ def _leaf_at(tree: Any, path: tuple) -> Any:
             elif isinstance(key, jax.tree_util.GetAttrKey):
                 node = getattr(node, key.name)
             else:
-                return next((x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path), None)
+                return next((x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path),
+                            None)
         except (KeyError, IndexError, TypeError, AttributeError):
             return None
     return node

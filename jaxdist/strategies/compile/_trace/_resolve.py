@@ -74,7 +74,8 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x))
 
 
-def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any], kept: Sequence[bool]) -> list:
+def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[Any],
+                         kept: Sequence[bool]) -> list:
     """On a mesh with ``Explicit`` axes: each traced variable that jaxdist split over an
     ``Explicit`` axis (its layout `jaxdist.strategies.layout.is_own`, and ``kept[i]`` False: not
     annotated, not a batch) typed whole along those axes (see the module doc). The user's layouts,
@@ -86,7 +87,8 @@ def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[A
     out = []
     for t, layout, keep in zip(traced, layouts, kept, strict=True):
         spec = getattr(layout, "spec", None)
-        if keep or spec is None or not isinstance(t, jax.Array) or not is_own(layout) or not _uses(spec, explicit):
+        if keep or spec is None or not isinstance(t,
+                                                  jax.Array) or not is_own(layout) or not _uses(spec, explicit):
             out.append(t)
             continue
         out.append(jax.sharding.reshard(t, NamedSharding(policy.mesh, _drop(spec, explicit))))
@@ -135,7 +137,8 @@ def _like_argument(policy: Any, tree: Any, concrete: Any) -> Any:
         if not isinstance(s, jax.sharding.Sharding) or not isinstance(x, jax.Array):
             out.append(x)
             continue
-        if policy.splits_variables and np.ndim(x) and s.is_fully_replicated:  # settle into the variable layout
+        # settle into the variable layout
+        if policy.splits_variables and np.ndim(x) and s.is_fully_replicated:
             layout = policy.variable_layout(path_name(path), _aval(x))
             s = layout if s.memory_kind is None else own(layout.with_memory_kind(s.memory_kind))
         out.append(constrain(policy, x, s, host=in_host_memory(c)))
@@ -146,7 +149,8 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
     def one(path, x):
         if is_distributed(x):  # one component per replica: stays split over them
             return jax.tree.map(lambda v: constrain(policy, v, policy.batch_sharding), x)
-        if is_variable(x):  # an nnx Variable that is none of the arguments': its annotation, else the rule
+        # an nnx Variable that is none of the arguments': its annotation, else the rule
+        if is_variable(x):
             value = x.get_value()
             if not isinstance(value, jax.Array):
                 return x
@@ -238,10 +242,12 @@ def constrain_outputs(
     whole = like(out)
     if whole is not None:
         return whole
-    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):  # -> (state, metrics): one by one
+    # -> (state, metrics): one by one
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
         parts = [like(o) for o in out]
-        return type(out)(p if p is not None else _rest(policy, o, nodes_state) for p, o in zip(parts, out,
-                                                                                            strict=True))
+        return type(out)(p if p is not None else _rest(policy, o, nodes_state)
+                         for p, o in zip(parts, out,
+                                      strict=True))
     return _rest(policy, out, nodes_state)
 
 
@@ -260,7 +266,8 @@ def _rest(policy: Any, tree: Any, nodes_state: dict) -> Any:
     return _variable_outputs(policy, tree)
 
 
-def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any], nodes_state: dict) -> Any:
+def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any],
+              nodes_state: dict) -> Any:
     def one(layout, subtree):
         if layout is None:
             return constrain_outputs(policy, subtree, arguments, nodes_state)
@@ -268,8 +275,9 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any], no
             layout = NamedSharding(policy.mesh, layout)
         if not isinstance(layout, jax.sharding.Sharding):
             raise TypeError(
-                f"out_layouts entry {layout!r} is neither a jax.sharding.Sharding, a PartitionSpec nor None: "
-                "give each output's layout, e.g. out_layouts=(None, PartitionSpec()) for (state, metrics)."
+                f"out_layouts entry {layout!r} is neither a jax.sharding.Sharding, a PartitionSpec "
+                "nor None: give each output's layout, e.g. out_layouts=(None, PartitionSpec()) for "
+                "(state, metrics)."
             )
         return jax.tree.map(lambda x: constrain(policy, x, layout), subtree)
 
@@ -279,7 +287,8 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any], no
     except ValueError as error:
         raise ValueError(
             f"out_layouts={declared!r} does not match the structure of the step's outputs "
-            f"({jax.tree.structure(out)}): give a pytree prefix of the outputs (None where jaxdist decides)."
+            f"({jax.tree.structure(out)}): give a pytree prefix of the outputs (None where jaxdist "
+            "decides)."
         ) from error
 
 
@@ -298,7 +307,8 @@ def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) 
         for path, leaf in jax.tree_util.tree_leaves_with_path(c):
             sharding = getattr(leaf, "sharding", None)
             if np.ndim(leaf) and isinstance(sharding, jax.sharding.NamedSharding) and not (
-                    declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
+                    declared is None and policy.is_batch_layout(leaf)
+                    and not policy.splits_variables):
                 specs.append(sharding)
                 names.append(f"argument {i}{jax.tree_util.keystr(path)}")
                 avals.append(_aval(leaf))
@@ -306,7 +316,8 @@ def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) 
         policy.warn_idle_axes(specs, "the step's variables", names, avals)
 
 
-def typed_whole(policy, args, concrete, skip, batches, state, state_layouts, annotated) -> tuple[tuple, Any]:
+def typed_whole(policy, args, concrete, skip, batches, state, state_layouts,
+                annotated) -> tuple[tuple, Any]:
     """On Explicit axes: variables whose layout jaxdist decided (not the user's, not an annotation,
     not a batch) enter the step typed whole along those axes (`typed_whole_at_entry`)."""
     batch_ids = {id(b) for b in batches}

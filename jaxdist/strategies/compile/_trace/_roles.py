@@ -55,7 +55,8 @@ def step_argument_roles(
 
 
 def carried(policy: Any, outer: Sequence[Any], inner: Sequence[Any], batches: Sequence[Any],
-            variables: Sequence[Any], padded: Sequence[Padded] = ()) -> contextlib.AbstractContextManager[Any]:
+            variables: Sequence[Any],
+            padded: Sequence[Padded] = ()) -> contextlib.AbstractContextManager[Any]:
     """The computation frame of a nested trace of the step whose leaves ``inner`` stand for
     ``outer`` (the step's traced leaves, one for one): each keeps the role its counterpart entered
     with (``batches`` / ``variables``: the step's, from `step_argument_roles`), and a padded batch's
@@ -63,7 +64,8 @@ def carried(policy: Any, outer: Sequence[Any], inner: Sequence[Any], batches: Se
     share)."""
     batch_ids, variable_ids = {id(b) for b in batches}, {id(v) for v in variables}
     weights = {id(p.leaf): p for p in padded}
-    return computation(policy, "global", [t for t, o in zip(inner, outer, strict=True) if id(o) in batch_ids],
+    return computation(policy, "global", [t for t, o in zip(inner, outer, strict=True)
+                                          if id(o) in batch_ids],
                        [t for t, o in zip(inner, outer, strict=True) if id(o) in variable_ids],
                        padded=[Padded(t, weights[id(o)].weights, weights[id(o)].handed)
                                for t, o in zip(inner, outer, strict=True) if id(o) in weights])

@@ -61,7 +61,8 @@ def gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) ->
 
 
 def _grouped(eqn: Any) -> bool:
-    return eqn.primitive is _CONV and (eqn.params["feature_group_count"] > 1 or eqn.params["batch_group_count"] > 1)
+    return eqn.primitive is _CONV and (eqn.params["feature_group_count"] > 1
+                                       or eqn.params["batch_group_count"] > 1)
 
 
 def _subjaxprs(params: dict) -> list[tuple[str, Any]]:

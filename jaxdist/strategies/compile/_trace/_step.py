@@ -106,7 +106,8 @@ class StepTrace:
     """
 
     def __init__(self, policy: Any, programs: Any, fn: Callable, static: tuple[int, ...],
-                 static_names: tuple[str, ...], batch: tuple[int, ...] | None, batch_names: tuple[str, ...],
+                 static_names: tuple[str, ...], batch: tuple[int, ...] | None,
+                 batch_names: tuple[str, ...],
                  out_layouts: Any, provenance: Provenance, agree: Callable[[tuple], None]):
         self.policy = policy
         self.programs = programs
@@ -119,20 +120,24 @@ class StepTrace:
 
     def __call__(self, nnx_static: tuple, state: Any, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy
-        graphdef, nodes, _ = nnx_static  # the third: the arguments' layout provenance (`Provenance.key`)
+        # the third: the arguments' layout provenance (`Provenance.key`)
+        graphdef, nodes, _ = nnx_static
         if policy.spans_processes:
             self.agree(nnx_static)
         call = ambient.current_call(self)
         concrete_args, concrete_kwargs, concrete_state = call.args if call is not None else (None, None, None)
-        if concrete_args is None:  # traced without concrete values (e.g. jax.eval_shape): layouts unknown
-            concrete_args = tuple(None if i in self.static else abstract(a) for i, a in enumerate(args))
+        # traced without concrete values (e.g. jax.eval_shape): layouts unknown
+        if concrete_args is None:
+            concrete_args = tuple(None if i in self.static else abstract(a)
+                                  for i, a in enumerate(args))
             concrete_kwargs = {k: abstract(v) for k, v in kwargs.items()}
             concrete_state = abstract(state)
         signature = _trace_signature(args, self.static)
         # jax.Ref arguments (JAX's training cookbook's state) enter as the arrays they hold; the
         # step's code gets refs of its own, written back into the caller's after it (`_refs`).
         refs = RefArguments()
-        args, kwargs = refs.read(args, kwargs, set(self.static) | set(nodes), set(self.static_names))
+        args, kwargs = refs.read(args, kwargs, set(self.static) | set(nodes),
+                                 set(self.static_names))
         # Host-offloaded arguments are copied to device memory at the entry (their memory kind is
         # part of the argument's layout; outputs shaped like them go back to host memory).
         args, kwargs, state = to_device_memory((args, kwargs, state))
@@ -144,8 +149,10 @@ class StepTrace:
         with auto_region(policy.mesh) if auto else contextlib.nullcontext():
             if auto:
                 args, kwargs, state = retyped((args, kwargs, state))
-            out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs, concrete_args,
-                                                 concrete_kwargs, concrete_state, state_layouts, annotated, refs)
+            out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs,
+                                                 concrete_args,
+                                                 concrete_kwargs, concrete_state, state_layouts,
+                                                 annotated, refs)
         if refs:
             out, held = out
             refs.write_back(policy.mesh, held)
@@ -153,12 +160,15 @@ class StepTrace:
         if nodes:
             keys = [tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
             nodes_state = dict(zip(keys, state_layouts, strict=True))
-        arguments = [c for i, c in enumerate(concrete_args) if i not in self.static and i not in nodes]
-        with own_outputs() as owned:  # which outputs leave in jaxdist's layouts: marked after the call
+        arguments = [c for i, c in enumerate(concrete_args) if i not in self.static
+                     and i not in nodes]
+        # which outputs leave in jaxdist's layouts: marked after the call
+        with own_outputs() as owned:
             out = constrain_outputs(policy, out, arguments, nodes_state, self.out_layouts)
             if nodes:
                 values = [constrain(policy, v, s, host=in_host_memory(c)) for v, s, c in zip(
-                    jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state), strict=True)]
+                    jax.tree.leaves(new_state), state_layouts, jax.tree.leaves(concrete_state),
+                    strict=True)]
                 out = out, jax.tree.unflatten(jax.tree.structure(new_state), values)
             self.provenance.record(nnx_static[1:], out, owned)
         if call is None or not call.agreeing:  # the agreement's own trace is not a recompile, and a
@@ -167,14 +177,15 @@ class StepTrace:
             say(policy.mesh, fn_name(self.fn), auto)
         return leave_auto(policy.mesh, out) if auto else out
 
-    def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs, concrete_state,
-                       state_layouts, annotated, refs) -> tuple[Any, Any]:
+    def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs,
+                       concrete_state, state_layouts, annotated, refs) -> tuple[Any, Any]:
         """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx
         state)``."""
         policy = self.policy
         skip = set(self.static) | set(nodes)
         kwargs = dict(kwargs)
-        padding = kwargs.pop(PADDING, None)  # a padded batch's row weights, for the strategy.run inside (_padded)
+        # a padded batch's row weights, for the strategy.run inside (_padded)
+        padding = kwargs.pop(PADDING, None)
         padded = padded_leaves(padding, args, kwargs, skip, self.static_names)
         names = [k for k in kwargs if k not in self.static_names]
         declared = None if self.batch is None else (*self.batch, *(
@@ -184,13 +195,15 @@ class StepTrace:
         batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
         explicit = explicit_axes(policy.mesh)
         if explicit:  # variables jaxdist split over Explicit axes enter typed whole
-            flat_args, state = typed_whole(policy, flat_args, flat_concrete, skip, batches, state, state_layouts,
-                                            annotated)
+            flat_args, state = typed_whole(policy, flat_args, flat_concrete, skip, batches, state,
+                                            state_layouts, annotated)
         # On Explicit axes the variables jaxdist split were just typed whole, and the others'
         # layouts are the user's own (as under plain jax.jit): nothing more to gather.
         if not batches and policy.splits_variables and not explicit:
-            flat_args, state = gather_at_entry(policy, flat_args, flat_concrete, state, concrete_state, skip)
-            batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared, skip)
+            flat_args, state = gather_at_entry(policy, flat_args, flat_concrete, state,
+                                               concrete_state, skip)
+            batches, variables = step_argument_roles(policy, flat_args, flat_concrete, declared,
+                                                     skip)
         check_idle(policy, flat_concrete, skip, declared, state_layouts, concrete_state)
         args = flat_args[: len(args)]
         kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
@@ -199,12 +212,13 @@ class StepTrace:
         # XLA Shardy miscompute of per-example conv gradients:
         # jaxdist.strategies.compile._trace._shardy).
         split = bool(batches) and policy.num_replicas > 1
-        with computation(policy, "global", batches, variables, padded=padded), policy.tracing_scope(), refusals(
+        with computation(policy, "global", batches, variables,
+                         padded=padded), policy.tracing_scope(), refusals(
                 policy.mesh, fn_name(self.fn)):
             if not nodes:
                 if split:
-                    return self._guarded(lambda _, a, k: self._watched(a, k, refs, padded), None, args, kwargs,
-                                         batches, variables, padded), None
+                    return self._guarded(lambda _, a, k: self._watched(a, k, refs, padded), None,
+                                         args, kwargs, batches, variables, padded), None
                 return self._watched(args, kwargs, refs, padded), None
 
             def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -216,9 +230,9 @@ class StepTrace:
                 new_graphdef, new_state = nnx.split(objects)
                 if new_graphdef != graphdef:
                     raise ValueError(
-                        f"{fn_name(self.fn)} changed the structure of its nnx arguments (added or removed "
-                        "variables or submodules): a compiled step may update variables in place, not create "
-                        "them; create every variable before the first step."
+                        f"{fn_name(self.fn)} changed the structure of its nnx arguments (added or "
+                        "removed variables or submodules): a compiled step may update variables in "
+                        "place, not create them; create every variable before the first step."
                     )
                 return out, new_state
 
@@ -237,8 +251,8 @@ class StepTrace:
         check_handed(padded, self.fn)
         return (out, [r[...] for r in inner]) if refs else out
 
-    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list, variables: list,
-                 padded: list) -> Any:
+    def _guarded(self, step: Callable, state: Any, args: tuple, kwargs: dict, batches: list,
+                 variables: list, padded: list) -> Any:
         """``step(state, args, kwargs)`` through `call_guarded`: its static arguments (Python
         values, not arrays) closed over, and the values it is traced with keep the roles of the
         step's arguments they stand for (what ``strategy.run`` inside the step reads)."""
