@@ -232,7 +232,9 @@ def launch(
         for t in pumps:
             t.join(timeout=5)
         if code != 0:
-            out.write("".join(line + "\n" for line in _summary(procs, progress_dir, said, stopped, ours)))
+            out.write(
+                "".join(line + "\n" for line in _summary(procs, progress_dir, said, stopped, ours))
+            )
             out.flush()
         shutil.rmtree(progress_dir, ignore_errors=True)
     return code

@@ -45,7 +45,8 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
 _FREE = re.compile(
     r"^(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape|LayoutConstraint|MoveToHost|MoveToDevice|"
-    r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|PadToStatic|.*callback.*|.*[Ss]ort.*|.*threefry.*|"
+    r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|PadToStatic|"
+    r".*callback.*|.*[Ss]ort.*|.*threefry.*|"
     r"__gpu\$xla\.gpu\.ext\.cu_threefry2x32|X64Combine|X64SplitHigh|X64SplitLow|"
     r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$"
 )
@@ -147,13 +148,20 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     n = len(spatial)
     size = _window(instr.attrs, "size", n, 1)
     stride = _window(instr.attrs, "stride", n, 1)
-    lhs_dilate, rhs_dilate = _window(instr.attrs, "lhs_dilate", n, 1), _window(instr.attrs, "rhs_dilate", n, 1)
+    lhs_dilate, rhs_dilate = (
+        _window(instr.attrs, "lhs_dilate", n, 1),
+        _window(instr.attrs, "rhs_dilate", n, 1),
+    )
     pads = re.search(r"\bpad=([\d_x\-]+)", instr.attrs)
     low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
     pairs = 1
     for i, d in enumerate(spatial):
         in_size, out_size = in_shape[in_l.index(d)], out_shape[out_l.index(d)]
-        o = np.arange(out_size)[:, None] * stride[i] - low[i] + np.arange(size[i])[None, :] * rhs_dilate[i]
+        o = (
+            np.arange(out_size)[:, None] * stride[i]
+            - low[i]
+            + np.arange(size[i])[None, :] * rhs_dilate[i]
+        )
         valid = (o >= 0) & (o % lhs_dilate[i] == 0) & (o // lhs_dilate[i] < in_size)
         pairs *= int(valid.sum())
     groups = re.search(r"feature_group_count=(\d+)", instr.attrs)

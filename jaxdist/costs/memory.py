@@ -47,8 +47,11 @@ def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
 
 def _itemsize(dtype: Any) -> int:
     # a typed PRNG key (``key<fry>``) is no NumPy dtype; its dtype knows its size
-    return dtype.itemsize if jax.dtypes.issubdtype(dtype,
-                                                   jax.dtypes.prng_key) else np.dtype(dtype).itemsize
+    return (
+        dtype.itemsize
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        else np.dtype(dtype).itemsize
+    )
 
 
 def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = None) -> int:
@@ -85,7 +88,9 @@ def bytes_per_device(tree: Any) -> int:
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
             continue
-        total += array_bytes_per_device(tuple(np.shape(leaf)), leaf.dtype, getattr(leaf, "sharding", None))
+        total += array_bytes_per_device(
+            tuple(np.shape(leaf)), leaf.dtype, getattr(leaf, "sharding", None)
+        )
     return total
 
 

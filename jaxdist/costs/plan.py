@@ -212,8 +212,14 @@ class Plan:
         auto = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Auto]
         explicit = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Explicit]
         if explicit or auto:
-            lines.append("Axis types: " + "; ".join(
-                f"{label} {', '.join(axes)}" for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
+            lines.append(
+                "Axis types: "
+                + "; ".join(
+                    f"{label} {', '.join(axes)}"
+                    for label, axes in (("Explicit", explicit), ("Auto", auto))
+                    if axes
+                )
+            )
         if self.moe_dispatch:
             lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ")
                                                       for p in self.moe_dispatch))
@@ -225,10 +231,10 @@ class Plan:
         roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.state_bytes.items())
         for label, value, note in (
             ("arguments", self.argument_bytes, f"({roles})" if roles else ""),
-            ("outputs", self.output_bytes, ""), ("aliased", self.alias_bytes,
-                                                 "(outputs in donated arguments)"),
-            ("temporaries", self.temp_bytes, ""), ("peak", self.peak_bytes, "(arguments + outputs - aliased + "
-                                                                          "temporaries)"),
+            ("outputs", self.output_bytes, ""),
+            ("aliased", self.alias_bytes, "(outputs in donated arguments)"),
+            ("temporaries", self.temp_bytes, ""),
+            ("peak", self.peak_bytes, "(arguments + outputs - aliased + temporaries)"),
             ("host", self.host_bytes, "(host-offloaded)"),
         ):
             lines.append(f"  {label:<16}{format_bytes(value):>12}  {note}".rstrip())
@@ -266,8 +272,11 @@ class Plan:
 def _budget(memory_per_device: Any) -> int:
     if isinstance(memory_per_device, (str, Accelerator)):
         return accelerator(memory_per_device).memory
-    if not isinstance(memory_per_device, (int, np.integer)) or isinstance(memory_per_device, bool) or (
-            memory_per_device <= 0):
+    if (
+        not isinstance(memory_per_device, (int, np.integer))
+        or isinstance(memory_per_device, bool)
+        or (memory_per_device <= 0)
+    ):
         raise ValueError(
             f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 "
             "<< 30) or an accelerator name such as 'h100'."
@@ -345,18 +354,19 @@ def read_plan(
     }
     arg, out, alias, temp = (int(memory.get(f"{k}_size_in_bytes", 0))
                              for k in ("argument", "output", "alias", "temp"))
-    host = sum(int(memory.get(f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp"))
+    host = sum(
+        int(memory.get(f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")
+    )
     replicated = tuple(sorted(replicated, key=lambda a: -a.bytes))
     return Plan(
         mesh=mesh, argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
         peak_bytes=arg + out - alias + temp, host_bytes=host, state_bytes=dict(state_bytes or {}),
         largest_arrays=tuple(sorted(largest_arrays, key=lambda a: -a.bytes)[:10]), flops=cost.flops,
         transcendentals=cost.transcendentals, bytes_accessed=cost.bytes_accessed,
-        collectives=collectives,
-        replicated_bytes=sum(a.bytes for a in replicated), replicated=replicated,
-        unknown_loops=cost.unknown_loops,
+        collectives=collectives, replicated_bytes=sum(a.bytes for a in replicated),
+        replicated=replicated, unknown_loops=cost.unknown_loops,
         plan_seconds=time.perf_counter() - started, compiled_on=compiled_on,
-        axis_types=dict(axis_types or {}),
-        moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted, attention=scoped(text, ATTENTION_SCOPE),
-        grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE), model_flops=cost.model_flops,
+        axis_types=dict(axis_types or {}), moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted,
+        attention=scoped(text, ATTENTION_SCOPE), grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE),
+        model_flops=cost.model_flops,
     )

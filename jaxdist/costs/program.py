@@ -118,7 +118,9 @@ class CollectiveOp:
         n, b = self.group_size, self.bytes
         if n <= 1 and self.kind != "collective-permute":
             return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
+            self.kind, (n - 1) / n
+        )
         return factor * b
 
 
@@ -203,10 +205,14 @@ def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
         return ids.reshape(groups, size).tolist()
     m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
     if m:
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        ]
     m = re.search(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
     if m:
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        ]
     if "replica_groups={}" in attrs or "replica_groups=" not in attrs:
         return [list(range(devices))]
     return None
@@ -217,7 +223,9 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
     m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}", attrs)
     if not m:
         return None
-    sizes = {k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))}
+    sizes = {
+        k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))
+    }
     order = list(sizes)
     used = [a.strip().strip("'\"") for a in m.group("used").split(",") if a.strip()]
     used = [re.sub(r":\(.*\)$", "", a) for a in used]
@@ -230,7 +238,9 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
     return size, tuple(named(a) for a in used)
 
 
-def _axes_of(groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]) -> tuple[str, ...]:
+def _axes_of(
+    groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]
+) -> tuple[str, ...]:
     total = math.prod(shape)
     used: set[str] = set()
     # every group of a collective spans the same axes; a permute's pairs may differ
@@ -320,8 +330,11 @@ def program_cost(
         text = compiled_or_text.as_text()
         names, sizes = _mesh_of(compiled_or_text)
     else:
-        fix = ("compile it first: program_cost(lowered.compile())" if isinstance(compiled_or_text, jax.stages.Lowered)
-               else "pass jax.jit(f).lower(*args).compile() or its .as_text()")
+        fix = (
+            "compile it first: program_cost(lowered.compile())"
+            if isinstance(compiled_or_text, jax.stages.Lowered)
+            else "pass jax.jit(f).lower(*args).compile() or its .as_text()"
+        )
         raise ValueError(f"compiled_or_text={type(compiled_or_text).__name__} is not a compiled "
                          f"program or its text: {fix}.")
     names = tuple(axis_names) if axis_names is not None else names
@@ -353,7 +366,9 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                    if i.operands)
 
     def narrows(u: Instr) -> bool:
-        return (u.op == "convert" and bool(_NARROW.match(u.type))) or (u.op == "fusion" and fused_converts(u, True))
+        return (u.op == "convert" and bool(_NARROW.match(u.type))) or (
+            u.op == "fusion" and fused_converts(u, True)
+        )
 
     def widened(value: str, part: str, reads: list[str], table: dict[str, list[Instr]]) -> bool:
         """XLA:CPU computes a 16-bit float collective in float32: the operand ``value`` (of type
@@ -368,8 +383,10 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
             return True
         consumers = [u for r in reads for u in table.get(r, [])]
         return bool(consumers) and all(
-            (u.op == "convert" and _NARROW.match(u.type)) or (u.op == "fusion" and fused_converts(u, into16=True))
-            for u in consumers)
+            (u.op == "convert" and _NARROW.match(u.type))
+            or (u.op == "fusion" and fused_converts(u, into16=True))
+            for u in consumers
+        )
 
     devices = math.prod(axis_sizes) if axis_sizes else 1
     header = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
@@ -414,8 +431,11 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                     size = 2 if base == "collective-permute" else len(groups[0])
                     axes = _axes_of(groups, axis_sizes, axis_names)
                 if base == "all-reduce" and not start:
-                    scattered = sum(_type_bytes(part) // n for part, n, v in zip(parts, narrow, values, strict=True)
-                                    if _sliced(v, part, size, table, narrows))
+                    scattered = sum(
+                        _type_bytes(part) // n
+                        for part, n, v in zip(parts, narrow, values, strict=True)
+                        if _sliced(v, part, size, table, narrows)
+                    )
                     # XLA:CPU's reduce-scatter: an all-reduce each device slices its part of
                     if scattered:
                         collectives.append(CollectiveOp(instr.name, "reduce-scatter", scattered,
@@ -432,7 +452,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 unknown[0] += trips is None
                 for called in _CALLS.findall(instr.attrs):
                     f, t, b, r = walk(called, times * n, fused)
-                    flops, trans, traffic, redo = flops + n * f, trans + n * t, traffic + n * b, redo + n * r
+                    flops, trans = flops + n * f, trans + n * t
+                    traffic, redo = traffic + n * b, redo + n * r
                 continue
             if op == "conditional":
                 branches = _BRANCHES.search(instr.attrs)
@@ -456,9 +477,15 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
             elif op == "custom-call":
                 kernel = custom_call_cost(instr, module)
                 if kernel is None:
-                    uncosted[f"{custom_call_target(instr) or '?'} ({op_name(instr) or instr.name})"] = None
+                    uncosted[
+                        f"{custom_call_target(instr) or '?'} ({op_name(instr) or instr.name})"
+                    ] = None
                 else:
-                    flops, trans, redo = flops + kernel.flops, trans + kernel.transcendentals, redo + kernel.recomputed
+                    flops, trans, redo = (
+                        flops + kernel.flops,
+                        trans + kernel.transcendentals,
+                        redo + kernel.recomputed,
+                    )
                     skipped[0] += times * kernel.skipped
                     if kernel.flops:
                         kernels[kernel.kind] = kernels.get(kernel.kind, 0.0) + times * kernel.flops

@@ -204,7 +204,11 @@ class StepCost:
             peak, peak_source = float(options.peak_flops), "peak_flops="
         else:
             row = accelerator_of_device(kind)
-            peak, peak_source = (row.flops, row.source) if row is not None else (None, f"no datasheet peak for {kind}")
+            peak, peak_source = (
+                (row.flops, row.source)
+                if row is not None
+                else (None, f"no datasheet peak for {kind}")
+            )
         if options.flops_per_step is not None:
             model, model_source = options.flops_per_step / len(devices), "flops_per_step= / devices"
         elif plan is not None:
@@ -212,7 +216,11 @@ class StepCost:
         else:
             model, model_source = None, "n/a"
         roles = plan.state_bytes if plan is not None else (state_bytes or {})
-        tokens = None if options.tokens_per_example is None else float(options.tokens_per_example * rows_per_step)
+        tokens = (
+            None
+            if options.tokens_per_example is None
+            else float(options.tokens_per_example * rows_per_step)
+        )
         return cls(
             flops=None if plan is None else plan.flops,
             flops_source="program_cost" if plan is not None else f"n/a{f' ({why})' if why else ''}",
@@ -326,7 +334,11 @@ class StepCost:
             peak n/a (no datasheet peak for cpu: MFU and HFU n/a, pass Trainer(peak_flops=...));
             live memory n/a
         """
-        flops = "FLOPs n/a" if self.flops is None else f"{format_flops(self.flops)} executed ({self.flops_source})"
+        flops = (
+            "FLOPs n/a"
+            if self.flops is None
+            else f"{format_flops(self.flops)} executed ({self.flops_source})"
+        )
         if self.model_flops is not None:
             flops += f", model {format_flops(self.model_flops)} ({self.model_flops_source})"
         if self.uncosted:
@@ -335,10 +347,13 @@ class StepCost:
                       + (", ..." if len(self.uncosted) > 4 else ""))
         if self.unknown_loops:
             flops += f"; at least: {self.unknown_loops} loop(s) of unknown trip count counted once"
-        memory = f"params {format_bytes(self.param_bytes)}, optimizer state {format_bytes(self.optimizer_bytes)}"
+        memory = (f"params {format_bytes(self.param_bytes)}, "
+                  f"optimizer state {format_bytes(self.optimizer_bytes)}")
         if self.model_state_bytes:
             memory += f", model state {format_bytes(self.model_state_bytes)}"
-        memory += f", temporaries {'n/a' if self.temp_bytes is None else format_bytes(self.temp_bytes)}"
+        memory += (
+            f", temporaries {'n/a' if self.temp_bytes is None else format_bytes(self.temp_bytes)}"
+        )
         if self.peak_flops is None:
             peak = f"peak n/a ({self.peak_source}: MFU and HFU n/a, pass Trainer(peak_flops=...))"
         else:

@@ -30,7 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.replicate.collectives import all_reduce, axis_size, is_axis_name, keep_per_replica, to_varying
+from jaxdist.replicate.collectives import (
+    all_reduce,
+    axis_size,
+    is_axis_name,
+    keep_per_replica,
+    to_varying,
+)
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
@@ -231,7 +237,9 @@ class CastCompressor(Compressor):
         try:
             wire = np.dtype(dtype)
         except TypeError as e:
-            raise ValueError(f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16.") from e
+            raise ValueError(
+                f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16."
+            ) from e
         if not jnp.issubdtype(wire, jnp.floating) or wire.itemsize > 2:
             raise ValueError(
                 f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must "
@@ -270,7 +278,11 @@ class CastCompressor(Compressor):
             return _all_reduce(grad, op, axis_name), state
         m = grad if state is None else grad + state.error
         payload = m.astype(self.dtype)  # compress
-        new_state = None if state is None else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name))
+        new_state = (
+            None
+            if state is None
+            else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name))
+        )
         n = replica_count(axis_name)
         collective = self.collective
         if collective == "auto":
@@ -409,7 +421,9 @@ class PowerSGDCompressor(Compressor):
         error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)
         if op is ReduceOp.SUM:
             approx = approx * (replica_count(axis_name) or 1)
-        return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(q=q.astype(state.q.dtype), error=error)
+        return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(
+            q=q.astype(state.q.dtype), error=error
+        )
 
     def __repr__(self) -> str:
         return f"PowerSGDCompressor(rank={self.rank}, seed={self.seed})"

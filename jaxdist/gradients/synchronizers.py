@@ -194,7 +194,9 @@ class AllReduceSynchronizer:
             )
             reduced.append(out)
             new_states.append(leaf_state)
-        return jax.tree.unflatten(treedef, reduced), SynchronizerState(jax.tree.unflatten(treedef, new_states))
+        return jax.tree.unflatten(treedef, reduced), SynchronizerState(
+            jax.tree.unflatten(treedef, new_states)
+        )
 
     def __repr__(self) -> str:
         return (

@@ -224,16 +224,17 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     else:
         device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
         native = has_ragged_exchange(device.platform, device.device_kind)
-    asked, ragged = ragged, config.capacity_factor is None and (native if ragged is None else ragged)
+    asked = ragged
+    ragged = config.capacity_factor is None and (native if ragged is None else ragged)
     if grouped_matmul is not None and not ragged:
+        why = "ragged=False" if asked is False else "these devices have no ragged exchange"
         raise ValueError(
             f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the dropless ragged "
             "path, which this "
             + ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass "
                "capacity_factor=None"
                if config.capacity_factor is not None else
-               "call does not take "
-               f"({'ragged=False' if asked is False else 'these devices have no ragged exchange'}); pass ragged=True")
+               f"call does not take ({why}); pass ragged=True")
             + " or leave grouped_matmul=None.")
     kernel = grouped_matmul or ("tokamax" if native and _tokamax is not None else "ragged_dot")
     if config.capacity_factor is not None:
@@ -259,7 +260,11 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
 def _route(config: Routing, weights: Weights, x: jax.Array):
     logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weights.router.astype(jnp.float32))
     scores = jax.nn.softmax(logits, -1) if config.router == "softmax" else jax.nn.sigmoid(logits)
-    choice = scores if weights.bias is None else scores + jax.lax.stop_gradient(weights.bias.astype(jnp.float32))
+    choice = (
+        scores
+        if weights.bias is None
+        else scores + jax.lax.stop_gradient(weights.bias.astype(jnp.float32))
+    )
     _, experts = jax.lax.top_k(choice, config.top_k)  # (b, l, k)
     picked = jnp.take_along_axis(scores, experts, -1)
     if config.normalize_top_k:
@@ -360,7 +365,12 @@ def _grouped_experts(config: Routing, weights: Weights, rows: jax.Array, sizes: 
 def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
     """Each pick's output added back to its token, weighted: ``(b, l, d)``."""
     b, length, d = shape
-    return jnp.zeros((b * length, d), out.dtype).at[picks.token].add(out * picks.weight[:, None]).reshape(shape)
+    return (
+        jnp.zeros((b * length, d), out.dtype)
+        .at[picks.token]
+        .add(out * picks.weight[:, None])
+        .reshape(shape)
+    )
 
 
 def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
@@ -447,8 +457,12 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
     # sharding in types: the operands are retyped to the layouts the layer needs
     if explicit_axes(policy.mesh):
         x = jax.sharding.reshard(x, x_spec)
-        weights = Weights(*(w if w is None else jax.sharding.reshard(w, s) for w, s in zip(weights, specs,
-                                                                                          strict=True)))
+        weights = Weights(
+            *(
+                w if w is None else jax.sharding.reshard(w, s)
+                for w, s in zip(weights, specs, strict=True)
+            )
+        )
 
     def local(w: Weights, rows_x: jax.Array):
         if ragged:

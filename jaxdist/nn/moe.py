@@ -108,11 +108,17 @@ class MoE(nn.Module):
         config = Routing(self.num_experts, self.top_k, self.capacity_factor, self.router,
                          self.normalize_top_k, self.activation)
         d, e, h = x.shape[-1], self.num_experts, self.hidden_dim
-        router = self.param("router", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
-                            (d, e), self.param_dtype)
+        router = self.param(
+            "router",
+            nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
+            (d, e),
+            self.param_dtype,
+        )
         shapes = {"wi_gate": (e, d, h), "wi_up": (e, d, h), "wo": (e, h, d)}
-        stacked = {name: self.param(name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
-                                    shapes[name], self.param_dtype) for name in shapes}
+        stacked = {name: self.param(name,
+                                    nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
+                                    shapes[name], self.param_dtype)
+                   for name in shapes}
         bias = self.variable("router_bias", "bias", jnp.zeros, (e,),
                              jnp.float32).value if self.router_bias else None
         dtype = self.dtype or x.dtype
@@ -123,14 +129,15 @@ class MoE(nn.Module):
             width = self.shared_experts * h
 
             def dense(name, features, axes):
+                init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
                 return nn.DenseGeneral(features, use_bias=False, dtype=dtype,
-                                       param_dtype=self.param_dtype,
-                                       kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                                                axes), name=name)
+                                       param_dtype=self.param_dtype, kernel_init=init, name=name)
 
             xs = x.astype(dtype)
             hidden = self.activation(dense("shared_wi_gate", width, ("embed", "mlp"))(xs))
-            y = y + dense("shared_wo", d, ("mlp", "embed"))(hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs))
+            y = y + dense("shared_wo", d, ("mlp", "embed"))(
+                hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs)
+            )
         # init returns weights only: sown values never ride along as variables
         if not self.is_initializing():
             self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance

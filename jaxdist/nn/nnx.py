@@ -70,8 +70,12 @@ class MoE(nnx.Module):
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
         self.dtype, self.ragged, self.grouped_matmul = dtype, ragged, grouped_matmul
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
-        self.stats = nnx.Dict({name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
-                               for name in Stats._fields})
+        self.stats = nnx.Dict(
+            {
+                name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
+                for name in Stats._fields
+            }
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
@@ -82,9 +86,13 @@ class MoE(nnx.Module):
         if self.shared is not None:
             xs = x.astype(dtype)
             s = self.shared
-            hidden = self.activation(xs @ s["wi_gate"][...].astype(dtype)) * (xs @ s["wi_up"][...].astype(dtype))
+            hidden = self.activation(xs @ s["wi_gate"][...].astype(dtype)) * (
+                xs @ s["wi_up"][...].astype(dtype)
+            )
             y = y + hidden @ s["wo"][...].astype(dtype)
-        self.aux_loss[...] = self.load_balance_weight * stats.load_balance + self.z_loss_weight * stats.z_loss
+        self.aux_loss[...] = (
+            self.load_balance_weight * stats.load_balance + self.z_loss_weight * stats.z_loss
+        )
         for name, value in stats._asdict().items():
             self.stats[name][...] = value
         return y

@@ -239,7 +239,9 @@ class Pipeline(nn.Module):
         keys = jax.random.key_data(jax.random.split(base, self.num_layers))
         layer = self._layer_fn(kwargs, dropout)
         computation = ambient.current_computation()
-        policy = computation.policy if computation is not None and computation.kind == "global" else None
+        policy = (
+            computation.policy if computation is not None and computation.kind == "global" else None
+        )
         stages = policy.roles.size(policy.roles.stage_axes) if policy is not None else 1
         # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
         if stages == 1:
@@ -262,7 +264,9 @@ class Pipeline(nn.Module):
         )
         # A block created outside any module is this module's child "block" already; one created in
         # the parent's @nn.compact belongs to the parent: clone it here, under the same name.
-        block = self.block if self.block.parent is self else self.block.clone(parent=self, name="block")
+        block = (
+            self.block if self.block.parent is self else self.block.clone(parent=self, name="block")
+        )
         y = scan(block, x, *args)[0]
         # Unannotated leaves get the "layers" name too (the values are the scan's, only the box is
         # added).
@@ -280,7 +284,9 @@ class Pipeline(nn.Module):
     def _split_args(self, args: tuple, batch: int) -> tuple[tuple, tuple[bool, ...]]:
         split = tuple(isinstance(a, jax.Array | np.ndarray) and np.ndim(a) >= 1
                       and a.shape[0] == batch for a in args)
-        return tuple(self._split(jnp.asarray(a), batch) if s else a for a, s in zip(args, split, strict=True)), split
+        return tuple(
+            self._split(jnp.asarray(a), batch) if s else a for a, s in zip(args, split, strict=True)
+        ), split
 
     def _plain(self, layer, params, keys, x, args, dropout) -> jax.Array:
         if not dropout or self.num_microbatches == 1:
@@ -329,7 +335,11 @@ class Pipeline(nn.Module):
         stage_spec = PartitionSpec(roles.entry("stage"))
         # the step's mesh, with Explicit axes made Auto here
         ambient_mesh = jax.sharding.get_abstract_mesh()
-        mesh = ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names) else policy.mesh
+        mesh = (
+            ambient_mesh
+            if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names)
+            else policy.mesh
+        )
 
         # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
         def by_stage(a):
@@ -368,7 +378,11 @@ class Pipeline(nn.Module):
                     buf = lax.dynamic_update_index_in_dim(buf, recv, done, 0)
                 final = t - stages + 1 >= (repeats - 1) * m_count
                 outs = lax.dynamic_update_index_in_dim(
-                    outs, jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)), done, 0)
+                    outs,
+                    jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)),
+                    done,
+                    0,
+                )
                 return (recv, buf, outs), None
 
             (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations),

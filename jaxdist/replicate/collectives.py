@@ -63,7 +63,9 @@ def is_axis_name(value: Any) -> bool:
 def _varying_axes(x: Any) -> frozenset[str]:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
-    return (getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)) or frozenset()
+    return (
+        getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    ) or frozenset()
 
 
 def is_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> bool:
@@ -112,7 +114,9 @@ def keep_per_replica(value: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
     if axis_size(axis_name) is None:
         return value
     with jax.named_scope(PER_REPLICA_SCOPE):
-        return jax.lax.optimization_barrier(jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value))
+        return jax.lax.optimization_barrier(
+            jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value)
+        )
 
 
 def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:
@@ -181,4 +185,6 @@ def _typed_whole_along(x: jax.Array, axis: int) -> jax.Array:
     mesh = typed.mesh if isinstance(x, jax.core.Tracer) else x.sharding.mesh
     entries = list(spec)
     entries[axis] = None
-    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries)))
+    return jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+    )

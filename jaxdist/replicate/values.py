@@ -403,7 +403,12 @@ class SyncOnRead(_Distributed):
     def tree_unflatten(cls, aux, children):
         aggregation, owner, local = aux
         obj = object.__new__(cls)
-        obj._value, obj._aggregation, obj._owner, obj._local = children[0], aggregation, owner, local
+        obj._value, obj._aggregation, obj._owner, obj._local = (
+            children[0],
+            aggregation,
+            owner,
+            local,
+        )
         return obj
 
 

@@ -876,7 +876,9 @@ class Strategy:
         return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch,
                                   remainder, self.num_replicas_in_sync)
 
-    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
         """One value per replica: ``value_fn(ctx)`` for each replica, as `PerReplica` values for
         `run`.
 

@@ -74,7 +74,8 @@ class Candidate:
     error: str | None = None
 
     def __str__(self) -> str:
-        what = f"{self.layout:<8} {self.mesh!s:<34} remat={self.remat!s:<5} grad_accum={self.grad_accum_steps}"
+        what = (f"{self.layout:<8} {self.mesh!s:<34} remat={self.remat!s:<5} "
+                f"grad_accum={self.grad_accum_steps}")
         if self.plan is None:
             return f"{what}  not planned: {self.error}"
         return (f"{what}  peak {format_bytes(self.plan.peak_bytes):>11}  "
@@ -169,7 +170,9 @@ def plan_search(
     """
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
-        raise ValueError(f"layouts={tuple(layouts)!r} names {unknown[0]!r}: choose among {LAYOUTS}.")
+        raise ValueError(
+            f"layouts={tuple(layouts)!r} names {unknown[0]!r}: choose among {LAYOUTS}."
+        )
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be an int >= 1.")
     candidates = []

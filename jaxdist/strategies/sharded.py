@@ -271,7 +271,9 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             >>> jd.ShardedStrategy(min_shard_size=1).variable_layouts({"w": jnp.zeros((8, 16))})
             {'w': P(None, 'replica')}
         """
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), tree)
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), tree
+        )
         leaves = jax.tree_util.tree_leaves_with_path(self.variable_shardings(shapes),
                                                      is_leaf=is_annotated)
         return {path_name(p): unboxed(s).spec for p, s in leaves}
@@ -344,4 +346,5 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         return variables
 
     def __repr__(self) -> str:
-        return f"ShardedStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, mesh={dict(self.mesh.shape)})"
+        return (f"ShardedStrategy(num_replicas_in_sync={self.num_replicas_in_sync}, "
+                f"mesh={dict(self.mesh.shape)})")

@@ -86,7 +86,9 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
                                  "says which cores; pass one of them.")
             policy = LayoutPolicy(mesh=mesh, host_offload=host_offload)
         else:
-            available = tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
+            available = (
+                tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
+            )
             if num_cores is not None:
                 if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
                     raise ValueError(

@@ -107,7 +107,9 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
     reference = seen[0]
     differ = sorted(pid for pid, entry in seen.items() if entry != reference)
     if differ:
-        names = ", ".join(f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}" for pid in [0, *differ])
+        names = ", ".join(
+            f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}" for pid in [0, *differ]
+        )
         raise ProgramMismatchError(
             f"the processes compiled different programs for step {n} of this job ({name!r} here): "
             f"process(es) {differ} differ from process 0 ({names}). Every process must run the "

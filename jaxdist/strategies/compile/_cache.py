@@ -62,7 +62,11 @@ def weak_callable(fn: Callable) -> Callable:
         2
     """
     try:
-        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else weakref.ref(fn)
+        ref = (
+            weakref.WeakMethod(fn)
+            if hasattr(fn, "__self__") and hasattr(fn, "__func__")
+            else weakref.ref(fn)
+        )
     except TypeError:
         return fn
 
@@ -115,7 +119,9 @@ class ProgramCache:
     def __len__(self) -> int:
         """How many programs are cached (over every function still alive)."""
         with self._lock:
-            return sum(len(p) for p in self._weak.values()) + sum(len(p) for p in self._strong.values())
+            return sum(len(p) for p in self._weak.values()) + sum(
+                len(p) for p in self._strong.values()
+            )
 
     def _programs_of(self, fn: Any) -> collections.OrderedDict:
         owner = getattr(fn, "__self__", None) if hasattr(fn, "__func__") else None

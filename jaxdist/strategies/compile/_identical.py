@@ -119,10 +119,14 @@ declared different on purpose (`jaxdist.replicate.collectives.keep_per_replica`)
 _RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "convert_element_type", "copy",
                         "pvary"})
 _ONE_FOR_ONE = frozenset({"optimization_barrier", "device_put"})  # each output is its own operand
-_COMPARE = {"ge": lambda a, b: (a[0] >= b[1], a[1] < b[0]), "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
-            "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]), "lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
-            "eq": lambda a, b: (a[0] == a[1] == b[0] == b[1], a[1] < b[0] or b[1] < a[0]),
-            "ne": lambda a, b: (a[1] < b[0] or b[1] < a[0], a[0] == a[1] == b[0] == b[1])}
+_COMPARE = {
+    "ge": lambda a, b: (a[0] >= b[1], a[1] < b[0]),
+    "gt": lambda a, b: (a[0] > b[1], a[1] <= b[0]),
+    "le": lambda a, b: (a[1] <= b[0], a[0] > b[1]),
+    "lt": lambda a, b: (a[1] < b[0], a[0] >= b[1]),
+    "eq": lambda a, b: (a[0] == a[1] == b[0] == b[1], a[1] < b[0] or b[1] < a[0]),
+    "ne": lambda a, b: (a[1] < b[0] or b[1] < a[0], a[0] == a[1] == b[0] == b[1]),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +207,11 @@ class _Reader:
             known = self.compare(name, inputs)
             if known is not None:
                 return [known] * n_out
-        if name == "select_n" and inputs[0].bounds is not None and inputs[0].bounds[0] == inputs[0].bounds[1]:
+        if (
+            name == "select_n"
+            and inputs[0].bounds is not None
+            and inputs[0].bounds[0] == inputs[0].bounds[1]
+        ):
             # a predicate the same and known on every replica picks one case
             case = inputs[0].bounds[0] + 1
             if case < len(inputs):
@@ -211,8 +219,12 @@ class _Reader:
         if name in ("add", "sub", "max", "min") and all(f.bounds
                                                         for f in inputs) and len(inputs) == 2:
             (a0, a1), (b0, b1) = inputs[0].bounds, inputs[1].bounds
-            bounds = {"add": (a0 + b0, a1 + b1), "sub": (a0 - b1, a1 - b0), "max": (max(a0, b0), max(a1, b1)),
-                      "min": (min(a0, b0), min(a1, b1))}[name]
+            bounds = {
+                "add": (a0 + b0, a1 + b1),
+                "sub": (a0 - b1, a1 - b0),
+                "max": (max(a0, b0), max(a1, b1)),
+                "min": (min(a0, b0), min(a1, b1)),
+            }[name]
             return [_Fact(frozenset() if bounds[0] == bounds[1] else union.axes,
                           bounds=bounds)] * n_out
         if name == "cond":
@@ -248,7 +260,11 @@ class _Reader:
     def cond(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
         index, operands = inputs[0], inputs[1:]
         branches = eqn.params["branches"]
-        if index.bounds is not None and index.bounds[0] == index.bounds[1] and 0 <= index.bounds[0] < len(branches):
+        if (
+            index.bounds is not None
+            and index.bounds[0] == index.bounds[1]
+            and 0 <= index.bounds[0] < len(branches)
+        ):
             # the same branch on every replica
             return self.read(branches[index.bounds[0]], operands)
         outs = [self.read(b, operands) for b in branches]
@@ -259,7 +275,11 @@ class _Reader:
         n_consts, n_carry = _scan_parts(eqn, len(inputs))
         if n_consts is None:
             return [self.every] * len(eqn.outvars)
-        consts, carry, xs = inputs[:n_consts], inputs[n_consts:n_consts + n_carry], inputs[n_consts + n_carry:]
+        consts, carry, xs = (
+            inputs[:n_consts],
+            inputs[n_consts : n_consts + n_carry],
+            inputs[n_consts + n_carry :],
+        )
         carry = [_Fact(c.axes | (self.every.axes if c.declared else frozenset())) for c in carry]
         while True:  # a carry only ever gains axes: at most (carries x axes) rounds
             outs = self.read(eqn.params["jaxpr"], consts + carry + xs)
@@ -500,16 +520,24 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
             outs = [frozenset().union(*(b[i] for b in branches)) for i in range(n_out)]
         elif name in ("scan", "while"):
             outs = _carry_loop(eqn, given)
-        elif name in _SAME_ELEMENTS and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0]):
+        elif (
+            name in _SAME_ELEMENTS and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0])
+        ):
             outs = [given[0]] * n_out  # the same elements (the probe's ``x[None]``)
         elif name in _PASSED:
             outs = given if len(given) == n_out else [given[0]] * n_out
         elif name in _SUMMED or name in ("select_n", "clamp"):
             picked = {"select_n": eqn.invars[1:], "clamp": eqn.invars[1:2]}.get(name, eqn.invars)
-            outs = [frozenset().union(*(get(v) for v in picked if getattr(v.aval, "shape", None) == shape))] * n_out
+            outs = [
+                frozenset().union(
+                    *(get(v) for v in picked if getattr(v.aval, "shape", None) == shape)
+                )
+            ] * n_out
         elif name in _SCALED and len(eqn.invars) == 2:
             a, b = eqn.invars
-            carried = get(a) if number(b) else get(b) if name == "mul" and number(a) else frozenset()
+            carried = (
+                get(a) if number(b) else get(b) if name == "mul" and number(a) else frozenset()
+            )
             outs = [carried if getattr((a if number(b) else b).aval, "shape", None) == shape
                     else frozenset()] * n_out
         else:
@@ -525,8 +553,12 @@ def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
         n_consts, n_carry = _scan_parts(eqn, len(given))
         if n_consts is None:
             return [frozenset()] * len(eqn.outvars)
-        body, head, carry, tail = eqn.params["jaxpr"], given[:n_consts], given[n_consts:n_consts + n_carry], \
-            given[n_consts + n_carry:]
+        body, head, carry, tail = (
+            eqn.params["jaxpr"],
+            given[:n_consts],
+            given[n_consts : n_consts + n_carry],
+            given[n_consts + n_carry :],
+        )
     else:
         n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         body, head, carry, tail = eqn.params["body_jaxpr"], given[n_cond:n_cond + n_body], \
@@ -601,8 +633,12 @@ def check_mirrored_outputs(
                  for p, role in zip(paths, roles, strict=True) if role != Role.STATIC]
     variables = {i for i, role in enumerate(r for r in roles if r != Role.STATIC)
                  if role == Role.VARIABLE}
-    found = [(where, arguments[i]) for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
-             if kind == "per_replica" for i in sorted(updates & variables)[:1]]
+    found = [
+        (where, arguments[i])
+        for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
+        if kind == "per_replica"
+        for i in sorted(updates & variables)[:1]
+    ]
     if found:
         raise ValueError(_message(fn, found))
 

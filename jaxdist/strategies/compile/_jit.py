@@ -65,7 +65,14 @@ from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
 from jaxdist.strategies.compile._placing import ArgumentPlacement
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
-from jaxdist.strategies.compile._trace import PADDING, Provenance, StepTrace, enter, named, padding_argument
+from jaxdist.strategies.compile._trace import (
+    PADDING,
+    Provenance,
+    StepTrace,
+    enter,
+    named,
+    padding_argument,
+)
 from jaxdist.strategies.input import PADDED, all_on_mesh, holds_padded, shardings_of
 from jaxdist.strategies.layout import LayoutPolicy, decided, explicit_axes, ran_auto
 from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
@@ -141,7 +148,9 @@ class StrategyFunction:
                 self._signature, fn, batch_argnums, batch_argnames, "batch")
         for name, nums, names in (("donate", self._donate, self._donate_names),
                                   ("batch", self._batch or (), self._batch_names)):
-            both = sorted(set(nums) & set(self._static)) or sorted(set(names) & set(self._static_names))
+            both = sorted(set(nums) & set(self._static)) or sorted(
+                set(names) & set(self._static_names)
+            )
             if both:
                 raise ValueError(
                     f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a "
@@ -319,7 +328,10 @@ class StrategyFunction:
         if padded:  # (never the express path: its programs are for calls without the weights)
             kwargs = self._with_padding(args, bound_kwargs, kwargs, nodes)
         express = None if kwargs or nodes else self._express_program(static, placed)
-        with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+        with (
+            ambient.call(self._trace, (placed, kwargs, state)),
+            self._policy.call_scope((placed, kwargs, state)),
+        ):
             if express is not None:  # (the call's arguments are read only if it traces)
                 out = self._provenance.marked(static[1:], self._decided(lambda: express(*placed)))
             else:
@@ -470,13 +482,18 @@ class StrategyFunction:
         static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
         if padded:
             kwargs = self._with_padding(bound, bound_kwargs, kwargs, nodes)
-        with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+        with (
+            ambient.call(self._trace, (placed, kwargs, state)),
+            self._policy.call_scope((placed, kwargs, state)),
+        ):
             # The program calls run (the same trace: a plan or a cost read after calls traces
             # nothing new).
             express = None if kwargs or nodes else self._express_program(static, placed)
             if express is not None:
                 return self._decided(lambda: getattr(express, stage)(*placed))
-            return self._decided(lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
+            return self._decided(
+                lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs)
+            )
 
     def _decided(self, call: Callable[[], Any]) -> Any:
         """``call()``, whose trace (if it traces) runs with the axis types decided for the program
@@ -491,5 +508,7 @@ class StrategyFunction:
         `jaxdist.strategies.layout._axis_types`)."""
         mesh = self._policy.mesh
         auto = ran_auto(traced.jaxpr)
-        return {a: jax.sharding.AxisType.Auto if auto else t for a, t in zip(mesh.axis_names, mesh.axis_types,
-                                                                              strict=True)}
+        return {
+            a: jax.sharding.AxisType.Auto if auto else t
+            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        }

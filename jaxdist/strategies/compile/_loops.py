@@ -141,7 +141,10 @@ def _reduce_in_trace(policy: LayoutPolicy, op: ReduceOp | None, value: Any) -> A
     def one(v):
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
-                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)), v.owner)
+                return PerReplica(
+                    jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)),
+                    v.owner,
+                )
             return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
@@ -267,7 +270,9 @@ def _build(
         inputs = batch if isinstance(batch, tuple) else (batch,)
         trace_ctx._begin_step()
         with ambient.computation(policy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
-            new_state = step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
+            new_state = (
+                step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
+            )
         pending = trace_ctx._end_step()
         names = tuple(sorted(pending))
         aggregations = {k: trace_ctx._aggregations[k] for k in names}

@@ -88,7 +88,11 @@ class ArgumentPlacement:
         # whole: it is split (its rows are what the replicas share out; a replicated batch with
         # split variables also walks into an XLA Shardy miscompute). Only the arguments holding an
         # array to move are walked again.
-        todo = [i for i, a in enumerate(args) if i not in self._static and needs_placing(a, policy, i in declared)]
+        todo = [
+            i
+            for i, a in enumerate(args)
+            if i not in self._static and needs_placing(a, policy, i in declared)
+        ]
         named = [k for k, a in kwargs.items() if k not in self._static_names
                  and needs_placing(a, policy, k in self._batch_names)]
         if not todo and not named:

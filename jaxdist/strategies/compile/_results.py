@@ -111,7 +111,9 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
 
             return jax.jit(gather_fn, out_shardings=policy.replicated_sharding)
 
-        return _program(programs, ("gather", ax, stacked is None), build)(stacked if stacked is not None else v)
+        return _program(programs, ("gather", ax, stacked is None), build)(
+            stacked if stacked is not None else v
+        )
 
     return jax.tree.map(one, value, is_leaf=is_distributed)
 
@@ -121,7 +123,9 @@ def local_results(policy: LayoutPolicy, owner: Any, value: Any) -> tuple[Any, ..
     `Strategy.experimental_local_results`)."""
     replicas = policy.local_replicas
     holders: dict[int, jax.Device] = {}  # a device of this process in each local replica
-    for device, index in policy.batch_sharding.addressable_devices_indices_map((policy.num_replicas,)).items():
+    for device, index in policy.batch_sharding.addressable_devices_indices_map(
+        (policy.num_replicas,)
+    ).items():
         holders.setdefault(index[0].start or 0, device)
     local = [holders[r] for r in replicas]
 

@@ -77,8 +77,21 @@ from jaxdist.strategies.compile._identical import (
 )
 from jaxdist.strategies.compile._mirror_check import agreement, raise_on_disagreement
 from jaxdist.strategies.compile._vma import first_trace
-from jaxdist.strategies.input import PADDED, check_batch_leaves, holds_padded, padding_weights, place_batch
-from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
+from jaxdist.strategies.input import (
+    PADDED,
+    check_batch_leaves,
+    holds_padded,
+    padding_weights,
+    place_batch,
+)
+from jaxdist.strategies.layout import (
+    LayoutPolicy,
+    Role,
+    classify,
+    explicit_axes,
+    in_trace,
+    trace_mesh,
+)
 from jaxdist.strategies.replica_context import ReplicaContext
 
 __all__ = ["ReplicaRunner", "check_axis_name"]
@@ -290,7 +303,11 @@ class ReplicaRunner:
         names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
         # inside a step whose Explicit axes run Auto: the mesh with them Auto
         typed = trace_mesh(policy.mesh)
-        mesh = typed if names == policy.mesh.axis_names else Mesh(typed.devices, names, axis_types=typed.axis_types)
+        mesh = (
+            typed
+            if names == policy.mesh.axis_names
+            else Mesh(typed.devices, names, axis_types=typed.axis_types)
+        )
         split = PartitionSpec(axis_name)
         # then the row weights
         dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded
@@ -346,7 +363,9 @@ class ReplicaRunner:
             updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced
                        if i in out_info["updated"]]
             updated += kept
-            out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
+            out_leaves, out_tree = jax.tree.flatten(
+                out, is_leaf=lambda v: isinstance(v, SyncOnRead)
+            )
             # leaves that are not values (an Equinox module's functions, and its Python settings:
             if probe:
                 # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as
@@ -355,8 +374,12 @@ class ReplicaRunner:
                     out_leaves, _values_of(out), strict=True))
             out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True)
                           if static is _VALUE]
-            values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
-                      else jax.numpy.asarray(v) for v in out_leaves]
+            values = [
+                to_varying(jax.numpy.asarray(v.read()), axis_name)
+                if isinstance(v, SyncOnRead)
+                else jax.numpy.asarray(v)
+                for v in out_leaves
+            ]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
                 out_info.update(tree=out_tree, kinds=tuple(
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
@@ -373,7 +396,11 @@ class ReplicaRunner:
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
-        manual = {"axis_names": set(axis_names(axis_name))} if mesh.axis_names != axis_names(axis_name) else {}
+        manual = (
+            {"axis_names": set(axis_names(axis_name))}
+            if mesh.axis_names != axis_names(axis_name)
+            else {}
+        )
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
         explicit = bool(explicit_axes(policy.mesh))
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
@@ -383,8 +410,9 @@ class ReplicaRunner:
         def probe(check_vma: bool) -> None:
             vma["check"] = check_vma
             probe_fn = jax.shard_map(
-                functools.partial(body, probe=True), mesh=mesh, in_specs=(*in_specs, *[split] * len(captured)),
-                out_specs=split, check_vma=check_vma, **manual,
+                functools.partial(body, probe=True), mesh=mesh,
+                in_specs=(*in_specs, *[split] * len(captured)), out_specs=split, check_vma=check_vma,
+                **manual,
             )
             hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
                                            sharding=NamedSharding(mesh, split) if explicit
@@ -488,7 +516,9 @@ class ReplicaRunner:
             # request.
             verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
-                results = (first["compiled"] if verify else compiled)(*dyn, *(v.stacked for v in captured))
+                results = (first["compiled"] if verify else compiled)(
+                    *dyn, *(v.stacked for v in captured)
+                )
             if verify and tracing:
                 *results, agreed = results
                 jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths),
@@ -511,17 +541,25 @@ class ReplicaRunner:
                     wrapped[i] = PerReplica(wrapped[i], owner)
                 elif passed is not None:
                     # the object passed in (updated in place), as TF's assign_add returns it
-                    wrapped[i] = arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
+                    wrapped[i] = (
+                        arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
+                    )
                 else:
                     wrapped[i] = SyncOnRead(wrapped[i], agg, owner)
             updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args],
                                strict=True)) if n_args else {}
-            return out_tree.unflatten(wrapped if values_only else _with_statics(out_statics, wrapped)), updated
+            return out_tree.unflatten(
+                wrapped if values_only else _with_statics(out_statics, wrapped)
+            ), updated
 
         # Per call, only the outputs that leave as other than the array itself are visited.
-        wrapping = [(i, (kind, agg), passed) for i, ((kind, agg), passed) in enumerate(zip(
-            kinds_out, out_info["passed"], strict=True)) if kind in ("per_replica", "declared", "sync")
-            or passed is not None]
+        wrapping = [
+            (i, (kind, agg), passed)
+            for i, ((kind, agg), passed) in enumerate(
+                zip(kinds_out, out_info["passed"], strict=True)
+            )
+            if kind in ("per_replica", "declared", "sync") or passed is not None
+        ]
         values_only = all(static is _VALUE for static in out_statics)
 
         return program
@@ -563,7 +601,9 @@ def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
     function's trace ends), and ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the
     argument's flat index, ``j`` the captured value's, whose objects ``run`` then returns."""
     found: dict[int, tuple[str, int]] = {}
-    where = {id(v): ("argument", i) for i, v in arguments} | {id(v): ("captured", j) for j, v in enumerate(captured)}
+    where = {id(v): ("argument", i) for i, v in arguments} | {
+        id(v): ("captured", j) for j, v in enumerate(captured)
+    }
     if not where:
         return out, found
 

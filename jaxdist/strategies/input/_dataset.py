@@ -74,7 +74,9 @@ class InputContext:
 
 
 def _has_state(source: Any) -> bool:
-    return callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None))
+    return callable(getattr(source, "get_state", None)) and callable(
+        getattr(source, "set_state", None)
+    )
 
 
 class DistributedIterator:

@@ -41,7 +41,9 @@ def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
             try:
                 candidates = jax.devices(platform)
             except RuntimeError as err:
-                raise ValueError(f"{argument}={spec!r}: no {platform!r} backend here ({err}).") from None
+                raise ValueError(
+                    f"{argument}={spec!r}: no {platform!r} backend here ({err})."
+                ) from None
             if index >= len(candidates):
                 raise ValueError(
                     f"{argument}={spec!r}: there are only {len(candidates)} {platform} devices "
@@ -56,7 +58,9 @@ def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
     )
 
 
-def resolve_devices(devices: Sequence[Any] | None, argument: str = "devices") -> tuple[jax.Device, ...]:
+def resolve_devices(
+    devices: Sequence[Any] | None, argument: str = "devices"
+) -> tuple[jax.Device, ...]:
     """A non-empty tuple of distinct devices of one backend, in the order given (replica order).
 
     Args:

@@ -307,7 +307,9 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
                              f"{mesh.axis_names}.")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once.")
+        raise ValueError(
+            f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once."
+        )
     return names
 
 
@@ -393,7 +395,11 @@ def axis_roles(
                 "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over "
                 "it."
             )
-    fsdp = batch + context if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
+    fsdp = (
+        batch + context
+        if fsdp_axes is None and split
+        else _names(fsdp_axes or (), "fsdp_axes", mesh)
+    )
     if fsdp and not split:
         raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; "
                          "use ShardedStrategy for FSDP.")

@@ -105,8 +105,11 @@ def is_optimizer_state(node: Any) -> bool:
     if isinstance(node, nnx.OptState):
         return True
     cls = type(node)
-    return isinstance(node, tuple) and hasattr(cls,
-                                               "_fields") and cls.__module__.split(".")[0] == "optax"
+    return (
+        isinstance(node, tuple)
+        and hasattr(cls, "_fields")
+        and cls.__module__.split(".")[0] == "optax"
+    )
 
 
 def _optimizer_mask(shapes: Any) -> list[bool]:
@@ -147,7 +150,11 @@ def offload_shardings(mode: str | None, shapes: Any, layouts: Any) -> Any:
         mask = [mode == "all"] * len(flat)
     wanted = {"all": lambda _: True, "opt_state": lambda m: m, "params": lambda m: not m}[mode]
     return jax.tree.unflatten(
-        treedef, [s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s for s, m in zip(flat, mask, strict=True)]
+        treedef,
+        [
+            s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s
+            for s, m in zip(flat, mask, strict=True)
+        ],
     )
 
 

@@ -34,14 +34,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.costs import format_bytes
 from jaxdist.job import spans_processes
-from jaxdist.replicate.layouts import REPLICA_AXIS, is_on_mesh, path_name, replicated, splits_batch_axis
+from jaxdist.replicate.layouts import (
+    REPLICA_AXIS,
+    is_on_mesh,
+    path_name,
+    replicated,
+    splits_batch_axis,
+)
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout._axis_types import trace_mesh
-from jaxdist.strategies.layout._meshes import ROLES, axis_roles, check_role_keywords, short_form_mesh
+from jaxdist.strategies.layout._meshes import (
+    ROLES,
+    axis_roles,
+    check_role_keywords,
+    short_form_mesh,
+)
 from jaxdist.strategies.layout._offload import offload_shardings, parse_host_offload
 from jaxdist.strategies.layout._provenance import own
 from jaxdist.strategies.layout._roles import placed_as_batch
-from jaxdist.strategies.layout._rules import VariableRules, annotation, is_annotated, is_box, is_variable
+from jaxdist.strategies.layout._rules import (
+    VariableRules,
+    annotation,
+    is_annotated,
+    is_box,
+    is_variable,
+)
 
 __all__ = ["IdleAxisWarning", "LayoutPolicy", "colocated_layout"]
 
@@ -238,8 +255,11 @@ class LayoutPolicy:
         self.mesh = roles.mesh
         # A plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies plan, never
         # run.
-        self.devices = () if isinstance(roles.mesh,
-                                        jax.sharding.AbstractMesh) else tuple(roles.mesh.devices.flat)
+        self.devices = (
+            ()
+            if isinstance(roles.mesh, jax.sharding.AbstractMesh)
+            else tuple(roles.mesh.devices.flat)
+        )
         self.host_offload = parse_host_offload(host_offload, self.devices)
         self.batch_axes = roles.batch_axes
         """The mesh axes a batch's rows are split over."""
@@ -423,7 +443,9 @@ class LayoutPolicy:
 
         def one(path, leaf):
             if is_box(leaf):  # the path of the box, not of its ".value"
-                return leaf.replace_boxed(self.variable_layout(path_name(path), leaf.value, annotation=leaf))
+                return leaf.replace_boxed(
+                    self.variable_layout(path_name(path), leaf.value, annotation=leaf)
+                )
             # an nnx Variable: laid out by its metadata, kept around its layout
             if is_variable(leaf):
                 box = annotation(leaf, self.mesh.axis_names)
@@ -538,7 +560,9 @@ class LayoutPolicy:
                 stacklevel=4,
             )
             return
-        held = sum(held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False))
+        held = sum(
+            held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False)
+        )
         if held:
             some += (f"; {format_bytes(held)} per device of them could be split {size} ways along "
                      "it but are held whole on each of its devices")

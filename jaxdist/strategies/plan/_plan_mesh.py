@@ -52,7 +52,8 @@ from jax._src.lib import xla_client as xc
 backend = jax.extend.backend.get_backend("cpu")
 devices = backend.devices()[:n]
 options = compiler.get_compile_options(num_replicas=1, num_partitions=n,
-                                       device_assignment=np.array(devices).reshape(1, n), backend=backend)
+                                       device_assignment=np.array(devices).reshape(1, n),
+                                       backend=backend)
 with open(sys.argv[1]) as f:
     module = f.read()
 executable = backend.compile_and_load(module, xc.DeviceList(tuple(devices)), options)
@@ -64,7 +65,9 @@ with open(sys.argv[2], "w") as f:
 """
 
 
-def plan_mesh(shape: Mapping[str, int], axis_types: AxisType | tuple[AxisType, ...] = AxisType.Auto) -> AbstractMesh:
+def plan_mesh(
+    shape: Mapping[str, int], axis_types: AxisType | tuple[AxisType, ...] = AxisType.Auto
+) -> AbstractMesh:
     """A mesh of ``shape`` without devices, for plans (see the module doc).
 
     Args:
@@ -165,7 +168,9 @@ def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kw
                         shapes, policy.variable_shardings(shapes))
 
 
-def compile_elsewhere(module_text: str, num_devices: int, timeout: float = 900.0) -> tuple[dict[str, int], str]:
+def compile_elsewhere(
+    module_text: str, num_devices: int, timeout: float = 900.0
+) -> tuple[dict[str, int], str]:
     """Compile a lowered module (StableHLO text) for ``num_devices`` simulated CPU devices in a
     subprocess.
 

@@ -302,4 +302,5 @@ class ReplicaContext:
         return jax.tree.map(to_replica, result, is_leaf=is_value)
 
     def __repr__(self) -> str:
-        return f"ReplicaContext(strategy={self._strategy!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        return (f"ReplicaContext(strategy={self._strategy!r}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

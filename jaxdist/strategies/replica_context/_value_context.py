@@ -131,7 +131,9 @@ def distribute_values_from_function(
                 f"{replicas[0]}: every replica's value must have the same structure (one "
                 "PerReplica per leaf)."
             )
-        per_replica[r] = [_component(leaf, r, path) for path, (_, leaf) in zip(paths, leaves, strict=True)]
+        per_replica[r] = [
+            _component(leaf, r, path) for path, (_, leaf) in zip(paths, leaves, strict=True)
+        ]
 
     first = per_replica[replicas[0]]
     for r in replicas[1:]:

@@ -102,7 +102,11 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
             out, auto = traced(dyn)
             say(mesh, name, auto)
             flat = jax.tree.leaves(out)
-            return [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto else flat
+            return (
+                [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)]
+                if auto
+                else flat
+            )
 
         leaves.__name__ = leaves.__qualname__ = name
         return jax.tree.unflatten(jax.tree.structure(shapes),
@@ -129,13 +133,17 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
     # its `inference` flag). Functions, strings, None stay as they are. The values keep their places
     # in the tree (layout rules match paths).
     placed_flags = placed_leaves(tree)
-    values = jax.tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)])
+    values = jax.tree.unflatten(
+        treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)]
+    )
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)])
+    return jax.tree.unflatten(
+        treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)]
+    )
 
 
 def sync_on_read(

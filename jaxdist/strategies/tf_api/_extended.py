@@ -31,7 +31,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.layouts import REPLICA_AXIS, put, replicated
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
-from jaxdist.replicate.trees import fn_name, hashable, is_chief, is_distributed, merge_static, signature, split_static
+from jaxdist.replicate.trees import (
+    fn_name,
+    hashable,
+    is_chief,
+    is_distributed,
+    merge_static,
+    signature,
+    split_static,
+)
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout import (
@@ -144,7 +152,11 @@ class StrategyExtended:
             >>> jd.OneDeviceStrategy().non_slot_devices({"w": jnp.zeros(2)}).spec
             P()
         """
-        bad = [x for x in jax.tree.leaves(var_list) if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))]
+        bad = [
+            x
+            for x in jax.tree.leaves(var_list)
+            if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+        ]
         if bad:
             raise TypeError(
                 f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the variables being "
@@ -329,7 +341,9 @@ class StrategyExtended:
         """
         grouped = kwargs.pop("grouped", True)
         if not callable(fn):
-            raise TypeError(f"fn={fn!r} is not callable: pass fn(*args) -> the new non-slot values.")
+            raise TypeError(
+                f"fn={fn!r} is not callable: pass fn(*args) -> the new non-slot values."
+            )
         target = colocate_with.sharding if isinstance(colocate_with, jax.Array) else colocate_with
         if not isinstance(target, jax.sharding.Sharding):
             raise TypeError(
@@ -382,7 +396,9 @@ class StrategyExtended:
             "('cpu:0') or a list of devices."
         )
 
-    def batch_reduce(self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+    def batch_reduce(
+        self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]]
+    ) -> list[Any]:
         """Reduce several per-replica values in ONE compiled program, each placed at its
         destination.
 
@@ -467,7 +483,10 @@ class StrategyExtended:
         key = ("batch_reduce", mode, tuple(flags), tuple((x.shape, str(x.dtype)) for x in inputs),
                in_program)
         reduced = self.programs.get(None, key, lambda _: build())(*inputs)
-        results = iter(r if s is p else jax.device_put(r, s) for r, s, p in zip(reduced, outs, in_program, strict=True))
+        results = iter(
+            r if s is p else jax.device_put(r, s)
+            for r, s, p in zip(reduced, outs, in_program, strict=True)
+        )
         return [jax.tree.unflatten(tree, [next(results) for _ in range(k)]) for tree, k in trees]
 
     def broadcast(self, tensor: Any, destinations: Any = None) -> Any:
@@ -509,7 +528,9 @@ class StrategyExtended:
             x = x if isinstance(x, jax.Array) else np.asarray(x)
             where = self._destination(destinations, jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       "destinations")
-            placed.append(put(x, where) if isinstance(where, NamedSharding) else jax.device_put(x, where))
+            placed.append(
+                put(x, where) if isinstance(where, NamedSharding) else jax.device_put(x, where)
+            )
         return jax.tree.unflatten(treedef, placed)
 
     def read_var(self, var: Any) -> Any:

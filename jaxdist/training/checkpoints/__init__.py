@@ -9,7 +9,9 @@ here.
 
 from jaxdist.training.checkpoints._checkpointer import Checkpointer as Checkpointer
 from jaxdist.training.checkpoints._claim import CheckpointConflictError as CheckpointConflictError
-from jaxdist.training.checkpoints._damage import CheckpointCorruptedError as CheckpointCorruptedError
+from jaxdist.training.checkpoints._damage import (
+    CheckpointCorruptedError as CheckpointCorruptedError,
+)
 from jaxdist.training.checkpoints._directory import clear_progress as clear_progress
 from jaxdist.training.checkpoints._directory import read_progress as read_progress
 from jaxdist.training.checkpoints._directory import write_progress as write_progress

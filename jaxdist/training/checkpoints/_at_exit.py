@@ -41,7 +41,9 @@ __all__ = ["REFUSES_THREADS_AT_EXIT", "Reserve", "forget", "keep_open", "reserve
 
 # CPython releases that refuse every new thread from the start of the interpreter's shutdown
 # (python/cpython#113964).
-REFUSES_THREADS_AT_EXIT = sys.implementation.name == "cpython" and (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3)
+REFUSES_THREADS_AT_EXIT = sys.implementation.name == "cpython" and (3, 12, 0) <= sys.version_info[
+    :3
+] < (3, 12, 3)
 
 # Threads parked per open checkpointer: orbax 0.12.8 starts 7-12 threads to commit one save and
 # close its manager (measured); twice that leaves room for an orbax that starts more.

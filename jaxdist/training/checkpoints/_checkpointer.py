@@ -58,7 +58,13 @@ from jaxdist.training.checkpoints._claim import Claim, live_claim
 from jaxdist.training.checkpoints._damage import checksums, missing_parts
 from jaxdist.training.checkpoints._directory import abandon, tidy
 from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
-from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
+from jaxdist.training.checkpoints._metadata import (
+    FORMAT,
+    check_fits,
+    check_same,
+    fingerprint,
+    node_types,
+)
 from jaxdist.training.checkpoints._reading import (
     check_target,
     read_intact,
@@ -73,7 +79,12 @@ from jaxdist.training.checkpoints._storage import (
     quiet_orbax,
 )
 from jaxdist.training.checkpoints._tree import to_disk
-from jaxdist.training.checkpoints._writes import InFlight, array_handlers, operation, release_stalled
+from jaxdist.training.checkpoints._writes import (
+    InFlight,
+    array_handlers,
+    operation,
+    release_stalled,
+)
 from jaxdist.training.data import save_args
 
 __all__ = ["Checkpointer"]

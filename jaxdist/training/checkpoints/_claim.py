@@ -121,7 +121,8 @@ def _describe(claim: dict | None) -> str:
     if claim is None:
         return "a run whose claim is being written"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(claim.get("started", 0)))
-    return f"run {claim.get('run')} (pid {claim.get('pid')} on host {claim.get('host')}, claimed {when})"
+    return (f"run {claim.get('run')} (pid {claim.get('pid')} on host {claim.get('host')}, claimed "
+            f"{when})")
 
 
 def live_claim(directory: str) -> dict | None:
@@ -187,7 +188,9 @@ class Claim:
     def holds(self) -> bool:
         """Whether the claim file is still this claim (not removed, not taken over)."""
         found = _read(self.path)
-        return found is not None and found[0] is not None and found[0].get("run") == self.record["run"]
+        return (
+            found is not None and found[0] is not None and found[0].get("run") == self.record["run"]
+        )
 
     def check(self, argument: str = "directory") -> None:
         """Raise `CheckpointConflictError` unless this process still holds the claim (before each

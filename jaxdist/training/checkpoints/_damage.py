@@ -99,24 +99,36 @@ class CheckpointCorruptedError(RuntimeError):
         self.newer_intact_step = None if newer_intact_step is None else int(newer_intact_step)
         self.step, self.directory, self.reason = int(step), str(directory), str(reason)
         self.intact_step = None if intact_step is None else int(intact_step)
-        self.failed, self.latest, self.step_argument = tuple(int(s) for s in failed), bool(latest), step_argument
+        self.failed, self.latest, self.step_argument = (
+            tuple(int(s) for s in failed),
+            bool(latest),
+            step_argument,
+        )
         super().__init__(self._message())
 
     def _message(self) -> str:
         head = f"checkpoint {self.step} in {self.directory!r} is unreadable ({self.reason})"
         failed = ", ".join(map(str, self.failed))
         if self.intact_step is None:
-            older = f"no older checkpoint restores ({failed} failed too)" if self.failed else "there is no older one"
+            older = (
+                f"no older checkpoint restores ({failed} failed too)"
+                if self.failed
+                else "there is no older one"
+            )
             if self.newer_intact_step is not None:
                 return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, "
                         f"restores: pass {self.step_argument}={self.newer_intact_step} (or none, "
                         "to resume from the newest).")
-            return f"{head}, and {older}: nothing here can resume this run; start again in an empty directory."
+            return (f"{head}, and {older}: nothing here can resume this run; start again in an "
+                    "empty directory.")
         also = f" ({failed} failed too)" if self.failed else ""
         fix = f"pass {self.step_argument}={self.intact_step}"
         if not self.latest:
-            return f"{head}; the newest older checkpoint that restores is {self.intact_step}{also}: {fix}."
-        doomed = " and ".join(os.path.join(self.directory, str(s)) for s in (self.step, *self.failed))
+            return (f"{head}; the newest older checkpoint that restores is "
+                    f"{self.intact_step}{also}: {fix}.")
+        doomed = " and ".join(
+            os.path.join(self.directory, str(s)) for s in (self.step, *self.failed)
+        )
         return f"{head}: delete {doomed} to resume from {self.intact_step}, or {fix}."
 
     def __reduce__(self) -> tuple:  # picklable (the constructor does not take the message)
@@ -234,7 +246,9 @@ class ChecksumMismatchError(ValueError):
     def __init__(self, paths: Sequence[str]):
         self.paths = tuple(paths)
         rest = len(self.paths) - 1
-        more = "" if not rest else f" and {self.paths[1]}" if rest == 1 else f" and {rest} more leaves"
+        more = (
+            "" if not rest else f" and {self.paths[1]}" if rest == 1 else f" and {rest} more leaves"
+        )
         where = "the array data (state/ocdbt.process_*/d/) changed"
         super().__init__(f"checksum mismatch in {self.paths[0]}{more}: {where}")
 
@@ -308,7 +322,9 @@ def _device_sums(x: jax.Array, spread: NamedSharding | None) -> jax.Array:
     for axis in reversed(range(words.ndim)):
         index += jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & _MASK)
         stride *= words.shape[axis]
-    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (index + 1), dtype=jnp.uint32)])
+    return jnp.stack(
+        [jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (index + 1), dtype=jnp.uint32)]
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -365,8 +381,11 @@ def checksums(tree: Any) -> dict[str, list[int]]:
         if not _checked(x.dtype):
             continue
         if isinstance(x, jax.Array):
-            mesh = x.sharding.mesh if isinstance(x.sharding,
-                                                 NamedSharding) else frozenset(x.sharding.device_set)
+            mesh = (
+                x.sharding.mesh
+                if isinstance(x.sharding, NamedSharding)
+                else frozenset(x.sharding.device_set)
+            )
             groups.setdefault(mesh, []).append((path, x))
         else:
             out[path] = _host_sums(x)

@@ -25,7 +25,13 @@ import jax
 from jaxdist.replicate.trees import is_distributed
 from jaxdist.training.checkpoints._checkpointer import Checkpointer
 from jaxdist.training.checkpoints._load import assemble, checked_pieces
-from jaxdist.training.data import DataPosition, IteratorSnapshot, UnrestorableState, global_rows, restored_position
+from jaxdist.training.data import (
+    DataPosition,
+    IteratorSnapshot,
+    UnrestorableState,
+    global_rows,
+    restored_position,
+)
 from jaxdist.training.step import (
     LiveState,
     NonFiniteError,
@@ -67,11 +73,15 @@ def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | Non
     if bad:
         _refuse(live, checkpoint_dir, bad)
     position = live.position  # a grain source's iterator state goes beside it, one file per process
-    meta = {"model_kind": live.model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
-            "global_batch": global_rows(live.batches.signature)}
+    meta = {
+        "model_kind": live.model.kind,
+        "data_position": {"epoch": position.epoch, "index": position.index},
+        "global_batch": global_rows(live.batches.signature),
+    }
     state = position.state
-    data_iterator = None if state is None or isinstance(state,
-                                                        UnrestorableState) else IteratorSnapshot(state)
+    data_iterator = (
+        None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
+    )
     with _opened(checkpoint_dir, max_to_keep) as ckpt:
         return ckpt.save(live.step, live.state, meta, data_iterator)
 
@@ -86,7 +96,11 @@ def _refuse(live: LiveState, checkpoint_dir: Directory, bad: list[str]) -> None:
         if os.path.isdir(directory) and os.listdir(directory):
             with _opened(directory, None) as ckpt:
                 latest = ckpt.latest_step()
-    where = "there is no checkpoint there" if latest is None else f"the newest checkpoint there is step {latest}"
+    where = (
+        "there is no checkpoint there"
+        if latest is None
+        else f"the newest checkpoint there is step {latest}"
+    )
     raise NonFiniteError(
         f"not saving step {live.step} to {directory!r}: its state is not finite ({describe(bad)}); "
         f"{where}. Resume from a finite checkpoint (fit(..., restore_step=...)) with a lower "

@@ -35,7 +35,9 @@ __all__ = ["check_target", "read_intact", "read_iterator_state", "read_meta", "r
 
 # Set inside `read_intact`: a read nested in another (``meta`` inside ``restore``) leaves the search
 # for an intact checkpoint to the outermost one, which knows everything the caller needs to read.
-_READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpoint_read", default=False)
+_READING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxdist_checkpoint_read", default=False
+)
 
 
 def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], list[int]],
@@ -134,7 +136,9 @@ def check_target(like: Any, argument: str = "like") -> None:
             continue
         kind = type(leaf)
         shown = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
-        detail = f" (shape {np.shape(leaf)}, {getattr(leaf, 'dtype', None) or np.result_type(leaf)})"
+        detail = (
+            f" (shape {np.shape(leaf)}, {getattr(leaf, 'dtype', None) or np.result_type(leaf)})"
+        )
         raise TypeError(
             f"{argument}{jax.tree_util.keystr(path)} is a {shown}{detail}, which says no layout to "
             "restore into: pass the state in the layout to restore onto (e.g. "
@@ -146,7 +150,9 @@ def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: 
                info: dict) -> Any:
     """The state of checkpoint ``step`` (metadata ``info``, checked to fit) read into ``like``'s
     layout, its checksums verified."""
-    target = to_disk(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like))
+    target = to_disk(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
+    )
     args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     try:

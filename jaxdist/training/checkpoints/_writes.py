@@ -41,7 +41,9 @@ def array_handlers() -> dict[str, Any]:
     arrays = SettlingArrayHandler(**parallel, array_metadata_store=Store())
     handlers = [(t, types.get_type_handler(t)) for t in types.supported_types()
                 if t is not jax.Array]
-    return {"type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))}
+    return {
+        "type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))
+    }
 
 
 def operation() -> str | None:
@@ -87,7 +89,9 @@ def release_stalled(operation_id: str | None) -> int:
                               future._SignalingThread) or thread._operation_id != operation_id:
                 continue
             for signal in thread._receive_signals:
-                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, operation_id)
+                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(
+                    signal, operation_id
+                )
                 if client.key_value_try_get(key) is None:
                     client.key_value_set(key, "released by jaxdist after a failed save",
                                          allow_overwrite=True)

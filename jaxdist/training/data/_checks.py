@@ -35,7 +35,9 @@ def signature(batch: Any) -> tuple:
     """
     leaves, treedef = jax.tree.flatten(batch)
     return treedef, tuple(
-        (x.shape, x.dtype) if isinstance(x, (np.ndarray, jax.Array)) else (np.shape(x), np.asarray(x).dtype)
+        (x.shape, x.dtype)
+        if isinstance(x, (np.ndarray, jax.Array))
+        else (np.shape(x), np.asarray(x).dtype)
         for x in leaves
     )
 

@@ -91,8 +91,11 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
     with shape_scope(strategy.mesh):
         shapes = jax.eval_shape(build, *untyped(args))
     layouts = strategy.variable_shardings(shapes)  # the layout create_variables would use
-    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        shapes, layouts)
+    return jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        shapes,
+        layouts,
+    )
 
 
 def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, params: Any,
@@ -119,8 +122,11 @@ def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, p
     with shape_scope(strategy.mesh):
         shapes = jax.eval_shape(build, jax.random.key(0))
     layouts = strategy.variable_shardings(shapes)
-    return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        shapes, layouts)
+    return jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        shapes,
+        layouts,
+    )
 
 
 def check_losses(
@@ -178,7 +184,8 @@ def check_losses(
             value = jax.eval_shape(fn, out, y_abs)
         except Exception as e:
             # the user's function failed on (outputs, targets): say what it is given
-            message = f"{name}(outputs, targets) failed on the first batch: {_CALL_SHAPE}. It raised {e!r}"
+            message = (f"{name}(outputs, targets) failed on the first batch: {_CALL_SHAPE}. It "
+                       f"raised {e!r}")
             try:
                 again = type(e)(message)  # the same kind of error, with the call shape said
             except Exception:
@@ -209,7 +216,15 @@ def _check_call_shape(name: str, fn: Callable) -> None:
         return
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
-    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if (len(names) < 2 and not varargs) or len(required) > 2 or (names[:1] == ["model"] or names[1:2] == ["batch"]):
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if (
+        (len(names) < 2 and not varargs)
+        or len(required) > 2
+        or (names[:1] == ["model"] or names[1:2] == ["batch"])
+    ):
         raise TypeError(f"{name} has the parameters ({', '.join(p.name for p in params)}): "
                         f"{_CALL_SHAPE}.")

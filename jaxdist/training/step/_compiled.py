@@ -94,9 +94,9 @@ class CompiledSteps:
                                                  compute_dtype, ema_decay=ema_decay)
         # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state);
         # built lazily.
-        self._skipping_step = lambda: make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
-                                                             compute_dtype, skip_non_finite=True,
-                                                             ema_decay=ema_decay)
+        self._skipping_step = lambda: make_summed_train_step(
+            model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype, skip_non_finite=True,
+            ema_decay=ema_decay)
         self.skip_non_finite = False  # which of the two the training calls run (set by fit)
         self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype),
                                       batch_argnums=(1, 2))
@@ -147,7 +147,9 @@ class CompiledSteps:
         # is.
         # shapes only, outside any program (as the trainer's loss check)
         with shape_scope(self.strategy.mesh):
-            extra = layer_metric_names(self._model, *untyped((state.params, state.model_state, pair[0])))
+            extra = layer_metric_names(
+                self._model, *untyped((state.params, state.model_state, pair[0]))
+            )
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
         zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)
         self._zero = zero.pack()
@@ -183,7 +185,9 @@ class CompiledSteps:
         state, metrics, self._sums = self.fit_step(state, pair, self._current_sums())
         return state, metrics
 
-    def train_loop(self, state: TrainState, pairs: Sequence[Any]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def train_loop(
+        self, state: TrainState, pairs: Sequence[Any]
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         """``len(pairs)`` steps in one on-device loop (the state is donated); adds to the sums.
 
         Returns:
@@ -213,8 +217,13 @@ class CompiledSteps:
         vector = sums.vector
         if isinstance(vector, jax.Array) and (self._zeros is None
                                               or self._zeros[0] != vector.shape):
-            self._zeros = vector.shape, jax.jit(functools.partial(jnp.zeros, vector.shape, vector.dtype),
-                                                out_shardings=vector.sharding)
+            self._zeros = (
+                vector.shape,
+                jax.jit(
+                    functools.partial(jnp.zeros, vector.shape, vector.dtype),
+                    out_shardings=vector.sharding,
+                ),
+            )
         return sums
 
     def peek_sums(self, state: TrainState) -> PackedSums:
@@ -255,7 +264,9 @@ class CompiledSteps:
             # a backend without program text or memory analysis: FLOPs n/a, not a failed fit
             first = (str(error).splitlines() or [""])[0][:200]
             plan, why = None, f"the step could not be planned: {type(error).__name__}: {first}"
-        roles = {k: bytes_per_device(getattr(like, k)) for k in ("params", "opt_state", "model_state")}
+        roles = {
+            k: bytes_per_device(getattr(like, k)) for k in ("params", "opt_state", "model_state")
+        }
         self._cost = StepCost.of_plan(plan, options=options, devices=devices, local_devices=local,
                                       rows_per_step=rows, state_bytes=roles, why=why)
         return self._cost
@@ -283,7 +294,9 @@ class CompiledSteps:
         first = None
         for batch, weights in self.strategy.experimental_distribute_dataset(source()):
             first = batch if first is None else first
-            batch_sums, batch_counts, rows = jax.device_get(self.eval_step(state_for(batch), batch, weights))
+            batch_sums, batch_counts, rows = jax.device_get(
+                self.eval_step(state_for(batch), batch, weights)
+            )
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0.0) + float(batch_counts[k])

@@ -126,7 +126,9 @@ def with_ema(state: Any, decay: float | None) -> Any:
     return state._replace(ema=_copy(state.params))
 
 
-def averaged(state_for: Callable[[Any], Any], decay: float | None, where: str) -> Callable[[Any], Any]:
+def averaged(
+    state_for: Callable[[Any], Any], decay: float | None, where: str
+) -> Callable[[Any], Any]:
     """``state_for`` whose states carry the averaged weights as their parameters (for evaluation,
     prediction).
 

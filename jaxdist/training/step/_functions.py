@@ -256,7 +256,9 @@ def make_summed_train_step(
         x, y = split_batch(batch)
         rng = step_key(state)
         if grad_accum_steps == 1:
-            (loss, (model_state, weight, values)), grads = grad_fn(state.params, state.model_state, x, y, rng)
+            (loss, (model_state, weight, values)), grads = grad_fn(
+                state.params, state.model_state, x, y, rng
+            )
             loss = jnp.asarray(loss, jnp.float32)
         else:
             def micro(carry, inputs):
@@ -275,7 +277,8 @@ def make_summed_train_step(
             _, (_, weight0, values0) = jax.eval_shape(
                 forward, state.params, state.model_state, *_first_micro(x, y, grad_accum_steps), rng
             )
-            zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+            zeros = lambda tree: jax.tree.map(  # noqa: E731
+                lambda s: jnp.zeros(s.shape, s.dtype), tree)
             with jax.named_scope(ACCUMULATION_SCOPE):
                 (grads, loss, weight, values, model_state), _ = jax.lax.scan(
                     micro,
@@ -285,7 +288,9 @@ def make_summed_train_step(
                      _micro_batches(y, grad_accum_steps)),
                 )
             scale = 1.0 / grad_accum_steps  # scalar means of equal-sized micro-batches: averaged
-            values = {name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()}
+            values = {
+                name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()
+            }
             if weight is None:
                 loss, grads = loss * scale, jax.tree.map(lambda g: g * scale, grads)
         # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
@@ -420,7 +425,11 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedS
         state, values, i, sums = carry
         state, metrics, *addends = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
-        step = addends[0] if addends else RunningSums.of_step({k: (v, None) for k, v in metrics.items()})
+        step = (
+            addends[0]
+            if addends
+            else RunningSums.of_step({k: (v, None) for k, v in metrics.items()})
+        )
         return state, values, i + 1, like.holding(sums).unpack().then(step).pack().vector
 
     return loop_step
@@ -461,7 +470,9 @@ def make_eval_step(
     """
     fns = {"loss": loss_fn, **dict(metrics or {})}
 
-    def eval_step(state: TrainState, batch: Any, weights: jax.Array) -> tuple[dict, dict, jax.Array]:
+    def eval_step(
+        state: TrainState, batch: Any, weights: jax.Array
+    ) -> tuple[dict, dict, jax.Array]:
         x, y = split_batch(batch)
         out, _ = model.apply(
             _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,

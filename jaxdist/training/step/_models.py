@@ -184,7 +184,9 @@ def _to_pure(state: Any) -> dict:
     follows its parameter."""
     pure = nnx.to_pure_dict(state)
     flat = flax.traverse_util.flatten_dict(pure)
-    annotated = {tuple(path): v for path, v in nnx.to_flat_state(state) if annotation(v, ()) is not None}
+    annotated = {
+        tuple(path): v for path, v in nnx.to_flat_state(state) if annotation(v, ()) is not None
+    }
     if not annotated:
         return pure
     for path, v in annotated.items():
@@ -281,7 +283,9 @@ class NnxModel:
         ``nnx.Rngs``)."""
         return self._rngs_param is not None
 
-    def apply(self, params: dict, model_state: dict, x: Any, rng: Any, train: bool) -> tuple[Any, dict]:
+    def apply(
+        self, params: dict, model_state: dict, x: Any, rng: Any, train: bool
+    ) -> tuple[Any, dict]:
         """``(outputs, new_model_state)``; nnx advances its own ``Rngs`` (carried in
         ``model_state``).
 
@@ -292,7 +296,9 @@ class NnxModel:
             return self.apply_train(params, model_state, x, rng)[:2]
         return self._call(self._eval_graphdef, params, model_state, x, None)[0], model_state
 
-    def apply_train(self, params: dict, model_state: dict, x: Any, rng: Any) -> tuple[Any, dict, dict]:
+    def apply_train(
+        self, params: dict, model_state: dict, x: Any, rng: Any
+    ) -> tuple[Any, dict, dict]:
         """``(outputs, new_model_state, sown)`` in training; ``sown`` holds the losses and metrics
         of the model's `jaxdist.nn.nnx.MoE` layers from this call, as linen's `jaxdist.nn.moe.SOWN`
         collections."""
@@ -307,11 +313,15 @@ class NnxModel:
         sown = {"moe_losses": losses, "moe_metrics": metrics} if losses else {}
         return out, _to_pure(rest), sown
 
-    def _call(self, graphdef: Any, params: dict, model_state: dict, x: Any, rng: Any) -> tuple[Any, Any]:
+    def _call(
+        self, graphdef: Any, params: dict, model_state: dict, x: Any, rng: Any
+    ) -> tuple[Any, Any]:
         """``(outputs, module)``: the module merged from ``graphdef`` and the state, called on
         ``x``."""
         module = nnx.merge(
-            graphdef, _from_pure(self._params_template, params), _from_pure(self._rest_template, model_state)
+            graphdef,
+            _from_pure(self._params_template, params),
+            _from_pure(self._rest_template, model_state),
         )
         kwargs = {}
         if self._rngs_param is not None:
@@ -325,7 +335,9 @@ class NnxModel:
     def sync(self, params: dict, model_state: dict) -> None:
         """Write trained values back into the user's module (in place, as nnx code expects)."""
         nnx.update(
-            self.module, _from_pure(self._params_template, params), _from_pure(self._rest_template, model_state)
+            self.module,
+            _from_pure(self._params_template, params),
+            _from_pure(self._rest_template, model_state),
         )
 
 

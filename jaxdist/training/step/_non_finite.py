@@ -198,8 +198,12 @@ def _kinds(tree: Any, name: str) -> list[tuple[str, jax.Array, bool]]:
 
 
 def _all_finite(leaves: list[jax.Array], only_nan: tuple[bool, ...]) -> jax.Array:
-    return jnp.stack([jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x)) for x, nan in zip(leaves, only_nan,
-                                                                                           strict=True)])
+    return jnp.stack(
+        [
+            jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x))
+            for x, nan in zip(leaves, only_nan, strict=True)
+        ]
+    )
 
 
 _PROGRAM = jax.jit(_all_finite, static_argnums=1)
@@ -414,7 +418,9 @@ class NonFiniteGuard:
             self.total += window.count
             self._pending = True
             self.longest_run = max(self.longest_run, window.longest, self._trailing + window.lead)
-        self._trailing = self._trailing + window.steps if window.lead == window.steps else window.run
+        self._trailing = (
+            self._trailing + window.steps if window.lead == window.steps else window.run
+        )
 
     def error(self, what: str, checkpoint: int | None, directory: str | None) -> NonFiniteError:
         """The `NonFiniteError` for the steps seen: ``what`` happened (e.g. "the run stopped"),

@@ -177,7 +177,8 @@ class RunningSums:
                                a.weight + later.averages[n].weight)
                     for n, a in self.averages.items()}
         return dataclasses.replace(
-            self, averages=averages, non_finite=self.non_finite.then(later.non_finite, self.steps, later.steps),
+            self, averages=averages,
+            non_finite=self.non_finite.then(later.non_finite, self.steps, later.steps),
             steps=self.steps + later.steps, learning_rate=later.learning_rate)
 
     def _describe(self) -> str:

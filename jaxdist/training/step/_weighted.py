@@ -74,7 +74,9 @@ def check_value(name: str, value: Any, rows: int | None = None) -> bool:
             )
         total, weight = value
         kind = jnp.inexact if loss else jnp.number
-        if getattr(total, "shape", None) != () or not jnp.issubdtype(getattr(total, "dtype", object), kind):
+        if getattr(total, "shape", None) != () or not jnp.issubdtype(
+            getattr(total, "dtype", object), kind
+        ):
             raise ValueError(
                 f"{name} returned (sum, weight) with sum of {_describe(total)}{of}; the sum must "
                 f"be a {'float' if loss else 'numeric'} scalar: the SUM over tokens (or rows), "

@@ -87,8 +87,13 @@ def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[A
     out = []
     for t, layout, keep in zip(traced, layouts, kept, strict=True):
         spec = getattr(layout, "spec", None)
-        if keep or spec is None or not isinstance(t,
-                                                  jax.Array) or not is_own(layout) or not _uses(spec, explicit):
+        if (
+            keep
+            or spec is None
+            or not isinstance(t, jax.Array)
+            or not is_own(layout)
+            or not _uses(spec, explicit)
+        ):
             out.append(t)
             continue
         out.append(jax.sharding.reshard(t, NamedSharding(policy.mesh, _drop(spec, explicit))))
@@ -114,7 +119,9 @@ def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding):
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
-        out = to_host_memory(jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
+        out = to_host_memory(
+            jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device"))
+        )
     elif explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
         # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it
         # does).
@@ -202,7 +209,9 @@ def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
         if all(prefix + k in nodes_state for k in keys):
             layouts = [nodes_state[prefix + k] for k in keys]
             values = jax.tree.leaves(state)
-            constrained = [constrain(policy, v, layout) for v, layout in zip(values, layouts, strict=True)]
+            constrained = [
+                constrain(policy, v, layout) for v, layout in zip(values, layouts, strict=True)
+            ]
             return jax.tree.unflatten(jax.tree.structure(state), constrained)
     return None
 

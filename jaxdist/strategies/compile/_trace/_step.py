@@ -41,7 +41,12 @@ from jaxdist.strategies.compile._trace._in_place import InPlaceUpdates
 from jaxdist.strategies.compile._trace._padded import PADDING, check_handed, padded_leaves
 from jaxdist.strategies.compile._trace._provenance import Provenance, own_outputs
 from jaxdist.strategies.compile._trace._refs import RefArguments
-from jaxdist.strategies.compile._trace._resolve import check_idle, constrain, constrain_outputs, typed_whole
+from jaxdist.strategies.compile._trace._resolve import (
+    check_idle,
+    constrain,
+    constrain_outputs,
+    typed_whole,
+)
 from jaxdist.strategies.compile._trace._roles import carried, step_argument_roles
 from jaxdist.strategies.compile._trace._shardy import call_guarded, gather_at_entry
 from jaxdist.strategies.layout import (
@@ -125,7 +130,9 @@ class StepTrace:
         if policy.spans_processes:
             self.agree(nnx_static)
         call = ambient.current_call(self)
-        concrete_args, concrete_kwargs, concrete_state = call.args if call is not None else (None, None, None)
+        concrete_args, concrete_kwargs, concrete_state = (
+            call.args if call is not None else (None, None, None)
+        )
         # traced without concrete values (e.g. jax.eval_shape): layouts unknown
         if concrete_args is None:
             concrete_args = tuple(None if i in self.static else abstract(a)
@@ -145,7 +152,9 @@ class StepTrace:
         # The mesh's Explicit axes run Auto inside this program when so decided: the step's
         # arguments are retyped at entry and its results leave typed by their layouts (see
         # jaxdist.strategies.layout._axis_types).
-        auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(explicit_axes(policy.mesh))
+        auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(
+            explicit_axes(policy.mesh)
+        )
         with auto_region(policy.mesh) if auto else contextlib.nullcontext():
             if auto:
                 args, kwargs, state = retyped((args, kwargs, state))
@@ -158,7 +167,10 @@ class StepTrace:
             refs.write_back(policy.mesh, held)
         nodes_state = {}
         if nodes:
-            keys = [tuple(p) for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
+            keys = [
+                tuple(p)
+                for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)
+            ]
             nodes_state = dict(zip(keys, state_layouts, strict=True))
         arguments = [c for i, c in enumerate(concrete_args) if i not in self.static
                      and i not in nodes]
