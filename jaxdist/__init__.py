@@ -20,7 +20,8 @@ Examples:
     ...     loss, g = jax.value_and_grad(lambda w: ((x @ w) ** 2).mean())(w)
     ...     return w - 0.1 * g, loss
     >>> strategy = jd.MirroredStrategy()
-    >>> step = strategy.jit(sgd_step, donate_argnums=0, batch_argnums=1)  # x's rows are split over the replicas
+    >>> # x's rows are split over the replicas
+    >>> step = strategy.jit(sgd_step, donate_argnums=0, batch_argnums=1)
     >>> w, loss = step(strategy.mirror(np.ones(3, np.float32)), np.ones((64, 3), np.float32))
     >>> round(float(loss), 3)
     9.0
@@ -28,8 +29,10 @@ Examples:
     The Trainer, on the same strategy:
 
     >>> import flax.linen as nn, optax
-    >>> trainer = jd.training.Trainer(strategy, nn.Dense(1), optax.sgd(0.1), lambda out, y: ((out - y) ** 2).mean())
-    >>> history = trainer.fit([(np.ones((16, 3), np.float32), np.ones((16, 1), np.float32))], steps=2, verbose=0)
+    >>> trainer = jd.training.Trainer(strategy, nn.Dense(1), optax.sgd(0.1),
+    ...                               lambda out, y: ((out - y) ** 2).mean())
+    >>> history = trainer.fit([(np.ones((16, 3), np.float32), np.ones((16, 1), np.float32))],
+    ...                       steps=2, verbose=0)
     >>> trainer.step
     2
     >>> with strategy.scope():

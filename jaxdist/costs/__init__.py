@@ -15,10 +15,12 @@ train step's plan); `bytes_per_device` is the one count of what a device holds, 
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
-    >>> cost = jd.program_cost(jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile())
+    >>> cost = jd.program_cost(jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)),
+    ...                                                          jnp.ones((4, 2))).compile())
     >>> cost.flops
     128.0
-    >>> str(jd.costs.roofline(cost.flops, cost.bytes_accessed, 0.0, "h100")).split(" (")[1].split(":")[0]
+    >>> str(jd.costs.roofline(cost.flops, cost.bytes_accessed, 0.0,
+    ...                       "h100")).split(" (")[1].split(":")[0]
     'memory-bound'
 """
 

@@ -44,7 +44,8 @@ __all__ = ["KernelCost", "conv_flops", "custom_call_cost", "custom_call_target",
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
 _FREE = re.compile(
-    r"^(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape|LayoutConstraint|MoveToHost|MoveToDevice|"
+    r"^(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape|LayoutConstraint|MoveToHost|"
+    r"MoveToDevice|"
     r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|PadToStatic|"
     r".*callback.*|.*[Ss]ort.*|.*threefry.*|"
     r"__gpu\$xla\.gpu\.ext\.cu_threefry2x32|X64Combine|X64SplitHigh|X64SplitLow|"
@@ -130,10 +131,12 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     Examples:
         >>> from jaxdist.costs.text import parse
         >>> m = parse("\\n".join(["ENTRY %e (x: f32[1,4,4,1], k: f32[3,3,1,2]) -> f32[1,4,4,2] {",
-        ...     "  %x = f32[1,4,4,1]{3,2,1,0} parameter(0)", "  %k = f32[3,3,1,2]{3,2,1,0} parameter(1)",
-        ...     "  ROOT %c = f32[1,4,4,2]{3,2,1,0} convolution(%x, %k), window={size=3x3 pad=1_1x1_1}, "
-        ...     "dim_labels=b01f_01io->b01f", "}"]))
-        >>> conv_flops(m.defs["c"], m.types)  # 2 x 1 x 1 x 2 x (10 valid (out, kernel) pairs per axis) ** 2
+        ...     "  %x = f32[1,4,4,1]{3,2,1,0} parameter(0)",
+        ...     "  %k = f32[3,3,1,2]{3,2,1,0} parameter(1)",
+        ...     "  ROOT %c = f32[1,4,4,2]{3,2,1,0} convolution(%x, %k), window={size=3x3 "
+        ...     "pad=1_1x1_1}, dim_labels=b01f_01io->b01f", "}"]))
+        >>> # 2 x 1 x 1 x 2 x (10 valid (out, kernel) pairs per axis) ** 2
+        >>> conv_flops(m.defs["c"], m.types)
         400.0
     """
     lhs = arrays(types.get(instr.operands[0], "")) if instr.operands else []
@@ -231,10 +234,13 @@ def ragged_dot_op(instr: Instr, types: dict[str, str]) -> float:
 
     Examples:
         >>> from jaxdist.costs.text import parse
-        >>> m = parse("\\n".join(["ENTRY %e (x: f32[64,16], w: f32[4,16,8], g: s32[4]) -> f32[64,8] {",
+        >>> m = parse("\\n".join(["ENTRY %e (x: f32[64,16], w: f32[4,16,8], g: s32[4]) -> "
+        ...                       "f32[64,8] {",
         ...     "  %x = f32[64,16]{1,0} parameter(0)", "  %w = f32[4,16,8]{2,1,0} parameter(1)",
-        ...     "  %g = s32[4]{0} parameter(2)", "  ROOT %r = f32[64,8]{1,0} ragged-dot(%x, %w, %g), "
-        ...     "lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}", "}"]))
+        ...     "  %g = s32[4]{0} parameter(2)",
+        ...     "  ROOT %r = f32[64,8]{1,0} ragged-dot(%x, %w, %g), "
+        ...     "lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, "
+        ...     "rhs_group_dims={0}", "}"]))
         >>> ragged_dot_op(m.defs["r"], m.types) == 2 * 64 * 16 * 8
         True
     """
@@ -309,8 +315,8 @@ def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
 
     Examples:
         >>> from jaxdist.costs.text import parse
-        >>> config = ('{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
-        ...           '"rhs_contracting_dimensions":["0"]}}}')
+        >>> config = ('{"gemm_backend_config":{"dot_dimension_numbers":'
+        ...           '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
         >>> text = "\\n".join([
         ...     "ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> bf16[64,16] {",
         ...     "  %a = bf16[64,32]{1,0} parameter(0)",
@@ -319,8 +325,9 @@ def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
         ...     f'custom_call_target="__cublas$lt$matmul", backend_config={config}',
         ...     "}"])
         >>> m = parse(text)
-        >>> custom_call_cost(m.defs["g"], m)
-        KernelCost(kind='cuBLAS gemm', flops=65536.0, transcendentals=0.0, recomputed=0.0, skipped=0.0)
+        >>> custom_call_cost(m.defs["g"], m)  # doctest: +NORMALIZE_WHITESPACE
+        KernelCost(kind='cuBLAS gemm', flops=65536.0, transcendentals=0.0, recomputed=0.0,
+                   skipped=0.0)
     """
     target = custom_call_target(instr)
     if _FREE.match(target):

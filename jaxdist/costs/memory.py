@@ -62,7 +62,8 @@ def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = Non
         >>> import jax, numpy as np
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = jax.make_mesh((8,), ("data",))
-        >>> array_bytes_per_device((10, 4), np.float32, NamedSharding(mesh, P("data")))  # 2 rows at most
+        >>> # 2 rows at most
+        >>> array_bytes_per_device((10, 4), np.float32, NamedSharding(mesh, P("data")))
         32
         >>> array_bytes_per_device((10, 4), np.float32)
         160
@@ -80,7 +81,8 @@ def bytes_per_device(tree: Any) -> int:
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = jax.make_mesh((8,), ("data",))
-        >>> split = jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        >>> split = jax.ShapeDtypeStruct((64, 4), jnp.float32,
+        ...                              sharding=NamedSharding(mesh, P("data")))
         >>> bytes_per_device({"split": split, "whole": jnp.ones(3), "step": 0})
         140
     """

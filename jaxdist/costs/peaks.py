@@ -134,7 +134,8 @@ def accelerator_of_device(device_or_kind: Any) -> Accelerator | None:
         The first `Accelerator` of `ACCELERATORS` whose ``device_kind`` pattern matches, or None.
 
     Examples:
-        >>> accelerator_of_device("NVIDIA H100 80GB HBM3").name, accelerator_of_device("NVIDIA H100 PCIe").name
+        >>> (accelerator_of_device("NVIDIA H100 80GB HBM3").name,
+        ...  accelerator_of_device("NVIDIA H100 PCIe").name)
         ('h100', 'h100-pcie')
         >>> accelerator_of_device("TPU v5 lite").name, accelerator_of_device("cpu")
         ('tpu-v5e', None)

@@ -130,8 +130,8 @@ class Plan:
         >>> strategy = jd.ShardedStrategy(min_shard_size=1)
         >>> w = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
         >>> x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
-        >>> plan = strategy.plan(lambda w, x: w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w), w, x,
-        ...                      batch_argnums=1)
+        >>> step = lambda w, x: w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+        >>> plan = strategy.plan(step, w, x, batch_argnums=1)
         >>> plan.state_bytes["w"] == 1024 * 256 * 4 // 8   # FSDP: an eighth of w on each device
         True
         >>> plan.fits(1 << 30), plan.estimate("h100").bound in ("compute", "memory", "network")
@@ -326,7 +326,8 @@ def read_plan(
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile()
+        >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)),
+        ...                                              jnp.ones((4, 2))).compile()
         >>> plan = read_plan(compiled, state_bytes={"a": 128, "b": 32})
         >>> plan.flops, plan.output_bytes, plan.lower_bound
         (128.0, 64, False)

@@ -10,7 +10,8 @@ A mixture-of-experts layer runs its dispatch path in a named scope ``<MOE_SCOPE>
 itself: what ran, not what was asked for.
 
 Examples:
-    >>> text = '%d = f32[2] dot(...), metadata={op_name="jit(f)/jaxdist_attention_cudnn/dot_general"}'
+    >>> text = ('%d = f32[2] dot(...), '
+    ...         'metadata={op_name="jit(f)/jaxdist_attention_cudnn/dot_general"}')
     >>> scoped(text, ATTENTION_SCOPE), scoped(text, GROUPED_MATMUL_SCOPE)
     (('cudnn',), ())
 """
@@ -44,7 +45,8 @@ def scoped(text: str, prefix: str) -> tuple[str, ...]:
         The kernels' names; empty where no op runs in such a scope.
 
     Examples:
-        >>> scoped('op_name="jit(f)/jaxdist_grouped_matmul_ragged_dot/ragged_dot"', GROUPED_MATMUL_SCOPE)
+        >>> scoped('op_name="jit(f)/jaxdist_grouped_matmul_ragged_dot/ragged_dot"',
+        ...        GROUPED_MATMUL_SCOPE)
         ('ragged_dot',)
     """
     return tuple(sorted(set(re.findall(re.escape(prefix) + r"(\w+)", text))))
@@ -55,7 +57,8 @@ def moe_dispatch(text: str) -> tuple[str, ...]:
     named scope (`MOE_SCOPE`): e.g. ``("dropping_all_to_all",)``; empty for none.
 
     Examples:
-        >>> moe_dispatch('%a = f32[2] add(...), metadata={op_name="jit(f)/jaxdist_moe_dropless_padded/add"}')
+        >>> moe_dispatch('%a = f32[2] add(...), '
+        ...              'metadata={op_name="jit(f)/jaxdist_moe_dropless_padded/add"}')
         ('dropless_padded',)
     """
     return scoped(text, MOE_SCOPE)

@@ -138,7 +138,8 @@ class StepCost:
             when the step could not be planned: ``flops_source`` says why).
 
     Examples:
-        >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
+        >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15,
+        ...                 peak_source="given",
         ...                 param_bytes=4, optimizer_bytes=8, model_state_bytes=0, temp_bytes=16,
         ...                 device_kind="cpu", num_devices=1, model_flops=1.5e12)
         >>> cost.hfu(steps_per_sec=100.0), cost.mfu(steps_per_sec=100.0)
@@ -192,9 +193,11 @@ class StepCost:
         Examples:
             >>> import jax, jax.numpy as jnp
             >>> from jaxdist.costs.plan import read_plan
-            >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4))).compile()
+            >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)),
+            ...                                              jnp.ones((8, 4))).compile()
             >>> plan = read_plan(compiled, state_bytes={"params": 32, "batch": 128})
-            >>> cost = StepCost.of_plan(plan, options=CostOptions(peak_flops=1e9), devices=jax.devices()[:1],
+            >>> cost = StepCost.of_plan(plan, options=CostOptions(peak_flops=1e9),
+            ...                         devices=jax.devices()[:1],
             ...                         local_devices=jax.devices()[:1], rows_per_step=8)
             >>> cost.flops, cost.model_flops, cost.param_bytes, cost.hfu(1000.0), cost.plan is plan
             (128.0, 128.0, 32, 0.000128, True)
@@ -270,9 +273,12 @@ class StepCost:
             loss_weight: the window's summed token-weighted loss weight, or None.
 
         Examples:
-            >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
-            ...                 param_bytes=0, optimizer_bytes=0, model_state_bytes=0, temp_bytes=None,
-            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0, model_flops=1e12)
+            >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15,
+            ...                 peak_source="given",
+            ...                 param_bytes=0, optimizer_bytes=0, model_state_bytes=0,
+            ...                 temp_bytes=None,
+            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0,
+            ...                 model_flops=1e12)
             >>> cost.rates(10, 0.5, None)
             {'tokens_per_sec': 10240.0, 'mfu': 0.02, 'hfu': 0.04}
         """
@@ -298,9 +304,10 @@ class StepCost:
         FLOPs that are a lower bound (`lower_bound`).
 
         Examples:
-            >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None, peak_source="cpu",
-            ...          param_bytes=2048, optimizer_bytes=4096, model_state_bytes=0, temp_bytes=1024,
-            ...          device_kind="cpu", num_devices=8).summary()
+            >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
+            ...          peak_source="cpu",
+            ...          param_bytes=2048, optimizer_bytes=4096, model_state_bytes=0,
+            ...          temp_bytes=1024, device_kind="cpu", num_devices=8).summary()
             'per device: 1.5 GFLOP/step, params 2 KiB, optimizer 4 KiB, temp 1 KiB'
         """
         if self.flops is None:
@@ -322,9 +329,12 @@ class StepCost:
 
         Examples:
             >>> line = StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
-            ...                 peak_source="no datasheet peak for cpu", param_bytes=2048, optimizer_bytes=4096,
-            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu", num_devices=8,
-            ...                 model_flops=1.5e9, model_flops_source="program_cost without recomputation",
+            ...                 peak_source="no datasheet peak for cpu", param_bytes=2048,
+            ...                 optimizer_bytes=4096,
+            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu",
+            ...                 num_devices=8,
+            ...                 model_flops=1.5e9,
+            ...                 model_flops_source="program_cost without recomputation",
             ...                 uncosted=("my_kernel (jit(step)/my_kernel)",)).describe()
             >>> print(line.replace("; ", ";\\n").replace(", model", ",\\nmodel"))
             train step per device (8 devices): 1.5 GFLOP executed (program_cost),
@@ -401,9 +411,11 @@ def measure_step_cost(
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
-        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4))).compile()
+        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)),
+        ...                                              jnp.ones((8, 4))).compile()
         >>> state = jd.training.TrainState(0, {"w": jnp.ones((4, 2))}, (), {}, None)
-        >>> cost = measure_step_cost(compiled, state, devices=jax.devices()[:1], local_devices=jax.devices()[:1],
+        >>> cost = measure_step_cost(compiled, state, devices=jax.devices()[:1],
+        ...                          local_devices=jax.devices()[:1],
         ...                          options=CostOptions(peak_flops=1e9), rows_per_step=8)
         >>> cost.flops, cost.model_flops, cost.param_bytes, cost.hfu(1000.0)
         (128.0, 128.0, 32, 0.000128)

@@ -145,7 +145,8 @@ def gradient_cluster(name: str, uid: str | None) -> str:
     Without a uid (plain `jax.grad`) the gradient stays in ``name``.
 
     Examples:
-        >>> gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"), gradient_cluster("C.uid", "uid_1")
+        >>> (gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"),
+        ...  gradient_cluster("C.uid", "uid_1"))
         ('C.uid', 'C.uid', 'C.uid.uid_1')
     """
     if uid is None or name.rsplit(".", 1)[-1] == uid:
@@ -243,7 +244,8 @@ def cluster_of(name_stack: str) -> str | None:
     Examples:
         >>> cluster_of("jit(f)/gradient=uid/transpose(jvp(cluster=C))/mul")
         'C.uid'
-        >>> cluster_of("jit(f)/gradient=uid/jvp(cluster=C)/sin") is None or cluster_of("jit(f)/jvp(cluster=C)/sin")
+        >>> (cluster_of("jit(f)/gradient=uid/jvp(cluster=C)/sin") is None
+        ...  or cluster_of("jit(f)/jvp(cluster=C)/sin"))
         'C'
     """
     parts = name_stack.split("/")

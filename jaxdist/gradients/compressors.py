@@ -227,7 +227,8 @@ class CastCompressor(Compressor):
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> out, _ = jd.gradients.CastCompressor(jnp.bfloat16).reduce(jnp.float32(1.0 + 2**-10), None)
+        >>> out, _ = jd.gradients.CastCompressor(jnp.bfloat16).reduce(jnp.float32(1.0 + 2**-10),
+        ...                                                           None)
         >>> float(out)   # rounded to bfloat16 on the way
         1.0
     """
@@ -352,7 +353,8 @@ class PowerSGDCompressor(Compressor):
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> c = jd.gradients.PowerSGDCompressor(rank=1)
-        >>> g = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(6))      # a rank-1 gradient: recovered exactly
+        >>> # a rank-1 gradient: recovered exactly
+        >>> g = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(6))
         >>> out, state = c.reduce(g, c.init(g, 0))
         >>> bool(jnp.allclose(out, g, atol=1e-5)), state.q.shape
         (True, (6, 1))

@@ -117,8 +117,10 @@ def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> big = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)), num_rows=10_000)
-        >>> small = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)), num_rows=100)
+        >>> big = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
+        ...                               num_rows=10_000)
+        >>> small = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
+        ...                                 num_rows=100)
         >>> jd.gradients.all_gather_is_cheaper(big, 8), jd.gradients.all_gather_is_cheaper(small, 8)
         (True, False)
     """

@@ -6,11 +6,13 @@ replica function is already explicit (``strategy.run``), so a synchronizer is a 
 used inside it, optax-style::
 
     sync = jd.gradients.AllReduceSynchronizer(jd.gradients.PowerSGDCompressor(rank=4))
-    sync_state = strategy.run(sync.init, args=(params,))        # Q mirrored, error feedback per replica
+    # Q mirrored, error feedback per replica
+    sync_state = strategy.run(sync.init, args=(params,))
 
     def replica_fn(params, sync_state, batch):
-        grads = jax.grad(loss)(params, batch)                    # local gradients
-        grads, sync_state = sync.all_reduce(grads, sync_state)   # the global mean, compressed on the wire
+        grads = jax.grad(loss)(params, batch)  # local gradients
+        # the global mean, compressed on the wire
+        grads, sync_state = sync.all_reduce(grads, sync_state)
         return grads, sync_state
 
     grads, sync_state = strategy.run(replica_fn, args=(params, sync_state, batch))
@@ -86,7 +88,8 @@ class AllReduceSynchronizer:
         ...     return sync.all_reduce(grads, state)
         >>> x = strategy.experimental_distribute_values(jnp.ones((16, 8)))
         >>> grads, state = strategy.run(replica_fn, args=(params, state, x))
-        >>> type(state.leaves["w"].q).__name__, type(state.leaves["w"].error).__name__, state.leaves["b"]
+        >>> (type(state.leaves["w"].q).__name__, type(state.leaves["w"].error).__name__,
+        ...  state.leaves["b"])
         ('ArrayImpl', 'PerReplica', None)
     """
 

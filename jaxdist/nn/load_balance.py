@@ -44,12 +44,12 @@ def zigzag(x, axis: int, axes, n: int):
         >>> import jax, numpy as np
         >>> from jax.sharding import PartitionSpec as P
         >>> mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
-        >>> order = jax.shard_map(lambda x: zigzag(x, 0, "context", 4), mesh=mesh, in_specs=P("context"),
-        ...                       out_specs=P("context"))
+        >>> order = jax.shard_map(lambda x: zigzag(x, 0, "context", 4), mesh=mesh,
+        ...                       in_specs=P("context"), out_specs=P("context"))
         >>> order(np.arange(8)).tolist()
         [0, 7, 1, 6, 2, 5, 3, 4]
-        >>> back = jax.shard_map(lambda x: unzigzag(x, 0, "context", 4), mesh=mesh, in_specs=P("context"),
-        ...                      out_specs=P("context"))
+        >>> back = jax.shard_map(lambda x: unzigzag(x, 0, "context", 4), mesh=mesh,
+        ...                      in_specs=P("context"), out_specs=P("context"))
         >>> back(order(np.arange(8))).tolist()
         [0, 1, 2, 3, 4, 5, 6, 7]
     """

@@ -115,10 +115,11 @@ class MoE(nn.Module):
             self.param_dtype,
         )
         shapes = {"wi_gate": (e, d, h), "wi_up": (e, d, h), "wo": (e, h, d)}
-        stacked = {name: self.param(name,
-                                    nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
-                                    shapes[name], self.param_dtype)
-                   for name in shapes}
+        stacked = {
+            name: self.param(
+                name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
+                shapes[name], self.param_dtype)
+            for name in shapes}
         bias = self.variable("router_bias", "bias", jnp.zeros, (e,),
                              jnp.float32).value if self.router_bias else None
         dtype = self.dtype or x.dtype

@@ -139,10 +139,13 @@ class Pipeline(nn.Module):
         >>> model = jd.nn.Pipeline(block=Block(), num_layers=4, num_microbatches=2)
         >>> x = jnp.ones((4, 8))
         >>> params = model.init(jax.random.key(0), x)
-        >>> jax.tree.map(lambda p: p.shape, nn.unbox(params))["params"]["block"]["Dense_0"]["kernel"]
+        >>> jax.tree.map(lambda p: p.shape,
+        ...              nn.unbox(params))["params"]["block"]["Dense_0"]["kernel"]
         (4, 8, 8)
-        >>> mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        >>> pp = jd.ShardedStrategy(mesh=mesh, batch_axes="data", stage_axes="stage", min_shard_size=1)
+        >>> mesh = jax.make_mesh((4, 2), ("stage", "data"),
+        ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        >>> pp = jd.ShardedStrategy(mesh=mesh, batch_axes="data", stage_axes="stage",
+        ...                         min_shard_size=1)
         >>> placed = pp.create_variables(model.init, jax.random.key(0), x)
         >>> placed["params"]["block"]["Dense_0"]["kernel"].value.sharding.spec
         P('stage',)

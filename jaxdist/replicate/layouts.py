@@ -103,7 +103,8 @@ def on_mesh(sharding: Any, mesh: Mesh) -> bool:
     Examples:
         >>> import jax, numpy as np
         >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
-        >>> on_mesh(replicated(mesh), mesh), on_mesh(jax.sharding.SingleDeviceSharding(jax.devices()[0]), mesh)
+        >>> (on_mesh(replicated(mesh), mesh),
+        ...  on_mesh(jax.sharding.SingleDeviceSharding(jax.devices()[0]), mesh))
         (True, False)
     """
     return isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh)

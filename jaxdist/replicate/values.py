@@ -370,7 +370,7 @@ class SyncOnRead(_Distributed):
             2
             >>> seen.assign_add(0.5)  # doctest: +ELLIPSIS
             Traceback (most recent call last):
-            TypeError: assign_add(0.5): the sync-on-read value is int32, which cannot hold a float32 value ...
+            TypeError: assign_add(0.5): the sync-on-read value is int32, which cannot hold a ...
         """
         self._check_kind(delta, "assign_add")
         return self.assign(self.read() + jnp.asarray(delta, self._value.dtype))

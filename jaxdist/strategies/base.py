@@ -268,7 +268,8 @@ class Strategy:
 
         Examples:
             >>> import jax, jaxdist as jd
-            >>> jd.OneDeviceStrategy().variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
+            >>> aval = jax.ShapeDtypeStruct((4,), "float32")
+            >>> jd.OneDeviceStrategy().variable_layout("w", aval).spec
             P()
 
             A strategy that keeps biases whole on every device and splits the rest by its own rule:
@@ -276,10 +277,12 @@ class Strategy:
             >>> class WholeBiases(jd.ShardedStrategy):
             ...     def variable_layout(self, path, aval, annotation=None):
             ...         if path.endswith("bias"):
-            ...             return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            ...             return jax.sharding.NamedSharding(self.mesh,
+            ...                                               jax.sharding.PartitionSpec())
             ...         return super().variable_layout(path, aval, annotation)
             >>> s = WholeBiases(min_shard_size=1)
-            >>> params = s.create_variables(lambda: {"bias": jax.numpy.zeros(8), "kernel": jax.numpy.zeros(8)})
+            >>> params = s.create_variables(lambda: {"bias": jax.numpy.zeros(8),
+            ...                                      "kernel": jax.numpy.zeros(8)})
             >>> params["bias"].sharding.spec, params["kernel"].sharding.spec
             (P(), P('replica',))
         """
@@ -308,7 +311,8 @@ class Strategy:
         Examples:
             >>> import numpy as np, jaxdist as jd
             >>> s = jd.OneDeviceStrategy()
-            >>> s.is_batch_layout(s.experimental_distribute_values(np.ones((2, 1)))), s.is_batch_layout(np.ones(2))
+            >>> (s.is_batch_layout(s.experimental_distribute_values(np.ones((2, 1)))),
+            ...  s.is_batch_layout(np.ones(2)))
             (True, False)
         """
         return self._policy.is_batch_layout(x)
@@ -326,7 +330,8 @@ class Strategy:
         Examples:
             >>> import numpy as np, jaxdist as jd
             >>> s = jd.OneDeviceStrategy()
-            >>> s.layout_role(s.experimental_distribute_values(np.ones((2, 1)))), s.layout_role(np.ones(2))
+            >>> (s.layout_role(s.experimental_distribute_values(np.ones((2, 1)))),
+            ...  s.layout_role(np.ones(2)))
             ('batch', None)
         """
         return self._policy.role_from_layout(x)
@@ -637,7 +642,8 @@ class Strategy:
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
-            >>> step = strategy.jit(lambda w, x: w - 0.5 * x.mean(0), donate_argnums=0, batch_argnums=1)
+            >>> step = strategy.jit(lambda w, x: w - 0.5 * x.mean(0), donate_argnums=0,
+            ...                     batch_argnums=1)
             >>> step(strategy.mirror(jnp.ones(2)), jnp.ones((4, 2))).tolist()
             [0.5, 0.5]
             >>> @strategy.jit(batch_argnums=1)
@@ -731,8 +737,8 @@ class Strategy:
             >>> import numpy as np, jaxdist as jd
             >>> strategy = jd.MirroredStrategy()
             >>> batches = iter([np.ones((8, 2), np.float32)] * 4)
-            >>> ctx = strategy.run_steps_on_dataset(lambda ctx, w, x: w + x.mean(), batches, iterations=4,
-            ...                                     initial_loop_values=np.float32(0))
+            >>> ctx = strategy.run_steps_on_dataset(lambda ctx, w, x: w + x.mean(), batches,
+            ...                                     iterations=4, initial_loop_values=np.float32(0))
             >>> float(ctx.loop_values)
             4.0
         """
@@ -789,7 +795,8 @@ class Strategy:
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
-            >>> rows = strategy.run(lambda x: x * 2, args=(strategy.experimental_distribute_values(jnp.ones((2, 1))),))
+            >>> batch = strategy.experimental_distribute_values(jnp.ones((2, 1)))
+            >>> rows = strategy.run(lambda x: x * 2, args=(batch,))
             >>> strategy.gather(rows).shape
             (2, 1)
         """
@@ -862,8 +869,9 @@ class Strategy:
             >>> batches = [np.ones((4, 2), np.float32) for _ in range(3)]
             >>> [b.shape for b in strategy.experimental_distribute_dataset(batches)]
             [(4, 2), (4, 2), (4, 2)]
-            >>> [b.shape for b in strategy.experimental_distribute_dataset(batches + [np.ones((1, 2))],
-            ...                                                              remainder="drop")]
+            >>> dropped = strategy.experimental_distribute_dataset(batches + [np.ones((1, 2))],
+            ...                                                    remainder="drop")
+            >>> [b.shape for b in dropped]
             [(4, 2), (4, 2), (4, 2)]
         """
         if not isinstance(dataset, Iterable):
@@ -905,7 +913,8 @@ class Strategy:
         Examples:
             >>> import jaxdist as jd
             >>> strategy = jd.MirroredStrategy()
-            >>> ids = strategy.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group)
+            >>> ids = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: ctx.replica_id_in_sync_group)
             >>> [int(v) for v in strategy.experimental_local_results(ids)][:3]
             [0, 1, 2]
         """
@@ -935,7 +944,8 @@ class Strategy:
             >>> import numpy as np, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
             >>> def dataset_fn(ctx):
-            ...     return [np.full((ctx.get_per_replica_batch_size(4), 1), ctx.input_pipeline_id)] * 2
+            ...     return [np.full((ctx.get_per_replica_batch_size(4), 1),
+            ...                     ctx.input_pipeline_id)] * 2
             >>> [b.shape for b in strategy.distribute_datasets_from_function(dataset_fn)]
             [(4, 1), (4, 1)]
         """

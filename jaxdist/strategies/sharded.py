@@ -165,23 +165,28 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         >>> params = strategy.create_variables(lambda: {"w": jnp.zeros((64, 8)), "b": jnp.zeros(8)})
         >>> params["w"].sharding.spec, params["b"].sharding.spec
         (P('replica',), P())
-        >>> import flax.linen as nn  # the Flax way: annotate with logical names, map them with rules
+        >>> # the Flax way: annotate with logical names, map them with rules
+        >>> import flax.linen as nn
         >>> tp = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1,
         ...                         logical_axis_rules=[("embed", None), ("mlp", "model")])
-        >>> dense = nn.Dense(16, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-        ...                                                               ("embed", "mlp")))
-        >>> tp.create_variables(dense.init, jax.random.key(0), jnp.ones((1, 8)))["params"]["kernel"].value.sharding.spec
+        >>> dense = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
+        ...     nn.initializers.lecun_normal(), ("embed", "mlp")))
+        >>> tp.create_variables(dense.init, jax.random.key(0),
+        ...                     jnp.ones((1, 8)))["params"]["kernel"].value.sharding.spec
         P(None, 'model')
         >>> mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))  # the user's mesh and names
         >>> hsdp = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",),
         ...                           min_shard_size=1, logical_axis_rules=[("mlp", "tensor")])
         >>> hsdp.num_replicas_in_sync, hsdp.batch_sharding.spec
         (4, P(('data', 'fsdp'),))
-        >>> kernel = hsdp.create_variables(dense.init, jax.random.key(0), jnp.ones((1, 8)))["params"]["kernel"]
+        >>> kernel = hsdp.create_variables(dense.init, jax.random.key(0),
+        ...                                jnp.ones((1, 8)))["params"]["kernel"]
         >>> kernel.value.sharding.spec, kernel.value.sharding.mesh.axis_names
         (P('fsdp', 'tensor'), ('data', 'fsdp', 'tensor'))
-        >>> cp = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")), batch_axes="data",
-        ...                         context_axes="context")  # context parallelism: sequences split over 4
+        >>> cp = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")),
+        ...                         batch_axes="data",
+        ...                         # context parallelism: sequences split over 4
+        ...                         context_axes="context")
         >>> cp.num_replicas_in_sync, cp.experimental_distribute_values_from_function is not None
         (2, True)
         >>> cp.policy.batch_layout(2).spec
@@ -291,7 +296,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> from jax.sharding import PartitionSpec as P
-            >>> s = jd.ShardedStrategy(layout_rules=[("Dense_0/kernel", P()), ("Dense_9/kernel", P())])
+            >>> s = jd.ShardedStrategy(layout_rules=[("Dense_0/kernel", P()),
+            ...                                      ("Dense_9/kernel", P())])
             >>> s.unmatched_rules({"params": {"Dense_0": {"kernel": jnp.zeros((2, 2))}}})
             ["layout_rules[1]=('Dense_9/kernel', P())"]
         """
@@ -303,7 +309,8 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
 
         Examples:
             >>> import jax, jax.numpy as jnp, jaxdist as jd
-            >>> s = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data")
+            >>> s = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")),
+            ...                        batch_axes="data")
             >>> s.idle_axes({"w": jnp.zeros((8, 8))})
             ['tensor']
         """

@@ -289,7 +289,8 @@ def outside_compilation(
         >>> strategy = jd.MirroredStrategy()
         >>> rows = []
         >>> def replica_fn(x):
-        ...     jd.tpu.outside_compilation(lambda v: rows.append(v.shape), x, result_shape=())  # on the host
+        ...     # on the host
+        ...     jd.tpu.outside_compilation(lambda v: rows.append(v.shape), x, result_shape=())
         ...     return jd.tpu.outside_compilation(jnp.sin, x)
         >>> x = strategy.experimental_distribute_values(np.zeros((16, 2), np.float32))
         >>> out = strategy.run(replica_fn, args=(x,))

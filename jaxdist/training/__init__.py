@@ -11,9 +11,11 @@ runs on the devices), ``checkpoints`` and ``loop`` (the host loop of ``fit``), b
 
 Examples:
     >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
-    >>> trainer = jd.training.Trainer(jd.OneDeviceStrategy(), nn.Dense(2), optax.adam(1e-2),
-    ...                               lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
-    >>> history = trainer.fit([(np.ones((4, 3), np.float32), np.ones(4, np.int32))], steps=3, verbose=0)
+    >>> trainer = jd.training.Trainer(
+    ...     jd.OneDeviceStrategy(), nn.Dense(2), optax.adam(1e-2),
+    ...     lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
+    >>> history = trainer.fit([(np.ones((4, 3), np.float32), np.ones(4, np.int32))], steps=3,
+    ...                       verbose=0)
     >>> trainer.step
     3
 """

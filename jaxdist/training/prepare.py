@@ -56,7 +56,8 @@ def prepare(
         ...     loss, g = jax.value_and_grad(lambda w: ((x @ w - y) ** 2).mean())(w)
         ...     return w - 0.1 * g, loss
         >>> data = [(np.ones((8, 2), np.float32), np.ones(8, np.float32))] * 20
-        >>> step, w, data = jd.training.prepare(jd.MirroredStrategy(), train_step, np.zeros(2, np.float32), data)
+        >>> step, w, data = jd.training.prepare(jd.MirroredStrategy(), train_step,
+        ...                                     np.zeros(2, np.float32), data)
         >>> for batch in data:
         ...     w, loss = step(w, batch)
         >>> round(float(loss), 4)

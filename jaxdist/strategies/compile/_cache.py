@@ -274,7 +274,8 @@ class StepPrograms:
         False
         >>> programs.families[("static",)] = print
         >>> programs.install(("other types",), print, ("static",))
-        >>> programs.cleared(print), programs.families, programs.express  # no dispatch cache to clear: forgotten
+        >>> # no dispatch cache to clear: forgotten
+        >>> programs.cleared(print), programs.families, programs.express
         (False, {}, {})
     """
 

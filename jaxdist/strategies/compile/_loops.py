@@ -49,7 +49,8 @@ class MultiStepContext:
         ...     ctx.set_last_step_output("batch_sum", x.sum(), aggregation=jd.ReduceOp.SUM)
         ...     return total + x.sum()
         >>> batches = iter([np.full((2, 1), i, np.float32) for i in range(3)])
-        >>> ctx = strategy.run_steps_on_dataset(step_fn, batches, iterations=3, initial_loop_values=0.0)
+        >>> ctx = strategy.run_steps_on_dataset(step_fn, batches, iterations=3,
+        ...                                     initial_loop_values=0.0)
         >>> float(ctx.loop_values), float(ctx.last_step_outputs["batch_sum"])
         (6.0, 4.0)
     """

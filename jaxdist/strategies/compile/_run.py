@@ -411,8 +411,8 @@ class ReplicaRunner:
             vma["check"] = check_vma
             probe_fn = jax.shard_map(
                 functools.partial(body, probe=True), mesh=mesh,
-                in_specs=(*in_specs, *[split] * len(captured)), out_specs=split, check_vma=check_vma,
-                **manual,
+                in_specs=(*in_specs, *[split] * len(captured)), out_specs=split,
+                check_vma=check_vma, **manual,
             )
             hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
                                            sharding=NamedSharding(mesh, split) if explicit

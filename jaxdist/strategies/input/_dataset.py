@@ -94,7 +94,8 @@ class DistributedIterator:
         >>> import numpy as np, jaxdist as jd
         >>> strategy = jd.OneDeviceStrategy()
         >>> with iter(strategy.experimental_distribute_dataset([np.ones((2, 1))] * 5)) as batches:
-        ...     first = next(batches)   # the thread stops on leaving the block, batches in flight are dropped
+        ...     # the thread stops on leaving the block, batches in flight are dropped
+        ...     first = next(batches)
         >>> first.shape
         (2, 1)
     """
@@ -171,7 +172,8 @@ class DistributedIterator:
             >>> ds = grain.MapDataset.source(np.arange(12.0).reshape(6, 2)).batch(2)
             >>> it = iter(strategy.experimental_distribute_dataset(ds))
             >>> _ = next(it)
-            >>> state = it.get_state()            # after batch 0, whatever the thread has read ahead
+            >>> # after batch 0, whatever the thread has read ahead
+            >>> state = it.get_state()
             >>> later = iter(strategy.experimental_distribute_dataset(ds))
             >>> later.set_state(state)
             >>> next(later).tolist(), next(it).tolist()

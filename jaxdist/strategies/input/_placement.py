@@ -35,7 +35,7 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch",
         >>> check_divisible(5, 8)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: num_replicas_in_sync=8 does not divide global batch 5: each replica needs at least one row: ...
+        ValueError: num_replicas_in_sync=8 does not divide global batch 5: each replica needs at ...
     """
     if batch % replicas:
         up = -(-batch // replicas) * replicas
@@ -57,7 +57,8 @@ def text_kind(x: Any) -> str | None:
     Examples:
         >>> import numpy as np
         >>> import jax.numpy as jnp
-        >>> text_kind(np.array(["a"])), text_kind(np.zeros(2)), text_kind("a"), text_kind(np.ones(2, jnp.bfloat16))
+        >>> (text_kind(np.array(["a"])), text_kind(np.zeros(2)), text_kind("a"),
+        ...  text_kind(np.ones(2, jnp.bfloat16)))
         ('numpy dtype <U1', None, 'str', None)
     """
     if isinstance(x, (str, bytes)):
@@ -77,10 +78,11 @@ def refuse_text(leaves: Iterable[tuple[Any, Any]], name: Callable[[Any], str], f
 
     Examples:
         >>> import numpy as np
-        >>> refuse_text([("x", np.zeros(2)), ("y", np.array(["a"]))], str, "Encode it.")  # doctest: +ELLIPSIS
+        >>> refuse_text([("x", np.zeros(2)), ("y", np.array(["a"]))], str,
+        ...             "Encode it.")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        TypeError: y holds text or objects (numpy dtype <U1): JAX arrays hold numbers and bools only. Encode it.
+        TypeError: y holds text or objects (numpy dtype <U1): JAX arrays hold numbers and bools ...
     """
     for path, x in leaves:
         dtype = text_kind(x)
@@ -143,7 +145,7 @@ def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | No
         >>> check_sequence(cp, (2, 10))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: sequence length 10 (axis 1 of the global batch) is not divisible by the context axes ...
+        ValueError: sequence length 10 (axis 1 of the global batch) is not divisible by the ...
     """
     n, axis = policy.context_size, policy.sequence_axis
     if n == 1 or len(shape) <= axis or shape[axis] % n == 0 or shape[axis] == 1:
@@ -319,7 +321,8 @@ def argument_layouts(policy: LayoutPolicy, value: Any, batch: bool, where: str |
     Examples:
         >>> import jax, numpy as np, jaxdist as jd
         >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:1])
-        >>> argument_layouts(policy, {"x": np.ones((4, 2)), "lr": 0.1}, batch=True)  # doctest: +ELLIPSIS
+        >>> argument_layouts(policy, {"x": np.ones((4, 2)), "lr": 0.1},
+        ...                  batch=True)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: batch leaf ['lr'] is a scalar: every leaf of a batch needs a batch axis 0 ...

@@ -126,7 +126,8 @@ def with_remainder(
             first one they do); under "drop" and "pad", for one larger than the first.
 
     Examples:
-        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop", lambda b: b, 2)
+        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop",
+        ...                                 lambda b: b, 2)
         >>> [b.shape for b in batches]
         [(4, 1)]
     """

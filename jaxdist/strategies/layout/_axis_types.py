@@ -33,7 +33,8 @@ Examples:
     >>> strategy = jd.ShardedStrategy(mesh=mesh, min_shard_size=1)
     >>> table = strategy.mirror(jnp.ones((16, 4)))
     >>> lookup = strategy.jit(lambda table, ids: table[ids].sum(), batch_argnums=1)
-    >>> float(lookup(table, jnp.arange(8)))                   # refused under Explicit types: runs Auto
+    >>> # refused under Explicit types: runs Auto
+    >>> float(lookup(table, jnp.arange(8)))
     32.0
 """
 

@@ -165,7 +165,8 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1,
         {'replica': 2, 'context': 4}
         >>> dict(short_form_mesh(jax.devices()[:8], pipeline_parallelism=4).shape)
         {'stage': 4, 'replica': 2}
-        >>> dict(short_form_mesh(jax.devices()[:8], 2, pipeline_parallelism=2, expert_parallelism=2).shape)
+        >>> dict(short_form_mesh(jax.devices()[:8], 2, pipeline_parallelism=2,
+        ...                      expert_parallelism=2).shape)
         {'stage': 2, 'replica': 1, 'expert': 2, 'model': 2}
     """
     devices = tuple(devices)
@@ -242,8 +243,8 @@ class AxisRoles:
 
         Examples:
             >>> import jax
-            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "expert")), ("data", "expert"), split=True,
-            ...                    expert_axes="expert")
+            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "expert")), ("data", "expert"),
+            ...                    split=True, expert_axes="expert")
             >>> roles.logical_rules
             (('expert', 'expert'), ('exp', 'expert'))
         """
@@ -264,7 +265,8 @@ class AxisRoles:
 
         Examples:
             >>> import jax
-            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "fsdp")), ("data", "fsdp"), split=True)
+            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "fsdp")), ("data", "fsdp"),
+            ...                    split=True)
             >>> roles.entry("fsdp"), roles.entry("expert")
             (('data', 'fsdp'), None)
         """
@@ -343,7 +345,8 @@ def axis_roles(
         >>> roles = axis_roles(mesh, ("data", "fsdp"), ("fsdp",), split=True)
         >>> roles.replica_axis, roles.fsdp_axes, roles.model_axes
         (('data', 'fsdp'), ('fsdp',), ('tensor',))
-        >>> cp = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True, context_axes="context")
+        >>> cp = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True,
+        ...                 context_axes="context")
         >>> cp.context_axes, cp.fsdp_axes, cp.model_axes
         (('context',), ('data', 'context'), ())
     """

@@ -163,7 +163,8 @@ def in_host_memory(x: Any) -> bool:
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> in_host_memory(jnp.zeros(2)), in_host_memory(jax.device_put(jnp.zeros(2), jax.memory.Space.Host))
+        >>> (in_host_memory(jnp.zeros(2)),
+        ...  in_host_memory(jax.device_put(jnp.zeros(2), jax.memory.Space.Host)))
         (False, True)
     """
     if isinstance(x, jax.core.Tracer):

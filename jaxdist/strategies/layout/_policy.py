@@ -71,7 +71,8 @@ def colocated_layout(target: jax.sharding.Sharding, aval: Any) -> jax.sharding.S
         >>> import jax
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("replica",))
-        >>> colocated_layout(NamedSharding(mesh, P(None, "replica")), jax.ShapeDtypeStruct((), "int32")).spec
+        >>> colocated_layout(NamedSharding(mesh, P(None, "replica")),
+        ...                  jax.ShapeDtypeStruct((), "int32")).spec
         P()
     """
     if not isinstance(target, NamedSharding):
@@ -99,7 +100,8 @@ def held_whole_bytes(sharding: Any, aval: Any, mesh: Mesh, axis: str) -> int:
         >>> from jax.sharding import PartitionSpec as P
         >>> mesh = jax.make_mesh((4, 2), ("data", "tensor"))
         >>> w = jax.ShapeDtypeStruct((8, 6), jnp.float32)
-        >>> held_whole_bytes(P("data"), w, mesh, "tensor"), held_whole_bytes(P("data", "tensor"), w, mesh, "tensor")
+        >>> (held_whole_bytes(P("data"), w, mesh, "tensor"),
+        ...  held_whole_bytes(P("data", "tensor"), w, mesh, "tensor"))
         (48, 0)
     """
     spec = tuple(getattr(sharding, "spec", sharding) or ())
@@ -127,7 +129,8 @@ class IdleAxisWarning(UserWarning):
 
     Examples:
         >>> import warnings, jax, jax.numpy as jnp, jaxdist as jd
-        >>> s = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data")
+        >>> s = jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")),
+        ...                        batch_axes="data")
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     _ = s.create_variables(lambda: {"w": jnp.zeros((8, 8))})
@@ -172,8 +175,10 @@ class LayoutPolicy:
 
     Examples:
         >>> import jax, jaxdist as jd
-        >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:4], split_variables=True, min_shard_size=1)
-        >>> policy.num_replicas, policy.variable_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
+        >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:4], split_variables=True,
+        ...                                     min_shard_size=1)
+        >>> (policy.num_replicas,
+        ...  policy.variable_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec)
         (4, P(None, 'replica'))
         >>> hsdp = jd.strategies.LayoutPolicy(mesh=jax.make_mesh((2, 4), ("data", "fsdp")),
         ...                                   batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",),
@@ -409,7 +414,8 @@ class LayoutPolicy:
 
         Examples:
             >>> import jax, jaxdist as jd
-            >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:2], split_variables=True, min_shard_size=1)
+            >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:2], split_variables=True,
+            ...                                     min_shard_size=1)
             >>> policy.rule_layout("w", jax.ShapeDtypeStruct((4, 8), "float32")).spec
             P(None, 'replica')
         """
@@ -425,7 +431,8 @@ class LayoutPolicy:
         Examples:
             >>> import jax, jaxdist as jd
             >>> policy = jd.strategies.LayoutPolicy(jax.devices()[:2])
-            >>> policy.use_hooks(variable_layout=lambda path, aval, annotation=None: policy.batch_sharding)
+            >>> policy.use_hooks(
+            ...     variable_layout=lambda path, aval, annotation=None: policy.batch_sharding)
             >>> policy.variable_layout("w", jax.ShapeDtypeStruct((4,), "float32")).spec
             P('replica',)
         """

@@ -97,7 +97,8 @@ def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
         >>> from flax import nnx
         >>> with nnx.use_eager_sharding(False):
         ...     kernel = nnx.Param(jnp.zeros((2, 4)), out_sharding=("embed", "model"))
-        >>> type(annotation(kernel, ("replica", "model"))).__name__, annotation(kernel, ("replica", "model")).names
+        >>> (type(annotation(kernel, ("replica", "model"))).__name__,
+        ...  annotation(kernel, ("replica", "model")).names)
         ('LogicallyPartitioned', ('embed', 'model'))
         >>> annotation(nnx.Param(jnp.zeros(2)), ("replica",)) is None
         True

@@ -74,7 +74,8 @@ class ReplicaContext:
             >>> import jaxdist as jd
             >>> s = jd.OneDeviceStrategy()
             >>> names = []
-            >>> _ = s.run(lambda: names.append(jd.get_replica_context().axis_name) or 0.0, axis_name="batch")
+            >>> _ = s.run(lambda: names.append(jd.get_replica_context().axis_name) or 0.0,
+            ...           axis_name="batch")
             >>> sorted(set(names))  # traced once to learn the outputs, once for the program
             ['batch']
         """
@@ -124,8 +125,9 @@ class ReplicaContext:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
             >>> w = strategy.mirror({"w": jnp.ones(2)})
-            >>> out = strategy.run(lambda w: jd.get_replica_context().per_replica(jax.tree.map(lambda x: x + 1, w)),
-            ...                    args=(w,))
+            >>> def replica_fn(w):
+            ...     return jd.get_replica_context().per_replica(jax.tree.map(lambda x: x + 1, w))
+            >>> out = strategy.run(replica_fn, args=(w,))
             >>> type(out["w"]).__name__
             'PerReplica'
         """
@@ -251,7 +253,8 @@ class ReplicaContext:
             ...     v = ctx.replica_id_in_sync_group + 1.0
             ...     total = ctx.merge_call(lambda s, pv: s.reduce("sum", pv), args=(v,))
             ...     return total + v
-            >>> [float(x) for x in strategy.experimental_local_results(strategy.run(replica_fn))][:3]
+            >>> [float(x)
+            ...  for x in strategy.experimental_local_results(strategy.run(replica_fn))][:3]
             [37.0, 38.0, 39.0]
         """
         if not callable(merge_fn):

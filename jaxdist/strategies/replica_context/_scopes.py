@@ -95,8 +95,10 @@ def _scope_note(owner: str, policy: LayoutPolicy, spec: jax.sharding.PartitionSp
     Examples:
         >>> import jax
         >>> policy = LayoutPolicy(jax.devices()[:2])
-        >>> print(_scope_note("MirroredStrategy", policy, jax.sharding.PartitionSpec("model")).splitlines()[0])
-        jaxdist: raised inside MirroredStrategy.scope(), where the ambient mesh is this strategy's, axes ('replica',).
+        >>> note = _scope_note("MirroredStrategy", policy, jax.sharding.PartitionSpec("model"))
+        >>> print(note.splitlines()[0])  # doctest: +NORMALIZE_WHITESPACE
+        jaxdist: raised inside MirroredStrategy.scope(), where the ambient mesh is this strategy's,
+        axes ('replica',).
     """
     axes = tuple(policy.mesh.axis_names)
     rules = policy.rules.logical_axis_rules

@@ -51,7 +51,8 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> policy = LayoutPolicy(jax.devices()[:2])
-        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (), {})["w"].sharding.is_fully_replicated
+        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (),
+        ...                  {})["w"].sharding.is_fully_replicated
         True
     """
     if not callable(init_fn):

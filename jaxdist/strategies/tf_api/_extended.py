@@ -190,7 +190,8 @@ class StrategyExtended:
             >>> s = jd.ShardedStrategy(min_shard_size=1)
             >>> w = s.mirror(jnp.zeros((8, 16)))  # FSDP splits its largest axis
             >>> with s.scope(), s.colocate_vars_with(w):
-            ...     slot, step = s.create_variables(lambda: (jnp.zeros((8, 16)), jnp.zeros((), "int32")))
+            ...     slot, step = s.create_variables(lambda: (jnp.zeros((8, 16)),
+            ...                                              jnp.zeros((), "int32")))
             >>> w.sharding.spec, slot.sharding.spec, step.sharding.spec
             (P(None, 'replica'), P(None, 'replica'), P())
         """

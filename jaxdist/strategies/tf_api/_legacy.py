@@ -243,7 +243,8 @@ class StrategyV1Names:
         Examples:
             >>> import numpy as np, jaxdist as jd
             >>> s = jd.MirroredStrategy()
-            >>> [float(y) for y in s.map([np.float32(i) for i in range(3)], lambda m, k: m * k, 10.0)]
+            >>> [float(y) for y in s.map([np.float32(i) for i in range(3)], lambda m, k: m * k,
+            ...                          10.0)]
             [0.0, 10.0, 20.0]
         """
         if not callable(fn):
@@ -306,7 +307,8 @@ class StrategyV1Names:
             >>> ids = s.run(lambda: jd.get_replica_context().replica_id_in_sync_group)
             >>> first = s.unwrap(ids)[0]
             >>> container = s.value_container(first)
-            >>> container.stacked is ids.stacked, any(c is first for c in s.unwrap(container)), s.value_container(5)
+            >>> (container.stacked is ids.stacked, any(c is first for c in s.unwrap(container)),
+            ...  s.value_container(5))
             (True, True, 5)
         """
         known = _components.container_of.get(id(value))

@@ -391,7 +391,8 @@ class Checkpointer:
             >>> state = jd.OneDeviceStrategy().mirror({"w": np.zeros(2, np.float32)})
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> _ = ckpt.save(5, state)
-            >>> (restored, meta), it = ckpt.read(lambda s: (ckpt.restore(state, s), ckpt.data_iterator_state(s)))
+            >>> (restored, meta), it = ckpt.read(lambda s: (ckpt.restore(state, s),
+            ...                                             ckpt.data_iterator_state(s)))
             >>> meta["step"], it
             (5, None)
             >>> ckpt.close()

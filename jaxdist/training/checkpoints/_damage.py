@@ -78,8 +78,9 @@ class CheckpointCorruptedError(RuntimeError):
 
     Examples:
         >>> error = CheckpointCorruptedError(20, "/c", "DATA_LOSS in state/d/1f", intact_step=10)
-        >>> print(error)
-        checkpoint 20 in '/c' is unreadable (DATA_LOSS in state/d/1f): delete /c/20 to resume from 10, or pass step=10.
+        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
+        checkpoint 20 in '/c' is unreadable (DATA_LOSS in state/d/1f): delete /c/20 to resume from
+        10, or pass step=10.
         >>> error.step, error.intact_step, isinstance(error, RuntimeError)
         (20, 10, True)
     """
@@ -239,8 +240,10 @@ class ChecksumMismatchError(ValueError):
         paths: the mismatching leaves' paths (``jax.tree_util.keystr``), in tree order.
 
     Examples:
-        >>> print(ChecksumMismatchError([".params['w']", ".params['b']", ".step"]))
-        checksum mismatch in .params['w'] and 2 more leaves: the array data (state/ocdbt.process_*/d/) changed
+        >>> error = ChecksumMismatchError([".params['w']", ".params['b']", ".step"])
+        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
+        checksum mismatch in .params['w'] and 2 more leaves: the array data
+        (state/ocdbt.process_*/d/) changed
     """
 
     def __init__(self, paths: Sequence[str]):
@@ -367,7 +370,8 @@ def checksums(tree: Any) -> dict[str, list[int]]:
 
     Examples:
         >>> import numpy as np, jax.numpy as jnp
-        >>> checksums({"w": jnp.arange(3, dtype=jnp.uint32)}) == checksums({"w": np.arange(3, dtype=np.uint32)})
+        >>> (checksums({"w": jnp.arange(3, dtype=jnp.uint32)})
+        ...  == checksums({"w": np.arange(3, dtype=np.uint32)}))
         True
         >>> checksums({"w": np.arange(3, dtype=np.uint32)})  # 0+1+2, 0*1+1*2+2*3
         {"['w']": [3, 8]}

@@ -84,8 +84,10 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
 
     Examples:
         >>> import numpy as np, jax
-        >>> like = (jax.ShapeDtypeStruct((2,), np.float32), {"b": jax.ShapeDtypeStruct((), np.int32)})
-        >>> [a.tolist() for a in loaded_leaves([np.ones(2, np.float32), {"b": np.int32(3)}], like, "x")]
+        >>> like = (jax.ShapeDtypeStruct((2,), np.float32),
+        ...         {"b": jax.ShapeDtypeStruct((), np.int32)})
+        >>> [a.tolist() for a in loaded_leaves([np.ones(2, np.float32), {"b": np.int32(3)}], like,
+        ...                                    "x")]
         [[1.0, 1.0], 3]
         >>> try:
         ...     loaded_leaves([np.ones(3, np.float32), {}], like, "opt_state")
@@ -257,7 +259,8 @@ def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: A
 
     Examples:
         >>> import jax, numpy as np
-        >>> like = TrainState(*jax.eval_shape(lambda: (0, {"w": np.zeros(2, np.float32)}, (), {}, 0)))
+        >>> like = TrainState(*jax.eval_shape(lambda: (0, {"w": np.zeros(2, np.float32)}, (), {},
+        ...                                            0)))
         >>> checked_pieces(like, {"w": np.ones(2, np.float32)}, None, None).params
         [array([1., 1.], dtype=float32)]
     """

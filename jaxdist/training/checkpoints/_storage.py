@@ -123,7 +123,8 @@ def describe_failure(error: BaseException, directory: str | None = None) -> tupl
         'a file reached the largest size th'
         >>> describe_failure(ValueError("OUT_OF_RANGE: ..."), "/no/such/directory")[2]
         True
-        >>> describe_failure(ValueError("OUT_OF_RANGE: x"), tempfile.mkdtemp())[0]  # the probe writes fine
+        >>> # the probe writes fine
+        >>> describe_failure(ValueError("OUT_OF_RANGE: x"), tempfile.mkdtemp())[0]
         'ValueError: OUT_OF_RANGE: x'
     """
     found = _os_error(error)
@@ -228,7 +229,8 @@ class CheckpointSaveError(RuntimeError):
 
     Examples:
         >>> import errno
-        >>> error = CheckpointSaveError(5, "/c", 4, OSError(errno.ENOSPC, "No space left on device"))
+        >>> error = CheckpointSaveError(5, "/c", 4, OSError(errno.ENOSPC,
+        ...                                                 "No space left on device"))
         >>> print(str(error)[:67])
         saving checkpoint step 5 in '/c' failed: the disk is full (OSError:
         >>> error.step, error.latest

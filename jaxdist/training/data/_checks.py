@@ -173,7 +173,8 @@ def say_batch_change(meta: Mapping[str, Any], rows: int | None, position: DataPo
     keep it).
 
     Examples:
-        >>> say_batch_change({"global_batch": 32, "step": 4}, 32, DataPosition(0, 4))   # the same: silent
+        >>> # the same: silent
+        >>> say_batch_change({"global_batch": 32, "step": 4}, 32, DataPosition(0, 4))
     """
     old = meta.get("global_batch")
     if old is None or rows is None or int(old) == rows:

@@ -91,7 +91,7 @@ class BatchFeed:
         >>> feed = BatchFeed(strategy, BatchChecker(strategy.num_replicas_in_sync))
         >>> feed((np.ones((12, 2)), np.ones(12)), "batch 0")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: batch 0 has 12 rows, which 8 replicas x grad_accum_steps=1 do not divide: ... (e.g. 16)...
+        ValueError: batch 0 has 12 rows, which 8 replicas x grad_accum_steps=1 do not divide: ...
     """
 
     def __init__(self, strategy: Strategy, checker: BatchChecker, *, place: bool = True):

@@ -62,7 +62,8 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn
         >>> from jaxdist.training.step._models import LinenModel
-        >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
+        >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0,
+        ...                             np.ones((8, 3), np.float32))
         >>> jax.eval_shape(build, *args).params["kernel"].shape
         (3, 2)
     """
@@ -84,7 +85,8 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
     Examples:
         >>> import numpy as np, optax, flax.linen as nn, jaxdist as jd
         >>> from jaxdist.training.step._models import LinenModel
-        >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
+        >>> build, args = state_builder(LinenModel(nn.Dense(2)), optax.sgd(0.1), 0,
+        ...                             np.ones((8, 3), np.float32))
         >>> restore_target(jd.OneDeviceStrategy(), build, args).params["kernel"].shape
         (3, 2)
     """
@@ -109,7 +111,8 @@ def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, p
 
     Examples:
         >>> import numpy as np, optax, jaxdist as jd
-        >>> like = params_target(jd.OneDeviceStrategy(), optax.adam(1e-3), {"w": np.ones((3, 2))}, None)
+        >>> like = params_target(jd.OneDeviceStrategy(), optax.adam(1e-3), {"w": np.ones((3, 2))},
+        ...                      None)
         >>> like.opt_state[0].mu["w"].shape, like.step.dtype
         ((3, 2), dtype('int32'))
     """
@@ -161,10 +164,12 @@ def check_losses(
         >>> model = LinenModel(nn.Dense(2))
         >>> build, args = state_builder(model, optax.sgd(0.1), 0, np.ones((8, 3), np.float32))
         >>> x, y = np.ones((8, 3), np.float32), np.ones(8, np.float32)
-        >>> sorted(check_losses(model, lambda out, y: (out.sum(), y.sum()), {}, jax.eval_shape(build, *args), x, y))
+        >>> sorted(check_losses(model, lambda out, y: (out.sum(), y.sum()), {},
+        ...                     jax.eval_shape(build, *args), x, y))
         ['loss']
         >>> try:  # a per-example loss, not its mean
-        ...     check_losses(model, lambda out, y: (out.sum(-1) - y) ** 2, {}, jax.eval_shape(build, *args), x, y)
+        ...     check_losses(model, lambda out, y: (out.sum(-1) - y) ** 2, {},
+        ...                  jax.eval_shape(build, *args), x, y)
         ... except ValueError as error:
         ...     print(str(error).split(";")[0])
         loss_fn returned shape (8,) float32 for a batch of 8 rows

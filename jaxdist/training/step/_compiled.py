@@ -64,7 +64,8 @@ class CompiledSteps:
         >>> from jaxdist.training.step._build import state_builder
         >>> from jaxdist.training.step._models import LinenModel
         >>> strategy, model = jd.MirroredStrategy(), LinenModel(nn.Dense(1))
-        >>> steps = CompiledSteps(strategy, model, optax.sgd(0.1), lambda out, y: ((out[:, 0] - y) ** 2).mean())
+        >>> steps = CompiledSteps(strategy, model, optax.sgd(0.1),
+        ...                       lambda out, y: ((out[:, 0] - y) ** 2).mean())
         >>> batch = (np.ones((8, 2), np.float32), np.ones(8, np.float32))
         >>> build, args = state_builder(model, optax.sgd(0.1), 0, batch[0])
         >>> state = strategy.create_variables(build, *args)
@@ -95,8 +96,8 @@ class CompiledSteps:
         # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state);
         # built lazily.
         self._skipping_step = lambda: make_summed_train_step(
-            model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype, skip_non_finite=True,
-            ema_decay=ema_decay)
+            model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype,
+            skip_non_finite=True, ema_decay=ema_decay)
         self.skip_non_finite = False  # which of the two the training calls run (set by fit)
         self.eval_step = strategy.jit(make_eval_step(model, loss_fn, metrics, compute_dtype),
                                       batch_argnums=(1, 2))

@@ -169,7 +169,8 @@ def has_ema(meta: dict) -> bool:
     ``.ema``).
 
     Examples:
-        >>> has_ema({"fingerprint": [[".params['w']", [2], "float32"], [".ema['w']", [2], "float32"]]})
+        >>> has_ema({"fingerprint": [[".params['w']", [2], "float32"],
+        ...                          [".ema['w']", [2], "float32"]]})
         True
     """
     return any(entry[0].startswith(".ema") for entry in meta.get("fingerprint", ()))

@@ -243,7 +243,9 @@ def make_summed_train_step(
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, opt.init(params), ms, jax.random.key(1))
         >>> mask = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last row is padding
-        >>> step = make_summed_train_step(model, opt, lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(), mask.sum()))
+        >>> step = make_summed_train_step(model, opt,
+        ...                               lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(),
+        ...                                               mask.sum()))
         >>> state, m, addends = step(state, (jnp.ones((4, 2)), jnp.zeros(4)))
         >>> float(m["loss"]), addends.averages["loss"], int(addends.non_finite.count)
         (2.0, Average(total=Array(6., dtype=float32), weight=Array(3., dtype=float32)), 0)
@@ -409,7 +411,8 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedS
         >>> import numpy as np, jax.numpy as jnp, jaxdist as jd
         >>> def train_step(w, batch):
         ...     return w + 1.0, {"loss": batch[0].mean()}
-        >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)])
+        >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32))
+        ...                 for i in range(3)])
         >>> like = RunningSums.zeros(["loss"]).pack()
         >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), like.vector)
         >>> ctx = jd.OneDeviceStrategy().run_steps_on_dataset(
@@ -464,7 +467,8 @@ def make_eval_step(
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, (), ms, jax.random.key(1))
         >>> step = make_eval_step(model, lambda out, y: jnp.mean(out[:, 0] * 0 + 1.0))
-        >>> sums, counts, n = step(state, (jnp.ones((4, 2)), jnp.zeros(4)), jnp.array([1.0, 1.0, 1.0, 0.0]))
+        >>> sums, counts, n = step(state, (jnp.ones((4, 2)), jnp.zeros(4)),
+        ...                        jnp.array([1.0, 1.0, 1.0, 0.0]))
         >>> float(sums["loss"]), float(counts["loss"]), float(n)
         (3.0, 3.0, 3.0)
     """

@@ -74,7 +74,8 @@ class NonFiniteError(FloatingPointError):
         directory: the checkpoint directory, or None.
 
     Examples:
-        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30, directory="/c")
+        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30,
+        ...                        directory="/c")
         >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
         (True, 40, 30)
     """
@@ -102,11 +103,13 @@ def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.ones(2)})), float(step_flag(jnp.nan, {"w": jnp.ones(2)}))
+        >>> (float(step_flag(jnp.float32(1.0), {"w": jnp.ones(2)})),
+        ...  float(step_flag(jnp.nan, {"w": jnp.ones(2)})))
         (0.0, 1.0)
         >>> float(step_flag(jnp.float32(1.0), {"w": jnp.array([1.0, jnp.inf])}))
         1.0
-        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.full(4, 300.0, jnp.float16)}))  # finite, norm > fp16 max
+        >>> # finite, norm > fp16 max
+        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.full(4, 300.0, jnp.float16)}))
         0.0
     """
     # Every gradient entry finite (what a finite global norm means, without squaring in the
@@ -123,7 +126,8 @@ def keep_if_finite(flag: jax.Array, new: Any, old: Any) -> Any:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> keep_if_finite(jnp.float32(1.0), {"w": jnp.array(jnp.nan)}, {"w": jnp.array(2.0)})["w"].tolist()
+        >>> keep_if_finite(jnp.float32(1.0), {"w": jnp.array(jnp.nan)},
+        ...                {"w": jnp.array(2.0)})["w"].tolist()
         2.0
     """
     return optax.tree.where(flag == 0.0, new, old)
@@ -148,7 +152,8 @@ class NonFiniteRecord(NamedTuple):
         >>> import jax.numpy as jnp
         >>> record, steps = NonFiniteRecord.zeros(), 0
         >>> for flag in (0.0, 1.0, 1.0, 0.0, 1.0):
-        ...     record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps, 1), steps + 1
+        ...     record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps,
+        ...                                 1), steps + 1
         >>> [int(v) for v in record]  # 3 bad; first after 1 step; none opens; 1 closes; 2 in a row
         [3, 1, 0, 1, 2]
     """
@@ -228,7 +233,8 @@ def non_finite_leaves(state: Any) -> list[str]:
     Examples:
         >>> import jax.numpy as jnp
         >>> from jaxdist.training.step._functions import TrainState
-        >>> state = TrainState(jnp.int32(0), {"w": jnp.array([1.0, jnp.nan])}, (jnp.array(jnp.inf),), {}, None)
+        >>> state = TrainState(jnp.int32(0), {"w": jnp.array([1.0, jnp.nan])},
+        ...                    (jnp.array(jnp.inf),), {}, None)
         >>> non_finite_leaves(state)
         [".params['w']"]
     """
@@ -298,8 +304,8 @@ class NonFinitePolicy:
         True
         >>> NonFinitePolicy("retry")
         Traceback (most recent call last):
-        ValueError: on_non_finite='retry' is not a policy: pass one of 'stop', 'skip', 'rollback', 'continue' \
-(or a jd.training.NonFinitePolicy).
+        ValueError: on_non_finite='retry' is not a policy: pass one of 'stop', 'skip', 'rollback', \
+'continue' (or a jd.training.NonFinitePolicy).
     """
 
     action: str = "stop"
@@ -456,7 +462,8 @@ def log_values(window: Window | None) -> Mapping[str, float]:
     finite.
 
     Examples:
-        >>> log_values(Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)), log_values(None)
+        >>> (log_values(Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)),
+        ...  log_values(None))
         ({'non_finite_steps': 2}, {})
     """
     return {COUNT: window.count} if window is not None and window.count else {}

@@ -45,7 +45,8 @@ class Average(NamedTuple):
 
     Examples:
         >>> import numpy as np
-        >>> Average(np.float32(6.0), np.float32(4.0)).mean(), Average(np.float32(0.0), np.float32(0.0)).mean()
+        >>> (Average(np.float32(6.0), np.float32(4.0)).mean(), Average(np.float32(0.0),
+        ...                                                            np.float32(0.0)).mean())
         (1.5, nan)
     """
 
@@ -81,10 +82,12 @@ class RunningSums:
         >>> import jax.numpy as jnp
         >>> sums = RunningSums.zeros(["loss", "accuracy"], token_weighted=["loss"])
         >>> for loss_sum, tokens, accuracy in ((6.0, 3.0, 0.5), (2.0, 1.0, 1.0)):
-        ...     step = {"loss": (jnp.float32(loss_sum), jnp.float32(tokens)), "accuracy": (accuracy, None)}
+        ...     step = {"loss": (jnp.float32(loss_sum), jnp.float32(tokens)),
+        ...             "accuracy": (accuracy, None)}
         ...     sums = sums.then(RunningSums.of_step(step))
         >>> sums = sums.pack().to_host()  # one vector, one transfer
-        >>> sums.means(), int(sums.steps), int(sums.non_finite.count)  # loss: (6 + 2) / (3 + 1) tokens
+        >>> # loss: (6 + 2) / (3 + 1) tokens
+        >>> sums.means(), int(sums.steps), int(sums.non_finite.count)
         ({'loss': 2.0, 'accuracy': 0.75}, 2, 0)
 
         ``Trainer.pop_running_sums`` returns a trainer's.
@@ -138,7 +141,8 @@ class RunningSums:
 
         Examples:
             >>> import jax.numpy as jnp
-            >>> step = RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0)), "acc": (0.5, None)})
+            >>> step = RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0)),
+            ...                             "acc": (0.5, None)})
             >>> step.mean("loss"), step.mean("acc"), step.token_weighted
             (2.0, 0.5, ('loss',))
         """
@@ -163,7 +167,8 @@ class RunningSums:
             >>> import jax.numpy as jnp
             >>> bad = RunningSums.of_step({"loss": (jnp.float32(1.0), None)}, flag=jnp.float32(1.0))
             >>> both = bad.then(RunningSums.of_step({"loss": (jnp.float32(3.0), None)}))
-            >>> both.mean("loss"), int(both.steps), int(both.non_finite.count), int(both.non_finite.lead)
+            >>> (both.mean("loss"), int(both.steps), int(both.non_finite.count),
+            ...  int(both.non_finite.lead))
             (2.0, 2, 1, 1)
         """
         if (set(later.names) != set(self.names)
@@ -192,8 +197,8 @@ class RunningSums:
             >>> import jax.numpy as jnp
             >>> packed = RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0))}).pack()
             >>> packed.fields, packed.vector.tolist()
-            (('loss', 'loss.weight', 'non_finite_steps', 'non_finite_first', 'non_finite_lead', 'non_finite_run', \
-'non_finite_longest', 'steps'), [6.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+            (('loss', 'loss.weight', 'non_finite_steps', 'non_finite_first', 'non_finite_lead', \
+'non_finite_run', 'non_finite_longest', 'steps'), [6.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
         """
         values = []
         for name in self.names:
@@ -254,7 +259,8 @@ class PackedSums:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> packed = RunningSums.zeros(["loss"]).then(RunningSums.of_step({"loss": (jnp.float32(2.0), None)})).pack()
+        >>> step = RunningSums.of_step({"loss": (jnp.float32(2.0), None)})
+        >>> packed = RunningSums.zeros(["loss"]).then(step).pack()
         >>> sums = packed.to_host()  # one transfer
         >>> sums.mean("loss"), int(sums.steps)
         (2.0, 1)

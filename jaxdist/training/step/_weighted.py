@@ -136,7 +136,8 @@ def mean(total: jax.Array, weight: jax.Array) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> mean(jnp.float32(6.0), jnp.float32(4.0)).item(), mean(jnp.float32(0.0), jnp.float32(0.0)).item()
+        >>> (mean(jnp.float32(6.0), jnp.float32(4.0)).item(), mean(jnp.float32(0.0),
+        ...                                                        jnp.float32(0.0)).item())
         (1.5, nan)
     """
     total = jnp.asarray(total, jnp.float32)

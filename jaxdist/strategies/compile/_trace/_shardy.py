@@ -83,10 +83,12 @@ def grouped_convolutions(jaxpr: Any) -> int:
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> conv = lambda w, x: jax.lax.conv_general_dilated(x[None], w, (1, 1), "SAME",
-        ...                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        >>> per_example = jax.vmap(jax.grad(lambda w, x: jnp.sin(conv(w, x)).sum()), in_axes=(None, 0))
-        >>> grouped_convolutions(jax.make_jaxpr(per_example)(jnp.ones((3, 3, 2, 4)), jnp.ones((8, 5, 5, 2))))
+        >>> conv = lambda w, x: jax.lax.conv_general_dilated(
+        ...     x[None], w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        >>> per_example = jax.vmap(jax.grad(lambda w, x: jnp.sin(conv(w, x)).sum()),
+        ...                        in_axes=(None, 0))
+        >>> grouped_convolutions(jax.make_jaxpr(per_example)(jnp.ones((3, 3, 2, 4)),
+        ...                                                  jnp.ones((8, 5, 5, 2))))
         1
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
