@@ -174,13 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if devices[0].platform == "cpu" and (not keys or "multiproc" in keys):
         for spec in _multiproc_models(args, mode):
             pairs, blocks, steps = MULTIPROC[mode]
-            new = multiproc_rows(
-                spec,
-                pairs,
-                blocks,
-                steps if spec.name != "mlp-large" else max(2, steps // 6),
-                warmup=MULTIPROC_WARMUP[mode],
-            )
+            new = multiproc_rows(spec, pairs, blocks,
+                                 steps if spec.name != "mlp-large" else max(2, steps // 6),
+                                 warmup=MULTIPROC_WARMUP[mode])
             for row in new:
                 print(f"[{row.key} {spec.name}] {row.status} {row.note}", file=sys.stderr,
                       flush=True)

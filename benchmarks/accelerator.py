@@ -192,10 +192,8 @@ def lm_row(kind: str, config: Config, device: jax.Device, peak: float | None,
     rng = np.random.default_rng(0)
     batches = [
         (x[:, :-1], x[:, 1:])
-        for x in (
-            rng.integers(0, sizes.vocab, (sizes.rows, sizes.length + 1), dtype=np.int32)
-            for _ in range(2)
-        )
+        for x in (rng.integers(0, sizes.vocab, (sizes.rows, sizes.length + 1), dtype=np.int32)
+                  for _ in range(2))
     ]
     strategy = jd.OneDeviceStrategy(device)
     trainer = jd.training.Trainer(strategy, model, optax.adamw(3e-4), _loss,

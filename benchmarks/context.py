@@ -259,11 +259,8 @@ def markdown(sizes: Sizes, mem: list[dict], times: list[dict], machine: dict) ->
               "|---|---|---|---|---|---|"]
     for r in times:
         q = r["ratio"]
-        target = (
-            f">= {TARGET_TIME}: {'met' if q['median'] >= TARGET_TIME else 'missed'}"
-            if r["mode"] in ("all_gather", "xla")
-            else ""
-        )
+        target = (f">= {TARGET_TIME}: {'met' if q['median'] >= TARGET_TIME else 'missed'}"
+                  if r["mode"] in ("all_gather", "xla") else "")
         lines.append(f"| {r['mode']} | {q['median']:.3f} | [{q['ci_low']:.3f}, {q['ci_high']:.3f}] "
                      f"| {r['steps_per_sec']:.2f} | {r['hand_steps_per_sec']:.2f} | {target} |")
     return "\n".join(lines) + "\n"

@@ -187,10 +187,8 @@ def _trainer_case(strategy: Any, pairs: int, steps: int) -> dict[str, Any]:
                                   problem.loss_of_logits)
     data = list(problem.host_batches)
     mesh = strategy.mesh
-    split, whole = (
-        NamedSharding(mesh, PartitionSpec(mesh.axis_names)),
-        NamedSharding(mesh, PartitionSpec()),
-    )
+    split, whole = (NamedSharding(mesh, PartitionSpec(mesh.axis_names)),
+                    NamedSharding(mesh, PartitionSpec()))
 
     hand = jax.jit(problem.step, in_shardings=(whole, split), out_shardings=(whole, whole),
                    donate_argnums=0)
@@ -259,10 +257,8 @@ def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, 
                 pairs, calls)),
         ]
     rows.append(
-        (
-            f"trainer-{devices}dev",
-            lambda: _trainer_case(jd.MirroredStrategy(), max(pairs // 4, 2), steps),
-        )
+        (f"trainer-{devices}dev",
+         lambda: _trainer_case(jd.MirroredStrategy(), max(pairs // 4, 2), steps))
     )
     machine = machine_info(jax.devices())
     out = []

@@ -535,10 +535,8 @@ def markdown(sizes: Sizes, result: dict[str, Any], machine: dict[str, Any]) -> s
                            if k != "all-to-all")
         sent = sum(v["sent"] for v in r["collectives"].values())
         if r["count"]:
-            ratio_t, ratio_b = (
-                r["bytes_per_op"] / r["token_bytes"],
-                r["bytes_per_op"] / r["buffer_bytes"],
-            )
+            ratio_t, ratio_b = (r["bytes_per_op"] / r["token_bytes"],
+                                r["bytes_per_op"] / r["buffer_bytes"])
             matches = " and ".join(n for n, q in (("token-based", ratio_t),
                                                   ("buffer-based", ratio_b))
                                    if abs(q - 1) < 1e-3) or "neither"

@@ -62,10 +62,8 @@ def _hand_side(problem):
         int(os.environ["JAXDIST_PROCESS_ID"]),
     )
     mesh = Mesh(jax.devices(), ("batch",))
-    replicated, split = (
-        NamedSharding(mesh, PartitionSpec()),
-        NamedSharding(mesh, PartitionSpec("batch")),
-    )
+    replicated, split = (NamedSharding(mesh, PartitionSpec()),
+                         NamedSharding(mesh, PartitionSpec("batch")))
     state = jax.jit(problem.init, out_shardings=replicated)(jax.random.key(0), problem.sample_x())
     step = jax.jit(
         problem.step, in_shardings=(replicated, split), out_shardings=(replicated, replicated),
@@ -104,13 +102,9 @@ def _jaxdist_lm_side(problem, layout):
     import jaxdist as jd
 
     if layout == "hsdp":
-        strategy = jd.ShardedStrategy(
-            mesh=_hsdp_mesh(),
-            batch_axes=("data", "fsdp"),
-            fsdp_axes=("fsdp",),
-            logical_axis_rules=HSDP_RULES,
-            activation_axes=("batch", "length"),
-        )
+        strategy = jd.ShardedStrategy(mesh=_hsdp_mesh(), batch_axes=("data", "fsdp"),
+                                      fsdp_axes=("fsdp",), logical_axis_rules=HSDP_RULES,
+                                      activation_axes=("batch", "length"))
     else:  # the short form: FSDP over every device of every process
         strategy = jd.ShardedStrategy()
     state = strategy.mirror(problem.host_state)  # in the strategy's variable layout

@@ -77,11 +77,9 @@ def bytes_table(layers: int = 8) -> list[str]:
         total = 0
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             if ("layers" in jax.tree_util.keystr(path)) == layer_part:
-                total += (
-                    leaf.addressable_shards[0].data.nbytes
-                    if hasattr(leaf, "addressable_shards")
-                    else (np.prod(leaf.shape) * leaf.dtype.itemsize)
-                )
+                total += (leaf.addressable_shards[0].data.nbytes
+                          if hasattr(leaf, "addressable_shards")
+                          else (np.prod(leaf.shape) * leaf.dtype.itemsize))
         return int(total)
 
     base_layers, base_other = nbytes(shapes, True), nbytes(shapes, False)

@@ -164,11 +164,8 @@ class Block(nn.Module):
                                                context=cfg.context,
                                                load_balance=cfg.load_balance,
                                                implementation=cfg.attention)
-        out = weight(
-            "attn_out",
-            _init(out_std, ("heads", "kv", "embed")),
-            (cfg.num_heads, head_dim, cfg.d_model),
-        )
+        out = weight("attn_out", _init(out_std, ("heads", "kv", "embed")),
+                     (cfg.num_heads, head_dim, cfg.d_model))
         x = nn.with_logical_constraint(x + jnp.einsum("bthk,hkd->btd", attended, out),
                                        ("batch", "length", "embed"))
 

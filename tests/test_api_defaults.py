@@ -92,11 +92,8 @@ def table_problems(obj: griffe.Object) -> list[str]:
                 # an expression (a constant's name): griffe shows it as written
                 continue
             actual = signature.parameters[name].default
-            if (
-                actual is inspect.Parameter.empty
-                or shown != actual
-                or type(shown) is not type(actual)
-            ):
+            if (actual is inspect.Parameter.empty or shown != actual
+                    or type(shown) is not type(actual)):
                 problems.append(f"{obj.path}: {name} shows default {entry.default} but defaults to "
                                 f"{actual!r}")
     return problems

@@ -259,10 +259,8 @@ def test_cudnn_attention_lowers_for_cuda_and_is_the_gpu_default(as_on_a_gpu):
                              # implementation=None: the default
                              disabled_checks=CUDNN_CHECKS)(q, k, v, valid)
     module = exported.mlir_module()
-    assert (
-        module.count("@__cudnn$fmhaSoftmax(") == 1
-        and module.count("@__cudnn$fmhaSoftmaxBackward(") == 1
-    )
+    assert (module.count("@__cudnn$fmhaSoftmax(") == 1
+            and module.count("@__cudnn$fmhaSoftmaxBackward(") == 1)
     assert module.count("@__cudnn$fmhaScaleBiasSoftmax(") == 1  # the padding mask, as cuDNN's bias
     assert "jaxdist_attention_cudnn" in module  # the named scope plans read the kernel from
 

@@ -97,28 +97,20 @@ def test_accelerator_smoke_runs_every_part_and_labels_cpu_numbers(tmp_path):
     assert [r["key"] for r in data["rows"]] == ["P1", "1dev", "trainer", "fsdp"]
     assert all(r["status"] != "error" for r in data["rows"]), [r["note"] for r in data["rows"]]
     first, second = data["lm"]
-    assert (
-        first["attention"] == "jd.nn.dot_product_attention"
-        and "implementation=" in second["attention"]
-    )
+    assert (first["attention"] == "jd.nn.dot_product_attention"
+            and "implementation=" in second["attention"])
     # the model FLOPs program_cost counts against 6N + 12LdT (tiny: norms and Adam show)
     for row in data["lm"]:
-        assert (
-            0.9 < row["program_over_analytic"] < 1.5
-            and row["uncosted"] == []
-            and row["mfu_analytic"] is None
-        )
+        assert (0.9 < row["program_over_analytic"] < 1.5 and row["uncosted"] == []
+                and row["mfu_analytic"] is None)
     # CPU keeps no statistics
     assert first["plan_peak_bytes"] > 0 and first["peak_bytes_in_use"] is None
     assert [r["path"] for r in data["moe"]["rows"]] == ["ragged", "padded"]
     timed = [r for r in data["attention"] if "ms" in r]
     assert len(timed) >= 2 and all(r["tflops_program"] > 0 for r in timed)
     table = next(tmp_path.glob("*-accelerator-smoke.md")).read_text()
-    assert (
-        "mean nothing about an accelerator" in table
-        and "| P1 |" in table
-        and "cuDNN needs an NVIDIA GPU" in table
-    )
+    assert ("mean nothing about an accelerator" in table and "| P1 |" in table
+            and "cuDNN needs an NVIDIA GPU" in table)
 
 
 def test_accelerator_refuses_an_unknown_part(capsys):
@@ -127,7 +119,5 @@ def test_accelerator_refuses_an_unknown_part(capsys):
     with pytest.raises(SystemExit) as exit_info:
         accelerator.main(["--parts", "lm,attension"])
     assert exit_info.value.code == 2
-    assert (
-        "--parts: unknown part(s) ['attension']; choose from ['rows', 'lm', 'moe', 'attention']"
-        in (capsys.readouterr().err)
-    )
+    assert ("--parts: unknown part(s) ['attension']; choose from ['rows', 'lm', 'moe', 'attention']"
+            in (capsys.readouterr().err))

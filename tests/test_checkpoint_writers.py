@@ -244,10 +244,8 @@ def test_a_full_disk_is_one_named_error_without_orbax_tracebacks(
         trainer.fit(_data(), steps=8, checkpoint_dir=tmp_path, checkpoint_every=2, verbose=0,
                     async_checkpoints=async_checkpoints, callbacks=[_FullAfter(2, full_disk)])
     message = str(info.value)
-    assert (
-        "saving checkpoint step 4 in" in message
-        and "the disk is full (OSError: [Errno 28]" in message
-    )
+    assert ("saving checkpoint step 4 in" in message
+            and "the disk is full (OSError: [Errno 28]" in message)
     assert "the last complete checkpoint is step 2. Fix: free space there" in message
     assert "run again to resume from step 2" in message
     assert isinstance(info.value.__context__,
@@ -280,8 +278,6 @@ def test_a_full_disk_ends_the_program_with_one_short_traceback(tmp_path):
                          text=True, timeout=120)  # bounded: no minutes-long wait at exit
     assert out.returncode == 1
     assert out.stderr.count("Traceback") == 1 and "absl" not in out.stderr, out.stderr[-3000:]
-    assert (
-        "CheckpointSaveError: saving checkpoint step 4" in out.stderr
-        and "the disk is full" in out.stderr
-    )
+    assert ("CheckpointSaveError: saving checkpoint step 4" in out.stderr
+            and "the disk is full" in out.stderr)
     assert len(out.stderr.splitlines()) < 40, out.stderr

@@ -203,11 +203,8 @@ def test_the_watchdog_dumps_and_exits_on_time_while_the_main_thread_holds_the_in
     text = "".join(lines)
     assert code == 124, f"exited {code}:\n{text[-3000:]}"
     assert held is not None and dumped is not None, text[-3000:]
-    assert (
-        "Thread 0x" in text
-        and "most recent call first" in text
-        and 'File "<string>", line 7' in text
-    ), text
+    assert ("Thread 0x" in text and "most recent call first" in text
+            and 'File "<string>", line 7' in text), text
     assert "not reached" not in text
     assert dumped - held < 2 * timeout, (
         f"the stacks came {dumped - held:.2f} s after the last step (timeout {timeout})"

@@ -168,10 +168,8 @@ def test_the_batch_script_runs_one_process_per_gpu():
         else:
             assert args.strategy == "multi_worker" and args.mesh is None
         # a restarted job resumes: checkpoints, compiled programs and a step watchdog
-        assert (
-            args.checkpoint_dir.startswith("runs/char-lm/")
-            and args.compilation_cache == "runs/char-lm/jax-cache"
-        )
+        assert (args.checkpoint_dir.startswith("runs/char-lm/")
+                and args.compilation_cache == "runs/char-lm/jax-cache")
         assert args.step_timeout and args.step_timeout >= 60
 
 
@@ -240,10 +238,8 @@ def test_the_kubernetes_job_sets_the_cluster_jaxdist_reads():
     assert set(env) == set(CLUSTER_VARIABLES), sorted(env)
     # An indexed Job whose pods all run at once, one process each.
     processes = int(env[count]["value"])
-    assert (
-        spec["completionMode"] == "Indexed"
-        and spec["completions"] == spec["parallelism"] == processes > 1
-    )
+    assert (spec["completionMode"] == "Indexed"
+            and spec["completions"] == spec["parallelism"] == processes > 1)
     assert pod["restartPolicy"] == "Never"
     # The process id is the pod's completion index (the downward API).
     field = env[index]["valueFrom"]["fieldRef"]["fieldPath"]
@@ -252,10 +248,8 @@ def test_the_kubernetes_job_sets_the_cluster_jaxdist_reads():
     # exposes.
     host, port = env[address]["value"].rsplit(":", 1)
     name = job["metadata"]["name"]
-    assert (
-        service["spec"]["clusterIP"] == "None"
-        and service["spec"]["publishNotReadyAddresses"] is True
-    )
+    assert (service["spec"]["clusterIP"] == "None"
+            and service["spec"]["publishNotReadyAddresses"] is True)
     assert pod["subdomain"] == service["metadata"]["name"]
     assert host == f"{name}-0.{service['metadata']['name']}", host
     assert service["spec"]["selector"] == {"job-name": name}

@@ -52,10 +52,8 @@ def test_tower_names_are_the_modern_ones():
     out = s.call_for_each_tower(lambda i, scale: i * scale, s.worker_device_index, 10,
                                 run_concurrently=True)
     assert [int(v) for v in s.unwrap(out)] == [0, 10, 20, 30]
-    assert (
-        jd.compat.get_distribution_strategy() is jd.get_strategy()
-        and not jd.compat.has_distribution_strategy()
-    )
+    assert (jd.compat.get_distribution_strategy() is jd.get_strategy()
+            and not jd.compat.has_distribution_strategy())
     with s.scope():
         assert jd.compat.get_distribution_strategy() is s and jd.compat.get_tower_context() is None
 
@@ -218,10 +216,8 @@ def test_batch_reduce_is_one_program_with_destinations():
     assert float(total) == 10.0 and total.sharding.is_fully_replicated
     np.testing.assert_allclose(mean_rows["r"], np.full((4, 2), 6.0))
     assert mean_rows["r"].sharding == fsdp.sharding  # reduced straight into the variable's layout
-    assert (
-        on_cpu.sharding.device_set == {jax.devices("cpu")[0]}
-        and len(on_two.sharding.device_set) == 2
-    )
+    assert (on_cpu.sharding.device_set == {jax.devices("cpu")[0]}
+            and len(on_two.sharding.device_set) == 2)
     assert [float(v) for v in s.batch_reduce("mean", [(ids, None)])] == [2.5]
     assert [float(v) for v in s.batch_reduce("only_first_replica", [(ids, None)])] == [1.0]
     # the same value on every replica

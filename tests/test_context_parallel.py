@@ -273,10 +273,8 @@ def block_batches(length=L, steps=2):
     out = []
     for _ in range(steps):
         # padding
-        valid = (
-            np.arange(length)[None]
-            < np.array([length, length - 6, length - 13, length - 1])[:, None]
-        )
+        valid = (np.arange(length)[None]
+                 < np.array([length, length - 6, length - 13, length - 1])[:, None])
         out.append({"x": rng.normal(size=(B, length, 8)).astype(np.float32),
                     "y": rng.normal(size=(B, length, 4)).astype(np.float32),
                     "w": valid.astype(np.float32)})

@@ -283,10 +283,8 @@ def test_sharded_step_without_a_distributed_batch_gathers_split_variables_at_ent
                                                 ("d0", P("replica"))],
                                   min_shard_size=10**9)
     placed = strategy.mirror(params)
-    assert (
-        strategy.gathers_variables_without_batch
-        and not jd.MirroredStrategy().gathers_variables_without_batch
-    )
+    assert (strategy.gathers_variables_without_batch
+            and not jd.MirroredStrategy().gathers_variables_without_batch)
 
     split = [f"tensor<{'x'.join(map(str, params[k].shape))}xf32>" for k in ("c1", "d0")]
 

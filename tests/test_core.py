@@ -148,11 +148,8 @@ def test_create_variables_and_mirror(strategy_name):
     assert ones["b"].shape == (8,)
     mirrored = strategy.mirror({"b": np.array([1.0, 2.0]), "s": np.int32(3), "step": 3, "on": True,
                                 "act": abs})
-    assert (
-        mirrored["b"].sharding.device_set
-        == mirrored["s"].sharding.device_set
-        == set(strategy.devices)
-    )
+    assert (mirrored["b"].sharding.device_set == mirrored["s"].sharding.device_set
+            == set(strategy.devices))
     # arrays and Python numbers are placed, as jax.device_put places them (a TrainState's step=0 is
     # a counter); what is not a value (a function) stays as it is
     assert int(mirrored["step"]) == 3 and mirrored["step"].sharding.device_set == set(

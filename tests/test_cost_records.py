@@ -20,10 +20,8 @@ def test_one_byte_formatter_and_one_flop_formatter_everywhere():
     f = jd.costs.format_bytes
     assert [f(0), f(12), f(1536), f(3 * 2**20), f(1000 * 1024), f(80 * 2**30)] == [
         "0 B", "12 B", "1.5 KiB", "3 MiB", "1000 KiB", "80 GiB"]
-    assert (
-        jd.costs.format_flops(989.4e12) == "989 TFLOP"
-        and jd.costs.format_flops(1.5e3) == "1.5 kFLOP"
-    )
+    assert (jd.costs.format_flops(989.4e12) == "989 TFLOP"
+            and jd.costs.format_flops(1.5e3) == "1.5 kFLOP")
 
 
 def test_the_layout_warning_prints_bytes_with_the_one_formatter():
@@ -79,11 +77,8 @@ def test_the_trainers_step_cost_is_read_from_the_plan_of_its_train_step():
     cost = trainer.step_cost()
     assert isinstance(cost.plan, jd.Plan)
     assert cost.flops == cost.plan.flops == trainer.plan(batch).flops
-    assert (
-        cost.param_bytes
-        == cost.plan.state_bytes["params"]
-        == jd.costs.bytes_per_device(trainer.state.params)
-    )
+    assert (cost.param_bytes == cost.plan.state_bytes["params"]
+            == jd.costs.bytes_per_device(trainer.state.params))
     assert cost.optimizer_bytes == jd.costs.bytes_per_device(trainer.state.opt_state) > 0
     assert cost.param_bytes == (16 * 16 + 16) * 4 // 8  # FSDP over 8 devices: an eighth each
     assert cost.temp_bytes == cost.plan.temp_bytes

@@ -157,11 +157,8 @@ def test_a_cudnn_convolution_counts_as_the_convolution_it_replaced():
     on_gpu = text.replace(" convolution(", " custom-call(").replace(
         ", window=", ', custom_call_target="__cudnn$convForward", window=')
     gpu, cpu = jd.program_cost(on_gpu), jd.program_cost(text)
-    assert (
-        gpu.flops == cpu.flops
-        and gpu.kernels["cuDNN convolution"] > 0.9 * cpu.flops
-        and gpu.uncosted == ()
-    )
+    assert (gpu.flops == cpu.flops and gpu.kernels["cuDNN convolution"] > 0.9 * cpu.flops
+            and gpu.uncosted == ())
 
 
 def test_a_scan_counts_every_iteration_as_the_unrolled_loop_does():
@@ -196,10 +193,8 @@ def test_rematerialised_work_is_executed_flops_but_not_model_flops():
 
 def test_plan_flops_are_program_cost_flops():
     strategy = jd.ShardedStrategy(min_shard_size=1)
-    w, x = (
-        jax.ShapeDtypeStruct((256, 128), jnp.float32),
-        jax.ShapeDtypeStruct((64, 256), jnp.float32),
-    )
+    w, x = (jax.ShapeDtypeStruct((256, 128), jnp.float32),
+            jax.ShapeDtypeStruct((64, 256), jnp.float32))
 
     def step(w, x):
         return w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
@@ -208,11 +203,8 @@ def test_plan_flops_are_program_cost_flops():
     compiled = strategy.jit(step, batch_argnums=(1,)).lower(jnp.ones(w.shape),
                                                             jnp.ones(x.shape)).compile()
     cost = jd.program_cost(compiled)
-    assert (
-        plan.flops == cost.flops
-        and plan.bytes_accessed == cost.bytes_accessed
-        and plan.uncosted == ()
-    )
+    assert (plan.flops == cost.flops and plan.bytes_accessed == cost.bytes_accessed
+            and plan.uncosted == ())
     assert [c.kind for c in cost.collectives] and {a for c in cost.collectives
                                                    for a in c.axes} <= {"replica"}
 
@@ -276,7 +268,5 @@ def test_progress_marks_utilisation_a_lower_bound_while_a_custom_call_is_not_cos
     assert lines[1] == "step 10 loss 1 mfu >=25.00% hfu >=25.00%"
     detailed = io.StringIO()
     jd.training.Progress(mode="lines", stream=detailed, details=True).on_step_cost(None, cost)
-    assert (
-        "at least: 1 custom call(s) not costed: mosaic_gpu_v2 (jit(step)/my_kernel)"
-        in detailed.getvalue()
-    )
+    assert ("at least: 1 custom call(s) not costed: mosaic_gpu_v2 (jit(step)/my_kernel)"
+            in detailed.getvalue())

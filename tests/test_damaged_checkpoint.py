@@ -293,10 +293,8 @@ def test_checksums_depend_on_the_values_only():
         "empty": np.zeros((0, 8), np.float32),
     }
     expected = checksums(values)  # numpy: summed on the host
-    assert (
-        list(expected) == [f"['{k}']" for k in sorted(values)]
-        and expected["['scalar']"] == [0x3F800000] * 2
-    )
+    assert (list(expected) == [f"['{k}']" for k in sorted(values)]
+            and expected["['scalar']"] == [0x3F800000] * 2)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
     P = jax.sharding.PartitionSpec
     layouts = [
@@ -316,22 +314,16 @@ def test_checksums_depend_on_the_values_only():
     explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     mixed = [
         jax.device_put(values["f32"], s)
-        for s in (
-            jax.devices()[0],
-            jax.sharding.NamedSharding(mesh, P("x")),
-            jax.sharding.NamedSharding(explicit, P(None, "y")),
-        )
+        for s in (jax.devices()[0], jax.sharding.NamedSharding(mesh, P("x")),
+                  jax.sharding.NamedSharding(explicit, P(None, "y")))
     ]
     # an ambient mesh that is not every array's, as inside a strategy's scope
     with jax.set_mesh(explicit):
         assert checksums(mixed) == {f"[{i}]": expected["['f32']"] for i in range(3)}
     keys = jax.random.split(jax.random.key(1), 8)
     spread = jax.device_put(keys, jax.sharding.NamedSharding(mesh, P(("x", "y"))))
-    assert (
-        checksums([keys])
-        == checksums([spread])
-        == checksums([np.asarray(jax.random.key_data(keys))])
-    )
+    assert (checksums([keys]) == checksums([spread])
+            == checksums([np.asarray(jax.random.key_data(keys))]))
 
     words = np.arange(10, dtype=np.uint32)
     flipped, swapped = words.copy(), words.copy()

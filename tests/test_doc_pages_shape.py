@@ -42,13 +42,8 @@ def test_no_long_stretch_of_a_page_goes_without_a_heading(page):
 
 
 def test_a_wall_of_text_is_caught():
-    page = (
-        "# Title\n\n"
-        + "word " * 700
-        + "\n\n```python\n"
-        + "code " * 900
-        + "\n```\n## Next\nshort\n"
-    )
+    page = ("# Title\n\n" + "word " * 700 + "\n\n```python\n" + "code " * 900
+            + "\n```\n## Next\nshort\n")
     assert prose_runs(page) == [("(the top of the page)", 0), ("Title", 700), ("Next", 1)]
 
 

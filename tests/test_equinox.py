@@ -59,10 +59,8 @@ def test_equinox_step_equals_filter_jit_on_one_device(strategy_name, wrapped):
                         donate_argnums=(0, 1), batch_argnums=(2, 3))
     got_model, losses = train(step, model, opt_state)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert (
-        got_model.activation is jax.nn.relu
-        and got_model.final_activation is want_model.final_activation
-    )
+    assert (got_model.activation is jax.nn.relu
+            and got_model.final_activation is want_model.final_activation)
     for got, want in zip(jax.tree.leaves(eqx.filter(got_model, eqx.is_array)),
                          jax.tree.leaves(eqx.filter(want_model, eqx.is_array)), strict=True):
         assert got.sharding.device_set == set(strategy.devices)

@@ -161,12 +161,8 @@ def test_a_batchnorm_model_with_state_trains_and_evaluates_as_on_one_device(stra
     # Equinox's State.set refuses the Explicit types: the step ran Auto, said so
     if "explicit" in strategy_name:
         said = [r.getMessage() for r in caplog.records if "train_step" in r.getMessage()]
-        assert (
-            len(said) == 1
-            and "Auto" in said[0]
-            and "ValueError" in said[0]
-            and "axis_types=" in said[0]
-        ), said
+        assert (len(said) == 1 and "Auto" in said[0] and "ValueError" in said[0]
+                and "axis_types=" in said[0]), said
 
 
 def test_forced_explicit_axes_raise_equinox_s_own_error():

@@ -189,11 +189,8 @@ def test_a_step_that_fails_both_ways_raises_the_auto_error_with_the_explicit_ref
     # raised, the Explicit refusal (the lookup) noted with what to do.
     assert type(info.value) is ValueError
     notes = " ".join(getattr(info.value, "__notes__", []))
-    assert (
-        "traced first with the mesh's axes" in notes
-        and "ShardingTypeError" in notes
-        and "annotate" in notes
-    )
+    assert ("traced first with the mesh's axes" in notes and "ShardingTypeError" in notes
+            and "annotate" in notes)
 
 
 def test_a_step_that_type_checks_keeps_explicit_axes_and_its_output_types(caplog):
@@ -442,13 +439,9 @@ def test_an_annotated_nnx_model_flax_placed_compiles_once_and_equals_nnx_jit():
     class Model(nnx.Module):
         def __init__(self, rngs):
             self.emb = nnx.Embed(64, 32, rngs=rngs)
-            self.up = nnx.Linear(
-                32,
-                64,
-                rngs=rngs,
-                kernel_metadata={"out_sharding": P(None, "model")},
-                bias_metadata={"out_sharding": P("model")},
-            )
+            self.up = nnx.Linear(32, 64, rngs=rngs,
+                                 kernel_metadata={"out_sharding": P(None, "model")},
+                                 bias_metadata={"out_sharding": P("model")})
             self.down = nnx.Linear(64, 64, rngs=rngs)
 
         def __call__(self, x):

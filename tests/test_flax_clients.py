@@ -394,10 +394,8 @@ def nnx_tutorial(jit, scope):
         train(train_model, optimizer, metrics, rngs, batch)
     train_metrics = {k: float(v) for k, v in metrics.compute().items()}
     metrics.reset()
-    test_images, test_labels = (
-        images[1536 : 1536 + NNX_TEST_ROWS],
-        labels[1536 : 1536 + NNX_TEST_ROWS],
-    )
+    test_images, test_labels = (images[1536 : 1536 + NNX_TEST_ROWS],
+                                labels[1536 : 1536 + NNX_TEST_ROWS])
     for test_batch in make_batches(test_images, test_labels, NNX_BATCH):
         evaluate(eval_model, metrics, test_batch)
     test_metrics = {k: float(v) for k, v in metrics.compute().items()}

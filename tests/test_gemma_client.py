@@ -143,10 +143,8 @@ class GatedMLP(nnx.Module):
             return nnx.Linear(i, o, use_bias=False, kernel_metadata={"out_sharding": spec},
                               rngs=rngs)
 
-        self.gate, self.up = (
-            linear(EMBED, HIDDEN, specs.mlp_df),
-            linear(EMBED, HIDDEN, specs.mlp_df),
-        )
+        self.gate, self.up = (linear(EMBED, HIDDEN, specs.mlp_df),
+                              linear(EMBED, HIDDEN, specs.mlp_df))
         self.down = linear(HIDDEN, EMBED, specs.mlp_fd)
 
     def __call__(self, x):
@@ -517,10 +515,8 @@ def test_unannotated_program_warns_idle_tensor_axis():
     with strategy.scope():
         model, optimizer, rngs, metrics = build(Specs.unannotated())
         step = strategy_step(strategy, "nnx")
-        with (
-            pytest.warns(jd.IdleAxisWarning, match="tensor"),
-            contextlib.suppress(*filter(None, [error])),
-        ):
+        with (pytest.warns(jd.IdleAxisWarning, match="tensor"),
+              contextlib.suppress(*filter(None, [error]))):
             train(step, model, optimizer, rngs, metrics, placed(host_batches()[:1], mesh))
 
 

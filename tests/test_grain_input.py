@@ -115,10 +115,8 @@ def test_grain_datasets_train_like_the_same_numpy_batches():
     batches = examples().batch(GLOBAL_BATCH)  # 8 batches: 10 steps cross an epoch
     as_list = [batches[i] for i in range(len(batches))]
     numpy_run, grain_run = make_trainer(jd.MirroredStrategy()), make_trainer(jd.MirroredStrategy())
-    elastic_run, reference = (
-        make_trainer(jd.OneDeviceStrategy()),
-        make_trainer(jd.OneDeviceStrategy()),
-    )
+    elastic_run, reference = (make_trainer(jd.OneDeviceStrategy()),
+                              make_trainer(jd.OneDeviceStrategy()))
     numpy_run.fit(as_list, steps=10, verbose=0)
     grain_run.fit(batches, steps=10, verbose=0)
     _assert_equal(grain_run, numpy_run)

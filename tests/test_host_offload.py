@@ -136,11 +136,8 @@ def test_memory_analysis_device_bytes_drop_by_the_offloaded_state():
         shardings = strategy.variable_shardings(state)
         abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 state, shardings)
-        compiled = (
-            strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2))
-            .lower(abstract, x, y)
-            .compile()
-        )
+        compiled = (strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2))
+                    .lower(abstract, x, y).compile())
         on_device, on_host = _device_and_host_argument_bytes(compiled)
         # XLA's total
         assert on_device + on_host == compiled.memory_analysis().argument_size_in_bytes

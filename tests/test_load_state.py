@@ -164,10 +164,8 @@ def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_
     for error in (restored, fitted):
         message = str(error.value)
         assert all(line in message for line in lines), message
-        assert (
-            "empty directory" not in message
-            and "its tree's top: ['opt_state', 'params']" in message
-        )
+        assert ("empty directory" not in message
+                and "its tree's top: ['opt_state', 'params']" in message)
     # nothing written
     assert trainer.state is None and sorted(p.name for p in directory.iterdir()) == [str(SAVED)]
     # The two lines, run as shown, continue the run.

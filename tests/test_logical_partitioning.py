@@ -99,10 +99,8 @@ def test_precedence_layout_rules_then_annotation_then_fsdp():
                       match=r"logical_axis_rules\[1\]=\('embed', None\)"):
         # no "embed" left to place
         params, (adam, _) = override.create_variables(init, jax.random.key(0))
-    assert (
-        spec(params["params"]["hidden"]["kernel"]) == P()
-        and spec(adam.mu["params"]["hidden"]["kernel"]) == P()
-    )
+    assert (spec(params["params"]["hidden"]["kernel"]) == P()
+            and spec(adam.mu["params"]["hidden"]["kernel"]) == P())
     assert spec(params["params"]["hidden"]["bias"]) == P("model")
     # Strategies that replicate every variable ignore annotations.
     mirrored = jd.MirroredStrategy()

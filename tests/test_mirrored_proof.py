@@ -169,10 +169,8 @@ def test_pmap_era_grad_of_a_pmean_loss_equals_jax_pmap():
     same, bit for bit."""
     strategy = jd.MirroredStrategy()
     rng = np.random.default_rng(0)
-    w, x = (
-        rng.normal(size=(4, 2)).astype(np.float32),
-        rng.normal(size=(N * 2, 4)).astype(np.float32),
-    )
+    w, x = (rng.normal(size=(4, 2)).astype(np.float32),
+            rng.normal(size=(N * 2, 4)).astype(np.float32))
 
     def step(w, x):
         g = jax.lax.pmean(jax.grad(lambda w: jax.lax.pmean(_loss(w, x), "batch"))(w), "batch")
@@ -244,10 +242,8 @@ def _local_step(w, x):
 ], ids=["lone-array", "nested-three-deep"])
 def test_a_variable_updated_without_the_all_reduce_is_refused_whatever_its_shape(wrap, unwrap):
     strategy = jd.MirroredStrategy()
-    w, x = (
-        np.ones((4, 2), np.float32),
-        np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32),
-    )
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
 
     def step(state, x):
         return jax.tree.map(lambda w: _local_step(w, x), state)
@@ -259,25 +255,18 @@ def test_a_variable_updated_without_the_all_reduce_is_refused_whatever_its_shape
 
 def test_a_variable_updated_without_the_all_reduce_and_cast_is_refused():
     strategy = jd.MirroredStrategy()
-    w, x = (
-        np.ones((4, 2), np.float32),
-        np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32),
-    )
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
     with pytest.raises(ValueError,
                        match=r"output takes the place of the mirrored argument args\[0\]"):
-        strategy.run(
-            lambda w, x: _local_step(w, x).astype(jnp.bfloat16),
-            args=(strategy.mirror(w), x),
-            batch_argnums=(1,),
-        )
+        strategy.run(lambda w, x: _local_step(w, x).astype(jnp.bfloat16),
+                     args=(strategy.mirror(w), x), batch_argnums=(1,))
 
 
 def test_a_variable_updated_locally_in_a_loop_is_refused():
     strategy = jd.MirroredStrategy()
-    w, x = (
-        np.ones((4, 2), np.float32),
-        np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32),
-    )
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
 
     def step(w, x):
         return jax.lax.fori_loop(0, 2, lambda i, w: _local_step(w, x), w)
@@ -291,10 +280,8 @@ def test_per_replica_gradients_with_a_weight_decay_term_are_not_an_update():
     """A gradient is computed in the backward pass, even its ``wd * w`` term: returned for a
     cross-replica reduce, it is a per-replica value, not a variable that drifted."""
     strategy = jd.MirroredStrategy()
-    w, x = (
-        np.ones((4, 2), np.float32),
-        np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32),
-    )
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
 
     def grads(w, x):
         return jax.grad(lambda w: _loss(w, x) + 0.01 * jnp.sum(w ** 2))(w)

@@ -346,11 +346,8 @@ def test_dropless_grouped_matmuls_equal_the_worst_case_buffer(router):
         return y, stats, grads
 
     _close(run(True), run(False))
-    plan = (
-        jd.OneDeviceStrategy()
-        .jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0])
-        .plan(weights, x)
-    )
+    plan = (jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0])
+            .plan(weights, x))
     assert plan.moe_dispatch == ("dropless_ragged_local",)
 
 
@@ -390,10 +387,8 @@ def test_expert_axes_of_several_mesh_axes_equal_one_device(names, expert_axes, r
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 2, 2), names), batch_axes=names,
                                   expert_axes=expert_axes)
-    got, expected = (
-        jax.device_get(strategy.jit(grad, batch_argnums=1)(weights, x)),
-        jax.device_get(grad(weights, x)),
-    )
+    got, expected = (jax.device_get(strategy.jit(grad, batch_argnums=1)(weights, x)),
+                     jax.device_get(grad(weights, x)))
     # Gradients of order 10: atol 1e-5 is float32 rounding of another summation order, relative to
     # the scale.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, expected)
@@ -484,11 +479,8 @@ def test_the_kernel_named_runs_and_rows_past_the_groups_stay_zero(monkeypatch):
     assert len(calls) == 3  # gate, up, down: traced once
     # Unforced on CPU (no ragged collectives, so not the GPU / TPU kernel): jax.lax.ragged_dot, even
     # with tokamax.
-    auto = (
-        jd.OneDeviceStrategy()
-        .jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0])
-        .plan(weights, x)
-    )
+    auto = (jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0])
+            .plan(weights, x))
     assert auto.grouped_matmul == ("ragged_dot",) and len(calls) == 3
 
 

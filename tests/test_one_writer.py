@@ -90,10 +90,8 @@ def test_loggers_write_on_the_summary_writer_only(tmp_path):
 
     for writer in (False, True):
         where = tmp_path / str(writer)
-        csv_log, tb = (
-            jd.training.CSVLogger(where / "metrics.csv"),
-            jd.training.TensorBoardLogger(where),
-        )
+        csv_log, tb = (jd.training.CSVLogger(where / "metrics.csv"),
+                       jd.training.TensorBoardLogger(where))
         for cb in (csv_log, tb):
             cb.on_train_begin(trainer(writer))
             # a text value is no scalar: skipped

@@ -165,14 +165,9 @@ class PlainScanLM(nn.Module):
 
     @nn.compact
     def __call__(self, x, pad):
-        scan = nn.scan(
-            ScanBlock,
-            variable_axes={"params": 0},
-            split_rngs={"params": True, "dropout": True},
-            length=self.num_layers,
-            in_axes=nn.broadcast,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
+        scan = nn.scan(ScanBlock, variable_axes={"params": 0},
+                       split_rngs={"params": True, "dropout": True}, length=self.num_layers,
+                       in_axes=nn.broadcast, metadata_params={nn.PARTITION_NAME: "layers"})
         return scan(name="block")(x, pad)[0]
 
 

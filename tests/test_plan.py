@@ -71,10 +71,8 @@ def test_argument_bytes_per_device_equal_the_analytic_figure(name):
     batch = F32 * B * D / rows
     assert plan.state_bytes == {"p": params, "batch": batch}
     assert plan.argument_bytes == pytest.approx(params + batch, rel=0.01)  # XLA's memory analysis
-    assert (
-        plan.peak_bytes
-        == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + plan.temp_bytes
-    )
+    assert (plan.peak_bytes
+            == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + plan.temp_bytes)
     assert plan.largest_arrays[0].bytes == max(batch, F32 * D * H / w1)
     assert {a.path: a.bytes for a in plan.largest_arrays}["x"] == batch
     # each kind names the mesh axes it runs over
@@ -355,10 +353,8 @@ def _build(strategy, remat, grad_accum_steps):
 
 
 def test_the_search_finds_a_sharded_layout_where_mirrored_does_not_fit():
-    batch = (
-        jax.ShapeDtypeStruct((256, 1024), jnp.float32),
-        jax.ShapeDtypeStruct((256,), jnp.float32),
-    )
+    batch = (jax.ShapeDtypeStruct((256, 1024), jnp.float32),
+             jax.ShapeDtypeStruct((256,), jnp.float32))
     seen = []
     found = jd.strategies.plan_search(_build, batch, num_devices=8, memory_per_device=40 << 20,
                                     remat=(False,),
@@ -393,10 +389,8 @@ def test_the_search_tries_expert_axis_sizes_for_a_moe_model():
                                    lambda o, y: ((o[:, :, 0] - y) ** 2).mean(),
                                    grad_accum_steps=grad_accum_steps)
 
-    batch = (
-        jax.ShapeDtypeStruct((16, 4, 128), jnp.float32),
-        jax.ShapeDtypeStruct((16, 4), jnp.float32),
-    )
+    batch = (jax.ShapeDtypeStruct((16, 4, 128), jnp.float32),
+             jax.ShapeDtypeStruct((16, 4), jnp.float32))
     found = jd.strategies.plan_search(build, batch, num_devices=8, memory_per_device=1 << 30,
                                     remat=(False,),
                                     layouts=("mirrored", "fsdp_ep"), expert_parallelism=(2, 4, 3))
@@ -469,10 +463,8 @@ def test_a_per_replica_step_plans_its_explicit_all_reduce(mesh):
     plan = step.plan(
         jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32)
     )
-    assert (
-        plan.collectives["all-reduce"].count == 1
-        and plan.collectives["all-reduce"].bytes == 64 * 32 * 4
-    )
+    assert (plan.collectives["all-reduce"].count == 1
+            and plan.collectives["all-reduce"].bytes == 64 * 32 * 4)
     assert plan.state_bytes["batch"] == 64 * 64 * 4 // strategy.num_replicas_in_sync
 
 

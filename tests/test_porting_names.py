@@ -146,10 +146,8 @@ def test_sample_weight_shapes_follow_tf():
 
 def test_dtype_is_the_losses():
     loss = jnp.ones((4,), jnp.bfloat16)
-    assert (
-        jd.compute_average_loss(loss, sample_weight=jnp.ones((4,), jnp.float32)).dtype
-        == jnp.bfloat16
-    )
+    assert (jd.compute_average_loss(loss, sample_weight=jnp.ones((4,), jnp.float32)).dtype
+            == jnp.bfloat16)
     assert jd.compute_average_loss(loss).dtype == jnp.bfloat16
 
 

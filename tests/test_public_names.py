@@ -90,10 +90,8 @@ def test_every_public_name_still_imports(package):
 
 def test_top_level_names_are_the_packages_objects():
     """``jd.X`` and ``jd.strategies.X`` are one object (a re-export, not a copy)."""
-    top, strategies = (
-        importlib.import_module("jaxdist"),
-        importlib.import_module("jaxdist.strategies"),
-    )
+    top, strategies = (importlib.import_module("jaxdist"),
+                       importlib.import_module("jaxdist.strategies"))
     for name in set(PUBLIC["jaxdist"]) & set(PUBLIC["jaxdist.strategies"]):
         assert getattr(top, name) is getattr(strategies, name), name
 

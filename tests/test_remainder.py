@@ -187,10 +187,8 @@ def test_padded_last_batch_through_a_compiled_test_step(make, primed):
     )
     want_accuracy = np.mean(np.argmax(x @ host["w"] + host["b"], axis=1) == y)
     for _ in range(2):  # epochs
-        test_correct, test_seen = (
-            strategy.sync_on_read(0.0, "sum"),
-            strategy.sync_on_read(0.0, "sum"),
-        )
+        test_correct, test_seen = (strategy.sync_on_read(0.0, "sum"),
+                                   strategy.sync_on_read(0.0, "sum"))
         losses = []
         for xb, yb in dataset:
             loss, test_correct, test_seen = distributed_test_step(

@@ -43,10 +43,8 @@ def make_train(updates):
 
 
 def _stacked(tree):
-    assert all(
-        isinstance(v, jd.PerReplica)
-        for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, jd.PerReplica))
-    )
+    assert all(isinstance(v, jd.PerReplica)
+               for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, jd.PerReplica)))
     return jax.tree.map(
         lambda v: np.asarray(v.stacked), tree, is_leaf=lambda v: isinstance(v, jd.PerReplica)
     )

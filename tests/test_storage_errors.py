@@ -101,11 +101,8 @@ def _mount_namespaces() -> str | None:
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"unshare failed: {error}"
-    return (
-        None
-        if out.returncode == 0
-        else f"no private mount namespace here: {out.stderr.strip()[:200]}"
-    )
+    return (None if out.returncode == 0
+            else f"no private mount namespace here: {out.stderr.strip()[:200]}")
 
 
 @pytest.mark.timeout(400)

@@ -112,11 +112,8 @@ def test_cast_leaves_narrow_and_integer_leaves_alone():
     x = strategy.experimental_distribute_values(tree)
     sync = G.AllReduceSynchronizer(c, "sum")
     out, state = strategy.run(lambda t: sync.all_reduce(t, sync.init(t)), args=(x,))
-    assert (
-        out["half"].dtype == jnp.bfloat16
-        and out["half"].tolist() == [[8.0] * 3]
-        and out["count"].tolist() == [[28]]
-    )
+    assert (out["half"].dtype == jnp.bfloat16 and out["half"].tolist() == [[8.0] * 3]
+            and out["count"].tolist() == [[28]])
     assert state.leaves == {"count": None, "half": None}
 
 
@@ -573,7 +570,5 @@ def test_error_paths():
         G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((2, 3)), 4),
                             method="scatter")
     assert "PowerSGDCompressor(rank=2, seed=0)" in repr(sync)
-    assert (
-        repr(G.CastCompressor())
-        == "CastCompressor(dtype=bfloat16, error_feedback=False, collective='auto')"
-    )
+    assert (repr(G.CastCompressor())
+            == "CastCompressor(dtype=bfloat16, error_feedback=False, collective='auto')")

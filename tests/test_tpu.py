@@ -15,11 +15,8 @@ oc = jd.tpu.outside_compilation
 def test_tpu_strategy_topology_and_lifecycle():
     strategy = jd.TPUStrategy(steps_per_run=20)
     assert strategy.devices == tuple(jax.devices()) and strategy.num_cores == 8
-    assert (
-        strategy.steps_per_run == 20
-        and strategy.num_hosts == 1
-        and strategy.num_replicas_per_host == 8
-    )
+    assert (strategy.steps_per_run == 20 and strategy.num_hosts == 1
+            and strategy.num_replicas_per_host == 8)
     assert jd.TPUStrategy(num_cores=2).devices == tuple(jax.devices()[:2])
     assert strategy.get_host_cpu_device(0).platform == "cpu"
     for _ in range(2):  # safe to call more than once, in any order

@@ -225,10 +225,8 @@ def test_a_rollback_restores_the_ema_with_the_state(tmp_path):
         history = t.fit(data, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2, log_every=1,
                         verbose=0, on_non_finite="rollback")
     assert [r["restored"] for r in history.rollbacks] == [4]
-    assert (
-        history.rollbacks[0]["data_position"].epoch == 0
-        and history.rollbacks[0]["data_position"].index >= 5
-    )
+    assert (history.rollbacks[0]["data_position"].epoch == 0
+            and history.rollbacks[0]["data_position"].index >= 5)
     assert t.step == 6
     used = [0, 1, 2, 3, *range(history.rollbacks[0]["data_position"].index, 8)][:6]
     assert_close(t.ema_params, hand_ema(trajectory(trainer(), [data[i] for i in used])))

@@ -230,11 +230,8 @@ def test_steps_per_run_logs_equal_one_step_at_a_time(log_every):
             steps_per_run=steps_per_run)
         histories[steps_per_run] = trainer.fit(batches, steps=12, log_every=log_every, verbose=0)
     one, five = histories[1].train, histories[5].train
-    assert (
-        [r["step"] for r in one]
-        == [r["step"] for r in five]
-        == [*range(log_every, 12, log_every), 12]
-    )
+    assert ([r["step"] for r in one] == [r["step"] for r in five]
+            == [*range(log_every, 12, log_every), 12])
     for name in ("loss", "accuracy", "learning_rate"):
         np.testing.assert_allclose([r[name] for r in five], [r[name] for r in one], rtol=1e-5,
                                    err_msg=name)

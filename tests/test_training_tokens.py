@@ -187,11 +187,8 @@ def test_hfu_and_mfu_from_program_cost_and_a_given_peak(variables):
                                   variables=variables, peak_flops=peak)
     history = trainer.fit(batches, steps=4, log_every=2, verbose=0)
     cost = history.step_cost
-    assert (
-        cost is trainer.step_cost()
-        and cost.peak_flops == peak
-        and cost.peak_source == "peak_flops="
-    )
+    assert (cost is trainer.step_cost() and cost.peak_flops == peak
+            and cost.peak_source == "peak_flops=")
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                         trainer.state)
     compiled = trainer._live.steps.fit_step.lower(like, batches[0],
@@ -204,10 +201,8 @@ def test_hfu_and_mfu_from_program_cost_and_a_given_peak(variables):
     # no remat: the model's work is the program's
     assert cost.model_flops == cost.flops and cost.uncosted == ()
     assert cost.temp_bytes == compiled.memory_analysis().temp_size_in_bytes
-    assert (
-        cost.param_bytes == sum(a.nbytes for a in jax.tree.leaves(variables))
-        and cost.optimizer_bytes == 0
-    )
+    assert (cost.param_bytes == sum(a.nbytes for a in jax.tree.leaves(variables))
+            and cost.optimizer_bytes == 0)
     for row in history.train:
         assert row["hfu"] == pytest.approx(cost.flops * row["steps_per_sec"] / peak, rel=1e-9)
         assert row["mfu"] == pytest.approx(cost.model_flops * row["steps_per_sec"] / peak, rel=1e-9)
@@ -241,11 +236,8 @@ def test_loops_count_per_iteration_and_flops_per_step_sets_the_model_flops():
         local_devices=jax.devices()[:1], rows_per_step=4
     )
     cost = measure(options=CostOptions())
-    assert (
-        cost.unknown_loops == 0
-        and cost.flops >= 3 * 2 * 4 * 16 * 16
-        and cost.param_bytes == 16 * 16 * 4
-    )
+    assert (cost.unknown_loops == 0 and cost.flops >= 3 * 2 * 4 * 16 * 16
+            and cost.param_bytes == 16 * 16 * 4)
     assert cost.flops > 2 * compiled.cost_analysis()["flops"]
     assert cost.model_flops_source == "program_cost without recomputation"
     # the given count is the model's

@@ -54,11 +54,8 @@ def expected(history):
     for split in ("train", "eval"):
         for row in getattr(history, split):
             for key, value in row.items():
-                if (
-                    key != "step"
-                    and isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                ):
+                if (key != "step" and isinstance(value, (int, float))
+                        and not isinstance(value, bool)):
                     out[(row["step"], key if key.startswith("time/")
                          else f"{split}/{key}")] = float(value)
     return out

@@ -232,10 +232,8 @@ def test_a_user_mesh_of_explicit_axes_keeps_its_names_and_devices():
     mesh = mesh3((1, 4, 2))
     strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"),
                                   logical_axis_rules=LM1B_RULES)
-    assert (
-        strategy.mesh.axis_names == mesh.axis_names
-        and (strategy.mesh.devices == mesh.devices).all()
-    )
+    assert (strategy.mesh.axis_names == mesh.axis_names
+            and (strategy.mesh.devices == mesh.devices).all())
     # unmodified steps compile on it
     assert set(strategy.mesh.axis_types) == {jax.sharding.AxisType.Auto}
     assert strategy.replica_devices == tuple(mesh.devices[0, :, 0])
@@ -256,10 +254,8 @@ def test_arrays_placed_on_the_users_own_mesh_enter_a_step():
                               batch_axes=("data", "fsdp")).mesh.axis_types == mesh.axis_types
     strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"),
                                   logical_axis_rules=[("mlp", "tensor")])
-    x = jax.device_put(
-        np.ones((8, 4), np.float32),
-        jax.sharding.NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
-    )
+    x = jax.device_put(np.ones((8, 4), np.float32),
+                       jax.sharding.NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
     w = jax.device_put(
         np.ones((4, 2), np.float32), jax.sharding.NamedSharding(mesh, PartitionSpec())
     )

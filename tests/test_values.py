@@ -14,10 +14,8 @@ from jaxdist.replicate import component_name
 def test_parse_names_and_members():
     assert jd.ReduceOp.parse("sum") is jd.ReduceOp.SUM
     assert jd.ReduceOp.parse(jd.ReduceOp.MEAN) is jd.ReduceOp.MEAN
-    assert (
-        jd.VariableAggregation.parse("Only_First_Replica")
-        is jd.VariableAggregation.ONLY_FIRST_REPLICA
-    )
+    assert (jd.VariableAggregation.parse("Only_First_Replica")
+            is jd.VariableAggregation.ONLY_FIRST_REPLICA)
     assert jd.VariableAggregation.parse(jd.ReduceOp.SUM) is jd.VariableAggregation.SUM
 
 

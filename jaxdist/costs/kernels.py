@@ -151,20 +151,15 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     n = len(spatial)
     size = _window(instr.attrs, "size", n, 1)
     stride = _window(instr.attrs, "stride", n, 1)
-    lhs_dilate, rhs_dilate = (
-        _window(instr.attrs, "lhs_dilate", n, 1),
-        _window(instr.attrs, "rhs_dilate", n, 1),
-    )
+    lhs_dilate, rhs_dilate = (_window(instr.attrs, "lhs_dilate", n, 1),
+                              _window(instr.attrs, "rhs_dilate", n, 1))
     pads = re.search(r"\bpad=([\d_x\-]+)", instr.attrs)
     low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
     pairs = 1
     for i, d in enumerate(spatial):
         in_size, out_size = in_shape[in_l.index(d)], out_shape[out_l.index(d)]
-        o = (
-            np.arange(out_size)[:, None] * stride[i]
-            - low[i]
-            + np.arange(size[i])[None, :] * rhs_dilate[i]
-        )
+        o = (np.arange(out_size)[:, None] * stride[i] - low[i]
+             + np.arange(size[i])[None, :] * rhs_dilate[i])
         valid = (o >= 0) & (o % lhs_dilate[i] == 0) & (o // lhs_dilate[i] < in_size)
         pairs *= int(valid.sum())
     groups = re.search(r"feature_group_count=(\d+)", instr.attrs)

@@ -47,11 +47,8 @@ def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
 
 def _itemsize(dtype: Any) -> int:
     # a typed PRNG key (``key<fry>``) is no NumPy dtype; its dtype knows its size
-    return (
-        dtype.itemsize
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-        else np.dtype(dtype).itemsize
-    )
+    return (dtype.itemsize if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            else np.dtype(dtype).itemsize)
 
 
 def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = None) -> int:

@@ -214,11 +214,8 @@ class Plan:
         if explicit or auto:
             lines.append(
                 "Axis types: "
-                + "; ".join(
-                    f"{label} {', '.join(axes)}"
-                    for label, axes in (("Explicit", explicit), ("Auto", auto))
-                    if axes
-                )
+                + "; ".join(f"{label} {', '.join(axes)}"
+                            for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes)
             )
         if self.moe_dispatch:
             lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ")
@@ -272,11 +269,8 @@ class Plan:
 def _budget(memory_per_device: Any) -> int:
     if isinstance(memory_per_device, (str, Accelerator)):
         return accelerator(memory_per_device).memory
-    if (
-        not isinstance(memory_per_device, (int, np.integer))
-        or isinstance(memory_per_device, bool)
-        or (memory_per_device <= 0)
-    ):
+    if (not isinstance(memory_per_device, (int, np.integer)) or isinstance(memory_per_device, bool)
+            or (memory_per_device <= 0)):
         raise ValueError(
             f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 "
             "<< 30) or an accelerator name such as 'h100'."

@@ -330,11 +330,9 @@ def program_cost(
         text = compiled_or_text.as_text()
         names, sizes = _mesh_of(compiled_or_text)
     else:
-        fix = (
-            "compile it first: program_cost(lowered.compile())"
-            if isinstance(compiled_or_text, jax.stages.Lowered)
-            else "pass jax.jit(f).lower(*args).compile() or its .as_text()"
-        )
+        fix = ("compile it first: program_cost(lowered.compile())"
+               if isinstance(compiled_or_text, jax.stages.Lowered)
+               else "pass jax.jit(f).lower(*args).compile() or its .as_text()")
         raise ValueError(f"compiled_or_text={type(compiled_or_text).__name__} is not a compiled "
                          f"program or its text: {fix}.")
     names = tuple(axis_names) if axis_names is not None else names
@@ -431,11 +429,9 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                     size = 2 if base == "collective-permute" else len(groups[0])
                     axes = _axes_of(groups, axis_sizes, axis_names)
                 if base == "all-reduce" and not start:
-                    scattered = sum(
-                        _type_bytes(part) // n
-                        for part, n, v in zip(parts, narrow, values, strict=True)
-                        if _sliced(v, part, size, table, narrows)
-                    )
+                    scattered = sum(_type_bytes(part) // n
+                                    for part, n, v in zip(parts, narrow, values, strict=True)
+                                    if _sliced(v, part, size, table, narrows))
                     # XLA:CPU's reduce-scatter: an all-reduce each device slices its part of
                     if scattered:
                         collectives.append(CollectiveOp(instr.name, "reduce-scatter", scattered,
@@ -481,11 +477,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                         f"{custom_call_target(instr) or '?'} ({op_name(instr) or instr.name})"
                     ] = None
                 else:
-                    flops, trans, redo = (
-                        flops + kernel.flops,
-                        trans + kernel.transcendentals,
-                        redo + kernel.recomputed,
-                    )
+                    flops, trans, redo = (flops + kernel.flops, trans + kernel.transcendentals,
+                                          redo + kernel.recomputed)
                     skipped[0] += times * kernel.skipped
                     if kernel.flops:
                         kernels[kernel.kind] = kernels.get(kernel.kind, 0.0) + times * kernel.flops

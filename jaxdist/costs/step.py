@@ -207,11 +207,8 @@ class StepCost:
             peak, peak_source = float(options.peak_flops), "peak_flops="
         else:
             row = accelerator_of_device(kind)
-            peak, peak_source = (
-                (row.flops, row.source)
-                if row is not None
-                else (None, f"no datasheet peak for {kind}")
-            )
+            peak, peak_source = ((row.flops, row.source) if row is not None
+                                 else (None, f"no datasheet peak for {kind}"))
         if options.flops_per_step is not None:
             model, model_source = options.flops_per_step / len(devices), "flops_per_step= / devices"
         elif plan is not None:
@@ -219,11 +216,8 @@ class StepCost:
         else:
             model, model_source = None, "n/a"
         roles = plan.state_bytes if plan is not None else (state_bytes or {})
-        tokens = (
-            None
-            if options.tokens_per_example is None
-            else float(options.tokens_per_example * rows_per_step)
-        )
+        tokens = (None if options.tokens_per_example is None
+                  else float(options.tokens_per_example * rows_per_step))
         return cls(
             flops=None if plan is None else plan.flops,
             flops_source="program_cost" if plan is not None else f"n/a{f' ({why})' if why else ''}",
@@ -344,11 +338,8 @@ class StepCost:
             peak n/a (no datasheet peak for cpu: MFU and HFU n/a, pass Trainer(peak_flops=...));
             live memory n/a
         """
-        flops = (
-            "FLOPs n/a"
-            if self.flops is None
-            else f"{format_flops(self.flops)} executed ({self.flops_source})"
-        )
+        flops = ("FLOPs n/a" if self.flops is None
+                 else f"{format_flops(self.flops)} executed ({self.flops_source})")
         if self.model_flops is not None:
             flops += f", model {format_flops(self.model_flops)} ({self.model_flops_source})"
         if self.uncosted:

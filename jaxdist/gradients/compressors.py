@@ -279,11 +279,8 @@ class CastCompressor(Compressor):
             return _all_reduce(grad, op, axis_name), state
         m = grad if state is None else grad + state.error
         payload = m.astype(self.dtype)  # compress
-        new_state = (
-            None
-            if state is None
-            else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name))
-        )
+        new_state = (None if state is None
+                     else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name)))
         n = replica_count(axis_name)
         collective = self.collective
         if collective == "auto":

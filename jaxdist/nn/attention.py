@@ -282,13 +282,8 @@ def _implementation(implementation: str | None, query: jax.Array, key: jax.Array
             return "einsum"
         platform, head_dim = _devices_platform(), query.shape[-1]
         even = query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0
-        if (
-            platform == "cuda"
-            and query.dtype in _FUSED_DTYPES
-            and head_dim % 8 == 0
-            and head_dim <= 128
-            and even
-        ):
+        if (platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0
+                and head_dim <= 128 and even):
             return "cudnn"
         # jax has no fused attention of its own for TPUs
         if platform == "tpu" and _tokamax is not None:
@@ -449,11 +444,8 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
         if x is None:
             return None
         x = jnp.asarray(x)
-        x = (
-            x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape)
-            if x.ndim < len(batch_shape) + 3
-            else x
-        )
+        x = (x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape)
+             if x.ndim < len(batch_shape) + 3 else x)
         x = jnp.broadcast_to(x,
                              (*batch_shape,
                               *x.shape[len(batch_shape):])) if batch_shape else x[None]

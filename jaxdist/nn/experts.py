@@ -260,11 +260,8 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
 def _route(config: Routing, weights: Weights, x: jax.Array):
     logits = jnp.einsum("bld,de->ble", x.astype(jnp.float32), weights.router.astype(jnp.float32))
     scores = jax.nn.softmax(logits, -1) if config.router == "softmax" else jax.nn.sigmoid(logits)
-    choice = (
-        scores
-        if weights.bias is None
-        else scores + jax.lax.stop_gradient(weights.bias.astype(jnp.float32))
-    )
+    choice = (scores if weights.bias is None
+              else scores + jax.lax.stop_gradient(weights.bias.astype(jnp.float32)))
     _, experts = jax.lax.top_k(choice, config.top_k)  # (b, l, k)
     picked = jnp.take_along_axis(scores, experts, -1)
     if config.normalize_top_k:
@@ -365,12 +362,8 @@ def _grouped_experts(config: Routing, weights: Weights, rows: jax.Array, sizes: 
 def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
     """Each pick's output added back to its token, weighted: ``(b, l, d)``."""
     b, length, d = shape
-    return (
-        jnp.zeros((b * length, d), out.dtype)
-        .at[picks.token]
-        .add(out * picks.weight[:, None])
-        .reshape(shape)
-    )
+    return (jnp.zeros((b * length, d), out.dtype).at[picks.token].add(out * picks.weight[:, None])
+            .reshape(shape))
 
 
 def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
@@ -458,10 +451,8 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
     if explicit_axes(policy.mesh):
         x = jax.sharding.reshard(x, x_spec)
         weights = Weights(
-            *(
-                w if w is None else jax.sharding.reshard(w, s)
-                for w, s in zip(weights, specs, strict=True)
-            )
+            *(w if w is None else jax.sharding.reshard(w, s)
+              for w, s in zip(weights, specs, strict=True))
         )
 
     def local(w: Weights, rows_x: jax.Array):

@@ -338,11 +338,8 @@ class Pipeline(nn.Module):
         stage_spec = PartitionSpec(roles.entry("stage"))
         # the step's mesh, with Explicit axes made Auto here
         ambient_mesh = jax.sharding.get_abstract_mesh()
-        mesh = (
-            ambient_mesh
-            if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names)
-            else policy.mesh
-        )
+        mesh = (ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names)
+                else policy.mesh)
 
         # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
         def by_stage(a):

@@ -41,11 +41,8 @@ def per_process():
         READS.append(index)
         return pair
 
-    return (
-        examples()[pid::count]
-        .map_with_index(read)
-        .batch(GLOBAL_BATCH // count, drop_remainder=True)
-    )
+    return (examples()[pid::count].map_with_index(read)
+            .batch(GLOBAL_BATCH // count, drop_remainder=True))
 
 
 class ClearReads(jd.training.Callback):

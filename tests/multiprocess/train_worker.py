@@ -24,11 +24,8 @@ from multiprocess_model import OPT, batches, init_state, loss_fn, train_step  # 
 
 out_path = sys.argv[1]
 pid = jax.process_index()
-assert (
-    strategy.num_hosts == 2
-    and strategy.num_replicas_in_sync == 8
-    and strategy.num_replicas_per_host == 4
-)
+assert (strategy.num_hosts == 2 and strategy.num_replicas_in_sync == 8
+        and strategy.num_replicas_per_host == 4)
 assert len(jax.local_devices()) == 4
 
 # Chief's values win: every process passes a different key, all start from process 0's (key 0).

@@ -62,11 +62,8 @@ def weak_callable(fn: Callable) -> Callable:
         2
     """
     try:
-        ref = (
-            weakref.WeakMethod(fn)
-            if hasattr(fn, "__self__") and hasattr(fn, "__func__")
-            else weakref.ref(fn)
-        )
+        ref = (weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__")
+               else weakref.ref(fn))
     except TypeError:
         return fn
 

@@ -207,11 +207,8 @@ class _Reader:
             known = self.compare(name, inputs)
             if known is not None:
                 return [known] * n_out
-        if (
-            name == "select_n"
-            and inputs[0].bounds is not None
-            and inputs[0].bounds[0] == inputs[0].bounds[1]
-        ):
+        if (name == "select_n" and inputs[0].bounds is not None
+                and inputs[0].bounds[0] == inputs[0].bounds[1]):
             # a predicate the same and known on every replica picks one case
             case = inputs[0].bounds[0] + 1
             if case < len(inputs):
@@ -260,11 +257,8 @@ class _Reader:
     def cond(self, eqn: Any, inputs: list[_Fact]) -> list[_Fact]:
         index, operands = inputs[0], inputs[1:]
         branches = eqn.params["branches"]
-        if (
-            index.bounds is not None
-            and index.bounds[0] == index.bounds[1]
-            and 0 <= index.bounds[0] < len(branches)
-        ):
+        if (index.bounds is not None and index.bounds[0] == index.bounds[1]
+                and 0 <= index.bounds[0] < len(branches)):
             # the same branch on every replica
             return self.read(branches[index.bounds[0]], operands)
         outs = [self.read(b, operands) for b in branches]
@@ -275,11 +269,8 @@ class _Reader:
         n_consts, n_carry = _scan_parts(eqn, len(inputs))
         if n_consts is None:
             return [self.every] * len(eqn.outvars)
-        consts, carry, xs = (
-            inputs[:n_consts],
-            inputs[n_consts : n_consts + n_carry],
-            inputs[n_consts + n_carry :],
-        )
+        consts, carry, xs = (inputs[:n_consts], inputs[n_consts : n_consts + n_carry],
+                             inputs[n_consts + n_carry :])
         carry = [_Fact(c.axes | (self.every.axes if c.declared else frozenset())) for c in carry]
         while True:  # a carry only ever gains axes: at most (carries x axes) rounds
             outs = self.read(eqn.params["jaxpr"], consts + carry + xs)

@@ -328,10 +328,8 @@ class StrategyFunction:
         if padded:  # (never the express path: its programs are for calls without the weights)
             kwargs = self._with_padding(args, bound_kwargs, kwargs, nodes)
         express = None if kwargs or nodes else self._express_program(static, placed)
-        with (
-            ambient.call(self._trace, (placed, kwargs, state)),
-            self._policy.call_scope((placed, kwargs, state)),
-        ):
+        with (ambient.call(self._trace, (placed, kwargs, state)),
+              self._policy.call_scope((placed, kwargs, state))):
             if express is not None:  # (the call's arguments are read only if it traces)
                 out = self._provenance.marked(static[1:], self._decided(lambda: express(*placed)))
             else:
@@ -482,10 +480,8 @@ class StrategyFunction:
         static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
         if padded:
             kwargs = self._with_padding(bound, bound_kwargs, kwargs, nodes)
-        with (
-            ambient.call(self._trace, (placed, kwargs, state)),
-            self._policy.call_scope((placed, kwargs, state)),
-        ):
+        with (ambient.call(self._trace, (placed, kwargs, state)),
+              self._policy.call_scope((placed, kwargs, state))):
             # The program calls run (the same trace: a plan or a cost read after calls traces
             # nothing new).
             express = None if kwargs or nodes else self._express_program(static, placed)

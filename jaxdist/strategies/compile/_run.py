@@ -303,11 +303,8 @@ class ReplicaRunner:
         names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
         # inside a step whose Explicit axes run Auto: the mesh with them Auto
         typed = trace_mesh(policy.mesh)
-        mesh = (
-            typed
-            if names == policy.mesh.axis_names
-            else Mesh(typed.devices, names, axis_types=typed.axis_types)
-        )
+        mesh = (typed if names == policy.mesh.axis_names
+                else Mesh(typed.devices, names, axis_types=typed.axis_types))
         split = PartitionSpec(axis_name)
         # then the row weights
         dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded
@@ -396,11 +393,8 @@ class ReplicaRunner:
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
-        manual = (
-            {"axis_names": set(axis_names(axis_name))}
-            if mesh.axis_names != axis_names(axis_name)
-            else {}
-        )
+        manual = ({"axis_names": set(axis_names(axis_name))}
+                  if mesh.axis_names != axis_names(axis_name) else {})
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
         explicit = bool(explicit_axes(policy.mesh))
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),

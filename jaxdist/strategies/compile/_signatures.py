@@ -98,10 +98,8 @@ def argument_spec(
     positional = [p for p in params if p.kind in _POSITIONAL]
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         for name in names:
-            if (
-                name not in signature.parameters
-                or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY
-            ):
+            if (name not in signature.parameters
+                    or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY):
                 raise ValueError(
                     f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take "
                     f"by name: its parameters are {tuple(signature.parameters)}."

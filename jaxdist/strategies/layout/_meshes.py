@@ -398,11 +398,8 @@ def axis_roles(
                 "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over "
                 "it."
             )
-    fsdp = (
-        batch + context
-        if fsdp_axes is None and split
-        else _names(fsdp_axes or (), "fsdp_axes", mesh)
-    )
+    fsdp = (batch + context if fsdp_axes is None and split
+            else _names(fsdp_axes or (), "fsdp_axes", mesh))
     if fsdp and not split:
         raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; "
                          "use ShardedStrategy for FSDP.")

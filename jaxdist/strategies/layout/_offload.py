@@ -105,11 +105,8 @@ def is_optimizer_state(node: Any) -> bool:
     if isinstance(node, nnx.OptState):
         return True
     cls = type(node)
-    return (
-        isinstance(node, tuple)
-        and hasattr(cls, "_fields")
-        and cls.__module__.split(".")[0] == "optax"
-    )
+    return (isinstance(node, tuple) and hasattr(cls, "_fields")
+            and cls.__module__.split(".")[0] == "optax")
 
 
 def _optimizer_mask(shapes: Any) -> list[bool]:

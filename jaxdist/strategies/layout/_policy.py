@@ -260,11 +260,8 @@ class LayoutPolicy:
         self.mesh = roles.mesh
         # A plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies plan, never
         # run.
-        self.devices = (
-            ()
-            if isinstance(roles.mesh, jax.sharding.AbstractMesh)
-            else tuple(roles.mesh.devices.flat)
-        )
+        self.devices = (() if isinstance(roles.mesh, jax.sharding.AbstractMesh)
+                        else tuple(roles.mesh.devices.flat))
         self.host_offload = parse_host_offload(host_offload, self.devices)
         self.batch_axes = roles.batch_axes
         """The mesh axes a batch's rows are split over."""

@@ -290,13 +290,8 @@ class VariableRules:
         self._check_fits(path, shape, PartitionSpec(*axes), what)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
         n = self.roles.size(self.roles.fsdp_axes)
-        if (
-            fsdp
-            and free
-            and not used & set(self.roles.fsdp_axes)
-            and n > 1
-            and self._big_enough(shape)
-        ):
+        if (fsdp and free and not used & set(self.roles.fsdp_axes) and n > 1
+                and self._big_enough(shape)):
             candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
             if candidates:
                 axes[-max(candidates)[1]] = self.roles.entry("fsdp")

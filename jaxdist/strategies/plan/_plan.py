@@ -135,10 +135,8 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
         for path, x in _leaves(value):
             shape, dtype = tuple(np.shape(x)), jax.dtypes.result_type(x)
             sharding = getattr(x, "sharding", None)
-            size, parts = (
-                array_bytes_per_device(shape, dtype, sharding),
-                split_parts(shape, sharding),
-            )
+            size, parts = (array_bytes_per_device(shape, dtype, sharding),
+                           split_parts(shape, sharding))
             role = "batch" if batch else _role(name, value, path)
             roles[role] = roles.get(role, 0) + size
             # a Flax box's value

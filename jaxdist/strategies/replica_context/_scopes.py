@@ -55,11 +55,8 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
     # annotated with nnx.with_partitioning already sharded, on the ambient mesh.
     # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is
     # created).
-    mesh = (
-        jax.sharding.use_abstract_mesh(policy.mesh)
-        if isinstance(policy.mesh, jax.sharding.AbstractMesh)
-        else jax.set_mesh(policy.mesh)
-    )
+    mesh = (jax.sharding.use_abstract_mesh(policy.mesh)
+            if isinstance(policy.mesh, jax.sharding.AbstractMesh) else jax.set_mesh(policy.mesh))
     with ambient.scope(strategy), mesh, policy.flax_rules():
         try:
             yield strategy

@@ -103,11 +103,8 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
             out, auto = traced(dyn)
             say(mesh, name, auto)
             flat = jax.tree.leaves(out)
-            return (
-                [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)]
-                if auto
-                else flat
-            )
+            return ([jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto
+                    else flat)
 
         leaves.__name__ = leaves.__qualname__ = name
         return jax.tree.unflatten(jax.tree.structure(shapes),

@@ -484,10 +484,8 @@ class StrategyExtended:
         key = ("batch_reduce", mode, tuple(flags), tuple((x.shape, str(x.dtype)) for x in inputs),
                in_program)
         reduced = self.programs.get(None, key, lambda _: build())(*inputs)
-        results = iter(
-            r if s is p else jax.device_put(r, s)
-            for r, s, p in zip(reduced, outs, in_program, strict=True)
-        )
+        results = iter(r if s is p else jax.device_put(r, s)
+                       for r, s, p in zip(reduced, outs, in_program, strict=True))
         return [jax.tree.unflatten(tree, [next(results) for _ in range(k)]) for tree, k in trees]
 
     def broadcast(self, tensor: Any, destinations: Any = None) -> Any:

@@ -100,22 +100,16 @@ class CheckpointCorruptedError(RuntimeError):
         self.newer_intact_step = None if newer_intact_step is None else int(newer_intact_step)
         self.step, self.directory, self.reason = int(step), str(directory), str(reason)
         self.intact_step = None if intact_step is None else int(intact_step)
-        self.failed, self.latest, self.step_argument = (
-            tuple(int(s) for s in failed),
-            bool(latest),
-            step_argument,
-        )
+        self.failed, self.latest, self.step_argument = (tuple(int(s) for s in failed), bool(latest),
+                                                        step_argument)
         super().__init__(self._message())
 
     def _message(self) -> str:
         head = f"checkpoint {self.step} in {self.directory!r} is unreadable ({self.reason})"
         failed = ", ".join(map(str, self.failed))
         if self.intact_step is None:
-            older = (
-                f"no older checkpoint restores ({failed} failed too)"
-                if self.failed
-                else "there is no older one"
-            )
+            older = (f"no older checkpoint restores ({failed} failed too)" if self.failed
+                     else "there is no older one")
             if self.newer_intact_step is not None:
                 return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, "
                         f"restores: pass {self.step_argument}={self.newer_intact_step} (or none, "
@@ -385,11 +379,8 @@ def checksums(tree: Any) -> dict[str, list[int]]:
         if not _checked(x.dtype):
             continue
         if isinstance(x, jax.Array):
-            mesh = (
-                x.sharding.mesh
-                if isinstance(x.sharding, NamedSharding)
-                else frozenset(x.sharding.device_set)
-            )
+            mesh = (x.sharding.mesh if isinstance(x.sharding, NamedSharding)
+                    else frozenset(x.sharding.device_set))
             groups.setdefault(mesh, []).append((path, x))
         else:
             out[path] = _host_sums(x)

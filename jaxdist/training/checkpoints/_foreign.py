@@ -52,11 +52,8 @@ def _top_names(item: str) -> list[str]:
             tree = json.load(f)["tree_metadata"]
         names = []
         for key, entry in tree.items():
-            first = (
-                entry["key_metadata"][0]["key"]
-                if "key_metadata" in entry
-                else ast.literal_eval(key)[0]
-            )
+            first = (entry["key_metadata"][0]["key"] if "key_metadata" in entry
+                     else ast.literal_eval(key)[0])
             if first not in names:
                 names.append(str(first))
         return names
@@ -105,11 +102,8 @@ def advice(directory: str, step: int | None) -> str:
         args += f", step={step}"
     what = f"a checkpoint at step {step}" if step is not None else "an orbax checkpoint"
     seen = f" (its tree's top: {names})" if names else ""
-    others = (
-        f"; the other items here: {[os.path.basename(i) for i in items[1:]]}"
-        if len(items) > 1
-        else ""
-    )
+    others = (f"; the other items here: {[os.path.basename(i) for i in items[1:]]}"
+              if len(items) > 1 else "")
     return (
         f"checkpoint_dir={directory!r} holds {what} that jaxdist.training did not write (no 'meta' "
         f"item){seen}{others}. To continue that run in this Trainer, read it with plain orbax "

@@ -96,11 +96,8 @@ def _refuse(live: LiveState, checkpoint_dir: Directory, bad: list[str]) -> None:
         if os.path.isdir(directory) and os.listdir(directory):
             with _opened(directory, None) as ckpt:
                 latest = ckpt.latest_step()
-    where = (
-        "there is no checkpoint there"
-        if latest is None
-        else f"the newest checkpoint there is step {latest}"
-    )
+    where = ("there is no checkpoint there" if latest is None
+             else f"the newest checkpoint there is step {latest}")
     raise NonFiniteError(
         f"not saving step {live.step} to {directory!r}: its state is not finite ({describe(bad)}); "
         f"{where}. Resume from a finite checkpoint (fit(..., restore_step=...)) with a lower "

@@ -54,11 +54,8 @@ def _dtype(value: Any) -> Any:
 
 def _describe(leaf: Any) -> str:
     value = unboxed(leaf)
-    return (
-        f"{tuple(np.shape(value))} {_dtype(value)}"
-        if _is_value(value)
-        else f"a {type(value).__name__}"
-    )
+    return (f"{tuple(np.shape(value))} {_dtype(value)}" if _is_value(value)
+            else f"a {type(value).__name__}")
 
 
 def _is_value(x: Any) -> bool:
@@ -118,13 +115,8 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
             problems.append(f"{where} ({_describe(want)}) is missing")
             continue
         value = unboxed(found[1])
-        kind = (
-            np.integer
-            if isinstance(value, int)
-            else np.floating
-            if isinstance(value, float)
-            else None
-        )
+        kind = (np.integer if isinstance(value, int) else np.floating if isinstance(value, float)
+                else None)
         if kind is not None and not isinstance(value, bool) and np.shape(unboxed(want)) == () and \
                 jax.dtypes.issubdtype(unboxed(want).dtype, kind):
             # a Python number (orbax restores saved ints so)
@@ -197,11 +189,8 @@ def step_counts(opt_state: Any) -> dict[str, int]:
         last = path[-1] if path else None
         name = getattr(last, "name", getattr(last, "key", None))
         value = unboxed(leaf)
-        if (
-            name == "count"
-            and np.ndim(value) == 0
-            and jax.dtypes.issubdtype(_dtype(value), np.integer)
-        ):
+        if (name == "count" and np.ndim(value) == 0
+                and jax.dtypes.issubdtype(_dtype(value), np.integer)):
             shard = value.addressable_data(0) if isinstance(value, jax.Array) else value
             out[jax.tree_util.keystr(path)] = int(np.asarray(shard))
     return out
@@ -288,11 +277,8 @@ def _optimizer_leaves(given: Any, like: Any) -> list:
             # Fits neither: the error against the whole chain is the one that names what differs
             # when the user passed the chain's state; against the optimizer's own, when they passed
             # that.
-            if (
-                len(jax.tree.leaves(given)) == len(jax.tree.leaves(like))
-                and isinstance(given, tuple)
-                and len(given) == 2
-            ):
+            if (len(jax.tree.leaves(given)) == len(jax.tree.leaves(like))
+                    and isinstance(given, tuple) and len(given) == 2):
                 raise whole from None
             raise
 

@@ -96,10 +96,8 @@ def _reason(error: BaseException) -> tuple[str, str]:
     found = _os_error(error)
     if found is not None:
         return _REASONS[found.errno]
-    return (
-        f"{type(error).__name__}: {_short(error)}",
-        "fix the cause (disk space, permissions, ...)",
-    )
+    return (f"{type(error).__name__}: {_short(error)}",
+            "fix the cause (disk space, permissions, ...)")
 
 
 def _short(error: BaseException) -> str:
@@ -192,10 +190,8 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
         except OSError as error:
             what, fix = _reason(error)
             if isinstance(error, (NotADirectoryError, FileExistsError)):
-                what, fix = (
-                    "a part of its path is a file",
-                    "pass a path whose parents are directories",
-                )
+                what, fix = ("a part of its path is a file",
+                             "pass a path whose parents are directories")
             elif (what, fix) == _NOT_WRITABLE:
                 what = "the directory it would be made in is not writable"
             raise ValueError(f"{argument}={text!r} cannot be created ({what}; "
@@ -272,11 +268,8 @@ class _Quiet(logging.Filter):
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if (
-            not (self.active or self.pinned)
-            or _ORBAX not in record.pathname
-            or record.levelno < logging.WARNING
-        ):
+        if (not (self.active or self.pinned) or _ORBAX not in record.pathname
+                or record.levelno < logging.WARNING):
             return True
         if LOG.isEnabledFor(logging.DEBUG):
             LOG.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)

@@ -80,11 +80,8 @@ class IteratorSnapshot:
 
     def get_state(self) -> bytes:
         """The state as JSON bytes (what grain's handler writes)."""
-        encoding, value = (
-            ("bytes", self.state.decode())
-            if isinstance(self.state, bytes)
-            else ("json", self.state)
-        )
+        encoding, value = (("bytes", self.state.decode()) if isinstance(self.state, bytes)
+                           else ("json", self.state))
         try:
             return json.dumps({"format": FORMAT, "encoding": encoding, "state": value}).encode()
         except (TypeError, ValueError) as error:

@@ -55,11 +55,8 @@ def _stateful(it: Any) -> bool:
     distributed iterator reading one (their ``get_state`` accounts for the batches prefetched)."""
     if isinstance(it, DistributedIterator):
         return is_grain(it.source)
-    return (
-        is_grain(it)
-        and callable(getattr(it, "get_state", None))
-        and callable(getattr(it, "set_state", None))
-    )
+    return (is_grain(it) and callable(getattr(it, "get_state", None))
+            and callable(getattr(it, "set_state", None)))
 
 
 def data_kind(data: Any, name: str) -> str:

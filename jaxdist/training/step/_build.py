@@ -226,10 +226,7 @@ def _check_call_shape(name: str, fn: Callable) -> None:
         for p in params
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    if (
-        (len(names) < 2 and not varargs)
-        or len(required) > 2
-        or (names[:1] == ["model"] or names[1:2] == ["batch"])
-    ):
+    if ((len(names) < 2 and not varargs) or len(required) > 2
+            or (names[:1] == ["model"] or names[1:2] == ["batch"])):
         raise TypeError(f"{name} has the parameters ({', '.join(p.name for p in params)}): "
                         f"{_CALL_SHAPE}.")

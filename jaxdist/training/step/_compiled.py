@@ -220,10 +220,8 @@ class CompiledSteps:
                                               or self._zeros[0] != vector.shape):
             self._zeros = (
                 vector.shape,
-                jax.jit(
-                    functools.partial(jnp.zeros, vector.shape, vector.dtype),
-                    out_shardings=vector.sharding,
-                ),
+                jax.jit(functools.partial(jnp.zeros, vector.shape, vector.dtype),
+                        out_shardings=vector.sharding),
             )
         return sums
 

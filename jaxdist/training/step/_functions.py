@@ -428,11 +428,8 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedS
         state, values, i, sums = carry
         state, metrics, *addends = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
-        step = (
-            addends[0]
-            if addends
-            else RunningSums.of_step({k: (v, None) for k, v in metrics.items()})
-        )
+        step = (addends[0] if addends
+                else RunningSums.of_step({k: (v, None) for k, v in metrics.items()}))
         return state, values, i + 1, like.holding(sums).unpack().then(step).pack().vector
 
     return loop_step

@@ -123,10 +123,8 @@ class LiveState:
         _check_settings(strategy, optimizer, loss_fn, metrics, grad_accum_steps, seed,
                         clip_grad_norm, compute_dtype)
         self.ema_decay = check_ema_decay(ema_decay)
-        self.input_key, self.target_key = (
-            check_key(input_key, "input_key"),
-            check_key(target_key, "target_key"),
-        )
+        self.input_key, self.target_key = (check_key(input_key, "input_key"),
+                                           check_key(target_key, "target_key"))
         self.strategy, self.loss_fn, self.metrics, self.seed = strategy, loss_fn, metrics, seed
         self.model = as_model(model, variables, train_kwargs=train_kwargs, eval_kwargs=eval_kwargs,
                               rng_streams=tuple(rng_streams) if rng_streams is not None else None)
@@ -199,11 +197,8 @@ class LiveState:
 
     def state_for(self, batch: Any) -> TrainState:
         """The state; built from ``batch`` (a placed one) the first time."""
-        return (
-            self.state
-            if self.state is not None and self.unchecked is None
-            else self.init(jax.device_get(batch))
-        )
+        return (self.state if self.state is not None and self.unchecked is None
+                else self.init(jax.device_get(batch)))
 
     def sync(self) -> None:
         """Write the trained values back into the user's model (nnx in place; linen: nothing to

@@ -55,11 +55,8 @@ class InPlaceUpdates:
             return
         returned = {id(v) for v in jax.tree.leaves(out, is_leaf=is_distributed)}
         for where, value, before in self._watched:
-            if (
-                value.stacked is not before
-                and id(value) not in returned
-                and id(value.stacked) not in returned
-            ):
+            if (value.stacked is not before and id(value) not in returned
+                    and id(value.stacked) not in returned):
                 raise ValueError(
                     f"{self._fn} updated the sync-on-read value {where} in place (assign / "
                     "assign_add / assign_sub) but does not return it: inside strategy.jit the "

@@ -87,13 +87,8 @@ def typed_whole_at_entry(policy: Any, traced: Sequence[Any], layouts: Sequence[A
     out = []
     for t, layout, keep in zip(traced, layouts, kept, strict=True):
         spec = getattr(layout, "spec", None)
-        if (
-            keep
-            or spec is None
-            or not isinstance(t, jax.Array)
-            or not is_own(layout)
-            or not _uses(spec, explicit)
-        ):
+        if (keep or spec is None or not isinstance(t, jax.Array) or not is_own(layout)
+                or not _uses(spec, explicit)):
             out.append(t)
             continue
         out.append(jax.sharding.reshard(t, NamedSharding(policy.mesh, _drop(spec, explicit))))

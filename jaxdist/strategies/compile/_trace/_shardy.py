@@ -98,10 +98,8 @@ def grouped_convolutions(jaxpr: Any) -> int:
             count += 1
         elif eqn.primitive.name != "shard_map":
             for _, value in _subjaxprs(eqn.params):
-                count += sum(
-                    grouped_convolutions(v)
-                    for v in (value if isinstance(value, tuple) else (value,))
-                )
+                count += sum(grouped_convolutions(v)
+                             for v in (value if isinstance(value, tuple) else (value,)))
     return count
 
 
