@@ -104,12 +104,10 @@ def test_an_update_that_would_truncate_a_sync_on_read_value_is_an_error():
     strategy = jd.MirroredStrategy()
     seen = strategy.sync_on_read(jnp.zeros((), jnp.int32), jd.VariableAggregation.SUM)
     with pytest.raises(TypeError,
-                                        match=r"^assign_add\(0\.5\): the sync-on-read value is "
-                                              r"int32, which cannot hold a "
-                                        r"float32 value \(it would be truncated without a word\)\. "
-                                        r"Pass a value of "
-                                        r"dtype int32 .* "
-                                        r"strategy\.sync_on_read\(jnp\.zeros\(shape, jnp\.float32\)"):
+                       match=r"^assign_add\(0\.5\): the sync-on-read value is int32, which cannot "
+                             r"hold a float32 value \(it would be truncated without a word\)\. "
+                             r"Pass a value of dtype int32 .* "
+                             r"strategy\.sync_on_read\(jnp\.zeros\(shape, jnp\.float32\)"):
         seen.assign_add(0.5)
     with pytest.raises(TypeError, match=r"^assign_sub\(0\.5\): "):
         seen.assign_sub(0.5)
@@ -127,9 +125,8 @@ def test_an_update_that_would_truncate_a_sync_on_read_value_is_an_error():
     assert int(seen.read()) == 3 + strategy.num_replicas_in_sync
     real = strategy.sync_on_read(jnp.zeros((), jnp.float32), "mean")
     with pytest.raises(TypeError,
-                                        match=r"^assign_add\(1j\): the sync-on-read value is "
-                                              r"float32, which cannot hold a "
-                                        r"complex64 value"):
+                       match=r"^assign_add\(1j\): the sync-on-read value is float32, which cannot "
+                             r"hold a complex64 value"):
         real.assign_add(1j)
     real.assign_add(2)  # an int into a float: exact
     assert float(real.read()) == 2.0
