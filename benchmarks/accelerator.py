@@ -1,26 +1,32 @@
-"""One prepared accelerator run: ``python -m benchmarks.accelerator`` on whatever single device it finds.
+"""One prepared accelerator run: ``python -m benchmarks.accelerator`` on whatever single device it
+finds.
 
-Five parts, one table (``benchmarks/results/<date>-<backend>-accelerator[-smoke].md`` and ``.json``):
+Five parts, one table (``benchmarks/results/<date>-<backend>-accelerator[-smoke].md`` and
+``.json``):
 
-1. **Per-call rows** of the suite (`benchmarks.cases`: ``P1``, ``1dev``, ``fsdp``, ``trainer``) on the small and
-   large MLP, on this one device: steps/s of jaxdist over the hand-written baseline (alternating blocks).
-2. **A GPT-style LM through the Trainer**: 12 layers, d_model 1,024, 16 heads, MLP 4,096, vocabulary 32,768,
-   learned positions, tied head (185.6M parameters), 16 x 1,024 tokens a step, bfloat16 compute with float32
-   parameters and AdamW state. Twice: attention by ``jd.nn.dot_product_attention`` and by
-   ``jax.nn.dot_product_attention(implementation="cudnn")`` written by hand (``"xla"`` off NVIDIA GPUs). Each
-   row: steps/s, tokens/s, the Trainer's ``mfu`` and ``hfu`` (FLOPs from `jaxdist.costs.program_cost`), and MFU
-   from the analytic count (6 N + 12 L d T) x tokens (PaLM, appendix B; attention counted whole).
-3. **Plan against the device**: ``Trainer.plan(batch).peak_bytes`` against ``peak_bytes_in_use`` after the first
-   LM's steps (where the device keeps memory statistics: GPU, TPU).
-4. **Dropless MoE**: the ragged path against the worst-case padded one (`benchmarks.moe_dropless`), tokens/s and
-   MFU, bfloat16 on an accelerator.
-5. **Attention kernels**, forward + backward, causal, 16 x 1,024 x 16 heads x 64, bfloat16: TFLOP/s from the
-   analytic FLOPs (3 x 4 B H T^2 D, not halved for the mask) for ``jd.nn.dot_product_attention``,
-   ``jax.nn.dot_product_attention`` with ``"xla"`` and ``"cudnn"``, and ``tokamax.dot_product_attention`` where
-   tokamax is installed; with `program_cost`'s count of each program beside it.
+1. **Per-call rows** of the suite (`benchmarks.cases`: ``P1``, ``1dev``, ``fsdp``, ``trainer``) on
+   the small and large MLP, on this one device: steps/s of jaxdist over the hand-written baseline
+   (alternating blocks).
+2. **A GPT-style LM through the Trainer**: 12 layers, d_model 1,024, 16 heads, MLP 4,096, vocabulary
+   32,768, learned positions, tied head (185.6M parameters), 16 x 1,024 tokens a step, bfloat16
+   compute with float32 parameters and AdamW state. Twice: attention by
+   ``jd.nn.dot_product_attention`` and by ``jax.nn.dot_product_attention(implementation="cudnn")``
+   written by hand (``"xla"`` off NVIDIA GPUs). Each row: steps/s, tokens/s, the Trainer's ``mfu``
+   and ``hfu`` (FLOPs from `jaxdist.costs.program_cost`), and MFU from the analytic count (6 N + 12
+   L d T) x tokens (PaLM, appendix B; attention counted whole).
+3. **Plan against the device**: ``Trainer.plan(batch).peak_bytes`` against ``peak_bytes_in_use``
+   after the first LM's steps (where the device keeps memory statistics: GPU, TPU).
+4. **Dropless MoE**: the ragged path against the worst-case padded one (`benchmarks.moe_dropless`),
+   tokens/s and MFU, bfloat16 on an accelerator.
+5. **Attention kernels**, forward + backward, causal, 16 x 1,024 x 16 heads x 64, bfloat16: TFLOP/s
+   from the analytic FLOPs (3 x 4 B H T^2 D, not halved for the mask) for
+   ``jd.nn.dot_product_attention``, ``jax.nn.dot_product_attention`` with ``"xla"`` and ``"cudnn"``,
+   and ``tokamax.dot_product_attention`` where tokamax is installed; with `program_cost`'s count of
+   each program beside it.
 
-On CPU the run uses tiny sizes and says so: the numbers check that everything runs, nothing more (no peak, so no
-MFU). ``--smoke`` forces that mode anywhere. Runs on jax 0.11.2 (the device image) and later.
+On CPU the run uses tiny sizes and says so: the numbers check that everything runs, nothing more (no
+peak, so no MFU). ``--smoke`` forces that mode anywhere. Runs on jax 0.11.2 (the device image) and
+later.
 """
 
 from __future__ import annotations
@@ -88,29 +94,35 @@ class Config:
 
 
 ACCELERATOR = Config(
-    lm=LMSizes(layers=12, d_model=1024, heads=16, hidden=4096, vocab=32768, rows=16, length=1024), lm_steps=20,
-    attention=(16, 1024, 16, 64), attention_iters=20, rows=Settings(pairs=10, block_seconds=0.1, warmup_steps=10),
+    lm=LMSizes(layers=12, d_model=1024, heads=16, hidden=4096, vocab=32768, rows=16, length=1024),
+    lm_steps=20,
+    attention=(16, 1024, 16, 64), attention_iters=20,
+    rows=Settings(pairs=10, block_seconds=0.1, warmup_steps=10),
     models=(SMALL, LARGE), moe=moe_dropless.ACCELERATOR, moe_pairs=6, moe_block_seconds=0.5,
 )
 SMOKE = Config(
     lm=LMSizes(layers=2, d_model=32, heads=4, hidden=64, vocab=64, rows=2, length=16), lm_steps=2,
     attention=(1, 32, 2, 16), attention_iters=2,
-    rows=Settings(pairs=2, block_seconds=1e-3, warmup_steps=1, min_steps=2, max_steps=2, use_stepper_minimums=False),
+    rows=Settings(pairs=2, block_seconds=1e-3, warmup_steps=1, min_steps=2, max_steps=2,
+                  use_stepper_minimums=False),
     models=(TINY,), moe=moe.SMOKE, moe_pairs=2, moe_block_seconds=0.02,
 )
 
 
-# ------------------------------------------------------------------------------------------------- the LM
+# ------------------------------------------------------------------------------------------- the LM
 def attention_fn(kind: str, platform: str) -> tuple[Callable, str]:
-    """``(fn(q, k, v) -> out, label)``: causal attention on ``[batch, sequence, heads, head_dim]`` arrays.
+    """``(fn(q, k, v) -> out, label)``: causal attention on ``[batch, sequence, heads, head_dim]``
+    arrays.
 
-    ``kind``: ``"jd.nn"`` (``jd.nn.dot_product_attention``) or ``"jax.nn"`` (``jax.nn.dot_product_attention``,
-    cuDNN on NVIDIA GPUs, XLA elsewhere).
+    ``kind``: ``"jd.nn"`` (``jd.nn.dot_product_attention``) or ``"jax.nn"``
+    (``jax.nn.dot_product_attention``, cuDNN on NVIDIA GPUs, XLA elsewhere).
     """
     if kind == "jd.nn":
-        return functools.partial(jd.nn.dot_product_attention, causal=True), "jd.nn.dot_product_attention"
+        return functools.partial(jd.nn.dot_product_attention,
+                                 causal=True), "jd.nn.dot_product_attention"
     implementation = "cudnn" if platform == "gpu" else "xla"
-    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
+    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                           implementation=implementation)
     return fn, f'jax.nn.dot_product_attention(implementation="{implementation}")'
 
 
@@ -134,7 +146,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-style decoder: token and learned position embeddings, ``layers`` blocks, a tied head."""
+    """A GPT-style decoder: token and learned position embeddings, ``layers`` blocks, a tied
+    head."""
 
     sizes: LMSizes
     attention: Callable
@@ -169,17 +182,22 @@ def _peak_in_use(device: jax.Device) -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def lm_row(kind: str, config: Config, device: jax.Device, peak: float | None, memory: bool) -> dict[str, Any]:
-    """Train the LM through the Trainer with one attention; its rates, utilisations and (``memory``) plan check."""
+def lm_row(kind: str, config: Config, device: jax.Device, peak: float | None,
+           memory: bool) -> dict[str, Any]:
+    """Train the LM through the Trainer with one attention; its rates, utilisations and (``memory``)
+    plan check."""
     sizes = config.lm
     attention, label = attention_fn(kind, device.platform)
     model = GPT(sizes, attention, jnp.bfloat16)
     rng = np.random.default_rng(0)
-    batches = [(x[:, :-1], x[:, 1:]) for x in (rng.integers(0, sizes.vocab, (sizes.rows, sizes.length + 1),
-                                                              dtype=np.int32) for _ in range(2))]
+    batches = [
+        (x[:, :-1], x[:, 1:])
+        for x in (rng.integers(0, sizes.vocab, (sizes.rows, sizes.length + 1), dtype=np.int32)
+                  for _ in range(2))
+    ]
     strategy = jd.OneDeviceStrategy(device)
-    trainer = jd.training.Trainer(strategy, model, optax.adamw(3e-4), _loss, tokens_per_example=sizes.length,
-                                  peak_flops=peak)
+    trainer = jd.training.Trainer(strategy, model, optax.adamw(3e-4), _loss,
+                                  tokens_per_example=sizes.length, peak_flops=peak)
     start = time.perf_counter()
     trainer.fit(batches, steps=2, verbose=0)  # compiles; the second step is warm
     jax.block_until_ready(trainer.state)
@@ -207,17 +225,18 @@ def lm_row(kind: str, config: Config, device: jax.Device, peak: float | None, me
     return row
 
 
-# ----------------------------------------------------------------------------------------- attention kernels
+# -------------------------------------------------------------------------------- attention kernels
 def _attention_impls(platform: str) -> list[tuple[str, Callable | None, str]]:
     """``(label, fn or None, why not)`` of the attention kernels to time on ``platform``."""
     impls: list[tuple[str, Callable | None, str]] = [
-        ("jd.nn.dot_product_attention", functools.partial(jd.nn.dot_product_attention, causal=True), ""),
+        ("jd.nn.dot_product_attention", functools.partial(jd.nn.dot_product_attention, causal=True),
+         ""),
         ('jax.nn.dot_product_attention(implementation="xla")',
          functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla"), ""),
     ]
     cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
-    impls.append(('jax.nn.dot_product_attention(implementation="cudnn")', cudnn if platform == "gpu" else None,
-                  "cuDNN needs an NVIDIA GPU"))
+    impls.append(('jax.nn.dot_product_attention(implementation="cudnn")', cudnn if platform == "gpu"
+                  else None, "cuDNN needs an NVIDIA GPU"))
     try:
         import tokamax  # an optional extra: timed where installed
     except ImportError:
@@ -229,11 +248,13 @@ def _attention_impls(platform: str) -> list[tuple[str, Callable | None, str]]:
 
 
 def attention_rows(config: Config, device: jax.Device) -> list[dict[str, Any]]:
-    """Forward + backward TFLOP/s of each attention kernel (analytic FLOPs, and `program_cost`'s)."""
+    """Forward + backward TFLOP/s of each attention kernel (analytic FLOPs, and
+    `program_cost`'s)."""
     b, t, h, d = config.attention
     analytic = 3 * 4 * b * h * t * t * d
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, ct = (jax.device_put(jax.random.normal(key, (b, t, h, d), jnp.bfloat16), device) for key in keys)
+    q, k, v, ct = (jax.device_put(jax.random.normal(key, (b, t, h, d), jnp.bfloat16), device)
+                   for key in keys)
     rows = []
     for label, fn, why in _attention_impls(device.platform):
         if fn is None:
@@ -255,62 +276,75 @@ def attention_rows(config: Config, device: jax.Device) -> list[dict[str, Any]]:
                 times.append((time.perf_counter() - start) / config.attention_iters)
             seconds = float(np.median(times))
             counted = jd.program_cost(compiled)
-            rows.append({"kernel": label, "ms": seconds * 1e3, "tflops_analytic": analytic / seconds / 1e12,
-                         "program_flops": counted.flops, "tflops_program": counted.flops / seconds / 1e12,
+            rows.append({"kernel": label, "ms": seconds * 1e3,
+                         "tflops_analytic": analytic / seconds / 1e12,
+                         "program_flops": counted.flops,
+                         "tflops_program": counted.flops / seconds / 1e12,
                          "kernels": counted.kernels, "uncosted": list(counted.uncosted)})
         except Exception as error:  # one kernel failing (a missing cuDNN) leaves the others' rows
             traceback.print_exc()
             rows.append({"kernel": label, "error": f"{type(error).__name__}: {error}",
-                         "optional": label.startswith("tokamax")})  # an optional extra fails the run in no case
+                         # an optional extra fails the run in no case
+                         "optional": label.startswith("tokamax")})
     return rows
 
 
-# ------------------------------------------------------------------------------------------------ the table
+# ---------------------------------------------------------------------------------------- the table
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
 def _row_line(r: Row) -> str:
     if r.ratio is None:
-        return f"| {r.key} | {r.model} | {r.candidate_label} / {r.baseline_label} | - | {r.status}: {r.note} |"
+        return (f"| {r.key} | {r.model} | {r.candidate_label} / {r.baseline_label} | - | "
+                f"{r.status}: {r.note} |")
     rate = f"{r.rate_candidate.median:,.0f} vs {r.rate_baseline.median:,.0f}"
-    return (f"| {r.key} | {r.model} | {r.candidate_label} / {r.baseline_label} | **{r.ratio.median:.3f}** "
-            f"[{r.ratio.ci_low:.3f}, {r.ratio.ci_high:.3f}] | {rate} steps/s |")
+    return (f"| {r.key} | {r.model} | {r.candidate_label} / {r.baseline_label} | "
+            f"**{r.ratio.median:.3f}** [{r.ratio.ci_low:.3f}, {r.ratio.ci_high:.3f}] | {rate} "
+            "steps/s |")
 
 
 def markdown(result: dict[str, Any], machine: dict[str, Any], config: Config) -> str:
     """The run's table."""
     cpu = machine["backend"] == "cpu"
-    lines = [f"# Accelerator run ({machine['date'][:10]}, {machine['backend']}: {machine['device_kind']})", ""]
+    lines = [f"# Accelerator run ({machine['date'][:10]}, {machine['backend']}: "
+             f"{machine['device_kind']})", ""]
     if cpu:
-        lines += ["**CPU: tiny sizes, a check that everything runs. The numbers below mean nothing about an "
-                  "accelerator (no peak, so no MFU).**", ""]
+        lines += ["**CPU: tiny sizes, a check that everything runs. The numbers below mean nothing "
+                  "about an accelerator (no peak, so no MFU).**", ""]
     peak = result.get("peak_flops")
     shown = "n/a" if peak is None else jd.costs.format_flops(peak) + "/s"
     lines += [f"Peak: {shown} ({result.get('peak_source')}).", ""]
     if "rows" in result:
         lines += ["## Per-call rows (steps/s ratio, jaxdist / hand-written; median [95% CI])", "",
-                  "| row | model | candidate / baseline | ratio | steps/s |", "|---|---|---|---|---|"]
+                  "| row | model | candidate / baseline | ratio | steps/s |",
+                  "|---|---|---|---|---|"]
         lines += [_row_line(r) for r in result["rows"]]
         lines.append("")
     s = config.lm
     if "lm" in result:
-        lines += [f"## LM through the Trainer ({s.layers} layers, d_model {s.d_model}, {s.heads} heads, MLP "
-                  f"{s.hidden}, vocabulary {s.vocab}, {s.rows} x {s.length} tokens, bf16 compute / f32 parameters, "
-                  "AdamW)", "",
-                  "| attention | steps/s | tokens/s | MFU (Trainer: program_cost) | HFU (Trainer) | MFU (6N + 12LdT) "
-                  "| program_cost / analytic FLOPs |", "|---|---|---|---|---|---|---|"]
+        lines += [f"## LM through the Trainer ({s.layers} layers, d_model {s.d_model}, {s.heads} "
+                  f"heads, MLP {s.hidden}, vocabulary {s.vocab}, {s.rows} x {s.length} tokens, "
+                  "bf16 compute / f32 parameters, AdamW)", "",
+                  "| attention | steps/s | tokens/s | MFU (Trainer: program_cost) | HFU (Trainer) "
+                  "| MFU (6N + 12LdT) | program_cost / analytic FLOPs |",
+                  "|---|---|---|---|---|---|---|"]
         for r in result["lm"]:
             if "error" in r:
                 lines.append(f"| {r['attention']} | error: {r['error']} | | | | | |")
                 continue
-            ratio = "-" if r["program_over_analytic"] is None else f"{r['program_over_analytic']:.3f}"
-            lines.append(f"| {r['attention']} | {r['steps_per_sec']:.2f} | {r['tokens_per_sec']:,.0f} | "
-                         f"{_pct(r['mfu_trainer'])} | {_pct(r['hfu_trainer'])} | {_pct(r['mfu_analytic'])} | {ratio} |")
+            ratio = (
+                "-" if r["program_over_analytic"] is None else f"{r['program_over_analytic']:.3f}"
+            )
+            lines.append(f"| {r['attention']} | {r['steps_per_sec']:.2f} | "
+                         f"{r['tokens_per_sec']:,.0f} | {_pct(r['mfu_trainer'])} | "
+                         f"{_pct(r['hfu_trainer'])} | {_pct(r['mfu_analytic'])} | {ratio} |")
         first = result["lm"][0]
         if "plan_peak_bytes" in first:
             used = first["peak_bytes_in_use"]
-            measured = "n/a (the device keeps no memory statistics)" if used is None else f"{used:,}"
+            measured = (
+                "n/a (the device keeps no memory statistics)" if used is None else f"{used:,}"
+            )
             lines += ["", f"Plan against the device ({first['attention']}): `plan.peak_bytes` "
                       f"{first['plan_peak_bytes']:,}, `peak_bytes_in_use` {measured}."]
         lines.append("")
@@ -320,21 +354,26 @@ def markdown(result: dict[str, Any], machine: dict[str, Any], config: Config) ->
             lines += ["## Dropless MoE", "", f"error: {m['error']}", ""]
         else:
             q = m["ratio"]
-            lines += [f"## Dropless MoE ({m['dtype']}): ragged / padded steps/s **{q['median']:.3f}** "
-                      f"[{q['ci_low']:.3f}, {q['ci_high']:.3f}]", "",
-                      "| path | dispatch | tokens/s | TFLOP/s (program_cost) | MFU |", "|---|---|---|---|---|"]
+            lines += [f"## Dropless MoE ({m['dtype']}): ragged / padded steps/s "
+                      f"**{q['median']:.3f}** [{q['ci_low']:.3f}, {q['ci_high']:.3f}]", "",
+                      "| path | dispatch | tokens/s | TFLOP/s (program_cost) | MFU |",
+                      "|---|---|---|---|---|"]
             for r in m["rows"]:
-                lines.append(f"| {r['path']} | {', '.join(r['dispatch'])} | {r['tokens_per_sec']:,.0f} | "
-                             f"{r['achieved_flops'] / 1e12:.3f} | {_pct(r['mfu'])} |")
+                lines.append(f"| {r['path']} | {', '.join(r['dispatch'])} | "
+                             f"{r['tokens_per_sec']:,.0f} | {r['achieved_flops'] / 1e12:.3f} | "
+                             f"{_pct(r['mfu'])} |")
             lines.append("")
     if "attention" in result:
         b, t, h, d = config.attention
-        lines += [f"## Attention kernels, forward + backward ({b} x {t} x {h} heads x {d}, causal, bf16)", "",
-                  "| kernel | ms | TFLOP/s (analytic, mask not halved) | TFLOP/s (program_cost) | counted as |",
+        lines += [f"## Attention kernels, forward + backward ({b} x {t} x {h} heads x {d}, causal, "
+                  "bf16)", "",
+                  "| kernel | ms | TFLOP/s (analytic, mask not halved) | TFLOP/s (program_cost) | "
+                  "counted as |",
                   "|---|---|---|---|---|"]
         for r in result["attention"]:
             if "ms" not in r:
-                lines.append(f"| {r['kernel']} | {r.get('skipped') or 'error: ' + r['error']} | | | |")
+                lines.append(f"| {r['kernel']} | {r.get('skipped') or 'error: ' + r['error']} | | "
+                             "| |")
                 continue
             counted = ", ".join(r["kernels"]) or "XLA's own ops"
             if r["uncosted"]:
@@ -346,10 +385,12 @@ def markdown(result: dict[str, Any], machine: dict[str, Any], config: Config) ->
 
 
 def run(config: Config, parts: Sequence[str], device: jax.Device) -> dict[str, Any]:
-    """Run the ``parts`` of the benchmark on ``device``; a part that fails is reported, the others still run."""
+    """Run the ``parts`` of the benchmark on ``device``; a part that fails is reported, the others
+    still run."""
     row = jd.costs.accelerator_of_device(device)
     result: dict[str, Any] = {"peak_flops": row.flops if row else None,
-                              "peak_source": row.source if row else f"no datasheet peak for {device.device_kind}"}
+                              "peak_source": row.source if row
+                              else f"no datasheet peak for {device.device_kind}"}
     peak = result["peak_flops"]
     if "rows" in parts:
         plan = [(c, spec) for spec in config.models for c in COMPARISONS if c.key in ROWS]
@@ -367,7 +408,8 @@ def run(config: Config, parts: Sequence[str], device: jax.Device) -> dict[str, A
     if "moe" in parts:
         dtype = jnp.dtype(jnp.float32 if device.platform == "cpu" else jnp.bfloat16)
         try:
-            result["moe"] = moe_dropless.measure(config.moe, config.moe_pairs, config.moe_block_seconds, dtype)
+            result["moe"] = moe_dropless.measure(config.moe, config.moe_pairs,
+                                                 config.moe_block_seconds, dtype)
         except Exception as error:
             traceback.print_exc()
             result["moe"] = {"error": f"{type(error).__name__}: {error}"}
@@ -377,10 +419,14 @@ def run(config: Config, parts: Sequence[str], device: jax.Device) -> dict[str, A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.accelerator", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (what a CPU run does anyway)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run, from {PARTS}")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.accelerator",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help=f"results folder (default {RESULTS})")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, seconds (what a CPU run does anyway)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, from {PARTS}")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -390,12 +436,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     smoke = args.smoke or device.platform == "cpu"
     config = SMOKE if smoke else ACCELERATOR
     machine = machine_info((device,))
-    print(f"benchmarks.accelerator: {'smoke (tiny sizes)' if smoke else 'full'} run on {device.device_kind}",
+    print(f"benchmarks.accelerator: {'smoke (tiny sizes)' if smoke else 'full'} run on "
+          f"{device.device_kind}",
           file=sys.stderr, flush=True)
     result = run(config, parts, device)
     table = markdown(result, machine, config)
     data = {"machine": machine, "smoke": smoke, "config": dataclasses.asdict(config),
-            **{k: ([dataclasses.asdict(r) for r in v] if k == "rows" else v) for k, v in result.items()}}
+            **{k: ([dataclasses.asdict(r) for r in v] if k == "rows" else v)
+               for k, v in result.items()}}
     stem = f"{machine['date'][:10]}-{machine['backend']}-accelerator" + ("-smoke" if smoke else "")
     write_table(args.out, stem, table, data)
     print(table)

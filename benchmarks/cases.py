@@ -1,9 +1,9 @@
 """What the suite compares: the steppers and the head-to-head rows (with targets).
 
-Adding a row: register its steppers in `STEPPERS` (a builder from a `Problem` and the shared `Devices`)
-and append a `Comparison` to `COMPARISONS`. A stepper that cannot run on this machine (a missing optional
-package, an API that errors) raises `runners.Unavailable`, so its rows come out "skipped" rather than
-failing the suite.
+Adding a row: register its steppers in `STEPPERS` (a builder from a `Problem` and the shared
+`Devices`) and append a `Comparison` to `COMPARISONS`. A stepper that cannot run on this machine (a
+missing optional package, an API that errors) raises `runners.Unavailable`, so its rows come out
+"skipped" rather than failing the suite.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ __all__ = ["COMPARISONS", "STEPPERS", "Comparison", "Devices", "StepperDef"]
 
 
 class Devices:
-    """The devices a run uses and the strategies over them, created once and shared by every stepper."""
+    """The devices a run uses and the strategies over them, created once and shared by every
+    stepper."""
 
     def __init__(self, devices: tuple[jax.Device, ...]):
         if not devices:
@@ -70,14 +71,17 @@ def _keras(spe: int) -> Callable[[Problem, Devices], Stepper]:
     return lambda p, d: runners.KerasFit(d.devices, p, steps_per_execution=spe)
 
 
-def _lm(stepper: type, layout: str, remat: bool = False, **options: Any) -> Callable[[Problem, Devices], Stepper]:
-    """An LM stepper (`benchmarks.lm`, `benchmarks.keras_lm`) on the FSDP (``"fsdp"``), FSDP x TP (``"tp"``) or
-    user-mesh (``"mesh"``: ``(data, fsdp, tensor)``, HSDP x TP) strategy, built with ``options``; it reads only
-    the problem's spec, which must be an `lm.LMSpec`."""
+def _lm(
+    stepper: type, layout: str, remat: bool = False, **options: Any
+) -> Callable[[Problem, Devices], Stepper]:
+    """An LM stepper (`benchmarks.lm`, `benchmarks.keras_lm`) on the FSDP (``"fsdp"``), FSDP x TP
+    (``"tp"``) or user-mesh (``"mesh"``: ``(data, fsdp, tensor)``, HSDP x TP) strategy, built with
+    ``options``; it reads only the problem's spec, which must be an `lm.LMSpec`."""
 
     def build(p: Problem, d: Devices) -> Stepper:
         if not isinstance(p.spec, lm.LMSpec):
-            raise runners.Unavailable(f"this row trains the transformer LM; model {p.spec.name!r} is not one")
+            raise runners.Unavailable(f"this row trains the transformer LM; model {p.spec.name!r} "
+                                      "is not one")
         strategy = {"fsdp": lambda: d.sharded, "tp": lambda: lm.tp_strategy(d.devices),
                     "mesh": lambda: lm.mesh_strategy(d.devices)}[layout]()
         return stepper(strategy, lm.lm_problem(p.spec, remat=remat), **options)
@@ -88,7 +92,8 @@ def _lm(stepper: type, layout: str, remat: bool = False, **options: Any) -> Call
 STEPPERS: dict[str, StepperDef] = {
     s.key: s
     for s in (
-        StepperDef("mirrored.jit", "Mirrored strategy.jit", lambda p, d: runners.StrategyJit(d.mirrored, p)),
+        StepperDef("mirrored.jit", "Mirrored strategy.jit",
+                   lambda p, d: runners.StrategyJit(d.mirrored, p)),
         StepperDef(
             "mirrored.jit#2",
             "Mirrored strategy.jit (second instance)",
@@ -104,8 +109,10 @@ STEPPERS: dict[str, StepperDef] = {
             "hand-written jax.jit + NamedSharding",
             lambda p, d: runners.HandJit(d.mirrored.mesh, p),
         ),
-        StepperDef("onedevice.jit", "OneDevice strategy.jit", lambda p, d: runners.StrategyJit(d.one_device, p)),
-        StepperDef("plain.jit", "plain jax.jit (1 device)", lambda p, d: runners.PlainJit(d.devices[0], p)),
+        StepperDef("onedevice.jit", "OneDevice strategy.jit",
+                   lambda p, d: runners.StrategyJit(d.one_device, p)),
+        StepperDef("plain.jit", "plain jax.jit (1 device)",
+                   lambda p, d: runners.PlainJit(d.devices[0], p)),
         StepperDef(
             "mirrored.run",
             "Mirrored strategy.run + all_reduce",
@@ -127,7 +134,8 @@ STEPPERS: dict[str, StepperDef] = {
             )
             for k in (1, 5, 50)
         ),
-        StepperDef("trainer.fit", "training.Trainer.fit (host numpy)", lambda p, d: runners.TrainerFit(d.mirrored, p)),
+        StepperDef("trainer.fit", "training.Trainer.fit (host numpy)",
+                   lambda p, d: runners.TrainerFit(d.mirrored, p)),
         StepperDef(
             "trainer.fit+device",
             "training.Trainer.fit (device-resident batches)",
@@ -143,16 +151,20 @@ STEPPERS: dict[str, StepperDef] = {
             "Mirrored strategy.jit, accuracy on device",
             lambda p, d: runners.HostMetricJit(d.mirrored, p, host=False),
         ),
-        StepperDef("sharded.jit", "Sharded (FSDP) strategy.jit", lambda p, d: runners.StrategyJit(d.sharded, p)),
+        StepperDef("sharded.jit", "Sharded (FSDP) strategy.jit",
+                   lambda p, d: runners.StrategyJit(d.sharded, p)),
         StepperDef(
             "sharded.hand",
             "hand-written jax.jit, FSDP layouts",
             lambda p, d: runners.LayoutJit(d.sharded, p),
         ),
-        # The transformer LM (benchmarks.lm). The hand-written sides' keys start "sharded.hand" (a reference).
+        # The transformer LM (benchmarks.lm). The hand-written sides' keys start "sharded.hand" (a
+        # reference).
         StepperDef("lm.fsdp.jit", "LM: Sharded (FSDP) strategy.jit", _lm(lm.LMStrategyJit, "fsdp")),
-        StepperDef("sharded.hand.lm-fsdp", "LM: hand-written jax.jit, FSDP layouts", _lm(lm.LMHandJit, "fsdp")),
-        StepperDef("lm.tp.jit", "LM: Sharded (FSDP x TP, model=2) strategy.jit", _lm(lm.LMStrategyJit, "tp")),
+        StepperDef("sharded.hand.lm-fsdp", "LM: hand-written jax.jit, FSDP layouts",
+                   _lm(lm.LMHandJit, "fsdp")),
+        StepperDef("lm.tp.jit", "LM: Sharded (FSDP x TP, model=2) strategy.jit",
+                   _lm(lm.LMStrategyJit, "tp")),
         StepperDef(
             "sharded.hand.lm-tp",
             "LM: hand-written jax.jit, FSDP x TP layouts and rules",
@@ -193,11 +205,13 @@ class Comparison:
         title: what is compared.
         candidate: `STEPPERS` key of the side under test (the numerator).
         baseline: `STEPPERS` key of the reference (the denominator).
-        target: the ratio the candidate must reach (``ratio >= target``), or None for an informational row.
+        target: the ratio the candidate must reach (``ratio >= target``), or None for an
+            informational row.
         models: model names in a full run.
         quick_models: model names in a ``--quick`` run.
-        pairs_factor: this row runs ``pairs_factor`` times the run's pairs (the rows with targets get more, so
-            that their median is resolved to about the 3% that separates 0.97 from parity).
+        pairs_factor: this row runs ``pairs_factor`` times the run's pairs (the rows with targets
+            get more, so that their median is resolved to about the 3% that separates 0.97 from
+            parity).
         smoke_models: model names in a ``--smoke`` run.
     """
 
@@ -214,7 +228,8 @@ class Comparison:
     def __post_init__(self) -> None:
         for side in (self.candidate, self.baseline):
             if side not in STEPPERS:
-                raise ValueError(f"Comparison {self.key!r}: stepper {side!r} is not in STEPPERS ({sorted(STEPPERS)}).")
+                raise ValueError(f"Comparison {self.key!r}: stepper {side!r} is not in STEPPERS "
+                                 f"({sorted(STEPPERS)}).")
 
 
 _BOTH = (SMALL.name, LARGE.name)
@@ -222,7 +237,8 @@ _LM = (lm.LM_QUICK.name,)
 _LM_SMOKE = (lm.LM_TINY.name,)
 
 COMPARISONS: tuple[Comparison, ...] = (
-    # A/A: two identical steppers. Its spread is the noise floor of this machine; its median should be 1.
+    # A/A: two identical steppers. Its spread is the noise floor of this machine; its median should
+    # be 1.
     Comparison(
         "null",
         "A/A noise floor: strategy.jit vs a second identical strategy.jit",
@@ -248,15 +264,18 @@ COMPARISONS: tuple[Comparison, ...] = (
         quick_models=_BOTH,
         pairs_factor=2,
     ),
-    Comparison("1dev", "OneDevice strategy.jit vs plain jax.jit", "onedevice.jit", "plain.jit", None),
-    Comparison("run", "strategy.run + all_reduce vs strategy.jit", "mirrored.run", "mirrored.jit", None),
+    Comparison("1dev", "OneDevice strategy.jit vs plain jax.jit", "onedevice.jit", "plain.jit",
+               None),
+    Comparison("run", "strategy.run + all_reduce vs strategy.jit", "mirrored.run", "mirrored.jit",
+               None),
     Comparison("pmap", "strategy.jit vs legacy jax.pmap", "mirrored.jit", "pmap", None),
     Comparison(
-        "keras1", "strategy.jit + distribute_dataset vs Keras fit, spe=1", "mirrored.jit+dataset", "keras.spe1", 1.0,
-        quick_models=_BOTH,
+        "keras1", "strategy.jit + distribute_dataset vs Keras fit, spe=1", "mirrored.jit+dataset",
+        "keras.spe1", 1.0, quick_models=_BOTH,
     ),
     Comparison(
-        "keras20", "strategy.jit + distribute_dataset vs Keras fit, spe=20", "mirrored.jit+dataset", "keras.spe20", None
+        "keras20", "strategy.jit + distribute_dataset vs Keras fit, spe=20", "mirrored.jit+dataset",
+        "keras.spe20", None
     ),
     Comparison(
         "tpu-spr",
@@ -266,7 +285,8 @@ COMPARISONS: tuple[Comparison, ...] = (
         1.25,
         models=(SMALL.name,),
     ),
-    # P3: the steps_per_run sweep, each against the per-step strategy.jit loop (the plot's speedup panel).
+    # P3: the steps_per_run sweep, each against the per-step strategy.jit loop (the plot's speedup
+    # panel).
     *(
         Comparison(
             f"P3-{k}",
@@ -275,8 +295,9 @@ COMPARISONS: tuple[Comparison, ...] = (
             "mirrored.jit+dataset",
             None,
             models=(SMALL.name,),
-            # --smoke: P3-50 only; P3-1 and P3-5 run the same stepper (runners.StepsPerRun) and row code with
-            # another loop length, and tpu-spr runs it at 20: two more compiles that check nothing new.
+            # --smoke: P3-50 only; P3-1 and P3-5 run the same stepper (runners.StepsPerRun) and row
+            # code with another loop length, and tpu-spr runs it at 20: two more compiles that check
+            # nothing new.
             smoke_models=(TINY.name,) if k == 50 else (),
         )
         for k in (1, 5, 50)
@@ -320,7 +341,8 @@ COMPARISONS: tuple[Comparison, ...] = (
         "sharded.hand",
         None,
     ),
-    # The transformer LM of examples/char_lm.py: strategy.jit vs hand-written jax.jit with the same layouts.
+    # The transformer LM of examples/char_lm.py: strategy.jit vs hand-written jax.jit with the same
+    # layouts.
     Comparison(
         "lm-fsdp",
         "LM: ShardedStrategy (FSDP) strategy.jit vs hand-written jax.jit, same layouts",
@@ -333,7 +355,8 @@ COMPARISONS: tuple[Comparison, ...] = (
     ),
     Comparison(
         "lm-tp",
-        "LM: ShardedStrategy FSDP x TP strategy.jit vs hand-written jax.jit, same layouts and rules",
+        "LM: ShardedStrategy FSDP x TP strategy.jit vs hand-written jax.jit, same layouts and "
+        "rules",
         "lm.tp.jit",
         "sharded.hand.lm-tp",
         0.97,
@@ -343,7 +366,8 @@ COMPARISONS: tuple[Comparison, ...] = (
     ),
     Comparison(
         "lm-mesh",
-        "LM: ShardedStrategy on the user's (data, fsdp, tensor) mesh vs hand-written jax.jit, same mesh and layouts",
+        "LM: ShardedStrategy on the user's (data, fsdp, tensor) mesh vs hand-written jax.jit, same "
+        "mesh and layouts",
         "lm.mesh.jit",
         "sharded.hand.lm-mesh",
         0.97,
@@ -353,7 +377,8 @@ COMPARISONS: tuple[Comparison, ...] = (
     ),
     Comparison(
         "lm-keras",
-        "LM: ShardedStrategy FSDP x TP strategy.jit vs Keras 3 ModelParallel + LayoutMap fit, same layouts",
+        "LM: ShardedStrategy FSDP x TP strategy.jit vs Keras 3 ModelParallel + LayoutMap fit, same "
+        "layouts",
         "lm.tp.jit+host",
         "keras.lm.tp",
         1.0,

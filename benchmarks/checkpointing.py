@@ -1,24 +1,28 @@
-"""The checkpoint row: seconds the step loop is blocked per save, asynchronous vs synchronous `Checkpointer`.
+"""The checkpoint row: seconds the step loop is blocked per save, asynchronous vs synchronous
+`Checkpointer`.
 
-``python -m benchmarks.checkpointing [--out DIR] [--pairs N] [--saves N] [--every SECONDS] [--width W]``
+``python -m benchmarks.checkpointing [--out DIR] [--pairs N] [--saves N] [--every SECONDS] [--width
+W]``
 
 ``python -m benchmarks.checkpointing --row two-tier [--out DIR] [--pairs N] [--width W] [--smoke]``:
 the two-tier row instead (`benchmarks.two_tier`: a lost host with a local tier or not, 2 processes).
 
-The state: a 784-W-W-10 MLP with adam (parameters and both moments, float32; W=2048: 70 MB), mirrored on
-8 simulated CPU devices (`MirroredStrategy`), trained by a ``strategy.jit`` step that donates it. A run
-saves every ``every`` seconds with one `Checkpointer` (a fresh directory on the disk of ``--dir``) and
-trains in between; the time a save blocks the loop is the wall time of the ``save`` call, taken after the
-devices finished the steps before it (so that it counts the checkpoint, not the steps): for an asynchronous
-save, the copy to host memory and the start of the background write, plus any wait for the previous save;
-for a synchronous one, the whole write. The first save of a run (orbax's one-time setup) is not counted.
-Runs alternate (async sync, sync async, ...); per pair, ratio = the synchronous run's median blocked seconds
-/ the asynchronous run's (> 1: async blocks less; target >= 5, i.e. async blocks at most 20% of sync). Also
-reported, as information: the steps trained per save period, where a synchronous save takes its write out of
-the period and a background write competes with the steps for the CPU.
+The state: a 784-W-W-10 MLP with adam (parameters and both moments, float32; W=2048: 70 MB),
+mirrored on 8 simulated CPU devices (`MirroredStrategy`), trained by a ``strategy.jit`` step that
+donates it. A run saves every ``every`` seconds with one `Checkpointer` (a fresh directory on the
+disk of ``--dir``) and trains in between; the time a save blocks the loop is the wall time of the
+``save`` call, taken after the devices finished the steps before it (so that it counts the
+checkpoint, not the steps): for an asynchronous save, the copy to host memory and the start of the
+background write, plus any wait for the previous save; for a synchronous one, the whole write. The
+first save of a run (orbax's one-time setup) is not counted. Runs alternate (async sync, sync async,
+...); per pair, ratio = the synchronous run's median blocked seconds / the asynchronous run's (> 1:
+async blocks less; target >= 5, i.e. async blocks at most 20% of sync). Also reported, as
+information: the steps trained per save period, where a synchronous save takes its write out of the
+period and a background write competes with the steps for the CPU.
 
-Writes ``<date>-<backend><devices>-checkpoint.md`` and ``.json`` (every blocked time, the machine and the
-versions) under ``--out`` and prints the table. Exit status 0, or 1 when the row could not be measured.
+Writes ``<date>-<backend><devices>-checkpoint.md`` and ``.json`` (every blocked time, the machine
+and the versions) under ``--out`` and prints the table. Exit status 0, or 1 when the row could not
+be measured.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class Result:
         state_mb: the checkpointed state's size in MB (10^6 bytes).
         layers: the MLP's widths, e.g. ``784-2048-2048-10``.
         every: seconds from the start of one save to the start of the next.
-        blocked_async / blocked_sync: seconds each counted save blocked the loop, per run (one list per run).
+        blocked_async / blocked_sync: seconds each counted save blocked the loop, per run (one list
+            per run).
         steps_async / steps_sync: steps trained per save period, per run (one list per run).
         ratios: per pair, median sync blocked seconds / median async blocked seconds.
     """
@@ -66,8 +71,10 @@ class Result:
     ratios: list[float] = dataclasses.field(default_factory=list)
 
 
-def measure(pairs: int, saves: int, every: float, width: int, directory: str | pathlib.Path) -> Result:
-    """Alternate ``pairs`` pairs of runs (async, sync), each ``saves`` counted saves ``every`` seconds apart.
+def measure(pairs: int, saves: int, every: float, width: int,
+            directory: str | pathlib.Path) -> Result:
+    """Alternate ``pairs`` pairs of runs (async, sync), each ``saves`` counted saves ``every``
+    seconds apart.
 
     Example:
         >>> import tempfile
@@ -160,20 +167,23 @@ def markdown(result: Result, machine: dict[str, Any]) -> str:
         _status(ratio),
     ]
     lines = [
-        f"# jaxdist checkpoint benchmark - {machine['date'][:10]}, {machine['backend']} x{machine['device_count']}",
+        f"# jaxdist checkpoint benchmark - {machine['date'][:10]}, {machine['backend']} "
+        f"x{machine['device_count']}",
         "",
-        f"- machine: {machine['host_platform']}, {machine['cpu_count']} CPU cores, python {machine['python']}",
-        f"- versions: jax {v['jax']}, jaxlib {v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, jaxdist "
-        f"{v['jaxdist']} (git {machine['git_commit']}); orbax-checkpoint {machine.get('orbax')}",
+        f"- machine: {machine['host_platform']}, {machine['cpu_count']} CPU cores, python "
+        f"{machine['python']}",
+        f"- versions: jax {v['jax']}, jaxlib {v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, "
+        f"jaxdist {v['jaxdist']} (git {machine['git_commit']}); orbax-checkpoint "
+        f"{machine.get('orbax')}",
         f"- load average at start (1/5/15 min): {machine['load_average_1_5_15']}",
-        f"- method: {len(result.ratios)} pairs of alternating runs (async sync, sync async, ...), each {saves} "
-        f"counted saves {result.every:g} s apart; blocked = wall time of `Checkpointer.save` after the devices "
-        "finished the steps before it; ratio = sync / async median blocked seconds per pair (> 1: async blocks "
-        "less).",
+        f"- method: {len(result.ratios)} pairs of alternating runs (async sync, sync async, ...), "
+        f"each {saves} counted saves {result.every:g} s apart; blocked = wall time of "
+        "`Checkpointer.save` after the devices finished the steps before it; ratio = sync / async "
+        "median blocked seconds per pair (> 1: async blocks less).",
         "",
         "| row | state | candidate | baseline | ratio (median) | 95% CI | IQR | min-max | target "
-        "| candidate blocked s/save | baseline blocked s/save | steps per save period (async / sync) "
-        "| saves x pairs | status |",
+        "| candidate blocked s/save | baseline blocked s/save | steps per save period (async / "
+        "sync) | saves x pairs | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         "| " + " | ".join(row) + " |",
         "",
@@ -183,16 +193,20 @@ def markdown(result: Result, machine: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: measure, write ``.md`` and ``.json`` under ``--out``, print the table."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
-    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temp dir)")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpointing",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help=f"results folder (default {RESULTS})")
+    parser.add_argument("--dir", default=None,
+                        help="where the checkpoints are written (default: a temp dir)")
     parser.add_argument("--row", choices=("ckpt", "two-tier"), default="ckpt",
                         help="ckpt (default) or two-tier (benchmarks.two_tier)")
     parser.add_argument("--smoke", action="store_true", help="two-tier: tiny sizes (does it run?)")
     parser.add_argument("--pairs", type=int, default=None,
                         help="pairs of runs (default 3; two-tier: 2)")
     parser.add_argument("--saves", type=int, default=3, help="counted saves per run (default 3)")
-    parser.add_argument("--every", type=float, default=4.0, help="seconds between saves (default 4)")
+    parser.add_argument("--every", type=float, default=4.0,
+                        help="seconds between saves (default 4)")
     parser.add_argument("--width", type=int, default=None,
                         help="hidden width (default 2048: a 70 MB state)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
@@ -222,15 +236,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(directory, ignore_errors=True)
     table = markdown(result, machine)
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}-checkpoint"
-    write_table(args.out, stem, table, {"machine": machine, "target": TARGET, "checkpoint_dir": directory,
-                                        **dataclasses.asdict(result)})
+    write_table(args.out, stem, table, {"machine": machine, "target": TARGET,
+                                        "checkpoint_dir": directory, **dataclasses.asdict(result)})
     print(table)
     return 0
 
 
 def _two_tier(args: argparse.Namespace) -> int:
-    """The two-tier row (`benchmarks.two_tier`): measure, write ``<date>-<backend>-two-tier`` ``.md``
-    and ``.json`` (``-smoke`` added with ``--smoke``) under ``--out``, print the table."""
+    """The two-tier row (`benchmarks.two_tier`): measure, write ``<date>-<backend>-two-tier``
+    ``.md`` and ``.json`` (``-smoke`` added with ``--smoke``) under ``--out``, print the table."""
     from benchmarks import two_tier
     from benchmarks.report import _version, machine_info, write_table
 

@@ -1,25 +1,31 @@
-"""Host time per call: what ``strategy.jit`` and ``Trainer.fit`` add to a step over hand-written JAX.
+"""Host time per call: what ``strategy.jit`` and ``Trainer.fit`` add to a step over hand-written
+JAX.
 
-On an accelerator a small step is timed by the host: every microsecond of Python per call is lost throughput.
-That host work is the same on a CPU as on a GPU, so it is measured here as the calling thread's CPU time
-(``time.thread_time``) per call, both sides in one process, in alternating blocks; each pair of blocks gives
-one difference (candidate minus baseline, microseconds per call), and the table reports their median with its
-95% interval. Both sides run the same program on the same arrays, so what the devices do cancels out.
+On an accelerator a small step is timed by the host: every microsecond of Python per call is lost
+throughput. That host work is the same on a CPU as on a GPU, so it is measured here as the calling
+thread's CPU time (``time.thread_time``) per call, both sides in one process, in alternating blocks;
+each pair of blocks gives one difference (candidate minus baseline, microseconds per call), and the
+table reports their median with its 95% interval. Both sides run the same program on the same
+arrays, so what the devices do cancels out.
 
-Cases (each device count in a process of its own: ``jax_num_cpu_devices`` is fixed when the backend starts):
+Cases (each device count in a process of its own: ``jax_num_cpu_devices`` is fixed when the backend
+starts):
 
-* ``1dev-trivial``: ``OneDeviceStrategy.jit`` of ``w + x`` against plain ``jax.jit`` on arrays committed to
-  the device (limit: 1.5 us);
-* ``<role>-50``: a 50-leaf state (64 x 64 each) and a split batch on 8 devices, ``strategy.jit`` against
-  ``jax.jit`` with the same in/out shardings and donated state, for ``MirroredStrategy`` and
-  ``ShardedStrategy`` with FSDP, tensor and expert roles, on meshes with Auto axes (limit: 5 us); and FSDP on
-  ``jax.make_mesh``'s default mesh (Explicit axes: the path that reads the layouts' provenance);
-* ``run-mirrored-50``: ``strategy.run`` of a per-replica update of the 50-leaf state (its outputs proven
-  mirrored) against ``jax.jit(jax.shard_map(...))``; also both sides' first call in wall seconds (``run``'s
-  includes the on-device check of its mirrored outputs and the compile of the unchecked program);
-* ``trainer-<n>dev``: ``Trainer.fit`` per optimizer step against a hand loop of the same step (``jax.jit``,
-  one ``jax.device_put`` of each host batch, the loss read at every 10th step as ``fit``'s log points do), on
-  the small MLP of `benchmarks.models`, one ``fit`` call of ``steps`` steps per block (limit: 25 us).
+* ``1dev-trivial``: ``OneDeviceStrategy.jit`` of ``w + x`` against plain ``jax.jit`` on arrays
+  committed to the device (limit: 1.5 us);
+* ``<role>-50``: a 50-leaf state (64 x 64 each) and a split batch on 8 devices, ``strategy.jit``
+  against ``jax.jit`` with the same in/out shardings and donated state, for ``MirroredStrategy`` and
+  ``ShardedStrategy`` with FSDP, tensor and expert roles, on meshes with Auto axes (limit: 5 us);
+  and FSDP on ``jax.make_mesh``'s default mesh (Explicit axes: the path that reads the layouts'
+  provenance);
+* ``run-mirrored-50``: ``strategy.run`` of a per-replica update of the 50-leaf state (its outputs
+  proven mirrored) against ``jax.jit(jax.shard_map(...))``; also both sides' first call in wall
+  seconds (``run``'s includes the on-device check of its mirrored outputs and the compile of the
+  unchecked program);
+* ``trainer-<n>dev``: ``Trainer.fit`` per optimizer step against a hand loop of the same step
+  (``jax.jit``, one ``jax.device_put`` of each host batch, the loss read at every 10th step as
+  ``fit``'s log points do), on the small MLP of `benchmarks.models`, one ``fit`` call of ``steps``
+  steps per block (limit: 25 us).
 
 Run: ``python -m benchmarks.dispatch`` (``--smoke``: short blocks, a check that it runs). Writes
 ``benchmarks/results/<date>-<backend>-dispatch.md`` and ``.json``.
@@ -42,7 +48,8 @@ LIMITS = {"1dev-trivial": 1.5, "trainer": 25.0}  # microseconds per call over ha
 DEFAULT_LIMIT = 5.0
 LEAVES = 50
 DEVICE_COUNTS = (1, 8)
-TRAINER_STEPS = 200  # steps per fit call (a block): fit's fixed cost per call diluted as in real use
+# steps per fit call (a block): fit's fixed cost per call diluted as in real use
+TRAINER_STEPS = 200
 
 
 def limit_of(case: str) -> float:
@@ -50,8 +57,10 @@ def limit_of(case: str) -> float:
     return LIMITS.get(case.split("-")[0] if case.startswith("trainer") else case, DEFAULT_LIMIT)
 
 
-def _pairs(candidate: Callable[[], Any], baseline: Callable[[], Any], calls: int, pairs: int) -> dict[str, Any]:
-    """Alternating blocks of ``calls`` calls each; thread CPU microseconds per call of both sides."""
+def _pairs(candidate: Callable[[], Any], baseline: Callable[[], Any], calls: int,
+           pairs: int) -> dict[str, Any]:
+    """Alternating blocks of ``calls`` calls each; thread CPU microseconds per call of both
+    sides."""
     import jax
 
     def block(fn: Callable[[], Any]) -> float:
@@ -66,7 +75,9 @@ def _pairs(candidate: Callable[[], Any], baseline: Callable[[], Any], calls: int
         block(fn)
     a, b = [], []
     for i in range(pairs):
-        for fn, acc in ((candidate, a), (baseline, b)) if i % 2 == 0 else ((baseline, b), (candidate, a)):
+        for fn, acc in (
+            ((candidate, a), (baseline, b)) if i % 2 == 0 else ((baseline, b), (candidate, a))
+        ):
             acc.append(block(fn))
     return _summary(a, b)
 
@@ -82,7 +93,8 @@ def _summary(a: list[float], b: list[float]) -> dict[str, Any]:
 
 
 def _state_case(strategy: Any, pairs: int, calls: int) -> dict[str, Any]:
-    """The 50-leaf state on ``strategy``'s mesh: ``strategy.jit`` against ``jax.jit`` with its layouts."""
+    """The 50-leaf state on ``strategy``'s mesh: ``strategy.jit`` against ``jax.jit`` with its
+    layouts."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -96,7 +108,8 @@ def _state_case(strategy: Any, pairs: int, calls: int) -> dict[str, Any]:
     holder = {"state": compiled(strategy.create_variables(lambda: state), batch)[0]}
     layouts = jax.tree.map(lambda x: x.sharding, holder["state"])
     hand = jax.jit(step, in_shardings=(layouts, batch.sharding),
-                   out_shardings=(layouts, NamedSharding(strategy.mesh, PartitionSpec())), donate_argnums=0)
+                   out_shardings=(layouts, NamedSharding(strategy.mesh, PartitionSpec())),
+                   donate_argnums=0)
     theirs = {"state": jax.device_put(state, layouts)}
 
     def ours() -> Any:
@@ -111,9 +124,10 @@ def _state_case(strategy: Any, pairs: int, calls: int) -> dict[str, Any]:
 
 
 def _run_case(strategy: Any, pairs: int, calls: int) -> dict[str, Any]:
-    """``strategy.run`` of a per-replica step (the 50-leaf state updated with an all-reduced value: mirrored
-    outputs, proven so) against ``jax.jit(jax.shard_map(...))`` written by hand; also each side's first call
-    (trace, compile and, for ``run``, the on-device check of its mirrored outputs and the plain program's compile)."""
+    """``strategy.run`` of a per-replica step (the 50-leaf state updated with an all-reduced value:
+    mirrored outputs, proven so) against ``jax.jit(jax.shard_map(...))`` written by hand; also each
+    side's first call (trace, compile and, for ``run``, the on-device check of its mirrored outputs
+    and the plain program's compile)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -160,7 +174,8 @@ def _trivial_case(pairs: int, calls: int) -> dict[str, Any]:
 
 
 def _trainer_case(strategy: Any, pairs: int, steps: int) -> dict[str, Any]:
-    """``Trainer.fit`` against the hand loop of the same step, per optimizer step (one fit call per block)."""
+    """``Trainer.fit`` against the hand loop of the same step, per optimizer step (one fit call per
+    block)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -168,13 +183,18 @@ def _trainer_case(strategy: Any, pairs: int, steps: int) -> dict[str, Any]:
     from benchmarks.models import SMALL, make_problem
 
     problem = make_problem(SMALL)
-    trainer = jd.training.Trainer(strategy, problem.model, problem.optimizer, problem.loss_of_logits)
+    trainer = jd.training.Trainer(strategy, problem.model, problem.optimizer,
+                                  problem.loss_of_logits)
     data = list(problem.host_batches)
     mesh = strategy.mesh
-    split, whole = NamedSharding(mesh, PartitionSpec(mesh.axis_names)), NamedSharding(mesh, PartitionSpec())
+    split, whole = (NamedSharding(mesh, PartitionSpec(mesh.axis_names)),
+                    NamedSharding(mesh, PartitionSpec()))
 
-    hand = jax.jit(problem.step, in_shardings=(whole, split), out_shardings=(whole, whole), donate_argnums=0)
-    holder = {"state": jax.jit(problem.init, out_shardings=whole)(jax.random.key(0), problem.sample_x())}
+    hand = jax.jit(problem.step, in_shardings=(whole, split), out_shardings=(whole, whole),
+                   donate_argnums=0)
+    holder = {
+        "state": jax.jit(problem.init, out_shardings=whole)(jax.random.key(0), problem.sample_x())
+    }
 
     def baseline_block() -> Any:
         state, loss = holder["state"], None
@@ -192,12 +212,14 @@ def _trainer_case(strategy: Any, pairs: int, steps: int) -> dict[str, Any]:
     result = _pairs(trainer_block, baseline_block, 1, pairs)
     for k in ("candidate_us", "baseline_us"):
         result[k] /= steps
-    result["extra_us"] = {k: (v / steps if isinstance(v, float) else v) for k, v in result["extra_us"].items()}
+    result["extra_us"] = {k: (v / steps if isinstance(v, float) else v)
+                          for k, v in result["extra_us"].items()}
     return result
 
 
 def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, Any]]:
-    """Every case of one device count, in this process (which must not have started its JAX backend yet)."""
+    """Every case of one device count, in this process (which must not have started its JAX backend
+    yet)."""
     import warnings
 
     import jax
@@ -213,8 +235,8 @@ def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, 
     else:
         from jax.sharding import PartitionSpec as P
 
-        # Simulated CPU devices run an 8-device step's collectives in milliseconds of wall time (host time
-        # per call is a fraction of that): fewer calls per block keep the run short.
+        # Simulated CPU devices run an 8-device step's collectives in milliseconds of wall time
+        # (host time per call is a fraction of that): fewer calls per block keep the run short.
         calls = max(calls // 8, 5)
 
         rows += [
@@ -225,13 +247,19 @@ def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, 
                 mesh=jax.make_mesh((4, 2), ("data", "model"), axis_types=auto), batch_axes="data",
                 layout_rules=[(r"w\d+$", P(None, "model"))], min_shard_size=1), pairs, calls)),
             ("expert-50", lambda: _state_case(jd.ShardedStrategy(
-                mesh=jax.make_mesh((2, 4), ("data", "expert"), axis_types=auto), batch_axes=("data", "expert"),
-                expert_axes="expert", layout_rules=[(r"w\d+$", P("expert"))], min_shard_size=1), pairs, calls)),
+                mesh=jax.make_mesh((2, 4), ("data", "expert"), axis_types=auto),
+                batch_axes=("data", "expert"),
+                expert_axes="expert", layout_rules=[(r"w\d+$", P("expert"))], min_shard_size=1),
+                                              pairs, calls)),
             ("fsdp-50-explicit", lambda: _state_case(jd.ShardedStrategy(
-                mesh=jax.make_mesh((8,), ("fsdp",)), batch_axes="fsdp", fsdp_axes="fsdp", min_shard_size=1),
+                mesh=jax.make_mesh((8,), ("fsdp",)), batch_axes="fsdp", fsdp_axes="fsdp",
+                min_shard_size=1),
                 pairs, calls)),
         ]
-    rows.append((f"trainer-{devices}dev", lambda: _trainer_case(jd.MirroredStrategy(), max(pairs // 4, 2), steps)))
+    rows.append(
+        (f"trainer-{devices}dev",
+         lambda: _trainer_case(jd.MirroredStrategy(), max(pairs // 4, 2), steps))
+    )
     machine = machine_info(jax.devices())
     out = []
     with warnings.catch_warnings():
@@ -247,38 +275,48 @@ def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The table: one row per case."""
     first = rows[0]["machine"] if rows else {"date": "", "backend": "?"}
-    lines = [f"# Host time per call over hand-written JAX ({first['date'][:10]}, {first['backend']})", "",
-             "Calling thread's CPU time per call (Trainer: per optimizer step), jaxdist minus hand-written JAX, "
-             "median of alternating pairs of blocks with its 95% interval; both sides' own time per call and "
-             "their ratio (hand / jaxdist: 1.0 is parity).", "",
-             "| case | devices | extra us per call | 95% interval | jaxdist us | hand-written us | ratio | limit |",
+    lines = [f"# Host time per call over hand-written JAX ({first['date'][:10]}, "
+             f"{first['backend']})", "",
+             "Calling thread's CPU time per call (Trainer: per optimizer step), jaxdist minus "
+             "hand-written JAX, median of alternating pairs of blocks with its 95% interval; both "
+             "sides' own time per call and their ratio (hand / jaxdist: 1.0 is parity).", "",
+             "| case | devices | extra us per call | 95% interval | jaxdist us | hand-written us | "
+             "ratio | limit |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q = r["extra_us"]
         met = "met" if q["median"] <= r["limit_us"] else "missed"
-        lines.append(f"| {r['case']} | {r['devices']} | {q['median']:+.2f} | [{q['ci_low']:+.2f}, {q['ci_high']:+.2f}]"
-                     f" | {r['candidate_us']:.1f} | {r['baseline_us']:.1f} | {r['ratio']:.3f} | "
-                     f"<= {r['limit_us']:g}: {met} |")
+        lines.append(f"| {r['case']} | {r['devices']} | {q['median']:+.2f} | [{q['ci_low']:+.2f}, "
+                     f"{q['ci_high']:+.2f}] | {r['candidate_us']:.1f} | {r['baseline_us']:.1f} | "
+                     f"{r['ratio']:.3f} | <= {r['limit_us']:g}: {met} |")
     firsts = [r for r in rows if "first_call_s" in r]
     if firsts:
-        lines += ["", "First call (trace and compile; for `strategy.run` also the on-device check of its mirrored "
-                  "outputs and the compile of the program later calls run), wall seconds:", "",
+        lines += ["",
+                  "First call (trace and compile; for `strategy.run` also the on-device check of "
+                  "its mirrored outputs and the compile of the program later calls run), wall "
+                  "seconds:", "",
                   "| case | jaxdist s | hand-written s |", "|---|---|---|"]
-        lines += [f"| {r['case']} | {r['first_call_s']['candidate']:.3f} | {r['first_call_s']['baseline']:.3f} |"
+        lines += [f"| {r['case']} | {r['first_call_s']['candidate']:.3f} | "
+                  f"{r['first_call_s']['baseline']:.3f} |"
                   for r in firsts]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: one process per device count, then the table (printed, and written under ``--out``)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help=f"results folder (default {RESULTS})")
-    parser.add_argument("--pairs", type=int, default=30, help="pairs of blocks per case (default 30)")
+    """Command line: one process per device count, then the table (printed, and written under
+    ``--out``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help=f"results folder (default {RESULTS})")
+    parser.add_argument("--pairs", type=int, default=30,
+                        help="pairs of blocks per case (default 30)")
     parser.add_argument("--calls", type=int, default=1000,
                         help="calls per block on one device, an eighth of it on 8 (default 1000)")
     parser.add_argument("--steps", type=int, default=TRAINER_STEPS, help="Trainer steps per block")
     parser.add_argument("--smoke", action="store_true", help="short blocks: does it run?")
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one device count
+    # a child process: one device count
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.pairs, args.calls, args.steps = 8, 5, 5
@@ -289,9 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for n in DEVICE_COUNTS:
         child = subprocess.run(
-            [sys.executable, "-m", "benchmarks.dispatch", "--one", str(n), "--pairs", str(args.pairs),
-             "--calls", str(args.calls), "--steps", str(args.steps)],
-            cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=1800,
+            [sys.executable, "-m", "benchmarks.dispatch", "--one", str(n), "--pairs",
+             str(args.pairs), "--calls", str(args.calls), "--steps", str(args.steps)],
+            cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+            text=True, timeout=1800,
         )
         if child.returncode != 0:
             print(child.stderr[-3000:], file=sys.stderr)
@@ -303,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown(rows)
     print(table)
     kind = "-smoke" if args.smoke else ""
-    write_table(args.out, f"{rows[0]['machine']['date'][:10]}-{rows[0]['backend']}-dispatch{kind}", table, rows)
+    write_table(args.out, f"{rows[0]['machine']['date'][:10]}-{rows[0]['backend']}-dispatch{kind}",
+                table, rows)
     return 0
 
 

@@ -1,17 +1,20 @@
-"""The transformer LM of ``examples/char_lm.py`` written in Keras 3, trained under ``ModelParallel``.
+"""The transformer LM of ``examples/char_lm.py`` written in Keras 3, trained under
+``ModelParallel``.
 
 The Keras side of the ``lm-keras`` row: what a Keras user writes for the same model (``Embedding``,
-``EinsumDense`` projections, ``RMSNormalization``, ``Dense`` MLP and head, AdamW, sparse cross-entropy) and
-trains with ``model.fit`` under ``keras.distribution.ModelParallel`` on the same ``(batch, model)`` mesh.
+``EinsumDense`` projections, ``RMSNormalization``, ``Dense`` MLP and head, AdamW, sparse
+cross-entropy) and trains with ``model.fit`` under ``keras.distribution.ModelParallel`` on the same
+``(batch, model)`` mesh.
 
-The layers carry the Flax model's names, so each Keras variable has one Flax counterpart (`flax_path`). That
-gives the comparison two guarantees:
+The layers carry the Flax model's names, so each Keras variable has one Flax counterpart
+(`flax_path`). That gives the comparison two guarantees:
 
-- the ``LayoutMap`` is built from the layouts ``ShardedStrategy`` gives the Flax parameters (mesh axis
-  ``"replica"`` renamed ``"batch"``, Keras's data axis), so both sides shard every parameter, and each
-  block's output, the same way;
-- the Keras model starts from the Flax model's initial parameters, and `KerasLMFit` checks that both compute
-  the same initial loss (so the row compares the same model shape, not merely a similar one).
+- the ``LayoutMap`` is built from the layouts ``ShardedStrategy`` gives the Flax parameters (mesh
+  axis ``"replica"`` renamed ``"batch"``, Keras's data axis), so both sides shard every parameter,
+  and each block's output, the same way;
+- the Keras model starts from the Flax model's initial parameters, and `KerasLMFit` checks that both
+  compute the same initial loss (so the row compares the same model shape, not merely a similar
+  one).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ _KERAS_ALIASES = {"embeddings": "embedding"}  # Keras variable name -> Flax para
 
 
 def flax_path(keras_path: str) -> str:
-    """The Flax parameter path (``jax.tree_util.keystr`` form) of a Keras variable path of `build_model`'s.
+    """The Flax parameter path (``jax.tree_util.keystr`` form) of a Keras variable path of
+    `build_model`'s.
 
     Example:
         >>> flax_path("block_0/query/kernel")
@@ -71,7 +75,8 @@ def _build_model(keras: Any, cfg: Any) -> Any:
                 layers.EinsumDense("btd,dhk->bthk", (None, cfg.num_heads, head_dim), name=n)
                 for n in ("query", "key", "value")
             )
-            self.attn_out = layers.EinsumDense("bthk,hkd->btd", (None, cfg.d_model), name="attn_out")
+            self.attn_out = layers.EinsumDense("bthk,hkd->btd", (None, cfg.d_model),
+                                               name="attn_out")
             self.mlp_norm = layers.RMSNormalization(epsilon=1e-6, name="mlp_norm")
             self.mlp_in = layers.Dense(cfg.mlp_dim, name="mlp_in")
             self.mlp_out = layers.Dense(cfg.d_model, name="mlp_out")
@@ -87,7 +92,8 @@ def _build_model(keras: Any, cfg: Any) -> Any:
             h = ops.gelu(self.mlp_in(self.mlp_norm(x)), approximate=True)
             return x + self.mlp_out(h)
 
-    tokens = keras.Input((cfg.max_len,), dtype="int32")  # the benchmark's sequences fill the context
+    # the benchmark's sequences fill the context
+    tokens = keras.Input((cfg.max_len,), dtype="int32")
     x = layers.Embedding(cfg.vocab_size, cfg.d_model, name="embed")(tokens)
     x = Positions(name="positions")(x)
     for i in range(cfg.num_layers):
@@ -98,23 +104,26 @@ def _build_model(keras: Any, cfg: Any) -> Any:
 
 
 def _by_path(tree: Any, **options: Any) -> dict[str, Any]:
-    """``tree``'s leaves by Flax parameter path (`flax_path`'s form; annotation boxes' ``.value`` dropped)."""
+    """``tree``'s leaves by Flax parameter path (`flax_path`'s form; annotation boxes' ``.value``
+    dropped)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree, **options)
     return {re.sub(r"\.value$", "", jax.tree_util.keystr(path)): leaf for path, leaf in leaves}
 
 
 def _keras_axis(axis: str | None) -> str | None:
-    """A jaxdist mesh axis's name on the Keras mesh: ``"replica"`` is Keras's data axis, ``"batch"``."""
+    """A jaxdist mesh axis's name on the Keras mesh: ``"replica"`` is Keras's data axis,
+    ``"batch"``."""
     return "batch" if axis == "replica" else axis
 
 
 def _layout_map(keras: Any, cfg: Any, strategy: jd.Strategy, problem: LMProblem) -> Any:
-    """A ``LayoutMap`` giving every Keras variable its Flax counterpart's layout under ``strategy`` (and each
-    block's output the batch split), on a ``DeviceMesh`` of the strategy's devices with axes renamed
-    (`_keras_axis`)."""
+    """A ``LayoutMap`` giving every Keras variable its Flax counterpart's layout under ``strategy``
+    (and each block's output the batch split), on a ``DeviceMesh`` of the strategy's devices with
+    axes renamed (`_keras_axis`)."""
     mesh = strategy.mesh
     keras_mesh = keras.distribution.DeviceMesh(
-        mesh.devices.shape, [_keras_axis(a) for a in mesh.axis_names], mesh.devices.flatten().tolist()
+        mesh.devices.shape, [_keras_axis(a) for a in mesh.axis_names],
+        mesh.devices.flatten().tolist()
     )
     shardings = strategy.variable_shardings(problem.host_state[0])
     specs = _by_path(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -129,12 +138,14 @@ def _layout_map(keras: Any, cfg: Any, strategy: jd.Strategy, problem: LMProblem)
 
 
 class KerasLMFit(KerasLoop):
-    """``model.fit`` of the Keras CharLM under ``ModelParallel`` with ``strategy``'s layouts, on the problem's
-    host batches (see `runners.KerasLoop`), ``steps_per_execution`` steps per compiled call.
+    """``model.fit`` of the Keras CharLM under ``ModelParallel`` with ``strategy``'s layouts, on the
+    problem's host batches (see `runners.KerasLoop`), ``steps_per_execution`` steps per compiled
+    call.
 
     Raises:
         Unavailable: when keras is missing (`runners.import_keras`).
-        AssertionError: when the Keras model's initial loss differs from the Flax model's (not the same model).
+        AssertionError: when the Keras model's initial loss differs from the Flax model's (not the
+            same model).
     """
 
     def __init__(self, strategy: jd.Strategy, problem: LMProblem, steps_per_execution: int = 1):
@@ -158,5 +169,6 @@ class KerasLMFit(KerasLoop):
             keras_loss = float(model.compute_loss(x, y, model(x)))
         flax_loss = float(char_lm().loss_fn(problem.model.apply(problem.host_state[0], x), y))
         if not np.isclose(keras_loss, flax_loss, rtol=1e-4):
-            raise AssertionError(f"Keras CharLM initial loss {keras_loss} != Flax CharLM's {flax_loss}")
+            raise AssertionError(f"Keras CharLM initial loss {keras_loss} != Flax CharLM's "
+                                 f"{flax_loss}")
         super().__init__(distribution, model, problem.host_batches, steps_per_execution)

@@ -1,12 +1,15 @@
-"""The transformer LM problem: the char-level decoder of ``examples/char_lm.py`` under FSDP and FSDP x TP.
+"""The transformer LM problem: the char-level decoder of ``examples/char_lm.py`` under FSDP and FSDP
+x TP.
 
-The model, its logical-axis annotations and its rule table are imported from the example (loaded by path:
-``examples/`` is not a package). Every stepper trains the same `LMProblem`: the same initial variables
-(drawn once on the host, then placed in each stepper's layout), the same AdamW and the same fixed batches of
-the example's text, so two sides of a row differ only in how the step is compiled and placed.
+The model, its logical-axis annotations and its rule table are imported from the example (loaded by
+path: ``examples/`` is not a package). Every stepper trains the same `LMProblem`: the same initial
+variables (drawn once on the host, then placed in each stepper's layout), the same AdamW and the
+same fixed batches of the example's text, so two sides of a row differ only in how the step is
+compiled and placed.
 
-The suite hands every stepper ``make_problem(spec)`` of the MLP models; an `LMSpec` is a `ModelSpec` with no
-hidden layers (that MLP problem is tiny and never compiled), and the LM steppers read only its ``spec``.
+The suite hands every stepper ``make_problem(spec)`` of the MLP models; an `LMSpec` is a `ModelSpec`
+with no hidden layers (that MLP problem is tiny and never compiled), and the LM steppers read only
+its ``spec``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ _EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "char_l
 
 @functools.cache
 def char_lm() -> ModuleType:
-    """``examples/char_lm.py`` as a module (loaded once; registered as ``char_lm`` for its dataclasses)."""
+    """``examples/char_lm.py`` as a module (loaded once; registered as ``char_lm`` for its
+    dataclasses)."""
     if "char_lm" in sys.modules:
         return sys.modules["char_lm"]
     spec = importlib.util.spec_from_file_location("char_lm", _EXAMPLE)
@@ -83,7 +87,8 @@ class LMSpec(ModelSpec):
 
 
 LM_QUICK = LMSpec("lm", (), 16, num_layers=2, d_model=128, num_heads=4, seq_len=128)
-LM_TINY = LMSpec("lm-tiny", (), 8, batches=2, num_layers=1, d_model=16, num_heads=2, seq_len=8)  # --smoke only
+# --smoke only
+LM_TINY = LMSpec("lm-tiny", (), 8, batches=2, num_layers=1, d_model=16, num_heads=2, seq_len=8)
 LM_MODELS = {spec.name: spec for spec in (LM_QUICK, LM_TINY)}
 
 
@@ -95,8 +100,8 @@ class LMProblem:
         spec: the configuration.
         model: the example's ``CharLM``.
         optimizer: AdamW.
-        host_state: ``(variables, opt_state)`` as host numpy (Flax annotation boxes kept), the same start
-            for every stepper.
+        host_state: ``(variables, opt_state)`` as host numpy (Flax annotation boxes kept), the same
+            start for every stepper.
         host_batches: fixed ``(tokens, next_tokens)`` int32 batches of the example's text.
     """
 
@@ -124,8 +129,8 @@ class LMProblem:
 def lm_problem(spec: LMSpec, remat: bool = False, seed: int = 0) -> LMProblem:
     """Build (once per spec) the model, AdamW, initial state and fixed batches of ``spec``.
 
-    The initial variables are drawn on the host (normal, std 0.02; norm scales 1) rather than by compiling
-    ``model.init``: XLA's CPU compile of the initializer's RNG would dominate a smoke run.
+    The initial variables are drawn on the host (normal, std 0.02; norm scales 1) rather than by
+    compiling ``model.init``: XLA's CPU compile of the initializer's RNG would dominate a smoke run.
     """
     lm = char_lm()
     text = lm.load_text()
@@ -159,13 +164,15 @@ def lm_problem(spec: LMSpec, remat: bool = False, seed: int = 0) -> LMProblem:
 
 @functools.cache
 def tp_strategy(devices: tuple[jax.Device, ...]) -> jd.ShardedStrategy:
-    """FSDP x tensor parallelism over ``devices``: mesh ``(replica, model) = (N / 2, 2)``, the example's rules.
+    """FSDP x tensor parallelism over ``devices``: mesh ``(replica, model) = (N / 2, 2)``, the
+    example's rules.
 
     Raises:
         Unavailable: when the device count is odd (the model axis needs 2).
     """
     if len(devices) % 2:
-        raise Unavailable(f"FSDP x TP needs an even device count for model_parallelism=2, got {len(devices)}")
+        raise Unavailable("FSDP x TP needs an even device count for model_parallelism=2, got "
+                          f"{len(devices)}")
     lm = char_lm()
     return jd.ShardedStrategy(
         devices,
@@ -177,15 +184,16 @@ def tp_strategy(devices: tuple[jax.Device, ...]) -> jd.ShardedStrategy:
 
 @functools.cache
 def mesh_strategy(devices: tuple[jax.Device, ...]) -> jd.ShardedStrategy:
-    """The LM on a user's own mesh, MaxText-style: ``(data, fsdp, tensor) = (N / 4, 2, 2)``, the batch over
-    ``data`` x ``fsdp``, FSDP over ``fsdp`` only (HSDP), tensor parallelism over ``tensor``, and the example's
-    rule table naming those axes.
+    """The LM on a user's own mesh, MaxText-style: ``(data, fsdp, tensor) = (N / 4, 2, 2)``, the
+    batch over ``data`` x ``fsdp``, FSDP over ``fsdp`` only (HSDP), tensor parallelism over
+    ``tensor``, and the example's rule table naming those axes.
 
     Raises:
         Unavailable: when 4 does not divide the device count.
     """
     if len(devices) % 4:
-        raise Unavailable(f"the (data, fsdp, tensor) mesh needs a multiple of 4 devices, got {len(devices)}")
+        raise Unavailable("the (data, fsdp, tensor) mesh needs a multiple of 4 devices, got "
+                          f"{len(devices)}")
     lm = char_lm()
     mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, 2, 2), ("data", "fsdp", "tensor"))
     return jd.ShardedStrategy(
@@ -203,8 +211,9 @@ def _place(strategy: jd.Strategy, problem: LMProblem) -> Any:
 
 
 def _rules_scope(strategy: jd.Strategy) -> contextlib.AbstractContextManager[Any]:
-    """What a hand-written step traces under for the model's activation constraints to mean the same thing as
-    in ``strategy.jit``: the mesh (abstract) and Flax's logical axis rules; nothing without rules."""
+    """What a hand-written step traces under for the model's activation constraints to mean the same
+    thing as in ``strategy.jit``: the mesh (abstract) and Flax's logical axis rules; nothing without
+    rules."""
     rules = getattr(strategy, "logical_axis_rules", ())
     if not rules:
         return contextlib.nullcontext()
@@ -220,15 +229,16 @@ class LMStrategyJit(_Loop):
     Args:
         strategy: the jaxdist strategy.
         problem: the LM to train.
-        feed: ``"device"`` cycles batches placed once with ``experimental_distribute_values``; ``"host"``
-            passes the host numpy batches, declared with ``batch_argnums=(1,)`` (placed every step, as
-            ``model.fit`` does).
+        feed: ``"device"`` cycles batches placed once with ``experimental_distribute_values``;
+            ``"host"`` passes the host numpy batches, declared with ``batch_argnums=(1,)`` (placed
+            every step, as ``model.fit`` does).
     """
 
     def __init__(self, strategy: jd.Strategy, problem: LMProblem, feed: str = "device"):
         state = _place(strategy, problem)
         if feed == "device":
-            batches = _cycle(strategy.experimental_distribute_values(b) for b in problem.host_batches)
+            batches = _cycle(strategy.experimental_distribute_values(b)
+                             for b in problem.host_batches)
         elif feed == "host":
             batches = _cycle(problem.host_batches)
         else:
@@ -238,8 +248,9 @@ class LMStrategyJit(_Loop):
 
 
 class LMHandJit(_Loop):
-    """Hand-written ``jax.jit`` with in/out shardings copied from the state ``strategy`` places, batches split
-    over the strategy's batch axes, donated state; traced under the strategy's rules (see `_rules_scope`)."""
+    """Hand-written ``jax.jit`` with in/out shardings copied from the state ``strategy`` places,
+    batches split over the strategy's batch axes, donated state; traced under the strategy's rules
+    (see `_rules_scope`)."""
 
     def __init__(self, strategy: jd.Strategy, problem: LMProblem):
         state = _place(strategy, problem)
@@ -264,12 +275,13 @@ class LMHandJit(_Loop):
         return self.jitted.lower(self._state, next(self._batches)).compile()
 
 
-# ---------------------------------------------------------------------------------------------- memory
+# ------------------------------------------------------------------------------------------- memory
 def _memory(strategy: jd.Strategy, problem: LMProblem, measure_temp: bool) -> dict[str, Any]:
     stepper = LMHandJit(strategy, problem)
     try:
         params, opt_state = stepper._state
-        temp = getattr(stepper.compiled().memory_analysis(), "temp_size_in_bytes", None) if measure_temp else None
+        temp = getattr(stepper.compiled().memory_analysis(), "temp_size_in_bytes",
+                       None) if measure_temp else None
         return {
             "param_bytes": jd.costs.bytes_per_device(params),
             "optimizer_bytes": jd.costs.bytes_per_device(opt_state),
@@ -287,24 +299,28 @@ def memory_table(
     fsdp: jd.Strategy,
     measure_temp: bool = True,
 ) -> dict:
-    """Per-device bytes of params + optimizer state and XLA temp bytes of the compiled step, per layout.
+    """Per-device bytes of params + optimizer state and XLA temp bytes of the compiled step, per
+    layout.
 
-    Entries: Mirrored, FSDP, FSDP x TP, and FSDP x TP with ``remat`` (the step compiled as a hand-written
-    ``jax.jit`` with the strategy's layouts: the same program ``strategy.jit`` builds). ``tp_state_pass``
-    checks FSDP x TP state per device <= (1/N + 5%) of Mirrored's. With ``measure_temp=False`` (smoke runs) the
-    temp bytes are not measured (None) and the remat entry, whose state equals FSDP x TP's, is left out.
+    Entries: Mirrored, FSDP, FSDP x TP, and FSDP x TP with ``remat`` (the step compiled as a
+    hand-written ``jax.jit`` with the strategy's layouts: the same program ``strategy.jit`` builds).
+    ``tp_state_pass`` checks FSDP x TP state per device <= (1/N + 5%) of Mirrored's. With
+    ``measure_temp=False`` (smoke runs) the temp bytes are not measured (None) and the remat entry,
+    whose state equals FSDP x TP's, is left out.
     """
     entries: dict[str, dict[str, Any]] = {}
     plain, remat = lm_problem(spec), lm_problem(spec, remat=measure_temp)
     strategies = [("Mirrored", mirrored, plain), ("FSDP", fsdp, plain)]
     try:
         tp = tp_strategy(devices)
-        strategies += [("FSDP x TP", tp, plain)] + ([("FSDP x TP, remat", tp, remat)] if measure_temp else [])
+        strategies += [("FSDP x TP", tp, plain)] + ([("FSDP x TP, remat", tp, remat)]
+                                                    if measure_temp else [])
     except Unavailable:
         pass
     for name, strategy, problem in strategies:
         entries[name] = _memory(strategy, problem, measure_temp)
-    out: dict[str, Any] = {"model": spec.name, "layers": spec.layers, "batch": spec.batch, "entries": entries}
+    out: dict[str, Any] = {"model": spec.name, "layers": spec.layers, "batch": spec.batch,
+                           "entries": entries}
     if "FSDP x TP" in entries:
         n = len(devices)
         ratio = entries["FSDP x TP"]["state_bytes"] / entries["Mirrored"]["state_bytes"]
@@ -315,13 +331,14 @@ def memory_table(
 
 
 def add_process_entries(table: dict, entries: dict) -> None:
-    """Add multi-process layouts (`benchmarks.multiproc.lm_hsdp_rows`: per-device state bytes, the whole
-    state's bytes and the target fraction) to a `memory_table`, with their verdicts in ``process_targets``."""
+    """Add multi-process layouts (`benchmarks.multiproc.lm_hsdp_rows`: per-device state bytes, the
+    whole state's bytes and the target fraction) to a `memory_table`, with their verdicts in
+    ``process_targets``."""
     mirrored = table["entries"]["Mirrored"]["state_bytes"]
     table.setdefault("process_targets", {})
     for name, e in entries.items():
-        table["entries"][name] = {"param_bytes": None, "optimizer_bytes": None, "state_bytes": e["state_bytes"],
-                                  "temp_bytes": None}
+        table["entries"][name] = {"param_bytes": None, "optimizer_bytes": None,
+                                  "state_bytes": e["state_bytes"], "temp_bytes": None}
         fraction = e["state_bytes"] / mirrored
         table["process_targets"][name] = {"fraction": fraction, "target": e["target"],
                                           "pass": fraction <= e["target"]}

@@ -1,8 +1,9 @@
-"""The benchmark models: a Flax linen MLP at two sizes, optax adam, softmax cross-entropy, fixed synthetic data.
+"""The benchmark models: a Flax linen MLP at two sizes, optax adam, softmax cross-entropy, fixed
+synthetic data.
 
-Every stepper of a comparison trains the same `Problem`: the same network, the same optimizer, the same
-initial parameters and the same host batches, so the only difference between two sides is how the step is
-compiled, placed and fed.
+Every stepper of a comparison trains the same `Problem`: the same network, the same optimizer, the
+same initial parameters and the same host batches, so the only difference between two sides is how
+the step is compiled, placed and fed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class ModelSpec:
         name: short label used in tables and file names.
         hidden: widths of the hidden layers (input 784, output 10).
         batch: global batch size (split over the replicas).
-        batches: distinct fixed batches cycled through (enough that no step sees the previous step's batch).
+        batches: distinct fixed batches cycled through (enough that no step sees the previous step's
+            batch).
     """
 
     name: str
@@ -48,7 +50,8 @@ class ModelSpec:
 
 SMALL = ModelSpec("mlp-small", (64, 64), 64)
 LARGE = ModelSpec("mlp-large", (512, 512), 256)
-TINY = ModelSpec("mlp-tiny", (16,), 16, batches=2)  # --smoke only: exercises every code path quickly
+# --smoke only: exercises every code path quickly
+TINY = ModelSpec("mlp-tiny", (16,), 16, batches=2)
 MODELS = {spec.name: spec for spec in (SMALL, LARGE, TINY)}
 
 
@@ -75,7 +78,8 @@ class Problem:
         init: ``init(rng, sample_x) -> (params, opt_state)``.
         step: the unmodified single-device training step, ``step(state, (x, y)) -> (state, loss)``.
         loss: ``loss(params, x, y) -> scalar`` (mean over the rows it is given).
-        loss_of_logits: ``loss_of_logits(logits, y) -> scalar``, the same loss from the model's outputs.
+        loss_of_logits: ``loss_of_logits(logits, y) -> scalar``, the same loss from the model's
+            outputs.
         host_batches: the fixed ``(x, y)`` numpy batches, global batch size each.
     """
 
@@ -93,7 +97,8 @@ class Problem:
         return jnp.zeros((1, NUM_FEATURES), jnp.float32)
 
     def apply_gradients(self, state: Any, grads: Any) -> Any:
-        """``state`` after one optimizer update with ``grads`` (for steps that compute gradients themselves)."""
+        """``state`` after one optimizer update with ``grads`` (for steps that compute gradients
+        themselves)."""
         params, opt_state = state
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state

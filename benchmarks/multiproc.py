@@ -1,21 +1,22 @@
-"""The multi-process rows: MultiWorkerMirroredStrategy on 2 processes x 4 devices against hand-written JAX on
-the same topology (the row with the target), and against MirroredStrategy on 1 process x 8 devices (information).
+"""The multi-process rows: MultiWorkerMirroredStrategy on 2 processes x 4 devices against
+hand-written JAX on the same topology (the row with the target), and against MirroredStrategy on 1
+process x 8 devices (information).
 
-On 2 shared cores a 2 x 4 run is bound by gloo's all-reduce over TCP loopback between 8 ranks, whatever the
-framework: hand-written ``jax.distributed`` + ``jax.jit`` reaches about a tenth of 1 x 8 there too. So the
-target compares jaxdist with the hand-written program of the same topology and model, and 1 x 8 is shown only
-as information.
+On 2 shared cores a 2 x 4 run is bound by gloo's all-reduce over TCP loopback between 8 ranks,
+whatever the framework: hand-written ``jax.distributed`` + ``jax.jit`` reaches about a tenth of 1 x
+8 there too. So the target compares jaxdist with the hand-written program of the same topology and
+model, and 1 x 8 is shown only as information.
 
-The sides cannot share a process (a process's device count and cluster are fixed when JAX starts), so each
-block is a fresh run: ``python -m jaxdist.launch -n 2 --cpu-devices 4`` for the two-process sides (the launcher
-only starts the processes and sets the coordinator environment; the hand-written side calls
-``jax.distributed.initialize`` itself), one process with 8 simulated devices for 1 x 8. Each run warms up
-(compiles) and then times ``blocks`` blocks of the same step on device-resident batches; its steps/s is the
-median over its blocks. Runs rotate (each pair runs the three sides in a different order) and each ratio is
-taken per pair.
+The sides cannot share a process (a process's device count and cluster are fixed when JAX starts),
+so each block is a fresh run: ``python -m jaxdist.launch -n 2 --cpu-devices 4`` for the two-process
+sides (the launcher only starts the processes and sets the coordinator environment; the hand-written
+side calls ``jax.distributed.initialize`` itself), one process with 8 simulated devices for 1 x 8.
+Each run warms up (compiles) and then times ``blocks`` blocks of the same step on device-resident
+batches; its steps/s is the median over its blocks. Runs rotate (each pair runs the three sides in a
+different order) and each ratio is taken per pair.
 
-Also the worker: ``python benchmarks/multiproc.py worker SIDE MODEL BLOCKS STEPS [WARMUP]`` (started by the
-rows; WARMUP steps before the timed blocks, 10 unless given), SIDE one of ``_WORKER_SIDES``.
+Also the worker: ``python benchmarks/multiproc.py worker SIDE MODEL BLOCKS STEPS [WARMUP]`` (started
+by the rows; WARMUP steps before the timed blocks, 10 unless given), SIDE one of ``_WORKER_SIDES``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _jaxdist_side(problem):
 
     import jaxdist as jd
 
-    strategy = jd.MultiWorkerMirroredStrategy()  # the cluster from jaxdist.launch's environment, or alone
+    # the cluster from jaxdist.launch's environment, or alone
+    strategy = jd.MultiWorkerMirroredStrategy()
     state = strategy.create_variables(problem.init, jax.random.key(0), problem.sample_x())
     step = strategy.jit(problem.step, donate_argnums=(0,))
     batches = [strategy.experimental_distribute_values(b) for b in problem.host_batches]
@@ -48,8 +50,9 @@ def _jaxdist_side(problem):
 
 
 def _hand_side(problem):
-    """What a JAX user writes by hand: ``jax.distributed.initialize``, one global mesh, ``jax.jit`` with
-    ``NamedSharding`` in/out shardings and donated state, batches built from each process's own rows."""
+    """What a JAX user writes by hand: ``jax.distributed.initialize``, one global mesh, ``jax.jit``
+    with ``NamedSharding`` in/out shardings and donated state, batches built from each process's own
+    rows."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -59,28 +62,34 @@ def _hand_side(problem):
         int(os.environ["JAXDIST_PROCESS_ID"]),
     )
     mesh = Mesh(jax.devices(), ("batch",))
-    replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
+    replicated, split = (NamedSharding(mesh, PartitionSpec()),
+                         NamedSharding(mesh, PartitionSpec("batch")))
     state = jax.jit(problem.init, out_shardings=replicated)(jax.random.key(0), problem.sample_x())
     step = jax.jit(
-        problem.step, in_shardings=(replicated, split), out_shardings=(replicated, replicated), donate_argnums=0
+        problem.step, in_shardings=(replicated, split), out_shardings=(replicated, replicated),
+        donate_argnums=0
     )
 
     def place(batch):
-        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, split, lambda index: a[index]), batch)
+        return jax.tree.map(
+            lambda a: jax.make_array_from_callback(a.shape, split, lambda index: a[index]), batch
+        )
 
     return step, state, [place(b) for b in problem.host_batches]
 
 
-# ----------------------------------------------------------------------- the LM, HSDP over 2 processes x 4
-# lm1b's way of writing rules: every logical name has one, so the hand-written side can lay the state out with
-# Flax's own tools (nn.get_partition_spec + nn.logical_to_mesh_sharding) and both sides get the same layouts.
-# The batch over data x fsdp, parameters split over 'fsdp' (within a process), replicated over 'data'.
-HSDP_RULES = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("heads", None), ("mlp", None), ("vocab", None),
-              ("kv", None), ("position", None), ("length", None))
+# ---------------------------------------------------------------- the LM, HSDP over 2 processes x 4
+# lm1b's way of writing rules: every logical name has one, so the hand-written side can lay the
+# state out with Flax's own tools (nn.get_partition_spec + nn.logical_to_mesh_sharding) and both
+# sides get the same layouts. The batch over data x fsdp, parameters split over 'fsdp' (within a
+# process), replicated over 'data'.
+HSDP_RULES = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("heads", None), ("mlp", None),
+              ("vocab", None), ("kv", None), ("position", None), ("length", None))
 
 
 def _hsdp_mesh():
-    """``(data, fsdp) = (processes, local devices)``: 'data' across the processes, 'fsdp' within each."""
+    """``(data, fsdp) = (processes, local devices)``: 'data' across the processes, 'fsdp' within
+    each."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -93,8 +102,9 @@ def _jaxdist_lm_side(problem, layout):
     import jaxdist as jd
 
     if layout == "hsdp":
-        strategy = jd.ShardedStrategy(mesh=_hsdp_mesh(), batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",),
-                                      logical_axis_rules=HSDP_RULES, activation_axes=("batch", "length"))
+        strategy = jd.ShardedStrategy(mesh=_hsdp_mesh(), batch_axes=("data", "fsdp"),
+                                      fsdp_axes=("fsdp",), logical_axis_rules=HSDP_RULES,
+                                      activation_axes=("batch", "length"))
     else:  # the short form: FSDP over every device of every process
         strategy = jd.ShardedStrategy()
     state = strategy.mirror(problem.host_state)  # in the strategy's variable layout
@@ -104,14 +114,16 @@ def _jaxdist_lm_side(problem, layout):
 
 
 def _hand_lm_side(problem, layout):
-    """What an lm1b / MaxText user writes: ``jax.distributed.initialize``, their mesh, shardings from the
-    model's logical annotations through Flax's rules, ``jax.jit`` traced under the mesh and the rules."""
+    """What an lm1b / MaxText user writes: ``jax.distributed.initialize``, their mesh, shardings
+    from the model's logical annotations through Flax's rules, ``jax.jit`` traced under the mesh and
+    the rules."""
     import flax.linen as nn
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = _hsdp_mesh()
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(problem.host_state), mesh, HSDP_RULES)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(problem.host_state), mesh,
+                                            HSDP_RULES)
     split = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
     def place(a, sharding):
@@ -126,7 +138,8 @@ def _hand_lm_side(problem, layout):
             return problem.step(state, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(step, in_shardings=(shardings, split), out_shardings=(shardings, replicated), donate_argnums=0)
+    jitted = jax.jit(step, in_shardings=(shardings, split), out_shardings=(shardings, replicated),
+                     donate_argnums=0)
     return jitted, state, [jax.tree.map(lambda a: place(a, split), b) for b in problem.host_batches]
 
 
@@ -142,12 +155,12 @@ def _state_bytes(state) -> int:
 
 
 def worker(side: str, model: str, blocks: int, steps: int, warmup: int = 10) -> None:
-    """One side of the rows, in this process (and its peers): ``warmup`` steps (the first compiles), then time
-    ``blocks`` x ``steps`` training steps.
+    """One side of the rows, in this process (and its peers): ``warmup`` steps (the first compiles),
+    then time ``blocks`` x ``steps`` training steps.
 
     Sides: ``jaxdist`` / ``hand`` (an MLP of `benchmarks.models`, data parallel), ``jaxdist-hsdp`` /
-    ``hand-hsdp`` / ``jaxdist-fsdp`` (an LM of `benchmarks.lm`). With ``blocks`` 0 nothing is compiled: the
-    run reports the state's bytes per device only (the memory table).
+    ``hand-hsdp`` / ``jaxdist-fsdp`` (an LM of `benchmarks.lm`). With ``blocks`` 0 nothing is
+    compiled: the run reports the state's bytes per device only (the memory table).
     """
     import jax
 
@@ -159,7 +172,8 @@ def worker(side: str, model: str, blocks: int, steps: int, warmup: int = 10) -> 
         full = None
     else:
         kind, layout = side.split("-")
-        if kind == "jaxdist":  # before anything touches a device: the mesh needs every process's devices
+        # before anything touches a device: the mesh needs every process's devices
+        if kind == "jaxdist":
             import jaxdist as jd
 
             jd.initialize_cluster()
@@ -172,7 +186,9 @@ def worker(side: str, model: str, blocks: int, steps: int, warmup: int = 10) -> 
         from benchmarks.lm import LM_MODELS, lm_problem
 
         problem = lm_problem(LM_MODELS[model])
-        step, state, batches = (_jaxdist_lm_side if kind == "jaxdist" else _hand_lm_side)(problem, layout)
+        step, state, batches = (_jaxdist_lm_side if kind == "jaxdist" else _hand_lm_side)(
+            problem, layout
+        )
         full = sum(a.nbytes for a in jax.tree.leaves(problem.host_state))
     state_bytes = _state_bytes(state)
     seconds = []
@@ -187,17 +203,19 @@ def worker(side: str, model: str, blocks: int, steps: int, warmup: int = 10) -> 
             jax.block_until_ready(loss)
             seconds.append(time.perf_counter() - start)
     if jax.process_index() == 0:
-        result = {"processes": jax.process_count(), "devices": jax.device_count(), "seconds": seconds,
-                  "state_bytes": state_bytes, "full_state_bytes": full}
+        result = {"processes": jax.process_count(), "devices": jax.device_count(),
+                  "seconds": seconds, "state_bytes": state_bytes, "full_state_bytes": full}
         print(_MARK + json.dumps(result), flush=True)
 
 
 def _run(command: list[str], env: dict[str, str], timeout: float) -> dict:
-    out = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
     for line in out.stdout.splitlines():
         if _MARK in line:
             return json.loads(line.split(_MARK, 1)[1])
-    raise RuntimeError(f"{' '.join(command[:6])}... exited {out.returncode}: {(out.stdout + out.stderr)[-800:]}")
+    raise RuntimeError(f"{' '.join(command[:6])}... exited {out.returncode}: "
+                       f"{(out.stdout + out.stderr)[-800:]}")
 
 
 _SIDES = ("jaxdist", "hand", "one")
@@ -205,23 +223,26 @@ _WORKER_SIDES = ("jaxdist", "hand", "jaxdist-hsdp", "hand-hsdp", "jaxdist-fsdp")
 
 
 def measure_multiproc(
-    model: str, pairs: int, blocks: int, steps: int, timeout: float = 300.0, sides: tuple[str, ...] = _SIDES,
-    warmup: int = 10,
+    model: str, pairs: int, blocks: int, steps: int, timeout: float = 300.0,
+    sides: tuple[str, ...] = _SIDES, warmup: int = 10,
 ) -> dict:
-    """Rotate the sides' runs; return ``{side: (block seconds, median seconds per run, run order, result)}``
-    (``result``: the last run's worker result).
+    """Rotate the sides' runs; return ``{side: (block seconds, median seconds per run, run order,
+    result)}`` (``result``: the last run's worker result).
 
-    Sides: ``jaxdist`` (MultiWorkerMirroredStrategy, 2 x 4), ``hand`` (hand-written JAX, 2 x 4) and ``one``
-    (MirroredStrategy, 1 x 8) for an MLP; ``jaxdist-hsdp`` / ``hand-hsdp`` (2 x 4) for an LM. Pair ``k`` runs
-    them in the order ``sides`` rotated by ``k``. Each run takes ``warmup`` untimed steps first.
+    Sides: ``jaxdist`` (MultiWorkerMirroredStrategy, 2 x 4), ``hand`` (hand-written JAX, 2 x 4) and
+    ``one`` (MirroredStrategy, 1 x 8) for an MLP; ``jaxdist-hsdp`` / ``hand-hsdp`` (2 x 4) for an
+    LM. Pair ``k`` runs them in the order ``sides`` rotated by ``k``. Each run takes ``warmup``
+    untimed steps first.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     script = [str(pathlib.Path(__file__).resolve()), "worker"]
     tail = [model, str(blocks), str(steps), str(warmup)]
-    two = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", str(timeout)]
+    two = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout",
+           str(timeout)]
     commands = {side: ([*two, *script, side, *tail], env, 2) for side in _WORKER_SIDES}
-    commands["one"] = ([sys.executable, *script, "jaxdist", *tail], dict(env, JAX_NUM_CPU_DEVICES="8"), 1)
+    commands["one"] = ([sys.executable, *script, "jaxdist", *tail],
+                       dict(env, JAX_NUM_CPU_DEVICES="8"), 1)
     out = {side: ([], [], [], None) for side in sides}
     for pair in range(pairs):
         k = pair % len(sides)
@@ -237,17 +258,18 @@ def measure_multiproc(
 
 
 def memory_probe(model: str, side: str, timeout: float = 300.0) -> dict:
-    """One run of ``side`` that only places the state: ``{"state_bytes", "full_state_bytes"}`` per device."""
+    """One run of ``side`` that only places the state: ``{"state_bytes", "full_state_bytes"}`` per
+    device."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", str(timeout),
-               str(pathlib.Path(__file__).resolve()), "worker", side, model, "0", "0"]
+    command = [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout",
+               str(timeout), str(pathlib.Path(__file__).resolve()), "worker", side, model, "0", "0"]
     return _run(command, env, timeout + 30)
 
 
 def multiproc_rows(spec, pairs: int, blocks: int, steps: int, warmup: int = 10) -> list:
-    """The ``multiproc`` (vs hand-written 2 x 4) and ``multiproc-1x8`` (vs 1 x 8) `Row` s for model ``spec``
-    (error rows, with the reason, when a run fails)."""
+    """The ``multiproc`` (vs hand-written 2 x 4) and ``multiproc-1x8`` (vs 1 x 8) `Row` s for model
+    ``spec`` (error rows, with the reason, when a run fails)."""
     from benchmarks.suite import Row
 
     row = functools.partial(
@@ -285,7 +307,8 @@ def multiproc_rows(spec, pairs: int, blocks: int, steps: int, warmup: int = 10) 
     return rows
 
 
-def _fill(rows: list, runs: dict, candidate: str, baselines: tuple[str, ...], steps: int, start: float) -> None:
+def _fill(rows: list, runs: dict, candidate: str, baselines: tuple[str, ...], steps: int,
+          start: float) -> None:
     from benchmarks.suite import _status
     from benchmarks.timing import spread
 
@@ -306,20 +329,22 @@ def _fill(rows: list, runs: dict, candidate: str, baselines: tuple[str, ...], st
 def lm_hsdp_rows(
     spec, pairs: int, blocks: int, steps: int, probe_fsdp: bool = True, warmup: int = 10
 ) -> tuple[list, dict]:
-    """The ``lm-hsdp-mp`` `Row` (ShardedStrategy HSDP on the user's mesh vs hand-written, both 2 x 4) for LM
-    ``spec``, and the multi-process memory entries: per-device state of HSDP 2 x 4 and (``probe_fsdp``: one
-    more run) of FSDP over the 8 devices of both processes, as fractions of the whole state (what Mirrored
-    holds on every device)."""
+    """The ``lm-hsdp-mp`` `Row` (ShardedStrategy HSDP on the user's mesh vs hand-written, both 2 x
+    4) for LM ``spec``, and the multi-process memory entries: per-device state of HSDP 2 x 4 and
+    (``probe_fsdp``: one more run) of FSDP over the 8 devices of both processes, as fractions of the
+    whole state (what Mirrored holds on every device)."""
     from benchmarks.suite import Row
 
     row = Row(
         key="lm-hsdp-mp",
-        title="LM: ShardedStrategy HSDP on the user's (data, fsdp) mesh vs hand-written jax.distributed + jit, 2 x 4",
+        title="LM: ShardedStrategy HSDP on the user's (data, fsdp) mesh vs hand-written "
+              "jax.distributed + jit, 2 x 4",
         model=spec.name,
         layers=spec.layers,
         batch=spec.batch,
         candidate="hsdp-2x4",
-        candidate_label="Sharded (HSDP, mesh data=2 processes x fsdp=4) strategy.jit, 2 processes x 4 devices",
+        candidate_label="Sharded (HSDP, mesh data=2 processes x fsdp=4) strategy.jit, 2 processes "
+                        "x 4 devices",
         baseline="hand-hsdp-2x4",
         baseline_label="hand-written jax.distributed + jax.jit, same mesh, Flax-rule shardings",
         target=0.95,
@@ -327,14 +352,17 @@ def lm_hsdp_rows(
     start = time.perf_counter()
     memory: dict = {}
     try:
-        runs = measure_multiproc(spec.name, pairs, blocks, steps, sides=("jaxdist-hsdp", "hand-hsdp"), warmup=warmup)
+        runs = measure_multiproc(
+            spec.name, pairs, blocks, steps, sides=("jaxdist-hsdp", "hand-hsdp"), warmup=warmup
+        )
         _fill([row], runs, "jaxdist-hsdp", ("hand-hsdp",), steps, start)
         hsdp = runs["jaxdist-hsdp"][3]
-        memory = {"HSDP 2 x 4": {"state_bytes": hsdp["state_bytes"], "full": hsdp["full_state_bytes"],
-                                 "target": 1 / 4 + 0.05}}
+        memory = {"HSDP 2 x 4": {"state_bytes": hsdp["state_bytes"],
+                                 "full": hsdp["full_state_bytes"], "target": 1 / 4 + 0.05}}
         if probe_fsdp:
             fsdp = memory_probe(spec.name, "jaxdist-fsdp")
-            memory["FSDP, 2 processes x 4"] = {"state_bytes": fsdp["state_bytes"], "full": fsdp["full_state_bytes"],
+            memory["FSDP, 2 processes x 4"] = {"state_bytes": fsdp["state_bytes"],
+                                               "full": fsdp["full_state_bytes"],
                                                "target": 1 / 8 + 0.05}
     except Exception as error:  # reported in the row; the suite goes on
         row.status, row.note = "error", f"{type(error).__name__}: {error}"
@@ -346,5 +374,5 @@ if __name__ == "__main__":
         sys.path.insert(0, str(ROOT))
         worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
     else:
-        sys.exit(f"usage: python benchmarks/multiproc.py worker {{{','.join(_WORKER_SIDES)}}} MODEL BLOCKS STEPS "
-                 "[WARMUP]")
+        sys.exit(f"usage: python benchmarks/multiproc.py worker {{{','.join(_WORKER_SIDES)}}} "
+                 "MODEL BLOCKS STEPS [WARMUP]")

@@ -1,14 +1,17 @@
-"""Pipeline parallelism: per-device weight + optimizer bytes with PP = 1, 2, 4, 8, and the bubble table.
+"""Pipeline parallelism: per-device weight + optimizer bytes with PP = 1, 2, 4, 8, and the bubble
+table.
 
-``python -m benchmarks.pipeline [--out PATH.md]`` on 8 simulated CPU devices (no timing: bytes and FLOPs are
-properties of the compiled program, the same on any machine).
+``python -m benchmarks.pipeline [--out PATH.md]`` on 8 simulated CPU devices (no timing: bytes and
+FLOPs are properties of the compiled program, the same on any machine).
 
-* **Bytes**: a transformer LM (embedding, ``L`` pipelined blocks, head) with Adam, on ``(stage=PP, data=8/PP)``
-  with no FSDP (``fsdp_axes=()``), so that only the stage axis splits anything: the layer weights and their
-  Adam moments on one device, against the target ``1/PP`` of the unpipelined layers + the non-layer weights.
-* **Bubble**: the pipeline alone (blocks only, loss = mean square), unrolled so that XLA's cost analysis counts
-  every iteration: the compiled FLOPs of the pipelined train step summed over its devices, over the same step on
-  one device, against ``(R M + PP - 1) / (R M)``, for ``M = PP, 2 PP, 4 PP`` and ``R = 1, 2``.
+* **Bytes**: a transformer LM (embedding, ``L`` pipelined blocks, head) with Adam, on ``(stage=PP,
+  data=8/PP)`` with no FSDP (``fsdp_axes=()``), so that only the stage axis splits anything: the
+  layer weights and their Adam moments on one device, against the target ``1/PP`` of the unpipelined
+  layers + the non-layer weights.
+* **Bubble**: the pipeline alone (blocks only, loss = mean square), unrolled so that XLA's cost
+  analysis counts every iteration: the compiled FLOPs of the pipelined train step summed over its
+  devices, over the same step on one device, against ``(R M + PP - 1) / (R M)``, for ``M = PP, 2 PP,
+  4 PP`` and ``R = 1, 2``.
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ class LM(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, D)(tokens)
-        x = jd.nn.Pipeline(block=Block(), num_layers=self.layers, num_microbatches=self.micro, name="layers")(x)
+        x = jd.nn.Pipeline(block=Block(), num_layers=self.layers, num_microbatches=self.micro,
+                           name="layers")(x)
         return nn.Dense(VOCAB, use_bias=False)(nn.LayerNorm(use_bias=False)(x))
 
 
 def strategy(pp: int) -> jd.ShardedStrategy:
     mesh = jax.make_mesh((pp, 8 // pp), ("stage", "data"), axis_types=(AUTO, AUTO))
-    return jd.ShardedStrategy(mesh=mesh, batch_axes="data", fsdp_axes=(), stage_axes="stage", min_shard_size=1)
+    return jd.ShardedStrategy(mesh=mesh, batch_axes="data", fsdp_axes=(), stage_axes="stage",
+                              min_shard_size=1)
 
 
 def bytes_table(layers: int = 8) -> list[str]:
@@ -72,13 +77,14 @@ def bytes_table(layers: int = 8) -> list[str]:
         total = 0
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             if ("layers" in jax.tree_util.keystr(path)) == layer_part:
-                total += leaf.addressable_shards[0].data.nbytes if hasattr(leaf, "addressable_shards") else (
-                    np.prod(leaf.shape) * leaf.dtype.itemsize)
+                total += (leaf.addressable_shards[0].data.nbytes
+                          if hasattr(leaf, "addressable_shards")
+                          else (np.prod(leaf.shape) * leaf.dtype.itemsize))
         return int(total)
 
     base_layers, base_other = nbytes(shapes, True), nbytes(shapes, False)
-    rows = ["| PP | layer weights + Adam / device | other weights + Adam / device | total / device | target "
-            "(layers / PP + other) | total / unpipelined |", "|---|---|---|---|---|---|",
+    rows = ["| PP | layer weights + Adam / device | other weights + Adam / device | total / device "
+            "| target (layers / PP + other) | total / unpipelined |", "|---|---|---|---|---|---|",
             f"| 1 | {base_layers:,} | {base_other:,} | {base_layers + base_other:,} | "
             f"{base_layers + base_other:,} | 1.000 |"]
     for pp in (2, 4, 8):
@@ -95,15 +101,16 @@ def _flops(compiled) -> float:
 
 
 def bubble_table(layers: int = 8, rows_per_micro: int = 4) -> list[str]:
-    out = ["| PP | M | R | pipelined FLOPs (all devices) | one-device FLOPs | ratio | (R M + PP - 1) / (R M) | "
-           "difference |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| PP | M | R | pipelined FLOPs (all devices) | one-device FLOPs | ratio | (R M + PP - "
+           "1) / (R M) | difference |", "|---|---|---|---|---|---|---|---|"]
     for pp in (2, 4):
         for repeats in (1, 2):
             for micro in (pp, 2 * pp, 4 * pp):
                 if layers % (pp * repeats):
                     continue
                 pipe = jd.nn.Pipeline(block=Block(), num_layers=layers, num_microbatches=micro,
-                                      schedule="gpipe" if repeats == 1 else "circular", repeats=repeats, unroll=True)
+                                      schedule="gpipe" if repeats == 1 else "circular",
+                                      repeats=repeats, unroll=True)
                 x = jnp.ones((micro * rows_per_micro, T, D))
                 params = pipe.init(jax.random.key(0), x)
 
@@ -111,14 +118,16 @@ def bubble_table(layers: int = 8, rows_per_micro: int = 4) -> list[str]:
                     return jax.grad(lambda p: jnp.mean(pipe.apply(p, x) ** 2))(p)
 
                 one = _flops(jax.jit(step).lower(params, x).compile())
-                mesh = jax.make_mesh((pp, 1), ("stage", "data"), axis_types=(AUTO, AUTO), devices=jax.devices()[:pp])
-                s = jd.ShardedStrategy(mesh=mesh, batch_axes="data", stage_axes="stage", min_shard_size=1)
+                mesh = jax.make_mesh((pp, 1), ("stage", "data"), axis_types=(AUTO, AUTO),
+                                     devices=jax.devices()[:pp])
+                s = jd.ShardedStrategy(mesh=mesh, batch_axes="data", stage_axes="stage",
+                                       min_shard_size=1)
                 placed = s.create_variables(lambda params=params: params)
                 piped = pp * _flops(s.jit(step, batch_argnums=(1,)).lower(placed, x).compile())
                 formula = (repeats * micro + pp - 1) / (repeats * micro)
                 ratio = piped / one
-                out.append(f"| {pp} | {micro} | {repeats} | {piped:.3e} | {one:.3e} | {ratio:.3f} | {formula:.3f} | "
-                           f"{100 * (ratio / formula - 1):+.1f}% |")
+                out.append(f"| {pp} | {micro} | {repeats} | {piped:.3e} | {one:.3e} | {ratio:.3f} "
+                           f"| {formula:.3f} | {100 * (ratio / formula - 1):+.1f}% |")
                 print(out[-1], flush=True)
     return out
 
@@ -127,8 +136,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    lines = ["## Per-device bytes (weights + Adam state), 8 layers, (stage=PP, data=8/PP), no FSDP", "",
-             *bytes_table(), "", "## Bubble: compiled FLOPs of the pipelined train step vs one device", "",
+    lines = ["## Per-device bytes (weights + Adam state), 8 layers, (stage=PP, data=8/PP), no FSDP",
+             "",
+             *bytes_table(), "",
+             "## Bubble: compiled FLOPs of the pipelined train step vs one device", "",
              *bubble_table()]
     text = "\n".join(lines) + "\n"
     print(text)

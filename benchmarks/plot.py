@@ -17,10 +17,11 @@ _REFERENCE_PREFIXES = ("hand.", "plain.", "pmap", "keras.", "sharded.hand")
 
 
 def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bool:
-    """Write a PNG of steps/s by stepper, one panel per model: median bar, whiskers to min/max over blocks.
+    """Write a PNG of steps/s by stepper, one panel per model: median bar, whiskers to min/max over
+    blocks.
 
-    The x axis is logarithmic when a panel's rates span more than a factor of 5 (one-device steps are much
-    faster than eight-device ones here), so equal ratios look equally long.
+    The x axis is logarithmic when a panel's rates span more than a factor of 5 (one-device steps
+    are much faster than eight-device ones here), so equal ratios look equally long.
 
     Returns:
         False (and writes nothing) when there is no measured row or matplotlib is not installed.
@@ -28,7 +29,8 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
     try:
         import matplotlib
     except ImportError:
-        print("benchmarks: matplotlib is not installed; no plot (pip install -e '.[bench]')", file=sys.stderr)
+        print("benchmarks: matplotlib is not installed; no plot (pip install -e '.[bench]')",
+              file=sys.stderr)
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -41,7 +43,8 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
     tallest = max(sum(1 for m, _ in rates if m == model) for model in models)
     sweep = _steps_per_run_sweep(rows)
     fig, axes = plt.subplots(
-        1, len(models) + bool(sweep), figsize=(7.5 * len(models) + 4.5 * bool(sweep), 1.2 + 0.38 * tallest),
+        1, len(models) + bool(sweep), figsize=(7.5 * len(models) + 4.5 * bool(sweep),
+                                               1.2 + 0.38 * tallest),
         squeeze=False, constrained_layout=True,
     )
     if sweep:
@@ -55,21 +58,24 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
         colors = ["0.6" if key.startswith(_REFERENCE_PREFIXES) else "tab:blue" for key in keys]
         ax.barh(range(len(keys)), med, height=0.7, xerr=err, color=colors, capsize=3)
         for i, st in enumerate(stats):  # the median, printed just right of the max whisker
-            ax.annotate(f"{st.median:.0f}", (st.max, i), xytext=(5, -3), textcoords="offset points", fontsize=7)
+            ax.annotate(f"{st.median:.0f}", (st.max, i), xytext=(5, -3), textcoords="offset points",
+                        fontsize=7)
         ax.margins(x=0.12)
         if max(s.max for s in stats) > 5 * min(s.min for s in stats):
             ax.set_xscale("log")
             ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
             ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # minor labels overlap on short log spans
+            # minor labels overlap on short log spans
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_yticks(range(len(keys)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("steps/s (median over blocks; whiskers: min-max)", fontsize=8)
         batch = next(r.batch for r in rows if r.layers == model)
         ax.set_title(f"MLP {model}, global batch {batch}", fontsize=9)
     fig.suptitle(
-        f"jaxdist benchmarks {machine['date'][:10]} - {machine['backend']} x{machine['device_count']}, "
-        f"{machine['cpu_count']} cores, jax {machine['versions']['jax']} (blue: jaxdist, grey: references)",
+        f"jaxdist benchmarks {machine['date'][:10]} - {machine['backend']} "
+        f"x{machine['device_count']}, {machine['cpu_count']} cores, jax "
+        f"{machine['versions']['jax']} (blue: jaxdist, grey: references)",
         fontsize=9,
     )
     fig.savefig(path, dpi=110)
@@ -78,7 +84,8 @@ def plot(rows: Sequence[Row], machine: dict[str, Any], path: pathlib.Path) -> bo
 
 
 def _steps_per_run_sweep(rows: Sequence[Row]) -> list[tuple[int, Any]]:
-    """``[(steps_per_run, ratio spread vs per-step)]`` from the P3 rows and the tpu-spr row (k = 20)."""
+    """``[(steps_per_run, ratio spread vs per-step)]`` from the P3 rows and the tpu-spr row (k =
+    20)."""
     found = {}
     for row in rows:
         if not row.measured:

@@ -1,4 +1,5 @@
-"""Results: the machine record, the markdown table, the JSON of every figure and the steps/s plot."""
+"""Results: the machine record, the markdown table, the JSON of every figure and the steps/s
+plot."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _git_commit() -> str | None:
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(
-            # "-dirty": the working tree had uncommitted changes to tracked files when the run started
+            # "-dirty": the working tree had uncommitted changes to tracked files when the run
+            # started
             ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7"],
             capture_output=True,
             text=True,
@@ -62,7 +64,8 @@ def machine_info(devices: Sequence[jax.Device]) -> dict[str, Any]:
         "backend": jax.default_backend(),
         "device_count": len(devices),
         "device_kind": devices[0].device_kind if devices else None,
-        "simulated_cpu_devices": devices[0].platform == "cpu" and len(devices) > 1 if devices else False,
+        "simulated_cpu_devices": devices[0].platform == "cpu" and len(devices) > 1 if devices
+        else False,
         "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {p: _version(p) for p in _PACKAGES},
         "git_commit": _git_commit(),
@@ -111,17 +114,20 @@ def _mib(n: int | None) -> str:
 
 
 def _memory_lines(memory: Sequence[dict[str, Any]]) -> list[str]:
-    """The LM memory table (informational, no timing): per-device state bytes and XLA temp bytes per layout."""
+    """The LM memory table (informational, no timing): per-device state bytes and XLA temp bytes per
+    layout."""
     if not memory:
         return []
     lines = [
         "## LM memory per device (informational)",
         "",
-        "Params and optimizer state: the most bytes any one device holds (the placed arrays' addressable "
-        "shards). Temp: XLA `memory_analysis().temp_size_in_bytes` of the compiled step (a hand-written "
-        "`jax.jit` with the strategy's layouts). Steps/s with and without remat: the `lm-remat` row.",
+        "Params and optimizer state: the most bytes any one device holds (the placed arrays' "
+        "addressable shards). Temp: XLA `memory_analysis().temp_size_in_bytes` of the compiled "
+        "step (a hand-written `jax.jit` with the strategy's layouts). Steps/s with and without "
+        "remat: the `lm-remat` row.",
         "",
-        "| model (batch) | layout | params MiB | optimizer MiB | state MiB | state / Mirrored | temp MiB |",
+        "| model (batch) | layout | params MiB | optimizer MiB | state MiB | state / Mirrored | "
+        "temp MiB |",
         "|---|---|---|---|---|---|---|",
     ]
     notes = []
@@ -133,19 +139,21 @@ def _memory_lines(memory: Sequence[dict[str, Any]]) -> list[str]:
         for name, e in table["entries"].items():
             lines.append(
                 f"| {table['layers']} ({table['batch']}) | {name} | {_mib(e['param_bytes'])} "
-                f"| {_mib(e['optimizer_bytes'])} | {_mib(e['state_bytes'])} | {e['state_bytes'] / mirrored:.3f} "
-                f"| {_mib(e['temp_bytes'])} |"
+                f"| {_mib(e['optimizer_bytes'])} | {_mib(e['state_bytes'])} | "
+                f"{e['state_bytes'] / mirrored:.3f} | {_mib(e['temp_bytes'])} |"
             )
         for name, verdict in table.get("process_targets", {}).items():
             notes.append(
-                f"- {table['layers']}: {name} state per device = {verdict['fraction']:.3f} of Mirrored's (target "
-                f"<= {verdict['target']:.3f}): {'pass' if verdict['pass'] else 'above target'}"
+                f"- {table['layers']}: {name} state per device = {verdict['fraction']:.3f} of "
+                f"Mirrored's (target <= {verdict['target']:.3f}): "
+                f"{'pass' if verdict['pass'] else 'above target'}"
             )
         if "tp_state_fraction_of_mirrored" in table:
             verdict = "pass" if table["tp_state_pass"] else "above target"
             notes.append(
-                f"- {table['layers']}: FSDP x TP state per device = {table['tp_state_fraction_of_mirrored']:.3f} "
-                f"of Mirrored's (target <= 1/N + 0.05 = {table['tp_state_target']:.3f}): {verdict}"
+                f"- {table['layers']}: FSDP x TP state per device = "
+                f"{table['tp_state_fraction_of_mirrored']:.3f} of Mirrored's (target <= 1/N + 0.05 "
+                f"= {table['tp_state_target']:.3f}): {verdict}"
             )
     return [*lines, "", *notes, ""]
 
@@ -157,28 +165,33 @@ def markdown(
     mode: str,
     memory: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The results as markdown: machine line, head-to-head table, the LM memory table (when measured)."""
+    """The results as markdown: machine line, head-to-head table, the LM memory table (when
+    measured)."""
     v = machine["versions"]
     lines = [
-        f"# jaxdist benchmarks ({mode}) - {machine['date'][:10]}, {machine['backend']} x{machine['device_count']}",
+        f"# jaxdist benchmarks ({mode}) - {machine['date'][:10]}, {machine['backend']} "
+        f"x{machine['device_count']}",
         "",
-        f"- machine: {machine['host_platform']}, {machine['cpu_count']} CPU cores, python {machine['python']}",
+        f"- machine: {machine['host_platform']}, {machine['cpu_count']} CPU cores, python "
+        f"{machine['python']}",
         f"- devices: {machine['device_count']} x {machine['device_kind']}"
         + (" (simulated on the host CPU)" if machine["simulated_cpu_devices"] else ""),
         f"- versions: jax {v['jax']}, jaxlib {v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, "
         f"numpy {v['numpy']}, keras {v['keras'] or 'not installed'}, jaxdist {v['jaxdist']} "
         f"(git {machine['git_commit']})",
         f"- load average at start (1/5/15 min): {machine['load_average_1_5_15']}",
-        f"- method: warm-up, then {settings.pairs} pairs of alternating blocks{_factors()} (A B, B A, ...; about "
-        f"{settings.block_seconds:g} s per block{_minimums(settings)}; "
-        "block_until_ready at each block's end); ratio = steps/s of the candidate / steps/s of the baseline, one "
-        "per pair; reported: the median over pairs, its 95% confidence interval (order statistics), the "
-        "interquartile range and min-max. The `null` row (two identical steppers) shows the noise floor. "
-        'Status "below target (within noise)": the median misses the target but its confidence interval '
+        f"- method: warm-up, then {settings.pairs} pairs of alternating blocks{_factors()} (A B, B "
+        f"A, ...; about {settings.block_seconds:g} s per block{_minimums(settings)}; "
+        "block_until_ready at each block's end); ratio = steps/s of the candidate / steps/s of the "
+        "baseline, one per pair; reported: the median over pairs, its 95% confidence interval "
+        "(order statistics), the interquartile range and min-max. The `null` row (two identical "
+        "steppers) shows the noise floor. "
+        'Status "below target (within noise)": the median misses the target but its confidence '
+        'interval '
         "reaches it.",
         "",
-        "| row | model (batch) | candidate | baseline | ratio (median) | 95% CI | IQR | min-max | target "
-        "| candidate steps/s | baseline steps/s | steps/block x pairs | status |",
+        "| row | model (batch) | candidate | baseline | ratio (median) | 95% CI | IQR | min-max | "
+        "target | candidate steps/s | baseline steps/s | steps/block x pairs | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -187,16 +200,17 @@ def markdown(
         rate_b = f"{row.rate_baseline.median:.1f}" if row.measured else "-"
         target = f"≥ {row.target:.2f}" if row.target is not None else "info"
         lines.append(
-            f"| {row.key} | {row.layers} ({row.batch}) | {row.candidate_label} | {row.baseline_label} | {med} "
-            f"| {ci} | {iqr} | {rng} | {target} | {rate_c} | {rate_b} | {_blocks(row)} "
-            f"| {_status(row)} |"
+            f"| {row.key} | {row.layers} ({row.batch}) | {row.candidate_label} | "
+            f"{row.baseline_label} | {med} | {ci} | {iqr} | {rng} | {target} | {rate_c} | {rate_b} "
+            f"| {_blocks(row)} | {_status(row)} |"
         )
     lines += [
         "",
-        "The plot's steps/s pool every block a stepper ran, across rows measured minutes apart; only the ratios "
-        "compare adjacent blocks. Every block time is in the JSON next to this file. The `multiproc` rows "
-        "alternate whole runs (new processes each; compile excluded) instead of blocks in one process; with 2 "
-        "or 3 runs per side their confidence interval is wide on 2 shared cores.",
+        "The plot's steps/s pool every block a stepper ran, across rows measured minutes apart; "
+        "only the ratios compare adjacent blocks. Every block time is in the JSON next to this "
+        "file. The `multiproc` rows alternate whole runs (new processes each; compile excluded) "
+        "instead of blocks in one process; with 2 or 3 runs per side their confidence interval is "
+        "wide on 2 shared cores.",
         "",
         *_memory_lines(memory),
     ]
@@ -204,7 +218,8 @@ def markdown(
 
 
 def write_table(out_dir: pathlib.Path, stem: str, table: str, data: Any) -> None:
-    """Write a runner's ``<stem>.md`` (``table``) and ``<stem>.json`` (``data``) under ``out_dir`` and say so."""
+    """Write a runner's ``<stem>.md`` (``table``) and ``<stem>.json`` (``data``) under ``out_dir``
+    and say so."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(table)
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
@@ -219,15 +234,18 @@ def write_results(
     out_dir: pathlib.Path,
     memory: Sequence[dict[str, Any]] = (),
 ) -> dict[str, pathlib.Path]:
-    """Write ``<date>-<backend><devices>[-mode].{md,json,png}`` under ``out_dir``; return the paths written.
+    """Write ``<date>-<backend><devices>[-mode].{md,json,png}`` under ``out_dir``; return the paths
+    written.
 
-    ``memory``: the LM memory tables (`benchmarks.lm.memory_table`), written to the markdown and the JSON.
+    ``memory``: the LM memory tables (`benchmarks.lm.memory_table`), written to the markdown and the
+    JSON.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}"
     if mode != "full":
         stem += f"-{mode}"
-    paths = {"markdown": out_dir / f"{stem}.md", "json": out_dir / f"{stem}.json", "plot": out_dir / f"{stem}.png"}
+    paths = {"markdown": out_dir / f"{stem}.md", "json": out_dir / f"{stem}.json",
+             "plot": out_dir / f"{stem}.png"}
     paths["markdown"].write_text(markdown(rows, machine, settings, mode, memory))
     data = {
         "mode": mode,
@@ -235,7 +253,8 @@ def write_results(
         "settings": dataclasses.asdict(settings),
         "rows": [dataclasses.asdict(r) for r in rows],
         "steppers": [
-            {"model": model, "stepper": key, "label": label, "steps_per_s": dataclasses.asdict(spread(rates))}
+            {"model": model, "stepper": key, "label": label,
+             "steps_per_s": dataclasses.asdict(spread(rates))}
             for (model, key), (label, rates) in stepper_rates(rows).items()
         ],
         "memory": list(memory),
@@ -243,7 +262,8 @@ def write_results(
     paths["json"].write_text(json.dumps(data, indent=2) + "\n")
     if not plot_ratios(data["rows"], title_of(machine, mode), paths["plot"]):
         del paths["plot"]
-    paths["rates"] = out_dir / f"{stem}-rates.png"  # absolute steps/s per stepper (not to be compared across rows)
+    # absolute steps/s per stepper (not to be compared across rows)
+    paths["rates"] = out_dir / f"{stem}-rates.png"
     if not plot(rows, machine, paths["rates"]):
         del paths["rates"]
     return paths

@@ -1,11 +1,11 @@
 """Steppers: the ways of running the same training step that the suite compares.
 
-Each stepper owns its state and its input, runs ``steps`` steps per `run` call and blocks on the result at
-the end of the call (see `benchmarks.timing`). Device-resident steppers cycle through batches placed on the
-devices once, up front; host-fed steppers take numpy batches every step.
+Each stepper owns its state and its input, runs ``steps`` steps per `run` call and blocks on the
+result at the end of the call (see `benchmarks.timing`). Device-resident steppers cycle through
+batches placed on the devices once, up front; host-fed steppers take numpy batches every step.
 
-A stepper that cannot run here (a missing optional package, an API that errors) raises `Unavailable` from
-its constructor; the suite reports the row as skipped with that reason.
+A stepper that cannot run here (a missing optional package, an API that errors) raises `Unavailable`
+from its constructor; the suite reports the row as skipped with that reason.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ __all__ = [
 
 
 FIT_MIN_BLOCK_SECONDS = 0.3
-"""Blocks of ``fit``-style steppers (one ``fit`` call per block) last at least this long, so that the fixed
-cost of a ``fit`` call is diluted over many steps as in real use (about 100 steps of the small MLP here)."""
+"""Blocks of ``fit``-style steppers (one ``fit`` call per block) last at least this long, so that
+the fixed cost of a ``fit`` call is diluted over many steps as in real use (about 100 steps of the
+small MLP here)."""
 
 
 class Unavailable(RuntimeError):
@@ -55,7 +56,8 @@ def _cycle(items: Any) -> Iterator[Any]:
 
 
 class _Loop:
-    """The shared step loop: ``state, loss = step(state, next(batches))``, block at the end of the block."""
+    """The shared step loop: ``state, loss = step(state, next(batches))``, block at the end of the
+    block."""
 
     step_multiple = 1
     min_block_steps = 1
@@ -81,7 +83,8 @@ class _Loop:
 
 
 class StrategyJit(_Loop):
-    """``strategy.jit(problem.step, donate_argnums=0)`` with state from ``strategy.create_variables``.
+    """``strategy.jit(problem.step, donate_argnums=0)`` with state from
+    ``strategy.create_variables``.
 
     Args:
         strategy: the jaxdist strategy.
@@ -91,17 +94,21 @@ class StrategyJit(_Loop):
         prefetch: the dataset's prefetch depth (``feed="dataset"`` only).
     """
 
-    def __init__(self, strategy: jd.Strategy, problem: Problem, feed: str = "device", prefetch: int = 2):
+    def __init__(self, strategy: jd.Strategy, problem: Problem, feed: str = "device",
+                 prefetch: int = 2):
         state = strategy.create_variables(problem.init, jax.random.key(0), problem.sample_x())
         self._iterator = None
         if feed == "device":
-            batches = _cycle(strategy.experimental_distribute_values(b) for b in problem.host_batches)
+            batches = _cycle(strategy.experimental_distribute_values(b)
+                             for b in problem.host_batches)
         elif feed == "dataset":
             self._iterator = iter(
-                strategy.experimental_distribute_dataset(_cycle(problem.host_batches), prefetch=prefetch)
+                strategy.experimental_distribute_dataset(_cycle(problem.host_batches),
+                                                         prefetch=prefetch)
             )
             batches = self._iterator
-            self.min_block_steps = 5 * prefetch  # the queue filled during the other side's block is a head start
+            # the queue filled during the other side's block is a head start
+            self.min_block_steps = 5 * prefetch
         else:
             raise ValueError(f"feed={feed!r} must be 'device' or 'dataset'.")
         super().__init__(strategy.jit(problem.step, donate_argnums=0), state, batches)
@@ -114,10 +121,11 @@ class StrategyJit(_Loop):
 
 
 class HandJit(_Loop):
-    """The hand-written reference: ``jax.jit`` with ``NamedSharding`` in/out shardings and donated state.
+    """The hand-written reference: ``jax.jit`` with ``NamedSharding`` in/out shardings and donated
+    state.
 
-    Parameters and optimizer state are replicated over ``mesh``; batches are split on axis 0 over its first
-    axis and placed once, up front.
+    Parameters and optimizer state are replicated over ``mesh``; batches are split on axis 0 over
+    its first axis and placed once, up front.
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, problem: Problem):
@@ -145,10 +153,12 @@ class PlainJit(_Loop):
 
 
 class StrategyRun(_Loop):
-    """tf.distribute's pattern: ``strategy.run`` computes local gradients and all-reduces them explicitly.
+    """tf.distribute's pattern: ``strategy.run`` computes local gradients and all-reduces them
+    explicitly.
 
-    The replica function returns ``ctx.all_reduce(MEAN, grads)`` and the mean loss; the optimizer update runs
-    on the mirrored result in the global view. The whole step is one ``strategy.jit`` program.
+    The replica function returns ``ctx.all_reduce(MEAN, grads)`` and the mean loss; the optimizer
+    update runs on the mirrored result in the global view. The whole step is one ``strategy.jit``
+    program.
     """
 
     def __init__(self, strategy: jd.Strategy, problem: Problem):
@@ -167,7 +177,8 @@ class StrategyRun(_Loop):
 
 
 class Pmap(_Loop):
-    """The legacy ``jax.pmap`` style: stacked per-device state, ``lax.pmean`` of gradients, reshaped batches.
+    """The legacy ``jax.pmap`` style: stacked per-device state, ``lax.pmean`` of gradients, reshaped
+    batches.
 
     Raises:
         Unavailable: when ``jax.pmap`` is missing or errors (it is deprecated upstream).
@@ -197,9 +208,11 @@ class Pmap(_Loop):
                 initial = stack(jax.jit(problem.init)(jax.random.key(0), problem.sample_x()))
                 state = place(initial)
                 batches = [
-                    place(jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), b)) for b in problem.host_batches
+                    place(jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), b))
+                    for b in problem.host_batches
                 ]
-                jax.block_until_ready(compiled(place(initial), *batches[0]))  # compile now: errors surface here
+                # compile now: errors surface here
+                jax.block_until_ready(compiled(place(initial), *batches[0]))
         except Exception as error:  # deprecated API: report why instead of failing the suite
             raise Unavailable(f"jax.pmap failed: {type(error).__name__}: {error}") from error
         super().__init__(lambda s, b: compiled(s, *b), state, _cycle(batches))
@@ -224,11 +237,13 @@ def import_keras() -> Any:
 
 
 class KerasLoop:
-    """The shared ``fit`` loop of the Keras steppers: each `run` is one ``model.fit`` call of ``steps`` steps
-    (blocks last at least `FIT_MIN_BLOCK_SECONDS`) under ``distribution``, over a generator cycling host
-    ``batches``, so the per-call cost of ``fit`` (callbacks, data adapter) counts.
+    """The shared ``fit`` loop of the Keras steppers: each `run` is one ``model.fit`` call of
+    ``steps`` steps (blocks last at least `FIT_MIN_BLOCK_SECONDS`) under ``distribution``, over a
+    generator cycling host ``batches``, so the per-call cost of ``fit`` (callbacks, data adapter)
+    counts.
 
-    Subclasses build and compile ``model`` (with ``steps_per_execution``) under ``distribution``'s scope.
+    Subclasses build and compile ``model`` (with ``steps_per_execution``) under ``distribution``'s
+    scope.
     """
 
     min_block_steps = 1
@@ -255,8 +270,8 @@ class KerasLoop:
 
 
 class KerasFit(KerasLoop):
-    """Keras 3 (JAX backend) ``model.fit`` of the problem's MLP under ``keras.distribution.DataParallel`` on
-    host numpy batches (see `KerasLoop`).
+    """Keras 3 (JAX backend) ``model.fit`` of the problem's MLP under
+    ``keras.distribution.DataParallel`` on host numpy batches (see `KerasLoop`).
 
     Raises:
         Unavailable: when keras is not installed or its backend is not JAX.
@@ -280,10 +295,12 @@ class KerasFit(KerasLoop):
 
 
 class LayoutJit(_Loop):
-    """Hand-written ``jax.jit`` with explicit in/out shardings copied from the state ``strategy`` creates.
+    """Hand-written ``jax.jit`` with explicit in/out shardings copied from the state ``strategy``
+    creates.
 
-    The layouts are the strategy's (e.g. `ShardedStrategy`'s FSDP split), the program is plain ``jax.jit``:
-    the pair (``strategy.jit``, `LayoutJit`) isolates what ``strategy.jit`` itself costs for that layout.
+    The layouts are the strategy's (e.g. `ShardedStrategy`'s FSDP split), the program is plain
+    ``jax.jit``: the pair (``strategy.jit``, `LayoutJit`) isolates what ``strategy.jit`` itself
+    costs for that layout.
     """
 
     def __init__(self, strategy: jd.Strategy, problem: Problem):
@@ -301,10 +318,12 @@ class LayoutJit(_Loop):
 
 
 class HostMetricJit(_Loop):
-    """``strategy.jit`` of a step that also computes per-example accuracy, on the devices or on the host.
+    """``strategy.jit`` of a step that also computes per-example accuracy, on the devices or on the
+    host.
 
-    With ``host=True`` the accuracy runs in a ``jd.tpu.outside_compilation`` region (one host call per replica
-    per step, on that replica's rows); with ``host=False`` the same function runs on the devices.
+    With ``host=True`` the accuracy runs in a ``jd.tpu.outside_compilation`` region (one host call
+    per replica per step, on that replica's rows); with ``host=False`` the same function runs on the
+    devices.
     """
 
     def __init__(self, strategy: jd.Strategy, problem: Problem, host: bool):
@@ -331,10 +350,12 @@ class HostMetricJit(_Loop):
 
 
 class StepsPerRun:
-    """``strategy.run_steps_on_dataset``: ``iterations`` steps per call in ONE compiled on-device loop.
+    """``strategy.run_steps_on_dataset``: ``iterations`` steps per call in ONE compiled on-device
+    loop.
 
-    Host numpy batches are taken from an endless iterator; each call stacks and places ``iterations`` of
-    them at once (TPU infeed style). The step records its loss with ``ctx.set_last_step_output``.
+    Host numpy batches are taken from an endless iterator; each call stacks and places
+    ``iterations`` of them at once (TPU infeed style). The step records its loss with
+    ``ctx.set_last_step_output``.
     """
 
     min_block_steps = 1
@@ -358,7 +379,8 @@ class StepsPerRun:
         state = self._state
         for _ in range(steps // self.step_multiple):
             ctx = self._strategy.run_steps_on_dataset(
-                self._step_fn, self._iterator, iterations=self.step_multiple, initial_loop_values=state
+                self._step_fn, self._iterator, iterations=self.step_multiple,
+                initial_loop_values=state
             )
             state = ctx.loop_values
         jax.block_until_ready(state)
@@ -370,12 +392,12 @@ class StepsPerRun:
 
 
 class TrainerFit:
-    """``jd.training.Trainer.fit`` on the problem's host numpy batches (``feed="host"``) or on the same batches
-    placed once up front (``feed="device"``), with its defaults (``verbose=0``).
+    """``jd.training.Trainer.fit`` on the problem's host numpy batches (``feed="host"``) or on the
+    same batches placed once up front (``feed="device"``), with its defaults (``verbose=0``).
 
-    Each `run` is one ``fit`` call that trains ``steps`` more steps (at least `FIT_MIN_BLOCK_SECONDS`;
-    ``fit(steps=...)`` counts the total), so its per-call cost (data stream, prefetch thread, callbacks, log
-    syncs every ``log_every`` steps) counts.
+    Each `run` is one ``fit`` call that trains ``steps`` more steps (at least
+    `FIT_MIN_BLOCK_SECONDS`; ``fit(steps=...)`` counts the total), so its per-call cost (data
+    stream, prefetch thread, callbacks, log syncs every ``log_every`` steps) counts.
 
     Raises:
         Unavailable: when ``jaxdist.training.Trainer`` is missing.
@@ -389,7 +411,8 @@ class TrainerFit:
         trainer_cls = getattr(getattr(jd, "training", None), "Trainer", None)
         if trainer_cls is None:
             raise Unavailable("jaxdist.training.Trainer has not landed")
-        self._trainer = trainer_cls(strategy, problem.model, problem.optimizer, problem.loss_of_logits)
+        self._trainer = trainer_cls(strategy, problem.model, problem.optimizer,
+                                    problem.loss_of_logits)
         if feed == "host":
             self._data = list(problem.host_batches)
         elif feed == "device":  # placed once, up front: the Trainer's batch path moves nothing

@@ -1,18 +1,22 @@
-"""Where a training step's time goes: forward, backward, gradient all-reduce, optimizer, and the host's part.
+"""Where a training step's time goes: forward, backward, gradient all-reduce, optimizer, and the
+host's part.
 
-``python -m benchmarks.step_parts [--devices 8] [--blocks 9] [--steps 40] [--out benchmarks/results]`` times
-six programs on the same model, batch and devices (`MirroredStrategy`), each in blocks of ``--steps`` calls,
-blocks of the six interleaved so that a change in the machine's load touches them all:
+``python -m benchmarks.step_parts [--devices 8] [--blocks 9] [--steps 40] [--out
+benchmarks/results]`` times six programs on the same model, batch and devices (`MirroredStrategy`),
+each in blocks of ``--steps`` calls, blocks of the six interleaved so that a change in the machine's
+load touches them all:
 
 1. the forward pass (the loss) in ``strategy.run`` per replica;
 2. forward and backward (local gradients, no communication);
 3. the same with the gradients all-reduced (``ctx.all_reduce(MEAN, grads)``);
 4. the same with the optax update: one whole training step on batches already on the devices;
-5. the same step in the global view (``strategy.jit`` of a single-device step, what the Trainer compiles);
-6. ``Trainer.fit`` per step, from host (numpy) batches: placing each batch, logging, the data position.
+5. the same step in the global view (``strategy.jit`` of a single-device step, what the Trainer
+   compiles);
+6. ``Trainer.fit`` per step, from host (numpy) batches: placing each batch, logging, the data
+   position.
 
-A part's time is the median over blocks of the difference of two programs timed back to back: backward = 2 - 1,
-all-reduce = 3 - 2, optimizer = 4 - 3, the host's part = 6 - 5. The JSON goes to
+A part's time is the median over blocks of the difference of two programs timed back to back:
+backward = 2 - 1, all-reduce = 3 - 2, optimizer = 4 - 3, the host's part = 6 - 5. The JSON goes to
 ``<out>/<date>-cpu<devices>-step-parts.json``; ``docs/figures/step_parts.py`` draws the newest one.
 """
 
@@ -26,7 +30,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-PARTS = ("forward", "backward", "gradient all-reduce", "optimizer update", "host: batches and bookkeeping")
+PARTS = ("forward", "backward", "gradient all-reduce", "optimizer update",
+         "host: batches and bookkeeping")
 
 
 def measure(devices: int, blocks: int, steps: int) -> dict:
@@ -61,7 +66,8 @@ def measure(devices: int, blocks: int, steps: int) -> dict:
     opt_state = strategy.create_variables(optimizer.init, params)
     placed = strategy.experimental_distribute_values((x, y))
 
-    # Each program returns what its part produced (the gradients, reduced or not), so none is optimised away.
+    # Each program returns what its part produced (the gradients, reduced or not), so none is
+    # optimised away.
     def forward(p, o, b):
         return p, o, loss(p, *b)
 
@@ -79,9 +85,12 @@ def measure(devices: int, blocks: int, steps: int) -> dict:
         return optax.apply_updates(p, updates), o, (value, grads)
 
     def runner(fn):
-        # State donated in every program: passing it through unchanged costs no copy, as updating it costs none.
-        compiled = strategy.jit(lambda p, o, b: strategy.run(fn, args=(p, o, b), batch_argnums=(2,)),
-                                donate_argnums=(0, 1))
+        # State donated in every program: passing it through unchanged costs no copy, as updating it
+        # costs none.
+        compiled = strategy.jit(
+            lambda p, o, b: strategy.run(fn, args=(p, o, b), batch_argnums=(2,)),
+            donate_argnums=(0, 1),
+        )
         state = [jax.tree.map(jax.numpy.copy, params), jax.tree.map(jax.numpy.copy, opt_state)]
 
         def call(n):
@@ -124,25 +133,30 @@ def measure(devices: int, blocks: int, steps: int) -> dict:
             call(steps)
             times[i].append((time.perf_counter() - start) / steps)
     medians = [statistics.median(t) for t in times]
-    # A part: the median over blocks of the difference of neighbours timed back to back (drift cancels).
+    # A part: the median over blocks of the difference of neighbours timed back to back (drift
+    # cancels).
     def difference(i: int, j: int) -> float:
         return statistics.median(a - b for a, b in zip(times[i], times[j], strict=True))
 
-    parts = dict(zip(PARTS, (medians[0], difference(1, 0), difference(2, 1), difference(3, 2), difference(5, 4)),
+    parts = dict(zip(PARTS, (medians[0], difference(1, 0), difference(2, 1), difference(3, 2),
+                             difference(5, 4)),
                      strict=True))
-    return {"machine": machine_info(strategy.devices), "model": "784-256-256-10 MLP, adam", "global_batch": batch,
-            "devices": devices, "blocks": blocks, "steps_per_block": steps,
-            "seconds_per_call": dict(zip(("forward", "forward+backward", "+all-reduce", "whole step",
+    return {"machine": machine_info(strategy.devices), "model": "784-256-256-10 MLP, adam",
+            "global_batch": batch, "devices": devices, "blocks": blocks, "steps_per_block": steps,
+            "seconds_per_call": dict(zip(("forward", "forward+backward", "+all-reduce",
+                                          "whole step",
                                           "global-view step", "fit step"), medians, strict=True)),
             "parts_seconds": parts}
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_parts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_parts",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=9)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     result = measure(args.devices, args.blocks, args.steps)
     path = args.out / f"{result['machine']['date'][:10]}-cpu{args.devices}-step-parts.json"

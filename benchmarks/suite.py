@@ -1,8 +1,8 @@
 """Runs a plan of comparisons and collects one `Row` per (comparison, model).
 
 Steppers are built once per model and shared by the rows that use them (so each compiles once), then
-closed before the next model. A stepper that is unavailable makes its rows "skipped"; an exception while
-building or timing makes the row "error" and the suite goes on.
+closed before the next model. A stepper that is unavailable makes its rows "skipped"; an exception
+while building or timing makes the row "error" and the suite goes on.
 """
 
 from __future__ import annotations
@@ -116,10 +116,11 @@ def _measure(row: Row, steppers: _Steppers, settings: Settings) -> None:
 
 
 def _status(ratio: Spread, target: float | None) -> str:
-    """ "pass" when the median ratio meets the target; below it, whether the shortfall is beyond the noise.
+    """"pass" when the median ratio meets the target; below it, whether the shortfall is beyond the
+    noise.
 
-    "below target (within noise)": the median's 95% confidence interval still reaches the target, so this
-    run cannot tell the two apart; "below target": the whole interval lies under the target.
+    "below target (within noise)": the median's 95% confidence interval still reaches the target, so
+    this run cannot tell the two apart; "below target": the whole interval lies under the target.
     """
     if target is None:
         return "info"
@@ -134,7 +135,8 @@ def run_plan(
     devices: Devices,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
 ) -> list[Row]:
-    """Measure every (comparison, model) of ``plan``, grouped by model, in plan order within a model.
+    """Measure every (comparison, model) of ``plan``, grouped by model, in plan order within a
+    model.
 
     Returns:
         One `Row` per entry of ``plan``, in plan order.
@@ -152,7 +154,8 @@ def run_plan(
                     continue
                 row = rows[index] = _new_row(comparison, spec)
                 start = time.perf_counter()
-                row_settings = dataclasses.replace(settings, pairs=settings.pairs * comparison.pairs_factor)
+                row_settings = dataclasses.replace(settings,
+                                                   pairs=settings.pairs * comparison.pairs_factor)
                 try:
                     _measure(row, steppers, row_settings)
                 except Unavailable as why:
@@ -173,14 +176,16 @@ def _progress(row: Row) -> str:
         return head + f"{row.status}: {row.note}"
     r = row.ratio
     return (
-        head + f"ratio {r.median:.3f} (95% CI {r.ci_low:.3f}-{r.ci_high:.3f}, IQR {r.q1:.3f}-{r.q3:.3f}) "
+        head + f"ratio {r.median:.3f} (95% CI {r.ci_low:.3f}-{r.ci_high:.3f}, IQR "
+               f"{r.q1:.3f}-{r.q3:.3f}) "
         f"{row.rate_candidate.median:.1f} vs {row.rate_baseline.median:.1f} steps/s, "
         f"{row.steps_per_block} steps/block, {row.wall_seconds:.1f} s, {row.status}"
     )
 
 
 def stepper_rates(rows: Sequence[Row]) -> dict[tuple[str, str], tuple[str, list[float]]]:
-    """Every measured block's steps/s over all rows, per (model layers, stepper key): ``(label, rates)``."""
+    """Every measured block's steps/s over all rows, per (model layers, stepper key): ``(label,
+    rates)``."""
     rates: dict[tuple[str, str], tuple[str, list[float]]] = {}
     for row in rows:
         if not row.measured:
@@ -189,5 +194,7 @@ def stepper_rates(rows: Sequence[Row]) -> dict[tuple[str, str], tuple[str, list[
             (row.candidate, row.candidate_label, row.seconds_candidate),
             (row.baseline, row.baseline_label, row.seconds_baseline),
         ):
-            rates.setdefault((row.layers, key), (label, []))[1].extend(row.steps_per_block / s for s in seconds)
+            rates.setdefault((row.layers, key), (label, []))[1].extend(
+                row.steps_per_block / s for s in seconds
+            )
     return rates

@@ -3,19 +3,20 @@
 Both sides of a comparison run in the same process, interleaved, so that slow drift (another process
 starting, thermal or frequency changes) hits both alike and cancels in the per-pair ratio:
 
-1. warm-up: each stepper runs its warm-up blocks (the first call compiles), and the fastest later warm-up
-   block gives its seconds per step;
+1. warm-up: each stepper runs its warm-up blocks (the first call compiles), and the fastest later
+   warm-up block gives its seconds per step;
 2. the block length is chosen from those estimates so that the slower side's block lasts about
    ``block_seconds`` (a multiple of both steppers' ``step_multiple``, and at least both steppers'
    ``min_block_steps`` and ``min_block_seconds``: see `Stepper`);
-3. ``pairs`` pairs of blocks run in alternating order (A B, B A, A B, ...: each side goes first equally
-   often), each block ending with ``jax.block_until_ready`` on the stepper's state;
-4. each pair gives ``ratio = steps/s(A) / steps/s(B)``; the result keeps every block's time and reports the
-   median ratio with its min, max, interquartile range and 95% confidence interval.
+3. ``pairs`` pairs of blocks run in alternating order (A B, B A, A B, ...: each side goes first
+   equally often), each block ending with ``jax.block_until_ready`` on the stepper's state;
+4. each pair gives ``ratio = steps/s(A) / steps/s(B)``; the result keeps every block's time and
+   reports the median ratio with its min, max, interquartile range and 95% confidence interval.
 
-Many short pairs beat a few long ones here: with 8 simulated devices sharing 2 cores, a block's steps/s varies
-by 10-20% from block to block; adjacent short blocks see the same conditions, and the median over many pairs is
-stable to about ±2-4% (measured: an A/A comparison of two identical steppers, the suite's ``null`` row).
+Many short pairs beat a few long ones here: with 8 simulated devices sharing 2 cores, a block's
+steps/s varies by 10-20% from block to block; adjacent short blocks see the same conditions, and the
+median over many pairs is stable to about ±2-4% (measured: an A/A comparison of two identical
+steppers, the suite's ``null`` row).
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ class Stepper(Protocol):
     """Blocks are a multiple of this many steps (e.g. Keras ``steps_per_execution``)."""
 
     min_block_steps: int
-    """The shortest block, in steps, that shows this stepper's steady state: a prefetching stepper gets a
-    head start (its queue fills while the other side runs); blocks of several queue lengths dilute it."""
+    """The shortest block, in steps, that shows this stepper's steady state: a prefetching stepper
+    gets a head start (its queue fills while the other side runs); blocks of several queue lengths
+    dilute it."""
 
     min_block_seconds: float
-    """The shortest block, in seconds: a ``fit``-style stepper pays a fixed setup per call (one call per
-    block), which longer blocks dilute as one long ``fit`` call does in real use."""
+    """The shortest block, in seconds: a ``fit``-style stepper pays a fixed setup per call (one call
+    per block), which longer blocks dilute as one long ``fit`` call does in real use."""
 
     def run(self, steps: int) -> None:
         """Run ``steps`` training steps and return once their results are ready on the devices."""
@@ -63,8 +65,8 @@ class Settings:
         warmup_steps: steps in each of the two warm-up blocks (rounded up to ``step_multiple``).
         min_steps: the shortest block, whatever the estimate.
         max_steps: the longest block (the steppers' minimums win over it).
-        use_stepper_minimums: honour the steppers' ``min_block_steps`` / ``min_block_seconds`` (off for smoke
-            runs only).
+        use_stepper_minimums: honour the steppers' ``min_block_steps`` / ``min_block_seconds`` (off
+            for smoke runs only).
     """
 
     pairs: int = 30
@@ -76,7 +78,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.pairs < 1:
-            raise ValueError(f"pairs={self.pairs} must be >= 1: each pair of blocks gives one ratio.")
+            raise ValueError(f"pairs={self.pairs} must be >= 1: each pair of blocks gives one "
+                             "ratio.")
         if self.block_seconds <= 0:
             raise ValueError(f"block_seconds={self.block_seconds} must be > 0.")
         if not 1 <= self.min_steps <= self.max_steps:
@@ -116,7 +119,8 @@ def spread(values: Sequence[float]) -> Spread:
         q1 = q3 = ordered[0]
     else:
         q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
-    k = math.floor((n - 1.96 * math.sqrt(n)) / 2)  # normal approximation of the binomial order statistic
+    # normal approximation of the binomial order statistic
+    k = math.floor((n - 1.96 * math.sqrt(n)) / 2)
     low, high = (ordered[k], ordered[n - 1 - k]) if k >= 0 else (ordered[0], ordered[-1])
     return Spread(statistics.median(ordered), ordered[0], ordered[-1], q1, q3, low, high, n)
 
@@ -146,8 +150,8 @@ def _gc_paused():
 def calibrate(stepper: Stepper, settings: Settings) -> float:
     """Warm ``stepper`` up (compiling on its first call) and return its seconds per step.
 
-    One warm-up block compiles; of the next three, the fastest is the estimate (a burst of other activity
-    on the machine only ever slows a block down).
+    One warm-up block compiles; of the next three, the fastest is the estimate (a burst of other
+    activity on the machine only ever slows a block down).
     """
     steps = _round_up(settings.warmup_steps, stepper.step_multiple)
     _timed(stepper, steps)
@@ -187,7 +191,9 @@ class PairResult:
         return [b / a for a, b in zip(self.seconds_a, self.seconds_b, strict=True)]
 
 
-def measure_pair(a: Stepper, b: Stepper, settings: Settings, per_step: tuple[float, float]) -> PairResult:
+def measure_pair(
+    a: Stepper, b: Stepper, settings: Settings, per_step: tuple[float, float]
+) -> PairResult:
     """Time ``a`` against ``b`` in alternating blocks (both already warmed up by `calibrate`).
 
     Args:
@@ -204,9 +210,11 @@ def measure_pair(a: Stepper, b: Stepper, settings: Settings, per_step: tuple[flo
     steps = round(settings.block_seconds / slower) if slower > 0 else settings.max_steps
     steps = min(max(steps, settings.min_steps), settings.max_steps)
     if settings.use_stepper_minimums:
-        # The faster side's estimate: a fit-style stepper's own warm-up blocks include its per-call setup.
+        # The faster side's estimate: a fit-style stepper's own warm-up blocks include its per-call
+        # setup.
         fastest = min(per_step)
-        by_time = math.ceil(max(a.min_block_seconds, b.min_block_seconds) / fastest) if fastest > 0 else 1
+        by_time = math.ceil(max(a.min_block_seconds,
+                                b.min_block_seconds) / fastest) if fastest > 0 else 1
         steps = max(steps, a.min_block_steps, b.min_block_steps, by_time)
     steps = _round_up(steps, multiple)
     seconds_a, seconds_b, a_first = [], [], []

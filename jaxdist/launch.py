@@ -1,21 +1,24 @@
-"""``python -m jaxdist.launch -n 2 script.py args...``: run N processes of one program on this machine.
+"""``python -m jaxdist.launch -n 2 script.py args...``: run N processes of one program on this
+machine.
 
-For development and tests. Each process gets the cluster environment that `MultiWorkerMirroredStrategy`
-reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port, ``JAXDIST_NUM_PROCESSES``,
-``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K simulated CPU devices.
+For development and tests. Each process gets the cluster environment that
+`MultiWorkerMirroredStrategy` reads (``JAXDIST_COORDINATOR_ADDRESS`` on a free 127.0.0.1 port,
+``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K
+simulated CPU devices.
 
-Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU collectives) prints
-as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ..."; ``--verbose`` shows them). When one
-process fails, the others are stopped (SIGTERM and SIGCONT, then SIGKILL after ``--grace`` seconds) and the
-launcher exits with the failed process's code; Ctrl-C / SIGTERM to the launcher is passed on to every process.
-A job that fails ends with a summary: how each process ended (its status or signal, stopped, stopped by the
-launcher), the last step of ``fit`` each reached and what jaxdist said, then the newest checkpoint and the step a
-restart resumes from (each process's ``fit`` leaves its progress in ``JAXDIST_LAUNCH_DIR``, a directory the
+Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU
+collectives) prints as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ...";
+``--verbose`` shows them). When one process fails, the others are stopped (SIGTERM and SIGCONT, then
+SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's code; Ctrl-C /
+SIGTERM to the launcher is passed on to every process. A job that fails ends with a summary: how
+each process ended (its status or signal, stopped, stopped by the launcher), the last step of
+``fit`` each reached and what jaxdist said, then the newest checkpoint and the step a restart
+resumes from (each process's ``fit`` leaves its progress in ``JAXDIST_LAUNCH_DIR``, a directory the
 launcher makes).
 
-On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ... ssh
---worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by itself, and
-elsewhere set the three ``JAXDIST_*`` variables per process.
+On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ...
+ssh --worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by
+itself, and elsewhere set the three ``JAXDIST_*`` variables per process.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What gloo writes to the processes' output as its ranks connect, one line per rank and communicator.
+# What gloo writes to the processes' output as its ranks connect, one line per rank and
+# communicator.
 _GLOO_LINE = b"[Gloo] "
 
 
@@ -85,13 +89,14 @@ def _ended(code: int | None, stopped: bool, ours: bool) -> str:
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     if stopped:
         return f"was stopped (SIGSTOP), then {how} by the launcher"
-    by_us = ours and -code in (signal.SIGTERM, signal.SIGKILL)  # else it ended by itself meanwhile (an abort)
+    # else it ended by itself meanwhile (an abort)
+    by_us = ours and -code in (signal.SIGTERM, signal.SIGKILL)
     return f"{how} (stopped by the launcher)" if by_us else how
 
 
 def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set) -> list[str]:
-    """The lines of a failed job's summary: how each process ended, at which step and what jaxdist said there,
-    then the newest checkpoint and the step a restart resumes from."""
+    """The lines of a failed job's summary: how each process ended, at which step and what jaxdist
+    said there, then the newest checkpoint and the step a restart resumes from."""
     lines, progress = [], {}
     for i, p in enumerate(procs):
         with contextlib.suppress(OSError, ValueError):
@@ -99,15 +104,17 @@ def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set
                 progress[i] = json.load(f)
         step = f" at step {progress[i]['step']}" if i in progress else ""
         words = f"; it said: {said[i][0]}" if said[i] else ""
-        lines.append(f"[launch] process {i} {_ended(p.returncode, i in stopped, i in ours)}{step}{words}")
+        lines.append(f"[launch] process {i} "
+                     f"{_ended(p.returncode, i in stopped, i in ours)}{step}{words}")
     if progress:
         latest = progress.get(0) or next(iter(progress.values()))
         checkpoint, where = latest.get("checkpoint"), latest.get("checkpoint_dir")
         if checkpoint is not None:
-            lines.append(f"[launch] the newest checkpoint is step {checkpoint} (in {where}): restart the job to "
-                         f"resume from step {checkpoint}")
+            lines.append(f"[launch] the newest checkpoint is step {checkpoint} (in {where}): "
+                         f"restart the job to resume from step {checkpoint}")
         elif where:
-            lines.append(f"[launch] no checkpoint was complete in {where}: a restart starts over from step 0")
+            lines.append(f"[launch] no checkpoint was complete in {where}: a restart starts over "
+                         "from step 0")
         else:
             lines.append("[launch] fit had no checkpoint_dir: a restart starts over from step 0")
     return lines
@@ -122,16 +129,19 @@ def launch(
     out=None,
     verbose: bool = False,
 ) -> int:
-    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating processes.
+    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating
+    processes.
 
     Args:
         command: e.g. ``["train.py", "--steps", "10"]`` or ``["-m", "pkg.train"]``.
         num_processes: how many processes (>= 1).
-        cpu_devices: simulated CPU devices per process (sets ``JAX_NUM_CPU_DEVICES``, ``JAX_PLATFORMS=cpu``).
+        cpu_devices: simulated CPU devices per process (sets ``JAX_NUM_CPU_DEVICES``,
+            ``JAX_PLATFORMS=cpu``).
         timeout: stop everything and return 124 after this many seconds.
         grace: seconds between SIGTERM and SIGKILL when stopping processes.
         out: where to write the prefixed output (default: stdout).
-        verbose: also pass on the lines gloo prints as its ranks connect (``[Gloo] Rank i is connected to ...``).
+        verbose: also pass on the lines gloo prints as its ranks connect (``[Gloo] Rank i is
+            connected to ...``).
 
     Returns:
         0 when every process exits 0; else the first failing process's exit code (124 on timeout).
@@ -167,7 +177,8 @@ def launch(
         p = subprocess.Popen([sys.executable, *command], env=env_i, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose, said[i]), daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose, said[i]),
+                             daemon=True)
         t.start()
         pumps.append(t)
 
@@ -201,7 +212,8 @@ def launch(
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                out.write(f"[launch] process {i} {_ended(code, False, False)}; stopping the others\n")
+                out.write(f"[launch] process {i} {_ended(code, False, False)}; stopping the "
+                          "others\n")
                 out.flush()
                 stop()
                 break
@@ -220,14 +232,17 @@ def launch(
         for t in pumps:
             t.join(timeout=5)
         if code != 0:
-            out.write("".join(line + "\n" for line in _summary(procs, progress_dir, said, stopped, ours)))
+            out.write(
+                "".join(line + "\n" for line in _summary(procs, progress_dir, said, stopped, ours))
+            )
             out.flush()
         shutil.rmtree(progress_dir, ignore_errors=True)
     return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose] script.py args...``.
+    """Command-line entry point: ``python -m jaxdist.launch -n N [--cpu-devices K] [--verbose]
+    script.py args...``.
 
     Returns:
         The exit status (see `launch`; a process killed by signal N: 128 + N).
@@ -239,14 +254,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["-n", "2", str(script)])
         0
     """
-    parser = argparse.ArgumentParser(prog="python -m jaxdist.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxdist.launch",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start")
-    parser.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")
-    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="simulated CPU devices per process")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop everything after this many seconds")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--verbose", action="store_true",
                         help="also show the [Gloo] lines the processes print as they connect")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="script.py args... (or -m module args...)")
     args = parser.parse_args(argv)
     if args.num_processes < 1:
         parser.error(f"-n/--num-processes={args.num_processes} must be >= 1")
@@ -254,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
     code = launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
                   verbose=args.verbose)
-    return 128 - code if code < 0 else code  # a process killed by signal N: 128 + N, as a shell says it
+    # a process killed by signal N: 128 + N, as a shell says it
+    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

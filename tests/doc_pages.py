@@ -1,14 +1,15 @@
 """Runs the code blocks of several documentation pages in one process, each page as a fresh script.
 
-``python tests/doc_pages.py RESULTS.json PAGE...``: each page's blocks run in order, as one ``__main__`` module
-of their own, in a directory of their own, with the environment, ``sys.argv``, ``sys.path``, the warning filters
-and JAX's configuration as they were before the first page. One import of jaxdist (~4 s) serves every page,
-instead of one per page. A page that leaves something behind that would change the next page's result (a
-strategy in scope, a JAX setting changed) fails, so no page passes because of another. RESULTS.json maps each
-page to ``null`` (ran) or the end of its traceback; a page that is missing from it was never reached.
+``python tests/doc_pages.py RESULTS.json PAGE...``: each page's blocks run in order, as one
+``__main__`` module of their own, in a directory of their own, with the environment, ``sys.argv``,
+``sys.path``, the warning filters and JAX's configuration as they were before the first page. One
+import of jaxdist (~4 s) serves every page, instead of one per page. A page that leaves something
+behind that would change the next page's result (a strategy in scope, a JAX setting changed) fails,
+so no page passes because of another. RESULTS.json maps each page to ``null`` (ran) or the end of
+its traceback; a page that is missing from it was never reached.
 
-Every page shares the process's JAX backend, so the pages run here are the ones that run on 8 simulated CPU
-devices without a cluster (tests/test_docs.py chooses them).
+Every page shares the process's JAX backend, so the pages run here are the ones that run on 8
+simulated CPU devices without a cluster (tests/test_docs.py chooses them).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def blocks(page: pathlib.Path) -> list[str]:
 
 
 def run_page(page: pathlib.Path, workdir: pathlib.Path) -> str | None:
-    """Runs ``page``'s blocks as a fresh ``__main__`` in ``workdir``; returns None or what went wrong."""
+    """Runs ``page``'s blocks as a fresh ``__main__`` in ``workdir``; returns None or what went
+    wrong."""
     code = compile("\n\n".join(blocks(page)), str(page), "exec")
     main = types.ModuleType("__main__")
     main.__file__ = str(workdir / "page.py")
@@ -57,7 +59,8 @@ def run_page(page: pathlib.Path, workdir: pathlib.Path) -> str | None:
         os.environ.clear()
         os.environ.update(environ)
     changed = {k: (config.get(k), v) for k, v in jax.config.values.items() if config.get(k) != v}
-    for name, (before, _) in changed.items():  # back as they were for the next page (what can be set back)
+    # back as they were for the next page (what can be set back)
+    for name, (before, _) in changed.items():
         jax.config.update(name, before)
     if problem is None and changed:
         problem = f"the page changes JAX settings {changed} (before, after): run it in a process of its own"
@@ -75,9 +78,11 @@ def main(results: str, *pages: str) -> None:
             workdir.mkdir()
             start = time.perf_counter()
             out[page] = run_page(pathlib.Path(page), workdir)
-            print(f"{page}: {'ok' if out[page] is None else 'FAILED'} in {time.perf_counter() - start:.1f}s",
+            print(f"{page}: {'ok' if out[page] is None else 'FAILED'} in "
+                  f"{time.perf_counter() - start:.1f}s",
                   flush=True)
-            pathlib.Path(results).write_text(json.dumps(out))  # what ran so far, should a page crash the process
+            # what ran so far, should a page crash the process
+            pathlib.Path(results).write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The data and trainer shared by the grain tests and their 2-process worker (tests/multiprocess/grain_worker.py)."""
+"""The data and trainer shared by the grain tests and their 2-process worker
+(tests/multiprocess/grain_worker.py)."""
 
 import flax.linen as nn
 import grain
@@ -28,7 +29,8 @@ def make_trainer(strategy) -> jd.training.Trainer:
 
 def per_process_batches(processes: int, steps: int) -> list:
     """The GLOBAL batches a run of ``examples()[p::processes].batch(GLOBAL_BATCH // processes)`` on
-    ``processes`` processes trains on: step k concatenates each process's k-th batch, process 0 first."""
+    ``processes`` processes trains on: step k concatenates each process's k-th batch, process 0
+    first."""
     per = GLOBAL_BATCH // processes
     shards = [examples()[p::processes].batch(per, drop_remainder=True) for p in range(processes)]
     out = []

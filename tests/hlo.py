@@ -1,22 +1,23 @@
 """Test helper: how many bytes a compiled program's collectives move, read from its HLO text.
 
-The synchronizer tests judge compressors by bytes, not by time on a simulated mesh: `collectives` lists
-the collective ops of a compiled module (all-reduce, all-gather, reduce-scatter, all-to-all,
-collective-permute, and their async ``-start`` forms) with their operand bytes and replica-group size;
-`collective_bytes` totals them.
+The synchronizer tests judge compressors by bytes, not by time on a simulated mesh: `collectives`
+lists the collective ops of a compiled module (all-reduce, all-gather, reduce-scatter, all-to-all,
+collective-permute, and their async ``-start`` forms) with their operand bytes and replica-group
+size; `collective_bytes` totals them.
 
 Two measures, both per device:
 
-* operand bytes: the bytes of each collective's operands (dtype size * elements), what the program hands
-  the collective;
-* wire bytes (``wire=True``): what each device sends under the bandwidth-optimal algorithms, which makes
-  different collectives comparable: ring all-reduce ``2(n-1)/n·B``, reduce-scatter and all-to-all
-  ``(n-1)/n·B``, all-gather ``(n-1)·B``, collective-permute ``B`` (n = group size, B = operand bytes).
+* operand bytes: the bytes of each collective's operands (dtype size * elements), what the program
+  hands the collective;
+* wire bytes (``wire=True``): what each device sends under the bandwidth-optimal algorithms, which
+  makes different collectives comparable: ring all-reduce ``2(n-1)/n·B``, reduce-scatter and
+  all-to-all ``(n-1)/n·B``, all-gather ``(n-1)·B``, collective-permute ``B`` (n = group size, B =
+  operand bytes).
 
-Read the COMPILED module (``jitted.lower(...).compile().as_text()``): the backend's passes change collectives
-(XLA:CPU, for one, converts every 16-bit float collective to float32). To measure a ``strategy.run`` step,
-lower ``strategy.jit(lambda *a: strategy.run(fn, args=a))``: under a plain `jax.jit` the distributed batches
-passed to ``run`` are not recognised as batches.
+Read the COMPILED module (``jitted.lower(...).compile().as_text()``): the backend's passes change
+collectives (XLA:CPU, for one, converts every 16-bit float collective to float32). To measure a
+``strategy.run`` step, lower ``strategy.jit(lambda *a: strategy.run(fn, args=a))``: under a plain
+`jax.jit` the distributed batches passed to ``run`` are not recognised as batches.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _dtype_bytes(dtype: str) -> float:
 
 
 def _type_bytes(type_text: str) -> int:
-    """Bytes of an HLO type (an array or a tuple of arrays); layouts ``{1,0}`` and comments ignored."""
+    """Bytes of an HLO type (an array or a tuple of arrays); layouts ``{1,0}`` and comments
+    ignored."""
     total = 0.0
     for m in _SHAPE.finditer(re.sub(r"/\*.*?\*/", "", type_text)):
         dims = [int(d) for d in m.group("dims").split(",") if d]
@@ -118,10 +120,14 @@ def _balanced(text: str, start: int) -> str:
 def _group_size(attrs: str, default: int) -> int:
     m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}", attrs)
     if m:
-        sizes = {k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))}
+        sizes = {
+            k.strip().strip("'\""): int(v)
+            for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))
+        }
         used = [a.strip().strip("'\"") for a in m.group("used").split(",") if a.strip()]
         return math.prod(sizes.get(a, 1) for a in used)
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)  # iota form: [num_groups, group_size]<=[...]
+    # iota form: [num_groups, group_size]<=[...]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
     if m:
         return int(m.group(2))
     m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
@@ -195,13 +201,14 @@ def collectives(hlo: Any) -> list[CollectiveOp]:
     return ops
 
 
-def collective_bytes(hlo: Any, *, wire: bool = False, kinds: tuple[str, ...] | None = None) -> int | float:
+def collective_bytes(hlo: Any, *, wire: bool = False,
+                     kinds: tuple[str, ...] | None = None) -> int | float:
     """Total bytes the collectives of a compiled module move, per device.
 
     Args:
         hlo: a `jax.stages.Lowered` (compiled here), a `jax.stages.Compiled`, or compiled HLO text.
-        wire: False (default): operand bytes; True: bytes sent under bandwidth-optimal algorithms (see the
-            module doc), comparable across different collectives.
+        wire: False (default): operand bytes; True: bytes sent under bandwidth-optimal algorithms
+            (see the module doc), comparable across different collectives.
         kinds: count only these kinds (e.g. ``("all-reduce",)``); default all.
 
     Returns:
@@ -223,7 +230,8 @@ def collective_bytes(hlo: Any, *, wire: bool = False, kinds: tuple[str, ...] | N
     if kinds is not None:
         unknown = [k for k in kinds if k not in _KINDS]
         if unknown:
-            raise ValueError(f"kinds={kinds!r} has unknown kinds {unknown}: use some of {', '.join(_KINDS)}.")
+            raise ValueError(f"kinds={kinds!r} has unknown kinds {unknown}: use some of "
+                             f"{', '.join(_KINDS)}.")
     ops = [op for op in collectives(hlo) if kinds is None or op.kind in kinds]
     if wire:
         return float(np.sum([op.wire_bytes for op in ops], dtype=np.float64)) if ops else 0.0

@@ -1,9 +1,10 @@
 """The Pythons that the tests of process exit, signals and orbax's threads run their scripts under.
 
-This interpreter, and the oldest Python the project accepts (3.12), in the environment ``./scripts/setup`` builds
-for it (``.venv312``, jaxdist's base dependencies) when it finds one: CPython 3.12.0-3.12.2 refuse new threads once
-the interpreter shuts down, where later releases allow them, so how a process ends is tested on both. Where
-there is no such environment (or this interpreter is 3.12 already) its cases are skipped with the reason.
+This interpreter, and the oldest Python the project accepts (3.12), in the environment
+``./scripts/setup`` builds for it (``.venv312``, jaxdist's base dependencies) when it finds one:
+CPython 3.12.0-3.12.2 refuse new threads once the interpreter shuts down, where later releases allow
+them, so how a process ends is tested on both. Where there is no such environment (or this
+interpreter is 3.12 already) its cases are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ OLDEST = ROOT / ".venv312" / "bin" / "python"
 @functools.cache
 def _version(python: str) -> tuple[int, ...] | None:
     try:
-        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:3])"], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:3])"],
+                             capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return tuple(map(int, out.stdout.split())) if out.returncode == 0 else None
 
 
 def pythons() -> list:
-    """``pytest.param``s of the interpreters to run a script under: this one (id ``this``) and the oldest accepted
-    (id ``py312``; skipped with the reason where it is missing or this one is 3.12)."""
+    """``pytest.param``s of the interpreters to run a script under: this one (id ``this``) and the
+    oldest accepted (id ``py312``; skipped with the reason where it is missing or this one is
+    3.12)."""
     here = pytest.param(sys.executable, id="this")
     if sys.version_info[:2] == (3, 12):
         why = "this interpreter is Python 3.12 already"

@@ -26,7 +26,8 @@ def loss_fn(params, x, y):
 
 
 def make_train_step(loss):
-    """The unmodified single-device step of ``loss(params, x, y)``: ``(state, (x, y)) -> (state, loss)``."""
+    """The unmodified single-device step of ``loss(params, x, y)``: ``(state, (x, y)) -> (state,
+    loss)``."""
 
     def train_step(state, batch):
         params, opt_state = state
@@ -40,8 +41,8 @@ def make_train_step(loss):
 train_step = make_train_step(loss_fn)
 
 
-# Jitted: one program, where flax's eager init dispatches (and on CPU compiles) every operation on its own: ~3 s
-# for the MLP and ~10 s for the LM per process, for the same values bit for bit.
+# Jitted: one program, where flax's eager init dispatches (and on CPU compiles) every operation on
+# its own: ~3 s for the MLP and ~10 s for the LM per process, for the same values bit for bit.
 @jax.jit
 def init_state(key):
     params = MODEL.init(key, jnp.zeros((1, 8), jnp.float32))
@@ -57,7 +58,7 @@ def batches(steps=20, batch=32):
     return out
 
 
-# ------------------------------------------------------------------------------ a tiny LM (the char LM example)
+# ------------------------------------------------------------------ a tiny LM (the char LM example)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from char_lm import CharLM, LMConfig  # noqa: E402
 
@@ -73,7 +74,8 @@ lm_train_step = make_train_step(lm_loss)
 
 @jax.jit  # see init_state
 def lm_init_state(key):
-    params = LM.init(key, jnp.zeros((1, 8), jnp.int32))  # boxed: every parameter names its logical axes
+    # boxed: every parameter names its logical axes
+    params = LM.init(key, jnp.zeros((1, 8), jnp.int32))
     return params, OPT.init(params)
 
 

@@ -1,4 +1,5 @@
-"""A tiny transformer LM whose layers go through `jd.nn.Pipeline` (shared by the pipeline tests and worker)."""
+"""A tiny transformer LM whose layers go through `jd.nn.Pipeline` (shared by the pipeline tests and
+worker)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import optax
 import jaxdist as jd
 
 VOCAB, D_MODEL, HEADS, MLP, LENGTH = 32, 16, 2, 32, 8
-RULES = [("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor")]  # for meshes with a "tensor" axis
+# for meshes with a "tensor" axis
+RULES = [("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor")]
 
 
 def _init(names):
@@ -19,23 +21,31 @@ def _init(names):
 
 
 def _layer(mdl: nn.Module, x, pad, deterministic: bool):
-    """One pre-norm attention + MLP layer with dropout (the body of `Block` and of the scan-shaped `ScanBlock`)."""
-    h = nn.LayerNorm(use_bias=False, scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)))(x)
-    qkv = mdl.param("qkv", _init(("embed", "qkv", "heads", "kv")), (D_MODEL, 3, HEADS, D_MODEL // HEADS))
+    """One pre-norm attention + MLP layer with dropout (the body of `Block` and of the scan-shaped
+    `ScanBlock`)."""
+    h = nn.LayerNorm(
+        use_bias=False, scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    )(x)
+    qkv = mdl.param("qkv", _init(("embed", "qkv", "heads", "kv")),
+                    (D_MODEL, 3, HEADS, D_MODEL // HEADS))
     q, k, v = jnp.einsum("btd,dchk->cbthk", h, qkv)
     scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(D_MODEL // HEADS)
     causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool)) & pad[:, None, None, :]
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
     out = mdl.param("out", _init(("heads", "kv", "embed")), (HEADS, D_MODEL // HEADS, D_MODEL))
-    x = x + nn.Dropout(mdl.dropout)(jnp.einsum("bhqs,bshk,hkd->bqd", weights, v, out), deterministic)
-    h = nn.LayerNorm(use_bias=False, scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)))(x)
+    x = x + nn.Dropout(mdl.dropout)(jnp.einsum("bhqs,bshk,hkd->bqd", weights, v, out),
+                                    deterministic)
+    h = nn.LayerNorm(
+        use_bias=False, scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    )(x)
     h = nn.gelu(nn.Dense(MLP, kernel_init=_init(("embed", "mlp")), use_bias=False)(h))
     h = nn.Dense(D_MODEL, kernel_init=_init(("mlp", "embed")), use_bias=False)(h)
     return x + nn.Dropout(mdl.dropout)(h, deterministic)
 
 
 class Block(nn.Module):
-    """What `jd.nn.Pipeline` takes: ``block(x, pad, deterministic=...) -> x``; ``pad`` is per example."""
+    """What `jd.nn.Pipeline` takes: ``block(x, pad, deterministic=...) -> x``; ``pad`` is per
+    example."""
 
     dropout: float = 0.0
 
@@ -45,7 +55,8 @@ class Block(nn.Module):
 
 
 class ScanBlock(nn.Module):
-    """The same layer shaped for ``nn.scan`` (``(carry, x) -> (carry, y)``): the user's plain-scan model."""
+    """The same layer shaped for ``nn.scan`` (``(carry, x) -> (carry, y)``): the user's plain-scan
+    model."""
 
     dropout: float = 0.0
 
@@ -67,7 +78,8 @@ class PipelineLM(nn.Module):
         x = nn.Embed(VOCAB, D_MODEL, embedding_init=_init(("vocab", "embed")))(tokens)
         pad = tokens != 0
         x = jd.nn.Pipeline(
-            block=Block(self.dropout), num_layers=self.num_layers, num_microbatches=self.num_microbatches,
+            block=Block(self.dropout), num_layers=self.num_layers,
+            num_microbatches=self.num_microbatches,
             schedule=self.schedule, repeats=self.repeats, remat=self.remat, name="layers",
         )(x, pad, deterministic=not train)
         x = nn.LayerNorm(use_bias=False)(x)
@@ -89,7 +101,8 @@ OPTIMIZER = optax.sgd(0.5)
 
 def make_step(model: nn.Module, train: bool):
     def loss_fn(params, batch, rng):
-        logits = model.apply(params, batch["inputs"], train=train, rngs={"dropout": rng} if train else None)
+        logits = model.apply(params, batch["inputs"], train=train, rngs={"dropout": rng} if train
+                             else None)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     def step(state, batch):

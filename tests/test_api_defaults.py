@@ -1,10 +1,10 @@
 """The API reference's parameter tables tell the truth about defaults.
 
-The reference (docs/api/*.md, mkdocstrings) renders each docstring's ``Args:`` section as a table whose Default
-column comes from the signature, matched by the entry's name: an entry that names no parameter (``a / b:``,
-``a, b:``) shows "required" however the parameter defaults. Every public function, class and public method of
-the packages the reference covers is read here as mkdocstrings reads it (griffe, Google style) and compared with
-the signature Python sees.
+The reference (docs/api/*.md, mkdocstrings) renders each docstring's ``Args:`` section as a table
+whose Default column comes from the signature, matched by the entry's name: an entry that names no
+parameter (``a / b:``, ``a, b:``) shows "required" however the parameter defaults. Every public
+function, class and public method of the packages the reference covers is read here as mkdocstrings
+reads it (griffe, Google style) and compared with the signature Python sees.
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ import griffe
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["jaxdist", "jaxdist.costs", "jaxdist.strategies", "jaxdist.replicate", "jaxdist.gradients", "jaxdist.tpu",
+PACKAGES = ["jaxdist", "jaxdist.costs", "jaxdist.strategies", "jaxdist.replicate",
+            "jaxdist.gradients", "jaxdist.tpu",
             "jaxdist.training", "jaxdist.strategies.compat", "jaxdist.nn"]
 
 
 def documented_objects() -> list[griffe.Object]:
-    """Every public function and class the reference renders, and their public methods (griffe's view)."""
+    """Every public function and class the reference renders, and their public methods (griffe's
+    view)."""
     loader = griffe.GriffeLoader(search_paths=[str(ROOT)], docstring_parser=griffe.Parser.google,
-                                 docstring_options={"warn_unknown_params": False, "warn_missing_types": False})
+                                 docstring_options={"warn_unknown_params": False,
+                                                    "warn_missing_types": False})
     root = loader.load("jaxdist")
     loader.resolve_aliases(implicit=False, external=False)
     found: dict[str, griffe.Object] = {}
@@ -39,7 +42,8 @@ def documented_objects() -> list[griffe.Object]:
             for name, member in obj.members.items():
                 if not name.startswith("_"):
                     target = member.final_target if member.is_alias else member
-                    if target.path.startswith("jaxdist."):  # not what a base class from elsewhere documents
+                    # not what a base class from elsewhere documents
+                    if target.path.startswith("jaxdist."):
                         visit(target)
 
     for package in PACKAGES:
@@ -70,23 +74,28 @@ def table_problems(obj: griffe.Object) -> list[str]:
         for entry in section.value:
             name = entry.name.lstrip("*")
             if name not in params:
-                problems.append(f"{obj.path}: Args entry {entry.name!r} names no parameter of the signature, so "
-                                "the reference shows it without its default: give each parameter an entry of its own")
+                problems.append(f"{obj.path}: Args entry {entry.name!r} names no parameter of the "
+                                "signature, so the reference shows it without its default: give "
+                                "each parameter an entry of its own")
                 continue
-            if params[name].kind in (griffe.ParameterKind.var_positional, griffe.ParameterKind.var_keyword):
+            if params[name].kind in (griffe.ParameterKind.var_positional,
+                                     griffe.ParameterKind.var_keyword):
                 continue
             if (entry.default is None) != (params[name].default is None):
-                problems.append(f"{obj.path}: {name}'s default in the table ({entry.default}) is not the "
-                                f"signature's ({params[name].default})")
+                problems.append(f"{obj.path}: {name}'s default in the table ({entry.default}) is "
+                                f"not the signature's ({params[name].default})")
             if signature is None or name not in signature.parameters or entry.default is None:
                 continue
             try:
                 shown = ast.literal_eval(str(entry.default))
-            except (ValueError, SyntaxError):  # an expression (a constant's name): griffe shows it as written
+            except (ValueError, SyntaxError):
+                # an expression (a constant's name): griffe shows it as written
                 continue
             actual = signature.parameters[name].default
-            if actual is inspect.Parameter.empty or shown != actual or type(shown) is not type(actual):
-                problems.append(f"{obj.path}: {name} shows default {entry.default} but defaults to {actual!r}")
+            if (actual is inspect.Parameter.empty or shown != actual
+                    or type(shown) is not type(actual)):
+                problems.append(f"{obj.path}: {name} shows default {entry.default} but defaults to "
+                                f"{actual!r}")
     return problems
 
 
@@ -103,13 +112,15 @@ def test_every_documented_parameter_shows_the_signatures_default(objects):
 
 def test_the_trainers_key_options_show_their_defaults(objects):
     (trainer,) = [o for o in objects if o.path == "jaxdist.training.trainer.Trainer"]
-    entries = {e.name: e for s in trainer.docstring.parsed if s.kind.value == "parameters" for e in s.value}
+    entries = {e.name: e for s in trainer.docstring.parsed if s.kind.value == "parameters"
+               for e in s.value}
     assert (str(entries["input_key"].default), str(entries["target_key"].default)) == ("'x'", "'y'")
 
 
 def test_an_entry_for_two_parameters_is_found():
     fake = griffe.Function("f", parameters=griffe.Parameters(
         griffe.Parameter("a", default="1"), griffe.Parameter("b", default="2")))
-    fake.docstring = griffe.Docstring("Doc.\n\nArgs:\n    a / b: the two.\n", parent=fake, parser="google")
+    fake.docstring = griffe.Docstring("Doc.\n\nArgs:\n    a / b: the two.\n", parent=fake,
+                                      parser="google")
     (problem,) = table_problems(fake)
     assert "'a / b' names no parameter" in problem

@@ -1,7 +1,8 @@
-"""Asynchronous checkpoints (in-process): training goes on while a save is written, the checkpoint holds the
-state of its step even though the steps donate it, a failed background save raises, preemption and the end of
-``fit`` wait for the save in flight. The write is slowed, held or failed where orbax renames the finished
-temporary directory into place (the commit), which runs in orbax's background thread.
+"""Asynchronous checkpoints (in-process): training goes on while a save is written, the checkpoint
+holds the state of its step even though the steps donate it, a failed background save raises,
+preemption and the end of ``fit`` wait for the save in flight. The write is slowed, held or failed
+where orbax renames the finished temporary directory into place (the commit), which runs in orbax's
+background thread.
 
 SIGKILL during an asynchronous save (a real subprocess): tests/test_training_preemption.py.
 """
@@ -47,7 +48,8 @@ def data_fn(epoch):
 
 def trainer(strategy=None):
     return jd.training.Trainer(
-        strategy or jd.MirroredStrategy(), DropoutMLP(), optax.adam(1e-2), ce, train_kwargs={"train": True}, seed=3
+        strategy or jd.MirroredStrategy(), DropoutMLP(), optax.adam(1e-2), ce,
+        train_kwargs={"train": True}, seed=3
     )
 
 
@@ -57,8 +59,8 @@ def host(tree):
 
 @pytest.fixture
 def at_commit(monkeypatch):
-    """``at_commit({step: action})``: run ``action()`` in orbax's background thread just before checkpoint
-    ``step`` is renamed into place (raising from it fails that save)."""
+    """``at_commit({step: action})``: run ``action()`` in orbax's background thread just before
+    checkpoint ``step`` is renamed into place (raising from it fails that save)."""
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
     def install(actions):
@@ -83,13 +85,15 @@ def test_training_goes_on_while_a_save_is_written_and_it_holds_its_steps_state(t
             if step == 3:
                 snapshots[3] = host(trainer.params)
             if step == 5:
-                released.set()  # steps 4 and 5 ran (and donated the state) while checkpoint 3 was pending
+                # steps 4 and 5 ran (and donated the state) while checkpoint 3 was pending
+                released.set()
 
         def on_checkpoint(self, trainer, step, path):
             seen.append((step, trainer.step))
 
     t = trainer()
-    history = t.fit(data_fn, steps=6, checkpoint_dir=tmp_path, checkpoint_every=3, verbose=0, callbacks=[Watch()])
+    history = t.fit(data_fn, steps=6, checkpoint_dir=tmp_path, checkpoint_every=3, verbose=0,
+                    callbacks=[Watch()])
     assert held == [True]  # released by the training loop, not by the timeout
     assert seen[0][0] == 3 and seen[0][1] >= 5 and seen[1] == (6, 6)  # reported once complete
     assert [os.path.basename(p) for p in history.checkpoints] == ["3", "6"]
@@ -118,7 +122,8 @@ def test_preemption_and_the_end_of_fit_wait_for_the_save_in_flight(tmp_path, at_
     )
     assert history.preempted
     assert [os.path.basename(p) for p in history.checkpoints] == ["3", "4"]
-    # Both complete when fit returned: no temporary left; the job's record of its time stays for the restart.
+    # Both complete when fit returned: no temporary left; the job's record of its time stays for the
+    # restart.
     assert sorted(os.listdir(tmp_path)) == [JOB_FILE, "3", "4"]
 
 
@@ -134,37 +139,47 @@ def test_a_failed_background_save_raises_at_a_later_step_or_at_the_end(tmp_path,
         r"space left on device \(injected\); there is no complete checkpoint",
     ) as info:
         t.fit(data_fn, steps=10, checkpoint_dir=tmp_path / "a", checkpoint_every=2, verbose=0)
-    assert isinstance(info.value.__context__, OSError) and info.value.__suppress_context__  # kept, not printed
+    # kept, not printed
+    assert isinstance(info.value.__context__, OSError) and info.value.__suppress_context__
     assert 2 < t.step <= 4  # at a step after the save, at the latest at the next save
     assert jd.training.Checkpointer(tmp_path / "a").all_steps() == []
 
     at_commit({"3": fail})  # the last save of fit: raised before fit returns
     t = trainer()
-    with pytest.raises(RuntimeError, match=r"saving checkpoint step 3 in .* the last complete checkpoint is step 2"):
+    with pytest.raises(RuntimeError,
+                       match=r"saving checkpoint step 3 in .* the last complete checkpoint is step "
+                             r"2"):
         t.fit(data_fn, steps=3, checkpoint_dir=tmp_path / "b", checkpoint_every=2, verbose=0)
 
 
 def test_checkpointer_async_own_loop(tmp_path, at_commit):
     strategy = jd.MirroredStrategy()
-    state = strategy.mirror({"w": np.arange(4 << 20, dtype=np.float32).reshape(8, -1), "n": np.int32(1)})
+    state = strategy.mirror({"w": np.arange(4 << 20, dtype=np.float32).reshape(8, -1),
+                             "n": np.int32(1)})
     want = host(state)
     double = strategy.jit(lambda s: jax.tree.map(lambda a: a * 2 + 1, s), donate_argnums=(0,))
     ckpt = jd.training.Checkpointer(tmp_path)
     path = ckpt.save(1, state)
     for _ in range(3):  # change (and donate) the state while it is being written
         state = double(state)
-    with pytest.raises(jd.training.CheckpointConflictError, match=r"step 1 .* already exists with other contents"):
-        ckpt.save(1, state)  # the step is being written (or is complete) with the state before the changes
+    with pytest.raises(jd.training.CheckpointConflictError,
+                       match=r"step 1 .* already exists with other contents"):
+        # the step is being written (or is complete) with the state before the changes
+        ckpt.save(1, state)
     assert ckpt.poll(wait=True) == [(1, path)] and ckpt.poll() == []
     restored, meta = ckpt.restore(state, step=1)
-    assert meta["step"] == 1 and all(np.array_equal(a, b) for a, b in zip(host(restored), want, strict=True))
+    assert meta["step"] == 1 and all(
+        np.array_equal(a, b) for a, b in zip(host(restored), want, strict=True)
+    )
 
     def fail():
         raise OSError("disk gone (injected)")
 
     at_commit({"2": fail, "4": fail})
     ckpt.save(2, state)
-    with pytest.raises(RuntimeError, match=r"step 2 .*OSError: disk gone.*the last complete checkpoint is step 1"):
+    with pytest.raises(
+        RuntimeError, match=r"step 2 .*OSError: disk gone.*the last complete checkpoint is step 1"
+    ):
         ckpt.wait_until_finished()
     ckpt.save(3, state)  # raised once; the next save works
     assert [s for s, _ in ckpt.poll(wait=True)] == [3] and ckpt.all_steps() == [1, 3]

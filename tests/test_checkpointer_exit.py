@@ -1,8 +1,9 @@
-"""A `Checkpointer` left open: every save that returned is on disk when the program ends (normally, by
-``sys.exit``, with an uncaught exception, or after SIGTERM stopped a ``fit``), restores bitwise, and orbax's
-shutdown noise never reaches the terminal. Real subprocesses (the end of an interpreter cannot be tested
-in-process), under this Python and under the oldest one accepted (3.12: `interpreters.pythons`), whose
-releases 3.12.0-3.12.2 refuse new threads at shutdown; every run has a timeout.
+"""A `Checkpointer` left open: every save that returned is on disk when the program ends (normally,
+by ``sys.exit``, with an uncaught exception, or after SIGTERM stopped a ``fit``), restores bitwise,
+and orbax's shutdown noise never reaches the terminal. Real subprocesses (the end of an interpreter
+cannot be tested in-process), under this Python and under the oldest one accepted (3.12:
+`interpreters.pythons`), whose releases 3.12.0-3.12.2 refuse new threads at shutdown; every run has
+a timeout.
 """
 
 from __future__ import annotations
@@ -88,10 +89,13 @@ def restored_w(directory, step):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("python", pythons())
 @pytest.mark.parametrize("how", ["sys.exit", "crash", "with"])
-def test_a_checkpointer_left_open_finishes_its_last_save_at_exit_without_orbax_noise(tmp_path, how, python):
-    """Slow because each case is a Python of its own (imports jax, jaxdist, orbax). "with" ends the program
-    normally with the last save in flight, after a with-block checkpointer opened and closed while save 1 was in
-    flight: what the case "exit" (a plain normal end, a process of its own) checked is part of it."""
+def test_a_checkpointer_left_open_finishes_its_last_save_at_exit_without_orbax_noise(
+    tmp_path, how, python
+):
+    """Slow because each case is a Python of its own (imports jax, jaxdist, orbax). "with" ends the
+    program normally with the last save in flight, after a with-block checkpointer opened and closed
+    while save 1 was in flight: what the case "exit" (a plain normal end, a process of its own)
+    checked is part of it."""
     out = run(tmp_path, how, python)
     text = out.stdout + out.stderr
     if how == "crash":
@@ -121,7 +125,8 @@ def test_sigterm_stops_fit_with_its_last_checkpoint_complete(tmp_path, python):
     assert out.returncode == 0, text[-3000:]
     assert "stopped at 3" in out.stdout and len(orbax_lines(text)) < 5, text[-3000:]
     names = sorted(os.listdir(tmp_path / "ckpt"), key=lambda n: (not n.isdigit(), n))
-    assert [n for n in names if not n.startswith(".")] == ["2", "3"], names  # the step it stopped after, saved
+    # the step it stopped after, saved
+    assert [n for n in names if not n.startswith(".")] == ["2", "3"], names
 
 
 def test_checkpointer_is_a_context_manager_and_close_is_idempotent(tmp_path):
@@ -130,15 +135,17 @@ def test_checkpointer_is_a_context_manager_and_close_is_idempotent(tmp_path):
         ckpt.save(1, state)
     ckpt.close()  # again: nothing to do
     assert os.listdir(tmp_path) == ["1"]
-    with pytest.raises(ValueError, match="inside"), jd.training.Checkpointer(tmp_path / "b") as ckpt:
+    with pytest.raises(ValueError,
+                       match="inside"), jd.training.Checkpointer(tmp_path / "b") as ckpt:
         ckpt.save(2, state)
         raise ValueError("inside")  # the block's own error comes out, the save is still complete
     assert os.listdir(tmp_path / "b") == ["2"]
 
 
 def test_a_refused_thread_start_runs_its_body_in_a_parked_thread():
-    """`_at_exit.Reserve` (what finishes a save at exit on CPython 3.12.0-3.12.2): a start the interpreter
-    refuses runs in a thread parked earlier; none parked (or one forked away): the refusal stands."""
+    """`_at_exit.Reserve` (what finishes a save at exit on CPython 3.12.0-3.12.2): a start the
+    interpreter refuses runs in a thread parked earlier; none parked (or one forked away): the
+    refusal stands."""
 
     def refused(function, args, *rest):
         raise RuntimeError("can't create new thread at interpreter shutdown")
@@ -157,7 +164,8 @@ def test_a_refused_thread_start_runs_its_body_in_a_parked_thread():
 
     reserve = _at_exit.Reserve(_thread.start_new_thread)
     reserve.top_up(1)
-    reserve._start, reserve._pid = refused, -1  # as in a forked child: the parked thread stayed in the parent
+    # as in a forked child: the parked thread stayed in the parent
+    reserve._start, reserve._pid = refused, -1
     with pytest.raises(RuntimeError, match="interpreter shutdown"):
         reserve.start(ran[0].set, ())
     assert reserve.parked == 0
@@ -166,7 +174,9 @@ def test_a_refused_thread_start_runs_its_body_in_a_parked_thread():
 
 def test_threads_are_reserved_only_where_the_interpreter_refuses_them_at_exit(monkeypatch):
     monkeypatch.setattr(_at_exit, "_RESERVE", None)
-    monkeypatch.setattr(threading, "_start_new_thread", getattr(threading, "_start_new_thread", None), raising=False)
+    monkeypatch.setattr(
+        threading, "_start_new_thread", getattr(threading, "_start_new_thread", None), raising=False
+    )
     _at_exit.reserve_threads()
     assert (_at_exit._RESERVE is not None) == _at_exit.REFUSES_THREADS_AT_EXIT
     assert _at_exit.REFUSES_THREADS_AT_EXIT == ((3, 12, 0) <= sys.version_info[:3] < (3, 12, 3))

@@ -1,7 +1,8 @@
-"""The core contract: a value's role (batch, mirrored, sharded) is declared or carried, never guessed.
+"""The core contract: a value's role (batch, mirrored, sharded) is declared or carried, never
+guessed.
 
-Each test is named after a way a wrong guess used to change the numbers or waste the devices silently; it
-fails on the old behaviour and passes on the declared one.
+Each test is named after a way a wrong guess used to change the numbers or waste the devices
+silently; it fails on the old behaviour and passes on the declared one.
 """
 
 import dataclasses
@@ -30,7 +31,8 @@ def sgd_step(w, x):
     return w - 0.1 * g, loss
 
 
-# 1. strategy.jit with host numpy batches ---------------------------------------------------------------------------
+# 1. strategy.jit with host numpy batches
+#    ---------------------------------------------------------------------------
 def test_host_batch_declared_in_batch_argnums_is_split_over_the_replicas():
     strategy = jd.MirroredStrategy()
     step = strategy.jit(sgd_step, batch_argnums=1)
@@ -46,19 +48,23 @@ def test_host_batch_declared_in_batch_argnums_is_split_over_the_replicas():
 
 def test_host_batch_the_replicas_do_not_divide_is_an_error_naming_the_fix():
     step = jd.MirroredStrategy().jit(sgd_step, batch_argnums=1)
-    with pytest.raises(ValueError, match=r"does not divide the rows of argument 1 \(in batch_argnums\) 60: drop the "
+    with pytest.raises(ValueError,
+                                         match=r"does not divide the rows of argument 1 \(in "
+                                               r"batch_argnums\) 60: drop the "
                                          r"remainder \(batch 56\) or pad to 64"):
         step(W, X[:60])
 
 
 def test_undeclared_host_array_is_mirrored_with_one_warning_naming_batch_argnums():
     step = jd.MirroredStrategy().jit(sgd_step)
-    with pytest.warns(jd.UndeclaredBatchWarning, match=r"no argument is declared a batch.*batch_argnums=\(i,\)"):
+    with pytest.warns(jd.UndeclaredBatchWarning,
+                      match=r"no argument is declared a batch.*batch_argnums=\(i,\)"):
         w, _ = step(W, X)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(W, X)  # once per step function
-        jd.MirroredStrategy().jit(sgd_step, batch_argnums=())(W, X[:8])  # declared "no batch": no warning
+        # declared "no batch": no warning
+        jd.MirroredStrategy().jit(sgd_step, batch_argnums=())(W, X[:8])
     np.testing.assert_allclose(w, jax.jit(sgd_step)(W, X)[0], rtol=1e-6)
 
 
@@ -66,7 +72,8 @@ def test_undeclared_host_array_is_mirrored_with_one_warning_naming_batch_argnums
     ("kwargs", "error", "message"),
     [
         ({"batch_argnums": "x"}, TypeError, r"batch_argnums='x' must be an int or a tuple of ints"),
-        ({"batch_argnums": (1,), "static_argnums": 1}, ValueError, r"argument\(s\) \[1\] are both static and in "
+        ({"batch_argnums": (1,), "static_argnums": 1}, ValueError, r"argument\(s\) \[1\] are both "
+                                                                   r"static and in "
                                                                   r"batch_argnums/batch_argnames"),
         ({"batch_argnums": -1}, ValueError, r"batch_argnums=\(-1,\): use non-negative positions"),
     ],
@@ -82,7 +89,8 @@ def test_scalar_leaf_in_a_declared_batch_is_an_error():
         step(W, (X, np.float32(2.0)))
 
 
-# 2. strategy.run inside a step, on a value derived from a batch ------------------------------------------------------
+# 2. strategy.run inside a step, on a value derived from a batch
+#    ------------------------------------------------------
 def _sum_rows(w, x):
     return jd.get_replica_context().all_reduce("sum", jnp.sum(x @ w))
 
@@ -93,7 +101,9 @@ def test_run_inside_step_refuses_a_batch_derived_value_with_an_error_naming_batc
     def step(w, x):
         return strategy.run(_sum_rows, args=(w, x / 16.0))
 
-    with pytest.raises(ValueError, match=r"args\[1\], an array of shape \(64, 3\) computed inside the step.*"
+    with pytest.raises(ValueError,
+                                         match=r"args\[1\], an array of shape \(64, 3\) computed "
+                                               r"inside the step.*"
                                          r"batch_argnums=\(i, \.\.\.\)"):
         strategy.jit(step, batch_argnums=1)(W, X)
 
@@ -105,7 +115,8 @@ def test_run_inside_step_with_every_argument_derived_equals_one_device_once_decl
         return strategy.run(_sum_rows, args=(w * 1.0, x / 16.0), batch_argnums=(1,))
 
     got = strategy.jit(step, batch_argnums=1)(W, X)
-    np.testing.assert_allclose(got, np.sum((X / 16.0) @ W), rtol=1e-5)  # not 8x: each replica summed its rows
+    # not 8x: each replica summed its rows
+    np.testing.assert_allclose(got, np.sum((X / 16.0) @ W), rtol=1e-5)
 
 
 def test_run_inside_step_keeps_the_roles_the_step_arguments_entered_with():
@@ -126,7 +137,8 @@ def test_run_with_declared_host_batch_splits_its_rows():
         strategy.run(lambda x: x, args=(X,), batch_argnums=3)
 
 
-# 3. the NNX tutorial's step: in-place updates, no return value -------------------------------------------------------
+# 3. the NNX tutorial's step: in-place updates, no return value
+#    -------------------------------------------------------
 class _Net(nnx.Module):
     def __init__(self, rngs):
         self.hidden = nnx.Linear(3, 16, rngs=rngs)
@@ -140,7 +152,9 @@ class _Net(nnx.Module):
 def _nnx_train_step(model, optimizer, metrics, rngs, batch):
     def loss_fn(model, rngs, batch):
         logits = model(batch["image"], rngs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), logits
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["label"]
+        ).mean(), logits
 
     (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, rngs, batch)
     metrics.update(loss=loss, logits=logits, labels=batch["label"])
@@ -167,9 +181,11 @@ def test_nnx_tutorial_step_updates_model_optimizer_and_metrics_in_place(name):
     assert not np.isnan(metrics["loss"])
     for k in ref_metrics:
         np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5)
-    np.testing.assert_allclose(model.out.kernel[...], ref_model.out.kernel[...], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.out.kernel[...], ref_model.out.kernel[...], rtol=1e-5,
+                               atol=1e-6)
     want = P() if name == "mirrored" else P(None, "replica")
-    assert model.hidden.kernel[...].sharding.spec == want  # the state lives in the strategy's layout
+    # the state lives in the strategy's layout
+    assert model.hidden.kernel[...].sharding.spec == want
 
 
 def test_nnx_step_that_creates_variables_is_an_error():
@@ -184,7 +200,8 @@ def test_nnx_step_that_creates_variables_is_an_error():
         jd.OneDeviceStrategy().jit(step, batch_argnums=())(Grows())
 
 
-# 4. ShardedStrategy.jit given host state, and outputs not shaped like an argument -------------------------------------
+# 4. ShardedStrategy.jit given host state, and outputs not shaped like an argument
+#    -------------------------------------
 def test_sharded_jit_places_host_state_fsdp_and_returns_gradients_in_the_parameters_layout():
     strategy = jd.ShardedStrategy(min_shard_size=1)
     params = {"w": RNG.normal(size=(16, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
@@ -198,17 +215,21 @@ def test_sharded_jit_places_host_state_fsdp_and_returns_gradients_in_the_paramet
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
     new = strategy.jit(update_step, batch_argnums=1)(params, x)
-    assert new["w"].sharding.spec == P("replica")  # FSDP, as strategy.variable_layout says; not mirrored
+    # FSDP, as strategy.variable_layout says; not mirrored
+    assert new["w"].sharding.spec == P("replica")
     grads, one = strategy.jit(grads_step, batch_argnums=1)(params, x)
     assert grads["w"].sharding.spec == P("replica") and one.sharding.is_fully_replicated
     ref = jax.jit(update_step)(params, x)
     np.testing.assert_allclose(new["w"], ref["w"], rtol=1e-5)
 
 
-# 5. ShardedStrategy on a conv net with a replicated (undeclared, host) batch -----------------------------------------
+# 5. ShardedStrategy on a conv net with a replicated (undeclared, host) batch
+#    -----------------------------------------
 def _conv_loss(p, x, y):
     def conv(h, w):
-        return jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.lax.conv_general_dilated(
+            h, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
 
     def pool(h):
         return jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
@@ -225,7 +246,8 @@ def _conv_problem():
     def init(*shape):
         return (rng.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
 
-    params = {"c0": init(3, 3, 1, 32), "c1": init(3, 3, 32, 64), "d0": init(256, 256), "d1": init(256, 10)}
+    params = {"c0": init(3, 3, 1, 32), "c1": init(3, 3, 32, 64), "d0": init(256, 256),
+              "d1": init(256, 10)}
     x = rng.uniform(size=(64, 8, 8, 1)).astype(np.float32)
     return params, x, rng.integers(0, 10, 64)
 
@@ -237,42 +259,55 @@ def _max_rel_err(a, b):
 def test_sharded_conv_net_equals_one_device_when_the_batch_is_replicated():
     params, x, y = _conv_problem()
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(_conv_loss))(params, x, y)
-    # the layout the upstream miscompute needs: conv kernel split on output channels, dense kernel on rows
-    strategy = jd.ShardedStrategy(layout_rules=[("c1", P(None, None, None, "replica")), ("d0", P("replica"))],
+    # the layout the upstream miscompute needs: conv kernel split on output channels, dense kernel
+    # on rows
+    strategy = jd.ShardedStrategy(layout_rules=[("c1", P(None, None, None, "replica")),
+                                                ("d0", P("replica"))],
                                   min_shard_size=10**9)
     placed = strategy.mirror(params)
     assert placed["c1"].sharding.spec == P(None, None, None, "replica")
-    loss, grads = strategy.jit(jax.value_and_grad(_conv_loss), batch_argnums=())(placed, x, y)  # batch replicated
+    # batch replicated
+    loss, grads = strategy.jit(jax.value_and_grad(_conv_loss), batch_argnums=())(placed, x, y)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert _max_rel_err(ref_grads, grads) < 1e-5
-    assert grads["d0"].sharding.spec == P("replica")  # gathered at entry only: outputs keep the variable layout
-    loss, grads = strategy.jit(jax.value_and_grad(_conv_loss), batch_argnums=(1, 2))(placed, x, y)  # batch split
+    # gathered at entry only: outputs keep the variable layout
+    assert grads["d0"].sharding.spec == P("replica")
+    # batch split
+    loss, grads = strategy.jit(jax.value_and_grad(_conv_loss), batch_argnums=(1, 2))(placed, x, y)
     assert _max_rel_err(ref_grads, grads) < 1e-5
 
 
 def test_sharded_step_without_a_distributed_batch_gathers_split_variables_at_entry():
     params, x, y = _conv_problem()
-    strategy = jd.ShardedStrategy(layout_rules=[("c1", P(None, None, None, "replica")), ("d0", P("replica"))],
+    strategy = jd.ShardedStrategy(layout_rules=[("c1", P(None, None, None, "replica")),
+                                                ("d0", P("replica"))],
                                   min_shard_size=10**9)
     placed = strategy.mirror(params)
-    assert strategy.gathers_variables_without_batch and not jd.MirroredStrategy().gathers_variables_without_batch
+    assert (strategy.gathers_variables_without_batch
+            and not jd.MirroredStrategy().gathers_variables_without_batch)
 
     split = [f"tensor<{'x'.join(map(str, params[k].shape))}xf32>" for k in ("c1", "d0")]
 
-    def entry_gathers(batch_argnums):  # constraints of c1 or d0 to replicated (the entry's own, to their
+    # constraints of c1 or d0 to replicated (the entry's own, to their
+    def entry_gathers(batch_argnums):
         # layouts as they came in, stay split)
         text = strategy.jit(_conv_loss, batch_argnums=batch_argnums).lower(placed, x, y).as_text()
-        return [line for line in text.splitlines() if "sharding_constraint" in line and '"replica"' not in line
+        return [line for line in text.splitlines() if "sharding_constraint" in line
+                and '"replica"' not in line
                 and any(line.endswith(t) for t in split)]
 
     gathered = entry_gathers(())
-    assert len(gathered) == 2 and all("[{}, {}" in line for line in gathered)  # c1 and d0, to replicated
+    # c1 and d0, to replicated
+    assert len(gathered) == 2 and all("[{}, {}" in line for line in gathered)
     assert entry_gathers((1, 2)) == []  # a split batch: nothing to protect against
 
 
-@pytest.mark.xfail(strict=True, reason="upstream: XLA's Shardy partitioner miscomputes a conv net whose kernel is "
-                                      "split while the batch is replicated (plain JAX, no jaxdist); jaxdist gathers "
-                                      "the variables of such steps. An XPASS means upstream fixed it.")
+@pytest.mark.xfail(strict=True,
+                                      reason="upstream: XLA's Shardy partitioner miscomputes a "
+                                             "conv net whose kernel is "
+                                      "split while the batch is replicated (plain JAX, no "
+                                      "jaxdist); jaxdist gathers the variables of such steps. An "
+                                      "XPASS means upstream fixed it.")
 def test_upstream_shardy_conv_miscompute_plain_jax():
     from jax.sharding import AxisType, Mesh, NamedSharding
 
@@ -284,17 +319,24 @@ def test_upstream_shardy_conv_miscompute_plain_jax():
     def put(a, spec):
         return jax.device_put(a, NamedSharding(mesh, spec))
 
-    split = {**params, "c1": put(params["c1"], P(None, None, None, "r")), "d0": put(params["d0"], P("r"))}
+    split = {
+        **params,
+        "c1": put(params["c1"], P(None, None, None, "r")),
+        "d0": put(params["d0"], P("r")),
+    }
     _, got = step(split, put(x, P()), put(y, P()))
     assert _max_rel_err(ref, got) < 1e-4
 
 
-# 6. strategy.run of a fresh lambda in a loop --------------------------------------------------------------------------
+# 6. strategy.run of a fresh lambda in a loop
+#    --------------------------------------------------------------------------
 def test_run_of_fresh_lambdas_frees_their_programs_and_warns_why_it_recompiles():
     strategy = jd.MirroredStrategy()
     x = strategy.experimental_distribute_values(X)
     refs = []
-    with pytest.warns(jd.RecompileWarning, match=r"compiled 9 times at the same call site: a new function object "
+    with pytest.warns(jd.RecompileWarning,
+                                                 match=r"compiled 9 times at the same call site: a "
+                                                       r"new function object "
                                                  r"every call.*define the function once"):
         for _ in range(10):
             fn = lambda x: x * 2.0  # noqa: E731  (the user's loop)
@@ -330,7 +372,8 @@ def test_program_cache_is_bounded_per_function():
     assert len(cache) == 3
 
 
-# 9. create_variables with a non-array positional argument ------------------------------------------------------------
+# 9. create_variables with a non-array positional argument
+#    ------------------------------------------------------------
 @dataclasses.dataclass
 class _Config:
     features: int = 4
@@ -343,9 +386,11 @@ def test_create_variables_passes_config_objects_through():
         return {"w": scale * jax.random.normal(key, (8, config.features))}
 
     strategy = jd.ShardedStrategy(min_shard_size=1)
-    state = strategy.create_variables(create_train_state, jax.random.key(0), _Config(), scale=np.float32(2.0))
+    state = strategy.create_variables(create_train_state, jax.random.key(0), _Config(),
+                                      scale=np.float32(2.0))
     assert state["w"].shape == (8, 4) and state["w"].sharding.spec == P("replica")
-    mixed = strategy.create_variables(lambda cfg: {"w": cfg["init"] * cfg["n"]}, {"init": jnp.ones(8), "n": 3})
+    mixed = strategy.create_variables(lambda cfg: {"w": cfg["init"] * cfg["n"]},
+                                      {"init": jnp.ones(8), "n": 3})
     np.testing.assert_allclose(mixed["w"], 3.0)
 
 
@@ -365,8 +410,10 @@ def test_scope_makes_the_mesh_ambient_for_nnx_partitioning_annotations():
 
     def step(layer, x):
         grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(layer)
-        nnx.update(layer, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(layer, nnx.Param), grads))
+        nnx.update(layer, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(layer, nnx.Param),
+                                       grads))
 
     assert layer.kernel[...].sharding.spec == P(None, "model")
     strategy.jit(step, batch_argnums=1)(layer, np.ones((8, 8), np.float32))
-    assert layer.kernel[...].sharding.spec == P(None, "model")  # the annotated layout survives the step
+    # the annotated layout survives the step
+    assert layer.kernel[...].sharding.spec == P(None, "model")

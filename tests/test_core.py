@@ -90,7 +90,8 @@ def test_replica_context_inside_run():
 
 def test_duplicate_devices_is_an_error():
     d = jax.devices()
-    with pytest.raises(ValueError, match=r"devices lists .* twice \(positions 0 and 2\).*remove the duplicate"):
+    with pytest.raises(ValueError,
+                       match=r"devices lists .* twice \(positions 0 and 2\).*remove the duplicate"):
         jd.MirroredStrategy([d[0], d[1], d[0]])
 
 
@@ -137,25 +138,31 @@ def test_import_starts_no_backend():
 @all_strategies
 def test_create_variables_and_mirror(strategy_name):
     strategy = make(strategy_name)
-    params = strategy.create_variables(lambda key, n: {"w": jax.random.normal(key, (8, n))}, jax.random.key(0), 4)
+    params = strategy.create_variables(lambda key, n: {"w": jax.random.normal(key, (8, n))},
+                                       jax.random.key(0), 4)
     want = jax.random.normal(jax.random.key(0), (8, 4))
     assert params["w"].sharding.device_set == set(strategy.devices)
     assert float(abs(params["w"] - want).max()) == 0.0
     # keyword arguments are passed through as constants
     ones = strategy.create_variables(lambda shape: {"b": jax.numpy.ones(shape)}, shape=(8,))
     assert ones["b"].shape == (8,)
-    mirrored = strategy.mirror({"b": np.array([1.0, 2.0]), "s": np.int32(3), "step": 3, "on": True, "act": abs})
-    assert mirrored["b"].sharding.device_set == mirrored["s"].sharding.device_set == set(strategy.devices)
-    # arrays and Python numbers are placed, as jax.device_put places them (a TrainState's step=0 is a counter);
-    # what is not a value (a function) stays as it is
-    assert int(mirrored["step"]) == 3 and mirrored["step"].sharding.device_set == set(strategy.devices)
+    mirrored = strategy.mirror({"b": np.array([1.0, 2.0]), "s": np.int32(3), "step": 3, "on": True,
+                                "act": abs})
+    assert (mirrored["b"].sharding.device_set == mirrored["s"].sharding.device_set
+            == set(strategy.devices))
+    # arrays and Python numbers are placed, as jax.device_put places them (a TrainState's step=0 is
+    # a counter); what is not a value (a function) stays as it is
+    assert int(mirrored["step"]) == 3 and mirrored["step"].sharding.device_set == set(
+        strategy.devices
+    )
     assert bool(mirrored["on"]) and mirrored["act"] is abs
 
 
 @pytest.mark.parametrize("strategy_name", ["one_device", "mirrored_8", "sharded_8"])
 def test_mirror_and_create_variables_copy_the_callers_arrays(strategy_name):
-    """A mirror is a copy (as tf.distribute's): donating it to a step leaves the caller's arrays valid, whether
-    they sit on device 0 (where the mirror's first copy goes) or already in the strategy's layout."""
+    """A mirror is a copy (as tf.distribute's): donating it to a step leaves the caller's arrays
+    valid, whether they sit on device 0 (where the mirror's first copy goes) or already in the
+    strategy's layout."""
     strategy = make(strategy_name)
     step = strategy.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)
     on_device_0 = {"w": jax.device_put(np.arange(8.0, dtype=np.float32), jax.devices()[0])}
@@ -169,7 +176,8 @@ def test_mirror_and_create_variables_copy_the_callers_arrays(strategy_name):
 
 def test_create_variables_with_a_non_callable_is_an_error():
     strategy = jd.MirroredStrategy()
-    with pytest.raises(TypeError, match=r"init_fn=\{'w': 1\} \(type dict\) is not callable.*strategy\.mirror"):
+    with pytest.raises(TypeError,
+                       match=r"init_fn=\{'w': 1\} \(type dict\) is not callable.*strategy\.mirror"):
         strategy.create_variables({"w": 1})
     with pytest.raises(TypeError, match=r"fn=3 is not callable"):
         strategy.jit(3)

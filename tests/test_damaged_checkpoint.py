@@ -1,12 +1,13 @@
-"""A damaged checkpoint: one clear error naming the step, the directory and the newest checkpoint that restores;
-``fit(restore_step=...)`` resumes from that one; no event-loop noise at exit.
+"""A damaged checkpoint: one clear error naming the step, the directory and the newest checkpoint
+that restores; ``fit(restore_step=...)`` resumes from that one; no event-loop noise at exit.
 
 Two kinds of damage, 16 flipped bytes in the middle of the largest file of:
-* ``<step>/state/d/``, the OCDBT root b-tree nodes (and the values of at most 1 KiB stored inline in them), which
-  tensorstore checks with CRC-32C;
-* ``<step>/state/ocdbt.process_*/d/``, the array chunks larger than that, which carry no checksum in orbax's
-  format: they restored as wrong values, silently, until the checksums jaxdist saves in ``meta`` (computed on the
-  devices, compared after each restore). The model is wide enough (128) for some arrays to be stored there.
+* ``<step>/state/d/``, the OCDBT root b-tree nodes (and the values of at most 1 KiB stored inline in
+  them), which tensorstore checks with CRC-32C;
+* ``<step>/state/ocdbt.process_*/d/``, the array chunks larger than that, which carry no checksum in
+  orbax's format: they restored as wrong values, silently, until the checksums jaxdist saves in
+  ``meta`` (computed on the devices, compared after each restore). The model is wide enough (128)
+  for some arrays to be stored there.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def trainer(strategy=None):
 
 
 def damage(step_dir: Path) -> None:
-    """Flip 16 bytes in the middle of the largest file of ``step_dir/state/d`` (see the module docstring)."""
-    largest = max((p for p in (step_dir / "state" / "d").iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    """Flip 16 bytes in the middle of the largest file of ``step_dir/state/d`` (see the module
+    docstring)."""
+    largest = max((p for p in (step_dir / "state" / "d").iterdir() if p.is_file()),
+                  key=lambda p: p.stat().st_size)
     data = bytearray(largest.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
@@ -63,8 +66,8 @@ def damage(step_dir: Path) -> None:
 
 
 def damage_data(step_dir: Path, at: float = 0.5) -> None:
-    """Flip 16 bytes at fraction ``at`` of the largest file of ``step_dir/state/ocdbt.process_*/d`` (array
-    chunks)."""
+    """Flip 16 bytes at fraction ``at`` of the largest file of ``step_dir/state/ocdbt.process_*/d``
+    (array chunks)."""
     largest = max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
     data = bytearray(largest.read_bytes())
     middle = int(len(data) * at)
@@ -109,27 +112,34 @@ def test_the_error_names_the_step_the_directory_and_the_intact_checkpoint(damage
     cause = r"\(DATA_LOSS in state/d/\w+: [^()]*checksum[^()]*\)"
     fresh = trainer()
     with pytest.raises(jd.training.CheckpointCorruptedError,
-                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete {where}/20 to resume from "
+                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete "
+                             rf"{where}/20 to resume from "
                              r"10, or pass restore_step=10\.$") as info:
         fresh.fit(data_fn, steps=30, checkpoint_dir=damaged, verbose=0)
     error = info.value
     assert (error.step, error.intact_step, error.directory) == (20, 10, str(damaged))
-    # one short line, not 2 KB of JSON (measured without the directory, whose length depends on the machine)
+    # one short line, not 2 KB of JSON (measured without the directory, whose length depends on the
+    # machine)
     assert len(str(error).replace(str(damaged), "")) < 300 and "tensorstore_spec" not in str(error)
-    assert error.__suppress_context__ and "DATA_LOSS" in str(error.__context__)  # the full cause, kept unprinted
+    # the full cause, kept unprinted
+    assert error.__suppress_context__ and "DATA_LOSS" in str(error.__context__)
     assert pickle.loads(pickle.dumps(error)).args == error.args
     assert fresh.state is None and fresh.step == 0  # nothing half-restored
 
-    with pytest.raises(jd.training.CheckpointCorruptedError, match=r"to resume from 10, or pass step=10\.$"):
+    with pytest.raises(jd.training.CheckpointCorruptedError,
+                       match=r"to resume from 10, or pass step=10\.$"):
         fresh.restore(damaged, batch=SAMPLE)
     assert fresh.state is None
     like = trainer().init(SAMPLE)
     ckpt = jd.training.Checkpointer(damaged)
-    with pytest.raises(jd.training.CheckpointCorruptedError, match=rf"^checkpoint 20 in '{where}' .* pass step=10"):
+    with pytest.raises(jd.training.CheckpointCorruptedError,
+                       match=rf"^checkpoint 20 in '{where}' .* pass step=10"):
         ckpt.restore(like)
     assert ckpt.restore(like, step=10)[1]["step"] == 10
-    not_latest = jd.training.CheckpointCorruptedError(20, "/c", "DATA_LOSS", 10, (15,), latest=False)
-    assert str(not_latest).endswith("the newest older checkpoint that restores is 10 (15 failed too): pass step=10.")
+    not_latest = jd.training.CheckpointCorruptedError(20, "/c", "DATA_LOSS", 10, (15,),
+                                                      latest=False)
+    assert str(not_latest).endswith("the newest older checkpoint that restores is 10 (15 failed "
+                                    "too): pass step=10.")
     ckpt.delete(20)  # the fix the message gives
     assert ckpt.restore(like)[1]["step"] == 10
     ckpt.close()
@@ -141,13 +151,16 @@ def test_damaged_metadata_or_every_checkpoint(written, tmp_path):
     (directory / "20" / "meta" / "metadata").write_bytes(b"{\"format\": ")  # truncated JSON
     ckpt = jd.training.Checkpointer(directory)
     with pytest.raises(jd.training.CheckpointCorruptedError,
-                       match=r"checkpoint 20 .* \(meta: JSONDecodeError: .*\): delete .* to resume from 10"):
+                       match=r"checkpoint 20 .* \(meta: JSONDecodeError: .*\): delete .* to resume "
+                             r"from 10"):
         ckpt.meta()
-    with pytest.raises(jd.training.CheckpointCorruptedError, match=r"\(meta: .* resume from 10, or pass step=10"):
+    with pytest.raises(jd.training.CheckpointCorruptedError,
+                       match=r"\(meta: .* resume from 10, or pass step=10"):
         ckpt.data_iterator_state()
     damage(directory / "10")
     with pytest.raises(jd.training.CheckpointCorruptedError,
-                       match=r"checkpoint 20 .*, and no older checkpoint restores \(10 failed too\): nothing here can "
+                       match=r"checkpoint 20 .*, and no older checkpoint restores \(10 failed "
+                             r"too\): nothing here can "
                              r"resume this run; start again in an empty directory\.$"):
         trainer().restore(ckpt, batch=SAMPLE)
     ckpt.close()
@@ -157,8 +170,8 @@ def test_fit_restore_step_resumes_there_and_ends_as_an_uninterrupted_run(damaged
     straight = trainer()
     straight.fit(data_fn, steps=30, verbose=0)
     resumed = trainer()
-    history = resumed.fit(data_fn, steps=30, checkpoint_dir=damaged, checkpoint_every=10, restore_step=10,
-                          verbose=0)
+    history = resumed.fit(data_fn, steps=30, checkpoint_dir=damaged, checkpoint_every=10,
+                          restore_step=10, verbose=0)
     assert resumed.step == 30 and resumed.data_position == straight.data_position
     for a, b in zip(host_leaves(resumed.state), host_leaves(straight.state), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -171,7 +184,9 @@ def test_fit_restore_step_resumes_there_and_ends_as_an_uninterrupted_run(damaged
 
 
 def test_restore_step_that_is_not_there(damaged):
-    with pytest.raises(FileNotFoundError, match=r"restore_step=15: .* has no checkpoint for step 15; it has steps "
+    with pytest.raises(FileNotFoundError,
+                                                match=r"restore_step=15: .* has no checkpoint for "
+                                                      r"step 15; it has steps "
                                                 r"\[10, 20\]: pass one of them"):
         trainer().fit(data_fn, steps=30, checkpoint_dir=damaged, restore_step=15, verbose=0)
     with pytest.raises(ValueError, match=r"restore_step=10 needs checkpoint_dir="):
@@ -183,12 +198,13 @@ def test_restore_step_that_is_not_there(damaged):
 
 @pytest.fixture
 def data_damaged(written, tmp_path):
-    """A copy of ``written`` whose checkpoint 20 has damaged array data, and the leaves that restore wrong from it
-    when nothing checks them (what every restore did before the checksums).
+    """A copy of ``written`` whose checkpoint 20 has damaged array data, and the leaves that restore
+    wrong from it when nothing checks them (what every restore did before the checksums).
 
-    The chunks are compressed frames, and where they lie in the file depends on the order the writes finished in:
-    a flip that lands on a frame's header makes the unchecked restore fail loudly instead of silently. Such a
-    place is skipped for the next one, so the damage is always the silent kind the checksums exist for."""
+    The chunks are compressed frames, and where they lie in the file depends on the order the writes
+    finished in: a flip that lands on a frame's header makes the unchecked restore fail loudly
+    instead of silently. Such a place is skipped for the next one, so the damage is always the
+    silent kind the checksums exist for."""
     like = trainer().init(SAMPLE)
     intact = leaves(jd.training.Checkpointer(written).restore(like)[0])
     for i, at in enumerate((0.5, 0.6, 0.4, 0.7, 0.3, 0.8, 0.2, 0.9)):
@@ -199,7 +215,8 @@ def data_damaged(written, tmp_path):
         shutil.copytree(directory, unchecked)
         drop_checksums(unchecked / "20")
         try:
-            restored = leaves(jd.training.Checkpointer(unchecked).restore(like)[0])  # no error: wrong values
+            # no error: wrong values
+            restored = leaves(jd.training.Checkpointer(unchecked).restore(like)[0])
         except Exception:  # a broken frame header: loud already; damage another place
             continue
         wrong = [path for path in intact if restored[path] != intact[path]]
@@ -216,19 +233,22 @@ def test_damaged_array_data_is_the_one_error_naming_the_leaf(data_damaged):
     ckpt = jd.training.Checkpointer(directory)
     like = trainer().init(SAMPLE)
     with pytest.raises(jd.training.CheckpointCorruptedError,
-                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete {where}/20 to resume from "
+                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete "
+                             rf"{where}/20 to resume from "
                              r"10, or pass step=10\.$") as info:
         ckpt.restore(like)
     assert (info.value.step, info.value.intact_step) == (20, 10)
     mismatch = info.value.__context__
-    assert isinstance(mismatch, ChecksumMismatchError) and list(mismatch.paths) == wrong  # exactly the wrong ones
+    # exactly the wrong ones
+    assert isinstance(mismatch, ChecksumMismatchError) and list(mismatch.paths) == wrong
     assert pickle.loads(pickle.dumps(mismatch)).paths == mismatch.paths
     assert ckpt.restore(like, step=10)[1]["step"] == 10
     ckpt.close()
 
     fresh = trainer()  # fit's resume says the same, with fit's argument
     with pytest.raises(jd.training.CheckpointCorruptedError,
-                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete {where}/20 to resume from "
+                       match=rf"^checkpoint 20 in '{where}' is unreadable {cause}: delete "
+                             rf"{where}/20 to resume from "
                              r"10, or pass restore_step=10\.$"):
         fresh.fit(data_fn, steps=30, checkpoint_dir=directory, verbose=0)
     assert fresh.state is None and fresh.step == 0
@@ -246,8 +266,11 @@ def test_a_checkpoint_without_checksums_restores_as_before(written, tmp_path):
 
 @pytest.mark.parametrize("name", ["sharded_8", "one_device"])
 def test_checksums_do_not_depend_on_the_strategy(written, name):
-    """Written under MirroredStrategy (2 devices), restored (and checked) under another: no false alarm."""
-    strategy = jd.ShardedStrategy(min_shard_size=1) if name == "sharded_8" else jd.OneDeviceStrategy()
+    """Written under MirroredStrategy (2 devices), restored (and checked) under another: no false
+    alarm."""
+    strategy = (
+        jd.ShardedStrategy(min_shard_size=1) if name == "sharded_8" else jd.OneDeviceStrategy()
+    )
     run = trainer(strategy)
     assert run.restore(written, batch=SAMPLE) == 20
     if name == "sharded_8":
@@ -256,8 +279,8 @@ def test_checksums_do_not_depend_on_the_strategy(written, name):
 
 
 def test_checksums_depend_on_the_values_only():
-    """The same values give the same checksums in any layout, in device or host memory, and from numpy; a
-    flipped bit changes both sums, two swapped words the position-weighted one."""
+    """The same values give the same checksums in any layout, in device or host memory, and from
+    numpy; a flipped bit changes both sums, two swapped words the position-weighted one."""
     rng = np.random.default_rng(0)
     values = {
         "f32": rng.normal(size=(16, 24)).astype(np.float32),
@@ -270,32 +293,45 @@ def test_checksums_depend_on_the_values_only():
         "empty": np.zeros((0, 8), np.float32),
     }
     expected = checksums(values)  # numpy: summed on the host
-    assert list(expected) == [f"['{k}']" for k in sorted(values)] and expected["['scalar']"] == [0x3F800000] * 2
+    assert (list(expected) == [f"['{k}']" for k in sorted(values)]
+            and expected["['scalar']"] == [0x3F800000] * 2)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
     P = jax.sharding.PartitionSpec
-    layouts = [jax.devices()[3], *(jax.sharding.NamedSharding(mesh, s) for s in (P(), P("x"), P(None, "y")))]
+    layouts = [
+        jax.devices()[3],
+        *(jax.sharding.NamedSharding(mesh, s) for s in (P(), P("x"), P(None, "y"))),
+    ]
     for layout in layouts:
         def put(a, layout=layout):
             ok = not isinstance(layout, jax.sharding.NamedSharding) or all(
-                n is None or (i < a.ndim and a.shape[i] % mesh.shape[n] == 0) for i, n in enumerate(layout.spec))
+                n is None or (i < a.ndim and a.shape[i] % mesh.shape[n] == 0)
+                for i, n in enumerate(layout.spec))
             return jax.device_put(a, layout if ok else jax.sharding.NamedSharding(mesh, P()))
         assert checksums(jax.tree.map(put, values)) == expected, layout
     host_memory = jax.sharding.NamedSharding(mesh, P("x"), memory_kind="pinned_host")
-    assert checksums({"f32": jax.device_put(values["f32"], host_memory)})["['f32']"] == expected["['f32']"]
+    assert checksums({"f32": jax.device_put(values["f32"],
+                                            host_memory)})["['f32']"] == expected["['f32']"]
     explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    mixed = [jax.device_put(values["f32"], s) for s in (jax.devices()[0], jax.sharding.NamedSharding(mesh, P("x")),
-                                                         jax.sharding.NamedSharding(explicit, P(None, "y")))]
-    with jax.set_mesh(explicit):  # an ambient mesh that is not every array's, as inside a strategy's scope
+    mixed = [
+        jax.device_put(values["f32"], s)
+        for s in (jax.devices()[0], jax.sharding.NamedSharding(mesh, P("x")),
+                  jax.sharding.NamedSharding(explicit, P(None, "y")))
+    ]
+    # an ambient mesh that is not every array's, as inside a strategy's scope
+    with jax.set_mesh(explicit):
         assert checksums(mixed) == {f"[{i}]": expected["['f32']"] for i in range(3)}
     keys = jax.random.split(jax.random.key(1), 8)
     spread = jax.device_put(keys, jax.sharding.NamedSharding(mesh, P(("x", "y"))))
-    assert checksums([keys]) == checksums([spread]) == checksums([np.asarray(jax.random.key_data(keys))])
+    assert (checksums([keys]) == checksums([spread])
+            == checksums([np.asarray(jax.random.key_data(keys))]))
 
     words = np.arange(10, dtype=np.uint32)
     flipped, swapped = words.copy(), words.copy()
     flipped[4] ^= 1 << 7
     swapped[[2, 5]] = swapped[[5, 2]]
-    (a, b), (fa, fb), (sa, sb) = (checksums([jnp.asarray(w)])["[0]"] for w in (words, flipped, swapped))
+    (a, b), (fa, fb), (sa, sb) = (
+        checksums([jnp.asarray(w)])["[0]"] for w in (words, flipped, swapped)
+    )
     assert fa != a and fb != b and sa == a and sb != b
     assert checksums({"w": jnp.zeros(4, jnp.int4)}) == {}  # sub-byte types: none (not checked)
     assert str(ChecksumMismatchError([".a"])).startswith("checksum mismatch in .a: ")
@@ -305,9 +341,10 @@ def test_checksums_depend_on_the_values_only():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_process_that_resumes_from_a_damaged_checkpoint_exits_with_the_one_error(damaged):
-    """Before the fix: tensorstore's 2 KB DATA_LOSS text, then a `RuntimeError: Event loop is closed` traceback
-    per array read still in flight when orbax closed its event loop (printed or not depending on timing: in about
-    half the processes; hence a few failed restores before the one that ends the process)."""
+    """Before the fix: tensorstore's 2 KB DATA_LOSS text, then a `RuntimeError: Event loop is
+    closed` traceback per array read still in flight when orbax closed its event loop (printed or
+    not depending on timing: in about half the processes; hence a few failed restores before the one
+    that ends the process)."""
     code = (
         "import sys, jax\n"
         "jax.config.update('jax_num_cpu_devices', 8)\n"
@@ -322,7 +359,8 @@ def test_a_process_that_resumes_from_a_damaged_checkpoint_exits_with_the_one_err
         "        pass\n"
         "trainer().fit(data_fn, steps=30, checkpoint_dir=sys.argv[1], verbose=0)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(damaged)], capture_output=True, text=True, timeout=100)
+    out = subprocess.run([sys.executable, "-c", code, str(damaged)], capture_output=True, text=True,
+                         timeout=100)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Event loop is closed" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.count("Traceback") == 1, out.stderr[-3000:]
@@ -332,9 +370,13 @@ def test_a_process_that_resumes_from_a_damaged_checkpoint_exits_with_the_one_err
     assert last.endswith("resume from 10, or pass restore_step=10."), last
 
 
-@pytest.mark.parametrize("part", ["state/_METADATA", "state/manifest.ocdbt", "state", "meta", "everything"])
-def test_a_partly_deleted_checkpoint_is_the_one_error_naming_what_is_missing(written, tmp_path, part):
-    """What a delete (the rotation's, a rollback's) or a copy cut short leaves: a listed step with parts missing."""
+@pytest.mark.parametrize("part", ["state/_METADATA", "state/manifest.ocdbt", "state", "meta",
+                                  "everything"])
+def test_a_partly_deleted_checkpoint_is_the_one_error_naming_what_is_missing(
+    written, tmp_path, part
+):
+    """What a delete (the rotation's, a rollback's) or a copy cut short leaves: a listed step with
+    parts missing."""
     directory = tmp_path / "ckpt"
     shutil.copytree(written, directory)
     step = directory / "20"
@@ -350,51 +392,64 @@ def test_a_partly_deleted_checkpoint_is_the_one_error_naming_what_is_missing(wri
         shown = "meta/metadata"
     with jd.training.Checkpointer(directory) as ckpt, pytest.raises(
             jd.training.CheckpointCorruptedError,
-            match=rf"checkpoint 20 .*\(.*{re.escape(shown)}.* missing: partly written or partly deleted\): delete "
+            match=rf"checkpoint 20 .*\(.*{re.escape(shown)}.* missing: partly written or partly "
+                  r"deleted\): delete "
                   rf".*20 to resume from 10, or pass step=10\.$"):
         trainer().restore(ckpt, batch=SAMPLE)
 
 
 @pytest.mark.parametrize("part", ["meta", "state/ocdbt.process_0"])
-def test_fit_names_a_checkpoint_missing_an_item_or_a_process_part_as_damage(written, tmp_path, part):
-    """Not "a checkpoint jaxdist.training did not write" (a missing ``meta``), nor orbax's bare ``Exception``
-    from tensorstore's read (a process's database gone): damage, with the step that resumes."""
+def test_fit_names_a_checkpoint_missing_an_item_or_a_process_part_as_damage(
+    written, tmp_path, part
+):
+    """Not "a checkpoint jaxdist.training did not write" (a missing ``meta``), nor orbax's bare
+    ``Exception`` from tensorstore's read (a process's database gone): damage, with the step that
+    resumes."""
     directory = tmp_path / "ckpt"
     shutil.copytree(written, directory)
     shutil.rmtree(directory / "20" / part)
     shown = "meta/metadata" if part == "meta" else part
     with pytest.raises(jd.training.CheckpointCorruptedError,
-                       match=rf"^checkpoint 20 in .*\({re.escape(shown)} missing: partly written or partly deleted\): "
+                       match=rf"^checkpoint 20 in .*\({re.escape(shown)} missing: partly written "
+                             r"or partly deleted\): "
                              rf"delete .*20 to resume from 10, or pass restore_step=10\.$") as info:
         trainer().fit(data_fn, steps=30, checkpoint_dir=directory, verbose=0)
     assert (info.value.step, info.value.intact_step) == (20, 10)
-    another = tmp_path / "orbax"  # another writer's steps (no jaxdist item) still get the plain orbax advice
+    # another writer's steps (no jaxdist item) still get the plain orbax advice
+    another = tmp_path / "orbax"
     shutil.copytree(written, another)
     for step in ("10", "20"):
         for item in ("meta", "state"):
             shutil.move(another / step / item, another / step / f"default_{item}")
-    with pytest.raises(ValueError, match=r"holds a checkpoint at step 20 that jaxdist.training did not write"):
+    with pytest.raises(ValueError,
+                       match=r"holds a checkpoint at step 20 that jaxdist.training did not write"):
         trainer().fit(data_fn, steps=30, checkpoint_dir=another, verbose=0)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_job_whose_checkpoint_lost_one_process_part_names_it_on_every_process(tmp_path):
-    """2 processes (FSDP: each writes its own ``state/ocdbt.process_<i>``); process 1's part of checkpoint 6
-    removed: before, process 1 failed in orbax's words ("Encountered error while reading array index") and
-    process 0 was stopped for it; now every process says which part is missing and that 3 resumes."""
+    """2 processes (FSDP: each writes its own ``state/ocdbt.process_<i>``); process 1's part of
+    checkpoint 6 removed: before, process 1 failed in orbax's words ("Encountered error while
+    reading array index") and process 0 was stopped for it; now every process says which part is
+    missing and that 3 resumes."""
     worker = str(HERE / "multiprocess" / "damaged_worker.py")
     launch = [*LAUNCH, "-n", "2", "--cpu-devices", "2", "--timeout", "120", worker,
               str(tmp_path / "ckpt")]
-    wrote = subprocess.run([*launch, "write"], env=launch_env(), capture_output=True, text=True, timeout=150)
-    assert wrote.returncode == 0 and "[1] reached 6" in wrote.stdout, wrote.stdout[-3000:] + wrote.stderr[-3000:]
+    wrote = subprocess.run([*launch, "write"], env=launch_env(), capture_output=True, text=True,
+                           timeout=150)
+    assert wrote.returncode == 0 and "[1] reached 6" in wrote.stdout, (
+        wrote.stdout[-3000:] + wrote.stderr[-3000:]
+    )
     part = tmp_path / "ckpt" / "6" / "state" / "ocdbt.process_1"
     assert (part / "manifest.ocdbt").is_file()
     shutil.rmtree(part)
-    out = subprocess.run([*launch, "resume"], env=launch_env(), capture_output=True, text=True, timeout=150)
+    out = subprocess.run([*launch, "resume"], env=launch_env(), capture_output=True, text=True,
+                         timeout=150)
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     for process in (0, 1):
-        said = [line for line in out.stdout.splitlines() if line.startswith(f"[{process}] CheckpointCorrupted")]
+        said = [line for line in out.stdout.splitlines()
+                if line.startswith(f"[{process}] CheckpointCorrupted")]
         assert said, out.stdout[-3000:]
         assert "(state/ocdbt.process_1 missing: partly written or partly deleted)" in said[0], said
         assert said[0].endswith("resume from 3, or pass restore_step=3."), said
@@ -407,14 +462,16 @@ def test_a_damaged_older_checkpoint_names_the_newer_one_that_restores(written, t
     (directory / "10" / "state" / "_METADATA").unlink()
     with jd.training.Checkpointer(directory) as ckpt, pytest.raises(
             jd.training.CheckpointCorruptedError,
-            match=r"checkpoint 10 .*there is no older one; the newest checkpoint, 20, restores: pass step=20") as info:
+            match=r"checkpoint 10 .*there is no older one; the newest checkpoint, 20, restores: "
+                  r"pass step=20") as info:
         trainer().restore(ckpt, step=10, batch=SAMPLE)
     assert "empty directory" not in str(info.value) and info.value.newer_intact_step == 20
 
 
 def test_an_interrupted_rollback_never_brings_the_abandoned_steps_back(tmp_path, monkeypatch):
-    """``restore_step=10`` abandons 20 and 30; killed after deleting one of them, the next checkpointer on the
-    directory finishes the deletion before it lists the steps, so a plain resume starts from 10."""
+    """``restore_step=10`` abandons 20 and 30; killed after deleting one of them, the next
+    checkpointer on the directory finishes the deletion before it lists the steps, so a plain resume
+    starts from 10."""
     state = {"w": np.arange(3.0, dtype=np.float32)}
     with jd.training.Checkpointer(tmp_path) as ckpt:
         for step in (10, 20, 30):
@@ -431,9 +488,15 @@ def test_an_interrupted_rollback_never_brings_the_abandoned_steps_back(tmp_path,
     monkeypatch.setattr(ckpt._manager, "delete", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
         ckpt.abandon_after(10)
-    assert deleted == [30] and sorted(os.listdir(tmp_path)) == [".jaxdist-rollback.json", "10", "20"]
+    assert deleted == [30] and sorted(os.listdir(tmp_path)) == [
+        ".jaxdist-rollback.json",
+        "10",
+        "20",
+    ]
     with jd.training.Checkpointer(tmp_path) as again:
         assert again.all_steps() == [10]
-        restored, meta = again.restore(jd.OneDeviceStrategy().mirror({"w": np.zeros(3, np.float32)}))
+        restored, meta = again.restore(
+            jd.OneDeviceStrategy().mirror({"w": np.zeros(3, np.float32)})
+        )
     assert meta["step"] == 10 and restored["w"].tolist() == [10.0, 11.0, 12.0]
     assert sorted(os.listdir(tmp_path)) == ["10"]

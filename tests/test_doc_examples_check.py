@@ -1,6 +1,6 @@
 """The docs build's example check (scripts/check_doc_examples.py) and the docstring rename
-(scripts/docstring_examples.py): the check fails on the HTML that `Example:` sections produced and passes on
-the HTML of `Examples:` sections; the rename is idempotent and touches docstrings only."""
+(scripts/docstring_examples.py): the check fails on the HTML that `Example:` sections produced and
+passes on the HTML of `Examples:` sections; the rename is idempotent and touches docstrings only."""
 
 import importlib.util
 import pathlib
@@ -20,8 +20,8 @@ def _script(name: str):
 check = _script("check_doc_examples")
 rename = _script("docstring_examples")
 
-# What mkdocstrings made of an `Example:` section before the rename (copied from the built site): the prompts
-# became nested quotes, the lines one paragraph.
+# What mkdocstrings made of an `Example:` section before the rename (copied from the built site):
+# the prompts became nested quotes, the lines one paragraph.
 QUOTED = """<h2 id="jaxdist.strategies.ProgramMismatchError">ProgramMismatchError</h2>
 <details class="example" open><summary>Example</summary>
 <blockquote><blockquote><blockquote>
@@ -56,13 +56,16 @@ def test_the_check_fails_on_prompts_read_as_markdown_quotes():
 def test_the_check_fails_on_prompts_in_plain_text():
     problems, _ = check.check_html(PLAIN)
     assert len(problems) == 1
-    assert problems[0].startswith("jaxdist.training.Checkpointer.read: '>>>' outside a code block: '")
+    assert problems[0].startswith("jaxdist.training.Checkpointer.read: '>>>' outside a code block: "
+                                  "'")
 
 
 def test_the_check_fails_on_a_code_block_whose_lines_ran_together():
-    problems, prompts = check.check_html("<pre><code>&gt;&gt;&gt; import jd &gt;&gt;&gt; jd.x\n1</code></pre>")
+    problems, prompts = check.check_html("<pre><code>&gt;&gt;&gt; import jd &gt;&gt;&gt; "
+                                         "jd.x\n1</code></pre>")
     assert prompts == 1
-    assert problems == ["top of page: '>>>' in a code block without its line break: '>>> import jd >>> jd.x'"]
+    assert problems == ["top of page: '>>>' in a code block without its line break: '>>> import jd "
+                        ">>> jd.x'"]
 
 
 def test_the_check_of_a_site_names_page_and_fix(tmp_path, capsys):
@@ -71,7 +74,10 @@ def test_the_check_of_a_site_names_page_and_fix(tmp_path, capsys):
     (tmp_path / "index.html").write_text(GOOD)
     assert check.main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "api/index.html: jaxdist.strategies.ProgramMismatchError: '>>>' rendered as nested quotes" in err
+    assert (
+        "api/index.html: jaxdist.strategies.ProgramMismatchError: '>>>' rendered as nested quotes"
+        in err
+    )
     assert "name the docstring section 'Examples:' (python scripts/docstring_examples.py" in err
     (tmp_path / "api" / "index.html").write_text(GOOD)
     assert check.main([str(tmp_path)]) == 0
@@ -79,7 +85,8 @@ def test_the_check_of_a_site_names_page_and_fix(tmp_path, capsys):
 
 
 def test_the_check_of_an_unbuilt_site_says_to_build_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"site='.*' holds no HTML page: build the site first"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"site='.*' holds no HTML page: build the site first"):
         check.check_site(tmp_path)
 
 

@@ -1,7 +1,8 @@
-"""Equinox steps through `strategy.jit`: the shape of Equinox's parallelism example (an `eqx.nn.MLP`, whose
-pytree holds activation functions, trained with `eqx.filter_value_and_grad` and optax) equals `eqx.filter_jit`
-on one device, on Mirrored and FSDP, given the plain step or the `eqx.filter_jit`-wrapped one. Array leaves are
-laid out like any pytree's; every other leaf is static, as `eqx.filter_jit` makes it."""
+"""Equinox steps through `strategy.jit`: the shape of Equinox's parallelism example (an
+`eqx.nn.MLP`, whose pytree holds activation functions, trained with `eqx.filter_value_and_grad` and
+optax) equals `eqx.filter_jit` on one device, on Mirrored and FSDP, given the plain step or the
+`eqx.filter_jit`-wrapped one. Array leaves are laid out like any pytree's; every other leaf is
+static, as `eqx.filter_jit` makes it."""
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +55,12 @@ def test_equinox_step_equals_filter_jit_on_one_device(strategy_name, wrapped):
     want_model, want_losses = train(eqx.filter_jit(train_step), *init())
     strategy = make(strategy_name)
     model, opt_state = init()
-    step = strategy.jit(eqx.filter_jit(train_step) if wrapped else train_step, donate_argnums=(0, 1),
-                        batch_argnums=(2, 3))
+    step = strategy.jit(eqx.filter_jit(train_step) if wrapped else train_step,
+                        donate_argnums=(0, 1), batch_argnums=(2, 3))
     got_model, losses = train(step, model, opt_state)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    assert got_model.activation is jax.nn.relu and got_model.final_activation is want_model.final_activation
+    assert (got_model.activation is jax.nn.relu
+            and got_model.final_activation is want_model.final_activation)
     for got, want in zip(jax.tree.leaves(eqx.filter(got_model, eqx.is_array)),
                          jax.tree.leaves(eqx.filter(want_model, eqx.is_array)), strict=True):
         assert got.sharding.device_set == set(strategy.devices)
@@ -79,7 +81,8 @@ def test_equinox_plan_and_lower_see_the_same_program():
 def test_an_unhashable_non_array_leaf_is_an_error_naming_the_fix():
     class Holder(eqx.Module):
         weight: jax.Array
-        config: list  # a list leaf inside a field is a pytree; a dict subclass instance is not hashable
+        # a list leaf inside a field is a pytree; a dict subclass instance is not hashable
+        config: list
 
     class Config(dict):
         pass
@@ -90,7 +93,8 @@ def test_an_unhashable_non_array_leaf_is_an_error_naming_the_fix():
 
 
 def replica_step(model, opt_state, x, y):
-    """The per-replica port of `train_step` (tf.distribute's shape): local gradients, all-reduced."""
+    """The per-replica port of `train_step` (tf.distribute's shape): local gradients,
+    all-reduced."""
     ctx = jd.get_replica_context()
     loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
     grads = ctx.all_reduce(jd.ReduceOp.MEAN, grads)

@@ -1,11 +1,12 @@
 """The central promise: every strategy computes what single-device training computes.
 
-50 Adam steps of a Flax MLP on the same global batches, three ways: plain `jax.jit` on one device (the
-reference), the global view (`strategy.jit` of the unmodified step) and the per-replica view (`strategy.run`
-with an explicit all-reduce). Then a conv net with BatchNorm in a flax `TrainState` loop (params and batch
-statistics; trained on distributed and on host batches, evaluated on distributed, declared host and undeclared
-host batches: conv nets with a replicated batch are where XLA's Shardy partitioner has miscomputed), and an nnx
-step in the `nnx.jit` style (graph objects updated in place). fp32, rtol 1e-5.
+50 Adam steps of a Flax MLP on the same global batches, three ways: plain `jax.jit` on one device
+(the reference), the global view (`strategy.jit` of the unmodified step) and the per-replica view
+(`strategy.run` with an explicit all-reduce). Then a conv net with BatchNorm in a flax `TrainState`
+loop (params and batch statistics; trained on distributed and on host batches, evaluated on
+distributed, declared host and undeclared host batches: conv nets with a replicated batch are where
+XLA's Shardy partitioner has miscomputed), and an nnx step in the `nnx.jit` style (graph objects
+updated in place). fp32, rtol 1e-5.
 """
 
 import warnings
@@ -85,7 +86,8 @@ def _assert_close(got, want):
 
 
 def _assert_layout(strategy, tree, like=None):
-    """Every leaf on all the strategy's devices; replicated, or (``like``) laid out exactly as ``like``."""
+    """Every leaf on all the strategy's devices; replicated, or (``like``) laid out exactly as
+    ``like``."""
     leaves = jax.tree.leaves(tree)
     for i, leaf in enumerate(leaves):
         assert leaf.sharding.device_set == set(strategy.devices)
@@ -101,7 +103,8 @@ def test_global_view_equals_single_device(strategy_name, reference):
     want_state, want_losses = reference
     with strategy.scope():
         state = strategy.create_variables(init_state, jax.random.key(0))
-    initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                           state)
     if not isinstance(strategy, jd.ShardedStrategy):
         _assert_layout(strategy, state)
     step = strategy.jit(train_step, donate_argnums=(0,))
@@ -135,7 +138,8 @@ def test_per_replica_view_equals_single_device(strategy_name, reference):
     layout = jax.tree.map(lambda x: x.sharding, state)
     losses = []
     for x, y in strategy.experimental_distribute_dataset(batches()):
-        grads, per_replica_loss = strategy.run(replica_grads, args=(state[0], x, y), batch_argnums=(1, 2))
+        grads, per_replica_loss = strategy.run(replica_grads, args=(state[0], x, y),
+                                               batch_argnums=(1, 2))
         _assert_layout(strategy, grads)  # all-reduced gradients come back mirrored
         state = apply(state, grads)
         assert all(jax.tree.leaves(jax.tree.map(  # the state keeps its layout
@@ -146,7 +150,8 @@ def test_per_replica_view_equals_single_device(strategy_name, reference):
 
 
 def test_whole_step_inside_run_with_aggregate(reference):
-    """tf.distribute style: optimizer update inside the replica function, mirrored by an aggregation."""
+    """tf.distribute style: optimizer update inside the replica function, mirrored by an
+    aggregation."""
     strategy = jd.MirroredStrategy()
     want_state, _ = reference
 
@@ -165,12 +170,12 @@ def test_whole_step_inside_run_with_aggregate(reference):
     _assert_close(state, want_state)
 
 
-# ============================================================================================================
+# ==================================================================================================
 # A conv net with BatchNorm, trained with a flax TrainState loop that carries batch statistics
-# ============================================================================================================
+# ==================================================================================================
 class ConvBN(nn.Module):
-    # No conv bias before BatchNorm (as in ResNet): its gradient is zero up to rounding noise, which Adam scales
-    # up to full-size steps, so two correct programs would disagree on it.
+    # No conv bias before BatchNorm (as in ResNet): its gradient is zero up to rounding noise, which
+    # Adam scales up to full-size steps, so two correct programs would disagree on it.
     @nn.compact
     def __call__(self, x, train: bool):
         x = nn.Conv(8, (3, 3), use_bias=False)(x)
@@ -192,7 +197,8 @@ def create_bn_state(rng):
     model = ConvBN()
     variables = model.init(rng, jnp.ones((1, 8, 8, 1)), train=False)
     return BNTrainState.create(
-        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=adam(1e-2)
+        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"],
+        tx=adam(1e-2)
     )
 
 
@@ -201,7 +207,8 @@ def bn_train_step(state, batch):
 
     def loss_fn(params):
         logits, updates = state.apply_fn(
-            {"params": params, "batch_stats": state.batch_stats}, images, train=True, mutable=["batch_stats"]
+            {"params": params, "batch_stats": state.batch_stats}, images, train=True,
+            mutable=["batch_stats"]
         )
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates
 
@@ -212,12 +219,14 @@ def bn_train_step(state, batch):
 
 def bn_eval_step(state, batch):
     images, labels = batch
-    logits = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats}, images, train=False)
+    logits = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats}, images,
+                            train=False)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     return {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == labels), "logits": logits}
 
 
-BN_STEPS = 6  # the first half on distributed batches, the second on host batches declared as batches
+# the first half on distributed batches, the second on host batches declared as batches
+BN_STEPS = 6
 
 
 def image_batches(n, seed):
@@ -225,7 +234,8 @@ def image_batches(n, seed):
     out = []
     for _ in range(n):
         x = rng.uniform(size=(GLOBAL_BATCH, 8, 8, 1)).astype(np.float32)
-        y = ((x[:, :4].mean((1, 2, 3)) > 0.5) * 2 + (x[:, 4:].mean((1, 2, 3)) > 0.5)).astype(np.int32)
+        y = ((x[:, :4].mean((1, 2, 3)) > 0.5) * 2 + (x[:,
+                                                       4:].mean((1, 2, 3)) > 0.5)).astype(np.int32)
         out.append((x, y))
     return out
 
@@ -244,14 +254,16 @@ def bn_reference():
 
 @full_mesh_strategies
 def test_conv_batchnorm_train_state_equals_single_device(strategy_name, bn_reference):
-    """Losses, params, batch statistics and Adam state after training on distributed then host batches; the
-    state keeps its layout; evaluation with running averages equals one device on a distributed batch, on
-    a host batch declared as one, and on a host batch left undeclared (mirrored, with the one-time warning)."""
+    """Losses, params, batch statistics and Adam state after training on distributed then host
+    batches; the state keeps its layout; evaluation with running averages equals one device on a
+    distributed batch, on a host batch declared as one, and on a host batch left undeclared
+    (mirrored, with the one-time warning)."""
     strategy = make(strategy_name)
     want_state, want_losses, want_eval = bn_reference
     with strategy.scope():
         state = strategy.create_variables(create_bn_state, jax.random.key(0))
-    initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                           state)
     step = strategy.jit(bn_train_step, donate_argnums=(0,), batch_argnums=(1,))
     data = image_batches(BN_STEPS, seed=1)
     half = BN_STEPS // 2
@@ -266,28 +278,36 @@ def test_conv_batchnorm_train_state_equals_single_device(strategy_name, bn_refer
     test_batch = image_batches(1, seed=2)[0]
     declared = strategy.jit(bn_eval_step, batch_argnums=(1,))
     results = {
-        "distributed": declared(state, next(iter(strategy.experimental_distribute_dataset([test_batch])))),
+        "distributed": declared(state,
+                                next(iter(strategy.experimental_distribute_dataset([test_batch])))),
         "host declared": declared(state, test_batch),
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results["host undeclared"] = strategy.jit(bn_eval_step)(jax.tree.map(np.asarray, state), test_batch)
-    caught = [w for w in caught if w.category is not jd.IdleAxisWarning]  # a (replica, model) mesh's idle axis
+        results["host undeclared"] = strategy.jit(bn_eval_step)(
+            jax.tree.map(np.asarray, state), test_batch
+        )
+    # a (replica, model) mesh's idle axis
+    caught = [w for w in caught if w.category is not jd.IdleAxisWarning]
     if strategy.num_replicas_in_sync > 1:
-        assert [w.category for w in caught] == [jd.UndeclaredBatchWarning], [str(w.message) for w in caught]
+        assert [w.category for w in caught] == [jd.UndeclaredBatchWarning], [
+            str(w.message) for w in caught
+        ]
     for placement, got in results.items():
         for key in want_eval:
             np.testing.assert_allclose(
-                np.asarray(got[key]), np.asarray(want_eval[key]), rtol=1e-5, atol=1e-6, err_msg=placement
+                np.asarray(got[key]), np.asarray(want_eval[key]), rtol=1e-5, atol=1e-6,
+                err_msg=placement
             )
 
 
-# ============================================================================================================
+# ==================================================================================================
 # nnx: a step in the nnx.jit style (graph objects updated in place, the loss returned)
-# ============================================================================================================
+# ==================================================================================================
 class NnxNet(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(8, 32, use_bias=False, rngs=rngs)  # no bias before BatchNorm (see ConvBN)
+        # no bias before BatchNorm (see ConvBN)
+        self.hidden = nnx.Linear(8, 32, use_bias=False, rngs=rngs)
         self.norm = nnx.BatchNorm(32, rngs=rngs)
         self.out = nnx.Linear(32, 4, rngs=rngs)
 
@@ -318,9 +338,9 @@ def nnx_reference():
 
 @all_strategies
 def test_nnx_step_equals_nnx_jit_single_device(strategy_name, nnx_reference):
-    """strategy.jit of an nnx.jit-style step: same losses, the module (params and batch statistics) and the
-    optimizer updated in place to the same values, their state written back in the strategy's variable layout
-    after every step."""
+    """strategy.jit of an nnx.jit-style step: same losses, the module (params and batch statistics)
+    and the optimizer updated in place to the same values, their state written back in the
+    strategy's variable layout after every step."""
     strategy = make(strategy_name)
     want_model, want_optimizer, want_losses = nnx_reference
     with strategy.scope():
@@ -330,7 +350,8 @@ def test_nnx_step_equals_nnx_jit_single_device(strategy_name, nnx_reference):
     losses = []
     for x, y in strategy.experimental_distribute_dataset(batches()[:NNX_STEPS]):
         losses.append(float(step(model, optimizer, x, y)))
-        assert_variable_layout(strategy, nnx.state((model, optimizer)))  # written back in the layout, every step
+        # written back in the layout, every step
+        assert_variable_layout(strategy, nnx.state((model, optimizer)))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     _assert_close(nnx.state(model), nnx.state(want_model))
     _assert_close(nnx.state(optimizer), nnx.state(want_optimizer))

@@ -1,6 +1,7 @@
-"""Client code on Explicit meshes (`jax.make_mesh`'s default axis types) and Auto ones: Flax nnx scan over layers
-with per-layer dropout keys, JAX's training cookbook's `jax.Ref` state and `out_sharding=` initialisers, and a
-batch from a distributed dataset. Each equals what `jax.jit` computes on one device."""
+"""Client code on Explicit meshes (`jax.make_mesh`'s default axis types) and Auto ones: Flax nnx
+scan over layers with per-layer dropout keys, JAX's training cookbook's `jax.Ref` state and
+`out_sharding=` initialisers, and a batch from a distributed dataset. Each equals what `jax.jit`
+computes on one device."""
 
 import warnings
 
@@ -53,34 +54,44 @@ def _scan_loss(model, x):
 def test_per_layer_dropout_keys_of_a_scanned_nnx_model_stay_whole_and_equal_one_device(axis_type):
     x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
     reference = ScanMLP(16, n_layers=4, rngs=nnx.Rngs(0))
-    expected = [float(nnx.jit(_scan_loss)(reference, x)) for _ in range(2)]  # the keys advance in place
+    # the keys advance in place
+    expected = [float(nnx.jit(_scan_loss)(reference, x)) for _ in range(2)]
 
     mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(axis_type,) * 2)
-    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes="fsdp",
+                                  min_shard_size=1)
     with strategy.scope():
         model = ScanMLP(16, n_layers=4, rngs=nnx.Rngs(0))
     step = strategy.jit(_scan_loss, batch_argnums=1)
     got = [float(step(model, x)) for _ in range(2)]
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     rngs = model.layers.dropout.rngs
-    assert rngs.key.get_value().sharding.spec in (P(), P(None))  # the FSDP rule leaves key arrays whole
-    assert rngs.count.get_value().sharding.spec == P("fsdp")  # a counter of the same shape is split by it
-    np.testing.assert_array_equal(jax.random.key_data(rngs.key.get_value()),
-                                  jax.random.key_data(reference.layers.dropout.rngs.key.get_value()))
-    np.testing.assert_array_equal(rngs.count.get_value(), reference.layers.dropout.rngs.count.get_value())
+    # the FSDP rule leaves key arrays whole
+    assert rngs.key.get_value().sharding.spec in (P(), P(None))
+    # a counter of the same shape is split by it
+    assert rngs.count.get_value().sharding.spec == P("fsdp")
+    np.testing.assert_array_equal(
+        jax.random.key_data(rngs.key.get_value()),
+        jax.random.key_data(reference.layers.dropout.rngs.key.get_value()),
+    )
+    np.testing.assert_array_equal(rngs.count.get_value(),
+                                  reference.layers.dropout.rngs.count.get_value())
 
 
 def test_the_fsdp_rule_leaves_key_arrays_whole_and_a_layout_rule_still_splits_them():
     keys = jax.ShapeDtypeStruct((8,), jax.random.key(0).dtype)
     fsdp = jd.ShardedStrategy(min_shard_size=1)
     assert fsdp.policy.variable_layout("rngs/key", keys).spec == P()
-    assert fsdp.policy.variable_layout("rngs/count", jax.ShapeDtypeStruct((8,), jnp.uint32)).spec == P("replica")
+    assert fsdp.policy.variable_layout(
+        "rngs/count", jax.ShapeDtypeStruct((8,), jnp.uint32)
+    ).spec == P("replica")
     ruled = jd.ShardedStrategy(min_shard_size=1, layout_rules=[("key", P("replica"))])
     assert ruled.policy.variable_layout("rngs/key", keys).spec == P("replica")
 
 
 def _ref_sgd_step(params, x):
-    """The training cookbook's shape: state in refs, read with [...], updated in place; returns metrics only."""
+    """The training cookbook's shape: state in refs, read with [...], updated in place; returns
+    metrics only."""
     def loss_fn(p):
         return jnp.mean((jnp.tanh(x @ p["w"]) + p["b"]) ** 2)
 
@@ -94,7 +105,8 @@ def _ref_sgd_step(params, x):
 @pytest.mark.parametrize("placed_by", ["jaxdist", "user"])
 def test_state_held_in_refs_is_updated_in_place_as_one_device(axis_type, placed_by):
     rng = np.random.default_rng(0)
-    host = {"w": rng.normal(size=(16, 32)).astype(np.float32), "b": rng.normal(size=(32,)).astype(np.float32)}
+    host = {"w": rng.normal(size=(16, 32)).astype(np.float32),
+            "b": rng.normal(size=(32,)).astype(np.float32)}
     xs = [rng.normal(size=(16, 16)).astype(np.float32) for _ in range(3)]
     one = jax.tree.map(jax.ref.new_ref, jax.device_put(host, jax.devices()[0]))
     expected = [float(jax.jit(_ref_sgd_step)(one, x)["loss"]) for x in xs]
@@ -105,7 +117,8 @@ def test_state_held_in_refs_is_updated_in_place_as_one_device(axis_type, placed_
         params = strategy.create_variables(lambda: host)
     else:
         with jax.set_mesh(mesh):
-            params = {"w": jax.device_put(host["w"], P(None, "fsdp")), "b": jax.device_put(host["b"], P())}
+            params = {"w": jax.device_put(host["w"], P(None, "fsdp")),
+                      "b": jax.device_put(host["b"], P())}
     refs = jax.tree.map(jax.ref.new_ref, params)
     layouts = {k: r.sharding.spec for k, r in refs.items()}
     step = strategy.jit(_ref_sgd_step, batch_argnums=1)
@@ -116,7 +129,8 @@ def test_state_held_in_refs_is_updated_in_place_as_one_device(axis_type, placed_
         assert refs[k].sharding.spec == layouts[k]
 
 
-def _cookbook_init():  # the training cookbook's way: each parameter created in the layout the user wants
+# the training cookbook's way: each parameter created in the layout the user wants
+def _cookbook_init():
     return {"pos": jnp.zeros((32, 64), out_sharding=P(None, None)),
             "w": jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128),
             "v": jax.sharding.reshard(jnp.ones((64, 128)), P("fsdp", None))}
@@ -128,7 +142,8 @@ def test_an_output_the_steps_code_types_split_keeps_that_layout_and_a_whole_one_
 
     def init():
         out = _cookbook_init()
-        out["w"] = jax.sharding.reshard(out["w"], P("fsdp", None))  # not the FSDP rule's P(None, 'fsdp')
+        # not the FSDP rule's P(None, 'fsdp')
+        out["w"] = jax.sharding.reshard(out["w"], P("fsdp", None))
         return out
 
     with jax.set_mesh(mesh):
@@ -139,9 +154,12 @@ def test_an_output_the_steps_code_types_split_keeps_that_layout_and_a_whole_one_
     for k in ("w", "v"):  # stated by the step's code: kept, as jax.jit keeps it
         assert mine[k].sharding.spec == plain[k].sharding.spec == P("fsdp", None)
         np.testing.assert_array_equal(mine[k], plain[k])
-    # a whole type is what jaxdist's own split variables have inside a step too: the variable layout, unless declared
+    # a whole type is what jaxdist's own split variables have inside a step too: the variable
+    # layout, unless declared
     assert mine["pos"].sharding.spec == P(None, "fsdp")
-    assert declared["pos"].sharding.is_fully_replicated and declared["w"].sharding.spec == P("fsdp", None)
+    assert declared["pos"].sharding.is_fully_replicated and declared["w"].sharding.spec == P(
+        "fsdp", None
+    )
 
     # the kept layouts are the user's: a step taking them sees them as its types (as under jax.jit)
     seen = []
@@ -157,16 +175,20 @@ def test_an_output_the_steps_code_types_split_keeps_that_layout_and_a_whole_one_
 
 
 @pytest.mark.parametrize("strategy_class", [jd.MirroredStrategy, jd.ShardedStrategy])
-def test_a_batch_from_a_distributed_dataset_declares_the_calls_roles_and_a_host_one_does_not(strategy_class):
+def test_a_batch_from_a_distributed_dataset_declares_the_calls_roles_and_a_host_one_does_not(
+    strategy_class,
+):
     strategy = strategy_class()
     host_batch = np.ones((16, 4), np.float32)
 
     def step(p, x):
         return (x @ p["w"]).sum()
 
-    params = {"w": np.ones((4, 2), np.float32)}  # created eagerly, unplaced (Equinox / Flax users' habit)
+    # created eagerly, unplaced (Equinox / Flax users' habit)
+    params = {"w": np.ones((4, 2), np.float32)}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no UndeclaredBatchWarning: the batch's layout says it is one
+        # no UndeclaredBatchWarning: the batch's layout says it is one
+        warnings.simplefilter("error")
         for x in strategy.experimental_distribute_dataset([host_batch]):
             assert float(strategy.jit(step)(params, x)) == 128.0
     with pytest.warns(jd.UndeclaredBatchWarning, match="batch_argnums"):

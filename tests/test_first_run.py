@@ -1,6 +1,6 @@
-"""What a first run prints: the progress of ``Trainer.fit`` (the metrics and one rate on each line, a short cost
-line, no column that is "n/a" on CPU, one line when a fit resumes), the demo's output width, and the launcher's
-output without gloo's connection lines."""
+"""What a first run prints: the progress of ``Trainer.fit`` (the metrics and one rate on each line,
+a short cost line, no column that is "n/a" on CPU, one line when a fit resumes), the demo's output
+width, and the launcher's output without gloo's connection lines."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def batches(n=8):
 def test_a_progress_line_has_the_metrics_and_one_rate():
     out = io.StringIO()
     progress = jd.training.Progress(total=20, mode="lines", stream=out)
-    progress.on_log(None, 10, {"loss": 0.5, "accuracy": 0.75, "steps_per_sec": 412.3, "tokens_per_sec": 1.3e5})
+    progress.on_log(None, 10, {"loss": 0.5, "accuracy": 0.75, "steps_per_sec": 412.3,
+                               "tokens_per_sec": 1.3e5})
     assert out.getvalue() == "step 10/20 loss 0.5 accuracy 0.75 412 steps/s 130,000 tokens/s\n"
 
 
@@ -80,7 +81,8 @@ def test_fit_prints_a_short_cost_line_no_na_column_and_says_when_it_resumes(tmp_
     assert capsys.readouterr().out.splitlines()[0] == f"resumed from step 4 ({tmp_path})"
 
     done = jd.training.Trainer(jd.MirroredStrategy(), MLP(), optax.adam(1e-2), ce)
-    done.fit(data, steps=6, checkpoint_dir=tmp_path, verbose=2)  # 2: the cost in every detail (nothing to train)
+    # 2: the cost in every detail (nothing to train)
+    done.fit(data, steps=6, checkpoint_dir=tmp_path, verbose=2)
     assert capsys.readouterr().out.splitlines() == [
         f"resumed from step 6 ({tmp_path}): already at steps=6, nothing to train"
     ]
@@ -98,8 +100,8 @@ def test_the_launcher_leaves_out_gloos_connection_lines_unless_verbose(tmp_path)
     script.write_text(
         "import os\n"
         "i = os.environ['JAXDIST_PROCESS_ID']\n"
-        "print(f'[Gloo] Rank {i} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1')\n"
-        "print(f'process {i} [Gloo] in the middle stays')\n"
+        "print(f'[Gloo] Rank {i} is connected to 1 peer ranks. Expected number of connected peer "
+        "ranks is : 1')\nprint(f'process {i} [Gloo] in the middle stays')\n"
     )
     quiet, loud = io.StringIO(), io.StringIO()
     assert launch([str(script)], 2, out=quiet) == 0
@@ -112,8 +114,9 @@ def test_the_launcher_leaves_out_gloos_connection_lines_unless_verbose(tmp_path)
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_demo_fits_an_80_column_terminal(tmp_path):
-    """Every line of the demo's output (a run, then a resumed one) fits 80 columns once the checkpoint directory,
-    whose length is the machine's, is shortened to DIR; none is over 120 even with it."""
+    """Every line of the demo's output (a run, then a resumed one) fits 80 columns once the
+    checkpoint directory, whose length is the machine's, is shortened to DIR; none is over 120 even
+    with it."""
     env = dict(launch_env(), COLUMNS="80")
     ckpt = tmp_path / "ckpt"
     lines = []
@@ -125,7 +128,8 @@ def test_the_demo_fits_an_80_column_terminal(tmp_path):
         lines += (run.stdout + run.stderr).splitlines()
     assert any(line.startswith("resumed from step 30") for line in lines)
     assert any(line.startswith("step 50/50 loss") and "accuracy" in line for line in lines)
-    too_long = [line for line in lines if len(line) > 120 or len(line.replace(str(ckpt), "DIR")) > 80]
+    too_long = [line for line in lines if len(line) > 120
+                or len(line.replace(str(ckpt), "DIR")) > 80]
     assert not too_long, f"lines wider than 80 columns: {too_long}"
     assert not [line for line in lines if "n/a" in line]
     assert os.path.isdir(ckpt / "50")

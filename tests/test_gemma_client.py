@@ -1,23 +1,23 @@
 """Code shaped like Flax's gemma example, through jaxdist: sharding in types on the user's own mesh.
 
-The program below is a tiny decoder written the way the gemma example writes its model and its training step
-(same signatures, same Flax and JAX calls, nothing distributed in the step functions):
+The program below is a tiny decoder written the way the gemma example writes its model and its
+training step (same signatures, same Flax and JAX calls, nothing distributed in the step functions):
 
 * a mesh from `jax.make_mesh` (Explicit axes, JAX's default) named ("fsdp", "tensor");
-* a sharding config whose specs annotate the weights through nnx Variable metadata (``out_sharding``) AND the
-  activations through ``out_sharding=`` on every projection;
+* a sharding config whose specs annotate the weights through nnx Variable metadata
+  (``out_sharding``) AND the activations through ``out_sharding=`` on every projection;
 * model and ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` created under ``jax.set_mesh(mesh)``;
 * two step functions: ``nnx_train_step`` updates model, optimizer, rngs and metrics in place
-  (``nnx.value_and_grad``); ``jax_train_step`` differentiates ``nnx.split(model, nnx.Param, ...)`` with
-  ``jax.value_and_grad`` and returns ``nnx.state((model, optimizer, rngs, metrics))`` for the caller's
-  ``nnx.update``; both jitted with ``static_argnames=("label_smoothing", "pad_id")`` and
-  ``donate_argnames=("model", "optimizer")``, called positionally on batches placed ``NamedSharding(mesh,
-  P("fsdp"))``.
+  (``nnx.value_and_grad``); ``jax_train_step`` differentiates ``nnx.split(model, nnx.Param, ...)``
+  with ``jax.value_and_grad`` and returns ``nnx.state((model, optimizer, rngs, metrics))`` for the
+  caller's ``nnx.update``; both jitted with ``static_argnames=("label_smoothing", "pad_id")`` and
+  ``donate_argnames=("model", "optimizer")``, called positionally on batches placed
+  ``NamedSharding(mesh, P("fsdp"))``.
 
-Reference: the same program with no mesh and no annotations, on one device. Plain ``jax.jit`` / ``nnx.jit`` on
-the 4x2 mesh must equal it (that shows the program is right); so must ``ShardedStrategy(mesh=mesh,
-batch_axes=("fsdp",)).jit``, with every parameter and optimizer-state array kept in the layout the program
-annotated, after every step.
+Reference: the same program with no mesh and no annotations, on one device. Plain ``jax.jit`` /
+``nnx.jit`` on the 4x2 mesh must equal it (that shows the program is right); so must
+``ShardedStrategy(mesh=mesh, batch_axes=("fsdp",)).jit``, with every parameter and optimizer-state
+array kept in the layout the program annotated, after every step.
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ EMBED, HIDDEN, HEADS, HEAD_DIM, LAYERS = 16, 32, 2, 8, 2
 PAD = 0
 
 
-# ============================================================================================================
+# ==================================================================================================
 # The program (a gemma-shaped decoder; no jaxdist in it).
-# ============================================================================================================
+# ==================================================================================================
 @dataclasses.dataclass(frozen=True)
 class Specs:
-    """Where weights and activations live. B: batch, T: time, D: embed, F: hidden, N: heads, H: head dim."""
+    """Where weights and activations live. B: batch, T: time, D: embed, F: hidden, N: heads, H: head
+    dim."""
 
     embed_vd: P | None = None
     qkv_sndh: P | None = None
@@ -69,8 +70,9 @@ class Specs:
 
     @staticmethod
     def fsdp_and_tensor(fsdp: str = "fsdp", tensor: str = "tensor") -> Specs:
-        # Weights: one dimension over the fsdp axis (ZeRO-3), another over the tensor axis (Megatron-style
-        # heads / hidden units). Activations: batch over fsdp, heads / hidden / embed over tensor.
+        # Weights: one dimension over the fsdp axis (ZeRO-3), another over the tensor axis
+        # (Megatron-style heads / hidden units). Activations: batch over fsdp, heads / hidden /
+        # embed over tensor.
         return Specs(
             embed_vd=P(tensor, fsdp),
             qkv_sndh=P(None, tensor, fsdp, None),
@@ -108,17 +110,20 @@ def rotate(x, positions):
     freq = 1.0 / (10_000.0 ** (jnp.arange(half) / half))
     angle = (positions[..., None] * freq)[..., None, :]  # (B, T, 1, H/2)
     a, b = x[..., :half], x[..., half:]
-    return jnp.concatenate([a * jnp.cos(angle) - b * jnp.sin(angle), b * jnp.cos(angle) + a * jnp.sin(angle)], -1)
+    return jnp.concatenate([a * jnp.cos(angle) - b * jnp.sin(angle),
+                            b * jnp.cos(angle) + a * jnp.sin(angle)], -1)
 
 
 class SelfAttention(nnx.Module):
     def __init__(self, specs: Specs, *, rngs: nnx.Rngs):
         self.specs = specs
         self.qkv = nnx.Einsum(
-            "BTD,SNDH->SBTNH", (3, HEADS, EMBED, HEAD_DIM), kernel_metadata={"out_sharding": specs.qkv_sndh}, rngs=rngs
+            "BTD,SNDH->SBTNH", (3, HEADS, EMBED, HEAD_DIM),
+            kernel_metadata={"out_sharding": specs.qkv_sndh}, rngs=rngs
         )
         self.out = nnx.Einsum(
-            "BTNH,NHD->BTD", (HEADS, HEAD_DIM, EMBED), kernel_metadata={"out_sharding": specs.out_ndh}, rngs=rngs
+            "BTNH,NHD->BTD", (HEADS, HEAD_DIM, EMBED),
+            kernel_metadata={"out_sharding": specs.out_ndh}, rngs=rngs
         )
 
     def __call__(self, x, positions, mask):
@@ -135,13 +140,17 @@ class GatedMLP(nnx.Module):
         self.specs = specs
 
         def linear(i, o, spec):
-            return nnx.Linear(i, o, use_bias=False, kernel_metadata={"out_sharding": spec}, rngs=rngs)
+            return nnx.Linear(i, o, use_bias=False, kernel_metadata={"out_sharding": spec},
+                              rngs=rngs)
 
-        self.gate, self.up = linear(EMBED, HIDDEN, specs.mlp_df), linear(EMBED, HIDDEN, specs.mlp_df)
+        self.gate, self.up = (linear(EMBED, HIDDEN, specs.mlp_df),
+                              linear(EMBED, HIDDEN, specs.mlp_df))
         self.down = linear(HIDDEN, EMBED, specs.mlp_fd)
 
     def __call__(self, x):
-        hidden = nnx.gelu(self.gate(x, out_sharding=self.specs.act_btf)) * self.up(x, out_sharding=self.specs.act_btf)
+        hidden = nnx.gelu(self.gate(x, out_sharding=self.specs.act_btf)) * self.up(
+            x, out_sharding=self.specs.act_btf
+        )
         return self.down(hidden, out_sharding=self.specs.act_btd)
 
 
@@ -158,10 +167,12 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     def __init__(self, specs: Specs, *, rngs: nnx.Rngs):
         self.specs = specs
-        self.embedder = Embedder(VOCAB, EMBED, embedding_metadata={"out_sharding": specs.embed_vd}, rngs=rngs)
+        self.embedder = Embedder(VOCAB, EMBED, embedding_metadata={"out_sharding": specs.embed_vd},
+                                 rngs=rngs)
         self.blocks = nnx.List([Block(specs, rngs=rngs) for _ in range(LAYERS)])
         self.final_norm = Norm(EMBED, specs, rngs=rngs)
-        self.dropout = nnx.Dropout(0.0, deterministic=False)  # the example's default rate: takes rngs, draws none
+        # the example's default rate: takes rngs, draws none
+        self.dropout = nnx.Dropout(0.0, deterministic=False)
 
     def __call__(self, tokens, positions, mask, rngs=None):
         x = self.embedder(tokens, out_sharding=self.specs.act_btd)
@@ -187,7 +198,9 @@ def per_sample_loss(logits, targets, weights, label_smoothing):
 
 def _unpack(batch, pad_id):
     keep = batch["inputs"] > pad_id
-    same_segment = batch["inputs_segmentation"][:, :, None] == batch["inputs_segmentation"][:, None, :]
+    same_segment = (
+        batch["inputs_segmentation"][:, :, None] == batch["inputs_segmentation"][:, None, :]
+    )
     return keep, causal_mask(keep) & same_segment
 
 
@@ -197,29 +210,33 @@ def nnx_train_step(model, optimizer, rngs, batch, train_metrics, label_smoothing
 
     def loss_fn(model, rngs):
         logits = model(batch["inputs"], batch["inputs_position"], mask, rngs=rngs)
-        losses = per_sample_loss(logits, batch["targets"], keep.astype(jnp.float32), label_smoothing)
+        losses = per_sample_loss(logits, batch["targets"], keep.astype(jnp.float32),
+                                 label_smoothing)
         return losses.mean(), (losses, logits)
 
     (_, (losses, logits)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, rngs.fork())
     optimizer.update(model, grads)
-    train_metrics.update(loss=losses, logits=logits, labels=batch["targets"], mask={"accuracy": keep})
+    train_metrics.update(loss=losses, logits=logits, labels=batch["targets"],
+                         mask={"accuracy": keep})
 
 
 def jax_train_step(model, optimizer, rngs, batch, train_metrics, label_smoothing=0.0, pad_id=0):
-    """One step through ``jax.value_and_grad`` over the split parameters; returns the new state (the example's
-    ``jax_train_step`` shape: ``(nnx.state(...), intermediates)``)."""
+    """One step through ``jax.value_and_grad`` over the split parameters; returns the new state (the
+    example's ``jax_train_step`` shape: ``(nnx.state(...), intermediates)``)."""
     keep, mask = _unpack(batch, pad_id)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_fn(params, rngs):
         module = nnx.merge(graphdef, params, rest)
         logits = module(batch["inputs"], batch["inputs_position"], mask, rngs=rngs)
-        losses = per_sample_loss(logits, batch["targets"], keep.astype(jnp.float32), label_smoothing)
+        losses = per_sample_loss(logits, batch["targets"], keep.astype(jnp.float32),
+                                 label_smoothing)
         return losses.mean(), (losses, logits)
 
     (_, (losses, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rngs.fork())
     optimizer.update(model, grads)
-    train_metrics.update(loss=losses, logits=logits, labels=batch["targets"], mask={"accuracy": keep})
+    train_metrics.update(loss=losses, logits=logits, labels=batch["targets"],
+                         mask={"accuracy": keep})
     return nnx.state((model, optimizer, rngs, train_metrics)), None
 
 
@@ -227,19 +244,23 @@ STEP_FNS = {"nnx": nnx_train_step, "jax": jax_train_step}
 
 
 def build(specs: Specs):
-    """Model, optimizer, rngs and metrics as the example builds them (the caller provides the mesh context)."""
+    """Model, optimizer, rngs and metrics as the example builds them (the caller provides the mesh
+    context)."""
     rngs = nnx.Rngs(params=0, dropout=0)
     model = Decoder(specs, rngs=rngs)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 0.02, warmup_steps=2, decay_steps=10)
-    # The example's eps is 1e-9; eps = the peak rate keeps rounding noise at noise level (registry.adam).
-    optimizer = nnx.Optimizer(model, optax.adamw(schedule, b1=0.9, b2=0.98, eps=0.02, weight_decay=0.1), wrt=nnx.Param)
+    # The example's eps is 1e-9; eps = the peak rate keeps rounding noise at noise level
+    # (registry.adam).
+    optimizer = nnx.Optimizer(model, optax.adamw(schedule, b1=0.9, b2=0.98, eps=0.02,
+                                                 weight_decay=0.1), wrt=nnx.Param)
     metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
     return model, optimizer, rngs, metrics
 
 
 @functools.cache
 def host_batches():
-    """Packed-example batches (inputs, targets, positions, segmentation), with padding at the end of each row."""
+    """Packed-example batches (inputs, targets, positions, segmentation), with padding at the end of
+    each row."""
     rng = np.random.default_rng(0)
     out = []
     for _ in range(STEPS):
@@ -261,7 +282,8 @@ def host_batches():
 
 
 def train(jitted, model, optimizer, rngs, metrics, batches, on_step=lambda step: None):
-    """The example's loop body: positional call; the state-returning step's result goes back via nnx.update."""
+    """The example's loop body: positional call; the state-returning step's result goes back via
+    nnx.update."""
     losses = []
     for step, batch in enumerate(batches):
         output = jitted(model, optimizer, rngs, batch, metrics, 0.1, PAD)  # label_smoothing, pad_id
@@ -273,13 +295,15 @@ def train(jitted, model, optimizer, rngs, metrics, batches, on_step=lambda step:
     return losses
 
 
-# ============================================================================================================
+# ==================================================================================================
 # Helpers
-# ============================================================================================================
+# ==================================================================================================
 def the_mesh():
     if len(jax.devices()) < 8:
-        pytest.skip(f"the gemma-shaped program needs 8 devices, this backend has {len(jax.devices())}")
-    return jax.make_mesh((4, 2), ("fsdp", "tensor"))  # JAX's default axis types (Explicit), as the example
+        pytest.skip("the gemma-shaped program needs 8 devices, this backend has "
+                    f"{len(jax.devices())}")
+    # JAX's default axis types (Explicit), as the example
+    return jax.make_mesh((4, 2), ("fsdp", "tensor"))
 
 
 def placed(batches, mesh):
@@ -309,7 +333,8 @@ def layouts(model, optimizer) -> dict[str, tuple]:
 
 def layout_drift(want, model, optimizer, step):
     got = layouts(model, optimizer)
-    return [f"after step {step + 1}: {k} {want[k]} -> {got.get(k)}" for k in want if got.get(k) != want[k]]
+    return [f"after step {step + 1}: {k} {want[k]} -> {got.get(k)}" for k in want
+            if got.get(k) != want[k]]
 
 
 def params_of(model):
@@ -319,18 +344,22 @@ def params_of(model):
 def assert_same(losses, params, want_losses, want_params, what):
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL, err_msg=f"{what}: losses")
     for i, (g, w) in enumerate(zip(params, want_params, strict=True)):
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=f"{what}: parameter {i} after {STEPS} steps")
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{what}: parameter {i} after {STEPS} steps")
 
 
 def plain_step(kind):
-    """The example's own jit: ``nnx.jit`` for the in-place step, ``jax.jit`` for the state-returning one."""
+    """The example's own jit: ``nnx.jit`` for the in-place step, ``jax.jit`` for the state-returning
+    one."""
     jit = nnx.jit if kind == "nnx" else jax.jit
-    return jit(STEP_FNS[kind], static_argnames=("label_smoothing", "pad_id"), donate_argnames=("model", "optimizer"))
+    return jit(STEP_FNS[kind], static_argnames=("label_smoothing", "pad_id"),
+               donate_argnames=("model", "optimizer"))
 
 
 @functools.cache
 def one_device(kind):
-    """The reference: no mesh, no annotations, one device, the same steps through plain ``nnx.jit`` / ``jax.jit``."""
+    """The reference: no mesh, no annotations, one device, the same steps through plain ``nnx.jit``
+    / ``jax.jit``."""
     model, optimizer, rngs, metrics = build(Specs.unannotated())
     step = plain_step(kind)
     batches = [jax.device_put(b, jax.devices()[0]) for b in host_batches()]
@@ -339,7 +368,8 @@ def one_device(kind):
 
 @functools.cache
 def annotated_layouts():
-    """Every array's layout as the example's own construction places it on the 4x2 mesh (under set_mesh)."""
+    """Every array's layout as the example's own construction places it on the 4x2 mesh (under
+    set_mesh)."""
     with jax.set_mesh(the_mesh()):
         model, optimizer, _, _ = build(Specs.fsdp_and_tensor())
         return layouts(model, optimizer)
@@ -354,9 +384,9 @@ def strategy_step(strategy, kind, **declarations):
     )
 
 
-# ============================================================================================================
+# ==================================================================================================
 # (a) The program is right: plain JAX on the 4x2 mesh equals one device, in the layout it annotated.
-# ============================================================================================================
+# ==================================================================================================
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nnx", "jax"])
 def test_program_on_its_mesh_equals_one_device(kind):
@@ -367,10 +397,15 @@ def test_program_on_its_mesh_equals_one_device(kind):
         # The annotations took: each parameter is created in the spec its Variable metadata names.
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             spec = var.get_metadata()["out_sharding"]
-            assert _spec(var.get_value()) == _norm(spec), f"{path}: created {var.get_value().sharding.spec}"
+            assert _spec(var.get_value()) == _norm(spec), (
+                f"{path}: created {var.get_value().sharding.spec}"
+            )
         want_layout = layouts(model, optimizer)
         assert want_layout == annotated_layouts()
-        assert ("tensor", "fsdp") in want_layout.values() and ("fsdp", "tensor") in want_layout.values()
+        assert ("tensor", "fsdp") in want_layout.values() and (
+            "fsdp",
+            "tensor",
+        ) in want_layout.values()
         step = plain_step(kind)
         drift = []
         losses = train(
@@ -382,15 +417,16 @@ def test_program_on_its_mesh_equals_one_device(kind):
             placed(host_batches(), mesh),
             lambda i: drift.extend(layout_drift(want_layout, model, optimizer, i)),
         )
-        assert_same(losses, params_of(model), want_losses, want_params, f"{kind}.jit on the 4x2 mesh")
+        assert_same(losses, params_of(model), want_losses, want_params,
+                    f"{kind}.jit on the 4x2 mesh")
         assert not drift, drift
 
 
-# ============================================================================================================
+# ==================================================================================================
 # (b) Through strategy.jit, called exactly like the example calls its jitted step.
-# ============================================================================================================
-# The quick tier runs the in-place (nnx) step; the state-returning (jax) one, a second program of the same
-# model through the same strategy.jit, is in the full suite.
+# ==================================================================================================
+# The quick tier runs the in-place (nnx) step; the state-returning (jax) one, a second program of
+# the same model through the same strategy.jit, is in the full suite.
 KINDS = pytest.mark.parametrize("kind", ["nnx", pytest.param("jax", marks=pytest.mark.slow)])
 
 
@@ -404,7 +440,8 @@ def test_strategy_jit_equals_one_device_and_keeps_annotated_layouts(kind, built_
     with strategy.scope() if built_in == "scope" else jax.set_mesh(mesh):
         model, optimizer, rngs, metrics = build(Specs.fsdp_and_tensor())
         want_layout = annotated_layouts()
-        assert layouts(model, optimizer) == want_layout, f"created in {built_in}: not the annotated layout"
+        assert layouts(model,
+                       optimizer) == want_layout, f"created in {built_in}: not the annotated layout"
         step = strategy_step(strategy, kind)
         drift = []
         losses = train(
@@ -416,13 +453,15 @@ def test_strategy_jit_equals_one_device_and_keeps_annotated_layouts(kind, built_
             placed(host_batches(), mesh),
             lambda i: drift.extend(layout_drift(want_layout, model, optimizer, i)),
         )
-        assert_same(losses, params_of(model), want_losses, want_params, f"strategy.jit({kind}_train_step)")
+        assert_same(losses, params_of(model), want_losses, want_params,
+                    f"strategy.jit({kind}_train_step)")
         assert not drift, drift
 
 
 @KINDS
 def test_strategy_jit_declared_host_batches(kind):
-    """Host (numpy) batches, declared by name: split over the fsdp axis by jaxdist, same numbers and layouts."""
+    """Host (numpy) batches, declared by name: split over the fsdp axis by jaxdist, same numbers and
+    layouts."""
     mesh = the_mesh()
     want_losses, want_params = one_device(kind)
     strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("fsdp",))
@@ -440,44 +479,51 @@ def test_strategy_jit_declared_host_batches(kind):
             host_batches(),
             lambda i: drift.extend(layout_drift(want_layout, model, optimizer, i)),
         )
-        assert_same(losses, params_of(model), want_losses, want_params, f"strategy.jit({kind}_train_step), host batch")
+        assert_same(losses, params_of(model), want_losses, want_params,
+                    f"strategy.jit({kind}_train_step), host batch")
         assert not drift, drift
 
 
-# ============================================================================================================
-# (c) Nothing annotated on a 4x2 mesh: the tensor devices would all do the same work. jaxdist says so.
-# ============================================================================================================
+# ==================================================================================================
+# (c) Nothing annotated on a 4x2 mesh: the tensor devices would all do the same work. jaxdist says
+# so.
+# ==================================================================================================
 def plain_error(mesh):
-    """The exception type plain ``nnx.jit`` raises on the unannotated program on ``mesh`` (None: it runs).
+    """The exception type plain ``nnx.jit`` raises on the unannotated program on ``mesh`` (None: it
+    runs).
 
-    On an Explicit mesh it raises, as gemma's ``ShardingConfig.no_sharding()`` does: the embedding gather of a
-    whole table by fsdp-split tokens has no unambiguous output sharding, and JAX asks for ``out_sharding=``."""
+    On an Explicit mesh it raises, as gemma's ``ShardingConfig.no_sharding()`` does: the embedding
+    gather of a whole table by fsdp-split tokens has no unambiguous output sharding, and JAX asks
+    for ``out_sharding=``."""
     with jax.set_mesh(mesh):
         model, optimizer, rngs, metrics = build(Specs.unannotated())
         try:
-            train(plain_step("nnx"), model, optimizer, rngs, metrics, placed(host_batches()[:1], mesh))
+            train(
+                plain_step("nnx"), model, optimizer, rngs, metrics, placed(host_batches()[:1], mesh)
+            )
         except Exception as e:  # recorded: the jaxdist step may raise the same
             return type(e)
     return None
 
 
 def test_unannotated_program_warns_idle_tensor_axis():
-    """The example's own (Explicit) mesh: jaxdist warns about the idle axis; what the step does next is what
-    plain JAX does with this program on this mesh (it raises there, see `plain_error`)."""
+    """The example's own (Explicit) mesh: jaxdist warns about the idle axis; what the step does next
+    is what plain JAX does with this program on this mesh (it raises there, see `plain_error`)."""
     mesh = the_mesh()
     error = plain_error(mesh)
     strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("fsdp",))
     with strategy.scope():
         model, optimizer, rngs, metrics = build(Specs.unannotated())
         step = strategy_step(strategy, "nnx")
-        with pytest.warns(jd.IdleAxisWarning, match="tensor"), contextlib.suppress(*filter(None, [error])):
+        with (pytest.warns(jd.IdleAxisWarning, match="tensor"),
+              contextlib.suppress(*filter(None, [error]))):
             train(step, model, optimizer, rngs, metrics, placed(host_batches()[:1], mesh))
 
 
 @pytest.mark.slow
 def test_unannotated_program_on_auto_mesh_warns_and_equals_one_device():
-    """The same program on the same mesh with Auto axes, where plain JAX runs it: the idle axis wastes the
-    tensor devices, jaxdist says so, and the numbers are still one device's."""
+    """The same program on the same mesh with Auto axes, where plain JAX runs it: the idle axis
+    wastes the tensor devices, jaxdist says so, and the numbers are still one device's."""
     the_mesh()
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     assert plain_error(mesh) is None
@@ -488,4 +534,5 @@ def test_unannotated_program_on_auto_mesh_warns_and_equals_one_device():
         step = strategy_step(strategy, "nnx")
         with pytest.warns(jd.IdleAxisWarning, match="tensor"):
             losses = train(step, model, optimizer, rngs, metrics, placed(host_batches(), mesh))
-    assert_same(losses, params_of(model), want_losses, want_params, "unannotated strategy.jit(nnx_train_step)")
+    assert_same(losses, params_of(model), want_losses, want_params,
+                "unannotated strategy.jit(nnx_train_step)")

@@ -1,7 +1,9 @@
-"""grain input: per-process shards, the iterator state in checkpoints, resuming (also on another process count).
+"""grain input: per-process shards, the iterator state in checkpoints, resuming (also on another
+process count).
 
-One 2-process launch (tests/multiprocess/grain_worker.py, 2 processes x 2 CPU devices) checks the grain
-resume AND the one-writer logging; this process then checks what it wrote against single-process training.
+One 2-process launch (tests/multiprocess/grain_worker.py, 2 processes x 2 CPU devices) checks the
+grain resume AND the one-writer logging; this process then checks what it wrote against
+single-process training.
 """
 
 import csv
@@ -37,15 +39,18 @@ def _assert_equal(a, b):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
-    """Slow because its one 2-process job runs 4 fits (logged, checkpointed, resumed, elastic), each a fresh
-    trainer that traces and compiles its step, with grain's reader threads beside them on 2 cores."""
+    """Slow because its one 2-process job runs 4 fits (logged, checkpointed, resumed, elastic), each
+    a fresh trainer that traces and compiles its step, with grain's reader threads beside them on 2
+    cores."""
     launch = [*LAUNCH, *"-n 2 --cpu-devices 2 --timeout 200".split()]
     worker = [str(HERE / "multiprocess" / "grain_worker.py"), str(tmp_path)]
-    proc = subprocess.run([*launch, *worker], env=launch_env(), capture_output=True, text=True, timeout=230)
+    proc = subprocess.run([*launch, *worker], env=launch_env(), capture_output=True, text=True,
+                          timeout=230)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
     assert "[0] process 0 done" in out and "[1] process 1 done" in out
-    # (The worker asserted that the resumed run equals the uninterrupted one bitwise and re-read nothing.)
+    # (The worker asserted that the resumed run equals the uninterrupted one bitwise and re-read
+    # nothing.)
 
     # One writer: process 0 printed the progress and wrote one CSV and one event file.
     assert "[0] step 4/12 loss" in out and "[0] step 12/12 loss" in out
@@ -57,7 +62,8 @@ def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["4", "8", "12"]
 
-    # ... and the values are the global ones: those of one process training on the same global batches.
+    # ... and the values are the global ones: those of one process training on the same global
+    # batches.
     result = np.load(tmp_path / "result.npz")
     reference = make_trainer(jd.OneDeviceStrategy())
     history = reference.fit(per_process_batches(2, 12), steps=12, log_every=4, verbose=0)
@@ -65,11 +71,13 @@ def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
     np.testing.assert_allclose([float(r["loss"]) for r in rows], want, rtol=1e-5)
     tb = scalars(read_events(events_file))
     np.testing.assert_allclose([tb[("train/loss", s)] for s in (4, 8, 12)], want, rtol=1e-5)
-    for got, ref in zip([result[f"arr_{i}"] for i in range(len(result.files) - 1)], _leaves(reference), strict=True):
+    for got, ref in zip([result[f"arr_{i}"] for i in range(len(result.files) - 1)],
+                        _leaves(reference), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
     # Each process saved its own iterator state.
-    states = sorted(p.name for p in (tmp_path / "ckpt" / "10" / "data_iterator").glob("process_*.json"))
+    states = sorted(p.name
+                    for p in (tmp_path / "ckpt" / "10" / "data_iterator").glob("process_*.json"))
     assert states == ["process_0-of-2.json", "process_1-of-2.json"]
 
     # One process now: a per-process state cannot move to another process count -> a clear error ...
@@ -84,13 +92,15 @@ def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
     # ... while evaluating the checkpoint (no input to resume) works on any process count.
     evaluator = make_trainer(jd.MirroredStrategy())
     assert evaluator.restore(tmp_path / "ckpt", batch=per_process_batches(1, 1)[0]) == 12
-    for got, ref in zip(_leaves(evaluator), [result[f"arr_{i}"] for i in range(len(result.files) - 1)], strict=True):
+    for got, ref in zip(_leaves(evaluator),
+                        [result[f"arr_{i}"] for i in range(len(result.files) - 1)], strict=True):
         np.testing.assert_array_equal(got, ref)
 
-    # ElasticIterator's position is valid on any process count: resume the 2-process run's step 3 on one
-    # process; every global batch holds the same examples as one process reading them all.
+    # ElasticIterator's position is valid on any process count: resume the 2-process run's step 3 on
+    # one process; every global batch holds the same examples as one process reading them all.
     def elastic():
-        return grain.experimental.ElasticIterator(examples(), GLOBAL_BATCH, grain.sharding.ShardOptions(0, 1))
+        return grain.experimental.ElasticIterator(examples(), GLOBAL_BATCH,
+                                                  grain.sharding.ShardOptions(0, 1))
 
     resumed = make_trainer(jd.MirroredStrategy())
     resumed.fit(elastic(), steps=6, checkpoint_dir=tmp_path / "elastic", verbose=0)
@@ -105,13 +115,15 @@ def test_grain_datasets_train_like_the_same_numpy_batches():
     batches = examples().batch(GLOBAL_BATCH)  # 8 batches: 10 steps cross an epoch
     as_list = [batches[i] for i in range(len(batches))]
     numpy_run, grain_run = make_trainer(jd.MirroredStrategy()), make_trainer(jd.MirroredStrategy())
-    elastic_run, reference = make_trainer(jd.OneDeviceStrategy()), make_trainer(jd.OneDeviceStrategy())
+    elastic_run, reference = (make_trainer(jd.OneDeviceStrategy()),
+                              make_trainer(jd.OneDeviceStrategy()))
     numpy_run.fit(as_list, steps=10, verbose=0)
     grain_run.fit(batches, steps=10, verbose=0)
     _assert_equal(grain_run, numpy_run)
     # An iterator (read once) is peeked for the state's shapes without losing its first batch.
     elastic_run.fit(
-        grain.experimental.ElasticIterator(examples(), GLOBAL_BATCH, grain.sharding.NoSharding()), steps=6, verbose=0
+        grain.experimental.ElasticIterator(examples(), GLOBAL_BATCH, grain.sharding.NoSharding()),
+        steps=6, verbose=0
     )
     reference.fit(as_list[:6], steps=6, verbose=0)
     _assert_equal(elastic_run, reference)
@@ -122,13 +134,15 @@ def test_a_grain_loader_resumes_from_its_saved_state(tmp_path):
         source = [examples()[i] for i in range(len(examples()))]  # (x, y) records
         sampler = grain.samplers.IndexSampler(len(source), shuffle=True, seed=3, num_epochs=None)
         return grain.DataLoader(
-            data_source=source, sampler=sampler, operations=[grain.transforms.Batch(16)], worker_count=0
+            data_source=source, sampler=sampler, operations=[grain.transforms.Batch(16)],
+            worker_count=0
         )
 
     whole = make_trainer(jd.OneDeviceStrategy())
     whole.fit(loader(), steps=9, verbose=0)
     make_trainer(jd.OneDeviceStrategy()).fit(loader(), steps=5, checkpoint_dir=tmp_path, verbose=0)
-    # The saved state is the loader's after exactly 5 batches, whatever the prefetch thread had read ahead.
+    # The saved state is the loader's after exactly 5 batches, whatever the prefetch thread had read
+    # ahead.
     it = iter(loader())
     for _ in range(5):
         next(it)
@@ -167,13 +181,17 @@ def test_distributed_iterator_state_is_exact_despite_prefetch():
 def test_errors_name_the_argument_and_the_fix(tmp_path):
     strategy = jd.MirroredStrategy()
     plain = iter(strategy.experimental_distribute_dataset([np.zeros((8, 2), np.float32)] * 2))
-    with pytest.raises(TypeError, match=r"get_state\(\): this dataset's iterator \(list_iterator\) has no get_state"):
+    with pytest.raises(TypeError,
+                       match=r"get_state\(\): this dataset's iterator \(list_iterator\) has no "
+                             r"get_state"):
         plain.get_state()
     with pytest.raises(TypeError, match=r"set_state\(state\): .* read the data with grain"):
         plain.set_state({"next_index": 0})
     plain.close()
     ckpt = jd.training.Checkpointer(tmp_path)
-    with pytest.raises(TypeError, match=r"data_iterator=<object .*> \(type object\) has no get_state\(\): pass the"):
+    with pytest.raises(TypeError,
+                       match=r"data_iterator=<object .*> \(type object\) has no get_state\(\): "
+                             r"pass the"):
         ckpt.save(1, {"w": np.zeros(2)}, data_iterator=object())
     with pytest.raises(TypeError, match=r"state \{'when': .*\} is not JSON-serializable"):
         ckpt.save(1, {"w": np.zeros(2)}, data_iterator=IteratorSnapshot({"when": object()}))
@@ -185,12 +203,15 @@ def test_errors_name_the_argument_and_the_fix(tmp_path):
         match=r"has 6 rows on this process \(12 over 2 processes\), which 8 replicas x "
         r"grad_accum_steps=1 do not divide: .* multiple of 8 \(e\.g\. 16\)",
     ):
-        BatchChecker(8)((np.zeros((6, 2)), np.zeros(6)), "train_data batch 0 of epoch 0", processes=2)
+        BatchChecker(8)((np.zeros((6, 2)), np.zeros(6)), "train_data batch 0 of epoch 0",
+                        processes=2)
     check = BatchChecker(8)
     x, _ = check((np.zeros((4, 2)), np.zeros(4)), "batch", processes=2)
-    assert x.shape == (4, 2) and [shape for shape, _ in check.signature[1]] == [(8, 2), (8,)]  # global signature
+    # global signature
+    assert x.shape == (4, 2) and [shape for shape, _ in check.signature[1]] == [(8, 2), (8,)]
     # A grain batch the replicas do not divide.
-    with pytest.raises(ValueError, match=r"train_data batch 0 of epoch 0 has 12 rows, which 8 replicas"):
+    with pytest.raises(ValueError,
+                       match=r"train_data batch 0 of epoch 0 has 12 rows, which 8 replicas"):
         make_trainer(strategy).fit(examples().batch(12), steps=2, verbose=0)
 
 
@@ -219,19 +240,25 @@ def test_rare_error_paths(monkeypatch):
     monkeypatch.setattr(_read_ahead, "STOP_SECONDS", 0.2)
     source = Stuck()
     it = iter(jd.MirroredStrategy().experimental_distribute_dataset(source))
-    with pytest.raises(RuntimeError, match=r"still reading from the dataset after 0\.2 s: .* check the dataset"):
+    with pytest.raises(RuntimeError,
+                       match=r"still reading from the dataset after 0\.2 s: .* check the dataset"):
         it.set_state({"n": 0})
     source.release.set()
     it.close()
 
-    with pytest.raises(ValueError, match=r"a data_iterator item that jaxdist did not write: b'\{\"x\": 1\}'"):
+    with pytest.raises(ValueError,
+                       match=r"a data_iterator item that jaxdist did not write: b'\{\"x\": 1\}'"):
         IteratorSnapshot().set_state(b'{"x": 1}')
 
     monkeypatch.setitem(sys.modules, "grain.checkpoint", None)  # as if grain were not installed
     with pytest.raises(ImportError, match=r"pip install 'jaxdist\[grain\]'"):
-        save_args(IteratorSnapshot({"next_index": 1}))  # what Checkpointer.save(..., data_iterator=) calls
+        # what Checkpointer.save(..., data_iterator=) calls
+        save_args(IteratorSnapshot({"next_index": 1}))
 
-    monkeypatch.setattr(jax, "process_count", lambda: 2)  # per-process batches need a feed to be placed
-    with pytest.raises(ValueError, match=r"BatchStream\(check=None\) cannot place per-process .* on 2 processes: "
+    # per-process batches need a feed to be placed
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError,
+                                         match=r"BatchStream\(check=None\) cannot place "
+                                               r"per-process .* on 2 processes: "
                                          r"pass check= a jaxdist\.training\.data\.BatchFeed"):
         next(iter(BatchStream(examples().batch(8))))

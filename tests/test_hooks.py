@@ -1,4 +1,5 @@
-"""Layout hooks: a strategy subclass's ``variable_layout`` / ``layout_role`` decide for every internal caller."""
+"""Layout hooks: a strategy subclass's ``variable_layout`` / ``layout_role`` decide for every
+internal caller."""
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,8 @@ def test_the_base_strategy_does_not_install_a_hook():
 
 
 class NothingIsABatch(jd.MirroredStrategy):
-    """A strategy whose layouts say no placed value is a batch (every one reaches each replica whole)."""
+    """A strategy whose layouts say no placed value is a batch (every one reaches each replica
+    whole)."""
 
     def layout_role(self, x):
         return None if super().layout_role(x) is None else "variable"
@@ -60,7 +62,9 @@ def test_layout_role_override_decides_what_run_splits():
 
 def test_strategy_and_policy_agree_on_a_dataset_batch_on_fsdp():
     strategy = jd.ShardedStrategy(min_shard_size=1)
-    batch = next(iter(strategy.experimental_distribute_dataset([np.ones((16, 2), np.float32)], prefetch=0)))
+    batch = next(
+        iter(strategy.experimental_distribute_dataset([np.ones((16, 2), np.float32)], prefetch=0))
+    )
     w = strategy.mirror(np.ones((16, 4), np.float32))
     assert strategy.layout_role(batch) == strategy._policy.layout_role(batch) == "batch"
     assert strategy.layout_role(w) is None and strategy._policy.layout_role(w) is None
@@ -84,4 +88,6 @@ def test_batch_layout_override_reaches_every_caller():
     assert from_dataset[1].sharding.spec == P()
     step = strategy.jit(lambda w, b: (w * b[0]).sum() + b[1].sum(), batch_argnums=1)
     np.testing.assert_allclose(float(step(np.float32(2.0), (x, y))), 2.0 * 48 + 120.0)
-    assert strategy.batch_layout((16,)).spec == P() and strategy.batch_layout((16, 3)).spec == P("replica")
+    assert strategy.batch_layout((16,)).spec == P() and strategy.batch_layout((16, 3)).spec == P(
+        "replica"
+    )

@@ -1,10 +1,11 @@
-"""Variables on the host: ``host_offload`` keeps variables and/or optimizer state in ``"pinned_host"`` memory.
+"""Variables on the host: ``host_offload`` keeps variables and/or optimizer state in
+``"pinned_host"`` memory.
 
-CPU devices have pinned_host memory, so the whole path runs here: layouts report the host memory kind,
-training equals one device, and the compiled step's device-memory arguments shrink by the offloaded state.
-XLA:CPU's memory analysis counts every argument in ``argument_size_in_bytes`` (its ``host_*`` fields stay 0), so
-the split by memory space is read from the compiled program's input layouts; the test checks that the two
-parts add up to XLA's total.
+CPU devices have pinned_host memory, so the whole path runs here: layouts report the host memory
+kind, training equals one device, and the compiled step's device-memory arguments shrink by the
+offloaded state. XLA:CPU's memory analysis counts every argument in ``argument_size_in_bytes`` (its
+``host_*`` fields stay 0), so the split by memory space is read from the compiled program's input
+layouts; the test checks that the two parts add up to XLA's total.
 """
 
 import flax.linen as nn
@@ -38,7 +39,8 @@ def step(state, x, y):  # an unmodified single-device step
 def data(n=3):
     rng = np.random.default_rng(0)
     return [
-        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)) for _ in range(n)
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32))
+        for _ in range(n)
     ]
 
 
@@ -70,7 +72,8 @@ def assert_close(state, want):
     "make, mode",
     [
         (lambda m: jd.MirroredStrategy(jax.devices()[:DEVICES], host_offload=m), "opt_state"),
-        (lambda m: jd.ShardedStrategy(jax.devices()[:DEVICES], min_shard_size=1, host_offload=m), "all"),
+        (lambda m: jd.ShardedStrategy(jax.devices()[:DEVICES], min_shard_size=1, host_offload=m),
+         "all"),
     ],
     ids=["mirrored-opt_state", "sharded-all"],
 )
@@ -79,7 +82,9 @@ def test_training_with_offloaded_state_equals_one_device(make, mode, reference):
     state = strategy.create_variables(init, jax.random.key(0))  # created straight into host memory
     assert (
         split_kinds(state)
-        == {"all": ({"pinned_host"}, {"pinned_host"}), "opt_state": ({"device"}, {"pinned_host"})}[mode]
+        == {"all": ({"pinned_host"}, {"pinned_host"}), "opt_state": ({"device"}, {"pinned_host"})}[
+            mode
+        ]
     )
     layouts = jax.tree.map(lambda x: x.sharding, state)
     train = strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2))
@@ -87,12 +92,14 @@ def test_training_with_offloaded_state_equals_one_device(make, mode, reference):
         state, loss = train(state, x, y)
         np.testing.assert_allclose(float(loss), want, rtol=1e-5)
         assert loss.sharding.memory_kind == "device"  # metrics stay on the device
-        assert jax.tree.map(lambda x: x.sharding, state) == layouts  # the state stays offloaded, same layout
+        # the state stays offloaded, same layout
+        assert jax.tree.map(lambda x: x.sharding, state) == layouts
     assert_close(state, reference[0])
 
 
 def test_tpu_on_device_loop_streams_offloaded_state(reference):
-    strategy = jd.TPUStrategy(steps_per_run=3, devices=jax.devices()[:DEVICES], host_offload="params")
+    strategy = jd.TPUStrategy(steps_per_run=3, devices=jax.devices()[:DEVICES],
+                              host_offload="params")
     state = strategy.create_variables(init, jax.random.key(0))
 
     def step_fn(ctx, state, x, y):
@@ -100,7 +107,8 @@ def test_tpu_on_device_loop_streams_offloaded_state(reference):
         ctx.set_last_step_output("loss", loss)
         return state
 
-    ctx = strategy.run_steps_on_dataset(step_fn, iter(data()), initial_loop_values=state, donate=True)
+    ctx = strategy.run_steps_on_dataset(step_fn, iter(data()), initial_loop_values=state,
+                                        donate=True)
     assert split_kinds(ctx.loop_values) == ({"pinned_host"}, {"device"})
     np.testing.assert_allclose(float(ctx.last_step_outputs["loss"]), reference[1][-1], rtol=1e-5)
     assert_close(ctx.loop_values, reference[0])
@@ -126,15 +134,21 @@ def test_memory_analysis_device_bytes_drop_by_the_offloaded_state():
     for mode in (None, "opt_state", "all"):
         strategy = jd.MirroredStrategy(jax.devices()[:DEVICES], host_offload=mode)
         shardings = strategy.variable_shardings(state)
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
-        compiled = strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2)).lower(abstract, x, y).compile()
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                state, shardings)
+        compiled = (strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2))
+                    .lower(abstract, x, y).compile())
         on_device, on_host = _device_and_host_argument_bytes(compiled)
-        assert on_device + on_host == compiled.memory_analysis().argument_size_in_bytes  # XLA's total
+        # XLA's total
+        assert on_device + on_host == compiled.memory_analysis().argument_size_in_bytes
         device[mode] = on_device
-    assert device[None] == params_bytes + opt_bytes + batch_bytes  # a whole copy of the state per device
-    assert device["opt_state"] == params_bytes + batch_bytes  # Adam's mu, nu and count left the device
+    # a whole copy of the state per device
+    assert device[None] == params_bytes + opt_bytes + batch_bytes
+    # Adam's mu, nu and count left the device
+    assert device["opt_state"] == params_bytes + batch_bytes
     assert device["all"] == batch_bytes  # only the batch rows stay in device memory between steps
-    params_only = jd.MirroredStrategy(jax.devices()[:DEVICES], host_offload="params").variable_shardings(state)
+    params_only = jd.MirroredStrategy(jax.devices()[:DEVICES],
+                                      host_offload="params").variable_shardings(state)
     assert split_kinds(params_only) == ({"pinned_host"}, {"device"})
 
 
@@ -142,26 +156,33 @@ def test_sync_on_read_run_update_and_colocation_with_offloaded_variables():
     strategy = jd.MirroredStrategy(jax.devices()[:4], host_offload="all")
     w = strategy.mirror({"w": np.ones((4, 2), np.float32)})
     assert kinds(w) == ["pinned_host"]
-    count = strategy.sync_on_read(0.0, "sum")  # replicas update it every step: it stays on the devices
+    # replicas update it every step: it stays on the devices
+    count = strategy.sync_on_read(0.0, "sum")
     assert count.stacked.sharding.memory_kind == "device"
     x = strategy.experimental_distribute_values(np.arange(16.0, dtype=np.float32).reshape(4, 4))
 
-    def replica_fn(w, x, count):  # eager run: offloaded arguments are copied to device memory for the program
+    # eager run: offloaded arguments are copied to device memory for the program
+    def replica_fn(w, x, count):
         ctx = jd.get_replica_context()
         return ctx.all_reduce("sum", jnp.sum(x @ w["w"])), count.assign_add(1.0)
 
     total, count = strategy.run(replica_fn, args=(w, x, count))
     assert float(total) == float(np.sum(np.arange(16.0).reshape(4, 4) @ np.ones((4, 2))))
     assert float(count.read()) == 4.0 and count.stacked.sharding.memory_kind == "device"
-    new = strategy.update(w, lambda v, g: {"w": v["w"] - g}, np.float32(0.5))  # the layout includes the memory kind
+    # the layout includes the memory kind
+    new = strategy.update(w, lambda v, g: {"w": v["w"] - g}, np.float32(0.5))
     assert kinds(new) == ["pinned_host"] and np.asarray(new["w"]).tolist() == [[0.5, 0.5]] * 4
     with strategy.scope(), strategy.colocate_vars_with(new["w"]):
         slot = strategy.create_variables(lambda: jnp.zeros((4, 2)))
     assert slot.sharding == new["w"].sharding
     assert strategy.non_slot_devices(w).memory_kind == "pinned_host"
-    rows = strategy.run(lambda: jnp.ones((4, 2)) * jd.get_replica_context().replica_id_in_sync_group)
-    (reduced,) = strategy.batch_reduce("sum", [(rows, new["w"])])  # reduced straight into the host-memory layout
-    assert reduced.sharding == new["w"].sharding and np.asarray(reduced).tolist() == [[6.0, 6.0]] * 4
+    rows = strategy.run(lambda: jnp.ones((4,
+                                          2)) * jd.get_replica_context().replica_id_in_sync_group)
+    # reduced straight into the host-memory layout
+    (reduced,) = strategy.batch_reduce("sum", [(rows, new["w"])])
+    assert (
+        reduced.sharding == new["w"].sharding and np.asarray(reduced).tolist() == [[6.0, 6.0]] * 4
+    )
 
 
 def test_nnx_model_and_optimizer_offloaded_equal_nnx_jit():
@@ -180,11 +201,14 @@ def test_nnx_model_and_optimizer_offloaded_equal_nnx_jit():
     train = strategy.jit(train_step, batch_argnums=(2, 3))
     for x, y in data():
         np.testing.assert_allclose(
-            float(train(model, opt, x, y)), float(nnx.jit(train_step)(ref_model, ref_opt, x, y)), rtol=1e-5
+            float(train(model, opt, x, y)), float(nnx.jit(train_step)(ref_model, ref_opt, x, y)),
+            rtol=1e-5
         )
-    assert set(kinds(nnx.state(opt, nnx.OptState))) == {"pinned_host"}  # nnx.OptState is optimizer state
+    # nnx.OptState is optimizer state
+    assert set(kinds(nnx.state(opt, nnx.OptState))) == {"pinned_host"}
     assert set(kinds(nnx.state(model))) == {"device"}
-    np.testing.assert_allclose(np.asarray(model.kernel[...]), np.asarray(ref_model.kernel[...]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), np.asarray(ref_model.kernel[...]),
+                               rtol=1e-5, atol=1e-6)
 
 
 class _FakeMemory:
@@ -219,11 +243,12 @@ def test_bad_host_offload_options_name_the_fix():
 
 
 def test_offloaded_state_with_a_python_number_stays_in_host_memory():
-    """Outputs follow their argument's memory kind leaf by leaf: a Python step counter in the state does not
-    pull the offloaded arrays back into device memory."""
+    """Outputs follow their argument's memory kind leaf by leaf: a Python step counter in the state
+    does not pull the offloaded arrays back into device memory."""
     strategy = jd.MirroredStrategy(jax.devices()[:4], host_offload="all")
     state = (strategy.mirror({"w": np.ones((4, 2), np.float32)}), 0)
-    step = strategy.jit(lambda st, x: ((jax.tree.map(lambda a: a - x.mean(), st[0]), st[1] + 1), x.sum()),
+    step = strategy.jit(lambda st, x: ((jax.tree.map(lambda a: a - x.mean(), st[0]), st[1] + 1),
+                                       x.sum()),
                         batch_argnums=1)
     for _ in range(2):
         state, _ = step(state, np.ones((8, 2), np.float32))

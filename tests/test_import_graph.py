@@ -1,4 +1,5 @@
-"""The package's import graph: a tree of layers, with no circle (imports inside functions count too)."""
+"""The package's import graph: a tree of layers, with no circle (imports inside functions count
+too)."""
 
 import ast
 import pathlib
@@ -6,7 +7,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
-LAYERS = ["costs", "replicate", "job", "strategies", "gradients", "nn", "tpu", "training"]  # bottom up
+# bottom up
+LAYERS = ["costs", "replicate", "job", "strategies", "gradients", "nn", "tpu", "training"]
 
 
 def _module(path: pathlib.Path) -> str:
@@ -53,7 +55,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_circle():
-    graph = {m: {n for n in deps if not m.startswith(n + ".") and n != "jaxdist"} for m, deps in _graph().items()}
+    graph = {m: {n for n in deps if not m.startswith(n + ".") and n != "jaxdist"}
+             for m, deps in _graph().items()}
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
 
 
@@ -66,13 +69,14 @@ def test_layers_import_down_only(layer):
             assert not upward, f"{module} imports {upward}, a layer above {layer}"
 
 
-ROOMS = ["ambient", "layout", "input", "plan", "replica_context", "compile", "tf_api"]  # strategies/, bottom up
+# strategies/, bottom up
+ROOMS = ["ambient", "layout", "input", "plan", "replica_context", "compile", "tf_api"]
 
 
 @pytest.mark.parametrize("room", ROOMS)
 def test_strategy_rooms_import_down_only(room):
-    """Each room of ``strategies/`` imports only the rooms below it, never the strategy classes and public
-    faces at the top of the package (which import the rooms)."""
+    """Each room of ``strategies/`` imports only the rooms below it, never the strategy classes and
+    public faces at the top of the package (which import the rooms)."""
     own = f"jaxdist.strategies.{room}"
     below = {f"jaxdist.strategies.{r}" for r in ROOMS[:ROOMS.index(room)]}
     for module, deps in _graph().items():
@@ -81,27 +85,33 @@ def test_strategy_rooms_import_down_only(room):
                 d for d in deps if d.startswith("jaxdist.strategies.") and not d.startswith(own)
                 and not any(d == b or d.startswith(b + ".") for b in below)
             )
-            assert not wrong, f"{module} imports {wrong}: a room above {room}, or the top of strategies/"
+            assert not wrong, (
+                f"{module} imports {wrong}: a room above {room}, or the top of strategies/"
+            )
 
 
 def test_other_packages_use_the_rooms_interfaces():
-    """Outside its room nothing imports a room's private modules (the other rooms, the strategy classes and the
-    public faces at the top of ``strategies/``, the other packages): each room's ``__init__`` is its interface,
-    ``jaxdist.job``'s too."""
+    """Outside its room nothing imports a room's private modules (the other rooms, the strategy
+    classes and the public faces at the top of ``strategies/``, the other packages): each room's
+    ``__init__`` is its interface, ``jaxdist.job``'s too."""
     for module, deps in _graph().items():
-        private = sorted(d for d in deps if d.startswith(("jaxdist.strategies.", "jaxdist.job.")) and "._" in d
+        private = sorted(d for d in deps if d.startswith(("jaxdist.strategies.", "jaxdist.job."))
+                         and "._" in d
                          and not (module + ".").startswith(d.rsplit("._", 1)[0] + "."))
-        assert not private, f"{module} imports {private}; import the room (jaxdist.strategies.<room>) instead"
+        assert not private, (
+            f"{module} imports {private}; import the room (jaxdist.strategies.<room>) instead"
+        )
 
 
-SUBROOMS = {"compile._trace": "compile"}  # a room inside a room: its own interface, below the rest of its room
+# a room inside a room: its own interface, below the rest of its room
+SUBROOMS = {"compile._trace": "compile"}
 
 
 @pytest.mark.parametrize("subroom", sorted(SUBROOMS))
 def test_subrooms_import_down_only(subroom):
-    """A room inside a room (``compile/_trace``: what runs while a ``strategy.jit`` step traces) imports only the
-    rooms below its room, never the rest of its own room; and nothing outside its room imports it at all (its
-    ``__init__`` is the interface its room uses)."""
+    """A room inside a room (``compile/_trace``: what runs while a ``strategy.jit`` step traces)
+    imports only the rooms below its room, never the rest of its own room; and nothing outside its
+    room imports it at all (its ``__init__`` is the interface its room uses)."""
     own = f"jaxdist.strategies.{subroom}"
     room = f"jaxdist.strategies.{SUBROOMS[subroom]}"
     graph = _graph()
@@ -122,24 +132,29 @@ FOLDERS = ["callbacks", "data", "step", "checkpoints", "loop"]  # training/, bot
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_training_folders_import_down_only(folder):
-    """Each concept folder of ``training/`` imports only the folders below it, never the modules at the top of
-    the package (the `Trainer`, ``prepare``: they import the folders)."""
+    """Each concept folder of ``training/`` imports only the folders below it, never the modules at
+    the top of the package (the `Trainer`, ``prepare``: they import the folders)."""
     own = f"jaxdist.training.{folder}"
     below = {f"jaxdist.training.{f}" for f in FOLDERS[:FOLDERS.index(folder)]}
     graph = _graph()
     assert own in graph, f"{own} is no package"
     for module, deps in graph.items():
         if module == own or module.startswith(own + "."):
-            inside = [d for d in deps if d == "jaxdist.training" or d.startswith("jaxdist.training.")]
+            inside = [d for d in deps if d == "jaxdist.training"
+                      or d.startswith("jaxdist.training.")]
             wrong = sorted(d for d in inside if not (d == own or d.startswith(own + "."))
                            and not any(d == b or d.startswith(b + ".") for b in below))
-            assert not wrong, f"{module} imports {wrong}: a folder above {folder}, or the top of training/"
+            assert not wrong, (
+                f"{module} imports {wrong}: a folder above {folder}, or the top of training/"
+            )
 
 
 def test_other_modules_use_the_training_folders_interfaces():
-    """Outside its folder nothing imports a training folder's private modules: each folder's ``__init__`` is its
-    interface."""
+    """Outside its folder nothing imports a training folder's private modules: each folder's
+    ``__init__`` is its interface."""
     for module, deps in _graph().items():
         private = sorted(d for d in deps if d.startswith("jaxdist.training.") and "._" in d
                          and not (module + ".").startswith(d.rsplit("._", 1)[0] + "."))
-        assert not private, f"{module} imports {private}; import the folder (jaxdist.training.<folder>) instead"
+        assert not private, (
+            f"{module} imports {private}; import the folder (jaxdist.training.<folder>) instead"
+        )

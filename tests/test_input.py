@@ -16,7 +16,8 @@ def test_global_batches_are_split_over_replicas(strategy_name):
     strategy = make(strategy_name)
     n = strategy.num_replicas_in_sync
     data = [
-        {"x": np.arange(4 * n * 3, dtype=np.float32).reshape(4 * n, 3) + i, "y": np.arange(4 * n) + i}
+        {"x": np.arange(4 * n * 3, dtype=np.float32).reshape(4 * n, 3) + i,
+         "y": np.arange(4 * n) + i}
         for i in range(5)
     ]
     seen = list(strategy.experimental_distribute_dataset(data))
@@ -31,21 +32,29 @@ def test_global_batches_are_split_over_replicas(strategy_name):
             for shard in arr.addressable_shards:
                 replica = int(np.argwhere(grid == shard.device)[0][0])
                 assert (shard.index[0].start or 0) == 4 * replica
-                np.testing.assert_array_equal(np.asarray(shard.data), want[key][4 * replica : 4 * (replica + 1)])
+                np.testing.assert_array_equal(np.asarray(shard.data),
+                                              want[key][4 * replica : 4 * (replica + 1)])
     # A list is re-iterable: a second pass gives the same batches.
     assert len(list(strategy.experimental_distribute_dataset(data))) == 5
 
 
 def test_indivisible_batch_says_drop_or_pad():
     strategy = jd.MirroredStrategy()
-    with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 does not divide global batch 100: drop the "
+    with pytest.raises(ValueError,
+                                          match=r"num_replicas_in_sync=8 does not divide global "
+                                                r"batch 100: drop the "
                                           r"remainder \(batch 96\) or pad to 104"):
         list(strategy.experimental_distribute_dataset([np.zeros((100, 2))]))
-    with pytest.raises(ValueError, match=r"the batch is ragged: its leaves have different rows \(\[0\]: 16, \[1\]: "
+    with pytest.raises(ValueError,
+                                         match=r"the batch is ragged: its leaves have different "
+                                               r"rows \(\[0\]: 16, \[1\]: "
                                          r"12\)"):
-        strategy.experimental_distribute_values((np.zeros((16, 1)), np.zeros((12, 1))))  # not a short batch
+        # not a short batch
+        strategy.experimental_distribute_values((np.zeros((16, 1)), np.zeros((12, 1))))
     # Fewer rows than replicas: no remainder to drop, the fix is more rows or fewer replicas.
-    with pytest.raises(ValueError, match=r"does not divide global batch 5: each replica needs at least one row: give "
+    with pytest.raises(ValueError,
+                                          match=r"does not divide global batch 5: each replica "
+                                                r"needs at least one row: give "
                                           r"at least 8 rows .* or a strategy with fewer replicas"):
         list(strategy.experimental_distribute_dataset([np.zeros((5, 2))]))
 
@@ -72,7 +81,8 @@ def test_input_context_and_dataset_from_function():
         return (np.full((per_host, 2), i, np.float32) for i in range(3))
 
     out = list(strategy.distribute_datasets_from_function(dataset_fn))
-    assert contexts == [jd.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)]
+    assert contexts == [jd.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                        num_replicas_in_sync=8)]
     assert [b.shape for b in out] == [(64, 2)] * 3
     assert all(b.sharding == strategy.batch_sharding for b in out)
     with pytest.raises(ValueError, match="num_replicas_in_sync=8 does not divide global batch 60"):
@@ -105,8 +115,9 @@ def test_errors_in_the_source_reach_the_consumer(prefetch):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_failed_read_ends_a_prefetching_iterator_and_not_one_that_reads_on_demand(prefetch):
-    """A source that fails once and then reads on: read on demand, the next call reads it again; read by the
-    prefetch thread, the thread's reading ended with the error, and so did the iterator."""
+    """A source that fails once and then reads on: read on demand, the next call reads it again;
+    read by the prefetch thread, the thread's reading ended with the error, and so did the
+    iterator."""
     strategy = jd.MirroredStrategy()
 
     class FailsOnce:

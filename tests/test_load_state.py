@@ -1,10 +1,11 @@
-"""Bring your own run: ``Trainer.load_state`` continues a run trained in plain JAX and saved with plain orbax.
+"""Bring your own run: ``Trainer.load_state`` continues a run trained in plain JAX and saved with
+plain orbax.
 
-The reference is a plain-JAX run (``jax.jit`` on one device, Adam with a warmup-cosine schedule) of 30 steps, saved
-with plain orbax at step 20. Trainers on MirroredStrategy and ShardedStrategy (FSDP) load that checkpoint and train
-steps 21-30: their losses and parameters equal the plain run's. The state is born in the strategy's layout, a state
-that does not fit is a ValueError naming the leaf, and a foreign checkpoint directory is met with the two lines of
-orbax that read it.
+The reference is a plain-JAX run (``jax.jit`` on one device, Adam with a warmup-cosine schedule) of
+30 steps, saved with plain orbax at step 20. Trainers on MirroredStrategy and ShardedStrategy (FSDP)
+load that checkpoint and train steps 21-30: their losses and parameters equal the plain run's. The
+state is born in the strategy's layout, a state that does not fit is a ValueError naming the leaf,
+and a foreign checkpoint directory is met with the two lines of orbax that read it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def ce(logits, y):
 
 
 def optimizer():
-    # eps = the peak rate: well-conditioned Adam, so another summation order stays rounding noise (registry.adam)
+    # eps = the peak rate: well-conditioned Adam, so another summation order stays rounding noise
+    # (registry.adam)
     return optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS), eps=1e-2)
 
 
@@ -55,13 +57,15 @@ def batches():
 
 
 def assert_close(a, b, rtol=1e-5, atol=1e-6):
-    for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)), strict=True):
+    for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b)),
+                    strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 def plain(steps, at_save=None):
-    """A plain-JAX run (``jax.jit`` on one device) of ``steps`` steps; ``at_save(params, opt_state)`` is called
-    before step ``SAVED``. Returns the parameters, the optimizer state and the losses."""
+    """A plain-JAX run (``jax.jit`` on one device) of ``steps`` steps; ``at_save(params,
+    opt_state)`` is called before step ``SAVED``. Returns the parameters, the optimizer state and
+    the losses."""
     model, tx, data = MLP(), optimizer(), batches()
     params = model.init(jax.random.key(0), data[0][0][:1])["params"]
     opt_state = tx.init(params)
@@ -83,22 +87,24 @@ def plain(steps, at_save=None):
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-    """The plain run of ``STEPS`` steps; its state at step ``SAVED`` saved with plain orbax (CheckpointManager
-    and StandardSave, as orbax's own recipe does). Returns the directory, the losses of the steps after
-    ``SAVED`` and the final parameters."""
+    """The plain run of ``STEPS`` steps; its state at step ``SAVED`` saved with plain orbax
+    (CheckpointManager and StandardSave, as orbax's own recipe does). Returns the directory, the
+    losses of the steps after ``SAVED`` and the final parameters."""
     directory = tmp_path_factory.mktemp("plain") / "checkpoints"
 
     def save(params, opt_state):
         with ocp.CheckpointManager(directory) as manager:
-            manager.save(SAVED, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            manager.save(SAVED, args=ocp.args.StandardSave({"params": params,
+                                                            "opt_state": opt_state}))
 
     params, _, losses = plain(STEPS, save)
     return directory, losses[SAVED:], params
 
 
 def read_plain(directory, with_target):
-    """The saved state as a migrating user reads it with plain orbax: into the structure ``optimizer.init``
-    gives (with a target), or as orbax has it (without one: the optax NamedTuples as dicts, tuples as lists)."""
+    """The saved state as a migrating user reads it with plain orbax: into the structure
+    ``optimizer.init`` gives (with a target), or as orbax has it (without one: the optax NamedTuples
+    as dicts, tuples as lists)."""
     path = directory / str(SAVED) / "default"
     if not with_target:
         return ocp.StandardCheckpointer().restore(path)
@@ -112,18 +118,22 @@ def linen_trainer(strategy, model=None, tx=None):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("strategy_name", "with_target"), [("mirrored_8", True), ("sharded_8", False)])
+@pytest.mark.parametrize(("strategy_name", "with_target"), [("mirrored_8", True),
+                                                            ("sharded_8", False)])
 def test_a_plain_orbax_run_continues_equal_to_the_plain_run(plain_run, strategy_name, with_target):
     directory, losses, final = plain_run
     strategy = make(strategy_name)
     state = read_plain(directory, with_target)
     data = batches()
     trainer = linen_trainer(strategy)
-    loaded = trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED, batch=data[0])
+    loaded = trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED,
+                                batch=data[0])
     assert trainer.step == SAVED and int(loaded.step) == SAVED
     assert_variable_layout(strategy, loaded, "the loaded state")
-    if strategy_name == "sharded_8":  # born split: each device holds its part of a split leaf, not the whole
-        for leaf in (loaded.params["Dense_0"]["kernel"], loaded.opt_state[0].mu["Dense_0"]["kernel"]):
+    # born split: each device holds its part of a split leaf, not the whole
+    if strategy_name == "sharded_8":
+        for leaf in (loaded.params["Dense_0"]["kernel"],
+                     loaded.opt_state[0].mu["Dense_0"]["kernel"]):
             part = leaf.sharding.shard_shape(leaf.shape)
             assert np.prod(part) < leaf.size
             assert {s.data.shape for s in leaf.addressable_shards} == {part}
@@ -144,7 +154,8 @@ def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_
     item = str(directory / str(SAVED) / "default")
     lines = [
         f"    state = ocp.StandardCheckpointer().restore({item!r})\n",
-        f"    trainer.load_state(params=state['params'], opt_state=state['opt_state'], step={SAVED})\n",
+        "    trainer.load_state(params=state['params'], opt_state=state['opt_state'], "
+        f"step={SAVED})\n",
     ]
     with pytest.raises(ValueError, match="did not write") as restored:
         trainer.restore(directory, batch=data[0])
@@ -153,11 +164,14 @@ def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_
     for error in (restored, fitted):
         message = str(error.value)
         assert all(line in message for line in lines), message
-        assert "empty directory" not in message and "its tree's top: ['opt_state', 'params']" in message
-    assert trainer.state is None and sorted(p.name for p in directory.iterdir()) == [str(SAVED)]  # nothing written
+        assert ("empty directory" not in message
+                and "its tree's top: ['opt_state', 'params']" in message)
+    # nothing written
+    assert trainer.state is None and sorted(p.name for p in directory.iterdir()) == [str(SAVED)]
     # The two lines, run as shown, continue the run.
     state = ocp.StandardCheckpointer().restore(item)
-    trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED, batch=data[0])
+    trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED,
+                       batch=data[0])
     assert trainer.step == SAVED
 
     # One StandardCheckpointer directory (no steps): restore and fit say the same, with its path.
@@ -166,7 +180,9 @@ def test_restore_and_fit_of_a_foreign_checkpoint_name_load_state(plain_run, tmp_
         checkpointer.save(single, {"params": state["params"]})
     for call in (lambda t: t.restore(single, batch=data[0]),
                  lambda t: t.fit(data, steps=2, checkpoint_dir=single, verbose=0)):
-        with pytest.raises(ValueError, match=r"holds an orbax checkpoint that jaxdist\.training did not write") as e:
+        with pytest.raises(
+            ValueError, match=r"holds an orbax checkpoint that jaxdist\.training did not write"
+        ) as e:
             call(linen_trainer(make("one_device")))
         assert f"ocp.StandardCheckpointer().restore({str(single)!r})" in str(e.value)
         assert "trainer.load_state(params=state['params'])" in str(e.value)
@@ -185,30 +201,46 @@ def test_a_state_that_does_not_fit_is_an_error_naming_the_leaf():
     params = plain_state()[0]["params"]
     trainer = linen_trainer(make("mirrored_8"))
     wrong_params = [
-        ({"Dense_0": params["Dense_0"]}, r"params\['Dense_1'\]\['bias'\] \(\(16,\) float32\) is missing"),
-        ({**params, "Dense_9": params["Dense_0"]}, r"params\['Dense_9'\]\['bias'\] \(\(4,\) float32\) is extra"),
+        ({"Dense_0": params["Dense_0"]},
+         r"params\['Dense_1'\]\['bias'\] \(\(16,\) float32\) is missing"),
+        ({**params, "Dense_9": params["Dense_0"]},
+         r"params\['Dense_9'\]\['bias'\] \(\(4,\) float32\) is extra"),
         ({**params, "Dense_0": {**params["Dense_0"], "kernel": np.zeros((32, 4), np.float32)}},
-         r"params\['Dense_0'\]\['kernel'\] is \(32, 4\) float32 where the trainer has \(16, 4\) float32"),
-        (jax.tree.map(lambda a: a.astype(np.float64), params), r"params\['Dense_0'\]\['bias'\] is \(4,\) float64"),
+         r"params\['Dense_0'\]\['kernel'\] is \(32, 4\) float32 where the trainer has \(16, 4\) "
+         r"float32"),
+        (jax.tree.map(lambda a: a.astype(np.float64), params),
+         r"params\['Dense_0'\]\['bias'\] is \(4,\) float64"),
         ({**params, "Dense_1": {**params["Dense_1"], "bias": "zeros"}},
          r"params\['Dense_1'\]\['bias'\] is a str, not an array"),
     ]
     for wrong, match in wrong_params:
-        with pytest.raises(ValueError, match=r"params does not fit this trainer's model and optimizer: .*" + match):
+        with pytest.raises(
+            ValueError, match=r"params does not fit this trainer's model and optimizer: .*" + match
+        ):
             trainer.load_state(params=wrong, batch=data[0])
-    with pytest.raises(ValueError, match=r"opt_state\[0\]\.mu\['Dense_0'\]\['bias'\] \(\(4,\) float32\) is "
-                                         r"missing.*Fix: pass the state of the optimizer the Trainer was given"):
-        trainer.load_state(params=params, opt_state=optax.sgd(0.1, momentum=0.9).init(params), batch=data[0])
-    with pytest.raises(ValueError, match=r"model_state\['batch_stats'\]\['mean'\] \(\(2,\) float32\) is extra"):
-        trainer.load_state(params=params, model_state={"batch_stats": {"mean": np.zeros(2, np.float32)}},
+    with pytest.raises(ValueError,
+                                         match=r"opt_state\[0\]\.mu\['Dense_0'\]\['bias'\] "
+                                               r"\(\(4,\) float32\) is "
+                                         r"missing.*Fix: pass the state of the optimizer the "
+                                         r"Trainer was given"):
+        trainer.load_state(params=params, opt_state=optax.sgd(0.1, momentum=0.9).init(params),
                            batch=data[0])
-    with pytest.raises(ValueError, match=r"params holds two leaves named 'Dense_0/bias' \(\['Dense_0'\]\['bias'\] "
+    with pytest.raises(ValueError,
+                       match=r"model_state\['batch_stats'\]\['mean'\] \(\(2,\) float32\) is extra"):
+        trainer.load_state(params=params,
+                           model_state={"batch_stats": {"mean": np.zeros(2, np.float32)}},
+                           batch=data[0])
+    with pytest.raises(ValueError,
+                                         match=r"params holds two leaves named 'Dense_0/bias' "
+                                               r"\(\['Dense_0'\]\['bias'\] "
                                          r"and \['Dense_0/bias'\]\).*pass one of them"):
-        trainer.load_state(params={**params, "Dense_0/bias": params["Dense_0"]["bias"]}, batch=data[0])
+        trainer.load_state(params={**params, "Dense_0/bias": params["Dense_0"]["bias"]},
+                           batch=data[0])
     with pytest.raises(ValueError, match=r"step=-1 must be an int >= 0"):
         trainer.load_state(params=params, step=-1, batch=data[0])
     assert trainer.state is None and trainer.step == 0  # every error left the trainer as it was
-    with pytest.raises(TypeError, match=r"data_position=\(0, 20\) must be a jd\.training\.DataPosition"):
+    with pytest.raises(TypeError,
+                       match=r"data_position=\(0, 20\) must be a jd\.training\.DataPosition"):
         trainer.data_position = (0, 20)
 
 
@@ -216,12 +248,17 @@ def test_a_state_that_does_not_fit_is_an_error_naming_the_leaf():
 def test_the_step_and_the_optimizer_count_disagreeing_is_said():
     data = batches()
     variables, opt_state = plain_state()
-    counted = jax.tree.map(lambda a: a + 7 if a.dtype == np.int32 else a, opt_state)  # a run of 7 steps
+    # a run of 7 steps
+    counted = jax.tree.map(lambda a: a + 7 if a.dtype == np.int32 else a, opt_state)
     trainer = linen_trainer(make("one_device"))
-    with pytest.warns(UserWarning, match=r"optimizer state counts opt_state\[0\]\.count = 7, opt_state\[1\]\.count "
+    with pytest.warns(UserWarning,
+                                         match=r"optimizer state counts opt_state\[0\]\.count = 7, "
+                                               r"opt_state\[1\]\.count "
                                          r"= 7 while the trainer's step is 0: .*pass step=7"):
         trainer.load_state(params=variables["params"], opt_state=counted, batch=data[0])
-    with pytest.warns(UserWarning, match=r"the optimizer state is a fresh one \(opt_state\[0\]\.count = 0.* while "
+    with pytest.warns(UserWarning,
+                                         match=r"the optimizer state is a fresh one "
+                                               r"\(opt_state\[0\]\.count = 0.* while "
                                          r"the step is 7: its schedule and moments start over"):
         trainer.load_state(params=variables["params"], step=7)
     trainer.load_state(params=variables["params"], opt_state=counted, step=7)  # they agree: silent
@@ -236,21 +273,28 @@ def test_fit_after_load_state_says_where_a_list_is_read_from(plain_run, tmp_path
 
     def loaded():
         trainer = linen_trainer(make("one_device"))
-        trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED, batch=data[0])
+        trainer.load_state(params=state["params"], opt_state=state["opt_state"], step=SAVED,
+                           batch=data[0])
         return trainer
 
     trainer = loaded()
-    with pytest.warns(UserWarning, match=r"fit continues the run load_state loaded at step 20 from batch 0 of epoch "
+    with pytest.warns(UserWarning,
+                                         match=r"fit continues the run load_state loaded at step "
+                                               r"20 from batch 0 of epoch "
                                          r"0 of train_data.*DataPosition\(epoch=0, index=20\)"):
-        trainer.fit(data[SAVED:], steps=SAVED + 1, verbose=0)  # the batches that come next: fine, but said
+        # the batches that come next: fine, but said
+        trainer.fit(data[SAVED:], steps=SAVED + 1, verbose=0)
     trainer = loaded()  # a checkpoint_dir holding a later step: fit resumes from it, and says so
     other = linen_trainer(make("one_device"))
     other.fit(data, steps=SAVED + 2, checkpoint_dir=tmp_path / "later", verbose=0)
-    with pytest.warns(UserWarning, match=r"fit resumes from checkpoint 22 of checkpoint_dir=.*which replaces the "
+    with pytest.warns(UserWarning,
+                                         match=r"fit resumes from checkpoint 22 of "
+                                               r"checkpoint_dir=.*which replaces the "
                                          r"state load_state gave \(step 20\)"):
         trainer.fit(data, steps=SAVED + 3, checkpoint_dir=tmp_path / "later", verbose=0)
     assert trainer.step == SAVED + 3
-    trainer = loaded()  # the whole run's batches, and where it stopped: silent, and equal to the plain run
+    # the whole run's batches, and where it stopped: silent, and equal to the plain run
+    trainer = loaded()
     trainer.data_position = jd.training.DataPosition(epoch=0, index=SAVED)
     history = trainer.fit(data, steps=STEPS, log_every=1, verbose=0)
     np.testing.assert_allclose([row["loss"] for row in history.train], losses, rtol=1e-5)
@@ -283,19 +327,26 @@ def test_an_nnx_run_saved_with_plain_orbax_continues_equal(tmp_path):
     for step, (x, y) in enumerate(data):
         if step == SAVED:  # saved as nnx states, with plain orbax
             with ocp.StandardCheckpointer() as checkpointer:
-                checkpointer.save(tmp_path / "nnx", {"params": nnx.state(model, nnx.Param),
-                                                     "model_state": nnx.state(model, nnx.Not(nnx.Param)),
-                                                     "opt_state": opt.opt_state})
+                checkpointer.save(
+                    tmp_path / "nnx",
+                    {
+                        "params": nnx.state(model, nnx.Param),
+                        "model_state": nnx.state(model, nnx.Not(nnx.Param)),
+                        "opt_state": opt.opt_state,
+                    },
+                )
         losses.append(float(train_step(model, opt, x, y)))
 
-    saved = ocp.StandardCheckpointer().restore(tmp_path / "nnx")  # no target: each Variable's value under "value"
+    # no target: each Variable's value under "value"
+    saved = ocp.StandardCheckpointer().restore(tmp_path / "nnx")
     strategy = make("sharded_8")
     mine = NnxNet(nnx.Rngs(1))  # other initial values: all of them come from the checkpoint
     trainer = jd.training.Trainer(strategy, mine, optimizer(), ce)
     loaded = trainer.load_state(params=saved["params"], opt_state=saved["opt_state"], step=SAVED,
                                 model_state=saved["model_state"])
     assert_variable_layout(strategy, loaded, "the loaded nnx state")
-    np.testing.assert_array_equal(np.asarray(mine.norm.mean[...]), saved["model_state"]["norm"]["mean"]["value"])
+    np.testing.assert_array_equal(np.asarray(mine.norm.mean[...]),
+                                  saved["model_state"]["norm"]["mean"]["value"])
     history = trainer.fit(iter(data[SAVED:]), steps=STEPS, log_every=1, verbose=0)
     np.testing.assert_allclose([row["loss"] for row in history.train], losses[SAVED:], rtol=1e-5)
     assert_close(nnx.state(mine, nnx.Param), nnx.state(model, nnx.Param))
@@ -308,11 +359,14 @@ def test_a_linen_model_state_is_loaded_or_built_as_init_builds_it():
     variables, opt_state = plain_state(BatchNormMLP())
     stats = jax.tree.map(lambda a: a + 1.5, variables["batch_stats"])
     strategy = make("sharded_8")
-    trainer = jd.training.Trainer(strategy, BatchNormMLP(), optimizer(), ce, train_kwargs={"train": True})
-    loaded = trainer.load_state(params=variables["params"], batch=data[0])  # no model_state: init's (mean 0, var 1)
+    trainer = jd.training.Trainer(strategy, BatchNormMLP(), optimizer(), ce,
+                                  train_kwargs={"train": True})
+    # no model_state: init's (mean 0, var 1)
+    loaded = trainer.load_state(params=variables["params"], batch=data[0])
     assert_variable_layout(strategy, loaded, "the loaded state")
     assert_close(loaded.model_state, {"batch_stats": variables["batch_stats"]})
-    assert_close(loaded.opt_state, opt_state)  # no opt_state: a fresh one, laid out as init lays it out
+    # no opt_state: a fresh one, laid out as init lays it out
+    assert_close(loaded.opt_state, opt_state)
     loaded = trainer.load_state(params=variables["params"], model_state={"batch_stats": stats})
     assert_close(loaded.model_state, {"batch_stats": stats})
     assert_variable_layout(strategy, loaded, "the reloaded state")
@@ -321,7 +375,8 @@ def test_a_linen_model_state_is_loaded_or_built_as_init_builds_it():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_two_processes_load_a_plain_run_and_continue_it(plain_run, tmp_path):
-    """Slow because of its 2-process job (imports, gloo, compiles of the FSDP and the mirrored trainer)."""
+    """Slow because of its 2-process job (imports, gloo, compiles of the FSDP and the mirrored
+    trainer)."""
     _, losses, final = plain_run
     out = tmp_path / "result.npz"
     proc = subprocess.run(
@@ -335,8 +390,8 @@ def test_two_processes_load_a_plain_run_and_continue_it(plain_run, tmp_path):
         np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
         for path, want in jax.tree_util.tree_leaves_with_path(jax.device_get(final)):
             for trainer in ("fsdp", "mirrored"):
-                np.testing.assert_allclose(result[f"{trainer}/{jax.tree_util.keystr(path)}"], want, rtol=1e-5,
-                                           atol=1e-6)
+                np.testing.assert_allclose(result[f"{trainer}/{jax.tree_util.keystr(path)}"], want,
+                                           rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -349,7 +404,8 @@ def test_an_nnx_trainer_needs_no_batch_and_keeps_its_module_state():
     loaded = trainer.load_state(params=params)  # no batch: an nnx module knows its shapes
     assert_close(loaded.params, params)
     assert_close(nnx.state(model, nnx.Param), params)  # written into the trainer's module
-    assert_close(loaded.model_state, nnx.to_pure_dict(nnx.state(fresh, nnx.Not(nnx.Param))))  # the module's own
+    # the module's own
+    assert_close(loaded.model_state, nnx.to_pure_dict(nnx.state(fresh, nnx.Not(nnx.Param))))
 
 
 @pytest.mark.timeout(300)
@@ -358,7 +414,11 @@ def test_the_optimizer_state_of_a_run_without_the_trainers_clipping_fits():
     variables, opt_state = plain_state()
     opt_state = jax.tree.map(lambda a: a + 3 if a.dtype == np.int32 else a, opt_state)
     trainer = jd.training.Trainer(make("one_device"), MLP(), optimizer(), ce, clip_grad_norm=1.0)
-    loaded = trainer.load_state(params=variables["params"], opt_state=opt_state, step=3, batch=data[0])
+    loaded = trainer.load_state(params=variables["params"], opt_state=opt_state, step=3,
+                                batch=data[0])
     assert int(loaded.opt_state[1][0].count) == 3  # (the clip's EmptyState, adam's state)
-    with pytest.raises(ValueError, match=r"opt_state\[0\]\.mu\['Dense_0'\]\['bias'\] \(\(4,\) float32\) is missing"):
-        trainer.load_state(params=variables["params"], opt_state=optax.sgd(0.1).init(variables["params"]))
+    with pytest.raises(ValueError,
+                       match=r"opt_state\[0\]\.mu\['Dense_0'\]\['bias'\] \(\(4,\) float32\) is "
+                             r"missing"):
+        trainer.load_state(params=variables["params"],
+                           opt_state=optax.sgd(0.1).init(variables["params"]))

@@ -1,5 +1,6 @@
-"""Flax partitioning annotations drive `ShardedStrategy`'s layout: logical axis rules, precedence, reports,
-activation constraints, and nnx variables annotated with ``nnx.with_partitioning`` through the Trainer."""
+"""Flax partitioning annotations drive `ShardedStrategy`'s layout: logical axis rules, precedence,
+reports, activation constraints, and nnx variables annotated with ``nnx.with_partitioning`` through
+the Trainer."""
 
 import warnings
 
@@ -23,8 +24,8 @@ def logical(names, init=None):
 
 
 class MLP(nn.Module):
-    """Logical names on the hidden layer, mesh axes (``nn.with_partitioning``) on the output kernel, and an
-    activation constraint in between."""
+    """Logical names on the hidden layer, mesh axes (``nn.with_partitioning``) on the output kernel,
+    and an activation constraint in between."""
 
     features: int = 16
 
@@ -38,7 +39,8 @@ class MLP(nn.Module):
         )(x)
         h = nn.with_logical_constraint(nn.relu(h), ("batch", "mlp"))
         return nn.Dense(
-            4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)), name="out"
+            4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)),
+            name="out"
         )(h)
 
 
@@ -59,7 +61,8 @@ def step(state, x, y):
 
 def tp_strategy(rules=RULES, activation_axes=("batch",), **kwargs):
     return jd.ShardedStrategy(
-        model_parallelism=2, min_shard_size=1, logical_axis_rules=rules, activation_axes=activation_axes, **kwargs
+        model_parallelism=2, min_shard_size=1, logical_axis_rules=rules,
+        activation_axes=activation_axes, **kwargs
     )
 
 
@@ -71,12 +74,15 @@ def test_annotations_place_params_and_optimizer_state_as_annotated():
     strategy = tp_strategy()
     params, (adam, _) = strategy.create_variables(init, jax.random.key(0))
     p = params["params"]
-    assert spec(p["hidden"]["kernel"]) == P(None, "model")  # ("embed", "mlp"): embed kept whole by its rule
-    assert {s.data.shape for s in p["hidden"]["kernel"].value.addressable_shards} == {(8, 8)}  # really split
+    # ("embed", "mlp"): embed kept whole by its rule
+    assert spec(p["hidden"]["kernel"]) == P(None, "model")
+    # really split
+    assert {s.data.shape for s in p["hidden"]["kernel"].value.addressable_shards} == {(8, 8)}
     assert spec(p["hidden"]["bias"]) == P("model")
     assert spec(p["out"]["kernel"]) == P("model")  # nn.with_partitioning: mesh axes as named
     assert p["out"]["bias"].sharding.spec == P("replica")  # not annotated: the FSDP rule
-    for moment in (adam.mu, adam.nu):  # optimizer state follows its parameter (it holds the same boxes)
+    # optimizer state follows its parameter (it holds the same boxes)
+    for moment in (adam.mu, adam.nu):
         assert spec(moment["params"]["hidden"]["kernel"]) == P(None, "model")
         assert spec(moment["params"]["out"]["kernel"]) == P("model")
     assert strategy.variable_layouts(params)["params/hidden/kernel"] == P(None, "model")
@@ -89,9 +95,12 @@ def test_precedence_layout_rules_then_annotation_then_fsdp():
     assert spec(params["params"]["hidden"]["kernel"]) == P("replica", "model")
     # A layout_rules regex overrides the annotation (and its optimizer state follows it too).
     override = tp_strategy(layout_rules=[(r"hidden/kernel", P())])
-    with pytest.warns(jd.UnmatchedLayoutRuleWarning, match=r"logical_axis_rules\[1\]=\('embed', None\)"):
-        params, (adam, _) = override.create_variables(init, jax.random.key(0))  # no "embed" left to place
-    assert spec(params["params"]["hidden"]["kernel"]) == P() and spec(adam.mu["params"]["hidden"]["kernel"]) == P()
+    with pytest.warns(jd.UnmatchedLayoutRuleWarning,
+                      match=r"logical_axis_rules\[1\]=\('embed', None\)"):
+        # no "embed" left to place
+        params, (adam, _) = override.create_variables(init, jax.random.key(0))
+    assert (spec(params["params"]["hidden"]["kernel"]) == P()
+            and spec(adam.mu["params"]["hidden"]["kernel"]) == P())
     assert spec(params["params"]["hidden"]["bias"]) == P("model")
     # Strategies that replicate every variable ignore annotations.
     mirrored = jd.MirroredStrategy()
@@ -102,13 +111,15 @@ def test_precedence_layout_rules_then_annotation_then_fsdp():
 def test_annotated_training_equals_one_device_and_keeps_layout():
     rng = np.random.default_rng(0)
     batches = [
-        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)) for _ in range(3)
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32))
+        for _ in range(3)
     ]
     reference = init(jax.random.key(0))
     strategy = tp_strategy()
     state = strategy.create_variables(init, jax.random.key(0))
     layout = jax.tree.map(lambda x: x.sharding, state)
-    with strategy.scope():  # traced in the scope: the activation constraint and unbox constraints apply
+    # traced in the scope: the activation constraint and unbox constraints apply
+    with strategy.scope():
         tp_step = strategy.jit(step, donate_argnums=(0,), batch_argnums=(1, 2))
         for x, y in batches:
             reference, want = jax.jit(step)(reference, x, y)
@@ -120,31 +131,37 @@ def test_annotated_training_equals_one_device_and_keeps_layout():
 
 
 def test_activation_constraint_uses_the_strategy_rules_in_its_steps():
-    """``nn.with_logical_constraint`` in a model: a step of a strategy with ``logical_axis_rules`` is traced
-    with its rules and mesh, inside ``strategy.scope()`` or not, so the activation takes the rule's layout;
-    a strategy without rules leaves it to XLA (tracing under a mesh with no rules, Flax would replicate the
-    names no rule maps). Same math either way."""
+    """``nn.with_logical_constraint`` in a model: a step of a strategy with ``logical_axis_rules``
+    is traced with its rules and mesh, inside ``strategy.scope()`` or not, so the activation takes
+    the rule's layout; a strategy without rules leaves it to XLA (tracing under a mesh with no
+    rules, Flax would replicate the names no rule maps). Same math either way."""
     seen = []
 
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
             h = nn.with_logical_constraint(nn.Dense(16)(x), ("batch", "hidden"))
-            jax.debug.inspect_array_sharding(h, callback=lambda s: seen.append(getattr(s, "spec", None)))
+            jax.debug.inspect_array_sharding(
+                h, callback=lambda s: seen.append(getattr(s, "spec", None))
+            )
             return nn.Dense(1)(h).mean()
 
     net = Net()
-    strategy = tp_strategy(rules=(("batch", "replica"), ("hidden", "model")), activation_axes=("batch", "hidden"))
+    strategy = tp_strategy(rules=(("batch", "replica"), ("hidden", "model")),
+                           activation_axes=("batch", "hidden"))
     x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     params = strategy.create_variables(net.init, jax.random.key(0), x[:1])
     seen.clear()
     with strategy.scope():
         inside = strategy.jit(lambda p, x: net.apply(p, x), batch_argnums=1)(params, x)
     outside = strategy.jit(lambda p, x: net.apply(p, x) + 0.0, batch_argnums=1)(params, x)
-    assert seen[0] == seen[1] == P("replica", "model")  # batch over the replicas, hidden over the model axis
+    # batch over the replicas, hidden over the model axis
+    assert seen[0] == seen[1] == P("replica", "model")
     plain = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)  # no rules: XLA's own choice
-    with pytest.warns(jd.strategies.IdleAxisWarning, match="'model'"):  # no rule splits anything over it
-        plain_params = plain.create_variables(lambda k, x: nn.unbox(net.init(k, x)), jax.random.key(0), x[:1])
+    # no rule splits anything over it
+    with pytest.warns(jd.strategies.IdleAxisWarning, match="'model'"):
+        plain_params = plain.create_variables(lambda k, x: nn.unbox(net.init(k, x)),
+                                              jax.random.key(0), x[:1])
     unconstrained = plain.jit(lambda p, x: net.apply(p, x) * 1.0, batch_argnums=1)(plain_params, x)
     assert seen[2] != P("replica", "model")
     np.testing.assert_allclose(inside, net.apply(jax.device_get(params), x), rtol=1e-5)
@@ -153,8 +170,9 @@ def test_activation_constraint_uses_the_strategy_rules_in_its_steps():
 
 
 def test_gradients_returned_by_a_step_keep_the_annotated_layout():
-    """An output not shaped like an argument (gradients returned next to the loss) is laid out like the
-    variables it mirrors: annotated parameters' gradients take the annotation's layout, not the FSDP rule."""
+    """An output not shaped like an argument (gradients returned next to the loss) is laid out like
+    the variables it mirrors: annotated parameters' gradients take the annotation's layout, not the
+    FSDP rule."""
     strategy = tp_strategy()
     params, _ = strategy.create_variables(init, jax.random.key(0))
     x = np.ones((8, 8), np.float32)
@@ -170,7 +188,8 @@ def test_gradients_returned_by_a_step_keep_the_annotated_layout():
 
 def test_unmatched_rules_are_reported_once_naming_the_entry():
     strategy = tp_strategy(
-        rules=(("batch", "replica"), ("mpl", "model"), ("mlp", "model")), layout_rules=[(r"hiden/kernel", P())]
+        rules=(("batch", "replica"), ("mpl", "model"), ("mlp", "model")),
+        layout_rules=[(r"hiden/kernel", P())]
     )
     with pytest.warns(jd.UnmatchedLayoutRuleWarning) as record:
         strategy.create_variables(init, jax.random.key(0))
@@ -187,18 +206,24 @@ def test_unmatched_rules_are_reported_once_naming_the_entry():
     with pytest.warns(jd.IdleAxisWarning), pytest.warns(
         jd.UnmatchedLayoutRuleWarning, match="no variable carries a logical annotation"
     ):
-        unboxed.create_variables(lambda key: nn.unbox(MODEL.init(key, jnp.zeros((1, 8)))), jax.random.key(0))
+        unboxed.create_variables(lambda key: nn.unbox(MODEL.init(key, jnp.zeros((1, 8)))),
+                                 jax.random.key(0))
     assert tp_strategy().unmatched_rules(jax.eval_shape(init, jax.random.key(0))) == []
 
 
 def test_bad_rules_and_annotations_are_clear_errors():
-    with pytest.raises(ValueError, match=r"logical_axis_rules\[0\]=\('mlp', 'model'\).*model_parallelism > 1"):
+    with pytest.raises(ValueError,
+                       match=r"logical_axis_rules\[0\]=\('mlp', 'model'\).*model_parallelism > 1"):
         jd.ShardedStrategy(logical_axis_rules=[("mlp", "model")])
-    with pytest.raises(ValueError, match=r"logical_axis_rules\[1\]='mlp' is not a \(logical_name, mesh_axes\) pair"):
+    with pytest.raises(ValueError,
+                       match=r"logical_axis_rules\[1\]='mlp' is not a \(logical_name, mesh_axes\) "
+                             r"pair"):
         tp_strategy(rules=[("embed", None), "mlp"])
     with pytest.raises(ValueError, match=r"activation_axes='batch' must be a sequence"):
         jd.ShardedStrategy(activation_axes="batch")
-    data_axis = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("data", None)))
+    data_axis = nn.Dense(
+        4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("data", None))
+    )
     with pytest.raises(ValueError, match=r"kernel.*names mesh axis 'data'.*logical_axis_rules"):
         tp_strategy().create_variables(data_axis.init, jax.random.key(0), jnp.ones((1, 8)))
     too_many = nn.Dense(4, kernel_init=logical(("embed", "mlp", "extra")))
@@ -218,28 +243,34 @@ def test_bad_rules_and_annotations_are_clear_errors():
 
 
 def test_a_mesh_axis_the_strategy_lacks_is_named_with_the_fix_inside_scope():
-    """Inside scope() Flax applies nn/nnx.with_partitioning on the strategy's mesh; an axis it lacks is JAX's
-    terse error (which names the axis), and the scope notes the mesh's axes and the fix."""
+    """Inside scope() Flax applies nn/nnx.with_partitioning on the strategy's mesh; an axis it lacks
+    is JAX's terse error (which names the axis), and the scope notes the mesh's axes and the fix."""
     mirrored = jd.MirroredStrategy()
-    model_axis = nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")))
+    model_axis = nn.Dense(
+        4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    )
     expected = (
-        r"(?s)MirroredStrategy.scope\(\), where the ambient mesh is this strategy's, axes \('replica',\).*"
-        r"names an axis this mesh does not have.*logical_axis_rules"
+        r"(?s)MirroredStrategy.scope\(\), where the ambient mesh is this strategy's, axes "
+        r"\('replica',\).*names an axis this mesh does not have.*logical_axis_rules"
     )
     for build in (
         lambda: mirrored.create_variables(model_axis.init, jax.random.key(0), jnp.ones((1, 8))),
         lambda: AnnotatedNnx(nnx.Rngs(0)),
     ):
-        with pytest.raises(ValueError, match=expected) as raised, mirrored.scope(), mirrored.scope():
+        with pytest.raises(ValueError,
+                           match=expected) as raised, mirrored.scope(), mirrored.scope():
             build()
         assert "model" in str(raised.value)  # JAX's own message, unchanged, names the axis
-        assert sum("jaxdist:" in note for note in raised.value.__notes__) == 1  # one note, scope re-entered
-    with pytest.raises(ValueError) as raised, mirrored.scope():  # other errors keep their type and message
+        # one note, scope re-entered
+        assert sum("jaxdist:" in note for note in raised.value.__notes__) == 1
+    # other errors keep their type and message
+    with pytest.raises(ValueError) as raised, mirrored.scope():
         raise ValueError("unrelated")
     assert str(raised.value) == "unrelated" and not getattr(raised.value, "__notes__", [])
     explicit = jd.MirroredStrategy(mesh=jax.make_mesh((8,), ("data",)))
     bias = explicit.mirror(jnp.ones(4))
-    with pytest.raises(ValueError) as raised, explicit.scope():  # a rank mismatch: not about the mesh's axes
+    # a rank mismatch: not about the mesh's axes
+    with pytest.raises(ValueError) as raised, explicit.scope():
         jax.sharding.reshard(bias, jax.sharding.PartitionSpec(None, None))
     assert not [n for n in getattr(raised.value, "__notes__", []) if "jaxdist" in n]
 
@@ -247,13 +278,15 @@ def test_a_mesh_axis_the_strategy_lacks_is_named_with_the_fix_inside_scope():
 class LogicalNnx(nnx.Module):
     def __init__(self, rngs):
         init = nnx.initializers.lecun_normal()
-        self.hidden = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+        self.hidden = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                                 rngs=rngs)
 
 
 def test_nnx_logical_names_need_a_rule_each_and_the_error_says_so():
-    """nnx (unlike linen) passes a logical name with no rule through as a mesh axis: the error names the rule
-    to add; with it, the variable is created in the layout the rules give."""
-    with pytest.raises(ValueError, match=r"(?s)logical_axis_rules map \('mlp',\).*give that name a rule.*"
+    """nnx (unlike linen) passes a logical name with no rule through as a mesh axis: the error names
+    the rule to add; with it, the variable is created in the layout the rules give."""
+    with pytest.raises(ValueError,
+                       match=r"(?s)logical_axis_rules map \('mlp',\).*give that name a rule.*"
                        r"add \(name, None\)") as raised:
         with tp_strategy(rules=[("mlp", "model")], activation_axes=()).scope():
             LogicalNnx(nnx.Rngs(0))
@@ -274,10 +307,13 @@ class AnnotatedNnx(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))
 
 
-def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_and_checkpoint(tmp_path):
+def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_and_checkpoint(
+    tmp_path,
+):
     rng = np.random.default_rng(0)
     data = [
-        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)) for _ in range(3)
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32))
+        for _ in range(3)
     ]
 
     def mse(out, y):
@@ -289,7 +325,8 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
     trainer = jd.training.Trainer(strategy, model, adam(1e-2), mse)
     trainer.fit(data, steps=3, verbose=0, checkpoint_dir=tmp_path)
     kernel = trainer.state.params["hidden"]["kernel"]
-    assert isinstance(kernel, nnx.Param)  # the Variable itself, its annotation in its metadata (no linen box)
+    # the Variable itself, its annotation in its metadata (no linen box)
+    assert isinstance(kernel, nnx.Param)
     assert kernel[...].sharding.spec == P(None, "model")  # as annotated, not the FSDP rule
     mu = trainer.state.opt_state[0].mu["hidden"]["kernel"]
     assert mu[...].sharding.spec == P(None, "model")  # the optimizer state follows it
@@ -300,7 +337,8 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
         jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(0), annotate=False), adam(1e-2), mse
     )
     reference.fit(data, steps=3, verbose=0)
-    np.testing.assert_allclose(kernel[...], reference.state.params["hidden"]["kernel"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kernel[...], reference.state.params["hidden"]["kernel"], rtol=1e-5,
+                               atol=1e-6)
 
     with strategy.scope():
         fresh = AnnotatedNnx(nnx.Rngs(1))
@@ -309,20 +347,24 @@ def test_nnx_annotated_model_created_in_scope_keeps_its_layout_through_trainer_a
     assert restored.state.params["hidden"]["kernel"][...].sharding.spec == P(None, "model")
     np.testing.assert_allclose(restored.state.params["hidden"]["kernel"][...], kernel[...])
 
-    with nnx.use_eager_sharding(False):  # the same annotated model, off any mesh: restored on one device
-        single = jd.training.Trainer(jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(2)), adam(1e-2), mse)
+    # the same annotated model, off any mesh: restored on one device
+    with nnx.use_eager_sharding(False):
+        single = jd.training.Trainer(jd.OneDeviceStrategy(), AnnotatedNnx(nnx.Rngs(2)), adam(1e-2),
+                                     mse)
     assert single.restore(tmp_path, batch=data[0]) == 3
     np.testing.assert_allclose(single.state.params["hidden"]["kernel"][...], kernel[...])
-    single.fit(data, steps=4, verbose=0)  # and trains on there: the same next step as on the FSDP x TP strategy
+    # and trains on there: the same next step as on the FSDP x TP strategy
+    single.fit(data, steps=4, verbose=0)
     restored.fit(data, steps=4, verbose=0)
     np.testing.assert_allclose(single.state.params["hidden"]["kernel"][...],
                                restored.state.params["hidden"]["kernel"][...], rtol=1e-5, atol=1e-6)
 
 
 def test_trainer_reads_nnx_annotations_as_strategy_jit_does():
-    """One nnx path: the Trainer lays an nnx model's Variables out by their metadata, through the strategy's
-    logical rules, exactly as ``strategy.jit`` lays out the same model passed to a step: here a model built
-    off any mesh (its logical names not yet resolved by Flax), which only the metadata says how to split."""
+    """One nnx path: the Trainer lays an nnx model's Variables out by their metadata, through the
+    strategy's logical rules, exactly as ``strategy.jit`` lays out the same model passed to a step:
+    here a model built off any mesh (its logical names not yet resolved by Flax), which only the
+    metadata says how to split."""
     strategy = tp_strategy(rules=[("embed", None), ("mlp", "model")], activation_axes=())
     with nnx.use_eager_sharding(False):
         model = LogicalNnx(nnx.Rngs(0))
@@ -346,4 +388,5 @@ def test_trainer_reads_nnx_annotations_as_strategy_jit_does():
     with nnx.use_eager_sharding(False):
         same = LogicalNnx(nnx.Rngs(0))
     kernel = strategy.jit(lambda m, x: nnx.state(m), batch_argnums=1)(same, x)["hidden"]["kernel"]
-    assert kernel[...].sharding.spec == trained[...].sharding.spec  # strategy.jit reads them the same way
+    # strategy.jit reads them the same way
+    assert kernel[...].sharding.spec == trained[...].sharding.spec

@@ -1,8 +1,10 @@
-"""Mirrored stays mirrored, or says why not: what ``strategy.run`` returns in a mirrored argument's place.
+"""Mirrored stays mirrored, or says why not: what ``strategy.run`` returns in a mirrored argument's
+place.
 
-A tf.distribute custom loop ported as written (the update inside ``run``): with the gradients all-reduced the
-parameters come back mirrored and train as one device does; without it each replica's copy would drift, which
-``run`` refuses before the first update, naming ``all_reduce``. Values kept apart on purpose are declared.
+A tf.distribute custom loop ported as written (the update inside ``run``): with the gradients
+all-reduced the parameters come back mirrored and train as one device does; without it each
+replica's copy would drift, which ``run`` refuses before the first update, naming ``all_reduce``.
+Values kept apart on purpose are declared.
 """
 
 import jax
@@ -13,7 +15,13 @@ import pytest
 
 import jaxdist as jd
 from jaxdist.replicate.collectives import keep_per_replica
-from jaxdist.strategies.compile._identical import DECLARED, DIFFERENT, IDENTICAL, output_values, program_values
+from jaxdist.strategies.compile._identical import (
+    DECLARED,
+    DIFFERENT,
+    IDENTICAL,
+    output_values,
+    program_values,
+)
 
 GLOBAL_BATCH = 64
 
@@ -42,7 +50,8 @@ def _tutorial_step(tx, reduce_grads):
     return train_step
 
 
-@pytest.mark.parametrize("make", [jd.MirroredStrategy, lambda: jd.ShardedStrategy(model_parallelism=2)],
+@pytest.mark.parametrize("make", [jd.MirroredStrategy,
+                                  lambda: jd.ShardedStrategy(model_parallelism=2)],
                          ids=["mirrored", "sharded_4x2"])
 def test_the_tutorial_port_equals_one_device_and_stays_mirrored(make):
     strategy = make()
@@ -51,7 +60,8 @@ def test_the_tutorial_port_equals_one_device_and_stays_mirrored(make):
     params, opt_state = strategy.mirror(host), strategy.mirror(tx.init(host))
     step = _tutorial_step(tx, reduce_grads=True)
     for _ in range(3):
-        params, opt_state, loss = strategy.run(step, args=(params, opt_state, x, y), batch_argnums=(2, 3))
+        params, opt_state, loss = strategy.run(step, args=(params, opt_state, x, y),
+                                               batch_argnums=(2, 3))
         assert isinstance(loss, jd.PerReplica)  # each replica's scaled loss
     # The update used all-reduced gradients: the same on every replica, so it comes back mirrored.
     for leaf in jax.tree.leaves((params, opt_state)):
@@ -73,7 +83,8 @@ def test_the_port_without_the_all_reduce_is_refused_before_any_update():
     params, opt_state = strategy.mirror(host), strategy.mirror(tx.init(host))
     place = r"output\[0\]\['b'\] takes the place of the mirrored argument args\[0\]\['b'\]"
     with pytest.raises(ValueError, match=place) as e:
-        strategy.run(_tutorial_step(tx, reduce_grads=False), args=(params, opt_state, x, y), batch_argnums=(2, 3))
+        strategy.run(_tutorial_step(tx, reduce_grads=False), args=(params, opt_state, x, y),
+                     batch_argnums=(2, 3))
     assert "all_reduce" in str(e.value) and "per_replica" in str(e.value)
     assert "output[0]['b']" in str(e.value) and "output[0]['w']" in str(e.value)
 
@@ -84,7 +95,8 @@ def test_a_train_state_returned_whole_is_checked_too():
 
     def step(state, x, y):  # state -> new_state, as flax's TrainState steps are written
         grads = jax.grad(_loss)(state["params"], x, y)
-        return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads), "step": state["step"] + 1}
+        return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads),
+                "step": state["step"] + 1}
 
     state = strategy.mirror({"params": host, "step": jnp.zeros((), jnp.int32)})
     place = r"output\['params'\]\['b'\] takes the place of the mirrored argument args\[0\]\['params'\]\['b'\]"
@@ -93,7 +105,8 @@ def test_a_train_state_returned_whole_is_checked_too():
 
 
 def test_kept_apart_on_purpose_local_sgd():
-    """Local SGD: each replica trains its own copy, declared with ReplicaContext.per_replica; averaged later."""
+    """Local SGD: each replica trains its own copy, declared with ReplicaContext.per_replica;
+    averaged later."""
     strategy = jd.MirroredStrategy()
     n = strategy.num_replicas_in_sync
     x, y, host = _data()
@@ -105,7 +118,8 @@ def test_kept_apart_on_purpose_local_sgd():
 
     params = strategy.run(local_step, args=(strategy.mirror(host), x, y), batch_argnums=(1, 2))
     assert all(isinstance(leaf, jd.PerReplica) for leaf in params.values())
-    # Passed back, each replica continues from its own copy (a PerReplica argument is never taken for mirrored).
+    # Passed back, each replica continues from its own copy (a PerReplica argument is never taken
+    # for mirrored).
     params = strategy.run(local_step, args=(params, x, y), batch_argnums=(1, 2))
     averaged = strategy.reduce(jd.ReduceOp.MEAN, params)
     # Reference: replica i trains on rows of its own, twice, then the copies are averaged.
@@ -125,8 +139,8 @@ def test_kept_apart_on_purpose_local_sgd():
 
 
 def test_values_read_from_the_jaxpr():
-    """The dataflow reading: collectives make values identical, batches and axis_index different, loops and
-    branches join their paths, the declaration marker survives reshaping."""
+    """The dataflow reading: collectives make values identical, batches and axis_index different,
+    loops and branches join their paths, the declaration marker survives reshaping."""
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((8,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -140,13 +154,15 @@ def test_values_read_from_the_jaxpr():
         branch = jax.lax.cond(w[0] > 0, lambda: w, lambda: w * 2)
         by_index = w * jax.lax.axis_index("replica")
         kept = keep_per_replica(w, "replica")
-        return tuple(v[None] for v in (w, summed[0], nested[0], carry, const, branch, by_index, kept))
+        return tuple(v[None] for v in (w, summed[0], nested[0], carry, const, branch, by_index,
+                                       kept))
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica")), out_specs=P("replica"))
     traced = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones((16, 3)))
     inner = traced.jaxpr.eqns[0].params["jaxpr"]
     got = output_values(inner, [False, True], ["replica"])
-    assert got == [IDENTICAL, IDENTICAL, IDENTICAL, DIFFERENT, IDENTICAL, IDENTICAL, DIFFERENT, DECLARED]
+    assert got == [IDENTICAL, IDENTICAL, IDENTICAL, DIFFERENT, IDENTICAL, IDENTICAL, DIFFERENT,
+                   DECLARED]
     assert program_values(traced, {"replica": 8}) == got
     # A collective over only part of the replica axes does not make a value identical.
     assert output_values(inner, [False, True], ["replica", "other"])[1] == DIFFERENT
@@ -197,12 +213,14 @@ def test_a_sync_on_read_value_updated_in_a_compiled_step_is_returned_or_refused(
         strategy.run(count, args=(seen, x), batch_argnums=(1,))
         return jnp.zeros(())
 
-    with pytest.raises(ValueError, match=r"updated the sync-on-read value args\[0\] in place.*Return it"):
+    with pytest.raises(ValueError,
+                       match=r"updated the sync-on-read value args\[0\] in place.*Return it"):
         strategy.jit(step_dropping, batch_argnums=(1,))(seen, x)
 
 
 def test_strategy_jit_as_a_decorator_factory():
-    """@strategy.jit, strategy.jit(fn, ...) and @strategy.jit(batch_argnums=...) (nnx.jit's usage) agree."""
+    """@strategy.jit, strategy.jit(fn, ...) and @strategy.jit(batch_argnums=...) (nnx.jit's usage)
+    agree."""
     strategy = jd.MirroredStrategy()
     x, _, host = _data()
 
@@ -219,7 +237,8 @@ def test_strategy_jit_as_a_decorator_factory():
     def bare(params, x):
         return step(params, x)
 
-    for got in (decorated(host, x), bare(strategy.mirror(host), strategy.experimental_distribute_values(x))):
+    for got in (decorated(host, x), bare(strategy.mirror(host),
+                                         strategy.experimental_distribute_values(x))):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     with pytest.raises(TypeError, match="fn=3 is not callable"):
@@ -227,38 +246,44 @@ def test_strategy_jit_as_a_decorator_factory():
 
 
 def test_identical_outputs_cost_no_communication():
-    """An updated parameter comes back mirrored without a byte sent: the step's only collective is the
-    gradients' all-reduce (taking replica 0's copy would broadcast it)."""
+    """An updated parameter comes back mirrored without a byte sent: the step's only collective is
+    the gradients' all-reduce (taking replica 0's copy would broadcast it)."""
     strategy = jd.MirroredStrategy()
 
     def replica_fn(w, x):
         g = jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
         return w - 0.1 * jd.get_replica_context().all_reduce("mean", g)
 
-    step = strategy.jit(lambda w, x: strategy.run(replica_fn, args=(w, x), batch_argnums=(1,)), batch_argnums=1)
-    plan = step.plan(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    step = strategy.jit(lambda w, x: strategy.run(replica_fn, args=(w, x), batch_argnums=(1,)),
+                        batch_argnums=1)
+    plan = step.plan(
+        jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    )
     assert set(plan.collectives) == {"all-reduce"} and plan.collectives["all-reduce"].count == 1
     w = strategy.run(replica_fn, args=(jnp.ones((64, 32)), jnp.ones((64, 64))), batch_argnums=(1,))
     assert isinstance(w, jax.Array) and w.sharding.is_fully_replicated
 
 
 def test_per_replica_gradients_returned_for_a_cross_replica_reduce_are_not_an_update():
-    """Gradients have the parameters' structure but carry none of them element-wise: returned per replica and
-    reduced outside (a cross-replica reduce), they are not a drifting copy."""
+    """Gradients have the parameters' structure but carry none of them element-wise: returned per
+    replica and reduced outside (a cross-replica reduce), they are not a drifting copy."""
     strategy = jd.MirroredStrategy()
     x, y, host = _data()
     params = strategy.mirror(host)
-    grads = strategy.run(lambda p, x, y: jax.grad(_loss)(p, x, y), args=(params, x, y), batch_argnums=(1, 2))
+    grads = strategy.run(lambda p, x, y: jax.grad(_loss)(p, x, y), args=(params, x, y),
+                         batch_argnums=(1, 2))
     assert all(isinstance(g, jd.PerReplica) for g in grads.values())
     summed = strategy.reduce(jd.ReduceOp.SUM, grads)
-    want = jax.grad(_loss)(host, x, y)  # compute_average_loss over the global batch: the sum of the replicas'
+    # compute_average_loss over the global batch: the sum of the replicas'
+    want = jax.grad(_loss)(host, x, y)
     for got, ref in zip(jax.tree.leaves(summed), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_a_typed_prng_key_in_a_mirrored_state_runs_and_comes_back_mirrored():
-    """optax's DP-SGD keeps a ``jax.random.key`` in its state: a per-replica step that splits it the same way on
-    every replica returns it (and the noise drawn from it) mirrored, equal to one device."""
+    """optax's DP-SGD keeps a ``jax.random.key`` in its state: a per-replica step that splits it the
+    same way on every replica returns it (and the noise drawn from it) mirrored, equal to one
+    device."""
     strategy = jd.MirroredStrategy()
     host = {"key": jax.random.key(0), "w": jnp.ones(3)}
 

@@ -1,9 +1,9 @@
 """strategy.run's mirrored outputs are proven, failing closed, and the proof is checked on device.
 
-What the analysis trusts is pinned against the installed JAX; what it does not know (a primitive defined here, a
-host callback with effects) comes back per replica; right programs that pmap-era and tf.distribute code writes
-come back mirrored; values fed back without the all-reduce are refused whatever their shape; and an analysis
-made wrong on purpose is caught on device at the first call.
+What the analysis trusts is pinned against the installed JAX; what it does not know (a primitive
+defined here, a host callback with effects) comes back per replica; right programs that pmap-era and
+tf.distribute code writes come back mirrored; values fed back without the all-reduce are refused
+whatever their shape; and an analysis made wrong on purpose is caught on device at the first call.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ N = 8
 
 
 def _primitive_names() -> set[str]:
-    """Every primitive the installed JAX defines (its modules walked; kernels' languages left out)."""
+    """Every primitive the installed JAX defines (its modules walked; kernels' languages left
+    out)."""
     import jax._src as src
 
     for info in pkgutil.walk_packages(src.__path__, "jax._src."):
-        if not any(part in info.name for part in ("pallas", "mosaic", "triton", "test", "cudnn", "tpu", "cloud")):
+        if not any(part in info.name for part in ("pallas", "mosaic", "triton", "test", "cudnn",
+                                                  "tpu", "cloud")):
             with contextlib.suppress(Exception):  # a module that needs what is not installed here
                 importlib.import_module(info.name)
     found = set()
@@ -43,8 +45,8 @@ def _primitive_names() -> set[str]:
 
 
 def test_every_trusted_primitive_name_is_one_the_installed_jax_defines():
-    """A JAX upgrade that renames a primitive fails here, not in a user's program (the renamed one would only be
-    refused: unknown primitives are never trusted)."""
+    """A JAX upgrade that renames a primitive fails here, not in a user's program (the renamed one
+    would only be refused: unknown primitives are never trusted)."""
     trusted = PURE | REDUCING | SPREADING | CALLS | {"cond", "scan", "while", "axis_index"}
     missing = sorted(trusted - _primitive_names())
     assert not missing, f"trusted primitive names the installed JAX does not define: {missing}"
@@ -53,7 +55,8 @@ def test_every_trusted_primitive_name_is_one_the_installed_jax_defines():
 def _new_primitive() -> jcore.Primitive:
     prim = jcore.Primitive("jaxdist_test_unknown")
     prim.def_impl(lambda x: x + 1)
-    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))  # JAX types its result invariant
+    # JAX types its result invariant
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
     mlir.register_lowering(prim, mlir.lower_fun(lambda x: x + 1, multiple_results=False))
     return prim
 
@@ -63,13 +66,13 @@ _UNKNOWN = _new_primitive()
 
 @pytest.mark.parametrize("check_vma", [None, True, False])
 def test_a_primitive_the_analysis_does_not_know_comes_back_per_replica(check_vma):
-    """JAX's own typing calls this primitive's result invariant whatever its input (it fails open): run does not
-    take its word, or the analysis's default. The values are still right."""
+    """JAX's own typing calls this primitive's result invariant whatever its input (it fails open):
+    run does not take its word, or the analysis's default. The values are still right."""
     strategy = jd.MirroredStrategy()
     w = strategy.mirror(jnp.arange(3.0))
     x = np.arange(N * 3, dtype=np.float32).reshape(N, 3)
-    of_mirrored, of_batch = strategy.run(lambda w, x: (_UNKNOWN.bind(w), _UNKNOWN.bind(x)), args=(w, x),
-                                         batch_argnums=(1,), check_vma=check_vma)
+    of_mirrored, of_batch = strategy.run(lambda w, x: (_UNKNOWN.bind(w), _UNKNOWN.bind(x)),
+                                         args=(w, x), batch_argnums=(1,), check_vma=check_vma)
     assert isinstance(of_mirrored, jd.PerReplica) and isinstance(of_batch, jd.PerReplica)
     for i, (a, b) in enumerate(zip(strategy.experimental_local_results(of_mirrored),
                                    strategy.experimental_local_results(of_batch), strict=True)):
@@ -94,16 +97,18 @@ def test_a_host_callback_with_effects_comes_back_per_replica_a_pure_one_mirrored
 
 
 def test_the_analysis_made_wrong_on_purpose_is_caught_on_device(monkeypatch):
-    """The proof is checked where it is cheap: at the first call, each device fingerprints what it would return
-    mirrored, and the fingerprints are compared on device."""
+    """The proof is checked where it is cheap: at the first call, each device fingerprints what it
+    would return mirrored, and the fingerprints are compared on device."""
     strategy = jd.MirroredStrategy()
-    monkeypatch.setattr(_run, "program_values", lambda program, axes: [IDENTICAL] * 8)  # says all is identical
+    # says all is identical
+    monkeypatch.setattr(_run, "program_values", lambda program, axes: [IDENTICAL] * 8)
 
     def drifting(w, x):
         return w - 0.1 * x.sum(0)  # a local update: differs per replica
 
     w, x = strategy.mirror(jnp.ones(3)), np.arange(N * 3, dtype=np.float32).reshape(N, 3)
-    with pytest.raises(RuntimeError, match=r"strategy.run\(.*drifting\): output .*differen.*all_reduce"):
+    with pytest.raises(RuntimeError,
+                       match=r"strategy.run\(.*drifting\): output .*differen.*all_reduce"):
         strategy.run(drifting, args=(w, x), batch_argnums=(1,))
 
 
@@ -117,7 +122,8 @@ def test_the_first_call_is_checked_and_every_call_on_request(monkeypatch):
     w, x = strategy.mirror(jnp.ones(3)), np.arange(N * 3, dtype=np.float32).reshape(N, 3)
     zero, one = strategy.mirror(jnp.float32(0.0)), strategy.mirror(jnp.float32(1.0))
     strategy.run(scaled, args=(w, x, zero), batch_argnums=(1,))  # checked: the copies agree
-    strategy.run(scaled, args=(w, x, one), batch_argnums=(1,))  # not checked again: the analysis is trusted
+    # not checked again: the analysis is trusted
+    strategy.run(scaled, args=(w, x, one), batch_argnums=(1,))
     monkeypatch.setenv("JAXDIST_CHECK_MIRRORED", "every")
     with pytest.raises(RuntimeError, match=r"output .*all_reduce"):
         strategy.run(scaled, args=(w, x, one), batch_argnums=(1,))
@@ -137,15 +143,17 @@ def test_the_first_call_is_checked_and_every_call_on_request(monkeypatch):
     (lambda w, x: jnp.take(w, np.array([2, 0])), lambda w, x: np.array([1.0, 1.0])),
     (lambda w, x: w * jnp.float32(2.0), lambda w, x: np.full(3, 2.0)),
     (lambda w, x: w + np.ones(3, np.float32) * jnp.sum(np.arange(4.0)), lambda w, x: np.full(3, 7.0)),
-], ids=["constant-times-batch", "at-updates", "take-numpy-index", "scalar-constant", "constant-reduced"])
+], ids=["constant-times-batch", "at-updates", "take-numpy-index", "scalar-constant",
+        "constant-reduced"])
 def test_constants_the_function_closes_over_run(body, want):
-    """The replica program has more inputs than the arguments (the constants): no internal error, and a value
-    computed from mirrored arguments and constants alone is mirrored."""
+    """The replica program has more inputs than the arguments (the constants): no internal error,
+    and a value computed from mirrored arguments and constants alone is mirrored."""
     strategy = jd.MirroredStrategy()
     w, x = jnp.ones(3), np.arange(N * 3, dtype=np.float32).reshape(N, 3)
     got = strategy.run(body, args=(strategy.mirror(w), x), batch_argnums=(1,))
     if isinstance(got, jd.PerReplica):
-        np.testing.assert_allclose(np.concatenate(strategy.experimental_local_results(got)), want(w, x))
+        np.testing.assert_allclose(np.concatenate(strategy.experimental_local_results(got)),
+                                   want(w, x))
     else:
         assert got.sharding.is_fully_replicated
         np.testing.assert_allclose(got, want(w, x))
@@ -156,11 +164,13 @@ def _loss(w, x):
 
 
 def test_pmap_era_grad_of_a_pmean_loss_equals_jax_pmap():
-    """pmap's psum transposes to a psum: ``grad`` of a ``pmean`` loss, then ``pmean`` of the gradient, is the
-    global gradient there. Run with ``axis_name=`` (pmap-era code) computes the same, bit for bit."""
+    """pmap's psum transposes to a psum: ``grad`` of a ``pmean`` loss, then ``pmean`` of the
+    gradient, is the global gradient there. Run with ``axis_name=`` (pmap-era code) computes the
+    same, bit for bit."""
     strategy = jd.MirroredStrategy()
     rng = np.random.default_rng(0)
-    w, x = rng.normal(size=(4, 2)).astype(np.float32), rng.normal(size=(N * 2, 4)).astype(np.float32)
+    w, x = (rng.normal(size=(4, 2)).astype(np.float32),
+            rng.normal(size=(N * 2, 4)).astype(np.float32))
 
     def step(w, x):
         g = jax.lax.pmean(jax.grad(lambda w: jax.lax.pmean(_loss(w, x), "batch"))(w), "batch")
@@ -213,7 +223,8 @@ def test_a_loop_whose_trip_count_differs_comes_back_per_replica():
 
     def step(w):
         n = jax.lax.axis_index("replica") + 1
-        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 2.0), (0, jnp.ones(2)))[1] * w
+        return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 2.0),
+                                  (0, jnp.ones(2)))[1] * w
 
     got = strategy.run(step, args=(strategy.mirror(jnp.ones(2)),))
     assert isinstance(got, jd.PerReplica)
@@ -231,39 +242,46 @@ def _local_step(w, x):
 ], ids=["lone-array", "nested-three-deep"])
 def test_a_variable_updated_without_the_all_reduce_is_refused_whatever_its_shape(wrap, unwrap):
     strategy = jd.MirroredStrategy()
-    w, x = np.ones((4, 2), np.float32), np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32)
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
 
     def step(state, x):
         return jax.tree.map(lambda w: _local_step(w, x), state)
 
-    with pytest.raises(ValueError, match=r"takes the place of the mirrored argument args\[0\].*all_reduce"):
+    with pytest.raises(ValueError,
+                       match=r"takes the place of the mirrored argument args\[0\].*all_reduce"):
         strategy.run(step, args=(strategy.mirror(wrap(w)), x), batch_argnums=(1,))
 
 
 def test_a_variable_updated_without_the_all_reduce_and_cast_is_refused():
     strategy = jd.MirroredStrategy()
-    w, x = np.ones((4, 2), np.float32), np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32)
-    with pytest.raises(ValueError, match=r"output takes the place of the mirrored argument args\[0\]"):
-        strategy.run(lambda w, x: _local_step(w, x).astype(jnp.bfloat16), args=(strategy.mirror(w), x),
-                     batch_argnums=(1,))
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
+    with pytest.raises(ValueError,
+                       match=r"output takes the place of the mirrored argument args\[0\]"):
+        strategy.run(lambda w, x: _local_step(w, x).astype(jnp.bfloat16),
+                     args=(strategy.mirror(w), x), batch_argnums=(1,))
 
 
 def test_a_variable_updated_locally_in_a_loop_is_refused():
     strategy = jd.MirroredStrategy()
-    w, x = np.ones((4, 2), np.float32), np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32)
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
 
     def step(w, x):
         return jax.lax.fori_loop(0, 2, lambda i, w: _local_step(w, x), w)
 
-    with pytest.raises(ValueError, match=r"output takes the place of the mirrored argument args\[0\]"):
+    with pytest.raises(ValueError,
+                       match=r"output takes the place of the mirrored argument args\[0\]"):
         strategy.run(step, args=(strategy.mirror(w), x), batch_argnums=(1,))
 
 
 def test_per_replica_gradients_with_a_weight_decay_term_are_not_an_update():
-    """A gradient is computed in the backward pass, even its ``wd * w`` term: returned for a cross-replica
-    reduce, it is a per-replica value, not a variable that drifted."""
+    """A gradient is computed in the backward pass, even its ``wd * w`` term: returned for a
+    cross-replica reduce, it is a per-replica value, not a variable that drifted."""
     strategy = jd.MirroredStrategy()
-    w, x = np.ones((4, 2), np.float32), np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32)
+    w, x = (np.ones((4, 2), np.float32),
+            np.random.default_rng(1).normal(size=(N * 2, 4)).astype(np.float32))
 
     def grads(w, x):
         return jax.grad(lambda w: _loss(w, x) + 0.01 * jnp.sum(w ** 2))(w)
@@ -281,8 +299,9 @@ def test_the_analysis_reads_inputs_it_was_not_given_as_different():
 
 
 def test_inside_a_compiled_step_the_check_runs_on_request(monkeypatch):
-    """A run inside strategy.jit is part of the step's program: the check is then a host callback of the step,
-    added with JAXDIST_CHECK_MIRRORED=every (it would otherwise cost every call of the step)."""
+    """A run inside strategy.jit is part of the step's program: the check is then a host callback of
+    the step, added with JAXDIST_CHECK_MIRRORED=every (it would otherwise cost every call of the
+    step)."""
     strategy = jd.MirroredStrategy()
     monkeypatch.setattr(_run, "program_values", lambda program, axes: [IDENTICAL] * 8)
 
@@ -297,9 +316,9 @@ def test_inside_a_compiled_step_the_check_runs_on_request(monkeypatch):
 
 
 def test_a_collective_in_a_loop_some_replicas_may_leave_early_is_named_before_it_runs():
-    """Replicas that loop a different number of times with a psum inside would wait for each other forever
-    (XLA aborts after a rendezvous timeout): a ValueError before anything runs. The same loop with its
-    condition combined across replicas runs."""
+    """Replicas that loop a different number of times with a psum inside would wait for each other
+    forever (XLA aborts after a rendezvous timeout): a ValueError before anything runs. The same
+    loop with its condition combined across replicas runs."""
     strategy = jd.MirroredStrategy()
     x = np.arange(N * 2, dtype=np.float32).reshape(N, 2)
 
@@ -308,13 +327,16 @@ def test_a_collective_in_a_loop_some_replicas_may_leave_early_is_named_before_it
             return c[0] + 1, c[1] + jax.lax.psum(x.sum(), "replica")
         return jax.lax.while_loop(lambda c: c[1] < x.sum() * 10, body, (0, 0.0))[0]
 
-    with pytest.raises(ValueError, match=r"strategy.run\(.*local_condition\): a while_loop whose trip count .*psum"):
+    with pytest.raises(ValueError,
+                       match=r"strategy.run\(.*local_condition\): a while_loop whose trip count "
+                             r".*psum"):
         strategy.run(local_condition, args=(x,), batch_argnums=(0,))
 
     def combined_condition(x):
         limit = jax.lax.psum(x.sum(), "replica") * 10
         return jax.lax.while_loop(lambda c: c[1] < limit,
-                                  lambda c: (c[0] + 1, c[1] + jax.lax.psum(x.sum(), "replica")), (0, 0.0))[0]
+                                  lambda c: (c[0] + 1, c[1] + jax.lax.psum(x.sum(), "replica")),
+                                  (0, 0.0))[0]
 
     count = strategy.run(combined_condition, args=(x,), batch_argnums=(0,))
     assert isinstance(count, jax.Array) and int(count) == 10
@@ -322,15 +344,20 @@ def test_a_collective_in_a_loop_some_replicas_may_leave_early_is_named_before_it
 
 def test_values_passed_through_together_keep_their_own_facts():
     """An optimization barrier (remat emits them) passes each operand through as its own output."""
-    jaxpr = jax.make_jaxpr(lambda w, x: jax.lax.optimization_barrier((w * 2, x)))(jnp.ones(2), jnp.ones(2))
+    jaxpr = jax.make_jaxpr(lambda w, x: jax.lax.optimization_barrier((w * 2, x)))(
+        jnp.ones(2), jnp.ones(2)
+    )
     assert _identical.output_values(jaxpr, [False, True], ["replica"]) == ["identical", "different"]
 
 
 def test_bounds_are_dropped_where_a_narrower_type_may_not_keep_them():
-    """A replica id cast to bool is 0 or 1, not 0..7: no test of it is proven from the id's bounds."""
+    """A replica id cast to bool is 0 or 1, not 0..7: no test of it is proven from the id's
+    bounds."""
     def body(i):
         flag = i.astype(jnp.bool_)
-        return jnp.where(flag == jnp.bool_(True), 1.0, 2.0), jnp.where(i.astype(jnp.int8) >= 0, 1.0, 2.0)
+        return jnp.where(flag == jnp.bool_(True), 1.0, 2.0), jnp.where(
+            i.astype(jnp.int8) >= 0, 1.0, 2.0
+        )
 
     jaxpr = jax.make_jaxpr(body)(jnp.int32(0))
     reader = _identical._Reader({"replica": 8})

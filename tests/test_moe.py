@@ -1,8 +1,10 @@
-"""Mixture of experts: `jd.nn.MoE` with expert parallelism equals one device, on the meshes users build.
+"""Mixture of experts: `jd.nn.MoE` with expert parallelism equals one device, on the meshes users
+build.
 
-A small MoE language model (embedding, one attention-free MoE block with a residual, a vocabulary head) is
-trained a few optax steps on one device and through `ShardedStrategy` with expert axes; loss, parameters and
-the router's statistics must agree (fp32, rtol 1e-5). Dropping runs with tokens actually dropped.
+A small MoE language model (embedding, one attention-free MoE block with a residual, a vocabulary
+head) is trained a few optax steps on one device and through `ShardedStrategy` with expert axes;
+loss, parameters and the router's statistics must agree (fp32, rtol 1e-5). Dropping runs with tokens
+actually dropped.
 """
 
 import flax.linen as nn
@@ -31,10 +33,11 @@ class MoELM(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, WIDTH)(tokens)
-        x = x + jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=2 * WIDTH, capacity_factor=self.capacity_factor,
-                          shared_experts=self.shared_experts, router=self.router, z_loss_weight=1e-3,
-                          ragged=self.ragged)(
-            nn.LayerNorm()(x))
+        x = x + jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=2 * WIDTH,
+                          capacity_factor=self.capacity_factor,
+                          shared_experts=self.shared_experts, router=self.router,
+                          z_loss_weight=1e-3, ragged=self.ragged)(
+                                nn.LayerNorm()(x))
         return nn.Dense(VOCAB)(x)
 
 
@@ -43,7 +46,8 @@ def _tokens(seed=0):
 
 
 def make_step(model, tx):
-    """A next-token training step of a linen LM, its MoE layers' losses added and router metrics returned."""
+    """A next-token training step of a linen LM, its MoE layers' losses added and router metrics
+    returned."""
 
     def loss_fn(params, tokens):
         logits, sown = model.apply(params, tokens, mutable=["moe_losses", "moe_metrics"])
@@ -88,9 +92,10 @@ def references():
 
 MESHES = {
     "data2_expert4": lambda: jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")),
-                                                batch_axes=("data", "expert"), expert_axes="expert"),
-    "expert8": lambda: jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert",
-                                          min_shard_size=1),
+                                                batch_axes=("data", "expert"),
+                                                expert_axes="expert"),
+    "expert8": lambda: jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)),
+                                          expert_axes="expert", min_shard_size=1),
     "short_form_ep4": lambda: jd.ShardedStrategy(expert_parallelism=4),
 }
 
@@ -105,14 +110,17 @@ def test_a_moe_lm_with_expert_parallelism_equals_one_device(references, mesh, ca
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     _close(params, expected_params)
     _close(metrics, expected_metrics)
-    (dropped,) = jax.tree.leaves(metrics["MoE_0"]["dropped_fraction"])  # the step's own, nothing from init
-    assert (float(dropped) > 0) == (capacity_factor is not None), dropped  # dropping really drops; dropless never
+    # the step's own, nothing from init
+    (dropped,) = jax.tree.leaves(metrics["MoE_0"]["dropped_fraction"])
+    # dropping really drops; dropless never
+    assert (float(dropped) > 0) == (capacity_factor is not None), dropped
 
 
 @pytest.mark.parametrize("mesh", ["data2_expert4", "expert8"])
 def test_dropless_ragged_exchange_equals_one_device(references, mesh):
-    # The ragged path (picks sorted by expert, counts exchanged, only routed rows moved, grouped matmuls): on CPU
-    # its exchange runs emulated (XLA:CPU has no ragged all-to-all); the code around it is the GPU / TPU path's.
+    # The ragged path (picks sorted by expert, counts exchanged, only routed rows moved, grouped
+    # matmuls): on CPU its exchange runs emulated (XLA:CPU has no ragged all-to-all); the code
+    # around it is the GPU / TPU path's.
     expected_losses, expected_params, expected_metrics, _ = references[None]
     strategy = MESHES[mesh]()
     losses, params, metrics, state = _train(strategy, MoELM(capacity_factor=None, ragged=True))
@@ -120,7 +128,8 @@ def test_dropless_ragged_exchange_equals_one_device(references, mesh):
     _close(params, expected_params)
     _close(metrics, expected_metrics)
     model = MoELM(capacity_factor=None, ragged=True)
-    plan = strategy.jit(lambda p, t: model.apply(p, t, mutable=["moe_losses"])[0], batch_argnums=1).plan(
+    plan = strategy.jit(lambda p, t: model.apply(p, t, mutable=["moe_losses"])[0],
+                        batch_argnums=1).plan(
         state[0], _tokens())
     assert plan.moe_dispatch == ("dropless_ragged_all_to_all_emulated",), plan.moe_dispatch
 
@@ -128,8 +137,8 @@ def test_dropless_ragged_exchange_equals_one_device(references, mesh):
 def test_expert_fsdp_and_tensor_parallelism_on_one_mesh_equal_one_device(references):
     expected_losses, expected_params, _, _ = references[1.0]
     mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"))
-    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "expert"), expert_axes="expert", min_shard_size=1,
-                                  logical_axis_rules=[("mlp", "tensor")])
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "expert"), expert_axes="expert",
+                                  min_shard_size=1, logical_axis_rules=[("mlp", "tensor")])
     losses, params, _, state = _train(strategy, MoELM(capacity_factor=1.0))
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     _close(params, expected_params)
@@ -139,8 +148,8 @@ def test_expert_fsdp_and_tensor_parallelism_on_one_mesh_equal_one_device(referen
 
 
 def test_every_device_holds_a_share_of_each_expert_weight_and_its_adam_moments():
-    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")), batch_axes=("data", "expert"),
-                                  expert_axes="expert")
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")),
+                                  batch_axes=("data", "expert"), expert_axes="expert")
     model = MoELM()
     params = strategy.create_variables(model.init, jax.random.key(0), _tokens()[:2])
     opt_state = strategy.create_variables(adam(1e-2).init, params)
@@ -149,7 +158,11 @@ def test_every_device_holds_a_share_of_each_expert_weight_and_its_adam_moments()
             leaf = tree["params"]["MoE_0"][name]
             leaf = getattr(leaf, "value", leaf)
             shard = leaf.addressable_shards[0].data.shape
-            assert shard[0] == EXPERTS // 4 and shard[1:] == leaf.shape[1:], (name, shard, leaf.shape)
+            assert shard[0] == EXPERTS // 4 and shard[1:] == leaf.shape[1:], (
+                name,
+                shard,
+                leaf.shape,
+            )
 
 
 def test_the_plan_counts_the_layers_all_to_alls():
@@ -162,16 +175,20 @@ def test_the_plan_counts_the_layers_all_to_alls():
 
     plan = strategy.jit(forward, batch_argnums=1).plan(params, _tokens())
     assert plan.collectives["all-to-all"].count >= 2, plan.collectives  # to the experts and back
-    assert plan.moe_dispatch == ("dropping_all_to_all",) and "MoE dispatch: dropping all to all" in str(plan)
-    local = jd.MirroredStrategy().jit(forward, batch_argnums=1).plan(jax.device_get(params), _tokens())
+    assert plan.moe_dispatch == (
+        "dropping_all_to_all",
+    ) and "MoE dispatch: dropping all to all" in str(plan)
+    local = (
+        jd.MirroredStrategy().jit(forward, batch_argnums=1).plan(jax.device_get(params), _tokens())
+    )
     assert local.moe_dispatch == ("dropping_local",) and "all-to-all" not in local.collectives
 
 
 class NnxMoELM(nnx.Module):
     def __init__(self, rngs):
         self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
-        self.moe = jd.nn.nnx.MoE(WIDTH, num_experts=EXPERTS, top_k=2, hidden_dim=2 * WIDTH, capacity_factor=1.0,
-                                 shared_experts=1, rngs=rngs)
+        self.moe = jd.nn.nnx.MoE(WIDTH, num_experts=EXPERTS, top_k=2, hidden_dim=2 * WIDTH,
+                                 capacity_factor=1.0, shared_experts=1, rngs=rngs)
         self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
 
     def __call__(self, tokens):
@@ -187,7 +204,9 @@ def _train_nnx(strategy, steps=3):
     def step(model, optimizer, tokens):
         def loss_fn(model):
             logits = model(tokens)
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+            ce = optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], tokens[:, 1:]
+            ).mean()
             return ce + model.moe.aux_loss[...]
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
@@ -207,7 +226,8 @@ def test_the_nnx_layer_with_expert_parallelism_equals_one_device():
 
 
 class OwnMoE(nn.Module):
-    """A user's own MoE: its own router and dense dispatch, experts stacked (E, ...), no annotations."""
+    """A user's own MoE: its own router and dense dispatch, experts stacked (E, ...), no
+    annotations."""
 
     @nn.compact
     def __call__(self, x):
@@ -226,8 +246,10 @@ def test_a_users_own_moe_placed_on_the_expert_axis_by_a_layout_rule_equals_one_d
             return nn.Dense(VOCAB)(x + OwnMoE()(x))
 
     expected = _train(None, LM())
-    got = _train(jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")), batch_axes=("data", "expert"),
-                                    expert_axes="expert", layout_rules=[("OwnMoE_0/experts", P("expert"))]), LM())
+    got = _train(jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")),
+                                    batch_axes=("data", "expert"),
+                                    expert_axes="expert",
+                                    layout_rules=[("OwnMoE_0/experts", P("expert"))]), LM())
     assert got[3][0]["params"]["OwnMoE_0"]["experts"].sharding.spec[0] == "expert"
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     _close(got[1], expected[1])
@@ -237,35 +259,51 @@ def test_moe_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"top_k=5 > num_experts=4"):
         jd.nn.MoE(num_experts=4, top_k=5, hidden_dim=8).init(jax.random.key(0), jnp.ones((2, 4, 8)))
     with pytest.raises(ValueError, match=r"capacity_factor=0 cannot hold one token"):
-        jd.nn.MoE(num_experts=4, top_k=1, hidden_dim=8, capacity_factor=0).init(jax.random.key(0), jnp.ones((2, 4, 8)))
-    with pytest.raises(ValueError, match=r"expert_axes='tensor' names 'tensor', which is not in batch_axes"):
-        jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data", expert_axes="tensor")
+        jd.nn.MoE(num_experts=4, top_k=1, hidden_dim=8, capacity_factor=0).init(
+            jax.random.key(0), jnp.ones((2, 4, 8))
+        )
+    with pytest.raises(ValueError,
+                       match=r"expert_axes='tensor' names 'tensor', which is not in batch_axes"):
+        jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "tensor")), batch_axes="data",
+                           expert_axes="tensor")
     with pytest.raises(ValueError, match=r"expert_axes=.* a mirroring strategy"):
         jd.strategies.LayoutPolicy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert")
-    with pytest.raises(ValueError, match=r"expert_parallelism=3 must be an int >= 1 that divides the 8 devices"):
+    with pytest.raises(
+        ValueError, match=r"expert_parallelism=3 must be an int >= 1 that divides the 8 devices"
+    ):
         jd.ShardedStrategy(expert_parallelism=3)
     with pytest.raises(ValueError, match=r"router='relu' is not one of \('softmax', 'sigmoid'\)"):
         jd.nn.experts.Routing(4, 1, router="relu")
     with pytest.raises(ValueError, match=r"num_experts=0 must be an int >= 1"):
         jd.nn.experts.Routing(0, 1)
-    with pytest.raises(ValueError, match=r"expert_axes='expert' name axes of a mesh: pass mesh= too .*"
+    with pytest.raises(ValueError,
+                                         match=r"expert_axes='expert' name axes of a mesh: pass "
+                                               r"mesh= too .*"
                                          r"expert_parallelism=k adds 'expert'"):
         jd.ShardedStrategy(expert_axes="expert")
-    with pytest.raises(ValueError, match=r"mesh= and expert_parallelism=2 both given: .*expert_axes=\('expert',\)"):
-        jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert", expert_parallelism=2)
-    with pytest.raises(ValueError, match=r"pipeline_parallelism=2 x expert_parallelism=8 must divide the 8 devices "
+    with pytest.raises(ValueError,
+                       match=r"mesh= and expert_parallelism=2 both given: "
+                             r".*expert_axes=\('expert',\)"):
+        jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert",
+                           expert_parallelism=2)
+    with pytest.raises(ValueError,
+                                         match=r"pipeline_parallelism=2 x expert_parallelism=8 "
+                                               r"must divide the 8 devices "
                                          r"\(the mesh would be \(stage, replica, expert\)\)"):
         jd.ShardedStrategy(expert_parallelism=8, pipeline_parallelism=2)
     model = jd.nn.MoE(num_experts=6, top_k=2, hidden_dim=8)
     x = jnp.ones((8, 4, 8))
     strategy = jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert")
-    with pytest.raises(ValueError, match=r"splits axis 0 \(size 6\) of variable 'params/wi_gate' into 8 parts"):
+    with pytest.raises(ValueError,
+                       match=r"splits axis 0 \(size 6\) of variable 'params/wi_gate' into 8 parts"):
         strategy.create_variables(model.init, jax.random.key(0), x)
     # Experts kept whole by the user's own rule: the layer itself refuses to split 6 experts 8 ways.
     strategy = jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert",
                                   logical_axis_rules=[("expert", None)])
     params = strategy.create_variables(model.init, jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the 8 devices of expert_axes=\('expert'"):
+    with pytest.raises(ValueError,
+                       match=r"num_experts=6 is not divisible by the 8 devices of "
+                             r"expert_axes=\('expert'"):
         strategy.jit(model.apply, batch_argnums=1)(params, x)
 
 
@@ -308,7 +346,8 @@ def test_dropless_grouped_matmuls_equal_the_worst_case_buffer(router):
         return y, stats, grads
 
     _close(run(True), run(False))
-    plan = jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0]).plan(weights, x)
+    plan = (jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0])
+            .plan(weights, x))
     assert plan.moe_dispatch == ("dropless_ragged_local",)
 
 
@@ -318,19 +357,23 @@ def test_rows_the_batch_axes_do_not_divide_are_an_error_inside_the_layer():
     model = jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=8)
     params = strategy.create_variables(model.init, jax.random.key(0), jnp.ones((8, 4, 8)))
 
-    def folded(params, x):  # the layer sees 4 rows of its 8: the batch axes' 8 devices cannot each route their own
+    # the layer sees 4 rows of its 8: the batch axes' 8 devices cannot each route their own
+    def folded(params, x):
         return model.apply(params, x.reshape(4, 8, 8))
 
-    with pytest.raises(ValueError, match=r"jd.nn.MoE got 4 rows \(sequences\), which the 8 devices of batch_axes="):
+    with pytest.raises(ValueError,
+                       match=r"jd.nn.MoE got 4 rows \(sequences\), which the 8 devices of "
+                             r"batch_axes="):
         strategy.jit(folded, batch_argnums=1)(params, np.ones((8, 4, 8), np.float32))
 
 
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "padded"])
 @pytest.mark.parametrize("names,expert_axes", [(("data", "e1", "e2"), ("e1", "e2")),
-                                               (("e1", "data", "e2"), ("e2", "e1"))], ids=["inner", "apart_reversed"])
+                                               (("e1", "data", "e2"), ("e2", "e1"))],
+                         ids=["inner", "apart_reversed"])
 def test_expert_axes_of_several_mesh_axes_equal_one_device(names, expert_axes, ragged):
-    # Experts split over two axes (in mesh order or not, apart or not): each device's share and its tokens'
-    # exchange follow the axes' order as given, in values and gradients.
+    # Experts split over two axes (in mesh order or not, apart or not): each device's share and its
+    # tokens' exchange follow the axes' order as given, in values and gradients.
     from jaxdist.nn import experts
 
     config = experts.Routing(num_experts=EXPERTS, top_k=2)
@@ -342,33 +385,37 @@ def test_expert_axes_of_several_mesh_axes_equal_one_device(names, expert_axes, r
         return jnp.sum(y ** 2) + stats.load_balance, y
 
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 2, 2), names), batch_axes=names, expert_axes=expert_axes)
-    got, expected = jax.device_get(strategy.jit(grad, batch_argnums=1)(weights, x)), jax.device_get(grad(weights, x))
-    # Gradients of order 10: atol 1e-5 is float32 rounding of another summation order, relative to the scale.
+    strategy = jd.ShardedStrategy(mesh=jax.make_mesh((2, 2, 2), names), batch_axes=names,
+                                  expert_axes=expert_axes)
+    got, expected = (jax.device_get(strategy.jit(grad, batch_argnums=1)(weights, x)),
+                     jax.device_get(grad(weights, x)))
+    # Gradients of order 10: atol 1e-5 is float32 rounding of another summation order, relative to
+    # the scale.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, expected)
 
 
 def test_a_plan_on_a_mesh_without_devices_names_the_dispatch_path():
-    # A plan for a mesh of any size (jd.plan_mesh) compiles on simulated CPU devices in a subprocess: it plans the
-    # path that compiles there (the padded exchange) and says so.
+    # A plan for a mesh of any size (jd.plan_mesh) compiles on simulated CPU devices in a
+    # subprocess: it plans the path that compiles there (the padded exchange) and says so.
     from jaxdist.nn import experts
 
     config = experts.Routing(num_experts=EXPERTS, top_k=2)
     weights = jax.device_get(experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH))
-    strategy = jd.ShardedStrategy(mesh=jd.plan_mesh({"data": 4, "expert": 8}), batch_axes=("data", "expert"),
-                                  expert_axes="expert")
+    strategy = jd.ShardedStrategy(mesh=jd.plan_mesh({"data": 4, "expert": 8}),
+                                  batch_axes=("data", "expert"), expert_axes="expert")
     step = strategy.jit(lambda w, x: experts.apply(config, w, x)[0].sum(), batch_argnums=1)
     plan = step.plan(weights, np.ones((64, LENGTH, WIDTH), np.float32))
     assert plan.moe_dispatch == ("dropless_padded_all_to_all",), plan.moe_dispatch
     assert plan.collectives["all-to-all"].axes == ("expert",)
 
 
-# --------------------------------------------------------------------------------------- grouped-matmul kernels
+# --------------------------------------------------------------------------- grouped-matmul kernels
 def _tokamax_param():
     from jaxdist.nn import experts
 
     return pytest.param("tokamax", marks=pytest.mark.skipif(
-        not experts.has_tokamax(), reason="tokamax (the optional extra jaxdist[tokamax]) is not installed"))
+        not experts.has_tokamax(),
+        reason="tokamax (the optional extra jaxdist[tokamax]) is not installed"))
 
 
 def _moe_grads(config, weights, x, **kwargs):
@@ -383,8 +430,9 @@ def _moe_grads(config, weights, x, **kwargs):
 
 @pytest.mark.parametrize("kernel", ["ragged_dot", _tokamax_param()])
 def test_every_grouped_matmul_kernel_equals_the_worst_case_buffer(kernel):
-    # Every expert local (grouped matmuls over all the picks) and expert parallel (the ragged exchange, emulated
-    # on CPU: the receive buffer has rows past the groups), values and gradients; the plan names the kernel.
+    # Every expert local (grouped matmuls over all the picks) and expert parallel (the ragged
+    # exchange, emulated on CPU: the receive buffer has rows past the groups), values and gradients;
+    # the plan names the kernel.
     from jaxdist.nn import experts
 
     config = experts.Routing(num_experts=EXPERTS, top_k=2)
@@ -404,8 +452,9 @@ def test_every_grouped_matmul_kernel_equals_the_worst_case_buffer(kernel):
 
 
 def test_the_kernel_named_runs_and_rows_past_the_groups_stay_zero(monkeypatch):
-    # A stand-in for tokamax whose kernel leaves NaN in the rows past the groups (tokamax's GPU kernels leave
-    # them unwritten): forced, it runs; the expert-parallel buffer's extra rows stay out of values and gradients.
+    # A stand-in for tokamax whose kernel leaves NaN in the rows past the groups (tokamax's GPU
+    # kernels leave them unwritten): forced, it runs; the expert-parallel buffer's extra rows stay
+    # out of values and gradients.
     from jaxdist.nn import experts
 
     calls = []
@@ -415,19 +464,23 @@ def test_the_kernel_named_runs_and_rows_past_the_groups_stay_zero(monkeypatch):
         out = jax.lax.ragged_dot(lhs, rhs, sizes)
         return jnp.where(jnp.arange(lhs.shape[0])[:, None] < jnp.sum(sizes), out, jnp.nan)
 
-    monkeypatch.setattr(experts, "_tokamax", type("Tokamax", (), {"ragged_dot": staticmethod(ragged_dot)}))
+    monkeypatch.setattr(experts, "_tokamax",
+                        type("Tokamax", (), {"ragged_dot": staticmethod(ragged_dot)}))
     assert experts.has_tokamax()
     config = experts.Routing(num_experts=EXPERTS, top_k=2)
     weights = experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)
     x = jax.random.normal(jax.random.key(1), (8, LENGTH, WIDTH))
     expected = jax.device_get(_moe_grads(config, weights, x, ragged=False)(weights, x))
     strategy = MESHES["expert8"]()
-    got = strategy.jit(_moe_grads(config, weights, x, ragged=True, grouped_matmul="tokamax"), batch_argnums=1)
+    got = strategy.jit(_moe_grads(config, weights, x, ragged=True, grouped_matmul="tokamax"),
+                       batch_argnums=1)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
                  jax.device_get(got(weights, x)), expected)
     assert len(calls) == 3  # gate, up, down: traced once
-    # Unforced on CPU (no ragged collectives, so not the GPU / TPU kernel): jax.lax.ragged_dot, even with tokamax.
-    auto = jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0]).plan(weights, x)
+    # Unforced on CPU (no ragged collectives, so not the GPU / TPU kernel): jax.lax.ragged_dot, even
+    # with tokamax.
+    auto = (jd.OneDeviceStrategy().jit(lambda w, x: experts.apply(config, w, x, ragged=True)[0])
+            .plan(weights, x))
     assert auto.grouped_matmul == ("ragged_dot",) and len(calls) == 3
 
 
@@ -437,15 +490,20 @@ def test_bad_grouped_matmul_kernels_are_errors_naming_the_fix(monkeypatch):
     config = experts.Routing(num_experts=EXPERTS, top_k=2)
     weights = experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)
     x = jnp.ones((2, LENGTH, WIDTH))
-    with pytest.raises(ValueError, match=r"grouped_matmul='megablox' is not one of \('ragged_dot', 'tokamax'\)"):
+    with pytest.raises(
+        ValueError, match=r"grouped_matmul='megablox' is not one of \('ragged_dot', 'tokamax'\)"
+    ):
         experts.apply(config, weights, x, grouped_matmul="megablox")
     layer = jd.nn.nnx.MoE(WIDTH, EXPERTS, 2, 8, grouped_matmul="megablox", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"grouped_matmul='megablox' is not one of"):
         layer(x)
     monkeypatch.setattr(experts, "_tokamax", None)
-    with pytest.raises(ValueError, match=r"grouped_matmul='tokamax' needs tokamax, which is not importable here: "
+    with pytest.raises(ValueError,
+                                         match=r"grouped_matmul='tokamax' needs tokamax, which is "
+                                               r"not importable here: "
                                          r"pip install 'jaxdist\[tokamax\]'"):
-        jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=8, grouped_matmul="tokamax").init(jax.random.key(0), x)
+        jd.nn.MoE(num_experts=EXPERTS, top_k=2, hidden_dim=8,
+                  grouped_matmul="tokamax").init(jax.random.key(0), x)
 
 
 def test_a_grouped_matmul_for_a_call_without_the_ragged_path_is_an_error():
@@ -454,10 +512,13 @@ def test_a_grouped_matmul_for_a_call_without_the_ragged_path_is_an_error():
     weights_of = lambda config: experts.init_weights(jax.random.key(0), config, WIDTH, 2 * WIDTH)  # noqa: E731
     x = jnp.ones((2, LENGTH, WIDTH))
     dropping = experts.Routing(num_experts=EXPERTS, top_k=2, capacity_factor=1.25)
-    with pytest.raises(ValueError, match=r"grouped_matmul=.ragged_dot. chooses .*\(capacity_factor is set"):
+    with pytest.raises(ValueError,
+                       match=r"grouped_matmul=.ragged_dot. chooses .*\(capacity_factor is set"):
         experts.apply(dropping, weights_of(dropping), x, grouped_matmul="ragged_dot")
     dropless = experts.Routing(num_experts=EXPERTS, top_k=2)
-    with pytest.raises(ValueError, match=r"ragged=False\); pass ragged=True or leave grouped_matmul=None"):
+    with pytest.raises(ValueError,
+                       match=r"ragged=False\); pass ragged=True or leave grouped_matmul=None"):
         experts.apply(dropless, weights_of(dropless), x, ragged=False, grouped_matmul="ragged_dot")
-    with pytest.raises(ValueError, match=r"these devices have no ragged exchange"):  # CPU, ragged left to choose
+    # CPU, ragged left to choose
+    with pytest.raises(ValueError, match=r"these devices have no ragged exchange"):
         experts.apply(dropless, weights_of(dropless), x, grouped_matmul="ragged_dot")

@@ -1,14 +1,14 @@
 """Mixture of experts across processes and across checkpoints: `jd.nn.MoE` still equals one device.
 
-The MoE LM of tests/test_moe.py (dropping, ``capacity_factor=1.0``; and dropless through the ragged path on
-``(data=2, expert=4)``) trains with `jd.ShardedStrategy(..., expert_axes="expert")` where the expert axis spans
-2 processes x 4 CPU devices (the tokens' all-to-all crosses the processes, over gloo), and a checkpoint written
-under expert parallelism 4 restores on one device and on expert parallelism 2; both continue like an
-uninterrupted one-device run (fp32, rtol 1e-5).
+The MoE LM of tests/test_moe.py (dropping, ``capacity_factor=1.0``; and dropless through the ragged
+path on ``(data=2, expert=4)``) trains with `jd.ShardedStrategy(..., expert_axes="expert")` where
+the expert axis spans 2 processes x 4 CPU devices (the tokens' all-to-all crosses the processes,
+over gloo), and a checkpoint written under expert parallelism 4 restores on one device and on expert
+parallelism 2; both continue like an uninterrupted one-device run (fp32, rtol 1e-5).
 
-Run as a script (``python -m jaxdist.launch -n 2 --cpu-devices 4 tests/test_moe_distributed.py out.npz``), this
-file is the 2-process test's worker: process 0 saves the losses, the final parameters (gathered) and the last
-step's router metrics of every mesh in ``out.npz``.
+Run as a script (``python -m jaxdist.launch -n 2 --cpu-devices 4 tests/test_moe_distributed.py
+out.npz``), this file is the 2-process test's worker: process 0 saves the losses, the final
+parameters (gathered) and the last step's router metrics of every mesh in ``out.npz``.
 """
 
 import subprocess
@@ -29,13 +29,16 @@ TX = adam(1e-2)
 
 
 step = make_step(MODEL, TX)
-# Dropless through the ragged path (its exchange emulated on CPU): counts, offsets and rows cross the processes.
+# Dropless through the ragged path (its exchange emulated on CPU): counts, offsets and rows cross
+# the processes.
 dropless_step = make_step(MoELM(capacity_factor=None, ragged=True), TX)
 
 
-@jax.jit  # one program: flax's eager init dispatches (and on CPU compiles) every operation on its own
+# one program: flax's eager init dispatches (and on CPU compiles) every operation on its own
+@jax.jit
 def initial_state():
-    params = MODEL.init(jax.random.key(0), _tokens()[:2])  # weights only: jd.nn.MoE sows nothing at init
+    # weights only: jd.nn.MoE sows nothing at init
+    params = MODEL.init(jax.random.key(0), _tokens()[:2])
     return params, TX.init(params)
 
 
@@ -48,7 +51,8 @@ def start(strategy):
 
 
 def train(strategy, state, steps, train_step=step):
-    """``steps`` steps of ``train_step`` on the same batch from ``state``: ``(state, losses, last metrics)``."""
+    """``steps`` steps of ``train_step`` on the same batch from ``state``: ``(state, losses, last
+    metrics)``."""
     run = jax.jit(train_step) if strategy is None else strategy.jit(train_step, batch_argnums=2)
     tokens, losses, metrics = _tokens(), [], None
     for _ in range(steps):
@@ -60,42 +64,52 @@ def train(strategy, state, steps, train_step=step):
 def assert_close(got, want, what=""):
     got, want = nn.unbox(got), nn.unbox(want)
     assert jax.tree.structure(got) == jax.tree.structure(want), what
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6,
                                    err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
 def expert_share(params):
-    """How many experts the addressable devices hold of each stacked expert weight (the set of their counts)."""
+    """How many experts the addressable devices hold of each stacked expert weight (the set of their
+    counts)."""
     moe = nn.unbox(params)["params"]["MoE_0"]
-    return {name: {s.data.shape[0] for s in moe[name].addressable_shards} for name in ("wi_gate", "wi_up", "wo")}
+    return {
+        name: {s.data.shape[0] for s in moe[name].addressable_shards}
+        for name in ("wi_gate", "wi_up", "wo")
+    }
 
 
 def each_expert_weight(count):
     return {"wi_gate": {count}, "wi_up": {count}, "wo": {count}}
 
 
-# ---------------------------------------------------------------------------------- 2 processes x 4 devices
+# -------------------------------------------------------------------------- 2 processes x 4 devices
 WORKER_MESHES = ("data2_expert4", "expert8")
 STEPS = 3
 
 
 def worker(out_path: str) -> None:
-    jd.initialize_cluster()  # before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
+    # before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
+    jd.initialize_cluster()
     from jax.sharding import AxisType, Mesh
 
     sys.path.insert(0, str(Path(__file__).parent / "multiprocess"))
     from gathering import gather
 
     pid = jax.process_index()
-    local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
-    # (data=2, expert=4): expert devices 0, 1 on process 0 and 2, 3 on process 1, in every data row; Explicit
-    # axes as jax.make_mesh makes them. (expert=8): jax.make_mesh's own layout over both processes' devices.
+    local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in (0, 1)]
+    # (data=2, expert=4): expert devices 0, 1 on process 0 and 2, 3 on process 1, in every data row;
+    # Explicit axes as jax.make_mesh makes them. (expert=8): jax.make_mesh's own layout over both
+    # processes' devices.
     grid = np.array([[local[e // 2][r * 2 + e % 2] for e in range(4)] for r in range(2)])
     strategies = {
-        "data2_expert4": jd.ShardedStrategy(mesh=Mesh(grid, ("data", "expert"), axis_types=(AxisType.Explicit,) * 2),
+        "data2_expert4": jd.ShardedStrategy(mesh=Mesh(grid, ("data", "expert"),
+                                                      axis_types=(AxisType.Explicit,) * 2),
                                             batch_axes=("data", "expert"), expert_axes="expert"),
-        "expert8": jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert", min_shard_size=1),
+        "expert8": jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert",
+                                      min_shard_size=1),
     }
     results = {}
     for name in WORKER_MESHES:
@@ -103,7 +117,8 @@ def worker(out_path: str) -> None:
         mesh = strategy.mesh
         expert = mesh.axis_names.index("expert")
         for row in np.moveaxis(mesh.devices, expert, -1).reshape(-1, mesh.shape["expert"]):
-            assert {d.process_index for d in row} == {0, 1}, (name, row)  # the expert axis crosses the processes
+            # the expert axis crosses the processes
+            assert {d.process_index for d in row} == {0, 1}, (name, row)
         assert strategy.num_hosts == 2, name
         state, losses, metrics = train(strategy, start(strategy), STEPS)
         share = expert_share(state[0])
@@ -116,7 +131,8 @@ def worker(out_path: str) -> None:
             gathered = gather(value)
             for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
                 results[f"{name}/{tree}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
-    state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"]), STEPS, dropless_step)
+    state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"]), STEPS,
+                             dropless_step)
     results["dropless/losses"] = np.array(losses)
     gathered = gather(nn.unbox(state[0]))
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
@@ -129,8 +145,8 @@ def worker(out_path: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_device(tmp_path):
-    """Slow because each of the 2 processes compiles the MoE LM's step on 2 meshes (and their plans) and the
-    dropless ragged step, and this process the one-device references."""
+    """Slow because each of the 2 processes compiles the MoE LM's step on 2 meshes (and their plans)
+    and the dropless ragged step, and this process the one-device references."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
         [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",
@@ -142,32 +158,40 @@ def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_
     state, losses, metrics = train(None, start(None), STEPS)
     with np.load(out) as data:
         result = dict(data)
-    assert len(jax.tree.leaves(metrics["MoE_0"]["dropped_fraction"])) == 1  # this step's, nothing stale
+    # this step's, nothing stale
+    assert len(jax.tree.leaves(metrics["MoE_0"]["dropped_fraction"])) == 1
     expected = {"losses": np.array(losses)}
     for tree, want in (("params", state[0]), ("metrics", metrics)):
         for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(want)):
             expected[f"{tree}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
     for name in WORKER_MESHES:
-        assert {k for k in result if k.startswith(f"{name}/")} == {f"{name}/{k}" for k in expected}, name
+        assert {k for k in result if k.startswith(f"{name}/")} == {
+            f"{name}/{k}" for k in expected
+        }, name
         for key, want in expected.items():
-            np.testing.assert_allclose(result[f"{name}/{key}"], want, rtol=1e-5, atol=1e-6, err_msg=f"{name}/{key}")
+            np.testing.assert_allclose(result[f"{name}/{key}"], want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name}/{key}")
         dropped = result[f"{name}/metrics['MoE_0']['dropped_fraction'][0]"]
         assert dropped > 0, (name, dropped)  # dropping really drops
-        assert result[f"all_to_alls/{name}"] >= 4, name  # tokens to the experts and back, forward and backward
+        # tokens to the experts and back, forward and backward
+        assert result[f"all_to_alls/{name}"] >= 4, name
     state, losses, _ = train(None, start(None), STEPS, dropless_step)
     np.testing.assert_allclose(result["dropless/losses"], losses, rtol=1e-5)
     for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(state[0])):
-        np.testing.assert_allclose(result[f"dropless/params{jax.tree_util.keystr(path)}"], np.asarray(leaf),
-                                   rtol=1e-5, atol=1e-6, err_msg=f"dropless{jax.tree_util.keystr(path)}")
+        np.testing.assert_allclose(result[f"dropless/params{jax.tree_util.keystr(path)}"],
+                                   np.asarray(leaf),
+                                   rtol=1e-5, atol=1e-6,
+                                   err_msg=f"dropless{jax.tree_util.keystr(path)}")
 
 
-# ----------------------------------------------------------------------------------------------- checkpoints
+# -------------------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="session")
 def moe_checkpoint(tmp_path_factory):
-    """A checkpoint at step 2 written under expert parallelism 4, and the uninterrupted 4-step one-device run."""
+    """A checkpoint at step 2 written under expert parallelism 4, and the uninterrupted 4-step
+    one-device run."""
     directory = tmp_path_factory.mktemp("moe_checkpoint")
-    ep4 = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")), batch_axes=("data", "expert"),
-                             expert_axes="expert")
+    ep4 = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "expert")),
+                             batch_axes=("data", "expert"), expert_axes="expert")
     state, losses, metrics = train(ep4, start(ep4), 2)
     assert float(metrics["MoE_0"]["dropped_fraction"][0]) > 0  # dropping really drops
     assert expert_share(state[0]) == each_expert_weight(EXPERTS // 4)
@@ -182,13 +206,15 @@ def moe_checkpoint(tmp_path_factory):
 TARGETS = {
     "one_device": (lambda: jd.OneDeviceStrategy(), None),
     "expert2": (lambda: jd.ShardedStrategy(mesh=jax.make_mesh((4, 2), ("data", "expert")),
-                                           batch_axes=("data", "expert"), expert_axes="expert"), EXPERTS // 2),
+                                           batch_axes=("data", "expert"), expert_axes="expert"),
+                EXPERTS // 2),
 }
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_checkpoint_written_under_expert_parallelism_4_restores_elsewhere_and_continues_like_one_device(
-        moe_checkpoint, target):
+    moe_checkpoint, target
+):
     directory, saved, reference_state, reference_losses = moe_checkpoint
     make, share = TARGETS[target]
     strategy = make()

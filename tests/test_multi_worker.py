@@ -1,4 +1,5 @@
-"""MultiWorkerMirroredStrategy with real processes (2 x 4 CPU devices, gloo), the launcher, cluster config."""
+"""MultiWorkerMirroredStrategy with real processes (2 x 4 CPU devices, gloo), the launcher, cluster
+config."""
 
 import os
 import subprocess
@@ -23,11 +24,12 @@ ROOT = HERE.parent
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_processes_train_like_one_device(tmp_path):
-    """Slow because of its 2-process job; started through ``python -m jaxdist.launch`` (the module entry point,
-    which the other multi-process tests skip: `registry.LAUNCH`)."""
+    """Slow because of its 2-process job; started through ``python -m jaxdist.launch`` (the module
+    entry point, which the other multi-process tests skip: `registry.LAUNCH`)."""
     out = tmp_path / "result.npz"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "200",
+        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout",
+         "200",
          str(HERE / "multiprocess" / "train_worker.py"), str(out), str(tmp_path / "checkpoints")],
         env=launch_env(), capture_output=True, text=True, timeout=230,
     )
@@ -62,12 +64,14 @@ def test_two_processes_train_like_one_device(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_killed_worker_makes_the_survivor_fail_fast():
-    """Slow because of its 2 processes and the survivor's wait for the dead peer's heartbeats (5 s timeout)."""
+    """Slow because of its 2 processes and the survivor's wait for the dead peer's heartbeats (5 s
+    timeout)."""
     address = f"127.0.0.1:{free_port()}"
     script = str(HERE / "multiprocess" / "killed_worker.py")
     env = launch_env(JAX_NUM_CPU_DEVICES="4")
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, script, address, str(i)], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, script, address, str(i)], env=env,
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         survivor_out, _ = procs[0].communicate(timeout=90)
@@ -93,8 +97,8 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     script.write_text(
         "import os, sys, time\n"
         "pid = int(os.environ['JAXDIST_PROCESS_ID'])\n"
-        "print('hello from', pid, os.environ['JAXDIST_NUM_PROCESSES'], os.environ['JAXDIST_COORDINATOR_ADDRESS'])\n"
-        "sys.stdout.flush()\n"
+        "print('hello from', pid, os.environ['JAXDIST_NUM_PROCESSES'], "
+        "os.environ['JAXDIST_COORDINATOR_ADDRESS'])\nsys.stdout.flush()\n"
         "if pid == 1:\n"
         f"    while not os.path.exists({str(marker)!r}):\n"
         "        time.sleep(0.05)\n"
@@ -164,7 +168,8 @@ def test_cluster_resolution(monkeypatch):
 
 
 def test_single_process_cluster():
-    strategy = jd.MultiWorkerMirroredStrategy("127.0.0.1:1", 1, 0)  # a cluster of one: nothing to connect
+    # a cluster of one: nothing to connect
+    strategy = jd.MultiWorkerMirroredStrategy("127.0.0.1:1", 1, 0)
     assert strategy.num_hosts == 1 and strategy.num_replicas_in_sync == 8 and strategy.is_chief
     params = strategy.create_variables(init_state, jax.random.key(0))
     assert jax.tree.leaves(params)[0].sharding.is_fully_replicated
@@ -180,27 +185,35 @@ def test_created_after_computation_in_a_fresh_process():
         "except RuntimeError as e:\n"
         "    print('ERROR', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True,
+                         text=True, timeout=60)
     assert "must come before any JAX computation" in out.stdout, out.stdout + out.stderr
 
 
 def test_an_unconnected_multi_process_job_is_an_error_not_a_strategy_per_process(monkeypatch):
-    """The JAXDIST_* (or SLURM, ...) environment describes 2 processes that nothing connected: a strategy made
-    now would span this process alone, so it says so and names the fix."""
+    """The JAXDIST_* (or SLURM, ...) environment describes 2 processes that nothing connected: a
+    strategy made now would span this process alone, so it says so and names the fix."""
     jax.devices()  # this process's backend runs: joining a cluster now is too late
     monkeypatch.setenv("JAXDIST_COORDINATOR_ADDRESS", "127.0.0.1:1")
     monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAXDIST_PROCESS_ID", "0")
     assert detected_cluster() == ("JAXDIST_*", 2)
-    with pytest.raises(RuntimeError, match=r"MirroredStrategy in a job of 2 processes \(JAXDIST_\* environment\), but "
-                                           r"jax.distributed is not initialized.*MultiWorkerMirroredStrategy"):
+    with pytest.raises(RuntimeError,
+                                           match=r"MirroredStrategy in a job of 2 processes "
+                                                 r"\(JAXDIST_\* environment\), but "
+                                           r"jax.distributed is not "
+                                           r"initialized.*MultiWorkerMirroredStrategy"):
         jd.MirroredStrategy()
-    # Sharded and TPU join the cluster themselves, which must come before any computation (it has run here).
+    # Sharded and TPU join the cluster themselves, which must come before any computation (it has
+    # run here).
     for make in (jd.ShardedStrategy, jd.TPUStrategy):
-        with pytest.raises(RuntimeError, match=r"must come before any JAX computation.*JAXDIST_\* variables "
+        with pytest.raises(RuntimeError,
+                                               match=r"must come before any JAX "
+                                                     r"computation.*JAXDIST_\* variables "
                                                r"describes a job of several processes"):
             make()
-    with pytest.raises(RuntimeError, match=r"call jd.initialize_cluster\(\) at the top of the program"):
+    with pytest.raises(RuntimeError,
+                       match=r"call jd.initialize_cluster\(\) at the top of the program"):
         jd.MirroredStrategy()
     monkeypatch.setenv("JAXDIST_NUM_PROCESSES", "1")  # a job of one process is no cluster
     assert detected_cluster() is None and jd.MirroredStrategy().num_replicas_in_sync == 8
@@ -209,8 +222,8 @@ def test_an_unconnected_multi_process_job_is_an_error_not_a_strategy_per_process
 def test_a_slurm_job_of_several_tasks_is_detected(monkeypatch):
     for key in ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID"):
         monkeypatch.delenv(key, raising=False)
-    for key, value in {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_PROCID": "0",
-                       "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}.items():
+    for key, value in {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]",
+                       "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}.items():
         monkeypatch.setenv(key, value)
     assert detected_cluster() is None  # one task: this process is the job
     monkeypatch.setenv("SLURM_NTASKS", "4")
@@ -220,11 +233,12 @@ def test_a_slurm_job_of_several_tasks_is_detected(monkeypatch):
 
 
 def test_a_single_host_tpu_vm_is_no_unconnected_job(monkeypatch):
-    """JAX's TPU detector says yes on every TPU VM, one host included: that alone is no job of several
-    processes (JAX connects pods by itself when a strategy joins its cluster)."""
+    """JAX's TPU detector says yes on every TPU VM, one host included: that alone is no job of
+    several processes (JAX connects pods by itself when a strategy joins its cluster)."""
     from jax._src.clusters import cloud_tpu_cluster
 
-    monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "is_env_present", classmethod(lambda cls: True))
+    monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "is_env_present",
+                        classmethod(lambda cls: True))
     assert detected_cluster() is None and jd.MirroredStrategy().num_replicas_in_sync == 8
 
 

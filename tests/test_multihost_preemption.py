@@ -1,9 +1,10 @@
 """Coordinated preemption: SIGTERM to ONE of several processes stops them all after the same step.
 
-The real thing runs 2 processes x 4 CPU devices (``python -m jaxdist.launch``, gloo): an uninterrupted run, a
-run whose process 1 gets SIGTERM, and the same command again, which resumes and must end bitwise identical to
-the uninterrupted run. The agreement itself (`jaxdist.training.loop`) is also checked in this process
-over 8 local devices, where every check is cheap. Every subprocess wait has a timeout.
+The real thing runs 2 processes x 4 CPU devices (``python -m jaxdist.launch``, gloo): an
+uninterrupted run, a run whose process 1 gets SIGTERM, and the same command again, which resumes and
+must end bitwise identical to the uninterrupted run. The agreement itself (`jaxdist.training.loop`)
+is also checked in this process over 8 local devices, where every check is cheap. Every subprocess
+wait has a timeout.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ def _env(strategy="mwms"):
 
 def _command(ckpt, out, *extra):
     out.mkdir(exist_ok=True)
-    return [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", str(WORKER), str(ckpt), str(out),
-            str(STEPS), *extra]
+    return [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", str(WORKER), str(ckpt),
+            str(out), str(STEPS), *extra]
 
 
 def _run(ckpt, out, *extra, strategy="mwms"):
-    proc = subprocess.run(_command(ckpt, out, *extra), env=_env(strategy), capture_output=True, text=True,
-                          timeout=170)
+    proc = subprocess.run(_command(ckpt, out, *extra), env=_env(strategy), capture_output=True,
+                          text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -56,14 +57,16 @@ def _params(out):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp_path):
-    """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes): each
-    process saves and restores its own shards; MultiWorkerMirroredStrategy runs the stop_training test. The
-    uninterrupted run to compare with runs after the resumed one, in the same job (a trainer of its own, from the
-    start): one 2-process job fewer. Slow because of its 2 jobs of 2 processes (imports, gloo, compiles)."""
+    """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes):
+    each process saves and restores its own shards; MultiWorkerMirroredStrategy runs the
+    stop_training test. The uninterrupted run to compare with runs after the resumed one, in the
+    same job (a trainer of its own, from the start): one 2-process job fewer. Slow because of its 2
+    jobs of 2 processes (imports, gloo, compiles)."""
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "first"
     proc = subprocess.Popen(
-        _command(ckpt, out), env=_env("hsdp"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        _command(ckpt, out), env=_env("hsdp"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True
     )
     lines, latency = [], None
     try:
@@ -88,22 +91,28 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
     ends = {int(p): (int(s), flag, names) for p, s, flag, names in END.findall(text)}
     assert set(ends) == {0, 1}, text[-5000:]
     (stop, flag, names), other = ends[0], ends[1]
-    assert other == ends[0] and flag == "True", ends  # the same step, both preempted, the same checkpoint
+    # the same step, both preempted, the same checkpoint
+    assert other == ends[0] and flag == "True", ends
     assert 3 <= stop < STEPS and names == f"'{stop}'"
     assert "done" not in text  # fit raised SystemExit(0): nothing after it ran
     checkpoints = jd.training.Checkpointer(ckpt)
     assert checkpoints.all_steps() == [stop]  # one checkpoint, complete
     checkpoints.close()
-    print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped after step {stop}")
+    print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped "
+          f"after step {stop}")
     assert latency < 60
 
     (tmp_path / "straight").mkdir()
     resumed = _run(ckpt, tmp_path / "resumed", f"straight={tmp_path / 'straight'}", strategy="hsdp")
     first = re.search(r"^\[0\] step (\d+)$", resumed, re.M)
     assert first and int(first.group(1)) == stop + 1  # resumed where both stopped
-    ends = END.findall(resumed)  # the resumed run's, then the uninterrupted one's, on both processes
-    assert len(ends) == 4 and {(int(s), flag) for _, s, flag, _ in ends} == {(STEPS, "False")}, resumed[-3000:]
-    assert [int(s) for s in re.findall(r"^\[0\] step (\d+)$", resumed, re.M)][-STEPS:] == list(range(1, STEPS + 1))
+    # the resumed run's, then the uninterrupted one's, on both processes
+    ends = END.findall(resumed)
+    assert len(ends) == 4 and {(int(s), flag) for _, s, flag, _ in ends} == {(STEPS, "False")}, (
+        resumed[-3000:]
+    )
+    assert [int(s) for s in re.findall(r"^\[0\] step (\d+)$", resumed,
+                                       re.M)][-STEPS:] == list(range(1, STEPS + 1))
     for a, b in zip(_params(tmp_path / "resumed"), _params(tmp_path / "straight"), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
@@ -111,21 +120,23 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_stop_training_on_one_process_stops_both_after_the_same_step(tmp_path):
-    """A callback on process 1 alone sets stop_training: both processes stop after one step and save one
-    checkpoint together (a process leaving the loop alone would deadlock the other's next collective)."""
+    """A callback on process 1 alone sets stop_training: both processes stop after one step and save
+    one checkpoint together (a process leaving the loop alone would deadlock the other's next
+    collective)."""
     ckpt = tmp_path / "ckpt"
     text = _run(ckpt, tmp_path / "out", "5")
     ends = {int(p): (int(s), flag, names) for p, s, flag, names in END.findall(text)}
     assert set(ends) == {0, 1} and ends[0] == ends[1], text[-3000:]
     stop, flag, names = ends[0]
-    assert 5 <= stop <= 8 and flag == "False" and names == f"'{stop}'"  # not preempted: fit returned
+    # not preempted: fit returned
+    assert 5 <= stop <= 8 and flag == "False" and names == f"'{stop}'"
     assert "done" in text
     checkpoints = jd.training.Checkpointer(ckpt)
     assert checkpoints.all_steps() == [stop]
     checkpoints.close()
 
 
-# ------------------------------------------------------------------------------ the agreement, in one process
+# -------------------------------------------------------------------- the agreement, in one process
 def test_agreement_stops_every_check_lag_after_a_flag():
     mesh = jax.make_mesh((8,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
     agreement = _Agreement(mesh, lag=2)
@@ -135,13 +146,16 @@ def test_agreement_stops_every_check_lag_after_a_flag():
     assert agreement.check(0, final=False) == 0
     late = _Agreement(mesh, lag=3)
     assert [late.check(flag, final=False) for flag in (0, 2)] == [0, 0]
-    assert late.check(1, final=True) == 2  # the final check reads everything dispatched: the largest flag
+    # the final check reads everything dispatched: the largest flag
+    assert late.check(1, final=True) == 2
 
 
 def test_stop_training_goes_through_the_agreement(monkeypatch):
-    """A callback's stop_training on one process must stop every process after the same step, like a signal
-    (leaving the loop alone would deadlock the peers' next collective): it is a flag of the agreement."""
-    monkeypatch.setattr(PreemptionWatcher, "spans_processes", property(lambda self: True))  # agree on this mesh
+    """A callback's stop_training on one process must stop every process after the same step, like a
+    signal (leaving the loop alone would deadlock the peers' next collective): it is a flag of the
+    agreement."""
+    # agree on this mesh
+    monkeypatch.setattr(PreemptionWatcher, "spans_processes", property(lambda self: True))
     mesh = jd.MirroredStrategy().mesh
     with PreemptionWatcher(mesh=mesh, lag=2) as watcher:
         seen = [watcher.should_stop(stop_training=flag) for flag in (False, True, False, False)]
@@ -149,7 +163,8 @@ def test_stop_training_goes_through_the_agreement(monkeypatch):
     with PreemptionWatcher(mesh=mesh, lag=2) as watcher:
         assert not watcher.should_stop(stop_training=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert watcher.should_stop(final=True) and watcher.preempted  # the largest reason wins: a signal
+        # the largest reason wins: a signal
+        assert watcher.should_stop(final=True) and watcher.preempted
 
 
 def test_watcher_is_local_on_one_process_and_latches(monkeypatch):
@@ -161,10 +176,12 @@ def test_watcher_is_local_on_one_process_and_latches(monkeypatch):
         assert watcher.requested and watcher.should_stop() and watcher.should_stop(final=True)
         assert watcher.preempted
     with PreemptionWatcher(mesh=strategy.mesh) as watcher:
-        assert watcher.should_stop(stop_training=True) and not watcher.preempted  # stops now, no signal
+        # stops now, no signal
+        assert watcher.should_stop(stop_training=True) and not watcher.preempted
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
-    # a mesh that spans processes goes through the agreement: faked here with a device from "process 1"
+    # a mesh that spans processes goes through the agreement: faked here with a device from "process
+    # 1"
     class Remote:
         process_index = 1
 

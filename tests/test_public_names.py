@@ -1,7 +1,7 @@
-"""The names users import keep importing: every public name of every public package. A name removed or moved
-out of its package fails here (say where it went in CHANGELOG.md); add new names freely (the reference test in
-test_docs.py covers them). Each public name has one path: its package's, and, for the names used most, also the
-top level (``jd.X``)."""
+"""The names users import keep importing: every public name of every public package. A name removed
+or moved out of its package fails here (say where it went in CHANGELOG.md); add new names freely
+(the reference test in test_docs.py covers them). Each public name has one path: its package's, and,
+for the names used most, also the top level (``jd.X``)."""
 
 import importlib
 
@@ -9,24 +9,33 @@ import pytest
 
 PUBLIC = {
     "jaxdist": [
-        "DistributedDataset", "IdleAxisWarning", "InputContext", "LayoutPolicy", "MODEL_AXIS", "MirroredStrategy",
-        "MultiStepContext", "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica", "Plan", "REPLICA_AXIS",
-        "RecompileWarning", "ReduceOp", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyFunction",
-        "SyncOnRead", "TPUStrategy", "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
-        "VariableAggregation", "compat", "compute_average_loss", "configure_compilation_cache", "costs",
-        "get_replica_context", "get_strategy", "gradients", "has_strategy", "in_cross_replica_context",
-        "initialize_cluster", "nn", "plan_mesh", "program_cost", "scale_regularization_loss", "tpu", "training",
+        "DistributedDataset", "IdleAxisWarning", "InputContext", "LayoutPolicy", "MODEL_AXIS",
+        "MirroredStrategy",
+        "MultiStepContext", "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "PerReplica",
+        "Plan", "REPLICA_AXIS",
+        "RecompileWarning", "ReduceOp", "ReplicaContext", "ShardedStrategy", "Strategy",
+        "StrategyFunction",
+        "SyncOnRead", "TPUStrategy", "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning",
+        "ValueContext",
+        "VariableAggregation", "compat", "compute_average_loss", "configure_compilation_cache",
+        "costs",
+        "get_replica_context", "get_strategy", "gradients", "has_strategy",
+        "in_cross_replica_context",
+        "initialize_cluster", "nn", "plan_mesh", "program_cost", "scale_regularization_loss", "tpu",
+        "training",
     ],
     "jaxdist.costs": [
-        "ACCELERATORS", "Accelerator", "COLLECTIVE_KINDS", "CollectiveOp", "Estimate", "ProgramCost", "accelerator",
+        "ACCELERATORS", "Accelerator", "COLLECTIVE_KINDS", "CollectiveOp", "Estimate",
+        "ProgramCost", "accelerator",
         "accelerator_of_device", "known_peak_flops", "program_cost", "roofline",
     ],
     "jaxdist.strategies": [
         "Candidate", "DistributedDataset", "DistributedIterator", "HOST_OFFLOAD_MODES",
         "IdleAxisWarning", "InputContext", "LayoutPolicy", "MirroredStrategy", "MultiStepContext",
-        "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "Plan", "ProgramCache", "ProgramMismatchError",
-        "RecompileWarning", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyExtended", "StrategyFunction",
-        "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
+        "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "Plan", "ProgramCache",
+        "ProgramMismatchError",
+        "RecompileWarning", "ReplicaContext", "ShardedStrategy", "Strategy", "StrategyExtended",
+        "StrategyFunction", "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext",
         "compat", "compute_average_loss", "get_replica_context", "get_strategy", "has_strategy",
         "in_cross_replica_context", "plan_mesh", "plan_search", "scale_regularization_loss",
     ],
@@ -35,18 +44,20 @@ PUBLIC = {
         "has_distribution_strategy",
     ],
     "jaxdist.replicate": [
-        "MODEL_AXIS", "PerReplica", "REPLICA_AXIS", "ReduceOp", "SyncOnRead", "VariableAggregation", "batch_sharded",
-        "component_name", "replicated",
+        "MODEL_AXIS", "PerReplica", "REPLICA_AXIS", "ReduceOp", "SyncOnRead", "VariableAggregation",
+        "batch_sharded", "component_name", "replicated",
     ],
     "jaxdist.gradients": [
-        "AllReduceSynchronizer", "CastCompressor", "CastState", "Compressor", "NoneCompressor", "PowerSGDCompressor",
-        "PowerSGDState", "SparseRows", "SynchronizerState", "all_gather_is_cheaper", "cluster", "cluster_of",
-        "clusters", "current_cluster", "current_gradient_uid", "grad", "gradient_cluster", "is_sparse",
-        "replica_count", "sparse_all_reduce", "value_and_grad", "vjp",
+        "AllReduceSynchronizer", "CastCompressor", "CastState", "Compressor", "NoneCompressor",
+        "PowerSGDCompressor",
+        "PowerSGDState", "SparseRows", "SynchronizerState", "all_gather_is_cheaper", "cluster",
+        "cluster_of",
+        "clusters", "current_cluster", "current_gradient_uid", "grad", "gradient_cluster",
+        "is_sparse", "replica_count", "sparse_all_reduce", "value_and_grad", "vjp",
     ],
     "jaxdist.nn": [
-        "MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts", "moe_loss", "nnx",
-        "update_router_bias",
+        "MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts",
+        "moe_loss", "nnx", "update_router_bias",
     ],
     "jaxdist.nn.nnx": [
         "MoE",
@@ -55,10 +66,12 @@ PUBLIC = {
         "TPUStrategy", "host_compute_core", "outside_compilation",
     ],
     "jaxdist.training": [
-        "CSVLogger", "Callback", "CheckpointCorruptedError", "Checkpointer", "DataPosition", "History",
-        "JobDisagreementError", "LinenModel", "MLflowLogger", "NnxModel", "NonFiniteError", "NonFinitePolicy",
-        "PreemptionWatcher", "Progress", "StepCost", "TensorBoardLogger", "TrainState", "Trainer", "Watchdog",
-        "WandbLogger", "accuracy",
+        "CSVLogger", "Callback", "CheckpointCorruptedError", "Checkpointer", "DataPosition",
+        "History",
+        "JobDisagreementError", "LinenModel", "MLflowLogger", "NnxModel", "NonFiniteError",
+        "NonFinitePolicy",
+        "PreemptionWatcher", "Progress", "StepCost", "TensorBoardLogger", "TrainState", "Trainer",
+        "Watchdog", "WandbLogger", "accuracy",
         "make_train_step", "prepare",
     ],
 }
@@ -68,27 +81,34 @@ PUBLIC = {
 def test_every_public_name_still_imports(package):
     module = importlib.import_module(package)
     missing = [name for name in PUBLIC[package] if not hasattr(module, name)]
-    assert not missing, f"{package} no longer has {missing}: keep a re-export (name as name) in its __init__"
+    assert not missing, (
+        f"{package} no longer has {missing}: keep a re-export (name as name) in its __init__"
+    )
     dropped = sorted(set(PUBLIC[package]) - set(module.__all__))
     assert not dropped, f"{package}.__all__ no longer lists {dropped}"
 
 
 def test_top_level_names_are_the_packages_objects():
     """``jd.X`` and ``jd.strategies.X`` are one object (a re-export, not a copy)."""
-    top, strategies = importlib.import_module("jaxdist"), importlib.import_module("jaxdist.strategies")
+    top, strategies = (importlib.import_module("jaxdist"),
+                       importlib.import_module("jaxdist.strategies"))
     for name in set(PUBLIC["jaxdist"]) & set(PUBLIC["jaxdist.strategies"]):
         assert getattr(top, name) is getattr(strategies, name), name
 
 
 def test_each_public_name_has_one_package():
-    """A public object is exported by one package (its owner) and, optionally, at the top level; never also by a
-    sibling package (``jd.tpu.MultiStepContext`` beside ``jd.strategies.MultiStepContext``)."""
+    """A public object is exported by one package (its owner) and, optionally, at the top level;
+    never also by a sibling package (``jd.tpu.MultiStepContext`` beside
+    ``jd.strategies.MultiStepContext``)."""
     owners: dict[int, list[str]] = {}
     for package in sorted(set(PUBLIC) - {"jaxdist"}):
         module = importlib.import_module(package)
         for name in module.__all__:
             value = getattr(module, name)
-            if not isinstance(value, (int, float, str, tuple)):  # constants are compared by value nowhere
+            # constants are compared by value nowhere
+            if not isinstance(value, (int, float, str, tuple)):
                 owners.setdefault(id(value), []).append(f"{package}.{name}")
     shared = sorted(paths for paths in owners.values() if len(paths) > 1)
-    assert not shared, f"exported by more than one package (keep one, and jd.X if it is used often): {shared}"
+    assert not shared, (
+        f"exported by more than one package (keep one, and jd.X if it is used often): {shared}"
+    )

@@ -1,4 +1,5 @@
-"""A dataset's smaller last batch: refused early by name, dropped, or padded and left out of the means."""
+"""A dataset's smaller last batch: refused early by name, dropped, or padded and left out of the
+means."""
 
 import gc
 import threading
@@ -11,7 +12,8 @@ import pytest
 
 import jaxdist as jd
 
-N_EXAMPLES, GLOBAL_BATCH = 500, 64  # 7 full batches and one of 52 rows, as tf.data's batch(64) gives
+# 7 full batches and one of 52 rows, as tf.data's batch(64) gives
+N_EXAMPLES, GLOBAL_BATCH = 500, 64
 
 
 def _data():
@@ -19,7 +21,10 @@ def _data():
     x = rng.normal(size=(N_EXAMPLES, 5)).astype(np.float32)
     y = (x[:, 0] + 0.3 * x[:, 1] > 0).astype(np.int32)
     w = {"w": rng.normal(size=(5, 2)).astype(np.float32), "b": np.zeros(2, np.float32)}
-    batches = [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
+    batches = [
+        (x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH])
+        for i in range(0, N_EXAMPLES, GLOBAL_BATCH)
+    ]
     return x, y, w, batches
 
 
@@ -53,12 +58,17 @@ def test_padded_epoch_means_equal_one_device(make):
     dataset = strategy.experimental_distribute_dataset(batches, remainder="pad")
     for xb, yb in dataset:
         assert xb.shape[0] == GLOBAL_BATCH  # the last batch padded to the first one's rows
-        total += float(strategy.reduce(jd.ReduceOp.SUM, strategy.run(test_step, args=(params, xb, yb))))
+        total += float(
+            strategy.reduce(jd.ReduceOp.SUM, strategy.run(test_step, args=(params, xb, yb)))
+        )
         steps += 1
     assert steps == 8 and float(seen.read()) == N_EXAMPLES
     per_example = np.asarray(_per_example(host, x, y))
-    # Each step's loss is the mean over that batch's real rows; the epoch's mean of step means, as in TF:
-    want = np.mean([per_example[i:i + GLOBAL_BATCH].mean() for i in range(0, N_EXAMPLES, GLOBAL_BATCH)])
+    # Each step's loss is the mean over that batch's real rows; the epoch's mean of step means, as
+    # in TF:
+    want = np.mean(
+        [per_example[i : i + GLOBAL_BATCH].mean() for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
+    )
     np.testing.assert_allclose(total / steps, want, rtol=1e-5)
     want_acc = np.mean(np.argmax(x @ host["w"] + host["b"], axis=1) == y)
     np.testing.assert_allclose(float(correct.read()) / float(seen.read()), want_acc, rtol=1e-6)
@@ -73,16 +83,22 @@ def test_dropped_remainder_equals_one_device_over_the_full_batches(make):
     losses = [float(step(params, xb, yb)) for xb, yb in
               strategy.experimental_distribute_dataset(batches, remainder="drop")]
     per_example = np.asarray(_per_example(host, x, y))
-    want = [per_example[i:i + GLOBAL_BATCH].mean() for i in range(0, 7 * GLOBAL_BATCH, GLOBAL_BATCH)]
+    want = [
+        per_example[i : i + GLOBAL_BATCH].mean() for i in range(0, 7 * GLOBAL_BATCH, GLOBAL_BATCH)
+    ]
     np.testing.assert_allclose(losses, want, rtol=1e-5)
 
 
 def test_a_smaller_batch_is_refused_by_name_before_anything_runs():
     strategy = jd.MirroredStrategy()
     *_, batches = _data()
-    with pytest.raises(ValueError, match=r"batch 7 has 52 rows, which the 8 replicas do not divide.*remainder='drop'"):
-        strategy.experimental_distribute_dataset(batches)  # a list: checked when the dataset is made
-    dataset = strategy.experimental_distribute_dataset(b for b in batches)  # a generator: at that batch
+    with pytest.raises(ValueError,
+                       match=r"batch 7 has 52 rows, which the 8 replicas do not "
+                             r"divide.*remainder='drop'"):
+        # a list: checked when the dataset is made
+        strategy.experimental_distribute_dataset(batches)
+    # a generator: at that batch
+    dataset = strategy.experimental_distribute_dataset(b for b in batches)
     with pytest.raises(ValueError, match=r"remainder='pad'"):
         list(dataset)
     with pytest.raises(ValueError, match=r"remainder='every' is not one of"):
@@ -93,7 +109,10 @@ def test_a_smaller_batch_is_refused_by_name_before_anything_runs():
 
 def test_a_smaller_batch_the_replicas_divide_still_runs_under_error():
     strategy = jd.MirroredStrategy()
-    shapes = [b.shape[0] for b in strategy.experimental_distribute_dataset([np.ones((16, 2)), np.ones((8, 2))])]
+    shapes = [
+        b.shape[0]
+        for b in strategy.experimental_distribute_dataset([np.ones((16, 2)), np.ones((8, 2))])
+    ]
     assert shapes == [16, 8]
 
 
@@ -116,21 +135,24 @@ def test_a_padded_batch_in_a_global_view_step_is_refused():
 
 
 def _compiled_test_step(strategy):
-    """The tutorial's ``test_step`` and ``distributed_test_step`` (a tf.function around ``strategy.run``), the
-    metrics passed in and returned (a compiled step's updates leave through its outputs)."""
+    """The tutorial's ``test_step`` and ``distributed_test_step`` (a tf.function around
+    ``strategy.run``), the metrics passed in and returned (a compiled step's updates leave through
+    its outputs)."""
 
     def test_step(params, test_correct, test_seen, x, y):
         ctx = jd.get_replica_context()
         weights = ctx.batch_weights if ctx.batch_weights is not None else jnp.ones(x.shape[0])
         hits = (jnp.argmax(x @ params["w"] + params["b"], axis=1) == y).astype(jnp.float32)
         return (jd.compute_average_loss(_per_example(params, x, y)),
-                test_correct.assign_add(jnp.sum(hits * weights)), test_seen.assign_add(jnp.sum(weights)))
+                test_correct.assign_add(jnp.sum(hits * weights)),
+                test_seen.assign_add(jnp.sum(weights)))
 
     @strategy.jit
     def distributed_test_step(params, test_correct, test_seen, x, y):
         per_replica_loss, test_correct, test_seen = strategy.run(
             test_step, args=(params, test_correct, test_seen, x, y))
-        return strategy.reduce(jd.ReduceOp.SUM, per_replica_loss, axis=None), test_correct, test_seen
+        return strategy.reduce(jd.ReduceOp.SUM, per_replica_loss,
+                               axis=None), test_correct, test_seen
 
     return test_step, distributed_test_step
 
@@ -138,11 +160,12 @@ def _compiled_test_step(strategy):
 @pytest.mark.parametrize("primed", [None, "eager_run", "global_view_step"])
 @pytest.mark.parametrize("make", STRATEGIES, ids=["mirrored", "fsdp"])
 def test_padded_last_batch_through_a_compiled_test_step(make, primed):
-    """The padded last batch through ``strategy.jit`` around ``strategy.run``: the run inside leaves the padding
-    out, so each epoch's mean loss and accuracy are the one-device ones over the 500 real examples. The same
-    numbers whatever ran before (the replica function eagerly on the padded batch; a compiled step over the
-    full batches and a global-view step refused the padded one) and in each epoch (full batches after a padded
-    one, the padded one again: no program of one kind serves the other)."""
+    """The padded last batch through ``strategy.jit`` around ``strategy.run``: the run inside leaves
+    the padding out, so each epoch's mean loss and accuracy are the one-device ones over the 500
+    real examples. The same numbers whatever ran before (the replica function eagerly on the padded
+    batch; a compiled step over the full batches and a global-view step refused the padded one) and
+    in each epoch (full batches after a padded one, the padded one again: no program of one kind
+    serves the other)."""
     strategy = make()
     x, y, host, batches = _data()
     params = strategy.mirror(host)
@@ -150,32 +173,39 @@ def test_padded_last_batch_through_a_compiled_test_step(make, primed):
     dataset = strategy.experimental_distribute_dataset(batches, remainder="pad")
     *_, (x_last, y_last) = dataset
     if primed == "eager_run":
-        strategy.run(test_step, args=(params, strategy.sync_on_read(0.0, "sum"), strategy.sync_on_read(0.0, "sum"),
-                                      x_last, y_last))
+        strategy.run(test_step, args=(params, strategy.sync_on_read(0.0, "sum"),
+                                      strategy.sync_on_read(0.0, "sum"), x_last, y_last))
     elif primed == "global_view_step":
         global_view = strategy.jit(lambda p, x, y: jnp.mean(_per_example(p, x, y)))
         global_view(params, *next(iter(dataset)))
-        with pytest.raises(ValueError, match=r"padded.*hands it to no strategy.run.*remainder='drop'"):
+        with pytest.raises(ValueError,
+                           match=r"padded.*hands it to no strategy.run.*remainder='drop'"):
             global_view(params, x_last, y_last)
     per_example = np.asarray(_per_example(host, x, y))
-    want_loss = np.mean([per_example[i:i + GLOBAL_BATCH].mean() for i in range(0, N_EXAMPLES, GLOBAL_BATCH)])
+    want_loss = np.mean(
+        [per_example[i : i + GLOBAL_BATCH].mean() for i in range(0, N_EXAMPLES, GLOBAL_BATCH)]
+    )
     want_accuracy = np.mean(np.argmax(x @ host["w"] + host["b"], axis=1) == y)
     for _ in range(2):  # epochs
-        test_correct, test_seen = strategy.sync_on_read(0.0, "sum"), strategy.sync_on_read(0.0, "sum")
+        test_correct, test_seen = (strategy.sync_on_read(0.0, "sum"),
+                                   strategy.sync_on_read(0.0, "sum"))
         losses = []
         for xb, yb in dataset:
-            loss, test_correct, test_seen = distributed_test_step(params, test_correct, test_seen, xb, yb)
+            loss, test_correct, test_seen = distributed_test_step(
+                params, test_correct, test_seen, xb, yb
+            )
             losses.append(float(loss))
         assert len(losses) == 8 and float(test_seen.read()) == N_EXAMPLES
         np.testing.assert_allclose(np.mean(losses), want_loss, rtol=1e-5)
-        np.testing.assert_allclose(float(test_correct.read()) / N_EXAMPLES, want_accuracy, rtol=1e-6)
+        np.testing.assert_allclose(float(test_correct.read()) / N_EXAMPLES, want_accuracy,
+                                   rtol=1e-6)
 
 
 def test_a_padded_batch_freed_while_another_is_registered_does_not_hang(monkeypatch):
-    """The garbage collector may free an old padded batch (one held in a reference cycle) in the middle of the
-    next batch's registration, on the same thread (the read-ahead thread's): the freed batch's entry is
-    dropped without the registry's lock, so the registration never waits on itself. (Whether a test hung
-    depended on what garbage the tests before it left.)"""
+    """The garbage collector may free an old padded batch (one held in a reference cycle) in the
+    middle of the next batch's registration, on the same thread (the read-ahead thread's): the freed
+    batch's entry is dropped without the registry's lock, so the registration never waits on itself.
+    (Whether a test hung depended on what garbage the tests before it left.)"""
     from jaxdist.strategies.input import _remainder
 
     strategy = jd.MirroredStrategy()
@@ -190,7 +220,8 @@ def test_a_padded_batch_freed_while_another_is_registered_does_not_hang(monkeypa
     del old
     lock = _remainder._lock
 
-    class CollectingLock:  # the collector runs inside the registration (as an allocation there can make it run)
+    # the collector runs inside the registration (as an allocation there can make it run)
+    class CollectingLock:
         def __enter__(self):
             lock.acquire()
             gc.collect()

@@ -15,7 +15,9 @@ def _loss(w, x):
 
 def _data(n, rows=4):
     rng = np.random.default_rng(0)
-    return rng.normal(size=(rows * n, 3)).astype(np.float32), rng.normal(size=(3, 2)).astype(np.float32)
+    return rng.normal(size=(rows * n, 3)).astype(np.float32), rng.normal(size=(3, 2)).astype(
+        np.float32
+    )
 
 
 @all_strategies
@@ -66,7 +68,9 @@ def test_outputs_mirrored_or_per_replica(strategy_name):
     np.testing.assert_allclose(out["gathered"], np.arange(2 * n).reshape(n, 2))
     assert isinstance(out["rows"], jd.PerReplica) and isinstance(out["id"], jd.PerReplica)
     assert out["rows"].stacked.shape == (n, 1, 2)
-    np.testing.assert_allclose(strategy.gather(out["rows"], axis=0), np.arange(2 * n).reshape(n, 2) * 2)
+    np.testing.assert_allclose(
+        strategy.gather(out["rows"], axis=0), np.arange(2 * n).reshape(n, 2) * 2
+    )
     assert [int(i) for i in out["id"].values] == list(range(n))
 
 
@@ -78,10 +82,14 @@ def test_reduce_gather_local_results(strategy_name):
     rows = strategy.run(lambda x: x + 1.0, args=(strategy.experimental_distribute_values(batch),))
     expected = batch + 1.0
     np.testing.assert_allclose(strategy.reduce("sum", rows), expected.reshape(n, 3, 2).sum(0))
-    np.testing.assert_allclose(strategy.reduce(jd.ReduceOp.MEAN, rows, axis=0), expected.mean(0), rtol=1e-6)
-    np.testing.assert_allclose(strategy.reduce("sum", rows, axis=-1), expected.reshape(n, 3, 2).sum((0, 2)))
+    np.testing.assert_allclose(strategy.reduce(jd.ReduceOp.MEAN, rows, axis=0), expected.mean(0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(
+        strategy.reduce("sum", rows, axis=-1), expected.reshape(n, 3, 2).sum((0, 2))
+    )
     np.testing.assert_allclose(strategy.gather(rows, axis=0), expected)
-    np.testing.assert_allclose(strategy.gather(rows, axis=1), np.concatenate(expected.reshape(n, 3, 2), axis=1))
+    np.testing.assert_allclose(strategy.gather(rows, axis=1),
+                               np.concatenate(expected.reshape(n, 3, 2), axis=1))
     locals_ = strategy.experimental_local_results(rows)
     assert len(locals_) == n
     np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in locals_]), expected)
@@ -100,9 +108,11 @@ def test_reduce_and_gather_errors():
     ids = strategy.run(lambda: jd.get_replica_context().replica_id_in_sync_group * 1.0)
     with pytest.raises(ValueError, match="scalar per-replica values"):
         strategy.gather(ids)
-    with pytest.raises(ValueError, match=r"axis=1 is out of range for per-replica values of rank 0"):
+    with pytest.raises(ValueError,
+                       match=r"axis=1 is out of range for per-replica values of rank 0"):
         strategy.reduce("sum", ids, axis=1)
-    rows = strategy.run(lambda x: x, args=(strategy.experimental_distribute_values(np.zeros((8, 2))),))
+    rows = strategy.run(lambda x: x,
+                        args=(strategy.experimental_distribute_values(np.zeros((8, 2))),))
     with pytest.raises(ValueError, match=r"axis=2 is out of range"):
         strategy.gather(rows, axis=2)
 
@@ -110,7 +120,9 @@ def test_reduce_and_gather_errors():
 def test_per_replica_of_another_strategy_is_an_error():
     a, b = jd.MirroredStrategy(), jd.MirroredStrategy()
     ids = a.run(lambda: jd.get_replica_context().replica_id_in_sync_group)
-    with pytest.raises(ValueError, match=r"strategy.run got a PerReplica of another strategy .*reduce or gather it"):
+    with pytest.raises(ValueError,
+                       match=r"strategy.run got a PerReplica of another strategy .*reduce or "
+                             r"gather it"):
         b.run(lambda i: i + 1, args=(ids,))
     with pytest.raises(ValueError, match="of another strategy"):
         b.reduce("sum", ids)
@@ -147,16 +159,18 @@ def test_static_arguments_and_caching():
 
     x = jnp.ones(2)
     first = strategy.run(fn, args=(x, "double"))
-    # Computed from a mirrored argument alone: varying by type (each replica owns a copy) but the same on every
-    # replica, so it comes back mirrored: one replicated array.
+    # Computed from a mirrored argument alone: varying by type (each replica owns a copy) but the
+    # same on every replica, so it comes back mirrored: one replicated array.
     assert isinstance(first, jax.Array) and first.sharding.is_fully_replicated
     assert all(np.array_equal(v, [2.0, 2.0]) for v in strategy.experimental_local_results(first))
     traced = len(calls)
     strategy.run(fn, args=(x, "double"))
     assert len(calls) == traced  # cached: no retrace
-    np.testing.assert_allclose(strategy.reduce("mean", strategy.run(fn, args=(x, "triple"))), [3.0, 3.0])
+    np.testing.assert_allclose(strategy.reduce("mean", strategy.run(fn, args=(x, "triple"))),
+                               [3.0, 3.0])
     np.testing.assert_allclose(
-        strategy.run(lambda x: jd.get_replica_context().aggregate(x * 2, "only_first_replica"), args=(x,)),
+        strategy.run(lambda x: jd.get_replica_context().aggregate(x * 2, "only_first_replica"),
+                     args=(x,)),
         [2.0, 2.0],
     )
 
@@ -172,14 +186,17 @@ def test_run_inside_strategy_jit():
 
         return w - 0.1 * strategy.run(replica_fn, args=(w, x))
 
-    new_w = strategy.jit(step)(strategy.mirror(w_host), strategy.experimental_distribute_values(x_host))
-    np.testing.assert_allclose(new_w, w_host - 0.1 * jax.grad(_loss)(w_host, x_host), rtol=1e-5, atol=1e-7)
+    new_w = strategy.jit(step)(strategy.mirror(w_host),
+                               strategy.experimental_distribute_values(x_host))
+    np.testing.assert_allclose(new_w, w_host - 0.1 * jax.grad(_loss)(w_host, x_host), rtol=1e-5,
+                               atol=1e-7)
 
 
 def test_run_inside_plain_jit_is_a_clear_error():
     strategy = jd.MirroredStrategy()
     x = strategy.experimental_distribute_values(jnp.arange(8.0))
-    with pytest.raises(ValueError, match=r"outside this strategy's compiled computations.*strategy\.jit"):
+    with pytest.raises(ValueError,
+                       match=r"outside this strategy's compiled computations.*strategy\.jit"):
         jax.jit(lambda x: strategy.run(lambda v: v * 2, args=(x,)))(x)
     # Inside strategy.jit the batch keeps its per-replica split.
     rows = strategy.jit(lambda x: strategy.run(lambda v: jnp.float32(v.shape[0]), args=(x,)))(x)
@@ -187,14 +204,20 @@ def test_run_inside_plain_jit_is_a_clear_error():
 
 
 def test_an_undeclared_batch_split_over_another_mesh_warns_and_names_the_declaration():
-    """A batch laid out over a mesh of the same devices and names but other axis types (the user's, say) is not
-    on the strategy's mesh: its layout cannot give it a role, so jaxdist says which declaration decides."""
+    """A batch laid out over a mesh of the same devices and names but other axis types (the user's,
+    say) is not on the strategy's mesh: its layout cannot give it a role, so jaxdist says which
+    declaration decides."""
     strategy = jd.MirroredStrategy(jax.devices()[:4])
     explicit = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("replica",),
                                  axis_types=(jax.sharding.AxisType.Explicit,))
-    x = jax.device_put(np.arange(8.0, dtype=np.float32), jax.sharding.NamedSharding(explicit, jax.P("replica")))
-    with pytest.warns(jd.UndeclaredBatchWarning, match=r"not this strategy's.*batch_argnums=\(i, \.\.\.\)"):
+    x = jax.device_put(
+        np.arange(8.0, dtype=np.float32), jax.sharding.NamedSharding(explicit, jax.P("replica"))
+    )
+    with pytest.warns(jd.UndeclaredBatchWarning,
+                      match=r"not this strategy's.*batch_argnums=\(i, \.\.\.\)"):
         whole = strategy.run(lambda v: v.sum(), args=(x,))
-    assert [float(v) for v in strategy.experimental_local_results(whole)] == [28.0] * 4  # a variable: all of it
-    split = strategy.run(lambda v: v.sum(), args=(x,), batch_argnums=(0,))  # declared: each replica its rows
+    # a variable: all of it
+    assert [float(v) for v in strategy.experimental_local_results(whole)] == [28.0] * 4
+    # declared: each replica its rows
+    split = strategy.run(lambda v: v.sum(), args=(x,), batch_argnums=(0,))
     assert [float(v) for v in strategy.experimental_local_results(split)] == [1.0, 5.0, 9.0, 13.0]

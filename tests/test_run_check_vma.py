@@ -1,9 +1,11 @@
-"""`strategy.run` runs what `jax.pmap` runs: the varying-type check relaxed where only it refuses a function.
+"""`strategy.run` runs what `jax.pmap` runs: the varying-type check relaxed where only it refuses a
+function.
 
-The pmap-era shape: a whole training run is one function (a ``lax.scan`` over updates whose carry starts as
-constants: parameters, counters), vmapped over seeds, the seeds split over the replicas. Inside ``shard_map``
-JAX's varying-type check refuses the scan (its carry comes out varying); ``jax.pmap`` runs it. ``run`` runs it as
-``pmap`` does, with a one-time note; ``check_vma=True`` keeps the check, ``check_vma=False`` asks for it off.
+The pmap-era shape: a whole training run is one function (a ``lax.scan`` over updates whose carry
+starts as constants: parameters, counters), vmapped over seeds, the seeds split over the replicas.
+Inside ``shard_map`` JAX's varying-type check refuses the scan (its carry comes out varying);
+``jax.pmap`` runs it. ``run`` runs it as ``pmap`` does, with a one-time note; ``check_vma=True``
+keeps the check, ``check_vma=False`` asks for it off.
 """
 
 import logging
@@ -41,9 +43,11 @@ def make_train(updates):
 
 
 def _stacked(tree):
-    assert all(isinstance(v, jd.PerReplica) for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(
-        v, jd.PerReplica)))
-    return jax.tree.map(lambda v: np.asarray(v.stacked), tree, is_leaf=lambda v: isinstance(v, jd.PerReplica))
+    assert all(isinstance(v, jd.PerReplica)
+               for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, jd.PerReplica)))
+    return jax.tree.map(
+        lambda v: np.asarray(v.stacked), tree, is_leaf=lambda v: isinstance(v, jd.PerReplica)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,8 @@ def test_whole_run_vmapped_over_seeds_equals_pmap(strategy, caplog):
     notes = [r.getMessage() for r in caplog.records if "check_vma" in r.getMessage()]
     assert len(notes) == 1 and "PerReplica" in notes[0]  # one note, naming what was relaxed
     for out in (got, again):
-        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7), _stacked(out), want)
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7),
+                     _stacked(out), want)
     assert np.std(_stacked(got)["params"].reshape(SEEDS, -1), axis=0).max() > 0  # the seeds differ
 
 
@@ -84,19 +89,22 @@ def test_check_off_by_request_reads_outputs_by_value_without_note(strategy, capl
     with caplog.at_level(logging.WARNING, logger="jaxdist"):
         total, doubled = strategy.run(replica_fn, args=(x,), batch_argnums=(0,), check_vma=False)
     assert not caplog.records
-    # No type proves anything with the check off; the values do: a psum's result is the same on every replica.
+    # No type proves anything with the check off; the values do: a psum's result is the same on
+    # every replica.
     assert not isinstance(total, jd.PerReplica) and isinstance(doubled, jd.PerReplica)
     np.testing.assert_array_equal(np.asarray(total), x.sum())
     np.testing.assert_array_equal(np.asarray(doubled.stacked).reshape(8, 2), x * 2.0)
 
 
 def test_relaxed_check_keeps_local_gradients_and_explicit_all_reduce(strategy):
-    """Gradients in a relaxed program are each replica's own (pmap's), and ctx.all_reduce averages them."""
+    """Gradients in a relaxed program are each replica's own (pmap's), and ctx.all_reduce averages
+    them."""
     w = np.array([0.5, -1.0, 2.0], np.float32)
     x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
 
     def loss(w, x):
-        def body(count, row):  # a counter that starts constant and comes out varying: only pmap runs it
+        # a counter that starts constant and comes out varying: only pmap runs it
+        def body(count, row):
             return count + (row[0] > 0).astype(jnp.float32), jnp.sum(row * w) ** 2
 
         count, squares = lax.scan(body, jnp.zeros(()), x)
@@ -110,7 +118,8 @@ def test_relaxed_check_keeps_local_gradients_and_explicit_all_reduce(strategy):
     want_local = jax.pmap(jax.grad(loss), in_axes=(None, 0))(w, x.reshape(8, 2, 3))
     np.testing.assert_allclose(np.asarray(local.stacked), np.asarray(want_local), rtol=1e-6)
     mean = strategy.run(replica_fn, args=(w, x, True), batch_argnums=(1,))
-    assert not isinstance(mean, jd.PerReplica)  # the all-reduced gradient is the same everywhere: mirrored
+    # the all-reduced gradient is the same everywhere: mirrored
+    assert not isinstance(mean, jd.PerReplica)
     np.testing.assert_allclose(np.asarray(mean), jax.grad(loss)(w, x), rtol=1e-5)
 
 

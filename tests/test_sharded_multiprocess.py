@@ -1,9 +1,9 @@
 """ShardedStrategy across processes: FSDP over 2 processes x 4 CPU devices, HSDP on the user's mesh.
 
-The worker (``multiprocess/sharded_worker.py``, through ``python -m jaxdist.launch``) trains the MLP and the
-tiny LM both ways; here the results are compared with single-device training, the per-device share of a
-sharded variable is checked, and the 2 x 4 HSDP checkpoint is restored on one process (8 devices, Sharded)
-and on one device.
+The worker (``multiprocess/sharded_worker.py``, through ``python -m jaxdist.launch``) trains the MLP
+and the tiny LM both ways; here the results are compared with single-device training, the per-device
+share of a sharded variable is checked, and the 2 x 4 HSDP checkpoint is restored on one process (8
+devices, Sharded) and on one device.
 """
 
 import subprocess
@@ -12,7 +12,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from multiprocess_model import batches, init_state, lm_batches, lm_init_state, lm_train_step, train_step
+from multiprocess_model import (
+    batches,
+    init_state,
+    lm_batches,
+    lm_init_state,
+    lm_train_step,
+    train_step,
+)
 from registry import LAUNCH, launch_env
 
 import jaxdist as jd
@@ -35,8 +42,9 @@ def _reference(init, step_fn, data):
 
 @pytest.fixture(scope="session")
 def worker_run(tmp_path_factory):
-    """The one 2-process run every test here reads. Slow (~45 s on 2 loaded cores) because each process compiles
-    4 trainings (FSDP and HSDP, of the MLP and of the LM) and the checks on the other meshes; it runs once."""
+    """The one 2-process run every test here reads. Slow (~45 s on 2 loaded cores) because each
+    process compiles 4 trainings (FSDP and HSDP, of the MLP and of the LM) and the checks on the
+    other meshes; it runs once."""
     tmp = tmp_path_factory.mktemp("sharded_mp")
     out, ckpt = tmp / "result.npz", tmp / "checkpoints"
     proc = subprocess.run(
@@ -61,33 +69,40 @@ def test_two_processes_train_like_one_device(worker_run, layout, model):
     }[model]
     state, losses = _reference(init, step_fn, data)
     np.testing.assert_allclose(result[f"{layout}/{model}/losses"], losses, rtol=1e-5)
-    # The optimizer is registry.adam (eps = learning rate): rounding noise of the all-reduce's summation order
-    # stays at noise level instead of being amplified into full Adam steps where a gradient is ~0.
+    # The optimizer is registry.adam (eps = learning rate): rounding noise of the all-reduce's
+    # summation order stays at noise level instead of being amplified into full Adam steps where a
+    # gradient is ~0.
     for path, leaf in jax.tree_util.tree_leaves_with_path(state[0]):
-        np.testing.assert_allclose(result[f"{layout}/{model}/params{jax.tree_util.keystr(path)}"], leaf,
-                                   rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(result[f"{layout}/{model}/params{jax.tree_util.keystr(path)}"],
+                                   leaf, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.timeout(300)
 def test_each_device_holds_its_share_of_a_sharded_variable(worker_run):
     result, _ = worker_run
-    np.testing.assert_array_equal(result["fsdp/kernel_fraction"], [1 / 8] * 4)  # FSDP over all 8 devices
-    np.testing.assert_array_equal(result["hsdp/kernel_fraction"], [1 / 4] * 4)  # split within a process only
+    # FSDP over all 8 devices
+    np.testing.assert_array_equal(result["fsdp/kernel_fraction"], [1 / 8] * 4)
+    # split within a process only
+    np.testing.assert_array_equal(result["hsdp/kernel_fraction"], [1 / 4] * 4)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("target", ["sharded-1x8", "one-device"])
 def test_a_2x4_hsdp_checkpoint_restores_on_another_topology(worker_run, target):
     _, ckpt_dir = worker_run
-    strategy = jd.ShardedStrategy(min_shard_size=1) if target == "sharded-1x8" else jd.OneDeviceStrategy()
+    strategy = (
+        jd.ShardedStrategy(min_shard_size=1) if target == "sharded-1x8" else jd.OneDeviceStrategy()
+    )
     shapes = jax.eval_shape(lm_init_state, jax.random.key(0))
     shardings = strategy.variable_shardings(shapes)
-    target_tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    target_tree = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                               shapes, shardings)
     ckpt = jd.training.Checkpointer(ckpt_dir)
     restored, meta = ckpt.restore(target_tree)
     ckpt.close()
     assert meta["step"] == 8 and meta["mesh"] == "data=2,fsdp=4"
     state, _ = _reference(lm_init_state, lm_train_step, lm_batches())
-    for a, b, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True):
+    for a, b, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
+                       jax.tree.leaves(shardings), strict=True):
         assert a.sharding == s  # laid out for THIS strategy
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
-"""Nothing ends silently: data that runs out before ``steps`` (one process too), a profile window the fit never
-reaches, a progress record that is not the directory's, and an in-place update that would change a value's type
-each say what happened and what to do (a one-time warning where the run can go on, an error where it cannot).
+"""Nothing ends silently: data that runs out before ``steps`` (one process too), a profile window
+the fit never reaches, a progress record that is not the directory's, and an in-place update that
+would change a value's type each say what happened and what to do (a one-time warning where the run
+can go on, an error where it cannot).
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ def batches(n):
 
 
 def trainer():
-    return jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(2), optax.sgd(0.1),
-                               lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
+    return jd.training.Trainer(
+        jd.MirroredStrategy(),
+        nn.Dense(2),
+        optax.sgd(0.1),
+        lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean(),
+    )
 
 
 def test_a_read_once_iterator_that_ends_before_steps_is_said_on_one_process():
     t = trainer()
-    with pytest.warns(UserWarning, match=r"train_data ended at step 5 of steps=10: the run stopped there "
-                                         r"\(history.data_ended == 5\)\. An iterator is read once: pass a list"):
+    with pytest.warns(UserWarning,
+                                         match=r"train_data ended at step 5 of steps=10: the run "
+                                               r"stopped there "
+                                         r"\(history.data_ended == 5\)\. An iterator is read once: "
+                                         r"pass a list"):
         history = t.fit(iter(batches(5)), steps=10, verbose=0)
     assert t.step == 5 and history.data_ended == 5
     t = trainer()
@@ -43,22 +51,29 @@ def test_a_read_once_iterator_that_ends_before_steps_is_said_on_one_process():
     assert t.step == 3 and history.data_ended is None
 
 
-def test_a_profile_window_after_the_last_step_is_said_and_one_before_a_resumed_run_is_not(tmp_path, monkeypatch):
+def test_a_profile_window_after_the_last_step_is_said_and_one_before_a_resumed_run_is_not(
+    tmp_path, monkeypatch
+):
     started = []
     monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: started.append(a))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
     t = trainer()
-    with pytest.warns(UserWarning, match=r"profile_steps=\(100, 200\): no trace taken: this fit ended at step 8, "
-                                         r"before the window's first step 100\. Pass a window within the steps"):
+    with pytest.warns(UserWarning,
+                                         match=r"profile_steps=\(100, 200\): no trace taken: this "
+                                               r"fit ended at step 8, "
+                                         r"before the window's first step 100\. Pass a window "
+                                         r"within the steps"):
         t.fit(batches(8), steps=8, log_dir=tmp_path, profile_steps=(100, 200), verbose=0)
     assert started == [] and not (tmp_path / "profile").exists()
-    t.fit(batches(8), steps=12, log_dir=tmp_path, profile_steps=(2, 4), verbose=0)  # resumed past it: no word
+    # resumed past it: no word
+    t.fit(batches(8), steps=12, log_dir=tmp_path, profile_steps=(2, 4), verbose=0)
 
     class Stop(jd.training.Callback):
         def on_step_end(self, trainer, step, metrics):
             trainer.stop_training = True
 
-    t.fit(batches(8), steps=20, log_dir=tmp_path, profile_steps=(18, 19), callbacks=[Stop()], verbose=0)
+    t.fit(batches(8), steps=20, log_dir=tmp_path, profile_steps=(18, 19), callbacks=[Stop()],
+          verbose=0)
     assert t.step == 13 and started == []  # stopped on request before the window: no word either
 
 
@@ -66,15 +81,21 @@ def test_a_progress_record_that_is_not_the_directorys_is_said_and_ignored(tmp_pa
     ck = tmp_path / "ck"
     options = {"checkpoint_dir": ck, "checkpoint_every": 5, "log_every": 5, "verbose": 0}
     trainer().fit(batches(10), steps=5, **options)
-    # Copied in from a run that reached step 50 after checkpoint 45, which this directory does not have.
+    # Copied in from a run that reached step 50 after checkpoint 45, which this directory does not
+    # have.
     (ck / PROGRESS_FILE).write_text(json.dumps({"step": 50, "checkpoint": 45, "time": time.time()}))
-    with pytest.warns(UserWarning, match=r"its progress record \(\.jaxdist-progress\.json\) says a run reached "
-                                         r"step 50 after checkpoint 45, which this directory does not have \(its "
+    with pytest.warns(UserWarning,
+                                         match=r"its progress record \(\.jaxdist-progress\.json\) "
+                                               r"says a run reached "
+                                         r"step 50 after checkpoint 45, which this directory does "
+                                         r"not have \(its "
                                          r"newest is 5\).*It is ignored"):
         history = trainer().fit(batches(10), steps=10, **options)
     assert history.time["lost"] == 0  # before: every resumed step counted as taken again
-    assert not os.path.exists(ck / PROGRESS_FILE)  # ended with a checkpoint of its last step: no record now
-    # A record of this directory's own run (a crash after its checkpoint 10, at step 13) is believed.
+    # ended with a checkpoint of its last step: no record now
+    assert not os.path.exists(ck / PROGRESS_FILE)
+    # A record of this directory's own run (a crash after its checkpoint 10, at step 13) is
+    # believed.
     (ck / PROGRESS_FILE).write_text(json.dumps({"step": 13, "checkpoint": 10, "time": time.time()}))
     assert read_progress(str(ck)) == 13
 
@@ -82,9 +103,11 @@ def test_a_progress_record_that_is_not_the_directorys_is_said_and_ignored(tmp_pa
 def test_an_update_that_would_truncate_a_sync_on_read_value_is_an_error():
     strategy = jd.MirroredStrategy()
     seen = strategy.sync_on_read(jnp.zeros((), jnp.int32), jd.VariableAggregation.SUM)
-    with pytest.raises(TypeError, match=r"^assign_add\(0\.5\): the sync-on-read value is int32, which cannot hold a "
-                                        r"float32 value \(it would be truncated without a word\)\. Pass a value of "
-                                        r"dtype int32 .* strategy\.sync_on_read\(jnp\.zeros\(shape, jnp\.float32\)"):
+    with pytest.raises(TypeError,
+                       match=r"^assign_add\(0\.5\): the sync-on-read value is int32, which cannot "
+                             r"hold a float32 value \(it would be truncated without a word\)\. "
+                             r"Pass a value of dtype int32 .* "
+                             r"strategy\.sync_on_read\(jnp\.zeros\(shape, jnp\.float32\)"):
         seen.assign_add(0.5)
     with pytest.raises(TypeError, match=r"^assign_sub\(0\.5\): "):
         seen.assign_sub(0.5)
@@ -101,8 +124,9 @@ def test_an_update_that_would_truncate_a_sync_on_read_value_is_an_error():
     strategy.run(lambda s: s.assign_add(jnp.int32(1)), args=(seen,))
     assert int(seen.read()) == 3 + strategy.num_replicas_in_sync
     real = strategy.sync_on_read(jnp.zeros((), jnp.float32), "mean")
-    with pytest.raises(TypeError, match=r"^assign_add\(1j\): the sync-on-read value is float32, which cannot hold a "
-                                        r"complex64 value"):
+    with pytest.raises(TypeError,
+                       match=r"^assign_add\(1j\): the sync-on-read value is float32, which cannot "
+                             r"hold a complex64 value"):
         real.assign_add(1j)
     real.assign_add(2)  # an int into a float: exact
     assert float(real.read()) == 2.0

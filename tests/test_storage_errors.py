@@ -1,11 +1,13 @@
-"""Storage that fails under a running ``fit``: each cause is ONE `CheckpointSaveError` naming the step, the cause,
-the last complete checkpoint and the fix, and nothing else reaches the terminal (no orbax / absl / asyncio
-tracebacks, no "Event loop is closed", no second error while ``fit`` closes its checkpointer).
+"""Storage that fails under a running ``fit``: each cause is ONE `CheckpointSaveError` naming the
+step, the cause, the last complete checkpoint and the fix, and nothing else reaches the terminal (no
+orbax / absl / asyncio tracebacks, no "Event loop is closed", no second error while ``fit`` closes
+its checkpointer).
 
-Real processes with real faults, injected once checkpoint 5 is complete: a file-size limit (``RLIMIT_FSIZE``,
-errno 27, as a quota on file size gives), the directory removed; in a private mount namespace where the system
-allows one (``unshare``): a filesystem that fills up and one remounted read-only. Synchronous and asynchronous
-saves; the file-size limit also under the oldest Python accepted (`interpreters.pythons`). Every run is bounded.
+Real processes with real faults, injected once checkpoint 5 is complete: a file-size limit
+(``RLIMIT_FSIZE``, errno 27, as a quota on file size gives), the directory removed; in a private
+mount namespace where the system allows one (``unshare``): a filesystem that fills up and one
+remounted read-only. Synchronous and asynchronous saves; the file-size limit also under the oldest
+Python accepted (`interpreters.pythons`). Every run is bounded.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ SCRIPT = textwrap.dedent(
 
 
 def run(tmp_path, fault, saving, python=sys.executable, mount=None):
-    """Run SCRIPT (in a private mount namespace on a small tmpfs when ``mount``); its stderr through a pipe (a
-    file-size limit would cut a file short)."""
+    """Run SCRIPT (in a private mount namespace on a small tmpfs when ``mount``); its stderr through
+    a pipe (a file-size limit would cut a file short)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     directory = tmp_path / "disk" / "ckpt"
@@ -95,11 +97,12 @@ def _mount_namespaces() -> str | None:
     if shutil.which("unshare") is None:
         return "no unshare command"
     try:
-        out = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+                             capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"unshare failed: {error}"
-    return None if out.returncode == 0 else f"no private mount namespace here: {out.stderr.strip()[:200]}"
+    return (None if out.returncode == 0
+            else f"no private mount namespace here: {out.stderr.strip()[:200]}")
 
 
 @pytest.mark.timeout(400)
@@ -107,7 +110,8 @@ def _mount_namespaces() -> str | None:
 @pytest.mark.parametrize("saving", ["sync", "async"])
 def test_a_file_size_limit_is_one_named_error(tmp_path, saving, python):
     out, directory = run(tmp_path, "fsize", saving, python)
-    assert_one_named_error(out, "a file reached the largest size this process may write", "RLIMIT_FSIZE",
+    assert_one_named_error(out, "a file reached the largest size this process may write",
+                           "RLIMIT_FSIZE",
                            "[Errno 27]", "the last complete checkpoint is step 5", "ulimit -f",
                            "run again to resume from step 5")
     assert jd.training.Checkpointer(directory).all_steps() == [5]
@@ -132,37 +136,46 @@ def test_a_full_or_read_only_filesystem_is_one_named_error(tmp_path, fault, said
     if why is not None:
         pytest.skip(why)
     out, _ = run(tmp_path, fault, "async", mount="8m")
-    assert_one_named_error(out, *said, "the last complete checkpoint is step 5", "resume from step 5")
+    assert_one_named_error(out, *said, "the last complete checkpoint is step 5",
+                           "resume from step 5")
 
 
 def test_the_cause_of_a_failed_save_is_found_without_reading_library_text(tmp_path):
-    """`describe_failure`: the OSError in the chain, else the directory itself (gone; a probe write), else the
-    error shortened to one line (tensorstore's texts carry a 2 KB spec)."""
+    """`describe_failure`: the OSError in the chain, else the directory itself (gone; a probe
+    write), else the error shortened to one line (tensorstore's texts carry a 2 KB spec)."""
     quota = OSError(errno.EDQUOT, "Disk quota exceeded")
     wrapped = ValueError("OUT_OF_RANGE: write failed")
     wrapped.__cause__ = quota
     what, fix, vanished = _storage.describe_failure(wrapped, str(tmp_path))
-    assert what.startswith("the disk quota is used up (OSError: [Errno 122]") and "larger one" in fix
+    assert (
+        what.startswith("the disk quota is used up (OSError: [Errno 122]") and "larger one" in fix
+    )
     assert not vanished
     what, _, vanished = _storage.describe_failure(ValueError("x"), str(tmp_path / "gone"))
     assert what.startswith("the directory no longer exists") and vanished
     long = ValueError("NOT_FOUND: " + "y" * 500 + "\nsecond line")
     what, fix, _ = _storage.describe_failure(long, str(tmp_path))
-    assert what.startswith("ValueError: NOT_FOUND: yyy") and len(what) < 330 and "second" not in what
+    assert (
+        what.startswith("ValueError: NOT_FOUND: yyy") and len(what) < 330 and "second" not in what
+    )
     assert fix == "fix the cause (disk space, permissions, ...)"
     error = jd.training.CheckpointSaveError(3, str(tmp_path / "gone"), 2, ValueError("x"))
-    assert error.latest is None and "there is no complete checkpoint" in str(error)  # its checkpoints went too
+    # its checkpoints went too
+    assert error.latest is None and "there is no complete checkpoint" in str(error)
 
 
 def test_a_checkpointer_whose_directory_cannot_be_made_or_vanished_says_so(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match=r"directory='.*file/sub' cannot be created \(a part of its path is a file"):
+    with pytest.raises(ValueError,
+                       match=r"directory='.*file/sub' cannot be created \(a part of its path is a "
+                             r"file"):
         jd.training.Checkpointer(tmp_path / "file" / "sub")
     state = {"w": np.zeros(3, np.float32)}
     ckpt = jd.training.Checkpointer(tmp_path / "c", async_save=False)
     ckpt.save(1, state)
     shutil.rmtree(tmp_path / "c")
     with pytest.raises(jd.training.CheckpointSaveError,
-                       match=r"step 2 in .* failed: the directory no longer exists .*there is no complete checkpoint"):
+                       match=r"step 2 in .* failed: the directory no longer exists .*there is no "
+                             r"complete checkpoint"):
         ckpt.save(2, state)
     ckpt.close()  # nothing more to say

@@ -1,9 +1,11 @@
-"""Sync-on-read values (tf.keras.metrics' role) where TF's tutorial uses them: inside ``strategy.run``, inside a
-compiled step (``strategy.jit``, TF's ``tf.function``) around it, and inside the JAX control flow of a replica
-function (``lax.scan``, ``lax.cond``, a nested ``jax.jit``: TF's ``tf.while_loop`` / ``tf.cond``).
+"""Sync-on-read values (tf.keras.metrics' role) where TF's tutorial uses them: inside
+``strategy.run``, inside a compiled step (``strategy.jit``, TF's ``tf.function``) around it, and
+inside the JAX control flow of a replica function (``lax.scan``, ``lax.cond``, a nested ``jax.jit``:
+TF's ``tf.while_loop`` / ``tf.cond``).
 
-The names are those of TensorFlow's "Custom training with tf.distribute.Strategy" tutorial (``test_step``,
-``distributed_test_step``, ``test_accuracy``, ...); every count is checked against the same count on one device.
+The names are those of TensorFlow's "Custom training with tf.distribute.Strategy" tutorial
+(``test_step``, ``distributed_test_step``, ``test_accuracy``, ...); every count is checked against
+the same count on one device.
 """
 
 import jax
@@ -26,7 +28,9 @@ def _strategy():
 def _data():
     rng = np.random.default_rng(3)
     images = rng.normal(size=(N_EXAMPLES, 6)).astype(np.float32)
-    labels = (images[:, 0] + 0.5 * images[:, 1] > 0).astype(np.int32) + (images[:, 2] > 1).astype(np.int32)
+    labels = (images[:, 0] + 0.5 * images[:, 1] > 0).astype(np.int32) + (images[:, 2] > 1).astype(
+        np.int32
+    )
     params = {"w": rng.normal(size=(6, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
     return images, labels, params
 
@@ -35,7 +39,8 @@ def model(params, images):
     return images @ params["w"] + params["b"]
 
 
-def loss_object(labels, predictions):  # SparseCategoricalCrossentropy(from_logits=True, reduction=NONE)
+# SparseCategoricalCrossentropy(from_logits=True, reduction=NONE)
+def loss_object(labels, predictions):
     return optax.softmax_cross_entropy_with_integer_labels(predictions, labels)
 
 
@@ -53,9 +58,9 @@ def _dataset(strategy, global_batch_size, images, labels):
 
 
 def test_metrics_returned_by_run_in_a_compiled_test_step():
-    """TF's ``distributed_test_step``, a tf.function around ``strategy.run(test_step)``: the metrics are passed
-    in, ``test_step`` returns ``metric.assign_add(...)``, the step returns run's output (a compiled step's
-    updates leave through its outputs)."""
+    """TF's ``distributed_test_step``, a tf.function around ``strategy.run(test_step)``: the metrics
+    are passed in, ``test_step`` returns ``metric.assign_add(...)``, the step returns run's output
+    (a compiled step's updates leave through its outputs)."""
     strategy, global_batch_size = _strategy()
     images, labels, host = _data()
     params = strategy.mirror(host)
@@ -71,22 +76,26 @@ def test_metrics_returned_by_run_in_a_compiled_test_step():
 
     @strategy.jit
     def distributed_test_step(params, test_loss, test_correct, test_seen, dataset_inputs):
-        return strategy.run(test_step, args=(params, test_loss, test_correct, test_seen, dataset_inputs))
+        return strategy.run(test_step, args=(params, test_loss, test_correct, test_seen,
+                                             dataset_inputs))
 
     for inputs in _dataset(strategy, global_batch_size, images, labels):
-        test_loss, test_correct, test_seen = distributed_test_step(params, test_loss, test_correct, test_seen,
-                                                                   inputs)
+        test_loss, test_correct, test_seen = distributed_test_step(
+            params, test_loss, test_correct, test_seen, inputs
+        )
     assert all(isinstance(m, jd.SyncOnRead) for m in (test_loss, test_correct, test_seen))
     want_loss, want_correct, want_seen = _one_device(host, images, labels)
     assert float(test_seen.read()) == want_seen and float(test_correct.read()) == want_correct
     np.testing.assert_allclose(float(test_loss.read()), want_loss, rtol=1e-5)
-    # Eagerly, the object passed in is what comes back (updated in place), as TF's assign_add returns it.
+    # Eagerly, the object passed in is what comes back (updated in place), as TF's assign_add
+    # returns it.
     again = strategy.run(test_step, args=(params, test_loss, test_correct, test_seen, inputs))
     assert again[2] is test_seen and float(test_seen.read()) == want_seen + global_batch_size
 
 
 def test_metrics_updated_in_the_global_view_of_a_compiled_step():
-    """No ``strategy.run``: the step sees the whole batch and updates the metrics in cross-replica context."""
+    """No ``strategy.run``: the step sees the whole batch and updates the metrics in cross-replica
+    context."""
     strategy, global_batch_size = _strategy()
     images, labels, host = _data()
     params = strategy.mirror(host)
@@ -107,8 +116,9 @@ def test_metrics_updated_in_the_global_view_of_a_compiled_step():
 
 
 def test_a_captured_metric_reads_its_replica_component_inside_run():
-    """In replica context ``.value`` (and ``.read()``) is this replica's component, whether the metric was passed
-    to the replica function or captured by it (TF's sync-on-read variables read locally there)."""
+    """In replica context ``.value`` (and ``.read()``) is this replica's component, whether the
+    metric was passed to the replica function or captured by it (TF's sync-on-read variables read
+    locally there)."""
     strategy, global_batch_size = _strategy()
     images, _, _ = _data()
     test_seen = strategy.sync_on_read(0.0, "sum")
@@ -124,7 +134,9 @@ def test_a_captured_metric_reads_its_replica_component_inside_run():
         strategy.run(test_step, args=(batch,))
     by_value, by_read = strategy.run(progress)
     for out in (by_value, by_read):
-        assert [float(v) for v in out.values] == [2.0 * BATCH_SIZE_PER_REPLICA] * strategy.num_replicas_in_sync
+        assert [float(v) for v in out.values] == [
+            2.0 * BATCH_SIZE_PER_REPLICA
+        ] * strategy.num_replicas_in_sync
     assert float(test_seen.read()) == 2 * global_batch_size
 
 
@@ -142,8 +154,8 @@ def test_a_captured_metric_returned_by_the_replica_function_is_that_metric():
 
 @pytest.mark.parametrize("where", ["scan", "cond", "nested_jit"])
 def test_metrics_updated_inside_jax_control_flow_of_a_replica_function(where):
-    """``assign_add`` inside ``lax.scan`` / ``lax.cond`` / a nested ``jax.jit`` (TF: inside tf.while_loop /
-    tf.cond / a nested tf.function) updates the metric as it would on one device."""
+    """``assign_add`` inside ``lax.scan`` / ``lax.cond`` / a nested ``jax.jit`` (TF: inside
+    tf.while_loop / tf.cond / a nested tf.function) updates the metric as it would on one device."""
     strategy, global_batch_size = _strategy()
     images, labels, host = _data()
     params = strategy.mirror(host)
@@ -182,7 +194,8 @@ def test_metrics_updated_inside_jax_control_flow_of_a_replica_function(where):
 
 
 def test_a_metric_updated_in_a_scan_inside_a_compiled_step():
-    """The same inside ``strategy.jit``: the metric passed in, updated in the replica function's scan, returned."""
+    """The same inside ``strategy.jit``: the metric passed in, updated in the replica function's
+    scan, returned."""
     strategy, global_batch_size = _strategy()
     images, labels, host = _data()
     params = strategy.mirror(host)
@@ -208,9 +221,9 @@ def test_a_metric_updated_in_a_scan_inside_a_compiled_step():
 
 @pytest.mark.parametrize("primed", [False, True], ids=["first", "after_an_eager_run"])
 def test_a_captured_metric_in_a_compiled_step_is_refused_whatever_ran_before(primed):
-    """A compiled step cannot update (or read the current value of) a metric it captures: refused, naming the
-    fix. The same answer whether or not the replica function ran eagerly before (the eager program, which
-    stores into the captured metric, is not the one a compiled step gets)."""
+    """A compiled step cannot update (or read the current value of) a metric it captures: refused,
+    naming the fix. The same answer whether or not the replica function ran eagerly before (the
+    eager program, which stores into the captured metric, is not the one a compiled step gets)."""
     strategy, global_batch_size = _strategy()
     images, _, _ = _data()
     test_seen = strategy.sync_on_read(0.0, "sum")
@@ -223,10 +236,13 @@ def test_a_captured_metric_in_a_compiled_step_is_refused_whatever_ran_before(pri
     if primed:
         strategy.run(test_step, args=(batch,))
     distributed_test_step = strategy.jit(lambda inputs: strategy.run(test_step, args=(inputs,)))
-    with pytest.raises(ValueError, match=r"captured from the enclosing code.*Pass the value to the step and to "
+    with pytest.raises(ValueError,
+                                         match=r"captured from the enclosing code.*Pass the value "
+                                               r"to the step and to "
                                          r"run as an argument"):
         distributed_test_step(batch)
-    assert float(test_seen.read()) == (global_batch_size if primed else 0.0)  # nothing leaked into it
+    # nothing leaked into it
+    assert float(test_seen.read()) == (global_batch_size if primed else 0.0)
 
 
 def test_a_captured_metric_assigned_in_a_compiled_global_view_step_is_refused():
@@ -239,7 +255,9 @@ def test_a_captured_metric_assigned_in_a_compiled_global_view_step_is_refused():
         test_seen.assign_add(images.shape[0])
         return jnp.sum(images)
 
-    with pytest.raises(ValueError, match=r"assigns a sync-on-read value \(SUM, shape \(\)\) that it captured.*"
+    with pytest.raises(ValueError,
+                                         match=r"assigns a sync-on-read value \(SUM, shape \(\)\) "
+                                               r"that it captured.*"
                                          r"Pass it to the step as an argument and return it"):
         test_step(strategy.experimental_distribute_values(images[:global_batch_size]))
     assert float(test_seen.read()) == 0.0

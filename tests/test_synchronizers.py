@@ -1,7 +1,9 @@
-"""Gradient synchronizers: compressors (none, cast, PowerSGD), sparse all-gather, bytes read from compiled HLO.
+"""Gradient synchronizers: compressors (none, cast, PowerSGD), sparse all-gather, bytes read from
+compiled HLO.
 
-Per-replica gradients are given as a stacked (num_replicas, ...) array distributed over the replicas, so every
-replica sees a different gradient and the expected results can be computed in numpy.
+Per-replica gradients are given as a stacked (num_replicas, ...) array distributed over the
+replicas, so every replica sees a different gradient and the expected results can be computed in
+numpy.
 """
 
 import flax.linen as nn
@@ -26,7 +28,8 @@ _STEPS: dict = {}
 
 
 def _sync_in_run(strategy, sync, stacked, steps=1, state=None):
-    """Run ``steps`` synchronizer steps on per-replica gradients ``stacked[i]``; returns (outputs, state)."""
+    """Run ``steps`` synchronizer steps on per-replica gradients ``stacked[i]``; returns (outputs,
+    state)."""
     # One replica function per (strategy, sync): run caches its program on the function's identity.
     init, step = _STEPS.setdefault(
         (strategy, sync),
@@ -42,7 +45,7 @@ def _sync_in_run(strategy, sync, stacked, steps=1, state=None):
     return outs, state
 
 
-# ------------------------------------------------------------------------------------------- no compression
+# ----------------------------------------------------------------------------------- no compression
 @all_strategies
 def test_none_compressor_equals_plain_all_reduce(strategy_name):
     strategy = make(strategy_name)
@@ -78,7 +81,7 @@ def test_outside_run_is_one_replica():
     assert G.replica_count() is None
 
 
-# ----------------------------------------------------------------------------------------------- cast
+# --------------------------------------------------------------------------------------------- cast
 @pytest.mark.parametrize("collective", ["all_reduce", "all_to_all", "auto"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cast_within_low_precision_tolerance(collective, dtype):
@@ -93,9 +96,13 @@ def test_cast_within_low_precision_tolerance(collective, dtype):
     np.testing.assert_allclose(out, want, rtol=0, atol=4 * eps * np.abs(stacked).max())
     assert not np.array_equal(out, want)  # it really went through the narrow dtype
     assert state.leaves["w"] is None
-    sums, _ = _sync_in_run(strategy, G.AllReduceSynchronizer(G.CastCompressor(dtype, collective=collective), "sum"),
-                           stacked)
-    np.testing.assert_allclose(sums[0], stacked.sum(0), rtol=0, atol=4 * n * eps * np.abs(stacked).max())
+    sums, _ = _sync_in_run(
+        strategy,
+        G.AllReduceSynchronizer(G.CastCompressor(dtype, collective=collective), "sum"),
+        stacked,
+    )
+    np.testing.assert_allclose(sums[0], stacked.sum(0), rtol=0,
+                               atol=4 * n * eps * np.abs(stacked).max())
 
 
 def test_cast_leaves_narrow_and_integer_leaves_alone():
@@ -105,26 +112,32 @@ def test_cast_leaves_narrow_and_integer_leaves_alone():
     x = strategy.experimental_distribute_values(tree)
     sync = G.AllReduceSynchronizer(c, "sum")
     out, state = strategy.run(lambda t: sync.all_reduce(t, sync.init(t)), args=(x,))
-    assert out["half"].dtype == jnp.bfloat16 and out["half"].tolist() == [[8.0] * 3] and out["count"].tolist() == [[28]]
+    assert (out["half"].dtype == jnp.bfloat16 and out["half"].tolist() == [[8.0] * 3]
+            and out["count"].tolist() == [[28]])
     assert state.leaves == {"count": None, "half": None}
 
 
 def test_cast_error_feedback_keeps_the_running_sum_exact():
-    """With error feedback the rounding error is carried, so the sum of the outputs tracks the true sum."""
+    """With error feedback the rounding error is carried, so the sum of the outputs tracks the true
+    sum."""
     strategy = jd.MirroredStrategy()
     n, steps = strategy.num_replicas_in_sync, 40
     stacked = np.full((n, 4), 1.0 + 2**-10, np.float32)  # rounds to 1.0 in bfloat16 every time
     plain, _ = _sync_in_run(strategy, G.AllReduceSynchronizer(G.CastCompressor()), stacked, steps)
-    fed, state = _sync_in_run(strategy, G.AllReduceSynchronizer(G.CastCompressor(error_feedback=True)), stacked, steps)
+    fed, state = _sync_in_run(strategy,
+                              G.AllReduceSynchronizer(G.CastCompressor(error_feedback=True)),
+                              stacked, steps)
     true_sum = steps * stacked.mean(0)
-    assert np.abs(np.sum(plain, 0) - true_sum).max() == pytest.approx(steps * 2**-10)  # drifts linearly
+    # drifts linearly
+    assert np.abs(np.sum(plain, 0) - true_sum).max() == pytest.approx(steps * 2**-10)
     assert np.abs(np.sum(fed, 0) - true_sum).max() <= 2**-7  # bounded by one rounding
     assert isinstance(state.leaves["w"].error, jd.PerReplica)
 
 
-# -------------------------------------------------------------------------------------------- PowerSGD
+# ----------------------------------------------------------------------------------------- PowerSGD
 def _powersgd_reference(stacked, q, steps):
-    """numpy PowerSGD over replicas stacked[i] (float64): outputs, final q, final per-replica errors."""
+    """numpy PowerSGD over replicas stacked[i] (float64): outputs, final q, final per-replica
+    errors."""
     grads = stacked.astype(np.float64)
     errors, q, outs = np.zeros_like(grads), q.astype(np.float64), []
     for _ in range(steps):
@@ -157,7 +170,8 @@ def test_powersgd_matches_reference_and_state_round_trips_through_run(strategy_n
     errors = np.stack([np.asarray(e) for e in strategy.experimental_local_results(leaf.error)])
     np.testing.assert_allclose(errors, want_errors, rtol=1e-3, atol=1e-4)
     # init outside run (zero residuals as a mirrored value) gives the same numbers
-    again, _ = _sync_in_run(strategy, sync, stacked, steps=4, state=sync.init({"w": jnp.zeros((16, 12))}))
+    again, _ = _sync_in_run(strategy, sync, stacked, steps=4,
+                            state=sync.init({"w": jnp.zeros((16, 12))}))
     np.testing.assert_allclose(again[-1], outs[-1], rtol=1e-5, atol=1e-6)
     # and so does the same step compiled inside a jitted step (state layouts kept)
     init, step = _STEPS[(strategy, sync)]
@@ -167,22 +181,28 @@ def test_powersgd_matches_reference_and_state_round_trips_through_run(strategy_n
     for _ in range(4):
         out, state = jitted(x, state)
     np.testing.assert_allclose(np.asarray(out["w"]), outs[-1], rtol=1e-5, atol=1e-6)
-    q = state.leaves["w"].q  # the compiled step's state is in the strategy's variable layout: mirrored, FSDP on Sharded
-    assert q.sharding.is_equivalent_to(strategy.variable_layout("q", jax.ShapeDtypeStruct(q.shape, q.dtype)), q.ndim)
+    # the compiled step's state is in the strategy's variable layout: mirrored, FSDP on Sharded
+    q = state.leaves["w"].q
+    assert q.sharding.is_equivalent_to(
+        strategy.variable_layout("q", jax.ShapeDtypeStruct(q.shape, q.dtype)), q.ndim
+    )
 
 
 def _low_rank_plus_noise(rows=24, cols=20, rank=3, seed=0):
     rng = np.random.default_rng(seed)
     u, _ = np.linalg.qr(rng.normal(size=(rows, rows)))
     v, _ = np.linalg.qr(rng.normal(size=(cols, cols)))
-    spectrum = np.concatenate([[10.0, 7.0, 5.0][:rank], 0.5 ** np.arange(1, min(rows, cols) - rank + 1)])
+    spectrum = np.concatenate([[10.0, 7.0, 5.0][:rank],
+                               0.5 ** np.arange(1, min(rows, cols) - rank + 1)])
     return (u[:, : len(spectrum)] * spectrum) @ v[:, : len(spectrum)].T
 
 
 def test_powersgd_q_is_carried_warm_start_is_a_power_iteration():
-    """Q carried from step to step: repeated steps on one gradient converge to its best rank-r approximation.
+    """Q carried from step to step: repeated steps on one gradient converge to its best rank-r
+    approximation.
 
-    The error is reset each step here to isolate Q; redrawing Q each step (AutoDist) never converges.
+    The error is reset each step here to isolate Q; redrawing Q each step (AutoDist) never
+    converges.
     """
     strategy = jd.MirroredStrategy()
     g = _low_rank_plus_noise().astype(np.float32)
@@ -197,7 +217,8 @@ def test_powersgd_q_is_carried_warm_start_is_a_power_iteration():
         for _ in range(15):
             leaf = state.leaves["w"]
             state = G.SynchronizerState({"w": leaf._replace(error=fresh.leaves["w"].error,
-                                                            q=fresh.leaves["w"].q if reset_q else leaf.q)})
+                                                            q=fresh.leaves["w"].q if reset_q
+                                                            else leaf.q)})
             (out,), state = _sync_in_run(strategy, sync, stacked, state=state)
         return np.linalg.norm(out - best) / np.linalg.norm(best)
 
@@ -207,12 +228,14 @@ def test_powersgd_q_is_carried_warm_start_is_a_power_iteration():
 
 
 def test_powersgd_error_is_fed_back():
-    """Error feedback: the time-average of the outputs converges to the mean gradient (the residual is carried
-    and eventually sent), instead of stalling at its rank-r part as when the error is dropped (AutoDist)."""
+    """Error feedback: the time-average of the outputs converges to the mean gradient (the residual
+    is carried and eventually sent), instead of stalling at its rank-r part as when the error is
+    dropped (AutoDist)."""
     strategy = jd.MirroredStrategy()
     n = strategy.num_replicas_in_sync
     base = _low_rank_plus_noise(rank=3)
-    stacked = (base + np.random.default_rng(1).normal(size=(n, *base.shape)) * 0.2).astype(np.float32)
+    stacked = (base + np.random.default_rng(1).normal(size=(n,
+                                                            *base.shape)) * 0.2).astype(np.float32)
     mean = stacked.mean(0)
     sync = G.AllReduceSynchronizer(G.PowerSGDCompressor(rank=1))
     _, fresh = _sync_in_run(strategy, sync, stacked, steps=0)
@@ -221,7 +244,9 @@ def test_powersgd_error_is_fed_back():
         state, total, out = fresh, 0.0, []
         for step in range(1, max(checkpoints) + 1):
             if reset_error:
-                state = G.SynchronizerState({"w": state.leaves["w"]._replace(error=fresh.leaves["w"].error)})
+                state = G.SynchronizerState(
+                    {"w": state.leaves["w"]._replace(error=fresh.leaves["w"].error)}
+                )
             (grad,), state = _sync_in_run(strategy, sync, stacked, state=state)
             total = total + grad
             if step in checkpoints:
@@ -268,7 +293,7 @@ def test_powersgd_fallbacks_shapes_and_sum():
     np.testing.assert_allclose(results["sum"], n * results["mean"], rtol=1e-4, atol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------- accuracy
+# ----------------------------------------------------------------------------------------- accuracy
 class _MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -281,8 +306,8 @@ def digits():
     from sklearn.model_selection import train_test_split
 
     x, y = load_digits(return_X_y=True)
-    return train_test_split((x / 16.0).astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0,
-                            stratify=y)
+    return train_test_split((x / 16.0).astype(np.float32), y.astype(np.int32), test_size=0.2,
+                            random_state=0, stratify=y)
 
 
 def _train_digits(digits, compressor, epochs=8, batch=64):
@@ -295,8 +320,9 @@ def _train_digits(digits, compressor, epochs=8, batch=64):
     sync_state = strategy.run(sync.init, args=(params,))
 
     def replica_grads(params, sync_state, x, y):
-        grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean())(
-            params)
+        grads = jax.grad(
+            lambda p: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+        )(params)
         return sync.all_reduce(grads, sync_state)
 
     @strategy.jit
@@ -308,7 +334,9 @@ def _train_digits(digits, compressor, epochs=8, batch=64):
     usable = len(x_train) // batch * batch
     for _ in range(epochs):
         order = rng.permutation(len(x_train))[:usable].reshape(-1, batch)
-        for xb, yb in strategy.experimental_distribute_dataset([(x_train[i], y_train[i]) for i in order]):
+        for xb, yb in strategy.experimental_distribute_dataset(
+            [(x_train[i], y_train[i]) for i in order]
+        ):
             grads, sync_state = strategy.run(replica_grads, args=(params, sync_state, xb, yb))
             params, opt_state = apply(params, opt_state, grads)
     return float(np.mean(np.asarray(model.apply(params, x_test)).argmax(-1) == y_test))
@@ -323,12 +351,13 @@ def test_powersgd_reaches_uncompressed_accuracy_on_digits(digits):
     assert compressed >= plain - 0.01, (plain, compressed)
 
 
-# --------------------------------------------------------------------------------------------- sparse
+# ------------------------------------------------------------------------------------------- sparse
 def _embedding_problem(n, vocab, dim=16, tokens=6):
     rng = np.random.default_rng(3)
     table = rng.normal(size=(vocab, dim)).astype(np.float32)
     w = rng.normal(size=(dim,)).astype(np.float32)
-    ids = rng.integers(0, vocab, size=(n * 2, tokens // 2)).astype(np.int32)  # repeats across replicas likely
+    # repeats across replicas likely
+    ids = rng.integers(0, vocab, size=(n * 2, tokens // 2)).astype(np.int32)
     ids[:, 0] = ids[0, 0]  # and a row every replica touches
 
     def loss_of_rows(rows, w):
@@ -350,7 +379,8 @@ def test_sparse_rows_equal_the_dense_all_reduce(vocab, method, expected_kind):
         ctx = jd.get_replica_context()
         dense = jax.grad(lambda t: loss_of_rows(t[ids], w))(table)  # the whole table's gradient
         rows = jax.grad(loss_of_rows)(table[ids], w)  # only the looked-up rows'
-        sparse = G.SparseRows(ids.reshape(-1), rows.reshape(-1, table.shape[1]), num_rows=table.shape[0])
+        sparse = G.SparseRows(ids.reshape(-1), rows.reshape(-1, table.shape[1]),
+                              num_rows=table.shape[0])
         return G.sparse_all_reduce(sparse, "mean", method=method), ctx.all_reduce("mean", dense)
 
     ids_dist = strategy.experimental_distribute_values(ids)
@@ -358,7 +388,8 @@ def test_sparse_rows_equal_the_dense_all_reduce(vocab, method, expected_kind):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert got.sharding.is_fully_replicated
     # The ids are the batch; the table and w take the variable layout (mirrored).
-    program = strategy.jit(lambda t, w, i: strategy.run(replica_fn, args=(t, w, i)), batch_argnums=2)
+    program = strategy.jit(lambda t, w, i: strategy.run(replica_fn, args=(t, w, i)),
+                           batch_argnums=2)
     kinds = {op.kind for op in collectives(program.lower(table, w, ids_dist))
              if op.operand_bytes != table.nbytes}  # leave out the reference's dense all-reduce
     assert kinds == {expected_kind}
@@ -380,11 +411,15 @@ def test_synchronizer_reduces_sparse_leaves_dense_out():
         out, new_state = sync.all_reduce(grads, state)
         return out, jd.get_replica_context().all_reduce("sum", dense), new_state
 
-    out, want, new_state = strategy.run(replica_fn, args=(params, state, strategy.experimental_distribute_values(ids)))
+    out, want, new_state = strategy.run(
+        replica_fn, args=(params, state, strategy.experimental_distribute_values(ids))
+    )
     np.testing.assert_allclose(out["table"], want["table"], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out["w"], want["w"], rtol=1e-5)
-    assert state.leaves["table"] is not None and new_state.leaves["table"] is None  # sparse leaves keep no state
-    assert G.is_sparse(G.SparseRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, 2)), 3)) and not G.is_sparse(w)
+    # sparse leaves keep no state
+    assert state.leaves["table"] is not None and new_state.leaves["table"] is None
+    assert G.is_sparse(G.SparseRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, 2)),
+                                    3)) and not G.is_sparse(w)
 
 
 def test_sparse_outside_run_and_cost_rule():
@@ -396,7 +431,7 @@ def test_sparse_outside_run_and_cost_rule():
     assert G.all_gather_is_cheaper(G.SparseRows(g.indices, g.values, 500), 8)
 
 
-# ------------------------------------------------------------------------------------------------ bytes
+# -------------------------------------------------------------------------------------------- bytes
 def _bytes_per_step(strategy, compressor, shape):
     sync = G.AllReduceSynchronizer(compressor)
     g = strategy.mirror(jnp.ones(shape, jnp.float32))
@@ -404,13 +439,15 @@ def _bytes_per_step(strategy, compressor, shape):
     def replica_fn(g, state):  # a different gradient on every replica
         return sync.all_reduce(g * (1.0 + jd.get_replica_context().replica_id_in_sync_group), state)
 
-    program = strategy.jit(lambda g, s: strategy.run(replica_fn, args=(g, s)), batch_argnums=())  # no batch
+    # no batch
+    program = strategy.jit(lambda g, s: strategy.run(replica_fn, args=(g, s)), batch_argnums=())
     compiled = program.lower(g, sync.init(g)).compile()
     return collective_bytes(compiled), collective_bytes(compiled, wire=True), collectives(compiled)
 
 
 def test_bytes_per_step_from_compiled_hlo():
-    """Done-when figures: bf16 moves half the bytes of float32; PowerSGD rank 4 on 512x512 under 2 %."""
+    """Done-when figures: bf16 moves half the bytes of float32; PowerSGD rank 4 on 512x512 under 2
+    %."""
     strategy = jd.MirroredStrategy()
     n = strategy.num_replicas_in_sync
     shape = (512, 512)
@@ -423,14 +460,19 @@ def test_bytes_per_step_from_compiled_hlo():
     assert psgd / base == pytest.approx((512 * 4 + 512 * 4) / (512 * 512)) and psgd / base <= 0.02
     assert psgd_wire / base_wire == pytest.approx(psgd / base)
     assert [op.kind for op in ops] == ["all-reduce", "all-reduce"]
-    print(f"bytes per step vs float32 all-reduce: bf16 {bf16 / base:.4f} (wire {bf16_wire / base_wire:.4f}), "
-          f"PowerSGD rank 4 {psgd / base:.4f}")
+    print(f"bytes per step vs float32 all-reduce: bf16 {bf16 / base:.4f} (wire "
+          f"{bf16_wire / base_wire:.4f}), PowerSGD rank 4 {psgd / base:.4f}")
     if jax.default_backend() == "cpu":
-        # The reason for collective="auto": XLA:CPU runs a bfloat16 psum in float32 (nothing saved), so the
-        # CPU path moves bit patterns through an all-to-all + all-gather: operands 1/2 + 1/(2n) of float32.
+        # The reason for collective="auto": XLA:CPU runs a bfloat16 psum in float32 (nothing saved),
+        # so the CPU path moves bit patterns through an all-to-all + all-gather: operands 1/2 +
+        # 1/(2n) of float32.
         assert bf16 / base == pytest.approx(0.5 * (1 + 1 / n))
-        promoted, _, _ = _bytes_per_step(strategy, G.CastCompressor(jnp.bfloat16, collective="all_reduce"), shape)
-        assert promoted == base, "XLA:CPU no longer promotes bf16 all-reduces: reconsider collective='auto'"
+        promoted, _, _ = _bytes_per_step(
+            strategy, G.CastCompressor(jnp.bfloat16, collective="all_reduce"), shape
+        )
+        assert promoted == base, (
+            "XLA:CPU no longer promotes bf16 all-reduces: reconsider collective='auto'"
+        )
 
 
 def test_collective_parser_on_hand_written_hlo():
@@ -454,7 +496,9 @@ ENTRY %main (p0: f32[8,4], p1: bf16[16]) -> f32[8,4] {
 """
     ops = collectives(hlo)
     assert [(op.name, op.kind, op.operand_bytes, op.group_size) for op in ops] == [
-        ("ar", "all-reduce", 160, 2), ("ag", "all-gather", 128, 4), ("rs", "reduce-scatter", 128, 4),
+        ("ar", "all-reduce", 160, 2),
+        ("ag", "all-gather", 128, 4),
+        ("rs", "reduce-scatter", 128, 4),
         ("cp", "collective-permute", 128, 4),
     ]
     assert collective_bytes(hlo) == 544
@@ -468,13 +512,16 @@ ENTRY %main (p0: f32[8,4], p1: bf16[16]) -> f32[8,4] {
         collective_bytes("HloModule m", kinds=("send",))
 
 
-# ------------------------------------------------------------------------------------------ error paths
+# -------------------------------------------------------------------------------------- error paths
 def test_error_paths():
-    with pytest.raises(ValueError, match=r"dtype=float32 is not a float of at most 16 bits.*compresses nothing"):
+    with pytest.raises(
+        ValueError, match=r"dtype=float32 is not a float of at most 16 bits.*compresses nothing"
+    ):
         G.CastCompressor(jnp.float32)
     with pytest.raises(ValueError, match=r"dtype='fp8\?' is not a dtype"):
         G.CastCompressor("fp8?")
-    with pytest.raises(ValueError, match=r"collective='ring' is not one of 'auto', 'all_reduce', 'all_to_all'"):
+    with pytest.raises(ValueError,
+                       match=r"collective='ring' is not one of 'auto', 'all_reduce', 'all_to_all'"):
         G.CastCompressor(collective="ring")
     for rank in (0, -1, True, 2.5):
         with pytest.raises(ValueError, match=rf"rank={rank!r} must be a positive int"):
@@ -491,25 +538,37 @@ def test_error_paths():
         G.AllReduceSynchronizer(reduce_op="max")
     sync = G.AllReduceSynchronizer(G.PowerSGDCompressor(rank=2))
     grads = {"w": jnp.ones((8, 8))}
-    with pytest.raises(TypeError, match=r"state=dict is not a SynchronizerState: pass the state made by sync.init"):
+    with pytest.raises(TypeError,
+                       match=r"state=dict is not a SynchronizerState: pass the state made by "
+                             r"sync.init"):
         sync.all_reduce(grads, {})
-    with pytest.raises(ValueError, match=r"state was made for a tree of structure .* make the state with sync.init"):
+    with pytest.raises(ValueError,
+                       match=r"state was made for a tree of structure .* make the state with "
+                             r"sync.init"):
         sync.all_reduce(grads, sync.init({"v": jnp.ones((8, 8)), "w": jnp.ones((8, 8))}))
-    with pytest.raises(ValueError, match=r"state=None is not the PowerSGDState of a \(8, 8\) gradient"):
+    with pytest.raises(ValueError,
+                       match=r"state=None is not the PowerSGDState of a \(8, 8\) gradient"):
         G.PowerSGDCompressor(rank=2).reduce(grads["w"], None)
     with pytest.raises(NotImplementedError):
         G.Compressor().reduce(jnp.ones(2), None)
     with pytest.raises(TypeError, match=r"grad=ArrayImpl is not a SparseRows"):
         G.sparse_all_reduce(jnp.ones(3))
-    with pytest.raises(ValueError, match=r"indices has shape \(2, 1\) and dtype int32: it must be a 1-D integer"):
+    with pytest.raises(
+        ValueError, match=r"indices has shape \(2, 1\) and dtype int32: it must be a 1-D integer"
+    ):
         G.sparse_all_reduce(G.SparseRows(jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 3)), 4))
     with pytest.raises(ValueError, match=r"indices has shape \(2,\) and dtype float32"):
         G.sparse_all_reduce(G.SparseRows(jnp.zeros(2), jnp.ones((2, 3)), 4))
-    with pytest.raises(ValueError, match=r"values has shape \(3, 3\) for 2 indices: it needs one row per index"):
+    with pytest.raises(
+        ValueError, match=r"values has shape \(3, 3\) for 2 indices: it needs one row per index"
+    ):
         G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((3, 3)), 4))
     with pytest.raises(ValueError, match=r"num_rows=0 must be a positive int"):
         G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((2, 3)), 0))
-    with pytest.raises(ValueError, match=r"method='scatter' is not one of 'auto', 'all_gather', 'dense'"):
-        G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((2, 3)), 4), method="scatter")
+    with pytest.raises(ValueError,
+                       match=r"method='scatter' is not one of 'auto', 'all_gather', 'dense'"):
+        G.sparse_all_reduce(G.SparseRows(jnp.zeros(2, jnp.int32), jnp.ones((2, 3)), 4),
+                            method="scatter")
     assert "PowerSGDCompressor(rank=2, seed=0)" in repr(sync)
-    assert repr(G.CastCompressor()) == "CastCompressor(dtype=bfloat16, error_feedback=False, collective='auto')"
+    assert (repr(G.CastCompressor())
+            == "CastCompressor(dtype=bfloat16, error_feedback=False, collective='auto')")

@@ -11,11 +11,12 @@ import jaxdist as jd
 oc = jd.tpu.outside_compilation
 
 
-# ------------------------------------------------------------------------------------------ TPUStrategy
+# -------------------------------------------------------------------------------------- TPUStrategy
 def test_tpu_strategy_topology_and_lifecycle():
     strategy = jd.TPUStrategy(steps_per_run=20)
     assert strategy.devices == tuple(jax.devices()) and strategy.num_cores == 8
-    assert strategy.steps_per_run == 20 and strategy.num_hosts == 1 and strategy.num_replicas_per_host == 8
+    assert (strategy.steps_per_run == 20 and strategy.num_hosts == 1
+            and strategy.num_replicas_per_host == 8)
     assert jd.TPUStrategy(num_cores=2).devices == tuple(jax.devices()[:2])
     assert strategy.get_host_cpu_device(0).platform == "cpu"
     for _ in range(2):  # safe to call more than once, in any order
@@ -43,11 +44,12 @@ def test_host_cpu_device_bad_host():
         jd.TPUStrategy().get_host_cpu_device(1)
 
 
-# ------------------------------------------------------------------------------------------ steps loops
+# -------------------------------------------------------------------------------------- steps loops
 def _regression_data(steps, batch=16, seed=0):
     rng = np.random.default_rng(seed)
     return [
-        (rng.normal(size=(batch, 3)).astype(np.float32), rng.normal(size=(batch,)).astype(np.float32))
+        (rng.normal(size=(batch, 3)).astype(np.float32),
+         rng.normal(size=(batch,)).astype(np.float32))
         for _ in range(steps)
     ]
 
@@ -86,7 +88,8 @@ def test_steps_loop_equals_single_steps(name):
 
     it = iter(data)
     ctx = strategy.run_steps_on_dataset(step_fn, it, iterations=5, initial_loop_values=w0)
-    ctx = strategy.run_steps_on_dataset(step_fn, it, iterations=5, initial_loop_values=ctx.loop_values)
+    ctx = strategy.run_steps_on_dataset(step_fn, it, iterations=5,
+                                        initial_loop_values=ctx.loop_values)
     np.testing.assert_allclose(ctx.loop_values, w, rtol=1e-5)
     outs = ctx.last_step_outputs
     assert isinstance(outs, dict) and set(outs) == {"loss", "per_replica_loss"}
@@ -95,7 +98,8 @@ def test_steps_loop_equals_single_steps(name):
     per_replica = strategy.experimental_local_results(outs["per_replica_loss"])
     assert len(per_replica) == n  # no aggregation: one value per replica
     x_last, y_last = data[-1]
-    expected = [_loss(starts[-1], xs, ys) for xs, ys in zip(np.split(x_last, n), np.split(y_last, n), strict=True)]
+    expected = [_loss(starts[-1], xs, ys) for xs, ys in zip(np.split(x_last, n),
+                                                            np.split(y_last, n), strict=True)]
     np.testing.assert_allclose([float(v) for v in per_replica], expected, rtol=1e-4)
     assert ctx.non_tensor_outputs == {"note": "ok"}
 
@@ -110,7 +114,8 @@ def test_steps_per_run_default_and_global_view_step():
 
     it = iter(data)
     w = np.zeros(3, np.float32)
-    ctx = strategy.run_steps_on_dataset(step_fn, it, initial_loop_values=w)  # iterations = steps_per_run
+    # iterations = steps_per_run
+    ctx = strategy.run_steps_on_dataset(step_fn, it, initial_loop_values=w)
     ctx = strategy.run_steps_on_dataset(step_fn, it, initial_loop_values=ctx.loop_values)
     for x, y in data:
         w = w - 0.1 * jax.grad(_loss)(w, x, y)
@@ -152,7 +157,8 @@ def test_callback_fires_once_per_replica_per_step_in_order():
     jax.effects_barrier()
     assert sorted(log) == [(s, r) for s in range(6) for r in range(8)]  # once per replica per step
     for r in range(8):
-        assert [s for s, rr in log if rr == r] == list(range(6))  # each replica's calls in step order
+        # each replica's calls in step order
+        assert [s for s, rr in log if rr == r] == list(range(6))
 
 
 def test_steps_loop_bad_input():
@@ -163,33 +169,44 @@ def test_steps_loop_bad_input():
 
     w = np.float32(0)
     ragged = iter([np.ones((16, 1)), np.ones((16, 1)), np.ones((8, 1))])
-    with pytest.raises(ValueError, match=r"batch 2 has a leaf of shape \(8, 1\) where batch 0 has \(16, 1\).*drop "
+    with pytest.raises(ValueError,
+                                         match=r"batch 2 has a leaf of shape \(8, 1\) where batch "
+                                               r"0 has \(16, 1\).*drop "
                                          r"the remainder .* or pad"):
         strategy.run_steps_on_dataset(step_fn, ragged, iterations=3, initial_loop_values=w)
-    with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 does not divide global batch 12: drop the "
+    with pytest.raises(ValueError,
+                                         match=r"num_replicas_in_sync=8 does not divide global "
+                                               r"batch 12: drop the "
                                          r"remainder \(batch 8\) or pad to 16"):
-        strategy.run_steps_on_dataset(step_fn, iter([np.ones((12, 1))]), iterations=1, initial_loop_values=w)
-    with pytest.raises(ValueError, match=r"iterator ended after 2 of iterations=3 batches.*drop the remainder"):
-        strategy.run_steps_on_dataset(step_fn, iter([np.ones((8, 1))] * 2), iterations=3, initial_loop_values=w)
-    with pytest.raises(TypeError, match=r"iterator=list is not an iterator: pass iter\(dataset\)"):
-        strategy.run_steps_on_dataset(step_fn, [np.ones((8, 1))], iterations=1, initial_loop_values=w)
-    with pytest.raises(ValueError, match=r"iterations=0 must be an int >= 1"):
-        strategy.run_steps_on_dataset(step_fn, iter([np.ones((8, 1))]), iterations=0, initial_loop_values=w)
-    with pytest.raises(ValueError, match=r"step_fn returned a state of structure .* but the loop carries"):
-        strategy.run_steps_on_dataset(lambda ctx, w, x: (w, w), iter([np.ones((8, 1))]), iterations=1,
+        strategy.run_steps_on_dataset(step_fn, iter([np.ones((12, 1))]), iterations=1,
                                       initial_loop_values=w)
+    with pytest.raises(ValueError,
+                       match=r"iterator ended after 2 of iterations=3 batches.*drop the remainder"):
+        strategy.run_steps_on_dataset(step_fn, iter([np.ones((8, 1))] * 2), iterations=3,
+                                      initial_loop_values=w)
+    with pytest.raises(TypeError, match=r"iterator=list is not an iterator: pass iter\(dataset\)"):
+        strategy.run_steps_on_dataset(step_fn, [np.ones((8, 1))], iterations=1,
+                                      initial_loop_values=w)
+    with pytest.raises(ValueError, match=r"iterations=0 must be an int >= 1"):
+        strategy.run_steps_on_dataset(step_fn, iter([np.ones((8, 1))]), iterations=0,
+                                      initial_loop_values=w)
+    with pytest.raises(ValueError,
+                       match=r"step_fn returned a state of structure .* but the loop carries"):
+        strategy.run_steps_on_dataset(lambda ctx, w, x: (w, w), iter([np.ones((8, 1))]),
+                                      iterations=1, initial_loop_values=w)
 
     def sets_in_replica(ctx, w, x):
         strategy.run(lambda x: ctx.set_last_step_output("bad", x.sum()), args=(x,))
         return w
 
     with pytest.raises(RuntimeError, match="inside a replica function"):
-        strategy.run_steps_on_dataset(sets_in_replica, iter([np.ones((8, 1))]), iterations=1, initial_loop_values=w)
+        strategy.run_steps_on_dataset(sets_in_replica, iter([np.ones((8, 1))]), iterations=1,
+                                      initial_loop_values=w)
     with pytest.raises(RuntimeError, match="called from inside step_fn"):
         jd.MultiStepContext().set_last_step_output("x", 1.0)
 
 
-# ------------------------------------------------------------------------------------ outside_compilation
+# ------------------------------------------------------------------------------ outside_compilation
 def _host_fn(w, x):
     return jnp.tanh(x @ w) * 2.0
 
@@ -211,17 +228,22 @@ def test_outside_compilation_values_and_gradients(strategy_name):
 
     want = jax.jit(jax.grad(ref_loss))(w_host, x_host)
     # Per-replica view.
-    got = strategy.run(lambda w, x: jd.get_replica_context().all_reduce("mean", jax.grad(loss)(w, x)), args=(w, x))
+    got = strategy.run(
+        lambda w, x: jd.get_replica_context().all_reduce("mean", jax.grad(loss)(w, x)), args=(w, x)
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The same program as jax.pmap runs it (no varying types: each replica's values are its own).
-    got = strategy.run(lambda w, x: jd.get_replica_context().all_reduce("mean", jax.grad(loss)(w, x)), args=(w, x),
-                       check_vma=False)
+    got = strategy.run(
+        lambda w, x: jd.get_replica_context().all_reduce("mean", jax.grad(loss)(w, x)),
+        args=(w, x),
+        check_vma=False,
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Global view: the same, and the host fn still sees per-replica rows.
     np.testing.assert_allclose(strategy.jit(jax.grad(loss))(w, x), want, rtol=1e-5, atol=1e-6)
     # atol: an output near 0 is a difference of O(1) products, exact only to their rounding (~1e-7)
-    np.testing.assert_allclose(strategy.jit(lambda w, x: oc(_host_fn, w, x))(w, x), _host_fn(w_host, x_host),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(strategy.jit(lambda w, x: oc(_host_fn, w, x))(w, x),
+                               _host_fn(w_host, x_host), rtol=1e-5, atol=1e-6)
 
 
 def test_outside_compilation_sees_per_replica_shapes():
@@ -241,8 +263,9 @@ def test_outside_compilation_sees_per_replica_shapes():
     jax.effects_barrier()
     assert seen == [(4, 5)] * 8
     seen.clear()
-    # A jax.numpy host function with a result is traced (for its shapes, and compiled once for the host):
-    # its Python side effects happen at trace time, like any JAX code; it computes once per replica.
+    # A jax.numpy host function with a result is traced (for its shapes, and compiled once for the
+    # host): its Python side effects happen at trace time, like any JAX code; it computes once per
+    # replica.
     out = strategy.run(lambda x: oc(lambda a: (seen.append(type(a)), a + 1)[1], x), args=(x,))
     jax.effects_barrier()
     assert seen and all(issubclass(t, jax.core.Tracer) for t in seen)
@@ -270,7 +293,8 @@ def test_outside_compilation_once_per_replica_on_a_model_parallel_mesh():
     logged = []
 
     def replica_fn(x):
-        oc(lambda v: logged.append(v.shape), x, result_shape=())  # a side effect: ordered, no result
+        # a side effect: ordered, no result
+        oc(lambda v: logged.append(v.shape), x, result_shape=())
         return oc(host, x, result_shape=shape)
 
     out = strategy.run(replica_fn, args=(x,))
@@ -278,10 +302,13 @@ def test_outside_compilation_once_per_replica_on_a_model_parallel_mesh():
     np.testing.assert_allclose(strategy.gather(out), np.cos(x_host), rtol=1e-6)
     assert seen == [(2, 3)] * n and logged == [(2, 3)] * n
     seen.clear()
-    flags = strategy.jit(lambda x: oc(lambda v: np.asarray(v > 5), x, result_shape=jax.ShapeDtypeStruct(
-        (2, 3), jnp.bool_)))(x)  # a boolean result comes back unchanged from the replica's first device
+    flags = strategy.jit(lambda x: oc(lambda v: np.asarray(v > 5), x,
+                                      result_shape=jax.ShapeDtypeStruct(
+        # a boolean result comes back unchanged from the replica's first device
+        (2, 3), jnp.bool_)))(x)
     np.testing.assert_array_equal(flags, x_host > 5)
-    np.testing.assert_allclose(strategy.jit(lambda x: oc(host, x, result_shape=shape))(x), np.cos(x_host), rtol=1e-6)
+    np.testing.assert_allclose(strategy.jit(lambda x: oc(host, x, result_shape=shape))(x),
+                               np.cos(x_host), rtol=1e-6)
     assert seen == [(2, 3)] * n
 
 
@@ -297,13 +324,17 @@ def test_outside_compilation_numpy_host_fn():
         return (np.cos(args[0]) * cotangent,)
 
     grad = strategy.run(
-        lambda x: jax.grad(lambda x: jnp.sum(oc(np.sin, x, result_shape=shape, vjp=host_vjp)))(x), args=(x,)
+        lambda x: jax.grad(lambda x: jnp.sum(oc(np.sin, x, result_shape=shape, vjp=host_vjp)))(x),
+        args=(x,)
     )
     np.testing.assert_allclose(strategy.gather(grad), np.cos(x_host), rtol=1e-6)
     # Without a vjp: a clear error, not a crash in XLA.
-    with pytest.raises(TypeError, match=r"region '0' .* is being differentiated, but its host function is opaque.*"
+    with pytest.raises(TypeError,
+                                        match=r"region '0' .* is being differentiated, but its "
+                                              r"host function is opaque.*"
                                         r"pass vjp="):
-        strategy.run(lambda x: jax.grad(lambda x: jnp.sum(oc(np.sin, x, result_shape=shape)))(x), args=(x,))
+        strategy.run(lambda x: jax.grad(lambda x: jnp.sum(oc(np.sin, x, result_shape=shape)))(x),
+                     args=(x,))
     # A numpy function without result_shape cannot be traced.
     with pytest.raises(TypeError, match=r"could not trace host_fn='sin'.*pass result_shape="):
         strategy.run(lambda x: oc(np.sin, x), args=(x,))
@@ -327,7 +358,7 @@ def test_outside_compilation_under_plain_jit_and_grad():
     np.testing.assert_allclose(f(x), jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x), rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------ clusters
+# ----------------------------------------------------------------------------------------- clusters
 def _clustered(x):
     with jd.gradients.cluster("C"):
         y = jnp.sin(x) * 3.0
@@ -342,13 +373,14 @@ def test_cluster_names_forward_first_and_second_order():
     assert set(jd.gradients.clusters(strategy.jit(grad(_clustered)).lower(x))) == {"C", "C.uid"}
     two = strategy.jit(lambda x: (grad(_clustered)(x), grad(_clustered)(x)))
     assert set(jd.gradients.clusters(two.lower(x))) == {"C", "C.uid", "C.uid_1"}
-    # grad of grad: invocation "uid" (outer) differentiates "uid_1" (inner): the second-order ops of C land in
-    # C.uid_1.uid; the outer gradient of the forward ops in C.uid.
+    # grad of grad: invocation "uid" (outer) differentiates "uid_1" (inner): the second-order ops of
+    # C land in C.uid_1.uid; the outer gradient of the forward ops in C.uid.
     second = strategy.jit(grad(lambda x: jnp.sum(grad(_clustered)(x))))
     assert set(jd.gradients.clusters(second.lower(x))) == {"C", "C.uid", "C.uid_1", "C.uid_1.uid"}
     # Plain jax.grad still works: its gradient ops carry no uid.
     assert set(jd.gradients.clusters(jax.jit(jax.grad(_clustered)).lower(x))) == {"C"}
-    np.testing.assert_allclose(strategy.jit(grad(_clustered))(x), jax.grad(_clustered)(x), rtol=1e-6)
+    np.testing.assert_allclose(strategy.jit(grad(_clustered))(x), jax.grad(_clustered)(x),
+                               rtol=1e-6)
 
 
 def test_cluster_decorator_value_and_grad_and_vjp():
@@ -360,7 +392,9 @@ def test_cluster_decorator_value_and_grad_and_vjp():
     value, g = strategy.jit(jd.gradients.value_and_grad(f))(jnp.ones(2))
     np.testing.assert_allclose(value, 2 * np.cos(1.0), rtol=1e-6)
     np.testing.assert_allclose(g, -np.sin(np.ones(2)), rtol=1e-6)
-    assert set(jd.gradients.clusters(strategy.jit(jd.gradients.value_and_grad(f)).lower(jnp.ones(2)))) == {"D", "D.uid"}
+    assert set(
+        jd.gradients.clusters(strategy.jit(jd.gradients.value_and_grad(f)).lower(jnp.ones(2)))
+    ) == {"D", "D.uid"}
 
     def with_vjp(x):
         y, pull = jd.gradients.vjp(f, x)
@@ -387,9 +421,12 @@ def test_host_region_clusters_and_host_compute_core():
     backward = strategy.jit(jd.gradients.grad(step)).lower(x)
     # The backward of each host region is a host region of its own, in cluster C.uid.
     assert set(jd.gradients.clusters(backward)) >= {"0.uid", "1.uid"}
-    assert {"0.uid:0", "0.uid:1", "1.uid:0", "1.uid:1"} <= set(jd.tpu.host_compute_core(backward, 2))
+    assert {"0.uid:0", "0.uid:1", "1.uid:0", "1.uid:1"} <= set(
+        jd.tpu.host_compute_core(backward, 2)
+    )
     # Inside a steps loop the numbering is per compiled loop, and readable after it ran.
-    ctx = strategy.run_steps_on_dataset(lambda ctx, s, x: s + step(x), iter([np.ones((4, 2), np.float32)] * 2),
+    ctx = strategy.run_steps_on_dataset(lambda ctx, s, x: s + step(x),
+                                        iter([np.ones((4, 2), np.float32)] * 2),
                                         iterations=2, initial_loop_values=np.float32(0))
     assert jd.tpu.host_compute_core(ctx.lower(), 2) == ["0:0", "0:1", "1:0", "1:1"]
 
@@ -398,39 +435,47 @@ def test_more_steps_loop_errors():
     strategy = jd.MirroredStrategy()
     w = np.float32(0)
     mixed = iter([(np.ones((8, 1)), np.ones((8, 1))), np.ones((8, 1))])
-    with pytest.raises(ValueError, match=r"batch 1 has structure .* batch 0 has .*batches must agree"):
-        strategy.run_steps_on_dataset(lambda ctx, w, *x: w, mixed, iterations=2, initial_loop_values=w)
+    with pytest.raises(ValueError,
+                       match=r"batch 1 has structure .* batch 0 has .*batches must agree"):
+        strategy.run_steps_on_dataset(lambda ctx, w, *x: w, mixed, iterations=2,
+                                      initial_loop_values=w)
     with pytest.raises(ValueError, match=r"a batch leaf is a scalar"):
-        strategy.run_steps_on_dataset(lambda ctx, w, x: w, iter([np.float32(1)]), iterations=1, initial_loop_values=w)
+        strategy.run_steps_on_dataset(lambda ctx, w, x: w, iter([np.float32(1)]), iterations=1,
+                                      initial_loop_values=w)
 
     def bad_name(ctx, w, x):
         ctx.set_last_step_output(3, x.sum())
         return w
 
     with pytest.raises(ValueError, match=r"name=3 must be a string"):
-        strategy.run_steps_on_dataset(bad_name, iter([np.ones((8, 1))]), iterations=1, initial_loop_values=w)
+        strategy.run_steps_on_dataset(bad_name, iter([np.ones((8, 1))]), iterations=1,
+                                      initial_loop_values=w)
 
 
 def test_outside_compilation_global_view_roles_are_declared_or_carried():
-    """In a global-view step a region splits the step's own batch arguments; a value computed in the step is
-    split only when declared (batch_argnums), never because of its shape."""
+    """In a global-view step a region splits the step's own batch arguments; a value computed in the
+    step is split only when declared (batch_argnums), never because of its shape."""
     strategy = jd.MirroredStrategy()
     x_host = np.arange(32, dtype=np.float32).reshape(16, 2)
     x = strategy.experimental_distribute_values(x_host)
     rows = lambda v: jnp.full((v.shape[0], 1), v.shape[0], jnp.float32)  # noqa: E731 - rows each call sees
 
-    with pytest.raises(ValueError, match=r"args\[0\], an array of shape \(16, 2\) computed inside the step.*"
+    with pytest.raises(ValueError,
+                                         match=r"args\[0\], an array of shape \(16, 2\) computed "
+                                               r"inside the step.*"
                                          r"batch_argnums=\(i, \.\.\.\)"):
         strategy.jit(lambda x: oc(rows, x * 2.0))(x)
     split = strategy.jit(lambda x: oc(rows, x * 2.0, batch_argnums=0))(x)
     np.testing.assert_array_equal(split, np.full((16, 1), 2.0))  # 8 calls on 2 rows each
     whole = strategy.jit(lambda x: oc(rows, x * 2.0, batch_argnums=()))(x)
-    np.testing.assert_array_equal(whole, np.full((8 * 16, 1), 16.0))  # 8 calls on all 16 rows, concatenated
+    # 8 calls on all 16 rows, concatenated
+    np.testing.assert_array_equal(whole, np.full((8 * 16, 1), 16.0))
     carried = strategy.jit(lambda x: oc(rows, x))(x)  # the step's own batch argument: split
     np.testing.assert_array_equal(carried, np.full((16, 1), 2.0))
     with pytest.raises(ValueError, match=r"batch_argnums=\(3,\) names positions \[3\]"):
         strategy.jit(lambda x: oc(rows, x, batch_argnums=3))(x)
-    with pytest.raises(ValueError, match=r"num_replicas_in_sync=8 does not divide the rows of a batch_argnums"):
+    with pytest.raises(ValueError,
+                       match=r"num_replicas_in_sync=8 does not divide the rows of a batch_argnums"):
         strategy.jit(lambda x: oc(rows, x[:4] * 1.0, batch_argnums=0))(x)
 
 

@@ -1,5 +1,5 @@
-"""The Trainer's entry points as ported code meets them: loss_fn's call shape named on the first batch, and
-load_state of a run trained elsewhere without a sample batch (linen and nnx alike)."""
+"""The Trainer's entry points as ported code meets them: loss_fn's call shape named on the first
+batch, and load_state of a run trained elsewhere without a sample batch (linen and nnx alike)."""
 
 import flax.linen as nn
 import jax
@@ -29,7 +29,9 @@ def test_an_nnx_tutorial_loss_fn_is_named_with_the_fix():
         return _ce(logits, batch["label"])
 
     trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optax.sgd(0.1), loss_fn)
-    with pytest.raises(TypeError, match=r"loss_fn has the parameters \(model, batch\).*loss_fn\(outputs, targets\)"):
+    with pytest.raises(TypeError,
+                       match=r"loss_fn has the parameters \(model, batch\).*loss_fn\(outputs, "
+                             r"targets\)"):
         trainer.train_on_batch(_batch())
 
 
@@ -38,7 +40,8 @@ def test_a_loss_fn_that_fails_on_outputs_and_targets_says_what_it_was_given():
         return _ce(outputs["logits"], targets)  # indexes the logits array like a dict
 
     trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(2), optax.sgd(0.1), loss_fn)
-    with pytest.raises(Exception, match=r"loss_fn\(outputs, targets\) failed on the first batch") as e:
+    with pytest.raises(Exception,
+                       match=r"loss_fn\(outputs, targets\) failed on the first batch") as e:
         trainer.train_on_batch(_batch())
     assert e.value.__cause__ is not None  # the user's own error stays attached
 
@@ -58,7 +61,8 @@ def test_linen_load_state_needs_no_batch_and_continues_exactly():
     model, optimizer = nn.Dense(2), optax.adam(1e-2)
     params, opt_state = _trained_elsewhere(model, optimizer, x, y, steps=5)
     trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optimizer, _ce)
-    trainer.load_state(params=params, opt_state=opt_state, step=5)  # no batch= (the contract of own runs)
+    # no batch= (the contract of own runs)
+    trainer.load_state(params=params, opt_state=opt_state, step=5)
     trainer.train_on_batch((x, y))
     want, _ = _trained_elsewhere(model, optimizer, x, y, steps=6)
     for got, ref in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(want), strict=True):
@@ -75,13 +79,15 @@ def test_linen_load_state_that_does_not_fit_the_model_fails_at_the_first_batch_b
     assert trainer.step == 1  # nothing trained
     # The optimizer state is checked against optimizer.init(params) at once, no batch needed.
     with pytest.raises(ValueError, match="opt_state"):
-        jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(2), optax.sgd(0.1, momentum=0.9), _ce).load_state(
+        jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(2), optax.sgd(0.1, momentum=0.9),
+                            _ce).load_state(
             params=params, opt_state=opt_state, step=1)
 
 
 def test_nnx_load_state_needs_no_batch():
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    params = jax.tree.map(lambda a: np.asarray(a) * 0 + 0.5, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    params = jax.tree.map(lambda a: np.asarray(a) * 0 + 0.5,
+                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optax.sgd(0.1), _ce)
     trainer.load_state(params=params, step=3)
     assert trainer.step == 3
@@ -92,7 +98,9 @@ def test_per_replica_values_are_refused_in_a_state_s_place():
     x, y = _batch()
     strategy = jd.MirroredStrategy()
     params, _ = _trained_elsewhere(nn.Dense(2), optax.sgd(0.1), x, y, steps=1)
-    apart = strategy.experimental_distribute_values_from_function(lambda ctx: params)  # one copy per replica
+    # one copy per replica
+    apart = strategy.experimental_distribute_values_from_function(lambda ctx: params)
     trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1), _ce)
-    with pytest.raises(ValueError, match=r"params holds per-replica values \(dict\['bias'\] and 1 more\)"):
+    with pytest.raises(ValueError,
+                       match=r"params holds per-replica values \(dict\['bias'\] and 1 more\)"):
         trainer.load_state(params=apart)

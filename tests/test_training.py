@@ -1,7 +1,8 @@
 """jaxdist.training: fit on any strategy equals the same training written by hand on one device.
 
-Linen and nnx each, over the strategy registry; gradient accumulation, mixed precision, clipping, schedules,
-steps_per_run, evaluate / predict, callbacks and metric files. fp32 comparisons at rtol 1e-5.
+Linen and nnx each, over the strategy registry; gradient accumulation, mixed precision, clipping,
+schedules, steps_per_run, evaluate / predict, callbacks and metric files. fp32 comparisons at rtol
+1e-5.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def test_grad_accumulation_equals_one_step_on_the_whole_batch(kind, linen_variab
     if kind == "linen":
         want_params, want_losses = linen_reference(batches, opt, linen_variables)
         model = MLP()
-        trainer = jd.training.Trainer(strategy, model, opt, ce, variables=linen_variables, grad_accum_steps=4)
+        trainer = jd.training.Trainer(strategy, model, opt, ce, variables=linen_variables,
+                                      grad_accum_steps=4)
     else:
         reference = NnxMLP(nnx.Rngs(0))
         want_losses = nnx_reference(reference, batches, opt)
@@ -154,7 +156,8 @@ def test_mixed_precision_keeps_fp32_params_and_optimizer_state(linen_variables):
     h_mixed = mixed.fit(batches, steps=STEPS, log_every=1, verbose=0)
     for leaf in jax.tree.leaves((mixed.state.params, mixed.state.opt_state)):
         assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype
-    hlo = mixed._live.steps.fit_step.lower(mixed.state, make_batches(1)[0], mixed.peek_running_sums().vector).as_text()
+    hlo = mixed._live.steps.fit_step.lower(mixed.state, make_batches(1)[0],
+                                           mixed.peek_running_sums().vector).as_text()
     assert "bf16" in hlo and "dot" in hlo  # the matmuls run in bf16
     np.testing.assert_allclose(h_mixed.metric("loss"), h_full.metric("loss"), rtol=0.05)
     assert h_mixed.metric("loss")[-1] < h_mixed.metric("loss")[0]
@@ -164,13 +167,16 @@ def test_gradient_clipping_and_logged_schedule(linen_variables):
     strategy = make("mirrored_8")
     schedule = optax.linear_schedule(1.0, 0.5, transition_steps=4)
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
-    trainer = jd.training.Trainer(strategy, MLP(), opt, ce, variables=linen_variables, clip_grad_norm=1e-3)
+    trainer = jd.training.Trainer(strategy, MLP(), opt, ce, variables=linen_variables,
+                                  clip_grad_norm=1e-3)
     before = jax.device_get(trainer.init(make_batches(1)[0]).params)
     history = trainer.fit(make_batches(n=1), steps=1, verbose=0)
-    moved = optax.tree.norm(jax.tree.map(lambda a, b: a - b, jax.device_get(trainer.params), before))
+    moved = optax.tree.norm(jax.tree.map(lambda a, b: a - b, jax.device_get(trainer.params),
+                                         before))
     assert float(moved) <= 1e-3 * 1.0 + 1e-7  # lr 1.0 x clipped norm 1e-3
     history = trainer.fit(make_batches(n=1), steps=4, log_every=1, verbose=0)
-    np.testing.assert_allclose(history.metric("learning_rate"), [schedule(s) for s in (1, 2, 3)], rtol=1e-6)
+    np.testing.assert_allclose(history.metric("learning_rate"), [schedule(s) for s in (1, 2, 3)],
+                               rtol=1e-6)
 
 
 def test_steps_per_run_uses_on_device_loops(linen_variables):
@@ -188,14 +194,16 @@ def test_steps_per_run_uses_on_device_loops(linen_variables):
         def on_step_end(self, trainer, step, metrics):
             seen.append(step)
 
-    history = trainer.fit(batches, steps=10, log_every=8, eval_every=6, eval_data=batches[:1], verbose=0,
-                          callbacks=[Steps()])
-    assert seen == [4, 6, 8, 10]  # loops of at most 4 steps that end at the evaluation (6) and the log (8)
+    history = trainer.fit(batches, steps=10, log_every=8, eval_every=6, eval_data=batches[:1],
+                          verbose=0, callbacks=[Steps()])
+    # loops of at most 4 steps that end at the evaluation (6) and the log (8)
+    assert seen == [4, 6, 8, 10]
     assert_trees_close(trainer.params, want_params)
     assert [row["step"] for row in history.eval] == [6, 10]
     # every log is the mean over its steps
     assert [row["step"] for row in history.train] == [8, 10]
-    np.testing.assert_allclose(history.metric("loss"), [np.mean(want_losses[:8]), np.mean(want_losses[8:])],
+    np.testing.assert_allclose(history.metric("loss"), [np.mean(want_losses[:8]),
+                                                        np.mean(want_losses[8:])],
                                rtol=1e-5)
 
 
@@ -224,7 +232,8 @@ def test_fit_with_epochs_and_shuffling_function_and_dict_batches():
         return [{"x": batches[i][0], "y": batches[i][1]} for i in order]
 
     trainer = jd.training.Trainer(strategy, NnxMLP(nnx.Rngs(1)), adam(1e-2), ce)
-    history = trainer.fit(data_fn, epochs=3, eval_data=data_fn(0), eval_every=5, log_every=4, verbose=0)
+    history = trainer.fit(data_fn, epochs=3, eval_data=data_fn(0), eval_every=5, log_every=4,
+                          verbose=0)
     assert trainer.step == 12 and trainer.data_position == jd.training.DataPosition(3, 0)
     assert [row["step"] for row in history.eval] == [5, 10, 12]
     assert history.eval[-1]["loss"] < history.eval[0]["loss"]
@@ -255,9 +264,10 @@ def test_callbacks_progress_lines_and_metric_files(tmp_path, capsys, linen_varia
     trainer = jd.training.Trainer(strategy, MLP(), adam(1e-2), ce, variables=linen_variables,
                                   metrics={"accuracy": jd.training.accuracy})
     batches = make_batches()
-    history = trainer.fit(batches, steps=STEPS, eval_data=batches[:2], eval_every=4, checkpoint_dir=tmp_path / "ck",
-                          checkpoint_every=4, log_every=2, log_dir=tmp_path / "logs", verbose="lines",
-                          callbacks=[Record()])
+    history = trainer.fit(batches, steps=STEPS, eval_data=batches[:2], eval_every=4,
+                          checkpoint_dir=tmp_path / "ck",
+                          checkpoint_every=4, log_every=2, log_dir=tmp_path / "logs",
+                          verbose="lines", callbacks=[Record()])
     assert trainer.step == 6  # stop_training from a callback
     assert events[0] == "begin" and events[-1] == "end"
     assert ("step", 1, ["accuracy", "loss"]) in events
@@ -276,7 +286,8 @@ def test_callbacks_progress_lines_and_metric_files(tmp_path, capsys, linen_varia
 
 
 def read_tfevents(data: bytes) -> dict:
-    """A minimal TFRecord + Event protobuf reader (checks the framing and CRCs TensorBoard checks)."""
+    """A minimal TFRecord + Event protobuf reader (checks the framing and CRCs TensorBoard
+    checks)."""
     from tfevents import masked_crc as _masked_crc
 
     def fields(buf):
@@ -309,7 +320,8 @@ def read_tfevents(data: bytes) -> dict:
         (length,) = struct.unpack("<Q", data[i : i + 8])
         assert struct.unpack("<I", data[i + 8 : i + 12])[0] == _masked_crc(data[i : i + 8])
         record = data[i + 12 : i + 12 + length]
-        assert struct.unpack("<I", data[i + 12 + length : i + 16 + length])[0] == _masked_crc(record)
+        assert struct.unpack("<I",
+                             data[i + 12 + length : i + 16 + length])[0] == _masked_crc(record)
         i += 16 + length
         event = dict(fields(record))
         for number, summary in fields(event.get(5, b"")):
@@ -333,7 +345,8 @@ def test_prepare_own_loop_equals_hand_written(linen_variables):
         return (optax.apply_updates(params, updates), opt_state), loss
 
     params = linen_variables["params"]
-    step, state, data = jd.training.prepare(strategy, train_step, (params, opt.init(params)), batches)
+    step, state, data = jd.training.prepare(strategy, train_step, (params, opt.init(params)),
+                                            batches)
     losses = []
     for batch in data:
         state, loss = step(state, batch)

@@ -1,6 +1,8 @@
-"""jaxdist.training checkpoints (in-process): restore onto any strategy, keep N, exact resume, bad checkpoints.
+"""jaxdist.training checkpoints (in-process): restore onto any strategy, keep N, exact resume, bad
+checkpoints.
 
-The subprocess tests (SIGKILL during a save, SIGTERM then resume) are in test_training_preemption.py.
+The subprocess tests (SIGKILL during a save, SIGTERM then resume) are in
+test_training_preemption.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from registry import CLASSES, FEATURES, QUICK_TIER_LEAVES_OUT, REGISTRY, host_leaves, make, shuffled_batches
+from registry import (
+    CLASSES,
+    FEATURES,
+    QUICK_TIER_LEAVES_OUT,
+    REGISTRY,
+    host_leaves,
+    make,
+    shuffled_batches,
+)
 
 import jaxdist as jd
 
@@ -68,8 +78,9 @@ def assert_bitwise(a, b):
 
 @pytest.fixture(scope="session")
 def written(tmp_path_factory):
-    """``written(name)``: the checkpoint (step 3) fit writes with registry strategy ``name``, and the state it
-    saved; written the first time a test asks for it (the quick tier's matrix needs only its strategies')."""
+    """``written(name)``: the checkpoint (step 3) fit writes with registry strategy ``name``, and
+    the state it saved; written the first time a test asks for it (the quick tier's matrix needs
+    only its strategies')."""
     out = {}
 
     def checkpoint(name):
@@ -84,7 +95,8 @@ def written(tmp_path_factory):
     return checkpoint
 
 
-# Every writer and reader of the registry; the quick tier runs the pairs of its strategies (QUICK_TIER_LEAVES_OUT).
+# Every writer and reader of the registry; the quick tier runs the pairs of its strategies
+# (QUICK_TIER_LEAVES_OUT).
 @pytest.mark.parametrize(("writer", "reader"), [
     pytest.param(w, r, marks=[pytest.mark.slow] if {w, r} & set(QUICK_TIER_LEAVES_OUT) else [])
     for r in STRATEGIES for w in STRATEGIES
@@ -100,12 +112,14 @@ def test_restore_matrix_linen(writer, reader, written):
         assert leaf.sharding.device_set == set(strategy.devices)
 
 
-@pytest.mark.parametrize(("writer", "reader"), [("mirrored_8", "one_device"), ("one_device", "mirrored_8")])
+@pytest.mark.parametrize(("writer", "reader"), [("mirrored_8", "one_device"),
+                                                ("one_device", "mirrored_8")])
 def test_restore_nnx_across_strategies_and_continue(writer, reader, tmp_path):
     first = nnx_trainer(make(writer))
     first.fit(data_fn, steps=3, checkpoint_dir=tmp_path, verbose=0)
     resumed = nnx_trainer(make(reader))
-    resumed.fit(data_fn, steps=6, checkpoint_dir=tmp_path, verbose=0)  # restores step 3, trains to 6
+    # restores step 3, trains to 6
+    resumed.fit(data_fn, steps=6, checkpoint_dir=tmp_path, verbose=0)
     straight = nnx_trainer(make(reader))
     straight.fit(data_fn, steps=6, verbose=0)
     assert resumed.step == 6
@@ -132,14 +146,15 @@ def test_resume_is_bitwise_identical(kind, tmp_path):
 def test_keep_last_n_and_restore_latest_or_chosen(tmp_path):
     strategy = make("mirrored_2")
     trainer = linen_trainer(strategy)
-    history = trainer.fit(data_fn, steps=10, checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=2,
-                          verbose=0)
+    history = trainer.fit(data_fn, steps=10, checkpoint_dir=tmp_path, checkpoint_every=2,
+                          keep_checkpoints=2, verbose=0)
     assert len(history.checkpoints) == 5
     assert jd.training.Checkpointer(tmp_path).all_steps() == [8, 10]
     other = linen_trainer(strategy)
     assert other.restore(tmp_path, batch=SAMPLE) == 10
     assert other.restore(tmp_path, step=8) == 8
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step=4 .* it has steps \[8, 10\]"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"no checkpoint for step=4 .* it has steps \[8, 10\]"):
         other.restore(tmp_path, step=4)
 
 
@@ -152,8 +167,8 @@ def test_sigterm_finishes_the_step_saves_and_returns_or_exits(tmp_path):
                 os.kill(os.getpid(), signal.SIGTERM)
 
     trainer = linen_trainer(strategy)
-    history = trainer.fit(data_fn, steps=10, checkpoint_dir=tmp_path / "a", verbose=0, callbacks=[Preempt()],
-                          on_preemption="return")
+    history = trainer.fit(data_fn, steps=10, checkpoint_dir=tmp_path / "a", verbose=0,
+                          callbacks=[Preempt()], on_preemption="return")
     assert history.preempted and trainer.step == 3
     assert jd.training.Checkpointer(tmp_path / "a").all_steps() == [3]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the previous handler is back
@@ -164,19 +179,23 @@ def test_sigterm_finishes_the_step_saves_and_returns_or_exits(tmp_path):
     assert jd.training.Checkpointer(tmp_path / "b").all_steps() == [3]
 
 
-# ------------------------------------------------------------------------------------- bad checkpoints
+# ---------------------------------------------------------------------------------- bad checkpoints
 def test_another_models_checkpoint_is_a_clear_error(tmp_path):
     strategy = make("mirrored_2")
     linen_trainer(strategy, width=16).fit(data_fn, steps=1, checkpoint_dir=tmp_path, verbose=0)
     other = linen_trainer(strategy, width=32)
-    with pytest.raises(ValueError, match=r"another model's checkpoint .*\.params\['Dense_0'\]\['kernel'\]: "
-                                         r"\(8, 16\) float32 in the checkpoint, \(8, 32\) float32 here"):
+    with pytest.raises(ValueError,
+                                         match=r"another model's checkpoint "
+                                               r".*\.params\['Dense_0'\]\['kernel'\]: "
+                                         r"\(8, 16\) float32 in the checkpoint, \(8, 32\) float32 "
+                                         r"here"):
         other.fit(data_fn, steps=2, checkpoint_dir=tmp_path, verbose=0)
 
 
 def test_optimizer_state_that_does_not_fit_is_a_clear_error(tmp_path):
     strategy = make("mirrored_2")
-    linen_trainer(strategy, optax.adam(1e-2)).fit(data_fn, steps=1, checkpoint_dir=tmp_path, verbose=0)
+    linen_trainer(strategy, optax.adam(1e-2)).fit(data_fn, steps=1, checkpoint_dir=tmp_path,
+                                                  verbose=0)
     with pytest.raises(ValueError, match=r"optimizer state that does not fit .*\.opt_state"):
         linen_trainer(strategy, optax.sgd(0.1, momentum=0.9)).restore(tmp_path, batch=SAMPLE)
 
@@ -185,9 +204,13 @@ def test_nnx_checkpoint_into_linen_trainer_and_back(tmp_path):
     strategy = make("one_device")
     nnx_trainer(strategy).fit(data_fn, steps=1, checkpoint_dir=tmp_path / "nnx", verbose=0)
     linen_trainer(strategy).fit(data_fn, steps=1, checkpoint_dir=tmp_path / "linen", verbose=0)
-    with pytest.raises(ValueError, match="checkpoint of a nnx model, but this Trainer's model is a linen module"):
+    with pytest.raises(
+        ValueError, match="checkpoint of a nnx model, but this Trainer's model is a linen module"
+    ):
         linen_trainer(strategy).restore(tmp_path / "nnx", batch=SAMPLE)
-    with pytest.raises(ValueError, match="checkpoint of a linen model, but this Trainer's model is a nnx module"):
+    with pytest.raises(
+        ValueError, match="checkpoint of a linen model, but this Trainer's model is a nnx module"
+    ):
         nnx_trainer(strategy).fit(data_fn, steps=2, checkpoint_dir=tmp_path / "linen", verbose=0)
 
 

@@ -1,6 +1,6 @@
-"""The callbacks' richer hooks: a callback sees the run (`FitControl`) and can stop it, save or skip batches; the
-loop pauses its callbacks around evaluations and checkpoints, tells them of a failure, and calls a per-step
-hook only on the callbacks that override it."""
+"""The callbacks' richer hooks: a callback sees the run (`FitControl`) and can stop it, save or skip
+batches; the loop pauses its callbacks around evaluations and checkpoints, tells them of a failure,
+and calls a per-step hook only on the callbacks that override it."""
 
 import flax.linen as nn
 import numpy as np
@@ -54,22 +54,26 @@ def test_a_callback_sees_the_run_and_can_skip_batches_and_stop():
     steps = [e for e in record.events if e[0] == "step"]
     assert steps == [("step", 1, 0, 1), ("step", 2, 0, 4), ("step", 3, 0, 5)]
     assert trainer.step == 3 and trainer.data_position == jd.training.DataPosition(0, 5)
-    assert [row["loss"] for row in history.train] == [0.0, 3.0, 4.0]  # the skipped batches' 1 and 2: not seen
+    # the skipped batches' 1 and 2: not seen
+    assert [row["loss"] for row in history.train] == [0.0, 3.0, 4.0]
     assert record.control is None  # the fit is over
     with pytest.raises(ValueError, match=r"control.skip\(batches=0\): batches must be an int >= 1"):
-        trainer.fit(_data(), steps=4, verbose=0, callbacks=[Record(lambda control, step: control.skip(0))])
+        trainer.fit(_data(), steps=4, verbose=0,
+                    callbacks=[Record(lambda control, step: control.skip(0))])
 
 
 def test_a_callback_can_save_now_and_hears_the_pauses(tmp_path):
     record = Record(lambda control, step: control.save() if step == 2 else None)
     _trainer().fit(_data(), steps=4, verbose=0, checkpoint_dir=tmp_path / "ck", eval_data=_data(1),
                    async_checkpoints=False, callbacks=[record])
-    assert [e[1] for e in record.events if e[0] == "checkpoint"] == [2, 4]  # asked at 2; the end's at 4
+    # asked at 2; the end's at 4
+    assert [e[1] for e in record.events if e[0] == "checkpoint"] == [2, 4]
     pauses = [e for e in record.events if e[0] in ("pause", "resume")]
     assert ("pause", "evaluation") in pauses and ("pause", "checkpoint") in pauses
     assert pauses.count(("pause", "checkpoint")) == pauses.count(("resume", "checkpoint"))
     with pytest.raises(ValueError, match=r"control.save\(\) needs fit\(checkpoint_dir=...\)"):
-        _trainer().fit(_data(), steps=2, verbose=0, callbacks=[Record(lambda control, step: control.save())])
+        _trainer().fit(_data(), steps=2, verbose=0,
+                       callbacks=[Record(lambda control, step: control.save())])
 
 
 def test_a_failing_fit_tells_its_callbacks_and_a_watchdog_is_a_callback():
@@ -89,6 +93,7 @@ def test_a_failing_fit_tells_its_callbacks_and_a_watchdog_is_a_callback():
 def test_only_the_callbacks_that_override_a_hook_are_called_for_it():
     lines, bar = jd.training.Progress(mode="lines"), jd.training.Progress(mode="bar")
     record = Record()
-    assert overriding([jd.training.Callback(), lines, bar, record], "on_step_end") == [bar.on_step_end,
-                                                                                       record.on_step_end]
+    assert overriding([jd.training.Callback(), lines, bar, record],
+                      "on_step_end") == [bar.on_step_end,
+                                         record.on_step_end]
     assert overriding([object()], "on_step_end") == []  # not a callback: nothing to call

@@ -1,8 +1,10 @@
-"""Averaged weights: ``Trainer(ema_decay=...)`` keeps the EMA of the parameter trajectory on the devices.
+"""Averaged weights: ``Trainer(ema_decay=...)`` keeps the EMA of the parameter trajectory on the
+devices.
 
-The reference is computed by hand, in float32 numpy, from the parameters read after every step; the average
-must match it (rtol 1e-6) on replicated and FSDP layouts, keep the parameters' shardings, skip what the
-non-finite policy skips, survive a checkpoint bit for bit, and be what ``evaluate(ema=True)`` evaluates.
+The reference is computed by hand, in float32 numpy, from the parameters read after every step; the
+average must match it (rtol 1e-6) on replicated and FSDP layouts, keep the parameters' shardings,
+skip what the non-finite policy skips, survive a checkpoint bit for bit, and be what
+``evaluate(ema=True)`` evaluates.
 """
 
 from __future__ import annotations
@@ -48,20 +50,22 @@ def mse(out, y):
 
 def trainer(strategy="mirrored", model=None, **kwargs):
     kwargs.setdefault("ema_decay", DECAY)
-    return jd.training.Trainer(STRATEGIES[strategy](), Net() if model is None else model, optax.adam(0.05), mse,
-                               **kwargs)
+    return jd.training.Trainer(STRATEGIES[strategy](), Net() if model is None else model,
+                               optax.adam(0.05), mse, **kwargs)
 
 
 def hand_ema(trajectory, decay=DECAY):
     """The EMA of a list of host parameter trees, as the Trainer defines it, in float32."""
     ema = trajectory[0]
     for params in trajectory[1:]:
-        ema = jax.tree.map(lambda e, p: np.float32(decay) * e + np.float32(1 - decay) * p, ema, params)
+        ema = jax.tree.map(lambda e, p: np.float32(decay) * e + np.float32(1 - decay) * p, ema,
+                           params)
     return ema
 
 
 def trajectory(t, data):
-    """The parameters before the first step and after each step of ``train_on_batch`` over ``data``."""
+    """The parameters before the first step and after each step of ``train_on_batch`` over
+    ``data``."""
     t.init(data[0])
     out = [jax.device_get(t.params)]
     for batch in data:
@@ -71,11 +75,13 @@ def trajectory(t, data):
 
 
 def assert_close(got, want, rtol=1e-6):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=rtol, atol=0), got, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=rtol, atol=0), got,
+                 want)
 
 
 def assert_equal(got, want):
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
+                 want)
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
@@ -83,11 +89,13 @@ def test_ema_params_is_the_ema_of_the_trajectory_in_the_params_layout(strategy):
     t = trainer(strategy)
     path = trajectory(t, batches(6))
     assert_close(t.ema_params, hand_ema(path))
-    assert not np.allclose(jax.device_get(t.ema_params)["Dense_1"]["kernel"], path[-1]["Dense_1"]["kernel"])
+    assert not np.allclose(jax.device_get(t.ema_params)["Dense_1"]["kernel"],
+                           path[-1]["Dense_1"]["kernel"])
     same = jax.tree.map(lambda e, p: e.sharding == p.sharding, t.ema_params, t.params)
     assert all(jax.tree.leaves(same)), same
     if strategy == "fsdp":  # really split: the average lives where the parameters do
-        assert any(len(a.sharding.spec) and a.sharding.spec[-1] for a in jax.tree.leaves(t.ema_params))
+        assert any(len(a.sharding.spec) and a.sharding.spec[-1]
+                   for a in jax.tree.leaves(t.ema_params))
 
 
 def test_ema_in_on_device_loops_matches_the_step_by_step_trajectory():
@@ -104,7 +112,8 @@ def test_ema_in_on_device_loops_matches_the_step_by_step_trajectory():
 
 
 def test_ema_of_an_nnx_model():
-    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(16, 1, rngs=nnx.Rngs(1)))
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu,
+                           nnx.Linear(16, 1, rngs=nnx.Rngs(1)))
     t = trainer(model=model)
     path = trajectory(t, batches(5))
     assert_close(t.ema_params, hand_ema(path))
@@ -115,7 +124,8 @@ def test_a_skipped_step_does_not_move_the_ema():
     t = trainer()
     t.fit(data, steps=6, verbose=0, on_non_finite="skip", log_every=2)
     assert t.step == 6
-    good = [b for i, b in enumerate(data) if i != 2]  # the skipped step changes nothing, so: the run without it
+    # the skipped step changes nothing, so: the run without it
+    good = [b for i, b in enumerate(data) if i != 2]
     assert_close(t.ema_params, hand_ema(trajectory(trainer(), good)))
 
 
@@ -141,14 +151,18 @@ def test_checkpoints_with_and_without_ema(tmp_path):
     plain.fit(data, steps=4, checkpoint_dir=tmp_path / "plain", verbose=0)
     assert plain.ema_params is None
     averaging = trainer()
-    with pytest.warns(UserWarning, match=r"checkpoint step 4 .* has no averaged weights .* starts again from its"):
+    with pytest.warns(
+        UserWarning, match=r"checkpoint step 4 .* has no averaged weights .* starts again from its"
+    ):
         averaging.restore(tmp_path / "plain", batch=data[0])
     assert_equal(averaging.ema_params, plain.params)  # started from the restored parameters
     averaging.train_on_batch(data[0])  # and averaged from there
-    assert_close(averaging.ema_params, hand_ema([jax.device_get(plain.params), jax.device_get(averaging.params)]))
+    assert_close(averaging.ema_params,
+                 hand_ema([jax.device_get(plain.params), jax.device_get(averaging.params)]))
 
     averaging.save(tmp_path / "ema")
-    again = trainer(ema_decay=None)  # a checkpoint with an average restores into a trainer without one
+    # a checkpoint with an average restores into a trainer without one
+    again = trainer(ema_decay=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again.restore(tmp_path / "ema", batch=data[0])
@@ -194,7 +208,9 @@ def test_bad_ema_decay_is_a_value_error_naming_it(bad):
 def test_ema_true_without_ema_decay_is_a_value_error_naming_it():
     data = batches(1)
     t = trainer(ema_decay=None)
-    with pytest.raises(ValueError, match=r"evaluate\(ema=True\) needs averaged weights.*ema_decay=None.*"
+    with pytest.raises(ValueError,
+                                         match=r"evaluate\(ema=True\) needs averaged "
+                                               r"weights.*ema_decay=None.*"
                                          r"Trainer\(\.\.\., ema_decay=0\.999\)"):
         t.evaluate(data, ema=True)
     with pytest.raises(ValueError, match=r"predict\(ema=True\) needs averaged weights"):
@@ -206,18 +222,22 @@ def test_a_rollback_restores_the_ema_with_the_state(tmp_path):
     data = batches(8, bad=(4,))  # step 5's batch is bad
     t = trainer()
     with pytest.warns(RuntimeWarning, match="rolled back to checkpoint 4"):
-        history = t.fit(data, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2, log_every=1, verbose=0,
-                        on_non_finite="rollback")
+        history = t.fit(data, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2, log_every=1,
+                        verbose=0, on_non_finite="rollback")
     assert [r["restored"] for r in history.rollbacks] == [4]
-    assert history.rollbacks[0]["data_position"].epoch == 0 and history.rollbacks[0]["data_position"].index >= 5
+    assert (history.rollbacks[0]["data_position"].epoch == 0
+            and history.rollbacks[0]["data_position"].index >= 5)
     assert t.step == 6
     used = [0, 1, 2, 3, *range(history.rollbacks[0]["data_position"].index, 8)][:6]
     assert_close(t.ema_params, hand_ema(trajectory(trainer(), [data[i] for i in used])))
 
 
-def test_a_checkpoint_without_averaged_weights_is_stored_as_before_and_plain_orbax_reads_it(tmp_path):
-    """``TrainState.ema`` is None without ``ema_decay``: nothing of it on disk, so checkpoints written before the
-    field existed restore, and plain orbax reads the state with a dict target of the five fields it always had."""
+def test_a_checkpoint_without_averaged_weights_is_stored_as_before_and_plain_orbax_reads_it(
+    tmp_path,
+):
+    """``TrainState.ema`` is None without ``ema_decay``: nothing of it on disk, so checkpoints
+    written before the field existed restore, and plain orbax reads the state with a dict target of
+    the five fields it always had."""
     import orbax.checkpoint as ocp
 
     data = batches(2)

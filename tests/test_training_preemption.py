@@ -1,9 +1,10 @@
-"""jaxdist.training with real processes: SIGKILL during a save, SIGTERM then resume (bitwise identical).
+"""jaxdist.training with real processes: SIGKILL during a save, SIGTERM then resume (bitwise
+identical).
 
-Each test runs small training scripts with ``sys.executable`` (8 simulated CPU devices, MirroredStrategy, or
-for a pipelined model ``ShardedStrategy(pipeline_parallelism=2)``); every subprocess call has a timeout so
-nothing can hang. Checkpoints are asynchronous (the default) unless a
-test asks for "sync". Several processes: tests/test_multihost_preemption.py.
+Each test runs small training scripts with ``sys.executable`` (8 simulated CPU devices,
+MirroredStrategy, or for a pipelined model ``ShardedStrategy(pipeline_parallelism=2)``); every
+subprocess call has a timeout so nothing can hang. Checkpoints are asynchronous (the default) unless
+a test asks for "sync". Several processes: tests/test_multihost_preemption.py.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ SCRIPT = textwrap.dedent(
 def run_script(tmp_path, *args, timeout=TIMEOUT):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def load(path):
@@ -151,8 +152,9 @@ def assert_bitwise(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
-# Both kinds: a linen model's dropout key is the trainer's, an nnx model's lives in its module (nnx.Rngs), saved and
-# restored by another path. Slow because each runs 2 processes (~5 s each: imports, 8 CPU devices, compiles).
+# Both kinds: a linen model's dropout key is the trainer's, an nnx model's lives in its module
+# (nnx.Rngs), saved and restored by another path. Slow because each runs 2 processes (~5 s each:
+# imports, 8 CPU devices, compiles).
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_path):
     sigterm_then_resume(kind, tmp_path)
@@ -160,22 +162,25 @@ def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_p
 
 @pytest.mark.timeout(480)
 def test_sigterm_with_a_pipelined_model_resumes_bitwise_identical(tmp_path):
-    """The same with `jd.nn.Pipeline` layers on ShardedStrategy(pipeline_parallelism=2): the stage-split
-    layers, the optimizer state and the dropout rng are saved and restored exactly."""
+    """The same with `jd.nn.Pipeline` layers on ShardedStrategy(pipeline_parallelism=2): the
+    stage-split layers, the optimizer state and the dropout rng are saved and restored exactly."""
     sigterm_then_resume("pipeline", tmp_path, timeout=150)
 
 
 def sigterm_then_resume(kind, tmp_path, timeout=TIMEOUT):
-    """A run sent SIGTERM after step 4 that saves and exits cleanly; its resumption to the same step, whose final
-    parameters must equal bitwise those of an uninterrupted run (from the start, in a trainer and checkpoint
-    directory of its own, made after the resumed run in the same process: one process start fewer than a
-    process of its own; nothing of the resumed run reaches it but the compiled programs)."""
+    """A run sent SIGTERM after step 4 that saves and exits cleanly; its resumption to the same
+    step, whose final parameters must equal bitwise those of an uninterrupted run (from the start,
+    in a trainer and checkpoint directory of its own, made after the resumed run in the same
+    process: one process start fewer than a process of its own; nothing of the resumed run reaches
+    it but the compiled programs)."""
     steps = 10  # 2.5 epochs of 4 batches, dropout on: data order and RNG both matter
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, str(script), kind, "slow", str(tmp_path / "ckpt"), str(tmp_path / "first.npz"), str(steps)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        [sys.executable, str(script), kind, "slow", str(tmp_path / "ckpt"),
+         str(tmp_path / "first.npz"), str(steps)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     try:
         lines = []
@@ -196,11 +201,12 @@ def sigterm_then_resume(kind, tmp_path, timeout=TIMEOUT):
     lines += out.split()
     assert proc.returncode == 0, err[-3000:]  # a clean exit, not a kill
     stopped = jd.training.Checkpointer(tmp_path / "ckpt").all_steps()[-1]
-    assert 4 <= stopped < steps and f"saved {stopped}" in " ".join(lines)  # finished the step it was in, saved
+    # finished the step it was in, saved
+    assert 4 <= stopped < steps and f"saved {stopped}" in " ".join(lines)
     assert "done" not in out
 
-    resumed = run_script(tmp_path, kind, "plain", tmp_path / "ckpt", tmp_path / "resumed.npz", steps,
-                         f"straight={tmp_path / 'straight.npz'}", timeout=timeout)
+    resumed = run_script(tmp_path, kind, "plain", tmp_path / "ckpt", tmp_path / "resumed.npz",
+                         steps, f"straight={tmp_path / 'straight.npz'}", timeout=timeout)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"step {stopped + 1}" in resumed.stdout.split("\n")[0]  # resumed where it stopped
     assert resumed.stdout.split().count("done") == 2  # the resumed run, then the uninterrupted one
@@ -212,7 +218,8 @@ def sigterm_then_resume(kind, tmp_path, timeout=TIMEOUT):
 @pytest.mark.parametrize(("kind", "saving"), [("linen", "sync"), ("nnx", "async")])
 def test_sigkill_during_save_leaves_the_previous_checkpoint_restorable(kind, saving, tmp_path):
     # async: the kill comes from the background thread while the steps after 6 run
-    killed = run_script(tmp_path, kind, "kill-in-save", tmp_path / "ckpt", tmp_path / "never.npz", 9, saving)
+    killed = run_script(tmp_path, kind, "kill-in-save", tmp_path / "ckpt", tmp_path / "never.npz",
+                        9, saving)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "saved 3" in killed.stdout and "saved 6" not in killed.stdout
     leftovers = [p for p in os.listdir(tmp_path / "ckpt") if "tmp" in p]
@@ -236,11 +243,13 @@ def test_sigkill_at_a_random_moment_of_a_large_save(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen(
         [sys.executable, str(script), "linen", "big", str(ckpt), str(tmp_path / "never.npz"), "40"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     try:
         deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline and proc.poll() is None:  # kill as soon as a write is in progress
+        # kill as soon as a write is in progress
+        while time.monotonic() < deadline and proc.poll() is None:
             names = os.listdir(ckpt) if ckpt.exists() else []
             if any(n.isdigit() for n in names) and any("tmp" in n for n in names):
                 proc.send_signal(signal.SIGKILL)

@@ -1,5 +1,6 @@
-"""The running sums (`jaxdist.training.RunningSums`): a pytree of named parts added on the devices each step,
-read in one transfer at a log point; the deprecated ``(names, vector)`` methods still return what they did."""
+"""The running sums (`jaxdist.training.RunningSums`): a pytree of named parts added on the devices
+each step, read in one transfer at a log point; the deprecated ``(names, vector)`` methods still
+return what they did."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ MASKS = [np.array([1, 1, 1, 0, 0, 0, 0, 0], np.float32), np.ones(ROWS, np.float3
 
 
 def token_loss(out, batch_y):
-    """A token-weighted loss: the masked sum of the targets (the model's output counts for nothing, so its
-    gradient is 0 and an infinite target makes the loss, not the parameters, non-finite)."""
+    """A token-weighted loss: the masked sum of the targets (the model's output counts for nothing,
+    so its gradient is 0 and an infinite target makes the loss, not the parameters, non-finite)."""
     y, mask = batch_y[:, 0], batch_y[:, 1]
     return ((out[:, 0] * 0.0 + y) * mask).sum(), mask.sum()
 
@@ -38,7 +39,8 @@ def batch(value, mask):
 
 def make_trainer(strategy):
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.0)
-    return jd.training.Trainer(strategy, nn.Dense(1), opt, token_loss, metrics={"mean_y": ones_metric})
+    return jd.training.Trainer(strategy, nn.Dense(1), opt, token_loss,
+                               metrics={"mean_y": ones_metric})
 
 
 def train(trainer, batches, looped):
@@ -71,10 +73,15 @@ def test_sums_equal_a_hand_computation_with_tokens_and_non_finite_steps(looped):
     sums = trainer.pop_running_sums().to_host()
     assert sums.names == ("loss", "mean_y") and sums.token_weighted == ("loss",)
     tokens = [m.sum() for m in MASKS]
-    assert float(sums.averages["loss"].total) == pytest.approx(sum(v * t for v, t in zip(values, tokens, strict=True)))
+    assert float(sums.averages["loss"].total) == pytest.approx(
+        sum(v * t for v, t in zip(values, tokens, strict=True))
+    )
     assert float(sums.averages["loss"].weight) == sum(tokens) == float(sums.loss_weight)
-    assert sums.mean("loss") == pytest.approx((2 * 3 + 3 * 8 + 5 * 1) / 12)  # not the mean of step means
-    assert float(sums.averages["mean_y"].weight) == 3 and sums.mean("mean_y") == pytest.approx(10 / 3)
+    # not the mean of step means
+    assert sums.mean("loss") == pytest.approx((2 * 3 + 3 * 8 + 5 * 1) / 12)
+    assert float(sums.averages["mean_y"].weight) == 3 and sums.mean("mean_y") == pytest.approx(
+        10 / 3
+    )
     assert int(sums.steps) == 3 and [int(v) for v in sums.non_finite] == [0, 0, 0, 0, 0]
     assert float(sums.learning_rate) == 0.0
     # Window 2: steps 2, 4 and 5 of five are not finite (an infinite loss).
@@ -93,9 +100,11 @@ def test_records_compose_as_one_window():
         flags = rng.integers(0, 2, size=int(rng.integers(1, 9))).tolist()
         record, steps = NonFiniteRecord.zeros(), 0
         for f in flags:
-            record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(f)), steps, 1), steps + 1
+            record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(f)), steps,
+                                        1), steps + 1
         assert [int(v) for v in record] == reference_record(flags), flags
-        cut = int(rng.integers(0, len(flags) + 1))  # two windows, composed afterwards: the same record
+        # two windows, composed afterwards: the same record
+        cut = int(rng.integers(0, len(flags) + 1))
         parts = []
         for part in (flags[:cut], flags[cut:]):
             r = NonFiniteRecord.zeros()
@@ -126,13 +135,14 @@ def test_a_log_point_reads_the_sums_in_one_transfer(monkeypatch):
     monkeypatch.setattr(jax, "device_get", counting)
     monkeypatch.setattr(jd.training.PackedSums, "to_host", read)
     batches = [batch(float(i), MASKS[i % 3]) for i in range(6)]
-    # No implicit read (float(leaf), np.asarray(leaf)) of any device value: only explicit device_get calls.
+    # No implicit read (float(leaf), np.asarray(leaf)) of any device value: only explicit device_get
+    # calls.
     with jax.transfer_guard_device_to_host("disallow"):
         history = trainer.fit(batches, steps=6, log_every=2, verbose=0)
     assert [row["step"] for row in history.train] == [2, 4, 6]
     # one read per window (the three log points, and the empty window closed as fit ends), each one
-    # jax.device_get of one array: the loss's total and weight, the metric's total, the learning rate, the
-    # non-finite record (5) and the step count
+    # jax.device_get of one array: the loss's total and weight, the metric's total, the learning
+    # rate, the non-finite record (5) and the step count
     assert len(reads) == 4, reads
     for calls in reads:
         assert len(calls) == 1 and len(calls[0]) == 1 and calls[0][0].shape == (10,), calls
@@ -141,23 +151,32 @@ def test_a_log_point_reads_the_sums_in_one_transfer(monkeypatch):
 
 def test_bad_sums_name_the_fix():
     sums = jd.training.RunningSums.zeros(["loss", "acc"], token_weighted=["loss"])
-    with pytest.raises(KeyError, match=r"no running sums of 'accuracy': the sums hold \['loss', 'acc'\]"):
+    with pytest.raises(KeyError,
+                       match=r"no running sums of 'accuracy': the sums hold \['loss', 'acc'\]"):
         sums.mean("accuracy")
-    with pytest.raises(ValueError, match=r"token_weighted=\['tokens'\] names no metric: pass some of "
+    with pytest.raises(ValueError,
+                                         match=r"token_weighted=\['tokens'\] names no metric: pass "
+                                               r"some of "
                                          r"names=\('loss',\)"):
         jd.training.RunningSums.zeros(["loss"], token_weighted=["tokens"])
     step = jd.training.RunningSums.of_step({"loss": (1.0, None), "acc": (0.5, None)})
-    with pytest.raises(ValueError, match=r"running sums of metrics \['loss', 'acc'\] \(token-weighted: \['loss'\]\) "
-                                         r"cannot add sums of metrics \['loss', 'acc'\] \(token-weighted: \[\]\)"):
+    with pytest.raises(ValueError,
+                                         match=r"running sums of metrics \['loss', 'acc'\] "
+                                               r"\(token-weighted: \['loss'\]\) "
+                                         r"cannot add sums of metrics \['loss', 'acc'\] "
+                                         r"\(token-weighted: \[\]\)"):
         sums.then(step)
     assert jd.training.RunningSums.zeros(()).pack().fields == (
-        "non_finite_steps", "non_finite_first", "non_finite_lead", "non_finite_run", "non_finite_longest", "steps")
+        "non_finite_steps", "non_finite_first", "non_finite_lead", "non_finite_run",
+        "non_finite_longest", "steps")
 
 
 def test_packing_keeps_every_part():
-    step = jd.training.RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0)), "acc": (0.5, None)},
+    step = jd.training.RunningSums.of_step({"loss": (jnp.float32(6.0), jnp.float32(3.0)),
+                                            "acc": (0.5, None)},
                                            flag=jnp.float32(1.0), learning_rate=jnp.float32(0.1))
-    sums = jd.training.RunningSums.zeros(["loss", "acc"], ["loss"], learning_rate=True).then(step).then(step)
+    sums = jd.training.RunningSums.zeros(["loss", "acc"], ["loss"],
+                                         learning_rate=True).then(step).then(step)
     packed = sums.pack()
     assert jax.tree.leaves(packed) == [packed.vector] and packed.vector.shape == (10,)
     host = packed.to_host()
@@ -165,5 +184,6 @@ def test_packing_keeps_every_part():
     assert host.means() == {"loss": 2.0, "acc": 0.5} and float(host.loss_weight) == 6.0
     assert [int(v) for v in host.non_finite] == [2, 0, 2, 2, 2] and int(host.steps) == 2
     assert float(host.learning_rate) == pytest.approx(0.1)
-    assert jax.tree.map(lambda a, b: bool(np.asarray(a) == np.asarray(b)), host, sums) == jax.tree.map(
+    assert jax.tree.map(lambda a, b: bool(np.asarray(a) == np.asarray(b)), host,
+                        sums) == jax.tree.map(
         lambda _: True, host)

@@ -1,8 +1,10 @@
-"""`WandbLogger` and `MLflowLogger` record what the TensorBoard writer records, offline, on the writing process.
+"""`WandbLogger` and `MLflowLogger` record what the TensorBoard writer records, offline, on the
+writing process.
 
-W&B runs offline (its ``wandb.Api`` reads servers only): the run's ``.wandb`` transaction log is read back with
-wandb's own record type (`wandb.proto.wandb_internal_pb2.Record`) from its LevelDB-style framing. MLflow writes
-to a local file store, read back with ``MlflowClient(uri).get_metric_history``.
+W&B runs offline (its ``wandb.Api`` reads servers only): the run's ``.wandb`` transaction log is
+read back with wandb's own record type (`wandb.proto.wandb_internal_pb2.Record`) from its
+LevelDB-style framing. MLflow writes to a local file store, read back with
+``MlflowClient(uri).get_metric_history``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ def offline(monkeypatch):
 
 def fit(callbacks, steps=4):
     rng = np.random.default_rng(0)
-    data = [(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=8).astype(np.float32)) for _ in range(4)]
-    trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.inject_hyperparams(optax.sgd)(0.1),
-                                  lambda out, y: ((out[:, 0] - y) ** 2).mean(), metrics={"mae": mae})
-    return trainer.fit(data, steps=steps, log_every=2, eval_data=data[:2], eval_every=2, callbacks=callbacks,
-                       verbose=0)
+    data = [(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=8).astype(np.float32))
+            for _ in range(4)]
+    trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1),
+                                  optax.inject_hyperparams(optax.sgd)(0.1),
+                                  lambda out, y: ((out[:, 0] - y) ** 2).mean(),
+                                  metrics={"mae": mae})
+    return trainer.fit(data, steps=steps, log_every=2, eval_data=data[:2], eval_every=2,
+                       callbacks=callbacks, verbose=0)
 
 
 def mae(out, y):
@@ -43,26 +48,31 @@ def mae(out, y):
 
 
 def expected(history):
-    """``{(step, "train/loss"): value, ...}``: what the TensorBoard writer writes for ``history`` (a window's
-    seconds by part under their own ``time/<part>`` names)."""
+    """``{(step, "train/loss"): value, ...}``: what the TensorBoard writer writes for ``history`` (a
+    window's seconds by part under their own ``time/<part>`` names)."""
     out = {}
     for split in ("train", "eval"):
         for row in getattr(history, split):
             for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    out[(row["step"], key if key.startswith("time/") else f"{split}/{key}")] = float(value)
+                if (key != "step" and isinstance(value, (int, float))
+                        and not isinstance(value, bool)):
+                    out[(row["step"], key if key.startswith("time/")
+                         else f"{split}/{key}")] = float(value)
     return out
 
 
-FIT_CONFIG = {"steps": 4, "log_every": 2, "eval_every": 2, "strategy": "MirroredStrategy", "mesh": "replica=8",
-              "devices": 8, "processes": 1, "global_batch_size": 8, "optimizer": "InjectStatefulHyperparamsState",
+FIT_CONFIG = {"steps": 4, "log_every": 2, "eval_every": 2, "strategy": "MirroredStrategy",
+              "mesh": "replica=8",
+              "devices": 8, "processes": 1, "global_batch_size": 8,
+              "optimizer": "InjectStatefulHyperparamsState",
               "optimizer.learning_rate": 0.1, "on_non_finite": "stop", "steps_per_run": 1}
 """Some of what ``fit`` records of the run's configuration (``on_config``) for `fit`'s run."""
 
 
 def wandb_records(path):
-    """The records of a ``.wandb`` transaction log: a 7-byte file header, then 32 KiB blocks of chunks, each
-    ``crc32 (4) | length (2) | type (1: full, 2: first, 3: middle, 4: last)`` and its bytes."""
+    """The records of a ``.wandb`` transaction log: a 7-byte file header, then 32 KiB blocks of
+    chunks, each ``crc32 (4) | length (2) | type (1: full, 2: first, 3: middle, 4: last)`` and its
+    bytes."""
     from wandb.proto import wandb_internal_pb2
 
     data, block, pos, parts = path.read_bytes(), 32768, 7, b""
@@ -91,13 +101,14 @@ def test_wandb_logger_records_the_logged_scalars_offline(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / "home" / name.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_API_KEY", "")
-    logger = jd.training.WandbLogger(project="jaxdist-test", name="ema", config={"lr": 0.1, "log_every": "mine"},
-                                     dir=tmp_path / "wb")
+    logger = jd.training.WandbLogger(project="jaxdist-test", name="ema",
+                                     config={"lr": 0.1, "log_every": "mine"}, dir=tmp_path / "wb")
     assert logger.init_kwargs["mode"] == "offline"
     history = fit([logger])
     assert logger.run is None  # finished at the end of fit
-    # wandb's service may still hold the log's last block in memory after `finish` (it closes the file when the
-    # stream ends): end the service, as the interpreter's exit does, before reading the file.
+    # wandb's service may still hold the log's last block in memory after `finish` (it closes the
+    # file when the stream ends): end the service, as the interpreter's exit does, before reading
+    # the file.
     import wandb
     wandb.teardown()
     logs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -109,8 +120,10 @@ def test_wandb_logger_records_the_logged_scalars_offline(tmp_path, monkeypatch):
             items = record.run.config.update if kind == "run" else record.config.update
             config.update({item.key: json.loads(item.value_json) for item in items})
         if record.WhichOneof("record_type") == "history":
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            got.update({(row["step"], k): v for k, v in row.items() if k.startswith(("train/", "eval/", "time/"))})
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                   for item in record.history.item}
+            got.update({(row["step"], k): v for k, v in row.items()
+                        if k.startswith(("train/", "eval/", "time/"))})
     want = expected(history)
     assert {k for k in want if k[1] == "train/loss"} == {(2, "train/loss"), (4, "train/loss")}
     assert {(4, "eval/mae"), (2, "train/steps_per_sec"), (4, "time/steps")} <= set(want)
@@ -127,7 +140,8 @@ def test_wandb_logger_arguments(monkeypatch):
     with pytest.raises(TypeError, match=r"run=.* is not a wandb run"):
         jd.training.WandbLogger(run=object())
     run = types.SimpleNamespace(log=lambda values: None)
-    with pytest.raises(TypeError, match=r"WandbLogger got run=.* and wandb.init arguments \(project\)"):
+    with pytest.raises(TypeError,
+                       match=r"WandbLogger got run=.* and wandb.init arguments \(project\)"):
         jd.training.WandbLogger(run, project="p")
 
 
@@ -136,7 +150,8 @@ def test_mlflow_logger_records_the_logged_scalars_in_a_local_file_store(tmp_path
     from mlflow.tracking import MlflowClient
 
     logger = jd.training.MLflowLogger(experiment_name="jaxdist-test", run_name="ema",
-                                      config={"lr": 0.1, "log_every": "mine"}, tracking_uri=tmp_path / "mlruns")
+                                      config={"lr": 0.1, "log_every": "mine"},
+                                      tracking_uri=tmp_path / "mlruns")
     assert logger.tracking_uri == (tmp_path / "mlruns").as_uri()
     history = fit([logger])
     client = MlflowClient(logger.tracking_uri)
@@ -147,7 +162,8 @@ def test_mlflow_logger_records_the_logged_scalars_in_a_local_file_store(tmp_path
     assert params["lr"] == "0.1" and params["log_every"] == "mine", params
     assert all(params[k] == str(v) for k, v in FIT_CONFIG.items() if k != "log_every"), params
     assert client.get_experiment(run.info.experiment_id).name == "jaxdist-test"
-    got = {(m.step, key): m.value for key in run.data.metrics for m in client.get_metric_history(logger.run_id, key)}
+    got = {(m.step, key): m.value for key in run.data.metrics
+           for m in client.get_metric_history(logger.run_id, key)}
     want = expected(history)
     assert {(2, "train/loss"), (4, "train/loss"), (4, "eval/mae")} <= set(want)
     assert got == pytest.approx(want, rel=1e-6)
@@ -160,12 +176,15 @@ def test_mlflow_logger_records_the_logged_scalars_in_a_local_file_store(tmp_path
     assert [m.step for m in client.get_metric_history(mine.info.run_id, "train/loss")] == [2]
 
 
-def test_mlflow_logger_defaults_to_a_local_mlruns_folder_and_writes_on_one_process(tmp_path, monkeypatch):
+def test_mlflow_logger_defaults_to_a_local_mlruns_folder_and_writes_on_one_process(
+    tmp_path, monkeypatch
+):
     import mlflow
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
-    if mlflow.is_tracking_uri_set():  # set by the process (mlflow.set_tracking_uri): that setting wins
+    # set by the process (mlflow.set_tracking_uri): that setting wins
+    if mlflow.is_tracking_uri_set():
         assert jd.training.MLflowLogger().tracking_uri == mlflow.get_tracking_uri()
     else:
         assert jd.training.MLflowLogger().tracking_uri == (tmp_path / "mlruns").as_uri()
@@ -182,5 +201,7 @@ def test_mlflow_logger_defaults_to_a_local_mlruns_folder_and_writes_on_one_proce
 @pytest.mark.parametrize(("cls", "module"), [("WandbLogger", "wandb"), ("MLflowLogger", "mlflow")])
 def test_a_missing_tracker_is_an_import_error_naming_the_extra(cls, module, monkeypatch):
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-    with pytest.raises(ImportError, match=rf"{cls} needs the {module} package.*pip install 'jaxdist\[trackers\]'"):
+    with pytest.raises(
+        ImportError, match=rf"{cls} needs the {module} package.*pip install 'jaxdist\[trackers\]'"
+    ):
         getattr(jd.training, cls)()

@@ -1,11 +1,14 @@
-"""Checkpoints in two tiers: a lost host costs the steps since the last LOCAL save, not the last persistent one.
+"""Checkpoints in two tiers: a lost host costs the steps since the last LOCAL save, not the last
+persistent one.
 
-The real thing: 2 processes x 4 CPU devices (``python -m jaxdist.launch``, gloo), FSDP across both processes, the
-persistent tier every 10 steps and the local tier every 2 (`tests/multiprocess/two_tier_worker.py`). Process 1
-is SIGKILLed after step 15 and its local directory deleted (a fresh host); the restarted job restores step 14 from
-the local tier, process 1's shards from process 0's copy, and ends bitwise equal to an uninterrupted run. The
-fault cases that fall back to the persistent tier are decided by `decide` (checked here case by case, in this
-process) and one of them end to end (both local directories lost). Every subprocess wait has a timeout.
+The real thing: 2 processes x 4 CPU devices (``python -m jaxdist.launch``, gloo), FSDP across both
+processes, the persistent tier every 10 steps and the local tier every 2
+(`tests/multiprocess/two_tier_worker.py`). Process 1 is SIGKILLed after step 15 and its local
+directory deleted (a fresh host); the restarted job restores step 14 from the local tier, process
+1's shards from process 0's copy, and ends bitwise equal to an uninterrupted run. The fault cases
+that fall back to the persistent tier are decided by `decide` (checked here case by case, in this
+process) and one of them end to end (both local directories lost). Every subprocess wait has a
+timeout.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ STEPS = 30
 
 def _job(tmp_path, out, *extra, expect=0):
     out.mkdir(exist_ok=True)
-    command = [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", "--grace", "5", str(WORKER),
-               str(tmp_path / "ckpt"), str(tmp_path / "local-{process}"), str(out), str(STEPS), *extra]
+    command = [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", "--grace", "5",
+               str(WORKER),
+               str(tmp_path / "ckpt"), str(tmp_path / "local-{process}"), str(out), str(STEPS),
+               *extra]
     proc = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=180)
     text = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == (expect == 0), text[-5000:]
@@ -49,10 +54,12 @@ def _params(out):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_lost_host_restores_the_newest_local_step_and_ends_bitwise(tmp_path):
-    """Slow: three 2-process jobs (imports, gloo, compiles): the killed one, the restart (with the uninterrupted
-    run in the same job), and, with both local directories gone, a restart from the persistent tier."""
+    """Slow: three 2-process jobs (imports, gloo, compiles): the killed one, the restart (with the
+    uninterrupted run in the same job), and, with both local directories gone, a restart from the
+    persistent tier."""
     _job(tmp_path, tmp_path / "killed", "kill=15", expect=1)
-    assert jd.training.Checkpointer(tmp_path / "ckpt").all_steps() == [10]  # the persistent tier holds 10
+    # the persistent tier holds 10
+    assert jd.training.Checkpointer(tmp_path / "ckpt").all_steps() == [10]
     shutil.copytree(tmp_path / "ckpt", tmp_path / "both" / "ckpt")  # for the second restart, below
     shutil.rmtree(tmp_path / "local-1")  # process 1 comes back on a fresh host
     (tmp_path / "straight").mkdir()
@@ -65,10 +72,14 @@ def test_lost_host_restores_the_newest_local_step_and_ends_bitwise(tmp_path):
     for a, b in zip(_params(tmp_path / "resumed"), _params(tmp_path / "straight"), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
-    # The same crash with both local directories lost (both copies of every shard): the persistent tier, by name.
+    # The same crash with both local directories lost (both copies of every shard): the persistent
+    # tier, by name.
     text = _job(tmp_path / "both", tmp_path / "again")
-    assert "the local tier restores nothing: no process has a complete local step; the persistent tier holds 10" \
-        in text, text[-4000:]
+    assert (
+        "the local tier restores nothing: no process has a complete local step; "
+        "the persistent tier holds 10"
+        in text
+    ), text[-4000:]
     assert int(re.search(r"^\[0\] step (\d+)$", text, re.M).group(1)) == 11
 
 
@@ -85,20 +96,24 @@ def test_both_copies_present_restore_each_process_from_its_own():
 
 
 def test_two_neighbours_lost_fall_back_by_name():
-    """Three processes, p holds p and p + 1: losing processes 1 and 2 loses process 2's both copies."""
+    """Three processes, p holds p and p + 1: losing processes 1 and 2 loses process 2's both
+    copies."""
     rec = dict(REC, processes=3)
-    step, _, reason = decide([[dict(rec, step=14, process=0, peer=1)], [], []], identity="i", layout="l",
-                             persistent_step=10)
+    step, _, reason = decide([[dict(rec, step=14, process=0, peer=1)], [], []], identity="i",
+                             layout="l", persistent_step=10)
     assert step is None and reason.startswith("step 14 lacks the shards of process 2 ")
 
 
 def test_an_older_step_assembles_when_the_newest_is_incomplete():
-    """Process 1's save of step 16 was interrupted (never committed): step 14 is the newest whole one."""
+    """Process 1's save of step 16 was interrupted (never committed): step 14 is the newest whole
+    one."""
     records = [[dict(REC, step=14, process=0, peer=1), dict(REC, step=16, process=0, peer=1)],
                [dict(REC, step=14, process=1, peer=0)]]
     assert _decide(records)[:2] == (16, (0, 0))  # process 0 holds both halves of 16
-    records[0][-1] = dict(REC, step=16, process=0, peer=None)  # each holding only its own half of 16 ...
-    records[1].append(dict(REC, step=16, process=1, peer=None, run="other"))  # ... of two runs: never mixed
+    # each holding only its own half of 16 ...
+    records[0][-1] = dict(REC, step=16, process=0, peer=None)
+    # ... of two runs: never mixed
+    records[1].append(dict(REC, step=16, process=1, peer=None, run="other"))
     assert _decide(records)[:2] == (14, (0, 1))
 
 
@@ -108,7 +123,8 @@ def test_an_older_step_assembles_when_the_newest_is_incomplete():
     ({"layout": "x"}, "written with another layout"),
 ])
 def test_another_count_run_or_layout_falls_back_by_name(change, named):
-    records = [[dict(REC, step=14, process=0, peer=1, **change)], [dict(REC, step=14, process=1, peer=0, **change)]]
+    records = [[dict(REC, step=14, process=0, peer=1, **change)],
+               [dict(REC, step=14, process=1, peer=0, **change)]]
     step, _, reason = _decide(records)
     assert step is None and named in reason
 
@@ -138,7 +154,8 @@ def test_a_failed_local_save_is_a_warning_and_keeps_no_step(tmp_path, caplog, mo
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
-    ({"local_checkpoint_dir": "/tmp/x-{process}"}, "local_checkpoint_dir='/tmp/x-{process}' needs the other one"),
+    ({"local_checkpoint_dir": "/tmp/x-{process}"},
+     "local_checkpoint_dir='/tmp/x-{process}' needs the other one"),
     ({"local_checkpoint_every": 2}, "local_checkpoint_every=2 needs the other one"),
     ({"local_checkpoint_dir": "/tmp/x", "local_checkpoint_every": 2}, "needs checkpoint_dir=..."),
     ({"local_checkpoint_dir": "/tmp/x", "local_checkpoint_every": 0, "checkpoint_dir": "/tmp/y"},

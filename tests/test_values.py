@@ -1,4 +1,5 @@
-"""ReduceOp / VariableAggregation parsing, sync-on-read values, replica-context aggregation, naming."""
+"""ReduceOp / VariableAggregation parsing, sync-on-read values, replica-context aggregation,
+naming."""
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +14,16 @@ from jaxdist.replicate import component_name
 def test_parse_names_and_members():
     assert jd.ReduceOp.parse("sum") is jd.ReduceOp.SUM
     assert jd.ReduceOp.parse(jd.ReduceOp.MEAN) is jd.ReduceOp.MEAN
-    assert jd.VariableAggregation.parse("Only_First_Replica") is jd.VariableAggregation.ONLY_FIRST_REPLICA
+    assert (jd.VariableAggregation.parse("Only_First_Replica")
+            is jd.VariableAggregation.ONLY_FIRST_REPLICA)
     assert jd.VariableAggregation.parse(jd.ReduceOp.SUM) is jd.VariableAggregation.SUM
 
 
 def test_unknown_reduce_op_lists_valid_ones():
     strategy = jd.OneDeviceStrategy()
-    with pytest.raises(ValueError, match=r"reduce_op='max' is not a valid ReduceOp: use one of ReduceOp.SUM, "
+    with pytest.raises(ValueError,
+                                          match=r"reduce_op='max' is not a valid ReduceOp: use one "
+                                                r"of ReduceOp.SUM, "
                                           r"ReduceOp.MEAN"):
         strategy.reduce("max", jnp.ones(2))
     with pytest.raises(ValueError, match=r"reduce_op=3 is not a valid ReduceOp"):
@@ -28,8 +32,11 @@ def test_unknown_reduce_op_lists_valid_ones():
 
 def test_unknown_aggregation_lists_valid_ones():
     strategy = jd.OneDeviceStrategy()
-    with pytest.raises(ValueError, match=r"aggregation='median'.*VariableAggregation.NONE, VariableAggregation.SUM, "
-                                          r"VariableAggregation.MEAN, VariableAggregation.ONLY_FIRST_REPLICA"):
+    with pytest.raises(ValueError,
+                                          match=r"aggregation='median'.*VariableAggregation.NONE, "
+                                                r"VariableAggregation.SUM, "
+                                          r"VariableAggregation.MEAN, "
+                                          r"VariableAggregation.ONLY_FIRST_REPLICA"):
         strategy.sync_on_read(0.0, "median")
 
 
@@ -67,14 +74,17 @@ def test_aggregate_modes_in_replica_context(strategy_name):
 def test_aggregate_none_is_an_error():
     strategy = jd.MirroredStrategy()
     with pytest.raises(ValueError, match="specify an aggregation"):
-        strategy.run(lambda w: jd.get_replica_context().aggregate(w + 1, jd.VariableAggregation.NONE),
-                     args=(jnp.zeros(2),))
+        strategy.run(
+            lambda w: jd.get_replica_context().aggregate(w + 1, jd.VariableAggregation.NONE),
+            args=(jnp.zeros(2),),
+        )
 
 
 def test_mean_of_integers_is_an_error():
     strategy = jd.MirroredStrategy()
     with pytest.raises(TypeError, match=r"dtype int32: MEAN of an integer value.*use SUM"):
-        strategy.run(lambda c: jd.get_replica_context().aggregate(c + 1, "mean"), args=(jnp.zeros(2, jnp.int32),))
+        strategy.run(lambda c: jd.get_replica_context().aggregate(c + 1, "mean"),
+                     args=(jnp.zeros(2, jnp.int32),))
     with pytest.raises(TypeError, match="MEAN of an integer value"):
         strategy.sync_on_read(jnp.zeros((), jnp.int32), "mean")
 
@@ -114,12 +124,14 @@ def test_sync_on_read_cross_replica_assign(strategy_name):
     n = strategy.num_replicas_in_sync
     total = strategy.sync_on_read(jnp.zeros(3), "sum").assign(jnp.array([8.0, 16.0, 4.0]))
     np.testing.assert_allclose(total.read(), [8.0, 16.0, 4.0])
-    np.testing.assert_allclose(np.asarray(total.values[-1]), np.array([8.0, 16.0, 4.0]) / n)  # x / N each
+    # x / N each
+    np.testing.assert_allclose(np.asarray(total.values[-1]), np.array([8.0, 16.0, 4.0]) / n)
     count = strategy.sync_on_read(jnp.zeros((), jnp.int32), "sum").assign(7)
     assert int(count.read()) == 7  # integers stay exact: replica 0 holds 7, the rest 0
     mean = strategy.sync_on_read(0.0, "mean").assign(2.5)
     assert float(mean.read()) == 2.5
-    with pytest.raises(ValueError, match=r"value has shape \(2,\) but the sync-on-read value has shape \(3,\)"):
+    with pytest.raises(ValueError,
+                       match=r"value has shape \(2,\) but the sync-on-read value has shape \(3,\)"):
         total.assign(jnp.zeros(2))
     with pytest.raises(RuntimeError, match=r"exists only inside strategy\.run"):
         _ = total.value
@@ -138,5 +150,7 @@ def test_replica_context_errors():
     with pytest.raises(ValueError, match=r"all_gather got a scalar.*gather x\[None\]"):
         strategy.run(lambda x: jd.get_replica_context().all_gather(x.sum()), args=(jnp.ones(2),))
     total = strategy.sync_on_read(jnp.zeros(2), "sum")
-    with pytest.raises(ValueError, match=r"value has shape \(3,\) but this replica's component has shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"value has shape \(3,\) but this replica's component has shape \(2,\)"
+    ):
         strategy.run(lambda t: t.assign(jnp.zeros(3)), args=(total,))

@@ -1,8 +1,8 @@
 """Reading TensorBoard event files back in tests.
 
-The TFRecord framing (length, masked CRC32C of the length, payload, masked CRC32C of the payload) is checked
-here independently of the writer, as TensorBoard checks it; the payloads are decoded with the `Event`
-protocol buffers tensorboardX ships (the same schema as TensorFlow's).
+The TFRecord framing (length, masked CRC32C of the length, payload, masked CRC32C of the payload) is
+checked here independently of the writer, as TensorBoard checks it; the payloads are decoded with
+the `Event` protocol buffers tensorboardX ships (the same schema as TensorFlow's).
 """
 
 import struct
@@ -45,11 +45,14 @@ def read_events(path: str | Path) -> list:
     while i < len(data):
         header = data[i : i + 8]
         (length,) = struct.unpack("<Q", header)
-        assert struct.unpack("<I", data[i + 8 : i + 12])[0] == masked_crc(header), f"bad length CRC at byte {i}"
+        assert struct.unpack("<I", data[i + 8 : i + 12])[0] == masked_crc(header), (
+            f"bad length CRC at byte {i}"
+        )
         record = data[i + 12 : i + 12 + length]
         assert len(record) == length, f"truncated record at byte {i}"
-        assert struct.unpack("<I", data[i + 12 + length : i + 16 + length])[0] == masked_crc(record), (
-            f"bad payload CRC at byte {i}"
+        assert struct.unpack("<I",
+                             data[i + 12 + length : i + 16 + length])[0] == masked_crc(record), (
+      f"bad payload CRC at byte {i}"
         )
         events.append(event_pb2.Event.FromString(record))
         i += 16 + length

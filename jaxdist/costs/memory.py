@@ -1,9 +1,11 @@
-"""Bytes per device: the one count of what a device holds of an array or a pytree, and what devices report.
+"""Bytes per device: the one count of what a device holds of an array or a pytree, and what devices
+report.
 
-`bytes_per_device` reads a value's layout, not its buffers: it works on `jax.ShapeDtypeStruct`s (a plan of a
-model too big for this machine) and on arrays spread over processes alike, and counts an uneven split at its
-largest shard (the device that holds the most). `jaxdist.Plan`'s ``state_bytes`` and the Trainer's
-`jaxdist.costs.StepCost` both count with it. `device_memory` is what the devices themselves report.
+`bytes_per_device` reads a value's layout, not its buffers: it works on `jax.ShapeDtypeStruct`s (a
+plan of a model too big for this machine) and on arrays spread over processes alike, and counts an
+uneven split at its largest shard (the device that holds the most). `jaxdist.Plan`'s ``state_bytes``
+and the Trainer's `jaxdist.costs.StepCost` both count with it. `device_memory` is what the devices
+themselves report.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ __all__ = ["array_bytes_per_device", "bytes_per_device", "device_memory", "split
 
 
 def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
-    """How many parts each dimension of an array of ``shape`` is split into by ``sharding`` (1: whole).
+    """How many parts each dimension of an array of ``shape`` is split into by ``sharding`` (1:
+    whole).
 
     Examples:
         >>> import jax
@@ -32,28 +35,32 @@ def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
     if isinstance(sharding, NamedSharding):
         sizes = dict(sharding.mesh.shape)
         entries = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-        return tuple(math.prod(sizes[n] for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str))
+        return tuple(math.prod(sizes[n] for n in (e if isinstance(e, tuple) else (e,))
+                               if isinstance(n, str))
                      for e in entries[:len(shape)])
     if sharding is None or not len(shape):
         return (1,) * len(shape)
-    shard = sharding.shard_shape(tuple(shape))  # any other sharding: its own word (these split evenly)
+    # any other sharding: its own word (these split evenly)
+    shard = sharding.shard_shape(tuple(shape))
     return tuple(d // s if s else 1 for d, s in zip(shape, shard, strict=True))
 
 
 def _itemsize(dtype: Any) -> int:
     # a typed PRNG key (``key<fry>``) is no NumPy dtype; its dtype knows its size
-    return dtype.itemsize if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).itemsize
+    return (dtype.itemsize if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            else np.dtype(dtype).itemsize)
 
 
 def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = None) -> int:
-    """Bytes of an array of ``shape`` and ``dtype`` on the device holding the most of it under ``sharding``
-    (None: the whole array).
+    """Bytes of an array of ``shape`` and ``dtype`` on the device holding the most of it under
+    ``sharding`` (None: the whole array).
 
     Examples:
         >>> import jax, numpy as np
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = jax.make_mesh((8,), ("data",))
-        >>> array_bytes_per_device((10, 4), np.float32, NamedSharding(mesh, P("data")))  # 2 rows at most
+        >>> # 2 rows at most
+        >>> array_bytes_per_device((10, 4), np.float32, NamedSharding(mesh, P("data")))
         32
         >>> array_bytes_per_device((10, 4), np.float32)
         160
@@ -63,14 +70,16 @@ def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = Non
 
 
 def bytes_per_device(tree: Any) -> int:
-    """Bytes of ``tree``'s arrays one device holds: each array's largest shard under its own sharding (whole
-    where it has none), summed. Arrays, `jax.ShapeDtypeStruct`s and NumPy values count; other leaves do not.
+    """Bytes of ``tree``'s arrays one device holds: each array's largest shard under its own
+    sharding (whole where it has none), summed. Arrays, `jax.ShapeDtypeStruct`s and NumPy values
+    count; other leaves do not.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = jax.make_mesh((8,), ("data",))
-        >>> split = jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+        >>> split = jax.ShapeDtypeStruct((64, 4), jnp.float32,
+        ...                              sharding=NamedSharding(mesh, P("data")))
         >>> bytes_per_device({"split": split, "whole": jnp.ones(3), "step": 0})
         140
     """
@@ -78,7 +87,9 @@ def bytes_per_device(tree: Any) -> int:
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
             continue
-        total += array_bytes_per_device(tuple(np.shape(leaf)), leaf.dtype, getattr(leaf, "sharding", None))
+        total += array_bytes_per_device(
+            tuple(np.shape(leaf)), leaf.dtype, getattr(leaf, "sharding", None)
+        )
     return total
 
 

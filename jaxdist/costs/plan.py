@@ -1,10 +1,12 @@
-"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives), as a record.
+"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives), as a
+record.
 
 `Plan` is the record `jaxdist.strategies` fills when it plans a step for a strategy's layout
-(``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``; `jaxdist.strategies.plan` lays the arguments out
-and compiles); `read_plan` turns a compiled program (or its text and XLA's memory analysis) into one, and the
-Trainer's `jaxdist.costs.StepCost` is read from the plan of its train step. The records live here, below
-every package that fills or reads them; they import nothing of jaxdist but the cost model.
+(``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``; `jaxdist.strategies.plan` lays the
+arguments out and compiles); `read_plan` turns a compiled program (or its text and XLA's memory
+analysis) into one, and the Trainer's `jaxdist.costs.StepCost` is read from the plan of its train
+step. The records live here, below every package that fills or reads them; they import nothing of
+jaxdist but the cost model.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class CollectivePlan:
         kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"all-to-all"`` or
             ``"collective-permute"``.
         count: how many run per step (loops multiply).
-        bytes: the buffers' bytes per device per step (an all-gather's gathered result, a reduction's operand).
+        bytes: the buffers' bytes per device per step (an all-gather's gathered result, a
+            reduction's operand).
         wire_bytes: what each device sends per step under the bandwidth-optimal algorithms.
         axes: the mesh axes they run over.
     """
@@ -87,44 +90,48 @@ class Plan:
         temp_bytes: temporaries.
         peak_bytes: arguments + outputs - aliased + temporaries (an upper bound).
         host_bytes: host-offloaded arguments, outputs and temporaries.
-        state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an argument's name).
+        state_bytes: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, an
+            argument's name).
         largest_arrays: the ten largest arrays (`ArrayPlan`), with their layouts.
-        flops: floating-point operations per step (`jaxdist.costs.program_cost`), every loop iteration counted,
-            custom calls (cuBLAS, cuDNN, Pallas kernels) by what they compute.
+        flops: floating-point operations per step (`jaxdist.costs.program_cost`), every loop
+            iteration counted, custom calls (cuBLAS, cuDNN, Pallas kernels) by what they compute.
         transcendentals: transcendental operations per step.
         bytes_accessed: memory traffic per step.
         collectives: ``{kind: CollectivePlan}``.
         replicated_bytes: bytes of variables held whole along an axis that could split them.
         replicated: those variables (`ArrayPlan` with ``axes``), largest first.
-        unknown_loops: loops whose trip count XLA did not record (counted once: ``flops`` is then a lower
-            bound).
+        unknown_loops: loops whose trip count XLA did not record (counted once: ``flops`` is then a
+            lower bound).
         plan_seconds: how long planning took (lowering and compiling).
         compiled_on: where the program was compiled.
-        axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto where its
-            Explicit axes run Auto because the step does not type-check with them (see
+        axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto
+            where its Explicit axes run Auto because the step does not type-check with them (see
             `jaxdist.strategies.layout._axis_types`).
         moe_dispatch: how the program's mixture-of-experts layers (`jaxdist.nn.MoE`) move tokens:
-            ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a capacity
-            buffer, or a worst-case one), ``"dropless_ragged_all_to_all"`` (expert parallelism: only the routed
-            rows move, grouped matmuls: GPU / TPU; ``..._emulated`` where the exchange runs emulated on CPU),
-            ``"dropping_local"`` / ``"dropless_local"`` (every expert on each device),
-            ``"dropless_ragged_local"`` (every expert local, grouped matmuls: GPU / TPU); empty without such
-            layers.
-        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower bound).
-        attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``, ``"xla"``,
-            ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
+            ``"dropping_all_to_all"`` / ``"dropless_padded_all_to_all"`` (expert parallelism: a
+            capacity buffer, or a worst-case one), ``"dropless_ragged_all_to_all"`` (expert
+            parallelism: only the routed rows move, grouped matmuls: GPU / TPU; ``..._emulated``
+            where the exchange runs emulated on CPU), ``"dropping_local"`` / ``"dropless_local"``
+            (every expert on each device), ``"dropless_ragged_local"`` (every expert local, grouped
+            matmuls: GPU / TPU); empty without such layers.
+        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower
+            bound).
+        attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``,
+            ``"xla"``, ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
         grouped_matmul: the grouped-matmul kernels of the dropless mixture-of-experts layers
-            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty without.
-        model_flops: the model's FLOPs per step (`jaxdist.costs.ProgramCost.model_flops`: ``flops`` without
-            recomputation, with what kernels skip under a mask; the basis of MFU), None when not counted.
+            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty
+            without.
+        model_flops: the model's FLOPs per step (`jaxdist.costs.ProgramCost.model_flops`: ``flops``
+            without recomputation, with what kernels skip under a mask; the basis of MFU), None when
+            not counted.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
         >>> strategy = jd.ShardedStrategy(min_shard_size=1)
         >>> w = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
         >>> x = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
-        >>> plan = strategy.plan(lambda w, x: w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w), w, x,
-        ...                      batch_argnums=1)
+        >>> step = lambda w, x: w - 0.1 * jax.grad(lambda w: ((x @ w) ** 2).mean())(w)
+        >>> plan = strategy.plan(step, w, x, batch_argnums=1)
         >>> plan.state_bytes["w"] == 1024 * 256 * 4 // 8   # FSDP: an eighth of w on each device
         True
         >>> plan.fits(1 << 30), plan.estimate("h100").bound in ("compute", "memory", "network")
@@ -163,12 +170,14 @@ class Plan:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip count."""
+        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
+        count."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per step, all collectives together (bandwidth-optimal algorithms)."""
+        """Bytes each device sends per step, all collectives together (bandwidth-optimal
+        algorithms)."""
         return float(sum(c.wire_bytes for c in self.collectives.values()))
 
     def estimate(self, accelerator: str | Accelerator = "h100") -> Estimate:
@@ -198,24 +207,31 @@ class Plan:
 
     def __str__(self) -> str:
         where = f", {self.compiled_on}" if self.compiled_on else ""
-        lines = [f"Plan for mesh {self.mesh} ({self.num_devices} devices){where}, planned in {self.plan_seconds:.2f} s"]
+        lines = [f"Plan for mesh {self.mesh} ({self.num_devices} devices){where}, planned in "
+                 f"{self.plan_seconds:.2f} s"]
         auto = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Auto]
         explicit = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Explicit]
         if explicit or auto:
-            lines.append("Axis types: " + "; ".join(
-                f"{label} {', '.join(axes)}" for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
+            lines.append(
+                "Axis types: "
+                + "; ".join(f"{label} {', '.join(axes)}"
+                            for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes)
+            )
         if self.moe_dispatch:
-            lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ") for p in self.moe_dispatch))
-        for label, kernels in (("Attention", self.attention), ("Grouped matmuls", self.grouped_matmul)):
+            lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ")
+                                                      for p in self.moe_dispatch))
+        for label, kernels in (("Attention", self.attention),
+                               ("Grouped matmuls", self.grouped_matmul)):
             if kernels:
                 lines.append(f"{label}: " + ", ".join(kernels))
         lines.append("Memory per device")
         roles = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.state_bytes.items())
         for label, value, note in (
             ("arguments", self.argument_bytes, f"({roles})" if roles else ""),
-            ("outputs", self.output_bytes, ""), ("aliased", self.alias_bytes, "(outputs in donated arguments)"),
-            ("temporaries", self.temp_bytes, ""), ("peak", self.peak_bytes, "(arguments + outputs - aliased + "
-                                                                          "temporaries)"),
+            ("outputs", self.output_bytes, ""),
+            ("aliased", self.alias_bytes, "(outputs in donated arguments)"),
+            ("temporaries", self.temp_bytes, ""),
+            ("peak", self.peak_bytes, "(arguments + outputs - aliased + temporaries)"),
             ("host", self.host_bytes, "(host-offloaded)"),
         ):
             lines.append(f"  {label:<16}{format_bytes(value):>12}  {note}".rstrip())
@@ -226,19 +242,25 @@ class Plan:
             lines.append(f"  ({self.unknown_loops} loop(s) of unknown trip count counted once)")
         if self.uncosted:
             names = ", ".join(self.uncosted[:4])
-            lines.append(f"  (FLOPs at least: {len(self.uncosted)} custom call(s) not costed: {names})")
-        lines.append("Collectives per device per step (how many, their bytes in all, the bytes sent)")
+            lines.append(f"  (FLOPs at least: {len(self.uncosted)} custom call(s) not costed: "
+                         f"{names})")
+        lines.append("Collectives per device per step (how many, their bytes in all, the bytes "
+                     "sent)")
         if not self.collectives:
             lines.append("  none")
         for c in self.collectives.values():
-            lines.append(f"  {c.kind:<20}{c.count:>4} op{'s' if c.count > 1 else ' '}{format_bytes(c.bytes):>12}  sent "
+            lines.append(f"  {c.kind:<20}{c.count:>4} "
+                         f"op{'s' if c.count > 1 else ' '}{format_bytes(c.bytes):>12}  sent "
                          f"{format_bytes(c.wire_bytes):>11}  over {', '.join(c.axes) or '?'}")
-        lines.append(f"Held whole along an axis that could split them: {format_bytes(self.replicated_bytes)}")
+        lines.append("Held whole along an axis that could split them: "
+                     f"{format_bytes(self.replicated_bytes)}")
         for a in self.replicated[:5]:
-            lines.append(f"  {a.path} {a.shape} {a.layout}: {format_bytes(a.bytes)}, whole along {', '.join(a.axes)}")
+            lines.append(f"  {a.path} {a.shape} {a.layout}: {format_bytes(a.bytes)}, whole along "
+                         f"{', '.join(a.axes)}")
         lines.append("Largest arrays per device")
         for a in self.largest_arrays:
-            lines.append(f"  {format_bytes(a.bytes):>11}  {a.path} {a.dtype}{list(a.shape)} {a.layout}")
+            lines.append(f"  {format_bytes(a.bytes):>11}  {a.path} {a.dtype}{list(a.shape)} "
+                         f"{a.layout}")
         e = self.estimate("h100")
         lines.append(f"Estimate: {e}")
         return "\n".join(lines)
@@ -247,11 +269,11 @@ class Plan:
 def _budget(memory_per_device: Any) -> int:
     if isinstance(memory_per_device, (str, Accelerator)):
         return accelerator(memory_per_device).memory
-    if not isinstance(memory_per_device, (int, np.integer)) or isinstance(memory_per_device, bool) or (
-            memory_per_device <= 0):
+    if (not isinstance(memory_per_device, (int, np.integer)) or isinstance(memory_per_device, bool)
+            or (memory_per_device <= 0)):
         raise ValueError(
-            f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 << 30) or an "
-            "accelerator name such as 'h100'."
+            f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 "
+            "<< 30) or an accelerator name such as 'h100'."
         )
     return int(memory_per_device)
 
@@ -274,11 +296,12 @@ def read_plan(
     compiled_on: str = "",
     started: float | None = None,
 ) -> Plan:
-    """The `Plan` of a compiled program: its FLOPs, bytes accessed and collectives (`program_cost`), its
-    memory (XLA's memory analysis) and what the caller knows of its arguments.
+    """The `Plan` of a compiled program: its FLOPs, bytes accessed and collectives (`program_cost`),
+    its memory (XLA's memory analysis) and what the caller knows of its arguments.
 
     Args:
-        program: a compiled program (``jitted.lower(...).compile()``) or its text (``compiled.as_text()``).
+        program: a compiled program (``jitted.lower(...).compile()``) or its text
+            (``compiled.as_text()``).
         memory: XLA's memory analysis as `MEMORY_FIELDS`; read from ``program`` when it is compiled.
         mesh: the mesh's axis sizes (names the collectives' axes); None: ``{"devices": 1}``.
         state_bytes: the arguments' bytes per device by role (`bytes_per_device`).
@@ -292,11 +315,13 @@ def read_plan(
         The `Plan`.
 
     Raises:
-        ValueError: for program text without a module (``program_cost``), or a text without ``memory``.
+        ValueError: for program text without a module (``program_cost``), or a text without
+            ``memory``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2))).compile()
+        >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)),
+        ...                                              jnp.ones((4, 2))).compile()
         >>> plan = read_plan(compiled, state_bytes={"a": 128, "b": 32})
         >>> plan.flops, plan.output_bytes, plan.lower_bound
         (128.0, 64, False)
@@ -304,8 +329,8 @@ def read_plan(
     started = time.perf_counter() if started is None else started
     if memory is None:
         if isinstance(program, str):
-            raise ValueError("read_plan(program=<text>) needs memory=: XLA's memory analysis of the program "
-                             "(the text alone does not say it).")
+            raise ValueError("read_plan(program=<text>) needs memory=: XLA's memory analysis of "
+                             "the program (the text alone does not say it).")
         memory = memory_of(program)
     text = program if isinstance(program, str) else program.as_text()
     mesh = dict(mesh) if mesh else {"devices": 1}
@@ -324,15 +349,19 @@ def read_plan(
     }
     arg, out, alias, temp = (int(memory.get(f"{k}_size_in_bytes", 0))
                              for k in ("argument", "output", "alias", "temp"))
-    host = sum(int(memory.get(f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp"))
+    host = sum(
+        int(memory.get(f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")
+    )
     replicated = tuple(sorted(replicated, key=lambda a: -a.bytes))
     return Plan(
         mesh=mesh, argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
         peak_bytes=arg + out - alias + temp, host_bytes=host, state_bytes=dict(state_bytes or {}),
         largest_arrays=tuple(sorted(largest_arrays, key=lambda a: -a.bytes)[:10]), flops=cost.flops,
-        transcendentals=cost.transcendentals, bytes_accessed=cost.bytes_accessed, collectives=collectives,
-        replicated_bytes=sum(a.bytes for a in replicated), replicated=replicated, unknown_loops=cost.unknown_loops,
-        plan_seconds=time.perf_counter() - started, compiled_on=compiled_on, axis_types=dict(axis_types or {}),
-        moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted, attention=scoped(text, ATTENTION_SCOPE),
-        grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE), model_flops=cost.model_flops,
+        transcendentals=cost.transcendentals, bytes_accessed=cost.bytes_accessed,
+        collectives=collectives, replicated_bytes=sum(a.bytes for a in replicated),
+        replicated=replicated, unknown_loops=cost.unknown_loops,
+        plan_seconds=time.perf_counter() - started, compiled_on=compiled_on,
+        axis_types=dict(axis_types or {}), moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted,
+        attention=scoped(text, ATTENTION_SCOPE), grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE),
+        model_flops=cost.model_flops,
     )

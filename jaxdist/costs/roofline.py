@@ -1,7 +1,8 @@
-"""The roofline step time: a step takes at least its FLOPs / peak FLOP/s (compute), its bytes accessed / HBM
-bandwidth (memory), and the bytes its collectives send / interconnect bandwidth (network); the estimate is the
-largest of the three, and that term is what bounds the step. It assumes perfect overlap and peak rates: a lower
-bound on the step time, useful to rank layouts, not to promise a number.
+"""The roofline step time: a step takes at least its FLOPs / peak FLOP/s (compute), its bytes
+accessed / HBM bandwidth (memory), and the bytes its collectives send / interconnect bandwidth
+(network); the estimate is the largest of the three, and that term is what bounds the step. It
+assumes perfect overlap and peak rates: a lower bound on the step time, useful to rank layouts, not
+to promise a number.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class Estimate:
         network_s: bytes the collectives send / interconnect bandwidth.
         step_s: the largest of the three.
         bound: which term bounds the step: ``"compute"``, ``"memory"`` or ``"network"``.
-        lower_bound_flops: the FLOPs left out custom calls that could not be costed (``compute_s`` is then a
-            lower bound too).
+        lower_bound_flops: the FLOPs left out custom calls that could not be costed (``compute_s``
+            is then a lower bound too).
 
     Examples:
         >>> print(Estimate("h100", 1e-3, 2e-3, 0.0, 2e-3, "memory"))
@@ -42,18 +43,19 @@ class Estimate:
 
     def __str__(self) -> str:
         note = ", at least: custom calls not costed" if self.lower_bound_flops else ""
-        return (f"{self.step_s * 1e3:.3g} ms/step on {self.accelerator} ({self.bound}-bound: compute "
-                f"{self.compute_s * 1e3:.3g} ms{note}, memory {self.memory_s * 1e3:.3g} ms, network "
-                f"{self.network_s * 1e3:.3g} ms)")
+        return (f"{self.step_s * 1e3:.3g} ms/step on {self.accelerator} ({self.bound}-bound: "
+                f"compute {self.compute_s * 1e3:.3g} ms{note}, memory {self.memory_s * 1e3:.3g} "
+                f"ms, network {self.network_s * 1e3:.3g} ms)")
 
 
 def roofline(flops: float, bytes_accessed: float, network_bytes: float, chip: str | Accelerator,
              lower_bound_flops: bool = False) -> Estimate:
-    """The roofline step time of a step that does ``flops``, touches ``bytes_accessed`` bytes of HBM and
-    sends ``network_bytes`` over the interconnect, per device.
+    """The roofline step time of a step that does ``flops``, touches ``bytes_accessed`` bytes of HBM
+    and sends ``network_bytes`` over the interconnect, per device.
 
     Args:
-        flops / bytes_accessed / network_bytes: the step's work per device (`jaxdist.costs.program_cost`).
+        flops / bytes_accessed / network_bytes: the step's work per device
+            (`jaxdist.costs.program_cost`).
         chip: a name of `jaxdist.costs.ACCELERATORS` or an `Accelerator`.
         lower_bound_flops: whether ``flops`` leaves out custom calls that could not be costed.
 
@@ -75,5 +77,5 @@ def roofline(flops: float, bytes_accessed: float, network_bytes: float, chip: st
         "network": network_bytes / chip.network_bandwidth,
     }
     bound = max(terms, key=terms.get)
-    return Estimate(chip.name, terms["compute"], terms["memory"], terms["network"], terms[bound], bound,
-                    lower_bound_flops)
+    return Estimate(chip.name, terms["compute"], terms["memory"], terms["network"], terms[bound],
+                    bound, lower_bound_flops)

@@ -1,26 +1,29 @@
-"""What a compiled train step costs per device, for utilisation: `StepCost`, read from the step's `Plan`.
+"""What a compiled train step costs per device, for utilisation: `StepCost`, read from the step's
+`Plan`.
 
-The Trainer plans its compiled train step once (``Trainer.plan``: `jaxdist.costs.program_cost` of the
-partitioned program every device runs, XLA's memory analysis, the state's layout) and reads its `StepCost`
-from that plan (`StepCost.of_plan`): the same FLOPs and bytes, under the same names, plus what a plan cannot
-know. At each log point the fit loop turns the window's steps, seconds and tokens into
+The Trainer plans its compiled train step once (``Trainer.plan``: `jaxdist.costs.program_cost` of
+the partitioned program every device runs, XLA's memory analysis, the state's layout) and reads its
+`StepCost` from that plan (`StepCost.of_plan`): the same FLOPs and bytes, under the same names, plus
+what a plan cannot know. At each log point the fit loop turns the window's steps, seconds and tokens
+into
 
-* ``hfu``: hardware FLOPs utilisation: the FLOPs the program executes per device per step (rematerialisation
-  and replicated optimizer work included) x steps/s / the device's peak FLOP/s;
-* ``mfu``: model FLOPs utilisation: the model's FLOPs instead, ``flops_per_step=`` / devices when given (e.g.
-  6 x parameters x tokens for a transformer), else the executed FLOPs without recomputation
-  (`jaxdist.costs.ProgramCost.model_flops`).
+* ``hfu``: hardware FLOPs utilisation: the FLOPs the program executes per device per step
+  (rematerialisation and replicated optimizer work included) x steps/s / the device's peak FLOP/s;
+* ``mfu``: model FLOPs utilisation: the model's FLOPs instead, ``flops_per_step=`` / devices when
+  given (e.g. 6 x parameters x tokens for a transformer), else the executed FLOPs without
+  recomputation (`jaxdist.costs.ProgramCost.model_flops`).
 
   The peak is the dense bf16 figure of the vendor's datasheet for the accelerators in
-  `jaxdist.costs.ACCELERATORS` (per chip; one JAX device is one chip on these), or the ``peak_flops`` the user
-  gives (e.g. a measured one). Nothing else: on CPU, or an accelerator not in the table, both are "n/a", never
-  a made-up number. A custom call the count cannot cost (named in `StepCost.uncosted`) makes both lower bounds,
-  and the start line says so.
-* ``tokens_per_sec``: tokens per step / step time, where tokens per step are ``tokens_per_example`` x the
-  global batch's rows when given (every position, padding included: what the devices process), else the
-  summed weight of a token-weighted loss (the real tokens the loss averages over), else not logged.
-* ``peak_bytes_in_use``: the most any device has held (``device.memory_stats()``), where the backend keeps
-  such statistics (GPU, TPU; CPU does not).
+  `jaxdist.costs.ACCELERATORS` (per chip; one JAX device is one chip on these), or the
+  ``peak_flops`` the user gives (e.g. a measured one). Nothing else: on CPU, or an accelerator not
+  in the table, both are "n/a", never a made-up number. A custom call the count cannot cost (named
+  in `StepCost.uncosted`) makes both lower bounds, and the start line says so.
+* ``tokens_per_sec``: tokens per step / step time, where tokens per step are ``tokens_per_example``
+  x the global batch's rows when given (every position, padding included: what the devices process),
+  else the summed weight of a token-weighted loss (the real tokens the loss averages over), else not
+  logged.
+* ``peak_bytes_in_use``: the most any device has held (``device.memory_stats()``), where the backend
+  keeps such statistics (GPU, TPU; CPU does not).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ __all__ = ["CostOptions", "StepCost", "measure_step_cost"]
 def _positive(value: Any, name: str, fix: str) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value,
+                                                 (int,
+                                                  float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive number: {fix}")
 
 
@@ -50,14 +55,16 @@ class CostOptions:
     """How the trainer counts tokens and FLOPs (the `Trainer` options of the same names).
 
     Attributes:
-        tokens_per_example: tokens in one example (a language model's sequence length): tokens per step are
-            this times the global batch's rows. None: the summed weight of a token-weighted loss.
+        tokens_per_example: tokens in one example (a language model's sequence length): tokens per
+            step are this times the global batch's rows. None: the summed weight of a token-weighted
+            loss.
         peak_flops: the peak FLOP/s of ONE device, replacing the datasheet table (e.g. measured).
-        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of ``mfu``.
+        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of
+            ``mfu``.
 
     Raises:
-        ValueError: for a value that is not a positive number (``tokens_per_example``: an int), naming the
-            option, the value and the fix.
+        ValueError: for a value that is not a positive number (``tokens_per_example``: an int),
+            naming the option, the value and the fix.
 
     Examples:
         >>> CostOptions(tokens_per_example=128).tokens_per_example
@@ -77,58 +84,62 @@ class CostOptions:
         n = self.tokens_per_example
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(
-                f"tokens_per_example={n!r} must be an int >= 1 (the tokens in one example, e.g. the sequence "
-                "length) or None (count the weight a token-weighted loss returns)."
+                f"tokens_per_example={n!r} must be an int >= 1 (the tokens in one example, e.g. "
+                "the sequence length) or None (count the weight a token-weighted loss returns)."
             )
         _positive(
             self.peak_flops,
             "peak_flops",
             "the peak FLOP/s of ONE device (e.g. 989.4e12 for an H100 SXM "
-            "in dense bf16, or a measured peak), or None to use the datasheet table (MFU n/a where unknown).",
+            "in dense bf16, or a measured peak), or None to use the datasheet table (MFU n/a where "
+            "unknown).",
         )
         _positive(
             self.flops_per_step,
             "flops_per_step",
             "the model's FLOPs per optimizer step over the global "
-            "batch (e.g. 6 * parameters * tokens per step), or None to count the compiled step's FLOPs without "
-            "recomputation.",
+            "batch (e.g. 6 * parameters * tokens per step), or None to count the compiled step's "
+            "FLOPs without recomputation.",
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of ``fit``): a
-    view of the train step's `Plan` for utilisation.
+    """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of
+    ``fit``): a view of the train step's `Plan` for utilisation.
 
     Its counts are the plan's, under the plan's names (``flops``, ``model_flops``, ``temp_bytes``,
-    ``unknown_loops``, ``uncosted``; ``param_bytes`` is ``plan.state_bytes["params"]``, and so on), the whole
-    plan in ``plan``; it adds what a plan cannot know: the devices' peak FLOP/s, the tokens a step processes and
-    the devices to ask for live memory. `of_plan` builds it.
+    ``unknown_loops``, ``uncosted``; ``param_bytes`` is ``plan.state_bytes["params"]``, and so on),
+    the whole plan in ``plan``; it adds what a plan cannot know: the devices' peak FLOP/s, the
+    tokens a step processes and the devices to ask for live memory. `of_plan` builds it.
 
     Attributes:
-        flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the basis of HFU),
-            or None when not counted.
+        flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the
+            basis of HFU), or None when not counted.
         flops_source: where ``flops`` comes from.
-        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then "n/a").
+        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then
+            "n/a").
         peak_source: where ``peak_flops`` comes from, or why it is unknown.
         param_bytes / optimizer_bytes / model_state_bytes: bytes each device holds (its shards).
-        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave none.
+        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave
+            none.
         device_kind: the devices' ``device_kind``; num_devices: how many run the step.
-        tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted per step
-            from a token-weighted loss's weight, or not at all.
-        unknown_loops: loops in the step whose trip count XLA did not record (counted once: ``flops`` is then a
-            lower bound).
+        tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted
+            per step from a token-weighted loss's weight, or not at all.
+        unknown_loops: loops in the step whose trip count XLA did not record (counted once:
+            ``flops`` is then a lower bound).
         devices: this process's devices (for ``device.memory_stats()``).
-        model_flops: the model's FLOPs per device per step (the basis of MFU): ``flops_per_step=`` / devices,
-            else ``flops`` without recomputation; None when not known.
+        model_flops: the model's FLOPs per device per step (the basis of MFU): ``flops_per_step=`` /
+            devices, else ``flops`` without recomputation; None when not known.
         model_flops_source: where ``model_flops`` comes from.
-        uncosted: custom calls the count could not cost (counted as 0): while any is named, ``flops`` and
-            the utilisations are lower bounds.
-        plan: the train step's `Plan` these figures were read from (None for a hand-built cost, or when the
-            step could not be planned: ``flops_source`` says why).
+        uncosted: custom calls the count could not cost (counted as 0): while any is named,
+            ``flops`` and the utilisations are lower bounds.
+        plan: the train step's `Plan` these figures were read from (None for a hand-built cost, or
+            when the step could not be planned: ``flops_source`` says why).
 
     Examples:
-        >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
+        >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15,
+        ...                 peak_source="given",
         ...                 param_bytes=4, optimizer_bytes=8, model_state_bytes=0, temp_bytes=16,
         ...                 device_kind="cpu", num_devices=1, model_flops=1.5e12)
         >>> cost.hfu(steps_per_sec=100.0), cost.mfu(steps_per_sec=100.0)
@@ -182,9 +193,11 @@ class StepCost:
         Examples:
             >>> import jax, jax.numpy as jnp
             >>> from jaxdist.costs.plan import read_plan
-            >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4))).compile()
+            >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)),
+            ...                                              jnp.ones((8, 4))).compile()
             >>> plan = read_plan(compiled, state_bytes={"params": 32, "batch": 128})
-            >>> cost = StepCost.of_plan(plan, options=CostOptions(peak_flops=1e9), devices=jax.devices()[:1],
+            >>> cost = StepCost.of_plan(plan, options=CostOptions(peak_flops=1e9),
+            ...                         devices=jax.devices()[:1],
             ...                         local_devices=jax.devices()[:1], rows_per_step=8)
             >>> cost.flops, cost.model_flops, cost.param_bytes, cost.hfu(1000.0), cost.plan is plan
             (128.0, 128.0, 32, 0.000128, True)
@@ -194,7 +207,8 @@ class StepCost:
             peak, peak_source = float(options.peak_flops), "peak_flops="
         else:
             row = accelerator_of_device(kind)
-            peak, peak_source = (row.flops, row.source) if row is not None else (None, f"no datasheet peak for {kind}")
+            peak, peak_source = ((row.flops, row.source) if row is not None
+                                 else (None, f"no datasheet peak for {kind}"))
         if options.flops_per_step is not None:
             model, model_source = options.flops_per_step / len(devices), "flops_per_step= / devices"
         elif plan is not None:
@@ -202,7 +216,8 @@ class StepCost:
         else:
             model, model_source = None, "n/a"
         roles = plan.state_bytes if plan is not None else (state_bytes or {})
-        tokens = None if options.tokens_per_example is None else float(options.tokens_per_example * rows_per_step)
+        tokens = (None if options.tokens_per_example is None
+                  else float(options.tokens_per_example * rows_per_step))
         return cls(
             flops=None if plan is None else plan.flops,
             flops_source="program_cost" if plan is not None else f"n/a{f' ({why})' if why else ''}",
@@ -225,33 +240,39 @@ class StepCost:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether the FLOPs (and so HFU and MFU) may fall short: a custom call not costed, or a loop of unknown
-        trip count."""
+        """Whether the FLOPs (and so HFU and MFU) may fall short: a custom call not costed, or a
+        loop of unknown trip count."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
     def hfu(self, steps_per_sec: float) -> float | None:
-        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops`` (None: n/a)."""
+        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops``
+        (None: n/a)."""
         if self.flops is None or self.peak_flops is None:
             return None
         return self.flops * steps_per_sec / self.peak_flops
 
     def mfu(self, steps_per_sec: float) -> float | None:
-        """Model FLOPs utilisation at ``steps_per_sec``: ``model_flops * steps_per_sec / peak_flops`` (None: n/a)."""
+        """Model FLOPs utilisation at ``steps_per_sec``: ``model_flops * steps_per_sec /
+        peak_flops`` (None: n/a)."""
         if self.model_flops is None or self.peak_flops is None:
             return None
         return self.model_flops * steps_per_sec / self.peak_flops
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict[str, float]:
-        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only where known).
+        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only
+        where known).
 
         Args:
             steps: the window's steps; seconds: how long they took.
             loss_weight: the window's summed token-weighted loss weight, or None.
 
         Examples:
-            >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15, peak_source="given",
-            ...                 param_bytes=0, optimizer_bytes=0, model_state_bytes=0, temp_bytes=None,
-            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0, model_flops=1e12)
+            >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15,
+            ...                 peak_source="given",
+            ...                 param_bytes=0, optimizer_bytes=0, model_state_bytes=0,
+            ...                 temp_bytes=None,
+            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0,
+            ...                 model_flops=1e12)
             >>> cost.rates(10, 0.5, None)
             {'tokens_per_sec': 10240.0, 'mfu': 0.02, 'hfu': 0.04}
         """
@@ -270,22 +291,25 @@ class StepCost:
         return out
 
     def summary(self) -> str:
-        """The short line ``fit`` shows at its start: FLOPs and bytes per device (`describe` has every detail).
+        """The short line ``fit`` shows at its start: FLOPs and bytes per device (`describe` has
+        every detail).
 
-        The peak FLOP/s shows only where it is known (MFU and HFU are logged then); "at least" marks FLOPs that
-        are a lower bound (`lower_bound`).
+        The peak FLOP/s shows only where it is known (MFU and HFU are logged then); "at least" marks
+        FLOPs that are a lower bound (`lower_bound`).
 
         Examples:
-            >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None, peak_source="cpu",
-            ...          param_bytes=2048, optimizer_bytes=4096, model_state_bytes=0, temp_bytes=1024,
-            ...          device_kind="cpu", num_devices=8).summary()
+            >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
+            ...          peak_source="cpu",
+            ...          param_bytes=2048, optimizer_bytes=4096, model_state_bytes=0,
+            ...          temp_bytes=1024, device_kind="cpu", num_devices=8).summary()
             'per device: 1.5 GFLOP/step, params 2 KiB, optimizer 4 KiB, temp 1 KiB'
         """
         if self.flops is None:
             parts = ["FLOPs not counted"]
         else:
             parts = [f"{'at least ' if self.lower_bound else ''}{format_flops(self.flops)}/step"]
-        parts += [f"params {format_bytes(self.param_bytes)}", f"optimizer {format_bytes(self.optimizer_bytes)}"]
+        parts += [f"params {format_bytes(self.param_bytes)}",
+                  f"optimizer {format_bytes(self.optimizer_bytes)}"]
         if self.model_state_bytes:
             parts.append(f"model state {format_bytes(self.model_state_bytes)}")
         if self.temp_bytes is not None:
@@ -299,9 +323,12 @@ class StepCost:
 
         Examples:
             >>> line = StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
-            ...                 peak_source="no datasheet peak for cpu", param_bytes=2048, optimizer_bytes=4096,
-            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu", num_devices=8,
-            ...                 model_flops=1.5e9, model_flops_source="program_cost without recomputation",
+            ...                 peak_source="no datasheet peak for cpu", param_bytes=2048,
+            ...                 optimizer_bytes=4096,
+            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu",
+            ...                 num_devices=8,
+            ...                 model_flops=1.5e9,
+            ...                 model_flops_source="program_cost without recomputation",
             ...                 uncosted=("my_kernel (jit(step)/my_kernel)",)).describe()
             >>> print(line.replace("; ", ";\\n").replace(", model", ",\\nmodel"))
             train step per device (8 devices): 1.5 GFLOP executed (program_cost),
@@ -311,18 +338,23 @@ class StepCost:
             peak n/a (no datasheet peak for cpu: MFU and HFU n/a, pass Trainer(peak_flops=...));
             live memory n/a
         """
-        flops = "FLOPs n/a" if self.flops is None else f"{format_flops(self.flops)} executed ({self.flops_source})"
+        flops = ("FLOPs n/a" if self.flops is None
+                 else f"{format_flops(self.flops)} executed ({self.flops_source})")
         if self.model_flops is not None:
             flops += f", model {format_flops(self.model_flops)} ({self.model_flops_source})"
         if self.uncosted:
-            flops += (f"; at least: {len(self.uncosted)} custom call(s) not costed: {', '.join(self.uncosted[:4])}"
+            flops += (f"; at least: {len(self.uncosted)} custom call(s) not costed: "
+                      f"{', '.join(self.uncosted[:4])}"
                       + (", ..." if len(self.uncosted) > 4 else ""))
         if self.unknown_loops:
             flops += f"; at least: {self.unknown_loops} loop(s) of unknown trip count counted once"
-        memory = f"params {format_bytes(self.param_bytes)}, optimizer state {format_bytes(self.optimizer_bytes)}"
+        memory = (f"params {format_bytes(self.param_bytes)}, "
+                  f"optimizer state {format_bytes(self.optimizer_bytes)}")
         if self.model_state_bytes:
             memory += f", model state {format_bytes(self.model_state_bytes)}"
-        memory += f", temporaries {'n/a' if self.temp_bytes is None else format_bytes(self.temp_bytes)}"
+        memory += (
+            f", temporaries {'n/a' if self.temp_bytes is None else format_bytes(self.temp_bytes)}"
+        )
         if self.peak_flops is None:
             peak = f"peak n/a ({self.peak_source}: MFU and HFU n/a, pass Trainer(peak_flops=...))"
         else:
@@ -331,7 +363,8 @@ class StepCost:
         if live:
             parts = [
                 f"{format_bytes(live[k])} {label}"
-                for k, label in (("bytes_in_use", "in use"), ("peak_bytes_in_use", "peak"), ("bytes_limit", "limit"))
+                for k, label in (("bytes_in_use", "in use"), ("peak_bytes_in_use", "peak"),
+                                 ("bytes_limit", "limit"))
                 if k in live
             ]
             live_text = "live memory " + ", ".join(parts)
@@ -352,13 +385,14 @@ def measure_step_cost(
     options: CostOptions,
     rows_per_step: int,
 ) -> StepCost:
-    """The `StepCost` of a compiled train step that was not planned through a strategy: its `Plan` read from
-    the compiled program (`jaxdist.costs.plan.read_plan`), the roles' bytes from ``state``'s layout.
+    """The `StepCost` of a compiled train step that was not planned through a strategy: its `Plan`
+    read from the compiled program (`jaxdist.costs.plan.read_plan`), the roles' bytes from
+    ``state``'s layout.
 
     Args:
         compiled: the compiled step (``jitted.lower(...).compile()``: one optimizer step).
-        state: the `TrainState` (arrays or abstract arrays with shardings): its ``params``, ``opt_state`` and
-            ``model_state`` are counted (`bytes_per_device`).
+        state: the `TrainState` (arrays or abstract arrays with shardings): its ``params``,
+            ``opt_state`` and ``model_state`` are counted (`bytes_per_device`).
         devices: every device the step runs on; local_devices: this process's.
         options: the `CostOptions`.
         rows_per_step: the global batch's rows.
@@ -368,9 +402,11 @@ def measure_step_cost(
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
-        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4))).compile()
+        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)),
+        ...                                              jnp.ones((8, 4))).compile()
         >>> state = jd.training.TrainState(0, {"w": jnp.ones((4, 2))}, (), {}, None)
-        >>> cost = measure_step_cost(compiled, state, devices=jax.devices()[:1], local_devices=jax.devices()[:1],
+        >>> cost = measure_step_cost(compiled, state, devices=jax.devices()[:1],
+        ...                          local_devices=jax.devices()[:1],
         ...                          options=CostOptions(peak_flops=1e9), rows_per_step=8)
         >>> cost.flops, cost.model_flops, cost.param_bytes, cost.hfu(1000.0)
         (128.0, 128.0, 32, 0.000128)
@@ -378,8 +414,10 @@ def measure_step_cost(
     roles = {k: bytes_per_device(getattr(state, k)) for k in ("params", "opt_state", "model_state")}
     try:
         plan = read_plan(compiled, state_bytes=roles)
-    except Exception as error:  # a backend without module text or memory analysis: no count, not a failed fit
+    except Exception as error:
+        # a backend without module text or memory analysis: no count, not a failed fit
         return StepCost.of_plan(None, options=options, devices=devices, local_devices=local_devices,
-                                rows_per_step=rows_per_step, state_bytes=roles, why=f"{type(error).__name__}")
+                                rows_per_step=rows_per_step, state_bytes=roles,
+                                why=f"{type(error).__name__}")
     return StepCost.of_plan(plan, options=options, devices=devices, local_devices=local_devices,
                             rows_per_step=rows_per_step)

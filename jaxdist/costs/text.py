@@ -1,7 +1,9 @@
-"""Reading a compiled module's text (``compiled.as_text()``): its computations, instructions and array types.
+"""Reading a compiled module's text (``compiled.as_text()``): its computations, instructions and
+array types.
 
-The pieces the cost walk (`jaxdist.costs.program`) and the kernel costs (`jaxdist.costs.kernels`) share:
-one parse of the text into computations of instructions, and the shapes and bytes of HLO types.
+The pieces the cost walk (`jaxdist.costs.program`) and the kernel costs (`jaxdist.costs.kernels`)
+share: one parse of the text into computations of instructions, and the shapes and bytes of HLO
+types.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import math
 import re
 from typing import Any
 
-__all__ = ["Instr", "Module", "array_bytes", "arrays", "backend_json", "elements", "op_name", "parse"]
+__all__ = ["Instr", "Module", "array_bytes", "arrays", "backend_json", "elements", "op_name",
+           "parse"]
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _SHAPE = re.compile(r"\b(?P<dtype>pred|token|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
@@ -41,8 +44,8 @@ class Instr:
 
 @dataclasses.dataclass
 class Module:
-    """A parsed module: ``computations`` (name -> instructions), the ``entry`` computation's name, ``types``
-    (value name -> type text) and ``defs`` (value name -> its instruction)."""
+    """A parsed module: ``computations`` (name -> instructions), the ``entry`` computation's name,
+    ``types`` (value name -> type text) and ``defs`` (value name -> its instruction)."""
 
     computations: dict[str, list[Instr]]
     entry: str | None
@@ -65,7 +68,8 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
         [('bf16', (8, 1024)), ('s8', (64,))]
     """
     text = re.sub(r"/\*.*?\*/", "", type_text)
-    return [(m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d)) for m in _SHAPE.finditer(text)]
+    return [(m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d))
+            for m in _SHAPE.finditer(text)]
 
 
 def array_bytes(type_text: str) -> int:
@@ -96,8 +100,9 @@ def op_name(instr: Instr) -> str:
 
 
 def backend_json(instr: Instr) -> dict[str, Any]:
-    """An instruction's ``backend_config`` when it is JSON, else ``{}``: written as JSON (cuBLAS, cuDNN) or as a
-    quoted string holding JSON (a custom call's own config, e.g. Mosaic TPU's ``tpu_custom_call``).
+    """An instruction's ``backend_config`` when it is JSON, else ``{}``: written as JSON (cuBLAS,
+    cuDNN) or as a quoted string holding JSON (a custom call's own config, e.g. Mosaic TPU's
+    ``tpu_custom_call``).
 
     Examples:
         >>> quoted = json.dumps('{"cost_estimate": {"flops": 7}}')  # '"{\\"cost_estimate\\": ...}"'
@@ -175,6 +180,7 @@ def parse(text: str) -> Module:
         if op is None:
             continue
         args, end = _balanced(rest, op.end() - 1)
-        current.append(Instr(m.group("name"), type_text, op.group(1), _OPERAND.findall(args), rest[end:]))
+        current.append(Instr(m.group("name"), type_text, op.group(1), _OPERAND.findall(args),
+                             rest[end:]))
     defs = {i.name: i for instrs in computations.values() for i in instrs}
     return Module(computations, entry, types, defs)

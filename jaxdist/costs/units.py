@@ -1,8 +1,10 @@
-"""Bytes and FLOPs for people: the one byte formatter and the one FLOP formatter of every table and message.
+"""Bytes and FLOPs for people: the one byte formatter and the one FLOP formatter of every table and
+message.
 
-Plans (``str(plan)``), the Trainer's start line (`jaxdist.costs.StepCost`), its logs, `plan_search`'s ranking
-and the layout warnings all print through these two, so a size reads the same everywhere: three significant
-digits, binary prefixes for bytes (``KiB`` = 1024 B), decimal ones for FLOPs (``GFLOP`` = 10^9).
+Plans (``str(plan)``), the Trainer's start line (`jaxdist.costs.StepCost`), its logs,
+`plan_search`'s ranking and the layout warnings all print through these two, so a size reads the
+same everywhere: three significant digits, binary prefixes for bytes (``KiB`` = 1024 B), decimal
+ones for FLOPs (``GFLOP`` = 10^9).
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def format_bytes(n: float) -> str:
 
 
 def format_flops(n: float) -> str:
-    """``n`` floating-point operations in decimal units, three significant digits (append ``/s`` for a rate,
-    ``/step`` for a step's).
+    """``n`` floating-point operations in decimal units, three significant digits (append ``/s`` for
+    a rate, ``/step`` for a step's).
 
     Args:
         n: a number of FLOPs.

@@ -1,4 +1,5 @@
-"""Gradients: cluster tagging carried through `jax.grad`, and gradient synchronizers with compression."""
+"""Gradients: cluster tagging carried through `jax.grad`, and gradient synchronizers with
+compression."""
 
 from jaxdist.gradients.clusters import cluster as cluster
 from jaxdist.gradients.clusters import cluster_of as cluster_of

@@ -1,21 +1,23 @@
 """Gradient clusters: named groups of ops whose gradients are named after the gradient invocation.
 
 ``with cluster("C"):`` puts the ops traced inside into cluster ``C`` by opening the named scope
-``cluster=C``; named scopes travel with every op into the lowered module's metadata, through `jax.grad`.
-``grad`` / ``value_and_grad`` / ``vjp`` give each invocation a gradient uid (``"uid"``, ``"uid_1"``, ... like
-TF's unique names) and trace the differentiation inside the named scope ``gradient=<uid>``.
+``cluster=C``; named scopes travel with every op into the lowered module's metadata, through
+`jax.grad`. ``grad`` / ``value_and_grad`` / ``vjp`` give each invocation a gradient uid (``"uid"``,
+``"uid_1"``, ... like TF's unique names) and trace the differentiation inside the named scope
+``gradient=<uid>``.
 
 `clusters` reads the metadata back. The rule is the one TF used to colocate gradients with
-``outside_compilation`` clusters: the gradient of an op in cluster ``C`` taken in invocation ``u`` belongs to
-cluster ``C.u``; a gradient of that gradient (invocation ``u2``) to ``C.u.u2`` — the uid of the invocation
-that produced an op is always the suffix after the last ``.``. An op is in the backward pass of invocation
-``u`` when the scope right after ``gradient=u`` in its name stack is wrapped in ``transpose(...)``, which is
-how JAX names what it transposes.
+``outside_compilation`` clusters: the gradient of an op in cluster ``C`` taken in invocation ``u``
+belongs to cluster ``C.u``; a gradient of that gradient (invocation ``u2``) to ``C.u.u2`` — the uid
+of the invocation that produced an op is always the suffix after the last ``.``. An op is in the
+backward pass of invocation ``u`` when the scope right after ``gradient=u`` in its name stack is
+wrapped in ``transpose(...)``, which is how JAX names what it transposes.
 
 Plain `jax.grad` works on code with clusters too; its gradient ops just carry no uid.
 
-Any code can tag and read clusters. `jaxdist.tpu.outside_compilation` builds on them: each host region is
-cluster "0", "1", ... of its computation, and its VJP runs as the host region of cluster ``C.uid``.
+Any code can tag and read clusters. `jaxdist.tpu.outside_compilation` builds on them: each host
+region is cluster "0", "1", ... of its computation, and its VJP runs as the host region of cluster
+``C.uid``.
 """
 
 from __future__ import annotations
@@ -67,12 +69,14 @@ def _next_uid() -> str:
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or any(c in name for c in '/()"'):
         raise ValueError(
-            f"name={name!r} is not a valid cluster name: use a non-empty string without '/', '(', ')' or '\"'."
+            f"name={name!r} is not a valid cluster name: use a non-empty string without '/', '(', "
+            "')' or '\"'."
         )
     return name
 
 
-class cluster(contextlib.ContextDecorator):  # lower case: used like a function, as contextlib.contextmanager
+# lower case: used like a function, as contextlib.contextmanager
+class cluster(contextlib.ContextDecorator):
     """Put the ops traced inside into gradient cluster ``name`` (a context manager and a decorator).
 
     Args:
@@ -121,7 +125,8 @@ def current_cluster() -> str | None:
 
 
 def current_gradient_uid() -> str | None:
-    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation being traced (None outside).
+    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation being traced (None
+    outside).
 
     Examples:
         >>> import jaxdist as jd
@@ -132,14 +137,16 @@ def current_gradient_uid() -> str | None:
 
 
 def gradient_cluster(name: str, uid: str | None) -> str:
-    """The cluster that the gradient, taken in invocation ``uid``, of an op in cluster ``name`` belongs to.
+    """The cluster that the gradient, taken in invocation ``uid``, of an op in cluster ``name``
+    belongs to.
 
-    TF's rule: the uid is always the suffix after the last ".". More gradient ops of the same invocation stay
-    in the same cluster; a gradient of a gradient (a new uid) appends its uid. Without a uid (plain
-    `jax.grad`) the gradient stays in ``name``.
+    TF's rule: the uid is always the suffix after the last ".". More gradient ops of the same
+    invocation stay in the same cluster; a gradient of a gradient (a new uid) appends its uid.
+    Without a uid (plain `jax.grad`) the gradient stays in ``name``.
 
     Examples:
-        >>> gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"), gradient_cluster("C.uid", "uid_1")
+        >>> (gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"),
+        ...  gradient_cluster("C.uid", "uid_1"))
         ('C.uid', 'C.uid', 'C.uid.uid_1')
     """
     if uid is None or name.rsplit(".", 1)[-1] == uid:
@@ -158,8 +165,10 @@ def _invocation(uid: str | None = None) -> Iterator[str]:
         state.gradient_uids.pop()
 
 
-def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
-    """`jax.grad` whose every invocation gets a gradient uid, so cluster ``C``'s gradient lands in ``C.uid``.
+def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
+         **kwargs: Any) -> Callable:
+    """`jax.grad` whose every invocation gets a gradient uid, so cluster ``C``'s gradient lands in
+    ``C.uid``.
 
     Takes the arguments of `jax.grad`.
 
@@ -217,7 +226,8 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
 
 
 def _unwrap(component: str) -> tuple[str, bool]:
-    """``transpose(jvp(NAME))`` -> (``NAME``, True): the scope name and whether it was transposed."""
+    """``transpose(jvp(NAME))`` -> (``NAME``, True): the scope name and whether it was
+    transposed."""
     transposed = component.startswith("transpose(")
     while "(" in component and component.endswith(")"):
         head = component.index("(")
@@ -228,12 +238,14 @@ def _unwrap(component: str) -> tuple[str, bool]:
 
 
 def cluster_of(name_stack: str) -> str | None:
-    """The cluster an op belongs to, from its name stack (``jit(f)/gradient=uid/transpose(jvp(cluster=C))/mul``).
+    """The cluster an op belongs to, from its name stack
+    (``jit(f)/gradient=uid/transpose(jvp(cluster=C))/mul``).
 
     Examples:
         >>> cluster_of("jit(f)/gradient=uid/transpose(jvp(cluster=C))/mul")
         'C.uid'
-        >>> cluster_of("jit(f)/gradient=uid/jvp(cluster=C)/sin") is None or cluster_of("jit(f)/jvp(cluster=C)/sin")
+        >>> (cluster_of("jit(f)/gradient=uid/jvp(cluster=C)/sin") is None
+        ...  or cluster_of("jit(f)/jvp(cluster=C)/sin"))
         'C'
     """
     parts = name_stack.split("/")
@@ -248,7 +260,8 @@ def cluster_of(name_stack: str) -> str | None:
     for i, (name, _) in enumerate(unwrapped[:-1]):
         if name.startswith(_GRADIENT) and unwrapped[i + 1][1]:
             backward_uids.append(name[len(_GRADIENT) :])
-    # Innermost invocation first: the first-order gradient's uid, then the uid of the gradient taken of it.
+    # Innermost invocation first: the first-order gradient's uid, then the uid of the gradient taken
+    # of it.
     for uid in reversed(backward_uids):
         base = gradient_cluster(base, uid)
     return base
@@ -258,11 +271,12 @@ def clusters(lowered_or_text: Any) -> dict[str, list[str]]:
     """``{cluster: [op names]}`` read back from a lowered computation's op metadata.
 
     Args:
-        lowered_or_text: a `jax.stages.Lowered` (``jax.jit(f).lower(...)``, ``strategy.jit(f).lower(...)``)
-            or its text with debug info.
+        lowered_or_text: a `jax.stages.Lowered` (``jax.jit(f).lower(...)``,
+            ``strategy.jit(f).lower(...)``) or its text with debug info.
 
     Returns:
-        Each cluster's ops, as their full name stacks (``.../transpose(jvp(cluster=C))/mul``), sorted.
+        Each cluster's ops, as their full name stacks (``.../transpose(jvp(cluster=C))/mul``),
+        sorted.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -279,8 +293,8 @@ def clusters(lowered_or_text: Any) -> dict[str, list[str]]:
         text = lowered_or_text.as_text(debug_info=True)
     else:
         raise TypeError(
-            f"lowered_or_text={type(lowered_or_text).__name__} is neither a lowered computation nor text: pass "
-            "jax.jit(f).lower(*args) or its .as_text(debug_info=True)."
+            f"lowered_or_text={type(lowered_or_text).__name__} is neither a lowered computation "
+            "nor text: pass jax.jit(f).lower(*args) or its .as_text(debug_info=True)."
         )
     out: dict[str, set[str]] = {}
     for stack in _LOC.findall(text):

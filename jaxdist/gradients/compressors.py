@@ -4,18 +4,21 @@ A compressor reduces ONE gradient leaf across the replicas: ``decompress(all_red
 
 * `NoneCompressor`: the plain all-reduce.
 * `CastCompressor`: cast to bfloat16 / float16 before the all-reduce and back after (Horovod's fp16
-  compression; AutoDist's "cast" went to float32 and so saved nothing), with optional error feedback.
-* `PowerSGDCompressor`: rank-r PowerSGD (Vogels et al., 2019): one power iteration per step, Q warm-started
-  from the previous step and the compression error fed back into the next step's gradient. Both are state
-  carried from step to step (AutoDist redrew Q every step and computed an error it never fed back).
+  compression; AutoDist's "cast" went to float32 and so saved nothing), with optional error
+  feedback.
+* `PowerSGDCompressor`: rank-r PowerSGD (Vogels et al., 2019): one power iteration per step, Q
+  warm-started from the previous step and the compression error fed back into the next step's
+  gradient. Both are state carried from step to step (AutoDist redrew Q every step and computed an
+  error it never fed back).
 
-Compressors are stateless configuration objects, optax-style: ``init(leaf, index)`` makes a leaf's state (a
-NamedTuple, or None when there is none) and ``reduce(grad, state, ...)`` returns ``(reduced, new_state)``.
-Use them through `jaxdist.gradients.AllReduceSynchronizer`, which maps them over a gradient pytree.
+Compressors are stateless configuration objects, optax-style: ``init(leaf, index)`` makes a leaf's
+state (a NamedTuple, or None when there is none) and ``reduce(grad, state, ...)`` returns
+``(reduced, new_state)``. Use them through `jaxdist.gradients.AllReduceSynchronizer`, which maps
+them over a gradient pytree.
 
-Collectives run over a named axis (``"replica"`` inside ``strategy.run``). Outside any mapped axis there is
-one replica: the collectives return their input, but the compression still happens, so a single device sees
-exactly what one replica would.
+Collectives run over a named axis (``"replica"`` inside ``strategy.run``). Outside any mapped axis
+there is one replica: the collectives return their input, but the compression still happens, so a
+single device sees exactly what one replica would.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.replicate.collectives import all_reduce, axis_size, is_axis_name, keep_per_replica, to_varying
+from jaxdist.replicate.collectives import (
+    all_reduce,
+    axis_size,
+    is_axis_name,
+    keep_per_replica,
+    to_varying,
+)
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
@@ -46,10 +55,11 @@ _COLLECTIVES = ("auto", "all_reduce", "all_to_all")
 
 
 def replica_count(axis_name: str | None = None) -> int | None:
-    """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else None.
+    """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else
+    None.
 
-    ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``, or the name given
-    with ``run(..., axis_name=...)``).
+    ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``, or the
+    name given with ``run(..., axis_name=...)``).
 
     Examples:
         >>> import jaxdist as jd
@@ -73,15 +83,16 @@ def _all_reduce(x: jax.Array, reduce_op: ReduceOp, axis_name: str) -> jax.Array:
 
 def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:
     if not is_axis_name(axis_name):
-        raise TypeError(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. {REPLICA_AXIS!r}.")
+        raise TypeError(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, "
+                        f"e.g. {REPLICA_AXIS!r}.")
     return ReduceOp.parse(reduce_op, "reduce_op")
 
 
 class Compressor:
     """Base class of the compressors: how one gradient leaf is all-reduced.
 
-    Subclasses implement `reduce` (and `init` when they carry state). See `NoneCompressor` for the smallest
-    one.
+    Subclasses implement `reduce` (and `init` when they carry state). See `NoneCompressor` for the
+    smallest one.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -91,7 +102,8 @@ class Compressor:
     """
 
     def init(self, leaf: Any, index: int) -> Any:
-        """The initial state for a gradient leaf shaped like ``leaf`` (None: this compressor keeps none).
+        """The initial state for a gradient leaf shaped like ``leaf`` (None: this compressor keeps
+        none).
 
         Args:
             leaf: an array (or anything with ``shape`` and ``dtype``) shaped like the gradient.
@@ -104,7 +116,8 @@ class Compressor:
         return None
 
     def reduce(
-        self, grad: jax.Array, state: Any, *, reduce_op: ReduceOp | str = ReduceOp.MEAN, axis_name: str = REPLICA_AXIS
+        self, grad: jax.Array, state: Any, *, reduce_op: ReduceOp | str = ReduceOp.MEAN,
+        axis_name: str = REPLICA_AXIS
     ) -> tuple[jax.Array, Any]:
         """All-reduce ``grad`` (this replica's gradient) across the replicas of ``axis_name``.
 
@@ -115,8 +128,8 @@ class Compressor:
             axis_name: the mapped axis to reduce over.
 
         Returns:
-            ``(reduced, new_state)``: the reduced gradient (identical on every replica) and the state to pass to
-            the next step.
+            ``(reduced, new_state)``: the reduced gradient (identical on every replica) and the
+            state to pass to the next step.
 
         Raises:
             ValueError: for an unknown ``reduce_op``.
@@ -143,11 +156,12 @@ class NoneCompressor(Compressor):
 
 
 class CastState(NamedTuple):
-    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next one.
+    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next
+    one.
 
     Attributes:
-        error: this replica's rounding error, shaped like the gradient (different on every replica: after
-            ``strategy.run`` it is a `jaxdist.PerReplica`).
+        error: this replica's rounding error, shaped like the gradient (different on every replica:
+            after ``strategy.run`` it is a `jaxdist.PerReplica`).
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -164,22 +178,24 @@ def _bits_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
 
 
-def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name: str, n: int) -> jax.Array:
+def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name: str,
+                              n: int) -> jax.Array:
     """A low-precision all-reduce that moves only low-precision bytes on every backend.
 
     XLA:CPU converts every bfloat16/float16 collective to float32 (measured on jax 0.12: all-reduce,
-    reduce-scatter, all-gather and all-to-all alike), which would undo the compression. Integer collectives
-    are left alone, so the payload travels as its bit pattern: a reduce-scatter built from an all-to-all
-    (replica i receives chunk i of everyone's payload and sums it in float32, rounding once) and an
-    all-gather of the reduced chunks. Each replica sends (n-1)/n of the payload twice, exactly what a ring
-    all-reduce sends, at half the width.
+    reduce-scatter, all-gather and all-to-all alike), which would undo the compression. Integer
+    collectives are left alone, so the payload travels as its bit pattern: a reduce-scatter built
+    from an all-to-all (replica i receives chunk i of everyone's payload and sums it in float32,
+    rounding once) and an all-gather of the reduced chunks. Each replica sends (n-1)/n of the
+    payload twice, exactly what a ring all-reduce sends, at half the width.
     """
     shape, dtype, size = payload.shape, payload.dtype, payload.size
     bits = _bits_dtype(dtype)
     chunk = -(-size // n)
     flat = jnp.pad(payload.reshape(-1), (0, chunk * n - size)).reshape(n, chunk)
     flat = _varying(jax.lax.bitcast_convert_type(flat, bits), axis_name)
-    mine = jax.lax.all_to_all(flat, axis_name, 0, 0, tiled=True)  # row j: replica j's chunk of my slice
+    # row j: replica j's chunk of my slice
+    mine = jax.lax.all_to_all(flat, axis_name, 0, 0, tiled=True)
     part = jax.lax.bitcast_convert_type(mine, dtype).astype(jnp.float32).sum(0)
     if reduce_op is ReduceOp.MEAN:
         part = part / n
@@ -189,44 +205,51 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
 
 
 class CastCompressor(Compressor):
-    """Cast to a 16-bit float for the all-reduce, back after: half the bytes of a float32 all-reduce.
+    """Cast to a 16-bit float for the all-reduce, back after: half the bytes of a float32
+    all-reduce.
 
-    Only floating leaves wider than ``dtype`` are cast; others (already bfloat16, integers) take the plain
-    all-reduce. With ``error_feedback=True`` the rounding error of each step is added to the next step's
-    gradient (state: `CastState`, per replica).
+    Only floating leaves wider than ``dtype`` are cast; others (already bfloat16, integers) take the
+    plain all-reduce. With ``error_feedback=True`` the rounding error of each step is added to the
+    next step's gradient (state: `CastState`, per replica).
 
     Args:
         dtype: the wire dtype, ``jnp.bfloat16`` (default) or ``jnp.float16`` (or a narrower float).
         error_feedback: carry the rounding error from step to step (off by default, as in Horovod).
         collective: ``"all_reduce"``: a ``psum`` in ``dtype`` (what GPUs and TPUs run natively);
-            ``"all_to_all"``: a reduce-scatter made of an all-to-all of the bit patterns plus an all-gather,
-            summed in float32 locally (the only way to move 16-bit payloads on XLA:CPU, which converts 16-bit
-            float collectives to float32); ``"auto"`` (default): ``"all_to_all"`` when JAX's default backend
-            is the CPU, else ``"all_reduce"``.
+            ``"all_to_all"``: a reduce-scatter made of an all-to-all of the bit patterns plus an
+            all-gather, summed in float32 locally (the only way to move 16-bit payloads on XLA:CPU,
+            which converts 16-bit float collectives to float32); ``"auto"`` (default):
+            ``"all_to_all"`` when JAX's default backend is the CPU, else ``"all_reduce"``.
 
     Raises:
-        ValueError: for a ``dtype`` that is not a float of at most 16 bits (casting to float32 saves nothing)
-            or an unknown ``collective``.
+        ValueError: for a ``dtype`` that is not a float of at most 16 bits (casting to float32 saves
+            nothing) or an unknown ``collective``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> out, _ = jd.gradients.CastCompressor(jnp.bfloat16).reduce(jnp.float32(1.0 + 2**-10), None)
+        >>> out, _ = jd.gradients.CastCompressor(jnp.bfloat16).reduce(jnp.float32(1.0 + 2**-10),
+        ...                                                           None)
         >>> float(out)   # rounded to bfloat16 on the way
         1.0
     """
 
-    def __init__(self, dtype: Any = jnp.bfloat16, *, error_feedback: bool = False, collective: str = "auto"):
+    def __init__(self, dtype: Any = jnp.bfloat16, *, error_feedback: bool = False,
+                 collective: str = "auto"):
         try:
             wire = np.dtype(dtype)
         except TypeError as e:
-            raise ValueError(f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16.") from e
+            raise ValueError(
+                f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16."
+            ) from e
         if not jnp.issubdtype(wire, jnp.floating) or wire.itemsize > 2:
             raise ValueError(
-                f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must narrow the "
-                "gradients to save bytes (a cast to float32 compresses nothing); use jnp.bfloat16 or jnp.float16."
+                f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must "
+                "narrow the gradients to save bytes (a cast to float32 compresses nothing); use "
+                "jnp.bfloat16 or jnp.float16."
             )
         if collective not in _COLLECTIVES:
-            raise ValueError(f"collective={collective!r} is not one of {', '.join(map(repr, _COLLECTIVES))}.")
+            raise ValueError(f"collective={collective!r} is not one of "
+                             f"{', '.join(map(repr, _COLLECTIVES))}.")
         self.dtype = wire
         self.error_feedback = bool(error_feedback)
         self.collective = collective
@@ -256,7 +279,8 @@ class CastCompressor(Compressor):
             return _all_reduce(grad, op, axis_name), state
         m = grad if state is None else grad + state.error
         payload = m.astype(self.dtype)  # compress
-        new_state = None if state is None else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name))
+        new_state = (None if state is None
+                     else CastState(keep_per_replica(m - payload.astype(m.dtype), axis_name)))
         n = replica_count(axis_name)
         collective = self.collective
         if collective == "auto":
@@ -280,10 +304,11 @@ class PowerSGDState(NamedTuple):
     """State of `PowerSGDCompressor` for one matrix leaf, carried from step to step.
 
     Attributes:
-        q: the ``(cols, rank)`` right factor of the last step, the warm start of the next power iteration;
-            identical on every replica (mirrored after ``strategy.run``).
-        error: this replica's residual ``M - P Qᵀ``, shaped like the gradient, added to the next gradient
-            (error feedback); different on every replica (a `jaxdist.PerReplica` after ``strategy.run``).
+        q: the ``(cols, rank)`` right factor of the last step, the warm start of the next power
+            iteration; identical on every replica (mirrored after ``strategy.run``).
+        error: this replica's residual ``M - P Qᵀ``, shaped like the gradient, added to the next
+            gradient (error feedback); different on every replica (a `jaxdist.PerReplica` after
+            ``strategy.run``).
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -308,14 +333,16 @@ class PowerSGDCompressor(Compressor):
         result = P Qᵀ              # ≈ mean of the replicas' M, rank ``rank``
         error = M - P Qᵀ           # kept locally;  Q kept as the next step's warm start
 
-    so each replica sends ``(rows + cols) * rank`` numbers instead of ``rows * cols``. A leaf of rank > 2 is
-    viewed as ``(prod(shape[:-1]), shape[-1])`` (features last, as Flax lays out Dense and Conv kernels).
-    Vectors, scalars, matrices with a dimension of 1, non-float leaves, and matrices too small to gain
-    (``(rows + cols) * rank >= rows * cols``) take the plain all-reduce and keep no state.
+    so each replica sends ``(rows + cols) * rank`` numbers instead of ``rows * cols``. A leaf of
+    rank > 2 is viewed as ``(prod(shape[:-1]), shape[-1])`` (features last, as Flax lays out Dense
+    and Conv kernels). Vectors, scalars, matrices with a dimension of 1, non-float leaves, and
+    matrices too small to gain (``(rows + cols) * rank >= rows * cols``) take the plain all-reduce
+    and keep no state.
 
     Args:
         rank: the rank of the approximation (capped at ``min(rows, cols)``).
-        seed: seeds the initial Q (drawn once, in `init`; leaf ``i`` uses ``fold_in(key(seed), i)``).
+        seed: seeds the initial Q (drawn once, in `init`; leaf ``i`` uses ``fold_in(key(seed),
+            i)``).
 
     Raises:
         ValueError: when ``rank`` is not a positive int.
@@ -323,7 +350,8 @@ class PowerSGDCompressor(Compressor):
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> c = jd.gradients.PowerSGDCompressor(rank=1)
-        >>> g = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(6))      # a rank-1 gradient: recovered exactly
+        >>> # a rank-1 gradient: recovered exactly
+        >>> g = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(6))
         >>> out, state = c.reduce(g, c.init(g, 0))
         >>> bool(jnp.allclose(out, g, atol=1e-5)), state.q.shape
         (True, (6, 1))
@@ -338,7 +366,8 @@ class PowerSGDCompressor(Compressor):
         self.seed = int(seed)
 
     def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """``(rows, cols, rank)`` of the matrix a leaf of this shape is compressed as; None: plain all-reduce.
+        """``(rows, cols, rank)`` of the matrix a leaf of this shape is compressed as; None: plain
+        all-reduce.
 
         Examples:
             >>> import jaxdist as jd
@@ -365,7 +394,8 @@ class PowerSGDCompressor(Compressor):
             return None
         _, cols, rank = plan
         dtype = jnp.promote_types(leaf.dtype, jnp.float32)
-        q = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), index), (cols, rank), dtype)
+        q = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), index), (cols, rank),
+                              dtype)
         return PowerSGDState(q=q, error=jnp.zeros_like(leaf, dtype))  # varying like leaf
 
     def reduce(self, grad, state, *, reduce_op=ReduceOp.MEAN, axis_name=REPLICA_AXIS):
@@ -376,8 +406,9 @@ class PowerSGDCompressor(Compressor):
             return _all_reduce(grad, op, axis_name), state
         if not isinstance(state, PowerSGDState):
             raise ValueError(
-                f"state={state!r} is not the PowerSGDState of a {grad.shape} gradient: make the state with "
-                "init() on a tree shaped like the gradients and pass each step's new state to the next."
+                f"state={state!r} is not the PowerSGDState of a {grad.shape} gradient: make the "
+                "state with init() on a tree shaped like the gradients and pass each step's new "
+                "state to the next."
             )
         rows, cols, _ = plan
         m = grad.reshape(rows, cols).astype(state.error.dtype) + state.error.reshape(rows, cols)
@@ -385,10 +416,13 @@ class PowerSGDCompressor(Compressor):
         p, _ = jnp.linalg.qr(p)
         q = _all_reduce(m.T @ p, ReduceOp.MEAN, axis_name)
         approx = p @ q.T
-        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)  # each replica's own residual
+        # each replica's own residual
+        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)
         if op is ReduceOp.SUM:
             approx = approx * (replica_count(axis_name) or 1)
-        return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(q=q.astype(state.q.dtype), error=error)
+        return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(
+            q=q.astype(state.q.dtype), error=error
+        )
 
     def __repr__(self) -> str:
         return f"PowerSGDCompressor(rank={self.rank}, seed={self.seed})"

@@ -1,17 +1,19 @@
-"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the whole table.
+"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the whole
+table.
 
-The gradient of an embedding lookup ``table[ids]`` is zero except in the rows ``ids`` touched. A dense
-all-reduce sends the whole table; gathering every replica's ``(indices, rows)`` sends
-``num_replicas * k * (row_bytes + index_bytes)``, far less when few rows are touched. JAX shapes are static,
-so a `SparseRows` has a fixed number ``k`` of rows (one per looked-up id, repeats allowed: they are summed),
-exactly what the gradient with respect to the lookup's output gives::
+The gradient of an embedding lookup ``table[ids]`` is zero except in the rows ``ids`` touched. A
+dense all-reduce sends the whole table; gathering every replica's ``(indices, rows)`` sends
+``num_replicas * k * (row_bytes + index_bytes)``, far less when few rows are touched. JAX shapes are
+static, so a `SparseRows` has a fixed number ``k`` of rows (one per looked-up id, repeats allowed:
+they are summed), exactly what the gradient with respect to the lookup's output gives::
 
     rows = table[ids]                                  # ids: (batch, seq) int
     row_grads = jax.grad(lambda r: loss_of_rows(r, batch))(rows)
     grad = SparseRows(ids.reshape(-1), row_grads.reshape(-1, dim), num_rows=table.shape[0])
 
-`sparse_all_reduce` picks the all-gather when it moves fewer bytes than the dense all-reduce (the choice is
-static: it depends on shapes only) and returns the dense reduced gradient, ready for any optax optimizer.
+`sparse_all_reduce` picks the all-gather when it moves fewer bytes than the dense all-reduce (the
+choice is static: it depends on shapes only) and returns the dense reduced gradient, ready for any
+optax optimizer.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ _METHODS = ("auto", "all_gather", "dense")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SparseRows:
-    """A gradient that is zero outside some rows: ``dense[indices[i]] += values[i]`` (TF's IndexedSlices).
+    """A gradient that is zero outside some rows: ``dense[indices[i]] += values[i]`` (TF's
+    IndexedSlices).
 
     Attributes:
         indices: ``(k,)`` integer row ids, repeats allowed (their rows add up).
@@ -77,28 +80,33 @@ def is_sparse(x: Any) -> bool:
 
 def _check(grad: Any) -> None:
     if not isinstance(grad, SparseRows):
-        raise TypeError(f"grad={type(grad).__name__} is not a SparseRows: build one with SparseRows(indices, rows, "
-                        "num_rows), or all-reduce dense gradients with AllReduceSynchronizer.")
+        raise TypeError(f"grad={type(grad).__name__} is not a SparseRows: build one with "
+                        "SparseRows(indices, rows, num_rows), or all-reduce dense gradients with "
+                        "AllReduceSynchronizer.")
     idx, values = grad.indices, grad.values
     if np.ndim(idx) != 1 or not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
         raise ValueError(
-            f"SparseRows.indices has shape {np.shape(idx)} and dtype {jnp.result_type(idx)}: it must be a 1-D "
-            "integer array of row ids (flatten the ids: ids.reshape(-1))."
+            f"SparseRows.indices has shape {np.shape(idx)} and dtype {jnp.result_type(idx)}: it "
+            "must be a 1-D integer array of row ids (flatten the ids: ids.reshape(-1))."
         )
     if np.ndim(values) < 1 or np.shape(values)[0] != np.shape(idx)[0]:
         raise ValueError(
-            f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it needs one row per "
-            "index, shape (k, *row_shape) (reshape the row gradients to (-1, dim))."
+            f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it "
+            "needs one row per index, shape (k, *row_shape) (reshape the row gradients to (-1, "
+            "dim))."
         )
-    if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows, (int, np.integer)) or grad.num_rows < 1:
-        raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the table's row count).")
+    if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows,
+                                                         (int, np.integer)) or grad.num_rows < 1:
+        raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the "
+                         "table's row count).")
 
 
 def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
-    """Whether gathering every replica's rows moves fewer bytes than all-reducing the dense gradient.
+    """Whether gathering every replica's rows moves fewer bytes than all-reducing the dense
+    gradient.
 
-    The rule: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica receives and
-    scatters, against the dense table).
+    The rule: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica
+    receives and scatters, against the dense table).
 
     Args:
         grad: this replica's `SparseRows`.
@@ -109,8 +117,10 @@ def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> big = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)), num_rows=10_000)
-        >>> small = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)), num_rows=100)
+        >>> big = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
+        ...                               num_rows=10_000)
+        >>> small = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
+        ...                                 num_rows=100)
         >>> jd.gradients.all_gather_is_cheaper(big, 8), jd.gradients.all_gather_is_cheaper(small, 8)
         (True, False)
     """
@@ -135,8 +145,8 @@ def sparse_all_reduce(
         grad: this replica's `SparseRows`.
         reduce_op: MEAN (default) or SUM.
         method: ``"all_gather"`` (gather every replica's indices and rows, scatter-add locally),
-            ``"dense"`` (scatter locally, all-reduce the dense table), or ``"auto"`` (default): the all-gather
-            when `all_gather_is_cheaper`.
+            ``"dense"`` (scatter locally, all-reduce the dense table), or ``"auto"`` (default): the
+            all-gather when `all_gather_is_cheaper`.
         axis_name: the mapped axis (``"replica"`` inside ``strategy.run``); unbound: one replica.
 
     Returns:
@@ -169,7 +179,8 @@ def sparse_all_reduce(
         return _all_reduce(grad.to_dense(), op, axis_name)
 
     def gather(x):
-        return jax.lax.all_gather(_varying(jnp.asarray(x), axis_name), axis_name, axis=0, tiled=True, to="invarying")
+        return jax.lax.all_gather(_varying(jnp.asarray(x), axis_name), axis_name, axis=0,
+                                  tiled=True, to="invarying")
 
     dense = SparseRows(gather(grad.indices), gather(grad.values), grad.num_rows).to_dense()
     return dense / n if op is ReduceOp.MEAN else dense

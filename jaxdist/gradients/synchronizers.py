@@ -1,28 +1,32 @@
-"""`AllReduceSynchronizer`: the gradient all-reduce of a replica function, with a pluggable compressor.
+"""`AllReduceSynchronizer`: the gradient all-reduce of a replica function, with a pluggable
+compressor.
 
 AutoDist's synchronizers rewrote a TF graph to put a collective after every gradient. In jaxdist the
-replica function is already explicit (``strategy.run``), so a synchronizer is a pure function object used
-inside it, optax-style::
+replica function is already explicit (``strategy.run``), so a synchronizer is a pure function object
+used inside it, optax-style::
 
     sync = jd.gradients.AllReduceSynchronizer(jd.gradients.PowerSGDCompressor(rank=4))
-    sync_state = strategy.run(sync.init, args=(params,))        # Q mirrored, error feedback per replica
+    # Q mirrored, error feedback per replica
+    sync_state = strategy.run(sync.init, args=(params,))
 
     def replica_fn(params, sync_state, batch):
-        grads = jax.grad(loss)(params, batch)                    # local gradients
-        grads, sync_state = sync.all_reduce(grads, sync_state)   # the global mean, compressed on the wire
+        grads = jax.grad(loss)(params, batch)  # local gradients
+        # the global mean, compressed on the wire
+        grads, sync_state = sync.all_reduce(grads, sync_state)
         return grads, sync_state
 
     grads, sync_state = strategy.run(replica_fn, args=(params, sync_state, batch))
 
-State that is identical on every replica (PowerSGD's Q) comes back from ``run`` mirrored; state that differs
-(the error-feedback residuals) comes back as `jaxdist.PerReplica`, and passing it back into ``run`` gives each
-replica its own component again. ``sync.init(params)`` called outside ``run`` works too (the first step then
-sees the zero residuals as mirrored values, a different signature, so ``run`` compiles once more on step 2).
+State that is identical on every replica (PowerSGD's Q) comes back from ``run`` mirrored; state that
+differs (the error-feedback residuals) comes back as `jaxdist.PerReplica`, and passing it back into
+``run`` gives each replica its own component again. ``sync.init(params)`` called outside ``run``
+works too (the first step then sees the zero residuals as mirrored values, a different signature, so
+``run`` compiles once more on step 2).
 
-Leaves that are `SparseRows` (embedding gradients) are reduced by `sparse_all_reduce` (an all-gather of the
-touched rows when that moves fewer bytes), uncompressed, and come back dense. They keep no state: state that
-``init(params)`` made for the dense table is dropped on the first step (so ``run`` compiles once more on
-step 2); ``init`` on a tree with the `SparseRows` in place avoids that.
+Leaves that are `SparseRows` (embedding gradients) are reduced by `sparse_all_reduce` (an all-gather
+of the touched rows when that moves fewer bytes), uncompressed, and come back dense. They keep no
+state: state that ``init(params)`` made for the dense table is dropped on the first step (so ``run``
+compiles once more on step 2); ``init`` on a tree with the `SparseRows` in place avoids that.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ class SynchronizerState(NamedTuple):
     """The state an `AllReduceSynchronizer` carries from step to step.
 
     Attributes:
-        leaves: one compressor state per gradient leaf, in the gradients' tree structure (None where the
-            compressor keeps none, e.g. every leaf of `NoneCompressor`, or PowerSGD's vectors).
+        leaves: one compressor state per gradient leaf, in the gradients' tree structure (None where
+            the compressor keeps none, e.g. every leaf of `NoneCompressor`, or PowerSGD's vectors).
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -58,13 +62,16 @@ class SynchronizerState(NamedTuple):
 
 
 class AllReduceSynchronizer:
-    """All-reduce a gradient pytree across replicas inside ``strategy.run``, compressing each leaf on the wire.
+    """All-reduce a gradient pytree across replicas inside ``strategy.run``, compressing each leaf
+    on the wire.
 
     Args:
-        compressor: a `Compressor`: `NoneCompressor` (default), `CastCompressor` or `PowerSGDCompressor`.
+        compressor: a `Compressor`: `NoneCompressor` (default), `CastCompressor` or
+            `PowerSGDCompressor`.
         reduce_op: MEAN (default, the global-batch gradient) or SUM.
-        axis_name: the mesh axis to reduce over; None (default): the replica axis of the ``strategy.run`` being
-            traced (``"replica"``, or the name given with ``run(..., axis_name=...)``).
+        axis_name: the mesh axis to reduce over; None (default): the replica axis of the
+            ``strategy.run`` being traced (``"replica"``, or the name given with ``run(...,
+            axis_name=...)``).
 
     Raises:
         TypeError: when ``compressor`` is not a `Compressor` or ``axis_name`` is not a string.
@@ -81,7 +88,8 @@ class AllReduceSynchronizer:
         ...     return sync.all_reduce(grads, state)
         >>> x = strategy.experimental_distribute_values(jnp.ones((16, 8)))
         >>> grads, state = strategy.run(replica_fn, args=(params, state, x))
-        >>> type(state.leaves["w"].q).__name__, type(state.leaves["w"].error).__name__, state.leaves["b"]
+        >>> (type(state.leaves["w"].q).__name__, type(state.leaves["w"].error).__name__,
+        ...  state.leaves["b"])
         ('ArrayImpl', 'PerReplica', None)
     """
 
@@ -95,12 +103,14 @@ class AllReduceSynchronizer:
         compressor = NoneCompressor() if compressor is None else compressor
         if not isinstance(compressor, Compressor):
             raise TypeError(
-                f"compressor={compressor!r} (type {type(compressor).__name__}) is not a Compressor: use "
-                "NoneCompressor(), CastCompressor(jnp.bfloat16) or PowerSGDCompressor(rank=4)."
+                f"compressor={compressor!r} (type {type(compressor).__name__}) is not a "
+                "Compressor: use NoneCompressor(), CastCompressor(jnp.bfloat16) or "
+                "PowerSGDCompressor(rank=4)."
             )
         if axis_name is not None and not is_axis_name(axis_name):
             raise TypeError(
-                f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. {REPLICA_AXIS!r}."
+                f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. "
+                f"{REPLICA_AXIS!r}."
             )
         self.compressor = compressor
         self.reduce_op = ReduceOp.parse(reduce_op, "reduce_op")
@@ -109,8 +119,9 @@ class AllReduceSynchronizer:
     def init(self, tree: Any) -> SynchronizerState:
         """The initial state for gradients shaped like ``tree`` (the params, or a gradient pytree).
 
-        Call it inside ``strategy.run`` (``strategy.run(sync.init, args=(params,))``) to get the steady-state
-        layout at once: the parts identical on every replica mirrored, the per-replica parts `PerReplica`.
+        Call it inside ``strategy.run`` (``strategy.run(sync.init, args=(params,))``) to get the
+        steady-state layout at once: the parts identical on every replica mirrored, the per-replica
+        parts `PerReplica`.
 
         Args:
             tree: a pytree of arrays shaped like the gradients (`SparseRows` leaves get no state).
@@ -135,15 +146,16 @@ class AllReduceSynchronizer:
     def all_reduce(self, grads: Any, state: SynchronizerState) -> tuple[Any, SynchronizerState]:
         """Reduce this replica's gradients across the replicas (inside ``strategy.run``).
 
-        Outside any replica function there is one replica: compression still applies, no collective runs.
+        Outside any replica function there is one replica: compression still applies, no collective
+        runs.
 
         Args:
             grads: this replica's gradient pytree (dense arrays and `SparseRows`).
             state: the `SynchronizerState` from `init` or the previous step.
 
         Returns:
-            ``(reduced, new_state)``: the reduced gradients, identical on every replica (`SparseRows` come back
-            dense), and the state for the next step.
+            ``(reduced, new_state)``: the reduced gradients, identical on every replica
+            (`SparseRows` come back dense), and the state for the next step.
 
         Raises:
             TypeError: when ``state`` is not a `SynchronizerState`.
@@ -168,9 +180,10 @@ class AllReduceSynchronizer:
             leaf_states = treedef.flatten_up_to(state.leaves)
         except (ValueError, TypeError) as e:
             raise ValueError(
-                f"state was made for a tree of structure {jax.tree.structure(state.leaves, is_leaf=_is_state)} "
-                f"but the gradients have structure {treedef}: make the state with sync.init on a tree shaped like "
-                "the gradients (e.g. the params)."
+                "state was made for a tree of structure "
+                f"{jax.tree.structure(state.leaves, is_leaf=_is_state)} but the gradients have "
+                f"structure {treedef}: make the state with sync.init on a tree shaped like the "
+                "gradients (e.g. the params)."
             ) from e
         axis = self.axis_name or replica_axis(REPLICA_AXIS)
         reduced, new_states = [], []
@@ -184,7 +197,9 @@ class AllReduceSynchronizer:
             )
             reduced.append(out)
             new_states.append(leaf_state)
-        return jax.tree.unflatten(treedef, reduced), SynchronizerState(jax.tree.unflatten(treedef, new_states))
+        return jax.tree.unflatten(treedef, reduced), SynchronizerState(
+            jax.tree.unflatten(treedef, new_states)
+        )
 
     def __repr__(self) -> str:
         return (

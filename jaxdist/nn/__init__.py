@@ -1,4 +1,5 @@
-"""Layers that need the strategy's mesh: context-parallel attention, pipelines and mixtures of experts.
+"""Layers that need the strategy's mesh: context-parallel attention, pipelines and mixtures of
+experts.
 
 Examples:
     >>> import jaxdist as jd
@@ -18,5 +19,5 @@ from jaxdist.nn.moe import update_router_bias as update_router_bias
 from jaxdist.nn.pipeline import Pipeline as Pipeline
 from jaxdist.nn.pipeline import bubble_fraction as bubble_fraction
 
-__all__ = ["MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts", "moe_loss", "nnx",
-           "update_router_bias"]
+__all__ = ["MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts",
+           "moe_loss", "nnx", "update_router_bias"]

@@ -1,43 +1,49 @@
-"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load balancing.
+"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load
+balancing.
 
-A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``) splits a
-batch's sequence dimension over them. Attention is the one layer where a token needs every other token:
-`dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two ways:
+A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``)
+splits a batch's sequence dimension over them. Attention is the one layer where a token needs every
+other token: `dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two
+ways:
 
-* ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the whole
-  sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters their gradients),
-  then folds them in one ``(L / N)``-long block at a time. Memory per device: K/V of the whole sequence. One
-  collective per attention call: the fast choice while K/V fit (few KV heads, moderate L).
-* ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of context
-  devices (`jax.lax.ppermute`), folding in each block as it arrives; the next block's transfer is independent
-  of the current block's compute, so XLA can overlap them. Memory per device: two K/V blocks in flight
-  (autodiff keeps each block seen for the backward pass). N - 1 transfers per call: the choice when
-  whole-sequence K/V do not fit, or the interconnect is a ring.
+* ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the
+  whole sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters
+  their gradients), then folds them in one ``(L / N)``-long block at a time. Memory per device: K/V
+  of the whole sequence. One collective per attention call: the fast choice while K/V fit (few KV
+  heads, moderate L).
+* ``context="ring"``: each device keeps its queries and passes its K/V block around the ring of
+  context devices (`jax.lax.ppermute`), folding in each block as it arrives; the next block's
+  transfer is independent of the current block's compute, so XLA can overlap them. Memory per
+  device: two K/V blocks in flight (autodiff keeps each block seen for the backward pass). N - 1
+  transfers per call: the choice when whole-sequence K/V do not fit, or the interconnect is a ring.
 
-Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)`` score
-block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the attention's
-activation memory stays ``O(L / N)`` per device; blocks that a causal mask hides entirely are skipped.
+Both accumulate the output with an online softmax (flash-attention style), one ``(L / 2N, L / 2N)``
+score block at a time, each block rematerialised in the backward pass (`jax.checkpoint`), so the
+attention's activation memory stays ``O(L / N)`` per device; blocks that a causal mask hides
+entirely are skipped.
 
-Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions. With a
-causal mask, the devices holding the start of the sequence have less to compute than those holding its end;
-``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i`` holding chunks
-``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts the output back in the
-original order: transparent to the model, labels and loss.
+Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions.
+With a causal mask, the devices holding the start of the sequence have less to compute than those
+holding its end; ``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i``
+holding chunks ``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts
+the output back in the original order: transparent to the model, labels and loss.
 
-Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the same
-function computes plain attention with the same formula, so a model equals itself on one device.
+Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the
+same function computes plain attention with the same formula, so a model equals itself on one
+device.
 
-Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the all-gather's
-blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with ``implementation="cudnn"``;
-8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is `jax.nn.dot_product_attention`'s XLA kernel;
-the einsums above run everywhere and are the ring's kernel: a ring step's partial result is combined through
-its softmax statistics, whose gradient the fused kernels do not give. The kernel runs in a named scope
-(`jaxdist.costs.scopes`), so `jaxdist.Plan.attention` reports what a compiled step runs.
+Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the
+all-gather's blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with
+``implementation="cudnn"``; 8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is
+`jax.nn.dot_product_attention`'s XLA kernel; the einsums above run everywhere and are the ring's
+kernel: a ring step's partial result is combined through its softmax statistics, whose gradient the
+fused kernels do not give. The kernel runs in a named scope (`jaxdist.costs.scopes`), so
+`jaxdist.Plan.attention` reports what a compiled step runs.
 
-Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by ``mask``
-(True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same segment: packed
-sequences); the softmax runs in at least float32; a query that may attend to no key at all (a padding
-position) gets zeros.
+Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by
+``mask`` (True: attend), ``causal`` (query position >= key position) and ``segment_ids`` (same
+segment: packed sequences); the softmax runs in at least float32; a query that may attend to no key
+at all (a padding position) gets zeros.
 """
 
 from __future__ import annotations
@@ -64,11 +70,11 @@ __all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 
 _MODES = ("all_gather", "ring")
 IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "tokamax")
-"""What computes each attention block: ``"einsum"`` (jaxdist's blockwise online softmax, every backend),
-``"xla"`` (`jax.nn.dot_product_attention` with ``implementation="xla"``, every backend), ``"cudnn"``
-(`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash attention, NVIDIA GPUs),
-``"tokamax"`` (``tokamax.dot_product_attention``: Pallas flash attention for GPUs and TPUs, its XLA one
-elsewhere; the optional extra ``jaxdist[tokamax]``)."""
+"""What computes each attention block: ``"einsum"`` (jaxdist's blockwise online softmax, every
+backend), ``"xla"`` (`jax.nn.dot_product_attention` with ``implementation="xla"``, every backend),
+``"cudnn"`` (`jax.nn.dot_product_attention` with ``implementation="cudnn"``: cuDNN's fused flash
+attention, NVIDIA GPUs), ``"tokamax"`` (``tokamax.dot_product_attention``: Pallas flash attention
+for GPUs and TPUs, its XLA one elsewhere; the optional extra ``jaxdist[tokamax]``)."""
 _FUSED = ("xla", "cudnn", "tokamax")
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 _UNROLL = 8  # ring steps unrolled up to this many (a longer ring stays a loop)
@@ -102,39 +108,42 @@ def dot_product_attention(
 ) -> jax.Array:
     """Dot-product attention that is correct and cheap on a sequence split over context axes.
 
-    A drop-in Flax ``attention_fn`` (linen ``nn.MultiHeadDotProductAttention`` / ``nn.SelfAttention``, nnx
-    ``nnx.MultiHeadAttention``): ``functools.partial(jd.nn.dot_product_attention, causal=True,
-    context="ring")``. Inside ``strategy.jit`` of a strategy with context axes it runs the context-parallel
-    algorithm ``context`` names (see the module doc); anywhere else it is plain attention.
+    A drop-in Flax ``attention_fn`` (linen ``nn.MultiHeadDotProductAttention`` /
+    ``nn.SelfAttention``, nnx ``nnx.MultiHeadAttention``):
+    ``functools.partial(jd.nn.dot_product_attention, causal=True, context="ring")``. Inside
+    ``strategy.jit`` of a strategy with context axes it runs the context-parallel algorithm
+    ``context`` names (see the module doc); anywhere else it is plain attention.
 
     Args:
-        query: ``(batch, q_length, heads, head_dim)`` (Flax's layout; off a context axis any leading batch
-            dimensions).
+        query: ``(batch, q_length, heads, head_dim)`` (Flax's layout; off a context axis any leading
+            batch dimensions).
         key: ``(batch, kv_length, heads, head_dim)``.
         value: ``(batch, kv_length, heads, v_dim)``.
         bias: added to the scores; broadcastable to ``(batch, heads, q_length, kv_length)``.
         mask: True where a query may attend to a key; broadcastable to ``(batch, heads, q_length,
             kv_length)`` (padding masks, Flax's ``make_attention_mask``).
-        causal: a query attends only to keys at or before its position (never materialised as ``(L, L)``).
-        segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment (packed
-            sequences).
-        context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there (XLA
-            gathers the sequence; for comparison).
-        load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every context
-            device does the same work (two collective permutes each way; the output comes back in the
-            original order).
-        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused flash
-            attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16, head_dim a
-            multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA implementation),
-            ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra ``jaxdist[tokamax]`` is
-            installed) or ``"einsum"`` (jaxdist's blockwise online softmax). None: where a fused kernel serves
-            the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``), cuDNN on an
-            NVIDIA GPU (float16/bfloat16) and tokamax on a TPU where it is installed; the einsums elsewhere.
-            With ``context="all_gather"`` a fused kernel computes the local queries against the gathered keys
-            in one call (its mask, ``(local q, L)``, built from token positions); ring steps need each block's
-            softmax statistics with their gradient, which the fused kernels do not give
-            (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under cuDNN): the ring
-            runs the einsums. The choice shows in `jaxdist.Plan.attention`.
+        causal: a query attends only to keys at or before its position (never materialised as ``(L,
+            L)``).
+        segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment
+            (packed sequences).
+        context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there
+            (XLA gathers the sequence; for comparison).
+        load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every
+            context device does the same work (two collective permutes each way; the output comes
+            back in the original order).
+        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused
+            flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16,
+            head_dim a multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA
+            implementation), ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra
+            ``jaxdist[tokamax]`` is installed) or ``"einsum"`` (jaxdist's blockwise online softmax).
+            None: where a fused kernel serves the case (no dropout, no sown weights, no
+            ``precision``, not ``context="ring"``), cuDNN on an NVIDIA GPU (float16/bfloat16) and
+            tokamax on a TPU where it is installed; the einsums elsewhere. With
+            ``context="all_gather"`` a fused kernel computes the local queries against the gathered
+            keys in one call (its mask, ``(local q, L)``, built from token positions); ring steps
+            need each block's softmax statistics with their gradient, which the fused kernels do not
+            give (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under
+            cuDNN): the ring runs the einsums. The choice shows in `jaxdist.Plan.attention`.
         dropout_rng: Flax's attention dropout key (plain attention only: on a context axis, pass
             ``deterministic=True`` or ``dropout_rate=0``).
         dropout_rate: Flax's attention dropout rate (plain attention only).
@@ -154,12 +163,14 @@ def dot_product_attention(
         ``(batch, q_length, heads, v_dim)``, laid out like ``query``.
 
     Raises:
-        ValueError: for an unknown ``context`` or ``implementation``, ``implementation="cudnn"`` off an NVIDIA
-            GPU, ``"tokamax"`` without tokamax, ``load_balance`` without ``causal``, or on a context axis a
-            sequence length the context axes do not divide (``2 N`` chunks with ``load_balance``), query and
-            key lengths that differ, inputs that are not ``(batch, length, heads, head_dim)``.
+        ValueError: for an unknown ``context`` or ``implementation``, ``implementation="cudnn"`` off
+            an NVIDIA GPU, ``"tokamax"`` without tokamax, ``load_balance`` without ``causal``, or on
+            a context axis a sequence length the context axes do not divide (``2 N`` chunks with
+            ``load_balance``), query and key lengths that differ, inputs that are not ``(batch,
+            length, heads, head_dim)``.
         NotImplementedError: for dropout or sowing weights on a context axis or with a fused
-            ``implementation``, a fused ``implementation`` with ``context="ring"``, or custom einsums.
+            ``implementation``, a fused ``implementation`` with ``context="ring"``, or custom
+            einsums.
         TypeError: for a keyword argument it does not know.
 
     Examples:
@@ -181,34 +192,38 @@ def dot_product_attention(
     """
     if flax_kwargs:
         raise TypeError(
-            f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it takes Flax's "
-            "attention_fn arguments (mask, bias, dropout_rng, dropout_rate, broadcast_dropout, deterministic, "
-            "dtype, precision, module, is_causal) and causal=, segment_ids=, context=, load_balance=."
+            f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it "
+            "takes Flax's attention_fn arguments (mask, bias, dropout_rng, dropout_rate, "
+            "broadcast_dropout, deterministic, dtype, precision, module, is_causal) and causal=, "
+            "segment_ids=, context=, load_balance=."
         )
     if context is not None and context not in _MODES:
         raise ValueError(
-            f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along the context "
-            "axes, 'ring' passes them around the ring of context devices (None: plain attention)."
+            f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along "
+            "the context axes, 'ring' passes them around the ring of context devices (None: plain "
+            "attention)."
         )
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is cuDNN's fused "
-            "attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, 'tokamax' tokamax's (the extra "
-            "jaxdist[tokamax]), 'einsum' jaxdist's blockwise softmax (None: a fused kernel where one serves, the "
-            "einsums elsewhere)."
+            f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is "
+            "cuDNN's fused attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, "
+            "'tokamax' tokamax's (the extra jaxdist[tokamax]), 'einsum' jaxdist's blockwise "
+            "softmax (None: a fused kernel where one serves, the einsums elsewhere)."
         )
     causal = bool(causal or is_causal)
     if load_balance and not causal:
         raise ValueError(
-            "load_balance=True balances causal attention over the context devices (without a causal mask "
-            "every device already does the same work): pass causal=True, or drop load_balance."
+            "load_balance=True balances causal attention over the context devices (without a "
+            "causal mask every device already does the same work): pass causal=True, or drop "
+            "load_balance."
         )
     if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
         raise NotImplementedError(
-            "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by jd.nn.dot_product_attention: "
-            "leave them unset (Flax's default)."
+            "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by "
+            "jd.nn.dot_product_attention: leave them unset (Flax's default)."
         )
-    del force_fp32_for_softmax, promote_dtype  # the softmax is in float32 already; inputs are promoted below
+    # the softmax is in float32 already; inputs are promoted below
+    del force_fp32_for_softmax, promote_dtype
     if dtype is not None:
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     else:
@@ -219,26 +234,30 @@ def dot_product_attention(
     policy = _context_policy()
     ring = policy is not None and context == "ring"
     split = policy is not None and context is not None
-    impl = _implementation(implementation, query, key, dropout or module is not None, precision, ring, split)
+    impl = _implementation(implementation, query, key, dropout or module is not None, precision,
+                           ring, split)
     # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
     with jax.named_scope(ATTENTION_SCOPE + impl):
         if policy is None or context is None:
             return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
-                          (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None, module, impl)
+                          (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None,
+                          module, impl)
         if dropout or module is not None:
             raise NotImplementedError(
-                "attention dropout and sown attention weights need the whole (L, L) weight matrix, which context "
-                "parallelism never builds: pass deterministic=True (or dropout_rate=0.0) and no module to "
-                "jd.nn.dot_product_attention on a context axis, or context=None for plain attention."
+                "attention dropout and sown attention weights need the whole (L, L) weight matrix, "
+                "which context parallelism never builds: pass deterministic=True (or "
+                "dropout_rate=0.0) and no module to jd.nn.dot_product_attention on a context axis, "
+                "or context=None for plain attention."
             )
-        return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
-                                 load_balance, precision, impl)
+        return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids,
+                                 context, load_balance, precision, impl)
 
 
-# ------------------------------------------------------------------------------------------ the kernel
+# --------------------------------------------------------------------------------------- the kernel
 def _devices_platform() -> str:
-    """``"cuda"`` for NVIDIA GPUs, else the platform of the devices the attention is traced for: the step's
-    mesh inside a strategy's step (a plan's mesh without devices compiles on CPU), else JAX's default."""
+    """``"cuda"`` for NVIDIA GPUs, else the platform of the devices the attention is traced for: the
+    step's mesh inside a strategy's step (a plan's mesh without devices compiles on CPU), else JAX's
+    default."""
     frame = ambient.current_computation()
     mesh = getattr(getattr(frame, "policy", None), "mesh", None)
     if mesh is not None and is_plan_mesh(mesh):
@@ -250,54 +269,59 @@ def _devices_platform() -> str:
     return device.platform
 
 
-def _implementation(implementation: str | None, query: jax.Array, key: jax.Array, weights_needed: bool,
-                    precision: Any, ring: bool, split: bool = False) -> str:
-    """The kernel that computes the attention's blocks: ``implementation``, checked, or the backend's choice
-    (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU: 16-bit inputs, head_dim a
-    multiple of 8 up to 128, even lengths, which its backward pass needs with a mask or bias). On context axes
-    (``split``) the einsums by default: each device's block of queries may have an odd length, and the fused
-    call over the gathered keys builds a whole (queries, keys) mask; ``implementation=`` forces a kernel."""
+def _implementation(implementation: str | None, query: jax.Array, key: jax.Array,
+                    weights_needed: bool, precision: Any, ring: bool, split: bool = False) -> str:
+    """The kernel that computes the attention's blocks: ``implementation``, checked, or the
+    backend's choice (cuDNN where `jax.nn.dot_product_attention` takes the case on every NVIDIA GPU:
+    16-bit inputs, head_dim a multiple of 8 up to 128, even lengths, which its backward pass needs
+    with a mask or bias). On context axes (``split``) the einsums by default: each device's block of
+    queries may have an odd length, and the fused call over the gathered keys builds a whole
+    (queries, keys) mask; ``implementation=`` forces a kernel."""
     if implementation is None:
         if ring or split or weights_needed or precision is not None:
             return "einsum"
         platform, head_dim = _devices_platform(), query.shape[-1]
         even = query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0
-        if platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 128 and even:
+        if (platform == "cuda" and query.dtype in _FUSED_DTYPES and head_dim % 8 == 0
+                and head_dim <= 128 and even):
             return "cudnn"
-        if platform == "tpu" and _tokamax is not None:  # jax has no fused attention of its own for TPUs
+        # jax has no fused attention of its own for TPUs
+        if platform == "tpu" and _tokamax is not None:
             return "tokamax"
         return "einsum"
     if implementation == "cudnn" and (platform := _devices_platform()) != "cuda":
         raise ValueError(
-            f"implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these devices are "
-            f"{platform!r}: pass implementation=None (cuDNN on a GPU, the einsums here), 'xla' or 'einsum'."
+            "implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these "
+            f"devices are {platform!r}: pass implementation=None (cuDNN on a GPU, the einsums "
+            "here), 'xla' or 'einsum'."
         )
     if implementation == "tokamax" and _tokamax is None:
         raise ValueError(
             "implementation='tokamax' needs tokamax, which is not importable here: pip install "
-            "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or 'einsum'."
+            "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or "
+            "'einsum'."
         )
     if implementation in _FUSED and weights_needed:
         raise NotImplementedError(
-            f"implementation={implementation!r} is a fused kernel: it never builds the attention weights that "
-            "dropout and sown weights (module=) need; pass implementation='einsum' (or None), or "
-            "deterministic=True / dropout_rate=0.0 and no module."
+            f"implementation={implementation!r} is a fused kernel: it never builds the attention "
+            "weights that dropout and sown weights (module=) need; pass implementation='einsum' "
+            "(or None), or deterministic=True / dropout_rate=0.0 and no module."
         )
     if implementation in _FUSED and ring:
         raise NotImplementedError(
-            f"implementation={implementation!r} cannot compute ring attention's steps: the ring combines each "
-            "block's softmax statistics (log-sum-exp) and needs their gradient, which the fused kernels do not "
-            "give. Pass context='all_gather' (one fused call over the gathered keys) or "
-            "implementation='einsum' (or None) for the ring."
+            f"implementation={implementation!r} cannot compute ring attention's steps: the ring "
+            "combines each block's softmax statistics (log-sum-exp) and needs their gradient, "
+            "which the fused kernels do not give. Pass context='all_gather' (one fused call over "
+            "the gathered keys) or implementation='einsum' (or None) for the ring."
         )
     return implementation
 
 
 def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
-    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by `jax.nn.dot_product_attention`'s
-    ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool (or None) where a query may attend,
-    ``causal`` the kernel's own (top-left aligned) causal mask. A query that may attend to nothing gets zeros
-    (the kernels would average every value)."""
+    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by
+    `jax.nn.dot_product_attention`'s ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool
+    (or None) where a query may attend, ``causal`` the kernel's own (top-left aligned) causal mask.
+    A query that may attend to nothing gets zeros (the kernels would average every value)."""
     lq, lk = q.shape[1], k.shape[1]
 
     def full(x):  # the kernels take masks/biases of (batch or 1, heads or 1, lq, lk)
@@ -314,8 +338,8 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
                                            implementation=implementation)
     if mask is None and bias is None:
         return out
-    # A query that may attend to nothing (masked everywhere, or a bias of -inf everywhere) gets zeros, as the
-    # einsums give it (the kernels give the mean of the values, or NaN).
+    # A query that may attend to nothing (masked everywhere, or a bias of -inf everywhere) gets
+    # zeros, as the einsums give it (the kernels give the mean of the values, or NaN).
     seen = jnp.ones((1, 1, lq, lk), bool) if mask is None else mask
     if bias is not None:
         seen = seen & (bias > -jnp.inf)
@@ -325,7 +349,7 @@ def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
     return jnp.where(alive, out, jnp.zeros((), out.dtype))
 
 
-# ------------------------------------------------------------------------------------------ the algorithm
+# ------------------------------------------------------------------------------------ the algorithm
 def _context_policy() -> Any | None:
     """The layout policy of the strategy step being traced, when it has context axes of size > 1."""
     frame = ambient.current_computation()
@@ -338,7 +362,8 @@ def _context_policy() -> Any | None:
 
 
 def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
-    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for all."""
+    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for
+    all."""
     vis = None
     if causal:
         vis = (q_pos[:, None] >= k_pos[None, :])[None, None]
@@ -351,10 +376,12 @@ def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
 
 
 def _block(carry, q, k, v, vis, bias, precision):
-    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of ``q``.
+    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of
+    ``q``.
 
-    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h, q)`` running
-    sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does not depend on it.
+    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h,
+    q)`` running sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does
+    not depend on it.
     """
     o, m, total = carry
     acc = o.dtype
@@ -368,14 +395,16 @@ def _block(carry, q, k, v, vis, bias, precision):
     p = jnp.exp(s - m_safe[..., None])
     correction = jnp.exp(m - m_safe)
     total = total * correction + p.sum(-1)
-    pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=precision, preferred_element_type=acc)
+    pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=precision,
+                    preferred_element_type=acc)
     o = o * jnp.swapaxes(correction, 1, 2)[..., None] + pv
     return o, m_new, total
 
 
 def _init_carry(q, v):
-    """Zero output and sum, ``-inf`` max, for the queries ``q``. Built from ``q`` itself so that inside
-    `jax.shard_map` they vary over the same mesh axes as the queries (a loop carry's type must not change)."""
+    """Zero output and sum, ``-inf`` max, for the queries ``q``. Built from ``q`` itself so that
+    inside `jax.shard_map` they vary over the same mesh axes as the queries (a loop carry's type
+    must not change)."""
     acc = jnp.promote_types(q.dtype, jnp.float32)
     zero = q[..., 0].astype(acc) * 0  # (b, q, h)
     o = zero[..., None] + jnp.zeros((v.shape[-1],), acc)
@@ -390,16 +419,19 @@ def _finish(carry, dtype):
 
 
 def _as4(x: Any) -> Any:
-    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1 added)."""
+    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1
+    added)."""
     if x is None:
         return None
     x = jnp.asarray(x)
     if x.ndim > 4:
-        raise ValueError(f"a mask/bias of shape {x.shape} has more than 4 dimensions (batch, heads, q, k).")
+        raise ValueError(f"a mask/bias of shape {x.shape} has more than 4 dimensions (batch, "
+                         "heads, q, k).")
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module, implementation):
+def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropout, module,
+           implementation):
     """Plain attention (one block of the same algorithm), any leading batch dimensions."""
     batch_shape = query.shape[:-3]
     lq, lk = query.shape[-3], key.shape[-3]
@@ -407,26 +439,32 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
     q, k, v = flat(query), flat(key), flat(value)
     q = q / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
-    def rank4(x):  # masks/biases over Flax's [batch..., heads, q, k]: batch dimensions flattened too
+    # masks/biases over Flax's [batch..., heads, q, k]: batch dimensions flattened too
+    def rank4(x):
         if x is None:
             return None
         x = jnp.asarray(x)
-        x = x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape) if x.ndim < len(batch_shape) + 3 else x
-        x = jnp.broadcast_to(x, (*batch_shape, *x.shape[len(batch_shape):])) if batch_shape else x[None]
+        x = (x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape)
+             if x.ndim < len(batch_shape) + 3 else x)
+        x = jnp.broadcast_to(x,
+                             (*batch_shape,
+                              *x.shape[len(batch_shape):])) if batch_shape else x[None]
         return x.reshape((-1, *x.shape[-3:]))
 
     seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, lq)
     if implementation != "einsum":  # the kernel's own causal mask (cuDNN skips the hidden blocks)
-        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool), False)
+        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool),
+                       False)
         out = _fused(q, k, v, rank4(bias), vis, causal, implementation)
         return out.astype(query.dtype).reshape((*batch_shape, *out.shape[1:]))
-    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None else rank4(mask).astype(bool),
-                   causal)
+    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None
+                   else rank4(mask).astype(bool), causal)
     bias4 = rank4(bias)
     if dropout is None and module is None:
         out = _finish(_block(_init_carry(q, v), q, k, v, vis, bias4, precision), query.dtype)
         return out.reshape((*batch_shape, *out.shape[1:]))
-    # Dropout / sown weights need the normalised weights themselves (as Flax's dot_product_attention).
+    # Dropout / sown weights need the normalised weights themselves (as Flax's
+    # dot_product_attention).
     acc = jnp.promote_types(q.dtype, jnp.float32)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
     if bias4 is not None:
@@ -438,17 +476,19 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
     total = p.sum(-1, keepdims=True)
     weights = jnp.where(total > 0, p / jnp.where(total > 0, total, 1.0), 0.0)
     if module is not None:
-        module.sow("intermediates", "attention_weights", weights.reshape((*batch_shape, *weights.shape[1:])))
+        module.sow("intermediates", "attention_weights",
+                   weights.reshape((*batch_shape, *weights.shape[1:])))
     if dropout is not None:
         rng, rate, broadcast = dropout
         shape = (weights.shape[0], 1, *weights.shape[2:]) if broadcast else weights.shape
         keep = jax.random.bernoulli(rng, 1.0 - rate, shape)
         weights = weights * keep.astype(weights.dtype) / (1.0 - rate)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, precision=precision).astype(query.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v,
+                     precision=precision).astype(query.dtype)
     return out.reshape((*batch_shape, *out.shape[1:]))
 
 
-# ----------------------------------------------------------------------------- context parallel (shard_map)
+# --------------------------------------------------------------------- context parallel (shard_map)
 def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
     n = policy.context_size
     axes = policy.context_axes
@@ -456,23 +496,25 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if np.ndim(x) != 4:
             raise ValueError(
-                f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} jd.nn.dot_product_attention takes "
-                "Flax's (batch, length, heads, head_dim) layout; reshape extra batch dimensions into the first."
+                f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} "
+                "jd.nn.dot_product_attention takes Flax's (batch, length, heads, head_dim) layout; "
+                "reshape extra batch dimensions into the first."
             )
     if query.shape[1] != key.shape[1]:
         raise ValueError(
-            f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} the sequence of "
-            "queries and keys is the same split sequence (self-attention); pass context=None for attention "
-            "over another sequence (XLA gathers it)."
+            f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} "
+            "the sequence of queries and keys is the same split sequence (self-attention); pass "
+            "context=None for attention over another sequence (XLA gathers it)."
         )
     length = query.shape[1]
     parts = 2 * n if load_balance else n
     if length % parts:
         why = f" (2 x {n} zig-zag chunks for load_balance=True)" if parts != n else ""
         raise ValueError(
-            f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} of sizes "
-            f"{sizes} split it into {n} parts. Pad the sequence to {-(-length // parts) * parts} (a multiple of "
-            f"{parts}), or pick context axes whose size divides {length}."
+            f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} "
+            f"of sizes {sizes} split it into {n} parts. Pad the sequence to "
+            f"{-(-length // parts) * parts} (a multiple of {parts}), or pick context axes whose "
+            f"size divides {length}."
         )
 
 
@@ -481,8 +523,8 @@ def _spec_entry(entry: Any, drop: set[str]) -> Any:
     return None if not names else names[0] if len(names) == 1 else names
 
 
-def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context, load_balance,
-                      precision, implementation):
+def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
+                      load_balance, precision, implementation):
     _check(policy, query, key, value, load_balance, context)
     axes = tuple(policy.context_axes)
     entry = axes[0] if len(axes) == 1 else axes
@@ -514,7 +556,8 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
 
     if explicit:
         # Sharding in types: shard_map over every axis, the other axes as the operands' types say.
-        # The query's type decides the batch and head layout of every operand (they must agree to broadcast).
+        # The query's type decides the batch and head layout of every operand (they must agree to
+        # broadcast).
         typed = getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ()
         batch_e, head_e = (_spec_entry(e, set(axes)) for e in (*typed, None, None, None)[0:3:2])
         b, h = query.shape[0], query.shape[2]
@@ -532,10 +575,12 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
         operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, specs, strict=True)]
         manual = None
     else:
-        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec() for x, d in zip(
+        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec()
+                 for x, d in zip(
             operands, dims, strict=True)]
         manual = frozenset(axes)
-    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2], specs[2][3]) if explicit else PartitionSpec(None, entry)
+    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2],
+                             specs[2][3]) if explicit else PartitionSpec(None, entry)
 
     has_seg, has_mask, has_bias = seg is not None, mask4 is not None, bias4 is not None
     mask_rows = mask4 is not None and dims[3 + has_seg] is not None
@@ -554,12 +599,12 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
             mk = _zigzag(mk, 2, axes, n) if mask_rows else mk
             bs = _zigzag(bs, 2, axes, n) if bias_rows else bs
         if implementation != "einsum":  # all-gather only (`_implementation` refuses the ring)
-            out = _all_gather_fused(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length,
-                                    zigzag=zigzag, implementation=implementation)
+            out = _all_gather_fused(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n,
+                                    length=length, zigzag=zigzag, implementation=implementation)
         else:
             algorithm = _ring if context == "ring" else _all_gather
-            out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length, zigzag=zigzag,
-                            precision=precision)
+            out = algorithm(q, k, v, s, mk, bs, causal=causal, axes=axes, n=n, length=length,
+                            zigzag=zigzag, precision=precision)
         if zigzag:
             out = _unzigzag(out, 1, axes, n)
         return out
@@ -570,7 +615,8 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
 
 
 def _columns(x, positions, lc_total: int):
-    """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes broadcast."""
+    """The key columns ``positions`` of a mask/bias block (whole along the key axis); size-1 axes
+    broadcast."""
     if x is None or x.shape[-1] == 1:
         return x
     return jnp.take(x, positions, axis=-1) if x.shape[-1] == lc_total else x
@@ -580,14 +626,15 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
     """The blockwise online softmax of the local queries ``q``: ``(carries, update)``, where
     ``update(carries, (k, v, k_seg), src)`` folds in the K/V block context device ``src`` holds.
 
-    The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair that the
-    causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what its positions need.
-    Each chunk pair is rematerialised in the backward pass (`jax.checkpoint`): memory stays one block per device.
+    The queries and keys are two chunks each (with ``zigzag``, the two zig-zag chunks); a chunk pair
+    that the causal mask hides entirely is skipped (`jax.lax.cond`), so the work of a device is what
+    its positions need. Each chunk pair is rematerialised in the backward pass (`jax.checkpoint`):
+    memory stays one block per device.
     """
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
-    # Two query and two key chunks per block (the zig-zag halves when load balancing): score blocks of
-    # (L / 2N)^2, and causal visibility decided per chunk pair.
+    # Two query and two key chunks per block (the zig-zag halves when load balancing): score blocks
+    # of (L / 2N)^2, and causal visibility decided per chunk pair.
     chunks = 2 if lc % 2 == 0 else 1
     cl = lc // chunks
     q_pos = _positions(idx, n, lc, zigzag)
@@ -606,17 +653,22 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
             rows = slice(i * cl, (i + 1) * cl)
             qc, qp = q[:, rows], q_pos[rows]
             qs = None if seg is None else seg[:, rows]
-            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc else mcols)
-            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc else bcols)
+            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc
+                                                else mcols)
+            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc
+                                                else bcols)
             for j in range(chunks):
                 cols = slice(j * cl, (j + 1) * cl)
                 kc, vc, kp = kb[:, cols], vb[:, cols], k_pos[cols]
                 ks = None if kseg is None else kseg[:, cols]
-                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc else mrows)
-                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc else brows)
+                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc
+                                                 else mrows)
+                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc
+                                                 else brows)
                 args = (qc, qp, qs, kc, vc, kp, ks, mc, bc)
                 if causal:  # a chunk pair the causal mask hides entirely costs nothing
-                    carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c, carry, args)
+                    carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c,
+                                         carry, args)
                 else:
                     carry = fold(carry, *args)
             new.append(carry)
@@ -631,13 +683,16 @@ def _finish_all(carries, dtype):
 
 def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):
     """Gather K/V (and key segments) along the context axes, then fold them in block by block."""
-    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length, zigzag=zigzag,
-                              precision=precision)
+    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length,
+                              zigzag=zigzag, precision=precision)
     lc = k.shape[1]
-    gathered = [None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg)]
+    gathered = [
+        None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg)
+    ]
 
     def step(carries, src):
-        kv = [None if x is None else jax.lax.dynamic_slice_in_dim(x, src * lc, lc, axis=1) for x in gathered]
+        kv = [None if x is None else jax.lax.dynamic_slice_in_dim(x, src * lc, lc, axis=1)
+              for x in gathered]
         return update(carries, kv, src), None
 
     carries, _ = jax.lax.scan(step, carries, jnp.arange(n), unroll=n <= _UNROLL)
@@ -645,35 +700,40 @@ def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, pr
 
 
 def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, implementation):
-    """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel call;
-    the causal mask, built from the local and gathered token positions (zig-zag or contiguous), is part of the
-    kernel's ``(local q, L)`` mask. No softmax statistics to combine: the kernel sees every key at once."""
+    """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel
+    call; the causal mask, built from the local and gathered token positions (zig-zag or
+    contiguous), is part of the kernel's ``(local q, L)`` mask. No softmax statistics to combine:
+    the kernel sees every key at once."""
     idx = jax.lax.axis_index(axes)
     lc = q.shape[1]
     q_pos = _positions(idx, n, lc, zigzag)
-    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])  # the gathered order
-    kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, seg))
+    # the gathered order
+    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])
+    kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
+                  for x in (k, v, seg))
     vis = _visible(q_pos, k_pos, seg, sg, _columns(mask, k_pos, length), causal)
     return _fused(q, kg, vg, _columns(bias, k_pos, length), vis, False, implementation)
 
 
 def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precision):
     """Pass K/V blocks around the ring of context devices, folding in each as it arrives."""
-    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length, zigzag=zigzag,
-                              precision=precision)
+    carries, update = _folder(q, v, seg, mask, bias, axes=axes, causal=causal, n=n, length=length,
+                              zigzag=zigzag, precision=precision)
     idx = jax.lax.axis_index(axes)
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def step(state, s):
         carries, kv = state
-        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)  # independent of this step's compute
+        # independent of this step's compute
+        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)
         carries = update(carries, kv, (idx - s) % n)
         return (carries, nxt), None
 
     kv = (k, v, seg)
     if n > 1:
-        # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute, and cost
-        # analysis (FLOPs, MFU) counts every block.
-        (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1), unroll=n - 1 <= _UNROLL)
+        # Unrolled up to 8 steps: XLA schedules each transfer against the previous block's compute,
+        # and cost analysis (FLOPs, MFU) counts every block.
+        (carries, kv), _ = jax.lax.scan(step, (carries, kv), jnp.arange(n - 1),
+                                        unroll=n - 1 <= _UNROLL)
     carries = update(carries, kv, (idx - (n - 1)) % n)
     return _finish_all(carries, q.dtype)

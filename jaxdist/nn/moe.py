@@ -1,21 +1,22 @@
 """`MoE`: a mixture-of-experts layer for Flax linen, expert-parallel on a strategy's expert axes.
 
-A drop-in feed-forward block ``(..., d) -> (..., d)`` (axis 0: the batch's rows; each row one sequence). Its
-math is `jaxdist.nn.experts` (routing in float32, capacity per sequence, all-to-all over the expert axes);
-outside a strategy, or with no expert axes, it computes the same thing with every expert local, so a one-device
-run is its own reference.
+A drop-in feed-forward block ``(..., d) -> (..., d)`` (axis 0: the batch's rows; each row one
+sequence). Its math is `jaxdist.nn.experts` (routing in float32, capacity per sequence, all-to-all
+over the expert axes); outside a strategy, or with no expert axes, it computes the same thing with
+every expert local, so a one-device run is its own reference.
 
-Weights, stacked over the experts and annotated with logical names, so expert parallelism composes with FSDP
-and tensor parallelism by the strategy's rules: ``router (d, E)`` ``("embed", None)``; ``wi_gate``, ``wi_up``
-``(E, d, h)`` ``("expert", "embed", "mlp")``; ``wo (E, h, d)`` ``("expert", "mlp", "embed")``; shared experts
-``shared_wi_gate``, ``shared_wi_up`` ``(d, s h)`` and ``shared_wo``. With ``router_bias=True`` the
-aux-loss-free bias ``(E,)`` lives in the ``"router_bias"`` collection (not a parameter: update it with
-`update_router_bias`).
+Weights, stacked over the experts and annotated with logical names, so expert parallelism composes
+with FSDP and tensor parallelism by the strategy's rules: ``router (d, E)`` ``("embed", None)``;
+``wi_gate``, ``wi_up`` ``(E, d, h)`` ``("expert", "embed", "mlp")``; ``wo (E, h, d)`` ``("expert",
+"mlp", "embed")``; shared experts ``shared_wi_gate``, ``shared_wi_up`` ``(d, s h)`` and
+``shared_wo``. With ``router_bias=True`` the aux-loss-free bias ``(E,)`` lives in the
+``"router_bias"`` collection (not a parameter: update it with `update_router_bias`).
 
-The auxiliary loss (``load_balance_weight`` x the Switch load-balancing loss + ``z_loss_weight`` x the router
-z-loss) is sown in the ``"moe_losses"`` collection and the router metrics in ``"moe_metrics"`` on every call
-but ``init`` (whose variables hold weights only): apply with ``mutable=["moe_losses", "moe_metrics"]`` and add
-`moe_loss` of what comes back to the training loss.
+The auxiliary loss (``load_balance_weight`` x the Switch load-balancing loss + ``z_loss_weight`` x
+the router z-loss) is sown in the ``"moe_losses"`` collection and the router metrics in
+``"moe_metrics"`` on every call but ``init`` (whose variables hold weights only): apply with
+``mutable=["moe_losses", "moe_metrics"]`` and add `moe_loss` of what comes back to the training
+loss.
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -43,7 +44,8 @@ from jaxdist.nn.experts import Routing, Stats, Weights, apply
 __all__ = ["SOWN", "MoE", "moe_loss", "moe_metrics", "update_router_bias"]
 
 SOWN = ("moe_losses", "moe_metrics")
-"""The collections `MoE` sows into on every call (values of that call, not state carried between steps)."""
+"""The collections `MoE` sows into on every call (values of that call, not state carried between
+steps)."""
 
 EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "embed", "mlp"),
                   "wo": ("expert", "mlp", "embed")}
@@ -51,9 +53,10 @@ EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "em
 
 
 def stacked_init() -> Callable:
-    """Lecun-normal per expert: fan-in is each expert's own input width (axis 0 stacks the experts)."""
-    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
-                                            batch_axis=(0,))
+    """Lecun-normal per expert: fan-in is each expert's own input width (axis 0 stacks the
+    experts)."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                            out_axis=-1, batch_axis=(0,))
 
 
 class MoE(nn.Module):
@@ -67,17 +70,19 @@ class MoE(nn.Module):
             (``length * top_k / num_experts``); the rest drop. None: dropless.
         router: ``"softmax"`` or ``"sigmoid"`` scores.
         normalize_top_k: renormalise the picked experts' weights to sum to 1.
-        shared_experts: how many always-on experts (one gated MLP of ``shared_experts * hidden_dim`` units).
+        shared_experts: how many always-on experts (one gated MLP of ``shared_experts * hidden_dim``
+            units).
         activation: the gate's activation (``silu``: SwiGLU experts).
         load_balance_weight: the Switch load-balancing loss's weight in the sown loss.
         z_loss_weight: the router z-loss's weight in the sown loss.
-        router_bias: route with the aux-loss-free bias (collection ``"router_bias"``; see `update_router_bias`).
-        ragged: dropless only: sort the picks by expert, run grouped matmuls and (expert parallel) exchange
-            only the routed rows (True), or use worst-case buffers (False); None: ragged on GPU / TPU, buffers
-            on CPU. See `jaxdist.nn.experts.apply`.
+        router_bias: route with the aux-loss-free bias (collection ``"router_bias"``; see
+            `update_router_bias`).
+        ragged: dropless only: sort the picks by expert, run grouped matmuls and (expert parallel)
+            exchange only the routed rows (True), or use worst-case buffers (False); None: ragged on
+            GPU / TPU, buffers on CPU. See `jaxdist.nn.experts.apply`.
         grouped_matmul: the ragged path's grouped-matmul kernel: ``"tokamax"`` (the optional extra
-            ``jaxdist[tokamax]``) or ``"ragged_dot"`` (`jax.lax.ragged_dot`); None: tokamax where installed
-            on a GPU or TPU, ``ragged_dot`` elsewhere. See `jaxdist.nn.experts.apply`.
+            ``jaxdist[tokamax]``) or ``"ragged_dot"`` (`jax.lax.ragged_dot`); None: tokamax where
+            installed on a GPU or TPU, ``ragged_dot`` elsewhere. See `jaxdist.nn.experts.apply`.
         dtype: the computation's dtype (None: the input's); the router always computes in float32.
         param_dtype: the weights' dtype.
     """
@@ -100,30 +105,42 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        config = Routing(self.num_experts, self.top_k, self.capacity_factor, self.router, self.normalize_top_k,
-                         self.activation)
+        config = Routing(self.num_experts, self.top_k, self.capacity_factor, self.router,
+                         self.normalize_top_k, self.activation)
         d, e, h = x.shape[-1], self.num_experts, self.hidden_dim
-        router = self.param("router", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
-                            (d, e), self.param_dtype)
+        router = self.param(
+            "router",
+            nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
+            (d, e),
+            self.param_dtype,
+        )
         shapes = {"wi_gate": (e, d, h), "wi_up": (e, d, h), "wo": (e, h, d)}
-        stacked = {name: self.param(name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
-                                    shapes[name], self.param_dtype) for name in shapes}
-        bias = self.variable("router_bias", "bias", jnp.zeros, (e,), jnp.float32).value if self.router_bias else None
+        stacked = {
+            name: self.param(
+                name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
+                shapes[name], self.param_dtype)
+            for name in shapes}
+        bias = self.variable("router_bias", "bias", jnp.zeros, (e,),
+                             jnp.float32).value if self.router_bias else None
         dtype = self.dtype or x.dtype
-        y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"], stacked["wo"], bias),
+        y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"],
+                                         stacked["wo"], bias),
                          x.astype(dtype), ragged=self.ragged, grouped_matmul=self.grouped_matmul)
         if self.shared_experts:
             width = self.shared_experts * h
 
             def dense(name, features, axes):
-                return nn.DenseGeneral(features, use_bias=False, dtype=dtype, param_dtype=self.param_dtype,
-                                       kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                                                axes), name=name)
+                init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
+                return nn.DenseGeneral(features, use_bias=False, dtype=dtype,
+                                       param_dtype=self.param_dtype, kernel_init=init, name=name)
 
             xs = x.astype(dtype)
             hidden = self.activation(dense("shared_wi_gate", width, ("embed", "mlp"))(xs))
-            y = y + dense("shared_wo", d, ("mlp", "embed"))(hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs))
-        if not self.is_initializing():  # init returns weights only: sown values never ride along as variables
+            y = y + dense("shared_wo", d, ("mlp", "embed"))(
+                hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs)
+            )
+        # init returns weights only: sown values never ride along as variables
+        if not self.is_initializing():
             self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance
                      + self.z_loss_weight * stats.z_loss)
             for name, value in stats._asdict().items():
@@ -144,9 +161,9 @@ def moe_loss(sown: Any) -> jax.Array:
 
 
 def moe_metrics(sown: Any) -> dict[str, jax.Array]:
-    """The router metrics the MoE layers sowed, as scalars over every layer: ``moe_max_load`` (the largest of
-    the layers' busiest-expert loads over the mean), ``moe_dropped_fraction`` and ``moe_load_balance`` (their
-    means); empty when there is none.
+    """The router metrics the MoE layers sowed, as scalars over every layer: ``moe_max_load`` (the
+    largest of the layers' busiest-expert loads over the mean), ``moe_dropped_fraction`` and
+    ``moe_load_balance`` (their means); empty when there is none.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -175,9 +192,9 @@ def moe_metrics(sown: Any) -> dict[str, jax.Array]:
 
 
 def update_router_bias(bias: jax.Array, stats: Stats | jax.Array, rate: float = 1e-3) -> jax.Array:
-    """The aux-loss-free balancing step (DeepSeek-V3): each expert's routing bias moves by ``rate`` towards
-    balance: down where it took more picks than the mean, up where fewer. ``stats``: the layer's `Stats`, or
-    its ``tokens_per_expert``.
+    """The aux-loss-free balancing step (DeepSeek-V3): each expert's routing bias moves by ``rate``
+    towards balance: down where it took more picks than the mean, up where fewer. ``stats``: the
+    layer's `Stats`, or its ``tokens_per_expert``.
 
     Examples:
         >>> import jax.numpy as jnp

@@ -1,10 +1,11 @@
 """Flax nnx counterparts of jaxdist's linen layers, named as Flax names them: ``jd.nn.nnx.MoE``.
 
-`MoE` is `jaxdist.nn.MoE`'s layer as an ``nnx.Module``: the same math (`jaxdist.nn.experts`), the same weights
-and logical names (``out_sharding`` metadata, laid out by the strategy's rules: experts over the expert axes).
-After each call its ``aux_loss`` (an ``nnx.Intermediate``: ``load_balance_weight`` x the load-balancing loss +
-``z_loss_weight`` x the z-loss) and ``stats`` (``nnx.Intermediate``s named as `jaxdist.nn.experts.Stats`'
-fields) hold the call's values: add ``layer.aux_loss[...]`` to the training loss.
+`MoE` is `jaxdist.nn.MoE`'s layer as an ``nnx.Module``: the same math (`jaxdist.nn.experts`), the
+same weights and logical names (``out_sharding`` metadata, laid out by the strategy's rules: experts
+over the expert axes). After each call its ``aux_loss`` (an ``nnx.Intermediate``:
+``load_balance_weight`` x the load-balancing loss + ``z_loss_weight`` x the z-loss) and ``stats``
+(``nnx.Intermediate``s named as `jaxdist.nn.experts.Stats`' fields) hold the call's values: add
+``layer.aux_loss[...]`` to the training loss.
 
 Examples:
     >>> import jax.numpy as jnp
@@ -31,25 +32,31 @@ __all__ = ["MoE"]
 
 
 class MoE(nnx.Module):
-    """A mixture-of-experts feed-forward layer on inputs of width ``dim`` (arguments as `jaxdist.nn.MoE`'s)."""
+    """A mixture-of-experts feed-forward layer on inputs of width ``dim`` (arguments as
+    `jaxdist.nn.MoE`'s)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, hidden_dim: int, *,
-                 capacity_factor: float | None = None, router: str = "softmax", normalize_top_k: bool = True,
+                 capacity_factor: float | None = None, router: str = "softmax",
+                 normalize_top_k: bool = True,
                  shared_experts: int = 0, activation: Callable[[jax.Array], jax.Array] = nnx.silu,
-                 load_balance_weight: float = 0.01, z_loss_weight: float = 0.0, router_bias: bool = False,
+                 load_balance_weight: float = 0.01, z_loss_weight: float = 0.0,
+                 router_bias: bool = False,
                  ragged: bool | None = None, grouped_matmul: str | None = None,
                  dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k, activation)
+        self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k,
+                              activation)
         e, h = num_experts, hidden_dim
         lecun = nnx.initializers.lecun_normal()
 
-        def param(value, names):  # laid out by the strategy (its rules), not eagerly by Flax's ambient mesh
+        # laid out by the strategy (its rules), not eagerly by Flax's ambient mesh
+        def param(value, names):
             return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
         self.router = param(lecun(rngs.params(), (dim, e), param_dtype), ("embed", None))
         shapes = {"wi_gate": (e, dim, h), "wi_up": (e, dim, h), "wo": (e, h, dim)}
         for name, shape in shapes.items():
-            setattr(self, name, param(stacked_init()(rngs.params(), shape, param_dtype), EXPERT_WEIGHTS[name]))
+            setattr(self, name, param(stacked_init()(rngs.params(), shape, param_dtype),
+                                      EXPERT_WEIGHTS[name]))
         self.bias = nnx.data(nnx.BatchStat(jnp.zeros((e,), jnp.float32)) if router_bias else None)
         shared = None
         if shared_experts:
@@ -63,8 +70,12 @@ class MoE(nnx.Module):
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
         self.dtype, self.ragged, self.grouped_matmul = dtype, ragged, grouped_matmul
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
-        self.stats = nnx.Dict({name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
-                               for name in Stats._fields})
+        self.stats = nnx.Dict(
+            {
+                name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
+                for name in Stats._fields
+            }
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
@@ -75,9 +86,13 @@ class MoE(nnx.Module):
         if self.shared is not None:
             xs = x.astype(dtype)
             s = self.shared
-            hidden = self.activation(xs @ s["wi_gate"][...].astype(dtype)) * (xs @ s["wi_up"][...].astype(dtype))
+            hidden = self.activation(xs @ s["wi_gate"][...].astype(dtype)) * (
+                xs @ s["wi_up"][...].astype(dtype)
+            )
             y = y + hidden @ s["wo"][...].astype(dtype)
-        self.aux_loss[...] = self.load_balance_weight * stats.load_balance + self.z_loss_weight * stats.z_loss
+        self.aux_loss[...] = (
+            self.load_balance_weight * stats.load_balance + self.z_loss_weight * stats.z_loss
+        )
         for name, value in stats._asdict().items():
             self.stats[name][...] = value
         return y

@@ -1,40 +1,45 @@
-"""`Pipeline`: a stack of identical blocks, run as a pipeline over a strategy's stage axes (GPipe, circular).
+"""`Pipeline`: a stack of identical blocks, run as a pipeline over a strategy's stage axes (GPipe,
+circular).
 
 A drop-in for the user's ``nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True,
-"dropout": True}, length=L)``: the parameters are exactly that scan's (``params[<pipeline name>]["block"]``,
-every leaf with a leading axis of size ``L`` whose logical name is ``"layers"``), so one model definition and
-one checkpoint serve every strategy:
+"dropout": True}, length=L)``: the parameters are exactly that scan's (``params[<pipeline
+name>]["block"]``, every leaf with a leading axis of size ``L`` whose logical name is ``"layers"``),
+so one model definition and one checkpoint serve every strategy:
 
-* off a stage axis (one device, Mirrored, FSDP / tensor parallelism without ``stage_axes``) the layers run as
-  the plain scan;
-* under a `ShardedStrategy` with ``stage_axes`` (``pipeline_parallelism=k``), the strategy splits the
-  ``"layers"`` axis over the stages (stage ``s`` holds layers ``[s L/S, (s+1) L/S)``), and the layer runs
-  MaxText's SPMD pipeline: every stage at once inside ``jax.shard_map`` over the stage axes only (data, FSDP
-  and tensor axes stay with XLA), activations shifted to the next stage with ``lax.ppermute``, one
-  ``lax.scan`` over ``M x R + S - 1`` iterations (``M`` micro-batches, ``R`` circular repeats, ``S``
-  stages); the backward pass is autodiff's (GPipe: all forwards, then all backwards), each layer rematerialised
-  with ``remat``. Stage ``s`` idles for ``S - 1`` iterations: the bubble, ``(S - 1) / (R M + S - 1)``.
+* off a stage axis (one device, Mirrored, FSDP / tensor parallelism without ``stage_axes``) the
+  layers run as the plain scan;
+* under a `ShardedStrategy` with ``stage_axes`` (``pipeline_parallelism=k``), the strategy splits
+  the ``"layers"`` axis over the stages (stage ``s`` holds layers ``[s L/S, (s+1) L/S)``), and the
+  layer runs MaxText's SPMD pipeline: every stage at once inside ``jax.shard_map`` over the stage
+  axes only (data, FSDP and tensor axes stay with XLA), activations shifted to the next stage with
+  ``lax.ppermute``, one ``lax.scan`` over ``M x R + S - 1`` iterations (``M`` micro-batches, ``R``
+  circular repeats, ``S`` stages); the backward pass is autodiff's (GPipe: all forwards, then all
+  backwards), each layer rematerialised with ``remat``. Stage ``s`` idles for ``S - 1`` iterations:
+  the bubble, ``(S - 1) / (R M + S - 1)``.
 
 Schedules. ``"gpipe"``: each stage runs its ``L / S`` consecutive layers once per micro-batch.
-``"circular"`` (``repeats=R``): each micro-batch goes ``R`` times around the stages, running ``L / (S R)``
-layers per visit: the bubble shrinks ``R``-fold for the same ``M``. The stored layout is nn.scan's (stage
-``s`` holds a contiguous block of layers), and a circular visit ``r`` of stage ``s`` runs layers
-``[(r S + s) K, (r S + s + 1) K)`` (``K = L / (S R)``), so the step first moves each layer to the stage that
-runs it (an all-to-all of ``(R - 1) / R`` of the layer weights, and its transpose for the gradients); GPipe
-moves no weights. 1F1B and interleaved 1F1B are not offered: they interleave one micro-batch's backward with
-later micro-batches' forwards, which needs each stage to run its own program (MPMD); in one SPMD program
-autodiff runs the whole backward after the whole forward. What it would take: a hand-written VJP of the
-pipeline loop (forward and backward iterations interleaved in one scan, activations stashed per stage).
+``"circular"`` (``repeats=R``): each micro-batch goes ``R`` times around the stages, running ``L /
+(S R)`` layers per visit: the bubble shrinks ``R``-fold for the same ``M``. The stored layout is
+nn.scan's (stage ``s`` holds a contiguous block of layers), and a circular visit ``r`` of stage
+``s`` runs layers ``[(r S + s) K, (r S + s + 1) K)`` (``K = L / (S R)``), so the step first moves
+each layer to the stage that runs it (an all-to-all of ``(R - 1) / R`` of the layer weights, and its
+transpose for the gradients); GPipe moves no weights. 1F1B and interleaved 1F1B are not offered:
+they interleave one micro-batch's backward with later micro-batches' forwards, which needs each
+stage to run its own program (MPMD); in one SPMD program autodiff runs the whole backward after the
+whole forward. What it would take: a hand-written VJP of the pipeline loop (forward and backward
+iterations interleaved in one scan, activations stashed per stage).
 
-Micro-batches: a batch of ``B`` rows (per replica ``B / D``) is split into ``M`` micro-batches of ``B / M``
-rows, micro-batch ``m`` taking rows ``m, m + M, m + 2M, ...`` (so that each keeps its rows on the data axes
-they are on). ``M`` must divide the per-replica batch. Extra arguments (masks, positions) whose leading
-dimension is the batch's are split the same way; others, and keyword arguments, go whole to every layer.
+Micro-batches: a batch of ``B`` rows (per replica ``B / D``) is split into ``M`` micro-batches of
+``B / M`` rows, micro-batch ``m`` taking rows ``m, m + M, m + 2M, ...`` (so that each keeps its rows
+on the data axes they are on). ``M`` must divide the per-replica batch. Extra arguments (masks,
+positions) whose leading dimension is the batch's are split the same way; others, and keyword
+arguments, go whole to every layer.
 
-Randomness: with a ``"dropout"`` rng, layer ``l`` of micro-batch ``m`` draws from ``fold_in(k_l, m)``, ``k_l``
-the ``l``-th of ``split(make_rng("dropout"), L)``, in every path (pipelined or plain), so a model gives the
-same numbers under every strategy. (Dropout masks are drawn per micro-batch, so they differ from a plain
-``nn.scan`` over the whole batch; without dropout the plain scan's numbers are the pipeline's.)
+Randomness: with a ``"dropout"`` rng, layer ``l`` of micro-batch ``m`` draws from ``fold_in(k_l,
+m)``, ``k_l`` the ``l``-th of ``split(make_rng("dropout"), L)``, in every path (pipelined or plain),
+so a model gives the same numbers under every strategy. (Dropout masks are drawn per micro-batch, so
+they differ from a plain ``nn.scan`` over the whole batch; without dropout the plain scan's numbers
+are the pipeline's.)
 """
 
 from __future__ import annotations
@@ -61,8 +66,9 @@ SCHEDULES = ("gpipe", "circular")
 def bubble_fraction(num_stages: int, num_microbatches: int, repeats: int = 1) -> float:
     """The idle share of a pipelined step: ``(S - 1) / (R M + S - 1)``.
 
-    The step runs ``R M + S - 1`` iterations of ``L / (S R)`` layers on one micro-batch per stage where an
-    unpipelined one would run ``R M``: its compiled FLOPs are ``(R M + S - 1) / (R M)`` of the unpipelined step's.
+    The step runs ``R M + S - 1`` iterations of ``L / (S R)`` layers on one micro-batch per stage
+    where an unpipelined one would run ``R M``: its compiled FLOPs are ``(R M + S - 1) / (R M)`` of
+    the unpipelined step's.
 
     Examples:
         >>> bubble_fraction(4, 4), bubble_fraction(4, 16), bubble_fraction(4, 4, repeats=2)
@@ -75,8 +81,9 @@ def _checked(block: nn.Module, x: jax.Array, y: Any) -> jax.Array:
     if not isinstance(y, jax.Array) or y.shape != x.shape or y.dtype != x.dtype:
         raise ValueError(
             f"block {type(block).__name__} returned {getattr(y, 'shape', type(y).__name__)} "
-            f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block maps x to an x of "
-            "the same shape and dtype (return the new x only, not a (carry, output) pair)."
+            f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block "
+            "maps x to an x of the same shape and dtype (return the new x only, not a (carry, "
+            "output) pair)."
         )
     return y
 
@@ -86,38 +93,42 @@ def _unbox(tree: Any) -> Any:
 
 
 def _box_layers(tree: Any) -> Any:
-    """Leaves the scan left unboxed (the block annotates nothing) get the logical names ``("layers", None, ...)``,
-    so a strategy with stage axes splits them over the stages."""
+    """Leaves the scan left unboxed (the block annotates nothing) get the logical names ``("layers",
+    None, ...)``, so a strategy with stage axes splits them over the stages."""
 
     def box(x):
-        return x if is_box(x) else nn.LogicallyPartitioned(x, (LAYERS,) + (None,) * (np.ndim(x) - 1))
+        return x if is_box(x) else nn.LogicallyPartitioned(x,
+                                                           (LAYERS,) + (None,) * (np.ndim(x) - 1))
 
     return jax.tree.map(box, tree, is_leaf=is_box)
 
 
 class Pipeline(nn.Module):
-    """``num_layers`` copies of ``block`` run one after the other: a pipeline over a strategy's stage axes,
-    the plain ``nn.scan`` elsewhere (see the module doc).
+    """``num_layers`` copies of ``block`` run one after the other: a pipeline over a strategy's
+    stage axes, the plain ``nn.scan`` elsewhere (see the module doc).
 
     Attributes:
-        block: a linen module for ONE layer, called ``block(x, *args, **kwargs) -> x`` (same shape and dtype);
-            created where you write it (e.g. inside the parent's ``@nn.compact``): the pipeline clones it, and
-            its parameters live under ``params[<pipeline name>]["block"]``. Only ``"params"`` variables
-            (no BatchNorm statistics, no cache).
+        block: a linen module for ONE layer, called ``block(x, *args, **kwargs) -> x`` (same shape
+            and dtype); created where you write it (e.g. inside the parent's ``@nn.compact``): the
+            pipeline clones it, and its parameters live under ``params[<pipeline name>]["block"]``.
+            Only ``"params"`` variables (no BatchNorm statistics, no cache).
         num_layers: ``L``, the number of layers (the leading axis of every parameter).
-        num_microbatches: ``M``: the batch is split into ``M`` micro-batches; must divide the per-replica batch.
+        num_microbatches: ``M``: the batch is split into ``M`` micro-batches; must divide the
+            per-replica batch.
         schedule: ``"gpipe"`` or ``"circular"``.
         repeats: ``R``, the circular schedule's trips around the stages (1 for ``"gpipe"``).
-        remat: recompute each layer's activations in the backward pass: True (``jax.checkpoint``), False, or a
-            ``jax.checkpoint_policies`` policy.
-        unroll: unroll the loops over layers and pipeline iterations (longer compiles; XLA's cost analysis,
-            which counts a loop's body once, then counts every iteration: how the bubble is measured).
+        remat: recompute each layer's activations in the backward pass: True (``jax.checkpoint``),
+            False, or a ``jax.checkpoint_policies`` policy.
+        unroll: unroll the loops over layers and pipeline iterations (longer compiles; XLA's cost
+            analysis, which counts a loop's body once, then counts every iteration: how the bubble
+            is measured).
 
     Raises (when called):
-        ValueError: for an unknown ``schedule``, ``repeats`` or ``num_microbatches`` < 1, ``repeats > 1`` with
-            ``"gpipe"``, ``num_microbatches`` that does not divide the per-replica batch, ``num_layers`` that
-            the stages x repeats do not divide, a circular schedule with fewer micro-batches than stages, or a
-            block that returns another shape or holds variables other than ``"params"``.
+        ValueError: for an unknown ``schedule``, ``repeats`` or ``num_microbatches`` < 1, ``repeats
+            > 1`` with ``"gpipe"``, ``num_microbatches`` that does not divide the per-replica batch,
+            ``num_layers`` that the stages x repeats do not divide, a circular schedule with fewer
+            micro-batches than stages, or a block that returns another shape or holds variables
+            other than ``"params"``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdist as jd
@@ -128,10 +139,13 @@ class Pipeline(nn.Module):
         >>> model = jd.nn.Pipeline(block=Block(), num_layers=4, num_microbatches=2)
         >>> x = jnp.ones((4, 8))
         >>> params = model.init(jax.random.key(0), x)
-        >>> jax.tree.map(lambda p: p.shape, nn.unbox(params))["params"]["block"]["Dense_0"]["kernel"]
+        >>> jax.tree.map(lambda p: p.shape,
+        ...              nn.unbox(params))["params"]["block"]["Dense_0"]["kernel"]
         (4, 8, 8)
-        >>> mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        >>> pp = jd.ShardedStrategy(mesh=mesh, batch_axes="data", stage_axes="stage", min_shard_size=1)
+        >>> mesh = jax.make_mesh((4, 2), ("stage", "data"),
+        ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        >>> pp = jd.ShardedStrategy(mesh=mesh, batch_axes="data", stage_axes="stage",
+        ...                         min_shard_size=1)
         >>> placed = pp.create_variables(model.init, jax.random.key(0), x)
         >>> placed["params"]["block"]["Dense_0"]["kernel"].value.sharding.spec
         P('stage',)
@@ -148,10 +162,11 @@ class Pipeline(nn.Module):
     remat: bool | Callable[..., Any] = False
     unroll: bool = False
 
-    # ------------------------------------------------------------------------------------ validation
+    # ----------------------------------------------------------------------------------- validation
     def _check(self) -> None:
         if not isinstance(self.block, nn.Module):
-            raise ValueError(f"block={self.block!r} is not a flax.linen Module: pass one layer, e.g. block=Block(64).")
+            raise ValueError(f"block={self.block!r} is not a flax.linen Module: pass one layer, "
+                             "e.g. block=Block(64).")
         for name in ("num_layers", "num_microbatches", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -160,30 +175,32 @@ class Pipeline(nn.Module):
             raise ValueError(f"schedule={self.schedule!r} is not one of {SCHEDULES}.")
         if self.schedule == "gpipe" and self.repeats != 1:
             raise ValueError(
-                f"repeats={self.repeats} with schedule='gpipe': GPipe runs each stage's layers once per micro-batch; "
-                "use schedule='circular' for repeats > 1."
+                f"repeats={self.repeats} with schedule='gpipe': GPipe runs each stage's layers "
+                "once per micro-batch; use schedule='circular' for repeats > 1."
             )
 
     def _check_batch(self, x: jax.Array, replicas: int) -> None:
         if np.ndim(x) < 1:
-            raise ValueError(f"Pipeline got an input of shape {np.shape(x)}: it needs a leading batch dimension.")
+            raise ValueError(f"Pipeline got an input of shape {np.shape(x)}: it needs a leading "
+                             "batch dimension.")
         batch, m = x.shape[0], self.num_microbatches
         if batch % replicas or (batch // replicas) % m:
             per = batch // replicas if batch % replicas == 0 else batch / replicas
             raise ValueError(
-                f"num_microbatches={m} does not divide the per-replica batch {per} (global batch {batch} over "
-                f"{replicas} replica(s)): pick num_microbatches among the divisors of {per}, or make the global "
-                f"batch a multiple of {m * replicas}."
+                f"num_microbatches={m} does not divide the per-replica batch {per} (global batch "
+                f"{batch} over {replicas} replica(s)): pick num_microbatches among the divisors of "
+                f"{per}, or make the global batch a multiple of {m * replicas}."
             )
 
-    # ---------------------------------------------------------------------------------------- layers
+    # --------------------------------------------------------------------------------------- layers
     def _layer_fn(self, kwargs: dict[str, Any], dropout: bool) -> Callable:
         """``(params_of_one_layer, key, x, args) -> x``: one layer, applied functionally."""
         block = self.block.clone(parent=None, name=None)
 
         def layer(params, key, x, args):
             rngs = {"dropout": jax.random.wrap_key_data(key)} if dropout else None
-            return _checked(self.block, x, block.apply({"params": params}, x, *args, rngs=rngs, **kwargs))
+            return _checked(self.block, x, block.apply({"params": params}, x, *args, rngs=rngs,
+                                                       **kwargs))
 
         if self.remat is True:
             layer = jax.checkpoint(layer)
@@ -191,8 +208,10 @@ class Pipeline(nn.Module):
             layer = jax.checkpoint(layer, policy=self.remat)
         return layer
 
-    def _run_layers(self, layer: Callable, params: Any, keys: jax.Array, x: jax.Array, m: Any, args: tuple) -> Any:
-        """``x`` through the stacked layers of ``params`` (leading axis: layers), micro-batch ``m``'s keys."""
+    def _run_layers(self, layer: Callable, params: Any, keys: jax.Array, x: jax.Array, m: Any,
+                    args: tuple) -> Any:
+        """``x`` through the stacked layers of ``params`` (leading axis: layers), micro-batch
+        ``m``'s keys."""
 
         def body(h, per_layer):
             p, k = per_layer
@@ -201,7 +220,7 @@ class Pipeline(nn.Module):
 
         return lax.scan(body, x, (params, keys), unroll=self.unroll)[0]
 
-    # ------------------------------------------------------------------------------------------ call
+    # ----------------------------------------------------------------------------------------- call
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         self._check()
@@ -211,8 +230,9 @@ class Pipeline(nn.Module):
         extra = sorted(c for c, tree in variables.items() if c != "params" and "block" in tree)
         if extra:
             raise ValueError(
-                f"block {type(self.block).__name__} holds variables of collection(s) {extra}: Pipeline carries only "
-                "'params' (no BatchNorm statistics or caches) from layer to layer."
+                f"block {type(self.block).__name__} holds variables of collection(s) {extra}: "
+                "Pipeline carries only 'params' (no BatchNorm statistics or caches) from layer to "
+                "layer."
             )
         params = _unbox(variables["params"]["block"])
         dropout = self.has_rng("dropout")
@@ -222,42 +242,54 @@ class Pipeline(nn.Module):
         keys = jax.random.key_data(jax.random.split(base, self.num_layers))
         layer = self._layer_fn(kwargs, dropout)
         computation = ambient.current_computation()
-        policy = computation.policy if computation is not None and computation.kind == "global" else None
+        policy = (
+            computation.policy if computation is not None and computation.kind == "global" else None
+        )
         stages = policy.roles.size(policy.roles.stage_axes) if policy is not None else 1
-        if stages == 1:  # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
+        # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
+        if stages == 1:
             self._check_batch(x, 1)
             return self._plain(layer, params, keys, x, args, dropout)
         self._check_batch(x, policy.num_replicas)
         return self._pipelined(layer, params, keys, x, args, policy, stages)
 
     def _init_scan(self, x: jax.Array, args: tuple, kwargs: dict[str, Any]) -> jax.Array:
-        """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for rng)."""
+        """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for
+        rng)."""
 
         def body(module, carry, *xs):
             return _checked(module, carry, module(carry, *xs, **kwargs)), None
 
         scan = nn.scan(
             body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-            length=self.num_layers, in_axes=(nn.broadcast,) * len(args), metadata_params={nn.PARTITION_NAME: LAYERS},
+            length=self.num_layers, in_axes=(nn.broadcast,) * len(args),
+            metadata_params={nn.PARTITION_NAME: LAYERS},
         )
-        # A block created outside any module is this module's child "block" already; one created in the
-        # parent's @nn.compact belongs to the parent: clone it here, under the same name.
-        block = self.block if self.block.parent is self else self.block.clone(parent=self, name="block")
+        # A block created outside any module is this module's child "block" already; one created in
+        # the parent's @nn.compact belongs to the parent: clone it here, under the same name.
+        block = (
+            self.block if self.block.parent is self else self.block.clone(parent=self, name="block")
+        )
         y = scan(block, x, *args)[0]
-        # Unannotated leaves get the "layers" name too (the values are the scan's, only the box is added).
+        # Unannotated leaves get the "layers" name too (the values are the scan's, only the box is
+        # added).
         self.put_variable("params", "block", _box_layers(self.variables["params"]["block"]))
         return y
 
     def _split(self, x: jax.Array, batch: int) -> jax.Array:
-        m = self.num_microbatches  # micro-batch i: rows i, i + M, ... (each keeps its rows on their data shards)
+        # micro-batch i: rows i, i + M, ... (each keeps its rows on their data shards)
+        m = self.num_microbatches
         return x.reshape(batch // m, m, *x.shape[1:]).swapaxes(0, 1)
 
     def _merge(self, xs: jax.Array) -> jax.Array:
         return xs.swapaxes(0, 1).reshape(-1, *xs.shape[2:])
 
     def _split_args(self, args: tuple, batch: int) -> tuple[tuple, tuple[bool, ...]]:
-        split = tuple(isinstance(a, jax.Array | np.ndarray) and np.ndim(a) >= 1 and a.shape[0] == batch for a in args)
-        return tuple(self._split(jnp.asarray(a), batch) if s else a for a, s in zip(args, split, strict=True)), split
+        split = tuple(isinstance(a, jax.Array | np.ndarray) and np.ndim(a) >= 1
+                      and a.shape[0] == batch for a in args)
+        return tuple(
+            self._split(jnp.asarray(a), batch) if s else a for a, s in zip(args, split, strict=True)
+        ), split
 
     def _plain(self, layer, params, keys, x, args, dropout) -> jax.Array:
         if not dropout or self.num_microbatches == 1:
@@ -279,8 +311,8 @@ class Pipeline(nn.Module):
         explicit = explicit_axes(policy.mesh)
         if not explicit:
             return self._pipeline_loop(layer, params, keys, x, args, policy, stages)
-        # On Explicit axes (a layout is part of a value's type) the loop's reshapes and constraints run with
-        # the axes Auto; the output comes back typed as the input was.
+        # On Explicit axes (a layout is part of a value's type) the loop's reshapes and constraints
+        # run with the axes Auto; the output comes back typed as the input was.
         return jax.sharding.auto_axes(
             lambda p, k, h, a: self._pipeline_loop(layer, p, k, h, a, policy, stages),
             axes=explicit, out_sharding=jax.typeof(x).sharding,
@@ -291,21 +323,26 @@ class Pipeline(nn.Module):
         num_layers, repeats, m_count = self.num_layers, self.repeats, self.num_microbatches
         if num_layers % (stages * repeats):
             raise ValueError(
-                f"num_layers={num_layers} is not divisible by the {stages} stages x repeats={repeats}: each stage "
-                f"runs num_layers / (stages x repeats) layers per visit; use a multiple of {stages * repeats} "
-                "layers, or another stage count or repeats."
+                f"num_layers={num_layers} is not divisible by the {stages} stages x "
+                f"repeats={repeats}: each stage runs num_layers / (stages x repeats) layers per "
+                f"visit; use a multiple of {stages * repeats} layers, or another stage count or "
+                "repeats."
             )
         if repeats > 1 and m_count < stages:
             raise ValueError(
-                f"num_microbatches={m_count} is less than the {stages} stages with schedule='circular': a "
-                f"micro-batch comes back to stage 0 before the stage is free; use num_microbatches >= {stages}."
+                f"num_microbatches={m_count} is less than the {stages} stages with "
+                "schedule='circular': a micro-batch comes back to stage 0 before the stage is "
+                f"free; use num_microbatches >= {stages}."
             )
         per = num_layers // (stages * repeats)
         stage_spec = PartitionSpec(roles.entry("stage"))
-        ambient_mesh = jax.sharding.get_abstract_mesh()  # the step's mesh, with Explicit axes made Auto here
-        mesh = ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names) else policy.mesh
+        # the step's mesh, with Explicit axes made Auto here
+        ambient_mesh = jax.sharding.get_abstract_mesh()
+        mesh = (ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names)
+                else policy.mesh)
 
-        def by_stage(a):  # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
+        # (L, ...) -> (S, R, K, ...): visit r of stage s runs layers (r S + s) K ...
+        def by_stage(a):
             a = a.reshape(repeats, stages, per, *a.shape[1:]).swapaxes(0, 1)
             return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, stage_spec))
 
@@ -341,10 +378,15 @@ class Pipeline(nn.Module):
                     buf = lax.dynamic_update_index_in_dim(buf, recv, done, 0)
                 final = t - stages + 1 >= (repeats - 1) * m_count
                 outs = lax.dynamic_update_index_in_dim(
-                    outs, jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)), done, 0)
+                    outs,
+                    jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)),
+                    done,
+                    0,
+                )
                 return (recv, buf, outs), None
 
-            (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations), unroll=self.unroll)
+            (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations),
+                                       unroll=self.unroll)
             return outs[None]
 
         arg_specs = tuple(PartitionSpec() for _ in margs)

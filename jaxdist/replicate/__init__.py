@@ -1,4 +1,5 @@
-"""Replicated values and their layouts: mirrored, per-replica and sync-on-read values; reduce and aggregation."""
+"""Replicated values and their layouts: mirrored, per-replica and sync-on-read values; reduce and
+aggregation."""
 
 from jaxdist.replicate.layouts import MODEL_AXIS as MODEL_AXIS
 from jaxdist.replicate.layouts import REPLICA_AXIS as REPLICA_AXIS

@@ -1,12 +1,12 @@
 """Layouts: where the pieces of an array live on a strategy's mesh.
 
-Every strategy owns a `jax.sharding.Mesh` whose data-parallel axis is `REPLICA_AXIS`. Three layouts cover the
-data-parallel strategies:
+Every strategy owns a `jax.sharding.Mesh` whose data-parallel axis is `REPLICA_AXIS`. Three layouts
+cover the data-parallel strategies:
 
 * replicated (mirrored values): every replica holds the whole array, `PartitionSpec()`;
 * batch-sharded (distributed input): axis 0 split over the replicas, `PartitionSpec("replica")`;
-* per-replica (one component per replica, stacked on a new leading axis): also `PartitionSpec("replica")`, on
-  an array whose axis 0 has exactly one entry per replica.
+* per-replica (one component per replica, stacked on a new leading axis): also
+  `PartitionSpec("replica")`, on an array whose axis 0 has exactly one entry per replica.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """The distributed-input (and per-replica) layout: axis 0 split over the replica axis of ``mesh``.
+    """The distributed-input (and per-replica) layout: axis 0 split over the replica axis of
+    ``mesh``.
 
     Examples:
         >>> import jax, numpy as np
@@ -63,16 +64,17 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
-    """Place host or device value ``x`` (the same on every process) with ``sharding``, across processes too.
+    """Place host or device value ``x`` (the same on every process) with ``sharding``, across
+    processes too.
 
-    A host value is sliced on the host and each device gets only its part (a split layout is born split); a
-    global array spanning processes is resharded on the devices.
+    A host value is sliced on the host and each device gets only its part (a split layout is born
+    split); a global array spanning processes is resharded on the devices.
 
     Args:
         x: the value.
         sharding: where it goes.
-        copy: never share a buffer with ``x`` (a device array already where it goes is copied): a value the
-            caller keeps stays valid when the result is donated.
+        copy: never share a buffer with ``x`` (a device array already where it goes is copied): a
+            value the caller keeps stays valid when the result is donated.
 
     Examples:
         >>> import jax, numpy as np
@@ -80,24 +82,29 @@ def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
         >>> put(np.ones(2), replicated(mesh)).shape
         (2,)
     """
-    if copy and isinstance(x, jax.Array):  # device_put reuses a buffer where it can, whatever may_alias says
+    # device_put reuses a buffer where it can, whatever may_alias says
+    if copy and isinstance(x, jax.Array):
         x = x.copy()
     if jax.process_count() == 1 or sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # a global array: resharded on the devices
+    # a global array: resharded on the devices
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)
-    local = np.asarray(x)  # every process holds the whole value; each transfers only its own devices' parts
+    # every process holds the whole value; each transfers only its own devices' parts
+    local = np.asarray(x)
     return jax.make_array_from_callback(local.shape, sharding, lambda idx: local[idx])
 
 
 def on_mesh(sharding: Any, mesh: Mesh) -> bool:
-    """True when ``sharding`` lays an array out over exactly ``mesh`` (a `NamedSharding` on it: the same
-    devices in the same order, axis names and axis types). The one answer to "is this on the mesh".
+    """True when ``sharding`` lays an array out over exactly ``mesh`` (a `NamedSharding` on it: the
+    same devices in the same order, axis names and axis types). The one answer to "is this on the
+    mesh".
 
     Examples:
         >>> import jax, numpy as np
         >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (REPLICA_AXIS,))
-        >>> on_mesh(replicated(mesh), mesh), on_mesh(jax.sharding.SingleDeviceSharding(jax.devices()[0]), mesh)
+        >>> (on_mesh(replicated(mesh), mesh),
+        ...  on_mesh(jax.sharding.SingleDeviceSharding(jax.devices()[0]), mesh))
         (True, False)
     """
     return isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh)
@@ -116,8 +123,8 @@ def is_on_mesh(x: Any, mesh: Mesh) -> bool:
 
 
 def splits_batch_axis(x: Any, mesh: Mesh, axes: tuple[str, ...] = (REPLICA_AXIS,)) -> bool:
-    """True when ``x`` is on ``mesh`` with its axis 0 split over (at least) the batch ``axes`` (a distributed
-    batch; `REPLICA_AXIS` unless the mesh is the user's own).
+    """True when ``x`` is on ``mesh`` with its axis 0 split over (at least) the batch ``axes`` (a
+    distributed batch; `REPLICA_AXIS` unless the mesh is the user's own).
 
     Examples:
         >>> import jax, numpy as np

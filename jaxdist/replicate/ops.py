@@ -1,9 +1,9 @@
 """Reduce operations and variable aggregation modes, with their validation.
 
-`ReduceOp` says how per-replica values combine into one (SUM or MEAN). `VariableAggregation` says how a
-replica-context update of a mirrored or sync-on-read value is combined across replicas. Both accept their
-enum members or their names in any case (``"sum"``, ``"MEAN"``); anything else is a ValueError that lists the
-valid choices.
+`ReduceOp` says how per-replica values combine into one (SUM or MEAN). `VariableAggregation` says
+how a replica-context update of a mirrored or sync-on-read value is combined across replicas. Both
+accept their enum members or their names in any case (``"sum"``, ``"MEAN"``); anything else is a
+ValueError that lists the valid choices.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class _ParsableEnum(enum.Enum):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls.__members__[value.upper()]
-        # Accept the other enum's member of the same name (ReduceOp.SUM where an aggregation is wanted).
+        # Accept the other enum's member of the same name (ReduceOp.SUM where an aggregation is
+        # wanted).
         if isinstance(value, enum.Enum) and value.name in cls.__members__:
             return cls.__members__[value.name]
         valid = ", ".join(f"{cls.__name__}.{m}" for m in cls.__members__)
@@ -50,11 +51,12 @@ class ReduceOp(_ParsableEnum):
 
 
 class VariableAggregation(_ParsableEnum):
-    """How replica-context updates of a distributed value are combined (as ``tf.VariableAggregation``).
+    """How replica-context updates of a distributed value are combined (as
+    ``tf.VariableAggregation``).
 
     ``NONE``: no aggregation; updating a mirrored value from replica context is then an error.
-    ``SUM`` / ``MEAN``: all-reduce the per-replica updates. ``ONLY_FIRST_REPLICA``: replica 0's value wins
-    and is broadcast to every replica.
+    ``SUM`` / ``MEAN``: all-reduce the per-replica updates. ``ONLY_FIRST_REPLICA``: replica 0's
+    value wins and is broadcast to every replica.
 
     Examples:
         >>> import jaxdist as jd
@@ -69,7 +71,8 @@ class VariableAggregation(_ParsableEnum):
 
 
 def check_mean_dtype(value: Any, what: str = "value") -> None:
-    """Raise when a MEAN would be taken of an integer or boolean array (it cannot be stored back exactly).
+    """Raise when a MEAN would be taken of an integer or boolean array (it cannot be stored back
+    exactly).
 
     Args:
         value: an array or anything with a ``dtype``.

@@ -1,8 +1,10 @@
-"""Pytree utilities every layer uses: which leaves are traced, their abstract shapes, cache keys and names.
+"""Pytree utilities every layer uses: which leaves are traced, their abstract shapes, cache keys and
+names.
 
-One home for the small questions asked of argument trees everywhere in jaxdist: is a leaf an array (traced)
-or a constant (static, as in tf.function); is it a distributed value (`PerReplica` / `SyncOnRead`); what are
-its shapes (for a cache key or an abstract trace); how does an error name the user's function.
+One home for the small questions asked of argument trees everywhere in jaxdist: is a leaf an array
+(traced) or a constant (static, as in tf.function); is it a distributed value (`PerReplica` /
+`SyncOnRead`); what are its shapes (for a cache key or an abstract trace); how does an error name
+the user's function.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def is_distributed(x: Any) -> bool:
 
 
 def is_array(x: Any) -> bool:
-    """True for a leaf that is traced (a `jax.Array`, a tracer, a numpy array or scalar); other leaves (Python
-    numbers, strings, callables, configs) are compile-time constants.
+    """True for a leaf that is traced (a `jax.Array`, a tracer, a numpy array or scalar); other
+    leaves (Python numbers, strings, callables, configs) are compile-time constants.
 
     Examples:
         >>> import numpy as np
@@ -58,8 +60,8 @@ def is_array(x: Any) -> bool:
 
 
 def is_value(x: Any) -> bool:
-    """True for a leaf that is a value a program takes or returns: an array (`is_array`) or a Python number;
-    other leaves (functions, strings, an Equinox module's activations) are not.
+    """True for a leaf that is a value a program takes or returns: an array (`is_array`) or a Python
+    number; other leaves (functions, strings, an Equinox module's activations) are not.
 
     Examples:
         >>> import numpy as np
@@ -80,10 +82,11 @@ def is_module(x: Any) -> bool:
 
 
 def placed_leaves(tree: Any) -> list[bool]:
-    """Per leaf of ``tree``, whether it is a value to place on devices: an array or a Python number, as
-    ``jax.device_put`` places them (a Flax ``TrainState``'s ``step=0`` is a counter), except inside an Equinox
-    module, whose Python numbers and bools are its settings (``eqx.filter_jit``'s rule: BatchNorm's
-    ``inference`` flag is branched on in Python). Functions, strings and None are never placed.
+    """Per leaf of ``tree``, whether it is a value to place on devices: an array or a Python number,
+    as ``jax.device_put`` places them (a Flax ``TrainState``'s ``step=0`` is a counter), except
+    inside an Equinox module, whose Python numbers and bools are its settings (``eqx.filter_jit``'s
+    rule: BatchNorm's ``inference`` flag is branched on in Python). Functions, strings and None are
+    never placed.
 
     Examples:
         >>> placed_leaves({"step": 0, "act": abs, "w": np.zeros(2)})
@@ -102,8 +105,8 @@ def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:
     """``tree``'s array leaves (to trace) and a record of the rest (constants), for `merge_static`.
 
     Returns:
-        ``(dynamic, treedef, statics)``: the array leaves in order; the tree structure; one entry per leaf,
-        None where the leaf is an array, the constant itself otherwise.
+        ``(dynamic, treedef, statics)``: the array leaves in order; the tree structure; one entry
+        per leaf, None where the leaf is an array, the constant itself otherwise.
 
     Examples:
         >>> import numpy as np
@@ -121,7 +124,8 @@ def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:
 
 
 def merge_static(dynamic: Sequence[Any], treedef: Any, statics: tuple) -> Any:
-    """The tree `split_static` took apart, with ``dynamic`` (traced values) in the array positions."""
+    """The tree `split_static` took apart, with ``dynamic`` (traced values) in the array
+    positions."""
     it = iter(dynamic)
     return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in statics])
 
@@ -147,7 +151,8 @@ def abstract(tree: Any, keep_sharding: bool = False) -> Any:
 
 
 def signature(tree: Any) -> tuple:
-    """``tree``'s structure with the shape and dtype of each leaf: equal signatures are interchangeable values.
+    """``tree``'s structure with the shape and dtype of each leaf: equal signatures are
+    interchangeable values.
 
     Examples:
         >>> import numpy as np

@@ -1,15 +1,15 @@
 """Distributed values: `PerReplica` and `SyncOnRead`, and the naming of mirrored components.
 
-Mirrored values are plain pytrees of replicated `jax.Array`s (see `layouts.replicated`): nothing to wrap.
-Values that differ between replicas are stored the JAX way, as ONE global array whose new leading axis has one
-entry per replica and is split over the replica axis, so each device holds exactly its own component and no
-copy is ever made to build or read them:
+Mirrored values are plain pytrees of replicated `jax.Array`s (see `layouts.replicated`): nothing to
+wrap. Values that differ between replicas are stored the JAX way, as ONE global array whose new
+leading axis has one entry per replica and is split over the replica axis, so each device holds
+exactly its own component and no copy is ever made to build or read them:
 
-* `PerReplica`: what `Strategy.run` returns for outputs that differ between replicas (tf.distribute's
-  ``PerReplica``). Read the components with ``.values`` (this process's replicas) or combine them with
-  ``strategy.reduce`` / ``strategy.gather``.
-* `SyncOnRead`: a value each replica updates locally (metrics, batch-norm statistics) and that aggregates only
-  when read in cross-replica context (tf.distribute's ``SyncOnReadVariable``).
+* `PerReplica`: what `Strategy.run` returns for outputs that differ between replicas
+  (tf.distribute's ``PerReplica``). Read the components with ``.values`` (this process's replicas)
+  or combine them with ``strategy.reduce`` / ``strategy.gather``.
+* `SyncOnRead`: a value each replica updates locally (metrics, batch-norm statistics) and that
+  aggregates only when read in cross-replica context (tf.distribute's ``SyncOnReadVariable``).
 
 Both are pytree nodes, so they pass through `jax.jit` and `jax.tree_util` unchanged.
 """
@@ -45,9 +45,9 @@ _capturing = threading.local()  # per thread: is a replica function being traced
 
 
 class CapturedSyncOnRead(Exception):
-    """Raised while a replica function is first traced when it reads or updates a `SyncOnRead` it did not get
-    as an argument (one it captured, as tf.distribute code uses its metric objects): ``strategy.run`` then
-    passes that value in, out of sight, and traces again."""
+    """Raised while a replica function is first traced when it reads or updates a `SyncOnRead` it
+    did not get as an argument (one it captured, as tf.distribute code uses its metric objects):
+    ``strategy.run`` then passes that value in, out of sight, and traces again."""
 
     def __init__(self, value: SyncOnRead):
         super().__init__("a captured sync-on-read value was used in replica context")
@@ -55,10 +55,11 @@ class CapturedSyncOnRead(Exception):
 
 
 class _View:
-    """One trace of a replica function's view of a sync-on-read value: whether the function assigned it.
+    """One trace of a replica function's view of a sync-on-read value: whether the function assigned
+    it.
 
-    Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a nested
-    ``jax.jit`` is flattened and made again): the flag is the view's, not one object's.
+    Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a
+    nested ``jax.jit`` is flattened and made again): the flag is the view's, not one object's.
     """
 
     __slots__ = ("assigned",)
@@ -68,10 +69,11 @@ class _View:
 
 
 def in_replica(component: Any, aggregation: Any, owner: Any = None) -> SyncOnRead:
-    """A sync-on-read value as a replica function sees it while ``strategy.run`` traces it: ``component`` (this
-    replica's) held in a `jax.Ref`, so that its updates are effects JAX carries out of ``lax.scan`` /
-    ``lax.cond`` bodies and nested ``jax.jit`` functions, as tf.distribute's in-place updates are. Read what
-    it holds at the end with ``.read()``; `assigned` says whether the function updated it.
+    """A sync-on-read value as a replica function sees it while ``strategy.run`` traces it:
+    ``component`` (this replica's) held in a `jax.Ref`, so that its updates are effects JAX carries
+    out of ``lax.scan`` / ``lax.cond`` bodies and nested ``jax.jit`` functions, as tf.distribute's
+    in-place updates are. Read what it holds at the end with ``.read()``; `assigned` says whether
+    the function updated it.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -89,8 +91,8 @@ def in_replica(component: Any, aggregation: Any, owner: Any = None) -> SyncOnRea
 
 
 def assigned(value: SyncOnRead) -> bool:
-    """Whether the replica function being traced assigned ``value`` (one made by `in_replica` or seen through
-    `local_view`); False for any other value."""
+    """Whether the replica function being traced assigned ``value`` (one made by `in_replica` or
+    seen through `local_view`); False for any other value."""
     view = value._local
     return isinstance(view, _View) and view.assigned
 
@@ -98,9 +100,9 @@ def assigned(value: SyncOnRead) -> bool:
 @contextlib.contextmanager
 def noticing_captures(on: bool = True) -> Iterator[None]:
     """While active (on this thread), a cross-replica `SyncOnRead` read or updated raises
-    `CapturedSyncOnRead`: ``strategy.run`` traces its replica function under it. ``on=False`` suspends that
-    for cross-replica code inside the replica function (``merge_call``'s function, where a sync-on-read value
-    reads aggregated)."""
+    `CapturedSyncOnRead`: ``strategy.run`` traces its replica function under it. ``on=False``
+    suspends that for cross-replica code inside the replica function (``merge_call``'s function,
+    where a sync-on-read value reads aggregated)."""
     before = getattr(_capturing, "on", False)
     _capturing.on = on
     try:
@@ -111,9 +113,10 @@ def noticing_captures(on: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def local_view(value: SyncOnRead, component: Any) -> Iterator[None]:
-    """``value`` seen as one replica's ``component`` for the time of a replica function's trace (a captured
-    value: its updates there are that replica's, held in a `jax.Ref` as `in_replica` holds them); restored
-    after. Read the component with ``value.read()`` inside, and whether it was updated with `assigned`."""
+    """``value`` seen as one replica's ``component`` for the time of a replica function's trace (a
+    captured value: its updates there are that replica's, held in a `jax.Ref` as `in_replica` holds
+    them); restored after. Read the component with ``value.read()`` inside, and whether it was
+    updated with `assigned`."""
     saved = value._value, value._local
     value._value, value._local = jax.ref.new_ref(component), _View()
     try:
@@ -139,25 +142,28 @@ def component_name(name: str, replica_id: int) -> str:
 def local_components(stacked: jax.Array) -> tuple[jax.Array, ...]:
     """The components of a stacked per-replica array held by this process, in replica order.
 
-    Each is a single-device array (no copy): the shard of ``stacked`` on that replica's device, without its
-    leading axis of length 1.
+    Each is a single-device array (no copy): the shard of ``stacked`` on that replica's device,
+    without its leading axis of length 1.
 
     Examples:
         >>> import jax, numpy as np
         >>> [float(c) for c in local_components(jax.numpy.arange(1.0))]
         [0.0]
     """
-    def start(shard) -> int:  # the row a shard starts at: its replica index (whatever the mesh's device order)
+    # the row a shard starts at: its replica index (whatever the mesh's device order)
+    def start(shard) -> int:
         return (shard.index[0].start or 0) if shard.index else 0
 
     by_replica: dict[int, jax.Array] = {}
-    for shard in stacked.addressable_shards:  # several devices hold one component when an axis is replicated
+    # several devices hold one component when an axis is replicated
+    for shard in stacked.addressable_shards:
         by_replica.setdefault(start(shard), shard.data[0] if shard.data.ndim else shard.data)
     return tuple(by_replica[i] for i in sorted(by_replica))
 
 
 class _Distributed:
-    """Shared behaviour of values with one component per replica, stored stacked on a leading axis."""
+    """Shared behaviour of values with one component per replica, stored stacked on a leading
+    axis."""
 
     __slots__ = ("_owner", "_value")
 
@@ -192,9 +198,9 @@ class _Distributed:
 class PerReplica(_Distributed):
     """One value per replica, returned by ``strategy.run`` for outputs that differ between replicas.
 
-    ``.stacked`` is a global array of shape ``(num_replicas, *component_shape)`` split over the replicas;
-    ``.values`` are this process's components. Pass it back to ``strategy.run`` and each replica sees its own
-    component again.
+    ``.stacked`` is a global array of shape ``(num_replicas, *component_shape)`` split over the
+    replicas; ``.values`` are this process's components. Pass it back to ``strategy.run`` and each
+    replica sees its own component again.
 
     Examples:
         >>> import jax, jaxdist as jd
@@ -218,13 +224,13 @@ class PerReplica(_Distributed):
 class SyncOnRead(_Distributed):
     """A value each replica updates locally and that aggregates only when read across replicas.
 
-    Create one with ``strategy.sync_on_read(initial_value, aggregation)``. Inside ``strategy.run`` each replica
-    sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` / ``.assign_sub(x)`` update
-    it in place, as tf.distribute's sync-on-read variables are updated, and ``run`` keeps the update in the
-    object passed in. In cross-replica context ``.read()`` aggregates the components (SUM, MEAN or
-    ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components that read back as ``x`` (with SUM: ``x / N`` on
-    every replica). Inside ``strategy.jit`` a step that updates one in place returns it (a compiled step's
-    updates leave through its outputs).
+    Create one with ``strategy.sync_on_read(initial_value, aggregation)``. Inside ``strategy.run``
+    each replica sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` /
+    ``.assign_sub(x)`` update it in place, as tf.distribute's sync-on-read variables are updated,
+    and ``run`` keeps the update in the object passed in. In cross-replica context ``.read()``
+    aggregates the components (SUM, MEAN or ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components
+    that read back as ``x`` (with SUM: ``x / N`` on every replica). Inside ``strategy.jit`` a step
+    that updates one in place returns it (a compiled step's updates leave through its outputs).
 
     Examples:
         >>> import jaxdist as jd, jax.numpy as jnp
@@ -244,8 +250,9 @@ class SyncOnRead(_Distributed):
         aggregation = VariableAggregation.parse(aggregation, "aggregation")
         if aggregation is VariableAggregation.NONE:
             raise ValueError(
-                "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: reading it across "
-                "replicas needs an aggregation; specify an aggregation (SUM, MEAN or ONLY_FIRST_REPLICA)."
+                "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: "
+                "reading it across replicas needs an aggregation; specify an aggregation (SUM, "
+                "MEAN or ONLY_FIRST_REPLICA)."
             )
         self._aggregation = aggregation
         self._local = local
@@ -257,14 +264,15 @@ class SyncOnRead(_Distributed):
 
     @property
     def value(self) -> jax.Array:
-        """This replica's component (replica context only: inside a function ``strategy.run`` runs, whether
-        the value was passed to it or captured)."""
+        """This replica's component (replica context only: inside a function ``strategy.run`` runs,
+        whether the value was passed to it or captured)."""
         if not self._local:
             if getattr(_capturing, "on", False):
                 raise CapturedSyncOnRead(self)
             raise RuntimeError(
                 "SyncOnRead.value is this replica's component and exists only inside strategy.run; "
-                "in cross-replica context use .read() for the aggregated value or .values for the components."
+                "in cross-replica context use .read() for the aggregated value or .values for the "
+                "components."
             )
         return self._component()
 
@@ -276,44 +284,48 @@ class SyncOnRead(_Distributed):
             check_mean_dtype(value, "the sync-on-read value")
 
     def _check_kind(self, value: Any, call: str) -> None:
-        """Refuse ``value`` of a kind the components' dtype cannot hold (a float for an integer value, a complex
-        for a real one): stored, it would be truncated without a word (``assign_add(0.5)`` on an int32 value
-        adds 0). tf.distribute refuses it too (a dtype mismatch)."""
-        source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype  # a list, a Python number
+        """Refuse ``value`` of a kind the components' dtype cannot hold (a float for an integer
+        value, a complex for a real one): stored, it would be truncated without a word
+        (``assign_add(0.5)`` on an int32 value adds 0). tf.distribute refuses it too (a dtype
+        mismatch)."""
+        # a list, a Python number
+        source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
         target = self._value.dtype
         if _kind(source) <= _kind(target):
             return
         shown = value if isinstance(value, (bool, int, float, complex)) else f"a {source} value"
         raise TypeError(
-            f"{call}({shown}): the sync-on-read value is {target}, which cannot hold a {source} value (it would "
-            f"be truncated without a word). Pass a value of dtype {target} (e.g. jnp.asarray(x, jnp.{target})), or "
-            f"create the value with a {_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
+            f"{call}({shown}): the sync-on-read value is {target}, which cannot hold a {source} "
+            f"value (it would be truncated without a word). Pass a value of dtype {target} (e.g. "
+            f"jnp.asarray(x, jnp.{target})), or create the value with a "
+            f"{_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
             f"jnp.{jnp.dtype(source).name}), aggregation)."
         )
 
     def assign(self, value: Any) -> SyncOnRead:
         """Store ``value`` in place (as tf.distribute's variables do) and return this value.
 
-        In replica context (inside ``strategy.run``), ``value`` becomes this replica's component; ``run`` keeps
-        the update when it returns, in the object passed in. In cross-replica context the components are set
-        so that ``.read()`` returns ``value``: with SUM each of the N components is ``value / N`` (integers:
-        replica 0 holds ``value``, the others 0, so the sum stays exact); with MEAN and ONLY_FIRST_REPLICA
-        every component is ``value``.
+        In replica context (inside ``strategy.run``), ``value`` becomes this replica's component;
+        ``run`` keeps the update when it returns, in the object passed in. In cross-replica context
+        the components are set so that ``.read()`` returns ``value``: with SUM each of the N
+        components is ``value / N`` (integers: replica 0 holds ``value``, the others 0, so the sum
+        stays exact); with MEAN and ONLY_FIRST_REPLICA every component is ``value``.
 
         Raises:
-            TypeError: for a value the dtype cannot hold (a float for an integer value, a complex for a real one).
+            TypeError: for a value the dtype cannot hold (a float for an integer value, a complex
+                for a real one).
         """
         self._check_kind(value, "assign")
         if self._local:
             value = jnp.asarray(value, self._value.dtype)
             if value.shape != self._value.shape:
                 raise ValueError(
-                    f"value has shape {value.shape} but this replica's component has shape {self._value.shape}; "
-                    "a sync-on-read value keeps its shape."
+                    f"value has shape {value.shape} but this replica's component has shape "
+                    f"{self._value.shape}; a sync-on-read value keeps its shape."
                 )
             if isinstance(self._local, _View):
-                # An assignment is not differentiable (as tf.Variable.assign is not): what a replica function
-                # stores while jax.grad traces it is the value, not a path for gradients.
+                # An assignment is not differentiable (as tf.Variable.assign is not): what a replica
+                # function stores while jax.grad traces it is the value, not a path for gradients.
                 self._value[...] = jax.lax.stop_gradient(value)
                 self._local.assigned = True
             else:
@@ -325,28 +337,31 @@ class SyncOnRead(_Distributed):
         value = jnp.asarray(value, target.dtype)
         if value.shape != target.shape[1:]:
             raise ValueError(
-                f"value has shape {value.shape} but the sync-on-read value has shape {target.shape[1:]}; "
-                "a sync-on-read value keeps its shape."
+                f"value has shape {value.shape} but the sync-on-read value has shape "
+                f"{target.shape[1:]}; a sync-on-read value keeps its shape."
             )
         self._check_dtype(value)
         traced = isinstance(target, jax.core.Tracer)
-        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced else target.sharding)
+        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced
+                          else target.sharding)
         if isinstance(stacked, jax.core.Tracer) and not traced:
             raise ValueError(
-                f"a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read value "
-                f"({self._aggregation.name}, shape {target.shape[1:]}) that it captured from the enclosing code: the "
-                "update would live only in that trace (a JAX function cannot change the objects around it), and "
-                "the value would read as before. Pass it to the step as an argument and return it: "
-                "`seen = step(seen, batch)`."
+                "a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read "
+                f"value ({self._aggregation.name}, shape {target.shape[1:]}) that it captured from "
+                "the enclosing code: the update would live only in that trace (a JAX function "
+                "cannot change the objects around it), and the value would read as before. Pass it "
+                "to the step as an argument and return it: `seen = step(seen, batch)`."
             )
         self._value = stacked
         return self
 
     def assign_add(self, delta: Any) -> SyncOnRead:
-        """Add ``delta`` in place (to this replica's component in replica context) and return this value.
+        """Add ``delta`` in place (to this replica's component in replica context) and return this
+        value.
 
         Raises:
-            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer value).
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer
+                value).
 
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
@@ -355,23 +370,26 @@ class SyncOnRead(_Distributed):
             2
             >>> seen.assign_add(0.5)  # doctest: +ELLIPSIS
             Traceback (most recent call last):
-            TypeError: assign_add(0.5): the sync-on-read value is int32, which cannot hold a float32 value ...
+            TypeError: assign_add(0.5): the sync-on-read value is int32, which cannot hold a ...
         """
         self._check_kind(delta, "assign_add")
         return self.assign(self.read() + jnp.asarray(delta, self._value.dtype))
 
     def assign_sub(self, delta: Any) -> SyncOnRead:
-        """Subtract ``delta`` in place (from this replica's component in replica context); return this value.
+        """Subtract ``delta`` in place (from this replica's component in replica context); return
+        this value.
 
         Raises:
-            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer value).
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer
+                value).
         """
         self._check_kind(delta, "assign_sub")
         return self.assign(self.read() - jnp.asarray(delta, self._value.dtype))
 
     def read(self) -> jax.Array:
-        """The aggregated value in cross-replica context; this replica's component in replica context (inside
-        a function ``strategy.run`` runs, whether the value was passed to it or captured)."""
+        """The aggregated value in cross-replica context; this replica's component in replica
+        context (inside a function ``strategy.run`` runs, whether the value was passed to it or
+        captured)."""
         if self._local:
             return self._component()
         if getattr(_capturing, "on", False):
@@ -385,7 +403,12 @@ class SyncOnRead(_Distributed):
     def tree_unflatten(cls, aux, children):
         aggregation, owner, local = aux
         obj = object.__new__(cls)
-        obj._value, obj._aggregation, obj._owner, obj._local = children[0], aggregation, owner, local
+        obj._value, obj._aggregation, obj._owner, obj._local = (
+            children[0],
+            aggregation,
+            owner,
+            local,
+        )
         return obj
 
 
@@ -393,7 +416,8 @@ _KIND_NAMES = ("bool", "integer", "floating", "complex")
 
 
 def _kind(dtype: Any) -> int:
-    """0 bool, 1 integer, 2 floating, 3 complex: a value of a higher kind does not fit a lower one."""
+    """0 bool, 1 integer, 2 floating, 3 complex: a value of a higher kind does not fit a lower
+    one."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return 3
     if jnp.issubdtype(dtype, jnp.inexact):
@@ -404,8 +428,8 @@ def _kind(dtype: Any) -> int:
 
 
 def store_components(value: SyncOnRead, stacked: Any) -> None:
-    """Store ``stacked`` (one component per replica, stacked on axis 0) as ``value``'s components, in place:
-    how ``strategy.run`` keeps the in-place updates its replica function made.
+    """Store ``stacked`` (one component per replica, stacked on axis 0) as ``value``'s components,
+    in place: how ``strategy.run`` keeps the in-place updates its replica function made.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -423,8 +447,8 @@ def _aggregate_stacked(stacked: jax.Array, mode: str) -> jax.Array:
 
 
 def _spread(value: jax.Array, n: int, mode: str, sharding) -> jax.Array:
-    """Components, stacked, that aggregate back to ``value`` under ``mode`` (laid out with ``sharding``; None
-    inside a trace, where the enclosing program lays them out)."""
+    """Components, stacked, that aggregate back to ``value`` under ``mode`` (laid out with
+    ``sharding``; None inside a trace, where the enclosing program lays them out)."""
 
     def build(v):
         if mode != "SUM" or n == 1:

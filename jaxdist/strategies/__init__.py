@@ -1,6 +1,7 @@
 """Strategies: where replicas run and how code runs on them.
 
-The names used most are also at the top (``jd.MirroredStrategy`` is ``jd.strategies.MirroredStrategy``).
+The names used most are also at the top (``jd.MirroredStrategy`` is
+``jd.strategies.MirroredStrategy``).
 """
 
 from jaxdist.strategies import compat as compat
@@ -24,7 +25,9 @@ from jaxdist.strategies.layout import UndeclaredBatchWarning as UndeclaredBatchW
 from jaxdist.strategies.losses import compute_average_loss as compute_average_loss
 from jaxdist.strategies.losses import scale_regularization_loss as scale_regularization_loss
 from jaxdist.strategies.mirrored import MirroredStrategy as MirroredStrategy
-from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from jaxdist.strategies.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from jaxdist.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxdist.strategies.plan import Plan as Plan
 from jaxdist.strategies.plan import plan_mesh as plan_mesh

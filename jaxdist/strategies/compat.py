@@ -1,8 +1,9 @@
 """The 2018 module-level names (``tf.contrib.distribute``): ``jd.compat``.
 
-The strategy methods of 2018 (``call_for_each_tower``, ``num_towers``, ``unwrap``, ...) are on every strategy
-through `StrategyV1Names` (`jaxdist.strategies.tf_api._legacy`); this module adds the 2018 functions that find the
-current strategy and tower context, and re-exports the mixin and `TowerContext` under ``jd.compat``.
+The strategy methods of 2018 (``call_for_each_tower``, ``num_towers``, ``unwrap``, ...) are on every
+strategy through `StrategyV1Names` (`jaxdist.strategies.tf_api._legacy`); this module adds the 2018
+functions that find the current strategy and tower context, and re-exports the mixin and
+`TowerContext` under ``jd.compat``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = [
 
 
 def get_tower_context() -> TowerContext | None:
-    """2018 ``tf.get_tower_context()``: the `TowerContext` of the running replica, None in cross-replica code.
+    """2018 ``tf.get_tower_context()``: the `TowerContext` of the running replica, None in
+    cross-replica code.
 
     Examples:
         >>> import jaxdist as jd

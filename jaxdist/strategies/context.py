@@ -1,11 +1,13 @@
-"""Which strategy is current, and the replica context: ``jd.get_strategy()``, ``jd.get_replica_context()``.
+"""Which strategy is current, and the replica context: ``jd.get_strategy()``,
+``jd.get_replica_context()``.
 
-Cross-replica context is the normal Python code between steps; replica context is the body of a function
-running under `Strategy.run`. ``get_strategy()`` returns the strategy whose ``scope()`` is open, else a default
-single-device strategy created on first use (never at import: `jax.distributed.initialize` must be able to
-run before any device is queried). ``get_replica_context()`` returns the `ReplicaContext` of the replica being
-traced, ``None`` in cross-replica context (inside a scope), and a single-replica default context outside any
-scope, as in tf.distribute. (The state itself lives in `jaxdist.strategies.ambient._state`.)
+Cross-replica context is the normal Python code between steps; replica context is the body of a
+function running under `Strategy.run`. ``get_strategy()`` returns the strategy whose ``scope()`` is
+open, else a default single-device strategy created on first use (never at import:
+`jax.distributed.initialize` must be able to run before any device is queried).
+``get_replica_context()`` returns the `ReplicaContext` of the replica being traced, ``None`` in
+cross-replica context (inside a scope), and a single-replica default context outside any scope, as
+in tf.distribute. (The state itself lives in `jaxdist.strategies.ambient._state`.)
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ def _default_strategy() -> OneDeviceStrategy:
 
 
 def get_strategy() -> Any:
-    """The current strategy: the innermost open ``scope()`` (or running replica), else the default one.
+    """The current strategy: the innermost open ``scope()`` (or running replica), else the default
+    one.
 
-    The default strategy is a `OneDeviceStrategy` on the first device, created lazily on the first call.
+    The default strategy is a `OneDeviceStrategy` on the first device, created lazily on the first
+    call.
 
     Returns:
         The current `Strategy`.
@@ -77,9 +81,10 @@ def in_cross_replica_context() -> bool:
 def get_replica_context() -> ReplicaContext | None:
     """The replica context of the replica function being run, or None in cross-replica context.
 
-    Inside ``strategy.run(fn)``: the `ReplicaContext` of the replica (its id, all-reduce, all-gather).
-    Inside ``strategy.scope()`` but outside ``run``: None (cross-replica context). Outside any scope: a
-    single-replica context of the default strategy, so replica code also runs without a strategy.
+    Inside ``strategy.run(fn)``: the `ReplicaContext` of the replica (its id, all-reduce,
+    all-gather). Inside ``strategy.scope()`` but outside ``run``: None (cross-replica context).
+    Outside any scope: a single-replica context of the default strategy, so replica code also runs
+    without a strategy.
 
     Examples:
         >>> import jaxdist as jd

@@ -14,11 +14,14 @@ __all__ = ["OneDeviceStrategy"]
 
 
 class OneDeviceStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """One replica on one device: the same API as the multi-device strategies, for code that must run on both.
+    """One replica on one device: the same API as the multi-device strategies, for code that must
+    run on both.
 
     Args:
-        device: a `jax.Device`, a device id, or a name like ``"gpu:0"``; None for the first local device.
-        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
+        device: a `jax.Device`, a device id, or a name like ``"gpu:0"``; None for the first local
+            device.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None:
+            ``"replica"``.
 
     Raises:
         ValueError / TypeError: for a device that does not exist or is not a device.

@@ -1,4 +1,5 @@
-"""TPU: TPUStrategy and outside_compilation host regions (on-device step loops: ``jd.MultiStepContext``)."""
+"""TPU: TPUStrategy and outside_compilation host regions (on-device step loops:
+``jd.MultiStepContext``)."""
 
 from jaxdist.tpu.outside_compilation import host_compute_core as host_compute_core
 from jaxdist.tpu.outside_compilation import outside_compilation as outside_compilation

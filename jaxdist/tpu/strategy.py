@@ -1,9 +1,10 @@
-"""`TPUStrategy`: every device of the default backend, with on-device loops (tf.distribute.TPUStrategy).
+"""`TPUStrategy`: every device of the default backend, with on-device loops
+(tf.distribute.TPUStrategy).
 
-On a TPU host the default backend is the TPU and its cores are the replicas; elsewhere it is whatever JAX
-runs on (the simulated CPU devices in tests), so TPU code runs unchanged on a laptop. ``steps_per_run`` is how
-many steps ``run_steps_on_dataset`` runs per call by default (the on-device loop amortises the host round
-trip, which on TPUs is the dominant cost of small steps).
+On a TPU host the default backend is the TPU and its cores are the replicas; elsewhere it is
+whatever JAX runs on (the simulated CPU devices in tests), so TPU code runs unchanged on a laptop.
+``steps_per_run`` is how many steps ``run_steps_on_dataset`` runs per call by default (the on-device
+loop amortises the host round trip, which on TPUs is the dominant cost of small steps).
 """
 
 from __future__ import annotations
@@ -21,27 +22,32 @@ __all__ = ["TPUStrategy"]
 
 
 class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Synchronous data parallelism over the cores of the default backend, with on-device step loops.
+    """Synchronous data parallelism over the cores of the default backend, with on-device step
+    loops.
 
     Args:
-        steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>= 1).
+        steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>=
+            1).
         num_cores: use only the first ``num_cores`` devices; None for all of them.
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
-        host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory between on-device
-            loops, streamed to the cores for each loop (see the host-offload guide); None: device memory.
-        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None: ``"replica"``.
-        mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``: data parallel
-            over all its axes.
-        coordinator_address: the cluster, as for `MultiWorkerMirroredStrategy`: process 0's ``"host:port"``
-            (default: the ``JAXDIST_*`` variables, else JAX's cluster detection: a TPU pod's hosts connect themselves).
+        host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory
+            between on-device loops, streamed to the cores for each loop (see the host-offload
+            guide); None: device memory.
+        axis_name: the name ``run`` binds the replica axis to (pmap-era code: ``"batch"``); None:
+            ``"replica"``.
+        mesh: the user's `jax.sharding.Mesh` (a pod's ``jax.make_mesh``) instead of ``devices``:
+            data parallel over all its axes.
+        coordinator_address: the cluster, as for `MultiWorkerMirroredStrategy`: process 0's
+            ``"host:port"`` (default: the ``JAXDIST_*`` variables, else JAX's cluster detection: a
+            TPU pod's hosts connect themselves).
         num_processes: as for `MultiWorkerMirroredStrategy`: how many processes take part.
         process_id: as for `MultiWorkerMirroredStrategy`: this process's index.
         initialization_timeout: seconds to wait for every process to join.
         heartbeat_timeout_seconds: seconds without heartbeats after which a peer counts as dead.
 
     Raises:
-        ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or an unknown
-            ``host_offload``.
+        ValueError: for ``steps_per_run`` < 1, ``num_cores`` outside ``[1, number of devices]``, or
+            an unknown ``host_offload``.
 
     Examples:
         >>> import jaxdist as jd
@@ -65,19 +71,24 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         initialization_timeout: int = 120,
         heartbeat_timeout_seconds: int = 30,
     ):
-        if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or steps_per_run < 1:
-            raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per on-device loop).")
+        if not isinstance(steps_per_run, int) or isinstance(steps_per_run,
+                                                            bool) or steps_per_run < 1:
+            raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per "
+                             "on-device loop).")
         initialize_cluster(
-            coordinator_address, num_processes, process_id, initialization_timeout=initialization_timeout,
+            coordinator_address, num_processes, process_id,
+            initialization_timeout=initialization_timeout,
             heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="TPUStrategy",
         )
         if mesh is not None:
             if devices is not None or num_cores is not None:
-                raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already says which "
-                                 "cores; pass one of them.")
+                raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already "
+                                 "says which cores; pass one of them.")
             policy = LayoutPolicy(mesh=mesh, host_offload=host_offload)
         else:
-            available = tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
+            available = (
+                tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
+            )
             if num_cores is not None:
                 if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
                     raise ValueError(
@@ -96,7 +107,8 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         return self.num_replicas_in_sync
 
     def get_host_cpu_device(self, host_id: int = 0) -> jax.Device:
-        """The CPU device of host ``host_id`` (this process's host; other hosts' CPUs are not addressable).
+        """The CPU device of host ``host_id`` (this process's host; other hosts' CPUs are not
+        addressable).
 
         Raises:
             ValueError: for a host id outside ``[0, num_hosts)`` or another process's host.
@@ -107,12 +119,14 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
             'cpu'
         """
         if not isinstance(host_id, int) or not 0 <= host_id < self.num_hosts:
-            raise ValueError(f"host_id={host_id!r} must be in [0, {self.num_hosts}) (num_hosts={self.num_hosts}).")
+            raise ValueError(f"host_id={host_id!r} must be in [0, {self.num_hosts}) "
+                             f"(num_hosts={self.num_hosts}).")
         hosts = sorted({d.process_index for d in self.devices})
         if hosts[host_id] != jax.process_index():
             raise ValueError(
-                f"host_id={host_id} is process {hosts[host_id]}, not this process ({jax.process_index()}): only "
-                "this host's CPU is addressable here; ask that process."
+                f"host_id={host_id} is process {hosts[host_id]}, not this process "
+                f"({jax.process_index()}): only this host's CPU is addressable here; ask that "
+                "process."
             )
         return jax.local_devices(backend="cpu")[0]
 
@@ -124,11 +138,13 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         if not self._initialized:
             for d in self.devices:
                 if d.process_index == jax.process_index():
-                    _ = d.platform  # touching the devices fails here, clearly, if the backend cannot start
+                    # touching the devices fails here, clearly, if the backend cannot start
+                    _ = d.platform
             self._initialized = True
 
     def finalize(self) -> None:
-        """Drop this strategy's compiled programs. Safe to call any number of times, before or after initialize."""
+        """Drop this strategy's compiled programs. Safe to call any number of times, before or after
+        initialize."""
         self.programs.clear()
         self._initialized = False
 

@@ -1,18 +1,21 @@
-"""The drop-in training loop: `Trainer` (Flax linen and nnx, optax) and the pieces for your own loop.
+"""The drop-in training loop: `Trainer` (Flax linen and nnx, optax) and the pieces for your own
+loop.
 
-``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=..., checkpoint_dir=...)`` trains
-on any strategy (a loss may return a token-weighted ``(sum, weight)`` pair; logs show tokens/s, MFU and
-memory, `StepCost`); `prepare` wraps a hand-written ``train_step`` and its data in two lines; `Checkpointer`
-saves and restores state across strategies and device counts.
-The package is concept folders behind this face: ``callbacks``, ``data``, ``step`` (what runs on the devices),
-``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up; ``trainer`` and ``prepare`` sit on
-top.
+``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=...,
+checkpoint_dir=...)`` trains on any strategy (a loss may return a token-weighted ``(sum, weight)``
+pair; logs show tokens/s, MFU and memory, `StepCost`); `prepare` wraps a hand-written ``train_step``
+and its data in two lines; `Checkpointer` saves and restores state across strategies and device
+counts. The package is concept folders behind this face: ``callbacks``, ``data``, ``step`` (what
+runs on the devices), ``checkpoints`` and ``loop`` (the host loop of ``fit``), bottom up;
+``trainer`` and ``prepare`` sit on top.
 
 Examples:
     >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
-    >>> trainer = jd.training.Trainer(jd.OneDeviceStrategy(), nn.Dense(2), optax.adam(1e-2),
-    ...                               lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
-    >>> history = trainer.fit([(np.ones((4, 3), np.float32), np.ones(4, np.int32))], steps=3, verbose=0)
+    >>> trainer = jd.training.Trainer(
+    ...     jd.OneDeviceStrategy(), nn.Dense(2), optax.adam(1e-2),
+    ...     lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
+    >>> history = trainer.fit([(np.ones((4, 3), np.float32), np.ones(4, np.int32))], steps=3,
+    ...                       verbose=0)
     >>> trainer.step
     3
 """

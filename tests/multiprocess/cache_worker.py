@@ -1,7 +1,9 @@
-"""One start of a small training job, for the compilation-cache test (tests/test_cluster_operations.py).
+"""One start of a small training job, for the compilation-cache test
+(tests/test_cluster_operations.py).
 
-Argument: the cache directory, or ``none`` for no cache. Prints one JSON line: seconds from the start of the
-process to the end of the first step, and JAX's compilation-cache events (requests, hits, misses).
+Argument: the cache directory, or ``none`` for no cache. Prints one JSON line: seconds from the
+start of the process to the end of the first step, and JAX's compilation-cache events (requests,
+hits, misses).
 """
 
 import time
@@ -22,7 +24,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 if sys.argv[1] != "none":
     jd.configure_compilation_cache(sys.argv[1])
 events: dict[str, int] = {}
-jax.monitoring.register_event_listener(lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+jax.monitoring.register_event_listener(
+    lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1)
+)
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 8)).astype(np.float32)

@@ -1,10 +1,11 @@
-"""One process of the 2-process context-parallel test (run by tests/test_context_parallel.py through jaxdist.launch).
+"""One process of the 2-process context-parallel test (run by tests/test_context_parallel.py through
+jaxdist.launch).
 
-A ``(data=2, context=4)`` mesh over 2 processes x 4 CPU devices whose context axis spans the processes (context
-devices 0, 1 on process 0, 2, 3 on process 1): the char LM trains from global batches with ring attention
-(load-balanced), packed sequences. Process 0 saves the losses and the final parameters (gathered).
-Importing this module only defines the model, data and step (the test computes its one-device reference with
-them); running it trains. Arguments: out_path.
+A ``(data=2, context=4)`` mesh over 2 processes x 4 CPU devices whose context axis spans the
+processes (context devices 0, 1 on process 0, 2, 3 on process 1): the char LM trains from global
+batches with ring attention (load-balanced), packed sequences. Process 0 saves the losses and the
+final parameters (gathered). Importing this module only defines the model, data and step (the test
+computes its one-device reference with them); running it trains. Arguments: out_path.
 """
 
 import sys
@@ -23,8 +24,8 @@ MODES = {"ring_balanced": ("ring", True)}  # all-gather is covered on one proces
 
 def config(mode: str) -> LMConfig:
     context, balance = MODES[mode]
-    return LMConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1, mlp_dim=32, max_len=32, context=context,
-                    load_balance=balance)
+    return LMConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1, mlp_dim=32, max_len=32,
+                    context=context, load_balance=balance)
 
 
 def init(cfg: LMConfig):
@@ -45,7 +46,8 @@ def data(steps: int = 2) -> list[dict]:
     out = []
     for _ in range(steps):
         x = rng.integers(0, 32, (4, 32)).astype(np.int32)
-        seg = np.sort(rng.integers(1, 3, (4, 32)), axis=1).astype(np.int32)  # two packed documents per row
+        # two packed documents per row
+        seg = np.sort(rng.integers(1, 3, (4, 32)), axis=1).astype(np.int32)
         out.append({"x": x, "y": np.roll(x, -1, axis=1), "seg": seg})
     return out
 
@@ -58,10 +60,12 @@ def main(out_path: str) -> None:
     from jax.sharding import AxisType, Mesh
 
     pid = jax.process_index()
-    local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in (0, 1)]
+    local = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+             for p in (0, 1)]
     grid = np.array([[local[c // 2][d * 2 + c % 2] for c in range(4)] for d in range(2)])
     mesh = Mesh(grid, ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="data", context_axes="context", min_shard_size=1)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes="data", context_axes="context",
+                                  min_shard_size=1)
     assert strategy.num_hosts == 2 and strategy.policy.replicas_span_processes
     results = {}
     for mode in MODES:

@@ -1,15 +1,17 @@
-"""One process of the tests of a process that dies or stops mid-fit (tests/test_job_deaths.py), started twice,
-directly or through ``python -m jaxdist.launch``.
+"""One process of the tests of a process that dies or stops mid-fit (tests/test_job_deaths.py),
+started twice, directly or through ``python -m jaxdist.launch``.
 
-``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 2 CPU devices, ``heartbeat_timeout_seconds=6``
-(a silence of 2 s is said), a synchronous checkpoint every 3 steps. Arguments: ``[address pid] case directory``
-(without address and pid: the ``JAXDIST_*`` environment). At the end of step 8 the victim (process 1; process 0
-for ``coordinator``) waits a beat and a half, so its beats have carried step 8, then: ``exits`` (``os._exit(3)``:
-no word, no exit hook), ``killed`` (SIGKILL to itself), ``stopped`` (SIGSTOP to itself; the test or the launcher
-ends it) or ``coordinator`` (process 0 SIGKILLs itself). ``exits`` first runs a healthy ``fit`` of 3 steps where
-step 2 of process 1 takes 3 s and process 1 stays 3 s longer in ``fit`` at its end (longer than the silence of
-2 s: a slow step is no death, and a process gone from ``fit`` said goodbye; ``FIT DONE`` is printed), then the
-``fit`` that resumes from its checkpoint (step 3) and loses process 1.
+``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 2 CPU devices,
+``heartbeat_timeout_seconds=6`` (a silence of 2 s is said), a synchronous checkpoint every 3 steps.
+Arguments: ``[address pid] case directory`` (without address and pid: the ``JAXDIST_*``
+environment). At the end of step 8 the victim (process 1; process 0 for ``coordinator``) waits a
+beat and a half, so its beats have carried step 8, then: ``exits`` (``os._exit(3)``: no word, no
+exit hook), ``killed`` (SIGKILL to itself), ``stopped`` (SIGSTOP to itself; the test or the launcher
+ends it) or ``coordinator`` (process 0 SIGKILLs itself). ``exits`` first runs a healthy ``fit`` of 3
+steps where step 2 of process 1 takes 3 s and process 1 stays 3 s longer in ``fit`` at its end
+(longer than the silence of 2 s: a slow step is no death, and a process gone from ``fit`` said
+goodbye; ``FIT DONE`` is printed), then the ``fit`` that resumes from its checkpoint (step 3) and
+loses process 1.
 """
 
 import os
@@ -59,11 +61,15 @@ class Die(jd.training.Callback):
         os.kill(os.getpid(), signal.SIGSTOP if case == "stopped" else signal.SIGKILL)
 
 
-trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1),
-                              lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean())
+trainer = jd.training.Trainer(
+    strategy,
+    nn.Dense(2),
+    optax.sgd(0.1),
+    lambda o, y: optax.softmax_cross_entropy_with_integer_labels(o, y).mean(),
+)
 if case == "exits":
-    trainer.fit(batches, steps=3, verbose=0, callbacks=[Slow()], checkpoint_dir=directory, checkpoint_every=3,
-                async_checkpoints=False)
+    trainer.fit(batches, steps=3, verbose=0, callbacks=[Slow()], checkpoint_dir=directory,
+                checkpoint_every=3, async_checkpoints=False)
     print("FIT DONE", flush=True)
-trainer.fit(batches, steps=1000, verbose=0, callbacks=[Die()], checkpoint_dir=directory, checkpoint_every=3,
-            async_checkpoints=False)
+trainer.fit(batches, steps=1000, verbose=0, callbacks=[Die()], checkpoint_dir=directory,
+            checkpoint_every=3, async_checkpoints=False)

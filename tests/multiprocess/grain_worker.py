@@ -1,11 +1,14 @@
-"""One process of the 2-process grain / one-writer test (run by tests/test_grain_input.py through jaxdist.launch).
+"""One process of the 2-process grain / one-writer test (run by tests/test_grain_input.py through
+jaxdist.launch).
 
 Every process reads only its shard with grain and trains through `Trainer.fit`:
 
-* per-process MapDataset (``examples[p::P].batch(B // P)``): 12 steps uninterrupted, logging to a shared
-  ``log_dir`` (only process 0 may write it); then 10 steps with a checkpoint, and a fresh trainer and pipeline
-  resuming to 12 (the resumed run must read none of the batches before its position);
-* ``grain.experimental.ElasticIterator``: 3 steps with a checkpoint, which the test resumes on ONE process.
+* per-process MapDataset (``examples[p::P].batch(B // P)``): 12 steps uninterrupted, logging to a
+  shared ``log_dir`` (only process 0 may write it); then 10 steps with a checkpoint, and a fresh
+  trainer and pipeline resuming to 12 (the resumed run must read none of the batches before its
+  position);
+* ``grain.experimental.ElasticIterator``: 3 steps with a checkpoint, which the test resumes on ONE
+  process.
 
 Process 0 saves the results for the test.
 """
@@ -17,7 +20,8 @@ import jax
 
 import jaxdist as jd
 
-strategy = jd.MultiWorkerMirroredStrategy()  # cluster from the JAXDIST_* environment; before any computation
+# cluster from the JAXDIST_* environment; before any computation
+strategy = jd.MultiWorkerMirroredStrategy()
 
 import grain  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,11 +41,13 @@ def per_process():
         READS.append(index)
         return pair
 
-    return examples()[pid::count].map_with_index(read).batch(GLOBAL_BATCH // count, drop_remainder=True)
+    return (examples()[pid::count].map_with_index(read)
+            .batch(GLOBAL_BATCH // count, drop_remainder=True))
 
 
 class ClearReads(jd.training.Callback):
-    def on_train_begin(self, trainer):  # after the restore and the first-batch peek, before any step
+    # after the restore and the first-batch peek, before any step
+    def on_train_begin(self, trainer):
         READS.clear()
 
 
@@ -51,7 +57,8 @@ def leaves(trainer):
 
 # 1. uninterrupted, logging (one writer)
 full = make_trainer(strategy)
-history = full.fit(per_process(), steps=12, log_every=4, log_dir=os.path.join(out, "logs"), verbose="lines")
+history = full.fit(per_process(), steps=12, log_every=4, log_dir=os.path.join(out, "logs"),
+                   verbose="lines")
 assert [row["step"] for row in history.train] == [4, 8, 12], history.train
 
 # 2. stopped at step 10 (epoch 1: 8 batches an epoch), then resumed by a fresh trainer and pipeline
@@ -63,10 +70,13 @@ assert resumed.step == 12
 for a, b in zip(leaves(full), leaves(resumed), strict=True):
     assert np.array_equal(a, b), "the resumed run differs from the uninterrupted one"
 first_read = min(READS)
-assert first_read >= 2 * GLOBAL_BATCH // count, f"the resumed run re-read element {first_read} of epoch 1"
+assert first_read >= 2 * GLOBAL_BATCH // count, (
+    f"the resumed run re-read element {first_read} of epoch 1"
+)
 
 # 3. ElasticIterator: a position valid on any process count
-elastic = grain.experimental.ElasticIterator(examples(), GLOBAL_BATCH, grain.sharding.ShardByJaxProcess())
+elastic = grain.experimental.ElasticIterator(examples(), GLOBAL_BATCH,
+                                             grain.sharding.ShardByJaxProcess())
 make_trainer(strategy).fit(elastic, steps=3, checkpoint_dir=os.path.join(out, "elastic"), verbose=0)
 
 if pid == 0:

@@ -1,4 +1,5 @@
-"""One process of the dead-peer test: process 1 is SIGKILLed mid-training; process 0 must fail, not hang."""
+"""One process of the dead-peer test: process 1 is SIGKILLed mid-training; process 0 must fail, not
+hang."""
 
 import os
 import signal

@@ -1,10 +1,12 @@
-"""One process of the 2-process load_state test (run by tests/test_load_state.py through jaxdist.launch).
+"""One process of the 2-process load_state test (run by tests/test_load_state.py through
+jaxdist.launch).
 
-Each process runs the plain-JAX run to step 20 on its own first device (the same numbers on both: as each process
-of a migrating job reads the same checkpoint), loads it into a Trainer on FSDP over all 8 devices of both
-processes (host arrays in: each process transfers only its devices' parts) and trains steps 21-30; then loads
-that trainer's FSDP-split global arrays into a Trainer on MirroredStrategy (global arrays in: resharded on the
-devices). Process 0 saves the losses and both trainers' parameters. Arguments: out_path.
+Each process runs the plain-JAX run to step 20 on its own first device (the same numbers on both: as
+each process of a migrating job reads the same checkpoint), loads it into a Trainer on FSDP over all
+8 devices of both processes (host arrays in: each process transfers only its devices' parts) and
+trains steps 21-30; then loads that trainer's FSDP-split global arrays into a Trainer on
+MirroredStrategy (global arrays in: resharded on the devices). Process 0 saves the losses and both
+trainers' parameters. Arguments: out_path.
 """
 
 import sys
@@ -29,12 +31,14 @@ trainer = jd.training.Trainer(fsdp, MLP(), optimizer(), ce)
 loaded = trainer.load_state(params=params, opt_state=opt_state, step=SAVED, batch=data[0])
 kernel = loaded.params["Dense_1"]["kernel"]  # (8, 16), split: each device holds its part only
 part = kernel.sharding.shard_shape(kernel.shape)
-assert np.prod(part) < kernel.size and {s.data.shape for s in kernel.addressable_shards} == {part}, part
+assert np.prod(part) < kernel.size and {s.data.shape
+                                        for s in kernel.addressable_shards} == {part}, part
 assert len(kernel.addressable_shards) == 4 and not kernel.is_fully_addressable
 history = trainer.fit(iter(data[SAVED:]), steps=STEPS, log_every=1, verbose=0)
 
 mirrored = jd.training.Trainer(jd.MirroredStrategy(), MLP(), optimizer(), ce)
-again = mirrored.load_state(params=trainer.params, opt_state=trainer.state.opt_state, step=STEPS, batch=data[0])
+again = mirrored.load_state(params=trainer.params, opt_state=trainer.state.opt_state, step=STEPS,
+                            batch=data[0])
 assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(again.params))
 
 fsdp_params = gather(trainer.params)

@@ -1,9 +1,10 @@
 """One process of the program-agreement test (started twice by tests/test_cluster_operations.py).
 
-``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 4 CPU devices, where process 1 builds its
-optimizer with another learning rate (a configuration that drifted on one host). Both processes must fail
-before the first step with the same error naming process 1. Arguments: coordinator address, process id.
-Prints ``step N`` after every step and ``MISMATCH <message>`` when the error comes; exits 3 then.
+``Trainer.fit`` on MultiWorkerMirroredStrategy, 2 processes x 4 CPU devices, where process 1 builds
+its optimizer with another learning rate (a configuration that drifted on one host). Both processes
+must fail before the first step with the same error naming process 1. Arguments: coordinator
+address, process id. Prints ``step N`` after every step and ``MISMATCH <message>`` when the error
+comes; exits 3 then.
 """
 
 import sys

@@ -1,10 +1,12 @@
-"""One process of the non-finite test (run through jaxdist.launch by tests/test_training_non_finite.py).
+"""One process of the non-finite test (run through jaxdist.launch by
+tests/test_training_non_finite.py).
 
-``Trainer.fit`` of a small linear net on 2 processes x 4 CPU devices (MultiWorkerMirroredStrategy). The global
-batches of steps 15-17 have inputs scaled by 1e30 (an infinite loss). Two runs: ``on_non_finite="rollback"``
-(must end finite at step 25, after one rollback to checkpoint 10, going on into the next epoch of 20 batches),
-then ``"stop"`` (must raise at a step of the bad window). Each process prints ``rollback ...`` and ``stop ...``
-lines: the test compares the two processes'. Argument: a directory for the checkpoints.
+``Trainer.fit`` of a small linear net on 2 processes x 4 CPU devices (MultiWorkerMirroredStrategy).
+The global batches of steps 15-17 have inputs scaled by 1e30 (an infinite loss). Two runs:
+``on_non_finite="rollback"`` (must end finite at step 25, after one rollback to checkpoint 10, going
+on into the next epoch of 20 batches), then ``"stop"`` (must raise at a step of the bad window).
+Each process prints ``rollback ...`` and ``stop ...`` lines: the test compares the two processes'.
+Argument: a directory for the checkpoints.
 """
 
 import hashlib
@@ -22,7 +24,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from gathering import gather  # noqa: E402
 
-BAD = (15, 16, 17)  # (once 35-37 of 50 steps: as much proved with 25 steps, 2 checkpoints fewer per run)
+# (once 35-37 of 50 steps: as much proved with 25 steps, 2 checkpoints fewer per run)
+BAD = (15, 16, 17)
 
 
 class Net(nn.Module):
@@ -49,17 +52,21 @@ root = sys.argv[1]
 trainer = jd.training.Trainer(strategy, Net(), optax.sgd(0.02), mse)
 with warnings.catch_warnings(record=True):
     warnings.simplefilter("always")
-    history = trainer.fit(data, steps=25, checkpoint_dir=os.path.join(root, "rollback"), checkpoint_every=10,
-                          verbose=0, on_non_finite="rollback")
+    history = trainer.fit(data, steps=25, checkpoint_dir=os.path.join(root, "rollback"),
+                          checkpoint_every=10, verbose=0, on_non_finite="rollback")
 leaves = jax.tree.leaves(gather(trainer.params))
 digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in leaves)).hexdigest()[:16]
 finite = all(bool(np.isfinite(np.asarray(a)).all()) for a in leaves)
-rollbacks = [(r["step"], r["restored"], r["data_position"].epoch, r["data_position"].index) for r in history.rollbacks]
-print(f"rollback step={trainer.step} finite={finite} rollbacks={rollbacks} params={digest}", flush=True)
+rollbacks = [(r["step"], r["restored"], r["data_position"].epoch, r["data_position"].index)
+             for r in history.rollbacks]
+print(f"rollback step={trainer.step} finite={finite} rollbacks={rollbacks} params={digest}",
+      flush=True)
 
 trainer = jd.training.Trainer(strategy, Net(), optax.sgd(0.02), mse)
 try:
-    trainer.fit(data, steps=25, checkpoint_dir=os.path.join(root, "stop"), checkpoint_every=10, verbose=0)
+    trainer.fit(data, steps=25, checkpoint_dir=os.path.join(root, "stop"), checkpoint_every=10,
+                verbose=0)
 except jd.training.NonFiniteError as error:
-    print(f"stop error.step={error.step} checkpoint={error.checkpoint} at={trainer.step}", flush=True)
+    print(f"stop error.step={error.step} checkpoint={error.checkpoint} at={trainer.step}",
+          flush=True)
 print("done", flush=True)

@@ -1,16 +1,19 @@
-"""One process of the 2-process pipeline test (run by tests/test_pipeline_multiprocess.py through jaxdist.launch).
+"""One process of the 2-process pipeline test (run by tests/test_pipeline_multiprocess.py through
+jaxdist.launch).
 
-The stage axis spans the processes (stage 0 on process 0's devices, stage 1 on process 1's: the pipeline over
-the slow link), data parallel over each process's 4 devices. The tiny pipelined LM trains a few steps with
-dropout; process 0 saves the losses, the first step's gradients and the final parameters (gathered), and the
-share of the layer weights each of its devices holds. Argument: out_path.
+The stage axis spans the processes (stage 0 on process 0's devices, stage 1 on process 1's: the
+pipeline over the slow link), data parallel over each process's 4 devices. The tiny pipelined LM
+trains a few steps with dropout; process 0 saves the losses, the first step's gradients and the
+final parameters (gathered), and the share of the layer weights each of its devices holds. Argument:
+out_path.
 """
 
 import sys
 
 import jaxdist as jd
 
-jd.initialize_cluster()  # before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
+# before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
+jd.initialize_cluster()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,7 +45,8 @@ results = {
     "layer_share": np.array([s.data.size / kernel.size for s in kernel.addressable_shards]),
 }
 for name, tree in (("params", state[0]), ("grads", first_grads)):
-    gathered = gather(jax.tree.map(lambda b: getattr(b, "value", b), tree, is_leaf=lambda b: hasattr(b, "value")))
+    gathered = gather(jax.tree.map(lambda b: getattr(b, "value", b), tree,
+                                   is_leaf=lambda b: hasattr(b, "value")))
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
         results[f"{name}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
 if pid == 0:

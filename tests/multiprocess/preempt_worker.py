@@ -1,12 +1,14 @@
-"""One process of the coordinated-preemption test (run through jaxdist.launch by tests/test_multihost_preemption.py).
+"""One process of the coordinated-preemption test (run through jaxdist.launch by
+tests/test_multihost_preemption.py).
 
-``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices, on MultiWorkerMirroredStrategy or, with
-``WORKER_STRATEGY=hsdp``, on ShardedStrategy with HSDP over the user's ``("data", "fsdp")`` mesh.
-Arguments: checkpoint_dir ("" for none), out_dir, steps, and optionally stop_at: process 1 ALONE sets
-``trainer.stop_training`` after that step, or ``straight=DIR``: once fit returned, an uninterrupted run from the
-start in a trainer of its own (no checkpoints), whose final parameters go to ``DIR/params.npz``. Writes its
-pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N`` after every step and ``end
-STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final parameters to
+``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices, on
+MultiWorkerMirroredStrategy or, with ``WORKER_STRATEGY=hsdp``, on ShardedStrategy with HSDP over the
+user's ``("data", "fsdp")`` mesh. Arguments: checkpoint_dir ("" for none), out_dir, steps, and
+optionally stop_at: process 1 ALONE sets ``trainer.stop_training`` after that step, or
+``straight=DIR``: once fit returned, an uninterrupted run from the start in a trainer of its own (no
+checkpoints), whose final parameters go to ``DIR/params.npz``. Writes its pid to
+``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N`` after every step and
+``end STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final parameters to
 ``out_dir/params.npz`` when fit returns.
 """
 
@@ -18,17 +20,20 @@ import numpy as np
 
 import jaxdist as jd
 
-if os.environ.get("WORKER_STRATEGY") == "hsdp":  # HSDP on the user's mesh: 'data' across processes x 'fsdp'
-    jax.distributed.initialize(heartbeat_timeout_seconds=10, **{  # by hand, as lm1b / MaxText users do
+# HSDP on the user's mesh: 'data' across processes x 'fsdp'
+if os.environ.get("WORKER_STRATEGY") == "hsdp":
+    # by hand, as lm1b / MaxText users do
+    jax.distributed.initialize(heartbeat_timeout_seconds=10, **{
         "coordinator_address": os.environ["JAXDIST_COORDINATOR_ADDRESS"],
         "num_processes": int(os.environ["JAXDIST_NUM_PROCESSES"]),
         "process_id": int(os.environ["JAXDIST_PROCESS_ID"]),
     })
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(2, 4)
-    strategy = jd.ShardedStrategy(mesh=jax.sharding.Mesh(devices, ("data", "fsdp")), batch_axes=("data", "fsdp"),
-                                  fsdp_axes="fsdp", min_shard_size=1)
+    strategy = jd.ShardedStrategy(mesh=jax.sharding.Mesh(devices, ("data", "fsdp")),
+                                  batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1)
 else:
-    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)  # before any computation
+    # before any computation
+    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)
 
 import flax.linen as nn
 import optax
@@ -73,7 +78,8 @@ class Tell(jd.training.Callback):
 
 
 for directory, out in [(ckpt_dir, out_dir)] + [(None, path) for path in straight]:
-    trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
+    trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce,
+                                  train_kwargs={"train": True})
     # SystemExit(0) if preempted
     trainer.fit(data_fn, steps=steps, checkpoint_dir=directory, verbose=0, callbacks=[Tell()])
     leaves = jax.tree.leaves(gather(trainer.params))  # whole, even if sharded

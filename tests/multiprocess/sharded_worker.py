@@ -1,10 +1,12 @@
-"""One process of the 2-process ShardedStrategy test (run by tests/test_sharded_multiprocess.py through jaxdist.launch).
+"""One process of the 2-process ShardedStrategy test (run by tests/test_sharded_multiprocess.py
+through jaxdist.launch).
 
-FSDP over all 8 devices of both processes (the short form: ``ShardedStrategy()`` joins the cluster from the
-``JAXDIST_*`` environment), then HSDP on the user's own mesh (``data`` across the processes x ``fsdp`` within
-each), each training the MLP and the tiny LM from global batches. Process 0 saves the losses, the final
-parameters (gathered) and the fraction of a sharded kernel each device holds; the HSDP run also writes a
-checkpoint, which the test restores on other topologies. Arguments: out_path, checkpoint_dir.
+FSDP over all 8 devices of both processes (the short form: ``ShardedStrategy()`` joins the cluster
+from the ``JAXDIST_*`` environment), then HSDP on the user's own mesh (``data`` across the processes
+x ``fsdp`` within each), each training the MLP and the tiny LM from global batches. Process 0 saves
+the losses, the final parameters (gathered) and the fraction of a sharded kernel each device holds;
+the HSDP run also writes a checkpoint, which the test restores on other topologies. Arguments:
+out_path, checkpoint_dir.
 """
 
 import sys
@@ -19,17 +21,28 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from gathering import gather  # noqa: E402
-from multiprocess_model import batches, init_state, lm_batches, lm_init_state, lm_train_step, train_step  # noqa: E402
+from multiprocess_model import (  # noqa: E402
+    batches,
+    init_state,
+    lm_batches,
+    lm_init_state,
+    lm_train_step,
+    train_step,
+)
 
 out_path, ckpt_dir = sys.argv[1], sys.argv[2]
 pid = jax.process_index()
-assert fsdp.num_hosts == 2 and fsdp.num_replicas_in_sync == 8 and fsdp.num_replicas_per_host == 4, fsdp
+assert fsdp.num_hosts == 2 and fsdp.num_replicas_in_sync == 8 and fsdp.num_replicas_per_host == 4, (
+    fsdp
+)
 
 # The user's mesh: its own names, 'data' across the processes and 'fsdp' within each.
 devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(2, 4)
 mesh = Mesh(devices, ("data", "fsdp"))
-hsdp = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",), min_shard_size=1,
-                          logical_axis_rules=[("batch", ("data", "fsdp"))], activation_axes=("batch",))
+hsdp = jd.ShardedStrategy(mesh=mesh, batch_axes=("data", "fsdp"), fsdp_axes=("fsdp",),
+                          min_shard_size=1,
+                          logical_axis_rules=[("batch", ("data", "fsdp"))],
+                          activation_axes=("batch",))
 assert hsdp.num_replicas_in_sync == 8 and hsdp.num_hosts == 2
 
 # A strategy over this process's devices alone is an error, never a silent copy per process.
@@ -40,18 +53,24 @@ except ValueError as error:
     assert "process(es) [" in str(error) and "MultiWorkerMirroredStrategy" in str(error), error
 assert jd.MirroredStrategy().num_replicas_in_sync == 8  # the default spans every process
 
-# Meshes whose axes cross the processes the other way round: each process's rows are not one block ('fsdp'
-# across the processes), and a model axis across the processes (no process owns a replica's rows alone).
-across = Mesh(devices.T, ("data", "fsdp"))  # (4, 2): 'fsdp' pairs a device of process 0 with one of process 1
+# Meshes whose axes cross the processes the other way round: each process's rows are not one block
+# ('fsdp' across the processes), and a model axis across the processes (no process owns a replica's
+# rows alone).
+# (4, 2): 'fsdp' pairs a device of process 0 with one of process 1
+across = Mesh(devices.T, ("data", "fsdp"))
 woven = jd.TPUStrategy(mesh=across)  # data parallel over both axes: rows 0, 2, 4, 6 on process 0
 rows = np.arange(16, dtype=np.float32).reshape(8, 2)
 ctx = woven.run_steps_on_dataset(
-    lambda ctx, total, x: total + x.sum(), iter([rows] * 2), initial_loop_values=np.float32(0), iterations=2
+    lambda ctx, total, x: total + x.sum(), iter([rows] * 2), initial_loop_values=np.float32(0),
+    iterations=2
 )
 assert float(ctx.loop_values) == 2 * rows.sum(), ctx.loop_values
 ids = woven.run(lambda: jd.get_replica_context().replica_id_in_sync_group * 1.0)
-assert [float(v) for v in woven.experimental_local_results(ids)] == [2.0 * i + pid for i in range(4)], pid
-tensor = jd.ShardedStrategy(mesh=Mesh(devices.T, ("data", "tensor")), batch_axes="data", min_shard_size=1)
+assert [float(v) for v in woven.experimental_local_results(ids)] == [
+    2.0 * i + pid for i in range(4)
+], pid
+tensor = jd.ShardedStrategy(mesh=Mesh(devices.T, ("data", "tensor")), batch_axes="data",
+                            min_shard_size=1)
 assert tensor.num_replicas_per_host == 4  # every replica has a device here
 ids = tensor.run(lambda: 1.0 * jd.get_replica_context().replica_id_in_sync_group)
 assert [float(v) for v in tensor.experimental_local_results(ids)] == [0.0, 1.0, 2.0, 3.0]

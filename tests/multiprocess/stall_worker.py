@@ -1,8 +1,9 @@
 """One process of the step-watchdog test (started twice by tests/test_cluster_operations.py).
 
-``Trainer.fit(..., step_timeout=S)`` on MultiWorkerMirroredStrategy, 2 processes x 4 CPU devices; process 1
-stalls in a callback after step 3 (alive, so no heartbeat fails). Both processes must print every thread's
-stack and exit with the watchdog's status. Arguments: coordinator address, process id, S.
+``Trainer.fit(..., step_timeout=S)`` on MultiWorkerMirroredStrategy, 2 processes x 4 CPU devices;
+process 1 stalls in a callback after step 3 (alive, so no heartbeat fails). Both processes must
+print every thread's stack and exit with the watchdog's status. Arguments: coordinator address,
+process id, S.
 """
 
 import sys

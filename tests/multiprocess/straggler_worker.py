@@ -1,8 +1,9 @@
 """One process of the straggler test (run through jaxdist.launch by tests/test_hosts.py).
 
-``Trainer.fit`` of a small linear net on 2 processes x 2 CPU devices (MultiWorkerMirroredStrategy), twice: with
-neither process slow, then with process 1 sleeping 50 ms in its input before each batch. Each process prints one
-JSON line per run: the StragglerWarnings it caught and its ``history.processes``.
+``Trainer.fit`` of a small linear net on 2 processes x 2 CPU devices (MultiWorkerMirroredStrategy),
+twice: with neither process slow, then with process 1 sleeping 50 ms in its input before each batch.
+Each process prints one JSON line per run: the StragglerWarnings it caught and its
+``history.processes``.
 """
 
 import json
@@ -20,7 +21,8 @@ import optax  # noqa: E402
 
 pid = jax.process_index()
 xs = np.random.default_rng(0).normal(size=(8, 16, 8)).astype(np.float32)
-batches = [(x, x @ np.linspace(-1, 1, 8).astype(np.float32)) for x in xs]  # the same global batches everywhere
+# the same global batches everywhere
+batches = [(x, x @ np.linspace(-1, 1, 8).astype(np.float32)) for x in xs]
 
 
 def data(sleep):
@@ -43,5 +45,6 @@ for run, sleep in (("even", False), ("slow", True)):
         warnings.simplefilter("always")
         history = trainer.fit(data(sleep), steps=30, log_every=10, verbose=0)
     named = [str(w.message) for w in caught if issubclass(w.category, jd.training.StragglerWarning)]
-    print("RESULT " + json.dumps({"run": run, "pid": pid, "named": named, "processes": history.processes}),
+    print("RESULT " + json.dumps({"run": run, "pid": pid, "named": named,
+                                  "processes": history.processes}),
           flush=True)

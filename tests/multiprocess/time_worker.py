@@ -1,11 +1,12 @@
-"""One process of the 2-process ``History.time`` test (run through jaxdist.launch by tests/test_training_time.py).
+"""One process of the 2-process ``History.time`` test (run through jaxdist.launch by
+tests/test_training_time.py).
 
-``Trainer.fit`` of a linear net on 2 processes x 2 CPU devices (MultiWorkerMirroredStrategy) whose every step
-costs a known time on the devices (a host callback sleeping ``STEP_SLEEP``) and whose every batch costs a known
-time to read (``INPUT_SLEEP`` in the data), with stopwatches around both and around the steps as the loop sees
-them (from the end of step 1 to the end of the last). Each process prints one JSON line: ``History.time``, the
-wall time of ``fit`` and the stopwatches. With a log directory as argument, a second fit traces steps 3 to 5
-on every process into it.
+``Trainer.fit`` of a linear net on 2 processes x 2 CPU devices (MultiWorkerMirroredStrategy) whose
+every step costs a known time on the devices (a host callback sleeping ``STEP_SLEEP``) and whose
+every batch costs a known time to read (``INPUT_SLEEP`` in the data), with stopwatches around both
+and around the steps as the loop sees them (from the end of step 1 to the end of the last). Each
+process prints one JSON line: ``History.time``, the wall time of ``fit`` and the stopwatches. With a
+log directory as argument, a second fit traces steps 3 to 5 on every process into it.
 """
 
 import json
@@ -24,7 +25,8 @@ import optax  # noqa: E402
 STEPS, STEP_SLEEP, INPUT_SLEEP = 60, 0.02, 0.004
 pid = jax.process_index()
 xs = np.random.default_rng(0).normal(size=(STEPS, 16, 8)).astype(np.float32)
-batches = [(x, x @ np.linspace(-1, 1, 8).astype(np.float32)) for x in xs]  # the same global batches everywhere
+# the same global batches everywhere
+batches = [(x, x @ np.linspace(-1, 1, 8).astype(np.float32)) for x in xs]
 slept = {"input": 0.0}
 
 
@@ -37,7 +39,8 @@ def data():
 
 
 def mse(out, y):
-    jax.debug.callback(lambda: time.sleep(STEP_SLEEP))  # the step's known cost, on the devices' side
+    # the step's known cost, on the devices' side
+    jax.debug.callback(lambda: time.sleep(STEP_SLEEP))
     return ((out[:, 0] - y) ** 2).mean()
 
 
@@ -61,9 +64,10 @@ trainer = jd.training.Trainer(strategy, nn.Dense(1), optax.inject_hyperparams(op
 start = time.perf_counter()
 history = trainer.fit(data(), steps=STEPS, log_every=10, verbose=0, callbacks=[watch, config])
 wall = time.perf_counter() - start
-print("RESULT " + json.dumps({"pid": pid, "time": history.time, "wall": wall, "input_slept": slept["input"],
-                              "loop": watch.ends[STEPS] - watch.ends[1], "steps": STEPS, "step_sleep": STEP_SLEEP,
-                              "config": config.config}),
+print("RESULT " + json.dumps({"pid": pid, "time": history.time, "wall": wall,
+                              "input_slept": slept["input"],
+                              "loop": watch.ends[STEPS] - watch.ends[1], "steps": STEPS,
+                              "step_sleep": STEP_SLEEP, "config": config.config}),
       flush=True)
 if len(sys.argv) > 1:
     jd.training.Trainer(strategy, nn.Dense(1), optax.sgd(0.02), mse).fit(

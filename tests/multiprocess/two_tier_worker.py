@@ -1,11 +1,13 @@
-"""One process of the two-tier checkpoint tests (run through jaxdist.launch by tests/test_two_tier.py).
+"""One process of the two-tier checkpoint tests (run through jaxdist.launch by
+tests/test_two_tier.py).
 
-``Trainer.fit`` of a tiny MLP, FSDP over the 8 devices of 2 processes (each process holds half of every kernel),
-with the persistent tier every 10 steps and the local tier every 2. Arguments: checkpoint_dir, local directory
-(with ``{process}``), out_dir, steps, then options: ``kill=N`` (process 1 SIGKILLs itself after step N, once
-process 0's local step N - 1 is complete: a lost host), ``straight=DIR`` (then an uninterrupted run from the
-start, no checkpoints, its final parameters to ``DIR/params.npz``). Prints ``step N`` after every step; process 0
-saves the final parameters (gathered) to ``out_dir/params.npz``.
+``Trainer.fit`` of a tiny MLP, FSDP over the 8 devices of 2 processes (each process holds half of
+every kernel), with the persistent tier every 10 steps and the local tier every 2. Arguments:
+checkpoint_dir, local directory (with ``{process}``), out_dir, steps, then options: ``kill=N``
+(process 1 SIGKILLs itself after step N, once process 0's local step N - 1 is complete: a lost
+host), ``straight=DIR`` (then an uninterrupted run from the start, no checkpoints, its final
+parameters to ``DIR/params.npz``). Prints ``step N`` after every step; process 0 saves the final
+parameters (gathered) to ``out_dir/params.npz``.
 """
 
 import os
@@ -15,7 +17,8 @@ import time
 
 import jaxdist as jd
 
-strategy = jd.ShardedStrategy(min_shard_size=1)  # before any computation: joins the job (FSDP on all 8 devices)
+# before any computation: joins the job (FSDP on all 8 devices)
+strategy = jd.ShardedStrategy(min_shard_size=1)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -51,7 +54,8 @@ def ce(logits, y):
 class Tell(jd.training.Callback):
     def on_step_end(self, trainer, step, metrics):
         print(f"step {step}", flush=True)
-        if step == kill and pid == 1:  # a lost host, once process 0's local step before it is written
+        # a lost host, once process 0's local step before it is written
+        if step == kill and pid == 1:
             done = os.path.join(local_dir.replace("{process}", "0"), str(step - 1))
             deadline = time.monotonic() + 60
             while not os.path.isdir(done) and time.monotonic() < deadline:
@@ -60,8 +64,8 @@ class Tell(jd.training.Callback):
 
 
 trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
-trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, checkpoint_every=10, local_checkpoint_dir=local_dir,
-            local_checkpoint_every=2, verbose=0, callbacks=[Tell()])
+trainer.fit(data_fn, steps=steps, checkpoint_dir=ckpt_dir, checkpoint_every=10,
+            local_checkpoint_dir=local_dir, local_checkpoint_every=2, verbose=0, callbacks=[Tell()])
 leaves = jax.tree.leaves(gather(trainer.params))
 if pid == 0:
     np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(a) for a in leaves])

@@ -1,8 +1,9 @@
-"""What is open on this thread while user code runs or is traced: scopes, replica contexts, computations.
+"""What is open on this thread while user code runs or is traced: scopes, replica contexts,
+computations.
 
-The bottom room of `jaxdist.strategies`: every other room, and `jaxdist.gradients`, `jaxdist.nn` and `jaxdist.tpu`,
-read and push this state through the names below; nothing here decides anything (``_state`` says why the
-state is kept per thread).
+The bottom room of `jaxdist.strategies`: every other room, and `jaxdist.gradients`, `jaxdist.nn` and
+`jaxdist.tpu`, read and push this state through the names below; nothing here decides anything
+(``_state`` says why the state is kept per thread).
 """
 
 from jaxdist.strategies.ambient._state import Call as Call

@@ -2,29 +2,34 @@
 
 jaxdist keeps these "current" things, all per thread, all here:
 
-* the open strategy scopes (``with strategy.scope():``) and the replica contexts being traced (``run``);
-* the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a ``run`` replica
-  function, an on-device steps loop) with its view (global or per replica), its layout policy, the counters
-  that name things per computation (``outside_compilation`` clusters "0", "1", ...; gradient uids "uid",
-  "uid_1", ...) and the roles its arguments entered with (see `jaxdist.strategies.layout._roles`; a ``jit``
-  step's: `jaxdist.strategies.compile._trace._roles`), with a padded batch's row weights (`Padded`);
+* the open strategy scopes (``with strategy.scope():``) and the replica contexts being traced
+  (``run``);
+* the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a
+  ``run`` replica function, an on-device steps loop) with its view (global or per replica), its
+  layout policy, the counters that name things per computation (``outside_compilation`` clusters
+  "0", "1", ...; gradient uids "uid", "uid_1", ...) and the roles its arguments entered with (see
+  `jaxdist.strategies.layout._roles`; a ``jit`` step's: `jaxdist.strategies.compile._trace._roles`),
+  with a padded batch's row weights (`Padded`);
 * the ``colocate_vars_with`` targets;
 * the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
 * the depth of ``outside_compilation`` host regions (they do not nest);
-* the ``strategy.jit`` calls being decided (`Call`): their placed concrete arguments, read by the step's trace
-  (`jaxdist.strategies.compile._trace`);
+* the ``strategy.jit`` calls being decided (`Call`): their placed concrete arguments, read by the
+  step's trace (`jaxdist.strategies.compile._trace`);
 * the axis types the program being traced runs with (`jaxdist.strategies.layout._axis_types`);
-* the outputs a step's trace has constrained to jaxdist's own layouts (`jaxdist.strategies.compile._trace._provenance`).
+* the outputs a step's trace has constrained to jaxdist's own layouts
+  (`jaxdist.strategies.compile._trace._provenance`).
 
-Nothing here decides anything: the modules that own a concept read and push its state through these helpers.
+Nothing here decides anything: the modules that own a concept read and push its state through these
+helpers.
 
-Why per thread and not carried by the values: JAX calls a traced function with abstract values only. What
-jaxdist decides once per program (the layouts of the arguments, where their layouts came from, the axis types)
-needs the concrete arguments of the call that traces, and the frames that nest inside it (a ``run`` in a
-``jit`` step, a gradient cluster) need the enclosing computation. Passing them as static arguments would put
-them in JAX's cache key and cost a decision per call; held here they are read only while a program traces (a
-cache miss). Calls on the express path never touch them; a full-path call (keyword or nnx arguments) pushes its
-frame and, on Explicit meshes, its axis types, and reads them only if it traces.
+Why per thread and not carried by the values: JAX calls a traced function with abstract values only.
+What jaxdist decides once per program (the layouts of the arguments, where their layouts came from,
+the axis types) needs the concrete arguments of the call that traces, and the frames that nest
+inside it (a ``run`` in a ``jit`` step, a gradient cluster) need the enclosing computation. Passing
+them as static arguments would put them in JAX's cache key and cost a decision per call; held here
+they are read only while a program traces (a cache miss). Calls on the express path never touch
+them; a full-path call (keyword or nnx arguments) pushes its frame and, on Explicit meshes, its axis
+types, and reads them only if it traces.
 """
 
 from __future__ import annotations
@@ -42,14 +47,19 @@ class Computation:
 
     Attributes:
         policy: the `LayoutPolicy` it is compiled for.
-        kind: ``"global"`` (whole arrays, XLA partitions) or ``"replica"`` (inside shard_map, local values).
-        counters: per-kind numbering, shared by the frames of one computation (``run`` inside ``jit``).
-        batches: the traced values that stand for its batch arguments (declared or carried at entry).
+        kind: ``"global"`` (whole arrays, XLA partitions) or ``"replica"`` (inside shard_map, local
+            values).
+        counters: per-kind numbering, shared by the frames of one computation (``run`` inside
+            ``jit``).
+        batches: the traced values that stand for its batch arguments (declared or carried at
+            entry).
         variables: the traced values that stand for its other array arguments.
         axis_name: the name the replica axis is bound to inside a per-replica computation.
-        typed: whether JAX's varying types hold inside it (a per-replica program traced with ``check_vma``
-            off, as ``jax.pmap`` runs it, types every value invariant: each value is then the replica's own).
-        padded: the traced leaves of a padded batch among its arguments, with their row weights (`Padded`).
+        typed: whether JAX's varying types hold inside it (a per-replica program traced with
+            ``check_vma`` off, as ``jax.pmap`` runs it, types every value invariant: each value is
+            then the replica's own).
+        padded: the traced leaves of a padded batch among its arguments, with their row weights
+            (`Padded`).
     """
 
     policy: Any
@@ -76,13 +86,14 @@ class Computation:
 
 @dataclasses.dataclass
 class Padded:
-    """A traced leaf of a padded batch (``remainder="pad"``) that a ``strategy.jit`` step got, and the traced row
-    weights that came with it (`jaxdist.strategies.compile._trace._padded`).
+    """A traced leaf of a padded batch (``remainder="pad"``) that a ``strategy.jit`` step got, and
+    the traced row weights that came with it (`jaxdist.strategies.compile._trace._padded`).
 
     Attributes:
         leaf: the traced leaf.
         weights: its traced row weights (1.0 for a real row, 0.0 for a padding row).
-        handed: shared by the leaves of one batch: ``[True]`` once a ``strategy.run`` in the step took them.
+        handed: shared by the leaves of one batch: ``[True]`` once a ``strategy.run`` in the step
+            took them.
     """
 
     leaf: Any
@@ -92,13 +103,15 @@ class Padded:
 
 @dataclasses.dataclass
 class Call:
-    """A ``strategy.jit`` call being decided on this thread: its step and its placed concrete arguments
-    ``(args, kwargs, nnx_state)``, read by the step's trace (only a call that traces reads them).
+    """A ``strategy.jit`` call being decided on this thread: its step and its placed concrete
+    arguments ``(args, kwargs, nnx_state)``, read by the step's trace (only a call that traces reads
+    them).
 
     Attributes:
         step: the step called (its `StepTrace`, the body its programs trace: by identity).
         args: ``(placed positional arguments, keyword arguments, nnx state)``.
-        agreeing: True while the step is lowered once more for the processes' agreement (not a recompile).
+        agreeing: True while the step is lowered once more for the processes' agreement (not a
+            recompile).
     """
 
     step: Any
@@ -116,12 +129,15 @@ class _State(threading.local):
         self.gradient_uids: list[str] = []  # gradient invocations being traced
         self.host_regions = 0  # outside_compilation regions being traced
         self.calls: list[Call] = []  # strategy.jit calls being decided
-        self.axis_types: tuple[Any, bool, str] = (None, True, "")  # (mode, forced, why) of the program traced
-        self.owned_outputs: dict[int, Any] | None = None  # outputs constrained to an own layout while tracing
+        # (mode, forced, why) of the program traced
+        self.axis_types: tuple[Any, bool, str] = (None, True, "")
+        # outputs constrained to an own layout while tracing
+        self.owned_outputs: dict[int, Any] | None = None
 
 
 state = _State()
-"""This thread's ambient state (read it through the helpers; `jaxdist.gradients` keeps its stacks here)."""
+"""This thread's ambient state (read it through the helpers; `jaxdist.gradients` keeps its stacks
+here)."""
 
 
 @contextlib.contextmanager
@@ -173,18 +189,20 @@ def computation(
     padded: Iterable[Padded] = (),
     typed: bool = True,
 ) -> Iterator[Computation]:
-    """Trace the block as (part of) a computation of ``policy``; nested frames share the counters."""
+    """Trace the block as (part of) a computation of ``policy``; nested frames share the
+    counters."""
     outer = current_computation()
     counters = outer.counters if outer is not None else {}
-    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name, typed=typed,
-                        padded=list(padded))
+    frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name,
+                        typed=typed, padded=list(padded))
     with _pushed(state.computations, frame):
         yield frame
 
 
 @contextlib.contextmanager
 def probe() -> Iterator[None]:
-    """An abstract trace done only to learn shapes: it must not use up the enclosing computation's names."""
+    """An abstract trace done only to learn shapes: it must not use up the enclosing computation's
+    names."""
     frame = current_computation()
     saved = dict(frame.counters) if frame is not None else None
     try:
@@ -196,8 +214,9 @@ def probe() -> Iterator[None]:
 
 
 def replica_axis(default: str) -> str | tuple[str, ...]:
-    """The name of the replica axis in the code being traced: the innermost per-replica computation's binding
-    (``run(..., axis_name=...)``), else the traced computation's policy's batch axes, else ``default``."""
+    """The name of the replica axis in the code being traced: the innermost per-replica
+    computation's binding (``run(..., axis_name=...)``), else the traced computation's policy's
+    batch axes, else ``default``."""
     frame = current_computation()
     if frame is None:
         return default
@@ -218,13 +237,14 @@ def colocation_target(owner: Any) -> Any | None:
 
 
 def call(step: Any, args: tuple) -> contextlib.AbstractContextManager[Call]:
-    """Mark the block as deciding a call of ``step`` on ``args`` (its trace, if it traces, reads them)."""
+    """Mark the block as deciding a call of ``step`` on ``args`` (its trace, if it traces, reads
+    them)."""
     return _pushed(state.calls, Call(step, args))
 
 
 def current_call(step: Any) -> Call | None:
-    """The innermost call of ``step`` being decided on this thread, or None (a trace from elsewhere: JAX met a
-    signature outside a jaxdist call, or ``jax.eval_shape``)."""
+    """The innermost call of ``step`` being decided on this thread, or None (a trace from elsewhere:
+    JAX met a signature outside a jaxdist call, or ``jax.eval_shape``)."""
     for frame in reversed(state.calls):
         if frame.step is step:
             return frame

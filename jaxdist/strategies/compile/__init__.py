@@ -1,14 +1,16 @@
 """Compile: the verbs that turn user functions into programs on the mesh.
 
-``_jit`` is `StrategyFunction`, the global-view ``strategy.jit`` (jax.jit's shape, its express path and its full
-path); ``_placing`` places its calls' arguments, and the room ``_trace`` holds everything that runs while one of
-its programs traces (the step's body, the layouts resolved at entry and applied to the outputs, the roles and
-provenance of its values, the Shardy guards; its ``__init__`` is its interface, and it imports nothing else of
-``compile``). ``_run`` is the per-replica ``strategy.run`` (``_vma`` its varying-type check, ``_identical`` the proof of
-which outputs are mirrored, ``_mirror_check`` that proof checked on device); ``_loops`` the
-on-device steps loops (``steps_per_run``); ``_results`` the reductions of their outputs; ``_cache`` the programs
-they compile; ``_agreement`` checks that the processes of a job compiled the same program; ``_signatures`` reads
-argument numbers and names; ``_equinox`` splits Equinox modules into arrays and statics.
+``_jit`` is `StrategyFunction`, the global-view ``strategy.jit`` (jax.jit's shape, its express path
+and its full path); ``_placing`` places its calls' arguments, and the room ``_trace`` holds
+everything that runs while one of its programs traces (the step's body, the layouts resolved at
+entry and applied to the outputs, the roles and provenance of its values, the Shardy guards; its
+``__init__`` is its interface, and it imports nothing else of ``compile``). ``_run`` is the
+per-replica ``strategy.run`` (``_vma`` its varying-type check, ``_identical`` the proof of which
+outputs are mirrored, ``_mirror_check`` that proof checked on device); ``_loops`` the on-device
+steps loops (``steps_per_run``); ``_results`` the reductions of their outputs; ``_cache`` the
+programs they compile; ``_agreement`` checks that the processes of a job compiled the same program;
+``_signatures`` reads argument numbers and names; ``_equinox`` splits Equinox modules into arrays
+and statics.
 """
 
 from jaxdist.strategies.compile._agreement import ProgramMismatchError as ProgramMismatchError

@@ -1,19 +1,21 @@
-"""The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather), and
-`StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch serves its calls;
-they live as long as the step, one per kind of call, with JAX's trace cache inside each).
+"""The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather),
+and `StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch
+serves its calls; they live as long as the step, one per kind of call, with JAX's trace cache inside
+each).
 
 `ProgramCache` makes three promises, the ones `jax.jit` makes for its own cache:
 
-* weak on user functions: the programs built for a function live as long as the function does. A program
-  never holds its user function strongly (it calls it through a weak reference), so a ``lambda`` made fresh
-  in a loop and its programs are freed together;
+* weak on user functions: the programs built for a function live as long as the function does. A
+  program never holds its user function strongly (it calls it through a weak reference), so a
+  ``lambda`` made fresh in a loop and its programs are freed together;
 * bounded: at most ``max_per_function`` programs per function and ``max_functions`` functions held
   strongly (callables that cannot be weakly referenced), least recently used first out;
-* loud about waste: when the same call site (the same code object) keeps compiling, one warning says why
-  — a new function object every call, a new static value, or new shapes — and what to do about it.
+* loud about waste: when the same call site (the same code object) keeps compiling, one warning says
+  why — a new function object every call, a new static value, or new shapes — and what to do about
+  it.
 
-``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way a
-strategy compiles.
+``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way
+a strategy compiles.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ def _describe(fn: Any) -> str:
 
 
 def weak_callable(fn: Callable) -> Callable:
-    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it alive).
+    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it
+    alive).
 
-    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced are held
-    as they are.
+    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced
+    are held as they are.
 
     Examples:
         >>> def f(x):
@@ -59,13 +62,15 @@ def weak_callable(fn: Callable) -> Callable:
         2
     """
     try:
-        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else weakref.ref(fn)
+        ref = (weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__")
+               else weakref.ref(fn))
     except TypeError:
         return fn
 
     def call(*args: Any, **kwargs: Any) -> Any:
         target = ref()
-        if target is None:  # only reachable if a program outlives its function: a bug, not a user error
+        # only reachable if a program outlives its function: a bug, not a user error
+        if target is None:
             raise RuntimeError("the function of this compiled program has been garbage-collected")
         return target(*args, **kwargs)
 
@@ -77,9 +82,10 @@ class ProgramCache:
 
     Args:
         max_per_function: programs kept per function (least recently used first out).
-        max_functions: strongly held functions kept (for callables that cannot be weakly referenced).
-        warn_after: compiles at one call site, each for a different reason than a cache hit, before the
-            `RecompileWarning`.
+        max_functions: strongly held functions kept (for callables that cannot be weakly
+            referenced).
+        warn_after: compiles at one call site, each for a different reason than a cache hit, before
+            the `RecompileWarning`.
 
     Examples:
         >>> cache = ProgramCache()
@@ -95,8 +101,10 @@ class ProgramCache:
         self.max_functions = max_functions
         self.warn_after = warn_after
         self._lock = threading.RLock()
-        self._weak: dict[Any, collections.OrderedDict] = {}  # id token -> programs (entry dropped when fn dies)
-        self._strong: collections.OrderedDict = collections.OrderedDict()  # fn -> programs (bounded LRU)
+        # id token -> programs (entry dropped when fn dies)
+        self._weak: dict[Any, collections.OrderedDict] = {}
+        # fn -> programs (bounded LRU)
+        self._strong: collections.OrderedDict = collections.OrderedDict()
         self._sites: dict[Any, dict] = {}  # code object -> {"count", "last", "warned"}
 
     def clear(self) -> None:
@@ -108,7 +116,9 @@ class ProgramCache:
     def __len__(self) -> int:
         """How many programs are cached (over every function still alive)."""
         with self._lock:
-            return sum(len(p) for p in self._weak.values()) + sum(len(p) for p in self._strong.values())
+            return sum(len(p) for p in self._weak.values()) + sum(
+                len(p) for p in self._strong.values()
+            )
 
     def _programs_of(self, fn: Any) -> collections.OrderedDict:
         owner = getattr(fn, "__self__", None) if hasattr(fn, "__func__") else None
@@ -129,7 +139,8 @@ class ProgramCache:
         programs = self._weak[token] = collections.OrderedDict()
         return programs
 
-    def get(self, fn: Any, key: Hashable, build: Callable[[Callable], Callable], *, reason: Any = None) -> Callable:
+    def get(self, fn: Any, key: Hashable, build: Callable[[Callable], Callable], *,
+            reason: Any = None) -> Callable:
         """The program for ``(fn, key)``; built with ``build(weak_callable(fn))`` on a miss.
 
         Args:
@@ -154,8 +165,8 @@ class ProgramCache:
         return program
 
     def peek(self, fn: Any, key: Hashable) -> Any:
-        """The entry cached for ``(fn, key)`` (a program, or what a caller's fast path keeps: `strategy.run`'s
-        programs by their arguments' layouts), or None; nothing is built.
+        """The entry cached for ``(fn, key)`` (a program, or what a caller's fast path keeps:
+        `strategy.run`'s programs by their arguments' layouts), or None; nothing is built.
 
         Examples:
             >>> cache = ProgramCache()
@@ -172,8 +183,8 @@ class ProgramCache:
             return program
 
     def put(self, fn: Any, key: Hashable, program: Any) -> None:
-        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and bounded like
-        every other)."""
+        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and
+        bounded like every other)."""
         with self._lock:
             programs = self._programs_of(fn)
             programs[key] = program
@@ -181,19 +192,21 @@ class ProgramCache:
                 programs.popitem(last=False)
 
     def note_trace(self, fn: Any, signature: Any) -> None:
-        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a churning site."""
+        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a
+        churning site."""
         site = _site(fn)
         with self._lock:
             info = self._sites.setdefault(site, {"count": 0, "last": None, "warned": False})
-            last, info["last"] = info["last"], (weakref.ref(fn) if _weakable(fn) else None, id(fn), signature)
+            last, info["last"] = info["last"], (weakref.ref(fn) if _weakable(fn) else None, id(fn),
+                                                signature)
             info["count"] += 1
             if info["warned"] or info["count"] <= self.warn_after or last is None:
                 return
             info["warned"] = True
         why = _why(last, fn, signature)
         warnings.warn(
-            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: {why}. Each compile "
-            "costs ~100 ms or more.",
+            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: "
+            f"{why}. Each compile costs ~100 ms or more.",
             RecompileWarning,
             stacklevel=4,
         )
@@ -212,32 +225,37 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
     same_fn = (last_ref() is fn) if last_ref is not None else last_id == id(fn)
     if not same_fn:
         return (
-            "a new function object every call (e.g. a lambda or nested function defined inside the loop); "
-            "define the function once, outside the loop, and pass changing values as arguments"
+            "a new function object every call (e.g. a lambda or nested function defined inside the "
+            "loop); define the function once, outside the loop, and pass changing values as "
+            "arguments"
         )
-    if isinstance(signature, tuple) and isinstance(last_sig, tuple) and len(signature) == len(last_sig) == 2:
+    if isinstance(signature, tuple) and isinstance(last_sig,
+                                                   tuple) and len(signature) == len(last_sig) == 2:
         if signature[0] != last_sig[0]:
             return (
-                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now {signature[0]!r}); pass "
-                "values that change as arrays, not Python scalars or static arguments"
+                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
+                f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "
+                "static arguments"
             )
         return (
-            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep shapes fixed, "
-            "e.g. pad or drop a ragged last batch"
+            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep "
+            "shapes fixed, e.g. pad or drop a ragged last batch"
         )
     return f"a new signature each call (was {last_sig!r}, now {signature!r})"
 
 
 class StepPrograms:
-    """The programs of one ``strategy.jit`` step (`jaxdist.strategies.StrategyFunction`): `jax.jit` objects, each
-    keeping JAX's own cache of traces, so what is held here is one object per kind of call, not per signature.
+    """The programs of one ``strategy.jit`` step (`jaxdist.strategies.StrategyFunction`): `jax.jit`
+    objects, each keeping JAX's own cache of traces, so what is held here is one object per kind of
+    call, not per signature.
 
     Attributes:
-        full: the full path's program by the positions of nnx graph arguments (the layouts are decided while
-            it traces).
-        families: the express path's programs by static key (graphdef, nnx positions, layout provenance).
-        express: ``(program, static key)`` by a call's argument types (and, where they cannot tell it, the
-            provenance of its layouts): what a steady call runs with one dict lookup.
+        full: the full path's program by the positions of nnx graph arguments (the layouts are
+            decided while it traces).
+        families: the express path's programs by static key (graphdef, nnx positions, layout
+            provenance).
+        express: ``(program, static key)`` by a call's argument types (and, where they cannot tell
+            it, the provenance of its layouts): what a steady call runs with one dict lookup.
         misses: how many new signatures each express key refused.
 
     Examples:
@@ -253,11 +271,13 @@ class StepPrograms:
         False
         >>> programs.families[("static",)] = print
         >>> programs.install(("other types",), print, ("static",))
-        >>> programs.cleared(print), programs.families, programs.express  # no dispatch cache to clear: forgotten
+        >>> # no dispatch cache to clear: forgotten
+        >>> programs.cleared(print), programs.families, programs.express
         (False, {}, {})
     """
 
-    MAX_MISSES = 16  # new signatures an express key may refuse before calls with it take the full path only
+    # new signatures an express key may refuse before calls with it take the full path only
+    MAX_MISSES = 16
 
     __slots__ = ("express", "families", "full", "misses")
 
@@ -268,22 +288,24 @@ class StepPrograms:
         self.misses: dict[Any, int] = {}
 
     def install(self, key: Any, program: Callable, static: tuple) -> None:
-        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES` times)."""
+        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES`
+        times)."""
         if self.misses.get(key, 0) < self.MAX_MISSES:
             self.express[key] = program, static
 
     def missed(self, key: Any) -> None:
-        """The express program for ``key`` refused a call: a signature new to it (once the full path has traced
-        it, JAX's dispatch serves it, so alternating signatures cost nothing more). After `MAX_MISSES` (a step
-        that keeps compiling, which `RecompileWarning` names) calls with ``key`` take the full path only."""
+        """The express program for ``key`` refused a call: a signature new to it (once the full path
+        has traced it, JAX's dispatch serves it, so alternating signatures cost nothing more). After
+        `MAX_MISSES` (a step that keeps compiling, which `RecompileWarning` names) calls with
+        ``key`` take the full path only."""
         self.misses[key] = misses = self.misses.get(key, 0) + 1
         if misses >= self.MAX_MISSES:
             self.express.pop(key, None)
 
     def cleared(self, refused: Callable) -> bool:
-        """Drop JAX's dispatch entry for the signature ``refused`` (an express program) refused: it would send
-        every later call of it to Python. True where JAX has that method; else ``refused`` is forgotten, to be
-        built anew (one more trace), and False."""
+        """Drop JAX's dispatch entry for the signature ``refused`` (an express program) refused: it
+        would send every later call of it to Python. True where JAX has that method; else
+        ``refused`` is forgotten, to be built anew (one more trace), and False."""
         clear = getattr(refused, "_clear_cache", None)
         if clear is not None:
             clear()

@@ -1,11 +1,13 @@
-"""Equinox modules as step arguments: array leaves are traced, every other leaf is static (as `eqx.filter_jit`).
+"""Equinox modules as step arguments: array leaves are traced, every other leaf is static (as
+`eqx.filter_jit`).
 
-An Equinox model is a pytree whose leaves are arrays and also activation functions, ``custom_jvp`` objects and
-Python values; `jax.jit` refuses those as arguments. ``strategy.jit`` of a step called with an Equinox module
-among its arguments splits every argument the way ``eqx.filter_jit`` does (``eqx.is_array`` leaves traced and
-laid out like any pytree's, the rest part of the compiled program), and outputs the same way: the static leaves
-of the step's outputs are recorded when it is traced and put back after each call. Equinox is optional: without
-it installed no argument is an Equinox module.
+An Equinox model is a pytree whose leaves are arrays and also activation functions, ``custom_jvp``
+objects and Python values; `jax.jit` refuses those as arguments. ``strategy.jit`` of a step called
+with an Equinox module among its arguments splits every argument the way ``eqx.filter_jit`` does
+(``eqx.is_array`` leaves traced and laid out like any pytree's, the rest part of the compiled
+program), and outputs the same way: the static leaves of the step's outputs are recorded when it is
+traced and put back after each call. Equinox is optional: without it installed no argument is an
+Equinox module.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ __all__ = ["Static", "combine", "holds_module", "partition"]
 
 
 def holds_module(args: tuple, kwargs: dict) -> bool:
-    """Whether an argument is an Equinox module (checked on the arguments themselves: one ``isinstance`` each).
+    """Whether an argument is an Equinox module (checked on the arguments themselves: one
+    ``isinstance`` each).
 
     Examples:
         >>> holds_module((1.0,), {})
@@ -33,10 +36,11 @@ def holds_module(args: tuple, kwargs: dict) -> bool:
 
 
 class Static:
-    """The non-array leaves of a pytree and its structure: hashable, so it can be a static argument of a program.
+    """The non-array leaves of a pytree and its structure: hashable, so it can be a static argument
+    of a program.
 
-    Leaves compare by equality where they define it (numbers, strings) and by identity otherwise (functions,
-    ``custom_jvp`` objects), as `jax.jit` compares static arguments.
+    Leaves compare by equality where they define it (numbers, strings) and by identity otherwise
+    (functions, ``custom_jvp`` objects), as `jax.jit` compares static arguments.
     """
 
     __slots__ = ("_hash", "leaves", "treedef")
@@ -49,7 +53,8 @@ class Static:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Static) and self.treedef == other.treedef and self.leaves == other.leaves
+        return isinstance(other,
+                          Static) and self.treedef == other.treedef and self.leaves == other.leaves
 
 
 def _is_traced(x: Any) -> bool:
@@ -57,7 +62,8 @@ def _is_traced(x: Any) -> bool:
 
 
 def partition(tree: Any) -> tuple[Any, Static]:
-    """``tree`` split into its array leaves (the same structure, None elsewhere) and a `Static` of the rest.
+    """``tree`` split into its array leaves (the same structure, None elsewhere) and a `Static` of
+    the rest.
 
     Raises:
         TypeError: when a non-array leaf is not hashable (it would be part of the compiled program).
@@ -76,9 +82,9 @@ def partition(tree: Any) -> tuple[Any, Static]:
     except TypeError as error:
         bad = next(x for x in rest if getattr(type(x), "__hash__", None) is None)
         raise TypeError(
-            f"a non-array leaf of an Equinox argument, {bad!r} (type {type(bad).__name__}), is not hashable: "
-            "strategy.jit makes every non-array leaf part of the compiled program, as eqx.filter_jit does; "
-            "make it hashable (a tuple, a frozen dataclass) or an array."
+            f"a non-array leaf of an Equinox argument, {bad!r} (type {type(bad).__name__}), is not "
+            "hashable: strategy.jit makes every non-array leaf part of the compiled program, as "
+            "eqx.filter_jit does; make it hashable (a tuple, a frozen dataclass) or an array."
         ) from error
     return jax.tree.unflatten(treedef, arrays), static
 
@@ -92,6 +98,7 @@ def combine(arrays: Any, static: Static) -> Any:
         >>> tree["act"] is abs, tree["w"].shape
         (True, (2,))
     """
-    flat = static.treedef.flatten_up_to(arrays)  # None at a leaf's place is that leaf (not an empty subtree)
+    # None at a leaf's place is that leaf (not an empty subtree)
+    flat = static.treedef.flatten_up_to(arrays)
     return jax.tree.unflatten(
         static.treedef, [a if s is None else s for a, s in zip(flat, static.leaves, strict=True)])

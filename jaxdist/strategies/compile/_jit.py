@@ -1,43 +1,51 @@
-"""The global view: `Strategy.jit` compiles an unmodified single-device step for the strategy's layout.
+"""The global view: `Strategy.jit` compiles an unmodified single-device step for the strategy's
+layout.
 
-The step sees global arrays: whole parameters and the whole global batch; XLA's SPMD partitioner inserts
-the collectives, so the step computes what it computes on one device. Where each argument lives is decided
-by what the caller declared or what the value carries, never guessed:
+The step sees global arrays: whole parameters and the whole global batch; XLA's SPMD partitioner
+inserts the collectives, so the step computes what it computes on one device. Where each argument
+lives is decided by what the caller declared or what the value carries, never guessed:
 
-* ``batch_argnums`` declares the batch arguments: their arrays are split on axis 0 over the replicas (host
-  arrays are placed so; a batch the replicas do not divide is a ValueError that says what to do);
-* every other argument is a variable: arrays already on the strategy's mesh keep their layout (a batch from
-  a distributed dataset carries its own); arrays not yet there (numpy, or on another device) take the
-  strategy's VARIABLE layout (mirrored; FSDP on `ShardedStrategy`). Without any ``batch_argnums`` an
-  unplaced array of rank >= 1 might be a batch, so the first one met raises a one-time warning that names
-  the declaration;
-* nnx graph objects (modules, optimizers, metrics, ``nnx.Rngs``) are accepted as ``nnx.jit`` accepts them:
-  their state enters in the variable layout, and their in-place updates are written back after the call.
+* ``batch_argnums`` declares the batch arguments: their arrays are split on axis 0 over the replicas
+  (host arrays are placed so; a batch the replicas do not divide is a ValueError that says what to
+  do);
+* every other argument is a variable: arrays already on the strategy's mesh keep their layout (a
+  batch from a distributed dataset carries its own); arrays not yet there (numpy, or on another
+  device) take the strategy's VARIABLE layout (mirrored; FSDP on `ShardedStrategy`). Without any
+  ``batch_argnums`` an unplaced array of rank >= 1 might be a batch, so the first one met raises a
+  one-time warning that names the declaration;
+* nnx graph objects (modules, optimizers, metrics, ``nnx.Rngs``) are accepted as ``nnx.jit`` accepts
+  them:
+  their state enters in the variable layout, and their in-place updates are written back after the
+  call.
 
-Outputs get a defined layout: an output with the same structure, shapes and dtypes as a positional argument
-(``state -> new_state``) takes that argument's layout (on a policy that splits variables, an argument that
-came in whole on every device leaves in the variable layout), so state keeps its layout from step to step; every
-other output takes the strategy's variable layout (metrics and gradients: mirrored, or FSDP like their
-parameters on `ShardedStrategy`). Layouts are read only when the step is traced.
+Outputs get a defined layout: an output with the same structure, shapes and dtypes as a positional
+argument (``state -> new_state``) takes that argument's layout (on a policy that splits variables,
+an argument that came in whole on every device leaves in the variable layout), so state keeps its
+layout from step to step; every other output takes the strategy's variable layout (metrics and
+gradients: mirrored, or FSDP like their parameters on `ShardedStrategy`). Layouts are read only when
+the step is traced.
 
-Calls cost what ``jax.jit`` calls cost (the express path, `StrategyFunction.__call__`): the full path above
-decides once per argument signature and builds a `jax.jit` program; a later positional call with arguments of
-the same types goes straight to it, and JAX's compiled dispatch checks what the decision rests on (shapes,
-dtypes, weak types, layouts, the trace context). A signature JAX has no program for makes the program's trace
-refuse (`_Refused`, before any of the step's code runs) and the call takes the full path. What JAX's cache
-cannot see is read per call only where it exists: the provenance of layouts over Explicit axes on a policy
-that splits variables, and host arrays in a job of several processes. A call with a batch a distributed dataset
-padded (``remainder="pad"``) always takes the full path, with the batch's row weights as one more argument
-for the ``strategy.run`` inside the step (`jaxdist.strategies.compile._trace._padded`).
+Calls cost what ``jax.jit`` calls cost (the express path, `StrategyFunction.__call__`): the full
+path above decides once per argument signature and builds a `jax.jit` program; a later positional
+call with arguments of the same types goes straight to it, and JAX's compiled dispatch checks what
+the decision rests on (shapes, dtypes, weak types, layouts, the trace context). A signature JAX has
+no program for makes the program's trace refuse (`_Refused`, before any of the step's code runs) and
+the call takes the full path. What JAX's cache cannot see is read per call only where it exists: the
+provenance of layouts over Explicit axes on a policy that splits variables, and host arrays in a job
+of several processes. A call with a batch a distributed dataset padded (``remainder="pad"``) always
+takes the full path, with the batch's row weights as one more argument for the ``strategy.run``
+inside the step (`jaxdist.strategies.compile._trace._padded`).
 
-One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets whose
-kernels are split while the batch is replicated. A step of a strategy with split variables that receives no
-distributed batch therefore gathers its variables at entry (`Strategy.gathers_variables_without_batch`).
+One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets
+whose kernels are split while the batch is replicated. A step of a strategy with split variables
+that receives no distributed batch therefore gathers its variables at entry
+(`Strategy.gathers_variables_without_batch`).
 
-This module is the step's calls: its declarations, its programs and the express path. Where a call's arguments
-go is `jaxdist.strategies.compile._placing`; what runs while a program traces (resolution at entry, roles,
-provenance, the Shardy guards, the outputs' layouts) is the room `jaxdist.strategies.compile._trace`; which
-layout a value gets, and which axis types a program runs with, is `jaxdist.strategies.layout`.
+This module is the step's calls: its declarations, its programs and the express path. Where a call's
+arguments go is `jaxdist.strategies.compile._placing`; what runs while a program traces (resolution
+at entry, roles, provenance, the Shardy guards, the outputs' layouts) is the room
+`jaxdist.strategies.compile._trace`; which layout a value gets, and which axis types a program runs
+with, is `jaxdist.strategies.layout`.
 """
 
 from __future__ import annotations
@@ -57,7 +65,14 @@ from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
 from jaxdist.strategies.compile._equinox import Static, combine, holds_module, partition
 from jaxdist.strategies.compile._placing import ArgumentPlacement
 from jaxdist.strategies.compile._signatures import argument_spec, signature_of
-from jaxdist.strategies.compile._trace import PADDING, Provenance, StepTrace, enter, named, padding_argument
+from jaxdist.strategies.compile._trace import (
+    PADDING,
+    Provenance,
+    StepTrace,
+    enter,
+    named,
+    padding_argument,
+)
 from jaxdist.strategies.input import PADDED, all_on_mesh, holds_padded, shardings_of
 from jaxdist.strategies.layout import LayoutPolicy, decided, explicit_axes, ran_auto
 from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
@@ -65,12 +80,14 @@ from jaxdist.strategies.plan import Plan, is_plan_mesh, plan_step, refuse_to_run
 __all__ = ["StrategyFunction"]
 
 
-_GRAPH_TYPES: dict[type, bool] = {}  # whether values of a type are nnx graph nodes (decided by type alone)
+# whether values of a type are nnx graph nodes (decided by type alone)
+_GRAPH_TYPES: dict[type, bool] = {}
 _SCALARS = frozenset({bool, int, float, complex})
 
 
 class _Refused(Exception):
-    """An express program was asked for a signature it has no program for (see `StrategyFunction.__call__`)."""
+    """An express program was asked for a signature it has no program for (see
+    `StrategyFunction.__call__`)."""
 
 
 def _is_graph_node(x: Any) -> bool:
@@ -84,8 +101,8 @@ class StrategyFunction:
     """A step compiled by ``strategy.jit``: call it like the original function (`jax.jit`'s shape).
 
     Besides calling it, ``.trace(*args, **kwargs)``, ``.lower(*args, **kwargs)`` and
-    ``.lower(...).compile()`` are `jax.jit`'s ahead-of-time stages for the strategy's layout: inspect a program
-    (its HLO, memory and cost analyses) without running it.
+    ``.lower(...).compile()`` are `jax.jit`'s ahead-of-time stages for the strategy's layout:
+    inspect a program (its HLO, memory and cost analyses) without running it.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -131,33 +148,42 @@ class StrategyFunction:
                 self._signature, fn, batch_argnums, batch_argnames, "batch")
         for name, nums, names in (("donate", self._donate, self._donate_names),
                                   ("batch", self._batch or (), self._batch_names)):
-            both = sorted(set(nums) & set(self._static)) or sorted(set(names) & set(self._static_names))
+            both = sorted(set(nums) & set(self._static)) or sorted(
+                set(names) & set(self._static_names)
+            )
             if both:
                 raise ValueError(
-                    f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a static argument "
-                    "is a compile-time constant, not an array; drop it from one of them."
+                    f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a "
+                    "static argument is a compile-time constant, not an array; drop it from one of "
+                    "them."
                 )
         if axis_types is not None and not isinstance(axis_types, jax.sharding.AxisType):
             raise ValueError(
-                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each program decides: the "
-                "mesh's Explicit axes where the step type-checks with them, Auto where not), "
-                "jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
+                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each "
+                "program decides: the mesh's Explicit axes where the step type-checks with them, "
+                "Auto where not), jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
             )
         self._axis_types = axis_types
-        # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips it).
+        # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips
+        # it).
         self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
-        # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be confused.
+        # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be
+        # confused.
         self._provenance = Provenance(policy)
         self._tells_provenance = self._provenance.tells
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
-        self._modules: StrategyFunction | None = None  # that program, for calls with Equinox arguments
-        self._module_outputs: dict[Static, Static] = {}  # the static part of its outputs, recorded when traced
-        # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's (see `__call__`).
+        # that program, for calls with Equinox arguments
+        self._modules: StrategyFunction | None = None
+        # the static part of its outputs, recorded when traced
+        self._module_outputs: dict[Static, Static] = {}
+        # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's
+        # (see `__call__`).
         self._compiled = StepPrograms()
-        # What the argument types cannot tell and JAX's cache does not see: the provenance of layouts over
-        # Explicit axes, and host arrays in a job of several processes (a process's own rows there, not the
-        # global value jax.jit would take them for). Read from the leaves on such policies only.
+        # What the argument types cannot tell and JAX's cache does not see: the provenance of
+        # layouts over Explicit axes, and host arrays in a job of several processes (a process's own
+        # rows there, not the global value jax.jit would take them for). Read from the leaves on
+        # such policies only.
         self._reads_leaves = self._tells_provenance or policy.spans_processes
         # Where its arguments go before a program runs, and what runs while its programs trace.
         self._place = ArgumentPlacement(policy, fn, self._static, self._static_names, self._batch,
@@ -171,7 +197,7 @@ class StrategyFunction:
         """The declared batch arguments' positions (None: nothing declared)."""
         return self._batch
 
-    # -------------------------------------------------------------------------------------- programs
+    # ------------------------------------------------------------------------------------- programs
     def _program(self, nodes: tuple[int, ...]) -> Callable:
         jitted = self._compiled.full.get(nodes)
         if jitted is None:
@@ -180,7 +206,8 @@ class StrategyFunction:
             if any(i in nodes for i in self._donate):
                 donate += (1,)
             jitted = self._compiled.full[nodes] = jax.jit(
-                named(self._trace, self._fn), static_argnums=self._static_positions, donate_argnums=donate,
+                named(self._trace, self._fn), static_argnums=self._static_positions,
+                donate_argnums=donate,
                 static_argnames=self._static_names, donate_argnames=self._donate_names,
             )
         return jitted
@@ -191,8 +218,9 @@ class StrategyFunction:
         return (0, *(i + 2 for i in self._static))
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Keyword arguments for positional parameters become positional (as `jax.jit` resolves them), so that
-        ``*_argnums`` and ``*_argnames`` mean the same argument however it is passed."""
+        """Keyword arguments for positional parameters become positional (as `jax.jit` resolves
+        them), so that ``*_argnums`` and ``*_argnames`` mean the same argument however it is
+        passed."""
         if not kwargs or self._signature is None:
             return args, kwargs
         try:
@@ -201,14 +229,14 @@ class StrategyFunction:
             raise TypeError(f"{fn_name(self._fn)}: {error}") from None
         return bound.args, bound.kwargs
 
-    # ------------------------------------------------------------------------------------------ calls
+    # ---------------------------------------------------------------------------------------- calls
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], Any, Any]:
         for k, a in kwargs.items():
             if _is_graph_node(a):
                 raise TypeError(
-                    f"{fn_name(self._fn)}: nnx object passed as keyword-only argument {k!r}; pass nnx modules, "
-                    "optimizers and metrics positionally (or by the name of a positional parameter), so their "
-                    "in-place updates are written back."
+                    f"{fn_name(self._fn)}: nnx object passed as keyword-only argument {k!r}; pass "
+                    "nnx modules, optimizers and metrics positionally (or by the name of a "
+                    "positional parameter), so their in-place updates are written back."
                 )
         nodes = tuple(i for i, a in enumerate(args) if i not in self._static and _is_graph_node(a))
         if not nodes:
@@ -223,16 +251,18 @@ class StrategyFunction:
         placed, kwargs, state = self._place(plain, kwargs, state)
         return args, nodes, graphdef, placed, kwargs, state
 
-    def _with_padding(self, args: tuple, bound_kwargs: dict, kwargs: dict, nodes: tuple[int, ...]) -> dict:
-        """The placed ``kwargs`` with the row weights of the padded batches among the call's arguments (``args``
-        / ``bound_kwargs``, as the call got them), for the ``strategy.run`` inside (`_trace._padded`)."""
+    def _with_padding(self, args: tuple, bound_kwargs: dict, kwargs: dict,
+                      nodes: tuple[int, ...]) -> dict:
+        """The placed ``kwargs`` with the row weights of the padded batches among the call's
+        arguments (``args`` / ``bound_kwargs``, as the call got them), for the ``strategy.run``
+        inside (`_trace._padded`)."""
         skip = set(self._static) | set(nodes)
         return {**kwargs, PADDING: padding_argument(args, bound_kwargs, skip, self._static_names)}
 
     def _module_step(self) -> StrategyFunction:
-        """This step over its arguments' arrays, for calls with an Equinox module among them: the non-array
-        leaves of every argument are one static argument (``eqx.filter_jit``'s rule); donated and declared
-        batch arguments keep their positions and names."""
+        """This step over its arguments' arrays, for calls with an Equinox module among them: the
+        non-array leaves of every argument are one static argument (``eqx.filter_jit``'s rule);
+        donated and declared batch arguments keep their positions and names."""
         if self._modules is None:
             fn, outputs = self._fn, self._module_outputs
 
@@ -243,8 +273,10 @@ class StrategyFunction:
 
             arrays_step.__name__ = arrays_step.__qualname__ = fn_name(fn)
             self._modules = StrategyFunction(
-                self._policy, self._programs, arrays_step, donate_argnums=tuple(i + 1 for i in self._donate),
-                static_argnums=0, batch_argnums=None if self._batch is None else tuple(i + 1 for i in self._batch),
+                self._policy, self._programs, arrays_step,
+                donate_argnums=tuple(i + 1 for i in self._donate),
+                static_argnums=0, batch_argnums=None if self._batch is None
+                else tuple(i + 1 for i in self._batch),
                 donate_argnames=self._donate_names, batch_argnames=self._batch_names or None,
                 out_layouts=self._out_layouts, axis_types=self._axis_types, _module_arrays=True)
         return self._modules
@@ -258,16 +290,19 @@ class StrategyFunction:
         return combine(step(static, *arrays, **named_arrays), self._module_outputs[static])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The express path: a positional call whose argument types were seen before goes straight to the program
-        # the full path built for them (`_express_program`). JAX's own dispatch then checks everything else the
-        # decision rests on (shapes, dtypes, weak types, layouts, the trace context), in C++ on a hit; a call
-        # whose types JAX has no trace for raises before anything runs and takes the full path below; one it
-        # takes with a trace of its own (another layout, a host array nested in an argument) enters the
-        # program laid out as the full path lays it out.
+        # The express path: a positional call whose argument types were seen before goes straight to
+        # the program the full path built for them (`_express_program`). JAX's own dispatch then
+        # checks everything else the decision rests on (shapes, dtypes, weak types, layouts, the
+        # trace context), in C++ on a hit; a call whose types JAX has no trace for raises before
+        # anything runs and takes the full path below; one it takes with a trace of its own (another
+        # layout, a host array nested in an argument) enters the program laid out as the full path
+        # lays it out.
         key = refused = None
-        # A batch a distributed dataset padded (remainder="pad") takes the full path, its row weights brought in
-        # for the strategy.run inside the step (`_trace._padded`; a step that hands it to none is refused).
-        padded = bool(PADDED) and holds_padded((args, kwargs))  # (a dict's truth first: free while none is padded)
+        # A batch a distributed dataset padded (remainder="pad") takes the full path, its row
+        # weights brought in for the strategy.run inside the step (`_trace._padded`; a step that
+        # hands it to none is refused).
+        # (a dict's truth first: free while none is padded)
+        padded = bool(PADDED) and holds_padded((args, kwargs))
         if not kwargs and not padded:
             key = tuple(map(type, args))
             if self._reads_leaves:
@@ -281,7 +316,8 @@ class StrategyFunction:
                     refused = program
                     self._compiled.missed(key)
                 else:
-                    return self._provenance.marked(static[1:], out) if self._tells_provenance else out
+                    return self._provenance.marked(static[1:],
+                                                   out) if self._tells_provenance else out
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         if not self._module_arrays and holds_module(args, kwargs):
@@ -292,22 +328,25 @@ class StrategyFunction:
         if padded:  # (never the express path: its programs are for calls without the weights)
             kwargs = self._with_padding(args, bound_kwargs, kwargs, nodes)
         express = None if kwargs or nodes else self._express_program(static, placed)
-        with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
+        with (ambient.call(self._trace, (placed, kwargs, state)),
+              self._policy.call_scope((placed, kwargs, state))):
             if express is not None:  # (the call's arguments are read only if it traces)
                 out = self._provenance.marked(static[1:], self._decided(lambda: express(*placed)))
             else:
                 out = self._provenance.marked(static[1:], self._decided(
                     lambda: self._program(nodes)(static, state, *placed, **kwargs)))
         if refused is not None:
-            # JAX's dispatch keeps, for the signature the express program refused, an entry that sends every
-            # later call of it to Python: dropped now that this call has traced it (the traces are kept). A JAX
-            # without that method: the program is built anew for the next call (one more trace).
+            # JAX's dispatch keeps, for the signature the express program refused, an entry that
+            # sends every later call of it to Python: dropped now that this call has traced it (the
+            # traces are kept). A JAX without that method: the program is built anew for the next
+            # call (one more trace).
             if not self._compiled.cleared(refused):
                 express = None if express is refused else express
         if express is not None and key is not None and not any(
                 isinstance(x, (np.ndarray, np.generic)) for i in self._donate if i < len(args)
                 for x in jax.tree.leaves(args[i])):
-            # (a host array donated is a program of its own to jax.jit: such calls keep the full path)
+            # (a host array donated is a program of its own to jax.jit: such calls keep the full
+            # path)
             self._compiled.install(key, express, static)
         if not nodes:
             return out
@@ -316,9 +355,10 @@ class StrategyFunction:
         return out
 
     def _leaf_key(self, key: tuple, args: tuple) -> Any:
-        """The express path's key on a policy that reads the leaves (`_reads_leaves`): the argument types and
-        the provenance of their layouts; None (no express call) where a leaf is not on the mesh in a job of
-        several processes (a host array there holds a process's own rows: the full path places it)."""
+        """The express path's key on a policy that reads the leaves (`_reads_leaves`): the argument
+        types and the provenance of their layouts; None (no express call) where a leaf is not on the
+        mesh in a job of several processes (a host array there holds a process's own rows: the full
+        path places it)."""
         leaves = jax.tree.leaves(args)
         shardings = shardings_of(leaves)
         if self._policy.spans_processes and not all_on_mesh(leaves, self._policy.mesh, shardings):
@@ -326,17 +366,19 @@ class StrategyFunction:
         return key, self._provenance.key(leaves, shardings) if self._tells_provenance else None
 
     def _express_program(self, static: tuple, placed: tuple) -> Callable | None:
-        """The program of a positional call without nnx arguments whose arguments ``placed`` hold (the full
-        path's decision made): `jax.jit` of the step, one per static key. It traces only inside the full path
-        (`StepTrace` needs the call's values); traced from anywhere else (JAX met a signature it has no trace for)
-        it raises `_Refused` before any of the step's code runs. JAX reuses a trace for arguments of the same
-        types whatever their layouts: on a mesh without Explicit axes each array enters the program
-        constrained to the layout it was traced with, so an argument JAX takes as it is on an express call
-        (a host array nested in a batch, a batch held whole) is laid out as the full path would have placed
-        it. None where a leaf is a tracer (a call inside another trace) or no array."""
+        """The program of a positional call without nnx arguments whose arguments ``placed`` hold
+        (the full path's decision made): `jax.jit` of the step, one per static key. It traces only
+        inside the full path (`StepTrace` needs the call's values); traced from anywhere else (JAX
+        met a signature it has no trace for) it raises `_Refused` before any of the step's code
+        runs. JAX reuses a trace for arguments of the same types whatever their layouts: on a mesh
+        without Explicit axes each array enters the program constrained to the layout it was traced
+        with, so an argument JAX takes as it is on an express call (a host array nested in a batch,
+        a batch held whole) is laid out as the full path would have placed it. None where a leaf is
+        a tracer (a call inside another trace) or no array."""
         dynamic = tuple(a for i, a in enumerate(placed) if i not in self._static)
         if not all(type(x) in _SCALARS or isinstance(x, jax.ShapeDtypeStruct) or (
-                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)) for x in jax.tree.leaves(dynamic)):
+                isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+                   for x in jax.tree.leaves(dynamic)):
             return None
         program = self._compiled.families.get(static)
         if program is None:
@@ -357,14 +399,15 @@ class StrategyFunction:
         return program
 
     def _agree(self, nnx_static: tuple) -> None:
-        """A new program is being traced (JAX traces only on a cache miss, so steady-state steps never come
-        here): lower it once more for its fingerprint and check that every process compiled the same one
-        before it runs (see `jaxdist.strategies.compile._agreement`)."""
+        """A new program is being traced (JAX traces only on a cache miss, so steady-state steps
+        never come here): lower it once more for its fingerprint and check that every process
+        compiled the same one before it runs (see `jaxdist.strategies.compile._agreement`)."""
         call = ambient.current_call(self._trace)
         if call is None or call.agreeing:
             return
         placed, kwargs, state = call.args
-        # The same program through a wrapper of its own (JAX refuses to trace a function inside its own trace).
+        # The same program through a wrapper of its own (JAX refuses to trace a function inside its
+        # own trace).
         twin = jax.jit(named(self._trace, self._fn), static_argnums=self._static_positions,
                        static_argnames=self._static_names)
         call.agreeing = True
@@ -375,8 +418,9 @@ class StrategyFunction:
         agree(fn_name(self._fn), fingerprint(lowered))
 
     def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
-        """Trace for these arguments without compiling or running (`jax.jit`'s ``.trace``): the program for the
-        strategy's layout. Arguments may be `jax.ShapeDtypeStruct`s (with a ``sharding=`` to say where they live).
+        """Trace for these arguments without compiling or running (`jax.jit`'s ``.trace``): the
+        program for the strategy's layout. Arguments may be `jax.ShapeDtypeStruct`s (with a
+        ``sharding=`` to say where they live).
 
         Returns:
             A `jax.stages.Traced` (``.jaxpr``, ``.lower()``).
@@ -384,8 +428,9 @@ class StrategyFunction:
         return self._stage("trace", args, kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Lower for these arguments without running (`jax.jit`'s ``.lower``): ``.as_text()``, ``.compile()``
-        and its ``memory_analysis()`` / ``cost_analysis()`` inspect the program for the strategy's layout.
+        """Lower for these arguments without running (`jax.jit`'s ``.lower``): ``.as_text()``,
+        ``.compile()`` and its ``memory_analysis()`` / ``cost_analysis()`` inspect the program for
+        the strategy's layout.
 
         Returns:
             A `jax.stages.Lowered`.
@@ -393,13 +438,14 @@ class StrategyFunction:
         return self._stage("lower", args, kwargs)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The step's `jd.Plan` for these arguments: memory, FLOPs, collectives per device, compiled for the
-        strategy's layout; the step never runs and nothing is allocated (see `jaxdist.strategies.plan._plan`).
+        """The step's `jd.Plan` for these arguments: memory, FLOPs, collectives per device, compiled
+        for the strategy's layout; the step never runs and nothing is allocated (see
+        `jaxdist.strategies.plan._plan`).
 
-        Arguments may be real values or `jax.ShapeDtypeStruct`s (``jax.eval_shape(init)``); those without a
-        layout get the one a call would give them (declared batches split over the batch axes, everything
-        else the variable layout). On a plan mesh (`jd.plan_mesh`) the program is compiled in a subprocess
-        with that many simulated CPU devices.
+        Arguments may be real values or `jax.ShapeDtypeStruct`s (``jax.eval_shape(init)``); those
+        without a layout get the one a call would give them (declared batches split over the batch
+        axes, everything else the variable layout). On a plan mesh (`jd.plan_mesh`) the program is
+        compiled in a subprocess with that many simulated CPU devices.
 
         Returns:
             A `jd.Plan`.
@@ -419,25 +465,31 @@ class StrategyFunction:
             return self._call_modules("plan", args, kwargs)
         args, kwargs = self._bind(args, kwargs)
         names = list(self._signature.parameters) if self._signature is not None else []
-        return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of, names=names,
-                         batch=self._batch or (), batch_names=self._batch_names, static=self._static,
-                         static_names=self._static_names)
+        return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of,
+                         names=names,
+                         batch=self._batch or (), batch_names=self._batch_names,
+                         static=self._static, static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
         if not self._module_arrays and holds_module(args, kwargs):
             return self._call_modules(stage, args, kwargs)
-        padded = bool(PADDED) and holds_padded((args, kwargs))  # the program a call would run: with the weights
+        # the program a call would run: with the weights
+        padded = bool(PADDED) and holds_padded((args, kwargs))
         bound_kwargs = self._bind(args, kwargs)[1] if padded else None
         bound, nodes, graphdef, placed, kwargs, state = self._prepare(args, kwargs)
         static = (graphdef, nodes, self._provenance.key(jax.tree.leaves((placed, kwargs, state))))
         if padded:
             kwargs = self._with_padding(bound, bound_kwargs, kwargs, nodes)
-        with ambient.call(self._trace, (placed, kwargs, state)), self._policy.call_scope((placed, kwargs, state)):
-            # The program calls run (the same trace: a plan or a cost read after calls traces nothing new).
+        with (ambient.call(self._trace, (placed, kwargs, state)),
+              self._policy.call_scope((placed, kwargs, state))):
+            # The program calls run (the same trace: a plan or a cost read after calls traces
+            # nothing new).
             express = None if kwargs or nodes else self._express_program(static, placed)
             if express is not None:
                 return self._decided(lambda: getattr(express, stage)(*placed))
-            return self._decided(lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
+            return self._decided(
+                lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs)
+            )
 
     def _decided(self, call: Callable[[], Any]) -> Any:
         """``call()``, whose trace (if it traces) runs with the axis types decided for the program
@@ -447,9 +499,12 @@ class StrategyFunction:
         return decided(self._policy.mesh, self._axis_types, call, fn_name(self._fn))
 
     def axis_types_of(self, traced: jax.stages.Traced) -> dict[str, jax.sharding.AxisType]:
-        """The axis types the program ``traced`` (from `trace`) runs with: the mesh's own, or Auto for every
-        axis where its Explicit axes run Auto (see `jaxdist.strategies.layout._axis_types`)."""
+        """The axis types the program ``traced`` (from `trace`) runs with: the mesh's own, or Auto
+        for every axis where its Explicit axes run Auto (see
+        `jaxdist.strategies.layout._axis_types`)."""
         mesh = self._policy.mesh
         auto = ran_auto(traced.jaxpr)
-        return {a: jax.sharding.AxisType.Auto if auto else t for a, t in zip(mesh.axis_names, mesh.axis_types,
-                                                                              strict=True)}
+        return {
+            a: jax.sharding.AxisType.Auto if auto else t
+            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        }

@@ -1,12 +1,15 @@
-"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's steps_per_run).
+"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's
+steps_per_run).
 
-The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked and placed
-once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU infeed), and a
-`jax.lax.scan` runs the step over them on the devices. The host is involved once per call, not once per step.
+The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked
+and placed once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU
+infeed), and a `jax.lax.scan` runs the step over them on the devices. The host is involved once per
+call, not once per step.
 
-``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may call
-``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value, aggregation)``
-records a value of the last step, reduced across replicas when an aggregation is given.
+``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may
+call ``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value,
+aggregation)`` records a value of the last step, reduced across replicas when an aggregation is
+given.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class MultiStepContext:
     """What a multi-step loop returns, and what its step function records (tf's MultiStepContext).
 
     Inside ``step_fn``: ``set_last_step_output`` and ``set_non_tensor_output``. After the loop:
-    ``last_step_outputs`` (a dict), ``non_tensor_outputs`` (a dict) and ``loop_values`` (the state after the
-    last step).
+    ``last_step_outputs`` (a dict), ``non_tensor_outputs`` (a dict) and ``loop_values`` (the state
+    after the last step).
 
     Examples:
         >>> import numpy as np, jaxdist as jd
@@ -46,7 +49,8 @@ class MultiStepContext:
         ...     ctx.set_last_step_output("batch_sum", x.sum(), aggregation=jd.ReduceOp.SUM)
         ...     return total + x.sum()
         >>> batches = iter([np.full((2, 1), i, np.float32) for i in range(3)])
-        >>> ctx = strategy.run_steps_on_dataset(step_fn, batches, iterations=3, initial_loop_values=0.0)
+        >>> ctx = strategy.run_steps_on_dataset(step_fn, batches, iterations=3,
+        ...                                     initial_loop_values=0.0)
         >>> float(ctx.loop_values), float(ctx.last_step_outputs["batch_sum"])
         (6.0, 4.0)
     """
@@ -59,14 +63,16 @@ class MultiStepContext:
         self.loop_values: Any = None
         self._lowered: Callable[[], Any] | None = None
 
-    def set_last_step_output(self, name: str, output: Any, aggregation: ReduceOp | str | None = None) -> None:
-        """Record ``output`` of the current step under ``name``; after the loop, the last step's value is kept.
+    def set_last_step_output(self, name: str, output: Any,
+                             aggregation: ReduceOp | str | None = None) -> None:
+        """Record ``output`` of the current step under ``name``; after the loop, the last step's
+        value is kept.
 
         Args:
             name: the key in ``last_step_outputs``.
             output: a pytree of arrays or `PerReplica` values (what ``strategy.run`` returned).
-            aggregation: a `ReduceOp` (or "sum" / "mean") to return the value reduced across replicas once;
-                None to keep one value per replica (`PerReplica` stays `PerReplica`).
+            aggregation: a `ReduceOp` (or "sum" / "mean") to return the value reduced across
+                replicas once; None to keep one value per replica (`PerReplica` stays `PerReplica`).
 
         Raises:
             RuntimeError: when called outside the step function, or inside a replica function.
@@ -77,18 +83,21 @@ class MultiStepContext:
         op = None if aggregation is None else ReduceOp.parse(aggregation, "aggregation")
         if self._pending is None:
             raise RuntimeError(
-                "set_last_step_output is called from inside step_fn while run_steps_on_dataset traces it."
+                "set_last_step_output is called from inside step_fn while run_steps_on_dataset "
+                "traces it."
             )
         if ambient.current_replica() is not None:
             raise RuntimeError(
-                "set_last_step_output was called inside a replica function: call it in step_fn with the value "
-                "strategy.run returned (a PerReplica), and give an aggregation to reduce it."
+                "set_last_step_output was called inside a replica function: call it in step_fn "
+                "with the value strategy.run returned (a PerReplica), and give an aggregation to "
+                "reduce it."
             )
         self._aggregations[name] = op
         self._pending[name] = output
 
     def set_non_tensor_output(self, name: str, output: Any) -> None:
-        """Record a Python (non-array) value from the step function, kept as is in ``non_tensor_outputs``."""
+        """Record a Python (non-array) value from the step function, kept as is in
+        ``non_tensor_outputs``."""
         self._non_tensor_outputs[name] = output
 
     @property
@@ -101,7 +110,8 @@ class MultiStepContext:
         """The values recorded by ``set_non_tensor_output``, by name."""
         return dict(self._non_tensor_outputs)
 
-    # The loop drives the context through these: one step's recording while tracing, the results after.
+    # The loop drives the context through these: one step's recording while tracing, the results
+    # after.
     def _begin_step(self) -> None:
         self._pending = {}
 
@@ -109,7 +119,8 @@ class MultiStepContext:
         pending, self._pending = self._pending, None
         return pending
 
-    def _finish(self, outputs: dict, aggregations: dict, non_tensor: dict, loop_values: Any, lower: Callable) -> None:
+    def _finish(self, outputs: dict, aggregations: dict, non_tensor: dict, loop_values: Any,
+                lower: Callable) -> None:
         self._last_step_outputs = dict(outputs)
         self._aggregations = dict(aggregations)
         self._non_tensor_outputs = dict(non_tensor)
@@ -117,9 +128,11 @@ class MultiStepContext:
         self._lowered = lower
 
     def lower(self) -> Any:
-        """The lowered loop program (for ``jd.gradients.clusters`` and ``jd.tpu.host_compute_core``)."""
+        """The lowered loop program (for ``jd.gradients.clusters`` and
+        ``jd.tpu.host_compute_core``)."""
         if self._lowered is None:
-            raise RuntimeError("lower() is available after run_steps_on_dataset has compiled the loop.")
+            raise RuntimeError("lower() is available after run_steps_on_dataset has compiled the "
+                               "loop.")
         return self._lowered()
 
 
@@ -129,7 +142,10 @@ def _reduce_in_trace(policy: LayoutPolicy, op: ReduceOp | None, value: Any) -> A
     def one(v):
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
-                return PerReplica(jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)), v.owner)
+                return PerReplica(
+                    jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)),
+                    v.owner,
+                )
             return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
@@ -148,9 +164,10 @@ def _take(iterator: Iterator[Any], iterations: int) -> list[Any]:
         raise StopIteration
     if len(batches) < iterations:
         raise ValueError(
-            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an on-device loop "
-            f"runs a fixed number of steps; drop the remainder (make the number of batches a multiple of "
-            f"{iterations}) or pad, or pass iterations={len(batches)} for the last call."
+            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an "
+            "on-device loop runs a fixed number of steps; drop the remainder (make the number of "
+            f"batches a multiple of {iterations}) or pad, or pass iterations={len(batches)} for "
+            "the last call."
         )
     return batches
 
@@ -160,31 +177,36 @@ def _check_static(batches: list[Any], n: int) -> None:
     for i, batch in enumerate(batches):
         leaves, tree = jax.tree.flatten(batch)
         if tree != first_tree:
-            raise ValueError(f"batch {i} has structure {tree}, batch 0 has {first_tree}: batches must agree.")
+            raise ValueError(f"batch {i} has structure {tree}, batch 0 has {first_tree}: batches "
+                             "must agree.")
         for a, b in zip(leaves, first_leaves, strict=True):
             if np.shape(a) != np.shape(b):
                 raise ValueError(
-                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: on-device "
-                    "loops need static shapes; drop the remainder (a ragged last batch) or pad it to the same shape."
+                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: "
+                    "on-device loops need static shapes; drop the remainder (a ragged last batch) "
+                    "or pad it to the same shape."
                 )
     for leaf in first_leaves:
         if not np.shape(leaf):
-            raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split over the replicas.")
+            raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split "
+                             "over the replicas.")
         check_divisible(np.shape(leaf)[0], n)
 
 
 def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
-    """Stack the batches on a new axis 0 and place them, each step's batch in the layout a call gives a batch
-    (`LayoutPolicy.batch_layout`: rows over the replicas, a sequence over the context axes), in one transfer."""
+    """Stack the batches on a new axis 0 and place them, each step's batch in the layout a call
+    gives a batch (`LayoutPolicy.batch_layout`: rows over the replicas, a sequence over the context
+    axes), in one transfer."""
 
     def stack(*leaves):
         layout = policy.batch_layout(np.ndim(leaves[0]), np.shape(leaves[0]))
-        sharding = NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec), memory_kind=layout.memory_kind)
+        sharding = NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec),
+                                 memory_kind=layout.memory_kind)
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
-        # Each device (of this process) gets its own columns of the stack, from host views, wherever the mesh
-        # puts them.
+        # Each device (of this process) gets its own columns of the stack, from host views, wherever
+        # the mesh puts them.
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(stack, *batches)
@@ -204,13 +226,14 @@ def run_steps_on_dataset(
     See `Strategy.run_steps_on_dataset`.
     """
     if not callable(step_fn):
-        raise TypeError(f"step_fn={step_fn!r} is not callable: pass step_fn(ctx, state, *inputs) -> state.")
+        raise TypeError(f"step_fn={step_fn!r} is not callable: pass step_fn(ctx, state, *inputs) "
+                        "-> state.")
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} must be an int >= 1 (the steps run per call).")
     if not isinstance(iterator, Iterator):
         raise TypeError(
-            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that consecutive "
-            "calls continue where the last one stopped."
+            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that "
+            "consecutive calls continue where the last one stopped."
         )
     batches = _take(iterator, iterations)
     _check_static(batches, policy.num_replicas)
@@ -223,21 +246,24 @@ def run_steps_on_dataset(
     state = initial_loop_values if has_state else ()
     with policy.call_scope((state, stacked)):  # built and called on the strategy's mesh
         program, info = programs.get(
-            step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state, iterations, donate),
+            step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state,
+                                                   iterations, donate),
             reason=((iterations, has_state, donate), shapes),
         )
         new_state, outputs = program(state, stacked)
     ctx._finish(
         dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
         new_state if has_state else None,
-        # abstract: the state may be donated; step_fn is kept alive for as long as the context can lower
+        # abstract: the state may be donated; step_fn is kept alive for as long as the context can
+        # lower
         lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)),
     )
     return ctx
 
 
 def _build(
-    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool, iterations: int, donate: bool
+    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool,
+    iterations: int, donate: bool
 ):
     info: dict[str, Any] = {}
 
@@ -245,7 +271,9 @@ def _build(
         inputs = batch if isinstance(batch, tuple) else (batch,)
         trace_ctx._begin_step()
         with ambient.computation(policy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
-            new_state = step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
+            new_state = (
+                step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
+            )
         pending = trace_ctx._end_step()
         names = tuple(sorted(pending))
         aggregations = {k: trace_ctx._aggregations[k] for k in names}
@@ -263,10 +291,13 @@ def _build(
     def loop(state, stacked):
         first = jax.tree.map(lambda x: x[0], stacked)
         with ambient.probe():
-            _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state, first)
-        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry it too.
+            _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state,
+                                           first)
+        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry
+        # it too.
         typed = bool(explicit_axes(policy.mesh))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed else None),
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed
+                                                 else None),
                              out_shapes)
         trace_ctx = MultiStepContext()
 
@@ -278,4 +309,5 @@ def _build(
         return state, outs
 
     donate_argnums = (0,) if donate and has_state else None
-    return StrategyFunction(policy, programs, loop, donate_argnums=donate_argnums, batch_argnums=(1,)), info
+    return StrategyFunction(policy, programs, loop, donate_argnums=donate_argnums,
+                            batch_argnums=(1,)), info

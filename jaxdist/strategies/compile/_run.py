@@ -1,39 +1,44 @@
-"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map` program.
+"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map`
+program.
 
-Each argument leaf is classified once per call signature, by declaration or by what the value carries:
+Each argument leaf is classified once per call signature, by declaration or by what the value
+carries:
 
-* with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host arrays
-  are split over the replicas), every other array is mirrored;
-* without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a distributed
-  dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the tracers of the step's own
-  batch / variable arguments keep their role, and a value computed in the step (rank >= 1) is refused with
-  an error that names ``batch_argnums``; any other array is mirrored (tf.distribute's rule for values that
-  are not distributed);
+* with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host
+  arrays are split over the replicas), every other array is mirrored;
+* without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a
+  distributed dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the
+  tracers of the step's own batch / variable arguments keep their role, and a value computed in the
+  step (rank >= 1) is refused with an error that names ``batch_argnums``; any other array is
+  mirrored (tf.distribute's rule for values that are not distributed);
 * `PerReplica` / `SyncOnRead`: each replica sees its own component;
-* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in tf.function).
+* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in
+  tf.function).
 
-tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying* over the
-replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL gradients. (Left
-invariant, shard_map's ``grad`` would return gradients already summed over replicas.) The all-reduce is
-explicit: ``ctx.all_reduce(MEAN, grads)``.
+tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying*
+over the replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL
+gradients. (Left invariant, shard_map's ``grad`` would return gradients already summed over
+replicas.) The all-reduce is explicit: ``ctx.all_reduce(MEAN, grads)``.
 
-Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an all-reduce,
-aggregate or all-gather result, a constant, a parameter updated with all-reduced gradients) comes back mirrored
-(a replicated `jax.Array`), whatever JAX's varying types say of it (they cannot prove an updated parameter the
-same, and they call a primitive they do not know invariant); everything else comes back as `PerReplica`; a
-`SyncOnRead` comes back as one. The first call of each program checks on device that every output it returns
-mirrored is the same on every replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a
-mirrored argument element-wise (an update) that is not proven the same is refused.
-pmap-era code that names its axis (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs
-it; so does, by default, code that only that check refuses (``check_vma=``; see `_vma`).
-To know which is which, the function is traced once abstractly before the real program is built; the program
-is cached in the strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
-layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its program
-(`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
+Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an
+all-reduce, aggregate or all-gather result, a constant, a parameter updated with all-reduced
+gradients) comes back mirrored (a replicated `jax.Array`), whatever JAX's varying types say of it
+(they cannot prove an updated parameter the same, and they call a primitive they do not know
+invariant); everything else comes back as `PerReplica`; a `SyncOnRead` comes back as one. The first
+call of each program checks on device that every output it returns mirrored is the same on every
+replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a mirrored argument
+element-wise (an update) that is not proven the same is refused. pmap-era code that names its axis
+(``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs it; so does, by
+default, code that only that check refuses (``check_vma=``; see `_vma`). To know which is which, the
+function is traced once abstractly before the real program is built; the program is cached in the
+strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
+layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its
+program (`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
 
 A collective over an axis name the program does not bind (pmap-era ``lax.pmean(x, "batch")`` without
-``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own errors by
-types alone (see `_unbound_axis_error`), never by JAX's message, and becomes a ``ValueError`` naming the fix.
+``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own
+errors by types alone (see `_unbound_axis_error`), never by JAX's message, and becomes a
+``ValueError`` naming the fix.
 """
 
 from __future__ import annotations
@@ -72,8 +77,21 @@ from jaxdist.strategies.compile._identical import (
 )
 from jaxdist.strategies.compile._mirror_check import agreement, raise_on_disagreement
 from jaxdist.strategies.compile._vma import first_trace
-from jaxdist.strategies.input import PADDED, check_batch_leaves, holds_padded, padding_weights, place_batch
-from jaxdist.strategies.layout import LayoutPolicy, Role, classify, explicit_axes, in_trace, trace_mesh
+from jaxdist.strategies.input import (
+    PADDED,
+    check_batch_leaves,
+    holds_padded,
+    padding_weights,
+    place_batch,
+)
+from jaxdist.strategies.layout import (
+    LayoutPolicy,
+    Role,
+    classify,
+    explicit_axes,
+    in_trace,
+    trace_mesh,
+)
 from jaxdist.strategies.replica_context import ReplicaContext
 
 __all__ = ["ReplicaRunner", "check_axis_name"]
@@ -82,12 +100,12 @@ __all__ = ["ReplicaRunner", "check_axis_name"]
 def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
     """``axis_name`` validated as the name to bind the replica axis to inside ``run``.
 
-    On a mesh whose batch is split over several axes (``("data", "fsdp")``), the replica axis is their tuple,
-    which JAX collectives take as it is; it cannot be renamed to one name.
+    On a mesh whose batch is split over several axes (``("data", "fsdp")``), the replica axis is
+    their tuple, which JAX collectives take as it is; it cannot be renamed to one name.
 
     Raises:
-        ValueError: for a name that is not a non-empty string, that names another axis of the mesh, or that
-            would rename several batch axes.
+        ValueError: for a name that is not a non-empty string, that names another axis of the mesh,
+            or that would rename several batch axes.
 
     Examples:
         >>> import jax
@@ -98,20 +116,22 @@ def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
         return policy.replica_axis
     if len(policy.batch_axes) > 1:
         raise ValueError(
-            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes {policy.batch_axes}, "
-            "which replica functions name together: use axis_name=strategy.axis_name (that tuple) in "
-            "lax.pmean / psum / BatchNorm(axis_name=...), or put the replicas on one mesh axis."
+            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes "
+            f"{policy.batch_axes}, which replica functions name together: use "
+            "axis_name=strategy.axis_name (that tuple) in lax.pmean / psum / "
+            "BatchNorm(axis_name=...), or put the replicas on one mesh axis."
         )
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(
-            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function uses for the "
-            "data-parallel axis (pmap-era code: axis_name='batch')."
+            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function "
+            "uses for the data-parallel axis (pmap-era code: axis_name='batch')."
         )
     others = [a for a in policy.mesh.axis_names if a != policy.replica_axis]
     if axis_name in others:
         raise ValueError(
-            f"axis_name={axis_name!r} is already the name of another axis of the mesh {tuple(policy.mesh.axis_names)}: "
-            "pick a name the mesh does not use for the replica axis."
+            f"axis_name={axis_name!r} is already the name of another axis of the mesh "
+            f"{tuple(policy.mesh.axis_names)}: pick a name the mesh does not use for the replica "
+            "axis."
         )
     return axis_name
 
@@ -122,7 +142,8 @@ class ReplicaRunner:
     Args:
         policy: the strategy's layout policy.
         programs: the strategy's program cache.
-        owner: the strategy (what `ReplicaContext.strategy` and the per-replica values it returns name).
+        owner: the strategy (what `ReplicaContext.strategy` and the per-replica values it returns
+            name).
     """
 
     def __init__(self, policy: LayoutPolicy, programs: ProgramCache, owner: Any):
@@ -132,52 +153,61 @@ class ReplicaRunner:
         self._warned = [False]
 
     def __call__(
-        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
-        check_vma: bool | None = None, check_mirrored: str = "first",
+        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
+        axis_name: str, check_vma: bool | None = None, check_mirrored: str = "first",
     ) -> Any:
-        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no statics,
-        # no sync-on-read values) with the structure, avals and layouts of one the full path below has run,
-        # which placed none of them, goes straight to that program (`_fast_key`). The roles the full path gave
-        # them follow from those layouts and the declaration alone, so every check it made holds again.
+        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no
+        # statics, no sync-on-read values) with the structure, avals and layouts of one the full
+        # path below has run, which placed none of them, goes straight to that program
+        # (`_fast_key`). The roles the full path gave them follow from those layouts and the
+        # declaration alone, so every check it made holds again.
         fast = self._fast_key(args, kwargs, batch_argnums, axis_name, check_vma)
         if fast is not None:
             key, layouts, plain = fast
             for seen, program in self._programs.peek(fn, key) or ():
-                if seen == layouts:  # (the same aval and sharding objects, compared by identity first)
+                # (the same aval and sharding objects, compared by identity first)
+                if seen == layouts:
                     with self._policy.call_scope(plain):
-                        return program(*plain, arguments=plain, every=check_mirrored == "every", tracing=False)[0]
+                        return program(*plain, arguments=plain, every=check_mirrored == "every",
+                                       tracing=False)[0]
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
         if (frame is None or frame.policy is not self._policy) and any(
             isinstance(x, jax.core.Tracer) for x in flat
         ):
             raise ValueError(
-                "strategy.run got traced arguments outside this strategy's compiled computations (e.g. inside a "
-                "plain jax.jit or jax.grad): there it cannot tell distributed batches from mirrored values. "
-                "Compile the enclosing step with strategy.jit (or run_steps_on_dataset), or call run eagerly."
+                "strategy.run got traced arguments outside this strategy's compiled computations "
+                "(e.g. inside a plain jax.jit or jax.grad): there it cannot tell distributed "
+                "batches from mirrored values. Compile the enclosing step with strategy.jit (or "
+                "run_steps_on_dataset), or call run eagerly."
             )
-        for i in batch_argnums or ():  # a declared batch's plain mistakes (text, ragged rows), named as such
+        # a declared batch's plain mistakes (text, ragged rows), named as such
+        for i in batch_argnums or ():
             if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args[i])):
                 check_batch_leaves(args[i], self._policy.num_replicas, f"args[{i}] of strategy.run")
         kinds = []
         for leaf in flat:
             if is_distributed(leaf) and leaf.owner is not None and leaf.owner is not self._owner:
                 raise ValueError(
-                    f"strategy.run got a {type(leaf).__name__} of another strategy ({leaf.owner!r}) but runs "
-                    f"on {self._owner!r}: per-replica values belong to the strategy that made them; reduce or "
-                    "gather it there first (strategy.reduce / strategy.gather), or run on that strategy."
+                    f"strategy.run got a {type(leaf).__name__} of another strategy "
+                    f"({leaf.owner!r}) but runs on {self._owner!r}: per-replica values belong to "
+                    "the strategy that made them; reduce or gather it there first (strategy.reduce "
+                    "/ strategy.gather), or run on that strategy."
                 )
         for i, a in enumerate(args):
             for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=is_distributed)[0]:
                 declared = None if batch_argnums is None else i in batch_argnums
                 where = f"args[{i}]{jax.tree_util.keystr(path)}"
-                kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
+                kinds.append(classify(self._policy, leaf, declared, where, "strategy.run",
+                                      self._warned))
         for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs, is_leaf=is_distributed)[0]:
             declared = None if batch_argnums is None else False
             where = f"kwargs{jax.tree_util.keystr(path)}"
-            kinds.append(classify(self._policy, leaf, declared, where, "strategy.run", self._warned))
+            kinds.append(classify(self._policy, leaf, declared, where, "strategy.run",
+                                  self._warned))
         kinds = tuple(kinds)
-        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the arguments.
+        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the
+        # arguments.
         weights = next((w for x, k in zip(flat, kinds, strict=True) if k == Role.BATCH
                         for w in [padding_weights(x)] if w is not None), None)
         statics = tuple(x if k == Role.STATIC else None for x, k in zip(flat, kinds, strict=True))
@@ -195,33 +225,38 @@ class ReplicaRunner:
                     if k == Role.VARIABLE:
                         x = self._place_mirrored(x)
                     elif not is_on_mesh(x, self._policy.mesh):
-                        x = place_batch(self._policy, x, where="a batch_argnums argument of strategy.run")
+                        x = place_batch(self._policy, x,
+                                        where="a batch_argnums argument of strategy.run")
             dynamic.append(x)
         if weights is not None:
             dynamic.append(weights)
         avals = tuple((np.shape(x), jax.dtypes.result_type(x)) for x in dynamic)
-        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the program is another one.
-        # Inside any compiled step too: there it may not store into the sync-on-read values it captured.
+        # Inside a step whose Explicit axes run Auto (jaxdist.strategies.layout._axis_types) the
+        # program is another one. Inside any compiled step too: there it may not store into the
+        # sync-on-read values it captured.
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
-        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name, explicit_axes(self._policy.mesh),
-               weights is not None, check_vma, traced)
+        key = (treedef, kinds, hashable(statics), tuple(aux), avals, axis_name,
+               explicit_axes(self._policy.mesh), weights is not None, check_vma, traced)
         aux = tuple(aux)
         name = fn_name(fn)
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
-                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic, axis_name, name,
+                fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic,
+                                                     axis_name, name,
                                                      weights is not None, check_vma),
                 reason=(hashable(statics), avals),
             )
             out, updated = program(*dynamic, arguments=flat, every=check_mirrored == "every")
-        for i, components in updated.items():  # sync-on-read arguments updated in place: kept, as in tf.distribute
+        # sync-on-read arguments updated in place: kept, as in tf.distribute
+        for i, components in updated.items():
             store_components(flat[i], components)
-        if (fast is not None and frame is None and not updated and weights is None and len(dynamic) == len(flat)
+        if (fast is not None and frame is None and not updated and weights is None
+                and len(dynamic) == len(flat)
                 and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
-            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica` is its
-            # stacked array, its node and owner part of the structure): later calls like this one take the
-            # fast path.
+            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica`
+            # is its stacked array, its node and owner part of the structure): later calls like this
+            # one take the fast path.
             known = self._programs.peek(fn, fast[0])
             if known is None:
                 self._programs.put(fn, fast[0], known := [])
@@ -229,24 +264,28 @@ class ReplicaRunner:
             del known[_FAST_SIGNATURES:]
         return out
 
-    def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None, axis_name: str,
-                  check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
-        """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened through
-        per-replica values, whose nodes and owners the structure then holds), each leaf's type, aval and layout,
-        and a key of the rest the full path's decision rests on (the structure, the declaration). None where
-        the decision also rests on more (a strategy's ``layout_role`` hook, which batch arrays the input
-        functions placed on a policy that splits variables, a padded batch's weights, an enclosing
-        computation). The layouts are compared, not hashed: JAX shares aval and sharding objects between
-        arrays of one program, so a steady call's compare by identity."""
+    def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
+                  axis_name: str, check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
+        """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened
+        through per-replica values, whose nodes and owners the structure then holds), each leaf's
+        type, aval and layout, and a key of the rest the full path's decision rests on (the
+        structure, the declaration). None where the decision also rests on more (a strategy's
+        ``layout_role`` hook, which batch arrays the input functions placed on a policy that splits
+        variables, a padded batch's weights, an enclosing computation). The layouts are compared,
+        not hashed: JAX shares aval and sharding objects between arrays of one program, so a steady
+        call's compare by identity."""
         policy = self._policy
-        if (batch_argnums is None and not policy.roles_by_layout) or ambient.current_computation() is not None:
+        if (batch_argnums is None
+            and not policy.roles_by_layout) or ambient.current_computation() is not None:
             return None
         leaves, treedef = jax.tree.flatten((args, kwargs))
         if PADDED and holds_padded(leaves):
             return None
-        try:  # (a jax.Array's ``_sharding``: the attribute behind its ``sharding`` property, read in C)
+        # (a jax.Array's ``_sharding``: the attribute behind its ``sharding`` property, read in C)
+        try:
             layouts = tuple([(type(x), x.aval, x._sharding) for x in leaves])
-        except AttributeError:  # a leaf that is no placed array (a static, a tracer): the full path only
+        except AttributeError:
+            # a leaf that is no placed array (a static, a tracer): the full path only
             return None
         return ("fast", treedef, batch_argnums, axis_name, check_vma), layouts, leaves
 
@@ -258,18 +297,24 @@ class ReplicaRunner:
     def _build(self, fn, treedef, kinds, statics, aux, dynamic, axis_name, name, padded,
                check_vma=None) -> Callable:
         policy, owner = self._policy, self._owner
-        # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the same order,
-        # so arguments on the strategy's mesh enter without a copy.
-        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)  # one batch axis
-        typed = trace_mesh(policy.mesh)  # inside a step whose Explicit axes run Auto: the mesh with them Auto
-        mesh = typed if names == policy.mesh.axis_names else Mesh(typed.devices, names, axis_types=typed.axis_types)
+        # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the
+        # same order, so arguments on the strategy's mesh enter without a copy.
+        # one batch axis
+        names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
+        # inside a step whose Explicit axes run Auto: the mesh with them Auto
+        typed = trace_mesh(policy.mesh)
+        mesh = (typed if names == policy.mesh.axis_names
+                else Mesh(typed.devices, names, axis_types=typed.axis_types))
         split = PartitionSpec(axis_name)
-        dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded  # then the row weights
+        # then the row weights
+        dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
-        captured: list[SyncOnRead] = []  # sync-on-read values the function uses without getting them
+        # sync-on-read values the function uses without getting them
+        captured: list[SyncOnRead] = []
         n_dyn = len(dyn_kinds)
-        vma = {"check": True}  # off: the program runs as jax.pmap runs it (_vma.py); outputs are proven either way
+        # off: the program runs as jax.pmap runs it (_vma.py); outputs are proven either way
+        vma = {"check": True}
 
         def body(*local, probe=False, agree_on=None):
             it = iter(local[:n_dyn])
@@ -280,11 +325,13 @@ class ReplicaRunner:
                     continue
                 x = next(it)
                 if k == Role.VARIABLE:
-                    x = to_varying(x, axis_name)  # each replica owns its copy: local gradients (see module doc)
+                    # each replica owns its copy: local gradients (see module doc)
+                    x = to_varying(x, axis_name)
                 elif k == Role.PER_REPLICA:
                     x = x[0]
                 elif k == Role.SYNC_ON_READ:
-                    x = in_replica(x[0], agg, owner)  # its component in a jax.Ref: updates leave loops and jits
+                    # its component in a jax.Ref: updates leave loops and jits
+                    x = in_replica(x[0], agg, owner)
                     synced.append((len(leaves), x))
                 leaves.append(x)
             call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
@@ -292,34 +339,49 @@ class ReplicaRunner:
                                  batch_weights=local[n_dyn - 1] if padded else None)
             with contextlib.ExitStack() as views:
                 for value, component in zip(captured, local[n_dyn:], strict=True):
-                    views.enter_context(local_view(value, component[0]))  # this replica's, for the trace
+                    # this replica's, for the trace
+                    views.enter_context(local_view(value, component[0]))
                 if probe:
                     views.enter_context(noticing_captures())
-                with ambient.computation(policy, "replica", axis_name=axis_name, typed=vma["check"]), \
+                with ambient.computation(policy, "replica", axis_name=axis_name,
+                                         typed=vma["check"]), \
                         ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
-                # A sync-on-read argument or captured value returned (``return seen.assign_add(...)``): read now,
-                # while its view is open, and given back as the very object (`_passed_back`).
+                # A sync-on-read argument or captured value returned (``return
+                # seen.assign_add(...)``): read now, while its view is open, and given back as the
+                # very object (`_passed_back`).
                 out, passed = _passed_back(out, synced, captured)
-            # Sync-on-read arguments updated in place (``assign_add``): their new components leave the program
-            # after the outputs and are stored back in the objects passed in (`ReplicaRunner.__call__`).
+            # Sync-on-read arguments updated in place (``assign_add``): their new components leave
+            # the program after the outputs and are stored back in the objects passed in
+            # (`ReplicaRunner.__call__`).
             if probe:
                 out_info["updated"] = tuple(i for i, obj in synced if assigned(obj))
-            updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced if i in out_info["updated"]]
+            updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced
+                       if i in out_info["updated"]]
             updated += kept
-            out_leaves, out_tree = jax.tree.flatten(out, is_leaf=lambda v: isinstance(v, SyncOnRead))
-            if probe:  # leaves that are not values (an Equinox module's functions, and its Python settings:
-                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as they are
+            out_leaves, out_tree = jax.tree.flatten(
+                out, is_leaf=lambda v: isinstance(v, SyncOnRead)
+            )
+            # leaves that are not values (an Equinox module's functions, and its Python settings:
+            if probe:
+                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as
+                # they are
                 out_info["statics"] = tuple(_VALUE if value else v for v, value in zip(
                     out_leaves, _values_of(out), strict=True))
-            out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True) if static is _VALUE]
-            values = [to_varying(jax.numpy.asarray(v.read()), axis_name) if isinstance(v, SyncOnRead)
-                      else jax.numpy.asarray(v) for v in out_leaves]
+            out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True)
+                          if static is _VALUE]
+            values = [
+                to_varying(jax.numpy.asarray(v.read()), axis_name)
+                if isinstance(v, SyncOnRead)
+                else jax.numpy.asarray(v)
+                for v in out_leaves
+            ]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
                 out_info.update(tree=out_tree, kinds=tuple(
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
-                    else ("per_replica" if not vma["check"] or is_varying(x, axis_name) else "mirrored", None)
+                    else ("per_replica" if not vma["check"] or is_varying(x, axis_name)
+                          else "mirrored", None)
                     for v, x in zip(out_leaves, values, strict=True)
                 ), passed=tuple(passed.get(id(v)) for v in out_leaves))
                 return (*(x[None] for x in values), *updated)
@@ -331,7 +393,8 @@ class ReplicaRunner:
 
         # Pass 1: trace abstractly to learn which outputs vary across replicas.
         # Manual over the replica axis only: a model axis (if any) stays with XLA's partitioner.
-        manual = {"axis_names": set(axis_names(axis_name))} if mesh.axis_names != axis_names(axis_name) else {}
+        manual = ({"axis_names": set(axis_names(axis_name))}
+                  if mesh.axis_names != axis_names(axis_name) else {})
         traced = any(isinstance(x, jax.core.Tracer) for x in dynamic)
         explicit = bool(explicit_axes(policy.mesh))
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
@@ -341,11 +404,13 @@ class ReplicaRunner:
         def probe(check_vma: bool) -> None:
             vma["check"] = check_vma
             probe_fn = jax.shard_map(
-                functools.partial(body, probe=True), mesh=mesh, in_specs=(*in_specs, *[split] * len(captured)),
-                out_specs=split, check_vma=check_vma, **manual,
+                functools.partial(body, probe=True), mesh=mesh,
+                in_specs=(*in_specs, *[split] * len(captured)), out_specs=split,
+                check_vma=check_vma, **manual,
             )
             hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
-                                           sharding=NamedSharding(mesh, split) if explicit else None)
+                                           sharding=NamedSharding(mesh, split) if explicit
+                                           else None)
                       for v in captured]
             with ambient.probe(), _eager_mesh(mesh, policy, traced), _context_mesh(mesh, policy):
                 try:
@@ -365,36 +430,41 @@ class ReplicaRunner:
             if unbound is None:
                 raise
             raise ValueError(_unbound_message(name, axis_name, mesh)) from unbound
-        # Which outputs are the same on every replica is proven from the program's values, never taken from
-        # JAX's types alone (they fail open for a primitive they do not know). Varying by type but proven the
-        # same (a mirrored value updated with all-reduced gradients): mirrored. Taking a mirrored argument's
-        # place but not proven the same: refused.
+        # Which outputs are the same on every replica is proven from the program's values, never
+        # taken from JAX's types alone (they fail open for a primitive they do not know). Varying by
+        # type but proven the same (a mirrored value updated with all-reduced gradients): mirrored.
+        # Taking a mirrored argument's place but not proven the same: refused.
         n_out = len(out_info["kinds"])  # then the updated sync-on-read components
         try:
             values = program_values(traced_jaxpr, {a: mesh.shape[a] for a in axis_names(axis_name)})
-        except ValueError as stall:  # a collective in a loop some replicas may leave early: named before it runs
+        except ValueError as stall:
+            # a collective in a loop some replicas may leave early: named before it runs
             raise ValueError(f"strategy.run({name}): {stall}") from None
         out_tree = out_info["tree"]
         kinds_out = [(_refine(kind, value), agg)
                      for (kind, agg), value in zip(out_info["kinds"], values[:n_out], strict=True)]
         out_statics = out_info["statics"]
-        out_paths = [p for p, static in zip(_leaf_paths(out_tree), out_statics, strict=True) if static is _VALUE]
+        out_paths = [p for p, static in zip(_leaf_paths(out_tree), out_statics, strict=True)
+                     if static is _VALUE]
         check_mirrored_outputs(name, treedef, kinds, out_paths, [k for k, _ in kinds_out],
                                updated_inputs(traced_jaxpr)[:n_out])
-        # How each output leaves the replica program: "mirrored" (one value: out_spec P()), "stacked" (one copy
-        # per replica), or "identical": proven the same but varying by type, where the type check is on:
-        # stacked, then each device's own copy taken as the replicated value (`_own_copies`: nothing is sent).
+        # How each output leaves the replica program: "mirrored" (one value: out_spec P()),
+        # "stacked" (one copy per replica), or "identical": proven the same but varying by type,
+        # where the type check is on: stacked, then each device's own copy taken as the replicated
+        # value (`_own_copies`: nothing is sent).
         how = tuple("stacked" if kind not in ("mirrored", "identical")
                     else "mirrored" if kind == "mirrored" or not vma["check"] else "identical"
                     for kind, _ in kinds_out)
         out_info["how"] = how
         n_updated = len(out_info["updated"]) + len(captured)
-        checked = [i for i, h in enumerate(how) if h != "stacked"]  # what the first call checks on device
-        out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how), *[split] * n_updated)
+        # what the first call checks on device
+        checked = [i for i, h in enumerate(how) if h != "stacked"]
+        out_specs = (*(PartitionSpec() if h == "mirrored" else split for h in how),
+                     *[split] * n_updated)
 
-        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh); a second one, for
-        # the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on device whether each
-        # output returned as mirrored is the same on every replica.
+        # Pass 2: the real program, with exact output layouts (on the strategy's own mesh); a second
+        # one, for the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on
+        # device whether each output returned as mirrored is the same on every replica.
         in_specs = (*in_specs, *[split] * len(captured))
         out_shardings = tuple(
             in_trace(policy.batch_sharding if h == "stacked" else policy.replicated_sharding)
@@ -403,77 +473,104 @@ class ReplicaRunner:
 
         def build(check: bool) -> Callable:
             shard_mapped = jax.shard_map(
-                functools.partial(body, agree_on=checked if check else None), mesh=mesh, in_specs=in_specs,
-                out_specs=(*out_specs, PartitionSpec()) if check else out_specs, check_vma=vma["check"], **manual)
+                functools.partial(body, agree_on=checked if check else None), mesh=mesh,
+                in_specs=in_specs,
+                out_specs=(*out_specs, PartitionSpec()) if check else out_specs,
+                check_vma=vma["check"], **manual)
 
             def mapped(*dyn):
-                if explicit:  # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
-                    dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(dyn, in_specs,
-                                                                                                strict=True)]
-                with _context_mesh(mesh, policy):  # traced under the renamed mesh (also inside strategy.scope())
+                # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
+                if explicit:
+                    dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                           for x, spec in zip(dyn, in_specs,
+                                             strict=True)]
+                # traced under the renamed mesh (also inside strategy.scope())
+                with _context_mesh(mesh, policy):
                     results = shard_mapped(*dyn)
                 return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
 
-            return jax.jit(mapped, out_shardings=(*out_shardings, in_trace(policy.replicated_sharding))
+            return jax.jit(mapped, out_shardings=(*out_shardings,
+                                                  in_trace(policy.replicated_sharding))
                            if check else out_shardings)
 
         compiled = build(False)
         first = {"checked": None if checked else True, "compiled": build(True) if checked else None}
-        if policy.spans_processes and not traced:  # every process must run this same program (agreement.py)
+        # every process must run this same program (agreement.py)
+        if policy.spans_processes and not traced:
             with _eager_mesh(mesh, policy, False):
-                agree(f"strategy.run({name})", fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
+                agree(f"strategy.run({name})",
+                      fingerprint(compiled.lower(*dynamic, *(v.stacked for v in captured))))
         mirrored_paths = [out_paths[i] for i in checked]
 
         def program(*dyn, arguments=(), every=False, tracing=None):
             if tracing is None:
                 tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
-            # Inside a compiled step the check is a host callback of that step, on request only (it would run
-            # at every call of the step); called eagerly, the first call and every call on request.
+            # Inside a compiled step the check is a host callback of that step, on request only (it
+            # would run at every call of the step); called eagerly, the first call and every call on
+            # request.
             verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
-                results = (first["compiled"] if verify else compiled)(*dyn, *(v.stacked for v in captured))
+                results = (first["compiled"] if verify else compiled)(
+                    *dyn, *(v.stacked for v in captured)
+                )
             if verify and tracing:
                 *results, agreed = results
-                jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths), agreed)
+                jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths),
+                                   agreed)
             elif verify:
                 *results, agreed = results
                 raise_on_disagreement(name, mirrored_paths, agreed)
-                if first["checked"] is None:  # compiled now, so that the second call costs what every later one does
+                # compiled now, so that the second call costs what every later one does
+                if first["checked"] is None:
                     with _eager_mesh(mesh, policy, False):
                         compiled.lower(*dyn, *(v.stacked for v in captured)).compile()
                 first["checked"] = True
             n_args = len(out_info["updated"])
             for value, components in zip(captured, results[n_out + n_args:], strict=True):
-                store_components(value, components)  # updated in place, as tf.distribute's metrics are
+                # updated in place, as tf.distribute's metrics are
+                store_components(value, components)
             wrapped = list(results[:n_out])
             for i, (kind, agg), passed in wrapping:
                 if kind in ("per_replica", "declared"):
                     wrapped[i] = PerReplica(wrapped[i], owner)
-                elif passed is not None:  # the object passed in (updated in place), as TF's assign_add returns it
-                    wrapped[i] = arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
+                elif passed is not None:
+                    # the object passed in (updated in place), as TF's assign_add returns it
+                    wrapped[i] = (
+                        arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
+                    )
                 else:
                     wrapped[i] = SyncOnRead(wrapped[i], agg, owner)
-            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args], strict=True)) if n_args else {}
-            return out_tree.unflatten(wrapped if values_only else _with_statics(out_statics, wrapped)), updated
+            updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args],
+                               strict=True)) if n_args else {}
+            return out_tree.unflatten(
+                wrapped if values_only else _with_statics(out_statics, wrapped)
+            ), updated
 
         # Per call, only the outputs that leave as other than the array itself are visited.
-        wrapping = [(i, (kind, agg), passed) for i, ((kind, agg), passed) in enumerate(zip(
-            kinds_out, out_info["passed"], strict=True)) if kind in ("per_replica", "declared", "sync")
-            or passed is not None]
+        wrapping = [
+            (i, (kind, agg), passed)
+            for i, ((kind, agg), passed) in enumerate(
+                zip(kinds_out, out_info["passed"], strict=True)
+            )
+            if kind in ("per_replica", "declared", "sync") or passed is not None
+        ]
         values_only = all(static is _VALUE for static in out_statics)
 
         return program
 
 
-_FAST_SIGNATURES = 8  # fast-path signatures kept per function and call structure (most recent first)
+# fast-path signatures kept per function and call structure (most recent first)
+_FAST_SIGNATURES = 8
 
 
-_VALUE = object()  # an output leaf that is a value (an array, a number, a sync-on-read value), not a static
+# an output leaf that is a value (an array, a number, a sync-on-read value), not a static
+_VALUE = object()
 
 
 def _values_of(out: Any) -> list[bool]:
-    """Per leaf of a replica function's output (a `SyncOnRead` one leaf): whether it leaves the program as a
-    value, as `jaxdist.replicate.trees.placed_leaves` says (an Equinox module's Python settings do not)."""
+    """Per leaf of a replica function's output (a `SyncOnRead` one leaf): whether it leaves the
+    program as a value, as `jaxdist.replicate.trees.placed_leaves` says (an Equinox module's Python
+    settings do not)."""
     flags: list[bool] = []
     for node in jax.tree.leaves(out, is_leaf=lambda v: isinstance(v, SyncOnRead) or is_module(v)):
         flags += [True] if isinstance(node, SyncOnRead) else placed_leaves(node)
@@ -481,22 +578,26 @@ def _values_of(out: Any) -> list[bool]:
 
 
 def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> list[Any]:
-    """The output leaves in order: ``values`` where the outputs have values, the recorded statics elsewhere (or
-    ``fill`` in their place, when given)."""
+    """The output leaves in order: ``values`` where the outputs have values, the recorded statics
+    elsewhere (or ``fill`` in their place, when given)."""
     it = iter(values)
-    out = [next(it) if static is _VALUE else static if fill is _VALUE else fill for static in statics]
+    out = [next(it) if static is _VALUE else static if fill is _VALUE else fill
+           for static in statics]
     assert next(it, None) is None
     return out
 
 
-def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]], captured: Sequence[SyncOnRead]
+def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
+                 captured: Sequence[SyncOnRead]
                  ) -> tuple[Any, dict]:
-    """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured value that it
-    returns replaced by its component read now (its view closes when the replica function's trace ends), and
-    ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the argument's flat index, ``j`` the
-    captured value's, whose objects ``run`` then returns."""
+    """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured
+    value that it returns replaced by its component read now (its view closes when the replica
+    function's trace ends), and ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the
+    argument's flat index, ``j`` the captured value's, whose objects ``run`` then returns."""
     found: dict[int, tuple[str, int]] = {}
-    where = {id(v): ("argument", i) for i, v in arguments} | {id(v): ("captured", j) for j, v in enumerate(captured)}
+    where = {id(v): ("argument", i) for i, v in arguments} | {
+        id(v): ("captured", j) for j, v in enumerate(captured)
+    }
     if not where:
         return out, found
 
@@ -512,19 +613,20 @@ def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]], captured
 
 def _captured_message(fn: str) -> str:
     return (
-        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does not get as an "
-        "argument (captured from the enclosing code): a compiled step cannot update the objects around it, and "
-        "would read the value they held when it was traced. Pass the value to the step and to run as an "
-        "argument, and return it from the step: `seen = step(seen, batch)` with "
-        "`strategy.run(fn, args=(seen, batch))` inside, the replica function returning `seen.assign_add(...)` "
-        "or updating it in place."
+        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does "
+        "not get as an argument (captured from the enclosing code): a compiled step cannot update "
+        "the objects around it, and would read the value they held when it was traced. Pass the "
+        "value to the step and to run as an argument, and return it from the step: `seen = "
+        "step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside, the replica "
+        "function returning `seen.assign_add(...)` or updating it in place."
     )
 
 
 def _refine(kind: str, value: str) -> str:
-    """How an output leaves ``run``, by what the program's values prove (`program_values`), whatever its type:
-    "mirrored" (proven the same, invariant by type), "identical" (proven the same, varying by type),
-    "declared" (per replica on purpose) or "per_replica"; a sync-on-read value stays one."""
+    """How an output leaves ``run``, by what the program's values prove (`program_values`), whatever
+    its type: "mirrored" (proven the same, invariant by type), "identical" (proven the same, varying
+    by type), "declared" (per replica on purpose) or "per_replica"; a sync-on-read value stays
+    one."""
     if kind == "sync":
         return kind
     if value == IDENTICAL:
@@ -535,25 +637,27 @@ def _refine(kind: str, value: str) -> str:
 def _leaf_paths(tree: Any) -> list[str]:
     """The path of each leaf of ``tree`` (a treedef), as ``output[0]['w']``."""
     marked = jax.tree.unflatten(tree, range(tree.num_leaves))
-    return ["output" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(marked)[0]]
+    return ["output" + jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(marked)[0]]
 
 
 def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: PartitionSpec,
                 manual: dict) -> list[Any]:
-    """``results`` with each "identical" one (stacked: one copy per replica, every copy the same value) made
-    one replicated value from each device's own copy.
+    """``results`` with each "identical" one (stacked: one copy per replica, every copy the same
+    value) made one replicated value from each device's own copy.
 
-    The replica program cannot return such a value as replicated: its type is varying (each replica owns its
-    copy of the mirrored arguments it came from), and the type check would refuse it. A second, trivial
-    program without the check does: each device keeps its copy and the result is declared replicated, so no
-    byte is sent (taking replica 0's copy would broadcast it). The values were proven the same on every
-    replica first (`jaxdist.strategies.compile._identical`).
+    The replica program cannot return such a value as replicated: its type is varying (each replica
+    owns its copy of the mirrored arguments it came from), and the type check would refuse it. A
+    second, trivial program without the check does: each device keeps its copy and the result is
+    declared replicated, so no byte is sent (taking replica 0's copy would broadcast it). The values
+    were proven the same on every replica first (`jaxdist.strategies.compile._identical`).
     """
     picked = [i for i, h in enumerate(how) if h == "identical"]
     if not picked:
         return list(results)
     own = jax.shard_map(lambda *copies: tuple(c[0] for c in copies), mesh=mesh, in_specs=split,
-                        out_specs=PartitionSpec(), check_vma=False, **manual)(*(results[i] for i in picked))
+                        out_specs=PartitionSpec(), check_vma=False,
+                        **manual)(*(results[i] for i in picked))
     out = list(results)
     for i, value in zip(picked, own, strict=True):
         out[i] = value
@@ -561,29 +665,33 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
 
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
-    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the strategy's)."""
+    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the
+    strategy's)."""
     if mesh is trace_mesh(policy.mesh):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
-    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh: JAX lowers
-    ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave the strategy's)."""
+    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh:
+    JAX lowers ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave
+    the strategy's)."""
     if mesh is policy.mesh or traced:
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)
 
 
 def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
-    """JAX's error for a collective over an axis name the program does not bind, found by tracing again; None
-    when the first trace failed for another reason (the replica function's own ``assert`` or NameError).
+    """JAX's error for a collective over an axis name the program does not bind, found by tracing
+    again; None when the first trace failed for another reason (the replica function's own
+    ``assert`` or NameError).
 
     JAX fails such a collective in several ways (a ``NameError``; inside ``psum`` / ``pmean`` a bare
-    ``AssertionError`` of its value-type check; a ``ValueError`` for a tuple of names), and only its message
-    names the axis. Traced again without that check (``check_vma=False``, on the failure path only), every one
-    is a ``NameError`` JAX raises itself, which unlike Python's own for an undefined variable carries no
-    ``name``: the type and that attribute say which it is, never the message text.
+    ``AssertionError`` of its value-type check; a ``ValueError`` for a tuple of names), and only its
+    message names the axis. Traced again without that check (``check_vma=False``, on the failure
+    path only), every one is a ``NameError`` JAX raises itself, which unlike Python's own for an
+    undefined variable carries no ``name``: the type and that attribute say which it is, never the
+    message text.
     """
     try:
         probe(False)
@@ -596,9 +704,10 @@ def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
 
 def _unbound_message(fn: str, axis_name: AxisName, mesh: Mesh) -> str:
     return (
-        f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / axis_index / "
-        "all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that is not bound here (JAX's "
-        f"error above names it): the names bound are the mesh axes {tuple(mesh.axis_names)}, the replicas "
-        f"under {axis_name!r}. pmap-era code names its device axis; bind that name to the replicas with "
-        "strategy.run(fn, args=..., axis_name=<that name>) (or create the strategy with axis_name=<that name>)."
+        f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / "
+        "axis_index / all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that is "
+        "not bound here (JAX's error above names it): the names bound are the mesh axes "
+        f"{tuple(mesh.axis_names)}, the replicas under {axis_name!r}. pmap-era code names its "
+        "device axis; bind that name to the replicas with strategy.run(fn, args=..., "
+        "axis_name=<that name>) (or create the strategy with axis_name=<that name>)."
     )

@@ -1,7 +1,8 @@
-"""Which arguments of a step a declaration means: ``*_argnums`` and ``*_argnames`` resolved as `jax.jit` does.
+"""Which arguments of a step a declaration means: ``*_argnums`` and ``*_argnames`` resolved as
+`jax.jit` does.
 
-A declaration may name an argument by position or by name; each is completed from the other through the
-function's signature, so ``static_argnames=("lr",)`` also covers ``lr`` passed positionally, and
+A declaration may name an argument by position or by name; each is completed from the other through
+the function's signature, so ``static_argnames=("lr",)`` also covers ``lr`` passed positionally, and
 ``batch_argnums=(1,)`` also covers ``batch=`` passed by keyword.
 """
 
@@ -33,10 +34,13 @@ def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
-    if not (isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-        raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument indices).")
+    if not (isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                     for v in value)):
+        raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument "
+                        "indices).")
     if any(v < 0 for v in value):
-        raise ValueError(f"{name}={tuple(value)!r}: use non-negative positions (counted from the first argument).")
+        raise ValueError(f"{name}={tuple(value)!r}: use non-negative positions (counted from the "
+                         "first argument).")
     return tuple(value)
 
 
@@ -56,7 +60,8 @@ def as_argnames(value: str | Sequence[str] | None, name: str) -> tuple[str, ...]
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise TypeError(f"{name}={value!r} must be a parameter name or a tuple of them, e.g. ('batch',).")
+    raise TypeError(f"{name}={value!r} must be a parameter name or a tuple of them, e.g. "
+                    "('batch',).")
 
 
 def signature_of(fn: Callable) -> inspect.Signature | None:
@@ -70,8 +75,8 @@ def signature_of(fn: Callable) -> inspect.Signature | None:
 def argument_spec(
     signature: inspect.Signature | None, fn: Any, argnums: Any, argnames: Any, what: str
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The positions and names a ``{what}_argnums`` / ``{what}_argnames`` declaration covers, each completed
-    from the other through ``signature``.
+    """The positions and names a ``{what}_argnums`` / ``{what}_argnames`` declaration covers, each
+    completed from the other through ``signature``.
 
     Raises:
         TypeError: for malformed declarations.
@@ -93,20 +98,23 @@ def argument_spec(
     positional = [p for p in params if p.kind in _POSITIONAL]
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         for name in names:
-            if name not in signature.parameters or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+            if (name not in signature.parameters
+                    or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY):
                 raise ValueError(
-                    f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take by name: its "
-                    f"parameters are {tuple(signature.parameters)}."
+                    f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take "
+                    f"by name: its parameters are {tuple(signature.parameters)}."
                 )
-    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):  # with *args any position may come
+    # with *args any position may come
+    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         beyond = [i for i in positions if i >= len(positional)]
         if beyond:
             raise ValueError(
                 f"{what}_argnums={argnums!r} names position(s) {beyond}, but {fn_name(fn)} takes "
-                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: pass positions below "
-                f"{len(positional)} (counting from 0), or {what}_argnames=."
+                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: "
+                f"pass positions below {len(positional)} (counting from 0), or {what}_argnames=."
             )
-    by_name = {p.name: i for i, p in enumerate(positional) if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    by_name = {p.name: i for i, p in enumerate(positional)
+               if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     positions = tuple(sorted({*positions, *(by_name[n] for n in names if n in by_name)}))
     names = tuple(sorted({*names, *(positional[i].name for i in positions
                                     if i < len(positional) and positional[i].name in by_name)}))

@@ -1,10 +1,10 @@
 """Input: how host batches become global arrays split over the batch axes.
 
-``_placement`` is the one placement rule (which values need placing, the batch layouts, ``place_batch``);
-``_dataset`` wraps datasets and iterators (`DistributedDataset`, `DistributedIterator`, `InputContext`);
-``_remainder`` a dataset's smaller last batch (refused, dropped or padded with row weights); ``_read_ahead`` is
-the one home of reading batches ahead of the step that takes them (in line for the Trainer's
-loop, a thread for `DistributedIterator`).
+``_placement`` is the one placement rule (which values need placing, the batch layouts,
+``place_batch``); ``_dataset`` wraps datasets and iterators (`DistributedDataset`,
+`DistributedIterator`, `InputContext`); ``_remainder`` a dataset's smaller last batch (refused,
+dropped or padded with row weights); ``_read_ahead`` is the one home of reading batches ahead of the
+step that takes them (in line for the Trainer's loop, a thread for `DistributedIterator`).
 """
 
 from jaxdist.strategies.input._dataset import DistributedDataset as DistributedDataset

@@ -1,18 +1,20 @@
 """Distributed input: global batches placed on the replicas, each process placing only its own rows.
 
-``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of GLOBAL batches (pytrees of
-arrays whose axis 0 is the global batch). ``strategy.distribute_datasets_from_function(fn)`` calls
-``fn(InputContext)`` once per process for an iterable of that process's batches. Either way every batch comes
-out as global `jax.Array`s split on axis 0 over the replicas, built with
-`jax.make_array_from_process_local_data` (no process ever transfers rows it does not own), and a background
-thread keeps ``prefetch`` batches in flight to the devices so the step rarely waits on the host.
+``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of GLOBAL batches (pytrees
+of arrays whose axis 0 is the global batch). ``strategy.distribute_datasets_from_function(fn)``
+calls ``fn(InputContext)`` once per process for an iterable of that process's batches. Either way
+every batch comes out as global `jax.Array`s split on axis 0 over the replicas, built with
+`jax.make_array_from_process_local_data` (no process ever transfers rows it does not own), and a
+background thread keeps ``prefetch`` batches in flight to the devices so the step rarely waits on
+the host.
 
-grain (the JAX ecosystem's data loader) plugs in as it is: ``fn(ctx)`` may return a ``grain.MapDataset``,
-``grain.IterDataset`` or ``grain.DataLoader`` that reads this process's share, e.g.
-``grain.experimental.ElasticIterator(examples, global_batch_size, grain.sharding.ShardByJaxProcess())`` or
-``examples[ctx.input_pipeline_id::ctx.num_input_pipelines].batch(per_process_batch)``. Iterators over a source
-with ``get_state`` / ``set_state`` (every grain iterator) have them too, exact despite the prefetch thread
-(`DistributedIterator.get_state`), so a checkpoint can hold the input's position
+grain (the JAX ecosystem's data loader) plugs in as it is: ``fn(ctx)`` may return a
+``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader`` that reads this process's share,
+e.g. ``grain.experimental.ElasticIterator(examples, global_batch_size,
+grain.sharding.ShardByJaxProcess())`` or
+``examples[ctx.input_pipeline_id::ctx.num_input_pipelines].batch(per_process_batch)``. Iterators
+over a source with ``get_state`` / ``set_state`` (every grain iterator) have them too, exact despite
+the prefetch thread (`DistributedIterator.get_state`), so a checkpoint can hold the input's position
 (``jd.training.Checkpointer.save(..., data_iterator=it)``).
 """
 
@@ -33,7 +35,8 @@ __all__ = ["DistributedDataset", "DistributedIterator", "InputContext"]
 
 @dataclasses.dataclass(frozen=True)
 class InputContext:
-    """What an input function needs to know to read its share of the data (tf.distribute.InputContext).
+    """What an input function needs to know to read its share of the data
+    (tf.distribute.InputContext).
 
     Attributes:
         num_input_pipelines: how many input pipelines (processes) read data.
@@ -55,7 +58,8 @@ class InputContext:
             raise ValueError(f"num_input_pipelines={self.num_input_pipelines} must be >= 1.")
         if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
             raise ValueError(
-                f"input_pipeline_id={self.input_pipeline_id} must be in [0, {self.num_input_pipelines})."
+                f"input_pipeline_id={self.input_pipeline_id} must be in [0, "
+                f"{self.num_input_pipelines})."
             )
         if self.num_replicas_in_sync < 1:
             raise ValueError(f"num_replicas_in_sync={self.num_replicas_in_sync} must be >= 1.")
@@ -70,7 +74,9 @@ class InputContext:
 
 
 def _has_state(source: Any) -> bool:
-    return callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state", None))
+    return callable(getattr(source, "get_state", None)) and callable(
+        getattr(source, "set_state", None)
+    )
 
 
 class DistributedIterator:
@@ -78,16 +84,18 @@ class DistributedIterator:
 
     Call ``close()`` (or exhaust it, or use it as a context manager) to stop the thread early.
 
-    When the source iterator has ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator`` and
-    ``DataLoaderIterator``), so does this iterator, and its state is the source's state after the last batch
-    THIS iterator handed out, not after the batches the thread has read ahead: restoring it (in this or a new
-    iterator over the same pipeline) continues with exactly the batch that would have come next.
+    When the source iterator has ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator``
+    and ``DataLoaderIterator``), so does this iterator, and its state is the source's state after
+    the last batch THIS iterator handed out, not after the batches the thread has read ahead:
+    restoring it (in this or a new iterator over the same pipeline) continues with exactly the batch
+    that would have come next.
 
     Examples:
         >>> import numpy as np, jaxdist as jd
         >>> strategy = jd.OneDeviceStrategy()
         >>> with iter(strategy.experimental_distribute_dataset([np.ones((2, 1))] * 5)) as batches:
-        ...     first = next(batches)   # the thread stops on leaving the block, batches in flight are dropped
+        ...     # the thread stops on leaving the block, batches in flight are dropped
+        ...     first = next(batches)
         >>> first.shape
         (2, 1)
     """
@@ -95,20 +103,24 @@ class DistributedIterator:
     def __init__(self, source: Iterator[Any], place: Callable[[Any], Any], prefetch: int,
                  batches: Iterator[Any] | None = None):
         self._source = source
-        self._batches = source if batches is None else batches  # what is read: the source, under a remainder rule
+        # what is read: the source, under a remainder rule
+        self._batches = source if batches is None else batches
         self._place = place
         self._done = False
         self._stateful = _has_state(source)
-        self._state = source.get_state() if self._stateful else None  # the state after the last batch handed out
+        # the state after the last batch handed out
+        self._state = source.get_state() if self._stateful else None
         self._ahead = Prefetcher(self._read, prefetch) if prefetch > 0 else None
 
     @property
     def source(self) -> Iterator[Any]:
-        """The iterator the batches are read from (e.g. a grain ``DatasetIterator``), before placement."""
+        """The iterator the batches are read from (e.g. a grain ``DatasetIterator``), before
+        placement."""
         return self._source
 
     def _read(self) -> tuple[Any, Any]:
-        """The next placed batch and the source's state right after it (raises StopIteration at the end)."""
+        """The next placed batch and the source's state right after it (raises StopIteration at the
+        end)."""
         batch = next(self._batches)
         state = self._source.get_state() if self._stateful else None
         return self._place(batch), state
@@ -125,8 +137,9 @@ class DistributedIterator:
             self._done = True
             raise
         except BaseException:
-            # The thread's reading ended with this error: exhausted, as at the end. Read on demand, the next
-            # call reads the source again (an interrupt while waiting for the thread leaves it reading).
+            # The thread's reading ended with this error: exhausted, as at the end. Read on demand,
+            # the next call reads the source again (an interrupt while waiting for the thread leaves
+            # it reading).
             if self._ahead is not None and self._ahead.ended:
                 self._done = True
             raise
@@ -136,18 +149,19 @@ class DistributedIterator:
     def _check_stateful(self, method: str) -> None:
         if not self._stateful:
             raise TypeError(
-                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no get_state() / "
-                "set_state(state), so its position cannot be saved or restored: read the data with grain "
-                "(grain.MapDataset, grain.IterDataset, grain.DataLoader), or give the iterator both methods."
+                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no "
+                "get_state() / set_state(state), so its position cannot be saved or restored: read "
+                "the data with grain (grain.MapDataset, grain.IterDataset, grain.DataLoader), or "
+                "give the iterator both methods."
             )
 
     def get_state(self) -> Any:
-        """The source iterator's state after the last batch this iterator returned (batches read ahead by the
-        prefetch thread do not count): save it with the model's checkpoint.
+        """The source iterator's state after the last batch this iterator returned (batches read
+        ahead by the prefetch thread do not count): save it with the model's checkpoint.
 
         Returns:
-            What the source's ``get_state()`` returns (a dict for a grain ``DatasetIterator``, JSON bytes for a
-            grain ``DataLoaderIterator``).
+            What the source's ``get_state()`` returns (a dict for a grain ``DatasetIterator``, JSON
+            bytes for a grain ``DataLoaderIterator``).
 
         Raises:
             TypeError: when the source iterator has no ``get_state`` / ``set_state``.
@@ -158,7 +172,8 @@ class DistributedIterator:
             >>> ds = grain.MapDataset.source(np.arange(12.0).reshape(6, 2)).batch(2)
             >>> it = iter(strategy.experimental_distribute_dataset(ds))
             >>> _ = next(it)
-            >>> state = it.get_state()            # after batch 0, whatever the thread has read ahead
+            >>> # after batch 0, whatever the thread has read ahead
+            >>> state = it.get_state()
             >>> later = iter(strategy.experimental_distribute_dataset(ds))
             >>> later.set_state(state)
             >>> next(later).tolist(), next(it).tolist()
@@ -168,12 +183,13 @@ class DistributedIterator:
         return copy.deepcopy(self._state)
 
     def set_state(self, state: Any) -> None:
-        """Continue from ``state`` (a `get_state` result of an iterator over the same pipeline): the batches in
-        flight are dropped and the next batch is the one that followed ``state``.
+        """Continue from ``state`` (a `get_state` result of an iterator over the same pipeline): the
+        batches in flight are dropped and the next batch is the one that followed ``state``.
 
         Raises:
             TypeError: when the source iterator has no ``get_state`` / ``set_state``.
-            RuntimeError: when the prefetch thread does not stop within 5 s (a read that does not return).
+            RuntimeError: when the prefetch thread does not stop within 5 s (a read that does not
+                return).
         """
         self._check_stateful("set_state(state)")
         if self._ahead is not None:
@@ -188,7 +204,8 @@ class DistributedIterator:
         """Stop the prefetch thread and drop batches in flight."""
         self._done = True
         if self._ahead is not None:
-            with contextlib.suppress(RuntimeError):  # a daemon thread stuck in a read dies with the process
+            # a daemon thread stuck in a read dies with the process
+            with contextlib.suppress(RuntimeError):
                 self._ahead.stop()
 
     def __enter__(self) -> DistributedIterator:
@@ -204,10 +221,12 @@ class DistributedIterator:
 
 
 class DistributedDataset:
-    """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch thread).
+    """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch
+    thread).
 
-    Made by ``strategy.experimental_distribute_dataset`` or ``strategy.distribute_datasets_from_function``.
-    Its iterators are `DistributedIterator` objects (with ``get_state`` / ``set_state`` over a grain source).
+    Made by ``strategy.experimental_distribute_dataset`` or
+    ``strategy.distribute_datasets_from_function``. Its iterators are `DistributedIterator` objects
+    (with ``get_state`` / ``set_state`` over a grain source).
 
     Examples:
         >>> import numpy as np, jaxdist as jd
@@ -216,10 +235,11 @@ class DistributedDataset:
         (3, 3)
     """
 
-    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any], prefetch: int,
-                 remainder: str = "error", divisor: int = 1):
+    def __init__(self, make_source: Callable[[], Iterable[Any]], place: Callable[[Any], Any],
+                 prefetch: int, remainder: str = "error", divisor: int = 1):
         if not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on demand).")
+            raise ValueError(f"prefetch={prefetch!r} must be an int >= 0 (0 places batches on "
+                             "demand).")
         self._make_source = make_source
         self._place = place
         self._prefetch = prefetch

@@ -1,19 +1,22 @@
-"""A dataset's smaller last batch (tf.data's ``batch()`` without ``drop_remainder``): refused, dropped or padded.
+"""A dataset's smaller last batch (tf.data's ``batch()`` without ``drop_remainder``): refused,
+dropped or padded.
 
-Every batch of a distributed dataset must have the rows of the first one (a program per batch shape, and the
-replicas must divide them). The last batch of an epoch often has fewer. ``remainder=`` says what to do:
+Every batch of a distributed dataset must have the rows of the first one (a program per batch shape,
+and the replicas must divide them). The last batch of an epoch often has fewer. ``remainder=`` says
+what to do:
 
-* ``"error"`` (the default): a batch the replicas do not divide is a ValueError naming ``remainder=``, as early
-  as it can come: when the dataset is made, for a list or tuple of batches; at that batch otherwise (a smaller
-  batch they divide runs, with a program of its own);
+* ``"error"`` (the default): a batch the replicas do not divide is a ValueError naming
+  ``remainder=``, as early as it can come: when the dataset is made, for a list or tuple of batches;
+  at that batch otherwise (a smaller batch they divide runs, with a program of its own);
 * ``"drop"``: a batch smaller than the first is skipped (tf.data's ``drop_remainder=True``);
-* ``"pad"``: the batch is padded with zero rows to the first batch's size (the same program runs it) and its
-  placed arrays are registered with their *row weights* (1.0 for a real row, 0.0 for a padding row, laid out
-  like the batch). ``strategy.run`` hands the weights to its replicas (`ReplicaContext.batch_weights`), and
-  ``jd.compute_average_loss`` leaves the padding rows out and divides by the real rows, so an epoch's mean is
-  the mean over the real examples. Inside a ``strategy.jit`` step the batch is a tracer, which carries no
-  weights: the step's call brings them in and records which traced leaf has which
-  (`jaxdist.strategies.compile._trace._padded`), and `padding_weights` reads them there.
+* ``"pad"``: the batch is padded with zero rows to the first batch's size (the same program runs it)
+  and its placed arrays are registered with their *row weights* (1.0 for a real row, 0.0 for a
+  padding row, laid out like the batch). ``strategy.run`` hands the weights to its replicas
+  (`ReplicaContext.batch_weights`), and ``jd.compute_average_loss`` leaves the padding rows out and
+  divides by the real rows, so an epoch's mean is the mean over the real examples. Inside a
+  ``strategy.jit`` step the batch is a tracer, which carries no weights: the step's call brings them
+  in and records which traced leaf has which (`jaxdist.strategies.compile._trace._padded`), and
+  `padding_weights` reads them there.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ __all__ = [
 
 REMAINDERS = ("error", "drop", "pad")
 
-_weights: dict[int, tuple[weakref.ref, Any]] = {}  # id(placed array) -> (weak ref to it, its row weights)
+# id(placed array) -> (weak ref to it, its row weights)
+_weights: dict[int, tuple[weakref.ref, Any]] = {}
 PADDED = _weights
-"""The padded batches alive (empty, hence false, while there are none): a step's per-call check reads it before
-calling `holds_padded`, which costs a call."""
-_lock = threading.Lock()  # registering from the read-ahead thread while the loop reads (never in a weakref callback)
+"""The padded batches alive (empty, hence false, while there are none): a step's per-call check
+reads it before calling `holds_padded`, which costs a call."""
+# registering from the read-ahead thread while the loop reads (never in a weakref callback)
+_lock = threading.Lock()
 
 
 def check_remainder(remainder: Any) -> str:
@@ -59,9 +64,9 @@ def check_remainder(remainder: Any) -> str:
     """
     if remainder not in REMAINDERS:
         raise ValueError(
-            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last batch, 'drop' "
-            "skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that jd.compute_average_loss "
-            "leaves out."
+            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last "
+            "batch, 'drop' skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that "
+            "jd.compute_average_loss leaves out."
         )
     return remainder
 
@@ -73,9 +78,9 @@ def _rows(batch: Any) -> int | None:
 
 def _message(index: int, rows: int, full: int, divisor: int) -> str:
     return (
-        f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the first batch has {full}): "
-        "a smaller last batch, as tf.data's batch() without drop_remainder gives. Pass remainder='drop' to skip "
-        "it (drop_remainder=True) or "
+        f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the first "
+        f"batch has {full}): a smaller last batch, as tf.data's batch() without drop_remainder "
+        "gives. Pass remainder='drop' to skip it (drop_remainder=True) or "
         "remainder='pad' to pad it (the padding rows are left out of jd.compute_average_loss; "
         "ReplicaContext.batch_weights marks them) to experimental_distribute_dataset / "
         "distribute_datasets_from_function."
@@ -83,8 +88,9 @@ def _message(index: int, rows: int, full: int, divisor: int) -> str:
 
 
 def check_batches(batches: Sequence[Any], divisor: int) -> None:
-    """Refuse, before anything runs, a list with a batch that ``divisor`` replicas do not divide after a first
-    batch they do (``remainder="error"``; a first batch they do not divide is the placement's error).
+    """Refuse, before anything runs, a list with a batch that ``divisor`` replicas do not divide
+    after a first batch they do (``remainder="error"``; a first batch they do not divide is the
+    placement's error).
 
     Raises:
         ValueError: naming the batch, its rows, the first batch's rows and ``remainder=``.
@@ -116,11 +122,12 @@ def with_remainder(
         ``(batches, place)``: with "pad", a padded batch is placed with its row weights registered.
 
     Raises:
-        ValueError: (while iterating) under "error", for a batch the replicas do not divide (after a first one
-            they do); under "drop" and "pad", for one larger than the first.
+        ValueError: (while iterating) under "error", for a batch the replicas do not divide (after a
+            first one they do); under "drop" and "pad", for one larger than the first.
 
     Examples:
-        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop", lambda b: b, 2)
+        >>> batches, place = with_remainder(iter([np.ones((4, 1)), np.ones((3, 1))]), "drop",
+        ...                                 lambda b: b, 2)
         >>> [b.shape for b in batches]
         [(4, 1)]
     """
@@ -143,8 +150,8 @@ def with_remainder(
 
 
 class _Batches:
-    """The batches of ``source`` under ``remainder`` (an iterator, not a generator: an error reading the source
-    passes through and the next call reads on, as the source itself would)."""
+    """The batches of ``source`` under ``remainder`` (an iterator, not a generator: an error reading
+    the source passes through and the next call reads on, as the source itself would)."""
 
     def __init__(self, source: Iterator[Any], remainder: str, divisor: int):
         self._source, self._remainder, self._divisor = source, remainder, divisor
@@ -171,8 +178,8 @@ class _Batches:
             if rows > full:
                 raise ValueError(
                     f"batch {index} has {rows} rows, more than the first batch's {full}: "
-                    f"remainder={self._remainder!r} handles a smaller last batch; give every batch the first one's "
-                    "rows."
+                    f"remainder={self._remainder!r} handles a smaller last batch; give every batch "
+                    "the first one's rows."
                 )
             if self._remainder == "pad":
                 return _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
@@ -190,9 +197,10 @@ def _pad(batch: Any, full: int) -> Any:
 
 
 def _forget(key: int, entries: dict = _weights) -> Callable[[Any], None]:
-    """The callback that drops ``key``'s entry when its array dies: only that array's entry (``key`` may be a
-    newer array's by then), and without the lock (the callback may run in the middle of a registration, on the
-    same thread, when the garbage collector frees an old batch; at exit the module's globals are gone)."""
+    """The callback that drops ``key``'s entry when its array dies: only that array's entry (``key``
+    may be a newer array's by then), and without the lock (the callback may run in the middle of a
+    registration, on the same thread, when the garbage collector frees an old batch; at exit the
+    module's globals are gone)."""
 
     def forget(ref: weakref.ref) -> None:
         entry = entries.get(key)
@@ -203,9 +211,9 @@ def _forget(key: int, entries: dict = _weights) -> Callable[[Any], None]:
 
 
 def padding_weights(leaf: Any) -> Any:
-    """The row weights of a padded batch's placed array (``remainder="pad"``), or of the tracer that stands for
-    it in a ``strategy.jit`` step's trace (the traced weights the step got with it; the step then counts the
-    batch as handed to ``strategy.run``); None for any other value.
+    """The row weights of a padded batch's placed array (``remainder="pad"``), or of the tracer that
+    stands for it in a ``strategy.jit`` step's trace (the traced weights the step got with it; the
+    step then counts the batch as handed to ``strategy.run``); None for any other value.
 
     Examples:
         >>> padding_weights(np.zeros(3)) is None
@@ -231,4 +239,5 @@ def holds_padded(tree: Any) -> bool:
         >>> holds_padded((np.zeros(2), {"x": 1.0}))
         False
     """
-    return bool(_weights) and any(padding_weights(leaf) is not None for leaf in jax.tree.leaves(tree))
+    return bool(_weights) and any(padding_weights(leaf) is not None
+                                  for leaf in jax.tree.leaves(tree))

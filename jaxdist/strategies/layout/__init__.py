@@ -1,12 +1,12 @@
 """Layout: which layout does this value get? The layout policy and everything it reads.
 
-A `LayoutPolicy` (``_policy``) is the one place layouts are decided: the devices a ``devices=`` argument names
-(``_devices``), the mesh and its axis roles (``_meshes``), the rules that split variables (``_rules``), the layouts
-of an nnx state's Variables (``_nnx``), the axis types a program is traced with (``_axis_types``), the role a value
-has or carries (``_roles``), whose layout a variable carries (``_provenance``) and memory kinds (``_offload``).
-Nothing here compiles, traces or runs a step: the verbs above take the policy and apply it (``input`` places
-arguments; ``compile`` compiles, and its ``_trace`` room applies these answers while a ``strategy.jit`` step
-traces).
+A `LayoutPolicy` (``_policy``) is the one place layouts are decided: the devices a ``devices=``
+argument names (``_devices``), the mesh and its axis roles (``_meshes``), the rules that split
+variables (``_rules``), the layouts of an nnx state's Variables (``_nnx``), the axis types a program
+is traced with (``_axis_types``), the role a value has or carries (``_roles``), whose layout a
+variable carries (``_provenance``) and memory kinds (``_offload``). Nothing here compiles, traces or
+runs a step: the verbs above take the policy and apply it (``input`` places arguments; ``compile``
+compiles, and its ``_trace`` room applies these answers while a ``strategy.jit`` step traces).
 """
 
 from jaxdist.strategies.layout._axis_types import auto_region as auto_region

@@ -1,42 +1,49 @@
-"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's own mesh.
+"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's
+own mesh.
 
 A strategy's mesh has two kinds of axes:
 
-* **batch axes**: a batch's rows are split over them (together, in order), and ``num_replicas_in_sync`` is
-  the product of their sizes. A subset of them, the **FSDP axes**, are the axes the FSDP rule splits
-  unannotated variables over: all of them is ZeRO-3 over the whole data-parallel group; a subset is HSDP
-  (shard within a host, replicate across hosts: ``batch_axes=("data", "fsdp")``, ``fsdp_axes=("fsdp",)``).
-* **context axes** (context parallelism): a batch's sequence dimension (axis 1 unless declared) is split over
-  them, its rows are not. A replica (one model copy on one slice of the batch) spans them, so
-  ``num_replicas_in_sync`` leaves them out. The FSDP rule splits variables over them too by default (their
-  devices would otherwise hold the same weights: MaxText does the same).
-* **expert axes** (expert parallelism): a subset of the batch axes over which the stacked experts of a
-  mixture-of-experts layer (`jaxdist.nn.MoE`, logical name ``"expert"``) are split; tokens travel to their
-  experts' devices by all-to-all inside the layer. Outside expert layers they split the batch like any batch
-  axis ("dp2ep"), and the FSDP rule splits other variables over them unless ``fsdp_axes`` leaves them out.
-* **model axes**: every other axis. Only layout rules and annotations split variables over them (tensor
-  parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline stages.
+* **batch axes**: a batch's rows are split over them (together, in order), and
+  ``num_replicas_in_sync`` is the product of their sizes. A subset of them, the **FSDP axes**, are
+  the axes the FSDP rule splits unannotated variables over: all of them is ZeRO-3 over the whole
+  data-parallel group; a subset is HSDP (shard within a host, replicate across hosts:
+  ``batch_axes=("data", "fsdp")``, ``fsdp_axes=("fsdp",)``).
+* **context axes** (context parallelism): a batch's sequence dimension (axis 1 unless declared) is
+  split over them, its rows are not. A replica (one model copy on one slice of the batch) spans
+  them, so ``num_replicas_in_sync`` leaves them out. The FSDP rule splits variables over them too by
+  default (their devices would otherwise hold the same weights: MaxText does the same).
+* **expert axes** (expert parallelism): a subset of the batch axes over which the stacked experts of
+  a mixture-of-experts layer (`jaxdist.nn.MoE`, logical name ``"expert"``) are split; tokens travel
+  to their experts' devices by all-to-all inside the layer. Outside expert layers they split the
+  batch like any batch axis ("dp2ep"), and the FSDP rule splits other variables over them unless
+  ``fsdp_axes`` leaves them out.
+* **model axes**: every other axis. Only layout rules and annotations split variables over them
+  (tensor parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline
+  stages.
 
-Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and ``"batch"``) the
-context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert axes. They are appended to the
-user's ``logical_axis_rules`` wherever those do not name them.
+Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and
+``"batch"``) the context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert
+axes. They are appended to the user's ``logical_axis_rules`` wherever those do not name them.
 
-A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short form
-(``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and whether its axes
-must be batch axes (expert) or never are (stage, context). `axis_roles`, `short_form_mesh`, `AxisRoles` and the
-`jaxdist.strategies.LayoutPolicy` derive everything from it; only `jaxdist.ShardedStrategy`'s signature lists each
-role's two keywords by name, for readers and type checkers.
+A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short
+form (``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and
+whether its axes must be batch axes (expert) or never are (stage, context). `axis_roles`,
+`short_form_mesh`, `AxisRoles` and the `jaxdist.strategies.LayoutPolicy` derive everything from it;
+only `jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and
+type checkers.
 
 The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
-``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand)
-is kept as it is: its axis names, device order AND axis types. Code written for it depends on them: on
-``Explicit`` axes (``jax.make_mesh``'s default) a value's layout is part of its type, and model code annotates
-(``out_sharding=``, ``jax.reshard``, ``jax.shard_map`` with specs that match its inputs' types).
+``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``,
+by hand) is kept as it is: its axis names, device order AND axis types. Code written for it depends
+on them: on ``Explicit`` axes (``jax.make_mesh``'s default) a value's layout is part of its type,
+and model code annotates (``out_sharding=``, ``jax.reshard``, ``jax.shard_map`` with specs that
+match its inputs' types).
 
-The meshes jaxdist builds itself (the short form) have ``Auto`` axes, deliberately: there XLA propagates
-layouts through unannotated code, so an unmodified single-device step compiles as it is. On ``Explicit`` axes
-the same step can be refused by JAX: an embedding lookup (``jnp.take`` of a whole table with indices whose rows
-are split over the batch axis) asks for an ``out_sharding`` the single-device code does not give.
+The meshes jaxdist builds itself (the short form) have ``Auto`` axes, deliberately: there XLA
+propagates layouts through unannotated code, so an unmodified single-device step compiles as it is.
+On ``Explicit`` axes the same step can be refused by JAX: an embedding lookup (``jnp.take`` of a
+whole table with indices whose rows are split over the batch axis) asks for an ``out_sharding`` the
+single-device code does not give.
 """
 
 from __future__ import annotations
@@ -52,8 +59,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from jaxdist.replicate.layouts import MODEL_AXIS, REPLICA_AXIS
 
-__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "ROLES", "STAGE_AXIS", "AxisRoles", "Role",
-           "axis_roles", "check_role_keywords", "short_form_mesh"]
+__all__ = ["CONTEXT_AXIS", "EXPERT_AXIS", "EXPERT_NAMES", "LAYERS", "ROLES", "STAGE_AXIS",
+           "AxisRoles", "Role", "axis_roles", "check_role_keywords", "short_form_mesh"]
 
 CONTEXT_AXIS = "context"
 """The context axis of the short-form mesh (``ShardedStrategy(context_parallelism=N)``)."""
@@ -65,34 +72,36 @@ EXPERT_AXIS = "expert"
 """The expert axis of a short-form mesh (``ShardedStrategy(expert_parallelism=e)``)."""
 
 LAYERS = "layers"
-"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME: "layers"}``,
-`jaxdist.nn.Pipeline`): split over the stage axes."""
+"""The logical name of the stacked layer axis (``nn.scan``'s ``metadata_params={nn.PARTITION_NAME:
+"layers"}``, `jaxdist.nn.Pipeline`): split over the stage axes."""
 
 EXPERT_NAMES = ("expert", "exp")
-"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over the expert
-axes."""
+"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over
+the expert axes."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """A role mesh axes take besides the batch and model roles. One entry of `ROLES` is the whole role: its
-    argument on a user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an axis ``axis`` of size
-    ``k`` on the strategy's own mesh, before ``"replica"`` when ``outer``), the logical axis names that map to
-    its axes (`AxisRoles.logical_rules`) and how its axes relate to the batch axes (checked by `axis_roles`,
-    ``reason`` saying why in the error), and whether it splits variables (``variables``: not under a mirroring
-    strategy)."""
+    """A role mesh axes take besides the batch and model roles. One entry of `ROLES` is the whole
+    role: its argument on a user's mesh (``<name>_axes=``), its short form (``<short_form>=k``: an
+    axis ``axis`` of size ``k`` on the strategy's own mesh, before ``"replica"`` when ``outer``),
+    the logical axis names that map to its axes (`AxisRoles.logical_rules`) and how its axes relate
+    to the batch axes (checked by `axis_roles`, ``reason`` saying why in the error), and whether it
+    splits variables (``variables``: not under a mirroring strategy)."""
 
     name: str
     short_form: str
     axis: str
     logical: tuple[str, ...]
     batch: bool
-    """True: its axes must be batch axes (they split the batch outside the role's layers); False: never."""
+    """True: its axes must be batch axes (they split the batch outside the role's layers); False:
+    never."""
     reason: str
     outer: bool = False
     variables: bool = True
-    """Whether the role splits variables over its axes (stage: layers, expert: experts), which a mirroring
-    strategy cannot; context splits a batch's sequences and works with variables kept whole too."""
+    """Whether the role splits variables over its axes (stage: layers, expert: experts), which a
+    mirroring strategy cannot; context splits a batch's sequences and works with variables kept
+    whole too."""
 
     @property
     def argument(self) -> str:
@@ -102,24 +111,25 @@ class Role:
 
 ROLES = (
     Role("stage", "pipeline_parallelism", STAGE_AXIS, (LAYERS,), batch=False, outer=True, reason=(
-        "a pipeline stage holds its own layers and sees the whole micro-batch, so a stage axis cannot split a "
-        "batch's rows; drop it from batch_axes")),
+        "a pipeline stage holds its own layers and sees the whole micro-batch, so a stage axis "
+        "cannot split a batch's rows; drop it from batch_axes")),
     Role("expert", "expert_parallelism", EXPERT_AXIS, EXPERT_NAMES, batch=True, reason=(
-        "outside expert layers the expert axes split the batch like any batch axis (tokens are exchanged between "
-        "their devices inside the layer), so they must be batch axes; add it to batch_axes (an axis that splits "
-        "experts cannot also be a tensor axis)")),
+        "outside expert layers the expert axes split the batch like any batch axis (tokens are "
+        "exchanged between their devices inside the layer), so they must be batch axes; add it to "
+        "batch_axes (an axis that splits experts cannot also be a tensor axis)")),
     Role("context", "context_parallelism", CONTEXT_AXIS, ("length",), batch=False, reason=(
-        "a batch's rows are split over the batch axes and its sequence over the context axes; give each axis "
+        "a batch's rows are split over the batch axes and its sequence over the context axes; give "
+        "each axis "
         "one role"), variables=False),
 )
-"""Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes, then
-``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica, expert,
-context, model`` (stages over the slowest links, a model copy on consecutive devices)."""
+"""Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes,
+then ``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica,
+expert, context, model`` (stages over the slowest links, a model copy on consecutive devices)."""
 
 
 def check_role_keywords(caller: str, given: Any, known: Any, say: str) -> None:
-    """The keywords of ``given`` that ``caller`` takes generically (``known``: the roles'), else a TypeError as
-    Python's own, naming them.
+    """The keywords of ``given`` that ``caller`` takes generically (``known``: the roles'), else a
+    TypeError as Python's own, naming them.
 
     Examples:
         >>> check_role_keywords("f", {"expert_axes": 1}, ["expert_axes"], "it takes")
@@ -130,20 +140,22 @@ def check_role_keywords(caller: str, given: Any, known: Any, say: str) -> None:
     """
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}: {say} {sorted(known)}.")
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}: {say} "
+                        f"{sorted(known)}.")
 
 
-def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, **parallelism: int) -> Mesh:
-    """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for each
-    ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for ``model_parallelism=k > 1``, in
-    `ROLES`' order (``stage, replica, expert, context, model``: ``"model"``'s ``k`` consecutive devices hold one
-    model copy; stage ``i`` is the ``i``-th block of ``N / p`` devices). ``"replica"`` takes the devices left
-    over.
+def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1,
+                    **parallelism: int) -> Mesh:
+    """The strategy's own mesh over ``devices``: ``("replica",)``, with an axis of size ``k`` for
+    each ``<role>_parallelism=k > 1`` (`ROLES`' short forms) and ``"model"`` for
+    ``model_parallelism=k > 1``, in `ROLES`' order (``stage, replica, expert, context, model``:
+    ``"model"``'s ``k`` consecutive devices hold one model copy; stage ``i`` is the ``i``-th block
+    of ``N / p`` devices). ``"replica"`` takes the devices left over.
 
     Raises:
         TypeError: for a keyword that is no role's short form.
-        ValueError: for a ``*_parallelism`` that is not an int >= 1 dividing the device count, or several whose
-            product does not.
+        ValueError: for a ``*_parallelism`` that is not an int >= 1 dividing the device count, or
+            several whose product does not.
 
     Examples:
         >>> import jax
@@ -153,7 +165,8 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, *
         {'replica': 2, 'context': 4}
         >>> dict(short_form_mesh(jax.devices()[:8], pipeline_parallelism=4).shape)
         {'stage': 4, 'replica': 2}
-        >>> dict(short_form_mesh(jax.devices()[:8], 2, pipeline_parallelism=2, expert_parallelism=2).shape)
+        >>> dict(short_form_mesh(jax.devices()[:8], 2, pipeline_parallelism=2,
+        ...                      expert_parallelism=2).shape)
         {'stage': 2, 'replica': 1, 'expert': 2, 'model': 2}
     """
     devices = tuple(devices)
@@ -164,15 +177,18 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1, *
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
             raise ValueError(
-                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's {axis[name]!r} axis: the "
-                f"'replica' axis takes the devices left over)."
+                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's "
+                f"{axis[name]!r} axis: the 'replica' axis takes the devices left over)."
             )
-    order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS, *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
-    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a and sizes[name] > 1}
+    order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS,
+             *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
+    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a
+             and sizes[name] > 1}
     if n % math.prod(asked.values()):
         raise ValueError(
-            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices (the mesh "
-            f"would be ({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
+            f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices "
+            "(the mesh would be "
+            f"({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
         )
     shape = {axis[name]: k for name, k in asked.items()}
     shape[REPLICA_AXIS] = n // math.prod(asked.values())
@@ -198,38 +214,44 @@ class AxisRoles:
         self.batch_axes = batch_axes
         self.fsdp_axes = fsdp_axes
         self.role_axes = {role.name: tuple((role_axes or {}).get(role.name, ())) for role in ROLES}
-        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes and a not in self.context_axes)
+        self.model_axes = tuple(a for a in mesh.axis_names if a not in batch_axes
+                                and a not in self.context_axes)
 
     @property
     def context_axes(self) -> tuple[str, ...]:
-        """The axes a batch's sequence dimension is split over (`jaxdist.nn.dot_product_attention`)."""
+        """The axes a batch's sequence dimension is split over
+        (`jaxdist.nn.dot_product_attention`)."""
         return self.role_axes["context"]
 
     @property
     def stage_axes(self) -> tuple[str, ...]:
-        """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical axis
-        ``"layers"`` of stacked layer parameters is split over them."""
+        """The model axes pipeline stages are laid out over (`jaxdist.nn.Pipeline`): the logical
+        axis ``"layers"`` of stacked layer parameters is split over them."""
         return self.role_axes["stage"]
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
-        """The batch axes the stacked experts are split over (`jaxdist.nn.MoE`: logical axis ``"expert"``)."""
+        """The batch axes the stacked experts are split over (`jaxdist.nn.MoE`: logical axis
+        ``"expert"``)."""
         return self.role_axes["expert"]
 
     @property
     def logical_rules(self) -> tuple[tuple[str, Any], ...]:
-        """The logical axis names the roles give a meaning, as Flax rules ``(name, mesh axes)``: appended to a
-        strategy's ``logical_axis_rules`` wherever those do not name them (a user's rule wins).
+        """The logical axis names the roles give a meaning, as Flax rules ``(name, mesh axes)``:
+        appended to a strategy's ``logical_axis_rules`` wherever those do not name them (a user's
+        rule wins).
 
         Examples:
             >>> import jax
-            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "expert")), ("data", "expert"), split=True,
-            ...                    expert_axes="expert")
+            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "expert")), ("data", "expert"),
+            ...                    split=True, expert_axes="expert")
             >>> roles.logical_rules
             (('expert', 'expert'), ('exp', 'expert'))
         """
-        rules = [(name, self.entry(role.name)) for role in ROLES if self.axes(role.name) for name in role.logical]
-        if self.context_axes:  # Flax lm1b / MaxText activation names: activations stay split along the sequence
+        rules = [(name, self.entry(role.name)) for role in ROLES if self.axes(role.name)
+                 for name in role.logical]
+        # Flax lm1b / MaxText activation names: activations stay split along the sequence
+        if self.context_axes:
             rules.append(("batch", self.replica_axis))
         return tuple(rules)
 
@@ -238,11 +260,13 @@ class AxisRoles:
         return self.role_axes[role] if role in self.role_axes else getattr(self, f"{role}_axes")
 
     def entry(self, role: str) -> str | tuple[str, ...] | None:
-        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple of several.
+        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple
+        of several.
 
         Examples:
             >>> import jax
-            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "fsdp")), ("data", "fsdp"), split=True)
+            >>> roles = axis_roles(jax.make_mesh((2, 4), ("data", "fsdp")), ("data", "fsdp"),
+            ...                    split=True)
             >>> roles.entry("fsdp"), roles.entry("expert")
             (('data', 'fsdp'), None)
         """
@@ -250,8 +274,9 @@ class AxisRoles:
 
     @property
     def replica_axis(self) -> str | tuple[str, ...] | None:
-        """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's ``axis_name``: one
-        name, or the tuple of several (None: no batch axis, a mesh of context axes only)."""
+        """The batch axes as JAX names them in a `PartitionSpec` entry or a collective's
+        ``axis_name``: one name, or the tuple of several (None: no batch axis, a mesh of context
+        axes only)."""
         return self.entry("batch")
 
     def size(self, axes: Sequence[str]) -> int:
@@ -275,39 +300,44 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{argument}={value!r} must be a mesh axis name or a sequence of them, e.g. ('data', 'fsdp').")
+        raise ValueError(f"{argument}={value!r} must be a mesh axis name or a sequence of them, "
+                         "e.g. ('data', 'fsdp').")
     names = tuple(names)
     for name in names:
         if name not in mesh.axis_names:
-            raise ValueError(f"{argument}={value!r} names axis {name!r}, but the mesh axes are {mesh.axis_names}.")
+            raise ValueError(f"{argument}={value!r} names axis {name!r}, but the mesh axes are "
+                             f"{mesh.axis_names}.")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once.")
+        raise ValueError(
+            f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once."
+        )
     return names
 
 
 def axis_roles(
-    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool, strategy: str = "ShardedStrategy",
-    **role_axes: Any,
+    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool,
+    strategy: str = "ShardedStrategy", **role_axes: Any,
 ) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
     Args:
         mesh: a `jax.sharding.Mesh` (any axis names, any devices of any processes).
-        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis (besides context axes),
-            or for a mirroring strategy (``split=False``) every axis.
-        fsdp_axes: the batch (and context) axes the FSDP rule splits variables over; None: ``batch_axes``
-            and ``context_axes`` when ``split``, else none.
+        batch_axes: the axes a batch's rows are split over; None: the mesh's only axis (besides
+            context axes), or for a mirroring strategy (``split=False``) every axis.
+        fsdp_axes: the batch (and context) axes the FSDP rule splits variables over; None:
+            ``batch_axes`` and ``context_axes`` when ``split``, else none.
         split: whether the strategy splits variables (Sharded) or keeps them whole (Mirrored, TPU).
         strategy: the strategy's name, for error messages.
         role_axes: ``<role>_axes=`` for each of `ROLES` given (``context_axes``, ``stage_axes``,
-            ``expert_axes``): the axes of that role. Each must be batch axes or never be (`Role.batch`).
+            ``expert_axes``): the axes of that role. Each must be batch axes or never be
+            (`Role.batch`).
 
     Raises:
         TypeError: when ``mesh`` is not a `jax.sharding.Mesh`, or for an argument that is no role's.
-        ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch axes, a
-            mirroring strategy given model axes or role axes, a multi-axis mesh without ``batch_axes``, or role
-            axes that break their relation to the batch axes.
+        ValueError: for an axis the mesh lacks, an axis named twice, FSDP axes that are not batch
+            axes, a mirroring strategy given model axes or role axes, a multi-axis mesh without
+            ``batch_axes``, or role axes that break their relation to the batch axes.
 
     Examples:
         >>> import jax
@@ -315,34 +345,39 @@ def axis_roles(
         >>> roles = axis_roles(mesh, ("data", "fsdp"), ("fsdp",), split=True)
         >>> roles.replica_axis, roles.fsdp_axes, roles.model_axes
         (('data', 'fsdp'), ('fsdp',), ('tensor',))
-        >>> cp = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True, context_axes="context")
+        >>> cp = axis_roles(jax.make_mesh((2, 4), ("data", "context")), "data", split=True,
+        ...                 context_axes="context")
         >>> cp.context_axes, cp.fsdp_axes, cp.model_axes
         (('context',), ('data', 'context'), ())
     """
     if not isinstance(mesh, (Mesh, AbstractMesh)):  # an AbstractMesh (jd.plan_mesh): plans only
         raise TypeError(
-            f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one with "
-            "jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, axis_names) (or, to plan "
-            "without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
+            f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one "
+            "with jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, "
+            "axis_names) (or, to plan without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
         )
-    check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES], "the roles' arguments are")
-    given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh) for role in ROLES}
+    check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES],
+                        "the roles' arguments are")
+    given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh)
+             for role in ROLES}
     context = given["context"]
     if batch_axes is None:
         if split and len(mesh.axis_names) - len(context) > 1:
             raise ValueError(
-                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a batch's rows are "
-                f"split over, e.g. {strategy}(mesh=mesh, batch_axes={mesh.axis_names[:-1]!r}) (the rest are "
-                "model axes, for tensor parallelism)."
+                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a "
+                f"batch's rows are split over, e.g. {strategy}(mesh=mesh, "
+                f"batch_axes={mesh.axis_names[:-1]!r}) (the rest are model axes, for tensor "
+                "parallelism)."
             )
         batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
     for role in ROLES:
         if given[role.name] and role.variables and not split:
             raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every variable whole on "
-                f"every device and has no {role.name} axes; use ShardedStrategy(mesh=..., batch_axes=..., "
-                f"{role.argument}=...) (or {role.short_form}=k on its own mesh)."
+                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every "
+                f"variable whole on every device and has no {role.name} axes; use "
+                f"ShardedStrategy(mesh=..., batch_axes=..., {role.argument}=...) (or "
+                f"{role.short_form}=k on its own mesh)."
             )
         wrong = [a for a in given[role.name] if (a in batch) != role.batch]  # batch axes, or never
         if wrong:
@@ -351,25 +386,28 @@ def axis_roles(
                 f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
             )
     if not batch and not context:
-        raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows over.")
+        raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows "
+                         "over.")
     if not split:
         model = [a for a in mesh.axis_names if a not in batch and a not in context]
         if model:
             raise ValueError(
-                f"A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable whole, so mesh "
-                f"axis {model[0]!r} (not in batch_axes={batch!r}) "
+                "A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable "
+                f"whole, so mesh axis {model[0]!r} (not in batch_axes={batch!r}) "
                 "would hold copies that compute the same thing: make it a batch axis, or use "
-                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over it."
+                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over "
+                "it."
             )
-    fsdp = batch + context if fsdp_axes is None and split else _names(fsdp_axes or (), "fsdp_axes", mesh)
+    fsdp = (batch + context if fsdp_axes is None and split
+            else _names(fsdp_axes or (), "fsdp_axes", mesh))
     if fsdp and not split:
-        raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; use ShardedStrategy "
-                         "for FSDP.")
+        raise ValueError(f"fsdp_axes={fsdp_axes!r}: a mirroring strategy keeps variables whole; "
+                         "use ShardedStrategy for FSDP.")
     outside = [a for a in fsdp if a not in batch and a not in context]
     if outside:
         raise ValueError(
-            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: FSDP splits "
-            "variables over (part of) the data-parallel group; add it to batch_axes, or split variables over a "
-            "model axis with layout rules / logical_axis_rules instead."
+            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: "
+            "FSDP splits variables over (part of) the data-parallel group; add it to batch_axes, "
+            "or split variables over a model axis with layout rules / logical_axis_rules instead."
         )
     return AxisRoles(mesh, batch, fsdp, given)

@@ -1,10 +1,10 @@
 """The layouts of an nnx state: which layout each Variable of a model or optimizer gets.
 
 Asked by a call that places an nnx state (`jaxdist.strategies.input`), by a plan that describes one
-(`jaxdist.strategies.plan`) and by a step's trace, which enters and returns the state in these layouts
-(`jaxdist.strategies.compile`). The order is the resolver's everywhere: a Variable's annotation (its
-``out_sharding`` / ``sharding`` metadata, through the strategy's logical rules) first, then the layout it
-already has on the mesh, then the policy's variable layout.
+(`jaxdist.strategies.plan`) and by a step's trace, which enters and returns the state in these
+layouts (`jaxdist.strategies.compile`). The order is the resolver's everywhere: a Variable's
+annotation (its ``out_sharding`` / ``sharding`` metadata, through the strategy's logical rules)
+first, then the layout it already has on the mesh, then the policy's variable layout.
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -34,18 +34,21 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
-    """The layout of each value of an nnx ``state`` (placed arrays) and whether its Variable is annotated.
+    """The layout of each value of an nnx ``state`` (placed arrays) and whether its Variable is
+    annotated.
 
-    An annotated Variable gets its annotation's layout (through the layout rules, which come first); an
-    unannotated one keeps the layout it has on the mesh, except that where variables can be split, one Flax put
-    on the ambient mesh whole (its default) takes the variable layout; anything else takes the variable layout.
+    An annotated Variable gets its annotation's layout (through the layout rules, which come first);
+    an unannotated one keeps the layout it has on the mesh, except that where variables can be
+    split, one Flax put on the ambient mesh whole (its default) takes the variable layout; anything
+    else takes the variable layout.
 
     Args:
         policy: the strategy's `LayoutPolicy`.
         state: an nnx ``State`` (or any pytree whose leaves are nnx Variables or arrays).
 
     Returns:
-        ``(layouts, annotated)``: one layout and one flag per Variable, in the order of the state's leaves.
+        ``(layouts, annotated)``: one layout and one flag per Variable, in the order of the state's
+        leaves.
     """
     entries = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable)
     layouts, annotated = [], []
@@ -53,11 +56,15 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
         value = v.get_value() if is_variable(v) else v
         box = annotation(v, policy.mesh.axis_names)
         annotated.append(box is not None)
-        if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(value, jax.core.Tracer):
-            layouts.append(getattr(value, "sharding", None) if box is None else declared(policy.variable_layout(
+        if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(
+            value, jax.core.Tracer
+        ):
+            layouts.append(getattr(value, "sharding", None) if box is None
+                           else declared(policy.variable_layout(
                 path_name(path), _aval(value), box)))
             continue
-        if box is not None:  # the annotation's layout: the user's, as where Flax placed the Variable itself
+        # the annotation's layout: the user's, as where Flax placed the Variable itself
+        if box is not None:
             layouts.append(declared(policy.variable_layout(path_name(path), _aval(value), box)))
             continue
         sharding = getattr(value, "sharding", None)

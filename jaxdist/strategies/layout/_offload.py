@@ -1,24 +1,30 @@
-"""Host offloading: variables and/or optimizer state kept in host memory, streamed to the devices per step.
+"""Host offloading: variables and/or optimizer state kept in host memory, streamed to the devices
+per step.
 
-JAX gives every sharding a *memory kind*: ``"device"`` (the default) or ``"pinned_host"`` (the host memory
-attached to that device, which accelerators reach by DMA). A strategy created with ``host_offload=`` places the
-variables it is told to in ``"pinned_host"`` memory, in their usual layout (mirrored, FSDP, ...): this is
-ZeRO-Offload's placement and Graphcore's "variables on the host" in JAX terms. Compiled steps then stream them:
+JAX gives every sharding a *memory kind*: ``"device"`` (the default) or ``"pinned_host"`` (the host
+memory attached to that device, which accelerators reach by DMA). A strategy created with
+``host_offload=`` places the variables it is told to in ``"pinned_host"`` memory, in their usual
+layout (mirrored, FSDP, ...): this is ZeRO-Offload's placement and Graphcore's "variables on the
+host" in JAX terms. Compiled steps then stream them:
 
-* at the entry of a ``strategy.jit`` step (and of the on-device loop of ``run_steps_on_dataset``) every argument
-  in host memory is copied to device memory (``jax.device_put(x, jax.memory.Space.Device)``), so the step's
-  code computes on device values exactly as it would without offloading — what it computes never changes;
-* outputs shaped like an offloaded argument (``state -> new_state``) go back to host memory at the exit, so
-  the state stays offloaded from step to step; other outputs (losses, metrics) stay on the device;
+* at the entry of a ``strategy.jit`` step (and of the on-device loop of ``run_steps_on_dataset``)
+  every argument in host memory is copied to device memory (``jax.device_put(x,
+  jax.memory.Space.Device)``), so the step's code computes on device values exactly as it would
+  without offloading — what it computes never changes;
+* outputs shaped like an offloaded argument (``state -> new_state``) go back to host memory at the
+  exit, so the state stays offloaded from step to step; other outputs (losses, metrics) stay on the
+  device;
 * eager ``strategy.run`` copies offloaded arguments to device memory before the replica program.
 
-Between steps the offloaded state occupies no device memory; during a step it is a temporary. That trades
-transfer time for device-memory capacity (XLA overlaps the copies with compute where it can): measure it.
+Between steps the offloaded state occupies no device memory; during a step it is a temporary. That
+trades transfer time for device-memory capacity (XLA overlaps the copies with compute where it can):
+measure it.
 
-Which variables are *optimizer state* is carried by their type, never guessed from names: subtrees that are
-optax states (every optax state is a NamedTuple defined in optax) and ``nnx.OptState`` variables (what
-``nnx.Optimizer`` holds). Sync-on-read values are never offloaded: replicas update them in every step, so
-they stay in device memory (as Graphcore's IPU strategy keeps them on the IPU).
+Which variables are *optimizer state* is carried by their type, never guessed from names: subtrees
+that are optax states (every optax state is a NamedTuple defined in optax) and ``nnx.OptState``
+variables (what ``nnx.Optimizer`` holds). Sync-on-read values are never offloaded: replicas update
+them in every step, so they stay in device memory (as Graphcore's IPU strategy keeps them on the
+IPU).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ HOST_OFFLOAD_MODES = ("opt_state", "params", "all")
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def parse_host_offload(value: Any, devices: Sequence[Any], argument: str = "host_offload") -> str | None:
+def parse_host_offload(value: Any, devices: Sequence[Any],
+                       argument: str = "host_offload") -> str | None:
     """Validate a ``host_offload`` option against the devices it will run on.
 
     Args:
@@ -72,22 +79,23 @@ def parse_host_offload(value: Any, devices: Sequence[Any], argument: str = "host
         return None
     if not isinstance(value, str) or value not in HOST_OFFLOAD_MODES:
         raise ValueError(
-            f"{argument}={value!r} is not a host offloading mode: use None (everything in device memory), "
-            "'opt_state' (optimizer state in host memory), 'params' (every variable but the optimizer state) "
-            "or 'all'."
+            f"{argument}={value!r} is not a host offloading mode: use None (everything in device "
+            "memory), 'opt_state' (optimizer state in host memory), 'params' (every variable but "
+            "the optimizer state) or 'all'."
         )
     for device in devices:
         kinds = sorted(m.kind for m in device.addressable_memories())
         if HOST_MEMORY_KIND not in kinds:
             raise ValueError(
-                f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every device, but {device} has only "
-                f"{kinds}: this backend cannot offload; use {argument}=None here."
+                f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every device, but "
+                f"{device} has only {kinds}: this backend cannot offload; use {argument}=None here."
             )
     return value
 
 
 def is_optimizer_state(node: Any) -> bool:
-    """True for an optimizer-state subtree: an optax state (a NamedTuple defined in optax) or ``nnx.OptState``.
+    """True for an optimizer-state subtree: an optax state (a NamedTuple defined in optax) or
+    ``nnx.OptState``.
 
     Examples:
         >>> import optax, jax.numpy as jnp
@@ -97,7 +105,8 @@ def is_optimizer_state(node: Any) -> bool:
     if isinstance(node, nnx.OptState):
         return True
     cls = type(node)
-    return isinstance(node, tuple) and hasattr(cls, "_fields") and cls.__module__.split(".")[0] == "optax"
+    return (isinstance(node, tuple) and hasattr(cls, "_fields")
+            and cls.__module__.split(".")[0] == "optax")
 
 
 def _optimizer_mask(shapes: Any) -> list[bool]:
@@ -112,11 +121,13 @@ def _optimizer_mask(shapes: Any) -> list[bool]:
 
 
 def offload_shardings(mode: str | None, shapes: Any, layouts: Any) -> Any:
-    """``layouts`` (one sharding per leaf of ``shapes``) with the offloaded leaves moved to host memory.
+    """``layouts`` (one sharding per leaf of ``shapes``) with the offloaded leaves moved to host
+    memory.
 
     Args:
         mode: a `HOST_OFFLOAD_MODES` entry, or None (``layouts`` is returned as it is).
-        shapes: the variables (arrays or `jax.ShapeDtypeStruct`s), whose types say what is optimizer state.
+        shapes: the variables (arrays or `jax.ShapeDtypeStruct`s), whose types say what is optimizer
+            state.
         layouts: their device layouts, same structure.
 
     Examples:
@@ -136,7 +147,11 @@ def offload_shardings(mode: str | None, shapes: Any, layouts: Any) -> Any:
         mask = [mode == "all"] * len(flat)
     wanted = {"all": lambda _: True, "opt_state": lambda m: m, "params": lambda m: not m}[mode]
     return jax.tree.unflatten(
-        treedef, [s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s for s, m in zip(flat, mask, strict=True)]
+        treedef,
+        [
+            s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s
+            for s, m in zip(flat, mask, strict=True)
+        ],
     )
 
 
@@ -145,7 +160,8 @@ def in_host_memory(x: Any) -> bool:
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> in_host_memory(jnp.zeros(2)), in_host_memory(jax.device_put(jnp.zeros(2), jax.memory.Space.Host))
+        >>> (in_host_memory(jnp.zeros(2)),
+        ...  in_host_memory(jax.device_put(jnp.zeros(2), jax.memory.Space.Host)))
         (False, True)
     """
     if isinstance(x, jax.core.Tracer):
@@ -164,12 +180,14 @@ def _to_device(x: Any) -> Any:
 
 
 def to_host_memory(x: Any) -> Any:
-    """``x`` (a traced value) moved to host memory, same layout: where an offloaded output goes at a step's exit."""
+    """``x`` (a traced value) moved to host memory, same layout: where an offloaded output goes at a
+    step's exit."""
     return x if in_host_memory(x) else jax.device_put(x, jax.memory.Space.Host)
 
 
 def to_device_memory(tree: Any) -> Any:
-    """``tree`` with its host-memory leaves copied to device memory, same layout (``tree`` itself if none is).
+    """``tree`` with its host-memory leaves copied to device memory, same layout (``tree`` itself if
+    none is).
 
     Works on concrete arrays and inside traces.
 

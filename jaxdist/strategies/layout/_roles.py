@@ -1,23 +1,25 @@
-"""Roles: is a value a batch, a variable, a per-replica value or a constant? The one place that decides.
+"""Roles: is a value a batch, a variable, a per-replica value or a constant? The one place that
+decides.
 
 A role is declared or carried by the value, never guessed:
 
-* declared: ``batch_argnums`` of ``strategy.jit`` / ``strategy.run`` / ``outside_compilation`` lists the batch
-  arguments; every other array argument is a variable;
-* carried by the type: `PerReplica` / `SyncOnRead` hold one component per replica; Python numbers, strings,
-  callables and configs are compile-time constants;
-* carried by the layout (`LayoutPolicy.layout_role`): an array on the strategy's mesh with axis 0 split over
-  the replicas is a batch (from a distributed dataset); one in another layout there is a variable. Where
-  variables can be split over the replicas too (FSDP) the layout cannot tell: there an array is a batch when the
-  strategy's input functions placed it (`placed_as_batch`: they record what they hand out, weakly), and any
-  other array split like a batch must be declared. (Why a record of the arrays and not their layout: a batch and
-  an FSDP variable split over the same axes have equal shardings, and JAX would see a distinct one only on
-  another mesh, which one program refuses. The record is weak, costs one entry per placed leaf, and is read only
-  where roles are decided without declarations: a `jit` step's trace, a `run` call.);
-* inside a compiled step: the step's own arguments keep the role they entered with (the step records them in
-  its computation frame when it is traced: `jaxdist.strategies.compile._trace._roles`); a value COMPUTED in
-  the step (``x / 255``) has no role, and a per-replica verb given one of rank >= 1 (``strategy.run``,
-  ``outside_compilation``) asks for the declaration.
+* declared: ``batch_argnums`` of ``strategy.jit`` / ``strategy.run`` / ``outside_compilation`` lists
+  the batch arguments; every other array argument is a variable;
+* carried by the type: `PerReplica` / `SyncOnRead` hold one component per replica; Python numbers,
+  strings, callables and configs are compile-time constants;
+* carried by the layout (`LayoutPolicy.layout_role`): an array on the strategy's mesh with axis 0
+  split over the replicas is a batch (from a distributed dataset); one in another layout there is a
+  variable. Where variables can be split over the replicas too (FSDP) the layout cannot tell: there
+  an array is a batch when the strategy's input functions placed it (`placed_as_batch`: they record
+  what they hand out, weakly), and any other array split like a batch must be declared. (Why a
+  record of the arrays and not their layout: a batch and an FSDP variable split over the same axes
+  have equal shardings, and JAX would see a distinct one only on another mesh, which one program
+  refuses. The record is weak, costs one entry per placed leaf, and is read only where roles are
+  decided without declarations: a `jit` step's trace, a `run` call.);
+* inside a compiled step: the step's own arguments keep the role they entered with (the step records
+  them in its computation frame when it is traced: `jaxdist.strategies.compile._trace._roles`); a
+  value COMPUTED in the step (``x / 255``) has no role, and a per-replica verb given one of rank >=
+  1 (``strategy.run``, ``outside_compilation``) asks for the declaration.
 """
 
 from __future__ import annotations
@@ -49,26 +51,29 @@ __all__ = [
 
 
 class UndeclaredBatchWarning(UserWarning):
-    """An array whose role jaxdist cannot know reached a strategy computation with no declaration of which
-    arguments are batches (declare them with ``batch_argnums``)."""
+    """An array whose role jaxdist cannot know reached a strategy computation with no declaration of
+    which arguments are batches (declare them with ``batch_argnums``)."""
 
 
 class Role(enum.Enum):
     """The role of one argument leaf of a strategy computation."""
 
-    VARIABLE = "variable"  # a whole copy per replica (mirrored) / in the variable layout (global view)
+    # a whole copy per replica (mirrored) / in the variable layout (global view)
+    VARIABLE = "variable"
     BATCH = "batch"  # axis 0 split over the replicas
     PER_REPLICA = "per_replica"  # a PerReplica: one component per replica
     SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: one component per replica, aggregated on read
     STATIC = "static"  # not an array: a compile-time constant
 
 
-_placed: dict[int, weakref.ref] = {}  # id(array) -> weak ref: arrays the input functions placed as batches
+# id(array) -> weak ref: arrays the input functions placed as batches
+_placed: dict[int, weakref.ref] = {}
 _placed_lock = threading.Lock()
 
 
 def mark_placed_batch(x: Any) -> None:
-    """Record that the input functions placed ``x`` as a distributed batch (the role it carries from now on)."""
+    """Record that the input functions placed ``x`` as a distributed batch (the role it carries from
+    now on)."""
     if not isinstance(x, jax.Array):
         return
     key = id(x)
@@ -77,15 +82,16 @@ def mark_placed_batch(x: Any) -> None:
 
 
 def placed_as_batch(x: Any) -> bool:
-    """True when ``x`` itself (not a value computed from it) was placed as a batch by the input functions."""
+    """True when ``x`` itself (not a value computed from it) was placed as a batch by the input
+    functions."""
     ref = _placed.get(id(x))
     return ref is not None and ref() is x
 
 
 def role_in_trace(x: Any, policy: Any) -> Role | None:
-    """The role tracer ``x`` entered a computation of ``policy`` with (a step's batch or variable argument);
-    None for values derived inside it. A value being differentiated (``jax.grad`` inside the step wraps its
-    argument in a JVP tracer) keeps the role of the argument it wraps."""
+    """The role tracer ``x`` entered a computation of ``policy`` with (a step's batch or variable
+    argument); None for values derived inside it. A value being differentiated (``jax.grad`` inside
+    the step wraps its argument in a JVP tracer) keeps the role of the argument it wraps."""
     candidates = [x]
     while isinstance(getattr(candidates[-1], "primal", None), jax.core.Tracer):
         candidates.append(candidates[-1].primal)
@@ -100,10 +106,10 @@ def role_in_trace(x: Any, policy: Any) -> Role | None:
 
 
 def typed_role(x: Any, policy: Any) -> Role | None:
-    """The role a traced value's TYPE gives it on a mesh whose batch axes are ``Explicit`` (sharding in types):
-    rows split over every batch axis, a batch (also a slice of one inside ``lax.scan``, or under
-    ``jax.checkpoint``); split over none of them, a variable; None where the type cannot tell (Auto axes, or a
-    value split over the batch axes some other way)."""
+    """The role a traced value's TYPE gives it on a mesh whose batch axes are ``Explicit`` (sharding
+    in types): rows split over every batch axis, a batch (also a slice of one inside ``lax.scan``,
+    or under ``jax.checkpoint``); split over none of them, a variable; None where the type cannot
+    tell (Auto axes, or a value split over the batch axes some other way)."""
     explicit = set(explicit_axes(policy.mesh))
     batch_axes = tuple(policy.batch_axes)
     if not explicit or not set(batch_axes) <= explicit or np.ndim(x) < 1:
@@ -121,9 +127,9 @@ def typed_role(x: Any, policy: Any) -> Role | None:
 
 
 def traced_role(policy: Any, x: Any, where: str, declaration: str) -> Role:
-    """The role of a traced value reaching a per-replica verb inside a step: the role the step's argument it
-    is entered with; a value of rank >= 1 computed in the step has none, so it is an error naming
-    ``declaration`` (how to declare the batch arguments at that call).
+    """The role of a traced value reaching a per-replica verb inside a step: the role the step's
+    argument it is entered with; a value of rank >= 1 computed in the step has none, so it is an
+    error naming ``declaration`` (how to declare the batch arguments at that call).
 
     Raises:
         ValueError: for a value of rank >= 1 computed inside the step.
@@ -134,30 +140,32 @@ def traced_role(policy: Any, x: Any, where: str, declaration: str) -> Role:
     if role is None and np.ndim(x) >= 1:
         verb = declaration.split("(", 1)[0]
         raise ValueError(
-            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, whose role "
-            "jaxdist cannot know: only the step's own batch arguments are split over the replicas, and a value "
-            "derived from one (say x / 255, or logits) might be a batch or a value every replica needs whole. "
-            f"Declare the roles: {declaration} lists the batch arguments (every other one reaches each replica "
-            "whole; batch_argnums=() if none is a batch)."
+            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, "
+            "whose role jaxdist cannot know: only the step's own batch arguments are split over "
+            "the replicas, and a value derived from one (say x / 255, or logits) might be a batch "
+            f"or a value every replica needs whole. Declare the roles: {declaration} lists the "
+            "batch arguments (every other one reaches each replica whole; batch_argnums=() if none "
+            "is a batch)."
         )
     return role or Role.VARIABLE
 
 
-def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: str, warned: list[bool]) -> Role:
+def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: str,
+             warned: list[bool]) -> Role:
     """The role of one argument leaf of a per-replica computation (``strategy.run``).
 
     Args:
         policy: the strategy's `LayoutPolicy`.
         leaf: the value.
-        declared: True / False when ``batch_argnums`` says whether its argument is a batch, None when the
-            caller declared nothing.
+        declared: True / False when ``batch_argnums`` says whether its argument is a batch, None
+            when the caller declared nothing.
         where: how errors name the leaf (``"args[1]['x']"``).
         verb: how errors name the call (``"strategy.run"``).
         warned: a one-element list, the caller's "already warned about an ambiguous layout" flag.
 
     Raises:
-        ValueError: for a per-replica value of another strategy, or (undeclared) a value of rank >= 1 computed
-            inside a step.
+        ValueError: for a per-replica value of another strategy, or (undeclared) a value of rank >=
+            1 computed inside a step.
     """
     if isinstance(leaf, (PerReplica, SyncOnRead)):
         return Role.SYNC_ON_READ if isinstance(leaf, SyncOnRead) else Role.PER_REPLICA
@@ -171,10 +179,11 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
     if role is None and np.ndim(leaf) >= 1 and policy.is_batch_layout(leaf) and not warned[0]:
         warned[0] = True
         warnings.warn(
-            f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by this strategy's "
-            "input functions, on a strategy whose variables can have that layout too, so it is taken as a "
-            "variable (every replica sees all of it). "
-            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by "
+            "this strategy's input functions, on a strategy whose variables can have that layout "
+            "too, so it is taken as a variable (every replica sees all of it). "
+            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch "
+            "arguments.",
             UndeclaredBatchWarning,
             stacklevel=5,
         )
@@ -182,10 +191,11 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
         warned[0] = True
         warnings.warn(
             f"{verb} got {where}, split on axis 0 over a mesh that is not this strategy's (axes "
-            f"{leaf.sharding.mesh.axis_names}, types {leaf.sharding.mesh.axis_types}; the strategy's are "
-            f"{policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role cannot be read from its layout and "
-            "it is taken as a variable (every replica sees all of it). "
-            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            f"{leaf.sharding.mesh.axis_names}, types {leaf.sharding.mesh.axis_types}; the "
+            f"strategy's are {policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role "
+            "cannot be read from its layout and it is taken as a variable (every replica sees all "
+            f"of it). Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the "
+            "batch arguments.",
             UndeclaredBatchWarning,
             stacklevel=5,
         )
@@ -193,8 +203,8 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
 
 
 def _rows_split_elsewhere(x: Any, policy: Any) -> bool:
-    """An array laid out over another mesh (say the user's, of other axis types) with its rows split: it may
-    be a batch, which its layout cannot say for this strategy."""
+    """An array laid out over another mesh (say the user's, of other axis types) with its rows
+    split: it may be a batch, which its layout cannot say for this strategy."""
     sharding = getattr(x, "sharding", None)
     spec = getattr(sharding, "spec", None)
     return (isinstance(x, jax.Array) and np.ndim(x) >= 1 and spec is not None and len(spec) > 0

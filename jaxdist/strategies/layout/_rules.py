@@ -1,31 +1,34 @@
-"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax annotation.
+"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax
+annotation.
 
-The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes (all the
-batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest dimension that their size
-divides; variables smaller than ``min_shard_size`` elements, or with no divisible axis, stay whole.
-Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec), ...]`` matched with `re.search` against
-the variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the same
-path, so it follows its parameter).
+The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes
+(all the batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest
+dimension that their size divides; variables smaller than ``min_shard_size`` elements, or with no
+divisible axis, stay whole. Layout rules (Keras' ``LayoutMap``) are ``[(regex, PartitionSpec),
+...]`` matched with `re.search` against the variable's path (``"params/Dense_0/kernel"``; optimizer
+state such as Adam's ``mu`` contains the same path, so it follows its parameter).
 
-Partitioning annotations, the Flax way (MaxText / T5X): ``nn.with_logical_partitioning(init, ("embed",
-"mlp"))`` names logical axes that ``logical_axis_rules`` (Flax's own format) map to mesh axes;
-``nn.with_partitioning(init, (None, "model"))`` names mesh axes directly. Which spec a variable gets, first
-that applies:
+Partitioning annotations, the Flax way (MaxText / T5X): ``nn.with_logical_partitioning(init,
+("embed", "mlp"))`` names logical axes that ``logical_axis_rules`` (Flax's own format) map to mesh
+axes; ``nn.with_partitioning(init, (None, "model"))`` names mesh axes directly. Which spec a
+variable gets, first that applies:
 
-1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last resort);
-2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's priority
-   order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to use: when no dimension
-   is already split over an FSDP axis, the largest such dimension their size divides is;
+1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last
+   resort);
+2. its annotation: mesh axes as named, or logical names through ``logical_axis_rules`` in Flax's
+   priority order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to
+   use: when no dimension is already split over an FSDP axis, the largest such dimension their size
+   divides is;
 3. the FSDP rule (unannotated variables).
 
-Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned model) are
-never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words a key), and code that
-splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them whole. A ``layout_rules`` entry or an
-annotation naming their axes still splits them.
+Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned
+model) are never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words
+a key), and code that splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them
+whole. A ``layout_rules`` entry or an annotation naming their axes still splits them.
 
-A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With stage axes
-(pipeline parallelism) the logical name ``"layers"`` (the stacked layer axis of `jaxdist.nn.Pipeline`) is
-mapped to them unless the user's rules map it themselves.
+A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With
+stage axes (pipeline parallelism) the logical name ``"layers"`` (the stacked layer axis of
+`jaxdist.nn.Pipeline`) is mapped to them unless the user's rules map it themselves.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
 __all__ = [
-    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable", "logical_names",
-    "unboxed",
+    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable",
+    "logical_names", "unboxed",
 ]
 
 
 def is_key(dtype: Any) -> bool:
-    """True for the dtype of a typed PRNG key array (``jax.random.key``'s ``key<fry>``); False for None."""
+    """True for the dtype of a typed PRNG key array (``jax.random.key``'s ``key<fry>``); False for
+    None."""
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
@@ -61,12 +65,14 @@ def is_box(x: Any) -> bool:
 
 
 def is_variable(x: Any) -> bool:
-    """True for an nnx Variable (a pytree node whose one child is its value, its annotation in its metadata)."""
+    """True for an nnx Variable (a pytree node whose one child is its value, its annotation in its
+    metadata)."""
     return isinstance(x, nnx.Variable)
 
 
 def is_annotated(x: Any) -> bool:
-    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx Variable."""
+    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx
+    Variable."""
     return isinstance(x, (Partitioned, nnx.Variable))
 
 
@@ -80,17 +86,19 @@ def unboxed(x: Any) -> Any:
 def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
     """The partitioning annotation a variable carries, as the box `VariableRules.spec` reads.
 
-    A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``, ``out_sharding=`` /
-    ``sharding=`` metadata) is boxed as linen's are: names that are all axes of ``mesh_axes`` as a
-    `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the strategy's
-    ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything else.
+    A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``,
+    ``out_sharding=`` / ``sharding=`` metadata) is boxed as linen's are: names that are all axes of
+    ``mesh_axes`` as a `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the
+    strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything
+    else.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> with nnx.use_eager_sharding(False):
         ...     kernel = nnx.Param(jnp.zeros((2, 4)), out_sharding=("embed", "model"))
-        >>> type(annotation(kernel, ("replica", "model"))).__name__, annotation(kernel, ("replica", "model")).names
+        >>> (type(annotation(kernel, ("replica", "model"))).__name__,
+        ...  annotation(kernel, ("replica", "model")).names)
         ('LogicallyPartitioned', ('embed', 'model'))
         >>> annotation(nnx.Param(jnp.zeros(2)), ("replica",)) is None
         True
@@ -112,8 +120,8 @@ def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
 
 
 def logical_names(tree: Any, mesh_axes: Sequence[str] | None = None) -> set[str]:
-    """The logical axis names of the ``nn.with_logical_partitioning`` boxes and the nnx Variables annotated with
-    names that are not axes of ``mesh_axes`` in ``tree``.
+    """The logical axis names of the ``nn.with_logical_partitioning`` boxes and the nnx Variables
+    annotated with names that are not axes of ``mesh_axes`` in ``tree``.
 
     Examples:
         >>> import flax.linen as nn
@@ -132,11 +140,13 @@ def _hint(roles: AxisRoles) -> str:
 
 
 class VariableRules:
-    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP rule.
+    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP
+    rule.
 
     Args:
         roles: the mesh the specs name axes of, and its FSDP axes (what the FSDP rule splits over).
-        split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole (mirrored:
+        split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole
+            (mirrored:
             annotations and the FSDP rule are ignored).
         min_shard_size: variables with fewer elements stay whole.
         layout_rules: ``[(regex, PartitionSpec), ...]``.
@@ -167,26 +177,27 @@ class VariableRules:
             raise ValueError(f"min_shard_size={min_shard_size!r} must be an int >= 0 (elements).")
         if isinstance(activation_axes, str) or not all(isinstance(a, str) for a in activation_axes):
             raise ValueError(
-                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, e.g. "
-                "activation_axes=('batch', 'length')."
+                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, "
+                "e.g. activation_axes=('batch', 'length')."
             )
         self.roles = roles
         self.mesh = roles.mesh
         self.split = split
         self.min_shard_size = min_shard_size
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
-        self.logical_axis_rules = tuple(self._check_logical_rule(i, r) for i, r in enumerate(logical_axis_rules or ()))
-        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert" over the
-        # expert axes, "length" over the context axes, ...): appended where the user's rules do not name them, so
-        # every user rule keeps its priority; never reported as unmatched (a model without a pipeline layer is
-        # reported as an idle stage axis instead).
+        self.logical_axis_rules = tuple(self._check_logical_rule(i, r)
+                                        for i, r in enumerate(logical_axis_rules or ()))
+        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert"
+        # over the expert axes, "length" over the context axes, ...): appended where the user's
+        # rules do not name them, so every user rule keeps its priority; never reported as unmatched
+        # (a model without a pipeline layer is reported as an idle stage axis instead).
         named = {name for name, _ in self.logical_axis_rules}
         implied = tuple(rule for rule in roles.logical_rules if rule[0] not in named)
         self.logical_axis_rules += implied
         self._implicit = {name for name, _ in implied}
         self.activation_axes = frozenset(activation_axes)
 
-    # ------------------------------------------------------------------------------------ validation
+    # ----------------------------------------------------------------------------------- validation
     def _check_rule(self, i: int, rule: Any) -> tuple[re.Pattern, PartitionSpec]:
         try:
             pattern, spec = rule
@@ -197,39 +208,42 @@ class VariableRules:
                 "(r'Dense_0/kernel', PartitionSpec(None, 'model'))."
             ) from None
         if not isinstance(spec, PartitionSpec):
-            raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a jax.sharding.PartitionSpec.")
+            raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a "
+                             "jax.sharding.PartitionSpec.")
         for entry in spec:
             for name in entry_axes(entry):
                 if name not in self.mesh.axis_names:
                     raise ValueError(
-                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are {self.mesh.axis_names}"
-                        f"{_hint(self.roles)}."
+                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are "
+                        f"{self.mesh.axis_names}{_hint(self.roles)}."
                     )
         return compiled, spec
 
     def _check_logical_rule(self, i: int, rule: Any) -> tuple[str, Any]:
         example = "e.g. ('mlp', 'model') or ('embed', None)"
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ValueError(f"logical_axis_rules[{i}]={rule!r} is not a (logical_name, mesh_axes) pair: {example}.")
+            raise ValueError(f"logical_axis_rules[{i}]={rule!r} is not a (logical_name, mesh_axes) "
+                             f"pair: {example}.")
         name, axes = rule
         names = axes if isinstance(axes, (tuple, list)) else (axes,)
         for axis in names:
             if axis is not None and axis not in self.mesh.axis_names:
                 raise ValueError(
-                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, but the mesh "
-                    f"axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
+                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, "
+                    f"but the mesh axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
                 )
         return name, tuple(axes) if isinstance(axes, list) else axes
 
     # ---------------------------------------------------------------------------------------- specs
     def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None,
              dtype: Any = None) -> PartitionSpec:
-        """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first layout rule, else
-        annotation, else FSDP (never for a typed PRNG key array: see the module doc).
+        """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first
+        layout rule, else annotation, else FSDP (never for a typed PRNG key array: see the module
+        doc).
 
         Raises:
-            ValueError: when a rule or annotation splits a dimension into parts that do not divide it, or a
-                ``nn.with_partitioning`` annotation names an axis the mesh does not have.
+            ValueError: when a rule or annotation splits a dimension into parts that do not divide
+                it, or a ``nn.with_partitioning`` annotation names an axis the mesh does not have.
         """
         if not self.split:  # a mirroring policy: every variable whole, annotations notwithstanding
             return PartitionSpec()
@@ -249,14 +263,16 @@ class VariableRules:
         what = f"annotation {names}"
         if len(names) > len(shape):
             raise ValueError(
-                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape {shape}: "
-                "annotate one name per dimension."
+                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape "
+                f"{shape}: annotate one name per dimension."
             )
         if isinstance(annotation, nn.LogicallyPartitioned):
             rules = annotation.rules if annotation.rules is not None else self.logical_axis_rules
-            axes = list(nn.logical_to_mesh_axes(names, rules))  # Flax's own resolution: rule order is priority
+            # Flax's own resolution: rule order is priority
+            axes = list(nn.logical_to_mesh_axes(names, rules))
             ruled = {name for name, _ in rules}
-            free = [i for i, name in enumerate(names) if isinstance(name, str) and name not in ruled]
+            free = [i for i, name in enumerate(names) if isinstance(name, str)
+                    and name not in ruled]
             what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
             if LAYERS in names and self.roles.stage_axes:
                 self._check_stages(path, shape[names.index(LAYERS)], axes[names.index(LAYERS)])
@@ -264,16 +280,18 @@ class VariableRules:
             for name in jax.tree.leaves(names):
                 if isinstance(name, str) and name not in self.mesh.axis_names:
                     raise ValueError(
-                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis {name!r}, but this "
-                        f"strategy's mesh axes are {self.mesh.axis_names}: name axes of that mesh, or "
-                        "annotate logical names (nn.with_logical_partitioning) and map them with "
+                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis "
+                        f"{name!r}, but this strategy's mesh axes are {self.mesh.axis_names}: name "
+                        "axes of that mesh, or annotate logical names "
+                        "(nn.with_logical_partitioning) and map them with "
                         "ShardedStrategy(logical_axis_rules=...)."
                     )
             axes, free = list(names), []
         self._check_fits(path, shape, PartitionSpec(*axes), what)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
         n = self.roles.size(self.roles.fsdp_axes)
-        if fsdp and free and not used & set(self.roles.fsdp_axes) and n > 1 and self._big_enough(shape):
+        if (fsdp and free and not used & set(self.roles.fsdp_axes) and n > 1
+                and self._big_enough(shape)):
             candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
             if candidates:
                 axes[-max(candidates)[1]] = self.roles.entry("fsdp")
@@ -285,9 +303,10 @@ class VariableRules:
         parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
         if layers % parts:
             raise ValueError(
-                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the {parts} stages of "
-                f"stage_axes={self.roles.stage_axes}: each stage holds num_layers / stages layers; use a multiple "
-                f"of {parts} layers (times the circular schedule's repeats), or another stage count."
+                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the "
+                f"{parts} stages of stage_axes={self.roles.stage_axes}: each stage holds "
+                f"num_layers / stages layers; use a multiple of {parts} layers (times the circular "
+                "schedule's repeats), or another stage count."
             )
 
     def _big_enough(self, shape: tuple[int, ...]) -> bool:
@@ -305,7 +324,8 @@ class VariableRules:
         spec[-neg_axis] = self.roles.entry("fsdp")
         return PartitionSpec(*spec)
 
-    def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str) -> None:
+    def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec,
+                    what: str) -> None:
         if len(spec) > len(shape):
             raise ValueError(
                 f"{what} for variable {path!r} of shape {shape} names {len(spec)} axes but the "
@@ -315,13 +335,15 @@ class VariableRules:
             parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
             if shape[axis] % parts:
                 raise ValueError(
-                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into {parts} "
-                    "parts, which does not divide it: pick another axis or pad the variable."
+                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into "
+                    f"{parts} parts, which does not divide it: pick another axis or pad the "
+                    "variable."
                 )
 
-    # ----------------------------------------------------------------------------------- rule checks
+    # ---------------------------------------------------------------------------------- rule checks
     def unmatched(self, tree: Any) -> list[str]:
-        """The rules that placed no variable of ``tree`` (arrays or shapes; Flax boxes keep annotations).
+        """The rules that placed no variable of ``tree`` (arrays or shapes; Flax boxes keep
+        annotations).
 
         A ``layout_rules`` entry is unmatched when it is the first match of no variable's path; a
         ``logical_axis_rules`` entry when no variable's annotation uses its logical name (names in
@@ -331,7 +353,8 @@ class VariableRules:
         names: set[str] = set()
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_annotated):
             name = path_name(path)
-            first = next((i for i, (pattern, _) in enumerate(self.layout_rules) if pattern.search(name)), None)
+            first = next((i for i, (pattern, _) in enumerate(self.layout_rules)
+                          if pattern.search(name)), None)
             if first is not None:
                 used.add(first)
             else:  # a layout rule overrides the annotation: its names placed nothing here

@@ -1,8 +1,9 @@
-"""Plans: what a step will cost (memory, time, layouts) before it runs, on real meshes and meshes without devices.
+"""Plans: what a step will cost (memory, time, layouts) before it runs, on real meshes and meshes
+without devices.
 
-The record, `Plan`, lives in `jaxdist.costs.plan` with the other cost records (public as ``jd.Plan``); this room
-fills plans for a strategy's layout. The search over layouts sits above the strategy classes
-(`jaxdist.strategies.search`).
+The record, `Plan`, lives in `jaxdist.costs.plan` with the other cost records (public as
+``jd.Plan``); this room fills plans for a strategy's layout. The search over layouts sits above the
+strategy classes (`jaxdist.strategies.search`).
 """
 
 from jaxdist.costs.plan import Plan as Plan

@@ -1,36 +1,41 @@
-"""Plans: what a step costs on a strategy's layout — memory, FLOPs, collectives, time — without running it.
+"""Plans: what a step costs on a strategy's layout — memory, FLOPs, collectives, time — without
+running it.
 
-``strategy.jit(step).plan(*args)`` (or ``strategy.plan(step, *args, batch_argnums=...)``) lowers and compiles
-the step for the strategy's layout and reads the compiled program; the step never runs and its arguments are
-never allocated: they may be real values or `jax.ShapeDtypeStruct`s (``jax.eval_shape(init)``, for a model
-too big for this machine). Arguments without a layout get the one the step would give them (a declared batch
-split over the batch axes; everything else the strategy's variable layout), so the plan is the program a call
-would compile. On a mesh without devices (`jaxdist.strategies.plan._plan_mesh.plan_mesh`) the program is lowered
-here and compiled in a subprocess with that many simulated CPU devices.
+``strategy.jit(step).plan(*args)`` (or ``strategy.plan(step, *args, batch_argnums=...)``) lowers and
+compiles the step for the strategy's layout and reads the compiled program; the step never runs and
+its arguments are never allocated: they may be real values or `jax.ShapeDtypeStruct`s
+(``jax.eval_shape(init)``, for a model too big for this machine). Arguments without a layout get the
+one the step would give them (a declared batch split over the batch axes; everything else the
+strategy's variable layout), so the plan is the program a call would compile. On a mesh without
+devices (`jaxdist.strategies.plan._plan_mesh.plan_mesh`) the program is lowered here and compiled in
+a subprocess with that many simulated CPU devices.
 
-This module lays the arguments out, compiles, and names the arguments' bytes by role; the record it fills,
-`Plan` (with `ArrayPlan` and `CollectivePlan`), and the reading of the compiled program (`read_plan`) live in
-`jaxdist.costs.plan`, below every package that fills or reads plans. A `Plan` holds, per device (the SPMD
-program every device runs; uneven shards counted at the largest, `jaxdist.costs.bytes_per_device`):
+This module lays the arguments out, compiles, and names the arguments' bytes by role; the record it
+fills, `Plan` (with `ArrayPlan` and `CollectivePlan`), and the reading of the compiled program
+(`read_plan`) live in `jaxdist.costs.plan`, below every package that fills or reads plans. A `Plan`
+holds, per device (the SPMD program every device runs; uneven shards counted at the largest,
+`jaxdist.costs.bytes_per_device`):
 
 * memory, from XLA's memory analysis of the compiled program: ``argument_bytes``, ``output_bytes``,
-  ``alias_bytes`` (outputs written into donated arguments), ``temp_bytes``, ``peak_bytes`` (arguments +
-  outputs - aliased + temporaries: an upper bound, as if all were live at once), ``host_bytes``
-  (host-offloaded arguments, outputs and temporaries);
+  ``alias_bytes`` (outputs written into donated arguments), ``temp_bytes``, ``peak_bytes``
+  (arguments + outputs - aliased + temporaries: an upper bound, as if all were live at once),
+  ``host_bytes`` (host-offloaded arguments, outputs and temporaries);
 * ``state_bytes``: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, ... : a batch
-  argument is ``batch``; an argument with named parts such as a ``TrainState`` is split by part; any other
-  argument is named by its parameter) and ``largest_arrays``, the ten largest with their layouts;
-* ``flops`` and ``bytes_accessed`` per step: `jaxdist.costs.program_cost` of the compiled program (loop bodies
-  counted once per iteration; cuBLAS, cuDNN and Pallas kernels by what they compute; ``uncosted`` names a custom
-  call it could not cost, and the FLOPs are then a lower bound);
+  argument is ``batch``; an argument with named parts such as a ``TrainState`` is split by part; any
+  other argument is named by its parameter) and ``largest_arrays``, the ten largest with their
+  layouts;
+* ``flops`` and ``bytes_accessed`` per step: `jaxdist.costs.program_cost` of the compiled program
+  (loop bodies counted once per iteration; cuBLAS, cuDNN and Pallas kernels by what they compute;
+  ``uncosted`` names a custom call it could not cost, and the FLOPs are then a lower bound);
 * ``collectives``: per kind, how many run per step, their bytes and the mesh axes they run over;
-* ``replicated_bytes``: the bytes of variables held whole along a mesh axis that could split them (an FSDP
-  or model axis of size > 1 that divides a dimension not yet split, for variables of at least
-  ``min_shard_size`` elements), the variables named in ``replicated``: a rule that matched nothing
-  (a typo, a renamed layer) shows up here before it shows up as an out-of-memory error.
+* ``replicated_bytes``: the bytes of variables held whole along a mesh axis that could split them
+  (an FSDP or model axis of size > 1 that divides a dimension not yet split, for variables of at
+  least ``min_shard_size`` elements), the variables named in ``replicated``: a rule that matched
+  nothing (a typo, a renamed layer) shows up here before it shows up as an out-of-memory error.
 
 ``plan.estimate(accelerator="h100")`` is a roofline step time (`jaxdist.costs.roofline`);
-``plan.fits(memory_per_device)`` compares ``peak_bytes`` with a budget; ``str(plan)`` is a readable table.
+``plan.fits(memory_per_device)`` compares ``peak_bytes`` with a budget; ``str(plan)`` is a readable
+table.
 """
 
 from __future__ import annotations
@@ -55,24 +60,27 @@ from jaxdist.strategies.plan._plan_mesh import compile_elsewhere, is_plan_mesh
 __all__ = ["abstract_argument", "plan_step"]
 
 
-# ------------------------------------------------------------------------------------------- arguments
+# ---------------------------------------------------------------------------------------- arguments
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
-    """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it: its own where it is
-    on the strategy's mesh, else a batch's (``batch``) or the variable layout. An nnx graph object comes back
-    with abstract state (nothing is moved); Python values are returned as they are.
+    """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it: its own
+    where it is on the strategy's mesh, else a batch's (``batch``) or the variable layout. An nnx
+    graph object comes back with abstract state (nothing is moved); Python values are returned as
+    they are.
 
     Raises:
         ValueError: for a batch whose rows the replicas do not divide.
     """
-    if nnx.graph.is_graph_node(value):  # the module's state as abstract values in the layouts a call gives them
+    # the module's state as abstract values in the layouts a call gives them
+    if nnx.graph.is_graph_node(value):
         graphdef, state = nnx.split(value)
         layouts, _ = nnx_layouts(policy, state)
         values = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
-                                       sharding=layout if isinstance(layout, jax.sharding.Sharding) else None)
+                                       sharding=layout if isinstance(layout, jax.sharding.Sharding)
+                                       else None)
                   for x, layout in zip(jax.tree.leaves(state), layouts, strict=True)]
         return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), values))
     layouts = argument_layouts(policy, value, batch, where)  # what a call places, and where
@@ -81,7 +89,8 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
         if not _is_array(x):
             return x
         return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
-                                    sharding=getattr(x, "sharding", None) if layout is None else layout)
+                                    sharding=getattr(x, "sharding", None) if layout is None
+                                    else layout)
 
     return jax.tree.map(one, value, layouts, is_leaf=lambda x: x is None)
 
@@ -113,22 +122,25 @@ def _role(name: str, value: Any, path: tuple) -> str:
 
 
 def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dict, list, list]:
-    """(bytes per role, every array as an `ArrayPlan`, the variables held whole along an axis that could
-    split them)."""
+    """(bytes per role, every array as an `ArrayPlan`, the variables held whole along an axis that
+    could split them)."""
     roles: dict[str, int] = {}
     arrays: list[ArrayPlan] = []
     replicated: list[ArrayPlan] = []
     mesh_sizes = dict(policy.mesh.shape)
-    could_split = [a for a in (*policy.roles.fsdp_axes, *policy.roles.model_axes) if mesh_sizes[a] > 1]
+    could_split = [a for a in (*policy.roles.fsdp_axes, *policy.roles.model_axes)
+                   if mesh_sizes[a] > 1]
     min_size = policy.rules.min_shard_size
     for name, value, batch in arguments:
         for path, x in _leaves(value):
             shape, dtype = tuple(np.shape(x)), jax.dtypes.result_type(x)
             sharding = getattr(x, "sharding", None)
-            size, parts = array_bytes_per_device(shape, dtype, sharding), split_parts(shape, sharding)
+            size, parts = (array_bytes_per_device(shape, dtype, sharding),
+                           split_parts(shape, sharding))
             role = "batch" if batch else _role(name, value, path)
             roles[role] = roles.get(role, 0) + size
-            where = f"{name}.{path_name(path).removesuffix('/value')}" if path else name  # a Flax box's value
+            # a Flax box's value
+            where = f"{name}.{path_name(path).removesuffix('/value')}" if path else name
             plan = ArrayPlan(where, shape, str(dtype), _layout_text(sharding), size)
             arrays.append(plan)
             if batch or not shape or math.prod(shape) < min_size:
@@ -142,7 +154,7 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
     return roles, arrays, replicated
 
 
-# ----------------------------------------------------------------------------------------------- plans
+# -------------------------------------------------------------------------------------------- plans
 def plan_step(
     policy: Any,
     trace: Callable[..., jax.stages.Traced],
@@ -160,9 +172,11 @@ def plan_step(
 
     Args:
         policy: the strategy's `LayoutPolicy`.
-        trace: the step's ``trace`` (arguments in, `jax.stages.Traced` out, for the strategy's layout).
+        trace: the step's ``trace`` (arguments in, `jax.stages.Traced` out, for the strategy's
+            layout).
         axis_types_of: the axis types a traced program runs with.
-        args, kwargs: the arguments, bound to the step's positional parameters where they have names.
+        args, kwargs: the arguments, bound to the step's positional parameters where they have
+            names.
         names: the step's positional parameter names (for the roles; ``argument i`` beyond them).
         batch, batch_names: the declared batch arguments.
         static, static_names: the static ones.
@@ -188,10 +202,12 @@ def plan_step(
         placed_kwargs[k] = abstract_argument(policy, v, k in batch_names, f"argument {k!r}")
         described.append((k, placed_kwargs[k], k in batch_names))
     mesh = policy.mesh
-    if is_plan_mesh(mesh):  # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
+    # lowered for the CPU compiler of the subprocess (a mesh without devices has none)
+    if is_plan_mesh(mesh):
         traced = trace(*placed, **placed_kwargs)
         lowered = traced.lower(lowering_platforms=("cpu",))
-        memory, program = compile_elsewhere(lowered.as_text(debug_info=True), mesh.size)  # op names kept
+        # op names kept
+        memory, program = compile_elsewhere(lowered.as_text(debug_info=True), mesh.size)
         where = f"compiled for {mesh.size} simulated CPU devices in a subprocess"
     else:
         with policy.call_scope():  # traced and lowered on the strategy's mesh, as a call is
@@ -200,5 +216,7 @@ def plan_step(
         memory = memory_of(program)
         where = f"compiled here ({mesh.devices.flat[0].platform})"
     roles, arrays, replicated = _state(policy, described)
-    return read_plan(program, memory=memory, mesh=dict(mesh.shape), state_bytes=roles, largest_arrays=arrays,
-                     replicated=replicated, axis_types=axis_types_of(traced), compiled_on=where, started=start)
+    return read_plan(program, memory=memory, mesh=dict(mesh.shape), state_bytes=roles,
+                     largest_arrays=arrays,
+                     replicated=replicated, axis_types=axis_types_of(traced), compiled_on=where,
+                     started=start)

@@ -1,6 +1,7 @@
-"""The replica context, the in-replica API: the per-replica `ReplicaContext` and `ValueContext`, variables created
-and mirrored under a policy, sync-on-read values, and entering a strategy's scope. (Not `jaxdist.replicate`, the
-public package of replicated values and reductions, which this room builds on.)
+"""The replica context, the in-replica API: the per-replica `ReplicaContext` and `ValueContext`,
+variables created and mirrored under a policy, sync-on-read values, and entering a strategy's scope.
+(Not `jaxdist.replicate`, the public package of replicated values and reductions, which this room
+builds on.)
 """
 
 from jaxdist.strategies.replica_context._replica_context import ReplicaContext as ReplicaContext

@@ -1,7 +1,7 @@
 """`ReplicaContext`: what a replica function sees of its strategy (tf.distribute.ReplicaContext).
 
-Collectives here run over the strategy's replica axis inside `Strategy.run` (a `jax.shard_map`). Outside any
-strategy the default context has one replica and every collective returns its input.
+Collectives here run over the strategy's replica axis inside `Strategy.run` (a `jax.shard_map`).
+Outside any strategy the default context has one replica and every collective returns its input.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class ReplicaContext:
         2.0
     """
 
-    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS, traced: bool = True,
-                 batch_weights: Any = None):
+    def __init__(self, strategy: Any, num_replicas: int = 1, axis_name: str = REPLICA_AXIS,
+                 traced: bool = True, batch_weights: Any = None):
         self._strategy = strategy
         self._num_replicas = num_replicas
         self._axis = axis_name
@@ -67,14 +67,15 @@ class ReplicaContext:
 
     @property
     def axis_name(self) -> str:
-        """The name of the replica axis inside this replica function (``"replica"``, or ``run``'s ``axis_name``):
-        what ``jax.lax`` collectives in the function can name.
+        """The name of the replica axis inside this replica function (``"replica"``, or ``run``'s
+        ``axis_name``): what ``jax.lax`` collectives in the function can name.
 
         Examples:
             >>> import jaxdist as jd
             >>> s = jd.OneDeviceStrategy()
             >>> names = []
-            >>> _ = s.run(lambda: names.append(jd.get_replica_context().axis_name) or 0.0, axis_name="batch")
+            >>> _ = s.run(lambda: names.append(jd.get_replica_context().axis_name) or 0.0,
+            ...           axis_name="batch")
             >>> sorted(set(names))  # traced once to learn the outputs, once for the program
             ['batch']
         """
@@ -106,11 +107,13 @@ class ReplicaContext:
         return all_reduce(value, op, self._axis)
 
     def per_replica(self, value: Any) -> Any:
-        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a `PerReplica`.
+        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a
+        `PerReplica`.
 
-        ``run`` refuses an output that takes the place of a mirrored argument but differs between replicas
-        (parameters updated with local gradients drift apart). A value each replica keeps apart on purpose
-        (local SGD, an ensemble member, an error-feedback residual) says so here, on the value returned.
+        ``run`` refuses an output that takes the place of a mirrored argument but differs between
+        replicas (parameters updated with local gradients drift apart). A value each replica keeps
+        apart on purpose (local SGD, an ensemble member, an error-feedback residual) says so here,
+        on the value returned.
 
         Args:
             value: a pytree of arrays.
@@ -122,8 +125,9 @@ class ReplicaContext:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> strategy = jd.OneDeviceStrategy()
             >>> w = strategy.mirror({"w": jnp.ones(2)})
-            >>> out = strategy.run(lambda w: jd.get_replica_context().per_replica(jax.tree.map(lambda x: x + 1, w)),
-            ...                    args=(w,))
+            >>> def replica_fn(w):
+            ...     return jd.get_replica_context().per_replica(jax.tree.map(lambda x: x + 1, w))
+            >>> out = strategy.run(replica_fn, args=(w,))
             >>> type(out["w"]).__name__
             'PerReplica'
         """
@@ -132,7 +136,8 @@ class ReplicaContext:
         return keep_per_replica(value, self._axis)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the result.
+        """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the
+        result.
 
         Args:
             value: a pytree of arrays of rank >= 1, the same shapes on every replica.
@@ -148,18 +153,20 @@ class ReplicaContext:
             x = jnp.asarray(x)
             if x.ndim == 0:
                 raise ValueError(
-                    "all_gather got a scalar: it concatenates along an axis; gather x[None] to stack scalars."
+                    "all_gather got a scalar: it concatenates along an axis; gather x[None] to "
+                    "stack scalars."
                 )
             return jax.lax.all_gather(x, self._axis, axis=axis % x.ndim, tiled=True, to="invarying")
 
         return jax.tree.map(gather, value)
 
     def aggregate(self, value: Any, aggregation: VariableAggregation | str) -> Any:
-        """Turn replica-local updates of a mirrored value into one mirrored value (a replica-context update).
+        """Turn replica-local updates of a mirrored value into one mirrored value (a replica-context
+        update).
 
-        This is how a mirrored value is updated from replica context: the per-replica new values are combined
-        with ``aggregation`` (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's value is broadcast), so every
-        replica holds the same result and ``run`` returns it mirrored.
+        This is how a mirrored value is updated from replica context: the per-replica new values are
+        combined with ``aggregation`` (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's value is
+        broadcast), so every replica holds the same result and ``run`` returns it mirrored.
 
         Args:
             value: a pytree of per-replica new values.
@@ -183,8 +190,9 @@ class ReplicaContext:
         mode = VariableAggregation.parse(aggregation, "aggregation")
         if mode is VariableAggregation.NONE:
             raise ValueError(
-                "aggregation=VariableAggregation.NONE: a mirrored value updated in replica context would "
-                "differ between replicas; specify an aggregation (SUM, MEAN or ONLY_FIRST_REPLICA)."
+                "aggregation=VariableAggregation.NONE: a mirrored value updated in replica context "
+                "would differ between replicas; specify an aggregation (SUM, MEAN or "
+                "ONLY_FIRST_REPLICA)."
             )
         if mode is VariableAggregation.MEAN:
             for leaf in jax.tree.leaves(value):
@@ -203,22 +211,27 @@ class ReplicaContext:
 
     @property
     def in_merge_call(self) -> bool:
-        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the replica)."""
+        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the
+        replica)."""
         return self._merge_depth > 0
 
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Step from this replica into cross-replica code: ``merge_fn(strategy, *args, **kwargs)`` sees every
-        replica's values, and its result comes back to every replica (tf.distribute's ``merge_call``).
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
+                   kwargs: dict | None = None) -> Any:
+        """Step from this replica into cross-replica code: ``merge_fn(strategy, *args, **kwargs)``
+        sees every replica's values, and its result comes back to every replica (tf.distribute's
+        ``merge_call``).
 
-        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the replicas'
-        values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so ``merge_fn`` can
-        ``strategy.reduce`` / ``strategy.gather`` them or list them with ``strategy.experimental_local_results``.
-        All replicas run ``merge_fn`` on the same values (SPMD: it is part of the one compiled program), so
-        its result is the same everywhere; a `PerReplica` in the result gives each replica its own component
-        back. Inside ``merge_fn``, ``jd.get_replica_context()`` still returns this context (the code is still
-        traced per replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
-        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns its copy).
-        Outside ``run`` (the default single-replica context) ``merge_fn`` is called on the arguments as they are.
+        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the
+        replicas' values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so
+        ``merge_fn`` can ``strategy.reduce`` / ``strategy.gather`` them or list them with
+        ``strategy.experimental_local_results``. All replicas run ``merge_fn`` on the same values
+        (SPMD: it is part of the one compiled program), so its result is the same everywhere; a
+        `PerReplica` in the result gives each replica its own component back. Inside ``merge_fn``,
+        ``jd.get_replica_context()`` still returns this context (the code is still traced per
+        replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
+        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns
+        its copy). Outside ``run`` (the default single-replica context) ``merge_fn`` is called on
+        the arguments as they are.
 
         Args:
             merge_fn: ``merge_fn(strategy, *args, **kwargs)``.
@@ -229,7 +242,8 @@ class ReplicaContext:
             ``merge_fn``'s result, on every replica.
 
         Raises:
-            TypeError: when ``merge_fn`` is not callable, ``args`` is not a tuple or ``kwargs`` not a dict.
+            TypeError: when ``merge_fn`` is not callable, ``args`` is not a tuple or ``kwargs`` not
+                a dict.
 
         Examples:
             >>> import jaxdist as jd
@@ -239,15 +253,18 @@ class ReplicaContext:
             ...     v = ctx.replica_id_in_sync_group + 1.0
             ...     total = ctx.merge_call(lambda s, pv: s.reduce("sum", pv), args=(v,))
             ...     return total + v
-            >>> [float(x) for x in strategy.experimental_local_results(strategy.run(replica_fn))][:3]
+            >>> [float(x)
+            ...  for x in strategy.experimental_local_results(strategy.run(replica_fn))][:3]
             [37.0, 38.0, 39.0]
         """
         if not callable(merge_fn):
-            raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, *args).")
+            raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, "
+                            "*args).")
         if not isinstance(args, (tuple, list)):
             raise TypeError(
-                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, args=(v,)) "
-                "(the 2018 form merge_call(fn, *args) is jd.compat.get_tower_context().merge_call)."
+                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, "
+                "args=(v,)) (the 2018 form merge_call(fn, *args) is "
+                "jd.compat.get_tower_context().merge_call)."
             )
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
@@ -256,8 +273,10 @@ class ReplicaContext:
             return merge_fn(self._strategy, *args, **kwargs)
         strategy, axis = self._strategy, self._axis
 
-        def everyone(x):  # every replica's value, stacked on a leading replica axis (the same on all replicas)
-            return jax.lax.all_gather(to_varying(jnp.asarray(x), axis)[None], axis, tiled=True, to="invarying")
+        # every replica's value, stacked on a leading replica axis (the same on all replicas)
+        def everyone(x):
+            return jax.lax.all_gather(to_varying(jnp.asarray(x), axis)[None], axis, tiled=True,
+                                      to="invarying")
 
         def to_cross_replica(v):
             if isinstance(v, SyncOnRead):
@@ -270,18 +289,21 @@ class ReplicaContext:
             if isinstance(v, PerReplica):
                 return v.stacked[jax.lax.axis_index(axis)]
             if isinstance(v, SyncOnRead):
-                return SyncOnRead(v.stacked[jax.lax.axis_index(axis)], v.aggregation, strategy, local=True)
+                return SyncOnRead(v.stacked[jax.lax.axis_index(axis)], v.aggregation, strategy,
+                                  local=True)
             return v
 
         is_value = lambda v: isinstance(v, (PerReplica, SyncOnRead))  # noqa: E731
         args, kwargs = jax.tree.map(to_cross_replica, (tuple(args), kwargs), is_leaf=is_value)
         self._merge_depth += 1
         try:
-            with noticing_captures(False):  # cross-replica code: a sync-on-read value there reads aggregated
+            # cross-replica code: a sync-on-read value there reads aggregated
+            with noticing_captures(False):
                 result = merge_fn(strategy, *args, **kwargs)
         finally:
             self._merge_depth -= 1
         return jax.tree.map(to_replica, result, is_leaf=is_value)
 
     def __repr__(self) -> str:
-        return f"ReplicaContext(strategy={self._strategy!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        return (f"ReplicaContext(strategy={self._strategy!r}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

@@ -1,17 +1,19 @@
-"""``strategy.scope()``: the strategy is current, its mesh JAX's ambient mesh, its logical rules Flax's.
+"""``strategy.scope()``: the strategy is current, its mesh JAX's ambient mesh, its logical rules
+Flax's.
 
-Entering a second, different strategy's scope inside another's is an error (tf.distribute's "Mixing different
-Strategy objects"); re-entering the same strategy's scope is fine.
+Entering a second, different strategy's scope inside another's is an error (tf.distribute's "Mixing
+different Strategy objects"); re-entering the same strategy's scope is fine.
 
-Inside a scope, Flax applies ``nn.with_partitioning`` / ``nnx.with_partitioning`` annotations on the strategy's
-mesh as the model's code runs, so an annotation naming an axis that mesh lacks fails in JAX, in code jaxdist
-never sees (an nnx module's constructor). jaxdist cannot tell that ``ValueError`` from any other by its type,
-and reading JAX's message would break silently when JAX rewords it. It looks at what failed instead: when a
-frame of the error's traceback holds a `PartitionSpec` naming an axis the mesh lacks, the error keeps its type
-and message and gains a note (PEP 678) naming that spec, the names an annotation may use here (the mesh's axes
-and the logical rules) and the fix; any other ``ValueError`` (a rank mismatch, say) passes untouched. Where
-jaxdist sees the annotations itself (``create_variables`` outside a scope, ``strategy.jit``), the layout rules
-check them before JAX does.
+Inside a scope, Flax applies ``nn.with_partitioning`` / ``nnx.with_partitioning`` annotations on the
+strategy's mesh as the model's code runs, so an annotation naming an axis that mesh lacks fails in
+JAX, in code jaxdist never sees (an nnx module's constructor). jaxdist cannot tell that
+``ValueError`` from any other by its type, and reading JAX's message would break silently when JAX
+rewords it. It looks at what failed instead: when a frame of the error's traceback holds a
+`PartitionSpec` naming an axis the mesh lacks, the error keeps its type and message and gains a note
+(PEP 678) naming that spec, the names an annotation may use here (the mesh's axes and the logical
+rules) and the fix; any other ``ValueError`` (a rank mismatch, say) passes untouched. Where jaxdist
+sees the annotations itself (``create_variables`` outside a scope, ``strategy.jit``), the layout
+rules check them before JAX does.
 """
 
 from __future__ import annotations
@@ -31,42 +33,46 @@ __all__ = ["enter_scope"]
 
 @contextlib.contextmanager
 def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
-    """Push ``strategy`` as the current one: its mesh is JAX's ambient mesh and its logical axis rules Flax's
-    inside; another strategy's scope inside it is an error.
+    """Push ``strategy`` as the current one: its mesh is JAX's ambient mesh and its logical axis
+    rules Flax's inside; another strategy's scope inside it is an error.
 
     Raises:
-        RuntimeError: for another strategy's scope open around this one, or inside a replica function.
+        RuntimeError: for another strategy's scope open around this one, or inside a replica
+            function.
     """
     current = ambient.current_scope()
     if current is not None and current is not strategy:
         raise RuntimeError(
-            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the scope of "
-            f"{current!r}. Leave the outer scope first, or use one strategy for both."
+            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the "
+            f"scope of {current!r}. Leave the outer scope first, or use one strategy for both."
         )
     if ambient.current_replica() is not None:
         raise RuntimeError(
             "strategy.scope() cannot be entered inside a replica function (strategy.run); "
             "open the scope in cross-replica code, around the training loop."
         )
-    # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables annotated with
-    # nnx.with_partitioning already sharded, on the ambient mesh.
-    # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is created).
-    mesh = (jax.sharding.use_abstract_mesh(policy.mesh) if isinstance(policy.mesh, jax.sharding.AbstractMesh)
-            else jax.set_mesh(policy.mesh))
+    # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables
+    # annotated with nnx.with_partitioning already sharded, on the ambient mesh.
+    # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is
+    # created).
+    mesh = (jax.sharding.use_abstract_mesh(policy.mesh)
+            if isinstance(policy.mesh, jax.sharding.AbstractMesh) else jax.set_mesh(policy.mesh))
     with ambient.scope(strategy), mesh, policy.flax_rules():
         try:
             yield strategy
         except ValueError as error:
             spec = _missing_axis_spec(error, tuple(policy.mesh.axis_names))
             note = None if spec is None else _scope_note(type(strategy).__name__, policy, spec)
-            if note is not None and note not in getattr(error, "__notes__", ()):  # a re-entered scope notes once
+            # a re-entered scope notes once
+            if note is not None and note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
             raise
 
 
-def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
-    """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback (the layout
-    that failed), or None."""
+def _missing_axis_spec(error: BaseException,
+                       axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
+    """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback
+    (the layout that failed), or None."""
     tb = error.__traceback__
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
@@ -79,33 +85,37 @@ def _missing_axis_spec(error: BaseException, axes: tuple[str, ...]) -> jax.shard
 
 
 def _scope_note(owner: str, policy: LayoutPolicy, spec: jax.sharding.PartitionSpec) -> str:
-    """The note a ``ValueError`` raised inside ``owner``'s scope carries when the layout ``spec`` that failed
-    names an axis the mesh lacks: the axis names a partitioning annotation may use there, and the fix.
+    """The note a ``ValueError`` raised inside ``owner``'s scope carries when the layout ``spec``
+    that failed names an axis the mesh lacks: the axis names a partitioning annotation may use
+    there, and the fix.
 
     Examples:
         >>> import jax
         >>> policy = LayoutPolicy(jax.devices()[:2])
-        >>> print(_scope_note("MirroredStrategy", policy, jax.sharding.PartitionSpec("model")).splitlines()[0])
-        jaxdist: raised inside MirroredStrategy.scope(), where the ambient mesh is this strategy's, axes ('replica',).
+        >>> note = _scope_note("MirroredStrategy", policy, jax.sharding.PartitionSpec("model"))
+        >>> print(note.splitlines()[0])  # doctest: +NORMALIZE_WHITESPACE
+        jaxdist: raised inside MirroredStrategy.scope(), where the ambient mesh is this strategy's,
+        axes ('replica',).
     """
     axes = tuple(policy.mesh.axis_names)
     rules = policy.rules.logical_axis_rules
     lines = [
-        f"jaxdist: raised inside {owner}.scope(), where the ambient mesh is this strategy's, axes {axes}.",
-        f"The layout {spec} names an axis not in {axes}: a partitioning annotation (nn.with_partitioning / "
-        "nnx.with_partitioning) names an axis this mesh does not have.",
+        f"jaxdist: raised inside {owner}.scope(), where the ambient mesh is this strategy's, axes "
+        f"{axes}.",
+        f"The layout {spec} names an axis not in {axes}: a partitioning annotation "
+        "(nn.with_partitioning / nnx.with_partitioning) names an axis this mesh does not have.",
     ]
     if rules:
         aliases = tuple(dict.fromkeys(name for name, _ in rules))
         lines.append(
-            f"Its logical_axis_rules map {aliases}; Flax nnx passes a logical name no rule maps through as a "
-            f"mesh axis (linen maps it to None): give that name a rule, e.g. add (name, None) to keep the "
-            f"dimension whole, or (name, {axes[0]!r}) to split it."
+            f"Its logical_axis_rules map {aliases}; Flax nnx passes a logical name no rule maps "
+            "through as a mesh axis (linen maps it to None): give that name a rule, e.g. add "
+            f"(name, None) to keep the dimension whole, or (name, {axes[0]!r}) to split it."
         )
     lines.append(
         "Fix: name logical axes (nn.with_logical_partitioning) and map them with "
-        "ShardedStrategy(logical_axis_rules=...): such a model runs on every strategy; or use a strategy whose "
-        "mesh has that axis (ShardedStrategy(mesh=your_mesh, batch_axes=...) keeps your mesh's axis names; "
-        "ShardedStrategy(model_parallelism=k) has 'model')."
+        "ShardedStrategy(logical_axis_rules=...): such a model runs on every strategy; or use a "
+        "strategy whose mesh has that axis (ShardedStrategy(mesh=your_mesh, batch_axes=...) keeps "
+        "your mesh's axis names; ShardedStrategy(model_parallelism=k) has 'model')."
     )
     return "\n".join(lines)

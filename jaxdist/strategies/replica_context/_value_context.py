@@ -1,14 +1,16 @@
-"""Per-replica values from a function: `ValueContext` and ``experimental_distribute_values_from_function``.
+"""Per-replica values from a function: `ValueContext` and
+``experimental_distribute_values_from_function``.
 
-tf.distribute's way to give each replica its own value without a dataset: ``value_fn(ctx)`` is called once
-per replica with a `ValueContext` (the replica's id and the replica count), and the results become one
-`PerReplica` per leaf, which ``strategy.run`` hands back to each replica as its own component (per-replica
-dropout keys, per-replica seeds, a replica's slice of a schedule).
+tf.distribute's way to give each replica its own value without a dataset: ``value_fn(ctx)`` is
+called once per replica with a `ValueContext` (the replica's id and the replica count), and the
+results become one `PerReplica` per leaf, which ``strategy.run`` hands back to each replica as its
+own component (per-replica dropout keys, per-replica seeds, a replica's slice of a schedule).
 
-The components are placed as `PerReplica` values always are (one global array whose leading axis indexes the
-replicas, split over the batch axes), built from single-device arrays with
-`jax.make_array_from_single_device_arrays`: each process calls ``value_fn`` only for the replicas its devices
-hold, as tf.distribute does, and no value ever travels between processes or through device 0.
+The components are placed as `PerReplica` values always are (one global array whose leading axis
+indexes the replicas, split over the batch axes), built from single-device arrays with
+`jax.make_array_from_single_device_arrays`: each process calls ``value_fn`` only for the replicas
+its devices hold, as tf.distribute does, and no value ever travels between processes or through
+device 0.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ __all__ = ["ValueContext", "distribute_values_from_function"]
 
 @dataclasses.dataclass(frozen=True)
 class ValueContext:
-    """What ``value_fn`` of ``experimental_distribute_values_from_function`` learns about its replica
-    (tf.distribute.experimental.ValueContext).
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` learns about its
+    replica (tf.distribute.experimental.ValueContext).
 
     Attributes:
         replica_id_in_sync_group: the replica the value is for, in ``[0, num_replicas_in_sync)``.
         num_replicas_in_sync: how many replicas run in lockstep.
 
     Raises:
-        ValueError: when ``num_replicas_in_sync < 1`` or the replica id is outside ``[0, num_replicas_in_sync)``.
+        ValueError: when ``num_replicas_in_sync < 1`` or the replica id is outside ``[0,
+            num_replicas_in_sync)``.
 
     Examples:
         >>> ctx = ValueContext(replica_id_in_sync_group=2, num_replicas_in_sync=4)
@@ -54,39 +57,44 @@ class ValueContext:
         if not 0 <= self.replica_id_in_sync_group < self.num_replicas_in_sync:
             raise ValueError(
                 f"replica_id_in_sync_group={self.replica_id_in_sync_group} must be in "
-                f"[0, {self.num_replicas_in_sync}) (num_replicas_in_sync={self.num_replicas_in_sync})."
+                f"[0, {self.num_replicas_in_sync}) "
+                f"(num_replicas_in_sync={self.num_replicas_in_sync})."
             )
 
 
 def _component(leaf: Any, replica: int, path: str) -> Any:
-    """One replica's leaf as an array (host or device), after checking it can be a per-replica component."""
+    """One replica's leaf as an array (host or device), after checking it can be a per-replica
+    component."""
     if isinstance(leaf, jax.core.Tracer):
         raise ValueError(
             f"value_fn returned a traced value for replica {replica} at {path}: per-replica values "
-            "are built eagerly, once, from concrete values. Call experimental_distribute_values_from_function "
-            "outside jax.jit / strategy.jit and pass the result into the step as an argument."
+            "are built eagerly, once, from concrete values. Call "
+            "experimental_distribute_values_from_function outside jax.jit / strategy.jit and pass "
+            "the result into the step as an argument."
         )
     if isinstance(leaf, jax.Array):
         return leaf
     array = np.asarray(leaf)
     if array.dtype.kind not in "biufc":
         raise TypeError(
-            f"value_fn returned {leaf!r} (type {type(leaf).__name__}) for replica {replica} at {path}: each "
-            "leaf must be an array or a number (e.g. a jax.random key, a seed, a float)."
+            f"value_fn returned {leaf!r} (type {type(leaf).__name__}) for replica {replica} at "
+            f"{path}: each leaf must be an array or a number (e.g. a jax.random key, a seed, a "
+            "float)."
         )
-    # Numbers and numpy arrays take the dtype JAX would give them (float64 -> float32 without x64), so that a
-    # replica returning a Python number and one returning a jax array of it agree.
+    # Numbers and numpy arrays take the dtype JAX would give them (float64 -> float32 without x64),
+    # so that a replica returning a Python number and one returning a jax array of it agree.
     return array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
 
 
 def distribute_values_from_function(
     policy: LayoutPolicy, owner: Any, value_fn: Callable[[ValueContext], Any]
 ) -> Any:
-    """``value_fn(ValueContext)`` for each of this process's replicas, as a pytree of `PerReplica` leaves
-    (see `Strategy.experimental_distribute_values_from_function`).
+    """``value_fn(ValueContext)`` for each of this process's replicas, as a pytree of `PerReplica`
+    leaves (see `Strategy.experimental_distribute_values_from_function`).
 
     Raises:
-        TypeError: when ``value_fn`` is not callable or returns a leaf that is not an array or a number.
+        TypeError: when ``value_fn`` is not callable or returns a leaf that is not an array or a
+            number.
         ValueError: when replicas' values differ in structure, shape or dtype, or a value is traced.
         RuntimeError: when called inside a replica function.
     """
@@ -97,17 +105,18 @@ def distribute_values_from_function(
         )
     if ambient.current_replica() is not None:
         raise RuntimeError(
-            "experimental_distribute_values_from_function was called inside a replica function: it builds "
-            "per-replica values in cross-replica context; call it before strategy.run and pass the result in "
-            "(inside run, jd.get_replica_context().replica_id_in_sync_group is this replica's id)."
+            "experimental_distribute_values_from_function was called inside a replica function: it "
+            "builds per-replica values in cross-replica context; call it before strategy.run and "
+            "pass the result in (inside run, jd.get_replica_context().replica_id_in_sync_group is "
+            "this replica's id)."
         )
     n = policy.num_replicas
     replicas = policy.local_replicas
     if not replicas:  # a strategy over other processes' devices only: nothing here to compute
         raise ValueError(
             f"this process (index {jax.process_index()}) holds none of the {n} replicas of mesh "
-            f"{dict(policy.mesh.shape)}: build the strategy over devices that include this process's "
-            "(jax.local_devices())."
+            f"{dict(policy.mesh.shape)}: build the strategy over devices that include this "
+            "process's (jax.local_devices())."
         )
     per_replica: dict[int, list[Any]] = {}
     paths: list[str] = []
@@ -118,10 +127,13 @@ def distribute_values_from_function(
             treedef, paths = tree, [jax.tree_util.keystr(p) or "the root" for p, _ in leaves]
         elif tree != treedef:
             raise ValueError(
-                f"value_fn returned {tree} for replica {r} but {treedef} for replica {replicas[0]}: every "
-                "replica's value must have the same structure (one PerReplica per leaf)."
+                f"value_fn returned {tree} for replica {r} but {treedef} for replica "
+                f"{replicas[0]}: every replica's value must have the same structure (one "
+                "PerReplica per leaf)."
             )
-        per_replica[r] = [_component(leaf, r, path) for path, (_, leaf) in zip(paths, leaves, strict=True)]
+        per_replica[r] = [
+            _component(leaf, r, path) for path, (_, leaf) in zip(paths, leaves, strict=True)
+        ]
 
     first = per_replica[replicas[0]]
     for r in replicas[1:]:
@@ -129,15 +141,17 @@ def distribute_values_from_function(
             if (np.shape(a), a.dtype) != (np.shape(b), b.dtype):
                 raise ValueError(
                     f"value_fn returned {b.dtype}{list(np.shape(b))} for replica {r} at {path} but "
-                    f"{a.dtype}{list(np.shape(a))} for replica {replicas[0]}: every replica's component must "
-                    "have the same shape and dtype (they are stacked into one array split over the replicas)."
+                    f"{a.dtype}{list(np.shape(a))} for replica {replicas[0]}: every replica's "
+                    "component must have the same shape and dtype (they are stacked into one array "
+                    "split over the replicas)."
                 )
 
     sharding = policy.batch_sharding
     stacked = []
     for i, component in enumerate(first):
         shape = (n, *np.shape(component))
-        # One shard per device: several devices hold one replica's component when a model axis is replicated.
+        # One shard per device: several devices hold one replica's component when a model axis is
+        # replicated.
         shards = [
             jax.device_put(per_replica[index[0].start or 0][i][None], device)
             for device, index in sharding.addressable_devices_indices_map(shape).items()

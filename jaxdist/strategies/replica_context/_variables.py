@@ -1,11 +1,12 @@
-"""Creating values in a policy's layouts: variables compiled into place, existing trees placed, sync-on-read.
+"""Creating values in a policy's layouts: variables compiled into place, existing trees placed,
+sync-on-read.
 
-Variables are created where they live: the initializer runs under `jax.jit` with the policy's variable
-shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its shard), so no host
-copy is ever made. On a mesh over several processes the arrays passed in (rng keys, sample inputs, existing
-values) are process 0's, so every process starts from the same state even where its own inputs differ.
-`SyncOnRead` values hold one component per replica, stacked on a leading axis split over
-the replicas.
+Variables are created where they live: the initializer runs under `jax.jit` with the policy's
+variable shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its
+shard), so no host copy is ever made. On a mesh over several processes the arrays passed in (rng
+keys, sample inputs, existing values) are process 0's, so every process starts from the same state
+even where its own inputs differ. `SyncOnRead` values hold one component per replica, stacked on a
+leading axis split over the replicas.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from jaxdist.strategies.layout import (
 __all__ = ["create_variables", "mirror", "sync_on_read"]
 
 
-def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple,
+                     kwargs: dict) -> Any:
     """``init_fn(*args, **kwargs)`` compiled straight into ``policy``'s variable layout (see
     `Strategy.create_variables`).
 
@@ -49,31 +51,35 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> policy = LayoutPolicy(jax.devices()[:2])
-        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (), {})["w"].sharding.is_fully_replicated
+        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (),
+        ...                  {})["w"].sharding.is_fully_replicated
         True
     """
     if not callable(init_fn):
         raise TypeError(
-            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the function that "
-            "builds the variables, e.g. strategy.create_variables(model.init, rng, x); "
-            "use strategy.mirror(tree) to place values you already have."
+            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the "
+            "function that builds the variables, e.g. strategy.create_variables(model.init, rng, "
+            "x); use strategy.mirror(tree) to place values you already have."
         )
-    # Only array leaves are traced: a config object, a string or a Python number is a constant of the
-    # initializer (the program is compiled once, so nothing needs to be hashable).
+    # Only array leaves are traced: a config object, a string or a Python number is a constant of
+    # the initializer (the program is compiled once, so nothing needs to be hashable).
     dynamic, treedef, statics = split_static((args, kwargs))
     if policy.spans_processes:
         dynamic = from_chief(dynamic)  # new arrays: process 0's values
     else:
-        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an output that is
-        # an argument unchanged (jit forwards those) never shares the caller's buffer.
-        dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x for x in dynamic]
+        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an
+        # output that is an argument unchanged (jit forwards those) never shares the caller's
+        # buffer.
+        dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x
+                   for x in dynamic]
 
     name = fn_name(init_fn)
     mesh = policy.mesh
 
     def traced(dyn: tuple) -> tuple[Any, bool]:
-        # On Explicit axes an initializer that does not type-check with them (Flax's logical constraints on
-        # activations, say) runs with them Auto, as a step does (jaxdist.strategies.layout._axis_types).
+        # On Explicit axes an initializer that does not type-check with them (Flax's logical
+        # constraints on activations, say) runs with them Auto, as a step does
+        # (jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
         with auto_region(mesh) if auto else contextlib.nullcontext():
             if auto:
@@ -92,21 +98,24 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
         shapes = jax.eval_shape(fn, *dynamic)
         layouts = jax.tree.leaves(policy.variable_shardings(shapes))
 
-        def leaves(*dyn):  # the leaves, each in its layout (the tree's static parts are eval_shape's)
+        # the leaves, each in its layout (the tree's static parts are eval_shape's)
+        def leaves(*dyn):
             out, auto = traced(dyn)
             say(mesh, name, auto)
             flat = jax.tree.leaves(out)
-            return [jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto else flat
+            return ([jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto
+                    else flat)
 
         leaves.__name__ = leaves.__qualname__ = name
-        return jax.tree.unflatten(jax.tree.structure(shapes), jax.jit(leaves, out_shardings=layouts)(*dynamic))
+        return jax.tree.unflatten(jax.tree.structure(shapes),
+                                  jax.jit(leaves, out_shardings=layouts)(*dynamic))
 
     return decided(mesh, None, create, name)
 
 
 def mirror(policy: LayoutPolicy, tree: Any) -> Any:
-    """``tree`` with its values (`jaxdist.replicate.trees.placed_leaves`) placed in ``policy``'s variable layout
-    and every other leaf as it is (see `Strategy.mirror`).
+    """``tree`` with its values (`jaxdist.replicate.trees.placed_leaves`) placed in ``policy``'s
+    variable layout and every other leaf as it is (see `Strategy.mirror`).
 
     Examples:
         >>> import jax, numpy as np
@@ -115,19 +124,24 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         (True, <built-in function abs>)
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's step=0 is a
-    # counter: kept a Python int, a learning-rate schedule would compute in Python on it, and every step would
-    # compile anew); inside an Equinox module only arrays: its Python bools and numbers are settings
-    # (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on its `inference` flag). Functions,
-    # strings, None stay as they are. The values keep their places in the tree (layout rules match paths).
+    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's
+    # step=0 is a counter: kept a Python int, a learning-rate schedule would compute in Python on
+    # it, and every step would compile anew); inside an Equinox module only arrays: its Python bools
+    # and numbers are settings (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on
+    # its `inference` flag). Functions, strings, None stay as they are. The values keep their places
+    # in the tree (layout rules match paths).
     placed_flags = placed_leaves(tree)
-    values = jax.tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)])
+    values = jax.tree.unflatten(
+        treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)]
+    )
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)])
+    return jax.tree.unflatten(
+        treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)]
+    )
 
 
 def sync_on_read(
@@ -145,5 +159,6 @@ def sync_on_read(
     if mode is VariableAggregation.MEAN:
         check_mean_dtype(value, "initial_value")
     n = policy.num_replicas
-    stacked = jax.jit(lambda v: jnp.broadcast_to(v, (n, *v.shape)), out_shardings=policy.batch_sharding)(value)
+    stacked = jax.jit(lambda v: jnp.broadcast_to(v, (n, *v.shape)),
+                      out_shardings=policy.batch_sharding)(value)
     return SyncOnRead(stacked, mode, owner)

@@ -1,6 +1,6 @@
 """The TensorFlow surfaces: ``tf.distribute``'s `StrategyExtended` (``_extended``) and the 2018
-``tf.contrib.distribute`` names (``_legacy``: `StrategyV1Names`, `TowerContext`), mixed into every strategy so that
-ported code runs.
+``tf.contrib.distribute`` names (``_legacy``: `StrategyV1Names`, `TowerContext`), mixed into every
+strategy so that ported code runs.
 """
 
 from jaxdist.strategies.tf_api._extended import StrategyExtended as StrategyExtended

@@ -1,16 +1,17 @@
 """The 2018 DistributionStrategy names (``tf.contrib.distribute``), so that ported code runs.
 
-TF 2018 called replicas *towers*; later releases renamed most of the API. Every jaxdist strategy answers to
-the old names through the `StrategyV1Names` mixin, each an alias of the modern name (the README's table lists
-them): ``call_for_each_tower`` is ``run``, ``num_towers`` is ``num_replicas_in_sync``, ``unwrap`` is
-``experimental_local_results``, ``distribute_dataset`` feeds one dataset element to each replica as 2018 did.
-``tf.get_tower_context()`` is `get_tower_context`, whose `TowerContext` keeps the 2018 signature of
-``merge_call(fn, *args)``.
+TF 2018 called replicas *towers*; later releases renamed most of the API. Every jaxdist strategy
+answers to the old names through the `StrategyV1Names` mixin, each an alias of the modern name (the
+README's table lists them): ``call_for_each_tower`` is ``run``, ``num_towers`` is
+``num_replicas_in_sync``, ``unwrap`` is ``experimental_local_results``, ``distribute_dataset`` feeds
+one dataset element to each replica as 2018 did. ``tf.get_tower_context()`` is `get_tower_context`,
+whose `TowerContext` keeps the 2018 signature of ``merge_call(fn, *args)``.
 
-Names that only meant something to TF graphs and sessions are kept with the behaviour a porting user expects
-(documented per name): ``update_config_proto`` returns the config unchanged, ``configure(session_config)`` is
-a no-op (its cluster arguments are an error: jaxdist takes the cluster when the strategy is created),
-``group`` waits for the values, ``fetch`` copies a value to a device (the host CPU by default).
+Names that only meant something to TF graphs and sessions are kept with the behaviour a porting user
+expects (documented per name): ``update_config_proto`` returns the config unchanged,
+``configure(session_config)`` is a no-op (its cluster arguments are an error: jaxdist takes the
+cluster when the strategy is created), ``group`` waits for the values, ``fetch`` copies a value to a
+device (the host CPU by default).
 """
 
 from __future__ import annotations
@@ -32,22 +33,27 @@ __all__ = ["StrategyV1Names", "TowerContext"]
 
 
 class _Components:
-    """What `StrategyV1Names.unwrap` handed out, so that `value_container` finds a component's container.
+    """What `StrategyV1Names.unwrap` handed out, so that `value_container` finds a component's
+    container.
 
-    Weak both ways: an entry dies with its container's array (``by_container``) or with its component
-    (``container_of``); a container is rebuilt from its array, so nothing here keeps a container alive.
+    Weak both ways: an entry dies with its container's array (``by_container``) or with its
+    component (``container_of``); a container is rebuilt from its array, so nothing here keeps a
+    container alive.
     """
 
     def __init__(self) -> None:
-        self.by_container: dict[int, tuple[weakref.ref, tuple]] = {}  # id(array) -> (ref, components)
-        self.container_of: dict[int, tuple[weakref.ref, weakref.ref, Callable]] = {}  # id(component) -> ...
+        # id(array) -> (ref, components)
+        self.by_container: dict[int, tuple[weakref.ref, tuple]] = {}
+        # id(component) -> ...
+        self.container_of: dict[int, tuple[weakref.ref, weakref.ref, Callable]] = {}
 
 
 _components = _Components()
 
 
 def _rebuild(container: Any) -> Callable[[jax.Array], Any]:
-    """How to make ``container`` again from its array (PerReplica / SyncOnRead objects are not weakly held)."""
+    """How to make ``container`` again from its array (PerReplica / SyncOnRead objects are not
+    weakly held)."""
     if isinstance(container, SyncOnRead):
         aggregation, owner = container.aggregation, container.owner
         return lambda stacked: SyncOnRead(stacked, aggregation, owner)
@@ -74,9 +80,10 @@ def _remember(key: jax.Array, container: Any, components: tuple) -> tuple:
 
 
 class StrategyV1Names:
-    """The 2018 ``DistributionStrategy`` names on every strategy (a mixin of `Strategy`; see the module doc)."""
+    """The 2018 ``DistributionStrategy`` names on every strategy (a mixin of `Strategy`; see the
+    module doc)."""
 
-    # ------------------------------------------------------------------------------- tower = replica
+    # ------------------------------------------------------------------------------ tower = replica
     @property
     def num_towers(self) -> int:
         """2018 name of `num_replicas_in_sync`.
@@ -114,9 +121,9 @@ class StrategyV1Names:
     def between_graph(self) -> bool:
         """Whether each process runs its own copy of the program (TF's between-graph replication).
 
-        JAX is multi-controller: with several processes every one traces and dispatches the same SPMD
-        program for its own devices, which is between-graph; one process drives all devices (in-graph) when
-        the strategy spans one host.
+        JAX is multi-controller: with several processes every one traces and dispatches the same
+        SPMD program for its own devices, which is between-graph; one process drives all devices
+        (in-graph) when the strategy spans one host.
 
         Examples:
             >>> import jaxdist as jd
@@ -140,9 +147,11 @@ class StrategyV1Names:
         return PerReplica(jax.device_put(np.arange(n, dtype=np.int32), self.batch_sharding), self)
 
     def call_for_each_tower(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """2018 name of ``run(fn, args=args, kwargs=kwargs)`` (TF's ``run_concurrently`` option is dropped).
+        """2018 name of ``run(fn, args=args, kwargs=kwargs)`` (TF's ``run_concurrently`` option is
+        dropped).
 
-        Inside ``fn``, `get_tower_context` (or ``jd.get_replica_context()``) gives the replica's context.
+        Inside ``fn``, `get_tower_context` (or ``jd.get_replica_context()``) gives the replica's
+        context.
 
         Examples:
             >>> import jaxdist as jd
@@ -156,12 +165,13 @@ class StrategyV1Names:
     def distribute_dataset(self, dataset_fn: Callable[[], Iterable[Any]]) -> DistributedDataset:
         """The 2018 input API: each element of ``dataset_fn()`` is ONE replica's batch.
 
-        ``num_replicas_per_host`` consecutive elements make one step's batch on this process (their rows
-        concatenated in replica order), as the 2018 strategies fed one element to each tower. Modern code
-        passes global batches to ``experimental_distribute_dataset`` instead.
+        ``num_replicas_per_host`` consecutive elements make one step's batch on this process (their
+        rows concatenated in replica order), as the 2018 strategies fed one element to each tower.
+        Modern code passes global batches to ``experimental_distribute_dataset`` instead.
 
         Args:
-            dataset_fn: returns an iterable of per-replica batches (pytrees of arrays); called once per pass.
+            dataset_fn: returns an iterable of per-replica batches (pytrees of arrays); called once
+                per pass.
 
         Returns:
             A `DistributedDataset` of global batches split over the replicas.
@@ -179,8 +189,8 @@ class StrategyV1Names:
         """
         if not callable(dataset_fn):
             raise TypeError(
-                f"dataset_fn={dataset_fn!r} is not callable: pass a function returning the dataset (an iterable "
-                "of per-replica batches)."
+                f"dataset_fn={dataset_fn!r} is not callable: pass a function returning the dataset "
+                "(an iterable of per-replica batches)."
             )
         per_step = self.num_replicas_per_host
 
@@ -193,8 +203,8 @@ class StrategyV1Names:
     def make_input_fn_iterator(
         self, input_fn: Callable[[Any], Iterable[Any]], replication_mode: Any = "per_worker"
     ) -> Iterator[Any]:
-        """An iterator over ``distribute_datasets_from_function(input_fn)``: ``input_fn(ctx)`` gives this
-        process's share of each batch (``ctx`` is a `jd.InputContext`).
+        """An iterator over ``distribute_datasets_from_function(input_fn)``: ``input_fn(ctx)`` gives
+        this process's share of each batch (``ctx`` is a `jd.InputContext`).
 
         Raises:
             ValueError: for a ``replication_mode`` other than PER_WORKER (the only one TF had).
@@ -208,18 +218,20 @@ class StrategyV1Names:
         mode = getattr(replication_mode, "name", replication_mode)
         if not isinstance(mode, str) or mode.lower() != "per_worker":
             raise ValueError(
-                f"replication_mode={replication_mode!r}: only PER_WORKER exists (input_fn runs once per process "
-                "and yields that process's share of each batch)."
+                f"replication_mode={replication_mode!r}: only PER_WORKER exists (input_fn runs "
+                "once per process and yields that process's share of each batch)."
             )
         return iter(self.distribute_datasets_from_function(input_fn))
 
-    def map(self, map_over: Iterable[Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """``[fn(m, *args, **kwargs) for m in map_over]`` computed with the elements spread over the replicas.
+    def map(self, map_over: Iterable[Any], fn: Callable[..., Any], *args: Any,
+            **kwargs: Any) -> list[Any]:
+        """``[fn(m, *args, **kwargs) for m in map_over]`` computed with the elements spread over the
+        replicas.
 
-        The elements (pytrees of arrays of one structure and shape) are stacked, split over the replicas and
-        mapped with `jax.vmap` in one compiled program (2018 placed element i on device ``i % N``). A count
-        the replicas do not divide is padded with copies of the first element, whose results are dropped.
-        ``args`` / ``kwargs`` are the same for every element.
+        The elements (pytrees of arrays of one structure and shape) are stacked, split over the
+        replicas and mapped with `jax.vmap` in one compiled program (2018 placed element i on device
+        ``i % N``). A count the replicas do not divide is padded with copies of the first element,
+        whose results are dropped. ``args`` / ``kwargs`` are the same for every element.
 
         Returns:
             The results in the order of ``map_over``.
@@ -231,7 +243,8 @@ class StrategyV1Names:
         Examples:
             >>> import numpy as np, jaxdist as jd
             >>> s = jd.MirroredStrategy()
-            >>> [float(y) for y in s.map([np.float32(i) for i in range(3)], lambda m, k: m * k, 10.0)]
+            >>> [float(y) for y in s.map([np.float32(i) for i in range(3)], lambda m, k: m * k,
+            ...                          10.0)]
             [0.0, 10.0, 20.0]
         """
         if not callable(fn):
@@ -244,7 +257,8 @@ class StrategyV1Names:
         stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *padded)
         stacked = self.experimental_distribute_values(stacked)
 
-        def build(weak_fn):  # one program per fn (jax.jit retraces for new shapes), holding fn weakly
+        # one program per fn (jax.jit retraces for new shapes), holding fn weakly
+        def build(weak_fn):
             return jax.jit(lambda rows, a, kw: jax.vmap(lambda m: weak_fn(m, *a, **kw))(rows))
 
         out = self.programs.get(fn, ("compat.map",), build)(stacked, args, kwargs)
@@ -252,8 +266,8 @@ class StrategyV1Names:
 
     # ----------------------------------------------------------------------- values and containers
     def unwrap(self, value: Any) -> list[Any]:
-        """2018 name of `experimental_local_results`, as a list; a value that is not distributed gives
-        ``[value]``. Inside ``merge_call`` it lists every replica's value.
+        """2018 name of `experimental_local_results`, as a list; a value that is not distributed
+        gives ``[value]``. Inside ``merge_call`` it lists every replica's value.
 
         Components keep a link to their container: ``value_container(c)`` returns it.
 
@@ -275,7 +289,8 @@ class StrategyV1Names:
     def _components(self, leaf: Any) -> tuple:
         if is_distributed(leaf):
             stacked = leaf.stacked
-            if isinstance(stacked, jax.core.Tracer):  # inside merge_call: every replica's value is here
+            # inside merge_call: every replica's value is here
+            if isinstance(stacked, jax.core.Tracer):
                 return tuple(stacked[i] for i in range(stacked.shape[0]))
             return _remember(stacked, leaf, local_components(stacked))
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -283,7 +298,8 @@ class StrategyV1Names:
         return (leaf,)
 
     def value_container(self, value: Any) -> Any:
-        """The distributed value that ``value`` (a component from `unwrap`) belongs to; else ``value`` itself.
+        """The distributed value that ``value`` (a component from `unwrap`) belongs to; else
+        ``value`` itself.
 
         Examples:
             >>> import jaxdist as jd
@@ -291,7 +307,8 @@ class StrategyV1Names:
             >>> ids = s.run(lambda: jd.get_replica_context().replica_id_in_sync_group)
             >>> first = s.unwrap(ids)[0]
             >>> container = s.value_container(first)
-            >>> container.stacked is ids.stacked, any(c is first for c in s.unwrap(container)), s.value_container(5)
+            >>> (container.stacked is ids.stacked, any(c is first for c in s.unwrap(container)),
+            ...  s.value_container(5))
             (True, True, 5)
         """
         known = _components.container_of.get(id(value))
@@ -303,13 +320,15 @@ class StrategyV1Names:
 
     # ----------------------------------------------------------------- TF graph and session names
     def configure(
-        self, session_config: Any = None, cluster_spec: Any = None, task_type: Any = None, task_id: Any = None
+        self, session_config: Any = None, cluster_spec: Any = None, task_type: Any = None,
+        task_id: Any = None
     ) -> None:
         """A no-op for ``session_config`` (there is no session); cluster arguments are an error.
 
         Raises:
-            ValueError: for ``cluster_spec`` / ``task_type`` / ``task_id``: jaxdist joins the cluster when the
-                strategy is created (``jd.MultiWorkerMirroredStrategy(coordinator_address=..., num_processes=...,
+            ValueError: for ``cluster_spec`` / ``task_type`` / ``task_id``: jaxdist joins the
+                cluster when the strategy is created
+                (``jd.MultiWorkerMirroredStrategy(coordinator_address=..., num_processes=...,
                 process_id=...)`` or the ``JAXDIST_*`` environment).
 
         Examples:
@@ -320,19 +339,22 @@ class StrategyV1Names:
         del session_config  # a tf.ConfigProto tunes a TF session; JAX has none
         given = {
             k: v
-            for k, v in (("cluster_spec", cluster_spec), ("task_type", task_type), ("task_id", task_id))
+            for k, v in (("cluster_spec", cluster_spec), ("task_type", task_type),
+                         ("task_id", task_id))
             if v is not None
         }
         if given:
             raise ValueError(
-                f"configure({', '.join(f'{k}={v!r}' for k, v in given.items())}): jaxdist joins the cluster when the "
-                "strategy is created, not later: jd.MultiWorkerMirroredStrategy(coordinator_address='host:port', "
-                "num_processes=N, process_id=i), or the JAXDIST_COORDINATOR_ADDRESS / JAXDIST_NUM_PROCESSES / "
+                f"configure({', '.join(f'{k}={v!r}' for k, v in given.items())}): jaxdist joins "
+                "the cluster when the strategy is created, not later: "
+                "jd.MultiWorkerMirroredStrategy(coordinator_address='host:port', num_processes=N, "
+                "process_id=i), or the JAXDIST_COORDINATOR_ADDRESS / JAXDIST_NUM_PROCESSES / "
                 "JAXDIST_PROCESS_ID environment."
             )
 
     def update_config_proto(self, config_proto: Any) -> Any:
-        """``config_proto`` unchanged: TF added its strategy settings to a session config; JAX has no session.
+        """``config_proto`` unchanged: TF added its strategy settings to a session config; JAX has
+        no session.
 
         Examples:
             >>> import jaxdist as jd
@@ -342,7 +364,8 @@ class StrategyV1Names:
         return config_proto
 
     def group(self, value: Any, name: str | None = None) -> None:
-        """Wait until every value in ``value`` is computed (TF: one op that runs them all; ``name`` is unused).
+        """Wait until every value in ``value`` is computed (TF: one op that runs them all; ``name``
+        is unused).
 
         JAX dispatches asynchronously; this is `jax.block_until_ready`.
 
@@ -354,8 +377,10 @@ class StrategyV1Names:
         del name
         jax.block_until_ready([x for x in jax.tree.leaves(value) if isinstance(x, jax.Array)])
 
-    def fetch(self, val: Any, destination: Any = "/device:CPU:0", fn: Callable[[Any], Any] = lambda x: x) -> Any:
-        """``fn`` of a copy of ``val`` on ``destination`` (default: the host CPU), as 2018's ``fetch``.
+    def fetch(self, val: Any, destination: Any = "/device:CPU:0",
+              fn: Callable[[Any], Any] = lambda x: x) -> Any:
+        """``fn`` of a copy of ``val`` on ``destination`` (default: the host CPU), as 2018's
+        ``fetch``.
 
         Args:
             val: a pytree of arrays (mirrored values: one copy is taken).
@@ -373,15 +398,17 @@ class StrategyV1Names:
         """
         if any(is_distributed(x) for x in jax.tree.leaves(val, is_leaf=is_distributed)):
             raise ValueError(
-                "strategy.fetch got a PerReplica / SyncOnRead: it copies one value; combine the replicas' values "
-                "first with strategy.reduce(op, value) or strategy.read_var(value)."
+                "strategy.fetch got a PerReplica / SyncOnRead: it copies one value; combine the "
+                "replicas' values first with strategy.reduce(op, value) or "
+                "strategy.read_var(value)."
             )
         device = resolve_device(destination, "destination")
         return fn(jax.device_put(val, device))
 
 
 class _PerTowerGroups:
-    """Iterate ``dataset_fn()`` in groups of ``k`` per-replica elements, each group one step's batch."""
+    """Iterate ``dataset_fn()`` in groups of ``k`` per-replica elements, each group one step's
+    batch."""
 
     def __init__(self, dataset_fn: Callable[[], Iterable[Any]], k: int):
         self._dataset_fn = dataset_fn
@@ -396,14 +423,16 @@ class _PerTowerGroups:
                 group = []
         if group:
             raise ValueError(
-                f"the dataset of distribute_dataset ended after {len(group)} of the {self._k} per-replica batches "
-                f"of a step: each step takes one element per replica; make the number of elements a multiple of "
-                f"{self._k} (drop the remainder, or repeat the dataset)."
+                f"the dataset of distribute_dataset ended after {len(group)} of the {self._k} "
+                "per-replica batches of a step: each step takes one element per replica; make the "
+                f"number of elements a multiple of {self._k} (drop the remainder, or repeat the "
+                "dataset)."
             )
 
 
 class TowerContext:
-    """The 2018 ``TowerContext``: a `ReplicaContext` with the old names (``tower_id``, ``merge_call(fn, *args)``).
+    """The 2018 ``TowerContext``: a `ReplicaContext` with the old names (``tower_id``,
+    ``merge_call(fn, *args)``).
 
     Examples:
         >>> import jaxdist as jd
@@ -440,7 +469,8 @@ class TowerContext:
         return self._ctx.strategy
 
     def merge_call(self, merge_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``ReplicaContext.merge_call(merge_fn, args=args, kwargs=kwargs)`` with the 2018 signature."""
+        """``ReplicaContext.merge_call(merge_fn, args=args, kwargs=kwargs)`` with the 2018
+        signature."""
         return self._ctx.merge_call(merge_fn, args=args, kwargs=kwargs)
 
     def __repr__(self) -> str:

@@ -1,39 +1,43 @@
 """Checkpoints with orbax-checkpoint: restorable onto any strategy and device count.
 
 A checkpoint is one orbax step directory with two items: ``state`` (the arrays, written by orbax's
-`PyTreeCheckpointHandler` from global `jax.Array`s, so the files do not depend on how many devices held
-them) and ``meta`` (JSON: the step, the data position, the model kind, a fingerprint of the state's tree
-paths, shapes and dtypes, and each leaf's checksums).
+`PyTreeCheckpointHandler` from global `jax.Array`s, so the files do not depend on how many devices
+held them) and ``meta`` (JSON: the step, the data position, the model kind, a fingerprint of the
+state's tree paths, shapes and dtypes, and each leaf's checksums).
 
-* Any strategy: `Checkpointer.restore` takes the state it should look like, in the NEW strategy's layout
-  (what ``strategy.create_variables`` built), and asks orbax for arrays with exactly those shardings, so a
-  checkpoint written under ``MirroredStrategy`` on 8 devices restores under ``OneDeviceStrategy`` and back.
-* Atomic: orbax writes into a temporary directory and renames it when complete; a process killed during a
-  save leaves the previous checkpoints untouched, and the half-written directory is never listed (and is
-  removed the next time the directory is opened).
-* Another model's checkpoint: the fingerprint is compared before any array is read, and a mismatch is an
-  error that names the first differing leaves.
+* Any strategy: `Checkpointer.restore` takes the state it should look like, in the NEW strategy's
+  layout (what ``strategy.create_variables`` built), and asks orbax for arrays with exactly those
+  shardings, so a checkpoint written under ``MirroredStrategy`` on 8 devices restores under
+  ``OneDeviceStrategy`` and back.
+* Atomic: orbax writes into a temporary directory and renames it when complete; a process killed
+  during a save leaves the previous checkpoints untouched, and the half-written directory is never
+  listed (and is removed the next time the directory is opened).
+* Another model's checkpoint: the fingerprint is compared before any array is read, and a mismatch
+  is an error that names the first differing leaves.
 * Keeps the last ``max_to_keep`` checkpoints; `restore` reads the latest by default.
-* Damaged: a checkpoint whose files cannot be read (flipped or missing bytes, caught by tensorstore's
-  checksums) is one `CheckpointCorruptedError` naming its step, the directory and the newest older checkpoint
-  that actually restores (each tried, newest first, with the same target: `Checkpointer.read`), and the fix.
-  The array data has no checksum in orbax's files, so ``save`` computes two sums per leaf on the devices
-  (`checkpoint_damage.checksums`, layout-independent) into ``meta``, and ``restore`` recomputes them on the
-  restored arrays: a leaf whose bytes changed is the same error, naming the leaf. Checkpoints written
-  without checksums restore unchecked.
-* Asynchronous (``async_save=True``, the default): ``save`` returns once the arrays are copied to host memory
-  (the devices are free to go on; a step that donates the state cannot touch the copy) and the files are
-  written and renamed into place by a background thread. At most one save is in flight: the next ``save``
-  waits for it. A background save that fails is never silent: `Checkpointer.poll` (``fit`` calls it after
-  every step), the next ``save``, `Checkpointer.wait_until_finished` and ``close`` raise it, naming the step.
-  A process killed meanwhile leaves the previous checkpoints as they were (the rename is the commit);
-  `all_steps`, `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
-* Where the parts live: the metadata and the fit check (`_metadata`), reading items and the search for an intact
-  checkpoint (`_reading`), the save in flight (`_writes`), the exit hook (`_at_exit`), the directory's own bookkeeping
-  (`_directory`: unfinished saves, rollbacks), damage (`_damage`), the one-writer claim (`_claim`).
-* Closed at exit: a checkpointer left open (no ``close``, no ``with`` block) finishes its save in flight when the
-  program ends, normally or with an uncaught exception: every ``save`` that returned is complete on disk, without
-  orbax's shutdown tracebacks ("cannot schedule new futures after shutdown").
+* Damaged: a checkpoint whose files cannot be read (flipped or missing bytes, caught by
+  tensorstore's checksums) is one `CheckpointCorruptedError` naming its step, the directory and the
+  newest older checkpoint that actually restores (each tried, newest first, with the same target:
+  `Checkpointer.read`), and the fix. The array data has no checksum in orbax's files, so ``save``
+  computes two sums per leaf on the devices (`checkpoint_damage.checksums`, layout-independent) into
+  ``meta``, and ``restore`` recomputes them on the restored arrays: a leaf whose bytes changed is
+  the same error, naming the leaf. Checkpoints written without checksums restore unchecked.
+* Asynchronous (``async_save=True``, the default): ``save`` returns once the arrays are copied to
+  host memory (the devices are free to go on; a step that donates the state cannot touch the copy)
+  and the files are written and renamed into place by a background thread. At most one save is in
+  flight: the next ``save`` waits for it. A background save that fails is never silent:
+  `Checkpointer.poll` (``fit`` calls it after every step), the next ``save``,
+  `Checkpointer.wait_until_finished` and ``close`` raise it, naming the step. A process killed
+  meanwhile leaves the previous checkpoints as they were (the rename is the commit); `all_steps`,
+  `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
+* Where the parts live: the metadata and the fit check (`_metadata`), reading items and the search
+  for an intact checkpoint (`_reading`), the save in flight (`_writes`), the exit hook (`_at_exit`),
+  the directory's own bookkeeping (`_directory`: unfinished saves, rollbacks), damage (`_damage`),
+  the one-writer claim (`_claim`).
+* Closed at exit: a checkpointer left open (no ``close``, no ``with`` block) finishes its save in
+  flight when the program ends, normally or with an uncaught exception: every ``save`` that returned
+  is complete on disk, without orbax's shutdown tracebacks ("cannot schedule new futures after
+  shutdown").
 """
 
 from __future__ import annotations
@@ -54,7 +58,13 @@ from jaxdist.training.checkpoints._claim import Claim, live_claim
 from jaxdist.training.checkpoints._damage import checksums, missing_parts
 from jaxdist.training.checkpoints._directory import abandon, tidy
 from jaxdist.training.checkpoints._foreign import advice, is_orbax_checkpoint
-from jaxdist.training.checkpoints._metadata import FORMAT, check_fits, check_same, fingerprint, node_types
+from jaxdist.training.checkpoints._metadata import (
+    FORMAT,
+    check_fits,
+    check_same,
+    fingerprint,
+    node_types,
+)
 from jaxdist.training.checkpoints._reading import (
     check_target,
     read_intact,
@@ -69,7 +79,12 @@ from jaxdist.training.checkpoints._storage import (
     quiet_orbax,
 )
 from jaxdist.training.checkpoints._tree import to_disk
-from jaxdist.training.checkpoints._writes import InFlight, array_handlers, operation, release_stalled
+from jaxdist.training.checkpoints._writes import (
+    InFlight,
+    array_handlers,
+    operation,
+    release_stalled,
+)
 from jaxdist.training.data import save_args
 
 __all__ = ["Checkpointer"]
@@ -85,13 +100,14 @@ class Checkpointer:
     Args:
         directory: where the step directories go (created when missing).
         max_to_keep: how many of the latest checkpoints to keep (None: all).
-        async_save: write in a background thread (``save`` returns once the arrays are on the host); False:
+        async_save: write in a background thread (``save`` returns once the arrays are on the host);
+            False:
             ``save`` returns when the checkpoint is complete.
 
     Raises:
-        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""``, a regular file, or cannot be
-            created (a read-only filesystem, no permission). An existing read-only directory opens (to restore
-            from); its first ``save`` raises.
+        ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""``, a regular file, or
+            cannot be created (a read-only filesystem, no permission). An existing read-only
+            directory opens (to restore from); its first ``save`` raises.
 
     Examples:
         >>> import tempfile, jax.numpy as jnp, jaxdist as jd
@@ -104,7 +120,8 @@ class Checkpointer:
         ([0.0, 1.0, 2.0], 7, 'hi')
         >>> ckpt.close()
 
-        As a context manager (closed at the block's end; one left open is closed when the program ends):
+        As a context manager (closed at the block's end; one left open is closed when the program
+        ends):
 
         >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
         ...     _ = ckpt.save(8, state)
@@ -112,32 +129,39 @@ class Checkpointer:
         [8]
     """
 
-    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
+                 async_save: bool = True):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep all).")
+            raise ValueError(f"max_to_keep={max_to_keep!r} must be an int >= 1 (or None to keep "
+                             "all).")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False.")
-        # Created here (process 0; orbax would, with a bare OSError where it cannot): a named error instead.
-        self.directory = check_directory(directory, "directory", create=jax.process_index() == 0, probe=False)
+        # Created here (process 0; orbax would, with a bare OSError where it cannot): a named error
+        # instead.
+        self.directory = check_directory(directory, "directory", create=jax.process_index() == 0,
+                                         probe=False)
         self.async_save = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
-            # What a killed save left behind is removed here, synchronously (`_remove_unfinished`): orbax does it in
-            # a background thread that its ``close`` does not wait for (a checkpointer closed early then prints
-            # "cannot schedule new futures after shutdown").
+            # What a killed save left behind is removed here, synchronously (`_remove_unfinished`):
+            # orbax does it in a background thread that its ``close`` does not wait for (a
+            # checkpointer closed early then prints "cannot schedule new futures after shutdown").
             cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
         )
-        if live_claim(self.directory) is None:  # else a live writer's save in flight, or its rollback
+        # else a live writer's save in flight, or its rollback
+        if live_claim(self.directory) is None:
             tidy(self.directory)
         handler = ocp.PyTreeCheckpointHandler(**array_handlers())
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.PyTreeSave, handler)
         registry.add("state", ocp.args.PyTreeRestore, handler)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              handler_registry=registry)
         self._writes = InFlight(self._manager)  # the save in flight, and how it ended
-        self._opened_with = self._manager.latest_step()  # complete: what a killed save left was removed (tidy)
+        # complete: what a killed save left was removed (tidy)
+        self._opened_with = self._manager.latest_step()
         self._closed = False
         self._claim: Claim | None = None
         keep_open(self)  # closed when the program ends, if not before
@@ -145,8 +169,10 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
-        """`close`; with an exception on its way out, a failed save is a note on it rather than a new error."""
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: Any) -> None:
+        """`close`; with an exception on its way out, a failed save is a note on it rather than a
+        new error."""
         if error is None:
             self.close()
             return
@@ -162,47 +188,55 @@ class Checkpointer:
 
     @property
     def newest_written(self) -> int | None:
-        """The newest checkpoint known complete right now, without waiting (any thread may read it): the newest
-        save of this checkpointer that finished, else the newest there when it was opened; None: none."""
+        """The newest checkpoint known complete right now, without waiting (any thread may read it):
+        the newest save of this checkpointer that finished, else the newest there when it was
+        opened; None: none."""
         return self._writes.newest if self._writes.newest is not None else self._opened_with
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None when there is none (waits like `all_steps`)."""
+        """The step of the newest complete checkpoint, or None when there is none (waits like
+        `all_steps`)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None, data_iterator: Any = None) -> str:
-        """Write ``state`` as checkpoint ``step`` (atomically; the oldest beyond ``max_to_keep`` is removed).
+    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None,
+             data_iterator: Any = None) -> str:
+        """Write ``state`` as checkpoint ``step`` (atomically; the oldest beyond ``max_to_keep`` is
+        removed).
 
         Args:
-            step: the step number (an int; saving an existing step again is a no-op when the contents are the
-                same, an error when they differ).
+            step: the step number (an int; saving an existing step again is a no-op when the
+                contents are the same, an error when they differ).
             state: a pytree of arrays (global `jax.Array`s of any layout, or numpy).
             meta: extra JSON-serializable metadata stored beside it.
-            data_iterator: the input iterator (a grain iterator, or a distributed iterator over one): its
-                ``get_state()``, one file per process (`jaxdist.training.data._input_state`); read it back with
-                `data_iterator_state`.
+            data_iterator: the input iterator (a grain iterator, or a distributed iterator over
+                one): its ``get_state()``, one file per process
+                (`jaxdist.training.data._input_state`); read it back with `data_iterator_state`.
 
-        With ``async_save`` it returns once the arrays are copied to host memory; the files are written in the
-        background (the state may be changed or donated meanwhile). It first waits for the save in flight.
-        Each leaf's checksums (`checkpoint_damage.checksums`, computed on the devices before that copy) go into
-        the metadata: `restore` compares them with the restored arrays.
+        With ``async_save`` it returns once the arrays are copied to host memory; the files are
+        written in the background (the state may be changed or donated meanwhile). It first waits
+        for the save in flight. Each leaf's checksums (`checkpoint_damage.checksums`, computed on
+        the devices before that copy) go into the metadata: `restore` compares them with the
+        restored arrays.
 
         Returns:
-            The checkpoint's directory (complete once `poll` reports it, or after `wait_until_finished`).
+            The checkpoint's directory (complete once `poll` reports it, or after
+            `wait_until_finished`).
 
         Raises:
             TypeError: for metadata that is not JSON-serializable, or a ``data_iterator`` without
                 ``get_state()``.
-            CheckpointConflictError: when another live run holds the directory (`claim`), or ``step`` exists
-                with other contents (its saved checksums differ).
-            CheckpointSaveError: (a RuntimeError) when this save, or an earlier background one (see `poll`),
-                failed: naming the step, the directory, the last complete checkpoint and the fix.
+            CheckpointConflictError: when another live run holds the directory (`claim`), or
+                ``step`` exists with other contents (its saved checksums differ).
+            CheckpointSaveError: (a RuntimeError) when this save, or an earlier background one (see
+                `poll`), failed: naming the step, the directory, the last complete checkpoint and
+                the fix.
         """
         step = int(step)
         path = os.path.join(self.directory, str(step))
         self._raise_failure()
-        if jax.process_index() == 0 and not os.path.isdir(self.directory):  # removed, or unmounted, since
+        # removed, or unmounted, since
+        if jax.process_index() == 0 and not os.path.isdir(self.directory):
             gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.directory)
             raise CheckpointSaveError(step, self.directory, None, gone) from None
         self.claim()
@@ -210,8 +244,8 @@ class Checkpointer:
             self._join()
             check_same(self.directory, step, self.meta(step), state)
             return path
-        info = {**dict(meta or {}), "format": FORMAT, "step": step, "fingerprint": fingerprint(state),
-                "node_types": node_types(state)}
+        info = {**dict(meta or {}), "format": FORMAT, "step": step,
+                "fingerprint": fingerprint(state), "node_types": node_types(state)}
         items = {"state": ocp.args.PyTreeSave(to_disk(state)), "meta": ocp.args.JsonSave(info)}
         if data_iterator is not None:
             info["data_iterator"], items["data_iterator"] = save_args(data_iterator)
@@ -221,11 +255,13 @@ class Checkpointer:
             raise TypeError(
                 f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass JSON values."
             ) from None
-        # Before the copy to host (and any donation after this call); while the save in flight, if any, is written.
+        # Before the copy to host (and any donation after this call); while the save in flight, if
+        # any, is written.
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
-        reserve_threads()  # threads to finish it at exit where the interpreter refuses new ones then
+        # threads to finish it at exit where the interpreter refuses new ones then
+        reserve_threads()
         self._writes.quiet.enter_context(quiet_orbax())  # until the save has ended (`_join`)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -233,7 +269,8 @@ class Checkpointer:
             self._writes.quiet.close()
             self._writes.any_failed = True
             quiet_after_failure()  # orbax's other threads of this save may report it again, later
-            with contextlib.suppress(Exception):  # orbax raises it again to every waiter: take this turn now
+            # orbax raises it again to every waiter: take this turn now
+            with contextlib.suppress(Exception):
                 with quiet_orbax():
                     self._manager.wait_until_finished()
             release_stalled(operation())  # its threads left waiting for a part that failed
@@ -248,15 +285,17 @@ class Checkpointer:
         return path
 
     def claim(self) -> None:
-        """Claim the directory for this run's saves (`save` does at its first call; ``fit`` at its start).
+        """Claim the directory for this run's saves (`save` does at its first call; ``fit`` at its
+        start).
 
-        Of two runs on one directory, the second (while the first is alive) is refused: two writers lose one
-        run's checkpoints (`jaxdist.training.checkpoints._claim`). The claim is released by `close`. In a job of
-        several processes process 0 claims for all (the others share its directory).
+        Of two runs on one directory, the second (while the first is alive) is refused: two writers
+        lose one run's checkpoints (`jaxdist.training.checkpoints._claim`). The claim is released by
+        `close`. In a job of several processes process 0 claims for all (the others share its
+        directory).
 
         Raises:
-            CheckpointConflictError: when another live run holds the directory (naming it, with the fix), or
-                this run's claim was taken over.
+            CheckpointConflictError: when another live run holds the directory (naming it, with the
+                fix), or this run's claim was taken over.
             ValueError: when the directory cannot be written (read-only, full, ...).
         """
         if jax.process_index() != 0:
@@ -277,15 +316,16 @@ class Checkpointer:
             return
         step, error = failed
         LOG.debug("saving checkpoint step %d failed in the background", step, exc_info=error)
-        clear = CheckpointSaveError(step, self.directory, self.latest_step(), error, background=True)
+        clear = CheckpointSaveError(step, self.directory, self.latest_step(), error,
+                                    background=True)
         clear.__context__ = error  # kept for debugging, not printed (``from None``)
         raise clear from None
 
     def poll(self, wait: bool = False) -> list[tuple[int, str]]:
         """The saves that became complete since the last call, as ``(step, path)``, oldest first.
 
-        Never waits (``fit`` calls it after every step), unless ``wait``: then it first waits for the save in
-        flight. A synchronous save is reported by the next call.
+        Never waits (``fit`` calls it after every step), unless ``wait``: then it first waits for
+        the save in flight. A synchronous save is reported by the next call.
 
         Args:
             wait: wait for the save in flight first.
@@ -294,8 +334,8 @@ class Checkpointer:
             ``[(step, path), ...]``, possibly empty.
 
         Raises:
-            CheckpointSaveError: (a RuntimeError) when a background save failed (raised once), naming its step,
-                the last complete checkpoint and the fix.
+            CheckpointSaveError: (a RuntimeError) when a background save failed (raised once),
+                naming its step, the last complete checkpoint and the fix.
 
         Examples:
             >>> import tempfile, numpy as np
@@ -319,17 +359,21 @@ class Checkpointer:
         self._join()
         self._raise_failure()
 
-    def read(self, fn: Callable[[int], _T], step: int | None = None, *, step_argument: str = "step") -> _T:
-        """``fn(step)`` for checkpoint ``step`` (default: the latest), with ONE clear error when it is damaged.
+    def read(self, fn: Callable[[int], _T], step: int | None = None, *,
+             step_argument: str = "step") -> _T:
+        """``fn(step)`` for checkpoint ``step`` (default: the latest), with ONE clear error when it
+        is damaged.
 
-        Every read of a checkpoint goes through here (`restore`, `meta`, `data_iterator_state`, ``Trainer.restore``
-        and ``fit``'s resume). When ``fn`` raises `CheckpointCorruptedError`, ``fn`` is tried on the older
-        checkpoints, newest first, and the error raised names the first one it reads without error (so "intact"
-        means it restores into the same target, not that its files exist), or says that none does. A read nested
-        in another (``meta`` inside ``restore``) leaves the search to the outer one.
+        Every read of a checkpoint goes through here (`restore`, `meta`, `data_iterator_state`,
+        ``Trainer.restore`` and ``fit``'s resume). When ``fn`` raises `CheckpointCorruptedError`,
+        ``fn`` is tried on the older checkpoints, newest first, and the error raised names the first
+        one it reads without error (so "intact" means it restores into the same target, not that its
+        files exist), or says that none does. A read nested in another (``meta`` inside ``restore``)
+        leaves the search to the outer one.
 
         Args:
-            fn: reads checkpoint ``step`` (e.g. with `restore` and `data_iterator_state`) and returns anything.
+            fn: reads checkpoint ``step`` (e.g. with `restore` and `data_iterator_state`) and
+                returns anything.
             step: which checkpoint.
             step_argument: the caller's argument that picks a step, named in the error's fix.
 
@@ -347,7 +391,8 @@ class Checkpointer:
             >>> state = jd.OneDeviceStrategy().mirror({"w": np.zeros(2, np.float32)})
             >>> ckpt = Checkpointer(tempfile.mkdtemp())
             >>> _ = ckpt.save(5, state)
-            >>> (restored, meta), it = ckpt.read(lambda s: (ckpt.restore(state, s), ckpt.data_iterator_state(s)))
+            >>> (restored, meta), it = ckpt.read(lambda s: (ckpt.restore(state, s),
+            ...                                             ckpt.data_iterator_state(s)))
             >>> meta["step"], it
             (5, None)
             >>> ckpt.close()
@@ -355,12 +400,13 @@ class Checkpointer:
         return read_intact(fn, self._step(step), self.all_steps, self.directory, step_argument)
 
     def meta(self, step: int | None = None) -> dict:
-        """The JSON metadata of checkpoint ``step`` (default: the latest; a save in flight is waited for).
+        """The JSON metadata of checkpoint ``step`` (default: the latest; a save in flight is waited
+        for).
 
         Raises:
             FileNotFoundError: when there is no such checkpoint.
-            ValueError: when the directory holds a checkpoint not written by jaxdist.training (the message shows
-                the plain orbax that reads it and ``Trainer.load_state``).
+            ValueError: when the directory holds a checkpoint not written by jaxdist.training (the
+                message shows the plain orbax that reads it and ``Trainer.load_state``).
             CheckpointCorruptedError: when its metadata file is damaged or missing.
         """
         return self.read(lambda s: read_meta(self._manager, self.directory, s), step)
@@ -384,10 +430,11 @@ class Checkpointer:
         self._manager.delete(self._step(step))
 
     def abandon_after(self, step: int) -> None:
-        """Delete every checkpoint after ``step`` (a rollback: they belong to the run being replaced), atomically
-        as far as any later run can tell: the decision is written to a record file first (``os.replace``), and a
-        checkpointer opened on this directory after an interruption finishes the deletions before it lists the
-        steps. So no interruption brings an abandoned step back as the newest.
+        """Delete every checkpoint after ``step`` (a rollback: they belong to the run being
+        replaced), atomically as far as any later run can tell: the decision is written to a record
+        file first (``os.replace``), and a checkpointer opened on this directory after an
+        interruption finishes the deletions before it lists the steps. So no interruption brings an
+        abandoned step back as the newest.
 
         Args:
             step: the step to keep as the newest.
@@ -407,13 +454,15 @@ class Checkpointer:
         abandon(self.directory, step, later, self._manager.delete)
 
     def check_writer(self) -> None:
-        """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks before it writes
-        here): the newest one has jaxdist's items (``meta``, ``state``; one of them missing is damage, which
-        reading it reports), and the directory is not itself one orbax checkpoint.
+        """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks
+        before it writes here): the newest one has jaxdist's items (``meta``, ``state``; one of them
+        missing is damage, which reading it reports), and the directory is not itself one orbax
+        checkpoint.
 
         Raises:
-            ValueError: naming the checkpoint, with the two lines of plain orbax and ``Trainer.load_state`` that
-                continue it (`jaxdist.training.checkpoints._foreign.advice`).
+            ValueError: naming the checkpoint, with the two lines of plain orbax and
+                ``Trainer.load_state`` that continue it
+                (`jaxdist.training.checkpoints._foreign.advice`).
 
         Examples:
             >>> import tempfile, numpy as np
@@ -425,8 +474,9 @@ class Checkpointer:
         latest = self.latest_step()
         if latest is None and is_orbax_checkpoint(self.directory):
             raise ValueError(advice(self.directory, None))
-        # A step with jaxdist's items that lacks some of them (its ``meta``, a process's part) is jaxdist's,
-        # damaged: reading it says so, with the newest intact step. Another writer's has neither item.
+        # A step with jaxdist's items that lacks some of them (its ``meta``, a process's part) is
+        # jaxdist's, damaged: reading it says so, with the newest intact step. Another writer's has
+        # neither item.
         if latest is not None and missing_parts(os.path.join(self.directory, str(latest))) is None:
             raise ValueError(advice(self.directory, latest))
 
@@ -434,16 +484,20 @@ class Checkpointer:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                if is_orbax_checkpoint(self.directory):  # a StandardCheckpointer's directory: no steps, one tree
+                # a StandardCheckpointer's directory: no steps, one tree
+                if is_orbax_checkpoint(self.directory):
                     raise ValueError(advice(self.directory, None))
-                raise FileNotFoundError(f"no checkpoint in {self.directory!r} (it has no complete step directory).")
+                raise FileNotFoundError(f"no checkpoint in {self.directory!r} (it has no complete "
+                                        "step directory).")
             return steps[-1]
         if int(step) not in steps:
-            raise FileNotFoundError(f"no checkpoint for step={step} in {self.directory!r}; it has steps {steps}.")
+            raise FileNotFoundError(f"no checkpoint for step={step} in {self.directory!r}; it has "
+                                    f"steps {steps}.")
         return int(step)
 
     def check(self, like: Any, meta: Mapping[str, Any]) -> None:
-        """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming the leaves."""
+        """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming
+        the leaves."""
         check_fits(self.directory, like, meta)
 
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -451,8 +505,9 @@ class Checkpointer:
 
         Args:
             like: a state with the target structure and layout: live arrays (e.g. from
-                ``strategy.create_variables`` under the strategy to restore onto) or `jax.ShapeDtypeStruct`s
-                with shardings. Checkpoints restore onto any strategy and device count.
+                ``strategy.create_variables`` under the strategy to restore onto) or
+                `jax.ShapeDtypeStruct`s with shardings. Checkpoints restore onto any strategy and
+                device count.
             step: which checkpoint.
 
         Returns:
@@ -460,12 +515,12 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: when there is no such checkpoint.
-            ValueError: when it was not written by jaxdist.training or does not fit ``like`` (the message
-                names the differing leaves).
+            ValueError: when it was not written by jaxdist.training or does not fit ``like`` (the
+                message names the differing leaves).
             TypeError: when a leaf of ``like`` has no layout (a numpy array), naming it.
-            CheckpointCorruptedError: when its files are damaged, or a restored leaf does not match the checksums
-                saved with it (naming the leaf), naming the newest older checkpoint that restores into ``like``
-                (see `read`).
+            CheckpointCorruptedError: when its files are damaged, or a restored leaf does not match
+                the checksums saved with it (naming the leaf), naming the newest older checkpoint
+                that restores into ``like`` (see `read`).
         """
         check_target(like)
 
@@ -477,13 +532,14 @@ class Checkpointer:
         return self.read(read, step)
 
     def data_iterator_state(self, step: int | None = None) -> Any:
-        """This process's input iterator state saved with checkpoint ``step`` (default: the latest), for
-        ``iterator.set_state(...)``; None when it was saved without ``data_iterator``.
+        """This process's input iterator state saved with checkpoint ``step`` (default: the latest),
+        for ``iterator.set_state(...)``; None when it was saved without ``data_iterator``.
 
         Raises:
             FileNotFoundError: when there is no such checkpoint.
             ValueError: when another number of processes saved a per-process state (see
-                `jaxdist.training.data._input_state`; an ElasticIterator's state restores on any count).
+                `jaxdist.training.data._input_state`; an ElasticIterator's state restores on any
+                count).
             CheckpointCorruptedError: when its files are damaged (see `read`).
 
         Examples:
@@ -498,14 +554,15 @@ class Checkpointer:
             [2, 3]
             >>> ckpt.close()
         """
-        return self.read(lambda s: read_iterator_state(self._manager, self.directory, s, self.meta(s)), step)
+        return self.read(lambda s: read_iterator_state(self._manager, self.directory, s,
+                                                       self.meta(s)), step)
 
     def close(self) -> None:
         """Wait for the save in flight and release the directory (again: nothing to do).
 
-        A checkpointer left open is closed when the program ends normally, or ends with an uncaught exception
-        (after its traceback is printed): every ``save`` that returned is complete on disk by then. A
-        ``with Checkpointer(...) as ckpt:`` block closes it at the block's end.
+        A checkpointer left open is closed when the program ends normally, or ends with an uncaught
+        exception (after its traceback is printed): every ``save`` that returned is complete on disk
+        by then. A ``with Checkpointer(...) as ckpt:`` block closes it at the block's end.
 
         Raises:
             RuntimeError: when a background save failed and nothing raised it yet (see `poll`).
@@ -520,9 +577,11 @@ class Checkpointer:
             try:
                 with quiet_orbax():
                     self._manager.close()
-            except Exception as error:  # orbax raises a failed save again to each caller that waits for it
+            except Exception as error:
+                # orbax raises a failed save again to each caller that waits for it
                 if self._writes.any_failed or self._writes.last_step is None:
-                    LOG.debug("closing the checkpoint manager of %r", self.directory, exc_info=error)
+                    LOG.debug("closing the checkpoint manager of %r", self.directory,
+                              exc_info=error)
                 else:  # not seen yet: the newest save's (close waits for it)
                     self._writes.fail(self._writes.last_step, error)
             if self._claim is not None:

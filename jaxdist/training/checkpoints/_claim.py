@@ -1,16 +1,19 @@
-"""One writer per checkpoint directory: a run claims the directory it saves into, and a second one is refused.
+"""One writer per checkpoint directory: a run claims the directory it saves into, and a second one
+is refused.
 
-Two runs saving into one directory (a job started twice, a duplicate pod) lose one run without a word: each
-skips the steps the other already wrote, and every kept checkpoint ends up holding one of them. So the first
-save of a run (``fit`` at its start) claims the directory: it creates ``.jaxdist-writer.json`` there, exclusively
-(``O_EXCL``: of two runs started together exactly one creates it), holding the process id, the host, the time
-and a run id, and touches it every `HEARTBEAT_SECONDS` while the run holds it.
+Two runs saving into one directory (a job started twice, a duplicate pod) lose one run without a
+word: each skips the steps the other already wrote, and every kept checkpoint ends up holding one of
+them. So the first save of a run (``fit`` at its start) claims the directory: it creates
+``.jaxdist-writer.json`` there, exclusively (``O_EXCL``: of two runs started together exactly one
+creates it), holding the process id, the host, the time and a run id, and touches it every
+`HEARTBEAT_SECONDS` while the run holds it.
 
-A claim is a **live writer** when its process is alive on this host (for another host: when its file was
-touched within `STALE_SECONDS`); a second run is then a `CheckpointConflictError` naming the writer and the
-fix. A claim whose process is gone (killed, crashed) is stale: the next run takes it over, with a line on
-stderr. Checkpointers of one process share its claim (the claim is released when the last one closes). In a
-job of several processes process 0 claims for all of them (they share its directory).
+A claim is a **live writer** when its process is alive on this host (for another host: when its file
+was touched within `STALE_SECONDS`); a second run is then a `CheckpointConflictError` naming the
+writer and the fix. A claim whose process is gone (killed, crashed) is stale: the next run takes it
+over, with a line on stderr. Checkpointers of one process share its claim (the claim is released
+when the last one closes). In a job of several processes process 0 claims for all of them (they
+share its directory).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import sys
 import threading
 import time
 
-__all__ = ["CLAIM_FILE", "HEARTBEAT_SECONDS", "STALE_SECONDS", "CheckpointConflictError", "Claim", "live_claim"]
+__all__ = ["CLAIM_FILE", "HEARTBEAT_SECONDS", "STALE_SECONDS", "CheckpointConflictError", "Claim",
+           "live_claim"]
 
 CLAIM_FILE = ".jaxdist-writer.json"
 HEARTBEAT_SECONDS = 10.0
@@ -41,10 +45,11 @@ _BEAT: threading.Thread | None = None
 class CheckpointConflictError(RuntimeError):
     """Another run writes (or wrote other contents into) this checkpoint directory.
 
-    Raised by ``Trainer.fit`` at its start and by `jaxdist.training.Checkpointer.save` when another live run
-    holds the directory's claim (the message names its process, host and start, and the fix: wait for it,
-    pass another directory, or remove a claim you know is stale), and by ``save`` for a step that exists
-    with other contents (the checksums saved with it differ): saving over it would keep the old state.
+    Raised by ``Trainer.fit`` at its start and by `jaxdist.training.Checkpointer.save` when another
+    live run holds the directory's claim (the message names its process, host and start, and the
+    fix: wait for it, pass another directory, or remove a claim you know is stale), and by ``save``
+    for a step that exists with other contents (the checksums saved with it differ): saving over it
+    would keep the old state.
 
     Attributes:
         directory: the checkpoint directory.
@@ -116,7 +121,8 @@ def _describe(claim: dict | None) -> str:
     if claim is None:
         return "a run whose claim is being written"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(claim.get("started", 0)))
-    return f"run {claim.get('run')} (pid {claim.get('pid')} on host {claim.get('host')}, claimed {when})"
+    return (f"run {claim.get('run')} (pid {claim.get('pid')} on host {claim.get('host')}, claimed "
+            f"{when})")
 
 
 def live_claim(directory: str) -> dict | None:
@@ -134,7 +140,8 @@ def live_claim(directory: str) -> dict | None:
 
 
 class Claim:
-    """This process's claim on a checkpoint directory (see the module docstring); made by `acquire`."""
+    """This process's claim on a checkpoint directory (see the module docstring); made by
+    `acquire`."""
 
     def __init__(self, path: str, record: dict):
         self.path, self.record, self.count = path, record, 1
@@ -152,8 +159,8 @@ class Claim:
             if held is not None and held.holds():
                 held.count += 1
                 return held
-            record = {"pid": os.getpid(), "host": _HOST, "started": time.time(), "run": secrets.token_hex(6),
-                      "argv": " ".join(sys.argv)[:200]}
+            record = {"pid": os.getpid(), "host": _HOST, "started": time.time(),
+                      "run": secrets.token_hex(6), "argv": " ".join(sys.argv)[:200]}
             for _ in range(5):  # another run may claim or release between our steps: look again
                 try:
                     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -163,8 +170,8 @@ class Claim:
                         continue
                     other, mtime = found
                     if _live(other, mtime):
-                        raise CheckpointConflictError(_conflict(directory, argument, other, path), directory,
-                                                      other) from None
+                        raise CheckpointConflictError(_conflict(directory, argument, other, path),
+                                                      directory, other) from None
                     _take_over(path, other, record["run"], directory, argument)
                     continue
                 with os.fdopen(fd, "w") as f:
@@ -174,16 +181,20 @@ class Claim:
                 _start_heartbeat()
                 return claim
             raise CheckpointConflictError(
-                f"{argument}={directory!r}: could not claim it (other runs kept claiming and releasing it): run one "
+                f"{argument}={directory!r}: could not claim it (other runs kept claiming and "
+                "releasing it): run one "
                 "writer per directory.", directory)
 
     def holds(self) -> bool:
         """Whether the claim file is still this claim (not removed, not taken over)."""
         found = _read(self.path)
-        return found is not None and found[0] is not None and found[0].get("run") == self.record["run"]
+        return (
+            found is not None and found[0] is not None and found[0].get("run") == self.record["run"]
+        )
 
     def check(self, argument: str = "directory") -> None:
-        """Raise `CheckpointConflictError` unless this process still holds the claim (before each save)."""
+        """Raise `CheckpointConflictError` unless this process still holds the claim (before each
+        save)."""
         if self.holds():
             return
         found = _read(self.path)
@@ -191,12 +202,15 @@ class Claim:
         directory = os.path.dirname(self.path)
         raise CheckpointConflictError(
             f"{argument}={directory!r} is no longer claimed by this run: "
-            + ("its claim file was removed" if found is None else f"{_describe(other)} took it over")
-            + "; saving on would mix two runs' checkpoints. Fix: run one writer per directory (let the other run "
+            + ("its claim file was removed" if found is None
+               else f"{_describe(other)} took it over")
+            + "; saving on would mix two runs' checkpoints. Fix: run one writer per directory (let "
+              "the other run "
             "finish, or pass another directory).", directory, other)
 
     def release(self) -> None:
-        """Give the claim up once every checkpointer of this process that shares it has (idempotent per call)."""
+        """Give the claim up once every checkpointer of this process that shares it has (idempotent
+        per call)."""
         with _LOCK:
             self.count -= 1
             if self.count > 0:
@@ -209,9 +223,9 @@ class Claim:
 
 
 def _conflict(directory: str, argument: str, other: dict | None, path: str) -> str:
-    return (f"{argument}={directory!r} is being written by another run: {_describe(other)}. Two runs saving "
-            "into one directory lose one run's checkpoints. Fix: wait for that run to end, pass another "
-            f"{argument}, or, if that run is gone, remove its claim: rm {path}")
+    return (f"{argument}={directory!r} is being written by another run: {_describe(other)}. Two "
+            "runs saving into one directory lose one run's checkpoints. Fix: wait for that run to "
+            f"end, pass another {argument}, or, if that run is gone, remove its claim: rm {path}")
 
 
 def _take_over(path: str, stale: dict | None, run: str, directory: str, argument: str) -> None:
@@ -231,7 +245,8 @@ def _take_over(path: str, stale: dict | None, run: str, directory: str, argument
         return
     with contextlib.suppress(OSError):
         os.remove(aside)
-    print(f"jaxdist: {argument}={directory!r}: taking over the claim of {_describe(stale)}, which is no longer "
+    print(f"jaxdist: {argument}={directory!r}: taking over the claim of {_describe(stale)}, which "
+          "is no longer "
           "running.", file=sys.stderr, flush=True)
 
 

@@ -1,15 +1,16 @@
-"""Damaged checkpoints: telling damage from other failures, one clear error, and reads that fail quietly.
+"""Damaged checkpoints: telling damage from other failures, one clear error, and reads that fail
+quietly.
 
-A checkpoint whose stored bytes are wrong or missing (tensorstore's checksums catch flipped bytes in its index
-files; a file can be missing) fails a read with tensorstore's status and a long JSON spec. Here that becomes
-one `CheckpointCorruptedError` naming the step, the directory and the newest older checkpoint that restores,
-with the fix; `jaxdist.training.checkpoints.Checkpointer.read` does the search. Failures that are not damage
-(memory, network) pass through unchanged.
+A checkpoint whose stored bytes are wrong or missing (tensorstore's checksums catch flipped bytes in
+its index files; a file can be missing) fails a read with tensorstore's status and a long JSON spec.
+Here that becomes one `CheckpointCorruptedError` naming the step, the directory and the newest older
+checkpoint that restores, with the fix; `jaxdist.training.checkpoints.Checkpointer.read` does the
+search. Failures that are not damage (memory, network) pass through unchanged.
 
-The array data itself (``state/ocdbt.process_*/d/``) carries no checksum in orbax's format: flipped bytes there
-restore as wrong values without an error. `checksums` closes that gap: two sums per leaf, computed on the
-devices at save time (stored in the checkpoint's metadata) and again on the restored arrays, where a
-difference is a `ChecksumMismatchError` (which `is_damage` recognises).
+The array data itself (``state/ocdbt.process_*/d/``) carries no checksum in orbax's format: flipped
+bytes there restore as wrong values without an error. `checksums` closes that gap: two sums per
+leaf, computed on the devices at save time (stored in the checkpoint's metadata) and again on the
+restored arrays, where a difference is a `ChecksumMismatchError` (which `is_damage` recognises).
 """
 
 from __future__ import annotations
@@ -43,20 +44,24 @@ __all__ = [
     "verify_checksums",
 ]
 
-# tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory, network, ...).
-_DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT", "FAILED_PRECONDITION"})
+# tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory,
+# network, ...).
+_DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT",
+                           "FAILED_PRECONDITION"})
 
 
 class CheckpointCorruptedError(RuntimeError):
-    """A checkpoint whose files cannot be read (damaged, truncated or partly deleted), or whose restored arrays do
-    not match the checksums saved with them (`ChecksumMismatchError`), with the way out.
+    """A checkpoint whose files cannot be read (damaged, truncated or partly deleted), or whose
+    restored arrays do not match the checksums saved with them (`ChecksumMismatchError`), with the
+    way out.
 
-    Raised by `Checkpointer.restore`, `Checkpointer.meta`, `Checkpointer.data_iterator_state` (all through
-    `Checkpointer.read`), ``Trainer.restore`` and ``Trainer.fit``'s resume. The message names the step, the
-    directory, a one-line cause, and the newest OLDER checkpoint that restores with the same target (each one
-    tried, newest first; not merely present), e.g. ``checkpoint 20 in '/ckpt' is unreadable (DATA_LOSS in
-    state/d/1f...: CRC-32C checksum verification failed ...): delete /ckpt/20 to resume from 10, or pass
-    restore_step=10.`` The full error from orbax / tensorstore is kept as ``__context__`` (not printed).
+    Raised by `Checkpointer.restore`, `Checkpointer.meta`, `Checkpointer.data_iterator_state` (all
+    through `Checkpointer.read`), ``Trainer.restore`` and ``Trainer.fit``'s resume. The message
+    names the step, the directory, a one-line cause, and the newest OLDER checkpoint that restores
+    with the same target (each one tried, newest first; not merely present), e.g. ``checkpoint 20 in
+    '/ckpt' is unreadable (DATA_LOSS in state/d/1f...: CRC-32C checksum verification failed ...):
+    delete /ckpt/20 to resume from 10, or pass restore_step=10.`` The full error from orbax /
+    tensorstore is kept as ``__context__`` (not printed).
 
     Args:
         step: the unreadable checkpoint's step.
@@ -64,15 +69,18 @@ class CheckpointCorruptedError(RuntimeError):
         reason: a one-line cause.
         intact_step: the newest older step that restores (None: none does).
         failed: the older steps tried that do not restore either, newest first.
-        latest: whether ``step`` is the newest checkpoint (then deleting it, and ``failed``, resumes from
-            ``intact_step``).
-        step_argument: the argument that picks a step, for the fix (``"step"``; ``fit``: ``"restore_step"``).
-        newer_intact_step: when no older checkpoint restores, the newest newer one that does (None: none).
+        latest: whether ``step`` is the newest checkpoint (then deleting it, and ``failed``, resumes
+            from ``intact_step``).
+        step_argument: the argument that picks a step, for the fix (``"step"``; ``fit``:
+            ``"restore_step"``).
+        newer_intact_step: when no older checkpoint restores, the newest newer one that does (None:
+            none).
 
     Examples:
         >>> error = CheckpointCorruptedError(20, "/c", "DATA_LOSS in state/d/1f", intact_step=10)
-        >>> print(error)
-        checkpoint 20 in '/c' is unreadable (DATA_LOSS in state/d/1f): delete /c/20 to resume from 10, or pass step=10.
+        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
+        checkpoint 20 in '/c' is unreadable (DATA_LOSS in state/d/1f): delete /c/20 to resume from
+        10, or pass step=10.
         >>> error.step, error.intact_step, isinstance(error, RuntimeError)
         (20, 10, True)
     """
@@ -92,29 +100,37 @@ class CheckpointCorruptedError(RuntimeError):
         self.newer_intact_step = None if newer_intact_step is None else int(newer_intact_step)
         self.step, self.directory, self.reason = int(step), str(directory), str(reason)
         self.intact_step = None if intact_step is None else int(intact_step)
-        self.failed, self.latest, self.step_argument = tuple(int(s) for s in failed), bool(latest), step_argument
+        self.failed, self.latest, self.step_argument = (tuple(int(s) for s in failed), bool(latest),
+                                                        step_argument)
         super().__init__(self._message())
 
     def _message(self) -> str:
         head = f"checkpoint {self.step} in {self.directory!r} is unreadable ({self.reason})"
         failed = ", ".join(map(str, self.failed))
         if self.intact_step is None:
-            older = f"no older checkpoint restores ({failed} failed too)" if self.failed else "there is no older one"
+            older = (f"no older checkpoint restores ({failed} failed too)" if self.failed
+                     else "there is no older one")
             if self.newer_intact_step is not None:
-                return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, restores: pass "
-                        f"{self.step_argument}={self.newer_intact_step} (or none, to resume from the newest).")
-            return f"{head}, and {older}: nothing here can resume this run; start again in an empty directory."
+                return (f"{head}, and {older}; the newest checkpoint, {self.newer_intact_step}, "
+                        f"restores: pass {self.step_argument}={self.newer_intact_step} (or none, "
+                        "to resume from the newest).")
+            return (f"{head}, and {older}: nothing here can resume this run; start again in an "
+                    "empty directory.")
         also = f" ({failed} failed too)" if self.failed else ""
         fix = f"pass {self.step_argument}={self.intact_step}"
         if not self.latest:
-            return f"{head}; the newest older checkpoint that restores is {self.intact_step}{also}: {fix}."
-        doomed = " and ".join(os.path.join(self.directory, str(s)) for s in (self.step, *self.failed))
+            return (f"{head}; the newest older checkpoint that restores is "
+                    f"{self.intact_step}{also}: {fix}.")
+        doomed = " and ".join(
+            os.path.join(self.directory, str(s)) for s in (self.step, *self.failed)
+        )
         return f"{head}: delete {doomed} to resume from {self.intact_step}, or {fix}."
 
     def __reduce__(self) -> tuple:  # picklable (the constructor does not take the message)
         kwargs = {"latest": self.latest, "step_argument": self.step_argument,
                   "newer_intact_step": self.newer_intact_step}
-        return _rebuild, (self.step, self.directory, self.reason, self.intact_step, self.failed, kwargs)
+        return _rebuild, (self.step, self.directory, self.reason, self.intact_step, self.failed,
+                          kwargs)
 
 
 def _rebuild(*args: Any) -> CheckpointCorruptedError:
@@ -123,7 +139,8 @@ def _rebuild(*args: Any) -> CheckpointCorruptedError:
 
 
 class UnsearchedDamage(CheckpointCorruptedError):
-    """Raised where the damage is found; `Checkpointer.read` replaces it once it has tried the older steps."""
+    """Raised where the damage is found; `Checkpointer.read` replaces it once it has tried the older
+    steps."""
 
     def _message(self) -> str:
         return f"checkpoint {self.step} in {self.directory!r} is unreadable ({self.reason})."
@@ -133,9 +150,9 @@ _REQUIRED = ("meta/metadata", "state/_METADATA", "state/manifest.ocdbt")
 
 
 def missing_parts(step_dir: str) -> list[str] | None:
-    """The files of a jaxdist.training checkpoint that ``step_dir`` lacks (a save or a delete cut short, a copy
-    that stopped), relative to it; None when it is another writer's checkpoint (it has items, none of them
-    ``meta`` or ``state``). A few ``stat`` calls, no read.
+    """The files of a jaxdist.training checkpoint that ``step_dir`` lacks (a save or a delete cut
+    short, a copy that stopped), relative to it; None when it is another writer's checkpoint (it has
+    items, none of them ``meta`` or ``state``). A few ``stat`` calls, no read.
 
     Examples:
         >>> import os, tempfile
@@ -150,8 +167,9 @@ def missing_parts(step_dir: str) -> list[str] | None:
     missing = [part for part in _REQUIRED if not os.path.exists(os.path.join(step_dir, part))]
     state = os.path.join(step_dir, "state")
     if os.path.isdir(state):
-        # Each process that wrote arrays left its metadata (``array_metadatas/process_<i>``) and its own database
-        # (``ocdbt.process_<i>``): a process's part gone as a whole is named too, not only a part cut short.
+        # Each process that wrote arrays left its metadata (``array_metadatas/process_<i>``) and its
+        # own database (``ocdbt.process_<i>``): a process's part gone as a whole is named too, not
+        # only a part cut short.
         writers = os.listdir(os.path.join(state, "array_metadatas")) if os.path.isdir(
             os.path.join(state, "array_metadatas")) else []
         names = {name for name in os.listdir(state) if name.startswith("ocdbt.process_")}
@@ -165,8 +183,8 @@ def missing_parts(step_dir: str) -> list[str] | None:
 
 
 def _damage_link(error: BaseException) -> BaseException | None:
-    """The error in ``error``'s chain (itself, then its causes: orbax wraps tensorstore's failed reads in a plain
-    ``Exception``) that says the stored bytes are wrong or missing, or None."""
+    """The error in ``error``'s chain (itself, then its causes: orbax wraps tensorstore's failed
+    reads in a plain ``Exception``) that says the stored bytes are wrong or missing, or None."""
     seen, link = set(), error
     while link is not None and id(link) not in seen:
         seen.add(id(link))
@@ -181,15 +199,15 @@ def _damage_link(error: BaseException) -> BaseException | None:
 
 
 def is_damage(error: BaseException) -> bool:
-    """Whether ``error`` (from reading a checkpoint that passed the fingerprint check), or an error it was raised
-    from, means damaged files."""
+    """Whether ``error`` (from reading a checkpoint that passed the fingerprint check), or an error
+    it was raised from, means damaged files."""
     return _damage_link(error) is not None
 
 
 def damage_summary(error: BaseException, step_dir: str) -> str:
-    """One short line for ``error`` (the damage in its chain, where it has one): tensorstore's status, the damaged
-    file (relative to the step directory) and its cause, without the JSON specs (about 2 KB) and the chain of
-    drivers that opened it."""
+    """One short line for ``error`` (the damage in its chain, where it has one): tensorstore's
+    status, the damaged file (relative to the step directory) and its cause, without the JSON specs
+    (about 2 KB) and the chain of drivers that opened it."""
     error = _damage_link(error) or error
     if isinstance(error, ChecksumMismatchError):
         return str(error)
@@ -207,7 +225,8 @@ def damage_summary(error: BaseException, step_dir: str) -> str:
 
 
 class ChecksumMismatchError(ValueError):
-    """Restored arrays whose `checksums` differ from those saved with them: the checkpoint's array data is damaged.
+    """Restored arrays whose `checksums` differ from those saved with them: the checkpoint's array
+    data is damaged.
 
     `jaxdist.training.checkpoints.Checkpointer.restore` turns it into a `CheckpointCorruptedError`.
 
@@ -215,14 +234,18 @@ class ChecksumMismatchError(ValueError):
         paths: the mismatching leaves' paths (``jax.tree_util.keystr``), in tree order.
 
     Examples:
-        >>> print(ChecksumMismatchError([".params['w']", ".params['b']", ".step"]))
-        checksum mismatch in .params['w'] and 2 more leaves: the array data (state/ocdbt.process_*/d/) changed
+        >>> error = ChecksumMismatchError([".params['w']", ".params['b']", ".step"])
+        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
+        checksum mismatch in .params['w'] and 2 more leaves: the array data
+        (state/ocdbt.process_*/d/) changed
     """
 
     def __init__(self, paths: Sequence[str]):
         self.paths = tuple(paths)
         rest = len(self.paths) - 1
-        more = "" if not rest else f" and {self.paths[1]}" if rest == 1 else f" and {rest} more leaves"
+        more = (
+            "" if not rest else f" and {self.paths[1]}" if rest == 1 else f" and {rest} more leaves"
+        )
         where = "the array data (state/ocdbt.process_*/d/) changed"
         super().__init__(f"checksum mismatch in {self.paths[0]}{more}: {where}")
 
@@ -230,16 +253,18 @@ class ChecksumMismatchError(ValueError):
         return type(self), (self.paths,)
 
 
-# Checksums: per leaf, the array's bytes as unsigned words of its item size (8, 16 or 32 bits; 64-bit items as
-# two 32-bit words, low first; complex as real then imaginary; bool as a byte; a PRNG key array as its key data),
-# each widened to uint32, and two sums modulo 2**32 in C order: of the words, and of word * (flat index + 1), so
-# that swapped or moved words are caught too. Both are sums, so the order XLA reduces in (any sharding, device or
-# process count) does not change them: the same values give the same checksums under every strategy.
+# Checksums: per leaf, the array's bytes as unsigned words of its item size (8, 16 or 32 bits;
+# 64-bit items as two 32-bit words, low first; complex as real then imaginary; bool as a byte; a
+# PRNG key array as its key data), each widened to uint32, and two sums modulo 2**32 in C order: of
+# the words, and of word * (flat index + 1), so that swapped or moved words are caught too. Both are
+# sums, so the order XLA reduces in (any sharding, device or process count) does not change them:
+# the same values give the same checksums under every strategy.
 _MASK = 0xFFFFFFFF
 
 
 def _checked(dtype: Any) -> bool:
-    """Whether leaves of ``dtype`` get a checksum (numbers, bools, PRNG keys; not sub-byte types such as int4)."""
+    """Whether leaves of ``dtype`` get a checksum (numbers, bools, PRNG keys; not sub-byte types
+    such as int4)."""
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return True
     if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
@@ -248,19 +273,24 @@ def _checked(dtype: Any) -> bool:
 
 
 def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
-    """A layout for a leaf of ``shape`` laid out as ``sharding`` that also splits it over the mesh axes it is
-    replicated on (where a dimension divides), or None. Without it every replica of a mirrored array sums all of
-    it (8 times the work on 8 devices); moving to a finer split of what a device holds is a local slice."""
-    if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto for t in sharding.mesh.axis_types):
-        return None  # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
+    """A layout for a leaf of ``shape`` laid out as ``sharding`` that also splits it over the mesh
+    axes it is replicated on (where a dimension divides), or None. Without it every replica of a
+    mirrored array sums all of it (8 times the work on 8 devices); moving to a finer split of what a
+    device holds is a local slice."""
+    if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto
+                                                      for t in sharding.mesh.axis_types):
+        # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
+        return None
     mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     names = [list(entry_axes(e)) for e in spec]
     used = {a for axes in names for a in axes}
-    free = sorted((a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1), key=lambda a: -mesh.shape[a])
+    free = sorted((a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1),
+                  key=lambda a: -mesh.shape[a])
     split = False
     for axis in free:
         for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
-            if shape[dim] % (int(np.prod([mesh.shape[a] for a in names[dim]])) * mesh.shape[axis]) == 0:
+            if shape[dim] % (int(np.prod([mesh.shape[a]
+                                          for a in names[dim]])) * mesh.shape[axis]) == 0:
                 names[dim].append(axis)
                 split = True
                 break
@@ -270,7 +300,8 @@ def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
 
 
 def _device_sums(x: jax.Array, spread: NamedSharding | None) -> jax.Array:
-    """``[sum, weighted sum]`` (uint32) of the traced array ``x``, summed in the layout ``spread`` if given."""
+    """``[sum, weighted sum]`` (uint32) of the traced array ``x``, summed in the layout ``spread``
+    if given."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
@@ -282,19 +313,24 @@ def _device_sums(x: jax.Array, spread: NamedSharding | None) -> jax.Array:
     if spread is not None:  # trailing word dimensions (64-bit items, key data) stay whole
         words = jax.lax.with_sharding_constraint(words, spread)
     words = words.astype(jnp.uint32)
-    # The flat C-order index from one iota per axis (not a reshape, which would gather a sharded array).
+    # The flat C-order index from one iota per axis (not a reshape, which would gather a sharded
+    # array).
     index, stride = jnp.zeros(words.shape, jnp.uint32), 1
     for axis in reversed(range(words.ndim)):
         index += jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & _MASK)
         stride *= words.shape[axis]
-    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (index + 1), dtype=jnp.uint32)])
+    return jnp.stack(
+        [jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (index + 1), dtype=jnp.uint32)]
+    )
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _device_program(leaves: list[jax.Array], spread: tuple[NamedSharding | None, ...]) -> jax.Array:
-    """``uint32[len(leaves), 2]``: every leaf's sums, in ONE program; the result is replicated (a full
-    reduction), so each process can read it however the leaves are laid out across processes."""
-    return jnp.stack([_device_sums(x, s) for x, s in zip(to_device_memory(leaves), spread, strict=True)])
+    """``uint32[len(leaves), 2]``: every leaf's sums, in ONE program; the result is replicated (a
+    full reduction), so each process can read it however the leaves are laid out across
+    processes."""
+    return jnp.stack([_device_sums(x, s) for x, s in zip(to_device_memory(leaves), spread,
+                                                         strict=True)])
 
 
 def _host_sums(x: np.ndarray) -> list[int]:
@@ -305,18 +341,20 @@ def _host_sums(x: np.ndarray) -> list[int]:
     bits = x.dtype.itemsize * 8
     words = np.ascontiguousarray(x).reshape(-1).view(f"uint{min(bits, 32)}").astype(np.uint64)
     weights = (np.arange(1, words.size + 1, dtype=np.uint64)) & _MASK
-    return [int(words.sum(dtype=np.uint64)) & _MASK, int((words * weights).sum(dtype=np.uint64)) & _MASK]
+    return [int(words.sum(dtype=np.uint64)) & _MASK,
+            int((words * weights).sum(dtype=np.uint64)) & _MASK]
 
 
 def checksums(tree: Any) -> dict[str, list[int]]:
     """``{path: [sum, weighted_sum]}`` for every leaf of ``tree``, keyed like `fingerprint`'s paths.
 
-    Computed on the devices holding the arrays: one jitted program per mesh (one for a strategy's state; single-
-    device arrays: per device), compiled once per tree signature, reading each array once (a replicated array
-    is split between its replicas); only ``2 * leaves`` words come back. Any ambient mesh (``jax.set_mesh``,
-    ``strategy.scope()``) is ignored: the arrays' own shardings decide.
-    Independent of layout: the same values give the same checksums on any strategy, device or process count
-    (every process must call it, as for a save). Leaves of sub-byte types (int4, ...) get none.
+    Computed on the devices holding the arrays: one jitted program per mesh (one for a strategy's
+    state; single- device arrays: per device), compiled once per tree signature, reading each array
+    once (a replicated array is split between its replicas); only ``2 * leaves`` words come back.
+    Any ambient mesh (``jax.set_mesh``, ``strategy.scope()``) is ignored: the arrays' own shardings
+    decide. Independent of layout: the same values give the same checksums on any strategy, device
+    or process count (every process must call it, as for a save). Leaves of sub-byte types (int4,
+    ...) get none.
 
     Args:
         tree: a pytree of `jax.Array`s (any sharding, device or host memory) or numpy arrays.
@@ -326,19 +364,23 @@ def checksums(tree: Any) -> dict[str, list[int]]:
 
     Examples:
         >>> import numpy as np, jax.numpy as jnp
-        >>> checksums({"w": jnp.arange(3, dtype=jnp.uint32)}) == checksums({"w": np.arange(3, dtype=np.uint32)})
+        >>> (checksums({"w": jnp.arange(3, dtype=jnp.uint32)})
+        ...  == checksums({"w": np.arange(3, dtype=np.uint32)}))
         True
         >>> checksums({"w": np.arange(3, dtype=np.uint32)})  # 0+1+2, 0*1+1*2+2*3
         {"['w']": [3, 8]}
     """
-    leaves = [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    leaves = [(jax.tree_util.keystr(path), x)
+              for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
     out: dict[str, list[int]] = {}
-    groups: dict[Any, list[tuple[str, jax.Array]]] = {}  # one program sees one mesh (or one set of devices)
+    # one program sees one mesh (or one set of devices)
+    groups: dict[Any, list[tuple[str, jax.Array]]] = {}
     for path, x in leaves:
         if not _checked(x.dtype):
             continue
         if isinstance(x, jax.Array):
-            mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else frozenset(x.sharding.device_set)
+            mesh = (x.sharding.mesh if isinstance(x.sharding, NamedSharding)
+                    else frozenset(x.sharding.device_set))
             groups.setdefault(mesh, []).append((path, x))
         else:
             out[path] = _host_sums(x)
@@ -351,10 +393,12 @@ def checksums(tree: Any) -> dict[str, list[int]]:
 
 
 def verify_checksums(saved: Mapping[str, Sequence[int]] | None, tree: Any) -> None:
-    """Raise `ChecksumMismatchError` when a leaf of ``tree`` (just restored) differs from its ``saved`` checksum.
+    """Raise `ChecksumMismatchError` when a leaf of ``tree`` (just restored) differs from its
+    ``saved`` checksum.
 
     Args:
-        saved: the `checksums` stored at save time (None: a checkpoint written without them, not checked).
+        saved: the `checksums` stored at save time (None: a checkpoint written without them, not
+            checked).
         tree: the restored state.
 
     Raises:
@@ -369,7 +413,8 @@ def verify_checksums(saved: Mapping[str, Sequence[int]] | None, tree: Any) -> No
 
 
 async def _settle(before: set[asyncio.Task]) -> None:
-    """Wait for the tasks started since ``before`` in this event loop (and those they start) to end."""
+    """Wait for the tasks started since ``before`` in this event loop (and those they start) to
+    end."""
     current = asyncio.current_task()
     while pending := asyncio.all_tasks() - before - {current}:
         done, _ = await asyncio.wait(pending)
@@ -381,13 +426,15 @@ async def _settle(before: set[asyncio.Task]) -> None:
 class SettlingArrayHandler(ocp.type_handlers.ArrayHandler):
     """orbax's `ArrayHandler` whose failed read raises only once its other reads have ended.
 
-    One damaged file fails one array's read, and orbax's ``asyncio.gather`` raises at once and closes its event
-    loop while tensorstore is still reading the other arrays; each of those, on completing, calls back into the
-    closed loop and prints ``RuntimeError: Event loop is closed`` (through ``sys.unraisablehook``), during the
-    error or at exit. Waiting here, with the loop still open, lets them end quietly.
+    One damaged file fails one array's read, and orbax's ``asyncio.gather`` raises at once and
+    closes its event loop while tensorstore is still reading the other arrays; each of those, on
+    completing, calls back into the closed loop and prints ``RuntimeError: Event loop is closed``
+    (through ``sys.unraisablehook``), during the error or at exit. Waiting here, with the loop still
+    open, lets them end quietly.
     """
 
-    async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> Sequence[jax.Array]:
+    async def deserialize(self, infos: Sequence[Any],
+                          args: Sequence[Any] | None = None) -> Sequence[jax.Array]:
         before = asyncio.all_tasks()
         try:
             return await super().deserialize(infos, args)

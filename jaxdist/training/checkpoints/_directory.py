@@ -1,9 +1,10 @@
-"""A checkpoint directory's own bookkeeping around orbax's steps: what a killed save left unfinished is removed,
-and a rollback (`abandon`) is recorded before its deletions, so that the next checkpointer opened there finishes
-it (`tidy`) before any step is listed: no interruption brings an abandoned step back as the newest. A fit
-also records how far it got (`write_progress`, `read_progress`; removed when it ends with a checkpoint of
-that step, `clear_progress`): a run resumed after a crash knows which of its steps it takes again, and a record
-that is not the directory's (copied in, or older than its checkpoints' run) is said and ignored.
+"""A checkpoint directory's own bookkeeping around orbax's steps: what a killed save left unfinished
+is removed, and a rollback (`abandon`) is recorded before its deletions, so that the next
+checkpointer opened there finishes it (`tidy`) before any step is listed: no interruption brings an
+abandoned step back as the newest. A fit also records how far it got (`write_progress`,
+`read_progress`; removed when it ends with a checkpoint of that step, `clear_progress`): a run
+resumed after a crash knows which of its steps it takes again, and a record that is not the
+directory's (copied in, or older than its checkpoints' run) is said and ignored.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ __all__ = ["PROGRESS_FILE", "abandon", "clear_progress", "read_progress", "tidy"
 
 _ROLLBACK = ".jaxdist-rollback.json"
 PROGRESS_FILE = ".jaxdist-progress.json"
-"""The step the last fit in the directory reached, where that is past its newest checkpoint (`write_progress`)."""
+"""The step the last fit in the directory reached, where that is past its newest checkpoint
+(`write_progress`)."""
 
 
 def _finish_rollback(directory: str) -> None:
-    """Finish a rollback (`Checkpointer.abandon_after`) that was interrupted: delete the steps its record
-    abandons, then the record (process 0 only)."""
+    """Finish a rollback (`Checkpointer.abandon_after`) that was interrupted: delete the steps its
+    record abandons, then the record (process 0 only)."""
     record = os.path.join(directory, _ROLLBACK)
     if jax.process_index() != 0 or not os.path.isfile(record):
         return
@@ -35,7 +37,8 @@ def _finish_rollback(directory: str) -> None:
         with open(record) as f:
             after = int(json.load(f)["after"])
     except (OSError, ValueError, KeyError, TypeError):
-        after = None  # unreadable: written partly, so nothing was deleted yet (it is written before)
+        # unreadable: written partly, so nothing was deleted yet (it is written before)
+        after = None
     if after is not None:
         for name in os.listdir(directory):
             if name.isdigit() and int(name) > after:
@@ -44,8 +47,8 @@ def _finish_rollback(directory: str) -> None:
 
 
 def _remove_unfinished(directory: str) -> None:
-    """Remove the step directories a killed save left unfinished (orbax's temporary ``*.orbax-checkpoint-tmp*``
-    names, never listed as steps); by process 0 only, as orbax does."""
+    """Remove the step directories a killed save left unfinished (orbax's temporary
+    ``*.orbax-checkpoint-tmp*`` names, never listed as steps); by process 0 only, as orbax does."""
     if jax.process_index() != 0 or not os.path.isdir(directory):
         return
     for name in os.listdir(directory):
@@ -54,15 +57,15 @@ def _remove_unfinished(directory: str) -> None:
 
 
 def tidy(directory: str) -> None:
-    """What interrupted runs left in ``directory``: unfinished saves removed, an interrupted rollback finished
-    (process 0 only; call it only while no live run holds the directory)."""
+    """What interrupted runs left in ``directory``: unfinished saves removed, an interrupted
+    rollback finished (process 0 only; call it only while no live run holds the directory)."""
     _remove_unfinished(directory)
     _finish_rollback(directory)  # before orbax lists the steps
 
 
 def abandon(directory: str, step: int, later: list[int], delete: Callable[[int], None]) -> None:
-    """Delete the steps ``later`` (after ``step``) with ``delete``, newest first, the decision recorded first
-    (``os.replace``) and its record removed once they are gone."""
+    """Delete the steps ``later`` (after ``step``) with ``delete``, newest first, the decision
+    recorded first (``os.replace``) and its record removed once they are gone."""
     record = os.path.join(directory, _ROLLBACK)
     if jax.process_index() == 0:
         with open(record + ".tmp", "w") as f:
@@ -77,7 +80,8 @@ def abandon(directory: str, step: int, later: list[int], delete: Callable[[int],
 
 
 def _newest_step(directory: str) -> int:
-    """The newest complete step directory's number in ``directory`` (0: none); a listing, no orbax."""
+    """The newest complete step directory's number in ``directory`` (0: none); a listing, no
+    orbax."""
     try:
         return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=0)
     except OSError:
@@ -85,10 +89,10 @@ def _newest_step(directory: str) -> int:
 
 
 def write_progress(directory: str, step: int) -> None:
-    """Record that the fit writing ``directory`` reached ``step`` (`PROGRESS_FILE`: the step, the newest
-    checkpoint there then, and the time), replacing the record before (written aside, then ``os.replace``: a
-    reader sees the old or the new one). Never an error: a record that cannot be written is left as it was (it
-    only informs `read_progress`).
+    """Record that the fit writing ``directory`` reached ``step`` (`PROGRESS_FILE`: the step, the
+    newest checkpoint there then, and the time), replacing the record before (written aside, then
+    ``os.replace``: a reader sees the old or the new one). Never an error: a record that cannot be
+    written is left as it was (it only informs `read_progress`).
 
     Examples:
         >>> import tempfile
@@ -100,7 +104,8 @@ def write_progress(directory: str, step: int) -> None:
     record = os.path.join(directory, PROGRESS_FILE)
     with contextlib.suppress(OSError):
         with open(record + ".tmp", "w") as f:
-            json.dump({"step": int(step), "checkpoint": _newest_step(directory), "time": time.time()}, f)
+            json.dump({"step": int(step), "checkpoint": _newest_step(directory),
+                       "time": time.time()}, f)
         os.replace(record + ".tmp", record)
 
 
@@ -108,13 +113,14 @@ _SAID_STALE: set[str] = set()
 
 
 def read_progress(directory: str) -> int:
-    """The step `write_progress` last recorded in ``directory``; 0 when there is no record, it is unreadable, or it
-    is not this directory's.
+    """The step `write_progress` last recorded in ``directory``; 0 when there is no record, it is
+    unreadable, or it is not this directory's.
 
-    A record names the newest checkpoint there was when it was written: one that names a checkpoint newer than
-    any in the directory now was copied in with the directory from elsewhere, or left by a run whose checkpoints
-    are gone. Taken at its word it would count every step of the next fit as taken again (``lost``): it is
-    ignored instead, with a warning (once per directory), and the next fit's record replaces it.
+    A record names the newest checkpoint there was when it was written: one that names a checkpoint
+    newer than any in the directory now was copied in with the directory from elsewhere, or left by
+    a run whose checkpoints are gone. Taken at its word it would count every step of the next fit as
+    taken again (``lost``): it is ignored instead, with a warning (once per directory), and the next
+    fit's record replaces it.
 
     Examples:
         >>> import tempfile
@@ -136,18 +142,19 @@ def read_progress(directory: str) -> int:
         if record not in _SAID_STALE:
             _SAID_STALE.add(record)
             warnings.warn(
-                f"checkpoint_dir={directory!r}: its progress record ({PROGRESS_FILE}) says a run reached step {step} "
-                f"after checkpoint {based}, which this directory does not have (its newest is "
-                f"{newest or 'none'}): a record copied from another directory, or left by a run whose checkpoints "
-                "are gone. It is ignored (no step of this fit counts as taken again) and replaced by this fit's; "
+                f"checkpoint_dir={directory!r}: its progress record ({PROGRESS_FILE}) says a run "
+                f"reached step {step} after checkpoint {based}, which this directory does not have "
+                f"(its newest is {newest or 'none'}): a record copied from another directory, or "
+                "left by a run whose checkpoints are gone. It is ignored (no step of this fit "
+                "counts as taken again) and replaced by this fit's; "
                 "delete it to silence this.", UserWarning, stacklevel=3)
         return 0
     return step
 
 
 def clear_progress(directory: str) -> None:
-    """Remove the record of `write_progress` (the fit ended with a checkpoint of the step it reached, which says
-    as much); never an error.
+    """Remove the record of `write_progress` (the fit ended with a checkpoint of the step it
+    reached, which says as much); never an error.
 
     Examples:
         >>> import tempfile

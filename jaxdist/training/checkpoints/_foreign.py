@@ -1,10 +1,12 @@
-"""Checkpoints jaxdist.training did not write: the plain orbax that reads one, and how it enters a `Trainer`.
+"""Checkpoints jaxdist.training did not write: the plain orbax that reads one, and how it enters a
+`Trainer`.
 
 A migrating run's checkpoint directory (orbax's ``CheckpointManager`` with ``StandardSave``, or one
-``StandardCheckpointer`` directory) is no jaxdist checkpoint: it has no ``meta`` item (the step, the data
-position, the model kind). ``Trainer.restore`` and ``fit(checkpoint_dir=...)`` do not guess what its arrays
-are; they answer with `advice`: the two lines that read it with plain orbax and hand it to
-``Trainer.load_state``, written for the directory found (its item's path, the names at its top).
+``StandardCheckpointer`` directory) is no jaxdist checkpoint: it has no ``meta`` item (the step, the
+data position, the model kind). ``Trainer.restore`` and ``fit(checkpoint_dir=...)`` do not guess
+what its arrays are; they answer with `advice`: the two lines that read it with plain orbax and hand
+it to ``Trainer.load_state``, written for the directory found (its item's path, the names at its
+top).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _TREE_FILES = ("_METADATA", "manifest.ocdbt")  # what one orbax pytree (item) di
 
 
 def is_orbax_checkpoint(path: str) -> bool:
-    """Whether ``path`` is one orbax pytree checkpoint (a ``StandardCheckpointer`` directory or an item).
+    """Whether ``path`` is one orbax pytree checkpoint (a ``StandardCheckpointer`` directory or an
+    item).
 
     Examples:
         >>> import tempfile
@@ -30,7 +33,8 @@ def is_orbax_checkpoint(path: str) -> bool:
 
 
 def _items(where: str) -> list[str]:
-    """The orbax pytree checkpoints at ``where``: itself, or its item directories (a manager's step)."""
+    """The orbax pytree checkpoints at ``where``: itself, or its item directories (a manager's
+    step)."""
     if is_orbax_checkpoint(where):
         return [where]
     try:
@@ -41,13 +45,15 @@ def _items(where: str) -> list[str]:
 
 
 def _top_names(item: str) -> list[str]:
-    """The names at the top of the tree saved in ``item`` (from orbax's ``_METADATA``; [] if unreadable)."""
+    """The names at the top of the tree saved in ``item`` (from orbax's ``_METADATA``; [] if
+    unreadable)."""
     try:
         with open(os.path.join(item, "_METADATA")) as f:
             tree = json.load(f)["tree_metadata"]
         names = []
         for key, entry in tree.items():
-            first = entry["key_metadata"][0]["key"] if "key_metadata" in entry else ast.literal_eval(key)[0]
+            first = (entry["key_metadata"][0]["key"] if "key_metadata" in entry
+                     else ast.literal_eval(key)[0])
             if first not in names:
                 names.append(str(first))
         return names
@@ -62,8 +68,9 @@ def _pick(names: list[str], exact: str, part: str) -> str | None:
 
 
 def advice(directory: str, step: int | None) -> str:
-    """What to tell about a checkpoint jaxdist did not write: ``directory``'s step ``step`` (None: the
-    directory is one orbax checkpoint itself): the two lines of plain orbax and ``load_state`` that continue it.
+    """What to tell about a checkpoint jaxdist did not write: ``directory``'s step ``step`` (None:
+    the directory is one orbax checkpoint itself): the two lines of plain orbax and ``load_state``
+    that continue it.
 
     Args:
         directory: the checkpoint directory given to ``restore`` / ``fit``.
@@ -95,13 +102,15 @@ def advice(directory: str, step: int | None) -> str:
         args += f", step={step}"
     what = f"a checkpoint at step {step}" if step is not None else "an orbax checkpoint"
     seen = f" (its tree's top: {names})" if names else ""
-    others = f"; the other items here: {[os.path.basename(i) for i in items[1:]]}" if len(items) > 1 else ""
+    others = (f"; the other items here: {[os.path.basename(i) for i in items[1:]]}"
+              if len(items) > 1 else "")
     return (
-        f"checkpoint_dir={directory!r} holds {what} that jaxdist.training did not write (no 'meta' item){seen}"
-        f"{others}. To continue that run in this Trainer, read it with plain orbax (import orbax.checkpoint as "
-        "ocp) and load it:\n"
+        f"checkpoint_dir={directory!r} holds {what} that jaxdist.training did not write (no 'meta' "
+        f"item){seen}{others}. To continue that run in this Trainer, read it with plain orbax "
+        "(import orbax.checkpoint as ocp) and load it:\n"
         f"    state = ocp.StandardCheckpointer().restore({item!r})\n"
         f"    trainer.load_state({args})\n"
-        "(a linen model's trainer with no state yet also takes batch=a sample batch), then fit with a "
-        "checkpoint_dir of this run's own: jaxdist writes its checkpoints where no other writer's are."
+        "(a linen model's trainer with no state yet also takes batch=a sample batch), then fit "
+        "with a checkpoint_dir of this run's own: jaxdist writes its checkpoints where no other "
+        "writer's are."
     )

@@ -1,5 +1,6 @@
-"""A Trainer's `LiveState` in the local tier (`jaxdist.training.checkpoints._local`): ``fit``'s local saves, and
-its resume from the newest step the surviving processes' local copies assemble, said in the log.
+"""A Trainer's `LiveState` in the local tier (`jaxdist.training.checkpoints._local`): ``fit``'s
+local saves, and its resume from the newest step the surviving processes' local copies assemble,
+said in the log.
 """
 
 from __future__ import annotations
@@ -19,17 +20,22 @@ LOG = logging.getLogger("jaxdist.training.checkpoint")
 
 
 def save_live_local(live: LiveState, local: LocalCheckpointer) -> None:
-    """Save ``live`` (state, step, data position) as a local step (asynchronously; every process at once)."""
+    """Save ``live`` (state, step, data position) as a local step (asynchronously; every process at
+    once)."""
     position = live.position
-    meta = {"model_kind": live.model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
-            "global_batch": global_rows(live.batches.signature)}
+    meta = {
+        "model_kind": live.model.kind,
+        "data_position": {"epoch": position.epoch, "index": position.index},
+        "global_batch": global_rows(live.batches.signature),
+    }
     local.save(live.step, live.state, meta)
 
 
 def restore_live_local(live: LiveState, local: LocalCheckpointer, persistent_step: int | None,
                        target: Any) -> LocalRestore:
-    """Restore into ``live`` the newest local step every process agrees on, when it is at least as new as the
-    persistent tier's ``persistent_step`` (and ahead of ``live``); the decision, which process 0 logs.
+    """Restore into ``live`` the newest local step every process agrees on, when it is at least as
+    new as the persistent tier's ``persistent_step`` (and ahead of ``live``); the decision, which
+    process 0 logs.
 
     Args:
         live: the trainer's state, replaced when the local tier restores.
@@ -39,14 +45,18 @@ def restore_live_local(live: LiveState, local: LocalCheckpointer, persistent_ste
     """
     decision = local.restore(target, persistent_step)
     if decision.step is not None and decision.step > live.step:
-        if decision.meta.get("model_kind") != live.model.kind:  # the identity covers it; said plainly if not
+        # the identity covers it; said plainly if not
+        if decision.meta.get("model_kind") != live.model.kind:
             raise ValueError(f"local step {decision.step} in {local.directory!r} holds a "
-                             f"{decision.meta.get('model_kind')} model, this Trainer's is {live.model.kind}.")
+                             f"{decision.meta.get('model_kind')} model, this Trainer's is "
+                             f"{live.model.kind}.")
         live.state = with_ema(decision.state, live.ema_decay)
         live.step = int(decision.meta["step"])
         live.position = restored_position(decision.meta["data_position"], lambda: None)
         live.sync()
-    decision = LocalRestore(decision.step, None, decision.meta, decision.sources, decision.reason, persistent_step)
-    if jax.process_index() == 0 and (decision.step is not None or local.all_steps() or persistent_step):
+    decision = LocalRestore(decision.step, None, decision.meta, decision.sources, decision.reason,
+                            persistent_step)
+    if jax.process_index() == 0 and (decision.step is not None or local.all_steps()
+                                     or persistent_step):
         LOG.warning("%s", decision.message())
     return decision

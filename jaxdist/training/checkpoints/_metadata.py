@@ -1,9 +1,9 @@
-"""A checkpoint's metadata: its format, the fingerprint of the state it holds (each leaf's path, shape and dtype,
-and the NamedTuple types of optax's states), and whether a state fits it.
+"""A checkpoint's metadata: its format, the fingerprint of the state it holds (each leaf's path,
+shape and dtype, and the NamedTuple types of optax's states), and whether a state fits it.
 
-`check_fits` is what a restore asks before any array is read: another model's or another optimizer's checkpoint
-is an error naming the first differing leaves and the fix. `check_same` is what a save of an existing step asks:
-the same contents are a no-op, others a `CheckpointConflictError`.
+`check_fits` is what a restore asks before any array is read: another model's or another optimizer's
+checkpoint is an error naming the first differing leaves and the fix. `check_same` is what a save of
+an existing step asks: the same contents are a no-op, others a `CheckpointConflictError`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from jaxdist.training.checkpoints._damage import checksums
 __all__ = ["FORMAT", "check_fits", "check_same", "fingerprint", "node_types"]
 
 FORMAT = "jaxdist.training/1"
-"""The ``format`` entry of every checkpoint jaxdist.training writes (others are foreign: `_foreign.advice`)."""
+"""The ``format`` entry of every checkpoint jaxdist.training writes (others are foreign:
+`_foreign.advice`)."""
 
 
 def fingerprint(tree: Any) -> list[list]:
-    """``[[path, shape, dtype], ...]`` for every leaf of ``tree``: what must match for a restore to fit.
+    """``[[path, shape, dtype], ...]`` for every leaf of ``tree``: what must match for a restore to
+    fit.
 
     Examples:
         >>> import numpy as np
@@ -45,8 +47,9 @@ def _mismatch_entries(saved: list, here: list) -> list[list]:
 
 
 def node_types(tree: Any) -> list[list[str]]:
-    """``[[path, type name], ...]`` for every NamedTuple node of ``tree`` (optax's states are NamedTuples): what
-    tells two optimizers apart whose states have the same leaves (Adam's and AdaBelief's ``mu``/``nu``).
+    """``[[path, type name], ...]`` for every NamedTuple node of ``tree`` (optax's states are
+    NamedTuples): what tells two optimizers apart whose states have the same leaves (Adam's and
+    AdaBelief's ``mu``/``nu``).
 
     Examples:
         >>> import optax, numpy as np
@@ -88,20 +91,23 @@ def _mismatch(saved: list, here: list) -> list[str]:
 
 
 def check_fits(directory: str, like: Any, meta: Mapping[str, Any]) -> None:
-    """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming the leaves."""
+    """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming the
+    leaves."""
     diff = _mismatch(meta["fingerprint"], fingerprint(like))
     saved_types = meta.get("node_types")  # none in checkpoints written before them
     if not diff and saved_types is not None:
         saved_by, here_by = dict(map(tuple, saved_types)), dict(map(tuple, node_types(like)))
-        types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} here"
+        types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} "
+                 "here"
                  for p in sorted(set(saved_by) | set(here_by)) if saved_by.get(p) != here_by.get(p)]
         if types:
-            shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3 else "")
+            shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3
+                                            else "")
             raise ValueError(
-                f"checkpoint_dir={directory!r} (step {meta['step']}) holds the state of another optimizer "
-                f"(its state types differ): {shown}. Fix: use the optimizer that wrote it (same transforms, in "
-                "the same chain), or a fresh checkpoint_dir (to keep only the parameters: "
-                "Trainer.load_state(params=...)).")
+                f"checkpoint_dir={directory!r} (step {meta['step']}) holds the state of another "
+                f"optimizer (its state types differ): {shown}. Fix: use the optimizer that wrote "
+                "it (same transforms, in the same chain), or a fresh checkpoint_dir (to keep only "
+                "the parameters: Trainer.load_state(params=...)).")
     if not diff:
         return
     shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
@@ -114,12 +120,13 @@ def check_fits(directory: str, like: Any, meta: Mapping[str, Any]) -> None:
     else:
         what = "a state that does not fit this trainer"
         fix = "use the model and settings that wrote it, or a fresh checkpoint_dir"
-    raise ValueError(f"checkpoint_dir={directory!r} (step {meta['step']}) holds {what}: {shown}. Fix: {fix}.")
+    raise ValueError(f"checkpoint_dir={directory!r} (step {meta['step']}) holds {what}: {shown}. "
+                     f"Fix: {fix}.")
 
 
 def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) -> None:
-    """Checkpoint ``step`` (metadata ``saved``) exists: saving ``state`` as it again is a no-op for the same
-    contents, an error for others."""
+    """Checkpoint ``step`` (metadata ``saved``) exists: saving ``state`` as it again is a no-op for
+    the same contents, an error for others."""
     differ = [e[0] for e in _mismatch_entries(saved.get("fingerprint", []), fingerprint(state))]
     sums = saved.get("checksums")
     if not differ and sums is not None:
@@ -129,7 +136,8 @@ def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) 
         return
     shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
     raise CheckpointConflictError(
-        f"checkpoint step {step} in {directory!r} already exists with other contents ({shown} differ): "
-        "saving over it would keep the old state under this step. Another run wrote this directory, or this "
-        "run went back without restore_step=. Fix: pass a fresh directory, resume from the newest checkpoint "
+        f"checkpoint step {step} in {directory!r} already exists with other contents ({shown} "
+        "differ): saving over it would keep the old state under this step. Another run wrote this "
+        "directory, or this run went back without restore_step=. Fix: pass a fresh directory, "
+        "resume from the newest checkpoint "
         f"(fit does), or delete {os.path.join(directory, str(step))} first.", directory)

@@ -1,22 +1,24 @@
 """Storage for checkpoints: checked before the first step, and a failed save said in one error.
 
-* `check_directory`: a checkpoint directory that is ``""`` (it would write step directories into the current
-  directory), a regular file, or not writable (read-only, no permission, full) is a ValueError naming the
-  argument, the value and the fix, before any training: not at the first save, after the steps up to it.
-* `CheckpointSaveError`: a save that fails (a full disk, a used-up quota, a file-size limit, a read-only
-  filesystem, a directory removed or unmounted meanwhile; in a synchronous or an asynchronous save) is one error
-  naming the step, the directory, the cause, the last intact checkpoint and the fix. The cause is the OSError in
-  the failure's chain where there is one; tensorstore reports its own writes' failures as a status text instead,
-  so where the chain has none the directory is looked at (does it exist?) and probed with a small write of our
-  own, whose errno says what happened: the message never depends on another library's wording.
-* Quiet: orbax reports one failure from each of its threads with a traceback on the ``absl`` logger (hundreds
-  of lines for one full disk), some of them after the error is raised (at ``close``, at exit), and tensorstore's
-  callbacks into the event loops orbax closed print "Event loop is closed" tracebacks. `quiet_orbax` moves
-  orbax's records to the ``jaxdist.training.checkpoint`` logger at DEBUG while jaxdist's saves run, and
-  `quiet_after_failure` for the rest of the process once one failed (with those closed-loop callbacks, and
-  asyncio's reports of orbax's tasks the failure abandoned);
-  ``logging.getLogger("jaxdist.training.checkpoint").setLevel(logging.DEBUG)`` shows them. The error keeps
-  orbax's exception as ``__context__`` (not printed).
+* `check_directory`: a checkpoint directory that is ``""`` (it would write step directories into the
+  current directory), a regular file, or not writable (read-only, no permission, full) is a
+  ValueError naming the argument, the value and the fix, before any training: not at the first save,
+  after the steps up to it.
+* `CheckpointSaveError`: a save that fails (a full disk, a used-up quota, a file-size limit, a
+  read-only filesystem, a directory removed or unmounted meanwhile; in a synchronous or an
+  asynchronous save) is one error naming the step, the directory, the cause, the last intact
+  checkpoint and the fix. The cause is the OSError in the failure's chain where there is one;
+  tensorstore reports its own writes' failures as a status text instead, so where the chain has none
+  the directory is looked at (does it exist?) and probed with a small write of our own, whose errno
+  says what happened: the message never depends on another library's wording.
+* Quiet: orbax reports one failure from each of its threads with a traceback on the ``absl`` logger
+  (hundreds of lines for one full disk), some of them after the error is raised (at ``close``, at
+  exit), and tensorstore's callbacks into the event loops orbax closed print "Event loop is closed"
+  tracebacks. `quiet_orbax` moves orbax's records to the ``jaxdist.training.checkpoint`` logger at
+  DEBUG while jaxdist's saves run, and `quiet_after_failure` for the rest of the process once one
+  failed (with those closed-loop callbacks, and asyncio's reports of orbax's tasks the failure
+  abandoned); ``logging.getLogger("jaxdist.training.checkpoint").setLevel(logging.DEBUG)`` shows
+  them. The error keeps orbax's exception as ``__context__`` (not printed).
 """
 
 from __future__ import annotations
@@ -40,19 +42,24 @@ _ORBAX = os.sep + os.path.join("orbax", "checkpoint") + os.sep
 
 _NOT_WRITABLE = ("it is not writable", "make it writable, or pass a directory you can write")
 _REASONS = {
-    errno.ENOSPC: ("the disk is full", "free space there (or delete old checkpoints), or pass a directory on "
+    errno.ENOSPC: ("the disk is full",
+                   "free space there (or delete old checkpoints), or pass a directory on "
                    "another disk"),
-    errno.EDQUOT: ("the disk quota is used up", "free space in your quota (delete old checkpoints) or ask for a "
+    errno.EDQUOT: ("the disk quota is used up",
+                   "free space in your quota (delete old checkpoints) or ask for a "
                    "larger one, or pass a directory on another disk"),
-    errno.EFBIG: ("a file reached the largest size this process may write (a file-size limit: ulimit -f, "
-                  "RLIMIT_FSIZE; or the filesystem's largest file)", "raise the limit (ulimit -f unlimited, or "
-                  "ask for it to be raised), or pass a directory on a filesystem that takes larger files"),
+    errno.EFBIG: ("a file reached the largest size this process may write (a file-size limit: "
+                  "ulimit -f, RLIMIT_FSIZE; or the filesystem's largest file)",
+                  "raise the limit (ulimit -f unlimited, or "
+                  "ask for it to be raised), or pass a directory on a filesystem that takes larger "
+                  "files"),
     errno.EROFS: _NOT_WRITABLE,
     errno.EACCES: _NOT_WRITABLE,
     errno.EPERM: _NOT_WRITABLE,
 }
-_VANISHED = ("the directory no longer exists (removed, or its filesystem unmounted, while this run used it; its "
-             "checkpoints went with it)", "recreate it (or remount it), or pass another directory")
+_VANISHED = ("the directory no longer exists (removed, or its filesystem unmounted, while this run "
+             "used it; its checkpoints went with it)",
+             "recreate it (or remount it), or pass another directory")
 
 
 def _os_error(error: BaseException) -> OSError | None:
@@ -67,7 +74,8 @@ def _os_error(error: BaseException) -> OSError | None:
 
 
 def _probe(path: str) -> OSError | None:
-    """Write, sync and remove a small file in ``path``: the OSError that fails it (full, read-only, ...), or None."""
+    """Write, sync and remove a small file in ``path``: the OSError that fails it (full, read-only,
+    ...), or None."""
     test = os.path.join(path, f".jaxdist-write-check-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(test, "wb") as f:
@@ -83,15 +91,18 @@ def _probe(path: str) -> OSError | None:
 
 
 def _reason(error: BaseException) -> tuple[str, str]:
-    """``(what happened, fix)`` for an OSError found in ``error``'s chain (full disk, permissions), else generic."""
+    """``(what happened, fix)`` for an OSError found in ``error``'s chain (full disk, permissions),
+    else generic."""
     found = _os_error(error)
     if found is not None:
         return _REASONS[found.errno]
-    return f"{type(error).__name__}: {_short(error)}", "fix the cause (disk space, permissions, ...)"
+    return (f"{type(error).__name__}: {_short(error)}",
+            "fix the cause (disk space, permissions, ...)")
 
 
 def _short(error: BaseException) -> str:
-    """``error``'s text, its first line and at most 300 characters (tensorstore's carry a 2 KB JSON spec)."""
+    """``error``'s text, its first line and at most 300 characters (tensorstore's carry a 2 KB JSON
+    spec)."""
     text = (str(error).strip().splitlines() or [""])[0]
     return text if len(text) <= 300 else text[:297] + "..."
 
@@ -99,9 +110,10 @@ def _short(error: BaseException) -> str:
 def describe_failure(error: BaseException, directory: str | None = None) -> tuple[str, str, bool]:
     """``(cause, fix, vanished)`` of a failed save of a checkpoint into ``directory``.
 
-    The cause: the OSError in ``error``'s chain with a known errno; else, when the directory is gone, that; else
-    the errno of a probe write into the directory (`_probe`); else ``error`` itself, shortened. ``vanished``:
-    whether the directory no longer exists (its checkpoints with it).
+    The cause: the OSError in ``error``'s chain with a known errno; else, when the directory is
+    gone, that; else the errno of a probe write into the directory (`_probe`); else ``error``
+    itself, shortened. ``vanished``: whether the directory no longer exists (its checkpoints with
+    it).
 
     Examples:
         >>> import errno, tempfile
@@ -109,7 +121,8 @@ def describe_failure(error: BaseException, directory: str | None = None) -> tupl
         'a file reached the largest size th'
         >>> describe_failure(ValueError("OUT_OF_RANGE: ..."), "/no/such/directory")[2]
         True
-        >>> describe_failure(ValueError("OUT_OF_RANGE: x"), tempfile.mkdtemp())[0]  # the probe writes fine
+        >>> # the probe writes fine
+        >>> describe_failure(ValueError("OUT_OF_RANGE: x"), tempfile.mkdtemp())[0]
         'ValueError: OUT_OF_RANGE: x'
     """
     found = _os_error(error)
@@ -133,16 +146,18 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
     Args:
         directory: the value given (a path).
         argument: the argument's name, for the message.
-        create: create it when it does not exist (process 0 of a job; the others check only what exists).
+        create: create it when it does not exist (process 0 of a job; the others check only what
+            exists).
         probe: write and remove a small file in it (a read-only or full filesystem fails here).
-        consequence: the sentence that ends a failed probe's message (what did not happen because of it).
+        consequence: the sentence that ends a failed probe's message (what did not happen because of
+            it).
 
     Returns:
         The absolute path.
 
     Raises:
-        ValueError: for ``""``, a value that is not a path, a regular file, a directory that cannot be
-            created or written, naming ``argument``, the value and the fix.
+        ValueError: for ``""``, a value that is not a path, a regular file, a directory that cannot
+            be created or written, naming ``argument``, the value and the fix.
 
     Examples:
         >>> import tempfile
@@ -155,16 +170,18 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
         checkpoint_dir='' names no directory (it would put the ch
     """
     if not isinstance(directory, (str, os.PathLike)):
-        raise ValueError(f"{argument}={directory!r} is not a path: pass a directory path (a str or os.PathLike).")
+        raise ValueError(f"{argument}={directory!r} is not a path: pass a directory path (a str or "
+                         "os.PathLike).")
     text = os.fspath(directory)
     if not isinstance(text, str) or not text.strip():
         raise ValueError(
-            f"{argument}={text!r} names no directory (it would put the checkpoints into the current directory): pass "
-            f"a directory path (e.g. {argument}='checkpoints'), or None for no checkpoints.")
+            f"{argument}={text!r} names no directory (it would put the checkpoints into the "
+            f"current directory): pass a directory path (e.g. {argument}='checkpoints'), or None "
+            "for no checkpoints.")
     path = os.path.abspath(text)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{argument}={text!r} is a file, not a directory: pass a directory (new or holding "
-                         "checkpoints), e.g. its parent directory plus a new name.")
+        raise ValueError(f"{argument}={text!r} is a file, not a directory: pass a directory (new "
+                         "or holding checkpoints), e.g. its parent directory plus a new name.")
     if not os.path.isdir(path):
         if not create:
             return path
@@ -173,25 +190,29 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
         except OSError as error:
             what, fix = _reason(error)
             if isinstance(error, (NotADirectoryError, FileExistsError)):
-                what, fix = "a part of its path is a file", "pass a path whose parents are directories"
+                what, fix = ("a part of its path is a file",
+                             "pass a path whose parents are directories")
             elif (what, fix) == _NOT_WRITABLE:
                 what = "the directory it would be made in is not writable"
-            raise ValueError(f"{argument}={text!r} cannot be created ({what}; {type(error).__name__}: "
+            raise ValueError(f"{argument}={text!r} cannot be created ({what}; "
+                             f"{type(error).__name__}: "
                              f"{error.strerror or error}): {fix}.") from None
     if probe:
         error = _probe(path)
         if error is not None:
             what, fix = _reason(error)
-            raise ValueError(f"{argument}={text!r} cannot hold checkpoints ({what}; {type(error).__name__}: "
+            raise ValueError(f"{argument}={text!r} cannot hold checkpoints ({what}; "
+                             f"{type(error).__name__}: "
                              f"{error.strerror or error}): {fix}. {consequence}") from None
     return path
 
 
 class CheckpointSaveError(RuntimeError):
-    """Saving a checkpoint failed (a full disk, a quota, a file-size limit, a read-only filesystem, a directory
-    that vanished, ...): its step, directory, cause, the last intact checkpoint and the fix, in one message
-    (`describe_failure` finds the cause); the underlying error is kept as ``__context__`` (not printed) and
-    orbax's own tracebacks go to the ``jaxdist.training.checkpoint`` logger at DEBUG.
+    """Saving a checkpoint failed (a full disk, a quota, a file-size limit, a read-only filesystem,
+    a directory that vanished, ...): its step, directory, cause, the last intact checkpoint and the
+    fix, in one message (`describe_failure` finds the cause); the underlying error is kept as
+    ``__context__`` (not printed) and orbax's own tracebacks go to the
+    ``jaxdist.training.checkpoint`` logger at DEBUG.
 
     Args:
         step: the step whose save failed.
@@ -199,11 +220,13 @@ class CheckpointSaveError(RuntimeError):
         latest: the newest complete checkpoint's step (None: none).
         error: what failed.
         background: whether it failed in the background (an asynchronous save).
-        probe: look at the directory for the cause where ``error``'s chain names none (it exists; a probe write).
+        probe: look at the directory for the cause where ``error``'s chain names none (it exists; a
+            probe write).
 
     Examples:
         >>> import errno
-        >>> error = CheckpointSaveError(5, "/c", 4, OSError(errno.ENOSPC, "No space left on device"))
+        >>> error = CheckpointSaveError(5, "/c", 4, OSError(errno.ENOSPC,
+        ...                                                 "No space left on device"))
         >>> print(str(error)[:67])
         saving checkpoint step 5 in '/c' failed: the disk is full (OSError:
         >>> error.step, error.latest
@@ -219,8 +242,8 @@ class CheckpointSaveError(RuntimeError):
                 else f"the last complete checkpoint is step {latest}")
         resume = "from the start" if latest is None else f"to resume from step {latest}"
         where = " in the background" if background else ""
-        super().__init__(f"saving checkpoint step {step} in {directory!r} failed{where}: {cause}; {last}. Fix: {fix}, "
-                         f"then run again {resume}.")
+        super().__init__(f"saving checkpoint step {step} in {directory!r} failed{where}: {cause}; "
+                         f"{last}. Fix: {fix}, then run again {resume}.")
 
     def __reduce__(self) -> tuple:
         return _rebuild, (str(self), self.step, self.directory, self.latest)
@@ -234,17 +257,19 @@ def _rebuild(message: str, step: int, directory: str, latest: int | None) -> Che
 
 
 class _Quiet(logging.Filter):
-    """On the ``absl`` logger: orbax's records while a jaxdist save runs (or for good, once one failed) go to `LOG`
-    at DEBUG instead."""
+    """On the ``absl`` logger: orbax's records while a jaxdist save runs (or for good, once one
+    failed) go to `LOG` at DEBUG instead."""
 
     def __init__(self) -> None:
         super().__init__()
         self.active = 0
-        self.pinned = False  # a save failed: orbax's threads of it may report it at any time from now on
+        # a save failed: orbax's threads of it may report it at any time from now on
+        self.pinned = False
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not (self.active or self.pinned) or _ORBAX not in record.pathname or record.levelno < logging.WARNING:
+        if (not (self.active or self.pinned) or _ORBAX not in record.pathname
+                or record.levelno < logging.WARNING):
             return True
         if LOG.isEnabledFor(logging.DEBUG):
             LOG.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
@@ -265,11 +290,11 @@ def _from_orbax(tb: Any) -> bool:
 
 
 class _QuietAsyncio(logging.Filter):
-    """On the ``asyncio`` logger: the exceptions of orbax's tasks and tensorstore's futures that a failed save
-    abandoned (reported when they are collected, often at exit, where printing them fails too: "--- Logging
-    error ---") go to `LOG` at DEBUG: while jaxdist's saves run, those raised through orbax's code; once one
-    failed, also those raised with no Python frame at all (tensorstore's, set from C++). Everything else
-    passes."""
+    """On the ``asyncio`` logger: the exceptions of orbax's tasks and tensorstore's futures that a
+    failed save abandoned (reported when they are collected, often at exit, where printing them
+    fails too: "--- Logging error ---") go to `LOG` at DEBUG: while jaxdist's saves run, those
+    raised through orbax's code; once one failed, also those raised with no Python frame at all
+    (tensorstore's, set from C++). Everything else passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info or not (_FILTER.active or _FILTER.pinned):
@@ -286,8 +311,9 @@ logging.getLogger("asyncio").addFilter(_QuietAsyncio())
 
 
 def _closed_loop_callback(unraisable: Any) -> bool:
-    """Whether an unraisable exception is asyncio's refusal of a callback into a closed event loop (what
-    tensorstore's writes, completing after orbax closed the loop that started them, run into)."""
+    """Whether an unraisable exception is asyncio's refusal of a callback into a closed event loop
+    (what tensorstore's writes, completing after orbax closed the loop that started them, run
+    into)."""
     tb = unraisable.exc_traceback
     if not isinstance(unraisable.exc_value, RuntimeError) or tb is None:
         return False
@@ -297,8 +323,8 @@ def _closed_loop_callback(unraisable: Any) -> bool:
 
 
 class _QuietUnraisable:
-    """``sys.unraisablehook`` while jaxdist saves run or after one failed: closed-loop callbacks go to `LOG` at
-    DEBUG; everything else to the hook that was there before."""
+    """``sys.unraisablehook`` while jaxdist saves run or after one failed: closed-loop callbacks go
+    to `LOG` at DEBUG; everything else to the hook that was there before."""
 
     def __init__(self, previous: Any):
         self.previous = previous
@@ -306,7 +332,8 @@ class _QuietUnraisable:
     def __call__(self, unraisable: Any) -> None:
         if (_FILTER.active or _FILTER.pinned) and _closed_loop_callback(unraisable):
             LOG.debug("tensorstore callback into a closed event loop (after a failed save)",
-                      exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
+                      exc_info=(unraisable.exc_type, unraisable.exc_value,
+                                unraisable.exc_traceback))
             return
         self.previous(unraisable)
 
@@ -318,9 +345,9 @@ def _hook_unraisable() -> None:
 
 @contextlib.contextmanager
 def quiet_orbax() -> Iterator[None]:
-    """While inside: orbax's warnings and errors go to the ``jaxdist.training.checkpoint`` logger at DEBUG
-    (a failed save is raised as one `CheckpointSaveError` instead), and so do tensorstore's callbacks into
-    event loops orbax closed (`sys.unraisablehook`).
+    """While inside: orbax's warnings and errors go to the ``jaxdist.training.checkpoint`` logger at
+    DEBUG (a failed save is raised as one `CheckpointSaveError` instead), and so do tensorstore's
+    callbacks into event loops orbax closed (`sys.unraisablehook`).
 
     Examples:
         >>> with quiet_orbax():
@@ -337,9 +364,10 @@ def quiet_orbax() -> Iterator[None]:
 
 
 def quiet_after_failure() -> None:
-    """A save failed: orbax's other threads of it report the same failure again, later (after the error is
-    raised, when the checkpointer closes, at exit). From now on, for the rest of the process, orbax's records go
-    to the ``jaxdist.training.checkpoint`` logger at DEBUG as inside `quiet_orbax`.
+    """A save failed: orbax's other threads of it report the same failure again, later (after the
+    error is raised, when the checkpointer closes, at exit). From now on, for the rest of the
+    process, orbax's records go to the ``jaxdist.training.checkpoint`` logger at DEBUG as inside
+    `quiet_orbax`.
 
     Examples:
         >>> from jaxdist.training.checkpoints import _storage

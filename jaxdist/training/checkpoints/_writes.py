@@ -1,7 +1,8 @@
-"""Writing checkpoints with orbax: the state's array handlers, the save in flight (`InFlight`: a waiter thread
-records how it ended, the error raised once by the thread that uses the checkpointer), and the orbax threads a
-failed save leaves waiting (`release_stalled`). The checkpointers left open, whose save in flight is finished
-when the program ends, are `jaxdist.training.checkpoints._at_exit`'s.
+"""Writing checkpoints with orbax: the state's array handlers, the save in flight (`InFlight`: a
+waiter thread records how it ended, the error raised once by the thread that uses the checkpointer),
+and the orbax threads a failed save leaves waiting (`release_stalled`). The checkpointers left open,
+whose save in flight is finished when the program ends, are
+`jaxdist.training.checkpoints._at_exit`'s.
 """
 
 from __future__ import annotations
@@ -23,26 +24,31 @@ def array_handlers() -> dict[str, Any]:
     """Keyword arguments for orbax's ``PyTreeCheckpointHandler`` of the state.
 
     In ONE process a replicated array is written from one replica. orbax's default on CPU and TPU,
-    "replica-parallel", splits it into one slice per replica so that several hosts share the writing; in one
-    process the same host writes every byte anyway, and the slicing (a device op per replica and array) lands
-    in the part of an asynchronous save that blocks the loop: measured, 0.08-0.12 s instead of 0.03-0.04 s for a
-    70 MB state mirrored on 8 CPU devices. Several processes keep orbax's default. Arrays are read by
-    `SettlingArrayHandler` (a damaged checkpoint's error without event-loop noise).
+    "replica-parallel", splits it into one slice per replica so that several hosts share the
+    writing; in one process the same host writes every byte anyway, and the slicing (a device op per
+    replica and array) lands in the part of an asynchronous save that blocks the loop: measured,
+    0.08-0.12 s instead of 0.03-0.04 s for a 70 MB state mirrored on 8 CPU devices. Several
+    processes keep orbax's default. Arrays are read by `SettlingArrayHandler` (a damaged
+    checkpoint's error without event-loop noise).
     """
     try:  # the store that keeps random-key metadata, as in orbax's own registry
         from orbax.checkpoint._src.metadata.array_metadata_store import Store
-    except ImportError:  # moved in another orbax: its default handlers (correct, only slower to start a save)
+    except ImportError:
+        # moved in another orbax: its default handlers (correct, only slower to start a save)
         return {}
     types = ocp.type_handlers
     parallel = {} if jax.process_count() > 1 else {"use_replica_parallel": False}
     arrays = SettlingArrayHandler(**parallel, array_metadata_store=Store())
-    handlers = [(t, types.get_type_handler(t)) for t in types.supported_types() if t is not jax.Array]
-    return {"type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))}
+    handlers = [(t, types.get_type_handler(t)) for t in types.supported_types()
+                if t is not jax.Array]
+    return {
+        "type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))
+    }
 
 
 def operation() -> str | None:
-    """orbax's id of the save started last in this process (the signals between its threads carry it), or None
-    in an orbax without one."""
+    """orbax's id of the save started last in this process (the signals between its threads carry
+    it), or None in an orbax without one."""
     try:
         from orbax.checkpoint._src.futures import synchronization
 
@@ -52,16 +58,18 @@ def operation() -> str | None:
 
 
 def release_stalled(operation_id: str | None) -> int:
-    """End the orbax threads of a FAILED save (``operation_id``) that still wait for a signal from a part of it
-    that failed (a step directory it could not create, say): they are not daemon threads, so each would keep
-    the process from ending for orbax's coordination timeout (300 s). Each is woken by setting the signals it
-    waits for: it runs its part, which fails or writes into the failed save's temporary directory (never renamed
-    into place; removed when the directory is next opened), and ends. (orbax's ``cancel`` would end it without
-    running, but leaves its coroutine never awaited: a RuntimeWarning at exit.) Its report of that goes where
-    the failed save's do (`jaxdist.training.checkpoints._storage.quiet_after_failure`).
+    """End the orbax threads of a FAILED save (``operation_id``) that still wait for a signal from a
+    part of it that failed (a step directory it could not create, say): they are not daemon threads,
+    so each would keep the process from ending for orbax's coordination timeout (300 s). Each is
+    woken by setting the signals it waits for: it runs its part, which fails or writes into the
+    failed save's temporary directory (never renamed into place; removed when the directory is next
+    opened), and ends. (orbax's ``cancel`` would end it without running, but leaves its coroutine
+    never awaited: a RuntimeWarning at exit.) Its report of that goes where the failed save's do
+    (`jaxdist.training.checkpoints._storage.quiet_after_failure`).
 
-    One process only: a job's signals are shared with its peers, whose threads must not be woken. Where
-    orbax's threads are not the ones of orbax-checkpoint 0.12 (no such class or attributes), nothing is done.
+    One process only: a job's signals are shared with its peers, whose threads must not be woken.
+    Where orbax's threads are not the ones of orbax-checkpoint 0.12 (no such class or attributes),
+    nothing is done.
 
     Args:
         operation_id: the failed save's `operation` (None: nothing to do).
@@ -77,12 +85,16 @@ def release_stalled(operation_id: str | None) -> int:
         client = signaling_client.get_signaling_client()
         released = 0
         for thread in threading.enumerate():
-            if not isinstance(thread, future._SignalingThread) or thread._operation_id != operation_id:
+            if not isinstance(thread,
+                              future._SignalingThread) or thread._operation_id != operation_id:
                 continue
             for signal in thread._receive_signals:
-                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, operation_id)
+                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(
+                    signal, operation_id
+                )
                 if client.key_value_try_get(key) is None:
-                    client.key_value_set(key, "released by jaxdist after a failed save", allow_overwrite=True)
+                    client.key_value_set(key, "released by jaxdist after a failed save",
+                                         allow_overwrite=True)
             released += 1
         return released
     except (ImportError, AttributeError, TypeError):
@@ -90,9 +102,10 @@ def release_stalled(operation_id: str | None) -> int:
 
 
 class InFlight:
-    """The save in flight of one orbax ``CheckpointManager`` (at most one): a waiter thread waits for it and
-    records how it ended, complete (`take_finished`) or failed (`take_failure`), for the thread that uses the
-    checkpointer; orbax's log records are kept out of the terminal until it ends (`quiet`).
+    """The save in flight of one orbax ``CheckpointManager`` (at most one): a waiter thread waits
+    for it and records how it ended, complete (`take_finished`) or failed (`take_failure`), for the
+    thread that uses the checkpointer; orbax's log records are kept out of the terminal until it
+    ends (`quiet`).
 
     Args:
         manager: the orbax ``CheckpointManager`` that writes.
@@ -103,17 +116,23 @@ class InFlight:
         self._lock = threading.Lock()
         self._waiter: threading.Thread | None = None
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by take_finished
-        self._failed: tuple[int, Exception] | None = None  # a background save's error, not yet taken
+        # a background save's error, not yet taken
+        self._failed: tuple[int, Exception] | None = None
         self.last_step: int | None = None  # the newest save started
-        self.newest: int | None = None  # the newest save complete (read from other threads: never waits)
+        # the newest save complete (read from other threads: never waits)
+        self.newest: int | None = None
         self.operation: str | None = None  # orbax's id of it (`operation`)
-        self.any_failed = False  # whether a save of this manager failed (orbax raises it again on ``close``)
-        self.quiet = contextlib.ExitStack()  # orbax's log records of the save in flight, kept out of the terminal
+        # whether a save of this manager failed (orbax raises it again on ``close``)
+        self.any_failed = False
+        # orbax's log records of the save in flight, kept out of the terminal
+        self.quiet = contextlib.ExitStack()
 
     def started(self, step: int, path: str) -> None:
-        """The manager started an asynchronous save of ``step`` into ``path``: wait for it in the background."""
+        """The manager started an asynchronous save of ``step`` into ``path``: wait for it in the
+        background."""
         self.last_step, self.operation = step, operation()
-        self._waiter = threading.Thread(target=self._wait, args=(step, path), name="jaxdist-checkpoint", daemon=True)
+        self._waiter = threading.Thread(target=self._wait, args=(step, path),
+                                        name="jaxdist-checkpoint", daemon=True)
         self._waiter.start()
 
     def done(self, step: int, path: str) -> None:
@@ -126,7 +145,8 @@ class InFlight:
         """The waiter thread: wait for the background save of ``step`` and record how it ended."""
         try:
             self._manager.wait_until_finished()
-        except Exception as error:  # recorded for the thread that uses the checkpointer, which raises it
+        except Exception as error:
+            # recorded for the thread that uses the checkpointer, which raises it
             self.fail(step, error)
         else:
             with self._lock:
@@ -134,8 +154,9 @@ class InFlight:
                 self.newest = step
 
     def fail(self, step: int, error: Exception) -> None:
-        """Saving ``step`` failed with ``error``: recorded (`take_failure`); orbax's other threads of it may still
-        report it, so its records stay off the terminal from now on (`quiet_after_failure`)."""
+        """Saving ``step`` failed with ``error``: recorded (`take_failure`); orbax's other threads
+        of it may still report it, so its records stay off the terminal from now on
+        (`quiet_after_failure`)."""
         quiet_after_failure()
         with self._lock:
             self._failed = (step, error)
@@ -153,8 +174,8 @@ class InFlight:
             return
         waiter.join()
         if self._failed is not None:
-            # orbax raises a failed save once in every thread that waits for it: take this thread's turn now
-            # (the error is recorded), or a later save or close would raise it again.
+            # orbax raises a failed save once in every thread that waits for it: take this thread's
+            # turn now (the error is recorded), or a later save or close would raise it again.
             with contextlib.suppress(Exception):
                 self._manager.wait_until_finished()
             release_stalled(self.operation)

@@ -1,7 +1,8 @@
-"""The batches a fit reads: their format and checks, the stream and its position (`DataPosition`), the feed that
-places them on the devices, and the input iterator's state saved with a checkpoint.
+"""The batches a fit reads: their format and checks, the stream and its position (`DataPosition`),
+the feed that places them on the devices, and the input iterator's state saved with a checkpoint.
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
+here.
 """
 
 from jaxdist.training.data._checks import BatchChecker as BatchChecker
@@ -24,6 +25,6 @@ from jaxdist.training.data._stream import BatchStream as BatchStream
 
 __all__ = [
     "BatchChecker", "BatchFeed", "BatchStream", "DataPosition", "IteratorSnapshot", "TrainBatch",
-    "UnrestorableState", "WholeBatch", "check_key", "eval_batches", "global_rows", "restore_args", "restored_position",
-    "save_args", "say_batch_change", "split_batch", "state_for_process",
+    "UnrestorableState", "WholeBatch", "check_key", "eval_batches", "global_rows", "restore_args",
+    "restored_position", "save_args", "say_batch_change", "split_batch", "state_for_process",
 ]

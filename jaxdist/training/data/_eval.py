@@ -1,4 +1,5 @@
-"""Evaluation batches: every example once, the last partial batch padded to the global batch and masked."""
+"""Evaluation batches: every example once, the last partial batch padded to the global batch and
+masked."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ def eval_batches(
     name: str = "eval_data",
     prepare: Callable[[Any, str], Any] | None = None,
 ) -> Iterator[tuple[Any, np.ndarray, int]]:
-    """``(batch, weights, rows)`` for each batch of ``data``, padded to a multiple of ``multiple`` rows.
+    """``(batch, weights, rows)`` for each batch of ``data``, padded to a multiple of ``multiple``
+    rows.
 
-    Padding repeats the last real row (so no loss sees made-up zeros) and gets weight 0; ``rows`` is the
-    number of real rows. ``data`` is a re-iterable, an iterator, or a function of no arguments returning one;
-    ``prepare(batch, where)``, if given, maps each batch first (e.g. to ``(x, y)``: only what is used is padded).
+    Padding repeats the last real row (so no loss sees made-up zeros) and gets weight 0; ``rows`` is
+    the number of real rows. ``data`` is a re-iterable, an iterator, or a function of no arguments
+    returning one; ``prepare(batch, where)``, if given, maps each batch first (e.g. to ``(x, y)``:
+    only what is used is padded).
 
     Raises:
         TypeError: when ``data`` is neither iterable nor callable.

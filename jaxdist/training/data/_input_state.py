@@ -1,17 +1,19 @@
 """The input pipeline's position in checkpoints: grain iterator states, one file per process.
 
-A grain iterator knows where it is (``get_state()`` / ``set_state(state)``), and each process's iterator reads
-its own shard, so each process has its own state. `Checkpointer.save(..., data_iterator=it)` stores it
-beside the arrays as the checkpoint's ``data_iterator`` item through grain's orbax handler
-(``grain.checkpoint.CheckpointSave``): every process writes ``process_<i>-of-<n>.json``, and a restore on the
-same number of processes gives every process back exactly its own state.
+A grain iterator knows where it is (``get_state()`` / ``set_state(state)``), and each process's
+iterator reads its own shard, so each process has its own state. `Checkpointer.save(...,
+data_iterator=it)` stores it beside the arrays as the checkpoint's ``data_iterator`` item through
+grain's orbax handler (``grain.checkpoint.CheckpointSave``): every process writes
+``process_<i>-of-<n>.json``, and a restore on the same number of processes gives every process back
+exactly its own state.
 
-On another number of processes a per-process state has no exact meaning (process 1 of 2 has no counterpart
-among 3), so restoring one is an error that names the fix, with one exception that grain makes exact:
-``grain.experimental.ElasticIterator``, whose state (``{"global_next_index": n}``, the examples consumed
-globally) is the same on every process and valid for any shard count. The metadata keeps that state, so any
-process count resumes from it: every global batch holds the same examples as in the run that wrote it
-(their row order inside a batch follows the process count, as ElasticIterator interleaves the shards).
+On another number of processes a per-process state has no exact meaning (process 1 of 2 has no
+counterpart among 3), so restoring one is an error that names the fix, with one exception that grain
+makes exact: ``grain.experimental.ElasticIterator``, whose state (``{"global_next_index": n}``, the
+examples consumed globally) is the same on every process and valid for any shard count. The metadata
+keeps that state, so any process count resumes from it: every global batch holds the same examples
+as in the run that wrote it (their row order inside a batch follows the process count, as
+ElasticIterator interleaves the shards).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ __all__ = [
 ]
 
 FORMAT = "jaxdist.data_iterator/1"
-_PORTABLE_KEYS = {"global_next_index"}  # grain.experimental.ElasticIterator: the same on every shard
+# grain.experimental.ElasticIterator: the same on every shard
+_PORTABLE_KEYS = {"global_next_index"}
 
 
 def _grain_checkpoint() -> Any:
@@ -44,16 +47,16 @@ def _grain_checkpoint() -> Any:
         import grain.checkpoint as grain_checkpoint
     except ImportError as error:
         raise ImportError(
-            "data_iterator= saves the input iterator's state with grain's orbax handler, and grain is not "
-            "installed: pip install 'jaxdist[grain]' (or grain>=0.2.18)."
+            "data_iterator= saves the input iterator's state with grain's orbax handler, and grain "
+            "is not installed: pip install 'jaxdist[grain]' (or grain>=0.2.18)."
         ) from error
     return grain_checkpoint
 
 
 class IteratorSnapshot:
-    """A fixed iterator state in the shape grain's orbax handler saves and restores (``get_state`` returning
-    JSON bytes, ``set_state`` taking them). Taken at save time, so an asynchronous save writes the state of
-    the step it saves, whatever the live iterator does meanwhile.
+    """A fixed iterator state in the shape grain's orbax handler saves and restores (``get_state``
+    returning JSON bytes, ``set_state`` taking them). Taken at save time, so an asynchronous save
+    writes the state of the step it saves, whatever the live iterator does meanwhile.
 
     Args:
         state: the iterator's state: a dict (grain ``DatasetIterator``), JSON bytes (grain
@@ -77,13 +80,15 @@ class IteratorSnapshot:
 
     def get_state(self) -> bytes:
         """The state as JSON bytes (what grain's handler writes)."""
-        encoding, value = ("bytes", self.state.decode()) if isinstance(self.state, bytes) else ("json", self.state)
+        encoding, value = (("bytes", self.state.decode()) if isinstance(self.state, bytes)
+                           else ("json", self.state))
         try:
             return json.dumps({"format": FORMAT, "encoding": encoding, "state": value}).encode()
         except (TypeError, ValueError) as error:
             raise TypeError(
-                f"the data iterator's state {self.state!r} is not JSON-serializable: a data_iterator's "
-                "get_state() must return a dict of JSON values or JSON bytes, as grain's iterators do."
+                f"the data iterator's state {self.state!r} is not JSON-serializable: a "
+                "data_iterator's get_state() must return a dict of JSON values or JSON bytes, as "
+                "grain's iterators do."
             ) from error
 
     def set_state(self, data: bytes) -> None:
@@ -103,8 +108,8 @@ def _portable(state: Any) -> bool:
 
 
 def describe(state: Any) -> dict:
-    """The checkpoint metadata entry for a saved iterator state: the process count that wrote it, and the
-    state itself when it is valid on any process count (ElasticIterator), else None.
+    """The checkpoint metadata entry for a saved iterator state: the process count that wrote it,
+    and the state itself when it is valid on any process count (ElasticIterator), else None.
 
     Examples:
         >>> describe({"global_next_index": 64})
@@ -116,7 +121,8 @@ def describe(state: Any) -> dict:
 
 
 def snapshot(data_iterator: Any) -> IteratorSnapshot:
-    """`IteratorSnapshot` of ``data_iterator``'s current state (an `IteratorSnapshot` is taken as it is).
+    """`IteratorSnapshot` of ``data_iterator``'s current state (an `IteratorSnapshot` is taken as it
+    is).
 
     Raises:
         TypeError: when ``data_iterator`` has no ``get_state()``, or its state is not JSON.
@@ -126,15 +132,17 @@ def snapshot(data_iterator: Any) -> IteratorSnapshot:
     get_state = getattr(data_iterator, "get_state", None)
     if not callable(get_state):
         raise TypeError(
-            f"data_iterator={data_iterator!r} (type {type(data_iterator).__name__}) has no get_state(): pass "
-            "the iterator the training loop reads, e.g. iter(strategy.distribute_datasets_from_function(fn)) "
-            "over a grain dataset, or a grain iterator itself."
+            f"data_iterator={data_iterator!r} (type {type(data_iterator).__name__}) has no "
+            "get_state(): pass the iterator the training loop reads, e.g. "
+            "iter(strategy.distribute_datasets_from_function(fn)) over a grain dataset, or a grain "
+            "iterator itself."
         )
     return IteratorSnapshot(get_state())
 
 
 def save_args(data_iterator: Any) -> tuple[dict, Any]:
-    """``(metadata entry, orbax args)`` that save ``data_iterator``'s state in a checkpoint (see `describe`).
+    """``(metadata entry, orbax args)`` that save ``data_iterator``'s state in a checkpoint (see
+    `describe`).
 
     Raises:
         TypeError: see `snapshot`.
@@ -154,8 +162,8 @@ def state_for_process(entry: Mapping[str, Any] | None, read: Callable[[], Any], 
 
     Args:
         entry: the checkpoint's ``data_iterator`` metadata, or None when it has none.
-        read: reads this process's saved state (through grain's handler); called only when the process
-            count matches.
+        read: reads this process's saved state (through grain's handler); called only when the
+            process count matches.
         where: the checkpoint, for messages (e.g. ``"checkpoint_dir='/ckpt' step 40"``).
 
     Returns:
@@ -177,19 +185,21 @@ def state_for_process(entry: Mapping[str, Any] | None, read: Callable[[], Any], 
     if entry.get("portable") is not None:
         return dict(entry["portable"])
     raise ValueError(
-        f"{where} holds the input iterator state of {saved} processes (one per process, each for its own "
-        f"shard), but this run has {here}: a per-process position cannot be mapped onto another process count. "
-        f"Fix: resume with {saved} processes, or read the data with grain.experimental.ElasticIterator(dataset, "
-        "global_batch_size, grain.sharding.ShardByJaxProcess()), whose position is valid on any process count "
-        "(for a checkpoint written from then on)."
+        f"{where} holds the input iterator state of {saved} processes (one per process, each for "
+        f"its own shard), but this run has {here}: a per-process position cannot be mapped onto "
+        f"another process count. Fix: resume with {saved} processes, or read the data with "
+        "grain.experimental.ElasticIterator(dataset, global_batch_size, "
+        "grain.sharding.ShardByJaxProcess()), whose position is valid on any process count (for a "
+        "checkpoint written from then on)."
     )
 
 
 def restored_position(position: Mapping[str, Any], read_state: Callable[[], Any]) -> DataPosition:
-    """The `DataPosition` a trainer resumes from: the checkpoint's ``{"epoch", "index"}`` with this process's
-    iterator state (``read_state()``, e.g. ``Checkpointer.data_iterator_state``). A state that does not fit
-    this run (``read_state`` raises ValueError) becomes an `UnrestorableState`: resuming a grain source from
-    it raises that error, while evaluating, or resuming plain (global) data, still works.
+    """The `DataPosition` a trainer resumes from: the checkpoint's ``{"epoch", "index"}`` with this
+    process's iterator state (``read_state()``, e.g. ``Checkpointer.data_iterator_state``). A state
+    that does not fit this run (``read_state`` raises ValueError) becomes an `UnrestorableState`:
+    resuming a grain source from it raises that error, while evaluating, or resuming plain (global)
+    data, still works.
 
     Examples:
         >>> restored_position({"epoch": 1, "index": 3}, lambda: None)
@@ -199,4 +209,5 @@ def restored_position(position: Mapping[str, Any], read_state: Callable[[], Any]
         state = read_state()
     except ValueError as error:
         state = UnrestorableState(error)
-    return dataclasses.replace(DataPosition(int(position["epoch"]), int(position["index"])), state=state)
+    return dataclasses.replace(DataPosition(int(position["epoch"]), int(position["index"])),
+                               state=state)

@@ -1,4 +1,5 @@
-"""How far training has read its data (`DataPosition`), and the state of a checkpoint that does not fit this run."""
+"""How far training has read its data (`DataPosition`), and the state of a checkpoint that does not
+fit this run."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ class DataPosition:
     Attributes:
         epoch: the epoch being read.
         index: batches of it consumed by training steps.
-        state: for a source whose iterator has a state (grain): that iterator's ``get_state()`` right after
-            those batches, on THIS process (each process reads its own shard). A resumed run restores it
-            instead of re-reading and dropping ``index`` batches. None for plain iterables. Not shown, not
-            compared.
+        state: for a source whose iterator has a state (grain): that iterator's ``get_state()``
+            right after those batches, on THIS process (each process reads its own shard). A resumed
+            run restores it instead of re-reading and dropping ``index`` batches. None for plain
+            iterables. Not shown, not compared.
 
     Examples:
         >>> DataPosition(epoch=2, index=5)
@@ -33,8 +34,9 @@ class DataPosition:
 
 
 class UnrestorableState:
-    """The `DataPosition.state` of a checkpoint whose input state does not fit this run (another process
-    count): resuming a stateful source from it raises ``error``; evaluating or resuming plain data does not."""
+    """The `DataPosition.state` of a checkpoint whose input state does not fit this run (another
+    process count): resuming a stateful source from it raises ``error``; evaluating or resuming
+    plain data does not."""
 
     def __init__(self, error: Exception):
         self.error = error

@@ -1,16 +1,18 @@
-"""The training batches on the host (`BatchStream`): epochs and a resumable position over any source.
+"""The training batches on the host (`BatchStream`): epochs and a resumable position over any
+source.
 
 ``train_data`` is one of
 
-* a function ``data_fn(epoch) -> iterable of global batches`` (the way to shuffle per epoch: seed the
-  shuffle with the epoch, e.g. ``np.random.default_rng((seed, epoch))``);
-* a re-iterable (a list, a ``DistributedDataset``): iterated again for each epoch, in the same order;
+* a function ``data_fn(epoch) -> iterable of global batches`` (the way to shuffle per epoch: seed
+  the shuffle with the epoch, e.g. ``np.random.default_rng((seed, epoch))``);
+* a re-iterable (a list, a ``DistributedDataset``): iterated again for each epoch, in the same
+  order;
 * an iterator (a generator's result): read once, as one long epoch.
 
-The trainer counts the batches it has consumed. A checkpoint stores that position as ``(epoch, index)`` and a
-resumed run asks for the same epoch again and skips ``index`` batches on the host (never placing them on a
-device). With deterministic data (the same batches for the same epoch) the resumed run sees exactly the
-batches the uninterrupted run would have seen.
+The trainer counts the batches it has consumed. A checkpoint stores that position as ``(epoch,
+index)`` and a resumed run asks for the same epoch again and skips ``index`` batches on the host
+(never placing them on a device). With deterministic data (the same batches for the same epoch) the
+resumed run sees exactly the batches the uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ __all__ = [
 ]
 
 def is_grain(obj: Any) -> bool:
-    """Whether ``obj`` is a grain dataset, loader or iterator (without importing grain when nobody has).
+    """Whether ``obj`` is a grain dataset, loader or iterator (without importing grain when nobody
+    has).
 
     Examples:
         >>> import grain
@@ -52,7 +55,8 @@ def _stateful(it: Any) -> bool:
     distributed iterator reading one (their ``get_state`` accounts for the batches prefetched)."""
     if isinstance(it, DistributedIterator):
         return is_grain(it.source)
-    return is_grain(it) and callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
+    return (is_grain(it) and callable(getattr(it, "get_state", None))
+            and callable(getattr(it, "set_state", None)))
 
 
 def data_kind(data: Any, name: str) -> str:
@@ -61,36 +65,38 @@ def data_kind(data: Any, name: str) -> str:
     if callable(data):
         return "function"
     raise TypeError(
-        f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor callable: pass a list of "
-        "batches, a generator, or a function epoch -> iterable of batches."
+        f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor callable: pass a "
+        "list of batches, a generator, or a function epoch -> iterable of batches."
     )
 
 
 class BatchStream:
-    """The training batches from a position on, across epochs; maps a consumed count back to a position.
+    """The training batches from a position on, across epochs; maps a consumed count back to a
+    position.
 
-    A grain source (a ``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader``, given as it is or
-    returned by a ``data_fn(epoch)``) is PER-PROCESS input, as grain pipelines are: on several processes each
-    reads its own share of every global batch (e.g. ``grain.sharding.ShardByJaxProcess``), and ``check``
-    gets the process count, to check (and place: `jaxdist.training.data.BatchFeed`) the global batch those
-    shares form. Its iterator's state is recorded after every batch, so `position` carries it
-    (`DataPosition.state`) and a stream started from such a position restores it instead of re-reading the
-    batches before it.
+    A grain source (a ``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader``, given as
+    it is or returned by a ``data_fn(epoch)``) is PER-PROCESS input, as grain pipelines are: on
+    several processes each reads its own share of every global batch (e.g.
+    ``grain.sharding.ShardByJaxProcess``), and ``check`` gets the process count, to check (and
+    place: `jaxdist.training.data.BatchFeed`) the global batch those shares form. Its iterator's
+    state is recorded after every batch, so `position` carries it (`DataPosition.state`) and a
+    stream started from such a position restores it instead of re-reading the batches before it.
 
     Args:
         data: ``train_data`` (see the module docstring).
         start: where to start (a restored checkpoint's position); None for the beginning.
         epochs: stop after this many epochs in total (None: repeat until the trainer stops reading).
-        check: ``check(batch, where) -> batch`` validates each batch (raises ValueError) and returns what
-            the stream yields (a `BatchChecker` returns the pair ``(x, y)``, a `BatchFeed` a placed
-            `TrainBatch`); per-process batches on several processes are passed as ``check(batch, where,
-            processes)``, and need a check that places them (a `BatchFeed`).
+        check: ``check(batch, where) -> batch`` validates each batch (raises ValueError) and returns
+            what the stream yields (a `BatchChecker` returns the pair ``(x, y)``, a `BatchFeed` a
+            placed `TrainBatch`); per-process batches on several processes are passed as
+            ``check(batch, where, processes)``, and need a check that places them (a `BatchFeed`).
 
     Raises:
         TypeError: when ``data`` is neither iterable nor callable.
-        ValueError: (while iterating) when an epoch yields no batches, ends before the restored position, the
-            restored position's input state does not fit this run (`UnrestorableState`), or per-process
-            batches of several processes come without a ``check`` to place them.
+        ValueError: (while iterating) when an epoch yields no batches, ends before the restored
+            position, the restored position's input state does not fit this run
+            (`UnrestorableState`), or per-process batches of several processes come without a
+            ``check`` to place them.
 
     Examples:
         >>> stream = BatchStream([10, 11, 12], DataPosition(0, 1), epochs=2)
@@ -111,17 +117,22 @@ class BatchStream:
         self._epochs = epochs
         self._check = check
         self._lengths: dict[int, int] = {}  # written by whichever thread reads the data (prefetch)
-        # A sized re-iterable (a list) has the same known length every epoch: a position at the end of an
-        # epoch then reads as the start of the next, whether or not the reader has looked past it.
+        # A sized re-iterable (a list) has the same known length every epoch: a position at the end
+        # of an epoch then reads as the start of the next, whether or not the reader has looked past
+        # it.
         self._length = len(data) if self._kind == "iterable" and isinstance(data, Sized) else None
-        # (epoch, batches read in it) -> the source iterator's state right after them (stateful sources only);
-        # written by the reading thread, pruned by `position` up to the batch the steps have consumed.
-        self._states: dict[tuple[int, int], Any] = {(self._start.epoch, self._start.index): self._start.state}
-        self._cursor = (0, self._start.epoch, self._start.index)  # (consumed, epoch, index) of the last position
+        # (epoch, batches read in it) -> the source iterator's state right after them (stateful
+        # sources only); written by the reading thread, pruned by `position` up to the batch the
+        # steps have consumed.
+        self._states: dict[tuple[int, int], Any] = {(self._start.epoch,
+                                                     self._start.index): self._start.state}
+        # (consumed, epoch, index) of the last position
+        self._cursor = (0, self._start.epoch, self._start.index)
 
     @property
     def data(self) -> Any:
-        """The data (after `peek`, an iterator is replaced by one that still yields the peeked batch)."""
+        """The data (after `peek`, an iterator is replaced by one that still yields the peeked
+        batch)."""
         return self._data
 
     @property
@@ -130,8 +141,8 @@ class BatchStream:
         return self._epochs
 
     def peek(self, epoch: int = 0) -> Any:
-        """The first batch of ``epoch`` (for building the state), checked, without consuming an iterator's
-        batch (a grain iterator is put back with ``set_state``). Not placed.
+        """The first batch of ``epoch`` (for building the state), checked, without consuming an
+        iterator's batch (a grain iterator is put back with ``set_state``). Not placed.
 
         Raises:
             ValueError: when there is no batch, or it fails the check.
@@ -156,7 +167,8 @@ class BatchStream:
             if first is _END or first is None:  # (a filtered MapDataset's element may be None)
                 first = next(iter(source), _END)
         if first is _END:
-            raise ValueError(f"train_data yielded no batches (epoch {epoch}): pass at least one batch.")
+            raise ValueError(f"train_data yielded no batches (epoch {epoch}): pass at least one "
+                             "batch.")
         return self._checked(first, f"train_data batch 0 of epoch {epoch}", per_process)
 
     def _source(self, epoch: int) -> Any:
@@ -165,7 +177,8 @@ class BatchStream:
             source = self._data(epoch)
             if not isinstance(source, Iterable):
                 raise TypeError(
-                    f"train_data({epoch}) returned {type(source).__name__}, not an iterable of batches."
+                    f"train_data({epoch}) returned {type(source).__name__}, not an iterable of "
+                    "batches."
                 )
             return source
         return self._data
@@ -186,25 +199,29 @@ class BatchStream:
             stateful = _stateful(it)
             if per_process and jax.process_count() > 1 and self._check is None:
                 raise ValueError(
-                    f"BatchStream(check=None) cannot place per-process (grain) batches on {jax.process_count()} "
-                    "processes: pass check= a jaxdist.training.data.BatchFeed (it checks the global batch the "
-                    "processes' shares form and places each process's rows on the strategy's replicas)."
+                    "BatchStream(check=None) cannot place per-process (grain) batches on "
+                    f"{jax.process_count()} processes: pass check= a "
+                    "jaxdist.training.data.BatchFeed (it checks the global batch the processes' "
+                    "shares form and places each process's rows on the strategy's replicas)."
                 )
             count = self._resume(it, stateful, epoch, skip)
             for batch in it:
                 if stateful:
                     self._states[(epoch, count + 1)] = it.get_state()
-                yield self._checked(batch, f"train_data batch {count} of epoch {epoch}", per_process)
+                yield self._checked(batch, f"train_data batch {count} of epoch {epoch}",
+                                    per_process)
                 count += 1
             if count == 0:
-                raise ValueError(f"train_data yielded no batches in epoch {epoch}: pass at least one batch.")
+                raise ValueError(f"train_data yielded no batches in epoch {epoch}: pass at least "
+                                 "one batch.")
             self._lengths[epoch] = count
             epoch, skip = epoch + 1, 0
 
     def _resume(self, it: Iterator[Any], stateful: bool, epoch: int, skip: int) -> int:
-        """Bring ``it`` to batch ``skip`` of ``epoch``: restore the recorded state of a stateful source, else
-        read and drop ``skip`` batches. Returns ``skip``."""
-        state = self._start.state if (epoch, skip) == (self._start.epoch, self._start.index) else None
+        """Bring ``it`` to batch ``skip`` of ``epoch``: restore the recorded state of a stateful
+        source, else read and drop ``skip`` batches. Returns ``skip``."""
+        state = self._start.state if (epoch, skip) == (self._start.epoch,
+                                                       self._start.index) else None
         if skip and stateful and state is not None:
             if isinstance(state, UnrestorableState):
                 raise state.error
@@ -213,19 +230,20 @@ class BatchStream:
         for count in range(skip):
             if next(it, _END) is _END:
                 raise ValueError(
-                    f"train_data has {count} batches in epoch {epoch}, but the restored position is batch "
-                    f"{skip} of that epoch: the data differs from the run that wrote the checkpoint (pass the "
-                    "same deterministic data, or start from a fresh checkpoint_dir)."
+                    f"train_data has {count} batches in epoch {epoch}, but the restored position "
+                    f"is batch {skip} of that epoch: the data differs from the run that wrote the "
+                    "checkpoint (pass the same deterministic data, or start from a fresh "
+                    "checkpoint_dir)."
                 )
         return skip
 
     def position(self, consumed: int) -> DataPosition:
-        """The position after ``consumed`` batches of this stream have been used (with the source iterator's
-        state after them, for a stateful source)."""
+        """The position after ``consumed`` batches of this stream have been used (with the source
+        iterator's state after them, for a stateful source)."""
         epoch, index = self._start.epoch, self._start.index + consumed
         if self._kind != "iterator":
-            # Walked on from the last position asked for (fit asks after every step): a constant cost per
-            # step however many epochs lie behind, not one that grows with the steps.
+            # Walked on from the last position asked for (fit asks after every step): a constant
+            # cost per step however many epochs lie behind, not one that grows with the steps.
             done, at_epoch, at_index = self._cursor
             if consumed >= done:
                 epoch, index = at_epoch, at_index + consumed - done

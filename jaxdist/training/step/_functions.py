@@ -1,21 +1,22 @@
 """The trainer's step functions: ordinary single-device code, compiled by ``strategy.jit``.
 
-Nothing here knows about replicas. The trainer compiles `make_train_step`'s function with ``strategy.jit(step,
-donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.step._compiled`): on a global batch split over the
-replicas it computes what it computes on one device, so the loss and every metric are means over the GLOBAL
-batch (never a mean of per-replica means).
+Nothing here knows about replicas. The trainer compiles `make_train_step`'s function with
+``strategy.jit(step, donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.step._compiled`):
+on a global batch split over the replicas it computes what it computes on one device, so the loss
+and every metric are means over the GLOBAL batch (never a mean of per-replica means).
 
-* Gradient accumulation: with ``grad_accum_steps=k`` each batch is split into k micro-batches inside the step
-  (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient makes ONE optimizer
-  update: the same update as one step on the whole batch. Micro-batch j takes rows ``j, j+k, j+2k, ...``, so
-  every replica splits its own rows and no data moves between devices.
-* Token-weighted losses (`jaxdist.training.step._weighted`): a loss or metric that returns ``(sum, weight)`` is
-  summed over micro-batches and divided once by the summed weight, so micro-batches holding different numbers
-  of real tokens make the update one step on the whole batch makes; a scalar loss is a mean over equal-sized
-  micro-batches, and their means are averaged.
-* Mixed precision: with ``compute_dtype=jnp.bfloat16`` the forward and backward pass run in bf16 on bf16
-  copies of the parameters and inputs; parameters, gradients and optimizer state stay float32, and outputs
-  are cast back to float32 before the loss.
+* Gradient accumulation: with ``grad_accum_steps=k`` each batch is split into k micro-batches inside
+  the step (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient
+  makes ONE optimizer update: the same update as one step on the whole batch. Micro-batch j takes
+  rows ``j, j+k, j+2k, ...``, so every replica splits its own rows and no data moves between
+  devices.
+* Token-weighted losses (`jaxdist.training.step._weighted`): a loss or metric that returns ``(sum,
+  weight)`` is summed over micro-batches and divided once by the summed weight, so micro-batches
+  holding different numbers of real tokens make the update one step on the whole batch makes; a
+  scalar loss is a mean over equal-sized micro-batches, and their means are averaged.
+* Mixed precision: with ``compute_dtype=jnp.bfloat16`` the forward and backward pass run in bf16 on
+  bf16 copies of the parameters and inputs; parameters, gradients and optimizer state stay float32,
+  and outputs are cast back to float32 before the loss.
 """
 
 from __future__ import annotations
@@ -56,13 +57,16 @@ class TrainState(NamedTuple):
         step: optimizer steps taken (int32 scalar).
         params: what the optimizer updates.
         opt_state: the optax state.
-        model_state: the model's other variables (linen ``batch_stats``; nnx batch stats and ``Rngs``).
-        rng: the base PRNG key; step ``s`` uses ``jax.random.fold_in(key, s)``, so a resumed run draws the
-            same numbers as an uninterrupted one. A typed key (``jax.random.key``) or its raw data
-            (``jax.random.key_data``; what the `Trainer` keeps: a plain uint32 array costs less per step to
-            pass into a compiled step than a typed key does); `step_key` reads either.
-        ema: the averaged weights (`jaxdist.training.step._ema`): a tree like ``params`` with their shardings,
-            updated after each optimizer step; None (the default) when the run keeps none.
+        model_state: the model's other variables (linen ``batch_stats``; nnx batch stats and
+            ``Rngs``).
+        rng: the base PRNG key; step ``s`` uses ``jax.random.fold_in(key, s)``, so a resumed run
+            draws the same numbers as an uninterrupted one. A typed key (``jax.random.key``) or its
+            raw data (``jax.random.key_data``; what the `Trainer` keeps: a plain uint32 array costs
+            less per step to pass into a compiled step than a typed key does); `step_key` reads
+            either.
+        ema: the averaged weights (`jaxdist.training.step._ema`): a tree like ``params`` with their
+            shardings, updated after each optimizer step; None (the default) when the run keeps
+            none.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -96,7 +100,8 @@ def step_key(state: TrainState) -> jax.Array:
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Fraction of rows whose arg-max logit is the integer label: a metric for ``Trainer(metrics=...)``.
+    """Fraction of rows whose arg-max logit is the integer label: a metric for
+    ``Trainer(metrics=...)``.
 
     Args:
         logits: ``(batch, classes)`` scores.
@@ -116,7 +121,8 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def _cast(tree: Any, dtype: Any) -> Any:
     if dtype is None:
         return tree
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        tree)
 
 
 def _learning_rate(opt_state: Any) -> jax.Array | None:
@@ -129,13 +135,14 @@ def _learning_rate(opt_state: Any) -> jax.Array | None:
 
 
 def _micro_batches(tree: Any, k: int) -> Any:
-    """(B, ...) -> (k, B/k, ...): micro-batch j holds rows j, j+k, ...; each replica splits its own rows."""
+    """(B, ...) -> (k, B/k, ...): micro-batch j holds rows j, j+k, ...; each replica splits its own
+    rows."""
 
     def split(a):
         if a.shape[0] % k:
             raise ValueError(
-                f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} rows: use a batch that is a "
-                f"multiple of {k} (and of the replica count times {k})."
+                f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} rows: use a batch "
+                f"that is a multiple of {k} (and of the replica count times {k})."
             )
         return jnp.moveaxis(a.reshape((a.shape[0] // k, k, *a.shape[1:])), 1, 0)
 
@@ -143,12 +150,14 @@ def _micro_batches(tree: Any, k: int) -> Any:
 
 
 ACCUMULATION_SCOPE = "grad_accumulation"
-"""Named scope of the micro-batch loop (its ``while`` op carries it: profiles and the compiled text name it)."""
+"""Named scope of the micro-batch loop (its ``while`` op carries it: profiles and the compiled text
+name it)."""
 
 
 def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
-    """``forward(params, model_state, x, y, rng) -> (loss, (model_state, loss_weight, {name: (value, weight)}))``:
-    the loss to differentiate is the mean (scalar losses) or the SUM (``(sum, weight)`` losses)."""
+    """``forward(params, model_state, x, y, rng) -> (loss, (model_state, loss_weight, {name: (value,
+    weight)}))``: the loss to differentiate is the mean (scalar losses) or the SUM (``(sum,
+    weight)`` losses)."""
 
     def forward(params, model_state, x, y, rng):
         args = (_cast(params, compute_dtype), model_state, _cast(x, compute_dtype), rng)
@@ -162,7 +171,8 @@ def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
             value, weight = weighted.split_value(f"metrics[{name!r}]", fn(out, y))
             values[name] = (jnp.asarray(value, jnp.float32), weight)
         loss, weight = weighted.split_value("loss_fn", loss_fn(out, y))
-        if sown:  # mixture-of-experts layers: their auxiliary losses join the loss, their metrics the logs
+        # mixture-of-experts layers: their auxiliary losses join the loss, their metrics the logs
+        if sown:
             def as_loss(v):  # a summed loss (with a weight) sums its means weight times
                 return v if weight is None else v * weight
 
@@ -175,13 +185,14 @@ def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
 
 
 def _layer_values(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """The metrics of what a model's layers sowed in a training call (its MoE layers' auxiliary loss, which
-    also joins the loss, and router metrics)."""
+    """The metrics of what a model's layers sowed in a training call (its MoE layers' auxiliary
+    loss, which also joins the loss, and router metrics)."""
     return {"moe_aux_loss": moe_loss(sown), **moe_metrics(sown)}
 
 
 def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tuple[str, ...]:
-    """The names of the metrics ``model``'s own layers add to a train step's (`_layer_values`): nothing runs.
+    """The names of the metrics ``model``'s own layers add to a train step's (`_layer_values`):
+    nothing runs.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdist as jd
@@ -195,7 +206,8 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
         return ()
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.result_type(a)),
                           (params, model_state, x))
-    sown = jax.eval_shape(lambda p, s, xb, key: model.apply_train(p, s, xb, key)[2], *shapes, jax.random.key(0))
+    sown = jax.eval_shape(lambda p, s, xb, key: model.apply_train(p, s, xb, key)[2], *shapes,
+                          jax.random.key(0))
     if not sown:
         return ()
     return tuple(jax.eval_shape(_layer_values, sown))
@@ -213,15 +225,16 @@ def make_summed_train_step(
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
     """The train step ``(state, batch) -> (state, metrics, addends)`` behind `make_train_step`.
 
-    ``addends`` is this step's `RunningSums` (`RunningSums.of_step`), which the compiled step adds to the
-    running sums: each scalar metric's mean (weight 1), a token-weighted one's (``(sum, weight)``) sum and
-    weight (`jaxdist.training.step._weighted`), so that sums over steps divide once; the step's non-finite record
-    (its loss or its gradients' global norm is not finite: `jaxdist.training.step._non_finite.step_flag`); and the
-    learning rate when the optimizer exposes it. Arguments as for `make_train_step`, and ``skip_non_finite``: a
-    step whose flag is set keeps the parameters, optimizer and model state it was given (optax's
-    ``apply_if_finite`` semantics; the step counter moves on), and ``ema_decay``: the state's averaged weights
-    (``TrainState.ema``) move towards the new parameters (`jaxdist.training.step._ema.ema_update`), except in a
-    step that is skipped.
+    ``addends`` is this step's `RunningSums` (`RunningSums.of_step`), which the compiled step adds
+    to the running sums: each scalar metric's mean (weight 1), a token-weighted one's (``(sum,
+    weight)``) sum and weight (`jaxdist.training.step._weighted`), so that sums over steps divide
+    once; the step's non-finite record (its loss or its gradients' global norm is not finite:
+    `jaxdist.training.step._non_finite.step_flag`); and the learning rate when the optimizer exposes
+    it. Arguments as for `make_train_step`, and ``skip_non_finite``: a step whose flag is set keeps
+    the parameters, optimizer and model state it was given (optax's ``apply_if_finite`` semantics;
+    the step counter moves on), and ``ema_decay``: the state's averaged weights (``TrainState.ema``)
+    move towards the new parameters (`jaxdist.training.step._ema.ema_update`), except in a step that
+    is skipped.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -230,7 +243,9 @@ def make_summed_train_step(
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, opt.init(params), ms, jax.random.key(1))
         >>> mask = jnp.array([1.0, 1.0, 1.0, 0.0])  # the last row is padding
-        >>> step = make_summed_train_step(model, opt, lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(), mask.sum()))
+        >>> step = make_summed_train_step(model, opt,
+        ...                               lambda out, y: (((out[:, 0] * 0 + 2.0) * mask).sum(),
+        ...                                               mask.sum()))
         >>> state, m, addends = step(state, (jnp.ones((4, 2)), jnp.zeros(4)))
         >>> float(m["loss"]), addends.averages["loss"], int(addends.non_finite.count)
         (2.0, Average(total=Array(6., dtype=float32), weight=Array(3., dtype=float32)), 0)
@@ -243,7 +258,9 @@ def make_summed_train_step(
         x, y = split_batch(batch)
         rng = step_key(state)
         if grad_accum_steps == 1:
-            (loss, (model_state, weight, values)), grads = grad_fn(state.params, state.model_state, x, y, rng)
+            (loss, (model_state, weight, values)), grads = grad_fn(
+                state.params, state.model_state, x, y, rng
+            )
             loss = jnp.asarray(loss, jnp.float32)
         else:
             def micro(carry, inputs):
@@ -257,29 +274,35 @@ def make_summed_train_step(
                 return (add(grads_sum, grads), loss_sum + loss.astype(jnp.float32), weight_sum,
                         add(values_sum, values), model_state), None
 
-            # The carry's structure (which values are weighted) is the forward's: read it without running it.
+            # The carry's structure (which values are weighted) is the forward's: read it without
+            # running it.
             _, (_, weight0, values0) = jax.eval_shape(
                 forward, state.params, state.model_state, *_first_micro(x, y, grad_accum_steps), rng
             )
-            zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+            zeros = lambda tree: jax.tree.map(  # noqa: E731
+                lambda s: jnp.zeros(s.shape, s.dtype), tree)
             with jax.named_scope(ACCUMULATION_SCOPE):
                 (grads, loss, weight, values, model_state), _ = jax.lax.scan(
                     micro,
-                    (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32), zeros(weight0),
-                     zeros(values0), state.model_state),
+                    (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+                     zeros(weight0), zeros(values0), state.model_state),
                     (jnp.arange(grad_accum_steps), _micro_batches(x, grad_accum_steps),
                      _micro_batches(y, grad_accum_steps)),
                 )
             scale = 1.0 / grad_accum_steps  # scalar means of equal-sized micro-batches: averaged
-            values = {name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()}
+            values = {
+                name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()
+            }
             if weight is None:
                 loss, grads = loss * scale, jax.tree.map(lambda g: g * scale, grads)
-        if weight is not None:  # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
+        # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
+        if weight is not None:
             inverse = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * inverse.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        flag = non_finite.step_flag(loss, grads)  # the whole step's: summed loss, accumulated gradients
+        # the whole step's: summed loss, accumulated gradients
+        flag = non_finite.step_flag(loss, grads)
         ema = state.ema if ema_decay is None else ema_update(ema_decay, state.ema, params)
         if skip_non_finite:  # a skipped step moves nothing, the average included
             params, opt_state, model_state, ema = non_finite.keep_if_finite(
@@ -293,14 +316,16 @@ def make_summed_train_step(
         if lr is not None:
             out["learning_rate"] = lr
         addends = RunningSums.of_step(summed, flag, lr)
-        return TrainState(state.step + 1, params, opt_state, model_state, state.rng, ema), out, addends
+        return TrainState(state.step + 1, params, opt_state, model_state, state.rng,
+                          ema), out, addends
 
     return train_step
 
 
 def _first_micro(x: Any, y: Any, k: int) -> tuple[Any, Any]:
     """Shapes of micro-batch 0 (for `jax.eval_shape`)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype), (x, y))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // k, *a.shape[1:]), a.dtype),
+                        (x, y))
 
 
 def make_train_step(
@@ -316,15 +341,18 @@ def make_train_step(
     Args:
         model: a `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation (clipping already chained in).
-        loss_fn: ``loss_fn(outputs, targets)`` returning the mean over the batch, or a pair ``(sum, weight)``
-            (e.g. the summed loss over real tokens and their count; see `jaxdist.training.step._weighted`).
-        metrics: extra ``name -> fn(outputs, targets)``, each a batch mean or a ``(sum, weight)`` pair.
+        loss_fn: ``loss_fn(outputs, targets)`` returning the mean over the batch, or a pair ``(sum,
+            weight)`` (e.g. the summed loss over real tokens and their count; see
+            `jaxdist.training.step._weighted`).
+        metrics: extra ``name -> fn(outputs, targets)``, each a batch mean or a ``(sum, weight)``
+            pair.
         grad_accum_steps: micro-batches per optimizer step (1: none).
-        compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision; None computes in the parameters' dtype.
+        compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision; None computes in the parameters'
+            dtype.
 
     Returns:
-        The step; its metrics dict holds ``"loss"``, each metric (means: a pair's sum over its weight) and, for
-        optimizers built with `optax.inject_hyperparams`, ``"learning_rate"``.
+        The step; its metrics dict holds ``"loss"``, each metric (means: a pair's sum over its
+        weight) and, for optimizers built with `optax.inject_hyperparams`, ``"learning_rate"``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -337,7 +365,8 @@ def make_train_step(
         >>> int(state.step), sorted(m)
         (1, ['loss'])
     """
-    summed = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype)
+    summed = make_summed_train_step(model, optimizer, loss_fn, metrics, grad_accum_steps,
+                                    compute_dtype)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         state, metrics, _ = summed(state, batch)
@@ -346,9 +375,10 @@ def make_train_step(
     return train_step
 
 
-def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection[str] = ()) -> RunningSums:
-    """The running sums of no train steps (`RunningSums.zeros`): ``"loss"`` and each of ``metrics``, the
-    ``weighted_names`` token-weighted, and a learning rate when the optimizer was built with
+def zero_sums(metrics: Iterable[str], opt_state: Any,
+              weighted_names: Collection[str] = ()) -> RunningSums:
+    """The running sums of no train steps (`RunningSums.zeros`): ``"loss"`` and each of ``metrics``,
+    the ``weighted_names`` token-weighted, and a learning rate when the optimizer was built with
     `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
 
     Examples:
@@ -359,7 +389,8 @@ def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection
         (('loss', 'accuracy'), ('loss',), True)
     """
     has_rate = any(
-        isinstance(getattr(node, "hyperparams", None), Mapping) and "learning_rate" in node.hyperparams
+        isinstance(getattr(node, "hyperparams", None), Mapping)
+        and "learning_rate" in node.hyperparams
         for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams"))
     )
     return RunningSums.zeros(("loss", *metrics), weighted_names, learning_rate=has_rate)
@@ -368,19 +399,20 @@ def zero_sums(metrics: Iterable[str], opt_state: Any, weighted_names: Collection
 def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedSums) -> Callable:
     """The body of an on-device loop of train steps, for ``strategy.run_steps_on_dataset``.
 
-    ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs ``train_step``
-    on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name: float32 array (n,)}``;
-    ``i`` starts at 0) and adds the step to ``sums`` (the vector of a `PackedSums` structured as ``like``).
-    After a loop of ``n`` steps
-    ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step`` returns ``(state,
-    metrics)`` (each metric a scalar mean), or ``(state, metrics, addends)`` (`make_summed_train_step`) whose
-    addends go to the sums.
+    ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs
+    ``train_step`` on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name:
+    float32 array (n,)}``; ``i`` starts at 0) and adds the step to ``sums`` (the vector of a
+    `PackedSums` structured as ``like``). After a loop of ``n`` steps
+    ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step`` returns
+    ``(state, metrics)`` (each metric a scalar mean), or ``(state, metrics, addends)``
+    (`make_summed_train_step`) whose addends go to the sums.
 
     Examples:
         >>> import numpy as np, jax.numpy as jnp, jaxdist as jd
         >>> def train_step(w, batch):
         ...     return w + 1.0, {"loss": batch[0].mean()}
-        >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)])
+        >>> batches = iter([(np.full((2, 1), i, np.float32), np.zeros(2, np.float32))
+        ...                 for i in range(3)])
         >>> like = RunningSums.zeros(["loss"]).pack()
         >>> start = (jnp.float32(0.0), {"loss": np.zeros(3, np.float32)}, np.int32(0), like.vector)
         >>> ctx = jd.OneDeviceStrategy().run_steps_on_dataset(
@@ -396,14 +428,16 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedS
         state, values, i, sums = carry
         state, metrics, *addends = train_step(state, (x, y))
         values = {k: v.at[i].set(metrics[k].astype(v.dtype)) for k, v in values.items()}
-        step = addends[0] if addends else RunningSums.of_step({k: (v, None) for k, v in metrics.items()})
+        step = (addends[0] if addends
+                else RunningSums.of_step({k: (v, None) for k, v in metrics.items()}))
         return state, values, i + 1, like.holding(sums).unpack().then(step).pack().vector
 
     return loop_step
 
 
 def _per_example(fn: Callable, out: Any, y: Any) -> Any:
-    """``fn`` on every row as a batch of one: per-example values that padding rows can be masked out of."""
+    """``fn`` on every row as a batch of one: per-example values that padding rows can be masked out
+    of."""
     one = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
     return jax.vmap(lambda o, t: fn(one(o), one(t)))(out, y)
 
@@ -417,10 +451,11 @@ def make_eval_step(
     """The evaluation step ``(state, batch, weights) -> (sums, counts, examples)``.
 
     Each metric is computed per example (padding rows weigh 0 in ``weights``). For a scalar metric
-    ``sums[name]`` is the weighted sum of its per-example values and ``counts[name]`` the sum of weights; for
-    a token-weighted one (``(sum, weight)``) ``sums[name]`` adds the per-example sums and ``counts[name]``
-    their weights. ``examples`` counts the real rows. The trainer adds all of them over batches and divides
-    once, so evaluation metrics are exact means over every example (or every token).
+    ``sums[name]`` is the weighted sum of its per-example values and ``counts[name]`` the sum of
+    weights; for a token-weighted one (``(sum, weight)``) ``sums[name]`` adds the per-example sums
+    and ``counts[name]`` their weights. ``examples`` counts the real rows. The trainer adds all of
+    them over batches and divides once, so evaluation metrics are exact means over every example (or
+    every token).
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -429,16 +464,20 @@ def make_eval_step(
         >>> params, ms = model.init(jax.random.key(0), jnp.ones((1, 2)))
         >>> state = TrainState(jnp.int32(0), params, (), ms, jax.random.key(1))
         >>> step = make_eval_step(model, lambda out, y: jnp.mean(out[:, 0] * 0 + 1.0))
-        >>> sums, counts, n = step(state, (jnp.ones((4, 2)), jnp.zeros(4)), jnp.array([1.0, 1.0, 1.0, 0.0]))
+        >>> sums, counts, n = step(state, (jnp.ones((4, 2)), jnp.zeros(4)),
+        ...                        jnp.array([1.0, 1.0, 1.0, 0.0]))
         >>> float(sums["loss"]), float(counts["loss"]), float(n)
         (3.0, 3.0, 3.0)
     """
     fns = {"loss": loss_fn, **dict(metrics or {})}
 
-    def eval_step(state: TrainState, batch: Any, weights: jax.Array) -> tuple[dict, dict, jax.Array]:
+    def eval_step(
+        state: TrainState, batch: Any, weights: jax.Array
+    ) -> tuple[dict, dict, jax.Array]:
         x, y = split_batch(batch)
         out, _ = model.apply(
-            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None, train=False
+            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,
+            train=False
         )
         out = _cast(out, jnp.float32 if compute_dtype is not None else None)
         sums, counts = {}, {}
@@ -471,7 +510,8 @@ def make_predict_step(model: Any, compute_dtype: Any = None) -> Callable[[TrainS
 
     def predict_step(state: TrainState, x: Any) -> Any:
         out, _ = model.apply(
-            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None, train=False
+            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,
+            train=False
         )
         return _cast(out, jnp.float32 if compute_dtype is not None else None)
 

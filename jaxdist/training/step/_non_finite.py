@@ -1,29 +1,32 @@
-"""Non-finite losses and gradients: detected on the devices, decided at the host's next look, never saved.
+"""Non-finite losses and gradients: detected on the devices, decided at the host's next look, never
+saved.
 
-A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the most common way a long run dies.
-``Trainer.fit(on_non_finite=...)`` (`NonFinitePolicy`) decides what happens then; this module is all of it, the
-devices' part and the host's.
+A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the most common way a
+long run dies. ``Trainer.fit(on_non_finite=...)`` (`NonFinitePolicy`) decides what happens then;
+this module is all of it, the devices' part and the host's.
 
-* Detect on the device. Each train step computes whether its loss and every entry of its gradients are
-  finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every process
-  computes the same flag; no squaring, which overflows float16) (`step_flag`), and adds its record to the
-  running sums (`NonFiniteRecord`: how many steps were not finite in the window, where the first one was,
-  and the runs of them in a row). Nothing is read per step: the host sees the flags when it reads a log
-  window's sums anyway, and before every checkpoint.
-* Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when the flag
-  is set (`keep_if_finite`: optax's ``apply_if_finite`` semantics, as a select, so the state's structure and a
-  finite step's numbers do not change); its step counter and the data move on.
-* Never saved: `non_finite_leaves` reads, on the devices, which leaves of a state are not finite; the trainer
-  refuses to save such a state (``Trainer.save``), so no checkpoint holds one and the rotation of checkpoints
-  (``keep_checkpoints``) only ever deletes finite checkpoints older than the newest finite one.
+* Detect on the device. Each train step computes whether its loss and every entry of its gradients
+  are finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every
+  process computes the same flag; no squaring, which overflows float16) (`step_flag`), and adds its
+  record to the running sums (`NonFiniteRecord`: how many steps were not finite in the window, where
+  the first one was, and the runs of them in a row). Nothing is read per step: the host sees the
+  flags when it reads a log window's sums anyway, and before every checkpoint.
+* Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when
+  the flag is set (`keep_if_finite`: optax's ``apply_if_finite`` semantics, as a select, so the
+  state's structure and a finite step's numbers do not change); its step counter and the data move
+  on.
+* Never saved: `non_finite_leaves` reads, on the devices, which leaves of a state are not finite;
+  the trainer refuses to save such a state (``Trainer.save``), so no checkpoint holds one and the
+  rotation of checkpoints (``keep_checkpoints``) only ever deletes finite checkpoints older than the
+  newest finite one.
 
-* Decide on the host. At a look (a log window read, a checkpoint) the host reads the windows so far (`Window`)
-  and `NonFiniteGuard` decides: ``"stop"`` raises `NonFiniteError`, ``"skip"`` raises it after
-  ``max_consecutive_skips`` skipped steps in a row, ``"rollback"`` goes back to the last checkpoint (at most
-  ``max_rollbacks`` times), ``"continue"`` warns once and trains on.
+* Decide on the host. At a look (a log window read, a checkpoint) the host reads the windows so far
+  (`Window`) and `NonFiniteGuard` decides: ``"stop"`` raises `NonFiniteError`, ``"skip"`` raises it
+  after ``max_consecutive_skips`` skipped steps in a row, ``"rollback"`` goes back to the last
+  checkpoint (at most ``max_rollbacks`` times), ``"continue"`` warns once and trains on.
 
-`NonFiniteError` (a `FloatingPointError`) is the error of both: a run stopped on its non-finite steps, a state
-refused.
+`NonFiniteError` (a `FloatingPointError`) is the error of both: a run stopped on its non-finite
+steps, a state refused.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ __all__ = [
 ]
 
 FLAG = "non_finite"
-"""The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0 otherwise)."""
+"""The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0
+otherwise)."""
 
 
 class NonFiniteError(FloatingPointError):
-    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped without saving them.
+    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped without saving
+    them.
 
     Attributes:
         step: the first step whose loss or gradients were not finite (or whose state was not).
@@ -69,12 +74,14 @@ class NonFiniteError(FloatingPointError):
         directory: the checkpoint directory, or None.
 
     Examples:
-        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30, directory="/c")
+        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30,
+        ...                        directory="/c")
         >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
         (True, 40, 30)
     """
 
-    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None, directory: str | None):
+    def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None,
+                 directory: str | None):
         super().__init__(message)
         self.step, self.count, self.checkpoint, self.directory = step, count, checkpoint, directory
 
@@ -82,27 +89,31 @@ class NonFiniteError(FloatingPointError):
         return _rebuild, (str(self), self.step, self.count, self.checkpoint, self.directory)
 
 
-def _rebuild(message: str, step: int, count: int, checkpoint: int | None, directory: str | None) -> NonFiniteError:
-    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint, directory=directory)
+def _rebuild(message: str, step: int, count: int, checkpoint: int | None,
+             directory: str | None) -> NonFiniteError:
+    return NonFiniteError(message, step=step, count=count, checkpoint=checkpoint,
+                          directory=directory)
 
 
 def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
     """1.0 (float32) when ``loss`` or the global norm of ``grads`` is not finite, else 0.0.
 
-    Inside a compiled step over global arrays both are global reductions: every replica and process gets the
-    same flag.
+    Inside a compiled step over global arrays both are global reductions: every replica and process
+    gets the same flag.
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.ones(2)})), float(step_flag(jnp.nan, {"w": jnp.ones(2)}))
+        >>> (float(step_flag(jnp.float32(1.0), {"w": jnp.ones(2)})),
+        ...  float(step_flag(jnp.nan, {"w": jnp.ones(2)})))
         (0.0, 1.0)
         >>> float(step_flag(jnp.float32(1.0), {"w": jnp.array([1.0, jnp.inf])}))
         1.0
-        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.full(4, 300.0, jnp.float16)}))  # finite, norm > fp16 max
+        >>> # finite, norm > fp16 max
+        >>> float(step_flag(jnp.float32(1.0), {"w": jnp.full(4, 300.0, jnp.float16)}))
         0.0
     """
-    # Every gradient entry finite (what a finite global norm means, without squaring in the gradients' own
-    # dtype: a float16 norm overflows to inf for gradients that are all finite).
+    # Every gradient entry finite (what a finite global norm means, without squaring in the
+    # gradients' own dtype: a float16 norm overflows to inf for gradients that are all finite).
     finite = jnp.isfinite(jnp.asarray(loss, jnp.float32))
     for g in jax.tree.leaves(grads):
         finite = finite & jnp.isfinite(g).all()
@@ -110,11 +121,13 @@ def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
 
 
 def keep_if_finite(flag: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``flag`` is 0.0, else ``old`` (optax's ``apply_if_finite``: a non-finite step changes nothing).
+    """``new`` where ``flag`` is 0.0, else ``old`` (optax's ``apply_if_finite``: a non-finite step
+    changes nothing).
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> keep_if_finite(jnp.float32(1.0), {"w": jnp.array(jnp.nan)}, {"w": jnp.array(2.0)})["w"].tolist()
+        >>> keep_if_finite(jnp.float32(1.0), {"w": jnp.array(jnp.nan)},
+        ...                {"w": jnp.array(2.0)})["w"].tolist()
         2.0
     """
     return optax.tree.where(flag == 0.0, new, old)
@@ -122,8 +135,8 @@ def keep_if_finite(flag: jax.Array, new: Any, old: Any) -> Any:
 
 class NonFiniteRecord(NamedTuple):
     """The non-finite steps of a window of steps, as the running sums carry them on the devices
-    (`jaxdist.training.RunningSums.non_finite`): enough for the host to find the first bad step and the runs of
-    bad steps across windows (`NonFiniteGuard`). Every field is an int32 count.
+    (`jaxdist.training.RunningSums.non_finite`): enough for the host to find the first bad step and
+    the runs of bad steps across windows (`NonFiniteGuard`). Every field is an int32 count.
 
     Attributes:
         count: how many steps were not finite.
@@ -132,14 +145,15 @@ class NonFiniteRecord(NamedTuple):
         run: how many close it (so far).
         longest: the longest run of non-finite steps in it.
 
-    Records compose (`then`): the record of a window is that of its first part followed by that of the rest,
-    so each step adds its own record (`of_step`) inside the compiled step.
+    Records compose (`then`): the record of a window is that of its first part followed by that of
+    the rest, so each step adds its own record (`of_step`) inside the compiled step.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> record, steps = NonFiniteRecord.zeros(), 0
         >>> for flag in (0.0, 1.0, 1.0, 0.0, 1.0):
-        ...     record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps, 1), steps + 1
+        ...     record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps,
+        ...                                 1), steps + 1
         >>> [int(v) for v in record]  # 3 bad; first after 1 step; none opens; 1 closes; 2 in a row
         [3, 1, 0, 1, 2]
     """
@@ -157,14 +171,16 @@ class NonFiniteRecord(NamedTuple):
 
     @classmethod
     def of_step(cls, flag: jax.Array | None) -> NonFiniteRecord:
-        """The record of one step whose `step_flag` is ``flag`` (None: a step without a flag, finite)."""
+        """The record of one step whose `step_flag` is ``flag`` (None: a step without a flag,
+        finite)."""
         if flag is None:
             return cls.zeros()
         bad = (jnp.asarray(flag) > 0).astype(jnp.int32)
         return cls(bad, jnp.zeros((), jnp.int32), bad, bad, bad)
 
     def then(self, later: NonFiniteRecord, steps: Any, later_steps: Any) -> NonFiniteRecord:
-        """The record of this window (of ``steps`` steps) followed by ``later`` (of ``later_steps`` steps)."""
+        """The record of this window (of ``steps`` steps) followed by ``later`` (of ``later_steps``
+        steps)."""
         count, first, lead, run, longest = self
         count2, first2, lead2, run2, longest2 = later
         return NonFiniteRecord(
@@ -187,32 +203,38 @@ def _kinds(tree: Any, name: str) -> list[tuple[str, jax.Array, bool]]:
 
 
 def _all_finite(leaves: list[jax.Array], only_nan: tuple[bool, ...]) -> jax.Array:
-    return jnp.stack([jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x)) for x, nan in zip(leaves, only_nan,
-                                                                                           strict=True)])
+    return jnp.stack(
+        [
+            jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x))
+            for x, nan in zip(leaves, only_nan, strict=True)
+        ]
+    )
 
 
 _PROGRAM = jax.jit(_all_finite, static_argnums=1)
 
 
 def non_finite_leaves(state: Any) -> list[str]:
-    """The paths of ``state``'s leaves (a `TrainState`) that hold a NaN, or an infinity in the parameters or
-    model state, read on the devices (one program; only one flag per leaf comes back).
+    """The paths of ``state``'s leaves (a `TrainState`) that hold a NaN, or an infinity in the
+    parameters or model state, read on the devices (one program; only one flag per leaf comes back).
 
-    The optimizer state may hold infinities by design (``optax.contrib.reduce_on_plateau`` starts its best
-    value at ``inf``), so only NaN counts there; a diverged optimizer state (Adam's moments of an infinite
-    gradient) makes the parameters non-finite with it. Every process of a multi-process job gets the same
-    answer (the flags are global reductions).
+    The optimizer state may hold infinities by design (``optax.contrib.reduce_on_plateau`` starts
+    its best value at ``inf``), so only NaN counts there; a diverged optimizer state (Adam's moments
+    of an infinite gradient) makes the parameters non-finite with it. Every process of a
+    multi-process job gets the same answer (the flags are global reductions).
 
     Args:
         state: a `TrainState` (``params``, ``opt_state`` and ``model_state`` are read).
 
     Returns:
-        The non-finite leaves' paths (e.g. ``".params['Dense_0']['kernel']"``), empty when all are finite.
+        The non-finite leaves' paths (e.g. ``".params['Dense_0']['kernel']"``), empty when all are
+        finite.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> from jaxdist.training.step._functions import TrainState
-        >>> state = TrainState(jnp.int32(0), {"w": jnp.array([1.0, jnp.nan])}, (jnp.array(jnp.inf),), {}, None)
+        >>> state = TrainState(jnp.int32(0), {"w": jnp.array([1.0, jnp.nan])},
+        ...                    (jnp.array(jnp.inf),), {}, None)
         >>> non_finite_leaves(state)
         [".params['w']"]
     """
@@ -221,7 +243,8 @@ def non_finite_leaves(state: Any) -> list[str]:
     if not leaves:
         return []
     with jax.set_mesh(None):  # the arrays' own shardings decide (a strategy's scope may be open)
-        flags = np.asarray(_PROGRAM([leaf for _, leaf, _ in leaves], tuple(nan for _, _, nan in leaves)))
+        flags = np.asarray(_PROGRAM([leaf for _, leaf, _ in leaves],
+                                    tuple(nan for _, _, nan in leaves)))
     return [path for (path, _, _), bad in zip(leaves, flags, strict=True) if bad]
 
 
@@ -242,11 +265,13 @@ ACTIONS = ("stop", "skip", "rollback", "continue")
 """The values of ``on_non_finite``."""
 
 MAX_CONSECUTIVE_SKIPS = 10
-"""``"skip"`` stops (as ``"stop"``) after this many skipped steps in a row: isolated bad batches are skipped; a
-run whose every step is non-finite from some step on has diverged, and skipping cannot bring it back."""
+"""``"skip"`` stops (as ``"stop"``) after this many skipped steps in a row: isolated bad batches are
+skipped; a run whose every step is non-finite from some step on has diverged, and skipping cannot
+bring it back."""
 
 MAX_ROLLBACKS = 3
-"""``"rollback"`` goes back to the last finite checkpoint at most this many times in one ``fit``, then stops."""
+"""``"rollback"`` goes back to the last finite checkpoint at most this many times in one ``fit``,
+then stops."""
 
 COUNT = "non_finite_steps"
 """The log's entry of the non-finite steps in a log window."""
@@ -254,18 +279,18 @@ COUNT = "non_finite_steps"
 
 @dataclasses.dataclass(frozen=True)
 class NonFinitePolicy:
-    """What ``Trainer.fit`` does when a step's loss or gradients are not finite (``fit(on_non_finite=...)``
-    takes one, or just its ``action``).
+    """What ``Trainer.fit`` does when a step's loss or gradients are not finite
+    (``fit(on_non_finite=...)`` takes one, or just its ``action``).
 
     Attributes:
-        action: ``"stop"`` (default): raise `NonFiniteError` (a `FloatingPointError`) naming the first bad
-            step, the last finite checkpoint and how to resume; nothing more is saved. ``"skip"``: the bad
-            steps change nothing (parameters, optimizer and model state kept; the step counter and the data
-            move on), the logs count them; ``max_consecutive_skips`` in a row stop as ``"stop"``.
-            ``"rollback"``: restore the last finite checkpoint (needs ``checkpoint_dir``) and go on with the
-            data from where it is, past the bad batches; at most ``max_rollbacks`` times, then stop.
-            ``"continue"``: train on (the old behaviour), with one warning; non-finite states are still
-            not saved (a warning each).
+        action: ``"stop"`` (default): raise `NonFiniteError` (a `FloatingPointError`) naming the
+            first bad step, the last finite checkpoint and how to resume; nothing more is saved.
+            ``"skip"``: the bad steps change nothing (parameters, optimizer and model state kept;
+            the step counter and the data move on), the logs count them; ``max_consecutive_skips``
+            in a row stop as ``"stop"``. ``"rollback"``: restore the last finite checkpoint (needs
+            ``checkpoint_dir``) and go on with the data from where it is, past the bad batches; at
+            most ``max_rollbacks`` times, then stop. ``"continue"``: train on (the old behaviour),
+            with one warning; non-finite states are still not saved (a warning each).
         max_consecutive_skips: ``"skip"`` only: skipped steps in a row that stop the run.
         max_rollbacks: ``"rollback"`` only: rollbacks in one ``fit`` before it stops.
 
@@ -279,8 +304,8 @@ class NonFinitePolicy:
         True
         >>> NonFinitePolicy("retry")
         Traceback (most recent call last):
-        ValueError: on_non_finite='retry' is not a policy: pass one of 'stop', 'skip', 'rollback', 'continue' \
-(or a jd.training.NonFinitePolicy).
+        ValueError: on_non_finite='retry' is not a policy: pass one of 'stop', 'skip', 'rollback', \
+'continue' (or a jd.training.NonFinitePolicy).
     """
 
     action: str = "stop"
@@ -300,7 +325,8 @@ class NonFinitePolicy:
 
     @classmethod
     def of(cls, value: str | NonFinitePolicy) -> NonFinitePolicy:
-        """``value`` as a policy: a `NonFinitePolicy` as it is, an action name with the default counts.
+        """``value`` as a policy: a `NonFinitePolicy` as it is, an action name with the default
+        counts.
 
         Raises:
             ValueError: for anything else (naming ``on_non_finite``, the value and the choices).
@@ -310,7 +336,8 @@ class NonFinitePolicy:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """The non-finite steps of one window of steps, read on the host from the running sums (`NonFiniteRecord`).
+    """The non-finite steps of one window of steps, read on the host from the running sums
+    (`NonFiniteRecord`).
 
     Examples:
         >>> import numpy as np
@@ -328,16 +355,18 @@ class Window:
 
     @classmethod
     def of(cls, record: NonFiniteRecord, steps: Any) -> Window:
-        """The window of ``steps`` steps whose record is ``record`` (host values: see ``PackedSums.to_host``)."""
+        """The window of ``steps`` steps whose record is ``record`` (host values: see
+        ``PackedSums.to_host``)."""
         return cls(int(steps), *(int(v) for v in record))
 
 
 class NonFiniteGuard:
     """The host's record of the non-finite steps seen at its looks, and the error that names them.
 
-    ``fit`` hands it every log window it reads (`observe`, in step order; before a checkpoint whose open window
-    holds non-finite steps it closes that window first); `pending` says whether it saw steps the loop has not
-    acted on yet; `error` builds the `NonFiniteError`; `restart` starts over after a rollback.
+    ``fit`` hands it every log window it reads (`observe`, in step order; before a checkpoint whose
+    open window holds non-finite steps it closes that window first); `pending` says whether it saw
+    steps the loop has not acted on yet; `error` builds the `NonFiniteError`; `restart` starts over
+    after a rollback.
 
     Args:
         policy: the `NonFinitePolicy`.
@@ -356,14 +385,16 @@ class NonFiniteGuard:
 
     def __init__(self, policy: NonFinitePolicy, step: int):
         self.policy = policy
-        self.total = 0  # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
+        # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
+        self.total = 0
         self.fit_start = step  # a first step that is already not finite points at the inputs
         self.restart(step)
 
     def restart(self, step: int) -> None:
         """Forget the steps seen (after a rollback to ``step``; `total` stays)."""
         self._start = step  # the step the next window starts after
-        self.first: int | None = None  # the first non-finite step since the start (or the last rollback)
+        # the first non-finite step since the start (or the last rollback)
+        self.first: int | None = None
         self._trailing = 0  # non-finite steps in a row up to the end of the last window
         self.longest_run = 0
         self._pending = False
@@ -393,36 +424,46 @@ class NonFiniteGuard:
             self.total += window.count
             self._pending = True
             self.longest_run = max(self.longest_run, window.longest, self._trailing + window.lead)
-        self._trailing = self._trailing + window.steps if window.lead == window.steps else window.run
+        self._trailing = (
+            self._trailing + window.steps if window.lead == window.steps else window.run
+        )
 
     def error(self, what: str, checkpoint: int | None, directory: str | None) -> NonFiniteError:
-        """The `NonFiniteError` for the steps seen: ``what`` happened (e.g. "the run stopped"), ``checkpoint``
-        the newest one in ``directory``."""
+        """The `NonFiniteError` for the steps seen: ``what`` happened (e.g. "the run stopped"),
+        ``checkpoint`` the newest one in ``directory``."""
         first = self.first if self.first is not None else self._start
         if checkpoint is None:
-            where = ("there is no checkpoint to resume from (pass checkpoint_dir=... and checkpoint_every=... to "
-                     "keep some)" if directory is None else f"{directory!r} holds no checkpoint before it")
+            where = ("there is no checkpoint to resume from (pass checkpoint_dir=... and "
+                     "checkpoint_every=... to keep some)" if directory is None
+                     else f"{directory!r} holds no checkpoint before it")
         else:
-            where = (f"the last finite checkpoint is step {checkpoint} in {directory!r}: resume from it with "
-                     f"fit(..., checkpoint_dir={directory!r}, restore_step={checkpoint})")
+            where = (f"the last finite checkpoint is step {checkpoint} in {directory!r}: resume "
+                     f"from it with fit(..., checkpoint_dir={directory!r}, "
+                     f"restore_step={checkpoint})")
         inputs = ""
-        if first == self.fit_start + 1:  # nothing trained yet: the data is the likelier cause than the optimizer
-            inputs = (" The first step of this fit was not finite, which points at the inputs first: integer labels "
-                      "outside the logits' classes (each label must be in [0, number of classes)), NaN or inf in "
-                      "the batch, an empty batch; then at the learning rate.")
+        # nothing trained yet: the data is the likelier cause than the optimizer
+        if first == self.fit_start + 1:
+            inputs = (" The first step of this fit was not finite, which points at the inputs "
+                      "first: integer labels outside the logits' classes (each label must be in "
+                      "[0, number of classes)), NaN or inf in the batch, an empty batch; then at "
+                      "the learning rate.")
         message = (
             f"the loss or gradients of step {first} were not finite ({self.total} non-finite step"
-            f"{'s' if self.total != 1 else ''} so far); {what}.{inputs} No non-finite state was saved; {where}, with "
-            "a lower learning rate, gradient clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'."
+            f"{'s' if self.total != 1 else ''} so far); {what}.{inputs} No non-finite state was "
+            f"saved; {where}, with a lower learning rate, gradient clipping (clip_grad_norm=...), "
+            "or on_non_finite='skip' / 'rollback'."
         )
-        return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint, directory=directory)
+        return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint,
+                              directory=directory)
 
 
 def log_values(window: Window | None) -> Mapping[str, float]:
-    """What a log row adds for ``window``: ``{"non_finite_steps": n}`` when any of its steps was not finite.
+    """What a log row adds for ``window``: ``{"non_finite_steps": n}`` when any of its steps was not
+    finite.
 
     Examples:
-        >>> log_values(Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)), log_values(None)
+        >>> (log_values(Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)),
+        ...  log_values(None))
         ({'non_finite_steps': 2}, {})
     """
     return {COUNT: window.count} if window is not None and window.count else {}

@@ -1,9 +1,11 @@
-"""In-place updates inside a ``strategy.jit`` step: a sync-on-read value assigned there must leave by the outputs.
+"""In-place updates inside a ``strategy.jit`` step: a sync-on-read value assigned there must leave
+by the outputs.
 
-``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated. Eagerly (and in
-``strategy.run``) the object passed in keeps the update. A compiled step, though, sees copies of its arguments
-made for the trace; an update that is not returned would vanish when the step ends, and the value would read as
-before, silently. `InPlaceUpdates` notices, and says how to thread the value.
+``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated.
+Eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step, though,
+sees copies of its arguments made for the trace; an update that is not returned would vanish when
+the step ends, and the value would read as before, silently. `InPlaceUpdates` notices, and says how
+to thread the value.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class InPlaceUpdates:
 
     Args:
         fn: the step's name, for the message.
-        arguments: the step's positional arguments as its code sees them (`SyncOnRead` leaves are watched).
+        arguments: the step's positional arguments as its code sees them (`SyncOnRead` leaves are
+            watched).
         keywords: its keyword arguments, likewise.
 
     Examples:
@@ -38,7 +41,8 @@ class InPlaceUpdates:
         found = [("args" + jax.tree_util.keystr(p), v) for p, v in
                  jax.tree_util.tree_flatten_with_path(tuple(arguments), is_leaf=is_distributed)[0]]
         found += [("kwargs" + jax.tree_util.keystr(p), v) for p, v in
-                  jax.tree_util.tree_flatten_with_path(dict(keywords or {}), is_leaf=is_distributed)[0]]
+                  jax.tree_util.tree_flatten_with_path(dict(keywords or {}),
+                                                       is_leaf=is_distributed)[0]]
         self._watched = [(where, v, v.stacked) for where, v in found if isinstance(v, SyncOnRead)]
 
     def check(self, out: Any) -> None:
@@ -51,11 +55,12 @@ class InPlaceUpdates:
             return
         returned = {id(v) for v in jax.tree.leaves(out, is_leaf=is_distributed)}
         for where, value, before in self._watched:
-            if value.stacked is not before and id(value) not in returned and id(value.stacked) not in returned:
+            if (value.stacked is not before and id(value) not in returned
+                    and id(value.stacked) not in returned):
                 raise ValueError(
-                    f"{self._fn} updated the sync-on-read value {where} in place (assign / assign_add / "
-                    "assign_sub) but does not return it: inside strategy.jit the update would be lost when the "
-                    "step returns. Return it and rebind it, e.g. `return loss, seen` and "
-                    "`loss, seen = step(params, seen, batch)` (strategy.run outside a compiled step keeps such "
-                    "updates by itself)."
+                    f"{self._fn} updated the sync-on-read value {where} in place (assign / "
+                    "assign_add / assign_sub) but does not return it: inside strategy.jit the "
+                    "update would be lost when the step returns. Return it and rebind it, e.g. "
+                    "`return loss, seen` and `loss, seen = step(params, seen, batch)` "
+                    "(strategy.run outside a compiled step keeps such updates by itself)."
                 )

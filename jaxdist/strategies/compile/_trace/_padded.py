@@ -1,15 +1,17 @@
-"""A padded batch in a ``strategy.jit`` step: its row weights go with it to the ``strategy.run`` inside.
+"""A padded batch in a ``strategy.jit`` step: its row weights go with it to the ``strategy.run``
+inside.
 
 A distributed dataset's padded last batch (``remainder="pad"``) carries row weights
-(`jaxdist.strategies.input`); ``strategy.run`` hands them to its replicas, where ``jd.compute_average_loss``
-leaves the padding rows out. A compiled step around ``run`` (TF's ``tf.function`` around ``strategy.run``: the
-tutorial's ``distributed_test_step``) sees tracers, which carry no weights. So the step's call passes the
-weights in, as one more keyword argument (`PADDING`, `padding_argument`) whose structure names the padded
-leaves by their position among the step's array leaves: part of JAX's cache key, so a call whose padded
-leaves are others (or none) never runs this program. The trace records which traced leaf has which traced
-weights in its computation frame (`padded_leaves`), where ``run`` reads them
-(`jaxdist.strategies.input.padding_weights`). A step whose code hands no padded batch to ``run`` would see
-the padding rows as data in its own global view: refused by name (`check_handed`).
+(`jaxdist.strategies.input`); ``strategy.run`` hands them to its replicas, where
+``jd.compute_average_loss`` leaves the padding rows out. A compiled step around ``run`` (TF's
+``tf.function`` around ``strategy.run``: the tutorial's ``distributed_test_step``) sees tracers,
+which carry no weights. So the step's call passes the weights in, as one more keyword argument
+(`PADDING`, `padding_argument`) whose structure names the padded leaves by their position among the
+step's array leaves: part of JAX's cache key, so a call whose padded leaves are others (or none)
+never runs this program. The trace records which traced leaf has which traced weights in its
+computation frame (`padded_leaves`), where ``run`` reads them
+(`jaxdist.strategies.input.padding_weights`). A step whose code hands no padded batch to ``run``
+would see the padding rows as data in its own global view: refused by name (`check_handed`).
 """
 
 from __future__ import annotations
@@ -26,21 +28,26 @@ from jaxdist.strategies.input import padding_weights
 __all__ = ["PADDING", "check_handed", "padded_leaves", "padding_argument"]
 
 PADDING = "__jaxdist_padding__"
-"""The keyword under which a call of a ``strategy.jit`` step brings a padded batch's row weights to its trace."""
+"""The keyword under which a call of a ``strategy.jit`` step brings a padded batch's row weights to
+its trace."""
 
 
-def _array_leaves(args: Sequence[Any], kwargs: dict, skip: set[int], static_names: Sequence[str]) -> list[Any]:
-    """The leaves of a step's arguments that may be batches, in one order outside the trace and in it: the
-    positional arguments outside ``skip`` (static, nnx), then the keyword arguments that are not static, by
-    name."""
+def _array_leaves(args: Sequence[Any], kwargs: dict, skip: set[int],
+                  static_names: Sequence[str]) -> list[Any]:
+    """The leaves of a step's arguments that may be batches, in one order outside the trace and in
+    it: the positional arguments outside ``skip`` (static, nnx), then the keyword arguments that are
+    not static, by name."""
     names = sorted(k for k in kwargs if k not in static_names and k != PADDING)
-    return jax.tree.leaves(([a for i, a in enumerate(args) if i not in skip], [kwargs[k] for k in names]))
+    return jax.tree.leaves(([a for i, a in enumerate(args) if i not in skip],
+                            [kwargs[k] for k in names]))
 
 
-def padding_argument(args: Sequence[Any], kwargs: dict, skip: set[int], static_names: Sequence[str]) -> Any:
-    """What a call passes as `PADDING`: ``(weights, where)``, the row weights of each padded batch among the
-    arguments (the placed arrays, as the call got them) and ``{"leaf:batch": None}``, which leaves they belong
-    to (in the keys: a static part of the program's signature); None without a padded batch.
+def padding_argument(args: Sequence[Any], kwargs: dict, skip: set[int],
+                     static_names: Sequence[str]) -> Any:
+    """What a call passes as `PADDING`: ``(weights, where)``, the row weights of each padded batch
+    among the arguments (the placed arrays, as the call got them) and ``{"leaf:batch": None}``,
+    which leaves they belong to (in the keys: a static part of the program's signature); None
+    without a padded batch.
 
     Examples:
         >>> import numpy as np
@@ -62,9 +69,9 @@ def padding_argument(args: Sequence[Any], kwargs: dict, skip: set[int], static_n
 
 def padded_leaves(padding: Any, args: Sequence[Any], kwargs: dict, skip: set[int],
                   static_names: Sequence[str]) -> list[Padded]:
-    """In the trace: the traced padded leaves with their traced weights (``padding``: the traced `PADDING`
-    argument; ``args`` / ``kwargs``: the traced arguments, in the structure the call passed them). The leaves
-    of one batch share one ``handed`` flag."""
+    """In the trace: the traced padded leaves with their traced weights (``padding``: the traced
+    `PADDING` argument; ``args`` / ``kwargs``: the traced arguments, in the structure the call
+    passed them). The leaves of one batch share one ``handed`` flag."""
     if padding is None:
         return []
     weights, where = padding
@@ -85,9 +92,10 @@ def check_handed(padded: Sequence[Padded], fn: Any) -> None:
     """
     if any(not p.handed[0] for p in padded):
         raise ValueError(
-            f"{fn_name(fn)} got a batch that a distributed dataset padded (remainder='pad') and hands it to no "
-            "strategy.run: its global-view code sees the padding rows as data. Run the per-example work with "
-            "strategy.run inside the step (as TF's tf.function around strategy.run: there jd.compute_average_loss "
-            "leaves the padding rows out, and ReplicaContext.batch_weights marks them), or distribute the "
-            "dataset with remainder='drop'."
+            f"{fn_name(fn)} got a batch that a distributed dataset padded (remainder='pad') and "
+            "hands it to no strategy.run: its global-view code sees the padding rows as data. Run "
+            "the per-example work with strategy.run inside the step (as TF's tf.function around "
+            "strategy.run: there jd.compute_average_loss leaves the padding rows out, and "
+            "ReplicaContext.batch_weights marks them), or distribute the dataset with "
+            "remainder='drop'."
         )

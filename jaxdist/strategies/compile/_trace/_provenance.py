@@ -1,16 +1,18 @@
-"""Provenance in a step: which outputs leave in jaxdist's own layouts, and which layouts a program was traced for.
+"""Provenance in a step: which outputs leave in jaxdist's own layouts, and which layouts a program
+was traced for.
 
-Whose layout a sharding is (jaxdist's or the user's) is `jaxdist.strategies.layout`'s rule (`own`, `is_own`,
-`mark`: by the sharding object itself, see `jaxdist.strategies.layout._provenance`). Only on a policy that
-splits variables over Explicit axes does it change a program: jaxdist's own layouts enter the step typed whole,
-the user's keep their type. For a ``strategy.jit`` step there this module:
+Whose layout a sharding is (jaxdist's or the user's) is `jaxdist.strategies.layout`'s rule (`own`,
+`is_own`, `mark`: by the sharding object itself, see `jaxdist.strategies.layout._provenance`). Only
+on a policy that splits variables over Explicit axes does it change a program: jaxdist's own layouts
+enter the step typed whole, the user's keep their type. For a ``strategy.jit`` step there this
+module:
 
-* records, while the step traces, which of its outputs it constrained to an own layout (`own_outputs`,
-  `constrained`), so that their shardings are marked as jaxdist's after a call (`Provenance.marked`; an
-  executable returns the same sharding object at an output position on every call, so marking it once is
-  enough);
-* puts the provenance of the arguments' split layouts in the program's cache key (`Provenance.key`), so that a
-  program traced for the user's layout is never run for jaxdist's equal one.
+* records, while the step traces, which of its outputs it constrained to an own layout
+  (`own_outputs`, `constrained`), so that their shardings are marked as jaxdist's after a call
+  (`Provenance.marked`; an executable returns the same sharding object at an output position on
+  every call, so marking it once is enough);
+* puts the provenance of the arguments' split layouts in the program's cache key (`Provenance.key`),
+  so that a program traced for the user's layout is never run for jaxdist's equal one.
 
 Elsewhere (``Provenance.tells`` False) nothing here runs on a call.
 """
@@ -33,8 +35,8 @@ __all__ = ["Provenance", "constrained", "own_outputs"]
 
 
 def constrained(value: Any, sharding: Any) -> Any:
-    """``value`` (a traced output just constrained to ``sharding``), noted as jaxdist's where ``sharding`` is
-    and a step's outputs are being recorded (`own_outputs`)."""
+    """``value`` (a traced output just constrained to ``sharding``), noted as jaxdist's where
+    ``sharding`` is and a step's outputs are being recorded (`own_outputs`)."""
     owned = ambient.state.owned_outputs
     if owned is not None and is_own(sharding):
         owned[id(value)] = value
@@ -43,8 +45,9 @@ def constrained(value: Any, sharding: Any) -> Any:
 
 @contextlib.contextmanager
 def own_outputs() -> Iterator[Any]:
-    """Record, while a step is traced, which of its outputs leave in an own layout: yields ``flags``, which
-    called on the step's traced output leaves says for each whether it does (for `mark` after the call)."""
+    """Record, while a step is traced, which of its outputs leave in an own layout: yields
+    ``flags``, which called on the step's traced output leaves says for each whether it does (for
+    `mark` after the call)."""
     previous, ambient.state.owned_outputs = ambient.state.owned_outputs, {}
     owned = ambient.state.owned_outputs
     try:
@@ -54,30 +57,32 @@ def own_outputs() -> Iterator[Any]:
 
 
 class Provenance:
-    """The provenance of one ``strategy.jit`` step's layouts: part of its programs' cache key, and the record
-    of which outputs of each program leave in jaxdist's layouts.
+    """The provenance of one ``strategy.jit`` step's layouts: part of its programs' cache key, and
+    the record of which outputs of each program leave in jaxdist's layouts.
 
     Args:
         policy: the strategy's `LayoutPolicy`.
 
     Attributes:
-        tells: whether anything is told apart (a policy that splits variables over Explicit axes); where False
-            `key` is None and `marked` returns its outputs as they are.
+        tells: whether anything is told apart (a policy that splits variables over Explicit axes);
+            where False `key` is None and `marked` returns its outputs as they are.
     """
 
     def __init__(self, policy: Any):
         self._explicit = policy.roles.explicit_axes
         self.tells = bool(self._explicit) and policy.splits_variables
-        # (nnx positions, provenance) of a program -> (its output treedef, which outputs leave in jaxdist's
-        # layouts, the first one's key path); the graphdef is left out of the key (hashing one costs ~1 ms)
+        # (nnx positions, provenance) of a program -> (its output treedef, which outputs leave in
+        # jaxdist's layouts, the first one's key path); the graphdef is left out of the key (hashing
+        # one costs ~1 ms)
         self._owned: dict[tuple, tuple] = {}
 
     def key(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:
-        """Part of the program's cache key: the layouts among the arguments ``leaves`` that split a value over
-        Explicit axes and that the user placed (jaxdist's own are typed whole inside the step, the user's keep
-        their type), so that a program traced for one is never run for the other. None where there is nothing
-        to tell apart; read from the arguments' distinct shardings (``shardings``, when read already), except
-        where one layout arrives both ways (then leaf by leaf)."""
+        """Part of the program's cache key: the layouts among the arguments ``leaves`` that split a
+        value over Explicit axes and that the user placed (jaxdist's own are typed whole inside the
+        step, the user's keep their type), so that a program traced for one is never run for the
+        other. None where there is nothing to tell apart; read from the arguments' distinct
+        shardings (``shardings``, when read already), except where one layout arrives both ways
+        (then leaf by leaf)."""
         if not self.tells:
             return None
         shardings = shardings_of(leaves) if shardings is None else shardings
@@ -90,8 +95,8 @@ class Provenance:
         return users
 
     def record(self, program: tuple, out: Any, owned: Any) -> None:
-        """While program ``program`` (its static key past the graphdef) traces: which leaves of its traced
-        output ``out`` leave in an own layout (``owned``: `own_outputs`' flags)."""
+        """While program ``program`` (its static key past the graphdef) traces: which leaves of its
+        traced output ``out`` leave in an own layout (``owned``: `own_outputs`' flags)."""
         if not self.tells:
             return
         leaves, treedef = jax.tree.flatten(out)
@@ -101,10 +106,11 @@ class Provenance:
             self._owned[program] = treedef, flags, first
 
     def marked(self, program: tuple, out: Any) -> Any:
-        """``out`` (a call's results), whose shardings are recorded as jaxdist's where the program says their
-        layout is (`jaxdist.strategies.layout.mark`). JAX reuses a trace for arguments of the same types whatever
-        their layouts, each with an executable (and output sharding objects) of its own: the flags are the
-        trace's, and a call marks the outputs of an executable not seen yet, told by one leaf."""
+        """``out`` (a call's results), whose shardings are recorded as jaxdist's where the program
+        says their layout is (`jaxdist.strategies.layout.mark`). JAX reuses a trace for arguments of
+        the same types whatever their layouts, each with an executable (and output sharding objects)
+        of its own: the flags are the trace's, and a call marks the outputs of an executable not
+        seen yet, told by one leaf."""
         if not self.tells:
             return out
         entry = self._owned.get(program)
@@ -120,9 +126,9 @@ class Provenance:
 
 
 def _leaf_at(tree: Any, path: tuple) -> Any:
-    """The leaf of ``tree`` at key ``path``: read by indexing along it (no flattening, for a hot path) where its
-    keys are dict keys, sequence indices and attributes (an nnx Variable's child is its value); else found by
-    flattening. None when there is no such leaf."""
+    """The leaf of ``tree`` at key ``path``: read by indexing along it (no flattening, for a hot
+    path) where its keys are dict keys, sequence indices and attributes (an nnx Variable's child is
+    its value); else found by flattening. None when there is no such leaf."""
     node = tree
     for key in path:
         try:
@@ -135,7 +141,8 @@ def _leaf_at(tree: Any, path: tuple) -> Any:
             elif isinstance(key, jax.tree_util.GetAttrKey):
                 node = getattr(node, key.name)
             else:
-                return next((x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path), None)
+                return next((x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path),
+                            None)
         except (KeyError, IndexError, TypeError, AttributeError):
             return None
     return node

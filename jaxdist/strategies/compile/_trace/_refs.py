@@ -1,19 +1,20 @@
-"""`jax.Ref` arguments in a step: they enter as the arrays they hold do, and their updates are written back.
+"""`jax.Ref` arguments in a step: they enter as the arrays they hold do, and their updates are
+written back.
 
-JAX's training cookbook keeps its state in refs (``jax.tree.map(jax.ref.new_ref, train_state)``) and its step
-updates them in place (``param[...] -= ...``). A step's arguments enter in their roles and layouts at the
-program's entry (typed whole where jaxdist split them over Explicit axes, retyped where the program's Explicit
-axes run Auto: `jaxdist.strategies.compile._trace._step`); a ref is no array, and its type is the caller's
-buffer's. So each ref leaf of the step's arguments is read at entry (`RefArguments.read`: its value enters like
-any array), the step's code gets a ref of its own holding the entered value (`RefArguments.wrap`), and what that
-ref holds when the step returns is written back into the caller's ref, typed as the caller's ref is
-(`RefArguments.write_back`, outside any Auto region). Inside one program refs are values (JAX discharges them),
-so this costs no copy.
+JAX's training cookbook keeps its state in refs (``jax.tree.map(jax.ref.new_ref, train_state)``) and
+its step updates them in place (``param[...] -= ...``). A step's arguments enter in their roles and
+layouts at the program's entry (typed whole where jaxdist split them over Explicit axes, retyped
+where the program's Explicit axes run Auto: `jaxdist.strategies.compile._trace._step`); a ref is no
+array, and its type is the caller's buffer's. So each ref leaf of the step's arguments is read at
+entry (`RefArguments.read`: its value enters like any array), the step's code gets a ref of its own
+holding the entered value (`RefArguments.wrap`), and what that ref holds when the step returns is
+written back into the caller's ref, typed as the caller's ref is (`RefArguments.write_back`, outside
+any Auto region). Inside one program refs are values (JAX discharges them), so this costs no copy.
 
-A ref's layout is its buffer's, which `jax.ref.new_ref` gives a sharding object of its own: jaxdist cannot see
-that the array a ref was made from was laid out by jaxdist, so a ref's layout is the user's as far as a step is
-concerned (its type is kept on Explicit axes; where the step then does not type-check it runs Auto:
-`jaxdist.strategies.layout._axis_types`).
+A ref's layout is its buffer's, which `jax.ref.new_ref` gives a sharding object of its own: jaxdist
+cannot see that the array a ref was made from was laid out by jaxdist, so a ref's layout is the
+user's as far as a step is concerned (its type is kept on Explicit axes; where the step then does
+not type-check it runs Auto: `jaxdist.strategies.layout._axis_types`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def is_ref(x: Any) -> bool:
 
 
 class RefArguments:
-    """The ref leaves of one trace of a step's arguments, by argument (position or keyword) and leaf index."""
+    """The ref leaves of one trace of a step's arguments, by argument (position or keyword) and leaf
+    index."""
 
     def __init__(self) -> None:
         self._outer: dict[tuple[int | str, int], Any] = {}
@@ -42,9 +44,12 @@ class RefArguments:
     def __bool__(self) -> bool:
         return bool(self._outer)
 
-    def read(self, args: tuple, kwargs: dict, skip: set[int], skip_names: set[str]) -> tuple[tuple, dict]:
-        """``(args, kwargs)`` with each ref leaf (outside positions ``skip`` and keywords ``skip_names``: static
-        and nnx arguments) replaced by the value it holds; the refs are kept for `wrap` and `write_back`."""
+    def read(
+        self, args: tuple, kwargs: dict, skip: set[int], skip_names: set[str]
+    ) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with each ref leaf (outside positions ``skip`` and keywords
+        ``skip_names``: static and nnx arguments) replaced by the value it holds; the refs are kept
+        for `wrap` and `write_back`."""
         def one(where: int | str, tree: Any) -> Any:
             leaves, treedef = jax.tree.flatten(tree)
             if not any(map(is_ref, leaves)):
@@ -59,8 +64,8 @@ class RefArguments:
         return args, {k: v if k in skip_names else one(k, v) for k, v in kwargs.items()}
 
     def wrap(self, args: Any, kwargs: dict) -> tuple[Any, dict, list[Any]]:
-        """``(args, kwargs, inner)``: the values `read` took out of refs put back in refs of the step's own
-        (``inner``, in `read`'s order), as the step's code expects them."""
+        """``(args, kwargs, inner)``: the values `read` took out of refs put back in refs of the
+        step's own (``inner``, in `read`'s order), as the step's code expects them."""
         if not self._outer:
             return args, kwargs, []
         args, kwargs = list(args), dict(kwargs)
@@ -75,8 +80,8 @@ class RefArguments:
         return args, kwargs, [inner[k] for k in self._outer]
 
     def write_back(self, mesh: Any, values: list[Any]) -> None:
-        """Write ``values`` (what the step's refs held when it returned) into the caller's refs, each typed as
-        its ref is (resharded on Explicit axes: a no-op where the types agree)."""
+        """Write ``values`` (what the step's refs held when it returned) into the caller's refs,
+        each typed as its ref is (resharded on Explicit axes: a no-op where the types agree)."""
         explicit = bool(explicit_axes(mesh))
         for outer, value in zip(self._outer.values(), values, strict=True):
             if explicit:

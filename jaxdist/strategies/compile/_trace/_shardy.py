@@ -1,21 +1,25 @@
-"""Protections against XLA's Shardy partitioner where it miscomputes convolutions (upstream bugs, plain JAX alike).
+"""Protections against XLA's Shardy partitioner where it miscomputes convolutions (upstream bugs,
+plain JAX alike).
 
 Two members of one family, both silent (wrong numbers, no error), both measured with jax 0.12:
 
-* **split kernels, replicated batch**: a conv net whose kernels are split (FSDP, tensor parallelism) while every
-  device holds the whole batch. A step of a strategy that splits variables and receives no distributed batch
-  therefore gathers its variables at entry (`gather_at_entry`; `LayoutPolicy.splits_variables`).
+* **split kernels, replicated batch**: a conv net whose kernels are split (FSDP, tensor parallelism)
+  while every device holds the whole batch. A step of a strategy that splits variables and receives
+  no distributed batch therefore gathers its variables at entry (`gather_at_entry`;
+  `LayoutPolicy.splits_variables`).
 * **grouped convolutions over a split batch**: per-example gradients of a convolution
-  (``jax.vmap(jax.grad(loss))``, what DP-SGD computes) trace to a convolution whose groups are the examples
-  (``feature_group_count`` or ``batch_group_count`` > 1, grouped along the dimension that holds the batch).
-  Shardy splits that dimension like a plain contraction: every example outside the first device's rows gets a
-  zero gradient. `call_guarded` runs a step whose batch is split with every grouped convolution's grouped
-  dimensions kept whole (its other dimensions stay free for the partitioner), which it computes right; XLA
-  then gathers that convolution's operands, so the per-replica port (``strategy.run`` of the per-example
-  gradients) remains the one that computes only each replica's examples.
+  (``jax.vmap(jax.grad(loss))``, what DP-SGD computes) trace to a convolution whose groups are the
+  examples (``feature_group_count`` or ``batch_group_count`` > 1, grouped along the dimension that
+  holds the batch). Shardy splits that dimension like a plain contraction: every example outside the
+  first device's rows gets a zero gradient. `call_guarded` runs a step whose batch is split with
+  every grouped convolution's grouped dimensions kept whole (its other dimensions stay free for the
+  partitioner), which it computes right; XLA then gathers that convolution's operands, so the
+  per-replica port (``strategy.run`` of the per-example gradients) remains the one that computes
+  only each replica's examples.
 
-A grouped convolution whose grouped dimensions are whole (a depthwise conv over a split batch, its gradient)
-is unchanged by the guard: only where the partitioner could split the groups does the layout differ.
+A grouped convolution whose grouped dimensions are whole (a depthwise conv over a split batch, its
+gradient) is unchanged by the guard: only where the partitioner could split the groups does the
+layout differ.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ _FREE = PartitionSpec.UNCONSTRAINED
 
 
 def gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) -> tuple[tuple, Any]:
-    """Constrain split variables to replicated at entry (the protection for split kernels with a replicated
-    batch: `LayoutPolicy.splits_variables`)."""
+    """Constrain split variables to replicated at entry (the protection for split kernels with a
+    replicated batch: `LayoutPolicy.splits_variables`)."""
     full = in_trace(policy.replicated_sharding)
 
     def gather(t, c):
@@ -57,11 +61,13 @@ def gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) ->
 
 
 def _grouped(eqn: Any) -> bool:
-    return eqn.primitive is _CONV and (eqn.params["feature_group_count"] > 1 or eqn.params["batch_group_count"] > 1)
+    return eqn.primitive is _CONV and (eqn.params["feature_group_count"] > 1
+                                       or eqn.params["batch_group_count"] > 1)
 
 
 def _subjaxprs(params: dict) -> list[tuple[str, Any]]:
-    """The jaxprs among an equation's parameters (``jaxpr``, ``branches``, a scan's body...), by name."""
+    """The jaxprs among an equation's parameters (``jaxpr``, ``branches``, a scan's body...), by
+    name."""
     found = []
     for name, value in params.items():
         values = value if isinstance(value, tuple) else (value,)
@@ -71,15 +77,18 @@ def _subjaxprs(params: dict) -> list[tuple[str, Any]]:
 
 
 def grouped_convolutions(jaxpr: Any) -> int:
-    """How many grouped convolutions ``jaxpr`` (a `jax.extend.core.Jaxpr` or ``ClosedJaxpr``) holds, nested
-    jaxprs included, except the bodies of ``shard_map`` (per-replica code: the partitioner never splits them).
+    """How many grouped convolutions ``jaxpr`` (a `jax.extend.core.Jaxpr` or ``ClosedJaxpr``) holds,
+    nested jaxprs included, except the bodies of ``shard_map`` (per-replica code: the partitioner
+    never splits them).
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> conv = lambda w, x: jax.lax.conv_general_dilated(x[None], w, (1, 1), "SAME",
-        ...                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        >>> per_example = jax.vmap(jax.grad(lambda w, x: jnp.sin(conv(w, x)).sum()), in_axes=(None, 0))
-        >>> grouped_convolutions(jax.make_jaxpr(per_example)(jnp.ones((3, 3, 2, 4)), jnp.ones((8, 5, 5, 2))))
+        >>> conv = lambda w, x: jax.lax.conv_general_dilated(
+        ...     x[None], w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        >>> per_example = jax.vmap(jax.grad(lambda w, x: jnp.sin(conv(w, x)).sum()),
+        ...                        in_axes=(None, 0))
+        >>> grouped_convolutions(jax.make_jaxpr(per_example)(jnp.ones((3, 3, 2, 4)),
+        ...                                                  jnp.ones((8, 5, 5, 2))))
         1
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
@@ -89,7 +98,8 @@ def grouped_convolutions(jaxpr: Any) -> int:
             count += 1
         elif eqn.primitive.name != "shard_map":
             for _, value in _subjaxprs(eqn.params):
-                count += sum(grouped_convolutions(v) for v in (value if isinstance(value, tuple) else (value,)))
+                count += sum(grouped_convolutions(v)
+                             for v in (value if isinstance(value, tuple) else (value,)))
     return count
 
 
@@ -100,9 +110,10 @@ def _whole_along(x: jax.Array, dim: int, mesh: Any) -> jax.Array:
 
 
 def _guarded_conv(lhs: jax.Array, rhs: jax.Array, *, mesh: Any, **params: Any) -> jax.Array:
-    """The convolution of ``params`` with its grouped dimensions whole: the lhs dimension split into groups
-    (its feature dimension for ``feature_group_count``, its batch dimension for ``batch_group_count``), the
-    kernel's output features and the output's features (grouped in both cases)."""
+    """The convolution of ``params`` with its grouped dimensions whole: the lhs dimension split into
+    groups (its feature dimension for ``feature_group_count``, its batch dimension for
+    ``batch_group_count``), the kernel's output features and the output's features (grouped in both
+    cases)."""
     dn = params["dimension_numbers"]
     grouped = dn.lhs_spec[1] if params["feature_group_count"] > 1 else dn.lhs_spec[0]
     lhs = _whole_along(lhs, grouped, mesh)
@@ -111,7 +122,8 @@ def _guarded_conv(lhs: jax.Array, rhs: jax.Array, *, mesh: Any, **params: Any) -
 
 
 def _rewrite(jaxpr: Any, mesh: Any) -> Any:
-    """``jaxpr`` (open or closed) with every grouped convolution replaced by one call of `_guarded_conv`."""
+    """``jaxpr`` (open or closed) with every grouped convolution replaced by one call of
+    `_guarded_conv`."""
     closed = isinstance(jaxpr, jcore.ClosedJaxpr)
     inner = jaxpr.jaxpr if closed else jaxpr
     eqns = []
@@ -119,7 +131,8 @@ def _rewrite(jaxpr: Any, mesh: Any) -> Any:
         if _grouped(eqn):
             guard = jax.jit(functools.partial(_guarded_conv, mesh=mesh, **eqn.params))
             call = jax.make_jaxpr(guard)(*(v.aval for v in eqn.invars)).jaxpr.eqns
-            # one call equation whose operands are the convolution's own (so its variables can take their place)
+            # one call equation whose operands are the convolution's own (so its variables can take
+            # their place)
             eqns.append(call[0].replace(invars=list(eqn.invars), outvars=list(eqn.outvars)))
             continue
         subs = [] if eqn.primitive.name == "shard_map" else _subjaxprs(eqn.params)
@@ -136,9 +149,9 @@ def _rewrite(jaxpr: Any, mesh: Any) -> Any:
 
 
 def call_guarded(policy: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in the trace of a step whose batch is split, its grouped convolutions computed
-    with their groups whole (see the module docstring). ``fn`` is traced once: where it holds no grouped
-    convolution, its program is what it would have been.
+    """``fn(*args, **kwargs)`` in the trace of a step whose batch is split, its grouped convolutions
+    computed with their groups whole (see the module docstring). ``fn`` is traced once: where it
+    holds no grouped convolution, its program is what it would have been.
 
     Args:
         policy: the strategy's `LayoutPolicy` (its mesh, as the trace types it).
@@ -153,8 +166,9 @@ def call_guarded(policy: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
     if grouped_convolutions(closed):
         mesh = trace_mesh(policy.mesh)
         if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-            # On Explicit axes the types decide (JAX refuses a per-example conv gradient over a batch split in
-            # its type, and such a step runs with its axes Auto, where this guard applies).
+            # On Explicit axes the types decide (JAX refuses a per-example conv gradient over a
+            # batch split in its type, and such a step runs with its axes Auto, where this guard
+            # applies).
             closed = _rewrite(closed, mesh)
     out = jcore.jaxpr_as_fun(closed)(*jax.tree.leaves((args, kwargs)))
     return jax.tree.unflatten(jax.tree.structure(shapes), out)
