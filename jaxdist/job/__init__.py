@@ -1,11 +1,13 @@
-"""The job: its processes, joined, checked, failing together, and the programs a restart finds compiled.
+"""The job: its processes, joined, checked, failing together, and the programs a restart finds
+compiled.
 
-``_join`` joins the job over ``jax.distributed`` (keyword arguments, then the ``JAXDIST_*`` environment, then JAX's
-own detection) and answers "does this job span processes"; ``_failure`` is the job's key-value store and makes a
-job's processes end together (a failing process tells the others why, none waits forever); ``_checks`` holds what
-the processes of one ``fit`` check together (same settings, a shared directory, data that ends together);
-``_compilation_cache`` keeps compiled programs across restarts. The bottom of the package but for the records
-(``costs``, ``replicate``): nothing here knows strategies or training. Public names: ``jd.initialize_cluster``,
+``_join`` joins the job over ``jax.distributed`` (keyword arguments, then the ``JAXDIST_*``
+environment, then JAX's own detection) and answers "does this job span processes"; ``_failure`` is
+the job's key-value store and makes a job's processes end together (a failing process tells the
+others why, none waits forever); ``_checks`` holds what the processes of one ``fit`` check together
+(same settings, a shared directory, data that ends together); ``_compilation_cache`` keeps compiled
+programs across restarts. The bottom of the package but for the records (``costs``, ``replicate``):
+nothing here knows strategies or training. Public names: ``jd.initialize_cluster``,
 ``jd.configure_compilation_cache``, ``jd.training.JobDisagreementError``.
 """
 
@@ -15,7 +17,9 @@ from jaxdist.job._checks import JobDisagreementError as JobDisagreementError
 from jaxdist.job._checks import agree_on_fit as agree_on_fit
 from jaxdist.job._checks import data_ended as data_ended
 from jaxdist.job._checks import failing as failing
-from jaxdist.job._compilation_cache import configure_compilation_cache as configure_compilation_cache
+from jaxdist.job._compilation_cache import (
+    configure_compilation_cache as configure_compilation_cache,
+)
 from jaxdist.job._failure import BEAT_SECONDS as BEAT_SECONDS
 from jaxdist.job._failure import EXIT_SECONDS as EXIT_SECONDS
 from jaxdist.job._failure import POLL_SECONDS as POLL_SECONDS

@@ -1,24 +1,27 @@
-"""The processes of one ``fit``: they agree before the first step, end their data together, and fail together.
+"""The processes of one ``fit``: they agree before the first step, end their data together, and fail
+together.
 
-In a job of several processes every process runs ``fit`` and meets the others in every step's collectives and
-every checkpoint write. A process that does something else (another ``steps=``, another checkpoint cadence, a
-``checkpoint_dir`` the others cannot see, data that ends sooner) or that raises leaves the others waiting
-forever, without a word. So (nothing of this in a single process):
+In a job of several processes every process runs ``fit`` and meets the others in every step's
+collectives and every checkpoint write. A process that does something else (another ``steps=``,
+another checkpoint cadence, a ``checkpoint_dir`` the others cannot see, data that ends sooner) or
+that raises leaves the others waiting forever, without a word. So (nothing of this in a single
+process):
 
-* `agree_on_fit`, before anything collective: every process's settings are compared with process 0's (an error
-  on every process names the setting and each process's value), and process 0 writes a token file into
-  ``checkpoint_dir`` that every other process must read back (a directory that is not shared is named).
+* `agree_on_fit`, before anything collective: every process's settings are compared with process 0's
+  (an error on every process names the setting and each process's value), and process 0 writes a
+  token file into ``checkpoint_dir`` that every other process must read back (a directory that is
+  not shared is named).
 * `failing`: while ``fit`` runs, a peer's failure ends this process (`jaxdist.job.FailureMonitor`)
-  and this process's own failure is told to its peers (``process 1 raised RuntimeError(...) at step 5``) before
-  it propagates; the process then exits within `jaxdist.job.EXIT_SECONDS` even when its exit
-  blocks on a peer.
-* `data_ended`: when this process's data ends before ``steps``, the processes compare where theirs ended
-  (waiting `DATA_END_SECONDS` for the others). Ending at the same batch everywhere is an early end like a single
-  process's; else the error says which process ran out (``process 1: its data ended after batch 5 of 12``), and
-  the processes still training are ended by their monitors.
+  and this process's own failure is told to its peers (``process 1 raised RuntimeError(...) at step
+  5``) before it propagates; the process then exits within `jaxdist.job.EXIT_SECONDS` even when its
+  exit blocks on a peer.
+* `data_ended`: when this process's data ends before ``steps``, the processes compare where theirs
+  ended (waiting `DATA_END_SECONDS` for the others). Ending at the same batch everywhere is an early
+  end like a single process's; else the error says which process ran out (``process 1: its data
+  ended after batch 5 of 12``), and the processes still training are ended by their monitors.
 
-Bound: a failing job's processes all exit within about ``POLL_SECONDS + EXIT_SECONDS`` (11 s) of the failure,
-``DATA_END_SECONDS + 11`` s (41 s) when it is the data that ended.
+Bound: a failing job's processes all exit within about ``POLL_SECONDS + EXIT_SECONDS`` (11 s) of the
+failure, ``DATA_END_SECONDS + 11`` s (41 s) when it is the data that ended.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from jax.sharding import Mesh
 from jaxdist.job._failure import FailureMonitor, exchange, guard_exit, report_failure
 from jaxdist.job._join import spans_processes
 
-__all__ = ["AGREE_SECONDS", "DATA_END_SECONDS", "JobDisagreementError", "agree_on_fit", "data_ended", "failing"]
+__all__ = ["AGREE_SECONDS", "DATA_END_SECONDS", "JobDisagreementError", "agree_on_fit",
+           "data_ended", "failing"]
 
 AGREE_SECONDS = 600.0
-"""How long a process waits at the start of ``fit`` for the others (they may still be loading data or compiling);
-a peer that failed meanwhile ends the wait sooner (`failing`)."""
+"""How long a process waits at the start of ``fit`` for the others (they may still be loading data
+or compiling); a peer that failed meanwhile ends the wait sooner (`failing`)."""
 
 DATA_END_SECONDS = 30.0
 """How long a process whose data ended waits for the others to reach the end of theirs."""
@@ -49,14 +53,16 @@ _TOKEN = ".jaxdist-shared-check"
 
 
 class JobDisagreementError(RuntimeError):
-    """The processes of a job called ``fit`` differently (settings, ``checkpoint_dir``, data length).
+    """The processes of a job called ``fit`` differently (settings, ``checkpoint_dir``, data
+    length).
 
-    Raised on the processes that find it, before the step where they would wait on each other forever; the
-    message names the processes and what differs.
+    Raised on the processes that find it, before the step where they would wait on each other
+    forever; the message names the processes and what differs.
 
     Attributes:
-        on_every_process: raised on every process at once (an agreement every process took part in), so
-            nobody has to be told; False: this process alone found it (its peers wait in a collective).
+        on_every_process: raised on every process at once (an agreement every process took part in),
+            so nobody has to be told; False: this process alone found it (its peers wait in a
+            collective).
 
     Examples:
         >>> JobDisagreementError("x", on_every_process=True).on_every_process
@@ -72,8 +78,10 @@ def _spans(mesh: Mesh | None) -> bool:
     return mesh is not None and spans_processes(mesh.devices.flat)
 
 
-def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any], checkpoint_dir: str | os.PathLike | None) -> None:
-    """Check that every process of the job runs ``fit`` with the same ``settings`` and one shared ``checkpoint_dir``.
+def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any],
+                 checkpoint_dir: str | os.PathLike | None) -> None:
+    """Check that every process of the job runs ``fit`` with the same ``settings`` and one shared
+    ``checkpoint_dir``.
 
     Args:
         mesh: the strategy's mesh (nothing to check unless it spans processes).
@@ -81,8 +89,8 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any], checkpoint_dir:
         checkpoint_dir: the checkpoint directory (created here), or None.
 
     Raises:
-        JobDisagreementError: on every process, naming each differing setting with every process's value, or
-            the processes that do not see process 0's ``checkpoint_dir``.
+        JobDisagreementError: on every process, naming each differing setting with every process's
+            value, or the processes that do not see process 0's ``checkpoint_dir``.
 
     Examples:
         >>> agree_on_fit(None, {"steps": 12}, None)   # one process: nothing to compare
@@ -105,11 +113,13 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any], checkpoint_dir:
         for key in sorted(values[0]["settings"]):
             seen = [v["settings"].get(key) for v in values]
             if any(s != seen[0] for s in seen):
-                differ.append(f"{key}=" + ", ".join(f"{s!r} on process {p}" for p, s in enumerate(seen)))
+                differ.append(f"{key}=" + ", ".join(f"{s!r} on process {p}"
+                                                    for p, s in enumerate(seen)))
         if differ:
             raise JobDisagreementError(
-                f"the processes of this job called fit differently: {'; '.join(differ)}. Every process must pass "
-                "the same arguments (they meet in every step and every checkpoint); nothing has run.",
+                f"the processes of this job called fit differently: {'; '.join(differ)}. Every "
+                "process must pass the same arguments (they meet in every step and every "
+                "checkpoint); nothing has run.",
                 on_every_process=True)
         if path is None:
             return
@@ -127,23 +137,29 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any], checkpoint_dir:
     blind = [p for p, a in enumerate(answers) if a != "ok"]
     if blind:
         raise JobDisagreementError(
-            f"checkpoint_dir={os.fspath(checkpoint_dir)!r} is not one directory shared by the processes of this job: "
-            f"process(es) {blind} do not see the file process 0 wrote there. Every process writes its part of each "
-            "checkpoint into it: pass a directory on a filesystem they all mount (NFS, a cluster filesystem) or "
+            f"checkpoint_dir={os.fspath(checkpoint_dir)!r} is not one directory shared by the "
+            f"processes of this job: process(es) {blind} do not see the file process 0 wrote "
+            "there. Every process writes its part of each checkpoint into it: pass a directory on "
+            "a filesystem they all mount (NFS, a cluster filesystem) or "
             "a bucket (gs://...).", on_every_process=True)
 
 
 @contextlib.contextmanager
-def failing(mesh: Mesh | None, step: Callable[[], int], checkpoint: Callable[[], int | None] = lambda: None,
-            checkpoint_dir: str | os.PathLike | None = None) -> Iterator[None]:
-    """Around ``fit``: a peer's failure ends this process; this process's failure is told to the peers; a peer
-    that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s line).
+def failing(
+    mesh: Mesh | None,
+    step: Callable[[], int],
+    checkpoint: Callable[[], int | None] = lambda: None,
+    checkpoint_dir: str | os.PathLike | None = None,
+) -> Iterator[None]:
+    """Around ``fit``: a peer's failure ends this process; this process's failure is told to the
+    peers; a peer that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s
+    line).
 
     Args:
         mesh: the strategy's mesh (nothing happens unless it spans processes).
         step: the current step (named in the reason).
-        checkpoint: the newest complete checkpoint's step, or None (named with the step a restart resumes
-            from); read from another thread, so it must not wait.
+        checkpoint: the newest complete checkpoint's step, or None (named with the step a restart
+            resumes from); read from another thread, so it must not wait.
         checkpoint_dir: where the checkpoints are (None: nowhere).
 
     Examples:
@@ -164,19 +180,23 @@ def failing(mesh: Mesh | None, step: Callable[[], int], checkpoint: Callable[[],
             yield
         except SystemExit as error:
             if error.code not in (0, None):
-                report_failure(f"process {jax.process_index()} exited with status {error.code} at step {step()}")
+                report_failure(f"process {jax.process_index()} exited with status {error.code} at "
+                               f"step {step()}")
             raise
         except JobDisagreementError as error:
-            if not error.on_every_process:  # the others wait for this one: tell them (the message names it)
+            # the others wait for this one: tell them (the message names it)
+            if not error.on_every_process:
                 report_failure(str(error).rstrip("."))
             raise
         except BaseException as error:
-            report_failure(f"process {jax.process_index()} raised {type(error).__name__}({error}) at step {step()}")
+            report_failure(f"process {jax.process_index()} raised {type(error).__name__}({error}) "
+                           f"at step {step()}")
             raise
 
 
 def data_ended(mesh: Mesh | None, consumed: int, needed: int) -> None:
-    """This process's data ended after ``consumed`` of the ``needed`` batches: check that every process's did.
+    """This process's data ended after ``consumed`` of the ``needed`` batches: check that every
+    process's did.
 
     Args:
         mesh: the strategy's mesh (nothing to compare unless it spans processes).
@@ -184,8 +204,9 @@ def data_ended(mesh: Mesh | None, consumed: int, needed: int) -> None:
         needed: the batches it needed to reach ``steps``.
 
     Raises:
-        JobDisagreementError: when another process's data ended elsewhere, or it did not reach the end of its
-            data within `DATA_END_SECONDS` (it has more), naming the process that ran out.
+        JobDisagreementError: when another process's data ended elsewhere, or it did not reach the
+            end of its data within `DATA_END_SECONDS` (it has more), naming the process that ran
+            out.
 
     Examples:
         >>> data_ended(None, 5, 12)   # one process: an early end, said by fit
@@ -197,11 +218,13 @@ def data_ended(mesh: Mesh | None, consumed: int, needed: int) -> None:
         ends = [int(v) for v in exchange("the end of the data", str(consumed), DATA_END_SECONDS)]
     except TimeoutError as error:
         raise JobDisagreementError(
-            f"process {me}: its data ended after batch {consumed} of {needed}, and {error} (its data goes on): "
-            "every process must have the data for the same number of steps (pass each process's part of every "
+            f"process {me}: its data ended after batch {consumed} of {needed}, and {error} (its "
+            "data goes on): every process must have the data for the same number of steps (pass "
+            "each process's part of every "
             "batch, or fewer steps).", on_every_process=False) from None
     if any(end != consumed for end in ends):
         shown = ", ".join(f"process {p} after batch {end}" for p, end in enumerate(ends))
         raise JobDisagreementError(
-            f"the processes' data ended at different batches ({shown}, of {needed}): every process must have the "
+            f"the processes' data ended at different batches ({shown}, of {needed}): every process "
+            "must have the "
             "data for the same number of steps.", on_every_process=True)

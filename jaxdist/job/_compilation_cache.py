@@ -1,14 +1,16 @@
-"""`configure_compilation_cache`: a restarted job loads its compiled programs instead of compiling them again.
+"""`configure_compilation_cache`: a restarted job loads its compiled programs instead of compiling
+them again.
 
-Every restart (a preemption, a watchdog exit, a new job on the same code) compiles every program again: minutes
-for a large model. JAX's persistent compilation cache keeps the compiled executables on disk, keyed by the
-program, the devices and the compiler version, so an unchanged program is loaded instead. This turns it on
-with thresholds for training jobs: every program is cached, whatever its compile time (JAX's default skips
-those under a second, which are most of a small job's programs and all of a test's).
+Every restart (a preemption, a watchdog exit, a new job on the same code) compiles every program
+again: minutes for a large model. JAX's persistent compilation cache keeps the compiled executables
+on disk, keyed by the program, the devices and the compiler version, so an unchanged program is
+loaded instead. This turns it on with thresholds for training jobs: every program is cached,
+whatever its compile time (JAX's default skips those under a second, which are most of a small job's
+programs and all of a test's).
 
-Many processes can share one directory (a shared file system for the job): JAX reads from every process and
-writes only from process 0, each entry written whole. A cache entry from another JAX / jaxlib version or other
-devices is simply not used (it is part of the key).
+Many processes can share one directory (a shared file system for the job): JAX reads from every
+process and writes only from process 0, each entry written whole. A cache entry from another JAX /
+jaxlib version or other devices is simply not used (it is part of the key).
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ import jax
 __all__ = ["configure_compilation_cache"]
 
 
-def configure_compilation_cache(directory: str | os.PathLike, *, min_compile_seconds: float = 0.0) -> Path:
-    """Turn on JAX's persistent compilation cache in ``directory`` for this process (see the module doc).
+def configure_compilation_cache(directory: str | os.PathLike, *,
+                                min_compile_seconds: float = 0.0) -> Path:
+    """Turn on JAX's persistent compilation cache in ``directory`` for this process (see the module
+    doc).
 
-    Call it once, at the top of the program, on every process, with the same directory; it also works after
-    programs have compiled (those are not cached).
+    Call it once, at the top of the program, on every process, with the same directory; it also
+    works after programs have compiled (those are not cached).
 
     Args:
         directory: where the compiled programs go (created if missing; share it between restarts).
-        min_compile_seconds: programs that compiled faster than this are not cached (0: all of them).
+        min_compile_seconds: programs that compiled faster than this are not cached (0: all of
+            them).
 
     Returns:
         The directory, as an absolute `Path`.
@@ -44,13 +49,17 @@ def configure_compilation_cache(directory: str | os.PathLike, *, min_compile_sec
         (True, True)
         >>> jax.config.update("jax_compilation_cache_dir", None)  # off again (this example only)
     """
-    if isinstance(min_compile_seconds, bool) or not isinstance(min_compile_seconds, (int, float)) or (
-        min_compile_seconds < 0
+    if (
+        isinstance(min_compile_seconds, bool)
+        or not isinstance(min_compile_seconds, (int, float))
+        or (min_compile_seconds < 0)
     ):
-        raise ValueError(f"min_compile_seconds={min_compile_seconds!r} must be a number of seconds >= 0.")
+        raise ValueError(f"min_compile_seconds={min_compile_seconds!r} must be a number of seconds "
+                         ">= 0.")
     path = Path(directory).expanduser().absolute()
     if path.exists() and not path.is_dir():
-        raise ValueError(f"directory={str(directory)!r} is a file: pass a directory for the compiled programs.")
+        raise ValueError(f"directory={str(directory)!r} is a file: pass a directory for the "
+                         "compiled programs.")
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))

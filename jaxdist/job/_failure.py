@@ -1,61 +1,70 @@
-"""A job's processes end together: a process that fails tells the others why, and none waits forever.
+"""A job's processes end together: a process that fails tells the others why, and none waits
+forever.
 
-In a job of several processes a process that raises (or whose data ends) leaves its peers waiting in their next
-collective, and itself waits at exit in ``jax.distributed.shutdown`` for peers that never arrive: the job hangs
-without a word. Three pieces, all through the coordination service's key-value store (JAX's, which every
-process of a ``jax.distributed`` job already talks to; nothing in a single process):
+In a job of several processes a process that raises (or whose data ends) leaves its peers waiting in
+their next collective, and itself waits at exit in ``jax.distributed.shutdown`` for peers that never
+arrive: the job hangs without a word. Three pieces, all through the coordination service's key-value
+store (JAX's, which every process of a ``jax.distributed`` job already talks to; nothing in a single
+process):
 
-* `exchange`: every process posts a value under a name and reads every other's, with a timeout; a process that
-  does not post in time is named, never waited for. Agreements at the start of a run (same steps, same
-  cadence, a shared checkpoint directory) and at the end of the data are built on it.
-* `report_failure`: the first process to fail posts its reason (``process 1 raised RuntimeError(...) at step
-  5``) and arms a bounded exit: when it has not exited `EXIT_SECONDS` later (its exit blocks on a peer), it
-  exits with status 1 anyway. An uncaught exception in a process of such a job is reported too, and the
-  process exits with status 1 right after its traceback (`guard_exit`): the interpreter's own exit would wait
-  for the peers in ``jax.distributed.shutdown``, and a checkpoint write still in flight needs them too (the
-  last complete checkpoint stands; checkpoints are committed atomically).
-* `post`, `read` and `forget`: a value one process leaves for another (``fit``'s per-process figures), read
-  without waiting or with a timeout; `gather`: every process's value under one prefix, read by the one process
-  that decides for all (``fit``'s comparison of the processes' batches).
-* `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`); when one comes, it
-  prints it and ends this process with status 1, wherever the main thread is blocked (a collective, a
-  checkpoint write).
+* `exchange`: every process posts a value under a name and reads every other's, with a timeout; a
+  process that does not post in time is named, never waited for. Agreements at the start of a run
+  (same steps, same cadence, a shared checkpoint directory) and at the end of the data are built on
+  it.
+* `report_failure`: the first process to fail posts its reason (``process 1 raised RuntimeError(...)
+  at step 5``) and arms a bounded exit: when it has not exited `EXIT_SECONDS` later (its exit blocks
+  on a peer), it exits with status 1 anyway. An uncaught exception in a process of such a job is
+  reported too, and the process exits with status 1 right after its traceback (`guard_exit`): the
+  interpreter's own exit would wait for the peers in ``jax.distributed.shutdown``, and a checkpoint
+  write still in flight needs them too (the last complete checkpoint stands; checkpoints are
+  committed atomically).
+* `post`, `read` and `forget`: a value one process leaves for another (``fit``'s per-process
+  figures), read without waiting or with a timeout; `gather`: every process's value under one
+  prefix, read by the one process that decides for all (``fit``'s comparison of the processes'
+  batches).
+* `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`); when one
+  comes, it prints it and ends this process with status 1, wherever the main thread is blocked (a
+  collective, a checkpoint write).
 
-So every process of a failing job exits non-zero within about ``POLL_SECONDS + EXIT_SECONDS`` of the failure
-(11 s by default), each saying which process failed and why; the launcher (``python -m jaxdist.launch``), SLURM
-or Kubernetes sees the exit codes.
+So every process of a failing job exits non-zero within about ``POLL_SECONDS + EXIT_SECONDS`` of the
+failure (11 s by default), each saying which process failed and why; the launcher (``python -m
+jaxdist.launch``), SLURM or Kubernetes sees the exit codes.
 
-A process that ends without a word (killed, ``os._exit``, a crash) or stops (SIGSTOP, a machine lost) cannot
-report anything, and JAX's own end of the job is a C++ abort Python cannot catch or precede: the coordination
-service declares a task dead between ``heartbeat_timeout_seconds / 2`` and ``heartbeat_timeout_seconds`` after
-its last heartbeat, and a dead coordinator (process 0) ends the others within milliseconds. (JAX's client takes a
-``missed_heartbeat_callback``, but this jaxlib cannot hand it its argument: ``std::bad_cast``, then abort; and its
-``get_live_nodes`` is a barrier.) So a monitor opened with ``progress`` (``fit``'s) also *beats*, through the same
-key-value store (no port of its own, no protocol but the store's): a daemon thread posts this process's progress
-(step, newest complete checkpoint, its directory, a beat counter) under ``jaxdist/beats/<n>/<process>`` every
-`BEAT_SECONDS`, reads every process's beats in one ``key_value_dir_get``, and posts a goodbye
-(``jaxdist/beats/<n>/bye/<process>``) when the monitor closes, however ``fit`` ended (a failure that needs telling
-was posted before):
+A process that ends without a word (killed, ``os._exit``, a crash) or stops (SIGSTOP, a machine
+lost) cannot report anything, and JAX's own end of the job is a C++ abort Python cannot catch or
+precede: the coordination service declares a task dead between ``heartbeat_timeout_seconds / 2`` and
+``heartbeat_timeout_seconds`` after its last heartbeat, and a dead coordinator (process 0) ends the
+others within milliseconds. (JAX's client takes a ``missed_heartbeat_callback``, but this jaxlib
+cannot hand it its argument: ``std::bad_cast``, then abort; and its ``get_live_nodes`` is a
+barrier.) So a monitor opened with ``progress`` (``fit``'s) also *beats*, through the same key-value
+store (no port of its own, no protocol but the store's): a daemon thread posts this process's
+progress (step, newest complete checkpoint, its directory, a beat counter) under
+``jaxdist/beats/<n>/<process>`` every `BEAT_SECONDS`, reads every process's beats in one
+``key_value_dir_get``, and posts a goodbye (``jaxdist/beats/<n>/bye/<process>``) when the monitor
+closes, however ``fit`` ended (a failure that needs telling was posted before):
 
-* a process whose beat counter has not moved for `silence_seconds` (under half the heartbeat timeout, so before
-  JAX can act) and that said no goodbye stopped answering: it ended, was killed or stopped (the store cannot tell
-  these apart). The first survivor to see it says so in jaxdist's words (which process, the last step each
-  reached, the newest checkpoint, "restart the job to resume from step N"), posts it as the job's failure so that
-  every process says it, and exits with status 1; so do the others.
-* a call to the store that fails is the coordinator gone (it hosts the store): the message for it, made ready at
-  every beat, is written at once and the process exits with status 1. When the coordinator was killed this races
-  JAX's abort, and JAX wins: its client's own call (``PollForError``) fails on the same connection and is handled
-  first, on gRPC's thread, aborting within a millisecond (measured: 0 of 7 runs said first). The launcher's
-  summary (``python -m jaxdist.launch``) says that case in jaxdist's words, from the progress each beat leaves.
+* a process whose beat counter has not moved for `silence_seconds` (under half the heartbeat
+  timeout, so before JAX can act) and that said no goodbye stopped answering: it ended, was killed
+  or stopped (the store cannot tell these apart). The first survivor to see it says so in jaxdist's
+  words (which process, the last step each reached, the newest checkpoint, "restart the job to
+  resume from step N"), posts it as the job's failure so that every process says it, and exits with
+  status 1; so do the others.
+* a call to the store that fails is the coordinator gone (it hosts the store): the message for it,
+  made ready at every beat, is written at once and the process exits with status 1. When the
+  coordinator was killed this races JAX's abort, and JAX wins: its client's own call
+  (``PollForError``) fails on the same connection and is handled first, on gRPC's thread, aborting
+  within a millisecond (measured: 0 of 7 runs said first). The launcher's summary (``python -m
+  jaxdist.launch``) says that case in jaxdist's words, from the progress each beat leaves.
 
-Nothing of it runs on the training thread (no collective, no device read). A live process cannot fall silent: its
-beats come from their own thread, which a slow step, a compilation, a collective, a checkpoint write or a sleep
-never holds (they release the interpreter lock, and Python code gives it up every few milliseconds); only a single
-C call holding the interpreter lock for longer than `silence_seconds` could, and a watcher's own stall counts for
-nothing (it compares counters between its own reads).
+Nothing of it runs on the training thread (no collective, no device read). A live process cannot
+fall silent: its beats come from their own thread, which a slow step, a compilation, a collective, a
+checkpoint write or a sleep never holds (they release the interpreter lock, and Python code gives it
+up every few milliseconds); only a single C call holding the interpreter lock for longer than
+`silence_seconds` could, and a watcher's own stall counts for nothing (it compares counters between
+its own reads).
 
-Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat also leaves the process's progress
-in ``<dir>/<process>.json`` for the launcher's summary.
+Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat also leaves the
+process's progress in ``<dir>/<process>.json`` for the launcher's summary.
 """
 
 from __future__ import annotations
@@ -71,22 +80,28 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import distributed as _distributed  # JAX's coordination client (private; orbax reads it too)
+from jax._src import (
+    distributed as _distributed,  # JAX's coordination client (private; orbax reads it too)
+)
 
-__all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget", "gather",
-           "guard_exit", "post", "read", "report_failure", "set_heartbeat_timeout", "silence_seconds"]
+__all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget",
+           "gather",
+           "guard_exit", "post", "read", "report_failure", "set_heartbeat_timeout",
+           "silence_seconds"]
 
 EXIT_SECONDS = 10.0
-"""How long a process that failed may take to exit by itself (its traceback printed, its files closed) before it
-exits with status 1 regardless."""
+"""How long a process that failed may take to exit by itself (its traceback printed, its files
+closed) before it exits with status 1 regardless."""
 
 POLL_SECONDS = 1.0
 """How often a `FailureMonitor` asks whether a peer failed."""
 
 BEAT_SECONDS = 0.5
-"""How often a monitor posts this process's progress and reads the others' (and so how soon a silence is seen)."""
+"""How often a monitor posts this process's progress and reads the others' (and so how soon a
+silence is seen)."""
 
-_heartbeat_timeout = 100.0  # JAX's default; the strategies' join sets the job's (`set_heartbeat_timeout`)
+# JAX's default; the strategies' join sets the job's (`set_heartbeat_timeout`)
+_heartbeat_timeout = 100.0
 
 _FAILURE_KEY = "jaxdist/failure"
 _counter = itertools.count()
@@ -134,15 +149,19 @@ def exchange(name: str, value: str, timeout: float) -> list[str]:
     out = []
     for pid in range(jax.process_count()):
         try:
-            out.append(client.blocking_key_value_get(f"jaxdist/exchange/{n}/{pid}", int(1000 * timeout)))
-        except Exception:  # the service's deadline: the peer is elsewhere (stuck, dead, or past this point)
-            raise TimeoutError(f"process {pid} did not reach {name!r} within {timeout:g} s") from None
+            out.append(client.blocking_key_value_get(f"jaxdist/exchange/{n}/{pid}",
+                                                     int(1000 * timeout)))
+        except Exception:
+            # the service's deadline: the peer is elsewhere (stuck, dead, or past this point)
+            raise TimeoutError(
+                f"process {pid} did not reach {name!r} within {timeout:g} s"
+            ) from None
     return out
 
 
 def post(key: str, value: str) -> None:
-    """Post ``value`` under ``key`` in the job's key-value store, for another process to `read` (nothing in a
-    single process).
+    """Post ``value`` under ``key`` in the job's key-value store, for another process to `read`
+    (nothing in a single process).
 
     Examples:
         >>> post("jaxdist/example", "1")   # one process: nobody to read it
@@ -153,8 +172,8 @@ def post(key: str, value: str) -> None:
 
 
 def read(key: str, timeout: float | None = None) -> str | None:
-    """The value another process posted under ``key``; None when it is not there (within ``timeout`` seconds;
-    None: without waiting), or in a single process.
+    """The value another process posted under ``key``; None when it is not there (within ``timeout``
+    seconds; None: without waiting), or in a single process.
 
     Examples:
         >>> read("jaxdist/example") is None   # one process
@@ -172,11 +191,12 @@ def read(key: str, timeout: float | None = None) -> str | None:
 
 
 def gather(prefix: str, timeout: float, own: str | None = None) -> list[str | None]:
-    """The values the processes posted under ``<prefix>/<process index>`` (`post`), in process order: one listing
-    of the prefix (``key_value_dir_get``), then a wait of up to ``timeout`` seconds in all for those not there
-    yet; None for a process whose value did not come. ``own``: this process's value, not posted (nothing is read
-    for it). What one process reads to decide for all (then it posts the decision for the others to `read`: two
-    calls to the store for each of them, however many processes there are). An empty list in a single process.
+    """The values the processes posted under ``<prefix>/<process index>`` (`post`), in process
+    order: one listing of the prefix (``key_value_dir_get``), then a wait of up to ``timeout``
+    seconds in all for those not there yet; None for a process whose value did not come. ``own``:
+    this process's value, not posted (nothing is read for it). What one process reads to decide for
+    all (then it posts the decision for the others to `read`: two calls to the store for each of
+    them, however many processes there are). An empty list in a single process.
 
     Examples:
         >>> gather("jaxdist/example", timeout=1.0)   # one process
@@ -203,7 +223,8 @@ def gather(prefix: str, timeout: float, own: str | None = None) -> list[str | No
 
 
 def forget(key: str) -> None:
-    """Delete ``key`` from the job's key-value store (read and done with: the store is the coordinator's memory).
+    """Delete ``key`` from the job's key-value store (read and done with: the store is the
+    coordinator's memory).
 
     Examples:
         >>> forget("jaxdist/example")   # one process: nothing stored
@@ -215,11 +236,12 @@ def forget(key: str) -> None:
 
 
 def report_failure(reason: str) -> None:
-    """Tell the job's other processes that this one fails (``reason`` says how; the first reason stands), and
-    arm the bounded exit (`EXIT_SECONDS`). Nothing in a single process.
+    """Tell the job's other processes that this one fails (``reason`` says how; the first reason
+    stands), and arm the bounded exit (`EXIT_SECONDS`). Nothing in a single process.
 
     Examples:
-        >>> report_failure("process 0 raised RuntimeError('x') at step 5")   # one process: nothing to tell
+        >>> # one process: nothing to tell
+        >>> report_failure("process 0 raised RuntimeError('x') at step 5")
     """
     client = _client()
     if client is None:
@@ -238,15 +260,15 @@ def _arm_exit() -> None:
 
     def exit_later() -> None:
         time.sleep(EXIT_SECONDS)
-        _exit_now(f"process {jax.process_index()} failed and did not exit within {EXIT_SECONDS:g} s "
-                  "(waiting for its peers at exit); exiting with status 1")
+        _exit_now(f"process {jax.process_index()} failed and did not exit within {EXIT_SECONDS:g} "
+                  "s (waiting for its peers at exit); exiting with status 1")
 
     threading.Thread(target=exit_later, name="jaxdist-failure-exit", daemon=True).start()
 
 
 def set_heartbeat_timeout(seconds: float) -> None:
-    """Record the job's ``heartbeat_timeout_seconds`` (what the strategies pass to ``jax.distributed``), which
-    `silence_seconds` is measured against.
+    """Record the job's ``heartbeat_timeout_seconds`` (what the strategies pass to
+    ``jax.distributed``), which `silence_seconds` is measured against.
 
     Examples:
         >>> set_heartbeat_timeout(30); silence_seconds()
@@ -258,16 +280,18 @@ def set_heartbeat_timeout(seconds: float) -> None:
 
 
 def silence_seconds() -> float:
-    """How long a process's beats may stay still before it is said to have stopped answering (it ended, was
-    killed or stopped), and how long a call to the coordinator's store may stay unanswered: as long as possible
-    while still before JAX's own verdict. JAX's heartbeats go every half heartbeat timeout, so its service may
-    declare a silent task dead as soon as half the timeout after it went silent; the silence is said two beats
-    before that (one beat to see it, one to spare), and never under 2 s.
+    """How long a process's beats may stay still before it is said to have stopped answering (it
+    ended, was killed or stopped), and how long a call to the coordinator's store may stay
+    unanswered: as long as possible while still before JAX's own verdict. JAX's heartbeats go every
+    half heartbeat timeout, so its service may declare a silent task dead as soon as half the
+    timeout after it went silent; the silence is said two beats before that (one beat to see it, one
+    to spare), and never under 2 s.
 
-    It cannot fire in a healthy job: the beats come from a daemon thread, which a slow step, a compilation, a
-    collective, a checkpoint write or a sleep never holds (all release the interpreter lock; Python code gives it
-    up every few milliseconds); only one C call keeping the lock longer than this (14 s at the strategies' default
-    ``heartbeat_timeout_seconds=30``) could silence a live process.
+    It cannot fire in a healthy job: the beats come from a daemon thread, which a slow step, a
+    compilation, a collective, a checkpoint write or a sleep never holds (all release the
+    interpreter lock; Python code gives it up every few milliseconds); only one C call keeping the
+    lock longer than this (14 s at the strategies' default ``heartbeat_timeout_seconds=30``) could
+    silence a live process.
 
     Examples:
         >>> set_heartbeat_timeout(10); silence_seconds()
@@ -278,8 +302,9 @@ def silence_seconds() -> float:
 
 
 def _await_acknowledgements(dead: int | None = None) -> None:
-    """Wait (at most ``2 * POLL_SECONDS + 1`` s in all) until every other process's monitor (but ``dead``'s)
-    has printed the failure; the coordination service's host (process 0) then gives them a moment to exit first."""
+    """Wait (at most ``2 * POLL_SECONDS + 1`` s in all) until every other process's monitor (but
+    ``dead``'s) has printed the failure; the coordination service's host (process 0) then gives them
+    a moment to exit first."""
     client = _client()
     if client is None:
         return
@@ -287,7 +312,8 @@ def _await_acknowledgements(dead: int | None = None) -> None:
     deadline = time.monotonic() + 2 * POLL_SECONDS + 1.0
     for pid in range(jax.process_count()):
         if pid not in (me, dead):
-            with contextlib.suppress(Exception):  # no monitor there (not in fit), or gone: the deadline stands
+            # no monitor there (not in fit), or gone: the deadline stands
+            with contextlib.suppress(Exception):
                 client.blocking_key_value_get(f"{_FAILURE_KEY}/seen/{pid}",
                                               max(1, int(1000 * (deadline - time.monotonic()))))
     if me == 0 and any(pid not in (me, dead) for pid in range(jax.process_count())):
@@ -300,12 +326,14 @@ def _exit_now(message: str | None) -> None:
     sys.stderr.flush()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-    os._exit(1)  # no cleanup: it would wait for the peers (jax.distributed.shutdown, collective writes)
+    # no cleanup: it would wait for the peers (jax.distributed.shutdown, collective writes)
+    os._exit(1)
 
 
 def guard_exit() -> None:
-    """In a job of several processes: an uncaught exception is reported (`report_failure`) after its traceback is
-    printed, so the process and its peers exit in bounded time. Installed once; a no-op in a single process.
+    """In a job of several processes: an uncaught exception is reported (`report_failure`) after its
+    traceback is printed, so the process and its peers exit in bounded time. Installed once; a no-op
+    in a single process.
 
     Examples:
         >>> guard_exit()   # one process: nothing to guard
@@ -321,24 +349,29 @@ def guard_exit() -> None:
         if issubclass(kind, SystemExit):
             return
         me = jax.process_index()
-        report_failure(f"process {me} raised {kind.__name__}({error})")  # ``fit`` may have said it better: kept
-        _await_acknowledgements()  # the peers' monitors have said why (exiting first would end them mid-collective)
-        _exit_now(None)  # now: the interpreter's exit would wait for the peers (jax.distributed.shutdown)
+        # ``fit`` may have said it better: kept
+        report_failure(f"process {me} raised {kind.__name__}({error})")
+        # the peers' monitors have said why (exiting first would end them mid-collective)
+        _await_acknowledgements()
+        # now: the interpreter's exit would wait for the peers (jax.distributed.shutdown)
+        _exit_now(None)
 
     sys.excepthook = hook
 
 
 class FailureMonitor:
-    """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it; with
-    ``progress``, a peer that ends or stops is said too (the beats: see the module doc).
+    """While open, a peer's failure (`report_failure`) ends this process with status 1, naming it;
+    with ``progress``, a peer that ends or stops is said too (the beats: see the module doc).
 
     Args:
         interval: seconds between two polls.
-        progress: this process's progress, ``{"step": int, "checkpoint": int | None, "checkpoint_dir": str |
-            None}`` (read on the beats' thread every `BEAT_SECONDS`: it must not wait); None: no beats.
+        progress: this process's progress, ``{"step": int, "checkpoint": int | None,
+            "checkpoint_dir": str | None}`` (read on the beats' thread every `BEAT_SECONDS`: it must
+            not wait); None: no beats.
 
     Examples:
-        >>> with FailureMonitor(progress=lambda: {"step": 0, "checkpoint": None}):   # one process: no thread
+        >>> # one process: no thread
+        >>> with FailureMonitor(progress=lambda: {"step": 0, "checkpoint": None}):
         ...     pass
     """
 
@@ -352,8 +385,8 @@ class FailureMonitor:
     def __enter__(self) -> FailureMonitor:
         client = _client()
         if client is not None:
-            self._thread = threading.Thread(target=self._poll, args=(client,), name="jaxdist-failure-monitor",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._poll, args=(client,),
+                                            name="jaxdist-failure-monitor", daemon=True)
             self._thread.start()
             if self.progress is not None:
                 self._beats = _Beats(client, self.progress)
@@ -361,7 +394,8 @@ class FailureMonitor:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        if self._beats is not None:  # with a goodbye, however fit ended: this process leaves, it did not die
+        # with a goodbye, however fit ended: this process leaves, it did not die
+        if self._beats is not None:
             self._beats.close()
             self._beats = None
         if self._thread is not None:
@@ -378,14 +412,16 @@ class FailureMonitor:
             pid, _, reason = value.partition("\n")
             if pid == str(me):  # this process's own failure: its main thread is on its way out
                 return
-            print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr, flush=True)
+            print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr,
+                  flush=True)
             with contextlib.suppress(Exception):
                 client.key_value_set(f"{_FAILURE_KEY}/seen/{me}", "1")
             _exit_now(None)
 
 
 def _failure_posted(client: Any) -> str | None:
-    """The failure a process posted (``"<pid>\\n<reason>"``); None when there is none, or the store is gone."""
+    """The failure a process posted (``"<pid>\\n<reason>"``); None when there is none, or the store
+    is gone."""
     try:
         return client.key_value_try_get(_FAILURE_KEY)
     except Exception:  # not set, or the coordination service is gone
@@ -397,25 +433,29 @@ def _resume(progress: dict) -> str:
     if checkpoint is None:
         where = "" if progress.get("checkpoint_dir") else " (fit has no checkpoint_dir)"
         return f"There is no checkpoint{where}: a restart starts over from step 0."
-    return f"The newest checkpoint is step {checkpoint}: restart the job to resume from step {checkpoint}."
+    return (f"The newest checkpoint is step {checkpoint}: "
+            f"restart the job to resume from step {checkpoint}.")
 
 
 class _Beats:
-    """This process's beats in the job's key-value store, and the thread that posts them and watches every other
-    process's (see the module doc)."""
+    """This process's beats in the job's key-value store, and the thread that posts them and watches
+    every other process's (see the module doc)."""
 
     def __init__(self, client: Any, progress: Callable[[], dict]):
         self.client, self.progress = client, progress
         self.me, self.count = jax.process_index(), jax.process_count()
-        self.prefix = f"{_BEATS_KEY}/{next(_rounds)}/"  # the n-th fit of every process: the same n everywhere
+        # the n-th fit of every process: the same n everywhere
+        self.prefix = f"{_BEATS_KEY}/{next(_rounds)}/"
         self.beats = 0
-        self.seen: dict[int, tuple[int, float]] = {}  # pid -> (its last beat counter, when it was seen to move)
+        # pid -> (its last beat counter, when it was seen to move)
+        self.seen: dict[int, tuple[int, float]] = {}
         self.peers: dict[int, dict] = {}  # pid -> its last progress
         self.gone: set[int] = set()  # the peers that said goodbye
         self.stopping = threading.Event()
         self.report = os.environ.get("JAXDIST_LAUNCH_DIR")
         self.reported: dict | None = None
-        self.epitaph = b""  # what to say when the coordinator stops answering, ready at every beat (`_beat`)
+        # what to say when the coordinator stops answering, ready at every beat (`_beat`)
+        self.epitaph = b""
         self.thread = threading.Thread(target=self._run, name="jaxdist-beats", daemon=True)
         self.thread.start()
 
@@ -437,7 +477,8 @@ class _Beats:
                 return self._store_failed()
             self._watch(entries)
             try:
-                self.client.blocking_key_value_get(bye, int(1000 * BEAT_SECONDS))  # the wait: until a goodbye
+                # the wait: until a goodbye
+                self.client.blocking_key_value_get(bye, int(1000 * BEAT_SECONDS))
                 return None  # this process's goodbye (`close`)
             except Exception as error:
                 if "DEADLINE_EXCEEDED" not in str(error):  # else the wait's end: the next beat
@@ -445,20 +486,22 @@ class _Beats:
         return None
 
     def _store_failed(self) -> None:
-        if not self.stopping.is_set() and self.me != 0:  # else leaving; or process 0's own store ending
+        # else leaving; or process 0's own store ending
+        if not self.stopping.is_set() and self.me != 0:
             self._coordinator_gone()
 
     def _coordinator_gone(self) -> None:
-        """A call to the coordinator's store failed: write the message made ready at the last beat and exit. A
-        race JAX's abort wins when the coordinator was killed: its client's own failed call (``PollForError``)
-        is handled first, on gRPC's thread, and aborts within a millisecond; the launcher's summary says it."""
+        """A call to the coordinator's store failed: write the message made ready at the last beat
+        and exit. A race JAX's abort wins when the coordinator was killed: its client's own failed
+        call (``PollForError``) is handled first, on gRPC's thread, and aborts within a millisecond;
+        the launcher's summary says it."""
         os.write(2, self.epitaph)
         _exit_now(None)
 
     def _beat(self, mine: dict) -> None:
         self.beats += 1
-        self.client.key_value_set(f"{self.prefix}{self.me}", json.dumps({"beat": self.beats, **mine}),
-                                  allow_overwrite=True)
+        self.client.key_value_set(f"{self.prefix}{self.me}",
+                                  json.dumps({"beat": self.beats, **mine}), allow_overwrite=True)
         if self.me != 0:
             self.epitaph = f"[jaxdist] {self._ended(0, mine)}\n".encode()
         if self.report and mine != self.reported:
@@ -470,9 +513,9 @@ class _Beats:
                 os.replace(path + ".tmp", path)
 
     def _watch(self, entries: list[tuple[str, str]]) -> None:
-        """Every other process's beat, from one read of the store: a counter that moved is a process alive; one
-        still for `silence_seconds` (measured from when this process saw it move) without a goodbye is a process
-        that ended or stopped."""
+        """Every other process's beat, from one read of the store: a counter that moved is a process
+        alive; one still for `silence_seconds` (measured from when this process saw it move) without
+        a goodbye is a process that ended or stopped."""
         now = time.monotonic()
         beats = {}
         for key, value in entries:
@@ -493,9 +536,12 @@ class _Beats:
 
     def _words(self, pid: int, what: str) -> str:
         """``process 1 <what>``, with the last steps reached."""
-        who = f"process {pid}" + (" (the coordinator: it hosts the job's coordination service)" if pid == 0 else "")
-        steps = {self.me: self.progress().get("step"), **{p: v.get("step") for p, v in self.peers.items()}}
-        shown = ", ".join(f"process {p} step {steps[p]}" for p in sorted(steps) if steps[p] is not None)
+        who = f"process {pid}" + (" (the coordinator: it hosts the job's coordination service)"
+                                  if pid == 0 else "")
+        steps = {self.me: self.progress().get("step"),
+                 **{p: v.get("step") for p, v in self.peers.items()}}
+        shown = ", ".join(f"process {p} step {steps[p]}" for p in sorted(steps)
+                          if steps[p] is not None)
         return f"{who} {what}; last steps reached: {shown}"
 
     def _died(self, pid: int, silent: float) -> None:
@@ -504,12 +550,13 @@ class _Beats:
         said = self._ended(pid, self.progress(), silent)
         try:  # the first process to tell it posts it: every other process's monitor says it too
             self.client.key_value_set(_FAILURE_KEY, f"{self.me}\n{said.rsplit(' Process ', 1)[0]}")
-        except Exception:  # posted already (another survivor, or a failure): said as the monitor says it
+        except Exception:
+            # posted already (another survivor, or a failure): said as the monitor says it
             value = _failure_posted(self.client)
             if value is not None:
                 reason = value.partition("\n")[2]
-                print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)", file=sys.stderr,
-                      flush=True)
+                print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)",
+                      file=sys.stderr, flush=True)
                 with contextlib.suppress(Exception):
                     self.client.key_value_set(f"{_FAILURE_KEY}/seen/{self.me}", "1")
                 _exit_now(None)
@@ -519,6 +566,7 @@ class _Beats:
 
     def _ended(self, pid: int, mine: dict, silent: float | None = None) -> str:
         how = "" if silent is None else f" for {silent:.1f} s"
-        words = self._words(pid, f"stopped answering: it ended, was killed or stopped (silent{how} in the job's "
-                            "key-value store)")
+        words = self._words(pid,
+                            f"stopped answering: it ended, was killed or stopped (silent{how} in "
+                            "the job's key-value store)")
         return f"{words}. {_resume(mine)} Process {self.me} stops too (exit status 1)."

@@ -1,15 +1,17 @@
 """Processes: joining the job's cluster, checking that a strategy spans it, and the chief's values.
 
-JAX's own multi-controller runtime does the work: `jax.distributed.initialize` connects the processes, and
-XLA's collectives (gloo on CPU, NCCL on GPU, ICI on TPU) move the data; there is no jaxdist protocol. The
-cluster comes from keyword arguments, else the ``JAXDIST_COORDINATOR_ADDRESS`` / ``JAXDIST_NUM_PROCESSES`` /
-``JAXDIST_PROCESS_ID`` environment variables (what ``python -m jaxdist.launch`` sets), else JAX's own
-cluster detection (SLURM, Open MPI, TPU pods, ...); with none of them it is a single process.
+JAX's own multi-controller runtime does the work: `jax.distributed.initialize` connects the
+processes, and XLA's collectives (gloo on CPU, NCCL on GPU, ICI on TPU) move the data; there is no
+jaxdist protocol. The cluster comes from keyword arguments, else the ``JAXDIST_COORDINATOR_ADDRESS``
+/ ``JAXDIST_NUM_PROCESSES`` / ``JAXDIST_PROCESS_ID`` environment variables (what ``python -m
+jaxdist.launch`` sets), else JAX's own cluster detection (SLURM, Open MPI, TPU pods, ...); with none
+of them it is a single process.
 
-Once the processes are connected, a strategy spans every device of every process: a strategy over some of
-them only would leave each process training its own copy without a word, so it is an error
-(`check_spans_processes`). Values that every process passes in (initial variables, rng keys) are taken from
-process 0 (`from_chief`), so the processes start from the same state even if their inputs differ.
+Once the processes are connected, a strategy spans every device of every process: a strategy over
+some of them only would leave each process training its own copy without a word, so it is an error
+(`check_spans_processes`). Values that every process passes in (initial variables, rng keys) are
+taken from process 0 (`from_chief`), so the processes start from the same state even if their inputs
+differ.
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ __all__ = [
 ]
 
 CLUSTER_VARIABLES = ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
-"""The environment variables that describe a job (what ``python -m jaxdist.launch`` and cluster recipes set)."""
+"""The environment variables that describe a job (what ``python -m jaxdist.launch`` and cluster
+recipes set)."""
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
 def resolve_cluster(
-    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+    coordinator_address: str | None = None, num_processes: int | None = None,
+    process_id: int | None = None
 ) -> tuple[str, int, int] | None:
-    """The cluster from keyword arguments, else the ``JAXDIST_*`` environment; None when neither says.
+    """The cluster from keyword arguments, else the ``JAXDIST_*`` environment; None when neither
+    says.
 
     Raises:
         ValueError: for a partial or malformed cluster description, naming what is missing or wrong.
@@ -67,22 +72,26 @@ def resolve_cluster(
             return None
         if any(v is None for v in env):
             missing = [k for k, v in zip(CLUSTER_VARIABLES, env, strict=True) if v is None]
-            raise ValueError(f"the cluster environment is incomplete: {', '.join(missing)} not set; set all three.")
+            raise ValueError(f"the cluster environment is incomplete: {', '.join(missing)} not "
+                             "set; set all three.")
         source = "environment"
         try:
             given = (env[0], int(env[1]), int(env[2]))
         except ValueError:
             raise ValueError(
-                f"JAXDIST_NUM_PROCESSES={env[1]!r} and JAXDIST_PROCESS_ID={env[2]!r} must be integers."
+                f"JAXDIST_NUM_PROCESSES={env[1]!r} and JAXDIST_PROCESS_ID={env[2]!r} must be "
+                "integers."
             ) from None
     elif any(v is None for v in given):
         names = ("coordinator_address", "num_processes", "process_id")
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
-        raise ValueError(f"{', '.join(missing)} missing: pass coordinator_address, num_processes and process_id "
-                         "together (or none, to use the environment or JAX's cluster detection).")
+        raise ValueError(f"{', '.join(missing)} missing: pass coordinator_address, num_processes "
+                         "and process_id together (or none, to use the environment or JAX's "
+                         "cluster detection).")
     address, n, pid = given
     if not isinstance(address, str) or not _ADDRESS.match(address):
-        raise ValueError(f"coordinator_address={address!r} ({source}) must be 'host:port', e.g. '10.0.0.1:1234'.")
+        raise ValueError(f"coordinator_address={address!r} ({source}) must be 'host:port', e.g. "
+                         "'10.0.0.1:1234'.")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"num_processes={n!r} ({source}) must be an int >= 1.")
     if not isinstance(pid, int) or not 0 <= pid < n:
@@ -101,19 +110,20 @@ def initialize_cluster(
 ) -> int:
     """Connect this process to the job's other processes, once; returns the process count.
 
-    What the strategies that take a cluster do first, for programs that build their own mesh (which needs
-    every process's devices, so the processes must be connected before it). The cluster comes from the
-    arguments, else the ``JAXDIST_*`` variables (``python -m jaxdist.launch``), else JAX's detection (SLURM,
-    Open MPI, Kubernetes, TPU pods); with none of them, or when JAX is already connected, nothing happens.
+    What the strategies that take a cluster do first, for programs that build their own mesh (which
+    needs every process's devices, so the processes must be connected before it). The cluster comes
+    from the arguments, else the ``JAXDIST_*`` variables (``python -m jaxdist.launch``), else JAX's
+    detection (SLURM, Open MPI, Kubernetes, TPU pods); with none of them, or when JAX is already
+    connected, nothing happens.
 
     A dead peer is then an error, not a wait: the coordination service's heartbeats
-    (``heartbeat_timeout_seconds``) make the survivors exit with "the JAX distributed service detected fatal
-    errors ... another task died", and a peer that never shows up fails ``initialization_timeout`` seconds
-    after start.
+    (``heartbeat_timeout_seconds``) make the survivors exit with "the JAX distributed service
+    detected fatal errors ... another task died", and a peer that never shows up fails
+    ``initialization_timeout`` seconds after start.
 
     Args:
-        coordinator_address: ``"host:port"`` of process 0's coordination service (with the next two, or none of
-            the three).
+        coordinator_address: ``"host:port"`` of process 0's coordination service (with the next two,
+            or none of the three).
         num_processes: how many processes take part.
         process_id: this process's index in ``[0, num_processes)``.
         initialization_timeout: seconds to wait for every process to join before failing.
@@ -121,9 +131,10 @@ def initialize_cluster(
         caller: who asks, for error messages.
 
     Raises:
-        ValueError: for a partial or malformed cluster, or when JAX is already connected with another count.
-        RuntimeError: when this process already ran a JAX computation (``jax.distributed.initialize`` must
-            come first).
+        ValueError: for a partial or malformed cluster, or when JAX is already connected with
+            another count.
+        RuntimeError: when this process already ran a JAX computation
+            (``jax.distributed.initialize`` must come first).
 
     Examples:
         >>> import jaxdist as jd
@@ -135,8 +146,8 @@ def initialize_cluster(
     return jax.process_count()
 
 
-def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, heartbeat_timeout_seconds: int,
-          caller: str) -> None:
+def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
+          heartbeat_timeout_seconds: int, caller: str) -> None:
     if jax.distributed.is_initialized():
         if cluster is not None and jax.process_count() != cluster[1]:
             raise ValueError(
@@ -150,47 +161,59 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int, hea
     if cluster is not None and cluster[1] == 1:
         return  # a cluster of one: nothing to connect
     if cluster is None and detected is None:
-        _jax_detection(timeouts)  # TPU pods, Kubernetes: what JAX finds by itself; else this process alone
+        # TPU pods, Kubernetes: what JAX finds by itself; else this process alone
+        _jax_detection(timeouts)
         set_heartbeat_timeout(heartbeat_timeout_seconds)
         return
     try:
         if cluster is not None:
             jax.distributed.initialize(*cluster, **timeouts)
         else:
-            jax.distributed.initialize(**timeouts)  # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
-        set_heartbeat_timeout(heartbeat_timeout_seconds)  # a silent peer is said before JAX's service acts
+            # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
+            jax.distributed.initialize(**timeouts)
+        # a silent peer is said before JAX's service acts
+        set_heartbeat_timeout(heartbeat_timeout_seconds)
         guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
     except RuntimeError as err:
         if "before" not in str(err) or not ("computation" in str(err) or "backend" in str(err)):
             raise
-        where = f"the {detected[0]} environment" if cluster is None else "the cluster arguments / JAXDIST_* variables"
+        where = (
+            f"the {detected[0]} environment"
+            if cluster is None
+            else "the cluster arguments / JAXDIST_* variables"
+        )
         raise RuntimeError(
             f"{caller} must come before any JAX computation or device query in this process: "
-            f"{where} describes a job of several processes, and jax.distributed.initialize has to connect "
-            f"them first ({err}). Call it (create the strategy) at the top of your program."
+            f"{where} describes a job of several processes, and jax.distributed.initialize has to "
+            f"connect them first ({err}). Call it (create the strategy) at the top of your program."
         ) from None
 
 
-_ENV_DETECTORS = ("SlurmCluster", "OmpiCluster")  # JAX's detectors that read only environment variables
+# JAX's detectors that read only environment variables
+_ENV_DETECTORS = ("SlurmCluster", "OmpiCluster")
 
 
 def _jax_detection(timeouts: dict) -> None:
-    """``jax.distributed.initialize()`` with JAX's own detection (TPU pods, Kubernetes, ...); nothing found,
-    or JAX already running without a cluster: this process alone."""
+    """``jax.distributed.initialize()`` with JAX's own detection (TPU pods, Kubernetes, ...);
+    nothing found, or JAX already running without a cluster: this process alone."""
     try:
         jax.distributed.initialize(**timeouts)
     except (ValueError, RuntimeError) as err:
         text = str(err)
-        if "coordinator_address" in text or "cluster" in text.lower() or "must be called before" in text:
+        if (
+            "coordinator_address" in text
+            or "cluster" in text.lower()
+            or "must be called before" in text
+        ):
             return
         raise
 
 
 def detected_cluster() -> tuple[str, int] | None:
-    """The job of several processes this process's environment variables describe, as ``(source, process
-    count)``: the ``JAXDIST_*`` variables, else SLURM's or Open MPI's (read by JAX's own detectors). None for
-    a single process. (TPU pods and Kubernetes are detected by JAX when it connects, through their metadata
-    services: not here.)
+    """The job of several processes this process's environment variables describe, as ``(source,
+    process count)``: the ``JAXDIST_*`` variables, else SLURM's or Open MPI's (read by JAX's own
+    detectors). None for a single process. (TPU pods and Kubernetes are detected by JAX when it
+    connects, through their metadata services: not here.)
 
     Examples:
         >>> detected_cluster() is None   # a plain shell: no cluster
@@ -214,8 +237,8 @@ def detected_cluster() -> tuple[str, int] | None:
 
 
 def check_connected(strategy: str) -> None:
-    """Raise when the environment describes a job of several processes that JAX has not connected: a strategy
-    made now would span this process alone.
+    """Raise when the environment describes a job of several processes that JAX has not connected: a
+    strategy made now would span this process alone.
 
     Raises:
         RuntimeError: naming the environment and the fix.
@@ -227,18 +250,19 @@ def check_connected(strategy: str) -> None:
     if detected is None or jax.distributed.is_initialized():
         return
     raise RuntimeError(
-        f"{strategy} in a job of {detected[1]} processes ({detected[0]} environment), but jax.distributed is not "
-        "initialized: "
-        "this process alone would train its own copy. Use MultiWorkerMirroredStrategy (it connects the "
-        "processes), or call jd.initialize_cluster() at the top of the program, before the strategy (it reads "
-        "the JAXDIST_* variables and the cluster's own; jax.distributed.initialize() reads only the latter)."
+        f"{strategy} in a job of {detected[1]} processes ({detected[0]} environment), but "
+        "jax.distributed is not initialized: "
+        "this process alone would train its own copy. Use MultiWorkerMirroredStrategy (it connects "
+        "the processes), or call jd.initialize_cluster() at the top of the program, before the "
+        "strategy (it reads the JAXDIST_* variables and the cluster's own; "
+        "jax.distributed.initialize() reads only the latter)."
     )
 
 
 def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
-    """Whether ``devices`` (a strategy's, a mesh's ``devices.flat``; None: none) belong to more than one process:
-    the one answer to "does this job's work span processes" (collectives over processes, agreed decisions,
-    process-local batches).
+    """Whether ``devices`` (a strategy's, a mesh's ``devices.flat``; None: none) belong to more than
+    one process: the one answer to "does this job's work span processes" (collectives over
+    processes, agreed decisions, process-local batches).
 
     Examples:
         >>> import jax
@@ -249,7 +273,8 @@ def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
 
 
 def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
-    """Raise unless ``devices`` belong to every process of the job (always true in a single process).
+    """Raise unless ``devices`` belong to every process of the job (always true in a single
+    process).
 
     Raises:
         ValueError: naming the processes the devices belong to and the fix.
@@ -263,17 +288,17 @@ def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
     if count == 1 or len(owners) == count:
         return
     raise ValueError(
-        f"{strategy} over the devices of process(es) {owners} only, in a job of {count} processes: each process "
-        "would train its own copy and nothing would keep them in sync. Leave devices= (and num_cores=) out "
-        "(every device of every process: jax.devices()), pass a mesh over jax.devices(), or use "
-        "MultiWorkerMirroredStrategy."
+        f"{strategy} over the devices of process(es) {owners} only, in a job of {count} processes: "
+        "each process would train its own copy and nothing would keep them in sync. Leave devices= "
+        "(and num_cores=) out (every device of every process: jax.devices()), pass a mesh over "
+        "jax.devices(), or use MultiWorkerMirroredStrategy."
     )
 
 
 def from_chief(tree: Any) -> Any:
-    """``tree`` as process 0 has it: its process-local arrays (rng keys included) broadcast from process 0;
-    global arrays (already one value across the processes) and other leaves are left as they are. A no-op in
-    a single process.
+    """``tree`` as process 0 has it: its process-local arrays (rng keys included) broadcast from
+    process 0; global arrays (already one value across the processes) and other leaves are left as
+    they are. A no-op in a single process.
 
     Examples:
         >>> import numpy as np
@@ -288,9 +313,15 @@ def from_chief(tree: Any) -> Any:
     if not arrays:
         return tree
     keys = [jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key) for i in arrays]
-    impls = [jax.random.key_impl(leaves[i]) if k else None for i, k in zip(arrays, keys, strict=True)]
-    plain = [np.asarray(jax.random.key_data(leaves[i]) if k else leaves[i]) for i, k in zip(arrays, keys, strict=True)]
+    impls = [
+        jax.random.key_impl(leaves[i]) if k else None for i, k in zip(arrays, keys, strict=True)
+    ]
+    plain = [
+        np.asarray(jax.random.key_data(leaves[i]) if k else leaves[i])
+        for i, k in zip(arrays, keys, strict=True)
+    ]
     plain = multihost_utils.broadcast_one_to_all(plain)
     for i, p, k, impl in zip(arrays, plain, keys, impls, strict=True):
         leaves[i] = jax.random.wrap_key_data(np.asarray(p), impl=impl) if k else np.asarray(p)
-    return jax.tree.unflatten(treedef, leaves)  # Python scalars and other values are left as they are
+    # Python scalars and other values are left as they are
+    return jax.tree.unflatten(treedef, leaves)
