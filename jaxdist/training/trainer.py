@@ -23,6 +23,7 @@ norm on the devices, ``fit`` acts on the flags where it reads its logs and befor
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -533,10 +534,11 @@ class Trainer:
         steps: int | None = None,
         *,
         epochs: int | None = None,
+        steps_per_epoch: int | None = None,
         eval_data: Any = None,
-        eval_every: int | None = None,
+        eval_every: int | str | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
-        checkpoint_every: int | None = None,
+        checkpoint_every: int | str | datetime.timedelta | None = None,
         keep_checkpoints: int = 3,
         async_checkpoints: bool = True,
         log_every: int = 10,
@@ -551,10 +553,14 @@ class Trainer:
         profile_steps: tuple[int, int] | None = None,
         profile_processes: int | Sequence[int] | str = (0,),
     ) -> History:
-        """Train until the step counter reaches ``steps`` (or ``epochs`` passes over the data end).
+        """Train until the step counter reaches ``steps`` (or ``epochs`` epochs end).
 
         Both counts are totals: a resumed run (same ``checkpoint_dir``) restores the latest checkpoint, continues
         from its step and data position, and stops where an uninterrupted run would, with bitwise the same state.
+        Epochs are Keras': ``epochs=3, steps_per_epoch=70`` trains 210 steps in 3 epochs of 70 (the data is read
+        on across them, passes and all, as Keras reads a repeated dataset); ``epochs=3`` alone is 3 passes over
+        ``train_data``. A fit that counts epochs shows them in its progress lines and `History`
+        (``history.epochs``, ``history.history``), and calls the callbacks' ``on_epoch_begin`` / ``on_epoch_end``.
         The keyword arguments are one `jaxdist.training.loop.FitOptions`; the operations features they switch on
         (``step_timeout``, ``profile_steps``, ``straggler_ratio``) are callbacks, documented in their modules.
 
@@ -564,11 +570,19 @@ class Trainer:
                 once). Resuming needs the same batches for the same epoch.
             steps: train until ``trainer.step == steps``.
             epochs: stop after this many epochs in total (with ``steps``, whichever comes first).
+            steps_per_epoch: an epoch is this many steps (Keras' ``steps_per_epoch``); None: an epoch is one pass
+                over ``train_data``.
             eval_data: batches for `evaluate` (any size), evaluated every ``eval_every`` steps and at the end.
-            eval_every: steps between evaluations (None: only at the end).
-            checkpoint_dir: restore the latest checkpoint from here, and save here every ``checkpoint_every``
-                steps, at the end and on preemption. None: no checkpoints.
-            checkpoint_every: steps between checkpoints (None: only at the end / on preemption).
+            eval_every: steps between evaluations, or ``"epoch"``: at the end of every epoch (Keras'
+                ``validation_data``: its metrics reach ``on_epoch_end`` as ``val_<name>``). None: only at the end.
+            checkpoint_dir: restore the latest checkpoint from here (a resume), and save here as
+                ``checkpoint_every`` says, at the end and on preemption. None: no checkpoints.
+            checkpoint_every: when to save besides the end and a preemption: every N steps (an int), ``"epoch"``
+                (at the end of every epoch), or a `datetime.timedelta` (at the first log point that long after the
+                last checkpoint). None (the default): at the end of every epoch when the fit counts epochs
+                (``epochs=`` or ``steps_per_epoch=``, as Keras' ``BackupAndRestore``), and every 10 minutes, so a
+                kill loses at most an epoch or 10 minutes (`jaxdist.training.loop._cadence` says why, with what a
+                save costs). The first progress line says which.
             keep_checkpoints: how many recent checkpoints to keep.
             async_checkpoints: write checkpoints in the background (training goes on once the state is copied
                 to host memory); ``fit`` returns once the last one is complete. False: each save blocks.

@@ -1,9 +1,13 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
-A `Callback` gets ``on_train_begin``, ``on_config``, ``on_step_cost``, ``on_step_end``, ``on_log``,
-``on_eval_end``, ``on_checkpoint``, ``on_pause`` / ``on_resume`` (around evaluations and checkpoints),
-``on_train_end`` and, when ``fit`` fails, ``on_exception``. ``on_step_end`` receives the step's metrics as device
-scalars: reading one (``float(m)``) waits for the device, so read them only when you need them. During ``fit``
+A `Callback` gets ``on_train_begin``, ``on_config``, ``on_epoch_begin``, ``on_step_cost``, ``on_step_end``,
+``on_log``, ``on_eval_end``, ``on_epoch_end``, ``on_checkpoint``, ``on_pause`` / ``on_resume`` (around evaluations
+and checkpoints), ``on_train_end`` and, when ``fit`` fails, ``on_exception``. The epoch hooks have Keras' meaning:
+``on_epoch_begin(trainer, epoch)`` before an epoch's first step, ``on_epoch_end(trainer, epoch, logs)`` after its
+last one, with the epoch's means of the training metrics and, when an evaluation ran at that step, its metrics as
+``val_<name>`` (epochs count from 0; an epoch is ``steps_per_epoch`` steps, or one pass over ``train_data``).
+``on_step_end`` receives the step's metrics as device scalars: reading one (``float(m)``) waits for the device, so
+read them only when you need them. During ``fit``
 a callback's ``control`` is the run's `FitControl`: where the run is (``step``, ``epoch``, ``history``) and what a
 callback may ask of it (``stop``, ``save``, ``skip``). ``fit`` calls a per-step hook only on the callbacks that
 override it. Setting ``trainer.stop_training = True`` (or ``control.stop()``) ends ``fit`` after the current step
@@ -45,10 +49,16 @@ class History:
 
     Attributes:
         train: one dict per log point: ``{"step": s, "loss": ..., <metrics>, "steps_per_sec": ...}``, plus
-            ``"tokens_per_sec"``, ``"mfu"``, ``"hfu"`` and ``"peak_bytes_in_use"`` where known.
+            ``"tokens_per_sec"``, ``"mfu"``, ``"hfu"`` and ``"peak_bytes_in_use"`` where known, and ``"epoch"``
+            (from 0) when the fit counts epochs (``epochs=`` or ``steps_per_epoch=``).
         eval: one dict per evaluation: ``{"step": s, "loss": ..., <metrics>}``.
+        epochs: one dict per epoch that ended (what ``on_epoch_end`` got): ``{"epoch": e, "step": s, "loss":
+            ..., <metrics>, "val_loss": ..., "val_<metric>": ...}``: the epoch's means, and the evaluation at its
+            last step where there was one (``eval_every="epoch"``). Keras' ``history.history`` is `history`.
         checkpoints: the paths written.
         preempted: True when a SIGTERM stopped the run early (after saving).
+        preempted_by: which signal did (``"SIGTERM"``; ``"SIGTERM (to another process)"`` where another
+            process of the job got it), or None.
         step_cost: what one step costs (a `StepCost`: FLOPs and memory per device), None if no step ran.
         non_finite_steps: how many steps' loss or gradients were not finite (``fit(on_non_finite=...)``; skipped
             ones and rolled-back ones included); the log rows of their windows show ``non_finite_steps`` too.
@@ -91,8 +101,10 @@ class History:
     def __init__(self) -> None:
         self.train: list[dict[str, float]] = []
         self.eval: list[dict[str, float]] = []
+        self.epochs: list[dict[str, float]] = []
         self.checkpoints: list[str] = []
         self.preempted = False
+        self.preempted_by: str | None = None
         self.step_cost: StepCost | None = None
         self.non_finite_steps = 0
         self.rollbacks: list[dict[str, Any]] = []
@@ -117,8 +129,23 @@ class History:
         return self.job_time.get("steps", 0.0) / total if total > 0 else float("nan")
 
     def metric(self, name: str, split: str = "train") -> list[float]:
-        """The values of ``name`` at each log point of ``split`` (``"train"`` or ``"eval"``)."""
+        """The values of ``name`` at each log point of ``split`` (``"train"``, ``"eval"`` or ``"epochs"``)."""
         return [row[name] for row in getattr(self, split) if name in row]
+
+    @property
+    def history(self) -> dict[str, list[float]]:
+        """Keras' ``History.history``: ``{name: [its value at the end of each epoch]}`` (``loss``, the metrics,
+        ``val_loss``, ...), from `epochs`.
+
+        Examples:
+            >>> h = History()
+            >>> h.epochs += [{"epoch": 0, "step": 5, "loss": 0.5, "val_loss": 0.6},
+            ...              {"epoch": 1, "step": 10, "loss": 0.25, "val_loss": 0.5}]
+            >>> h.history
+            {'loss': [0.5, 0.25], 'val_loss': [0.6, 0.5]}
+        """
+        names = [k for row in self.epochs for k in row if k not in ("epoch", "step")]
+        return {name: [row.get(name, float("nan")) for row in self.epochs] for name in dict.fromkeys(names)}
 
     def __repr__(self) -> str:
         last = self.train[-1] if self.train else {}
@@ -132,6 +159,9 @@ class FitControl:
     Attributes:
         history: the run's `History` so far.
         stopping: the run is stopping (a request to stop, or a SIGTERM, agreed by every process).
+        epochs: the epochs the run trains (``fit(epochs=...)``), or None.
+        steps_per_epoch: ``fit(steps_per_epoch=...)``, or None (an epoch is one pass over ``train_data``).
+        checkpoint_dir: where ``fit`` saves its checkpoints (its backups), or None.
 
     Examples:
         >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
@@ -149,6 +179,9 @@ class FitControl:
 
     history: History
     stopping: bool = False
+    epochs: int | None = None
+    steps_per_epoch: int | None = None
+    checkpoint_dir: str | None = None
 
     @property
     def step(self) -> int:
@@ -162,7 +195,9 @@ class FitControl:
 
     @property
     def epoch(self) -> int:
-        """The epoch of the training data the steps are reading (``data_position.epoch``)."""
+        """The epoch the steps are in, from 0: with ``steps_per_epoch``, ``step // steps_per_epoch`` (an epoch is
+        that many steps, whatever the passes over the data); else the pass over the training data the steps are
+        reading (``data_position.epoch``). In ``on_epoch_end(trainer, epoch, logs)`` it is that ``epoch``."""
         return self.data_position.epoch
 
     def stop(self) -> None:
@@ -206,6 +241,11 @@ class Callback:
         scalar}`` (``fit``'s arguments, the strategy, mesh and devices, the global batch size, the optimizer as
         far as its state says: `jaxdist.training.loop._config`). The trackers keep it as the run's parameters."""
 
+    def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
+        """Before the first step of epoch ``epoch`` (from 0; a resumed run begins with the epoch it resumes in,
+        as Keras does with ``initial_epoch``). An epoch is ``steps_per_epoch`` steps, or one pass over
+        ``train_data``."""
+
     def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
         """Once per ``fit``, after its first step compiled: what one step costs per device (FLOPs, peak FLOP/s,
         bytes of parameters, optimizer state and temporaries; a `StepCost`)."""
@@ -220,6 +260,15 @@ class Callback:
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
         """After each evaluation during ``fit``, with metrics averaged over every evaluation example."""
+
+    def on_epoch_end(self, trainer: Any, epoch: int, logs: Mapping[str, float]) -> None:
+        """After the last step of epoch ``epoch`` (an epoch the run stops inside has no end), with the epoch's
+        means of the loss and metrics (over its steps since the run began, for a resumed run), the last learning
+        rate where it is logged, and ``val_<name>`` for each metric of an evaluation at that step
+        (``eval_every="epoch"``). The devices have finished the epoch's steps; a checkpoint asked for here
+        (``control.save()``) holds them, and a stop (``control.stop()``) ends the run before the next epoch, on
+        every process. ``fit`` waits for the epoch's metrics only when the run counts epochs or a callback
+        overrides an epoch hook."""
 
     def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
         """After each checkpoint is written (complete and renamed into place)."""
@@ -339,9 +388,14 @@ class Progress(Callback):
     wall time went largely elsewhere than its steps (a compile, an evaluation, a checkpoint: 10% or more) says
     so after the rate: ``14 steps/s (incl. compile 86%)``.
 
-    At the start: a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
-    cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`).
-    At the end of a fit that trained: where the time went (`History.time`).
+    At the start: how often checkpoints are saved ("checkpoints every epoch and every 10 min (the default
+    checkpoint_every)"), a line "resumed from step N (dir)" when ``fit`` resumed from a checkpoint, and the step's
+    cost per device in short (`StepCost.summary`; with ``details=True`` every detail, `StepCost.describe`). When the fit
+    counts epochs, each line shows the epoch (``step 35/210 epoch 1/3 ...``, epochs from 1 as Keras prints them)
+    and each epoch's end has a line of its means (``epoch 1/3 at step 70/210: loss ... val_loss ...``).
+    At the end of a fit that trained: where the time went (`History.time`); of a preempted one, which signal,
+    the step saved and how to resume ("preempted by SIGTERM at step 102: saved step 102 to ckpt; run again to
+    resume").
     MFU and HFU show where the device's peak FLOP/s is known (an accelerator in `jaxdist.costs.ACCELERATORS`,
     or ``Trainer(peak_flops=...)``), with ">=" before them while a custom call in the step could not be costed
     (`StepCost.lower_bound`: the figures are lower bounds).
@@ -352,6 +406,11 @@ class Progress(Callback):
         stream: where lines (and the bar) go (default: stdout for lines, stderr for the bar).
         details: show the step's whole cost line (`StepCost.describe`) instead of its summary.
         resumed_from: the checkpoint directory ``fit`` restored the state from, or None (a fresh start).
+        epochs: the fit's epochs (``fit(epochs=...)``), or None.
+        show_epochs: show the epochs (default: when ``epochs`` is given; ``fit`` passes whether it counts them).
+        checkpoint_dir: where ``fit`` saves its checkpoints, or None.
+        cadence: how often, in words (`jaxdist.training.loop.Cadence.describe`); ``default=True`` after it
+            says it is the default.
 
     Raises:
         ValueError: for a ``mode`` that is not one of the three.
@@ -363,16 +422,31 @@ class Progress(Callback):
         >>> p.on_log(None, 10, {"loss": 0.25, "accuracy": 0.9, "steps_per_sec": 50.0, "tokens_per_sec": 51200.0})
         >>> out.getvalue()
         'step 10/20 loss 0.25 accuracy 0.9 50 steps/s 51,200 tokens/s\\n'
+
+        With epochs (``fit(epochs=3, steps_per_epoch=10)``):
+
+        >>> p = Progress(total=30, mode="lines", epochs=3)
+        >>> p.on_log(None, 15, {"epoch": 1, "loss": 0.5, "steps_per_sec": 40.0})
+        step 15/30 epoch 2/3 loss 0.5 40 steps/s
+        >>> p.on_epoch_end(None, 1, {"loss": 0.45, "val_loss": 0.5})
+        epoch 2/3: loss 0.45 val_loss 0.5
     """
 
     def __init__(self, total: int | None = None, mode: str = "auto", stream: Any = None, *, details: bool = False,
-                 resumed_from: str | os.PathLike | None = None):
+                 resumed_from: str | os.PathLike | None = None, epochs: int | None = None,
+                 show_epochs: bool | None = None, checkpoint_dir: str | os.PathLike | None = None,
+                 cadence: str | None = None, default: bool = False):
         if mode not in ("auto", "bar", "lines"):
             raise ValueError(f"mode={mode!r} must be 'auto', 'bar' or 'lines'.")
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "lines"
         self.total, self.mode, self.stream, self.details = total, mode, stream, details
         self.resumed_from = None if resumed_from is None else os.fspath(resumed_from)
+        self.epochs = epochs
+        self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        self.cadence, self.default = cadence, default
+        if epochs is not None if show_epochs is None else show_epochs:  # else no epoch hook: fit waits for none
+            self.on_epoch_end = self._epoch_line  # type: ignore[method-assign]
         self._bar: Any = None
         self._start_step = 0
         self._cost: StepCost | None = None
@@ -390,11 +464,18 @@ class Progress(Callback):
                       else "{desc} {n_fmt} {elapsed}{postfix}")
             self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step",
                              bar_format=layout, file=self.stream)
+        if self.checkpoint_dir is not None and self.cadence:
+            self._write(f"checkpoints {self.cadence}{' (the default checkpoint_every)' if self.default else ''}")
         if self.resumed_from is not None:
             line = f"resumed from step {self._start_step} ({self.resumed_from})"
             if self.total is not None and self._start_step >= self.total:
                 line += f": already at steps={self.total}, nothing to train"
             self._write(line)
+
+    def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
+        """Before the first step of epoch ``epoch`` (from 0; a resumed run begins with the epoch it resumes in,
+        as Keras does with ``initial_epoch``). An epoch is ``steps_per_epoch`` steps, or one pass over
+        ``train_data``."""
 
     def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
         self._cost = cost
@@ -410,11 +491,29 @@ class Progress(Callback):
             bounded = ("hfu",) if self._cost.model_flops_source.startswith("flops_per_step") else ("mfu", "hfu")
             logs = {k: f">={_value(k, v)}" if k in bounded and not isinstance(v, str) else v
                     for k, v in logs.items()}
+        if self.total is None and self.control is not None:  # passes of a data_fn(epoch): known once one begins
+            self.total = getattr(self.control, "planned", lambda: None)()
+            if self.total is not None and self._bar is not None:
+                self._bar.total = self.total
+        epoch = ""
+        if "epoch" in logs:
+            epoch = f"epoch {int(logs['epoch']) + 1}{f'/{self.epochs}' if self.epochs else ''}"
+            logs = {k: v for k, v in logs.items() if k != "epoch"}
         if self._bar is not None:
+            if epoch:
+                self._bar.set_description_str(epoch)
             self._bar.set_postfix_str(_format(logs))
         else:
             total = f"/{self.total}" if self.total else ""
-            print(f"step {step}{total} {_format(logs)}", file=self.stream or sys.stdout, flush=True)
+            line = f"step {step}{total} {epoch} {_format(logs)}" if epoch else f"step {step}{total} {_format(logs)}"
+            print(line, file=self.stream or sys.stdout, flush=True)
+
+    def _epoch_line(self, trainer: Any, epoch: int, logs: Mapping[str, float]) -> None:
+        """``on_epoch_end`` (when the fit counts epochs): the epoch's means."""
+        at = ""
+        if trainer is not None:
+            at = f" at step {int(trainer.step)}{f'/{self.total}' if self.total else ''}"
+        self._write(f"epoch {epoch + 1}{f'/{self.epochs}' if self.epochs else ''}{at}: {_format(logs)}")
 
     def on_eval_end(self, trainer: Any, step: int, metrics: Mapping[str, float]) -> None:
         self._write(f"eval at step {step}: {_format(metrics)}")
@@ -431,9 +530,27 @@ class Progress(Callback):
             self._write(_format_time(history.time))
             if history.job_runs > 1:  # a job resumed: its time over every run, the restarts included
                 self._write(_format_time(history.job_time, label=f"job over {history.job_runs} runs"))
+        if history is not None and history.preempted and trainer is not None:
+            self._write(self._preempted(int(trainer.step), history))
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+    def _preempted(self, step: int, history: History) -> str:
+        """The last line of a preempted fit: which signal, the step saved, how to resume."""
+        head = f"preempted by {history.preempted_by or 'a signal'} at step {step}"
+        last = history.checkpoints[-1] if history.checkpoints else None
+        directory = os.path.dirname(os.path.normpath(last)) if last else self.checkpoint_dir
+        if last is not None and os.path.basename(os.path.normpath(last)) == str(step):
+            return f"{head}: saved step {step} to {directory}; run again to resume"
+        if last is None and self.resumed_from is not None and step == self._start_step:
+            return f"{head}: step {step} is saved in {directory} already; run again to resume"
+        if directory is None:
+            return f"{head}: nothing saved (fit has no checkpoint_dir): a run again starts over"
+        since = (f"from step {os.path.basename(os.path.normpath(last))}" if last is not None
+                 else "from its newest checkpoint")
+        return f"{head}: its state was not saved (not finite); run again to resume {since} in {directory}"
 
 
 def _writes(trainer: Any) -> bool:

@@ -53,8 +53,10 @@ def _opened(checkpoint_dir: Directory, max_to_keep: int | None) -> Iterator[Chec
         ckpt.close()
 
 
-def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | None) -> str:
-    """``Trainer.save``: checkpoint ``live``'s state at its step, unless it is not finite; the checkpoint's path."""
+def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | None,
+              extra: dict | None = None) -> str:
+    """``Trainer.save``: checkpoint ``live``'s state at its step, unless it is not finite; the checkpoint's path.
+    ``extra``: more JSON to keep in its metadata (`Checkpointer.meta` reads it back)."""
     if live.state is None:
         raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
     bad = non_finite_leaves(live.state)
@@ -62,7 +64,7 @@ def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | Non
         _refuse(live, checkpoint_dir, bad)
     position = live.position  # a grain source's iterator state goes beside it, one file per process
     meta = {"model_kind": live.model.kind, "data_position": {"epoch": position.epoch, "index": position.index},
-            "global_batch": global_rows(live.batches.signature)}
+            "global_batch": global_rows(live.batches.signature), **(extra or {})}
     state = position.state
     data_iterator = None if state is None or isinstance(state, UnrestorableState) else IteratorSnapshot(state)
     with _opened(checkpoint_dir, max_to_keep) as ckpt:

@@ -5,7 +5,7 @@ A run's curves are read months later, beside other runs: what was it? The record
 knows for certain, one flat ``{name: value}`` of JSON scalars (a tracker's parameters are flat, and MLflow's are
 strings):
 
-* ``fit``'s arguments that shape the run (``steps``, ``epochs``, ``log_every``, ``eval_every``,
+* ``fit``'s arguments that shape the run (``steps``, ``epochs``, ``steps_per_epoch``, ``log_every``, ``eval_every``,
   ``checkpoint_every``, ``keep_checkpoints``, ``async_checkpoints``, ``checkpoint_dir``, ``restore_step``,
   ``step_timeout``, ``on_non_finite``, ``profile_steps``);
 * the trainer's: ``steps_per_run``, ``grad_accum_steps``, ``compute_dtype``, ``ema_decay``, ``seed``;
@@ -122,6 +122,6 @@ def run_config(settings: Mapping[str, Any], live: Any, arguments: Mapping[str, A
     return config
 
 
-_FIT = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
+_FIT = ("steps", "epochs", "steps_per_epoch", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
         "checkpoint_dir", "restore_step", "step_timeout", "on_non_finite", "profile_steps")
 """The arguments of ``fit`` kept in the record (those that shape the run, not where its logs are shown)."""

@@ -21,6 +21,20 @@ What the loop does not wait for:
 * Checkpoints written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes at the first
   step end after one is complete, a failed write raises there, and ``fit`` ends once its last one is complete.
 
+Epochs (Keras'): an epoch is ``steps_per_epoch`` steps, or one pass over ``train_data``. Its end is a point like
+the others (`FitLoop.due`: the step at which it ends is known from ``steps_per_epoch``, from a list's length, or,
+for a generator's pass, as soon as the read-ahead reaches the end of the pass), so the steps between cost nothing
+more. There the loop closes the log window, waits for the epoch's metrics (its only wait for the devices per
+epoch), evaluates (``eval_every="epoch"``), calls ``on_epoch_end`` with the epoch's means, saves
+(``checkpoint_every="epoch"``, the default's epochs), settles a stop asked for there on every process at once,
+and calls ``on_epoch_begin`` for the next epoch. A fit that neither counts epochs nor has a callback with an epoch
+hook does none of this.
+
+Checkpoints on a clock (``checkpoint_every=timedelta(...)``, and the default's 10 minutes,
+`jaxdist.training.loop._cadence`): at a log point, once that long has passed since the last checkpoint, the loop
+saves; with several processes process 0's clock decides and asks through the stop agreement, and every process
+saves after the same step (`PreemptionWatcher.save_agreed`).
+
 Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag rides in the running sums; the loop
 acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log is emitted and before every
 checkpoint, whose state is refused if it is not finite.
@@ -51,7 +65,7 @@ from jaxdist.training.callbacks import HOOKS, Callback, FitControl, History, ove
 from jaxdist.training.checkpoints import Checkpointer, clear_progress, restore_live, save_live, write_progress
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._job_time import JobTime
-from jaxdist.training.loop._logs import Logs
+from jaxdist.training.loop._logs import Logs, means
 from jaxdist.training.loop._options import FitOptions
 from jaxdist.training.loop._preemption import PreemptionWatcher
 from jaxdist.training.loop._time import FitClock, window_seconds
@@ -158,6 +172,25 @@ class FitLoop(FitControl):
         mesh = live.strategy.mesh
         self.spans = spans_processes(mesh.devices.flat)
         self.watcher = PreemptionWatcher(mesh=mesh, waited=self.clock.waited)
+        self.until = options.until  # the step the run trains to (steps, or epochs x steps_per_epoch), or None
+        self.eval_steps = options.eval_every if isinstance(options.eval_every, int) else None
+        # FitControl: what the callbacks may read
+        self.epochs, self.steps_per_epoch = options.epochs, options.steps_per_epoch
+        self.checkpoint_dir = None if checkpointer is None else checkpointer.directory
+        # Epochs (see the module): their ends are points only when something looks at them.
+        self.watch_epochs = (options.counts_epochs or options.eval_every == "epoch" or bool(
+            self.hooks["on_epoch_begin"] or self.hooks["on_epoch_end"]))
+        self.epoch_no = 0  # the epoch the steps are in
+        self.epoch_end: float = NEVER  # the step it ends at, once known
+        self.epoch_sums: Any = None  # the host sums of its windows emitted so far
+        self.begin_pending = False  # on_epoch_begin is due before the next step
+        self.closed = -1  # the step of the last window closed
+        # Checkpoints on a clock: the next one is due this long after the last (a log point checks).
+        self.backup_seconds = options.cadence.seconds if checkpointer is not None else None
+        self.saved_at = 0.0  # perf_counter of the last checkpoint (or of the start)
+        self.save_request = False  # process 0 asks the others to save at the next check (several processes)
+        self.save_wanted = False  # a save is due on the clock and not taken yet
+        self.deleted = False  # the checkpoints were deleted at the end (`delete_checkpoints`)
 
     # ----------------------------------------------------------------------------------- FitControl
     @property
@@ -168,6 +201,10 @@ class FitLoop(FitControl):
     def data_position(self) -> DataPosition:
         self.place()
         return self.live.position
+
+    @property
+    def epoch(self) -> int:
+        return self.epoch_no if self.watch_epochs else self.data_position.epoch
 
     def stop(self) -> None:
         self.live.stop_training = True
@@ -206,8 +243,13 @@ class FitLoop(FitControl):
         fixed = self.spans or self.policy.action == "rollback"
         clock.open()  # heard since the clock was made; again if it serves a second run
         self.logs = Logs(live.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None,
-                         waited=clock.waited)
+                         waited=clock.waited, add=self.add_sums if self.watch_epochs else None)
+        if self.watch_epochs:
+            self.epoch_no = live.step // options.steps_per_epoch if options.steps_per_epoch else live.position.epoch
+            self.stream.on_length = self.heard_length
+            self.begin_pending = True
         self.source = iter(self.stream)
+        self.saved_at = perf_counter()
         self.schedule(live.step)
         self.due = 0  # the first step's end: its cost
         for cb in self.callbacks:
@@ -217,12 +259,16 @@ class FitLoop(FitControl):
             with watcher:  # SIGTERM: a request to stop, agreed by every process
                 self.emit("on_train_begin")
                 self.emit("on_config", dict(self.config))
+                self.begin_epoch()
                 while True:  # one round, and one more after each rollback at the end
                     self.run_steps()
+                    if (self.watch_epochs and not watcher.stopping and not self.stopping
+                            and live.step >= self.find_epoch_end() and self.epoch_point()):
+                        continue  # an epoch that ended with the data (an on-device loop's last step): rolled back
                     # The data ended first: on every process? (before any collective)
-                    if (options.steps is not None and live.step < options.steps and self.stream.epochs is None
+                    if (self.until is not None and live.step < self.until and self.stream.epochs is None
                             and not watcher.stopping):
-                        data_ended(live.strategy.mesh, self.batches, self.batches + options.steps - live.step)
+                        data_ended(live.strategy.mesh, self.batches, self.batches + self.until - live.step)
                         history.data_ended = live.step
                     if not watcher.stopping:  # a signal since the last check
                         watcher.should_stop(final=True, stop_training=live.stop_training)
@@ -231,7 +277,7 @@ class FitLoop(FitControl):
                     self.logs.flush()
                     if not self.act() or watcher.stopping:  # rolled back at the end: train to the end again
                         break
-                history.preempted = watcher.preempted
+                history.preempted, history.preempted_by = watcher.preempted, watcher.cause
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
                 with self.paused("checkpoint"):
@@ -245,7 +291,8 @@ class FitLoop(FitControl):
                 self.job_time()
                 self.emit("on_train_end", history)
                 with self.paused("checkpoint"):
-                    self.saved_at_end = self.ckpt is not None and self.ckpt.latest_step() == live.step
+                    self.saved_at_end = (self.ckpt is not None and not self.deleted
+                                         and self.ckpt.latest_step() == live.step)
                 self.ended = not history.preempted
         except BaseException as error:
             for call in self.hooks["on_exception"]:
@@ -268,10 +315,10 @@ class FitLoop(FitControl):
         return history
 
     def run_steps(self) -> None:
-        """Steps until the live step reaches ``options.steps`` (or the data ends, or the run stops): what a step
+        """Steps until the live step reaches ``options.until`` (or the data ends, or the run stops): what a step
         does, in order."""
-        live, clock, options, logs, watcher = self.live, self.clock, self.options, self.logs, self.watcher
-        step_end, until, one = self.hooks["on_step_end"], options.steps, options.steps_per_run == 1
+        live, clock, logs, watcher = self.live, self.clock, self.logs, self.watcher
+        step_end, until, one = self.hooks["on_step_end"], self.until, self.options.steps_per_run == 1
         while until is None or live.step < until:
             # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it. A rollback
             # moves the step back: another cut then takes the batches for the steps that are left.
@@ -313,11 +360,16 @@ class FitLoop(FitControl):
                             logs.emit_ready(self.checks)
                             if self.guard.pending and self.act():
                                 continue
-                    # 5. stop? (a signal or stop_training; with several processes, agreed by all)
-                    if (self.spans or watcher.requested or live.stop_training) and watcher.should_stop(
-                            stop_training=live.stop_training):
-                        self.stopping = True
-                        return
+                    # 5. stop? (a signal or stop_training; with several processes, agreed by all, with a save
+                    # process 0 asked for on its clock)
+                    if self.spans or watcher.requested or live.stop_training:
+                        stop = watcher.should_stop(stop_training=live.stop_training, save=self.save_request)
+                        if watcher.save_agreed:  # every process saves after the next step
+                            self.save_asked, self.due, self.save_wanted = True, 0, False
+                        self.save_request = False
+                        if stop:
+                            self.stopping = True
+                            return
             finally:
                 if one:
                     self.reader.close()
@@ -325,8 +377,12 @@ class FitLoop(FitControl):
                 return
 
     def chunk(self) -> list:
-        """An on-device loop's batches: up to the next log, evaluation or checkpoint point."""
-        return list(itertools.islice(self.reader, self.options.run_length(self.live.step)))
+        """An on-device loop's batches: up to the next log, evaluation, checkpoint point or epoch end."""
+        step = self.live.step
+        n = self.options.run_length(step)
+        if self.watch_epochs and self.find_epoch_end() > step:
+            n = min(n, int(self.epoch_end - step))
+        return list(itertools.islice(self.reader, n))
 
     def points(self, before: int, step: int, metrics: Any) -> bool:
         """What is due at ``step`` (after the steps from ``before``, which returned ``metrics``), ``on_step_end``
@@ -342,32 +398,41 @@ class FitLoop(FitControl):
             self.emit("on_step_end", step, metrics)
         if self.skip_asked:
             self.skip_batches()
-        if _crossed(before, step, options.log_every) or step == options.steps:
+        if _crossed(before, step, options.log_every) or step == self.until:
             self.close_window()
+            if self.backup_seconds is not None and not self.save_wanted:
+                self.on_the_clock()
         self.logs.emit_ready(self.checks)
         if self.act():
             return True
         self.written()
-        if _crossed(before, live.step, options.eval_every):
+        if _crossed(before, live.step, self.eval_steps):
             self.evaluate()
-        if _crossed(before, live.step, options.checkpoint_every) or self.save_asked:
+        if self.watch_epochs and live.step >= self.find_epoch_end() and self.epoch_point():
+            return True
+        if _crossed(before, live.step, options.cadence.steps) or self.save_asked:
             self.save_asked = False
             self.checkpoint()
         self.schedule(live.step)
+        self.begin_epoch()
         return False
 
     def schedule(self, step: int) -> None:
-        """The step of the next point after ``step``: a log window's end, an evaluation, a checkpoint, the last
-        step, the step an earlier run reached; every step while a checkpoint is in flight."""
+        """The step of the next point after ``step``: a log window's end, an evaluation, a checkpoint, an epoch's
+        end, the last step, the step an earlier run reached; every step while a checkpoint is in flight."""
         options = self.options
-        due = min(_next(step, options.log_every), _next(step, options.eval_every),
-                  _next(step, options.checkpoint_every), self.redo)
-        if options.steps is not None:
-            due = min(due, options.steps)
+        due = min(_next(step, options.log_every), _next(step, self.eval_steps),
+                  _next(step, options.cadence.steps), self.redo)
+        if self.watch_epochs:
+            due = min(due, self.find_epoch_end())
+        if self.until is not None:
+            due = min(due, self.until)
         self.due = step + 1 if self.in_flight or self.skip_asked or self.save_asked else due
 
     def skip_batches(self) -> None:
         """Read the batches a callback asked to skip, without a step (`FitControl.skip`)."""
+        if not self.options.steps_per_epoch:
+            self.epoch_end = NEVER  # a pass over the data now ends fewer steps ahead
         while self.skip_asked:
             self.skip_asked -= 1
             if next(self.reader, _END) is _END:  # the data (or the run's cut of it) ended
@@ -375,14 +440,110 @@ class FitLoop(FitControl):
                 return
             self.batches += 1
 
+    # ------------------------------------------------------------------------------------------- epochs
+    def find_epoch_end(self) -> float:
+        """The step the current epoch ends at (NEVER while a pass's length is unknown)."""
+        if self.epoch_end is NEVER:
+            spe = self.options.steps_per_epoch
+            if spe:
+                self.epoch_end = (self.epoch_no + 1) * spe
+            else:
+                end = self.stream.epoch_end(self.epoch_no)
+                if end is not None:
+                    self.epoch_end = self.live.step + end - self.batches
+        return self.epoch_end
+
+    def planned(self) -> int | None:
+        """The step the run trains to, as far as it is known now: ``until``, or the end of its last pass over
+        the data when the current one's length is known (the passes left taken as long as it)."""
+        data_epochs, spe = self.options.data_epochs, self.options.steps_per_epoch
+        if self.until is not None or data_epochs is None or spe or not self.watch_epochs:
+            return self.until
+        end = self.find_epoch_end()
+        length = self.stream.epoch_end(self.epoch_no)
+        before = self.stream.epoch_end(self.epoch_no - 1)  # (the passes before the start: minus the start's index)
+        if end is NEVER or length is None or before is None:
+            return None
+        return int(end) + (data_epochs - self.epoch_no - 1) * (length - before)
+
+    def heard_length(self, epoch: int) -> None:
+        """The stream knows the length of pass ``epoch`` now (read ahead to its end): a point at the next step
+        places the epoch's end."""
+        if epoch == self.epoch_no and self.epoch_end is NEVER:
+            self.due = 0
+
+    def add_sums(self, sums: Any) -> None:
+        """A log window's host sums, emitted: added to its epoch's."""
+        self.epoch_sums = sums if self.epoch_sums is None else self.epoch_sums.then(sums)
+
+    def epoch_point(self) -> bool:
+        """The current epoch's last step is taken: its last log window closed, the evaluation
+        ``eval_every="epoch"`` asks for, then its end (`end_epoch`); True when the run rolled back instead."""
+        if self.closed != self.live.step:
+            self.close_window()  # the epoch's last window ends with it
+        if self.options.eval_every == "epoch":
+            self.evaluate()
+        return self.end_epoch()
+
+    def end_epoch(self) -> bool:
+        """The end of the current epoch (its last step is taken): its metrics read, ``on_epoch_end``, the
+        checkpoint the cadence asks for, a stop asked for there settled on every process; True when the run
+        rolled back instead (a non-finite step in the epoch's last window)."""
+        live = self.live
+        if self.closed != live.step:
+            self.close_window()
+        self.logs.flush()  # the epoch's last window: the one wait for the devices per epoch
+        if self.act():
+            return True
+        epoch, sums = self.epoch_no, self.epoch_sums
+        logs = {} if sums is None else means(sums)
+        last = self.history.eval[-1] if self.history.eval else None
+        if last is not None and last["step"] == live.step:
+            logs.update({f"val_{name}": value for name, value in last.items() if name != "step"})
+        self.history.epochs.append({"epoch": epoch, "step": live.step, **logs})
+        self.emit("on_epoch_end", epoch, logs)
+        if self.options.cadence.epoch:
+            self.save_asked = True
+        self.epoch_no, self.epoch_end, self.epoch_sums, self.begin_pending = epoch + 1, NEVER, None, True
+        if self.spans or self.watcher.requested or live.stop_training:  # a stop asked for at the epoch's end
+            # takes effect now, on every process: all agree at this step (blocking, once per epoch)
+            self.watcher.should_stop(final=self.spans, stop_training=live.stop_training)
+        return False
+
+    def begin_epoch(self) -> None:
+        """``on_epoch_begin`` of the epoch the next step is in, when one is due and the run goes on."""
+        if not self.begin_pending or self.watcher.stopping:
+            return
+        data_epochs, step = self.options.data_epochs, self.live.step
+        if (self.until is not None and step >= self.until) or (data_epochs is not None
+                                                               and self.epoch_no >= data_epochs):
+            return  # the run ends here
+        self.begin_pending = False
+        self.emit("on_epoch_begin", self.epoch_no)
+
+    def delete_checkpoints(self) -> None:
+        """Delete every checkpoint of the fit's directory and its records of the run (a finished job: a run
+        again starts from scratch; `jaxdist.training.DeleteBackups`). Called from ``on_train_end``, on every
+        process."""
+        if self.ckpt is None:
+            return
+        with self.paused("checkpoint"):
+            self.written(wait=True)
+            for step in self.ckpt.all_steps():
+                self.ckpt.delete(step)
+        self.deleted = True
+
     # ------------------------------------------------------------------------------------------- logs
     def on_log(self, step: int, logs: dict) -> None:
+        epoch = None
         while self.windows:  # the snapshot of this window (windows without steps are not logged: skipped)
-            closed, snapshot = self.windows.popleft()
+            closed, snapshot, epoch = self.windows.popleft()
             if closed == step:
                 logs.update(window_seconds(self.logged, snapshot))
                 self.logged = snapshot
                 break
+        if self.options.counts_epochs and epoch is not None:
+            logs = {"epoch": epoch, **logs}
         self.history.train.append({"step": step, **logs})
         self.emit("on_log", step, logs)
 
@@ -390,11 +551,22 @@ class FitLoop(FitControl):
         if self.redo is not NEVER:  # every step so far was taken before, by an earlier run
             self.clock.redone()
         now = perf_counter()
-        self.windows.append((self.live.step, (now, self.clock.gross())))
+        self.closed = self.live.step
+        self.windows.append((self.live.step, (now, self.clock.gross()), self.epoch_no))
         if self.recorder and now - self.recorded >= PROGRESS_SECONDS:
             self.record()
             self.recorded = now
         self.logs.close_window(self.live.step, self.live.sums("fit"), self.checks)
+
+    def on_the_clock(self) -> None:
+        """At a log point: is a checkpoint due on the clock? One process saves now; with several, process 0's
+        clock decides, and asks every process to save after the same step (through the stop agreement)."""
+        if perf_counter() - self.saved_at < self.backup_seconds:
+            return
+        if not self.spans:
+            self.save_asked = True
+        elif jax.process_index() == 0:
+            self.save_request = self.save_wanted = True
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
@@ -433,6 +605,7 @@ class FitLoop(FitControl):
                 save_live(live, ckpt, None)  # a no-op when this step is being written; refuses a non-finite state
                 self.clock.saved(live.step)
                 self.in_flight = True
+                self.saved_at, self.save_wanted = perf_counter(), False
             except NonFiniteError as error:
                 if self.policy.action != "continue":
                     raise
@@ -511,6 +684,10 @@ class FitLoop(FitControl):
         self.rollbacks += 1
         live.position = self.stream.position(self.batches)  # past the bad batches (and those after them)
         self.placed = self.batches
+        if self.watch_epochs:  # the step went back: where the epoch ends, in steps, again
+            self.epoch_end = NEVER
+            if self.options.steps_per_epoch:
+                self.epoch_no = live.step // self.options.steps_per_epoch
         self.history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": live.position})
         live.sums("fit")
         self.logs.restart(live.step)
@@ -527,11 +704,12 @@ class FitLoop(FitControl):
         ended with a checkpoint of that step, which says as much, remove the record."""
         if self.recorder:
             directory = self.ckpt.directory
-            if self.saved_at_end:
+            finished = self.saved_at_end or self.deleted
+            if finished:
                 clear_progress(directory)
             else:
                 write_progress(directory, self.live.step)
-            if self.saved_at_end and self.ended:  # the job ended here: a later fit is a new one
+            if finished and self.ended:  # the job ended here: a later fit is a new one
                 self.job.clear()
             else:
                 self.job.record(self.clock.totals(), ended=self.ended)

@@ -34,19 +34,21 @@ class Logs:
     earlier. Without a lag (one process) a window is emitted as soon as its sums arrive.
 
     ``waited(seconds)``, when given, hears how long the main thread waited for a window's sums (the devices
-    finishing steps; `jaxdist.training.loop._time`).
+    finishing steps; `jaxdist.training.loop._time`); ``add(sums)`` each emitted window's host `RunningSums`
+    (``fit`` adds them up per epoch).
     """
 
     def __init__(self, start_step: int, on_log: Callable[[int, dict], None],
                  rates: Callable[[int, float, float | None], dict] | None = None,
                  watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None,
-                 waited: Callable[[float], None] | None = None):
+                 waited: Callable[[float], None] | None = None, add: Callable[[RunningSums], None] | None = None):
         self.pending: collections.deque = collections.deque()  # [step, sums, ready time or None, check]: closed
         self._on_log = on_log
         self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
         self._watch = watch
         self._lag = lag
         self._waited = waited
+        self._add = add
         self._last = (start_step, time.perf_counter())
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
@@ -115,6 +117,8 @@ class Logs:
         sums = packed.to_host()  # one transfer for the whole window
         window = Window.of(sums.non_finite, sums.steps)
         if window.steps:
+            if self._add is not None:
+                self._add(sums)
             logs = means(sums)
             loss_weight = None if sums.loss_weight is None else float(sums.loss_weight)
             logs.update(log_values(window))

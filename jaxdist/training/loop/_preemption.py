@@ -6,6 +6,9 @@ the loop finishes the current step, saves, and stops. The previous handler is re
 
 One process: the loop stops after the step during which the signal came; nothing crosses processes.
 
+The watcher remembers which signal came (`PreemptionWatcher.cause`): ``fit`` says it in its last log line
+("preempted by SIGTERM at step 102: saved step 102 to ckpt; run again to resume").
+
 A callback's ``trainer.stop_training`` is a request to stop too, and goes through the same agreement: a process
 that left the loop alone (one whose callback decided on a local clock, say) would deadlock its peers just the
 same. On one process it stops after the current step; on several, at most ``lag + 1`` steps later, on all.
@@ -27,6 +30,11 @@ dispatch queue is full). Measured (2 processes x 2 CPU devices, each step sleepi
 steps): 2.32 s of a 4.2 s fit in this read, which ``History.time`` used to count as ``other`` (steps 0.3 s).
 That wait is the devices finishing steps: the watcher hands it to ``waited`` (``fit``: `FitClock.waited`, counted
 as ``steps``), timed with two clock reads per check, only when the processes agree.
+
+The same agreement carries a request to save (``should_stop(save=True)``; `PreemptionWatcher.save_agreed`): process
+0 asks when its clock says a time-based checkpoint is due (``fit(checkpoint_every=timedelta(...))`` and the default
+cadence, `jaxdist.training.loop._cadence`), and every process saves after the same step. A request rides in the
+lowest bit of the flag, below the reasons to stop (a stop saves anyway), so the max keeps what matters.
 
 Why not JAX's own preemption sync point (``multihost_utils.reached_preemption_sync_point``)? Its step counter
 is shared: orbax's ``CheckpointManager`` calls it too, with checkpoint steps, from its background thread while
@@ -93,6 +101,8 @@ class PreemptionWatcher:
             raise ValueError(f"lag={lag!r} must be an int >= 1.")
         self.signals = tuple(signals)
         self.requested = False
+        self.received: int | None = None  # the signal this process got (the first one)
+        self.save_agreed = False  # the last check agreed on a save (several processes: `should_stop(save=True)`)
         self.installed = False
         self._previous: dict[int, Any] = {}
         self._mesh = mesh
@@ -102,7 +112,9 @@ class PreemptionWatcher:
         self._agreed = 0  # the agreed reasons to stop: _STOP_TRAINING | _SIGNAL
 
     def _handle(self, signum: int, frame: Any) -> None:
-        del signum, frame
+        del frame
+        if self.received is None:
+            self.received = signum
         self.requested = True
 
     def __enter__(self) -> PreemptionWatcher:
@@ -134,7 +146,26 @@ class PreemptionWatcher:
         """Whether a signal (to any process) is among the agreed reasons to stop."""
         return bool(self._agreed & _SIGNAL)
 
-    def should_stop(self, final: bool = False, *, stop_training: bool = False) -> bool:
+    @property
+    def cause(self) -> str | None:
+        """Which signal preempted the run, in words (``"SIGTERM"``; ``"SIGTERM (to another process)"`` where
+        another process of the job got it); None when no signal is among the reasons to stop.
+
+        Examples:
+            >>> import os, signal
+            >>> with PreemptionWatcher() as watcher:
+            ...     os.kill(os.getpid(), signal.SIGTERM)
+            ...     _ = watcher.should_stop()
+            >>> watcher.cause
+            'SIGTERM'
+        """
+        if not self.preempted:
+            return None
+        if self.received is not None:
+            return signal.Signals(self.received).name
+        return f"{' or '.join(signal.Signals(s).name for s in self.signals)} (to another process)"
+
+    def should_stop(self, final: bool = False, *, stop_training: bool = False, save: bool = False) -> bool:
         """Whether every process stops now; once True, always True.
 
         Call it once per step (or step loop) on every process, in the same order. One process: whether this
@@ -143,13 +174,18 @@ class PreemptionWatcher:
         `stopping`): whether any had by now (this waits for the devices).
 
         Args:
-            final: the last check of the loop (blocking).
+            final: read every process's flag up to this check now (blocking): the last check of the loop, or
+                one every process makes at the same step on purpose (``fit`` at an epoch's end, so that a
+                callback's stop there takes effect at once).
             stop_training: this process asks to stop for another reason than a signal (a callback's
                 ``trainer.stop_training``).
+            save: this process asks every process to save after the same step (several processes: the answer
+                is `save_agreed`, ``lag`` checks later; one process: nothing to agree, ignored).
 
         Returns:
             True when the job is to stop (save, then return or exit) after the current step.
         """
+        self.save_agreed = False
         if self._agreed:
             return True
         flag = (_SIGNAL if self.requested else 0) | (_STOP_TRAINING if stop_training else 0)
@@ -158,7 +194,9 @@ class PreemptionWatcher:
         else:
             if self._agreement is None:
                 self._agreement = _Agreement(self._mesh, self._lag, self._waited)
-            self._agreed = self._agreement.check(flag, final)
+            agreed = self._agreement.check(flag << 1 | bool(save), final)  # the save request: the lowest bit
+            self._agreed = agreed >> 1
+            self.save_agreed = agreed == 1  # a save, and no reason to stop (which saves anyway)
         return bool(self._agreed)
 
 

@@ -44,11 +44,14 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
     """
     clock = FitClock()  # first: building the state, the restore and the setup count in History.time
     if options.steps is None and options.epochs is None:
+        if options.steps_per_epoch is not None:
+            raise ValueError(f"steps_per_epoch={options.steps_per_epoch} needs epochs=N (N epochs of "
+                             f"{options.steps_per_epoch} steps) or steps=N (train until step N).")
         raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over train_data).")
     checkpoint_dir = options.checkpoint_dir
     if checkpoint_dir is not None:  # storage trouble before any step, not at the first save
         check_directory(checkpoint_dir, "checkpoint_dir", create=jax.process_index() == 0)
-    stream = BatchStream(train_data, None, options.epochs, live.batches)  # the first batch, checked, for the state
+    stream = BatchStream(train_data, None, options.data_epochs, live.batches)  # the first batch, checked, for the state
     sample = None
     if live.state is None or live.unchecked is not None:
         sample = stream.peek(live.position.epoch)  # checked; a grain iterator is not advanced
@@ -74,12 +77,12 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
             history = History()
             config = run_config(settings or {}, live, {name: getattr(options, name) for name in _CONFIG}
                                 | {"on_non_finite": options.on_non_finite.action})
-            display, writers = _writers(live, options, checkpoint_dir if resumed else None)
+            display, writers = _writers(live, options, checkpoint_dir if resumed else None, stream)
             callbacks = [*features(options, history, spans_processes(mesh.devices.flat)), *display,
                          *options.callbacks, *writers]
             feed = live.feed if options.steps_per_run == 1 else live.loop_feed
             live.steps.skip_non_finite = options.on_non_finite.action == "skip"  # a step that skips on the devices
-            loop = FitLoop(live, BatchStream(stream.data, live.position, options.epochs, feed), options,
+            loop = FitLoop(live, BatchStream(stream.data, live.position, options.data_epochs, feed), options,
                            callbacks=callbacks, owner=owner, checkpointer=ckpt, clock=clock, reached=reached,
                            config=config, cost=cost, history=history)
             history = loop.run()
@@ -88,8 +91,9 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
             if ckpt is not None:
                 ckpt.close()
     if history.data_ended is not None:  # said on every process (each one's data ended at the same batch)
+        target = f"steps={options.steps}" if options.until == options.steps else f"{options.until} steps"
         warnings.warn(
-            f"fit: train_data ended at step {history.data_ended} of steps={options.steps}: the run stopped there "
+            f"fit: train_data ended at step {history.data_ended} of {target}: the run stopped there "
             f"(history.data_ended == {history.data_ended}). An iterator is read once: pass a list or a "
             "data_fn(epoch) (read again each epoch), an iterator with enough batches, or fewer steps.",
             UserWarning, stacklevel=3)
@@ -112,12 +116,13 @@ def features(options: FitOptions, history: History, spans: bool) -> list[Callbac
     return out
 
 
-_AGREED = ("steps", "epochs", "checkpoint_every", "eval_every", "log_every", "restore_step", "keep_checkpoints")
+_AGREED = ("steps", "epochs", "steps_per_epoch", "checkpoint_every", "eval_every", "log_every", "restore_step",
+           "keep_checkpoints")
 """The options every process of a job must give alike (`agree_on_fit`), with whether there is a checkpoint
 directory and the non-finite policy's action."""
 
-_CONFIG = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
-           "checkpoint_dir", "restore_step", "step_timeout", "profile_steps")
+_CONFIG = ("steps", "epochs", "steps_per_epoch", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+           "async_checkpoints", "checkpoint_dir", "restore_step", "step_timeout", "profile_steps")
 """The options the run's configuration keeps (`run_config`)."""
 
 
@@ -151,17 +156,31 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
     return resumed, reached
 
 
-def _writers(live: LiveState, options: FitOptions, resumed_from: Any) -> tuple[list, list]:
+def _writers(live: LiveState, options: FitOptions, resumed_from: Any, stream: BatchStream) -> tuple[list, list]:
     """The progress display and the log writers ``verbose`` and ``log_dir`` ask for (on the chief, process 0,
     which alone shows and writes logs): the display goes before the user's callbacks, the writers after."""
     writer, verbose, log_dir = live.strategy.should_save_summary, options.verbose, options.log_dir
     display, writers = [], []
     if verbose and writer:  # 1 / True: "auto"; 2: "auto" with the step's whole cost line
-        display.append(Progress(options.steps, "auto" if verbose in (True, 1, 2) else verbose,
-                                details=verbose == 2, resumed_from=resumed_from))
+        display.append(Progress(_total(live, options, stream), "auto" if verbose in (True, 1, 2) else verbose,
+                                details=verbose == 2, resumed_from=resumed_from, epochs=options.epochs,
+                                show_epochs=options.counts_epochs, checkpoint_dir=options.checkpoint_dir,
+                                cadence=options.cadence.describe(), default=options.cadence.default))
     if log_dir is not None and writer:
         writers += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
     return display, writers
+
+
+def _total(live: LiveState, options: FitOptions, stream: BatchStream) -> int | None:
+    """The step the run trains to, where it is known before it starts: ``steps`` (or ``epochs`` x
+    ``steps_per_epoch``), or ``epochs`` passes over data of a known length (a list), from the data position."""
+    total = options.until
+    length = stream.length
+    if options.data_epochs is not None and length:
+        position = live.position
+        by_epochs = live.step + (options.data_epochs - position.epoch) * length - position.index
+        total = by_epochs if total is None else min(total, by_epochs)
+    return total
 
 
 def _say_start(live: LiveState) -> None:
