@@ -307,15 +307,21 @@ def test_learning_rate_scheduler_sets_each_epochs_rate_and_resumes_with_it(tmp_p
                                         callbacks=[scheduler])
     assert [row["learning_rate"] for row in history.epochs] == pytest.approx([1e-2, 5e-3, 2.5e-3])
     assert [row["learning_rate"] for row in history.train] == pytest.approx([1e-2] * 2 + [5e-3] * 2 + [2.5e-3] * 2)
-    # killed in epoch 2 and resumed: the rate the schedule set is in the checkpoint, the same numbers follow
+    # killed in epoch 1 after a checkpoint inside it (step 6) and resumed there: the rate the schedule set when
+    # the epoch began is in the checkpoint and stands (a schedule of the current rate is not applied twice)
+    def halve(epoch, lr):
+        return lr if epoch == 0 else lr / 2
+
     with pytest.raises(RuntimeError):
-        _trainer(optimizer()).fit(DATA, epochs=3, steps_per_epoch=4, checkpoint_dir=tmp_path, verbose=0,
-                                  callbacks=[jd.training.LearningRateScheduler(schedule), Record(crash_at=6)])
+        _trainer(optimizer()).fit(DATA, epochs=3, steps_per_epoch=4, checkpoint_dir=tmp_path, checkpoint_every=3,
+                                  verbose=0, callbacks=[jd.training.LearningRateScheduler(halve), Record(crash_at=7)])
     resumed = _trainer(optimizer())
-    resumed.fit(DATA, epochs=3, steps_per_epoch=4, checkpoint_dir=tmp_path, verbose=0,
-                callbacks=[jd.training.LearningRateScheduler(lambda epoch, lr: schedule(epoch))])
+    history = resumed.fit(DATA, epochs=3, steps_per_epoch=4, checkpoint_dir=tmp_path, verbose=0, log_every=1,
+                          callbacks=[jd.training.LearningRateScheduler(halve)])
+    assert history.train[0]["step"] == 7  # resumed from step 6, inside epoch 1
+    assert [row["learning_rate"] for row in history.train] == pytest.approx([5e-3] * 2 + [2.5e-3] * 4)
     straight = _trainer(optimizer())
-    straight.fit(DATA, epochs=3, steps_per_epoch=4, verbose=0, callbacks=[jd.training.LearningRateScheduler(schedule)])
+    straight.fit(DATA, epochs=3, steps_per_epoch=4, verbose=0, callbacks=[jd.training.LearningRateScheduler(halve)])
     np.testing.assert_array_equal(_flat(resumed), _flat(straight))
 
 

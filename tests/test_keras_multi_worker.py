@@ -83,7 +83,11 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_epochs_backup_bitwise(tmp_pa
     assert head[0] == "checkpoints every epoch and every 10 min (the default checkpoint_every)", head[:3]
     with jd.training.Checkpointer(ckpt) as saved:
         newest = saved.latest_step()
-    assert newest is not None and newest % EPOCH == 0 and 0 <= reached - newest <= EPOCH, (reached, newest)
+    complete = [int(s) for s in re.findall(r"^\[0\] checkpoint (\d+)$", text, re.M)]
+    # the newest backup is an epoch's end, at least the newest process 0 saw complete; the kill lost at most an
+    # epoch, and the steps taken while the next epoch's backup was in flight (a loaded machine: the kill comes late)
+    assert newest is not None and newest % EPOCH == 0 and newest >= max(complete, default=EPOCH), (newest, complete)
+    assert 0 <= reached - newest <= EPOCH or (reached - newest <= 2 * EPOCH and newest + EPOCH not in complete)
 
     (tmp_path / "straight").mkdir()
     resumed = subprocess.run(_command(ckpt, tmp_path / "resumed", f"straight={tmp_path / 'straight'}"),
@@ -101,8 +105,9 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_epochs_backup_bitwise(tmp_pa
 @pytest.mark.timeout(240)
 def test_checkpoints_on_the_clock_agree_and_a_preempted_job_says_so(tmp_path):
     """``checkpoint_every=timedelta(milliseconds=1)``: process 0's clock asks at each log point, every process
-    saves after the same step. SIGTERM to process 1 stops both after one step and saves it; process 0's log
-    ends with which signal, the step saved and how to resume."""
+    saves after the same step. A callback with an epoch hook on process 0 alone (the fit counts no epochs): both
+    processes watch the passes' ends. SIGTERM to process 1 stops both after one step and saves it; process 0's
+    log ends with which signal, the step saved and how to resume."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     proc = subprocess.Popen(_command(ckpt, out, "clock"), env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -122,6 +127,7 @@ def test_checkpoints_on_the_clock_agree_and_a_preempted_job_says_so(tmp_path):
     assert text.splitlines().count(f"[0] preempted by SIGTERM (to another process) at step {stop}: saved step {stop} "
                                    f"to {ckpt}; run again to resume") == 1, text[-3000:]
     assert "[0] checkpoints every 0.001 s" in text
+    assert "[0] pass 0 ended at step 5\n" in text and "[0] pass 1 ended at step 10\n" in text  # 5 batches a pass
 
 
 @pytest.mark.multiprocess

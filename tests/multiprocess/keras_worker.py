@@ -3,7 +3,9 @@
 ``Trainer.fit`` of a small MLP on 2 processes x 4 CPU devices (MultiWorkerMirroredStrategy), in Keras' terms:
 ``epochs=3, steps_per_epoch=EPOCH`` over data shuffled per pass, backed up into ``checkpoint_dir`` on the default
 cadence (every epoch), with progress lines on process 0. Arguments: checkpoint_dir, out_dir, then options:
-``clock`` (checkpoint_every=timedelta(milliseconds=1): the time cadence, agreed across the processes),
+``clock`` (``steps=24`` without epochs, checkpoint_every=timedelta(milliseconds=1): the time cadence, agreed
+across the processes; and a callback with an epoch hook on process 0 alone, which prints ``pass E ended at step
+S`` at the end of each pass over the data),
 ``stop`` (process 1 ALONE stops the run at the end of epoch 0, in ``on_epoch_end``; with a ``ModelCheckpoint`` of
 the loss into ``out_dir/best`` and ``DeleteBackups``),
 ``straight=DIR`` (once fit returned, an uninterrupted run from the start in a trainer of its own, without
@@ -69,6 +71,11 @@ class Tell(jd.training.Callback):
         print(f"end {trainer.step} preempted={history.preempted}", flush=True)
 
 
+class ChiefPasses(jd.training.Callback):  # on process 0 only: every process must still watch the epochs' ends
+    def on_epoch_end(self, trainer, epoch, logs):
+        print(f"pass {epoch} ended at step {trainer.step}", flush=True)
+
+
 for directory, out in [(ckpt_dir, out_dir)] + [(None, path) for path in straight]:
     trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True},
                                   metrics={"accuracy": jd.training.accuracy})
@@ -77,8 +84,11 @@ for directory, out in [(ckpt_dir, out_dir)] + [(None, path) for path in straight
     if stop:
         callbacks += [jd.training.ModelCheckpoint(os.path.join(out, "best"), monitor="loss"),
                       jd.training.DeleteBackups()]
-    trainer.fit(data_fn, epochs=3, steps_per_epoch=EPOCH, checkpoint_dir=directory, checkpoint_every=every,
-                log_every=4, verbose="lines" if directory else 0, callbacks=callbacks)  # SystemExit(0) if preempted
+    length = {"steps": 3 * EPOCH} if clock else {"epochs": 3, "steps_per_epoch": EPOCH}
+    if clock and pid == 0:
+        callbacks.append(ChiefPasses())
+    trainer.fit(data_fn, **length, checkpoint_dir=directory, checkpoint_every=every, log_every=4,
+                verbose="lines" if directory else 0, callbacks=callbacks)  # SystemExit(0) if preempted
     leaves = jax.tree.leaves(gather(trainer.params))
     if pid == 0:
         np.savez(os.path.join(out, "params.npz"), *[np.asarray(a) for a in leaves])

@@ -464,18 +464,14 @@ class Progress(Callback):
                       else "{desc} {n_fmt} {elapsed}{postfix}")
             self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step",
                              bar_format=layout, file=self.stream)
-        if self.checkpoint_dir is not None and self.cadence:
+        done = self.total is not None and self._start_step >= self.total  # nothing to train
+        if self.checkpoint_dir is not None and self.cadence and not done:
             self._write(f"checkpoints {self.cadence}{' (the default checkpoint_every)' if self.default else ''}")
         if self.resumed_from is not None:
             line = f"resumed from step {self._start_step} ({self.resumed_from})"
             if self.total is not None and self._start_step >= self.total:
                 line += f": already at steps={self.total}, nothing to train"
             self._write(line)
-
-    def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
-        """Before the first step of epoch ``epoch`` (from 0; a resumed run begins with the epoch it resumes in,
-        as Keras does with ``initial_epoch``). An epoch is ``steps_per_epoch`` steps, or one pass over
-        ``train_data``."""
 
     def on_step_cost(self, trainer: Any, cost: StepCost) -> None:
         self._cost = cost

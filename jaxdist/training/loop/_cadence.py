@@ -12,12 +12,14 @@ part of its work. ``checkpoint_every`` says when:
 * None (the default): ``"epoch"`` when the fit counts epochs (``epochs=`` or ``steps_per_epoch=``), and in any
   case every `BACKUP_EVERY` (10 minutes) too, so that a long epoch (or a run without epochs) is backed up as well.
 
-Why this default. One save costs the loop a fixed amount of host time, whatever the step costs: measured on 8
-simulated CPU devices of a 2-core machine, a 64-wide MLP (30 KiB of state) paid 70 to 140 ms per save (orbax's
-directory work, the metadata, the checksums; asynchronous or not), about 100 of its own 1 ms steps. Saving every
-10 steps took 90% of that run's time, every 100 steps 40%: a default counted in steps is too often for a small
-model's fast steps and too rare for a large model's slow ones. Counted in time, the share is bounded: 140 ms every
-10 minutes is 0.02%, and a large model's save (seconds, to copy its state to the host) stays under 1%. Epochs are
+Why this default. One save costs the loop about the same host time whatever the model's size, until its state
+takes seconds to copy to the host: measured on 8 simulated CPU devices of a 2-core machine (1,000 steps of an MLP,
+a checkpoint every 50), 82 to 113 ms per save (the first: 125 to 200 ms, with its programs' compiles; orbax's
+directory work, the metadata, the checksums) for 32 KiB of state as for 516 KiB, 50 to 100 of the run's own
+steps (0.9 to 2.5 ms). Saving every 50 steps took 18 to 29% of those runs' time, compiles included: a default
+counted in steps is too often for a small model's quick steps and too rare for a large model's slow ones. Counted
+in time the share is bounded: 0.1 s every 10 minutes is 0.02%, and a large model's save (seconds, to copy its state
+to the host) stays under 1%. Epochs are
 what a Keras user expects a backup at (and what ``BackupAndRestore`` does by default); for epochs of real data (a
 minute or more) their share is small too. Epochs of a few seconds are backed up that often as well, at ~0.1 s a
 save: pass ``checkpoint_every=datetime.timedelta(minutes=10)`` (time only) or a step count to save less.

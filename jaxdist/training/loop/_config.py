@@ -122,6 +122,6 @@ def run_config(settings: Mapping[str, Any], live: Any, arguments: Mapping[str, A
     return config
 
 
-_FIT = ("steps", "epochs", "steps_per_epoch", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
-        "checkpoint_dir", "restore_step", "step_timeout", "on_non_finite", "profile_steps")
+_FIT = ("steps", "epochs", "steps_per_epoch", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+        "async_checkpoints", "checkpoint_dir", "restore_step", "step_timeout", "on_non_finite", "profile_steps")
 """The arguments of ``fit`` kept in the record (those that shape the run, not where its logs are shown)."""

@@ -59,7 +59,7 @@ from typing import Any
 import jax
 
 from jaxdist.costs.step import CostOptions, StepCost
-from jaxdist.job import data_ended, spans_processes
+from jaxdist.job import AGREE_SECONDS, data_ended, exchange, spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import HOOKS, Callback, FitControl, History, overriding
 from jaxdist.training.checkpoints import Checkpointer, clear_progress, restore_live, save_live, write_progress
@@ -177,9 +177,14 @@ class FitLoop(FitControl):
         # FitControl: what the callbacks may read
         self.epochs, self.steps_per_epoch = options.epochs, options.steps_per_epoch
         self.checkpoint_dir = None if checkpointer is None else checkpointer.directory
-        # Epochs (see the module): their ends are points only when something looks at them.
+        # Epochs (see the module): their ends are points only when something looks at them, on every process
+        # alike (an epoch's end waits for the devices and agrees on a stop: a callback with an epoch hook on some
+        # processes only, a chief's logger say, makes every process watch them).
         self.watch_epochs = (options.counts_epochs or options.eval_every == "epoch" or bool(
             self.hooks["on_epoch_begin"] or self.hooks["on_epoch_end"]))
+        if self.spans:
+            said = exchange("the epochs' hooks", "1" if self.watch_epochs else "0", AGREE_SECONDS)
+            self.watch_epochs = "1" in said
         self.epoch_no = 0  # the epoch the steps are in
         self.epoch_end: float = NEVER  # the step it ends at, once known
         self.epoch_sums: Any = None  # the host sums of its windows emitted so far
@@ -506,8 +511,12 @@ class FitLoop(FitControl):
             self.save_asked = True
         self.epoch_no, self.epoch_end, self.epoch_sums, self.begin_pending = epoch + 1, NEVER, None, True
         if self.spans or self.watcher.requested or live.stop_training:  # a stop asked for at the epoch's end
-            # takes effect now, on every process: all agree at this step (blocking, once per epoch)
-            self.watcher.should_stop(final=self.spans, stop_training=live.stop_training)
+            # takes effect now, on every process: all agree at this step (blocking, once per epoch), and so does a
+            # save asked for on the clock since the last check (its agreement is read here)
+            self.watcher.should_stop(final=self.spans, stop_training=live.stop_training, save=self.save_request)
+            self.save_request = False
+            if self.watcher.save_agreed:
+                self.save_asked, self.save_wanted = True, False
         return False
 
     def begin_epoch(self) -> None:

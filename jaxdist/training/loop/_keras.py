@@ -93,6 +93,9 @@ class EarlyStopping(Callback):
         start_from_epoch: epochs to let pass before watching (a warm-up).
         verbose: 1: say when it stops and what it restores (on process 0).
 
+    A resumed run starts counting again (as Keras' ``BackupAndRestore`` does: the callbacks' state is not in the
+    backup).
+
     Attributes:
         best: the best value seen; best_epoch: its epoch; stopped_epoch: the epoch it stopped at (0: it did not);
         wait: epochs since the last improvement.
@@ -308,8 +311,9 @@ class LearningRateScheduler(Callback):
     current one). The optimizer must carry its learning rate in its state: build it with
     `optax.inject_hyperparams` and a number, e.g. ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``.
     The rate is set on the devices in place of the old one (same shape, dtype and layout: nothing recompiles) and
-    saved in checkpoints with the optimizer state, so a resumed run goes on with it; the logs show it
-    (``learning_rate``).
+    saved in checkpoints with the optimizer state; a run resumed inside an epoch goes on with the rate the
+    checkpoint holds (the schedule set it when that epoch began), so it trains as an uninterrupted run. The logs
+    show it (``learning_rate``).
 
     Args:
         schedule: ``epoch -> rate`` or ``(epoch, rate) -> rate``.
@@ -348,9 +352,16 @@ class LearningRateScheduler(Callback):
 
     def on_train_begin(self, trainer: Any) -> None:
         _rate(self.control.live.state.opt_state)  # refused now, before any step, when there is none
+        self._first = True
 
     def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
-        live = self.control.live
+        control = self.control
+        live = control.live
+        first, self._first = getattr(self, "_first", False), False
+        spe = control.steps_per_epoch
+        inside = live.step != epoch * spe if spe else control.data_position.index != 0
+        if first and inside:  # resumed inside the epoch: its rate, set when it began, is in the state already
+            return
         current = _rate(live.state.opt_state)
         if self._takes_rate is None:
             try:
