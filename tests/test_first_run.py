@@ -70,15 +70,17 @@ def test_fit_prints_a_short_cost_line_no_na_column_and_says_when_it_resumes(tmp_
                                   metrics={"accuracy": jd.training.accuracy})
     trainer.fit(data, steps=4, log_every=2, checkpoint_dir=tmp_path, verbose="lines")
     first = capsys.readouterr().out.splitlines()
-    assert first[0].startswith("per device: ") and "temp " in first[0] and len(first[0]) <= 100
+    # how often it backs up
+    assert first[0] == "checkpoints every 10 min (the default checkpoint_every)"
+    assert first[1].startswith("per device: ") and "temp " in first[1] and len(first[1]) <= 100
     # The first window's wall time is mostly the step's compile: its rate says so.
     assert re.fullmatch(r"step 2/4 loss \S+ accuracy \S+ \S+ steps/s \(incl\. compile \d+%\)",
-                        first[1]), first[1]
+                        first[2]), first[2]
     assert not any("n/a" in line or "mfu" in line or "resumed" in line for line in first)
 
     again = jd.training.Trainer(jd.MirroredStrategy(), MLP(), optax.adam(1e-2), ce)
     again.fit(data, steps=6, log_every=2, checkpoint_dir=tmp_path, verbose="lines")
-    assert capsys.readouterr().out.splitlines()[0] == f"resumed from step 4 ({tmp_path})"
+    assert capsys.readouterr().out.splitlines()[1] == f"resumed from step 4 ({tmp_path})"
 
     done = jd.training.Trainer(jd.MirroredStrategy(), MLP(), optax.adam(1e-2), ce)
     # 2: the cost in every detail (nothing to train)

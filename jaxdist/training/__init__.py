@@ -36,6 +36,10 @@ from jaxdist.training.checkpoints import Checkpointer as Checkpointer
 from jaxdist.training.checkpoints import CheckpointSaveError as CheckpointSaveError
 from jaxdist.training.checkpoints import LocalCheckpointer as LocalCheckpointer
 from jaxdist.training.data import DataPosition as DataPosition
+from jaxdist.training.loop import DeleteBackups as DeleteBackups
+from jaxdist.training.loop import EarlyStopping as EarlyStopping
+from jaxdist.training.loop import LearningRateScheduler as LearningRateScheduler
+from jaxdist.training.loop import ModelCheckpoint as ModelCheckpoint
 from jaxdist.training.loop import PreemptionWatcher as PreemptionWatcher
 from jaxdist.training.loop import StragglerWarning as StragglerWarning
 from jaxdist.training.loop import Watchdog as Watchdog
@@ -62,12 +66,16 @@ __all__ = [
     "CheckpointSaveError",
     "Checkpointer",
     "DataPosition",
+    "DeleteBackups",
+    "EarlyStopping",
     "FitControl",
     "History",
     "JobDisagreementError",
+    "LearningRateScheduler",
     "LinenModel",
     "LocalCheckpointer",
     "MLflowLogger",
+    "ModelCheckpoint",
     "NnxModel",
     "NonFiniteError",
     "NonFinitePolicy",

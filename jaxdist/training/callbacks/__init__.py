@@ -1,7 +1,9 @@
-"""What a fit reports to: the `Callback` hooks, the `FitControl` they may use, `History`, and the writers
-(`Progress`, `CSVLogger`, `TensorBoardLogger`, and the trackers' `WandbLogger`, `MLflowLogger`).
+"""What a fit reports to: the `Callback` hooks, the `FitControl` they may use, `History`, and the
+writers (`Progress`, `CSVLogger`, `TensorBoardLogger`, and the trackers' `WandbLogger`,
+`MLflowLogger`).
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
+here.
 """
 
 from jaxdist.training.callbacks._callbacks import HOOKS as HOOKS
@@ -17,6 +19,6 @@ from jaxdist.training.callbacks._trackers import MLflowLogger as MLflowLogger
 from jaxdist.training.callbacks._trackers import WandbLogger as WandbLogger
 
 __all__ = [
-    "HOOKS", "TIME_PARTS", "CSVLogger", "Callback", "FitControl", "History", "MLflowLogger", "Progress",
-    "TensorBoardLogger", "WandbLogger", "overriding",
+    "HOOKS", "TIME_PARTS", "CSVLogger", "Callback", "FitControl", "History", "MLflowLogger",
+    "Progress", "TensorBoardLogger", "WandbLogger", "overriding",
 ]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -149,6 +150,12 @@ class Checkpointer:
             # checkpointer closed early then prints "cannot schedule new futures after shutdown").
             cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
+            # Several processes: orbax's barriers are named by the step alone, so two checkpointers
+            # saving the same step at once (fit's backups and a ModelCheckpoint's best, at an
+            # epoch's end) would meet at each other's barriers. A prefix of the directory's last two
+            # names (the same on every host, whatever the mount point) keeps them apart.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_barrier_prefix(
+                self.directory)),
         )
         # else a live writer's save in flight, or its rollback
         if live_claim(self.directory) is None:
@@ -588,3 +595,17 @@ class Checkpointer:
                 self._claim.release()
                 self._claim = None
         self._raise_failure()
+
+
+def _barrier_prefix(directory: str) -> str:
+    """The prefix of orbax's barrier names for the checkpoints of ``directory``: its last two names,
+    hashed.
+
+    Examples:
+        >>> a, b = _barrier_prefix("/mnt/a/run/backup"), _barrier_prefix("/home/me/run/backup")
+        >>> a == b != _barrier_prefix("/r/best")
+        True
+    """
+    tail = os.path.join(*os.path.normpath(directory).split(os.sep)[-2:])
+    return "jaxdist-" + hashlib.sha1(tail.encode()).hexdigest()[:12]
+

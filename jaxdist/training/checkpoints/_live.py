@@ -64,9 +64,11 @@ def _opened(checkpoint_dir: Directory, max_to_keep: int | None) -> Iterator[Chec
         ckpt.close()
 
 
-def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | None) -> str:
+def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | None,
+              extra: dict | None = None) -> str:
     """``Trainer.save``: checkpoint ``live``'s state at its step, unless it is not finite; the
-    checkpoint's path."""
+    checkpoint's path. ``extra``: more JSON to keep in its metadata (`Checkpointer.meta` reads it
+    back)."""
     if live.state is None:
         raise RuntimeError("save() before the state exists: call fit(...) or init(batch) first.")
     bad = non_finite_leaves(live.state)
@@ -77,6 +79,7 @@ def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | Non
         "model_kind": live.model.kind,
         "data_position": {"epoch": position.epoch, "index": position.index},
         "global_batch": global_rows(live.batches.signature),
+        **(extra or {}),
     }
     state = position.state
     data_iterator = (

@@ -128,12 +128,38 @@ class BatchStream:
                                                      self._start.index): self._start.state}
         # (consumed, epoch, index) of the last position
         self._cursor = (0, self._start.epoch, self._start.index)
+        # hears each epoch whose length became known
+        self.on_length: Callable[[int], None] | None = None
 
     @property
     def data(self) -> Any:
         """The data (after `peek`, an iterator is replaced by one that still yields the peeked
         batch)."""
         return self._data
+
+    @property
+    def length(self) -> int | None:
+        """The batches of every epoch, when the data says so before it is read (a list: its length),
+        else None."""
+        return self._length
+
+    def epoch_end(self, epoch: int) -> int | None:
+        """How many batches of this stream are consumed when epoch ``epoch`` ends: its own and those
+        of the epochs before it since the start (None while a length is unknown: a generator's epoch
+        not read to its end; a ``data_fn(epoch)`` returning a list is known once the epoch begins).
+
+        Examples:
+            >>> stream = BatchStream([10, 11, 12], DataPosition(0, 1))
+            >>> stream.epoch_end(0), stream.epoch_end(1)
+            (2, 5)
+        """
+        consumed = -self._start.index
+        for e in range(self._start.epoch, epoch + 1):
+            length = self._lengths.get(e, self._length)
+            if not length:
+                return None
+            consumed += length
+        return consumed
 
     @property
     def epochs(self) -> int | None:
@@ -204,6 +230,10 @@ class BatchStream:
                     "jaxdist.training.data.BatchFeed (it checks the global batch the processes' "
                     "shares form and places each process's rows on the strategy's replicas)."
                 )
+            if self._kind == "function" and isinstance(source,
+                                                       Sized) and epoch not in self._lengths:
+                # a list from data_fn: its length, before it is read
+                self._known(epoch, len(source))
             count = self._resume(it, stateful, epoch, skip)
             for batch in it:
                 if stateful:
@@ -214,8 +244,14 @@ class BatchStream:
             if count == 0:
                 raise ValueError(f"train_data yielded no batches in epoch {epoch}: pass at least "
                                  "one batch.")
-            self._lengths[epoch] = count
+            if self._lengths.get(epoch, self._length) != count:
+                self._known(epoch, count)
             epoch, skip = epoch + 1, 0
+
+    def _known(self, epoch: int, length: int) -> None:
+        self._lengths[epoch] = length
+        if self.on_length is not None:
+            self.on_length(epoch)
 
     def _resume(self, it: Iterator[Any], stateful: bool, epoch: int, skip: int) -> int:
         """Bring ``it`` to batch ``skip`` of ``epoch``: restore the recorded state of a stateful

@@ -1,23 +1,25 @@
-"""`Backstop`: every thread's stack and the process's end at a set time, even when no Python thread can run.
+"""`Backstop`: every thread's stack and the process's end at a set time, even when no Python thread
+can run.
 
-A watchdog written in Python runs only when it holds the interpreter lock. A main thread inside a C call that
-keeps the lock (an extension that never releases it, a deadlock inside one) stops every Python thread, the
-watchdog's too: measured, a watchdog set for 0.5 s fired 1.56 s late behind such a call, and never behind one
-that does not return. Two timers of the C library need no lock:
+A watchdog written in Python runs only when it holds the interpreter lock. A main thread inside a C
+call that keeps the lock (an extension that never releases it, a deadlock inside one) stops every
+Python thread, the watchdog's too: measured, a watchdog set for 0.5 s fired 1.56 s late behind such
+a call, and never behind one that does not return. Two timers of the C library need no lock:
 
-* `faulthandler.dump_traceback_later` writes every thread's Python stack to stderr from its own C thread, on
-  time, under a ``Timeout (H:MM:SS)!`` line.
-* On Linux, a POSIX timer (``timer_create`` with ``SIGEV_THREAD``) whose notify function is the C library's
-  ``_exit`` ends the process with the watchdog's status (124) ``exit_delay`` seconds later, once the stacks are
-  written. Elsewhere (or where the timer cannot be made) faulthandler ends the process itself, with its own
-  status, 1.
-* On Linux, a second such timer says why first (`SAY_LEAD` seconds before the stacks): its notify function is
-  the C library's ``warnx``, handed the reason the watchdog last armed it with (which step, how long, the
-  timeout), from a buffer of its own (`REASON_BYTES`): ``python3: [jaxdist watchdog] no step finished ...``.
+* `faulthandler.dump_traceback_later` writes every thread's Python stack to stderr from its own C
+  thread, on time, under a ``Timeout (H:MM:SS)!`` line.
+* On Linux, a POSIX timer (``timer_create`` with ``SIGEV_THREAD``) whose notify function is the C
+  library's ``_exit`` ends the process with the watchdog's status (124) ``exit_delay`` seconds
+  later, once the stacks are written. Elsewhere (or where the timer cannot be made) faulthandler
+  ends the process itself, with its own status, 1.
+* On Linux, a second such timer says why first (`SAY_LEAD` seconds before the stacks): its notify
+  function is the C library's ``warnx``, handed the reason the watchdog last armed it with (which
+  step, how long, the timeout), from a buffer of its own (`REASON_BYTES`): ``python3: [jaxdist
+  watchdog] no step finished ...``.
 
-Arming costs two calls from the watchdog's thread (faulthandler's starts a thread: about 80 us; the POSIX
-timer's ``timer_settime``: about 1.5 us): the steps' thread never arms it. `faulthandler` holds one timer per
-process: a backstop replaces any ``dump_traceback_later`` armed elsewhere.
+Arming costs two calls from the watchdog's thread (faulthandler's starts a thread: about 80 us; the
+POSIX timer's ``timer_settime``: about 1.5 us): the steps' thread never arms it. `faulthandler`
+holds one timer per process: a backstop replaces any ``dump_traceback_later`` armed elsewhere.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ _CLOCK_MONOTONIC = 1  # Linux's <time.h>; time.monotonic() reads the same clock
 
 class _Sigevent(ctypes.Structure):  # Linux's struct sigevent (64 bytes), SIGEV_THREAD's fields
     _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
-                ("function", ctypes.c_void_p), ("attributes", ctypes.c_void_p), ("pad", ctypes.c_int * 8)]
+                ("function", ctypes.c_void_p), ("attributes", ctypes.c_void_p),
+                ("pad", ctypes.c_int * 8)]
 
 
 class _Timespec(ctypes.Structure):
@@ -53,8 +56,8 @@ class _Itimerspec(ctypes.Structure):
 
 
 class _ExitTimer:
-    """A POSIX timer that calls ``function(value)`` (default: ``_exit(status)``) on its own C thread when it
-    expires (Linux only)."""
+    """A POSIX timer that calls ``function(value)`` (default: ``_exit(status)``) on its own C thread
+    when it expires (Linux only)."""
 
     def __init__(self, status: int, function: str = "_exit"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -83,17 +86,19 @@ def _exit_timer(status: int, function: str = "_exit") -> _ExitTimer | None:
         return None
     try:
         return _ExitTimer(status, function)
-    except (OSError, AttributeError):  # no timer_create (or warnx) in this C library: faulthandler alone
+    except (OSError, AttributeError):
+        # no timer_create (or warnx) in this C library: faulthandler alone
         return None
 
 
 class _Say:
-    """A POSIX timer that writes a reason to stderr on its own C thread (``warnx`` of a buffer it owns: no
-    interpreter lock needed), or None where it cannot be made."""
+    """A POSIX timer that writes a reason to stderr on its own C thread (``warnx`` of a buffer it
+    owns: no interpreter lock needed), or None where it cannot be made."""
 
     def __init__(self) -> None:
         self.buffer = ctypes.create_string_buffer(REASON_BYTES)
-        self.timer = _exit_timer(ctypes.addressof(self.buffer), "warnx")  # warnx(format): no % in the text
+        # warnx(format): no % in the text
+        self.timer = _exit_timer(ctypes.addressof(self.buffer), "warnx")
 
     def set(self, at: float | None, reason: str = "") -> None:
         if self.timer is None:
@@ -111,7 +116,8 @@ class _Say:
 
 
 def _stderr() -> object:
-    """Where faulthandler writes: ``sys.stderr`` when it is a file (it needs a descriptor), else descriptor 2."""
+    """Where faulthandler writes: ``sys.stderr`` when it is a file (it needs a descriptor), else
+    descriptor 2."""
     try:
         sys.stderr.fileno()
         return sys.stderr
@@ -120,8 +126,8 @@ def _stderr() -> object:
 
 
 class Backstop:
-    """Every thread's stack at ``at`` and the process's end with ``status`` shortly after, with or without the
-    interpreter lock (see the module doc). Used by `Watchdog`, from its own thread.
+    """Every thread's stack at ``at`` and the process's end with ``status`` shortly after, with or
+    without the interpreter lock (see the module doc). Used by `Watchdog`, from its own thread.
 
     Args:
         status: the exit status (the POSIX timer's; 1 where faulthandler exits, see ``exits_with``).
@@ -129,7 +135,8 @@ class Backstop:
 
     Examples:
         >>> backstop = Backstop(124, exit_delay=1.0)
-        >>> backstop.arm(time.monotonic() + 600, "stuck")  # "stuck" and the stacks in 600 s, the exit 1 s later
+        >>> # "stuck" and the stacks in 600 s, the exit 1 s later
+        >>> backstop.arm(time.monotonic() + 600, "stuck")
         >>> backstop.cancel()                               # nothing happens
         >>> backstop.close()
     """
@@ -143,12 +150,14 @@ class Backstop:
 
     @property
     def exits_with(self) -> int:
-        """The status the process exits with when the backstop fires: ``status``, or faulthandler's 1."""
+        """The status the process exits with when the backstop fires: ``status``, or faulthandler's
+        1."""
         return self.status if self._timer is not None else 1
 
     def arm(self, at: float, reason: str = "") -> None:
         """Write ``reason`` (Linux; one line, `SAY_LEAD` seconds before) and the stacks at ``at``
-        (`time.monotonic` seconds) and exit ``exit_delay`` later, unless re-armed or cancelled before."""
+        (`time.monotonic` seconds) and exit ``exit_delay`` later, unless re-armed or cancelled
+        before."""
         now = time.monotonic()
         delay = max(at - now, 1e-3)
         if reason:

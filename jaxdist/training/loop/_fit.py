@@ -1,35 +1,55 @@
-"""The fit loop: it drives a `LiveState` through its steps and, at their points, logs, evaluations and
-checkpoints; everything else it does is a callback's (``Trainer.fit``'s body, after `jaxdist.training.loop._start`).
+"""The fit loop: it drives a `LiveState` through its steps and, at their points, logs, evaluations
+and checkpoints; everything else it does is a callback's (``Trainer.fit``'s body, after
+`jaxdist.training.loop._start`).
 
-A step, as `FitLoop.run_steps` reads it: read the next batch (timed as ``input``), run the compiled step on it
-(``steps``; with ``steps_per_run > 1`` one on-device loop of several), call the callbacks that override
-``on_step_end``, and, only at the step of the next point (`FitLoop.due`), do what is due there: the step's
-cost (once, after the first step), a log window's end, an evaluation, a checkpoint, a callback's request
-(`FitControl`: save, skip), the report of a finished background save; then ask whether to stop (a SIGTERM or
-``stop_training``, agreed by every process: `jaxdist.training.loop._preemption`). So a step between points
-costs a handful of attribute operations on the host besides its batch and its dispatch.
+A step, as `FitLoop.run_steps` reads it: read the next batch (timed as ``input``), run the compiled
+step on it (``steps``; with ``steps_per_run > 1`` one on-device loop of several), call the callbacks
+that override ``on_step_end``, and, only at the step of the next point (`FitLoop.due`), do what is
+due there: the step's cost (once, after the first step), a log window's end, an evaluation, a
+checkpoint, a callback's request (`FitControl`: save, skip), the report of a finished background
+save; then ask whether to stop (a SIGTERM or ``stop_training``, agreed by every process:
+`jaxdist.training.loop._preemption`). So a step between points costs a handful of attribute
+operations on the host besides its batch and its dispatch.
 
 What the loop does not wait for:
 
-* Log points. At a log point the window's running sums (one small device vector, `PackedSums`) start their
-  copy to the host (`jaxdist.training.loop._logs`) and the loop goes on dispatching steps; the log is emitted
-  (``history.train``, ``on_log``) at the first step end at which they have arrived, and at the latest before
-  the next evaluation, checkpoint or the end of ``fit``. With several processes a log is emitted exactly
-  `READ_LAG` steps (or loops) after its window closed, on every process, so that all act on it at one step.
+* Log points. At a log point the window's running sums (one small device vector, `PackedSums`) start
+  their copy to the host (`jaxdist.training.loop._logs`) and the loop goes on dispatching steps; the
+  log is emitted (``history.train``, ``on_log``) at the first step end at which they have arrived,
+  and at the latest before the next evaluation, checkpoint or the end of ``fit``. With several
+  processes a log is emitted exactly `READ_LAG` steps (or loops) after its window closed, on every
+  process, so that all act on it at one step.
 * The steps: the host places the next batches (`READ_AHEAD`) and dispatches the next steps while the
-  devices run the current one, and reads only the batches it trains on (the stream is cut at ``steps``).
-* Checkpoints written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes at the first
-  step end after one is complete, a failed write raises there, and ``fit`` ends once its last one is complete.
+  devices run the current one, and reads only the batches it trains on (the stream is cut at
+  ``steps``).
+* Checkpoints written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes
+  at the first step end after one is complete, a failed write raises there, and ``fit`` ends once
+  its last one is complete.
 
-Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag rides in the running sums; the loop
-acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log is emitted and before every
-checkpoint, whose state is refused if it is not finite.
+Epochs (Keras'): an epoch is ``steps_per_epoch`` steps, or one pass over ``train_data``. Its end is
+a point like the others (`FitLoop.due`: the step at which it ends is known from ``steps_per_epoch``,
+from a list's length, or, for a generator's pass, as soon as the read-ahead reaches the end of the
+pass), so the steps between cost nothing more. There the loop closes the log window, waits for the
+epoch's metrics (its only wait for the devices per epoch), evaluates (``eval_every="epoch"``), calls
+``on_epoch_end`` with the epoch's means, saves (``checkpoint_every="epoch"``, the default's epochs),
+settles a stop asked for there on every process at once, and calls ``on_epoch_begin`` for the next
+epoch. A fit that neither counts epochs nor has a callback with an epoch hook does none of this.
 
-Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the host around
-what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step). Process 0 records the
-step reached in the checkpoint directory at log points (at most every `PROGRESS_SECONDS`) and when the fit ends
-or fails, so that a fit resumed behind it counts the steps it takes again as ``lost`` (``reached``), and, beside
-it, the job's time over its runs (`jaxdist.training.loop._job_time`: ``History.job_time``).
+Checkpoints on a clock (``checkpoint_every=timedelta(...)``, and the default's 10 minutes,
+`jaxdist.training.loop._cadence`): at a log point, once that long has passed since the last
+checkpoint, the loop saves; with several processes process 0's clock decides and asks through the
+stop agreement, and every process saves after the same step (`PreemptionWatcher.save_agreed`).
+
+Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag rides in the running sums;
+the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log is emitted and
+before every checkpoint, whose state is refused if it is not finite.
+
+Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the
+host around what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step).
+Process 0 records the step reached in the checkpoint directory at log points (at most every
+`PROGRESS_SECONDS`) and when the fit ends or fails, so that a fit resumed behind it counts the steps
+it takes again as ``lost`` (``reached``), and, beside it, the job's time over its runs
+(`jaxdist.training.loop._job_time`: ``History.job_time``).
 """
 
 from __future__ import annotations
@@ -45,7 +65,7 @@ from typing import Any
 import jax
 
 from jaxdist.costs.step import CostOptions, StepCost
-from jaxdist.job import data_ended, spans_processes
+from jaxdist.job import AGREE_SECONDS, data_ended, exchange, spans_processes
 from jaxdist.strategies.input import ahead
 from jaxdist.training.callbacks import HOOKS, Callback, FitControl, History, overriding
 from jaxdist.training.checkpoints import (
@@ -60,7 +80,7 @@ from jaxdist.training.checkpoints import (
 from jaxdist.training.data import BatchStream, DataPosition
 from jaxdist.training.loop._hosts import SameBatches
 from jaxdist.training.loop._job_time import JobTime
-from jaxdist.training.loop._logs import Logs
+from jaxdist.training.loop._logs import Logs, means
 from jaxdist.training.loop._options import FitOptions
 from jaxdist.training.loop._preemption import PreemptionWatcher
 from jaxdist.training.loop._time import FitClock, window_seconds
@@ -72,11 +92,13 @@ READ_AHEAD = 2
 """Batches placed ahead of the step being dispatched (one compiled step per batch)."""
 
 PROGRESS_SECONDS = 5.0
-"""The step reached is recorded in the checkpoint directory at a log point at most this often (and at the end)."""
+"""The step reached is recorded in the checkpoint directory at a log point at most this often (and
+at the end)."""
 
 READ_LAG = 2
-"""Several processes: a log window is read this many checks (steps, or on-device loops) after it closed, at the
-same check on every process, so that every process acts on a non-finite step at the same step."""
+"""Several processes: a log window is read this many checks (steps, or on-device loops) after it
+closed, at the same check on every process, so that every process acts on a non-finite step at the
+same step."""
 
 NEVER = float("inf")
 _END = object()
@@ -89,7 +111,8 @@ def _next(step: int, every: int | None) -> float:
 
 
 def run_fit(live: LiveState, stream: BatchStream, options: FitOptions, **run: Any) -> History:
-    """Train ``live`` on ``stream`` as ``options`` say (a `FitLoop` run once); ``run``: `FitLoop`'s other arguments.
+    """Train ``live`` on ``stream`` as ``options`` say (a `FitLoop` run once); ``run``: `FitLoop`'s
+    other arguments.
 
     Returns:
         The `History`; ``history.preempted`` when a SIGTERM stopped the run (after its checkpoint).
@@ -113,63 +136,109 @@ class FitLoop(FitControl):
 
     Args:
         live: the `LiveState` it trains (its state exists: ``fit`` built or restored it).
-        stream: the training batches from the data position on (`TrainBatch` es of the live state's feed are
-            taken as they are; others are checked and placed by the step).
+        stream: the training batches from the data position on (`TrainBatch` es of the live state's
+            feed are taken as they are; others are checked and placed by the step).
         options: the `FitOptions`.
-        callbacks: every callback, in the order they are called (``fit``'s: the features its options switch on,
-            the progress display, ``options.callbacks``, the log writers); default: ``options.callbacks``.
+        callbacks: every callback, in the order they are called (``fit``'s: the features its options
+            switch on, the progress display, ``options.callbacks``, the log writers); default:
+            ``options.callbacks``.
         owner: what the callbacks receive as their ``trainer`` (``fit``'s `Trainer`).
         checkpointer: where checkpoints go (``options.checkpoint_dir``, opened), or None.
         clock: the fit's `FitClock` (``fit`` starts it first); default: one started now.
-        reached: the step an earlier run on ``checkpointer``'s directory reached: the steps up to it that this
-            fit takes again are ``lost``. 0: none.
-        config: how the run is configured (`jaxdist.training.loop._config.run_config`, for ``on_config``).
+        reached: the step an earlier run on ``checkpointer``'s directory reached: the steps up to it
+            that this fit takes again are ``lost``. 0: none.
+        config: how the run is configured (`jaxdist.training.loop._config.run_config`, for
+            ``on_config``).
         cost: the trainer's `CostOptions` (for the step's cost, `StepCost`).
         history: the `History` to fill (default: a new one).
     """
 
     def __init__(self, live: LiveState, stream: BatchStream, options: FitOptions, *,
-                 callbacks: Iterable[Any] | None = None, owner: Any = None, checkpointer: Checkpointer | None = None,
-                 clock: FitClock | None = None, reached: int = 0, config: Mapping[str, Any] | None = None,
+                 callbacks: Iterable[Any] | None = None, owner: Any = None,
+                 checkpointer: Checkpointer | None = None,
+                 clock: FitClock | None = None, reached: int = 0,
+                 config: Mapping[str, Any] | None = None,
                  cost: CostOptions | None = None, history: History | None = None,
                  local: LocalCheckpointer | None = None):
         self.live, self.stream, self.options, self.owner = live, stream, options, owner
         self.callbacks = tuple(options.callbacks if callbacks is None else callbacks)
-        self.hooks = {hook: overriding(self.callbacks, hook) for hook in HOOKS}  # only those that do something
-        self.ckpt, self.config, self.cost_options = checkpointer, dict(config or {}), cost or CostOptions()
-        self.local = local  # the local tier (`LocalCheckpointer`), saved every ``local_checkpoint_every`` steps
+        # only those that do something
+        self.hooks = {hook: overriding(self.callbacks, hook) for hook in HOOKS}
+        self.ckpt, self.config, self.cost_options = (
+            checkpointer,
+            dict(config or {}),
+            cost or CostOptions(),
+        )
+        # the local tier (`LocalCheckpointer`), saved every ``local_checkpoint_every`` steps
+        self.local = local
         self.history = history if history is not None else History()
         self.clock = clock if clock is not None else FitClock()
         self.policy = options.on_non_finite
         self.guard = NonFiniteGuard(self.policy, live.step)
         self.rollbacks = 0
         self.warned = False
-        self.refused: int | None = None  # the step whose save "continue" skipped (its state is not finite)
+        # the step whose save "continue" skipped (its state is not finite)
+        self.refused: int | None = None
         self.cost: StepCost | None = None
-        self.batches = self.checks = 0  # batches the steps consumed; checks (steps, or on-device loops) made
+        # batches the steps consumed; checks (steps, or on-device loops) made
+        self.batches = self.checks = 0
         self.placed = 0  # the batches the data position was last set after
         self.due = 0.0  # the step of the next point (0: the first step's end, for its cost)
         self.in_flight = False  # a checkpoint is being written (reported once complete)
         self.save_asked = False
         self.skip_asked = 0
         self.stopping = False
-        self.windows: collections.deque = collections.deque()  # (step, clock snapshot) of each closed window
-        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))  # the last window logged
-        # An earlier run got to step ``reached`` (it crashed after its last checkpoint, or restore_step went back):
-        # the steps up to it are taken again, their time is lost (`FitClock.redone`, at the step that reaches it
-        # and at each window closed before).
+        # (step, clock snapshot) of each closed window
+        self.windows: collections.deque = collections.deque()
+        # the last window logged
+        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))
+        # An earlier run got to step ``reached`` (it crashed after its last checkpoint, or
+        # restore_step went back): the steps up to it are taken again, their time is lost
+        # (`FitClock.redone`, at the step that reaches it and at each window closed before).
         self.redo = reached if reached > live.step else NEVER
-        # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for the next run,
-        # and the job's time over its runs beside it (`jaxdist.training.loop._job_time`).
+        # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for
+        # the next run, and the job's time over its runs beside it
+        # (`jaxdist.training.loop._job_time`).
         self.recorder = checkpointer is not None and jax.process_index() == 0
         self.recorded = float("-inf")  # when (perf_counter) it last did
-        self.job = JobTime(checkpointer.directory, time.time() - self.clock.wall()) if self.recorder else None
-        self.ended = False  # the run ended normally (not failed, not preempted): no restart follows it
-        self.saved_at_end = False  # the fit ended with a checkpoint of its last step (no record needed then)
+        self.job = JobTime(checkpointer.directory,
+                           time.time() - self.clock.wall()) if self.recorder else None
+        # the run ended normally (not failed, not preempted): no restart follows it
+        self.ended = False
+        # the fit ended with a checkpoint of its last step (no record needed then)
+        self.saved_at_end = False
         mesh = live.strategy.mesh
         self.spans = spans_processes(mesh.devices.flat)
         self.watcher = PreemptionWatcher(mesh=mesh, waited=self.clock.waited)
-        self.same = SameBatches(self.spans)  # the processes' batches, compared at the first step and log points
+        # the processes' batches, compared at the first step and log points
+        self.same = SameBatches(self.spans)
+        # the step the run trains to (steps, or epochs x steps_per_epoch), or None
+        self.until = options.until
+        self.eval_steps = options.eval_every if isinstance(options.eval_every, int) else None
+        # FitControl: what the callbacks may read
+        self.epochs, self.steps_per_epoch = options.epochs, options.steps_per_epoch
+        self.checkpoint_dir = None if checkpointer is None else checkpointer.directory
+        # Epochs (see the module): their ends are points only when something looks at them, on every
+        # process alike (an epoch's end waits for the devices and agrees on a stop: a callback with
+        # an epoch hook on some processes only, a chief's logger say, makes every process watch
+        # them).
+        self.watch_epochs = (options.counts_epochs or options.eval_every == "epoch" or bool(
+            self.hooks["on_epoch_begin"] or self.hooks["on_epoch_end"]))
+        if self.spans:
+            said = exchange("the epochs' hooks", "1" if self.watch_epochs else "0", AGREE_SECONDS)
+            self.watch_epochs = "1" in said
+        self.epoch_no = 0  # the epoch the steps are in
+        self.epoch_end: float = NEVER  # the step it ends at, once known
+        self.epoch_sums: Any = None  # the host sums of its windows emitted so far
+        self.begin_pending = False  # on_epoch_begin is due before the next step
+        self.closed = -1  # the step of the last window closed
+        # Checkpoints on a clock: the next one is due this long after the last (a log point checks).
+        self.backup_seconds = options.cadence.seconds if checkpointer is not None else None
+        self.saved_at = 0.0  # perf_counter of the last checkpoint (or of the start)
+        # process 0 asks the others to save at the next check (several processes)
+        self.save_request = False
+        self.save_wanted = False  # a save is due on the clock and not taken yet
+        self.deleted = False  # the checkpoints were deleted at the end (`delete_checkpoints`)
 
     # ----------------------------------------------------------------------------------- FitControl
     @property
@@ -181,12 +250,17 @@ class FitLoop(FitControl):
         self.place()
         return self.live.position
 
+    @property
+    def epoch(self) -> int:
+        return self.epoch_no if self.watch_epochs else self.data_position.epoch
+
     def stop(self) -> None:
         self.live.stop_training = True
 
     def save(self) -> None:
         if self.ckpt is None:
-            raise ValueError("control.save() needs fit(checkpoint_dir=...): there is nowhere to save.")
+            raise ValueError("control.save() needs fit(checkpoint_dir=...): there is nowhere to "
+                             "save.")
         self.save_asked, self.due = True, 0
 
     def skip(self, batches: int = 1) -> None:
@@ -203,23 +277,37 @@ class FitLoop(FitControl):
                 call(self.owner, *args)
 
     def place(self) -> None:
-        """Set the live state's data position after the batches consumed (computed when read, not per step)."""
+        """Set the live state's data position after the batches consumed (computed when read, not
+        per step)."""
         if self.placed != self.batches:
             self.live.position = self.stream.position(self.batches)
             self.placed = self.batches
 
     def run(self) -> History:
-        """The loop: steps, and at their points the logs, evaluations and checkpoints; the `History`."""
-        live, options, history, clock, watcher = self.live, self.options, self.history, self.clock, self.watcher
+        """The loop: steps, and at their points the logs, evaluations and checkpoints; the
+        `History`."""
+        live, options, history = self.live, self.options, self.history
+        clock, watcher = self.clock, self.watcher
         live.stop_training = False
         live.sums("fit")  # the windows start here
-        # Several processes act on a window at the same step, and a rollback moves the data past the same batches
-        # in every run of the same job: the windows are read a fixed READ_LAG steps after they close.
+        # Several processes act on a window at the same step, and a rollback moves the data past the
+        # same batches in every run of the same job: the windows are read a fixed READ_LAG steps
+        # after they close.
         fixed = self.spans or self.policy.action == "rollback"
         clock.open()  # heard since the clock was made; again if it serves a second run
-        self.logs = Logs(live.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG if fixed else None,
-                         waited=clock.waited)
+        self.logs = Logs(live.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG
+                         if fixed else None,
+                         waited=clock.waited, add=self.add_sums if self.watch_epochs else None)
+        if self.watch_epochs:
+            self.epoch_no = (
+                live.step // options.steps_per_epoch
+                if options.steps_per_epoch
+                else live.position.epoch
+            )
+            self.stream.on_length = self.heard_length
+            self.begin_pending = True
         self.source = iter(self.stream)
+        self.saved_at = perf_counter()
         self.schedule(live.step)
         self.due = 0  # the first step's end: its cost
         for cb in self.callbacks:
@@ -229,25 +317,40 @@ class FitLoop(FitControl):
             with watcher:  # SIGTERM: a request to stop, agreed by every process
                 self.emit("on_train_begin")
                 self.emit("on_config", dict(self.config))
+                self.begin_epoch()
                 while True:  # one round, and one more after each rollback at the end
                     self.run_steps()
+                    if (
+                        self.watch_epochs
+                        and not watcher.stopping
+                        and not self.stopping
+                        and live.step >= self.find_epoch_end()
+                        and self.epoch_point()
+                    ):
+                        # an epoch that ended with the data (an on-device loop's last step):
+                        # rolled back
+                        continue
                     # The data ended first: on every process? (before any collective)
-                    if (options.steps is not None and live.step < options.steps and self.stream.epochs is None
+                    if (self.until is not None and live.step < self.until
+                            and self.stream.epochs is None
                             and not watcher.stopping):
-                        data_ended(live.strategy.mesh, self.batches, self.batches + options.steps - live.step)
+                        data_ended(live.strategy.mesh, self.batches,
+                                   self.batches + self.until - live.step)
                         history.data_ended = live.step
                     if not watcher.stopping:  # a signal since the last check
                         watcher.should_stop(final=True, stop_training=live.stop_training)
                     self.stopping = watcher.stopping
                     self.close_window()
                     self.logs.flush()
-                    if not self.act() or watcher.stopping:  # rolled back at the end: train to the end again
+                    # rolled back at the end: train to the end again
+                    if not self.act() or watcher.stopping:
                         break
-                history.preempted = watcher.preempted
+                history.preempted, history.preempted_by = watcher.preempted, watcher.cause
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
                 with self.paused("checkpoint"):
-                    self.written(wait=True)  # fit returns (or exits on preemption) once its last checkpoint is complete
+                    # fit returns (or exits on preemption) once its last checkpoint is complete
+                    self.written(wait=True)
                 if options.eval_data is not None and not history.preempted and not (
                     history.eval and history.eval[-1]["step"] == live.step
                 ):
@@ -257,17 +360,20 @@ class FitLoop(FitControl):
                 self.job_time()
                 self.emit("on_train_end", history)
                 with self.paused("checkpoint"):
-                    self.saved_at_end = self.ckpt is not None and self.ckpt.latest_step() == live.step
+                    self.saved_at_end = (self.ckpt is not None and not self.deleted
+                                         and self.ckpt.latest_step() == live.step)
                 self.ended = not history.preempted
         except BaseException as error:
             for call in self.hooks["on_exception"]:
                 call(self.owner, error)
             raise
         finally:
-            self.record()  # how far this run got (a run that fails: the next one knows what it takes again)
+            # how far this run got (a run that fails: the next one knows what it takes again)
+            self.record()
             clock.close()
             self.logs.close()  # the watcher thread
-            del self.logs  # no cycle (self -> logs -> self.on_log) keeps the run's objects alive after it
+            # no cycle (self -> logs -> self.on_log) keeps the run's objects alive after it
+            del self.logs
             close = getattr(self.source, "close", None)
             if close is not None:
                 close()
@@ -280,16 +386,21 @@ class FitLoop(FitControl):
         return history
 
     def run_steps(self) -> None:
-        """Steps until the live step reaches ``options.steps`` (or the data ends, or the run stops): what a step
-        does, in order."""
-        live, clock, options, logs, watcher = self.live, self.clock, self.options, self.logs, self.watcher
-        step_end, until, one = self.hooks["on_step_end"], options.steps, options.steps_per_run == 1
+        """Steps until the live step reaches ``options.until`` (or the data ends, or the run stops):
+        what a step does, in order."""
+        live, clock, logs, watcher = self.live, self.clock, self.logs, self.watcher
+        step_end, until, one = (
+            self.hooks["on_step_end"],
+            self.until,
+            self.options.steps_per_run == 1,
+        )
         while until is None or live.step < until:
-            # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond it. A rollback
-            # moves the step back: another cut then takes the batches for the steps that are left.
+            # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond
+            # it. A rollback moves the step back: another cut then takes the batches for the steps
+            # that are left.
             cut = self.source if until is None else itertools.islice(self.source, until - live.step)
-            # Batch n + READ_AHEAD is read (and placed) before step n is dispatched: its transfer overlaps the
-            # steps still running.
+            # Batch n + READ_AHEAD is read (and placed) before step n is dispatched: its transfer
+            # overlaps the steps still running.
             self.reader = ahead(cut, READ_AHEAD) if one else cut
             ran = 0
             try:
@@ -311,25 +422,34 @@ class FitLoop(FitControl):
                     self.batches += n
                     self.checks += 1
                     step = live.step
-                    if step >= self.due:  # 3. a point is due at this step (rare): it calls on_step_end too
+                    # 3. a point is due at this step (rare): it calls on_step_end too
+                    if step >= self.due:
                         if self.points(step - n, step, metrics, batch):
-                            continue  # rolled back: the log, evaluation and checkpoint points come again
+                            # rolled back: the log, evaluation and checkpoint points come again
+                            continue
                     else:
                         if step_end:  # 3. the callbacks that look at every step
                             self.place()
                             for call in step_end:
                                 call(self.owner, step, metrics)
-                            if not self.due and self.points(step - n, step, None):  # one asked to save or skip
+                            # one asked to save or skip
+                            if not self.due and self.points(step - n, step, None):
                                 continue
                         if logs.pending:  # 4. the logs whose values have arrived
                             logs.emit_ready(self.checks)
                             if self.guard.pending and self.act():
                                 continue
-                    # 5. stop? (a signal or stop_training; with several processes, agreed by all)
-                    if (self.spans or watcher.requested or live.stop_training) and watcher.should_stop(
-                            stop_training=live.stop_training):
-                        self.stopping = True
-                        return
+                    # 5. stop? (a signal or stop_training; with several processes, agreed by all,
+                    # with a save process 0 asked for on its clock)
+                    if self.spans or watcher.requested or live.stop_training:
+                        stop = watcher.should_stop(stop_training=live.stop_training,
+                                                   save=self.save_request)
+                        if watcher.save_agreed:  # every process saves after the next step
+                            self.save_asked, self.due, self.save_wanted = True, 0, False
+                        self.save_request = False
+                        if stop:
+                            self.stopping = True
+                            return
             finally:
                 if one:
                     self.reader.close()
@@ -337,15 +457,22 @@ class FitLoop(FitControl):
                 return
 
     def chunk(self) -> list:
-        """An on-device loop's batches: up to the next log, evaluation or checkpoint point."""
-        return list(itertools.islice(self.reader, self.options.run_length(self.live.step)))
+        """An on-device loop's batches: up to the next log, evaluation, checkpoint point or epoch
+        end."""
+        step = self.live.step
+        n = self.options.run_length(step)
+        if self.watch_epochs and self.find_epoch_end() > step:
+            n = min(n, int(self.epoch_end - step))
+        return list(itertools.islice(self.reader, n))
 
     def points(self, before: int, step: int, metrics: Any, batch: Any = None) -> bool:
-        """What is due at ``step`` (after the steps from ``before``, which returned ``metrics`` from ``batch``),
-        ``on_step_end`` included (unless ``metrics`` is None: it was called); True when the run rolled back."""
+        """What is due at ``step`` (after the steps from ``before``, which returned ``metrics`` from
+        ``batch``), ``on_step_end`` included (unless ``metrics`` is None: it was called); True when
+        the run rolled back."""
         options, live = self.options, self.live
-        if self.cost is None or _crossed(before, step, options.log_every) or step == options.steps:
-            self.same.check(step, batch)  # the first step and the log points: every process's batch alike
+        if self.cost is None or _crossed(before, step, options.log_every) or step == self.until:
+            # the first step and the log points: every process's batch alike
+            self.same.check(step, batch)
         if step >= self.redo:  # the step an earlier run reached: the steps up to it were lost
             self.clock.redone()
             self.redo = NEVER
@@ -356,38 +483,50 @@ class FitLoop(FitControl):
             self.emit("on_step_end", step, metrics)
         if self.skip_asked:
             self.skip_batches()
-        if _crossed(before, step, options.log_every) or step == options.steps:
+        if _crossed(before, step, options.log_every) or step == self.until:
             self.close_window()
+            if self.backup_seconds is not None and not self.save_wanted:
+                self.on_the_clock()
         self.logs.emit_ready(self.checks)
         if self.act():
             return True
         self.written()
-        if _crossed(before, live.step, options.eval_every):
+        if _crossed(before, live.step, self.eval_steps):
             self.evaluate()
-        if _crossed(before, live.step, options.checkpoint_every) or self.save_asked:
+        if self.watch_epochs and live.step >= self.find_epoch_end() and self.epoch_point():
+            return True
+        if _crossed(before, live.step, options.cadence.steps) or self.save_asked:
             self.save_asked = False
             self.checkpoint()
         if self.local is not None and _crossed(before, live.step, options.local_checkpoint_every):
             self.place()  # the data position after this step's batches goes with it
-            with self.clock.timing("waited"):  # the devices finish the steps dispatched: steps, not the save
+            # the devices finish the steps dispatched: steps, not the save
+            with self.clock.timing("waited"):
                 jax.block_until_ready(live.state)
             with self.paused("checkpoint"):
                 save_live_local(live, self.local)
         self.schedule(live.step)
+        self.begin_epoch()
         return False
 
     def schedule(self, step: int) -> None:
-        """The step of the next point after ``step``: a log window's end, an evaluation, a checkpoint, the last
-        step, the step an earlier run reached; every step while a checkpoint is in flight."""
+        """The step of the next point after ``step``: a log window's end, an evaluation, a
+        checkpoint, an epoch's end, the last step, the step an earlier run reached; every step while
+        a checkpoint is in flight."""
         options = self.options
-        due = min(_next(step, options.log_every), _next(step, options.eval_every),
-                  _next(step, options.checkpoint_every), _next(step, options.local_checkpoint_every), self.redo)
-        if options.steps is not None:
-            due = min(due, options.steps)
+        due = min(_next(step, options.log_every), _next(step, self.eval_steps),
+                  _next(step, options.cadence.steps), _next(step, options.local_checkpoint_every),
+                  self.redo)
+        if self.watch_epochs:
+            due = min(due, self.find_epoch_end())
+        if self.until is not None:
+            due = min(due, self.until)
         self.due = step + 1 if self.in_flight or self.skip_asked or self.save_asked else due
 
     def skip_batches(self) -> None:
         """Read the batches a callback asked to skip, without a step (`FitControl.skip`)."""
+        if not self.options.steps_per_epoch:
+            self.epoch_end = NEVER  # a pass over the data now ends fewer steps ahead
         while self.skip_asked:
             self.skip_asked -= 1
             if next(self.reader, _END) is _END:  # the data (or the run's cut of it) ended
@@ -395,14 +534,124 @@ class FitLoop(FitControl):
                 return
             self.batches += 1
 
-    # ------------------------------------------------------------------------------------------- logs
+    # --------------------------------------------------------------------------------------- epochs
+    def find_epoch_end(self) -> float:
+        """The step the current epoch ends at (NEVER while a pass's length is unknown)."""
+        if self.epoch_end is NEVER:
+            spe = self.options.steps_per_epoch
+            if spe:
+                self.epoch_end = (self.epoch_no + 1) * spe
+            else:
+                end = self.stream.epoch_end(self.epoch_no)
+                if end is not None:
+                    self.epoch_end = self.live.step + end - self.batches
+        return self.epoch_end
+
+    def planned(self) -> int | None:
+        """The step the run trains to, as far as it is known now: ``until``, or the end of its last
+        pass over the data when the current one's length is known (the passes left taken as long as
+        it)."""
+        data_epochs, spe = self.options.data_epochs, self.options.steps_per_epoch
+        if self.until is not None or data_epochs is None or spe or not self.watch_epochs:
+            return self.until
+        end = self.find_epoch_end()
+        length = self.stream.epoch_end(self.epoch_no)
+        # (the passes before the start: minus the start's index)
+        before = self.stream.epoch_end(self.epoch_no - 1)
+        if end is NEVER or length is None or before is None:
+            return None
+        return int(end) + (data_epochs - self.epoch_no - 1) * (length - before)
+
+    def heard_length(self, epoch: int) -> None:
+        """The stream knows the length of pass ``epoch`` now (read ahead to its end): a point at the
+        next step places the epoch's end."""
+        if epoch == self.epoch_no and self.epoch_end is NEVER:
+            self.due = 0
+
+    def add_sums(self, sums: Any) -> None:
+        """A log window's host sums, emitted: added to its epoch's."""
+        self.epoch_sums = sums if self.epoch_sums is None else self.epoch_sums.then(sums)
+
+    def epoch_point(self) -> bool:
+        """The current epoch's last step is taken: its last log window closed, the evaluation
+        ``eval_every="epoch"`` asks for, then its end (`end_epoch`); True when the run rolled back
+        instead."""
+        if self.closed != self.live.step:
+            self.close_window()  # the epoch's last window ends with it
+        if self.options.eval_every == "epoch":
+            self.evaluate()
+        return self.end_epoch()
+
+    def end_epoch(self) -> bool:
+        """The end of the current epoch (its last step is taken): its metrics read,
+        ``on_epoch_end``, the checkpoint the cadence asks for, a stop asked for there settled on
+        every process; True when the run rolled back instead (a non-finite step in the epoch's last
+        window)."""
+        live = self.live
+        if self.closed != live.step:
+            self.close_window()
+        self.logs.flush()  # the epoch's last window: the one wait for the devices per epoch
+        if self.act():
+            return True
+        epoch, sums = self.epoch_no, self.epoch_sums
+        logs = {} if sums is None else means(sums)
+        last = self.history.eval[-1] if self.history.eval else None
+        if last is not None and last["step"] == live.step:
+            logs.update({f"val_{name}": value for name, value in last.items() if name != "step"})
+        self.history.epochs.append({"epoch": epoch, "step": live.step, **logs})
+        self.emit("on_epoch_end", epoch, logs)
+        if self.options.cadence.epoch:
+            self.save_asked = True
+        self.epoch_no, self.epoch_end = epoch + 1, NEVER
+        self.epoch_sums, self.begin_pending = None, True
+        # a stop asked for at the epoch's end
+        if self.spans or self.watcher.requested or live.stop_training:
+            # takes effect now, on every process: all agree at this step (blocking, once per epoch),
+            # and so does a save asked for on the clock since the last check (its agreement is read
+            # here)
+            self.watcher.should_stop(final=self.spans, stop_training=live.stop_training,
+                                     save=self.save_request)
+            self.save_request = False
+            if self.watcher.save_agreed:
+                self.save_asked, self.save_wanted = True, False
+        return False
+
+    def begin_epoch(self) -> None:
+        """``on_epoch_begin`` of the epoch the next step is in, when one is due and the run goes
+        on."""
+        if not self.begin_pending or self.watcher.stopping:
+            return
+        data_epochs, step = self.options.data_epochs, self.live.step
+        if (self.until is not None and step >= self.until) or (data_epochs is not None
+                                                               and self.epoch_no >= data_epochs):
+            return  # the run ends here
+        self.begin_pending = False
+        self.emit("on_epoch_begin", self.epoch_no)
+
+    def delete_checkpoints(self) -> None:
+        """Delete every checkpoint of the fit's directory and its records of the run (a finished
+        job: a run again starts from scratch; `jaxdist.training.DeleteBackups`). Called from
+        ``on_train_end``, on every process."""
+        if self.ckpt is None:
+            return
+        with self.paused("checkpoint"):
+            self.written(wait=True)
+            for step in self.ckpt.all_steps():
+                self.ckpt.delete(step)
+        self.deleted = True
+
+    # ----------------------------------------------------------------------------------------- logs
     def on_log(self, step: int, logs: dict) -> None:
-        while self.windows:  # the snapshot of this window (windows without steps are not logged: skipped)
-            closed, snapshot = self.windows.popleft()
+        epoch = None
+        # the snapshot of this window (windows without steps are not logged: skipped)
+        while self.windows:
+            closed, snapshot, epoch = self.windows.popleft()
             if closed == step:
                 logs.update(window_seconds(self.logged, snapshot))
                 self.logged = snapshot
                 break
+        if self.options.counts_epochs and epoch is not None:
+            logs = {"epoch": epoch, **logs}
         self.history.train.append({"step": step, **logs})
         self.emit("on_log", step, logs)
 
@@ -410,19 +659,32 @@ class FitLoop(FitControl):
         if self.redo is not NEVER:  # every step so far was taken before, by an earlier run
             self.clock.redone()
         now = perf_counter()
-        self.windows.append((self.live.step, (now, self.clock.gross())))
+        self.closed = self.live.step
+        self.windows.append((self.live.step, (now, self.clock.gross()), self.epoch_no))
         if self.recorder and now - self.recorded >= PROGRESS_SECONDS:
             self.record()
             self.recorded = now
         self.logs.close_window(self.live.step, self.live.sums("fit"), self.checks)
 
+    def on_the_clock(self) -> None:
+        """At a log point: is a checkpoint due on the clock? One process saves now; with several,
+        process 0's clock decides, and asks every process to save after the same step (through the
+        stop agreement)."""
+        if perf_counter() - self.saved_at < self.backup_seconds:
+            return
+        if not self.spans:
+            self.save_asked = True
+        elif jax.process_index() == 0:
+            self.save_request = self.save_wanted = True
+
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict:
         return {} if self.cost is None else self.cost.rates(steps, seconds, loss_weight)
 
-    # --------------------------------------------------------------------------- evaluations, checkpoints
+    # --------------------------------------------------------------------- evaluations, checkpoints
     def paused(self, part: str) -> Any:
-        """The loop leaves its steps for ``part`` (``"evaluation"`` or ``"checkpoint"``): timed as such, and said
-        to the callbacks (``on_pause`` / ``on_resume``: the watchdog does not watch it)."""
+        """The loop leaves its steps for ``part`` (``"evaluation"`` or ``"checkpoint"``): timed as
+        such, and said to the callbacks (``on_pause`` / ``on_resume``: the watchdog does not watch
+        it)."""
         return _Paused(self, part)
 
     def evaluate(self) -> None:
@@ -447,21 +709,27 @@ class FitLoop(FitControl):
         with self.paused("checkpoint"):
             if ckpt.latest_step() == live.step:  # rolled back to a checkpoint
                 return
-            self.written(wait=True)  # the save in flight first (the next save would wait for it anyway)
+            # the save in flight first (the next save would wait for it anyway)
+            self.written(wait=True)
             self.place()
             try:
-                save_live(live, ckpt, None)  # a no-op when this step is being written; refuses a non-finite state
+                # a no-op when this step is being written; refuses a non-finite state
+                save_live(live, ckpt, None)
                 self.clock.saved(live.step)
                 self.in_flight = True
+                self.saved_at, self.save_wanted = perf_counter(), False
             except NonFiniteError as error:
                 if self.policy.action != "continue":
                     raise
                 self.refused = live.step
-                warnings.warn(f"{error} (on_non_finite='continue': training goes on)", RuntimeWarning, stacklevel=4)
-            self.written()  # a synchronous save: now; an asynchronous one: at a later step end, once complete
+                warnings.warn(f"{error} (on_non_finite='continue': training goes on)",
+                              RuntimeWarning, stacklevel=4)
+            # a synchronous save: now; an asynchronous one: at a later step end, once complete
+            self.written()
 
     def written(self, wait: bool = False) -> None:
-        """``on_checkpoint`` for the saves complete by now; raises for one that failed in the background."""
+        """``on_checkpoint`` for the saves complete by now; raises for one that failed in the
+        background."""
         if self.ckpt is not None and (self.in_flight or wait):
             done = self.ckpt.poll(wait)
             for step, path in done:
@@ -470,10 +738,10 @@ class FitLoop(FitControl):
             if done or wait:
                 self.in_flight = False
 
-    # ----------------------------------------------------------------------------------- non-finite steps
+    # ----------------------------------------------------------------------------- non-finite steps
     def check_finite(self) -> None:
-        """Read the open window's flags (a checkpoint is next); if any step in it was not finite, close it, then
-        act on what was found."""
+        """Read the open window's flags (a checkpoint is next); if any step in it was not finite,
+        close it, then act on what was found."""
         with self.clock.timing("waited"):  # the devices finish the steps dispatched
             sums = self.live.sums("fit", pop=False).to_host()
         if sums.non_finite.count:
@@ -482,8 +750,8 @@ class FitLoop(FitControl):
         self.act()
 
     def act(self) -> bool:
-        """Act on the non-finite steps found (at a point every process reaches at the same step); True when the
-        run rolled back."""
+        """Act on the non-finite steps found (at a point every process reaches at the same step);
+        True when the run rolled back."""
         guard, policy = self.guard, self.policy
         if not guard.pending:
             return False
@@ -492,32 +760,37 @@ class FitLoop(FitControl):
             if not self.warned:
                 self.warned = True
                 warnings.warn(
-                    f"the loss or gradients of step {guard.first} were not finite; on_non_finite='continue' trains "
+                    f"the loss or gradients of step {guard.first} were not finite; "
+                    "on_non_finite='continue' trains "
                     "on (non-finite states are not saved)", RuntimeWarning, stacklevel=4)
             guard.acted()
             return False
         if policy.action == "skip":
             if guard.too_many_in_a_row:
-                raise self.failure(f"{guard.longest_run} steps in a row were not finite (on_non_finite='skip' "
-                                   f"stops at max_consecutive_skips={policy.max_consecutive_skips}: the run has "
-                                   "diverged)")
+                raise self.failure(f"{guard.longest_run} steps in a row were not finite "
+                                   "(on_non_finite='skip' stops at "
+                                   f"max_consecutive_skips={policy.max_consecutive_skips}: the run "
+                                   "has diverged)")
             guard.acted()  # skipped on the devices; the logs count them
             return False
         if policy.action == "rollback":
             if self.rollbacks >= policy.max_rollbacks:
                 raise self.failure(
-                    f"the run stopped after {self.rollbacks} rollback{'s' if self.rollbacks != 1 else ''} "
-                    f"(on_non_finite='rollback' rolls back at most max_rollbacks={policy.max_rollbacks} times)")
+                    f"the run stopped after {self.rollbacks} "
+                    f"rollback{'s' if self.rollbacks != 1 else ''} (on_non_finite='rollback' rolls "
+                    f"back at most max_rollbacks={policy.max_rollbacks} times)")
             self.roll_back()
             return True
         raise self.failure("the run stopped (on_non_finite='stop')")
 
     def failure(self, what: str) -> NonFiniteError:
-        latest = None if self.ckpt is None else self.ckpt.latest_step()  # waits for the save in flight: complete
+        # waits for the save in flight: complete
+        latest = None if self.ckpt is None else self.ckpt.latest_step()
         return self.guard.error(what, latest, None if self.ckpt is None else self.ckpt.directory)
 
     def roll_back(self) -> None:
-        """Restore the newest checkpoint before the first bad step; the data goes on from where it is."""
+        """Restore the newest checkpoint before the first bad step; the data goes on from where it
+        is."""
         live, ckpt, bad = self.live, self.ckpt, self.guard.first
         self.close_window()
         self.logs.flush()  # every step so far is logged (their flags belong to this rollback)
@@ -525,39 +798,49 @@ class FitLoop(FitControl):
             self.written(wait=True)
             good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
             if not good:
-                raise self.failure("there is no checkpoint before it to roll back to, so the run stopped")
+                raise self.failure("there is no checkpoint before it to roll back to, so the run "
+                                   "stopped")
             restore_live(live, ckpt, good[-1], None)
         self.clock.rolled_back(good[-1])  # the steps since that checkpoint: lost
         self.rollbacks += 1
-        live.position = self.stream.position(self.batches)  # past the bad batches (and those after them)
+        # past the bad batches (and those after them)
+        live.position = self.stream.position(self.batches)
         self.placed = self.batches
-        self.history.rollbacks.append({"step": bad, "restored": good[-1], "data_position": live.position})
+        if self.watch_epochs:  # the step went back: where the epoch ends, in steps, again
+            self.epoch_end = NEVER
+            if self.options.steps_per_epoch:
+                self.epoch_no = live.step // self.options.steps_per_epoch
+        self.history.rollbacks.append({"step": bad, "restored": good[-1],
+                                       "data_position": live.position})
         live.sums("fit")
         self.logs.restart(live.step)
         self.guard.restart(live.step)
         self.schedule(live.step)
         warnings.warn(
-            f"the loss or gradients of step {bad} were not finite: rolled back to checkpoint {good[-1]} (rollback "
-            f"{self.rollbacks} of at most {self.policy.max_rollbacks}); training goes on with the data after the "
+            f"the loss or gradients of step {bad} were not finite: rolled back to checkpoint "
+            f"{good[-1]} (rollback {self.rollbacks} of at most {self.policy.max_rollbacks}); "
+            "training goes on with the data after the "
             f"batches read so far, skipping them", RuntimeWarning, stacklevel=5)
 
-    # ------------------------------------------------------------------------------------------ records
+    # -------------------------------------------------------------------------------------- records
     def record(self) -> None:
-        """Record the step reached in the checkpoint directory (process 0; never an error); once the fit has
-        ended with a checkpoint of that step, which says as much, remove the record."""
+        """Record the step reached in the checkpoint directory (process 0; never an error); once the
+        fit has ended with a checkpoint of that step, which says as much, remove the record."""
         if self.recorder:
             directory = self.ckpt.directory
-            if self.saved_at_end:
+            finished = self.saved_at_end or self.deleted
+            if finished:
                 clear_progress(directory)
             else:
                 write_progress(directory, self.live.step)
-            if self.saved_at_end and self.ended:  # the job ended here: a later fit is a new one
+            if finished and self.ended:  # the job ended here: a later fit is a new one
                 self.job.clear()
             else:
                 self.job.record(self.clock.totals(), ended=self.ended)
 
     def job_time(self) -> None:
-        """``History.job_time`` (process 0, with a checkpoint directory): this run's time with the runs before."""
+        """``History.job_time`` (process 0, with a checkpoint directory): this run's time with the
+        runs before."""
         if self.job is not None:
             self.history.job_time, self.history.job_runs = self.job.totals(self.history.time)
 

@@ -1,28 +1,32 @@
-"""Which host is slow: each process's step time and input wait per log window, compared on process 0.
+"""Which host is slow: each process's step time and input wait per log window, compared on process
+0.
 
-In a job of several processes every step's collectives wait for the slowest process, so a slow host shows only
-as everyone's slow step. What the loop can attribute to a host is the time that host spends before it can join
-the step: waiting for its next batch (reading it from ``train_data``, checking and placing it). So each process
-times, per log window, its steps (the window's wall time over its steps, as its host saw it) and its input wait
-(the time inside the data iterator, per step). A device that is slow shows in every process's step time alike
-(use a profile to find it).
+In a job of several processes every step's collectives wait for the slowest process, so a slow host
+shows only as everyone's slow step. What the loop can attribute to a host is the time that host
+spends before it can join the step: waiting for its next batch (reading it from ``train_data``,
+checking and placing it). So each process times, per log window, its steps (the window's wall time
+over its steps, as its host saw it) and its input wait (the time inside the data iterator, per
+step). A device that is slow shows in every process's step time alike (use a profile to find it).
 
-`HostTimes` is a fit's callback, which works at its log rows (``on_log``): nothing is exchanged per step. At
-each log a process posts its window's figures to the job's key-value store (the coordination service's, which
-every process of a ``jax.distributed`` job talks to anyway: no collective, no device); process 0 reads them
-at its logs (the processes emit them at the same step), without waiting (a figure not there yet is read at
-the next log; at the end of ``fit`` process 0 waits at most `READ_SECONDS` for each, then goes on without it).
+`HostTimes` is a fit's callback, which works at its log rows (``on_log``): nothing is exchanged per
+step. At each log a process posts its window's figures to the job's key-value store (the
+coordination service's, which every process of a ``jax.distributed`` job talks to anyway: no
+collective, no device); process 0 reads them at its logs (the processes emit them at the same step),
+without waiting (a figure not there yet is read at the next log; at the end of ``fit`` process 0
+waits at most `READ_SECONDS` for each, then goes on without it).
 
-Every process passes the same global batch (each places only its own devices' rows of it), so processes that
-pass different ones (each shuffling with its own seed) train on a mix of them and give other numbers without a
-word. `SameBatches` compares a fingerprint of each process's batch (`jaxdist.training.data.WholeBatch`) through
-the same store at the fit's first step and at its log points, and raises a `jaxdist.job.JobDisagreementError`
-on every process, naming the processes that differ, the step and the fix. Between those points it costs nothing.
+Every process passes the same global batch (each places only its own devices' rows of it), so
+processes that pass different ones (each shuffling with its own seed) train on a mix of them and
+give other numbers without a word. `SameBatches` compares a fingerprint of each process's batch
+(`jaxdist.training.data.WholeBatch`) through the same store at the fit's first step and at its log
+points, and raises a `jaxdist.job.JobDisagreementError` on every process, naming the processes that
+differ, the step and the fix. Between those points it costs nothing.
 
-A process is named in a `StragglerWarning` when it waits on its input at least ``straggler_ratio`` times as long
-as the median process and that excess is at least ``straggler_ratio - 1`` times the median step time (so that
-microseconds of input on a fast pipeline name nobody): every step of the job is then that much longer because of
-it. A process is named again only after a window in which it was not slow.
+A process is named in a `StragglerWarning` when it waits on its input at least ``straggler_ratio``
+times as long as the median process and that excess is at least ``straggler_ratio - 1`` times the
+median step time (so that microseconds of input on a fast pipeline name nobody): every step of the
+job is then that much longer because of it. A process is named again only after a window in which it
+was not slow.
 """
 
 from __future__ import annotations
@@ -48,17 +52,19 @@ __all__ = ["READ_SECONDS", "HostTimes", "SameBatches", "StragglerWarning", "chec
 READ_SECONDS = 10.0
 """How long process 0 waits, at the end of ``fit``, for another process's figures of a window."""
 
-_fits = itertools.count()  # every process of a job runs its fits in the same order: one key prefix per fit
+# every process of a job runs its fits in the same order: one key prefix per fit
+_fits = itertools.count()
 _inputs = itertools.count()  # the same for `SameBatches`
 _BLOCK = 64  # `SameBatches`' keys are deleted a block of this many comparisons at a time (one call)
 
 
 class StragglerWarning(Warning):
-    """A process of the job is slow: it waits on its input longer than the others, and every step waits for it.
+    """A process of the job is slow: it waits on its input longer than the others, and every step
+    waits for it.
 
-    Raised on process 0 (at the log point whose window showed it) by ``Trainer.fit``, naming the process index,
-    its host, its input wait and step time per step and the median process's. ``History.processes`` keeps the
-    figures of every window.
+    Raised on process 0 (at the log point whose window showed it) by ``Trainer.fit``, naming the
+    process index, its host, its input wait and step time per step and the median process's.
+    ``History.processes`` keeps the figures of every window.
 
     Examples:
         >>> import warnings
@@ -82,21 +88,24 @@ def check_ratio(value: Any) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
-        raise ValueError(f"straggler_ratio={value!r} must be a number > 1, or None (nobody is named).")
+        raise ValueError(f"straggler_ratio={value!r} must be a number > 1, or None (nobody is "
+                         "named).")
 
 
 class HostTimes(Callback):
     """The per-process figures of a fit's log windows (see the module doc): a fit's callback.
 
     Args:
-        spans: whether the fit's devices span processes (the figures then travel through the key-value store).
+        spans: whether the fit's devices span processes (the figures then travel through the
+            key-value store).
         ratio: the ``straggler_ratio`` (None: figures are kept, nobody is named).
         rows: where process 0 appends one row per window (``History.processes``).
 
     Examples:
         >>> rows = []
         >>> times = HostTimes(spans=False, ratio=1.25, rows=rows)
-        >>> times.on_log(None, 4, {"loss": 0.5, "time/steps": 0.03, "time/input": 0.01, "time/other": 0.0})
+        >>> times.on_log(None, 4, {"loss": 0.5, "time/steps": 0.03, "time/input": 0.01,
+        ...                        "time/other": 0.0})
         >>> [(row["step"], row["input_wait"], row["stragglers"]) for row in rows]
         [(4, [0.0025], [])]
     """
@@ -111,7 +120,8 @@ class HostTimes(Callback):
         self._host = socket.gethostname()
         self._last = 0  # the step the last window ended at
         self._windows = itertools.count()
-        self._pending: collections.deque = collections.deque()  # (window, step, this process's figures)
+        # (window, step, this process's figures)
+        self._pending: collections.deque = collections.deque()
         self._named: set[int] = set()  # slow in the last window: not named again until it recovers
 
     def on_train_begin(self, trainer: Any) -> None:
@@ -125,22 +135,27 @@ class HostTimes(Callback):
         self.collect(final=True)  # process 0: every window's figures (a peer's, waited for briefly)
 
     def close_window(self, step: int, logs: Mapping[str, Any]) -> None:
-        """A log window ended at ``step`` with the seconds ``logs`` says (``time/<part>``): note (and post) its
-        figures."""
+        """A log window ended at ``step`` with the seconds ``logs`` says (``time/<part>``): note
+        (and post) its figures."""
         steps, self._last = step - self._last, step
         if steps <= 0:  # the first window after a rollback: its steps are not known here
             return
         window = next(self._windows)  # every process logs the same windows
         wall = sum(v for k, v in logs.items() if k.startswith("time/") and k != "time/lost")
-        mine = {"host": self._host, "step_time": wall / steps, "input_wait": logs.get("time/input", 0.0) / steps}
+        mine = {
+            "host": self._host,
+            "step_time": wall / steps,
+            "input_wait": logs.get("time/input", 0.0) / steps,
+        }
         if self._spans and self._me != 0:
             post(f"{self._prefix}/{window}/{self._me}", json.dumps(mine))
         elif self._me == 0:
             self._pending.append((window, step, mine))
 
     def collect(self, final: bool = False) -> None:
-        """Process 0: append the rows of the windows whose figures have all arrived (in order, never waiting),
-        and name the slow processes; ``final``: every window, waiting up to `READ_SECONDS` for each figure."""
+        """Process 0: append the rows of the windows whose figures have all arrived (in order, never
+        waiting), and name the slow processes; ``final``: every window, waiting up to `READ_SECONDS`
+        for each figure."""
         while self._pending:
             window, step, mine = self._pending[0]
             figures = [mine]
@@ -165,7 +180,10 @@ class HostTimes(Callback):
                 if f is None:
                     continue
                 excess = f["input_wait"] - median_wait
-                if f["input_wait"] >= self._ratio * median_wait and excess >= (self._ratio - 1) * median_step:
+                if (
+                    f["input_wait"] >= self._ratio * median_wait
+                    and excess >= (self._ratio - 1) * median_step
+                ):
                     slow.append(pid)
         self._rows.append({
             "step": step,
@@ -179,52 +197,60 @@ class HostTimes(Callback):
                 continue
             f = figures[pid]
             warnings.warn(
-                f"process {pid} (host {f['host']}) is slow: it waits {_ms(f['input_wait'])} per step on its input, "
-                f"{f['input_wait'] / median_wait if median_wait > 0 else float('inf'):.1f}x the median process's "
-                f"{_ms(median_wait)} (straggler_ratio={self._ratio:g}); its steps take {_ms(f['step_time'])} "
-                f"(median {_ms(median_step)}), and every process waits for it in each step's collectives "
-                f"(window ending at step {step}). Speed up its input (more reader threads, prefetching, a local "
+                f"process {pid} (host {f['host']}) is slow: it waits {_ms(f['input_wait'])} per "
+                "step on its input, "
+                f"{f['input_wait'] / median_wait if median_wait > 0 else float('inf'):.1f}x the "
+                f"median process's {_ms(median_wait)} (straggler_ratio={self._ratio:g}); its steps "
+                f"take {_ms(f['step_time'])} (median {_ms(median_step)}), and every process waits "
+                f"for it in each step's collectives (window ending at step {step}). Speed up its "
+                "input (more reader threads, prefetching, a local "
                 "copy of the data) or move it off that host.", StragglerWarning, stacklevel=2)
         self._named = set(slow)
 
 
 class SameBatches:
-    """Every process of a fit passes the same global batch: compared at the first step and the log points.
+    """Every process of a fit passes the same global batch: compared at the first step and the log
+    points.
 
     `check` is called by the fit loop at those points with the step's batch. Where the batches are
-    `jaxdist.training.data.WholeBatch` es (several processes, each passing its global batch whole), each process
-    posts its batch's fingerprint to the job's key-value store (the coordination service's, which every process
-    of the job already talks to); process 0 reads them all (`jaxdist.job.gather`: one listing, and a wait for those
-    not there yet) and posts the verdict, which the others read: two calls to the store per process and point,
-    however many processes there are (and one more, every 64 points, that deletes them). Every process acts
-    on the same verdict at the same step: all go on, or all raise. A peer that failed meanwhile ends the wait
-    through the job's failure monitor. Per-process input (grain) and placed batches are not compared; one process
-    has nothing to compare. Cost per point: the fingerprint (`WholeBatch.fingerprint`) and that exchange.
+    `jaxdist.training.data.WholeBatch` es (several processes, each passing its global batch whole),
+    each process posts its batch's fingerprint to the job's key-value store (the coordination
+    service's, which every process of the job already talks to); process 0 reads them all
+    (`jaxdist.job.gather`: one listing, and a wait for those not there yet) and posts the verdict,
+    which the others read: two calls to the store per process and point, however many processes
+    there are (and one more, every 64 points, that deletes them). Every process acts on the same
+    verdict at the same step: all go on, or all raise. A peer that failed meanwhile ends the wait
+    through the job's failure monitor. Per-process input (grain) and placed batches are not
+    compared; one process has nothing to compare. Cost per point: the fingerprint
+    (`WholeBatch.fingerprint`) and that exchange.
 
     Args:
         spans: whether the fit's devices span processes.
 
     Raises:
-        JobDisagreementError: (from `check`) on every process when the processes' batches differ, naming them,
-            the step and the fix; when a process did not reach the comparison within `AGREE_SECONDS`, naming it.
+        JobDisagreementError: (from `check`) on every process when the processes' batches differ,
+            naming them, the step and the fix; when a process did not reach the comparison within
+            `AGREE_SECONDS`, naming it.
 
     Examples:
         >>> same = SameBatches(spans=False)
         >>> same.check(1, None)   # one process: nothing to compare
         >>> print(disagreement(6, ["a", "a", "b"], 3))  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
-        the processes of this job passed different global batches at step 6: process 2 differs from process 0
-        (fingerprints: processes 0, 1: e8b7be43; process 2: 71beeff9); they agreed at step 3, the check before. ...
+        the processes of this job passed different global batches at step 6: process 2 differs from
+        process 0 (fingerprints: processes 0, 1: e8b7be43; process 2: 71beeff9); they agreed at
+        step 3, the check before. ...
     """
 
     def __init__(self, spans: bool):
         self._spans = spans and jax.process_count() > 1
         self._prefix = f"jaxdist/batches/{next(_inputs)}" if self._spans else ""
         self._checks = 0
-        self._agreed: int | None = None  # the step of the last check, where every process's batch was alike
+        # the step of the last check, where every process's batch was alike
+        self._agreed: int | None = None
 
     def check(self, step: int, batch: Any) -> None:
-        """Compare the processes' batches of ``step`` (a `WholeBatch`, or an on-device loop's list of them: its
-        last); nothing for other batches, or a step already compared."""
+        """Compare the processes' batches of ``step`` (a `WholeBatch`, or an on-device loop's list
+        of them: its last); nothing for other batches, or a step already compared."""
         if not self._spans or step == self._agreed:
             return
         if isinstance(batch, list):
@@ -239,21 +265,24 @@ class SameBatches:
             seen = gather(where, AGREE_SECONDS, own=mine)
             missing = [pid for pid, value in enumerate(seen) if value is None]
             if missing:
-                verdict = (f"missing:process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did "
-                           f"not reach the comparison of step {step}'s batches within {AGREE_SECONDS:g} s: every "
-                           "process must run the same steps of fit")
+                verdict = (f"missing:process{'es' if len(missing) > 1 else ''} "
+                           f"{', '.join(map(str, missing))} did not reach the comparison of step "
+                           f"{step}'s batches within {AGREE_SECONDS:g} s: every process must run "
+                           "the same steps of fit")
             elif any(value != mine for value in seen):
                 verdict = "differ:" + disagreement(step, seen, self._agreed)
             else:
                 verdict = "alike:"
             post(f"{where}/verdict", verdict)
-            if n % _BLOCK == 0 and n:  # every process read the verdicts of the block before (it posted after them)
+            # every process read the verdicts of the block before (it posted after them)
+            if n % _BLOCK == 0 and n:
                 forget(f"{self._prefix}/{n // _BLOCK - 1}")  # its values and verdicts, in one call
         else:
             post(f"{where}/{me}", mine)
             verdict = read(f"{where}/verdict", 2 * AGREE_SECONDS)
             if verdict is None:
-                raise JobDisagreementError(f"process {me}: process 0 did not compare step {step}'s batches within "
+                raise JobDisagreementError(f"process {me}: process 0 did not compare step {step}'s "
+                                           "batches within "
                                            f"{2 * AGREE_SECONDS:g} s", on_every_process=False)
         kind, _, message = verdict.partition(":")
         if kind != "alike":
@@ -262,25 +291,28 @@ class SameBatches:
 
 
 def disagreement(step: int, seen: list[str], agreed: int | None) -> str:
-    """The message of processes whose batches of ``step`` differ (``seen``: each process's fingerprint; ``agreed``:
-    the step of the check before, where they were alike, or None)."""
+    """The message of processes whose batches of ``step`` differ (``seen``: each process's
+    fingerprint; ``agreed``: the step of the check before, where they were alike, or None)."""
     groups: dict[str, list[int]] = {}
     for pid, value in enumerate(seen):
         groups.setdefault(value, []).append(pid)
     odd = [pid for pid, value in enumerate(seen) if value != seen[0]]
-    shown = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: {zlib.crc32(value.encode()):08x}"
+    shown = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: "
+                      f"{zlib.crc32(value.encode()):08x}"
                       for value, p in groups.items())
     before = "" if agreed is None else f"; they agreed at step {agreed}, the check before"
     return (
         f"the processes of this job passed different global batches at step {step}: "
         f"process{'es' if len(odd) > 1 else ''} {', '.join(map(str, odd))} "
-        f"differ{'' if len(odd) > 1 else 's'} from process 0 (fingerprints: {shown}){before}. In a multi-process "
-        "fit every process passes the same global batch and places only its own devices' rows of it, so different "
-        "batches train on a mix of them and give other numbers. Fix: every process passes the same global batch: "
-        "seed the shuffle the same on every process (e.g. a train_data function of the epoch shuffling with "
-        "np.random.default_rng((seed, epoch)), not with the process index); or give each process its own part of "
-        "every batch: a grain pipeline sharded by process (grain.sharding.ShardByJaxProcess()), or "
-        "strategy.distribute_datasets_from_function(fn), whose fn(ctx) yields process ctx.input_pipeline_id's rows."
+        f"differ{'' if len(odd) > 1 else 's'} from process 0 (fingerprints: {shown}){before}. In a "
+        "multi-process fit every process passes the same global batch and places only its own "
+        "devices' rows of it, so different batches train on a mix of them and give other numbers. "
+        "Fix: every process passes the same global batch: seed the shuffle the same on every "
+        "process (e.g. a train_data function of the epoch shuffling with "
+        "np.random.default_rng((seed, epoch)), not with the process index); or give each process "
+        "its own part of every batch: a grain pipeline sharded by process "
+        "(grain.sharding.ShardByJaxProcess()), or strategy.distribute_datasets_from_function(fn), "
+        "whose fn(ctx) yields process ctx.input_pipeline_id's rows."
     )
 
 

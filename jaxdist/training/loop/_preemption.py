@@ -1,38 +1,53 @@
 """Preemption: SIGTERM becomes a request to stop, on which every process of the job agrees.
 
-Schedulers (Kubernetes, SLURM, cloud spot VMs) send SIGTERM some seconds before they kill a job. Stopping in
-the middle of a step, or of a checkpoint write, would waste it; so the handler only records the request and
-the loop finishes the current step, saves, and stops. The previous handler is restored afterwards.
+Schedulers (Kubernetes, SLURM, cloud spot VMs) send SIGTERM some seconds before they kill a job.
+Stopping in the middle of a step, or of a checkpoint write, would waste it; so the handler only
+records the request and the loop finishes the current step, saves, and stops. The previous handler
+is restored afterwards.
 
 One process: the loop stops after the step during which the signal came; nothing crosses processes.
 
-A callback's ``trainer.stop_training`` is a request to stop too, and goes through the same agreement: a process
-that left the loop alone (one whose callback decided on a local clock, say) would deadlock its peers just the
-same. On one process it stops after the current step; on several, at most ``lag + 1`` steps later, on all.
+The watcher remembers which signal came (`PreemptionWatcher.cause`): ``fit`` says it in its last log
+line ("preempted by SIGTERM at step 102: saved step 102 to ckpt; run again to resume").
 
-Several processes (a strategy whose devices span processes): usually ONE host gets the signal. Were it to leave
-the loop alone, it would enter the collective save while its peers enter the next step's all-reduce: a
-deadlock. So the processes agree on the step to stop after. At every check (``fit`` makes one per step, or per
-on-device loop, in the same order on every process) each process adds its flag to a one-element max over the
-strategy's devices, dispatched like a step (asynchronously, after it); the result is read ``lag`` checks later,
-when the devices have long computed it, so the read does not wait; every process reads the same value at the
-same check, so all stop after the same step, at most ``lag + 1`` checks after the signal. At the end of the loop
-one last (blocking) check settles the signals that came since. Cost per check: one dispatch of a tiny compiled
-max and the read of a scalar already copied to the host.
+A callback's ``trainer.stop_training`` is a request to stop too, and goes through the same
+agreement: a process that left the loop alone (one whose callback decided on a local clock, say)
+would deadlock its peers just the same. On one process it stops after the current step; on several,
+at most ``lag + 1`` steps later, on all.
 
-When the devices are the bottleneck, though, the read DOES wait: the max of check ``c - lag`` runs on the devices
-after the step of check ``c - lag``, so the host can never be more than ``lag`` steps ahead of the devices, and
-the read is where it waits for them (instead of the step's dispatch, where a single process waits once the
-dispatch queue is full). Measured (2 processes x 2 CPU devices, each step sleeping 20 ms in a host callback, 80
-steps): 2.32 s of a 4.2 s fit in this read, which ``History.time`` used to count as ``other`` (steps 0.3 s).
-That wait is the devices finishing steps: the watcher hands it to ``waited`` (``fit``: `FitClock.waited`, counted
-as ``steps``), timed with two clock reads per check, only when the processes agree.
+Several processes (a strategy whose devices span processes): usually ONE host gets the signal. Were
+it to leave the loop alone, it would enter the collective save while its peers enter the next step's
+all-reduce: a deadlock. So the processes agree on the step to stop after. At every check (``fit``
+makes one per step, or per on-device loop, in the same order on every process) each process adds its
+flag to a one-element max over the strategy's devices, dispatched like a step (asynchronously, after
+it); the result is read ``lag`` checks later, when the devices have long computed it, so the read
+does not wait; every process reads the same value at the same check, so all stop after the same
+step, at most ``lag + 1`` checks after the signal. At the end of the loop one last (blocking) check
+settles the signals that came since. Cost per check: one dispatch of a tiny compiled max and the
+read of a scalar already copied to the host.
 
-Why not JAX's own preemption sync point (``multihost_utils.reached_preemption_sync_point``)? Its step counter
-is shared: orbax's ``CheckpointManager`` calls it too, with checkpoint steps, from its background thread while
-an async save finishes. A counter overwritten there can place the agreed stop step behind one process, which
-then never reaches it while its peers stop and save: the same deadlock. It also hears SIGTERM only through the
-C handler that ``jax.distributed.initialize`` installs, which any Python handler for SIGTERM replaces.
+When the devices are the bottleneck, though, the read DOES wait: the max of check ``c - lag`` runs
+on the devices after the step of check ``c - lag``, so the host can never be more than ``lag`` steps
+ahead of the devices, and the read is where it waits for them (instead of the step's dispatch, where
+a single process waits once the dispatch queue is full). Measured (2 processes x 2 CPU devices, each
+step sleeping 20 ms in a host callback, 80 steps): 2.32 s of a 4.2 s fit in this read, which
+``History.time`` used to count as ``other`` (steps 0.3 s). That wait is the devices finishing steps:
+the watcher hands it to ``waited`` (``fit``: `FitClock.waited`, counted as ``steps``), timed with
+two clock reads per check, only when the processes agree.
+
+The same agreement carries a request to save (``should_stop(save=True)``;
+`PreemptionWatcher.save_agreed`): process 0 asks when its clock says a time-based checkpoint is due
+(``fit(checkpoint_every=timedelta(...))`` and the default cadence,
+`jaxdist.training.loop._cadence`), and every process saves after the same step. A request rides in
+the lowest bit of the flag, below the reasons to stop (a stop saves anyway), so the max keeps what
+matters.
+
+Why not JAX's own preemption sync point (``multihost_utils.reached_preemption_sync_point``)? Its
+step counter is shared: orbax's ``CheckpointManager`` calls it too, with checkpoint steps, from its
+background thread while an async save finishes. A counter overwritten there can place the agreed
+stop step behind one process, which then never reaches it while its peers stop and save: the same
+deadlock. It also hears SIGTERM only through the C handler that ``jax.distributed.initialize``
+installs, which any Python handler for SIGTERM replaces.
 """
 
 from __future__ import annotations
@@ -56,22 +71,24 @@ __all__ = ["PreemptionWatcher"]
 
 
 class PreemptionWatcher:
-    """A context manager: while open, SIGTERM (and any extra ``signals``) set ``requested`` instead of killing.
+    """A context manager: while open, SIGTERM (and any extra ``signals``) set ``requested`` instead
+    of killing.
 
-    ``requested`` says whether THIS process got a signal; `should_stop` says whether every process of the job
-    stops now (the agreement described in `jaxdist.training.loop._preemption`), for a signal or for a
-    ``stop_training`` request of any process; ``preempted`` whether a signal was among the reasons. Signal
-    handlers can only be installed from the main thread; elsewhere the watcher installs nothing and
-    ``installed`` is False.
+    ``requested`` says whether THIS process got a signal; `should_stop` says whether every process
+    of the job stops now (the agreement described in `jaxdist.training.loop._preemption`), for a
+    signal or for a ``stop_training`` request of any process; ``preempted`` whether a signal was
+    among the reasons. Signal handlers can only be installed from the main thread; elsewhere the
+    watcher installs nothing and ``installed`` is False.
 
     Args:
         signals: the signals to catch (default: SIGTERM).
-        mesh: the devices of the job that stop together (a strategy's ``mesh``). When they belong to several
-            processes, `should_stop` agrees across them; otherwise (None, or one process) it is local.
-        lag: checks between dispatching an agreement and reading it (several processes only): larger hides
-            more of the devices' queue, smaller stops sooner after the signal.
-        waited: hears the seconds each agreement's read waited for the devices (several processes only;
-            ``fit`` passes `FitClock.waited`: that wait is the devices finishing steps).
+        mesh: the devices of the job that stop together (a strategy's ``mesh``). When they belong to
+            several processes, `should_stop` agrees across them; otherwise (None, or one process) it
+            is local.
+        lag: checks between dispatching an agreement and reading it (several processes only): larger
+            hides more of the devices' queue, smaller stops sooner after the signal.
+        waited: hears the seconds each agreement's read waited for the devices (several processes
+            only; ``fit`` passes `FitClock.waited`: that wait is the devices finishing steps).
 
     Raises:
         ValueError: for no signals or ``lag < 1``.
@@ -85,14 +102,17 @@ class PreemptionWatcher:
         (False, True, True, True)
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *, mesh: Mesh | None = None, lag: int = 2,
-                 waited: Callable[[float], None] | None = None):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *, mesh: Mesh | None = None,
+                 lag: int = 2, waited: Callable[[float], None] | None = None):
         if not signals:
             raise ValueError("signals=() catches nothing: pass e.g. (signal.SIGTERM,).")
         if not isinstance(lag, int) or isinstance(lag, bool) or lag < 1:
             raise ValueError(f"lag={lag!r} must be an int >= 1.")
         self.signals = tuple(signals)
         self.requested = False
+        self.received: int | None = None  # the signal this process got (the first one)
+        # the last check agreed on a save (several processes: `should_stop(save=True)`)
+        self.save_agreed = False
         self.installed = False
         self._previous: dict[int, Any] = {}
         self._mesh = mesh
@@ -102,7 +122,9 @@ class PreemptionWatcher:
         self._agreed = 0  # the agreed reasons to stop: _STOP_TRAINING | _SIGNAL
 
     def _handle(self, signum: int, frame: Any) -> None:
-        del signum, frame
+        del frame
+        if self.received is None:
+            self.received = signum
         self.requested = True
 
     def __enter__(self) -> PreemptionWatcher:
@@ -120,8 +142,8 @@ class PreemptionWatcher:
 
     @functools.cached_property
     def spans_processes(self) -> bool:
-        """Whether `should_stop` agrees across processes (the mesh's devices belong to several); read once,
-        not at every step's check."""
+        """Whether `should_stop` agrees across processes (the mesh's devices belong to several);
+        read once, not at every step's check."""
         return self._mesh is not None and spans_processes(self._mesh.devices.flat)
 
     @property
@@ -134,22 +156,50 @@ class PreemptionWatcher:
         """Whether a signal (to any process) is among the agreed reasons to stop."""
         return bool(self._agreed & _SIGNAL)
 
-    def should_stop(self, final: bool = False, *, stop_training: bool = False) -> bool:
+    @property
+    def cause(self) -> str | None:
+        """Which signal preempted the run, in words (``"SIGTERM"``; ``"SIGTERM (to another
+        process)"`` where another process of the job got it); None when no signal is among the
+        reasons to stop.
+
+        Examples:
+            >>> import os, signal
+            >>> with PreemptionWatcher() as watcher:
+            ...     os.kill(os.getpid(), signal.SIGTERM)
+            ...     _ = watcher.should_stop()
+            >>> watcher.cause
+            'SIGTERM'
+        """
+        if not self.preempted:
+            return None
+        if self.received is not None:
+            return signal.Signals(self.received).name
+        return f"{' or '.join(signal.Signals(s).name for s in self.signals)} (to another process)"
+
+    def should_stop(self, final: bool = False, *, stop_training: bool = False,
+                    save: bool = False) -> bool:
         """Whether every process stops now; once True, always True.
 
-        Call it once per step (or step loop) on every process, in the same order. One process: whether this
-        process got a signal or ``stop_training`` is set. Several: whether any process had got one (or set
-        it) ``lag`` checks ago; with ``final=True`` (once, at the end of the loop, on every process unless
-        `stopping`): whether any had by now (this waits for the devices).
+        Call it once per step (or step loop) on every process, in the same order. One process:
+        whether this process got a signal or ``stop_training`` is set. Several: whether any process
+        had got one (or set it) ``lag`` checks ago; with ``final=True`` (once, at the end of the
+        loop, on every process unless `stopping`): whether any had by now (this waits for the
+        devices).
 
         Args:
-            final: the last check of the loop (blocking).
+            final: read every process's flag up to this check now (blocking): the last check of the
+                loop, or one every process makes at the same step on purpose (``fit`` at an epoch's
+                end, so that a callback's stop there takes effect at once).
             stop_training: this process asks to stop for another reason than a signal (a callback's
                 ``trainer.stop_training``).
+            save: this process asks every process to save after the same step (several processes:
+                the answer is `save_agreed`, ``lag`` checks later; one process: nothing to agree,
+                ignored).
 
         Returns:
             True when the job is to stop (save, then return or exit) after the current step.
         """
+        self.save_agreed = False
         if self._agreed:
             return True
         flag = (_SIGNAL if self.requested else 0) | (_STOP_TRAINING if stop_training else 0)
@@ -158,21 +208,26 @@ class PreemptionWatcher:
         else:
             if self._agreement is None:
                 self._agreement = _Agreement(self._mesh, self._lag, self._waited)
-            self._agreed = self._agreement.check(flag, final)
+            # the save request: the lowest bit
+            agreed = self._agreement.check(flag << 1 | bool(save), final)
+            self._agreed = agreed >> 1
+            self.save_agreed = agreed == 1  # a save, and no reason to stop (which saves anyway)
         return bool(self._agreed)
 
 
-_STOP_TRAINING, _SIGNAL = 1, 2  # flag bits; the agreement's max keeps _SIGNAL when any process had it
+# flag bits; the agreement's max keeps _SIGNAL when any process had it
+_STOP_TRAINING, _SIGNAL = 1, 2
 
 
 class _Agreement:
-    """The cross-process max of every process's flag (an int), one per check, read ``lag`` checks after
-    dispatch; `check` returns the largest flag read (0: go on) and hands the seconds its reads waited to
-    ``waited``."""
+    """The cross-process max of every process's flag (an int), one per check, read ``lag`` checks
+    after dispatch; `check` returns the largest flag read (0: go on) and hands the seconds its reads
+    waited to ``waited``."""
 
     def __init__(self, mesh: Mesh, lag: int, waited: Callable[[float], None] | None = None):
         self._size = mesh.devices.size
-        self._sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))  # one flag per device
+        # one flag per device
+        self._sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
         self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
         self._flags: dict[int, jax.Array] = {}
         self._pending: collections.deque = collections.deque()
@@ -193,7 +248,8 @@ class _Agreement:
         stop = 0
         start = perf_counter()
         while self._pending and (final or len(self._pending) > self._lag):
-            stop = max(stop, int(np.asarray(self._pending.popleft())))  # waits while the devices are behind
+            # waits while the devices are behind
+            stop = max(stop, int(np.asarray(self._pending.popleft())))
         if self._waited is not None:
             self._waited(perf_counter() - start)
         return stop

@@ -1,26 +1,28 @@
 """A profile of chosen steps: ``fit(profile_steps=(start, stop))`` traces them with `jax.profiler`.
 
-Step ``n`` is the one numbered ``n`` in the logs and ``on_step_end`` (after it, ``trainer.step == n``), so
-``(start, stop)`` traces steps ``start, ..., stop - 1``: the trace starts before the first of them is dispatched
-and stops once the last has finished on the devices (one wait, at the end of the window). With
-``steps_per_run > 1`` a step runs inside an on-device loop, which cannot be cut: the trace covers the loops
-that run the steps of the window. A run resumed past ``start`` traces the window's steps that are left; a fit
-that ends or fails inside the window stops the trace on its way out.
+Step ``n`` is the one numbered ``n`` in the logs and ``on_step_end`` (after it, ``trainer.step ==
+n``), so ``(start, stop)`` traces steps ``start, ..., stop - 1``: the trace starts before the first
+of them is dispatched and stops once the last has finished on the devices (one wait, at the end of
+the window). With ``steps_per_run > 1`` a step runs inside an on-device loop, which cannot be cut:
+the trace covers the loops that run the steps of the window. A run resumed past ``start`` traces the
+window's steps that are left; a fit that ends or fails inside the window stops the trace on its way
+out.
 
 The trace goes to ``<log_dir>/profile`` (``plugins/profile/<run>/<host>.xplane.pb``, which xprof and
-TensorBoard's profile plugin open, and ``perfetto_trace.json.gz`` for https://ui.perfetto.dev), on the
-processes chosen (process 0 by default). In a job of several processes each one's run is its own, named by
-process (``<run>`` = ``<time>_process<i>``): JAX names a trace's file by host and its run by the second it
-ended, so two processes on one host would overwrite each other's file.
+TensorBoard's profile plugin open, and ``perfetto_trace.json.gz`` for https://ui.perfetto.dev), on
+the processes chosen (process 0 by default). In a job of several processes each one's run is its
+own, named by process (``<run>`` = ``<time>_process<i>``): JAX names a trace's file by host and its
+run by the second it ended, so two processes on one host would overwrite each other's file.
 
-Every traced dispatch carries a step marker, as XProf finds steps (`jax.profiler.StepTraceAnnotation`
-``"train"`` with ``step_num``, the step it runs; an on-device loop's marker is numbered by its first step and
-says its last in ``last_step``): a marker spans the loop's work from the end of one dispatch to the end of the
-next (the callbacks, the next batch, the dispatch). The markers are set between steps, where the loop checks
-the window anyway: no step outside the window pays for them.
+Every traced dispatch carries a step marker, as XProf finds steps
+(`jax.profiler.StepTraceAnnotation` ``"train"`` with ``step_num``, the step it runs; an on-device
+loop's marker is numbered by its first step and says its last in ``last_step``): a marker spans the
+loop's work from the end of one dispatch to the end of the next (the callbacks, the next batch, the
+dispatch). The markers are set between steps, where the loop checks the window anyway: no step
+outside the window pays for them.
 
-A window the fit never reaches (it ends before the window's first step: too few steps, or data that ended) is
-said when the fit returns: no trace is taken then.
+A window the fit never reaches (it ends before the window's first step: too few steps, or data that
+ended) is said when the fit returns: no trace is taken then.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ NEVER = float("inf")
 
 
 def check_profile(steps: Any, processes: Any, log_dir: Any) -> None:
-    """Raise a ValueError naming the argument unless ``profile_steps`` / ``profile_processes`` are usable.
+    """Raise a ValueError naming the argument unless ``profile_steps`` / ``profile_processes`` are
+    usable.
 
     Examples:
         >>> check_profile((3, 5), (0,), "logs")
@@ -54,38 +57,48 @@ def check_profile(steps: Any, processes: Any, log_dir: Any) -> None:
     if steps is None:
         return
     if (not isinstance(steps, (tuple, list)) or len(steps) != 2
-            or any(isinstance(s, bool) or not isinstance(s, int) for s in steps) or not 1 <= steps[0] < steps[1]):
+            or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
+        or not 1 <= steps[0] < steps[1]):
         raise ValueError(
-            f"profile_steps={steps!r} must be (start, stop), two ints with 1 <= start < stop: steps start ... "
-            "stop - 1 are traced (step n is the one after which trainer.step == n).")
+            f"profile_steps={steps!r} must be (start, stop), two ints with 1 <= start < stop: "
+            "steps start ... stop - 1 are traced (step n is the one after which trainer.step == n)."
+        )
     if log_dir is None:
-        raise ValueError(f"profile_steps={tuple(steps)!r} needs log_dir=...: the trace is written to "
-                         "<log_dir>/profile.")
+        raise ValueError(f"profile_steps={tuple(steps)!r} needs log_dir=...: the trace is written "
+                         "to <log_dir>/profile.")
     if processes == "all":
         return
     count = jax.process_count()
-    chosen = (processes,) if isinstance(processes, int) and not isinstance(processes, bool) else processes
+    chosen = (
+        (processes,)
+        if isinstance(processes, int) and not isinstance(processes, bool)
+        else processes
+    )
     if (not isinstance(chosen, (tuple, list, set, frozenset)) or not chosen
-            or any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < count for p in chosen)):
+            or any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < count
+                   for p in chosen)):
         raise ValueError(
-            f"profile_processes={processes!r} must be 'all' or process indices in [0, {count}) (e.g. (0,), "
-            "the default: process 0 alone).")
+            f"profile_processes={processes!r} must be 'all' or process indices in [0, {count}) "
+            "(e.g. (0,), the default: process 0 alone).")
 
 
 class StepProfile(Callback):
-    """The trace of one window of steps (see the module): a fit's callback, which checks between steps.
+    """The trace of one window of steps (see the module): a fit's callback, which checks between
+    steps.
 
-    Its ``on_step_end`` calls `check` when the step reaches `due` (one comparison per step otherwise).
+    Its ``on_step_end`` calls `check` when the step reaches `due` (one comparison per step
+    otherwise).
 
     Args:
         start, stop: the window: steps ``start ... stop - 1``.
         directory: where the trace goes (``<log_dir>/profile``).
-        run_length: ``step -> the number of steps the next dispatch runs from step`` (1, or an on-device loop's).
+        run_length: ``step -> the number of steps the next dispatch runs from step`` (1, or an
+            on-device loop's).
         process: this process's index when the job has several (its run is named by it), else None.
     """
 
-    def __init__(self, start: int, stop: int, directory: str | os.PathLike, run_length: Callable[[int], int],
-                 process: int | None = None):
+    def __init__(self, start: int, stop: int, directory: str | os.PathLike,
+                 run_length: Callable[[int], int], process: int | None = None):
         self.start, self.stop, self.directory = start, stop, os.fspath(directory)
         self.run_length = run_length
         self.process = process
@@ -97,7 +110,9 @@ class StepProfile(Callback):
         self.marker: Any = None  # the open step marker (a StepTraceAnnotation), while tracing
 
     @classmethod
-    def of(cls, steps: Any, processes: Any, log_dir: Any, run_length: Callable[[int], int]) -> StepProfile | None:
+    def of(
+        cls, steps: Any, processes: Any, log_dir: Any, run_length: Callable[[int], int]
+    ) -> StepProfile | None:
         """The profile ``fit`` asked for on this process, or None."""
         if steps is None:
             return None
@@ -105,7 +120,8 @@ class StepProfile(Callback):
         if processes != "all" and jax.process_index() not in chosen:
             return None
         process = jax.process_index() if jax.process_count() > 1 else None
-        return cls(steps[0], steps[1], os.path.join(os.fspath(log_dir), "profile"), run_length, process)
+        return cls(steps[0], steps[1], os.path.join(os.fspath(log_dir), "profile"), run_length,
+                   process)
 
     def on_train_begin(self, trainer: Any) -> None:
         self.check(self.control.step)  # the window may start at the first step
@@ -115,7 +131,8 @@ class StepProfile(Callback):
             self.check(step, metrics)
 
     def on_train_end(self, trainer: Any, history: Any) -> None:
-        if not self.control.stopping:  # a window the fit never reached (not stopped early on request): said
+        # a window the fit never reached (not stopped early on request): said
+        if not self.control.stopping:
             self.finish(self.control.step)
         self.close()  # a fit that ends inside the window: the trace so far
 
@@ -123,10 +140,12 @@ class StepProfile(Callback):
         self.close()
 
     def check(self, step: int, last: Any = None) -> None:
-        """Between steps, at ``step`` (``last``: what the last dispatch returned): start or stop the trace."""
+        """Between steps, at ``step`` (``last``: what the last dispatch returned): start or stop the
+        trace."""
         if self.tracing:
             self.unmark()
-            if step >= self.stop - 1:  # the window's last step is dispatched: let it finish, then stop
+            # the window's last step is dispatched: let it finish, then stop
+            if step >= self.stop - 1:
                 self.close(last)
             else:
                 self.mark(step)
@@ -140,20 +159,28 @@ class StepProfile(Callback):
         try:
             if self.process is None:
                 jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-            else:  # a run of its own, named by process; its Perfetto file written here (JAX's picks the newest run)
+            else:
+                # a run of its own, named by process; its Perfetto file written here (JAX's
+                # picks the newest run)
                 options = jax.profiler.ProfileOptions()
-                options.session_id = self.run = f"{time.strftime('%Y_%m_%d_%H_%M_%S')}_process{self.process}"
+                options.session_id = self.run = (
+                    f"{time.strftime('%Y_%m_%d_%H_%M_%S')}_process{self.process}"
+                )
                 jax.profiler.start_trace(self.directory, profiler_options=options)
-        except RuntimeError as error:  # another trace is running (the user's): theirs goes on, none here
-            warnings.warn(f"profile_steps=({self.start}, {self.stop}): no trace taken, the profiler is busy "
-                          f"({type(error).__name__}: another trace is running)", RuntimeWarning, stacklevel=3)
+        except RuntimeError as error:
+            # another trace is running (the user's): theirs goes on, none here
+            warnings.warn(f"profile_steps=({self.start}, {self.stop}): no trace taken, the "
+                          "profiler is busy "
+                          f"({type(error).__name__}: another trace is running)", RuntimeWarning,
+                          stacklevel=3)
             self.done, self.due, self.traced = True, NEVER, True
             return
         self.tracing, self.traced = True, True
         self.mark(step)
 
     def mark(self, step: int) -> None:
-        """Open the marker of the dispatch that runs the steps after ``step``; check again after it."""
+        """Open the marker of the dispatch that runs the steps after ``step``; check again after
+        it."""
         steps = self.run_length(step)
         extra = {} if steps == 1 else {"last_step": step + steps}
         self.marker = jax.profiler.StepTraceAnnotation("train", step_num=step + 1, **extra)
@@ -167,18 +194,22 @@ class StepProfile(Callback):
             marker.__exit__(None, None, None)
 
     def finish(self, step: int) -> None:
-        """The fit ended at ``step`` (not by an error): a window it never reached is said, once (no trace of it was
-        taken). A window before the run's first step (a resumed run past it) is not: its run traced it."""
+        """The fit ended at ``step`` (not by an error): a window it never reached is said, once (no
+        trace of it was taken). A window before the run's first step (a resumed run past it) is not:
+        its run traced it."""
         if self.traced or step >= self.start:
             return
         self.done = True
         warnings.warn(
-            f"profile_steps=({self.start}, {self.stop}): no trace taken: this fit ended at step {step}, before "
-            f"the window's first step {self.start}. Pass a window within the steps the fit runs (e.g. "
-            f"profile_steps=({max(1, step - 1)}, {step + 1})), or more steps.", UserWarning, stacklevel=3)
+            f"profile_steps=({self.start}, {self.stop}): no trace taken: this fit ended at step "
+            f"{step}, before the window's first step {self.start}. Pass a window within the steps "
+            "the fit runs (e.g. "
+            f"profile_steps=({max(1, step - 1)}, {step + 1})), or more steps.", UserWarning,
+            stacklevel=3)
 
     def close(self, last: Any = None) -> None:
-        """Stop the trace (once the devices have finished ``last``), if one is running; the window is done."""
+        """Stop the trace (once the devices have finished ``last``), if one is running; the window
+        is done."""
         self.done, self.due = True, NEVER
         self.unmark()
         if not self.tracing:
@@ -194,10 +225,11 @@ class StepProfile(Callback):
 
 
 def _perfetto(run: str) -> None:
-    """Write ``perfetto_trace.json.gz`` into the trace folder ``run`` from its ``*.trace.json.gz`` (what
-    ``start_trace(create_perfetto_trace=True)`` does for the newest folder: the trace without its ``metadata``,
-    which Perfetto refuses); nothing when there is none."""
-    traces = sorted(name for name in os.listdir(run) if name.endswith(".trace.json.gz")) if os.path.isdir(run) else []
+    """Write ``perfetto_trace.json.gz`` into the trace folder ``run`` from its ``*.trace.json.gz``
+    (what ``start_trace(create_perfetto_trace=True)`` does for the newest folder: the trace without
+    its ``metadata``, which Perfetto refuses); nothing when there is none."""
+    traces = sorted(name for name in os.listdir(run)
+                    if name.endswith(".trace.json.gz")) if os.path.isdir(run) else []
     if not traces:
         return
     with gzip.open(os.path.join(run, traces[0]), "rb") as f:

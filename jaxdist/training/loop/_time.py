@@ -1,36 +1,42 @@
-"""Where a fit's time went: its wall time split into steps, compile, input, checkpoint, evaluation, lost and other.
+"""Where a fit's time went: its wall time split into steps, compile, input, checkpoint, evaluation,
+lost and other.
 
-The loop is asynchronous (it dispatches steps and goes on while the devices run them), so the split is of the
-HOST's time, measured with ``time.perf_counter`` around what the loop does anyway, never with a read from the
-devices: reading the next batch (``input``), calling the step (``steps``: its dispatch, and a full dispatch
-queue that makes the host wait for the devices), waiting for a log window's values or for the state before a
-checkpoint (``steps`` too: that is the devices finishing steps), writing and reading checkpoints
-(``checkpoint``) and evaluating (``evaluation``). ``compile`` is what JAX itself reports through
-`jax.monitoring` (tracing, lowering and compiling, on the fit's thread, from the moment the clock is made:
-``Trainer.fit`` makes it first, so building the state counts too), taken out of the part it happened in.
-``lost`` is step time thrown away or spent again: a rollback (``on_non_finite="rollback"``) moves the time of
-the steps since the checkpoint it restores from ``steps`` to ``lost``, and so does a fit that resumes behind
-the step an earlier run reached (``redone``: a crash after the last checkpoint, or ``restore_step``), for the
-steps up to that step. ``other`` is the remainder (callbacks, the loop itself,
-the setup before the first step), so that the parts add up to the wall time exactly.
+The loop is asynchronous (it dispatches steps and goes on while the devices run them), so the split
+is of the HOST's time, measured with ``time.perf_counter`` around what the loop does anyway, never
+with a read from the devices: reading the next batch (``input``), calling the step (``steps``: its
+dispatch, and a full dispatch queue that makes the host wait for the devices), waiting for a log
+window's values or for the state before a checkpoint (``steps`` too: that is the devices finishing
+steps), writing and reading checkpoints (``checkpoint``) and evaluating (``evaluation``).
+``compile`` is what JAX itself reports through `jax.monitoring` (tracing, lowering and compiling, on
+the fit's thread, from the moment the clock is made: ``Trainer.fit`` makes it first, so building the
+state counts too), taken out of the part it happened in. ``lost`` is step time thrown away or spent
+again: a rollback (``on_non_finite="rollback"``) moves the time of the steps since the checkpoint it
+restores from ``steps`` to ``lost``, and so does a fit that resumes behind the step an earlier run
+reached (``redone``: a crash after the last checkpoint, or ``restore_step``), for the steps up to
+that step. ``other`` is the remainder (callbacks, the loop itself, the setup before the first step),
+so that the parts add up to the wall time exactly.
 
-Several processes: the preemption agreement's read (`jaxdist.training.loop._preemption`) is where the host
-waits for the devices once it is two steps ahead of them (instead of the dispatch): that wait is ``waited``
-(``steps``) too. ``other`` keeps the loop's own cost: setting up (the processes agree on the fit), the
-agreement's dispatch (about 0.5 ms per step on 2 CPU processes) and the loop's bookkeeping, the end.
+Several processes: the preemption agreement's read (`jaxdist.training.loop._preemption`) is where
+the host waits for the devices once it is two steps ahead of them (instead of the dispatch): that
+wait is ``waited`` (``steps``) too. ``other`` keeps the loop's own cost: setting up (the processes
+agree on the fit), the agreement's dispatch (about 0.5 ms per step on 2 CPU processes) and the
+loop's bookkeeping, the end.
 
-Per step this costs three ``perf_counter`` calls and a few attribute writes. JAX reports compiles to one
-listener, registered once per process, which hands them to the clock of the thread's fit (if any).
+Per step this costs three ``perf_counter`` calls and a few attribute writes. JAX reports compiles to
+one listener, registered once per process, which hands them to the clock of the thread's fit (if
+any).
 
 Example:
     >>> import jax, jax.numpy as jnp
     >>> clock = FitClock()
     >>> with clock.timing("evaluation"):
-    ...     _ = jax.jit(lambda x: x + 1)(jnp.ones(3))  # compiles: counted as compile, not evaluation
+    ...     # compiles: counted as compile, not evaluation
+    ...     _ = jax.jit(lambda x: x + 1)(jnp.ones(3))
     >>> clock.close()
     >>> now = perf_counter()
     >>> seconds = clock.totals(now)  # the parts of the wall time up to now: they add up to it
-    >>> list(seconds) == list(KEYS), seconds["compile"] > 0, abs(sum(seconds.values()) - clock.wall(now)) < 1e-9
+    >>> (list(seconds) == list(KEYS), seconds["compile"] > 0,
+    ...  abs(sum(seconds.values()) - clock.wall(now)) < 1e-9)
     (True, True, True)
 """
 
@@ -53,7 +59,8 @@ COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 })
-"""The `jax.monitoring` time spans counted as ``compile`` (a trace nested in another one counts once)."""
+"""The `jax.monitoring` time spans counted as ``compile`` (a trace nested in another one counts
+once)."""
 
 _NESTED = 32  # compile spans remembered to drop the ones nested in a later, enclosing one
 _CLOCKS: dict[int, weakref.ref] = {}  # thread -> the clock of the fit running on it
@@ -71,7 +78,8 @@ def _heard(event: str, start: float, end: float, **_: object) -> None:
 
 def _listen() -> None:
     with _listening:
-        if not _LISTENER:  # once per process: the listener stays (it costs nothing but at a compile)
+        # once per process: the listener stays (it costs nothing but at a compile)
+        if not _LISTENER:
             jax.monitoring.register_event_time_span_listener(_heard)
             _LISTENER.append(_heard)
 
@@ -79,20 +87,20 @@ def _listen() -> None:
 class FitClock:
     """The host time of one fit, by part (see the module).
 
-    The loop writes ``phase`` (what the fit's thread is doing: ``"input"``, ``"steps"``, ..., ``"other"``)
-    and adds to ``input`` and ``steps`` itself around each batch and step (the cheapest way, per step); the
-    rarer parts use `timing`. A compile span that JAX reports while in a phase is moved from that phase to
-    ``compile``.
+    The loop writes ``phase`` (what the fit's thread is doing: ``"input"``, ``"steps"``, ...,
+    ``"other"``) and adds to ``input`` and ``steps`` itself around each batch and step (the cheapest
+    way, per step); the rarer parts use `timing`. A compile span that JAX reports while in a phase
+    is moved from that phase to ``compile``.
 
-    The clock hears JAX's compiles on its thread from when it is made until `close` (or until another clock
-    is made on the thread, or this one is dropped).
+    The clock hears JAX's compiles on its thread from when it is made until `close` (or until
+    another clock is made on the thread, or this one is dropped).
 
     Args:
         started: ``time.perf_counter()`` when the fit began (default: now).
     """
 
-    __slots__ = ("__weakref__", "_marks", "_restored", "_spans", "_thread", "compiled", "input", "lost", "phase",
-                 "seconds", "started", "steps")
+    __slots__ = ("__weakref__", "_marks", "_restored", "_spans", "_thread", "compiled", "input",
+                 "lost", "phase", "seconds", "started", "steps")
 
     def __init__(self, started: float | None = None):
         self.started = perf_counter() if started is None else started
@@ -104,7 +112,8 @@ class FitClock:
         self.compiled: dict[str, float] = {}  # compile seconds by the phase they happened in
         self._spans: list[tuple[float, float]] = []
         self._thread = threading.get_ident()
-        self._marks: dict[int, float] = {}  # checkpoint step -> step seconds when its state was saved
+        # checkpoint step -> step seconds when its state was saved
+        self._marks: dict[int, float] = {}
         self._restored = 0.0  # step seconds at the last loss (what came before is counted already)
         self.open()
 
@@ -119,20 +128,23 @@ class FitClock:
         if ref is not None and ref() is self:
             del _CLOCKS[self._thread]
 
-    # ------------------------------------------------------------------------------------------ measuring
+    # ------------------------------------------------------------------------------------ measuring
     def compiling(self, start: float, end: float) -> None:
-        """JAX spent ``start ... end`` (``time.time``) tracing, lowering or compiling, on this clock's thread."""
-        # A trace nested in another (a jitted function called inside the one being traced) is reported first:
-        # the enclosing span replaces it.
+        """JAX spent ``start ... end`` (``time.time``) tracing, lowering or compiling, on this
+        clock's thread."""
+        # A trace nested in another (a jitted function called inside the one being traced) is
+        # reported first: the enclosing span replaces it.
         inner = [span for span in self._spans if start <= span[0] and span[1] <= end]
         seconds = (end - start) - sum(e - s for s, e in inner)
-        self._spans = [*[span for span in self._spans if span not in inner][-_NESTED:], (start, end)]
+        self._spans = [*[span for span in self._spans if span not in inner][-_NESTED:],
+                       (start, end)]
         self.compiled[self.phase] = self.compiled.get(self.phase, 0.0) + seconds
 
     @contextlib.contextmanager
     def timing(self, part: str) -> Iterator[None]:
-        """Count the time inside as ``part`` (``"checkpoint"``, ``"evaluation"``, or ``"waited"``: waiting for
-        the devices to finish steps, counted as ``steps``); nested inside another part, taken out of it."""
+        """Count the time inside as ``part`` (``"checkpoint"``, ``"evaluation"``, or ``"waited"``:
+        waiting for the devices to finish steps, counted as ``steps``); nested inside another part,
+        taken out of it."""
         outer, self.phase = self.phase, part
         start = perf_counter()
         try:
@@ -142,31 +154,41 @@ class FitClock:
             self.add(part, perf_counter() - start)
 
     def add(self, part: str, seconds: float) -> None:
-        """Count ``seconds`` just spent as ``part`` (one of `timing`'s), taken out of the phase they were in."""
+        """Count ``seconds`` just spent as ``part`` (one of `timing`'s), taken out of the phase they
+        were in."""
         self.seconds[part] += seconds
         if self.phase in self.seconds:
             self.seconds[self.phase] -= seconds
 
     def waited(self, seconds: float) -> None:
-        """The fit's thread waited ``seconds`` for the devices to finish steps (a log window's values)."""
+        """The fit's thread waited ``seconds`` for the devices to finish steps (a log window's
+        values)."""
         self.add("waited", seconds)
 
     def _stepped(self) -> float:
-        """Seconds of steps so far (compiles out, waits for the devices in), those later lost included."""
+        """Seconds of steps so far (compiles out, waits for the devices in), those later lost
+        included."""
         compiled = self.compiled
-        return (self.steps - compiled.get("steps", 0.0) + self.seconds["waited"] - compiled.get("waited", 0.0))
+        return (
+            self.steps
+            - compiled.get("steps", 0.0)
+            + self.seconds["waited"]
+            - compiled.get("waited", 0.0)
+        )
 
     def saved(self, step: int) -> None:
         """A checkpoint of ``step`` holds the state of the steps measured so far."""
         self._marks[step] = self._stepped()
 
     def rolled_back(self, step: int) -> float:
-        """The state went back to checkpoint ``step``: the steps since then are lost; their seconds."""
+        """The state went back to checkpoint ``step``: the steps since then are lost; their
+        seconds."""
         return self._lose(self._marks.get(step, 0.0))  # 0: a checkpoint from before this fit
 
     def redone(self) -> float:
-        """The steps measured so far (since the last rollback or call) were taken before, by an earlier run
-        that got further than the checkpoint this fit resumed from: lost; their seconds."""
+        """The steps measured so far (since the last rollback or call) were taken before, by an
+        earlier run that got further than the checkpoint this fit resumed from: lost; their
+        seconds."""
         return self._lose(0.0)
 
     def _lose(self, since: float) -> float:
@@ -177,13 +199,14 @@ class FitClock:
         self._restored = now
         return lost
 
-    # ------------------------------------------------------------------------------------------ reading
+    # -------------------------------------------------------------------------------------- reading
     def wall(self, now: float | None = None) -> float:
         """Seconds since the fit began."""
         return (perf_counter() if now is None else now) - self.started
 
     def gross(self) -> dict[str, float]:
-        """Every part's seconds so far but ``other``; ``steps`` includes the steps later lost (``lost``)."""
+        """Every part's seconds so far but ``other``; ``steps`` includes the steps later lost
+        (``lost``)."""
         compiled = self.compiled
         return {
             "steps": self._stepped(),
@@ -195,7 +218,8 @@ class FitClock:
         }
 
     def totals(self, now: float | None = None) -> dict[str, float]:
-        """`History.time`: the parts of the wall time since the fit began (`KEYS`; they add up to it)."""
+        """`History.time`: the parts of the wall time since the fit began (`KEYS`; they add up to
+        it)."""
         parts = self.gross()
         parts["steps"] = max(parts["steps"] - parts["lost"], 0.0)
         wall = self.wall(now)
@@ -203,10 +227,12 @@ class FitClock:
         return {key: parts[key] for key in KEYS}
 
 
-def window_seconds(before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]]) -> dict[str, float]:
-    """A log window's ``time/<part>`` values from two `FitClock.gross` snapshots ``(perf_counter, gross)``:
-    the seconds of each part in the window (``time/steps`` including steps a rollback threw away, shown in
-    ``time/lost`` of the first window after it) and ``time/other``, the rest of the window's wall time.
+def window_seconds(before: tuple[float, dict[str, float]],
+                   after: tuple[float, dict[str, float]]) -> dict[str, float]:
+    """A log window's ``time/<part>`` values from two `FitClock.gross` snapshots ``(perf_counter,
+    gross)``: the seconds of each part in the window (``time/steps`` including steps a rollback
+    threw away, shown in ``time/lost`` of the first window after it) and ``time/other``, the rest of
+    the window's wall time.
 
     Examples:
         >>> zero = dict.fromkeys(KEYS[:-1], 0.0)

@@ -1,37 +1,41 @@
-"""`Watchdog`: a process whose steps stop finishing says why, prints every thread's stack and exits non-zero.
+"""`Watchdog`: a process whose steps stop finishing says why, prints every thread's stack and exits
+non-zero.
 
-A peer that is alive but stuck (a hung callback, a dead-locked input pipeline, a collective waiting for a
-process that went elsewhere) passes every heartbeat, so the coordination service never fails the job: the
-others wait in their next collective forever. A watchdog thread turns that into an exit a scheduler can act
-on: when no step finishes within ``timeout`` seconds (the first step, which compiles, gets
-``first_timeout``), it writes ``no step finished in S s after step N (step_timeout=S s): a peer may be stuck or
-dead ...; stacks follow`` and every thread's Python stack (`faulthandler`) to stderr and ends the process with
-exit code ``exit_code`` (124, as ``timeout(1)``), so SLURM / Kubernetes restart the job, which resumes from the
-last complete checkpoint (checkpoints are written atomically: an exit mid-write leaves the previous one intact).
+A peer that is alive but stuck (a hung callback, a dead-locked input pipeline, a collective waiting
+for a process that went elsewhere) passes every heartbeat, so the coordination service never fails
+the job: the others wait in their next collective forever. A watchdog thread turns that into an exit
+a scheduler can act on: when no step finishes within ``timeout`` seconds (the first step, which
+compiles, gets ``first_timeout``), it writes ``no step finished in S s after step N (step_timeout=S
+s): a peer may be stuck or dead ...; stacks follow`` and every thread's Python stack
+(`faulthandler`) to stderr and ends the process with exit code ``exit_code`` (124, as
+``timeout(1)``), so SLURM / Kubernetes restart the job, which resumes from the last complete
+checkpoint (checkpoints are written atomically: an exit mid-write leaves the previous one intact).
 
-Every process runs its own watchdog: the stuck process trips because its loop stops, its peers because they
-block in the next collective, each ``timeout`` seconds after its own last step. Process 0 hosts the job's
-coordination service, whose end kills every peer at once (JAX's "another task died"): when it trips it waits
-``min(timeout, 10)`` seconds more before exiting, so the others' watchdogs write their own stacks first.
+Every process runs its own watchdog: the stuck process trips because its loop stops, its peers
+because they block in the next collective, each ``timeout`` seconds after its own last step. Process
+0 hosts the job's coordination service, whose end kills every peer at once (JAX's "another task
+died"): when it trips it waits ``min(timeout, 10)`` seconds more before exiting, so the others'
+watchdogs write their own stacks first.
 
-The watchdog's thread is Python: it runs only when it gets the interpreter lock, which a main thread inside a
-C call may keep (an extension that never releases it). So a `Backstop` (`faulthandler` and a C timer, which
-need no lock) is armed ``slack`` seconds (``min(timeout / 2, 10)``) past the deadline: behind such a call every
-thread's stack is written between ``slack / 2`` and ``slack`` seconds late, under faulthandler's
-``Timeout (H:MM:SS)!`` line, which the watchdog's reason precedes (``python3: [jaxdist watchdog] no step
-finished in S s after step N (step_timeout=...) ...``), and the process exits with ``exit_code``
-``min(slack, 1)`` seconds after (Linux; elsewhere faulthandler exits with status 1, without the reason). The
-backstop follows the deadline from the first step on: the first step's end arms it (once, on the steps'
-thread: about 80 us), and the watchdog's own thread re-arms it (about every ``slack / 2`` seconds while steps
-finish): the other steps pay nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s
-timer serves something else, note that a process has one: the watchdog takes it while it watches.
+The watchdog's thread is Python: it runs only when it gets the interpreter lock, which a main thread
+inside a C call may keep (an extension that never releases it). So a `Backstop` (`faulthandler` and
+a C timer, which need no lock) is armed ``slack`` seconds (``min(timeout / 2, 10)``) past the
+deadline: behind such a call every thread's stack is written between ``slack / 2`` and ``slack``
+seconds late, under faulthandler's ``Timeout (H:MM:SS)!`` line, which the watchdog's reason precedes
+(``python3: [jaxdist watchdog] no step finished in S s after step N (step_timeout=...) ...``), and
+the process exits with ``exit_code`` ``min(slack, 1)`` seconds after (Linux; elsewhere faulthandler
+exits with status 1, without the reason). The backstop follows the deadline from the first step on:
+the first step's end arms it (once, on the steps' thread: about 80 us), and the watchdog's own
+thread re-arms it (about every ``slack / 2`` seconds while steps finish): the other steps pay
+nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s timer serves something else, note
+that a process has one: the watchdog takes it while it watches.
 
 A `Watchdog` is a `Callback`: ``Trainer.fit(..., step_timeout=S)`` adds one (or pass your own in
 ``callbacks``), which watches from ``on_train_begin`` to the end of ``fit``, hears each step end
-(``on_step_end``) and does not watch evaluations and checkpoint writes (``on_pause`` to ``on_resume``: they
-take longer than a step). Default: off, because only the user knows how long a step may take (a step of a
-large model on a busy host can take minutes), and a watchdog that trips on a slow but healthy step kills a
-good run; set it to a few times your slowest step.
+(``on_step_end``) and does not watch evaluations and checkpoint writes (``on_pause`` to
+``on_resume``: they take longer than a step). Default: off, because only the user knows how long a
+step may take (a step of a large model on a busy host can take minutes), and a watchdog that trips
+on a slow but healthy step kills a good run; set it to a few times your slowest step.
 """
 
 from __future__ import annotations
@@ -53,22 +57,25 @@ from jaxdist.training.loop._backstop import Backstop
 __all__ = ["Watchdog"]
 
 
-def _exit(code: int) -> None:  # the process ends here: no cleanup that could block on the stuck collective
+# the process ends here: no cleanup that could block on the stuck collective
+def _exit(code: int) -> None:
     os._exit(code)
 
 
 class Watchdog(Callback):
-    """Exits the process when no step finishes within ``timeout`` seconds (see the module doc); as a fit's
-    callback, it watches that fit's steps.
+    """Exits the process when no step finishes within ``timeout`` seconds (see the module doc); as a
+    fit's callback, it watches that fit's steps.
 
     Args:
         timeout: seconds allowed between two finished steps (> 0).
-        first_timeout: seconds allowed for the first step, which compiles; None: ``max(10 * timeout, 600)``.
+        first_timeout: seconds allowed for the first step, which compiles; None: ``max(10 * timeout,
+            600)``.
         exit_code: the process's exit status when it trips (non-zero).
-        on_trip: called with the message instead of printing stacks and exiting (for tests and for loops that
-            handle it themselves); it runs on the watchdog's thread, and no `Backstop` is armed.
-        step: returns the step reached, named in the messages; None: the number of `beat` s (in a fit: the
-            fit's step).
+        on_trip: called with the message instead of printing stacks and exiting (for tests and for
+            loops that handle it themselves); it runs on the watchdog's thread, and no `Backstop` is
+            armed.
+        step: returns the step reached, named in the messages; None: the number of `beat` s (in a
+            fit: the fit's step).
 
     Raises:
         ValueError: for a timeout that is not a positive number, or an exit code of 0.
@@ -94,12 +101,16 @@ class Watchdog(Callback):
         step: Callable[[], int] | None = None,
     ):
         for name, value in (("timeout", timeout), ("first_timeout", first_timeout)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or value <= 0):
                 raise ValueError(f"{name}={value!r} must be a number of seconds > 0.")
         if not isinstance(exit_code, int) or exit_code == 0:
-            raise ValueError(f"exit_code={exit_code!r} must be a non-zero int: the scheduler must see a failure.")
+            raise ValueError(f"exit_code={exit_code!r} must be a non-zero int: the scheduler must "
+                             "see a failure.")
         self.timeout = float(timeout)
-        self.first_timeout = float(first_timeout) if first_timeout is not None else max(10 * self.timeout, 600.0)
+        self.first_timeout = (
+            float(first_timeout) if first_timeout is not None else max(10 * self.timeout, 600.0)
+        )
         self.exit_code = exit_code
         self.on_trip = on_trip
         self._step = self._given_step = step
@@ -112,7 +123,8 @@ class Watchdog(Callback):
         self.tripped: str | None = None
         self.slack = min(self.timeout / 2, 10.0)
         self._backstop: Backstop | None = None
-        self._arming = threading.Lock()  # taken before _lock: the backstop follows the pauses exactly
+        # taken before _lock: the backstop follows the pauses exactly
+        self._arming = threading.Lock()
 
     def start(self) -> Watchdog:
         """Start watching (the first step's allowance starts now)."""
@@ -153,8 +165,9 @@ class Watchdog(Callback):
             self._deadline = time.monotonic() + self.timeout
 
     def _first_beat(self) -> None:
-        """`beat`, the first time with a backstop: it arms the backstop for the second step at once (the
-        watchdog's thread might not run again before it: a step that holds the interpreter lock)."""
+        """`beat`, the first time with a backstop: it arms the backstop for the second step at once
+        (the watchdog's thread might not run again before it: a step that holds the interpreter
+        lock)."""
         self.__dict__.pop("beat", None)  # the plain beat from now on
         self.beat()
         with self._arming:
@@ -162,7 +175,8 @@ class Watchdog(Callback):
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Not watched inside (evaluation, checkpoint writes); the next step has ``timeout`` seconds after."""
+        """Not watched inside (evaluation, checkpoint writes); the next step has ``timeout`` seconds
+        after."""
         self.pause()
         try:
             yield
@@ -207,13 +221,15 @@ class Watchdog(Callback):
         self.stop()
 
     def _last_delay(self) -> float:
-        """Process 0 of a job hosts its coordination service, whose end kills every peer: it exits last."""
-        return min(self.timeout, 10.0) if jax.process_count() > 1 and jax.process_index() == 0 else 0.0
+        """Process 0 of a job hosts its coordination service, whose end kills every peer: it exits
+        last."""
+        return min(self.timeout,
+                   10.0) if jax.process_count() > 1 and jax.process_index() == 0 else 0.0
 
     def _rearm(self) -> None:
-        """Arm the backstop ``slack`` past the deadline when it is armed less than ``slack / 2`` past it (so
-        once per ``slack / 2`` seconds while steps finish) or more than ``slack`` (the first step's allowance,
-        after the first step); cancel it while paused. Holds ``_arming``."""
+        """Arm the backstop ``slack`` past the deadline when it is armed less than ``slack / 2``
+        past it (so once per ``slack / 2`` seconds while steps finish) or more than ``slack`` (the
+        first step's allowance, after the first step); cancel it while paused. Holds ``_arming``."""
         if self._backstop is None:
             return
         with self._lock:
@@ -221,7 +237,8 @@ class Watchdog(Callback):
         armed = self._backstop.armed
         if paused:
             self._backstop.cancel()
-        elif armed is None or not self.slack / 2 <= armed - deadline <= self.slack:  # too early, or too late
+        elif armed is None or not self.slack / 2 <= armed - deadline <= self.slack:
+            # too early, or too late
             self._backstop.arm(deadline + self.slack, self._reason(steps, backstop=True))
 
     def _watch(self) -> None:
@@ -236,31 +253,36 @@ class Watchdog(Callback):
                 self._rearm()
 
     def _reason(self, steps: int, backstop: bool = False) -> str:
-        """Why the process exits when no step finishes after the ``steps``-th: said by the watchdog's thread,
-        or by the backstop (armed ``slack / 2`` to ``slack`` past the deadline, by then step ``steps`` is the
-        last one the watchdog saw: the steps since its last arming are not named)."""
+        """Why the process exits when no step finishes after the ``steps``-th: said by the
+        watchdog's thread, or by the backstop (armed ``slack / 2`` to ``slack`` past the deadline,
+        by then step ``steps`` is the last one the watchdog saw: the steps since its last arming are
+        not named)."""
         allowed = self.first_timeout if steps == 0 else self.timeout
         step = self._step() if self._step is not None else steps
         late = f"{allowed + self.slack / 2:g} s or more" if backstop else f"{allowed:g} s"
         seen = "the last one the watchdog saw; " if backstop else ""
         if steps == 0:
-            what = (f"no step finished in {late} after step {step}, where this watch began (the first step, "
-                    f"compilation included, gets first_timeout={self.first_timeout:g} s; "
-                    f"step_timeout={self.timeout:g} s)")
+            what = (f"no step finished in {late} after step {step}, where this watch began (the "
+                    f"first step, compilation included, gets first_timeout={self.first_timeout:g} "
+                    f"s; step_timeout={self.timeout:g} s)")
         else:
-            what = f"no step finished in {late} after step {step} ({seen}step_timeout={self.timeout:g} s)"
+            what = (f"no step finished in {late} after step {step} "
+                    f"({seen}step_timeout={self.timeout:g} s)")
         if backstop:
             status = self._backstop.exits_with if self._backstop is not None else self.exit_code
-            return (f"[jaxdist watchdog] {what}, and the watchdog's thread could not run: the interpreter lock is "
-                    f"held (a C call that keeps it?); stacks follow. Exiting with status {status} so the scheduler "
-                    "restarts the job; it resumes from the last complete checkpoint.")
-        return (f"{what}: a peer may be stuck or dead (or this process is); stacks follow. Exiting with status "
-                f"{self.exit_code} so the scheduler restarts the job; it resumes from the last complete checkpoint.")
+            return (f"[jaxdist watchdog] {what}, and the watchdog's thread could not run: the "
+                    "interpreter lock is held (a C call that keeps it?); stacks follow. Exiting "
+                    f"with status {status} so the scheduler restarts the job; it resumes from the "
+                    "last complete checkpoint.")
+        return (f"{what}: a peer may be stuck or dead (or this process is); stacks follow. Exiting "
+                f"with status {self.exit_code} so the scheduler restarts the job; it resumes from "
+                "the last complete checkpoint.")
 
     def _trip(self) -> None:
         message = self._reason(self.steps)
         self.tripped = message
-        with self._arming:  # this thread does the rest: the backstop must not end the process meanwhile
+        # this thread does the rest: the backstop must not end the process meanwhile
+        with self._arming:
             if self._backstop is not None:
                 self._backstop.cancel()
         if self.on_trip is not None:
