@@ -194,7 +194,7 @@ class FitLoop(FitControl):
         self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))
         # An earlier run got to step ``reached`` (it crashed after its last checkpoint, or
         # restore_step went back): the steps up to it are taken again, their time is lost
-        # (`FitClock.redone`, at the step that reaches it and at each window closed before).
+        # (`FitClock.lose_redone`, at the step that reaches it and at each window closed before).
         self.redo = reached if reached > live.step else NEVER
         # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for
         # the next run, and the job's time over its runs beside it
@@ -343,14 +343,14 @@ class FitLoop(FitControl):
                     self.close_window()
                     self.logs.flush()
                     # rolled back at the end: train to the end again
-                    if not self.act() or watcher.stopping:
+                    if not self.handle_non_finite() or watcher.stopping:
                         break
                 history.preempted, history.preempted_by = watcher.preempted, watcher.cause
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
                 with self.paused("checkpoint"):
                     # fit returns (or exits on preemption) once its last checkpoint is complete
-                    self.written(wait=True)
+                    self.report_saved(wait=True)
                 if options.eval_data is not None and not history.preempted and not (
                     history.eval and history.eval[-1]["step"] == live.step
                 ):
@@ -437,7 +437,7 @@ class FitLoop(FitControl):
                                 continue
                         if logs.pending:  # 4. the logs whose values have arrived
                             logs.emit_ready(self.checks)
-                            if self.guard.pending and self.act():
+                            if self.guard.pending and self.handle_non_finite():
                                 continue
                     # 5. stop? (a signal or stop_training; with several processes, agreed by all,
                     # with a save process 0 asked for on its clock)
@@ -474,7 +474,7 @@ class FitLoop(FitControl):
             # the first step and the log points: every process's batch alike
             self.same.check(step, batch)
         if step >= self.redo:  # the step an earlier run reached: the steps up to it were lost
-            self.clock.redone()
+            self.clock.lose_redone()
             self.redo = NEVER
         if self.cost is None:  # once: the step is compiled now (measuring finds it in JAX's cache)
             self.cost = self.history.step_cost = live.step_cost(self.cost_options)
@@ -488,9 +488,9 @@ class FitLoop(FitControl):
             if self.backup_seconds is not None and not self.save_wanted:
                 self.on_the_clock()
         self.logs.emit_ready(self.checks)
-        if self.act():
+        if self.handle_non_finite():
             return True
-        self.written()
+        self.report_saved()
         if _crossed(before, live.step, self.eval_steps):
             self.evaluate()
         if self.watch_epochs and live.step >= self.find_epoch_end() and self.epoch_point():
@@ -591,7 +591,7 @@ class FitLoop(FitControl):
         if self.closed != live.step:
             self.close_window()
         self.logs.flush()  # the epoch's last window: the one wait for the devices per epoch
-        if self.act():
+        if self.handle_non_finite():
             return True
         epoch, sums = self.epoch_no, self.epoch_sums
         logs = {} if sums is None else means(sums)
@@ -635,7 +635,7 @@ class FitLoop(FitControl):
         if self.ckpt is None:
             return
         with self.paused("checkpoint"):
-            self.written(wait=True)
+            self.report_saved(wait=True)
             for step in self.ckpt.all_steps():
                 self.ckpt.delete(step)
         self.deleted = True
@@ -657,7 +657,7 @@ class FitLoop(FitControl):
 
     def close_window(self) -> None:
         if self.redo is not NEVER:  # every step so far was taken before, by an earlier run
-            self.clock.redone()
+            self.clock.lose_redone()
         now = perf_counter()
         self.closed = self.live.step
         self.windows.append((self.live.step, (now, self.clock.gross()), self.epoch_no))
@@ -689,7 +689,7 @@ class FitLoop(FitControl):
 
     def evaluate(self) -> None:
         self.logs.flush()
-        if self.act():  # rolled back: this evaluation point comes again, at its step
+        if self.handle_non_finite():  # rolled back: this evaluation point comes again, at its step
             return
         with self.paused("evaluation"):
             metrics = self.live.evaluate(self.options.eval_data)
@@ -710,7 +710,7 @@ class FitLoop(FitControl):
             if ckpt.latest_step() == live.step:  # rolled back to a checkpoint
                 return
             # the save in flight first (the next save would wait for it anyway)
-            self.written(wait=True)
+            self.report_saved(wait=True)
             self.place()
             try:
                 # a no-op when this step is being written; refuses a non-finite state
@@ -725,9 +725,9 @@ class FitLoop(FitControl):
                 warnings.warn(f"{error} (on_non_finite='continue': training goes on)",
                               RuntimeWarning, stacklevel=4)
             # a synchronous save: now; an asynchronous one: at a later step end, once complete
-            self.written()
+            self.report_saved()
 
-    def written(self, wait: bool = False) -> None:
+    def report_saved(self, wait: bool = False) -> None:
         """``on_checkpoint`` for the saves complete by now; raises for one that failed in the
         background."""
         if self.ckpt is not None and (self.in_flight or wait):
@@ -747,9 +747,9 @@ class FitLoop(FitControl):
         if sums.non_finite.count:
             self.close_window()
             self.logs.flush()
-        self.act()
+        self.handle_non_finite()
 
-    def act(self) -> bool:
+    def handle_non_finite(self) -> bool:
         """Act on the non-finite steps found (at a point every process reaches at the same step);
         True when the run rolled back."""
         guard, policy = self.guard, self.policy
@@ -795,7 +795,7 @@ class FitLoop(FitControl):
         self.close_window()
         self.logs.flush()  # every step so far is logged (their flags belong to this rollback)
         with self.paused("checkpoint"):
-            self.written(wait=True)
+            self.report_saved(wait=True)
             good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
             if not good:
                 raise self.failure("there is no checkpoint before it to roll back to, so the run "

@@ -12,9 +12,9 @@ the fit's thread, from the moment the clock is made: ``Trainer.fit`` makes it fi
 state counts too), taken out of the part it happened in. ``lost`` is step time thrown away or spent
 again: a rollback (``on_non_finite="rollback"``) moves the time of the steps since the checkpoint it
 restores from ``steps`` to ``lost``, and so does a fit that resumes behind the step an earlier run
-reached (``redone``: a crash after the last checkpoint, or ``restore_step``), for the steps up to
-that step. ``other`` is the remainder (callbacks, the loop itself, the setup before the first step),
-so that the parts add up to the wall time exactly.
+reached (``lose_redone``: a crash after the last checkpoint, or ``restore_step``), for the steps up
+to that step. ``other`` is the remainder (callbacks, the loop itself, the setup before the first
+step), so that the parts add up to the wall time exactly.
 
 Several processes: the preemption agreement's read (`jaxdist.training.loop._preemption`) is where
 the host waits for the devices once it is two steps ahead of them (instead of the dispatch): that
@@ -185,7 +185,7 @@ class FitClock:
         seconds."""
         return self._lose(self._marks.get(step, 0.0))  # 0: a checkpoint from before this fit
 
-    def redone(self) -> float:
+    def lose_redone(self) -> float:
         """The steps measured so far (since the last rollback or call) were taken before, by an
         earlier run that got further than the checkpoint this fit resumed from: lost; their
         seconds."""

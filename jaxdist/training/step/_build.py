@@ -122,8 +122,9 @@ def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, p
                           or {}, step_rng)
 
     params, model_state = abstract(params), abstract(model_state)
+    key = jax.random.key(0)  # outside the scope: its seeding compiled once, as everywhere else
     with strategy.policy.shape_scope():
-        shapes = jax.eval_shape(build, jax.random.key(0))
+        shapes = jax.eval_shape(build, key)
     layouts = strategy.variable_shardings(shapes)
     return jax.tree.map(
         lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),

@@ -206,8 +206,10 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
         return ()
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.result_type(a)),
                           (params, model_state, x))
-    sown = jax.eval_shape(lambda p, s, xb, key: model.apply_train(p, s, xb, key)[2], *shapes,
-                          jax.random.key(0))
+    # the key made inside the trace: nothing compiled (an eager key would compile its seeding
+    # again under the caller's mesh context)
+    sown = jax.eval_shape(lambda p, s, xb: model.apply_train(p, s, xb, jax.random.key(0))[2],
+                          *shapes)
     if not sown:
         return ()
     return tuple(jax.eval_shape(_layer_values, sown))
