@@ -225,21 +225,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     machine = machine_info(jax.devices())
     machine["orbax"] = _version("orbax-checkpoint")
-    directory = args.dir or tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-")
-    try:
-        result = measure(args.pairs, args.saves, args.every, args.width, directory)
-    except Exception:
-        traceback.print_exc()
+    result, directory = _measured(args.dir, "jaxdist-ckpt-bench-", lambda directory: measure(
+        args.pairs, args.saves, args.every, args.width, directory))
+    if result is None:
         return 1
-    finally:
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
     table = markdown(result, machine)
     stem = f"{machine['date'][:10]}-{machine['backend']}{machine['device_count']}-checkpoint"
     write_table(args.out, stem, table, {"machine": machine, "target": TARGET,
                                         "checkpoint_dir": directory, **dataclasses.asdict(result)})
     print(table)
     return 0
+
+
+def _measured(given: str | None, prefix: str, measure: Any) -> tuple[Any, str]:
+    """``measure(directory)`` and the directory: ``--dir`` when given, else a temporary one removed
+    afterwards; None for the result (its traceback printed) when it failed."""
+    directory = given or tempfile.mkdtemp(prefix=prefix)
+    try:
+        return measure(directory), directory
+    except Exception:
+        traceback.print_exc()
+        return None, directory
+    finally:
+        if given is None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _two_tier(args: argparse.Namespace) -> int:
@@ -253,15 +262,10 @@ def _two_tier(args: argparse.Namespace) -> int:
                                    width=args.width or settings.width)
     machine = machine_info(jax.devices())
     machine["orbax"] = _version("orbax-checkpoint")
-    directory = args.dir or tempfile.mkdtemp(prefix="jaxdist-two-tier-bench-")
-    try:
-        result = two_tier.measure(settings, directory)
-    except Exception:
-        traceback.print_exc()
+    result, _ = _measured(args.dir, "jaxdist-two-tier-bench-",
+                          lambda directory: two_tier.measure(settings, directory))
+    if result is None:
         return 1
-    finally:
-        if args.dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
     table = two_tier.markdown(result, machine)
     stem = f"{machine['date'][:10]}-{machine['backend']}-two-tier{'-smoke' if args.smoke else ''}"
     write_table(args.out, stem, table, {"machine": machine, **dataclasses.asdict(result),
