@@ -3,14 +3,13 @@
 
 Modes:
     full (default): every row on both models, 32 pairs of ~0.15 s blocks (about 10 minutes on 2
-    cores). --quick: P1 and P2 on both models, the LM rows on one LM config, the other rows on the
-    small model, 20
-        pairs of ~0.1 s blocks (about 3 minutes on 2 cores, plus about 4 for the LM rows and memory
-        table).
+        cores).
+    --quick: P1 and P2 on both models, the LM rows on one LM config, the other rows on the small
+        model, 20 pairs of ~0.1 s blocks (about 3 minutes on 2 cores, plus about 4 for the LM rows
+        and memory table).
     --smoke: every row on a tiny model (the LM rows on a tiny LM) with 2-step blocks: checks that
-    everything
-        runs and the result files are written, not speed (use with ``--out`` pointing at a temporary
-        directory).
+        everything runs and the result files are written, not speed (use with ``--out`` pointing
+        at a temporary directory).
 
 Exit status: 0 when every row ran or was skipped for a stated reason, 1 when a row failed, 2 for bad
 arguments.

@@ -50,6 +50,8 @@ LEAVES = 50
 DEVICE_COUNTS = (1, 8)
 # steps per fit call (a block): fit's fixed cost per call diluted as in real use
 TRAINER_STEPS = 200
+CASES = ("1dev-trivial", "trainer-1dev", "mirrored-50", "run-mirrored-50", "fsdp-50", "tensor-50",
+         "expert-50", "fsdp-50-explicit", "trainer-8dev")  # the order of the table
 
 
 def limit_of(case: str) -> float:
@@ -217,9 +219,10 @@ def _trainer_case(strategy: Any, pairs: int, steps: int) -> dict[str, Any]:
     return result
 
 
-def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, Any]]:
-    """Every case of one device count, in this process (which must not have started its JAX backend
-    yet)."""
+def measure(devices: int, pairs: int, calls: int, steps: int,
+            cases: str = "") -> list[dict[str, Any]]:
+    """Every case of one device count whose name contains ``cases``, in this process (which must
+    not have started its JAX backend yet)."""
     import warnings
 
     import jax
@@ -260,6 +263,7 @@ def measure(devices: int, pairs: int, calls: int, steps: int) -> list[dict[str, 
         (f"trainer-{devices}dev",
          lambda: _trainer_case(jd.MirroredStrategy(), max(pairs // 4, 2), steps))
     )
+    rows = [(name, run) for name, run in rows if cases in name]
     machine = machine_info(jax.devices())
     out = []
     with warnings.catch_warnings():
@@ -315,20 +319,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="calls per block on one device, an eighth of it on 8 (default 1000)")
     parser.add_argument("--steps", type=int, default=TRAINER_STEPS, help="Trainer steps per block")
     parser.add_argument("--smoke", action="store_true", help="short blocks: does it run?")
+    parser.add_argument("--cases", default="",
+                        help="run only the cases whose name contains this text (e.g. trainer)")
     # a child process: one device count
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.pairs, args.calls, args.steps = 8, 5, 5
     if args.one is not None:
-        print(json.dumps(measure(args.one, args.pairs, args.calls, args.steps)))
+        print(json.dumps(measure(args.one, args.pairs, args.calls, args.steps, args.cases)))
         return 0
+    if not any(args.cases in case for case in CASES):
+        print(f"--cases {args.cases!r} matches no case: pass part of one of {', '.join(CASES)}",
+              file=sys.stderr)
+        return 2
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     rows = []
     for n in DEVICE_COUNTS:
         child = subprocess.run(
             [sys.executable, "-m", "benchmarks.dispatch", "--one", str(n), "--pairs",
-             str(args.pairs), "--calls", str(args.calls), "--steps", str(args.steps)],
+             str(args.pairs), "--calls", str(args.calls), "--steps", str(args.steps),
+             "--cases", args.cases],
             cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, capture_output=True,
             text=True, timeout=1800,
         )

@@ -7,31 +7,28 @@ drop) and the Switch load-balancing loss; a final LayerNorm and a vocabulary hea
 simulated CPU devices. Three measurements, all in one run:
 
 (a) **Expert state per device.** Expert weights (``wi_gate``, ``wi_up``, ``wo``) and their Adam
-moments on
-    ``ShardedStrategy(mesh=(data=2, expert=4), batch_axes=("data", "expert"),
+    moments on ``ShardedStrategy(mesh=(data=2, expert=4), batch_axes=("data", "expert"),
     expert_axes="expert")``: per-device bytes over the whole arrays' bytes, from the step's `Plan`
     (``strategy.jit(step).plan(...)``: its ``largest_arrays``, which lists ten arrays at most, and
     ``state_bytes`` for the whole state) and measured from the placed arrays' ``addressable_shards``
     (the most any one device holds). Expected for the expert arrays: ``1 / EP``. The same for the EP
     = 1 strategy (``mesh=(data=8,)``, ``batch_axes="data"``, ``fsdp_axes=()``: experts replicated).
 (b) **All-to-all bytes per layer.** ``Plan.collectives["all-to-all"]`` of the compiled training step
-(count and
-    bytes; per op and per layer), against two analytic figures per direction: the tokens actually
-    routed, ``tokens_per_device * top_k * d * bytes`` (sent: ``x (EP - 1) / EP``), and the fixed
-    capacity buffers the dropping path exchanges, ``rows_per_device * E * capacity * d * bytes``.
-    Also for the dropless layer (``capacity_factor=None``: capacity = the sequence) and for the
-    hand-written program (its compiled HLO read by `jaxdist.costs.program_cost`).
+    (count and bytes; per op and per layer), against two analytic figures per direction: the tokens
+    actually routed, ``tokens_per_device * top_k * d * bytes`` (sent: ``x (EP - 1) / EP``), and the
+    fixed capacity buffers the dropping path exchanges, ``rows_per_device * E * capacity * d *
+    bytes``. Also for the dropless layer (``capacity_factor=None``: capacity = the sequence) and for
+    the hand-written program (its compiled HLO read by `jaxdist.costs.program_cost`).
 (c) **Step time.** ``strategy.jit`` of the LM with `jd.nn.MoE` on ``(data=2, expert=4)`` against (1)
-the same
-    model written the MaxText "dropping" way by hand (``generate_masks`` / ``dense_matmul``: dense
-    0/1 dispatch and combine einsums with a capacity, the expert buffers ``(E, B, C, d)`` and
-    stacked expert weights split over ``"expert"`` by ``jax.lax.with_sharding_constraint`` /
-    ``NamedSharding``, a hand-written ``jax.jit`` with in/out shardings and donated state on the
-    same devices; GSPMD inserts the collectives), and (2) the same `jd.nn.MoE` LM at EP = 1
-    (``mesh=(data=8,)``, experts replicated). Alternating blocks (`benchmarks.timing`); ratio =
-    steps/s of ``jd.nn.MoE`` on (2, 4) / steps/s of the baseline. Before timing, both sides of each
-    pair run two steps from the same initial state and their losses must agree to rtol 1e-4 (the
-    second loss checks the gradients and the Adam update too).
+    the same model written the MaxText "dropping" way by hand (``generate_masks`` /
+    ``dense_matmul``: dense 0/1 dispatch and combine einsums with a capacity, the expert buffers
+    ``(E, B, C, d)`` and stacked expert weights split over ``"expert"`` by
+    ``jax.lax.with_sharding_constraint`` / ``NamedSharding``, a hand-written ``jax.jit`` with in/out
+    shardings and donated state on the same devices; GSPMD inserts the collectives), and (2) the
+    same `jd.nn.MoE` LM at EP = 1 (``mesh=(data=8,)``, experts replicated). Alternating blocks
+    (`benchmarks.timing`); ratio = steps/s of ``jd.nn.MoE`` on (2, 4) / steps/s of the baseline.
+    Before timing, both sides of each pair run two steps from the same initial state and their
+    losses must agree to rtol 1e-4 (the second loss checks the gradients and the Adam update too).
 
 Run: ``python -m benchmarks.moe`` (``--smoke``: tiny sizes, seconds). Writes
 ``benchmarks/results/<date>-<backend>-moe.md`` and ``.json``.

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import dispatch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -49,16 +51,21 @@ def test_dispatch_smoke_writes_one_row_per_case(tmp_path):
     each case's two sides."""
     _smoke("benchmarks.dispatch", tmp_path)
     rows = json.loads(next(tmp_path.glob("*-dispatch-smoke.json")).read_text())
-    assert [r["case"] for r in rows] == ["1dev-trivial", "trainer-1dev", "mirrored-50",
-                                         "run-mirrored-50", "fsdp-50",
-                                         "tensor-50", "expert-50", "fsdp-50-explicit",
-                                         "trainer-8dev"]
+    assert [r["case"] for r in rows] == list(dispatch.CASES) == [
+        "1dev-trivial", "trainer-1dev", "mirrored-50", "run-mirrored-50", "fsdp-50", "tensor-50",
+        "expert-50", "fsdp-50-explicit", "trainer-8dev"]
     first = next(r for r in rows if r["case"] == "run-mirrored-50")["first_call_s"]
     assert first["candidate"] > 0 and first["baseline"] > 0
     assert all(r["extra_us"]["n"] >= 2 and r["candidate_us"] > 0 and r["baseline_us"] > 0
                for r in rows)
     assert [r["limit_us"] for r in rows[:3]] == [1.5, 25.0, 5.0]
     assert "| 1dev-trivial | 1 |" in next(tmp_path.glob("*-dispatch-smoke.md")).read_text()
+
+
+def test_dispatch_refuses_cases_that_match_nothing(capsys):
+    assert dispatch.main(["--cases", "trainer-4dev"]) == 2  # before any process starts
+    err = capsys.readouterr().err
+    assert "--cases 'trainer-4dev' matches no case: pass part of one of 1dev-trivial," in err
 
 
 @pytest.mark.slow
