@@ -2,6 +2,7 @@
 too)."""
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -16,7 +17,8 @@ def _module(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache  # parsed once per run (every test reads the same graph; none changes it)
+def _graph() -> dict[str, frozenset[str]]:
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
@@ -29,7 +31,7 @@ def _graph() -> dict[str, set[str]]:
             for target in targets:
                 if target in modules and target != name:
                     graph[name].add(target)
-    return graph
+    return {m: frozenset(deps) for m, deps in graph.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
