@@ -25,7 +25,8 @@ starts):
 * ``trainer-<n>dev``: ``Trainer.fit`` per optimizer step against a hand loop of the same step
   (``jax.jit``, one ``jax.device_put`` of each host batch, the loss read at every 10th step as
   ``fit``'s log points do), on the small MLP of `benchmarks.models`, one ``fit`` call of ``steps``
-  steps per block (limit: 25 us).
+  steps per block (limit: 25 us); also both sides' Python function calls per step, counted once
+  under cProfile: a figure the machine's load does not move.
 
 Run: ``python -m benchmarks.dispatch`` (``--smoke``: short blocks, a check that it runs). Writes
 ``benchmarks/results/<date>-<backend>-dispatch.md`` and ``.json``.
@@ -82,6 +83,17 @@ def _pairs(candidate: Callable[[], Any], baseline: Callable[[], Any], calls: int
         ):
             acc.append(block(fn))
     return _summary(a, b)
+
+
+def _calls_per_step(fn: Callable[[], Any], steps: int) -> float:
+    """Python function calls (C builtins included) the calling thread makes per step in one
+    ``fn()`` block of ``steps`` steps: a count, the same on a quiet machine and a loaded one."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    return pstats.Stats(profile).total_calls / steps
 
 
 def _summary(a: list[float], b: list[float]) -> dict[str, Any]:
@@ -212,6 +224,8 @@ def _trainer_case(strategy: Any, pairs: int, steps: int) -> dict[str, Any]:
         return trainer.state
 
     result = _pairs(trainer_block, baseline_block, 1, pairs)
+    result["calls_per_step"] = {"candidate": _calls_per_step(trainer_block, steps),
+                                "baseline": _calls_per_step(baseline_block, steps)}
     for k in ("candidate_us", "baseline_us"):
         result[k] /= steps
     result["extra_us"] = {k: (v / steps if isinstance(v, float) else v)
@@ -303,6 +317,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines += [f"| {r['case']} | {r['first_call_s']['candidate']:.3f} | "
                   f"{r['first_call_s']['baseline']:.3f} |"
                   for r in firsts]
+    counted = [r for r in rows if "calls_per_step" in r]
+    if counted:
+        lines += ["",
+                  "Python function calls per optimizer step on the calling thread (C builtins "
+                  "included; one block each, under cProfile): a count, which load does not change "
+                  "as it changes the times above:", "",
+                  "| case | jaxdist | hand-written | extra |", "|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['calls_per_step']['candidate']:.1f} | "
+                  f"{r['calls_per_step']['baseline']:.1f} | "
+                  f"{r['calls_per_step']['candidate'] - r['calls_per_step']['baseline']:+.1f} |"
+                  for r in counted]
     return "\n".join(lines) + "\n"
 
 

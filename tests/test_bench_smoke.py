@@ -59,6 +59,8 @@ def test_dispatch_smoke_writes_one_row_per_case(tmp_path):
     assert all(r["extra_us"]["n"] >= 2 and r["candidate_us"] > 0 and r["baseline_us"] > 0
                for r in rows)
     assert [r["limit_us"] for r in rows[:3]] == [1.5, 25.0, 5.0]
+    counts = [r["calls_per_step"] for r in rows if r["case"].startswith("trainer")]
+    assert len(counts) == 2 and all(c["candidate"] > 0 and c["baseline"] > 0 for c in counts)
     assert "| 1dev-trivial | 1 |" in next(tmp_path.glob("*-dispatch-smoke.md")).read_text()
 
 
