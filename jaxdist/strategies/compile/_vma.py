@@ -69,9 +69,8 @@ def first_trace(probe: Callable[[bool], None], check_vma: bool | None, name: str
         True: the check stays on; False: the program runs with it off.
 
     Raises:
-        The strict trace's own error where the trace without the check fails too (the function's own
-            error,
-        or one that is not the check's), or where ``check_vma=True``.
+        The strict trace's own error where the trace without the check fails too (the function's
+            own error, or one that is not the check's), or where ``check_vma=True``.
     """
     if check_vma is False:
         probe(False)

@@ -179,17 +179,14 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     `say`).
 
     Raises:
-        Where the Explicit trace failed with an error that is no type refusal (a library's own check
-            of its
-        values' types, or a bug) and the Auto trace fails too: the Explicit trace's error, with a
-            note; caused by
-        the Auto trace's where that is another error or raised at another place (the note names
-        ``axis_types=``, which raises the Auto one alone). Where JAX refused the Explicit trace
-        by types: the Auto trace's own error, with a note, when it fails with an error that is no
-            type refusal
-        (the step's own checks: it is what the user must fix); the sharding type error of the
-            Explicit trace,
-        with a note, when the Auto trace is refused by types too (that refusal is its cause).
+        Where the Explicit trace failed with an error that is no type refusal (a library's own
+            check of its values' types, or a bug) and the Auto trace fails too: the Explicit
+            trace's error, with a note; caused by the Auto trace's where that is another error
+            or raised at another place (the note names ``axis_types=``, which raises the Auto one
+            alone). Where JAX refused the Explicit trace by types: the Auto trace's own error,
+            with a note, when it fails with an error that is no type refusal (the step's own
+            checks: it is what the user must fix); the sharding type error of the Explicit trace,
+            with a note, when the Auto trace is refused by types too (that refusal is its cause).
     """
     if not _explicit(mesh) or _in_auto_twin(mesh):
         return call()
