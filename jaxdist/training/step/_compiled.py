@@ -23,12 +23,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxdist.costs import bytes_per_device
 from jaxdist.costs.step import CostOptions, StepCost
+from jaxdist.replicate.layouts import put
 from jaxdist.strategies import Plan, Strategy
 from jaxdist.strategies.layout import untyped
 from jaxdist.training.data import eval_batches
@@ -219,13 +219,10 @@ class CompiledSteps:
         vector = sums.vector
         if isinstance(vector, jax.Array) and (self._zeros is None
                                               or self._zeros[0] != vector.shape):
-            self._zeros = (
-                vector.shape,
-                jax.jit(
-                    functools.partial(jnp.zeros, vector.shape, vector.dtype),
-                    out_shardings=vector.sharding,
-                ),
-            )
+            # placed from the host (a few bytes), not built by a program of its own: one compile
+            # less per fit
+            self._zeros = (vector.shape, functools.partial(
+                put, np.zeros(vector.shape, vector.dtype), vector.sharding))
         return sums
 
     def peek_sums(self, state: TrainState) -> PackedSums:
