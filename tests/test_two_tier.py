@@ -57,9 +57,9 @@ def test_lost_host_restores_the_newest_local_step_and_ends_bitwise(tmp_path):
     """Slow: two 2-process jobs (imports, gloo, compiles): the killed one, and the restart, in which
     the uninterrupted run follows, then, with both local directories gone, a restart from the
     persistent tier (a fresh Trainer: what it restores is decided from the directories alone)."""
-    _job(tmp_path, tmp_path / "killed", "kill=15", expect=1)
-    # the persistent tier holds 10
-    assert jd.training.Checkpointer(tmp_path / "ckpt").all_steps() == [10]
+    killed = _job(tmp_path, tmp_path / "killed", "kill=15", expect=1)
+    # the persistent tier holds 10 (and the job failed by the kill, not before)
+    assert jd.training.Checkpointer(tmp_path / "ckpt").all_steps() == [10], killed[-4000:]
     shutil.copytree(tmp_path / "ckpt", tmp_path / "both" / "ckpt")  # for the second restart, below
     shutil.rmtree(tmp_path / "local-1")  # process 1 comes back on a fresh host
     (tmp_path / "straight").mkdir()
