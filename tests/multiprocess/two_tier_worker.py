@@ -59,11 +59,14 @@ class Tell(jd.training.Callback):
 
     def on_step_end(self, trainer, step, metrics):
         print(f"{self.prefix}step {step}", flush=True)
-        # a lost host, once process 0's local step before it is written
+        # a lost host, once process 0's local step before it is written and the persistent step
+        # of the tens before it committed (an asynchronous save: on a loaded machine still in
+        # flight five steps later)
         if step == kill and pid == 1:
-            done = os.path.join(local_dir.replace("{process}", "0"), str(step - 1))
+            done = [os.path.join(local_dir.replace("{process}", "0"), str(step - 1)),
+                    os.path.join(ckpt_dir, str(step // 10 * 10))]
             deadline = time.monotonic() + 60
-            while not os.path.isdir(done) and time.monotonic() < deadline:
+            while not all(map(os.path.isdir, done)) and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
