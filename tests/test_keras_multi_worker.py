@@ -61,14 +61,16 @@ def _steps(text: str, process: int) -> list[int]:
     return [int(s) for s in re.findall(rf"^\[{process}\] step (\d+)$", text, re.M)]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(420)
-def test_a_worker_killed_mid_epoch_resumes_from_the_epochs_backup_bitwise(tmp_path):
-    """SIGKILL to process 1 in epoch 2 (after epoch 1's backup is complete): the job fails, its
-    directory holds the epoch's backup, and the same command resumes there and ends with the
-    parameters of an uninterrupted run. Slow because of its 2 jobs of 2 processes (imports, gloo,
-    compiles)."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "first"
+@pytest.fixture(scope="session")
+def killed_then_resumed(tmp_path_factory):
+    """A job whose process 1 gets SIGKILL in epoch 2 (after epoch 1's backup is complete), then the
+    same command again, which resumes, followed in the same job by the uninterrupted run and by the
+    run of test_a_stop_at_an_epochs_end_on_one_process_ends_both_there (each in a trainer and
+    directory of its own: one 2-process job fewer than a job of its own). Slow because of its 2
+    jobs of 2 processes (imports, gloo, compiles). ``(tmp, killed job's output, its return code,
+    its newest checkpoint, resumed job)``."""
+    tmp = tmp_path_factory.mktemp("keras_killed")
+    ckpt, out = tmp / "ckpt", tmp / "first"
     proc = subprocess.Popen(_command(ckpt, out), env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -81,15 +83,31 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_epochs_backup_bitwise(tmp_pa
         return False
 
     text = _until(proc, kill)
-    assert proc.returncode != 0, text[-3000:]  # a worker died: the job failed
+    with jd.training.Checkpointer(ckpt) as saved:
+        newest = saved.latest_step()  # what the killed job left
+    for name in ("straight", "stop"):
+        (tmp / name).mkdir()
+    resumed = subprocess.run(_command(ckpt, tmp / "resumed", f"straight={tmp / 'straight'}",
+                                      f"stop={tmp / 'stop'}"),
+                             env=launch_env(), capture_output=True, text=True, timeout=200)
+    return tmp, text, proc.returncode, newest, resumed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_worker_killed_mid_epoch_resumes_from_the_epochs_backup_bitwise(killed_then_resumed):
+    """SIGKILL to process 1 in epoch 2 (after epoch 1's backup is complete): the job fails, its
+    directory holds the epoch's backup, and the same command resumes there and ends with the
+    parameters of an uninterrupted run."""
+    tmp_path, text, returncode, newest, resumed = killed_then_resumed
+    ckpt = tmp_path / "ckpt"
+    assert returncode != 0, text[-3000:]  # a worker died: the job failed
     reached = max(_steps(text, 0) + _steps(text, 1))
     head = [line[4:] for line in text.splitlines()
             if line.startswith("[0] ") and not re.match(r"(step|checkpoint) \d+$", line[4:])]
     assert head[0] == "checkpoints every epoch and every 10 min (the default checkpoint_every)", (
         head[:3]
     )
-    with jd.training.Checkpointer(ckpt) as saved:
-        newest = saved.latest_step()
     complete = [int(s) for s in re.findall(r"^\[0\] checkpoint (\d+)$", text, re.M)]
     # the newest backup is an epoch's end, at least the newest process 0 saw complete; the kill lost
     # at most an epoch, and the steps taken while the next epoch's backup was in flight (a loaded
@@ -101,10 +119,6 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_epochs_backup_bitwise(tmp_pa
     assert 0 <= reached - newest <= EPOCH or (reached - newest <= 2 * EPOCH
                                               and newest + EPOCH not in complete)
 
-    (tmp_path / "straight").mkdir()
-    resumed = subprocess.run(_command(ckpt, tmp_path / "resumed",
-                                      f"straight={tmp_path / 'straight'}"),
-                             env=launch_env(), capture_output=True, text=True, timeout=170)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
     assert f"[0] resumed from step {newest} ({ckpt})" in resumed.stdout
     first = _steps(resumed.stdout, 0)
@@ -157,21 +171,22 @@ def test_checkpoints_on_the_clock_agree_and_a_preempted_job_says_so(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_a_stop_at_an_epochs_end_on_one_process_ends_both_there(tmp_path):
+def test_a_stop_at_an_epochs_end_on_one_process_ends_both_there(killed_then_resumed):
     """Process 1 alone asks to stop in ``on_epoch_end`` of epoch 0: both processes end at that step
     (the epoch's end is an agreement every process reaches at once), with ModelCheckpoint's
     collective save there and DeleteBackups deleting the backups of a run a callback stopped (it
-    finished)."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    proc = subprocess.run(_command(ckpt, out, "stop"), env=launch_env(), capture_output=True,
-                          text=True, timeout=170)
+    finished). Its run is the last of the resumed job of `killed_then_resumed`."""
+    tmp_path, _, _, _, proc = killed_then_resumed
+    stop = tmp_path / "stop"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     text = proc.stdout
     assert (
-        f"[0] end {EPOCH} preempted=False" in text and f"[1] end {EPOCH} preempted=False" in text
+        f"[0] stop: end {EPOCH} preempted=False" in text
+        and f"[1] stop: end {EPOCH} preempted=False" in text
     ), text[-3000:]
-    assert max(_steps(text, 0) + _steps(text, 1)) == EPOCH  # not a step of epoch 1
-    assert "[0] the run finished: deleted its checkpoints in" in text
-    assert not [name for name in os.listdir(ckpt) if name.isdigit()]
-    with jd.training.Checkpointer(out / "best") as best:
+    steps = [int(s) for s in re.findall(r"^\[[01]\] stop: step (\d+)$", text, re.M)]
+    assert max(steps) == EPOCH  # not a step of epoch 1
+    assert f"[0] the run finished: deleted its checkpoints in {stop / 'ckpt'}" in text
+    assert not [name for name in os.listdir(stop / "ckpt") if name.isdigit()]
+    with jd.training.Checkpointer(stop / "best") as best:
         assert best.all_steps() == [EPOCH] and best.meta(EPOCH)["monitor"] == "loss"

@@ -7,7 +7,9 @@ over gloo), and a checkpoint written under expert parallelism 4 restores on one 
 parallelism 2; both continue like an uninterrupted one-device run (fp32, rtol 1e-5).
 
 Run as a script (``python -m jaxdist.launch -n 2 --cpu-devices 4 tests/test_moe_distributed.py
-out.npz``), this file is the 2-process test's worker: process 0 saves the losses, the final
+initial.npz out.npz``), this file is the 2-process test's worker: it starts from the initial state
+in ``initial.npz`` (the leaves of ``initial_state()``, which the test computes for its reference
+anyway: the MoE init's compile is ~3 s per process) and process 0 saves the losses, the final
 parameters (gathered) and the last step's router metrics of every mesh in ``out.npz``.
 """
 
@@ -42,9 +44,10 @@ def initial_state():
     return params, TX.init(params)
 
 
-def start(strategy):
-    """The initial ``(params, opt_state)``: plain arrays for None, else placed by ``strategy``."""
-    params, opt_state = initial_state()
+def start(strategy, initial=None):
+    """The initial ``(params, opt_state)`` (``initial``, else ``initial_state()``): plain arrays for
+    None, else placed by ``strategy``."""
+    params, opt_state = initial_state() if initial is None else initial
     if strategy is None:
         return params, opt_state
     return strategy.create_variables(lambda: params), strategy.create_variables(lambda: opt_state)
@@ -89,7 +92,19 @@ WORKER_MESHES = ("data2_expert4", "expert8")
 STEPS = 3
 
 
-def worker(out_path: str) -> None:
+def save_initial(path) -> None:
+    """The leaves of ``initial_state()`` in ``path`` (the worker's starting point)."""
+    np.savez(path, *(np.asarray(leaf) for leaf in jax.tree.leaves(initial_state())))
+
+
+def load_initial(path: str):
+    """``initial_state()`` as `save_initial` wrote it: its boxes (logical axes) from a trace."""
+    structure = jax.tree.structure(jax.eval_shape(initial_state))
+    with np.load(path) as data:
+        return jax.tree.unflatten(structure, [data[f"arr_{i}"] for i in range(len(data.files))])
+
+
+def worker(initial_path: str, out_path: str) -> None:
     # before any computation: connects the processes (JAXDIST_* from jaxdist.launch)
     jd.initialize_cluster()
     from jax.sharding import AxisType, Mesh
@@ -111,6 +126,7 @@ def worker(out_path: str) -> None:
         "expert8": jd.ShardedStrategy(mesh=jax.make_mesh((8,), ("expert",)), expert_axes="expert",
                                       min_shard_size=1),
     }
+    initial = load_initial(initial_path)
     results = {}
     for name in WORKER_MESHES:
         strategy = strategies[name]
@@ -120,19 +136,22 @@ def worker(out_path: str) -> None:
             # the expert axis crosses the processes
             assert {d.process_index for d in row} == {0, 1}, (name, row)
         assert strategy.num_hosts == 2, name
-        state, losses, metrics = train(strategy, start(strategy), STEPS)
+        state, losses, metrics = train(strategy, start(strategy, initial), STEPS)
         share = expert_share(state[0])
         assert share == each_expert_weight(EXPERTS // mesh.shape["expert"]), (name, share)
         results[f"{name}/losses"] = np.array(losses)
-        plan = strategy.jit(step, batch_argnums=2).plan(*start(strategy), _tokens())
-        results[f"all_to_alls/{name}"] = np.array(plan.collectives["all-to-all"].count)
+        # Counted in the program the step lowers to (the all-to-alls are the layer's own, in its
+        # shard_map): a plan would compile it once more, ~4 s per mesh and process; the plan's count
+        # of them is tests/test_moe.py::test_the_plan_counts_the_layers_all_to_alls.
+        lowered = strategy.jit(step, batch_argnums=2).lower(*start(strategy, initial), _tokens())
+        results[f"all_to_alls/{name}"] = np.array(lowered.as_text().count("stablehlo.all_to_all"))
         for tree in ("params", "metrics"):
             value = nn.unbox(state[0] if tree == "params" else metrics)
             gathered = gather(value)
             for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
                 results[f"{name}/{tree}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
-    state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"]), STEPS,
-                             dropless_step)
+    state, losses, _ = train(strategies["data2_expert4"], start(strategies["data2_expert4"], initial),
+                             STEPS, dropless_step)
     results["dropless/losses"] = np.array(losses)
     gathered = gather(nn.unbox(state[0]))
     for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
@@ -145,12 +164,13 @@ def worker(out_path: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_with_the_expert_axis_across_them_train_a_moe_lm_like_one_device(tmp_path):
-    """Slow because each of the 2 processes compiles the MoE LM's step on 2 meshes (and their plans)
-    and the dropless ragged step, and this process the one-device references."""
-    out = tmp_path / "result.npz"
+    """Slow because each of the 2 processes compiles the MoE LM's step on 2 meshes and the dropless
+    ragged step, and this process the one-device references."""
+    initial, out = tmp_path / "initial.npz", tmp_path / "result.npz"
+    save_initial(initial)
     proc = subprocess.run(
         [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "250",
-         str(Path(__file__).resolve()), str(out)],
+         str(Path(__file__).resolve()), str(initial), str(out)],
         env=launch_env(), capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
@@ -236,4 +256,4 @@ def test_a_checkpoint_written_under_expert_parallelism_4_restores_elsewhere_and_
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], sys.argv[2])

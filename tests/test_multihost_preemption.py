@@ -30,10 +30,8 @@ ROOT = HERE.parent
 WORKER = HERE / "multiprocess" / "preempt_worker.py"
 STEPS = 24  # 6 epochs of 4 batches, dropout on: data order and RNG both matter
 END = re.compile(r"^\[(\d)\] end (\d+) preempted=(True|False) checkpoints=\[(.*)\]$", re.M)
-
-
-def _env(strategy="mwms"):
-    return launch_env(WORKER_STRATEGY=strategy)
+STOP_END = re.compile(r"^\[(\d)\] stop: end (\d+) preempted=(True|False) checkpoints=\[(.*)\]$",
+                      re.M)
 
 
 def _command(ckpt, out, *extra):
@@ -42,30 +40,24 @@ def _command(ckpt, out, *extra):
             str(out), str(STEPS), *extra]
 
 
-def _run(ckpt, out, *extra, strategy="mwms"):
-    proc = subprocess.run(_command(ckpt, out, *extra), env=_env(strategy), capture_output=True,
-                          text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return proc.stdout
-
-
 def _params(out):
     with np.load(out / "params.npz") as data:
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(420)
-def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp_path):
-    """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes):
-    each process saves and restores its own shards; MultiWorkerMirroredStrategy runs the
-    stop_training test. The uninterrupted run to compare with runs after the resumed one, in the
-    same job (a trainer of its own, from the start): one 2-process job fewer. Slow because of its 2
-    jobs of 2 processes (imports, gloo, compiles)."""
+@pytest.fixture(scope="session")
+def stopped_then_resumed(tmp_path_factory):
+    """A job whose process 1 alone gets SIGTERM after step 3, then the same command again, which
+    resumes, followed in the same job by the uninterrupted run and by the run of
+    test_stop_training_on_one_process_stops_both_after_the_same_step (each in a trainer and
+    directory of its own: one 2-process job fewer than a job of its own). Slow because of its 2
+    jobs of 2 processes (imports, gloo, compiles). ``(tmp, the first job's return code, its output,
+    its checkpoints' steps, the stop latency, the resumed job)``."""
+    tmp_path = tmp_path_factory.mktemp("multihost_preemption")
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "first"
     proc = subprocess.Popen(
-        _command(ckpt, out), env=_env("hsdp"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        _command(ckpt, out), env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True
     )
     lines, latency = [], None
@@ -86,8 +78,25 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-    text = "".join(lines) + rest
-    assert proc.returncode == 0, text[-5000:]  # both exited cleanly, after saving
+    with jd.training.Checkpointer(ckpt) as checkpoints:
+        saved = checkpoints.all_steps()  # what the first job left
+    for name in ("straight", "stop"):
+        (tmp_path / name).mkdir()
+    resumed = subprocess.run(
+        _command(ckpt, tmp_path / "resumed", f"straight={tmp_path / 'straight'}",
+                 f"stop={tmp_path / 'stop'}"),
+        env=launch_env(), capture_output=True, text=True, timeout=200)
+    return tmp_path, proc.returncode, "".join(lines) + rest, saved, latency, resumed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(stopped_then_resumed):
+    """On HSDP (ShardedStrategy over the user's ('data', 'fsdp') mesh, 'data' across the processes):
+    each process saves and restores its own shards. The uninterrupted run to compare with runs
+    after the resumed one, in the same job (a trainer of its own, from the start)."""
+    tmp_path, returncode, text, saved, latency, proc = stopped_then_resumed
+    assert returncode == 0, text[-5000:]  # both exited cleanly, after saving
     ends = {int(p): (int(s), flag, names) for p, s, flag, names in END.findall(text)}
     assert set(ends) == {0, 1}, text[-5000:]
     (stop, flag, names), other = ends[0], ends[1]
@@ -95,15 +104,13 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
     assert other == ends[0] and flag == "True", ends
     assert 3 <= stop < STEPS and names == f"'{stop}'"
     assert "done" not in text  # fit raised SystemExit(0): nothing after it ran
-    checkpoints = jd.training.Checkpointer(ckpt)
-    assert checkpoints.all_steps() == [stop]  # one checkpoint, complete
-    checkpoints.close()
+    assert saved == [stop]  # one checkpoint, complete
     print(f"stop latency (SIGTERM to process 1 -> both processes exited): {latency:.2f} s, stopped "
           f"after step {stop}")
     assert latency < 60
 
-    (tmp_path / "straight").mkdir()
-    resumed = _run(ckpt, tmp_path / "resumed", f"straight={tmp_path / 'straight'}", strategy="hsdp")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    resumed = proc.stdout
     first = re.search(r"^\[0\] step (\d+)$", resumed, re.M)
     assert first and int(first.group(1)) == stop + 1  # resumed where both stopped
     # the resumed run's, then the uninterrupted one's, on both processes
@@ -119,19 +126,21 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bitwise(tmp
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_stop_training_on_one_process_stops_both_after_the_same_step(tmp_path):
-    """A callback on process 1 alone sets stop_training: both processes stop after one step and save
-    one checkpoint together (a process leaving the loop alone would deadlock the other's next
+def test_stop_training_on_one_process_stops_both_after_the_same_step(stopped_then_resumed):
+    """A callback on process 1 alone sets stop_training (on MultiWorkerMirroredStrategy, the last
+    run of `stopped_then_resumed`'s resumed job): both processes stop after one step and save one
+    checkpoint together (a process leaving the loop alone would deadlock the other's next
     collective)."""
-    ckpt = tmp_path / "ckpt"
-    text = _run(ckpt, tmp_path / "out", "5")
-    ends = {int(p): (int(s), flag, names) for p, s, flag, names in END.findall(text)}
+    tmp_path, _, _, _, _, proc = stopped_then_resumed
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    text = proc.stdout
+    ends = {int(p): (int(s), flag, names) for p, s, flag, names in STOP_END.findall(text)}
     assert set(ends) == {0, 1} and ends[0] == ends[1], text[-3000:]
     stop, flag, names = ends[0]
     # not preempted: fit returned
     assert 5 <= stop <= 8 and flag == "False" and names == f"'{stop}'"
-    assert "done" in text
-    checkpoints = jd.training.Checkpointer(ckpt)
+    assert "[0] stop: done" in text and "[1] stop: done" in text
+    checkpoints = jd.training.Checkpointer(tmp_path / "stop" / "ckpt")
     assert checkpoints.all_steps() == [stop]
     checkpoints.close()
 

@@ -152,12 +152,13 @@ def assert_bitwise(a, b):
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
-# Both kinds: a linen model's dropout key is the trainer's, an nnx model's lives in its module
-# (nnx.Rngs), saved and restored by another path. Slow because each runs 2 processes (~5 s each:
-# imports, 8 CPU devices, compiles).
-@pytest.mark.parametrize("kind", ["linen", "nnx"])
-def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(kind, tmp_path):
-    sigterm_then_resume(kind, tmp_path)
+def test_sigterm_saves_exits_cleanly_and_resume_is_bitwise_identical(tmp_path):
+    """Slow because it runs 2 processes (~5 s each: imports, 8 CPU devices, compiles). A linen
+    model: an nnx model takes the same exit and the same restore in a fresh process; its own part,
+    the dropout key in its module (nnx.Rngs) saved and resumed bitwise, is
+    test_training_checkpoint::test_resume_is_bitwise_identical[nnx], and its restore in a process of
+    its own is test_sigkill_during_save_leaves_the_previous_checkpoint_restorable[nnx-async]."""
+    sigterm_then_resume("linen", tmp_path)
 
 
 @pytest.mark.timeout(480)

@@ -7,13 +7,14 @@ Keras' terms: ``epochs=3, steps_per_epoch=EPOCH`` over data shuffled per pass, b
 Arguments: checkpoint_dir, out_dir, then options: ``clock`` (``steps=24`` without epochs,
 checkpoint_every=timedelta(milliseconds=1): the time cadence, agreed across the processes; and a
 callback with an epoch hook on process 0 alone, which prints ``pass E ended at step S`` at the end
-of each pass over the data), ``stop`` (process 1 ALONE stops the run at the end of epoch 0, in
-``on_epoch_end``; with a ``ModelCheckpoint`` of the loss into ``out_dir/best`` and
-``DeleteBackups``), ``straight=DIR`` (once fit returned, an uninterrupted run from the start in a
-trainer of its own, without checkpoints, whose final parameters go to ``DIR/params.npz``). Writes
-its pid to ``out_dir/pid_<process>``, prints ``step N`` after every step, ``checkpoint N`` when a
-checkpoint is complete and ``end STEP preempted=BOOL`` when fit ends; process 0 saves the final
-parameters to ``out_dir/params.npz``.
+of each pass over the data), ``straight=DIR`` (once fit returned, an uninterrupted run from the
+start in a trainer of its own, without checkpoints, whose final parameters go to
+``DIR/params.npz``), ``stop=DIR`` (then a run in a trainer of its own, checkpoints in ``DIR/ckpt``,
+that process 1 ALONE stops at the end of epoch 0, in ``on_epoch_end``; with a ``ModelCheckpoint`` of
+the loss into ``DIR/best`` and ``DeleteBackups``; its lines start with ``stop: ``). Writes its pid
+to ``out_dir/pid_<process>``, prints ``step N`` after every step, ``checkpoint N`` when a checkpoint
+is complete and ``end STEP preempted=BOOL`` when fit ends; process 0 saves each run's final
+parameters to ``params.npz`` in its directory.
 """
 
 import datetime
@@ -32,8 +33,9 @@ from gathering import gather  # noqa: E402
 
 EPOCH = 8
 ckpt_dir, out_dir = sys.argv[1], sys.argv[2]
-clock, stop = "clock" in sys.argv[3:], "stop" in sys.argv[3:]
+clock = "clock" in sys.argv[3:]
 straight = [a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("straight=")]
+stopped = [a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("stop=")]
 pid = jax.process_index()
 with open(os.path.join(out_dir, f"pid_{pid}"), "w") as f:
     f.write(str(os.getpid()))
@@ -60,18 +62,21 @@ def ce(logits, y):
 
 
 class Tell(jd.training.Callback):
+    def __init__(self, stop=False):
+        self.stop, self.prefix = stop, "stop: " if stop else ""
+
     def on_step_end(self, trainer, step, metrics):
-        print(f"step {step}", flush=True)
+        print(f"{self.prefix}step {step}", flush=True)
 
     def on_checkpoint(self, trainer, step, path):
-        print(f"checkpoint {step}", flush=True)
+        print(f"{self.prefix}checkpoint {step}", flush=True)
 
     def on_epoch_end(self, trainer, epoch, logs):
-        if stop and epoch == 0 and pid == 1:
+        if self.stop and epoch == 0 and pid == 1:
             self.control.stop()
 
     def on_train_end(self, trainer, history):
-        print(f"end {trainer.step} preempted={history.preempted}", flush=True)
+        print(f"{self.prefix}end {trainer.step} preempted={history.preempted}", flush=True)
 
 
 # on process 0 only: every process must still watch the epochs' ends
@@ -80,12 +85,14 @@ class ChiefPasses(jd.training.Callback):
         print(f"pass {epoch} ended at step {trainer.step}", flush=True)
 
 
-for directory, out in [(ckpt_dir, out_dir)] + [(None, path) for path in straight]:
+runs = ([(ckpt_dir, out_dir, False)] + [(None, path, False) for path in straight]
+        + [(os.path.join(path, "ckpt"), path, True) for path in stopped])
+for directory, out, stop in runs:
     trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce,
                                   train_kwargs={"train": True},
                                   metrics={"accuracy": jd.training.accuracy})
     every = datetime.timedelta(milliseconds=1) if clock else None
-    callbacks = [Tell()]
+    callbacks = [Tell(stop)]
     if stop:
         callbacks += [jd.training.ModelCheckpoint(os.path.join(out, "best"), monitor="loss"),
                       jd.training.DeleteBackups()]

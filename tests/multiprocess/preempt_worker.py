@@ -1,47 +1,42 @@
 """One process of the coordinated-preemption test (run through jaxdist.launch by
 tests/test_multihost_preemption.py).
 
-``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices, on
-MultiWorkerMirroredStrategy or, with ``WORKER_STRATEGY=hsdp``, on ShardedStrategy with HSDP over the
-user's ``("data", "fsdp")`` mesh. Arguments: checkpoint_dir ("" for none), out_dir, steps, and
-optionally stop_at: process 1 ALONE sets ``trainer.stop_training`` after that step, or
-``straight=DIR``: once fit returned, an uninterrupted run from the start in a trainer of its own (no
-checkpoints), whose final parameters go to ``DIR/params.npz``. Writes its pid to
-``out_dir/pid_<process>`` (the test signals ONE process), prints ``step N`` after every step and
-``end STEP preempted=BOOL checkpoints=[...]`` when fit ends; process 0 saves the final parameters to
-``out_dir/params.npz`` when fit returns.
+``Trainer.fit`` of a small dropout MLP on 2 processes x 4 CPU devices, on ShardedStrategy with HSDP
+over the user's ``("data", "fsdp")`` mesh (the processes connected by hand, as lm1b / MaxText users
+do). Arguments: checkpoint_dir ("" for none), out_dir, steps, and optionally ``straight=DIR``: once
+fit returned, an uninterrupted run from the start in a trainer of its own (no checkpoints), whose
+final parameters go to ``DIR/params.npz``, and ``stop=DIR``: then a run on
+MultiWorkerMirroredStrategy (joining the same connection) in a trainer of its own, checkpoints in
+``DIR/ckpt``, whose process 1 ALONE sets ``trainer.stop_training`` after step 5, its lines starting
+with ``stop: ``. Writes its pid to ``out_dir/pid_<process>`` (the test signals ONE process), prints
+``step N`` after every step, ``end STEP preempted=BOOL checkpoints=[...]`` when fit ends and
+``done`` when it returned; process 0 saves each run's final parameters to ``params.npz`` in its
+directory when fit returns.
 """
 
 import os
 import sys
 
+import flax.linen as nn
 import jax
 import numpy as np
-
-import jaxdist as jd
-
-# HSDP on the user's mesh: 'data' across processes x 'fsdp'
-if os.environ.get("WORKER_STRATEGY") == "hsdp":
-    # by hand, as lm1b / MaxText users do
-    jax.distributed.initialize(heartbeat_timeout_seconds=10, **{
-        "coordinator_address": os.environ["JAXDIST_COORDINATOR_ADDRESS"],
-        "num_processes": int(os.environ["JAXDIST_NUM_PROCESSES"]),
-        "process_id": int(os.environ["JAXDIST_PROCESS_ID"]),
-    })
-    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(2, 4)
-    strategy = jd.ShardedStrategy(mesh=jax.sharding.Mesh(devices, ("data", "fsdp")),
-                                  batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1)
-else:
-    # before any computation
-    strategy = jd.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=10)
-
-import flax.linen as nn
 import optax
 from gathering import gather
 
+import jaxdist as jd
+
+# HSDP on the user's mesh: 'data' across processes x 'fsdp'; connected by hand
+jax.distributed.initialize(heartbeat_timeout_seconds=10, **{
+    "coordinator_address": os.environ["JAXDIST_COORDINATOR_ADDRESS"],
+    "num_processes": int(os.environ["JAXDIST_NUM_PROCESSES"]),
+    "process_id": int(os.environ["JAXDIST_PROCESS_ID"]),
+})
+devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(2, 4)
+strategy = jd.ShardedStrategy(mesh=jax.sharding.Mesh(devices, ("data", "fsdp")),
+                              batch_axes=("data", "fsdp"), fsdp_axes="fsdp", min_shard_size=1)
 ckpt_dir, out_dir, steps = sys.argv[1] or None, sys.argv[2], int(sys.argv[3])
-stop_at = next((int(a) for a in sys.argv[4:] if a.isdigit()), None)
 straight = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("straight=")]
+stopped = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("stop=")]
 pid = jax.process_index()
 with open(os.path.join(out_dir, f"pid_{pid}"), "w") as f:
     f.write(str(os.getpid()))
@@ -67,22 +62,31 @@ def ce(logits, y):
 
 
 class Tell(jd.training.Callback):
+    def __init__(self, stop_at, prefix=""):
+        self.stop_at, self.prefix = stop_at, prefix
+
     def on_step_end(self, trainer, step, metrics):
-        print(f"step {step}", flush=True)
-        if step == stop_at and pid == 1:
+        print(f"{self.prefix}step {step}", flush=True)
+        if step == self.stop_at and pid == 1:
             trainer.stop_training = True
 
     def on_train_end(self, trainer, history):
         names = [os.path.basename(p) for p in history.checkpoints]
-        print(f"end {trainer.step} preempted={history.preempted} checkpoints={names}", flush=True)
+        print(f"{self.prefix}end {trainer.step} preempted={history.preempted} checkpoints={names}",
+              flush=True)
 
 
-for directory, out in [(ckpt_dir, out_dir)] + [(None, path) for path in straight]:
-    trainer = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce,
+runs = ([(strategy, ckpt_dir, out_dir, Tell(None))]
+        + [(strategy, None, path, Tell(None)) for path in straight]
+        # the connection is made: this strategy joins it
+        + [(jd.MultiWorkerMirroredStrategy(), os.path.join(path, "ckpt"), path, Tell(5, "stop: "))
+           for path in stopped])
+for run_strategy, directory, out, tell in runs:
+    trainer = jd.training.Trainer(run_strategy, MLP(), optax.adam(1e-2), ce,
                                   train_kwargs={"train": True})
     # SystemExit(0) if preempted
-    trainer.fit(data_fn, steps=steps, checkpoint_dir=directory, verbose=0, callbacks=[Tell()])
+    trainer.fit(data_fn, steps=steps, checkpoint_dir=directory, verbose=0, callbacks=[tell])
     leaves = jax.tree.leaves(gather(trainer.params))  # whole, even if sharded
     if pid == 0:
         np.savez(os.path.join(out, "params.npz"), *[np.asarray(a) for a in leaves])
-    print("done", flush=True)
+    print(f"{tell.prefix}done", flush=True)

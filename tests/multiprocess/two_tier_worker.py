@@ -6,8 +6,10 @@ every kernel), with the persistent tier every 10 steps and the local tier every 
 checkpoint_dir, local directory (with ``{process}``), out_dir, steps, then options: ``kill=N``
 (process 1 SIGKILLs itself after step N, once process 0's local step N - 1 is complete: a lost
 host), ``straight=DIR`` (then an uninterrupted run from the start, no checkpoints, its final
-parameters to ``DIR/params.npz``). Prints ``step N`` after every step; process 0 saves the final
-parameters (gathered) to ``out_dir/params.npz``.
+parameters to ``DIR/params.npz``), ``both_lost=DIR`` (then a restart from ``DIR/ckpt`` whose local
+directories ``DIR/local-{process}`` are both gone, printing ``both lost: step N``). Prints
+``step N`` after every step; process 0 saves the final parameters (gathered) to
+``out_dir/params.npz``.
 """
 
 import os
@@ -52,13 +54,19 @@ def ce(logits, y):
 
 
 class Tell(jd.training.Callback):
+    def __init__(self, prefix=""):
+        self.prefix = prefix
+
     def on_step_end(self, trainer, step, metrics):
-        print(f"step {step}", flush=True)
-        # a lost host, once process 0's local step before it is written
+        print(f"{self.prefix}step {step}", flush=True)
+        # a lost host, once process 0's local step before it is written and the persistent step
+        # of the tens before it committed (an asynchronous save: on a loaded machine still in
+        # flight five steps later)
         if step == kill and pid == 1:
-            done = os.path.join(local_dir.replace("{process}", "0"), str(step - 1))
+            done = [os.path.join(local_dir.replace("{process}", "0"), str(step - 1)),
+                    os.path.join(ckpt_dir, str(step // 10 * 10))]
             deadline = time.monotonic() + 60
-            while not os.path.isdir(done) and time.monotonic() < deadline:
+            while not all(map(os.path.isdir, done)) and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -75,4 +83,10 @@ if "straight" in options:
     leaves = jax.tree.leaves(gather(again.params))
     if pid == 0:
         np.savez(os.path.join(options["straight"], "params.npz"), *[np.asarray(a) for a in leaves])
+if "both_lost" in options:
+    again = jd.training.Trainer(strategy, MLP(), optax.adam(1e-2), ce, train_kwargs={"train": True})
+    again.fit(data_fn, steps=steps, checkpoint_dir=os.path.join(options["both_lost"], "ckpt"),
+              checkpoint_every=10,
+              local_checkpoint_dir=os.path.join(options["both_lost"], "local-{process}"),
+              local_checkpoint_every=2, verbose=0, callbacks=[Tell("both lost: ")])
 print("done", flush=True)
