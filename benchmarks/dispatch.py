@@ -28,8 +28,9 @@ starts):
   steps per block (limit: 25 us); also both sides' Python function calls per step, counted once
   under cProfile: a figure the machine's load does not move.
 
-Run: ``python -m benchmarks.dispatch`` (``--smoke``: short blocks, a check that it runs). Writes
-``benchmarks/results/<date>-<backend>-dispatch.md`` and ``.json``.
+Run: ``python -m benchmarks.dispatch`` (``--smoke``: short blocks, a check that it runs;
+``--cases trainer``: only the cases whose name contains ``trainer``). Writes
+``benchmarks/results/<date>-<backend>-dispatch[-<cases>].md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -377,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     table = markdown(rows)
     print(table)
-    kind = "-smoke" if args.smoke else ""
+    # a selection is a table of its own: it never overwrites the day's full one
+    kind = (f"-{args.cases}" if args.cases else "") + ("-smoke" if args.smoke else "")
     write_table(args.out, f"{rows[0]['machine']['date'][:10]}-{rows[0]['backend']}-dispatch{kind}",
                 table, rows)
     return 0
