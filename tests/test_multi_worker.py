@@ -251,3 +251,33 @@ def test_launcher_command_line_errors(capsys):
     with pytest.raises(SystemExit):
         main(["-n", "2"])
     assert "no script given" in capsys.readouterr().err
+
+
+class _FakeEnv:
+    """A JAX cluster detector stand-in: present or not, as set."""
+
+    opt_in_only_method = False
+    present = False
+
+    @classmethod
+    def is_env_present(cls) -> bool:
+        return cls.present
+
+
+@pytest.mark.parametrize(("present", "started", "connects"), [
+    (False, False, False),  # no detector finds its environment: this process alone
+    (True, False, True),  # one does (a TPU pod, Kubernetes): JAX connects with its detection
+    (True, True, False),  # JAX already runs here: too late to connect, this process alone
+])
+def test_jax_detection_connects_only_where_a_detector_finds_its_environment(
+        monkeypatch, present, started, connects):
+    """Decided from JAX's detectors and whether its backend runs, never from an error's words."""
+    from jaxdist.job import _join
+
+    calls = []
+    monkeypatch.setattr(_FakeEnv, "present", present)
+    monkeypatch.setattr(_join._ClusterEnv, "_cluster_types", [_FakeEnv])
+    monkeypatch.setattr(_join, "_backends_started", lambda: started)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    _join._jax_detection({"initialization_timeout": 7})
+    assert calls == ([{"initialization_timeout": 7}] if connects else [])

@@ -32,6 +32,11 @@ try:  # JAX's cluster detectors, to tell a job of several processes that was nev
     from jax._src.clusters import ClusterEnv as _ClusterEnv
 except ImportError:  # pragma: no cover - JAX moved them: no detection beyond JAXDIST_*
     _ClusterEnv = None
+try:  # whether this process's JAX already runs (then it is too late to connect it to others)
+    from jax._src.xla_bridge import backends_are_initialized as _backends_started
+except ImportError:  # pragma: no cover - JAX moved it: jax.distributed.initialize says so itself
+    def _backends_started() -> bool:
+        return False
 
 __all__ = [
     "CLUSTER_VARIABLES",
@@ -165,18 +170,7 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
         _jax_detection(timeouts)
         set_heartbeat_timeout(heartbeat_timeout_seconds)
         return
-    try:
-        if cluster is not None:
-            jax.distributed.initialize(*cluster, **timeouts)
-        else:
-            # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
-            jax.distributed.initialize(**timeouts)
-        # a silent peer is said before JAX's service acts
-        set_heartbeat_timeout(heartbeat_timeout_seconds)
-        guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
-    except RuntimeError as err:
-        if "before" not in str(err) or not ("computation" in str(err) or "backend" in str(err)):
-            raise
+    if _backends_started():
         where = (
             f"the {detected[0]} environment"
             if cluster is None
@@ -185,8 +179,17 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
         raise RuntimeError(
             f"{caller} must come before any JAX computation or device query in this process: "
             f"{where} describes a job of several processes, and jax.distributed.initialize has to "
-            f"connect them first ({err}). Call it (create the strategy) at the top of your program."
-        ) from None
+            "connect them before JAX starts its backend. Call it (create the strategy) at the top "
+            "of your program."
+        )
+    if cluster is not None:
+        jax.distributed.initialize(*cluster, **timeouts)
+    else:
+        # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
+        jax.distributed.initialize(**timeouts)
+    # a silent peer is said before JAX's service acts
+    set_heartbeat_timeout(heartbeat_timeout_seconds)
+    guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
 
 
 # JAX's detectors that read only environment variables
@@ -194,19 +197,15 @@ _ENV_DETECTORS = ("SlurmCluster", "OmpiCluster")
 
 
 def _jax_detection(timeouts: dict) -> None:
-    """``jax.distributed.initialize()`` with JAX's own detection (TPU pods, Kubernetes, ...);
-    nothing found, or JAX already running without a cluster: this process alone."""
-    try:
-        jax.distributed.initialize(**timeouts)
-    except (ValueError, RuntimeError) as err:
-        text = str(err)
-        if (
-            "coordinator_address" in text
-            or "cluster" in text.lower()
-            or "must be called before" in text
-        ):
-            return
-        raise
+    """``jax.distributed.initialize()`` where one of JAX's own detectors finds its environment (TPU
+    pods, Kubernetes, ...: the ones ``initialize`` itself would pick); none found, or JAX already
+    running in this process: this process alone."""
+    if _ClusterEnv is None or _backends_started():
+        return
+    if not any(not env.opt_in_only_method and env.is_env_present()
+               for env in _ClusterEnv._cluster_types):
+        return
+    jax.distributed.initialize(**timeouts)
 
 
 def detected_cluster() -> tuple[str, int] | None:
