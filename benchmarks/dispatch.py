@@ -291,6 +291,22 @@ def measure(devices: int, pairs: int, calls: int, steps: int,
     return out
 
 
+def _sides_table(rows: list[dict[str, Any]], key: str, title: str, fmt: str,
+                 extra: bool = False) -> list[str]:
+    """A table of both sides' ``row[key]`` (``{"candidate": x, "baseline": y}``) for the rows that
+    have it (with ``extra``, also jaxdist minus hand-written); no lines when none has."""
+    have = [r for r in rows if key in r]
+    if not have:
+        return []
+    head = "| case | jaxdist | hand-written |" + (" extra |" if extra else "")
+    lines = ["", title, "", head, "|---" * head.count(" |") + "|"]
+    for r in have:
+        a, b = r[key]["candidate"], r[key]["baseline"]
+        lines.append(f"| {r['case']} | {fmt.format(a)} | {fmt.format(b)} |"
+                     + (f" {a - b:+.1f} |" if extra else ""))
+    return lines
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The table: one row per case."""
     first = rows[0]["machine"] if rows else {"date": "", "backend": "?"}
@@ -308,27 +324,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['case']} | {r['devices']} | {q['median']:+.2f} | [{q['ci_low']:+.2f}, "
                      f"{q['ci_high']:+.2f}] | {r['candidate_us']:.1f} | {r['baseline_us']:.1f} | "
                      f"{r['ratio']:.3f} | <= {r['limit_us']:g}: {met} |")
-    firsts = [r for r in rows if "first_call_s" in r]
-    if firsts:
-        lines += ["",
-                  "First call (trace and compile; for `strategy.run` also the on-device check of "
-                  "its mirrored outputs and the compile of the program later calls run), wall "
-                  "seconds:", "",
-                  "| case | jaxdist s | hand-written s |", "|---|---|---|"]
-        lines += [f"| {r['case']} | {r['first_call_s']['candidate']:.3f} | "
-                  f"{r['first_call_s']['baseline']:.3f} |"
-                  for r in firsts]
-    counted = [r for r in rows if "calls_per_step" in r]
-    if counted:
-        lines += ["",
-                  "Python function calls per optimizer step on the calling thread (C builtins "
-                  "included; one block each, under cProfile): a count, which load does not change "
-                  "as it changes the times above:", "",
-                  "| case | jaxdist | hand-written | extra |", "|---|---|---|---|"]
-        lines += [f"| {r['case']} | {r['calls_per_step']['candidate']:.1f} | "
-                  f"{r['calls_per_step']['baseline']:.1f} | "
-                  f"{r['calls_per_step']['candidate'] - r['calls_per_step']['baseline']:+.1f} |"
-                  for r in counted]
+    lines += _sides_table(
+        rows, "first_call_s", "First call (trace and compile; for `strategy.run` also the "
+        "on-device check of its mirrored outputs and the compile of the program later calls "
+        "run), wall seconds:", "{:.3f}")
+    lines += _sides_table(
+        rows, "calls_per_step", "Python function calls per optimizer step on the calling thread "
+        "(C builtins included; one block each, under cProfile): a count, which load does not "
+        "change as it changes the times above:", "{:.1f}", extra=True)
     return "\n".join(lines) + "\n"
 
 
