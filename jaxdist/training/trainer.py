@@ -364,9 +364,8 @@ class Trainer:
         return self._live.sums("pop_running_sums")
 
     def peek_running_sums(self) -> PackedSums:
-        """The running sums `pop_running_sums` would return, without restarting them (read them
-        before the next step, which updates them in place): ``fit`` reads the non-finite steps'
-        record in them before a checkpoint.
+        """The running sums `pop_running_sums` would return, without restarting them: ``fit``
+        reads the non-finite steps' record in them before a checkpoint.
 
         Returns:
             The `PackedSums`, as `pop_running_sums`.
