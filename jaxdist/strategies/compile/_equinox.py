@@ -6,8 +6,8 @@ objects and Python values; `jax.jit` refuses those as arguments. ``strategy.jit`
 with an Equinox module among its arguments splits every argument the way ``eqx.filter_jit`` does
 (``eqx.is_array`` leaves traced and laid out like any pytree's, the rest part of the compiled
 program), and outputs the same way: the static leaves of the step's outputs are recorded when it is
-traced and put back after each call. Equinox is optional: without it installed no argument is an
-Equinox module.
+traced and put back after each call. Equinox is optional and never imported here: while a process
+has not imported it, no argument is an Equinox module.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from typing import Any
 
 import jax
 
-try:
-    import equinox as eqx
-except ImportError:  # the extra is not installed: nothing here applies
-    eqx = None
+from jaxdist.replicate.trees import equinox
 
 __all__ = ["Static", "combine", "holds_module", "partition"]
 
@@ -32,6 +29,7 @@ def holds_module(args: tuple, kwargs: dict) -> bool:
         >>> holds_module((1.0,), {})
         False
     """
+    eqx = equinox()
     return eqx is not None and any(isinstance(a, eqx.Module) for a in (*args, *kwargs.values()))
 
 
@@ -58,7 +56,10 @@ class Static:
 
 
 def _is_traced(x: Any) -> bool:
-    return isinstance(x, (jax.Array, jax.core.Tracer)) or (eqx is not None and eqx.is_array(x))
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return True
+    eqx = equinox()
+    return eqx is not None and eqx.is_array(x)
 
 
 def partition(tree: Any) -> tuple[Any, Static]:
