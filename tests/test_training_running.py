@@ -187,3 +187,28 @@ def test_packing_keeps_every_part():
     assert jax.tree.map(lambda a, b: bool(np.asarray(a) == np.asarray(b)), host,
                         sums) == jax.tree.map(
         lambda _: True, host)
+
+
+@pytest.mark.parametrize("looped", [False, True], ids=["step-by-step", "on-device-loop"])
+def test_each_window_starts_from_zeros_placed_once(looped, monkeypatch):
+    """A window's sums start from zeros placed on the devices once and passed to the step that
+    starts each window (the step does not consume them); an on-device loop consumes its starting
+    sums, so each window after one gets zeros placed again. Sums peeked between steps stay
+    readable after the next step."""
+    from jaxdist.training.step import _compiled
+
+    trainer = make_trainer(make("mirrored_8"))
+    train(trainer, [batch(1.0, MASKS[1])], looped)
+    trainer.pop_running_sums()  # the zeros are placed here, laid out as the sums were
+    placed, put = [], _compiled.put
+    monkeypatch.setattr(_compiled, "put", lambda *a: placed.append(a) or put(*a))
+    for _ in range(3):
+        train(trainer, [batch(2.0, MASKS[1])] * 2, looped)
+        if not looped:
+            peeked = trainer.peek_running_sums()
+        train(trainer, [batch(5.0, MASKS[1])], looped)
+        if not looped:
+            assert int(peeked.to_host().steps) == 2 and peeked.to_host().mean("mean_y") == 2.0
+        sums = trainer.pop_running_sums().to_host()
+        assert int(sums.steps) == 3 and sums.mean("mean_y") == pytest.approx(3.0)
+    assert len(placed) == (2 if looped else 0)

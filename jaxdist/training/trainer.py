@@ -365,7 +365,9 @@ class Trainer:
 
     def peek_running_sums(self) -> PackedSums:
         """The running sums `pop_running_sums` would return, without restarting them: ``fit``
-        reads the non-finite steps' record in them before a checkpoint.
+        reads the non-finite steps' record in them before a checkpoint. They stay readable after
+        later ``train_on_batch`` steps; an on-device loop (``train_on_batches``) takes them over:
+        read them before it.
 
         Returns:
             The `PackedSums`, as `pop_running_sums`.
