@@ -92,6 +92,22 @@ def test_an_unhashable_non_array_leaf_is_an_error_naming_the_fix():
         jd.OneDeviceStrategy().jit(lambda h: h.weight * 2)(holder)
 
 
+def test_errors_and_warnings_name_the_users_positions_with_a_module_among_the_arguments():
+    """With an Equinox module among the arguments the step runs over their arrays, its non-array
+    leaves one static argument after them: what jaxdist says names each argument where the user
+    put it (x is argument 2 here, as without the module), so the fix it suggests is the right one."""
+    strategy = jd.MirroredStrategy()
+    model, opt_state = init()
+    x, y = (a[0] for a in data())
+    step = strategy.jit(train_step, batch_argnums=(2, 3))
+    with pytest.raises(ValueError, match=r"rows of argument 2 \(in batch_argnums\) 10"):
+        step(model, opt_state, x[:10], y[:10])
+    undeclared = strategy.jit(lambda model, x: jax.vmap(model)(x).sum())
+    with pytest.warns(jd.UndeclaredBatchWarning,
+                      match=r"argument 0 holds unplaced arrays \(e\.g\. argument 0\.layers\[0\]"):
+        undeclared(model, x)
+
+
 def replica_step(model, opt_state, x, y):
     """The per-replica port of `train_step` (tf.distribute's shape): local gradients,
     all-reduced."""

@@ -173,8 +173,8 @@ class StrategyFunction:
         self._tells_provenance = self._provenance.tells
         self._out_layouts = out_layouts
         self._module_arrays = _module_arrays  # this is the program over Equinox arguments' arrays
-        # that program, for calls with Equinox arguments
-        self._modules: StrategyFunction | None = None
+        # that program, for calls with Equinox arguments, by the number of positional arguments
+        self._modules: dict[int, StrategyFunction] = {}
         # the static part of its outputs, recorded when traced
         self._module_outputs: dict[Static, Static] = {}
         # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's
@@ -259,35 +259,36 @@ class StrategyFunction:
         skip = set(self._static) | set(nodes)
         return {**kwargs, PADDING: padding_argument(args, bound_kwargs, skip, self._static_names)}
 
-    def _module_step(self) -> StrategyFunction:
-        """This step over its arguments' arrays, for calls with an Equinox module among them: the
-        non-array leaves of every argument are one static argument (``eqx.filter_jit``'s rule);
-        donated and declared batch arguments keep their positions and names."""
-        if self._modules is None:
+    def _module_step(self, count: int) -> StrategyFunction:
+        """This step over its arguments' arrays, for calls with an Equinox module among their
+        ``count`` positional arguments: the non-array leaves of every argument are one static
+        argument after them (``eqx.filter_jit``'s rule), so each argument keeps its position and
+        name (in the declarations and in what errors and warnings say)."""
+        step = self._modules.get(count)
+        if step is None:
             fn, outputs = self._fn, self._module_outputs
 
-            def arrays_step(static: Static, *arrays: Any, **named_arrays: Any) -> Any:
-                args, kwargs = combine((arrays, named_arrays), static)
+            def arrays_step(*arrays: Any, **named_arrays: Any) -> Any:
+                *arrays, static = arrays
+                args, kwargs = combine((tuple(arrays), named_arrays), static)
                 out_arrays, outputs[static] = partition(fn(*args, **kwargs))
                 return out_arrays
 
             arrays_step.__name__ = arrays_step.__qualname__ = fn_name(fn)
-            self._modules = StrategyFunction(
-                self._policy, self._programs, arrays_step,
-                donate_argnums=tuple(i + 1 for i in self._donate),
-                static_argnums=0, batch_argnums=None if self._batch is None
-                else tuple(i + 1 for i in self._batch),
+            step = self._modules[count] = StrategyFunction(
+                self._policy, self._programs, arrays_step, donate_argnums=self._donate,
+                static_argnums=count, batch_argnums=self._batch,
                 donate_argnames=self._donate_names, batch_argnames=self._batch_names or None,
                 out_layouts=self._out_layouts, axis_types=self._axis_types, _module_arrays=True)
-        return self._modules
+        return step
 
     def _call_modules(self, stage: str | None, args: tuple, kwargs: dict) -> Any:
         args, kwargs = self._bind(args, kwargs)
         (arrays, named_arrays), static = partition((args, kwargs))
-        step = self._module_step()
+        step = self._module_step(len(arrays))
         if stage is not None:
-            return getattr(step, stage)(static, *arrays, **named_arrays)
-        return combine(step(static, *arrays, **named_arrays), self._module_outputs[static])
+            return getattr(step, stage)(*arrays, static, **named_arrays)
+        return combine(step(*arrays, static, **named_arrays), self._module_outputs[static])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The express path: a positional call whose argument types were seen before goes straight to
