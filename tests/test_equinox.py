@@ -95,7 +95,8 @@ def test_an_unhashable_non_array_leaf_is_an_error_naming_the_fix():
 def test_errors_and_warnings_name_the_users_positions_with_a_module_among_the_arguments():
     """With an Equinox module among the arguments the step runs over their arrays, its non-array
     leaves one static argument after them: what jaxdist says names each argument where the user
-    put it (x is argument 2 here, as without the module), so the fix it suggests is the right one."""
+    put it (x is argument 2 here, as without the module), so the fix it suggests is the right
+    one."""
     strategy = jd.MirroredStrategy()
     model, opt_state = init()
     x, y = (a[0] for a in data())
