@@ -29,8 +29,9 @@ starts):
   under cProfile: a figure the machine's load does not move.
 
 Run: ``python -m benchmarks.dispatch`` (``--smoke``: short blocks, a check that it runs;
-``--cases trainer``: only the cases whose name contains ``trainer``). Writes
-``benchmarks/results/<date>-<backend>-dispatch[-<cases>].md`` and ``.json``.
+``--cases trainer``: only the cases whose name contains ``trainer``; the trainer cases run a quarter
+of ``--pairs``, so ``--cases trainer --pairs 400`` gives each 100 pairs, about a minute a case).
+Writes ``benchmarks/results/<date>-<backend>-dispatch[-<cases>].md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -343,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
                         help=f"results folder (default {RESULTS})")
     parser.add_argument("--pairs", type=int, default=30,
-                        help="pairs of blocks per case (default 30)")
+                        help="pairs of blocks per case (default 30); the trainer cases take a "
+                             "quarter of them (each of their blocks is a fit of --steps steps)")
     parser.add_argument("--calls", type=int, default=1000,
                         help="calls per block on one device, an eighth of it on 8 (default 1000)")
     parser.add_argument("--steps", type=int, default=TRAINER_STEPS, help="Trainer steps per block")
