@@ -225,7 +225,7 @@ class CompiledSteps:
                                               or self._zeros.shape != vector.shape):
             # placed from the host (a few bytes), not built by a program of its own: one compile
             # less per fit
-            self._zeros = put(np.zeros(vector.shape, vector.dtype), vector.sharding)
+            self._zeros = put(self._zero.vector, vector.sharding)
         return sums
 
     def peek_sums(self, state: TrainState) -> PackedSums:
