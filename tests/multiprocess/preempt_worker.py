@@ -25,8 +25,11 @@ from gathering import gather
 
 import jaxdist as jd
 
-# HSDP on the user's mesh: 'data' across processes x 'fsdp'; connected by hand
-jax.distributed.initialize(heartbeat_timeout_seconds=10, **{
+# HSDP on the user's mesh: 'data' across processes x 'fsdp'; connected by hand. No scenario
+# here waits for a dead peer's heartbeats (the launcher stops the job when a process dies), so
+# the timeout is long: at 10 s a loaded 2-core machine starved the coordination service and both
+# processes were declared dead (1 of ~6 suite runs on 2026-12-02).
+jax.distributed.initialize(heartbeat_timeout_seconds=60, **{
     "coordinator_address": os.environ["JAXDIST_COORDINATOR_ADDRESS"],
     "num_processes": int(os.environ["JAXDIST_NUM_PROCESSES"]),
     "process_id": int(os.environ["JAXDIST_PROCESS_ID"]),
