@@ -21,6 +21,7 @@ from jaxdist.replicate.values import PerReplica, SyncOnRead
 
 __all__ = [
     "abstract",
+    "describe",
     "equinox",
     "fn_name",
     "hashable",
@@ -187,6 +188,19 @@ def hashable(values: tuple) -> Hashable:
         return values
     except TypeError:
         return tuple(id(v) for v in values)
+
+
+def describe(names: Sequence[str], limit: int = 3) -> str:
+    """``names`` (leaf paths, files, outputs) for a message: the first ``limit`` and how many more.
+
+    Examples:
+        >>> describe(["a", "b", "c", "d"], limit=2)
+        'a, b and 2 more'
+        >>> describe(["a", "b"])
+        'a, b'
+    """
+    shown = ", ".join(names[:limit])
+    return f"{shown} and {len(names) - limit} more" if len(names) > limit else shown
 
 
 def fn_name(fn: Callable | Any) -> str:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.replicate.collectives import AxisName, to_varying
+from jaxdist.replicate.trees import describe
 
 __all__ = ["CHECK_MIRRORED_ENV", "agreement", "check_mirrored_arg", "fingerprint",
            "raise_on_disagreement"]
@@ -107,11 +108,10 @@ def raise_on_disagreement(fn: str, paths: Sequence[str], agreed: jax.Array) -> N
     flags = np.asarray(agreed.addressable_data(0) if isinstance(agreed, jax.Array) else agreed)
     differ = [p for p, ok in zip(paths, flags.tolist(), strict=True) if not ok]
     if differ:
-        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise RuntimeError(
-            f"strategy.run({fn}): {shown} was proven the same on every replica and would come back "
-            "mirrored, but on device the replicas hold different values (checked at the first "
-            "call). Combine the replicas' values before returning them: "
+            f"strategy.run({fn}): {describe(differ)} was proven the same on every replica and "
+            "would come back mirrored, but on device the replicas hold different values (checked "
+            "at the first call). Combine the replicas' values before returning them: "
             "jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, value) (or declare a value kept "
             "apart on purpose with ctx.per_replica(value)). Please report this program: the "
             "analysis should not have proven it (a non-deterministic operation, such as a "

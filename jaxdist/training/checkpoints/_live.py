@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.replicate.trees import is_distributed
+from jaxdist.replicate.trees import describe, is_distributed
 from jaxdist.training.checkpoints._checkpointer import Checkpointer
 from jaxdist.training.checkpoints._load import assemble, checked_pieces
 from jaxdist.training.data import (
@@ -38,7 +38,6 @@ from jaxdist.training.step import (
     TrainState,
     abstract_state,
     check_int,
-    describe,
     non_finite_leaves,
     params_target,
     restore_state,

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from jaxdist.replicate.trees import describe
 from jaxdist.training.checkpoints._claim import CheckpointConflictError
 from jaxdist.training.checkpoints._damage import checksums
 
@@ -134,9 +135,9 @@ def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) 
         differ = [p for p, v in here.items() if p in sums and list(sums[p]) != v]
     if not differ:
         return
-    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
     raise CheckpointConflictError(
-        f"checkpoint step {step} in {directory!r} already exists with other contents ({shown} "
+        f"checkpoint step {step} in {directory!r} already exists with other contents "
+        f"({describe(differ)} "
         "differ): saving over it would keep the old state under this step. Another run wrote this "
         "directory, or this run went back without restore_step=. Fix: pass a fresh directory, "
         "resume from the newest checkpoint "

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxdist.replicate.trees import describe
 from jaxdist.strategies.layout import is_own, mark
 from jaxdist.training.checkpoints._damage import (
     CheckpointCorruptedError,
@@ -100,10 +101,8 @@ def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict
     missing = missing_parts(os.path.join(directory, str(step)))
     # cut short (a save or a delete killed, a copy that stopped): orbax's errors would not say so
     if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3
-                                          else "")
         raise UnsearchedDamage(step, directory,
-                               f"{shown} missing: partly written or partly deleted")
+                               f"{describe(missing)} missing: partly written or partly deleted")
     try:
         info = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except (FileNotFoundError, KeyError, ValueError) as error:

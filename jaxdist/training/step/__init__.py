@@ -32,7 +32,6 @@ from jaxdist.training.step._non_finite import NonFiniteGuard as NonFiniteGuard
 from jaxdist.training.step._non_finite import NonFinitePolicy as NonFinitePolicy
 from jaxdist.training.step._non_finite import NonFiniteRecord as NonFiniteRecord
 from jaxdist.training.step._non_finite import Window as Window
-from jaxdist.training.step._non_finite import describe as describe
 from jaxdist.training.step._non_finite import log_values as log_values
 from jaxdist.training.step._non_finite import non_finite_leaves as non_finite_leaves
 from jaxdist.training.step._running import Average as Average
@@ -44,7 +43,7 @@ __all__ = [
     "NonFiniteGuard",
     "NonFinitePolicy", "NonFiniteRecord", "PackedSums", "RunningSums", "TrainState", "Window",
     "abstract_state",
-    "accuracy", "as_model", "averaged", "check_ema_decay", "check_int", "check_losses", "describe",
+    "accuracy", "as_model", "averaged", "check_ema_decay", "check_int", "check_losses",
     "log_values",
     "make_train_step", "non_finite_leaves", "params_target", "restore_state", "restore_target",
     "state_builder", "state_keys", "with_ema",

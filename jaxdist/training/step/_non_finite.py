@@ -32,7 +32,7 @@ steps, a state refused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -51,7 +51,6 @@ __all__ = [
     "NonFinitePolicy",
     "NonFiniteRecord",
     "Window",
-    "describe",
     "keep_if_finite",
     "log_values",
     "non_finite_leaves",
@@ -246,17 +245,6 @@ def non_finite_leaves(state: Any) -> list[str]:
         flags = np.asarray(_PROGRAM([leaf for _, leaf, _ in leaves],
                                     tuple(nan for _, _, nan in leaves)))
     return [path for (path, _, _), bad in zip(leaves, flags, strict=True) if bad]
-
-
-def describe(paths: Sequence[str], limit: int = 3) -> str:
-    """``paths`` for a message: the first ``limit`` and how many more.
-
-    Examples:
-        >>> describe(["a", "b", "c", "d"], limit=2)
-        'a, b and 2 more'
-    """
-    shown = ", ".join(paths[:limit])
-    return f"{shown} and {len(paths) - limit} more" if len(paths) > limit else shown
 
 
 # The host's part: the policy, and the guard that applies it at each look.
