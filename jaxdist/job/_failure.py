@@ -24,7 +24,9 @@ process):
   batches).
 * `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`); when one
   comes, it prints it and ends this process with status 1, wherever the main thread is blocked (a
-  collective, a checkpoint write).
+  collective, a checkpoint write). On process 0 it first waits (bounded) until the failing process
+  is on its way out: process 0 hosts the coordination service, and its exit aborts every process
+  still connected (exit status -6 in place of the failing process's 1).
 
 So every process of a failing job exits non-zero within about ``POLL_SECONDS + EXIT_SECONDS`` of the
 failure (11 s by default), each saying which process failed and why; the launcher (``python -m
@@ -318,6 +320,24 @@ def _await_acknowledgements(dead: int | None = None) -> None:
                                               max(1, int(1000 * (deadline - time.monotonic()))))
     if me == 0 and any(pid not in (me, dead) for pid in range(jax.process_count())):
         time.sleep(0.5)
+    elif me != 0:  # process 0's monitor waits for this before it exits (`_acknowledge`)
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{_FAILURE_KEY}/leaving/{me}", "1")
+
+
+def _acknowledge(client: Any, me: int, teller: str) -> None:
+    """Say this process's monitor has printed the failure ``teller`` (a process index) posted. On
+    the coordination service's host (process 0) first wait (bounded) until the teller is on its way
+    out: process 0's exit ends the service, and with it, within a millisecond, every process still
+    connected (JAX's abort, exit status -6), the teller among them."""
+    with contextlib.suppress(Exception):
+        client.key_value_set(f"{_FAILURE_KEY}/seen/{me}", "1")
+    if me != 0 or teller in ("", str(me)):
+        return
+    with contextlib.suppress(Exception):  # a teller that died first: the deadline stands
+        client.blocking_key_value_get(f"{_FAILURE_KEY}/leaving/{teller}",
+                                      int(1000 * (2 * POLL_SECONDS + 2.0)))
+    time.sleep(0.5)
 
 
 def _exit_now(message: str | None) -> None:
@@ -414,8 +434,7 @@ class FailureMonitor:
                 return
             print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr,
                   flush=True)
-            with contextlib.suppress(Exception):
-                client.key_value_set(f"{_FAILURE_KEY}/seen/{me}", "1")
+            _acknowledge(client, me, pid)
             _exit_now(None)
 
 
@@ -554,11 +573,10 @@ class _Beats:
             # posted already (another survivor, or a failure): said as the monitor says it
             value = _failure_posted(self.client)
             if value is not None:
-                reason = value.partition("\n")[2]
+                teller, _, reason = value.partition("\n")
                 print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)",
                       file=sys.stderr, flush=True)
-                with contextlib.suppress(Exception):
-                    self.client.key_value_set(f"{_FAILURE_KEY}/seen/{self.me}", "1")
+                _acknowledge(self.client, self.me, teller)
                 _exit_now(None)
         print(f"[jaxdist] {said}", file=sys.stderr, flush=True)
         _await_acknowledgements(dead=pid)
