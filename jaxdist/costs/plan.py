@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxdist.costs.peaks import Accelerator, accelerator
-from jaxdist.costs.program import COLLECTIVE_KINDS, program_cost
+from jaxdist.costs.program import COLLECTIVE_KINDS, _Undercount, program_cost
 from jaxdist.costs.roofline import Estimate, roofline
 from jaxdist.costs.scopes import ATTENTION_SCOPE, GROUPED_MATMUL_SCOPE, moe_dispatch, scoped
 from jaxdist.costs.units import format_bytes, format_flops
@@ -79,7 +79,7 @@ class CollectivePlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(_Undercount):
     """What one call of a compiled step costs on each device (see the module doc).
 
     Attributes:
@@ -167,12 +167,6 @@ class Plan:
     def num_devices(self) -> int:
         """How many devices the step is partitioned over."""
         return math.prod(self.mesh.values())
-
-    @property
-    def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
-        count."""
-        return bool(self.uncosted) or self.unknown_loops > 0
 
     @property
     def network_bytes(self) -> float:

@@ -124,8 +124,23 @@ class CollectiveOp:
         return factor * b
 
 
+class _Undercount:
+    """``lower_bound`` for the costs that count ``uncosted`` custom calls and ``unknown_loops``:
+    `ProgramCost`, `jaxdist.costs.Plan` and `jaxdist.costs.StepCost`."""
+
+    __slots__ = ()
+    uncosted: tuple[str, ...]
+    unknown_loops: int
+
+    @property
+    def lower_bound(self) -> bool:
+        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
+        count."""
+        return bool(self.uncosted) or self.unknown_loops > 0
+
+
 @dataclasses.dataclass(frozen=True)
-class ProgramCost:
+class ProgramCost(_Undercount):
     """What one call of a compiled program costs on one device (see the module doc).
 
     Attributes:
@@ -158,12 +173,6 @@ class ProgramCost:
     kernels: dict[str, float] = dataclasses.field(default_factory=dict)
     recomputed_flops: float = 0.0
     skipped_flops: float = 0.0
-
-    @property
-    def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
-        count."""
-        return bool(self.uncosted) or self.unknown_loops > 0
 
     @property
     def model_flops(self) -> float:

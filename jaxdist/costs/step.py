@@ -36,6 +36,7 @@ from typing import Any
 from jaxdist.costs.memory import bytes_per_device, device_memory
 from jaxdist.costs.peaks import accelerator_of_device
 from jaxdist.costs.plan import Plan, read_plan
+from jaxdist.costs.program import _Undercount
 from jaxdist.costs.units import format_bytes, format_flops
 
 __all__ = ["CostOptions", "StepCost", "measure_step_cost"]
@@ -104,7 +105,7 @@ class CostOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepCost:
+class StepCost(_Undercount):
     """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of
     ``fit``): a view of the train step's `Plan` for utilisation.
 
@@ -237,12 +238,6 @@ class StepCost:
             uncosted=() if plan is None else plan.uncosted,
             plan=plan,
         )
-
-    @property
-    def lower_bound(self) -> bool:
-        """Whether the FLOPs (and so HFU and MFU) may fall short: a custom call not costed, or a
-        loop of unknown trip count."""
-        return bool(self.uncosted) or self.unknown_loops > 0
 
     def hfu(self, steps_per_sec: float) -> float | None:
         """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops``
