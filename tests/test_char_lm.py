@@ -221,14 +221,19 @@ def test_bfloat16_mixed_precision_keeps_float32_parameters_and_optimizer_state()
     model = lm.CharLM(dataclasses.replace(CONFIG, dtype="bfloat16"))
     x, y = BATCHES[0]
     # Under jax.jit: the same dtypes and values as run op by op, at one compile per function instead
-    # of one per op.
-    logits = jax.jit(model.apply)(VARIABLES, x)
+    # of one per op; the logits, the loss and the gradients come from one program (its forward pass
+    # is the gradients').
+    def loss_and_logits(v):
+        logits = model.apply(v, x)
+        return lm.loss_fn(logits, y), logits
+
+    (loss, logits), grads = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))(
+        nn.unbox(VARIABLES))
     assert logits.dtype == jax.numpy.bfloat16
     assert {leaf.dtype for leaf in jax.tree.leaves(nn.unbox(VARIABLES))} == {np.dtype(np.float32)}
-    grads = jax.jit(jax.grad(lambda v: lm.loss_fn(model.apply(v, x), y)))(nn.unbox(VARIABLES))
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
     want = jax.jit(lambda v: lm.loss_fn(MODEL.apply(v, x), y))(VARIABLES)
-    np.testing.assert_allclose(float(lm.loss_fn(logits, y)), float(want), rtol=2e-2)
+    np.testing.assert_allclose(float(loss), float(want), rtol=2e-2)
     trainer = jd.training.Trainer(jd.OneDeviceStrategy(), model, optax.adamw(1e-2), lm.loss_fn,
                                   variables=VARIABLES)
     history = trainer.fit(BATCHES[:3], steps=3, log_every=1, verbose=0)

@@ -9,6 +9,7 @@ modes, with and without load balancing, with padding and packed segments.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -97,16 +98,36 @@ def test_short_form_context_parallelism_and_a_context_only_mesh():
         None, "context")
 
 
+# The trainer tests' model: 12 tokens, 3 per context device of (data=2, context=4), an odd block
+# (one query/key chunk per block; a smaller program); 2 x 2 zig-zag chunks of 3 on context=2.
+TRAINER_CONFIG = LMConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1, mlp_dim=32,
+                          max_len=12)
+
+
+@functools.cache
+def trainer_variables():
+    """The trainer tests' starting variables (annotations included), drawn on the host: one start
+    for every strategy and attention mode (the parameters depend on neither), without an RNG
+    initializer compiled for each strategy's layout (the slow part of a trainer's state)."""
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(CharLM(TRAINER_CONFIG).init, jax.random.key(0),
+                            jnp.ones((1, TRAINER_CONFIG.max_len), jnp.int32))
+
+    def draw(path, s):
+        if jax.tree_util.keystr(path).endswith("['scale']"):  # the norms' scales: ones
+            return np.ones(s.shape, s.dtype)
+        return (rng.normal(size=s.shape) * 0.1).astype(s.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 @pytest.mark.slow
 def test_a_distributed_dataset_and_the_trainer_split_the_sequence():
     strategy = cp_strategy("data2_context4")
     batches = [(np.ones((4, 16), np.int32), np.ones((4, 16), np.int32))] * 2
     x, y = next(iter(strategy.experimental_distribute_dataset(batches)))
     assert x.sharding.spec == PartitionSpec("data", "context") == y.sharding.spec
-    # 12 tokens: 3 per context device, an odd block (one query/key chunk per block; a smaller
-    # program).
-    cfg = LMConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1, mlp_dim=32, max_len=12,
-                   context="ring")
+    cfg = dataclasses.replace(TRAINER_CONFIG, context="ring")
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 32, (4, 12)).astype(np.int32),
                 rng.integers(0, 32, (4, 12)).astype(np.int32))
@@ -115,7 +136,7 @@ def test_a_distributed_dataset_and_the_trainer_split_the_sequence():
     def train(strategy):
         trainer = jd.training.Trainer(strategy, CharLM(cfg), optax.sgd(0.1), lambda logits, y: (
             optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), seed=0,
-                                      tokens_per_example=12)
+                                      tokens_per_example=12, variables=trainer_variables())
         with strategy.scope():
             history = trainer.fit(batches, steps=2, verbose=0, log_every=1)
         return trainer, history
@@ -171,10 +192,17 @@ def lm_strategy(kind):
                        activation_axes=("batch",))
 
 
+@functools.cache
+def lm_params():
+    # The parameters depend on neither the attention mode nor the strategy: one init program serves
+    # every case and reference, each strategy laying the values out (compiles are most of these
+    # tests' time).
+    return jax.jit(lm_init, static_argnums=0)(lm_config(None, False))
+
+
 def run_lm(strategy, config, packed):
-    # The parameters do not depend on the attention mode: one init program per mesh serves every
-    # mode (compiles are most of these tests' time).
-    params = strategy.create_variables(lm_init, lm_config(None, False))
+    start = lm_params()
+    params = strategy.create_variables(lambda: start)
     step = strategy.jit(lm_step, static_argnums=(2, 3), batch_argnums=1)
     trace = []
     with strategy.scope():
@@ -281,9 +309,16 @@ def block_batches(length=L, steps=2):
     return out
 
 
+@functools.cache
+def linen_params(mode):
+    # one init program for the strategy and the one-device reference
+    return jax.jit(lambda: LinenBlock(mode).init(jax.random.key(1), jnp.ones((1, L, 8)),
+                                                  None)["params"])()
+
+
 def run_linen(strategy, mode):
-    params = strategy.create_variables(
-        lambda: LinenBlock(mode).init(jax.random.key(1), jnp.ones((1, L, 8)), None)["params"])
+    start = linen_params(mode)
+    params = strategy.create_variables(lambda: start)
     step = strategy.jit(linen_step, static_argnums=2, batch_argnums=1)
     trace = []
     for batch in block_batches():
@@ -491,8 +526,7 @@ def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_dev
                                   activation_axes=("batch",))
     # The trainer test's model and length (12 = 2 x 2 zig-zag chunks of 3): its one-device programs
     # serve here.
-    cfg = LMConfig(vocab_size=32, d_model=16, num_heads=2, num_layers=1, mlp_dim=32, max_len=12,
-                   context="ring", load_balance=True)
+    cfg = dataclasses.replace(TRAINER_CONFIG, context="ring", load_balance=True)
     rng = np.random.default_rng(1)
     batches = [(rng.integers(0, 32, (4, 12)).astype(np.int32),
                 rng.integers(0, 32, (4, 12)).astype(np.int32))
@@ -500,7 +534,8 @@ def test_cp_x_fsdp_x_tp_equals_one_device_and_its_checkpoint_restores_on_one_dev
 
     def trainer_on(s):
         return jd.training.Trainer(s, CharLM(cfg), optax.sgd(0.1), lambda logits, y: (
-            optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), seed=0)
+            optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()), seed=0,
+                                  variables=trainer_variables())
 
     trainer, reference = trainer_on(strategy), trainer_on(jd.OneDeviceStrategy())
     for t in (trainer, reference):

@@ -87,7 +87,7 @@ def _close(got, expected):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, expected)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: see conftest.py's doc
 def references():
     return {cf: _train(None, MoELM(capacity_factor=cf)) for cf in (1.0, None)}
 

@@ -89,13 +89,21 @@ def run(step, state, data):
 
 
 @functools.cache
+def initial_state(layers):
+    """Every case's starting state, made once per layer count: the variables do not depend on the
+    micro-batches, schedule, repeats or dropout (the pipeline layer creates them with ``nn.scan``
+    whatever those are), so one init program serves every case and reference; each case's strategy
+    lays these values out (`_pipelined`)."""
+    return jax.jit(lambda: init_state(PipelineLM(layers)))()
+
+
+@functools.cache
 def reference(layers, micro, dropout):
     """The same model on one device (no strategy: the pipeline layer runs the plain scan, whatever
     the schedule and repeats, which only the pipelined loop reads: one reference serves both
     schedules)."""
     model = PipelineLM(layers, micro, dropout=dropout)
-    return run(jax.jit(make_step(model, dropout > 0)), jax.jit(lambda: init_state(model))(),
-               batches(STEPS))
+    return run(jax.jit(make_step(model, dropout > 0)), initial_state(layers), batches(STEPS))
 
 
 def assert_trees_close(actual, expected, what):
@@ -110,10 +118,13 @@ def _case_id(case):
 
 
 def _pipelined(name, schedule, repeats, layers, micro, dropout):
-    """The case's strategy, its variables created in place, and its step (not compiled yet)."""
+    """The case's strategy, its variables (`initial_state`, laid out by the strategy: the
+    Trainer test creates a pipelined model's variables in place) and its step (not compiled
+    yet)."""
     strategy = STRATEGIES[name]()
     model = PipelineLM(layers, micro, schedule, repeats, dropout)
-    state = strategy.create_variables(lambda: init_state(model))
+    start = initial_state(layers)
+    state = strategy.create_variables(lambda: start)
     return strategy, state, strategy.jit(make_step(model, dropout > 0), batch_argnums=(1,))
 
 
