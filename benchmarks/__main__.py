@@ -37,9 +37,11 @@ from benchmarks.timing import Settings
 SETTINGS = {
     "full": Settings(pairs=32, block_seconds=0.15, warmup_steps=20),
     "quick": Settings(pairs=20, block_seconds=0.1, warmup_steps=10),
+    # Block lengths fixed (2 steps, or a stepper's multiple): one timed warm-up block after the
+    # compiling one (its estimate sizes nothing).
     "smoke": Settings(
         pairs=2, block_seconds=1e-3, warmup_steps=1, min_steps=2, max_steps=2,
-        use_stepper_minimums=False
+        use_stepper_minimums=False, calibration_blocks=1
     ),
 }
 ALL_MODELS = {**MODELS, **LM_MODELS}

@@ -104,7 +104,7 @@ SMOKE = Config(
     lm=LMSizes(layers=2, d_model=32, heads=4, hidden=64, vocab=64, rows=2, length=16), lm_steps=2,
     attention=(1, 32, 2, 16), attention_iters=2,
     rows=Settings(pairs=2, block_seconds=1e-3, warmup_steps=1, min_steps=2, max_steps=2,
-                  use_stepper_minimums=False),
+                  use_stepper_minimums=False, calibration_blocks=1),
     models=(TINY,), moe=moe.SMOKE, moe_pairs=2, moe_block_seconds=0.02,
 )
 

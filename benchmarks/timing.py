@@ -4,7 +4,7 @@ Both sides of a comparison run in the same process, interleaved, so that slow dr
 starting, thermal or frequency changes) hits both alike and cancels in the per-pair ratio:
 
 1. warm-up: each stepper runs its warm-up blocks (the first call compiles), and the fastest later
-   warm-up block gives its seconds per step;
+   warm-up block (``calibration_blocks`` of them) gives its seconds per step;
 2. the block length is chosen from those estimates so that the slower side's block lasts about
    ``block_seconds`` (a multiple of both steppers' ``step_multiple``, and at least both steppers'
    ``min_block_steps`` and ``min_block_seconds``: see `Stepper`);
@@ -67,6 +67,9 @@ class Settings:
         max_steps: the longest block (the steppers' minimums win over it).
         use_stepper_minimums: honour the steppers' ``min_block_steps`` / ``min_block_seconds`` (off
             for smoke runs only).
+        calibration_blocks: timed warm-up blocks after the compiling one; the fastest gives the
+            seconds per step that size the blocks (1 for smoke runs, whose block lengths are
+            fixed by ``min_steps == max_steps``).
     """
 
     pairs: int = 30
@@ -75,6 +78,7 @@ class Settings:
     min_steps: int = 5
     max_steps: int = 4000
     use_stepper_minimums: bool = True
+    calibration_blocks: int = 3
 
     def __post_init__(self) -> None:
         if self.pairs < 1:
@@ -84,6 +88,9 @@ class Settings:
             raise ValueError(f"block_seconds={self.block_seconds} must be > 0.")
         if not 1 <= self.min_steps <= self.max_steps:
             raise ValueError(f"need 1 <= min_steps={self.min_steps} <= max_steps={self.max_steps}.")
+        if self.calibration_blocks < 1:
+            raise ValueError(f"calibration_blocks={self.calibration_blocks} must be >= 1: the "
+                             "fastest timed warm-up block is the estimate.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,13 +157,13 @@ def _gc_paused():
 def calibrate(stepper: Stepper, settings: Settings) -> float:
     """Warm ``stepper`` up (compiling on its first call) and return its seconds per step.
 
-    One warm-up block compiles; of the next three, the fastest is the estimate (a burst of other
-    activity on the machine only ever slows a block down).
+    One warm-up block compiles; of the next ``settings.calibration_blocks`` (3 unless set), the
+    fastest is the estimate (a burst of other activity on the machine only ever slows a block down).
     """
     steps = _round_up(settings.warmup_steps, stepper.step_multiple)
     _timed(stepper, steps)
     with _gc_paused():
-        return min(_timed(stepper, steps) for _ in range(3)) / steps
+        return min(_timed(stepper, steps) for _ in range(settings.calibration_blocks)) / steps
 
 
 @dataclasses.dataclass
