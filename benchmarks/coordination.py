@@ -47,6 +47,7 @@ from typing import Any
 __all__ = ["FIGURES", "fit_power", "main", "markdown", "worker"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-P", str(ROOT / "jaxdist" / "launch.py")]  # as benchmarks.multiproc's
 RESULTS = ROOT / "benchmarks" / "results"
 _MARK = "COORDINATION "
 FIGURES = ("exchange", "tiers", "beat", "poll", "stragglers")
@@ -147,7 +148,7 @@ def worker(rounds: int) -> None:
 def _job(processes: int, rounds: int, timeout: float = 300.0) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-m", "jaxdist.launch", "-n", str(processes), "--cpu-devices", "1",
+    command = [*LAUNCH, "-n", str(processes), "--cpu-devices", "1",
                "--timeout", str(timeout), str(pathlib.Path(__file__).resolve()), "worker",
                str(rounds)]
     proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,

@@ -48,6 +48,7 @@ from typing import Any
 __all__ = ["SETTINGS", "Result", "markdown", "measure", "worker"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-P", str(ROOT / "jaxdist" / "launch.py")]  # as benchmarks.multiproc's
 _MARK = "TWO_TIER "
 
 
@@ -234,9 +235,7 @@ def _launch(args: list[str], timeout: float) -> tuple[int, list[dict[str, Any]],
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     command = [
-        sys.executable,
-        "-m",
-        "jaxdist.launch",
+        *LAUNCH,
         "-n",
         "2",
         "--cpu-devices",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from interpreters import pythons
-from registry import launch_env
+from registry import LAUNCH, launch_env
 
 from jaxdist.launch import free_port
 
@@ -138,7 +138,7 @@ def test_a_process_killed_or_stopped_under_the_launcher_is_said_by_the_survivor_
     python, case, tmp_path
 ):
     out = subprocess.run(
-        [python, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "2", "--timeout", "100",
+        [python, *LAUNCH[1:], "-n", "2", "--cpu-devices", "2", "--timeout", "100",
          "--grace", "6",
          str(WORKER), case, str(tmp_path / "ckpt")], env=launch_env(), capture_output=True,
         text=True, timeout=130)

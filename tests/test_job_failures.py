@@ -11,12 +11,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from registry import launch_env
+from registry import LAUNCH, launch_env
 from test_cluster_operations import _two
 
 import jaxdist as jd
@@ -59,7 +58,7 @@ def test_processes_that_disagree_are_named_at_the_start_and_data_that_ends_early
 def test_a_process_that_raises_ends_the_job_under_the_launcher(tmp_path):
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "-n", "2", "--cpu-devices", "4", "--timeout", "150", str(WORKER),
+        [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "150", str(WORKER),
          "raises", str(tmp_path)], env=launch_env(), capture_output=True, text=True, timeout=170)
     elapsed = time.monotonic() - started
     text = out.stdout + out.stderr

@@ -97,6 +97,12 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     def create() -> Any:
         shapes = jax.eval_shape(fn, *dynamic)
         layouts = jax.tree.leaves(policy.variable_shardings(shapes))
+        if not (program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))):
+            # the program eval_shape traced (JAX keeps a function's trace for the same argument
+            # types): compiled into the layouts without tracing init_fn again
+            say(mesh, name, False)
+            return jax.jit(fn, out_shardings=jax.tree.unflatten(jax.tree.structure(shapes),
+                                                                layouts))(*dynamic)
 
         # the leaves, each in its layout (the tree's static parts are eval_shape's)
         def leaves(*dyn):

@@ -174,17 +174,19 @@ class LiveState:
             if self.unchecked is not None:
                 self.unchecked(batch)
             return self.state
-        build, args = self.builder(batch)
+        # the losses are checked when the step is built, on this state's shapes (tracing the
+        # model's init once)
+        build, args = self.builder(batch, check=False)
         with self.strategy.scope():
             self.state = with_ema(self.strategy.create_variables(build, *args), self.ema_decay)
         return self.state
 
-    def builder(self, batch: Any) -> tuple[Callable, tuple]:
-        """The state's builder for ``batch``'s shapes, after checking what the losses return on them
-        (which also tells the compiled steps which of them are token-weighted)."""
+    def builder(self, batch: Any, check: bool = True) -> tuple[Callable, tuple]:
+        """The state's builder for ``batch``'s shapes, after checking (``check``) what the losses
+        return on them (which also tells the compiled steps which of them are token-weighted)."""
         x, y = self.batches.split(batch, "the first batch", need_targets=False)
         build, args = state_builder(self.model, self.optimizer, self.seed, x)
-        if y is not None:
+        if check and y is not None:
             # the strategy's mesh, as strategy.jit traces the step
             with self.strategy.policy.shape_scope():
                 self.steps.weighted = check_losses(self.model, self.loss_fn, self.metrics,
