@@ -76,11 +76,14 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     name = fn_name(init_fn)
     mesh = policy.mesh
 
-    def traced(dyn: tuple) -> tuple[Any, bool]:
+    def runs_auto() -> bool:
         # On Explicit axes an initializer that does not type-check with them (Flax's logical
         # constraints on activations, say) runs with them Auto, as a step does
         # (jaxdist.strategies.layout._axis_types).
-        auto = program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
+        return program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
+
+    def traced(dyn: tuple) -> tuple[Any, bool]:
+        auto = runs_auto()
         with auto_region(mesh) if auto else contextlib.nullcontext():
             if auto:
                 dyn = retyped(dyn)
@@ -97,20 +100,20 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     def create() -> Any:
         shapes = jax.eval_shape(fn, *dynamic)
         layouts = jax.tree.leaves(policy.variable_shardings(shapes))
-        if not (program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))):
+        if not runs_auto():
             # the program eval_shape traced (JAX keeps a function's trace for the same argument
             # types): compiled into the layouts without tracing init_fn again
             say(mesh, name, False)
             return jax.jit(fn, out_shardings=jax.tree.unflatten(jax.tree.structure(shapes),
                                                                 layouts))(*dynamic)
 
-        # the leaves, each in its layout (the tree's static parts are eval_shape's)
+        # Run Auto: the leaves leave the region each in its layout (the tree's static parts are
+        # eval_shape's)
         def leaves(*dyn):
-            out, auto = traced(dyn)
-            say(mesh, name, auto)
-            flat = jax.tree.leaves(out)
-            return ([jax.sharding.reshard(x, s) for x, s in zip(flat, layouts, strict=True)] if auto
-                    else flat)
+            out, _ = traced(dyn)
+            say(mesh, name, True)
+            return [jax.sharding.reshard(x, s)
+                    for x, s in zip(jax.tree.leaves(out), layouts, strict=True)]
 
         leaves.__name__ = leaves.__qualname__ = name
         return jax.tree.unflatten(jax.tree.structure(shapes),

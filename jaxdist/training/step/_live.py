@@ -20,10 +20,9 @@ import optax
 
 from jaxdist.costs.step import CostOptions, StepCost
 from jaxdist.strategies import Plan, Strategy
-from jaxdist.strategies.layout import untyped
 from jaxdist.strategies.plan import abstract_variables
 from jaxdist.training.data import BatchChecker, BatchFeed, DataPosition, TrainBatch, check_key
-from jaxdist.training.step._build import check_losses, restore_target, state_builder
+from jaxdist.training.step._build import restore_target, state_builder
 from jaxdist.training.step._compiled import CompiledSteps
 from jaxdist.training.step._ema import averaged, check_ema_decay, with_ema
 from jaxdist.training.step._functions import TrainState
@@ -174,24 +173,16 @@ class LiveState:
             if self.unchecked is not None:
                 self.unchecked(batch)
             return self.state
-        # the losses are checked when the step is built, on this state's shapes (tracing the
-        # model's init once)
-        build, args = self.builder(batch, check=False)
+        build, args = self.builder(batch)
         with self.strategy.scope():
             self.state = with_ema(self.strategy.create_variables(build, *args), self.ema_decay)
         return self.state
 
-    def builder(self, batch: Any, check: bool = True) -> tuple[Callable, tuple]:
-        """The state's builder for ``batch``'s shapes, after checking (``check``) what the losses
-        return on them (which also tells the compiled steps which of them are token-weighted)."""
-        x, y = self.batches.split(batch, "the first batch", need_targets=False)
-        build, args = state_builder(self.model, self.optimizer, self.seed, x)
-        if check and y is not None:
-            # the strategy's mesh, as strategy.jit traces the step
-            with self.strategy.policy.shape_scope():
-                self.steps.weighted = check_losses(self.model, self.loss_fn, self.metrics,
-                                                   jax.eval_shape(build, *untyped(args)), x, y)
-        return build, args
+    def builder(self, batch: Any) -> tuple[Callable, tuple]:
+        """The state's builder for ``batch``'s shapes. (What the losses return is checked where the
+        step is built, on the state's shapes: `CompiledSteps`.)"""
+        x, _ = self.batches.split(batch, "the first batch", need_targets=False)
+        return state_builder(self.model, self.optimizer, self.seed, x)
 
     def target(self, batch: Any) -> Any:
         """Abstract arrays in the strategy's variable layout for the state ``batch`` builds (nothing
