@@ -9,8 +9,9 @@ whatever its compile time (JAX's default skips those under a second, which are m
 programs and all of a test's).
 
 Many processes can share one directory (a shared file system for the job): JAX reads from every
-process and writes only from process 0, each entry written whole. A cache entry from another JAX /
-jaxlib version or other devices is simply not used (it is part of the key).
+process and writes only from process 0 (a process that reads an entry process 0 is still writing
+gets JAX's warning and compiles the program itself). A cache entry from another JAX / jaxlib
+version or other devices is simply not used (it is part of the key).
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ def configure_compilation_cache(directory: str | os.PathLike, *,
 
     Examples:
         >>> import tempfile, jax, jaxdist as jd
+        >>> before = (jax.config.jax_compilation_cache_dir,
+        ...           jax.config.jax_persistent_cache_min_compile_time_secs)
         >>> path = jd.configure_compilation_cache(tempfile.mkdtemp())
         >>> path.is_dir(), jax.config.jax_compilation_cache_dir == str(path)
         (True, True)
-        >>> jax.config.update("jax_compilation_cache_dir", None)  # off again (this example only)
+        >>> # as it was before (this example only)
+        >>> jax.config.update("jax_compilation_cache_dir", before[0])
+        >>> jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
     """
     if (
         isinstance(min_compile_seconds, bool)
