@@ -73,12 +73,6 @@ def main(results: str, *pages: str) -> None:
     jax.config.update("jax_num_cpu_devices", 8)  # what every page sets first
     out: dict[str, str | None] = {}
     with tempfile.TemporaryDirectory(prefix="jaxdist-doc-pages-") as tmp:
-        # Every program the pages compile, however short its compile, in a cache of this process's
-        # own (as conftest.py gives each pytest process): the pages build the same small models
-        # again and again. The processes the pages launch keep the cache they inherit.
-        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(tmp) / "xla-cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_compilation_cache_max_size", -1)
         for i, page in enumerate(pages):
             workdir = pathlib.Path(tmp) / str(i)
             workdir.mkdir()
