@@ -498,3 +498,21 @@ def test_the_char_lm_example_prints_its_plan_and_trains_nothing(capsys):
         "Plan for mesh {'data': 4, 'fsdp': 16} (64 devices)" in out and "Memory per device" in out
     )
     assert "fits h100 (80 GB): True" in out and "trained" not in out
+
+
+def test_the_plan_names_the_kernels_of_the_program_it_lowered_not_of_a_cached_one():
+    """JAX's persistent compilation cache keys a program without its op names (the named scopes): a
+    program loaded from it carries the names of the first one compiled with the same operations
+    (the tests' processes cache every program: conftest.py). The plan reads the kernels' scopes
+    from the module it lowered."""
+
+    def kernel(name):
+        def f(x):
+            with jax.named_scope(f"jaxdist_attention_{name}"):
+                return jnp.tanh(x) * 3.0  # the same operations under either name
+        return f
+
+    x = np.full((3, 7), 0.5, np.float32)
+    strategy = jd.OneDeviceStrategy()
+    assert strategy.jit(kernel("xla")).plan(x).attention == ("xla",)
+    assert strategy.jit(kernel("einsum")).plan(x).attention == ("einsum",)

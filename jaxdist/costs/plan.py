@@ -289,6 +289,7 @@ def read_plan(
     axis_types: Mapping[str, jax.sharding.AxisType] | None = None,
     compiled_on: str = "",
     started: float | None = None,
+    scopes: str | None = None,
 ) -> Plan:
     """The `Plan` of a compiled program: its FLOPs, bytes accessed and collectives (`program_cost`),
     its memory (XLA's memory analysis) and what the caller knows of its arguments.
@@ -304,6 +305,12 @@ def read_plan(
         axis_types: the axis types the program runs with.
         compiled_on: where it was compiled.
         started: `time.perf_counter` when planning started (for ``plan_seconds``).
+        scopes: the text the kernels' named scopes are read from (``attention``,
+            ``grouped_matmul``, ``moe_dispatch``): the lowered module's
+            ``as_text(debug_info=True)``. None: ``program``'s text. Pass it where ``program`` may
+            come from JAX's persistent compilation cache, whose key leaves the op names out: a
+            program loaded from it carries those of the first one compiled with the same
+            operations.
 
     Returns:
         The `Plan`.
@@ -327,6 +334,7 @@ def read_plan(
                              "the program (the text alone does not say it).")
         memory = memory_of(program)
     text = program if isinstance(program, str) else program.as_text()
+    scopes = text if scopes is None else scopes
     mesh = dict(mesh) if mesh else {"devices": 1}
     names = tuple(mesh)
     cost = program_cost(text, axis_names=names, axis_sizes=tuple(mesh.values()))
@@ -355,7 +363,8 @@ def read_plan(
         collectives=collectives, replicated_bytes=sum(a.bytes for a in replicated),
         replicated=replicated, unknown_loops=cost.unknown_loops,
         plan_seconds=time.perf_counter() - started, compiled_on=compiled_on,
-        axis_types=dict(axis_types or {}), moe_dispatch=moe_dispatch(text), uncosted=cost.uncosted,
-        attention=scoped(text, ATTENTION_SCOPE), grouped_matmul=scoped(text, GROUPED_MATMUL_SCOPE),
+        axis_types=dict(axis_types or {}), moe_dispatch=moe_dispatch(scopes),
+        uncosted=cost.uncosted, attention=scoped(scopes, ATTENTION_SCOPE),
+        grouped_matmul=scoped(scopes, GROUPED_MATMUL_SCOPE),
         model_flops=cost.model_flops,
     )

@@ -5,9 +5,12 @@ A mixture-of-experts layer runs its dispatch path in a named scope ``<MOE_SCOPE>
 (`moe_dispatch`). A layer that chooses between kernels by backend
 (`jaxdist.nn.dot_product_attention`: cuDNN, XLA or einsums; the dropless mixture of experts:
 `jax.lax.ragged_dot` or tokamax's grouped matmul) runs the one it chose in a named scope
-``<prefix><kernel>``. Named scopes survive compilation as op metadata (``op_name``), so a plan
-(`jaxdist.Plan.attention`, `jaxdist.Plan.grouped_matmul`) reports the kernels from the program
-itself: what ran, not what was asked for.
+``<prefix><kernel>``. Named scopes are kept in the lowered module's locations and survive
+compilation as op metadata (``op_name``), so a plan (`jaxdist.Plan.attention`,
+`jaxdist.Plan.grouped_matmul`) reports the kernels from the program itself: what runs, not what was
+asked for. A strategy's plan reads them from the module it lowered: a compiled program that JAX's
+persistent compilation cache loads carries the op names of the first program compiled with the
+same operations (the cache's key leaves them out).
 
 Examples:
     >>> text = ('%d = f32[2] dot(...), '

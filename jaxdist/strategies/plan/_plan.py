@@ -206,17 +206,21 @@ def plan_step(
     if is_plan_mesh(mesh):
         traced = trace(*placed, **placed_kwargs)
         lowered = traced.lower(lowering_platforms=("cpu",))
-        # op names kept
-        memory, program = compile_elsewhere(lowered.as_text(debug_info=True), mesh.size)
+        module = lowered.as_text(debug_info=True)  # op names kept
+        memory, program = compile_elsewhere(module, mesh.size)
         where = f"compiled for {mesh.size} simulated CPU devices in a subprocess"
     else:
         with policy.call_scope():  # traced and lowered on the strategy's mesh, as a call is
             traced = trace(*placed, **placed_kwargs)
-            program = traced.lower().compile()
+            lowered = traced.lower()
+            program = lowered.compile()
+        module = lowered.as_text(debug_info=True)
         memory = memory_of(program)
         where = f"compiled here ({mesh.devices.flat[0].platform})"
     roles, arrays, replicated = _state(policy, described)
+    # the kernels' scopes from this program's own module: a compiled program from JAX's persistent
+    # cache carries the op names of another with the same operations
     return read_plan(program, memory=memory, mesh=dict(mesh.shape), state_bytes=roles,
                      largest_arrays=arrays,
                      replicated=replicated, axis_types=axis_types_of(traced), compiled_on=where,
-                     started=start)
+                     started=start, scopes=module)
