@@ -367,3 +367,25 @@ def test_every_role_is_one_entry_checked_the_same_way():
     with pytest.raises(ValueError,
                        match=r"stage_axes='x': a mirroring strategy keeps every variable whole"):
         axis_roles(m, None, split=False, stage_axes="x")
+
+
+def test_the_trainer_plans_an_lm1b_shaped_model_on_explicit_axes_before_its_first_step():
+    """Before the first step, the plan builds the variables' shapes with the axis types
+    create_variables runs the initializer with: Auto, where Flax's logical constraints do not
+    type-check with the mesh's Explicit axes (jax.make_mesh's default)."""
+    strategy = jd.ShardedStrategy(
+        mesh=mesh3(axis_types=jax.sharding.AxisType.Explicit), batch_axes=("data", "fsdp"),
+        fsdp_axes=("fsdp",), min_shard_size=1,
+        logical_axis_rules=[*LM1B_RULES, ("batch", ("data", "fsdp"))], activation_axes=("batch",),
+    )
+
+    def loss_fn(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    tokens = data(steps=1)[0]["inputs"]
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    trainer = jd.training.Trainer(strategy, CharLM(CONFIG), optax.adam(1e-3), loss_fn)
+    planned = trainer.plan(batch)  # no state yet
+    assert planned.flops > 0 and planned.state_bytes["params"] > 0
+    trainer.train_on_batch(batch)
+    assert trainer.plan(batch).state_bytes == planned.state_bytes  # the state it then created

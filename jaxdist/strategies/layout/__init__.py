@@ -13,11 +13,13 @@ from jaxdist.strategies.layout._axis_types import auto_region as auto_region
 from jaxdist.strategies.layout._axis_types import decided as decided
 from jaxdist.strategies.layout._axis_types import explicit_axes as explicit_axes
 from jaxdist.strategies.layout._axis_types import in_trace as in_trace
+from jaxdist.strategies.layout._axis_types import initializer as initializer
 from jaxdist.strategies.layout._axis_types import leave_auto as leave_auto
 from jaxdist.strategies.layout._axis_types import program_axis_types as program_axis_types
 from jaxdist.strategies.layout._axis_types import ran_auto as ran_auto
 from jaxdist.strategies.layout._axis_types import refusals as refusals
 from jaxdist.strategies.layout._axis_types import retyped as retyped
+from jaxdist.strategies.layout._axis_types import runs_auto as runs_auto
 from jaxdist.strategies.layout._axis_types import say as say
 from jaxdist.strategies.layout._axis_types import shape_scope as shape_scope
 from jaxdist.strategies.layout._axis_types import trace_mesh as trace_mesh

@@ -53,7 +53,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxdist.strategies import ambient
 
 __all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace",
-           "is_type_refusal",
+           "initializer", "is_type_refusal", "runs_auto",
            "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say",
            "shape_scope", "trace_mesh", "untyped"]
 
@@ -356,3 +356,22 @@ def leave_auto(mesh: Any, tree: Any) -> Any:
         return x
 
     return jax.tree.map(retype, tree)
+
+
+def initializer(mesh: Any, name: str, call: Callable[[Any], Any], dyn: Any) -> tuple[Any, bool]:
+    """``call(dyn)`` (a variable initializer over its array leaves), traced with the axis types its
+    program runs with (inside `decided`): on Explicit axes it does not type-check with (Flax's
+    logical constraints on activations, say), Auto, as a step. Its output, and whether it ran Auto
+    (then the caller's outputs leave the region: `leave_auto` or a reshard to their layouts)."""
+    auto = runs_auto(mesh)
+    with auto_region(mesh) if auto else contextlib.nullcontext():
+        if auto:
+            dyn = retyped(dyn)
+        with refusals(mesh, name):
+            return call(dyn), auto
+
+
+def runs_auto(mesh: Any) -> bool:
+    """Whether the program being traced on ``mesh`` runs its Explicit axes Auto (`decided` chose
+    so, or ``axis_types=Auto`` was given)."""
+    return program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))

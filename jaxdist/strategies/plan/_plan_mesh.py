@@ -32,6 +32,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist.costs.plan import MEMORY_FIELDS
 from jaxdist.replicate.trees import fn_name, merge_static, split_static
+from jaxdist.strategies.layout import decided, initializer, leave_auto
 
 __all__ = ["abstract_variables", "compile_elsewhere", "is_plan_mesh", "plan_mesh", "refuse_to_run"]
 
@@ -158,12 +159,20 @@ def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kw
                         "strategy.create_variables(model.init, rng, x).")
     dynamic, treedef, statics = split_static((args, kwargs))
 
-    def fn(*dyn):
+    name = fn_name(init_fn)
+    mesh = policy.mesh
+
+    def call(dyn: tuple) -> Any:
         call_args, call_kwargs = merge_static(dyn, treedef, statics)
         return init_fn(*call_args, **call_kwargs)
 
-    fn.__name__ = fn.__qualname__ = fn_name(init_fn)
-    shapes = jax.eval_shape(fn, *dynamic)
+    def fn(*dyn):
+        # with the axis types create_variables would run it with
+        out, auto = initializer(mesh, name, call, dyn)
+        return leave_auto(mesh, out) if auto else out
+
+    fn.__name__ = fn.__qualname__ = name
+    shapes = decided(mesh, None, lambda: jax.eval_shape(fn, *dynamic), name)
     return jax.tree.map(lambda s, layout: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=layout),
                         shapes, policy.variable_shardings(shapes))
 

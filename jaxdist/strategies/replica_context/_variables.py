@@ -11,31 +11,19 @@ leading axis split over the replicas.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 
 from jaxdist.job import from_chief
 from jaxdist.replicate.layouts import put
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 from jaxdist.replicate.trees import abstract, fn_name, merge_static, placed_leaves, split_static
 from jaxdist.replicate.values import SyncOnRead
-from jaxdist.strategies.layout import (
-    LayoutPolicy,
-    auto_region,
-    decided,
-    explicit_axes,
-    leave_auto,
-    program_axis_types,
-    refusals,
-    retyped,
-    say,
-)
+from jaxdist.strategies.layout import LayoutPolicy, decided, initializer, leave_auto, runs_auto, say
 
 __all__ = ["create_variables", "mirror", "sync_on_read"]
 
@@ -76,20 +64,12 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     name = fn_name(init_fn)
     mesh = policy.mesh
 
-    def runs_auto() -> bool:
-        # On Explicit axes an initializer that does not type-check with them (Flax's logical
-        # constraints on activations, say) runs with them Auto, as a step does
-        # (jaxdist.strategies.layout._axis_types).
-        return program_axis_types() is AxisType.Auto and bool(explicit_axes(mesh))
+    def call(dyn: tuple) -> Any:
+        call_args, call_kwargs = merge_static(dyn, treedef, statics)
+        return init_fn(*call_args, **call_kwargs)
 
     def traced(dyn: tuple) -> tuple[Any, bool]:
-        auto = runs_auto()
-        with auto_region(mesh) if auto else contextlib.nullcontext():
-            if auto:
-                dyn = retyped(dyn)
-            call_args, call_kwargs = merge_static(dyn, treedef, statics)
-            with refusals(mesh, name):
-                return init_fn(*call_args, **call_kwargs), auto
+        return initializer(mesh, name, call, dyn)
 
     def fn(*dyn):
         out, auto = traced(dyn)
@@ -100,7 +80,7 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     def create() -> Any:
         shapes = jax.eval_shape(fn, *dynamic)
         layouts = jax.tree.leaves(policy.variable_shardings(shapes))
-        if not runs_auto():
+        if not runs_auto(mesh):
             # the program eval_shape traced (JAX keeps a function's trace for the same argument
             # types): compiled into the layouts without tracing init_fn again
             say(mesh, name, False)
