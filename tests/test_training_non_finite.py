@@ -332,8 +332,10 @@ def test_bad_on_non_finite_arguments_are_value_errors_naming_the_fix(tmp_path):
 @pytest.mark.timeout(420)
 def test_two_processes_take_the_same_decision_at_the_same_step(tmp_path):
     """2 processes x 4 devices: "rollback" rolls back once, at the same step, and ends with the same
-    finite parameters on both; "stop" raises on both, naming the same step and checkpoint. Slow
-    because of its 2-process job (imports, gloo, compiles, two 25-step runs with checkpoints)."""
+    finite parameters on both; "stop" raises on both, naming the same step and checkpoint, and the
+    job catches it and resumes from that checkpoint (the error is not told to the peers as one
+    process's failure, which would end them). Slow because of its 2-process job (imports, gloo,
+    compiles, three runs with checkpoints)."""
     worker = Path(__file__).parent / "multiprocess" / "non_finite_worker.py"
     command = [*LAUNCH, "-n", "2", "--cpu-devices", "4", "--timeout", "300",
                str(worker), str(tmp_path)]
@@ -342,9 +344,12 @@ def test_two_processes_take_the_same_decision_at_the_same_step(tmp_path):
     assert proc.returncode == 0, text[-5000:]
     rollback = dict(re.findall(r"^\[(\d)\] (rollback .*)$", proc.stdout, re.M))
     stop = dict(re.findall(r"^\[(\d)\] (stop .*)$", proc.stdout, re.M))
-    assert set(rollback) == set(stop) == {"0", "1"}, text[-5000:]
+    resume = dict(re.findall(r"^\[(\d)\] (resume .*)$", proc.stdout, re.M))
+    assert set(rollback) == set(stop) == set(resume) == {"0", "1"}, text[-5000:]
     # the same decisions, at the same steps
     assert rollback["0"] == rollback["1"] and stop["0"] == stop["1"]
-    assert "step=25 finite=True rollbacks=[(15, 10, " in rollback["0"]
+    assert "step=25 finite=True " in rollback["0"] and "rollbacks=[(15, 10, " in rollback["0"]
+    assert resume["0"] == resume["1"], text[-5000:]
+    assert re.fullmatch(r"resume step=25 finite=True params=\w+ skipped=3", resume["0"]), resume
     step = int(re.search(r"error\.step=(\d+) checkpoint=10", stop["0"]).group(1))
     assert 15 <= step <= 20

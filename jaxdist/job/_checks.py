@@ -14,7 +14,9 @@ process):
 * `failing`: while ``fit`` runs, a peer's failure ends this process (`jaxdist.job.FailureMonitor`)
   and this process's own failure is told to its peers (``process 1 raised RuntimeError(...) at step
   5``) before it propagates; the process then exits within `jaxdist.job.EXIT_SECONDS` even when its
-  exit blocks on a peer.
+  exit blocks on a peer. An error every process raises at once (its ``on_every_process`` is True: a
+  decision all took together, such as a ``NonFiniteError``) waits for nobody and is not told, so
+  the job can catch it and go on.
 * `data_ended`: when this process's data ends before ``steps``, the processes compare where theirs
   ended (waiting `DATA_END_SECONDS` for the others). Ending at the same batch everywhere is an early
   end like a single process's; else the error says which process ran out (``process 1: its data
@@ -152,8 +154,8 @@ def failing(
     checkpoint_dir: str | os.PathLike | None = None,
 ) -> Iterator[None]:
     """Around ``fit``: a peer's failure ends this process; this process's failure is told to the
-    peers; a peer that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s
-    line).
+    peers (not an error whose ``on_every_process`` is True: every process raises that one); a peer
+    that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s line).
 
     Args:
         mesh: the strategy's mesh (nothing happens unless it spans processes).
@@ -189,8 +191,10 @@ def failing(
                 report_failure(str(error).rstrip("."))
             raise
         except BaseException as error:
-            report_failure(f"process {jax.process_index()} raised {type(error).__name__}({error}) "
-                           f"at step {step()}")
+            # one every process raises at once: telling it would end a peer that catches its own
+            if not getattr(error, "on_every_process", False):
+                report_failure(f"process {jax.process_index()} raised {type(error).__name__}"
+                               f"({error}) at step {step()}")
             raise
 
 

@@ -5,7 +5,9 @@ tests/test_training_non_finite.py).
 The global batches of steps 15-17 have inputs scaled by 1e30 (an infinite loss). Two runs:
 ``on_non_finite="rollback"`` (must end finite at step 25, after one rollback to checkpoint 10, going
 on into the next epoch of 20 batches), then ``"stop"`` (must raise at a step of the bad window).
-Each process prints ``rollback ...`` and ``stop ...`` lines: the test compares the two processes'.
+Then it resumes the stopped run from the checkpoint its error names, in the same job, under
+``"skip"`` (must end finite at step 25, the 3 bad steps skipped). Each process prints ``rollback``,
+``stop`` and ``resume`` lines: the test compares the two processes'.
 Argument: a directory for the checkpoints.
 """
 
@@ -54,13 +56,19 @@ with warnings.catch_warnings(record=True):
     warnings.simplefilter("always")
     history = trainer.fit(data, steps=25, checkpoint_dir=os.path.join(root, "rollback"),
                           checkpoint_every=10, verbose=0, on_non_finite="rollback")
-leaves = jax.tree.leaves(gather(trainer.params))
-digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in leaves)).hexdigest()[:16]
-finite = all(bool(np.isfinite(np.asarray(a)).all()) for a in leaves)
+
+
+def summary(trainer):
+    """The step, whether the parameters are finite, and their digest (the same on every process)."""
+    leaves = jax.tree.leaves(gather(trainer.params))
+    digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in leaves)).hexdigest()[:16]
+    finite = all(bool(np.isfinite(np.asarray(a)).all()) for a in leaves)
+    return f"step={trainer.step} finite={finite} params={digest}"
+
+
 rollbacks = [(r["step"], r["restored"], r["data_position"].epoch, r["data_position"].index)
              for r in history.rollbacks]
-print(f"rollback step={trainer.step} finite={finite} rollbacks={rollbacks} params={digest}",
-      flush=True)
+print(f"rollback {summary(trainer)} rollbacks={rollbacks}", flush=True)
 
 trainer = jd.training.Trainer(strategy, Net(), optax.sgd(0.02), mse)
 try:
@@ -69,4 +77,10 @@ try:
 except jd.training.NonFiniteError as error:
     print(f"stop error.step={error.step} checkpoint={error.checkpoint} at={trainer.step}",
           flush=True)
+    resume_from = error.checkpoint
+# what the error says to do, in the same job: resume from its checkpoint, skipping the bad steps
+history = trainer.fit(data, steps=25, checkpoint_dir=os.path.join(root, "stop"),
+                      checkpoint_every=10, verbose=0, restore_step=resume_from,
+                      on_non_finite="skip")
+print(f"resume {summary(trainer)} skipped={history.non_finite_steps}", flush=True)
 print("done", flush=True)

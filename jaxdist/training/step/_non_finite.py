@@ -26,7 +26,8 @@ this module is all of it, the devices' part and the host's.
   checkpoint (at most ``max_rollbacks`` times), ``"continue"`` warns once and trains on.
 
 `NonFiniteError` (a `FloatingPointError`) is the error of both: a run stopped on its non-finite
-steps, a state refused.
+steps, a state refused. Every process of a job raises it at the same step (its flags are global
+reductions), so it is not told to the peers as one process's failure: a job may catch it and resume.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class NonFiniteError(FloatingPointError):
         count: how many steps were not finite when the run stopped.
         checkpoint: the newest checkpoint (all are finite), or None when there is none.
         directory: the checkpoint directory, or None.
+        on_every_process: True: every process of a job raises it at the same step, so ``fit`` does
+            not report it to the peers as this process's failure (`jaxdist.job`), and a job that
+            catches it goes on (e.g. resumes from ``checkpoint``).
 
     Examples:
         >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30,
@@ -78,6 +82,8 @@ class NonFiniteError(FloatingPointError):
         >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
         (True, 40, 30)
     """
+
+    on_every_process = True
 
     def __init__(self, message: str, *, step: int, count: int, checkpoint: int | None,
                  directory: str | None):
