@@ -66,7 +66,9 @@ def timed(fn):
 def assert_adds_up(history, wall):
     assert list(history.time) == list(TIME_PARTS)
     assert all(v >= 0 for v in history.time.values()), history.time
-    assert sum(history.time.values()) == pytest.approx(wall, rel=0.05), (history.time, wall)
+    # 5 ms for what a short fit does outside its clock (a 16 ms fit missed 2.5 ms on a loaded machine)
+    assert sum(history.time.values()) == pytest.approx(wall, rel=0.05, abs=0.005), (history.time,
+                                                                                    wall)
     assert history.goodput == pytest.approx(history.time["steps"] / sum(history.time.values()))
 
 
