@@ -58,8 +58,10 @@ half (a full run adds about 60 MB of programs when everything changed)."""
 # there are, so that hard links reach them.
 _OWNER = "JAXDIST_TEST_XLA_CACHE" not in os.environ
 if _OWNER:
-    if KEPT:
-        os.makedirs(KEPT, exist_ok=True)
+    try:
+        os.makedirs(KEPT or ".", exist_ok=True)
+    except OSError:  # a read-only home: nothing kept
+        KEPT = os.environ["JAXDIST_TEST_XLA_KEPT"] = ""
     os.environ["JAXDIST_TEST_XLA_CACHE"] = tempfile.mkdtemp(
         prefix="jaxdist-tests-xla-", dir=os.path.dirname(KEPT) if KEPT else None)
     atexit.register(shutil.rmtree, os.environ["JAXDIST_TEST_XLA_CACHE"], ignore_errors=True)
