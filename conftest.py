@@ -18,8 +18,9 @@ under several strategies, one step in several checks) compile it once.
   kept file is never written), and a run that passed adds the programs it compiled (never a failed
   run's: a process that died may have left one half written). A second run compiles what changed,
   not everything: measured, the pytest processes' own CPU fell from 822 s to 285 s (the whole
-  suite's from 1,481 to 952 CPU-s; 12:46 to 8:18 on 2 cores). What the launched processes compile is not kept: the tests kill some of
-  them mid-run. Over `KEPT_BYTES`, the least recently read programs go first.
+  suite's from 1,481 to 952 CPU-s; 12:46 to 8:18 on 2 cores). What the launched processes compile
+  is not kept: the tests kill some of them mid-run. Over `KEPT_BYTES`, the least recently read
+  programs go first.
 
 Expensive fixtures (references, multi-process runs, a built site) are session-scoped even where one
 module uses them: ./scripts/test keeps a file's tests on one pytest-xdist worker (``--dist
