@@ -173,3 +173,45 @@ def test_the_silence_said_is_under_half_the_heartbeat_timeout():
         assert said == {4: 2.0, 6: 2.0, 10: 4.0, 30: 14.0, 100: 49.0}
     finally:
         job.set_heartbeat_timeout(100)
+
+
+def test_a_process_leaves_the_progress_it_ended_with_for_the_launchers_summary(monkeypatch, tmp_path):
+    """A checkpoint that completes after the last beat is in the progress a process leaves at its
+    goodbye: the summary of a job whose processes all raised said "no checkpoint was complete" where
+    their errors named the checkpoint. A store whose wait ends only at the goodbye: one beat, then
+    the goodbye."""
+    import json
+
+    from jaxdist.job import _failure as failure
+
+    class Store:
+        def __init__(self):
+            self.values, self.changed = {}, threading.Condition()
+
+        def key_value_set(self, key, value, allow_overwrite=False):
+            with self.changed:
+                self.values[key] = value
+                self.changed.notify_all()
+
+        def key_value_dir_get(self, prefix):
+            with self.changed:
+                return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            with self.changed:
+                self.changed.wait_for(lambda: key in self.values, timeout=30)
+                return self.values[key]
+
+    monkeypatch.setenv("JAXDIST_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setattr(failure.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(failure.jax, "process_count", lambda: 2)
+    progress = {"step": 3, "checkpoint": None, "checkpoint_dir": "/c"}
+    beats = failure._Beats(Store(), lambda: dict(progress))
+    report = tmp_path / "0.json"
+    end = time.monotonic() + 30
+    while not report.exists() and time.monotonic() < end:  # the first beat
+        time.sleep(0.01)
+    assert json.loads(report.read_text())["checkpoint"] is None
+    progress.update(step=5, checkpoint=3)  # step 3's save completes
+    beats.close()
+    assert json.loads(report.read_text()) == {"step": 5, "checkpoint": 3, "checkpoint_dir": "/c"}

@@ -473,17 +473,20 @@ class _Beats:
         self.stopping = threading.Event()
         self.report = os.environ.get("JAXDIST_LAUNCH_DIR")
         self.reported: dict | None = None
+        self.reporting = threading.Lock()
         # what to say when the coordinator stops answering, ready at every beat (`_beat`)
         self.epitaph = b""
         self.thread = threading.Thread(target=self._run, name="jaxdist-beats", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
-        """Post the goodbye (it also wakes the thread, which waits on it) and stop."""
+        """Post the goodbye (it also wakes the thread, which waits on it), stop, and leave the last
+        progress for the launcher's summary (a checkpoint completed since the last beat)."""
         self.stopping.set()
         with contextlib.suppress(Exception):  # the store is gone: nobody is left to read it
             self.client.key_value_set(f"{self.prefix}bye/{self.me}", "1", allow_overwrite=True)
         self.thread.join(timeout=5.0)
+        self._report(dict(self.progress()))
 
     def _run(self) -> None:
         bye = f"{self.prefix}bye/{self.me}"
@@ -523,7 +526,14 @@ class _Beats:
                                   json.dumps({"beat": self.beats, **mine}), allow_overwrite=True)
         if self.me != 0:
             self.epitaph = f"[jaxdist] {self._ended(0, mine)}\n".encode()
-        if self.report and mine != self.reported:
+        self._report(mine)
+
+    def _report(self, mine: dict) -> None:
+        """This process's progress in the launcher's directory (``JAXDIST_LAUNCH_DIR``), when it
+        changed; from the beats' thread, and once more at `close` (one writer at a time)."""
+        with self.reporting:
+            if not self.report or mine == self.reported:
+                return
             self.reported = mine
             with contextlib.suppress(OSError):
                 path = os.path.join(self.report, f"{self.me}.json")
