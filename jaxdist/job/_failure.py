@@ -65,8 +65,8 @@ up every few milliseconds); only a single C call holding the interpreter lock fo
 `silence_seconds` could, and a watcher's own stall counts for nothing (it compares counters between
 its own reads).
 
-Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat also leaves the
-process's progress in ``<dir>/<process>.json`` for the launcher's summary.
+Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat and the goodbye also
+leave the process's progress in ``<dir>/<process>.json`` for the launcher's summary.
 """
 
 from __future__ import annotations
