@@ -74,10 +74,11 @@ def _link(source: str, target: str) -> None:
     try:
         os.link(source, target)
     except FileExistsError:
-        pass
-    except OSError:
+        return
+    except OSError:  # no hard links here: a copy, complete before it takes the name
         with contextlib.suppress(OSError):
-            shutil.copyfile(source, target)
+            shutil.copyfile(source, target + ".part")
+            os.replace(target + ".part", target)
 
 
 def _programs(directory: str) -> list[str]:

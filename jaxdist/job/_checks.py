@@ -185,16 +185,12 @@ def failing(
                 report_failure(f"process {jax.process_index()} exited with status {error.code} at "
                                f"step {step()}")
             raise
-        except JobDisagreementError as error:
-            # the others wait for this one: tell them (the message names it)
-            if not error.on_every_process:
-                report_failure(str(error).rstrip("."))
-            raise
         except BaseException as error:
             # one every process raises at once: telling it would end a peer that catches its own
             if not getattr(error, "on_every_process", False):
-                report_failure(f"process {jax.process_index()} raised {type(error).__name__}"
-                               f"({error}) at step {step()}")
+                report_failure(str(error).rstrip(".") if isinstance(error, JobDisagreementError)
+                               else f"process {jax.process_index()} raised "
+                                    f"{type(error).__name__}({error}) at step {step()}")
             raise
 
 
