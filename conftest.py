@@ -110,6 +110,7 @@ LAUNCHED = os.path.join(KEPT, "launched") if KEPT else ""
 if _OWNER:  # the shared directory starts with them
     for _path in _programs(LAUNCHED):
         _link(_path, os.path.join(os.environ["JAXDIST_TEST_XLA_CACHE"], os.path.basename(_path)))
+
 # JAX reads these variables at import: the processes the tests launch (scripts run three times over
 # by the preemption tests, the docs' code blocks) share that directory.
 os.environ.update(
