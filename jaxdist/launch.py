@@ -6,15 +6,15 @@ For development and tests. Each process gets the cluster environment that
 ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID``); ``--cpu-devices K`` also gives each process K
 simulated CPU devices.
 
-Output is streamed line by line with a ``[i]`` prefix, without the lines gloo (JAX's CPU
-collectives) prints as its ranks connect ("[Gloo] Rank 0 is connected to 3 peer ranks. ...";
-``--verbose`` shows them). When one process fails, the others are stopped (SIGTERM and SIGCONT, then
-SIGKILL after ``--grace`` seconds) and the launcher exits with the failed process's code; Ctrl-C /
-SIGTERM to the launcher is passed on to every process. A job that fails ends with a summary: how
-each process ended (its status or signal, stopped, stopped by the launcher), the last step of
-``fit`` each reached and what jaxdist said, then the newest checkpoint and the step a restart
-resumes from (each process's ``fit`` leaves its progress in ``JAXDIST_LAUNCH_DIR``, a directory the
-launcher makes).
+Output (stdout and stderr, each through a pipe of its own) is streamed line by line with a ``[i]``
+prefix, without the lines gloo (JAX's CPU collectives) prints as its ranks connect ("[Gloo] Rank 0
+is connected to 3 peer ranks. ..."; ``--verbose`` shows them). When one process fails, the others
+are stopped (SIGTERM and SIGCONT, then SIGKILL after ``--grace`` seconds) and the launcher exits
+with the failed process's code; Ctrl-C / SIGTERM to the launcher is passed on to every process. A
+job that fails ends with a summary: how each process ended (its status or signal, stopped, stopped
+by the launcher), the last step of ``fit`` each reached and what jaxdist said, then the newest
+checkpoint and the step a restart resumes from (each process's ``fit`` leaves its progress in
+``JAXDIST_LAUNCH_DIR``, a directory the launcher makes).
 
 On several machines use the cluster's own tools instead (SLURM's ``srun``, a TPU pod's ``gcloud ...
 ssh --worker=all``, a Kubernetes JobSet / indexed Job): JAX detects SLURM, Open MPI and TPU pods by
@@ -174,13 +174,16 @@ def launch(
     procs, pumps, said, stopped, ours = [], [], [[] for _ in range(num_processes)], set(), set()
     for i in range(num_processes):
         env_i = dict(env, JAXDIST_PROCESS_ID=str(i))
+        # One pipe per stream: gloo writes its lines to stderr a piece at a time, so in a pipe
+        # shared with stdout a printed line could land inside one of them (and be dropped with it).
         p = subprocess.Popen([sys.executable, *command], env=env_i, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.PIPE, start_new_session=True)
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, verbose, said[i]),
-                             daemon=True)
-        t.start()
-        pumps.append(t)
+        for stream in (p.stdout, p.stderr):
+            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out, verbose, said[i]),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
 
     def stop(signum=signal.SIGTERM):
         for i, p in enumerate(procs):

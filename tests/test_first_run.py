@@ -113,6 +113,22 @@ def test_the_launcher_leaves_out_gloos_connection_lines_unless_verbose(tmp_path)
     assert sum("] [Gloo] Rank" in line for line in loud.getvalue().splitlines()) == 2
 
 
+def test_a_printed_line_inside_one_of_gloos_pieces_is_still_passed_on(tmp_path):
+    """Gloo writes a connection line to stderr a piece at a time; a line printed to stdout between
+    two pieces stays whole and shown (a preemption test once waited for a step line that a shared
+    pipe had merged into a gloo line, which was then dropped)."""
+    script = tmp_path / "pieces.py"
+    script.write_text(
+        "import os\n"
+        "os.write(2, b'[Gloo] Rank ')\n"
+        "os.write(1, b'step 3\\n')\n"
+        "os.write(2, b'0 is connected to 1 peer ranks.\\n')\n"
+    )
+    out = io.StringIO()
+    assert launch([str(script)], 1, out=out) == 0
+    assert "[0] step 3" in out.getvalue().splitlines(), out.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_demo_fits_an_80_column_terminal(tmp_path):

