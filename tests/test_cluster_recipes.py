@@ -118,11 +118,12 @@ def _results(output: str) -> tuple[np.ndarray, float]:
     return np.asarray(losses), float(final[0])
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Every process's output, each within ``timeout`` s; whatever still runs after that is
-    killed."""
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Every process's ``(stdout, stderr)``, each within ``timeout`` s; whatever still runs after
+    that is killed. (Apart: gloo writes its lines to stderr a piece at a time, and in a shared pipe
+    one could land inside a printed line.)"""
     try:
-        return [p.communicate(timeout=timeout)[0] for p in procs]
+        return [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -195,15 +196,16 @@ def test_the_slurm_recipe_trains_like_one_device(monkeypatch, tmp_path):
     env = _base_env(JAX_NUM_CPU_DEVICES=str(devices), **slurm)  # SLURM's variables, no JAXDIST_*
     procs = [subprocess.Popen(command, cwd=ROOT, env={**env, "SLURM_PROCID": str(i),
                                                       "SLURM_LOCALID": "0"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(nodes)]
     procs.append(subprocess.Popen(_one_device(command), cwd=ROOT,
                                   env=_base_env(JAX_NUM_CPU_DEVICES="1"),
                                   # the reference
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = _finish(procs, timeout=200)
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    streams = _finish(procs, timeout=200)
+    for p, (out, err) in zip(procs, streams, strict=True):
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+    outputs = [out for out, _ in streams]
     first = outputs[0].splitlines()[0]
     assert first.startswith("MultiWorkerMirroredStrategy(num_hosts=2, num_replicas_in_sync=8)"), (
         first
