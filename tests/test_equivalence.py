@@ -24,7 +24,7 @@ from registry import adam, all_strategies, assert_variable_layout, full_mesh_str
 
 import jaxdist as jd
 
-STEPS = 50
+STEPS = 10  # each step checks the losses and the layout: more add compute, not cases
 GLOBAL_BATCH = 32
 
 

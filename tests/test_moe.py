@@ -103,11 +103,13 @@ MESHES = {
 
 
 # The short form builds a (replica, expert) mesh of data2_expert4's shape: its dropless case would
-# run data2_expert4-dropless's path again, so it trains the dropping case only.
+# run data2_expert4-dropless's path again, so it trains the dropping case only. expert8 trains the
+# dropping case only too: padded dropless goes through the same local exchange with another
+# capacity (data2_expert4-dropless runs it).
 @pytest.mark.parametrize("mesh,capacity_factor", [
     pytest.param(mesh, cf, id=f"{mesh}-{name}")
     for mesh in MESHES for cf, name in ((1.0, "dropping"), (None, "dropless"))
-    if not (mesh == "short_form_ep4" and cf is None)])
+    if not (mesh != "data2_expert4" and cf is None)])
 def test_a_moe_lm_with_expert_parallelism_equals_one_device(references, mesh, capacity_factor):
     expected_losses, expected_params, expected_metrics, _ = references[capacity_factor]
     strategy = MESHES[mesh]()
@@ -122,11 +124,12 @@ def test_a_moe_lm_with_expert_parallelism_equals_one_device(references, mesh, ca
     assert (float(dropped) > 0) == (capacity_factor is not None), dropped
 
 
-@pytest.mark.parametrize("mesh", ["data2_expert4", "expert8"])
+@pytest.mark.parametrize("mesh", ["data2_expert4"])
 def test_dropless_ragged_exchange_equals_one_device(references, mesh):
     # The ragged path (picks sorted by expert, counts exchanged, only routed rows moved, grouped
     # matmuls): on CPU its exchange runs emulated (XLA:CPU has no ragged all-to-all); the code
-    # around it is the GPU / TPU path's.
+    # around it is the GPU / TPU path's. On (expert=8), values and gradients of the layer:
+    # test_every_grouped_matmul_kernel_equals_the_worst_case_buffer.
     expected_losses, expected_params, expected_metrics, _ = references[None]
     strategy = MESHES[mesh]()
     losses, params, metrics, state = _train(strategy, MoELM(capacity_factor=None, ragged=True))

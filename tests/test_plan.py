@@ -301,7 +301,7 @@ def _lm_plan(strategy_name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mirrored", "fsdp", "fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("name", ["mirrored", "fsdp_tp", "hsdp"])  # FSDP alone: in both of them
 def test_the_char_lm_plan_holds_the_analytic_state_and_flops(name):
     strategy, plan, params = _lm_plan(name)
     if name == "mirrored":
@@ -393,10 +393,10 @@ def test_the_search_tries_expert_axis_sizes_for_a_moe_model():
              jax.ShapeDtypeStruct((16, 4), jnp.float32))
     found = jd.strategies.plan_search(build, batch, num_devices=8, memory_per_device=1 << 30,
                                     remat=(False,),
-                                    layouts=("mirrored", "fsdp_ep"), expert_parallelism=(2, 4, 3))
+                                    layouts=("mirrored", "fsdp_ep"), expert_parallelism=(4, 3))
     by_mesh = {tuple(c.mesh.items()): c for c in found}
-    assert set(by_mesh) == {(("data", 8),), (("fsdp", 4), ("expert", 2)),
-                            (("fsdp", 2), ("expert", 4))}
+    # 3 does not divide the 8 devices: no candidate
+    assert set(by_mesh) == {(("data", 8),), (("fsdp", 2), ("expert", 4))}
     ep4, mirrored = by_mesh[("fsdp", 2), ("expert", 4)], by_mesh[("data", 8),]
     # the tokens' trips to their experts and back
     assert ep4.plan.collectives["all-to-all"].count >= 2
