@@ -30,7 +30,7 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec
-from registry import assert_variable_layout, full_mesh_strategies, make
+from registry import assert_variable_layout, make
 from sklearn.datasets import load_digits
 
 import jaxdist as jd
@@ -163,7 +163,13 @@ def linen_reference():
     )
 
 
-@full_mesh_strategies
+# The (replica, model) mesh: this CNN's evaluation below, and a CNN trained on it in
+# test_equivalence's conv_batchnorm test. The TPU strategy in the full suite
+# (registry.QUICK_TIER_LEAVES_OUT).
+TPU_8 = pytest.param("tpu_8", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored_8", "sharded_8", TPU_8])
 def test_linen_mnist_example_trains_and_evaluates_like_one_device(strategy_name, linen_reference):
     """The example's loop, steps compiled by strategy.jit with the images/labels declared batches:
     every step's loss and accuracy, the trained parameters and momentum, and the loss, accuracy and

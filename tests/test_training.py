@@ -84,12 +84,18 @@ def linen_variables():
     return MLP().init(jax.random.key(0), jnp.zeros((1, FEATURES)))
 
 
+@pytest.fixture(scope="session")
+def linen_want(linen_variables):
+    """`linen_reference` on `make_batches()` with ``adam(1e-2)`` (computed once)."""
+    return linen_reference(make_batches(), adam(1e-2), linen_variables)
+
+
 @all_strategies
-def test_linen_fit_equals_hand_written_single_device(strategy_name, linen_variables):
+def test_linen_fit_equals_hand_written_single_device(strategy_name, linen_variables, linen_want):
     strategy = make(strategy_name)
     batches = make_batches()
     opt = adam(1e-2)
-    want_params, want_losses = linen_reference(batches, opt, linen_variables)
+    want_params, want_losses = linen_want
     trainer = jd.training.Trainer(strategy, MLP(), opt, ce, variables=linen_variables)
     history = trainer.fit(batches, steps=STEPS, log_every=1, verbose=0)
     np.testing.assert_allclose(history.metric("loss"), want_losses, rtol=1e-5)
@@ -111,13 +117,20 @@ def nnx_reference(model, batches, opt):
     return [float(step(model, optimizer, x, y)) for x, y in batches]
 
 
+@pytest.fixture(scope="session")
+def nnx_want():
+    """`nnx_reference` on `make_batches()` with ``adam(1e-2)`` (computed once): the trained
+    module and its losses."""
+    reference = NnxMLP(nnx.Rngs(0))
+    return reference, nnx_reference(reference, make_batches(), adam(1e-2))
+
+
 @all_strategies
-def test_nnx_fit_equals_hand_written_single_device(strategy_name):
+def test_nnx_fit_equals_hand_written_single_device(strategy_name, nnx_want):
     strategy = make(strategy_name)
     batches = make_batches()
     opt = adam(1e-2)
-    reference = NnxMLP(nnx.Rngs(0))
-    want_losses = nnx_reference(reference, batches, opt)
+    reference, want_losses = nnx_want
     model = NnxMLP(nnx.Rngs(0))
     trainer = jd.training.Trainer(strategy, model, opt, ce)
     history = trainer.fit(batches, steps=STEPS, log_every=1, verbose=0)
