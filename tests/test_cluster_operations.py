@@ -26,19 +26,20 @@ def _env(**extra):
 
 
 def _two(script, *args, env=None, timeout=120):
-    """Start ``script address pid *args`` twice; return [(returncode, output)] (both killed at the
-    timeout)."""
+    """Start ``script address pid *args`` twice; return [(returncode, stdout then stderr)] (both
+    killed at the timeout). The streams are read apart: gloo writes its lines to stderr a piece at a
+    time, and in a shared pipe one could land inside a printed line."""
     address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(script), address, str(i), *map(str, args)],
                               env=env or _env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     out = []
     try:
         deadline = time.monotonic() + timeout
         for p in procs:
-            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((p.returncode, text))
+            text, errors = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, text + errors))
     finally:
         for p in procs:
             if p.poll() is None:
