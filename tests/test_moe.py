@@ -124,14 +124,13 @@ def test_a_moe_lm_with_expert_parallelism_equals_one_device(references, mesh, ca
     assert (float(dropped) > 0) == (capacity_factor is not None), dropped
 
 
-@pytest.mark.parametrize("mesh", ["data2_expert4"])
-def test_dropless_ragged_exchange_equals_one_device(references, mesh):
+def test_dropless_ragged_exchange_equals_one_device(references):
     # The ragged path (picks sorted by expert, counts exchanged, only routed rows moved, grouped
     # matmuls): on CPU its exchange runs emulated (XLA:CPU has no ragged all-to-all); the code
     # around it is the GPU / TPU path's. On (expert=8), values and gradients of the layer:
     # test_every_grouped_matmul_kernel_equals_the_worst_case_buffer.
     expected_losses, expected_params, expected_metrics, _ = references[None]
-    strategy = MESHES[mesh]()
+    strategy = MESHES["data2_expert4"]()
     losses, params, metrics, state = _train(strategy, MoELM(capacity_factor=None, ragged=True))
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     _close(params, expected_params)
