@@ -1,20 +1,10 @@
-"""`StrategyExtended`: the lower-level cross-replica API of tf.distribute, on every jaxdist
-strategy.
+"""`StrategyExtended`: the lower-level cross-replica API of tf.distribute, on every strategy.
 
 TF's 2018 DistributionStrategy (later ``strategy.extended``) had a layer below ``run`` / ``reduce``:
 update a variable on every device that holds it, reduce many values in one call and send them where
 variables live, place new variables next to existing ones, and say which process writes checkpoints.
 In JAX a variable is an array whose sharding says where its copies (or shards) live, so each of
-these is a compiled function whose output sharding is the variable's own:
-
-* `update` / `update_non_slot`: ``fn`` applied to every copy of a variable, the layout (and memory
-  kind) kept;
-* `batch_reduce` / `broadcast`: per-replica values reduced, or one value mirrored, in one program,
-  placed at a destination (a variable, a sharding, a device);
-* `colocate_vars_with` / `non_slot_devices` / `parameter_devices`: where variables are created;
-* `read_var`: the aggregated value of a sync-on-read variable;
-* `should_checkpoint` / `should_save_summary` / `should_init`: this process's part in writing and
-  initializing.
+these is a compiled function whose output sharding is the variable's own.
 """
 
 from __future__ import annotations
@@ -54,8 +44,7 @@ __all__ = ["StrategyExtended"]
 
 
 def _checked(var: Any, new: Any, name: str) -> Any:
-    """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps the variable's
-    layout)."""
+    """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps var's layout)."""
     if signature(new) != signature(var):
         described = [", ".join(f"{d}{list(s)}" for s, d in signature(t)[1]) for t in (new, var)]
         raise ValueError(
@@ -68,8 +57,7 @@ def _checked(var: Any, new: Any, name: str) -> Any:
 
 
 class StrategyExtended:
-    """Cross-replica updates, reductions and variable placement (TF's ``DistributionStrategy`` lower
-    layer).
+    """Cross-replica updates, reductions and variable placement (TF's lower strategy layer).
 
     A mixin of `Strategy`: every strategy has these methods. See the module doc.
     """
@@ -92,8 +80,7 @@ class StrategyExtended:
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether this process writes summaries (TensorBoard, CSV logs): True on the chief (process
-        0) only.
+        """Whether this process writes summaries (TensorBoard, CSV logs): True on the chief only.
 
         Examples:
             >>> import jaxdist as jd
@@ -152,24 +139,18 @@ class StrategyExtended:
             >>> jd.OneDeviceStrategy().non_slot_devices({"w": jnp.zeros(2)}).spec
             P()
         """
-        bad = [
-            x
-            for x in jax.tree.leaves(var_list)
-            if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-        ]
+        bad = [x for x in jax.tree.leaves(var_list)
+               if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))]
         if bad:
-            raise TypeError(
-                f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the variables being "
-                "optimized (a pytree of arrays, e.g. the params)."
-            )
+            raise TypeError(f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the "
+                            "variables being optimized (a pytree of arrays, e.g. the params).")
         offloaded = self.host_offload in ("opt_state", "all")
         return NamedSharding(self.mesh, PartitionSpec(), memory_kind=HOST_MEMORY_KIND if offloaded
                              else None)
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Variables created inside take the layout of ``colocate_with_variable`` (a slot next to
-        its variable).
+        """Variables created inside take the layout of ``colocate_with_variable`` (a slot's).
 
         Inside the block, `create_variables`, `mirror` and variables placed by `jit` get that
         variable's sharding (devices, partition spec and memory kind) when their shape fits it, else
@@ -217,8 +198,7 @@ class StrategyExtended:
 
     # -------------------------------------------------------------------------------------- updates
     def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(var, *args, **kwargs)`` applied to every copy of ``var``: a cross-replica update,
-        layout kept.
+        """``fn(var, *args, **kwargs)`` applied to every copy of ``var``, its layout kept.
 
         ``var`` is a variable (or a pytree of them: mirrored, FSDP-split, host-offloaded); ``fn``
         returns its new value, which comes back in exactly ``var``'s layout (sharding and memory
@@ -276,16 +256,9 @@ class StrategyExtended:
             )
         dynamic, treedef, statics = split_static((args, kwargs))
         shardings = tuple(x.sharding for x in leaves)
-        key = (
-            "update",
-            jax.tree.structure(var),
-            shardings,
-            signature(var)[1],
-            treedef,
-            hashable(statics),
-            tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic),
-        )
         var_tree = jax.tree.structure(var)
+        key = ("update", var_tree, shardings, signature(var)[1], treedef, hashable(statics),
+               tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic))
         name = fn_name(fn)  # not fn itself: a cached program must not keep its function alive
 
         def build(weak_fn):
@@ -312,8 +285,7 @@ class StrategyExtended:
 
     def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any,
                         **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` compiled with its results placed at ``colocate_with`` (non-slot
-        variables).
+        """``fn(*args, **kwargs)`` compiled, its results placed at ``colocate_with`` (non-slots).
 
         Args:
             colocate_with: where the results live: the result of `non_slot_devices`, another
@@ -342,9 +314,8 @@ class StrategyExtended:
         """
         grouped = kwargs.pop("grouped", True)
         if not callable(fn):
-            raise TypeError(
-                f"fn={fn!r} is not callable: pass fn(*args) -> the new non-slot values."
-            )
+            raise TypeError(f"fn={fn!r} is not callable: pass fn(*args) -> the new non-slot "
+                            "values.")
         target = colocate_with.sharding if isinstance(colocate_with, jax.Array) else colocate_with
         if not isinstance(target, jax.sharding.Sharding):
             raise TypeError(
@@ -378,8 +349,7 @@ class StrategyExtended:
 
     # ----------------------------------------------------------------------------------- reductions
     def _destination(self, destination: Any, aval: Any, argument: str) -> jax.sharding.Sharding:
-        """The layout ``destination`` (None, a variable, a sharding, a device or devices) gives a
-        value."""
+        """The layout ``destination`` (None, a variable, a sharding, device(s)) gives a value."""
         if destination is None:
             return replicated(self.mesh)
         if isinstance(destination, jax.Array) and not isinstance(destination, jax.core.Tracer):
@@ -397,11 +367,9 @@ class StrategyExtended:
             "('cpu:0') or a list of devices."
         )
 
-    def batch_reduce(
-        self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]]
-    ) -> list[Any]:
-        """Reduce several per-replica values in ONE compiled program, each placed at its
-        destination.
+    def batch_reduce(self, reduce_op: Any,
+                     value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Reduce several per-replica values in ONE compiled program, each at its destination.
 
         Args:
             reduce_op: SUM, MEAN (`jd.ReduceOp` or `jd.VariableAggregation`) or ONLY_FIRST_REPLICA
@@ -429,12 +397,10 @@ class StrategyExtended:
         """
         mode = VariableAggregation.parse(reduce_op, "reduce_op")
         if mode is VariableAggregation.NONE:
-            raise ValueError(
-                "reduce_op=VariableAggregation.NONE: specify how to combine (SUM, MEAN or "
-                "ONLY_FIRST_REPLICA)."
-            )
-        pairs = list(value_destination_pairs) if isinstance(value_destination_pairs,
-                                                            (list, tuple)) else None
+            raise ValueError("reduce_op=VariableAggregation.NONE: specify how to combine (SUM, "
+                             "MEAN or ONLY_FIRST_REPLICA).")
+        pairs = value_destination_pairs
+        pairs = list(pairs) if isinstance(pairs, (list, tuple)) else None
         if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
             raise ValueError(
                 f"value_destination_pairs={value_destination_pairs!r} must be a list of (value, "
@@ -466,13 +432,9 @@ class StrategyExtended:
 
         def build():
             def reduce_all(*xs):
-                results = []
-                for x, distributed in zip(xs, flags, strict=True):
-                    if distributed:
-                        results.append(reduce_stacked(x, mode))
-                    else:
-                        results.append(x * n if mode is VariableAggregation.SUM else x)
-                return tuple(results)
+                return tuple(reduce_stacked(x, mode) if distributed
+                             else x * n if mode is VariableAggregation.SUM else x
+                             for x, distributed in zip(xs, flags, strict=True))
 
             return jax.jit(reduce_all, out_shardings=in_program)
 
@@ -489,8 +451,7 @@ class StrategyExtended:
         return [jax.tree.unflatten(tree, [next(results) for _ in range(k)]) for tree, k in trees]
 
     def broadcast(self, tensor: Any, destinations: Any = None) -> Any:
-        """Mirror ``tensor`` (a value on one device, or on the host) onto every replica, or onto
-        ``destinations``.
+        """Mirror ``tensor`` (on one device, or the host) onto every replica or ``destinations``.
 
         Args:
             tensor: a pytree of arrays (the same value on every process).
@@ -527,14 +488,12 @@ class StrategyExtended:
             x = x if isinstance(x, jax.Array) else np.asarray(x)
             where = self._destination(destinations, jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       "destinations")
-            placed.append(
-                put(x, where) if isinstance(where, NamedSharding) else jax.device_put(x, where)
-            )
+            placed.append(put(x, where) if isinstance(where, NamedSharding)
+                          else jax.device_put(x, where))
         return jax.tree.unflatten(treedef, placed)
 
     def read_var(self, var: Any) -> Any:
-        """The value of a variable: a sync-on-read value aggregated across replicas, a mirrored one
-        as it is.
+        """A variable's value: a sync-on-read one aggregated across replicas, a mirrored one as is.
 
         Args:
             var: a pytree of `SyncOnRead` values and mirrored arrays.
