@@ -12,11 +12,8 @@ from jaxdist.strategies.context import get_replica_context, get_strategy, has_st
 from jaxdist.strategies.tf_api import StrategyV1Names, TowerContext
 
 __all__ = [
-    "StrategyV1Names",
-    "TowerContext",
-    "get_distribution_strategy",
-    "get_tower_context",
-    "has_distribution_strategy",
+    "StrategyV1Names", "TowerContext", "get_distribution_strategy", "get_tower_context",
+    "has_distribution_strategy"
 ]
 
 

@@ -32,13 +32,8 @@ import numpy as np
 from jaxdist.strategies import ambient
 
 __all__ = [
-    "PADDED",
-    "REMAINDERS",
-    "check_batches",
-    "check_remainder",
-    "holds_padded",
-    "padding_weights",
-    "with_remainder",
+    "PADDED", "REMAINDERS", "check_batches", "check_remainder", "holds_padded", "padding_weights",
+    "with_remainder"
 ]
 
 REMAINDERS = ("error", "drop", "pad")

@@ -161,12 +161,11 @@ class ReplicaContext:
         return jax.tree.map(gather, value)
 
     def aggregate(self, value: Any, aggregation: VariableAggregation | str) -> Any:
-        """Turn replica-local updates of a mirrored value into one mirrored value (a replica-context
-        update).
+        """Turn replica-local updates of a mirrored value into one mirrored value.
 
-        This is how a mirrored value is updated from replica context: the per-replica new values are
-        combined with ``aggregation`` (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's value is
-        broadcast), so every replica holds the same result and ``run`` returns it mirrored.
+        The per-replica new values are combined with ``aggregation`` (SUM, MEAN, or
+        ONLY_FIRST_REPLICA: replica 0's value is broadcast), so every replica holds the same result
+        and ``run`` returns it mirrored.
 
         Args:
             value: a pytree of per-replica new values.
@@ -189,11 +188,9 @@ class ReplicaContext:
         """
         mode = VariableAggregation.parse(aggregation, "aggregation")
         if mode is VariableAggregation.NONE:
-            raise ValueError(
-                "aggregation=VariableAggregation.NONE: a mirrored value updated in replica context "
-                "would differ between replicas; specify an aggregation (SUM, MEAN or "
-                "ONLY_FIRST_REPLICA)."
-            )
+            raise ValueError("aggregation=VariableAggregation.NONE: a mirrored value updated in "
+                             "replica context would differ between replicas; specify an "
+                             "aggregation (SUM, MEAN or ONLY_FIRST_REPLICA).")
         if mode is VariableAggregation.MEAN:
             for leaf in jax.tree.leaves(value):
                 check_mean_dtype(leaf, "the updated mirrored value")
@@ -211,8 +208,7 @@ class ReplicaContext:
 
     @property
     def in_merge_call(self) -> bool:
-        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the
-        replica)."""
+        """True while a ``merge_call`` function of this replica runs (cross-replica code)."""
         return self._merge_depth > 0
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
@@ -221,17 +217,14 @@ class ReplicaContext:
         sees every replica's values, and its result comes back to every replica (tf.distribute's
         ``merge_call``).
 
-        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the
-        replicas' values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so
-        ``merge_fn`` can ``strategy.reduce`` / ``strategy.gather`` them or list them with
-        ``strategy.experimental_local_results``. All replicas run ``merge_fn`` on the same values
-        (SPMD: it is part of the one compiled program), so its result is the same everywhere; a
-        `PerReplica` in the result gives each replica its own component back. Inside ``merge_fn``,
-        ``jd.get_replica_context()`` still returns this context (the code is still traced per
-        replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
-        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns
-        its copy). Outside ``run`` (the default single-replica context) ``merge_fn`` is called on
-        the arguments as they are.
+        Every array in ``args`` / ``kwargs`` (mirrored ones too: inside ``run`` every replica owns
+        its copy) reaches ``merge_fn`` as a `PerReplica` holding all the replicas' values (a
+        `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), for ``strategy.reduce`` /
+        ``strategy.gather`` / ``strategy.experimental_local_results``. All replicas run ``merge_fn``
+        on the same values (it is part of the one SPMD program), so its result is the same
+        everywhere; a `PerReplica` in the result gives each replica its own component back. Inside
+        ``merge_fn``, ``jd.get_replica_context()`` still returns this context and `in_merge_call`
+        is True. Outside ``run`` ``merge_fn`` is called on the arguments as they are.
 
         Args:
             merge_fn: ``merge_fn(strategy, *args, **kwargs)``.

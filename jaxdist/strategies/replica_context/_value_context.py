@@ -1,16 +1,10 @@
 """Per-replica values from a function: `ValueContext` and
 ``experimental_distribute_values_from_function``.
 
-tf.distribute's way to give each replica its own value without a dataset: ``value_fn(ctx)`` is
-called once per replica with a `ValueContext` (the replica's id and the replica count), and the
-results become one `PerReplica` per leaf, which ``strategy.run`` hands back to each replica as its
-own component (per-replica dropout keys, per-replica seeds, a replica's slice of a schedule).
-
 The components are placed as `PerReplica` values always are (one global array whose leading axis
 indexes the replicas, split over the batch axes), built from single-device arrays with
 `jax.make_array_from_single_device_arrays`: each process calls ``value_fn`` only for the replicas
-its devices hold, as tf.distribute does, and no value ever travels between processes or through
-device 0.
+its devices hold, and no value ever travels between processes or through device 0.
 """
 
 from __future__ import annotations
@@ -31,8 +25,7 @@ __all__ = ["ValueContext", "distribute_values_from_function"]
 
 @dataclasses.dataclass(frozen=True)
 class ValueContext:
-    """What ``value_fn`` of ``experimental_distribute_values_from_function`` learns about its
-    replica (tf.distribute.experimental.ValueContext).
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` learns of its replica.
 
     Attributes:
         replica_id_in_sync_group: the replica the value is for, in ``[0, num_replicas_in_sync)``.
@@ -63,8 +56,7 @@ class ValueContext:
 
 
 def _component(leaf: Any, replica: int, path: str) -> Any:
-    """One replica's leaf as an array (host or device), after checking it can be a per-replica
-    component."""
+    """One replica's leaf as an array (host or device), checked to be a valid component."""
     if isinstance(leaf, jax.core.Tracer):
         raise ValueError(
             f"value_fn returned a traced value for replica {replica} at {path}: per-replica values "
@@ -86,9 +78,8 @@ def _component(leaf: Any, replica: int, path: str) -> Any:
     return array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
 
 
-def distribute_values_from_function(
-    policy: LayoutPolicy, owner: Any, value_fn: Callable[[ValueContext], Any]
-) -> Any:
+def distribute_values_from_function(policy: LayoutPolicy, owner: Any,
+                                    value_fn: Callable[[ValueContext], Any]) -> Any:
     """``value_fn(ValueContext)`` for each of this process's replicas, as a pytree of `PerReplica`
     leaves (see `Strategy.experimental_distribute_values_from_function`).
 
@@ -131,9 +122,8 @@ def distribute_values_from_function(
                 f"{replicas[0]}: every replica's value must have the same structure (one "
                 "PerReplica per leaf)."
             )
-        per_replica[r] = [
-            _component(leaf, r, path) for path, (_, leaf) in zip(paths, leaves, strict=True)
-        ]
+        per_replica[r] = [_component(leaf, r, path)
+                          for path, (_, leaf) in zip(paths, leaves, strict=True)]
 
     first = per_replica[replicas[0]]
     for r in replicas[1:]:

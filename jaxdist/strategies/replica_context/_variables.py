@@ -1,12 +1,8 @@
 """Creating values in a policy's layouts: variables compiled into place, existing trees placed,
 sync-on-read.
 
-Variables are created where they live: the initializer runs under `jax.jit` with the policy's
-variable shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its
-shard), so no host copy is ever made. On a mesh over several processes the arrays passed in (rng
-keys, sample inputs, existing values) are process 0's, so every process starts from the same state
-even where its own inputs differ. `SyncOnRead` values hold one component per replica, stacked on a
-leading axis split over the replicas.
+On a mesh over several processes the arrays passed in (rng keys, sample inputs, existing values) are
+process 0's, so every process starts from the same state even where its own inputs differ.
 """
 
 from __future__ import annotations
@@ -39,16 +35,14 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> policy = LayoutPolicy(jax.devices()[:2])
-        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (),
-        ...                  {})["w"].sharding.is_fully_replicated
-        True
+        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (), {})["w"].sharding.spec
+        P()
     """
     if not callable(init_fn):
-        raise TypeError(
-            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the "
-            "function that builds the variables, e.g. strategy.create_variables(model.init, rng, "
-            "x); use strategy.mirror(tree) to place values you already have."
-        )
+        raise TypeError(f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: "
+                        "pass the function that builds the variables, e.g. strategy."
+                        "create_variables(model.init, rng, x); use strategy.mirror(tree) to place "
+                        "values you already have.")
     # Only array leaves are traced: a config object, a string or a Python number is a constant of
     # the initializer (the program is compiled once, so nothing needs to be hashable).
     dynamic, treedef, statics = split_static((args, kwargs))
@@ -113,12 +107,8 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         (True, <built-in function abs>)
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's
-    # step=0 is a counter: kept a Python int, a learning-rate schedule would compute in Python on
-    # it, and every step would compile anew); inside an Equinox module only arrays: its Python bools
-    # and numbers are settings (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on
-    # its `inference` flag). Functions, strings, None stay as they are. The values keep their places
-    # in the tree (layout rules match paths).
+    # Which leaves are placed: see Strategy.mirror (a Flax TrainState's step=0 kept a Python int
+    # would make every step compile anew). The values keep their places (layout rules match paths).
     placed_flags = placed_leaves(tree)
     values = jax.tree.unflatten(
         treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)]
@@ -133,11 +123,9 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
     )
 
 
-def sync_on_read(
-    policy: LayoutPolicy, owner: Any, initial_value: Any, aggregation: VariableAggregation | str
-) -> SyncOnRead:
-    """A `SyncOnRead` of ``owner`` with every replica's component at ``initial_value`` (see
-    `Strategy.sync_on_read`).
+def sync_on_read(policy: LayoutPolicy, owner: Any, initial_value: Any,
+                 aggregation: VariableAggregation | str) -> SyncOnRead:
+    """A `SyncOnRead` of ``owner``, each component ``initial_value`` (`Strategy.sync_on_read`).
 
     Raises:
         ValueError: for NONE or an unknown aggregation.
