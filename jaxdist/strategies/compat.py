@@ -18,8 +18,7 @@ __all__ = [
 
 
 def get_tower_context() -> TowerContext | None:
-    """2018 ``tf.get_tower_context()``: the `TowerContext` of the running replica, None in
-    cross-replica code.
+    """2018 ``tf.get_tower_context()``: the running replica's `TowerContext`, else None.
 
     Examples:
         >>> import jaxdist as jd

@@ -168,37 +168,23 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
     """
 
     def __init__(
-        self,
-        devices: Sequence[Any] | None = None,
-        min_shard_size: int = 1024,
-        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
-        model_parallelism: int = 1,
+        self, devices: Sequence[Any] | None = None, min_shard_size: int = 1024,
+        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None, model_parallelism: int = 1,
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
-        activation_axes: Sequence[str] = (),
-        host_offload: str | None = None,
-        axis_name: str | None = None,
-        *,
-        mesh: jax.sharding.Mesh | None = None,
-        batch_axes: str | Sequence[str] | None = None,
-        fsdp_axes: str | Sequence[str] | None = None,
-        context_axes: str | Sequence[str] | None = None,
-        context_parallelism: int = 1,
-        sequence_axis: int = 1,
-        stage_axes: str | Sequence[str] | None = None,
-        pipeline_parallelism: int = 1,
-        expert_axes: str | Sequence[str] | None = None,
-        expert_parallelism: int = 1,
-        coordinator_address: str | None = None,
-        num_processes: int | None = None,
-        process_id: int | None = None,
-        initialization_timeout: int = 120,
-        heartbeat_timeout_seconds: int = 30,
+        activation_axes: Sequence[str] = (), host_offload: str | None = None,
+        axis_name: str | None = None, *, mesh: jax.sharding.Mesh | None = None,
+        batch_axes: str | Sequence[str] | None = None, fsdp_axes: str | Sequence[str] | None = None,
+        context_axes: str | Sequence[str] | None = None, context_parallelism: int = 1,
+        sequence_axis: int = 1, stage_axes: str | Sequence[str] | None = None,
+        pipeline_parallelism: int = 1, expert_axes: str | Sequence[str] | None = None,
+        expert_parallelism: int = 1, coordinator_address: str | None = None,
+        num_processes: int | None = None, process_id: int | None = None,
+        initialization_timeout: int = 120, heartbeat_timeout_seconds: int = 30,
     ):
-        initialize_cluster(
-            coordinator_address, num_processes, process_id,
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="ShardedStrategy",
-        )
+        initialize_cluster(coordinator_address, num_processes, process_id,
+                           initialization_timeout=initialization_timeout,
+                           heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                           caller="ShardedStrategy")
         if mesh is not None and devices is not None:
             raise ValueError("ShardedStrategy got both devices= and mesh=: a mesh already says "
                              "which devices; pass one of them.")
