@@ -528,8 +528,7 @@ class Strategy:
         axis = self._axis_name if axis_name is None else check_axis_name(self._policy, axis_name)
         args, kwargs = tuple(args), kwargs or {}
         if self._policy.host_offload is not None:
-            # Host-offloaded values are copied to device memory for the replica program (inside a
-            # step, the step's entry already did).
+            # host-offloaded values go to device memory for the program (in a step: its entry did)
             args, kwargs = to_device_memory((args, kwargs))
         check_vma = check_vma_arg(check_vma)
         if check_vma is None and (axis_name is not None or axis != self._policy.replica_axis):
@@ -548,8 +547,7 @@ class Strategy:
         batch_argnames: str | Sequence[str] | None = None, out_layouts: Any = None,
         axis_types: jax.sharding.AxisType | None = None,
     ) -> StrategyFunction | Callable[[Callable[..., Any]], StrategyFunction]:
-        """Compile an UNMODIFIED single-device step for this strategy (the global view; the drop-in
-        path).
+        """Compile an UNMODIFIED single-device step for this strategy (the global, drop-in view).
 
         ``fn`` sees global values: whole parameters, the whole global batch, and XLA inserts the
         collectives, so the result equals ``fn`` on one device. Where each argument lives is
@@ -790,8 +788,7 @@ class Strategy:
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], prefetch: int = 2, remainder: str = "error"
     ) -> DistributedDataset:
-        """Distribute an iterable of GLOBAL batches: each comes out split on axis 0 over the
-        replicas.
+        """Distribute an iterable of GLOBAL batches, each split on axis 0 over the replicas.
 
         Args:
             dataset: a re-iterable of global batches (pytrees of numpy or jax arrays), e.g. a list,

@@ -121,8 +121,7 @@ class DistributedIterator:
             raise
         except BaseException:
             # The thread's reading ended with this error: exhausted, as at the end. Read on demand,
-            # the next call reads the source again (an interrupt while waiting for the thread leaves
-            # it reading).
+            # the next call reads the source again (an interrupt while waiting leaves it reading).
             if self._ahead is not None and self._ahead.ended:
                 self._done = True
             raise

@@ -107,8 +107,7 @@ class ReplicaContext:
         return all_reduce(value, op, self._axis)
 
     def per_replica(self, value: Any) -> Any:
-        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a
-        `PerReplica`.
+        """Declare ``value`` (a pytree) this replica's own: ``run`` returns it as a `PerReplica`.
 
         ``run`` refuses an output that takes the place of a mirrored argument but differs between
         replicas (parameters updated with local gradients drift apart). A value each replica keeps
@@ -136,8 +135,7 @@ class ReplicaContext:
         return keep_per_replica(value, self._axis)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the
-        result.
+        """Concatenate every replica's ``value`` (a pytree) along ``axis``, for every replica.
 
         Args:
             value: a pytree of arrays of rank >= 1, the same shapes on every replica.

@@ -140,8 +140,7 @@ def distribute_values_from_function(policy: LayoutPolicy, owner: Any,
     stacked = []
     for i, component in enumerate(first):
         shape = (n, *np.shape(component))
-        # One shard per device: several devices hold one replica's component when a model axis is
-        # replicated.
+        # one shard per device (with a model axis, several devices hold one replica's component)
         shards = [
             jax.device_put(per_replica[index[0].start or 0][i][None], device)
             for device, index in sharding.addressable_devices_indices_map(shape).items()

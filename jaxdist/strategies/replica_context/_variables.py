@@ -26,8 +26,7 @@ __all__ = ["create_variables", "mirror", "sync_on_read"]
 
 def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple,
                      kwargs: dict) -> Any:
-    """``init_fn(*args, **kwargs)`` compiled straight into ``policy``'s variable layout (see
-    `Strategy.create_variables`).
+    """``init_fn(*args, **kwargs)`` compiled into ``policy``'s layout (`Strategy.create_variables`).
 
     Raises:
         TypeError: when ``init_fn`` is not callable.
@@ -49,9 +48,8 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     if policy.spans_processes:
         dynamic = from_chief(dynamic)  # new arrays: process 0's values
     else:
-        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an
-        # output that is an argument unchanged (jit forwards those) never shares the caller's
-        # buffer.
+        # Arrays enter as copies on the mesh: one on other devices is accepted, and an output that
+        # is an argument unchanged (jit forwards those) never shares the caller's buffer.
         dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x
                    for x in dynamic]
 
@@ -81,8 +79,7 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
             return jax.jit(fn, out_shardings=jax.tree.unflatten(jax.tree.structure(shapes),
                                                                 layouts))(*dynamic)
 
-        # Run Auto: the leaves leave the region each in its layout (the tree's static parts are
-        # eval_shape's)
+        # Run Auto: each leaf leaves the region in its layout (the static parts are eval_shape's)
         def leaves(*dyn):
             out, _ = traced(dyn)
             say(mesh, name, True)

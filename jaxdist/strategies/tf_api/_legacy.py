@@ -130,8 +130,7 @@ class StrategyV1Names:
         return PerReplica(jax.device_put(np.arange(n, dtype=np.int32), self.batch_sharding), self)
 
     def call_for_each_tower(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """2018 name of ``run(fn, args=args, kwargs=kwargs)`` (TF's ``run_concurrently`` option is
-        dropped).
+        """2018 name of ``run(fn, args=args, kwargs=kwargs)`` (``run_concurrently`` is dropped).
 
         Inside ``fn``, `get_tower_context` (or ``jd.get_replica_context()``) gives the replica's
         context.
@@ -273,8 +272,7 @@ class StrategyV1Names:
         return (leaf,)
 
     def value_container(self, value: Any) -> Any:
-        """The distributed value that ``value`` (a component from `unwrap`) belongs to; else
-        ``value`` itself.
+        """The distributed value ``value`` (a component from `unwrap`) belongs to, else ``value``.
 
         Examples:
             >>> import jaxdist as jd
