@@ -41,10 +41,9 @@ def _batch_size(global_batch_size: Any) -> int:
             f"for the default.{hint}"
         ) from None
     if size <= 0:
-        raise ValueError(
-            f"global_batch_size={size} must be positive: the number of examples in the global "
-            "batch, or None for the default (this replica's batch times num_replicas_in_sync)."
-        )
+        raise ValueError(f"global_batch_size={size} must be positive: the number of examples in "
+                         "the global batch, or None for the default (this replica's batch times "
+                         "num_replicas_in_sync).")
     return size
 
 
@@ -61,11 +60,9 @@ def _weights(sample_weight: Any, shape: tuple[int, ...]) -> jax.Array:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(
-            f"sample_weight has shape {tuple(jnp.shape(sample_weight))}, which does not broadcast "
-            f"to per_example_loss's shape {shape}: pass one weight per example (shape "
-            f"{shape[:1]}), a scalar, or an array of the loss's shape."
-        )
+        raise ValueError(f"sample_weight has shape {tuple(jnp.shape(sample_weight))}, which does "
+                         f"not broadcast to per_example_loss's shape {shape}: pass one weight per "
+                         f"example (shape {shape[:1]}), a scalar, or an array of the loss's shape.")
     return weight
 
 
@@ -155,9 +152,8 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
     """
     leaves = jax.tree.leaves(regularization_loss)
     if not leaves:
-        raise ValueError(
-            f"regularization_loss={regularization_loss!r} holds no array: pass the regularization "
-            "term(s), e.g. 1e-4 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params))."
-        )
+        raise ValueError(f"regularization_loss={regularization_loss!r} holds no array: pass the "
+                         "regularization term(s), e.g. 1e-4 * sum(jnp.sum(w ** 2) for w in "
+                         "jax.tree.leaves(params)).")
     total = sum(jnp.sum(jnp.asarray(leaf)) for leaf in leaves)
     return total / _replicas_in_sync()

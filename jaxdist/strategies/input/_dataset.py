@@ -130,12 +130,11 @@ class DistributedIterator:
 
     def _check_stateful(self, method: str) -> None:
         if not self._stateful:
-            raise TypeError(
-                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no "
-                "get_state() / set_state(state), so its position cannot be saved or restored: read "
-                "the data with grain (grain.MapDataset, grain.IterDataset, grain.DataLoader), or "
-                "give the iterator both methods."
-            )
+            raise TypeError(f"{method}: this dataset's iterator ({type(self._source).__name__}) "
+                            "has no get_state() / set_state(state), so its position cannot be "
+                            "saved or restored: read the data with grain (grain.MapDataset, "
+                            "grain.IterDataset, grain.DataLoader), or give the iterator both "
+                            "methods.")
 
     def get_state(self) -> Any:
         """The source iterator's state after the last batch this iterator returned (batches read

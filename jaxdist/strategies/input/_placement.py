@@ -180,13 +180,12 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     """
     n_proc = jax.process_count()
     if process_local and n_proc > 1 and policy.replicas_span_processes:
-        raise ValueError(
-            "per-process input (distribute_datasets_from_function) on a mesh whose replicas span "
-            f"processes (mesh {dict(policy.mesh.shape)}, batch axes {policy.batch_axes}: a model "
-            "axis crosses processes), so no process owns a replica's rows alone: pass GLOBAL "
-            "batches (experimental_distribute_dataset, the same batch on every process), or put "
-            "the processes on a batch axis of the mesh."
-        )
+        raise ValueError("per-process input (distribute_datasets_from_function) on a mesh whose "
+                         f"replicas span processes (mesh {dict(policy.mesh.shape)}, batch axes "
+                         f"{policy.batch_axes}: a model axis crosses processes), so no process "
+                         "owns a replica's rows alone: pass GLOBAL batches "
+                         "(experimental_distribute_dataset, the same batch on every process), or "
+                         "put the processes on a batch axis of the mesh.")
     leaves, treedef = jax.tree.flatten(batch)
     if any(np.ndim(x) and np.shape(x)[0] == 0 for x in leaves):  # a mean over it is NaN, silently
         raise ValueError(
@@ -359,10 +358,8 @@ def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str,
             axes do not.
     """
     if not shape:
-        raise ValueError(
-            f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split over the "
-            "replicas (pass scalars as separate, non-batch arguments)."
-        )
+        raise ValueError(f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split "
+                         "over the replicas (pass scalars as separate, non-batch arguments).")
     if process_local:
         check_divisible(shape[0], replicas_on_this_process(policy), "per-process batch"
                         if where is None else f"the per-process rows of {where}", policy.batch_axes)

@@ -170,11 +170,9 @@ class Prefetcher:
             thread.join(timeout=0.01)
         self._drain()
         if thread is not None and thread.is_alive():
-            raise RuntimeError(
-                f"the prefetch thread is still reading from the dataset after {STOP_SECONDS:g} s: "
-                "its read does not return, so the iterator cannot be repositioned; check the "
-                "dataset for a blocking read."
-            )
+            raise RuntimeError("the prefetch thread is still reading from the dataset after "
+                               f"{STOP_SECONDS:g} s: its read does not return, so the iterator "
+                               "cannot be repositioned; check the dataset for a blocking read.")
 
     def _drain(self) -> None:
         with contextlib.suppress(queue.Empty):

@@ -46,11 +46,9 @@ def check_remainder(remainder: Any) -> str:
         'pad'
     """
     if remainder not in REMAINDERS:
-        raise ValueError(
-            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last "
-            "batch, 'drop' skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that "
-            "jd.compute_average_loss leaves out."
-        )
+        raise ValueError(f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a "
+                         "smaller last batch, 'drop' skips it (tf.data's drop_remainder=True), "
+                         "'pad' pads it with rows that jd.compute_average_loss leaves out.")
     return remainder
 
 

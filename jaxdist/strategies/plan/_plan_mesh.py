@@ -134,12 +134,11 @@ def refuse_to_run(mesh: Any, what: str) -> None:
         calling step needs devices, but this strategy's mesh
     """
     if is_plan_mesh(mesh):
-        raise RuntimeError(
-            f"{what} needs devices, but this strategy's mesh {dict(mesh.shape)} is a plan mesh "
-            "(jd.plan_mesh): it can plan, not run. Call step.plan(*args) (or strategy.plan(step, "
-            "*args)) for its memory, FLOPs and collectives, and run on a strategy built over real "
-            "devices (mesh=jax.make_mesh(...))."
-        )
+        raise RuntimeError(f"{what} needs devices, but this strategy's mesh {dict(mesh.shape)} is "
+                           "a plan mesh (jd.plan_mesh): it can plan, not run. Call "
+                           "step.plan(*args) (or strategy.plan(step, *args)) for its memory, FLOPs "
+                           "and collectives, and run on a strategy built over real devices "
+                           "(mesh=jax.make_mesh(...)).")
 
 
 def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -204,16 +203,13 @@ def compile_elsewhere(module_text: str, num_devices: int,
             done = subprocess.run(command, env=env, capture_output=True, text=True,
                                   timeout=timeout, check=False)
         except subprocess.TimeoutExpired as error:
-            raise RuntimeError(
-                f"compiling the plan for {num_devices} simulated CPU devices took longer than "
-                f"timeout={timeout} s: pass a larger timeout, or plan a smaller mesh."
-            ) from error
+            raise RuntimeError(f"compiling the plan for {num_devices} simulated CPU devices took "
+                               f"longer than timeout={timeout} s: pass a larger timeout, or plan a "
+                               "smaller mesh.") from error
         if done.returncode != 0:
-            raise RuntimeError(
-                f"compiling the plan for {num_devices} simulated CPU devices failed (exit "
-                f"{done.returncode} after {time.perf_counter() - start:.1f} "
-                f"s):\n{done.stderr[-3000:]}"
-            )
+            raise RuntimeError(f"compiling the plan for {num_devices} simulated CPU devices failed "
+                               f"(exit {done.returncode} after {time.perf_counter() - start:.1f} "
+                               f"s):\n{done.stderr[-3000:]}")
         with open(result) as f:
             out = json.load(f)
     return out["memory"], out["text"]

@@ -150,10 +150,8 @@ class ReplicaContext:
         def gather(x):
             x = jnp.asarray(x)
             if x.ndim == 0:
-                raise ValueError(
-                    "all_gather got a scalar: it concatenates along an axis; gather x[None] to "
-                    "stack scalars."
-                )
+                raise ValueError("all_gather got a scalar: it concatenates along an axis; gather "
+                                 "x[None] to stack scalars.")
             return jax.lax.all_gather(x, self._axis, axis=axis % x.ndim, tiled=True, to="invarying")
 
         return jax.tree.map(gather, value)
@@ -252,11 +250,9 @@ class ReplicaContext:
             raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, "
                             "*args).")
         if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, "
-                "args=(v,)) (the 2018 form merge_call(fn, *args) is "
-                "jd.compat.get_tower_context().merge_call)."
-            )
+            raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. "
+                            "ctx.merge_call(fn, args=(v,)) (the 2018 form merge_call(fn, *args) is "
+                            "jd.compat.get_tower_context().merge_call).")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
         kwargs = kwargs or {}

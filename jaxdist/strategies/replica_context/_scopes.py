@@ -35,15 +35,13 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
     """
     current = ambient.current_scope()
     if current is not None and current is not strategy:
-        raise RuntimeError(
-            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the "
-            f"scope of {current!r}. Leave the outer scope first, or use one strategy for both."
-        )
+        raise RuntimeError("Mixing different Strategy objects: cannot enter the scope of "
+                           f"{strategy!r} inside the scope of {current!r}. Leave the outer scope "
+                           "first, or use one strategy for both.")
     if ambient.current_replica() is not None:
-        raise RuntimeError(
-            "strategy.scope() cannot be entered inside a replica function (strategy.run); "
-            "open the scope in cross-replica code, around the training loop."
-        )
+        raise RuntimeError("strategy.scope() cannot be entered inside a replica function "
+                           "(strategy.run); open the scope in cross-replica code, around the "
+                           "training loop.")
     # Flax nnx creates variables annotated with nnx.with_partitioning already sharded, on the
     # ambient mesh; a plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only.
     mesh = (jax.sharding.use_abstract_mesh(policy.mesh)

@@ -48,31 +48,25 @@ class ValueContext:
         if self.num_replicas_in_sync < 1:
             raise ValueError(f"num_replicas_in_sync={self.num_replicas_in_sync} must be >= 1.")
         if not 0 <= self.replica_id_in_sync_group < self.num_replicas_in_sync:
-            raise ValueError(
-                f"replica_id_in_sync_group={self.replica_id_in_sync_group} must be in "
-                f"[0, {self.num_replicas_in_sync}) "
-                f"(num_replicas_in_sync={self.num_replicas_in_sync})."
-            )
+            raise ValueError(f"replica_id_in_sync_group={self.replica_id_in_sync_group} must be in "
+                             f"[0, {self.num_replicas_in_sync}) "
+                             f"(num_replicas_in_sync={self.num_replicas_in_sync}).")
 
 
 def _component(leaf: Any, replica: int, path: str) -> Any:
     """One replica's leaf as an array (host or device), checked to be a valid component."""
     if isinstance(leaf, jax.core.Tracer):
-        raise ValueError(
-            f"value_fn returned a traced value for replica {replica} at {path}: per-replica values "
-            "are built eagerly, once, from concrete values. Call "
-            "experimental_distribute_values_from_function outside jax.jit / strategy.jit and pass "
-            "the result into the step as an argument."
-        )
+        raise ValueError(f"value_fn returned a traced value for replica {replica} at {path}: "
+                         "per-replica values are built eagerly, once, from concrete values. Call "
+                         "experimental_distribute_values_from_function outside jax.jit / "
+                         "strategy.jit and pass the result into the step as an argument.")
     if isinstance(leaf, jax.Array):
         return leaf
     array = np.asarray(leaf)
     if array.dtype.kind not in "biufc":
-        raise TypeError(
-            f"value_fn returned {leaf!r} (type {type(leaf).__name__}) for replica {replica} at "
-            f"{path}: each leaf must be an array or a number (e.g. a jax.random key, a seed, a "
-            "float)."
-        )
+        raise TypeError(f"value_fn returned {leaf!r} (type {type(leaf).__name__}) for replica "
+                        f"{replica} at {path}: each leaf must be an array or a number (e.g. a "
+                        "jax.random key, a seed, a float).")
     # Numbers and numpy arrays take the dtype JAX would give them (float64 -> float32 without x64),
     # so that a replica returning a Python number and one returning a jax array of it agree.
     return array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
@@ -90,25 +84,21 @@ def distribute_values_from_function(policy: LayoutPolicy, owner: Any,
         RuntimeError: when called inside a replica function.
     """
     if not callable(value_fn):
-        raise TypeError(
-            f"value_fn={value_fn!r} is not callable: pass a function of a jd.ValueContext, e.g. "
-            "lambda ctx: jax.random.fold_in(key, ctx.replica_id_in_sync_group)."
-        )
+        raise TypeError(f"value_fn={value_fn!r} is not callable: pass a function of a "
+                        "jd.ValueContext, e.g. lambda ctx: jax.random.fold_in(key, "
+                        "ctx.replica_id_in_sync_group).")
     if ambient.current_replica() is not None:
-        raise RuntimeError(
-            "experimental_distribute_values_from_function was called inside a replica function: it "
-            "builds per-replica values in cross-replica context; call it before strategy.run and "
-            "pass the result in (inside run, jd.get_replica_context().replica_id_in_sync_group is "
-            "this replica's id)."
-        )
+        raise RuntimeError("experimental_distribute_values_from_function was called inside a "
+                           "replica function: it builds per-replica values in cross-replica "
+                           "context; call it before strategy.run and pass the result in (inside "
+                           "run, jd.get_replica_context().replica_id_in_sync_group is this "
+                           "replica's id).")
     n = policy.num_replicas
     replicas = policy.local_replicas
     if not replicas:  # a strategy over other processes' devices only: nothing here to compute
-        raise ValueError(
-            f"this process (index {jax.process_index()}) holds none of the {n} replicas of mesh "
-            f"{dict(policy.mesh.shape)}: build the strategy over devices that include this "
-            "process's (jax.local_devices())."
-        )
+        raise ValueError(f"this process (index {jax.process_index()}) holds none of the {n} "
+                         f"replicas of mesh {dict(policy.mesh.shape)}: build the strategy over "
+                         "devices that include this process's (jax.local_devices()).")
     per_replica: dict[int, list[Any]] = {}
     paths: list[str] = []
     treedef = None
@@ -117,11 +107,9 @@ def distribute_values_from_function(policy: LayoutPolicy, owner: Any,
         if treedef is None:
             treedef, paths = tree, [jax.tree_util.keystr(p) or "the root" for p, _ in leaves]
         elif tree != treedef:
-            raise ValueError(
-                f"value_fn returned {tree} for replica {r} but {treedef} for replica "
-                f"{replicas[0]}: every replica's value must have the same structure (one "
-                "PerReplica per leaf)."
-            )
+            raise ValueError(f"value_fn returned {tree} for replica {r} but {treedef} for replica "
+                             f"{replicas[0]}: every replica's value must have the same structure "
+                             "(one PerReplica per leaf).")
         per_replica[r] = [_component(leaf, r, path)
                           for path, (_, leaf) in zip(paths, leaves, strict=True)]
 
@@ -129,12 +117,11 @@ def distribute_values_from_function(policy: LayoutPolicy, owner: Any,
     for r in replicas[1:]:
         for path, a, b in zip(paths, first, per_replica[r], strict=True):
             if (np.shape(a), a.dtype) != (np.shape(b), b.dtype):
-                raise ValueError(
-                    f"value_fn returned {b.dtype}{list(np.shape(b))} for replica {r} at {path} but "
-                    f"{a.dtype}{list(np.shape(a))} for replica {replicas[0]}: every replica's "
-                    "component must have the same shape and dtype (they are stacked into one array "
-                    "split over the replicas)."
-                )
+                raise ValueError(f"value_fn returned {b.dtype}{list(np.shape(b))} for replica {r} "
+                                 f"at {path} but {a.dtype}{list(np.shape(a))} for replica "
+                                 f"{replicas[0]}: every replica's component must have the same "
+                                 "shape and dtype (they are stacked into one array split over the "
+                                 "replicas).")
 
     sharding = policy.batch_sharding
     stacked = []

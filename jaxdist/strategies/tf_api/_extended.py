@@ -47,12 +47,10 @@ def _checked(var: Any, new: Any, name: str) -> Any:
     """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps var's layout)."""
     if signature(new) != signature(var):
         described = [", ".join(f"{d}{list(s)}" for s, d in signature(t)[1]) for t in (new, var)]
-        raise ValueError(
-            f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: "
-            "strategy.update stores fn's result in the variable's layout, so it must return the "
-            "new value of var with the same structure, shapes and dtypes; compute other results "
-            "with strategy.jit."
-        )
+        raise ValueError(f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: "
+                         "strategy.update stores fn's result in the variable's layout, so it must "
+                         "return the new value of var with the same structure, shapes and dtypes; "
+                         "compute other results with strategy.jit.")
     return new
 
 
@@ -177,22 +175,19 @@ class StrategyExtended:
             (P(None, 'replica'), P(None, 'replica'), P())
         """
         if ambient.current_scope() is not self or ambient.current_replica() is not None:
-            raise RuntimeError(
-                "colocate_vars_with is used inside this strategy's scope(), in cross-replica code: "
-                "`with strategy.scope(), strategy.colocate_vars_with(v): ...`."
-            )
+            raise RuntimeError("colocate_vars_with is used inside this strategy's scope(), in "
+                               "cross-replica code: `with strategy.scope(), "
+                               "strategy.colocate_vars_with(v): ...`.")
         target = colocate_with_variable
         if isinstance(target, jax.Array) and not isinstance(target, jax.core.Tracer):
             target = target.sharding
         elif isinstance(target, jax.Device):
             target = SingleDeviceSharding(target)
         elif not isinstance(target, jax.sharding.Sharding):
-            raise TypeError(
-                f"colocate_with_variable={colocate_with_variable!r} (type "
-                f"{type(colocate_with_variable).__name__}) is not a variable: pass a placed "
-                "jax.Array, a jax.sharding.Sharding (e.g. strategy.non_slot_devices(params)) or a "
-                "jax.Device."
-            )
+            raise TypeError(f"colocate_with_variable={colocate_with_variable!r} (type "
+                            f"{type(colocate_with_variable).__name__}) is not a variable: pass a "
+                            "placed jax.Array, a jax.sharding.Sharding (e.g. "
+                            "strategy.non_slot_devices(params)) or a jax.Device.")
         with ambient.colocation(self.policy, target):
             yield
 
@@ -239,21 +234,17 @@ class StrategyExtended:
             raise TypeError(f"fn={fn!r} is not callable: pass fn(var, *args) -> new value of var.")
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update")
         if any(is_distributed(x) for x in jax.tree.leaves(var, is_leaf=is_distributed)):
-            raise ValueError(
-                "strategy.update got a PerReplica / SyncOnRead as var: update applies fn to a "
-                "variable's copies; update a sync-on-read value with .assign (or inside "
-                "strategy.run), reduce a PerReplica first."
-            )
+            raise ValueError("strategy.update got a PerReplica / SyncOnRead as var: update applies "
+                             "fn to a variable's copies; update a sync-on-read value with .assign "
+                             "(or inside strategy.run), reduce a PerReplica first.")
         leaves = jax.tree.leaves(var)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._update_in_trace(var, fn, args, kwargs)
         bad = [x for x in leaves if not isinstance(x, jax.Array)]
         if bad:
-            raise TypeError(
-                f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: var must be "
-                "placed variables (from strategy.create_variables or strategy.mirror) so that its "
-                "layout can be kept."
-            )
+            raise TypeError(f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: "
+                            "var must be placed variables (from strategy.create_variables or "
+                            "strategy.mirror) so that its layout can be kept.")
         dynamic, treedef, statics = split_static((args, kwargs))
         shardings = tuple(x.sharding for x in leaves)
         var_tree = jax.tree.structure(var)
@@ -275,12 +266,11 @@ class StrategyExtended:
     def _update_in_trace(self, var: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         ctx = ambient.current_replica()
         if ctx is not None and not ctx.in_merge_call:
-            raise RuntimeError(
-                "strategy.update was called inside a replica function: every replica would update "
-                "its own copy. Combine the replicas' values first: return ctx.aggregate(new_value, "
-                "aggregation), or call update inside ctx.merge_call(lambda strategy, *a: "
-                "strategy.update(...), args=(...))."
-            )
+            raise RuntimeError("strategy.update was called inside a replica function: every "
+                               "replica would update its own copy. Combine the replicas' values "
+                               "first: return ctx.aggregate(new_value, aggregation), or call "
+                               "update inside ctx.merge_call(lambda strategy, *a: "
+                               "strategy.update(...), args=(...)).")
         return _checked(var, fn(var, *args, **kwargs), fn_name(fn))
 
     def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any,
@@ -318,10 +308,9 @@ class StrategyExtended:
                             "values.")
         target = colocate_with.sharding if isinstance(colocate_with, jax.Array) else colocate_with
         if not isinstance(target, jax.sharding.Sharding):
-            raise TypeError(
-                f"colocate_with={colocate_with!r} is not a layout: pass "
-                "strategy.non_slot_devices(var_list), a jax.sharding.Sharding or a placed variable."
-            )
+            raise TypeError(f"colocate_with={colocate_with!r} is not a layout: pass "
+                            "strategy.non_slot_devices(var_list), a jax.sharding.Sharding or a "
+                            "placed variable.")
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update_non_slot")
         dynamic, treedef, statics = split_static((args, kwargs))
         avals = tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic)
@@ -341,11 +330,9 @@ class StrategyExtended:
 
     def _refuse_per_replica(self, tree: Any, where: str) -> None:
         if any(is_distributed(x) for x in jax.tree.leaves(tree, is_leaf=is_distributed)):
-            raise ValueError(
-                f"{where} hold a PerReplica / SyncOnRead value: they must be the same on every "
-                "replica (as in TF). Combine it first with strategy.reduce(op, value) or read it "
-                "with strategy.read_var(value)."
-            )
+            raise ValueError(f"{where} hold a PerReplica / SyncOnRead value: they must be the same "
+                             "on every replica (as in TF). Combine it first with "
+                             "strategy.reduce(op, value) or read it with strategy.read_var(value).")
 
     # ----------------------------------------------------------------------------------- reductions
     def _destination(self, destination: Any, aval: Any, argument: str) -> jax.sharding.Sharding:
@@ -361,11 +348,9 @@ class StrategyExtended:
         if isinstance(destination, (list, tuple)) and destination:
             devices = resolve_devices(destination, argument)
             return NamedSharding(Mesh(np.array(devices), (REPLICA_AXIS,)), PartitionSpec())
-        raise TypeError(
-            f"{argument}={destination!r} (type {type(destination).__name__}) is not a destination: "
-            "pass None (every replica), a variable (its layout), a jax.sharding.Sharding, a device "
-            "('cpu:0') or a list of devices."
-        )
+        raise TypeError(f"{argument}={destination!r} (type {type(destination).__name__}) is not a "
+                        "destination: pass None (every replica), a variable (its layout), a "
+                        "jax.sharding.Sharding, a device ('cpu:0') or a list of devices.")
 
     def batch_reduce(self, reduce_op: Any,
                      value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
@@ -414,11 +399,9 @@ class StrategyExtended:
             for leaf in leaves:
                 if is_distributed(leaf):
                     if leaf.owner is not None and leaf.owner is not self:
-                        raise ValueError(
-                            f"value_destination_pairs[{i}] holds a {type(leaf).__name__} of "
-                            f"{leaf.owner!r}, not {self!r}: reduce it with the strategy that "
-                            "produced it."
-                        )
+                        raise ValueError(f"value_destination_pairs[{i}] holds a "
+                                         f"{type(leaf).__name__} of {leaf.owner!r}, not {self!r}: "
+                                         "reduce it with the strategy that produced it.")
                     x, distributed = leaf.stacked, True
                 else:
                     x, distributed = jnp.asarray(leaf), False
@@ -476,11 +459,9 @@ class StrategyExtended:
         leaves, treedef = jax.tree.flatten(tensor)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             if ambient.current_replica() is not None:
-                raise RuntimeError(
-                    "strategy.broadcast was called inside a replica function: to give every "
-                    "replica replica 0's value, return ctx.aggregate(x, 'only_first_replica') (or "
-                    "use ctx.merge_call)."
-                )
+                raise RuntimeError("strategy.broadcast was called inside a replica function: to "
+                                   "give every replica replica 0's value, return ctx.aggregate(x, "
+                                   "'only_first_replica') (or use ctx.merge_call).")
             # inside a compiled global-view step a value is already the same for every device
             return tensor
         placed = []
@@ -518,11 +499,9 @@ class StrategyExtended:
             if isinstance(v, SyncOnRead):
                 return v.read()
             if isinstance(v, PerReplica):
-                raise ValueError(
-                    "strategy.read_var got a PerReplica: it holds one value per replica, not a "
-                    "variable; combine them with strategy.reduce(op, value) or list them with "
-                    "strategy.experimental_local_results."
-                )
+                raise ValueError("strategy.read_var got a PerReplica: it holds one value per "
+                                 "replica, not a variable; combine them with strategy.reduce(op, "
+                                 "value) or list them with strategy.experimental_local_results.")
             return v
 
         return jax.tree.map(read, var, is_leaf=is_distributed)

@@ -192,10 +192,9 @@ class StrategyV1Names:
         """
         mode = getattr(replication_mode, "name", replication_mode)
         if not isinstance(mode, str) or mode.lower() != "per_worker":
-            raise ValueError(
-                f"replication_mode={replication_mode!r}: only PER_WORKER exists (input_fn runs "
-                "once per process and yields that process's share of each batch)."
-            )
+            raise ValueError(f"replication_mode={replication_mode!r}: only PER_WORKER exists "
+                             "(input_fn runs once per process and yields that process's share of "
+                             "each batch).")
         return iter(self.distribute_datasets_from_function(input_fn))
 
     def map(self, map_over: Iterable[Any], fn: Callable[..., Any], *args: Any,
@@ -361,11 +360,9 @@ class StrategyV1Names:
             2.0
         """
         if any(is_distributed(x) for x in jax.tree.leaves(val, is_leaf=is_distributed)):
-            raise ValueError(
-                "strategy.fetch got a PerReplica / SyncOnRead: it copies one value; combine the "
-                "replicas' values first with strategy.reduce(op, value) or "
-                "strategy.read_var(value)."
-            )
+            raise ValueError("strategy.fetch got a PerReplica / SyncOnRead: it copies one value; "
+                             "combine the replicas' values first with strategy.reduce(op, value) "
+                             "or strategy.read_var(value).")
         device = resolve_device(destination, "destination")
         return fn(jax.device_put(val, device))
 
@@ -385,12 +382,10 @@ class _PerTowerGroups:
                 yield jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *group)
                 group = []
         if group:
-            raise ValueError(
-                f"the dataset of distribute_dataset ended after {len(group)} of the {self._k} "
-                "per-replica batches of a step: each step takes one element per replica; make the "
-                f"number of elements a multiple of {self._k} (drop the remainder, or repeat the "
-                "dataset)."
-            )
+            raise ValueError(f"the dataset of distribute_dataset ended after {len(group)} of the "
+                             f"{self._k} per-replica batches of a step: each step takes one "
+                             "element per replica; make the number of elements a multiple of "
+                             f"{self._k} (drop the remainder, or repeat the dataset).")
 
 
 class TowerContext:
