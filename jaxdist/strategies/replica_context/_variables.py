@@ -107,17 +107,15 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
     # Which leaves are placed: see Strategy.mirror (a Flax TrainState's step=0 kept a Python int
     # would make every step compile anew). The values keep their places (layout rules match paths).
     placed_flags = placed_leaves(tree)
-    values = jax.tree.unflatten(
-        treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)]
-    )
+    values = jax.tree.unflatten(treedef, [x if f else None
+                                          for x, f in zip(leaves, placed_flags, strict=True)])
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(
-        treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)]
-    )
+    return jax.tree.unflatten(treedef, [next(placed) if f else x
+                                        for x, f in zip(leaves, placed_flags, strict=True)])
 
 
 def sync_on_read(policy: LayoutPolicy, owner: Any, initial_value: Any,
