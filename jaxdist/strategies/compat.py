@@ -1,9 +1,8 @@
 """The 2018 module-level names (``tf.contrib.distribute``): ``jd.compat``.
 
 The strategy methods of 2018 (``call_for_each_tower``, ``num_towers``, ``unwrap``, ...) are on every
-strategy through `StrategyV1Names` (`jaxdist.strategies.tf_api._legacy`); this module adds the 2018
-functions that find the current strategy and tower context, and re-exports the mixin and
-`TowerContext` under ``jd.compat``.
+strategy through `StrategyV1Names`; this module adds the 2018 functions that find the current
+strategy and tower context, and re-exports the mixin and `TowerContext`.
 """
 
 from __future__ import annotations

@@ -158,13 +158,9 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         >>> kernel.value.sharding.spec, kernel.value.sharding.mesh.axis_names
         (P('fsdp', 'tensor'), ('data', 'fsdp', 'tensor'))
         >>> cp = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")),
-        ...                         batch_axes="data",
-        ...                         # context parallelism: sequences split over 4
-        ...                         context_axes="context")
-        >>> cp.num_replicas_in_sync, cp.experimental_distribute_values_from_function is not None
-        (2, True)
-        >>> cp.policy.batch_layout(2).spec
-        P('data', 'context')
+        ...                         batch_axes="data", context_axes="context")  # sequences over 4
+        >>> cp.num_replicas_in_sync, cp.policy.batch_layout(2).spec
+        (2, P('data', 'context'))
     """
 
     def __init__(
