@@ -27,7 +27,7 @@ __all__ = ["MultiWorkerMirroredStrategy"]
 
 
 class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Mirrored data parallelism over every device of every process.
+    """Mirrored data parallelism over every device of every process (tf.distribute's).
 
     Args:
         coordinator_address: ``"host:port"`` of process 0's coordination service.

@@ -27,7 +27,7 @@ __all__ = ["DistributedDataset", "DistributedIterator", "InputContext"]
 
 @dataclasses.dataclass(frozen=True)
 class InputContext:
-    """What an input function needs to know to read its share of the data.
+    """What an input function needs to know to read its share of the data (tf.distribute's).
 
     Attributes:
         num_input_pipelines: how many input pipelines (processes) read data.
