@@ -3,33 +3,25 @@
 A strategy is a `LayoutPolicy` (where every value lives: the mesh, its replica and model axes, the
 layouts of variables, batches and outputs, memory kinds) wired to the verbs that run code on it:
 
-* values: mirrored pytrees (replicated arrays: `create_variables`, `mirror`), distributed batches
-  (axis 0 split over the replicas: `experimental_distribute_dataset`), and one-component-per-replica
-  values (`PerReplica`, `SyncOnRead`: stacked on a leading axis split over the replicas) —
-  `jaxdist.strategies.replica_context._variables`, `jaxdist.strategies.input._placement`;
+* values: mirrored pytrees (`create_variables`, `mirror`), distributed batches (axis 0 split over
+  the replicas: `experimental_distribute_dataset`), and one-component-per-replica values
+  (`PerReplica`, `SyncOnRead`: stacked on a leading axis split over the replicas);
 * the global view, `jit`: an unmodified single-device step compiled for those layouts (XLA inserts
-  the collectives) — the drop-in path (`jaxdist.strategies.compile._jit`), and its on-device loop
-  (`jaxdist.strategies.compile._loops`);
+  the collectives), and its on-device loop;
 * the per-replica view, `run`: tf.distribute's ``run``, a `jax.shard_map` in which each replica sees
   its rows of every batch and its own copy of every mirrored value, with explicit collectives
-  through `get_replica_context()` (`jaxdist.strategies.compile._run`); `reduce`, `gather` and
-  `experimental_local_results` read its outputs (`jaxdist.strategies.compile._results`).
+  through `get_replica_context()`; `reduce`, `gather` and `experimental_local_results` read its
+  outputs.
 
 Roles are declared or carried by the value, never guessed (`jaxdist.strategies.layout._roles`): a
-value is a batch because it was placed as one (its layout: axis 0 split over the replicas) or
-because the caller declared it (``batch_argnums``); everything else is a variable in the policy's
-variable layout. Each verb takes the policy and never calls back into a strategy; the strategy
-classes only configure a policy. The programs of ``run``, on-device loops and reductions live in the
-strategy's `ProgramCache` (``strategy.programs``); a ``jit`` step keeps its own (`StepPrograms`),
-and both report recompiles to the one `RecompileWarning`. The 2018 API (`StrategyExtended`,
-`StrategyV1Names`) is mixed into the concrete strategies, outside this core.
-
-Where things live: this class and the strategy classes sit on top of eight rooms, each a folder
-whose ``__init__`` is its interface, bottom up: ``ambient`` (what is open on this thread),
-``cluster`` (the job's processes), ``layout`` (the policy and what it reads: which layout a value
-gets), ``input`` (placement, datasets, read-ahead), ``plan``, ``replica`` (variables and contexts),
-``compile`` (the verbs; its room ``_trace`` holds what runs while a ``jit`` step traces) and
-``tf_api``.
+value is a batch because it was placed as one or because the caller declared it
+(``batch_argnums``); everything else is a variable in the policy's variable layout. Each verb takes
+the policy and never calls back into a strategy; the strategy classes only configure a policy. The
+programs of ``run``, on-device loops and reductions live in ``strategy.programs``; a ``jit`` step
+keeps its own, and both report recompiles to the one `RecompileWarning`. The 2018 API
+(`StrategyExtended`, `StrategyV1Names`) is mixed into the concrete strategies, outside this core.
+The rooms below this class are folders whose ``__init__`` is their interface: ``ambient``,
+``layout``, ``input``, ``plan``, ``replica_context``, ``compile`` and ``tf_api``.
 """
 
 from __future__ import annotations
@@ -114,14 +106,10 @@ class Strategy:
         if len(policy.devices) > 1:
             check_spans_processes(policy.devices, type(self).__name__)
         self._policy = policy
-        # A subclass's hooks decide for every internal caller (the verbs ask the policy, which asks
-        # them).
-        if type(self).variable_layout is not Strategy.variable_layout:
-            policy.use_hooks(variable_layout=self.variable_layout)
-        if type(self).layout_role is not Strategy.layout_role:
-            policy.use_hooks(layout_role=self.layout_role)
-        if type(self).batch_layout is not Strategy.batch_layout:
-            policy.use_hooks(batch_layout=self.batch_layout)
+        # A subclass's hooks decide for every internal caller (the verbs ask the policy).
+        for hook in ("variable_layout", "layout_role", "batch_layout"):
+            if getattr(type(self), hook) is not getattr(Strategy, hook):
+                policy.use_hooks(**{hook: getattr(self, hook)})
         self._axis_name = check_axis_name(policy, axis_name)
         self._programs = ProgramCache()
         self._runner = ReplicaRunner(policy, self._programs, self)
@@ -140,8 +128,8 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The `jax.sharding.Mesh` over `devices`: data-parallel axis ``"replica"`` (and
-        ``"model"``), or the user's own mesh and axis names."""
+        """The `jax.sharding.Mesh` over `devices`: axis ``"replica"`` (and ``"model"``), or the
+        user's own mesh."""
         return self._policy.mesh
 
     @property
@@ -174,8 +162,7 @@ class Strategy:
 
     @property
     def replica_devices(self) -> tuple[jax.Device, ...]:
-        """The first device of each replica, in replica order (= `devices` without model
-        parallelism)."""
+        """The first device of each replica, in order (= `devices` without model parallelism)."""
         return self._policy.replica_devices
 
     @property
@@ -241,13 +228,11 @@ class Strategy:
         """
         return self._policy.tracing_scope()
 
-    # ------------------------------------------------------------------------------------ variables
     # --------------------------------------------------------------------------------- layout hooks
     def variable_layout(
         self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
     ) -> jax.sharding.Sharding:
-        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype
-        ``aval``.
+        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape ``aval``.
 
         The hook a strategy overrides to place variables (Keras' ``get_variable_layout``): mirrored
         strategies replicate every variable; `ShardedStrategy` splits them (FSDP, layout rules,
@@ -318,8 +303,7 @@ class Strategy:
         return self._policy.is_batch_layout(x)
 
     def layout_role(self, x: Any) -> str | None:
-        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when it cannot
-        tell.
+        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None if it cannot tell.
 
         None for values not on this strategy's mesh (numpy, arrays on another device: their role
         must be declared) and, on strategies whose variables can share the batch layout
@@ -347,8 +331,7 @@ class Strategy:
         return self._policy.splits_variables
 
     def variable_shardings(self, shapes: Any) -> Any:
-        """The layout this strategy gives each variable of ``shapes`` (arrays or
-        `jax.ShapeDtypeStruct`s).
+        """The layout this strategy gives each variable of ``shapes`` (arrays or shape structs).
 
         What ``create_variables`` and ``mirror`` use; handy for restoring a checkpoint straight into
         the layout (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` targets) without running
@@ -398,8 +381,7 @@ class Strategy:
         return create_variables(self._policy, init_fn, args, kwargs)
 
     def mirror(self, tree: Any) -> Any:
-        """Place an existing pytree in this strategy's variable layout (mirrored: a copy on every
-        replica).
+        """Place an existing pytree in the variable layout (mirrored: a copy on every replica).
 
         Values are placed as ``jax.device_put`` places them: arrays (jax and numpy) and Python
         numbers (a Flax ``TrainState``'s ``step=0`` is a counter). Inside an Equinox module only
@@ -427,8 +409,7 @@ class Strategy:
     def sync_on_read(
         self, initial_value: Any, aggregation: VariableAggregation | str = VariableAggregation.SUM
     ) -> SyncOnRead:
-        """A value with one component per replica, each starting at ``initial_value``, aggregated on
-        read.
+        """One component per replica, each starting at ``initial_value``, aggregated on read.
 
         Args:
             initial_value: an array (or scalar); every replica's component starts as it (as
@@ -451,16 +432,9 @@ class Strategy:
         return sync_on_read(self._policy, self, initial_value, aggregation)
 
     # -------------------------------------------------------------------------------------- running
-    def run(
-        self,
-        fn: Callable[..., Any],
-        args: tuple = (),
-        kwargs: dict | None = None,
-        batch_argnums: int | Sequence[int] | None = None,
-        axis_name: str | None = None,
-        check_vma: bool | None = None,
-        check_mirrored: str | None = None,
-    ) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+            batch_argnums: int | Sequence[int] | None = None, axis_name: str | None = None,
+            check_vma: bool | None = None, check_mirrored: str | None = None) -> Any:
         """Run ``fn`` once per replica, in lockstep (tf.distribute's ``Strategy.run``).
 
         Each replica sees its own rows of every batch, its own component of every `PerReplica` /
@@ -539,10 +513,9 @@ class Strategy:
             [4.0, 4.0]
         """
         if ambient.current_replica() is not None:
-            raise RuntimeError(
-                "strategy.run was called inside a replica function: replica functions do not nest; "
-                "call the inner function directly (it already runs per replica)."
-            )
+            raise RuntimeError("strategy.run was called inside a replica function: replica "
+                               "functions do not nest; call the inner function directly (it "
+                               "already runs per replica).")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. "
                             "args=(params, batch).")
@@ -550,15 +523,12 @@ class Strategy:
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
         declared = None if batch_argnums is None else as_argnums(batch_argnums, "batch_argnums")
         if declared is not None and any(not 0 <= i < len(args) for i in declared):
-            raise ValueError(
-                f"batch_argnums={declared!r} names positions outside args (it has {len(args)} "
-                "arguments)."
-            )
+            raise ValueError(f"batch_argnums={declared!r} names positions outside args (it has "
+                             f"{len(args)} arguments).")
         axis = self._axis_name if axis_name is None else check_axis_name(self._policy, axis_name)
         args, kwargs = tuple(args), kwargs or {}
         if self._policy.host_offload is not None:
-            # Host-offloaded values are copied to device memory for the replica program (inside a
-            # step, the step's entry already did).
+            # host-offloaded values go to device memory for the program (in a step: its entry did)
             args, kwargs = to_device_memory((args, kwargs))
         check_vma = check_vma_arg(check_vma)
         if check_vma is None and (axis_name is not None or axis != self._policy.replica_axis):
@@ -568,20 +538,16 @@ class Strategy:
                             check_mirrored_arg(check_mirrored))
 
     def jit(
-        self,
-        fn: Callable[..., Any] | None = None,
+        self, fn: Callable[..., Any] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         static_argnums: int | Sequence[int] | None = None,
-        batch_argnums: int | Sequence[int] | None = None,
-        *,
+        batch_argnums: int | Sequence[int] | None = None, *,
         static_argnames: str | Sequence[str] | None = None,
         donate_argnames: str | Sequence[str] | None = None,
-        batch_argnames: str | Sequence[str] | None = None,
-        out_layouts: Any = None,
+        batch_argnames: str | Sequence[str] | None = None, out_layouts: Any = None,
         axis_types: jax.sharding.AxisType | None = None,
     ) -> StrategyFunction | Callable[[Callable[..., Any]], StrategyFunction]:
-        """Compile an UNMODIFIED single-device step for this strategy (the global view; the drop-in
-        path).
+        """Compile an UNMODIFIED single-device step for this strategy (the global, drop-in view).
 
         ``fn`` sees global values: whole parameters, the whole global batch, and XLA inserts the
         collectives, so the result equals ``fn`` on one device. Where each argument lives is
@@ -652,20 +618,13 @@ class Strategy:
             >>> sgd(jnp.ones(2), jnp.ones((4, 2))).tolist()
             [0.5, 0.5]
         """
+        options = dict(donate_argnums=donate_argnums, static_argnums=static_argnums,
+                       batch_argnums=batch_argnums, static_argnames=static_argnames,
+                       donate_argnames=donate_argnames, batch_argnames=batch_argnames,
+                       out_layouts=out_layouts, axis_types=axis_types)
         if fn is None:
-            return functools.partial(
-                self.jit, donate_argnums=donate_argnums, static_argnums=static_argnums,
-                batch_argnums=batch_argnums, static_argnames=static_argnames,
-                donate_argnames=donate_argnames,
-                batch_argnames=batch_argnames, out_layouts=out_layouts, axis_types=axis_types,
-            )
-        return StrategyFunction(
-            self._policy, self._programs, fn, donate_argnums=donate_argnums,
-            static_argnums=static_argnums,
-            batch_argnums=batch_argnums, static_argnames=static_argnames,
-            donate_argnames=donate_argnames,
-            batch_argnames=batch_argnames, out_layouts=out_layouts, axis_types=axis_types,
-        )
+            return functools.partial(self.jit, **options)
+        return StrategyFunction(self._policy, self._programs, fn, **options)
 
     def plan(self, fn: Callable[..., Any], *args: Any, kwargs: dict | None = None,
              **jit_kwargs: Any) -> Plan:
@@ -692,16 +651,10 @@ class Strategy:
         """
         return self.jit(fn, **jit_kwargs).plan(*args, **(kwargs or {}))
 
-    def run_steps_on_dataset(
-        self,
-        step_fn: Callable[..., Any],
-        iterator: Iterator[Any],
-        iterations: int | None = None,
-        initial_loop_values: Any = None,
-        donate: bool = False,
-    ) -> MultiStepContext:
-        """Run ``iterations`` steps in ONE compiled on-device loop over batches taken from
-        ``iterator``.
+    def run_steps_on_dataset(self, step_fn: Callable[..., Any], iterator: Iterator[Any],
+                             iterations: int | None = None, initial_loop_values: Any = None,
+                             donate: bool = False) -> MultiStepContext:
+        """Run ``iterations`` steps in ONE compiled on-device loop over batches from ``iterator``.
 
         The batches are checked for static shapes, stacked and placed once (axis 1 split over the
         replicas), and a `jax.lax.scan` runs ``step_fn`` over them: the host is involved once per
@@ -742,11 +695,9 @@ class Strategy:
             >>> float(ctx.loop_values)
             4.0
         """
-        return run_steps_on_dataset(
-            self._policy, self._programs, step_fn, iterator,
-            self.steps_per_run if iterations is None else iterations, initial_loop_values,
-            donate=donate,
-        )
+        return run_steps_on_dataset(self._policy, self._programs, step_fn, iterator,
+                                    self.steps_per_run if iterations is None else iterations,
+                                    initial_loop_values, donate=donate)
 
     # -------------------------------------------------------------------------------------- results
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -778,8 +729,7 @@ class Strategy:
         return reduce_values(self._policy, self._programs, self, reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenate the per-replica values along ``axis`` into one mirrored array (cross-replica
-        context).
+        """Concatenate the per-replica values along ``axis`` into one mirrored array.
 
         Args:
             value: a pytree of `PerReplica` leaves of rank >= 1 (a plain array counts as the same
@@ -838,8 +788,7 @@ class Strategy:
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], prefetch: int = 2, remainder: str = "error"
     ) -> DistributedDataset:
-        """Distribute an iterable of GLOBAL batches: each comes out split on axis 0 over the
-        replicas.
+        """Distribute an iterable of GLOBAL batches, each split on axis 0 over the replicas.
 
         Args:
             dataset: a re-iterable of global batches (pytrees of numpy or jax arrays), e.g. a list,
@@ -860,8 +809,7 @@ class Strategy:
         Raises:
             TypeError: when ``dataset`` is not iterable.
             ValueError: for an unknown ``remainder``; a list with a batch the replicas do not
-                divide, under "error";
-                (while iterating) when the replicas do not divide a batch.
+                divide, under "error"; (while iterating) when the replicas do not divide a batch.
 
         Examples:
             >>> import numpy as np, jaxdist as jd
@@ -875,20 +823,17 @@ class Strategy:
             [(4, 2), (4, 2), (4, 2)]
         """
         if not isinstance(dataset, Iterable):
-            raise TypeError(
-                f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: pass an "
-                "iterable of global batches, e.g. a list or generator of (x, y) numpy arrays."
-            )
+            raise TypeError(f"dataset={dataset!r} (type {type(dataset).__name__}) is not iterable: "
+                            "pass an iterable of global batches, e.g. a list or generator of "
+                            "(x, y) numpy arrays.")
         if check_remainder(remainder) == "error" and isinstance(dataset, (list, tuple)):
             check_batches(dataset, self.num_replicas_in_sync)
         return DistributedDataset(lambda: dataset, lambda b: place_batch(self._policy, b), prefetch,
                                   remainder, self.num_replicas_in_sync)
 
-    def experimental_distribute_values_from_function(
-        self, value_fn: Callable[[ValueContext], Any]
-    ) -> Any:
-        """One value per replica: ``value_fn(ctx)`` for each replica, as `PerReplica` values for
-        `run`.
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext],
+                                                                              Any]) -> Any:
+        """One value per replica: ``value_fn(ctx)`` for each replica, as `PerReplica`s for `run`.
 
         ``ctx`` is a `ValueContext` (``replica_id_in_sync_group``, ``num_replicas_in_sync``). Each
         process calls ``value_fn`` only for its own replicas (as tf.distribute does); passed to
@@ -924,8 +869,7 @@ class Strategy:
         self, dataset_fn: Callable[[InputContext], Iterable[Any]], prefetch: int = 2,
         remainder: str = "error"
     ) -> DistributedDataset:
-        """Distribute per-process input: ``dataset_fn(ctx)`` yields this process's share of each
-        batch.
+        """Distribute per-process input: ``dataset_fn(ctx)`` yields this process's share of batches.
 
         ``ctx`` is an `InputContext` (``num_input_pipelines`` = processes, ``input_pipeline_id`` =
         this one); each batch it yields holds ``ctx.get_per_replica_batch_size(global_batch) *

@@ -1,9 +1,8 @@
 """The 2018 module-level names (``tf.contrib.distribute``): ``jd.compat``.
 
 The strategy methods of 2018 (``call_for_each_tower``, ``num_towers``, ``unwrap``, ...) are on every
-strategy through `StrategyV1Names` (`jaxdist.strategies.tf_api._legacy`); this module adds the 2018
-functions that find the current strategy and tower context, and re-exports the mixin and
-`TowerContext` under ``jd.compat``.
+strategy through `StrategyV1Names`; this module adds the 2018 functions that find the current
+strategy and tower context, and re-exports the mixin and `TowerContext`.
 """
 
 from __future__ import annotations
@@ -12,17 +11,13 @@ from jaxdist.strategies.context import get_replica_context, get_strategy, has_st
 from jaxdist.strategies.tf_api import StrategyV1Names, TowerContext
 
 __all__ = [
-    "StrategyV1Names",
-    "TowerContext",
-    "get_distribution_strategy",
-    "get_tower_context",
-    "has_distribution_strategy",
+    "StrategyV1Names", "TowerContext", "get_distribution_strategy", "get_tower_context",
+    "has_distribution_strategy"
 ]
 
 
 def get_tower_context() -> TowerContext | None:
-    """2018 ``tf.get_tower_context()``: the `TowerContext` of the running replica, None in
-    cross-replica code.
+    """2018 ``tf.get_tower_context()``: the running replica's `TowerContext`, else None.
 
     Examples:
         >>> import jaxdist as jd

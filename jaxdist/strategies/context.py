@@ -2,12 +2,8 @@
 ``jd.get_replica_context()``.
 
 Cross-replica context is the normal Python code between steps; replica context is the body of a
-function running under `Strategy.run`. ``get_strategy()`` returns the strategy whose ``scope()`` is
-open, else a default single-device strategy created on first use (never at import:
-`jax.distributed.initialize` must be able to run before any device is queried).
-``get_replica_context()`` returns the `ReplicaContext` of the replica being traced, ``None`` in
-cross-replica context (inside a scope), and a single-replica default context outside any scope, as
-in tf.distribute. (The state itself lives in `jaxdist.strategies.ambient._state`.)
+function running under `Strategy.run`. The default strategy is created on first use, never at
+import: `jax.distributed.initialize` must be able to run before any device is queried.
 """
 
 from __future__ import annotations
@@ -34,10 +30,7 @@ def _default_strategy() -> OneDeviceStrategy:
 
 def get_strategy() -> Any:
     """The current strategy: the innermost open ``scope()`` (or running replica), else the default
-    one.
-
-    The default strategy is a `OneDeviceStrategy` on the first device, created lazily on the first
-    call.
+    one, a `OneDeviceStrategy` on the first device created on the first call.
 
     Returns:
         The current `Strategy`.

@@ -1,20 +1,7 @@
 """Loss scaling for custom training loops: ``jd.compute_average_loss`` and
-``jd.scale_regularization_loss``.
-
-tf.nn's two helpers, with the same semantics, for the two views a jaxdist step can have:
-
-* inside ``strategy.run`` (a replica context: ``jd.get_replica_context()`` has
-  ``num_replicas_in_sync`` > 1) each replica sees its own rows. ``compute_average_loss`` divides the
-  replica's summed loss by the GLOBAL batch (its rows times ``num_replicas_in_sync``) and
-  ``scale_regularization_loss`` divides by the replica count, so that ``ctx.all_reduce(SUM, ...)``
-  of the replicas' losses (and of their gradients) is the global mean: the number one device
-  computes on the whole batch.
-* in the global view (inside ``strategy.jit``, in cross-replica code, or without any strategy) the
-  step sees the whole global batch as one device would, so the default global batch is the loss's
-  own batch size and the regularization loss is not divided.
-
-The replica count is read from the replica context (`jaxdist.strategies.context`), never passed by
-hand.
+``jd.scale_regularization_loss``, tf.nn's two helpers with the same semantics in both views a step
+can have (per replica inside ``strategy.run``, global elsewhere). The replica count is read from
+the replica context, never passed by hand.
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 def _replicas_in_sync() -> int:
     """Replicas whose losses are summed after this call: >1 only inside ``strategy.run``."""
-    ctx = get_replica_context()
-    # None: cross-replica code, the global view
+    ctx = get_replica_context()  # None: cross-replica code, the global view
     return 1 if ctx is None else ctx.num_replicas_in_sync
 
 
@@ -55,10 +41,9 @@ def _batch_size(global_batch_size: Any) -> int:
             f"for the default.{hint}"
         ) from None
     if size <= 0:
-        raise ValueError(
-            f"global_batch_size={size} must be positive: the number of examples in the global "
-            "batch, or None for the default (this replica's batch times num_replicas_in_sync)."
-        )
+        raise ValueError(f"global_batch_size={size} must be positive: the number of examples in "
+                         "the global batch, or None for the default (this replica's batch times "
+                         "num_replicas_in_sync).")
     return size
 
 
@@ -75,17 +60,14 @@ def _weights(sample_weight: Any, shape: tuple[int, ...]) -> jax.Array:
     except ValueError:
         ok = False
     if not ok:
-        raise ValueError(
-            f"sample_weight has shape {tuple(jnp.shape(sample_weight))}, which does not broadcast "
-            f"to per_example_loss's shape {shape}: pass one weight per example (shape "
-            f"{shape[:1]}), a scalar, or an array of the loss's shape."
-        )
+        raise ValueError(f"sample_weight has shape {tuple(jnp.shape(sample_weight))}, which does "
+                         f"not broadcast to per_example_loss's shape {shape}: pass one weight per "
+                         f"example (shape {shape[:1]}), a scalar, or an array of the loss's shape.")
     return weight
 
 
-def compute_average_loss(
-    per_example_loss: Any, global_batch_size: int | None = None, sample_weight: Any = None
-) -> jax.Array:
+def compute_average_loss(per_example_loss: Any, global_batch_size: int | None = None,
+                         sample_weight: Any = None) -> jax.Array:
     """``sum(per_example_loss * sample_weight) / global_batch_size`` (tf.nn.compute_average_loss).
 
     Inside ``strategy.run`` the default global batch is this replica's batch
@@ -135,22 +117,18 @@ def compute_average_loss(
         # tf multiplies in float32 and casts back: a bf16 loss stays bf16.
         loss = weighted.astype(loss.dtype) if jnp.issubdtype(loss.dtype, jnp.inexact) else weighted
     ctx = get_replica_context()
-    padded = getattr(ctx, "batch_weights", None)
-    # a padded batch: its padding rows left out
+    padded = getattr(ctx, "batch_weights", None)  # a padded batch: its padding rows left out
     if padded is not None and padded.shape[0] == loss.shape[0]:
         loss = loss * padded.reshape((-1,) + (1,) * (loss.ndim - 1)).astype(loss.dtype)
         if global_batch_size is None:
             return jnp.sum(loss) / ctx.all_reduce("sum", jnp.sum(padded)).astype(loss.dtype)
-    if global_batch_size is None:
-        size = loss.shape[0] * _replicas_in_sync()
-    else:
-        size = _batch_size(global_batch_size)
+    size = (loss.shape[0] * _replicas_in_sync() if global_batch_size is None
+            else _batch_size(global_batch_size))
     return jnp.sum(loss) / size
 
 
 def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
-    """The summed regularization loss divided by ``num_replicas_in_sync``
-    (tf.nn.scale_regularization_loss).
+    """The summed regularization loss divided by ``num_replicas_in_sync`` (tf.nn's).
 
     Inside ``strategy.run`` every replica adds the same regularization term to its loss, and the
     replicas' losses are summed (``ctx.all_reduce(SUM, ...)``): dividing by the replica count makes
@@ -174,9 +152,8 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
     """
     leaves = jax.tree.leaves(regularization_loss)
     if not leaves:
-        raise ValueError(
-            f"regularization_loss={regularization_loss!r} holds no array: pass the regularization "
-            "term(s), e.g. 1e-4 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params))."
-        )
+        raise ValueError(f"regularization_loss={regularization_loss!r} holds no array: pass the "
+                         "regularization term(s), e.g. 1e-4 * sum(jnp.sum(w ** 2) for w in "
+                         "jax.tree.leaves(params)).")
     total = sum(jnp.sum(jnp.asarray(leaf)) for leaf in leaves)
     return total / _replicas_in_sync()

@@ -1,5 +1,4 @@
-"""`MirroredStrategy`: synchronous data parallelism over every device
-(tf.distribute.MirroredStrategy).
+"""`MirroredStrategy`: synchronous data parallelism over every device (tf.distribute's).
 
 In a job of several processes it spans every device of every process once ``jax.distributed`` is
 connected (by `MultiWorkerMirroredStrategy` or ``jax.distributed.initialize()``); in a job whose
@@ -51,14 +50,8 @@ class MirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         True
     """
 
-    def __init__(
-        self,
-        devices: Sequence[Any] | None = None,
-        host_offload: str | None = None,
-        axis_name: str | None = None,
-        *,
-        mesh: jax.sharding.Mesh | None = None,
-    ):
+    def __init__(self, devices: Sequence[Any] | None = None, host_offload: str | None = None,
+                 axis_name: str | None = None, *, mesh: jax.sharding.Mesh | None = None):
         check_connected(type(self).__name__)
         if mesh is not None and devices is not None:
             raise ValueError("MirroredStrategy got both devices= and mesh=: pass one of them.")

@@ -27,8 +27,7 @@ __all__ = ["MultiWorkerMirroredStrategy"]
 
 
 class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Mirrored data parallelism over every device of every process (tf.distribute's
-    MultiWorker...).
+    """Mirrored data parallelism over every device of every process (tf.distribute's).
 
     Args:
         coordinator_address: ``"host:port"`` of process 0's coordination service.
@@ -51,22 +50,13 @@ class MultiWorkerMirroredStrategy(Strategy, StrategyExtended, StrategyV1Names):
         (1, 8)
     """
 
-    def __init__(
-        self,
-        coordinator_address: str | None = None,
-        num_processes: int | None = None,
-        process_id: int | None = None,
-        *,
-        initialization_timeout: int = 120,
-        heartbeat_timeout_seconds: int = 30,
-        axis_name: str | None = None,
-    ):
-        initialize_cluster(
-            coordinator_address, num_processes, process_id,
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-            caller="MultiWorkerMirroredStrategy",
-        )
+    def __init__(self, coordinator_address: str | None = None, num_processes: int | None = None,
+                 process_id: int | None = None, *, initialization_timeout: int = 120,
+                 heartbeat_timeout_seconds: int = 30, axis_name: str | None = None):
+        initialize_cluster(coordinator_address, num_processes, process_id,
+                           initialization_timeout=initialization_timeout,
+                           heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                           caller="MultiWorkerMirroredStrategy")
         super().__init__(LayoutPolicy(tuple(jax.devices())), axis_name=axis_name)
 
     @property

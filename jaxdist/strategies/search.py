@@ -21,12 +21,9 @@ count):
   given: a model with `jaxdist.nn.MoE` layers): the experts split over ``"expert"``, the batch over
   both axes, the other variables FSDP over ``"fsdp"``.
 
-Planning has one package, this one: the plan room (`jaxdist.strategies.plan`: one step laid out and
-compiled, meshes without devices) sits below the strategy classes, which plan with it; this search
-sits above them, as it builds the strategies it plans on. What it ranks are Trainer configurations
-(``build`` returns a Trainer or anything with its ``plan(batch)``), but it imports nothing of
-``training``. The records it ranks (`jaxdist.Plan`, its `jaxdist.costs.Estimate`) and the formatter
-of its table are cost records, in `jaxdist.costs`.
+This search sits above the strategy classes, as it builds the strategies it plans on (the plan room,
+`jaxdist.strategies.plan`, sits below them); it ranks Trainer configurations (``build`` returns a
+Trainer or anything with its ``plan(batch)``) but imports nothing of ``training``.
 """
 
 from __future__ import annotations
@@ -123,21 +120,13 @@ def _strategy(layout: str, shape: dict[str, int], rules: Any,
 
 
 def plan_search(
-    build: Callable[..., Any],
-    batch: Any,
-    *,
-    num_devices: int,
-    memory_per_device: int | str,
-    accelerator: str = "h100",
-    layouts: Sequence[str] = LAYOUTS,
-    remat: Sequence[bool] = (False, True),
-    grad_accum_steps: Sequence[int] = (1,),
-    hsdp_groups: Sequence[int] = (2, 4, 8),
-    tensor_parallelism: Sequence[int] = (2, 4, 8),
+    build: Callable[..., Any], batch: Any, *, num_devices: int, memory_per_device: int | str,
+    accelerator: str = "h100", layouts: Sequence[str] = LAYOUTS,
+    remat: Sequence[bool] = (False, True), grad_accum_steps: Sequence[int] = (1,),
+    hsdp_groups: Sequence[int] = (2, 4, 8), tensor_parallelism: Sequence[int] = (2, 4, 8),
     expert_parallelism: Sequence[int] = (),
     rules: Callable[[tuple[str, ...], str | None], Any] | None = None,
-    activation_axes: Sequence[str] = (),
-    progress: Callable[[Candidate], Any] | None = None,
+    activation_axes: Sequence[str] = (), progress: Callable[[Candidate], Any] | None = None,
 ) -> list[Candidate]:
     """Plan every configuration and rank them (see the module doc).
 
@@ -154,8 +143,7 @@ def plan_search(
         grad_accum_steps: the micro-batch counts to try.
         hsdp_groups: the replica-group counts of the HSDP layouts.
         tensor_parallelism: the tensor-axis sizes of the FSDP x TP layouts.
-        expert_parallelism: the expert-axis sizes of the FSDP x EP layouts (a model with MoE
-            layers).
+        expert_parallelism: the expert-axis sizes of the FSDP x EP layouts (MoE models).
         rules: ``rules(batch_axes, model_axis) -> logical_axis_rules`` for the model (needed for
             "fsdp_tp").
         activation_axes: logical names only activations use (see `ShardedStrategy`).
@@ -170,9 +158,8 @@ def plan_search(
     """
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
-        raise ValueError(
-            f"layouts={tuple(layouts)!r} names {unknown[0]!r}: choose among {LAYOUTS}."
-        )
+        raise ValueError(f"layouts={tuple(layouts)!r} names {unknown[0]!r}: choose among "
+                         f"{LAYOUTS}.")
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be an int >= 1.")
     candidates = []

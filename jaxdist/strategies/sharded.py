@@ -1,50 +1,26 @@
 """`ShardedStrategy`: FSDP / ZeRO-3, tensor parallelism and HSDP, on its own mesh or the user's,
 across hosts.
 
-Every variable is split on its largest axis that the FSDP group divides evenly (AutoDist's
-partitioned variables, in JAX terms); variables smaller than ``min_shard_size`` elements, or with no
-divisible axis, stay replicated. Batches are split over the replicas as in `MirroredStrategy`. In
-``strategy.jit`` XLA gathers each parameter where the step needs it and reduce-scatters its
-gradient, so each device holds ~1/N of the parameters and optimizer state and the step still equals
-single-device training.
+Every variable is split on its largest axis that the FSDP group divides evenly; variables smaller
+than ``min_shard_size`` elements, or with no divisible axis, stay replicated. Batches are split over
+the replicas as in `MirroredStrategy`. In ``strategy.jit`` XLA gathers each parameter where the step
+needs it and reduce-scatters its gradient, so each device holds ~1/N of the parameters and optimizer
+state and the step still equals single-device training. The mesh is the strategy's own
+(``model_parallelism=k``: ``(replica, model)`` = ``(N / k, k)``) or the user's, names and all
+(``mesh=``, ``batch_axes=``, ``fsdp_axes=``: a subset of the batch axes is HSDP); see
+`jaxdist.strategies.layout._meshes`. Over several processes the mesh must span them all.
 
-The mesh, two ways (`jaxdist.strategies.layout._meshes`):
+Which layout a variable gets, first that applies:
 
-* the short form: ``ShardedStrategy()`` over every device of every process, axis ``"replica"``; with
-  ``model_parallelism=k`` the mesh is ``(replica, model)`` = ``(N / k, k)`` and rules can split
-  variables over ``"model"`` for tensor parallelism;
-* the user's own mesh, names and all: ``ShardedStrategy(mesh=jax.make_mesh((2, 2, 2), ("data",
-  "fsdp", "tensor")), batch_axes=("data", "fsdp"))``. A batch's rows are split over ``batch_axes``
-  (``num_replicas_in_sync`` is their product); the FSDP rule splits variables over ``fsdp_axes``
-  (default: all of ``batch_axes``, ZeRO-3; a subset is HSDP, e.g. ``fsdp_axes=("fsdp",)``: shard
-  within a host, replicate across hosts); the other axes are model axes that rules and annotations
-  name verbatim, and ``stage_axes`` among them lay out pipeline stages (`jaxdist.nn.Pipeline`; short
-  form ``pipeline_parallelism=k``).
-
-Several processes: created after ``jax.distributed.initialize()`` (or given the cluster like
-`MultiWorkerMirroredStrategy`: keyword arguments, ``JAXDIST_*`` variables, JAX's cluster detection),
-the default mesh spans every device of every process, and a mesh over some processes only is an
-error.
-
-Layout rules (Keras' ``LayoutMap``): ``layout_rules=[(regex, PartitionSpec), ...]`` match the
-variable's path (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the
-same path, so it follows its parameter) with `re.search`; the first match wins, unmatched variables
-get the FSDP rule.
-
-Partitioning annotations, the Flax way (MaxText / T5X): a linen model boxes its parameters with
-``nn.with_logical_partitioning(init, ("embed", "mlp"))`` and ``logical_axis_rules=[("embed", None),
-("mlp", "model"), ...]`` (Flax's own rule format, `flax.linen.logical_axis_rules`) maps the logical
-names to mesh axes; ``nn.with_partitioning(init, (None, "model"))`` names mesh axes directly. Optax
-states built from boxed params hold the same boxes, so optimizer state follows its parameter. Which
-layout a variable gets, first that applies:
-
-1. the first ``layout_rules`` regex matching its path (exactly that spec: the override of last
-   resort);
-2. its annotation: mesh axes as named (``nn.with_partitioning``), or logical names through
-   ``logical_axis_rules`` in Flax's priority order (``nn.logical_to_mesh_axes``); a logical name
-   with no rule at all is FSDP's to use: when no dimension is already split over an FSDP axis, the
-   largest such dimension that the FSDP group divides is (a rule ``(name, None)`` keeps a dimension
-   whole);
+1. the first ``layout_rules`` regex (Keras' ``LayoutMap``) that `re.search` finds in its path
+   (``"params/Dense_0/kernel"``; optimizer state such as Adam's ``mu`` contains the same path, so it
+   follows its parameter): exactly that spec, the override of last resort;
+2. its Flax partitioning annotation (MaxText / T5X): mesh axes as named (``nn.with_partitioning``),
+   or logical names (``nn.with_logical_partitioning``) through ``logical_axis_rules`` in Flax's
+   priority order (``nn.logical_to_mesh_axes``); a logical name with no rule at all is FSDP's to
+   use: when no dimension is already split over an FSDP axis, the largest such dimension that the
+   FSDP group divides is (a rule ``(name, None)`` keeps a dimension whole). Optax states built from
+   boxed params hold the same boxes, so optimizer state follows its parameter;
 3. the FSDP rule (unannotated variables).
 
 An entry of ``layout_rules`` / ``logical_axis_rules`` that matches no variable of what
@@ -92,8 +68,7 @@ class UnmatchedLayoutRuleWarning(UserWarning):
 
 
 class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Data parallelism with parameters and optimizer state sharded over the replicas (FSDP /
-    ZeRO-3).
+    """Data parallelism with parameters and optimizer state sharded over the replicas (FSDP).
 
     Args:
         devices: the devices (as for `MirroredStrategy`); None for every device of every process.
@@ -122,11 +97,10 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
             ``batch_axes`` (ZeRO-3) and the context axes, a subset for HSDP, ``()`` for none
             (variables split only by rules and annotations).
         context_axes: with ``mesh``, the axes a batch's sequence dimension is split over (context
-            parallelism:
-            long sequences; see `jaxdist.nn.dot_product_attention`). Their devices are otherwise
-            idle for weights, so by default the FSDP rule splits variables over them too. The
-            logical name ``"length"`` maps to them (and ``"batch"`` to the batch axes) unless
-            ``logical_axis_rules`` say otherwise.
+            parallelism: long sequences; see `jaxdist.nn.dot_product_attention`). Their devices
+            are otherwise idle for weights, so by default the FSDP rule splits variables over them
+            too. The logical name ``"length"`` maps to them (and ``"batch"`` to the batch axes)
+            unless ``logical_axis_rules`` say otherwise.
         context_parallelism: the short form of ``context_axes``: a ``"context"`` axis of that size
             on the strategy's own mesh ``(replica, context[, model])``.
         sequence_axis: which dimension of a batch leaf is its sequence (1: ``(batch, length,
@@ -184,76 +158,52 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         >>> kernel.value.sharding.spec, kernel.value.sharding.mesh.axis_names
         (P('fsdp', 'tensor'), ('data', 'fsdp', 'tensor'))
         >>> cp = jd.ShardedStrategy(mesh=jax.make_mesh((2, 4), ("data", "context")),
-        ...                         batch_axes="data",
-        ...                         # context parallelism: sequences split over 4
-        ...                         context_axes="context")
-        >>> cp.num_replicas_in_sync, cp.experimental_distribute_values_from_function is not None
-        (2, True)
-        >>> cp.policy.batch_layout(2).spec
-        P('data', 'context')
+        ...                         batch_axes="data", context_axes="context")  # sequences over 4
+        >>> cp.num_replicas_in_sync, cp.policy.batch_layout(2).spec
+        (2, P('data', 'context'))
     """
 
     def __init__(
-        self,
-        devices: Sequence[Any] | None = None,
-        min_shard_size: int = 1024,
-        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
-        model_parallelism: int = 1,
+        self, devices: Sequence[Any] | None = None, min_shard_size: int = 1024,
+        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None, model_parallelism: int = 1,
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
-        activation_axes: Sequence[str] = (),
-        host_offload: str | None = None,
-        axis_name: str | None = None,
-        *,
-        mesh: jax.sharding.Mesh | None = None,
-        batch_axes: str | Sequence[str] | None = None,
-        fsdp_axes: str | Sequence[str] | None = None,
-        context_axes: str | Sequence[str] | None = None,
-        context_parallelism: int = 1,
-        sequence_axis: int = 1,
-        stage_axes: str | Sequence[str] | None = None,
-        pipeline_parallelism: int = 1,
-        expert_axes: str | Sequence[str] | None = None,
-        expert_parallelism: int = 1,
-        coordinator_address: str | None = None,
-        num_processes: int | None = None,
-        process_id: int | None = None,
-        initialization_timeout: int = 120,
-        heartbeat_timeout_seconds: int = 30,
+        activation_axes: Sequence[str] = (), host_offload: str | None = None,
+        axis_name: str | None = None, *, mesh: jax.sharding.Mesh | None = None,
+        batch_axes: str | Sequence[str] | None = None, fsdp_axes: str | Sequence[str] | None = None,
+        context_axes: str | Sequence[str] | None = None, context_parallelism: int = 1,
+        sequence_axis: int = 1, stage_axes: str | Sequence[str] | None = None,
+        pipeline_parallelism: int = 1, expert_axes: str | Sequence[str] | None = None,
+        expert_parallelism: int = 1, coordinator_address: str | None = None,
+        num_processes: int | None = None, process_id: int | None = None,
+        initialization_timeout: int = 120, heartbeat_timeout_seconds: int = 30,
     ):
-        initialize_cluster(
-            coordinator_address, num_processes, process_id,
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="ShardedStrategy",
-        )
+        initialize_cluster(coordinator_address, num_processes, process_id,
+                           initialization_timeout=initialization_timeout,
+                           heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                           caller="ShardedStrategy")
         if mesh is not None and devices is not None:
             raise ValueError("ShardedStrategy got both devices= and mesh=: a mesh already says "
                              "which devices; pass one of them.")
         policy = LayoutPolicy(
             None if mesh is not None else resolve_devices(devices, "devices"), model_parallelism,
-            mesh=mesh,
-            batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True,
-            min_shard_size=min_shard_size,
-            layout_rules=layout_rules, logical_axis_rules=logical_axis_rules,
-            activation_axes=activation_axes,
+            mesh=mesh, batch_axes=batch_axes, fsdp_axes=fsdp_axes, split_variables=True,
+            min_shard_size=min_shard_size, layout_rules=layout_rules,
+            logical_axis_rules=logical_axis_rules, activation_axes=activation_axes,
             host_offload=host_offload, context_axes=context_axes,
-            context_parallelism=context_parallelism,
-            sequence_axis=sequence_axis, stage_axes=stage_axes,
-            pipeline_parallelism=pipeline_parallelism,
-            expert_axes=expert_axes, expert_parallelism=expert_parallelism,
-        )
+            context_parallelism=context_parallelism, sequence_axis=sequence_axis,
+            stage_axes=stage_axes, pipeline_parallelism=pipeline_parallelism,
+            expert_axes=expert_axes, expert_parallelism=expert_parallelism)
         super().__init__(policy, axis_name=axis_name)
         self._reported: set[str] = set()
 
     @property
     def context_axes(self) -> tuple[str, ...]:
-        """The mesh axes a batch's sequence dimension is split over (empty: no context
-        parallelism)."""
+        """The mesh axes a batch's sequence dimension is split over (empty: none)."""
         return self.policy.context_axes
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
-        """The batch axes the stacked experts of mixture-of-experts layers are split over (empty:
-        none)."""
+        """The batch axes the stacked experts of MoE layers are split over (empty: none)."""
         return self.policy.expert_axes
 
     @property
@@ -263,30 +213,26 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
 
     @property
     def logical_axis_rules(self) -> tuple[tuple[str, Any], ...]:
-        """The Flax logical axis rules this strategy lays annotated variables out with (Flax's
-        format)."""
+        """The Flax logical axis rules this strategy lays annotated variables out with."""
         return self.policy.rules.logical_axis_rules
 
     def variable_layouts(self, tree: Any) -> dict[str, PartitionSpec]:
-        """``{path: PartitionSpec}`` this strategy gives each variable of ``tree`` (arrays or
-        shapes).
+        """``{path: PartitionSpec}`` this strategy gives each variable of ``tree`` (arrays, shapes).
 
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
             >>> jd.ShardedStrategy(min_shard_size=1).variable_layouts({"w": jnp.zeros((8, 16))})
             {'w': P(None, 'replica')}
         """
-        shapes = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.float32)), tree
-        )
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x),
+                                                             getattr(x, "dtype", np.float32)), tree)
         leaves = jax.tree_util.tree_leaves_with_path(self.variable_shardings(shapes),
                                                      is_leaf=is_annotated)
         return {path_name(p): unboxed(s).spec for p, s in leaves}
 
     # ---------------------------------------------------------------------------------- rule checks
     def unmatched_rules(self, tree: Any) -> list[str]:
-        """The rules that placed no variable of ``tree`` (arrays or shapes; Flax boxes keep
-        annotations).
+        """The rules that placed no variable of ``tree`` (arrays or shapes, Flax boxes kept).
 
         A ``layout_rules`` entry is unmatched when it is the first match of no variable's path; a
         ``logical_axis_rules`` entry when no variable's annotation uses its logical name (names
@@ -336,20 +282,15 @@ class ShardedStrategy(Strategy, StrategyExtended, StrategyV1Names):
         if unmatched:
             self._reported.update(unmatched)
             annotated = sorted(logical_names(variables, self.mesh.axis_names))
-            seen = (
-                f"the variables' logical names are {annotated}"
-                if annotated
-                else "no variable carries a logical annotation (nn.with_logical_partitioning; "
-                     "unboxed params lose it)"
-            )
+            seen = (f"the variables' logical names are {annotated}" if annotated else
+                    "no variable carries a logical annotation (nn.with_logical_partitioning; "
+                    "unboxed params lose it)")
             warnings.warn(
                 f"{', '.join(unmatched)} matched no variable created here ({seen}): the variables "
                 f"meant for {'it' if len(unmatched) == 1 else 'them'} got another layout (the FSDP "
                 "rule). Fix the regex or logical name, or drop the entry; a logical name only "
                 "activations use goes in ShardedStrategy(activation_axes=...).",
-                UnmatchedLayoutRuleWarning,
-                stacklevel=2,
-            )
+                UnmatchedLayoutRuleWarning, stacklevel=2)
         return variables
 
     def __repr__(self) -> str:

@@ -25,21 +25,7 @@ from jaxdist.strategies.ambient._state import scope as scope
 from jaxdist.strategies.ambient._state import state as state
 
 __all__ = [
-    "Call",
-    "Computation",
-    "Padded",
-    "call",
-    "colocation",
-    "colocation_target",
-    "computation",
-    "current_call",
-    "current_computation",
-    "current_replica",
-    "current_scope",
-    "in_scope_or_replica",
-    "probe",
-    "replica",
-    "replica_axis",
-    "scope",
-    "state",
+    "Call", "Computation", "Padded", "call", "colocation", "colocation_target", "computation",
+    "current_call", "current_computation", "current_replica", "current_scope",
+    "in_scope_or_replica", "probe", "replica", "replica_axis", "scope", "state"
 ]

@@ -1,26 +1,10 @@
 """Ambient state: what is open on this thread while user code runs or is traced. The one home of it.
 
-jaxdist keeps these "current" things, all per thread, all here:
-
-* the open strategy scopes (``with strategy.scope():``) and the replica contexts being traced
-  (``run``);
-* the strategy *computation* being traced: one program a strategy compiles (a ``jit`` step, a
-  ``run`` replica function, an on-device steps loop) with its view (global or per replica), its
-  layout policy, the counters that name things per computation (``outside_compilation`` clusters
-  "0", "1", ...; gradient uids "uid", "uid_1", ...) and the roles its arguments entered with (see
-  `jaxdist.strategies.layout._roles`; a ``jit`` step's: `jaxdist.strategies.compile._trace._roles`),
-  with a padded batch's row weights (`Padded`);
-* the ``colocate_vars_with`` targets;
-* the gradient clusters and gradient invocations being traced (`jaxdist.gradients`);
-* the depth of ``outside_compilation`` host regions (they do not nest);
-* the ``strategy.jit`` calls being decided (`Call`): their placed concrete arguments, read by the
-  step's trace (`jaxdist.strategies.compile._trace`);
-* the axis types the program being traced runs with (`jaxdist.strategies.layout._axis_types`);
-* the outputs a step's trace has constrained to jaxdist's own layouts
-  (`jaxdist.strategies.compile._trace._provenance`).
-
-Nothing here decides anything: the modules that own a concept read and push its state through these
-helpers.
+jaxdist keeps these "current" things, all per thread, all in `_State` (each field says what it
+holds): open scopes, replica contexts being traced, the strategy computations being traced
+(`Computation`), ``colocate_vars_with`` targets, gradient clusters and invocations, host regions,
+the ``strategy.jit`` calls being decided (`Call`), axis types and owned outputs. Nothing here
+decides anything: the modules that own a concept read and push its state through these helpers.
 
 Why per thread and not carried by the values: JAX calls a traced function with abstract values only.
 What jaxdist decides once per program (the layouts of the arguments, where their layouts came from,
@@ -43,16 +27,15 @@ from typing import Any
 
 @dataclasses.dataclass
 class Computation:
-    """One strategy program being traced.
+    """One strategy program being traced (a ``jit`` step, a ``run`` replica function, a loop).
 
     Attributes:
         policy: the `LayoutPolicy` it is compiled for.
         kind: ``"global"`` (whole arrays, XLA partitions) or ``"replica"`` (inside shard_map, local
             values).
-        counters: per-kind numbering, shared by the frames of one computation (``run`` inside
-            ``jit``).
-        batches: the traced values that stand for its batch arguments (declared or carried at
-            entry).
+        counters: per-kind numbering (``outside_compilation`` clusters, gradient uids), shared by
+            the frames of one computation (``run`` inside ``jit``).
+        batches: the traced values that stand for its batch arguments (declared or carried).
         variables: the traced values that stand for its other array arguments.
         axis_name: the name the replica axis is bound to inside a per-replica computation.
         typed: whether JAX's varying types hold inside it (a per-replica program traced with
@@ -103,9 +86,7 @@ class Padded:
 
 @dataclasses.dataclass
 class Call:
-    """A ``strategy.jit`` call being decided on this thread: its step and its placed concrete
-    arguments ``(args, kwargs, nnx_state)``, read by the step's trace (only a call that traces reads
-    them).
+    """A ``strategy.jit`` call being decided on this thread, read by the step's trace if it traces.
 
     Attributes:
         step: the step called (its `StepTrace`, the body its programs trace: by identity).
@@ -127,11 +108,10 @@ class _State(threading.local):
         self.colocations: list[tuple[Any, Any]] = []  # (strategy, sharding)
         self.clusters: list[str] = []  # gradient clusters open while tracing
         self.gradient_uids: list[str] = []  # gradient invocations being traced
-        self.host_regions = 0  # outside_compilation regions being traced
+        self.host_regions = 0  # outside_compilation regions being traced (they do not nest)
         self.calls: list[Call] = []  # strategy.jit calls being decided
-        # (mode, forced, why) of the program traced
-        self.axis_types: tuple[Any, bool, str] = (None, True, "")
-        # outputs constrained to an own layout while tracing
+        self.axis_types: tuple[Any, bool, str] = (None, True, "")  # (mode, forced, why) of a trace
+        # outputs a step's trace constrained to jaxdist's own layouts (compile._trace._provenance)
         self.owned_outputs: dict[int, Any] | None = None
 
 
@@ -180,17 +160,10 @@ def current_computation() -> Computation | None:
 
 
 @contextlib.contextmanager
-def computation(
-    policy: Any,
-    kind: str,
-    batches: Iterable[Any] = (),
-    variables: Iterable[Any] = (),
-    axis_name: str | tuple[str, ...] | None = None,
-    padded: Iterable[Padded] = (),
-    typed: bool = True,
-) -> Iterator[Computation]:
-    """Trace the block as (part of) a computation of ``policy``; nested frames share the
-    counters."""
+def computation(policy: Any, kind: str, batches: Iterable[Any] = (), variables: Iterable[Any] = (),
+                axis_name: str | tuple[str, ...] | None = None, padded: Iterable[Padded] = (),
+                typed: bool = True) -> Iterator[Computation]:
+    """Trace the block as (part of) a computation of ``policy``; nested frames share counters."""
     outer = current_computation()
     counters = outer.counters if outer is not None else {}
     frame = Computation(policy, kind, counters, list(batches), list(variables), axis_name,
@@ -201,8 +174,7 @@ def computation(
 
 @contextlib.contextmanager
 def probe() -> Iterator[None]:
-    """An abstract trace done only to learn shapes: it must not use up the enclosing computation's
-    names."""
+    """An abstract trace done only to learn shapes: it uses up none of the computation's names."""
     frame = current_computation()
     saved = dict(frame.counters) if frame is not None else None
     try:
@@ -237,8 +209,7 @@ def colocation_target(owner: Any) -> Any | None:
 
 
 def call(step: Any, args: tuple) -> contextlib.AbstractContextManager[Call]:
-    """Mark the block as deciding a call of ``step`` on ``args`` (its trace, if it traces, reads
-    them)."""
+    """Mark the block as deciding a call of ``step`` on ``args`` (which its trace reads)."""
     return _pushed(state.calls, Call(step, args))
 
 

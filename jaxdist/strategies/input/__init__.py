@@ -31,26 +31,8 @@ from jaxdist.strategies.input._remainder import holds_padded as holds_padded
 from jaxdist.strategies.input._remainder import padding_weights as padding_weights
 
 __all__ = [
-    "PADDED",
-    "DistributedDataset",
-    "DistributedIterator",
-    "InputContext",
-    "Prefetcher",
-    "ahead",
-    "all_on_mesh",
-    "argument_layouts",
-    "check_batch_leaves",
-    "check_batches",
-    "check_divisible",
-    "check_remainder",
-    "holds_padded",
-    "kept",
-    "needs_placing",
-    "padding_weights",
-    "place_batch",
-    "place_nnx_defaults",
-    "replicas_on_this_process",
-    "sharding_off",
-    "refuse_text",
-    "shardings_of",
+    "PADDED", "DistributedDataset", "DistributedIterator", "InputContext", "Prefetcher", "ahead",
+    "all_on_mesh", "argument_layouts", "check_batch_leaves", "check_batches", "check_divisible",
+    "check_remainder", "holds_padded", "kept", "needs_placing", "padding_weights", "place_batch",
+    "place_nnx_defaults", "replicas_on_this_process", "sharding_off", "refuse_text", "shardings_of"
 ]

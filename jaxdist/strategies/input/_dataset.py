@@ -1,21 +1,13 @@
 """Distributed input: global batches placed on the replicas, each process placing only its own rows.
 
-``strategy.experimental_distribute_dataset(iterable)`` takes an iterable of GLOBAL batches (pytrees
-of arrays whose axis 0 is the global batch). ``strategy.distribute_datasets_from_function(fn)``
-calls ``fn(InputContext)`` once per process for an iterable of that process's batches. Either way
-every batch comes out as global `jax.Array`s split on axis 0 over the replicas, built with
-`jax.make_array_from_process_local_data` (no process ever transfers rows it does not own), and a
-background thread keeps ``prefetch`` batches in flight to the devices so the step rarely waits on
-the host.
-
-grain (the JAX ecosystem's data loader) plugs in as it is: ``fn(ctx)`` may return a
-``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader`` that reads this process's share,
-e.g. ``grain.experimental.ElasticIterator(examples, global_batch_size,
-grain.sharding.ShardByJaxProcess())`` or
-``examples[ctx.input_pipeline_id::ctx.num_input_pipelines].batch(per_process_batch)``. Iterators
-over a source with ``get_state`` / ``set_state`` (every grain iterator) have them too, exact despite
-the prefetch thread (`DistributedIterator.get_state`), so a checkpoint can hold the input's position
-(``jd.training.Checkpointer.save(..., data_iterator=it)``).
+The datasets of ``strategy.experimental_distribute_dataset`` and
+``strategy.distribute_datasets_from_function`` (see those), whose iterators keep ``prefetch``
+batches in flight to the devices on a background thread. grain (the JAX ecosystem's data loader)
+plugs in as it is: ``fn(ctx)`` may return a ``grain.MapDataset``, ``grain.IterDataset`` or
+``grain.DataLoader`` that reads this process's share, e.g.
+``examples[ctx.input_pipeline_id::ctx.num_input_pipelines].batch(per_process_batch)``; its position
+is then exact despite the prefetch thread (`DistributedIterator.get_state`), so a checkpoint can
+hold it (``jd.training.Checkpointer.save(..., data_iterator=it)``).
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ __all__ = ["DistributedDataset", "DistributedIterator", "InputContext"]
 
 @dataclasses.dataclass(frozen=True)
 class InputContext:
-    """What an input function needs to know to read its share of the data
-    (tf.distribute.InputContext).
+    """What an input function needs to know to read its share of the data (tf.distribute's).
 
     Attributes:
         num_input_pipelines: how many input pipelines (processes) read data.
@@ -57,10 +48,8 @@ class InputContext:
         if self.num_input_pipelines < 1:
             raise ValueError(f"num_input_pipelines={self.num_input_pipelines} must be >= 1.")
         if not 0 <= self.input_pipeline_id < self.num_input_pipelines:
-            raise ValueError(
-                f"input_pipeline_id={self.input_pipeline_id} must be in [0, "
-                f"{self.num_input_pipelines})."
-            )
+            raise ValueError(f"input_pipeline_id={self.input_pipeline_id} must be in [0, "
+                             f"{self.num_input_pipelines}).")
         if self.num_replicas_in_sync < 1:
             raise ValueError(f"num_replicas_in_sync={self.num_replicas_in_sync} must be >= 1.")
 
@@ -74,9 +63,8 @@ class InputContext:
 
 
 def _has_state(source: Any) -> bool:
-    return callable(getattr(source, "get_state", None)) and callable(
-        getattr(source, "set_state", None)
-    )
+    return callable(getattr(source, "get_state", None)) and callable(getattr(source, "set_state",
+                                                                             None))
 
 
 class DistributedIterator:
@@ -84,11 +72,8 @@ class DistributedIterator:
 
     Call ``close()`` (or exhaust it, or use it as a context manager) to stop the thread early.
 
-    When the source iterator has ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator``
-    and ``DataLoaderIterator``), so does this iterator, and its state is the source's state after
-    the last batch THIS iterator handed out, not after the batches the thread has read ahead:
-    restoring it (in this or a new iterator over the same pipeline) continues with exactly the batch
-    that would have come next.
+    When the source iterator has ``get_state()`` / ``set_state(state)`` (grain's iterators), so
+    does this iterator (see `get_state`).
 
     Examples:
         >>> import numpy as np, jaxdist as jd
@@ -114,13 +99,11 @@ class DistributedIterator:
 
     @property
     def source(self) -> Iterator[Any]:
-        """The iterator the batches are read from (e.g. a grain ``DatasetIterator``), before
-        placement."""
+        """The iterator the batches are read from (e.g. a grain ``DatasetIterator``)."""
         return self._source
 
     def _read(self) -> tuple[Any, Any]:
-        """The next placed batch and the source's state right after it (raises StopIteration at the
-        end)."""
+        """The next placed batch and the source's state right after it (StopIteration: the end)."""
         batch = next(self._batches)
         state = self._source.get_state() if self._stateful else None
         return self._place(batch), state
@@ -138,8 +121,7 @@ class DistributedIterator:
             raise
         except BaseException:
             # The thread's reading ended with this error: exhausted, as at the end. Read on demand,
-            # the next call reads the source again (an interrupt while waiting for the thread leaves
-            # it reading).
+            # the next call reads the source again (an interrupt while waiting leaves it reading).
             if self._ahead is not None and self._ahead.ended:
                 self._done = True
             raise
@@ -148,16 +130,16 @@ class DistributedIterator:
 
     def _check_stateful(self, method: str) -> None:
         if not self._stateful:
-            raise TypeError(
-                f"{method}: this dataset's iterator ({type(self._source).__name__}) has no "
-                "get_state() / set_state(state), so its position cannot be saved or restored: read "
-                "the data with grain (grain.MapDataset, grain.IterDataset, grain.DataLoader), or "
-                "give the iterator both methods."
-            )
+            raise TypeError(f"{method}: this dataset's iterator ({type(self._source).__name__}) "
+                            "has no get_state() / set_state(state), so its position cannot be "
+                            "saved or restored: read the data with grain (grain.MapDataset, "
+                            "grain.IterDataset, grain.DataLoader), or give the iterator both "
+                            "methods.")
 
     def get_state(self) -> Any:
         """The source iterator's state after the last batch this iterator returned (batches read
-        ahead by the prefetch thread do not count): save it with the model's checkpoint.
+        ahead by the prefetch thread do not count): restoring it, in this or a new iterator over the
+        same pipeline, continues with exactly the batch that would have come next.
 
         Returns:
             What the source's ``get_state()`` returns (a dict for a grain ``DatasetIterator``, JSON
@@ -221,12 +203,10 @@ class DistributedIterator:
 
 
 class DistributedDataset:
-    """An iterable of placed global batches; each ``iter()`` starts a new pass (and a prefetch
-    thread).
+    """An iterable of placed global batches; each ``iter()`` starts a new pass (and thread).
 
     Made by ``strategy.experimental_distribute_dataset`` or
-    ``strategy.distribute_datasets_from_function``. Its iterators are `DistributedIterator` objects
-    (with ``get_state`` / ``set_state`` over a grain source).
+    ``strategy.distribute_datasets_from_function``; its iterators are `DistributedIterator`s.
 
     Examples:
         >>> import numpy as np, jaxdist as jd

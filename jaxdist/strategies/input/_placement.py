@@ -23,8 +23,7 @@ from jaxdist.strategies.layout import LayoutPolicy, mark_placed_batch, nnx_layou
 
 def check_divisible(batch: int, replicas: int, where: str = "global batch",
                     axes: tuple[str, ...] = ()) -> int:
-    """``replicas``, after checking that it divides ``batch`` rows (``axes``: the batch axes, for
-    the message).
+    """``replicas``, after checking that it divides ``batch`` rows (``axes``: for the message).
 
     Raises:
         ValueError: naming the counts, the batch axes and the two nearest batch sizes that work.
@@ -45,8 +44,8 @@ def check_divisible(batch: int, replicas: int, where: str = "global batch",
                f"each replica needs at least one row: give at least {replicas} rows (a multiple of "
                f"{replicas}), or a strategy with fewer replicas (jd.OneDeviceStrategy(), or "
                "devices= / batch_axes= naming fewer)")
-        raise ValueError(f"num_replicas_in_sync={replicas}{over} does not divide {where} {batch}: "
-                         f"{fix}.")
+        raise ValueError(f"num_replicas_in_sync={replicas}{over} does not divide {where} "
+                         f"{batch}: {fix}.")
     return replicas
 
 
@@ -63,8 +62,7 @@ def text_kind(x: Any) -> str | None:
     """
     if isinstance(x, (str, bytes)):
         return type(x).__name__
-    # str, bytes, object, raw void (bfloat16 and float8 are numpy "void" kinds too, with types of
-    # their own)
+    # str, bytes, object, raw void (bfloat16 and float8 are "void" kinds with types of their own)
     if isinstance(x, (np.ndarray, np.generic)) and (x.dtype.kind in "USO"
                                                     or x.dtype.type is np.void):
         return f"numpy dtype {x.dtype}"
@@ -92,10 +90,9 @@ def refuse_text(leaves: Iterable[tuple[Any, Any]], name: Callable[[Any], str], f
 
 
 def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> None:
-    """Name the plain mistakes in a batch before JAX or the row split meets them: a leaf of strings
-    (or objects), which no JAX array holds; leaves whose rows differ where the replicas cannot split
-    them (a ragged batch: saying that ``replicas`` does not divide one leaf's rows would point at
-    the wrong fix).
+    """Name the plain mistakes in a batch before JAX or the row split meets them: a leaf of text or
+    objects; leaves whose rows differ where the replicas cannot split them (a ragged batch, whose
+    fix is not a divisible row count).
 
     Args:
         batch: the batch (a pytree; its host or device arrays).
@@ -132,8 +129,7 @@ def check_batch_leaves(batch: Any, replicas: int, where: str | None = None) -> N
 
 
 def check_sequence(policy: LayoutPolicy, shape: tuple[int, ...], where: str | None = None) -> None:
-    """Check that ``policy``'s context axes divide the sequence dimension of a batch leaf of
-    ``shape``.
+    """Check that ``policy``'s context axes divide the sequence dimension of a leaf of ``shape``.
 
     Raises:
         ValueError: naming the sequence length, the context axes and their sizes, and the fix.
@@ -184,13 +180,12 @@ def place_batch(policy: LayoutPolicy, batch: Any, *, process_local: bool = False
     """
     n_proc = jax.process_count()
     if process_local and n_proc > 1 and policy.replicas_span_processes:
-        raise ValueError(
-            "per-process input (distribute_datasets_from_function) on a mesh whose replicas span "
-            f"processes (mesh {dict(policy.mesh.shape)}, batch axes {policy.batch_axes}: a model "
-            "axis crosses processes), so no process owns a replica's rows alone: pass GLOBAL "
-            "batches (experimental_distribute_dataset, the same batch on every process), or put "
-            "the processes on a batch axis of the mesh."
-        )
+        raise ValueError("per-process input (distribute_datasets_from_function) on a mesh whose "
+                         f"replicas span processes (mesh {dict(policy.mesh.shape)}, batch axes "
+                         f"{policy.batch_axes}: a model axis crosses processes), so no process "
+                         "owns a replica's rows alone: pass GLOBAL batches "
+                         "(experimental_distribute_dataset, the same batch on every process), or "
+                         "put the processes on a batch axis of the mesh.")
     leaves, treedef = jax.tree.flatten(batch)
     if any(np.ndim(x) and np.shape(x)[0] == 0 for x in leaves):  # a mean over it is NaN, silently
         raise ValueError(
@@ -363,27 +358,22 @@ def batch_leaf_layout(policy: LayoutPolicy, shape: tuple[int, ...], leaf: str,
             axes do not.
     """
     if not shape:
-        raise ValueError(
-            f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split over the "
-            "replicas (pass scalars as separate, non-batch arguments)."
-        )
+        raise ValueError(f"{leaf} is a scalar: every leaf of a batch needs a batch axis 0 to split "
+                         "over the replicas (pass scalars as separate, non-batch arguments).")
     if process_local:
-        check_divisible(shape[0], replicas_on_this_process(policy),
-                        "per-process batch" if where is None
-                        else f"the per-process rows of {where}", policy.batch_axes)
+        check_divisible(shape[0], replicas_on_this_process(policy), "per-process batch"
+                        if where is None else f"the per-process rows of {where}", policy.batch_axes)
     else:
-        check_divisible(shape[0], policy.num_replicas,
-                        "global batch" if where is None else f"the rows of {where}",
-                        policy.batch_axes)
+        check_divisible(shape[0], policy.num_replicas, "global batch" if where is None
+                        else f"the rows of {where}", policy.batch_axes)
     check_sequence(policy, shape, where)
     return policy.batch_layout(len(shape), shape)
 
 
 def _place_rows(shardings: list[Any], values: list[Any]) -> list[jax.Array]:
-    """One process holds the whole global batch: each device gets its own rows. On accelerators, one
-    `jax.device_put` of every leaf (one batched transfer, dispatched in C++). On CPU devices, each
-    device's rows are views of the host array (no host copy: measured cheaper there than a copy per
-    leaf)."""
+    """One process holds the whole global batch: on accelerators one `jax.device_put` of every leaf
+    (one batched transfer); on CPU devices each device's rows are views of the host array (cheaper
+    there than a copy per leaf)."""
     if not shardings or any(d.platform != "cpu" for d in shardings[0].device_set):
         return jax.device_put(values, shardings)
     moved = []
@@ -403,8 +393,7 @@ def _place_process_rows(sharding, x: Any, process_local: bool, n_proc: int) -> j
     if process_local:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x),
                                                       (shape[0] * n_proc, *shape[1:]))
-    # The global batch: each process transfers the rows of its own devices, wherever the mesh puts
-    # them.
+    # the global batch: each process transfers the rows of its own devices, wherever they are
     host = x if isinstance(x, jax.Array) else np.asarray(x)
     return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(host[index]))
 

@@ -1,13 +1,9 @@
 """Read-ahead: the one home of reading batches before the step that takes them, two ways.
 
-* `ahead`, in line (no thread): the loop reads batch n+depth before dispatching the step on batch n.
-  JAX does not wait for the devices at dispatch, so the placement (a transfer) of the batches ahead
-  overlaps the steps that run. The Trainer's loop reads this way: a thread contends with the loop
-  for the interpreter (measured on the ``trainer-P2`` benchmark row: 5% against batches already on
-  the devices in line, 9% with a thread).
-* `Prefetcher`, a thread that keeps ``depth`` reads queued: `DistributedIterator` (``prefetch=``),
-  where the user's loop reads batches one by one and a slow source (a file, a decoder) should
-  overlap with it.
+* `ahead`, in line (no thread): the Trainer's loop, where a thread would contend with the loop for
+  the interpreter (9% slower than in line, against 5%, on the ``trainer-P2`` benchmark row);
+* `Prefetcher`, a thread: `DistributedIterator` (``prefetch=``), where the user's loop reads batches
+  one by one and a slow source (a file, a decoder) should overlap with it.
 
 Either way a read that fails raises when the consumer reaches it, after the batches before it, and
 nothing is read past the end of the source.
@@ -36,12 +32,8 @@ class _Failure:
 
 def ahead(batches: Iterable[Any], depth: int = 2) -> Iterator[Any]:
     """Yield ``batches`` in order, reading (and so placing) ``depth`` of them ahead of the one
-    yielded.
-
-    The loop dispatches the step on batch n after batch n+depth has been read: its transfer goes on
-    while the steps before it run. A read that fails (a bad batch) raises when the loop reaches that
-    batch, after the steps before it, as without the read-ahead. Nothing is read beyond the end of
-    ``batches``.
+    yielded: the loop dispatches the step on batch n after batch n+depth has been read, so its
+    transfer goes on while the steps before it run (JAX dispatch does not wait for the devices).
 
     Args:
         batches: the source (e.g. the Trainer's `BatchStream`, whose check places each batch).
@@ -63,8 +55,8 @@ def ahead(batches: Iterable[Any], depth: int = 2) -> Iterator[Any]:
         ([1, 2, 3], [0, 1, 2, 3])
     """
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise ValueError(f"depth={depth!r} must be an int >= 0 (batches read ahead of the step; 0: "
-                         "none).")
+        raise ValueError(f"depth={depth!r} must be an int >= 0 (batches read ahead of the step; "
+                         "0: none).")
     return _read_ahead(iter(batches), depth)
 
 
@@ -95,8 +87,7 @@ def _read_ahead(source: Iterator[Any], depth: int) -> Iterator[Any]:
 
 
 class Prefetcher:
-    """A thread that calls ``read()`` ahead of the consumer, keeping at most ``depth`` results
-    queued.
+    """A thread that calls ``read()`` ahead of the consumer, keeping up to ``depth`` results queued.
 
     ``read`` raises StopIteration at the end; any other error is raised by `next` in the consumer's
     thread, in order. Either ends the reading (`ended`). `stop` ends the thread (and drops what is
@@ -179,11 +170,9 @@ class Prefetcher:
             thread.join(timeout=0.01)
         self._drain()
         if thread is not None and thread.is_alive():
-            raise RuntimeError(
-                f"the prefetch thread is still reading from the dataset after {STOP_SECONDS:g} s: "
-                "its read does not return, so the iterator cannot be repositioned; check the "
-                "dataset for a blocking read."
-            )
+            raise RuntimeError("the prefetch thread is still reading from the dataset after "
+                               f"{STOP_SECONDS:g} s: its read does not return, so the iterator "
+                               "cannot be repositioned; check the dataset for a blocking read.")
 
     def _drain(self) -> None:
         with contextlib.suppress(queue.Empty):

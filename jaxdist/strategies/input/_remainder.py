@@ -1,22 +1,10 @@
 """A dataset's smaller last batch (tf.data's ``batch()`` without ``drop_remainder``): refused,
-dropped or padded.
+dropped or padded, as ``remainder=`` of `Strategy.experimental_distribute_dataset` says.
 
-Every batch of a distributed dataset must have the rows of the first one (a program per batch shape,
-and the replicas must divide them). The last batch of an epoch often has fewer. ``remainder=`` says
-what to do:
-
-* ``"error"`` (the default): a batch the replicas do not divide is a ValueError naming
-  ``remainder=``, as early as it can come: when the dataset is made, for a list or tuple of batches;
-  at that batch otherwise (a smaller batch they divide runs, with a program of its own);
-* ``"drop"``: a batch smaller than the first is skipped (tf.data's ``drop_remainder=True``);
-* ``"pad"``: the batch is padded with zero rows to the first batch's size (the same program runs it)
-  and its placed arrays are registered with their *row weights* (1.0 for a real row, 0.0 for a
-  padding row, laid out like the batch). ``strategy.run`` hands the weights to its replicas
-  (`ReplicaContext.batch_weights`), and ``jd.compute_average_loss`` leaves the padding rows out and
-  divides by the real rows, so an epoch's mean is the mean over the real examples. Inside a
-  ``strategy.jit`` step the batch is a tracer, which carries no weights: the step's call brings them
-  in and records which traced leaf has which (`jaxdist.strategies.compile._trace._padded`), and
-  `padding_weights` reads them there.
+A padded batch's placed arrays are registered here with their *row weights* (1.0 for a real row, 0.0
+for a padding row, laid out like the batch). Inside a ``strategy.jit`` step the batch is a tracer,
+which carries no weights: the step's call brings them in and records which traced leaf has which
+(`jaxdist.strategies.compile._trace._padded`), and `padding_weights` reads them there.
 """
 
 from __future__ import annotations
@@ -32,13 +20,8 @@ import numpy as np
 from jaxdist.strategies import ambient
 
 __all__ = [
-    "PADDED",
-    "REMAINDERS",
-    "check_batches",
-    "check_remainder",
-    "holds_padded",
-    "padding_weights",
-    "with_remainder",
+    "PADDED", "REMAINDERS", "check_batches", "check_remainder", "holds_padded", "padding_weights",
+    "with_remainder"
 ]
 
 REMAINDERS = ("error", "drop", "pad")
@@ -63,11 +46,9 @@ def check_remainder(remainder: Any) -> str:
         'pad'
     """
     if remainder not in REMAINDERS:
-        raise ValueError(
-            f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a smaller last "
-            "batch, 'drop' skips it (tf.data's drop_remainder=True), 'pad' pads it with rows that "
-            "jd.compute_average_loss leaves out."
-        )
+        raise ValueError(f"remainder={remainder!r} is not one of {REMAINDERS}: 'error' refuses a "
+                         "smaller last batch, 'drop' skips it (tf.data's drop_remainder=True), "
+                         "'pad' pads it with rows that jd.compute_average_loss leaves out.")
     return remainder
 
 
@@ -77,20 +58,17 @@ def _rows(batch: Any) -> int | None:
 
 
 def _message(index: int, rows: int, full: int, divisor: int) -> str:
-    return (
-        f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the first "
-        f"batch has {full}): a smaller last batch, as tf.data's batch() without drop_remainder "
-        "gives. Pass remainder='drop' to skip it (drop_remainder=True) or "
-        "remainder='pad' to pad it (the padding rows are left out of jd.compute_average_loss; "
-        "ReplicaContext.batch_weights marks them) to experimental_distribute_dataset / "
-        "distribute_datasets_from_function."
-    )
+    return (f"batch {index} has {rows} rows, which the {divisor} replicas do not divide (the "
+            f"first batch has {full}): a smaller last batch, as tf.data's batch() without "
+            "drop_remainder gives. Pass remainder='drop' to skip it (drop_remainder=True) or "
+            "remainder='pad' to pad it (the padding rows are left out of jd.compute_average_loss; "
+            "ReplicaContext.batch_weights marks them) to experimental_distribute_dataset / "
+            "distribute_datasets_from_function.")
 
 
 def check_batches(batches: Sequence[Any], divisor: int) -> None:
     """Refuse, before anything runs, a list with a batch that ``divisor`` replicas do not divide
-    after a first batch they do (``remainder="error"``; a first batch they do not divide is the
-    placement's error).
+    after a first batch they do (a first batch they do not divide is the placement's error).
 
     Raises:
         ValueError: naming the batch, its rows, the first batch's rows and ``remainder=``.
@@ -107,9 +85,8 @@ def check_batches(batches: Sequence[Any], divisor: int) -> None:
             raise ValueError(_message(index, rows, full, divisor))
 
 
-def with_remainder(
-    source: Iterator[Any], remainder: str, place: Callable[[Any], Any], divisor: int
-) -> tuple[Iterator[Any], Callable[[Any], Any]]:
+def with_remainder(source: Iterator[Any], remainder: str, place: Callable[[Any], Any],
+                   divisor: int) -> tuple[Iterator[Any], Callable[[Any], Any]]:
     """The batches of ``source`` under ``remainder``, and the placement that goes with them.
 
     Args:
@@ -131,7 +108,6 @@ def with_remainder(
         >>> [b.shape for b in batches]
         [(4, 1)]
     """
-
     batches = _Batches(source, remainder, divisor)
     if remainder != "pad":
         return batches, place
@@ -150,8 +126,8 @@ def with_remainder(
 
 
 class _Batches:
-    """The batches of ``source`` under ``remainder`` (an iterator, not a generator: an error reading
-    the source passes through and the next call reads on, as the source itself would)."""
+    """The batches of ``source`` under ``remainder`` (not a generator: after an error reading the
+    source the next call reads on, as the source itself would)."""
 
     def __init__(self, source: Iterator[Any], remainder: str, divisor: int):
         self._source, self._remainder, self._divisor = source, remainder, divisor
@@ -176,11 +152,9 @@ class _Batches:
             if rows == full:
                 return (batch, None) if self._remainder == "pad" else batch
             if rows > full:
-                raise ValueError(
-                    f"batch {index} has {rows} rows, more than the first batch's {full}: "
-                    f"remainder={self._remainder!r} handles a smaller last batch; give every batch "
-                    "the first one's rows."
-                )
+                raise ValueError(f"batch {index} has {rows} rows, more than the first batch's "
+                                 f"{full}: remainder={self._remainder!r} handles a smaller last "
+                                 "batch; give every batch the first one's rows.")
             if self._remainder == "pad":
                 return _pad(batch, full), (np.arange(full) < rows).astype(np.float32)
             # "drop": skipped, read on

@@ -15,11 +15,6 @@ from jaxdist.strategies.plan._plan_mesh import plan_mesh as plan_mesh
 from jaxdist.strategies.plan._plan_mesh import refuse_to_run as refuse_to_run
 
 __all__ = [
-    "Plan",
-    "abstract_variables",
-    "compile_elsewhere",
-    "is_plan_mesh",
-    "plan_mesh",
-    "plan_step",
-    "refuse_to_run",
+    "Plan", "abstract_variables", "compile_elsewhere", "is_plan_mesh", "plan_mesh", "plan_step",
+    "refuse_to_run"
 ]

@@ -5,37 +5,16 @@ running it.
 compiles the step for the strategy's layout and reads the compiled program; the step never runs and
 its arguments are never allocated: they may be real values or `jax.ShapeDtypeStruct`s
 (``jax.eval_shape(init)``, for a model too big for this machine). Arguments without a layout get the
-one the step would give them (a declared batch split over the batch axes; everything else the
-strategy's variable layout), so the plan is the program a call would compile. On a mesh without
-devices (`jaxdist.strategies.plan._plan_mesh.plan_mesh`) the program is lowered here and compiled in
-a subprocess with that many simulated CPU devices.
+one the step would give them, so the plan is the program a call would compile. On a mesh without
+devices (`plan_mesh`) the program is lowered here and compiled in a subprocess with that many
+simulated CPU devices.
 
 This module lays the arguments out, compiles, and names the arguments' bytes by role; the record it
-fills, `Plan` (with `ArrayPlan` and `CollectivePlan`), and the reading of the compiled program
-(`read_plan`) live in `jaxdist.costs.plan`, below every package that fills or reads plans. A `Plan`
-holds, per device (the SPMD program every device runs; uneven shards counted at the largest,
-`jaxdist.costs.bytes_per_device`):
-
-* memory, from XLA's memory analysis of the compiled program: ``argument_bytes``, ``output_bytes``,
-  ``alias_bytes`` (outputs written into donated arguments), ``temp_bytes``, ``peak_bytes``
-  (arguments + outputs - aliased + temporaries: an upper bound, as if all were live at once),
-  ``host_bytes`` (host-offloaded arguments, outputs and temporaries);
-* ``state_bytes``: the arguments' bytes by role (``params``, ``opt_state``, ``batch``, ... : a batch
-  argument is ``batch``; an argument with named parts such as a ``TrainState`` is split by part; any
-  other argument is named by its parameter) and ``largest_arrays``, the ten largest with their
-  layouts;
-* ``flops`` and ``bytes_accessed`` per step: `jaxdist.costs.program_cost` of the compiled program
-  (loop bodies counted once per iteration; cuBLAS, cuDNN and Pallas kernels by what they compute;
-  ``uncosted`` names a custom call it could not cost, and the FLOPs are then a lower bound);
-* ``collectives``: per kind, how many run per step, their bytes and the mesh axes they run over;
-* ``replicated_bytes``: the bytes of variables held whole along a mesh axis that could split them
-  (an FSDP or model axis of size > 1 that divides a dimension not yet split, for variables of at
-  least ``min_shard_size`` elements), the variables named in ``replicated``: a rule that matched
-  nothing (a typo, a renamed layer) shows up here before it shows up as an out-of-memory error.
-
-``plan.estimate(accelerator="h100")`` is a roofline step time (`jaxdist.costs.roofline`);
-``plan.fits(memory_per_device)`` compares ``peak_bytes`` with a budget; ``str(plan)`` is a readable
-table.
+fills, `Plan` (its fields documented there), and the reading of the compiled program (`read_plan`)
+live in `jaxdist.costs.plan`, below every package that fills or reads plans. ``replicated`` names
+the variables of at least ``min_shard_size`` elements held whole along an FSDP or model axis that
+could split them: a rule that matched nothing (a typo, a renamed layer) shows up there before it
+shows up as an out-of-memory error.
 """
 
 from __future__ import annotations
@@ -66,15 +45,12 @@ def _is_array(x: Any) -> bool:
 
 
 def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
-    """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it: its own
-    where it is on the strategy's mesh, else a batch's (``batch``) or the variable layout. An nnx
-    graph object comes back with abstract state (nothing is moved); Python values are returned as
-    they are.
+    """``value`` as `jax.ShapeDtypeStruct`s in the layout a call of the step would give it (an nnx
+    graph object with abstract state; Python values as they are).
 
     Raises:
         ValueError: for a batch whose rows the replicas do not divide.
     """
-    # the module's state as abstract values in the layouts a call gives them
     if nnx.graph.is_graph_node(value):
         graphdef, state = nnx.split(value)
         layouts, _ = nnx_layouts(policy, state)
@@ -122,8 +98,7 @@ def _role(name: str, value: Any, path: tuple) -> str:
 
 
 def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dict, list, list]:
-    """(bytes per role, every array as an `ArrayPlan`, the variables held whole along an axis that
-    could split them)."""
+    """(bytes per role, every array as an `ArrayPlan`, the variables an idle axis could split)."""
     roles: dict[str, int] = {}
     arrays: list[ArrayPlan] = []
     replicated: list[ArrayPlan] = []
@@ -145,8 +120,7 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
             arrays.append(plan)
             if batch or not shape or math.prod(shape) < min_size:
                 continue
-            spec = getattr(sharding, "spec", None) or ()
-            used = spec_axes(spec)
+            used = spec_axes(getattr(sharding, "spec", None) or ())
             axes = tuple(a for a in could_split if a not in used and any(
                 d % (p * mesh_sizes[a]) == 0 for d, p in zip(shape, parts, strict=True)))
             if axes:
@@ -155,28 +129,17 @@ def _state(policy: Any, arguments: Sequence[tuple[str, Any, bool]]) -> tuple[dic
 
 
 # -------------------------------------------------------------------------------------------- plans
-def plan_step(
-    policy: Any,
-    trace: Callable[..., jax.stages.Traced],
-    args: tuple,
-    kwargs: dict,
-    *,
-    axis_types_of: Callable[[jax.stages.Traced], dict[str, jax.sharding.AxisType]],
-    names: Sequence[str],
-    batch: Sequence[int],
-    batch_names: Sequence[str],
-    static: Sequence[int],
-    static_names: Sequence[str],
-) -> Plan:
+def plan_step(policy: Any, trace: Callable[..., jax.stages.Traced], args: tuple, kwargs: dict, *,
+              axis_types_of: Callable[[jax.stages.Traced], dict[str, jax.sharding.AxisType]],
+              names: Sequence[str], batch: Sequence[int], batch_names: Sequence[str],
+              static: Sequence[int], static_names: Sequence[str]) -> Plan:
     """The `Plan` of a step (what ``StrategyFunction.plan`` returns; see the module doc).
 
     Args:
         policy: the strategy's `LayoutPolicy`.
-        trace: the step's ``trace`` (arguments in, `jax.stages.Traced` out, for the strategy's
-            layout).
+        trace: the step's ``trace`` (arguments in, `jax.stages.Traced` out).
         axis_types_of: the axis types a traced program runs with.
-        args, kwargs: the arguments, bound to the step's positional parameters where they have
-            names.
+        args, kwargs: the arguments, bound to the step's positional parameters where named.
         names: the step's positional parameter names (for the roles; ``argument i`` beyond them).
         batch, batch_names: the declared batch arguments.
         static, static_names: the static ones.
@@ -221,6 +184,6 @@ def plan_step(
     # the kernels' scopes from this program's own module: a compiled program from JAX's persistent
     # cache carries the op names of another with the same operations
     return read_plan(program, memory=memory, mesh=dict(mesh.shape), state_bytes=roles,
-                     largest_arrays=arrays,
-                     replicated=replicated, axis_types=axis_types_of(traced), compiled_on=where,
-                     started=start, scopes=module)
+                     largest_arrays=arrays, replicated=replicated,
+                     axis_types=axis_types_of(traced), compiled_on=where, started=start,
+                     scopes=module)

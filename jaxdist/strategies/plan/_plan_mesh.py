@@ -6,14 +6,12 @@ accepts it as ``mesh=``; it can then plan (``strategy.create_variables`` gives a
 their layouts, ``strategy.jit(step).plan(...)`` compiles the step) but not run (`refuse_to_run`): a
 1,024-device plan from a laptop.
 
-A program for an abstract mesh is traced and lowered here (JAX lowers for an abstract mesh);
-compiling needs the devices. `compile_elsewhere` compiles the lowered module in a subprocess with
-that many simulated CPU devices (``jax_num_cpu_devices``) and reads back its memory analysis and its
-compiled text. What comes back is exact on every backend where it is decided before the backend's
-own passes (the arguments' and outputs' bytes per device, which collectives run and on how many
-bytes) and the CPU compiler's estimate of another backend where it is not (temporaries and peak:
-another backend fuses, schedules and rematerializes differently; XLA:CPU also computes 16-bit float
-collectives in float32).
+JAX lowers for an abstract mesh; compiling needs the devices, which `compile_elsewhere` simulates.
+What comes back is exact on every backend where it is decided before the backend's own passes (the
+arguments' and outputs' bytes per device, which collectives run and on how many bytes) and the CPU
+compiler's estimate of another backend where it is not (temporaries and peak: another backend
+fuses, schedules and rematerializes differently; XLA:CPU also computes 16-bit float collectives
+in float32).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ __all__ = ["abstract_variables", "compile_elsewhere", "is_plan_mesh", "plan_mesh
 
 
 # Run in a fresh interpreter with N simulated CPU devices: compile an MLIR module for them, report
-# the memory analysis and the compiled text. Compile options for a raw module have no public API:
-# jax's own helper.
+# the memory analysis and the compiled text (compile options for a raw module: jax's own helper).
 _COMPILER = """
 import json, sys
 import jax
@@ -66,9 +63,8 @@ with open(sys.argv[2], "w") as f:
 """
 
 
-def plan_mesh(
-    shape: Mapping[str, int], axis_types: AxisType | tuple[AxisType, ...] = AxisType.Auto
-) -> AbstractMesh:
+def plan_mesh(shape: Mapping[str, int],
+              axis_types: AxisType | tuple[AxisType, ...] = AxisType.Auto) -> AbstractMesh:
     """A mesh of ``shape`` without devices, for plans (see the module doc).
 
     Args:
@@ -138,17 +134,16 @@ def refuse_to_run(mesh: Any, what: str) -> None:
         calling step needs devices, but this strategy's mesh
     """
     if is_plan_mesh(mesh):
-        raise RuntimeError(
-            f"{what} needs devices, but this strategy's mesh {dict(mesh.shape)} is a plan mesh "
-            "(jd.plan_mesh): it can plan, not run. Call step.plan(*args) (or strategy.plan(step, "
-            "*args)) for its memory, FLOPs and collectives, and run on a strategy built over real "
-            "devices (mesh=jax.make_mesh(...))."
-        )
+        raise RuntimeError(f"{what} needs devices, but this strategy's mesh {dict(mesh.shape)} is "
+                           "a plan mesh (jd.plan_mesh): it can plan, not run. Call "
+                           "step.plan(*args) (or strategy.plan(step, *args)) for its memory, FLOPs "
+                           "and collectives, and run on a strategy built over real devices "
+                           "(mesh=jax.make_mesh(...)).")
 
 
 def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``init_fn(*args, **kwargs)``'s shapes (`jax.eval_shape`: nothing runs, nothing is allocated)
-    as `jax.ShapeDtypeStruct`s carrying ``policy``'s variable layout.
+    """``init_fn(*args, **kwargs)``'s shapes (`jax.eval_shape`: nothing runs) in ``policy``'s
+    variable layout.
 
     Raises:
         TypeError: when ``init_fn`` is not callable.
@@ -158,7 +153,6 @@ def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kw
                         "pass the function that builds the variables, e.g. "
                         "strategy.create_variables(model.init, rng, x).")
     dynamic, treedef, statics = split_static((args, kwargs))
-
     name = fn_name(init_fn)
     mesh = policy.mesh
 
@@ -177,11 +171,10 @@ def abstract_variables(policy: Any, init_fn: Callable[..., Any], args: tuple, kw
                         shapes, policy.variable_shardings(shapes))
 
 
-def compile_elsewhere(
-    module_text: str, num_devices: int, timeout: float = 900.0
-) -> tuple[dict[str, int], str]:
+def compile_elsewhere(module_text: str, num_devices: int,
+                      timeout: float = 900.0) -> tuple[dict[str, int], str]:
     """Compile a lowered module (StableHLO text) for ``num_devices`` simulated CPU devices in a
-    subprocess.
+    subprocess (``jax_num_cpu_devices``).
 
     Args:
         module_text: ``lowered.as_text()`` of a program lowered for a mesh of ``num_devices``
@@ -205,22 +198,18 @@ def compile_elsewhere(
         env["JAX_PLATFORMS"] = "cpu"
         start = time.perf_counter()
         try:
-            done = subprocess.run(
-                [sys.executable, "-c", _COMPILER, source, result, str(num_devices),
-                 json.dumps(MEMORY_FIELDS)],
-                env=env, capture_output=True, text=True, timeout=timeout, check=False,
-            )
+            command = [sys.executable, "-c", _COMPILER, source, result, str(num_devices),
+                       json.dumps(MEMORY_FIELDS)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
         except subprocess.TimeoutExpired as error:
-            raise RuntimeError(
-                f"compiling the plan for {num_devices} simulated CPU devices took longer than "
-                f"timeout={timeout} s: pass a larger timeout, or plan a smaller mesh."
-            ) from error
+            raise RuntimeError(f"compiling the plan for {num_devices} simulated CPU devices took "
+                               f"longer than timeout={timeout} s: pass a larger timeout, or plan a "
+                               "smaller mesh.") from error
         if done.returncode != 0:
-            raise RuntimeError(
-                f"compiling the plan for {num_devices} simulated CPU devices failed (exit "
-                f"{done.returncode} after {time.perf_counter() - start:.1f} "
-                f"s):\n{done.stderr[-3000:]}"
-            )
+            raise RuntimeError(f"compiling the plan for {num_devices} simulated CPU devices failed "
+                               f"(exit {done.returncode} after {time.perf_counter() - start:.1f} "
+                               f"s):\n{done.stderr[-3000:]}")
         with open(result) as f:
             out = json.load(f)
     return out["memory"], out["text"]

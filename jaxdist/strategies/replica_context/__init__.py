@@ -15,11 +15,6 @@ from jaxdist.strategies.replica_context._variables import mirror as mirror
 from jaxdist.strategies.replica_context._variables import sync_on_read as sync_on_read
 
 __all__ = [
-    "ReplicaContext",
-    "ValueContext",
-    "create_variables",
-    "distribute_values_from_function",
-    "enter_scope",
-    "mirror",
-    "sync_on_read",
+    "ReplicaContext", "ValueContext", "create_variables", "distribute_values_from_function",
+    "enter_scope", "mirror", "sync_on_read"
 ]

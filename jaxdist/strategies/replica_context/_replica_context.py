@@ -107,8 +107,7 @@ class ReplicaContext:
         return all_reduce(value, op, self._axis)
 
     def per_replica(self, value: Any) -> Any:
-        """Declare ``value`` (a pytree) this replica's own on purpose: ``run`` returns it as a
-        `PerReplica`.
+        """Declare ``value`` (a pytree) this replica's own: ``run`` returns it as a `PerReplica`.
 
         ``run`` refuses an output that takes the place of a mirrored argument but differs between
         replicas (parameters updated with local gradients drift apart). A value each replica keeps
@@ -136,8 +135,7 @@ class ReplicaContext:
         return keep_per_replica(value, self._axis)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenate every replica's ``value`` (a pytree) along ``axis``; every replica gets the
-        result.
+        """Concatenate every replica's ``value`` (a pytree) along ``axis``, for every replica.
 
         Args:
             value: a pytree of arrays of rank >= 1, the same shapes on every replica.
@@ -152,21 +150,18 @@ class ReplicaContext:
         def gather(x):
             x = jnp.asarray(x)
             if x.ndim == 0:
-                raise ValueError(
-                    "all_gather got a scalar: it concatenates along an axis; gather x[None] to "
-                    "stack scalars."
-                )
+                raise ValueError("all_gather got a scalar: it concatenates along an axis; gather "
+                                 "x[None] to stack scalars.")
             return jax.lax.all_gather(x, self._axis, axis=axis % x.ndim, tiled=True, to="invarying")
 
         return jax.tree.map(gather, value)
 
     def aggregate(self, value: Any, aggregation: VariableAggregation | str) -> Any:
-        """Turn replica-local updates of a mirrored value into one mirrored value (a replica-context
-        update).
+        """Turn replica-local updates of a mirrored value into one mirrored value.
 
-        This is how a mirrored value is updated from replica context: the per-replica new values are
-        combined with ``aggregation`` (SUM, MEAN, or ONLY_FIRST_REPLICA: replica 0's value is
-        broadcast), so every replica holds the same result and ``run`` returns it mirrored.
+        The per-replica new values are combined with ``aggregation`` (SUM, MEAN, or
+        ONLY_FIRST_REPLICA: replica 0's value is broadcast), so every replica holds the same result
+        and ``run`` returns it mirrored.
 
         Args:
             value: a pytree of per-replica new values.
@@ -189,11 +184,9 @@ class ReplicaContext:
         """
         mode = VariableAggregation.parse(aggregation, "aggregation")
         if mode is VariableAggregation.NONE:
-            raise ValueError(
-                "aggregation=VariableAggregation.NONE: a mirrored value updated in replica context "
-                "would differ between replicas; specify an aggregation (SUM, MEAN or "
-                "ONLY_FIRST_REPLICA)."
-            )
+            raise ValueError("aggregation=VariableAggregation.NONE: a mirrored value updated in "
+                             "replica context would differ between replicas; specify an "
+                             "aggregation (SUM, MEAN or ONLY_FIRST_REPLICA).")
         if mode is VariableAggregation.MEAN:
             for leaf in jax.tree.leaves(value):
                 check_mean_dtype(leaf, "the updated mirrored value")
@@ -211,8 +204,7 @@ class ReplicaContext:
 
     @property
     def in_merge_call(self) -> bool:
-        """True while a ``merge_call`` function of this replica runs (cross-replica code inside the
-        replica)."""
+        """True while a ``merge_call`` function of this replica runs (cross-replica code)."""
         return self._merge_depth > 0
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (),
@@ -221,17 +213,14 @@ class ReplicaContext:
         sees every replica's values, and its result comes back to every replica (tf.distribute's
         ``merge_call``).
 
-        Every array in ``args`` / ``kwargs`` reaches ``merge_fn`` as a `PerReplica` holding all the
-        replicas' values (a `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), so
-        ``merge_fn`` can ``strategy.reduce`` / ``strategy.gather`` them or list them with
-        ``strategy.experimental_local_results``. All replicas run ``merge_fn`` on the same values
-        (SPMD: it is part of the one compiled program), so its result is the same everywhere; a
-        `PerReplica` in the result gives each replica its own component back. Inside ``merge_fn``,
-        ``jd.get_replica_context()`` still returns this context (the code is still traced per
-        replica); `in_merge_call` says that it runs in a merge. Arguments that are mirrored reach
-        ``merge_fn`` as `PerReplica` values with equal components (inside ``run`` every replica owns
-        its copy). Outside ``run`` (the default single-replica context) ``merge_fn`` is called on
-        the arguments as they are.
+        Every array in ``args`` / ``kwargs`` (mirrored ones too: inside ``run`` every replica owns
+        its copy) reaches ``merge_fn`` as a `PerReplica` holding all the replicas' values (a
+        `SyncOnRead` as a `SyncOnRead` whose ``.read()`` aggregates), for ``strategy.reduce`` /
+        ``strategy.gather`` / ``strategy.experimental_local_results``. All replicas run ``merge_fn``
+        on the same values (it is part of the one SPMD program), so its result is the same
+        everywhere; a `PerReplica` in the result gives each replica its own component back. Inside
+        ``merge_fn``, ``jd.get_replica_context()`` still returns this context and `in_merge_call`
+        is True. Outside ``run`` ``merge_fn`` is called on the arguments as they are.
 
         Args:
             merge_fn: ``merge_fn(strategy, *args, **kwargs)``.
@@ -261,11 +250,9 @@ class ReplicaContext:
             raise TypeError(f"merge_fn={merge_fn!r} is not callable: pass merge_fn(strategy, "
                             "*args).")
         if not isinstance(args, (tuple, list)):
-            raise TypeError(
-                f"args={args!r} must be a tuple of positional arguments, e.g. ctx.merge_call(fn, "
-                "args=(v,)) (the 2018 form merge_call(fn, *args) is "
-                "jd.compat.get_tower_context().merge_call)."
-            )
+            raise TypeError(f"args={args!r} must be a tuple of positional arguments, e.g. "
+                            "ctx.merge_call(fn, args=(v,)) (the 2018 form merge_call(fn, *args) is "
+                            "jd.compat.get_tower_context().merge_call).")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs={kwargs!r} must be a dict of keyword arguments or None.")
         kwargs = kwargs or {}

@@ -1,19 +1,13 @@
 """``strategy.scope()``: the strategy is current, its mesh JAX's ambient mesh, its logical rules
 Flax's.
 
-Entering a second, different strategy's scope inside another's is an error (tf.distribute's "Mixing
-different Strategy objects"); re-entering the same strategy's scope is fine.
-
 Inside a scope, Flax applies ``nn.with_partitioning`` / ``nnx.with_partitioning`` annotations on the
 strategy's mesh as the model's code runs, so an annotation naming an axis that mesh lacks fails in
-JAX, in code jaxdist never sees (an nnx module's constructor). jaxdist cannot tell that
-``ValueError`` from any other by its type, and reading JAX's message would break silently when JAX
-rewords it. It looks at what failed instead: when a frame of the error's traceback holds a
-`PartitionSpec` naming an axis the mesh lacks, the error keeps its type and message and gains a note
-(PEP 678) naming that spec, the names an annotation may use here (the mesh's axes and the logical
-rules) and the fix; any other ``ValueError`` (a rank mismatch, say) passes untouched. Where jaxdist
-sees the annotations itself (``create_variables`` outside a scope, ``strategy.jit``), the layout
-rules check them before JAX does.
+JAX, in code jaxdist never sees (an nnx module's constructor). That ``ValueError`` looks like any
+other, and JAX's message may be reworded, so jaxdist looks at what failed instead: when a frame of
+the error's traceback holds a `PartitionSpec` naming an axis the mesh lacks, the error keeps its
+type and message and gains a note (PEP 678) naming that spec, the names an annotation may use here
+and the fix; any other ``ValueError`` passes untouched.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ __all__ = ["enter_scope"]
 
 @contextlib.contextmanager
 def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
-    """Push ``strategy`` as the current one: its mesh is JAX's ambient mesh and its logical axis
-    rules Flax's inside; another strategy's scope inside it is an error.
+    """Push ``strategy`` as the current one (re-entering its own scope is fine).
 
     Raises:
         RuntimeError: for another strategy's scope open around this one, or inside a replica
@@ -42,19 +35,15 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
     """
     current = ambient.current_scope()
     if current is not None and current is not strategy:
-        raise RuntimeError(
-            f"Mixing different Strategy objects: cannot enter the scope of {strategy!r} inside the "
-            f"scope of {current!r}. Leave the outer scope first, or use one strategy for both."
-        )
+        raise RuntimeError("Mixing different Strategy objects: cannot enter the scope of "
+                           f"{strategy!r} inside the scope of {current!r}. Leave the outer scope "
+                           "first, or use one strategy for both.")
     if ambient.current_replica() is not None:
-        raise RuntimeError(
-            "strategy.scope() cannot be entered inside a replica function (strategy.run); "
-            "open the scope in cross-replica code, around the training loop."
-        )
-    # The strategy's mesh is JAX's ambient mesh inside the scope: Flax nnx creates variables
-    # annotated with nnx.with_partitioning already sharded, on the ambient mesh.
-    # A plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only (nothing is
-    # created).
+        raise RuntimeError("strategy.scope() cannot be entered inside a replica function "
+                           "(strategy.run); open the scope in cross-replica code, around the "
+                           "training loop.")
+    # Flax nnx creates variables annotated with nnx.with_partitioning already sharded, on the
+    # ambient mesh; a plan mesh (jd.plan_mesh) has no devices: it is the ambient abstract mesh only.
     mesh = (jax.sharding.use_abstract_mesh(policy.mesh)
             if isinstance(policy.mesh, jax.sharding.AbstractMesh) else jax.set_mesh(policy.mesh))
     with ambient.scope(strategy), mesh, policy.flax_rules():
@@ -71,8 +60,7 @@ def enter_scope(strategy: Any, policy: LayoutPolicy) -> Iterator[Any]:
 
 def _missing_axis_spec(error: BaseException,
                        axes: tuple[str, ...]) -> jax.sharding.PartitionSpec | None:
-    """A `PartitionSpec` naming an axis not in ``axes``, held by a frame of ``error``'s traceback
-    (the layout that failed), or None."""
+    """A `PartitionSpec` naming an axis not in ``axes`` held by a frame of ``error``'s traceback."""
     tb = error.__traceback__
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
@@ -85,9 +73,8 @@ def _missing_axis_spec(error: BaseException,
 
 
 def _scope_note(owner: str, policy: LayoutPolicy, spec: jax.sharding.PartitionSpec) -> str:
-    """The note a ``ValueError`` raised inside ``owner``'s scope carries when the layout ``spec``
-    that failed names an axis the mesh lacks: the axis names a partitioning annotation may use
-    there, and the fix.
+    """The note of a ``ValueError`` raised inside ``owner``'s scope whose failed layout ``spec``
+    names an axis the mesh lacks: the names an annotation may use there, and the fix.
 
     Examples:
         >>> import jax

@@ -1,12 +1,8 @@
 """Creating values in a policy's layouts: variables compiled into place, existing trees placed,
 sync-on-read.
 
-Variables are created where they live: the initializer runs under `jax.jit` with the policy's
-variable shardings as ``out_shardings`` (mirrored: a copy on every replica; FSDP: each device its
-shard), so no host copy is ever made. On a mesh over several processes the arrays passed in (rng
-keys, sample inputs, existing values) are process 0's, so every process starts from the same state
-even where its own inputs differ. `SyncOnRead` values hold one component per replica, stacked on a
-leading axis split over the replicas.
+On a mesh over several processes the arrays passed in (rng keys, sample inputs, existing values) are
+process 0's, so every process starts from the same state even where its own inputs differ.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ __all__ = ["create_variables", "mirror", "sync_on_read"]
 
 def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tuple,
                      kwargs: dict) -> Any:
-    """``init_fn(*args, **kwargs)`` compiled straight into ``policy``'s variable layout (see
-    `Strategy.create_variables`).
+    """``init_fn(*args, **kwargs)`` compiled into ``policy``'s layout (`Strategy.create_variables`).
 
     Raises:
         TypeError: when ``init_fn`` is not callable.
@@ -39,25 +34,22 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> policy = LayoutPolicy(jax.devices()[:2])
-        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (),
-        ...                  {})["w"].sharding.is_fully_replicated
-        True
+        >>> create_variables(policy, lambda: {"w": jnp.zeros(3)}, (), {})["w"].sharding.spec
+        P()
     """
     if not callable(init_fn):
-        raise TypeError(
-            f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: pass the "
-            "function that builds the variables, e.g. strategy.create_variables(model.init, rng, "
-            "x); use strategy.mirror(tree) to place values you already have."
-        )
+        raise TypeError(f"init_fn={init_fn!r} (type {type(init_fn).__name__}) is not callable: "
+                        "pass the function that builds the variables, e.g. strategy."
+                        "create_variables(model.init, rng, x); use strategy.mirror(tree) to place "
+                        "values you already have.")
     # Only array leaves are traced: a config object, a string or a Python number is a constant of
     # the initializer (the program is compiled once, so nothing needs to be hashable).
     dynamic, treedef, statics = split_static((args, kwargs))
     if policy.spans_processes:
         dynamic = from_chief(dynamic)  # new arrays: process 0's values
     else:
-        # Arrays enter as copies on the mesh: an argument on other devices is accepted, and an
-        # output that is an argument unchanged (jit forwards those) never shares the caller's
-        # buffer.
+        # Arrays enter as copies on the mesh: one on other devices is accepted, and an output that
+        # is an argument unchanged (jit forwards those) never shares the caller's buffer.
         dynamic = [put(x, policy.replicated_sharding, copy=True) if isinstance(x, jax.Array) else x
                    for x in dynamic]
 
@@ -87,8 +79,7 @@ def create_variables(policy: LayoutPolicy, init_fn: Callable[..., Any], args: tu
             return jax.jit(fn, out_shardings=jax.tree.unflatten(jax.tree.structure(shapes),
                                                                 layouts))(*dynamic)
 
-        # Run Auto: the leaves leave the region each in its layout (the tree's static parts are
-        # eval_shape's)
+        # Run Auto: each leaf leaves the region in its layout (the static parts are eval_shape's)
         def leaves(*dyn):
             out, _ = traced(dyn)
             say(mesh, name, True)
@@ -113,31 +104,23 @@ def mirror(policy: LayoutPolicy, tree: Any) -> Any:
         (True, <built-in function abs>)
     """
     leaves, treedef = jax.tree.flatten(tree)
-    # Arrays and Python numbers are placed, as jax.device_put places them (a Flax TrainState's
-    # step=0 is a counter: kept a Python int, a learning-rate schedule would compute in Python on
-    # it, and every step would compile anew); inside an Equinox module only arrays: its Python bools
-    # and numbers are settings (eqx.filter_jit keeps them static; Equinox's BatchNorm branches on
-    # its `inference` flag). Functions, strings, None stay as they are. The values keep their places
-    # in the tree (layout rules match paths).
+    # Which leaves are placed: see Strategy.mirror (a Flax TrainState's step=0 kept a Python int
+    # would make every step compile anew). The values keep their places (layout rules match paths).
     placed_flags = placed_leaves(tree)
-    values = jax.tree.unflatten(
-        treedef, [x if f else None for x, f in zip(leaves, placed_flags, strict=True)]
-    )
+    values = jax.tree.unflatten(treedef, [x if f else None
+                                          for x, f in zip(leaves, placed_flags, strict=True)])
     if policy.spans_processes:
         values = from_chief(values)
     # A copy, as tf.distribute's: donating the mirror to a step must not delete the caller's arrays.
     placed = iter(jax.tree.leaves(jax.tree.map(functools.partial(put, copy=True), values,
                                                policy.variable_shardings(abstract(values)))))
-    return jax.tree.unflatten(
-        treedef, [next(placed) if f else x for x, f in zip(leaves, placed_flags, strict=True)]
-    )
+    return jax.tree.unflatten(treedef, [next(placed) if f else x
+                                        for x, f in zip(leaves, placed_flags, strict=True)])
 
 
-def sync_on_read(
-    policy: LayoutPolicy, owner: Any, initial_value: Any, aggregation: VariableAggregation | str
-) -> SyncOnRead:
-    """A `SyncOnRead` of ``owner`` with every replica's component at ``initial_value`` (see
-    `Strategy.sync_on_read`).
+def sync_on_read(policy: LayoutPolicy, owner: Any, initial_value: Any,
+                 aggregation: VariableAggregation | str) -> SyncOnRead:
+    """A `SyncOnRead` of ``owner``, each component ``initial_value`` (`Strategy.sync_on_read`).
 
     Raises:
         ValueError: for NONE or an unknown aggregation.

@@ -7,8 +7,4 @@ from jaxdist.strategies.tf_api._extended import StrategyExtended as StrategyExte
 from jaxdist.strategies.tf_api._legacy import StrategyV1Names as StrategyV1Names
 from jaxdist.strategies.tf_api._legacy import TowerContext as TowerContext
 
-__all__ = [
-    "StrategyExtended",
-    "StrategyV1Names",
-    "TowerContext",
-]
+__all__ = ["StrategyExtended", "StrategyV1Names", "TowerContext"]

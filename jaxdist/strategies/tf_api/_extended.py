@@ -1,20 +1,10 @@
-"""`StrategyExtended`: the lower-level cross-replica API of tf.distribute, on every jaxdist
-strategy.
+"""`StrategyExtended`: the lower-level cross-replica API of tf.distribute, on every strategy.
 
 TF's 2018 DistributionStrategy (later ``strategy.extended``) had a layer below ``run`` / ``reduce``:
 update a variable on every device that holds it, reduce many values in one call and send them where
 variables live, place new variables next to existing ones, and say which process writes checkpoints.
 In JAX a variable is an array whose sharding says where its copies (or shards) live, so each of
-these is a compiled function whose output sharding is the variable's own:
-
-* `update` / `update_non_slot`: ``fn`` applied to every copy of a variable, the layout (and memory
-  kind) kept;
-* `batch_reduce` / `broadcast`: per-replica values reduced, or one value mirrored, in one program,
-  placed at a destination (a variable, a sharding, a device);
-* `colocate_vars_with` / `non_slot_devices` / `parameter_devices`: where variables are created;
-* `read_var`: the aggregated value of a sync-on-read variable;
-* `should_checkpoint` / `should_save_summary` / `should_init`: this process's part in writing and
-  initializing.
+these is a compiled function whose output sharding is the variable's own.
 """
 
 from __future__ import annotations
@@ -54,22 +44,18 @@ __all__ = ["StrategyExtended"]
 
 
 def _checked(var: Any, new: Any, name: str) -> Any:
-    """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps the variable's
-    layout)."""
+    """``new`` when it has ``var``'s structure, shapes and dtypes (an update keeps var's layout)."""
     if signature(new) != signature(var):
         described = [", ".join(f"{d}{list(s)}" for s, d in signature(t)[1]) for t in (new, var)]
-        raise ValueError(
-            f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: "
-            "strategy.update stores fn's result in the variable's layout, so it must return the "
-            "new value of var with the same structure, shapes and dtypes; compute other results "
-            "with strategy.jit."
-        )
+        raise ValueError(f"fn={name} returned [{described[0]}] for a variable of [{described[1]}]: "
+                         "strategy.update stores fn's result in the variable's layout, so it must "
+                         "return the new value of var with the same structure, shapes and dtypes; "
+                         "compute other results with strategy.jit.")
     return new
 
 
 class StrategyExtended:
-    """Cross-replica updates, reductions and variable placement (TF's ``DistributionStrategy`` lower
-    layer).
+    """Cross-replica updates, reductions and variable placement (TF's lower strategy layer).
 
     A mixin of `Strategy`: every strategy has these methods. See the module doc.
     """
@@ -92,8 +78,7 @@ class StrategyExtended:
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether this process writes summaries (TensorBoard, CSV logs): True on the chief (process
-        0) only.
+        """Whether this process writes summaries (TensorBoard, CSV logs): True on the chief only.
 
         Examples:
             >>> import jaxdist as jd
@@ -152,24 +137,18 @@ class StrategyExtended:
             >>> jd.OneDeviceStrategy().non_slot_devices({"w": jnp.zeros(2)}).spec
             P()
         """
-        bad = [
-            x
-            for x in jax.tree.leaves(var_list)
-            if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-        ]
+        bad = [x for x in jax.tree.leaves(var_list)
+               if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))]
         if bad:
-            raise TypeError(
-                f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the variables being "
-                "optimized (a pytree of arrays, e.g. the params)."
-            )
+            raise TypeError(f"var_list holds {type(bad[0]).__name__} {bad[0]!r}: pass the "
+                            "variables being optimized (a pytree of arrays, e.g. the params).")
         offloaded = self.host_offload in ("opt_state", "all")
         return NamedSharding(self.mesh, PartitionSpec(), memory_kind=HOST_MEMORY_KIND if offloaded
                              else None)
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
-        """Variables created inside take the layout of ``colocate_with_variable`` (a slot next to
-        its variable).
+        """Variables created inside take the layout of ``colocate_with_variable`` (a slot's).
 
         Inside the block, `create_variables`, `mirror` and variables placed by `jit` get that
         variable's sharding (devices, partition spec and memory kind) when their shape fits it, else
@@ -196,29 +175,25 @@ class StrategyExtended:
             (P(None, 'replica'), P(None, 'replica'), P())
         """
         if ambient.current_scope() is not self or ambient.current_replica() is not None:
-            raise RuntimeError(
-                "colocate_vars_with is used inside this strategy's scope(), in cross-replica code: "
-                "`with strategy.scope(), strategy.colocate_vars_with(v): ...`."
-            )
+            raise RuntimeError("colocate_vars_with is used inside this strategy's scope(), in "
+                               "cross-replica code: `with strategy.scope(), "
+                               "strategy.colocate_vars_with(v): ...`.")
         target = colocate_with_variable
         if isinstance(target, jax.Array) and not isinstance(target, jax.core.Tracer):
             target = target.sharding
         elif isinstance(target, jax.Device):
             target = SingleDeviceSharding(target)
         elif not isinstance(target, jax.sharding.Sharding):
-            raise TypeError(
-                f"colocate_with_variable={colocate_with_variable!r} (type "
-                f"{type(colocate_with_variable).__name__}) is not a variable: pass a placed "
-                "jax.Array, a jax.sharding.Sharding (e.g. strategy.non_slot_devices(params)) or a "
-                "jax.Device."
-            )
+            raise TypeError(f"colocate_with_variable={colocate_with_variable!r} (type "
+                            f"{type(colocate_with_variable).__name__}) is not a variable: pass a "
+                            "placed jax.Array, a jax.sharding.Sharding (e.g. "
+                            "strategy.non_slot_devices(params)) or a jax.Device.")
         with ambient.colocation(self.policy, target):
             yield
 
     # -------------------------------------------------------------------------------------- updates
     def update(self, var: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(var, *args, **kwargs)`` applied to every copy of ``var``: a cross-replica update,
-        layout kept.
+        """``fn(var, *args, **kwargs)`` applied to every copy of ``var``, its layout kept.
 
         ``var`` is a variable (or a pytree of them: mirrored, FSDP-split, host-offloaded); ``fn``
         returns its new value, which comes back in exactly ``var``'s layout (sharding and memory
@@ -259,33 +234,22 @@ class StrategyExtended:
             raise TypeError(f"fn={fn!r} is not callable: pass fn(var, *args) -> new value of var.")
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update")
         if any(is_distributed(x) for x in jax.tree.leaves(var, is_leaf=is_distributed)):
-            raise ValueError(
-                "strategy.update got a PerReplica / SyncOnRead as var: update applies fn to a "
-                "variable's copies; update a sync-on-read value with .assign (or inside "
-                "strategy.run), reduce a PerReplica first."
-            )
+            raise ValueError("strategy.update got a PerReplica / SyncOnRead as var: update applies "
+                             "fn to a variable's copies; update a sync-on-read value with .assign "
+                             "(or inside strategy.run), reduce a PerReplica first.")
         leaves = jax.tree.leaves(var)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._update_in_trace(var, fn, args, kwargs)
         bad = [x for x in leaves if not isinstance(x, jax.Array)]
         if bad:
-            raise TypeError(
-                f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: var must be "
-                "placed variables (from strategy.create_variables or strategy.mirror) so that its "
-                "layout can be kept."
-            )
+            raise TypeError(f"strategy.update got var holding {type(bad[0]).__name__} {bad[0]!r}: "
+                            "var must be placed variables (from strategy.create_variables or "
+                            "strategy.mirror) so that its layout can be kept.")
         dynamic, treedef, statics = split_static((args, kwargs))
         shardings = tuple(x.sharding for x in leaves)
-        key = (
-            "update",
-            jax.tree.structure(var),
-            shardings,
-            signature(var)[1],
-            treedef,
-            hashable(statics),
-            tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic),
-        )
         var_tree = jax.tree.structure(var)
+        key = ("update", var_tree, shardings, signature(var)[1], treedef, hashable(statics),
+               tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic))
         name = fn_name(fn)  # not fn itself: a cached program must not keep its function alive
 
         def build(weak_fn):
@@ -302,18 +266,16 @@ class StrategyExtended:
     def _update_in_trace(self, var: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         ctx = ambient.current_replica()
         if ctx is not None and not ctx.in_merge_call:
-            raise RuntimeError(
-                "strategy.update was called inside a replica function: every replica would update "
-                "its own copy. Combine the replicas' values first: return ctx.aggregate(new_value, "
-                "aggregation), or call update inside ctx.merge_call(lambda strategy, *a: "
-                "strategy.update(...), args=(...))."
-            )
+            raise RuntimeError("strategy.update was called inside a replica function: every "
+                               "replica would update its own copy. Combine the replicas' values "
+                               "first: return ctx.aggregate(new_value, aggregation), or call "
+                               "update inside ctx.merge_call(lambda strategy, *a: "
+                               "strategy.update(...), args=(...)).")
         return _checked(var, fn(var, *args, **kwargs), fn_name(fn))
 
     def update_non_slot(self, colocate_with: Any, fn: Callable[..., Any], *args: Any,
                         **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` compiled with its results placed at ``colocate_with`` (non-slot
-        variables).
+        """``fn(*args, **kwargs)`` compiled, its results placed at ``colocate_with`` (non-slots).
 
         Args:
             colocate_with: where the results live: the result of `non_slot_devices`, another
@@ -342,15 +304,13 @@ class StrategyExtended:
         """
         grouped = kwargs.pop("grouped", True)
         if not callable(fn):
-            raise TypeError(
-                f"fn={fn!r} is not callable: pass fn(*args) -> the new non-slot values."
-            )
+            raise TypeError(f"fn={fn!r} is not callable: pass fn(*args) -> the new non-slot "
+                            "values.")
         target = colocate_with.sharding if isinstance(colocate_with, jax.Array) else colocate_with
         if not isinstance(target, jax.sharding.Sharding):
-            raise TypeError(
-                f"colocate_with={colocate_with!r} is not a layout: pass "
-                "strategy.non_slot_devices(var_list), a jax.sharding.Sharding or a placed variable."
-            )
+            raise TypeError(f"colocate_with={colocate_with!r} is not a layout: pass "
+                            "strategy.non_slot_devices(var_list), a jax.sharding.Sharding or a "
+                            "placed variable.")
         self._refuse_per_replica((args, kwargs), "args / kwargs of strategy.update_non_slot")
         dynamic, treedef, statics = split_static((args, kwargs))
         avals = tuple((np.shape(x), str(jax.dtypes.result_type(x))) for x in dynamic)
@@ -370,16 +330,13 @@ class StrategyExtended:
 
     def _refuse_per_replica(self, tree: Any, where: str) -> None:
         if any(is_distributed(x) for x in jax.tree.leaves(tree, is_leaf=is_distributed)):
-            raise ValueError(
-                f"{where} hold a PerReplica / SyncOnRead value: they must be the same on every "
-                "replica (as in TF). Combine it first with strategy.reduce(op, value) or read it "
-                "with strategy.read_var(value)."
-            )
+            raise ValueError(f"{where} hold a PerReplica / SyncOnRead value: they must be the same "
+                             "on every replica (as in TF). Combine it first with "
+                             "strategy.reduce(op, value) or read it with strategy.read_var(value).")
 
     # ----------------------------------------------------------------------------------- reductions
     def _destination(self, destination: Any, aval: Any, argument: str) -> jax.sharding.Sharding:
-        """The layout ``destination`` (None, a variable, a sharding, a device or devices) gives a
-        value."""
+        """The layout ``destination`` (None, a variable, a sharding, device(s)) gives a value."""
         if destination is None:
             return replicated(self.mesh)
         if isinstance(destination, jax.Array) and not isinstance(destination, jax.core.Tracer):
@@ -391,17 +348,13 @@ class StrategyExtended:
         if isinstance(destination, (list, tuple)) and destination:
             devices = resolve_devices(destination, argument)
             return NamedSharding(Mesh(np.array(devices), (REPLICA_AXIS,)), PartitionSpec())
-        raise TypeError(
-            f"{argument}={destination!r} (type {type(destination).__name__}) is not a destination: "
-            "pass None (every replica), a variable (its layout), a jax.sharding.Sharding, a device "
-            "('cpu:0') or a list of devices."
-        )
+        raise TypeError(f"{argument}={destination!r} (type {type(destination).__name__}) is not a "
+                        "destination: pass None (every replica), a variable (its layout), a "
+                        "jax.sharding.Sharding, a device ('cpu:0') or a list of devices.")
 
-    def batch_reduce(
-        self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]]
-    ) -> list[Any]:
-        """Reduce several per-replica values in ONE compiled program, each placed at its
-        destination.
+    def batch_reduce(self, reduce_op: Any,
+                     value_destination_pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Reduce several per-replica values in ONE compiled program, each at its destination.
 
         Args:
             reduce_op: SUM, MEAN (`jd.ReduceOp` or `jd.VariableAggregation`) or ONLY_FIRST_REPLICA
@@ -429,12 +382,10 @@ class StrategyExtended:
         """
         mode = VariableAggregation.parse(reduce_op, "reduce_op")
         if mode is VariableAggregation.NONE:
-            raise ValueError(
-                "reduce_op=VariableAggregation.NONE: specify how to combine (SUM, MEAN or "
-                "ONLY_FIRST_REPLICA)."
-            )
-        pairs = list(value_destination_pairs) if isinstance(value_destination_pairs,
-                                                            (list, tuple)) else None
+            raise ValueError("reduce_op=VariableAggregation.NONE: specify how to combine (SUM, "
+                             "MEAN or ONLY_FIRST_REPLICA).")
+        pairs = value_destination_pairs
+        pairs = list(pairs) if isinstance(pairs, (list, tuple)) else None
         if pairs is None or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
             raise ValueError(
                 f"value_destination_pairs={value_destination_pairs!r} must be a list of (value, "
@@ -448,11 +399,9 @@ class StrategyExtended:
             for leaf in leaves:
                 if is_distributed(leaf):
                     if leaf.owner is not None and leaf.owner is not self:
-                        raise ValueError(
-                            f"value_destination_pairs[{i}] holds a {type(leaf).__name__} of "
-                            f"{leaf.owner!r}, not {self!r}: reduce it with the strategy that "
-                            "produced it."
-                        )
+                        raise ValueError(f"value_destination_pairs[{i}] holds a "
+                                         f"{type(leaf).__name__} of {leaf.owner!r}, not {self!r}: "
+                                         "reduce it with the strategy that produced it.")
                     x, distributed = leaf.stacked, True
                 else:
                     x, distributed = jnp.asarray(leaf), False
@@ -466,13 +415,9 @@ class StrategyExtended:
 
         def build():
             def reduce_all(*xs):
-                results = []
-                for x, distributed in zip(xs, flags, strict=True):
-                    if distributed:
-                        results.append(reduce_stacked(x, mode))
-                    else:
-                        results.append(x * n if mode is VariableAggregation.SUM else x)
-                return tuple(results)
+                return tuple(reduce_stacked(x, mode) if distributed
+                             else x * n if mode is VariableAggregation.SUM else x
+                             for x, distributed in zip(xs, flags, strict=True))
 
             return jax.jit(reduce_all, out_shardings=in_program)
 
@@ -489,8 +434,7 @@ class StrategyExtended:
         return [jax.tree.unflatten(tree, [next(results) for _ in range(k)]) for tree, k in trees]
 
     def broadcast(self, tensor: Any, destinations: Any = None) -> Any:
-        """Mirror ``tensor`` (a value on one device, or on the host) onto every replica, or onto
-        ``destinations``.
+        """Mirror ``tensor`` (on one device, or the host) onto every replica or ``destinations``.
 
         Args:
             tensor: a pytree of arrays (the same value on every process).
@@ -515,11 +459,9 @@ class StrategyExtended:
         leaves, treedef = jax.tree.flatten(tensor)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             if ambient.current_replica() is not None:
-                raise RuntimeError(
-                    "strategy.broadcast was called inside a replica function: to give every "
-                    "replica replica 0's value, return ctx.aggregate(x, 'only_first_replica') (or "
-                    "use ctx.merge_call)."
-                )
+                raise RuntimeError("strategy.broadcast was called inside a replica function: to "
+                                   "give every replica replica 0's value, return ctx.aggregate(x, "
+                                   "'only_first_replica') (or use ctx.merge_call).")
             # inside a compiled global-view step a value is already the same for every device
             return tensor
         placed = []
@@ -527,14 +469,12 @@ class StrategyExtended:
             x = x if isinstance(x, jax.Array) else np.asarray(x)
             where = self._destination(destinations, jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                       "destinations")
-            placed.append(
-                put(x, where) if isinstance(where, NamedSharding) else jax.device_put(x, where)
-            )
+            placed.append(put(x, where) if isinstance(where, NamedSharding)
+                          else jax.device_put(x, where))
         return jax.tree.unflatten(treedef, placed)
 
     def read_var(self, var: Any) -> Any:
-        """The value of a variable: a sync-on-read value aggregated across replicas, a mirrored one
-        as it is.
+        """A variable's value: a sync-on-read one aggregated across replicas, a mirrored one as is.
 
         Args:
             var: a pytree of `SyncOnRead` values and mirrored arrays.
@@ -559,11 +499,9 @@ class StrategyExtended:
             if isinstance(v, SyncOnRead):
                 return v.read()
             if isinstance(v, PerReplica):
-                raise ValueError(
-                    "strategy.read_var got a PerReplica: it holds one value per replica, not a "
-                    "variable; combine them with strategy.reduce(op, value) or list them with "
-                    "strategy.experimental_local_results."
-                )
+                raise ValueError("strategy.read_var got a PerReplica: it holds one value per "
+                                 "replica, not a variable; combine them with strategy.reduce(op, "
+                                 "value) or list them with strategy.experimental_local_results.")
             return v
 
         return jax.tree.map(read, var, is_leaf=is_distributed)

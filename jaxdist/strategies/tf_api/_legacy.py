@@ -8,10 +8,7 @@ one dataset element to each replica as 2018 did. ``tf.get_tower_context()`` is `
 whose `TowerContext` keeps the 2018 signature of ``merge_call(fn, *args)``.
 
 Names that only meant something to TF graphs and sessions are kept with the behaviour a porting user
-expects (documented per name): ``update_config_proto`` returns the config unchanged,
-``configure(session_config)`` is a no-op (its cluster arguments are an error: jaxdist takes the
-cluster when the strategy is created), ``group`` waits for the values, ``fetch`` copies a value to a
-device (the host CPU by default).
+expects, documented per name (``configure``, ``update_config_proto``, ``group``, ``fetch``).
 """
 
 from __future__ import annotations
@@ -32,28 +29,16 @@ from jaxdist.strategies.replica_context import ReplicaContext
 __all__ = ["StrategyV1Names", "TowerContext"]
 
 
-class _Components:
-    """What `StrategyV1Names.unwrap` handed out, so that `value_container` finds a component's
-    container.
-
-    Weak both ways: an entry dies with its container's array (``by_container``) or with its
-    component (``container_of``); a container is rebuilt from its array, so nothing here keeps a
-    container alive.
-    """
-
-    def __init__(self) -> None:
-        # id(array) -> (ref, components)
-        self.by_container: dict[int, tuple[weakref.ref, tuple]] = {}
-        # id(component) -> ...
-        self.container_of: dict[int, tuple[weakref.ref, weakref.ref, Callable]] = {}
-
-
-_components = _Components()
+# What `StrategyV1Names.unwrap` handed out, so that `value_container` finds a component's
+# container. Weak both ways: an entry dies with its container's array or with its component; a
+# container is rebuilt from its array, so nothing here keeps a container alive.
+_by_container: dict[int, tuple[weakref.ref, tuple]] = {}  # id(array) -> (ref, components)
+# id(component) -> (ref, ref to the container's array, rebuild)
+_container_of: dict[int, tuple[weakref.ref, weakref.ref, Callable]] = {}
 
 
 def _rebuild(container: Any) -> Callable[[jax.Array], Any]:
-    """How to make ``container`` again from its array (PerReplica / SyncOnRead objects are not
-    weakly held)."""
+    """How to make ``container`` again from its array (PerReplica / SyncOnRead are not held)."""
     if isinstance(container, SyncOnRead):
         aggregation, owner = container.aggregation, container.owner
         return lambda stacked: SyncOnRead(stacked, aggregation, owner)
@@ -65,23 +50,21 @@ def _rebuild(container: Any) -> Callable[[jax.Array], Any]:
 
 def _remember(key: jax.Array, container: Any, components: tuple) -> tuple:
     """Components of ``container`` (keyed by its array ``key``), the same objects on every call."""
-    known = _components.by_container.get(id(key))
+    known = _by_container.get(id(key))
     if known is not None and known[0]() is key:
         return known[1]
-    by_container, container_of = _components.by_container, _components.container_of
-    by_container[id(key)] = (weakref.ref(key), components)
-    weakref.finalize(key, by_container.pop, id(key), None)
+    _by_container[id(key)] = (weakref.ref(key), components)
+    weakref.finalize(key, _by_container.pop, id(key), None)
     rebuild = _rebuild(container)
     for c in components:
         if isinstance(c, jax.Array):
-            container_of[id(c)] = (weakref.ref(c), weakref.ref(key), rebuild)
-            weakref.finalize(c, container_of.pop, id(c), None)
+            _container_of[id(c)] = (weakref.ref(c), weakref.ref(key), rebuild)
+            weakref.finalize(c, _container_of.pop, id(c), None)
     return components
 
 
 class StrategyV1Names:
-    """The 2018 ``DistributionStrategy`` names on every strategy (a mixin of `Strategy`; see the
-    module doc)."""
+    """The 2018 ``DistributionStrategy`` names on every strategy (a mixin; see the module doc)."""
 
     # ------------------------------------------------------------------------------ tower = replica
     @property
@@ -147,8 +130,7 @@ class StrategyV1Names:
         return PerReplica(jax.device_put(np.arange(n, dtype=np.int32), self.batch_sharding), self)
 
     def call_for_each_tower(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """2018 name of ``run(fn, args=args, kwargs=kwargs)`` (TF's ``run_concurrently`` option is
-        dropped).
+        """2018 name of ``run(fn, args=args, kwargs=kwargs)`` (``run_concurrently`` is dropped).
 
         Inside ``fn``, `get_tower_context` (or ``jd.get_replica_context()``) gives the replica's
         context.
@@ -188,21 +170,14 @@ class StrategyV1Names:
             [(16, 3), (16, 3)]
         """
         if not callable(dataset_fn):
-            raise TypeError(
-                f"dataset_fn={dataset_fn!r} is not callable: pass a function returning the dataset "
-                "(an iterable of per-replica batches)."
-            )
+            raise TypeError(f"dataset_fn={dataset_fn!r} is not callable: pass a function returning "
+                            "the dataset (an iterable of per-replica batches).")
         per_step = self.num_replicas_per_host
+        return self.distribute_datasets_from_function(lambda ctx: _PerTowerGroups(dataset_fn,
+                                                                                  per_step))
 
-        def grouped(ctx):
-            del ctx
-            return _PerTowerGroups(dataset_fn, per_step)
-
-        return self.distribute_datasets_from_function(grouped)
-
-    def make_input_fn_iterator(
-        self, input_fn: Callable[[Any], Iterable[Any]], replication_mode: Any = "per_worker"
-    ) -> Iterator[Any]:
+    def make_input_fn_iterator(self, input_fn: Callable[[Any], Iterable[Any]],
+                               replication_mode: Any = "per_worker") -> Iterator[Any]:
         """An iterator over ``distribute_datasets_from_function(input_fn)``: ``input_fn(ctx)`` gives
         this process's share of each batch (``ctx`` is a `jd.InputContext`).
 
@@ -217,16 +192,14 @@ class StrategyV1Names:
         """
         mode = getattr(replication_mode, "name", replication_mode)
         if not isinstance(mode, str) or mode.lower() != "per_worker":
-            raise ValueError(
-                f"replication_mode={replication_mode!r}: only PER_WORKER exists (input_fn runs "
-                "once per process and yields that process's share of each batch)."
-            )
+            raise ValueError(f"replication_mode={replication_mode!r}: only PER_WORKER exists "
+                             "(input_fn runs once per process and yields that process's share of "
+                             "each batch).")
         return iter(self.distribute_datasets_from_function(input_fn))
 
     def map(self, map_over: Iterable[Any], fn: Callable[..., Any], *args: Any,
             **kwargs: Any) -> list[Any]:
-        """``[fn(m, *args, **kwargs) for m in map_over]`` computed with the elements spread over the
-        replicas.
+        """``[fn(m, *args, **kwargs) for m in map_over]``, the elements spread over the replicas.
 
         The elements (pytrees of arrays of one structure and shape) are stacked, split over the
         replicas and mapped with `jax.vmap` in one compiled program (2018 placed element i on device
@@ -298,8 +271,7 @@ class StrategyV1Names:
         return (leaf,)
 
     def value_container(self, value: Any) -> Any:
-        """The distributed value that ``value`` (a component from `unwrap`) belongs to; else
-        ``value`` itself.
+        """The distributed value ``value`` (a component from `unwrap`) belongs to, else ``value``.
 
         Examples:
             >>> import jaxdist as jd
@@ -311,7 +283,7 @@ class StrategyV1Names:
             ...  s.value_container(5))
             (True, True, 5)
         """
-        known = _components.container_of.get(id(value))
+        known = _container_of.get(id(value))
         if known is not None and known[0]() is value:
             key = known[1]()
             if key is not None:
@@ -319,10 +291,8 @@ class StrategyV1Names:
         return value
 
     # ----------------------------------------------------------------- TF graph and session names
-    def configure(
-        self, session_config: Any = None, cluster_spec: Any = None, task_type: Any = None,
-        task_id: Any = None
-    ) -> None:
+    def configure(self, session_config: Any = None, cluster_spec: Any = None,
+                  task_type: Any = None, task_id: Any = None) -> None:
         """A no-op for ``session_config`` (there is no session); cluster arguments are an error.
 
         Raises:
@@ -337,12 +307,8 @@ class StrategyV1Names:
             True
         """
         del session_config  # a tf.ConfigProto tunes a TF session; JAX has none
-        given = {
-            k: v
-            for k, v in (("cluster_spec", cluster_spec), ("task_type", task_type),
-                         ("task_id", task_id))
-            if v is not None
-        }
+        given = {k: v for k, v in (("cluster_spec", cluster_spec), ("task_type", task_type),
+                                   ("task_id", task_id)) if v is not None}
         if given:
             raise ValueError(
                 f"configure({', '.join(f'{k}={v!r}' for k, v in given.items())}): jaxdist joins "
@@ -353,8 +319,7 @@ class StrategyV1Names:
             )
 
     def update_config_proto(self, config_proto: Any) -> Any:
-        """``config_proto`` unchanged: TF added its strategy settings to a session config; JAX has
-        no session.
+        """``config_proto`` unchanged: TF added strategy settings to a session config; JAX has none.
 
         Examples:
             >>> import jaxdist as jd
@@ -364,8 +329,7 @@ class StrategyV1Names:
         return config_proto
 
     def group(self, value: Any, name: str | None = None) -> None:
-        """Wait until every value in ``value`` is computed (TF: one op that runs them all; ``name``
-        is unused).
+        """Wait until every value in ``value`` is computed (TF: one op for all; ``name`` is unused).
 
         JAX dispatches asynchronously; this is `jax.block_until_ready`.
 
@@ -379,8 +343,7 @@ class StrategyV1Names:
 
     def fetch(self, val: Any, destination: Any = "/device:CPU:0",
               fn: Callable[[Any], Any] = lambda x: x) -> Any:
-        """``fn`` of a copy of ``val`` on ``destination`` (default: the host CPU), as 2018's
-        ``fetch``.
+        """``fn`` of a copy of ``val`` on ``destination`` (default: the host CPU), as 2018's.
 
         Args:
             val: a pytree of arrays (mirrored values: one copy is taken).
@@ -397,18 +360,15 @@ class StrategyV1Names:
             2.0
         """
         if any(is_distributed(x) for x in jax.tree.leaves(val, is_leaf=is_distributed)):
-            raise ValueError(
-                "strategy.fetch got a PerReplica / SyncOnRead: it copies one value; combine the "
-                "replicas' values first with strategy.reduce(op, value) or "
-                "strategy.read_var(value)."
-            )
+            raise ValueError("strategy.fetch got a PerReplica / SyncOnRead: it copies one value; "
+                             "combine the replicas' values first with strategy.reduce(op, value) "
+                             "or strategy.read_var(value).")
         device = resolve_device(destination, "destination")
         return fn(jax.device_put(val, device))
 
 
 class _PerTowerGroups:
-    """Iterate ``dataset_fn()`` in groups of ``k`` per-replica elements, each group one step's
-    batch."""
+    """Iterate ``dataset_fn()`` in groups of ``k`` per-replica elements, one step's batch each."""
 
     def __init__(self, dataset_fn: Callable[[], Iterable[Any]], k: int):
         self._dataset_fn = dataset_fn
@@ -422,17 +382,14 @@ class _PerTowerGroups:
                 yield jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *group)
                 group = []
         if group:
-            raise ValueError(
-                f"the dataset of distribute_dataset ended after {len(group)} of the {self._k} "
-                "per-replica batches of a step: each step takes one element per replica; make the "
-                f"number of elements a multiple of {self._k} (drop the remainder, or repeat the "
-                "dataset)."
-            )
+            raise ValueError(f"the dataset of distribute_dataset ended after {len(group)} of the "
+                             f"{self._k} per-replica batches of a step: each step takes one "
+                             "element per replica; make the number of elements a multiple of "
+                             f"{self._k} (drop the remainder, or repeat the dataset).")
 
 
 class TowerContext:
-    """The 2018 ``TowerContext``: a `ReplicaContext` with the old names (``tower_id``,
-    ``merge_call(fn, *args)``).
+    """The 2018 ``TowerContext``: a `ReplicaContext` with the old names (``tower_id``, ...).
 
     Examples:
         >>> import jaxdist as jd
@@ -469,8 +426,7 @@ class TowerContext:
         return self._ctx.strategy
 
     def merge_call(self, merge_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``ReplicaContext.merge_call(merge_fn, args=args, kwargs=kwargs)`` with the 2018
-        signature."""
+        """``ReplicaContext.merge_call(merge_fn, args=args, kwargs=kwargs)``, 2018's signature."""
         return self._ctx.merge_call(merge_fn, args=args, kwargs=kwargs)
 
     def __repr__(self) -> str:
