@@ -52,10 +52,8 @@ from jax.extend import core as jcore
 from jaxdist.replicate.collectives import PER_REPLICA_SCOPE
 from jaxdist.strategies.layout import Role
 
-__all__ = [
-    "CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING",
-    "check_mirrored_outputs", "output_values", "program_values", "updated_inputs",
-]
+__all__ = ["CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING",
+           "check_mirrored_outputs", "output_values", "program_values", "updated_inputs"]
 
 PURE = frozenset({
     # element-wise arithmetic and comparisons
@@ -216,12 +214,8 @@ class _Reader:
         if name in ("add", "sub", "max", "min") and all(f.bounds
                                                         for f in inputs) and len(inputs) == 2:
             (a0, a1), (b0, b1) = inputs[0].bounds, inputs[1].bounds
-            bounds = {
-                "add": (a0 + b0, a1 + b1),
-                "sub": (a0 - b1, a1 - b0),
-                "max": (max(a0, b0), max(a1, b1)),
-                "min": (min(a0, b0), min(a1, b1)),
-            }[name]
+            bounds = {"add": (a0 + b0, a1 + b1), "sub": (a0 - b1, a1 - b0),
+                      "max": (max(a0, b0), max(a1, b1)), "min": (min(a0, b0), min(a1, b1))}[name]
             return [_Fact(frozenset() if bounds[0] == bounds[1] else union.axes,
                           bounds=bounds)] * n_out
         if name == "cond":
@@ -544,12 +538,9 @@ def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
         n_consts, n_carry = _scan_parts(eqn, len(given))
         if n_consts is None:
             return [frozenset()] * len(eqn.outvars)
-        body, head, carry, tail = (
-            eqn.params["jaxpr"],
-            given[:n_consts],
-            given[n_consts : n_consts + n_carry],
-            given[n_consts + n_carry :],
-        )
+        body, head, carry, tail = (eqn.params["jaxpr"], given[:n_consts],
+                                   given[n_consts : n_consts + n_carry],
+                                   given[n_consts + n_carry :])
     else:
         n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         body, head, carry, tail = eqn.params["body_jaxpr"], given[n_cond:n_cond + n_body], \
@@ -593,10 +584,8 @@ def _dtype(dtype: Any) -> Any:
     return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 
-def check_mirrored_outputs(
-    fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str],
-    out_kinds: Sequence[str], out_updates: Sequence[frozenset[int]],
-) -> None:
+def check_mirrored_outputs(fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str],
+                           out_kinds: Sequence[str], out_updates: Sequence[frozenset[int]]) -> None:
     """Refuse a replica function whose output takes the place of a mirrored argument but may differ
     between replicas: tf.distribute refuses to update a mirrored variable from replica context
     without aggregating, and a value so returned and fed back as the variable drifts apart silently.

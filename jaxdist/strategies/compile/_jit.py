@@ -114,22 +114,14 @@ class StrategyFunction:
         True
     """
 
-    def __init__(
-        self,
-        policy: LayoutPolicy,
-        programs: ProgramCache,
-        fn: Callable,
-        donate_argnums: int | Sequence[int] | None = None,
-        static_argnums: int | Sequence[int] | None = None,
-        batch_argnums: int | Sequence[int] | None = None,
-        *,
-        static_argnames: str | Sequence[str] | None = None,
-        donate_argnames: str | Sequence[str] | None = None,
-        batch_argnames: str | Sequence[str] | None = None,
-        out_layouts: Any = None,
-        axis_types: jax.sharding.AxisType | None = None,
-        _module_arrays: bool = False,
-    ):
+    def __init__(self, policy: LayoutPolicy, programs: ProgramCache, fn: Callable,
+                 donate_argnums: int | Sequence[int] | None = None,
+                 static_argnums: int | Sequence[int] | None = None,
+                 batch_argnums: int | Sequence[int] | None = None, *,
+                 static_argnames: str | Sequence[str] | None = None,
+                 donate_argnames: str | Sequence[str] | None = None,
+                 batch_argnames: str | Sequence[str] | None = None, out_layouts: Any = None,
+                 axis_types: jax.sharding.AxisType | None = None, _module_arrays: bool = False):
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: strategy.jit compiles a step function.")
         self._policy = policy
@@ -149,8 +141,7 @@ class StrategyFunction:
         for name, nums, names in (("donate", self._donate, self._donate_names),
                                   ("batch", self._batch or (), self._batch_names)):
             both = sorted(set(nums) & set(self._static)) or sorted(
-                set(names) & set(self._static_names)
-            )
+                set(names) & set(self._static_names))
             if both:
                 raise ValueError(
                     f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a "
@@ -467,8 +458,7 @@ class StrategyFunction:
         args, kwargs = self._bind(args, kwargs)
         names = list(self._signature.parameters) if self._signature is not None else []
         return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of,
-                         names=names,
-                         batch=self._batch or (), batch_names=self._batch_names,
+                         names=names, batch=self._batch or (), batch_names=self._batch_names,
                          static=self._static, static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:

@@ -212,15 +212,9 @@ def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
     return jax.tree.map(stack, *batches)
 
 
-def run_steps_on_dataset(
-    policy: LayoutPolicy,
-    programs: ProgramCache,
-    step_fn: Callable[..., Any],
-    iterator: Iterator[Any],
-    iterations: int,
-    initial_loop_values: Any = None,
-    donate: bool = False,
-) -> MultiStepContext:
+def run_steps_on_dataset(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable[..., Any],
+                         iterator: Iterator[Any], iterations: int, initial_loop_values: Any = None,
+                         donate: bool = False) -> MultiStepContext:
     """Run ``step_fn`` over ``iterations`` batches of ``iterator`` in one compiled on-device loop.
 
     See `Strategy.run_steps_on_dataset`.
@@ -261,10 +255,8 @@ def run_steps_on_dataset(
     return ctx
 
 
-def _build(
-    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool,
-    iterations: int, donate: bool
-):
+def _build(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool,
+           iterations: int, donate: bool):
     info: dict[str, Any] = {}
 
     def one_step(state, batch, trace_ctx):

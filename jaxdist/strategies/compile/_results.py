@@ -35,10 +35,8 @@ def _program(programs: ProgramCache, key: Any, build: Callable[[], Callable]) ->
     return programs.get(None, key, lambda _: build())
 
 
-def reduce(
-    policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: ReduceOp | str, value: Any,
-    axis: int | None
-) -> Any:
+def reduce(policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: ReduceOp | str,
+           value: Any, axis: int | None) -> Any:
     """Combine per-replica values into one mirrored value (see `Strategy.reduce`)."""
     op = ReduceOp.parse(reduce_op, "reduce_op")
     if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
@@ -112,8 +110,7 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
             return jax.jit(gather_fn, out_shardings=policy.replicated_sharding)
 
         return _program(programs, ("gather", ax, stacked is None), build)(
-            stacked if stacked is not None else v
-        )
+            stacked if stacked is not None else v)
 
     return jax.tree.map(one, value, is_leaf=is_distributed)
 

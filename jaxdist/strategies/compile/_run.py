@@ -152,10 +152,9 @@ class ReplicaRunner:
         self._owner = owner
         self._warned = [False]
 
-    def __call__(
-        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
-        axis_name: str, check_vma: bool | None = None, check_mirrored: str = "first",
-    ) -> Any:
+    def __call__(self, fn: Callable, args: tuple, kwargs: dict,
+                 batch_argnums: tuple[int, ...] | None, axis_name: str,
+                 check_vma: bool | None = None, check_mirrored: str = "first") -> Any:
         # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no
         # statics, no sync-on-read values) with the structure, avals and layouts of one the full
         # path below has run, which placed none of them, goes straight to that program
@@ -403,11 +402,9 @@ class ReplicaRunner:
 
         def probe(check_vma: bool) -> None:
             vma["check"] = check_vma
-            probe_fn = jax.shard_map(
-                functools.partial(body, probe=True), mesh=mesh,
-                in_specs=(*in_specs, *[split] * len(captured)), out_specs=split,
-                check_vma=check_vma, **manual,
-            )
+            probe_fn = jax.shard_map(functools.partial(body, probe=True), mesh=mesh,
+                                     in_specs=(*in_specs, *[split] * len(captured)),
+                                     out_specs=split, check_vma=check_vma, **manual)
             hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
                                            sharding=NamedSharding(mesh, split) if explicit
                                            else None)
@@ -588,8 +585,7 @@ def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> 
 
 
 def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
-                 captured: Sequence[SyncOnRead]
-                 ) -> tuple[Any, dict]:
+                 captured: Sequence[SyncOnRead]) -> tuple[Any, dict]:
     """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured
     value that it returns replaced by its component read now (its view closes when the replica
     function's trace ends), and ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the

@@ -72,9 +72,8 @@ def signature_of(fn: Callable) -> inspect.Signature | None:
         return None
 
 
-def argument_spec(
-    signature: inspect.Signature | None, fn: Any, argnums: Any, argnames: Any, what: str
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def argument_spec(signature: inspect.Signature | None, fn: Any, argnums: Any, argnames: Any,
+                  what: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The positions and names a ``{what}_argnums`` / ``{what}_argnames`` declaration covers, each
     completed from the other through ``signature``.
 

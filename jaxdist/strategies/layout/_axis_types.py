@@ -52,10 +52,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxdist.strategies import ambient
 
-__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace",
-           "initializer", "is_type_refusal", "runs_auto",
-           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say",
-           "shape_scope", "trace_mesh", "untyped"]
+__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "initializer",
+           "is_type_refusal", "runs_auto", "leave_auto", "program_axis_types", "ran_auto",
+           "refusals", "retyped", "say", "shape_scope", "trace_mesh", "untyped"]
 
 log = logging.getLogger("jaxdist")
 

@@ -58,9 +58,8 @@ def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
     )
 
 
-def resolve_devices(
-    devices: Sequence[Any] | None, argument: str = "devices"
-) -> tuple[jax.Device, ...]:
+def resolve_devices(devices: Sequence[Any] | None,
+                    argument: str = "devices") -> tuple[jax.Device, ...]:
     """A non-empty tuple of distinct devices of one backend, in the order given (replica order).
 
     Args:

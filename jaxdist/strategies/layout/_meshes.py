@@ -315,10 +315,8 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
     return names
 
 
-def axis_roles(
-    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool,
-    strategy: str = "ShardedStrategy", **role_axes: Any,
-) -> AxisRoles:
+def axis_roles(mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool,
+               strategy: str = "ShardedStrategy", **role_axes: Any) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
     Args:

@@ -35,16 +35,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-__all__ = [
-    "HOST_MEMORY_KIND",
-    "HOST_OFFLOAD_MODES",
-    "in_host_memory",
-    "is_optimizer_state",
-    "offload_shardings",
-    "parse_host_offload",
-    "to_device_memory",
-    "to_host_memory",
-]
+__all__ = ["HOST_MEMORY_KIND", "HOST_OFFLOAD_MODES", "in_host_memory", "is_optimizer_state",
+           "offload_shardings", "parse_host_offload", "to_device_memory", "to_host_memory"]
 
 HOST_MEMORY_KIND = "pinned_host"
 """The memory kind offloaded values live in."""

@@ -188,23 +188,14 @@ class LayoutPolicy:
         (8, P(('data', 'fsdp'),), P('fsdp',))
     """
 
-    def __init__(
-        self,
-        devices: Sequence[jax.Device] | None = None,
-        model_parallelism: int = 1,
-        *,
-        mesh: Mesh | None = None,
-        batch_axes: str | Sequence[str] | None = None,
-        fsdp_axes: str | Sequence[str] | None = None,
-        split_variables: bool = False,
-        min_shard_size: int = 1024,
-        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
-        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
-        activation_axes: Sequence[str] = (),
-        host_offload: str | None = None,
-        sequence_axis: int = 1,
-        **role_arguments: Any,
-    ):
+    def __init__(self, devices: Sequence[jax.Device] | None = None, model_parallelism: int = 1, *,
+                 mesh: Mesh | None = None, batch_axes: str | Sequence[str] | None = None,
+                 fsdp_axes: str | Sequence[str] | None = None, split_variables: bool = False,
+                 min_shard_size: int = 1024,
+                 layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
+                 logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+                 activation_axes: Sequence[str] = (), host_offload: str | None = None,
+                 sequence_axis: int = 1, **role_arguments: Any):
         # Each role (meshes.ROLES) is named by its axes on a user's mesh (<name>_axes=), or sized by
         # its short form (<short_form>=k) on the strategy's own.
         check_role_keywords("LayoutPolicy", role_arguments,
@@ -280,11 +271,10 @@ class LayoutPolicy:
         self.expert_axes = roles.expert_axes
         """The batch axes the stacked experts of mixture-of-experts layers are split over (empty:
         none)."""
-        self.rules = VariableRules(
-            roles, split=split_variables, min_shard_size=min_shard_size,
-            layout_rules=layout_rules or (), logical_axis_rules=logical_axis_rules or (),
-            activation_axes=activation_axes,
-        )
+        self.rules = VariableRules(roles, split=split_variables, min_shard_size=min_shard_size,
+                                   layout_rules=layout_rules or (),
+                                   logical_axis_rules=logical_axis_rules or (),
+                                   activation_axes=activation_axes)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.replica_axis))
         """The layout of per-replica values and of batch leaves of rank 1 (or, without context axes,
         of any rank): axis 0 split over the replicas. `batch_layout` gives a batch leaf's layout by
@@ -384,9 +374,8 @@ class LayoutPolicy:
         return self.rules.split or any(self.mesh.shape[a] > 1 for a in self.roles.model_axes)
 
     # ------------------------------------------------------------------------------------ variables
-    def variable_layout(
-        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
-    ) -> NamedSharding:
+    def variable_layout(self, path: str, aval: jax.ShapeDtypeStruct,
+                        annotation: Partitioned | None = None) -> NamedSharding:
         """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype
         ``aval``.
 
@@ -406,9 +395,8 @@ class LayoutPolicy:
             return own(self._variable_hook(path, aval, annotation))
         return own(self.rule_layout(path, aval, annotation))
 
-    def rule_layout(
-        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
-    ) -> NamedSharding:
+    def rule_layout(self, path: str, aval: jax.ShapeDtypeStruct,
+                    annotation: Partitioned | None = None) -> NamedSharding:
         """The layout this policy's rules give the variable at ``path`` (what `variable_layout`
         returns unless a strategy overrides it).
 

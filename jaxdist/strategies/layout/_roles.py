@@ -38,16 +38,8 @@ from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout._axis_types import explicit_axes
 
-__all__ = [
-    "Role",
-    "UndeclaredBatchWarning",
-    "classify",
-    "mark_placed_batch",
-    "placed_as_batch",
-    "role_in_trace",
-    "traced_role",
-    "typed_role",
-]
+__all__ = ["Role", "UndeclaredBatchWarning", "classify", "mark_placed_batch", "placed_as_batch",
+           "role_in_trace", "traced_role", "typed_role"]
 
 
 class UndeclaredBatchWarning(UserWarning):

@@ -47,10 +47,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
-__all__ = [
-    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable",
-    "logical_names", "unboxed",
-]
+__all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key",
+           "is_variable", "logical_names", "unboxed"]
 
 
 def is_key(dtype: Any) -> bool:
@@ -164,15 +162,10 @@ class VariableRules:
         P(None, 'replica')
     """
 
-    def __init__(
-        self,
-        roles: AxisRoles,
-        split: bool = False,
-        min_shard_size: int = 1024,
-        layout_rules: Sequence[tuple[str, PartitionSpec]] = (),
-        logical_axis_rules: Sequence[tuple[str, Any]] = (),
-        activation_axes: Sequence[str] = (),
-    ):
+    def __init__(self, roles: AxisRoles, split: bool = False, min_shard_size: int = 1024,
+                 layout_rules: Sequence[tuple[str, PartitionSpec]] = (),
+                 logical_axis_rules: Sequence[tuple[str, Any]] = (),
+                 activation_axes: Sequence[str] = ()):
         if not isinstance(min_shard_size, int) or min_shard_size < 0:
             raise ValueError(f"min_shard_size={min_shard_size!r} must be an int >= 0 (elements).")
         if isinstance(activation_axes, str) or not all(isinstance(a, str) for a in activation_axes):

@@ -44,9 +44,8 @@ class RefArguments:
     def __bool__(self) -> bool:
         return bool(self._outer)
 
-    def read(
-        self, args: tuple, kwargs: dict, skip: set[int], skip_names: set[str]
-    ) -> tuple[tuple, dict]:
+    def read(self, args: tuple, kwargs: dict, skip: set[int],
+             skip_names: set[str]) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with each ref leaf (outside positions ``skip`` and keywords
         ``skip_names``: static and nnx arguments) replaced by the value it holds; the refs are kept
         for `wrap` and `write_back`."""

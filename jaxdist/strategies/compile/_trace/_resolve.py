@@ -211,9 +211,8 @@ def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
     return None
 
 
-def constrain_outputs(
-    policy: Any, out: Any, arguments: Sequence[Any], nodes_state: dict, out_layouts: Any = None
-) -> Any:
+def constrain_outputs(policy: Any, out: Any, arguments: Sequence[Any], nodes_state: dict,
+                      out_layouts: Any = None) -> Any:
     """Constrain the outputs of a step being traced (the rules of the module doc).
 
     Args:
@@ -311,8 +310,7 @@ def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) 
         for path, leaf in jax.tree_util.tree_leaves_with_path(c):
             sharding = getattr(leaf, "sharding", None)
             if np.ndim(leaf) and isinstance(sharding, jax.sharding.NamedSharding) and not (
-                    declared is None and policy.is_batch_layout(leaf)
-                    and not policy.splits_variables):
+                declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
                 specs.append(sharding)
                 names.append(f"argument {i}{jax.tree_util.keystr(path)}")
                 avals.append(_aval(leaf))

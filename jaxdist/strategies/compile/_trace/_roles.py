@@ -22,9 +22,8 @@ from jaxdist.strategies.ambient import Padded, computation
 __all__ = ["carried", "step_argument_roles"]
 
 
-def step_argument_roles(
-    policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None, skip: set[int]
-) -> tuple[list[Any], list[Any]]:
+def step_argument_roles(policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None,
+                        skip: set[int]) -> tuple[list[Any], list[Any]]:
     """The roles the arguments of a global-view step enter with, sorted into its traced leaves.
 
     Args:

@@ -153,15 +153,13 @@ class StepTrace:
         # arguments are retyped at entry and its results leave typed by their layouts (see
         # jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(
-            explicit_axes(policy.mesh)
-        )
+            explicit_axes(policy.mesh))
         with auto_region(policy.mesh) if auto else contextlib.nullcontext():
             if auto:
                 args, kwargs, state = retyped((args, kwargs, state))
             out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs,
-                                                 concrete_args,
-                                                 concrete_kwargs, concrete_state, state_layouts,
-                                                 annotated, refs)
+                                                 concrete_args, concrete_kwargs, concrete_state,
+                                                 state_layouts, annotated, refs)
         if refs:
             out, held = out
             refs.write_back(policy.mesh, held)
