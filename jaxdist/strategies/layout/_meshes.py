@@ -119,8 +119,7 @@ ROLES = (
         "batch_axes (an axis that splits experts cannot also be a tensor axis)")),
     Role("context", "context_parallelism", CONTEXT_AXIS, ("length",), batch=False, reason=(
         "a batch's rows are split over the batch axes and its sequence over the context axes; give "
-        "each axis "
-        "one role"), variables=False),
+        "each axis one role"), variables=False),
 )
 """Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes,
 then ``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica,

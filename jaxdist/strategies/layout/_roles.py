@@ -173,9 +173,8 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
         warnings.warn(
             f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by "
             "this strategy's input functions, on a strategy whose variables can have that layout "
-            "too, so it is taken as a variable (every replica sees all of it). "
-            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch "
-            "arguments.",
+            "too, so it is taken as a variable (every replica sees all of it). Declare the roles: "
+            f"{verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
             UndeclaredBatchWarning,
             stacklevel=5,
         )
