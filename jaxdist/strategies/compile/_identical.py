@@ -58,41 +58,32 @@ __all__ = ["CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "S
 PURE = frozenset({
     # element-wise arithmetic and comparisons
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
-    "bessel_i0e",
-    "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh", "digamma",
-    "div", "eq",
-    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma",
-    "igamma_grad_a", "igammac",
-    "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max",
-    "min", "mul",
-    "ne", "neg", "nextafter", "not", "one_minus_square", "or", "polygamma", "population_count",
-    "pow", "real",
-    "reduce_precision", "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n",
-    "shift_left",
+    "bessel_i0e", "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh",
+    "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt",
+    "igamma", "igamma_grad_a", "igammac", "imag", "integer_pow", "is_finite", "le", "lgamma", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not",
+    "one_minus_square", "or", "polygamma", "population_count", "pow", "real", "reduce_precision",
+    "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n", "shift_left",
     "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub",
     "tan", "tanh", "xor", "zeta", "mulhi",
     # shapes, types, indexing, placement (the values stay what they are)
     "bitcast_convert_type", "broadcast_in_dim", "concatenate", "convert_element_type", "copy",
-    "dynamic_slice",
-    "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice", "split", "squeeze",
-    "transpose", "stack", "unstack", "tile", "zeros_like", "stop_gradient", "reciprocal", "log2",
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
-    "device_put", "sharding_constraint", "reshard", "pvary", "optimization_barrier",
+    "dynamic_slice", "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice",
+    "split", "squeeze", "transpose", "stack", "unstack", "tile", "zeros_like", "stop_gradient",
+    "reciprocal", "log2", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+    "scatter-max", "device_put", "sharding_constraint", "reshard", "pvary", "optimization_barrier",
     # reductions, scans, products, sorting
     "argmax", "argmin", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod",
-    "reduce_sum",
-    "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min",
-    "reduce_window_sum",
-    "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "dot_general", "conv_general_dilated", "sort", "top_k",
+    "reduce_sum", "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min",
+    "reduce_window_sum", "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod",
+    "cummax", "cummin", "cumlogsumexp", "dot_general", "conv_general_dilated", "sort", "top_k",
     # linear algebra, FFT
     "cholesky", "eigh", "lu", "lu_pivots_to_permutation", "qr", "householder_product", "geqrf",
     "svd", "triangular_solve", "tridiagonal_solve", "fft",
     # random bits: functions of the key
     "random_bits", "random_fold_in", "random_seed", "random_split", "random_unwrap", "random_wrap",
     "threefry2x32", "rng_bit_generator", "random_gamma", "random_clone",
-    # a host function JAX itself treats as pure (same operands, same result; JAX may drop or merge
-    # calls)
+    # a host function JAX itself treats as pure (same operands, same result)
     "pure_callback",
 })
 """Primitives whose results are functions of their operands alone: identical operands, identical
