@@ -110,9 +110,8 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
         names = ", ".join(
             f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}" for pid in [0, *differ]
         )
-        raise ProgramMismatchError(
-            f"the processes compiled different programs for step {n} of this job ({name!r} here): "
-            f"process(es) {differ} differ from process 0 ({names}). Every process must run the "
-            "same code version, the same configuration (optimizer, learning rate, model sizes) and "
-            "the same input shapes; nothing has run."
-        )
+        raise ProgramMismatchError(f"the processes compiled different programs for step {n} of "
+                                   f"this job ({name!r} here): process(es) {differ} differ from "
+                                   f"process 0 ({names}). Every process must run the same code "
+                                   "version, the same configuration (optimizer, learning rate, "
+                                   "model sizes) and the same input shapes; nothing has run.")

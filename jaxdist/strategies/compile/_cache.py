@@ -224,23 +224,17 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
     last_ref, last_id, last_sig = last
     same_fn = (last_ref() is fn) if last_ref is not None else last_id == id(fn)
     if not same_fn:
-        return (
-            "a new function object every call (e.g. a lambda or nested function defined inside the "
-            "loop); define the function once, outside the loop, and pass changing values as "
-            "arguments"
-        )
+        return ("a new function object every call (e.g. a lambda or nested function defined inside "
+                "the loop); define the function once, outside the loop, and pass changing values "
+                "as arguments")
     if isinstance(signature, tuple) and isinstance(last_sig,
                                                    tuple) and len(signature) == len(last_sig) == 2:
         if signature[0] != last_sig[0]:
-            return (
-                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
-                f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "
-                "static arguments"
-            )
-        return (
-            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep "
-            "shapes fixed, e.g. pad or drop a ragged last batch"
-        )
+            return (f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
+                    f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "
+                    "static arguments")
+        return (f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep "
+                "shapes fixed, e.g. pad or drop a ragged last batch")
     return f"a new signature each call (was {last_sig!r}, now {signature!r})"
 
 

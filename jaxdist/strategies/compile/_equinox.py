@@ -82,11 +82,10 @@ def partition(tree: Any) -> tuple[Any, Static]:
         static = Static(treedef, rest)
     except TypeError as error:
         bad = next(x for x in rest if getattr(type(x), "__hash__", None) is None)
-        raise TypeError(
-            f"a non-array leaf of an Equinox argument, {bad!r} (type {type(bad).__name__}), is not "
-            "hashable: strategy.jit makes every non-array leaf part of the compiled program, as "
-            "eqx.filter_jit does; make it hashable (a tuple, a frozen dataclass) or an array."
-        ) from error
+        raise TypeError(f"a non-array leaf of an Equinox argument, {bad!r} (type "
+                        f"{type(bad).__name__}), is not hashable: strategy.jit makes every "
+                        "non-array leaf part of the compiled program, as eqx.filter_jit does; make "
+                        "it hashable (a tuple, a frozen dataclass) or an array.") from error
     return jax.tree.unflatten(treedef, arrays), static
 
 

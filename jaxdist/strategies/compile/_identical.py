@@ -416,15 +416,14 @@ def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
 
 
 def _stall_message(collectives: list[str]) -> str:
-    return (
-        "a while_loop whose trip count may differ between replicas (its condition is computed from "
-        "a replica's own values) runs a collective over the replicas inside "
-        f"({', '.join(collectives)}): a replica that stops early leaves the others waiting for it "
-        "forever (XLA aborts after a rendezvous timeout). Make the condition the same on every "
-        "replica (combine what it reads first, e.g. "
-        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed number of "
-        "times with lax.fori_loop / lax.scan), or move the collective out of the loop."
-    )
+    return ("a while_loop whose trip count may differ between replicas (its condition is computed "
+            "from a replica's own values) runs a collective over the replicas inside "
+            f"({', '.join(collectives)}): a replica that stops early leaves the others waiting for "
+            "it forever (XLA aborts after a rendezvous timeout). Make the condition the same on "
+            "every replica (combine what it reads first, e.g. "
+            "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed "
+            "number of times with lax.fori_loop / lax.scan), or move the collective out of the "
+            "loop.")
 
 
 def _outer_facts(program: Any, reader: _Reader) -> Any:
@@ -618,13 +617,12 @@ def _message(fn: str, found: list[tuple[str, str]]) -> str:
     shown = ", ".join(f"{out} takes the place of the mirrored argument {arg}"
                       for out, arg in found[:3]) + (
         f" and {len(found) - 3} more outputs do" if len(found) > 3 else "")
-    return (
-        f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each "
-        "replica updated its own copy, e.g. with its local gradients, and the copies drift apart. "
-        "tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; here, "
-        "combine them before the update: grads = "
-        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled by "
-        "jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps "
-        "apart on purpose (local SGD, an ensemble, a residual) is declared where it is returned: "
-        "jd.get_replica_context().per_replica(new_value); it then comes back as jd.PerReplica."
-    )
+    return (f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each "
+            "replica updated its own copy, e.g. with its local gradients, and the copies drift "
+            "apart. tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; "
+            "here, combine them before the update: grads = "
+            "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled by "
+            "jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps "
+            "apart on purpose (local SGD, an ensemble, a residual) is declared where it is "
+            "returned: jd.get_replica_context().per_replica(new_value); it then comes back as "
+            "jd.PerReplica.")

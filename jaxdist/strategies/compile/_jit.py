@@ -143,17 +143,14 @@ class StrategyFunction:
             both = sorted(set(nums) & set(self._static)) or sorted(
                 set(names) & set(self._static_names))
             if both:
-                raise ValueError(
-                    f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a "
-                    "static argument is a compile-time constant, not an array; drop it from one of "
-                    "them."
-                )
+                raise ValueError(f"argument(s) {both} are both static and in "
+                                 f"{name}_argnums/{name}_argnames: a static argument is a "
+                                 "compile-time constant, not an array; drop it from one of them.")
         if axis_types is not None and not isinstance(axis_types, jax.sharding.AxisType):
-            raise ValueError(
-                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each "
-                "program decides: the mesh's Explicit axes where the step type-checks with them, "
-                "Auto where not), jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
-            )
+            raise ValueError(f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None "
+                             "(each program decides: the mesh's Explicit axes where the step "
+                             "type-checks with them, Auto where not), jax.sharding.AxisType.Auto "
+                             "or jax.sharding.AxisType.Explicit.")
         self._axis_types = axis_types
         # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips
         # it).
@@ -224,11 +221,10 @@ class StrategyFunction:
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], Any, Any]:
         for k, a in kwargs.items():
             if _is_graph_node(a):
-                raise TypeError(
-                    f"{fn_name(self._fn)}: nnx object passed as keyword-only argument {k!r}; pass "
-                    "nnx modules, optimizers and metrics positionally (or by the name of a "
-                    "positional parameter), so their in-place updates are written back."
-                )
+                raise TypeError(f"{fn_name(self._fn)}: nnx object passed as keyword-only argument "
+                                f"{k!r}; pass nnx modules, optimizers and metrics positionally (or "
+                                "by the name of a positional parameter), so their in-place updates "
+                                "are written back.")
         nodes = tuple(i for i, a in enumerate(args) if i not in self._static and _is_graph_node(a))
         if not nodes:
             return args, nodes, None, None

@@ -82,16 +82,12 @@ class MultiStepContext:
             raise ValueError(f"name={name!r} must be a string (the key in last_step_outputs).")
         op = None if aggregation is None else ReduceOp.parse(aggregation, "aggregation")
         if self._pending is None:
-            raise RuntimeError(
-                "set_last_step_output is called from inside step_fn while run_steps_on_dataset "
-                "traces it."
-            )
+            raise RuntimeError("set_last_step_output is called from inside step_fn while "
+                               "run_steps_on_dataset traces it.")
         if ambient.current_replica() is not None:
-            raise RuntimeError(
-                "set_last_step_output was called inside a replica function: call it in step_fn "
-                "with the value strategy.run returned (a PerReplica), and give an aggregation to "
-                "reduce it."
-            )
+            raise RuntimeError("set_last_step_output was called inside a replica function: call it "
+                               "in step_fn with the value strategy.run returned (a PerReplica), "
+                               "and give an aggregation to reduce it.")
         self._aggregations[name] = op
         self._pending[name] = output
 
@@ -163,12 +159,10 @@ def _take(iterator: Iterator[Any], iterations: int) -> list[Any]:
     if not batches:
         raise StopIteration
     if len(batches) < iterations:
-        raise ValueError(
-            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an "
-            "on-device loop runs a fixed number of steps; drop the remainder (make the number of "
-            f"batches a multiple of {iterations}) or pad, or pass iterations={len(batches)} for "
-            "the last call."
-        )
+        raise ValueError(f"the iterator ended after {len(batches)} of iterations={iterations} "
+                         "batches: an on-device loop runs a fixed number of steps; drop the "
+                         f"remainder (make the number of batches a multiple of {iterations}) or "
+                         f"pad, or pass iterations={len(batches)} for the last call.")
     return batches
 
 
@@ -181,11 +175,9 @@ def _check_static(batches: list[Any], n: int) -> None:
                              "must agree.")
         for a, b in zip(leaves, first_leaves, strict=True):
             if np.shape(a) != np.shape(b):
-                raise ValueError(
-                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: "
-                    "on-device loops need static shapes; drop the remainder (a ragged last batch) "
-                    "or pad it to the same shape."
-                )
+                raise ValueError(f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has "
+                                 f"{np.shape(b)}: on-device loops need static shapes; drop the "
+                                 "remainder (a ragged last batch) or pad it to the same shape.")
     for leaf in first_leaves:
         if not np.shape(leaf):
             raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split "
@@ -225,10 +217,9 @@ def run_steps_on_dataset(policy: LayoutPolicy, programs: ProgramCache, step_fn: 
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} must be an int >= 1 (the steps run per call).")
     if not isinstance(iterator, Iterator):
-        raise TypeError(
-            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that "
-            "consecutive calls continue where the last one stopped."
-        )
+        raise TypeError(f"iterator={type(iterator).__name__} is not an iterator: pass "
+                        "iter(dataset), so that consecutive calls continue where the last one "
+                        "stopped.")
     batches = _take(iterator, iterations)
     _check_static(batches, policy.num_replicas)
     stacked = _stack(policy, batches)
@@ -274,10 +265,9 @@ def _build(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_
         if has_state:
             want, got = jax.tree.structure(state), jax.tree.structure(new_state)
             if want != got:
-                raise ValueError(
-                    f"step_fn returned a state of structure {got}, but the loop carries {want} "
-                    "(initial_loop_values): return the updated state with the same structure."
-                )
+                raise ValueError(f"step_fn returned a state of structure {got}, but the loop "
+                                 f"carries {want} (initial_loop_values): return the updated state "
+                                 "with the same structure.")
         return (new_state if has_state else ()), outs
 
     def loop(state, stacked):

@@ -52,11 +52,10 @@ def check_mirrored_arg(check_mirrored: str | None) -> str:
         check_mirrored, where = os.environ.get(CHECK_MIRRORED_ENV,
                                                "").strip().lower() or "first", CHECK_MIRRORED_ENV
     if check_mirrored not in ("first", "every"):
-        raise ValueError(
-            f"{where}={check_mirrored!r}: use 'first' (the default: the first call of each "
-            "strategy.run program checks on device that its mirrored outputs are the same on every "
-            "replica) or 'every' (every call does, while debugging)."
-        )
+        raise ValueError(f"{where}={check_mirrored!r}: use 'first' (the default: the first call of "
+                         "each strategy.run program checks on device that its mirrored outputs are "
+                         "the same on every replica) or 'every' (every call does, while "
+                         "debugging).")
     return check_mirrored
 
 

@@ -25,10 +25,8 @@ __all__ = ["gather", "local_results", "reduce"]
 
 def _check_owner(owner: Any, value: Any, what: str) -> None:
     if value.owner is not None and value.owner is not owner:
-        raise ValueError(
-            f"{what} got a {type(value).__name__} of another strategy ({value.owner!r}), not "
-            f"{owner!r}: use the strategy that produced it."
-        )
+        raise ValueError(f"{what} got a {type(value).__name__} of another strategy "
+                         f"({value.owner!r}), not {owner!r}: use the strategy that produced it.")
 
 
 def _program(programs: ProgramCache, key: Any, build: Callable[[], Callable]) -> Callable:
@@ -54,10 +52,8 @@ def reduce(policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: 
             stacked, distributed = jnp.asarray(v), False
         ndim = stacked.ndim - (1 if distributed else 0)
         if axis is not None and not -ndim <= axis < ndim:
-            raise ValueError(
-                f"axis={axis} is out of range for per-replica values of rank {ndim}; use None or "
-                f"an axis in [{-ndim}, {ndim})."
-            )
+            raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}; "
+                             f"use None or an axis in [{-ndim}, {ndim}).")
         inner = None if axis is None else axis % ndim
 
         def build():
@@ -91,10 +87,9 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
             stacked = None
         ndim = (stacked.ndim - 1) if stacked is not None else v.ndim
         if ndim == 0:
-            raise ValueError(
-                "strategy.gather got scalar per-replica values: gather concatenates along an axis; "
-                "use strategy.experimental_local_results or strategy.reduce for scalars."
-            )
+            raise ValueError("strategy.gather got scalar per-replica values: gather concatenates "
+                             "along an axis; use strategy.experimental_local_results or "
+                             "strategy.reduce for scalars.")
         if not -ndim <= axis < ndim:
             raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}.")
         ax = axis % ndim

@@ -115,24 +115,19 @@ def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
     if axis_name is None or axis_name == policy.replica_axis:
         return policy.replica_axis
     if len(policy.batch_axes) > 1:
-        raise ValueError(
-            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes "
-            f"{policy.batch_axes}, which replica functions name together: use "
-            "axis_name=strategy.axis_name (that tuple) in lax.pmean / psum / "
-            "BatchNorm(axis_name=...), or put the replicas on one mesh axis."
-        )
+        raise ValueError(f"axis_name={axis_name!r}: this strategy's batch is split over the mesh "
+                         f"axes {policy.batch_axes}, which replica functions name together: use "
+                         "axis_name=strategy.axis_name (that tuple) in lax.pmean / psum / "
+                         "BatchNorm(axis_name=...), or put the replicas on one mesh axis.")
     if not isinstance(axis_name, str) or not axis_name:
-        raise ValueError(
-            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function "
-            "uses for the data-parallel axis (pmap-era code: axis_name='batch')."
-        )
+        raise ValueError(f"axis_name={axis_name!r} must be a non-empty string: the name your "
+                         "replica function uses for the data-parallel axis (pmap-era code: "
+                         "axis_name='batch').")
     others = [a for a in policy.mesh.axis_names if a != policy.replica_axis]
     if axis_name in others:
-        raise ValueError(
-            f"axis_name={axis_name!r} is already the name of another axis of the mesh "
-            f"{tuple(policy.mesh.axis_names)}: pick a name the mesh does not use for the replica "
-            "axis."
-        )
+        raise ValueError(f"axis_name={axis_name!r} is already the name of another axis of the mesh "
+                         f"{tuple(policy.mesh.axis_names)}: pick a name the mesh does not use for "
+                         "the replica axis.")
     return axis_name
 
 
@@ -174,12 +169,11 @@ class ReplicaRunner:
         if (frame is None or frame.policy is not self._policy) and any(
             isinstance(x, jax.core.Tracer) for x in flat
         ):
-            raise ValueError(
-                "strategy.run got traced arguments outside this strategy's compiled computations "
-                "(e.g. inside a plain jax.jit or jax.grad): there it cannot tell distributed "
-                "batches from mirrored values. Compile the enclosing step with strategy.jit (or "
-                "run_steps_on_dataset), or call run eagerly."
-            )
+            raise ValueError("strategy.run got traced arguments outside this strategy's compiled "
+                             "computations (e.g. inside a plain jax.jit or jax.grad): there it "
+                             "cannot tell distributed batches from mirrored values. Compile the "
+                             "enclosing step with strategy.jit (or run_steps_on_dataset), or call "
+                             "run eagerly.")
         # a declared batch's plain mistakes (text, ragged rows), named as such
         for i in batch_argnums or ():
             if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args[i])):
@@ -187,12 +181,11 @@ class ReplicaRunner:
         kinds = []
         for leaf in flat:
             if is_distributed(leaf) and leaf.owner is not None and leaf.owner is not self._owner:
-                raise ValueError(
-                    f"strategy.run got a {type(leaf).__name__} of another strategy "
-                    f"({leaf.owner!r}) but runs on {self._owner!r}: per-replica values belong to "
-                    "the strategy that made them; reduce or gather it there first (strategy.reduce "
-                    "/ strategy.gather), or run on that strategy."
-                )
+                raise ValueError(f"strategy.run got a {type(leaf).__name__} of another strategy "
+                                 f"({leaf.owner!r}) but runs on {self._owner!r}: per-replica "
+                                 "values belong to the strategy that made them; reduce or gather "
+                                 "it there first (strategy.reduce / strategy.gather), or run on "
+                                 "that strategy.")
         for i, a in enumerate(args):
             for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=is_distributed)[0]:
                 declared = None if batch_argnums is None else i in batch_argnums
@@ -608,14 +601,12 @@ def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
 
 
 def _captured_message(fn: str) -> str:
-    return (
-        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does "
-        "not get as an argument (captured from the enclosing code): a compiled step cannot update "
-        "the objects around it, and would read the value they held when it was traced. Pass the "
-        "value to the step and to run as an argument, and return it from the step: `seen = "
-        "step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside, the replica "
-        "function returning `seen.assign_add(...)` or updating it in place."
-    )
+    return (f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it "
+            "does not get as an argument (captured from the enclosing code): a compiled step "
+            "cannot update the objects around it, and would read the value they held when it was "
+            "traced. Pass the value to the step and to run as an argument, and return it from the "
+            "step: `seen = step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside, "
+            "the replica function returning `seen.assign_add(...)` or updating it in place.")
 
 
 def _refine(kind: str, value: str) -> str:
@@ -699,11 +690,9 @@ def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
 
 
 def _unbound_message(fn: str, axis_name: AxisName, mesh: Mesh) -> str:
-    return (
-        f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / "
-        "axis_index / all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that is "
-        "not bound here (JAX's error above names it): the names bound are the mesh axes "
-        f"{tuple(mesh.axis_names)}, the replicas under {axis_name!r}. pmap-era code names its "
-        "device axis; bind that name to the replicas with strategy.run(fn, args=..., "
-        "axis_name=<that name>) (or create the strategy with axis_name=<that name>)."
-    )
+    return (f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / "
+            "axis_index / all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that "
+            "is not bound here (JAX's error above names it): the names bound are the mesh axes "
+            f"{tuple(mesh.axis_names)}, the replicas under {axis_name!r}. pmap-era code names its "
+            "device axis; bind that name to the replicas with strategy.run(fn, args=..., "
+            "axis_name=<that name>) (or create the strategy with axis_name=<that name>).")

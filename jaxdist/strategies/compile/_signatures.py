@@ -99,19 +99,17 @@ def argument_spec(signature: inspect.Signature | None, fn: Any, argnums: Any, ar
         for name in names:
             if (name not in signature.parameters
                     or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY):
-                raise ValueError(
-                    f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take "
-                    f"by name: its parameters are {tuple(signature.parameters)}."
-                )
+                raise ValueError(f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} "
+                                 "does not take by name: its parameters are "
+                                 f"{tuple(signature.parameters)}.")
     # with *args any position may come
     if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         beyond = [i for i in positions if i >= len(positional)]
         if beyond:
-            raise ValueError(
-                f"{what}_argnums={argnums!r} names position(s) {beyond}, but {fn_name(fn)} takes "
-                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: "
-                f"pass positions below {len(positional)} (counting from 0), or {what}_argnames=."
-            )
+            raise ValueError(f"{what}_argnums={argnums!r} names position(s) {beyond}, but "
+                             f"{fn_name(fn)} takes {len(positional)} positional argument(s) "
+                             f"{tuple(p.name for p in positional)}: pass positions below "
+                             f"{len(positional)} (counting from 0), or {what}_argnames=.")
     by_name = {p.name: i for i, p in enumerate(positional)
                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     positions = tuple(sorted({*positions, *(by_name[n] for n in names if n in by_name)}))

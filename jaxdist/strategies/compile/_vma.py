@@ -49,11 +49,9 @@ def check_vma_arg(check_vma: bool | None) -> bool | None:
     """
     if check_vma is None or isinstance(check_vma, bool):
         return check_vma
-    raise TypeError(
-        f"check_vma={check_vma!r} must be None (the default: JAX's varying-type check, turned off "
-        "as jax.pmap runs the function where only that check refuses it), True (the check, always) "
-        "or False (no check)."
-    )
+    raise TypeError(f"check_vma={check_vma!r} must be None (the default: JAX's varying-type check, "
+                    "turned off as jax.pmap runs the function where only that check refuses it), "
+                    "True (the check, always) or False (no check).")
 
 
 def first_trace(probe: Callable[[bool], None], check_vma: bool | None, name: str) -> bool:

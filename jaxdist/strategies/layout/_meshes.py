@@ -175,10 +175,9 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1,
     sizes = {"model_parallelism": model_parallelism, **parallelism}
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
-            raise ValueError(
-                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's "
-                f"{axis[name]!r} axis: the 'replica' axis takes the devices left over)."
-            )
+            raise ValueError(f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the "
+                             f"mesh's {axis[name]!r} axis: the 'replica' axis takes the devices "
+                             "left over).")
     order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS,
              *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
     asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a
@@ -308,9 +307,8 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
                              f"{mesh.axis_names}.")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(
-            f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once."
-        )
+        raise ValueError(f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis "
+                         "once.")
     return names
 
 
@@ -360,41 +358,34 @@ def axis_roles(mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, spli
     context = given["context"]
     if batch_axes is None:
         if split and len(mesh.axis_names) - len(context) > 1:
-            raise ValueError(
-                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a "
-                f"batch's rows are split over, e.g. {strategy}(mesh=mesh, "
-                f"batch_axes={mesh.axis_names[:-1]!r}) (the rest are model axes, for tensor "
-                "parallelism)."
-            )
+            raise ValueError(f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name "
+                             f"the ones a batch's rows are split over, e.g. {strategy}(mesh=mesh, "
+                             f"batch_axes={mesh.axis_names[:-1]!r}) (the rest are model axes, for "
+                             "tensor parallelism).")
         batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
     for role in ROLES:
         if given[role.name] and role.variables and not split:
-            raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every "
-                f"variable whole on every device and has no {role.name} axes; use "
-                f"ShardedStrategy(mesh=..., batch_axes=..., {role.argument}=...) (or "
-                f"{role.short_form}=k on its own mesh)."
-            )
+            raise ValueError(f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy "
+                             f"keeps every variable whole on every device and has no {role.name} "
+                             "axes; use ShardedStrategy(mesh=..., batch_axes=..., "
+                             f"{role.argument}=...) (or {role.short_form}=k on its own mesh).")
         wrong = [a for a in given[role.name] if (a in batch) != role.batch]  # batch axes, or never
         if wrong:
-            raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, which is "
-                f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
-            )
+            raise ValueError(f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, "
+                             f"which is {'not in' if role.batch else 'also in'} "
+                             f"batch_axes={batch!r}: {role.reason}.")
     if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows "
                          "over.")
     if not split:
         model = [a for a in mesh.axis_names if a not in batch and a not in context]
         if model:
-            raise ValueError(
-                "A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable "
-                f"whole, so mesh axis {model[0]!r} (not in batch_axes={batch!r}) "
-                "would hold copies that compute the same thing: make it a batch axis, or use "
-                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over "
-                "it."
-            )
+            raise ValueError("A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps "
+                             f"every variable whole, so mesh axis {model[0]!r} (not in "
+                             f"batch_axes={batch!r}) would hold copies that compute the same "
+                             "thing: make it a batch axis, or use ShardedStrategy(mesh=..., "
+                             "batch_axes=...) whose layout rules split variables over it.")
     fsdp = (batch + context if fsdp_axes is None and split
             else _names(fsdp_axes or (), "fsdp_axes", mesh))
     if fsdp and not split:
@@ -402,9 +393,8 @@ def axis_roles(mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, spli
                          "use ShardedStrategy for FSDP.")
     outside = [a for a in fsdp if a not in batch and a not in context]
     if outside:
-        raise ValueError(
-            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: "
-            "FSDP splits variables over (part of) the data-parallel group; add it to batch_axes, "
-            "or split variables over a model axis with layout rules / logical_axis_rules instead."
-        )
+        raise ValueError(f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in "
+                         f"batch_axes={batch!r}: FSDP splits variables over (part of) the "
+                         "data-parallel group; add it to batch_axes, or split variables over a "
+                         "model axis with layout rules / logical_axis_rules instead.")
     return AxisRoles(mesh, batch, fsdp, given)

@@ -70,18 +70,15 @@ def parse_host_offload(value: Any, devices: Sequence[Any],
     if value is None:
         return None
     if not isinstance(value, str) or value not in HOST_OFFLOAD_MODES:
-        raise ValueError(
-            f"{argument}={value!r} is not a host offloading mode: use None (everything in device "
-            "memory), 'opt_state' (optimizer state in host memory), 'params' (every variable but "
-            "the optimizer state) or 'all'."
-        )
+        raise ValueError(f"{argument}={value!r} is not a host offloading mode: use None "
+                         "(everything in device memory), 'opt_state' (optimizer state in host "
+                         "memory), 'params' (every variable but the optimizer state) or 'all'.")
     for device in devices:
         kinds = sorted(m.kind for m in device.addressable_memories())
         if HOST_MEMORY_KIND not in kinds:
-            raise ValueError(
-                f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every device, but "
-                f"{device} has only {kinds}: this backend cannot offload; use {argument}=None here."
-            )
+            raise ValueError(f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every "
+                             f"device, but {device} has only {kinds}: this backend cannot offload; "
+                             f"use {argument}=None here.")
     return value
 
 

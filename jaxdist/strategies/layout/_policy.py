@@ -209,11 +209,9 @@ class LayoutPolicy:
             named = {k: v for k, v in named.items() if v is not None}
             if named:
                 forms = ", ".join(f"{r.short_form}=k adds {r.axis!r}" for r in ROLES)
-                raise ValueError(
-                    f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes of a mesh: "
-                    "pass mesh= too (without it the strategy builds its own: ('replica',); "
-                    f"model_parallelism=k adds 'model', {forms})."
-                )
+                raise ValueError(f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes "
+                                 "of a mesh: pass mesh= too (without it the strategy builds its "
+                                 f"own: ('replica',); model_parallelism=k adds 'model', {forms}).")
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
             # The short form: an axis exists only when asked for ("model" for rules to split over).
@@ -225,26 +223,20 @@ class LayoutPolicy:
                                **{r.argument: axes for r, axes in present.items()})
         else:
             if devices is not None or model_parallelism != 1:
-                raise ValueError(
-                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a "
-                    "user mesh already says which devices and axes; pass only mesh=, batch_axes= "
-                    "and fsdp_axes=."
-                )
+                raise ValueError(f"mesh= and devices= / model_parallelism={model_parallelism!r} "
+                                 "both given: a user mesh already says which devices and axes; "
+                                 "pass only mesh=, batch_axes= and fsdp_axes=.")
             for role in ROLES:
                 if short[role.short_form] != 1:
-                    raise ValueError(
-                        f"mesh= and {role.short_form}={short[role.short_form]!r} both given: on a "
-                        f"user mesh, name its {role.name} axes with "
-                        f"{role.name}_axes=({role.axis!r},) (its own names) instead."
-                    )
+                    raise ValueError(f"mesh= and {role.short_form}={short[role.short_form]!r} both "
+                                     f"given: on a user mesh, name its {role.name} axes with "
+                                     f"{role.name}_axes=({role.axis!r},) (its own names) instead.")
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, **role_axes)
         if not isinstance(sequence_axis, int) or isinstance(sequence_axis,
                                                             bool) or sequence_axis < 1:
-            raise ValueError(
-                f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch "
-                "leaf that holds its sequence (axis 0 holds its rows), e.g. 1 for (batch, length, "
-                "...)."
-            )
+            raise ValueError(f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension "
+                             "of a batch leaf that holds its sequence (axis 0 holds its rows), "
+                             "e.g. 1 for (batch, length, ...).")
         self.roles = roles
         """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP and model
         axes."""
@@ -640,13 +632,12 @@ class LayoutPolicy:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             if current.size == self.mesh.size:
                 return contextlib.nullcontext()
-            raise ValueError(
-                "this strategy's step was called inside another jax.jit while a mesh of "
-                f"{current.size} devices ({dict(current.shape)}) is JAX's context mesh; the "
-                f"strategy's mesh has {self.mesh.size} ({dict(self.mesh.shape)}). Call it outside "
-                "that jit, or inside `with strategy.scope():` (its mesh becomes the context mesh), "
-                "or build the strategy on that mesh (mesh=...)."
-            )
+            raise ValueError("this strategy's step was called inside another jax.jit while a mesh "
+                             f"of {current.size} devices ({dict(current.shape)}) is JAX's context "
+                             f"mesh; the strategy's mesh has {self.mesh.size} "
+                             f"({dict(self.mesh.shape)}). Call it outside that jit, or inside "
+                             "`with strategy.scope():` (its mesh becomes the context mesh), or "
+                             "build the strategy on that mesh (mesh=...).")
         return jax.set_mesh(self.mesh)
 
     def __repr__(self) -> str:

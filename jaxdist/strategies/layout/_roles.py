@@ -131,14 +131,13 @@ def traced_role(policy: Any, x: Any, where: str, declaration: str) -> Role:
         role = typed_role(x, policy)
     if role is None and np.ndim(x) >= 1:
         verb = declaration.split("(", 1)[0]
-        raise ValueError(
-            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, "
-            "whose role jaxdist cannot know: only the step's own batch arguments are split over "
-            "the replicas, and a value derived from one (say x / 255, or logits) might be a batch "
-            f"or a value every replica needs whole. Declare the roles: {declaration} lists the "
-            "batch arguments (every other one reaches each replica whole; batch_argnums=() if none "
-            "is a batch)."
-        )
+        raise ValueError(f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed "
+                         "inside the step, whose role jaxdist cannot know: only the step's own "
+                         "batch arguments are split over the replicas, and a value derived from "
+                         "one (say x / 255, or logits) might be a batch or a value every replica "
+                         f"needs whole. Declare the roles: {declaration} lists the batch arguments "
+                         "(every other one reaches each replica whole; batch_argnums=() if none is "
+                         "a batch).")
     return role or Role.VARIABLE
 
 

@@ -169,10 +169,8 @@ class VariableRules:
         if not isinstance(min_shard_size, int) or min_shard_size < 0:
             raise ValueError(f"min_shard_size={min_shard_size!r} must be an int >= 0 (elements).")
         if isinstance(activation_axes, str) or not all(isinstance(a, str) for a in activation_axes):
-            raise ValueError(
-                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, "
-                "e.g. activation_axes=('batch', 'length')."
-            )
+            raise ValueError(f"activation_axes={activation_axes!r} must be a sequence of logical "
+                             "axis names, e.g. activation_axes=('batch', 'length').")
         self.roles = roles
         self.mesh = roles.mesh
         self.split = split
@@ -196,20 +194,17 @@ class VariableRules:
             pattern, spec = rule
             compiled = re.compile(pattern)
         except (TypeError, ValueError, re.error) as err:
-            raise ValueError(
-                f"layout_rules[{i}]={rule!r} is not a (regex, PartitionSpec) pair ({err}); e.g. "
-                "(r'Dense_0/kernel', PartitionSpec(None, 'model'))."
-            ) from None
+            raise ValueError(f"layout_rules[{i}]={rule!r} is not a (regex, PartitionSpec) pair "
+                             f"({err}); e.g. (r'Dense_0/kernel', PartitionSpec(None, "
+                             "'model')).") from None
         if not isinstance(spec, PartitionSpec):
             raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a "
                              "jax.sharding.PartitionSpec.")
         for entry in spec:
             for name in entry_axes(entry):
                 if name not in self.mesh.axis_names:
-                    raise ValueError(
-                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are "
-                        f"{self.mesh.axis_names}{_hint(self.roles)}."
-                    )
+                    raise ValueError(f"layout_rules[{i}] names mesh axis {name!r}, but the mesh "
+                                     f"axes are {self.mesh.axis_names}{_hint(self.roles)}.")
         return compiled, spec
 
     def _check_logical_rule(self, i: int, rule: Any) -> tuple[str, Any]:
@@ -221,10 +216,9 @@ class VariableRules:
         names = axes if isinstance(axes, (tuple, list)) else (axes,)
         for axis in names:
             if axis is not None and axis not in self.mesh.axis_names:
-                raise ValueError(
-                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, "
-                    f"but the mesh axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
-                )
+                raise ValueError(f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh "
+                                 f"axis {axis!r}, but the mesh axes are "
+                                 f"{self.mesh.axis_names}{_hint(self.roles)}: {example}.")
         return name, tuple(axes) if isinstance(axes, list) else axes
 
     # ---------------------------------------------------------------------------------------- specs
@@ -255,10 +249,8 @@ class VariableRules:
         names = tuple(annotation.names)
         what = f"annotation {names}"
         if len(names) > len(shape):
-            raise ValueError(
-                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape "
-                f"{shape}: annotate one name per dimension."
-            )
+            raise ValueError(f"{what} of variable {path!r} names {len(names)} axes but the "
+                             f"variable has shape {shape}: annotate one name per dimension.")
         if isinstance(annotation, nn.LogicallyPartitioned):
             rules = annotation.rules if annotation.rules is not None else self.logical_axis_rules
             # Flax's own resolution: rule order is priority
@@ -272,13 +264,11 @@ class VariableRules:
         else:  # nn.with_partitioning names mesh axes: exactly what the model asks for
             for name in jax.tree.leaves(names):
                 if isinstance(name, str) and name not in self.mesh.axis_names:
-                    raise ValueError(
-                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis "
-                        f"{name!r}, but this strategy's mesh axes are {self.mesh.axis_names}: name "
-                        "axes of that mesh, or annotate logical names "
-                        "(nn.with_logical_partitioning) and map them with "
-                        "ShardedStrategy(logical_axis_rules=...)."
-                    )
+                    raise ValueError(f"{what} of variable {path!r} (nn.with_partitioning) names "
+                                     f"mesh axis {name!r}, but this strategy's mesh axes are "
+                                     f"{self.mesh.axis_names}: name axes of that mesh, or annotate "
+                                     "logical names (nn.with_logical_partitioning) and map them "
+                                     "with ShardedStrategy(logical_axis_rules=...).")
             axes, free = list(names), []
         self._check_fits(path, shape, PartitionSpec(*axes), what)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
@@ -295,12 +285,11 @@ class VariableRules:
     def _check_stages(self, path: str, layers: int, entry: Any) -> None:
         parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
         if layers % parts:
-            raise ValueError(
-                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the "
-                f"{parts} stages of stage_axes={self.roles.stage_axes}: each stage holds "
-                f"num_layers / stages layers; use a multiple of {parts} layers (times the circular "
-                "schedule's repeats), or another stage count."
-            )
+            raise ValueError(f"num_layers={layers} (the 'layers' axis of {path!r}) is not "
+                             f"divisible by the {parts} stages of "
+                             f"stage_axes={self.roles.stage_axes}: each stage holds num_layers / "
+                             f"stages layers; use a multiple of {parts} layers (times the circular "
+                             "schedule's repeats), or another stage count.")
 
     def _big_enough(self, shape: tuple[int, ...]) -> bool:
         return int(np.prod(shape, dtype=np.int64)) >= self.min_shard_size
@@ -320,18 +309,15 @@ class VariableRules:
     def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec,
                     what: str) -> None:
         if len(spec) > len(shape):
-            raise ValueError(
-                f"{what} for variable {path!r} of shape {shape} names {len(spec)} axes but the "
-                f"variable has only {len(shape)}: shorten the PartitionSpec."
-            )
+            raise ValueError(f"{what} for variable {path!r} of shape {shape} names {len(spec)} "
+                             f"axes but the variable has only {len(shape)}: shorten the "
+                             "PartitionSpec.")
         for axis, entry in enumerate(spec):
             parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
             if shape[axis] % parts:
-                raise ValueError(
-                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into "
-                    f"{parts} parts, which does not divide it: pick another axis or pad the "
-                    "variable."
-                )
+                raise ValueError(f"{what} splits axis {axis} (size {shape[axis]}) of variable "
+                                 f"{path!r} into {parts} parts, which does not divide it: pick "
+                                 "another axis or pad the variable.")
 
     # ---------------------------------------------------------------------------------- rule checks
     def unmatched(self, tree: Any) -> list[str]:

@@ -57,10 +57,9 @@ class InPlaceUpdates:
         for where, value, before in self._watched:
             if (value.stacked is not before and id(value) not in returned
                     and id(value.stacked) not in returned):
-                raise ValueError(
-                    f"{self._fn} updated the sync-on-read value {where} in place (assign / "
-                    "assign_add / assign_sub) but does not return it: inside strategy.jit the "
-                    "update would be lost when the step returns. Return it and rebind it, e.g. "
-                    "`return loss, seen` and `loss, seen = step(params, seen, batch)` "
-                    "(strategy.run outside a compiled step keeps such updates by itself)."
-                )
+                raise ValueError(f"{self._fn} updated the sync-on-read value {where} in place "
+                                 "(assign / assign_add / assign_sub) but does not return it: "
+                                 "inside strategy.jit the update would be lost when the step "
+                                 "returns. Return it and rebind it, e.g. `return loss, seen` and "
+                                 "`loss, seen = step(params, seen, batch)` (strategy.run outside a "
+                                 "compiled step keeps such updates by itself).")

@@ -91,11 +91,10 @@ def check_handed(padded: Sequence[Padded], fn: Any) -> None:
         ValueError: naming the step, ``strategy.run`` and ``remainder=``.
     """
     if any(not p.handed[0] for p in padded):
-        raise ValueError(
-            f"{fn_name(fn)} got a batch that a distributed dataset padded (remainder='pad') and "
-            "hands it to no strategy.run: its global-view code sees the padding rows as data. Run "
-            "the per-example work with strategy.run inside the step (as TF's tf.function around "
-            "strategy.run: there jd.compute_average_loss leaves the padding rows out, and "
-            "ReplicaContext.batch_weights marks them), or distribute the dataset with "
-            "remainder='drop'."
-        )
+        raise ValueError(f"{fn_name(fn)} got a batch that a distributed dataset padded "
+                         "(remainder='pad') and hands it to no strategy.run: its global-view code "
+                         "sees the padding rows as data. Run the per-example work with "
+                         "strategy.run inside the step (as TF's tf.function around strategy.run: "
+                         "there jd.compute_average_loss leaves the padding rows out, and "
+                         "ReplicaContext.batch_weights marks them), or distribute the dataset with "
+                         "remainder='drop'.")

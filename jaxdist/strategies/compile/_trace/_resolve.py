@@ -277,22 +277,18 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any],
         if isinstance(layout, PartitionSpec):
             layout = NamedSharding(policy.mesh, layout)
         if not isinstance(layout, jax.sharding.Sharding):
-            raise TypeError(
-                f"out_layouts entry {layout!r} is neither a jax.sharding.Sharding, a PartitionSpec "
-                "nor None: give each output's layout, e.g. out_layouts=(None, PartitionSpec()) for "
-                "(state, metrics)."
-            )
+            raise TypeError(f"out_layouts entry {layout!r} is neither a jax.sharding.Sharding, a "
+                            "PartitionSpec nor None: give each output's layout, e.g. "
+                            "out_layouts=(None, PartitionSpec()) for (state, metrics).")
         return jax.tree.map(lambda x: constrain(policy, x, layout), subtree)
 
     try:
         return jax.tree.map(one, declared, out, is_leaf=lambda x: x is None or isinstance(
             x, (PartitionSpec, jax.sharding.Sharding)))
     except ValueError as error:
-        raise ValueError(
-            f"out_layouts={declared!r} does not match the structure of the step's outputs "
-            f"({jax.tree.structure(out)}): give a pytree prefix of the outputs (None where jaxdist "
-            "decides)."
-        ) from error
+        raise ValueError(f"out_layouts={declared!r} does not match the structure of the step's "
+                         f"outputs ({jax.tree.structure(out)}): give a pytree prefix of the "
+                         "outputs (None where jaxdist decides).") from error
 
 
 def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:

@@ -239,11 +239,10 @@ class StepTrace:
                 out = self._watched(call_args, kwargs, refs, padded)
                 new_graphdef, new_state = nnx.split(objects)
                 if new_graphdef != graphdef:
-                    raise ValueError(
-                        f"{fn_name(self.fn)} changed the structure of its nnx arguments (added or "
-                        "removed variables or submodules): a compiled step may update variables in "
-                        "place, not create them; create every variable before the first step."
-                    )
+                    raise ValueError(f"{fn_name(self.fn)} changed the structure of its nnx "
+                                     "arguments (added or removed variables or submodules): a "
+                                     "compiled step may update variables in place, not create "
+                                     "them; create every variable before the first step.")
                 return out, new_state
 
             if split:
