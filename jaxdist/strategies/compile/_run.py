@@ -2,43 +2,35 @@
 program.
 
 Each argument leaf is classified once per call signature, by declaration or by what the value
-carries:
+carries (`jaxdist.strategies.layout.classify`):
 
 * with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host
   arrays are split over the replicas), every other array is mirrored;
 * without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a
-  distributed dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the
-  tracers of the step's own batch / variable arguments keep their role, and a value computed in the
-  step (rank >= 1) is refused with an error that names ``batch_argnums``; any other array is
-  mirrored (tf.distribute's rule for values that are not distributed);
+  distributed dataset) is a batch; inside a ``strategy.jit`` step the step's own batch / variable
+  arguments keep their role, and a value computed in the step (rank >= 1) is refused with an error
+  that names ``batch_argnums``; any other array is mirrored (tf.distribute's rule);
 * `PerReplica` / `SyncOnRead`: each replica sees its own component;
-* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in
-  tf.function).
+* Python scalars and non-array leaves are compile-time constants (a new value recompiles).
 
-tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying*
-over the replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL
-gradients. (Left invariant, shard_map's ``grad`` would return gradients already summed over
-replicas.) The all-reduce is explicit: ``ctx.all_reduce(MEAN, grads)``.
+Mirrored values enter the replica function cast to *varying* over the replica axis
+(`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL gradients, as in
+tf.distribute (left invariant, shard_map's ``grad`` would sum them over replicas); the all-reduce is
+explicit: ``ctx.all_reduce(MEAN, grads)``.
 
-Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an
-all-reduce, aggregate or all-gather result, a constant, a parameter updated with all-reduced
-gradients) comes back mirrored (a replicated `jax.Array`), whatever JAX's varying types say of it
-(they cannot prove an updated parameter the same, and they call a primitive they do not know
-invariant); everything else comes back as `PerReplica`; a `SyncOnRead` comes back as one. The first
-call of each program checks on device that every output it returns mirrored is the same on every
-replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a mirrored argument
-element-wise (an update) that is not proven the same is refused. pmap-era code that names its axis
+An output proven the same on every replica (`jaxdist.strategies.compile._identical`: an all-reduce
+result, a constant, a parameter updated with all-reduced gradients) comes back mirrored, whatever
+JAX's varying types say of it; everything else comes back as `PerReplica`, a `SyncOnRead` as one.
+The first call of each program checks on device that every output it returns mirrored is the same
+on every replica (`jaxdist.strategies.compile._mirror_check`), and an output computed element-wise
+from a mirrored argument that is not proven the same is refused. pmap-era code that names its axis
 (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs it; so does, by
-default, code that only that check refuses (``check_vma=``; see `_vma`). To know which is which, the
-function is traced once abstractly before the real program is built; the program is cached in the
-strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
-layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its
-program (`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
-
-A collective over an axis name the program does not bind (pmap-era ``lax.pmean(x, "batch")`` without
-``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own
-errors by types alone (see `_unbound_axis_error`), never by JAX's message, and becomes a
-``ValueError`` naming the fix.
+default, code that only that check refuses (see `_vma`). To know which is which, the function is
+traced once abstractly before the real program is built, and that trace also turns a collective
+over an axis name the program does not bind into a ``ValueError`` naming the fix
+(`_unbound_axis_error`). Programs live in the strategy's `ProgramCache` (weak on ``fn``); a later
+call with the structure, types, avals and layouts of one the full path ran goes straight to its
+program (`ReplicaRunner._fast_key`).
 """
 
 from __future__ import annotations
@@ -150,11 +142,8 @@ class ReplicaRunner:
     def __call__(self, fn: Callable, args: tuple, kwargs: dict,
                  batch_argnums: tuple[int, ...] | None, axis_name: str,
                  check_vma: bool | None = None, check_mirrored: str = "first") -> Any:
-        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no
-        # statics, no sync-on-read values) with the structure, avals and layouts of one the full
-        # path below has run, which placed none of them, goes straight to that program
-        # (`_fast_key`). The roles the full path gave them follow from those layouts and the
-        # declaration alone, so every check it made holds again.
+        # The fast path (`_fast_key`): the roles the full path gave such a call follow from its
+        # layouts and declaration alone, so every check it made holds again.
         fast = self._fast_key(args, kwargs, batch_argnums, axis_name, check_vma)
         if fast is not None:
             key, layouts, plain = fast
@@ -198,8 +187,7 @@ class ReplicaRunner:
             kinds.append(classify(self._policy, leaf, declared, where, "strategy.run",
                                   self._warned))
         kinds = tuple(kinds)
-        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the
-        # arguments.
+        # a padded batch's (remainder="pad") row weights enter after the arguments
         weights = next((w for x, k in zip(flat, kinds, strict=True) if k == Role.BATCH
                         for w in [padding_weights(x)] if w is not None), None)
         statics = tuple(x if k == Role.STATIC else None for x, k in zip(flat, kinds, strict=True))
@@ -246,9 +234,8 @@ class ReplicaRunner:
                 and len(dynamic) == len(flat)
                 and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
-            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica`
-            # is its stacked array, its node and owner part of the structure): later calls like this
-            # one take the fast path.
+            # Nothing placed, no statics, no sync-on-read values: later calls like this one take the
+            # fast path.
             known = self._programs.peek(fn, fast[0])
             if known is None:
                 self._programs.put(fn, fast[0], known := [])
@@ -291,14 +278,12 @@ class ReplicaRunner:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the
         # same order, so arguments on the strategy's mesh enter without a copy.
-        # one batch axis
         names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
         # inside a step whose Explicit axes run Auto: the mesh with them Auto
         typed = trace_mesh(policy.mesh)
         mesh = (typed if names == policy.mesh.axis_names
                 else Mesh(typed.devices, names, axis_types=typed.axis_types))
         split = PartitionSpec(axis_name)
-        # then the row weights
         dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
@@ -353,22 +338,16 @@ class ReplicaRunner:
                        if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(
-                out, is_leaf=lambda v: isinstance(v, SyncOnRead)
-            )
-            # leaves that are not values (an Equinox module's functions, and its Python settings:
+                out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             if probe:
-                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as
-                # they are
+                # Leaves that are not values (an Equinox module's functions and Python settings:
+                # ``eqx.filter_jit``'s rule) leave as they are.
                 out_info["statics"] = tuple(_VALUE if value else v for v, value in zip(
                     out_leaves, _values_of(out), strict=True))
             out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True)
                           if static is _VALUE]
-            values = [
-                to_varying(jax.numpy.asarray(v.read()), axis_name)
-                if isinstance(v, SyncOnRead)
-                else jax.numpy.asarray(v)
-                for v in out_leaves
-            ]
+            values = [to_varying(jax.numpy.asarray(v.read()), axis_name)
+                      if isinstance(v, SyncOnRead) else jax.numpy.asarray(v) for v in out_leaves]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
                 out_info.update(tree=out_tree, kinds=tuple(
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
@@ -472,16 +451,14 @@ class ReplicaRunner:
                 # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
                 if explicit:
                     dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
-                           for x, spec in zip(dyn, in_specs,
-                                             strict=True)]
+                           for x, spec in zip(dyn, in_specs, strict=True)]
                 # traced under the renamed mesh (also inside strategy.scope())
                 with _context_mesh(mesh, policy):
                     results = shard_mapped(*dyn)
                 return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
 
-            return jax.jit(mapped, out_shardings=(*out_shardings,
-                                                  in_trace(policy.replicated_sharding))
-                           if check else out_shardings)
+            return jax.jit(mapped, out_shardings=(
+                (*out_shardings, in_trace(policy.replicated_sharding)) if check else out_shardings))
 
         compiled = build(False)
         first = {"checked": None if checked else True, "compiled": build(True) if checked else None}
@@ -501,8 +478,7 @@ class ReplicaRunner:
             verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
                 results = (first["compiled"] if verify else compiled)(
-                    *dyn, *(v.stacked for v in captured)
-                )
+                    *dyn, *(v.stacked for v in captured))
             if verify and tracing:
                 *results, agreed = results
                 jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths),
@@ -533,17 +509,12 @@ class ReplicaRunner:
             updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args],
                                strict=True)) if n_args else {}
             return out_tree.unflatten(
-                wrapped if values_only else _with_statics(out_statics, wrapped)
-            ), updated
+                wrapped if values_only else _with_statics(out_statics, wrapped)), updated
 
         # Per call, only the outputs that leave as other than the array itself are visited.
-        wrapping = [
-            (i, (kind, agg), passed)
-            for i, ((kind, agg), passed) in enumerate(
-                zip(kinds_out, out_info["passed"], strict=True)
-            )
-            if kind in ("per_replica", "declared", "sync") or passed is not None
-        ]
+        wrapping = [(i, (kind, agg), passed) for i, ((kind, agg), passed)
+                    in enumerate(zip(kinds_out, out_info["passed"], strict=True))
+                    if kind in ("per_replica", "declared", "sync") or passed is not None]
         values_only = all(static is _VALUE for static in out_statics)
 
         return program
@@ -584,9 +555,8 @@ def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
     function's trace ends), and ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the
     argument's flat index, ``j`` the captured value's, whose objects ``run`` then returns."""
     found: dict[int, tuple[str, int]] = {}
-    where = {id(v): ("argument", i) for i, v in arguments} | {
-        id(v): ("captured", j) for j, v in enumerate(captured)
-    }
+    where = ({id(v): ("argument", i) for i, v in arguments}
+             | {id(v): ("captured", j) for j, v in enumerate(captured)})
     if not where:
         return out, found
 
@@ -643,8 +613,8 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
     if not picked:
         return list(results)
     own = jax.shard_map(lambda *copies: tuple(c[0] for c in copies), mesh=mesh, in_specs=split,
-                        out_specs=PartitionSpec(), check_vma=False,
-                        **manual)(*(results[i] for i in picked))
+                        out_specs=PartitionSpec(), check_vma=False, **manual)(
+        *(results[i] for i in picked))
     out = list(results)
     for i, value in zip(picked, own, strict=True):
         out[i] = value
