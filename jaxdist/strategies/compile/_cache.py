@@ -101,10 +101,8 @@ class ProgramCache:
         self.max_functions = max_functions
         self.warn_after = warn_after
         self._lock = threading.RLock()
-        # id token -> programs (entry dropped when fn dies)
-        self._weak: dict[Any, collections.OrderedDict] = {}
-        # fn -> programs (bounded LRU)
-        self._strong: collections.OrderedDict = collections.OrderedDict()
+        self._weak: dict[Any, collections.OrderedDict] = {}  # id token -> programs, while fn lives
+        self._strong: collections.OrderedDict = collections.OrderedDict()  # fn -> programs, LRU
         self._sites: dict[Any, dict] = {}  # code object -> {"count", "last", "warned"}
 
     def clear(self) -> None:
@@ -116,9 +114,7 @@ class ProgramCache:
     def __len__(self) -> int:
         """How many programs are cached (over every function still alive)."""
         with self._lock:
-            return sum(len(p) for p in self._weak.values()) + sum(
-                len(p) for p in self._strong.values()
-            )
+            return sum(len(p) for p in (*self._weak.values(), *self._strong.values()))
 
     def _programs_of(self, fn: Any) -> collections.OrderedDict:
         owner = getattr(fn, "__self__", None) if hasattr(fn, "__func__") else None
@@ -156,10 +152,7 @@ class ProgramCache:
                 programs.move_to_end(key)
                 return program
         program = build(weak_callable(fn) if fn is not None else None)
-        with self._lock:
-            programs[key] = program
-            while len(programs) > self.max_per_function:
-                programs.popitem(last=False)
+        self.put(fn if fn is not None else ProgramCache, key, program)
         if fn is not None:
             self.note_trace(fn, reason if reason is not None else key)
         return program
@@ -204,12 +197,9 @@ class ProgramCache:
                 return
             info["warned"] = True
         why = _why(last, fn, signature)
-        warnings.warn(
-            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: "
-            f"{why}. Each compile costs ~100 ms or more.",
-            RecompileWarning,
-            stacklevel=4,
-        )
+        warnings.warn(f"{_describe(fn)} has been compiled {info['count']} times at the same call "
+                      f"site: {why}. Each compile costs ~100 ms or more.", RecompileWarning,
+                      stacklevel=4)
 
 
 def _weakable(fn: Any) -> bool:
@@ -227,8 +217,8 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
         return ("a new function object every call (e.g. a lambda or nested function defined inside "
                 "the loop); define the function once, outside the loop, and pass changing values "
                 "as arguments")
-    if isinstance(signature, tuple) and isinstance(last_sig,
-                                                   tuple) and len(signature) == len(last_sig) == 2:
+    if (isinstance(signature, tuple) and isinstance(last_sig, tuple)
+            and len(signature) == len(last_sig) == 2):
         if signature[0] != last_sig[0]:
             return (f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
                     f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "

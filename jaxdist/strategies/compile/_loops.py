@@ -7,9 +7,7 @@ infeed), and a `jax.lax.scan` runs the step over them on the devices. The host i
 call, not once per step.
 
 ``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may
-call ``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value,
-aggregation)`` records a value of the last step, reduced across replicas when an aggregation is
-given.
+call ``strategy.run``), ``ctx`` its `MultiStepContext`.
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ class MultiStepContext:
         """The values recorded by ``set_non_tensor_output``, by name."""
         return dict(self._non_tensor_outputs)
 
-    # The loop drives the context through these: one step's recording while tracing, the results
-    # after.
+    # the loop drives the context: one step's recording while tracing, the results after
     def _begin_step(self) -> None:
         self._pending = {}
 
@@ -138,10 +135,8 @@ def _reduce_in_trace(policy: LayoutPolicy, op: ReduceOp | None, value: Any) -> A
     def one(v):
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
-                return PerReplica(
-                    jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)),
-                    v.owner,
-                )
+                return PerReplica(jax.lax.with_sharding_constraint(
+                    v.stacked, in_trace(policy.batch_sharding)), v.owner)
             return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
@@ -233,16 +228,13 @@ def run_steps_on_dataset(policy: LayoutPolicy, programs: ProgramCache, step_fn: 
         program, info = programs.get(
             step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state,
                                                    iterations, donate),
-            reason=((iterations, has_state, donate), shapes),
-        )
+            reason=((iterations, has_state, donate), shapes))
         new_state, outputs = program(state, stacked)
     ctx._finish(
         dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
         new_state if has_state else None,
-        # abstract: the state may be donated; step_fn is kept alive for as long as the context can
-        # lower
-        lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)),
-    )
+        # abstract: the state may be donated; step_fn is kept alive while the context can lower
+        lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)))
     return ctx
 
 
@@ -254,9 +246,8 @@ def _build(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_
         inputs = batch if isinstance(batch, tuple) else (batch,)
         trace_ctx._begin_step()
         with ambient.computation(policy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
-            new_state = (
-                step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
-            )
+            new_state = (step_fn(trace_ctx, state, *inputs) if has_state
+                         else step_fn(trace_ctx, *inputs))
         pending = trace_ctx._end_step()
         names = tuple(sorted(pending))
         aggregations = {k: trace_ctx._aggregations[k] for k in names}
@@ -278,8 +269,8 @@ def _build(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_
         # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry
         # it too.
         typed = bool(explicit_axes(policy.mesh))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed
-                                                 else None),
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype,
+                                                 out_sharding=s.sharding if typed else None),
                              out_shapes)
         trace_ctx = MultiStepContext()
 
