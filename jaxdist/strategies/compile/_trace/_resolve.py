@@ -1,10 +1,9 @@
 """The resolver: the layout of every argument and output of one compiled step, decided once, when it
 is traced.
 
-The step's trace (`jaxdist.strategies.compile._trace._step`) calls it while JAX traces a step (JAX
-traces once per program: a cache miss), so none of this runs on a steady-state call. It applies the
-layouts the policy gives (`jaxdist.strategies.layout`: ``variable_layout``, ``nnx_layouts``, the
-annotations); they come, in this order, from:
+Called while JAX traces a step (`jaxdist.strategies.compile._trace._step`), never on a steady-state
+call, it applies the layouts the policy gives (`jaxdist.strategies.layout`: ``variable_layout``,
+``nnx_layouts``, the annotations); they come, in this order, from:
 
 1. the declarations: ``batch_argnums`` / ``batch_argnames`` (split over the batch axes),
    ``out_layouts=``;
@@ -115,11 +114,9 @@ def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
         out = to_host_memory(
-            jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device"))
-        )
+            jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
     elif explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
-        # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it
-        # does).
+        # on Explicit axes the output's type must agree with its layout (a no-op where it does)
         out = jax.sharding.reshard(x, sharding)
     else:
         out = jax.lax.with_sharding_constraint(x, in_trace(sharding))
@@ -171,18 +168,12 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
         return box.replace_boxed(value) if box is not None else value
 
     return jax.tree_util.tree_map_with_path(
-        one, tree, is_leaf=lambda v: is_distributed(v) or is_box(v) or is_variable(v)
-    )
+        one, tree, is_leaf=lambda v: is_distributed(v) or is_box(v) or is_variable(v))
 
 
 def _typed_split(x: jax.Array) -> PartitionSpec | None:
-    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program,
-    else None.
-
-    Such a type is the user's: the variables jaxdist split enter typed whole, so a split type was
-    stated by the step's code (``out_sharding=``, `jax.sharding.reshard`), came from a layout the
-    user placed, or from a batch. A whole type cannot be told apart from a variable jaxdist typed
-    whole at entry: it takes the variable layout (declare ``out_layouts=`` to keep it whole)."""
+    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program
+    (then the user's layout: see the module doc), else None."""
     sharding = jax.typeof(x).sharding
     if not isinstance(sharding, NamedSharding) or sharding.mesh.are_all_axes_auto:
         return None
@@ -204,9 +195,8 @@ def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
         if all(prefix + k in nodes_state for k in keys):
             layouts = [nodes_state[prefix + k] for k in keys]
             values = jax.tree.leaves(state)
-            constrained = [
-                constrain(policy, v, layout) for v, layout in zip(values, layouts, strict=True)
-            ]
+            constrained = [constrain(policy, v, layout)
+                           for v, layout in zip(values, layouts, strict=True)]
             return jax.tree.unflatten(jax.tree.structure(state), constrained)
     return None
 
@@ -249,8 +239,7 @@ def constrain_outputs(policy: Any, out: Any, arguments: Sequence[Any], nodes_sta
     if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
         parts = [like(o) for o in out]
         return type(out)(p if p is not None else _rest(policy, o, nodes_state)
-                         for p, o in zip(parts, out,
-                                      strict=True))
+                         for p, o in zip(parts, out, strict=True))
     return _rest(policy, out, nodes_state)
 
 

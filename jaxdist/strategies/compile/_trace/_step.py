@@ -112,8 +112,8 @@ class StepTrace:
 
     def __init__(self, policy: Any, programs: Any, fn: Callable, static: tuple[int, ...],
                  static_names: tuple[str, ...], batch: tuple[int, ...] | None,
-                 batch_names: tuple[str, ...],
-                 out_layouts: Any, provenance: Provenance, agree: Callable[[tuple], None]):
+                 batch_names: tuple[str, ...], out_layouts: Any, provenance: Provenance,
+                 agree: Callable[[tuple], None]):
         self.policy = policy
         self.programs = programs
         self.fn = fn
@@ -125,14 +125,12 @@ class StepTrace:
 
     def __call__(self, nnx_static: tuple, state: Any, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy
-        # the third: the arguments' layout provenance (`Provenance.key`)
-        graphdef, nodes, _ = nnx_static
+        graphdef, nodes, _ = nnx_static  # the third: the layouts' provenance (`Provenance.key`)
         if policy.spans_processes:
             self.agree(nnx_static)
         call = ambient.current_call(self)
-        concrete_args, concrete_kwargs, concrete_state = (
-            call.args if call is not None else (None, None, None)
-        )
+        concrete_args, concrete_kwargs, concrete_state = (call.args if call is not None
+                                                          else (None, None, None))
         # traced without concrete values (e.g. jax.eval_shape): layouts unknown
         if concrete_args is None:
             concrete_args = tuple(None if i in self.static else abstract(a)
@@ -145,13 +143,11 @@ class StepTrace:
         refs = RefArguments()
         args, kwargs = refs.read(args, kwargs, set(self.static) | set(nodes),
                                  set(self.static_names))
-        # Host-offloaded arguments are copied to device memory at the entry (their memory kind is
-        # part of the argument's layout; outputs shaped like them go back to host memory).
+        # host-offloaded arguments enter in device memory (outputs shaped like them go back)
         args, kwargs, state = to_device_memory((args, kwargs, state))
         state_layouts, annotated = nnx_layouts(policy, concrete_state) if nodes else ([], [])
-        # The mesh's Explicit axes run Auto inside this program when so decided: the step's
-        # arguments are retyped at entry and its results leave typed by their layouts (see
-        # jaxdist.strategies.layout._axis_types).
+        # The mesh's Explicit axes run Auto inside this program when so decided: arguments retyped
+        # at entry, results leave typed by their layouts (jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(
             explicit_axes(policy.mesh))
         with auto_region(policy.mesh) if auto else contextlib.nullcontext():
@@ -165,13 +161,11 @@ class StepTrace:
             refs.write_back(policy.mesh, held)
         nodes_state = {}
         if nodes:
-            keys = [
-                tuple(p)
-                for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)
-            ]
+            keys = [tuple(p) for p, _ in
+                    jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
             nodes_state = dict(zip(keys, state_layouts, strict=True))
-        arguments = [c for i, c in enumerate(concrete_args) if i not in self.static
-                     and i not in nodes]
+        arguments = [c for i, c in enumerate(concrete_args)
+                     if i not in self.static and i not in nodes]
         # which outputs leave in jaxdist's layouts: marked after the call
         with own_outputs() as owned:
             out = constrain_outputs(policy, out, arguments, nodes_state, self.out_layouts)
@@ -218,13 +212,11 @@ class StepTrace:
         args = flat_args[: len(args)]
         kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
         variables.extend(jax.tree.leaves(state))
-        # Over a split batch the step's grouped convolutions are kept whole along their groups (an
-        # XLA Shardy miscompute of per-example conv gradients:
-        # jaxdist.strategies.compile._trace._shardy).
+        # Over a split batch the step's grouped convolutions are kept whole along their groups
+        # (`_shardy`: an XLA Shardy miscompute of per-example conv gradients).
         split = bool(batches) and policy.num_replicas > 1
-        with computation(policy, "global", batches, variables,
-                         padded=padded), policy.tracing_scope(), refusals(
-                policy.mesh, fn_name(self.fn)):
+        with (computation(policy, "global", batches, variables, padded=padded),
+              policy.tracing_scope(), refusals(policy.mesh, fn_name(self.fn))):
             if not nodes:
                 if split:
                     return self._guarded(lambda _, a, k: self._watched(a, k, refs, padded), None,
@@ -282,8 +274,6 @@ class StepTrace:
 
 def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
     statics = tuple(repr(args[i])[:80] for i in static if i < len(args))
-    shapes = tuple(
-        (tuple(np.shape(x)), str(jax.dtypes.result_type(x)))
-        for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a)
-    )
+    shapes = tuple((tuple(np.shape(x)), str(jax.dtypes.result_type(x)))
+                   for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a))
     return statics, shapes
