@@ -232,8 +232,8 @@ class LayoutPolicy:
                                      f"given: on a user mesh, name its {role.name} axes with "
                                      f"{role.name}_axes=({role.axis!r},) (its own names) instead.")
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, **role_axes)
-        if not isinstance(sequence_axis, int) or isinstance(sequence_axis,
-                                                            bool) or sequence_axis < 1:
+        if (not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool)
+                or sequence_axis < 1):
             raise ValueError(f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension "
                              "of a batch leaf that holds its sequence (axis 0 holds its rows), "
                              "e.g. 1 for (batch, length, ...).")
@@ -241,13 +241,9 @@ class LayoutPolicy:
         """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP and model
         axes."""
         self.mesh = roles.mesh
-        # A plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies plan, never
-        # run.
-        self.devices = (
-            ()
-            if isinstance(roles.mesh, jax.sharding.AbstractMesh)
-            else tuple(roles.mesh.devices.flat)
-        )
+        # a plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies never run
+        self.devices = (() if isinstance(roles.mesh, jax.sharding.AbstractMesh)
+                        else tuple(roles.mesh.devices.flat))
         self.host_offload = parse_host_offload(host_offload, self.devices)
         self.batch_axes = roles.batch_axes
         """The mesh axes a batch's rows are split over."""
@@ -271,15 +267,12 @@ class LayoutPolicy:
         """The layout of per-replica values and of batch leaves of rank 1 (or, without context axes,
         of any rank): axis 0 split over the replicas. `batch_layout` gives a batch leaf's layout by
         its rank."""
-        self._sequence_sharding = (
-            NamedSharding(self.mesh, PartitionSpec(self.replica_axis, *[None] * (sequence_axis - 1),
-                                                   roles.entry("context")))
-            if self.context_axes else None
-        )
+        self._sequence_sharding = NamedSharding(self.mesh, PartitionSpec(
+            self.replica_axis, *[None] * (sequence_axis - 1), roles.entry("context"))
+        ) if self.context_axes else None
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
-        # model axes already reported idle (IdleAxisWarning, once each)
-        self._reported_idle: set[str] = set()
+        self._reported_idle: set[str] = set()  # model axes already reported (once each)
         self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
         self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
         self._batch_hook: Any = None  # a strategy's override of batch_layout (see use_hooks)
@@ -431,8 +424,7 @@ class LayoutPolicy:
         def one(path, leaf):
             if is_box(leaf):  # the path of the box, not of its ".value"
                 return leaf.replace_boxed(
-                    self.variable_layout(path_name(path), leaf.value, annotation=leaf)
-                )
+                    self.variable_layout(path_name(path), leaf.value, annotation=leaf))
             # an nnx Variable: laid out by its metadata, kept around its layout
             if is_variable(leaf):
                 box = annotation(leaf, self.mesh.axis_names)
@@ -543,13 +535,10 @@ class LayoutPolicy:
                 "axis 'layers'), so the stage devices are idle: they hold and compute the same "
                 "thing. Put the model's stack of identical blocks in jd.nn.Pipeline(block=..., "
                 "num_layers=..., num_microbatches=...), or drop stage_axes (pipeline_parallelism).",
-                IdleAxisWarning,
-                stacklevel=4,
-            )
+                IdleAxisWarning, stacklevel=4)
             return
-        held = sum(
-            held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False)
-        )
+        held = sum(held_whole_bytes(s, a, self.mesh, axis)
+                   for s, a in zip(specs, avals, strict=False))
         if held:
             some += (f"; {format_bytes(held)} per device of them could be split {size} ways along "
                      "it but are held whole on each of its devices")
@@ -559,10 +548,7 @@ class LayoutPolicy:
             "thing. Annotate variables with it (nnx.with_partitioning / nn.with_partitioning, e.g. "
             f"(None, {axis!r})), map a logical name to it in logical_axis_rules (e.g. ('mlp', "
             f"{axis!r})), name it in a layout rule, declare activation names that use it "
-            "(activation_axes=...), or add it to batch_axes.",
-            IdleAxisWarning,
-            stacklevel=4,
-        )
+            "(activation_axes=...), or add it to batch_axes.", IdleAxisWarning, stacklevel=4)
 
     # ------------------------------------------------------------------------------------- contexts
     def flax_rules(self) -> contextlib.AbstractContextManager[Any]:
@@ -623,8 +609,7 @@ class LayoutPolicy:
             ...         dict(jax.sharding.get_abstract_mesh().shape)
             {'replica': 2}
         """
-        # a plan mesh compiles in a process of its own
-        if isinstance(self.mesh, jax.sharding.AbstractMesh):
+        if isinstance(self.mesh, jax.sharding.AbstractMesh):  # compiles in a process of its own
             return contextlib.nullcontext()
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current == self.mesh.abstract_mesh:
