@@ -13,15 +13,14 @@ The decision is made once per program, when it is traced (`decided`): the step i
 mesh's Explicit axes; if that trace fails, it is dropped whole (nothing of it runs) and the program
 is traced again with those axes Auto (`auto_region`: the program's arguments and results keep their
 Explicit types; inside, the step sees the same mesh with Auto axes). JAX refusing the step by those
-types (`is_type_refusal`) is the usual cause, but not the only one: Equinox's ``State.set`` compares
-the old and new values' types (layouts included) and raises a ValueError of its own, and diffrax's
-solver meets a ValueError of JAX's that is no sharding type error. So ANY error of the Explicit
-trace is retried Auto: where the Auto trace succeeds, the axis types were its cause and the program
-runs Auto; where it fails too, the Explicit trace's error is raised (the step's own bug; where the
-Auto trace failed otherwise, its error is chained as the cause and ``axis_types=`` named). Told
-apart by re-tracing and by the errors' types and places, never by reading an error's message. JAX
-caches the program that traced, so a steady-state call never repeats the decision. A user forces
-either with ``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``).
+types (`is_type_refusal`) is the usual cause, not the only one (Equinox's ``State.set`` and
+diffrax raise ValueErrors of their own over types), so ANY error of the Explicit trace is retried
+Auto: where the Auto trace succeeds, the program runs Auto; where it fails too, the Explicit trace's
+error is raised (where the Auto trace failed otherwise, its error chained as the cause and
+``axis_types=`` named). Told apart by re-tracing and by the errors' types and places, never by an
+error's message. JAX caches the program that traced, so a steady-state call never repeats the
+decision. ``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``) forces
+either.
 
 Inside a program, code that lays values out asks the trace, not the strategy's mesh: `explicit_axes`
 (the mesh's axes Explicit in the current trace) and `trace_mesh` / `in_trace` (the mesh, or a layout

@@ -25,12 +25,10 @@ Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"len
 ``"batch"``) the context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert
 axes. They are appended to the user's ``logical_axis_rules`` wherever those do not name them.
 
-A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short
-form (``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and
-whether its axes must be batch axes (expert) or never are (stage, context). `axis_roles`,
-`short_form_mesh`, `AxisRoles` and the `jaxdist.strategies.LayoutPolicy` derive everything from it;
-only `jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and
-type checkers.
+A role besides batch and model is one entry of `ROLES` (a `Role`), from which `axis_roles`,
+`short_form_mesh`, `AxisRoles` and the `jaxdist.strategies.LayoutPolicy` derive everything; only
+`jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and type
+checkers.
 
 The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
 ``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``,

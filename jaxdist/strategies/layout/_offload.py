@@ -4,8 +4,7 @@ per step.
 JAX gives every sharding a *memory kind*: ``"device"`` (the default) or ``"pinned_host"`` (the host
 memory attached to that device, which accelerators reach by DMA). A strategy created with
 ``host_offload=`` places the variables it is told to in ``"pinned_host"`` memory, in their usual
-layout (mirrored, FSDP, ...): this is ZeRO-Offload's placement and Graphcore's "variables on the
-host" in JAX terms. Compiled steps then stream them:
+layout (mirrored, FSDP, ...; ZeRO-Offload's placement). Compiled steps then stream them:
 
 * at the entry of a ``strategy.jit`` step (and of the on-device loop of ``run_steps_on_dataset``)
   every argument in host memory is copied to device memory (``jax.device_put(x,
@@ -23,8 +22,7 @@ measure it.
 Which variables are *optimizer state* is carried by their type, never guessed from names: subtrees
 that are optax states (every optax state is a NamedTuple defined in optax) and ``nnx.OptState``
 variables (what ``nnx.Optimizer`` holds). Sync-on-read values are never offloaded: replicas update
-them in every step, so they stay in device memory (as Graphcore's IPU strategy keeps them on the
-IPU).
+them in every step.
 """
 
 from __future__ import annotations

@@ -21,13 +21,11 @@ the two specs are equal. The difference is structural, never a comparison of spe
   program's cache key (which carries the user's split layouts) would change after the first step and
   the step compile twice.
 
-Why an identity and not a value JAX compares: JAX compares shardings by mesh, spec and memory kind,
-so jaxdist's FSDP layout and the user's equal one are one value to it; the only difference JAX could
-see is another mesh (the same devices with the axes Auto, say), and one program refuses arguments on
-two meshes ("Mesh for all inputs should be equal", measured on jax 0.12). So the step's cache key
-carries the provenance of the user's split layouts (`jaxdist.strategies.compile`), read only on
-Explicit meshes whose variables jaxdist splits, and a restored checkpoint marks what it restores
-into jaxdist's layouts (`mark`).
+Why an identity: JAX compares shardings by mesh, spec and memory kind, so jaxdist's FSDP layout and
+the user's equal one are one value to it (and one program refuses arguments on two meshes). So the
+step's cache key carries the provenance of the user's split layouts (`jaxdist.strategies.compile`),
+read only on Explicit meshes whose variables jaxdist splits, and a restored checkpoint marks what it
+restores into jaxdist's layouts (`mark`).
 
 A layout misread as the user's costs nothing but its type: the step then runs as it would under
 `jax.jit` with that argument (on Explicit axes, Auto where it does not type-check; see

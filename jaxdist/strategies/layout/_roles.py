@@ -11,11 +11,8 @@ A role is declared or carried by the value, never guessed:
   split over the replicas is a batch (from a distributed dataset); one in another layout there is a
   variable. Where variables can be split over the replicas too (FSDP) the layout cannot tell: there
   an array is a batch when the strategy's input functions placed it (`placed_as_batch`: they record
-  what they hand out, weakly), and any other array split like a batch must be declared. (Why a
-  record of the arrays and not their layout: a batch and an FSDP variable split over the same axes
-  have equal shardings, and JAX would see a distinct one only on another mesh, which one program
-  refuses. The record is weak, costs one entry per placed leaf, and is read only where roles are
-  decided without declarations: a `jit` step's trace, a `run` call.);
+  what they hand out, weakly), and any other array split like a batch must be declared (a batch
+  and an FSDP variable split over the same axes have equal shardings);
 * inside a compiled step: the step's own arguments keep the role they entered with (the step records
   them in its computation frame when it is traced: `jaxdist.strategies.compile._trace._roles`); a
   value COMPUTED in the step (``x / 255``) has no role, and a per-replica verb given one of rank >=
