@@ -177,14 +177,11 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
     `say`).
 
     Raises:
-        Where the Explicit trace failed with an error that is no type refusal (a library's own
-            check of its values' types, or a bug) and the Auto trace fails too: the Explicit
-            trace's error, with a note; caused by the Auto trace's where that is another error
-            or raised at another place (the note names ``axis_types=``, which raises the Auto one
-            alone). Where JAX refused the Explicit trace by types: the Auto trace's own error,
-            with a note, when it fails with an error that is no type refusal (the step's own
-            checks: it is what the user must fix); the sharding type error of the Explicit trace,
-            with a note, when the Auto trace is refused by types too (that refusal is its cause).
+        When both traces fail, with a note: where the Explicit trace's error is no type refusal,
+            that error (caused by the Auto trace's where that is another error or raised at another
+            place; the note names ``axis_types=``); where JAX refused the Explicit trace by types,
+            the Auto trace's own error if it is no type refusal (what the user must fix), else the
+            Explicit trace's sharding type error (the Auto refusal its cause).
     """
     if not _explicit(mesh) or _in_auto_twin(mesh):
         return call()
@@ -210,9 +207,8 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
         if typed:
             _raise_typed(error, auto_error, mesh, name)
         if type(auto_error) is not type(error) or _raised_at(auto_error) != _raised_at(error):
-            # Another error at another place: the first may be a library's check of its values'
-            # types under Explicit axes, and the second the step's own bug past it. Both are shown,
-            # the first last.
+            # Another error at another place: the first may be a library's type check under
+            # Explicit axes, the second the step's own bug past it. Both are shown, the first last.
             first = (str(auto_error).splitlines() or [""])[0][:300]
             error.add_note(
                 f"jaxdist: {name} raised the error above with the mesh's axes {_explicit(mesh)} "
@@ -221,8 +217,8 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
                 "types (layouts are part of them on Explicit axes), the other one is the step's to "
                 "fix: strategy.jit(..., axis_types=jax.sharding.AxisType.Auto) raises it alone.")
             raise error from auto_error
-        # The same error at the same place: the step's own, raised as its code raised it (outside
-        # this handler, so that its traceback does not carry the Auto trace's).
+        # The same error at the same place: the step's own, raised outside this handler (so its
+        # traceback does not carry the Auto trace's).
         error.add_note(f"jaxdist: {name} was traced again with the mesh's axes {_explicit(mesh)} "
                        f"Auto and failed there the same way: the axis types are not its cause.")
     raise error
@@ -283,11 +279,10 @@ def refusals(mesh: Any, name: str) -> Iterator[None]:
             f"jaxdist: {name} runs with the mesh's axes {explicit_axes(mesh)} Explicit"
             + (" (axis_types=AxisType.Explicit)" if forced else "")
             + ": a value's layout over them is part of its type, so code that does not annotate "
-              "layouts is "
-            "refused, as under plain jax.jit on that mesh. Annotate the operation (out_sharding=, "
-            "jax.sharding.reshard), or let the program run with them Auto: strategy.jit(..., "
-            "axis_types=None) decides per program, axis_types=jax.sharding.AxisType.Auto forces it."
-        )
+              "layouts is refused, as under plain jax.jit on that mesh. Annotate the operation "
+              "(out_sharding=, jax.sharding.reshard), or let the program run with them Auto: "
+              "strategy.jit(..., axis_types=None) decides per program, "
+              "axis_types=jax.sharding.AxisType.Auto forces it.")
         raise
 
 
