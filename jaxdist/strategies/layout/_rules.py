@@ -144,8 +144,7 @@ class VariableRules:
     Args:
         roles: the mesh the specs name axes of, and its FSDP axes (what the FSDP rule splits over).
         split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole
-            (mirrored:
-            annotations and the FSDP rule are ignored).
+            (mirrored: annotations and the FSDP rule are ignored).
         min_shard_size: variables with fewer elements stay whole.
         layout_rules: ``[(regex, PartitionSpec), ...]``.
         logical_axis_rules: Flax logical axis rules ``[(logical_name, mesh_axes), ...]``.
@@ -178,10 +177,9 @@ class VariableRules:
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
         self.logical_axis_rules = tuple(self._check_logical_rule(i, r)
                                         for i, r in enumerate(logical_axis_rules or ()))
-        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert"
-        # over the expert axes, "length" over the context axes, ...): appended where the user's
-        # rules do not name them, so every user rule keeps its priority; never reported as unmatched
-        # (a model without a pipeline layer is reported as an idle stage axis instead).
+        # The logical names the axis roles give a meaning ("layers", "expert", "length", ...):
+        # appended where the user's rules do not name them, so every user rule keeps its priority;
+        # never reported as unmatched (a model without a pipeline layer is an idle stage axis).
         named = {name for name, _ in self.logical_axis_rules}
         implied = tuple(rule for rule in roles.logical_rules if rule[0] not in named)
         self.logical_axis_rules += implied
@@ -256,8 +254,8 @@ class VariableRules:
             # Flax's own resolution: rule order is priority
             axes = list(nn.logical_to_mesh_axes(names, rules))
             ruled = {name for name, _ in rules}
-            free = [i for i, name in enumerate(names) if isinstance(name, str)
-                    and name not in ruled]
+            free = [i for i, name in enumerate(names)
+                    if isinstance(name, str) and name not in ruled]
             what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
             if LAYERS in names and self.roles.stage_axes:
                 self._check_stages(path, shape[names.index(LAYERS)], axes[names.index(LAYERS)])
@@ -338,14 +336,10 @@ class VariableRules:
                 used.add(first)
             else:  # a layout rule overrides the annotation: its names placed nothing here
                 names |= logical_names(leaf, self.mesh.axis_names)
-        out = [
-            f"layout_rules[{i}]=({pattern.pattern!r}, {spec})"
-            for i, (pattern, spec) in enumerate(self.layout_rules)
-            if i not in used
-        ]
-        out += [
-            f"logical_axis_rules[{i}]={(name, axes)!r}"
-            for i, (name, axes) in enumerate(self.logical_axis_rules)
-            if name not in names and name not in self.activation_axes and name not in self._implicit
-        ]
+        out = [f"layout_rules[{i}]=({pattern.pattern!r}, {spec})"
+               for i, (pattern, spec) in enumerate(self.layout_rules) if i not in used]
+        out += [f"logical_axis_rules[{i}]={(name, axes)!r}"
+                for i, (name, axes) in enumerate(self.logical_axis_rules)
+                if name not in names and name not in self.activation_axes
+                and name not in self._implicit]
         return out
