@@ -83,8 +83,7 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
     if count == 1:
         return
     client = _distributed.global_state.client
-    # several processes without the coordination service: nothing to talk through
-    if client is None:
+    if client is None:  # several processes without the coordination service: nothing to talk to
         return
     with _lock:
         n = next(_counter)
@@ -107,9 +106,8 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
     reference = seen[0]
     differ = sorted(pid for pid, entry in seen.items() if entry != reference)
     if differ:
-        names = ", ".join(
-            f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}" for pid in [0, *differ]
-        )
+        names = ", ".join(f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}"
+                          for pid in [0, *differ])
         raise ProgramMismatchError(f"the processes compiled different programs for step {n} of "
                                    f"this job ({name!r} here): process(es) {differ} differ from "
                                    f"process 0 ({names}). Every process must run the same code "

@@ -51,8 +51,8 @@ class Static:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other,
-                          Static) and self.treedef == other.treedef and self.leaves == other.leaves
+        return (isinstance(other, Static) and self.treedef == other.treedef
+                and self.leaves == other.leaves)
 
 
 def _is_traced(x: Any) -> bool:

@@ -40,8 +40,7 @@ def reduce(policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: 
     if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
         raise TypeError(  # e.g. 2018 code passing reduce(aggregation, value, destinations)
             f"axis={axis!r} must be an int or None. The 2018 form reduce(aggregation, value, "
-            "destinations) is strategy.batch_reduce(aggregation, [(value, destinations)])."
-        )
+            "destinations) is strategy.batch_reduce(aggregation, [(value, destinations)]).")
     n = policy.num_replicas
 
     def one(v):
@@ -115,9 +114,8 @@ def local_results(policy: LayoutPolicy, owner: Any, value: Any) -> tuple[Any, ..
     `Strategy.experimental_local_results`)."""
     replicas = policy.local_replicas
     holders: dict[int, jax.Device] = {}  # a device of this process in each local replica
-    for device, index in policy.batch_sharding.addressable_devices_indices_map(
-        (policy.num_replicas,)
-    ).items():
+    indices = policy.batch_sharding.addressable_devices_indices_map((policy.num_replicas,))
+    for device, index in indices.items():
         holders.setdefault(index[0].start or 0, device)
     local = [holders[r] for r in replicas]
 

@@ -34,8 +34,8 @@ def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
-    if not (isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                     for v in value)):
+    if not (isinstance(value, (tuple, list))
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
         raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument "
                         "indices).")
     if any(v < 0 for v in value):

@@ -91,6 +91,6 @@ def first_trace(probe: Callable[[bool], None], check_vma: bool | None, name: str
             "different on each replica), which jax.pmap runs with the check off: it runs so here "
             "too. Outputs come back PerReplica unless their values are provably the same on every "
             "replica; gradients stay local (all-reduce them explicitly). strategy.run(..., "
-            "check_vma=False) asks for this "
-            "without this note; check_vma=True keeps the check (and its error).", name)
+            "check_vma=False) asks for this without this note; check_vma=True keeps the check (and "
+            "its error).", name)
     return False
