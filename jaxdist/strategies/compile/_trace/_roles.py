@@ -54,8 +54,8 @@ def step_argument_roles(policy: Any, args: tuple, concrete: tuple, declared: tup
 
 
 def carried(policy: Any, outer: Sequence[Any], inner: Sequence[Any], batches: Sequence[Any],
-            variables: Sequence[Any],
-            padded: Sequence[Padded] = ()) -> contextlib.AbstractContextManager[Any]:
+            variables: Sequence[Any], padded: Sequence[Padded] = ()
+            ) -> contextlib.AbstractContextManager[Any]:
     """The computation frame of a nested trace of the step whose leaves ``inner`` stand for
     ``outer`` (the step's traced leaves, one for one): each keeps the role its counterpart entered
     with (``batches`` / ``variables``: the step's, from `step_argument_roles`), and a padded batch's
