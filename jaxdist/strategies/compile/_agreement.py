@@ -11,8 +11,8 @@ key-value store, with a timeout: a mismatch is an error on every process, raised
 runs, naming the processes that differ and what to check; a process that never arrives is an error
 after ``timeout`` seconds, not a wait.
 
-It costs one lowering and one key-value exchange per program and process (a few milliseconds; the
-numbers are in the benchmarks' notes), nothing per step, and nothing at all in a single process.
+It costs one lowering and one key-value exchange per program and process (a few milliseconds),
+nothing per step, and nothing at all in a single process.
 """
 
 from __future__ import annotations

@@ -4,12 +4,9 @@
 The rule is `jaxdist.strategies.input`'s (`kept`: an array on the strategy's mesh is taken as it is;
 anything else is placed): a declared batch is split over the replicas (`place_batch`), also when
 every replica holds it whole; every other argument takes the variable layout, and an nnx state Flax
-put on the mesh whole settles into it (once per state structure). Without any ``batch_argnums`` an
-unplaced array of rank >= 1 might be a batch: the first one met raises a one-time
-`UndeclaredBatchWarning` that names the declaration, unless an argument carries the batch role by
-its layout (a batch from a distributed dataset: then the role of every other argument is known, it
-is a variable). A call whose arrays are all on the mesh already is told so from their distinct
-shardings, without walking their leaves.
+put on the mesh whole settles into it. Without any ``batch_argnums`` an unplaced array of rank >= 1
+might be a batch: the first one met raises a one-time `UndeclaredBatchWarning`, unless an argument
+carries the batch role by its layout (a batch from a distributed dataset).
 """
 
 from __future__ import annotations

@@ -3,27 +3,20 @@ only it refuses.
 
 Inside `jax.shard_map`, JAX types every value as invariant or varying over the replica axis
 (``check_vma``). Some code `jax.pmap` runs does not type-check there: a ``lax.scan`` whose carry
-starts as a constant and comes out varying (a whole training run written as one function, its
-counters and parameters built inside it, vmapped over seeds: pmap-era RL code does it routinely).
-``jax.pmap`` runs such functions with the check off, and so does ``strategy.run``
-(``check_vma=None``, the default): the first trace is strict; when it fails and the same trace with
-the check off succeeds, only the check refused the function, and its program runs with the check
-off, as ``pmap`` runs it. Nothing here reads an error's message: the two traces decide.
+starts as a constant and comes out varying (pmap-era RL code: a whole training run as one function,
+vmapped over seeds). ``jax.pmap`` runs such functions with the check off, and so does
+``strategy.run`` (``check_vma=None``, the default): the first trace is strict; when it fails and the
+same trace with the check off succeeds, only the check refused the function, and its program runs
+with the check off, with a one-time note (logger ``"jaxdist"``, WARNING). The two traces decide,
+never an error's message.
 
-What the relaxed check changes, and what it keeps:
-
-* which outputs come back mirrored is proven from the program's values (`_identical`), with the
-  check on or off: types never decide it;
-* gradients stay local, as with the check on: ``jax.grad`` differentiates each replica's own copy;
-  the all-reduce stays explicit (``ctx.all_reduce``). Gradients THROUGH a collective follow pmap's
-  rule with the check off (the gradient of a ``psum`` is a ``psum``), JAX's typed rule with it on;
-  pmap-era code that names its axis (``run(..., axis_name=)``) therefore runs with the check off
-  from the start (`Strategy.run`);
-* a one-time note (logger ``"jaxdist"``, level WARNING) names the function and says what was
-  relaxed.
-
-``check_vma=True`` asks for the strict check only (JAX's error, as it is, when it refuses);
-``check_vma=False`` runs with the check off from the start, without a note.
+The relaxed check keeps what comes back mirrored (proven from the program's values, `_identical`)
+and local gradients (``jax.grad`` of each replica's own copy; the all-reduce stays explicit).
+Gradients THROUGH a collective follow pmap's rule with the check off (the gradient of a ``psum`` is
+a ``psum``), JAX's typed rule with it on; pmap-era code that names its axis (``run(...,
+axis_name=)``) therefore runs with the check off from the start (`Strategy.run`).
+``check_vma=True`` asks for the strict check only (JAX's error, as it is); ``check_vma=False`` runs
+with the check off from the start, without a note.
 """
 
 from __future__ import annotations

@@ -4,14 +4,11 @@ inside.
 A distributed dataset's padded last batch (``remainder="pad"``) carries row weights
 (`jaxdist.strategies.input`); ``strategy.run`` hands them to its replicas, where
 ``jd.compute_average_loss`` leaves the padding rows out. A compiled step around ``run`` (TF's
-``tf.function`` around ``strategy.run``: the tutorial's ``distributed_test_step``) sees tracers,
-which carry no weights. So the step's call passes the weights in, as one more keyword argument
-(`PADDING`, `padding_argument`) whose structure names the padded leaves by their position among the
-step's array leaves: part of JAX's cache key, so a call whose padded leaves are others (or none)
-never runs this program. The trace records which traced leaf has which traced weights in its
-computation frame (`padded_leaves`), where ``run`` reads them
-(`jaxdist.strategies.input.padding_weights`). A step whose code hands no padded batch to ``run``
-would see the padding rows as data in its own global view: refused by name (`check_handed`).
+``tf.function`` around ``strategy.run``) sees tracers, which carry no weights, so the step's call
+passes them in as one more keyword argument (`PADDING`, `padding_argument`) whose structure names
+the padded leaves (part of JAX's cache key), and the trace records them in its computation frame
+(`padded_leaves`), where ``run`` reads them. A step whose code hands no padded batch to ``run``
+would see the padding rows as data: refused by name (`check_handed`).
 """
 
 from __future__ import annotations
