@@ -1,20 +1,14 @@
 """Which values of a replica function are the same on every replica: a proof read from its jaxpr,
 failing closed.
 
-JAX's varying types answer a coarser question, and fail open where this one must not. Inside
-``strategy.run`` each replica owns its copy of a mirrored argument (it enters cast to *varying*, so
-that ``jax.grad`` gives local gradients, as in tf.distribute), and so everything computed from it is
-varying by type, even a parameter updated with all-reduced gradients, which is the same on every
-replica. Two cases the types cannot tell apart:
-
-* ``params - lr * all_reduce(grads)``: the same on every replica (tf.distribute's
-  ``apply_gradients``);
-* ``params - lr * grads`` with local gradients: every replica's copy drifts apart, silently.
-
-And a primitive JAX's typing does not know (a new one, an FFI call) types its result invariant
-whatever its inputs. So `program_values` follows *values*, not types: for each value, the set of
-replica axes over which it may differ (empty: the same on every replica, proven). The rules, one per
-kind of primitive:
+JAX's varying types answer a coarser question, and fail open where this one must not: inside
+``strategy.run`` everything computed from a mirrored argument is varying by type (it enters cast to
+*varying*: `jaxdist.strategies.compile._run`), so the types cannot tell ``params - lr *
+all_reduce(grads)`` (the same on every replica) from ``params - lr * grads`` with local gradients
+(every replica's copy drifts apart, silently); and a primitive JAX's typing does not know (an FFI
+call) types its result invariant whatever its inputs. So `program_values` follows *values*: for each
+value, the set of replica axes over which it may differ (empty: proven the same on every replica).
+The rules, one per kind of primitive:
 
 * a primitive in `PURE` (arithmetic, shapes, reductions, products, sorting, linear algebra, random
   bits from a key, ``pure_callback``: a function of its operands alone, as JAX itself assumes)
