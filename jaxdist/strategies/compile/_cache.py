@@ -1,21 +1,16 @@
 """The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather),
 and `StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch
-serves its calls; they live as long as the step, one per kind of call, with JAX's trace cache inside
-each).
+serves its calls).
 
-`ProgramCache` makes three promises, the ones `jax.jit` makes for its own cache:
+`ProgramCache` makes the promises `jax.jit` makes for its own cache:
 
-* weak on user functions: the programs built for a function live as long as the function does. A
-  program never holds its user function strongly (it calls it through a weak reference), so a
+* weak on user functions: a program calls its user function through a weak reference, so a
   ``lambda`` made fresh in a loop and its programs are freed together;
 * bounded: at most ``max_per_function`` programs per function and ``max_functions`` functions held
   strongly (callables that cannot be weakly referenced), least recently used first out;
 * loud about waste: when the same call site (the same code object) keeps compiling, one warning says
-  why — a new function object every call, a new static value, or new shapes — and what to do about
-  it.
-
-``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way
-a strategy compiles.
+  why (a new function object every call, a new static value, or new shapes) and what to do. Steps
+  report their traces here too (`note_trace`), so it covers every way a strategy compiles.
 """
 
 from __future__ import annotations

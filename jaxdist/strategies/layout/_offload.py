@@ -7,17 +7,14 @@ memory attached to that device, which accelerators reach by DMA). A strategy cre
 layout (mirrored, FSDP, ...; ZeRO-Offload's placement). Compiled steps then stream them:
 
 * at the entry of a ``strategy.jit`` step (and of the on-device loop of ``run_steps_on_dataset``)
-  every argument in host memory is copied to device memory (``jax.device_put(x,
-  jax.memory.Space.Device)``), so the step's code computes on device values exactly as it would
-  without offloading — what it computes never changes;
+  every argument in host memory is copied to device memory, so the step's code computes exactly
+  what it computes without offloading;
 * outputs shaped like an offloaded argument (``state -> new_state``) go back to host memory at the
-  exit, so the state stays offloaded from step to step; other outputs (losses, metrics) stay on the
-  device;
+  exit, so the state stays offloaded from step to step; other outputs stay on the device;
 * eager ``strategy.run`` copies offloaded arguments to device memory before the replica program.
 
-Between steps the offloaded state occupies no device memory; during a step it is a temporary. That
-trades transfer time for device-memory capacity (XLA overlaps the copies with compute where it can):
-measure it.
+Between steps the offloaded state occupies no device memory; during a step it is a temporary: this
+trades transfer time for device-memory capacity (XLA overlaps the copies with compute where it can).
 
 Which variables are *optimizer state* is carried by their type, never guessed from names: subtrees
 that are optax states (every optax state is a NamedTuple defined in optax) and ``nnx.OptState``
@@ -133,13 +130,8 @@ def offload_shardings(mode: str | None, shapes: Any, layouts: Any) -> Any:
     if len(mask) != len(flat):  # a structure the mask cannot follow: everything or nothing
         mask = [mode == "all"] * len(flat)
     wanted = {"all": lambda _: True, "opt_state": lambda m: m, "params": lambda m: not m}[mode]
-    return jax.tree.unflatten(
-        treedef,
-        [
-            s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s
-            for s, m in zip(flat, mask, strict=True)
-        ],
-    )
+    return jax.tree.unflatten(treedef, [s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s
+                                        for s, m in zip(flat, mask, strict=True)])
 
 
 def in_host_memory(x: Any) -> bool:
@@ -174,9 +166,7 @@ def to_host_memory(x: Any) -> Any:
 
 def to_device_memory(tree: Any) -> Any:
     """``tree`` with its host-memory leaves copied to device memory, same layout (``tree`` itself if
-    none is).
-
-    Works on concrete arrays and inside traces.
+    none is), for concrete arrays and inside traces.
 
     Examples:
         >>> import jax, jax.numpy as jnp
