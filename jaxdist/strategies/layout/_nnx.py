@@ -56,12 +56,10 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
         value = v.get_value() if is_variable(v) else v
         box = annotation(v, policy.mesh.axis_names)
         annotated.append(box is not None)
-        if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(
-            value, jax.core.Tracer
-        ):
-            layouts.append(getattr(value, "sharding", None) if box is None
-                           else declared(policy.variable_layout(
-                path_name(path), _aval(value), box)))
+        if (not isinstance(value, (jax.Array, np.ndarray, np.generic))
+                or isinstance(value, jax.core.Tracer)):
+            layouts.append(getattr(value, "sharding", None) if box is None else declared(
+                policy.variable_layout(path_name(path), _aval(value), box)))
             continue
         # the annotation's layout: the user's, as where Flax placed the Variable itself
         if box is not None:

@@ -47,16 +47,14 @@ class UndeclaredBatchWarning(UserWarning):
 class Role(enum.Enum):
     """The role of one argument leaf of a strategy computation."""
 
-    # a whole copy per replica (mirrored) / in the variable layout (global view)
-    VARIABLE = "variable"
+    VARIABLE = "variable"  # a whole copy per replica (mirrored) / the variable layout (global)
     BATCH = "batch"  # axis 0 split over the replicas
     PER_REPLICA = "per_replica"  # a PerReplica: one component per replica
     SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: one component per replica, aggregated on read
     STATIC = "static"  # not an array: a compile-time constant
 
 
-# id(array) -> weak ref: arrays the input functions placed as batches
-_placed: dict[int, weakref.ref] = {}
+_placed: dict[int, weakref.ref] = {}  # id -> weak ref: arrays the input functions placed as batches
 _placed_lock = threading.Lock()
 
 
@@ -171,9 +169,7 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
             "this strategy's input functions, on a strategy whose variables can have that layout "
             "too, so it is taken as a variable (every replica sees all of it). Declare the roles: "
             f"{verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
-            UndeclaredBatchWarning,
-            stacklevel=5,
-        )
+            UndeclaredBatchWarning, stacklevel=5)
     elif role is None and _rows_split_elsewhere(leaf, policy) and not warned[0]:
         warned[0] = True
         warnings.warn(
@@ -182,10 +178,7 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
             f"strategy's are {policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role "
             "cannot be read from its layout and it is taken as a variable (every replica sees all "
             f"of it). Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the "
-            "batch arguments.",
-            UndeclaredBatchWarning,
-            stacklevel=5,
-        )
+            "batch arguments.", UndeclaredBatchWarning, stacklevel=5)
     return Role.BATCH if role == "batch" else Role.VARIABLE
 
 
