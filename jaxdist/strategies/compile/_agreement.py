@@ -99,8 +99,7 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
                 f"process {pid} did not reach program {n} ({name!r}) within {wait / 1000:.0f} s: "
                 "it is stuck, dead, or running another program (code version, configuration); its "
                 f"stack or log says which ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''})."
-            ) from None
+                f"{str(error).splitlines()[0] if str(error) else ''}).") from None
         other_digest, _, other_name = value.partition(" ")
         seen[pid] = (other_digest, other_name)
     reference = seen[0]

@@ -489,24 +489,19 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
             outs = [frozenset().union(*(b[i] for b in branches)) for i in range(n_out)]
         elif name in ("scan", "while"):
             outs = _carry_loop(eqn, given)
-        elif (
-            name in _SAME_ELEMENTS and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0])
-        ):
+        elif (name in _SAME_ELEMENTS and eqn.invars
+              and _size(eqn.invars[0]) == _size(eqn.outvars[0])):
             outs = [given[0]] * n_out  # the same elements (the probe's ``x[None]``)
         elif name in _PASSED:
             outs = given if len(given) == n_out else [given[0]] * n_out
         elif name in _SUMMED or name in ("select_n", "clamp"):
             picked = {"select_n": eqn.invars[1:], "clamp": eqn.invars[1:2]}.get(name, eqn.invars)
-            outs = [
-                frozenset().union(
-                    *(get(v) for v in picked if getattr(v.aval, "shape", None) == shape)
-                )
-            ] * n_out
+            outs = [frozenset().union(
+                *(get(v) for v in picked if getattr(v.aval, "shape", None) == shape))] * n_out
         elif name in _SCALED and len(eqn.invars) == 2:
             a, b = eqn.invars
-            carried = (
-                get(a) if number(b) else get(b) if name == "mul" and number(a) else frozenset()
-            )
+            carried = (get(a) if number(b) else get(b) if name == "mul" and number(a)
+                       else frozenset())
             outs = [carried if getattr((a if number(b) else b).aval, "shape", None) == shape
                     else frozenset()] * n_out
         else:
@@ -597,12 +592,9 @@ def check_mirrored_outputs(fn: str, treedef: Any, roles: Sequence[Role], out_pat
                  for p, role in zip(paths, roles, strict=True) if role != Role.STATIC]
     variables = {i for i, role in enumerate(r for r in roles if r != Role.STATIC)
                  if role == Role.VARIABLE}
-    found = [
-        (where, arguments[i])
-        for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
-        if kind == "per_replica"
-        for i in sorted(updates & variables)[:1]
-    ]
+    found = [(where, arguments[i])
+             for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
+             if kind == "per_replica" for i in sorted(updates & variables)[:1]]
     if found:
         raise ValueError(_message(fn, found))
 

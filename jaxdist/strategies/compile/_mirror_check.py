@@ -114,5 +114,4 @@ def raise_on_disagreement(fn: str, paths: Sequence[str], agreed: jax.Array) -> N
             "jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, value) (or declare a value kept "
             "apart on purpose with ctx.per_replica(value)). Please report this program: the "
             "analysis should not have proven it (a non-deterministic operation, such as a "
-            "scatter-add with atomics on a GPU, can also give each replica other bits)."
-        )
+            "scatter-add with atomics on a GPU, can also give each replica other bits).")

@@ -156,8 +156,7 @@ class ReplicaRunner:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
         if (frame is None or frame.policy is not self._policy) and any(
-            isinstance(x, jax.core.Tracer) for x in flat
-        ):
+                isinstance(x, jax.core.Tracer) for x in flat):
             raise ValueError("strategy.run got traced arguments outside this strategy's compiled "
                              "computations (e.g. inside a plain jax.jit or jax.grad): there it "
                              "cannot tell distributed batches from mirrored values. Compile the "
@@ -222,10 +221,9 @@ class ReplicaRunner:
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
                 fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic,
-                                                     axis_name, name,
-                                                     weights is not None, check_vma),
-                reason=(hashable(statics), avals),
-            )
+                                                     axis_name, name, weights is not None,
+                                                     check_vma),
+                reason=(hashable(statics), avals))
             out, updated = program(*dynamic, arguments=flat, every=check_mirrored == "every")
         # sync-on-read arguments updated in place: kept, as in tf.distribute
         for i, components in updated.items():
@@ -435,10 +433,9 @@ class ReplicaRunner:
         # one, for the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on
         # device whether each output returned as mirrored is the same on every replica.
         in_specs = (*in_specs, *[split] * len(captured))
-        out_shardings = tuple(
-            in_trace(policy.batch_sharding if h == "stacked" else policy.replicated_sharding)
-            for h in (*how, *["stacked"] * n_updated)
-        )
+        out_shardings = tuple(in_trace(policy.batch_sharding if h == "stacked"
+                                       else policy.replicated_sharding)
+                              for h in (*how, *["stacked"] * n_updated))
 
         def build(check: bool) -> Callable:
             shard_mapped = jax.shard_map(
@@ -501,9 +498,8 @@ class ReplicaRunner:
                     wrapped[i] = PerReplica(wrapped[i], owner)
                 elif passed is not None:
                     # the object passed in (updated in place), as TF's assign_add returns it
-                    wrapped[i] = (
-                        arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
-                    )
+                    wrapped[i] = (arguments[passed[1]] if passed[0] == "argument"
+                                  else captured[passed[1]])
                 else:
                     wrapped[i] = SyncOnRead(wrapped[i], agg, owner)
             updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args],

@@ -178,14 +178,13 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1,
                              "left over).")
     order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS,
              *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
-    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a
-             and sizes[name] > 1}
+    asked = {name: sizes[name] for a in order for name in sizes
+             if axis[name] == a and sizes[name] > 1}
     if n % math.prod(asked.values()):
         raise ValueError(
             f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices "
             "(the mesh would be "
-            f"({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
-        )
+            f"({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))})).")
     shape = {axis[name]: k for name, k in asked.items()}
     shape[REPLICA_AXIS] = n // math.prod(asked.values())
     names = tuple(a for a in order if a in shape)
@@ -347,8 +346,7 @@ def axis_roles(mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, spli
         raise TypeError(
             f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one "
             "with jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, "
-            "axis_names) (or, to plan without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
-        )
+            "axis_names) (or, to plan without devices, jd.plan_mesh({'data': 64, 'fsdp': 16})).")
     check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES],
                         "the roles' arguments are")
     given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh)

@@ -1,9 +1,7 @@
 """`LayoutPolicy`: the one object that decides where every value of a strategy lives.
 
-A policy owns the mesh and the role of each of its axes (the batch axes that a batch's rows are
-split over, the FSDP axes among them that unannotated variables are split over, the model axes of
-tensor parallelism: `jaxdist.strategies.layout._meshes`; ``"replica"`` and ``"model"`` in the short
-form, the user's names on the user's mesh), and answers, alone, "which layout does this value get":
+A policy owns the mesh and the role of each of its axes (batch, FSDP, model, ...:
+`jaxdist.strategies.layout._meshes`), and answers, alone, "which layout does this value get":
 
 * variables: `variable_layout` / `variable_shardings` (layout rules, Flax annotations through
   logical rules, the FSDP rule or mirrored; ``colocate_vars_with`` targets; host offloading as the
