@@ -44,8 +44,7 @@ def _describe(fn: Any) -> str:
 
 
 def weak_callable(fn: Callable) -> Callable:
-    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it
-    alive).
+    """``fn`` called through a weak reference (so a cached program does not keep it alive).
 
     Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced
     are held as they are.
@@ -180,8 +179,7 @@ class ProgramCache:
                 programs.popitem(last=False)
 
     def note_trace(self, fn: Any, signature: Any) -> None:
-        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a
-        churning site."""
+        """Note that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on churn."""
         site = _site(fn)
         with self._lock:
             info = self._sites.setdefault(site, {"count": 0, "last": None, "warned": False})
@@ -267,8 +265,7 @@ class StepPrograms:
         self.misses: dict[Any, int] = {}
 
     def install(self, key: Any, program: Callable, static: tuple) -> None:
-        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES`
-        times)."""
+        """Serve calls with ``key`` by ``program`` (unless it has missed `MAX_MISSES` times)."""
         if self.misses.get(key, 0) < self.MAX_MISSES:
             self.express[key] = program, static
 

@@ -1,5 +1,5 @@
-"""Which values of a replica function are the same on every replica: a proof read from its jaxpr,
-failing closed.
+"""Which values of a replica function are the same on every replica: a proof from its jaxpr, failing
+closed.
 
 JAX's varying types answer a coarser question, and fail open where this one must not: inside
 ``strategy.run`` everything computed from a mirrored argument is varying by type (it enters cast to
@@ -80,8 +80,7 @@ PURE = frozenset({
     # a host function JAX itself treats as pure (same operands, same result)
     "pure_callback",
 })
-"""Primitives whose results are functions of their operands alone: identical operands, identical
-results."""
+"""Primitives whose results are functions of their operands alone (identical in, identical out)."""
 
 REDUCING = frozenset({"psum", "pmax", "pmin", "psum_invariant", "all_gather",
                       "all_gather_invariant"})
@@ -323,8 +322,7 @@ def _jaxprs(params: Mapping[str, Any]) -> list[Any]:
 
 
 def _scan_parts(eqn: Any, n_inputs: int) -> tuple[int | None, int]:
-    """How many of a scan's operands are constants and carries (jax >= 0.12 says it by the inputs'
-    structure)."""
+    """How many of a scan's operands are constants and carries (jax >= 0.12: by input structure)."""
     if "num_consts" in eqn.params:
         return eqn.params["num_consts"], eqn.params["num_carry"]
     try:
@@ -354,8 +352,7 @@ def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
             agree).
 
     Returns:
-        One of the three per output; every output `DIFFERENT` when the inputs do not match
-        ``jaxpr``'s.
+        One of the three per output; all `DIFFERENT` when the inputs do not match ``jaxpr``'s.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -453,8 +450,7 @@ def _size(var: Any) -> int | None:
 
 
 def _backward(eqn: Any) -> bool:
-    """An equation of a backward pass (JAX names it ``transpose(...)``): what it computes is a
-    gradient."""
+    """An equation of a backward pass (JAX names it ``transpose(...)``): it computes a gradient."""
     return "transpose(" in str(eqn.source_info.name_stack)
 
 
@@ -511,8 +507,7 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
 
 
 def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
-    """A loop's carries carry what they start from and what the body adds to them (to a fixed
-    point)."""
+    """A loop's carries carry what they start from and what the body adds (to a fixed point)."""
     if eqn.primitive.name == "scan":
         n_consts, n_carry = _scan_parts(eqn, len(given))
         if n_consts is None:
@@ -558,8 +553,7 @@ def updated_inputs(program: Any) -> list[frozenset[int]]:
 
 
 def _dtype(dtype: Any) -> Any:
-    """``dtype`` comparable with another: numpy's, or JAX's own (a typed PRNG key's ``key<fry>``) as
-    it is."""
+    """``dtype`` comparable with another: numpy's, or JAX's own (a key's ``key<fry>``) as is."""
     return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 

@@ -1,5 +1,4 @@
-"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's
-steps_per_run).
+"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE program (tf's steps_per_run).
 
 The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked
 and placed once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU

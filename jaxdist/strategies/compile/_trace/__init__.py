@@ -1,5 +1,4 @@
-"""The global-view trace: everything that runs while a ``strategy.jit`` step traces, in one room of
-``compile``.
+"""The global-view trace: everything that runs while a ``strategy.jit`` step traces.
 
 JAX traces a program once (a cache miss), so nothing here runs on a steady-state call. `StepTrace`
 (``_step``) is the body of a step's programs; its module doc says what happens, in order, and which

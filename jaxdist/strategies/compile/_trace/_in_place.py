@@ -1,5 +1,4 @@
-"""In-place updates inside a ``strategy.jit`` step: a sync-on-read value assigned there must leave
-by the outputs.
+"""In-place updates in a ``strategy.jit`` step: a sync-on-read value updated there must be returned.
 
 ``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated.
 Eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step, though,

@@ -1,5 +1,4 @@
-"""A padded batch in a ``strategy.jit`` step: its row weights go with it to the ``strategy.run``
-inside.
+"""A padded batch in a ``strategy.jit`` step: its row weights go with it to ``strategy.run``.
 
 A distributed dataset's padded last batch (``remainder="pad"``) carries row weights
 (`jaxdist.strategies.input`); ``strategy.run`` hands them to its replicas, where
@@ -25,8 +24,7 @@ from jaxdist.strategies.input import padding_weights
 __all__ = ["PADDING", "check_handed", "padded_leaves", "padding_argument"]
 
 PADDING = "__jaxdist_padding__"
-"""The keyword under which a call of a ``strategy.jit`` step brings a padded batch's row weights to
-its trace."""
+"""The keyword that brings a padded batch's row weights to a ``strategy.jit`` step's trace."""
 
 
 def _array_leaves(args: Sequence[Any], kwargs: dict, skip: set[int],

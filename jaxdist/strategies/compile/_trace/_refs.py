@@ -1,5 +1,4 @@
-"""`jax.Ref` arguments in a step: they enter as the arrays they hold do, and their updates are
-written back.
+"""`jax.Ref` arguments in a step: they enter as the arrays they hold, their updates written back.
 
 JAX's training cookbook keeps its state in refs (``jax.tree.map(jax.ref.new_ref, train_state)``) and
 its step updates them in place (``param[...] -= ...``). A ref is no array (its type is the caller's

@@ -1,5 +1,4 @@
-"""The resolver: the layout of every argument and output of one compiled step, decided once, when it
-is traced.
+"""The resolver: the layout of every argument and output of a compiled step, decided when traced.
 
 Called while JAX traces a step (`jaxdist.strategies.compile._trace._step`), never on a steady-state
 call, it applies the layouts the policy gives (`jaxdist.strategies.layout`: ``variable_layout``,
@@ -108,8 +107,7 @@ def _drop(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
 
 # ------------------------------------------------------------------------------------------ outputs
 def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
-    """Traced ``x`` constrained to ``sharding`` (on Explicit axes: resharded, so its type says the
-    same)."""
+    """Traced ``x`` constrained to ``sharding`` (on Explicit axes resharded: its type agrees)."""
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding):
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
@@ -244,8 +242,7 @@ def constrain_outputs(policy: Any, out: Any, arguments: Sequence[Any], nodes_sta
 
 
 def _rest(policy: Any, tree: Any, nodes_state: dict) -> Any:
-    """Outputs that are no argument as a whole: nnx States inside them still match the arguments'
-    state."""
+    """Outputs that are no argument as a whole (nnx States inside still match the arguments')."""
     if nodes_state:
         def one(x):
             if isinstance(x, nnx.State):
@@ -281,8 +278,7 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any],
 
 
 def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:
-    """The idle-axis check on this program's variables (their resolved layouts; batches
-    excluded)."""
+    """The idle-axis check on this program's variables (resolved layouts; batches excluded)."""
     if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
         return
     specs, names, avals = list(state_layouts), [], []

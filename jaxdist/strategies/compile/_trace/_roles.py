@@ -1,5 +1,4 @@
-"""Roles in the trace: which of a global-view step's traced values are its batches and which its
-variables.
+"""Roles in the trace: which of a global-view step's traced values are batches, which variables.
 
 The rule is `jaxdist.strategies.layout`'s (a role is declared, or carried by the value:
 ``batch_argnums``, else the layout a value arrives in, `LayoutPolicy.layout_role`); here it is

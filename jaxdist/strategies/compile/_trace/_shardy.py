@@ -1,5 +1,4 @@
-"""Protections against XLA's Shardy partitioner where it miscomputes convolutions (upstream bugs,
-plain JAX alike).
+"""Guards against XLA's Shardy partitioner where it miscomputes convolutions (upstream, in JAX too).
 
 Two members of one family, both silent (wrong numbers, no error), both measured with jax 0.12:
 
@@ -60,8 +59,7 @@ def _grouped(eqn: Any) -> bool:
 
 
 def _subjaxprs(params: dict) -> list[tuple[str, Any]]:
-    """The jaxprs among an equation's parameters (``jaxpr``, ``branches``, a scan's body...), by
-    name."""
+    """The jaxprs among an equation's parameters (``jaxpr``, ``branches``, ...), by name."""
     found = []
     for name, value in params.items():
         values = value if isinstance(value, tuple) else (value,)
@@ -116,8 +114,7 @@ def _guarded_conv(lhs: jax.Array, rhs: jax.Array, *, mesh: Any, **params: Any) -
 
 
 def _rewrite(jaxpr: Any, mesh: Any) -> Any:
-    """``jaxpr`` (open or closed) with every grouped convolution replaced by one call of
-    `_guarded_conv`."""
+    """``jaxpr`` (open or closed), each grouped convolution replaced by `_guarded_conv`."""
     closed = isinstance(jaxpr, jcore.ClosedJaxpr)
     inner = jaxpr.jaxpr if closed else jaxpr
     eqns = []

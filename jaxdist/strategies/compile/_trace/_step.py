@@ -1,5 +1,4 @@
-"""The body of a ``strategy.jit`` program: what runs while JAX traces a global-view step, once per
-program.
+"""The body of a ``strategy.jit`` program: what runs while JAX traces a global-view step.
 
 `StepTrace` is the function a step's `jax.jit` programs trace (the full path's and the express
 path's: `jaxdist.strategies.compile._jit`). JAX traces only on a cache miss, so nothing here runs on
@@ -183,8 +182,7 @@ class StepTrace:
 
     def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs,
                        concrete_state, state_layouts, annotated, refs) -> tuple[Any, Any]:
-        """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx
-        state)``."""
+        """The step's own code, its arguments entered in their roles: ``(out, new nnx state)``."""
         policy = self.policy
         skip = set(self.static) | set(nodes)
         kwargs = dict(kwargs)
