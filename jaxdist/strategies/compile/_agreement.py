@@ -1,5 +1,4 @@
-"""Program agreement: in a job of several processes, every process must run the same compiled
-programs.
+"""Program agreement: in a job of several processes, every process must run the same programs.
 
 Processes that compile different programs (another code version on one host, a configuration that
 drifted, an optimizer built with another learning rate) still meet in the same collectives, so
@@ -38,11 +37,9 @@ _lock = threading.Lock()
 
 
 class ProgramMismatchError(RuntimeError):
-    """The processes of a job compiled different programs for the same step (or one never reached
-    it).
+    """The processes of a job compiled different programs for one step (or one never reached it).
 
-    Raised on every process, before the program runs; the message names the processes and what to
-    check.
+    Raised on every process, before the program runs, naming the processes and what to check.
 
     Examples:
         >>> import jaxdist as jd
@@ -65,8 +62,7 @@ def fingerprint(lowered: Any) -> str:
 
 
 def agree(name: str, digest: str, timeout: float | None = None) -> None:
-    """Compare ``digest`` (this process's fingerprint of program ``name``) with every other
-    process's.
+    """Compare ``digest`` (this process's fingerprint of program ``name``) with every other's.
 
     Every process calls it for its programs in the order it compiles them; the n-th call of each
     process is compared with the n-th call of the others. A no-op in a single process.

@@ -34,8 +34,7 @@ def holds_module(args: tuple, kwargs: dict) -> bool:
 
 
 class Static:
-    """The non-array leaves of a pytree and its structure: hashable, so it can be a static argument
-    of a program.
+    """The non-array leaves of a pytree and its structure: hashable, a program's static argument.
 
     Leaves compare by equality where they define it (numbers, strings) and by identity otherwise
     (functions, ``custom_jvp`` objects), as `jax.jit` compares static arguments.
@@ -63,8 +62,7 @@ def _is_traced(x: Any) -> bool:
 
 
 def partition(tree: Any) -> tuple[Any, Static]:
-    """``tree`` split into its array leaves (the same structure, None elsewhere) and a `Static` of
-    the rest.
+    """``tree`` split into its array leaves (None elsewhere) and a `Static` of others.
 
     Raises:
         TypeError: when a non-array leaf is not hashable (it would be part of the compiled program).

@@ -1,5 +1,4 @@
-"""The global view: `Strategy.jit` compiles an unmodified single-device step for the strategy's
-layout.
+"""The global view: `Strategy.jit` compiles an unmodified single-device step for its layout.
 
 The step sees global arrays (whole parameters, the whole global batch) and XLA's SPMD partitioner
 inserts the collectives, so it computes what it computes on one device. Where each argument lives is
@@ -175,8 +174,7 @@ class StrategyFunction:
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Keyword arguments for positional parameters become positional (as `jax.jit` resolves
-        them), so that ``*_argnums`` and ``*_argnames`` mean the same argument however it is
-        passed."""
+        them), so that ``*_argnums`` and ``*_argnames`` mean an argument however it is passed."""
         if not kwargs or self._signature is None:
             return args, kwargs
         try:

@@ -87,8 +87,7 @@ def fingerprint(x: Any) -> jax.Array:
 
 
 def agreement(values: Sequence[Any], axis_name: AxisName) -> jax.Array:
-    """Inside the replica program: per value, True where every replica's copy has the same
-    fingerprint."""
+    """Per value (in the replica program): True where every replica's copy has one fingerprint."""
     if not values:
         return jnp.zeros((0,), jnp.bool_)
     prints = jnp.stack([fingerprint(v) for v in values])
@@ -97,8 +96,7 @@ def agreement(values: Sequence[Any], axis_name: AxisName) -> jax.Array:
 
 
 def raise_on_disagreement(fn: str, paths: Sequence[str], agreed: jax.Array) -> None:
-    """Raise when an output returned mirrored is not the same on every replica (``agreed``: one flag
-    each).
+    """Raise when an output returned mirrored differs between replicas (``agreed``: one flag each).
 
     Raises:
         RuntimeError: naming the outputs and the fix (``ctx.all_reduce`` before the value is

@@ -1,5 +1,5 @@
-"""Where a ``strategy.jit`` call's arguments go before its program runs (the full path; see
-`StrategyFunction`).
+"""Where a ``strategy.jit`` call's arguments go before its program runs (`StrategyFunction`'s full
+path).
 
 The rule is `jaxdist.strategies.input`'s (`kept`: an array on the strategy's mesh is taken as it is;
 anything else is placed): a declared batch is split over the replicas (`place_batch`), also when
@@ -34,8 +34,7 @@ __all__ = ["ArgumentPlacement"]
 
 
 class ArgumentPlacement:
-    """The placement of one ``strategy.jit`` step's arguments: called as ``placement(args, kwargs,
-    state)``.
+    """The placement of one step's arguments: called as ``placement(args, kwargs, state)``.
 
     Args:
         policy: the strategy's `LayoutPolicy`.

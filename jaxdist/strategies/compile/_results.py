@@ -73,8 +73,7 @@ def reduce(policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: 
 
 
 def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any, axis: int) -> Any:
-    """Concatenate per-replica values along ``axis`` into one mirrored array (see
-    `Strategy.gather`)."""
+    """Concatenate per-replica values along ``axis`` into one mirrored array (`Strategy.gather`)."""
     n = policy.num_replicas
 
     def one(v):

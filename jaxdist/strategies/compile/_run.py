@@ -1,5 +1,4 @@
-"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map`
-program.
+"""The per-replica view: how `Strategy.run` turns a replica function into a `jax.shard_map` program.
 
 Each argument leaf is classified once per call signature, by declaration or by what the value
 carries (`jaxdist.strategies.layout.classify`):
@@ -618,8 +617,7 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
 
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
-    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the
-    strategy's)."""
+    """A renamed mesh is the context mesh while its shard_map traces (``scope()`` sets another)."""
     if mesh is trace_mesh(policy.mesh):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

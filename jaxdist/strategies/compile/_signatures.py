@@ -1,5 +1,4 @@
-"""Which arguments of a step a declaration means: ``*_argnums`` and ``*_argnames`` resolved as
-`jax.jit` does.
+"""Which arguments a declaration means: ``*_argnums`` and ``*_argnames`` resolved as `jax.jit` does.
 
 A declaration may name an argument by position or by name; each is completed from the other through
 the function's signature, so ``static_argnames=("lr",)`` also covers ``lr`` passed positionally, and

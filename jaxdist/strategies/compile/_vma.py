@@ -1,5 +1,4 @@
-"""`Strategy.run`'s varying-type check: strict where the replica function type-checks, relaxed where
-only it refuses.
+"""`Strategy.run`'s varying-type check: strict where the function type-checks, else relaxed.
 
 Inside `jax.shard_map`, JAX types every value as invariant or varying over the replica axis
 (``check_vma``). Some code `jax.pmap` runs does not type-check there: a ``lax.scan`` whose carry

@@ -236,8 +236,7 @@ class LayoutPolicy:
                              "of a batch leaf that holds its sequence (axis 0 holds its rows), "
                              "e.g. 1 for (batch, length, ...).")
         self.roles = roles
-        """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP and model
-        axes."""
+        """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP, model..."""
         self.mesh = roles.mesh
         # a plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies never run
         self.devices = (() if isinstance(roles.mesh, jax.sharding.AbstractMesh)
@@ -249,14 +248,12 @@ class LayoutPolicy:
         """The batch axes as one name (or a tuple of names): a `PartitionSpec` entry and ``run``'s
         default ``axis_name``."""
         self.context_axes = roles.context_axes
-        """The mesh axes a batch's sequence dimension is split over (context parallelism; empty:
-        none)."""
+        """The mesh axes a batch's sequence dimension is split over (context parallelism)."""
         self.sequence_axis = sequence_axis
         """The dimension of a batch leaf that the context axes split (1: ``(batch, length,
         ...)``)."""
         self.expert_axes = roles.expert_axes
-        """The batch axes the stacked experts of mixture-of-experts layers are split over (empty:
-        none)."""
+        """The batch axes the stacked experts of mixture-of-experts layers are split over."""
         self.rules = VariableRules(roles, split=split_variables, min_shard_size=min_shard_size,
                                    layout_rules=layout_rules or (),
                                    logical_axis_rules=logical_axis_rules or (),
@@ -321,16 +318,14 @@ class LayoutPolicy:
 
     @property
     def replica_devices(self) -> tuple[jax.Device, ...]:
-        """The first device of each replica, in replica order (the order a batch's rows are split
-        in)."""
+        """The first device of each replica, in replica order (the order of a batch's rows)."""
         order = [self.mesh.axis_names.index(a)
                  for a in (*self.batch_axes, *self.context_axes, *self.roles.model_axes)]
         return tuple(np.transpose(self.mesh.devices, order).reshape(self.num_replicas, -1)[:, 0])
 
     @property
     def local_replicas(self) -> tuple[int, ...]:
-        """The replicas (row blocks of a batch) whose rows this process's devices hold, in replica
-        order."""
+        """The replicas (row blocks of a batch) this process's devices hold, in replica order."""
         blocks = self.batch_sharding.addressable_devices_indices_map((self.num_replicas,)).values()
         return tuple(sorted({index[0].start or 0 for index in blocks}))
 
@@ -359,8 +354,7 @@ class LayoutPolicy:
     # ------------------------------------------------------------------------------------ variables
     def variable_layout(self, path: str, aval: jax.ShapeDtypeStruct,
                         annotation: Partitioned | None = None) -> NamedSharding:
-        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype
-        ``aval``.
+        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of ``aval``.
 
         Args:
             path: the variable's pytree path, ``/``-joined (what layout rules match).
@@ -452,8 +446,7 @@ class LayoutPolicy:
         return self._role_hook is None and not self.rules.split
 
     def layout_role(self, x: Any) -> str | None:
-        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when the layout
-        cannot tell.
+        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None (it cannot tell).
 
         None for values not on this mesh (numpy, arrays on other devices: their role must be
         declared) and, where variables may be split over the replicas too (FSDP), for arrays split
@@ -466,8 +459,7 @@ class LayoutPolicy:
         return self.role_from_layout(x)
 
     def role_from_layout(self, x: Any) -> str | None:
-        """The role this policy's layouts give ``x`` (what `layout_role` returns unless a strategy
-        overrides it).
+        """The role this policy's layouts give ``x`` (`layout_role` unless a strategy overrides it).
 
         Examples:
             >>> import jax, numpy as np, jaxdist as jd

@@ -1,5 +1,4 @@
-"""Provenance in a step: which outputs leave in jaxdist's own layouts, and which layouts a program
-was traced for.
+"""Provenance in a step: which outputs leave in jaxdist's layouts, which layouts a program traced.
 
 Whose layout a sharding is is `jaxdist.strategies.layout._provenance`'s rule (`own`, `is_own`,
 `mark`). It changes a program only on a policy that splits variables over Explicit axes; there, for

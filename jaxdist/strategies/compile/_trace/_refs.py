@@ -30,8 +30,7 @@ def is_ref(x: Any) -> bool:
 
 
 class RefArguments:
-    """The ref leaves of one trace of a step's arguments, by argument (position or keyword) and leaf
-    index."""
+    """The ref leaves of one trace of a step's arguments, by argument (position, keyword), leaf."""
 
     def __init__(self) -> None:
         self._outer: dict[tuple[int | str, int], Any] = {}
