@@ -62,8 +62,7 @@ _MARK = "jaxdist_axis_types_auto"  # the named scope of an Auto program's entry 
 
 
 class ExplicitRefused(Exception):
-    """Raised out of a trace with Explicit axes that failed; `decided` traces the program again
-    Auto.
+    """Raised out of a failed trace with Explicit axes; `decided` traces the program again Auto.
 
     ``typed``: whether JAX refused it by the axes' types (`is_type_refusal`); otherwise the step's
     code (or a library's under it) raised an error of its own, which only the Auto trace tells apart
@@ -129,8 +128,7 @@ def trace_mesh(mesh: Any) -> Any:
 
 
 def in_trace(sharding: Any) -> Any:
-    """A `NamedSharding` on the mesh as the current trace types it (see `trace_mesh`); anything else
-    as it is."""
+    """A `NamedSharding` on the mesh as the current trace types it (`trace_mesh`); others as is."""
     if not isinstance(sharding, NamedSharding):
         return sharding
     mesh = trace_mesh(sharding.mesh)

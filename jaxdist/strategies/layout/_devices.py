@@ -14,8 +14,7 @@ _DEVICE_NAME = re.compile(r"^/?(?:device:)?(?P<platform>[a-zA-Z]+):(?P<index>\d+
 
 
 def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
-    """One device from a `jax.Device`, a global device id, or a name such as ``"gpu:0"`` /
-    ``"/cpu:1"``.
+    """One device from a `jax.Device`, a global device id, or a name (``"gpu:0"``, ``"/cpu:1"``).
 
     Raises:
         ValueError: for a name or id that matches no device.

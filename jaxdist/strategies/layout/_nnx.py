@@ -34,8 +34,7 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
-    """The layout of each value of an nnx ``state`` (placed arrays) and whether its Variable is
-    annotated.
+    """The layout of each value of an nnx ``state`` (placed arrays), and whether it is annotated.
 
     An annotated Variable gets its annotation's layout (through the layout rules, which come first);
     an unannotated one keeps the layout it has on the mesh, except that where variables can be

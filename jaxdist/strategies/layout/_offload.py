@@ -1,5 +1,4 @@
-"""Host offloading: variables and/or optimizer state kept in host memory, streamed to the devices
-per step.
+"""Host offloading: variables and/or optimizer state kept in host memory, streamed in per step.
 
 JAX gives every sharding a *memory kind*: ``"device"`` (the default) or ``"pinned_host"`` (the host
 memory attached to that device, which accelerators reach by DMA). A strategy created with
@@ -159,8 +158,7 @@ def _to_device(x: Any) -> Any:
 
 
 def to_host_memory(x: Any) -> Any:
-    """``x`` (a traced value) moved to host memory, same layout: where an offloaded output goes at a
-    step's exit."""
+    """``x`` (traced) moved to host memory, same layout: where an offloaded output goes at exit."""
     return x if in_host_memory(x) else jax.device_put(x, jax.memory.Space.Host)
 
 

@@ -501,8 +501,7 @@ class LayoutPolicy:
 
     def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = (),
                        avals: Sequence[Any] = ()) -> None:
-        """Warn once per axis (`IdleAxisWarning`) about each model axis ``specs`` leave idle (see
-        `idle_axes`).
+        """Warn once per axis (`IdleAxisWarning`) of each model axis ``specs`` leave idle.
 
         Args:
             specs: the layouts of the program's variables.

@@ -89,14 +89,12 @@ def declared(sharding: Any) -> Any:
 
 
 def is_own(sharding: Any) -> bool:
-    """Whether ``sharding`` (an array's, by identity) is a layout jaxdist placed: from `own` or
-    `mark`."""
+    """Whether ``sharding`` (an array's, by identity) is a layout jaxdist placed (`own`, `mark`)."""
     return id(sharding) in _OWN
 
 
 def mark(values: Iterable[Any], flags: Iterable[bool]) -> None:
-    """Record the shardings of ``values`` (a program's outputs) whose ``flags`` say their layout is
-    jaxdist's."""
+    """Record the shardings of ``values`` (a program's outputs) that ``flags`` say are jaxdist's."""
     for value, flag in zip(values, flags, strict=True):
         sharding = getattr(value, "sharding", None)
         if flag and isinstance(sharding, NamedSharding) and id(sharding) not in _OWN:

@@ -1,5 +1,4 @@
-"""Roles: is a value a batch, a variable, a per-replica value or a constant? The one place that
-decides.
+"""Roles: is a value a batch, a variable, a per-replica value or a constant? Decided here only.
 
 A role is declared or carried by the value, never guessed:
 

@@ -1,5 +1,4 @@
-"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax
-annotation.
+"""Variable layout rules: the `PartitionSpec` a variable gets from its path, shape and annotation.
 
 The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes
 (all the batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest
@@ -138,8 +137,7 @@ def _hint(roles: AxisRoles) -> str:
 
 
 class VariableRules:
-    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP
-    rule.
+    """The spec rules of one mesh: layout rules, Flax annotations via logical rules, the FSDP rule.
 
     Args:
         roles: the mesh the specs name axes of, and its FSDP axes (what the FSDP rule splits over).
