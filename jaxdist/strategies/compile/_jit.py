@@ -316,11 +316,9 @@ class StrategyFunction:
         (the full path's decision made): `jax.jit` of the step, one per static key. It traces only
         inside the full path (`StepTrace` needs the call's values); traced from anywhere else (JAX
         met a signature it has no trace for) it raises `_Refused` before any of the step's code
-        runs. JAX reuses a trace for arguments of the same types whatever their layouts: on a mesh
-        without Explicit axes each array enters the program constrained to the layout it was traced
-        with, so an argument JAX takes as it is on an express call (a host array nested in a batch,
-        a batch held whole) is laid out as the full path would have placed it. None where a leaf is
-        a tracer (a call inside another trace) or no array."""
+        runs. JAX reuses a trace for arguments of the same types whatever their layouts, so without
+        Explicit axes each array enters constrained to the layout it was traced with (as the full
+        path would have placed it). None where a leaf is a tracer or no array."""
         dynamic = tuple(a for i, a in enumerate(placed) if i not in self._static)
         if not all(type(x) in _SCALARS or isinstance(x, jax.ShapeDtypeStruct) or (
                 isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))

@@ -243,13 +243,12 @@ class ReplicaRunner:
     def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
                   axis_name: str, check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
         """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened
-        through per-replica values, whose nodes and owners the structure then holds), each leaf's
-        type, aval and layout, and a key of the rest the full path's decision rests on (the
-        structure, the declaration). None where the decision also rests on more (a strategy's
-        ``layout_role`` hook, which batch arrays the input functions placed on a policy that splits
-        variables, a padded batch's weights, an enclosing computation). The layouts are compared,
-        not hashed: JAX shares aval and sharding objects between arrays of one program, so a steady
-        call's compare by identity."""
+        through per-replica values), each leaf's type, aval and layout, and a key of the rest the
+        full path's decision rests on (structure, declaration). None where it rests on more (a
+        ``layout_role`` hook, which arrays the input functions placed where variables may split, a
+        padded batch's weights, an enclosing computation). Layouts are compared, not hashed: JAX
+        shares aval and sharding objects between a program's arrays, so a steady call's compare by
+        identity."""
         policy = self._policy
         if (batch_argnums is None
             and not policy.roles_by_layout) or ambient.current_computation() is not None:
@@ -637,12 +636,10 @@ def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
     again; None when the first trace failed for another reason (the replica function's own
     ``assert`` or NameError).
 
-    JAX fails such a collective in several ways (a ``NameError``; inside ``psum`` / ``pmean`` a bare
-    ``AssertionError`` of its value-type check; a ``ValueError`` for a tuple of names), and only its
-    message names the axis. Traced again without that check (``check_vma=False``, on the failure
-    path only), every one is a ``NameError`` JAX raises itself, which unlike Python's own for an
-    undefined variable carries no ``name``: the type and that attribute say which it is, never the
-    message text.
+    JAX fails such a collective in several ways (a ``NameError``, a bare ``AssertionError`` inside
+    ``psum``, a ``ValueError`` for a tuple of names). Traced again without the value-type check (on
+    the failure path only), every one is a ``NameError`` that, unlike Python's own for an undefined
+    variable, carries no ``name``: the type and that attribute tell, never the message text.
     """
     try:
         probe(False)

@@ -30,18 +30,12 @@ A role besides batch and model is one entry of `ROLES` (a `Role`), from which `a
 `jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and type
 checkers.
 
-The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
-``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``,
-by hand) is kept as it is: its axis names, device order AND axis types. Code written for it depends
-on them: on ``Explicit`` axes (``jax.make_mesh``'s default) a value's layout is part of its type,
-and model code annotates (``out_sharding=``, ``jax.reshard``, ``jax.shard_map`` with specs that
-match its inputs' types).
-
-The meshes jaxdist builds itself (the short form) have ``Auto`` axes, deliberately: there XLA
-propagates layouts through unannotated code, so an unmodified single-device step compiles as it is.
-On ``Explicit`` axes the same step can be refused by JAX: an embedding lookup (``jnp.take`` of a
-whole table with indices whose rows are split over the batch axis) asks for an ``out_sharding`` the
-single-device code does not give.
+A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand) is kept as it
+is: its axis names, device order AND axis types, which code written for it depends on (on
+``Explicit`` axes, ``jax.make_mesh``'s default, a value's layout is part of its type). The short
+form's meshes have ``Auto`` axes, deliberately: there XLA propagates layouts through unannotated
+code, so an unmodified single-device step compiles as it is (on ``Explicit`` axes JAX can refuse it:
+an embedding lookup over a split batch asks for an ``out_sharding``).
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ variable gets, first that applies:
    divides is;
 3. the FSDP rule (unannotated variables).
 
-Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned
-model) are never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words
-a key), and code that splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them
+Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``) are never split by the FSDP rule, nor
+by its share of an annotation: they are tiny, and code that splits, scans or vmaps them expects them
 whole. A ``layout_rules`` entry or an annotation naming their axes still splits them.
 
 A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With

@@ -1,10 +1,9 @@
 """In-place updates in a ``strategy.jit`` step: a sync-on-read value updated there must be returned.
 
-``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated.
-Eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step, though,
-sees copies of its arguments made for the trace; an update that is not returned would vanish when
-the step ends, and the value would read as before, silently. `InPlaceUpdates` notices, and says how
-to thread the value.
+``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated,
+and eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step sees
+copies made for the trace: an update it does not return would vanish silently. `InPlaceUpdates`
+notices, and says how to thread the value.
 """
 
 from __future__ import annotations

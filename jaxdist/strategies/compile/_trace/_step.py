@@ -1,8 +1,7 @@
 """The body of a ``strategy.jit`` program: what runs while JAX traces a global-view step.
 
-`StepTrace` is the function a step's `jax.jit` programs trace (the full path's and the express
-path's: `jaxdist.strategies.compile._jit`). JAX traces only on a cache miss, so nothing here runs on
-a steady-state call. In the order it happens:
+`StepTrace` is the function a step's `jax.jit` programs trace (`jaxdist.strategies.compile._jit`),
+on a cache miss only. In the order it happens:
 
 1. the call's placed values are read from the call being decided on this thread
    (`jaxdist.strategies.ambient`; abstract shapes where the trace has none, as under
