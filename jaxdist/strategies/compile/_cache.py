@@ -46,8 +46,7 @@ def _describe(fn: Any) -> str:
 def weak_callable(fn: Callable) -> Callable:
     """``fn`` called through a weak reference (so a cached program does not keep it alive).
 
-    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced
-    are held as they are.
+    Bound methods are held through `weakref.WeakMethod`; what cannot be weakly referenced, as is.
 
     Examples:
         >>> def f(x):

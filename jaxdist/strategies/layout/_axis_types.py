@@ -223,8 +223,7 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
 
 
 def _raised_at(error: BaseException) -> tuple[Any, int] | None:
-    """Where ``error`` was raised: the innermost frame's code and line (None without a
-    traceback)."""
+    """Where ``error`` was raised: its innermost frame's code and line (None without traceback)."""
     tb = error.__traceback__
     if tb is None:
         return None

@@ -77,8 +77,7 @@ def parse_host_offload(value: Any, devices: Sequence[Any],
 
 
 def is_optimizer_state(node: Any) -> bool:
-    """True for an optimizer-state subtree: an optax state (a NamedTuple defined in optax) or
-    ``nnx.OptState``.
+    """True for an optimizer-state subtree: an optax state (an optax NamedTuple), ``nnx.OptState``.
 
     Examples:
         >>> import optax, jax.numpy as jnp

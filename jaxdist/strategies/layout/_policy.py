@@ -260,8 +260,7 @@ class LayoutPolicy:
                                    activation_axes=activation_axes)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.replica_axis))
         """The layout of per-replica values and of batch leaves of rank 1 (or, without context axes,
-        of any rank): axis 0 split over the replicas. `batch_layout` gives a batch leaf's layout by
-        its rank."""
+        of any rank: `batch_layout`): axis 0 split over the replicas."""
         self._sequence_sharding = NamedSharding(self.mesh, PartitionSpec(
             self.replica_axis, *[None] * (sequence_axis - 1), roles.entry("context"))
         ) if self.context_axes else None
@@ -273,10 +272,9 @@ class LayoutPolicy:
         self._batch_hook: Any = None  # a strategy's override of batch_layout (see use_hooks)
 
     def batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> jax.sharding.Sharding:
-        """The layout of a batch leaf of rank ``ndim`` (and ``shape``, where known). Every caller
-        that places a batch comes here: a strategy that overrides its ``batch_layout`` hook has it
-        installed with `use_hooks` and it decides (given the shape, a dimension None where unknown);
-        else `rule_batch_layout`.
+        """The layout of a batch leaf of rank ``ndim`` (and ``shape``, where known), for every
+        caller that places a batch: a strategy's ``batch_layout`` hook (`use_hooks`) where it has
+        one (given the shape, a dimension None where unknown), else `rule_batch_layout`.
 
         Examples:
             >>> import jax, jaxdist as jd
@@ -361,9 +359,8 @@ class LayoutPolicy:
             aval: its shape and dtype.
             annotation: the Flax partitioning box around it, when the model annotated it.
 
-        Every caller that places a variable comes here: a strategy that overrides its
-        ``variable_layout`` hook has it installed with `use_hooks`, so the override decides for all
-        of them.
+        Every caller that places a variable comes here, so a strategy's ``variable_layout`` hook
+        (`use_hooks`) decides for all of them.
 
         Raises:
             ValueError: when a rule or annotation does not fit the variable.
@@ -557,11 +554,9 @@ class LayoutPolicy:
     @contextlib.contextmanager
     def shape_scope(self):
         """What a user's model and losses are evaluated in for their shapes alone, outside any
-        program (the Trainer's loss check and state shapes, a restore's target): what
-        `tracing_scope` gives a ``strategy.jit`` step (this mesh as JAX's abstract mesh, so
-        ``jax.lax.with_sharding_constraint`` with a bare ``PartitionSpec`` names its axes, and the
-        logical rules), with the mesh's Explicit axes Auto (a shape never depends on axis types:
-        `jaxdist.strategies.layout.shape_scope`), on this mesh whatever mesh the caller set
+        program (the Trainer's loss check and state shapes, a restore's target): `tracing_scope`'s
+        mesh and logical rules, with the mesh's Explicit axes Auto (a shape never depends on axis
+        types: `jaxdist.strategies.layout.shape_scope`), on this mesh whatever mesh the caller set
         (`call_scope`). Arrays entering it pass through `untyped`.
 
         Examples:

@@ -58,8 +58,7 @@ _placed_lock = threading.Lock()
 
 
 def mark_placed_batch(x: Any) -> None:
-    """Record that the input functions placed ``x`` as a distributed batch (the role it carries from
-    now on)."""
+    """Record that the input functions placed ``x`` as a distributed batch (a role it keeps)."""
     if not isinstance(x, jax.Array):
         return
     key = id(x)
@@ -68,8 +67,7 @@ def mark_placed_batch(x: Any) -> None:
 
 
 def placed_as_batch(x: Any) -> bool:
-    """True when ``x`` itself (not a value computed from it) was placed as a batch by the input
-    functions."""
+    """Whether the input functions placed ``x`` itself (not a value derived from it) as a batch."""
     ref = _placed.get(id(x))
     return ref is not None and ref() is x
 

@@ -67,8 +67,7 @@ def is_variable(x: Any) -> bool:
 
 
 def is_annotated(x: Any) -> bool:
-    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx
-    Variable."""
+    """True for a leaf carrying its own partitioning annotation: a Flax box or an nnx Variable."""
     return isinstance(x, (Partitioned, nnx.Variable))
 
 

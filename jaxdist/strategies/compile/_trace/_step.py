@@ -91,8 +91,7 @@ class StepTrace:
     **kwargs)`` by its programs, where ``nnx_static`` is ``(graphdef, nnx positions, provenance
     key)``.
 
-    Its calls are decided under ``ambient.call(step_trace, (placed args, kwargs, nnx state))``: the
-    trace reads the placed values there (see the module doc).
+    Its calls are decided under ``ambient.call(step_trace, (placed args, kwargs, nnx state))``.
 
     Args:
         policy: the strategy's `LayoutPolicy`.
