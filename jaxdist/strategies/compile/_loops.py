@@ -191,8 +191,7 @@ def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
-        # Each device (of this process) gets its own columns of the stack, from host views, wherever
-        # the mesh puts them.
+        # each device of this process gets its own columns of the stack, from host views
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(stack, *batches)
@@ -265,8 +264,7 @@ def _build(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_
         with ambient.probe():
             _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state,
                                            first)
-        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry
-        # it too.
+        # on Explicit axes a layout is part of the type: the loop's initial outputs carry it too
         typed = bool(explicit_axes(policy.mesh))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype,
                                                  out_sharding=s.sharding if typed else None),

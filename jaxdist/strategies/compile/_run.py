@@ -231,8 +231,7 @@ class ReplicaRunner:
                 and len(dynamic) == len(flat)
                 and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
-            # Nothing placed, no statics, no sync-on-read values: later calls like this one take the
-            # fast path.
+            # nothing placed, no statics, no sync-on-read values: such calls next take the fast path
             known = self._programs.peek(fn, fast[0])
             if known is None:
                 self._programs.put(fn, fast[0], known := [])
@@ -321,13 +320,11 @@ class ReplicaRunner:
                         ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
-                # A sync-on-read argument or captured value returned (``return
-                # seen.assign_add(...)``): read now, while its view is open, and given back as the
-                # very object (`_passed_back`).
+                # A sync-on-read argument or captured value returned (``return seen.assign_add()``):
+                # read while its view is open, and given back as the very object (`_passed_back`).
                 out, passed = _passed_back(out, synced, captured)
             # Sync-on-read arguments updated in place (``assign_add``): their new components leave
-            # the program after the outputs and are stored back in the objects passed in
-            # (`ReplicaRunner.__call__`).
+            # after the outputs and are stored back in the objects passed in (`__call__`).
             if probe:
                 out_info["updated"] = tuple(i for i, obj in synced if assigned(obj))
             updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced
@@ -467,9 +464,8 @@ class ReplicaRunner:
         def program(*dyn, arguments=(), every=False, tracing=None):
             if tracing is None:
                 tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
-            # Inside a compiled step the check is a host callback of that step, on request only (it
-            # would run at every call of the step); called eagerly, the first call and every call on
-            # request.
+            # Inside a compiled step the check is a host callback, on request only (it would run at
+            # every call); called eagerly, the first call and every call on request.
             verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
                 results = (first["compiled"] if verify else compiled)(

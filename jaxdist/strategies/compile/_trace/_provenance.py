@@ -62,9 +62,8 @@ class Provenance:
     def __init__(self, policy: Any):
         self._explicit = policy.roles.explicit_axes
         self.tells = bool(self._explicit) and policy.splits_variables
-        # (nnx positions, provenance) of a program -> (its output treedef, which outputs leave in
-        # jaxdist's layouts, the first one's key path); the graphdef is left out of the key (hashing
-        # one costs ~1 ms)
+        # (nnx positions, provenance) of a program -> (output treedef, which outputs leave in
+        # jaxdist's layouts, the first one's key path); no graphdef in the key (hashing one: ~1 ms)
         self._owned: dict[tuple, tuple] = {}
 
     def key(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:
