@@ -169,8 +169,7 @@ class ProgramCache:
             return program
 
     def put(self, fn: Any, key: Hashable, program: Any) -> None:
-        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and
-        bounded like every other)."""
+        """Cache ``program`` for ``(fn, key)`` (a fast-path entry, weak on ``fn`` and bounded)."""
         with self._lock:
             programs = self._programs_of(fn)
             programs[key] = program

@@ -22,8 +22,7 @@ __all__ = ["Static", "combine", "holds_module", "partition"]
 
 
 def holds_module(args: tuple, kwargs: dict) -> bool:
-    """Whether an argument is an Equinox module (checked on the arguments themselves: one
-    ``isinstance`` each).
+    """Whether an argument is an Equinox module (one ``isinstance`` per argument, not per leaf).
 
     Examples:
         >>> holds_module((1.0,), {})

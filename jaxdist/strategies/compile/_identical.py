@@ -340,8 +340,7 @@ def _verdict(fact: _Fact) -> str:
 def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
                   axes: Mapping[str, int | None] | Sequence[str]) -> list[str]:
     """For each output of a replica function's ``jaxpr``: `IDENTICAL` (proven the same on every
-    replica), `DECLARED` (marked per replica on purpose with ``ReplicaContext.per_replica``) or
-    `DIFFERENT`.
+    replica), `DECLARED` (per replica on purpose: ``ReplicaContext.per_replica``) or `DIFFERENT`.
 
     Args:
         jaxpr: the replica function's jaxpr (a ``Jaxpr`` or ``ClosedJaxpr``), as traced inside
@@ -377,8 +376,7 @@ def _shard_map(program: Any) -> Any:
 def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
     """`output_values` of the one ``shard_map`` in ``program`` (the probe of ``strategy.run``), each
     input's facts read from the outside: an input split over replica axes (``in_specs``) differs
-    over them; one passed whole (a mirrored argument, a constant the function closed over) is the
-    same on every replica.
+    over them; one passed whole (a mirrored argument, a closed-over constant) does not.
 
     Raises:
         ValueError: for a ``while_loop`` whose trip count may differ between replicas with a
@@ -531,8 +529,7 @@ def updated_inputs(program: Any) -> list[frozenset[int]]:
     """For each output of the one ``shard_map`` in ``program``, the inputs of ``program`` it takes
     the place of: reached from them by element-wise arithmetic (any depth of nesting, casts,
     selects, loops), outside a backward pass. ``params - lr * grads`` carries ``params``; a gradient
-    carries nothing (JAX computes it in its backward pass, even the ``wd * params`` of a
-    weight-decay term).
+    carries nothing (JAX computes it in its backward pass, even a weight-decay ``wd * params``).
 
     Examples:
         >>> import jax, jax.numpy as jnp

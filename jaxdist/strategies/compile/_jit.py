@@ -302,9 +302,8 @@ class StrategyFunction:
 
     def _leaf_key(self, key: tuple, args: tuple) -> Any:
         """The express path's key on a policy that reads the leaves (`_reads_leaves`): the argument
-        types and the provenance of their layouts; None (no express call) where a leaf is not on the
-        mesh in a job of several processes (a host array there holds a process's own rows: the full
-        path places it)."""
+        types and the provenance of their layouts; None (no express call) where a leaf is off the
+        mesh in a job of several processes (a host array there holds a process's own rows)."""
         leaves = jax.tree.leaves(args)
         shardings = shardings_of(leaves)
         if self._policy.spans_processes and not all_on_mesh(leaves, self._policy.mesh, shardings):

@@ -2,8 +2,7 @@
 
 The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked
 and placed once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU
-infeed), and a `jax.lax.scan` runs the step over them on the devices. The host is involved once per
-call, not once per step.
+infeed), and a `jax.lax.scan` runs the step over them on the devices: the host works once per call.
 
 ``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may
 call ``strategy.run``), ``ctx`` its `MultiStepContext`.

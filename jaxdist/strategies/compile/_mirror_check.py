@@ -36,8 +36,7 @@ _MULTIPLIER = np.uint32(0x9E3779B1)  # odd: an element's change always changes t
 
 def check_mirrored_arg(check_mirrored: str | None) -> str:
     """``strategy.run``'s ``check_mirrored`` validated: ``"first"`` or ``"every"``; None reads
-    ``JAXDIST_CHECK_MIRRORED`` (a debugger's switch, read at each call), ``"first"`` where it is not
-    set.
+    ``JAXDIST_CHECK_MIRRORED`` (a debugger's switch, read at each call), else ``"first"``.
 
     Raises:
         ValueError: for another value (of the argument or of the environment variable), naming both

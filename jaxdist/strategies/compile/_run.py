@@ -619,9 +619,8 @@ def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
 
 
 def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
-    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh:
-    JAX lowers ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave
-    the strategy's)."""
+    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh
+    (JAX lowers ``axis_index`` on a partly manual mesh through it; ``scope()`` sets another)."""
     if mesh is policy.mesh or traced:
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)
@@ -629,8 +628,7 @@ def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
 
 def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
     """JAX's error for a collective over an axis name the program does not bind, found by tracing
-    again; None when the first trace failed for another reason (the replica function's own
-    ``assert`` or NameError).
+    again; None when the first trace failed otherwise (the function's own ``assert`` or NameError).
 
     JAX fails such a collective in several ways (a ``NameError``, a bare ``AssertionError`` inside
     ``psum``, a ``ValueError`` for a tuple of names). Traced again without the value-type check (on

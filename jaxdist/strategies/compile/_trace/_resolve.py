@@ -182,8 +182,7 @@ def _typed_split(x: jax.Array) -> PartitionSpec | None:
 
 def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
     """A returned nnx ``State`` whose paths are those of the step's nnx arguments (all of them, as a
-    tuple, or one of them): each Variable in that argument's layout. None when its paths match no
-    argument's."""
+    tuple, or one): each Variable in that argument's layout. None when its paths match none."""
     entries = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable)
     keys = [tuple(path) for path, _ in entries]
     if not keys:

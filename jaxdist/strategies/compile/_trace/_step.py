@@ -87,9 +87,8 @@ def enter(traced: Any, concrete: Any) -> Any:
 
 
 class StepTrace:
-    """The traced body of one ``strategy.jit`` step: called as ``(nnx_static, nnx_state, *args,
-    **kwargs)`` by its programs, where ``nnx_static`` is ``(graphdef, nnx positions, provenance
-    key)``.
+    """The traced body of one ``strategy.jit`` step, called by its programs as ``(nnx_static,
+    nnx_state, *args, **kwargs)``; ``nnx_static``: ``(graphdef, nnx positions, provenance key)``.
 
     Its calls are decided under ``ambient.call(step_trace, (placed args, kwargs, nnx state))``.
 
