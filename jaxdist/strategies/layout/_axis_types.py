@@ -19,8 +19,7 @@ Auto: where the Auto trace succeeds, the program runs Auto; where it fails too, 
 error is raised (where the Auto trace failed otherwise, its error chained as the cause and
 ``axis_types=`` named). Told apart by re-tracing and by the errors' types and places, never by an
 error's message. JAX caches the program that traced, so a steady-state call never repeats the
-decision. ``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``) forces
-either.
+decision; ``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``) forces one.
 
 Inside a program, code that lays values out asks the trace, not the strategy's mesh: `explicit_axes`
 (the mesh's axes Explicit in the current trace) and `trace_mesh` / `in_trace` (the mesh, or a layout
@@ -171,8 +170,7 @@ def say(mesh: Any, name: str, auto: bool) -> None:
 def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], name: str) -> Any:
     """``call()`` (which may trace a program of ``name`` on ``mesh``) with the program's axis types
     decided: ``axis_types`` when given; else the mesh's Explicit axes, and when the trace raises
-    `ExplicitRefused`, the same call again with them Auto (the trace that succeeds logs which:
-    `say`).
+    `ExplicitRefused`, the same call again with them Auto (the trace that succeeds logs which).
 
     Raises:
         When both traces fail, with a note: where the Explicit trace's error is no type refusal,

@@ -1,5 +1,4 @@
-"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's
-own mesh.
+"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's.
 
 A strategy's mesh has two kinds of axes:
 
@@ -18,8 +17,7 @@ A strategy's mesh has two kinds of axes:
   batch like any batch axis ("dp2ep"), and the FSDP rule splits other variables over them unless
   ``fsdp_axes`` leaves them out.
 * **model axes**: every other axis. Only layout rules and annotations split variables over them
-  (tensor parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline
-  stages.
+  (tensor parallelism); a batch is whole along them; **stage axes** among them hold pipeline stages.
 
 Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and
 ``"batch"``) the context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert
@@ -68,8 +66,7 @@ LAYERS = "layers"
 "layers"}``, `jaxdist.nn.Pipeline`): split over the stage axes."""
 
 EXPERT_NAMES = ("expert", "exp")
-"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over
-the expert axes."""
+"""The logical names of the stacked expert axis, split over the expert axes (`jaxdist.nn.MoE`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +246,7 @@ class AxisRoles:
         return self.role_axes[role] if role in self.role_axes else getattr(self, f"{role}_axes")
 
     def entry(self, role: str) -> str | tuple[str, ...] | None:
-        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple
-        of several.
+        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or a tuple.
 
         Examples:
             >>> import jax

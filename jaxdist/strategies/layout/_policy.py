@@ -485,8 +485,7 @@ class LayoutPolicy:
     # --------------------------------------------------------------------------------------- checks
     def idle_axes(self, specs: Any) -> list[str]:
         """The model axes (size > 1) that none of ``specs`` (the `PartitionSpec`s or shardings of a
-        program's variables) splits and no activation uses (``activation_axes`` names mapped to
-        them)."""
+        program's variables) splits and no activation uses (through ``activation_axes``)."""
         model = [a for a in self.roles.model_axes if self.mesh.shape[a] > 1]
         if not model:
             return []

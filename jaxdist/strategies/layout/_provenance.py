@@ -1,5 +1,4 @@
-"""Where a layout came from: jaxdist's own placements told from the user's, by the sharding object
-itself.
+"""Where a layout came from: jaxdist's own placements told from the user's by the sharding object.
 
 On a mesh with ``Explicit`` axes a variable that jaxdist split by its own rule (FSDP) enters a step
 typed whole (`jaxdist.strategies.compile._trace._resolve.typed_whole_at_entry`), so unannotated

@@ -84,8 +84,7 @@ def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
     A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``,
     ``out_sharding=`` / ``sharding=`` metadata) is boxed as linen's are: names that are all axes of
     ``mesh_axes`` as a `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the
-    strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything
-    else.
+    strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``); else None.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -219,8 +218,7 @@ class VariableRules:
     def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None,
              dtype: Any = None) -> PartitionSpec:
         """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first
-        layout rule, else annotation, else FSDP (never for a typed PRNG key array: see the module
-        doc).
+        layout rule, else annotation, else FSDP (never for a typed PRNG key array: module doc).
 
         Raises:
             ValueError: when a rule or annotation splits a dimension into parts that do not divide
