@@ -28,19 +28,7 @@ from jaxdist.strategies.compile._run import check_axis_name as check_axis_name
 from jaxdist.strategies.compile._signatures import as_argnums as as_argnums
 from jaxdist.strategies.compile._vma import check_vma_arg as check_vma_arg
 
-__all__ = [
-    "MultiStepContext",
-    "ProgramCache",
-    "ProgramMismatchError",
-    "RecompileWarning",
-    "ReplicaRunner",
-    "StrategyFunction",
-    "as_argnums",
-    "check_axis_name",
-    "check_mirrored_arg",
-    "check_vma_arg",
-    "gather",
-    "local_results",
-    "reduce",
-    "run_steps_on_dataset",
-]
+__all__ = ["MultiStepContext", "ProgramCache", "ProgramMismatchError", "RecompileWarning",
+           "ReplicaRunner", "StrategyFunction", "as_argnums", "check_axis_name",
+           "check_mirrored_arg", "check_vma_arg", "gather", "local_results", "reduce",
+           "run_steps_on_dataset"]

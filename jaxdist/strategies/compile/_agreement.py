@@ -1,5 +1,4 @@
-"""Program agreement: in a job of several processes, every process must run the same compiled
-programs.
+"""Program agreement: in a job of several processes, every process must run the same programs.
 
 Processes that compile different programs (another code version on one host, a configuration that
 drifted, an optimizer built with another learning rate) still meet in the same collectives, so
@@ -11,8 +10,8 @@ key-value store, with a timeout: a mismatch is an error on every process, raised
 runs, naming the processes that differ and what to check; a process that never arrives is an error
 after ``timeout`` seconds, not a wait.
 
-It costs one lowering and one key-value exchange per program and process (a few milliseconds; the
-numbers are in the benchmarks' notes), nothing per step, and nothing at all in a single process.
+It costs one lowering and one key-value exchange per program and process (a few milliseconds),
+nothing per step, and nothing at all in a single process.
 """
 
 from __future__ import annotations
@@ -38,11 +37,9 @@ _lock = threading.Lock()
 
 
 class ProgramMismatchError(RuntimeError):
-    """The processes of a job compiled different programs for the same step (or one never reached
-    it).
+    """The processes of a job compiled different programs for one step (or one never reached it).
 
-    Raised on every process, before the program runs; the message names the processes and what to
-    check.
+    Raised on every process, before the program runs, naming the processes and what to check.
 
     Examples:
         >>> import jaxdist as jd
@@ -65,8 +62,7 @@ def fingerprint(lowered: Any) -> str:
 
 
 def agree(name: str, digest: str, timeout: float | None = None) -> None:
-    """Compare ``digest`` (this process's fingerprint of program ``name``) with every other
-    process's.
+    """Compare ``digest`` (this process's fingerprint of program ``name``) with every other's.
 
     Every process calls it for its programs in the order it compiles them; the n-th call of each
     process is compared with the n-th call of the others. A no-op in a single process.
@@ -83,8 +79,7 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
     if count == 1:
         return
     client = _distributed.global_state.client
-    # several processes without the coordination service: nothing to talk through
-    if client is None:
+    if client is None:  # several processes without the coordination service: nothing to talk to
         return
     with _lock:
         n = next(_counter)
@@ -100,19 +95,16 @@ def agree(name: str, digest: str, timeout: float | None = None) -> None:
                 f"process {pid} did not reach program {n} ({name!r}) within {wait / 1000:.0f} s: "
                 "it is stuck, dead, or running another program (code version, configuration); its "
                 f"stack or log says which ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''})."
-            ) from None
+                f"{str(error).splitlines()[0] if str(error) else ''}).") from None
         other_digest, _, other_name = value.partition(" ")
         seen[pid] = (other_digest, other_name)
     reference = seen[0]
     differ = sorted(pid for pid, entry in seen.items() if entry != reference)
     if differ:
-        names = ", ".join(
-            f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}" for pid in [0, *differ]
-        )
-        raise ProgramMismatchError(
-            f"the processes compiled different programs for step {n} of this job ({name!r} here): "
-            f"process(es) {differ} differ from process 0 ({names}). Every process must run the "
-            "same code version, the same configuration (optimizer, learning rate, model sizes) and "
-            "the same input shapes; nothing has run."
-        )
+        names = ", ".join(f"process {pid}: {seen[pid][1]!r} {seen[pid][0][:12]}"
+                          for pid in [0, *differ])
+        raise ProgramMismatchError(f"the processes compiled different programs for step {n} of "
+                                   f"this job ({name!r} here): process(es) {differ} differ from "
+                                   f"process 0 ({names}). Every process must run the same code "
+                                   "version, the same configuration (optimizer, learning rate, "
+                                   "model sizes) and the same input shapes; nothing has run.")

@@ -1,21 +1,16 @@
 """The compiled programs: `ProgramCache`, a strategy's (``run``, on-device loops, reduce/gather),
 and `StepPrograms`, one ``strategy.jit`` step's (its own `jax.jit` objects, whose C++ dispatch
-serves its calls; they live as long as the step, one per kind of call, with JAX's trace cache inside
-each).
+serves its calls).
 
-`ProgramCache` makes three promises, the ones `jax.jit` makes for its own cache:
+`ProgramCache` makes the promises `jax.jit` makes for its own cache:
 
-* weak on user functions: the programs built for a function live as long as the function does. A
-  program never holds its user function strongly (it calls it through a weak reference), so a
+* weak on user functions: a program calls its user function through a weak reference, so a
   ``lambda`` made fresh in a loop and its programs are freed together;
 * bounded: at most ``max_per_function`` programs per function and ``max_functions`` functions held
   strongly (callables that cannot be weakly referenced), least recently used first out;
 * loud about waste: when the same call site (the same code object) keeps compiling, one warning says
-  why — a new function object every call, a new static value, or new shapes — and what to do about
-  it.
-
-``strategy.jit`` steps report their traces here too (`note_trace`), so the warning covers every way
-a strategy compiles.
+  why (a new function object every call, a new static value, or new shapes) and what to do. Steps
+  report their traces here too (`note_trace`), so it covers every way a strategy compiles.
 """
 
 from __future__ import annotations
@@ -49,11 +44,9 @@ def _describe(fn: Any) -> str:
 
 
 def weak_callable(fn: Callable) -> Callable:
-    """A callable that calls ``fn`` through a weak reference (so a cached program does not keep it
-    alive).
+    """``fn`` called through a weak reference (so a cached program does not keep it alive).
 
-    Bound methods are held through `weakref.WeakMethod`; callables that cannot be weakly referenced
-    are held as they are.
+    Bound methods are held through `weakref.WeakMethod`; what cannot be weakly referenced, as is.
 
     Examples:
         >>> def f(x):
@@ -101,10 +94,8 @@ class ProgramCache:
         self.max_functions = max_functions
         self.warn_after = warn_after
         self._lock = threading.RLock()
-        # id token -> programs (entry dropped when fn dies)
-        self._weak: dict[Any, collections.OrderedDict] = {}
-        # fn -> programs (bounded LRU)
-        self._strong: collections.OrderedDict = collections.OrderedDict()
+        self._weak: dict[Any, collections.OrderedDict] = {}  # id token -> programs, while fn lives
+        self._strong: collections.OrderedDict = collections.OrderedDict()  # fn -> programs, LRU
         self._sites: dict[Any, dict] = {}  # code object -> {"count", "last", "warned"}
 
     def clear(self) -> None:
@@ -116,9 +107,7 @@ class ProgramCache:
     def __len__(self) -> int:
         """How many programs are cached (over every function still alive)."""
         with self._lock:
-            return sum(len(p) for p in self._weak.values()) + sum(
-                len(p) for p in self._strong.values()
-            )
+            return sum(len(p) for p in (*self._weak.values(), *self._strong.values()))
 
     def _programs_of(self, fn: Any) -> collections.OrderedDict:
         owner = getattr(fn, "__self__", None) if hasattr(fn, "__func__") else None
@@ -156,10 +145,7 @@ class ProgramCache:
                 programs.move_to_end(key)
                 return program
         program = build(weak_callable(fn) if fn is not None else None)
-        with self._lock:
-            programs[key] = program
-            while len(programs) > self.max_per_function:
-                programs.popitem(last=False)
+        self.put(fn if fn is not None else ProgramCache, key, program)
         if fn is not None:
             self.note_trace(fn, reason if reason is not None else key)
         return program
@@ -183,8 +169,7 @@ class ProgramCache:
             return program
 
     def put(self, fn: Any, key: Hashable, program: Any) -> None:
-        """Cache ``program`` for ``(fn, key)`` (a caller's fast-path entry: weak on ``fn`` and
-        bounded like every other)."""
+        """Cache ``program`` for ``(fn, key)`` (a fast-path entry, weak on ``fn`` and bounded)."""
         with self._lock:
             programs = self._programs_of(fn)
             programs[key] = program
@@ -192,8 +177,7 @@ class ProgramCache:
                 programs.popitem(last=False)
 
     def note_trace(self, fn: Any, signature: Any) -> None:
-        """Record that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on a
-        churning site."""
+        """Note that ``fn`` was traced for ``signature`` (``(statics, shapes)``); warn on churn."""
         site = _site(fn)
         with self._lock:
             info = self._sites.setdefault(site, {"count": 0, "last": None, "warned": False})
@@ -204,12 +188,9 @@ class ProgramCache:
                 return
             info["warned"] = True
         why = _why(last, fn, signature)
-        warnings.warn(
-            f"{_describe(fn)} has been compiled {info['count']} times at the same call site: "
-            f"{why}. Each compile costs ~100 ms or more.",
-            RecompileWarning,
-            stacklevel=4,
-        )
+        warnings.warn(f"{_describe(fn)} has been compiled {info['count']} times at the same call "
+                      f"site: {why}. Each compile costs ~100 ms or more.", RecompileWarning,
+                      stacklevel=4)
 
 
 def _weakable(fn: Any) -> bool:
@@ -224,23 +205,17 @@ def _why(last: tuple, fn: Any, signature: Any) -> str:
     last_ref, last_id, last_sig = last
     same_fn = (last_ref() is fn) if last_ref is not None else last_id == id(fn)
     if not same_fn:
-        return (
-            "a new function object every call (e.g. a lambda or nested function defined inside the "
-            "loop); define the function once, outside the loop, and pass changing values as "
-            "arguments"
-        )
-    if isinstance(signature, tuple) and isinstance(last_sig,
-                                                   tuple) and len(signature) == len(last_sig) == 2:
+        return ("a new function object every call (e.g. a lambda or nested function defined inside "
+                "the loop); define the function once, outside the loop, and pass changing values "
+                "as arguments")
+    if (isinstance(signature, tuple) and isinstance(last_sig, tuple)
+            and len(signature) == len(last_sig) == 2):
         if signature[0] != last_sig[0]:
-            return (
-                f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
-                f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "
-                "static arguments"
-            )
-        return (
-            f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep "
-            "shapes fixed, e.g. pad or drop a ragged last batch"
-        )
+            return (f"a new static (compile-time) value each call (was {last_sig[0]!r}, now "
+                    f"{signature[0]!r}); pass values that change as arrays, not Python scalars or "
+                    "static arguments")
+        return (f"new argument shapes or dtypes (was {last_sig[1]!r}, now {signature[1]!r}); keep "
+                "shapes fixed, e.g. pad or drop a ragged last batch")
     return f"a new signature each call (was {last_sig!r}, now {signature!r})"
 
 
@@ -288,8 +263,7 @@ class StepPrograms:
         self.misses: dict[Any, int] = {}
 
     def install(self, key: Any, program: Callable, static: tuple) -> None:
-        """Serve calls with ``key`` by ``program`` (unless the key has missed `MAX_MISSES`
-        times)."""
+        """Serve calls with ``key`` by ``program`` (unless it has missed `MAX_MISSES` times)."""
         if self.misses.get(key, 0) < self.MAX_MISSES:
             self.express[key] = program, static
 

@@ -22,8 +22,7 @@ __all__ = ["Static", "combine", "holds_module", "partition"]
 
 
 def holds_module(args: tuple, kwargs: dict) -> bool:
-    """Whether an argument is an Equinox module (checked on the arguments themselves: one
-    ``isinstance`` each).
+    """Whether an argument is an Equinox module (one ``isinstance`` per argument, not per leaf).
 
     Examples:
         >>> holds_module((1.0,), {})
@@ -34,8 +33,7 @@ def holds_module(args: tuple, kwargs: dict) -> bool:
 
 
 class Static:
-    """The non-array leaves of a pytree and its structure: hashable, so it can be a static argument
-    of a program.
+    """The non-array leaves of a pytree and its structure: hashable, a program's static argument.
 
     Leaves compare by equality where they define it (numbers, strings) and by identity otherwise
     (functions, ``custom_jvp`` objects), as `jax.jit` compares static arguments.
@@ -51,8 +49,8 @@ class Static:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other,
-                          Static) and self.treedef == other.treedef and self.leaves == other.leaves
+        return (isinstance(other, Static) and self.treedef == other.treedef
+                and self.leaves == other.leaves)
 
 
 def _is_traced(x: Any) -> bool:
@@ -63,8 +61,7 @@ def _is_traced(x: Any) -> bool:
 
 
 def partition(tree: Any) -> tuple[Any, Static]:
-    """``tree`` split into its array leaves (the same structure, None elsewhere) and a `Static` of
-    the rest.
+    """``tree`` split into its array leaves (None elsewhere) and a `Static` of others.
 
     Raises:
         TypeError: when a non-array leaf is not hashable (it would be part of the compiled program).
@@ -82,11 +79,10 @@ def partition(tree: Any) -> tuple[Any, Static]:
         static = Static(treedef, rest)
     except TypeError as error:
         bad = next(x for x in rest if getattr(type(x), "__hash__", None) is None)
-        raise TypeError(
-            f"a non-array leaf of an Equinox argument, {bad!r} (type {type(bad).__name__}), is not "
-            "hashable: strategy.jit makes every non-array leaf part of the compiled program, as "
-            "eqx.filter_jit does; make it hashable (a tuple, a frozen dataclass) or an array."
-        ) from error
+        raise TypeError(f"a non-array leaf of an Equinox argument, {bad!r} (type "
+                        f"{type(bad).__name__}), is not hashable: strategy.jit makes every "
+                        "non-array leaf part of the compiled program, as eqx.filter_jit does; make "
+                        "it hashable (a tuple, a frozen dataclass) or an array.") from error
     return jax.tree.unflatten(treedef, arrays), static
 
 

@@ -1,20 +1,14 @@
-"""Which values of a replica function are the same on every replica: a proof read from its jaxpr,
-failing closed.
+"""Which values of a replica function are the same on every replica: a proof from its jaxpr, failing
+closed.
 
-JAX's varying types answer a coarser question, and fail open where this one must not. Inside
-``strategy.run`` each replica owns its copy of a mirrored argument (it enters cast to *varying*, so
-that ``jax.grad`` gives local gradients, as in tf.distribute), and so everything computed from it is
-varying by type, even a parameter updated with all-reduced gradients, which is the same on every
-replica. Two cases the types cannot tell apart:
-
-* ``params - lr * all_reduce(grads)``: the same on every replica (tf.distribute's
-  ``apply_gradients``);
-* ``params - lr * grads`` with local gradients: every replica's copy drifts apart, silently.
-
-And a primitive JAX's typing does not know (a new one, an FFI call) types its result invariant
-whatever its inputs. So `program_values` follows *values*, not types: for each value, the set of
-replica axes over which it may differ (empty: the same on every replica, proven). The rules, one per
-kind of primitive:
+JAX's varying types answer a coarser question, and fail open where this one must not: inside
+``strategy.run`` everything computed from a mirrored argument is varying by type (it enters cast to
+*varying*: `jaxdist.strategies.compile._run`), so the types cannot tell ``params - lr *
+all_reduce(grads)`` (the same on every replica) from ``params - lr * grads`` with local gradients
+(every replica's copy drifts apart, silently); and a primitive JAX's typing does not know (an FFI
+call) types its result invariant whatever its inputs. So `program_values` follows *values*: for each
+value, the set of replica axes over which it may differ (empty: proven the same on every replica).
+The rules, one per kind of primitive:
 
 * a primitive in `PURE` (arithmetic, shapes, reductions, products, sorting, linear algebra, random
   bits from a key, ``pure_callback``: a function of its operands alone, as JAX itself assumes)
@@ -52,53 +46,41 @@ from jax.extend import core as jcore
 from jaxdist.replicate.collectives import PER_REPLICA_SCOPE
 from jaxdist.strategies.layout import Role
 
-__all__ = [
-    "CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING",
-    "check_mirrored_outputs", "output_values", "program_values", "updated_inputs",
-]
+__all__ = ["CALLS", "DECLARED", "DIFFERENT", "IDENTICAL", "PURE", "REDUCING", "SPREADING",
+           "check_mirrored_outputs", "output_values", "program_values", "updated_inputs"]
 
 PURE = frozenset({
     # element-wise arithmetic and comparisons
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
-    "bessel_i0e",
-    "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh", "digamma",
-    "div", "eq",
-    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma",
-    "igamma_grad_a", "igammac",
-    "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max",
-    "min", "mul",
-    "ne", "neg", "nextafter", "not", "one_minus_square", "or", "polygamma", "population_count",
-    "pow", "real",
-    "reduce_precision", "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n",
-    "shift_left",
+    "bessel_i0e", "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "cos", "cosh",
+    "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt",
+    "igamma", "igamma_grad_a", "igammac", "imag", "integer_pow", "is_finite", "le", "lgamma", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not",
+    "one_minus_square", "or", "polygamma", "population_count", "pow", "real", "reduce_precision",
+    "regularized_incomplete_beta", "rem", "round", "rsqrt", "select_n", "shift_left",
     "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub",
     "tan", "tanh", "xor", "zeta", "mulhi",
     # shapes, types, indexing, placement (the values stay what they are)
     "bitcast_convert_type", "broadcast_in_dim", "concatenate", "convert_element_type", "copy",
-    "dynamic_slice",
-    "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice", "split", "squeeze",
-    "transpose", "stack", "unstack", "tile", "zeros_like", "stop_gradient", "reciprocal", "log2",
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
-    "device_put", "sharding_constraint", "reshard", "pvary", "optimization_barrier",
+    "dynamic_slice", "dynamic_update_slice", "gather", "iota", "pad", "reshape", "rev", "slice",
+    "split", "squeeze", "transpose", "stack", "unstack", "tile", "zeros_like", "stop_gradient",
+    "reciprocal", "log2", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+    "scatter-max", "device_put", "sharding_constraint", "reshard", "pvary", "optimization_barrier",
     # reductions, scans, products, sorting
     "argmax", "argmin", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod",
-    "reduce_sum",
-    "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min",
-    "reduce_window_sum",
-    "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "dot_general", "conv_general_dilated", "sort", "top_k",
+    "reduce_sum", "reduce_xor", "reduce", "reduce_window", "reduce_window_max", "reduce_window_min",
+    "reduce_window_sum", "select_and_gather_add", "select_and_scatter_add", "cumsum", "cumprod",
+    "cummax", "cummin", "cumlogsumexp", "dot_general", "conv_general_dilated", "sort", "top_k",
     # linear algebra, FFT
     "cholesky", "eigh", "lu", "lu_pivots_to_permutation", "qr", "householder_product", "geqrf",
     "svd", "triangular_solve", "tridiagonal_solve", "fft",
     # random bits: functions of the key
     "random_bits", "random_fold_in", "random_seed", "random_split", "random_unwrap", "random_wrap",
     "threefry2x32", "rng_bit_generator", "random_gamma", "random_clone",
-    # a host function JAX itself treats as pure (same operands, same result; JAX may drop or merge
-    # calls)
+    # a host function JAX itself treats as pure (same operands, same result)
     "pure_callback",
 })
-"""Primitives whose results are functions of their operands alone: identical operands, identical
-results."""
+"""Primitives whose results are functions of their operands alone (identical in, identical out)."""
 
 REDUCING = frozenset({"psum", "pmax", "pmin", "psum_invariant", "all_gather",
                       "all_gather_invariant"})
@@ -216,12 +198,8 @@ class _Reader:
         if name in ("add", "sub", "max", "min") and all(f.bounds
                                                         for f in inputs) and len(inputs) == 2:
             (a0, a1), (b0, b1) = inputs[0].bounds, inputs[1].bounds
-            bounds = {
-                "add": (a0 + b0, a1 + b1),
-                "sub": (a0 - b1, a1 - b0),
-                "max": (max(a0, b0), max(a1, b1)),
-                "min": (min(a0, b0), min(a1, b1)),
-            }[name]
+            bounds = {"add": (a0 + b0, a1 + b1), "sub": (a0 - b1, a1 - b0),
+                      "max": (max(a0, b0), max(a1, b1)), "min": (min(a0, b0), min(a1, b1))}[name]
             return [_Fact(frozenset() if bounds[0] == bounds[1] else union.axes,
                           bounds=bounds)] * n_out
         if name == "cond":
@@ -344,8 +322,7 @@ def _jaxprs(params: Mapping[str, Any]) -> list[Any]:
 
 
 def _scan_parts(eqn: Any, n_inputs: int) -> tuple[int | None, int]:
-    """How many of a scan's operands are constants and carries (jax >= 0.12 says it by the inputs'
-    structure)."""
+    """How many of a scan's operands are constants and carries (jax >= 0.12: by input structure)."""
     if "num_consts" in eqn.params:
         return eqn.params["num_consts"], eqn.params["num_carry"]
     try:
@@ -363,8 +340,7 @@ def _verdict(fact: _Fact) -> str:
 def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
                   axes: Mapping[str, int | None] | Sequence[str]) -> list[str]:
     """For each output of a replica function's ``jaxpr``: `IDENTICAL` (proven the same on every
-    replica), `DECLARED` (marked per replica on purpose with ``ReplicaContext.per_replica``) or
-    `DIFFERENT`.
+    replica), `DECLARED` (per replica on purpose: ``ReplicaContext.per_replica``) or `DIFFERENT`.
 
     Args:
         jaxpr: the replica function's jaxpr (a ``Jaxpr`` or ``ClosedJaxpr``), as traced inside
@@ -375,8 +351,7 @@ def output_values(jaxpr: Any, varying_inputs: Sequence[frozenset[str] | bool],
             agree).
 
     Returns:
-        One of the three per output; every output `DIFFERENT` when the inputs do not match
-        ``jaxpr``'s.
+        One of the three per output; all `DIFFERENT` when the inputs do not match ``jaxpr``'s.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -401,8 +376,7 @@ def _shard_map(program: Any) -> Any:
 def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
     """`output_values` of the one ``shard_map`` in ``program`` (the probe of ``strategy.run``), each
     input's facts read from the outside: an input split over replica axes (``in_specs``) differs
-    over them; one passed whole (a mirrored argument, a constant the function closed over) is the
-    same on every replica.
+    over them; one passed whole (a mirrored argument, a closed-over constant) does not.
 
     Raises:
         ValueError: for a ``while_loop`` whose trip count may differ between replicas with a
@@ -431,15 +405,14 @@ def program_values(program: Any, axes: Mapping[str, int | None]) -> list[str]:
 
 
 def _stall_message(collectives: list[str]) -> str:
-    return (
-        "a while_loop whose trip count may differ between replicas (its condition is computed from "
-        "a replica's own values) runs a collective over the replicas inside "
-        f"({', '.join(collectives)}): a replica that stops early leaves the others waiting for it "
-        "forever (XLA aborts after a rendezvous timeout). Make the condition the same on every "
-        "replica (combine what it reads first, e.g. "
-        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed number of "
-        "times with lax.fori_loop / lax.scan), or move the collective out of the loop."
-    )
+    return ("a while_loop whose trip count may differ between replicas (its condition is computed "
+            "from a replica's own values) runs a collective over the replicas inside "
+            f"({', '.join(collectives)}): a replica that stops early leaves the others waiting for "
+            "it forever (XLA aborts after a rendezvous timeout). Make the condition the same on "
+            "every replica (combine what it reads first, e.g. "
+            "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, residual), or loop a fixed "
+            "number of times with lax.fori_loop / lax.scan), or move the collective out of the "
+            "loop.")
 
 
 def _outer_facts(program: Any, reader: _Reader) -> Any:
@@ -475,8 +448,7 @@ def _size(var: Any) -> int | None:
 
 
 def _backward(eqn: Any) -> bool:
-    """An equation of a backward pass (JAX names it ``transpose(...)``): what it computes is a
-    gradient."""
+    """An equation of a backward pass (JAX names it ``transpose(...)``): it computes a gradient."""
     return "transpose(" in str(eqn.source_info.name_stack)
 
 
@@ -511,24 +483,19 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
             outs = [frozenset().union(*(b[i] for b in branches)) for i in range(n_out)]
         elif name in ("scan", "while"):
             outs = _carry_loop(eqn, given)
-        elif (
-            name in _SAME_ELEMENTS and eqn.invars and _size(eqn.invars[0]) == _size(eqn.outvars[0])
-        ):
+        elif (name in _SAME_ELEMENTS and eqn.invars
+              and _size(eqn.invars[0]) == _size(eqn.outvars[0])):
             outs = [given[0]] * n_out  # the same elements (the probe's ``x[None]``)
         elif name in _PASSED:
             outs = given if len(given) == n_out else [given[0]] * n_out
         elif name in _SUMMED or name in ("select_n", "clamp"):
             picked = {"select_n": eqn.invars[1:], "clamp": eqn.invars[1:2]}.get(name, eqn.invars)
-            outs = [
-                frozenset().union(
-                    *(get(v) for v in picked if getattr(v.aval, "shape", None) == shape)
-                )
-            ] * n_out
+            outs = [frozenset().union(
+                *(get(v) for v in picked if getattr(v.aval, "shape", None) == shape))] * n_out
         elif name in _SCALED and len(eqn.invars) == 2:
             a, b = eqn.invars
-            carried = (
-                get(a) if number(b) else get(b) if name == "mul" and number(a) else frozenset()
-            )
+            carried = (get(a) if number(b) else get(b) if name == "mul" and number(a)
+                       else frozenset())
             outs = [carried if getattr((a if number(b) else b).aval, "shape", None) == shape
                     else frozenset()] * n_out
         else:
@@ -538,18 +505,14 @@ def _carry(jaxpr: Any, inputs: list[frozenset[int]]) -> list[frozenset[int]]:
 
 
 def _carry_loop(eqn: Any, given: list[frozenset[int]]) -> list[frozenset[int]]:
-    """A loop's carries carry what they start from and what the body adds to them (to a fixed
-    point)."""
+    """A loop's carries carry what they start from and what the body adds (to a fixed point)."""
     if eqn.primitive.name == "scan":
         n_consts, n_carry = _scan_parts(eqn, len(given))
         if n_consts is None:
             return [frozenset()] * len(eqn.outvars)
-        body, head, carry, tail = (
-            eqn.params["jaxpr"],
-            given[:n_consts],
-            given[n_consts : n_consts + n_carry],
-            given[n_consts + n_carry :],
-        )
+        body, head, carry, tail = (eqn.params["jaxpr"], given[:n_consts],
+                                   given[n_consts : n_consts + n_carry],
+                                   given[n_consts + n_carry :])
     else:
         n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         body, head, carry, tail = eqn.params["body_jaxpr"], given[n_cond:n_cond + n_body], \
@@ -566,8 +529,7 @@ def updated_inputs(program: Any) -> list[frozenset[int]]:
     """For each output of the one ``shard_map`` in ``program``, the inputs of ``program`` it takes
     the place of: reached from them by element-wise arithmetic (any depth of nesting, casts,
     selects, loops), outside a backward pass. ``params - lr * grads`` carries ``params``; a gradient
-    carries nothing (JAX computes it in its backward pass, even the ``wd * params`` of a
-    weight-decay term).
+    carries nothing (JAX computes it in its backward pass, even a weight-decay ``wd * params``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -588,15 +550,12 @@ def updated_inputs(program: Any) -> list[frozenset[int]]:
 
 
 def _dtype(dtype: Any) -> Any:
-    """``dtype`` comparable with another: numpy's, or JAX's own (a typed PRNG key's ``key<fry>``) as
-    it is."""
+    """``dtype`` comparable with another: numpy's, or JAX's own (a key's ``key<fry>``) as is."""
     return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 
-def check_mirrored_outputs(
-    fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str],
-    out_kinds: Sequence[str], out_updates: Sequence[frozenset[int]],
-) -> None:
+def check_mirrored_outputs(fn: str, treedef: Any, roles: Sequence[Role], out_paths: Sequence[str],
+                           out_kinds: Sequence[str], out_updates: Sequence[frozenset[int]]) -> None:
     """Refuse a replica function whose output takes the place of a mirrored argument but may differ
     between replicas: tf.distribute refuses to update a mirrored variable from replica context
     without aggregating, and a value so returned and fed back as the variable drifts apart silently.
@@ -624,12 +583,9 @@ def check_mirrored_outputs(
                  for p, role in zip(paths, roles, strict=True) if role != Role.STATIC]
     variables = {i for i, role in enumerate(r for r in roles if r != Role.STATIC)
                  if role == Role.VARIABLE}
-    found = [
-        (where, arguments[i])
-        for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
-        if kind == "per_replica"
-        for i in sorted(updates & variables)[:1]
-    ]
+    found = [(where, arguments[i])
+             for where, kind, updates in zip(out_paths, out_kinds, out_updates, strict=True)
+             if kind == "per_replica" for i in sorted(updates & variables)[:1]]
     if found:
         raise ValueError(_message(fn, found))
 
@@ -638,13 +594,12 @@ def _message(fn: str, found: list[tuple[str, str]]) -> str:
     shown = ", ".join(f"{out} takes the place of the mirrored argument {arg}"
                       for out, arg in found[:3]) + (
         f" and {len(found) - 3} more outputs do" if len(found) > 3 else "")
-    return (
-        f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each "
-        "replica updated its own copy, e.g. with its local gradients, and the copies drift apart. "
-        "tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; here, "
-        "combine them before the update: grads = "
-        "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled by "
-        "jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps "
-        "apart on purpose (local SGD, an ensemble, a residual) is declared where it is returned: "
-        "jd.get_replica_context().per_replica(new_value); it then comes back as jd.PerReplica."
-    )
+    return (f"strategy.run({fn}): {shown}, computed from it but differing between replicas: each "
+            "replica updated its own copy, e.g. with its local gradients, and the copies drift "
+            "apart. tf.distribute's optimizer.apply_gradients all-reduces the gradients for you; "
+            "here, combine them before the update: grads = "
+            "jd.get_replica_context().all_reduce(jd.ReduceOp.SUM, grads) (SUM of losses scaled by "
+            "jd.compute_average_loss; MEAN of plain per-replica means). A value each replica keeps "
+            "apart on purpose (local SGD, an ensemble, a residual) is declared where it is "
+            "returned: jd.get_replica_context().per_replica(new_value); it then comes back as "
+            "jd.PerReplica.")

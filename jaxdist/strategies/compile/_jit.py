@@ -1,51 +1,24 @@
-"""The global view: `Strategy.jit` compiles an unmodified single-device step for the strategy's
-layout.
+"""The global view: `Strategy.jit` compiles an unmodified single-device step for its layout.
 
-The step sees global arrays: whole parameters and the whole global batch; XLA's SPMD partitioner
-inserts the collectives, so the step computes what it computes on one device. Where each argument
-lives is decided by what the caller declared or what the value carries, never guessed:
-
-* ``batch_argnums`` declares the batch arguments: their arrays are split on axis 0 over the replicas
-  (host arrays are placed so; a batch the replicas do not divide is a ValueError that says what to
-  do);
-* every other argument is a variable: arrays already on the strategy's mesh keep their layout (a
-  batch from a distributed dataset carries its own); arrays not yet there (numpy, or on another
-  device) take the strategy's VARIABLE layout (mirrored; FSDP on `ShardedStrategy`). Without any
-  ``batch_argnums`` an unplaced array of rank >= 1 might be a batch, so the first one met raises a
-  one-time warning that names the declaration;
-* nnx graph objects (modules, optimizers, metrics, ``nnx.Rngs``) are accepted as ``nnx.jit`` accepts
-  them:
-  their state enters in the variable layout, and their in-place updates are written back after the
-  call.
-
-Outputs get a defined layout: an output with the same structure, shapes and dtypes as a positional
-argument (``state -> new_state``) takes that argument's layout (on a policy that splits variables,
-an argument that came in whole on every device leaves in the variable layout), so state keeps its
-layout from step to step; every other output takes the strategy's variable layout (metrics and
-gradients: mirrored, or FSDP like their parameters on `ShardedStrategy`). Layouts are read only when
-the step is traced.
+The step sees global arrays (whole parameters, the whole global batch) and XLA's SPMD partitioner
+inserts the collectives, so it computes what it computes on one device. Where each argument lives is
+declared or carried by the value, never guessed (`jaxdist.strategies.compile._placing`):
+``batch_argnums`` arguments are split on axis 0 over the replicas; every other argument is a
+variable (an array on the strategy's mesh keeps its layout, any other takes the VARIABLE layout);
+nnx graph objects are taken as ``nnx.jit`` takes them, their in-place updates written back. An
+output shaped like a positional argument (``state -> new_state``) takes that argument's layout,
+every other output the variable layout (`jaxdist.strategies.compile._trace._resolve`). Layouts are
+read only when the step is traced.
 
 Calls cost what ``jax.jit`` calls cost (the express path, `StrategyFunction.__call__`): the full
-path above decides once per argument signature and builds a `jax.jit` program; a later positional
-call with arguments of the same types goes straight to it, and JAX's compiled dispatch checks what
-the decision rests on (shapes, dtypes, weak types, layouts, the trace context). A signature JAX has
-no program for makes the program's trace refuse (`_Refused`, before any of the step's code runs) and
-the call takes the full path. What JAX's cache cannot see is read per call only where it exists: the
-provenance of layouts over Explicit axes on a policy that splits variables, and host arrays in a job
-of several processes. A call with a batch a distributed dataset padded (``remainder="pad"``) always
-takes the full path, with the batch's row weights as one more argument for the ``strategy.run``
-inside the step (`jaxdist.strategies.compile._trace._padded`).
-
-One more rule protects users from an upstream bug: XLA's Shardy partitioner can miscompute conv nets
-whose kernels are split while the batch is replicated. A step of a strategy with split variables
-that receives no distributed batch therefore gathers its variables at entry
-(`Strategy.gathers_variables_without_batch`).
-
-This module is the step's calls: its declarations, its programs and the express path. Where a call's
-arguments go is `jaxdist.strategies.compile._placing`; what runs while a program traces (resolution
-at entry, roles, provenance, the Shardy guards, the outputs' layouts) is the room
-`jaxdist.strategies.compile._trace`; which layout a value gets, and which axis types a program runs
-with, is `jaxdist.strategies.layout`.
+path decides once per argument signature and builds a `jax.jit` program; a later positional call
+with arguments of the same types goes straight to it, and JAX's compiled dispatch checks the rest
+(shapes, dtypes, weak types, layouts, the trace context). A signature JAX has no program for makes
+the trace refuse (`_Refused`, before any of the step's code runs) and the call takes the full path.
+What JAX's cache cannot see is read per call only where it exists: the provenance of layouts over
+Explicit axes on a policy that splits variables, and host arrays in a job of several processes. A
+call with a padded batch (``remainder="pad"``) always takes the full path, its row weights one more
+argument (`jaxdist.strategies.compile._trace._padded`).
 """
 
 from __future__ import annotations
@@ -114,22 +87,14 @@ class StrategyFunction:
         True
     """
 
-    def __init__(
-        self,
-        policy: LayoutPolicy,
-        programs: ProgramCache,
-        fn: Callable,
-        donate_argnums: int | Sequence[int] | None = None,
-        static_argnums: int | Sequence[int] | None = None,
-        batch_argnums: int | Sequence[int] | None = None,
-        *,
-        static_argnames: str | Sequence[str] | None = None,
-        donate_argnames: str | Sequence[str] | None = None,
-        batch_argnames: str | Sequence[str] | None = None,
-        out_layouts: Any = None,
-        axis_types: jax.sharding.AxisType | None = None,
-        _module_arrays: bool = False,
-    ):
+    def __init__(self, policy: LayoutPolicy, programs: ProgramCache, fn: Callable,
+                 donate_argnums: int | Sequence[int] | None = None,
+                 static_argnums: int | Sequence[int] | None = None,
+                 batch_argnums: int | Sequence[int] | None = None, *,
+                 static_argnames: str | Sequence[str] | None = None,
+                 donate_argnames: str | Sequence[str] | None = None,
+                 batch_argnames: str | Sequence[str] | None = None, out_layouts: Any = None,
+                 axis_types: jax.sharding.AxisType | None = None, _module_arrays: bool = False):
         if not callable(fn):
             raise TypeError(f"fn={fn!r} is not callable: strategy.jit compiles a step function.")
         self._policy = policy
@@ -149,26 +114,20 @@ class StrategyFunction:
         for name, nums, names in (("donate", self._donate, self._donate_names),
                                   ("batch", self._batch or (), self._batch_names)):
             both = sorted(set(nums) & set(self._static)) or sorted(
-                set(names) & set(self._static_names)
-            )
+                set(names) & set(self._static_names))
             if both:
-                raise ValueError(
-                    f"argument(s) {both} are both static and in {name}_argnums/{name}_argnames: a "
-                    "static argument is a compile-time constant, not an array; drop it from one of "
-                    "them."
-                )
+                raise ValueError(f"argument(s) {both} are both static and in "
+                                 f"{name}_argnums/{name}_argnames: a static argument is a "
+                                 "compile-time constant, not an array; drop it from one of them.")
         if axis_types is not None and not isinstance(axis_types, jax.sharding.AxisType):
-            raise ValueError(
-                f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None (each "
-                "program decides: the mesh's Explicit axes where the step type-checks with them, "
-                "Auto where not), jax.sharding.AxisType.Auto or jax.sharding.AxisType.Explicit."
-            )
+            raise ValueError(f"axis_types={axis_types!r} is not a jax.sharding.AxisType: pass None "
+                             "(each program decides: the mesh's Explicit axes where the step "
+                             "type-checks with them, Auto where not), jax.sharding.AxisType.Auto "
+                             "or jax.sharding.AxisType.Explicit.")
         self._axis_types = axis_types
-        # Only a mesh with Explicit axes has a decision to make (read once: a call on others skips
-        # it).
+        # Only a mesh with Explicit axes has an axis-type decision to make (read once, here).
         self._decides = bool(policy.roles.explicit_axes) or axis_types is not None
-        # Only where jaxdist splits variables over Explicit axes may its layouts and the user's be
-        # confused.
+        # (jaxdist's layouts and the user's differ only where it splits over Explicit axes)
         self._provenance = Provenance(policy)
         self._tells_provenance = self._provenance.tells
         self._out_layouts = out_layouts
@@ -177,15 +136,12 @@ class StrategyFunction:
         self._modules: dict[int, StrategyFunction] = {}
         # the static part of its outputs, recorded when traced
         self._module_outputs: dict[Static, Static] = {}
-        # Its programs (`StepPrograms`): the full path's, by nnx positions, and the express path's
-        # (see `__call__`).
+        # its programs: the full path's, by nnx positions, and the express path's (`__call__`)
         self._compiled = StepPrograms()
-        # What the argument types cannot tell and JAX's cache does not see: the provenance of
-        # layouts over Explicit axes, and host arrays in a job of several processes (a process's own
-        # rows there, not the global value jax.jit would take them for). Read from the leaves on
-        # such policies only.
+        # What the argument types cannot tell and JAX's cache does not see, read from the leaves on
+        # such policies only: the provenance of layouts over Explicit axes, and host arrays in a job
+        # of several processes (a process's own rows there, not the global value jax.jit sees).
         self._reads_leaves = self._tells_provenance or policy.spans_processes
-        # Where its arguments go before a program runs, and what runs while its programs trace.
         self._place = ArgumentPlacement(policy, fn, self._static, self._static_names, self._batch,
                                         self._batch_names)
         self._trace = StepTrace(policy, programs, fn, self._static, self._static_names, self._batch,
@@ -207,9 +163,8 @@ class StrategyFunction:
                 donate += (1,)
             jitted = self._compiled.full[nodes] = jax.jit(
                 named(self._trace, self._fn), static_argnums=self._static_positions,
-                donate_argnums=donate,
-                static_argnames=self._static_names, donate_argnames=self._donate_names,
-            )
+                donate_argnums=donate, static_argnames=self._static_names,
+                donate_argnames=self._donate_names)
         return jitted
 
     @property
@@ -219,8 +174,7 @@ class StrategyFunction:
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Keyword arguments for positional parameters become positional (as `jax.jit` resolves
-        them), so that ``*_argnums`` and ``*_argnames`` mean the same argument however it is
-        passed."""
+        them), so that ``*_argnums`` and ``*_argnames`` mean an argument however it is passed."""
         if not kwargs or self._signature is None:
             return args, kwargs
         try:
@@ -233,11 +187,10 @@ class StrategyFunction:
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], Any, Any]:
         for k, a in kwargs.items():
             if _is_graph_node(a):
-                raise TypeError(
-                    f"{fn_name(self._fn)}: nnx object passed as keyword-only argument {k!r}; pass "
-                    "nnx modules, optimizers and metrics positionally (or by the name of a "
-                    "positional parameter), so their in-place updates are written back."
-                )
+                raise TypeError(f"{fn_name(self._fn)}: nnx object passed as keyword-only argument "
+                                f"{k!r}; pass nnx modules, optimizers and metrics positionally (or "
+                                "by the name of a positional parameter), so their in-place updates "
+                                "are written back.")
         nodes = tuple(i for i, a in enumerate(args) if i not in self._static and _is_graph_node(a))
         if not nodes:
             return args, nodes, None, None
@@ -291,18 +244,12 @@ class StrategyFunction:
         return combine(step(*arrays, static, **named_arrays), self._module_outputs[static])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The express path: a positional call whose argument types were seen before goes straight to
-        # the program the full path built for them (`_express_program`). JAX's own dispatch then
-        # checks everything else the decision rests on (shapes, dtypes, weak types, layouts, the
-        # trace context), in C++ on a hit; a call whose types JAX has no trace for raises before
-        # anything runs and takes the full path below; one it takes with a trace of its own (another
-        # layout, a host array nested in an argument) enters the program laid out as the full path
-        # lays it out.
+        # The express path (module doc): a positional call whose argument types were seen before
+        # goes straight to the program the full path built for them (`_express_program`); JAX's
+        # dispatch checks the rest in C++, and a call it has no trace for takes the full path below.
         key = refused = None
-        # A batch a distributed dataset padded (remainder="pad") takes the full path, its row
-        # weights brought in for the strategy.run inside the step (`_trace._padded`; a step that
-        # hands it to none is refused).
-        # (a dict's truth first: free while none is padded)
+        # A padded batch takes the full path, its row weights brought in for the strategy.run inside
+        # the step (`_trace._padded`). (A dict's truth first: free while none is padded.)
         padded = bool(PADDED) and holds_padded((args, kwargs))
         if not kwargs and not padded:
             key = tuple(map(type, args))
@@ -317,8 +264,8 @@ class StrategyFunction:
                     refused = program
                     self._compiled.missed(key)
                 else:
-                    return self._provenance.marked(static[1:],
-                                                   out) if self._tells_provenance else out
+                    return (self._provenance.marked(static[1:], out) if self._tells_provenance
+                            else out)
         if self._plan_only:
             refuse_to_run(self._policy.mesh, f"calling {fn_name(self._fn)}")
         if not self._module_arrays and holds_module(args, kwargs):
@@ -338,16 +285,14 @@ class StrategyFunction:
                     lambda: self._program(nodes)(static, state, *placed, **kwargs)))
         if refused is not None:
             # JAX's dispatch keeps, for the signature the express program refused, an entry that
-            # sends every later call of it to Python: dropped now that this call has traced it (the
-            # traces are kept). A JAX without that method: the program is built anew for the next
-            # call (one more trace).
+            # sends every later call of it to Python: dropped now that this call has traced it. A
+            # JAX without that method: the program is built anew for the next call (one more trace).
             if not self._compiled.cleared(refused):
                 express = None if express is refused else express
         if express is not None and key is not None and not any(
                 isinstance(x, (np.ndarray, np.generic)) for i in self._donate if i < len(args)
                 for x in jax.tree.leaves(args[i])):
-            # (a host array donated is a program of its own to jax.jit: such calls keep the full
-            # path)
+            # (a donated host array is a program of its own to jax.jit: the full path keeps it)
             self._compiled.install(key, express, static)
         if not nodes:
             return out
@@ -357,9 +302,8 @@ class StrategyFunction:
 
     def _leaf_key(self, key: tuple, args: tuple) -> Any:
         """The express path's key on a policy that reads the leaves (`_reads_leaves`): the argument
-        types and the provenance of their layouts; None (no express call) where a leaf is not on the
-        mesh in a job of several processes (a host array there holds a process's own rows: the full
-        path places it)."""
+        types and the provenance of their layouts; None (no express call) where a leaf is off the
+        mesh in a job of several processes (a host array there holds a process's own rows)."""
         leaves = jax.tree.leaves(args)
         shardings = shardings_of(leaves)
         if self._policy.spans_processes and not all_on_mesh(leaves, self._policy.mesh, shardings):
@@ -371,11 +315,9 @@ class StrategyFunction:
         (the full path's decision made): `jax.jit` of the step, one per static key. It traces only
         inside the full path (`StepTrace` needs the call's values); traced from anywhere else (JAX
         met a signature it has no trace for) it raises `_Refused` before any of the step's code
-        runs. JAX reuses a trace for arguments of the same types whatever their layouts: on a mesh
-        without Explicit axes each array enters the program constrained to the layout it was traced
-        with, so an argument JAX takes as it is on an express call (a host array nested in a batch,
-        a batch held whole) is laid out as the full path would have placed it. None where a leaf is
-        a tracer (a call inside another trace) or no array."""
+        runs. JAX reuses a trace for arguments of the same types whatever their layouts, so without
+        Explicit axes each array enters constrained to the layout it was traced with (as the full
+        path would have placed it). None where a leaf is a tracer or no array."""
         dynamic = tuple(a for i, a in enumerate(placed) if i not in self._static)
         if not all(type(x) in _SCALARS or isinstance(x, jax.ShapeDtypeStruct) or (
                 isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
@@ -407,8 +349,7 @@ class StrategyFunction:
         if call is None or call.agreeing:
             return
         placed, kwargs, state = call.args
-        # The same program through a wrapper of its own (JAX refuses to trace a function inside its
-        # own trace).
+        # the same program, wrapped anew (JAX refuses to trace a function inside its own trace)
         twin = jax.jit(named(self._trace, self._fn), static_argnums=self._static_positions,
                        static_argnames=self._static_names)
         call.agreeing = True
@@ -467,8 +408,7 @@ class StrategyFunction:
         args, kwargs = self._bind(args, kwargs)
         names = list(self._signature.parameters) if self._signature is not None else []
         return plan_step(self._policy, self.trace, args, kwargs, axis_types_of=self.axis_types_of,
-                         names=names,
-                         batch=self._batch or (), batch_names=self._batch_names,
+                         names=names, batch=self._batch or (), batch_names=self._batch_names,
                          static=self._static, static_names=self._static_names)
 
     def _stage(self, stage: str, args: tuple, kwargs: dict) -> Any:
@@ -483,14 +423,12 @@ class StrategyFunction:
             kwargs = self._with_padding(bound, bound_kwargs, kwargs, nodes)
         with (ambient.call(self._trace, (placed, kwargs, state)),
               self._policy.call_scope((placed, kwargs, state))):
-            # The program calls run (the same trace: a plan or a cost read after calls traces
-            # nothing new).
+            # the program calls run (the same trace: a plan or a cost read after calls traces none)
             express = None if kwargs or nodes else self._express_program(static, placed)
             if express is not None:
                 return self._decided(lambda: getattr(express, stage)(*placed))
             return self._decided(
-                lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs)
-            )
+                lambda: getattr(self._program(nodes), stage)(static, state, *placed, **kwargs))
 
     def _decided(self, call: Callable[[], Any]) -> Any:
         """``call()``, whose trace (if it traces) runs with the axis types decided for the program
@@ -505,7 +443,5 @@ class StrategyFunction:
         `jaxdist.strategies.layout._axis_types`)."""
         mesh = self._policy.mesh
         auto = ran_auto(traced.jaxpr)
-        return {
-            a: jax.sharding.AxisType.Auto if auto else t
-            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        }
+        return {a: jax.sharding.AxisType.Auto if auto else t
+                for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)}

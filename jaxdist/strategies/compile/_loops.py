@@ -1,15 +1,11 @@
-"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE compiled program (tf's
-steps_per_run).
+"""On-device loops: ``run_steps_on_dataset`` runs many steps in ONE program (tf's steps_per_run).
 
 The batches of ``iterations`` steps are taken from the iterator, checked for static shapes, stacked
 and placed once (``(iterations, global_batch, ...)``, axis 1 split over the replicas, like TPU
-infeed), and a `jax.lax.scan` runs the step over them on the devices. The host is involved once per
-call, not once per step.
+infeed), and a `jax.lax.scan` runs the step over them on the devices: the host works once per call.
 
 ``step_fn(ctx, state, *inputs) -> state`` is a global-view step (as for ``strategy.jit``; it may
-call ``strategy.run``). ``ctx`` is the `MultiStepContext`: ``ctx.set_last_step_output(name, value,
-aggregation)`` records a value of the last step, reduced across replicas when an aggregation is
-given.
+call ``strategy.run``), ``ctx`` its `MultiStepContext`.
 """
 
 from __future__ import annotations
@@ -82,16 +78,12 @@ class MultiStepContext:
             raise ValueError(f"name={name!r} must be a string (the key in last_step_outputs).")
         op = None if aggregation is None else ReduceOp.parse(aggregation, "aggregation")
         if self._pending is None:
-            raise RuntimeError(
-                "set_last_step_output is called from inside step_fn while run_steps_on_dataset "
-                "traces it."
-            )
+            raise RuntimeError("set_last_step_output is called from inside step_fn while "
+                               "run_steps_on_dataset traces it.")
         if ambient.current_replica() is not None:
-            raise RuntimeError(
-                "set_last_step_output was called inside a replica function: call it in step_fn "
-                "with the value strategy.run returned (a PerReplica), and give an aggregation to "
-                "reduce it."
-            )
+            raise RuntimeError("set_last_step_output was called inside a replica function: call it "
+                               "in step_fn with the value strategy.run returned (a PerReplica), "
+                               "and give an aggregation to reduce it.")
         self._aggregations[name] = op
         self._pending[name] = output
 
@@ -110,8 +102,7 @@ class MultiStepContext:
         """The values recorded by ``set_non_tensor_output``, by name."""
         return dict(self._non_tensor_outputs)
 
-    # The loop drives the context through these: one step's recording while tracing, the results
-    # after.
+    # the loop drives the context: one step's recording while tracing, the results after
     def _begin_step(self) -> None:
         self._pending = {}
 
@@ -142,10 +133,8 @@ def _reduce_in_trace(policy: LayoutPolicy, op: ReduceOp | None, value: Any) -> A
     def one(v):
         if isinstance(v, PerReplica):
             if op is None:  # keep one value per replica, each on its replica's device
-                return PerReplica(
-                    jax.lax.with_sharding_constraint(v.stacked, in_trace(policy.batch_sharding)),
-                    v.owner,
-                )
+                return PerReplica(jax.lax.with_sharding_constraint(
+                    v.stacked, in_trace(policy.batch_sharding)), v.owner)
             return reduce_stacked(v.stacked, op)
         v = jnp.asarray(v)
         return v * n if op is ReduceOp.SUM else v
@@ -163,12 +152,10 @@ def _take(iterator: Iterator[Any], iterations: int) -> list[Any]:
     if not batches:
         raise StopIteration
     if len(batches) < iterations:
-        raise ValueError(
-            f"the iterator ended after {len(batches)} of iterations={iterations} batches: an "
-            "on-device loop runs a fixed number of steps; drop the remainder (make the number of "
-            f"batches a multiple of {iterations}) or pad, or pass iterations={len(batches)} for "
-            "the last call."
-        )
+        raise ValueError(f"the iterator ended after {len(batches)} of iterations={iterations} "
+                         "batches: an on-device loop runs a fixed number of steps; drop the "
+                         f"remainder (make the number of batches a multiple of {iterations}) or "
+                         f"pad, or pass iterations={len(batches)} for the last call.")
     return batches
 
 
@@ -181,11 +168,9 @@ def _check_static(batches: list[Any], n: int) -> None:
                              "must agree.")
         for a, b in zip(leaves, first_leaves, strict=True):
             if np.shape(a) != np.shape(b):
-                raise ValueError(
-                    f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has {np.shape(b)}: "
-                    "on-device loops need static shapes; drop the remainder (a ragged last batch) "
-                    "or pad it to the same shape."
-                )
+                raise ValueError(f"batch {i} has a leaf of shape {np.shape(a)} where batch 0 has "
+                                 f"{np.shape(b)}: on-device loops need static shapes; drop the "
+                                 "remainder (a ragged last batch) or pad it to the same shape.")
     for leaf in first_leaves:
         if not np.shape(leaf):
             raise ValueError("a batch leaf is a scalar: every leaf needs a batch axis 0 to split "
@@ -205,22 +190,15 @@ def _stack(policy: LayoutPolicy, batches: list[Any]) -> Any:
         if all(isinstance(x, jax.Array) for x in leaves):
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
         host = np.stack([np.asarray(x) for x in leaves])
-        # Each device (of this process) gets its own columns of the stack, from host views, wherever
-        # the mesh puts them.
+        # each device of this process gets its own columns of the stack, from host views
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(stack, *batches)
 
 
-def run_steps_on_dataset(
-    policy: LayoutPolicy,
-    programs: ProgramCache,
-    step_fn: Callable[..., Any],
-    iterator: Iterator[Any],
-    iterations: int,
-    initial_loop_values: Any = None,
-    donate: bool = False,
-) -> MultiStepContext:
+def run_steps_on_dataset(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable[..., Any],
+                         iterator: Iterator[Any], iterations: int, initial_loop_values: Any = None,
+                         donate: bool = False) -> MultiStepContext:
     """Run ``step_fn`` over ``iterations`` batches of ``iterator`` in one compiled on-device loop.
 
     See `Strategy.run_steps_on_dataset`.
@@ -231,10 +209,9 @@ def run_steps_on_dataset(
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"iterations={iterations!r} must be an int >= 1 (the steps run per call).")
     if not isinstance(iterator, Iterator):
-        raise TypeError(
-            f"iterator={type(iterator).__name__} is not an iterator: pass iter(dataset), so that "
-            "consecutive calls continue where the last one stopped."
-        )
+        raise TypeError(f"iterator={type(iterator).__name__} is not an iterator: pass "
+                        "iter(dataset), so that consecutive calls continue where the last one "
+                        "stopped.")
     batches = _take(iterator, iterations)
     _check_static(batches, policy.num_replicas)
     stacked = _stack(policy, batches)
@@ -248,32 +225,26 @@ def run_steps_on_dataset(
         program, info = programs.get(
             step_fn, key, lambda weak_step: _build(policy, programs, weak_step, has_state,
                                                    iterations, donate),
-            reason=((iterations, has_state, donate), shapes),
-        )
+            reason=((iterations, has_state, donate), shapes))
         new_state, outputs = program(state, stacked)
     ctx._finish(
         dict(zip(info["names"], outputs, strict=True)), info["aggregations"], info["non_tensor"],
         new_state if has_state else None,
-        # abstract: the state may be donated; step_fn is kept alive for as long as the context can
-        # lower
-        lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)),
-    )
+        # abstract: the state may be donated; step_fn is kept alive while the context can lower
+        lambda step_fn=step_fn: program.lower(*abstract((state, stacked), keep_sharding=True)))
     return ctx
 
 
-def _build(
-    policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool,
-    iterations: int, donate: bool
-):
+def _build(policy: LayoutPolicy, programs: ProgramCache, step_fn: Callable, has_state: bool,
+           iterations: int, donate: bool):
     info: dict[str, Any] = {}
 
     def one_step(state, batch, trace_ctx):
         inputs = batch if isinstance(batch, tuple) else (batch,)
         trace_ctx._begin_step()
         with ambient.computation(policy, "global", jax.tree.leaves(inputs), jax.tree.leaves(state)):
-            new_state = (
-                step_fn(trace_ctx, state, *inputs) if has_state else step_fn(trace_ctx, *inputs)
-            )
+            new_state = (step_fn(trace_ctx, state, *inputs) if has_state
+                         else step_fn(trace_ctx, *inputs))
         pending = trace_ctx._end_step()
         names = tuple(sorted(pending))
         aggregations = {k: trace_ctx._aggregations[k] for k in names}
@@ -282,10 +253,9 @@ def _build(
         if has_state:
             want, got = jax.tree.structure(state), jax.tree.structure(new_state)
             if want != got:
-                raise ValueError(
-                    f"step_fn returned a state of structure {got}, but the loop carries {want} "
-                    "(initial_loop_values): return the updated state with the same structure."
-                )
+                raise ValueError(f"step_fn returned a state of structure {got}, but the loop "
+                                 f"carries {want} (initial_loop_values): return the updated state "
+                                 "with the same structure.")
         return (new_state if has_state else ()), outs
 
     def loop(state, stacked):
@@ -293,11 +263,10 @@ def _build(
         with ambient.probe():
             _, out_shapes = jax.eval_shape(lambda s, b: one_step(s, b, MultiStepContext()), state,
                                            first)
-        # On Explicit axes an output's layout is part of its type: the loop's initial outputs carry
-        # it too.
+        # on Explicit axes a layout is part of the type: the loop's initial outputs carry it too
         typed = bool(explicit_axes(policy.mesh))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding if typed
-                                                 else None),
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype,
+                                                 out_sharding=s.sharding if typed else None),
                              out_shapes)
         trace_ctx = MultiStepContext()
 

@@ -36,8 +36,7 @@ _MULTIPLIER = np.uint32(0x9E3779B1)  # odd: an element's change always changes t
 
 def check_mirrored_arg(check_mirrored: str | None) -> str:
     """``strategy.run``'s ``check_mirrored`` validated: ``"first"`` or ``"every"``; None reads
-    ``JAXDIST_CHECK_MIRRORED`` (a debugger's switch, read at each call), ``"first"`` where it is not
-    set.
+    ``JAXDIST_CHECK_MIRRORED`` (a debugger's switch, read at each call), else ``"first"``.
 
     Raises:
         ValueError: for another value (of the argument or of the environment variable), naming both
@@ -52,11 +51,10 @@ def check_mirrored_arg(check_mirrored: str | None) -> str:
         check_mirrored, where = os.environ.get(CHECK_MIRRORED_ENV,
                                                "").strip().lower() or "first", CHECK_MIRRORED_ENV
     if check_mirrored not in ("first", "every"):
-        raise ValueError(
-            f"{where}={check_mirrored!r}: use 'first' (the default: the first call of each "
-            "strategy.run program checks on device that its mirrored outputs are the same on every "
-            "replica) or 'every' (every call does, while debugging)."
-        )
+        raise ValueError(f"{where}={check_mirrored!r}: use 'first' (the default: the first call of "
+                         "each strategy.run program checks on device that its mirrored outputs are "
+                         "the same on every replica) or 'every' (every call does, while "
+                         "debugging).")
     return check_mirrored
 
 
@@ -88,8 +86,7 @@ def fingerprint(x: Any) -> jax.Array:
 
 
 def agreement(values: Sequence[Any], axis_name: AxisName) -> jax.Array:
-    """Inside the replica program: per value, True where every replica's copy has the same
-    fingerprint."""
+    """Per value (in the replica program): True where every replica's copy has one fingerprint."""
     if not values:
         return jnp.zeros((0,), jnp.bool_)
     prints = jnp.stack([fingerprint(v) for v in values])
@@ -98,8 +95,7 @@ def agreement(values: Sequence[Any], axis_name: AxisName) -> jax.Array:
 
 
 def raise_on_disagreement(fn: str, paths: Sequence[str], agreed: jax.Array) -> None:
-    """Raise when an output returned mirrored is not the same on every replica (``agreed``: one flag
-    each).
+    """Raise when an output returned mirrored differs between replicas (``agreed``: one flag each).
 
     Raises:
         RuntimeError: naming the outputs and the fix (``ctx.all_reduce`` before the value is
@@ -115,5 +111,4 @@ def raise_on_disagreement(fn: str, paths: Sequence[str], agreed: jax.Array) -> N
             "jd.get_replica_context().all_reduce(jd.ReduceOp.MEAN, value) (or declare a value kept "
             "apart on purpose with ctx.per_replica(value)). Please report this program: the "
             "analysis should not have proven it (a non-deterministic operation, such as a "
-            "scatter-add with atomics on a GPU, can also give each replica other bits)."
-        )
+            "scatter-add with atomics on a GPU, can also give each replica other bits).")

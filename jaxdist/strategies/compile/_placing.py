@@ -1,15 +1,12 @@
-"""Where a ``strategy.jit`` call's arguments go before its program runs (the full path; see
-`StrategyFunction`).
+"""Where a ``strategy.jit`` call's arguments go before its program runs (`StrategyFunction`'s full
+path).
 
 The rule is `jaxdist.strategies.input`'s (`kept`: an array on the strategy's mesh is taken as it is;
 anything else is placed): a declared batch is split over the replicas (`place_batch`), also when
 every replica holds it whole; every other argument takes the variable layout, and an nnx state Flax
-put on the mesh whole settles into it (once per state structure). Without any ``batch_argnums`` an
-unplaced array of rank >= 1 might be a batch: the first one met raises a one-time
-`UndeclaredBatchWarning` that names the declaration, unless an argument carries the batch role by
-its layout (a batch from a distributed dataset: then the role of every other argument is known, it
-is a variable). A call whose arrays are all on the mesh already is told so from their distinct
-shardings, without walking their leaves.
+put on the mesh whole settles into it. Without any ``batch_argnums`` an unplaced array of rank >= 1
+might be a batch: the first one met raises a one-time `UndeclaredBatchWarning`, unless an argument
+carries the batch role by its layout (a batch from a distributed dataset).
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ __all__ = ["ArgumentPlacement"]
 
 
 class ArgumentPlacement:
-    """The placement of one ``strategy.jit`` step's arguments: called as ``placement(args, kwargs,
-    state)``.
+    """The placement of one step's arguments: called as ``placement(args, kwargs, state)``.
 
     Args:
         policy: the strategy's `LayoutPolicy`.
@@ -49,8 +45,8 @@ class ArgumentPlacement:
     """
 
     def __init__(self, policy: LayoutPolicy, fn: Callable, static: tuple[int, ...],
-                 static_names: tuple[str, ...],
-                 batch: tuple[int, ...] | None, batch_names: tuple[str, ...]):
+                 static_names: tuple[str, ...], batch: tuple[int, ...] | None,
+                 batch_names: tuple[str, ...]):
         self._policy = policy
         self._fn = fn
         self._static, self._static_names = static, static_names
@@ -85,14 +81,9 @@ class ArgumentPlacement:
         if all_on_mesh(jax.tree.leaves(dynamic), mesh) and not self._whole_batch(args, kwargs):
             return args, kwargs, state
         # Arrays on the mesh keep their layout, except a declared batch that every replica holds
-        # whole: it is split (its rows are what the replicas share out; a replicated batch with
-        # split variables also walks into an XLA Shardy miscompute). Only the arguments holding an
-        # array to move are walked again.
-        todo = [
-            i
-            for i, a in enumerate(args)
-            if i not in self._static and needs_placing(a, policy, i in declared)
-        ]
+        # whole: it is split. Only the arguments holding an array to move are walked again.
+        todo = [i for i, a in enumerate(args)
+                if i not in self._static and needs_placing(a, policy, i in declared)]
         named = [k for k, a in kwargs.items() if k not in self._static_names
                  and needs_placing(a, policy, k in self._batch_names)]
         if not todo and not named:
@@ -141,8 +132,7 @@ class ArgumentPlacement:
             ranked = [(p, x) for p, x in moved if np.ndim(x) >= 1]
             if ranked and not any(self._policy.layout_role(x) == "batch"
                                   for x in jax.tree.leaves(self._call)):
-                # (a batch carried by its layout, as a distributed dataset's is, declares the call's
-                # roles)
+                # (a batch carried by its layout, as a distributed dataset's, declares the roles)
                 self._warned = True
                 path, leaf = ranked[0]
                 warnings.warn(
@@ -152,8 +142,6 @@ class ArgumentPlacement:
                     "every replica computes on all of their rows). If an argument is a batch, "
                     "declare it: strategy.jit(fn, batch_argnums=(i,)) splits its rows over the "
                     "replicas; pass batch_argnums=() to declare that there is none.",
-                    UndeclaredBatchWarning,
-                    stacklevel=5,
-                )
+                    UndeclaredBatchWarning, stacklevel=5)
         return jax.tree.map(lambda x, s: x if s is None else put(x, s), tree, layouts,
                             is_leaf=lambda x: x is None)

@@ -25,27 +25,22 @@ __all__ = ["gather", "local_results", "reduce"]
 
 def _check_owner(owner: Any, value: Any, what: str) -> None:
     if value.owner is not None and value.owner is not owner:
-        raise ValueError(
-            f"{what} got a {type(value).__name__} of another strategy ({value.owner!r}), not "
-            f"{owner!r}: use the strategy that produced it."
-        )
+        raise ValueError(f"{what} got a {type(value).__name__} of another strategy "
+                         f"({value.owner!r}), not {owner!r}: use the strategy that produced it.")
 
 
 def _program(programs: ProgramCache, key: Any, build: Callable[[], Callable]) -> Callable:
     return programs.get(None, key, lambda _: build())
 
 
-def reduce(
-    policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: ReduceOp | str, value: Any,
-    axis: int | None
-) -> Any:
+def reduce(policy: LayoutPolicy, programs: ProgramCache, owner: Any, reduce_op: ReduceOp | str,
+           value: Any, axis: int | None) -> Any:
     """Combine per-replica values into one mirrored value (see `Strategy.reduce`)."""
     op = ReduceOp.parse(reduce_op, "reduce_op")
     if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
         raise TypeError(  # e.g. 2018 code passing reduce(aggregation, value, destinations)
             f"axis={axis!r} must be an int or None. The 2018 form reduce(aggregation, value, "
-            "destinations) is strategy.batch_reduce(aggregation, [(value, destinations)])."
-        )
+            "destinations) is strategy.batch_reduce(aggregation, [(value, destinations)]).")
     n = policy.num_replicas
 
     def one(v):
@@ -56,10 +51,8 @@ def reduce(
             stacked, distributed = jnp.asarray(v), False
         ndim = stacked.ndim - (1 if distributed else 0)
         if axis is not None and not -ndim <= axis < ndim:
-            raise ValueError(
-                f"axis={axis} is out of range for per-replica values of rank {ndim}; use None or "
-                f"an axis in [{-ndim}, {ndim})."
-            )
+            raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}; "
+                             f"use None or an axis in [{-ndim}, {ndim}).")
         inner = None if axis is None else axis % ndim
 
         def build():
@@ -80,8 +73,7 @@ def reduce(
 
 
 def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any, axis: int) -> Any:
-    """Concatenate per-replica values along ``axis`` into one mirrored array (see
-    `Strategy.gather`)."""
+    """Concatenate per-replica values along ``axis`` into one mirrored array (`Strategy.gather`)."""
     n = policy.num_replicas
 
     def one(v):
@@ -93,10 +85,9 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
             stacked = None
         ndim = (stacked.ndim - 1) if stacked is not None else v.ndim
         if ndim == 0:
-            raise ValueError(
-                "strategy.gather got scalar per-replica values: gather concatenates along an axis; "
-                "use strategy.experimental_local_results or strategy.reduce for scalars."
-            )
+            raise ValueError("strategy.gather got scalar per-replica values: gather concatenates "
+                             "along an axis; use strategy.experimental_local_results or "
+                             "strategy.reduce for scalars.")
         if not -ndim <= axis < ndim:
             raise ValueError(f"axis={axis} is out of range for per-replica values of rank {ndim}.")
         ax = axis % ndim
@@ -112,8 +103,7 @@ def gather(policy: LayoutPolicy, programs: ProgramCache, owner: Any, value: Any,
             return jax.jit(gather_fn, out_shardings=policy.replicated_sharding)
 
         return _program(programs, ("gather", ax, stacked is None), build)(
-            stacked if stacked is not None else v
-        )
+            stacked if stacked is not None else v)
 
     return jax.tree.map(one, value, is_leaf=is_distributed)
 
@@ -123,9 +113,8 @@ def local_results(policy: LayoutPolicy, owner: Any, value: Any) -> tuple[Any, ..
     `Strategy.experimental_local_results`)."""
     replicas = policy.local_replicas
     holders: dict[int, jax.Device] = {}  # a device of this process in each local replica
-    for device, index in policy.batch_sharding.addressable_devices_indices_map(
-        (policy.num_replicas,)
-    ).items():
+    indices = policy.batch_sharding.addressable_devices_indices_map((policy.num_replicas,))
+    for device, index in indices.items():
         holders.setdefault(index[0].start or 0, device)
     local = [holders[r] for r in replicas]
 

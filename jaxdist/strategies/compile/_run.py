@@ -1,44 +1,35 @@
-"""The per-replica view: how `Strategy.run` turns a replica function into one `jax.shard_map`
-program.
+"""The per-replica view: how `Strategy.run` turns a replica function into a `jax.shard_map` program.
 
 Each argument leaf is classified once per call signature, by declaration or by what the value
-carries:
+carries (`jaxdist.strategies.layout.classify`):
 
 * with ``batch_argnums``: the declared arguments are batches (each replica sees its own rows; host
   arrays are split over the replicas), every other array is mirrored;
 * without: an array whose layout makes it a batch (axis 0 split over the replicas, e.g. from a
-  distributed dataset; `Strategy.layout_role`) is a batch; inside a ``strategy.jit`` step, the
-  tracers of the step's own batch / variable arguments keep their role, and a value computed in the
-  step (rank >= 1) is refused with an error that names ``batch_argnums``; any other array is
-  mirrored (tf.distribute's rule for values that are not distributed);
+  distributed dataset) is a batch; inside a ``strategy.jit`` step the step's own batch / variable
+  arguments keep their role, and a value computed in the step (rank >= 1) is refused with an error
+  that names ``batch_argnums``; any other array is mirrored (tf.distribute's rule);
 * `PerReplica` / `SyncOnRead`: each replica sees its own component;
-* Python scalars and non-array leaves are compile-time constants (a new value recompiles, as in
-  tf.function).
+* Python scalars and non-array leaves are compile-time constants (a new value recompiles).
 
-tf.distribute semantics for gradients: mirrored values enter the replica function cast to *varying*
-over the replica axis (`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL
-gradients. (Left invariant, shard_map's ``grad`` would return gradients already summed over
-replicas.) The all-reduce is explicit: ``ctx.all_reduce(MEAN, grads)``.
+Mirrored values enter the replica function cast to *varying* over the replica axis
+(`jax.lax.pcast`), so each replica owns its copy and ``jax.grad`` gives LOCAL gradients, as in
+tf.distribute (left invariant, shard_map's ``grad`` would sum them over replicas); the all-reduce is
+explicit: ``ctx.all_reduce(MEAN, grads)``.
 
-Outputs: a value proven the same on every replica (`jaxdist.strategies.compile._identical`: an
-all-reduce, aggregate or all-gather result, a constant, a parameter updated with all-reduced
-gradients) comes back mirrored (a replicated `jax.Array`), whatever JAX's varying types say of it
-(they cannot prove an updated parameter the same, and they call a primitive they do not know
-invariant); everything else comes back as `PerReplica`; a `SyncOnRead` comes back as one. The first
-call of each program checks on device that every output it returns mirrored is the same on every
-replica (`jaxdist.strategies.compile._mirror_check`). An output computed from a mirrored argument
-element-wise (an update) that is not proven the same is refused. pmap-era code that names its axis
+An output proven the same on every replica (`jaxdist.strategies.compile._identical`: an all-reduce
+result, a constant, a parameter updated with all-reduced gradients) comes back mirrored, whatever
+JAX's varying types say of it; everything else comes back as `PerReplica`, a `SyncOnRead` as one.
+The first call of each program checks on device that every output it returns mirrored is the same
+on every replica (`jaxdist.strategies.compile._mirror_check`), and an output computed element-wise
+from a mirrored argument that is not proven the same is refused. pmap-era code that names its axis
 (``axis_name=``) runs with JAX's varying-type check off, as ``jax.pmap`` runs it; so does, by
-default, code that only that check refuses (``check_vma=``; see `_vma`). To know which is which, the
-function is traced once abstractly before the real program is built; the program is cached in the
-strategy's `ProgramCache` (weak on ``fn``). A later call with the structure, types, avals and
-layouts of one the full path ran (placed arrays and `PerReplica` values only) goes straight to its
-program (`ReplicaRunner._fast_key`): its roles and checks follow from those alone.
-
-A collective over an axis name the program does not bind (pmap-era ``lax.pmean(x, "batch")`` without
-``axis_name="batch"``) fails that abstract trace; the failure is told apart from the function's own
-errors by types alone (see `_unbound_axis_error`), never by JAX's message, and becomes a
-``ValueError`` naming the fix.
+default, code that only that check refuses (see `_vma`). To know which is which, the function is
+traced once abstractly before the real program is built, and that trace also turns a collective
+over an axis name the program does not bind into a ``ValueError`` naming the fix
+(`_unbound_axis_error`). Programs live in the strategy's `ProgramCache` (weak on ``fn``); a later
+call with the structure, types, avals and layouts of one the full path ran goes straight to its
+program (`ReplicaRunner._fast_key`).
 """
 
 from __future__ import annotations
@@ -115,24 +106,19 @@ def check_axis_name(policy: LayoutPolicy, axis_name: Any) -> AxisName:
     if axis_name is None or axis_name == policy.replica_axis:
         return policy.replica_axis
     if len(policy.batch_axes) > 1:
-        raise ValueError(
-            f"axis_name={axis_name!r}: this strategy's batch is split over the mesh axes "
-            f"{policy.batch_axes}, which replica functions name together: use "
-            "axis_name=strategy.axis_name (that tuple) in lax.pmean / psum / "
-            "BatchNorm(axis_name=...), or put the replicas on one mesh axis."
-        )
+        raise ValueError(f"axis_name={axis_name!r}: this strategy's batch is split over the mesh "
+                         f"axes {policy.batch_axes}, which replica functions name together: use "
+                         "axis_name=strategy.axis_name (that tuple) in lax.pmean / psum / "
+                         "BatchNorm(axis_name=...), or put the replicas on one mesh axis.")
     if not isinstance(axis_name, str) or not axis_name:
-        raise ValueError(
-            f"axis_name={axis_name!r} must be a non-empty string: the name your replica function "
-            "uses for the data-parallel axis (pmap-era code: axis_name='batch')."
-        )
+        raise ValueError(f"axis_name={axis_name!r} must be a non-empty string: the name your "
+                         "replica function uses for the data-parallel axis (pmap-era code: "
+                         "axis_name='batch').")
     others = [a for a in policy.mesh.axis_names if a != policy.replica_axis]
     if axis_name in others:
-        raise ValueError(
-            f"axis_name={axis_name!r} is already the name of another axis of the mesh "
-            f"{tuple(policy.mesh.axis_names)}: pick a name the mesh does not use for the replica "
-            "axis."
-        )
+        raise ValueError(f"axis_name={axis_name!r} is already the name of another axis of the mesh "
+                         f"{tuple(policy.mesh.axis_names)}: pick a name the mesh does not use for "
+                         "the replica axis.")
     return axis_name
 
 
@@ -152,15 +138,11 @@ class ReplicaRunner:
         self._owner = owner
         self._warned = [False]
 
-    def __call__(
-        self, fn: Callable, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
-        axis_name: str, check_vma: bool | None = None, check_mirrored: str = "first",
-    ) -> Any:
-        # The fast path: a call whose arguments are all placed jax.Arrays or `PerReplica` values (no
-        # statics, no sync-on-read values) with the structure, avals and layouts of one the full
-        # path below has run, which placed none of them, goes straight to that program
-        # (`_fast_key`). The roles the full path gave them follow from those layouts and the
-        # declaration alone, so every check it made holds again.
+    def __call__(self, fn: Callable, args: tuple, kwargs: dict,
+                 batch_argnums: tuple[int, ...] | None, axis_name: str,
+                 check_vma: bool | None = None, check_mirrored: str = "first") -> Any:
+        # The fast path (`_fast_key`): the roles the full path gave such a call follow from its
+        # layouts and declaration alone, so every check it made holds again.
         fast = self._fast_key(args, kwargs, batch_argnums, axis_name, check_vma)
         if fast is not None:
             key, layouts, plain = fast
@@ -173,14 +155,12 @@ class ReplicaRunner:
         flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         frame = ambient.current_computation()
         if (frame is None or frame.policy is not self._policy) and any(
-            isinstance(x, jax.core.Tracer) for x in flat
-        ):
-            raise ValueError(
-                "strategy.run got traced arguments outside this strategy's compiled computations "
-                "(e.g. inside a plain jax.jit or jax.grad): there it cannot tell distributed "
-                "batches from mirrored values. Compile the enclosing step with strategy.jit (or "
-                "run_steps_on_dataset), or call run eagerly."
-            )
+                isinstance(x, jax.core.Tracer) for x in flat):
+            raise ValueError("strategy.run got traced arguments outside this strategy's compiled "
+                             "computations (e.g. inside a plain jax.jit or jax.grad): there it "
+                             "cannot tell distributed batches from mirrored values. Compile the "
+                             "enclosing step with strategy.jit (or run_steps_on_dataset), or call "
+                             "run eagerly.")
         # a declared batch's plain mistakes (text, ragged rows), named as such
         for i in batch_argnums or ():
             if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args[i])):
@@ -188,12 +168,11 @@ class ReplicaRunner:
         kinds = []
         for leaf in flat:
             if is_distributed(leaf) and leaf.owner is not None and leaf.owner is not self._owner:
-                raise ValueError(
-                    f"strategy.run got a {type(leaf).__name__} of another strategy "
-                    f"({leaf.owner!r}) but runs on {self._owner!r}: per-replica values belong to "
-                    "the strategy that made them; reduce or gather it there first (strategy.reduce "
-                    "/ strategy.gather), or run on that strategy."
-                )
+                raise ValueError(f"strategy.run got a {type(leaf).__name__} of another strategy "
+                                 f"({leaf.owner!r}) but runs on {self._owner!r}: per-replica "
+                                 "values belong to the strategy that made them; reduce or gather "
+                                 "it there first (strategy.reduce / strategy.gather), or run on "
+                                 "that strategy.")
         for i, a in enumerate(args):
             for path, leaf in jax.tree_util.tree_flatten_with_path(a, is_leaf=is_distributed)[0]:
                 declared = None if batch_argnums is None else i in batch_argnums
@@ -206,8 +185,7 @@ class ReplicaRunner:
             kinds.append(classify(self._policy, leaf, declared, where, "strategy.run",
                                   self._warned))
         kinds = tuple(kinds)
-        # A batch a distributed dataset padded (remainder="pad"): its row weights enter after the
-        # arguments.
+        # a padded batch's (remainder="pad") row weights enter after the arguments
         weights = next((w for x, k in zip(flat, kinds, strict=True) if k == Role.BATCH
                         for w in [padding_weights(x)] if w is not None), None)
         statics = tuple(x if k == Role.STATIC else None for x, k in zip(flat, kinds, strict=True))
@@ -242,10 +220,9 @@ class ReplicaRunner:
         with self._policy.call_scope(dynamic):  # built (probed) and called on the strategy's mesh
             program = self._programs.get(
                 fn, key, lambda weak_fn: self._build(weak_fn, treedef, kinds, statics, aux, dynamic,
-                                                     axis_name, name,
-                                                     weights is not None, check_vma),
-                reason=(hashable(statics), avals),
-            )
+                                                     axis_name, name, weights is not None,
+                                                     check_vma),
+                reason=(hashable(statics), avals))
             out, updated = program(*dynamic, arguments=flat, every=check_mirrored == "every")
         # sync-on-read arguments updated in place: kept, as in tf.distribute
         for i, components in updated.items():
@@ -254,9 +231,7 @@ class ReplicaRunner:
                 and len(dynamic) == len(flat)
                 and all(d is x for d, x in zip(dynamic, fast[2], strict=True))
                 and not any(k in (Role.STATIC, Role.SYNC_ON_READ) for k in kinds)):
-            # Nothing placed, no statics, no sync-on-read values (updated in place; a `PerReplica`
-            # is its stacked array, its node and owner part of the structure): later calls like this
-            # one take the fast path.
+            # nothing placed, no statics, no sync-on-read values: such calls next take the fast path
             known = self._programs.peek(fn, fast[0])
             if known is None:
                 self._programs.put(fn, fast[0], known := [])
@@ -267,13 +242,12 @@ class ReplicaRunner:
     def _fast_key(self, args: tuple, kwargs: dict, batch_argnums: tuple[int, ...] | None,
                   axis_name: str, check_vma: bool | None) -> tuple[tuple, tuple, list] | None:
         """``(key, layouts, leaves)`` of a call the fast path may serve: its leaves (flattened
-        through per-replica values, whose nodes and owners the structure then holds), each leaf's
-        type, aval and layout, and a key of the rest the full path's decision rests on (the
-        structure, the declaration). None where the decision also rests on more (a strategy's
-        ``layout_role`` hook, which batch arrays the input functions placed on a policy that splits
-        variables, a padded batch's weights, an enclosing computation). The layouts are compared,
-        not hashed: JAX shares aval and sharding objects between arrays of one program, so a steady
-        call's compare by identity."""
+        through per-replica values), each leaf's type, aval and layout, and a key of the rest the
+        full path's decision rests on (structure, declaration). None where it rests on more (a
+        ``layout_role`` hook, which arrays the input functions placed where variables may split, a
+        padded batch's weights, an enclosing computation). Layouts are compared, not hashed: JAX
+        shares aval and sharding objects between a program's arrays, so a steady call's compare by
+        identity."""
         policy = self._policy
         if (batch_argnums is None
             and not policy.roles_by_layout) or ambient.current_computation() is not None:
@@ -299,14 +273,12 @@ class ReplicaRunner:
         policy, owner = self._policy, self._owner
         # The replica axis under the caller's name (pmap-era code: "batch"): the same devices in the
         # same order, so arguments on the strategy's mesh enter without a copy.
-        # one batch axis
         names = tuple(axis_name if a == policy.replica_axis else a for a in policy.mesh.axis_names)
         # inside a step whose Explicit axes run Auto: the mesh with them Auto
         typed = trace_mesh(policy.mesh)
         mesh = (typed if names == policy.mesh.axis_names
                 else Mesh(typed.devices, names, axis_types=typed.axis_types))
         split = PartitionSpec(axis_name)
-        # then the row weights
         dyn_kinds = [k for k in kinds if k != Role.STATIC] + [Role.BATCH] * padded
         in_specs = tuple(split if k != Role.VARIABLE else PartitionSpec() for k in dyn_kinds)
         out_info: dict[str, Any] = {}
@@ -348,35 +320,27 @@ class ReplicaRunner:
                         ambient.replica(ctx):
                     out = fn(*call_args, **call_kwargs)
                 kept = [to_varying(value.read(), axis_name)[None] for value in captured]
-                # A sync-on-read argument or captured value returned (``return
-                # seen.assign_add(...)``): read now, while its view is open, and given back as the
-                # very object (`_passed_back`).
+                # A sync-on-read argument or captured value returned (``return seen.assign_add()``):
+                # read while its view is open, and given back as the very object (`_passed_back`).
                 out, passed = _passed_back(out, synced, captured)
             # Sync-on-read arguments updated in place (``assign_add``): their new components leave
-            # the program after the outputs and are stored back in the objects passed in
-            # (`ReplicaRunner.__call__`).
+            # after the outputs and are stored back in the objects passed in (`__call__`).
             if probe:
                 out_info["updated"] = tuple(i for i, obj in synced if assigned(obj))
             updated = [to_varying(obj.read(), axis_name)[None] for i, obj in synced
                        if i in out_info["updated"]]
             updated += kept
             out_leaves, out_tree = jax.tree.flatten(
-                out, is_leaf=lambda v: isinstance(v, SyncOnRead)
-            )
-            # leaves that are not values (an Equinox module's functions, and its Python settings:
+                out, is_leaf=lambda v: isinstance(v, SyncOnRead))
             if probe:
-                # ``eqx.filter_jit``'s rule, BatchNorm's ``inference: bool`` stays a bool) leave as
-                # they are
+                # Leaves that are not values (an Equinox module's functions and Python settings:
+                # ``eqx.filter_jit``'s rule) leave as they are.
                 out_info["statics"] = tuple(_VALUE if value else v for v, value in zip(
                     out_leaves, _values_of(out), strict=True))
             out_leaves = [v for v, static in zip(out_leaves, out_info["statics"], strict=True)
                           if static is _VALUE]
-            values = [
-                to_varying(jax.numpy.asarray(v.read()), axis_name)
-                if isinstance(v, SyncOnRead)
-                else jax.numpy.asarray(v)
-                for v in out_leaves
-            ]
+            values = [to_varying(jax.numpy.asarray(v.read()), axis_name)
+                      if isinstance(v, SyncOnRead) else jax.numpy.asarray(v) for v in out_leaves]
             if probe:  # every output gets a replica axis so one out_spec fits all of them
                 out_info.update(tree=out_tree, kinds=tuple(
                     ("sync", v.aggregation) if isinstance(v, SyncOnRead)
@@ -403,11 +367,9 @@ class ReplicaRunner:
 
         def probe(check_vma: bool) -> None:
             vma["check"] = check_vma
-            probe_fn = jax.shard_map(
-                functools.partial(body, probe=True), mesh=mesh,
-                in_specs=(*in_specs, *[split] * len(captured)), out_specs=split,
-                check_vma=check_vma, **manual,
-            )
+            probe_fn = jax.shard_map(functools.partial(body, probe=True), mesh=mesh,
+                                     in_specs=(*in_specs, *[split] * len(captured)),
+                                     out_specs=split, check_vma=check_vma, **manual)
             hidden = [jax.ShapeDtypeStruct(v.stacked.shape, v.stacked.dtype,
                                            sharding=NamedSharding(mesh, split) if explicit
                                            else None)
@@ -466,10 +428,9 @@ class ReplicaRunner:
         # one, for the first call (and every call with JAXDIST_CHECK_MIRRORED=every), also says on
         # device whether each output returned as mirrored is the same on every replica.
         in_specs = (*in_specs, *[split] * len(captured))
-        out_shardings = tuple(
-            in_trace(policy.batch_sharding if h == "stacked" else policy.replicated_sharding)
-            for h in (*how, *["stacked"] * n_updated)
-        )
+        out_shardings = tuple(in_trace(policy.batch_sharding if h == "stacked"
+                                       else policy.replicated_sharding)
+                              for h in (*how, *["stacked"] * n_updated))
 
         def build(check: bool) -> Callable:
             shard_mapped = jax.shard_map(
@@ -482,16 +443,14 @@ class ReplicaRunner:
                 # on Explicit axes an input's type must be its in_spec: mirrored values enter whole
                 if explicit:
                     dyn = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
-                           for x, spec in zip(dyn, in_specs,
-                                             strict=True)]
+                           for x, spec in zip(dyn, in_specs, strict=True)]
                 # traced under the renamed mesh (also inside strategy.scope())
                 with _context_mesh(mesh, policy):
                     results = shard_mapped(*dyn)
                 return (*_own_copies(results[:n_out], how, mesh, split, manual), *results[n_out:])
 
-            return jax.jit(mapped, out_shardings=(*out_shardings,
-                                                  in_trace(policy.replicated_sharding))
-                           if check else out_shardings)
+            return jax.jit(mapped, out_shardings=(
+                (*out_shardings, in_trace(policy.replicated_sharding)) if check else out_shardings))
 
         compiled = build(False)
         first = {"checked": None if checked else True, "compiled": build(True) if checked else None}
@@ -505,14 +464,12 @@ class ReplicaRunner:
         def program(*dyn, arguments=(), every=False, tracing=None):
             if tracing is None:
                 tracing = any(isinstance(x, jax.core.Tracer) for x in dyn)
-            # Inside a compiled step the check is a host callback of that step, on request only (it
-            # would run at every call of the step); called eagerly, the first call and every call on
-            # request.
+            # Inside a compiled step the check is a host callback, on request only (it would run at
+            # every call); called eagerly, the first call and every call on request.
             verify = checked and (every or (first["checked"] is None and not tracing))
             with _eager_mesh(mesh, policy, tracing):
                 results = (first["compiled"] if verify else compiled)(
-                    *dyn, *(v.stacked for v in captured)
-                )
+                    *dyn, *(v.stacked for v in captured))
             if verify and tracing:
                 *results, agreed = results
                 jax.debug.callback(functools.partial(raise_on_disagreement, name, mirrored_paths),
@@ -535,25 +492,19 @@ class ReplicaRunner:
                     wrapped[i] = PerReplica(wrapped[i], owner)
                 elif passed is not None:
                     # the object passed in (updated in place), as TF's assign_add returns it
-                    wrapped[i] = (
-                        arguments[passed[1]] if passed[0] == "argument" else captured[passed[1]]
-                    )
+                    wrapped[i] = (arguments[passed[1]] if passed[0] == "argument"
+                                  else captured[passed[1]])
                 else:
                     wrapped[i] = SyncOnRead(wrapped[i], agg, owner)
             updated = dict(zip(out_info["updated"], results[n_out:n_out + n_args],
                                strict=True)) if n_args else {}
             return out_tree.unflatten(
-                wrapped if values_only else _with_statics(out_statics, wrapped)
-            ), updated
+                wrapped if values_only else _with_statics(out_statics, wrapped)), updated
 
         # Per call, only the outputs that leave as other than the array itself are visited.
-        wrapping = [
-            (i, (kind, agg), passed)
-            for i, ((kind, agg), passed) in enumerate(
-                zip(kinds_out, out_info["passed"], strict=True)
-            )
-            if kind in ("per_replica", "declared", "sync") or passed is not None
-        ]
+        wrapping = [(i, (kind, agg), passed) for i, ((kind, agg), passed)
+                    in enumerate(zip(kinds_out, out_info["passed"], strict=True))
+                    if kind in ("per_replica", "declared", "sync") or passed is not None]
         values_only = all(static is _VALUE for static in out_statics)
 
         return program
@@ -588,16 +539,14 @@ def _with_statics(statics: tuple, values: Sequence[Any], fill: Any = _VALUE) -> 
 
 
 def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
-                 captured: Sequence[SyncOnRead]
-                 ) -> tuple[Any, dict]:
+                 captured: Sequence[SyncOnRead]) -> tuple[Any, dict]:
     """``out`` with each sync-on-read argument (``arguments``: their replica views) or captured
     value that it returns replaced by its component read now (its view closes when the replica
     function's trace ends), and ``{id(replacement): ("argument", i) | ("captured", j)}``: ``i`` the
     argument's flat index, ``j`` the captured value's, whose objects ``run`` then returns."""
     found: dict[int, tuple[str, int]] = {}
-    where = {id(v): ("argument", i) for i, v in arguments} | {
-        id(v): ("captured", j) for j, v in enumerate(captured)
-    }
+    where = ({id(v): ("argument", i) for i, v in arguments}
+             | {id(v): ("captured", j) for j, v in enumerate(captured)})
     if not where:
         return out, found
 
@@ -612,14 +561,12 @@ def _passed_back(out: Any, arguments: Sequence[tuple[int, SyncOnRead]],
 
 
 def _captured_message(fn: str) -> str:
-    return (
-        f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it does "
-        "not get as an argument (captured from the enclosing code): a compiled step cannot update "
-        "the objects around it, and would read the value they held when it was traced. Pass the "
-        "value to the step and to run as an argument, and return it from the step: `seen = "
-        "step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside, the replica "
-        "function returning `seen.assign_add(...)` or updating it in place."
-    )
+    return (f"strategy.run({fn}) inside a compiled step reads or updates a sync-on-read value it "
+            "does not get as an argument (captured from the enclosing code): a compiled step "
+            "cannot update the objects around it, and would read the value they held when it was "
+            "traced. Pass the value to the step and to run as an argument, and return it from the "
+            "step: `seen = step(seen, batch)` with `strategy.run(fn, args=(seen, batch))` inside, "
+            "the replica function returning `seen.assign_add(...)` or updating it in place.")
 
 
 def _refine(kind: str, value: str) -> str:
@@ -656,8 +603,8 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
     if not picked:
         return list(results)
     own = jax.shard_map(lambda *copies: tuple(c[0] for c in copies), mesh=mesh, in_specs=split,
-                        out_specs=PartitionSpec(), check_vma=False,
-                        **manual)(*(results[i] for i in picked))
+                        out_specs=PartitionSpec(), check_vma=False, **manual)(
+        *(results[i] for i in picked))
     out = list(results)
     for i, value in zip(picked, own, strict=True):
         out[i] = value
@@ -665,17 +612,15 @@ def _own_copies(results: Sequence[Any], how: Sequence[str], mesh: Mesh, split: P
 
 
 def _context_mesh(mesh: Mesh, policy: LayoutPolicy) -> Any:
-    """A renamed mesh must be the context mesh while its shard_map is traced (``scope()`` sets the
-    strategy's)."""
+    """A renamed mesh is the context mesh while its shard_map traces (``scope()`` sets another)."""
     if mesh is trace_mesh(policy.mesh):
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
-    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh:
-    JAX lowers ``axis_index`` on a partly manual mesh through it (``scope()`` would otherwise leave
-    the strategy's)."""
+    """Called eagerly, a program on a renamed mesh runs with that mesh as the concrete context mesh
+    (JAX lowers ``axis_index`` on a partly manual mesh through it; ``scope()`` sets another)."""
     if mesh is policy.mesh or traced:
         return contextlib.nullcontext()
     return jax.set_mesh(mesh)
@@ -683,15 +628,12 @@ def _eager_mesh(mesh: Mesh, policy: LayoutPolicy, traced: bool) -> Any:
 
 def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
     """JAX's error for a collective over an axis name the program does not bind, found by tracing
-    again; None when the first trace failed for another reason (the replica function's own
-    ``assert`` or NameError).
+    again; None when the first trace failed otherwise (the function's own ``assert`` or NameError).
 
-    JAX fails such a collective in several ways (a ``NameError``; inside ``psum`` / ``pmean`` a bare
-    ``AssertionError`` of its value-type check; a ``ValueError`` for a tuple of names), and only its
-    message names the axis. Traced again without that check (``check_vma=False``, on the failure
-    path only), every one is a ``NameError`` JAX raises itself, which unlike Python's own for an
-    undefined variable carries no ``name``: the type and that attribute say which it is, never the
-    message text.
+    JAX fails such a collective in several ways (a ``NameError``, a bare ``AssertionError`` inside
+    ``psum``, a ``ValueError`` for a tuple of names). Traced again without the value-type check (on
+    the failure path only), every one is a ``NameError`` that, unlike Python's own for an undefined
+    variable, carries no ``name``: the type and that attribute tell, never the message text.
     """
     try:
         probe(False)
@@ -703,11 +645,9 @@ def _unbound_axis_error(probe: Callable[[bool], None]) -> NameError | None:
 
 
 def _unbound_message(fn: str, axis_name: AxisName, mesh: Mesh) -> str:
-    return (
-        f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / "
-        "axis_index / all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that is "
-        "not bound here (JAX's error above names it): the names bound are the mesh axes "
-        f"{tuple(mesh.axis_names)}, the replicas under {axis_name!r}. pmap-era code names its "
-        "device axis; bind that name to the replicas with strategy.run(fn, args=..., "
-        "axis_name=<that name>) (or create the strategy with axis_name=<that name>)."
-    )
+    return (f"strategy.run({fn}): the replica function runs a collective (lax.pmean / psum / "
+            "axis_index / all_gather, or a flax BatchNorm(axis_name=...)) over an axis name that "
+            "is not bound here (JAX's error above names it): the names bound are the mesh axes "
+            f"{tuple(mesh.axis_names)}, the replicas under {axis_name!r}. pmap-era code names its "
+            "device axis; bind that name to the replicas with strategy.run(fn, args=..., "
+            "axis_name=<that name>) (or create the strategy with axis_name=<that name>).")

@@ -1,5 +1,4 @@
-"""Which arguments of a step a declaration means: ``*_argnums`` and ``*_argnames`` resolved as
-`jax.jit` does.
+"""Which arguments a declaration means: ``*_argnums`` and ``*_argnames`` resolved as `jax.jit` does.
 
 A declaration may name an argument by position or by name; each is completed from the other through
 the function's signature, so ``static_argnames=("lr",)`` also covers ``lr`` passed positionally, and
@@ -34,8 +33,8 @@ def as_argnums(value: int | Sequence[int] | None, name: str) -> tuple[int, ...]:
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,)
-    if not (isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                     for v in value)):
+    if not (isinstance(value, (tuple, list))
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
         raise TypeError(f"{name}={value!r} must be an int or a tuple of ints (positional argument "
                         "indices).")
     if any(v < 0 for v in value):
@@ -72,9 +71,8 @@ def signature_of(fn: Callable) -> inspect.Signature | None:
         return None
 
 
-def argument_spec(
-    signature: inspect.Signature | None, fn: Any, argnums: Any, argnames: Any, what: str
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def argument_spec(signature: inspect.Signature | None, fn: Any, argnums: Any, argnames: Any,
+                  what: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The positions and names a ``{what}_argnums`` / ``{what}_argnames`` declaration covers, each
     completed from the other through ``signature``.
 
@@ -100,19 +98,17 @@ def argument_spec(
         for name in names:
             if (name not in signature.parameters
                     or signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY):
-                raise ValueError(
-                    f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} does not take "
-                    f"by name: its parameters are {tuple(signature.parameters)}."
-                )
+                raise ValueError(f"{what}_argnames={names!r} names {name!r}, which {fn_name(fn)} "
+                                 "does not take by name: its parameters are "
+                                 f"{tuple(signature.parameters)}.")
     # with *args any position may come
     if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         beyond = [i for i in positions if i >= len(positional)]
         if beyond:
-            raise ValueError(
-                f"{what}_argnums={argnums!r} names position(s) {beyond}, but {fn_name(fn)} takes "
-                f"{len(positional)} positional argument(s) {tuple(p.name for p in positional)}: "
-                f"pass positions below {len(positional)} (counting from 0), or {what}_argnames=."
-            )
+            raise ValueError(f"{what}_argnums={argnums!r} names position(s) {beyond}, but "
+                             f"{fn_name(fn)} takes {len(positional)} positional argument(s) "
+                             f"{tuple(p.name for p in positional)}: pass positions below "
+                             f"{len(positional)} (counting from 0), or {what}_argnames=.")
     by_name = {p.name: i for i, p in enumerate(positional)
                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     positions = tuple(sorted({*positions, *(by_name[n] for n in names if n in by_name)}))

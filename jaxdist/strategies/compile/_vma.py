@@ -1,29 +1,21 @@
-"""`Strategy.run`'s varying-type check: strict where the replica function type-checks, relaxed where
-only it refuses.
+"""`Strategy.run`'s varying-type check: strict where the function type-checks, else relaxed.
 
 Inside `jax.shard_map`, JAX types every value as invariant or varying over the replica axis
 (``check_vma``). Some code `jax.pmap` runs does not type-check there: a ``lax.scan`` whose carry
-starts as a constant and comes out varying (a whole training run written as one function, its
-counters and parameters built inside it, vmapped over seeds: pmap-era RL code does it routinely).
-``jax.pmap`` runs such functions with the check off, and so does ``strategy.run``
-(``check_vma=None``, the default): the first trace is strict; when it fails and the same trace with
-the check off succeeds, only the check refused the function, and its program runs with the check
-off, as ``pmap`` runs it. Nothing here reads an error's message: the two traces decide.
+starts as a constant and comes out varying (pmap-era RL code: a whole training run as one function,
+vmapped over seeds). ``jax.pmap`` runs such functions with the check off, and so does
+``strategy.run`` (``check_vma=None``, the default): the first trace is strict; when it fails and the
+same trace with the check off succeeds, only the check refused the function, and its program runs
+with the check off, with a one-time note (logger ``"jaxdist"``, WARNING). The two traces decide,
+never an error's message.
 
-What the relaxed check changes, and what it keeps:
-
-* which outputs come back mirrored is proven from the program's values (`_identical`), with the
-  check on or off: types never decide it;
-* gradients stay local, as with the check on: ``jax.grad`` differentiates each replica's own copy;
-  the all-reduce stays explicit (``ctx.all_reduce``). Gradients THROUGH a collective follow pmap's
-  rule with the check off (the gradient of a ``psum`` is a ``psum``), JAX's typed rule with it on;
-  pmap-era code that names its axis (``run(..., axis_name=)``) therefore runs with the check off
-  from the start (`Strategy.run`);
-* a one-time note (logger ``"jaxdist"``, level WARNING) names the function and says what was
-  relaxed.
-
-``check_vma=True`` asks for the strict check only (JAX's error, as it is, when it refuses);
-``check_vma=False`` runs with the check off from the start, without a note.
+The relaxed check keeps what comes back mirrored (proven from the program's values, `_identical`)
+and local gradients (``jax.grad`` of each replica's own copy; the all-reduce stays explicit).
+Gradients THROUGH a collective follow pmap's rule with the check off (the gradient of a ``psum`` is
+a ``psum``), JAX's typed rule with it on; pmap-era code that names its axis (``run(...,
+axis_name=)``) therefore runs with the check off from the start (`Strategy.run`).
+``check_vma=True`` asks for the strict check only (JAX's error, as it is); ``check_vma=False`` runs
+with the check off from the start, without a note.
 """
 
 from __future__ import annotations
@@ -49,11 +41,9 @@ def check_vma_arg(check_vma: bool | None) -> bool | None:
     """
     if check_vma is None or isinstance(check_vma, bool):
         return check_vma
-    raise TypeError(
-        f"check_vma={check_vma!r} must be None (the default: JAX's varying-type check, turned off "
-        "as jax.pmap runs the function where only that check refuses it), True (the check, always) "
-        "or False (no check)."
-    )
+    raise TypeError(f"check_vma={check_vma!r} must be None (the default: JAX's varying-type check, "
+                    "turned off as jax.pmap runs the function where only that check refuses it), "
+                    "True (the check, always) or False (no check).")
 
 
 def first_trace(probe: Callable[[bool], None], check_vma: bool | None, name: str) -> bool:
@@ -93,6 +83,6 @@ def first_trace(probe: Callable[[bool], None], check_vma: bool | None, name: str
             "different on each replica), which jax.pmap runs with the check off: it runs so here "
             "too. Outputs come back PerReplica unless their values are provably the same on every "
             "replica; gradients stay local (all-reduce them explicitly). strategy.run(..., "
-            "check_vma=False) asks for this "
-            "without this note; check_vma=True keeps the check (and its error).", name)
+            "check_vma=False) asks for this without this note; check_vma=True keeps the check (and "
+            "its error).", name)
     return False

@@ -13,15 +13,13 @@ The decision is made once per program, when it is traced (`decided`): the step i
 mesh's Explicit axes; if that trace fails, it is dropped whole (nothing of it runs) and the program
 is traced again with those axes Auto (`auto_region`: the program's arguments and results keep their
 Explicit types; inside, the step sees the same mesh with Auto axes). JAX refusing the step by those
-types (`is_type_refusal`) is the usual cause, but not the only one: Equinox's ``State.set`` compares
-the old and new values' types (layouts included) and raises a ValueError of its own, and diffrax's
-solver meets a ValueError of JAX's that is no sharding type error. So ANY error of the Explicit
-trace is retried Auto: where the Auto trace succeeds, the axis types were its cause and the program
-runs Auto; where it fails too, the Explicit trace's error is raised (the step's own bug; where the
-Auto trace failed otherwise, its error is chained as the cause and ``axis_types=`` named). Told
-apart by re-tracing and by the errors' types and places, never by reading an error's message. JAX
-caches the program that traced, so a steady-state call never repeats the decision. A user forces
-either with ``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``).
+types (`is_type_refusal`) is the usual cause, not the only one (Equinox's ``State.set`` and
+diffrax raise ValueErrors of their own over types), so ANY error of the Explicit trace is retried
+Auto: where the Auto trace succeeds, the program runs Auto; where it fails too, the Explicit trace's
+error is raised (where the Auto trace failed otherwise, its error chained as the cause and
+``axis_types=`` named). Told apart by re-tracing and by the errors' types and places, never by an
+error's message. JAX caches the program that traced, so a steady-state call never repeats the
+decision; ``strategy.jit(..., axis_types=jax.sharding.AxisType.Auto)`` (or ``Explicit``) forces one.
 
 Inside a program, code that lays values out asks the trace, not the strategy's mesh: `explicit_axes`
 (the mesh's axes Explicit in the current trace) and `trace_mesh` / `in_trace` (the mesh, or a layout
@@ -52,10 +50,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from jaxdist.strategies import ambient
 
-__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace",
-           "initializer", "is_type_refusal", "runs_auto",
-           "leave_auto", "program_axis_types", "ran_auto", "refusals", "retyped", "say",
-           "shape_scope", "trace_mesh", "untyped"]
+__all__ = ["ExplicitRefused", "auto_region", "decided", "explicit_axes", "in_trace", "initializer",
+           "is_type_refusal", "runs_auto", "leave_auto", "program_axis_types", "ran_auto",
+           "refusals", "retyped", "say", "shape_scope", "trace_mesh", "untyped"]
 
 log = logging.getLogger("jaxdist")
 
@@ -64,8 +61,7 @@ _MARK = "jaxdist_axis_types_auto"  # the named scope of an Auto program's entry 
 
 
 class ExplicitRefused(Exception):
-    """Raised out of a trace with Explicit axes that failed; `decided` traces the program again
-    Auto.
+    """Raised out of a failed trace with Explicit axes; `decided` traces the program again Auto.
 
     ``typed``: whether JAX refused it by the axes' types (`is_type_refusal`); otherwise the step's
     code (or a library's under it) raised an error of its own, which only the Auto trace tells apart
@@ -131,8 +127,7 @@ def trace_mesh(mesh: Any) -> Any:
 
 
 def in_trace(sharding: Any) -> Any:
-    """A `NamedSharding` on the mesh as the current trace types it (see `trace_mesh`); anything else
-    as it is."""
+    """A `NamedSharding` on the mesh as the current trace types it (`trace_mesh`); others as is."""
     if not isinstance(sharding, NamedSharding):
         return sharding
     mesh = trace_mesh(sharding.mesh)
@@ -175,18 +170,14 @@ def say(mesh: Any, name: str, auto: bool) -> None:
 def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], name: str) -> Any:
     """``call()`` (which may trace a program of ``name`` on ``mesh``) with the program's axis types
     decided: ``axis_types`` when given; else the mesh's Explicit axes, and when the trace raises
-    `ExplicitRefused`, the same call again with them Auto (the trace that succeeds logs which:
-    `say`).
+    `ExplicitRefused`, the same call again with them Auto (the trace that succeeds logs which).
 
     Raises:
-        Where the Explicit trace failed with an error that is no type refusal (a library's own
-            check of its values' types, or a bug) and the Auto trace fails too: the Explicit
-            trace's error, with a note; caused by the Auto trace's where that is another error
-            or raised at another place (the note names ``axis_types=``, which raises the Auto one
-            alone). Where JAX refused the Explicit trace by types: the Auto trace's own error,
-            with a note, when it fails with an error that is no type refusal (the step's own
-            checks: it is what the user must fix); the sharding type error of the Explicit trace,
-            with a note, when the Auto trace is refused by types too (that refusal is its cause).
+        When both traces fail, with a note: where the Explicit trace's error is no type refusal,
+            that error (caused by the Auto trace's where that is another error or raised at another
+            place; the note names ``axis_types=``); where JAX refused the Explicit trace by types,
+            the Auto trace's own error if it is no type refusal (what the user must fix), else the
+            Explicit trace's sharding type error (the Auto refusal its cause).
     """
     if not _explicit(mesh) or _in_auto_twin(mesh):
         return call()
@@ -212,9 +203,8 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
         if typed:
             _raise_typed(error, auto_error, mesh, name)
         if type(auto_error) is not type(error) or _raised_at(auto_error) != _raised_at(error):
-            # Another error at another place: the first may be a library's check of its values'
-            # types under Explicit axes, and the second the step's own bug past it. Both are shown,
-            # the first last.
+            # Another error at another place: the first may be a library's type check under
+            # Explicit axes, the second the step's own bug past it. Both are shown, the first last.
             first = (str(auto_error).splitlines() or [""])[0][:300]
             error.add_note(
                 f"jaxdist: {name} raised the error above with the mesh's axes {_explicit(mesh)} "
@@ -223,16 +213,15 @@ def decided(mesh: Any, axis_types: AxisType | None, call: Callable[[], Any], nam
                 "types (layouts are part of them on Explicit axes), the other one is the step's to "
                 "fix: strategy.jit(..., axis_types=jax.sharding.AxisType.Auto) raises it alone.")
             raise error from auto_error
-        # The same error at the same place: the step's own, raised as its code raised it (outside
-        # this handler, so that its traceback does not carry the Auto trace's).
+        # The same error at the same place: the step's own, raised outside this handler (so its
+        # traceback does not carry the Auto trace's).
         error.add_note(f"jaxdist: {name} was traced again with the mesh's axes {_explicit(mesh)} "
                        f"Auto and failed there the same way: the axis types are not its cause.")
     raise error
 
 
 def _raised_at(error: BaseException) -> tuple[Any, int] | None:
-    """Where ``error`` was raised: the innermost frame's code and line (None without a
-    traceback)."""
+    """Where ``error`` was raised: its innermost frame's code and line (None without traceback)."""
     tb = error.__traceback__
     if tb is None:
         return None
@@ -285,11 +274,10 @@ def refusals(mesh: Any, name: str) -> Iterator[None]:
             f"jaxdist: {name} runs with the mesh's axes {explicit_axes(mesh)} Explicit"
             + (" (axis_types=AxisType.Explicit)" if forced else "")
             + ": a value's layout over them is part of its type, so code that does not annotate "
-              "layouts is "
-            "refused, as under plain jax.jit on that mesh. Annotate the operation (out_sharding=, "
-            "jax.sharding.reshard), or let the program run with them Auto: strategy.jit(..., "
-            "axis_types=None) decides per program, axis_types=jax.sharding.AxisType.Auto forces it."
-        )
+              "layouts is refused, as under plain jax.jit on that mesh. Annotate the operation "
+              "(out_sharding=, jax.sharding.reshard), or let the program run with them Auto: "
+              "strategy.jit(..., axis_types=None) decides per program, "
+              "axis_types=jax.sharding.AxisType.Auto forces it.")
         raise
 
 

@@ -14,8 +14,7 @@ _DEVICE_NAME = re.compile(r"^/?(?:device:)?(?P<platform>[a-zA-Z]+):(?P<index>\d+
 
 
 def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
-    """One device from a `jax.Device`, a global device id, or a name such as ``"gpu:0"`` /
-    ``"/cpu:1"``.
+    """One device from a `jax.Device`, a global device id, or a name (``"gpu:0"``, ``"/cpu:1"``).
 
     Raises:
         ValueError: for a name or id that matches no device.
@@ -41,26 +40,20 @@ def resolve_device(spec: Any, argument: str = "device") -> jax.Device:
             try:
                 candidates = jax.devices(platform)
             except RuntimeError as err:
-                raise ValueError(
-                    f"{argument}={spec!r}: no {platform!r} backend here ({err})."
-                ) from None
+                raise ValueError(f"{argument}={spec!r}: no {platform!r} backend here "
+                                 f"({err}).") from None
             if index >= len(candidates):
-                raise ValueError(
-                    f"{argument}={spec!r}: there are only {len(candidates)} {platform} devices "
-                    f"(indices 0..{len(candidates) - 1})."
-                )
+                raise ValueError(f"{argument}={spec!r}: there are only {len(candidates)} "
+                                 f"{platform} devices (indices 0..{len(candidates) - 1}).")
             return candidates[index]
         raise ValueError(f"{argument}={spec!r} is not a device name: use e.g. 'cpu:0', 'gpu:1' or "
                          "'/tpu:0'.")
-    raise TypeError(
-        f"{argument}={spec!r} (type {type(spec).__name__}) is not a device: pass a jax.Device, a "
-        "device id, or a name like 'gpu:0'."
-    )
+    raise TypeError(f"{argument}={spec!r} (type {type(spec).__name__}) is not a device: pass a "
+                    "jax.Device, a device id, or a name like 'gpu:0'.")
 
 
-def resolve_devices(
-    devices: Sequence[Any] | None, argument: str = "devices"
-) -> tuple[jax.Device, ...]:
+def resolve_devices(devices: Sequence[Any] | None,
+                    argument: str = "devices") -> tuple[jax.Device, ...]:
     """A non-empty tuple of distinct devices of one backend, in the order given (replica order).
 
     Args:
@@ -88,15 +81,12 @@ def resolve_devices(
     seen: dict[jax.Device, int] = {}
     for i, d in enumerate(resolved):
         if d in seen:
-            raise ValueError(
-                f"{argument} lists {d} twice (positions {seen[d]} and {i}): each replica needs its "
-                "own device; remove the duplicate."
-            )
+            raise ValueError(f"{argument} lists {d} twice (positions {seen[d]} and {i}): each "
+                             "replica needs its own device; remove the duplicate.")
         seen[d] = i
     platforms = sorted({d.platform for d in resolved})
     if len(platforms) > 1:
-        raise ValueError(
-            f"{argument} mixes backends {platforms}: a strategy's replicas must run on one "
-            f"backend; pick devices of one platform (e.g. all of jax.devices({platforms[0]!r}))."
-        )
+        raise ValueError(f"{argument} mixes backends {platforms}: a strategy's replicas must run "
+                         "on one backend; pick devices of one platform (e.g. all of "
+                         f"jax.devices({platforms[0]!r})).")
     return resolved

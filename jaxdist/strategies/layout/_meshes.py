@@ -1,5 +1,4 @@
-"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's
-own mesh.
+"""Meshes and the roles of their axes: the short form (``"replica"`` x ``"model"``) or the user's.
 
 A strategy's mesh has two kinds of axes:
 
@@ -18,32 +17,23 @@ A strategy's mesh has two kinds of axes:
   batch like any batch axis ("dp2ep"), and the FSDP rule splits other variables over them unless
   ``fsdp_axes`` leaves them out.
 * **model axes**: every other axis. Only layout rules and annotations split variables over them
-  (tensor parallelism); a batch is whole along them. **Stage axes** among them lay out pipeline
-  stages.
+  (tensor parallelism); a batch is whole along them; **stage axes** among them hold pipeline stages.
 
 Each role gives logical axis names a meaning (`AxisRoles.logical_rules`): ``"length"`` (and
 ``"batch"``) the context axes, ``"layers"`` the stage axes, ``"expert"`` / ``"exp"`` the expert
 axes. They are appended to the user's ``logical_axis_rules`` wherever those do not name them.
 
-A role besides batch and model is one entry of `ROLES`: its ``<name>_axes=`` argument, its short
-form (``<short_form>=k``) and where that axis goes in the short-form mesh, its logical names, and
-whether its axes must be batch axes (expert) or never are (stage, context). `axis_roles`,
-`short_form_mesh`, `AxisRoles` and the `jaxdist.strategies.LayoutPolicy` derive everything from it;
-only `jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and
-type checkers.
+A role besides batch and model is one entry of `ROLES` (a `Role`), from which `axis_roles`,
+`short_form_mesh`, `AxisRoles` and the `jaxdist.strategies.LayoutPolicy` derive everything; only
+`jaxdist.ShardedStrategy`'s signature lists each role's two keywords by name, for readers and type
+checkers.
 
-The short form builds ``("replica",)`` or ``("replica", "model")`` from a device list and
-``model_parallelism``. A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``,
-by hand) is kept as it is: its axis names, device order AND axis types. Code written for it depends
-on them: on ``Explicit`` axes (``jax.make_mesh``'s default) a value's layout is part of its type,
-and model code annotates (``out_sharding=``, ``jax.reshard``, ``jax.shard_map`` with specs that
-match its inputs' types).
-
-The meshes jaxdist builds itself (the short form) have ``Auto`` axes, deliberately: there XLA
-propagates layouts through unannotated code, so an unmodified single-device step compiles as it is.
-On ``Explicit`` axes the same step can be refused by JAX: an embedding lookup (``jnp.take`` of a
-whole table with indices whose rows are split over the batch axis) asks for an ``out_sharding`` the
-single-device code does not give.
+A user's mesh (``jax.make_mesh``, ``mesh_utils.create_hybrid_device_mesh``, by hand) is kept as it
+is: its axis names, device order AND axis types, which code written for it depends on (on
+``Explicit`` axes, ``jax.make_mesh``'s default, a value's layout is part of its type). The short
+form's meshes have ``Auto`` axes, deliberately: there XLA propagates layouts through unannotated
+code, so an unmodified single-device step compiles as it is (on ``Explicit`` axes JAX can refuse it:
+an embedding lookup over a split batch asks for an ``out_sharding``).
 """
 
 from __future__ import annotations
@@ -76,8 +66,7 @@ LAYERS = "layers"
 "layers"}``, `jaxdist.nn.Pipeline`): split over the stage axes."""
 
 EXPERT_NAMES = ("expert", "exp")
-"""The logical names of the stacked expert axis (`jaxdist.nn.MoE`; MaxText's ``"exp"``): split over
-the expert axes."""
+"""The logical names of the stacked expert axis, split over the expert axes (`jaxdist.nn.MoE`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +108,7 @@ ROLES = (
         "batch_axes (an axis that splits experts cannot also be a tensor axis)")),
     Role("context", "context_parallelism", CONTEXT_AXIS, ("length",), batch=False, reason=(
         "a batch's rows are split over the batch axes and its sequence over the context axes; give "
-        "each axis "
-        "one role"), variables=False),
+        "each axis one role"), variables=False),
 )
 """Every role besides batch and model. The short-form mesh's axis order: the ``outer`` roles' axes,
 then ``"replica"``, the other roles' axes in this order and ``"model"`` innermost: ``stage, replica,
@@ -176,20 +164,18 @@ def short_form_mesh(devices: Sequence[jax.Device], model_parallelism: int = 1,
     sizes = {"model_parallelism": model_parallelism, **parallelism}
     for name, k in sizes.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
-            raise ValueError(
-                f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the mesh's "
-                f"{axis[name]!r} axis: the 'replica' axis takes the devices left over)."
-            )
+            raise ValueError(f"{name}={k!r} must be an int >= 1 that divides the {n} devices (the "
+                             f"mesh's {axis[name]!r} axis: the 'replica' axis takes the devices "
+                             "left over).")
     order = (*(r.axis for r in ROLES if r.outer), REPLICA_AXIS,
              *(r.axis for r in ROLES if not r.outer), MODEL_AXIS)
-    asked = {name: sizes[name] for a in order for name in sizes if axis[name] == a
-             and sizes[name] > 1}
+    asked = {name: sizes[name] for a in order for name in sizes
+             if axis[name] == a and sizes[name] > 1}
     if n % math.prod(asked.values()):
         raise ValueError(
             f"{' x '.join(f'{name}={k}' for name, k in asked.items())} must divide the {n} devices "
             "(the mesh would be "
-            f"({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))}))."
-        )
+            f"({', '.join(a for a in order if a == REPLICA_AXIS or a in map(axis.get, asked))})).")
     shape = {axis[name]: k for name, k in asked.items()}
     shape[REPLICA_AXIS] = n // math.prod(asked.values())
     names = tuple(a for a in order if a in shape)
@@ -260,8 +246,7 @@ class AxisRoles:
         return self.role_axes[role] if role in self.role_axes else getattr(self, f"{role}_axes")
 
     def entry(self, role: str) -> str | tuple[str, ...] | None:
-        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or the tuple
-        of several.
+        """The axes of ``role`` as one `PartitionSpec` entry: None (no axis), one name, or a tuple.
 
         Examples:
             >>> import jax
@@ -309,16 +294,13 @@ def _names(value: Any, argument: str, mesh: Mesh) -> tuple[str, ...]:
                              f"{mesh.axis_names}.")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(
-            f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis once."
-        )
+        raise ValueError(f"{argument}={value!r} lists axis {twice[0]!r} twice: name each axis "
+                         "once.")
     return names
 
 
-def axis_roles(
-    mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool,
-    strategy: str = "ShardedStrategy", **role_axes: Any,
-) -> AxisRoles:
+def axis_roles(mesh: Any, batch_axes: Any = None, fsdp_axes: Any = None, *, split: bool,
+               strategy: str = "ShardedStrategy", **role_axes: Any) -> AxisRoles:
     """Validate a user's ``mesh`` and the roles given to its axes.
 
     Args:
@@ -354,8 +336,7 @@ def axis_roles(
         raise TypeError(
             f"mesh={mesh!r} (type {type(mesh).__name__}) is not a jax.sharding.Mesh: build one "
             "with jax.make_mesh((2, 4), ('data', 'fsdp')) or jax.sharding.Mesh(devices, "
-            "axis_names) (or, to plan without devices, jd.plan_mesh({'data': 64, 'fsdp': 16}))."
-        )
+            "axis_names) (or, to plan without devices, jd.plan_mesh({'data': 64, 'fsdp': 16})).")
     check_role_keywords("axis_roles", role_axes, [role.argument for role in ROLES],
                         "the roles' arguments are")
     given = {role.name: _names(role_axes.get(role.argument) or (), role.argument, mesh)
@@ -363,41 +344,34 @@ def axis_roles(
     context = given["context"]
     if batch_axes is None:
         if split and len(mesh.axis_names) - len(context) > 1:
-            raise ValueError(
-                f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name the ones a "
-                f"batch's rows are split over, e.g. {strategy}(mesh=mesh, "
-                f"batch_axes={mesh.axis_names[:-1]!r}) (the rest are model axes, for tensor "
-                "parallelism)."
-            )
+            raise ValueError(f"batch_axes is missing: the mesh has axes {mesh.axis_names}; name "
+                             f"the ones a batch's rows are split over, e.g. {strategy}(mesh=mesh, "
+                             f"batch_axes={mesh.axis_names[:-1]!r}) (the rest are model axes, for "
+                             "tensor parallelism).")
         batch_axes = tuple(a for a in mesh.axis_names if a not in context)
     batch = _names(batch_axes, "batch_axes", mesh)
     for role in ROLES:
         if given[role.name] and role.variables and not split:
-            raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy keeps every "
-                f"variable whole on every device and has no {role.name} axes; use "
-                f"ShardedStrategy(mesh=..., batch_axes=..., {role.argument}=...) (or "
-                f"{role.short_form}=k on its own mesh)."
-            )
+            raise ValueError(f"{role.argument}={role_axes[role.argument]!r}: a mirroring strategy "
+                             f"keeps every variable whole on every device and has no {role.name} "
+                             "axes; use ShardedStrategy(mesh=..., batch_axes=..., "
+                             f"{role.argument}=...) (or {role.short_form}=k on its own mesh).")
         wrong = [a for a in given[role.name] if (a in batch) != role.batch]  # batch axes, or never
         if wrong:
-            raise ValueError(
-                f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, which is "
-                f"{'not in' if role.batch else 'also in'} batch_axes={batch!r}: {role.reason}."
-            )
+            raise ValueError(f"{role.argument}={role_axes[role.argument]!r} names {wrong[0]!r}, "
+                             f"which is {'not in' if role.batch else 'also in'} "
+                             f"batch_axes={batch!r}: {role.reason}.")
     if not batch and not context:
         raise ValueError("batch_axes=() is empty: name at least one axis to split a batch's rows "
                          "over.")
     if not split:
         model = [a for a in mesh.axis_names if a not in batch and a not in context]
         if model:
-            raise ValueError(
-                "A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps every variable "
-                f"whole, so mesh axis {model[0]!r} (not in batch_axes={batch!r}) "
-                "would hold copies that compute the same thing: make it a batch axis, or use "
-                "ShardedStrategy(mesh=..., batch_axes=...) whose layout rules split variables over "
-                "it."
-            )
+            raise ValueError("A mirroring strategy (Mirrored, TPU, MultiWorkerMirrored) keeps "
+                             f"every variable whole, so mesh axis {model[0]!r} (not in "
+                             f"batch_axes={batch!r}) would hold copies that compute the same "
+                             "thing: make it a batch axis, or use ShardedStrategy(mesh=..., "
+                             "batch_axes=...) whose layout rules split variables over it.")
     fsdp = (batch + context if fsdp_axes is None and split
             else _names(fsdp_axes or (), "fsdp_axes", mesh))
     if fsdp and not split:
@@ -405,9 +379,8 @@ def axis_roles(
                          "use ShardedStrategy for FSDP.")
     outside = [a for a in fsdp if a not in batch and a not in context]
     if outside:
-        raise ValueError(
-            f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in batch_axes={batch!r}: "
-            "FSDP splits variables over (part of) the data-parallel group; add it to batch_axes, "
-            "or split variables over a model axis with layout rules / logical_axis_rules instead."
-        )
+        raise ValueError(f"fsdp_axes={fsdp_axes!r} names {outside[0]!r}, which is not in "
+                         f"batch_axes={batch!r}: FSDP splits variables over (part of) the "
+                         "data-parallel group; add it to batch_axes, or split variables over a "
+                         "model axis with layout rules / logical_axis_rules instead.")
     return AxisRoles(mesh, batch, fsdp, given)

@@ -34,8 +34,7 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
-    """The layout of each value of an nnx ``state`` (placed arrays) and whether its Variable is
-    annotated.
+    """The layout of each value of an nnx ``state`` (placed arrays), and whether it is annotated.
 
     An annotated Variable gets its annotation's layout (through the layout rules, which come first);
     an unannotated one keeps the layout it has on the mesh, except that where variables can be
@@ -56,12 +55,10 @@ def nnx_layouts(policy: Any, state: Any) -> tuple[list[Any], list[bool]]:
         value = v.get_value() if is_variable(v) else v
         box = annotation(v, policy.mesh.axis_names)
         annotated.append(box is not None)
-        if not isinstance(value, (jax.Array, np.ndarray, np.generic)) or isinstance(
-            value, jax.core.Tracer
-        ):
-            layouts.append(getattr(value, "sharding", None) if box is None
-                           else declared(policy.variable_layout(
-                path_name(path), _aval(value), box)))
+        if (not isinstance(value, (jax.Array, np.ndarray, np.generic))
+                or isinstance(value, jax.core.Tracer)):
+            layouts.append(getattr(value, "sharding", None) if box is None else declared(
+                policy.variable_layout(path_name(path), _aval(value), box)))
             continue
         # the annotation's layout: the user's, as where Flax placed the Variable itself
         if box is not None:

@@ -1,30 +1,24 @@
-"""Host offloading: variables and/or optimizer state kept in host memory, streamed to the devices
-per step.
+"""Host offloading: variables and/or optimizer state kept in host memory, streamed in per step.
 
 JAX gives every sharding a *memory kind*: ``"device"`` (the default) or ``"pinned_host"`` (the host
 memory attached to that device, which accelerators reach by DMA). A strategy created with
 ``host_offload=`` places the variables it is told to in ``"pinned_host"`` memory, in their usual
-layout (mirrored, FSDP, ...): this is ZeRO-Offload's placement and Graphcore's "variables on the
-host" in JAX terms. Compiled steps then stream them:
+layout (mirrored, FSDP, ...; ZeRO-Offload's placement). Compiled steps then stream them:
 
 * at the entry of a ``strategy.jit`` step (and of the on-device loop of ``run_steps_on_dataset``)
-  every argument in host memory is copied to device memory (``jax.device_put(x,
-  jax.memory.Space.Device)``), so the step's code computes on device values exactly as it would
-  without offloading — what it computes never changes;
+  every argument in host memory is copied to device memory, so the step's code computes exactly
+  what it computes without offloading;
 * outputs shaped like an offloaded argument (``state -> new_state``) go back to host memory at the
-  exit, so the state stays offloaded from step to step; other outputs (losses, metrics) stay on the
-  device;
+  exit, so the state stays offloaded from step to step; other outputs stay on the device;
 * eager ``strategy.run`` copies offloaded arguments to device memory before the replica program.
 
-Between steps the offloaded state occupies no device memory; during a step it is a temporary. That
-trades transfer time for device-memory capacity (XLA overlaps the copies with compute where it can):
-measure it.
+Between steps the offloaded state occupies no device memory; during a step it is a temporary: this
+trades transfer time for device-memory capacity (XLA overlaps the copies with compute where it can).
 
 Which variables are *optimizer state* is carried by their type, never guessed from names: subtrees
 that are optax states (every optax state is a NamedTuple defined in optax) and ``nnx.OptState``
 variables (what ``nnx.Optimizer`` holds). Sync-on-read values are never offloaded: replicas update
-them in every step, so they stay in device memory (as Graphcore's IPU strategy keeps them on the
-IPU).
+them in every step.
 """
 
 from __future__ import annotations
@@ -35,16 +29,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-__all__ = [
-    "HOST_MEMORY_KIND",
-    "HOST_OFFLOAD_MODES",
-    "in_host_memory",
-    "is_optimizer_state",
-    "offload_shardings",
-    "parse_host_offload",
-    "to_device_memory",
-    "to_host_memory",
-]
+__all__ = ["HOST_MEMORY_KIND", "HOST_OFFLOAD_MODES", "in_host_memory", "is_optimizer_state",
+           "offload_shardings", "parse_host_offload", "to_device_memory", "to_host_memory"]
 
 HOST_MEMORY_KIND = "pinned_host"
 """The memory kind offloaded values live in."""
@@ -78,24 +64,20 @@ def parse_host_offload(value: Any, devices: Sequence[Any],
     if value is None:
         return None
     if not isinstance(value, str) or value not in HOST_OFFLOAD_MODES:
-        raise ValueError(
-            f"{argument}={value!r} is not a host offloading mode: use None (everything in device "
-            "memory), 'opt_state' (optimizer state in host memory), 'params' (every variable but "
-            "the optimizer state) or 'all'."
-        )
+        raise ValueError(f"{argument}={value!r} is not a host offloading mode: use None "
+                         "(everything in device memory), 'opt_state' (optimizer state in host "
+                         "memory), 'params' (every variable but the optimizer state) or 'all'.")
     for device in devices:
         kinds = sorted(m.kind for m in device.addressable_memories())
         if HOST_MEMORY_KIND not in kinds:
-            raise ValueError(
-                f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every device, but "
-                f"{device} has only {kinds}: this backend cannot offload; use {argument}=None here."
-            )
+            raise ValueError(f"{argument}={value!r} needs {HOST_MEMORY_KIND!r} memory on every "
+                             f"device, but {device} has only {kinds}: this backend cannot offload; "
+                             f"use {argument}=None here.")
     return value
 
 
 def is_optimizer_state(node: Any) -> bool:
-    """True for an optimizer-state subtree: an optax state (a NamedTuple defined in optax) or
-    ``nnx.OptState``.
+    """True for an optimizer-state subtree: an optax state (an optax NamedTuple), ``nnx.OptState``.
 
     Examples:
         >>> import optax, jax.numpy as jnp
@@ -146,13 +128,8 @@ def offload_shardings(mode: str | None, shapes: Any, layouts: Any) -> Any:
     if len(mask) != len(flat):  # a structure the mask cannot follow: everything or nothing
         mask = [mode == "all"] * len(flat)
     wanted = {"all": lambda _: True, "opt_state": lambda m: m, "params": lambda m: not m}[mode]
-    return jax.tree.unflatten(
-        treedef,
-        [
-            s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s
-            for s, m in zip(flat, mask, strict=True)
-        ],
-    )
+    return jax.tree.unflatten(treedef, [s.with_memory_kind(HOST_MEMORY_KIND) if wanted(m) else s
+                                        for s, m in zip(flat, mask, strict=True)])
 
 
 def in_host_memory(x: Any) -> bool:
@@ -180,16 +157,13 @@ def _to_device(x: Any) -> Any:
 
 
 def to_host_memory(x: Any) -> Any:
-    """``x`` (a traced value) moved to host memory, same layout: where an offloaded output goes at a
-    step's exit."""
+    """``x`` (traced) moved to host memory, same layout: where an offloaded output goes at exit."""
     return x if in_host_memory(x) else jax.device_put(x, jax.memory.Space.Host)
 
 
 def to_device_memory(tree: Any) -> Any:
     """``tree`` with its host-memory leaves copied to device memory, same layout (``tree`` itself if
-    none is).
-
-    Works on concrete arrays and inside traces.
+    none is), for concrete arrays and inside traces.
 
     Examples:
         >>> import jax, jax.numpy as jnp

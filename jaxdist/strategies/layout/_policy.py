@@ -1,9 +1,7 @@
 """`LayoutPolicy`: the one object that decides where every value of a strategy lives.
 
-A policy owns the mesh and the role of each of its axes (the batch axes that a batch's rows are
-split over, the FSDP axes among them that unannotated variables are split over, the model axes of
-tensor parallelism: `jaxdist.strategies.layout._meshes`; ``"replica"`` and ``"model"`` in the short
-form, the user's names on the user's mesh), and answers, alone, "which layout does this value get":
+A policy owns the mesh and the role of each of its axes (batch, FSDP, model, ...:
+`jaxdist.strategies.layout._meshes`), and answers, alone, "which layout does this value get":
 
 * variables: `variable_layout` / `variable_shardings` (layout rules, Flax annotations through
   logical rules, the FSDP rule or mirrored; ``colocate_vars_with`` targets; host offloading as the
@@ -188,23 +186,14 @@ class LayoutPolicy:
         (8, P(('data', 'fsdp'),), P('fsdp',))
     """
 
-    def __init__(
-        self,
-        devices: Sequence[jax.Device] | None = None,
-        model_parallelism: int = 1,
-        *,
-        mesh: Mesh | None = None,
-        batch_axes: str | Sequence[str] | None = None,
-        fsdp_axes: str | Sequence[str] | None = None,
-        split_variables: bool = False,
-        min_shard_size: int = 1024,
-        layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
-        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
-        activation_axes: Sequence[str] = (),
-        host_offload: str | None = None,
-        sequence_axis: int = 1,
-        **role_arguments: Any,
-    ):
+    def __init__(self, devices: Sequence[jax.Device] | None = None, model_parallelism: int = 1, *,
+                 mesh: Mesh | None = None, batch_axes: str | Sequence[str] | None = None,
+                 fsdp_axes: str | Sequence[str] | None = None, split_variables: bool = False,
+                 min_shard_size: int = 1024,
+                 layout_rules: Sequence[tuple[str, PartitionSpec]] | None = None,
+                 logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+                 activation_axes: Sequence[str] = (), host_offload: str | None = None,
+                 sequence_axis: int = 1, **role_arguments: Any):
         # Each role (meshes.ROLES) is named by its axes on a user's mesh (<name>_axes=), or sized by
         # its short form (<short_form>=k) on the strategy's own.
         check_role_keywords("LayoutPolicy", role_arguments,
@@ -218,11 +207,9 @@ class LayoutPolicy:
             named = {k: v for k, v in named.items() if v is not None}
             if named:
                 forms = ", ".join(f"{r.short_form}=k adds {r.axis!r}" for r in ROLES)
-                raise ValueError(
-                    f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes of a mesh: "
-                    "pass mesh= too (without it the strategy builds its own: ('replica',); "
-                    f"model_parallelism=k adds 'model', {forms})."
-                )
+                raise ValueError(f"{' / '.join(f'{k}={v!r}' for k, v in named.items())} name axes "
+                                 "of a mesh: pass mesh= too (without it the strategy builds its "
+                                 f"own: ('replica',); model_parallelism=k adds 'model', {forms}).")
             if devices is None:
                 raise ValueError("LayoutPolicy needs devices= or mesh=.")
             # The short form: an axis exists only when asked for ("model" for rules to split over).
@@ -234,37 +221,26 @@ class LayoutPolicy:
                                **{r.argument: axes for r, axes in present.items()})
         else:
             if devices is not None or model_parallelism != 1:
-                raise ValueError(
-                    f"mesh= and devices= / model_parallelism={model_parallelism!r} both given: a "
-                    "user mesh already says which devices and axes; pass only mesh=, batch_axes= "
-                    "and fsdp_axes=."
-                )
+                raise ValueError(f"mesh= and devices= / model_parallelism={model_parallelism!r} "
+                                 "both given: a user mesh already says which devices and axes; "
+                                 "pass only mesh=, batch_axes= and fsdp_axes=.")
             for role in ROLES:
                 if short[role.short_form] != 1:
-                    raise ValueError(
-                        f"mesh= and {role.short_form}={short[role.short_form]!r} both given: on a "
-                        f"user mesh, name its {role.name} axes with "
-                        f"{role.name}_axes=({role.axis!r},) (its own names) instead."
-                    )
+                    raise ValueError(f"mesh= and {role.short_form}={short[role.short_form]!r} both "
+                                     f"given: on a user mesh, name its {role.name} axes with "
+                                     f"{role.name}_axes=({role.axis!r},) (its own names) instead.")
             roles = axis_roles(mesh, batch_axes, fsdp_axes, split=split_variables, **role_axes)
-        if not isinstance(sequence_axis, int) or isinstance(sequence_axis,
-                                                            bool) or sequence_axis < 1:
-            raise ValueError(
-                f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension of a batch "
-                "leaf that holds its sequence (axis 0 holds its rows), e.g. 1 for (batch, length, "
-                "...)."
-            )
+        if (not isinstance(sequence_axis, int) or isinstance(sequence_axis, bool)
+                or sequence_axis < 1):
+            raise ValueError(f"sequence_axis={sequence_axis!r} must be an int >= 1: the dimension "
+                             "of a batch leaf that holds its sequence (axis 0 holds its rows), "
+                             "e.g. 1 for (batch, length, ...).")
         self.roles = roles
-        """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP and model
-        axes."""
+        """The axis roles (`jaxdist.strategies.layout._meshes.AxisRoles`): batch, FSDP, model..."""
         self.mesh = roles.mesh
-        # A plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies plan, never
-        # run.
-        self.devices = (
-            ()
-            if isinstance(roles.mesh, jax.sharding.AbstractMesh)
-            else tuple(roles.mesh.devices.flat)
-        )
+        # a plan mesh (jd.plan_mesh, an AbstractMesh) has no devices: its strategies never run
+        self.devices = (() if isinstance(roles.mesh, jax.sharding.AbstractMesh)
+                        else tuple(roles.mesh.devices.flat))
         self.host_offload = parse_host_offload(host_offload, self.devices)
         self.batch_axes = roles.batch_axes
         """The mesh axes a batch's rows are split over."""
@@ -272,41 +248,33 @@ class LayoutPolicy:
         """The batch axes as one name (or a tuple of names): a `PartitionSpec` entry and ``run``'s
         default ``axis_name``."""
         self.context_axes = roles.context_axes
-        """The mesh axes a batch's sequence dimension is split over (context parallelism; empty:
-        none)."""
+        """The mesh axes a batch's sequence dimension is split over (context parallelism)."""
         self.sequence_axis = sequence_axis
         """The dimension of a batch leaf that the context axes split (1: ``(batch, length,
         ...)``)."""
         self.expert_axes = roles.expert_axes
-        """The batch axes the stacked experts of mixture-of-experts layers are split over (empty:
-        none)."""
-        self.rules = VariableRules(
-            roles, split=split_variables, min_shard_size=min_shard_size,
-            layout_rules=layout_rules or (), logical_axis_rules=logical_axis_rules or (),
-            activation_axes=activation_axes,
-        )
+        """The batch axes the stacked experts of mixture-of-experts layers are split over."""
+        self.rules = VariableRules(roles, split=split_variables, min_shard_size=min_shard_size,
+                                   layout_rules=layout_rules or (),
+                                   logical_axis_rules=logical_axis_rules or (),
+                                   activation_axes=activation_axes)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec(self.replica_axis))
         """The layout of per-replica values and of batch leaves of rank 1 (or, without context axes,
-        of any rank): axis 0 split over the replicas. `batch_layout` gives a batch leaf's layout by
-        its rank."""
-        self._sequence_sharding = (
-            NamedSharding(self.mesh, PartitionSpec(self.replica_axis, *[None] * (sequence_axis - 1),
-                                                   roles.entry("context")))
-            if self.context_axes else None
-        )
+        of any rank: `batch_layout`): axis 0 split over the replicas."""
+        self._sequence_sharding = NamedSharding(self.mesh, PartitionSpec(
+            self.replica_axis, *[None] * (sequence_axis - 1), roles.entry("context"))
+        ) if self.context_axes else None
         self.replicated_sharding = replicated(self.mesh)
         """The layout of mirrored values: a whole copy on every device."""
-        # model axes already reported idle (IdleAxisWarning, once each)
-        self._reported_idle: set[str] = set()
+        self._reported_idle: set[str] = set()  # model axes already reported (once each)
         self._variable_hook: Any = None  # a strategy's override of variable_layout (see use_hooks)
         self._role_hook: Any = None  # a strategy's override of layout_role (see use_hooks)
         self._batch_hook: Any = None  # a strategy's override of batch_layout (see use_hooks)
 
     def batch_layout(self, ndim: int, shape: Sequence[int] | None = None) -> jax.sharding.Sharding:
-        """The layout of a batch leaf of rank ``ndim`` (and ``shape``, where known). Every caller
-        that places a batch comes here: a strategy that overrides its ``batch_layout`` hook has it
-        installed with `use_hooks` and it decides (given the shape, a dimension None where unknown);
-        else `rule_batch_layout`.
+        """The layout of a batch leaf of rank ``ndim`` (and ``shape``, where known), for every
+        caller that places a batch: a strategy's ``batch_layout`` hook (`use_hooks`) where it has
+        one (given the shape, a dimension None where unknown), else `rule_batch_layout`.
 
         Examples:
             >>> import jax, jaxdist as jd
@@ -348,16 +316,14 @@ class LayoutPolicy:
 
     @property
     def replica_devices(self) -> tuple[jax.Device, ...]:
-        """The first device of each replica, in replica order (the order a batch's rows are split
-        in)."""
+        """The first device of each replica, in replica order (the order of a batch's rows)."""
         order = [self.mesh.axis_names.index(a)
                  for a in (*self.batch_axes, *self.context_axes, *self.roles.model_axes)]
         return tuple(np.transpose(self.mesh.devices, order).reshape(self.num_replicas, -1)[:, 0])
 
     @property
     def local_replicas(self) -> tuple[int, ...]:
-        """The replicas (row blocks of a batch) whose rows this process's devices hold, in replica
-        order."""
+        """The replicas (row blocks of a batch) this process's devices hold, in replica order."""
         blocks = self.batch_sharding.addressable_devices_indices_map((self.num_replicas,)).values()
         return tuple(sorted({index[0].start or 0 for index in blocks}))
 
@@ -384,20 +350,17 @@ class LayoutPolicy:
         return self.rules.split or any(self.mesh.shape[a] > 1 for a in self.roles.model_axes)
 
     # ------------------------------------------------------------------------------------ variables
-    def variable_layout(
-        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
-    ) -> NamedSharding:
-        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of shape/dtype
-        ``aval``.
+    def variable_layout(self, path: str, aval: jax.ShapeDtypeStruct,
+                        annotation: Partitioned | None = None) -> NamedSharding:
+        """The layout of the variable at ``path`` (``"params/Dense_0/kernel"``) of ``aval``.
 
         Args:
             path: the variable's pytree path, ``/``-joined (what layout rules match).
             aval: its shape and dtype.
             annotation: the Flax partitioning box around it, when the model annotated it.
 
-        Every caller that places a variable comes here: a strategy that overrides its
-        ``variable_layout`` hook has it installed with `use_hooks`, so the override decides for all
-        of them.
+        Every caller that places a variable comes here, so a strategy's ``variable_layout`` hook
+        (`use_hooks`) decides for all of them.
 
         Raises:
             ValueError: when a rule or annotation does not fit the variable.
@@ -406,9 +369,8 @@ class LayoutPolicy:
             return own(self._variable_hook(path, aval, annotation))
         return own(self.rule_layout(path, aval, annotation))
 
-    def rule_layout(
-        self, path: str, aval: jax.ShapeDtypeStruct, annotation: Partitioned | None = None
-    ) -> NamedSharding:
+    def rule_layout(self, path: str, aval: jax.ShapeDtypeStruct,
+                    annotation: Partitioned | None = None) -> NamedSharding:
         """The layout this policy's rules give the variable at ``path`` (what `variable_layout`
         returns unless a strategy overrides it).
 
@@ -451,8 +413,7 @@ class LayoutPolicy:
         def one(path, leaf):
             if is_box(leaf):  # the path of the box, not of its ".value"
                 return leaf.replace_boxed(
-                    self.variable_layout(path_name(path), leaf.value, annotation=leaf)
-                )
+                    self.variable_layout(path_name(path), leaf.value, annotation=leaf))
             # an nnx Variable: laid out by its metadata, kept around its layout
             if is_variable(leaf):
                 box = annotation(leaf, self.mesh.axis_names)
@@ -482,8 +443,7 @@ class LayoutPolicy:
         return self._role_hook is None and not self.rules.split
 
     def layout_role(self, x: Any) -> str | None:
-        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None when the layout
-        cannot tell.
+        """The role ``x``'s layout gives it: ``"batch"``, ``"variable"``, or None (it cannot tell).
 
         None for values not on this mesh (numpy, arrays on other devices: their role must be
         declared) and, where variables may be split over the replicas too (FSDP), for arrays split
@@ -496,8 +456,7 @@ class LayoutPolicy:
         return self.role_from_layout(x)
 
     def role_from_layout(self, x: Any) -> str | None:
-        """The role this policy's layouts give ``x`` (what `layout_role` returns unless a strategy
-        overrides it).
+        """The role this policy's layouts give ``x`` (`layout_role` unless a strategy overrides it).
 
         Examples:
             >>> import jax, numpy as np, jaxdist as jd
@@ -526,8 +485,7 @@ class LayoutPolicy:
     # --------------------------------------------------------------------------------------- checks
     def idle_axes(self, specs: Any) -> list[str]:
         """The model axes (size > 1) that none of ``specs`` (the `PartitionSpec`s or shardings of a
-        program's variables) splits and no activation uses (``activation_axes`` names mapped to
-        them)."""
+        program's variables) splits and no activation uses (through ``activation_axes``)."""
         model = [a for a in self.roles.model_axes if self.mesh.shape[a] > 1]
         if not model:
             return []
@@ -539,8 +497,7 @@ class LayoutPolicy:
 
     def warn_idle_axes(self, specs: Any, what: str, names: Sequence[str] = (),
                        avals: Sequence[Any] = ()) -> None:
-        """Warn once per axis (`IdleAxisWarning`) about each model axis ``specs`` leave idle (see
-        `idle_axes`).
+        """Warn once per axis (`IdleAxisWarning`) of each model axis ``specs`` leave idle.
 
         Args:
             specs: the layouts of the program's variables.
@@ -563,13 +520,10 @@ class LayoutPolicy:
                 "axis 'layers'), so the stage devices are idle: they hold and compute the same "
                 "thing. Put the model's stack of identical blocks in jd.nn.Pipeline(block=..., "
                 "num_layers=..., num_microbatches=...), or drop stage_axes (pipeline_parallelism).",
-                IdleAxisWarning,
-                stacklevel=4,
-            )
+                IdleAxisWarning, stacklevel=4)
             return
-        held = sum(
-            held_whole_bytes(s, a, self.mesh, axis) for s, a in zip(specs, avals, strict=False)
-        )
+        held = sum(held_whole_bytes(s, a, self.mesh, axis)
+                   for s, a in zip(specs, avals, strict=False))
         if held:
             some += (f"; {format_bytes(held)} per device of them could be split {size} ways along "
                      "it but are held whole on each of its devices")
@@ -579,10 +533,7 @@ class LayoutPolicy:
             "thing. Annotate variables with it (nnx.with_partitioning / nn.with_partitioning, e.g. "
             f"(None, {axis!r})), map a logical name to it in logical_axis_rules (e.g. ('mlp', "
             f"{axis!r})), name it in a layout rule, declare activation names that use it "
-            "(activation_axes=...), or add it to batch_axes.",
-            IdleAxisWarning,
-            stacklevel=4,
-        )
+            "(activation_axes=...), or add it to batch_axes.", IdleAxisWarning, stacklevel=4)
 
     # ------------------------------------------------------------------------------------- contexts
     def flax_rules(self) -> contextlib.AbstractContextManager[Any]:
@@ -602,11 +553,9 @@ class LayoutPolicy:
     @contextlib.contextmanager
     def shape_scope(self):
         """What a user's model and losses are evaluated in for their shapes alone, outside any
-        program (the Trainer's loss check and state shapes, a restore's target): what
-        `tracing_scope` gives a ``strategy.jit`` step (this mesh as JAX's abstract mesh, so
-        ``jax.lax.with_sharding_constraint`` with a bare ``PartitionSpec`` names its axes, and the
-        logical rules), with the mesh's Explicit axes Auto (a shape never depends on axis types:
-        `jaxdist.strategies.layout.shape_scope`), on this mesh whatever mesh the caller set
+        program (the Trainer's loss check and state shapes, a restore's target): `tracing_scope`'s
+        mesh and logical rules, with the mesh's Explicit axes Auto (a shape never depends on axis
+        types: `jaxdist.strategies.layout.shape_scope`), on this mesh whatever mesh the caller set
         (`call_scope`). Arrays entering it pass through `untyped`.
 
         Examples:
@@ -643,8 +592,7 @@ class LayoutPolicy:
             ...         dict(jax.sharding.get_abstract_mesh().shape)
             {'replica': 2}
         """
-        # a plan mesh compiles in a process of its own
-        if isinstance(self.mesh, jax.sharding.AbstractMesh):
+        if isinstance(self.mesh, jax.sharding.AbstractMesh):  # compiles in a process of its own
             return contextlib.nullcontext()
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current == self.mesh.abstract_mesh:
@@ -652,13 +600,12 @@ class LayoutPolicy:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             if current.size == self.mesh.size:
                 return contextlib.nullcontext()
-            raise ValueError(
-                "this strategy's step was called inside another jax.jit while a mesh of "
-                f"{current.size} devices ({dict(current.shape)}) is JAX's context mesh; the "
-                f"strategy's mesh has {self.mesh.size} ({dict(self.mesh.shape)}). Call it outside "
-                "that jit, or inside `with strategy.scope():` (its mesh becomes the context mesh), "
-                "or build the strategy on that mesh (mesh=...)."
-            )
+            raise ValueError("this strategy's step was called inside another jax.jit while a mesh "
+                             f"of {current.size} devices ({dict(current.shape)}) is JAX's context "
+                             f"mesh; the strategy's mesh has {self.mesh.size} "
+                             f"({dict(self.mesh.shape)}). Call it outside that jit, or inside "
+                             "`with strategy.scope():` (its mesh becomes the context mesh), or "
+                             "build the strategy on that mesh (mesh=...).")
         return jax.set_mesh(self.mesh)
 
     def __repr__(self) -> str:

@@ -1,5 +1,4 @@
-"""Where a layout came from: jaxdist's own placements told from the user's, by the sharding object
-itself.
+"""Where a layout came from: jaxdist's own placements told from the user's by the sharding object.
 
 On a mesh with ``Explicit`` axes a variable that jaxdist split by its own rule (FSDP) enters a step
 typed whole (`jaxdist.strategies.compile._trace._resolve.typed_whole_at_entry`), so unannotated
@@ -11,27 +10,19 @@ the two specs are equal. The difference is structural, never a comparison of spe
   array placed with one carries that very object (`jax.device_put` keeps it; a `jax.jit` program
   given it as an out sharding returns it);
 * a compiled step's outputs whose layout came from an own one (an argument jaxdist placed, the
-  variable layout) are marked after the program's first call (`mark`; the step's trace records
-  which: `jaxdist.strategies.compile._trace._provenance`): an executable returns the same sharding
-  object at each output position on every call, one of its own, so later outputs are recognised
-  without any work per call;
+  variable layout) are marked after the program's first call (`mark`;
+  `jaxdist.strategies.compile._trace._provenance`): an executable returns the same sharding object
+  at each output position on every call, so later outputs are recognised without work per call;
 * everything else (the user's `jax.device_put`, an eager op's result, a restored array) is the
-  user's, and so is the layout an nnx Variable's annotation declares (`declared`): Flax places such
-  a Variable itself, and a step's output for it must read the same as the array Flax placed, or the
-  program's cache key (which carries the user's split layouts) would change after the first step and
-  the step compile twice.
+  user's, and so is the layout an nnx Variable's annotation declares (`declared`: Flax places such a
+  Variable itself, and the step's output for it must read the same, or the program's cache key
+  would change after the first step and the step compile twice).
 
-Why an identity and not a value JAX compares: JAX compares shardings by mesh, spec and memory kind,
-so jaxdist's FSDP layout and the user's equal one are one value to it; the only difference JAX could
-see is another mesh (the same devices with the axes Auto, say), and one program refuses arguments on
-two meshes ("Mesh for all inputs should be equal", measured on jax 0.12). So the step's cache key
-carries the provenance of the user's split layouts (`jaxdist.strategies.compile`), read only on
-Explicit meshes whose variables jaxdist splits, and a restored checkpoint marks what it restores
-into jaxdist's layouts (`mark`).
-
-A layout misread as the user's costs nothing but its type: the step then runs as it would under
-`jax.jit` with that argument (on Explicit axes, Auto where it does not type-check; see
-`jaxdist.strategies.layout._axis_types`).
+Why an identity: JAX compares shardings by mesh, spec and memory kind, so jaxdist's FSDP layout and
+the user's equal one are one value to it (and one program refuses arguments on two meshes). So the
+step's cache key carries the provenance of the user's split layouts, read only on Explicit meshes
+whose variables jaxdist splits, and a restored checkpoint marks what it restores (`mark`). A layout
+misread as the user's costs nothing but its type (the step runs as under `jax.jit`).
 
 Examples:
     >>> import jax, numpy as np
@@ -55,10 +46,8 @@ from jax.sharding import NamedSharding
 __all__ = ["declared", "is_own", "mark", "own"]
 
 _CANONICAL: dict[NamedSharding, NamedSharding] = {}  # a layout -> jaxdist's one object for it
-# a layout -> one object for it that is not jaxdist's
-_DECLARED: dict[NamedSharding, NamedSharding] = {}
-# id -> object: held, so that an id is never reused by another object
-_OWN: dict[int, NamedSharding] = {}
+_DECLARED: dict[NamedSharding, NamedSharding] = {}  # a layout -> one object for it, not jaxdist's
+_OWN: dict[int, NamedSharding] = {}  # id -> object: held, so an id is never reused by another
 _LOCK = threading.Lock()
 
 
@@ -99,14 +88,12 @@ def declared(sharding: Any) -> Any:
 
 
 def is_own(sharding: Any) -> bool:
-    """Whether ``sharding`` (an array's, by identity) is a layout jaxdist placed: from `own` or
-    `mark`."""
+    """Whether ``sharding`` (an array's, by identity) is a layout jaxdist placed (`own`, `mark`)."""
     return id(sharding) in _OWN
 
 
 def mark(values: Iterable[Any], flags: Iterable[bool]) -> None:
-    """Record the shardings of ``values`` (a program's outputs) whose ``flags`` say their layout is
-    jaxdist's."""
+    """Record the shardings of ``values`` (a program's outputs) that ``flags`` say are jaxdist's."""
     for value, flag in zip(values, flags, strict=True):
         sharding = getattr(value, "sharding", None)
         if flag and isinstance(sharding, NamedSharding) and id(sharding) not in _OWN:

@@ -1,5 +1,4 @@
-"""Roles: is a value a batch, a variable, a per-replica value or a constant? The one place that
-decides.
+"""Roles: is a value a batch, a variable, a per-replica value or a constant? Decided here only.
 
 A role is declared or carried by the value, never guessed:
 
@@ -11,11 +10,8 @@ A role is declared or carried by the value, never guessed:
   split over the replicas is a batch (from a distributed dataset); one in another layout there is a
   variable. Where variables can be split over the replicas too (FSDP) the layout cannot tell: there
   an array is a batch when the strategy's input functions placed it (`placed_as_batch`: they record
-  what they hand out, weakly), and any other array split like a batch must be declared. (Why a
-  record of the arrays and not their layout: a batch and an FSDP variable split over the same axes
-  have equal shardings, and JAX would see a distinct one only on another mesh, which one program
-  refuses. The record is weak, costs one entry per placed leaf, and is read only where roles are
-  decided without declarations: a `jit` step's trace, a `run` call.);
+  what they hand out, weakly), and any other array split like a batch must be declared (a batch
+  and an FSDP variable split over the same axes have equal shardings);
 * inside a compiled step: the step's own arguments keep the role they entered with (the step records
   them in its computation frame when it is traced: `jaxdist.strategies.compile._trace._roles`); a
   value COMPUTED in the step (``x / 255``) has no role, and a per-replica verb given one of rank >=
@@ -38,16 +34,8 @@ from jaxdist.replicate.values import PerReplica, SyncOnRead
 from jaxdist.strategies import ambient
 from jaxdist.strategies.layout._axis_types import explicit_axes
 
-__all__ = [
-    "Role",
-    "UndeclaredBatchWarning",
-    "classify",
-    "mark_placed_batch",
-    "placed_as_batch",
-    "role_in_trace",
-    "traced_role",
-    "typed_role",
-]
+__all__ = ["Role", "UndeclaredBatchWarning", "classify", "mark_placed_batch", "placed_as_batch",
+           "role_in_trace", "traced_role", "typed_role"]
 
 
 class UndeclaredBatchWarning(UserWarning):
@@ -58,22 +46,19 @@ class UndeclaredBatchWarning(UserWarning):
 class Role(enum.Enum):
     """The role of one argument leaf of a strategy computation."""
 
-    # a whole copy per replica (mirrored) / in the variable layout (global view)
-    VARIABLE = "variable"
+    VARIABLE = "variable"  # a whole copy per replica (mirrored) / the variable layout (global)
     BATCH = "batch"  # axis 0 split over the replicas
     PER_REPLICA = "per_replica"  # a PerReplica: one component per replica
     SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: one component per replica, aggregated on read
     STATIC = "static"  # not an array: a compile-time constant
 
 
-# id(array) -> weak ref: arrays the input functions placed as batches
-_placed: dict[int, weakref.ref] = {}
+_placed: dict[int, weakref.ref] = {}  # id -> weak ref: arrays the input functions placed as batches
 _placed_lock = threading.Lock()
 
 
 def mark_placed_batch(x: Any) -> None:
-    """Record that the input functions placed ``x`` as a distributed batch (the role it carries from
-    now on)."""
+    """Record that the input functions placed ``x`` as a distributed batch (a role it keeps)."""
     if not isinstance(x, jax.Array):
         return
     key = id(x)
@@ -82,8 +67,7 @@ def mark_placed_batch(x: Any) -> None:
 
 
 def placed_as_batch(x: Any) -> bool:
-    """True when ``x`` itself (not a value computed from it) was placed as a batch by the input
-    functions."""
+    """Whether the input functions placed ``x`` itself (not a value derived from it) as a batch."""
     ref = _placed.get(id(x))
     return ref is not None and ref() is x
 
@@ -139,14 +123,13 @@ def traced_role(policy: Any, x: Any, where: str, declaration: str) -> Role:
         role = typed_role(x, policy)
     if role is None and np.ndim(x) >= 1:
         verb = declaration.split("(", 1)[0]
-        raise ValueError(
-            f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed inside the step, "
-            "whose role jaxdist cannot know: only the step's own batch arguments are split over "
-            "the replicas, and a value derived from one (say x / 255, or logits) might be a batch "
-            f"or a value every replica needs whole. Declare the roles: {declaration} lists the "
-            "batch arguments (every other one reaches each replica whole; batch_argnums=() if none "
-            "is a batch)."
-        )
+        raise ValueError(f"{verb} got {where}, an array of shape {tuple(np.shape(x))} computed "
+                         "inside the step, whose role jaxdist cannot know: only the step's own "
+                         "batch arguments are split over the replicas, and a value derived from "
+                         "one (say x / 255, or logits) might be a batch or a value every replica "
+                         f"needs whole. Declare the roles: {declaration} lists the batch arguments "
+                         "(every other one reaches each replica whole; batch_argnums=() if none is "
+                         "a batch).")
     return role or Role.VARIABLE
 
 
@@ -181,12 +164,9 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
         warnings.warn(
             f"{verb} got {where}, split over the replicas on axis 0 like a batch but not placed by "
             "this strategy's input functions, on a strategy whose variables can have that layout "
-            "too, so it is taken as a variable (every replica sees all of it). "
-            f"Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch "
-            "arguments.",
-            UndeclaredBatchWarning,
-            stacklevel=5,
-        )
+            "too, so it is taken as a variable (every replica sees all of it). Declare the roles: "
+            f"{verb}(fn, args=..., batch_argnums=(i, ...)) lists the batch arguments.",
+            UndeclaredBatchWarning, stacklevel=5)
     elif role is None and _rows_split_elsewhere(leaf, policy) and not warned[0]:
         warned[0] = True
         warnings.warn(
@@ -195,10 +175,7 @@ def classify(policy: Any, leaf: Any, declared: bool | None, where: str, verb: st
             f"strategy's are {policy.mesh.axis_names}, {policy.mesh.axis_types}), so its role "
             "cannot be read from its layout and it is taken as a variable (every replica sees all "
             f"of it). Declare the roles: {verb}(fn, args=..., batch_argnums=(i, ...)) lists the "
-            "batch arguments.",
-            UndeclaredBatchWarning,
-            stacklevel=5,
-        )
+            "batch arguments.", UndeclaredBatchWarning, stacklevel=5)
     return Role.BATCH if role == "batch" else Role.VARIABLE
 
 

@@ -1,5 +1,4 @@
-"""Variable layout rules: which `PartitionSpec` a variable gets from its path, shape and Flax
-annotation.
+"""Variable layout rules: the `PartitionSpec` a variable gets from its path, shape and annotation.
 
 The FSDP rule (AutoDist's partitioned variables in JAX terms) splits a variable over the FSDP axes
 (all the batch axes, or a subset for HSDP: `jaxdist.strategies.layout._meshes`) on its largest
@@ -21,9 +20,8 @@ variable gets, first that applies:
    divides is;
 3. the FSDP rule (unannotated variables).
 
-Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``, a per-layer dropout key of a scanned
-model) are never split by the FSDP rule, nor by its share of an annotation: they are tiny (two words
-a key), and code that splits, scans or vmaps them (``nnx.scan`` over a layer axis) expects them
+Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``) are never split by the FSDP rule, nor
+by its share of an annotation: they are tiny, and code that splits, scans or vmaps them expects them
 whole. A ``layout_rules`` entry or an annotation naming their axes still splits them.
 
 A mirroring policy (``split=False``) keeps every variable whole, whatever its annotation says. With
@@ -47,10 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
-__all__ = [
-    "LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key", "is_variable",
-    "logical_names", "unboxed",
-]
+__all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key",
+           "is_variable", "logical_names", "unboxed"]
 
 
 def is_key(dtype: Any) -> bool:
@@ -71,8 +67,7 @@ def is_variable(x: Any) -> bool:
 
 
 def is_annotated(x: Any) -> bool:
-    """True for a leaf that carries its own partitioning annotation: a Flax box or an nnx
-    Variable."""
+    """True for a leaf carrying its own partitioning annotation: a Flax box or an nnx Variable."""
     return isinstance(x, (Partitioned, nnx.Variable))
 
 
@@ -89,8 +84,7 @@ def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
     A linen box is its own annotation. An nnx Variable's (``nnx.with_partitioning``,
     ``out_sharding=`` / ``sharding=`` metadata) is boxed as linen's are: names that are all axes of
     ``mesh_axes`` as a `Partitioned`, logical names as a ``LogicallyPartitioned`` (mapped by the
-    strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``). None for anything
-    else.
+    strategy's ``logical_axis_rules``, or the Variable's own ``sharding_rules``); else None.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -140,14 +134,12 @@ def _hint(roles: AxisRoles) -> str:
 
 
 class VariableRules:
-    """The spec rules of one mesh: layout rules, Flax annotations through logical rules, the FSDP
-    rule.
+    """The spec rules of one mesh: layout rules, Flax annotations via logical rules, the FSDP rule.
 
     Args:
         roles: the mesh the specs name axes of, and its FSDP axes (what the FSDP rule splits over).
         split: whether variables are laid out by the rules (FSDP for unannotated ones) or all whole
-            (mirrored:
-            annotations and the FSDP rule are ignored).
+            (mirrored: annotations and the FSDP rule are ignored).
         min_shard_size: variables with fewer elements stay whole.
         layout_rules: ``[(regex, PartitionSpec), ...]``.
         logical_axis_rules: Flax logical axis rules ``[(logical_name, mesh_axes), ...]``.
@@ -164,22 +156,15 @@ class VariableRules:
         P(None, 'replica')
     """
 
-    def __init__(
-        self,
-        roles: AxisRoles,
-        split: bool = False,
-        min_shard_size: int = 1024,
-        layout_rules: Sequence[tuple[str, PartitionSpec]] = (),
-        logical_axis_rules: Sequence[tuple[str, Any]] = (),
-        activation_axes: Sequence[str] = (),
-    ):
+    def __init__(self, roles: AxisRoles, split: bool = False, min_shard_size: int = 1024,
+                 layout_rules: Sequence[tuple[str, PartitionSpec]] = (),
+                 logical_axis_rules: Sequence[tuple[str, Any]] = (),
+                 activation_axes: Sequence[str] = ()):
         if not isinstance(min_shard_size, int) or min_shard_size < 0:
             raise ValueError(f"min_shard_size={min_shard_size!r} must be an int >= 0 (elements).")
         if isinstance(activation_axes, str) or not all(isinstance(a, str) for a in activation_axes):
-            raise ValueError(
-                f"activation_axes={activation_axes!r} must be a sequence of logical axis names, "
-                "e.g. activation_axes=('batch', 'length')."
-            )
+            raise ValueError(f"activation_axes={activation_axes!r} must be a sequence of logical "
+                             "axis names, e.g. activation_axes=('batch', 'length').")
         self.roles = roles
         self.mesh = roles.mesh
         self.split = split
@@ -187,10 +172,9 @@ class VariableRules:
         self.layout_rules = [self._check_rule(i, rule) for i, rule in enumerate(layout_rules or ())]
         self.logical_axis_rules = tuple(self._check_logical_rule(i, r)
                                         for i, r in enumerate(logical_axis_rules or ()))
-        # The logical names the axis roles give a meaning ("layers" over the stage axes, "expert"
-        # over the expert axes, "length" over the context axes, ...): appended where the user's
-        # rules do not name them, so every user rule keeps its priority; never reported as unmatched
-        # (a model without a pipeline layer is reported as an idle stage axis instead).
+        # The logical names the axis roles give a meaning ("layers", "expert", "length", ...):
+        # appended where the user's rules do not name them, so every user rule keeps its priority;
+        # never reported as unmatched (a model without a pipeline layer is an idle stage axis).
         named = {name for name, _ in self.logical_axis_rules}
         implied = tuple(rule for rule in roles.logical_rules if rule[0] not in named)
         self.logical_axis_rules += implied
@@ -203,20 +187,17 @@ class VariableRules:
             pattern, spec = rule
             compiled = re.compile(pattern)
         except (TypeError, ValueError, re.error) as err:
-            raise ValueError(
-                f"layout_rules[{i}]={rule!r} is not a (regex, PartitionSpec) pair ({err}); e.g. "
-                "(r'Dense_0/kernel', PartitionSpec(None, 'model'))."
-            ) from None
+            raise ValueError(f"layout_rules[{i}]={rule!r} is not a (regex, PartitionSpec) pair "
+                             f"({err}); e.g. (r'Dense_0/kernel', PartitionSpec(None, "
+                             "'model')).") from None
         if not isinstance(spec, PartitionSpec):
             raise ValueError(f"layout_rules[{i}] has spec {spec!r}: use a "
                              "jax.sharding.PartitionSpec.")
         for entry in spec:
             for name in entry_axes(entry):
                 if name not in self.mesh.axis_names:
-                    raise ValueError(
-                        f"layout_rules[{i}] names mesh axis {name!r}, but the mesh axes are "
-                        f"{self.mesh.axis_names}{_hint(self.roles)}."
-                    )
+                    raise ValueError(f"layout_rules[{i}] names mesh axis {name!r}, but the mesh "
+                                     f"axes are {self.mesh.axis_names}{_hint(self.roles)}.")
         return compiled, spec
 
     def _check_logical_rule(self, i: int, rule: Any) -> tuple[str, Any]:
@@ -228,18 +209,16 @@ class VariableRules:
         names = axes if isinstance(axes, (tuple, list)) else (axes,)
         for axis in names:
             if axis is not None and axis not in self.mesh.axis_names:
-                raise ValueError(
-                    f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh axis {axis!r}, "
-                    f"but the mesh axes are {self.mesh.axis_names}{_hint(self.roles)}: {example}."
-                )
+                raise ValueError(f"logical_axis_rules[{i}]={tuple(rule)!r} maps {name!r} to mesh "
+                                 f"axis {axis!r}, but the mesh axes are "
+                                 f"{self.mesh.axis_names}{_hint(self.roles)}: {example}.")
         return name, tuple(axes) if isinstance(axes, list) else axes
 
     # ---------------------------------------------------------------------------------------- specs
     def spec(self, path: str, shape: tuple[int, ...], annotation: Partitioned | None = None,
              dtype: Any = None) -> PartitionSpec:
         """The spec of the variable at ``path`` of ``shape`` (and ``dtype``, when known): first
-        layout rule, else annotation, else FSDP (never for a typed PRNG key array: see the module
-        doc).
+        layout rule, else annotation, else FSDP (never for a typed PRNG key array: module doc).
 
         Raises:
             ValueError: when a rule or annotation splits a dimension into parts that do not divide
@@ -262,30 +241,26 @@ class VariableRules:
         names = tuple(annotation.names)
         what = f"annotation {names}"
         if len(names) > len(shape):
-            raise ValueError(
-                f"{what} of variable {path!r} names {len(names)} axes but the variable has shape "
-                f"{shape}: annotate one name per dimension."
-            )
+            raise ValueError(f"{what} of variable {path!r} names {len(names)} axes but the "
+                             f"variable has shape {shape}: annotate one name per dimension.")
         if isinstance(annotation, nn.LogicallyPartitioned):
             rules = annotation.rules if annotation.rules is not None else self.logical_axis_rules
             # Flax's own resolution: rule order is priority
             axes = list(nn.logical_to_mesh_axes(names, rules))
             ruled = {name for name, _ in rules}
-            free = [i for i, name in enumerate(names) if isinstance(name, str)
-                    and name not in ruled]
+            free = [i for i, name in enumerate(names)
+                    if isinstance(name, str) and name not in ruled]
             what += f" through logical_axis_rules to {PartitionSpec(*axes)}"
             if LAYERS in names and self.roles.stage_axes:
                 self._check_stages(path, shape[names.index(LAYERS)], axes[names.index(LAYERS)])
         else:  # nn.with_partitioning names mesh axes: exactly what the model asks for
             for name in jax.tree.leaves(names):
                 if isinstance(name, str) and name not in self.mesh.axis_names:
-                    raise ValueError(
-                        f"{what} of variable {path!r} (nn.with_partitioning) names mesh axis "
-                        f"{name!r}, but this strategy's mesh axes are {self.mesh.axis_names}: name "
-                        "axes of that mesh, or annotate logical names "
-                        "(nn.with_logical_partitioning) and map them with "
-                        "ShardedStrategy(logical_axis_rules=...)."
-                    )
+                    raise ValueError(f"{what} of variable {path!r} (nn.with_partitioning) names "
+                                     f"mesh axis {name!r}, but this strategy's mesh axes are "
+                                     f"{self.mesh.axis_names}: name axes of that mesh, or annotate "
+                                     "logical names (nn.with_logical_partitioning) and map them "
+                                     "with ShardedStrategy(logical_axis_rules=...).")
             axes, free = list(names), []
         self._check_fits(path, shape, PartitionSpec(*axes), what)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
@@ -302,12 +277,11 @@ class VariableRules:
     def _check_stages(self, path: str, layers: int, entry: Any) -> None:
         parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
         if layers % parts:
-            raise ValueError(
-                f"num_layers={layers} (the 'layers' axis of {path!r}) is not divisible by the "
-                f"{parts} stages of stage_axes={self.roles.stage_axes}: each stage holds "
-                f"num_layers / stages layers; use a multiple of {parts} layers (times the circular "
-                "schedule's repeats), or another stage count."
-            )
+            raise ValueError(f"num_layers={layers} (the 'layers' axis of {path!r}) is not "
+                             f"divisible by the {parts} stages of "
+                             f"stage_axes={self.roles.stage_axes}: each stage holds num_layers / "
+                             f"stages layers; use a multiple of {parts} layers (times the circular "
+                             "schedule's repeats), or another stage count.")
 
     def _big_enough(self, shape: tuple[int, ...]) -> bool:
         return int(np.prod(shape, dtype=np.int64)) >= self.min_shard_size
@@ -327,18 +301,15 @@ class VariableRules:
     def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec,
                     what: str) -> None:
         if len(spec) > len(shape):
-            raise ValueError(
-                f"{what} for variable {path!r} of shape {shape} names {len(spec)} axes but the "
-                f"variable has only {len(shape)}: shorten the PartitionSpec."
-            )
+            raise ValueError(f"{what} for variable {path!r} of shape {shape} names {len(spec)} "
+                             f"axes but the variable has only {len(shape)}: shorten the "
+                             "PartitionSpec.")
         for axis, entry in enumerate(spec):
             parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
             if shape[axis] % parts:
-                raise ValueError(
-                    f"{what} splits axis {axis} (size {shape[axis]}) of variable {path!r} into "
-                    f"{parts} parts, which does not divide it: pick another axis or pad the "
-                    "variable."
-                )
+                raise ValueError(f"{what} splits axis {axis} (size {shape[axis]}) of variable "
+                                 f"{path!r} into {parts} parts, which does not divide it: pick "
+                                 "another axis or pad the variable.")
 
     # ---------------------------------------------------------------------------------- rule checks
     def unmatched(self, tree: Any) -> list[str]:
@@ -359,14 +330,10 @@ class VariableRules:
                 used.add(first)
             else:  # a layout rule overrides the annotation: its names placed nothing here
                 names |= logical_names(leaf, self.mesh.axis_names)
-        out = [
-            f"layout_rules[{i}]=({pattern.pattern!r}, {spec})"
-            for i, (pattern, spec) in enumerate(self.layout_rules)
-            if i not in used
-        ]
-        out += [
-            f"logical_axis_rules[{i}]={(name, axes)!r}"
-            for i, (name, axes) in enumerate(self.logical_axis_rules)
-            if name not in names and name not in self.activation_axes and name not in self._implicit
-        ]
+        out = [f"layout_rules[{i}]=({pattern.pattern!r}, {spec})"
+               for i, (pattern, spec) in enumerate(self.layout_rules) if i not in used]
+        out += [f"logical_axis_rules[{i}]={(name, axes)!r}"
+                for i, (name, axes) in enumerate(self.logical_axis_rules)
+                if name not in names and name not in self.activation_axes
+                and name not in self._implicit]
         return out

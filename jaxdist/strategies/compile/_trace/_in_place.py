@@ -1,11 +1,9 @@
-"""In-place updates inside a ``strategy.jit`` step: a sync-on-read value assigned there must leave
-by the outputs.
+"""In-place updates in a ``strategy.jit`` step: a sync-on-read value updated there must be returned.
 
-``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated.
-Eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step, though,
-sees copies of its arguments made for the trace; an update that is not returned would vanish when
-the step ends, and the value would read as before, silently. `InPlaceUpdates` notices, and says how
-to thread the value.
+``SyncOnRead.assign_add`` updates the object in place, as tf.distribute's variables are updated,
+and eagerly (and in ``strategy.run``) the object passed in keeps the update. A compiled step sees
+copies made for the trace: an update it does not return would vanish silently. `InPlaceUpdates`
+notices, and says how to thread the value.
 """
 
 from __future__ import annotations
@@ -57,10 +55,9 @@ class InPlaceUpdates:
         for where, value, before in self._watched:
             if (value.stacked is not before and id(value) not in returned
                     and id(value.stacked) not in returned):
-                raise ValueError(
-                    f"{self._fn} updated the sync-on-read value {where} in place (assign / "
-                    "assign_add / assign_sub) but does not return it: inside strategy.jit the "
-                    "update would be lost when the step returns. Return it and rebind it, e.g. "
-                    "`return loss, seen` and `loss, seen = step(params, seen, batch)` "
-                    "(strategy.run outside a compiled step keeps such updates by itself)."
-                )
+                raise ValueError(f"{self._fn} updated the sync-on-read value {where} in place "
+                                 "(assign / assign_add / assign_sub) but does not return it: "
+                                 "inside strategy.jit the update would be lost when the step "
+                                 "returns. Return it and rebind it, e.g. `return loss, seen` and "
+                                 "`loss, seen = step(params, seen, batch)` (strategy.run outside a "
+                                 "compiled step keeps such updates by itself).")

@@ -1,17 +1,13 @@
-"""A padded batch in a ``strategy.jit`` step: its row weights go with it to the ``strategy.run``
-inside.
+"""A padded batch in a ``strategy.jit`` step: its row weights go with it to ``strategy.run``.
 
 A distributed dataset's padded last batch (``remainder="pad"``) carries row weights
 (`jaxdist.strategies.input`); ``strategy.run`` hands them to its replicas, where
 ``jd.compute_average_loss`` leaves the padding rows out. A compiled step around ``run`` (TF's
-``tf.function`` around ``strategy.run``: the tutorial's ``distributed_test_step``) sees tracers,
-which carry no weights. So the step's call passes the weights in, as one more keyword argument
-(`PADDING`, `padding_argument`) whose structure names the padded leaves by their position among the
-step's array leaves: part of JAX's cache key, so a call whose padded leaves are others (or none)
-never runs this program. The trace records which traced leaf has which traced weights in its
-computation frame (`padded_leaves`), where ``run`` reads them
-(`jaxdist.strategies.input.padding_weights`). A step whose code hands no padded batch to ``run``
-would see the padding rows as data in its own global view: refused by name (`check_handed`).
+``tf.function`` around ``strategy.run``) sees tracers, which carry no weights, so the step's call
+passes them in as one more keyword argument (`PADDING`, `padding_argument`) whose structure names
+the padded leaves (part of JAX's cache key), and the trace records them in its computation frame
+(`padded_leaves`), where ``run`` reads them. A step whose code hands no padded batch to ``run``
+would see the padding rows as data: refused by name (`check_handed`).
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from jaxdist.strategies.input import padding_weights
 __all__ = ["PADDING", "check_handed", "padded_leaves", "padding_argument"]
 
 PADDING = "__jaxdist_padding__"
-"""The keyword under which a call of a ``strategy.jit`` step brings a padded batch's row weights to
-its trace."""
+"""The keyword that brings a padded batch's row weights to a ``strategy.jit`` step's trace."""
 
 
 def _array_leaves(args: Sequence[Any], kwargs: dict, skip: set[int],
@@ -91,11 +86,10 @@ def check_handed(padded: Sequence[Padded], fn: Any) -> None:
         ValueError: naming the step, ``strategy.run`` and ``remainder=``.
     """
     if any(not p.handed[0] for p in padded):
-        raise ValueError(
-            f"{fn_name(fn)} got a batch that a distributed dataset padded (remainder='pad') and "
-            "hands it to no strategy.run: its global-view code sees the padding rows as data. Run "
-            "the per-example work with strategy.run inside the step (as TF's tf.function around "
-            "strategy.run: there jd.compute_average_loss leaves the padding rows out, and "
-            "ReplicaContext.batch_weights marks them), or distribute the dataset with "
-            "remainder='drop'."
-        )
+        raise ValueError(f"{fn_name(fn)} got a batch that a distributed dataset padded "
+                         "(remainder='pad') and hands it to no strategy.run: its global-view code "
+                         "sees the padding rows as data. Run the per-example work with "
+                         "strategy.run inside the step (as TF's tf.function around strategy.run: "
+                         "there jd.compute_average_loss leaves the padding rows out, and "
+                         "ReplicaContext.batch_weights marks them), or distribute the dataset with "
+                         "remainder='drop'.")

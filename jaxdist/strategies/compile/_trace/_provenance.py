@@ -1,20 +1,11 @@
-"""Provenance in a step: which outputs leave in jaxdist's own layouts, and which layouts a program
-was traced for.
+"""Provenance in a step: which outputs leave in jaxdist's layouts, which layouts a program traced.
 
-Whose layout a sharding is (jaxdist's or the user's) is `jaxdist.strategies.layout`'s rule (`own`,
-`is_own`, `mark`: by the sharding object itself, see `jaxdist.strategies.layout._provenance`). Only
-on a policy that splits variables over Explicit axes does it change a program: jaxdist's own layouts
-enter the step typed whole, the user's keep their type. For a ``strategy.jit`` step there this
-module:
-
-* records, while the step traces, which of its outputs it constrained to an own layout
-  (`own_outputs`, `constrained`), so that their shardings are marked as jaxdist's after a call
-  (`Provenance.marked`; an executable returns the same sharding object at an output position on
-  every call, so marking it once is enough);
-* puts the provenance of the arguments' split layouts in the program's cache key (`Provenance.key`),
-  so that a program traced for the user's layout is never run for jaxdist's equal one.
-
-Elsewhere (``Provenance.tells`` False) nothing here runs on a call.
+Whose layout a sharding is is `jaxdist.strategies.layout._provenance`'s rule (`own`, `is_own`,
+`mark`). It changes a program only on a policy that splits variables over Explicit axes; there, for
+a ``strategy.jit`` step, this module records while the step traces which outputs it constrained to
+an own layout (`own_outputs`, `constrained`; marked after a call: `Provenance.marked`), and puts the
+provenance of the arguments' split layouts in the program's cache key (`Provenance.key`). Elsewhere
+(``Provenance.tells`` False) nothing here runs on a call.
 """
 
 from __future__ import annotations
@@ -71,9 +62,8 @@ class Provenance:
     def __init__(self, policy: Any):
         self._explicit = policy.roles.explicit_axes
         self.tells = bool(self._explicit) and policy.splits_variables
-        # (nnx positions, provenance) of a program -> (its output treedef, which outputs leave in
-        # jaxdist's layouts, the first one's key path); the graphdef is left out of the key (hashing
-        # one costs ~1 ms)
+        # (nnx positions, provenance) of a program -> (output treedef, which outputs leave in
+        # jaxdist's layouts, the first one's key path); no graphdef in the key (hashing one: ~1 ms)
         self._owned: dict[tuple, tuple] = {}
 
     def key(self, leaves: list[Any], shardings: set[Any] | None = None) -> Any:

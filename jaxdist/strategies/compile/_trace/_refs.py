@@ -1,20 +1,15 @@
-"""`jax.Ref` arguments in a step: they enter as the arrays they hold do, and their updates are
-written back.
+"""`jax.Ref` arguments in a step: they enter as the arrays they hold, their updates written back.
 
 JAX's training cookbook keeps its state in refs (``jax.tree.map(jax.ref.new_ref, train_state)``) and
-its step updates them in place (``param[...] -= ...``). A step's arguments enter in their roles and
-layouts at the program's entry (typed whole where jaxdist split them over Explicit axes, retyped
-where the program's Explicit axes run Auto: `jaxdist.strategies.compile._trace._step`); a ref is no
-array, and its type is the caller's buffer's. So each ref leaf of the step's arguments is read at
-entry (`RefArguments.read`: its value enters like any array), the step's code gets a ref of its own
-holding the entered value (`RefArguments.wrap`), and what that ref holds when the step returns is
-written back into the caller's ref, typed as the caller's ref is (`RefArguments.write_back`, outside
-any Auto region). Inside one program refs are values (JAX discharges them), so this costs no copy.
+its step updates them in place (``param[...] -= ...``). A ref is no array (its type is the caller's
+buffer's), so each ref leaf of the step's arguments is read at entry and its value enters in its
+role and layout like any array (`RefArguments.read`), the step's code gets a ref of its own holding
+the entered value (`RefArguments.wrap`), and what that ref holds when the step returns is written
+back into the caller's ref, typed as that ref is (`RefArguments.write_back`, outside any Auto
+region). Inside one program refs are values (JAX discharges them), so this costs no copy.
 
-A ref's layout is its buffer's, which `jax.ref.new_ref` gives a sharding object of its own: jaxdist
-cannot see that the array a ref was made from was laid out by jaxdist, so a ref's layout is the
-user's as far as a step is concerned (its type is kept on Explicit axes; where the step then does
-not type-check it runs Auto: `jaxdist.strategies.layout._axis_types`).
+A ref's layout is its buffer's, a sharding object `jax.ref.new_ref` makes: to a step it is the
+user's (its type kept on Explicit axes; `jaxdist.strategies.layout._provenance`).
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ def is_ref(x: Any) -> bool:
 
 
 class RefArguments:
-    """The ref leaves of one trace of a step's arguments, by argument (position or keyword) and leaf
-    index."""
+    """The ref leaves of one trace of a step's arguments, by argument (position, keyword), leaf."""
 
     def __init__(self) -> None:
         self._outer: dict[tuple[int | str, int], Any] = {}
@@ -44,9 +38,8 @@ class RefArguments:
     def __bool__(self) -> bool:
         return bool(self._outer)
 
-    def read(
-        self, args: tuple, kwargs: dict, skip: set[int], skip_names: set[str]
-    ) -> tuple[tuple, dict]:
+    def read(self, args: tuple, kwargs: dict, skip: set[int],
+             skip_names: set[str]) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with each ref leaf (outside positions ``skip`` and keywords
         ``skip_names``: static and nnx arguments) replaced by the value it holds; the refs are kept
         for `wrap` and `write_back`."""

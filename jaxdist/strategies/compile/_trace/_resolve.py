@@ -1,10 +1,8 @@
-"""The resolver: the layout of every argument and output of one compiled step, decided once, when it
-is traced.
+"""The resolver: the layout of every argument and output of a compiled step, decided when traced.
 
-The step's trace (`jaxdist.strategies.compile._trace._step`) calls it while JAX traces a step (JAX
-traces once per program: a cache miss), so none of this runs on a steady-state call. It applies the
-layouts the policy gives (`jaxdist.strategies.layout`: ``variable_layout``, ``nnx_layouts``, the
-annotations); they come, in this order, from:
+Called while JAX traces a step (`jaxdist.strategies.compile._trace._step`), never on a steady-state
+call, it applies the layouts the policy gives (`jaxdist.strategies.layout`: ``variable_layout``,
+``nnx_layouts``, the annotations); they come, in this order, from:
 
 1. the declarations: ``batch_argnums`` / ``batch_argnames`` (split over the batch axes),
    ``out_layouts=``;
@@ -109,17 +107,14 @@ def _drop(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
 
 # ------------------------------------------------------------------------------------------ outputs
 def constrain(policy: Any, x: Any, sharding: Any, host: bool = False) -> Any:
-    """Traced ``x`` constrained to ``sharding`` (on Explicit axes: resharded, so its type says the
-    same)."""
+    """Traced ``x`` constrained to ``sharding`` (on Explicit axes resharded: its type agrees)."""
     if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding):
         return x
     if host:  # an offloaded argument: its new value goes back to host memory
         out = to_host_memory(
-            jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device"))
-        )
+            jax.lax.with_sharding_constraint(x, sharding.with_memory_kind("device")))
     elif explicit_axes(policy.mesh) and isinstance(sharding, NamedSharding):
-        # On Explicit axes the output's type must agree with its layout: reshard (a no-op where it
-        # does).
+        # on Explicit axes the output's type must agree with its layout (a no-op where it does)
         out = jax.sharding.reshard(x, sharding)
     else:
         out = jax.lax.with_sharding_constraint(x, in_trace(sharding))
@@ -171,18 +166,12 @@ def _variable_outputs(policy: Any, tree: Any) -> Any:
         return box.replace_boxed(value) if box is not None else value
 
     return jax.tree_util.tree_map_with_path(
-        one, tree, is_leaf=lambda v: is_distributed(v) or is_box(v) or is_variable(v)
-    )
+        one, tree, is_leaf=lambda v: is_distributed(v) or is_box(v) or is_variable(v))
 
 
 def _typed_split(x: jax.Array) -> PartitionSpec | None:
-    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program,
-    else None.
-
-    Such a type is the user's: the variables jaxdist split enter typed whole, so a split type was
-    stated by the step's code (``out_sharding=``, `jax.sharding.reshard`), came from a layout the
-    user placed, or from a batch. A whole type cannot be told apart from a variable jaxdist typed
-    whole at entry: it takes the variable layout (declare ``out_layouts=`` to keep it whole)."""
+    """The spec of traced ``x``'s type where it splits ``x`` over an Explicit axis of the program
+    (then the user's layout: see the module doc), else None."""
     sharding = jax.typeof(x).sharding
     if not isinstance(sharding, NamedSharding) or sharding.mesh.are_all_axes_auto:
         return None
@@ -193,8 +182,7 @@ def _typed_split(x: jax.Array) -> PartitionSpec | None:
 
 def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
     """A returned nnx ``State`` whose paths are those of the step's nnx arguments (all of them, as a
-    tuple, or one of them): each Variable in that argument's layout. None when its paths match no
-    argument's."""
+    tuple, or one): each Variable in that argument's layout. None when its paths match none."""
     entries = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable)
     keys = [tuple(path) for path, _ in entries]
     if not keys:
@@ -204,16 +192,14 @@ def _state_like(policy: Any, state: Any, nodes_state: dict) -> Any:
         if all(prefix + k in nodes_state for k in keys):
             layouts = [nodes_state[prefix + k] for k in keys]
             values = jax.tree.leaves(state)
-            constrained = [
-                constrain(policy, v, layout) for v, layout in zip(values, layouts, strict=True)
-            ]
+            constrained = [constrain(policy, v, layout)
+                           for v, layout in zip(values, layouts, strict=True)]
             return jax.tree.unflatten(jax.tree.structure(state), constrained)
     return None
 
 
-def constrain_outputs(
-    policy: Any, out: Any, arguments: Sequence[Any], nodes_state: dict, out_layouts: Any = None
-) -> Any:
+def constrain_outputs(policy: Any, out: Any, arguments: Sequence[Any], nodes_state: dict,
+                      out_layouts: Any = None) -> Any:
     """Constrain the outputs of a step being traced (the rules of the module doc).
 
     Args:
@@ -250,14 +236,12 @@ def constrain_outputs(
     if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
         parts = [like(o) for o in out]
         return type(out)(p if p is not None else _rest(policy, o, nodes_state)
-                         for p, o in zip(parts, out,
-                                      strict=True))
+                         for p, o in zip(parts, out, strict=True))
     return _rest(policy, out, nodes_state)
 
 
 def _rest(policy: Any, tree: Any, nodes_state: dict) -> Any:
-    """Outputs that are no argument as a whole: nnx States inside them still match the arguments'
-    state."""
+    """Outputs that are no argument as a whole (nnx States inside still match the arguments')."""
     if nodes_state:
         def one(x):
             if isinstance(x, nnx.State):
@@ -278,27 +262,22 @@ def _declared(policy: Any, out: Any, declared: Any, arguments: Sequence[Any],
         if isinstance(layout, PartitionSpec):
             layout = NamedSharding(policy.mesh, layout)
         if not isinstance(layout, jax.sharding.Sharding):
-            raise TypeError(
-                f"out_layouts entry {layout!r} is neither a jax.sharding.Sharding, a PartitionSpec "
-                "nor None: give each output's layout, e.g. out_layouts=(None, PartitionSpec()) for "
-                "(state, metrics)."
-            )
+            raise TypeError(f"out_layouts entry {layout!r} is neither a jax.sharding.Sharding, a "
+                            "PartitionSpec nor None: give each output's layout, e.g. "
+                            "out_layouts=(None, PartitionSpec()) for (state, metrics).")
         return jax.tree.map(lambda x: constrain(policy, x, layout), subtree)
 
     try:
         return jax.tree.map(one, declared, out, is_leaf=lambda x: x is None or isinstance(
             x, (PartitionSpec, jax.sharding.Sharding)))
     except ValueError as error:
-        raise ValueError(
-            f"out_layouts={declared!r} does not match the structure of the step's outputs "
-            f"({jax.tree.structure(out)}): give a pytree prefix of the outputs (None where jaxdist "
-            "decides)."
-        ) from error
+        raise ValueError(f"out_layouts={declared!r} does not match the structure of the step's "
+                         f"outputs ({jax.tree.structure(out)}): give a pytree prefix of the "
+                         "outputs (None where jaxdist decides).") from error
 
 
 def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) -> None:
-    """The idle-axis check on this program's variables (their resolved layouts; batches
-    excluded)."""
+    """The idle-axis check on this program's variables (resolved layouts; batches excluded)."""
     if not any(policy.mesh.shape[a] > 1 for a in policy.roles.model_axes):
         return
     specs, names, avals = list(state_layouts), [], []
@@ -311,8 +290,7 @@ def check_idle(policy, concrete, skip, declared, state_layouts, concrete_state) 
         for path, leaf in jax.tree_util.tree_leaves_with_path(c):
             sharding = getattr(leaf, "sharding", None)
             if np.ndim(leaf) and isinstance(sharding, jax.sharding.NamedSharding) and not (
-                    declared is None and policy.is_batch_layout(leaf)
-                    and not policy.splits_variables):
+                declared is None and policy.is_batch_layout(leaf) and not policy.splits_variables):
                 specs.append(sharding)
                 names.append(f"argument {i}{jax.tree_util.keystr(path)}")
                 avals.append(_aval(leaf))

@@ -1,5 +1,4 @@
-"""Roles in the trace: which of a global-view step's traced values are its batches and which its
-variables.
+"""Roles in the trace: which of a global-view step's traced values are batches, which variables.
 
 The rule is `jaxdist.strategies.layout`'s (a role is declared, or carried by the value:
 ``batch_argnums``, else the layout a value arrives in, `LayoutPolicy.layout_role`); here it is
@@ -22,9 +21,8 @@ from jaxdist.strategies.ambient import Padded, computation
 __all__ = ["carried", "step_argument_roles"]
 
 
-def step_argument_roles(
-    policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None, skip: set[int]
-) -> tuple[list[Any], list[Any]]:
+def step_argument_roles(policy: Any, args: tuple, concrete: tuple, declared: tuple[int, ...] | None,
+                        skip: set[int]) -> tuple[list[Any], list[Any]]:
     """The roles the arguments of a global-view step enter with, sorted into its traced leaves.
 
     Args:
@@ -55,8 +53,8 @@ def step_argument_roles(
 
 
 def carried(policy: Any, outer: Sequence[Any], inner: Sequence[Any], batches: Sequence[Any],
-            variables: Sequence[Any],
-            padded: Sequence[Padded] = ()) -> contextlib.AbstractContextManager[Any]:
+            variables: Sequence[Any], padded: Sequence[Padded] = ()
+            ) -> contextlib.AbstractContextManager[Any]:
     """The computation frame of a nested trace of the step whose leaves ``inner`` stand for
     ``outer`` (the step's traced leaves, one for one): each keeps the role its counterpart entered
     with (``batches`` / ``variables``: the step's, from `step_argument_roles`), and a padded batch's

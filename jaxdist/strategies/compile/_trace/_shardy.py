@@ -1,5 +1,4 @@
-"""Protections against XLA's Shardy partitioner where it miscomputes convolutions (upstream bugs,
-plain JAX alike).
+"""Guards against XLA's Shardy partitioner where it miscomputes convolutions (upstream, in JAX too).
 
 Two members of one family, both silent (wrong numbers, no error), both measured with jax 0.12:
 
@@ -13,13 +12,9 @@ Two members of one family, both silent (wrong numbers, no error), both measured 
   holds the batch). Shardy splits that dimension like a plain contraction: every example outside the
   first device's rows gets a zero gradient. `call_guarded` runs a step whose batch is split with
   every grouped convolution's grouped dimensions kept whole (its other dimensions stay free for the
-  partitioner), which it computes right; XLA then gathers that convolution's operands, so the
-  per-replica port (``strategy.run`` of the per-example gradients) remains the one that computes
-  only each replica's examples.
-
-A grouped convolution whose grouped dimensions are whole (a depthwise conv over a split batch, its
-gradient) is unchanged by the guard: only where the partitioner could split the groups does the
-layout differ.
+  partitioner), which it computes right, at the cost of XLA gathering that convolution's operands
+  (``strategy.run`` of the per-example gradients computes only each replica's examples). Where the
+  grouped dimensions are whole already (a depthwise conv over a split batch) nothing changes.
 """
 
 from __future__ import annotations
@@ -51,10 +46,8 @@ def gather_at_entry(policy, args, concrete_args, state, concrete_state, skip) ->
             return t
         return jax.lax.with_sharding_constraint(t, full)
 
-    out = tuple(
-        a if i in skip or c is None else jax.tree.map(gather, a, c) for i, (a, c) in enumerate(zip(
-            args, concrete_args, strict=True))
-    )
+    out = tuple(a if i in skip or c is None else jax.tree.map(gather, a, c)
+                for i, (a, c) in enumerate(zip(args, concrete_args, strict=True)))
     if state is not None and concrete_state is not None:
         state = jax.tree.map(gather, state, concrete_state)
     return out, state
@@ -66,8 +59,7 @@ def _grouped(eqn: Any) -> bool:
 
 
 def _subjaxprs(params: dict) -> list[tuple[str, Any]]:
-    """The jaxprs among an equation's parameters (``jaxpr``, ``branches``, a scan's body...), by
-    name."""
+    """The jaxprs among an equation's parameters (``jaxpr``, ``branches``, ...), by name."""
     found = []
     for name, value in params.items():
         values = value if isinstance(value, tuple) else (value,)
@@ -122,8 +114,7 @@ def _guarded_conv(lhs: jax.Array, rhs: jax.Array, *, mesh: Any, **params: Any) -
 
 
 def _rewrite(jaxpr: Any, mesh: Any) -> Any:
-    """``jaxpr`` (open or closed) with every grouped convolution replaced by one call of
-    `_guarded_conv`."""
+    """``jaxpr`` (open or closed), each grouped convolution replaced by `_guarded_conv`."""
     closed = isinstance(jaxpr, jcore.ClosedJaxpr)
     inner = jaxpr.jaxpr if closed else jaxpr
     eqns = []
@@ -131,8 +122,7 @@ def _rewrite(jaxpr: Any, mesh: Any) -> Any:
         if _grouped(eqn):
             guard = jax.jit(functools.partial(_guarded_conv, mesh=mesh, **eqn.params))
             call = jax.make_jaxpr(guard)(*(v.aval for v in eqn.invars)).jaxpr.eqns
-            # one call equation whose operands are the convolution's own (so its variables can take
-            # their place)
+            # one call equation on the convolution's own operands (its variables take their place)
             eqns.append(call[0].replace(invars=list(eqn.invars), outvars=list(eqn.outvars)))
             continue
         subs = [] if eqn.primitive.name == "shard_map" else _subjaxprs(eqn.params)
@@ -167,8 +157,7 @@ def call_guarded(policy: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
         mesh = trace_mesh(policy.mesh)
         if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
             # On Explicit axes the types decide (JAX refuses a per-example conv gradient over a
-            # batch split in its type, and such a step runs with its axes Auto, where this guard
-            # applies).
+            # batch split in its type: such a step runs Auto, where this guard applies).
             closed = _rewrite(closed, mesh)
     out = jcore.jaxpr_as_fun(closed)(*jax.tree.leaves((args, kwargs)))
     return jax.tree.unflatten(jax.tree.structure(shapes), out)

@@ -1,9 +1,7 @@
-"""The body of a ``strategy.jit`` program: what runs while JAX traces a global-view step, once per
-program.
+"""The body of a ``strategy.jit`` program: what runs while JAX traces a global-view step.
 
-`StepTrace` is the function a step's `jax.jit` programs trace (the full path's and the express
-path's: `jaxdist.strategies.compile._jit`). JAX traces only on a cache miss, so nothing here runs on
-a steady-state call. In the order it happens:
+`StepTrace` is the function a step's `jax.jit` programs trace (`jaxdist.strategies.compile._jit`),
+on a cache miss only. In the order it happens:
 
 1. the call's placed values are read from the call being decided on this thread
    (`jaxdist.strategies.ambient`; abstract shapes where the trace has none, as under
@@ -89,12 +87,10 @@ def enter(traced: Any, concrete: Any) -> Any:
 
 
 class StepTrace:
-    """The traced body of one ``strategy.jit`` step: called as ``(nnx_static, nnx_state, *args,
-    **kwargs)`` by its programs, where ``nnx_static`` is ``(graphdef, nnx positions, provenance
-    key)``.
+    """The traced body of one ``strategy.jit`` step, called by its programs as ``(nnx_static,
+    nnx_state, *args, **kwargs)``; ``nnx_static``: ``(graphdef, nnx positions, provenance key)``.
 
-    Its calls are decided under ``ambient.call(step_trace, (placed args, kwargs, nnx state))``: the
-    trace reads the placed values there (see the module doc).
+    Its calls are decided under ``ambient.call(step_trace, (placed args, kwargs, nnx state))``.
 
     Args:
         policy: the strategy's `LayoutPolicy`.
@@ -112,8 +108,8 @@ class StepTrace:
 
     def __init__(self, policy: Any, programs: Any, fn: Callable, static: tuple[int, ...],
                  static_names: tuple[str, ...], batch: tuple[int, ...] | None,
-                 batch_names: tuple[str, ...],
-                 out_layouts: Any, provenance: Provenance, agree: Callable[[tuple], None]):
+                 batch_names: tuple[str, ...], out_layouts: Any, provenance: Provenance,
+                 agree: Callable[[tuple], None]):
         self.policy = policy
         self.programs = programs
         self.fn = fn
@@ -125,14 +121,12 @@ class StepTrace:
 
     def __call__(self, nnx_static: tuple, state: Any, *args: Any, **kwargs: Any) -> Any:
         policy = self.policy
-        # the third: the arguments' layout provenance (`Provenance.key`)
-        graphdef, nodes, _ = nnx_static
+        graphdef, nodes, _ = nnx_static  # the third: the layouts' provenance (`Provenance.key`)
         if policy.spans_processes:
             self.agree(nnx_static)
         call = ambient.current_call(self)
-        concrete_args, concrete_kwargs, concrete_state = (
-            call.args if call is not None else (None, None, None)
-        )
+        concrete_args, concrete_kwargs, concrete_state = (call.args if call is not None
+                                                          else (None, None, None))
         # traced without concrete values (e.g. jax.eval_shape): layouts unknown
         if concrete_args is None:
             concrete_args = tuple(None if i in self.static else abstract(a)
@@ -145,35 +139,29 @@ class StepTrace:
         refs = RefArguments()
         args, kwargs = refs.read(args, kwargs, set(self.static) | set(nodes),
                                  set(self.static_names))
-        # Host-offloaded arguments are copied to device memory at the entry (their memory kind is
-        # part of the argument's layout; outputs shaped like them go back to host memory).
+        # host-offloaded arguments enter in device memory (outputs shaped like them go back)
         args, kwargs, state = to_device_memory((args, kwargs, state))
         state_layouts, annotated = nnx_layouts(policy, concrete_state) if nodes else ([], [])
-        # The mesh's Explicit axes run Auto inside this program when so decided: the step's
-        # arguments are retyped at entry and its results leave typed by their layouts (see
-        # jaxdist.strategies.layout._axis_types).
+        # The mesh's Explicit axes run Auto inside this program when so decided: arguments retyped
+        # at entry, results leave typed by their layouts (jaxdist.strategies.layout._axis_types).
         auto = program_axis_types() is jax.sharding.AxisType.Auto and bool(
-            explicit_axes(policy.mesh)
-        )
+            explicit_axes(policy.mesh))
         with auto_region(policy.mesh) if auto else contextlib.nullcontext():
             if auto:
                 args, kwargs, state = retyped((args, kwargs, state))
             out, new_state = self._step_in_trace(graphdef, nodes, state, args, kwargs,
-                                                 concrete_args,
-                                                 concrete_kwargs, concrete_state, state_layouts,
-                                                 annotated, refs)
+                                                 concrete_args, concrete_kwargs, concrete_state,
+                                                 state_layouts, annotated, refs)
         if refs:
             out, held = out
             refs.write_back(policy.mesh, held)
         nodes_state = {}
         if nodes:
-            keys = [
-                tuple(p)
-                for p, _ in jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)
-            ]
+            keys = [tuple(p) for p, _ in
+                    jax.tree_util.tree_leaves_with_path(concrete_state, is_leaf=is_variable)]
             nodes_state = dict(zip(keys, state_layouts, strict=True))
-        arguments = [c for i, c in enumerate(concrete_args) if i not in self.static
-                     and i not in nodes]
+        arguments = [c for i, c in enumerate(concrete_args)
+                     if i not in self.static and i not in nodes]
         # which outputs leave in jaxdist's layouts: marked after the call
         with own_outputs() as owned:
             out = constrain_outputs(policy, out, arguments, nodes_state, self.out_layouts)
@@ -191,8 +179,7 @@ class StepTrace:
 
     def _step_in_trace(self, graphdef, nodes, state, args, kwargs, concrete_args, concrete_kwargs,
                        concrete_state, state_layouts, annotated, refs) -> tuple[Any, Any]:
-        """The step's own code in the trace, its arguments entered in their roles: ``(out, new nnx
-        state)``."""
+        """The step's own code, its arguments entered in their roles: ``(out, new nnx state)``."""
         policy = self.policy
         skip = set(self.static) | set(nodes)
         kwargs = dict(kwargs)
@@ -220,13 +207,11 @@ class StepTrace:
         args = flat_args[: len(args)]
         kwargs = {**kwargs, **dict(zip(names, flat_args[len(args):], strict=True))}
         variables.extend(jax.tree.leaves(state))
-        # Over a split batch the step's grouped convolutions are kept whole along their groups (an
-        # XLA Shardy miscompute of per-example conv gradients:
-        # jaxdist.strategies.compile._trace._shardy).
+        # Over a split batch the step's grouped convolutions are kept whole along their groups
+        # (`_shardy`: an XLA Shardy miscompute of per-example conv gradients).
         split = bool(batches) and policy.num_replicas > 1
-        with computation(policy, "global", batches, variables,
-                         padded=padded), policy.tracing_scope(), refusals(
-                policy.mesh, fn_name(self.fn)):
+        with (computation(policy, "global", batches, variables, padded=padded),
+              policy.tracing_scope(), refusals(policy.mesh, fn_name(self.fn))):
             if not nodes:
                 if split:
                     return self._guarded(lambda _, a, k: self._watched(a, k, refs, padded), None,
@@ -241,11 +226,10 @@ class StepTrace:
                 out = self._watched(call_args, kwargs, refs, padded)
                 new_graphdef, new_state = nnx.split(objects)
                 if new_graphdef != graphdef:
-                    raise ValueError(
-                        f"{fn_name(self.fn)} changed the structure of its nnx arguments (added or "
-                        "removed variables or submodules): a compiled step may update variables in "
-                        "place, not create them; create every variable before the first step."
-                    )
+                    raise ValueError(f"{fn_name(self.fn)} changed the structure of its nnx "
+                                     "arguments (added or removed variables or submodules): a "
+                                     "compiled step may update variables in place, not create "
+                                     "them; create every variable before the first step.")
                 return out, new_state
 
             if split:
@@ -285,8 +269,6 @@ class StepTrace:
 
 def _trace_signature(args: tuple, static: tuple[int, ...]) -> tuple:
     statics = tuple(repr(args[i])[:80] for i in static if i < len(args))
-    shapes = tuple(
-        (tuple(np.shape(x)), str(jax.dtypes.result_type(x)))
-        for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a)
-    )
+    shapes = tuple((tuple(np.shape(x)), str(jax.dtypes.result_type(x)))
+                   for i, a in enumerate(args) if i not in static for x in jax.tree.leaves(a))
     return statics, shapes
