@@ -32,17 +32,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies.layout import to_device_memory
 
-__all__ = [
-    "CheckpointCorruptedError",
-    "ChecksumMismatchError",
-    "SettlingArrayHandler",
-    "UnsearchedDamage",
-    "checksums",
-    "damage_summary",
-    "is_damage",
-    "missing_parts",
-    "verify_checksums",
-]
+__all__ = ["CheckpointCorruptedError", "ChecksumMismatchError", "SettlingArrayHandler",
+           "UnsearchedDamage", "checksums", "damage_summary", "is_damage", "missing_parts",
+           "verify_checksums"]
 
 # tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory,
 # network, ...).

@@ -14,13 +14,7 @@ from jaxdist.strategies.input import refuse_text
 from jaxdist.training.data._format import Key, keys_of, split_batch
 from jaxdist.training.data._position import DataPosition
 
-__all__ = [
-    "BatchChecker",
-    "describe",
-    "global_rows",
-    "say_batch_change",
-    "signature",
-]
+__all__ = ["BatchChecker", "describe", "global_rows", "say_batch_change", "signature"]
 
 def signature(batch: Any) -> tuple:
     """The structure, shapes and dtypes of a batch (batches with equal signatures share one compiled

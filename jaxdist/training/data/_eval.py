@@ -11,9 +11,7 @@ import numpy as np
 
 from jaxdist.training.data._stream import data_kind
 
-__all__ = [
-    "eval_batches",
-]
+__all__ = ["eval_batches"]
 
 def _rows(batch: Any) -> int:
     leaves = jax.tree.leaves(batch)

@@ -14,12 +14,7 @@ from typing import Any
 
 import jax
 
-__all__ = [
-    "Key",
-    "check_key",
-    "keys_of",
-    "split_batch",
-]
+__all__ = ["Key", "check_key", "keys_of", "split_batch"]
 
 Key = str | tuple[str, ...]
 """A dict batch's key for the inputs or the targets: one key, or several (their values then form a

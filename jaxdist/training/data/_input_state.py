@@ -27,15 +27,8 @@ import jax
 
 from jaxdist.training.data._position import DataPosition, UnrestorableState
 
-__all__ = [
-    "IteratorSnapshot",
-    "describe",
-    "restore_args",
-    "restored_position",
-    "save_args",
-    "snapshot",
-    "state_for_process",
-]
+__all__ = ["IteratorSnapshot", "describe", "restore_args", "restored_position", "save_args",
+           "snapshot", "state_for_process"]
 
 FORMAT = "jaxdist.data_iterator/1"
 # grain.experimental.ElasticIterator: the same on every shard

@@ -6,10 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = [
-    "DataPosition",
-    "UnrestorableState",
-]
+__all__ = ["DataPosition", "UnrestorableState"]
 
 @dataclasses.dataclass(frozen=True)
 class DataPosition:

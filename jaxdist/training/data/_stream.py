@@ -27,11 +27,7 @@ import jax
 from jaxdist.strategies.input import DistributedIterator
 from jaxdist.training.data._position import DataPosition, UnrestorableState
 
-__all__ = [
-    "BatchStream",
-    "data_kind",
-    "is_grain",
-]
+__all__ = ["BatchStream", "data_kind", "is_grain"]
 
 def is_grain(obj: Any) -> bool:
     """Whether ``obj`` is a grain dataset, loader or iterator (without importing grain when nobody

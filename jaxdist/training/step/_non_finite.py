@@ -41,22 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = [
-    "ACTIONS",
-    "COUNT",
-    "FLAG",
-    "MAX_CONSECUTIVE_SKIPS",
-    "MAX_ROLLBACKS",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "NonFinitePolicy",
-    "NonFiniteRecord",
-    "Window",
-    "keep_if_finite",
-    "log_values",
-    "non_finite_leaves",
-    "step_flag",
-]
+__all__ = ["ACTIONS", "COUNT", "FLAG", "MAX_CONSECUTIVE_SKIPS", "MAX_ROLLBACKS", "NonFiniteError",
+           "NonFiniteGuard", "NonFinitePolicy", "NonFiniteRecord", "Window", "keep_if_finite",
+           "log_values", "non_finite_leaves", "step_flag"]
 
 FLAG = "non_finite"
 """The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0
