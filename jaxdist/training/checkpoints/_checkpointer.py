@@ -234,9 +234,8 @@ class Checkpointer:
         try:  # here, not in the background thread that writes it
             json.dumps(info)
         except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass JSON values."
-            ) from None
+            raise TypeError(f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass "
+                            "JSON values.") from None
         # Before the copy to host (and any donation), while the save in flight is written.
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)

@@ -118,12 +118,10 @@ def restore_live(live: LiveState, checkpoint_dir: Directory, step: int | None, b
         def read(at: int) -> tuple[Any, int, DataPosition]:
             meta = ckpt.meta(at)
             if meta.get("model_kind") != live.model.kind:
-                raise ValueError(
-                    f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a "
-                    f"{meta.get('model_kind')} model, but this Trainer's model is a "
-                    f"{live.model.kind} module: pass the {meta.get('model_kind')} model that wrote "
-                    "it, or use a fresh checkpoint_dir."
-                )
+                raise ValueError(f"checkpoint_dir={ckpt.directory!r} holds a checkpoint of a "
+                                 f"{meta.get('model_kind')} model, but this Trainer's model is a "
+                                 f"{live.model.kind} module: pass the {meta.get('model_kind')} "
+                                 "model that wrote it, or use a fresh checkpoint_dir.")
             if not targets:
                 targets.append(_restore_target(live, batch))
             state, meta = restore_state(ckpt, targets[0], at)  # with or without averaged weights
@@ -155,10 +153,9 @@ def roll_back(live: LiveState, ckpt: Checkpointer, step: int, batch: Any) -> Non
     skipped as done)."""
     steps = ckpt.all_steps()
     if step not in steps:
-        raise FileNotFoundError(
-            f"restore_step={step}: {ckpt.directory!r} has no checkpoint for step {step}; it has "
-            f"steps {steps}: pass one of them, or leave restore_step out to resume from the latest."
-        )
+        raise FileNotFoundError(f"restore_step={step}: {ckpt.directory!r} has no checkpoint for "
+                                f"step {step}; it has steps {steps}: pass one of them, or leave "
+                                "restore_step out to resume from the latest.")
     restore_live(live, ckpt, step, batch, "restore_step")
     ckpt.abandon_after(step)  # recorded first: an interruption cannot bring them back as the newest
 
@@ -174,13 +171,12 @@ def load_live(live: LiveState, params: Any, opt_state: Any, step: int | None, mo
                 jax.tree_util.tree_flatten_with_path(piece, is_leaf=is_distributed)[0]
                 if is_distributed(v)]
         if held:
-            raise ValueError(
-                f"{name} holds per-replica values ({type(piece).__name__}{held[0]}"
-                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): one copy per replica, "
-                "where the trainer keeps one state. Pass one copy "
-                "(strategy.experimental_local_results(value)[0]) or their mean "
-                "(strategy.reduce('mean', value)); replicas that drifted apart were trained apart."
-            )
+            raise ValueError(f"{name} holds per-replica values ({type(piece).__name__}{held[0]}"
+                             f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): one copy "
+                             "per replica, where the trainer keeps one state. Pass one copy "
+                             "(strategy.experimental_local_results(value)[0]) or their mean "
+                             "(strategy.reduce('mean', value)); replicas that drifted apart were "
+                             "trained apart.")
     unchecked = False  # the model's own check waits for its first batch
     if live.state is not None:
         like = abstract_state(live.state)
@@ -218,9 +214,8 @@ def _check_at_first_batch(live: LiveState, batch: Any) -> None:
     try:
         checked_pieces(like, state.params, None, None)
     except ValueError as e:
-        raise ValueError(
-            f"the parameters given to load_state() do not fit this model on its first batch: {e}"
-        ) from None
+        raise ValueError("the parameters given to load_state() do not fit this model on its first "
+                         f"batch: {e}") from None
     if jax.tree.leaves(like.model_state) and not jax.tree.leaves(state.model_state):
         build, args = live.builder(batch)
         with live.strategy.scope():

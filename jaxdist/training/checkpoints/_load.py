@@ -124,9 +124,8 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
         if not _is_value(value):
             problems.append(f"{where} is {_describe(value)}, not an array")
         elif (np.shape(value), _dtype(value)) != (np.shape(unboxed(want)), _dtype(unboxed(want))):
-            problems.append(
-                f"{where} is {_describe(value)} where the trainer has {_describe(want)}"
-            )
+            problems.append(f"{where} is {_describe(value)} where the trainer has "
+                            f"{_describe(want)}")
         out.append(value)
     problems += [f"{argument}{jax.tree_util.keystr(path)} ({_describe(leaf)}) is extra: the "
                  "trainer has no such leaf"

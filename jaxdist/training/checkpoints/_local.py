@@ -89,12 +89,11 @@ def _extent(index: tuple, shape: Sequence[int]) -> list[int]:
 def _sharding(leaf: Any, path: str) -> NamedSharding:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding):
-        raise TypeError(
-            f"the local tier keeps arrays laid out on a mesh (a NamedSharding), but leaf {path} "
-            f"has {type(sharding).__name__ if sharding is not None else 'no layout'}: place the "
-            "state with a strategy (strategy.create_variables / strategy.mirror), or use the "
-            "persistent tier only."
-        )
+        raise TypeError("the local tier keeps arrays laid out on a mesh (a NamedSharding), but "
+                        f"leaf {path} has "
+                        f"{type(sharding).__name__ if sharding is not None else 'no layout'}: "
+                        "place the state with a strategy (strategy.create_variables / "
+                        "strategy.mirror), or use the persistent tier only.")
     return sharding
 
 

@@ -135,9 +135,8 @@ def check_target(like: Any, argument: str = "like") -> None:
             continue
         kind = type(leaf)
         shown = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
-        detail = (
-            f" (shape {np.shape(leaf)}, {getattr(leaf, 'dtype', None) or np.result_type(leaf)})"
-        )
+        detail = (f" (shape {np.shape(leaf)}, "
+                  f"{getattr(leaf, 'dtype', None) or np.result_type(leaf)})")
         raise TypeError(
             f"{argument}{jax.tree_util.keystr(path)} is a {shown}{detail}, which says no layout to "
             "restore into: pass the state in the layout to restore onto (e.g. "

@@ -137,20 +137,18 @@ class BatchChecker:
                     else f"{rows} rows on this process ({rows * processes} over {processes} "
                          "processes)"
                 )
-                raise ValueError(
-                    f"{where} has {got}, which {self.replicas} replicas x "
-                    f"grad_accum_steps={self.grad_accum_steps} do not divide: use a global batch "
-                    f"that is a multiple of {need} (e.g. {-(-rows * processes // need) * need}), "
-                    "dropping or padding the remainder."
-                )
+                raise ValueError(f"{where} has {got}, which {self.replicas} replicas x "
+                                 f"grad_accum_steps={self.grad_accum_steps} do not divide: use a "
+                                 f"global batch that is a multiple of {need} (e.g. "
+                                 f"{-(-rows * processes // need) * need}), dropping or padding "
+                                 "the remainder.")
             self._signature = sig
         elif sig != self._signature:
-            raise ValueError(
-                f"{where} has structure/shapes {describe(sig)} ({sig[0]}), but the first training "
-                f"batch had {describe(self._signature)} ({self._signature[0]}): every training "
-                "batch needs the same structure and shapes (one compiled step); drop the ragged "
-                "last batch or pad it."
-            )
+            raise ValueError(f"{where} has structure/shapes {describe(sig)} ({sig[0]}), but the "
+                             f"first training batch had {describe(self._signature)} "
+                             f"({self._signature[0]}): every training batch needs the same "
+                             "structure and shapes (one compiled step); drop the ragged last "
+                             "batch or pad it.")
         return pair
 
 
@@ -203,18 +201,14 @@ def _common_rows(pair: Any, where: str) -> int:
                          "or drop a last batch with no rows).")
     for path, leaf in paths:
         if not np.shape(leaf):
-            raise ValueError(
-                f"{where} leaf {_name(path)} is a scalar: every leaf of a training batch needs a "
-                "batch axis 0 to split over the replicas (pass constants to the model or the loss "
-                "instead)."
-            )
+            raise ValueError(f"{where} leaf {_name(path)} is a scalar: every leaf of a training "
+                             "batch needs a batch axis 0 to split over the replicas (pass "
+                             "constants to the model or the loss instead).")
         if np.shape(leaf)[0] != np.shape(first)[0]:
-            raise ValueError(
-                f"{where} leaf {_name(path)} has {np.shape(leaf)[0]} rows but leaf "
-                f"{_name(first_path)} has {np.shape(first)[0]}: axis 0 of every leaf is the batch "
-                "(the rows the replicas split), so they must agree; move an array that is not per "
-                "example out of the batch."
-            )
+            raise ValueError(f"{where} leaf {_name(path)} has {np.shape(leaf)[0]} rows but leaf "
+                             f"{_name(first_path)} has {np.shape(first)[0]}: axis 0 of every leaf "
+                             "is the batch (the rows the replicas split), so they must agree; "
+                             "move an array that is not per example out of the batch.")
     return int(np.shape(first)[0])
 
 

@@ -39,10 +39,8 @@ def check_key(key: Any, name: str) -> Key:
     if isinstance(key, Sequence) and key and all(isinstance(k, str)
                                                  for k in key) and len(set(key)) == len(key):
         return tuple(key)
-    raise TypeError(
-        f"{name}={key!r} must be a dict key (a string such as 'image') or a sequence of distinct "
-        "strings (their values are passed to the model as a dict)."
-    )
+    raise TypeError(f"{name}={key!r} must be a dict key (a string such as 'image') or a sequence "
+                    "of distinct strings (their values are passed to the model as a dict).")
 
 
 def keys_of(key: Key) -> tuple[str, ...]:
@@ -110,10 +108,9 @@ def split_batch(
                             need_targets)
         present = sorted(map(str, batch))
         lacks = " and ".join(f"no {k!r} ({option}={value!r})" for k, option, value in missing)
-        raise ValueError(
-            f"{where} is a dict with keys {present} and {lacks}: name the keys that hold the "
-            f"inputs and the targets, e.g. Trainer(..., {_suggest(present)})."
-        )
+        raise ValueError(f"{where} is a dict with keys {present} and {lacks}: name the keys that "
+                         "hold the inputs and the targets, e.g. Trainer(..., "
+                         f"{_suggest(present)}).")
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
         if len(batch) == 2 or (not need_targets and len(batch) == 1):
             return _present(batch[0], (batch[1] if len(batch) == 2 else None), where, need_targets)
@@ -124,11 +121,9 @@ def split_batch(
         got = f"a {type(batch).__name__}"
     want = f"(x, y) or a dict with keys {input_key!r} and {target_key!r}" if need_targets else \
         f"x, (x,), (x, y) or a dict with key {input_key!r}"
-    raise ValueError(
-        f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x may be any "
-        "pytree, e.g. a dict of model inputs), or a dict and name its keys with Trainer(..., "
-        "input_key=..., target_key=...)."
-    )
+    raise ValueError(f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x "
+                     "may be any pytree, e.g. a dict of model inputs), or a dict and name its "
+                     "keys with Trainer(..., input_key=..., target_key=...).")
 
 
 def _present(x: Any, y: Any, where: str, need_targets: bool) -> tuple[Any, Any]:

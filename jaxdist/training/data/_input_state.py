@@ -39,10 +39,9 @@ def _grain_checkpoint() -> Any:
     try:
         import grain.checkpoint as grain_checkpoint
     except ImportError as error:
-        raise ImportError(
-            "data_iterator= saves the input iterator's state with grain's orbax handler, and grain "
-            "is not installed: pip install 'jaxdist[grain]' (or grain>=0.2.18)."
-        ) from error
+        raise ImportError("data_iterator= saves the input iterator's state with grain's orbax "
+                          "handler, and grain is not installed: pip install 'jaxdist[grain]' (or "
+                          "grain>=0.2.18).") from error
     return grain_checkpoint
 
 
@@ -78,11 +77,9 @@ class IteratorSnapshot:
         try:
             return json.dumps({"format": FORMAT, "encoding": encoding, "state": value}).encode()
         except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"the data iterator's state {self.state!r} is not JSON-serializable: a "
-                "data_iterator's get_state() must return a dict of JSON values or JSON bytes, as "
-                "grain's iterators do."
-            ) from error
+            raise TypeError(f"the data iterator's state {self.state!r} is not JSON-serializable: "
+                            "a data_iterator's get_state() must return a dict of JSON values or "
+                            "JSON bytes, as grain's iterators do.") from error
 
     def set_state(self, data: bytes) -> None:
         """Read back what `get_state` wrote."""
@@ -124,12 +121,10 @@ def snapshot(data_iterator: Any) -> IteratorSnapshot:
         return data_iterator
     get_state = getattr(data_iterator, "get_state", None)
     if not callable(get_state):
-        raise TypeError(
-            f"data_iterator={data_iterator!r} (type {type(data_iterator).__name__}) has no "
-            "get_state(): pass the iterator the training loop reads, e.g. "
-            "iter(strategy.distribute_datasets_from_function(fn)) over a grain dataset, or a grain "
-            "iterator itself."
-        )
+        raise TypeError(f"data_iterator={data_iterator!r} (type {type(data_iterator).__name__}) "
+                        "has no get_state(): pass the iterator the training loop reads, e.g. "
+                        "iter(strategy.distribute_datasets_from_function(fn)) over a grain "
+                        "dataset, or a grain iterator itself.")
     return IteratorSnapshot(get_state())
 
 
@@ -177,14 +172,13 @@ def state_for_process(entry: Mapping[str, Any] | None, read: Callable[[], Any], 
         return read()
     if entry.get("portable") is not None:
         return dict(entry["portable"])
-    raise ValueError(
-        f"{where} holds the input iterator state of {saved} processes (one per process, each for "
-        f"its own shard), but this run has {here}: a per-process position cannot be mapped onto "
-        f"another process count. Fix: resume with {saved} processes, or read the data with "
-        "grain.experimental.ElasticIterator(dataset, global_batch_size, "
-        "grain.sharding.ShardByJaxProcess()), whose position is valid on any process count (for a "
-        "checkpoint written from then on)."
-    )
+    raise ValueError(f"{where} holds the input iterator state of {saved} processes (one per "
+                     f"process, each for its own shard), but this run has {here}: a per-process "
+                     "position cannot be mapped onto another process count. Fix: resume with "
+                     f"{saved} processes, or read the data with "
+                     "grain.experimental.ElasticIterator(dataset, global_batch_size, "
+                     "grain.sharding.ShardByJaxProcess()), whose position is valid on any process "
+                     "count (for a checkpoint written from then on).")
 
 
 def restored_position(position: Mapping[str, Any], read_state: Callable[[], Any]) -> DataPosition:

@@ -60,10 +60,9 @@ def data_kind(data: Any, name: str) -> str:
         return "iterator" if isinstance(data, Iterator) else "iterable"
     if callable(data):
         return "function"
-    raise TypeError(
-        f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor callable: pass a "
-        "list of batches, a generator, or a function epoch -> iterable of batches."
-    )
+    raise TypeError(f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor "
+                    "callable: pass a list of batches, a generator, or a function epoch -> "
+                    "iterable of batches.")
 
 
 class BatchStream:
@@ -198,10 +197,8 @@ class BatchStream:
         if self._kind == "function":
             source = self._data(epoch)
             if not isinstance(source, Iterable):
-                raise TypeError(
-                    f"train_data({epoch}) returned {type(source).__name__}, not an iterable of "
-                    "batches."
-                )
+                raise TypeError(f"train_data({epoch}) returned {type(source).__name__}, not an "
+                                "iterable of batches.")
             return source
         return self._data
 
@@ -220,12 +217,11 @@ class BatchStream:
             per_process, it = is_grain(source), iter(source)
             stateful = _stateful(it)
             if per_process and jax.process_count() > 1 and self._check is None:
-                raise ValueError(
-                    "BatchStream(check=None) cannot place per-process (grain) batches on "
-                    f"{jax.process_count()} processes: pass check= a "
-                    "jaxdist.training.data.BatchFeed (it checks the global batch the processes' "
-                    "shares form and places each process's rows on the strategy's replicas)."
-                )
+                raise ValueError("BatchStream(check=None) cannot place per-process (grain) "
+                                 f"batches on {jax.process_count()} processes: pass check= a "
+                                 "jaxdist.training.data.BatchFeed (it checks the global batch the "
+                                 "processes' shares form and places each process's rows on the "
+                                 "strategy's replicas).")
             if self._kind == "function" and isinstance(source,
                                                        Sized) and epoch not in self._lengths:
                 # a list from data_fn: its length, before it is read
@@ -261,12 +257,10 @@ class BatchStream:
             return skip
         for count in range(skip):
             if next(it, _END) is _END:
-                raise ValueError(
-                    f"train_data has {count} batches in epoch {epoch}, but the restored position "
-                    f"is batch {skip} of that epoch: the data differs from the run that wrote the "
-                    "checkpoint (pass the same deterministic data, or start from a fresh "
-                    "checkpoint_dir)."
-                )
+                raise ValueError(f"train_data has {count} batches in epoch {epoch}, but the "
+                                 f"restored position is batch {skip} of that epoch: the data "
+                                 "differs from the run that wrote the checkpoint (pass the same "
+                                 "deterministic data, or start from a fresh checkpoint_dir).")
         return skip
 
     def position(self, consumed: int) -> DataPosition:

@@ -202,13 +202,11 @@ def check_losses(
     return frozenset(pairs)
 
 
-_CALL_SHAPE = (
-    "the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), where outputs "
-    "= the model applied to the batch's inputs and targets = its targets (batch[1], or "
-    "batch[target_key]). A loss written as loss_fn(model, batch) (the nnx tutorials' form) "
-    "becomes, e.g., loss_fn=lambda logits, labels: "
-    "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()"
-)
+_CALL_SHAPE = ("the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), "
+               "where outputs = the model applied to the batch's inputs and targets = its targets "
+               "(batch[1], or batch[target_key]). A loss written as loss_fn(model, batch) (the "
+               "nnx tutorials' form) becomes, e.g., loss_fn=lambda logits, labels: "
+               "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()")
 
 
 def _check_call_shape(name: str, fn: Callable) -> None:

@@ -70,11 +70,10 @@ def check_ema_decay(ema_decay: Any) -> float | None:
         return None
     number = isinstance(ema_decay, (int, float)) and not isinstance(ema_decay, bool)
     if not number or not math.isfinite(ema_decay) or not 0 <= ema_decay < 1:
-        raise ValueError(
-            f"ema_decay={ema_decay!r} must be a number in [0, 1): the weight of the old average in "
-            "each update (ema = ema_decay * ema + (1 - ema_decay) * params), e.g. ema_decay=0.999 "
-            "(an average over about 1000 steps); None (the default) keeps no averaged weights."
-        )
+        raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1): the weight of the "
+                         "old average in each update (ema = ema_decay * ema + (1 - ema_decay) * "
+                         "params), e.g. ema_decay=0.999 (an average over about 1000 steps); None "
+                         "(the default) keeps no averaged weights.")
     return float(ema_decay)
 
 
@@ -151,11 +150,9 @@ def averaged(
         [1.0, 1.0]
     """
     if decay is None:
-        raise ValueError(
-            f"{where} needs averaged weights, but this Trainer keeps none (ema_decay=None): build "
-            "it with Trainer(..., ema_decay=0.999) (or another decay in [0, 1)), or call it with "
-            "ema=False."
-        )
+        raise ValueError(f"{where} needs averaged weights, but this Trainer keeps none "
+                         "(ema_decay=None): build it with Trainer(..., ema_decay=0.999) (or "
+                         "another decay in [0, 1)), or call it with ema=False.")
 
     def state_with_average(batch: Any) -> Any:
         state = state_for(batch)

@@ -125,10 +125,9 @@ def _micro_batches(tree: Any, k: int) -> Any:
 
     def split(a):
         if a.shape[0] % k:
-            raise ValueError(
-                f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} rows: use a batch "
-                f"that is a multiple of {k} (and of the replica count times {k})."
-            )
+            raise ValueError(f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} "
+                             f"rows: use a batch that is a multiple of {k} (and of the replica "
+                             f"count times {k}).")
         return jnp.moveaxis(a.reshape((a.shape[0] // k, k, *a.shape[1:])), 1, 0)
 
     return jax.tree.map(split, tree)

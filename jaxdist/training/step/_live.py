@@ -61,24 +61,19 @@ def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mappin
                     seed: Any, clip_grad_norm: Any, compute_dtype: Any) -> None:
     """The Trainer's arguments that build the state, checked before anything is built."""
     if not isinstance(strategy, Strategy):
-        raise TypeError(
-            f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. jd.MirroredStrategy() or "
-            "jd.OneDeviceStrategy()."
-        )
+        raise TypeError(f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. "
+                        "jd.MirroredStrategy() or jd.OneDeviceStrategy().")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation: pass "
                         "e.g. optax.adam(1e-3).")
     if not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar mean "
-            "or (sum, weight)."
-        )
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> "
+                        "scalar mean or (sum, weight).")
     for name, fn in metrics.items():
         if name == "loss" or not isinstance(name, str) or not callable(fn):
-            raise ValueError(
-                f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to fn(outputs, "
-                "targets) -> scalar (the loss is always reported as 'loss')."
-            )
+            raise ValueError(f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to "
+                             "fn(outputs, targets) -> scalar (the loss is always reported as "
+                             "'loss').")
     check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
     check_int(seed, "seed", 0, allow_none=False)
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))

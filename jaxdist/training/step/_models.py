@@ -53,20 +53,14 @@ def model_kind(model: Any) -> str:
     if isinstance(model, nnx.Module):
         return "nnx"
     if inspect.isclass(model) and issubclass(model, nn.Module):
-        raise TypeError(
-            f"model={model.__name__} is a linen module class, not an instance: pass "
-            f"{model.__name__}(...)."
-        )
+        raise TypeError(f"model={model.__name__} is a linen module class, not an instance: pass "
+                        f"{model.__name__}(...).")
     if inspect.isclass(model) and issubclass(model, nnx.Module):
-        raise TypeError(
-            f"model={model.__name__} is an nnx module class, not an instance: pass "
-            f"{model.__name__}(..., rngs=nnx.Rngs(0))."
-        )
-    raise TypeError(
-        f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a "
-        "flax.linen.Module instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance (e.g. "
-        "nnx.Linear(4, 10, rngs=nnx.Rngs(0)))."
-    )
+        raise TypeError(f"model={model.__name__} is an nnx module class, not an instance: pass "
+                        f"{model.__name__}(..., rngs=nnx.Rngs(0)).")
+    raise TypeError(f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a "
+                    "flax.linen.Module instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance "
+                    "(e.g. nnx.Linear(4, 10, rngs=nnx.Rngs(0))).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,16 +98,12 @@ class LinenModel:
 
     def __post_init__(self) -> None:
         if model_kind(self.module) != "linen":
-            raise TypeError(
-                f"model={type(self.module).__name__} is an nnx module where a linen module is "
-                "expected: pass it to Trainer directly (nnx modules are detected), or use "
-                "NnxModel(module)."
-            )
+            raise TypeError(f"model={type(self.module).__name__} is an nnx module where a linen "
+                            "module is expected: pass it to Trainer directly (nnx modules are "
+                            "detected), or use NnxModel(module).")
         if self.variables is not None and "params" not in self.variables:
-            raise ValueError(
-                f"variables has collections {sorted(self.variables)} but no 'params': pass what "
-                "module.init(...) returned."
-            )
+            raise ValueError(f"variables has collections {sorted(self.variables)} but no "
+                             "'params': pass what module.init(...) returned.")
 
     @property
     def initial_variables(self) -> Any:
@@ -248,11 +238,9 @@ class NnxModel:
 
     def __init__(self, module: Any):
         if model_kind(module) != "nnx":
-            raise TypeError(
-                f"model={type(module).__name__} is a linen module where an nnx module is expected: "
-                "pass it to Trainer directly (linen modules are detected), or use "
-                "LinenModel(module)."
-            )
+            raise TypeError(f"model={type(module).__name__} is a linen module where an nnx module "
+                            "is expected: pass it to Trainer directly (linen modules are "
+                            "detected), or use LinenModel(module).")
         self.module = module
         self._rngs_param = _rngs_parameter(module)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -369,16 +357,13 @@ def as_model(model: Any, variables: Any = None, **linen_options: Any) -> LinenMo
         return LinenModel(model, variables, **{k: v for k, v in linen_options.items()
                                                if v is not None})
     if variables is not None:
-        raise ValueError(
-            "variables=... was given with an nnx module: nnx modules carry their own variables; "
-            "load weights into the module (nnx.update(model, state)) and drop variables=."
-        )
+        raise ValueError("variables=... was given with an nnx module: nnx modules carry their own "
+                         "variables; load weights into the module (nnx.update(model, state)) and "
+                         "drop variables=.")
     extra = sorted(k for k, v in linen_options.items() if v is not None)
     if extra:
-        raise TypeError(
-            f"{', '.join(extra)} apply to linen modules only; model={type(model).__name__} is an "
-            "nnx module: set train/eval behaviour on the module itself "
-            "(Dropout(deterministic=...), nnx.Rngs)."
-        )
+        raise TypeError(f"{', '.join(extra)} apply to linen modules only; "
+                        f"model={type(model).__name__} is an nnx module: set train/eval behaviour "
+                        "on the module itself (Dropout(deterministic=...), nnx.Rngs).")
     return NnxModel(model)
 

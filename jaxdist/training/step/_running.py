@@ -174,10 +174,9 @@ class RunningSums:
         if (set(later.names) != set(self.names)
                 or set(later.token_weighted) != set(self.token_weighted)
                 or (later.learning_rate is None) != (self.learning_rate is None)):
-            raise ValueError(
-                f"running sums of {self._describe()} cannot add sums of {later._describe()}: a "
-                "step must report the same metrics, each weighted the same way, every time."
-            )
+            raise ValueError(f"running sums of {self._describe()} cannot add sums of "
+                             f"{later._describe()}: a step must report the same metrics, each "
+                             "weighted the same way, every time.")
         averages = {n: Average(a.total + later.averages[n].total,
                                a.weight + later.averages[n].weight)
                     for n, a in self.averages.items()}

@@ -67,21 +67,18 @@ def check_value(name: str, value: Any, rows: int | None = None) -> bool:
     of = f" for a batch of {rows} rows" if rows is not None else ""
     if isinstance(value, tuple):
         if len(value) != 2:
-            raise ValueError(
-                f"{name} returned a tuple of {len(value)} values{of}; it must return a scalar (the "
-                "mean over the batch) or a pair (sum, weight): e.g. return (losses * mask).sum(), "
-                "mask.sum()."
-            )
+            raise ValueError(f"{name} returned a tuple of {len(value)} values{of}; it must return "
+                             "a scalar (the mean over the batch) or a pair (sum, weight): e.g. "
+                             "return (losses * mask).sum(), mask.sum().")
         total, weight = value
         kind = jnp.inexact if loss else jnp.number
         if getattr(total, "shape", None) != () or not jnp.issubdtype(
             getattr(total, "dtype", object), kind
         ):
-            raise ValueError(
-                f"{name} returned (sum, weight) with sum of {_describe(total)}{of}; the sum must "
-                f"be a {'float' if loss else 'numeric'} scalar: the SUM over tokens (or rows), "
-                "e.g. (losses * mask).sum(), not the per-token values."
-            )
+            raise ValueError(f"{name} returned (sum, weight) with sum of {_describe(total)}{of}; "
+                             f"the sum must be a {'float' if loss else 'numeric'} scalar: the SUM "
+                             "over tokens (or rows), e.g. (losses * mask).sum(), not the "
+                             "per-token values.")
         dtype = getattr(weight, "dtype", None)
         if (
             getattr(weight, "shape", None) != ()
@@ -90,11 +87,10 @@ def check_value(name: str, value: Any, rows: int | None = None) -> bool:
             or not jnp.issubdtype(dtype, jnp.number)
             or jnp.issubdtype(dtype, jnp.complexfloating)
         ):
-            raise ValueError(
-                f"{name} returned (sum, weight) with weight of {_describe(weight)}{of}; the weight "
-                "must be a real number (an int or float scalar): how many tokens (or rows) the sum "
-                "covers, e.g. mask.sum() (not the mask itself, nor a boolean)."
-            )
+            raise ValueError(f"{name} returned (sum, weight) with weight of "
+                             f"{_describe(weight)}{of}; the weight must be a real number (an int "
+                             "or float scalar): how many tokens (or rows) the sum covers, e.g. "
+                             "mask.sum() (not the mask itself, nor a boolean).")
         return True
     dtype = getattr(value, "dtype", None)
     if (
@@ -102,12 +98,11 @@ def check_value(name: str, value: Any, rows: int | None = None) -> bool:
         or dtype is None
         or not jnp.issubdtype(dtype, jnp.inexact if loss else jnp.number)
     ):
-        raise ValueError(
-            f"{name} returned {_describe(value)}{of}; it must return a "
-            f"{'float' if loss else 'numeric'} scalar, the mean over the batch: reduce it, e.g. "
-            "optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() (or a pair (sum, "
-            "weight) such as ((losses * mask).sum(), mask.sum()) to weight by tokens)."
-        )
+        raise ValueError(f"{name} returned {_describe(value)}{of}; it must return a "
+                         f"{'float' if loss else 'numeric'} scalar, the mean over the batch: "
+                         "reduce it, e.g. optax.softmax_cross_entropy_with_integer_labels(logits, "
+                         "y).mean() (or a pair (sum, weight) such as ((losses * mask).sum(), "
+                         "mask.sum()) to weight by tokens).")
     return False
 
 
