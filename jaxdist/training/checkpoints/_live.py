@@ -70,15 +70,21 @@ def save_live(live: LiveState, checkpoint_dir: Directory, max_to_keep: int | Non
     bad = non_finite_leaves(live.state)
     if bad:
         _refuse(live, checkpoint_dir, bad)
-    position = live.position  # a grain source's iterator state goes beside it, one file per process
-    meta = {"model_kind": live.model.kind,
-            "data_position": {"epoch": position.epoch, "index": position.index},
-            "global_batch": global_rows(live.batches.signature), **(extra or {})}
-    state = position.state
+    meta = {**live_meta(live), **(extra or {})}
+    state = live.position.state  # a grain source's iterator state goes beside it, one per process
     data_iterator = (None if state is None or isinstance(state, UnrestorableState)
                      else IteratorSnapshot(state))
     with _opened(checkpoint_dir, max_to_keep) as ckpt:
         return ckpt.save(live.step, live.state, meta, data_iterator)
+
+
+def live_meta(live: LiveState) -> dict:
+    """What a checkpoint of ``live`` (either tier) keeps beside its state: the model kind, the data
+    position and the global batch's rows."""
+    position = live.position
+    return {"model_kind": live.model.kind,
+            "data_position": {"epoch": position.epoch, "index": position.index},
+            "global_batch": global_rows(live.batches.signature)}
 
 
 def _refuse(live: LiveState, checkpoint_dir: Directory, bad: list[str]) -> None:
