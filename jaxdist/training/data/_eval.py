@@ -20,14 +20,10 @@ def _rows(batch: Any) -> int:
     return int(np.shape(leaves[0])[0])
 
 
-def eval_batches(
-    data: Any,
-    multiple: int,
-    name: str = "eval_data",
-    prepare: Callable[[Any, str], Any] | None = None,
-) -> Iterator[tuple[Any, np.ndarray, int]]:
-    """``(batch, weights, rows)`` for each batch of ``data``, padded to a multiple of ``multiple``
-    rows.
+def eval_batches(data: Any, multiple: int, name: str = "eval_data",
+                 prepare: Callable[[Any, str], Any] | None = None,
+                 ) -> Iterator[tuple[Any, np.ndarray, int]]:
+    """``(batch, weights, rows)`` for each batch of ``data``, padded to a multiple of ``multiple``.
 
     Padding repeats the last real row (so no loss sees made-up zeros) and gets weight 0; ``rows`` is
     the number of real rows. ``data`` is a re-iterable, an iterator, or a function of no arguments

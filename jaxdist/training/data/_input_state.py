@@ -1,19 +1,15 @@
 """The input pipeline's position in checkpoints: grain iterator states, one file per process.
 
-A grain iterator knows where it is (``get_state()`` / ``set_state(state)``), and each process's
-iterator reads its own shard, so each process has its own state. `Checkpointer.save(...,
-data_iterator=it)` stores it beside the arrays as the checkpoint's ``data_iterator`` item through
-grain's orbax handler (``grain.checkpoint.CheckpointSave``): every process writes
-``process_<i>-of-<n>.json``, and a restore on the same number of processes gives every process back
-exactly its own state.
+Each process's grain iterator reads its own shard, so each process has its own state.
+`Checkpointer.save(..., data_iterator=it)` stores it as the checkpoint's ``data_iterator`` item
+through grain's orbax handler (one ``process_<i>-of-<n>.json`` per process), and a restore on the
+same number of processes gives every process back exactly its own state.
 
-On another number of processes a per-process state has no exact meaning (process 1 of 2 has no
-counterpart among 3), so restoring one is an error that names the fix, with one exception that grain
-makes exact: ``grain.experimental.ElasticIterator``, whose state (``{"global_next_index": n}``, the
-examples consumed globally) is the same on every process and valid for any shard count. The metadata
-keeps that state, so any process count resumes from it: every global batch holds the same examples
-as in the run that wrote it (their row order inside a batch follows the process count, as
-ElasticIterator interleaves the shards).
+On another number of processes a per-process state has no exact meaning, so restoring one is an
+error that names the fix, except for ``grain.experimental.ElasticIterator``, whose state (the
+examples consumed globally) is the same on every process. The metadata keeps that state, so any
+process count resumes from it: every global batch holds the same examples as in the run that wrote
+it (their row order inside a batch follows the process count).
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def _grain_checkpoint() -> Any:
 
 
 class IteratorSnapshot:
-    """A fixed iterator state in the shape grain's orbax handler saves and restores (``get_state``
-    returning JSON bytes, ``set_state`` taking them). Taken at save time, so an asynchronous save
-    writes the state of the step it saves, whatever the live iterator does meanwhile.
+    """A fixed iterator state in the shape grain's orbax handler saves and restores (JSON bytes).
+    Taken at save time, so an asynchronous save writes the state of the step it saves.
 
     Args:
         state: the iterator's state: a dict (grain ``DatasetIterator``), JSON bytes (grain
@@ -111,8 +106,7 @@ def describe(state: Any) -> dict:
 
 
 def snapshot(data_iterator: Any) -> IteratorSnapshot:
-    """`IteratorSnapshot` of ``data_iterator``'s current state (an `IteratorSnapshot` is taken as it
-    is).
+    """`IteratorSnapshot` of ``data_iterator``'s current state (an `IteratorSnapshot` as it is).
 
     Raises:
         TypeError: when ``data_iterator`` has no ``get_state()``, or its state is not JSON.
@@ -129,8 +123,7 @@ def snapshot(data_iterator: Any) -> IteratorSnapshot:
 
 
 def save_args(data_iterator: Any) -> tuple[dict, Any]:
-    """``(metadata entry, orbax args)`` that save ``data_iterator``'s state in a checkpoint (see
-    `describe`).
+    """``(metadata entry, orbax args)`` that save ``data_iterator``'s state (see `describe`).
 
     Raises:
         TypeError: see `snapshot`.
@@ -183,10 +176,8 @@ def state_for_process(entry: Mapping[str, Any] | None, read: Callable[[], Any], 
 
 def restored_position(position: Mapping[str, Any], read_state: Callable[[], Any]) -> DataPosition:
     """The `DataPosition` a trainer resumes from: the checkpoint's ``{"epoch", "index"}`` with this
-    process's iterator state (``read_state()``, e.g. ``Checkpointer.data_iterator_state``). A state
-    that does not fit this run (``read_state`` raises ValueError) becomes an `UnrestorableState`:
-    resuming a grain source from it raises that error, while evaluating, or resuming plain (global)
-    data, still works.
+    process's iterator state (``read_state()``). A state that does not fit this run (``read_state``
+    raises ValueError) becomes an `UnrestorableState`.
 
     Examples:
         >>> restored_position({"epoch": 1, "index": 3}, lambda: None)
