@@ -145,9 +145,8 @@ def _restore_target(live: LiveState, batch: Any) -> Any:
 
 
 def roll_back(live: LiveState, ckpt: Checkpointer, step: int, batch: Any) -> None:
-    """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (another
-    run's: kept, they would be resumed from next time, and a save at one of their steps would be
-    skipped as done)."""
+    """``fit(restore_step=step)``: restore that checkpoint, then delete the later ones (kept, they
+    would be resumed from next time, and a save at one of their steps skipped as done)."""
     steps = ckpt.all_steps()
     if step not in steps:
         raise FileNotFoundError(f"restore_step={step}: {ckpt.directory!r} has no checkpoint for "

@@ -242,10 +242,9 @@ def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: A
 
 
 def _optimizer_leaves(given: Any, like: Any) -> list:
-    """`loaded_leaves` of an optimizer state. A trainer with ``clip_grad_norm`` runs
-    ``optax.chain(clip, the optimizer)``, whose state is ``(EmptyState(), the optimizer's)``: the
-    optimizer's own state (what a run without the trainer's clipping has) fits it too, as the clip
-    holds no leaves."""
+    """`loaded_leaves` of an optimizer state. With ``clip_grad_norm`` the state is
+    ``(EmptyState(), the optimizer's)``: the optimizer's own state (a run without the trainer's
+    clipping) fits it too, as the clip holds no leaves."""
     if not (isinstance(like, tuple) and len(like) == 2 and not jax.tree.leaves(like[0])):
         return loaded_leaves(given, like, "opt_state")
     try:

@@ -12,14 +12,11 @@ A job saves to ``checkpoint_dir`` (the persistent tier: shared, slow at scale, s
   and renames it to ``<step>`` (the rename is the commit: a save killed midway, or failed on a full
   disk, leaves no step). A failed local save is a warning naming the step and the error, never the
   end of the run: the persistent tier is still there.
-* Restart after a lost host: every process lists its complete local steps and the job exchanges the
-  lists through its key-value store (`jaxdist.job.exchange`); every process then takes the same
-  decision with `decide`: the newest step, at least as new as the persistent tier's, whose shards of
-  EVERY process are held by some surviving process (its own copy first, else its neighbour's), all
-  written by the same run with this state's fingerprint and layout. Anything else (another process
-  count or layout, two neighbours lost, another run's or another model's step, an interrupted or
-  failed save) falls back to the persistent tier, and the reason is said by name; steps are never
-  mixed.
+* Restart after a lost host: the processes exchange their lists of complete local steps
+  (`jaxdist.job.exchange`) and each takes the same decision (`decide`): the newest step, at least as
+  new as the persistent tier's, whose shards of EVERY process some surviving process holds, all
+  written by the same run with this state's fingerprint and layout. Anything else falls back to the
+  persistent tier, with the reason said by name; steps are never mixed.
 
 Why not orbax's emergency checkpointing: it keeps local checkpoints per data-parallel replica and
 needs at least two on a replica axis, so a state sharded across all processes (FSDP across hosts)
@@ -423,8 +420,7 @@ class LocalCheckpointer:
         self._thread.start()
 
     def identity(self, state: Any) -> str:
-        """The run's digest: the state's fingerprint (paths, shapes, dtypes, node types) and
-        ``persistent``."""
+        """The run's digest: the state's fingerprint (with node types) and ``persistent``."""
         return _digest([fingerprint(state), node_types(state), self.persistent])
 
     def _write(self, step: int, own: dict, peer: dict | None, info: dict) -> None:

@@ -20,8 +20,7 @@ LOG = logging.getLogger("jaxdist.training.checkpoint")
 
 
 def save_live_local(live: LiveState, local: LocalCheckpointer) -> None:
-    """Save ``live`` (state, step, data position) as a local step (asynchronously; every process at
-    once)."""
+    """Save ``live`` as a local step (asynchronously; every process at once)."""
     local.save(live.step, live.state, live_meta(live))
 
 

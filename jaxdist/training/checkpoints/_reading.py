@@ -42,10 +42,9 @@ _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpo
 
 def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], list[int]],
                    directory: str, step_argument: str) -> T:
-    """``fn(step)``, with ONE clear `CheckpointCorruptedError` when it finds checkpoint ``step`` of
-    ``directory`` damaged: ``fn`` is tried on the older checkpoints (``all_steps()``), newest first,
-    and the error names the first one it reads without error (else a newer one that does); see
-    ``Checkpointer.read``."""
+    """``fn(step)``, with ONE clear `CheckpointCorruptedError` when it finds checkpoint ``step``
+    damaged: ``fn`` is tried on the older checkpoints (``all_steps()``), newest first, and the error
+    names the first one it reads (else a newer one that does); see `Checkpointer.read`."""
     if _READING.get():
         return fn(step)
     token = _READING.set(True)

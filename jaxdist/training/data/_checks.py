@@ -1,5 +1,4 @@
-"""The batches' checks: one structure, shapes and dtypes for a whole run (`BatchChecker`), said in
-messages."""
+"""The batches' checks: one structure, shapes and dtypes for a whole run (`BatchChecker`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Evaluation batches: every example once, the last partial batch padded to the global batch and
-masked."""
+"""Evaluation batches: every example once, the last partial batch padded and masked."""
 
 from __future__ import annotations
 

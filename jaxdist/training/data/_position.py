@@ -1,5 +1,4 @@
-"""How far training has read its data (`DataPosition`), and the state of a checkpoint that does not
-fit this run."""
+"""How far training has read its data (`DataPosition`), and an input state that does not fit."""
 
 from __future__ import annotations
 

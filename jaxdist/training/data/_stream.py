@@ -246,8 +246,7 @@ class BatchStream:
         return skip
 
     def position(self, consumed: int) -> DataPosition:
-        """The position after ``consumed`` batches of this stream (with a stateful source's iterator
-        state after them)."""
+        """The position after ``consumed`` batches (with a stateful source's iterator state)."""
         epoch, index = self._start.epoch, self._start.index + consumed
         if self._kind != "iterator":
             # Walked on from the last position asked for: a constant cost per step (fit asks after

@@ -147,8 +147,7 @@ class CompiledSteps:
         self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, like))
 
     def _current_sums(self) -> Any:
-        """The sums' vector: the running one, or zeros (laid out as the last one was; host zeros
-        before the first step)."""
+        """The sums' vector: the running one, or zeros (laid out as the last one was)."""
         if self._sums is not None:
             return self._sums
         zeros = self._zeros

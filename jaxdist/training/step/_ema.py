@@ -81,8 +81,7 @@ def ema_update(decay: float, ema: Any, params: Any) -> Any:
 
 
 def _copy(params: Any) -> Any:
-    """A copy of ``params`` in their own shardings (the step donates both trees); abstract arrays
-    stay abstract."""
+    """A copy of ``params`` in their own shardings (the step donates both); abstract ones as is."""
     leaves = jax.tree.leaves(params)
     if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
         return params

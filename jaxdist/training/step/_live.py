@@ -152,8 +152,7 @@ class LiveState:
 
     # ------------------------------------------------------------------------------------ the state
     def init(self, batch: Any) -> TrainState:
-        """The state, built from ``batch`` on first use (or, after a load without a batch, checked
-        on it: `unchecked`)."""
+        """The state, built from ``batch`` on first use (or checked on it: `unchecked`)."""
         if self.state is not None:
             if self.unchecked is not None:
                 self.unchecked(batch)

@@ -267,8 +267,7 @@ class NnxModel:
     def apply_train(self, params: dict, model_state: dict, x: Any,
                     rng: Any) -> tuple[Any, dict, dict]:
         """``(outputs, new_model_state, sown)`` in training; ``sown`` holds the losses and metrics
-        of the model's `jaxdist.nn.nnx.MoE` layers from this call, as linen's `jaxdist.nn.moe.SOWN`
-        collections."""
+        of the model's `jaxdist.nn.nnx.MoE` layers, as linen's `jaxdist.nn.moe.SOWN` collections."""
         out, module = self._call(self._train_graphdef, params, model_state, x, rng)
         losses, metrics = {}, {}
         for path, node in nnx.iter_graph(module):
