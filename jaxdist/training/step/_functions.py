@@ -7,9 +7,8 @@ and every metric are means over the GLOBAL batch (never a mean of per-replica me
 
 * Gradient accumulation: with ``grad_accum_steps=k`` each batch is split into k micro-batches inside
   the step (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient
-  makes ONE optimizer update: the same update as one step on the whole batch. Micro-batch j takes
-  rows ``j, j+k, j+2k, ...``, so every replica splits its own rows and no data moves between
-  devices.
+  makes ONE optimizer update: the same update as one step on the whole batch. Each replica splits
+  its own rows (`_micro_batches`), so no data moves between devices.
 * Token-weighted losses (`jaxdist.training.step._weighted`): a ``(sum, weight)`` loss or metric is
   summed over micro-batches and divided once by the summed weight; scalar means are averaged.
 * Mixed precision: with ``compute_dtype=jnp.bfloat16`` the forward and backward pass run in bf16 on

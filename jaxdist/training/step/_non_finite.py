@@ -240,8 +240,8 @@ class NonFinitePolicy:
             the step counter and the data move on), the logs count them; ``max_consecutive_skips``
             in a row stop as ``"stop"``. ``"rollback"``: restore the last finite checkpoint (needs
             ``checkpoint_dir``) and go on with the data from where it is, past the bad batches; at
-            most ``max_rollbacks`` times, then stop. ``"continue"``: train on (the old behaviour),
-            with one warning; non-finite states are still not saved (a warning each).
+            most ``max_rollbacks`` times, then stop. ``"continue"``: train on, with one
+            warning; non-finite states are still not saved (a warning each).
         max_consecutive_skips: ``"skip"`` only: skipped steps in a row that stop the run.
         max_rollbacks: ``"rollback"`` only: rollbacks in one ``fit`` before it stops.
 
