@@ -1,5 +1,4 @@
-"""The drop-in training loop: `Trainer` (Flax linen and nnx, optax) and the pieces for your own
-loop.
+"""The drop-in training loop: `Trainer` (Flax linen and nnx, optax), and pieces for your own loop.
 
 ``Trainer(strategy, model, optimizer, loss_fn).fit(data, steps=..., eval_data=...,
 checkpoint_dir=...)`` trains on any strategy (a loss may return a token-weighted ``(sum, weight)``
@@ -14,8 +13,8 @@ Examples:
     >>> trainer = jd.training.Trainer(
     ...     jd.OneDeviceStrategy(), nn.Dense(2), optax.adam(1e-2),
     ...     lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean())
-    >>> history = trainer.fit([(np.ones((4, 3), np.float32), np.ones(4, np.int32))], steps=3,
-    ...                       verbose=0)
+    >>> data = [(np.ones((4, 3), np.float32), np.ones(4, np.int32))]
+    >>> history = trainer.fit(data, steps=3, verbose=0)
     >>> trainer.step
     3
 """
@@ -57,41 +56,11 @@ from jaxdist.training.step import accuracy as accuracy
 from jaxdist.training.step import make_train_step as make_train_step
 from jaxdist.training.trainer import Trainer as Trainer
 
-__all__ = [
-    "Average",
-    "CSVLogger",
-    "Callback",
-    "CheckpointConflictError",
-    "CheckpointCorruptedError",
-    "CheckpointSaveError",
-    "Checkpointer",
-    "DataPosition",
-    "DeleteBackups",
-    "EarlyStopping",
-    "FitControl",
-    "History",
-    "JobDisagreementError",
-    "LearningRateScheduler",
-    "LinenModel",
-    "LocalCheckpointer",
-    "MLflowLogger",
-    "ModelCheckpoint",
-    "NnxModel",
-    "NonFiniteError",
-    "NonFinitePolicy",
-    "NonFiniteRecord",
-    "PackedSums",
-    "PreemptionWatcher",
-    "Progress",
-    "RunningSums",
-    "StepCost",
-    "StragglerWarning",
-    "TensorBoardLogger",
-    "TrainState",
-    "Trainer",
-    "Watchdog",
-    "WandbLogger",
-    "accuracy",
-    "make_train_step",
-    "prepare",
-]
+__all__ = ["Average", "CSVLogger", "Callback", "CheckpointConflictError",
+           "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer", "DataPosition",
+           "DeleteBackups", "EarlyStopping", "FitControl", "History", "JobDisagreementError",
+           "LearningRateScheduler", "LinenModel", "LocalCheckpointer", "MLflowLogger",
+           "ModelCheckpoint", "NnxModel", "NonFiniteError", "NonFinitePolicy", "NonFiniteRecord",
+           "PackedSums", "PreemptionWatcher", "Progress", "RunningSums", "StepCost",
+           "StragglerWarning", "TensorBoardLogger", "TrainState", "Trainer", "Watchdog",
+           "WandbLogger", "accuracy", "make_train_step", "prepare"]

@@ -16,14 +16,9 @@ from jaxdist.strategies import DistributedDataset, Strategy, StrategyFunction
 __all__ = ["prepare"]
 
 
-def prepare(
-    strategy: Strategy,
-    train_step: Callable[..., Any],
-    state: Any,
-    *datasets: Iterable[Any],
-    donate: bool = True,
-    batch_argnums: int | Sequence[int] = (1,),
-) -> tuple[Any, ...]:
+def prepare(strategy: Strategy, train_step: Callable[..., Any], state: Any,
+            *datasets: Iterable[Any], donate: bool = True,
+            batch_argnums: int | Sequence[int] = (1,)) -> tuple[Any, ...]:
     """Wrap an own-loop ``train_step``, its state and its data for ``strategy``.
 
     Args:
@@ -69,9 +64,8 @@ def prepare(
     if not callable(train_step):
         raise TypeError(f"train_step={train_step!r} is not callable: pass train_step(state, batch) "
                         "-> (state, ...).")
-    step: StrategyFunction = strategy.jit(
-        train_step, donate_argnums=(0,) if donate else None, batch_argnums=batch_argnums
-    )
+    step: StrategyFunction = strategy.jit(train_step, donate_argnums=(0,) if donate else None,
+                                          batch_argnums=batch_argnums)
     placed = strategy.mirror(state)
     distributed: list[DistributedDataset] = [strategy.experimental_distribute_dataset(d)
                                              for d in datasets]

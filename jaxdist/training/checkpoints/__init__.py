@@ -4,8 +4,7 @@ layout, the local tier (`LocalCheckpointer`: each process's own disk, every shar
 a Trainer's state saved, restored and loaded (averaged weights with it or not), and the compilation
 cache.
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
-here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports from here.
 """
 
 from jaxdist.training.checkpoints._checkpointer import Checkpointer as Checkpointer
@@ -29,7 +28,7 @@ from jaxdist.training.checkpoints._storage import check_directory as check_direc
 
 __all__ = [
     "CheckpointConflictError", "CheckpointCorruptedError", "CheckpointSaveError", "Checkpointer",
-    "LocalCheckpointer", "LocalRestore", "check_directory",
-    "clear_progress", "load_live", "read_progress", "restore_live", "roll_back",
-    "restore_live_local", "save_live", "save_live_local", "write_progress",
+    "LocalCheckpointer", "LocalRestore", "check_directory", "clear_progress", "load_live",
+    "read_progress", "restore_live", "roll_back", "restore_live_local", "save_live",
+    "save_live_local", "write_progress",
 ]

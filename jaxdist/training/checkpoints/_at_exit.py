@@ -1,23 +1,16 @@
 """Checkpointers left open are closed when the program ends, so that every ``save`` that returned is
 on disk.
 
-A `Checkpointer` nobody closed (no ``close``, no ``with`` block) may still be writing its last save
-in orbax's background thread when the main thread ends, normally, by ``sys.exit`` or with an
-uncaught exception. `keep_open` registers it; `_finish_at_exit` closes every one still open (waiting
-for its save in flight, with orbax's own ``wait_until_finished``) from the hook that runs before
-``concurrent.futures`` stops its thread pools: orbax's commit of a save schedules work on those
-pools.
+A `Checkpointer` nobody closed may still be writing its last save in orbax's background thread when
+the main thread ends (normally, by ``sys.exit`` or with an uncaught exception). `keep_open`
+registers it, and `_finish_at_exit` closes every one still open.
 
-Orbax's commit also starts threads (``asyncio.to_thread`` in a new event loop for each file
-operation: about ten per save, measured with orbax-checkpoint 0.12.8). CPython 3.12.0 to 3.12.2
-refuse to start any thread once the interpreter begins to shut down, before the exit hooks run
-(python/cpython#113964, fixed in 3.12.3: threads are refused only after the non-daemon threads have
-ended). There the commit of a save in flight at exit fails with "can't create new thread at
-interpreter shutdown" and the save is lost as a ``*.orbax-checkpoint-tmp`` directory. No exit hook
-can start a thread there, so on those versions `Reserve` starts a few threads AHEAD, while a save is
-written, each parked until the interpreter refuses to start one: then it runs that thread's body
-instead. A refused start is the only start it changes; on every other Python nothing here starts or
-parks a thread.
+Orbax's commit also starts threads (about ten per save with orbax-checkpoint 0.12.8). CPython 3.12.0
+to 3.12.2 refuse to start any thread once the interpreter begins to shut down, before the exit hooks
+run (python/cpython#113964, fixed in 3.12.3), so a save in flight at exit fails there with "can't
+create new thread at interpreter shutdown" and is lost. On those versions `Reserve` starts a few
+threads AHEAD, while a save is written, each parked until the interpreter refuses to start one: then
+it runs that thread's body instead. On every other Python nothing here starts or parks a thread.
 
 Examples:
     >>> import tempfile, numpy as np, jaxdist as jd
@@ -40,17 +33,14 @@ from typing import Any
 __all__ = ["REFUSES_THREADS_AT_EXIT", "Reserve", "forget", "keep_open", "reserve_threads"]
 
 # CPython releases that refuse every new thread from the start of the interpreter's shutdown
-# (python/cpython#113964).
-REFUSES_THREADS_AT_EXIT = sys.implementation.name == "cpython" and (3, 12, 0) <= sys.version_info[
-    :3
-] < (3, 12, 3)
+REFUSES_THREADS_AT_EXIT = (sys.implementation.name == "cpython"
+                           and (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3))
 
-# Threads parked per open checkpointer: orbax 0.12.8 starts 7-12 threads to commit one save and
-# close its manager (measured); twice that leaves room for an orbax that starts more.
+# Threads parked per open checkpointer: orbax 0.12.8 starts 7-12 to commit one save and close its
+# manager; twice that leaves room for an orbax that starts more.
 SPARES_PER_CHECKPOINTER = 24
 
-# The checkpointers with a save that may still be in flight, finished before the interpreter shuts
-# its thread pools down (see `_finish_at_exit`).
+# The checkpointers with a save that may still be in flight (see `_finish_at_exit`)
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 _AT_EXIT_REGISTERED = False
 
@@ -60,11 +50,9 @@ def _finish_at_exit() -> None:
     ends.
 
     It must run before ``concurrent.futures`` refuses new work (its own exit hook), since orbax's
-    commit of an asynchronous save schedules work on thread pools: a save finished after that stays
-    a ``*.orbax-checkpoint-tmp`` directory, under orbax's "cannot schedule new futures after
-    interpreter shutdown" tracebacks. So it is registered with the hook that runs before those pools
-    stop (threading's, which runs the most recently registered first). A save that fails here is one
-    line on stderr: there is no caller left to raise to.
+    commit schedules work on thread pools: a save finished after that stays a
+    ``*.orbax-checkpoint-tmp`` directory. So it is registered with threading's hook, which runs the
+    most recently registered first. A save that fails here is one line on stderr (no caller left).
     """
     for ckpt in list(_OPEN):
         try:
@@ -85,8 +73,7 @@ def _register_at_exit() -> None:
 
 
 def keep_open(ckpt: Any) -> None:
-    """Close ``ckpt`` (finishing its save in flight) when the program ends, unless `forget` is
-    called first."""
+    """Close ``ckpt`` (finishing its save) when the program ends, unless `forget` is called."""
     _register_at_exit()
     _OPEN.add(ckpt)
 
@@ -98,13 +85,9 @@ def forget(ckpt: Any) -> None:
 
 class Reserve:
     """Threads started while the interpreter allows it, each parked until a thread start is refused;
-    then one of them runs the refused thread's body (``threading.Thread._bootstrap``), and ends with
-    it.
-
-    A parked thread runs one body only: CPython releases a thread's join lock when its OS thread
-    ends, so a thread that ran two bodies would leave the first one's ``join`` waiting. Installed as
-    ``threading``'s thread starter by `reserve_threads`, on the CPython releases that refuse threads
-    at exit only.
+    then one of them runs the refused thread's body, and ends with it (CPython releases a thread's
+    join lock when its OS thread ends, so one running two bodies would leave the first's ``join``
+    waiting). Installed as ``threading``'s thread starter by `reserve_threads`.
 
     Args:
         start: the interpreter's own thread starter (``_thread.start_new_thread``).
@@ -142,8 +125,7 @@ class Reserve:
             while self.parked < count:
                 try:
                     self._start(self._park, ())
-                except RuntimeError:
-                    # shutting down already, or out of threads: keep what is parked
+                except RuntimeError:  # shutting down already, or out of threads
                     return
                 self.parked += 1
 
@@ -152,8 +134,7 @@ class Reserve:
         function(*args)
 
     def start(self, function: Callable[..., Any], args: tuple, *rest: Any) -> int:
-        """Start ``function(*args)`` in a new thread; where the interpreter refuses, in a parked
-        one.
+        """Start ``function(*args)`` in a new thread, or in a parked one where the start is refused.
 
         Returns:
             The new thread's identifier, or 0 when a parked thread runs it (``Thread.start`` does
@@ -178,9 +159,8 @@ _RESERVE: Reserve | None = None
 
 
 def reserve_threads() -> None:
-    """Before a save is written: on the CPython releases that refuse threads at exit, keep enough
-    threads parked for the saves in flight of every open checkpointer to finish at exit (`Reserve`);
-    elsewhere nothing."""
+    """Before a save is written, where CPython refuses threads at exit: keep enough threads parked
+    for every open checkpointer's save in flight to finish at exit (`Reserve`)."""
     global _RESERVE
     if not REFUSES_THREADS_AT_EXIT:
         return

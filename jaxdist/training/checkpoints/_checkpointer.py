@@ -5,39 +5,23 @@ A checkpoint is one orbax step directory with two items: ``state`` (the arrays, 
 held them) and ``meta`` (JSON: the step, the data position, the model kind, a fingerprint of the
 state's tree paths, shapes and dtypes, and each leaf's checksums).
 
-* Any strategy: `Checkpointer.restore` takes the state it should look like, in the NEW strategy's
-  layout (what ``strategy.create_variables`` built), and asks orbax for arrays with exactly those
-  shardings, so a checkpoint written under ``MirroredStrategy`` on 8 devices restores under
-  ``OneDeviceStrategy`` and back.
+* Any strategy: `Checkpointer.restore` asks orbax for arrays with the shardings of the state it is
+  given (in the NEW strategy's layout), so a checkpoint written under ``MirroredStrategy`` on 8
+  devices restores under ``OneDeviceStrategy`` and back.
 * Atomic: orbax writes into a temporary directory and renames it when complete; a process killed
   during a save leaves the previous checkpoints untouched, and the half-written directory is never
   listed (and is removed the next time the directory is opened).
-* Another model's checkpoint: the fingerprint is compared before any array is read, and a mismatch
-  is an error that names the first differing leaves.
-* Keeps the last ``max_to_keep`` checkpoints; `restore` reads the latest by default.
-* Damaged: a checkpoint whose files cannot be read (flipped or missing bytes, caught by
-  tensorstore's checksums) is one `CheckpointCorruptedError` naming its step, the directory and the
-  newest older checkpoint that actually restores (each tried, newest first, with the same target:
-  `Checkpointer.read`), and the fix. The array data has no checksum in orbax's files, so ``save``
-  computes two sums per leaf on the devices (`checkpoint_damage.checksums`, layout-independent) into
-  ``meta``, and ``restore`` recomputes them on the restored arrays: a leaf whose bytes changed is
-  the same error, naming the leaf. Checkpoints written without checksums restore unchecked.
-* Asynchronous (``async_save=True``, the default): ``save`` returns once the arrays are copied to
-  host memory (the devices are free to go on; a step that donates the state cannot touch the copy)
-  and the files are written and renamed into place by a background thread. At most one save is in
-  flight: the next ``save`` waits for it. A background save that fails is never silent:
-  `Checkpointer.poll` (``fit`` calls it after every step), the next ``save``,
-  `Checkpointer.wait_until_finished` and ``close`` raise it, naming the step. A process killed
-  meanwhile leaves the previous checkpoints as they were (the rename is the commit); `all_steps`,
-  `latest_step`, `meta` and `restore` wait for the save in flight and see complete checkpoints.
-* Where the parts live: the metadata and the fit check (`_metadata`), reading items and the search
-  for an intact checkpoint (`_reading`), the save in flight (`_writes`), the exit hook (`_at_exit`),
-  the directory's own bookkeeping (`_directory`: unfinished saves, rollbacks), damage (`_damage`),
-  the one-writer claim (`_claim`).
-* Closed at exit: a checkpointer left open (no ``close``, no ``with`` block) finishes its save in
-  flight when the program ends, normally or with an uncaught exception: every ``save`` that returned
-  is complete on disk, without orbax's shutdown tracebacks ("cannot schedule new futures after
-  shutdown").
+* Checked: the fingerprint is compared before any array is read (another model's checkpoint is an
+  error naming the first differing leaves), and each leaf's checksums after (orbax's array data has
+  none). Damage is one `CheckpointCorruptedError` naming the step, the directory, the newest older
+  checkpoint that restores (`Checkpointer.read`) and the fix.
+* Asynchronous by default: ``save`` returns once the arrays are in host memory and a background
+  thread writes and renames the files. One save is in flight at a time; one that fails is raised by
+  the next `Checkpointer.poll`, ``save``, ``wait_until_finished`` or ``close``. A checkpointer left
+  open finishes its save when the program ends.
+* The parts: the metadata and the fit check (`_metadata`), reading and the search for an intact
+  checkpoint (`_reading`), the save in flight (`_writes`), the exit hook (`_at_exit`), unfinished
+  saves and rollbacks (`_directory`), damage (`_damage`), the one-writer claim (`_claim`).
 """
 
 from __future__ import annotations
@@ -102,8 +86,7 @@ class Checkpointer:
         directory: where the step directories go (created when missing).
         max_to_keep: how many of the latest checkpoints to keep (None: all).
         async_save: write in a background thread (``save`` returns once the arrays are on the host);
-            False:
-            ``save`` returns when the checkpoint is complete.
+            False: ``save`` returns when the checkpoint is complete.
 
     Raises:
         ValueError: for ``max_to_keep < 1``, or a ``directory`` that is ``""``, a regular file, or
@@ -137,8 +120,7 @@ class Checkpointer:
                              "all).")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r} must be True or False.")
-        # Created here (process 0; orbax would, with a bare OSError where it cannot): a named error
-        # instead.
+        # Created here (process 0) for a named error where orbax would raise a bare OSError.
         self.directory = check_directory(directory, "directory", create=jax.process_index() == 0,
                                          probe=False)
         self.async_save = async_save
@@ -150,12 +132,12 @@ class Checkpointer:
             # checkpointer closed early then prints "cannot schedule new futures after shutdown").
             cleanup_tmp_directories=False,
             enable_async_checkpointing=async_save,
-            # Several processes: orbax's barriers are named by the step alone, so two checkpointers
-            # saving the same step at once (fit's backups and a ModelCheckpoint's best, at an
-            # epoch's end) would meet at each other's barriers. A prefix of the directory's last two
-            # names (the same on every host, whatever the mount point) keeps them apart.
-            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_barrier_prefix(
-                self.directory)),
+            # Orbax names its barriers by the step alone, so two checkpointers saving one step at
+            # once (fit's backups and a ModelCheckpoint's best) would meet at each other's
+            # barriers; a prefix from the directory's last two names (the same on every host)
+            # keeps them apart.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=_barrier_prefix(self.directory)),
         )
         # else a live writer's save in flight, or its rollback
         if live_claim(self.directory) is None:
@@ -167,7 +149,6 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               handler_registry=registry)
         self._writes = InFlight(self._manager)  # the save in flight, and how it ended
-        # complete: what a killed save left was removed (tidy)
         self._opened_with = self._manager.latest_step()
         self._closed = False
         self._claim: Claim | None = None
@@ -178,8 +159,7 @@ class Checkpointer:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: Any) -> None:
-        """`close`; with an exception on its way out, a failed save is a note on it rather than a
-        new error."""
+        """`close`; with an exception on its way out, a failed save is a note on it."""
         if error is None:
             self.close()
             return
@@ -195,21 +175,19 @@ class Checkpointer:
 
     @property
     def newest_written(self) -> int | None:
-        """The newest checkpoint known complete right now, without waiting (any thread may read it):
-        the newest save of this checkpointer that finished, else the newest there when it was
-        opened; None: none."""
+        """The newest checkpoint known complete, without waiting (any thread may read it): this
+        checkpointer's newest finished save, else the newest when it was opened; None: none."""
         return self._writes.newest if self._writes.newest is not None else self._opened_with
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None when there is none (waits like
-        `all_steps`)."""
+        """The newest complete checkpoint's step, or None (waits like `all_steps`)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None,
              data_iterator: Any = None) -> str:
-        """Write ``state`` as checkpoint ``step`` (atomically; the oldest beyond ``max_to_keep`` is
-        removed).
+        """Write ``state`` as checkpoint ``step``, atomically (dropping the oldest past
+        ``max_to_keep``).
 
         Args:
             step: the step number (an int; saving an existing step again is a no-op when the
@@ -220,11 +198,9 @@ class Checkpointer:
                 one): its ``get_state()``, one file per process
                 (`jaxdist.training.data._input_state`); read it back with `data_iterator_state`.
 
-        With ``async_save`` it returns once the arrays are copied to host memory; the files are
-        written in the background (the state may be changed or donated meanwhile). It first waits
-        for the save in flight. Each leaf's checksums (`checkpoint_damage.checksums`, computed on
-        the devices before that copy) go into the metadata: `restore` compares them with the
-        restored arrays.
+        It first waits for the save in flight. With ``async_save`` it returns once the arrays are in
+        host memory (the state may then change or be donated). Each leaf's checksums
+        (`checkpoint_damage.checksums`, on the devices) go into the metadata for `restore` to check.
 
         Returns:
             The checkpoint's directory (complete once `poll` reports it, or after
@@ -242,7 +218,6 @@ class Checkpointer:
         step = int(step)
         path = os.path.join(self.directory, str(step))
         self._raise_failure()
-        # removed, or unmounted, since
         if jax.process_index() == 0 and not os.path.isdir(self.directory):
             gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.directory)
             raise CheckpointSaveError(step, self.directory, None, gone) from None
@@ -259,16 +234,13 @@ class Checkpointer:
         try:  # here, not in the background thread that writes it
             json.dumps(info)
         except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass JSON values."
-            ) from None
-        # Before the copy to host (and any donation after this call); while the save in flight, if
-        # any, is written.
+            raise TypeError(f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass "
+                            "JSON values.") from None
+        # Before the copy to host (and any donation), while the save in flight is written.
         info["checksums"] = checksums(state)
         self._join()  # one save at a time (orbax would wait for it too)
         self._raise_failure()
-        # threads to finish it at exit where the interpreter refuses new ones then
-        reserve_threads()
+        reserve_threads()  # to finish it at exit, where the interpreter refuses new threads
         self._writes.quiet.enter_context(quiet_orbax())  # until the save has ended (`_join`)
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -293,12 +265,8 @@ class Checkpointer:
 
     def claim(self) -> None:
         """Claim the directory for this run's saves (`save` does at its first call; ``fit`` at its
-        start).
-
-        Of two runs on one directory, the second (while the first is alive) is refused: two writers
-        lose one run's checkpoints (`jaxdist.training.checkpoints._claim`). The claim is released by
-        `close`. In a job of several processes process 0 claims for all (the others share its
-        directory).
+        start), until `close`. A second live run on it is refused, as two writers lose one run's
+        checkpoints (`jaxdist.training.checkpoints._claim`). Process 0 claims for all processes.
 
         Raises:
             CheckpointConflictError: when another live run holds the directory (naming it, with the
@@ -310,7 +278,6 @@ class Checkpointer:
         if self._claim is not None:
             self._claim.check()
             return
-        # exists (orbax made it) and is writable
         check_directory(self.directory, "directory", consequence="Nothing was saved.")
         self._claim = Claim.acquire(self.directory, "checkpoint_dir")
 
@@ -331,8 +298,8 @@ class Checkpointer:
     def poll(self, wait: bool = False) -> list[tuple[int, str]]:
         """The saves that became complete since the last call, as ``(step, path)``, oldest first.
 
-        Never waits (``fit`` calls it after every step), unless ``wait``: then it first waits for
-        the save in flight. A synchronous save is reported by the next call.
+        Never waits (``fit`` calls it after every step) unless ``wait``. A synchronous save is
+        reported by the next call.
 
         Args:
             wait: wait for the save in flight first.
@@ -407,8 +374,7 @@ class Checkpointer:
         return read_intact(fn, self._step(step), self.all_steps, self.directory, step_argument)
 
     def meta(self, step: int | None = None) -> dict:
-        """The JSON metadata of checkpoint ``step`` (default: the latest; a save in flight is waited
-        for).
+        """Checkpoint ``step``'s JSON metadata (default: the latest; waits for a save in flight).
 
         Raises:
             FileNotFoundError: when there is no such checkpoint.
@@ -461,10 +427,9 @@ class Checkpointer:
         abandon(self.directory, step, later, self._manager.delete)
 
     def check_writer(self) -> None:
-        """Raise unless every checkpoint here is one jaxdist.training wrote (what ``fit`` asks
-        before it writes here): the newest one has jaxdist's items (``meta``, ``state``; one of them
-        missing is damage, which reading it reports), and the directory is not itself one orbax
-        checkpoint.
+        """Raise unless the checkpoints here are jaxdist.training's (``fit`` asks before it writes):
+        the newest has jaxdist's items (one missing is damage, which reading it reports), and the
+        directory is not itself one orbax checkpoint.
 
         Raises:
             ValueError: naming the checkpoint, with the two lines of plain orbax and
@@ -481,9 +446,7 @@ class Checkpointer:
         latest = self.latest_step()
         if latest is None and is_orbax_checkpoint(self.directory):
             raise ValueError(advice(self.directory, None))
-        # A step with jaxdist's items that lacks some of them (its ``meta``, a process's part) is
-        # jaxdist's, damaged: reading it says so, with the newest intact step. Another writer's has
-        # neither item.
+        # Another writer's step has neither of jaxdist's items.
         if latest is not None and missing_parts(os.path.join(self.directory, str(latest))) is None:
             raise ValueError(advice(self.directory, latest))
 
@@ -491,7 +454,6 @@ class Checkpointer:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                # a StandardCheckpointer's directory: no steps, one tree
                 if is_orbax_checkpoint(self.directory):
                     raise ValueError(advice(self.directory, None))
                 raise FileNotFoundError(f"no checkpoint in {self.directory!r} (it has no complete "
@@ -503,8 +465,7 @@ class Checkpointer:
         return int(step)
 
     def check(self, like: Any, meta: Mapping[str, Any]) -> None:
-        """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming
-        the leaves."""
+        """Raise ValueError, naming the leaves, when checkpoint ``meta`` does not fit ``like``."""
         check_fits(self.directory, like, meta)
 
     def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -567,9 +528,8 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the save in flight and release the directory (again: nothing to do).
 
-        A checkpointer left open is closed when the program ends normally, or ends with an uncaught
-        exception (after its traceback is printed): every ``save`` that returned is complete on disk
-        by then. A ``with Checkpointer(...) as ckpt:`` block closes it at the block's end.
+        A checkpointer left open is closed when the program ends, normally or by an uncaught
+        exception (after its traceback): every ``save`` that returned is then complete on disk.
 
         Raises:
             RuntimeError: when a background save failed and nothing raised it yet (see `poll`).
@@ -598,8 +558,7 @@ class Checkpointer:
 
 
 def _barrier_prefix(directory: str) -> str:
-    """The prefix of orbax's barrier names for the checkpoints of ``directory``: its last two names,
-    hashed.
+    """The prefix of orbax's barrier names for ``directory``: its last two names, hashed.
 
     Examples:
         >>> a, b = _barrier_prefix("/mnt/a/run/backup"), _barrier_prefix("/home/me/run/backup")

@@ -2,18 +2,15 @@
 is refused.
 
 Two runs saving into one directory (a job started twice, a duplicate pod) lose one run without a
-word: each skips the steps the other already wrote, and every kept checkpoint ends up holding one of
-them. So the first save of a run (``fit`` at its start) claims the directory: it creates
-``.jaxdist-writer.json`` there, exclusively (``O_EXCL``: of two runs started together exactly one
-creates it), holding the process id, the host, the time and a run id, and touches it every
-`HEARTBEAT_SECONDS` while the run holds it.
+word: each skips the steps the other already wrote. So the first save of a run (``fit`` at its
+start) claims the directory: it creates ``.jaxdist-writer.json`` there with ``O_EXCL`` (of two runs
+started together exactly one creates it), holding the process id, the host, the time and a run id,
+and touches it every `HEARTBEAT_SECONDS` while the run holds it.
 
 A claim is a **live writer** when its process is alive on this host (for another host: when its file
-was touched within `STALE_SECONDS`); a second run is then a `CheckpointConflictError` naming the
-writer and the fix. A claim whose process is gone (killed, crashed) is stale: the next run takes it
-over, with a line on stderr. Checkpointers of one process share its claim (the claim is released
-when the last one closes). In a job of several processes process 0 claims for all of them (they
-share its directory).
+was touched within `STALE_SECONDS`); a second run is then a `CheckpointConflictError`. A claim whose
+process is gone is stale: the next run takes it over, with a line on stderr. Checkpointers of one
+process share its claim (released when the last one closes); process 0 claims for a whole job.
 """
 
 from __future__ import annotations
@@ -46,10 +43,8 @@ class CheckpointConflictError(RuntimeError):
     """Another run writes (or wrote other contents into) this checkpoint directory.
 
     Raised by ``Trainer.fit`` at its start and by `jaxdist.training.Checkpointer.save` when another
-    live run holds the directory's claim (the message names its process, host and start, and the
-    fix: wait for it, pass another directory, or remove a claim you know is stale), and by ``save``
-    for a step that exists with other contents (the checksums saved with it differ): saving over it
-    would keep the old state.
+    live run holds the directory's claim (naming its process, host and start, and the fix), and by
+    ``save`` for a step that exists with other contents (saving over it would keep the old state).
 
     Attributes:
         directory: the checkpoint directory.
@@ -140,8 +135,7 @@ def live_claim(directory: str) -> dict | None:
 
 
 class Claim:
-    """This process's claim on a checkpoint directory (see the module docstring); made by
-    `acquire`."""
+    """This process's claim on a checkpoint directory (see the module docstring), from `acquire`."""
 
     def __init__(self, path: str, record: dict):
         self.path, self.record, self.count = path, record, 1
@@ -180,21 +174,18 @@ class Claim:
                 _HELD[path] = claim
                 _start_heartbeat()
                 return claim
-            raise CheckpointConflictError(
-                f"{argument}={directory!r}: could not claim it (other runs kept claiming and "
-                "releasing it): run one "
-                "writer per directory.", directory)
+            raise CheckpointConflictError(f"{argument}={directory!r}: could not claim it (other "
+                                          "runs kept claiming and releasing it): run one writer "
+                                          "per directory.", directory)
 
     def holds(self) -> bool:
         """Whether the claim file is still this claim (not removed, not taken over)."""
         found = _read(self.path)
-        return (
-            found is not None and found[0] is not None and found[0].get("run") == self.record["run"]
-        )
+        return (found is not None and found[0] is not None
+                and found[0].get("run") == self.record["run"])
 
     def check(self, argument: str = "directory") -> None:
-        """Raise `CheckpointConflictError` unless this process still holds the claim (before each
-        save)."""
+        """Raise `CheckpointConflictError` unless this process still holds the claim (each save)."""
         if self.holds():
             return
         found = _read(self.path)
@@ -205,12 +196,10 @@ class Claim:
             + ("its claim file was removed" if found is None
                else f"{_describe(other)} took it over")
             + "; saving on would mix two runs' checkpoints. Fix: run one writer per directory (let "
-              "the other run "
-            "finish, or pass another directory).", directory, other)
+              "the other run finish, or pass another directory).", directory, other)
 
     def release(self) -> None:
-        """Give the claim up once every checkpointer of this process that shares it has (idempotent
-        per call)."""
+        """Give the claim up once every checkpointer of this process that shares it has."""
         with _LOCK:
             self.count -= 1
             if self.count > 0:
@@ -246,8 +235,7 @@ def _take_over(path: str, stale: dict | None, run: str, directory: str, argument
     with contextlib.suppress(OSError):
         os.remove(aside)
     print(f"jaxdist: {argument}={directory!r}: taking over the claim of {_describe(stale)}, which "
-          "is no longer "
-          "running.", file=sys.stderr, flush=True)
+          "is no longer running.", file=sys.stderr, flush=True)
 
 
 def _beat() -> None:

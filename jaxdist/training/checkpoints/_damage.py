@@ -1,5 +1,4 @@
-"""Damaged checkpoints: telling damage from other failures, one clear error, and reads that fail
-quietly.
+"""Damaged checkpoints: telling damage from other failures, one clear error, quiet failed reads.
 
 A checkpoint whose stored bytes are wrong or missing (tensorstore's checksums catch flipped bytes in
 its index files; a file can be missing) fails a read with tensorstore's status and a long JSON spec.
@@ -32,36 +31,23 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxdist.replicate.layouts import entry_axes
 from jaxdist.strategies.layout import to_device_memory
 
-__all__ = [
-    "CheckpointCorruptedError",
-    "ChecksumMismatchError",
-    "SettlingArrayHandler",
-    "UnsearchedDamage",
-    "checksums",
-    "damage_summary",
-    "is_damage",
-    "missing_parts",
-    "verify_checksums",
-]
+__all__ = ["CheckpointCorruptedError", "ChecksumMismatchError", "SettlingArrayHandler",
+           "UnsearchedDamage", "checksums", "damage_summary", "is_damage", "missing_parts",
+           "verify_checksums"]
 
-# tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory,
-# network, ...).
+# tensorstore / absl status codes that mean the stored bytes are wrong or missing (not memory, ...)
 _DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "INVALID_ARGUMENT",
                            "FAILED_PRECONDITION"})
 
 
 class CheckpointCorruptedError(RuntimeError):
     """A checkpoint whose files cannot be read (damaged, truncated or partly deleted), or whose
-    restored arrays do not match the checksums saved with them (`ChecksumMismatchError`), with the
-    way out.
+    restored arrays do not match the checksums saved with them (`ChecksumMismatchError`).
 
-    Raised by `Checkpointer.restore`, `Checkpointer.meta`, `Checkpointer.data_iterator_state` (all
-    through `Checkpointer.read`), ``Trainer.restore`` and ``Trainer.fit``'s resume. The message
-    names the step, the directory, a one-line cause, and the newest OLDER checkpoint that restores
-    with the same target (each one tried, newest first; not merely present), e.g. ``checkpoint 20 in
-    '/ckpt' is unreadable (DATA_LOSS in state/d/1f...: CRC-32C checksum verification failed ...):
-    delete /ckpt/20 to resume from 10, or pass restore_step=10.`` The full error from orbax /
-    tensorstore is kept as ``__context__`` (not printed).
+    Raised by every read through `Checkpointer.read`, ``Trainer.restore`` and ``Trainer.fit``'s
+    resume. The message names the step, the directory, a one-line cause, and the newest OLDER
+    checkpoint that restores with the same target (each one tried, newest first; not merely
+    present), with the fix. The full error from orbax / tensorstore is kept as ``__context__``.
 
     Args:
         step: the unreadable checkpoint's step.
@@ -85,18 +71,9 @@ class CheckpointCorruptedError(RuntimeError):
         (20, 10, True)
     """
 
-    def __init__(
-        self,
-        step: int,
-        directory: str,
-        reason: str,
-        intact_step: int | None = None,
-        failed: Sequence[int] = (),
-        *,
-        latest: bool = True,
-        step_argument: str = "step",
-        newer_intact_step: int | None = None,
-    ):
+    def __init__(self, step: int, directory: str, reason: str, intact_step: int | None = None,
+                 failed: Sequence[int] = (), *, latest: bool = True, step_argument: str = "step",
+                 newer_intact_step: int | None = None):
         self.newer_intact_step = None if newer_intact_step is None else int(newer_intact_step)
         self.step, self.directory, self.reason = int(step), str(directory), str(reason)
         self.intact_step = None if intact_step is None else int(intact_step)
@@ -121,9 +98,8 @@ class CheckpointCorruptedError(RuntimeError):
         if not self.latest:
             return (f"{head}; the newest older checkpoint that restores is "
                     f"{self.intact_step}{also}: {fix}.")
-        doomed = " and ".join(
-            os.path.join(self.directory, str(s)) for s in (self.step, *self.failed)
-        )
+        doomed = " and ".join(os.path.join(self.directory, str(s))
+                              for s in (self.step, *self.failed))
         return f"{head}: delete {doomed} to resume from {self.intact_step}, or {fix}."
 
     def __reduce__(self) -> tuple:  # picklable (the constructor does not take the message)
@@ -139,8 +115,7 @@ def _rebuild(*args: Any) -> CheckpointCorruptedError:
 
 
 class UnsearchedDamage(CheckpointCorruptedError):
-    """Raised where the damage is found; `Checkpointer.read` replaces it once it has tried the older
-    steps."""
+    """Raised where damage is found; `Checkpointer.read` replaces it once it tried older steps."""
 
     def _message(self) -> str:
         return f"checkpoint {self.step} in {self.directory!r} is unreadable ({self.reason})."
@@ -167,9 +142,8 @@ def missing_parts(step_dir: str) -> list[str] | None:
     missing = [part for part in _REQUIRED if not os.path.exists(os.path.join(step_dir, part))]
     state = os.path.join(step_dir, "state")
     if os.path.isdir(state):
-        # Each process that wrote arrays left its metadata (``array_metadatas/process_<i>``) and its
-        # own database (``ocdbt.process_<i>``): a process's part gone as a whole is named too, not
-        # only a part cut short.
+        # Each process that wrote arrays left ``array_metadatas/process_<i>`` and its own
+        # ``ocdbt.process_<i>``: a process's part gone as a whole is named too.
         writers = os.listdir(os.path.join(state, "array_metadatas")) if os.path.isdir(
             os.path.join(state, "array_metadatas")) else []
         names = {name for name in os.listdir(state) if name.startswith("ocdbt.process_")}
@@ -205,9 +179,8 @@ def is_damage(error: BaseException) -> bool:
 
 
 def damage_summary(error: BaseException, step_dir: str) -> str:
-    """One short line for ``error`` (the damage in its chain, where it has one): tensorstore's
-    status, the damaged file (relative to the step directory) and its cause, without the JSON specs
-    (about 2 KB) and the chain of drivers that opened it."""
+    """One short line for ``error`` (the damage in its chain, if any): tensorstore's status, the
+    damaged file (relative to ``step_dir``) and its cause, without the 2 KB of JSON specs."""
     error = _damage_link(error) or error
     if isinstance(error, ChecksumMismatchError):
         return str(error)
@@ -225,10 +198,8 @@ def damage_summary(error: BaseException, step_dir: str) -> str:
 
 
 class ChecksumMismatchError(ValueError):
-    """Restored arrays whose `checksums` differ from those saved with them: the checkpoint's array
-    data is damaged.
-
-    `jaxdist.training.checkpoints.Checkpointer.restore` turns it into a `CheckpointCorruptedError`.
+    """Restored arrays whose `checksums` differ from those saved with them: damaged array data.
+    `Checkpointer.restore` turns it into a `CheckpointCorruptedError`.
 
     Args:
         paths: the mismatching leaves' paths (``jax.tree_util.keystr``), in tree order.
@@ -243,9 +214,8 @@ class ChecksumMismatchError(ValueError):
     def __init__(self, paths: Sequence[str]):
         self.paths = tuple(paths)
         rest = len(self.paths) - 1
-        more = (
-            "" if not rest else f" and {self.paths[1]}" if rest == 1 else f" and {rest} more leaves"
-        )
+        more = ("" if not rest else f" and {self.paths[1]}" if rest == 1
+                else f" and {rest} more leaves")
         where = "the array data (state/ocdbt.process_*/d/) changed"
         super().__init__(f"checksum mismatch in {self.paths[0]}{more}: {where}")
 
@@ -263,8 +233,7 @@ _MASK = 0xFFFFFFFF
 
 
 def _checked(dtype: Any) -> bool:
-    """Whether leaves of ``dtype`` get a checksum (numbers, bools, PRNG keys; not sub-byte types
-    such as int4)."""
+    """Whether leaves of ``dtype`` get a checksum (numbers, bools, PRNG keys; not int4 and such)."""
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return True
     if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
@@ -273,10 +242,9 @@ def _checked(dtype: Any) -> bool:
 
 
 def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
-    """A layout for a leaf of ``shape`` laid out as ``sharding`` that also splits it over the mesh
-    axes it is replicated on (where a dimension divides), or None. Without it every replica of a
-    mirrored array sums all of it (8 times the work on 8 devices); moving to a finer split of what a
-    device holds is a local slice."""
+    """``sharding`` also split over the mesh axes the leaf is replicated on (where a dimension
+    divides), or None: else every replica of a mirrored array sums all of it (8 times the work on 8
+    devices); a finer split of what a device holds is a local slice."""
     if not isinstance(sharding, NamedSharding) or any(t != AxisType.Auto
                                                       for t in sharding.mesh.axis_types):
         # Explicit / Manual axes keep their layout (summed as they are: correct, only redundant)
@@ -300,8 +268,7 @@ def _spread(sharding: Any, shape: tuple[int, ...]) -> NamedSharding | None:
 
 
 def _device_sums(x: jax.Array, spread: NamedSharding | None) -> jax.Array:
-    """``[sum, weighted sum]`` (uint32) of the traced array ``x``, summed in the layout ``spread``
-    if given."""
+    """``[sum, weighted sum]`` (uint32) of traced ``x``, summed in the layout ``spread`` if any."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
@@ -313,22 +280,19 @@ def _device_sums(x: jax.Array, spread: NamedSharding | None) -> jax.Array:
     if spread is not None:  # trailing word dimensions (64-bit items, key data) stay whole
         words = jax.lax.with_sharding_constraint(words, spread)
     words = words.astype(jnp.uint32)
-    # The flat C-order index from one iota per axis (not a reshape, which would gather a sharded
-    # array).
+    # The flat C-order index from one iota per axis (a reshape would gather a sharded array).
     index, stride = jnp.zeros(words.shape, jnp.uint32), 1
     for axis in reversed(range(words.ndim)):
         index += jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * np.uint32(stride & _MASK)
         stride *= words.shape[axis]
-    return jnp.stack(
-        [jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * (index + 1), dtype=jnp.uint32)]
-    )
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                      jnp.sum(words * (index + 1), dtype=jnp.uint32)])
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _device_program(leaves: list[jax.Array], spread: tuple[NamedSharding | None, ...]) -> jax.Array:
     """``uint32[len(leaves), 2]``: every leaf's sums, in ONE program; the result is replicated (a
-    full reduction), so each process can read it however the leaves are laid out across
-    processes."""
+    full reduction), so each process can read it whatever the leaves' layout."""
     return jnp.stack([_device_sums(x, s) for x, s in zip(to_device_memory(leaves), spread,
                                                          strict=True)])
 
@@ -348,13 +312,10 @@ def _host_sums(x: np.ndarray) -> list[int]:
 def checksums(tree: Any) -> dict[str, list[int]]:
     """``{path: [sum, weighted_sum]}`` for every leaf of ``tree``, keyed like `fingerprint`'s paths.
 
-    Computed on the devices holding the arrays: one jitted program per mesh (one for a strategy's
-    state; single- device arrays: per device), compiled once per tree signature, reading each array
-    once (a replicated array is split between its replicas); only ``2 * leaves`` words come back.
-    Any ambient mesh (``jax.set_mesh``, ``strategy.scope()``) is ignored: the arrays' own shardings
-    decide. Independent of layout: the same values give the same checksums on any strategy, device
-    or process count (every process must call it, as for a save). Leaves of sub-byte types (int4,
-    ...) get none.
+    Computed on the devices holding the arrays, one jitted program per mesh (an ambient mesh is
+    ignored), reading each array once; only ``2 * leaves`` words come back. The same values give
+    the same checksums on any strategy, device or process count (every process must call it, as for
+    a save). Leaves of sub-byte types (int4, ...) get none.
 
     Args:
         tree: a pytree of `jax.Array`s (any sharding, device or host memory) or numpy arrays.
@@ -393,8 +354,7 @@ def checksums(tree: Any) -> dict[str, list[int]]:
 
 
 def verify_checksums(saved: Mapping[str, Sequence[int]] | None, tree: Any) -> None:
-    """Raise `ChecksumMismatchError` when a leaf of ``tree`` (just restored) differs from its
-    ``saved`` checksum.
+    """Raise `ChecksumMismatchError` when a leaf of (restored) ``tree`` differs from ``saved``.
 
     Args:
         saved: the `checksums` stored at save time (None: a checkpoint written without them, not
@@ -413,8 +373,7 @@ def verify_checksums(saved: Mapping[str, Sequence[int]] | None, tree: Any) -> No
 
 
 async def _settle(before: set[asyncio.Task]) -> None:
-    """Wait for the tasks started since ``before`` in this event loop (and those they start) to
-    end."""
+    """Wait for the tasks started since ``before`` in this event loop (and theirs) to end."""
     current = asyncio.current_task()
     while pending := asyncio.all_tasks() - before - {current}:
         done, _ = await asyncio.wait(pending)
@@ -427,10 +386,8 @@ class SettlingArrayHandler(ocp.type_handlers.ArrayHandler):
     """orbax's `ArrayHandler` whose failed read raises only once its other reads have ended.
 
     One damaged file fails one array's read, and orbax's ``asyncio.gather`` raises at once and
-    closes its event loop while tensorstore is still reading the other arrays; each of those, on
-    completing, calls back into the closed loop and prints ``RuntimeError: Event loop is closed``
-    (through ``sys.unraisablehook``), during the error or at exit. Waiting here, with the loop still
-    open, lets them end quietly.
+    closes its event loop while tensorstore still reads the other arrays, each of which then prints
+    ``RuntimeError: Event loop is closed``. Waiting here, with the loop open, lets them end quietly.
     """
 
     async def deserialize(self, infos: Sequence[Any],

@@ -1,10 +1,8 @@
 """A checkpoint directory's own bookkeeping around orbax's steps: what a killed save left unfinished
 is removed, and a rollback (`abandon`) is recorded before its deletions, so that the next
-checkpointer opened there finishes it (`tidy`) before any step is listed: no interruption brings an
-abandoned step back as the newest. A fit also records how far it got (`write_progress`,
-`read_progress`; removed when it ends with a checkpoint of that step, `clear_progress`): a run
-resumed after a crash knows which of its steps it takes again, and a record that is not the
-directory's (copied in, or older than its checkpoints' run) is said and ignored.
+checkpointer opened there finishes it (`tidy`) before any step is listed. A fit also records how far
+it got (`write_progress`), so that a run resumed after a crash knows which of its steps it takes
+again.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ __all__ = ["PROGRESS_FILE", "abandon", "clear_progress", "read_progress", "tidy"
 
 _ROLLBACK = ".jaxdist-rollback.json"
 PROGRESS_FILE = ".jaxdist-progress.json"
-"""The step the last fit in the directory reached, where that is past its newest checkpoint
-(`write_progress`)."""
+"""The step the last fit in the directory reached, past its newest checkpoint (`write_progress`)."""
 
 
 def _finish_rollback(directory: str) -> None:
@@ -36,8 +33,7 @@ def _finish_rollback(directory: str) -> None:
     try:
         with open(record) as f:
             after = int(json.load(f)["after"])
-    except (OSError, ValueError, KeyError, TypeError):
-        # unreadable: written partly, so nothing was deleted yet (it is written before)
+    except (OSError, ValueError, KeyError, TypeError):  # written partly: nothing deleted yet
         after = None
     if after is not None:
         for name in os.listdir(directory):
@@ -80,8 +76,7 @@ def abandon(directory: str, step: int, later: list[int], delete: Callable[[int],
 
 
 def _newest_step(directory: str) -> int:
-    """The newest complete step directory's number in ``directory`` (0: none); a listing, no
-    orbax."""
+    """The newest complete step directory's number in ``directory`` (0: none), from a listing."""
     try:
         return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=0)
     except OSError:
@@ -90,9 +85,9 @@ def _newest_step(directory: str) -> int:
 
 def write_progress(directory: str, step: int) -> None:
     """Record that the fit writing ``directory`` reached ``step`` (`PROGRESS_FILE`: the step, the
-    newest checkpoint there then, and the time), replacing the record before (written aside, then
-    ``os.replace``: a reader sees the old or the new one). Never an error: a record that cannot be
-    written is left as it was (it only informs `read_progress`).
+    newest checkpoint there then, and the time), replacing the record before with ``os.replace``.
+    Never an error: a record that cannot be written is left as it was (it only informs
+    `read_progress`).
 
     Examples:
         >>> import tempfile
@@ -116,11 +111,10 @@ def read_progress(directory: str) -> int:
     """The step `write_progress` last recorded in ``directory``; 0 when there is no record, it is
     unreadable, or it is not this directory's.
 
-    A record names the newest checkpoint there was when it was written: one that names a checkpoint
-    newer than any in the directory now was copied in with the directory from elsewhere, or left by
-    a run whose checkpoints are gone. Taken at its word it would count every step of the next fit as
-    taken again (``lost``): it is ignored instead, with a warning (once per directory), and the next
-    fit's record replaces it.
+    A record that names a checkpoint newer than any in the directory now was copied in from
+    elsewhere, or left by a run whose checkpoints are gone: taken at its word it would count every
+    step of the next fit as taken again (``lost``), so it is ignored, with a warning (once per
+    directory).
 
     Examples:
         >>> import tempfile
@@ -146,15 +140,15 @@ def read_progress(directory: str) -> int:
                 f"reached step {step} after checkpoint {based}, which this directory does not have "
                 f"(its newest is {newest or 'none'}): a record copied from another directory, or "
                 "left by a run whose checkpoints are gone. It is ignored (no step of this fit "
-                "counts as taken again) and replaced by this fit's; "
-                "delete it to silence this.", UserWarning, stacklevel=3)
+                "counts as taken again) and replaced by this fit's; delete it to silence this.",
+                UserWarning, stacklevel=3)
         return 0
     return step
 
 
 def clear_progress(directory: str) -> None:
     """Remove the record of `write_progress` (the fit ended with a checkpoint of the step it
-    reached, which says as much); never an error.
+    reached); never an error.
 
     Examples:
         >>> import tempfile

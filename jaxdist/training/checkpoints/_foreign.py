@@ -2,11 +2,8 @@
 `Trainer`.
 
 A migrating run's checkpoint directory (orbax's ``CheckpointManager`` with ``StandardSave``, or one
-``StandardCheckpointer`` directory) is no jaxdist checkpoint: it has no ``meta`` item (the step, the
-data position, the model kind). ``Trainer.restore`` and ``fit(checkpoint_dir=...)`` do not guess
-what its arrays are; they answer with `advice`: the two lines that read it with plain orbax and hand
-it to ``Trainer.load_state``, written for the directory found (its item's path, the names at its
-top).
+``StandardCheckpointer`` directory) has no ``meta`` item. ``Trainer.restore`` and ``fit`` do not
+guess what its arrays are; they answer with `advice`, written for the directory found.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ _TREE_FILES = ("_METADATA", "manifest.ocdbt")  # what one orbax pytree (item) di
 
 
 def is_orbax_checkpoint(path: str) -> bool:
-    """Whether ``path`` is one orbax pytree checkpoint (a ``StandardCheckpointer`` directory or an
-    item).
+    """Whether ``path`` is one orbax pytree checkpoint (a ``StandardCheckpointer``'s, or an item).
 
     Examples:
         >>> import tempfile
@@ -33,8 +29,7 @@ def is_orbax_checkpoint(path: str) -> bool:
 
 
 def _items(where: str) -> list[str]:
-    """The orbax pytree checkpoints at ``where``: itself, or its item directories (a manager's
-    step)."""
+    """The orbax pytree checkpoints at ``where``: itself, or its items (a manager's step)."""
     if is_orbax_checkpoint(where):
         return [where]
     try:
@@ -45,8 +40,7 @@ def _items(where: str) -> list[str]:
 
 
 def _top_names(item: str) -> list[str]:
-    """The names at the top of the tree saved in ``item`` (from orbax's ``_METADATA``; [] if
-    unreadable)."""
+    """The names at the top of the tree in ``item`` (orbax's ``_METADATA``; [] if unreadable)."""
     try:
         with open(os.path.join(item, "_METADATA")) as f:
             tree = json.load(f)["tree_metadata"]

@@ -1,22 +1,15 @@
-"""Bring your own run: a state trained elsewhere placed onto a trainer's layout
-(``Trainer.load_state``).
+"""Bring your own run: a state trained elsewhere placed onto a trainer's layout (``load_state``).
 
-A run trained in plain JAX / Flax (saved with plain orbax, a Flax checkpoint, numpy files) comes as
-pieces: parameters, an optax state, maybe a model state, and a step. `loaded_leaves` checks each
-piece against the state the trainer would build itself (its abstract twin,
-`jaxdist.training.step.restore_target`, or the live state) leaf by leaf, and `place_like` puts each
-leaf onto that state's layout with `jaxdist.replicate.layouts.put` (the one placement primitive: a
-host array is sliced on the host and each device gets its own part, so a leaf the layout splits is
-born split; a device array of any layout is resharded), so a loaded state is laid out exactly as a
-built or restored one, and the compiled steps take it as they take those.
+A run trained in plain JAX / Flax comes as pieces: parameters, an optax state, maybe a model state,
+and a step. `loaded_leaves` checks each piece leaf by leaf against the state the trainer would build
+itself, and `place_like` puts each leaf onto that state's layout with
+`jaxdist.replicate.layouts.put`, so a loaded state is laid out exactly as a built or restored one.
 
 Leaves are matched by their names, not by the containers holding them: a dict key, an attribute name
 and a sequence index all read as one name (`jaxdist.replicate.layouts.path_name`), and Flax boxes
-and nnx Variables are looked into. So an optax state orbax restored without a target (its
-NamedTuples as dicts, tuples as lists), an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state``
-fit as they are, the nnx ones also as orbax restores them without a target (each Variable's value
-one level down, under ``value``). Anything else that differs (a leaf missing or extra, another shape
-or dtype) is a ValueError naming the leaf.
+and nnx Variables are looked into. So an optax state orbax restored without a target (NamedTuples
+as dicts, tuples as lists), an ``nnx.State`` and an ``nnx.Optimizer``'s ``opt_state`` fit as they
+are, the nnx ones also with each Variable's value one level down, under ``value``.
 """
 
 from __future__ import annotations
@@ -36,19 +29,16 @@ __all__ = ["Pieces", "assemble", "checked_pieces", "count_mismatch", "loaded_lea
            "step_counts"]
 
 _SHOWN = 4  # differences named in one error
-# the key of an nnx Variable's value in a tree saved without nnx
-_VARIABLE_VALUE = ("value", "raw_value")
+_VARIABLE_VALUE = ("value", "raw_value")  # the key of an nnx Variable's value saved without nnx
 
 
 def _flat(tree: Any) -> list[tuple[tuple, Any]]:
-    """``[(path, leaf)]`` of ``tree`` with Flax boxes and nnx Variables as leaves (``None`` is no
-    leaf)."""
+    """``[(path, leaf)]`` of ``tree`` with Flax boxes and nnx Variables as leaves (None is none)."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated)[0]
 
 
 def _dtype(value: Any) -> Any:
-    """The value's own dtype (not canonicalized: a float64 host array is float64 even where JAX
-    would make it float32; a typed key's is its key dtype)."""
+    """The value's own dtype (not canonicalized: a float64 host array is float64)."""
     return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
@@ -63,8 +53,7 @@ def _is_value(x: Any) -> bool:
 
 
 def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
-    """The leaves of ``given`` in the order of ``like``'s (Flax boxes and nnx Variables unboxed),
-    checked.
+    """The leaves of ``given`` in the order of ``like``'s (boxes and Variables unboxed), checked.
 
     Args:
         given: what the caller passed (a pytree of host or device arrays).
@@ -81,10 +70,10 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
 
     Examples:
         >>> import numpy as np, jax
-        >>> like = (jax.ShapeDtypeStruct((2,), np.float32),
-        ...         {"b": jax.ShapeDtypeStruct((), np.int32)})
-        >>> [a.tolist() for a in loaded_leaves([np.ones(2, np.float32), {"b": np.int32(3)}], like,
-        ...                                    "x")]
+        >>> S = jax.ShapeDtypeStruct
+        >>> like = (S((2,), np.float32), {"b": S((), np.int32)})
+        >>> given = [np.ones(2, np.float32), {"b": np.int32(3)}]
+        >>> [a.tolist() for a in loaded_leaves(given, like, "x")]
         [[1.0, 1.0], 3]
         >>> try:
         ...     loaded_leaves([np.ones(3, np.float32), {}], like, "opt_state")
@@ -118,19 +107,16 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
         kind = (np.integer if isinstance(value, int) else np.floating if isinstance(value, float)
                 else None)
         if kind is not None and not isinstance(value, bool) and np.shape(unboxed(want)) == () and \
-                jax.dtypes.issubdtype(unboxed(want).dtype, kind):
-            # a Python number (orbax restores saved ints so)
+                jax.dtypes.issubdtype(unboxed(want).dtype, kind):  # orbax restores ints so
             value = np.asarray(value, unboxed(want).dtype)
         if not _is_value(value):
             problems.append(f"{where} is {_describe(value)}, not an array")
         elif (np.shape(value), _dtype(value)) != (np.shape(unboxed(want)), _dtype(unboxed(want))):
-            problems.append(
-                f"{where} is {_describe(value)} where the trainer has {_describe(want)}"
-            )
+            problems.append(f"{where} is {_describe(value)} where the trainer has "
+                            f"{_describe(want)}")
         out.append(value)
     problems += [f"{argument}{jax.tree_util.keystr(path)} ({_describe(leaf)}) is extra: the "
-                 "trainer has no such leaf"
-                 for path, leaf in have.values()]
+                 "trainer has no such leaf" for path, leaf in have.values()]
     if problems:
         more = len(problems) - _SHOWN
         shown = "; ".join(problems[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
@@ -149,12 +135,11 @@ def loaded_leaves(given: Any, like: Any, argument: str) -> list[Any]:
 
 
 def place_like(values: list[Any], like: Any) -> Any:
-    """``values`` (one per leaf of ``like``, as `loaded_leaves` returns them) placed on ``like``'s
-    shardings and assembled in its structure (boxes and Variables around them as in ``like``).
+    """``values`` (one per leaf of ``like``, from `loaded_leaves`) placed on ``like``'s shardings
+    and assembled in its structure (boxes and Variables as in ``like``).
 
-    Each value is placed with `jaxdist.replicate.layouts.put` (a copy: donating the state never
-    deletes the caller's arrays). Host values must be the same on every process (as each process
-    reading one checkpoint has them); a global `jax.Array` is resharded on the devices.
+    Each value is copied (donating the state never deletes the caller's arrays). Host values must
+    be the same on every process; a global `jax.Array` is resharded on the devices.
 
     Examples:
         >>> import jax, numpy as np, jaxdist as jd
@@ -177,7 +162,7 @@ def place_like(values: list[Any], like: Any) -> Any:
 
 def step_counts(opt_state: Any) -> dict[str, int]:
     """``{path: value}`` of the step counts an optax state holds (its integer scalar leaves named
-    ``count``: Adam's, a schedule's, ...), read from the devices (one scalar each).
+    ``count``), read from the devices (one scalar each).
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -198,10 +183,8 @@ def step_counts(opt_state: Any) -> dict[str, int]:
 
 def count_mismatch(counts: dict[str, int], step: int, fresh: bool) -> None:
     """Warn when an optimizer state's step counts (`step_counts`) disagree with the trainer's
-    ``step``.
-
-    A schedule reads the optimizer's count, the trainer's RNG, checkpoints and ``fit``'s totals read
-    its step: two counters that disagree make a run that differs from the one being continued.
+    ``step``: a schedule reads the one, the RNG and checkpoints the other, so the run would differ
+    from the one being continued.
 
     Args:
         counts: the loaded optimizer state's counts.
@@ -227,8 +210,7 @@ def count_mismatch(counts: dict[str, int], step: int, fresh: bool) -> None:
                "learning-rate schedule follows the optimizer's count, the RNG, checkpoints and "
                f"fit's totals the step; pass step={next(iter(differ.values()))} if the run took "
                "that many steps")
-    # the caller of Trainer.load_state
-    warnings.warn(f"load_state: {why}.", UserWarning, stacklevel=4)
+    warnings.warn(f"load_state: {why}.", UserWarning, stacklevel=4)  # load_state's caller
 
 
 class Pieces(NamedTuple):
@@ -253,19 +235,16 @@ def checked_pieces(like: TrainState, params: Any, opt_state: Any, model_state: A
         >>> checked_pieces(like, {"w": np.ones(2, np.float32)}, None, None).params
         [array([1., 1.], dtype=float32)]
     """
-    return Pieces(
-        loaded_leaves(params, like.params, "params"),
-        None if opt_state is None else _optimizer_leaves(opt_state, like.opt_state),
-        None if model_state is None else loaded_leaves(model_state, like.model_state,
-                                                       "model_state"),
-    )
+    return Pieces(loaded_leaves(params, like.params, "params"),
+                  None if opt_state is None else _optimizer_leaves(opt_state, like.opt_state),
+                  None if model_state is None
+                  else loaded_leaves(model_state, like.model_state, "model_state"))
 
 
 def _optimizer_leaves(given: Any, like: Any) -> list:
-    """`loaded_leaves` of an optimizer state. A trainer with ``clip_grad_norm`` runs
-    ``optax.chain(clip, the optimizer)``, whose state is ``(EmptyState(), the optimizer's)``: the
-    optimizer's own state (what a run without the trainer's clipping has) fits it too, as the clip
-    holds no leaves."""
+    """`loaded_leaves` of an optimizer state. With ``clip_grad_norm`` the state is
+    ``(EmptyState(), the optimizer's)``: the optimizer's own state (a run without the trainer's
+    clipping) fits it too, as the clip holds no leaves."""
     if not (isinstance(like, tuple) and len(like) == 2 and not jax.tree.leaves(like[0])):
         return loaded_leaves(given, like, "opt_state")
     try:
@@ -274,31 +253,21 @@ def _optimizer_leaves(given: Any, like: Any) -> list:
         try:
             return loaded_leaves(given, like[1], "opt_state")  # the same leaves, in the same order
         except ValueError:
-            # Fits neither: the error against the whole chain is the one that names what differs
-            # when the user passed the chain's state; against the optimizer's own, when they passed
-            # that.
+            # Fits neither: the error against whichever tree the user passed names what differs
             if (len(jax.tree.leaves(given)) == len(jax.tree.leaves(like))
                     and isinstance(given, tuple) and len(given) == 2):
                 raise whole from None
             raise
 
 
-def assemble(
-    like: TrainState,
-    pieces: Pieces,
-    base: TrainState | None,
-    optimizer: optax.GradientTransformation,
-    seed: int,
-    step: int,
-) -> TrainState:
-    """The `TrainState` at ``step`` made of ``pieces``, each placed in ``like``'s layout
-    (`place_like`).
+def assemble(like: TrainState, pieces: Pieces, base: TrainState | None,
+             optimizer: optax.GradientTransformation, seed: int, step: int) -> TrainState:
+    """The `TrainState` at ``step`` made of ``pieces``, each placed in ``like``'s layout.
 
     What was not given comes from ``base`` (the trainer's state, if any): its model state and base
-    key; else the base key a trainer seeded with ``seed`` builds
-    (`jaxdist.training.step.state_keys`). A missing optimizer state is ``optimizer.init`` of the
-    placed parameters, computed where it lives. Warns (`count_mismatch`) when the optimizer's step
-    counts and ``step`` differ.
+    key; else the base key a trainer seeded with ``seed`` builds. A missing optimizer state is
+    ``optimizer.init`` of the placed parameters, computed where it lives. Warns (`count_mismatch`)
+    when the optimizer's step counts and ``step`` differ.
 
     Examples:
         >>> import jax, numpy as np, optax, jaxdist as jd
@@ -313,8 +282,7 @@ def assemble(
     if pieces.opt_state is not None:
         opt_state = place_like(pieces.opt_state, like.opt_state)
     else:
-        # computed where it lives, from the placed (possibly split) parameters: never whole on every
-        # device
+        # from the placed (possibly split) parameters: never whole on every device
         layouts = jax.tree.map(lambda a: a.sharding, like.opt_state)
         opt_state = jax.jit(optimizer.init, out_shardings=layouts)(params)
     if pieces.model_state is not None or base is None:

@@ -1,5 +1,4 @@
-"""The local tier: frequent checkpoints on each process's own disk, every shard held by two
-processes.
+"""The local tier: frequent checkpoints on each process's own disk, each shard on two processes.
 
 A job saves to ``checkpoint_dir`` (the persistent tier: shared, slow at scale, so rare) and, with a
 `LocalCheckpointer`, every few steps to each process's own directory (a host's SSD or RAM disk):
@@ -13,23 +12,17 @@ A job saves to ``checkpoint_dir`` (the persistent tier: shared, slow at scale, s
   and renames it to ``<step>`` (the rename is the commit: a save killed midway, or failed on a full
   disk, leaves no step). A failed local save is a warning naming the step and the error, never the
   end of the run: the persistent tier is still there.
-* Restart after a lost host: every process lists its complete local steps and the job exchanges the
-  lists through its key-value store (`jaxdist.job.exchange`); every process then takes the same
-  decision with `decide`: the newest step, at least as new as the persistent tier's, whose shards of
-  EVERY process are held by some surviving process (its own copy first, else its neighbour's), all
-  written by the same run with this state's fingerprint and layout. Anything else (another process
-  count or layout, two neighbours lost, another run's or another model's step, an interrupted or
-  failed save) falls back to the persistent tier, and the reason is said by name; steps are never
-  mixed.
+* Restart after a lost host: the processes exchange their lists of complete local steps
+  (`jaxdist.job.exchange`) and each takes the same decision (`decide`): the newest step, at least as
+  new as the persistent tier's, whose shards of EVERY process some surviving process holds, all
+  written by the same run with this state's fingerprint and layout. Anything else falls back to the
+  persistent tier, with the reason said by name; steps are never mixed.
 
-Why not orbax's emergency checkpointing: its ``CheckpointManager`` keeps local checkpoints per
-data-parallel replica (a slice) and needs at least two replicas on a replica axis of the global
-mesh; a state sharded across all processes (FSDP across hosts) has one replica, and the manager then
-saves to the persistent directory only. Its P2P manager finds peers on the replica axis too and runs
-a TCP service of its own; its replicator manager needs the GKE multi-tier checkpointing daemon.
-Orbax's handlers also refuse a per-process checkpoint (host-local arrays are refused in a job of
-several processes; numpy leaves are written by process 0 only), so the local tier's files are
-numpy's ``.npz``; the persistent tier stays orbax's.
+Why not orbax's emergency checkpointing: it keeps local checkpoints per data-parallel replica and
+needs at least two on a replica axis, so a state sharded across all processes (FSDP across hosts)
+gets the persistent directory only; its P2P manager needs a replica axis too, and its replicator
+the GKE multi-tier daemon. Orbax's handlers also refuse a per-process checkpoint, so the local
+tier's files are numpy's ``.npz``; the persistent tier stays orbax's.
 
 Examples:
     One process: the local tier is a fast checkpoint on this host (no peer to copy to):
@@ -86,20 +79,18 @@ def _key(index: tuple, shape: Sequence[int]) -> str:
 
 def _extent(index: tuple, shape: Sequence[int]) -> list[int]:
     """The shape of the shard at ``index``."""
-    return [
-        stop - start for start, stop, _ in (s.indices(n) for s, n in zip(index, shape, strict=True))
-    ]
+    return [stop - start
+            for start, stop, _ in (s.indices(n) for s, n in zip(index, shape, strict=True))]
 
 
 def _sharding(leaf: Any, path: str) -> NamedSharding:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding):
-        raise TypeError(
-            f"the local tier keeps arrays laid out on a mesh (a NamedSharding), but leaf {path} "
-            f"has {type(sharding).__name__ if sharding is not None else 'no layout'}: place the "
-            "state with a strategy (strategy.create_variables / strategy.mirror), or use the "
-            "persistent tier only."
-        )
+        raise TypeError("the local tier keeps arrays laid out on a mesh (a NamedSharding), but "
+                        f"leaf {path} has "
+                        f"{type(sharding).__name__ if sharding is not None else 'no layout'}: "
+                        "place the state with a strategy (strategy.create_variables / "
+                        "strategy.mirror), or use the persistent tier only.")
     return sharding
 
 
@@ -116,26 +107,22 @@ def layout(state: Any) -> str:
     out: list = [jax.process_count()]
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         sharding = _sharding(leaf, jax.tree_util.keystr(path))
-        places = sorted(
-            (d.process_index, _position(d), _key(index, leaf.shape))
-            for d, index in sharding.devices_indices_map(tuple(leaf.shape)).items()
-        )
+        places = sorted((d.process_index, _position(d), _key(index, leaf.shape))
+                        for d, index in sharding.devices_indices_map(tuple(leaf.shape)).items())
         out.append([jax.tree_util.keystr(path), list(leaf.shape), str(leaf.dtype), places])
     return _digest(out)
 
 
 def _position(device: jax.Device) -> int:
-    """The device's place among its process's devices (by id): the same on every host of a uniform
-    job."""
+    """The device's place among its process's devices (by id), alike on every host of a job."""
     mine = sorted((d for d in jax.devices() if d.process_index == device.process_index),
                   key=lambda d: d.id)
     return mine.index(device)
 
 
 def _rolled(sharding: NamedSharding) -> NamedSharding:
-    """``sharding`` with each process's devices replaced by the previous process's (same position):
-    a `jax.device_put` onto it moves process ``q``'s shards to process ``q - 1`` (process 0's to the
-    last)."""
+    """``sharding`` with each process's devices replaced by the previous process's: a
+    `jax.device_put` onto it moves process ``q``'s shards to ``q - 1`` (process 0's to the last)."""
     by_process: dict[int, list] = {}
     for d in jax.devices():
         by_process.setdefault(d.process_index, []).append(d)
@@ -152,8 +139,7 @@ def _rolled(sharding: NamedSharding) -> NamedSharding:
 
 
 def _pieces(leaves: Sequence[jax.Array]) -> dict[str, np.ndarray]:
-    """The distinct shards of ``leaves`` on this process, copied to host memory:
-    ``{"<leaf>|<place>": array}``."""
+    """This process's distinct shards of ``leaves``, on the host: ``{"<leaf>|<place>": array}``."""
     out: dict[str, np.ndarray] = {}
     for i, leaf in enumerate(leaves):
         for shard in leaf.addressable_shards:
@@ -175,19 +161,17 @@ def _build(i: int, leaf: Any, pieces: Mapping[str, np.ndarray], target: NamedSha
 
 
 def _same_places(shape: Sequence[int], sharding: NamedSharding) -> bool:
-    """Whether each device holds the same part of the leaf under ``sharding`` and its `_rolled` twin
-    (the leaf is replicated across processes: the copies are alike, and a device_put between the two
-    moves nothing)."""
+    """Whether each device holds the same part under ``sharding`` and its `_rolled` twin (replicated
+    across processes: a device_put between the two moves nothing)."""
     shape = tuple(shape)
     return sharding.devices_indices_map(shape) == _rolled(sharding).devices_indices_map(shape)
 
 
 def _from_holder(i: int, leaf: Any, pieces: Mapping[str, np.ndarray], target: NamedSharding,
                  sources: Sequence[int]) -> jax.Array:
-    """Leaf ``i`` (the same on every process) laid out as ``target``, taken from the first process
-    that holds a copy (its own, or its neighbour's): every process stacks its bytes (as unsigned
-    integers; zeros but on the holder) on a process axis, and a compiled sum over it gives the
-    holder's bytes on every process, exactly."""
+    """Leaf ``i`` (the same on every process) laid out as ``target``, from the first process that
+    holds a copy: every process stacks its bytes as unsigned integers (zeros but on the holder) on a
+    process axis, and a compiled sum over it gives the holder's bytes everywhere, exactly."""
     count, me, shape = len(sources), jax.process_index(), tuple(leaf.shape)
     holders = sorted({h for h in sources})
     whole = np.zeros(shape, leaf.dtype)
@@ -198,9 +182,8 @@ def _from_holder(i: int, leaf: Any, pieces: Mapping[str, np.ndarray], target: Na
                 whole[index] = pieces[name]
     bits = np.dtype(f"uint{8 * whole.dtype.itemsize}")
     whole = whole.view(bits)
-    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(
-        count, -1
-    )
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    devices = devices.reshape(count, -1)
     stacked_sharding = NamedSharding(Mesh(devices, ("process", "device")),
                                      jax.sharding.PartitionSpec("process"))
     local = [jax.device_put(whole[None], d) for d in devices[me]]
@@ -215,8 +198,7 @@ class LocalRestore:
     """What `LocalCheckpointer.restore` decided and read.
 
     Attributes:
-        step: the step restored, or None: the local tier had nothing to restore (``reason`` says
-            why).
+        step: the step restored, or None: the local tier had nothing to restore (see ``reason``).
         state: the restored state (None with ``step`` None).
         meta: the step's metadata (the ``meta`` given to ``save``).
         sources: for each process, the process whose copy its shards came from.
@@ -243,9 +225,8 @@ class LocalRestore:
         """
         holds = "nothing" if self.persistent_step is None else str(self.persistent_step)
         if self.step is None:
-            return (
-                f"the local tier restores nothing: {self.reason}; the persistent tier holds {holds}"
-            )
+            return (f"the local tier restores nothing: {self.reason}; the persistent tier holds "
+                    f"{holds}")
         moved = [f"process {q}'s shards from process {h}'s copy" for q, h in enumerate(self.sources)
                  if q != h]
         how = "; ".join(moved) if moved else "every process's shards from its own copy"
@@ -333,8 +314,7 @@ def decide(records: Sequence[Sequence[Mapping[str, Any]]], *, identity: str, lay
 
 
 class LocalCheckpointer:
-    """Checkpoints on each process's own directory, every shard also on a neighbour process (the
-    local tier).
+    """Checkpoints on each process's own directory, every shard also on a neighbour's (local tier).
 
     Every process of the job creates one and calls `save` and `restore` at the same steps (both are
     collective). The persistent tier (a `Checkpointer` on a shared directory) stays what the run
@@ -351,10 +331,8 @@ class LocalCheckpointer:
         ValueError: for a ``directory`` that cannot hold checkpoints, or ``max_to_keep < 1``.
 
     Examples:
-        An own loop with both tiers, persistent every 3 steps and local every 2, then its restart.
-        Here the job is this one process, whose local tier has no neighbour to copy to; in a job of
-        several processes each one runs the same lines, and every shard is also held by the previous
-        process:
+        An own loop with both tiers, persistent every 3 steps and local every 2, then its restart
+        (one process here, with no neighbour; in a job every process runs the same lines):
 
         >>> import tempfile, jax.numpy as jnp, jaxdist as jd
         >>> strategy, root = jd.OneDeviceStrategy(), tempfile.mkdtemp()
@@ -430,27 +408,19 @@ class LocalCheckpointer:
             json.dumps(info)
         except (TypeError, ValueError) as error:
             raise TypeError(f"meta={dict(meta or {})!r} is not JSON-serializable ({error}): pass "
-                            "JSON values.") \
-                from None
+                            "JSON values.") from None
         peer = None
         if jax.process_count() > 1:  # process p receives process p + 1's shards
-            moved = jax.device_put(leaves, [_rolled(s) for s in shardings])
+            peer = jax.device_put(leaves, [_rolled(s) for s in shardings])
             info["peer"] = (jax.process_index() + 1) % jax.process_count()
-            peer = moved
         self.wait_until_finished()
-        own_pieces = _pieces(leaves)
-        peer_pieces = None if peer is None else _pieces(peer)
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(step, own_pieces, peer_pieces, info),
-            name=f"jaxdist-local-save-{step}",
-            daemon=False,
-        )
+        pieces = (_pieces(leaves), None if peer is None else _pieces(peer))
+        self._thread = threading.Thread(target=self._write, args=(step, *pieces, info),
+                                        name=f"jaxdist-local-save-{step}", daemon=False)
         self._thread.start()
 
     def identity(self, state: Any) -> str:
-        """The run's digest: the state's fingerprint (paths, shapes, dtypes, node types) and the
-        persistent directory."""
+        """The run's digest: the state's fingerprint (with node types) and ``persistent``."""
         return _digest([fingerprint(state), node_types(state), self.persistent])
 
     def _write(self, step: int, own: dict, peer: dict | None, info: dict) -> None:
@@ -557,8 +527,7 @@ class LocalCheckpointer:
         if os.path.exists(os.path.join(here, "meta.json")):
             with open(os.path.join(here, "meta.json")) as f:
                 meta = json.load(f)
-        # the meta of the process whose copy this one restores from (the same step's: alike but for
-        # its ids)
+        # the meta of the process whose copy this one restores from (alike but for its ids)
         meta = json.loads(exchange("local checkpoint meta", json.dumps(meta),
                                    AGREE_SECONDS)[sources[me]])
         needs_peer = any(q != h for q, h in enumerate(sources))
@@ -566,9 +535,8 @@ class LocalCheckpointer:
         for i, (leaf, sharding) in enumerate(zip(leaves, shardings, strict=True)):
             mine = _build(i, leaf, own, sharding)
             if needs_peer and _same_places(leaf.shape, sharding):
-                # the same shards on every process (replicated across them): a device_put between
-                # the two layouts moves nothing, so the copy goes from a process that holds one
-                # (collective)
+                # replicated across processes: a device_put between the two layouts moves nothing,
+                # so the copy goes from a process that holds one (collective)
                 mine = _from_holder(i, leaf, own or held, sharding, sources)
             elif needs_peer:  # the neighbours' copies, moved back to their owners (collective)
                 back = jax.device_put(_build(i, leaf, held, _rolled(sharding)), sharding)

@@ -1,6 +1,5 @@
 """A Trainer's `LiveState` in the local tier (`jaxdist.training.checkpoints._local`): ``fit``'s
-local saves, and its resume from the newest step the surviving processes' local copies assemble,
-said in the log.
+local saves, and its resume from the newest step the surviving processes' copies assemble.
 """
 
 from __future__ import annotations
@@ -10,8 +9,9 @@ from typing import Any
 
 import jax
 
+from jaxdist.training.checkpoints._live import live_meta
 from jaxdist.training.checkpoints._local import LocalCheckpointer, LocalRestore
-from jaxdist.training.data import global_rows, restored_position
+from jaxdist.training.data import restored_position
 from jaxdist.training.step import LiveState, with_ema
 
 __all__ = ["restore_live_local", "save_live_local"]
@@ -20,15 +20,8 @@ LOG = logging.getLogger("jaxdist.training.checkpoint")
 
 
 def save_live_local(live: LiveState, local: LocalCheckpointer) -> None:
-    """Save ``live`` (state, step, data position) as a local step (asynchronously; every process at
-    once)."""
-    position = live.position
-    meta = {
-        "model_kind": live.model.kind,
-        "data_position": {"epoch": position.epoch, "index": position.index},
-        "global_batch": global_rows(live.batches.signature),
-    }
-    local.save(live.step, live.state, meta)
+    """Save ``live`` as a local step (asynchronously; every process at once)."""
+    local.save(live.step, live.state, live_meta(live))
 
 
 def restore_live_local(live: LiveState, local: LocalCheckpointer, persistent_step: int | None,
@@ -45,8 +38,7 @@ def restore_live_local(live: LiveState, local: LocalCheckpointer, persistent_ste
     """
     decision = local.restore(target, persistent_step)
     if decision.step is not None and decision.step > live.step:
-        # the identity covers it; said plainly if not
-        if decision.meta.get("model_kind") != live.model.kind:
+        if decision.meta.get("model_kind") != live.model.kind:  # the identity covers it too
             raise ValueError(f"local step {decision.step} in {local.directory!r} holds a "
                              f"{decision.meta.get('model_kind')} model, this Trainer's is "
                              f"{live.model.kind}.")

@@ -21,13 +21,11 @@ from jaxdist.training.checkpoints._damage import checksums
 __all__ = ["FORMAT", "check_fits", "check_same", "fingerprint", "node_types"]
 
 FORMAT = "jaxdist.training/1"
-"""The ``format`` entry of every checkpoint jaxdist.training writes (others are foreign:
-`_foreign.advice`)."""
+"""The ``format`` entry of every checkpoint jaxdist.training writes (others: `_foreign.advice`)."""
 
 
 def fingerprint(tree: Any) -> list[list]:
-    """``[[path, shape, dtype], ...]`` for every leaf of ``tree``: what must match for a restore to
-    fit.
+    """``[[path, shape, dtype], ...]`` for every leaf of ``tree``: what must match for a restore.
 
     Examples:
         >>> import numpy as np
@@ -40,17 +38,16 @@ def fingerprint(tree: Any) -> list[list]:
     return out
 
 
-def _mismatch_entries(saved: list, here: list) -> list[list]:
-    """The entries of ``saved`` and ``here`` (fingerprints) that differ, by path."""
+def _by_path(saved: list, here: list) -> tuple[dict, dict, list[str]]:
+    """Two fingerprints by path, and the paths whose entries differ (sorted)."""
     saved_by, here_by = {e[0]: e for e in saved}, {e[0]: e for e in here}
     paths = sorted(set(saved_by) | set(here_by))
-    return [saved_by.get(p) or here_by[p] for p in paths if saved_by.get(p) != here_by.get(p)]
+    return saved_by, here_by, [p for p in paths if saved_by.get(p) != here_by.get(p)]
 
 
 def node_types(tree: Any) -> list[list[str]]:
-    """``[[path, type name], ...]`` for every NamedTuple node of ``tree`` (optax's states are
-    NamedTuples): what tells two optimizers apart whose states have the same leaves (Adam's and
-    AdaBelief's ``mu``/``nu``).
+    """``[[path, type name], ...]`` for every NamedTuple node of ``tree`` (optax's states): what
+    tells apart two optimizers whose states have the same leaves (Adam's and AdaBelief's).
 
     Examples:
         >>> import optax, numpy as np
@@ -77,33 +74,28 @@ def _describe(entry: list | None) -> str:
 
 
 def _mismatch(saved: list, here: list) -> list[str]:
-    saved_by, here_by = {e[0]: e for e in saved}, {e[0]: e for e in here}
-    out = []
+    saved_by, here_by, paths = _by_path(saved, here)
     order = (".params", ".model_state", ".opt_state")  # the most telling differences first
 
     def rank(path: str) -> tuple[int, str]:
         return next((i for i, p in enumerate(order) if path.startswith(p)), len(order)), path
 
-    for path in sorted(set(saved_by) | set(here_by), key=rank):
-        a, b = saved_by.get(path), here_by.get(path)
-        if a != b:
-            out.append(f"{path}: {_describe(a)} in the checkpoint, {_describe(b)} here")
-    return out
+    return [f"{p}: {_describe(saved_by.get(p))} in the checkpoint, {_describe(here_by.get(p))} here"
+            for p in sorted(paths, key=rank)]
 
 
 def check_fits(directory: str, like: Any, meta: Mapping[str, Any]) -> None:
-    """Raise ValueError when a checkpoint with metadata ``meta`` does not fit ``like``, naming the
-    leaves."""
+    """Raise ValueError, naming the leaves, when checkpoint ``meta`` does not fit ``like``."""
     diff = _mismatch(meta["fingerprint"], fingerprint(like))
     saved_types = meta.get("node_types")  # none in checkpoints written before them
     if not diff and saved_types is not None:
         saved_by, here_by = dict(map(tuple, saved_types)), dict(map(tuple, node_types(like)))
         types = [f"{p}: {saved_by.get(p, 'absent')} in the checkpoint, {here_by.get(p, 'absent')} "
-                 "here"
-                 for p in sorted(set(saved_by) | set(here_by)) if saved_by.get(p) != here_by.get(p)]
+                 "here" for p in sorted(set(saved_by) | set(here_by))
+                 if saved_by.get(p) != here_by.get(p)]
         if types:
-            shown = "; ".join(types[:3]) + (f"; and {len(types) - 3} more" if len(types) > 3
-                                            else "")
+            more = f"; and {len(types) - 3} more" if len(types) > 3 else ""
+            shown = "; ".join(types[:3]) + more
             raise ValueError(
                 f"checkpoint_dir={directory!r} (step {meta['step']}) holds the state of another "
                 f"optimizer (its state types differ): {shown}. Fix: use the optimizer that wrote "
@@ -128,7 +120,7 @@ def check_fits(directory: str, like: Any, meta: Mapping[str, Any]) -> None:
 def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) -> None:
     """Checkpoint ``step`` (metadata ``saved``) exists: saving ``state`` as it again is a no-op for
     the same contents, an error for others."""
-    differ = [e[0] for e in _mismatch_entries(saved.get("fingerprint", []), fingerprint(state))]
+    differ = _by_path(saved.get("fingerprint", []), fingerprint(state))[2]
     sums = saved.get("checksums")
     if not differ and sums is not None:
         here = checksums(state)
@@ -137,8 +129,7 @@ def check_same(directory: str, step: int, saved: Mapping[str, Any], state: Any) 
         return
     raise CheckpointConflictError(
         f"checkpoint step {step} in {directory!r} already exists with other contents "
-        f"({describe(differ)} "
-        "differ): saving over it would keep the old state under this step. Another run wrote this "
-        "directory, or this run went back without restore_step=. Fix: pass a fresh directory, "
-        "resume from the newest checkpoint "
-        f"(fit does), or delete {os.path.join(directory, str(step))} first.", directory)
+        f"({describe(differ)} differ): saving over it would keep the old state under this step. "
+        "Another run wrote this directory, or this run went back without restore_step=. Fix: pass "
+        "a fresh directory, resume from the newest checkpoint (fit does), or delete "
+        f"{os.path.join(directory, str(step))} first.", directory)

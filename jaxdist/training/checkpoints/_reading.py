@@ -36,18 +36,15 @@ __all__ = ["check_target", "read_intact", "read_iterator_state", "read_meta", "r
 
 # Set inside `read_intact`: a read nested in another (``meta`` inside ``restore``) leaves the search
 # for an intact checkpoint to the outermost one, which knows everything the caller needs to read.
-_READING: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxdist_checkpoint_read", default=False
-)
+_READING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_checkpoint_read",
+                                                                default=False)
 
 
 def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], list[int]],
                    directory: str, step_argument: str) -> T:
-    """``fn(step)``, with ONE clear `CheckpointCorruptedError` when it finds checkpoint ``step`` of
-    ``directory`` damaged: ``fn`` is tried on the older checkpoints (``all_steps()``), newest first,
-    and the error names the first one it reads without error (else a newer one that does). A read
-    nested in another (``meta`` inside ``restore``) leaves the search to the outer one (see
-    ``Checkpointer.read``)."""
+    """``fn(step)``, with ONE clear `CheckpointCorruptedError` when it finds checkpoint ``step``
+    damaged: ``fn`` is tried on the older checkpoints (``all_steps()``), newest first, and the error
+    names the first one it reads (else a newer one that does); see `Checkpointer.read`."""
     if _READING.get():
         return fn(step)
     token = _READING.set(True)
@@ -67,8 +64,7 @@ def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], li
                 break
         steps = all_steps()
         newer = None
-        # none older: a newer one may still resume the run (never "start again" then)
-        if intact is None:
+        if intact is None:  # none older: a newer one may still resume the run
             for later in reversed([s for s in steps if s > step]):
                 try:
                     fn(later)
@@ -79,8 +75,7 @@ def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], li
         clear = CheckpointCorruptedError(damaged.step, directory, damaged.reason, intact, failed,
                                          latest=not steps or steps[-1] == damaged.step,
                                          step_argument=step_argument, newer_intact_step=newer)
-        # kept for debugging; not printed (``from None``)
-        clear.__context__ = damaged.__cause__ or damaged
+        clear.__context__ = damaged.__cause__ or damaged  # kept for debugging, not printed
         raise clear from None
     finally:
         _READING.reset(token)
@@ -88,19 +83,16 @@ def read_intact[T](fn: Callable[[int], T], step: int, all_steps: Callable[[], li
 
 def _damaged(directory: str, step: int, error: BaseException,
              item: str = "") -> CheckpointCorruptedError:
-    """The error for checkpoint ``step`` found damaged by ``error`` (`read_intact` adds the intact
-    step)."""
+    """The error for checkpoint ``step`` found damaged by ``error`` (`read_intact` adds more)."""
     reason = damage_summary(error, os.path.join(directory, str(step)))
     return UnsearchedDamage(step, directory, f"{item}: {reason}" if item else reason)
 
 
 def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict:
     """The JSON metadata of checkpoint ``step``: `UnsearchedDamage` when parts are missing or it is
-    unreadable, ValueError (the orbax that reads it, and ``load_state``) when jaxdist.training did
-    not write it."""
+    unreadable, ValueError (`advice`) when jaxdist.training did not write it."""
     missing = missing_parts(os.path.join(directory, str(step)))
-    # cut short (a save or a delete killed, a copy that stopped): orbax's errors would not say so
-    if missing:
+    if missing:  # cut short (a save or a delete killed): orbax's errors would not say so
         raise UnsearchedDamage(step, directory,
                                f"{describe(missing)} missing: partly written or partly deleted")
     try:
@@ -113,7 +105,6 @@ def read_meta(manager: ocp.CheckpointManager, directory: str, step: int) -> dict
     else:
         cause = None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        # the orbax that reads it, and load_state
         raise ValueError(advice(directory, step)) from cause
     return info
 
@@ -135,9 +126,8 @@ def check_target(like: Any, argument: str = "like") -> None:
             continue
         kind = type(leaf)
         shown = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
-        detail = (
-            f" (shape {np.shape(leaf)}, {getattr(leaf, 'dtype', None) or np.result_type(leaf)})"
-        )
+        detail = (f" (shape {np.shape(leaf)}, "
+                  f"{getattr(leaf, 'dtype', None) or np.result_type(leaf)})")
         raise TypeError(
             f"{argument}{jax.tree_util.keystr(path)} is a {shown}{detail}, which says no layout to "
             "restore into: pass the state in the layout to restore onto (e.g. "
@@ -149,9 +139,8 @@ def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: 
                info: dict) -> Any:
     """The state of checkpoint ``step`` (metadata ``info``, checked to fit) read into ``like``'s
     layout, its checksums verified."""
-    target = to_disk(
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), like)
-    )
+    target = to_disk(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                 sharding=a.sharding), like))
     args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     try:
@@ -169,8 +158,7 @@ def read_state(manager: ocp.CheckpointManager, directory: str, step: int, like: 
 
 def read_iterator_state(manager: ocp.CheckpointManager, directory: str, step: int,
                         info: dict) -> Any:
-    """This process's input iterator state saved with checkpoint ``step`` (metadata ``info``), or
-    None."""
+    """This process's input iterator state saved with checkpoint ``step`` (``info``), or None."""
 
     def read() -> Any:
         holder = IteratorSnapshot()

@@ -1,24 +1,16 @@
 """Storage for checkpoints: checked before the first step, and a failed save said in one error.
 
-* `check_directory`: a checkpoint directory that is ``""`` (it would write step directories into the
-  current directory), a regular file, or not writable (read-only, no permission, full) is a
-  ValueError naming the argument, the value and the fix, before any training: not at the first save,
-  after the steps up to it.
-* `CheckpointSaveError`: a save that fails (a full disk, a used-up quota, a file-size limit, a
-  read-only filesystem, a directory removed or unmounted meanwhile; in a synchronous or an
-  asynchronous save) is one error naming the step, the directory, the cause, the last intact
-  checkpoint and the fix. The cause is the OSError in the failure's chain where there is one;
-  tensorstore reports its own writes' failures as a status text instead, so where the chain has none
-  the directory is looked at (does it exist?) and probed with a small write of our own, whose errno
-  says what happened: the message never depends on another library's wording.
-* Quiet: orbax reports one failure from each of its threads with a traceback on the ``absl`` logger
-  (hundreds of lines for one full disk), some of them after the error is raised (at ``close``, at
-  exit), and tensorstore's callbacks into the event loops orbax closed print "Event loop is closed"
-  tracebacks. `quiet_orbax` moves orbax's records to the ``jaxdist.training.checkpoint`` logger at
-  DEBUG while jaxdist's saves run, and `quiet_after_failure` for the rest of the process once one
-  failed (with those closed-loop callbacks, and asyncio's reports of orbax's tasks the failure
-  abandoned); ``logging.getLogger("jaxdist.training.checkpoint").setLevel(logging.DEBUG)`` shows
-  them. The error keeps orbax's exception as ``__context__`` (not printed).
+* `check_directory`: a directory that cannot hold checkpoints is a ValueError before any training,
+  not at the first save after the steps up to it.
+* `CheckpointSaveError`: a failed save (full disk, quota, file-size limit, read-only filesystem, a
+  directory removed meanwhile) is one error naming the step, the directory, the cause, the last
+  intact checkpoint and the fix. The cause is the OSError in the failure's chain, else what a look
+  at the directory and a probe write of our own find (tensorstore reports its writes' failures as
+  status text): the message never depends on another library's wording.
+* Quiet: orbax reports one failure from each of its threads with a traceback (hundreds of lines for
+  one full disk, some after the error is raised), and tensorstore's callbacks into the event loops
+  orbax closed print tracebacks too. `quiet_orbax` and `quiet_after_failure` move them to the
+  ``jaxdist.training.checkpoint`` logger at DEBUG, where ``setLevel(logging.DEBUG)`` shows them.
 """
 
 from __future__ import annotations
@@ -50,9 +42,8 @@ _REASONS = {
                    "larger one, or pass a directory on another disk"),
     errno.EFBIG: ("a file reached the largest size this process may write (a file-size limit: "
                   "ulimit -f, RLIMIT_FSIZE; or the filesystem's largest file)",
-                  "raise the limit (ulimit -f unlimited, or "
-                  "ask for it to be raised), or pass a directory on a filesystem that takes larger "
-                  "files"),
+                  "raise the limit (ulimit -f unlimited, or ask for it to be raised), or pass a "
+                  "directory on a filesystem that takes larger files"),
     errno.EROFS: _NOT_WRITABLE,
     errno.EACCES: _NOT_WRITABLE,
     errno.EPERM: _NOT_WRITABLE,
@@ -74,8 +65,7 @@ def _os_error(error: BaseException) -> OSError | None:
 
 
 def _probe(path: str) -> OSError | None:
-    """Write, sync and remove a small file in ``path``: the OSError that fails it (full, read-only,
-    ...), or None."""
+    """Write, sync and remove a small file in ``path``: the OSError that fails it, or None."""
     test = os.path.join(path, f".jaxdist-write-check-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(test, "wb") as f:
@@ -91,8 +81,7 @@ def _probe(path: str) -> OSError | None:
 
 
 def _reason(error: BaseException) -> tuple[str, str]:
-    """``(what happened, fix)`` for an OSError found in ``error``'s chain (full disk, permissions),
-    else generic."""
+    """``(what happened, fix)`` for a known OSError in ``error``'s chain, else generic ones."""
     found = _os_error(error)
     if found is not None:
         return _REASONS[found.errno]
@@ -101,8 +90,7 @@ def _reason(error: BaseException) -> tuple[str, str]:
 
 
 def _short(error: BaseException) -> str:
-    """``error``'s text, its first line and at most 300 characters (tensorstore's carry a 2 KB JSON
-    spec)."""
+    """``error``'s first line, at most 300 characters (tensorstore's carry a 2 KB JSON spec)."""
     text = (str(error).strip().splitlines() or [""])[0]
     return text if len(text) <= 300 else text[:297] + "..."
 
@@ -111,9 +99,8 @@ def describe_failure(error: BaseException, directory: str | None = None) -> tupl
     """``(cause, fix, vanished)`` of a failed save of a checkpoint into ``directory``.
 
     The cause: the OSError in ``error``'s chain with a known errno; else, when the directory is
-    gone, that; else the errno of a probe write into the directory (`_probe`); else ``error``
-    itself, shortened. ``vanished``: whether the directory no longer exists (its checkpoints with
-    it).
+    gone, that; else the errno of a probe write into it (`_probe`); else ``error``, shortened.
+    ``vanished``: whether the directory no longer exists (its checkpoints with it).
 
     Examples:
         >>> import errno, tempfile
@@ -146,11 +133,9 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
     Args:
         directory: the value given (a path).
         argument: the argument's name, for the message.
-        create: create it when it does not exist (process 0 of a job; the others check only what
-            exists).
+        create: create it when missing (process 0 of a job; the others check only what exists).
         probe: write and remove a small file in it (a read-only or full filesystem fails here).
-        consequence: the sentence that ends a failed probe's message (what did not happen because of
-            it).
+        consequence: the sentence that ends a failed probe's message (what did not happen).
 
     Returns:
         The absolute path.
@@ -195,24 +180,22 @@ def check_directory(directory: Any, argument: str = "checkpoint_dir", *, create:
             elif (what, fix) == _NOT_WRITABLE:
                 what = "the directory it would be made in is not writable"
             raise ValueError(f"{argument}={text!r} cannot be created ({what}; "
-                             f"{type(error).__name__}: "
-                             f"{error.strerror or error}): {fix}.") from None
+                             f"{type(error).__name__}: {error.strerror or error}): "
+                             f"{fix}.") from None
     if probe:
         error = _probe(path)
         if error is not None:
             what, fix = _reason(error)
             raise ValueError(f"{argument}={text!r} cannot hold checkpoints ({what}; "
-                             f"{type(error).__name__}: "
-                             f"{error.strerror or error}): {fix}. {consequence}") from None
+                             f"{type(error).__name__}: {error.strerror or error}): {fix}. "
+                             f"{consequence}") from None
     return path
 
 
 class CheckpointSaveError(RuntimeError):
-    """Saving a checkpoint failed (a full disk, a quota, a file-size limit, a read-only filesystem,
-    a directory that vanished, ...): its step, directory, cause, the last intact checkpoint and the
-    fix, in one message (`describe_failure` finds the cause); the underlying error is kept as
-    ``__context__`` (not printed) and orbax's own tracebacks go to the
-    ``jaxdist.training.checkpoint`` logger at DEBUG.
+    """Saving a checkpoint failed: its step, directory, cause (`describe_failure`), the last intact
+    checkpoint and the fix, in one message. The underlying error is kept as ``__context__`` (not
+    printed).
 
     Args:
         step: the step whose save failed.
@@ -225,8 +208,7 @@ class CheckpointSaveError(RuntimeError):
 
     Examples:
         >>> import errno
-        >>> error = CheckpointSaveError(5, "/c", 4, OSError(errno.ENOSPC,
-        ...                                                 "No space left on device"))
+        >>> error = CheckpointSaveError(5, "/c", 4, OSError(errno.ENOSPC, "No space left"))
         >>> print(str(error)[:67])
         saving checkpoint step 5 in '/c' failed: the disk is full (OSError:
         >>> error.step, error.latest
@@ -263,8 +245,7 @@ class _Quiet(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.active = 0
-        # a save failed: orbax's threads of it may report it at any time from now on
-        self.pinned = False
+        self.pinned = False  # a save failed: orbax's threads may report it at any time from now on
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -291,10 +272,9 @@ def _from_orbax(tb: Any) -> bool:
 
 class _QuietAsyncio(logging.Filter):
     """On the ``asyncio`` logger: the exceptions of orbax's tasks and tensorstore's futures that a
-    failed save abandoned (reported when they are collected, often at exit, where printing them
-    fails too: "--- Logging error ---") go to `LOG` at DEBUG: while jaxdist's saves run, those
-    raised through orbax's code; once one failed, also those raised with no Python frame at all
-    (tensorstore's, set from C++). Everything else passes."""
+    failed save abandoned (reported when collected, often at exit) go to `LOG` at DEBUG: while
+    jaxdist's saves run, those raised through orbax's code; once one failed, also those with no
+    Python frame (tensorstore's, set from C++). Everything else passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info or not (_FILTER.active or _FILTER.pinned):
@@ -312,8 +292,7 @@ logging.getLogger("asyncio").addFilter(_QuietAsyncio())
 
 def _closed_loop_callback(unraisable: Any) -> bool:
     """Whether an unraisable exception is asyncio's refusal of a callback into a closed event loop
-    (what tensorstore's writes, completing after orbax closed the loop that started them, run
-    into)."""
+    (tensorstore's writes completing after orbax closed their loop)."""
     tb = unraisable.exc_traceback
     if not isinstance(unraisable.exc_value, RuntimeError) or tb is None:
         return False
@@ -345,9 +324,9 @@ def _hook_unraisable() -> None:
 
 @contextlib.contextmanager
 def quiet_orbax() -> Iterator[None]:
-    """While inside: orbax's warnings and errors go to the ``jaxdist.training.checkpoint`` logger at
-    DEBUG (a failed save is raised as one `CheckpointSaveError` instead), and so do tensorstore's
-    callbacks into event loops orbax closed (`sys.unraisablehook`).
+    """While inside: orbax's warnings and errors, and tensorstore's callbacks into event loops orbax
+    closed, go to the ``jaxdist.training.checkpoint`` logger at DEBUG (a failed save is raised as
+    one `CheckpointSaveError` instead).
 
     Examples:
         >>> with quiet_orbax():
@@ -364,10 +343,8 @@ def quiet_orbax() -> Iterator[None]:
 
 
 def quiet_after_failure() -> None:
-    """A save failed: orbax's other threads of it report the same failure again, later (after the
-    error is raised, when the checkpointer closes, at exit). From now on, for the rest of the
-    process, orbax's records go to the ``jaxdist.training.checkpoint`` logger at DEBUG as inside
-    `quiet_orbax`.
+    """A save failed, and orbax's other threads report it again later (at ``close``, at exit): for
+    the rest of the process their records go to DEBUG as inside `quiet_orbax`.
 
     Examples:
         >>> from jaxdist.training.checkpoints import _storage

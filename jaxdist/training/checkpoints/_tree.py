@@ -1,10 +1,9 @@
 """The state as orbax stores it: a NamedTuple state (`TrainState`) is stored as the dict of its
 fields, leaving out the fields that are None.
 
-So a field added to the state with a None default (``TrainState.ema``, the averaged weights, kept
-only with ``Trainer(ema_decay=...)``) changes nothing on disk while it is None: checkpoints written
-before it restore, and plain orbax reads a checkpoint with a dict target of the fields it holds, as
-the checkpoints guide shows. Fingerprints and checksums are taken of the state itself, so their
+So a field added to the state with a None default (``TrainState.ema``) changes nothing on disk while
+it is None: checkpoints written before it restore, and plain orbax reads a checkpoint with a dict
+target of the fields it holds. Fingerprints and checksums are taken of the state itself, so their
 paths (``.params['w']``) are unchanged.
 """
 
@@ -36,8 +35,7 @@ def to_disk(tree: Any) -> Any:
 
 
 def from_disk(like: Any, stored: Any) -> Any:
-    """What `to_disk` wrote, read back as ``like``'s type (a NamedTuple's fields left out on disk
-    are None).
+    """What `to_disk` wrote, read back as ``like``'s type (fields left out on disk are None).
 
     Examples:
         >>> from typing import NamedTuple

@@ -1,8 +1,5 @@
-"""Writing checkpoints with orbax: the state's array handlers, the save in flight (`InFlight`: a
-waiter thread records how it ended, the error raised once by the thread that uses the checkpointer),
-and the orbax threads a failed save leaves waiting (`release_stalled`). The checkpointers left open,
-whose save in flight is finished when the program ends, are
-`jaxdist.training.checkpoints._at_exit`'s.
+"""Writing checkpoints with orbax: the state's array handlers, the save in flight (`InFlight`), and
+the orbax threads a failed save leaves waiting (`release_stalled`).
 """
 
 from __future__ import annotations
@@ -23,27 +20,22 @@ __all__ = ["InFlight", "array_handlers", "operation", "release_stalled"]
 def array_handlers() -> dict[str, Any]:
     """Keyword arguments for orbax's ``PyTreeCheckpointHandler`` of the state.
 
-    In ONE process a replicated array is written from one replica. orbax's default on CPU and TPU,
-    "replica-parallel", splits it into one slice per replica so that several hosts share the
-    writing; in one process the same host writes every byte anyway, and the slicing (a device op per
-    replica and array) lands in the part of an asynchronous save that blocks the loop: measured,
-    0.08-0.12 s instead of 0.03-0.04 s for a 70 MB state mirrored on 8 CPU devices. Several
-    processes keep orbax's default. Arrays are read by `SettlingArrayHandler` (a damaged
-    checkpoint's error without event-loop noise).
+    In ONE process a replicated array is written from one replica: orbax's "replica-parallel"
+    default splits it so that several hosts share the writing, but one host writes every byte here,
+    and the slicing lands in the blocking part of an asynchronous save (0.08-0.12 s instead of
+    0.03-0.04 s for a 70 MB state on 8 CPU devices). Arrays are read by `SettlingArrayHandler`.
     """
     try:  # the store that keeps random-key metadata, as in orbax's own registry
         from orbax.checkpoint._src.metadata.array_metadata_store import Store
-    except ImportError:
-        # moved in another orbax: its default handlers (correct, only slower to start a save)
+    except ImportError:  # moved in another orbax: its defaults (correct, slower to start a save)
         return {}
     types = ocp.type_handlers
     parallel = {} if jax.process_count() > 1 else {"use_replica_parallel": False}
     arrays = SettlingArrayHandler(**parallel, array_metadata_store=Store())
     handlers = [(t, types.get_type_handler(t)) for t in types.supported_types()
                 if t is not jax.Array]
-    return {
-        "type_handler_registry": types.create_type_handler_registry(*handlers, (jax.Array, arrays))
-    }
+    return {"type_handler_registry": types.create_type_handler_registry(*handlers,
+                                                                        (jax.Array, arrays))}
 
 
 def operation() -> str | None:
@@ -59,17 +51,14 @@ def operation() -> str | None:
 
 def release_stalled(operation_id: str | None) -> int:
     """End the orbax threads of a FAILED save (``operation_id``) that still wait for a signal from a
-    part of it that failed (a step directory it could not create, say): they are not daemon threads,
-    so each would keep the process from ending for orbax's coordination timeout (300 s). Each is
-    woken by setting the signals it waits for: it runs its part, which fails or writes into the
-    failed save's temporary directory (never renamed into place; removed when the directory is next
-    opened), and ends. (orbax's ``cancel`` would end it without running, but leaves its coroutine
-    never awaited: a RuntimeWarning at exit.) Its report of that goes where the failed save's do
-    (`jaxdist.training.checkpoints._storage.quiet_after_failure`).
+    part of it that failed: they are not daemon threads, so each would keep the process from ending
+    for orbax's coordination timeout (300 s). Each is woken by setting the signals it waits for: it
+    runs its part, which fails or writes into the failed save's temporary directory (never renamed
+    into place), and ends. (orbax's ``cancel`` would leave its coroutine never awaited: a
+    RuntimeWarning at exit.)
 
     One process only: a job's signals are shared with its peers, whose threads must not be woken.
-    Where orbax's threads are not the ones of orbax-checkpoint 0.12 (no such class or attributes),
-    nothing is done.
+    Where orbax's threads are not orbax-checkpoint 0.12's, nothing is done.
 
     Args:
         operation_id: the failed save's `operation` (None: nothing to do).
@@ -85,13 +74,12 @@ def release_stalled(operation_id: str | None) -> int:
         client = signaling_client.get_signaling_client()
         released = 0
         for thread in threading.enumerate():
-            if not isinstance(thread,
-                              future._SignalingThread) or thread._operation_id != operation_id:
+            if (not isinstance(thread, future._SignalingThread)
+                    or thread._operation_id != operation_id):
                 continue
             for signal in thread._receive_signals:
-                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(
-                    signal, operation_id
-                )
+                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal,
+                                                                                     operation_id)
                 if client.key_value_try_get(key) is None:
                     client.key_value_set(key, "released by jaxdist after a failed save",
                                          allow_overwrite=True)
@@ -102,10 +90,9 @@ def release_stalled(operation_id: str | None) -> int:
 
 
 class InFlight:
-    """The save in flight of one orbax ``CheckpointManager`` (at most one): a waiter thread waits
-    for it and records how it ended, complete (`take_finished`) or failed (`take_failure`), for the
-    thread that uses the checkpointer; orbax's log records are kept out of the terminal until it
-    ends (`quiet`).
+    """The save in flight of one orbax ``CheckpointManager`` (at most one): a waiter thread records
+    how it ended, complete (`take_finished`) or failed (`take_failure`), for the thread that uses
+    the checkpointer; orbax's log records stay out of the terminal until it ends (`quiet`).
 
     Args:
         manager: the orbax ``CheckpointManager`` that writes.
@@ -116,20 +103,15 @@ class InFlight:
         self._lock = threading.Lock()
         self._waiter: threading.Thread | None = None
         self._finished: list[tuple[int, str]] = []  # complete, not yet reported by take_finished
-        # a background save's error, not yet taken
-        self._failed: tuple[int, Exception] | None = None
+        self._failed: tuple[int, Exception] | None = None  # a background save's, not yet taken
         self.last_step: int | None = None  # the newest save started
-        # the newest save complete (read from other threads: never waits)
-        self.newest: int | None = None
+        self.newest: int | None = None  # the newest save complete (other threads read it)
         self.operation: str | None = None  # orbax's id of it (`operation`)
-        # whether a save of this manager failed (orbax raises it again on ``close``)
-        self.any_failed = False
-        # orbax's log records of the save in flight, kept out of the terminal
-        self.quiet = contextlib.ExitStack()
+        self.any_failed = False  # a save of this manager failed (orbax raises it again on close)
+        self.quiet = contextlib.ExitStack()  # orbax's log records of the save in flight
 
     def started(self, step: int, path: str) -> None:
-        """The manager started an asynchronous save of ``step`` into ``path``: wait for it in the
-        background."""
+        """The manager started an asynchronous save of ``step`` into ``path``: waited for."""
         self.last_step, self.operation = step, operation()
         self._waiter = threading.Thread(target=self._wait, args=(step, path),
                                         name="jaxdist-checkpoint", daemon=True)
@@ -145,8 +127,7 @@ class InFlight:
         """The waiter thread: wait for the background save of ``step`` and record how it ended."""
         try:
             self._manager.wait_until_finished()
-        except Exception as error:
-            # recorded for the thread that uses the checkpointer, which raises it
+        except Exception as error:  # for the thread that uses the checkpointer to raise
             self.fail(step, error)
         else:
             with self._lock:
@@ -154,9 +135,8 @@ class InFlight:
                 self.newest = step
 
     def fail(self, step: int, error: Exception) -> None:
-        """Saving ``step`` failed with ``error``: recorded (`take_failure`); orbax's other threads
-        of it may still report it, so its records stay off the terminal from now on
-        (`quiet_after_failure`)."""
+        """Saving ``step`` failed with ``error``: recorded (`take_failure`); orbax's records go
+        off the terminal from now on (`quiet_after_failure`)."""
         quiet_after_failure()
         with self._lock:
             self._failed = (step, error)

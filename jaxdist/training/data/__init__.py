@@ -1,8 +1,7 @@
 """The batches a fit reads: their format and checks, the stream and its position (`DataPosition`),
 the feed that places them on the devices, and the input iterator's state saved with a checkpoint.
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
-here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports from here.
 """
 
 from jaxdist.training.data._checks import BatchChecker as BatchChecker

@@ -1,5 +1,4 @@
-"""The batches' checks: one structure, shapes and dtypes for a whole run (`BatchChecker`), said in
-messages."""
+"""The batches' checks: one structure, shapes and dtypes for a whole run (`BatchChecker`)."""
 
 from __future__ import annotations
 
@@ -14,19 +13,11 @@ from jaxdist.strategies.input import refuse_text
 from jaxdist.training.data._format import Key, keys_of, split_batch
 from jaxdist.training.data._position import DataPosition
 
-__all__ = [
-    "BatchChecker",
-    "describe",
-    "global_rows",
-    "say_batch_change",
-    "signature",
-]
+__all__ = ["BatchChecker", "describe", "global_rows", "say_batch_change", "signature"]
 
 def signature(batch: Any) -> tuple:
     """The structure, shapes and dtypes of a batch (batches with equal signatures share one compiled
-    step).
-
-    Cheap enough to run on every batch: the dtypes stay dtype objects (`describe` spells them out).
+    step); cheap enough for every batch (`describe` spells the dtypes out).
 
     Examples:
         >>> import numpy as np
@@ -34,12 +25,8 @@ def signature(batch: Any) -> tuple:
         '((2, 3) float64, (2,) int32)'
     """
     leaves, treedef = jax.tree.flatten(batch)
-    return treedef, tuple(
-        (x.shape, x.dtype)
-        if isinstance(x, (np.ndarray, jax.Array))
-        else (np.shape(x), np.asarray(x).dtype)
-        for x in leaves
-    )
+    return treedef, tuple((x.shape, x.dtype) if isinstance(x, (np.ndarray, jax.Array))
+                          else (np.shape(x), np.asarray(x).dtype) for x in leaves)
 
 
 def describe(sig: tuple) -> str:
@@ -55,20 +42,16 @@ def describe(sig: tuple) -> str:
 
 
 class BatchChecker:
-    """Brings each training batch to ``(x, y)`` on the host and checks it: structure, divisibility,
-    shapes.
+    """Brings each training batch to ``(x, y)`` on the host and checks it: structure, rows, shapes.
 
     The first batch fixes the signature (one compiled step); a later batch with other shapes is an
-    error that names the fix, never a silent recompile. This is the one check a training batch gets:
-    the trainer's `jaxdist.training.data.BatchFeed` runs it once per batch, at the stream boundary,
-    and what passes it is not checked again. On the first batch it also checks that every leaf has
-    axis 0 (the rows), that they agree on it, and that ``replicas`` x ``grad_accum_steps`` divide it
-    (later batches have the same shapes).
+    error that names the fix, never a silent recompile. The first batch's rows (every leaf's axis 0)
+    are checked too: later batches have the same shapes. This is the one check a training batch
+    gets (`jaxdist.training.data.BatchFeed` runs it once per batch).
 
     Args:
         replicas: the strategy's ``num_replicas_in_sync``.
-        grad_accum_steps: micro-batches per step (the global batch must divide by ``replicas`` times
-            this).
+        grad_accum_steps: micro-batches per step (the global batch divides by ``replicas`` x this).
         input_key / target_key: the dict keys of the inputs and targets (see `split_batch`).
 
     Raises:
@@ -95,13 +78,11 @@ class BatchChecker:
 
     @property
     def signature(self) -> tuple | None:
-        """The first training batch's `signature` (every training batch has it); None before one is
-        checked."""
+        """The first training batch's `signature` (every one's); None before one is checked."""
         return self._signature
 
     def split(self, batch: Any, where: str, need_targets: bool = True) -> tuple[Any, Any]:
-        """``(x, y)`` of ``batch`` (see `split_batch`); warns once about dict keys that neither
-        option names."""
+        """``(x, y)`` of ``batch`` (see `split_batch`); warns once about dict keys neither names."""
         x, y = split_batch(batch, where, need_targets, input_key=self.input_key,
                            target_key=self.target_key)
         if isinstance(batch, Mapping) and not self._warned:
@@ -111,10 +92,8 @@ class BatchChecker:
                 warnings.warn(
                     f"{where} has keys {extra} that neither input_key={self.input_key!r} nor "
                     f"target_key={self.target_key!r} names: they are dropped on the host (not sent "
-                    "to the devices); leave them out of the batches to silence this.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+                    "to the devices); leave them out of the batches to silence this.", UserWarning,
+                    stacklevel=2)
         return x, y
 
     def __call__(self, batch: Any, where: str, processes: int = 1) -> tuple[Any, Any]:
@@ -127,36 +106,26 @@ class BatchChecker:
         pair = self.split(batch, where)
         sig = signature(pair)
         if processes > 1:
-            sig = (
-                sig[0],
-                tuple(((shape[0] * processes, *shape[1:]) if shape else shape, dtype)
-                      for shape, dtype in sig[1]),
-            )
-        # later batches have its signature, so they pass these checks too
-        if self._signature is None:
+            sig = (sig[0], tuple(((shape[0] * processes, *shape[1:]) if shape else shape, dtype)
+                                 for shape, dtype in sig[1]))
+        if self._signature is None:  # later batches have its signature: they pass these too
             rows = _common_rows(pair, where)
             need = self.replicas * self.grad_accum_steps
             if rows * processes % need:
-                got = (
-                    f"{rows} rows"
-                    if processes == 1
-                    else f"{rows} rows on this process ({rows * processes} over {processes} "
-                         "processes)"
-                )
-                raise ValueError(
-                    f"{where} has {got}, which {self.replicas} replicas x "
-                    f"grad_accum_steps={self.grad_accum_steps} do not divide: use a global batch "
-                    f"that is a multiple of {need} (e.g. {-(-rows * processes // need) * need}), "
-                    "dropping or padding the remainder."
-                )
+                got = (f"{rows} rows" if processes == 1 else f"{rows} rows on this process "
+                       f"({rows * processes} over {processes} processes)")
+                raise ValueError(f"{where} has {got}, which {self.replicas} replicas x "
+                                 f"grad_accum_steps={self.grad_accum_steps} do not divide: use a "
+                                 f"global batch that is a multiple of {need} (e.g. "
+                                 f"{-(-rows * processes // need) * need}), dropping or padding "
+                                 "the remainder.")
             self._signature = sig
         elif sig != self._signature:
-            raise ValueError(
-                f"{where} has structure/shapes {describe(sig)} ({sig[0]}), but the first training "
-                f"batch had {describe(self._signature)} ({self._signature[0]}): every training "
-                "batch needs the same structure and shapes (one compiled step); drop the ragged "
-                "last batch or pad it."
-            )
+            raise ValueError(f"{where} has structure/shapes {describe(sig)} ({sig[0]}), but the "
+                             f"first training batch had {describe(self._signature)} "
+                             f"({self._signature[0]}): every training batch needs the same "
+                             "structure and shapes (one compiled step); drop the ragged last "
+                             "batch or pad it.")
         return pair
 
 
@@ -169,12 +138,10 @@ def global_rows(sig: tuple | None) -> int | None:
 
 def say_batch_change(meta: Mapping[str, Any], rows: int | None, position: DataPosition) -> None:
     """Warn when a run resumes from a checkpoint written with global batches of other ``rows``: the
-    data position is counted in batches, so it moves in examples (what it does is said, and how to
-    keep it).
+    data position is counted in batches, so it moves in examples (the warning says how to keep it).
 
     Examples:
-        >>> # the same: silent
-        >>> say_batch_change({"global_batch": 32, "step": 4}, 32, DataPosition(0, 4))
+        >>> say_batch_change({"global_batch": 32, "step": 4}, 32, DataPosition(0, 4))  # silent
     """
     old = meta.get("global_batch")
     if old is None or rows is None or int(old) == rows:
@@ -196,9 +163,8 @@ def _common_rows(pair: Any, where: str) -> int:
         TypeError: for a leaf of text or objects (no JAX array holds them), naming it.
     """
     paths = jax.tree_util.tree_flatten_with_path(pair)[0]
-    refuse_text(paths, lambda path: f"{where} leaf {_name(path)}",
-                "Encode it in train_data (e.g. token ids, "
-                "or labels looked up as int32), or keep it out of the batch.")
+    refuse_text(paths, lambda path: f"{where} leaf {_name(path)}", "Encode it in train_data (e.g. "
+                "token ids, or labels looked up as int32), or keep it out of the batch.")
     if not paths:
         raise ValueError(f"{where} holds no arrays: yield (x, y) with arrays whose axis 0 is the "
                          "batch.")
@@ -209,18 +175,14 @@ def _common_rows(pair: Any, where: str) -> int:
                          "or drop a last batch with no rows).")
     for path, leaf in paths:
         if not np.shape(leaf):
-            raise ValueError(
-                f"{where} leaf {_name(path)} is a scalar: every leaf of a training batch needs a "
-                "batch axis 0 to split over the replicas (pass constants to the model or the loss "
-                "instead)."
-            )
+            raise ValueError(f"{where} leaf {_name(path)} is a scalar: every leaf of a training "
+                             "batch needs a batch axis 0 to split over the replicas (pass "
+                             "constants to the model or the loss instead).")
         if np.shape(leaf)[0] != np.shape(first)[0]:
-            raise ValueError(
-                f"{where} leaf {_name(path)} has {np.shape(leaf)[0]} rows but leaf "
-                f"{_name(first_path)} has {np.shape(first)[0]}: axis 0 of every leaf is the batch "
-                "(the rows the replicas split), so they must agree; move an array that is not per "
-                "example out of the batch."
-            )
+            raise ValueError(f"{where} leaf {_name(path)} has {np.shape(leaf)[0]} rows but leaf "
+                             f"{_name(first_path)} has {np.shape(first)[0]}: axis 0 of every leaf "
+                             "is the batch (the rows the replicas split), so they must agree; "
+                             "move an array that is not per example out of the batch.")
     return int(np.shape(first)[0])
 
 

@@ -1,5 +1,4 @@
-"""Evaluation batches: every example once, the last partial batch padded to the global batch and
-masked."""
+"""Evaluation batches: every example once, the last partial batch padded and masked."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ import numpy as np
 
 from jaxdist.training.data._stream import data_kind
 
-__all__ = [
-    "eval_batches",
-]
+__all__ = ["eval_batches"]
 
 def _rows(batch: Any) -> int:
     leaves = jax.tree.leaves(batch)
@@ -22,14 +19,10 @@ def _rows(batch: Any) -> int:
     return int(np.shape(leaves[0])[0])
 
 
-def eval_batches(
-    data: Any,
-    multiple: int,
-    name: str = "eval_data",
-    prepare: Callable[[Any, str], Any] | None = None,
-) -> Iterator[tuple[Any, np.ndarray, int]]:
-    """``(batch, weights, rows)`` for each batch of ``data``, padded to a multiple of ``multiple``
-    rows.
+def eval_batches(data: Any, multiple: int, name: str = "eval_data",
+                 prepare: Callable[[Any, str], Any] | None = None,
+                 ) -> Iterator[tuple[Any, np.ndarray, int]]:
+    """``(batch, weights, rows)`` for each batch of ``data``, padded to a multiple of ``multiple``.
 
     Padding repeats the last real row (so no loss sees made-up zeros) and gets weight 0; ``rows`` is
     the number of real rows. ``data`` is a re-iterable, an iterator, or a function of no arguments

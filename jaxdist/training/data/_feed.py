@@ -1,30 +1,21 @@
 """The stream boundary: where a `Trainer`'s data becomes device batches, checked and placed once.
 
 Every training batch crosses this boundary exactly once. A `BatchFeed` brings it to the pair ``(x,
-y)``, checks it (structure, shapes, and that the replicas times ``grad_accum_steps`` divide its
-rows: one check, `jaxdist.training.data.BatchChecker`, whose message names the rows, the replicas
-and the fix) and places it split over the replicas (``strategy.experimental_distribute_values``'s
-placement). What comes out is a `TrainBatch`: a value whose type says that it has been checked and
-placed, so the stages after it (the fit loop, ``Trainer.train_on_batch``, the compiled step) take it
-as it is and never check, split or move it again.
+y)``, checks it (`jaxdist.training.data.BatchChecker`) and places it split over the replicas. What
+comes out is a `TrainBatch`, whose type says that it has been checked and placed, so the stages
+after it (the fit loop, ``Trainer.train_on_batch``, the compiled step) never check, split or move
+it again.
 
 The next batch's transfer overlaps the current step: the loop's read-ahead
-(`jaxdist.strategies.input.ahead`) keeps one or two batches placed ahead of the one
-the loop trains on. JAX dispatches a step without waiting for it, so placing batch n+1 right before
-step n is dispatched (while step n-1 still runs) hides the transfer behind the devices' work, with
-no thread. The fit loop never waits for a step's results (its logs are read in the background), so
-the host stays ahead. Measured (the ``trainer-P2`` benchmark row, small MLP on 8 simulated CPU
-devices, where a transfer is host work the read-ahead cannot hide): this path costs about 5% against
-batches already on the devices; placing them in a prefetch thread instead cost about 9% (the thread
-contends with the loop for the interpreter).
+(`jaxdist.strategies.input.ahead`) places batch n+1 right before step n is dispatched, while step
+n-1 still runs, which hides the transfer with no thread (a prefetch thread cost more on the
+``trainer-P2`` benchmark row: about 9% against 5%, contending with the loop for the interpreter).
 
 In a job of several processes each process passes the same global batch whole and places only its
 own devices' rows of it, so processes that pass different batches would train on a mix of them
-without a word. There the feed returns `WholeBatch` es, which keep the host batch the process passed
-(a reference: nothing is computed or copied per step); ``fit`` compares their
-`WholeBatch.fingerprint` across the processes at its first step and its log points
-(`jaxdist.training.loop._hosts.SameBatches`). Per-process input (grain) and batches already placed
-(a distributed dataset's) are not compared.
+without a word. There the feed returns `WholeBatch` es, which keep the host batch (a reference),
+and ``fit`` compares their `WholeBatch.fingerprint` across the processes
+(`jaxdist.training.loop._hosts.SameBatches`).
 
 Example:
     >>> import numpy as np, jaxdist as jd
@@ -61,16 +52,14 @@ ROW_SAMPLES = 64
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainBatch:
-    """A training batch that a `BatchFeed` has checked (and, unless it is left for an on-device
-    loop, placed).
+    """A training batch that a `BatchFeed` has checked (and placed, unless left for a device loop).
 
     Attributes:
         pair: ``(x, y)``: global `jax.Array` s split on axis 0 over the replicas when ``placed``;
-            host arrays otherwise (an on-device loop stacks several and places them with one
-            transfer).
+            host arrays otherwise (an on-device loop stacks several for one transfer).
         placed: whether ``pair`` is on the devices in the strategy's batch layout.
         checker: the `BatchChecker` that checked it (a trainer takes as they are only the batches
-            its own checker has seen: same keys, same replicas, same signature).
+            its own checker has seen).
 
     Example:
         >>> import numpy as np
@@ -87,9 +76,8 @@ class TrainBatch:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class WholeBatch(TrainBatch):
-    """A `TrainBatch` of a job of several processes that each pass the global batch whole: with the
-    host batch this process passed (``host``, the checked pair ``(x, y)``; kept, not copied), for
-    ``fit`` to compare across the processes (`fingerprint`).
+    """A `TrainBatch` of a job whose processes each pass the global batch whole, with the host batch
+    this process passed (``host``, the checked pair; kept, not copied) for `fingerprint`.
 
     Example:
         >>> import numpy as np
@@ -109,11 +97,9 @@ class WholeBatch(TrainBatch):
     def fingerprint(self) -> str | None:
         """A cheap fingerprint of the host batch: its structure, each leaf's shape and dtype, and a
         CRC-32 of each leaf's bytes (a leaf of at most `FINGERPRINT_BYTES`) or of `ROW_SAMPLES`
-        evenly spaced values of each of its rows. Two batches that hold other examples, or the same
-        ones in another order, differ in it; a change of a few values inside one large example may
-        not. None for a batch of global arrays (already placed: nothing of it is this process's
-        alone). Computed when asked (``fit``: at its first step and its log points), never per
-        step."""
+        evenly spaced values of each of its rows. Other examples, or the same in another order,
+        change it; a few values inside one large example may not. None for a batch of global arrays
+        (nothing of it is this process's alone). Computed when asked, never per step."""
         leaves, treedef = jax.tree.flatten(self.host)
         parts = [str(treedef)]
         for leaf in leaves:
@@ -130,13 +116,11 @@ class WholeBatch(TrainBatch):
 
 
 class BatchFeed:
-    """Turns a trainer's batches into `TrainBatch` es: normalised to ``(x, y)``, checked, placed
-    once.
+    """Turns a trainer's batches into `TrainBatch` es: as ``(x, y)``, checked, placed once.
 
     Args:
         strategy: the strategy whose replicas get the rows.
-        checker: the trainer's `BatchChecker` (input and target keys, replicas x
-            ``grad_accum_steps``, the first batch's signature).
+        checker: the trainer's `BatchChecker`.
         place: True (a compiled step per batch): place every batch. False (an on-device loop per
             several batches): leave global batches on the host, since the loop stacks them and
             places the stack in one transfer; per-process batches of several processes are placed
@@ -160,8 +144,7 @@ class BatchFeed:
         self.strategy = strategy
         self.checker = checker
         self.place = place
-        # several processes: each passes global batches whole
-        self.whole = strategy.policy.spans_processes
+        self.whole = strategy.policy.spans_processes  # each process passes global batches whole
 
     def __call__(self, batch: Any, where: str, processes: int = 1) -> TrainBatch:
         """``batch`` checked and (see ``place``) placed: the one check and the one transfer it gets.
@@ -174,15 +157,13 @@ class BatchFeed:
                 processes read together (per-process input, e.g. grain): it is checked as the global
                 batch and placed from each process's rows.
         """
-        # another checker's (another trainer's): checked again, for this one
-        if isinstance(batch, TrainBatch):
+        if isinstance(batch, TrainBatch):  # another trainer's: checked again, for this one
             batch = batch.pair
         pair = checked = self.checker(batch, where, processes)
         if processes > 1:
             pair = place_batch(self.strategy.policy, pair, process_local=True, where=where)
         elif self.place:
             pair = place_batch(self.strategy.policy, pair, where=where)
-        # every process passes this global batch: fit compares them
         if self.whole and processes == 1:
             return WholeBatch(pair, self.place, self.checker, checked)
         return TrainBatch(pair, self.place or processes > 1, self.checker)

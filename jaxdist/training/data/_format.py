@@ -14,16 +14,10 @@ from typing import Any
 
 import jax
 
-__all__ = [
-    "Key",
-    "check_key",
-    "keys_of",
-    "split_batch",
-]
+__all__ = ["Key", "check_key", "keys_of", "split_batch"]
 
 Key = str | tuple[str, ...]
-"""A dict batch's key for the inputs or the targets: one key, or several (their values then form a
-dict)."""
+"""A dict batch's key for the inputs or the targets: one key, or several (values form a dict)."""
 
 
 _TARGET_NAMES = ("label", "labels", "target", "targets", "y")
@@ -44,10 +38,8 @@ def check_key(key: Any, name: str) -> Key:
     if isinstance(key, Sequence) and key and all(isinstance(k, str)
                                                  for k in key) and len(set(key)) == len(key):
         return tuple(key)
-    raise TypeError(
-        f"{name}={key!r} must be a dict key (a string such as 'image') or a sequence of distinct "
-        "strings (their values are passed to the model as a dict)."
-    )
+    raise TypeError(f"{name}={key!r} must be a dict key (a string such as 'image') or a sequence "
+                    "of distinct strings (their values are passed to the model as a dict).")
 
 
 def keys_of(key: Key) -> tuple[str, ...]:
@@ -69,14 +61,8 @@ def _suggest(present: list[str]) -> str:
     return ", ".join(parts) or "input_key='...', target_key='...'"
 
 
-def split_batch(
-    batch: Any,
-    where: str = "batch",
-    need_targets: bool = True,
-    *,
-    input_key: Key = "x",
-    target_key: Key = "y",
-) -> tuple[Any, Any]:
+def split_batch(batch: Any, where: str = "batch", need_targets: bool = True, *,
+                input_key: Key = "x", target_key: Key = "y") -> tuple[Any, Any]:
     """``(x, y)`` of a batch given as a tuple / list ``(x, y)`` or a dict with ``input_key`` and
     ``target_key``.
 
@@ -85,8 +71,7 @@ def split_batch(
         where: how to name the batch in errors (e.g. ``"train_data batch 3"``).
         need_targets: False for prediction: a bare array / pytree, ``(x,)`` or a dict without the
             target key is fine.
-        input_key: the dict key holding the inputs, or several keys (``x`` is then the dict of their
-            values).
+        input_key: the dict key holding the inputs, or several (``x``: the dict of their values).
         target_key: the dict key (or keys) holding the targets.
 
     Returns:
@@ -110,15 +95,13 @@ def split_batch(
                         if k not in batch]
         if not missing:
             has_targets = all(k in batch for k in keys_of(target_key))
-            return _present(_pick(batch, input_key), (_pick(batch, target_key) if has_targets
-                                                      else None), where,
-                            need_targets)
+            return _present(_pick(batch, input_key),
+                            _pick(batch, target_key) if has_targets else None, where, need_targets)
         present = sorted(map(str, batch))
         lacks = " and ".join(f"no {k!r} ({option}={value!r})" for k, option, value in missing)
-        raise ValueError(
-            f"{where} is a dict with keys {present} and {lacks}: name the keys that hold the "
-            f"inputs and the targets, e.g. Trainer(..., {_suggest(present)})."
-        )
+        raise ValueError(f"{where} is a dict with keys {present} and {lacks}: name the keys that "
+                         "hold the inputs and the targets, e.g. Trainer(..., "
+                         f"{_suggest(present)}).")
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
         if len(batch) == 2 or (not need_targets and len(batch) == 1):
             return _present(batch[0], (batch[1] if len(batch) == 2 else None), where, need_targets)
@@ -127,18 +110,15 @@ def split_batch(
         return batch, None
     else:
         got = f"a {type(batch).__name__}"
-    want = f"(x, y) or a dict with keys {input_key!r} and {target_key!r}" if need_targets else \
-        f"x, (x,), (x, y) or a dict with key {input_key!r}"
-    raise ValueError(
-        f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x may be any "
-        "pytree, e.g. a dict of model inputs), or a dict and name its keys with Trainer(..., "
-        "input_key=..., target_key=...)."
-    )
+    want = (f"(x, y) or a dict with keys {input_key!r} and {target_key!r}" if need_targets
+            else f"x, (x,), (x, y) or a dict with key {input_key!r}")
+    raise ValueError(f"{where} is {got}; expected {want}: yield inputs and targets as a pair (x "
+                     "may be any pytree, e.g. a dict of model inputs), or a dict and name its "
+                     "keys with Trainer(..., input_key=..., target_key=...).")
 
 
 def _present(x: Any, y: Any, where: str, need_targets: bool) -> tuple[Any, Any]:
-    """``(x, y)``, unless the inputs (or the targets a loss needs) hold no array: ``(x, None)`` is
-    named."""
+    """``(x, y)``, unless the inputs (or the targets a loss needs) hold no array."""
     if not jax.tree.leaves(x):
         raise ValueError(f"{where} has inputs {x!r} (no array): yield (x, y) with x an array (or a "
                          "pytree of arrays) whose axis 0 is the batch.")

@@ -1,19 +1,15 @@
 """The input pipeline's position in checkpoints: grain iterator states, one file per process.
 
-A grain iterator knows where it is (``get_state()`` / ``set_state(state)``), and each process's
-iterator reads its own shard, so each process has its own state. `Checkpointer.save(...,
-data_iterator=it)` stores it beside the arrays as the checkpoint's ``data_iterator`` item through
-grain's orbax handler (``grain.checkpoint.CheckpointSave``): every process writes
-``process_<i>-of-<n>.json``, and a restore on the same number of processes gives every process back
-exactly its own state.
+Each process's grain iterator reads its own shard, so each process has its own state.
+`Checkpointer.save(..., data_iterator=it)` stores it as the checkpoint's ``data_iterator`` item
+through grain's orbax handler (one ``process_<i>-of-<n>.json`` per process), and a restore on the
+same number of processes gives every process back exactly its own state.
 
-On another number of processes a per-process state has no exact meaning (process 1 of 2 has no
-counterpart among 3), so restoring one is an error that names the fix, with one exception that grain
-makes exact: ``grain.experimental.ElasticIterator``, whose state (``{"global_next_index": n}``, the
-examples consumed globally) is the same on every process and valid for any shard count. The metadata
-keeps that state, so any process count resumes from it: every global batch holds the same examples
-as in the run that wrote it (their row order inside a batch follows the process count, as
-ElasticIterator interleaves the shards).
+On another number of processes a per-process state has no exact meaning, so restoring one is an
+error that names the fix, except for ``grain.experimental.ElasticIterator``, whose state (the
+examples consumed globally) is the same on every process. The metadata keeps that state, so any
+process count resumes from it: every global batch holds the same examples as in the run that wrote
+it (their row order inside a batch follows the process count).
 """
 
 from __future__ import annotations
@@ -27,15 +23,8 @@ import jax
 
 from jaxdist.training.data._position import DataPosition, UnrestorableState
 
-__all__ = [
-    "IteratorSnapshot",
-    "describe",
-    "restore_args",
-    "restored_position",
-    "save_args",
-    "snapshot",
-    "state_for_process",
-]
+__all__ = ["IteratorSnapshot", "describe", "restore_args", "restored_position", "save_args",
+           "snapshot", "state_for_process"]
 
 FORMAT = "jaxdist.data_iterator/1"
 # grain.experimental.ElasticIterator: the same on every shard
@@ -46,17 +35,15 @@ def _grain_checkpoint() -> Any:
     try:
         import grain.checkpoint as grain_checkpoint
     except ImportError as error:
-        raise ImportError(
-            "data_iterator= saves the input iterator's state with grain's orbax handler, and grain "
-            "is not installed: pip install 'jaxdist[grain]' (or grain>=0.2.18)."
-        ) from error
+        raise ImportError("data_iterator= saves the input iterator's state with grain's orbax "
+                          "handler, and grain is not installed: pip install 'jaxdist[grain]' (or "
+                          "grain>=0.2.18).") from error
     return grain_checkpoint
 
 
 class IteratorSnapshot:
-    """A fixed iterator state in the shape grain's orbax handler saves and restores (``get_state``
-    returning JSON bytes, ``set_state`` taking them). Taken at save time, so an asynchronous save
-    writes the state of the step it saves, whatever the live iterator does meanwhile.
+    """A fixed iterator state in the shape grain's orbax handler saves and restores (JSON bytes).
+    Taken at save time, so an asynchronous save writes the state of the step it saves.
 
     Args:
         state: the iterator's state: a dict (grain ``DatasetIterator``), JSON bytes (grain
@@ -85,11 +72,9 @@ class IteratorSnapshot:
         try:
             return json.dumps({"format": FORMAT, "encoding": encoding, "state": value}).encode()
         except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"the data iterator's state {self.state!r} is not JSON-serializable: a "
-                "data_iterator's get_state() must return a dict of JSON values or JSON bytes, as "
-                "grain's iterators do."
-            ) from error
+            raise TypeError(f"the data iterator's state {self.state!r} is not JSON-serializable: "
+                            "a data_iterator's get_state() must return a dict of JSON values or "
+                            "JSON bytes, as grain's iterators do.") from error
 
     def set_state(self, data: bytes) -> None:
         """Read back what `get_state` wrote."""
@@ -121,8 +106,7 @@ def describe(state: Any) -> dict:
 
 
 def snapshot(data_iterator: Any) -> IteratorSnapshot:
-    """`IteratorSnapshot` of ``data_iterator``'s current state (an `IteratorSnapshot` is taken as it
-    is).
+    """`IteratorSnapshot` of ``data_iterator``'s current state (an `IteratorSnapshot` as it is).
 
     Raises:
         TypeError: when ``data_iterator`` has no ``get_state()``, or its state is not JSON.
@@ -131,18 +115,15 @@ def snapshot(data_iterator: Any) -> IteratorSnapshot:
         return data_iterator
     get_state = getattr(data_iterator, "get_state", None)
     if not callable(get_state):
-        raise TypeError(
-            f"data_iterator={data_iterator!r} (type {type(data_iterator).__name__}) has no "
-            "get_state(): pass the iterator the training loop reads, e.g. "
-            "iter(strategy.distribute_datasets_from_function(fn)) over a grain dataset, or a grain "
-            "iterator itself."
-        )
+        raise TypeError(f"data_iterator={data_iterator!r} (type {type(data_iterator).__name__}) "
+                        "has no get_state(): pass the iterator the training loop reads, e.g. "
+                        "iter(strategy.distribute_datasets_from_function(fn)) over a grain "
+                        "dataset, or a grain iterator itself.")
     return IteratorSnapshot(get_state())
 
 
 def save_args(data_iterator: Any) -> tuple[dict, Any]:
-    """``(metadata entry, orbax args)`` that save ``data_iterator``'s state in a checkpoint (see
-    `describe`).
+    """``(metadata entry, orbax args)`` that save ``data_iterator``'s state (see `describe`).
 
     Raises:
         TypeError: see `snapshot`.
@@ -184,22 +165,19 @@ def state_for_process(entry: Mapping[str, Any] | None, read: Callable[[], Any], 
         return read()
     if entry.get("portable") is not None:
         return dict(entry["portable"])
-    raise ValueError(
-        f"{where} holds the input iterator state of {saved} processes (one per process, each for "
-        f"its own shard), but this run has {here}: a per-process position cannot be mapped onto "
-        f"another process count. Fix: resume with {saved} processes, or read the data with "
-        "grain.experimental.ElasticIterator(dataset, global_batch_size, "
-        "grain.sharding.ShardByJaxProcess()), whose position is valid on any process count (for a "
-        "checkpoint written from then on)."
-    )
+    raise ValueError(f"{where} holds the input iterator state of {saved} processes (one per "
+                     f"process, each for its own shard), but this run has {here}: a per-process "
+                     "position cannot be mapped onto another process count. Fix: resume with "
+                     f"{saved} processes, or read the data with "
+                     "grain.experimental.ElasticIterator(dataset, global_batch_size, "
+                     "grain.sharding.ShardByJaxProcess()), whose position is valid on any process "
+                     "count (for a checkpoint written from then on).")
 
 
 def restored_position(position: Mapping[str, Any], read_state: Callable[[], Any]) -> DataPosition:
     """The `DataPosition` a trainer resumes from: the checkpoint's ``{"epoch", "index"}`` with this
-    process's iterator state (``read_state()``, e.g. ``Checkpointer.data_iterator_state``). A state
-    that does not fit this run (``read_state`` raises ValueError) becomes an `UnrestorableState`:
-    resuming a grain source from it raises that error, while evaluating, or resuming plain (global)
-    data, still works.
+    process's iterator state (``read_state()``). A state that does not fit this run (``read_state``
+    raises ValueError) becomes an `UnrestorableState`.
 
     Examples:
         >>> restored_position({"epoch": 1, "index": 3}, lambda: None)

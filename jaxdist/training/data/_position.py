@@ -1,15 +1,11 @@
-"""How far training has read its data (`DataPosition`), and the state of a checkpoint that does not
-fit this run."""
+"""How far training has read its data (`DataPosition`), and an input state that does not fit."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-__all__ = [
-    "DataPosition",
-    "UnrestorableState",
-]
+__all__ = ["DataPosition", "UnrestorableState"]
 
 @dataclasses.dataclass(frozen=True)
 class DataPosition:

@@ -1,12 +1,10 @@
-"""The training batches on the host (`BatchStream`): epochs and a resumable position over any
-source.
+"""The training batches on the host (`BatchStream`): epochs and a resumable position, any source.
 
 ``train_data`` is one of
 
 * a function ``data_fn(epoch) -> iterable of global batches`` (the way to shuffle per epoch: seed
   the shuffle with the epoch, e.g. ``np.random.default_rng((seed, epoch))``);
-* a re-iterable (a list, a ``DistributedDataset``): iterated again for each epoch, in the same
-  order;
+* a re-iterable (a list, a ``DistributedDataset``): iterated again each epoch, in the same order;
 * an iterator (a generator's result): read once, as one long epoch.
 
 The trainer counts the batches it has consumed. A checkpoint stores that position as ``(epoch,
@@ -27,15 +25,10 @@ import jax
 from jaxdist.strategies.input import DistributedIterator
 from jaxdist.training.data._position import DataPosition, UnrestorableState
 
-__all__ = [
-    "BatchStream",
-    "data_kind",
-    "is_grain",
-]
+__all__ = ["BatchStream", "data_kind", "is_grain"]
 
 def is_grain(obj: Any) -> bool:
-    """Whether ``obj`` is a grain dataset, loader or iterator (without importing grain when nobody
-    has).
+    """Whether ``obj`` is a grain dataset, loader or iterator (not importing grain if nobody has).
 
     Examples:
         >>> import grain
@@ -64,23 +57,19 @@ def data_kind(data: Any, name: str) -> str:
         return "iterator" if isinstance(data, Iterator) else "iterable"
     if callable(data):
         return "function"
-    raise TypeError(
-        f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor callable: pass a "
-        "list of batches, a generator, or a function epoch -> iterable of batches."
-    )
+    raise TypeError(f"{name}={data!r} (type {type(data).__name__}) is neither iterable nor "
+                    "callable: pass a list of batches, a generator, or a function epoch -> "
+                    "iterable of batches.")
 
 
 class BatchStream:
-    """The training batches from a position on, across epochs; maps a consumed count back to a
-    position.
+    """The training batches from a position on, across epochs; maps a consumed count to a position.
 
-    A grain source (a ``grain.MapDataset``, ``grain.IterDataset`` or ``grain.DataLoader``, given as
-    it is or returned by a ``data_fn(epoch)``) is PER-PROCESS input, as grain pipelines are: on
-    several processes each reads its own share of every global batch (e.g.
-    ``grain.sharding.ShardByJaxProcess``), and ``check`` gets the process count, to check (and
-    place: `jaxdist.training.data.BatchFeed`) the global batch those shares form. Its iterator's
-    state is recorded after every batch, so `position` carries it (`DataPosition.state`) and a
-    stream started from such a position restores it instead of re-reading the batches before it.
+    A grain source (given as it is or returned by a ``data_fn(epoch)``) is PER-PROCESS input, as
+    grain pipelines are: each process reads its own share of every global batch, and ``check`` gets
+    the process count, to check (and place) the global batch those shares form. Its iterator's state
+    is recorded after every batch, so `position` carries it (`DataPosition.state`) and a stream
+    started from such a position restores it instead of re-reading the batches before it.
 
     Args:
         data: ``train_data`` (see the module docstring).
@@ -104,43 +93,32 @@ class BatchStream:
         ([11, 12, 10, 11, 12], DataPosition(epoch=1, index=1))
     """
 
-    def __init__(
-        self,
-        data: Any,
-        start: DataPosition | None = None,
-        epochs: int | None = None,
-        check: Callable[..., Any] | None = None,
-    ):
+    def __init__(self, data: Any, start: DataPosition | None = None, epochs: int | None = None,
+                 check: Callable[..., Any] | None = None):
         self._data = data
         self._kind = data_kind(data, "train_data")
         self._start = start or DataPosition()
         self._epochs = epochs
         self._check = check
         self._lengths: dict[int, int] = {}  # written by whichever thread reads the data (prefetch)
-        # A sized re-iterable (a list) has the same known length every epoch: a position at the end
-        # of an epoch then reads as the start of the next, whether or not the reader has looked past
-        # it.
+        # A sized re-iterable (a list) has one known length every epoch: a position at the end of
+        # an epoch reads as the start of the next, whether or not the reader looked past it.
         self._length = len(data) if self._kind == "iterable" and isinstance(data, Sized) else None
-        # (epoch, batches read in it) -> the source iterator's state right after them (stateful
-        # sources only); written by the reading thread, pruned by `position` up to the batch the
-        # steps have consumed.
-        self._states: dict[tuple[int, int], Any] = {(self._start.epoch,
-                                                     self._start.index): self._start.state}
-        # (consumed, epoch, index) of the last position
-        self._cursor = (0, self._start.epoch, self._start.index)
-        # hears each epoch whose length became known
-        self.on_length: Callable[[int], None] | None = None
+        # (epoch, batches read in it) -> a stateful source's iterator state right after them;
+        # written by the reading thread, pruned by `position` up to the batch consumed.
+        at = (self._start.epoch, self._start.index)
+        self._states: dict[tuple[int, int], Any] = {at: self._start.state}
+        self._cursor = (0, *at)  # (consumed, epoch, index) of the last position
+        self.on_length: Callable[[int], None] | None = None  # hears each epoch's length found
 
     @property
     def data(self) -> Any:
-        """The data (after `peek`, an iterator is replaced by one that still yields the peeked
-        batch)."""
+        """The data (after `peek`, an iterator is one that still yields the peeked batch)."""
         return self._data
 
     @property
     def length(self) -> int | None:
-        """The batches of every epoch, when the data says so before it is read (a list: its length),
-        else None."""
+        """The batches of every epoch, when known before reading (a list: its length), else None."""
         return self._length
 
     def epoch_end(self, epoch: int) -> int | None:
@@ -202,10 +180,8 @@ class BatchStream:
         if self._kind == "function":
             source = self._data(epoch)
             if not isinstance(source, Iterable):
-                raise TypeError(
-                    f"train_data({epoch}) returned {type(source).__name__}, not an iterable of "
-                    "batches."
-                )
+                raise TypeError(f"train_data({epoch}) returned {type(source).__name__}, not an "
+                                "iterable of batches.")
             return source
         return self._data
 
@@ -224,15 +200,13 @@ class BatchStream:
             per_process, it = is_grain(source), iter(source)
             stateful = _stateful(it)
             if per_process and jax.process_count() > 1 and self._check is None:
-                raise ValueError(
-                    "BatchStream(check=None) cannot place per-process (grain) batches on "
-                    f"{jax.process_count()} processes: pass check= a "
-                    "jaxdist.training.data.BatchFeed (it checks the global batch the processes' "
-                    "shares form and places each process's rows on the strategy's replicas)."
-                )
-            if self._kind == "function" and isinstance(source,
-                                                       Sized) and epoch not in self._lengths:
-                # a list from data_fn: its length, before it is read
+                raise ValueError("BatchStream(check=None) cannot place per-process (grain) "
+                                 f"batches on {jax.process_count()} processes: pass check= a "
+                                 "jaxdist.training.data.BatchFeed (it checks the global batch the "
+                                 "processes' shares form and places each process's rows on the "
+                                 "strategy's replicas).")
+            if (self._kind == "function" and isinstance(source, Sized)
+                    and epoch not in self._lengths):  # a list from data_fn: known before reading
                 self._known(epoch, len(source))
             count = self._resume(it, stateful, epoch, skip)
             for batch in it:
@@ -256,8 +230,8 @@ class BatchStream:
     def _resume(self, it: Iterator[Any], stateful: bool, epoch: int, skip: int) -> int:
         """Bring ``it`` to batch ``skip`` of ``epoch``: restore the recorded state of a stateful
         source, else read and drop ``skip`` batches. Returns ``skip``."""
-        state = self._start.state if (epoch, skip) == (self._start.epoch,
-                                                       self._start.index) else None
+        state = (self._start.state if (epoch, skip) == (self._start.epoch, self._start.index)
+                 else None)
         if skip and stateful and state is not None:
             if isinstance(state, UnrestorableState):
                 raise state.error
@@ -265,21 +239,18 @@ class BatchStream:
             return skip
         for count in range(skip):
             if next(it, _END) is _END:
-                raise ValueError(
-                    f"train_data has {count} batches in epoch {epoch}, but the restored position "
-                    f"is batch {skip} of that epoch: the data differs from the run that wrote the "
-                    "checkpoint (pass the same deterministic data, or start from a fresh "
-                    "checkpoint_dir)."
-                )
+                raise ValueError(f"train_data has {count} batches in epoch {epoch}, but the "
+                                 f"restored position is batch {skip} of that epoch: the data "
+                                 "differs from the run that wrote the checkpoint (pass the same "
+                                 "deterministic data, or start from a fresh checkpoint_dir).")
         return skip
 
     def position(self, consumed: int) -> DataPosition:
-        """The position after ``consumed`` batches of this stream have been used (with the source
-        iterator's state after them, for a stateful source)."""
+        """The position after ``consumed`` batches (with a stateful source's iterator state)."""
         epoch, index = self._start.epoch, self._start.index + consumed
         if self._kind != "iterator":
-            # Walked on from the last position asked for (fit asks after every step): a constant
-            # cost per step however many epochs lie behind, not one that grows with the steps.
+            # Walked on from the last position asked for: a constant cost per step (fit asks after
+            # every step) however many epochs lie behind.
             done, at_epoch, at_index = self._cursor
             if consumed >= done:
                 epoch, index = at_epoch, at_index + consumed - done

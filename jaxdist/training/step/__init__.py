@@ -4,8 +4,7 @@ host's policy for them) and the averaged weights (with their restore from a chec
 `LiveState`, a Trainer's state, step counter and data position with the steps that advance them (the
 Trainer is a facade over it).
 
-This `__init__` is the folder's interface: the rest of `jaxdist.training` imports these names from
-here.
+This `__init__` is the folder's interface: the rest of `jaxdist.training` imports from here.
 """
 
 from jaxdist.training.step._build import check_losses as check_losses
@@ -40,11 +39,8 @@ from jaxdist.training.step._running import RunningSums as RunningSums
 
 __all__ = [
     "Average", "CompiledSteps", "LinenModel", "LiveState", "NnxModel", "NonFiniteError",
-    "NonFiniteGuard",
-    "NonFinitePolicy", "NonFiniteRecord", "PackedSums", "RunningSums", "TrainState", "Window",
-    "abstract_state",
-    "accuracy", "as_model", "averaged", "check_ema_decay", "check_int", "check_losses",
-    "log_values",
-    "make_train_step", "non_finite_leaves", "params_target", "restore_state", "restore_target",
-    "state_builder", "state_keys", "with_ema",
+    "NonFiniteGuard", "NonFinitePolicy", "NonFiniteRecord", "PackedSums", "RunningSums",
+    "TrainState", "Window", "abstract_state", "accuracy", "as_model", "averaged", "check_ema_decay",
+    "check_int", "check_losses", "log_values", "make_train_step", "non_finite_leaves",
+    "params_target", "restore_state", "restore_target", "state_builder", "state_keys", "with_ema",
 ]

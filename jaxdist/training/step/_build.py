@@ -29,9 +29,8 @@ __all__ = ["check_losses", "params_target", "restore_target", "state_builder", "
 
 def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(init key, base key data)`` of a trainer seeded with ``key``: the key ``model.init`` gets,
-    and the state's base key (``TrainState.rng``, per-step keys ``fold_in(rng, step)``) as raw key
-    data (cheaper to pass into every compiled step than a typed key). One rule for a built state and
-    a loaded one.
+    and ``TrainState.rng`` as raw key data (cheaper to pass into every compiled step than a typed
+    key). One rule for a built state and a loaded one.
 
     Examples:
         >>> import jax
@@ -45,19 +44,16 @@ def state_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int,
                   x: Any) -> tuple[Callable, tuple]:
-    """``(build, args)``: ``build(*args)`` returns the initial `TrainState` for inputs shaped like
-    ``x``.
+    """``(build, args)``: ``build(*args)`` returns the initial `TrainState` for inputs like ``x``.
 
     Args:
         model: the `LinenModel` / `NnxModel` adapter.
         optimizer: the optax transformation.
-        seed: seeds ``model.init`` (linen) and the state's base key (per-step keys are
-            ``fold_in(rng, step)``).
+        seed: seeds ``model.init`` (linen) and the state's base key.
         x: a sample of the inputs (only the first row's shape and dtype are used).
 
     Returns:
-        The pure function and its arguments (the key, a one-row sample, the model's given
-        variables).
+        The pure function and its arguments (the key, a one-row sample, the model's variables).
 
     Examples:
         >>> import jax, numpy as np, optax, flax.linen as nn
@@ -79,8 +75,7 @@ def state_builder(model: Any, optimizer: optax.GradientTransformation, seed: int
 
 
 def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
-    """The state ``build(*args)`` would make, as abstract arrays carrying ``strategy``'s variable
-    layout.
+    """The state ``build(*args)`` would make, as abstract arrays in ``strategy``'s variable layout.
 
     Examples:
         >>> import numpy as np, optax, flax.linen as nn, jaxdist as jd
@@ -90,24 +85,22 @@ def restore_target(strategy: Strategy, build: Callable, args: tuple) -> Any:
         >>> restore_target(jd.OneDeviceStrategy(), build, args).params["kernel"].shape
         (3, 2)
     """
+    return _laid_out(strategy, build, *untyped(args))
+
+
+def _laid_out(strategy: Strategy, build: Callable, *args: Any) -> Any:
     with strategy.policy.shape_scope():
-        shapes = jax.eval_shape(build, *untyped(args))
+        shapes = jax.eval_shape(build, *args)
     layouts = strategy.variable_shardings(shapes)  # the layout create_variables would use
-    return jax.tree.map(
-        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-        shapes,
-        layouts,
-    )
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                        layouts)
 
 
 def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, params: Any,
                   model_state: Any) -> Any:
-    """The state a run with ``params`` (and ``model_state``, or none) has, as abstract arrays
-    carrying ``strategy``'s variable layout: the optimizer's state from ``optimizer.init``'s shapes,
-    no model needed.
-
-    What `Trainer.load_state` checks the pieces against when the model's own shapes are not known
-    yet (a linen model before its first batch); the model's check follows at that batch.
+    """The state a run with ``params`` (and ``model_state``, or none) has, as abstract arrays in
+    ``strategy``'s variable layout, no model needed: what `Trainer.load_state` checks the pieces
+    against before a linen model's first batch (the model's check follows at that batch).
 
     Examples:
         >>> import numpy as np, optax, jaxdist as jd
@@ -118,37 +111,22 @@ def params_target(strategy: Strategy, optimizer: optax.GradientTransformation, p
     """
     def build(rng):
         _, step_rng = state_keys(rng)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state
-                          or {}, step_rng)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                          model_state or {}, step_rng)
 
     params, model_state = abstract(params), abstract(model_state)
     key = jax.random.key(0)  # outside the scope: its seeding compiled once, as everywhere else
-    with strategy.policy.shape_scope():
-        shapes = jax.eval_shape(build, key)
-    layouts = strategy.variable_shardings(shapes)
-    return jax.tree.map(
-        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-        shapes,
-        layouts,
-    )
+    return _laid_out(strategy, build, key)
 
 
-def check_losses(
-    model: Any,
-    loss_fn: Callable,
-    metrics: Mapping[str, Callable],
-    state: TrainState,
-    x: Any,
-    y: Any,
-) -> frozenset[str]:
+def check_losses(model: Any, loss_fn: Callable, metrics: Mapping[str, Callable], state: TrainState,
+                 x: Any, y: Any) -> frozenset[str]:
     """Check that ``loss_fn`` and each metric return a scalar mean or a ``(sum, weight)`` pair on
-    the model's outputs for ``(x, y)``; return the names (``"loss"`` and metric names) that return
-    pairs.
+    the model's outputs for ``(x, y)``; return the names that return pairs.
 
     Args:
         model: the adapter.
-        loss_fn: ``loss_fn(outputs, targets)``; must return a float scalar or a pair (float sum,
-            numeric weight).
+        loss_fn: ``loss_fn(outputs, targets)``: a float scalar or a (float sum, numeric weight).
         metrics: ``{name: fn(outputs, targets)}``; each must return a numeric scalar or such a pair.
         state: the state (or its abstract shapes, from ``jax.eval_shape``).
         x / y: a batch's inputs and targets (only shapes and dtypes are used; nothing runs).
@@ -202,13 +180,11 @@ def check_losses(
     return frozenset(pairs)
 
 
-_CALL_SHAPE = (
-    "the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), where outputs "
-    "= the model applied to the batch's inputs and targets = its targets (batch[1], or "
-    "batch[target_key]). A loss written as loss_fn(model, batch) (the nnx tutorials' form) "
-    "becomes, e.g., loss_fn=lambda logits, labels: "
-    "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()"
-)
+_CALL_SHAPE = ("the Trainer calls loss_fn(outputs, targets) and each metric(outputs, targets), "
+               "where outputs = the model applied to the batch's inputs and targets = its targets "
+               "(batch[1], or batch[target_key]). A loss written as loss_fn(model, batch) (the "
+               "nnx tutorials' form) becomes, e.g., loss_fn=lambda logits, labels: "
+               "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()")
 
 
 def _check_call_shape(name: str, fn: Callable) -> None:
@@ -222,11 +198,8 @@ def _check_call_shape(name: str, fn: Callable) -> None:
         return
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
-    required = [
-        p
-        for p in params
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    required = [p for p in params
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if ((len(names) < 2 and not varargs) or len(required) > 2
             or (names[:1] == ["model"] or names[1:2] == ["batch"])):
         raise TypeError(f"{name} has the parameters ({', '.join(p.name for p in params)}): "

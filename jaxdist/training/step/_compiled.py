@@ -2,18 +2,9 @@
 evaluation, prediction.
 
 Evaluation and prediction pad a ragged batch to a multiple of the replica count and mask the padding
-out (`eval_batches`), so their results cover every example exactly once.
-
-Every compiled step declares its batch arguments (``batch_argnums``): host batches are split over
-the replicas, the state keeps the strategy's variable layout. Training steps also add their metrics
-to the running sums (`jaxdist.training.step.RunningSums`; a token-weighted value adds its sum and
-its weight, `jaxdist.training.step._weighted`), which stay on the devices packed in one small vector
-(`PackedSums`): the fit loop reads them at a log point instead of every step's scalars, so logging
-costs no work and no transfer per step.
-
-`CompiledSteps.step_cost` reads the train step's cost once from its plan
-(`jaxdist.costs.StepCost.of_plan`): it plans the step for the abstract arguments it already ran
-with, which finds the compiled program in JAX's cache.
+out (`eval_batches`), so their results cover every example exactly once. Training steps add their
+metrics to the running sums (`jaxdist.training.step.RunningSums`), which stay on the devices: the
+fit loop reads them at a log point, so logging costs no work and no transfer per step.
 """
 
 from __future__ import annotations
@@ -47,8 +38,7 @@ __all__ = ["CompiledSteps"]
 
 
 class CompiledSteps:
-    """One model's train, evaluation and prediction steps, compiled for ``strategy``, with running
-    sums.
+    """One model's train, evaluation and prediction steps, compiled for ``strategy``, with sums.
 
     Args:
         strategy: the strategy to compile for.
@@ -74,26 +64,18 @@ class CompiledSteps:
         (('loss',), 1, 0)
     """
 
-    def __init__(
-        self,
-        strategy: Strategy,
-        model: Any,
-        optimizer: optax.GradientTransformation,
-        loss_fn: Callable,
-        metrics: Mapping[str, Callable] | None = None,
-        grad_accum_steps: int = 1,
-        compute_dtype: Any = None,
-        ema_decay: float | None = None,
-    ):
+    def __init__(self, strategy: Strategy, model: Any, optimizer: optax.GradientTransformation,
+                 loss_fn: Callable, metrics: Mapping[str, Callable] | None = None,
+                 grad_accum_steps: int = 1, compute_dtype: Any = None,
+                 ema_decay: float | None = None):
         self.strategy = strategy
         self.metrics = dict(metrics or {})
         self._model, self._loss_fn, self._compute_dtype = model, loss_fn, compute_dtype
         self.grad_accum_steps = grad_accum_steps
         self.train_step = make_summed_train_step(model, optimizer, loss_fn, metrics,
-                                                 grad_accum_steps,
-                                                 compute_dtype, ema_decay=ema_decay)
-        # fit(on_non_finite="skip") trains with this variant (a non-finite step changes no state);
-        # built lazily.
+                                                 grad_accum_steps, compute_dtype,
+                                                 ema_decay=ema_decay)
+        # fit(on_non_finite="skip") trains with this variant, built lazily
         self._skipping_step = lambda: make_summed_train_step(
             model, optimizer, loss_fn, metrics, grad_accum_steps, compute_dtype,
             skip_non_finite=True, ema_decay=ema_decay)
@@ -102,29 +84,25 @@ class CompiledSteps:
                                       batch_argnums=(1, 2))
         self.predict_step = strategy.jit(make_predict_step(model, compute_dtype),
                                          batch_argnums=(1,))
-        # Which of "loss" and the metrics return (sum, weight) pairs: set by the trainer's loss
-        # check, or read from the first training batch.
+        # Which of "loss" and the metrics return (sum, weight) pairs (from the first batch if unset)
         self.weighted: frozenset[str] | None = None
-        # Built with the first state (they need the metric names, which depend on the optimizer
-        # state): per skip_non_finite, the compiled (state, batch, sums) -> (state, metrics, sums)
-        # and the on-device loop body.
+        # per skip_non_finite, (fit_step, loop body): built with the first state (the metric names
+        # depend on the optimizer state)
         self._fit_steps: dict[bool, tuple[Callable, Callable]] = {}
         self._zero: PackedSums | None = None  # the running sums of no steps, on the host
         self._metrics_out: tuple[str, ...] = ()  # the step's metrics dict's
-        # The running sums since pop_sums: the packed vector alone (the compiled steps take and
-        # return one array, which costs the host what one argument costs; `_zero` knows its
-        # structure). On the devices; None: zeros.
+        # The running sums since pop_sums: the packed vector alone, on the devices (`_zero` knows
+        # its structure); None: zeros.
         self._sums: jax.Array | None = None
-        # The sums of a new window, placed once as the last sums were laid out and passed to every
-        # step that starts one (the fit step does not donate its sums: a few bytes, while placing
-        # zeros again at each log point cost ~0.1 ms of host time on 8 devices).
+        # The sums of a new window, placed once and passed to every step that starts one (the fit
+        # step does not donate its sums: a few bytes, against ~0.1 ms to place zeros each time).
         self._zeros: jax.Array | None = None
         self._cost: StepCost | None = None
 
     @property
     def fit_step(self) -> Callable | None:
-        """The compiled ``(state, batch, sums) -> (state, metrics, sums)`` that training runs now
-        (None before the first training batch)."""
+        """The compiled ``(state, batch, sums) -> (state, metrics, sums)`` training runs now (None
+        before the first training batch)."""
         steps = self._fit_steps.get(self.skip_non_finite)
         return None if steps is None else steps[0]
 
@@ -134,8 +112,7 @@ class CompiledSteps:
         return None if steps is None else steps[1]
 
     def _build(self, state: TrainState, pair: Any = None) -> bool:
-        """Build the fit step; False when it cannot be yet (the loss's structure is unknown without
-        a batch)."""
+        """Build the fit step; False when it cannot be yet (no batch: the loss's form unknown)."""
         if self.fit_step is not None:
             return True
         if self._zero is not None:  # the other variant is built: same sums
@@ -148,11 +125,9 @@ class CompiledSteps:
             if self.weighted is None:
                 self.weighted = check_losses(self._model, self._loss_fn, self.metrics,
                                              untyped(state), *pair)
-            # The metrics the model's own layers add (MoE router metrics): token-weighted where the
-            # loss is.
-            extra = layer_metric_names(
-                self._model, *untyped((state.params, state.model_state, pair[0]))
-            )
+            # the metrics the model's own layers add (MoE): token-weighted where the loss is
+            extra = layer_metric_names(self._model,
+                                       *untyped((state.params, state.model_state, pair[0])))
         weighted = self.weighted | (frozenset(extra) if "loss" in self.weighted else frozenset())
         zero = zero_sums((*self.metrics, *extra), state.opt_state, weighted)
         self._zero = zero.pack()
@@ -172,8 +147,7 @@ class CompiledSteps:
         self._fit_steps[self.skip_non_finite] = (fit_step, make_loop_step(train_step, like))
 
     def _current_sums(self) -> Any:
-        """The sums' vector: the running one, or zeros (laid out as the last one was: the step takes
-        them as they are; host zeros before the first step)."""
+        """The sums' vector: the running one, or zeros (laid out as the last one was)."""
         if self._sums is not None:
             return self._sums
         zeros = self._zeros
@@ -184,16 +158,14 @@ class CompiledSteps:
         return self._zero.vector
 
     def train(self, state: TrainState, pair: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One compiled step on the batch ``pair = (x, y)`` (the state is donated); adds to the
-        sums."""
+        """One compiled step on ``pair = (x, y)`` (the state is donated); adds to the sums."""
         if self.fit_step is None:
             self._build(state, pair)
         state, metrics, self._sums = self.fit_step(state, pair, self._current_sums())
         return state, metrics
 
-    def train_loop(
-        self, state: TrainState, pairs: Sequence[Any]
-    ) -> tuple[TrainState, dict[str, jax.Array]]:
+    def train_loop(self, state: TrainState,
+                   pairs: Sequence[Any]) -> tuple[TrainState, dict[str, jax.Array]]:
         """``len(pairs)`` steps in one on-device loop (the state is donated); adds to the sums.
 
         Returns:
@@ -216,15 +188,13 @@ class CompiledSteps:
         return self.fit_step.plan(state, pair, self._current_sums())
 
     def pop_sums(self, state: TrainState) -> PackedSums:
-        """The running sums since the last call (see ``Trainer.pop_running_sums``); restarts
-        them."""
+        """The running sums since the last call (``Trainer.pop_running_sums``); restarts them."""
         sums = self.peek_sums(state)
         self._sums = None
         vector = sums.vector
         if isinstance(vector, jax.Array) and (self._zeros is None
                                               or self._zeros.shape != vector.shape):
-            # placed from the host (a few bytes), not built by a program of its own: one compile
-            # less per fit
+            # placed from the host, not built by a program of its own: one compile less per fit
             self._zeros = put(self._zero.vector, vector.sharding)
         return sums
 
@@ -236,8 +206,7 @@ class CompiledSteps:
 
     def step_cost(self, state: TrainState, batch_signature: tuple,
                   options: CostOptions) -> StepCost:
-        """What the compiled train step costs, read once from its `Plan` (after a training step: the
-        fit step is built).
+        """What the compiled train step costs, read once from its `Plan` (after a training step).
 
         Args:
             state: the current state (only its shapes, dtypes and layout are read).
@@ -253,8 +222,7 @@ class CompiledSteps:
         sums = jax.ShapeDtypeStruct(self._zero.vector.shape, np.float32)
         sums = jax.ShapeDtypeStruct(sums.shape, sums.dtype,
                                     sharding=strategy.variable_shardings(sums))
-        # The arguments the step ran with, abstractly: JAX's caches hand back the program it already
-        # compiled.
+        # The arguments the step ran with, abstractly: JAX's caches hand back its program.
         rows = jax.tree.leaves(batch)[0].shape[0]
         devices = tuple(strategy.mesh.devices.flat)
         local = tuple(d for d in devices if d.process_index == jax.process_index())
@@ -265,9 +233,8 @@ class CompiledSteps:
             # a backend without program text or memory analysis: FLOPs n/a, not a failed fit
             first = (str(error).splitlines() or [""])[0][:200]
             plan, why = None, f"the step could not be planned: {type(error).__name__}: {first}"
-        roles = {
-            k: bytes_per_device(getattr(like, k)) for k in ("params", "opt_state", "model_state")
-        }
+        roles = {k: bytes_per_device(getattr(like, k))
+                 for k in ("params", "opt_state", "model_state")}
         self._cost = StepCost.of_plan(plan, options=options, devices=devices, local_devices=local,
                                       rows_per_step=rows, state_bytes=roles, why=why)
         return self._cost
@@ -295,9 +262,8 @@ class CompiledSteps:
         first = None
         for batch, weights in self.strategy.experimental_distribute_dataset(source()):
             first = batch if first is None else first
-            batch_sums, batch_counts, rows = jax.device_get(
-                self.eval_step(state_for(batch), batch, weights)
-            )
+            batch_sums, batch_counts, rows = jax.device_get(self.eval_step(state_for(batch), batch,
+                                                                           weights))
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0.0) + float(batch_counts[k])
@@ -311,8 +277,7 @@ class CompiledSteps:
 
     def _check_labels(self, state: TrainState, batch: Any, labels: list[int],
                       result: dict[str, float]) -> None:
-        """A non-finite evaluation with integer targets: raise when they fall outside the outputs'
-        classes."""
+        """A non-finite evaluation with integer targets: raise when they are outside the classes."""
         outputs = jax.tree.leaves(self.predict_step(state, batch[0]))
         classes = np.shape(outputs[0])[-1] if outputs and np.ndim(outputs[0]) >= 2 else None
         if classes is None or (0 <= labels[0] and labels[1] < classes):
@@ -343,8 +308,8 @@ class CompiledSteps:
 
 
 def _abstract_batch(signature: tuple, layout: Any) -> Any:
-    """The batch a `jaxdist.training.data._checks.signature` describes, as abstract arrays (laid out
-    by ``layout(ndim)``, `LayoutPolicy.batch_layout`)."""
+    """The batch a `jaxdist.training.data._checks.signature` describes, as abstract arrays laid out
+    by ``layout`` (`LayoutPolicy.batch_layout`)."""
     treedef, leaves = signature
     return jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype),

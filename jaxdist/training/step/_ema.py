@@ -6,30 +6,15 @@ each optimizer step::
 
     ema = d * ema + (1 - d) * params
 
-starting from the first parameters (a new run's initial ones, or the ones `Trainer.load_state` or a
-checkpoint without averaged weights gives). It is part of the step's donated state, so it costs no
-transfer, no extra program and no host work per step (also inside ``steps_per_run > 1`` on-device
-loops), and it is saved and restored with the checkpoint like the rest of the state. A step that the
-non-finite policy skips (``on_non_finite="skip"``) leaves it as it was, as it leaves the parameters.
+starting from the first parameters. It is part of the step's donated state, so it costs no
+transfer, no extra program and no host work per step, and it is saved and restored with the
+checkpoint like the rest of the state (`restore_state`). A step that the non-finite policy skips
+leaves it as it was, as it leaves the parameters.
 
-Precision: the average is computed and kept in the parameters' own dtype (``d`` is a weakly typed
-Python float), so float32 parameters (the Trainer's, also under ``compute_dtype=jnp.bfloat16``) give
-a float32 average. Each update moves the average by ``(1 - d) * (params - ema)``; in bfloat16
-parameters with ``d`` close to 1 that difference rounds away (bfloat16 keeps 8 bits), so keep
-float32 parameters for averaged weights. Integer leaves are not averaged: their average is the
-current value.
-
-Checkpoints: a state is restored whether or not the checkpoint holds what the trainer keeps
-(`restore_state`). A checkpoint holds ``TrainState.ema`` exactly when the run that wrote it kept
-averaged weights (``Trainer(ema_decay=...)``). Restoring reads what both sides have:
-
-* the checkpoint has averaged weights, the trainer keeps them: restored as they are (a resumed run's
-  average is the uninterrupted run's, bit for bit);
-* the checkpoint has none (a run without ``ema_decay``, or an older one), the trainer keeps them:
-  the state is restored without them and the average starts again from the restored parameters (what
-  a new run does with its first parameters), with a warning saying so;
-* the checkpoint has them, the trainer keeps none: the parameters are restored and the average is
-  left out.
+Precision: the average is kept in the parameters' own dtype (``d`` is a weakly typed Python float).
+Each update moves it by ``(1 - d) * (params - ema)``, which rounds away in bfloat16 parameters with
+``d`` close to 1, so keep float32 parameters (the Trainer's, also under ``compute_dtype``) for
+averaged weights. Integer leaves are not averaged: their average is the current value.
 """
 
 from __future__ import annotations
@@ -70,17 +55,16 @@ def check_ema_decay(ema_decay: Any) -> float | None:
         return None
     number = isinstance(ema_decay, (int, float)) and not isinstance(ema_decay, bool)
     if not number or not math.isfinite(ema_decay) or not 0 <= ema_decay < 1:
-        raise ValueError(
-            f"ema_decay={ema_decay!r} must be a number in [0, 1): the weight of the old average in "
-            "each update (ema = ema_decay * ema + (1 - ema_decay) * params), e.g. ema_decay=0.999 "
-            "(an average over about 1000 steps); None (the default) keeps no averaged weights."
-        )
+        raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1): the weight of the "
+                         "old average in each update (ema = ema_decay * ema + (1 - ema_decay) * "
+                         "params), e.g. ema_decay=0.999 (an average over about 1000 steps); None "
+                         "(the default) keeps no averaged weights.")
     return float(ema_decay)
 
 
 def ema_update(decay: float, ema: Any, params: Any) -> Any:
     """The average after one step: ``decay * ema + (1 - decay) * params`` for every floating leaf,
-    in its own dtype; other leaves (integers) take the current value.
+    in its own dtype; integer leaves take the current value.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -97,8 +81,7 @@ def ema_update(decay: float, ema: Any, params: Any) -> Any:
 
 
 def _copy(params: Any) -> Any:
-    """A copy of ``params`` in their own shardings (new buffers: the step donates both trees);
-    abstract arrays stay abstract (a plan or a restore target)."""
+    """A copy of ``params`` in their own shardings (the step donates both); abstract ones as is."""
     leaves = jax.tree.leaves(params)
     if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
         return params
@@ -108,9 +91,8 @@ def _copy(params: Any) -> Any:
 
 
 def with_ema(state: Any, decay: float | None) -> Any:
-    """``state`` (a `TrainState`, or its abstract twin) with averaged weights when ``decay`` is set:
-    its own average, or a new one started from its parameters (same shardings); without ``decay``,
-    none.
+    """``state`` (a `TrainState`, or its abstract twin) with averaged weights when ``decay`` is set
+    (its own, or new ones from its parameters); without ``decay``, none.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -126,14 +108,11 @@ def with_ema(state: Any, decay: float | None) -> Any:
     return state._replace(ema=_copy(state.params))
 
 
-def averaged(
-    state_for: Callable[[Any], Any], decay: float | None, where: str
-) -> Callable[[Any], Any]:
+def averaged(state_for: Callable[[Any], Any], decay: float | None,
+             where: str) -> Callable[[Any], Any]:
     """``state_for`` whose states carry the averaged weights as their parameters (for evaluation,
-    prediction).
-
-    The state keeps its structure and shardings (``params`` and ``ema`` swap roles only), so
-    evaluating with the average runs the program that evaluates the parameters.
+    prediction). ``params`` and ``ema`` swap roles only, so the program that evaluates the
+    parameters runs unchanged.
 
     Args:
         state_for: ``batch -> TrainState``.
@@ -151,11 +130,9 @@ def averaged(
         [1.0, 1.0]
     """
     if decay is None:
-        raise ValueError(
-            f"{where} needs averaged weights, but this Trainer keeps none (ema_decay=None): build "
-            "it with Trainer(..., ema_decay=0.999) (or another decay in [0, 1)), or call it with "
-            "ema=False."
-        )
+        raise ValueError(f"{where} needs averaged weights, but this Trainer keeps none "
+                         "(ema_decay=None): build it with Trainer(..., ema_decay=0.999) (or "
+                         "another decay in [0, 1)), or call it with ema=False.")
 
     def state_with_average(batch: Any) -> Any:
         state = state_for(batch)
@@ -165,8 +142,7 @@ def averaged(
 
 
 def has_ema(meta: dict) -> bool:
-    """Whether the checkpoint whose metadata is ``meta`` holds averaged weights (leaves under
-    ``.ema``).
+    """Whether the checkpoint with metadata ``meta`` holds averaged weights (leaves under ``.ema``).
 
     Examples:
         >>> has_ema({"fingerprint": [[".params['w']", [2], "float32"],
@@ -178,7 +154,9 @@ def has_ema(meta: dict) -> bool:
 
 def restore_state(ckpt: Any, like: Any, step: int) -> tuple[Any, dict]:
     """Checkpoint ``step`` read into ``like`` (a `TrainState`, live or abstract), averaged weights
-    or not.
+    or not: both sides' restored as they are (bit for bit); only the trainer's, the state without
+    them and a warning (the average starts again from the parameters); only the checkpoint's, left
+    out.
 
     Args:
         ckpt: the open `jaxdist.training.Checkpointer`.
@@ -213,10 +191,9 @@ def restore_state(ckpt: Any, like: Any, step: int) -> tuple[Any, dict]:
         return ckpt.restore(like, step)
     if wanted:
         state, meta = ckpt.restore(like._replace(ema=None), step)
-        warnings.warn(
-            f"checkpoint step {step} of {ckpt.directory!r} has no averaged weights (the run that "
-            "wrote it had no "
-            "ema_decay): the average starts again from its parameters.", UserWarning, stacklevel=4)
+        warnings.warn(f"checkpoint step {step} of {ckpt.directory!r} has no averaged weights (the "
+                      "run that wrote it had no ema_decay): the average starts again from its "
+                      "parameters.", UserWarning, stacklevel=4)
         return state, meta
     # the average's leaves are the params'
     state, meta = ckpt.restore(like._replace(ema=like.params), step)

@@ -7,13 +7,10 @@ and every metric are means over the GLOBAL batch (never a mean of per-replica me
 
 * Gradient accumulation: with ``grad_accum_steps=k`` each batch is split into k micro-batches inside
   the step (``lax.scan``; activations live for one micro-batch at a time) and their mean gradient
-  makes ONE optimizer update: the same update as one step on the whole batch. Micro-batch j takes
-  rows ``j, j+k, j+2k, ...``, so every replica splits its own rows and no data moves between
-  devices.
-* Token-weighted losses (`jaxdist.training.step._weighted`): a loss or metric that returns ``(sum,
-  weight)`` is summed over micro-batches and divided once by the summed weight, so micro-batches
-  holding different numbers of real tokens make the update one step on the whole batch makes; a
-  scalar loss is a mean over equal-sized micro-batches, and their means are averaged.
+  makes ONE optimizer update: the same update as one step on the whole batch. Each replica splits
+  its own rows (`_micro_batches`), so no data moves between devices.
+* Token-weighted losses (`jaxdist.training.step._weighted`): a ``(sum, weight)`` loss or metric is
+  summed over micro-batches and divided once by the summed weight; scalar means are averaged.
 * Mixed precision: with ``compute_dtype=jnp.bfloat16`` the forward and backward pass run in bf16 on
   bf16 copies of the parameters and inputs; parameters, gradients and optimizer state stay float32,
   and outputs are cast back to float32 before the loss.
@@ -36,18 +33,9 @@ from jaxdist.training.data import split_batch
 from jaxdist.training.step._ema import ema_update
 from jaxdist.training.step._running import PackedSums, RunningSums
 
-__all__ = [
-    "TrainState",
-    "accuracy",
-    "make_eval_step",
-    "make_loop_step",
-    "make_predict_step",
-    "make_summed_train_step",
-    "make_train_step",
-    "layer_metric_names",
-    "step_key",
-    "zero_sums",
-]
+__all__ = ["TrainState", "accuracy", "make_eval_step", "make_loop_step", "make_predict_step",
+           "make_summed_train_step", "make_train_step", "layer_metric_names", "step_key",
+           "zero_sums"]
 
 
 class TrainState(NamedTuple):
@@ -60,13 +48,11 @@ class TrainState(NamedTuple):
         model_state: the model's other variables (linen ``batch_stats``; nnx batch stats and
             ``Rngs``).
         rng: the base PRNG key; step ``s`` uses ``jax.random.fold_in(key, s)``, so a resumed run
-            draws the same numbers as an uninterrupted one. A typed key (``jax.random.key``) or its
-            raw data (``jax.random.key_data``; what the `Trainer` keeps: a plain uint32 array costs
-            less per step to pass into a compiled step than a typed key does); `step_key` reads
-            either.
-        ema: the averaged weights (`jaxdist.training.step._ema`): a tree like ``params`` with their
-            shardings, updated after each optimizer step; None (the default) when the run keeps
-            none.
+            draws the same numbers as an uninterrupted one. A typed key or its raw data
+            (``jax.random.key_data``: what the `Trainer` keeps, as a plain uint32 array costs less
+            per step to pass into a compiled step); `step_key` reads either.
+        ema: the averaged weights (`jaxdist.training.step._ema`), a tree like ``params`` updated
+            after each optimizer step; None (the default) when the run keeps none.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -100,8 +86,7 @@ def step_key(state: TrainState) -> jax.Array:
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Fraction of rows whose arg-max logit is the integer label: a metric for
-    ``Trainer(metrics=...)``.
+    """Fraction of rows whose arg-max logit is the integer label (for ``Trainer(metrics=...)``).
 
     Args:
         logits: ``(batch, classes)`` scores.
@@ -125,33 +110,30 @@ def _cast(tree: Any, dtype: Any) -> Any:
                         tree)
 
 
-def _learning_rate(opt_state: Any) -> jax.Array | None:
-    """The current learning rate, when the optimizer was built with `optax.inject_hyperparams`."""
+def _hyperparams(opt_state: Any) -> Mapping | None:
+    """The hyperparameters holding the learning rate of an `optax.inject_hyperparams` optimizer."""
     for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams")):
         hyper = getattr(node, "hyperparams", None)
         if isinstance(hyper, Mapping) and "learning_rate" in hyper:
-            return jnp.asarray(hyper["learning_rate"], jnp.float32)
+            return hyper
     return None
 
 
 def _micro_batches(tree: Any, k: int) -> Any:
-    """(B, ...) -> (k, B/k, ...): micro-batch j holds rows j, j+k, ...; each replica splits its own
-    rows."""
+    """(B, ...) -> (k, B/k, ...): micro-batch j holds rows j, j+k, ... (each replica's own rows)."""
 
     def split(a):
         if a.shape[0] % k:
-            raise ValueError(
-                f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} rows: use a batch "
-                f"that is a multiple of {k} (and of the replica count times {k})."
-            )
+            raise ValueError(f"grad_accum_steps={k} does not divide the batch of {a.shape[0]} "
+                             f"rows: use a batch that is a multiple of {k} (and of the replica "
+                             f"count times {k}).")
         return jnp.moveaxis(a.reshape((a.shape[0] // k, k, *a.shape[1:])), 1, 0)
 
     return jax.tree.map(split, tree)
 
 
 ACCUMULATION_SCOPE = "grad_accumulation"
-"""Named scope of the micro-batch loop (its ``while`` op carries it: profiles and the compiled text
-name it)."""
+"""Named scope of the micro-batch loop's ``while`` op (profiles and the compiled text name it)."""
 
 
 def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
@@ -185,14 +167,12 @@ def _forward(model, loss_fn, metrics, compute_dtype) -> Callable:
 
 
 def _layer_values(sown: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """The metrics of what a model's layers sowed in a training call (its MoE layers' auxiliary
-    loss, which also joins the loss, and router metrics)."""
+    """The metrics of what a model's layers sowed in a training call (MoE aux loss, routing)."""
     return {"moe_aux_loss": moe_loss(sown), **moe_metrics(sown)}
 
 
 def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tuple[str, ...]:
-    """The names of the metrics ``model``'s own layers add to a train step's (`_layer_values`):
-    nothing runs.
+    """The names of the metrics ``model``'s own layers add to a train step's; nothing runs.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxdist as jd
@@ -206,8 +186,7 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
         return ()
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.dtypes.result_type(a)),
                           (params, model_state, x))
-    # the key made inside the trace: nothing compiled (an eager key would compile its seeding
-    # again under the caller's mesh context)
+    # the key made inside the trace: an eager one would compile its seeding under the caller's mesh
     sown = jax.eval_shape(lambda p, s, xb: model.apply_train(p, s, xb, jax.random.key(0))[2],
                           *shapes)
     if not sown:
@@ -215,28 +194,22 @@ def layer_metric_names(model: Any, params: Any, model_state: Any, x: Any) -> tup
     return tuple(jax.eval_shape(_layer_values, sown))
 
 
-def make_summed_train_step(
-    model: Any,
-    optimizer: optax.GradientTransformation,
-    loss_fn: Callable[[Any, Any], Any],
-    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
-    grad_accum_steps: int = 1,
-    compute_dtype: Any = None,
-    skip_non_finite: bool = False,
-    ema_decay: float | None = None,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
+def make_summed_train_step(model: Any, optimizer: optax.GradientTransformation,
+                           loss_fn: Callable[[Any, Any], Any],
+                           metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+                           grad_accum_steps: int = 1, compute_dtype: Any = None,
+                           skip_non_finite: bool = False, ema_decay: float | None = None,
+                           ) -> Callable[[TrainState, Any], tuple[TrainState, dict, dict]]:
     """The train step ``(state, batch) -> (state, metrics, addends)`` behind `make_train_step`.
 
     ``addends`` is this step's `RunningSums` (`RunningSums.of_step`), which the compiled step adds
-    to the running sums: each scalar metric's mean (weight 1), a token-weighted one's (``(sum,
-    weight)``) sum and weight (`jaxdist.training.step._weighted`), so that sums over steps divide
-    once; the step's non-finite record (its loss or its gradients' global norm is not finite:
-    `jaxdist.training.step._non_finite.step_flag`); and the learning rate when the optimizer exposes
-    it. Arguments as for `make_train_step`, and ``skip_non_finite``: a step whose flag is set keeps
-    the parameters, optimizer and model state it was given (optax's ``apply_if_finite`` semantics;
-    the step counter moves on), and ``ema_decay``: the state's averaged weights (``TrainState.ema``)
-    move towards the new parameters (`jaxdist.training.step._ema.ema_update`), except in a step that
-    is skipped.
+    to the running sums: each scalar metric's mean (weight 1), a token-weighted one's sum and weight
+    (so sums over steps divide once), the step's non-finite record
+    (`jaxdist.training.step._non_finite.step_flag`), and the learning rate when the optimizer
+    exposes it. Arguments as for `make_train_step`, and ``skip_non_finite``: a step whose flag is
+    set keeps the parameters, optimizer and model state it was given (optax's ``apply_if_finite``;
+    the step counter moves on), and ``ema_decay``: ``TrainState.ema`` moves towards the new
+    parameters (`jaxdist.training.step._ema.ema_update`), except in a skipped step.
 
     Examples:
         >>> import jax, jax.numpy as jnp, optax, flax.linen as nn
@@ -260,29 +233,25 @@ def make_summed_train_step(
         x, y = split_batch(batch)
         rng = step_key(state)
         if grad_accum_steps == 1:
-            (loss, (model_state, weight, values)), grads = grad_fn(
-                state.params, state.model_state, x, y, rng
-            )
+            (loss, (model_state, weight, values)), grads = grad_fn(state.params, state.model_state,
+                                                                   x, y, rng)
             loss = jnp.asarray(loss, jnp.float32)
         else:
             def micro(carry, inputs):
                 grads_sum, loss_sum, weight_sum, values_sum, model_state = carry
                 j, xj, yj = inputs
                 (loss, (model_state, weight, values)), grads = grad_fn(
-                    state.params, model_state, xj, yj, jax.random.fold_in(rng, j)
-                )
+                    state.params, model_state, xj, yj, jax.random.fold_in(rng, j))
                 add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
                 weight_sum = None if weight is None else weight_sum + weight
                 return (add(grads_sum, grads), loss_sum + loss.astype(jnp.float32), weight_sum,
                         add(values_sum, values), model_state), None
 
-            # The carry's structure (which values are weighted) is the forward's: read it without
-            # running it.
+            # The carry's structure (which values are weighted) is the forward's, read unrun.
             _, (_, weight0, values0) = jax.eval_shape(
-                forward, state.params, state.model_state, *_first_micro(x, y, grad_accum_steps), rng
-            )
-            zeros = lambda tree: jax.tree.map(  # noqa: E731
-                lambda s: jnp.zeros(s.shape, s.dtype), tree)
+                forward, state.params, state.model_state, *_first_micro(x, y, grad_accum_steps),
+                rng)
+            zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
             with jax.named_scope(ACCUMULATION_SCOPE):
                 (grads, loss, weight, values, model_state), _ = jax.lax.scan(
                     micro,
@@ -292,9 +261,7 @@ def make_summed_train_step(
                      _micro_batches(y, grad_accum_steps)),
                 )
             scale = 1.0 / grad_accum_steps  # scalar means of equal-sized micro-batches: averaged
-            values = {
-                name: (v if w is not None else v * scale, w) for name, (v, w) in values.items()
-            }
+            values = {k: (v if w is not None else v * scale, w) for k, (v, w) in values.items()}
             if weight is None:
                 loss, grads = loss * scale, jax.tree.map(lambda g: g * scale, grads)
         # gradients of the SUM: divide once by the whole step's weight (0 weight: zero gradient)
@@ -314,9 +281,9 @@ def make_summed_train_step(
         for name, (value, w) in {"loss": (loss, weight), **values}.items():
             out[name] = value if w is None else weighted.mean(value, w)
             summed[name] = (value, w)
-        lr = _learning_rate(opt_state)
-        if lr is not None:
-            out["learning_rate"] = lr
+        hyper, lr = _hyperparams(opt_state), None
+        if hyper is not None:
+            out["learning_rate"] = lr = jnp.asarray(hyper["learning_rate"], jnp.float32)
         addends = RunningSums.of_step(summed, flag, lr)
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng,
                           ema), out, addends
@@ -330,14 +297,11 @@ def _first_micro(x: Any, y: Any, k: int) -> tuple[Any, Any]:
                         (x, y))
 
 
-def make_train_step(
-    model: Any,
-    optimizer: optax.GradientTransformation,
-    loss_fn: Callable[[Any, Any], Any],
-    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
-    grad_accum_steps: int = 1,
-    compute_dtype: Any = None,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+def make_train_step(model: Any, optimizer: optax.GradientTransformation,
+                    loss_fn: Callable[[Any, Any], Any],
+                    metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+                    grad_accum_steps: int = 1, compute_dtype: Any = None,
+                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
     """The single-device train step ``(state, batch) -> (state, metrics)``.
 
     Args:
@@ -346,8 +310,7 @@ def make_train_step(
         loss_fn: ``loss_fn(outputs, targets)`` returning the mean over the batch, or a pair ``(sum,
             weight)`` (e.g. the summed loss over real tokens and their count; see
             `jaxdist.training.step._weighted`).
-        metrics: extra ``name -> fn(outputs, targets)``, each a batch mean or a ``(sum, weight)``
-            pair.
+        metrics: extra ``name -> fn(outputs, targets)``, each a batch mean or a ``(sum, weight)``.
         grad_accum_steps: micro-batches per optimizer step (1: none).
         compute_dtype: e.g. ``jnp.bfloat16`` for mixed precision; None computes in the parameters'
             dtype.
@@ -380,8 +343,8 @@ def make_train_step(
 def zero_sums(metrics: Iterable[str], opt_state: Any,
               weighted_names: Collection[str] = ()) -> RunningSums:
     """The running sums of no train steps (`RunningSums.zeros`): ``"loss"`` and each of ``metrics``,
-    the ``weighted_names`` token-weighted, and a learning rate when the optimizer was built with
-    `optax.inject_hyperparams` (found in ``opt_state``; nothing runs).
+    the ``weighted_names`` token-weighted, and a learning rate when ``opt_state`` has one (nothing
+    runs).
 
     Examples:
         >>> import optax, jax.numpy as jnp
@@ -390,12 +353,8 @@ def zero_sums(metrics: Iterable[str], opt_state: Any,
         >>> sums.names, sums.token_weighted, sums.learning_rate is not None
         (('loss', 'accuracy'), ('loss',), True)
     """
-    has_rate = any(
-        isinstance(getattr(node, "hyperparams", None), Mapping)
-        and "learning_rate" in node.hyperparams
-        for node in jax.tree.leaves(opt_state, is_leaf=lambda n: hasattr(n, "hyperparams"))
-    )
-    return RunningSums.zeros(("loss", *metrics), weighted_names, learning_rate=has_rate)
+    return RunningSums.zeros(("loss", *metrics), weighted_names,
+                             learning_rate=_hyperparams(opt_state) is not None)
 
 
 def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedSums) -> Callable:
@@ -404,8 +363,7 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedS
     ``loop_step(ctx, (state, values, i, sums), x, y) -> (state, values, i + 1, sums)`` runs
     ``train_step`` on ``(x, y)``, writes each of its metrics into row ``i`` of ``values`` (``{name:
     float32 array (n,)}``; ``i`` starts at 0) and adds the step to ``sums`` (the vector of a
-    `PackedSums` structured as ``like``). After a loop of ``n`` steps
-    ``values`` holds every step's metrics and ``sums`` their running sums. ``train_step`` returns
+    `PackedSums` structured as ``like``). ``train_step`` returns
     ``(state, metrics)`` (each metric a scalar mean), or ``(state, metrics, addends)``
     (`make_summed_train_step`) whose addends go to the sums.
 
@@ -438,26 +396,21 @@ def make_loop_step(train_step: Callable[[TrainState, Any], tuple], like: PackedS
 
 
 def _per_example(fn: Callable, out: Any, y: Any) -> Any:
-    """``fn`` on every row as a batch of one: per-example values that padding rows can be masked out
-    of."""
+    """``fn`` on every row as a batch of one (per-example values, so padding rows can be masked)."""
     one = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
     return jax.vmap(lambda o, t: fn(one(o), one(t)))(out, y)
 
 
-def make_eval_step(
-    model: Any,
-    loss_fn: Callable,
-    metrics: Mapping[str, Callable] | None = None,
-    compute_dtype: Any = None,
-) -> Callable[[TrainState, Any, jax.Array], tuple[dict, dict, jax.Array]]:
+def make_eval_step(model: Any, loss_fn: Callable, metrics: Mapping[str, Callable] | None = None,
+                   compute_dtype: Any = None,
+                   ) -> Callable[[TrainState, Any, jax.Array], tuple[dict, dict, jax.Array]]:
     """The evaluation step ``(state, batch, weights) -> (sums, counts, examples)``.
 
     Each metric is computed per example (padding rows weigh 0 in ``weights``). For a scalar metric
     ``sums[name]`` is the weighted sum of its per-example values and ``counts[name]`` the sum of
     weights; for a token-weighted one (``(sum, weight)``) ``sums[name]`` adds the per-example sums
-    and ``counts[name]`` their weights. ``examples`` counts the real rows. The trainer adds all of
-    them over batches and divides once, so evaluation metrics are exact means over every example (or
-    every token).
+    and ``counts[name]`` their weights. ``examples`` counts the real rows. The trainer adds them
+    over batches and divides once: exact means over every example (or token).
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -473,15 +426,10 @@ def make_eval_step(
     """
     fns = {"loss": loss_fn, **dict(metrics or {})}
 
-    def eval_step(
-        state: TrainState, batch: Any, weights: jax.Array
-    ) -> tuple[dict, dict, jax.Array]:
+    def eval_step(state: TrainState, batch: Any,
+                  weights: jax.Array) -> tuple[dict, dict, jax.Array]:
         x, y = split_batch(batch)
-        out, _ = model.apply(
-            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,
-            train=False
-        )
-        out = _cast(out, jnp.float32 if compute_dtype is not None else None)
+        out = _predict(model, state, x, compute_dtype)
         sums, counts = {}, {}
         for name, fn in fns.items():
             value = _per_example(fn, out, y)
@@ -511,10 +459,12 @@ def make_predict_step(model: Any, compute_dtype: Any = None) -> Callable[[TrainS
     """
 
     def predict_step(state: TrainState, x: Any) -> Any:
-        out, _ = model.apply(
-            _cast(state.params, compute_dtype), state.model_state, _cast(x, compute_dtype), None,
-            train=False
-        )
-        return _cast(out, jnp.float32 if compute_dtype is not None else None)
+        return _predict(model, state, x, compute_dtype)
 
     return predict_step
+
+
+def _predict(model: Any, state: TrainState, x: Any, compute_dtype: Any) -> Any:
+    out, _ = model.apply(_cast(state.params, compute_dtype), state.model_state,
+                         _cast(x, compute_dtype), None, train=False)
+    return _cast(out, jnp.float32 if compute_dtype is not None else None)

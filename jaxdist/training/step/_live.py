@@ -2,10 +2,9 @@
 built from the first batch, and the compiled steps that advance it (`LiveState`).
 
 The ``Trainer`` is a facade over one `LiveState`: its steps, evaluation, prediction and plans are
-the methods here; `jaxdist.training.checkpoints` saves, restores and loads a `LiveState`
-(``save_live``, ``restore_live``, ``load_live``) and `jaxdist.training.loop` runs a fit on it
-(``fit``), driving it directly. The settings that build it (model, optimizer, losses, keys,
-micro-batches, precision, seed) are checked here, at the Trainer's construction.
+the methods here; `jaxdist.training.checkpoints` saves, restores and loads it, and
+`jaxdist.training.loop` runs a fit on it. The settings that build it are checked here, at the
+Trainer's construction.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ __all__ = ["LiveState", "abstract_state", "check_int"]
 
 
 def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (or None when
-    allowed).
+    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (or allowed
+    None).
 
     Examples:
         >>> check_int(None, "eval_every", 1)
@@ -50,35 +49,29 @@ def check_int(value: Any, name: str, minimum: int, allow_none: bool = True) -> N
 
 
 def abstract_state(state: Any) -> Any:
-    """``state`` as `jax.ShapeDtypeStruct`s with its shardings (what a restore or a plan reads
-    into)."""
+    """``state`` as `jax.ShapeDtypeStruct`s with its shardings (what a restore or a plan reads)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                         state)
 
 
 def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mapping,
-                    grad_accum_steps: Any,
-                    seed: Any, clip_grad_norm: Any, compute_dtype: Any) -> None:
+                    grad_accum_steps: Any, seed: Any, clip_grad_norm: Any,
+                    compute_dtype: Any) -> None:
     """The Trainer's arguments that build the state, checked before anything is built."""
     if not isinstance(strategy, Strategy):
-        raise TypeError(
-            f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. jd.MirroredStrategy() or "
-            "jd.OneDeviceStrategy()."
-        )
+        raise TypeError(f"strategy={strategy!r} is not a jaxdist strategy: pass e.g. "
+                        "jd.MirroredStrategy() or jd.OneDeviceStrategy().")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"optimizer={optimizer!r} is not an optax GradientTransformation: pass "
                         "e.g. optax.adam(1e-3).")
     if not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> scalar mean "
-            "or (sum, weight)."
-        )
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable: pass loss_fn(outputs, targets) -> "
+                        "scalar mean or (sum, weight).")
     for name, fn in metrics.items():
         if name == "loss" or not isinstance(name, str) or not callable(fn):
-            raise ValueError(
-                f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to fn(outputs, "
-                "targets) -> scalar (the loss is always reported as 'loss')."
-            )
+            raise ValueError(f"metrics[{name!r}]={fn!r}: metrics map names other than 'loss' to "
+                             "fn(outputs, targets) -> scalar (the loss is always reported as "
+                             "'loss').")
     check_int(grad_accum_steps, "grad_accum_steps", 1, allow_none=False)
     check_int(seed, "seed", 0, allow_none=False)
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float))
@@ -92,8 +85,7 @@ def _check_settings(strategy: Any, optimizer: Any, loss_fn: Any, metrics: Mappin
 class LiveState:
     """A Trainer's state (`TrainState`, None before its first batch), step counter and data
     position, with what builds and advances them: the model adapter, the optimizer (clipping chained
-    in), the batch checks and feeds (`jaxdist.training.data`), the compiled steps (`CompiledSteps`);
-    with ``ema_decay``, the state carries averaged weights (`jaxdist.training.step._ema`).
+    in), the batch checks and feeds, the compiled steps (`CompiledSteps`).
 
     Args: as ``Trainer``'s of the same names (checked here).
 
@@ -110,13 +102,12 @@ class LiveState:
     """
 
     def __init__(self, strategy: Strategy, model: Any, optimizer: optax.GradientTransformation,
-                 loss_fn: Callable, *,
-                 metrics: Mapping[str, Callable] | None = None, input_key: Any = "x",
-                 target_key: Any = "y",
-                 variables: Any = None, grad_accum_steps: int = 1, compute_dtype: Any = None,
+                 loss_fn: Callable, *, metrics: Mapping[str, Callable] | None = None,
+                 input_key: Any = "x", target_key: Any = "y", variables: Any = None,
+                 grad_accum_steps: int = 1, compute_dtype: Any = None,
                  clip_grad_norm: float | None = None, seed: int = 0,
-                 train_kwargs: dict | None = None,
-                 eval_kwargs: dict | None = None, rng_streams: Sequence[str] | None = None,
+                 train_kwargs: dict | None = None, eval_kwargs: dict | None = None,
+                 rng_streams: Sequence[str] | None = None,
                  ema_decay: float | None = None):
         metrics = dict(metrics or {})
         _check_settings(strategy, optimizer, loss_fn, metrics, grad_accum_steps, seed,
@@ -127,34 +118,28 @@ class LiveState:
         self.strategy, self.loss_fn, self.metrics, self.seed = strategy, loss_fn, metrics, seed
         self.model = as_model(model, variables, train_kwargs=train_kwargs, eval_kwargs=eval_kwargs,
                               rng_streams=tuple(rng_streams) if rng_streams is not None else None)
-        self.optimizer = optax.chain(optax.clip_by_global_norm(clip_grad_norm),
-                                     optimizer) if clip_grad_norm \
-            else optimizer
+        self.optimizer = (optax.chain(optax.clip_by_global_norm(clip_grad_norm), optimizer)
+                          if clip_grad_norm else optimizer)
         self.batches = BatchChecker(strategy.num_replicas_in_sync, grad_accum_steps,
                                     input_key=self.input_key, target_key=self.target_key)
-        # The stream boundary: every training batch is checked by `batches` and placed once, here. A
-        # compiled step per batch takes placed batches; an on-device loop stacks host batches and
-        # places them.
+        # The stream boundary: every training batch is checked and placed once, here (an on-device
+        # loop stacks host batches and places them).
         self.feed = BatchFeed(strategy, self.batches, place=True)
         self.loop_feed = BatchFeed(strategy, self.batches, place=False)
         self.steps = CompiledSteps(strategy, self.model, self.optimizer, loss_fn, metrics,
                                    grad_accum_steps, compute_dtype, ema_decay=self.ema_decay)
         self.state: TrainState | None = None
         self.step = 0
-        # load_state without a batch: the check of its parameters against the model's, at the
-        # model's first batch
+        # load_state without a batch: its parameters' check against the model's first batch
         self.unchecked: Callable[[Any], None] | None = None
         self.loaded = False  # the state is load_state's and no fit has trained it yet
-        # load_state's run: where its data stopped is unknown until set
-        self.position_unknown = False
-        # a request (a callback's) that the running fit stop after its current step
-        self.stop_training = False
+        self.position_unknown = False  # load_state's run: where its data stopped, until set
+        self.stop_training = False  # a callback's request that the fit stop after this step
         self._position = DataPosition()
 
     @property
     def position(self) -> DataPosition:
-        """How far training has read its data (``Trainer.data_position``); setting it says where it
-        is known."""
+        """How far training has read its data (``Trainer.data_position``); set: known."""
         return self._position
 
     @position.setter
@@ -167,8 +152,7 @@ class LiveState:
 
     # ------------------------------------------------------------------------------------ the state
     def init(self, batch: Any) -> TrainState:
-        """The state, built from ``batch`` on first use (or, after a load without a batch, checked
-        on it: the load's check, `unchecked`)."""
+        """The state, built from ``batch`` on first use (or checked on it: `unchecked`)."""
         if self.state is not None:
             if self.unchecked is not None:
                 self.unchecked(batch)
@@ -179,14 +163,12 @@ class LiveState:
         return self.state
 
     def builder(self, batch: Any) -> tuple[Callable, tuple]:
-        """The state's builder for ``batch``'s shapes. (What the losses return is checked where the
-        step is built, on the state's shapes: `CompiledSteps`.)"""
+        """The state's builder for ``batch``'s shapes (the losses are checked with the step)."""
         x, _ = self.batches.split(batch, "the first batch", need_targets=False)
         return state_builder(self.model, self.optimizer, self.seed, x)
 
     def target(self, batch: Any) -> Any:
-        """Abstract arrays in the strategy's variable layout for the state ``batch`` builds (nothing
-        computed)."""
+        """Abstract arrays in the strategy's layout for the state ``batch`` builds."""
         return restore_target(self.strategy, *self.builder(batch))
 
     def state_for(self, batch: Any) -> TrainState:
@@ -195,19 +177,16 @@ class LiveState:
                 else self.init(jax.device_get(batch)))
 
     def sync(self) -> None:
-        """Write the trained values back into the user's model (nnx in place; linen: nothing to
-        do)."""
+        """Write the trained values back into the user's model (nnx in place; linen: nothing)."""
         if self.state is not None:
             self.model.sync(self.state.params, self.state.model_state)
 
     # ------------------------------------------------------------------------------------ the steps
     def train(self, batch: Any, where: str) -> dict[str, jax.Array]:
-        """One compiled step on ``batch`` (checked and placed unless the feed did it); its
-        metrics."""
+        """One compiled step on ``batch`` (checked, placed unless the feed did it); its metrics."""
         fed: TrainBatch = batch if self.feed.trusts(batch) else self.feed(batch, where)
         state = self.state
-        if state is None or self.unchecked is not None:
-            # the state (built, or checked after load_state, on first use)
+        if state is None or self.unchecked is not None:  # built, or checked after load_state
             state = self.init(fed.pair)
         self.state, metrics = self.steps.train(state, fed.pair)
         self.step += 1
@@ -246,8 +225,7 @@ class LiveState:
         if self.state is not None:
             state = abstract_state(self.state)
         else:
-            # The builder reads one example (as init does): one row of zeros of the batch's shapes
-            # stands in.
+            # the builder reads one example (as init does): a row of zeros stands in
             row = jax.tree.map(lambda a: np.zeros((1, *np.shape(a)[1:]), jax.dtypes.result_type(a)),
                                (x, y))
             build, args = self.builder(row)

@@ -2,15 +2,11 @@
 
 The trainer never calls a model directly. It asks an adapter for the initial ``(params,
 model_state)`` and for ``apply(params, model_state, x, rng, train) -> (outputs, new_model_state)``,
-a pure function it can differentiate, compile for a strategy, scan over micro-batches and cast to
-bf16. ``params`` are what the optimizer updates; ``model_state`` is everything else a model carries
-between steps (linen collections such as ``batch_stats``; nnx ``BatchStat`` and ``Rngs`` variables).
-Both are plain nested dicts of arrays, so checkpoints are portable and readable without the model's
-Python classes. Partitioning annotations ride along where each Flax API keeps them: linen's boxes
-(what ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` put there), nnx's Variables (an
-annotated Variable stays a Variable, its metadata read as ``strategy.jit`` reads it), so the
-strategy lays out the parameters, and the optimizer state built from them, as the model annotated
-them.
+a pure function it can differentiate, compile, scan over micro-batches and cast to bf16.
+``params`` are what the optimizer updates; ``model_state`` is everything else a model carries
+between steps. Both are plain nested dicts of arrays, so checkpoints are readable without the
+model's classes. Partitioning annotations ride along (linen's boxes, nnx's annotated Variables), so
+the strategy lays out the parameters, and the optimizer state built from them, as annotated.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ def model_kind(model: Any) -> str:
         model: a Flax module instance.
 
     Returns:
-        ``"linen"`` for a `flax.linen.Module` instance, ``"nnx"`` for a `flax.nnx.Module` instance.
+        ``"linen"`` for a `flax.linen.Module`, ``"nnx"`` for a `flax.nnx.Module`.
 
     Raises:
         TypeError: for a module class instead of an instance, or anything that is not a Flax module.
@@ -53,20 +49,14 @@ def model_kind(model: Any) -> str:
     if isinstance(model, nnx.Module):
         return "nnx"
     if inspect.isclass(model) and issubclass(model, nn.Module):
-        raise TypeError(
-            f"model={model.__name__} is a linen module class, not an instance: pass "
-            f"{model.__name__}(...)."
-        )
+        raise TypeError(f"model={model.__name__} is a linen module class, not an instance: pass "
+                        f"{model.__name__}(...).")
     if inspect.isclass(model) and issubclass(model, nnx.Module):
-        raise TypeError(
-            f"model={model.__name__} is an nnx module class, not an instance: pass "
-            f"{model.__name__}(..., rngs=nnx.Rngs(0))."
-        )
-    raise TypeError(
-        f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a "
-        "flax.linen.Module instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance (e.g. "
-        "nnx.Linear(4, 10, rngs=nnx.Rngs(0)))."
-    )
+        raise TypeError(f"model={model.__name__} is an nnx module class, not an instance: pass "
+                        f"{model.__name__}(..., rngs=nnx.Rngs(0)).")
+    raise TypeError(f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a "
+                    "flax.linen.Module instance (e.g. nn.Dense(10)) or a flax.nnx.Module instance "
+                    "(e.g. nnx.Linear(4, 10, rngs=nnx.Rngs(0))).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +68,7 @@ class LinenModel:
         variables: existing variables (``{"params": ..., "batch_stats": ...}``) to start from
             instead of ``module.init`` (e.g. pretrained weights), or None.
         train_kwargs: keyword arguments for ``module.apply`` in training (e.g. ``{"train": True}``).
-        eval_kwargs: keyword arguments for ``init``, evaluation and prediction (e.g. ``{"train":
-            False}``).
+        eval_kwargs: keyword arguments for ``init``, evaluation and prediction.
         rng_streams: rng names passed to ``apply`` in training, each a fresh key per step (dropout).
 
     Raises:
@@ -104,16 +93,12 @@ class LinenModel:
 
     def __post_init__(self) -> None:
         if model_kind(self.module) != "linen":
-            raise TypeError(
-                f"model={type(self.module).__name__} is an nnx module where a linen module is "
-                "expected: pass it to Trainer directly (nnx modules are detected), or use "
-                "NnxModel(module)."
-            )
+            raise TypeError(f"model={type(self.module).__name__} is an nnx module where a linen "
+                            "module is expected: pass it to Trainer directly (nnx modules are "
+                            "detected), or use NnxModel(module).")
         if self.variables is not None and "params" not in self.variables:
-            raise ValueError(
-                f"variables has collections {sorted(self.variables)} but no 'params': pass what "
-                "module.init(...) returned."
-            )
+            raise ValueError(f"variables has collections {sorted(self.variables)} but no "
+                             "'params': pass what module.init(...) returned.")
 
     @property
     def initial_variables(self) -> Any:
@@ -121,8 +106,7 @@ class LinenModel:
         return self.variables
 
     def init(self, rng: jax.Array, x: Any, given: Any = None) -> tuple[dict, dict]:
-        """``(params, model_state)``: ``given`` variables if any, else ``module.init`` on a sample
-        input."""
+        """``(params, model_state)``: ``given`` variables if any, else ``module.init`` on ``x``."""
         if given is not None:
             variables = dict(given)
         else:
@@ -139,14 +123,13 @@ class LinenModel:
         """``(outputs, new_model_state)``; in training, non-param collections are mutable."""
         if train:
             return self.apply_train(params, model_state, x, rng)[:2]
-        return self.module.apply({"params": params, **model_state}, x,
-                                 **self.eval_kwargs), model_state
+        out = self.module.apply({"params": params, **model_state}, x, **self.eval_kwargs)
+        return out, model_state
 
     def apply_train(self, params: Any, model_state: dict, x: Any,
                     rng: jax.Array | None) -> tuple[Any, dict, dict]:
-        """``(outputs, new_model_state, sown)`` in training: non-param collections are mutable;
-        ``sown`` holds what the model's layers sowed in `jaxdist.nn.moe.SOWN` (the MoE layers'
-        losses and metrics)."""
+        """``(outputs, new_model_state, sown)`` in training; ``sown`` holds what the model's layers
+        sowed in `jaxdist.nn.moe.SOWN` (the MoE layers' losses and metrics)."""
         rngs = None
         if rng is not None and self.rng_streams:
             keys = jax.random.split(rng, len(self.rng_streams))
@@ -163,8 +146,7 @@ class LinenModel:
 
 
 def _rngs_parameter(module: Any) -> inspect.Parameter | None:
-    """The ``rngs`` parameter of ``module.__call__`` if it can be passed by name (not ``**kwargs``),
-    or None."""
+    """The ``rngs`` parameter of ``module.__call__`` if it can be passed by name, or None."""
     try:
         parameters = inspect.signature(module.__call__).parameters
     except (TypeError, ValueError):  # a builtin or C-implemented __call__: nothing to inspect
@@ -177,16 +159,12 @@ def _rngs_parameter(module: Any) -> inspect.Parameter | None:
 
 
 def _to_pure(state: Any) -> dict:
-    """``state`` as nested dicts of arrays, except that a Variable annotated with a layout
-    (``out_sharding`` / ``sharding`` metadata, what ``nnx.with_partitioning`` sets) stays an nnx
-    Variable (a copy, detached from the module): strategies read its layout from its metadata, as
-    ``strategy.jit`` does, and the optimizer state built from it carries the same metadata, so it
-    follows its parameter."""
+    """``state`` as nested dicts of arrays, except that a Variable annotated with a layout (what
+    ``nnx.with_partitioning`` sets) stays a detached Variable: strategies read its layout from its
+    metadata, and the optimizer state built from it carries it too, following its parameter."""
     pure = nnx.to_pure_dict(state)
     flat = flax.traverse_util.flatten_dict(pure)
-    annotated = {
-        tuple(path): v for path, v in nnx.to_flat_state(state) if annotation(v, ()) is not None
-    }
+    annotated = {tuple(p): v for p, v in nnx.to_flat_state(state) if annotation(v, ()) is not None}
     if not annotated:
         return pure
     for path, v in annotated.items():
@@ -204,21 +182,18 @@ class NnxModel:
     """An nnx module seen as ``init`` / ``apply`` over ``(params, model_state)``.
 
     ``params`` are the module's `nnx.Param` variables; ``model_state`` every other variable (batch
-    statistics, ``Rngs`` keys and counts), as nested dicts of arrays (a Variable annotated with
-    ``nnx.with_partitioning`` kept as a Variable, so it keeps its layout). Training runs the module
-    in ``train()`` mode, evaluation in ``eval()`` mode; the user's module is left in the mode it was
-    in and is updated in place by ``sync`` (the trainer calls it at the end of ``fit``).
+    statistics, ``Rngs`` keys and counts), as nested dicts of arrays (annotated Variables kept, see
+    `_to_pure`). Training runs the module in ``train()`` mode, evaluation in ``eval()`` mode; the
+    user's module keeps its mode and is updated in place by ``sync`` (at the end of ``fit``).
 
     Call-time keys: a module whose ``__call__`` takes a ``rngs`` parameter (the NNX tutorial's
-    ``def __call__(self, x, rngs: nnx.Rngs | None = None)``, passing ``rngs`` on to ``nnx.Dropout``)
-    gets ``rngs=nnx.Rngs(rng)`` in training, built from the step's key (``fold_in(state.rng,
-    step)``: a resumed run draws the same masks), so every stream it asks for (``rngs.dropout()``,
-    ``rngs["noise"]``) is fresh each step. Evaluation and prediction pass no ``rngs`` (``rngs=None``
-    when the parameter has no default).
+    ``def __call__(self, x, rngs: nnx.Rngs | None = None)``) gets ``rngs=nnx.Rngs(rng)`` in
+    training, from the step's key (a resumed run draws the same masks), so every stream it asks for
+    is fresh each step. Evaluation and prediction pass no ``rngs`` (``rngs=None`` when the parameter
+    has no default).
 
     Args:
-        module: the `flax.nnx.Module` instance (already initialized: nnx modules own their
-            parameters).
+        module: the `flax.nnx.Module` instance (already initialized: it owns its parameters).
 
     Raises:
         TypeError: when ``module`` is not an nnx module instance (a linen module names the fix).
@@ -248,11 +223,9 @@ class NnxModel:
 
     def __init__(self, module: Any):
         if model_kind(module) != "nnx":
-            raise TypeError(
-                f"model={type(module).__name__} is a linen module where an nnx module is expected: "
-                "pass it to Trainer directly (linen modules are detected), or use "
-                "LinenModel(module)."
-            )
+            raise TypeError(f"model={type(module).__name__} is a linen module where an nnx module "
+                            "is expected: pass it to Trainer directly (linen modules are "
+                            "detected), or use LinenModel(module).")
         self.module = module
         self._rngs_param = _rngs_parameter(module)
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -267,27 +240,22 @@ class NnxModel:
 
     @property
     def initial_variables(self) -> tuple[dict, dict]:
-        """The module's ``(params, model_state)`` when wrapped (passed back to `init` as
-        ``given``)."""
+        """The module's ``(params, model_state)`` when wrapped (given back to `init`)."""
         return self._initial
 
     def init(self, rng: Any, x: Any, given: Any = None) -> tuple[dict, dict]:
-        """``(params, model_state)``: ``given`` (the module's variables); ``rng`` and ``x`` are
-        unused."""
+        """``(params, model_state)``: ``given`` (the module's variables); ``rng``, ``x`` unused."""
         del rng, x
         return self._initial if given is None else given
 
     @property
     def takes_rngs(self) -> bool:
-        """Whether the module's ``__call__`` takes ``rngs`` (then training passes a fresh
-        ``nnx.Rngs``)."""
+        """Whether the module's ``__call__`` takes ``rngs`` (training passes an ``nnx.Rngs``)."""
         return self._rngs_param is not None
 
-    def apply(
-        self, params: dict, model_state: dict, x: Any, rng: Any, train: bool
-    ) -> tuple[Any, dict]:
-        """``(outputs, new_model_state)``; nnx advances its own ``Rngs`` (carried in
-        ``model_state``).
+    def apply(self, params: dict, model_state: dict, x: Any, rng: Any,
+              train: bool) -> tuple[Any, dict]:
+        """``(outputs, new_model_state)``; nnx advances its own ``Rngs`` (in ``model_state``).
 
         ``rng`` (the step's key) becomes ``rngs=nnx.Rngs(rng)`` for a module that takes call-time
         ``rngs``; in training without a key such a module gets ``rngs=None`` (as in evaluation).
@@ -296,12 +264,10 @@ class NnxModel:
             return self.apply_train(params, model_state, x, rng)[:2]
         return self._call(self._eval_graphdef, params, model_state, x, None)[0], model_state
 
-    def apply_train(
-        self, params: dict, model_state: dict, x: Any, rng: Any
-    ) -> tuple[Any, dict, dict]:
+    def apply_train(self, params: dict, model_state: dict, x: Any,
+                    rng: Any) -> tuple[Any, dict, dict]:
         """``(outputs, new_model_state, sown)`` in training; ``sown`` holds the losses and metrics
-        of the model's `jaxdist.nn.nnx.MoE` layers from this call, as linen's `jaxdist.nn.moe.SOWN`
-        collections."""
+        of the model's `jaxdist.nn.nnx.MoE` layers, as linen's `jaxdist.nn.moe.SOWN` collections."""
         out, module = self._call(self._train_graphdef, params, model_state, x, rng)
         losses, metrics = {}, {}
         for path, node in nnx.iter_graph(module):
@@ -313,16 +279,10 @@ class NnxModel:
         sown = {"moe_losses": losses, "moe_metrics": metrics} if losses else {}
         return out, _to_pure(rest), sown
 
-    def _call(
-        self, graphdef: Any, params: dict, model_state: dict, x: Any, rng: Any
-    ) -> tuple[Any, Any]:
-        """``(outputs, module)``: the module merged from ``graphdef`` and the state, called on
-        ``x``."""
-        module = nnx.merge(
-            graphdef,
-            _from_pure(self._params_template, params),
-            _from_pure(self._rest_template, model_state),
-        )
+    def _call(self, graphdef: Any, params: dict, model_state: dict, x: Any,
+              rng: Any) -> tuple[Any, Any]:
+        """``(outputs, module)``: the module merged from ``graphdef`` and state, run on ``x``."""
+        module = nnx.merge(graphdef, *self._variables(params, model_state))
         kwargs = {}
         if self._rngs_param is not None:
             if rng is not None:
@@ -334,11 +294,11 @@ class NnxModel:
 
     def sync(self, params: dict, model_state: dict) -> None:
         """Write trained values back into the user's module (in place, as nnx code expects)."""
-        nnx.update(
-            self.module,
-            _from_pure(self._params_template, params),
-            _from_pure(self._rest_template, model_state),
-        )
+        nnx.update(self.module, *self._variables(params, model_state))
+
+    def _variables(self, params: dict, model_state: dict) -> tuple[Any, Any]:
+        return (_from_pure(self._params_template, params),
+                _from_pure(self._rest_template, model_state))
 
 
 def as_model(model: Any, variables: Any = None, **linen_options: Any) -> LinenModel | NnxModel:
@@ -347,8 +307,8 @@ def as_model(model: Any, variables: Any = None, **linen_options: Any) -> LinenMo
     Args:
         model: a `flax.linen.Module` or `flax.nnx.Module` instance, or an adapter (returned as is).
         variables: linen only: variables to start from instead of ``model.init``.
-        **linen_options: linen only: ``train_kwargs``, ``eval_kwargs``, ``rng_streams`` (see
-            `LinenModel`).
+        **linen_options: linen only: `LinenModel`'s ``train_kwargs``, ``eval_kwargs``,
+            ``rng_streams``.
 
     Returns:
         A `LinenModel` or `NnxModel`.
@@ -366,19 +326,16 @@ def as_model(model: Any, variables: Any = None, **linen_options: Any) -> LinenMo
         return model
     kind = model_kind(model)
     if kind == "linen":
-        return LinenModel(model, variables, **{k: v for k, v in linen_options.items()
-                                               if v is not None})
+        return LinenModel(model, variables,
+                          **{k: v for k, v in linen_options.items() if v is not None})
     if variables is not None:
-        raise ValueError(
-            "variables=... was given with an nnx module: nnx modules carry their own variables; "
-            "load weights into the module (nnx.update(model, state)) and drop variables=."
-        )
+        raise ValueError("variables=... was given with an nnx module: nnx modules carry their own "
+                         "variables; load weights into the module (nnx.update(model, state)) and "
+                         "drop variables=.")
     extra = sorted(k for k, v in linen_options.items() if v is not None)
     if extra:
-        raise TypeError(
-            f"{', '.join(extra)} apply to linen modules only; model={type(model).__name__} is an "
-            "nnx module: set train/eval behaviour on the module itself "
-            "(Dropout(deterministic=...), nnx.Rngs)."
-        )
+        raise TypeError(f"{', '.join(extra)} apply to linen modules only; "
+                        f"model={type(model).__name__} is an nnx module: set train/eval behaviour "
+                        "on the module itself (Dropout(deterministic=...), nnx.Rngs).")
     return NnxModel(model)
 

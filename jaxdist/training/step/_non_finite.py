@@ -3,31 +3,15 @@ saved.
 
 A loss spike that turns the loss or the gradients into ``nan`` / ``inf`` is the most common way a
 long run dies. ``Trainer.fit(on_non_finite=...)`` (`NonFinitePolicy`) decides what happens then;
-this module is all of it, the devices' part and the host's.
+this module is all of it:
 
-* Detect on the device. Each train step computes whether its loss and every entry of its gradients
-  are finite, which is whether their global norm is (reductions over the GLOBAL gradients, so every
-  process computes the same flag; no squaring, which overflows float16) (`step_flag`), and adds its
-  record to the running sums (`NonFiniteRecord`: how many steps were not finite in the window, where
-  the first one was, and the runs of them in a row). Nothing is read per step: the host sees the
-  flags when it reads a log window's sums anyway, and before every checkpoint.
-* Skip on the device. Under ``"skip"`` the step keeps its parameters, optimizer and model state when
-  the flag is set (`keep_if_finite`: optax's ``apply_if_finite`` semantics, as a select, so the
-  state's structure and a finite step's numbers do not change); its step counter and the data move
-  on.
-* Never saved: `non_finite_leaves` reads, on the devices, which leaves of a state are not finite;
-  the trainer refuses to save such a state (``Trainer.save``), so no checkpoint holds one and the
-  rotation of checkpoints (``keep_checkpoints``) only ever deletes finite checkpoints older than the
-  newest finite one.
-
-* Decide on the host. At a look (a log window read, a checkpoint) the host reads the windows so far
-  (`Window`) and `NonFiniteGuard` decides: ``"stop"`` raises `NonFiniteError`, ``"skip"`` raises it
-  after ``max_consecutive_skips`` skipped steps in a row, ``"rollback"`` goes back to the last
-  checkpoint (at most ``max_rollbacks`` times), ``"continue"`` warns once and trains on.
-
-`NonFiniteError` (a `FloatingPointError`) is the error of both: a run stopped on its non-finite
-steps, a state refused. Every process of a job raises it at the same step (its flags are global
-reductions), so it is not told to the peers as one process's failure: a job may catch it and resume.
+* On the device, each train step computes its flag (`step_flag`) and adds its record to the running
+  sums (`NonFiniteRecord`); nothing is read per step. Under ``"skip"`` a flagged step keeps its
+  state (`keep_if_finite`).
+* On the host, at a look (a log window read, a checkpoint), `NonFiniteGuard` reads the windows so
+  far (`Window`) and the policy acts.
+* Never saved: the trainer refuses a state that `non_finite_leaves` finds, so the rotation of
+  checkpoints only ever deletes finite checkpoints older than the newest finite one.
 """
 
 from __future__ import annotations
@@ -41,31 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = [
-    "ACTIONS",
-    "COUNT",
-    "FLAG",
-    "MAX_CONSECUTIVE_SKIPS",
-    "MAX_ROLLBACKS",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "NonFinitePolicy",
-    "NonFiniteRecord",
-    "Window",
-    "keep_if_finite",
-    "log_values",
-    "non_finite_leaves",
-    "step_flag",
-]
+__all__ = ["ACTIONS", "COUNT", "FLAG", "MAX_CONSECUTIVE_SKIPS", "MAX_ROLLBACKS", "NonFiniteError",
+           "NonFiniteGuard", "NonFinitePolicy", "NonFiniteRecord", "Window", "keep_if_finite",
+           "log_values", "non_finite_leaves", "step_flag"]
 
 FLAG = "non_finite"
-"""The train step's addend that is 1.0 when its loss or gradient norm is not finite (0.0
-otherwise)."""
+"""The train step's addend: 1.0 when its loss or gradient norm is not finite, else 0.0."""
 
 
 class NonFiniteError(FloatingPointError):
-    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped without saving
-    them.
+    """A training run's loss or gradients (or state) are not finite: ``fit`` stopped, saving none.
 
     Attributes:
         step: the first step whose loss or gradients were not finite (or whose state was not).
@@ -77,8 +46,7 @@ class NonFiniteError(FloatingPointError):
             catches it goes on (e.g. resumes from ``checkpoint``).
 
     Examples:
-        >>> error = NonFiniteError("loss not finite", step=40, count=3, checkpoint=30,
-        ...                        directory="/c")
+        >>> error = NonFiniteError("nan", step=40, count=3, checkpoint=30, directory="/c")
         >>> isinstance(error, FloatingPointError), error.step, error.checkpoint
         (True, 40, 30)
     """
@@ -126,8 +94,7 @@ def step_flag(loss: jax.Array, grads: Any) -> jax.Array:
 
 
 def keep_if_finite(flag: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``flag`` is 0.0, else ``old`` (optax's ``apply_if_finite``: a non-finite step
-    changes nothing).
+    """``new`` where ``flag`` is 0.0, else ``old`` (optax's ``apply_if_finite``, as a select).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -157,8 +124,8 @@ class NonFiniteRecord(NamedTuple):
         >>> import jax.numpy as jnp
         >>> record, steps = NonFiniteRecord.zeros(), 0
         >>> for flag in (0.0, 1.0, 1.0, 0.0, 1.0):
-        ...     record, steps = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps,
-        ...                                 1), steps + 1
+        ...     record = record.then(NonFiniteRecord.of_step(jnp.float32(flag)), steps, 1)
+        ...     steps += 1
         >>> [int(v) for v in record]  # 3 bad; first after 1 step; none opens; 1 closes; 2 in a row
         [3, 1, 0, 1, 2]
     """
@@ -176,16 +143,14 @@ class NonFiniteRecord(NamedTuple):
 
     @classmethod
     def of_step(cls, flag: jax.Array | None) -> NonFiniteRecord:
-        """The record of one step whose `step_flag` is ``flag`` (None: a step without a flag,
-        finite)."""
+        """The record of one step whose `step_flag` is ``flag`` (None: no flag, finite)."""
         if flag is None:
             return cls.zeros()
         bad = (jnp.asarray(flag) > 0).astype(jnp.int32)
         return cls(bad, jnp.zeros((), jnp.int32), bad, bad, bad)
 
     def then(self, later: NonFiniteRecord, steps: Any, later_steps: Any) -> NonFiniteRecord:
-        """The record of this window (of ``steps`` steps) followed by ``later`` (of ``later_steps``
-        steps)."""
+        """The record of this window (``steps`` steps) followed by ``later`` (``later_steps``)."""
         count, first, lead, run, longest = self
         count2, first2, lead2, run2, longest2 = later
         return NonFiniteRecord(
@@ -208,12 +173,8 @@ def _kinds(tree: Any, name: str) -> list[tuple[str, jax.Array, bool]]:
 
 
 def _all_finite(leaves: list[jax.Array], only_nan: tuple[bool, ...]) -> jax.Array:
-    return jnp.stack(
-        [
-            jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x))
-            for x, nan in zip(leaves, only_nan, strict=True)
-        ]
-    )
+    return jnp.stack([jnp.any(jnp.isnan(x) if nan else ~jnp.isfinite(x))
+                      for x, nan in zip(leaves, only_nan, strict=True)])
 
 
 _PROGRAM = jax.jit(_all_finite, static_argnums=1)
@@ -224,16 +185,14 @@ def non_finite_leaves(state: Any) -> list[str]:
     parameters or model state, read on the devices (one program; only one flag per leaf comes back).
 
     The optimizer state may hold infinities by design (``optax.contrib.reduce_on_plateau`` starts
-    its best value at ``inf``), so only NaN counts there; a diverged optimizer state (Adam's moments
-    of an infinite gradient) makes the parameters non-finite with it. Every process of a
-    multi-process job gets the same answer (the flags are global reductions).
+    its best value at ``inf``), so only NaN counts there; a diverged optimizer state makes the
+    parameters non-finite with it. Every process of a job gets the same answer (global reductions).
 
     Args:
         state: a `TrainState` (``params``, ``opt_state`` and ``model_state`` are read).
 
     Returns:
-        The non-finite leaves' paths (e.g. ``".params['Dense_0']['kernel']"``), empty when all are
-        finite.
+        The non-finite leaves' paths (e.g. ``".params['Dense_0']['kernel']"``); empty: all finite.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -264,8 +223,7 @@ skipped; a run whose every step is non-finite from some step on has diverged, an
 bring it back."""
 
 MAX_ROLLBACKS = 3
-"""``"rollback"`` goes back to the last finite checkpoint at most this many times in one ``fit``,
-then stops."""
+"""``"rollback"`` goes back to the last finite checkpoint at most this many times in a ``fit``."""
 
 COUNT = "non_finite_steps"
 """The log's entry of the non-finite steps in a log window."""
@@ -273,8 +231,7 @@ COUNT = "non_finite_steps"
 
 @dataclasses.dataclass(frozen=True)
 class NonFinitePolicy:
-    """What ``Trainer.fit`` does when a step's loss or gradients are not finite
-    (``fit(on_non_finite=...)`` takes one, or just its ``action``).
+    """What ``Trainer.fit(on_non_finite=...)`` does when a step's loss or gradients are not finite.
 
     Attributes:
         action: ``"stop"`` (default): raise `NonFiniteError` (a `FloatingPointError`) naming the
@@ -283,8 +240,8 @@ class NonFinitePolicy:
             the step counter and the data move on), the logs count them; ``max_consecutive_skips``
             in a row stop as ``"stop"``. ``"rollback"``: restore the last finite checkpoint (needs
             ``checkpoint_dir``) and go on with the data from where it is, past the bad batches; at
-            most ``max_rollbacks`` times, then stop. ``"continue"``: train on (the old behaviour),
-            with one warning; non-finite states are still not saved (a warning each).
+            most ``max_rollbacks`` times, then stop. ``"continue"``: train on, with one
+            warning; non-finite states are still not saved (a warning each).
         max_consecutive_skips: ``"skip"`` only: skipped steps in a row that stop the run.
         max_rollbacks: ``"rollback"`` only: rollbacks in one ``fit`` before it stops.
 
@@ -308,10 +265,8 @@ class NonFinitePolicy:
 
     def __post_init__(self) -> None:
         if not isinstance(self.action, str) or self.action not in ACTIONS:
-            raise ValueError(
-                f"on_non_finite={self.action!r} is not a policy: pass one of "
-                f"{', '.join(map(repr, ACTIONS))} (or a jd.training.NonFinitePolicy)."
-            )
+            raise ValueError(f"on_non_finite={self.action!r} is not a policy: pass one of "
+                             f"{', '.join(map(repr, ACTIONS))} (or a jd.training.NonFinitePolicy).")
         for name in ("max_consecutive_skips", "max_rollbacks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -319,8 +274,7 @@ class NonFinitePolicy:
 
     @classmethod
     def of(cls, value: str | NonFinitePolicy) -> NonFinitePolicy:
-        """``value`` as a policy: a `NonFinitePolicy` as it is, an action name with the default
-        counts.
+        """``value`` as a policy: a `NonFinitePolicy` as is, an action name with default counts.
 
         Raises:
             ValueError: for anything else (naming ``on_non_finite``, the value and the choices).
@@ -330,8 +284,7 @@ class NonFinitePolicy:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """The non-finite steps of one window of steps, read on the host from the running sums
-    (`NonFiniteRecord`).
+    """The non-finite steps of one window, read on the host from the sums' `NonFiniteRecord`.
 
     Examples:
         >>> import numpy as np
@@ -349,18 +302,16 @@ class Window:
 
     @classmethod
     def of(cls, record: NonFiniteRecord, steps: Any) -> Window:
-        """The window of ``steps`` steps whose record is ``record`` (host values: see
-        ``PackedSums.to_host``)."""
+        """The window of ``steps`` steps with ``record`` (host values: ``PackedSums.to_host``)."""
         return cls(int(steps), *(int(v) for v in record))
 
 
 class NonFiniteGuard:
     """The host's record of the non-finite steps seen at its looks, and the error that names them.
 
-    ``fit`` hands it every log window it reads (`observe`, in step order; before a checkpoint whose
-    open window holds non-finite steps it closes that window first); `pending` says whether it saw
-    steps the loop has not acted on yet; `error` builds the `NonFiniteError`; `restart` starts over
-    after a rollback.
+    ``fit`` hands it every log window it reads, in step order (`observe`); `pending` says whether
+    it saw steps the loop has not acted on; `error` builds the `NonFiniteError`; `restart` starts
+    over after a rollback.
 
     Args:
         policy: the `NonFinitePolicy`.
@@ -379,16 +330,14 @@ class NonFiniteGuard:
 
     def __init__(self, policy: NonFinitePolicy, step: int):
         self.policy = policy
-        # non-finite steps seen in this fit (skipped ones and rolled-back ones included)
-        self.total = 0
+        self.total = 0  # non-finite steps seen in this fit (skipped and rolled back included)
         self.fit_start = step  # a first step that is already not finite points at the inputs
         self.restart(step)
 
     def restart(self, step: int) -> None:
         """Forget the steps seen (after a rollback to ``step``; `total` stays)."""
         self._start = step  # the step the next window starts after
-        # the first non-finite step since the start (or the last rollback)
-        self.first: int | None = None
+        self.first: int | None = None  # the first non-finite step since the start (or rollback)
         self._trailing = 0  # non-finite steps in a row up to the end of the last window
         self.longest_run = 0
         self._pending = False
@@ -418,9 +367,8 @@ class NonFiniteGuard:
             self.total += window.count
             self._pending = True
             self.longest_run = max(self.longest_run, window.longest, self._trailing + window.lead)
-        self._trailing = (
-            self._trailing + window.steps if window.lead == window.steps else window.run
-        )
+        self._trailing = (self._trailing + window.steps if window.lead == window.steps
+                          else window.run)
 
     def error(self, what: str, checkpoint: int | None, directory: str | None) -> NonFiniteError:
         """The `NonFiniteError` for the steps seen: ``what`` happened (e.g. "the run stopped"),
@@ -435,25 +383,21 @@ class NonFiniteGuard:
                      f"from it with fit(..., checkpoint_dir={directory!r}, "
                      f"restore_step={checkpoint})")
         inputs = ""
-        # nothing trained yet: the data is the likelier cause than the optimizer
-        if first == self.fit_start + 1:
+        if first == self.fit_start + 1:  # nothing trained yet: the data is the likelier cause
             inputs = (" The first step of this fit was not finite, which points at the inputs "
                       "first: integer labels outside the logits' classes (each label must be in "
                       "[0, number of classes)), NaN or inf in the batch, an empty batch; then at "
                       "the learning rate.")
-        message = (
-            f"the loss or gradients of step {first} were not finite ({self.total} non-finite step"
-            f"{'s' if self.total != 1 else ''} so far); {what}.{inputs} No non-finite state was "
-            f"saved; {where}, with a lower learning rate, gradient clipping (clip_grad_norm=...), "
-            "or on_non_finite='skip' / 'rollback'."
-        )
+        message = (f"the loss or gradients of step {first} were not finite ({self.total} "
+                   f"non-finite step{'s' if self.total != 1 else ''} so far); {what}.{inputs} No "
+                   f"non-finite state was saved; {where}, with a lower learning rate, gradient "
+                   "clipping (clip_grad_norm=...), or on_non_finite='skip' / 'rollback'.")
         return NonFiniteError(message, step=first, count=self.total, checkpoint=checkpoint,
                               directory=directory)
 
 
 def log_values(window: Window | None) -> Mapping[str, float]:
-    """What a log row adds for ``window``: ``{"non_finite_steps": n}`` when any of its steps was not
-    finite.
+    """What a log row adds for ``window``: ``{"non_finite_steps": n}`` when any step was not finite.
 
     Examples:
         >>> (log_values(Window(steps=10, count=2, first=3, lead=0, run=1, longest=1)),

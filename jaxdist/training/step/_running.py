@@ -1,22 +1,12 @@
 """The running sums: what the train steps add up on the devices between two looks of the host.
 
-Every train step (one compiled step, or each step of an on-device loop) adds its metrics to a
-`RunningSums` inside the compiled program: nothing is read per step. Between steps the sums stay on
-the devices packed in one float32 vector (`PackedSums`: a compiled step takes and returns one array,
-not one per part, which keeps its host cost per call that of one argument). The host reads them at a
-log point (the fit loop: each log window's means; ``Trainer.pop_running_sums``) in one transfer
-(`PackedSums.to_host`), and starts new ones.
-
-The sums are a pytree of named parts, as Flax's ``nnx.metrics`` keeps metrics (``Average``: a total
-and a count):
-
-* ``averages``: each metric as an `Average` ``(total, weight)``: a scalar metric adds its step mean
-  and 1, a token-weighted one (``(sum, weight)``, `jaxdist.training.step._weighted`) its sum and its
-  weight, so a window's mean is one division of two sums;
-* ``non_finite``: the `jaxdist.training.step.NonFiniteRecord` of the window's non-finite steps;
-* ``steps``: how many steps were added;
-* ``learning_rate``: the last step's rate (optimizers built with `optax.inject_hyperparams`; not a
-  sum).
+Every train step adds its metrics to a `RunningSums` inside the compiled program: nothing is read
+per step. Between steps the sums stay on the devices packed in one float32 vector (`PackedSums`: a
+compiled step takes and returns one array, not one per part, which keeps its host cost per call
+that of one argument). The host reads them at a log point in one transfer (`PackedSums.to_host`).
+A scalar metric adds its step mean and 1, a token-weighted one (`jaxdist.training.step._weighted`)
+its sum and weight, so a window's mean is one division of two sums (as Flax's ``nnx.metrics``
+``Average`` keeps a total and a count).
 """
 
 from __future__ import annotations
@@ -38,15 +28,12 @@ class Average(NamedTuple):
     """A running mean as its two sums: ``total / weight``.
 
     Attributes:
-        total: the summed values (float32): a scalar metric's step means, or a token-weighted
-            metric's sums.
-        weight: what they are divided by (float32): the steps, or the summed weights (e.g. real
-            tokens).
+        total: the summed values (float32): a scalar metric's step means, or a weighted one's sums.
+        weight: what they are divided by (float32): the steps, or the summed weights (e.g. tokens).
 
     Examples:
         >>> import numpy as np
-        >>> (Average(np.float32(6.0), np.float32(4.0)).mean(), Average(np.float32(0.0),
-        ...                                                            np.float32(0.0)).mean())
+        >>> Average(np.float32(6.0), np.float32(4.0)).mean(), Average(0.0, 0.0).mean()
         (1.5, nan)
     """
 
@@ -54,8 +41,7 @@ class Average(NamedTuple):
     weight: Any
 
     def mean(self) -> float:
-        """``total / weight`` as a Python float (NaN for weight 0: no steps, or no tokens). Reads
-        the values (call it on host sums, `PackedSums.to_host`)."""
+        """``total / weight`` as a Python float (NaN for weight 0); call it on host sums."""
         total, weight = float(self.total), float(self.weight)
         return total / weight if weight else float("nan")
 
@@ -64,9 +50,9 @@ class Average(NamedTuple):
 class RunningSums:
     """The running sums of a trainer's steps since the last read: a pytree (its leaves are scalars).
 
-    Inside a compiled step the sums are traced values; between steps they stay on the devices packed
-    in one vector (`pack`, `PackedSums`); ``Trainer.pop_running_sums().to_host()`` reads them in one
-    transfer. `mean`, `means` and `loss_weight` read host values.
+    Between steps they stay on the devices packed in one vector (`pack`, `PackedSums`);
+    ``Trainer.pop_running_sums().to_host()`` reads them. `mean`, `means`, `loss_weight` read host
+    values.
 
     Attributes:
         averages: ``{name: Average(total, weight)}``: ``"loss"`` first, then each metric.
@@ -75,8 +61,7 @@ class RunningSums:
         learning_rate: the last step's learning rate, or None when the optimizer does not expose it
             (build it with `optax.inject_hyperparams`).
         names: the averages' names, in order (static: part of the pytree's structure).
-        token_weighted: the names whose average is token-weighted (a ``(sum, weight)`` pair;
-            static).
+        token_weighted: the names whose average is token-weighted (``(sum, weight)``; static).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -86,11 +71,8 @@ class RunningSums:
         ...             "accuracy": (accuracy, None)}
         ...     sums = sums.then(RunningSums.of_step(step))
         >>> sums = sums.pack().to_host()  # one vector, one transfer
-        >>> # loss: (6 + 2) / (3 + 1) tokens
-        >>> sums.means(), int(sums.steps), int(sums.non_finite.count)
+        >>> sums.means(), int(sums.steps), int(sums.non_finite.count)  # loss: (6 + 2) / (3 + 1)
         ({'loss': 2.0, 'accuracy': 0.75}, 2, 0)
-
-        ``Trainer.pop_running_sums`` returns a trainer's.
     """
 
     averages: Mapping[str, Average]
@@ -125,8 +107,8 @@ class RunningSums:
                              f"names={names!r}.")
         zero = lambda dtype: np.zeros((), dtype)  # noqa: E731
         return cls({n: Average(zero(np.float32), zero(np.float32)) for n in names},
-                   NonFiniteRecord.zeros(),
-                   zero(np.int32), zero(np.float32) if learning_rate else None, names, weighted)
+                   NonFiniteRecord.zeros(), zero(np.int32),
+                   zero(np.float32) if learning_rate else None, names, weighted)
 
     @classmethod
     def of_step(cls, values: Mapping[str, tuple[Any, Any]], flag: Any = None,
@@ -156,8 +138,7 @@ class RunningSums:
                    tuple(values), tuple(n for n, (_, w) in values.items() if w is not None))
 
     def then(self, later: RunningSums) -> RunningSums:
-        """These sums followed by ``later``'s (a later step's, or a later window's): what a compiled
-        step computes to add itself.
+        """These sums followed by ``later``'s (a later step's or window's).
 
         Raises:
             ValueError: when ``later`` sums other metrics, weights them otherwise, or differs in
@@ -167,17 +148,15 @@ class RunningSums:
             >>> import jax.numpy as jnp
             >>> bad = RunningSums.of_step({"loss": (jnp.float32(1.0), None)}, flag=jnp.float32(1.0))
             >>> both = bad.then(RunningSums.of_step({"loss": (jnp.float32(3.0), None)}))
-            >>> (both.mean("loss"), int(both.steps), int(both.non_finite.count),
-            ...  int(both.non_finite.lead))
-            (2.0, 2, 1, 1)
+            >>> both.mean("loss"), int(both.steps), int(both.non_finite.count)
+            (2.0, 2, 1)
         """
         if (set(later.names) != set(self.names)
                 or set(later.token_weighted) != set(self.token_weighted)
                 or (later.learning_rate is None) != (self.learning_rate is None)):
-            raise ValueError(
-                f"running sums of {self._describe()} cannot add sums of {later._describe()}: a "
-                "step must report the same metrics, each weighted the same way, every time."
-            )
+            raise ValueError(f"running sums of {self._describe()} cannot add sums of "
+                             f"{later._describe()}: a step must report the same metrics, each "
+                             "weighted the same way, every time.")
         averages = {n: Average(a.total + later.averages[n].total,
                                a.weight + later.averages[n].weight)
                     for n, a in self.averages.items()}
@@ -228,14 +207,13 @@ class RunningSums:
 
     @property
     def loss_weight(self) -> Any:
-        """The loss's summed weight (e.g. real tokens) when the loss is token-weighted, else
-        None."""
+        """The loss's summed weight (e.g. tokens) when the loss is token-weighted, else None."""
         return self.averages["loss"].weight if "loss" in self.token_weighted else None
 
 
-jax.tree_util.register_dataclass(RunningSums, data_fields=["averages", "non_finite", "steps",
-                                                           "learning_rate"],
-                                 meta_fields=["names", "token_weighted"])
+jax.tree_util.register_dataclass(
+    RunningSums, data_fields=["averages", "non_finite", "steps", "learning_rate"],
+    meta_fields=["names", "token_weighted"])
 
 
 def _as(value: Any, dtype: Any) -> Any:
@@ -244,12 +222,9 @@ def _as(value: Any, dtype: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class PackedSums:
-    """`RunningSums` packed in one float32 vector: how they stay on the devices between steps (a
-    compiled step takes and returns one array instead of one per part) and travel to the host (one
-    transfer).
-
-    ``Trainer.pop_running_sums`` returns them without waiting for the steps; `to_host` reads the
-    vector and unpacks it. A pytree: the vector is its one leaf, the structure is static.
+    """`RunningSums` packed in one float32 vector, as they stay on the devices between steps and
+    travel to the host. ``Trainer.pop_running_sums`` returns them without waiting for the steps;
+    `to_host` reads and unpacks. A pytree: the vector is its one leaf, the structure is static.
 
     Attributes:
         vector: the values (float32), in the order of `fields`: a device array, or a numpy one.
@@ -286,13 +261,11 @@ class PackedSums:
         return (*out, "steps")
 
     def holding(self, vector: Any) -> PackedSums:
-        """Sums of this structure whose values are ``vector`` (e.g. the vector a compiled step
-        carries)."""
+        """Sums of this structure whose values are ``vector`` (e.g. a compiled step's)."""
         return dataclasses.replace(self, vector=vector)
 
     def unpack(self) -> RunningSums:
-        """The `RunningSums` (of device or traced values for a device vector, numpy values for a
-        host one)."""
+        """The `RunningSums` (device or traced values for a device vector, numpy for a host one)."""
         vector, at = self.vector, iter(range(len(self.fields)))
         steps = _as(vector[len(self.fields) - 1], np.int32)
         averages = {}
@@ -306,8 +279,7 @@ class PackedSums:
         return RunningSums(averages, record, steps, rate, self.names, self.token_weighted)
 
     def to_host(self) -> RunningSums:
-        """The `RunningSums`, read in ONE transfer (``jax.device_get`` of the vector; waits for the
-        steps)."""
+        """The `RunningSums`, read in ONE transfer (waits for the steps)."""
         return self.holding(np.asarray(jax.device_get(self.vector))).unpack()
 
 

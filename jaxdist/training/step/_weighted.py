@@ -8,13 +8,11 @@ A loss (or metric) given to the `Trainer` returns either
   masked positions then count for nothing, however they are spread over the batch.
 
 A pair is never averaged per piece: the trainer adds the sums and the weights separately and divides
-once, wherever the pieces were computed. So the mean over a step is ``sum of sums / sum of weights``
-over the whole global batch, whatever its split into replicas (the step is compiled with
-``strategy.jit`` and sees the global batch) or into ``grad_accum_steps`` micro-batches holding
-different numbers of real tokens, and the gradient is that of the same mean. A logged value is the
-same ratio over all the steps of its log window. (Averaging per-micro-batch means instead
-over-weights the tokens of sparsely filled micro-batches: a bug that gradient accumulation in other
-trainers has had.)
+once. So the mean over a step is ``sum of sums / sum of weights`` over the whole global batch,
+whatever its split into replicas or into ``grad_accum_steps`` micro-batches holding different
+numbers of real tokens (averaging per-micro-batch means would over-weight the tokens of sparse
+ones), and the gradient is that of the same mean. A logged value is the same ratio over its log
+window.
 
 The weight is a count, not a function of the parameters: it is not differentiated. A step (or a log
 window) whose weight is 0 has no mean (NaN) and contributes a zero gradient.
@@ -39,8 +37,7 @@ def _describe(value: Any) -> str:
 
 def check_value(name: str, value: Any, rows: int | None = None) -> bool:
     """Check what ``name`` (``"loss_fn"`` or ``"metrics['acc']"``) returned; True when it is a pair.
-
-    Works on arrays and on `jax.eval_shape` results alike (only shapes and dtypes are read).
+    Only shapes and dtypes are read (arrays and `jax.eval_shape` results alike).
 
     Args:
         name: how the function is named in errors.
@@ -67,55 +64,40 @@ def check_value(name: str, value: Any, rows: int | None = None) -> bool:
     of = f" for a batch of {rows} rows" if rows is not None else ""
     if isinstance(value, tuple):
         if len(value) != 2:
-            raise ValueError(
-                f"{name} returned a tuple of {len(value)} values{of}; it must return a scalar (the "
-                "mean over the batch) or a pair (sum, weight): e.g. return (losses * mask).sum(), "
-                "mask.sum()."
-            )
+            raise ValueError(f"{name} returned a tuple of {len(value)} values{of}; it must return "
+                             "a scalar (the mean over the batch) or a pair (sum, weight): e.g. "
+                             "return (losses * mask).sum(), mask.sum().")
         total, weight = value
         kind = jnp.inexact if loss else jnp.number
-        if getattr(total, "shape", None) != () or not jnp.issubdtype(
-            getattr(total, "dtype", object), kind
-        ):
-            raise ValueError(
-                f"{name} returned (sum, weight) with sum of {_describe(total)}{of}; the sum must "
-                f"be a {'float' if loss else 'numeric'} scalar: the SUM over tokens (or rows), "
-                "e.g. (losses * mask).sum(), not the per-token values."
-            )
+        if (getattr(total, "shape", None) != ()
+                or not jnp.issubdtype(getattr(total, "dtype", object), kind)):
+            raise ValueError(f"{name} returned (sum, weight) with sum of {_describe(total)}{of}; "
+                             f"the sum must be a {'float' if loss else 'numeric'} scalar: the SUM "
+                             "over tokens (or rows), e.g. (losses * mask).sum(), not the "
+                             "per-token values.")
         dtype = getattr(weight, "dtype", None)
-        if (
-            getattr(weight, "shape", None) != ()
-            or dtype is None
-            or dtype == jnp.bool_
-            or not jnp.issubdtype(dtype, jnp.number)
-            or jnp.issubdtype(dtype, jnp.complexfloating)
-        ):
-            raise ValueError(
-                f"{name} returned (sum, weight) with weight of {_describe(weight)}{of}; the weight "
-                "must be a real number (an int or float scalar): how many tokens (or rows) the sum "
-                "covers, e.g. mask.sum() (not the mask itself, nor a boolean)."
-            )
+        if (getattr(weight, "shape", None) != () or dtype is None or dtype == jnp.bool_
+                or not jnp.issubdtype(dtype, jnp.number)
+                or jnp.issubdtype(dtype, jnp.complexfloating)):
+            raise ValueError(f"{name} returned (sum, weight) with weight of "
+                             f"{_describe(weight)}{of}; the weight must be a real number (an int "
+                             "or float scalar): how many tokens (or rows) the sum covers, e.g. "
+                             "mask.sum() (not the mask itself, nor a boolean).")
         return True
     dtype = getattr(value, "dtype", None)
-    if (
-        getattr(value, "shape", None) != ()
-        or dtype is None
-        or not jnp.issubdtype(dtype, jnp.inexact if loss else jnp.number)
-    ):
-        raise ValueError(
-            f"{name} returned {_describe(value)}{of}; it must return a "
-            f"{'float' if loss else 'numeric'} scalar, the mean over the batch: reduce it, e.g. "
-            "optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() (or a pair (sum, "
-            "weight) such as ((losses * mask).sum(), mask.sum()) to weight by tokens)."
-        )
+    if (getattr(value, "shape", None) != () or dtype is None
+            or not jnp.issubdtype(dtype, jnp.inexact if loss else jnp.number)):
+        raise ValueError(f"{name} returned {_describe(value)}{of}; it must return a "
+                         f"{'float' if loss else 'numeric'} scalar, the mean over the batch: "
+                         "reduce it, e.g. optax.softmax_cross_entropy_with_integer_labels(logits, "
+                         "y).mean() (or a pair (sum, weight) such as ((losses * mask).sum(), "
+                         "mask.sum()) to weight by tokens).")
     return False
 
 
 def split_value(name: str, value: Any) -> tuple[jax.Array, jax.Array | None]:
     """``(total, weight)`` of a traced result: ``(mean, None)`` for a scalar, ``(sum, weight)`` for
-    a pair.
-
-    The weight comes back as a float32 scalar that gradients do not flow through.
+    a pair, the weight a float32 scalar that gradients do not flow through.
 
     Raises:
         ValueError: as `check_value`.
@@ -136,8 +118,7 @@ def mean(total: jax.Array, weight: jax.Array) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> (mean(jnp.float32(6.0), jnp.float32(4.0)).item(), mean(jnp.float32(0.0),
-        ...                                                        jnp.float32(0.0)).item())
+        >>> mean(jnp.float32(6.0), jnp.float32(4.0)).item(), mean(0.0, jnp.float32(0.0)).item()
         (1.5, nan)
     """
     total = jnp.asarray(total, jnp.float32)
