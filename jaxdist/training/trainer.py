@@ -287,7 +287,6 @@ class Trainer:
         """``len(batches)`` optimizer steps in ONE compiled on-device loop
         (``strategy.run_steps_on_dataset``): the steps ``train_on_batch`` would take one by one.
 
-
         Args:
             batches: global batches of one shape, as for `train_on_batch`.
 
@@ -632,7 +631,6 @@ class Trainer:
             straggler_ratio: with several processes, a process whose input wait per step is this
                 many times the median's is named in a `StragglerWarning` (``history.processes``
                 keeps every window's figures). None: nobody is named.
-
             profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` with `jax.profiler`
                 into ``<log_dir>/profile`` (needs ``log_dir``).
             profile_processes: the processes that trace: an index, several, or ``"all"`` (default
@@ -661,7 +659,6 @@ class Trainer:
                     "seed": self.seed}
         return fit_live(self._live, train_data, options, owner=self, cost=self.cost_options,
                         settings=settings)
-
 
     # ---------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any, *, ema: bool = False) -> dict[str, float]:

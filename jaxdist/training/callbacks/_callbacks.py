@@ -354,7 +354,6 @@ def _format(logs: Mapping[str, float]) -> str:
     wall = sum(parts.values())
     beside = sorted(((v / wall, k) for k, v in parts.items() if k != "steps"
                      and v >= _BESIDE * wall), reverse=True) if rates and wall > 0 else []
-
     if beside:
         rates[-1] += f" (incl. {beside[0][1]} {beside[0][0]:.0%})"
     return " ".join(values + rates)
@@ -461,7 +460,6 @@ class Progress(Callback):
         self._bar: Any = None
         self._start_step = 0
         self._cost: StepCost | None = None
-
         # lines have nothing to do per step: no on_step_end, so fit calls nothing per step
         if mode == "bar":
             self.on_step_end = self._advance  # type: ignore[method-assign]
@@ -603,7 +601,6 @@ class _MetricWriter(Callback):
         return {key if key.startswith("time/") else f"{split}/{key}": float(value)
                 for key, value in values.items() if key != "step"
                 and isinstance(value, (int, float)) and not isinstance(value, bool)}
-
 
 
 class CSVLogger(_MetricWriter):

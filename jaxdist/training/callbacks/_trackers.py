@@ -219,7 +219,6 @@ class MLflowLogger(_MetricWriter):
     def _open(self) -> None:
         file_store = self.tracking_uri.startswith("file:")
         with _file_store_allowed() if file_store else contextlib.nullcontext():
-
             if self.client is None:
                 self.client = self._mlflow.tracking.MlflowClient(self.tracking_uri)
             self._open_run = True
@@ -241,7 +240,6 @@ class MLflowLogger(_MetricWriter):
         now = int(time.time() * 1000)
         metrics = [self._entities.Metric(k, v, now, int(step))
                    for k, v in self.scalars(split, values).items()]
-
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 

@@ -139,7 +139,6 @@ class Backstop:
     def __init__(self, status: int, exit_delay: float):
         self.status, self.exit_delay = status, exit_delay
         self.armed: float | None = None
-
         self._timer = _exit_timer(status)
         self._say = _Say()
 

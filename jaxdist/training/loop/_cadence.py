@@ -82,7 +82,6 @@ class Cadence:
                          "datetime.timedelta > 0 (time), or None (the default: every epoch when "
                          "the fit counts epochs, and every 10 minutes).")
 
-
     def describe(self) -> str:
         """In words: ``'every 100 steps'``, ``'every epoch and every 10 min'``."""
         parts = []

@@ -315,7 +315,6 @@ class FitLoop(FitControl):
             del self.logs
             if (close := getattr(self.source, "close", None)) is not None:
                 close()
-
             self.place()
             for cb in self.callbacks:
                 if isinstance(cb, Callback) and cb.control is self:
@@ -734,7 +733,6 @@ class FitLoop(FitControl):
                 self.epoch_no = live.step // self.options.steps_per_epoch
         self.history.rollbacks.append({"step": bad, "restored": good[-1],
                                        "data_position": live.position})
-
         live.sums("fit")
         self.logs.restart(live.step)
         self.guard.restart(live.step)

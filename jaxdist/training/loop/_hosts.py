@@ -79,7 +79,6 @@ def check_ratio(value: Any) -> None:
                          "named).")
 
 
-
 class HostTimes(Callback):
     """The per-process figures of a fit's log windows (see the module doc): a fit's callback.
 
@@ -274,7 +273,6 @@ def disagreement(step: int, seen: list[str], agreed: int | None) -> str:
     odd = [pid for pid, value in enumerate(seen) if value != seen[0]]
     shown = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: "
                       f"{zlib.crc32(value.encode()):08x}" for value, p in groups.items())
-
     before = "" if agreed is None else f"; they agreed at step {agreed}, the check before"
     return (
         f"the processes of this job passed different global batches at step {step}: "

@@ -469,4 +469,3 @@ class DeleteBackups(Callback):
         if self.verbose:
             _say(trainer, f"the run finished: deleted its checkpoints in {control.checkpoint_dir} "
                           "(DeleteBackups; a run again trains from scratch)")
-

@@ -136,7 +136,6 @@ class FitOptions:
         if (local is None) != (every is None):
             given = (f"local_checkpoint_dir={local!r}" if every is None
                      else f"local_checkpoint_every={every!r}")
-
             raise ValueError(f"{given} needs the other one: pass both local_checkpoint_dir=... "
                              "(each process's own directory, e.g. '/mnt/ssd/ckpt-{process}') and "
                              "local_checkpoint_every=N.")

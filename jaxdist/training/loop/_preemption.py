@@ -148,8 +148,6 @@ class PreemptionWatcher:
 
     def should_stop(self, final: bool = False, *, stop_training: bool = False,
                     save: bool = False) -> bool:
-
-
         """Whether every process stops now; once True, always True.
 
         Call it once per step (or step loop) on every process, in the same order. One process:

@@ -147,11 +147,9 @@ class StepProfile(Callback):
             else:
                 # a run of its own, named by process; its Perfetto file written here (JAX's
                 # picks the newest run)
-
                 options = jax.profiler.ProfileOptions()
                 stamp = time.strftime("%Y_%m_%d_%H_%M_%S")
                 options.session_id = self.run = f"{stamp}_process{self.process}"
-
                 jax.profiler.start_trace(self.directory, profiler_options=options)
         except RuntimeError as error:
             # another trace is running (the user's): theirs goes on, none here
@@ -190,7 +188,6 @@ class StepProfile(Callback):
             f"{step}, before the window's first step {self.start}. Pass a window within the steps "
             f"the fit runs (e.g. profile_steps=({max(1, step - 1)}, {step + 1})), or more steps.",
             UserWarning, stacklevel=3)
-
 
     def close(self, last: Any = None) -> None:
         """Stop the trace (once the devices have finished ``last``), if one is running; the window

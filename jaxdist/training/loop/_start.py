@@ -200,7 +200,6 @@ def _writers(live: LiveState, options: FitOptions, resumed_from: Any,
                                 checkpoint_dir=options.checkpoint_dir,
                                 cadence=options.cadence.describe(),
                                 default=options.cadence.default))
-
     if log_dir is not None and writer:
         writers += [CSVLogger(os.path.join(log_dir, "metrics.csv")), TensorBoardLogger(log_dir)]
     return display, writers
@@ -229,4 +228,3 @@ def _say_start(live: LiveState) -> None:
         "starts with the batches that come next, set trainer.data_position = "
         "jd.training.DataPosition() to say so. Either silences this; an iterator is read on from "
         "where it is.", UserWarning, stacklevel=4)
-

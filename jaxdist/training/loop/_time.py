@@ -65,7 +65,6 @@ def _heard(event: str, start: float, end: float, **_: object) -> None:
 def _listen() -> None:
     with _listening:
         if not _LISTENER:  # once per process: it costs nothing but at a compile
-
             jax.monitoring.register_event_time_span_listener(_heard)
             _LISTENER.append(_heard)
 
@@ -120,7 +119,6 @@ class FitClock:
         seconds = (end - start) - sum(e - s for s, e in inner)
         kept = [span for span in self._spans if span not in inner][-_NESTED:]
         self._spans = [*kept, (start, end)]
-
         self.compiled[self.phase] = self.compiled.get(self.phase, 0.0) + seconds
 
     @contextlib.contextmanager

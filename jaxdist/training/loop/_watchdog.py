@@ -205,7 +205,6 @@ class Watchdog(Callback):
         last = jax.process_count() > 1 and jax.process_index() == 0
         return min(self.timeout, 10.0) if last else 0.0
 
-
     def _rearm(self) -> None:
         """Arm the backstop ``slack`` past the deadline when it is armed less than ``slack / 2``
         past it (so once per ``slack / 2`` seconds while steps finish) or more than ``slack`` (the
@@ -259,7 +258,6 @@ class Watchdog(Callback):
 
     def _trip(self) -> None:
         message = self.tripped = self._reason(self.steps)
-
         # this thread does the rest: the backstop must not end the process meanwhile
         with self._arming:
             if self._backstop is not None:
