@@ -47,10 +47,9 @@ class Trainer:
         loss_fn: ``loss_fn(outputs, targets)`` returning the MEAN loss over the batch, e.g.
             ``lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``,
             or a token-weighted pair ``(sum, weight)``: the SUM of per-token losses and how many
-            (real) tokens it covers, e.g. ``return (losses * mask).sum(), mask.sum()``. Pairs are
-            summed and divided once over the global batch, its micro-batches and each log window
-            (`jaxdist.training.step._weighted`), so padding never biases the mean however it is
-            spread.
+            (real) tokens it covers, e.g. ``return (losses * mask).sum(), mask.sum()``, divided once
+            over the global batch, its micro-batches and each log window (so padding never biases
+            the mean).
         metrics: extra ``{name: fn(outputs, targets)}``, each a batch mean or a ``(sum, weight)``
             pair, e.g. ``{"accuracy": jd.training.accuracy}``.
         input_key: for batches given as dicts: the key of the model's inputs, e.g.
@@ -72,11 +71,9 @@ class Trainer:
         eval_kwargs: linen only: keyword arguments for ``model.apply`` in evaluation and prediction
             (e.g. ``{"train": False}``).
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
-        steps_per_run: steps per compiled on-device loop in ``fit``
-            (``strategy.run_steps_on_dataset``; default: ``strategy.steps_per_run`` for a
-            `TPUStrategy`, else 1: one compiled step per batch). A loop ends early at a log,
-            evaluation or checkpoint point, so those see the same steps as one step at a time (make
-            ``log_every`` a multiple of ``steps_per_run`` to keep the loops full).
+        steps_per_run: steps per compiled on-device loop in ``fit`` (default:
+            ``strategy.steps_per_run`` for a `TPUStrategy`, else 1). A loop ends early at a log,
+            evaluation or checkpoint point (make ``log_every`` a multiple to keep the loops full).
         tokens_per_example: tokens in one example (a language model's sequence length): logs then
             show ``tokens_per_sec`` = rows x this / step time (padding included: what the devices
             process). None: a token-weighted loss's summed weight counts the tokens (the real ones);
@@ -85,10 +82,8 @@ class Trainer:
             instead of the datasheet's dense bf16 figure for A100, H100, H200, B200 and TPU v4 / v5e
             / v5p / v6e (`jaxdist.costs.ACCELERATORS`). Without either (CPU), both are "n/a".
         flops_per_step: the model's FLOPs per optimizer step over the global batch (e.g. 6 x
-            parameters x tokens): the basis of ``mfu`` (model FLOPs utilisation). Without it, the
-            compiled step's FLOPs without recomputation (`jaxdist.costs.program_cost`). ``hfu``
-            (hardware FLOPs utilisation) always counts what the compiled step executes,
-            rematerialisation and replicated optimizer work included.
+            parameters x tokens), the basis of ``mfu``; without it, the compiled step's FLOPs
+            without recomputation. ``hfu`` always counts what the compiled step executes.
         ema_decay: keep averaged weights (`ema_params`): ``ema = ema_decay * ema + (1 - ema_decay)
             * params`` after each optimizer step (a skipped non-finite step leaves it), from the
             first parameters, on the devices in their layout and dtype; saved in checkpoints, used
@@ -155,9 +150,8 @@ class Trainer:
 
     @property
     def stop_training(self) -> bool:
-        """Set it (from a callback) to end the running ``fit`` after the current step (``fit``
-        clears it when it starts); with several processes, set on any one, every process stops after
-        the same step."""
+        """Set it (from a callback) to end the running ``fit`` after the current step (cleared when
+        ``fit`` starts); set on any process, every process stops after the same step."""
         return self._live.stop_training
 
     @stop_training.setter
@@ -214,11 +208,9 @@ class Trainer:
         self._live.position = position
 
     def init(self, batch: Any) -> TrainState:
-        """Build the state from a sample batch (done on first use; call it to build it earlier).
-
-        Runs ``model.init`` (linen; nnx modules bring their variables) and ``optimizer.init`` under
-        ``strategy.create_variables``: born in the strategy's layout, no host copy. Checks that
-        ``loss_fn`` returns a scalar and each metric too.
+        """Build the state from a sample batch (done on first use; call it to build it earlier):
+        born in the strategy's layout (``strategy.create_variables``), no host copy; checks that
+        ``loss_fn`` and each metric return a scalar.
 
         Args:
             batch: a batch ``(x, y)`` / a dict with ``input_key`` and ``target_key`` (only shapes
@@ -235,10 +227,7 @@ class Trainer:
 
     def sync_model(self) -> None:
         """Write the trained values back into the model the trainer was given (``fit`` does this at
-        its end).
-
-        nnx modules are updated in place, as nnx code expects; linen modules hold no values (a
-        no-op).
+        its end): nnx modules are updated in place; for linen modules (no values) a no-op.
 
         Examples:
             >>> import numpy as np, optax, jaxdist as jd
@@ -423,9 +412,8 @@ class Trainer:
         finite.
 
         A state with a NaN or an infinity in its parameters or model state, or a NaN in its
-        optimizer state, is refused: no checkpoint ever holds one, so the rotation (``max_to_keep``)
-        never deletes the newest finite checkpoint in favour of a diverged one. Checking costs one
-        pass over the state on the devices per save (`jaxdist.training.step.non_finite_leaves`).
+        optimizer state, is refused, so the rotation never deletes the newest finite checkpoint in
+        favour of a diverged one (one pass over the state on the devices per save).
 
         Args:
             checkpoint_dir: a directory, or an open `Checkpointer` (left open; its own
@@ -446,9 +434,8 @@ class Trainer:
                 batch: Any = None) -> int:
         """Load a checkpoint (default: the latest) onto THIS trainer's strategy, whatever wrote it.
 
-        With ``ema_decay``, the averaged weights come from the checkpoint; from one without them (a
-        run without ``ema_decay``) they start again from its parameters, with a warning
-        (`jaxdist.training.step._ema`).
+        With ``ema_decay``, the averaged weights come from the checkpoint; from one without them
+        they start again from its parameters, with a warning.
 
         Args:
             checkpoint_dir: the directory ``fit`` or `save` wrote, or an open `Checkpointer` (left

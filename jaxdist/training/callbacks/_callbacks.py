@@ -239,9 +239,7 @@ class Callback:
 
     def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
         """Once per ``fit``, right after ``on_train_begin``: how the run is configured, a flat
-        ``{name: JSON scalar}`` (``fit``'s arguments, the strategy, mesh and devices, the global
-        batch size, the optimizer as far as its state says: `jaxdist.training.loop._config`). The
-        trackers keep it as the run's parameters."""
+        ``{name: JSON scalar}`` (`jaxdist.training.loop._config`), which trackers keep."""
 
     def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
         """Before the first step of epoch ``epoch`` (from 0; a resumed run begins with the epoch it
@@ -327,19 +325,14 @@ def _value(key: str, value: float | str) -> str:
 
 
 _BESIDE = 0.1
-"""A log window's rates are labelled with the parts of its wall time other than steps
-(`History.time`'s compile, checkpoint, evaluation, input, other) that took at least this share of
-it."""
+"""A log window's rates are labelled with the largest part of its wall time other than steps that
+took at least this share of it."""
 
 
 def _format(logs: Mapping[str, float]) -> str:
     """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once (a
-    window's ``time/<part>`` seconds are left to the files: the line at the end shows the whole
-    fit's).
-
-    The rates are over the window's wall time: when a part other than the steps took `_BESIDE` of it
-    or more (a compile, an evaluation, a checkpoint), the largest says so, so that a rate that
-    swings says why.
+    window's ``time/<part>`` seconds are left to the files), with the largest part other than the
+    steps that took `_BESIDE` of the window or more, so that a rate that swings says why.
 
     Examples:
         >>> _format({"loss": 0.5, "steps_per_sec": 14.0, "time/steps": 0.1, "time/compile": 0.6,
