@@ -228,8 +228,7 @@ class FitLoop(FitControl):
                 call(self.owner, *args)
 
     def place(self) -> None:
-        """Set the live state's data position after the batches consumed (computed when read, not
-        per step)."""
+        """Set the live state's data position after the batches consumed (lazily, not per step)."""
         if self.placed != self.batches:
             self.live.position = self.stream.position(self.batches)
             self.placed = self.batches
@@ -241,8 +240,7 @@ class FitLoop(FitControl):
         live.stop_training = False
         live.sums("fit")  # the windows start here
         # Several processes act on a window at the same step, and a rollback moves the data past the
-        # same batches in every run of the same job: the windows are read a fixed READ_LAG steps
-        # after they close.
+        # same batches in every run of a job: windows are read READ_LAG steps after they close.
         fixed = self.spans or self.policy.action == "rollback"
         clock.open()  # heard since the clock was made; again if it serves a second run
         self.logs = Logs(live.step, self.on_log, self.rates, self.guard.observe,
@@ -287,12 +285,10 @@ class FitLoop(FitControl):
                 history.preempted, history.preempted_by = watcher.preempted, watcher.cause
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
-                with self.paused("checkpoint"):
-                    # fit returns (or exits on preemption) once its last checkpoint is complete
+                with self.paused("checkpoint"):  # fit returns once its last one is complete
                     self.report_saved(wait=True)
-                if options.eval_data is not None and not history.preempted and not (
-                    history.eval and history.eval[-1]["step"] == live.step
-                ):
+                evaluated = history.eval and history.eval[-1]["step"] == live.step
+                if options.eval_data is not None and not history.preempted and not evaluated:
                     self.evaluate()
                 live.sync()
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
@@ -718,8 +714,7 @@ class FitLoop(FitControl):
         self.logs.flush()  # every step so far is logged (their flags belong to this rollback)
         with self.paused("checkpoint"):
             self.report_saved(wait=True)
-            good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
-            if not good:
+            if not (good := [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]):
                 raise self.failure("there is no checkpoint before it to roll back to, so the run "
                                    "stopped")
             restore_live(live, ckpt, good[-1], None)
@@ -748,8 +743,7 @@ class FitLoop(FitControl):
         """Record the step reached in the checkpoint directory (process 0; never an error); once the
         fit has ended with a checkpoint of that step, which says as much, remove the record."""
         if self.recorder:
-            directory = self.ckpt.directory
-            finished = self.saved_at_end or self.deleted
+            directory, finished = self.ckpt.directory, self.saved_at_end or self.deleted
             if finished:
                 clear_progress(directory)
             else:
@@ -773,8 +767,7 @@ class _Paused:
     """`FitLoop.paused`: the clock's part, and ``on_pause`` / ``on_resume`` around it."""
 
     def __init__(self, loop: FitLoop, part: str):
-        self.loop, self.part = loop, part
-        self.timing = loop.clock.timing(part)
+        self.loop, self.part, self.timing = loop, part, loop.clock.timing(part)
 
     def __enter__(self) -> None:
         self.loop.emit("on_pause", self.part)
