@@ -73,7 +73,8 @@ class Trainer:
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
         steps_per_run: steps per compiled on-device loop in ``fit`` (default:
             ``strategy.steps_per_run`` for a `TPUStrategy`, else 1). A loop ends early at a log,
-            evaluation or checkpoint point (make ``log_every`` a multiple to keep the loops full).
+            evaluation or checkpoint point, so those see the same steps as one step at a time (make
+            ``log_every`` a multiple of it to keep the loops full).
         tokens_per_example: tokens in one example (a language model's sequence length): logs then
             show ``tokens_per_sec`` = rows x this / step time (padding included: what the devices
             process). None: a token-weighted loss's summed weight counts the tokens (the real ones);
@@ -82,8 +83,9 @@ class Trainer:
             instead of the datasheet's dense bf16 figure for A100, H100, H200, B200 and TPU v4 / v5e
             / v5p / v6e (`jaxdist.costs.ACCELERATORS`). Without either (CPU), both are "n/a".
         flops_per_step: the model's FLOPs per optimizer step over the global batch (e.g. 6 x
-            parameters x tokens), the basis of ``mfu``; without it, the compiled step's FLOPs
-            without recomputation. ``hfu`` always counts what the compiled step executes.
+            parameters x tokens), the basis of ``mfu`` (model FLOPs utilisation); without it, the
+            compiled step's FLOPs without recomputation. ``hfu`` (hardware FLOPs utilisation)
+            always counts what the compiled step executes.
         ema_decay: keep averaged weights (`ema_params`): ``ema = ema_decay * ema + (1 - ema_decay)
             * params`` after each optimizer step (a skipped non-finite step leaves it), from the
             first parameters, on the devices in their layout and dtype; saved in checkpoints, used

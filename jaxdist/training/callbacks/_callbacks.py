@@ -76,9 +76,9 @@ class History:
             resumes from: a crash after the last checkpoint, or ``restore_step``) and ``"other"``
             (the rest: callbacks, the setup before the first step, the loop itself). They add up to
             the wall time of ``fit``, measured on the host. Each log row has the same parts over its
-            window as ``time/<part>`` (its ``time/lost``: the steps of it taken again, and, in the
-            first window after a rollback, those the rollback threw away). Empty before ``fit``
-            ends.
+            window as ``time/<part>`` (its ``time/steps`` counts every step it ran, ``time/lost``
+            those taken again and, in the first window after a rollback, those the rollback threw
+            away). Empty before ``fit`` ends.
         job_time: with a ``checkpoint_dir``, on process 0: the parts of ``time`` summed over every
             run that wrote to that directory (a crashed run and those that resumed it), and
             ``"restart"``, the gaps between a run that failed (or was preempted) and the next one.
@@ -269,7 +269,8 @@ class Callback:
         run), the last learning rate where it is logged, and ``val_<name>`` for each metric of an
         evaluation at that step (``eval_every="epoch"``). A checkpoint asked for here
         (``control.save()``) holds the epoch's steps; a stop ends the run before the next epoch, on
-        every process."""
+        every process. ``fit`` waits for the epoch's metrics only when the run counts epochs or a
+        callback overrides an epoch hook."""
 
     def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
         """After each checkpoint is written (complete and renamed into place)."""
@@ -305,8 +306,9 @@ def overriding(callbacks: Any, hook: str) -> list:
         ['Steps']
     """
     base = getattr(Callback, hook)
-    return [getattr(cb, hook) for cb in callbacks if getattr(type(cb), hook, None)
-            not in (None, base) or hook in getattr(cb, "__dict__", {})]
+    return [getattr(cb, hook) for cb in callbacks
+            if getattr(type(cb), hook, None) not in (None, base)
+            or hook in getattr(cb, "__dict__", {})]
 
 
 _RATES = {"steps_per_sec": "steps/s", "tokens_per_sec": "tokens/s"}  # shown as "<value> <unit>"

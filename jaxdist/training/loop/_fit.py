@@ -152,7 +152,7 @@ class FitLoop(FitControl):
         self.in_flight = False  # a checkpoint is being written (reported once complete)
         self.save_asked, self.skip_asked, self.stopping = False, 0, False
         self.windows: collections.deque = collections.deque()  # (step, snapshot, epoch) per window
-        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))  # the last one
+        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))  # last logged
         # An earlier run reached step ``reached`` (a crash after its last checkpoint, restore_step):
         # the steps up to it are taken again, their time lost (`FitClock.lose_redone`).
         self.redo = reached if reached > live.step else NEVER
