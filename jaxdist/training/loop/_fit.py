@@ -127,9 +127,8 @@ class FitLoop(FitControl):
 
     def __init__(self, live: LiveState, stream: BatchStream, options: FitOptions, *,
                  callbacks: Iterable[Any] | None = None, owner: Any = None,
-                 checkpointer: Checkpointer | None = None,
-                 clock: FitClock | None = None, reached: int = 0,
-                 config: Mapping[str, Any] | None = None,
+                 checkpointer: Checkpointer | None = None, clock: FitClock | None = None,
+                 reached: int = 0, config: Mapping[str, Any] | None = None,
                  cost: CostOptions | None = None, history: History | None = None,
                  local: LocalCheckpointer | None = None):
         self.live, self.stream, self.options, self.owner = live, stream, options, owner
