@@ -1,29 +1,15 @@
 """`Trainer`: one training loop for Flax linen and nnx models with optax, unchanged on every
 strategy.
 
-The train step is an ordinary single-device step (`jaxdist.training.step._functions`) compiled with
-``strategy.jit(step, donate_argnums=(0,), batch_argnums=(1,))`` (`jaxdist.training.step._compiled`);
-the state is born in the strategy's layout with ``strategy.create_variables``; each batch is checked
-and placed once, at the stream boundary (`jaxdist.training.data._feed`), the next ones while the
-current step runs. So ``fit`` on any strategy computes what the same training computes on one
-device, and the loss and metrics are means over the GLOBAL batch.
+The train step is an ordinary single-device step compiled with ``strategy.jit`` on a state born in
+the strategy's layout (`jaxdist.training.step`), so ``fit`` on any strategy computes what the same
+training computes on one device: the loss and metrics are means over the GLOBAL batch. Resuming is
+exact: the step counter drives the RNG (``fold_in(rng, step)``) and the checkpoint stores the data
+position, so a resumed run's parameters are bitwise identical to an uninterrupted run's.
 
-Resuming is exact: the state's step counter drives the RNG (``fold_in(rng, step)``), the checkpoint
-stores the data position, and a resumed ``fit`` with the same ``checkpoint_dir`` re-reads the same
-epoch and skips the batches already used, so its parameters are bitwise identical to an
-uninterrupted run's.
-
-The Trainer is a facade: its state, step counter and data position are a
-`jaxdist.training.step.LiveState`, whose methods build and step it, evaluate and predict;
-`jaxdist.training.checkpoints` saves, restores and loads it (``save_live``, ``restore_live``,
-``load_live``); `jaxdist.training.loop` runs ``fit`` on it (``loop.fit``, with ``fit``'s keyword
-arguments as one `jaxdist.training.loop.FitOptions`): the loop drives the `LiveState`, and hands the
-trainer to the callbacks only.
-
-A diverging run loses nothing (`jaxdist.training.step._non_finite`): each step flags a non-finite
-loss or gradient norm on the devices, ``fit`` acts on the flags where it reads its logs and before
-every checkpoint (``on_non_finite``: stop, skip, roll back or continue), and `save` refuses a state
-that is not finite.
+The Trainer is a facade over a `jaxdist.training.step.LiveState` (state, step counter, data
+position): `jaxdist.training.checkpoints` saves, restores and loads it, `jaxdist.training.loop` runs
+``fit`` on it and hands the trainer to the callbacks only.
 """
 
 from __future__ import annotations
@@ -61,10 +47,9 @@ class Trainer:
         loss_fn: ``loss_fn(outputs, targets)`` returning the MEAN loss over the batch, e.g.
             ``lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``,
             or a token-weighted pair ``(sum, weight)``: the SUM of per-token losses and how many
-            (real) tokens it covers, e.g. ``return (losses * mask).sum(), mask.sum()``. Pairs are
-            summed and divided once over the global batch, its micro-batches and each log window
-            (`jaxdist.training.step._weighted`), so padding never biases the mean however it is
-            spread.
+            (real) tokens it covers, e.g. ``return (losses * mask).sum(), mask.sum()``, divided once
+            over the global batch, its micro-batches and each log window (so padding never biases
+            the mean).
         metrics: extra ``{name: fn(outputs, targets)}``, each a batch mean or a ``(sum, weight)``
             pair, e.g. ``{"accuracy": jd.training.accuracy}``.
         input_key: for batches given as dicts: the key of the model's inputs, e.g.
@@ -86,11 +71,10 @@ class Trainer:
         eval_kwargs: linen only: keyword arguments for ``model.apply`` in evaluation and prediction
             (e.g. ``{"train": False}``).
         rng_streams: linen only: rng names given a fresh key each step (default ``("dropout",)``).
-        steps_per_run: steps per compiled on-device loop in ``fit``
-            (``strategy.run_steps_on_dataset``; default: ``strategy.steps_per_run`` for a
-            `TPUStrategy`, else 1: one compiled step per batch). A loop ends early at a log,
+        steps_per_run: steps per compiled on-device loop in ``fit`` (default:
+            ``strategy.steps_per_run`` for a `TPUStrategy`, else 1). A loop ends early at a log,
             evaluation or checkpoint point, so those see the same steps as one step at a time (make
-            ``log_every`` a multiple of ``steps_per_run`` to keep the loops full).
+            ``log_every`` a multiple of it to keep the loops full).
         tokens_per_example: tokens in one example (a language model's sequence length): logs then
             show ``tokens_per_sec`` = rows x this / step time (padding included: what the devices
             process). None: a token-weighted loss's summed weight counts the tokens (the real ones);
@@ -99,17 +83,14 @@ class Trainer:
             instead of the datasheet's dense bf16 figure for A100, H100, H200, B200 and TPU v4 / v5e
             / v5p / v6e (`jaxdist.costs.ACCELERATORS`). Without either (CPU), both are "n/a".
         flops_per_step: the model's FLOPs per optimizer step over the global batch (e.g. 6 x
-            parameters x tokens): the basis of ``mfu`` (model FLOPs utilisation). Without it, the
-            compiled step's FLOPs without recomputation (`jaxdist.costs.program_cost`). ``hfu``
-            (hardware FLOPs utilisation) always counts what the compiled step executes,
-            rematerialisation and replicated optimizer work included.
-        ema_decay: keep averaged weights (`ema_params`): an exponential moving average of the
-            parameters, ``ema = ema_decay * ema + (1 - ema_decay) * params`` after each optimizer
-            step, starting from the first parameters; on the devices, in the parameters' layout and
-            dtype (`jaxdist.training.step._ema`), saved in checkpoints, used by ``evaluate(...,
-            ema=True)`` and ``predict(..., ema=True)``. A step skipped as non-finite leaves it as it
-            was. A checkpoint without averaged weights (and `load_state`) starts them from its
-            parameters. None (default): no averaged weights.
+            parameters x tokens), the basis of ``mfu`` (model FLOPs utilisation); without it, the
+            compiled step's FLOPs without recomputation. ``hfu`` (hardware FLOPs utilisation)
+            always counts what the compiled step executes.
+        ema_decay: keep averaged weights (`ema_params`): ``ema = ema_decay * ema + (1 - ema_decay)
+            * params`` after each optimizer step (a skipped non-finite step leaves it), from the
+            first parameters, on the devices in their layout and dtype; saved in checkpoints, used
+            by ``evaluate(..., ema=True)`` and ``predict(..., ema=True)``. A checkpoint without them
+            (and `load_state`) starts them from its parameters. None (default): none.
 
     Raises:
         TypeError: for a strategy, model, optimizer or loss_fn of the wrong kind (a module class
@@ -156,15 +137,12 @@ class Trainer:
     ):
         self.strategy, self.model, self.loss_fn = strategy, model, loss_fn
         self._live = LiveState(strategy, model, optimizer, loss_fn, metrics=metrics,
-                               input_key=input_key,
-                               target_key=target_key, variables=variables,
-                               grad_accum_steps=grad_accum_steps,
-                               compute_dtype=compute_dtype, clip_grad_norm=clip_grad_norm,
-                               seed=seed,
-                               train_kwargs=train_kwargs, eval_kwargs=eval_kwargs,
-                               rng_streams=rng_streams, ema_decay=ema_decay)
-        # checks them
-        self.cost_options = CostOptions(tokens_per_example, peak_flops, flops_per_step)
+                               input_key=input_key, target_key=target_key, variables=variables,
+                               grad_accum_steps=grad_accum_steps, compute_dtype=compute_dtype,
+                               clip_grad_norm=clip_grad_norm, seed=seed, train_kwargs=train_kwargs,
+                               eval_kwargs=eval_kwargs, rng_streams=rng_streams,
+                               ema_decay=ema_decay)
+        self.cost_options = CostOptions(tokens_per_example, peak_flops, flops_per_step)  # checks
         check_int(steps_per_run, "steps_per_run", 1)
         self.metrics, self.optimizer, self.seed = self._live.metrics, self._live.optimizer, seed
         self.input_key, self.target_key = self._live.input_key, self._live.target_key
@@ -174,9 +152,8 @@ class Trainer:
 
     @property
     def stop_training(self) -> bool:
-        """Set it (from a callback) to end the running ``fit`` after the current step (``fit``
-        clears it when it starts); with several processes, set on any one, every process stops after
-        the same step."""
+        """Set it (from a callback) to end the running ``fit`` after the current step (cleared when
+        ``fit`` starts); set on any process, every process stops after the same step."""
         return self._live.stop_training
 
     @stop_training.setter
@@ -233,11 +210,9 @@ class Trainer:
         self._live.position = position
 
     def init(self, batch: Any) -> TrainState:
-        """Build the state from a sample batch (done on first use; call it to build it earlier).
-
-        Runs ``model.init`` (linen; nnx modules bring their variables) and ``optimizer.init`` under
-        ``strategy.create_variables``: born in the strategy's layout, no host copy. Checks that
-        ``loss_fn`` returns a scalar and each metric too.
+        """Build the state from a sample batch (done on first use; call it to build it earlier):
+        born in the strategy's layout (``strategy.create_variables``), no host copy; checks that
+        ``loss_fn`` and each metric return a scalar.
 
         Args:
             batch: a batch ``(x, y)`` / a dict with ``input_key`` and ``target_key`` (only shapes
@@ -254,10 +229,7 @@ class Trainer:
 
     def sync_model(self) -> None:
         """Write the trained values back into the model the trainer was given (``fit`` does this at
-        its end).
-
-        nnx modules are updated in place, as nnx code expects; linen modules hold no values (a
-        no-op).
+        its end): nnx modules are updated in place; for linen modules (no values) a no-op.
 
         Examples:
             >>> import numpy as np, optax, jaxdist as jd
@@ -304,9 +276,7 @@ class Trainer:
 
     def train_on_batches(self, batches: Sequence[Any]) -> dict[str, jax.Array]:
         """``len(batches)`` optimizer steps in ONE compiled on-device loop
-        (``strategy.run_steps_on_dataset``).
-
-        The same steps ``train_on_batch`` would take one by one, with the host involved once.
+        (``strategy.run_steps_on_dataset``): the steps ``train_on_batch`` would take one by one.
 
         Args:
             batches: global batches of one shape, as for `train_on_batch`.
@@ -333,17 +303,15 @@ class Trainer:
     def pop_running_sums(self) -> PackedSums:
         """The running sums of the steps taken since the last call, on the devices; restarts them.
 
-        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to the running sums on
-        the devices (no extra work per step): ``fit`` pops them at each log point and reads them in
-        one transfer.
+        Every step (`train_on_batch`, `train_on_batches`) adds its metrics to them on the devices;
+        ``fit`` pops them at each log point.
 
         Returns:
-            The sums still on the devices, packed in one vector (`jd.training.PackedSums`; zeros
-            when no step ran since the last call); nothing waits here. Their ``to_host()`` reads
-            them in one transfer and returns the `jd.training.RunningSums`: ``averages`` (each
-            metric's ``Average(total, weight)``, ``"loss"`` first), ``non_finite`` (the record of
-            the steps whose loss or gradients were not finite), ``steps`` and ``learning_rate`` (the
-            last step's, when logged).
+            The sums packed in one device vector (`jd.training.PackedSums`; zeros when no step ran
+            since the last call); nothing waits here. Its ``to_host()`` reads them in one transfer
+            as a `jd.training.RunningSums`: ``averages`` (each metric's ``Average(total, weight)``,
+            ``"loss"`` first), ``non_finite`` (the record of the non-finite steps), ``steps`` and
+            ``learning_rate`` (the last step's, when logged).
 
         Raises:
             RuntimeError: before the state exists (nothing trained or initialized yet).
@@ -391,10 +359,8 @@ class Trainer:
     def step_cost(self) -> StepCost:
         """What one training step costs per device: FLOPs, peak FLOP/s, bytes of parameters,
         optimizer state and temporaries (``fit`` logs it once at its start; `jaxdist.costs.step`).
-        Measured once, from the compiled step (`jaxdist.costs.program_cost`, the same count as
-        ``Trainer.plan(...).flops``, and XLA's memory analysis), never per step: the step that ran
-        is found in JAX's cache; with ``steps_per_run > 1`` (on-device loops) the single step is
-        compiled once more for it.
+        Measured once from the compiled step found in JAX's cache (the FLOPs as in
+        ``Trainer.plan(...).flops``); with ``steps_per_run > 1`` the single step is compiled for it.
 
         Raises:
             RuntimeError: before the first training step.
@@ -448,9 +414,8 @@ class Trainer:
         finite.
 
         A state with a NaN or an infinity in its parameters or model state, or a NaN in its
-        optimizer state, is refused: no checkpoint ever holds one, so the rotation (``max_to_keep``)
-        never deletes the newest finite checkpoint in favour of a diverged one. Checking costs one
-        pass over the state on the devices per save (`jaxdist.training.step.non_finite_leaves`).
+        optimizer state, is refused, so the rotation never deletes the newest finite checkpoint in
+        favour of a diverged one (one pass over the state on the devices per save).
 
         Args:
             checkpoint_dir: a directory, or an open `Checkpointer` (left open; its own
@@ -467,15 +432,12 @@ class Trainer:
         """
         return save_live(self._live, checkpoint_dir, max_to_keep)
 
-    def restore(
-        self, checkpoint_dir: str | os.PathLike | Checkpointer, step: int | None = None,
-        batch: Any = None
-    ) -> int:
+    def restore(self, checkpoint_dir: str | os.PathLike | Checkpointer, step: int | None = None,
+                batch: Any = None) -> int:
         """Load a checkpoint (default: the latest) onto THIS trainer's strategy, whatever wrote it.
 
-        With ``ema_decay``, the averaged weights come from the checkpoint; from one without them (a
-        run without ``ema_decay``) they start again from its parameters, with a warning
-        (`jaxdist.training.step._ema`).
+        With ``ema_decay``, the averaged weights come from the checkpoint; from one without them
+        they start again from its parameters, with a warning.
 
         Args:
             checkpoint_dir: the directory ``fit`` or `save` wrote, or an open `Checkpointer` (left
@@ -498,28 +460,18 @@ class Trainer:
         """
         return restore_live(self._live, checkpoint_dir, step, batch)
 
-    def load_state(
-        self,
-        params: Any,
-        opt_state: Any = None,
-        step: int | None = None,
-        model_state: Any = None,
-        *,
-        batch: Any = None,
-    ) -> TrainState:
+    def load_state(self, params: Any, opt_state: Any = None, step: int | None = None,
+                   model_state: Any = None, *, batch: Any = None) -> TrainState:
         """Continue a run trained elsewhere (plain JAX / Flax, saved with plain orbax or any other
         way): place its parameters, optimizer state and step onto this trainer's strategy.
 
-        Each piece is checked leaf by leaf against the state this trainer builds for its model and
-        optimizer, then placed in the strategy's layout for it
-        (`jaxdist.training.checkpoints._load`): host arrays are sliced on the host and each device
-        gets only its part (a leaf the layout splits is born split, never whole on every device);
-        device arrays of any layout are resharded. The state is a copy: the arrays passed stay
-        valid. Leaves match by name, whatever holds them: the optax state orbax restores without a
-        target (NamedTuples as dicts, tuples as lists), an ``nnx.State``, an ``nnx.Optimizer``'s
-        ``opt_state`` all fit. On several processes each process passes the same values (each reads
-        the same checkpoint), or global `jax.Array` s. With ``ema_decay`` the averaged weights start
-        again from the loaded parameters.
+        Each piece is checked leaf by leaf against the state this trainer builds, then placed in the
+        strategy's layout (`jaxdist.training.checkpoints._load`): each device gets only its part of
+        a host array, device arrays of any layout are resharded, and the arrays passed stay valid.
+        Leaves match by name, whatever holds them: the optax state orbax restores without a target
+        (NamedTuples as dicts, tuples as lists), an ``nnx.State``, an ``nnx.Optimizer``'s
+        ``opt_state`` all fit. On several processes each passes the same values, or global
+        `jax.Array` s. With ``ema_decay`` the averaged weights start again from the parameters.
 
         ``fit`` continues from here: to ``steps`` in total (``fit(steps=30)`` after ``step=20``
         takes 10 steps), with the per-step keys, checkpoints and logs of step 21 on. An iterator is
@@ -571,10 +523,8 @@ class Trainer:
             ...     params = optax.apply_updates(params, updates)
             >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), model, optimizer,
             ...                               lambda out, y: ((out - y) ** 2).mean())
-            >>> # no batch needed
-            >>> _ = trainer.load_state(params=params, opt_state=opt_state, step=20)
-            >>> # the schedule goes on at step 21
-            >>> _ = trainer.fit(iter([(x, y)] * 5), steps=25, verbose=0)
+            >>> _ = trainer.load_state(params=params, opt_state=opt_state, step=20)  # no batch
+            >>> _ = trainer.fit(iter([(x, y)] * 5), steps=25, verbose=0)  # schedule: on at 21
             >>> trainer.step, int(trainer.state.opt_state[0].count)
             (25, 25)
         """
@@ -613,50 +563,41 @@ class Trainer:
         Both counts are totals: a resumed run (same ``checkpoint_dir``) restores the latest
         checkpoint, continues from its step and data position, and stops where an uninterrupted run
         would, with bitwise the same state. Epochs are Keras': ``epochs=3, steps_per_epoch=70``
-        trains 210 steps in 3 epochs of 70 (the data is read on across them, passes and all, as
-        Keras reads a repeated dataset); ``epochs=3`` alone is 3 passes over ``train_data``. A fit
-        that counts epochs shows them in its progress lines and `History` (``history.epochs``,
-        ``history.history``), and calls the callbacks' ``on_epoch_begin`` / ``on_epoch_end``. The
-        keyword arguments are one `jaxdist.training.loop.FitOptions`; the operations features they
-        switch on (``step_timeout``, ``profile_steps``, ``straggler_ratio``) are callbacks,
-        documented in their modules.
+        trains 210 steps in 3 epochs of 70 (the data read on across passes, as Keras reads a
+        repeated dataset); ``epochs=3`` alone is 3 passes over ``train_data``. A fit that counts
+        epochs shows them in its progress lines and `History` (``history.epochs``,
+        ``history.history``) and calls ``on_epoch_begin`` / ``on_epoch_end``. The keyword
+        arguments are one `jaxdist.training.loop.FitOptions`.
 
         Args:
             train_data: global batches ``(x, y)`` or dicts with ``input_key`` / ``target_key``, of
                 one shape: a function ``epoch -> iterable``, a re-iterable (a list: repeated each
-                epoch) or an iterator (read once). Resuming needs the same batches for the same
-                epoch.
+                epoch) or an iterator (read once). Resuming needs the same batches per epoch.
             steps: train until ``trainer.step == steps``.
             epochs: stop after this many epochs in total (with ``steps``, whichever comes first).
-            steps_per_epoch: an epoch is this many steps (Keras' ``steps_per_epoch``); None: an
-                epoch is one pass over ``train_data``.
+            steps_per_epoch: an epoch is this many steps; None: one pass over ``train_data``.
             eval_data: batches for `evaluate` (any size), evaluated every ``eval_every`` steps and
                 at the end.
-            eval_every: steps between evaluations, or ``"epoch"``: at the end of every epoch (Keras'
-                ``validation_data``: its metrics reach ``on_epoch_end`` as ``val_<name>``). None:
-                only at the end.
+            eval_every: steps between evaluations, or ``"epoch"``: at every epoch's end (Keras'
+                ``validation_data``: ``on_epoch_end`` gets ``val_<name>``). None: at the end only.
             checkpoint_dir: restore the latest checkpoint from here (a resume), and save here as
                 ``checkpoint_every`` says, at the end and on preemption. None: no checkpoints.
             checkpoint_every: when to save besides the end and a preemption: every N steps (an int),
-                ``"epoch"`` (at the end of every epoch), or a `datetime.timedelta` (at the first log
-                point that long after the last checkpoint). None (the default): at the end of every
-                epoch when the fit counts epochs (``epochs=`` or ``steps_per_epoch=``, as Keras'
-                ``BackupAndRestore``), and every 10 minutes, so a kill loses at most an epoch or 10
-                minutes (`jaxdist.training.loop._cadence` says why, with what a save costs). The
-                first progress line says which.
+                ``"epoch"``, or a `datetime.timedelta` (at the first log point that long after the
+                last checkpoint). None (default): at every epoch's end when the fit counts epochs
+                (as Keras' ``BackupAndRestore``), and every 10 minutes
+                (`jaxdist.training.loop._cadence` says why). The first progress line says which.
             keep_checkpoints: how many recent checkpoints to keep.
             local_checkpoint_dir: the local tier: each process's own directory (``{process}``
                 becomes its index, e.g. ``"/mnt/ssd/ckpt-{process}"``), saved every
-                ``local_checkpoint_every`` steps with what the process holds and a copy of the next
-                process's shards; a restart restores the newest step the surviving processes' copies
-                assemble, else ``checkpoint_dir`` (which it needs), and the log says which
-                (`jaxdist.training.LocalCheckpointer`).
+                ``local_checkpoint_every`` steps with the process's shards and a copy of the next
+                process's; a restart restores the newest step the survivors' copies assemble, else
+                ``checkpoint_dir`` (needed), and logs which (`jaxdist.training.LocalCheckpointer`).
             local_checkpoint_every: steps between local checkpoints (with ``local_checkpoint_dir``).
             async_checkpoints: write checkpoints in the background (training goes on once the state
-                is copied to host memory); ``fit`` returns once the last one is complete. False:
-                each save blocks.
-            log_every: steps between log points: each log is the mean of every metric over the
-                window, steps/s, the window's seconds by part (``time/<part>``) and, where known,
+                is in host memory); ``fit`` returns once the last is complete. False: saves block.
+            log_every: steps between log points: the mean of every metric over the window,
+                steps/s, the window's seconds by part (``time/<part>``) and, where known,
                 ``tokens_per_sec``, ``mfu`` and ``peak_bytes_in_use``. A log is emitted once the
                 devices have its values, never waited for.
             log_dir: also write ``metrics.csv`` and TensorBoard event files here.
@@ -667,22 +608,20 @@ class Trainer:
             on_preemption: on SIGTERM (to any process) the current step finishes and a checkpoint is
                 saved; then ``"exit"`` raises ``SystemExit(0)``, ``"return"`` returns with
                 ``history.preempted = True``.
-            restore_step: resume from this checkpoint of ``checkpoint_dir`` instead of the latest
-                (the later ones are deleted once it is restored); the steps taken again count as
-                ``history.time["lost"]``.
+            restore_step: resume from this checkpoint instead of the latest (the later ones are
+                deleted once it is restored); steps taken again count as ``history.time["lost"]``.
             step_timeout: seconds a step may take before the process prints every thread's stack and
                 exits with status 124 (`jaxdist.training.Watchdog`; the first step gets ``max(10 *
                 step_timeout, 600)``). None (default): not watched.
-            on_non_finite: what a step whose loss or gradients are not finite does, read with the
-                logs and before every checkpoint: ``"stop"`` (raise `NonFiniteError`), ``"skip"``
-                (the step changes nothing), ``"rollback"`` (to the last finite checkpoint),
+            on_non_finite: what a step with a non-finite loss or gradients does, read with the logs
+                and before every checkpoint: ``"stop"`` (raise `NonFiniteError`), ``"skip"`` (the
+                step changes nothing), ``"rollback"`` (to the last finite checkpoint),
                 ``"continue"``, or a `NonFinitePolicy`. A non-finite state is never saved.
             straggler_ratio: with several processes, a process whose input wait per step is this
-                many times the median's is named in a `StragglerWarning`
-                (`jaxdist.training.loop._hosts`); ``history.processes`` keeps every window's
-                figures. None: nobody is named.
+                many times the median's is named in a `StragglerWarning` (``history.processes``
+                keeps every window's figures). None: nobody is named.
             profile_steps: ``(start, stop)``: trace steps ``start ... stop - 1`` with `jax.profiler`
-                into ``<log_dir>/profile`` (`jaxdist.training.loop._profile`). Needs ``log_dir``.
+                into ``<log_dir>/profile`` (needs ``log_dir``).
             profile_processes: the processes that trace: an index, several, or ``"all"`` (default
                 process 0).
 
@@ -699,18 +638,16 @@ class Trainer:
             SystemExit: after a preemption checkpoint, with ``on_preemption="exit"``.
             NonFiniteError: when a step was not finite and the policy stops.
             JobDisagreementError: with several processes, on every process, when they called ``fit``
-                differently, or passed different global batches (compared at the first step and at
-                each log point: every process passes the same global batch, or each its own part
-                through per-process input).
+                differently or passed different global batches (compared at the first step and at
+                log points; with per-process input each passes its own part).
         """
-        arguments = {
-            name: value for name, value in locals().items() if name not in ("self", "train_data")
-        }
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "train_data")}
         options = FitOptions(**arguments, steps_per_run=self.steps_per_run)
+        settings = {"steps_per_run": self.steps_per_run, "grad_accum_steps": self.grad_accum_steps,
+                    "compute_dtype": self.compute_dtype, "ema_decay": self.ema_decay,
+                    "seed": self.seed}
         return fit_live(self._live, train_data, options, owner=self, cost=self.cost_options,
-                        settings={
-            "steps_per_run": self.steps_per_run, "grad_accum_steps": self.grad_accum_steps,
-            "compute_dtype": self.compute_dtype, "ema_decay": self.ema_decay, "seed": self.seed})
+                        settings=settings)
 
     # ---------------------------------------------------------------------------- evaluate, predict
     def evaluate(self, data: Any, *, ema: bool = False) -> dict[str, float]:

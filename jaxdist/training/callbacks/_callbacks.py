@@ -1,30 +1,18 @@
 """Callbacks, the metrics history, progress display and metric files (CSV and TensorBoard).
 
-A `Callback` gets ``on_train_begin``, ``on_config``, ``on_epoch_begin``, ``on_step_cost``,
-``on_step_end``, ``on_log``, ``on_eval_end``, ``on_epoch_end``, ``on_checkpoint``, ``on_pause`` /
-``on_resume`` (around evaluations and checkpoints), ``on_train_end`` and, when ``fit`` fails,
-``on_exception``. The epoch hooks have Keras' meaning: ``on_epoch_begin(trainer, epoch)`` before an
-epoch's first step, ``on_epoch_end(trainer, epoch, logs)`` after its last one, with the epoch's
-means of the training metrics and, when an evaluation ran at that step, its metrics as
-``val_<name>`` (epochs count from 0; an epoch is ``steps_per_epoch`` steps, or one pass over
-``train_data``). ``on_step_end`` receives the step's metrics as device scalars: reading one
-(``float(m)``) waits for the device, so read them only when you need them. During ``fit`` a
-callback's ``control`` is the run's `FitControl`: where the run is (``step``, ``epoch``,
-``history``) and what a callback may ask of it (``stop``, ``save``, ``skip``). ``fit`` calls a
-per-step hook only on the callbacks that override it. Setting ``trainer.stop_training = True`` (or
-``control.stop()``) ends ``fit`` after the current step (with a checkpoint when ``checkpoint_dir``
-is set); in a multi-process run, set on any process, it ends ``fit`` on all of them after the same
-step, at most 3 steps later (the processes agree on it like on a SIGTERM:
+A `Callback`'s hooks say when each is called. ``fit`` calls a per-step hook only on the callbacks
+that override it; ``on_step_end`` receives device scalars (reading one waits for the device).
+During ``fit`` a callback's ``control`` is the run's `FitControl`. Setting
+``trainer.stop_training = True`` (or ``control.stop()``) ends ``fit`` after the current step (with
+a checkpoint when ``checkpoint_dir`` is set); in a multi-process run, set on any process, it ends
+``fit`` on all of them after the same step, at most 3 steps later (agreed like a SIGTERM:
 `jaxdist.training.loop._preemption`).
 
-The trainer logs every ``log_every`` steps: the mean of each metric over those steps (token-weighted
-for a ``(sum, weight)`` loss), steps/s, and where known ``tokens_per_sec``, ``mfu``, ``hfu`` and
-``peak_bytes_in_use`` (`jaxdist.costs.step`). A log point does not stop the devices: ``on_log``
-comes once they have the window's values (usually a step or two later, with the log point's step
-number), and always before the next evaluation, checkpoint or the end of ``fit``. `Progress` shows
-the logs as a tqdm bar on a terminal and as plain lines otherwise (logs, CI); `CSVLogger` and
-`TensorBoardLogger` (tensorboardX) write them to files. In a multi-process run one process writes:
-the one whose ``strategy.should_save_summary`` is true (process 0).
+The trainer logs every ``log_every`` steps the mean of each metric (token-weighted for a ``(sum,
+weight)`` loss) and its rates (`jaxdist.costs.step`); ``on_log`` comes once the devices have the
+window's values (usually a step or two later, with the log point's step number), and always before
+the next evaluation, checkpoint or the end of ``fit``. `Progress` shows the logs, `CSVLogger` and
+`TensorBoardLogger` write them (in a multi-process run on process 0 only).
 """
 
 from __future__ import annotations
@@ -57,9 +45,8 @@ class History:
             ``steps_per_epoch=``).
         eval: one dict per evaluation: ``{"step": s, "loss": ..., <metrics>}``.
         epochs: one dict per epoch that ended (what ``on_epoch_end`` got): ``{"epoch": e, "step": s,
-            "loss":
-            ..., <metrics>, "val_loss": ..., "val_<metric>": ...}``: the epoch's means, and the
-            evaluation at its last step where there was one (``eval_every="epoch"``). Keras'
+            "loss": ..., <metrics>, "val_loss": ..., "val_<metric>": ...}``: the epoch's means, and
+            the evaluation at its last step where there was one (``eval_every="epoch"``). Keras'
             ``history.history`` is `history`.
         checkpoints: the paths written.
         preempted: True when a SIGTERM stopped the run early (after saving).
@@ -76,11 +63,10 @@ class History:
         data_ended: the step at which ``train_data`` ended before ``steps`` (an iterator shorter
             than the run; not the ``epochs`` limit), or None.
         processes: on process 0 (empty on the others), one dict per log window: ``{"step": s,
-            "step_time":
-            [seconds per step of process 0, 1, ...], "input_wait": [seconds per step each process
-            waited for its next batch], "host": [each process's host name], "stragglers": [the
-            processes named in a StragglerWarning]}``; a process whose figures did not arrive has
-            None. One entry per list in a single process.
+            "step_time": [seconds per step of process 0, 1, ...], "input_wait": [seconds per step
+            each process waited for its next batch], "host": [each process's host name],
+            "stragglers": [the processes named in a StragglerWarning]}``; a process whose figures
+            did not arrive has None. One entry per list in a single process.
         time: where the fit's wall time went, in seconds (`TIME_PARTS`, in this order): ``"steps"``
             (calling the steps and waiting for the devices to finish them), ``"compile"`` (tracing,
             lowering and compiling, as JAX reports it), ``"input"`` (reading and placing batches),
@@ -89,13 +75,12 @@ class History:
             and those a resumed run takes again because an earlier run got past the checkpoint it
             resumes from: a crash after the last checkpoint, or ``restore_step``) and ``"other"``
             (the rest: callbacks, the setup before the first step, the loop itself). They add up to
-            the wall time of ``fit``; measured on the host, with no read from the devices per step.
-            Each log row has the same parts over its window as ``time/<part>`` (its ``time/steps``
-            counts every step it ran, ``time/lost`` those of them taken again, and, in the first
-            window after a rollback, the steps the rollback threw away). Empty before ``fit`` ends.
-        job_time: with a ``checkpoint_dir``, on process 0: the job's time, over every run that wrote
-            to that directory (a crashed run and the runs that resumed it,
-            `jaxdist.training.loop._job_time`): the parts of ``time`` summed over the runs, and
+            the wall time of ``fit``, measured on the host. Each log row has the same parts over its
+            window as ``time/<part>`` (its ``time/steps`` counts every step it ran, ``time/lost``
+            those taken again and, in the first window after a rollback, those the rollback threw
+            away). Empty before ``fit`` ends.
+        job_time: with a ``checkpoint_dir``, on process 0: the parts of ``time`` summed over every
+            run that wrote to that directory (a crashed run and those that resumed it), and
             ``"restart"``, the gaps between a run that failed (or was preempted) and the next one.
             Empty otherwise.
         job_runs: how many runs ``job_time`` adds up (0 without it).
@@ -168,8 +153,7 @@ class History:
 
 class FitControl:
     """A running ``fit`` as its callbacks see it (a callback's ``control`` during ``fit``): where it
-    is, and what a callback may ask of it. Requests take effect after the current step (or on-device
-    loop).
+    is, and what a callback may ask of it, which takes effect after the current step.
 
     Attributes:
         history: the run's `History` so far.
@@ -237,10 +221,7 @@ class Callback:
     """Base class: override the hooks you need (each does nothing by default).
 
     A hook receives the trainer first. During ``fit``, ``self.control`` is the run's `FitControl`
-    (None otherwise): a callback can read the step, epoch and history there, and stop the run, save
-    a checkpoint or skip batches. The run's operations features are callbacks too (the watchdog,
-    `jd.training.Watchdog`; the profile of ``profile_steps``; the slow-host check of
-    ``straggler_ratio``).
+    (None otherwise): the step, epoch and history, and stop, save or skip.
 
     Examples:
         >>> class PrintEval(Callback):
@@ -258,9 +239,7 @@ class Callback:
 
     def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
         """Once per ``fit``, right after ``on_train_begin``: how the run is configured, a flat
-        ``{name: JSON scalar}`` (``fit``'s arguments, the strategy, mesh and devices, the global
-        batch size, the optimizer as far as its state says: `jaxdist.training.loop._config`). The
-        trackers keep it as the run's parameters."""
+        ``{name: JSON scalar}`` (`jaxdist.training.loop._config`), which trackers keep."""
 
     def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
         """Before the first step of epoch ``epoch`` (from 0; a resumed run begins with the epoch it
@@ -288,11 +267,10 @@ class Callback:
         """After the last step of epoch ``epoch`` (an epoch the run stops inside has no end), with
         the epoch's means of the loss and metrics (over its steps since the run began, for a resumed
         run), the last learning rate where it is logged, and ``val_<name>`` for each metric of an
-        evaluation at that step (``eval_every="epoch"``). The devices have finished the epoch's
-        steps; a checkpoint asked for here (``control.save()``) holds them, and a stop
-        (``control.stop()``) ends the run before the next epoch, on every process. ``fit`` waits for
-        the epoch's metrics only when the run counts epochs or a callback overrides an epoch
-        hook."""
+        evaluation at that step (``eval_every="epoch"``). A checkpoint asked for here
+        (``control.save()``) holds the epoch's steps; a stop ends the run before the next epoch, on
+        every process. ``fit`` waits for the epoch's metrics only when the run counts epochs or a
+        callback overrides an epoch hook."""
 
     def on_checkpoint(self, trainer: Any, step: int, path: str) -> None:
         """After each checkpoint is written (complete and renamed into place)."""
@@ -316,24 +294,21 @@ HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 
 
 def overriding(callbacks: Any, hook: str) -> list:
-    """The bound ``hook`` of each of ``callbacks`` that does something: one that overrides
-    `Callback`'s (or any object's method of that name), so that ``fit`` calls a per-step hook only
-    where it does something.
+    """The bound ``hook`` of each of ``callbacks`` that overrides `Callback`'s (or any object's
+    method of that name): ``fit`` calls only these.
 
     Examples:
         >>> class Steps(Callback):
         ...     def on_step_end(self, trainer, step, metrics):
         ...         pass
-        >>> [hook.__self__.__class__.__name__ for hook in overriding([Callback(), Steps()],
-        ...                                                          "on_step_end")]
+        >>> [type(hook.__self__).__name__ for hook in overriding([Callback(), Steps()],
+        ...                                                      "on_step_end")]
         ['Steps']
     """
     base = getattr(Callback, hook)
-    return [
-        getattr(cb, hook)
-        for cb in callbacks
-        if getattr(type(cb), hook, None) not in (None, base) or hook in getattr(cb, "__dict__", {})
-    ]
+    return [getattr(cb, hook) for cb in callbacks
+            if getattr(type(cb), hook, None) not in (None, base)
+            or hook in getattr(cb, "__dict__", {})]
 
 
 _RATES = {"steps_per_sec": "steps/s", "tokens_per_sec": "tokens/s"}  # shown as "<value> <unit>"
@@ -352,19 +327,14 @@ def _value(key: str, value: float | str) -> str:
 
 
 _BESIDE = 0.1
-"""A log window's rates are labelled with the parts of its wall time other than steps
-(`History.time`'s compile, checkpoint, evaluation, input, other) that took at least this share of
-it."""
+"""A log window's rates are labelled with the largest part of its wall time other than steps that
+took at least this share of it."""
 
 
 def _format(logs: Mapping[str, float]) -> str:
     """``loss 0.25 accuracy 0.9 50 steps/s``: the values first, the rates last, each once (a
-    window's ``time/<part>`` seconds are left to the files: the line at the end shows the whole
-    fit's).
-
-    The rates are over the window's wall time: when a part other than the steps took `_BESIDE` of it
-    or more (a compile, an evaluation, a checkpoint), the largest says so, so that a rate that
-    swings says why.
+    window's ``time/<part>`` seconds are left to the files), with the largest part other than the
+    steps that took `_BESIDE` of the window or more, so that a rate that swings says why.
 
     Examples:
         >>> _format({"loss": 0.5, "steps_per_sec": 14.0, "time/steps": 0.1, "time/compile": 0.6,
@@ -378,8 +348,7 @@ def _format(logs: Mapping[str, float]) -> str:
     parts = {k[5:]: v for k, v in logs.items() if k.startswith("time/") and k != "time/lost"}
     wall = sum(parts.values())
     beside = sorted(((v / wall, k) for k, v in parts.items() if k != "steps"
-                     and v >= _BESIDE * wall),
-                    reverse=True) if rates and wall > 0 else []
+                     and v >= _BESIDE * wall), reverse=True) if rates and wall > 0 else []
     if beside:
         rates[-1] += f" (incl. {beside[0][1]} {beside[0][0]:.0%})"
     return " ".join(values + rates)
@@ -409,9 +378,8 @@ def _format_time(seconds: Mapping[str, float], width: int = 80, label: str = "ti
     if total <= 0:
         return "time 0 s"
     head = f"{label} {_duration(total)}, goodput {seconds.get('steps', 0.0) / total:.0%}"
-    shares = sorted(((v / total, k) for k, v in seconds.items() if k != "steps"
-                     and v / total >= 0.005),
-                    key=lambda share: -share[0])
+    shares = sorted(((v / total, k) for k, v in seconds.items()
+                     if k != "steps" and v / total >= 0.005), key=lambda share: -share[0])
     if not shares:
         return head
     parts = ", ".join(f"{k} {share:.0%}" for share, k in shares)
@@ -422,29 +390,23 @@ def _format_time(seconds: Mapping[str, float], width: int = 80, label: str = "ti
 class Progress(Callback):
     """Training progress: a tqdm bar on a terminal, plain lines otherwise (logs, CI), with the loss,
     the metrics and one rate (the trainer's steps/s over the log window; tokens/s where counted). A
-    window whose wall time went largely elsewhere than its steps (a compile, an evaluation, a
-    checkpoint: 10% or more) says so after the rate: ``14 steps/s (incl. compile 86%)``.
+    window whose wall time went largely elsewhere than its steps (10% or more) says so after the
+    rate: ``14 steps/s (incl. compile 86%)``.
 
-    At the start: how often checkpoints are saved ("checkpoints every epoch and every 10 min (the
-    default checkpoint_every)"), a line "resumed from step N (dir)" when ``fit`` resumed from a
-    checkpoint, and the step's cost per device in short (`StepCost.summary`; with ``details=True``
-    every detail, `StepCost.describe`). When the fit counts epochs, each line shows the epoch
-    (``step 35/210 epoch 1/3 ...``, epochs from 1 as Keras prints them) and each epoch's end has a
-    line of its means (``epoch 1/3 at step 70/210: loss ... val_loss ...``). At the end of a fit
-    that trained: where the time went (`History.time`); of a preempted one, which signal, the step
-    saved and how to resume ("preempted by SIGTERM at step 102: saved step 102 to ckpt; run again to
-    resume"). MFU and HFU show where the device's peak FLOP/s is known (an accelerator in
-    `jaxdist.costs.ACCELERATORS`, or ``Trainer(peak_flops=...)``), with ">=" before them while a
-    custom call in the step could not be costed (`StepCost.lower_bound`: the figures are lower
-    bounds).
+    At the start: how often checkpoints are saved, "resumed from step N (dir)" when ``fit``
+    resumed, and the step's cost per device (`StepCost.summary`, or `StepCost.describe` with
+    ``details=True``). When the fit counts epochs, each line shows the epoch (``step 35/210 epoch
+    1/3 ...``, from 1 as Keras prints them) and each epoch's end has a line of its means. At the end
+    of a fit that trained: where the time went (`History.time`); of a preempted one, which signal,
+    the step saved and how to resume. MFU and HFU show where the device's peak FLOP/s is known, with
+    ">=" before them while a custom call in the step could not be costed (`StepCost.lower_bound`).
 
     Args:
         total: the step the run trains to (for the bar), or None.
         mode: ``"auto"`` (bar when stderr is a terminal), ``"bar"`` or ``"lines"``.
         stream: where lines (and the bar) go (default: stdout for lines, stderr for the bar).
         details: show the step's whole cost line (`StepCost.describe`) instead of its summary.
-        resumed_from: the checkpoint directory ``fit`` restored the state from, or None (a fresh
-            start).
+        resumed_from: the checkpoint directory ``fit`` restored the state from, or None.
         epochs: the fit's epochs (``fit(epochs=...)``), or None.
         show_epochs: show the epochs (default: when ``epochs`` is given; ``fit`` passes whether it
             counts them).
@@ -474,10 +436,10 @@ class Progress(Callback):
     """
 
     def __init__(self, total: int | None = None, mode: str = "auto", stream: Any = None, *,
-                 details: bool = False,
-                 resumed_from: str | os.PathLike | None = None, epochs: int | None = None,
-                 show_epochs: bool | None = None, checkpoint_dir: str | os.PathLike | None = None,
-                 cadence: str | None = None, default: bool = False):
+                 details: bool = False, resumed_from: str | os.PathLike | None = None,
+                 epochs: int | None = None, show_epochs: bool | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, cadence: str | None = None,
+                 default: bool = False):
         if mode not in ("auto", "bar", "lines"):
             raise ValueError(f"mode={mode!r} must be 'auto', 'bar' or 'lines'.")
         if mode == "auto":
@@ -505,16 +467,13 @@ class Progress(Callback):
             # tqdm's own rate (an average since the bar began, compilation included) is left out:
             # the rate shown is the trainer's, over the last log window.
             layout = ("{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}"
-                      if self.total
-                      else "{desc} {n_fmt} {elapsed}{postfix}")
+                      if self.total else "{desc} {n_fmt} {elapsed}{postfix}")
             self._bar = tqdm(total=self.total, initial=self._start_step, desc="train", unit="step",
                              bar_format=layout, file=self.stream)
         done = self.total is not None and self._start_step >= self.total  # nothing to train
         if self.checkpoint_dir is not None and self.cadence and not done:
-            self._write(
-                "checkpoints "
-                f"{self.cadence}{' (the default checkpoint_every)' if self.default else ''}"
-            )
+            default = " (the default checkpoint_every)" if self.default else ""
+            self._write(f"checkpoints {self.cadence}{default}")
         if self.resumed_from is not None:
             line = f"resumed from step {self._start_step} ({self.resumed_from})"
             if self.total is not None and self._start_step >= self.total:
@@ -530,14 +489,10 @@ class Progress(Callback):
             self._bar.update(step - self._bar.n)
 
     def on_log(self, trainer: Any, step: int, logs: Mapping[str, float]) -> None:
-        # a custom call not costed: at least this much
+        # a custom call not costed: at least this much (an MFU from flops_per_step= is exact)
         if self._cost is not None and self._cost.lower_bound:
-            # (MFU from the user's flops_per_step= does not rest on the count: no bound there)
-            bounded = (
-                ("hfu",)
-                if self._cost.model_flops_source.startswith("flops_per_step")
-                else ("mfu", "hfu")
-            )
+            exact = self._cost.model_flops_source.startswith("flops_per_step")
+            bounded = ("hfu",) if exact else ("mfu", "hfu")
             logs = {k: f">={_value(k, v)}" if k in bounded and not isinstance(v, str) else v
                     for k, v in logs.items()}
         # passes of a data_fn(epoch): known once one begins
@@ -555,12 +510,8 @@ class Progress(Callback):
             self._bar.set_postfix_str(_format(logs))
         else:
             total = f"/{self.total}" if self.total else ""
-            line = (
-                f"step {step}{total} {epoch} {_format(logs)}"
-                if epoch
-                else f"step {step}{total} {_format(logs)}"
-            )
-            print(line, file=self.stream or sys.stdout, flush=True)
+            line = f"step {step}{total} {epoch} " if epoch else f"step {step}{total} "
+            print(line + _format(logs), file=self.stream or sys.stdout, flush=True)
 
     def _epoch_line(self, trainer: Any, epoch: int, logs: Mapping[str, float]) -> None:
         """``on_epoch_end`` (when the fit counts epochs): the epoch's means."""
@@ -580,8 +531,7 @@ class Progress(Callback):
             print(line, file=self.stream or sys.stdout, flush=True)
 
     def on_train_end(self, trainer: Any, history: History) -> None:
-        # not for "nothing to train"
-        trained = trainer is None or int(trainer.step) > self._start_step
+        trained = trainer is None or int(trainer.step) > self._start_step  # not "nothing to train"
         if history is not None and history.time and trained:
             self._write(_format_time(history.time))
             # a job resumed: its time over every run, the restarts included
@@ -593,7 +543,6 @@ class Progress(Callback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
 
     def _preempted(self, step: int, history: History) -> str:
         """The last line of a preempted fit: which signal, the step saved, how to resume."""
@@ -644,21 +593,18 @@ class _MetricWriter(Callback):
             >>> _MetricWriter.scalars("train", {"step": 10, "loss": 0.5, "time/steps": 1.25})
             {'train/loss': 0.5, 'time/steps': 1.25}
         """
-        return {
-            key if key.startswith("time/") else f"{split}/{key}": float(value)
-            for key, value in values.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
-        }
+        return {key if key.startswith("time/") else f"{split}/{key}": float(value)
+                for key, value in values.items() if key != "step"
+                and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 class CSVLogger(_MetricWriter):
     """Append training and evaluation metrics to ``path`` as CSV (one row per log point).
 
-    Columns: ``split`` (train / eval), ``step``, then every metric name seen; a new name starts a
-    new header (the file is rewritten with the wider header), so any CSV reader opens it. One
-    writer: in a multi-process run only the process whose ``strategy.should_save_summary`` is true
-    (process 0) writes; the values are global already (means over the global batch), so the others
-    have nothing to add.
+    Columns: ``split`` (train / eval), ``step``, then every metric name seen; a new name rewrites
+    the file with the wider header, so any CSV reader opens it. In a multi-process run only the
+    process whose ``strategy.should_save_summary`` is true (process 0) writes (the values are
+    global already).
 
     Examples:
         >>> import os, tempfile
@@ -710,8 +656,7 @@ class TensorBoardLogger(_MetricWriter):
     with ``tensorboard --logdir``. It is created at the first value and flushed every ``flush_secs``
     and when ``fit`` ends (`close`). A resumed ``fit`` (starting at step s > 0) opens its file with
     ``purge_step=s``, so TensorBoard hides what an interrupted run logged after its last checkpoint.
-    One writer: in a multi-process run only the process whose ``strategy.should_save_summary`` is
-    true (process 0) writes.
+    In a multi-process run only process 0 (``strategy.should_save_summary``) writes.
 
     Args:
         log_dir: the directory (created when missing).
@@ -743,12 +688,9 @@ class TensorBoardLogger(_MetricWriter):
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(
-                self.log_dir,
-                purge_step=self._purge_step,
-                flush_secs=self.flush_secs,
-                filename_suffix=f".jaxdist.{os.getpid()}.{next(_files)}",
-            )
+            self._writer = SummaryWriter(self.log_dir, purge_step=self._purge_step,
+                                         flush_secs=self.flush_secs,
+                                         filename_suffix=f".jaxdist.{os.getpid()}.{next(_files)}")
         now = time.time()
         for tag, value in self.scalars(prefix, logs).items():
             self._writer.add_scalar(tag, value, int(step), walltime=now)

@@ -1,19 +1,10 @@
 """Experiment trackers: `WandbLogger` (Weights & Biases) and `MLflowLogger` (MLflow), offline by
 default.
 
-Both write what `TensorBoardLogger` writes: each log point's values as ``train/<name>`` and each
-evaluation's as ``eval/<name>`` (numbers only), at the trainer's step, on the one process that
-writes (process 0, ``strategy.should_save_summary``). A run a logger starts also records how it was
-configured (``fit``'s ``on_config``: its arguments, the strategy, mesh and devices, the global batch
-size, the optimizer as far as its state says), under the user's ``config``, which wins where both
-name a value: as W&B's run config, as MLflow's run parameters. Neither needs a server: W&B runs in
-``mode="offline"`` unless told otherwise (the run's files go under ``dir``; ``wandb sync`` uploads
-them later), and MLflow writes to a local file store (``./mlruns``) unless a tracking URI is
-configured. A run the logger started is closed when ``fit`` ends; a run given to it stays open (its
-owner closes it).
-
-The trackers are optional (``pip install 'jaxdist[trackers]'``): each is imported when its logger is
-built, and a missing one is an ImportError there, saying what to install.
+Both write what `TensorBoardLogger` writes, on process 0 only, and record the run's configuration
+(``on_config``) under the user's ``config``. The trackers are optional (``pip install
+'jaxdist[trackers]'``): each is imported when its logger is built, a missing one an ImportError
+there.
 """
 
 from __future__ import annotations
@@ -35,10 +26,9 @@ def _require(module: str, logger: str) -> Any:
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as error:
-        raise ImportError(
-            f"{logger} needs the {module.split('.')[0]} package, which is not installed: "
-            f"{_INSTALL} (or pip install {'wandb' if module == 'wandb' else 'mlflow-skinny'})."
-        ) from error
+        raise ImportError(f"{logger} needs the {module.split('.')[0]} package, which is not "
+                          f"installed: {_INSTALL} (or pip install "
+                          f"{'wandb' if module == 'wandb' else 'mlflow-skinny'}).") from error
 
 
 class WandbLogger(_MetricWriter):
@@ -54,8 +44,7 @@ class WandbLogger(_MetricWriter):
     back (a rollback, a resumed job) still records every value.
 
     Args:
-        run: an existing run (``wandb.init(...)``'s) to write into instead; it stays open at the
-            end.
+        run: an existing run (``wandb.init(...)``'s) to write into instead; it stays open.
         project: the W&B project (``wandb.init``'s).
         name: the run's name.
         config: the run's configuration (hyperparameters), beside ``fit``'s record of it
@@ -82,31 +71,25 @@ class WandbLogger(_MetricWriter):
                  mode: str | None = None, **init_kwargs: Any):
         self._wandb = _require("wandb", "WandbLogger")
         given = {k: v for k, v in dict(project=project, name=name, config=config, dir=dir,
-                                       mode=mode).items()
-                 if v is not None}
+                                       mode=mode).items() if v is not None}
         if run is not None:
             if not callable(getattr(run, "log", None)):
                 raise TypeError(f"run={run!r} is not a wandb run: pass wandb.init(...)'s run, or "
                                 "leave run out.")
             if given or init_kwargs:
-                raise TypeError(
-                    f"WandbLogger got run={run!r} and wandb.init arguments "
-                    f"({', '.join([*given, *init_kwargs])}): pass one or the other (the run was "
-                    "initialised already)."
-                )
+                raise TypeError(f"WandbLogger got run={run!r} and wandb.init arguments "
+                                f"({', '.join([*given, *init_kwargs])}): pass one or the other "
+                                "(the run was initialised already).")
         if "dir" in given:
             given["dir"] = os.fspath(given["dir"])
         if mode is None and "WANDB_MODE" not in os.environ:
             given["mode"] = "offline"  # no server unless asked for
         self.init_kwargs: dict[str, Any] = {**given, **init_kwargs}
-        self.run = run
-        self._owns = run is None
-        self._defined = False
+        self.run, self._owns, self._defined = run, run is None, False
         self._fit_config: dict[str, Any] = {}
 
     def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
-        # the run's config, with the user's on top, when the run starts
-        self._fit_config = dict(config)
+        self._fit_config = dict(config)  # the run's config, under the user's, when it starts
 
     def _write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if self.run is None:
@@ -176,7 +159,7 @@ class MLflowLogger(_MetricWriter):
 
     Args:
         run: an existing run (an ``mlflow.start_run()`` or ``MlflowClient.create_run`` result) to
-            write into instead; it stays open at the end.
+            write into instead; it stays open.
         experiment_name: the experiment (default ``"jaxdist"``).
         run_name: the run's name (default: MLflow's).
         tracking_uri: where to write (see above).
@@ -213,11 +196,9 @@ class MLflowLogger(_MetricWriter):
             given = [k for k, v in dict(experiment_name=experiment_name, run_name=run_name,
                                         config=config, tags=tags).items() if v is not None]
             if given:
-                raise TypeError(
-                    f"MLflowLogger got run={run_id!r} and {', '.join(given)}: pass one or the "
-                    "other (the run exists already; its experiment, name, parameters and tags are "
-                    "its own)."
-                )
+                raise TypeError(f"MLflowLogger got run={run_id!r} and {', '.join(given)}: pass one "
+                                "or the other (the run exists already; its experiment, name, "
+                                "parameters and tags are its own).")
         if tracking_uri is not None:
             self.tracking_uri = _as_uri(tracking_uri)
         elif self._mlflow.is_tracking_uri_set():
@@ -233,15 +214,11 @@ class MLflowLogger(_MetricWriter):
         self._fit_config: dict[str, Any] = {}
 
     def on_config(self, trainer: Any, config: Mapping[str, Any]) -> None:
-        # the run's parameters, with the user's on top, when the run starts
-        self._fit_config = dict(config)
+        self._fit_config = dict(config)  # the run's parameters, under the user's, when it starts
 
     def _open(self) -> None:
-        with (
-            _file_store_allowed()
-            if self.tracking_uri.startswith("file:")
-            else contextlib.nullcontext()
-        ):
+        file_store = self.tracking_uri.startswith("file:")
+        with _file_store_allowed() if file_store else contextlib.nullcontext():
             if self.client is None:
                 self.client = self._mlflow.tracking.MlflowClient(self.tracking_uri)
             self._open_run = True
@@ -249,8 +226,7 @@ class MLflowLogger(_MetricWriter):
                 return
             experiment = self.client.get_experiment_by_name(self.experiment_name)
             experiment_id = (self.client.create_experiment(self.experiment_name)
-                             if experiment is None
-                             else experiment.experiment_id)
+                             if experiment is None else experiment.experiment_id)
             run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
             self.run_id = run.info.run_id
             config = {**self._fit_config, **self.config}
@@ -262,10 +238,8 @@ class MLflowLogger(_MetricWriter):
         if not self._open_run:
             self._open()
         now = int(time.time() * 1000)
-        metrics = [
-            self._entities.Metric(k, v, now, int(step))
-            for k, v in self.scalars(split, values).items()
-        ]
+        metrics = [self._entities.Metric(k, v, now, int(step))
+                   for k, v in self.scalars(split, values).items()]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 

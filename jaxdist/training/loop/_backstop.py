@@ -1,10 +1,8 @@
 """`Backstop`: every thread's stack and the process's end at a set time, even when no Python thread
 can run.
 
-A watchdog written in Python runs only when it holds the interpreter lock. A main thread inside a C
-call that keeps the lock (an extension that never releases it, a deadlock inside one) stops every
-Python thread, the watchdog's too: measured, a watchdog set for 0.5 s fired 1.56 s late behind such
-a call, and never behind one that does not return. Two timers of the C library need no lock:
+A watchdog written in Python runs only when it holds the interpreter lock, which a main thread
+inside a C call may keep forever. These timers need no lock:
 
 * `faulthandler.dump_traceback_later` writes every thread's Python stack to stderr from its own C
   thread, on time, under a ``Timeout (H:MM:SS)!`` line.
@@ -17,9 +15,8 @@ a call, and never behind one that does not return. Two timers of the C library n
   step, how long, the timeout), from a buffer of its own (`REASON_BYTES`): ``python3: [jaxdist
   watchdog] no step finished ...``.
 
-Arming costs two calls from the watchdog's thread (faulthandler's starts a thread: about 80 us; the
-POSIX timer's ``timer_settime``: about 1.5 us): the steps' thread never arms it. `faulthandler`
-holds one timer per process: a backstop replaces any ``dump_traceback_later`` armed elsewhere.
+Arming costs two calls (about 80 us); `faulthandler` holds one timer per process: a backstop
+replaces any ``dump_traceback_later`` armed elsewhere.
 """
 
 from __future__ import annotations
@@ -86,8 +83,7 @@ def _exit_timer(status: int, function: str = "_exit") -> _ExitTimer | None:
         return None
     try:
         return _ExitTimer(status, function)
-    except (OSError, AttributeError):
-        # no timer_create (or warnx) in this C library: faulthandler alone
+    except (OSError, AttributeError):  # no timer_create (or warnx) here: faulthandler alone
         return None
 
 
@@ -135,15 +131,13 @@ class Backstop:
 
     Examples:
         >>> backstop = Backstop(124, exit_delay=1.0)
-        >>> # "stuck" and the stacks in 600 s, the exit 1 s later
-        >>> backstop.arm(time.monotonic() + 600, "stuck")
+        >>> backstop.arm(time.monotonic() + 600, "stuck")  # stacks in 600 s, the exit 1 s later
         >>> backstop.cancel()                               # nothing happens
         >>> backstop.close()
     """
 
     def __init__(self, status: int, exit_delay: float):
-        self.status = status
-        self.exit_delay = exit_delay
+        self.status, self.exit_delay = status, exit_delay
         self.armed: float | None = None
         self._timer = _exit_timer(status)
         self._say = _Say()

@@ -14,23 +14,15 @@ machine) loses a bounded part of its work. ``checkpoint_every`` says when:
   and in any case every `BACKUP_EVERY` (10 minutes) too, so that a long epoch (or a run without
   epochs) is backed up as well.
 
-Why this default. One save costs the loop about the same host time whatever the model's size, until
-its state takes seconds to copy to the host: measured on 8 simulated CPU devices of a 2-core machine
-(1,000 steps of an MLP, a checkpoint every 50), 82 to 113 ms per save (the first: 125 to 200 ms,
-with its programs' compiles; orbax's directory work, the metadata, the checksums) for 32 KiB of
-state as for 516 KiB, 50 to 100 of the run's own steps (0.9 to 2.5 ms). Saving every 50 steps took
-18 to 29% of those runs' time, compiles included: a default counted in steps is too often for a
-small model's quick steps and too rare for a large model's slow ones. Counted in time the share is
-bounded: 0.1 s every 10 minutes is 0.02%, and a large model's save (seconds, to copy its state to
-the host) stays under 1%. Epochs are what a Keras user expects a backup at (and what
-``BackupAndRestore`` does by default); for epochs of real data (a minute or more) their share is
-small too. Epochs of a few seconds are backed up that often as well, at ~0.1 s a save: pass
-``checkpoint_every=datetime.timedelta(minutes=10)`` (time only) or a step count to save less.
+Why time: a save costs the host about 0.1 s whatever a small model's size (82 to 113 ms for 32 KiB
+as for 516 KiB of state, on 8 CPU devices), so a default counted in steps is too often for quick
+steps (every 50 steps took 18 to 29% of such a run) and too rare for slow ones, while 0.1 s every
+10 minutes is 0.02%, and a large model's save of seconds stays under 1%. Epochs are where Keras'
+``BackupAndRestore`` backs up; to save less often with short epochs, pass a timedelta or a step
+count.
 
-What a kill loses: the steps since the last backup, that is at most one epoch or `BACKUP_EVERY` plus
-one log window (whichever is shorter), plus the steps taken while that backup was being written (an
-asynchronous save is complete a moment after it starts; a kill before then restores the backup
-before it).
+A kill loses the steps since the last complete backup: at most one epoch or `BACKUP_EVERY` plus one
+log window (whichever is shorter), plus those taken while that backup was being written.
 """
 
 from __future__ import annotations
@@ -86,11 +78,9 @@ class Cadence:
             return cls(epoch=True)
         if isinstance(every, datetime.timedelta) and every.total_seconds() > 0:
             return cls(seconds=every.total_seconds())
-        raise ValueError(
-            f"checkpoint_every={every!r} must be an int >= 1 (steps), 'epoch', a "
-            "datetime.timedelta > 0 (time), or None (the default: every epoch when the fit counts "
-            "epochs, and every 10 minutes)."
-        )
+        raise ValueError(f"checkpoint_every={every!r} must be an int >= 1 (steps), 'epoch', a "
+                         "datetime.timedelta > 0 (time), or None (the default: every epoch when "
+                         "the fit counts epochs, and every 10 minutes).")
 
     def describe(self) -> str:
         """In words: ``'every 100 steps'``, ``'every epoch and every 10 min'``."""

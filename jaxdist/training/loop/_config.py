@@ -1,25 +1,15 @@
 """How a run is configured: the flat record ``fit`` hands its callbacks once (``on_config``), which
 the trackers keep as the run's parameters (MLflow) or configuration (W&B).
 
-A run's curves are read months later, beside other runs: what was it? The record answers with what
-``fit`` knows for certain, one flat ``{name: value}`` of JSON scalars (a tracker's parameters are
-flat, and MLflow's are strings):
-
-* ``fit``'s arguments that shape the run (``steps``, ``epochs``, ``steps_per_epoch``, ``log_every``,
-  ``eval_every``, ``checkpoint_every``, ``keep_checkpoints``, ``async_checkpoints``,
-  ``checkpoint_dir``, ``restore_step``, ``step_timeout``, ``on_non_finite``, ``profile_steps``);
-* the trainer's: ``steps_per_run``, ``grad_accum_steps``, ``compute_dtype``, ``ema_decay``,
-  ``seed``;
-* the strategy and where it runs: ``strategy`` (its class), ``mesh`` (``"replica=8"``, its axes and
-  sizes), ``devices``, ``device_kind``, ``processes``, ``num_replicas_in_sync``;
-* ``global_batch_size``: the rows of a training batch (None before the first batch is seen);
-* the optimizer, as far as its state says: ``optimizer`` (its state's types, ``"ScaleByAdamState"``:
-  optax's transformations are closures that carry no name) and, for one built with
-  `optax.inject_hyperparams`, each scalar hyperparameter as ``optimizer.<name>``
-  (``optimizer.learning_rate``; not a ``/``: MLflow's file store would need a folder named like the
-  file ``optimizer``).
-
-Computing it reads no device value but those hyperparameters (once per ``fit``).
+The record is what ``fit`` knows for certain, one flat ``{name: value}`` of JSON scalars (a
+tracker's parameters are flat, and MLflow's are strings): ``fit``'s arguments that shape the run
+(`_FIT`); the trainer's ``steps_per_run``, ``grad_accum_steps``, ``compute_dtype``, ``ema_decay``,
+``seed``; ``strategy`` (its class), ``mesh`` (``"replica=8"``), ``devices``, ``device_kind``,
+``processes``, ``num_replicas_in_sync``; ``global_batch_size`` (None before the first batch); and
+``optimizer`` (its state's types, ``"ScaleByAdamState"``: optax's transformations carry no name)
+with, for one built with `optax.inject_hyperparams`, each scalar hyperparameter as
+``optimizer.<name>`` (not a ``/``: MLflow's file store would need a folder named like the file
+``optimizer``). It reads no device value but those hyperparameters (once per ``fit``).
 """
 
 from __future__ import annotations
@@ -64,17 +54,14 @@ def _optimizer(opt_state: Any) -> dict[str, Any]:
                 kinds.append(kind)
             hyper = getattr(node, "hyperparams", None)
             for name, value in (hyper.items() if isinstance(hyper, Mapping) else ()):
-                # this process's copy (a global array may span processes)
-                if isinstance(value, jax.Array):
+                if isinstance(value, jax.Array):  # this process's copy (it may span processes)
                     value = value.addressable_data(0)
                 array = np.asarray(jax.device_get(value))
                 if array.shape == () and array.dtype.kind in "biuf":
-                    digits = (
-                        np.finfo(array.dtype).precision + 1 if array.dtype.kind == "f" else None
-                    )
-                    out[f"optimizer.{name}"] = (
-                        float(f"{array.item():.{digits}g}") if digits else array.item()
-                    )
+                    value = array.item()
+                    if array.dtype.kind == "f":  # at the precision of its dtype
+                        value = float(f"{value:.{np.finfo(array.dtype).precision + 1}g}")
+                    out[f"optimizer.{name}"] = value
         if isinstance(node, (tuple, list)):
             for child in node:
                 walk(child)
@@ -86,9 +73,8 @@ def _optimizer(opt_state: Any) -> dict[str, Any]:
     return {"optimizer": ",".join(kinds), **out} if kinds else out
 
 
-def run_config(
-    settings: Mapping[str, Any], live: Any, arguments: Mapping[str, Any]
-) -> dict[str, Any]:
+def run_config(settings: Mapping[str, Any], live: Any,
+               arguments: Mapping[str, Any]) -> dict[str, Any]:
     """The run's configuration (see the module): ``fit``'s ``arguments``, the trainer's
     ``settings``, its strategy, mesh and devices, the global batch size and the optimizer as its
     state in ``live`` says.
@@ -97,8 +83,7 @@ def run_config(
         settings: the trainer's settings (``steps_per_run``, ``grad_accum_steps``, ...; missing ones
             are left out).
         live: its `LiveState` (the strategy, the state, the batch signature).
-        arguments: ``fit``'s arguments by name (the ones the record keeps are taken, see the
-            module).
+        arguments: ``fit``'s arguments by name (those in `_FIT` are kept).
 
     Returns:
         ``{name: JSON scalar}``, in a fixed order.
@@ -115,8 +100,7 @@ def run_config(
     for key in ("steps_per_run", "grad_accum_steps", "compute_dtype", "ema_decay", "seed"):
         if key in settings:
             config[key] = _scalar(settings[key])
-    strategy = live.strategy
-    mesh = strategy.mesh
+    strategy, mesh = live.strategy, live.strategy.mesh
     devices = list(mesh.devices.flat)
     config.update({
         "strategy": type(strategy).__name__,
@@ -134,8 +118,7 @@ def run_config(
 
 
 _FIT = ("steps", "epochs", "steps_per_epoch", "log_every", "eval_every", "checkpoint_every",
-        "keep_checkpoints",
-        "async_checkpoints", "checkpoint_dir", "restore_step", "step_timeout", "on_non_finite",
-        "profile_steps")
+        "keep_checkpoints", "async_checkpoints", "checkpoint_dir", "restore_step", "step_timeout",
+        "on_non_finite", "profile_steps")
 """The arguments of ``fit`` kept in the record (those that shape the run, not where its logs are
 shown)."""

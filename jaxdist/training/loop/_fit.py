@@ -2,54 +2,26 @@
 and checkpoints; everything else it does is a callback's (``Trainer.fit``'s body, after
 `jaxdist.training.loop._start`).
 
-A step, as `FitLoop.run_steps` reads it: read the next batch (timed as ``input``), run the compiled
-step on it (``steps``; with ``steps_per_run > 1`` one on-device loop of several), call the callbacks
-that override ``on_step_end``, and, only at the step of the next point (`FitLoop.due`), do what is
-due there: the step's cost (once, after the first step), a log window's end, an evaluation, a
-checkpoint, a callback's request (`FitControl`: save, skip), the report of a finished background
-save; then ask whether to stop (a SIGTERM or ``stop_training``, agreed by every process:
-`jaxdist.training.loop._preemption`). So a step between points costs a handful of attribute
-operations on the host besides its batch and its dispatch.
+A step (`FitLoop.run_steps`): read the next batch, run the compiled step (or an on-device loop),
+call the ``on_step_end`` callbacks, and only at the step of the next point (`FitLoop.due`) do what
+is due there (the step's cost, a log window's end, an evaluation, a checkpoint, a callback's
+request, an epoch's end, a finished background save); then ask whether to stop (agreed by every
+process: `jaxdist.training.loop._preemption`). So a step between points costs the host a handful
+of attribute operations besides its batch and its dispatch.
 
-What the loop does not wait for:
+The loop waits neither for logs (a window's sums are copied to the host while steps go on, and the
+log is emitted once they have arrived, at the latest before the next evaluation, checkpoint or the
+end; with several processes exactly `READ_LAG` checks after the window closed, so that all act on
+it at one step), nor for the next batches (placed `READ_AHEAD` ahead), nor for background saves
+(``on_checkpoint`` comes at the first step end after one is complete). An epoch's end waits for
+the epoch's metrics, once per epoch, and only when the fit counts epochs or a callback has an
+epoch hook. A checkpoint on the clock is asked for at a log point; with several processes process
+0's clock decides and every process saves after the same step (`PreemptionWatcher.save_agreed`).
+Non-finite steps are acted on when a log is emitted and before every checkpoint.
 
-* Log points. At a log point the window's running sums (one small device vector, `PackedSums`) start
-  their copy to the host (`jaxdist.training.loop._logs`) and the loop goes on dispatching steps; the
-  log is emitted (``history.train``, ``on_log``) at the first step end at which they have arrived,
-  and at the latest before the next evaluation, checkpoint or the end of ``fit``. With several
-  processes a log is emitted exactly `READ_LAG` steps (or loops) after its window closed, on every
-  process, so that all act on it at one step.
-* The steps: the host places the next batches (`READ_AHEAD`) and dispatches the next steps while the
-  devices run the current one, and reads only the batches it trains on (the stream is cut at
-  ``steps``).
-* Checkpoints written in the background (`Checkpointer`'s ``async_save``): ``on_checkpoint`` comes
-  at the first step end after one is complete, a failed write raises there, and ``fit`` ends once
-  its last one is complete.
-
-Epochs (Keras'): an epoch is ``steps_per_epoch`` steps, or one pass over ``train_data``. Its end is
-a point like the others (`FitLoop.due`: the step at which it ends is known from ``steps_per_epoch``,
-from a list's length, or, for a generator's pass, as soon as the read-ahead reaches the end of the
-pass), so the steps between cost nothing more. There the loop closes the log window, waits for the
-epoch's metrics (its only wait for the devices per epoch), evaluates (``eval_every="epoch"``), calls
-``on_epoch_end`` with the epoch's means, saves (``checkpoint_every="epoch"``, the default's epochs),
-settles a stop asked for there on every process at once, and calls ``on_epoch_begin`` for the next
-epoch. A fit that neither counts epochs nor has a callback with an epoch hook does none of this.
-
-Checkpoints on a clock (``checkpoint_every=timedelta(...)``, and the default's 10 minutes,
-`jaxdist.training.loop._cadence`): at a log point, once that long has passed since the last
-checkpoint, the loop saves; with several processes process 0's clock decides and asks through the
-stop agreement, and every process saves after the same step (`PreemptionWatcher.save_agreed`).
-
-Non-finite steps (`jaxdist.training.step._non_finite`): each step's flag rides in the running sums;
-the loop acts on it (``on_non_finite``: stop, skip, roll back, continue) when a log is emitted and
-before every checkpoint, whose state is refused if it is not finite.
-
-Where the fit's time goes (`History.time`, and each log row's ``time/<part>``) is measured on the
-host around what the loop does (`jaxdist.training.loop._time.FitClock`: three clock reads per step).
-Process 0 records the step reached in the checkpoint directory at log points (at most every
-`PROGRESS_SECONDS`) and when the fit ends or fails, so that a fit resumed behind it counts the steps
-it takes again as ``lost`` (``reached``), and, beside it, the job's time over its runs
-(`jaxdist.training.loop._job_time`: ``History.job_time``).
+Process 0 records the step reached in the checkpoint directory (at most every `PROGRESS_SECONDS`,
+and at the end), so that a fit resumed behind it counts the steps it takes again as ``lost``, and
+beside it the job's time over its runs (`jaxdist.training.loop._job_time`).
 """
 
 from __future__ import annotations
@@ -155,73 +127,52 @@ class FitLoop(FitControl):
 
     def __init__(self, live: LiveState, stream: BatchStream, options: FitOptions, *,
                  callbacks: Iterable[Any] | None = None, owner: Any = None,
-                 checkpointer: Checkpointer | None = None,
-                 clock: FitClock | None = None, reached: int = 0,
-                 config: Mapping[str, Any] | None = None,
+                 checkpointer: Checkpointer | None = None, clock: FitClock | None = None,
+                 reached: int = 0, config: Mapping[str, Any] | None = None,
                  cost: CostOptions | None = None, history: History | None = None,
                  local: LocalCheckpointer | None = None):
         self.live, self.stream, self.options, self.owner = live, stream, options, owner
         self.callbacks = tuple(options.callbacks if callbacks is None else callbacks)
         # only those that do something
         self.hooks = {hook: overriding(self.callbacks, hook) for hook in HOOKS}
-        self.ckpt, self.config, self.cost_options = (
-            checkpointer,
-            dict(config or {}),
-            cost or CostOptions(),
-        )
-        # the local tier (`LocalCheckpointer`), saved every ``local_checkpoint_every`` steps
-        self.local = local
+        self.ckpt, self.config = checkpointer, dict(config or {})
+        self.cost_options = cost or CostOptions()
+        self.local = local  # the local tier, saved every ``local_checkpoint_every`` steps
         self.history = history if history is not None else History()
         self.clock = clock if clock is not None else FitClock()
         self.policy = options.on_non_finite
         self.guard = NonFiniteGuard(self.policy, live.step)
-        self.rollbacks = 0
-        self.warned = False
-        # the step whose save "continue" skipped (its state is not finite)
-        self.refused: int | None = None
+        self.rollbacks, self.warned = 0, False
+        self.refused: int | None = None  # the step whose save "continue" skipped (not finite)
         self.cost: StepCost | None = None
-        # batches the steps consumed; checks (steps, or on-device loops) made
-        self.batches = self.checks = 0
+        self.batches = self.checks = 0  # batches the steps consumed; steps (or loops) made
         self.placed = 0  # the batches the data position was last set after
         self.due = 0.0  # the step of the next point (0: the first step's end, for its cost)
         self.in_flight = False  # a checkpoint is being written (reported once complete)
-        self.save_asked = False
-        self.skip_asked = 0
-        self.stopping = False
-        # (step, clock snapshot) of each closed window
-        self.windows: collections.deque = collections.deque()
-        # the last window logged
-        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))
-        # An earlier run got to step ``reached`` (it crashed after its last checkpoint, or
-        # restore_step went back): the steps up to it are taken again, their time is lost
-        # (`FitClock.lose_redone`, at the step that reaches it and at each window closed before).
+        self.save_asked, self.skip_asked, self.stopping = False, 0, False
+        self.windows: collections.deque = collections.deque()  # (step, snapshot, epoch) per window
+        self.logged = (self.clock.started, dict.fromkeys(self.clock.gross(), 0.0))  # last logged
+        # An earlier run reached step ``reached`` (a crash after its last checkpoint, restore_step):
+        # the steps up to it are taken again, their time lost (`FitClock.lose_redone`).
         self.redo = reached if reached > live.step else NEVER
-        # Process 0 records how far the run got, in the checkpoint directory (`write_progress`), for
-        # the next run, and the job's time over its runs beside it
-        # (`jaxdist.training.loop._job_time`).
+        # process 0 records how far the run got (`write_progress`) and the job's time
         self.recorder = checkpointer is not None and jax.process_index() == 0
         self.recorded = float("-inf")  # when (perf_counter) it last did
         self.job = JobTime(checkpointer.directory,
                            time.time() - self.clock.wall()) if self.recorder else None
-        # the run ended normally (not failed, not preempted): no restart follows it
-        self.ended = False
-        # the fit ended with a checkpoint of its last step (no record needed then)
-        self.saved_at_end = False
+        self.ended = False  # the run ended normally (not failed, not preempted): no restart follows
+        self.saved_at_end = False  # with a checkpoint of its last step (no record needed then)
         mesh = live.strategy.mesh
         self.spans = spans_processes(mesh.devices.flat)
         self.watcher = PreemptionWatcher(mesh=mesh, waited=self.clock.waited)
-        # the processes' batches, compared at the first step and log points
-        self.same = SameBatches(self.spans)
-        # the step the run trains to (steps, or epochs x steps_per_epoch), or None
-        self.until = options.until
+        self.same = SameBatches(self.spans)  # the processes' batches, compared at log points
+        self.until = options.until  # steps, or epochs x steps_per_epoch, or None
         self.eval_steps = options.eval_every if isinstance(options.eval_every, int) else None
         # FitControl: what the callbacks may read
         self.epochs, self.steps_per_epoch = options.epochs, options.steps_per_epoch
         self.checkpoint_dir = None if checkpointer is None else checkpointer.directory
-        # Epochs (see the module): their ends are points only when something looks at them, on every
-        # process alike (an epoch's end waits for the devices and agrees on a stop: a callback with
-        # an epoch hook on some processes only, a chief's logger say, makes every process watch
-        # them).
+        # Epochs' ends are points only when something looks at them, on every process alike (an
+        # epoch's end agrees on a stop: an epoch hook on one process, a chief's logger say, counts).
         self.watch_epochs = (options.counts_epochs or options.eval_every == "epoch" or bool(
             self.hooks["on_epoch_begin"] or self.hooks["on_epoch_end"]))
         if self.spans:
@@ -235,8 +186,7 @@ class FitLoop(FitControl):
         # Checkpoints on a clock: the next one is due this long after the last (a log point checks).
         self.backup_seconds = options.cadence.seconds if checkpointer is not None else None
         self.saved_at = 0.0  # perf_counter of the last checkpoint (or of the start)
-        # process 0 asks the others to save at the next check (several processes)
-        self.save_request = False
+        self.save_request = False  # process 0 asks the others to save at the next check
         self.save_wanted = False  # a save is due on the clock and not taken yet
         self.deleted = False  # the checkpoints were deleted at the end (`delete_checkpoints`)
 
@@ -277,33 +227,27 @@ class FitLoop(FitControl):
                 call(self.owner, *args)
 
     def place(self) -> None:
-        """Set the live state's data position after the batches consumed (computed when read, not
-        per step)."""
+        """Set the live state's data position after the batches consumed (lazily, not per step)."""
         if self.placed != self.batches:
             self.live.position = self.stream.position(self.batches)
             self.placed = self.batches
 
     def run(self) -> History:
-        """The loop: steps, and at their points the logs, evaluations and checkpoints; the
-        `History`."""
+        """The loop: steps, and at their points the logs, evaluations and checkpoints."""
         live, options, history = self.live, self.options, self.history
         clock, watcher = self.clock, self.watcher
         live.stop_training = False
         live.sums("fit")  # the windows start here
         # Several processes act on a window at the same step, and a rollback moves the data past the
-        # same batches in every run of the same job: the windows are read a fixed READ_LAG steps
-        # after they close.
+        # same batches in every run of a job: windows are read READ_LAG steps after they close.
         fixed = self.spans or self.policy.action == "rollback"
         clock.open()  # heard since the clock was made; again if it serves a second run
-        self.logs = Logs(live.step, self.on_log, self.rates, self.guard.observe, lag=READ_LAG
-                         if fixed else None,
-                         waited=clock.waited, add=self.add_sums if self.watch_epochs else None)
+        self.logs = Logs(live.step, self.on_log, self.rates, self.guard.observe,
+                         lag=READ_LAG if fixed else None, waited=clock.waited,
+                         add=self.add_sums if self.watch_epochs else None)
         if self.watch_epochs:
-            self.epoch_no = (
-                live.step // options.steps_per_epoch
-                if options.steps_per_epoch
-                else live.position.epoch
-            )
+            spe = options.steps_per_epoch
+            self.epoch_no = live.step // spe if spe else live.position.epoch
             self.stream.on_length = self.heard_length
             self.begin_pending = True
         self.source = iter(self.stream)
@@ -320,20 +264,12 @@ class FitLoop(FitControl):
                 self.begin_epoch()
                 while True:  # one round, and one more after each rollback at the end
                     self.run_steps()
-                    if (
-                        self.watch_epochs
-                        and not watcher.stopping
-                        and not self.stopping
-                        and live.step >= self.find_epoch_end()
-                        and self.epoch_point()
-                    ):
-                        # an epoch that ended with the data (an on-device loop's last step):
-                        # rolled back
-                        continue
+                    if (self.watch_epochs and not watcher.stopping and not self.stopping
+                            and live.step >= self.find_epoch_end() and self.epoch_point()):
+                        continue  # an epoch that ended with the data, rolled back
                     # The data ended first: on every process? (before any collective)
                     if (self.until is not None and live.step < self.until
-                            and self.stream.epochs is None
-                            and not watcher.stopping):
+                            and self.stream.epochs is None and not watcher.stopping):
                         data_ended(live.strategy.mesh, self.batches,
                                    self.batches + self.until - live.step)
                         history.data_ended = live.step
@@ -348,12 +284,10 @@ class FitLoop(FitControl):
                 history.preempted, history.preempted_by = watcher.preempted, watcher.cause
                 history.non_finite_steps = self.guard.total
                 self.checkpoint()  # at the end (a no-op when this step is saved already)
-                with self.paused("checkpoint"):
-                    # fit returns (or exits on preemption) once its last checkpoint is complete
+                with self.paused("checkpoint"):  # fit returns once its last one is complete
                     self.report_saved(wait=True)
-                if options.eval_data is not None and not history.preempted and not (
-                    history.eval and history.eval[-1]["step"] == live.step
-                ):
+                evaluated = history.eval and history.eval[-1]["step"] == live.step
+                if options.eval_data is not None and not history.preempted and not evaluated:
                     self.evaluate()
                 live.sync()
                 history.time = clock.totals()  # for on_train_end (and again once the fit is over)
@@ -374,8 +308,7 @@ class FitLoop(FitControl):
             self.logs.close()  # the watcher thread
             # no cycle (self -> logs -> self.on_log) keeps the run's objects alive after it
             del self.logs
-            close = getattr(self.source, "close", None)
-            if close is not None:
+            if (close := getattr(self.source, "close", None)) is not None:
                 close()
             self.place()
             for cb in self.callbacks:
@@ -386,14 +319,10 @@ class FitLoop(FitControl):
         return history
 
     def run_steps(self) -> None:
-        """Steps until the live step reaches ``options.until`` (or the data ends, or the run stops):
-        what a step does, in order."""
+        """Steps until the live step reaches ``until`` (or the data ends, or the run stops)."""
         live, clock, logs, watcher = self.live, self.clock, self.logs, self.watcher
-        step_end, until, one = (
-            self.hooks["on_step_end"],
-            self.until,
-            self.options.steps_per_run == 1,
-        )
+        step_end, until = self.hooks["on_step_end"], self.until
+        one = self.options.steps_per_run == 1
         while until is None or live.step < until:
             # Cut the stream at the last batch a step will use: nothing is read, or placed, beyond
             # it. A rollback moves the step back: another cut then takes the batches for the steps
@@ -425,8 +354,7 @@ class FitLoop(FitControl):
                     # 3. a point is due at this step (rare): it calls on_step_end too
                     if step >= self.due:
                         if self.points(step - n, step, metrics, batch):
-                            # rolled back: the log, evaluation and checkpoint points come again
-                            continue
+                            continue  # rolled back: the points come again
                     else:
                         if step_end:  # 3. the callbacks that look at every step
                             self.place()
@@ -457,8 +385,7 @@ class FitLoop(FitControl):
                 return
 
     def chunk(self) -> list:
-        """An on-device loop's batches: up to the next log, evaluation, checkpoint point or epoch
-        end."""
+        """An on-device loop's batches: up to the next point or epoch end."""
         step = self.live.step
         n = self.options.run_length(step)
         if self.watch_epochs and self.find_epoch_end() > step:
@@ -467,8 +394,7 @@ class FitLoop(FitControl):
 
     def points(self, before: int, step: int, metrics: Any, batch: Any = None) -> bool:
         """What is due at ``step`` (after the steps from ``before``, which returned ``metrics`` from
-        ``batch``), ``on_step_end`` included (unless ``metrics`` is None: it was called); True when
-        the run rolled back."""
+        ``batch``), ``on_step_end`` unless ``metrics`` is None; True when the run rolled back."""
         options, live = self.options, self.live
         if self.cost is None or _crossed(before, step, options.log_every) or step == self.until:
             # the first step and the log points: every process's batch alike
@@ -563,8 +489,7 @@ class FitLoop(FitControl):
         return int(end) + (data_epochs - self.epoch_no - 1) * (length - before)
 
     def heard_length(self, epoch: int) -> None:
-        """The stream knows the length of pass ``epoch`` now (read ahead to its end): a point at the
-        next step places the epoch's end."""
+        """The stream knows pass ``epoch``'s length now: a point at the next step places its end."""
         if epoch == self.epoch_no and self.epoch_end is NEVER:
             self.due = 0
 
@@ -573,9 +498,8 @@ class FitLoop(FitControl):
         self.epoch_sums = sums if self.epoch_sums is None else self.epoch_sums.then(sums)
 
     def epoch_point(self) -> bool:
-        """The current epoch's last step is taken: its last log window closed, the evaluation
-        ``eval_every="epoch"`` asks for, then its end (`end_epoch`); True when the run rolled back
-        instead."""
+        """The current epoch's last step is taken: close its window, evaluate (``eval_every=
+        "epoch"``), end it (`end_epoch`); True when the run rolled back instead."""
         if self.closed != self.live.step:
             self.close_window()  # the epoch's last window ends with it
         if self.options.eval_every == "epoch":
@@ -606,9 +530,8 @@ class FitLoop(FitControl):
         self.epoch_sums, self.begin_pending = None, True
         # a stop asked for at the epoch's end
         if self.spans or self.watcher.requested or live.stop_training:
-            # takes effect now, on every process: all agree at this step (blocking, once per epoch),
-            # and so does a save asked for on the clock since the last check (its agreement is read
-            # here)
+            # takes effect now: every process agrees at this step (blocking, once per epoch), on a
+            # save asked for on the clock too
             self.watcher.should_stop(final=self.spans, stop_training=live.stop_training,
                                      save=self.save_request)
             self.save_request = False
@@ -617,13 +540,12 @@ class FitLoop(FitControl):
         return False
 
     def begin_epoch(self) -> None:
-        """``on_epoch_begin`` of the epoch the next step is in, when one is due and the run goes
-        on."""
+        """``on_epoch_begin`` of the next step's epoch, when due and the run goes on."""
         if not self.begin_pending or self.watcher.stopping:
             return
         data_epochs, step = self.options.data_epochs, self.live.step
-        if (self.until is not None and step >= self.until) or (data_epochs is not None
-                                                               and self.epoch_no >= data_epochs):
+        if ((self.until is not None and step >= self.until)
+                or (data_epochs is not None and self.epoch_no >= data_epochs)):
             return  # the run ends here
         self.begin_pending = False
         self.emit("on_epoch_begin", self.epoch_no)
@@ -683,8 +605,7 @@ class FitLoop(FitControl):
     # --------------------------------------------------------------------- evaluations, checkpoints
     def paused(self, part: str) -> Any:
         """The loop leaves its steps for ``part`` (``"evaluation"`` or ``"checkpoint"``): timed as
-        such, and said to the callbacks (``on_pause`` / ``on_resume``: the watchdog does not watch
-        it)."""
+        such, and said to the callbacks (``on_pause`` / ``on_resume``: the watchdog looks away)."""
         return _Paused(self, part)
 
     def evaluate(self) -> None:
@@ -728,8 +649,7 @@ class FitLoop(FitControl):
             self.report_saved()
 
     def report_saved(self, wait: bool = False) -> None:
-        """``on_checkpoint`` for the saves complete by now; raises for one that failed in the
-        background."""
+        """``on_checkpoint`` for the saves complete by now; raises for one that failed."""
         if self.ckpt is not None and (self.in_flight or wait):
             done = self.ckpt.poll(wait)
             for step, path in done:
@@ -759,18 +679,16 @@ class FitLoop(FitControl):
         if policy.action == "continue":
             if not self.warned:
                 self.warned = True
-                warnings.warn(
-                    f"the loss or gradients of step {guard.first} were not finite; "
-                    "on_non_finite='continue' trains "
-                    "on (non-finite states are not saved)", RuntimeWarning, stacklevel=4)
+                warnings.warn(f"the loss or gradients of step {guard.first} were not finite; "
+                              "on_non_finite='continue' trains on (non-finite states are not "
+                              "saved)", RuntimeWarning, stacklevel=4)
             guard.acted()
             return False
         if policy.action == "skip":
             if guard.too_many_in_a_row:
                 raise self.failure(f"{guard.longest_run} steps in a row were not finite "
-                                   "(on_non_finite='skip' stops at "
-                                   f"max_consecutive_skips={policy.max_consecutive_skips}: the run "
-                                   "has diverged)")
+                                   "(on_non_finite='skip' stops at max_consecutive_skips="
+                                   f"{policy.max_consecutive_skips}: the run has diverged)")
             guard.acted()  # skipped on the devices; the logs count them
             return False
         if policy.action == "rollback":
@@ -789,22 +707,19 @@ class FitLoop(FitControl):
         return self.guard.error(what, latest, None if self.ckpt is None else self.ckpt.directory)
 
     def roll_back(self) -> None:
-        """Restore the newest checkpoint before the first bad step; the data goes on from where it
-        is."""
+        """Restore the newest checkpoint before the first bad step; the data goes on from here."""
         live, ckpt, bad = self.live, self.ckpt, self.guard.first
         self.close_window()
         self.logs.flush()  # every step so far is logged (their flags belong to this rollback)
         with self.paused("checkpoint"):
             self.report_saved(wait=True)
-            good = [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]
-            if not good:
+            if not (good := [] if ckpt is None else [s for s in ckpt.all_steps() if s < bad]):
                 raise self.failure("there is no checkpoint before it to roll back to, so the run "
                                    "stopped")
             restore_live(live, ckpt, good[-1], None)
         self.clock.rolled_back(good[-1])  # the steps since that checkpoint: lost
         self.rollbacks += 1
-        # past the bad batches (and those after them)
-        live.position = self.stream.position(self.batches)
+        live.position = self.stream.position(self.batches)  # past the bad batches
         self.placed = self.batches
         if self.watch_epochs:  # the step went back: where the epoch ends, in steps, again
             self.epoch_end = NEVER
@@ -819,16 +734,15 @@ class FitLoop(FitControl):
         warnings.warn(
             f"the loss or gradients of step {bad} were not finite: rolled back to checkpoint "
             f"{good[-1]} (rollback {self.rollbacks} of at most {self.policy.max_rollbacks}); "
-            "training goes on with the data after the "
-            f"batches read so far, skipping them", RuntimeWarning, stacklevel=5)
+            "training goes on with the data after the batches read so far, skipping them",
+            RuntimeWarning, stacklevel=5)
 
     # -------------------------------------------------------------------------------------- records
     def record(self) -> None:
         """Record the step reached in the checkpoint directory (process 0; never an error); once the
         fit has ended with a checkpoint of that step, which says as much, remove the record."""
         if self.recorder:
-            directory = self.ckpt.directory
-            finished = self.saved_at_end or self.deleted
+            directory, finished = self.ckpt.directory, self.saved_at_end or self.deleted
             if finished:
                 clear_progress(directory)
             else:
@@ -839,8 +753,7 @@ class FitLoop(FitControl):
                 self.job.record(self.clock.totals(), ended=self.ended)
 
     def job_time(self) -> None:
-        """``History.job_time`` (process 0, with a checkpoint directory): this run's time with the
-        runs before."""
+        """``History.job_time`` (process 0, with a checkpoint directory): this run's and before."""
         if self.job is not None:
             self.history.job_time, self.history.job_runs = self.job.totals(self.history.time)
 
@@ -853,8 +766,7 @@ class _Paused:
     """`FitLoop.paused`: the clock's part, and ``on_pause`` / ``on_resume`` around it."""
 
     def __init__(self, loop: FitLoop, part: str):
-        self.loop, self.part = loop, part
-        self.timing = loop.clock.timing(part)
+        self.loop, self.part, self.timing = loop, part, loop.clock.timing(part)
 
     def __enter__(self) -> None:
         self.loop.emit("on_pause", self.part)

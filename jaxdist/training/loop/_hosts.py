@@ -1,32 +1,19 @@
 """Which host is slow: each process's step time and input wait per log window, compared on process
 0.
 
-In a job of several processes every step's collectives wait for the slowest process, so a slow host
-shows only as everyone's slow step. What the loop can attribute to a host is the time that host
-spends before it can join the step: waiting for its next batch (reading it from ``train_data``,
-checking and placing it). So each process times, per log window, its steps (the window's wall time
-over its steps, as its host saw it) and its input wait (the time inside the data iterator, per
-step). A device that is slow shows in every process's step time alike (use a profile to find it).
-
-`HostTimes` is a fit's callback, which works at its log rows (``on_log``): nothing is exchanged per
-step. At each log a process posts its window's figures to the job's key-value store (the
-coordination service's, which every process of a ``jax.distributed`` job talks to anyway: no
-collective, no device); process 0 reads them at its logs (the processes emit them at the same step),
-without waiting (a figure not there yet is read at the next log; at the end of ``fit`` process 0
-waits at most `READ_SECONDS` for each, then goes on without it).
-
-Every process passes the same global batch (each places only its own devices' rows of it), so
-processes that pass different ones (each shuffling with its own seed) train on a mix of them and
-give other numbers without a word. `SameBatches` compares a fingerprint of each process's batch
-(`jaxdist.training.data.WholeBatch`) through the same store at the fit's first step and at its log
-points, and raises a `jaxdist.job.JobDisagreementError` on every process, naming the processes that
-differ, the step and the fix. Between those points it costs nothing.
+Every step's collectives wait for the slowest process, so a slow host shows only as everyone's slow
+step; what can be attributed to a host is its wait for its next batch. So each process times, per
+log window, its step time and its input wait per step (a slow device shows in every process's step
+time alike: use a profile). `HostTimes` exchanges them at log points through the job's key-value
+store (no collective, no device); process 0 reads them without waiting (at the end of ``fit`` at
+most `READ_SECONDS` for each).
 
 A process is named in a `StragglerWarning` when it waits on its input at least ``straggler_ratio``
 times as long as the median process and that excess is at least ``straggler_ratio - 1`` times the
-median step time (so that microseconds of input on a fast pipeline name nobody): every step of the
-job is then that much longer because of it. A process is named again only after a window in which it
-was not slow.
+median step time (so that microseconds of input on a fast pipeline name nobody). A process is named
+again only after a window in which it was not slow.
+
+`SameBatches` checks, through the same store, that every process passes the same global batch.
 """
 
 from __future__ import annotations
@@ -115,13 +102,10 @@ class HostTimes(Callback):
         self._me = jax.process_index() if spans else 0
         self._count = jax.process_count() if spans else 1
         self._prefix = f"jaxdist/hosts/{next(_fits)}" if spans else ""
-        self._ratio = ratio
-        self._rows = rows
-        self._host = socket.gethostname()
+        self._ratio, self._rows, self._host = ratio, rows, socket.gethostname()
         self._last = 0  # the step the last window ended at
         self._windows = itertools.count()
-        # (window, step, this process's figures)
-        self._pending: collections.deque = collections.deque()
+        self._pending: collections.deque = collections.deque()  # (window, step, own figures)
         self._named: set[int] = set()  # slow in the last window: not named again until it recovers
 
     def on_train_begin(self, trainer: Any) -> None:
@@ -142,11 +126,8 @@ class HostTimes(Callback):
             return
         window = next(self._windows)  # every process logs the same windows
         wall = sum(v for k, v in logs.items() if k.startswith("time/") and k != "time/lost")
-        mine = {
-            "host": self._host,
-            "step_time": wall / steps,
-            "input_wait": logs.get("time/input", 0.0) / steps,
-        }
+        mine = {"host": self._host, "step_time": wall / steps,
+                "input_wait": logs.get("time/input", 0.0) / steps}
         if self._spans and self._me != 0:
             post(f"{self._prefix}/{window}/{self._me}", json.dumps(mine))
         elif self._me == 0:
@@ -180,10 +161,8 @@ class HostTimes(Callback):
                 if f is None:
                     continue
                 excess = f["input_wait"] - median_wait
-                if (
-                    f["input_wait"] >= self._ratio * median_wait
-                    and excess >= (self._ratio - 1) * median_step
-                ):
+                if (f["input_wait"] >= self._ratio * median_wait
+                        and excess >= (self._ratio - 1) * median_step):
                     slow.append(pid)
         self._rows.append({
             "step": step,
@@ -203,8 +182,8 @@ class HostTimes(Callback):
                 f"median process's {_ms(median_wait)} (straggler_ratio={self._ratio:g}); its steps "
                 f"take {_ms(f['step_time'])} (median {_ms(median_step)}), and every process waits "
                 f"for it in each step's collectives (window ending at step {step}). Speed up its "
-                "input (more reader threads, prefetching, a local "
-                "copy of the data) or move it off that host.", StragglerWarning, stacklevel=2)
+                "input (more reader threads, prefetching, a local copy of the data) or move it off "
+                "that host.", StragglerWarning, stacklevel=2)
         self._named = set(slow)
 
 
@@ -212,17 +191,13 @@ class SameBatches:
     """Every process of a fit passes the same global batch: compared at the first step and the log
     points.
 
-    `check` is called by the fit loop at those points with the step's batch. Where the batches are
-    `jaxdist.training.data.WholeBatch` es (several processes, each passing its global batch whole),
-    each process posts its batch's fingerprint to the job's key-value store (the coordination
-    service's, which every process of the job already talks to); process 0 reads them all
-    (`jaxdist.job.gather`: one listing, and a wait for those not there yet) and posts the verdict,
-    which the others read: two calls to the store per process and point, however many processes
-    there are (and one more, every 64 points, that deletes them). Every process acts on the same
-    verdict at the same step: all go on, or all raise. A peer that failed meanwhile ends the wait
-    through the job's failure monitor. Per-process input (grain) and placed batches are not
-    compared; one process has nothing to compare. Cost per point: the fingerprint
-    (`WholeBatch.fingerprint`) and that exchange.
+    Processes that pass different ones (each shuffling with its own seed) would train on a mix of
+    them without a word. Where the batches are `jaxdist.training.data.WholeBatch` es, each process
+    posts its batch's fingerprint to the job's key-value store; process 0 reads them all
+    (`jaxdist.job.gather`) and posts the verdict, which the others read: two calls to the store per
+    process and point (and one more every 64 points, that deletes them). Every process acts on the
+    same verdict at the same step: all go on, or all raise. Per-process input (grain) and placed
+    batches are not compared; one process has nothing to compare.
 
     Args:
         spans: whether the fit's devices span processes.
@@ -245,8 +220,7 @@ class SameBatches:
         self._spans = spans and jax.process_count() > 1
         self._prefix = f"jaxdist/batches/{next(_inputs)}" if self._spans else ""
         self._checks = 0
-        # the step of the last check, where every process's batch was alike
-        self._agreed: int | None = None
+        self._agreed: int | None = None  # the step of the last check, where all were alike
 
     def check(self, step: int, batch: Any) -> None:
         """Compare the processes' batches of ``step`` (a `WholeBatch`, or an on-device loop's list
@@ -282,8 +256,8 @@ class SameBatches:
             verdict = read(f"{where}/verdict", 2 * AGREE_SECONDS)
             if verdict is None:
                 raise JobDisagreementError(f"process {me}: process 0 did not compare step {step}'s "
-                                           "batches within "
-                                           f"{2 * AGREE_SECONDS:g} s", on_every_process=False)
+                                           f"batches within {2 * AGREE_SECONDS:g} s",
+                                           on_every_process=False)
         kind, _, message = verdict.partition(":")
         if kind != "alike":
             raise JobDisagreementError(message, on_every_process=kind == "differ")
@@ -298,8 +272,7 @@ def disagreement(step: int, seen: list[str], agreed: int | None) -> str:
         groups.setdefault(value, []).append(pid)
     odd = [pid for pid, value in enumerate(seen) if value != seen[0]]
     shown = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: "
-                      f"{zlib.crc32(value.encode()):08x}"
-                      for value, p in groups.items())
+                      f"{zlib.crc32(value.encode()):08x}" for value, p in groups.items())
     before = "" if agreed is None else f"; they agreed at step {agreed}, the check before"
     return (
         f"the processes of this job passed different global batches at step {step}: "

@@ -1,22 +1,14 @@
 """A job's time across restarts: every run that wrote to one checkpoint directory, added up
 (``History.job_time``).
 
-A job that crashes and resumes is several ``fit`` runs on one checkpoint directory. Each run's
-`History.time` is its own; what the job lost to the crash is in none of them: the time between the
-failing run's last record and the start of the next run (the rest of the crash, the scheduler's
-restart, the new process's start), and the steps taken again (``lost`` in the resumed run). So
-process 0 keeps a record of the runs beside the checkpoints (`JOB_FILE`: one entry per run, its
-start and last record in wall-clock seconds, its parts so far and whether it ended normally),
-rewritten where the progress record is (at log points at most every few seconds, and when ``fit``
-ends or fails; written aside, then renamed into place). ``job_time`` adds up every run's parts and,
-as ``restart``, the gaps between them. A run that ends normally with a checkpoint of its last step
-ends the job: the record is removed (as the progress record is), and a later ``fit`` on the
-directory starts a new job. Only runs that failed or were preempted leave a record for the next one.
-
-A run killed without warning keeps the record of its last log point: the time after it is part of
-the gap. Clocks of several hosts: the record is written by process 0 of each run, whose host may
-change between runs; their wall clocks are assumed to agree (NTP), and a negative gap counts as
-none.
+A job that crashes and resumes is several ``fit`` runs on one checkpoint directory; what it lost to
+the crash is in none of their `History.time`: the gap between the failing run's last record and the
+next run's start. So process 0 keeps a record of the runs beside the checkpoints (`JOB_FILE`: each
+run's start, last record, parts so far and whether it ended normally), rewritten with the progress
+record (written aside, then renamed). ``job_time`` adds up every run's parts and, as ``restart``,
+the gaps after runs that failed. A run that ends normally with a checkpoint of its last step ends
+the job: the record is removed. The hosts' wall clocks are assumed to agree (NTP); a negative gap
+counts as none.
 """
 
 from __future__ import annotations
@@ -65,8 +57,7 @@ class JobTime:
         >>> import tempfile
         >>> directory = tempfile.mkdtemp()
         >>> first = JobTime(directory, started=100.0)
-        >>> # it crashes after this record
-        >>> first.record({"steps": 5.0, "other": 1.0}, now=106.0)
+        >>> first.record({"steps": 5.0, "other": 1.0}, now=106.0)  # then it crashes
         >>> second = JobTime(directory, started=110.0)                      # 4 s later, resumed
         >>> job, runs = second.totals({"steps": 3.0, "other": 1.0})
         >>> runs, job["steps"], job["restart"], job["other"]
@@ -75,10 +66,8 @@ class JobTime:
 
     def __init__(self, directory: str | os.PathLike, started: float):
         self.path = os.path.join(os.fspath(directory), JOB_FILE)
-        self.id = secrets.token_hex(8)
-        self.started = started
-        # the job's runs before this one (nothing else writes while it runs)
-        self.before = _runs(self.path)
+        self.id, self.started = secrets.token_hex(8), started
+        self.before = _runs(self.path)  # the runs before this one (nothing else writes meanwhile)
 
     def _entry(self, parts: Mapping[str, float], now: float, ended: bool) -> dict[str, Any]:
         return {"id": self.id, "start": self.started, "end": now, "ended": ended,
@@ -95,9 +84,8 @@ class JobTime:
                 json.dump({"runs": runs}, f)
             os.replace(self.path + ".tmp", self.path)
 
-    def totals(
-        self, parts: Mapping[str, float], now: float | None = None
-    ) -> tuple[dict[str, float], int]:
+    def totals(self, parts: Mapping[str, float],
+               now: float | None = None) -> tuple[dict[str, float], int]:
         """``(job_time, runs)``: every recorded run's parts with this run's ``parts`` now, plus
         ``restart``, the gaps after the runs that did not end normally (`JOB_PARTS`); and how many
         runs there were."""

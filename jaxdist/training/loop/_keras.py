@@ -1,16 +1,11 @@
 """The callbacks a Keras user reaches for, on ``fit``'s hooks: `EarlyStopping`, `ModelCheckpoint`,
 `LearningRateScheduler` and `DeleteBackups` (``BackupAndRestore(delete_checkpoint=True)``).
 
-Each acts at the end (or the beginning) of an epoch, with Keras' meaning of the word
-(``fit(steps_per_epoch=...)`` steps, or one pass over ``train_data``;
-`jaxdist.training.Callback.on_epoch_end`), and through the run's `FitControl`: a stop ends the run
-before the next epoch, on every process at once; a checkpoint is written by the loop's machinery
-(timed as ``checkpoint`` in ``History.time``, a state that is not finite refused, the watchdog
-paused). Every process of a job runs the same callbacks on the same logs (global means), so they
-decide alike and the checkpoints they write are collective like ``fit``'s own.
-
-Keras' backups themselves (``BackupAndRestore``) are ``fit(checkpoint_dir=...)``: every epoch by
-default (`jaxdist.training.loop._cadence`); `DeleteBackups` is its ``delete_checkpoint=True``.
+Each acts at an epoch's end (or beginning), through the run's `FitControl`: a stop ends the run
+before the next epoch on every process; a checkpoint is written by the loop's machinery (timed,
+refused when not finite, the watchdog paused). Every process runs the same callbacks on the same
+global logs, so they decide alike. Keras' ``BackupAndRestore`` itself is
+``fit(checkpoint_dir=...)``.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ _MAX_WORDS = ("acc", "auc", "precision", "recall", "f1", "iou", "score")
 
 
 def _direction(monitor: str, mode: str, who: str) -> str:
-    """``"min"`` or ``"max"``: ``mode``, or for ``"auto"`` what the name says (a loss: min; an
-    accuracy: max)."""
+    """``mode``, or for ``"auto"`` what the name says (a loss: "min"; an accuracy: "max")."""
     if mode in ("min", "max"):
         return mode
     if mode != "auto":
@@ -47,15 +41,13 @@ def _direction(monitor: str, mode: str, who: str) -> str:
         return "min"
     if any(word in name for word in _MAX_WORDS):
         return "max"
-    raise ValueError(
-        f"{who}(monitor={monitor!r}, mode='auto') cannot tell whether {monitor!r} should go down "
-        "or up: pass mode='min' (lower is better) or mode='max' (higher is better)."
-    )
+    raise ValueError(f"{who}(monitor={monitor!r}, mode='auto') cannot tell whether {monitor!r} "
+                     "should go down or up: pass mode='min' (lower is better) or mode='max' "
+                     "(higher is better).")
 
 
 def _monitored(logs: Mapping[str, float], monitor: str, who: str) -> float:
-    """The monitored value of an epoch's logs, or a ValueError naming the ones there are and how to
-    get it."""
+    """The monitored value of an epoch's logs, or a ValueError naming those there are."""
     if monitor not in logs:
         hint = (" The val_ metrics come from an evaluation at the epoch's end: fit(eval_data=..., "
                 "eval_every='epoch').") if monitor.startswith("val_") else ""
@@ -72,18 +64,17 @@ def _say(trainer: Any, line: str) -> None:
 
 
 def _copy(tree: Any) -> Any:
-    """A copy of ``tree``'s arrays on their devices, in their layout (the train step donates the
-    state's)."""
+    """A copy of ``tree``'s arrays in their layout (the train step donates the state's)."""
     return jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, tree)
 
 
 class EarlyStopping(Callback):
     """Stop training when a monitored metric has stopped improving (Keras' ``EarlyStopping``).
 
-    At each epoch's end it compares ``logs[monitor]`` with the best value so far: an improvement is
-    a value better than the best by more than ``min_delta``. After ``patience`` epochs without one,
-    it stops the run (``control.stop()``: the run ends before the next epoch, on every process, with
-    its checkpoint).
+    At each epoch's end it compares ``logs[monitor]`` with the best so far (an improvement beats it
+    by more than ``min_delta``); after ``patience`` epochs without one, it stops the run before the
+    next epoch, on every process, with its checkpoint. A resumed run starts counting again (as with
+    Keras' ``BackupAndRestore``: the callbacks' state is not in the backup).
 
     Args:
         monitor: the epoch log to watch: ``"val_loss"`` (the default: needs ``fit(eval_data=...,
@@ -95,18 +86,14 @@ class EarlyStopping(Callback):
         baseline: a value the metric must beat: until it does, the epochs count towards
             ``patience``.
         restore_best_weights: at the end of the run, put back the parameters (and model state) of
-            the best epoch. They are kept on the devices, in their layout: one more copy of the
-            parameters in memory. The run's last checkpoint holds the last epoch's, as in Keras.
+            the best epoch, kept on the devices (one more copy of the parameters in memory). The
+            run's last checkpoint holds the last epoch's, as in Keras.
         start_from_epoch: epochs to let pass before watching (a warm-up).
         verbose: 1: say when it stops and what it restores (on process 0).
 
-    A resumed run starts counting again (as Keras' ``BackupAndRestore`` does: the callbacks' state
-    is not in the backup).
-
     Attributes:
         best: the best value seen; best_epoch: its epoch; stopped_epoch: the epoch it stopped at (0:
-            it did not);
-        wait: epochs since the last improvement.
+            it did not); wait: epochs since the last improvement.
 
     Raises:
         ValueError: for a mode that is not one of the three (or ``"auto"`` on a name it cannot
@@ -117,37 +104,29 @@ class EarlyStopping(Callback):
         >>> import flax.linen as nn, numpy as np, optax, jaxdist as jd
         >>> x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
         >>> data = [(x[i:i + 16], x[i:i + 16, :1]) for i in range(0, 64, 16)]
-        >>> # never improves
         >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.0),
-        ...                               lambda out, y: ((out - y) ** 2).mean())
+        ...                               lambda out, y: ((out - y) ** 2).mean())  # no progress
         >>> stop = jd.training.EarlyStopping(monitor="loss", patience=2)
         >>> history = trainer.fit(data, epochs=10, verbose=0, callbacks=[stop])
-        >>> # epochs 0, 1, 2: stopped after 3 of 10
-        >>> stop.stopped_epoch, len(history.epochs), trainer.step
+        >>> stop.stopped_epoch, len(history.epochs), trainer.step  # stopped after 3 of 10
         (2, 3, 12)
     """
 
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0,
-                 mode: str = "auto",
-                 baseline: float | None = None, restore_best_weights: bool = False,
-                 start_from_epoch: int = 0, verbose: int = 0):
+                 mode: str = "auto", baseline: float | None = None,
+                 restore_best_weights: bool = False, start_from_epoch: int = 0, verbose: int = 0):
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
             raise ValueError(f"EarlyStopping(patience={patience!r}): patience must be an int >= 0.")
         self.monitor, self.patience, self.baseline = monitor, patience, baseline
         self.mode = _direction(monitor, mode, "EarlyStopping")
         self.min_delta = abs(float(min_delta))
-        self.restore_best_weights, self.start_from_epoch, self.verbose = (
-            restore_best_weights,
-            start_from_epoch,
-            verbose,
-        )
+        self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
+        self.verbose = verbose
         self._reset()
 
     def _reset(self) -> None:
-        self.wait = 0
-        self.stopped_epoch = 0
+        self.wait = self.stopped_epoch = self.best_epoch = 0
         self.best = math.inf if self.mode == "min" else -math.inf
-        self.best_epoch = 0
         self.best_weights: Any = None
 
     def _improves(self, value: float, reference: float) -> bool:
@@ -160,8 +139,7 @@ class EarlyStopping(Callback):
 
     def on_epoch_end(self, trainer: Any, epoch: int, logs: Mapping[str, float]) -> None:
         value = _monitored(logs, self.monitor, "EarlyStopping")
-        if self.restore_best_weights and self.best_weights is None:
-            # the weights so far are the best
+        if self.restore_best_weights and self.best_weights is None:  # the best so far
             self.best_weights, self.best_epoch = self._weights(), epoch
         if epoch < self.start_from_epoch:
             return
@@ -201,10 +179,9 @@ class ModelCheckpoint(Callback):
     backups), which it never touches.
 
     At each epoch's end it saves a checkpoint when ``logs[monitor]`` is among the ``keep`` best seen
-    (and then deletes the one it displaces), with the value in its metadata. The checkpoints are
-    ``fit``'s kind (state, step, data position): ``trainer.restore(directory,
-    step=checkpoint.best_step)`` restores one onto any strategy. A run that resumes reads the values
-    of the checkpoints there and goes on keeping the best.
+    (deleting the one it displaces), with the value in its metadata: ``fit``'s kind, which
+    ``trainer.restore(directory, step=checkpoint.best_step)`` restores onto any strategy. A resumed
+    run reads the values of the checkpoints there and goes on keeping the best.
 
     Args:
         directory: where the best checkpoints go: not ``fit``'s ``checkpoint_dir``, nor inside it (a
@@ -231,8 +208,7 @@ class ModelCheckpoint(Callback):
         >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optax.sgd(0.1),
         ...                               lambda out, y: ((out - y) ** 2).mean())
         >>> root = tempfile.mkdtemp()
-        >>> best = jd.training.ModelCheckpoint(os.path.join(root, "best"), monitor="val_loss",
-        ...                                    keep=2)
+        >>> best = jd.training.ModelCheckpoint(os.path.join(root, "best"), keep=2)
         >>> _ = trainer.fit(data, epochs=4, eval_data=data, eval_every="epoch", verbose=0,
         ...                 checkpoint_dir=os.path.join(root, "backup"), callbacks=[best])
         >>> [step for step, value in best.best]  # the loss falls: the last two epochs are the best
@@ -277,12 +253,11 @@ class ModelCheckpoint(Callback):
             backups = os.path.realpath(backups)
             mine = os.path.realpath(self.directory)
             if mine == backups or mine.startswith(backups + os.sep):
-                raise ValueError(
-                    f"ModelCheckpoint(directory={self.directory!r}) is "
-                    f"{'fit' if mine == backups else 'inside fit'}'s checkpoint_dir={backups!r}: "
-                    "the best checkpoints would mix with the backups fit resumes from. Pass a "
-                    f"directory beside it, e.g. {backups + '-best'!r}."
-                )
+                raise ValueError(f"ModelCheckpoint(directory={self.directory!r}) is "
+                                 f"{'fit' if mine == backups else 'inside fit'}'s checkpoint_dir="
+                                 f"{backups!r}: the best checkpoints would mix with the backups "
+                                 "fit resumes from. Pass a directory beside it, e.g. "
+                                 f"{backups + '-best'!r}.")
         asynchronous = True if control is None else control.options.async_checkpoints
         self._ckpt = Checkpointer(self.directory, None, async_save=asynchronous)
         self.best = self._ranked(self._ckpt)
@@ -312,9 +287,8 @@ class ModelCheckpoint(Callback):
         self.best.append((step, value))
         self.best.sort(key=lambda entry: entry[1], reverse=self.mode == "max")
         if self.verbose:
-            _say(trainer,
-                 f"epoch {epoch + 1}: {self.monitor} {value:.4g}, saved step {step} to "
-                 f"{self.directory}")
+            _say(trainer, f"epoch {epoch + 1}: {self.monitor} {value:.4g}, saved step {step} to "
+                          f"{self.directory}")
 
     def _close(self) -> None:
         if self._ckpt is not None:
@@ -336,17 +310,16 @@ class LearningRateScheduler(Callback):
     """Set the learning rate at the beginning of every epoch from a function of the epoch (Keras'
     ``LearningRateScheduler``).
 
-    ``schedule(epoch, lr)`` (or ``schedule(epoch)``) returns the epoch's rate (``epoch`` from 0,
-    ``lr`` the current one). The optimizer must carry its learning rate in its state: build it with
+    The optimizer must carry its learning rate in its state: build it with
     `optax.inject_hyperparams` and a number, e.g.
-    ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``. The rate is set on the devices in
-    place of the old one (same shape, dtype and layout: nothing recompiles) and saved in checkpoints
-    with the optimizer state; a run resumed inside an epoch goes on with the rate the checkpoint
-    holds (the schedule set it when that epoch began), so it trains as an uninterrupted run. The
-    logs show it (``learning_rate``).
+    ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``. The rate replaces the old one on
+    the devices (nothing recompiles), is saved in checkpoints with the optimizer state (a run
+    resumed inside an epoch goes on with it, as an uninterrupted run) and logged
+    (``learning_rate``).
 
     Args:
-        schedule: ``epoch -> rate`` or ``(epoch, rate) -> rate``.
+        schedule: ``epoch -> rate`` or ``(epoch, rate) -> rate`` (``epoch`` from 0, ``rate`` the
+            current one).
         verbose: 1: say each epoch's rate (on process 0).
 
     Raises:
@@ -362,8 +335,7 @@ class LearningRateScheduler(Callback):
         >>> optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
         >>> trainer = jd.training.Trainer(jd.MirroredStrategy(), nn.Dense(1), optimizer,
         ...                               lambda out, y: ((out - y) ** 2).mean())
-        >>> halve = jd.training.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0
-        ...                                           else lr / 2)
+        >>> halve = jd.training.LearningRateScheduler(lambda epoch, lr: lr / 2 if epoch else lr)
         >>> history = trainer.fit(data, epochs=3, verbose=0, callbacks=[halve])
         >>> [round(row["learning_rate"], 4) for row in history.epochs]
         [0.1, 0.05, 0.025]
@@ -387,13 +359,11 @@ class LearningRateScheduler(Callback):
         self._first = True
 
     def on_epoch_begin(self, trainer: Any, epoch: int) -> None:
-        control = self.control
-        live = control.live
+        control, live = self.control, self.control.live
         first, self._first = getattr(self, "_first", False), False
         spe = control.steps_per_epoch
         inside = live.step != epoch * spe if spe else control.data_position.index != 0
-        # resumed inside the epoch: its rate, set when it began, is in the state already
-        if first and inside:
+        if first and inside:  # resumed inside the epoch: its rate is in the state already
             return
         current = _rate(live.state.opt_state)
         if self._takes_rate is None:
@@ -422,8 +392,7 @@ def _injected(node: Any) -> bool:
 
 
 def _rate(opt_state: Any) -> float:
-    """The learning rate an `optax.inject_hyperparams` state carries (the first found), or a
-    ValueError."""
+    """The learning rate an `optax.inject_hyperparams` state carries (the first), or ValueError."""
     found = [node for node in jax.tree.leaves(opt_state, is_leaf=_injected) if _injected(node)]
     if not found:
         raise ValueError(
@@ -446,9 +415,8 @@ def _rate(opt_state: Any) -> float:
 
 
 def _set_rate(opt_state: Any, rate: float) -> Any:
-    """``opt_state`` with every `optax.inject_hyperparams` learning rate set to ``rate``, on the
-    devices and in the layout of the rate it replaces (each process places its own devices'
-    copies)."""
+    """``opt_state`` with every `optax.inject_hyperparams` learning rate set to ``rate``, in the
+    layout of the rate it replaces (each process places its own devices' copies)."""
 
     def set_one(node: Any) -> Any:
         if not _injected(node):
@@ -466,14 +434,11 @@ class DeleteBackups(Callback):
     """Delete ``fit``'s checkpoints once the run has finished (Keras'
     ``BackupAndRestore(delete_checkpoint=True)``).
 
-    ``fit(checkpoint_dir=...)`` backs the run up and resumes a run that was stopped (killed,
-    preempted) from its newest checkpoint; a run that FINISHED leaves its checkpoints, so the same
-    command run again resumes at the end and trains nothing ("resumed from step 210 ...: nothing to
-    train"). With this callback, a run that ends by reaching its steps or epochs, or by a callback's
-    stop (`EarlyStopping`), deletes its checkpoints (and the records of the run kept beside them)
-    when it ends, as Keras does: the same command run again trains from scratch. A preempted run
-    (SIGTERM) keeps them, to resume from; so does one that fails. The trainer keeps its state:
-    ``trainer.save(...)`` writes it elsewhere if you want it.
+    A run that FINISHED leaves its checkpoints, so the same command run again resumes at the end
+    and trains nothing. With this callback, a run that ends by reaching its steps or epochs, or by a
+    callback's stop (`EarlyStopping`), deletes its checkpoints (and the run's records beside them),
+    as Keras does: the same command run again trains from scratch. A preempted or failed run keeps
+    them, to resume from. The trainer keeps its state (``trainer.save(...)`` writes it elsewhere).
 
     Args:
         verbose: 1 (the default): say what it deleted (on process 0).
@@ -502,6 +467,5 @@ class DeleteBackups(Callback):
             return
         control.delete_checkpoints()
         if self.verbose:
-            _say(trainer,
-                          f"the run finished: deleted its checkpoints in {control.checkpoint_dir} "
+            _say(trainer, f"the run finished: deleted its checkpoints in {control.checkpoint_dir} "
                           "(DeleteBackups; a run again trains from scratch)")

@@ -48,14 +48,10 @@ class Logs:
                  watch: Callable[[int, Window | None], None] | None = None, lag: int | None = None,
                  waited: Callable[[float], None] | None = None,
                  add: Callable[[RunningSums], None] | None = None):
-        # [step, sums, ready time or None, check]: closed
-        self.pending: collections.deque = collections.deque()
-        self._on_log = on_log
+        self.pending: collections.deque = collections.deque()  # [step, sums, ready or None, check]
+        self._on_log, self._watch, self._lag = on_log, watch, lag
+        self._waited, self._add = waited, add
         self._rates = rates  # (steps, seconds, summed loss weight) -> tokens_per_sec, mfu, ...
-        self._watch = watch
-        self._lag = lag
-        self._waited = waited
-        self._add = add
         self._last = (start_step, time.perf_counter())
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._watcher: threading.Thread | None = None
@@ -63,8 +59,7 @@ class Logs:
     def close_window(self, step: int, sums: PackedSums, check: int = 0) -> None:
         """End a window at ``step`` (check ``check``) with the trainer's running sums over it; start
         copying them to the host (one vector)."""
-        copy = getattr(sums.vector, "copy_to_host_async", None)
-        if copy is not None:
+        if (copy := getattr(sums.vector, "copy_to_host_async", None)) is not None:
             copy()
         entry = [step, sums, None, check]
         self.pending.append(entry)
@@ -76,8 +71,7 @@ class Logs:
 
     def _wait(self) -> None:
         while (entry := self._queue.get()) is not None:
-            # a failed step raises in the main thread, not here
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a failed step raises in the main thread
                 jax.block_until_ready(entry[1])
             entry[2] = time.perf_counter()
 
@@ -98,8 +92,7 @@ class Logs:
             self._emit_first()
 
     def restart(self, step: int) -> None:
-        """Windows start again after ``step`` (a rollback moved the step back; none may be
-        pending)."""
+        """Windows start again after ``step`` (a rollback moved it back; none may be pending)."""
         self._last = (step, time.perf_counter())
 
     def _emit_first(self) -> None:
@@ -123,8 +116,7 @@ class Logs:
             self._watcher = None
 
     def _emit(self, step: int, packed: PackedSums, ready: float) -> None:
-        seconds = ready - self._last[1]
-        steps = step - self._last[0]
+        seconds, steps = ready - self._last[1], step - self._last[0]
         self._last = (step, ready)
         sums = packed.to_host()  # one transfer for the whole window
         window = Window.of(sums.non_finite, sums.steps)
@@ -146,9 +138,8 @@ def means(sums: RunningSums) -> dict[str, float]:
     """A log row's metrics from host sums: each metric's mean over the window (``"loss"`` first,
     then by name; a token-weighted one: its summed sums over its summed weights, NaN for weight 0)
     and the last learning rate (the current rate, not a mean)."""
-    logs = {
-        name: sums.mean(name) for name in ["loss", *sorted(n for n in sums.names if n != "loss")]
-    }
+    names = ["loss", *sorted(n for n in sums.names if n != "loss")]
+    logs = {name: sums.mean(name) for name in names}
     if sums.learning_rate is not None:
         logs["learning_rate"] = float(sums.learning_rate)
     return logs

@@ -1,7 +1,4 @@
-"""`FitOptions`: ``Trainer.fit``'s keyword arguments as one value, checked once (``Trainer.fit``
-says what each one means), with what follows from them: the step the run trains to
-(`FitOptions.until`, ``epochs`` x ``steps_per_epoch`` included) and the checkpoint cadence
-(`FitOptions.cadence`)."""
+"""`FitOptions`: ``Trainer.fit``'s keyword arguments as one value, checked once."""
 
 from __future__ import annotations
 
@@ -23,9 +20,7 @@ __all__ = ["FitOptions"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FitOptions:
     """``Trainer.fit``'s keyword arguments (see it for each one), and the trainer's
-    ``steps_per_run``.
-
-    ``on_non_finite`` is kept as a `NonFinitePolicy` and ``callbacks`` as a tuple.
+    ``steps_per_run``; ``on_non_finite`` is kept as a `NonFinitePolicy`, ``callbacks`` as a tuple.
 
     Attributes:
         until: the step the run trains to: ``steps``, or ``epochs * steps_per_epoch`` (the smaller
@@ -95,23 +90,19 @@ class FitOptions:
                 check_int(self.eval_every, "eval_every", 1)
             except ValueError:
                 raise ValueError(f"eval_every={self.eval_every!r} must be an int >= 1 (steps), "
-                                 "'epoch', or None (at "
-                                 "the end only).") from None
+                                 "'epoch', or None (at the end only).") from None
         counts = self.epochs is not None or self.steps_per_epoch is not None
         object.__setattr__(self, "counts_epochs", counts)
+        backed_up = self.checkpoint_dir is not None or self.checkpoint_every is not None
         object.__setattr__(self, "cadence", Cadence.of(self.checkpoint_every, counts)
-                           if self.checkpoint_dir
-                           is not None or self.checkpoint_every is not None else Cadence())
+                           if backed_up else Cadence())
         until = self.steps
         if self.steps_per_epoch is not None and self.epochs is not None:
-            until = (
-                self.epochs * self.steps_per_epoch
-                if until is None
-                else min(until, self.epochs * self.steps_per_epoch)
-            )
+            by_epochs = self.epochs * self.steps_per_epoch
+            until = by_epochs if until is None else min(until, by_epochs)
         object.__setattr__(self, "until", until)
-        object.__setattr__(self, "data_epochs", None if self.steps_per_epoch is not None
-                           else self.epochs)
+        object.__setattr__(self, "data_epochs",
+                           None if self.steps_per_epoch is not None else self.epochs)
         check_int(self.local_checkpoint_every, "local_checkpoint_every", 1)
         check_int(self.log_every, "log_every", 1, allow_none=False)
         timeout = self.step_timeout
@@ -124,36 +115,27 @@ class FitOptions:
             raise ValueError(f"eval_every={self.eval_every} needs eval_data=... to evaluate on.")
         data = self.eval_data
         if data is not None and isinstance(data, Iterable) and iter(data) is data:
-            raise ValueError(
-                "eval_data is an iterator, which can be read only once: pass a list of batches or "
-                "a function returning a fresh iterable."
-            )
+            raise ValueError("eval_data is an iterator, which can be read only once: pass a list "
+                             "of batches or a function returning a fresh iterable.")
         check_profile(self.profile_steps, self.profile_processes, self.log_dir)
         if self.on_preemption not in ("exit", "return"):
             raise ValueError(f"on_preemption={self.on_preemption!r} must be 'exit' or 'return'.")
         if self.on_non_finite.action == "rollback" and self.checkpoint_dir is None:
-            raise ValueError(
-                "on_non_finite='rollback' needs checkpoint_dir=... (it restores the last finite "
-                "checkpoint): pass one (with checkpoint_every=...), or use on_non_finite='skip' or "
-                "'stop'."
-            )
+            raise ValueError("on_non_finite='rollback' needs checkpoint_dir=... (it restores the "
+                             "last finite checkpoint): pass one (with checkpoint_every=...), or "
+                             "use on_non_finite='skip' or 'stop'.")
         self._check_local()
         if self.restore_step is not None and self.checkpoint_dir is None:
-            raise ValueError(
-                f"restore_step={self.restore_step} needs checkpoint_dir=... (the directory holding "
-                "that checkpoint)."
-            )
+            raise ValueError(f"restore_step={self.restore_step} needs checkpoint_dir=... (the "
+                             "directory holding that checkpoint).")
 
     def _check_local(self) -> None:
         """The local tier (`jaxdist.training.checkpoints.LocalCheckpointer`) comes with the
         persistent one."""
         local, every = self.local_checkpoint_dir, self.local_checkpoint_every
         if (local is None) != (every is None):
-            given = (
-                f"local_checkpoint_dir={local!r}"
-                if every is None
-                else f"local_checkpoint_every={every!r}"
-            )
+            given = (f"local_checkpoint_dir={local!r}" if every is None
+                     else f"local_checkpoint_every={every!r}")
             raise ValueError(f"{given} needs the other one: pass both local_checkpoint_dir=... "
                              "(each process's own directory, e.g. '/mnt/ssd/ckpt-{process}') and "
                              "local_checkpoint_every=N.")

@@ -1,53 +1,28 @@
 """Preemption: SIGTERM becomes a request to stop, on which every process of the job agrees.
 
 Schedulers (Kubernetes, SLURM, cloud spot VMs) send SIGTERM some seconds before they kill a job.
-Stopping in the middle of a step, or of a checkpoint write, would waste it; so the handler only
-records the request and the loop finishes the current step, saves, and stops. The previous handler
-is restored afterwards.
+The handler only records the request (stopping mid-step or mid-write would waste it): the loop
+finishes the current step, saves, and stops; the previous handler is restored afterwards. A
+callback's ``trainer.stop_training`` is a request to stop too, through the same agreement.
 
-One process: the loop stops after the step during which the signal came; nothing crosses processes.
+Several processes: usually ONE host gets the signal; were it to leave the loop alone, it would
+enter the collective save while its peers enter the next step's all-reduce: a deadlock. So at
+every check (one per step or on-device loop, in the same order on every process) each process adds
+its flag to a one-element max over the strategy's devices, dispatched like a step, and reads the
+result ``lag`` checks later, when the devices have long computed it; every process reads the same
+value at the same check, so all stop after the same step, at most ``lag + 1`` checks after the
+signal. One last (blocking) check at the end of the loop settles the signals that came since. When
+the devices are the bottleneck the read does wait (the host stays at most ``lag`` steps ahead): that
+wait is the devices finishing steps, handed to ``waited`` (``fit``: `FitClock.waited`).
 
-The watcher remembers which signal came (`PreemptionWatcher.cause`): ``fit`` says it in its last log
-line ("preempted by SIGTERM at step 102: saved step 102 to ckpt; run again to resume").
+The same agreement carries process 0's request to save on its clock (``should_stop(save=True)``,
+`PreemptionWatcher.save_agreed`) in the flag's lowest bit, below the reasons to stop (a stop saves
+anyway), so the max keeps what matters.
 
-A callback's ``trainer.stop_training`` is a request to stop too, and goes through the same
-agreement: a process that left the loop alone (one whose callback decided on a local clock, say)
-would deadlock its peers just the same. On one process it stops after the current step; on several,
-at most ``lag + 1`` steps later, on all.
-
-Several processes (a strategy whose devices span processes): usually ONE host gets the signal. Were
-it to leave the loop alone, it would enter the collective save while its peers enter the next step's
-all-reduce: a deadlock. So the processes agree on the step to stop after. At every check (``fit``
-makes one per step, or per on-device loop, in the same order on every process) each process adds its
-flag to a one-element max over the strategy's devices, dispatched like a step (asynchronously, after
-it); the result is read ``lag`` checks later, when the devices have long computed it, so the read
-does not wait; every process reads the same value at the same check, so all stop after the same
-step, at most ``lag + 1`` checks after the signal. At the end of the loop one last (blocking) check
-settles the signals that came since. Cost per check: one dispatch of a tiny compiled max and the
-read of a scalar already copied to the host.
-
-When the devices are the bottleneck, though, the read DOES wait: the max of check ``c - lag`` runs
-on the devices after the step of check ``c - lag``, so the host can never be more than ``lag`` steps
-ahead of the devices, and the read is where it waits for them (instead of the step's dispatch, where
-a single process waits once the dispatch queue is full). Measured (2 processes x 2 CPU devices, each
-step sleeping 20 ms in a host callback, 80 steps): 2.32 s of a 4.2 s fit in this read, which
-``History.time`` used to count as ``other`` (steps 0.3 s). That wait is the devices finishing steps:
-the watcher hands it to ``waited`` (``fit``: `FitClock.waited`, counted as ``steps``), timed with
-two clock reads per check, only when the processes agree.
-
-The same agreement carries a request to save (``should_stop(save=True)``;
-`PreemptionWatcher.save_agreed`): process 0 asks when its clock says a time-based checkpoint is due
-(``fit(checkpoint_every=timedelta(...))`` and the default cadence,
-`jaxdist.training.loop._cadence`), and every process saves after the same step. A request rides in
-the lowest bit of the flag, below the reasons to stop (a stop saves anyway), so the max keeps what
-matters.
-
-Why not JAX's own preemption sync point (``multihost_utils.reached_preemption_sync_point``)? Its
-step counter is shared: orbax's ``CheckpointManager`` calls it too, with checkpoint steps, from its
-background thread while an async save finishes. A counter overwritten there can place the agreed
-stop step behind one process, which then never reaches it while its peers stop and save: the same
-deadlock. It also hears SIGTERM only through the C handler that ``jax.distributed.initialize``
-installs, which any Python handler for SIGTERM replaces.
+Not JAX's ``multihost_utils.reached_preemption_sync_point``: orbax's ``CheckpointManager`` shares
+its step counter from a background thread (which can place the agreed step behind one process:
+the same deadlock), and it hears SIGTERM only through the C handler that any Python handler
+replaces.
 """
 
 from __future__ import annotations
@@ -108,16 +83,11 @@ class PreemptionWatcher:
             raise ValueError("signals=() catches nothing: pass e.g. (signal.SIGTERM,).")
         if not isinstance(lag, int) or isinstance(lag, bool) or lag < 1:
             raise ValueError(f"lag={lag!r} must be an int >= 1.")
-        self.signals = tuple(signals)
-        self.requested = False
+        self.signals, self.requested, self.installed = tuple(signals), False, False
         self.received: int | None = None  # the signal this process got (the first one)
-        # the last check agreed on a save (several processes: `should_stop(save=True)`)
-        self.save_agreed = False
-        self.installed = False
+        self.save_agreed = False  # the last check agreed on a save (`should_stop(save=True)`)
         self._previous: dict[int, Any] = {}
-        self._mesh = mesh
-        self._lag = lag
-        self._waited = waited
+        self._mesh, self._lag, self._waited = mesh, lag, waited
         self._agreement: _Agreement | None = None
         self._agreed = 0  # the agreed reasons to stop: _STOP_TRAINING | _SIGNAL
 
@@ -208,8 +178,7 @@ class PreemptionWatcher:
         else:
             if self._agreement is None:
                 self._agreement = _Agreement(self._mesh, self._lag, self._waited)
-            # the save request: the lowest bit
-            agreed = self._agreement.check(flag << 1 | bool(save), final)
+            agreed = self._agreement.check(flag << 1 | bool(save), final)  # save: the lowest bit
             self._agreed = agreed >> 1
             self.save_agreed = agreed == 1  # a save, and no reason to stop (which saves anyway)
         return bool(self._agreed)
@@ -226,30 +195,25 @@ class _Agreement:
 
     def __init__(self, mesh: Mesh, lag: int, waited: Callable[[float], None] | None = None):
         self._size = mesh.devices.size
-        # one flag per device
-        self._sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        self._sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))  # one a device
         self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
         self._flags: dict[int, jax.Array] = {}
         self._pending: collections.deque = collections.deque()
-        self._lag = lag
-        self._waited = waited
+        self._lag, self._waited = lag, waited
 
     def _flag(self, value: int) -> jax.Array:
         if value not in self._flags:  # built once per value: no transfer per check
             self._flags[value] = jax.make_array_from_callback(
-                (self._size,), self._sharding, lambda index: np.full((1,), value, np.int32)
-            )
+                (self._size,), self._sharding, lambda index: np.full((1,), value, np.int32))
         return self._flags[value]
 
     def check(self, flag: int, final: bool) -> int:
         agreed = self._max(self._flag(int(flag))).addressable_data(0)
         agreed.copy_to_host_async()
         self._pending.append(agreed)
-        stop = 0
-        start = perf_counter()
+        stop, start = 0, perf_counter()
         while self._pending and (final or len(self._pending) > self._lag):
-            # waits while the devices are behind
-            stop = max(stop, int(np.asarray(self._pending.popleft())))
+            stop = max(stop, int(np.asarray(self._pending.popleft())))  # waits if devices lag
         if self._waited is not None:
             self._waited(perf_counter() - start)
         return stop

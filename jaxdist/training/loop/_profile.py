@@ -15,14 +15,9 @@ own, named by process (``<run>`` = ``<time>_process<i>``): JAX names a trace's f
 run by the second it ended, so two processes on one host would overwrite each other's file.
 
 Every traced dispatch carries a step marker, as XProf finds steps
-(`jax.profiler.StepTraceAnnotation` ``"train"`` with ``step_num``, the step it runs; an on-device
-loop's marker is numbered by its first step and says its last in ``last_step``): a marker spans the
-loop's work from the end of one dispatch to the end of the next (the callbacks, the next batch, the
-dispatch). The markers are set between steps, where the loop checks the window anyway: no step
-outside the window pays for them.
-
-A window the fit never reaches (it ends before the window's first step: too few steps, or data that
-ended) is said when the fit returns: no trace is taken then.
+(`jax.profiler.StepTraceAnnotation` ``"train"`` with ``step_num``; an on-device loop's says its
+last step in ``last_step``), set between steps: no step outside the window pays for them. A window
+the fit never reaches is said when the fit returns.
 """
 
 from __future__ import annotations
@@ -58,22 +53,18 @@ def check_profile(steps: Any, processes: Any, log_dir: Any) -> None:
         return
     if (not isinstance(steps, (tuple, list)) or len(steps) != 2
             or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
-        or not 1 <= steps[0] < steps[1]):
-        raise ValueError(
-            f"profile_steps={steps!r} must be (start, stop), two ints with 1 <= start < stop: "
-            "steps start ... stop - 1 are traced (step n is the one after which trainer.step == n)."
-        )
+            or not 1 <= steps[0] < steps[1]):
+        raise ValueError(f"profile_steps={steps!r} must be (start, stop), two ints with 1 <= start "
+                         "< stop: steps start ... stop - 1 are traced (step n is the one after "
+                         "which trainer.step == n).")
     if log_dir is None:
         raise ValueError(f"profile_steps={tuple(steps)!r} needs log_dir=...: the trace is written "
                          "to <log_dir>/profile.")
     if processes == "all":
         return
     count = jax.process_count()
-    chosen = (
-        (processes,)
-        if isinstance(processes, int) and not isinstance(processes, bool)
-        else processes
-    )
+    one = isinstance(processes, int) and not isinstance(processes, bool)
+    chosen = (processes,) if one else processes
     if (not isinstance(chosen, (tuple, list, set, frozenset)) or not chosen
             or any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < count
                    for p in chosen)):
@@ -83,11 +74,8 @@ def check_profile(steps: Any, processes: Any, log_dir: Any) -> None:
 
 
 class StepProfile(Callback):
-    """The trace of one window of steps (see the module): a fit's callback, which checks between
-    steps.
-
-    Its ``on_step_end`` calls `check` when the step reaches `due` (one comparison per step
-    otherwise).
+    """The trace of one window of steps (see the module): a fit's callback, whose ``on_step_end``
+    calls `check` when the step reaches `due` (one comparison per step otherwise).
 
     Args:
         start, stop: the window: steps ``start ... stop - 1``.
@@ -100,19 +88,16 @@ class StepProfile(Callback):
     def __init__(self, start: int, stop: int, directory: str | os.PathLike,
                  run_length: Callable[[int], int], process: int | None = None):
         self.start, self.stop, self.directory = start, stop, os.fspath(directory)
-        self.run_length = run_length
-        self.process = process
+        self.run_length, self.process = run_length, process
         self.run: str | None = None  # the run's folder name, when named by process
-        self.tracing = False
-        self.done = False
+        self.tracing = self.done = False
         self.traced = False  # a trace was started (or the profiler was busy: said then)
         self.due = 0.0  # check at the first step (a resumed run may start inside the window)
         self.marker: Any = None  # the open step marker (a StepTraceAnnotation), while tracing
 
     @classmethod
-    def of(
-        cls, steps: Any, processes: Any, log_dir: Any, run_length: Callable[[int], int]
-    ) -> StepProfile | None:
+    def of(cls, steps: Any, processes: Any, log_dir: Any,
+           run_length: Callable[[int], int]) -> StepProfile | None:
         """The profile ``fit`` asked for on this process, or None."""
         if steps is None:
             return None
@@ -163,16 +148,14 @@ class StepProfile(Callback):
                 # a run of its own, named by process; its Perfetto file written here (JAX's
                 # picks the newest run)
                 options = jax.profiler.ProfileOptions()
-                options.session_id = self.run = (
-                    f"{time.strftime('%Y_%m_%d_%H_%M_%S')}_process{self.process}"
-                )
+                stamp = time.strftime("%Y_%m_%d_%H_%M_%S")
+                options.session_id = self.run = f"{stamp}_process{self.process}"
                 jax.profiler.start_trace(self.directory, profiler_options=options)
         except RuntimeError as error:
             # another trace is running (the user's): theirs goes on, none here
             warnings.warn(f"profile_steps=({self.start}, {self.stop}): no trace taken, the "
-                          "profiler is busy "
-                          f"({type(error).__name__}: another trace is running)", RuntimeWarning,
-                          stacklevel=3)
+                          f"profiler is busy ({type(error).__name__}: another trace is running)",
+                          RuntimeWarning, stacklevel=3)
             self.done, self.due, self.traced = True, NEVER, True
             return
         self.tracing, self.traced = True, True
@@ -203,9 +186,8 @@ class StepProfile(Callback):
         warnings.warn(
             f"profile_steps=({self.start}, {self.stop}): no trace taken: this fit ended at step "
             f"{step}, before the window's first step {self.start}. Pass a window within the steps "
-            "the fit runs (e.g. "
-            f"profile_steps=({max(1, step - 1)}, {step + 1})), or more steps.", UserWarning,
-            stacklevel=3)
+            f"the fit runs (e.g. profile_steps=({max(1, step - 1)}, {step + 1})), or more steps.",
+            UserWarning, stacklevel=3)
 
     def close(self, last: Any = None) -> None:
         """Stop the trace (once the devices have finished ``last``), if one is running; the window

@@ -1,8 +1,6 @@
-"""``Trainer.fit`` up to its loop: the arguments checked (and, with several processes, agreed), the
-checkpoint directory claimed, the state restored (``restore_step``, a resume) or built from the
-first batch, the features the options switch on made callbacks (`features`), the writers and the
-stream set up; then the loop (`jaxdist.training.loop._fit.FitLoop`), which drives the `LiveState`
-directly.
+"""``Trainer.fit`` up to its loop: the arguments checked (and agreed across processes), the
+checkpoint directory claimed, the state restored or built, the callbacks and stream set up; then
+the loop (`jaxdist.training.loop._fit.FitLoop`).
 """
 
 from __future__ import annotations
@@ -41,29 +39,20 @@ __all__ = ["features", "fit"]
 
 def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = None,
         cost: CostOptions | None = None, settings: Mapping[str, Any] | None = None) -> History:
-    """``Trainer.fit`` (see it for what it returns and raises) on ``live``, as ``options`` say.
-
-    Args:
-        live: the trainer's `LiveState`.
-        train_data: ``fit``'s training data.
-        options: ``fit``'s keyword arguments (`FitOptions`).
-        owner: what the callbacks receive as their ``trainer`` (the `Trainer`).
-        cost: the trainer's `CostOptions` (what a step costs: `StepCost`).
-        settings: the trainer's settings for the run's configuration (``on_config``: `run_config`).
-    """
+    """``Trainer.fit`` (see it for what it returns and raises) on ``live``, as ``options`` say;
+    ``owner`` is what the callbacks receive as their ``trainer``, ``cost`` the trainer's
+    `CostOptions`, ``settings`` its settings for the run's configuration (`run_config`)."""
     clock = FitClock()  # first: building the state, the restore and the setup count in History.time
     if options.steps is None and options.epochs is None:
         if options.steps_per_epoch is not None:
-            raise ValueError(
-                f"steps_per_epoch={options.steps_per_epoch} needs epochs=N (N epochs "
-                f"of {options.steps_per_epoch} steps) or steps=N (train until step N)."
-            )
+            spe = options.steps_per_epoch
+            raise ValueError(f"steps_per_epoch={spe} needs epochs=N (N epochs of {spe} steps) or "
+                             "steps=N (train until step N).")
         raise ValueError("fit needs steps=N (train until step N) or epochs=N (N passes over "
                          "train_data).")
     checkpoint_dir = options.checkpoint_dir
     if checkpoint_dir is not None:  # storage trouble before any step, not at the first save
         check_directory(checkpoint_dir, "checkpoint_dir", create=jax.process_index() == 0)
-    # the first batch, checked, for the state
     stream = BatchStream(train_data, None, options.data_epochs, live.batches)
     sample = None
     if live.state is None or live.unchecked is not None:
@@ -80,13 +69,8 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
     # a process that fails ends the job, saying why
     with failing(mesh, lambda: live.step, newest, checkpoint_dir):
         agree_on_fit(mesh, agreed, checkpoint_dir)  # before anything collective
-        ckpt = (
-            None
-            if checkpoint_dir is None
-            else Checkpointer(
-                checkpoint_dir, options.keep_checkpoints, async_save=options.async_checkpoints
-            )
-        )
+        ckpt = None if checkpoint_dir is None else Checkpointer(
+            checkpoint_dir, options.keep_checkpoints, async_save=options.async_checkpoints)
         local = None if options.local_checkpoint_dir is None else LocalCheckpointer(
             options.local_checkpoint_dir, persistent=checkpoint_dir)
         try:
@@ -98,19 +82,18 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
             if live.position_unknown and not isinstance(train_data, Iterator):
                 _say_start(live)
             history = History()
-            config = run_config(settings or {}, live, {name: getattr(options, name)
-                                                       for name in _CONFIG}
-                                | {"on_non_finite": options.on_non_finite.action})
+            chosen = {name: getattr(options, name) for name in _CONFIG}
+            config = run_config(settings or {}, live,
+                                chosen | {"on_non_finite": options.on_non_finite.action})
             display, writers = _writers(live, options, checkpoint_dir if resumed else None, stream)
             callbacks = [*features(options, history, spans_processes(mesh.devices.flat)), *display,
                          *options.callbacks, *writers]
             feed = live.feed if options.steps_per_run == 1 else live.loop_feed
-            # a step that skips on the devices
-            live.steps.skip_non_finite = options.on_non_finite.action == "skip"
+            live.steps.skip_non_finite = options.on_non_finite.action == "skip"  # on the devices
             loop = FitLoop(live, BatchStream(stream.data, live.position, options.data_epochs, feed),
-                           options,
-                           callbacks=callbacks, owner=owner, checkpointer=ckpt, clock=clock,
-                           reached=reached, config=config, cost=cost, history=history, local=local)
+                           options, callbacks=callbacks, owner=owner, checkpointer=ckpt,
+                           clock=clock, reached=reached, config=config, cost=cost,
+                           history=history, local=local)
             history = loop.run()
         finally:
             live.steps.skip_non_finite = False
@@ -120,9 +103,8 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
                 ckpt.close()
     # said on every process (each one's data ended at the same batch)
     if history.data_ended is not None:
-        target = (
-            f"steps={options.steps}" if options.until == options.steps else f"{options.until} steps"
-        )
+        target = (f"steps={options.steps}" if options.until == options.steps
+                  else f"{options.until} steps")
         warnings.warn(
             f"fit: train_data ended at step {history.data_ended} of {target}: the run stopped "
             f"there (history.data_ended == {history.data_ended}). An iterator is read once: pass a "
@@ -135,10 +117,9 @@ def fit(live: LiveState, train_data: Any, options: FitOptions, *, owner: Any = N
 
 
 def features(options: FitOptions, history: History, spans: bool) -> list[Callback]:
-    """The operations features ``options`` switch on, as the callbacks that run them (called before
-    any other): the watchdog (``step_timeout``: `Watchdog`), the profile (``profile_steps``:
-    `StepProfile`) and the slow hosts' check (``straggler_ratio``; its figures,
-    ``history.processes``, are kept either way: `HostTimes`)."""
+    """The callbacks that run the operations features ``options`` switch on (called before any
+    other): `Watchdog` (``step_timeout``), `StepProfile` (``profile_steps``) and `HostTimes`
+    (``straggler_ratio``; it keeps ``history.processes`` either way)."""
     out: list[Callback] = []
     if options.step_timeout is not None:
         out.append(Watchdog(options.step_timeout))
@@ -156,32 +137,27 @@ _AGREED = ("steps", "epochs", "steps_per_epoch", "checkpoint_every", "eval_every
 checkpoint directory and the non-finite policy's action."""
 
 _CONFIG = ("steps", "epochs", "steps_per_epoch", "log_every", "eval_every", "checkpoint_every",
-           "keep_checkpoints",
-           "async_checkpoints", "checkpoint_dir", "restore_step", "step_timeout", "profile_steps")
+           "keep_checkpoints", "async_checkpoints", "checkpoint_dir", "restore_step",
+           "step_timeout", "profile_steps")
 """The options the run's configuration keeps (`run_config`)."""
 
 
 def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | None, sample: Any,
              checkpoint_dir: Any, local: LocalCheckpointer | None = None) -> tuple[bool, int]:
     """Claim the directory, then go back to ``restore_step`` or resume from its latest checkpoint
-    when it is ahead of ``live``; whether the run resumed from a checkpoint, and the step the runs
-    before it reached there (`FitOptions.reached`: the progress record of the last one, a crash
-    after its last checkpoint, or the newest checkpoint, which ``restore_step`` goes back from; 0
-    for a new directory)."""
+    when it is ahead of ``live``; whether the run resumed, and the step the runs before it reached
+    there (their progress record or newest checkpoint; 0 for a new directory)."""
     if ckpt is None:
         live.loaded = False
         return False, 0
     ckpt.claim()  # one writer per directory: a second live run is refused here, before any step
-    # another writer's checkpoints: the orbax that reads them, never written over
-    ckpt.check_writer()
+    ckpt.check_writer()  # another writer's checkpoints: never written over
     latest = ckpt.latest_step() or 0
     reached = max(latest, read_progress(ckpt.directory))
     resumed = restore_step is not None or latest > live.step
-    # the local tier first (every process, collectively): its newest step the survivors assemble,
-    # when not older
-    from_local = (
-        local is not None and restore_step is None and _restore_local(live, local, latest, sample)
-    )
+    # the local tier first (every process, collectively), when its newest step is not older
+    from_local = (local is not None and restore_step is None
+                  and _restore_local(live, local, latest, sample))
     if from_local:
         resumed, reached = True, max(reached, live.step)
     elif restore_step is not None:
@@ -192,8 +168,7 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
                 f"fit resumes from checkpoint {latest} of checkpoint_dir={str(checkpoint_dir)!r}, "
                 f"which replaces the state load_state gave (step {live.step}); to train on from "
                 "that state, pass a checkpoint_dir without later checkpoints (or restore_step= to "
-                "choose one).",
-                UserWarning, stacklevel=4)
+                "choose one).", UserWarning, stacklevel=4)
         restore_live(live, ckpt, None, sample, "restore_step")
     if resumed and not from_local:  # the position counts batches: another batch size moves it
         say_batch_change(ckpt.meta(live.step), global_rows(live.batches.signature), live.position)
@@ -202,8 +177,7 @@ def _restore(live: LiveState, ckpt: Checkpointer | None, restore_step: int | Non
 
 
 def _restore_local(live: LiveState, local: LocalCheckpointer, latest: int, sample: Any) -> bool:
-    """Whether the local tier restored ``live`` (`restore_live_local`; the target built as a
-    resume's is)."""
+    """Whether the local tier restored ``live`` (`restore_live_local`)."""
     if live.state is None and sample is None:
         return False
     target = live.state if live.state is not None else with_ema(live.target(sample), live.ema_decay)
@@ -214,16 +188,14 @@ def _restore_local(live: LiveState, local: LocalCheckpointer, latest: int, sampl
 
 def _writers(live: LiveState, options: FitOptions, resumed_from: Any,
              stream: BatchStream) -> tuple[list, list]:
-    """The progress display and the log writers ``verbose`` and ``log_dir`` ask for (on the chief,
-    process 0, which alone shows and writes logs): the display goes before the user's callbacks, the
-    writers after."""
+    """The progress display and the log writers ``verbose`` and ``log_dir`` ask for (on process 0
+    only): the display goes before the user's callbacks, the writers after."""
     writer, verbose, log_dir = live.strategy.should_save_summary, options.verbose, options.log_dir
     display, writers = [], []
     if verbose and writer:  # 1 / True: "auto"; 2: "auto" with the step's whole cost line
-        display.append(Progress(_total(live, options, stream), "auto" if verbose in (True, 1, 2)
-                                else verbose,
-                                details=verbose == 2, resumed_from=resumed_from,
-                                epochs=options.epochs,
+        mode = "auto" if verbose in (True, 1, 2) else verbose
+        display.append(Progress(_total(live, options, stream), mode, details=verbose == 2,
+                                resumed_from=resumed_from, epochs=options.epochs,
                                 show_epochs=options.counts_epochs,
                                 checkpoint_dir=options.checkpoint_dir,
                                 cadence=options.cadence.describe(),
@@ -234,11 +206,9 @@ def _writers(live: LiveState, options: FitOptions, resumed_from: Any,
 
 
 def _total(live: LiveState, options: FitOptions, stream: BatchStream) -> int | None:
-    """The step the run trains to, where it is known before it starts: ``steps`` (or ``epochs`` x
-    ``steps_per_epoch``), or ``epochs`` passes over data of a known length (a list), from the data
-    position."""
-    total = options.until
-    length = stream.length
+    """The step the run trains to, where it is known before it starts: ``until``, or ``epochs``
+    passes over data of a known length (a list) from the data position."""
+    total, length = options.until, stream.length
     if options.data_epochs is not None and length:
         position = live.position
         by_epochs = live.step + (options.data_epochs - position.epoch) * length - position.index
@@ -257,7 +227,4 @@ def _say_start(live: LiveState) -> None:
         f"jd.training.DataPosition(epoch=0, index={live.step}) before fit to skip them; if it "
         "starts with the batches that come next, set trainer.data_position = "
         "jd.training.DataPosition() to say so. Either silences this; an iterator is read on from "
-        "where it is.",
-        UserWarning,
-        stacklevel=4,
-    )
+        "where it is.", UserWarning, stacklevel=4)

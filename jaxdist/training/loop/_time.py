@@ -1,37 +1,23 @@
 """Where a fit's time went: its wall time split into steps, compile, input, checkpoint, evaluation,
 lost and other.
 
-The loop is asynchronous (it dispatches steps and goes on while the devices run them), so the split
-is of the HOST's time, measured with ``time.perf_counter`` around what the loop does anyway, never
-with a read from the devices: reading the next batch (``input``), calling the step (``steps``: its
-dispatch, and a full dispatch queue that makes the host wait for the devices), waiting for a log
-window's values or for the state before a checkpoint (``steps`` too: that is the devices finishing
-steps), writing and reading checkpoints (``checkpoint``) and evaluating (``evaluation``).
-``compile`` is what JAX itself reports through `jax.monitoring` (tracing, lowering and compiling, on
-the fit's thread, from the moment the clock is made: ``Trainer.fit`` makes it first, so building the
-state counts too), taken out of the part it happened in. ``lost`` is step time thrown away or spent
-again: a rollback (``on_non_finite="rollback"``) moves the time of the steps since the checkpoint it
-restores from ``steps`` to ``lost``, and so does a fit that resumes behind the step an earlier run
-reached (``lose_redone``: a crash after the last checkpoint, or ``restore_step``), for the steps up
-to that step. ``other`` is the remainder (callbacks, the loop itself, the setup before the first
-step), so that the parts add up to the wall time exactly.
-
-Several processes: the preemption agreement's read (`jaxdist.training.loop._preemption`) is where
-the host waits for the devices once it is two steps ahead of them (instead of the dispatch): that
-wait is ``waited`` (``steps``) too. ``other`` keeps the loop's own cost: setting up (the processes
-agree on the fit), the agreement's dispatch (about 0.5 ms per step on 2 CPU processes) and the
-loop's bookkeeping, the end.
-
-Per step this costs three ``perf_counter`` calls and a few attribute writes. JAX reports compiles to
-one listener, registered once per process, which hands them to the clock of the thread's fit (if
-any).
+The loop is asynchronous, so the split is of the HOST's time, measured with ``time.perf_counter``
+around what the loop does anyway, never with a read from the devices: reading the next batch
+(``input``), calling the step (``steps``: its dispatch, and a full dispatch queue), waiting for a
+log window's values, the state before a checkpoint or the preemption agreement's read (``waited``,
+counted as ``steps``: the devices finishing steps), writing and reading checkpoints
+(``checkpoint``) and evaluating (``evaluation``). ``compile`` is what JAX reports through
+`jax.monitoring` on the fit's thread from the moment the clock is made, taken out of the part it
+happened in. ``lost`` is step time thrown away or spent again: by a rollback, since the checkpoint
+it restores, and by a fit that resumes behind the step an earlier run reached (``lose_redone``).
+``other`` is the remainder (callbacks, the loop itself, the setup), so that the parts add up to the
+wall time exactly. Per step this costs three ``perf_counter`` calls and a few attribute writes.
 
 Example:
     >>> import jax, jax.numpy as jnp
     >>> clock = FitClock()
     >>> with clock.timing("evaluation"):
-    ...     # compiles: counted as compile, not evaluation
-    ...     _ = jax.jit(lambda x: x + 1)(jnp.ones(3))
+    ...     _ = jax.jit(lambda x: x + 1)(jnp.ones(3))  # compile time, not evaluation
     >>> clock.close()
     >>> now = perf_counter()
     >>> seconds = clock.totals(now)  # the parts of the wall time up to now: they add up to it
@@ -78,8 +64,7 @@ def _heard(event: str, start: float, end: float, **_: object) -> None:
 
 def _listen() -> None:
     with _listening:
-        # once per process: the listener stays (it costs nothing but at a compile)
-        if not _LISTENER:
+        if not _LISTENER:  # once per process: it costs nothing but at a compile
             jax.monitoring.register_event_time_span_listener(_heard)
             _LISTENER.append(_heard)
 
@@ -87,13 +72,10 @@ def _listen() -> None:
 class FitClock:
     """The host time of one fit, by part (see the module).
 
-    The loop writes ``phase`` (what the fit's thread is doing: ``"input"``, ``"steps"``, ...,
-    ``"other"``) and adds to ``input`` and ``steps`` itself around each batch and step (the cheapest
-    way, per step); the rarer parts use `timing`. A compile span that JAX reports while in a phase
-    is moved from that phase to ``compile``.
-
-    The clock hears JAX's compiles on its thread from when it is made until `close` (or until
-    another clock is made on the thread, or this one is dropped).
+    The loop writes ``phase`` (what the fit's thread is doing) and adds to ``input`` and ``steps``
+    itself around each batch and step (the cheapest way, per step); the rarer parts use `timing`. A
+    compile span JAX reports on the clock's thread (from when it is made until `close`) is moved
+    from its phase to ``compile``.
 
     Args:
         started: ``time.perf_counter()`` when the fit began (default: now).
@@ -112,8 +94,7 @@ class FitClock:
         self.compiled: dict[str, float] = {}  # compile seconds by the phase they happened in
         self._spans: list[tuple[float, float]] = []
         self._thread = threading.get_ident()
-        # checkpoint step -> step seconds when its state was saved
-        self._marks: dict[int, float] = {}
+        self._marks: dict[int, float] = {}  # checkpoint step -> step seconds when it was saved
         self._restored = 0.0  # step seconds at the last loss (what came before is counted already)
         self.open()
 
@@ -136,8 +117,8 @@ class FitClock:
         # reported first: the enclosing span replaces it.
         inner = [span for span in self._spans if start <= span[0] and span[1] <= end]
         seconds = (end - start) - sum(e - s for s, e in inner)
-        self._spans = [*[span for span in self._spans if span not in inner][-_NESTED:],
-                       (start, end)]
+        kept = [span for span in self._spans if span not in inner][-_NESTED:]
+        self._spans = [*kept, (start, end)]
         self.compiled[self.phase] = self.compiled.get(self.phase, 0.0) + seconds
 
     @contextlib.contextmanager
@@ -161,28 +142,21 @@ class FitClock:
             self.seconds[self.phase] -= seconds
 
     def waited(self, seconds: float) -> None:
-        """The fit's thread waited ``seconds`` for the devices to finish steps (a log window's
-        values)."""
+        """The fit's thread waited ``seconds`` for the devices to finish steps."""
         self.add("waited", seconds)
 
     def _stepped(self) -> float:
-        """Seconds of steps so far (compiles out, waits for the devices in), those later lost
-        included."""
+        """Seconds of steps so far (compiles out, waits for the devices in), later lost included."""
         compiled = self.compiled
-        return (
-            self.steps
-            - compiled.get("steps", 0.0)
-            + self.seconds["waited"]
-            - compiled.get("waited", 0.0)
-        )
+        return (self.steps - compiled.get("steps", 0.0)
+                + self.seconds["waited"] - compiled.get("waited", 0.0))
 
     def saved(self, step: int) -> None:
         """A checkpoint of ``step`` holds the state of the steps measured so far."""
         self._marks[step] = self._stepped()
 
     def rolled_back(self, step: int) -> float:
-        """The state went back to checkpoint ``step``: the steps since then are lost; their
-        seconds."""
+        """The state went back to checkpoint ``step``: the seconds of the steps since, lost."""
         return self._lose(self._marks.get(step, 0.0))  # 0: a checkpoint from before this fit
 
     def lose_redone(self) -> float:
@@ -205,8 +179,7 @@ class FitClock:
         return (perf_counter() if now is None else now) - self.started
 
     def gross(self) -> dict[str, float]:
-        """Every part's seconds so far but ``other``; ``steps`` includes the steps later lost
-        (``lost``)."""
+        """Every part's seconds so far but ``other``; ``steps`` includes those later ``lost``."""
         compiled = self.compiled
         return {
             "steps": self._stepped(),
@@ -218,8 +191,7 @@ class FitClock:
         }
 
     def totals(self, now: float | None = None) -> dict[str, float]:
-        """`History.time`: the parts of the wall time since the fit began (`KEYS`; they add up to
-        it)."""
+        """`History.time`: the parts of the wall time since the fit began (`KEYS`, adding up)."""
         parts = self.gross()
         parts["steps"] = max(parts["steps"] - parts["lost"], 0.0)
         wall = self.wall(now)

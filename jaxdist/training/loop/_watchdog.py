@@ -2,40 +2,29 @@
 non-zero.
 
 A peer that is alive but stuck (a hung callback, a dead-locked input pipeline, a collective waiting
-for a process that went elsewhere) passes every heartbeat, so the coordination service never fails
-the job: the others wait in their next collective forever. A watchdog thread turns that into an exit
-a scheduler can act on: when no step finishes within ``timeout`` seconds (the first step, which
-compiles, gets ``first_timeout``), it writes ``no step finished in S s after step N (step_timeout=S
-s): a peer may be stuck or dead ...; stacks follow`` and every thread's Python stack
-(`faulthandler`) to stderr and ends the process with exit code ``exit_code`` (124, as
-``timeout(1)``), so SLURM / Kubernetes restart the job, which resumes from the last complete
-checkpoint (checkpoints are written atomically: an exit mid-write leaves the previous one intact).
+for a process that went elsewhere) passes every heartbeat, so the others wait in their next
+collective forever. A watchdog thread turns that into an exit a scheduler can act on: when no step
+finishes within ``timeout`` seconds (the first, which compiles, gets ``first_timeout``), it writes
+why and every thread's Python stack (`faulthandler`) to stderr and exits with ``exit_code`` (124,
+as ``timeout(1)``), so SLURM / Kubernetes restart the job from the last complete checkpoint.
 
-Every process runs its own watchdog: the stuck process trips because its loop stops, its peers
-because they block in the next collective, each ``timeout`` seconds after its own last step. Process
-0 hosts the job's coordination service, whose end kills every peer at once (JAX's "another task
-died"): when it trips it waits ``min(timeout, 10)`` seconds more before exiting, so the others'
-watchdogs write their own stacks first.
+Every process runs its own watchdog, each tripping ``timeout`` seconds after its own last step.
+Process 0 hosts the job's coordination service, whose end kills every peer at once: it waits
+``min(timeout, 10)`` seconds more before exiting, so the others write their own stacks first.
 
-The watchdog's thread is Python: it runs only when it gets the interpreter lock, which a main thread
-inside a C call may keep (an extension that never releases it). So a `Backstop` (`faulthandler` and
-a C timer, which need no lock) is armed ``slack`` seconds (``min(timeout / 2, 10)``) past the
-deadline: behind such a call every thread's stack is written between ``slack / 2`` and ``slack``
-seconds late, under faulthandler's ``Timeout (H:MM:SS)!`` line, which the watchdog's reason precedes
-(``python3: [jaxdist watchdog] no step finished in S s after step N (step_timeout=...) ...``), and
-the process exits with ``exit_code`` ``min(slack, 1)`` seconds after (Linux; elsewhere faulthandler
-exits with status 1, without the reason). The backstop follows the deadline from the first step on:
-the first step's end arms it (once, on the steps' thread: about 80 us), and the watchdog's own
-thread re-arms it (about every ``slack / 2`` seconds while steps finish): the other steps pay
-nothing for it. In a ``pytest`` run, or wherever `faulthandler`'s timer serves something else, note
-that a process has one: the watchdog takes it while it watches.
+The watchdog's thread runs only when it gets the interpreter lock, which a main thread inside a C
+call may keep. So a `Backstop` (`faulthandler` and a C timer, which need no lock) is armed
+``slack`` seconds (``min(timeout / 2, 10)``) past the deadline: behind such a call the stacks come
+``slack / 2`` to ``slack`` seconds late, after the watchdog's reason, and the process exits
+``min(slack, 1)`` seconds after (Linux; elsewhere faulthandler exits with status 1, without the
+reason). The first step's end arms it, the watchdog's thread re-arms it: the other steps pay
+nothing. A process has one `faulthandler` timer (pytest's too): the watchdog takes it while it
+watches.
 
-A `Watchdog` is a `Callback`: ``Trainer.fit(..., step_timeout=S)`` adds one (or pass your own in
-``callbacks``), which watches from ``on_train_begin`` to the end of ``fit``, hears each step end
-(``on_step_end``) and does not watch evaluations and checkpoint writes (``on_pause`` to
-``on_resume``: they take longer than a step). Default: off, because only the user knows how long a
-step may take (a step of a large model on a busy host can take minutes), and a watchdog that trips
-on a slow but healthy step kills a good run; set it to a few times your slowest step.
+``Trainer.fit(..., step_timeout=S)`` adds one as a callback, which does not watch evaluations and
+checkpoint writes (``on_pause`` to ``on_resume``). Off by default: only the user knows how long a
+step may take, and a watchdog that trips on a slow but healthy step kills a good run; set it to a
+few times your slowest step.
 """
 
 from __future__ import annotations
@@ -91,15 +80,9 @@ class Watchdog(Callback):
         'no step finished in 0.2 s after step 3 (step_timeout=0.2 s)'
     """
 
-    def __init__(
-        self,
-        timeout: float,
-        *,
-        first_timeout: float | None = None,
-        exit_code: int = 124,
-        on_trip: Callable[[str], Any] | None = None,
-        step: Callable[[], int] | None = None,
-    ):
+    def __init__(self, timeout: float, *, first_timeout: float | None = None, exit_code: int = 124,
+                 on_trip: Callable[[str], Any] | None = None,
+                 step: Callable[[], int] | None = None):
         for name, value in (("timeout", timeout), ("first_timeout", first_timeout)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or value <= 0):
@@ -108,23 +91,19 @@ class Watchdog(Callback):
             raise ValueError(f"exit_code={exit_code!r} must be a non-zero int: the scheduler must "
                              "see a failure.")
         self.timeout = float(timeout)
-        self.first_timeout = (
-            float(first_timeout) if first_timeout is not None else max(10 * self.timeout, 600.0)
-        )
-        self.exit_code = exit_code
-        self.on_trip = on_trip
+        self.first_timeout = (float(first_timeout) if first_timeout is not None
+                              else max(10 * self.timeout, 600.0))
+        self.exit_code, self.on_trip = exit_code, on_trip
         self._step = self._given_step = step
-        self.steps = 0
+        self.steps = self._paused = 0
         self._deadline = 0.0
-        self._paused = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.tripped: str | None = None
         self.slack = min(self.timeout / 2, 10.0)
         self._backstop: Backstop | None = None
-        # taken before _lock: the backstop follows the pauses exactly
-        self._arming = threading.Lock()
+        self._arming = threading.Lock()  # taken before _lock: the backstop follows the pauses
 
     def start(self) -> Watchdog:
         """Start watching (the first step's allowance starts now)."""
@@ -223,8 +202,8 @@ class Watchdog(Callback):
     def _last_delay(self) -> float:
         """Process 0 of a job hosts its coordination service, whose end kills every peer: it exits
         last."""
-        return min(self.timeout,
-                   10.0) if jax.process_count() > 1 and jax.process_index() == 0 else 0.0
+        last = jax.process_count() > 1 and jax.process_index() == 0
+        return min(self.timeout, 10.0) if last else 0.0
 
     def _rearm(self) -> None:
         """Arm the backstop ``slack`` past the deadline when it is armed less than ``slack / 2``
@@ -237,8 +216,7 @@ class Watchdog(Callback):
         armed = self._backstop.armed
         if paused:
             self._backstop.cancel()
-        elif armed is None or not self.slack / 2 <= armed - deadline <= self.slack:
-            # too early, or too late
+        elif armed is None or not self.slack / 2 <= armed - deadline <= self.slack:  # early, late
             self._backstop.arm(deadline + self.slack, self._reason(steps, backstop=True))
 
     def _watch(self) -> None:
@@ -279,8 +257,7 @@ class Watchdog(Callback):
                 "the last complete checkpoint.")
 
     def _trip(self) -> None:
-        message = self._reason(self.steps)
-        self.tripped = message
+        message = self.tripped = self._reason(self.steps)
         # this thread does the rest: the backstop must not end the process meanwhile
         with self._arming:
             if self._backstop is not None:
