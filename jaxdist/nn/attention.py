@@ -3,7 +3,7 @@ balancing.
 
 A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``)
 splits a batch's sequence dimension over them. Attention is the one layer where a token needs every
-other token: `dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two
+other token: inside ``strategy.jit``, `dot_product_attention` computes it on the split sequence two
 ways:
 
 * ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the
@@ -33,11 +33,8 @@ same function computes plain attention with the same formula, so a model equals 
 device.
 
 Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the
-all-gather's blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with
-``implementation="cudnn"``; 8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is
-`jax.nn.dot_product_attention`'s XLA kernel; the einsums above run everywhere and are the ring's
-kernel: a ring step's partial result is combined through its softmax statistics, whose gradient the
-fused kernels do not give. The kernel runs in a named scope (`jaxdist.costs.scopes`), so
+all-gather run cuDNN's fused flash attention (8x the XLA-compiled einsums' FLOP/s on an H100); the
+ring always runs the einsums. The kernel runs in a named scope (`jaxdist.costs.scopes`), so
 `jaxdist.Plan.attention` reports what a compiled step runs.
 
 Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by
@@ -131,19 +128,16 @@ def dot_product_attention(
         load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every
             context device does the same work (two collective permutes each way; the output comes
             back in the original order).
-        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused
-            flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16,
-            head_dim a multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA
-            implementation), ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra
-            ``jaxdist[tokamax]`` is installed) or ``"einsum"`` (jaxdist's blockwise online softmax).
-            None: where a fused kernel serves the case (no dropout, no sown weights, no
-            ``precision``, not ``context="ring"``), cuDNN on an NVIDIA GPU (float16/bfloat16) and
-            tokamax on a TPU where it is installed; the einsums elsewhere. With
-            ``context="all_gather"`` a fused kernel computes the local queries against the gathered
-            keys in one call (its mask, ``(local q, L)``, built from token positions); ring steps
-            need each block's softmax statistics with their gradient, which the fused kernels do not
-            give (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under
-            cuDNN): the ring runs the einsums. The choice shows in `jaxdist.Plan.attention`.
+        implementation: what computes each block, one of `IMPLEMENTATIONS` (``"cudnn"``: NVIDIA
+            GPUs, float16/bfloat16, head_dim a multiple of 8 up to 128). None: where a fused kernel
+            serves the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``),
+            cuDNN on an NVIDIA GPU (float16/bfloat16) and tokamax on a TPU where it is installed;
+            the einsums elsewhere. With ``context="all_gather"`` a fused kernel computes the local
+            queries against the gathered keys in one call (its ``(local q, L)`` mask built from
+            token positions); the ring runs the einsums: it needs each block's softmax statistics
+            with their gradient, which the fused kernels do not give (the ``return_residual`` of
+            `jax.nn.dot_product_attention` has none under cuDNN). The choice shows in
+            `jaxdist.Plan.attention`.
         dropout_rng: Flax's attention dropout key (plain attention only: on a context axis, pass
             ``deterministic=True`` or ``dropout_rate=0``).
         dropout_rate: Flax's attention dropout rate (plain attention only).
@@ -222,13 +216,9 @@ def dot_product_attention(
             "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by "
             "jd.nn.dot_product_attention: leave them unset (Flax's default)."
         )
-    # the softmax is in float32 already; inputs are promoted below
-    del force_fp32_for_softmax, promote_dtype
-    if dtype is not None:
-        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    else:
-        dtype = jnp.result_type(query, key, value)
-        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    del force_fp32_for_softmax, promote_dtype  # the softmax is in float32 already
+    dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     dropout = dropout_rate > 0.0 and not deterministic
 
     policy = _context_policy()
@@ -236,8 +226,7 @@ def dot_product_attention(
     split = policy is not None and context is not None
     impl = _implementation(implementation, query, key, dropout or module is not None, precision,
                            ring, split)
-    # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
-    with jax.named_scope(ATTENTION_SCOPE + impl):
+    with jax.named_scope(ATTENTION_SCOPE + impl):  # Plan.attention reads it from the program
         if policy is None or context is None:
             return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
                           (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None,
@@ -318,10 +307,9 @@ def _implementation(implementation: str | None, query: jax.Array, key: jax.Array
 
 
 def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
-    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by
-    `jax.nn.dot_product_attention`'s ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool
-    (or None) where a query may attend, ``causal`` the kernel's own (top-left aligned) causal mask.
-    A query that may attend to nothing gets zeros (the kernels would average every value)."""
+    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by the fused
+    ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool (or None) where a query may
+    attend, ``causal`` the kernel's own (top-left aligned) causal mask."""
     lq, lk = q.shape[1], k.shape[1]
 
     def full(x):  # the kernels take masks/biases of (batch or 1, heads or 1, lq, lk)
@@ -362,8 +350,7 @@ def _context_policy() -> Any | None:
 
 
 def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
-    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for
-    all."""
+    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None."""
     vis = None
     if causal:
         vis = (q_pos[:, None] >= k_pos[None, :])[None, None]
@@ -376,13 +363,9 @@ def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
 
 
 def _block(carry, q, k, v, vis, bias, precision):
-    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of
-    ``q``.
-
-    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h,
-    q)`` running sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does
-    not depend on it.
-    """
+    """One online-softmax step: fold ``k``, ``v`` into the running ``(o, m, total)`` of ``q``:
+    ``o`` ``(b, q, h, d)`` unnormalised output, ``m`` ``(b, h, q)`` running max (no gradient: the
+    result does not depend on it), ``total`` ``(b, h, q)`` running sum, all float32 or wider."""
     o, m, total = carry
     acc = o.dtype
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
@@ -419,8 +402,7 @@ def _finish(carry, dtype):
 
 
 def _as4(x: Any) -> Any:
-    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1
-    added)."""
+    """A mask or bias as rank 4 ``(batch, heads, q, k)``: leading dimensions of size 1 added."""
     if x is None:
         return None
     x = jnp.asarray(x)
@@ -444,27 +426,23 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
         if x is None:
             return None
         x = jnp.asarray(x)
-        x = (x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape)
-             if x.ndim < len(batch_shape) + 3 else x)
-        x = jnp.broadcast_to(x,
-                             (*batch_shape,
-                              *x.shape[len(batch_shape):])) if batch_shape else x[None]
+        x = x.reshape((1,) * max(0, len(batch_shape) + 3 - x.ndim) + x.shape)
+        if batch_shape:
+            x = jnp.broadcast_to(x, (*batch_shape, *x.shape[len(batch_shape):]))
         return x.reshape((-1, *x.shape[-3:]))
 
     seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, lq)
+    mask4 = None if mask is None else rank4(mask).astype(bool)
     if implementation != "einsum":  # the kernel's own causal mask (cuDNN skips the hidden blocks)
-        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool),
-                       False)
-        out = _fused(q, k, v, rank4(bias), vis, causal, implementation)
+        out = _fused(q, k, v, rank4(bias), _visible(None, None, seg, seg, mask4, False), causal,
+                     implementation)
         return out.astype(query.dtype).reshape((*batch_shape, *out.shape[1:]))
-    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None
-                   else rank4(mask).astype(bool), causal)
+    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, mask4, causal)
     bias4 = rank4(bias)
     if dropout is None and module is None:
         out = _finish(_block(_init_carry(q, v), q, k, v, vis, bias4, precision), query.dtype)
         return out.reshape((*batch_shape, *out.shape[1:]))
-    # Dropout / sown weights need the normalised weights themselves (as Flax's
-    # dot_product_attention).
+    # Dropout / sown weights need the normalised weights themselves (as Flax's).
     acc = jnp.promote_types(q.dtype, jnp.float32)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
     if bias4 is not None:
@@ -539,11 +517,6 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     length = query.shape[1]
 
     # Which operands are split along the sequence (the rest are whole on every context device).
-    def seq_spec(x, dim):
-        spec = [None] * x.ndim
-        spec[dim] = entry
-        return spec
-
     operands = [q, key, value]
     dims = [1, 1, 1]
     if seg is not None:
@@ -575,12 +548,11 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
         operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, specs, strict=True)]
         manual = None
     else:
-        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec()
-                 for x, d in zip(
-            operands, dims, strict=True)]
+        specs = [PartitionSpec() if d is None else PartitionSpec(*([None] * d), entry)
+                 for d in dims]
         manual = frozenset(axes)
-    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2],
-                             specs[2][3]) if explicit else PartitionSpec(None, entry)
+    out_spec = (PartitionSpec(specs[0][0], entry, specs[0][2], specs[2][3]) if explicit
+                else PartitionSpec(None, entry))
 
     has_seg, has_mask, has_bias = seg is not None, mask4 is not None, bias4 is not None
     mask_rows = mask4 is not None and dims[3 + has_seg] is not None
@@ -622,6 +594,12 @@ def _columns(x, positions, lc_total: int):
     return jnp.take(x, positions, axis=-1) if x.shape[-1] == lc_total else x
 
 
+def _part(x, axis: int, part: slice, size: int):
+    """``x[..., part]`` along ``axis`` of a mask/bias block where that axis is ``size`` long (a
+    size-1 axis broadcasts)."""
+    return x if x is None or x.shape[axis] != size else x[(slice(None),) * axis + (part,)]
+
+
 def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision):
     """The blockwise online softmax of the local queries ``q``: ``(carries, update)``, where
     ``update(carries, (k, v, k_seg), src)`` folds in the K/V block context device ``src`` holds.
@@ -653,18 +631,12 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
             rows = slice(i * cl, (i + 1) * cl)
             qc, qp = q[:, rows], q_pos[rows]
             qs = None if seg is None else seg[:, rows]
-            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc
-                                                else mcols)
-            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc
-                                                else bcols)
+            mrows, brows = _part(mcols, 2, rows, lc), _part(bcols, 2, rows, lc)
             for j in range(chunks):
                 cols = slice(j * cl, (j + 1) * cl)
                 kc, vc, kp = kb[:, cols], vb[:, cols], k_pos[cols]
                 ks = None if kseg is None else kseg[:, cols]
-                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc
-                                                 else mrows)
-                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc
-                                                 else brows)
+                mc, bc = _part(mrows, 3, cols, lc), _part(brows, 3, cols, lc)
                 args = (qc, qp, qs, kc, vc, kp, ks, mc, bc)
                 if causal:  # a chunk pair the causal mask hides entirely costs nothing
                     carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c,
@@ -701,14 +673,11 @@ def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, pr
 
 def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, implementation):
     """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel
-    call; the causal mask, built from the local and gathered token positions (zig-zag or
-    contiguous), is part of the kernel's ``(local q, L)`` mask. No softmax statistics to combine:
-    the kernel sees every key at once."""
-    idx = jax.lax.axis_index(axes)
+    call, the causal mask (from the local and gathered token positions) part of its ``(local q,
+    L)`` mask."""
     lc = q.shape[1]
-    q_pos = _positions(idx, n, lc, zigzag)
-    # the gathered order
-    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])
+    q_pos = _positions(jax.lax.axis_index(axes), n, lc, zigzag)
+    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])  # gathered order
     kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
                   for x in (k, v, seg))
     vis = _visible(q_pos, k_pos, seg, sg, _columns(mask, k_pos, length), causal)
@@ -724,8 +693,7 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precisio
 
     def step(state, s):
         carries, kv = state
-        # independent of this step's compute
-        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)
+        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)  # overlaps the compute
         carries = update(carries, kv, (idx - s) % n)
         return (carries, nxt), None
 
