@@ -68,9 +68,8 @@ _TRANSCENDENTAL = frozenset({
 })
 _ELEMENTWISE = frozenset({
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare",
-    "select",
-    "clamp", "and", "or", "xor", "not", "remainder", "sign", "floor", "ceil", "round-nearest-afz",
-    "round-nearest-even", "is-finite", "shift-left", "shift-right-arithmetic",
+    "select", "clamp", "and", "or", "xor", "not", "remainder", "sign", "floor", "ceil",
+    "round-nearest-afz", "round-nearest-even", "is-finite", "shift-left", "shift-right-arithmetic",
     "shift-right-logical",
 })
 
@@ -118,10 +117,8 @@ class CollectiveOp:
         n, b = self.group_size, self.bytes
         if n <= 1 and self.kind != "collective-permute":
             return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-            self.kind, (n - 1) / n
-        )
-        return factor * b
+        return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind,
+                                                                               (n - 1) / n) * b
 
 
 class _Undercount:
@@ -153,8 +150,7 @@ class ProgramCost(_Undercount):
         uncosted: the custom calls whose work could not be told (``"target (op name)"``, once each):
             counted as 0, so ``flops`` is a lower bound while any is named.
         kernels: FLOPs by the kind of custom call that does them (``{"cuBLAS gemm": ..., "cuDNN
-            attention":
-            ...}``), loops multiplied; the rest of ``flops`` is XLA's own code.
+            attention": ...}``), loops multiplied; the rest of ``flops`` is XLA's own code.
         recomputed_flops: the part of ``flops`` that recomputes forward work for the backward pass.
         skipped_flops: FLOPs of the model's math that kernels skip (causal attention's masked half):
             not in ``flops``.
@@ -212,16 +208,11 @@ def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
         if m.group(4):
             ids = ids.transpose([int(p) for p in m.group(4).split(",")])
         return ids.reshape(groups, size).tolist()
-    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
-    if m:
-        return [
-            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
-        ]
-    m = re.search(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
-    if m:
-        return [
-            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
-        ]
+    for key in ("replica_groups", "source_target_pairs"):
+        m = re.search(key + r"=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+        if m:
+            return [[int(x) for x in g.split(",") if x]
+                    for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     if "replica_groups={}" in attrs or "replica_groups=" not in attrs:
         return [list(range(devices))]
     return None
@@ -232,9 +223,8 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
     m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}", attrs)
     if not m:
         return None
-    sizes = {
-        k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))
-    }
+    sizes = {k.strip().strip("'\""): int(v)
+             for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))}
     order = list(sizes)
     used = [a.strip().strip("'\"") for a in m.group("used").split(",") if a.strip()]
     used = [re.sub(r":\(.*\)$", "", a) for a in used]
@@ -247,9 +237,8 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
     return size, tuple(named(a) for a in used)
 
 
-def _axes_of(
-    groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]
-) -> tuple[str, ...]:
+def _axes_of(groups: list[list[int]], shape: Sequence[int],
+             axis_names: Sequence[str]) -> tuple[str, ...]:
     total = math.prod(shape)
     used: set[str] = set()
     # every group of a collective spans the same axes; a permute's pairs may differ
@@ -285,7 +274,6 @@ def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr
         for u in consumers)
 
 
-
 def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The axis names and sizes of the mesh a compiled program's inputs are laid out on (empty when
     none)."""
@@ -300,10 +288,8 @@ def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return (), ()
 
 
-def program_cost(
-    compiled_or_text: Any, *, axis_names: Sequence[str] | None = None,
-    axis_sizes: Sequence[int] | None = None
-) -> ProgramCost:
+def program_cost(compiled_or_text: Any, *, axis_names: Sequence[str] | None = None,
+                 axis_sizes: Sequence[int] | None = None) -> ProgramCost:
     """What one call of a compiled program does on one device: FLOPs (loops multiplied, custom calls
     costed), bytes accessed and collectives (see the module doc). The count `jaxdist.Plan` reports
     as ``flops``.
@@ -373,9 +359,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                    if i.operands)
 
     def narrows(u: Instr) -> bool:
-        return (u.op == "convert" and bool(_NARROW.match(u.type))) or (
-            u.op == "fusion" and fused_converts(u, True)
-        )
+        return ((u.op == "convert" and bool(_NARROW.match(u.type)))
+                or (u.op == "fusion" and fused_converts(u, True)))
 
     def widened(value: str, part: str, reads: list[str], table: dict[str, list[Instr]]) -> bool:
         """XLA:CPU computes a 16-bit float collective in float32: the operand ``value`` (of type
@@ -389,11 +374,7 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 (source.op == "fusion" and fused_converts(source, into16=False))):
             return True
         consumers = [u for r in reads for u in table.get(r, [])]
-        return bool(consumers) and all(
-            (u.op == "convert" and _NARROW.match(u.type))
-            or (u.op == "fusion" and fused_converts(u, into16=True))
-            for u in consumers
-        )
+        return bool(consumers) and all(narrows(u) for u in consumers)
 
     devices = math.prod(axis_sizes) if axis_sizes else 1
     header = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
@@ -423,8 +404,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 operand = sum(_type_bytes(part) // n for part, n in zip(parts, narrow, strict=True))
                 results = arrays(instr.type)
                 if start:  # the result is (operands, outputs[, context])
-                    result = max(_type_bytes(instr.type) - operand,
-                                 0) if base != "all-reduce" else operand
+                    result = (max(_type_bytes(instr.type) - operand, 0) if base != "all-reduce"
+                              else operand)
                 elif len(results) == len(parts):
                     result = sum(_type_bytes(f"{d}[{','.join(map(str, shape))}]") // n
                                  for (d, shape), n in zip(results, narrow, strict=True))
@@ -482,9 +463,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
             elif op == "custom-call":
                 kernel = custom_call_cost(instr, module)
                 if kernel is None:
-                    uncosted[
-                        f"{custom_call_target(instr) or '?'} ({op_name(instr) or instr.name})"
-                    ] = None
+                    uncosted[f"{custom_call_target(instr) or '?'} "
+                             f"({op_name(instr) or instr.name})"] = None
                 else:
                     flops, trans, redo = (flops + kernel.flops, trans + kernel.transcendentals,
                                           redo + kernel.recomputed)
