@@ -22,8 +22,7 @@ custom calls. `custom_call_cost` costs each kind from what the compiled text say
   bits) cost no FLOPs.
 
 Any other custom call cannot be costed: `custom_call_cost` returns None and the program's cost names
-it.
-"""
+it."""
 
 from __future__ import annotations
 
@@ -45,8 +44,8 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
 _FREE = re.compile(
     r"^(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape|LayoutConstraint|MoveToHost|"
-    r"MoveToDevice|"
-    r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|PadToStatic|"
+    r"MoveToDevice|annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|"
+    r"PadToStatic|"
     r".*callback.*|.*[Ss]ort.*|.*threefry.*|"
     r"__gpu\$xla\.gpu\.ext\.cu_threefry2x32|X64Combine|X64SplitHigh|X64SplitLow|"
     r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$"
@@ -65,9 +64,8 @@ class KernelCost:
         recomputed: the part of ``flops`` that recomputes forward work (a flash-attention backward's
             scores).
         skipped: FLOPs the model's math asks for that the kernel skips (the masked-out half of
-            causal attention):
-            not in ``flops``, but model FLOPs count them (attention counted whole, as in the 6N +
-            12LdT count).
+            causal attention): not in ``flops``, but model FLOPs count them (attention counted
+            whole, as in the 6N + 12LdT count).
     """
 
     kind: str
@@ -94,8 +92,8 @@ def _trace_group(module: Module, name: str, seen: int = 0) -> int | None:
     instr = module.defs.get(name)
     if instr is None or seen > 8:
         return None
-    if instr.op in ("bitcast", "copy", "transpose", "reshape",
-                    "get-tuple-element") and instr.operands:
+    if instr.operands and instr.op in ("bitcast", "copy", "transpose", "reshape",
+                                       "get-tuple-element"):
         return _trace_group(module, instr.operands[0], seen + 1)
     if instr.op != "fusion":
         return None
@@ -149,10 +147,8 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     in_l, k_l, out_l = labels.groups()
     spatial = sorted(c for c in k_l if c.isdigit())
     n = len(spatial)
-    size = _window(instr.attrs, "size", n, 1)
-    stride = _window(instr.attrs, "stride", n, 1)
-    lhs_dilate, rhs_dilate = (_window(instr.attrs, "lhs_dilate", n, 1),
-                              _window(instr.attrs, "rhs_dilate", n, 1))
+    size, stride, lhs_dilate, rhs_dilate = (
+        _window(instr.attrs, key, n, 1) for key in ("size", "stride", "lhs_dilate", "rhs_dilate"))
     pads = re.search(r"\bpad=([\d_x\-]+)", instr.attrs)
     low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
     pairs = 1
@@ -297,8 +293,7 @@ _COSTERS: tuple[tuple[re.Pattern[str], Callable[[Instr, Module, dict[str, Any]],
 
 
 def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
-    """What a ``custom-call`` instruction of ``module`` computes (see the module doc), or None when
-    it cannot be told.
+    """What a ``custom-call`` instruction of ``module`` computes (see the module doc).
 
     Args:
         instr: the custom call.
@@ -314,8 +309,7 @@ def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
         ...           '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
         >>> text = "\\n".join([
         ...     "ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> bf16[64,16] {",
-        ...     "  %a = bf16[64,32]{1,0} parameter(0)",
-        ...     "  %b = bf16[32,16]{1,0} parameter(1)",
+        ...     "  %a = bf16[64,32]{1,0} parameter(0)", "  %b = bf16[32,16]{1,0} parameter(1)",
         ...     "  ROOT %g = (bf16[64,16]{1,0}, s8[0]{0}) custom-call(%a, %b), "
         ...     f'custom_call_target="__cublas$lt$matmul", backend_config={config}',
         ...     "}"])
