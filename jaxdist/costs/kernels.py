@@ -48,8 +48,7 @@ _FREE = re.compile(
     r"PadToStatic|"
     r".*callback.*|.*[Ss]ort.*|.*threefry.*|"
     r"__gpu\$xla\.gpu\.ext\.cu_threefry2x32|X64Combine|X64SplitHigh|X64SplitLow|"
-    r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$"
-)
+    r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,8 +84,7 @@ class CostOptions:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(
                 f"tokens_per_example={n!r} must be an int >= 1 (the tokens in one example, e.g. "
-                "the sequence length) or None (count the weight a token-weighted loss returns)."
-            )
+                "the sequence length) or None (count the weight a token-weighted loss returns).")
         _positive(self.peak_flops, "peak_flops", "the peak FLOP/s of ONE device (e.g. 989.4e12 for "
                   "an H100 SXM in dense bf16, or a measured peak), or None to use the datasheet "
                   "table (MFU n/a where unknown).")

@@ -70,8 +70,7 @@ def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or any(c in name for c in '/()"'):
         raise ValueError(
             f"name={name!r} is not a valid cluster name: use a non-empty string without '/', '(', "
-            "')' or '\"'."
-        )
+            "')' or '\"'.")
     return name
 
 
@@ -294,8 +293,7 @@ def clusters(lowered_or_text: Any) -> dict[str, list[str]]:
     else:
         raise TypeError(
             f"lowered_or_text={type(lowered_or_text).__name__} is neither a lowered computation "
-            "nor text: pass jax.jit(f).lower(*args) or its .as_text(debug_info=True)."
-        )
+            "nor text: pass jax.jit(f).lower(*args) or its .as_text(debug_info=True).")
     out: dict[str, set[str]] = {}
     for stack in _LOC.findall(text):
         name = cluster_of(stack)

@@ -245,8 +245,7 @@ class CastCompressor(Compressor):
             raise ValueError(
                 f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must "
                 "narrow the gradients to save bytes (a cast to float32 compresses nothing); use "
-                "jnp.bfloat16 or jnp.float16."
-            )
+                "jnp.bfloat16 or jnp.float16.")
         if collective not in _COLLECTIVES:
             raise ValueError(f"collective={collective!r} is not one of "
                              f"{', '.join(map(repr, _COLLECTIVES))}.")
@@ -296,8 +295,7 @@ class CastCompressor(Compressor):
     def __repr__(self) -> str:
         return (
             f"CastCompressor(dtype={self.dtype.name}, error_feedback={self.error_feedback}, "
-            f"collective={self.collective!r})"
-        )
+            f"collective={self.collective!r})")
 
 
 class PowerSGDState(NamedTuple):
@@ -408,8 +406,7 @@ class PowerSGDCompressor(Compressor):
             raise ValueError(
                 f"state={state!r} is not the PowerSGDState of a {grad.shape} gradient: make the "
                 "state with init() on a tree shaped like the gradients and pass each step's new "
-                "state to the next."
-            )
+                "state to the next.")
         rows, cols, _ = plan
         m = grad.reshape(rows, cols).astype(state.error.dtype) + state.error.reshape(rows, cols)
         p = _all_reduce(m @ state.q.astype(m.dtype), ReduceOp.MEAN, axis_name)

@@ -87,14 +87,12 @@ def _check(grad: Any) -> None:
     if np.ndim(idx) != 1 or not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
         raise ValueError(
             f"SparseRows.indices has shape {np.shape(idx)} and dtype {jnp.result_type(idx)}: it "
-            "must be a 1-D integer array of row ids (flatten the ids: ids.reshape(-1))."
-        )
+            "must be a 1-D integer array of row ids (flatten the ids: ids.reshape(-1)).")
     if np.ndim(values) < 1 or np.shape(values)[0] != np.shape(idx)[0]:
         raise ValueError(
             f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it "
             "needs one row per index, shape (k, *row_shape) (reshape the row gradients to (-1, "
-            "dim))."
-        )
+            "dim)).")
     if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows,
                                                          (int, np.integer)) or grad.num_rows < 1:
         raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the "

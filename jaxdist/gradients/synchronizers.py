@@ -105,13 +105,11 @@ class AllReduceSynchronizer:
             raise TypeError(
                 f"compressor={compressor!r} (type {type(compressor).__name__}) is not a "
                 "Compressor: use NoneCompressor(), CastCompressor(jnp.bfloat16) or "
-                "PowerSGDCompressor(rank=4)."
-            )
+                "PowerSGDCompressor(rank=4).")
         if axis_name is not None and not is_axis_name(axis_name):
             raise TypeError(
                 f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. "
-                f"{REPLICA_AXIS!r}."
-            )
+                f"{REPLICA_AXIS!r}.")
         self.compressor = compressor
         self.reduce_op = ReduceOp.parse(reduce_op, "reduce_op")
         self.axis_name = axis_name
@@ -173,8 +171,7 @@ class AllReduceSynchronizer:
         if not isinstance(state, SynchronizerState):
             raise TypeError(
                 f"state={type(state).__name__} is not a SynchronizerState: pass the state made by "
-                "sync.init(params) (or returned by the previous sync.all_reduce)."
-            )
+                "sync.init(params) (or returned by the previous sync.all_reduce).")
         leaves, treedef = jax.tree.flatten(grads, is_leaf=is_sparse)
         try:
             leaf_states = treedef.flatten_up_to(state.leaves)
@@ -204,8 +201,7 @@ class AllReduceSynchronizer:
     def __repr__(self) -> str:
         return (
             f"AllReduceSynchronizer(compressor={self.compressor!r}, reduce_op={self.reduce_op}, "
-            f"axis_name={self.axis_name!r})"
-        )
+            f"axis_name={self.axis_name!r})")
 
 
 def _is_state(x: Any) -> bool:

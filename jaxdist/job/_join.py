@@ -141,8 +141,7 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
         if cluster is not None and jax.process_count() != cluster[1]:
             raise ValueError(
                 f"jax.distributed is already initialized with {jax.process_count()} processes, but "
-                f"num_processes={cluster[1]} was asked for."
-            )
+                f"num_processes={cluster[1]} was asked for.")
         return
     detected = None if cluster is not None else detected_cluster()
     timeouts = {"initialization_timeout": initialization_timeout,
@@ -161,8 +160,7 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
             f"{caller} must come before any JAX computation or device query in this process: "
             f"{where} describes a job of several processes, and jax.distributed.initialize has to "
             "connect them before JAX starts its backend. Call it (create the strategy) at the top "
-            "of your program."
-        )
+            "of your program.")
     jax.distributed.initialize(*(cluster or ()), **timeouts)  # no cluster: JAX's detection
     set_heartbeat_timeout(heartbeat_timeout_seconds)
     guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
@@ -230,8 +228,7 @@ def check_connected(strategy: str) -> None:
         "MultiWorkerMirroredStrategy (it connects "
         "the processes), or call jd.initialize_cluster() at the top of the program, before the "
         "strategy (it reads the JAXDIST_* variables and the cluster's own; "
-        "jax.distributed.initialize() reads only the latter)."
-    )
+        "jax.distributed.initialize() reads only the latter).")
 
 
 def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
@@ -266,8 +263,7 @@ def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
         f"{strategy} over the devices of process(es) {owners} only, in a job of {count} processes: "
         "each process would train its own copy and nothing would keep them in sync. Leave devices= "
         "(and num_cores=) out (every device of every process: jax.devices()), pass a mesh over "
-        "jax.devices(), or use MultiWorkerMirroredStrategy."
-    )
+        "jax.devices(), or use MultiWorkerMirroredStrategy.")
 
 
 def from_chief(tree: Any) -> Any:

@@ -189,33 +189,28 @@ def dot_product_attention(
             f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it "
             "takes Flax's attention_fn arguments (mask, bias, dropout_rng, dropout_rate, "
             "broadcast_dropout, deterministic, dtype, precision, module, is_causal) and causal=, "
-            "segment_ids=, context=, load_balance=."
-        )
+            "segment_ids=, context=, load_balance=.")
     if context is not None and context not in _MODES:
         raise ValueError(
             f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along "
             "the context axes, 'ring' passes them around the ring of context devices (None: plain "
-            "attention)."
-        )
+            "attention).")
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is "
             "cuDNN's fused attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, "
             "'tokamax' tokamax's (the extra jaxdist[tokamax]), 'einsum' jaxdist's blockwise "
-            "softmax (None: a fused kernel where one serves, the einsums elsewhere)."
-        )
+            "softmax (None: a fused kernel where one serves, the einsums elsewhere).")
     causal = bool(causal or is_causal)
     if load_balance and not causal:
         raise ValueError(
             "load_balance=True balances causal attention over the context devices (without a "
             "causal mask every device already does the same work): pass causal=True, or drop "
-            "load_balance."
-        )
+            "load_balance.")
     if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
         raise NotImplementedError(
             "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by "
-            "jd.nn.dot_product_attention: leave them unset (Flax's default)."
-        )
+            "jd.nn.dot_product_attention: leave them unset (Flax's default).")
     del force_fp32_for_softmax, promote_dtype  # the softmax is in float32 already
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
@@ -236,8 +231,7 @@ def dot_product_attention(
                 "attention dropout and sown attention weights need the whole (L, L) weight matrix, "
                 "which context parallelism never builds: pass deterministic=True (or "
                 "dropout_rate=0.0) and no module to jd.nn.dot_product_attention on a context axis, "
-                "or context=None for plain attention."
-            )
+                "or context=None for plain attention.")
         return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids,
                                  context, load_balance, precision, impl)
 
@@ -282,27 +276,23 @@ def _implementation(implementation: str | None, query: jax.Array, key: jax.Array
         raise ValueError(
             "implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these "
             f"devices are {platform!r}: pass implementation=None (cuDNN on a GPU, the einsums "
-            "here), 'xla' or 'einsum'."
-        )
+            "here), 'xla' or 'einsum'.")
     if implementation == "tokamax" and _tokamax is None:
         raise ValueError(
             "implementation='tokamax' needs tokamax, which is not importable here: pip install "
             "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or "
-            "'einsum'."
-        )
+            "'einsum'.")
     if implementation in _FUSED and weights_needed:
         raise NotImplementedError(
             f"implementation={implementation!r} is a fused kernel: it never builds the attention "
             "weights that dropout and sown weights (module=) need; pass implementation='einsum' "
-            "(or None), or deterministic=True / dropout_rate=0.0 and no module."
-        )
+            "(or None), or deterministic=True / dropout_rate=0.0 and no module.")
     if implementation in _FUSED and ring:
         raise NotImplementedError(
             f"implementation={implementation!r} cannot compute ring attention's steps: the ring "
             "combines each block's softmax statistics (log-sum-exp) and needs their gradient, "
             "which the fused kernels do not give. Pass context='all_gather' (one fused call over "
-            "the gathered keys) or implementation='einsum' (or None) for the ring."
-        )
+            "the gathered keys) or implementation='einsum' (or None) for the ring.")
     return implementation
 
 
@@ -476,14 +466,12 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
             raise ValueError(
                 f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} "
                 "jd.nn.dot_product_attention takes Flax's (batch, length, heads, head_dim) layout; "
-                "reshape extra batch dimensions into the first."
-            )
+                "reshape extra batch dimensions into the first.")
     if query.shape[1] != key.shape[1]:
         raise ValueError(
             f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} "
             "the sequence of queries and keys is the same split sequence (self-attention); pass "
-            "context=None for attention over another sequence (XLA gathers it)."
-        )
+            "context=None for attention over another sequence (XLA gathers it).")
     length = query.shape[1]
     parts = 2 * n if load_balance else n
     if length % parts:
@@ -492,8 +480,7 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
             f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} "
             f"of sizes {sizes} split it into {n} parts. Pad the sequence to "
             f"{-(-length // parts) * parts} (a multiple of {parts}), or pick context axes whose "
-            f"size divides {length}."
-        )
+            f"size divides {length}.")
 
 
 def _spec_entry(entry: Any, drop: set[str]) -> Any:

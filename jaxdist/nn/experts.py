@@ -109,8 +109,7 @@ class Routing:
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k} > num_experts={self.num_experts}: each token picks top_k "
-                f"distinct experts; use top_k <= {self.num_experts}."
-            )
+                f"distinct experts; use top_k <= {self.num_experts}.")
         c = self.capacity_factor
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
             raise ValueError(
@@ -206,13 +205,11 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
         raise ValueError(
             f"grouped_matmul={grouped_matmul!r} is not one of {GROUPED_MATMULS}: 'tokamax' is "
             "tokamax's ragged_dot (GPU / TPU kernels), 'ragged_dot' jax.lax.ragged_dot (None: "
-            "tokamax where installed on a GPU or TPU, jax.lax.ragged_dot elsewhere)."
-        )
+            "tokamax where installed on a GPU or TPU, jax.lax.ragged_dot elsewhere).")
     if grouped_matmul == "tokamax" and _tokamax is None:
         raise ValueError(
             "grouped_matmul='tokamax' needs tokamax, which is not importable here: pip install "
-            "'jaxdist[tokamax]' (or tokamax), or pass grouped_matmul='ragged_dot' (or None)."
-        )
+            "'jaxdist[tokamax]' (or tokamax), or pass grouped_matmul='ragged_dot' (or None).")
     shape = x.shape
     rows = shape[0] if x.ndim > 1 else 1
     x3 = x.reshape(rows, -1, shape[-1])
@@ -432,15 +429,13 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
             f"num_experts={config.num_experts} is not divisible by the {ep} devices of "
             f"expert_axes={axes} (sizes {[policy.mesh.shape[a] for a in axes]}): each device holds "
             f"num_experts / {ep} experts; use a multiple of {ep} experts, or expert axes whose "
-            f"sizes multiply to a divisor of {config.num_experts}."
-        )
+            f"sizes multiply to a divisor of {config.num_experts}.")
     rows = roles.size(batch)
     if x.shape[0] % rows:
         raise ValueError(
             f"jd.nn.MoE got {x.shape[0]} rows (sequences), which the {rows} devices of "
             f"batch_axes={batch} do not divide: each device routes its own rows; the layer's input "
-            "keeps the batch's rows on axis 0."
-        )
+            "keeps the batch's rows on axis 0.")
     mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
     expert_entry, batch_entry = roles.entry("expert"), roles.replica_axis
     x_spec = PartitionSpec(batch_entry)

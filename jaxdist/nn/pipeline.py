@@ -83,8 +83,7 @@ def _checked(block: nn.Module, x: jax.Array, y: Any) -> jax.Array:
             f"block {type(block).__name__} returned {getattr(y, 'shape', type(y).__name__)} "
             f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block "
             "maps x to an x of the same shape and dtype (return the new x only, not a (carry, "
-            "output) pair)."
-        )
+            "output) pair).")
     return y
 
 
@@ -176,8 +175,7 @@ class Pipeline(nn.Module):
         if self.schedule == "gpipe" and self.repeats != 1:
             raise ValueError(
                 f"repeats={self.repeats} with schedule='gpipe': GPipe runs each stage's layers "
-                "once per micro-batch; use schedule='circular' for repeats > 1."
-            )
+                "once per micro-batch; use schedule='circular' for repeats > 1.")
 
     def _check_batch(self, x: jax.Array, replicas: int) -> None:
         if np.ndim(x) < 1:
@@ -189,8 +187,7 @@ class Pipeline(nn.Module):
             raise ValueError(
                 f"num_microbatches={m} does not divide the per-replica batch {per} (global batch "
                 f"{batch} over {replicas} replica(s)): pick num_microbatches among the divisors of "
-                f"{per}, or make the global batch a multiple of {m * replicas}."
-            )
+                f"{per}, or make the global batch a multiple of {m * replicas}.")
 
     # --------------------------------------------------------------------------------------- layers
     def _layer_fn(self, kwargs: dict[str, Any], dropout: bool) -> Callable:
@@ -232,8 +229,7 @@ class Pipeline(nn.Module):
             raise ValueError(
                 f"block {type(self.block).__name__} holds variables of collection(s) {extra}: "
                 "Pipeline carries only 'params' (no BatchNorm statistics or caches) from layer to "
-                "layer."
-            )
+                "layer.")
         params = _unbox(variables["params"]["block"])
         dropout = self.has_rng("dropout")
         base = self.make_rng("dropout") if dropout else jax.random.key(0)
@@ -326,14 +322,12 @@ class Pipeline(nn.Module):
                 f"num_layers={num_layers} is not divisible by the {stages} stages x "
                 f"repeats={repeats}: each stage runs num_layers / (stages x repeats) layers per "
                 f"visit; use a multiple of {stages * repeats} layers, or another stage count or "
-                "repeats."
-            )
+                "repeats.")
         if repeats > 1 and m_count < stages:
             raise ValueError(
                 f"num_microbatches={m_count} is less than the {stages} stages with "
                 "schedule='circular': a micro-batch comes back to stage 0 before the stage is "
-                f"free; use num_microbatches >= {stages}."
-            )
+                f"free; use num_microbatches >= {stages}.")
         per = num_layers // (stages * repeats)
         stage_spec = PartitionSpec(roles.entry("stage"))
         # the step's mesh, with Explicit axes made Auto here

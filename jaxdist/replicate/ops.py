@@ -33,8 +33,7 @@ class _ParsableEnum(enum.Enum):
         valid = ", ".join(f"{cls.__name__}.{m}" for m in cls.__members__)
         raise ValueError(
             f"{argument}={value!r} is not a valid {cls.__name__}: use one of {valid} "
-            f"(or their names as strings, e.g. {next(iter(cls.__members__)).lower()!r})."
-        )
+            f"(or their names as strings, e.g. {next(iter(cls.__members__)).lower()!r}).")
 
 
 class ReduceOp(_ParsableEnum):
@@ -91,5 +90,4 @@ def check_mean_dtype(value: Any, what: str = "value") -> None:
     if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
         raise TypeError(
             f"{what} has dtype {dtype}: MEAN of an integer value cannot be represented exactly; "
-            f"use SUM (or ONLY_FIRST_REPLICA), or cast {what} to a float dtype first."
-        )
+            f"use SUM (or ONLY_FIRST_REPLICA), or cast {what} to a float dtype first.")

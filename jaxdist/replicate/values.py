@@ -252,8 +252,7 @@ class SyncOnRead(_Distributed):
             raise ValueError(
                 "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: "
                 "reading it across replicas needs an aggregation; specify an aggregation (SUM, "
-                "MEAN or ONLY_FIRST_REPLICA)."
-            )
+                "MEAN or ONLY_FIRST_REPLICA).")
         self._aggregation = aggregation
         self._local = local
 
@@ -272,8 +271,7 @@ class SyncOnRead(_Distributed):
             raise RuntimeError(
                 "SyncOnRead.value is this replica's component and exists only inside strategy.run; "
                 "in cross-replica context use .read() for the aggregated value or .values for the "
-                "components."
-            )
+                "components.")
         return self._component()
 
     def _component(self) -> jax.Array:
@@ -299,8 +297,7 @@ class SyncOnRead(_Distributed):
             f"value (it would be truncated without a word). Pass a value of dtype {target} (e.g. "
             f"jnp.asarray(x, jnp.{target})), or create the value with a "
             f"{_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
-            f"jnp.{jnp.dtype(source).name}), aggregation)."
-        )
+            f"jnp.{jnp.dtype(source).name}), aggregation).")
 
     def assign(self, value: Any) -> SyncOnRead:
         """Store ``value`` in place (as tf.distribute's variables do) and return this value.
@@ -321,8 +318,7 @@ class SyncOnRead(_Distributed):
             if value.shape != self._value.shape:
                 raise ValueError(
                     f"value has shape {value.shape} but this replica's component has shape "
-                    f"{self._value.shape}; a sync-on-read value keeps its shape."
-                )
+                    f"{self._value.shape}; a sync-on-read value keeps its shape.")
             if isinstance(self._local, _View):
                 # An assignment is not differentiable (as tf.Variable.assign is not): what a replica
                 # function stores while jax.grad traces it is the value, not a path for gradients.
@@ -338,8 +334,7 @@ class SyncOnRead(_Distributed):
         if value.shape != target.shape[1:]:
             raise ValueError(
                 f"value has shape {value.shape} but the sync-on-read value has shape "
-                f"{target.shape[1:]}; a sync-on-read value keeps its shape."
-            )
+                f"{target.shape[1:]}; a sync-on-read value keeps its shape.")
         self._check_dtype(value)
         traced = isinstance(target, jax.core.Tracer)
         stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced
@@ -350,8 +345,7 @@ class SyncOnRead(_Distributed):
                 f"value ({self._aggregation.name}, shape {target.shape[1:]}) that it captured from "
                 "the enclosing code: the update would live only in that trace (a JAX function "
                 "cannot change the objects around it), and the value would read as before. Pass it "
-                "to the step as an argument and return it: `seen = step(seen, batch)`."
-            )
+                "to the step as an argument and return it: `seen = step(seen, batch)`.")
         self._value = stacked
         return self
 

@@ -221,8 +221,7 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
                 f"({getattr(region.host_fn, '__name__', region.host_fn)}) is being differentiated, "
                 "but its host function is opaque (it was given result_shape=, so it is not traced "
                 "with jax.numpy): pass vjp=lambda args, cotangent: grads, or write it with "
-                "jax.numpy and drop result_shape."
-            )
+                "jax.numpy and drop result_shape.")
         # The gradient region is cluster C.uid, uid being the gradient invocation that is tracing
         # this.
         name = gradient_cluster(region.name, current_gradient_uid())
@@ -326,8 +325,7 @@ def outside_compilation(
             f"outside_compilation inside strategy.run(..., axis_name={axis!r}) is not supported: a "
             "host callback in a program on the renamed mesh mixes two meshes, which JAX rejects. "
             "Keep the replica axis's name for replica functions with host regions (run without "
-            "axis_name), or move the region into the global-view step (strategy.jit)."
-        )
+            "axis_name), or move the region into the global-view step (strategy.jit).")
 
     if kind == "global":
         policy = frame.policy
@@ -387,8 +385,7 @@ def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_
         if bad:
             raise ValueError(
                 f"batch_argnums={declared!r} names positions {bad} that are not array arguments of "
-                f"the region (it has {len(args)} arguments)."
-            )
+                f"the region (it has {len(args)} arguments).")
         split = [i in declared for i in positions]
         for x, s in zip(dynamic, split, strict=True):
             if s:

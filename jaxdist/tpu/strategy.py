@@ -93,8 +93,7 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
                 if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
                     raise ValueError(
                         f"num_cores={num_cores!r} must be an int in [1, {len(available)}] (the "
-                        f"{available[0].platform} devices here); pass None to use all of them."
-                    )
+                        f"{available[0].platform} devices here); pass None to use all of them.")
                 available = available[:num_cores]
             policy = LayoutPolicy(available, host_offload=host_offload)
         super().__init__(policy, axis_name=axis_name)
@@ -126,8 +125,7 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
             raise ValueError(
                 f"host_id={host_id} is process {hosts[host_id]}, not this process "
                 f"({jax.process_index()}): only this host's CPU is addressable here; ask that "
-                "process."
-            )
+                "process.")
         return jax.local_devices(backend="cpu")[0]
 
     def initialize(self) -> None:
