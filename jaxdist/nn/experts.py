@@ -18,22 +18,19 @@ weights:
   weighted. Dropless with every expert local on a GPU or TPU, the picks are sorted by expert instead
   and the experts run as grouped matmuls: no worst-case buffer (on CPU ``ragged_dot`` is dense, so
   the buffer is used).
-* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): ``"tokamax"``, tokamax's
-  ``ragged_dot`` (openxla's Pallas kernel library: Mosaic GPU / TPU kernels, 3.7x
-  `jax.lax.ragged_dot` forward + backward on an H100), where the optional extra is installed (``pip
-  install 'jaxdist[tokamax]'``) and the devices are GPUs or TPUs; ``"ragged_dot"``
-  (`jax.lax.ragged_dot`) elsewhere. `jaxdist.Plan.grouped_matmul` names the kernel.
+* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): tokamax's ``ragged_dot`` (Pallas
+  kernels, 3.7x `jax.lax.ragged_dot` forward + backward on an H100) where it is installed and the
+  devices are GPUs or TPUs, `jax.lax.ragged_dot` elsewhere. `jaxdist.Plan.grouped_matmul` names the
+  kernel.
 * **expert parallelism**: inside a step of a strategy with expert axes
   (`jaxdist.ShardedStrategy(expert_axes= ...)` or ``expert_parallelism=e``), the layer runs in a
   `jax.shard_map` over the mesh: each device routes its own rows, `jax.lax.all_to_all` over the
   expert axes sends each expert's buffer to the device holding that expert (explicit collectives,
   fixed shapes) and brings the outputs back. The expert weights are split over the expert axes
   (logical name ``"expert"``), so each device holds ``1/EP`` of them and of their optimizer state.
-  Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too). Dropless on GPU / TPU, the
-  exchange is ragged instead (`jaxdist.nn.exchange`): each device sorts its picks by expert, the
-  expert counts are exchanged, `jax.lax.ragged_all_to_all` moves only the routed rows, each device
-  receives them grouped by its local expert, runs grouped matmuls and sends the outputs back the
-  same way.
+  Runs on every backend. Dropless on GPU / TPU, the exchange is ragged instead
+  (`jaxdist.nn.exchange`): only the routed rows move, each device receives them grouped by its
+  local expert and runs grouped matmuls on them.
 * **losses and metrics**, over the whole global batch: the Switch load-balancing loss
   ``E * sum_e f_e P_e``, the router z-loss ``mean(logsumexp(logits)^2)``, tokens per expert, the
   largest load over the mean, and the fraction of (token, expert) picks dropped.
@@ -152,9 +149,8 @@ def capacity(config: Routing, length: int) -> int:
     """
     if config.capacity_factor is None:
         return length
-    return min(length,
-               max(1,
-                   math.ceil(config.capacity_factor * length * config.top_k / config.num_experts)))
+    return min(length, max(1, math.ceil(config.capacity_factor * length * config.top_k
+                                        / config.num_experts)))
 
 
 def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int,
@@ -166,15 +162,13 @@ def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int,
                                                 out_axis=-1, batch_axis=(0,))
     e = config.num_experts
     return Weights(jax.nn.initializers.lecun_normal()(k[0], (dim, e), dtype),
-                   init(k[1], (e, dim, hidden), dtype),
-                   init(k[2], (e, dim, hidden), dtype), init(k[3], (e, hidden, dim), dtype))
+                   init(k[1], (e, dim, hidden), dtype), init(k[2], (e, dim, hidden), dtype),
+                   init(k[3], (e, hidden, dim), dtype))
 
 
 def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | None = None,
           grouped_matmul: str | None = None) -> tuple[jax.Array, Stats]:
-    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens):
-    ``(y, stats)``.
-
+    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens).
     Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the
     module doc); anywhere else on whatever holds ``x``, all experts local.
 
@@ -215,8 +209,7 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     x3 = x.reshape(rows, -1, shape[-1])
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
-    if policy is not None and is_plan_mesh(policy.mesh):
-        # a plan's program compiles on simulated CPU devices (`plan_mesh.compile_elsewhere`)
+    if policy is not None and is_plan_mesh(policy.mesh):  # a plan compiles on simulated CPUs
         native = False
     else:
         device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
@@ -225,25 +218,20 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     ragged = config.capacity_factor is None and (native if ragged is None else ragged)
     if grouped_matmul is not None and not ragged:
         why = "ragged=False" if asked is False else "these devices have no ragged exchange"
-        raise ValueError(
-            f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the dropless ragged "
-            "path, which this "
-            + ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass "
-               "capacity_factor=None"
-               if config.capacity_factor is not None else
-               f"call does not take ({why}); pass ragged=True")
-            + " or leave grouped_matmul=None.")
+        fix = ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass "
+               "capacity_factor=None" if config.capacity_factor is not None
+               else f"call does not take ({why}); pass ragged=True")
+        raise ValueError(f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the "
+                         f"dropless ragged path, which this {fix} or leave grouped_matmul=None.")
     kernel = grouped_matmul or ("tokamax" if native and _tokamax is not None else "ragged_dot")
     if config.capacity_factor is not None:
         path = "dropping_all_to_all" if policy is not None else "dropping_local"
     elif policy is not None:
-        path = ("dropless_ragged_all_to_all" + ("" if native else "_emulated")) if ragged else (
-            "dropless_padded_all_to_all")
+        path = (f"dropless_ragged_all_to_all{'' if native else '_emulated'}" if ragged
+                else "dropless_padded_all_to_all")
     else:
         path = "dropless_ragged_local" if ragged else "dropless_local"
-    # The dispatch path, as a named scope: plans report it from the compiled program
-    # (Plan.moe_dispatch).
-    with jax.named_scope(MOE_SCOPE + path):
+    with jax.named_scope(MOE_SCOPE + path):  # Plan.moe_dispatch reads it from the program
         if policy is not None:
             y, sums = _expert_parallel(policy, config, weights, x3, cap, ragged, native, kernel)
         elif ragged:
@@ -275,18 +263,15 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
     e, k = config.num_experts, config.top_k
     logits, scores, experts, picked = _route(config, weights, x)
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (b, l, k, e)
-    # Each pick's place in its expert's buffer: first come, first served along the row (position,
-    # then rank).
+    # Each pick's place in its expert's buffer: first come, first served (position, then rank).
     position = jnp.cumsum(onehot.reshape(b, length * k, e), axis=1).reshape(b, length, k, e) - 1
     position = jnp.sum(position * onehot, -1)  # (b, l, k)
     kept = position < cap
-    # a dropped pick: no slot
-    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)
+    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)  # dropped: no slot
     dispatch = jnp.einsum("blke,blkc->blec", onehot.astype(x.dtype), slot)
     combine = jnp.einsum("blk,blke,blkc->blec", (picked * kept).astype(x.dtype),
                          onehot.astype(x.dtype), slot)
-    # (b, e, c, d): each expert's buffer of this device's rows
-    h = jnp.einsum("bld,blec->becd", x, dispatch)
+    h = jnp.einsum("bld,blec->becd", x, dispatch)  # each expert's buffer of this device's rows
     if expert_axes:  # each device gets its experts' buffers from every device of the expert group
         h = jax.lax.all_to_all(h, expert_axes, 1, 0, tiled=True)  # (b * EP, e / EP, c, d)
     gate = jnp.einsum("gecd,edh->gech", h, weights.gate.astype(x.dtype))
@@ -295,16 +280,17 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
     if expert_axes:
         out = jax.lax.all_to_all(out, expert_axes, 0, 1, tiled=True)  # back: (b, e, c, d)
     y = jnp.einsum("becd,blec->bld", out, combine)
-    sums = (
-        jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32),  # picks per expert
-        jnp.sum(scores, (0, 1)),  # scores per expert
-        jnp.sum(jax.nn.logsumexp(logits, -1) ** 2),
-        jnp.sum(kept).astype(jnp.float32),
-        jnp.float32(b * length),
-    )
+    sums = _sums(onehot, scores, logits, jnp.sum(kept).astype(jnp.float32), b * length)
     if batch_axes:
         sums = jax.lax.psum(sums, batch_axes)
     return y, sums
+
+
+def _sums(onehot, scores, logits, kept, tokens: int) -> tuple:
+    """The statistics' sums over a device's rows: picks and scores per expert, the z-loss's sum,
+    the picks kept, the tokens (`_stats` turns their global sums into `Stats`)."""
+    return (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
+            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), kept, jnp.float32(tokens))
 
 
 class _Picks(NamedTuple):
@@ -327,10 +313,8 @@ def _sorted_picks(config: Routing, weights: Weights, x: jax.Array) -> _Picks:
     flat = experts.reshape(-1)  # (tokens * k,): token t's picks at t * k ... t * k + k - 1
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)
-    sums = (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
-            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), jnp.float32(b * length * k),
-            jnp.float32(b * length))
+    sums = _sums(jax.nn.one_hot(experts, e, dtype=jnp.int32), scores, logits,
+                 jnp.float32(b * length * k), b * length)
     return _Picks(x.reshape(b * length, d)[token], token, picked.reshape(-1)[order].astype(x.dtype),
                   jnp.bincount(flat, length=e).astype(jnp.int32), sums)
 
@@ -383,8 +367,7 @@ def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: 
     tokens = b * length
     plan = exchange_plan(picks.sizes, expert_axes)
     devices = jax.lax.axis_size(expert_axes)
-    # A source sends each local expert at most one row per token: the worst case any device can
-    # receive.
+    # A source sends each local expert at most one row per token: the most a device can receive.
     buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
     received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes,
                         native=native, slice_rows=tokens)
@@ -438,24 +421,20 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
             "keeps the batch's rows on axis 0.")
     mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
     expert_entry, batch_entry = roles.entry("expert"), roles.replica_axis
-    x_spec = PartitionSpec(batch_entry)
-    w_spec = PartitionSpec(expert_entry)
-    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec, None if weights.bias is None
-                    else PartitionSpec())
-    # sharding in types: the operands are retyped to the layouts the layer needs
-    if explicit_axes(policy.mesh):
+    x_spec, w_spec = PartitionSpec(batch_entry), PartitionSpec(expert_entry)
+    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec,
+                    None if weights.bias is None else PartitionSpec())
+    if explicit_axes(policy.mesh):  # sharding in types: retyped to the layouts the layer needs
         x = jax.sharding.reshard(x, x_spec)
-        weights = Weights(
-            *(w if w is None else jax.sharding.reshard(w, s)
-              for w, s in zip(weights, specs, strict=True))
-        )
+        weights = Weights(*(w if w is None else jax.sharding.reshard(w, s)
+                            for w, s in zip(weights, specs, strict=True)))
 
     def local(w: Weights, rows_x: jax.Array):
         if ragged:
             return _ragged_local(config, w, rows_x, axes, batch, native, kernel)
         return _local(config, w, rows_x, cap, axes, batch)
 
-    stats_spec = (PartitionSpec(),) * 5
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, stats_spec))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, x_spec),
+                       out_specs=(x_spec, (PartitionSpec(),) * 5))
     return fn(weights, x)
 
