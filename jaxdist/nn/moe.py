@@ -109,23 +109,18 @@ class MoE(nn.Module):
                          self.normalize_top_k, self.activation)
         d, e, h = x.shape[-1], self.num_experts, self.hidden_dim
         router = self.param(
-            "router",
-            nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
-            (d, e),
-            self.param_dtype,
-        )
+            "router", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
+            (d, e), self.param_dtype)
         shapes = {"wi_gate": (e, d, h), "wi_up": (e, d, h), "wo": (e, h, d)}
-        stacked = {
-            name: self.param(
-                name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
-                shapes[name], self.param_dtype)
-            for name in shapes}
-        bias = self.variable("router_bias", "bias", jnp.zeros, (e,),
-                             jnp.float32).value if self.router_bias else None
+        stacked = {name: self.param(name, nn.with_logical_partitioning(stacked_init(), axes),
+                                    shapes[name], self.param_dtype)
+                   for name, axes in EXPERT_WEIGHTS.items()}
+        bias = (self.variable("router_bias", "bias", jnp.zeros, (e,), jnp.float32).value
+                if self.router_bias else None)
         dtype = self.dtype or x.dtype
-        y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"],
-                                         stacked["wo"], bias),
-                         x.astype(dtype), ragged=self.ragged, grouped_matmul=self.grouped_matmul)
+        weights = Weights(router, stacked["wi_gate"], stacked["wi_up"], stacked["wo"], bias)
+        y, stats = apply(config, weights, x.astype(dtype), ragged=self.ragged,
+                         grouped_matmul=self.grouped_matmul)
         if self.shared_experts:
             width = self.shared_experts * h
 
@@ -137,8 +132,7 @@ class MoE(nn.Module):
             xs = x.astype(dtype)
             hidden = self.activation(dense("shared_wi_gate", width, ("embed", "mlp"))(xs))
             y = y + dense("shared_wo", d, ("mlp", "embed"))(
-                hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs)
-            )
+                hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs))
         # init returns weights only: sown values never ride along as variables
         if not self.is_initializing():
             self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance

@@ -28,18 +28,8 @@ import jax.numpy as jnp
 from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 
-__all__ = [
-    "CapturedSyncOnRead",
-    "PerReplica",
-    "SyncOnRead",
-    "assigned",
-    "component_name",
-    "in_replica",
-    "local_components",
-    "local_view",
-    "noticing_captures",
-    "store_components",
-]
+__all__ = ["CapturedSyncOnRead", "PerReplica", "SyncOnRead", "assigned", "component_name",
+           "in_replica", "local_components", "local_view", "noticing_captures", "store_components"]
 
 _capturing = threading.local()  # per thread: is a replica function being traced for the first time
 
@@ -56,11 +46,8 @@ class CapturedSyncOnRead(Exception):
 
 class _View:
     """One trace of a replica function's view of a sync-on-read value: whether the function assigned
-    it.
-
-    Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a
-    nested ``jax.jit`` is flattened and made again): the flag is the view's, not one object's.
-    """
+    it. Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a
+    nested ``jax.jit`` is flattened and made again): the flag is the view's, not one object's."""
 
     __slots__ = ("assigned",)
 
@@ -126,9 +113,8 @@ def local_view(value: SyncOnRead, component: Any) -> Iterator[None]:
 
 
 def component_name(name: str, replica_id: int) -> str:
-    """The display name of component ``replica_id`` of the mirrored value ``name``.
-
-    Component 0 keeps the name; component i > 0 is ``name/replica_i`` (as tf.distribute names them).
+    """The display name of component ``replica_id`` of the mirrored value ``name``: component 0
+    keeps the name; component i > 0 is ``name/replica_i`` (as tf.distribute names them).
 
     Examples:
         >>> component_name("dense/kernel", 0), component_name("dense/kernel", 3)
@@ -140,30 +126,26 @@ def component_name(name: str, replica_id: int) -> str:
 
 
 def local_components(stacked: jax.Array) -> tuple[jax.Array, ...]:
-    """The components of a stacked per-replica array held by this process, in replica order.
-
-    Each is a single-device array (no copy): the shard of ``stacked`` on that replica's device,
-    without its leading axis of length 1.
+    """The components of a stacked per-replica array held by this process, in replica order: each
+    a single-device array (no copy), the shard of ``stacked`` on that replica's device without its
+    leading axis of length 1.
 
     Examples:
         >>> import jax, numpy as np
         >>> [float(c) for c in local_components(jax.numpy.arange(1.0))]
         [0.0]
     """
-    # the row a shard starts at: its replica index (whatever the mesh's device order)
-    def start(shard) -> int:
-        return (shard.index[0].start or 0) if shard.index else 0
-
     by_replica: dict[int, jax.Array] = {}
-    # several devices hold one component when an axis is replicated
+    # keyed by the row a shard starts at, its replica index (several devices hold one component
+    # when an axis is replicated)
     for shard in stacked.addressable_shards:
-        by_replica.setdefault(start(shard), shard.data[0] if shard.data.ndim else shard.data)
+        start = (shard.index[0].start or 0) if shard.index else 0
+        by_replica.setdefault(start, shard.data[0] if shard.data.ndim else shard.data)
     return tuple(by_replica[i] for i in sorted(by_replica))
 
 
 class _Distributed:
-    """Shared behaviour of values with one component per replica, stored stacked on a leading
-    axis."""
+    """Values with one component per replica, stored stacked on a leading axis."""
 
     __slots__ = ("_owner", "_value")
 
@@ -284,9 +266,7 @@ class SyncOnRead(_Distributed):
     def _check_kind(self, value: Any, call: str) -> None:
         """Refuse ``value`` of a kind the components' dtype cannot hold (a float for an integer
         value, a complex for a real one): stored, it would be truncated without a word
-        (``assign_add(0.5)`` on an int32 value adds 0). tf.distribute refuses it too (a dtype
-        mismatch)."""
-        # a list, a Python number
+        (``assign_add(0.5)`` on an int32 value adds 0). tf.distribute refuses it too."""
         source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
         target = self._value.dtype
         if _kind(source) <= _kind(target):
@@ -337,8 +317,8 @@ class SyncOnRead(_Distributed):
                 f"{target.shape[1:]}; a sync-on-read value keeps its shape.")
         self._check_dtype(value)
         traced = isinstance(target, jax.core.Tracer)
-        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced
-                          else target.sharding)
+        stacked = _spread(value, target.shape[0], self._aggregation.name,
+                          None if traced else target.sharding)
         if isinstance(stacked, jax.core.Tracer) and not traced:
             raise ValueError(
                 "a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read "
@@ -350,8 +330,7 @@ class SyncOnRead(_Distributed):
         return self
 
     def assign_add(self, delta: Any) -> SyncOnRead:
-        """Add ``delta`` in place (to this replica's component in replica context) and return this
-        value.
+        """Add ``delta`` in place (to this replica's component in replica context); return it.
 
         Raises:
             TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer
@@ -395,14 +374,8 @@ class SyncOnRead(_Distributed):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        aggregation, owner, local = aux
         obj = object.__new__(cls)
-        obj._value, obj._aggregation, obj._owner, obj._local = (
-            children[0],
-            aggregation,
-            owner,
-            local,
-        )
+        obj._value, (obj._aggregation, obj._owner, obj._local) = children[0], aux
         return obj
 
 
@@ -410,8 +383,7 @@ _KIND_NAMES = ("bool", "integer", "floating", "complex")
 
 
 def _kind(dtype: Any) -> int:
-    """0 bool, 1 integer, 2 floating, 3 complex: a value of a higher kind does not fit a lower
-    one."""
+    """0 bool, 1 integer, 2 floating, 3 complex: a higher kind does not fit a lower one."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return 3
     if jnp.issubdtype(dtype, jnp.inexact):
