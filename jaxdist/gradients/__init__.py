@@ -24,27 +24,8 @@ from jaxdist.gradients.sparse import sparse_all_reduce as sparse_all_reduce
 from jaxdist.gradients.synchronizers import AllReduceSynchronizer as AllReduceSynchronizer
 from jaxdist.gradients.synchronizers import SynchronizerState as SynchronizerState
 
-__all__ = [
-    "AllReduceSynchronizer",
-    "CastCompressor",
-    "CastState",
-    "Compressor",
-    "NoneCompressor",
-    "PowerSGDCompressor",
-    "PowerSGDState",
-    "SparseRows",
-    "SynchronizerState",
-    "all_gather_is_cheaper",
-    "cluster",
-    "cluster_of",
-    "clusters",
-    "current_cluster",
-    "current_gradient_uid",
-    "grad",
-    "gradient_cluster",
-    "is_sparse",
-    "replica_count",
-    "sparse_all_reduce",
-    "value_and_grad",
-    "vjp",
-]
+__all__ = ["AllReduceSynchronizer", "CastCompressor", "CastState", "Compressor", "NoneCompressor",
+           "PowerSGDCompressor", "PowerSGDState", "SparseRows", "SynchronizerState",
+           "all_gather_is_cheaper", "cluster", "cluster_of", "clusters", "current_cluster",
+           "current_gradient_uid", "grad", "gradient_cluster", "is_sparse", "replica_count",
+           "sparse_all_reduce", "value_and_grad", "vjp"]

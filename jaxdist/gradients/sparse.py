@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.gradients.compressors import _all_reduce, _check_options, _varying, replica_count
+from jaxdist.gradients.compressors import _check_options, replica_count
+from jaxdist.replicate.collectives import all_reduce, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 
@@ -93,17 +94,15 @@ def _check(grad: Any) -> None:
             f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it "
             "needs one row per index, shape (k, *row_shape) (reshape the row gradients to (-1, "
             "dim)).")
-    if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows,
-                                                         (int, np.integer)) or grad.num_rows < 1:
+    rows = grad.num_rows
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
         raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the "
                          "table's row count).")
 
 
 def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
     """Whether gathering every replica's rows moves fewer bytes than all-reducing the dense
-    gradient.
-
-    The rule: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica
+    gradient: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica
     receives and scatters, against the dense table).
 
     Args:
@@ -115,10 +114,9 @@ def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> big = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
-        ...                               num_rows=10_000)
-        >>> small = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
-        ...                                 num_rows=100)
+        >>> ids, rows = jnp.zeros(32, jnp.int32), jnp.zeros((32, 64))
+        >>> big = jd.gradients.SparseRows(ids, rows, num_rows=10_000)
+        >>> small = jd.gradients.SparseRows(ids, rows, num_rows=100)
         >>> jd.gradients.all_gather_is_cheaper(big, 8), jd.gradients.all_gather_is_cheaper(small, 8)
         (True, False)
     """
@@ -130,13 +128,8 @@ def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
     return gathered < grad.num_rows * row_bytes
 
 
-def sparse_all_reduce(
-    grad: SparseRows,
-    reduce_op: ReduceOp | str = ReduceOp.MEAN,
-    *,
-    method: str = "auto",
-    axis_name: str = REPLICA_AXIS,
-) -> jax.Array:
+def sparse_all_reduce(grad: SparseRows, reduce_op: ReduceOp | str = ReduceOp.MEAN, *,
+                      method: str = "auto", axis_name: str = REPLICA_AXIS) -> jax.Array:
     """Reduce a sparse gradient across replicas into the dense reduced gradient.
 
     Args:
@@ -174,10 +167,10 @@ def sparse_all_reduce(
     if method == "auto":
         method = "all_gather" if all_gather_is_cheaper(grad, n) else "dense"
     if method == "dense":
-        return _all_reduce(grad.to_dense(), op, axis_name)
+        return all_reduce(grad.to_dense(), op, axis_name)
 
     def gather(x):
-        return jax.lax.all_gather(_varying(jnp.asarray(x), axis_name), axis_name, axis=0,
+        return jax.lax.all_gather(to_varying(jnp.asarray(x), axis_name), axis_name, axis=0,
                                   tiled=True, to="invarying")
 
     dense = SparseRows(gather(grad.indices), gather(grad.values), grad.num_rows).to_dense()
