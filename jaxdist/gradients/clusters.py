@@ -34,23 +34,12 @@ import jax
 
 from jaxdist.strategies.ambient import current_computation, state
 
-__all__ = [
-    "cluster",
-    "cluster_of",
-    "clusters",
-    "current_cluster",
-    "current_gradient_uid",
-    "gradient_cluster",
-    "grad",
-    "value_and_grad",
-    "vjp",
-]
+__all__ = ["cluster", "cluster_of", "clusters", "current_cluster", "current_gradient_uid",
+           "gradient_cluster", "grad", "value_and_grad", "vjp"]
 
 _CLUSTER = "cluster="
 _GRADIENT = "gradient="
 _LOC = re.compile(r'loc\("([^"]*)"')
-
-
 _uids = itertools.count()
 _uid_lock = threading.Lock()
 
@@ -137,11 +126,8 @@ def current_gradient_uid() -> str | None:
 
 def gradient_cluster(name: str, uid: str | None) -> str:
     """The cluster that the gradient, taken in invocation ``uid``, of an op in cluster ``name``
-    belongs to.
-
-    TF's rule: the uid is always the suffix after the last ".". More gradient ops of the same
-    invocation stay in the same cluster; a gradient of a gradient (a new uid) appends its uid.
-    Without a uid (plain `jax.grad`) the gradient stays in ``name``.
+    belongs to (TF's rule, see the module doc): a gradient of a gradient (a new uid) appends its
+    uid; without a uid (plain `jax.grad`) the gradient stays in ``name``.
 
     Examples:
         >>> (gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"),
@@ -166,10 +152,8 @@ def _invocation(uid: str | None = None) -> Iterator[str]:
 
 def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
          **kwargs: Any) -> Callable:
-    """`jax.grad` whose every invocation gets a gradient uid, so cluster ``C``'s gradient lands in
-    ``C.uid``.
-
-    Takes the arguments of `jax.grad`.
+    """`jax.grad` (its arguments) whose every invocation gets a gradient uid, so cluster ``C``'s
+    gradient lands in ``C.uid``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -190,9 +174,8 @@ def _per_invocation(fun: Callable, transformed: Callable) -> Callable:
     return invoke
 
 
-def value_and_grad(
-    fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, **kwargs: Any
-) -> Callable:
+def value_and_grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
+                   **kwargs: Any) -> Callable:
     """`jax.value_and_grad` with one gradient uid per invocation (see `grad`).
 
     Examples:
@@ -225,8 +208,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
 
 
 def _unwrap(component: str) -> tuple[str, bool]:
-    """``transpose(jvp(NAME))`` -> (``NAME``, True): the scope name and whether it was
-    transposed."""
+    """``transpose(jvp(NAME))`` -> (``NAME``, True): the scope name, whether it was transposed."""
     transposed = component.startswith("transpose(")
     while "(" in component and component.endswith(")"):
         head = component.index("(")
@@ -247,20 +229,16 @@ def cluster_of(name_stack: str) -> str | None:
         ...  or cluster_of("jit(f)/jvp(cluster=C)/sin"))
         'C'
     """
-    parts = name_stack.split("/")
-    unwrapped = [_unwrap(p) for p in parts]
+    unwrapped = [_unwrap(p) for p in name_stack.split("/")]
     base = None
     for name, _ in unwrapped:
         if name.startswith(_CLUSTER):
             base = name[len(_CLUSTER) :]
     if base is None:
         return None
-    backward_uids = []
-    for i, (name, _) in enumerate(unwrapped[:-1]):
-        if name.startswith(_GRADIENT) and unwrapped[i + 1][1]:
-            backward_uids.append(name[len(_GRADIENT) :])
-    # Innermost invocation first: the first-order gradient's uid, then the uid of the gradient taken
-    # of it.
+    backward_uids = [name[len(_GRADIENT) :] for (name, _), (_, transposed)
+                     in itertools.pairwise(unwrapped) if name.startswith(_GRADIENT) and transposed]
+    # innermost invocation first: the first-order gradient's uid, then its gradient's
     for uid in reversed(backward_uids):
         base = gradient_cluster(base, uid)
     return base
