@@ -1,19 +1,17 @@
 """What a compiled program does per device per step: FLOPs, bytes accessed, collectives
 (`program_cost`).
 
-One counter for every consumer: `jaxdist.strategies.Plan`, the Trainer's utilisation, `plan_search`
-and the benchmarks all read `program_cost`. It walks the compiled module (``compiled.as_text()``:
-the SPMD-partitioned program every device runs) and counts what the device executes:
+The one counter every consumer reads (plans, the Trainer's utilisation, the benchmarks). It walks
+the compiled module (``compiled.as_text()``: the SPMD-partitioned program every device runs) and
+counts what the device executes:
 
 * ``flops``: a ``dot`` ``2 x output elements x contracted elements``; a ``convolution`` as XLA
   counts it (the window positions that read the input); a ``ragged-dot`` (a grouped matmul XLA keeps
   whole) the grouped product; an elementwise or reduction op one per element; transcendentals
   (``exp``, ``tanh``, ...) separately. On CPU this is what XLA's ``compiled.cost_analysis()``
-  counts. Fusions count what they fuse. Custom calls (what XLA:GPU makes of most matrix products:
-  cuBLAS gemms, cuDNN fused attention, Pallas / Mosaic kernels such as tokamax's), which XLA's
-  analysis counts as 0, count what they compute (`jaxdist.costs.kernels`); one whose work the text
-  does not give is named in `ProgramCost.uncosted`, and the FLOPs are then a lower bound
-  (`ProgramCost.lower_bound`).
+  counts. Fusions count what they fuse. Custom calls, which XLA's analysis counts as 0, count what
+  they compute (`jaxdist.costs.kernels`); one whose work the text does not give is named in
+  `ProgramCost.uncosted`, and the FLOPs are then a lower bound (`ProgramCost.lower_bound`).
 * loops: XLA's analysis counts the body of a ``while`` once; here each body counts once per
   iteration (the ``known_trip_count`` XLA records; a loop without one counts once and shows in
   ``unknown_loops``).

@@ -251,17 +251,14 @@ def set_heartbeat_timeout(seconds: float) -> None:
 
 def silence_seconds() -> float:
     """How long a process's beats may stay still before it is said to have stopped answering (it
-    ended, was killed or stopped), and how long a call to the coordinator's store may stay
-    unanswered: as long as possible while still before JAX's own verdict. JAX's heartbeats go every
-    half heartbeat timeout, so its service may declare a silent task dead as soon as half the
-    timeout after it went silent; the silence is said two beats before that (one beat to see it, one
-    to spare), and never under 2 s.
+    ended, was killed or stopped): as long as possible while still before JAX's own verdict, which
+    may come half the heartbeat timeout after a task went silent; the silence is said two beats
+    before that (one beat to see it, one to spare), and never under 2 s.
 
     It cannot fire in a healthy job: the beats come from a daemon thread, which a slow step, a
     compilation, a collective, a checkpoint write or a sleep never holds (all release the
     interpreter lock); only one C call keeping the lock longer than this (14 s at the strategies'
-    default ``heartbeat_timeout_seconds=30``) could silence a live process. A watcher's own stall
-    counts for nothing: it compares counters between its own reads.
+    default ``heartbeat_timeout_seconds=30``) could silence a live process.
 
     Examples:
         >>> set_heartbeat_timeout(10); silence_seconds()
@@ -390,17 +387,12 @@ class FailureMonitor:
     def _poll(self, client: Any) -> None:
         me = jax.process_index()
         while not self._stop.wait(self.interval):
-            try:
-                value = client.key_value_try_get(_FAILURE_KEY)
-            except Exception:  # not set: nobody failed
+            value = _failure_posted(client)
+            if value is None:  # nobody failed
                 continue
-            pid, _, reason = value.partition("\n")
-            if pid == str(me):  # this process's own failure: its main thread is on its way out
+            if value.partition("\n")[0] == str(me):  # this process's own: it is on its way out
                 return
-            print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr,
-                  flush=True)
-            _acknowledge(client, me, pid)
-            _exit_now(None)
+            _stop_too(client, me, value)
 
 
 def _failure_posted(client: Any) -> str | None:
@@ -410,6 +402,16 @@ def _failure_posted(client: Any) -> str | None:
         return client.key_value_try_get(_FAILURE_KEY)
     except Exception:  # not set, or the coordination service is gone
         return None
+
+
+def _stop_too(client: Any, me: int, value: str) -> None:
+    """Say the failure another process posted (``value``, as `_failure_posted` reads it),
+    acknowledge it (`_acknowledge`) and exit with status 1."""
+    teller, _, reason = value.partition("\n")
+    print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr,
+          flush=True)
+    _acknowledge(client, me, teller)
+    _exit_now(None)
 
 
 def _resume(progress: dict) -> str:
@@ -539,11 +541,7 @@ class _Beats:
             # posted already (another survivor, or a failure): said as the monitor says it
             value = _failure_posted(self.client)
             if value is not None:
-                teller, _, reason = value.partition("\n")
-                print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)",
-                      file=sys.stderr, flush=True)
-                _acknowledge(self.client, self.me, teller)
-                _exit_now(None)
+                _stop_too(self.client, self.me, value)
         print(f"[jaxdist] {said}", file=sys.stderr, flush=True)
         _await_acknowledgements(dead=pid)
         _exit_now(None)

@@ -23,10 +23,9 @@ attention's activation memory stays ``O(L / N)`` per device; blocks that a causa
 entirely are skipped.
 
 Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions.
-With a causal mask, the devices holding the start of the sequence have less to compute than those
-holding its end; ``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i``
-holding chunks ``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts
-the output back in the original order: transparent to the model, labels and loss.
+``load_balance=True`` gives every context device the same causal work (`jaxdist.nn.load_balance`'s
+zig-zag order) and puts the output back in the original order: transparent to the model, labels
+and loss.
 
 Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the
 same function computes plain attention with the same formula, so a model equals itself on one
