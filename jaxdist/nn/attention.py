@@ -456,7 +456,7 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
 
 
 # --------------------------------------------------------------------- context parallel (shard_map)
-def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
+def _check(policy, query, key, value, load_balance: bool) -> None:
     n = policy.context_size
     axes = policy.context_axes
     sizes = {a: policy.mesh.shape[a] for a in axes}
@@ -489,7 +489,7 @@ def _spec_entry(entry: Any, drop: set[str]) -> Any:
 
 def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
                       load_balance, precision, implementation):
-    _check(policy, query, key, value, load_balance, context)
+    _check(policy, query, key, value, load_balance)
     axes = tuple(policy.context_axes)
     entry = axes[0] if len(axes) == 1 else axes
     n = policy.context_size
@@ -503,20 +503,17 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     length = query.shape[1]
 
     # Which operands are split along the sequence (the rest are whole on every context device).
-    operands = [q, key, value]
-    dims = [1, 1, 1]
+    operands, dims = [q, key, value], [1, 1, 1]
     if seg is not None:
-        operands.append(seg)
-        dims.append(1)
+        operands, dims = [*operands, seg], [*dims, 1]
     for extra in (mask4, bias4):
         if extra is not None:
             operands.append(extra)
             dims.append(2 if extra.shape[2] == length and extra.shape[2] > 1 else None)
 
     if explicit:
-        # Sharding in types: shard_map over every axis, the other axes as the operands' types say.
-        # The query's type decides the batch and head layout of every operand (they must agree to
-        # broadcast).
+        # Sharding in types: shard_map over every axis, the other axes as the operands' types say;
+        # the query's type decides every operand's batch and head layout (they must broadcast).
         typed = getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ()
         batch_e, head_e = (_spec_entry(e, set(axes)) for e in (*typed, None, None, None)[0:3:2])
         b, h = query.shape[0], query.shape[2]
@@ -545,9 +542,7 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     bias_rows = bias4 is not None and dims[3 + has_seg + has_mask] is not None
 
     def local(*xs):
-        xs = list(xs)
-        q, k, v = xs[:3]
-        rest = xs[3:]
+        q, k, v, *rest = xs
         s = rest.pop(0) if has_seg else None
         mk = rest.pop(0) if has_mask else None
         bs = rest.pop(0) if has_bias else None

@@ -208,11 +208,10 @@ class SyncOnRead(_Distributed):
 
     Create one with ``strategy.sync_on_read(initial_value, aggregation)``. Inside ``strategy.run``
     each replica sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` /
-    ``.assign_sub(x)`` update it in place, as tf.distribute's sync-on-read variables are updated,
-    and ``run`` keeps the update in the object passed in. In cross-replica context ``.read()``
-    aggregates the components (SUM, MEAN or ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components
-    that read back as ``x`` (with SUM: ``x / N`` on every replica). Inside ``strategy.jit`` a step
-    that updates one in place returns it (a compiled step's updates leave through its outputs).
+    ``.assign_sub(x)`` update it in place. In cross-replica context ``.read()`` aggregates the
+    components and ``.assign(x)`` stores components that read back as ``x``. Inside
+    ``strategy.jit`` a step that updates one in place returns it (a compiled step's updates leave
+    through its outputs).
 
     Examples:
         >>> import jaxdist as jd, jax.numpy as jnp

@@ -15,9 +15,8 @@ decides how it runs:
   everything to device 0 and run once.)
 * outside any trace: ``host_fn(*args)`` is just called.
 
-On a mesh with more axes than the replica axis (``ShardedStrategy(model_parallelism=...)``) a
-replica spans several devices; the host still runs once per replica, on the replica's first device,
-and its result is handed to the replica's other devices.
+On a mesh with more axes than the replica axis a replica spans several devices; the host still runs
+once per replica, and its result is handed to the replica's other devices.
 
 A host function written with `jax.numpy` needs nothing more: its result shapes come from
 `jax.eval_shape`, it is compiled once for the host's CPU backend (so, like any traced JAX code, its
