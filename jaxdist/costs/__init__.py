@@ -1,5 +1,4 @@
-"""Costs: what a compiled program does per device, what the accelerators can do, and the time it
-takes.
+"""Costs: what a compiled program does per device, what the accelerators can do, the time it takes.
 
 One home for the cost model, below every other package (it imports none of jaxdist): `program_cost`
 counts a compiled program's FLOPs (loops multiplied, library calls and kernels costed), bytes

@@ -21,8 +21,7 @@ custom calls. `custom_call_cost` costs each kind from what the compiled text say
 * calls that move or order data (sharding annotations, host transfers, callbacks, sorts, random
   bits) cost no FLOPs.
 
-Any other custom call cannot be costed: `custom_call_cost` returns None and the program's cost names
-it."""
+Any other custom call cannot be costed: `custom_call_cost` returns None; the cost names it."""
 
 from __future__ import annotations
 
@@ -58,10 +57,8 @@ class KernelCost:
     Attributes:
         kind: what it is (``"cuBLAS gemm"``, ``"cuDNN attention"``, ``"ragged dot"``, ...).
         flops: its floating-point operations.
-        transcendentals: its transcendental operations (the softmax's exponentials of fused
-            attention).
-        recomputed: the part of ``flops`` that recomputes forward work (a flash-attention backward's
-            scores).
+        transcendentals: its transcendental operations (fused attention's softmax exponentials).
+        recomputed: the part of ``flops`` recomputing forward work (a flash backward's scores).
         skipped: FLOPs the model's math asks for that the kernel skips (the masked-out half of
             causal attention): not in ``flops``, but model FLOPs count them (attention counted
             whole, as in the 6N + 12LdT count).
@@ -86,8 +83,7 @@ def _dims(config: dict[str, Any], key: str) -> tuple[int, ...]:
 
 def _trace_group(module: Module, name: str, seen: int = 0) -> int | None:
     """The group count ``G`` of the ragged-dot mask an operand comes from (through bitcasts, copies
-    and transposes): a fusion that selects its operand into a ``[G, ...]`` array by an ``iota``
-    comparison."""
+    and transposes): a fusion selecting its operand into a ``[G, ...]`` array by an iota compare."""
     instr = module.defs.get(name)
     if instr is None or seen > 8:
         return None
@@ -118,8 +114,7 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     pairs that read the input rather than its padding or dilation holes, per spatial dimension.
 
     Args:
-        instr: the instruction (its ``window=`` and ``dim_labels=`` attributes, its first two
-            operands).
+        instr: the instruction (its ``window=`` and ``dim_labels=``, its first two operands).
         types: value name -> type text of the module (`jaxdist.costs.text.Module.types`).
 
     Returns:
@@ -219,8 +214,7 @@ def ragged_dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], rhs_skip: set[i
 
 def ragged_dot_op(instr: Instr, types: dict[str, str]) -> float:
     """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul):
-    the grouped product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims``
-    attributes.
+    the grouped product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims``.
 
     Examples:
         >>> from jaxdist.costs.text import parse
@@ -296,8 +290,7 @@ def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
 
     Args:
         instr: the custom call.
-        module: the parsed module it is in (`jaxdist.costs.text.parse`): operand types and
-            producers.
+        module: the parsed module it is in (`jaxdist.costs.text.parse`): types and producers.
 
     Returns:
         A `KernelCost`, or None for a kernel whose work the text does not give.

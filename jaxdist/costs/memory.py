@@ -1,5 +1,4 @@
-"""Bytes per device: the one count of what a device holds of an array or a pytree, and what devices
-report.
+"""Bytes per device: the one count of what a device holds of a pytree, and what devices report.
 
 `bytes_per_device` reads a value's layout, not its buffers: it works on `jax.ShapeDtypeStruct`s (a
 plan of a model too big for this machine) and on arrays spread over processes alike, and counts an
@@ -20,8 +19,7 @@ __all__ = ["array_bytes_per_device", "bytes_per_device", "device_memory", "split
 
 
 def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
-    """How many parts each dimension of an array of ``shape`` is split into by ``sharding`` (1:
-    whole).
+    """How many parts each dimension of an array of ``shape`` is split into (1: whole).
 
     Examples:
         >>> import jax

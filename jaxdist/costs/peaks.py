@@ -107,8 +107,7 @@ def accelerator_of_device(device_or_kind: Any) -> Accelerator | None:
     """The row of a device (a ``jax.Device``, or its ``device_kind`` string).
 
     Args:
-        device_or_kind: a ``jax.Device`` or its ``device_kind`` (``"NVIDIA H100 80GB HBM3"``, ``"TPU
-            v5 lite"``).
+        device_or_kind: a ``jax.Device`` or its ``device_kind`` (``"NVIDIA H100 80GB HBM3"``).
 
     Returns:
         The first `Accelerator` of `ACCELERATORS` whose ``device_kind`` pattern matches, or None.
@@ -128,12 +127,10 @@ def accelerator_of_device(device_or_kind: Any) -> Accelerator | None:
 
 
 def known_peak_flops(device_kind: str) -> tuple[float, str] | None:
-    """The datasheet's dense bf16 peak FLOP/s of one device of this ``device_kind``, and where it
-    comes from.
+    """The datasheet's dense bf16 peak FLOP/s of one device of ``device_kind``, and its source.
 
     Args:
-        device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"TPU v5
-            lite"``.
+        device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"``.
 
     Returns:
         ``(flop_per_second, source)``, or None for a device not in `ACCELERATORS` (CPUs among them).

@@ -1,5 +1,4 @@
-"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives), as a
-record.
+"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives).
 
 `Plan` is the record `jaxdist.strategies` fills when it plans a step for a strategy's layout
 (``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``); `read_plan` turns a compiled program
@@ -98,8 +97,7 @@ class Plan(_Undercount):
         collectives: ``{kind: CollectivePlan}``.
         replicated_bytes: bytes of variables held whole along an axis that could split them.
         replicated: those variables (`ArrayPlan` with ``axes``), largest first.
-        unknown_loops: loops whose trip count XLA did not record (counted once: ``flops`` is then a
-            lower bound).
+        unknown_loops: loops whose trip count XLA did not record (counted once: a lower bound).
         plan_seconds: how long planning took (lowering and compiling).
         compiled_on: where the program was compiled.
         axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto
@@ -112,16 +110,13 @@ class Plan(_Undercount):
             where the exchange runs emulated on CPU), ``"dropping_local"`` / ``"dropless_local"``
             (every expert on each device), ``"dropless_ragged_local"`` (every expert local, grouped
             matmuls: GPU / TPU); empty without such layers.
-        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower
-            bound).
+        uncosted: custom calls whose work could not be told (counted as 0: a lower bound).
         attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``,
             ``"xla"``, ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
         grouped_matmul: the grouped-matmul kernels of the dropless mixture-of-experts layers
-            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty
-            without.
+            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``), or ().
         model_flops: the model's FLOPs per step (`jaxdist.costs.ProgramCost.model_flops`: ``flops``
-            without recomputation, with what kernels skip under a mask; the basis of MFU), None when
-            not counted.
+            without recomputation, with what kernels skip under a mask; MFU's basis), or None.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -168,8 +163,7 @@ class Plan(_Undercount):
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per step, all collectives together (bandwidth-optimal
-        algorithms)."""
+        """Bytes each device sends per step, all collectives (bandwidth-optimal algorithms)."""
         return float(sum(c.wire_bytes for c in self.collectives.values()))
 
     def estimate(self, accelerator: str | Accelerator = "h100") -> Estimate:
@@ -300,8 +294,7 @@ def read_plan(program: Any, *, memory: Mapping[str, int] | None = None,
         The `Plan`.
 
     Raises:
-        ValueError: for program text without a module (``program_cost``), or a text without
-            ``memory``.
+        ValueError: for program text without a module (``program_cost``) or without ``memory``.
 
     Examples:
         >>> import jax, jax.numpy as jnp

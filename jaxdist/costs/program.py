@@ -103,8 +103,7 @@ class CollectiveOp:
     @property
     def bytes(self) -> int:
         """The whole buffer's bytes on one device: the gathered result of an all-gather, the reduced
-        operand of a reduce-scatter or all-reduce, the exchanged operand of an all-to-all or
-        permute."""
+        operand of a reduce-scatter or all-reduce, the exchanged operand of all-to-all / permute."""
         return max(self.operand_bytes, self.result_bytes)
 
     @property
@@ -129,8 +128,7 @@ class _Undercount:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
-        count."""
+        """Whether ``flops`` may fall short: an uncosted custom call, or a loop of unknown trips."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
 
@@ -176,8 +174,7 @@ class ProgramCost(_Undercount):
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per call, all collectives together (bandwidth-optimal
-        algorithms)."""
+        """Bytes each device sends per call, all collectives (bandwidth-optimal algorithms)."""
         return float(sum(c.times * c.wire_bytes for c in self.collectives))
 
 
@@ -196,8 +193,7 @@ def _dot_flops(instr: Instr, types: dict[str, str]) -> float:
 
 
 def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
-    """The device (partition) ids of each group of a collective, or None when written by mesh
-    axes."""
+    """The device (partition) ids of each group of a collective; None when given by mesh axes."""
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
         groups, size = int(m.group(1)), int(m.group(2))
@@ -273,8 +269,7 @@ def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr
 
 
 def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The axis names and sizes of the mesh a compiled program's inputs are laid out on (empty when
-    none)."""
+    """The axis names and sizes of the mesh a compiled program's inputs are on (empty: none)."""
     try:
         shardings = jax.tree.leaves(compiled.input_shardings)
     except Exception:  # an executable without sharding information: collectives get no axis names
@@ -294,8 +289,7 @@ def program_cost(compiled_or_text: Any, *, axis_names: Sequence[str] | None = No
 
     Args:
         compiled_or_text: a compiled program (``jax.jit(f).lower(...).compile()``, a
-            `jax.stages.Compiled`) or its text (``compiled.as_text()``; e.g. saved from a GPU or TPU
-            run).
+            `jax.stages.Compiled`) or its text (``compiled.as_text()``, e.g. from a GPU or TPU).
         axis_names: the mesh's axis names, in order, to say which axes each collective runs over
             (default: the mesh of a compiled program's inputs; none for text).
         axis_sizes: their sizes (partition ``i`` is the mesh's ``i``-th device in row-major order).
@@ -305,8 +299,7 @@ def program_cost(compiled_or_text: Any, *, axis_names: Sequence[str] | None = No
 
     Raises:
         ValueError: for an argument that is neither a compiled program nor its text (a
-            `jax.stages.Lowered` among them: compile it first), or axis names and sizes of different
-            lengths.
+            `jax.stages.Lowered` among them: compile it first), or names and sizes of unequal count.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -348,8 +341,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
     defs = {i.name: i for instrs in computations.values() for i in instrs}
 
     def fused_converts(instr: Instr, into16: bool) -> bool:
-        """A fusion holding a convert from (``into16`` False) or to (True) a 16-bit float of its
-        size."""
+        """A fusion holding a convert from (``into16`` False) or to (True) a same-size 16-bit
+        float."""
         return any(i.op == "convert"
                    and bool(_NARROW.match(i.type if into16 else types.get(i.operands[0], "")))
                    and elements(i.type) in (elements(instr.type), 0)

@@ -1,5 +1,4 @@
-"""Which kernels a compiled program runs, read back from the named scopes jaxdist's layers trace
-them in.
+"""Which kernels a compiled program runs, read back from the named scopes jaxdist's layers use.
 
 A mixture-of-experts layer runs its dispatch path in a named scope ``<MOE_SCOPE><path>``
 (`moe_dispatch`). A layer that chooses between kernels by backend

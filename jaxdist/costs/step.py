@@ -1,5 +1,4 @@
-"""What a compiled train step costs per device, for utilisation: `StepCost`, read from the step's
-`Plan`.
+"""What a compiled train step costs per device, for utilisation: `StepCost`, read from its `Plan`.
 
 The Trainer plans its compiled train step once (``Trainer.plan``: `jaxdist.costs.program_cost` of
 the partitioned program every device runs, XLA's memory analysis, the state's layout) and reads its
@@ -55,11 +54,9 @@ class CostOptions:
 
     Attributes:
         tokens_per_example: tokens in one example (a language model's sequence length): tokens per
-            step are this times the global batch's rows. None: the summed weight of a token-weighted
-            loss.
+            step are this times the global batch's rows. None: the loss's summed token weight.
         peak_flops: the peak FLOP/s of ONE device, replacing the datasheet table (e.g. measured).
-        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of
-            ``mfu``.
+        flops_per_step: the model's FLOPs per optimizer step over the global batch (for ``mfu``).
 
     Raises:
         ValueError: for a value that is not a positive number (``tokens_per_example``: an int),
@@ -106,12 +103,10 @@ class StepCost(_Undercount):
         flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the
             basis of HFU), or None when not counted.
         flops_source: where ``flops`` comes from.
-        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then
-            "n/a").
+        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are "n/a").
         peak_source: where ``peak_flops`` comes from, or why it is unknown.
         param_bytes / optimizer_bytes / model_state_bytes: bytes each device holds (its shards).
-        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave
-            none.
+        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when not given.
         device_kind: the devices' ``device_kind``; num_devices: how many run the step.
         tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted
             per step from a token-weighted loss's weight, or not at all.
@@ -210,8 +205,7 @@ class StepCost(_Undercount):
             uncosted=() if plan is None else plan.uncosted, plan=plan)
 
     def hfu(self, steps_per_sec: float) -> float | None:
-        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops``
-        (None: n/a)."""
+        """Hardware FLOPs utilisation: ``flops * steps_per_sec / peak_flops`` (None: n/a)."""
         if self.flops is None or self.peak_flops is None:
             return None
         return self.flops * steps_per_sec / self.peak_flops
@@ -224,8 +218,7 @@ class StepCost(_Undercount):
         return self.model_flops * steps_per_sec / self.peak_flops
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict[str, float]:
-        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only
-        where known).
+        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (if known).
 
         Args:
             steps: the window's steps; seconds: how long they took.
