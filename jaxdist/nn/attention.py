@@ -1,10 +1,8 @@
-"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load
-balancing.
+"""Attention on a split sequence (context parallelism): all-gather and ring attention, load balance.
 
 A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``)
 splits a batch's sequence dimension over them. Attention is the one layer where a token needs every
-other token: inside ``strategy.jit``, `dot_product_attention` computes it on the split sequence two
-ways:
+other token: inside ``strategy.jit``, `dot_product_attention` computes it on the split sequence:
 
 * ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the
   whole sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters
@@ -24,12 +22,10 @@ entirely are skipped.
 
 Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions.
 ``load_balance=True`` gives every context device the same causal work (`jaxdist.nn.load_balance`'s
-zig-zag order) and puts the output back in the original order: transparent to the model, labels
-and loss.
+zig-zag order) and puts the output back in the original order: transparent to model and loss.
 
 Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the
-same function computes plain attention with the same formula, so a model equals itself on one
-device.
+same function computes plain attention with the same formula: a model equals itself on one device.
 
 Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the
 all-gather run cuDNN's fused flash attention (8x the XLA-compiled einsums' FLOP/s on an H100); the
@@ -118,8 +114,7 @@ def dot_product_attention(
         bias: added to the scores; broadcastable to ``(batch, heads, q_length, kv_length)``.
         mask: True where a query may attend to a key; broadcastable to ``(batch, heads, q_length,
             kv_length)`` (padding masks, Flax's ``make_attention_mask``).
-        causal: a query attends only to keys at or before its position (never materialised as ``(L,
-            L)``).
+        causal: a query attends only to keys at or before its position (no ``(L, L)`` mask built).
         segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment
             (packed sequences).
         context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there
@@ -654,8 +649,7 @@ def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, pr
 
 def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, implementation):
     """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel
-    call, the causal mask (from the local and gathered token positions) part of its ``(local q,
-    L)`` mask."""
+    call, the causal mask (from local and gathered token positions) part of its ``(q, L)`` mask."""
     lc = q.shape[1]
     q_pos = _positions(jax.lax.axis_index(axes), n, lc, zigzag)
     k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])  # gathered order

@@ -1,5 +1,4 @@
-"""Ragged token exchange: `jax.lax.ragged_all_to_all` where the backend has it, the same semantics
-on CPU.
+"""Ragged token exchange: `jax.lax.ragged_all_to_all` where the backend has it, emulated on CPU.
 
 A ragged exchange sends each device's slices of different lengths (the tokens routed to each expert)
 to the devices that own them, without padding each slice to a worst case.
@@ -31,14 +30,12 @@ __all__ = ["RAGGED_PLATFORMS", "ExchangePlan", "exchange", "exchange_plan", "has
            "ragged_all_to_all"]
 
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
-"""Device platforms with a `jax.lax.ragged_all_to_all` (and grouped `jax.lax.ragged_dot`)
-implementation."""
+"""Device platforms implementing `jax.lax.ragged_all_to_all` (and grouped `jax.lax.ragged_dot`)."""
 
 
 def has_ragged_exchange(platform: str, kind: str = "") -> bool:
     """Whether devices of ``platform`` (``device.platform`` or `jax.default_backend`) and ``kind``
-    (``device.device_kind``) run ragged collectives: GPUs, and TPUs from v4 on (v2 and v3 have
-    none)."""
+    (``device.device_kind``) run ragged collectives: GPUs, and TPUs from v4 on (not v2, v3)."""
     return platform in RAGGED_PLATFORMS and not kind.startswith(("TPU v2", "TPU v3"))
 
 

@@ -1,7 +1,6 @@
 """Mixture of experts: routing, capacity, and tokens moved to their experts' devices by all-to-all.
 
-The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of the layer's
-weights:
+The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of its weights:
 
 * **routing** (float32): ``logits = x @ router``; scores by ``softmax`` or ``sigmoid``; each token
   picks its ``top_k`` experts (by score, plus the aux-loss-free bias where there is one: it steers
@@ -180,8 +179,7 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
             with expert parallelism, a ragged exchange that moves only the routed rows (True); the
             worst-case buffer (False); None: ragged where the devices have ragged collectives (GPU,
             TPU), the buffer on CPU (where ``ragged_dot`` is dense). True on CPU with expert
-            parallelism runs the exchange emulated (`jaxdist.nn.exchange`): the same numbers, the
-            padded bytes.
+            parallelism emulates the exchange (`jaxdist.nn.exchange`): same numbers, padded bytes.
         grouped_matmul: the ragged path's grouped-matmul kernel (`GROUPED_MATMULS`): ``"tokamax"``
             or ``"ragged_dot"``; None: tokamax where it is installed and the devices are GPUs or
             TPUs, `jax.lax.ragged_dot` elsewhere.
@@ -257,8 +255,7 @@ def _route(config: Routing, weights: Weights, x: jax.Array):
 def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axes: tuple,
            batch_axes: tuple):
     """One device's rows ``x (b, l, d)``: routed, sent to the experts (over ``expert_axes`` when
-    any), combined. Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (the global
-    batch)."""
+    any), combined. Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (all rows)."""
     b, length, _ = x.shape
     e, k = config.num_experts, config.top_k
     logits, scores, experts, picked = _route(config, weights, x)
@@ -296,8 +293,7 @@ def _sums(onehot, scores, logits, kept, tokens: int) -> tuple:
 class _Picks(NamedTuple):
     """One device's routing, its (token, expert) picks sorted by expert: ``rows`` (the picked
     tokens' inputs), ``token`` (each row's token), ``weight`` (its combine weight), ``sizes (E,)``
-    (rows per expert) and ``sums`` (the statistics' sums over its rows, as `_local` returns
-    them)."""
+    (rows per expert) and ``sums`` (the statistics' sums over its rows, as `_local` gives them)."""
 
     rows: jax.Array
     token: jax.Array
@@ -349,8 +345,7 @@ def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
 
 def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
     """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
-    (``kernel``), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as
-    `_local`."""
+    (``kernel``), the outputs added back to their tokens weighted; ``(y, sums)`` as `_local`."""
     picks = _sorted_picks(config, weights, x)
     out = _grouped_experts(config, weights, picks.rows, picks.sizes, kernel)
     return _combine(picks, out, x.shape), picks.sums

@@ -1,5 +1,4 @@
-"""Causal load balancing for context parallelism: the zig-zag ("dual chunk swap") order of a split
-sequence.
+"""Causal load balancing for context parallelism: the zig-zag ("dual chunk swap") sequence order.
 
 A sequence split contiguously over ``N`` context devices gives device ``i`` chunks ``2i`` and ``2i +
 1`` of ``2 N``; under a causal mask the last device has ``2N - 1`` times the work of the first. The
@@ -36,8 +35,7 @@ def _dest(c: int, n: int) -> int:
 
 def zigzag(x, axis: int, axes, n: int):
     """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n -
-    1 - i``): two collective permutes, one per local half. Inside `jax.shard_map` over ``axes``
-    (``n`` devices).
+    1 - i``): two collective permutes, one per local half, in `jax.shard_map` over ``axes`` (``n``).
 
     Examples:
         >>> import jax, numpy as np

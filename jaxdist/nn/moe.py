@@ -15,8 +15,7 @@ with FSDP and tensor parallelism by the strategy's rules: ``router (d, E)`` ``("
 The auxiliary loss (``load_balance_weight`` x the Switch load-balancing loss + ``z_loss_weight`` x
 the router z-loss) is sown in the ``"moe_losses"`` collection and the router metrics in
 ``"moe_metrics"`` on every call but ``init`` (whose variables hold weights only): apply with
-``mutable=["moe_losses", "moe_metrics"]`` and add `moe_loss` of what comes back to the training
-loss.
+``mutable=["moe_losses", "moe_metrics"]`` and add `moe_loss` of what comes back to the loss.
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -44,8 +43,7 @@ from jaxdist.nn.experts import Routing, Stats, Weights, apply
 __all__ = ["SOWN", "MoE", "moe_loss", "moe_metrics", "update_router_bias"]
 
 SOWN = ("moe_losses", "moe_metrics")
-"""The collections `MoE` sows into on every call (values of that call, not state carried between
-steps)."""
+"""The collections `MoE` sows into on every call (that call's values, not state between steps)."""
 
 EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "embed", "mlp"),
                   "wo": ("expert", "mlp", "embed")}
@@ -53,8 +51,7 @@ EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "em
 
 
 def stacked_init() -> Callable:
-    """Lecun-normal per expert: fan-in is each expert's own input width (axis 0 stacks the
-    experts)."""
+    """Lecun-normal per expert: fan-in is each expert's own input width (axis 0: the experts)."""
     return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
                                             out_axis=-1, batch_axis=(0,))
 

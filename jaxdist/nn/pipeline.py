@@ -242,8 +242,7 @@ class Pipeline(nn.Module):
         return self._pipelined(layer, params, keys, x, args, policy, stages)
 
     def _init_scan(self, x: jax.Array, args: tuple, kwargs: dict[str, Any]) -> jax.Array:
-        """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for
-        rng)."""
+        """The parameters are created by ``nn.scan`` itself (that scan's, rng for rng)."""
 
         def body(module, carry, *xs):
             return _checked(module, carry, module(carry, *xs, **kwargs)), None
