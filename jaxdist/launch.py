@@ -120,8 +120,7 @@ def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set
 def launch(command: Sequence[str], num_processes: int, cpu_devices: int | None = None,
            timeout: float | None = None, grace: float = 10.0, out=None,
            verbose: bool = False) -> int:
-    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating
-    processes.
+    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` processes of a job.
 
     Args:
         command: e.g. ``["train.py", "--steps", "10"]`` or ``["-m", "pkg.train"]``.

@@ -1,5 +1,4 @@
-"""Gradients: cluster tagging carried through `jax.grad`, and gradient synchronizers with
-compression."""
+"""Gradients: cluster tagging carried through `jax.grad`, and compressing gradient synchronizers."""
 
 from jaxdist.gradients.clusters import cluster as cluster
 from jaxdist.gradients.clusters import cluster_of as cluster_of

@@ -16,8 +16,7 @@ wrapped in ``transpose(...)``, which is how JAX names what it transposes.
 Plain `jax.grad` works on code with clusters too; its gradient ops just carry no uid.
 
 Any code can tag and read clusters. `jaxdist.tpu.outside_compilation` builds on them: each host
-region is cluster "0", "1", ... of its computation, and its VJP runs as the host region of cluster
-``C.uid``.
+region is cluster "0", "1", ... of its computation, and its VJP runs as host region ``C.uid``.
 """
 
 from __future__ import annotations
@@ -113,8 +112,7 @@ def current_cluster() -> str | None:
 
 
 def current_gradient_uid() -> str | None:
-    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation being traced (None
-    outside).
+    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation traced (None outside).
 
     Examples:
         >>> import jaxdist as jd

@@ -6,8 +6,7 @@ A compressor reduces ONE gradient leaf across the replicas: ``decompress(all_red
 * `CastCompressor`: cast to bfloat16 / float16 before the all-reduce and back after (Horovod's fp16
   compression), with optional error feedback.
 * `PowerSGDCompressor`: rank-r PowerSGD (Vogels et al., 2019): one power iteration per step, Q
-  warm-started from the previous step and the compression error fed back into the next step's
-  gradient.
+  warm-started from the previous step and the compression error fed into the next step's gradient.
 
 Compressors are stateless configuration objects, optax-style: ``init(leaf, index)`` makes a leaf's
 state (a NamedTuple, or None when there is none) and ``reduce(grad, state, ...)`` returns
@@ -135,8 +134,7 @@ class NoneCompressor(Compressor):
 
 
 class CastState(NamedTuple):
-    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next
-    one.
+    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next.
 
     Attributes:
         error: this replica's rounding error, shaped like the gradient (different on every replica:

@@ -1,5 +1,4 @@
-"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the whole
-table.
+"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the table.
 
 The gradient of an embedding lookup ``table[ids]`` is zero except in the rows ``ids`` touched. A
 dense all-reduce sends the whole table; gathering every replica's ``(indices, rows)`` sends

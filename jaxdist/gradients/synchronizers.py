@@ -1,5 +1,4 @@
-"""`AllReduceSynchronizer`: the gradient all-reduce of a replica function, with a pluggable
-compressor.
+"""`AllReduceSynchronizer`: a replica function's gradient all-reduce, with a pluggable compressor.
 
 A synchronizer is a pure function object used inside the replica function (``strategy.run``),
 optax-style::

@@ -1,5 +1,4 @@
-"""The job: its processes, joined, checked, failing together, and the programs a restart finds
-compiled.
+"""The job: its processes, joined, checked, failing together, and the programs a restart reuses.
 
 ``_join`` joins the job over ``jax.distributed`` and answers "does this job span processes";
 ``_failure`` is the job's key-value store and makes a job's processes end together; ``_checks``

@@ -1,11 +1,9 @@
-"""The processes of one ``fit``: they agree before the first step, end their data together, and fail
-together.
+"""The processes of one ``fit``: they agree before the first step, end their data and fail together.
 
 In a job of several processes every process runs ``fit`` and meets the others in every step's
 collectives and every checkpoint write. A process that does something else (another ``steps=``,
 another checkpoint cadence, a ``checkpoint_dir`` the others cannot see, data that ends sooner) or
-that raises leaves the others waiting forever, without a word. So (nothing of this in a single
-process):
+that raises leaves the others waiting forever, without a word. So (nothing of this in one process):
 
 * `agree_on_fit`, before anything collective: every process's settings are compared with process 0's
   (an error on every process names the setting and each process's value), and process 0 writes a
@@ -60,8 +58,7 @@ class JobDisagreementError(RuntimeError):
 
     Attributes:
         on_every_process: raised on every process at once (an agreement every process took part in),
-            so nobody has to be told; False: this process alone found it (its peers wait in a
-            collective).
+            so nobody need be told; False: this process alone found it (peers wait in a collective).
 
     Examples:
         >>> JobDisagreementError("x", on_every_process=True).on_every_process
@@ -199,8 +196,7 @@ def data_ended(mesh: Mesh | None, consumed: int, needed: int) -> None:
 
     Raises:
         JobDisagreementError: when another process's data ended elsewhere, or it did not reach the
-            end of its data within `DATA_END_SECONDS` (it has more), naming the process that ran
-            out.
+            end of its data within `DATA_END_SECONDS` (it has more), naming who ran out.
 
     Examples:
         >>> data_ended(None, 5, 12)   # one process: an early end, said by fit

@@ -32,8 +32,7 @@ def configure_compilation_cache(directory: str | os.PathLike, *,
 
     Args:
         directory: where the compiled programs go (created if missing; share it between restarts).
-        min_compile_seconds: programs that compiled faster than this are not cached (0: all of
-            them).
+        min_compile_seconds: programs that compiled faster than this are not cached (0: cache all).
 
     Returns:
         The directory, as an absolute `Path`.

@@ -1,5 +1,4 @@
-"""A job's processes end together: a process that fails tells the others why, and none waits
-forever.
+"""A job's processes end together: a failing process tells the others why, and none waits forever.
 
 In a job of several processes a process that raises (or whose data ends) leaves its peers waiting in
 their next collective, and itself waits at exit in ``jax.distributed.shutdown`` for peers that never

@@ -42,8 +42,7 @@ __all__ = ["CLUSTER_VARIABLES", "check_connected", "check_spans_processes", "spa
            "detected_cluster", "from_chief", "initialize_cluster", "resolve_cluster"]
 
 CLUSTER_VARIABLES = ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
-"""The environment variables that describe a job (what ``python -m jaxdist.launch`` and cluster
-recipes set)."""
+"""The environment variables that describe a job (set by ``jaxdist.launch`` and cluster recipes)."""
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
@@ -120,8 +119,7 @@ def initialize_cluster(
         caller: who asks, for error messages.
 
     Raises:
-        ValueError: for a partial or malformed cluster, or when JAX is already connected with
-            another count.
+        ValueError: for a partial or malformed cluster, or JAX already connected with another count.
         RuntimeError: when this process already ran a JAX computation
             (``jax.distributed.initialize`` must come first).
 
@@ -245,8 +243,7 @@ def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
 
 
 def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
-    """Raise unless ``devices`` belong to every process of the job (always true in a single
-    process).
+    """Raise unless ``devices`` belong to every process of the job (always true in one process).
 
     Raises:
         ValueError: naming the processes the devices belong to and the fix.

@@ -38,8 +38,7 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
 
 
 def is_axis_name(value: Any) -> bool:
-    """True for a mesh axis name or a non-empty tuple of them (what JAX collectives take as
-    ``axis_name``).
+    """True for a mesh axis name or a non-empty tuple of them (a JAX collective's ``axis_name``).
 
     Examples:
         >>> is_axis_name("replica"), is_axis_name(("data", "fsdp")), is_axis_name(3)
@@ -119,8 +118,7 @@ def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:
 def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation,
                axis_name: AxisName = REPLICA_AXIS) -> Any:
     """psum / pmean (by ``reduce_op``: SUM or MEAN) of a pytree over ``axis_name``; every replica
-    gets it. Outside `shard_map` (the axis is not bound: one replica) ``value`` is returned
-    unchanged.
+    gets it. Outside `shard_map` (the axis is not bound: one replica) ``value`` comes back as is.
 
     Examples:
         >>> import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """Pytree utilities every layer uses: which leaves are traced (arrays) and which are constants
-(static, as in tf.function), which are distributed values, their abstract shapes, cache keys and
-names."""
+(static, as in tf.function), which are distributed values, abstract shapes, cache keys and names."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:
 
 
 def merge_static(dynamic: Sequence[Any], treedef: Any, statics: tuple) -> Any:
-    """The tree `split_static` took apart, with ``dynamic`` (traced values) in the array
-    positions."""
+    """The tree `split_static` took apart, ``dynamic`` (traced values) at the array positions."""
     it = iter(dynamic)
     return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in statics])
 

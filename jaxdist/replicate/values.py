@@ -332,8 +332,7 @@ class SyncOnRead(_Distributed):
         """Add ``delta`` in place (to this replica's component in replica context); return it.
 
         Raises:
-            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer
-                value).
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer).
 
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
@@ -352,8 +351,7 @@ class SyncOnRead(_Distributed):
         this value.
 
         Raises:
-            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer
-                value).
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer).
         """
         self._check_kind(delta, "assign_sub")
         return self.assign(self.read() - jnp.asarray(delta, self._value.dtype))

@@ -85,8 +85,7 @@ def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
     automatic. Callbacks need every mesh axis manual. Inside ``strategy.run`` on a (replica, model)
     mesh only the replica axis is, so the call goes into a nested `jax.shard_map` over the other
     axes: it runs on the first device of those axes (the host still runs once per replica) and its
-    result is summed with the others' zeros, which hands every device of the replica the same
-    value.
+    result is summed with the others' zeros, handing every device of the replica the same value.
     """
     mesh = jax.sharding.get_abstract_mesh()
     auto = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
@@ -111,8 +110,7 @@ def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
 
 
 class _Region:
-    """One host region: its host function on the dynamic (array) arguments, result shapes, and
-    VJP."""
+    """One host region: its host function on the dynamic (array) arguments, result shapes, VJP."""
 
     def __init__(self, host_fn, statics, result_shape, vjp, traceable, ordered, name):
         # statics: (positions, values) of non-array arguments, passed through unchanged
@@ -400,8 +398,7 @@ def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, nam
 
 
 def host_compute_core(lowered: Any, num_replicas: int) -> list[str]:
-    """``"cluster:core"`` for every host region of a compiled computation and every replica core
-    that runs it.
+    """``"cluster:core"`` for every host region of a compiled computation and every core running it.
 
     Args:
         lowered: the lowered computation (``step.lower(...)``, ``ctx.lower()`` of a steps loop) or

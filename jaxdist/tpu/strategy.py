@@ -22,8 +22,7 @@ __all__ = ["TPUStrategy"]
 
 
 class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Synchronous data parallelism over the cores of the default backend, with on-device step
-    loops.
+    """Synchronous data parallelism over the cores of the default backend, with on-device loops.
 
     Args:
         steps_per_run: steps (>= 1) per ``run_steps_on_dataset`` call without ``iterations``.
