@@ -20,8 +20,7 @@ Examples:
     ...     loss, g = jax.value_and_grad(lambda w: ((x @ w) ** 2).mean())(w)
     ...     return w - 0.1 * g, loss
     >>> strategy = jd.MirroredStrategy()
-    >>> # x's rows are split over the replicas
-    >>> step = strategy.jit(sgd_step, donate_argnums=0, batch_argnums=1)
+    >>> step = strategy.jit(sgd_step, donate_argnums=0, batch_argnums=1)  # x's rows split
     >>> w, loss = step(strategy.mirror(np.ones(3, np.float32)), np.ones((64, 3), np.float32))
     >>> round(float(loss), 3)
     9.0
@@ -83,44 +82,13 @@ from jaxdist.tpu import TPUStrategy as TPUStrategy
 __version__ = "0.1.0"
 
 __all__ = [
-    "MODEL_AXIS",
-    "REPLICA_AXIS",
-    "DistributedDataset",
-    "IdleAxisWarning",
-    "InputContext",
-    "LayoutPolicy",
-    "MirroredStrategy",
-    "MultiStepContext",
-    "MultiWorkerMirroredStrategy",
-    "OneDeviceStrategy",
-    "PerReplica",
-    "Plan",
-    "RecompileWarning",
-    "ReduceOp",
-    "ReplicaContext",
-    "ShardedStrategy",
-    "Strategy",
-    "StrategyFunction",
-    "SyncOnRead",
-    "TPUStrategy",
-    "UndeclaredBatchWarning",
-    "UnmatchedLayoutRuleWarning",
-    "ValueContext",
-    "VariableAggregation",
-    "compat",
-    "compute_average_loss",
-    "configure_compilation_cache",
-    "costs",
-    "gradients",
-    "nn",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "initialize_cluster",
-    "plan_mesh",
-    "program_cost",
-    "scale_regularization_loss",
-    "tpu",
+    "MODEL_AXIS", "REPLICA_AXIS", "DistributedDataset", "IdleAxisWarning", "InputContext",
+    "LayoutPolicy", "MirroredStrategy", "MultiStepContext", "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy", "PerReplica", "Plan", "RecompileWarning", "ReduceOp", "ReplicaContext",
+    "ShardedStrategy", "Strategy", "StrategyFunction", "SyncOnRead", "TPUStrategy",
+    "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext", "VariableAggregation",
+    "compat", "compute_average_loss", "configure_compilation_cache", "costs", "gradients", "nn",
+    "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
+    "initialize_cluster", "plan_mesh", "program_cost", "scale_regularization_loss", "tpu",
     "training",
 ]

@@ -52,11 +52,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What gloo writes to the processes' output as its ranks connect, one line per rank and
-# communicator.
+# What gloo writes to the processes' output as its ranks connect, one line per rank.
 _GLOO_LINE = b"[Gloo] "
-
-
 # How jaxdist starts what it says about a job's end (`jaxdist.job`): the first such line of a
 # process is its reason, repeated in the summary.
 _JAXDIST_LINE = "[jaxdist] "
@@ -104,8 +101,8 @@ def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set
                 progress[i] = json.load(f)
         step = f" at step {progress[i]['step']}" if i in progress else ""
         words = f"; it said: {said[i][0]}" if said[i] else ""
-        lines.append(f"[launch] process {i} "
-                     f"{_ended(p.returncode, i in stopped, i in ours)}{step}{words}")
+        lines.append(f"[launch] process {i} {_ended(p.returncode, i in stopped, i in ours)}{step}"
+                     f"{words}")
     if progress:
         latest = progress.get(0) or next(iter(progress.values()))
         checkpoint, where = latest.get("checkpoint"), latest.get("checkpoint_dir")
@@ -120,17 +117,10 @@ def _summary(procs: list, progress_dir: str, said: list, stopped: set, ours: set
     return lines
 
 
-def launch(
-    command: Sequence[str],
-    num_processes: int,
-    cpu_devices: int | None = None,
-    timeout: float | None = None,
-    grace: float = 10.0,
-    out=None,
-    verbose: bool = False,
-) -> int:
-    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` cooperating
-    processes.
+def launch(command: Sequence[str], num_processes: int, cpu_devices: int | None = None,
+           timeout: float | None = None, grace: float = 10.0, out=None,
+           verbose: bool = False) -> int:
+    """Run ``command`` (argv after the Python interpreter) as ``num_processes`` processes of a job.
 
     Args:
         command: e.g. ``["train.py", "--steps", "10"]`` or ``["-m", "pkg.train"]``.
@@ -162,15 +152,12 @@ def launch(
     if not command:
         raise ValueError("command is empty: pass the script (and its arguments) to run.")
     out = out or sys.stdout
-    env = dict(os.environ)
-    env["JAXDIST_COORDINATOR_ADDRESS"] = f"127.0.0.1:{free_port()}"
-    env["JAXDIST_NUM_PROCESSES"] = str(num_processes)
-    env["PYTHONUNBUFFERED"] = "1"
     progress_dir = tempfile.mkdtemp(prefix="jaxdist-launch-")
-    env["JAXDIST_LAUNCH_DIR"] = progress_dir
+    env = dict(os.environ, JAXDIST_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+               JAXDIST_NUM_PROCESSES=str(num_processes), PYTHONUNBUFFERED="1",
+               JAXDIST_LAUNCH_DIR=progress_dir)
     if cpu_devices is not None:
-        env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
-        env["JAX_PLATFORMS"] = "cpu"
+        env.update(JAX_NUM_CPU_DEVICES=str(cpu_devices), JAX_PLATFORMS="cpu")
     procs, pumps, said, stopped, ours = [], [], [[] for _ in range(num_processes)], set(), set()
     for i in range(num_processes):
         env_i = dict(env, JAXDIST_PROCESS_ID=str(i))
@@ -180,10 +167,9 @@ def launch(
                              stderr=subprocess.PIPE, start_new_session=True)
         procs.append(p)
         for stream in (p.stdout, p.stderr):
-            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", out, verbose, said[i]),
-                                 daemon=True)
-            t.start()
-            pumps.append(t)
+            pumps.append(threading.Thread(target=_pump, daemon=True,
+                                          args=(stream, f"[{i}] ", out, verbose, said[i])))
+            pumps[-1].start()
 
     def stop(signum=signal.SIGTERM):
         for i, p in enumerate(procs):
@@ -235,9 +221,8 @@ def launch(
         for t in pumps:
             t.join(timeout=5)
         if code != 0:
-            out.write(
-                "".join(line + "\n" for line in _summary(procs, progress_dir, said, stopped, ours))
-            )
+            out.write("".join(line + "\n"
+                              for line in _summary(procs, progress_dir, said, stopped, ours)))
             out.flush()
         shutil.rmtree(progress_dir, ignore_errors=True)
     return code
@@ -277,8 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no script given: python -m jaxdist.launch -n 2 train.py [args...]")
     code = launch(args.command, args.num_processes, args.cpu_devices, args.timeout, args.grace,
                   verbose=args.verbose)
-    # a process killed by signal N: 128 + N, as a shell says it
-    return 128 - code if code < 0 else code
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says it
 
 
 if __name__ == "__main__":

@@ -1,27 +1,21 @@
-"""Costs: what a compiled program does per device, what the accelerators can do, and the time it
-takes.
+"""Costs: what a compiled program does per device, what the accelerators can do, the time it takes.
 
 One home for the cost model, below every other package (it imports none of jaxdist): `program_cost`
 counts a compiled program's FLOPs (loops multiplied, library calls and kernels costed), bytes
 accessed and collectives; `ACCELERATORS` holds the published peaks by chip and device kind;
-`roofline` turns the two into a step time. `jaxdist.Plan`, the Trainer's utilisation figures and the
-benchmarks all read them.
-
-The records of what a step costs live here too, below every package that fills or reads them:
-`jaxdist.costs.plan` holds `jaxdist.Plan` (public as ``jd.Plan``; `jaxdist.strategies` fills it for
-a strategy's layout), `jaxdist.costs.step` the Trainer's `jaxdist.training.StepCost` (a view of its
-train step's plan); `bytes_per_device` is the one count of what a device holds, `format_bytes` and
-`format_flops` the one way to print bytes and FLOPs.
+`roofline` turns the two into a step time. The records of what a step costs live here too:
+`jaxdist.costs.plan` holds `jaxdist.Plan` (public as ``jd.Plan``), `jaxdist.costs.step` the
+Trainer's `jaxdist.training.StepCost`; `bytes_per_device` is the one count of what a device holds,
+`format_bytes` and `format_flops` the one way to print bytes and FLOPs.
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
-    >>> cost = jd.program_cost(jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)),
-    ...                                                          jnp.ones((4, 2))).compile())
+    >>> lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2)))
+    >>> cost = jd.program_cost(lowered.compile())
     >>> cost.flops
     128.0
-    >>> str(jd.costs.roofline(cost.flops, cost.bytes_accessed, 0.0,
-    ...                       "h100")).split(" (")[1].split(":")[0]
-    'memory-bound'
+    >>> jd.costs.roofline(cost.flops, cost.bytes_accessed, 0.0, "h100").bound
+    'memory'
 """
 
 from jaxdist.costs.memory import bytes_per_device as bytes_per_device
@@ -39,19 +33,6 @@ from jaxdist.costs.roofline import roofline as roofline
 from jaxdist.costs.units import format_bytes as format_bytes
 from jaxdist.costs.units import format_flops as format_flops
 
-__all__ = [
-    "ACCELERATORS",
-    "COLLECTIVE_KINDS",
-    "Accelerator",
-    "CollectiveOp",
-    "Estimate",
-    "ProgramCost",
-    "accelerator",
-    "accelerator_of_device",
-    "bytes_per_device",
-    "format_bytes",
-    "format_flops",
-    "known_peak_flops",
-    "program_cost",
-    "roofline",
-]
+__all__ = ["ACCELERATORS", "COLLECTIVE_KINDS", "Accelerator", "CollectiveOp", "Estimate",
+           "ProgramCost", "accelerator", "accelerator_of_device", "bytes_per_device",
+           "format_bytes", "format_flops", "known_peak_flops", "program_cost", "roofline"]

@@ -21,9 +21,7 @@ custom calls. `custom_call_cost` costs each kind from what the compiled text say
 * calls that move or order data (sharding annotations, host transfers, callbacks, sorts, random
   bits) cost no FLOPs.
 
-Any other custom call cannot be costed: `custom_call_cost` returns None and the program's cost names
-it.
-"""
+Any other custom call cannot be costed: `custom_call_cost` returns None; the cost names it."""
 
 from __future__ import annotations
 
@@ -45,12 +43,11 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
 _FREE = re.compile(
     r"^(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape|LayoutConstraint|MoveToHost|"
-    r"MoveToDevice|"
-    r"annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|PadToStatic|"
+    r"MoveToDevice|annotate_device_placement|AllocateBuffer|PartialReduce|TopK|SliceToDynamic|"
+    r"PadToStatic|"
     r".*callback.*|.*[Ss]ort.*|.*threefry.*|"
     r"__gpu\$xla\.gpu\.ext\.cu_threefry2x32|X64Combine|X64SplitHigh|X64SplitLow|"
-    r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$"
-)
+    r"xla\.gpu\.ext\.cu_threefry2x32|tpu_host_transfer|InspectSharding|shard_barrier|.*Barrier.*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +57,11 @@ class KernelCost:
     Attributes:
         kind: what it is (``"cuBLAS gemm"``, ``"cuDNN attention"``, ``"ragged dot"``, ...).
         flops: its floating-point operations.
-        transcendentals: its transcendental operations (the softmax's exponentials of fused
-            attention).
-        recomputed: the part of ``flops`` that recomputes forward work (a flash-attention backward's
-            scores).
+        transcendentals: its transcendental operations (fused attention's softmax exponentials).
+        recomputed: the part of ``flops`` recomputing forward work (a flash backward's scores).
         skipped: FLOPs the model's math asks for that the kernel skips (the masked-out half of
-            causal attention):
-            not in ``flops``, but model FLOPs count them (attention counted whole, as in the 6N +
-            12LdT count).
+            causal attention): not in ``flops``, but model FLOPs count them (attention counted
+            whole, as in the 6N + 12LdT count).
     """
 
     kind: str
@@ -89,13 +83,12 @@ def _dims(config: dict[str, Any], key: str) -> tuple[int, ...]:
 
 def _trace_group(module: Module, name: str, seen: int = 0) -> int | None:
     """The group count ``G`` of the ragged-dot mask an operand comes from (through bitcasts, copies
-    and transposes): a fusion that selects its operand into a ``[G, ...]`` array by an ``iota``
-    comparison."""
+    and transposes): a fusion selecting its operand into a ``[G, ...]`` array by an iota compare."""
     instr = module.defs.get(name)
     if instr is None or seen > 8:
         return None
-    if instr.op in ("bitcast", "copy", "transpose", "reshape",
-                    "get-tuple-element") and instr.operands:
+    if instr.operands and instr.op in ("bitcast", "copy", "transpose", "reshape",
+                                       "get-tuple-element"):
         return _trace_group(module, instr.operands[0], seen + 1)
     if instr.op != "fusion":
         return None
@@ -121,8 +114,7 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     pairs that read the input rather than its padding or dilation holes, per spatial dimension.
 
     Args:
-        instr: the instruction (its ``window=`` and ``dim_labels=`` attributes, its first two
-            operands).
+        instr: the instruction (its ``window=`` and ``dim_labels=``, its first two operands).
         types: value name -> type text of the module (`jaxdist.costs.text.Module.types`).
 
     Returns:
@@ -149,10 +141,8 @@ def conv_flops(instr: Instr, types: dict[str, str]) -> float:
     in_l, k_l, out_l = labels.groups()
     spatial = sorted(c for c in k_l if c.isdigit())
     n = len(spatial)
-    size = _window(instr.attrs, "size", n, 1)
-    stride = _window(instr.attrs, "stride", n, 1)
-    lhs_dilate, rhs_dilate = (_window(instr.attrs, "lhs_dilate", n, 1),
-                              _window(instr.attrs, "rhs_dilate", n, 1))
+    size, stride, lhs_dilate, rhs_dilate = (
+        _window(instr.attrs, key, n, 1) for key in ("size", "stride", "lhs_dilate", "rhs_dilate"))
     pads = re.search(r"\bpad=([\d_x\-]+)", instr.attrs)
     low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
     pairs = 1
@@ -224,8 +214,7 @@ def ragged_dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], rhs_skip: set[i
 
 def ragged_dot_op(instr: Instr, types: dict[str, str]) -> float:
     """The FLOPs of an HLO ``ragged-dot`` (what XLA keeps where the backend has a grouped matmul):
-    the grouped product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims``
-    attributes.
+    the grouped product (`ragged_dot_flops`), from its operands' shapes and ``rhs_*_dims``.
 
     Examples:
         >>> from jaxdist.costs.text import parse
@@ -297,13 +286,11 @@ _COSTERS: tuple[tuple[re.Pattern[str], Callable[[Instr, Module, dict[str, Any]],
 
 
 def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
-    """What a ``custom-call`` instruction of ``module`` computes (see the module doc), or None when
-    it cannot be told.
+    """What a ``custom-call`` instruction of ``module`` computes (see the module doc).
 
     Args:
         instr: the custom call.
-        module: the parsed module it is in (`jaxdist.costs.text.parse`): operand types and
-            producers.
+        module: the parsed module it is in (`jaxdist.costs.text.parse`): types and producers.
 
     Returns:
         A `KernelCost`, or None for a kernel whose work the text does not give.
@@ -314,8 +301,7 @@ def custom_call_cost(instr: Instr, module: Module) -> KernelCost | None:
         ...           '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
         >>> text = "\\n".join([
         ...     "ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> bf16[64,16] {",
-        ...     "  %a = bf16[64,32]{1,0} parameter(0)",
-        ...     "  %b = bf16[32,16]{1,0} parameter(1)",
+        ...     "  %a = bf16[64,32]{1,0} parameter(0)", "  %b = bf16[32,16]{1,0} parameter(1)",
         ...     "  ROOT %g = (bf16[64,16]{1,0}, s8[0]{0}) custom-call(%a, %b), "
         ...     f'custom_call_target="__cublas$lt$matmul", backend_config={config}',
         ...     "}"])

@@ -1,11 +1,8 @@
-"""Bytes per device: the one count of what a device holds of an array or a pytree, and what devices
-report.
+"""Bytes per device: the one count of what a device holds of a pytree, and what devices report.
 
 `bytes_per_device` reads a value's layout, not its buffers: it works on `jax.ShapeDtypeStruct`s (a
 plan of a model too big for this machine) and on arrays spread over processes alike, and counts an
-uneven split at its largest shard (the device that holds the most). `jaxdist.Plan`'s ``state_bytes``
-and the Trainer's `jaxdist.costs.StepCost` both count with it. `device_memory` is what the devices
-themselves report.
+uneven split at its largest shard. `device_memory` is what the devices themselves report.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ __all__ = ["array_bytes_per_device", "bytes_per_device", "device_memory", "split
 
 
 def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
-    """How many parts each dimension of an array of ``shape`` is split into by ``sharding`` (1:
-    whole).
+    """How many parts each dimension of an array of ``shape`` is split into (1: whole).
 
     Examples:
         >>> import jax
@@ -36,8 +32,7 @@ def split_parts(shape: Sequence[int], sharding: Any) -> tuple[int, ...]:
         sizes = dict(sharding.mesh.shape)
         entries = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         return tuple(math.prod(sizes[n] for n in (e if isinstance(e, tuple) else (e,))
-                               if isinstance(n, str))
-                     for e in entries[:len(shape)])
+                               if isinstance(n, str)) for e in entries[:len(shape)])
     if sharding is None or not len(shape):
         return (1,) * len(shape)
     # any other sharding: its own word (these split evenly)
@@ -59,8 +54,7 @@ def array_bytes_per_device(shape: Sequence[int], dtype: Any, sharding: Any = Non
         >>> import jax, numpy as np
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> mesh = jax.make_mesh((8,), ("data",))
-        >>> # 2 rows at most
-        >>> array_bytes_per_device((10, 4), np.float32, NamedSharding(mesh, P("data")))
+        >>> array_bytes_per_device((10, 4), np.float32, NamedSharding(mesh, P("data")))  # 2 rows
         32
         >>> array_bytes_per_device((10, 4), np.float32)
         160
@@ -87,9 +81,8 @@ def bytes_per_device(tree: Any) -> int:
     for leaf in jax.tree.leaves(tree):
         if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
             continue
-        total += array_bytes_per_device(
-            tuple(np.shape(leaf)), leaf.dtype, getattr(leaf, "sharding", None)
-        )
+        total += array_bytes_per_device(tuple(np.shape(leaf)), leaf.dtype,
+                                        getattr(leaf, "sharding", None))
     return total
 
 

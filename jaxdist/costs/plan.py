@@ -1,12 +1,9 @@
-"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives), as a
-record.
+"""The plan of a compiled step: what one call costs each device (memory, FLOPs, collectives).
 
 `Plan` is the record `jaxdist.strategies` fills when it plans a step for a strategy's layout
-(``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``; `jaxdist.strategies.plan` lays the
-arguments out and compiles); `read_plan` turns a compiled program (or its text and XLA's memory
-analysis) into one, and the Trainer's `jaxdist.costs.StepCost` is read from the plan of its train
-step. The records live here, below every package that fills or reads them; they import nothing of
-jaxdist but the cost model.
+(``strategy.jit(step).plan(...)``, ``Trainer.plan(batch)``); `read_plan` turns a compiled program
+(or its text and XLA's memory analysis) into one. The records live here, below every package that
+fills or reads them; they import nothing of jaxdist but the cost model.
 """
 
 from __future__ import annotations
@@ -100,8 +97,7 @@ class Plan(_Undercount):
         collectives: ``{kind: CollectivePlan}``.
         replicated_bytes: bytes of variables held whole along an axis that could split them.
         replicated: those variables (`ArrayPlan` with ``axes``), largest first.
-        unknown_loops: loops whose trip count XLA did not record (counted once: ``flops`` is then a
-            lower bound).
+        unknown_loops: loops whose trip count XLA did not record (counted once: a lower bound).
         plan_seconds: how long planning took (lowering and compiling).
         compiled_on: where the program was compiled.
         axis_types: ``{axis: jax.sharding.AxisType}`` the program runs with: the mesh's own, or Auto
@@ -114,16 +110,13 @@ class Plan(_Undercount):
             where the exchange runs emulated on CPU), ``"dropping_local"`` / ``"dropless_local"``
             (every expert on each device), ``"dropless_ragged_local"`` (every expert local, grouped
             matmuls: GPU / TPU); empty without such layers.
-        uncosted: custom calls whose work could not be told (counted as 0: ``flops`` is then a lower
-            bound).
+        uncosted: custom calls whose work could not be told (counted as 0: a lower bound).
         attention: the kernels `jaxdist.nn.dot_product_attention` computes with (``"cudnn"``,
             ``"xla"``, ``"einsum"``; `jaxdist.costs.scopes`); empty without it.
         grouped_matmul: the grouped-matmul kernels of the dropless mixture-of-experts layers
-            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``); empty
-            without.
+            (``"ragged_dot"``: `jax.lax.ragged_dot`, ``"tokamax"``: ``tokamax.ragged_dot``), or ().
         model_flops: the model's FLOPs per step (`jaxdist.costs.ProgramCost.model_flops`: ``flops``
-            without recomputation, with what kernels skip under a mask; the basis of MFU), None when
-            not counted.
+            without recomputation, with what kernels skip under a mask; MFU's basis), or None.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -170,8 +163,7 @@ class Plan(_Undercount):
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per step, all collectives together (bandwidth-optimal
-        algorithms)."""
+        """Bytes each device sends per step, all collectives (bandwidth-optimal algorithms)."""
         return float(sum(c.wire_bytes for c in self.collectives.values()))
 
     def estimate(self, accelerator: str | Accelerator = "h100") -> Estimate:
@@ -206,11 +198,9 @@ class Plan(_Undercount):
         auto = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Auto]
         explicit = [a for a, t in self.axis_types.items() if t == jax.sharding.AxisType.Explicit]
         if explicit or auto:
-            lines.append(
-                "Axis types: "
-                + "; ".join(f"{label} {', '.join(axes)}"
-                            for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes)
-            )
+            lines.append("Axis types: " + "; ".join(
+                f"{label} {', '.join(axes)}"
+                for label, axes in (("Explicit", explicit), ("Auto", auto)) if axes))
         if self.moe_dispatch:
             lines.append("MoE dispatch: " + ", ".join(p.replace("_", " ")
                                                       for p in self.moe_dispatch))
@@ -235,9 +225,8 @@ class Plan(_Undercount):
         if self.unknown_loops:
             lines.append(f"  ({self.unknown_loops} loop(s) of unknown trip count counted once)")
         if self.uncosted:
-            names = ", ".join(self.uncosted[:4])
             lines.append(f"  (FLOPs at least: {len(self.uncosted)} custom call(s) not costed: "
-                         f"{names})")
+                         f"{', '.join(self.uncosted[:4])})")
         lines.append("Collectives per device per step (how many, their bytes in all, the bytes "
                      "sent)")
         if not self.collectives:
@@ -255,8 +244,7 @@ class Plan(_Undercount):
         for a in self.largest_arrays:
             lines.append(f"  {format_bytes(a.bytes):>11}  {a.path} {a.dtype}{list(a.shape)} "
                          f"{a.layout}")
-        e = self.estimate("h100")
-        lines.append(f"Estimate: {e}")
+        lines.append(f"Estimate: {self.estimate('h100')}")
         return "\n".join(lines)
 
 
@@ -265,10 +253,8 @@ def _budget(memory_per_device: Any) -> int:
         return accelerator(memory_per_device).memory
     if (not isinstance(memory_per_device, (int, np.integer)) or isinstance(memory_per_device, bool)
             or (memory_per_device <= 0)):
-        raise ValueError(
-            f"memory_per_device={memory_per_device!r} must be a positive number of bytes (e.g. 16 "
-            "<< 30) or an accelerator name such as 'h100'."
-        )
+        raise ValueError(f"memory_per_device={memory_per_device!r} must be a positive number of "
+                         "bytes (e.g. 16 << 30) or an accelerator name such as 'h100'.")
     return int(memory_per_device)
 
 
@@ -278,19 +264,12 @@ def memory_of(compiled: Any) -> dict[str, int]:
     return {k: int(getattr(stats, k, 0) or 0) for k in MEMORY_FIELDS}
 
 
-def read_plan(
-    program: Any,
-    *,
-    memory: Mapping[str, int] | None = None,
-    mesh: Mapping[str, int] | None = None,
-    state_bytes: Mapping[str, int] | None = None,
-    largest_arrays: Sequence[ArrayPlan] = (),
-    replicated: Sequence[ArrayPlan] = (),
-    axis_types: Mapping[str, jax.sharding.AxisType] | None = None,
-    compiled_on: str = "",
-    started: float | None = None,
-    scopes: str | None = None,
-) -> Plan:
+def read_plan(program: Any, *, memory: Mapping[str, int] | None = None,
+              mesh: Mapping[str, int] | None = None, state_bytes: Mapping[str, int] | None = None,
+              largest_arrays: Sequence[ArrayPlan] = (), replicated: Sequence[ArrayPlan] = (),
+              axis_types: Mapping[str, jax.sharding.AxisType] | None = None,
+              compiled_on: str = "", started: float | None = None,
+              scopes: str | None = None) -> Plan:
     """The `Plan` of a compiled program: its FLOPs, bytes accessed and collectives (`program_cost`),
     its memory (XLA's memory analysis) and what the caller knows of its arguments.
 
@@ -308,22 +287,19 @@ def read_plan(
         scopes: the text the kernels' named scopes are read from (``attention``,
             ``grouped_matmul``, ``moe_dispatch``): the lowered module's
             ``as_text(debug_info=True)``. None: ``program``'s text. Pass it where ``program`` may
-            come from JAX's persistent compilation cache, whose key leaves the op names out: a
-            program loaded from it carries those of the first one compiled with the same
-            operations.
+            come from JAX's persistent compilation cache, whose key leaves the op names out (a
+            program loaded from it carries those of the first one compiled).
 
     Returns:
         The `Plan`.
 
     Raises:
-        ValueError: for program text without a module (``program_cost``), or a text without
-            ``memory``.
+        ValueError: for program text without a module (``program_cost``) or without ``memory``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)),
-        ...                                              jnp.ones((4, 2))).compile()
-        >>> plan = read_plan(compiled, state_bytes={"a": 128, "b": 32})
+        >>> compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 4)), jnp.ones((4, 2)))
+        >>> plan = read_plan(compiled.compile(), state_bytes={"a": 128, "b": 32})
         >>> plan.flops, plan.output_bytes, plan.lower_bound
         (128.0, 64, False)
     """
@@ -341,19 +317,15 @@ def read_plan(
     kinds: dict[str, list] = {}
     for op in cost.collectives:
         kinds.setdefault(op.kind, []).append(op)
-    collectives = {
-        kind: CollectivePlan(
-            kind, sum(o.times for o in kinds[kind]), sum(o.times * o.bytes for o in kinds[kind]),
-            sum(o.times * o.wire_bytes for o in kinds[kind]),
-            tuple(a for a in names if any(a in o.axes for o in kinds[kind])),
-        )
-        for kind in COLLECTIVE_KINDS if kind in kinds
-    }
+    collectives = {kind: CollectivePlan(
+        kind, sum(o.times for o in ops), sum(o.times * o.bytes for o in ops),
+        sum(o.times * o.wire_bytes for o in ops),
+        tuple(a for a in names if any(a in o.axes for o in ops)))
+        for kind in COLLECTIVE_KINDS if (ops := kinds.get(kind))}
     arg, out, alias, temp = (int(memory.get(f"{k}_size_in_bytes", 0))
                              for k in ("argument", "output", "alias", "temp"))
-    host = sum(
-        int(memory.get(f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp")
-    )
+    host = sum(int(memory.get(f"host_{k}_size_in_bytes", 0))
+               for k in ("argument", "output", "temp"))
     replicated = tuple(sorted(replicated, key=lambda a: -a.bytes))
     return Plan(
         mesh=mesh, argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
@@ -365,6 +337,4 @@ def read_plan(
         plan_seconds=time.perf_counter() - started, compiled_on=compiled_on,
         axis_types=dict(axis_types or {}), moe_dispatch=moe_dispatch(scopes),
         uncosted=cost.uncosted, attention=scoped(scopes, ATTENTION_SCOPE),
-        grouped_matmul=scoped(scopes, GROUPED_MATMUL_SCOPE),
-        model_flops=cost.model_flops,
-    )
+        grouped_matmul=scoped(scopes, GROUPED_MATMUL_SCOPE), model_flops=cost.model_flops)

@@ -1,19 +1,17 @@
 """What a compiled program does per device per step: FLOPs, bytes accessed, collectives
 (`program_cost`).
 
-One counter for every consumer: `jaxdist.strategies.Plan`, the Trainer's utilisation, `plan_search`
-and the benchmarks all read `program_cost`. It walks the compiled module (``compiled.as_text()``:
-the SPMD-partitioned program every device runs) and counts what the device executes:
+The one counter every consumer reads (plans, the Trainer's utilisation, the benchmarks). It walks
+the compiled module (``compiled.as_text()``: the SPMD-partitioned program every device runs) and
+counts what the device executes:
 
 * ``flops``: a ``dot`` ``2 x output elements x contracted elements``; a ``convolution`` as XLA
   counts it (the window positions that read the input); a ``ragged-dot`` (a grouped matmul XLA keeps
   whole) the grouped product; an elementwise or reduction op one per element; transcendentals
   (``exp``, ``tanh``, ...) separately. On CPU this is what XLA's ``compiled.cost_analysis()``
-  counts. Fusions count what they fuse. Custom calls (what XLA:GPU makes of most matrix products:
-  cuBLAS gemms, cuDNN fused attention, Pallas / Mosaic kernels such as tokamax's), which XLA's
-  analysis counts as 0, count what they compute (`jaxdist.costs.kernels`); one whose work the text
-  does not give is named in `ProgramCost.uncosted`, and the FLOPs are then a lower bound
-  (`ProgramCost.lower_bound`).
+  counts. Fusions count what they fuse. Custom calls, which XLA's analysis counts as 0, count what
+  they compute (`jaxdist.costs.kernels`); one whose work the text does not give is named in
+  `ProgramCost.uncosted`, and the FLOPs are then a lower bound (`ProgramCost.lower_bound`).
 * loops: XLA's analysis counts the body of a ``while`` once; here each body counts once per
   iteration (the ``known_trip_count`` XLA records; a loop without one counts once and shows in
   ``unknown_loops``).
@@ -68,9 +66,8 @@ _TRANSCENDENTAL = frozenset({
 })
 _ELEMENTWISE = frozenset({
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare",
-    "select",
-    "clamp", "and", "or", "xor", "not", "remainder", "sign", "floor", "ceil", "round-nearest-afz",
-    "round-nearest-even", "is-finite", "shift-left", "shift-right-arithmetic",
+    "select", "clamp", "and", "or", "xor", "not", "remainder", "sign", "floor", "ceil",
+    "round-nearest-afz", "round-nearest-even", "is-finite", "shift-left", "shift-right-arithmetic",
     "shift-right-logical",
 })
 
@@ -106,8 +103,7 @@ class CollectiveOp:
     @property
     def bytes(self) -> int:
         """The whole buffer's bytes on one device: the gathered result of an all-gather, the reduced
-        operand of a reduce-scatter or all-reduce, the exchanged operand of an all-to-all or
-        permute."""
+        operand of a reduce-scatter or all-reduce, the exchanged operand of all-to-all / permute."""
         return max(self.operand_bytes, self.result_bytes)
 
     @property
@@ -118,10 +114,8 @@ class CollectiveOp:
         n, b = self.group_size, self.bytes
         if n <= 1 and self.kind != "collective-permute":
             return 0.0
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-            self.kind, (n - 1) / n
-        )
-        return factor * b
+        return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind,
+                                                                               (n - 1) / n) * b
 
 
 class _Undercount:
@@ -134,8 +128,7 @@ class _Undercount:
 
     @property
     def lower_bound(self) -> bool:
-        """Whether ``flops`` may fall short: a custom call not costed, or a loop of unknown trip
-        count."""
+        """Whether ``flops`` may fall short: an uncosted custom call, or a loop of unknown trips."""
         return bool(self.uncosted) or self.unknown_loops > 0
 
 
@@ -153,8 +146,7 @@ class ProgramCost(_Undercount):
         uncosted: the custom calls whose work could not be told (``"target (op name)"``, once each):
             counted as 0, so ``flops`` is a lower bound while any is named.
         kernels: FLOPs by the kind of custom call that does them (``{"cuBLAS gemm": ..., "cuDNN
-            attention":
-            ...}``), loops multiplied; the rest of ``flops`` is XLA's own code.
+            attention": ...}``), loops multiplied; the rest of ``flops`` is XLA's own code.
         recomputed_flops: the part of ``flops`` that recomputes forward work for the backward pass.
         skipped_flops: FLOPs of the model's math that kernels skip (causal attention's masked half):
             not in ``flops``.
@@ -182,8 +174,7 @@ class ProgramCost(_Undercount):
 
     @property
     def network_bytes(self) -> float:
-        """Bytes each device sends per call, all collectives together (bandwidth-optimal
-        algorithms)."""
+        """Bytes each device sends per call, all collectives (bandwidth-optimal algorithms)."""
         return float(sum(c.times * c.wire_bytes for c in self.collectives))
 
 
@@ -202,8 +193,7 @@ def _dot_flops(instr: Instr, types: dict[str, str]) -> float:
 
 
 def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
-    """The device (partition) ids of each group of a collective, or None when written by mesh
-    axes."""
+    """The device (partition) ids of each group of a collective; None when given by mesh axes."""
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
         groups, size = int(m.group(1)), int(m.group(2))
@@ -212,16 +202,11 @@ def _group_ids(attrs: str, devices: int) -> list[list[int]] | None:
         if m.group(4):
             ids = ids.transpose([int(p) for p in m.group(4).split(",")])
         return ids.reshape(groups, size).tolist()
-    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
-    if m:
-        return [
-            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
-        ]
-    m = re.search(r"source_target_pairs=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
-    if m:
-        return [
-            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
-        ]
+    for key in ("replica_groups", "source_target_pairs"):
+        m = re.search(key + r"=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+        if m:
+            return [[int(x) for x in g.split(",") if x]
+                    for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     if "replica_groups={}" in attrs or "replica_groups=" not in attrs:
         return [list(range(devices))]
     return None
@@ -232,9 +217,8 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
     m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}", attrs)
     if not m:
         return None
-    sizes = {
-        k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))
-    }
+    sizes = {k.strip().strip("'\""): int(v)
+             for k, v in re.findall(r"([^,=]+)=(\d+)", m.group("axes"))}
     order = list(sizes)
     used = [a.strip().strip("'\"") for a in m.group("used").split(",") if a.strip()]
     used = [re.sub(r":\(.*\)$", "", a) for a in used]
@@ -247,9 +231,8 @@ def _mesh_groups(attrs: str, axis_names: Sequence[str]) -> tuple[int, tuple[str,
     return size, tuple(named(a) for a in used)
 
 
-def _axes_of(
-    groups: list[list[int]], shape: Sequence[int], axis_names: Sequence[str]
-) -> tuple[str, ...]:
+def _axes_of(groups: list[list[int]], shape: Sequence[int],
+             axis_names: Sequence[str]) -> tuple[str, ...]:
     total = math.prod(shape)
     used: set[str] = set()
     # every group of a collective spans the same axes; a permute's pairs may differ
@@ -285,10 +268,8 @@ def _sliced(values: list[str], part: str, size: int, users: dict[str, list[Instr
         for u in consumers)
 
 
-
 def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The axis names and sizes of the mesh a compiled program's inputs are laid out on (empty when
-    none)."""
+    """The axis names and sizes of the mesh a compiled program's inputs are on (empty: none)."""
     try:
         shardings = jax.tree.leaves(compiled.input_shardings)
     except Exception:  # an executable without sharding information: collectives get no axis names
@@ -300,18 +281,15 @@ def _mesh_of(compiled: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return (), ()
 
 
-def program_cost(
-    compiled_or_text: Any, *, axis_names: Sequence[str] | None = None,
-    axis_sizes: Sequence[int] | None = None
-) -> ProgramCost:
+def program_cost(compiled_or_text: Any, *, axis_names: Sequence[str] | None = None,
+                 axis_sizes: Sequence[int] | None = None) -> ProgramCost:
     """What one call of a compiled program does on one device: FLOPs (loops multiplied, custom calls
     costed), bytes accessed and collectives (see the module doc). The count `jaxdist.Plan` reports
     as ``flops``.
 
     Args:
         compiled_or_text: a compiled program (``jax.jit(f).lower(...).compile()``, a
-            `jax.stages.Compiled`) or its text (``compiled.as_text()``; e.g. saved from a GPU or TPU
-            run).
+            `jax.stages.Compiled`) or its text (``compiled.as_text()``, e.g. from a GPU or TPU).
         axis_names: the mesh's axis names, in order, to say which axes each collective runs over
             (default: the mesh of a compiled program's inputs; none for text).
         axis_sizes: their sizes (partition ``i`` is the mesh's ``i``-th device in row-major order).
@@ -321,8 +299,7 @@ def program_cost(
 
     Raises:
         ValueError: for an argument that is neither a compiled program nor its text (a
-            `jax.stages.Lowered` among them: compile it first), or axis names and sizes of different
-            lengths.
+            `jax.stages.Lowered` among them: compile it first), or names and sizes of unequal count.
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -364,8 +341,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
     defs = {i.name: i for instrs in computations.values() for i in instrs}
 
     def fused_converts(instr: Instr, into16: bool) -> bool:
-        """A fusion holding a convert from (``into16`` False) or to (True) a 16-bit float of its
-        size."""
+        """A fusion holding a convert from (``into16`` False) or to (True) a same-size 16-bit
+        float."""
         return any(i.op == "convert"
                    and bool(_NARROW.match(i.type if into16 else types.get(i.operands[0], "")))
                    and elements(i.type) in (elements(instr.type), 0)
@@ -373,9 +350,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                    if i.operands)
 
     def narrows(u: Instr) -> bool:
-        return (u.op == "convert" and bool(_NARROW.match(u.type))) or (
-            u.op == "fusion" and fused_converts(u, True)
-        )
+        return ((u.op == "convert" and bool(_NARROW.match(u.type)))
+                or (u.op == "fusion" and fused_converts(u, True)))
 
     def widened(value: str, part: str, reads: list[str], table: dict[str, list[Instr]]) -> bool:
         """XLA:CPU computes a 16-bit float collective in float32: the operand ``value`` (of type
@@ -389,11 +365,7 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 (source.op == "fusion" and fused_converts(source, into16=False))):
             return True
         consumers = [u for r in reads for u in table.get(r, [])]
-        return bool(consumers) and all(
-            (u.op == "convert" and _NARROW.match(u.type))
-            or (u.op == "fusion" and fused_converts(u, into16=True))
-            for u in consumers
-        )
+        return bool(consumers) and all(narrows(u) for u in consumers)
 
     devices = math.prod(axis_sizes) if axis_sizes else 1
     header = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
@@ -423,8 +395,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
                 operand = sum(_type_bytes(part) // n for part, n in zip(parts, narrow, strict=True))
                 results = arrays(instr.type)
                 if start:  # the result is (operands, outputs[, context])
-                    result = max(_type_bytes(instr.type) - operand,
-                                 0) if base != "all-reduce" else operand
+                    result = (max(_type_bytes(instr.type) - operand, 0) if base != "all-reduce"
+                              else operand)
                 elif len(results) == len(parts):
                     result = sum(_type_bytes(f"{d}[{','.join(map(str, shape))}]") // n
                                  for (d, shape), n in zip(results, narrow, strict=True))
@@ -482,9 +454,8 @@ def _walk_module(text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
             elif op == "custom-call":
                 kernel = custom_call_cost(instr, module)
                 if kernel is None:
-                    uncosted[
-                        f"{custom_call_target(instr) or '?'} ({op_name(instr) or instr.name})"
-                    ] = None
+                    uncosted[f"{custom_call_target(instr) or '?'} "
+                             f"({op_name(instr) or instr.name})"] = None
                 else:
                     flops, trans, redo = (flops + kernel.flops, trans + kernel.transcendentals,
                                           redo + kernel.recomputed)

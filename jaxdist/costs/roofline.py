@@ -2,8 +2,7 @@
 accessed / HBM bandwidth (memory), and the bytes its collectives send / interconnect bandwidth
 (network); the estimate is the largest of the three, and that term is what bounds the step. It
 assumes perfect overlap and peak rates: a lower bound on the step time, useful to rank layouts, not
-to promise a number.
-"""
+to promise a number."""
 
 from __future__ import annotations
 
@@ -71,11 +70,8 @@ def roofline(flops: float, bytes_accessed: float, network_bytes: float, chip: st
         (1.0, 'compute')
     """
     chip = accelerator(chip)
-    terms = {
-        "compute": flops / chip.flops,
-        "memory": bytes_accessed / chip.hbm_bandwidth,
-        "network": network_bytes / chip.network_bandwidth,
-    }
+    terms = {"compute": flops / chip.flops, "memory": bytes_accessed / chip.hbm_bandwidth,
+             "network": network_bytes / chip.network_bandwidth}
     bound = max(terms, key=terms.get)
     return Estimate(chip.name, terms["compute"], terms["memory"], terms["network"], terms[bound],
                     bound, lower_bound_flops)

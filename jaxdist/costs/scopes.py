@@ -1,16 +1,14 @@
-"""Which kernels a compiled program runs, read back from the named scopes jaxdist's layers trace
-them in.
+"""Which kernels a compiled program runs, read back from the named scopes jaxdist's layers use.
 
 A mixture-of-experts layer runs its dispatch path in a named scope ``<MOE_SCOPE><path>``
 (`moe_dispatch`). A layer that chooses between kernels by backend
 (`jaxdist.nn.dot_product_attention`: cuDNN, XLA or einsums; the dropless mixture of experts:
 `jax.lax.ragged_dot` or tokamax's grouped matmul) runs the one it chose in a named scope
-``<prefix><kernel>``. Named scopes are kept in the lowered module's locations and survive
-compilation as op metadata (``op_name``), so a plan (`jaxdist.Plan.attention`,
-`jaxdist.Plan.grouped_matmul`) reports the kernels from the program itself: what runs, not what was
-asked for. A strategy's plan reads them from the module it lowered: a compiled program that JAX's
-persistent compilation cache loads carries the op names of the first program compiled with the
-same operations (the cache's key leaves them out).
+``<prefix><kernel>``. Named scopes survive compilation as op metadata (``op_name``), so a plan
+(`jaxdist.Plan.attention`, `jaxdist.Plan.grouped_matmul`) reports the kernels from the program
+itself: what runs, not what was asked for. A strategy's plan reads them from the module it lowered
+(a program JAX's persistent compilation cache loads carries the op names of the first one
+compiled).
 
 Examples:
     >>> text = ('%d = f32[2] dot(...), '
@@ -37,15 +35,14 @@ GROUPED_MATMUL_SCOPE = "jaxdist_grouped_matmul_"
 
 
 def scoped(text: str, prefix: str) -> tuple[str, ...]:
-    """The names after ``prefix`` in the named scopes of a compiled module's ``text``, sorted, each
-    once.
+    """The names after ``prefix`` in the named scopes of a compiled module's ``text``.
 
     Args:
         text: a compiled (or lowered) module's text.
         prefix: the scope prefix (`ATTENTION_SCOPE`, `GROUPED_MATMUL_SCOPE`).
 
     Returns:
-        The kernels' names; empty where no op runs in such a scope.
+        The kernels' names, sorted, each once; empty where no op runs in such a scope.
 
     Examples:
         >>> scoped('op_name="jit(f)/jaxdist_grouped_matmul_ragged_dot/ragged_dot"',

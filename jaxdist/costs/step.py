@@ -1,11 +1,9 @@
-"""What a compiled train step costs per device, for utilisation: `StepCost`, read from the step's
-`Plan`.
+"""What a compiled train step costs per device, for utilisation: `StepCost`, read from its `Plan`.
 
 The Trainer plans its compiled train step once (``Trainer.plan``: `jaxdist.costs.program_cost` of
 the partitioned program every device runs, XLA's memory analysis, the state's layout) and reads its
-`StepCost` from that plan (`StepCost.of_plan`): the same FLOPs and bytes, under the same names, plus
-what a plan cannot know. At each log point the fit loop turns the window's steps, seconds and tokens
-into
+`StepCost` from that plan (`StepCost.of_plan`). At each log point the fit loop turns the window's
+steps, seconds and tokens into
 
 * ``hfu``: hardware FLOPs utilisation: the FLOPs the program executes per device per step
   (rematerialisation and replicated optimizer work included) x steps/s / the device's peak FLOP/s;
@@ -45,9 +43,8 @@ __all__ = ["CostOptions", "StepCost", "measure_step_cost"]
 def _positive(value: Any, name: str, fix: str) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value,
-                                                 (int,
-                                                  float)) or not math.isfinite(value) or value <= 0:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0):
         raise ValueError(f"{name}={value!r} must be a positive number: {fix}")
 
 
@@ -57,11 +54,9 @@ class CostOptions:
 
     Attributes:
         tokens_per_example: tokens in one example (a language model's sequence length): tokens per
-            step are this times the global batch's rows. None: the summed weight of a token-weighted
-            loss.
+            step are this times the global batch's rows. None: the loss's summed token weight.
         peak_flops: the peak FLOP/s of ONE device, replacing the datasheet table (e.g. measured).
-        flops_per_step: the model's FLOPs per optimizer step over the global batch: the basis of
-            ``mfu``.
+        flops_per_step: the model's FLOPs per optimizer step over the global batch (for ``mfu``).
 
     Raises:
         ValueError: for a value that is not a positive number (``tokens_per_example``: an int),
@@ -86,22 +81,13 @@ class CostOptions:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(
                 f"tokens_per_example={n!r} must be an int >= 1 (the tokens in one example, e.g. "
-                "the sequence length) or None (count the weight a token-weighted loss returns)."
-            )
-        _positive(
-            self.peak_flops,
-            "peak_flops",
-            "the peak FLOP/s of ONE device (e.g. 989.4e12 for an H100 SXM "
-            "in dense bf16, or a measured peak), or None to use the datasheet table (MFU n/a where "
-            "unknown).",
-        )
-        _positive(
-            self.flops_per_step,
-            "flops_per_step",
-            "the model's FLOPs per optimizer step over the global "
-            "batch (e.g. 6 * parameters * tokens per step), or None to count the compiled step's "
-            "FLOPs without recomputation.",
-        )
+                "the sequence length) or None (count the weight a token-weighted loss returns).")
+        _positive(self.peak_flops, "peak_flops", "the peak FLOP/s of ONE device (e.g. 989.4e12 for "
+                  "an H100 SXM in dense bf16, or a measured peak), or None to use the datasheet "
+                  "table (MFU n/a where unknown).")
+        _positive(self.flops_per_step, "flops_per_step", "the model's FLOPs per optimizer step "
+                  "over the global batch (e.g. 6 * parameters * tokens per step), or None to count "
+                  "the compiled step's FLOPs without recomputation.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +95,18 @@ class StepCost(_Undercount):
     """What one compiled training step costs, per device (``Trainer.step_cost()``; the start line of
     ``fit``): a view of the train step's `Plan` for utilisation.
 
-    Its counts are the plan's, under the plan's names (``flops``, ``model_flops``, ``temp_bytes``,
-    ``unknown_loops``, ``uncosted``; ``param_bytes`` is ``plan.state_bytes["params"]``, and so on),
-    the whole plan in ``plan``; it adds what a plan cannot know: the devices' peak FLOP/s, the
-    tokens a step processes and the devices to ask for live memory. `of_plan` builds it.
+    Its counts are the plan's, under the plan's names (``param_bytes`` is
+    ``plan.state_bytes["params"]``, and so on); it adds what a plan cannot know: the devices' peak
+    FLOP/s, the tokens a step processes and the devices to ask for live memory.
 
     Attributes:
         flops: FLOPs each device executes per optimizer step (`jaxdist.costs.program_cost`: the
             basis of HFU), or None when not counted.
         flops_source: where ``flops`` comes from.
-        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are then
-            "n/a").
+        peak_flops: peak FLOP/s of one device, or None when unknown (CPU; HFU and MFU are "n/a").
         peak_source: where ``peak_flops`` comes from, or why it is unknown.
         param_bytes / optimizer_bytes / model_state_bytes: bytes each device holds (its shards).
-        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when XLA gave
-            none.
+        temp_bytes: the step's temporaries per device (XLA's memory analysis), None when not given.
         device_kind: the devices' ``device_kind``; num_devices: how many run the step.
         tokens_per_step: tokens per step when fixed (``tokens_per_example`` x rows); None: counted
             per step from a token-weighted loss's weight, or not at all.
@@ -140,9 +123,9 @@ class StepCost(_Undercount):
 
     Examples:
         >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15,
-        ...                 peak_source="given",
-        ...                 param_bytes=4, optimizer_bytes=8, model_state_bytes=0, temp_bytes=16,
-        ...                 device_kind="cpu", num_devices=1, model_flops=1.5e12)
+        ...                 peak_source="given", param_bytes=4, optimizer_bytes=8,
+        ...                 model_state_bytes=0, temp_bytes=16, device_kind="cpu", num_devices=1,
+        ...                 model_flops=1.5e12)
         >>> cost.hfu(steps_per_sec=100.0), cost.mfu(steps_per_sec=100.0)
         (0.2, 0.15)
     """
@@ -166,17 +149,9 @@ class StepCost(_Undercount):
     plan: Plan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of_plan(
-        cls,
-        plan: Plan | None,
-        *,
-        options: CostOptions,
-        devices: Sequence[Any],
-        local_devices: Sequence[Any],
-        rows_per_step: int,
-        state_bytes: Mapping[str, int] | None = None,
-        why: str = "",
-    ) -> StepCost:
+    def of_plan(cls, plan: Plan | None, *, options: CostOptions, devices: Sequence[Any],
+                local_devices: Sequence[Any], rows_per_step: int,
+                state_bytes: Mapping[str, int] | None = None, why: str = "") -> StepCost:
         """The cost of a train step read from its `Plan`, with the peak and tokens of ``options``.
 
         Args:
@@ -194,12 +169,10 @@ class StepCost(_Undercount):
         Examples:
             >>> import jax, jax.numpy as jnp
             >>> from jaxdist.costs.plan import read_plan
-            >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)),
-            ...                                              jnp.ones((8, 4))).compile()
-            >>> plan = read_plan(compiled, state_bytes={"params": 32, "batch": 128})
-            >>> cost = StepCost.of_plan(plan, options=CostOptions(peak_flops=1e9),
-            ...                         devices=jax.devices()[:1],
-            ...                         local_devices=jax.devices()[:1], rows_per_step=8)
+            >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4)))
+            >>> plan = read_plan(compiled.compile(), state_bytes={"params": 32, "batch": 128})
+            >>> cost = StepCost.of_plan(plan, options=CostOptions(peak_flops=1e9), rows_per_step=8,
+            ...                         devices=jax.devices()[:1], local_devices=jax.devices()[:1])
             >>> cost.flops, cost.model_flops, cost.param_bytes, cost.hfu(1000.0), cost.plan is plan
             (128.0, 128.0, 32, 0.000128, True)
         """
@@ -222,26 +195,17 @@ class StepCost(_Undercount):
         return cls(
             flops=None if plan is None else plan.flops,
             flops_source="program_cost" if plan is not None else f"n/a{f' ({why})' if why else ''}",
-            peak_flops=peak,
-            peak_source=peak_source,
-            param_bytes=roles.get("params", 0),
+            peak_flops=peak, peak_source=peak_source, param_bytes=roles.get("params", 0),
             optimizer_bytes=roles.get("opt_state", 0),
             model_state_bytes=roles.get("model_state", 0),
-            temp_bytes=None if plan is None else plan.temp_bytes,
-            device_kind=kind,
-            num_devices=len(devices),
-            tokens_per_step=tokens,
-            unknown_loops=0 if plan is None else plan.unknown_loops,
-            devices=tuple(local_devices),
-            model_flops=model,
-            model_flops_source=model_source,
-            uncosted=() if plan is None else plan.uncosted,
-            plan=plan,
-        )
+            temp_bytes=None if plan is None else plan.temp_bytes, device_kind=kind,
+            num_devices=len(devices), tokens_per_step=tokens,
+            unknown_loops=0 if plan is None else plan.unknown_loops, devices=tuple(local_devices),
+            model_flops=model, model_flops_source=model_source,
+            uncosted=() if plan is None else plan.uncosted, plan=plan)
 
     def hfu(self, steps_per_sec: float) -> float | None:
-        """Hardware FLOPs utilisation at ``steps_per_sec``: ``flops * steps_per_sec / peak_flops``
-        (None: n/a)."""
+        """Hardware FLOPs utilisation: ``flops * steps_per_sec / peak_flops`` (None: n/a)."""
         if self.flops is None or self.peak_flops is None:
             return None
         return self.flops * steps_per_sec / self.peak_flops
@@ -254,8 +218,7 @@ class StepCost(_Undercount):
         return self.model_flops * steps_per_sec / self.peak_flops
 
     def rates(self, steps: int, seconds: float, loss_weight: float | None) -> dict[str, float]:
-        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (each only
-        where known).
+        """A log window's ``tokens_per_sec``, ``mfu``, ``hfu`` and ``peak_bytes_in_use`` (if known).
 
         Args:
             steps: the window's steps; seconds: how long they took.
@@ -263,11 +226,9 @@ class StepCost(_Undercount):
 
         Examples:
             >>> cost = StepCost(flops=2e12, flops_source="program_cost", peak_flops=1e15,
-            ...                 peak_source="given",
-            ...                 param_bytes=0, optimizer_bytes=0, model_state_bytes=0,
-            ...                 temp_bytes=None,
-            ...                 device_kind="cpu", num_devices=1, tokens_per_step=512.0,
-            ...                 model_flops=1e12)
+            ...                 peak_source="given", param_bytes=0, optimizer_bytes=0,
+            ...                 model_state_bytes=0, temp_bytes=None, device_kind="cpu",
+            ...                 num_devices=1, tokens_per_step=512.0, model_flops=1e12)
             >>> cost.rates(10, 0.5, None)
             {'tokens_per_sec': 10240.0, 'mfu': 0.02, 'hfu': 0.04}
         """
@@ -287,16 +248,14 @@ class StepCost(_Undercount):
 
     def summary(self) -> str:
         """The short line ``fit`` shows at its start: FLOPs and bytes per device (`describe` has
-        every detail).
-
-        The peak FLOP/s shows only where it is known (MFU and HFU are logged then); "at least" marks
-        FLOPs that are a lower bound (`lower_bound`).
+        every detail). The peak FLOP/s shows only where it is known (MFU and HFU are logged then);
+        "at least" marks FLOPs that are a lower bound (`lower_bound`).
 
         Examples:
             >>> StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
-            ...          peak_source="cpu",
-            ...          param_bytes=2048, optimizer_bytes=4096, model_state_bytes=0,
-            ...          temp_bytes=1024, device_kind="cpu", num_devices=8).summary()
+            ...          peak_source="cpu", param_bytes=2048, optimizer_bytes=4096,
+            ...          model_state_bytes=0, temp_bytes=1024, device_kind="cpu",
+            ...          num_devices=8).summary()
             'per device: 1.5 GFLOP/step, params 2 KiB, optimizer 4 KiB, temp 1 KiB'
         """
         if self.flops is None:
@@ -319,10 +278,8 @@ class StepCost(_Undercount):
         Examples:
             >>> line = StepCost(flops=1.5e9, flops_source="program_cost", peak_flops=None,
             ...                 peak_source="no datasheet peak for cpu", param_bytes=2048,
-            ...                 optimizer_bytes=4096,
-            ...                 model_state_bytes=0, temp_bytes=1024, device_kind="cpu",
-            ...                 num_devices=8,
-            ...                 model_flops=1.5e9,
+            ...                 optimizer_bytes=4096, model_state_bytes=0, temp_bytes=1024,
+            ...                 device_kind="cpu", num_devices=8, model_flops=1.5e9,
             ...                 model_flops_source="program_cost without recomputation",
             ...                 uncosted=("my_kernel (jit(step)/my_kernel)",)).describe()
             >>> print(line.replace("; ", ";\\n").replace(", model", ",\\nmodel"))
@@ -347,39 +304,24 @@ class StepCost(_Undercount):
                   f"optimizer state {format_bytes(self.optimizer_bytes)}")
         if self.model_state_bytes:
             memory += f", model state {format_bytes(self.model_state_bytes)}"
-        memory += (
-            f", temporaries {'n/a' if self.temp_bytes is None else format_bytes(self.temp_bytes)}"
-        )
+        temp = "n/a" if self.temp_bytes is None else format_bytes(self.temp_bytes)
+        memory += f", temporaries {temp}"
         if self.peak_flops is None:
             peak = f"peak n/a ({self.peak_source}: MFU and HFU n/a, pass Trainer(peak_flops=...))"
         else:
             peak = f"peak {format_flops(self.peak_flops)}/s ({self.peak_source})"
         live = device_memory(self.devices)
-        if live:
-            parts = [
-                f"{format_bytes(live[k])} {label}"
-                for k, label in (("bytes_in_use", "in use"), ("peak_bytes_in_use", "peak"),
-                                 ("bytes_limit", "limit"))
-                if k in live
-            ]
-            live_text = "live memory " + ", ".join(parts)
-        else:
-            live_text = "live memory n/a"
-        return (
-            f"train step per device ({self.num_devices} devices): {flops}; {memory}; "
-            f"{peak}; {live_text}"
-        )
+        live_text = "live memory " + (", ".join(
+            f"{format_bytes(live[k])} {label}" for k, label in (
+                ("bytes_in_use", "in use"), ("peak_bytes_in_use", "peak"), ("bytes_limit", "limit"))
+            if k in live) if live else "n/a")
+        return (f"train step per device ({self.num_devices} devices): {flops}; {memory}; {peak}; "
+                f"{live_text}")
 
 
-def measure_step_cost(
-    compiled: Any,
-    state: Any,
-    *,
-    devices: Sequence[Any],
-    local_devices: Sequence[Any],
-    options: CostOptions,
-    rows_per_step: int,
-) -> StepCost:
+def measure_step_cost(compiled: Any, state: Any, *, devices: Sequence[Any],
+                      local_devices: Sequence[Any], options: CostOptions,
+                      rows_per_step: int) -> StepCost:
     """The `StepCost` of a compiled train step that was not planned through a strategy: its `Plan`
     read from the compiled program (`jaxdist.costs.plan.read_plan`), the roles' bytes from
     ``state``'s layout.
@@ -397,10 +339,9 @@ def measure_step_cost(
 
     Examples:
         >>> import jax, jax.numpy as jnp, jaxdist as jd
-        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)),
-        ...                                              jnp.ones((8, 4))).compile()
+        >>> compiled = jax.jit(lambda w, x: x @ w).lower(jnp.ones((4, 2)), jnp.ones((8, 4)))
         >>> state = jd.training.TrainState(0, {"w": jnp.ones((4, 2))}, (), {}, None)
-        >>> cost = measure_step_cost(compiled, state, devices=jax.devices()[:1],
+        >>> cost = measure_step_cost(compiled.compile(), state, devices=jax.devices()[:1],
         ...                          local_devices=jax.devices()[:1],
         ...                          options=CostOptions(peak_flops=1e9), rows_per_step=8)
         >>> cost.flops, cost.model_flops, cost.param_bytes, cost.hfu(1000.0)
@@ -409,10 +350,9 @@ def measure_step_cost(
     roles = {k: bytes_per_device(getattr(state, k)) for k in ("params", "opt_state", "model_state")}
     try:
         plan = read_plan(compiled, state_bytes=roles)
-    except Exception as error:
-        # a backend without module text or memory analysis: no count, not a failed fit
+    except Exception as error:  # a backend without module text or memory analysis: not a failure
         return StepCost.of_plan(None, options=options, devices=devices, local_devices=local_devices,
                                 rows_per_step=rows_per_step, state_bytes=roles,
-                                why=f"{type(error).__name__}")
+                                why=type(error).__name__)
     return StepCost.of_plan(plan, options=options, devices=devices, local_devices=local_devices,
                             rows_per_step=rows_per_step)

@@ -1,10 +1,6 @@
 """Reading a compiled module's text (``compiled.as_text()``): its computations, instructions and
-array types.
-
-The pieces the cost walk (`jaxdist.costs.program`) and the kernel costs (`jaxdist.costs.kernels`)
-share: one parse of the text into computations of instructions, and the shapes and bytes of HLO
-types.
-"""
+array types, for the cost walk (`jaxdist.costs.program`) and the kernel costs
+(`jaxdist.costs.kernels`)."""
 
 from __future__ import annotations
 
@@ -128,13 +124,8 @@ def _split_type(rest: str) -> tuple[str, str]:
     if not rest.startswith("("):
         head, _, tail = rest.partition(" ")
         return head, tail
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            return rest[: i + 1], rest[i + 1:]
-    return rest, ""
+    end = _balanced(rest, 0)[1]
+    return rest[:end], rest[end:]
 
 
 def _balanced(text: str, start: int) -> tuple[str, int]:

@@ -1,11 +1,6 @@
 """Bytes and FLOPs for people: the one byte formatter and the one FLOP formatter of every table and
-message.
-
-Plans (``str(plan)``), the Trainer's start line (`jaxdist.costs.StepCost`), its logs,
-`plan_search`'s ranking and the layout warnings all print through these two, so a size reads the
-same everywhere: three significant digits, binary prefixes for bytes (``KiB`` = 1024 B), decimal
-ones for FLOPs (``GFLOP`` = 10^9).
-"""
+message, so a size reads the same everywhere: three significant digits, binary prefixes for bytes
+(``KiB`` = 1024 B), decimal ones for FLOPs (``GFLOP`` = 10^9)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Gradients: cluster tagging carried through `jax.grad`, and gradient synchronizers with
-compression."""
+"""Gradients: cluster tagging carried through `jax.grad`, and compressing gradient synchronizers."""
 
 from jaxdist.gradients.clusters import cluster as cluster
 from jaxdist.gradients.clusters import cluster_of as cluster_of
@@ -24,27 +23,8 @@ from jaxdist.gradients.sparse import sparse_all_reduce as sparse_all_reduce
 from jaxdist.gradients.synchronizers import AllReduceSynchronizer as AllReduceSynchronizer
 from jaxdist.gradients.synchronizers import SynchronizerState as SynchronizerState
 
-__all__ = [
-    "AllReduceSynchronizer",
-    "CastCompressor",
-    "CastState",
-    "Compressor",
-    "NoneCompressor",
-    "PowerSGDCompressor",
-    "PowerSGDState",
-    "SparseRows",
-    "SynchronizerState",
-    "all_gather_is_cheaper",
-    "cluster",
-    "cluster_of",
-    "clusters",
-    "current_cluster",
-    "current_gradient_uid",
-    "grad",
-    "gradient_cluster",
-    "is_sparse",
-    "replica_count",
-    "sparse_all_reduce",
-    "value_and_grad",
-    "vjp",
-]
+__all__ = ["AllReduceSynchronizer", "CastCompressor", "CastState", "Compressor", "NoneCompressor",
+           "PowerSGDCompressor", "PowerSGDState", "SparseRows", "SynchronizerState",
+           "all_gather_is_cheaper", "cluster", "cluster_of", "clusters", "current_cluster",
+           "current_gradient_uid", "grad", "gradient_cluster", "is_sparse", "replica_count",
+           "sparse_all_reduce", "value_and_grad", "vjp"]

@@ -16,8 +16,7 @@ wrapped in ``transpose(...)``, which is how JAX names what it transposes.
 Plain `jax.grad` works on code with clusters too; its gradient ops just carry no uid.
 
 Any code can tag and read clusters. `jaxdist.tpu.outside_compilation` builds on them: each host
-region is cluster "0", "1", ... of its computation, and its VJP runs as the host region of cluster
-``C.uid``.
+region is cluster "0", "1", ... of its computation, and its VJP runs as host region ``C.uid``.
 """
 
 from __future__ import annotations
@@ -34,23 +33,12 @@ import jax
 
 from jaxdist.strategies.ambient import current_computation, state
 
-__all__ = [
-    "cluster",
-    "cluster_of",
-    "clusters",
-    "current_cluster",
-    "current_gradient_uid",
-    "gradient_cluster",
-    "grad",
-    "value_and_grad",
-    "vjp",
-]
+__all__ = ["cluster", "cluster_of", "clusters", "current_cluster", "current_gradient_uid",
+           "gradient_cluster", "grad", "value_and_grad", "vjp"]
 
 _CLUSTER = "cluster="
 _GRADIENT = "gradient="
 _LOC = re.compile(r'loc\("([^"]*)"')
-
-
 _uids = itertools.count()
 _uid_lock = threading.Lock()
 
@@ -70,8 +58,7 @@ def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or any(c in name for c in '/()"'):
         raise ValueError(
             f"name={name!r} is not a valid cluster name: use a non-empty string without '/', '(', "
-            "')' or '\"'."
-        )
+            "')' or '\"'.")
     return name
 
 
@@ -125,8 +112,7 @@ def current_cluster() -> str | None:
 
 
 def current_gradient_uid() -> str | None:
-    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation being traced (None
-    outside).
+    """The uid of the innermost `grad` / `value_and_grad` / `vjp` invocation traced (None outside).
 
     Examples:
         >>> import jaxdist as jd
@@ -138,11 +124,8 @@ def current_gradient_uid() -> str | None:
 
 def gradient_cluster(name: str, uid: str | None) -> str:
     """The cluster that the gradient, taken in invocation ``uid``, of an op in cluster ``name``
-    belongs to.
-
-    TF's rule: the uid is always the suffix after the last ".". More gradient ops of the same
-    invocation stay in the same cluster; a gradient of a gradient (a new uid) appends its uid.
-    Without a uid (plain `jax.grad`) the gradient stays in ``name``.
+    belongs to (TF's rule, see the module doc): a gradient of a gradient (a new uid) appends its
+    uid; without a uid (plain `jax.grad`) the gradient stays in ``name``.
 
     Examples:
         >>> (gradient_cluster("C", "uid"), gradient_cluster("C.uid", "uid"),
@@ -167,10 +150,8 @@ def _invocation(uid: str | None = None) -> Iterator[str]:
 
 def grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
          **kwargs: Any) -> Callable:
-    """`jax.grad` whose every invocation gets a gradient uid, so cluster ``C``'s gradient lands in
-    ``C.uid``.
-
-    Takes the arguments of `jax.grad`.
+    """`jax.grad` (its arguments) whose every invocation gets a gradient uid, so cluster ``C``'s
+    gradient lands in ``C.uid``.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -191,9 +172,8 @@ def _per_invocation(fun: Callable, transformed: Callable) -> Callable:
     return invoke
 
 
-def value_and_grad(
-    fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, **kwargs: Any
-) -> Callable:
+def value_and_grad(fun: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
+                   **kwargs: Any) -> Callable:
     """`jax.value_and_grad` with one gradient uid per invocation (see `grad`).
 
     Examples:
@@ -226,8 +206,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False) -> Any:
 
 
 def _unwrap(component: str) -> tuple[str, bool]:
-    """``transpose(jvp(NAME))`` -> (``NAME``, True): the scope name and whether it was
-    transposed."""
+    """``transpose(jvp(NAME))`` -> (``NAME``, True): the scope name, whether it was transposed."""
     transposed = component.startswith("transpose(")
     while "(" in component and component.endswith(")"):
         head = component.index("(")
@@ -248,20 +227,16 @@ def cluster_of(name_stack: str) -> str | None:
         ...  or cluster_of("jit(f)/jvp(cluster=C)/sin"))
         'C'
     """
-    parts = name_stack.split("/")
-    unwrapped = [_unwrap(p) for p in parts]
+    unwrapped = [_unwrap(p) for p in name_stack.split("/")]
     base = None
     for name, _ in unwrapped:
         if name.startswith(_CLUSTER):
             base = name[len(_CLUSTER) :]
     if base is None:
         return None
-    backward_uids = []
-    for i, (name, _) in enumerate(unwrapped[:-1]):
-        if name.startswith(_GRADIENT) and unwrapped[i + 1][1]:
-            backward_uids.append(name[len(_GRADIENT) :])
-    # Innermost invocation first: the first-order gradient's uid, then the uid of the gradient taken
-    # of it.
+    backward_uids = [name[len(_GRADIENT) :] for (name, _), (_, transposed)
+                     in itertools.pairwise(unwrapped) if name.startswith(_GRADIENT) and transposed]
+    # innermost invocation first: the first-order gradient's uid, then its gradient's
     for uid in reversed(backward_uids):
         base = gradient_cluster(base, uid)
     return base
@@ -294,8 +269,7 @@ def clusters(lowered_or_text: Any) -> dict[str, list[str]]:
     else:
         raise TypeError(
             f"lowered_or_text={type(lowered_or_text).__name__} is neither a lowered computation "
-            "nor text: pass jax.jit(f).lower(*args) or its .as_text(debug_info=True)."
-        )
+            "nor text: pass jax.jit(f).lower(*args) or its .as_text(debug_info=True).")
     out: dict[str, set[str]] = {}
     for stack in _LOC.findall(text):
         name = cluster_of(stack)

@@ -4,12 +4,9 @@ A compressor reduces ONE gradient leaf across the replicas: ``decompress(all_red
 
 * `NoneCompressor`: the plain all-reduce.
 * `CastCompressor`: cast to bfloat16 / float16 before the all-reduce and back after (Horovod's fp16
-  compression; AutoDist's "cast" went to float32 and so saved nothing), with optional error
-  feedback.
+  compression), with optional error feedback.
 * `PowerSGDCompressor`: rank-r PowerSGD (Vogels et al., 2019): one power iteration per step, Q
-  warm-started from the previous step and the compression error fed back into the next step's
-  gradient. Both are state carried from step to step (AutoDist redrew Q every step and computed an
-  error it never fed back).
+  warm-started from the previous step and the compression error fed into the next step's gradient.
 
 Compressors are stateless configuration objects, optax-style: ``init(leaf, index)`` makes a leaf's
 state (a NamedTuple, or None when there is none) and ``reduce(grad, state, ...)`` returns
@@ -41,25 +38,16 @@ from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
 
-__all__ = [
-    "CastCompressor",
-    "CastState",
-    "Compressor",
-    "NoneCompressor",
-    "PowerSGDCompressor",
-    "PowerSGDState",
-    "replica_count",
-]
+__all__ = ["CastCompressor", "CastState", "Compressor", "NoneCompressor", "PowerSGDCompressor",
+           "PowerSGDState", "replica_count"]
 
 _COLLECTIVES = ("auto", "all_reduce", "all_to_all")
 
 
 def replica_count(axis_name: str | None = None) -> int | None:
     """How many replicas share mesh axis ``axis_name`` here: its size inside ``strategy.run``, else
-    None.
-
-    ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``, or the
-    name given with ``run(..., axis_name=...)``).
+    None. ``axis_name`` None: the replica axis of the ``strategy.run`` being traced (``"replica"``,
+    or the name given with ``run(..., axis_name=...)``).
 
     Examples:
         >>> import jaxdist as jd
@@ -71,28 +59,20 @@ def replica_count(axis_name: str | None = None) -> int | None:
     return axis_size(axis_name or replica_axis(REPLICA_AXIS))
 
 
-def _varying(x: jax.Array, axis_name: str) -> jax.Array:
-    """``x`` marked as differing per replica (collectives that move data need a varying input)."""
-    return to_varying(x, axis_name)
-
-
-def _all_reduce(x: jax.Array, reduce_op: ReduceOp, axis_name: str) -> jax.Array:
-    """psum / pmean over ``axis_name``; the identity where the axis is not bound (one replica)."""
-    return all_reduce(x, reduce_op, axis_name)
-
-
-def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:
+def _check_axis_name(axis_name: Any) -> None:
     if not is_axis_name(axis_name):
         raise TypeError(f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, "
                         f"e.g. {REPLICA_AXIS!r}.")
+
+
+def _check_options(reduce_op: Any, axis_name: Any) -> ReduceOp:
+    _check_axis_name(axis_name)
     return ReduceOp.parse(reduce_op, "reduce_op")
 
 
 class Compressor:
-    """Base class of the compressors: how one gradient leaf is all-reduced.
-
-    Subclasses implement `reduce` (and `init` when they carry state). See `NoneCompressor` for the
-    smallest one.
+    """Base class of the compressors: how one gradient leaf is all-reduced. Subclasses implement
+    `reduce` (and `init` when they carry state); `NoneCompressor` is the smallest one.
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
@@ -115,10 +95,8 @@ class Compressor:
         del leaf, index
         return None
 
-    def reduce(
-        self, grad: jax.Array, state: Any, *, reduce_op: ReduceOp | str = ReduceOp.MEAN,
-        axis_name: str = REPLICA_AXIS
-    ) -> tuple[jax.Array, Any]:
+    def reduce(self, grad: jax.Array, state: Any, *, reduce_op: ReduceOp | str = ReduceOp.MEAN,
+               axis_name: str = REPLICA_AXIS) -> tuple[jax.Array, Any]:
         """All-reduce ``grad`` (this replica's gradient) across the replicas of ``axis_name``.
 
         Args:
@@ -152,12 +130,11 @@ class NoneCompressor(Compressor):
 
     def reduce(self, grad, state, *, reduce_op=ReduceOp.MEAN, axis_name=REPLICA_AXIS):
         op = _check_options(reduce_op, axis_name)
-        return _all_reduce(jnp.asarray(grad), op, axis_name), state
+        return all_reduce(jnp.asarray(grad), op, axis_name), state
 
 
 class CastState(NamedTuple):
-    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next
-    one.
+    """Error-feedback state of `CastCompressor`: what the cast dropped last step, fed into the next.
 
     Attributes:
         error: this replica's rounding error, shaped like the gradient (different on every replica:
@@ -182,8 +159,8 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
                               n: int) -> jax.Array:
     """A low-precision all-reduce that moves only low-precision bytes on every backend.
 
-    XLA:CPU converts every bfloat16/float16 collective to float32 (measured on jax 0.12: all-reduce,
-    reduce-scatter, all-gather and all-to-all alike), which would undo the compression. Integer
+    XLA:CPU converts every bfloat16/float16 collective to float32 (all-reduce, reduce-scatter,
+    all-gather and all-to-all alike), which would undo the compression. Integer
     collectives are left alone, so the payload travels as its bit pattern: a reduce-scatter built
     from an all-to-all (replica i receives chunk i of everyone's payload and sums it in float32,
     rounding once) and an all-gather of the reduced chunks. Each replica sends (n-1)/n of the
@@ -193,9 +170,8 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
     bits = _bits_dtype(dtype)
     chunk = -(-size // n)
     flat = jnp.pad(payload.reshape(-1), (0, chunk * n - size)).reshape(n, chunk)
-    flat = _varying(jax.lax.bitcast_convert_type(flat, bits), axis_name)
-    # row j: replica j's chunk of my slice
-    mine = jax.lax.all_to_all(flat, axis_name, 0, 0, tiled=True)
+    flat = to_varying(jax.lax.bitcast_convert_type(flat, bits), axis_name)
+    mine = jax.lax.all_to_all(flat, axis_name, 0, 0, tiled=True)  # row j: replica j's chunk
     part = jax.lax.bitcast_convert_type(mine, dtype).astype(jnp.float32).sum(0)
     if reduce_op is ReduceOp.MEAN:
         part = part / n
@@ -206,11 +182,9 @@ def _all_reduce_by_all_to_all(payload: jax.Array, reduce_op: ReduceOp, axis_name
 
 class CastCompressor(Compressor):
     """Cast to a 16-bit float for the all-reduce, back after: half the bytes of a float32
-    all-reduce.
-
-    Only floating leaves wider than ``dtype`` are cast; others (already bfloat16, integers) take the
-    plain all-reduce. With ``error_feedback=True`` the rounding error of each step is added to the
-    next step's gradient (state: `CastState`, per replica).
+    all-reduce. Only floating leaves wider than ``dtype`` are cast; others (already bfloat16,
+    integers) take the plain all-reduce. With ``error_feedback=True`` the rounding error of each
+    step is added to the next step's gradient (state: `CastState`, per replica).
 
     Args:
         dtype: the wire dtype, ``jnp.bfloat16`` (default) or ``jnp.float16`` (or a narrower float).
@@ -227,9 +201,8 @@ class CastCompressor(Compressor):
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> out, _ = jd.gradients.CastCompressor(jnp.bfloat16).reduce(jnp.float32(1.0 + 2**-10),
-        ...                                                           None)
-        >>> float(out)   # rounded to bfloat16 on the way
+        >>> c = jd.gradients.CastCompressor(jnp.bfloat16)
+        >>> float(c.reduce(jnp.float32(1.0 + 2**-10), None)[0])   # rounded to bfloat16 on the way
         1.0
     """
 
@@ -239,19 +212,16 @@ class CastCompressor(Compressor):
             wire = np.dtype(dtype)
         except TypeError as e:
             raise ValueError(
-                f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16."
-            ) from e
+                f"dtype={dtype!r} is not a dtype: use jnp.bfloat16 or jnp.float16.") from e
         if not jnp.issubdtype(wire, jnp.floating) or wire.itemsize > 2:
             raise ValueError(
                 f"dtype={wire.name} is not a float of at most 16 bits: a cast compressor must "
                 "narrow the gradients to save bytes (a cast to float32 compresses nothing); use "
-                "jnp.bfloat16 or jnp.float16."
-            )
+                "jnp.bfloat16 or jnp.float16.")
         if collective not in _COLLECTIVES:
             raise ValueError(f"collective={collective!r} is not one of "
                              f"{', '.join(map(repr, _COLLECTIVES))}.")
-        self.dtype = wire
-        self.error_feedback = bool(error_feedback)
+        self.dtype, self.error_feedback = wire, bool(error_feedback)
         self.collective = collective
 
     def compresses(self, leaf: Any) -> bool:
@@ -276,7 +246,7 @@ class CastCompressor(Compressor):
         op = _check_options(reduce_op, axis_name)
         grad = jnp.asarray(grad)
         if not self.compresses(grad):
-            return _all_reduce(grad, op, axis_name), state
+            return all_reduce(grad, op, axis_name), state
         m = grad if state is None else grad + state.error
         payload = m.astype(self.dtype)  # compress
         new_state = (None if state is None
@@ -290,14 +260,12 @@ class CastCompressor(Compressor):
         elif collective == "all_to_all":
             reduced = _all_reduce_by_all_to_all(payload, op, axis_name, n)
         else:
-            reduced = _all_reduce(payload, op, axis_name)
+            reduced = all_reduce(payload, op, axis_name)
         return reduced.astype(grad.dtype), new_state  # decompress
 
     def __repr__(self) -> str:
-        return (
-            f"CastCompressor(dtype={self.dtype.name}, error_feedback={self.error_feedback}, "
-            f"collective={self.collective!r})"
-        )
+        return (f"CastCompressor(dtype={self.dtype.name}, error_feedback={self.error_feedback}, "
+                f"collective={self.collective!r})")
 
 
 class PowerSGDState(NamedTuple):
@@ -341,8 +309,7 @@ class PowerSGDCompressor(Compressor):
 
     Args:
         rank: the rank of the approximation (capped at ``min(rows, cols)``).
-        seed: seeds the initial Q (drawn once, in `init`; leaf ``i`` uses ``fold_in(key(seed),
-            i)``).
+        seed: seeds the initial Q (drawn once, in `init`; leaf ``i``: ``fold_in(key(seed), i)``).
 
     Raises:
         ValueError: when ``rank`` is not a positive int.
@@ -350,8 +317,7 @@ class PowerSGDCompressor(Compressor):
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
         >>> c = jd.gradients.PowerSGDCompressor(rank=1)
-        >>> # a rank-1 gradient: recovered exactly
-        >>> g = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(6))
+        >>> g = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(6))  # rank 1: recovered exactly
         >>> out, state = c.reduce(g, c.init(g, 0))
         >>> bool(jnp.allclose(out, g, atol=1e-5)), state.q.shape
         (True, (6, 1))
@@ -362,12 +328,10 @@ class PowerSGDCompressor(Compressor):
             raise ValueError(f"rank={rank!r} must be a positive int, e.g. rank=4.")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed={seed!r} must be an int.")
-        self.rank = int(rank)
-        self.seed = int(seed)
+        self.rank, self.seed = int(rank), int(seed)
 
     def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """``(rows, cols, rank)`` of the matrix a leaf of this shape is compressed as; None: plain
-        all-reduce.
+        """``(rows, cols, rank)`` of the matrix a leaf of this shape is compressed as (None: not).
 
         Examples:
             >>> import jaxdist as jd
@@ -394,8 +358,8 @@ class PowerSGDCompressor(Compressor):
             return None
         _, cols, rank = plan
         dtype = jnp.promote_types(leaf.dtype, jnp.float32)
-        q = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), index), (cols, rank),
-                              dtype)
+        key = jax.random.fold_in(jax.random.key(self.seed), index)
+        q = jax.random.normal(key, (cols, rank), dtype)
         return PowerSGDState(q=q, error=jnp.zeros_like(leaf, dtype))  # varying like leaf
 
     def reduce(self, grad, state, *, reduce_op=ReduceOp.MEAN, axis_name=REPLICA_AXIS):
@@ -403,26 +367,23 @@ class PowerSGDCompressor(Compressor):
         grad = jnp.asarray(grad)
         plan = self._plan(grad)
         if plan is None:
-            return _all_reduce(grad, op, axis_name), state
+            return all_reduce(grad, op, axis_name), state
         if not isinstance(state, PowerSGDState):
             raise ValueError(
                 f"state={state!r} is not the PowerSGDState of a {grad.shape} gradient: make the "
                 "state with init() on a tree shaped like the gradients and pass each step's new "
-                "state to the next."
-            )
+                "state to the next.")
         rows, cols, _ = plan
         m = grad.reshape(rows, cols).astype(state.error.dtype) + state.error.reshape(rows, cols)
-        p = _all_reduce(m @ state.q.astype(m.dtype), ReduceOp.MEAN, axis_name)
+        p = all_reduce(m @ state.q.astype(m.dtype), ReduceOp.MEAN, axis_name)
         p, _ = jnp.linalg.qr(p)
-        q = _all_reduce(m.T @ p, ReduceOp.MEAN, axis_name)
+        q = all_reduce(m.T @ p, ReduceOp.MEAN, axis_name)
         approx = p @ q.T
-        # each replica's own residual
-        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)
+        error = keep_per_replica((m - approx).reshape(grad.shape), axis_name)  # this replica's
         if op is ReduceOp.SUM:
             approx = approx * (replica_count(axis_name) or 1)
-        return approx.reshape(grad.shape).astype(grad.dtype), PowerSGDState(
-            q=q.astype(state.q.dtype), error=error
-        )
+        return (approx.reshape(grad.shape).astype(grad.dtype),
+                PowerSGDState(q=q.astype(state.q.dtype), error=error))
 
     def __repr__(self) -> str:
         return f"PowerSGDCompressor(rank={self.rank}, seed={self.seed})"

@@ -1,5 +1,4 @@
-"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the whole
-table.
+"""Sparse (embedding) gradients: all-gather the touched rows instead of all-reducing the table.
 
 The gradient of an embedding lookup ``table[ids]`` is zero except in the rows ``ids`` touched. A
 dense all-reduce sends the whole table; gathering every replica's ``(indices, rows)`` sends
@@ -25,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdist.gradients.compressors import _all_reduce, _check_options, _varying, replica_count
+from jaxdist.gradients.compressors import _check_options, replica_count
+from jaxdist.replicate.collectives import all_reduce, to_varying
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 
@@ -87,25 +87,21 @@ def _check(grad: Any) -> None:
     if np.ndim(idx) != 1 or not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
         raise ValueError(
             f"SparseRows.indices has shape {np.shape(idx)} and dtype {jnp.result_type(idx)}: it "
-            "must be a 1-D integer array of row ids (flatten the ids: ids.reshape(-1))."
-        )
+            "must be a 1-D integer array of row ids (flatten the ids: ids.reshape(-1)).")
     if np.ndim(values) < 1 or np.shape(values)[0] != np.shape(idx)[0]:
         raise ValueError(
             f"SparseRows.values has shape {np.shape(values)} for {np.shape(idx)[0]} indices: it "
             "needs one row per index, shape (k, *row_shape) (reshape the row gradients to (-1, "
-            "dim))."
-        )
-    if isinstance(grad.num_rows, bool) or not isinstance(grad.num_rows,
-                                                         (int, np.integer)) or grad.num_rows < 1:
+            "dim)).")
+    rows = grad.num_rows
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
         raise ValueError(f"SparseRows.num_rows={grad.num_rows!r} must be a positive int (the "
                          "table's row count).")
 
 
 def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
     """Whether gathering every replica's rows moves fewer bytes than all-reducing the dense
-    gradient.
-
-    The rule: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica
+    gradient: ``num_replicas * k * (row_bytes + index_bytes) < dense_bytes`` (what each replica
     receives and scatters, against the dense table).
 
     Args:
@@ -117,10 +113,9 @@ def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
 
     Examples:
         >>> import jax.numpy as jnp, jaxdist as jd
-        >>> big = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
-        ...                               num_rows=10_000)
-        >>> small = jd.gradients.SparseRows(jnp.zeros(32, jnp.int32), jnp.zeros((32, 64)),
-        ...                                 num_rows=100)
+        >>> ids, rows = jnp.zeros(32, jnp.int32), jnp.zeros((32, 64))
+        >>> big = jd.gradients.SparseRows(ids, rows, num_rows=10_000)
+        >>> small = jd.gradients.SparseRows(ids, rows, num_rows=100)
         >>> jd.gradients.all_gather_is_cheaper(big, 8), jd.gradients.all_gather_is_cheaper(small, 8)
         (True, False)
     """
@@ -132,13 +127,8 @@ def all_gather_is_cheaper(grad: SparseRows, num_replicas: int) -> bool:
     return gathered < grad.num_rows * row_bytes
 
 
-def sparse_all_reduce(
-    grad: SparseRows,
-    reduce_op: ReduceOp | str = ReduceOp.MEAN,
-    *,
-    method: str = "auto",
-    axis_name: str = REPLICA_AXIS,
-) -> jax.Array:
+def sparse_all_reduce(grad: SparseRows, reduce_op: ReduceOp | str = ReduceOp.MEAN, *,
+                      method: str = "auto", axis_name: str = REPLICA_AXIS) -> jax.Array:
     """Reduce a sparse gradient across replicas into the dense reduced gradient.
 
     Args:
@@ -176,10 +166,10 @@ def sparse_all_reduce(
     if method == "auto":
         method = "all_gather" if all_gather_is_cheaper(grad, n) else "dense"
     if method == "dense":
-        return _all_reduce(grad.to_dense(), op, axis_name)
+        return all_reduce(grad.to_dense(), op, axis_name)
 
     def gather(x):
-        return jax.lax.all_gather(_varying(jnp.asarray(x), axis_name), axis_name, axis=0,
+        return jax.lax.all_gather(to_varying(jnp.asarray(x), axis_name), axis_name, axis=0,
                                   tiled=True, to="invarying")
 
     dense = SparseRows(gather(grad.indices), gather(grad.values), grad.num_rows).to_dense()

@@ -1,18 +1,14 @@
-"""`AllReduceSynchronizer`: the gradient all-reduce of a replica function, with a pluggable
-compressor.
+"""`AllReduceSynchronizer`: a replica function's gradient all-reduce, with a pluggable compressor.
 
-AutoDist's synchronizers rewrote a TF graph to put a collective after every gradient. In jaxdist the
-replica function is already explicit (``strategy.run``), so a synchronizer is a pure function object
-used inside it, optax-style::
+A synchronizer is a pure function object used inside the replica function (``strategy.run``),
+optax-style::
 
     sync = jd.gradients.AllReduceSynchronizer(jd.gradients.PowerSGDCompressor(rank=4))
-    # Q mirrored, error feedback per replica
-    sync_state = strategy.run(sync.init, args=(params,))
+    sync_state = strategy.run(sync.init, args=(params,))  # Q mirrored, error feedback per replica
 
     def replica_fn(params, sync_state, batch):
         grads = jax.grad(loss)(params, batch)  # local gradients
-        # the global mean, compressed on the wire
-        grads, sync_state = sync.all_reduce(grads, sync_state)
+        grads, sync_state = sync.all_reduce(grads, sync_state)  # the global mean, compressed
         return grads, sync_state
 
     grads, sync_state = strategy.run(replica_fn, args=(params, sync_state, batch))
@@ -35,9 +31,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxdist.gradients.compressors import Compressor, NoneCompressor
+from jaxdist.gradients.compressors import Compressor, NoneCompressor, _check_axis_name
 from jaxdist.gradients.sparse import is_sparse, sparse_all_reduce
-from jaxdist.replicate.collectives import is_axis_name
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp
 from jaxdist.strategies.ambient import replica_axis
@@ -62,8 +57,7 @@ class SynchronizerState(NamedTuple):
 
 
 class AllReduceSynchronizer:
-    """All-reduce a gradient pytree across replicas inside ``strategy.run``, compressing each leaf
-    on the wire.
+    """All-reduce a gradient pytree across replicas inside ``strategy.run``, compressing each leaf.
 
     Args:
         compressor: a `Compressor`: `NoneCompressor` (default), `CastCompressor` or
@@ -93,32 +87,21 @@ class AllReduceSynchronizer:
         ('ArrayImpl', 'PerReplica', None)
     """
 
-    def __init__(
-        self,
-        compressor: Compressor | None = None,
-        reduce_op: ReduceOp | str = ReduceOp.MEAN,
-        *,
-        axis_name: str | None = None,
-    ):
+    def __init__(self, compressor: Compressor | None = None,
+                 reduce_op: ReduceOp | str = ReduceOp.MEAN, *, axis_name: str | None = None):
         compressor = NoneCompressor() if compressor is None else compressor
         if not isinstance(compressor, Compressor):
             raise TypeError(
                 f"compressor={compressor!r} (type {type(compressor).__name__}) is not a "
                 "Compressor: use NoneCompressor(), CastCompressor(jnp.bfloat16) or "
-                "PowerSGDCompressor(rank=4)."
-            )
-        if axis_name is not None and not is_axis_name(axis_name):
-            raise TypeError(
-                f"axis_name={axis_name!r} must be a mesh axis name or a tuple of them, e.g. "
-                f"{REPLICA_AXIS!r}."
-            )
-        self.compressor = compressor
+                "PowerSGDCompressor(rank=4).")
+        if axis_name is not None:
+            _check_axis_name(axis_name)
+        self.compressor, self.axis_name = compressor, axis_name
         self.reduce_op = ReduceOp.parse(reduce_op, "reduce_op")
-        self.axis_name = axis_name
 
     def init(self, tree: Any) -> SynchronizerState:
         """The initial state for gradients shaped like ``tree`` (the params, or a gradient pytree).
-
         Call it inside ``strategy.run`` (``strategy.run(sync.init, args=(params,))``) to get the
         steady-state layout at once: the parts identical on every replica mirrored, the per-replica
         parts `PerReplica`.
@@ -137,17 +120,13 @@ class AllReduceSynchronizer:
             ((32, 4), None)
         """
         leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sparse)
-        states = [
-            None if is_sparse(leaf) else self.compressor.init(jax.numpy.asarray(leaf), i)
-            for i, leaf in enumerate(leaves)
-        ]
+        states = [None if is_sparse(leaf) else self.compressor.init(jax.numpy.asarray(leaf), i)
+                  for i, leaf in enumerate(leaves)]
         return SynchronizerState(jax.tree.unflatten(treedef, states))
 
     def all_reduce(self, grads: Any, state: SynchronizerState) -> tuple[Any, SynchronizerState]:
-        """Reduce this replica's gradients across the replicas (inside ``strategy.run``).
-
-        Outside any replica function there is one replica: compression still applies, no collective
-        runs.
+        """Reduce this replica's gradients across the replicas (inside ``strategy.run``). Outside
+        any replica function there is one replica: compression still applies, no collective runs.
 
         Args:
             grads: this replica's gradient pytree (dense arrays and `SparseRows`).
@@ -173,8 +152,7 @@ class AllReduceSynchronizer:
         if not isinstance(state, SynchronizerState):
             raise TypeError(
                 f"state={type(state).__name__} is not a SynchronizerState: pass the state made by "
-                "sync.init(params) (or returned by the previous sync.all_reduce)."
-            )
+                "sync.init(params) (or returned by the previous sync.all_reduce).")
         leaves, treedef = jax.tree.flatten(grads, is_leaf=is_sparse)
         try:
             leaf_states = treedef.flatten_up_to(state.leaves)
@@ -183,29 +161,23 @@ class AllReduceSynchronizer:
                 "state was made for a tree of structure "
                 f"{jax.tree.structure(state.leaves, is_leaf=_is_state)} but the gradients have "
                 f"structure {treedef}: make the state with sync.init on a tree shaped like the "
-                "gradients (e.g. the params)."
-            ) from e
+                "gradients (e.g. the params).") from e
         axis = self.axis_name or replica_axis(REPLICA_AXIS)
         reduced, new_states = [], []
         for grad, leaf_state in zip(leaves, leaf_states, strict=True):
-            if is_sparse(grad):  # uncompressed, as in AutoDist, and stateless
-                reduced.append(sparse_all_reduce(grad, self.reduce_op, axis_name=axis))
-                new_states.append(None)
-                continue
-            out, leaf_state = self.compressor.reduce(
-                grad, leaf_state, reduce_op=self.reduce_op, axis_name=axis
-            )
+            if is_sparse(grad):  # uncompressed and stateless
+                out, leaf_state = sparse_all_reduce(grad, self.reduce_op, axis_name=axis), None
+            else:
+                out, leaf_state = self.compressor.reduce(grad, leaf_state, reduce_op=self.reduce_op,
+                                                         axis_name=axis)
             reduced.append(out)
             new_states.append(leaf_state)
-        return jax.tree.unflatten(treedef, reduced), SynchronizerState(
-            jax.tree.unflatten(treedef, new_states)
-        )
+        return (jax.tree.unflatten(treedef, reduced),
+                SynchronizerState(jax.tree.unflatten(treedef, new_states)))
 
     def __repr__(self) -> str:
-        return (
-            f"AllReduceSynchronizer(compressor={self.compressor!r}, reduce_op={self.reduce_op}, "
-            f"axis_name={self.axis_name!r})"
-        )
+        return (f"AllReduceSynchronizer(compressor={self.compressor!r}, "
+                f"reduce_op={self.reduce_op}, axis_name={self.axis_name!r})")
 
 
 def _is_state(x: Any) -> bool:

@@ -1,11 +1,8 @@
-"""The job: its processes, joined, checked, failing together, and the programs a restart finds
-compiled.
+"""The job: its processes, joined, checked, failing together, and the programs a restart reuses.
 
-``_join`` joins the job over ``jax.distributed`` (keyword arguments, then the ``JAXDIST_*``
-environment, then JAX's own detection) and answers "does this job span processes"; ``_failure`` is
-the job's key-value store and makes a job's processes end together (a failing process tells the
-others why, none waits forever); ``_checks`` holds what the processes of one ``fit`` check together
-(same settings, a shared directory, data that ends together); ``_compilation_cache`` keeps compiled
+``_join`` joins the job over ``jax.distributed`` and answers "does this job span processes";
+``_failure`` is the job's key-value store and makes a job's processes end together; ``_checks``
+holds what the processes of one ``fit`` check together; ``_compilation_cache`` keeps compiled
 programs across restarts. The bottom of the package but for the records (``costs``, ``replicate``):
 nothing here knows strategies or training. Public names: ``jd.initialize_cluster``,
 ``jd.configure_compilation_cache``, ``jd.training.JobDisagreementError``.
@@ -43,32 +40,10 @@ from jaxdist.job._join import resolve_cluster as resolve_cluster
 from jaxdist.job._join import spans_processes as spans_processes
 
 __all__ = [
-    "AGREE_SECONDS",
-    "BEAT_SECONDS",
-    "CLUSTER_VARIABLES",
-    "DATA_END_SECONDS",
-    "EXIT_SECONDS",
-    "POLL_SECONDS",
-    "FailureMonitor",
-    "JobDisagreementError",
-    "agree_on_fit",
-    "check_connected",
-    "check_spans_processes",
-    "configure_compilation_cache",
-    "data_ended",
-    "detected_cluster",
-    "exchange",
-    "failing",
-    "forget",
-    "gather",
-    "from_chief",
-    "guard_exit",
-    "initialize_cluster",
-    "post",
-    "read",
-    "report_failure",
-    "resolve_cluster",
-    "set_heartbeat_timeout",
-    "silence_seconds",
+    "AGREE_SECONDS", "BEAT_SECONDS", "CLUSTER_VARIABLES", "DATA_END_SECONDS", "EXIT_SECONDS",
+    "POLL_SECONDS", "FailureMonitor", "JobDisagreementError", "agree_on_fit", "check_connected",
+    "check_spans_processes", "configure_compilation_cache", "data_ended", "detected_cluster",
+    "exchange", "failing", "forget", "gather", "from_chief", "guard_exit", "initialize_cluster",
+    "post", "read", "report_failure", "resolve_cluster", "set_heartbeat_timeout", "silence_seconds",
     "spans_processes",
 ]

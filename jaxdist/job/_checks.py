@@ -1,22 +1,19 @@
-"""The processes of one ``fit``: they agree before the first step, end their data together, and fail
-together.
+"""The processes of one ``fit``: they agree before the first step, end their data and fail together.
 
 In a job of several processes every process runs ``fit`` and meets the others in every step's
 collectives and every checkpoint write. A process that does something else (another ``steps=``,
 another checkpoint cadence, a ``checkpoint_dir`` the others cannot see, data that ends sooner) or
-that raises leaves the others waiting forever, without a word. So (nothing of this in a single
-process):
+that raises leaves the others waiting forever, without a word. So (nothing of this in one process):
 
 * `agree_on_fit`, before anything collective: every process's settings are compared with process 0's
   (an error on every process names the setting and each process's value), and process 0 writes a
   token file into ``checkpoint_dir`` that every other process must read back (a directory that is
   not shared is named).
-* `failing`: while ``fit`` runs, a peer's failure ends this process (`jaxdist.job.FailureMonitor`)
-  and this process's own failure is told to its peers (``process 1 raised RuntimeError(...) at step
-  5``) before it propagates; the process then exits within `jaxdist.job.EXIT_SECONDS` even when its
-  exit blocks on a peer. An error every process raises at once (its ``on_every_process`` is True: a
-  decision all took together, such as a ``NonFiniteError``) waits for nobody and is not told, so
-  the job can catch it and go on.
+* `failing`: while ``fit`` runs, a peer's failure ends this process and this process's own failure
+  is told to its peers before it propagates (`jaxdist.job.FailureMonitor`, `report_failure`). An
+  error every process raises at once (its ``on_every_process`` is True: a decision all took
+  together, such as a ``NonFiniteError``) waits for nobody and is not told, so the job can catch it
+  and go on.
 * `data_ended`: when this process's data ends before ``steps``, the processes compare where theirs
   ended (waiting `DATA_END_SECONDS` for the others). Ending at the same batch everywhere is an early
   end like a single process's; else the error says which process ran out (``process 1: its data
@@ -56,15 +53,12 @@ _TOKEN = ".jaxdist-shared-check"
 
 class JobDisagreementError(RuntimeError):
     """The processes of a job called ``fit`` differently (settings, ``checkpoint_dir``, data
-    length).
-
-    Raised on the processes that find it, before the step where they would wait on each other
-    forever; the message names the processes and what differs.
+    length): raised on the processes that find it, before the step where they would wait on each
+    other forever; the message names the processes and what differs.
 
     Attributes:
         on_every_process: raised on every process at once (an agreement every process took part in),
-            so nobody has to be told; False: this process alone found it (its peers wait in a
-            collective).
+            so nobody need be told; False: this process alone found it (peers wait in a collective).
 
     Examples:
         >>> JobDisagreementError("x", on_every_process=True).on_every_process
@@ -115,8 +109,8 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any],
         for key in sorted(values[0]["settings"]):
             seen = [v["settings"].get(key) for v in values]
             if any(s != seen[0] for s in seen):
-                differ.append(f"{key}=" + ", ".join(f"{s!r} on process {p}"
-                                                    for p, s in enumerate(seen)))
+                shown = ", ".join(f"{s!r} on process {p}" for p, s in enumerate(seen))
+                differ.append(f"{key}={shown}")
         if differ:
             raise JobDisagreementError(
                 f"the processes of this job called fit differently: {'; '.join(differ)}. Every "
@@ -129,7 +123,7 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any],
             with open(path) as f:
                 seen_token = f.read()
         except OSError as error:
-            seen_token = f"{type(error).__name__}"
+            seen_token = type(error).__name__
         answer = "ok" if seen_token == values[0]["token"] else seen_token
         answers = exchange("the checkpoint_dir check", answer, AGREE_SECONDS)
     finally:
@@ -142,17 +136,14 @@ def agree_on_fit(mesh: Mesh | None, settings: Mapping[str, Any],
             f"checkpoint_dir={os.fspath(checkpoint_dir)!r} is not one directory shared by the "
             f"processes of this job: process(es) {blind} do not see the file process 0 wrote "
             "there. Every process writes its part of each checkpoint into it: pass a directory on "
-            "a filesystem they all mount (NFS, a cluster filesystem) or "
-            "a bucket (gs://...).", on_every_process=True)
+            "a filesystem they all mount (NFS, a cluster filesystem) or a bucket (gs://...).",
+            on_every_process=True)
 
 
 @contextlib.contextmanager
-def failing(
-    mesh: Mesh | None,
-    step: Callable[[], int],
-    checkpoint: Callable[[], int | None] = lambda: None,
-    checkpoint_dir: str | os.PathLike | None = None,
-) -> Iterator[None]:
+def failing(mesh: Mesh | None, step: Callable[[], int],
+            checkpoint: Callable[[], int | None] = lambda: None,
+            checkpoint_dir: str | os.PathLike | None = None) -> Iterator[None]:
     """Around ``fit``: a peer's failure ends this process; this process's failure is told to the
     peers (not an error whose ``on_every_process`` is True: every process raises that one); a peer
     that dies or stops is said in jaxdist's words (`jaxdist.job.FailureMonitor`'s line).
@@ -205,8 +196,7 @@ def data_ended(mesh: Mesh | None, consumed: int, needed: int) -> None:
 
     Raises:
         JobDisagreementError: when another process's data ended elsewhere, or it did not reach the
-            end of its data within `DATA_END_SECONDS` (it has more), naming the process that ran
-            out.
+            end of its data within `DATA_END_SECONDS` (it has more), naming who ran out.
 
     Examples:
         >>> data_ended(None, 5, 12)   # one process: an early end, said by fit
@@ -220,11 +210,10 @@ def data_ended(mesh: Mesh | None, consumed: int, needed: int) -> None:
         raise JobDisagreementError(
             f"process {me}: its data ended after batch {consumed} of {needed}, and {error} (its "
             "data goes on): every process must have the data for the same number of steps (pass "
-            "each process's part of every "
-            "batch, or fewer steps).", on_every_process=False) from None
+            "each process's part of every batch, or fewer steps).",
+            on_every_process=False) from None
     if any(end != consumed for end in ends):
         shown = ", ".join(f"process {p} after batch {end}" for p, end in enumerate(ends))
         raise JobDisagreementError(
             f"the processes' data ended at different batches ({shown}, of {needed}): every process "
-            "must have the "
-            "data for the same number of steps.", on_every_process=True)
+            "must have the data for the same number of steps.", on_every_process=True)

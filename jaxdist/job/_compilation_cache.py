@@ -27,15 +27,12 @@ __all__ = ["configure_compilation_cache"]
 def configure_compilation_cache(directory: str | os.PathLike, *,
                                 min_compile_seconds: float = 0.0) -> Path:
     """Turn on JAX's persistent compilation cache in ``directory`` for this process (see the module
-    doc).
-
-    Call it once, at the top of the program, on every process, with the same directory; it also
-    works after programs have compiled (those are not cached).
+    doc). Call it once, at the top of the program, on every process, with the same directory; it
+    also works after programs have compiled (those are not cached).
 
     Args:
         directory: where the compiled programs go (created if missing; share it between restarts).
-        min_compile_seconds: programs that compiled faster than this are not cached (0: all of
-            them).
+        min_compile_seconds: programs that compiled faster than this are not cached (0: cache all).
 
     Returns:
         The directory, as an absolute `Path`.
@@ -50,15 +47,11 @@ def configure_compilation_cache(directory: str | os.PathLike, *,
         >>> path = jd.configure_compilation_cache(tempfile.mkdtemp())
         >>> path.is_dir(), jax.config.jax_compilation_cache_dir == str(path)
         (True, True)
-        >>> # as it was before (this example only)
-        >>> jax.config.update("jax_compilation_cache_dir", before[0])
+        >>> jax.config.update("jax_compilation_cache_dir", before[0])  # as it was
         >>> jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
     """
-    if (
-        isinstance(min_compile_seconds, bool)
-        or not isinstance(min_compile_seconds, (int, float))
-        or (min_compile_seconds < 0)
-    ):
+    if (isinstance(min_compile_seconds, bool) or not isinstance(min_compile_seconds, (int, float))
+            or min_compile_seconds < 0):
         raise ValueError(f"min_compile_seconds={min_compile_seconds!r} must be a number of seconds "
                          ">= 0.")
     path = Path(directory).expanduser().absolute()

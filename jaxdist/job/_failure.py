@@ -1,72 +1,45 @@
-"""A job's processes end together: a process that fails tells the others why, and none waits
-forever.
+"""A job's processes end together: a failing process tells the others why, and none waits forever.
 
 In a job of several processes a process that raises (or whose data ends) leaves its peers waiting in
 their next collective, and itself waits at exit in ``jax.distributed.shutdown`` for peers that never
-arrive: the job hangs without a word. Three pieces, all through the coordination service's key-value
-store (JAX's, which every process of a ``jax.distributed`` job already talks to; nothing in a single
-process):
+arrive. Everything here goes through the key-value store of JAX's coordination service, which every
+process of a ``jax.distributed`` job already talks to (nothing in a single process):
 
-* `exchange`: every process posts a value under a name and reads every other's, with a timeout; a
-  process that does not post in time is named, never waited for. Agreements at the start of a run
-  (same steps, same cadence, a shared checkpoint directory) and at the end of the data are built on
-  it.
+* `exchange`: every process posts a value under a name and reads every other's, with a timeout (the
+  agreements at the start of a run and at the end of the data). `post`, `read`, `forget` and
+  `gather`: a value one process leaves for another, or for the one process that decides for all.
 * `report_failure`: the first process to fail posts its reason (``process 1 raised RuntimeError(...)
-  at step 5``) and arms a bounded exit: when it has not exited `EXIT_SECONDS` later (its exit blocks
-  on a peer), it exits with status 1 anyway. An uncaught exception in a process of such a job is
-  reported too, and the process exits with status 1 right after its traceback (`guard_exit`): the
-  interpreter's own exit would wait for the peers in ``jax.distributed.shutdown``, and a checkpoint
-  write still in flight needs them too (the last complete checkpoint stands; checkpoints are
-  committed atomically).
-* `post`, `read` and `forget`: a value one process leaves for another (``fit``'s per-process
-  figures), read without waiting or with a timeout; `gather`: every process's value under one
-  prefix, read by the one process that decides for all (``fit``'s comparison of the processes'
-  batches).
-* `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`); when one
-  comes, it prints it and ends this process with status 1, wherever the main thread is blocked (a
-  collective, a checkpoint write). On process 0 it first waits (bounded) until the failing process
-  is on its way out: process 0 hosts the coordination service, and its exit aborts every process
-  still connected (exit status -6 in place of the failing process's 1).
+  at step 5``) and exits with status 1 at most `EXIT_SECONDS` later, even when its exit blocks on a
+  peer. `guard_exit` does the same for an uncaught exception, right after its traceback (a
+  checkpoint write still in flight is lost; the last complete checkpoint stands).
+* `FailureMonitor`: while open, a thread polls for a peer's reason (every `POLL_SECONDS`), prints it
+  and ends this process with status 1, wherever the main thread is blocked. On process 0, which
+  hosts the coordination service (its exit aborts every process still connected, exit status -6),
+  it first waits (bounded) until the failing process is on its way out.
 
 So every process of a failing job exits non-zero within about ``POLL_SECONDS + EXIT_SECONDS`` of the
-failure (11 s by default), each saying which process failed and why; the launcher (``python -m
-jaxdist.launch``), SLURM or Kubernetes sees the exit codes.
+failure (11 s by default), each saying which process failed and why.
 
 A process that ends without a word (killed, ``os._exit``, a crash) or stops (SIGSTOP, a machine
-lost) cannot report anything, and JAX's own end of the job is a C++ abort Python cannot catch or
-precede: the coordination service declares a task dead between ``heartbeat_timeout_seconds / 2`` and
-``heartbeat_timeout_seconds`` after its last heartbeat, and a dead coordinator (process 0) ends the
-others within milliseconds. (JAX's client takes a ``missed_heartbeat_callback``, but this jaxlib
-cannot hand it its argument: ``std::bad_cast``, then abort; and its ``get_live_nodes`` is a
-barrier.) So a monitor opened with ``progress`` (``fit``'s) also *beats*, through the same key-value
-store (no port of its own, no protocol but the store's): a daemon thread posts this process's
-progress (step, newest complete checkpoint, its directory, a beat counter) under
-``jaxdist/beats/<n>/<process>`` every `BEAT_SECONDS`, reads every process's beats in one
-``key_value_dir_get``, and posts a goodbye (``jaxdist/beats/<n>/bye/<process>``) when the monitor
-closes, however ``fit`` ended (a failure that needs telling was posted before):
+lost) cannot report anything, and JAX's own end of the job is a C++ abort Python cannot catch: the
+service declares a task dead between half and all of ``heartbeat_timeout_seconds`` after its last
+heartbeat, and a dead coordinator ends the others within milliseconds (JAX's
+``missed_heartbeat_callback`` aborts with ``std::bad_cast`` in this jaxlib, and ``get_live_nodes``
+is a barrier). So a monitor opened with ``progress`` (``fit``'s) also *beats* through the store: a
+daemon thread posts this process's progress (step, newest complete checkpoint, its directory, a beat
+counter) under ``jaxdist/beats/<n>/<process>`` every `BEAT_SECONDS`, reads every process's beats in
+one ``key_value_dir_get``, and posts a goodbye (``jaxdist/beats/<n>/bye/<process>``) when the
+monitor closes, however ``fit`` ended:
 
-* a process whose beat counter has not moved for `silence_seconds` (under half the heartbeat
-  timeout, so before JAX can act) and that said no goodbye stopped answering: it ended, was killed
-  or stopped (the store cannot tell these apart). The first survivor to see it says so in jaxdist's
-  words (which process, the last step each reached, the newest checkpoint, "restart the job to
-  resume from step N"), posts it as the job's failure so that every process says it, and exits with
-  status 1; so do the others.
-* a call to the store that fails is the coordinator gone (it hosts the store): the message for it,
-  made ready at every beat, is written at once and the process exits with status 1. When the
-  coordinator was killed this races JAX's abort, and JAX wins: its client's own call
-  (``PollForError``) fails on the same connection and is handled first, on gRPC's thread, aborting
-  within a millisecond (measured: 0 of 7 runs said first). The launcher's summary (``python -m
-  jaxdist.launch``) says that case in jaxdist's words, from the progress each beat leaves.
-
-Nothing of it runs on the training thread (no collective, no device read). A live process cannot
-fall silent: its beats come from their own thread, which a slow step, a compilation, a collective, a
-checkpoint write or a sleep never holds (they release the interpreter lock, and Python code gives it
-up every few milliseconds); only a single C call holding the interpreter lock for longer than
-`silence_seconds` could, and a watcher's own stall counts for nothing (it compares counters between
-its own reads).
-
-Where ``JAXDIST_LAUNCH_DIR`` is set (``python -m jaxdist.launch``), each beat and the goodbye also
-leave the process's progress in ``<dir>/<process>.json`` for the launcher's summary.
+* a process whose beat counter has not moved for `silence_seconds` and that said no goodbye stopped
+  answering. The first survivor to see it says so in jaxdist's words (which process, the last step
+  each reached, "restart the job to resume from step N"), posts it as the job's failure so that
+  every process says it, and exits with status 1; so do the others.
+* a call to the store that fails is the coordinator gone: the message for it, made ready at every
+  beat, is written at once and the process exits with status 1. When the coordinator was killed,
+  JAX's abort usually wins this race (its client's ``PollForError`` fails on the same connection,
+  on gRPC's thread); the launcher's summary (``python -m jaxdist.launch``) then says it, from the
+  progress each beat leaves in ``<JAXDIST_LAUNCH_DIR>/<process>.json``.
 """
 
 from __future__ import annotations
@@ -87,8 +60,7 @@ from jax._src import (
 )
 
 __all__ = ["BEAT_SECONDS", "EXIT_SECONDS", "POLL_SECONDS", "FailureMonitor", "exchange", "forget",
-           "gather",
-           "guard_exit", "post", "read", "report_failure", "set_heartbeat_timeout",
+           "gather", "guard_exit", "post", "read", "report_failure", "set_heartbeat_timeout",
            "silence_seconds"]
 
 EXIT_SECONDS = 10.0
@@ -153,17 +125,14 @@ def exchange(name: str, value: str, timeout: float) -> list[str]:
         try:
             out.append(client.blocking_key_value_get(f"jaxdist/exchange/{n}/{pid}",
                                                      int(1000 * timeout)))
-        except Exception:
-            # the service's deadline: the peer is elsewhere (stuck, dead, or past this point)
+        except Exception:  # the service's deadline: the peer is stuck, dead, or past this point
             raise TimeoutError(
-                f"process {pid} did not reach {name!r} within {timeout:g} s"
-            ) from None
+                f"process {pid} did not reach {name!r} within {timeout:g} s") from None
     return out
 
 
 def post(key: str, value: str) -> None:
-    """Post ``value`` under ``key`` in the job's key-value store, for another process to `read`
-    (nothing in a single process).
+    """Post ``value`` under ``key`` for another process to `read` (nothing in a single process).
 
     Examples:
         >>> post("jaxdist/example", "1")   # one process: nobody to read it
@@ -197,8 +166,7 @@ def gather(prefix: str, timeout: float, own: str | None = None) -> list[str | No
     order: one listing of the prefix (``key_value_dir_get``), then a wait of up to ``timeout``
     seconds in all for those not there yet; None for a process whose value did not come. ``own``:
     this process's value, not posted (nothing is read for it). What one process reads to decide for
-    all (then it posts the decision for the others to `read`: two calls to the store for each of
-    them, however many processes there are). An empty list in a single process.
+    all (then it posts the decision for the others to `read`). An empty list in a single process.
 
     Examples:
         >>> gather("jaxdist/example", timeout=1.0)   # one process
@@ -225,8 +193,7 @@ def gather(prefix: str, timeout: float, own: str | None = None) -> list[str | No
 
 
 def forget(key: str) -> None:
-    """Delete ``key`` from the job's key-value store (read and done with: the store is the
-    coordinator's memory).
+    """Delete ``key`` from the job's key-value store (the store is the coordinator's memory).
 
     Examples:
         >>> forget("jaxdist/example")   # one process: nothing stored
@@ -283,17 +250,14 @@ def set_heartbeat_timeout(seconds: float) -> None:
 
 def silence_seconds() -> float:
     """How long a process's beats may stay still before it is said to have stopped answering (it
-    ended, was killed or stopped), and how long a call to the coordinator's store may stay
-    unanswered: as long as possible while still before JAX's own verdict. JAX's heartbeats go every
-    half heartbeat timeout, so its service may declare a silent task dead as soon as half the
-    timeout after it went silent; the silence is said two beats before that (one beat to see it, one
-    to spare), and never under 2 s.
+    ended, was killed or stopped): as long as possible while still before JAX's own verdict, which
+    may come half the heartbeat timeout after a task went silent; the silence is said two beats
+    before that (one beat to see it, one to spare), and never under 2 s.
 
     It cannot fire in a healthy job: the beats come from a daemon thread, which a slow step, a
     compilation, a collective, a checkpoint write or a sleep never holds (all release the
-    interpreter lock; Python code gives it up every few milliseconds); only one C call keeping the
-    lock longer than this (14 s at the strategies' default ``heartbeat_timeout_seconds=30``) could
-    silence a live process.
+    interpreter lock); only one C call keeping the lock longer than this (14 s at the strategies'
+    default ``heartbeat_timeout_seconds=30``) could silence a live process.
 
     Examples:
         >>> set_heartbeat_timeout(10); silence_seconds()
@@ -314,8 +278,7 @@ def _await_acknowledgements(dead: int | None = None) -> None:
     deadline = time.monotonic() + 2 * POLL_SECONDS + 1.0
     for pid in range(jax.process_count()):
         if pid not in (me, dead):
-            # no monitor there (not in fit), or gone: the deadline stands
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # no monitor there, or gone: the deadline stands
                 client.blocking_key_value_get(f"{_FAILURE_KEY}/seen/{pid}",
                                               max(1, int(1000 * (deadline - time.monotonic()))))
     if me == 0 and any(pid not in (me, dead) for pid in range(jax.process_count())):
@@ -368,9 +331,8 @@ def guard_exit() -> None:
         previous(kind, error, traceback)
         if issubclass(kind, SystemExit):
             return
-        me = jax.process_index()
-        # ``fit`` may have said it better: kept
-        report_failure(f"process {me} raised {kind.__name__}({error})")
+        # ``fit`` may have posted it better: the first reason stands
+        report_failure(f"process {jax.process_index()} raised {kind.__name__}({error})")
         # the peers' monitors have said why (exiting first would end them mid-collective)
         _await_acknowledgements()
         # now: the interpreter's exit would wait for the peers (jax.distributed.shutdown)
@@ -414,7 +376,6 @@ class FailureMonitor:
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        # with a goodbye, however fit ended: this process leaves, it did not die
         if self._beats is not None:
             self._beats.close()
             self._beats = None
@@ -425,17 +386,12 @@ class FailureMonitor:
     def _poll(self, client: Any) -> None:
         me = jax.process_index()
         while not self._stop.wait(self.interval):
-            try:
-                value = client.key_value_try_get(_FAILURE_KEY)
-            except Exception:  # not set: nobody failed
+            value = _failure_posted(client)
+            if value is None:  # nobody failed
                 continue
-            pid, _, reason = value.partition("\n")
-            if pid == str(me):  # this process's own failure: its main thread is on its way out
+            if value.partition("\n")[0] == str(me):  # this process's own: it is on its way out
                 return
-            print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr,
-                  flush=True)
-            _acknowledge(client, me, pid)
-            _exit_now(None)
+            _stop_too(client, me, value)
 
 
 def _failure_posted(client: Any) -> str | None:
@@ -447,13 +403,23 @@ def _failure_posted(client: Any) -> str | None:
         return None
 
 
+def _stop_too(client: Any, me: int, value: str) -> None:
+    """Say the failure another process posted (``value``, as `_failure_posted` reads it),
+    acknowledge it (`_acknowledge`) and exit with status 1."""
+    teller, _, reason = value.partition("\n")
+    print(f"[jaxdist] {reason}; process {me} stops too (exit status 1)", file=sys.stderr,
+          flush=True)
+    _acknowledge(client, me, teller)
+    _exit_now(None)
+
+
 def _resume(progress: dict) -> str:
     checkpoint = progress.get("checkpoint")
     if checkpoint is None:
         where = "" if progress.get("checkpoint_dir") else " (fit has no checkpoint_dir)"
         return f"There is no checkpoint{where}: a restart starts over from step 0."
-    return (f"The newest checkpoint is step {checkpoint}: "
-            f"restart the job to resume from step {checkpoint}.")
+    return (f"The newest checkpoint is step {checkpoint}: restart the job to resume from step "
+            f"{checkpoint}.")
 
 
 class _Beats:
@@ -463,11 +429,9 @@ class _Beats:
     def __init__(self, client: Any, progress: Callable[[], dict]):
         self.client, self.progress = client, progress
         self.me, self.count = jax.process_index(), jax.process_count()
-        # the n-th fit of every process: the same n everywhere
-        self.prefix = f"{_BEATS_KEY}/{next(_rounds)}/"
+        self.prefix = f"{_BEATS_KEY}/{next(_rounds)}/"  # the n-th fit: the same n everywhere
         self.beats = 0
-        # pid -> (its last beat counter, when it was seen to move)
-        self.seen: dict[int, tuple[int, float]] = {}
+        self.seen: dict[int, tuple[int, float]] = {}  # pid -> (last beat counter, when it moved)
         self.peers: dict[int, dict] = {}  # pid -> its last progress
         self.gone: set[int] = set()  # the peers that said goodbye
         self.stopping = threading.Event()
@@ -498,27 +462,20 @@ class _Beats:
             except Exception:  # the store is gone
                 return self._store_failed()
             self._watch(entries)
-            try:
-                # the wait: until a goodbye
+            try:  # wait one beat, or until this process's goodbye (`close`)
                 self.client.blocking_key_value_get(bye, int(1000 * BEAT_SECONDS))
-                return None  # this process's goodbye (`close`)
+                return None
             except Exception as error:
                 if "DEADLINE_EXCEEDED" not in str(error):  # else the wait's end: the next beat
                     return self._store_failed()
         return None
 
     def _store_failed(self) -> None:
-        # else leaving; or process 0's own store ending
+        """A call to the coordinator's store failed: unless leaving (or process 0's own store
+        ending), write the message made ready at the last beat and exit (see the module doc)."""
         if not self.stopping.is_set() and self.me != 0:
-            self._coordinator_gone()
-
-    def _coordinator_gone(self) -> None:
-        """A call to the coordinator's store failed: write the message made ready at the last beat
-        and exit. A race JAX's abort wins when the coordinator was killed: its client's own failed
-        call (``PollForError``) is handled first, on gRPC's thread, and aborts within a millisecond;
-        the launcher's summary says it."""
-        os.write(2, self.epitaph)
-        _exit_now(None)
+            os.write(2, self.epitaph)
+            _exit_now(None)
 
     def _beat(self, mine: dict) -> None:
         self.beats += 1
@@ -567,10 +524,10 @@ class _Beats:
         """``process 1 <what>``, with the last steps reached."""
         who = f"process {pid}" + (" (the coordinator: it hosts the job's coordination service)"
                                   if pid == 0 else "")
-        steps = {self.me: self.progress().get("step"),
-                 **{p: v.get("step") for p, v in self.peers.items()}}
-        shown = ", ".join(f"process {p} step {steps[p]}" for p in sorted(steps)
-                          if steps[p] is not None)
+        steps = {p: v.get("step") for p, v in self.peers.items()}
+        steps[self.me] = self.progress().get("step")
+        shown = ", ".join(f"process {p} step {i}" for p, i in sorted(steps.items())
+                          if i is not None)
         return f"{who} {what}; last steps reached: {shown}"
 
     def _died(self, pid: int, silent: float) -> None:
@@ -583,18 +540,13 @@ class _Beats:
             # posted already (another survivor, or a failure): said as the monitor says it
             value = _failure_posted(self.client)
             if value is not None:
-                teller, _, reason = value.partition("\n")
-                print(f"[jaxdist] {reason}; process {self.me} stops too (exit status 1)",
-                      file=sys.stderr, flush=True)
-                _acknowledge(self.client, self.me, teller)
-                _exit_now(None)
+                _stop_too(self.client, self.me, value)
         print(f"[jaxdist] {said}", file=sys.stderr, flush=True)
         _await_acknowledgements(dead=pid)
         _exit_now(None)
 
     def _ended(self, pid: int, mine: dict, silent: float | None = None) -> str:
         how = "" if silent is None else f" for {silent:.1f} s"
-        words = self._words(pid,
-                            f"stopped answering: it ended, was killed or stopped (silent{how} in "
-                            "the job's key-value store)")
+        words = self._words(pid, f"stopped answering: it ended, was killed or stopped (silent{how} "
+                                 "in the job's key-value store)")
         return f"{words}. {_resume(mine)} Process {self.me} stops too (exit status 1)."

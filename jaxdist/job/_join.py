@@ -38,27 +38,16 @@ except ImportError:  # pragma: no cover - JAX moved it: jax.distributed.initiali
     def _backends_started() -> bool:
         return False
 
-__all__ = [
-    "CLUSTER_VARIABLES",
-    "check_connected",
-    "check_spans_processes",
-    "spans_processes",
-    "detected_cluster",
-    "from_chief",
-    "initialize_cluster",
-    "resolve_cluster",
-]
+__all__ = ["CLUSTER_VARIABLES", "check_connected", "check_spans_processes", "spans_processes",
+           "detected_cluster", "from_chief", "initialize_cluster", "resolve_cluster"]
 
 CLUSTER_VARIABLES = ("JAXDIST_COORDINATOR_ADDRESS", "JAXDIST_NUM_PROCESSES", "JAXDIST_PROCESS_ID")
-"""The environment variables that describe a job (what ``python -m jaxdist.launch`` and cluster
-recipes set)."""
+"""The environment variables that describe a job (set by ``jaxdist.launch`` and cluster recipes)."""
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
-def resolve_cluster(
-    coordinator_address: str | None = None, num_processes: int | None = None,
-    process_id: int | None = None
-) -> tuple[str, int, int] | None:
+def resolve_cluster(coordinator_address: str | None = None, num_processes: int | None = None,
+                    process_id: int | None = None) -> tuple[str, int, int] | None:
     """The cluster from keyword arguments, else the ``JAXDIST_*`` environment; None when neither
     says.
 
@@ -83,10 +72,8 @@ def resolve_cluster(
         try:
             given = (env[0], int(env[1]), int(env[2]))
         except ValueError:
-            raise ValueError(
-                f"JAXDIST_NUM_PROCESSES={env[1]!r} and JAXDIST_PROCESS_ID={env[2]!r} must be "
-                "integers."
-            ) from None
+            raise ValueError(f"JAXDIST_NUM_PROCESSES={env[1]!r} and JAXDIST_PROCESS_ID={env[2]!r} "
+                             "must be integers.") from None
     elif any(v is None for v in given):
         names = ("coordinator_address", "num_processes", "process_id")
         missing = [n for n, v in zip(names, given, strict=True) if v is None]
@@ -116,15 +103,11 @@ def initialize_cluster(
     """Connect this process to the job's other processes, once; returns the process count.
 
     What the strategies that take a cluster do first, for programs that build their own mesh (which
-    needs every process's devices, so the processes must be connected before it). The cluster comes
-    from the arguments, else the ``JAXDIST_*`` variables (``python -m jaxdist.launch``), else JAX's
-    detection (SLURM, Open MPI, Kubernetes, TPU pods); with none of them, or when JAX is already
-    connected, nothing happens.
-
-    A dead peer is then an error, not a wait: the coordination service's heartbeats
-    (``heartbeat_timeout_seconds``) make the survivors exit with "the JAX distributed service
-    detected fatal errors ... another task died", and a peer that never shows up fails
-    ``initialization_timeout`` seconds after start.
+    needs every process's devices). The cluster comes from the arguments, else the ``JAXDIST_*``
+    variables (``python -m jaxdist.launch``), else JAX's detection (SLURM, Open MPI, Kubernetes, TPU
+    pods); with none of them, or when JAX is already connected, nothing happens. A dead peer is then
+    an error, not a wait (after ``heartbeat_timeout_seconds``), and so is a peer that never shows up
+    (after ``initialization_timeout``).
 
     Args:
         coordinator_address: ``"host:port"`` of process 0's coordination service (with the next two,
@@ -136,8 +119,7 @@ def initialize_cluster(
         caller: who asks, for error messages.
 
     Raises:
-        ValueError: for a partial or malformed cluster, or when JAX is already connected with
-            another count.
+        ValueError: for a partial or malformed cluster, or JAX already connected with another count.
         RuntimeError: when this process already ran a JAX computation
             (``jax.distributed.initialize`` must come first).
 
@@ -157,8 +139,7 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
         if cluster is not None and jax.process_count() != cluster[1]:
             raise ValueError(
                 f"jax.distributed is already initialized with {jax.process_count()} processes, but "
-                f"num_processes={cluster[1]} was asked for."
-            )
+                f"num_processes={cluster[1]} was asked for.")
         return
     detected = None if cluster is not None else detected_cluster()
     timeouts = {"initialization_timeout": initialization_timeout,
@@ -171,23 +152,14 @@ def _join(cluster: tuple[str, int, int] | None, initialization_timeout: int,
         set_heartbeat_timeout(heartbeat_timeout_seconds)
         return
     if _backends_started():
-        where = (
-            f"the {detected[0]} environment"
-            if cluster is None
-            else "the cluster arguments / JAXDIST_* variables"
-        )
+        where = (f"the {detected[0]} environment" if cluster is None
+                 else "the cluster arguments / JAXDIST_* variables")
         raise RuntimeError(
             f"{caller} must come before any JAX computation or device query in this process: "
             f"{where} describes a job of several processes, and jax.distributed.initialize has to "
             "connect them before JAX starts its backend. Call it (create the strategy) at the top "
-            "of your program."
-        )
-    if cluster is not None:
-        jax.distributed.initialize(*cluster, **timeouts)
-    else:
-        # JAX's detection: SLURM, Open MPI, TPU pods, Kubernetes ...
-        jax.distributed.initialize(**timeouts)
-    # a silent peer is said before JAX's service acts
+            "of your program.")
+    jax.distributed.initialize(*(cluster or ()), **timeouts)  # no cluster: JAX's detection
     set_heartbeat_timeout(heartbeat_timeout_seconds)
     guard_exit()  # an uncaught exception ends this process and its peers, never a hang at exit
 
@@ -250,12 +222,11 @@ def check_connected(strategy: str) -> None:
         return
     raise RuntimeError(
         f"{strategy} in a job of {detected[1]} processes ({detected[0]} environment), but "
-        "jax.distributed is not initialized: "
-        "this process alone would train its own copy. Use MultiWorkerMirroredStrategy (it connects "
+        "jax.distributed is not initialized: this process alone would train its own copy. Use "
+        "MultiWorkerMirroredStrategy (it connects "
         "the processes), or call jd.initialize_cluster() at the top of the program, before the "
         "strategy (it reads the JAXDIST_* variables and the cluster's own; "
-        "jax.distributed.initialize() reads only the latter)."
-    )
+        "jax.distributed.initialize() reads only the latter).")
 
 
 def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
@@ -272,8 +243,7 @@ def spans_processes(devices: Iterable[jax.Device] | None) -> bool:
 
 
 def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
-    """Raise unless ``devices`` belong to every process of the job (always true in a single
-    process).
+    """Raise unless ``devices`` belong to every process of the job (always true in one process).
 
     Raises:
         ValueError: naming the processes the devices belong to and the fix.
@@ -290,8 +260,7 @@ def check_spans_processes(devices: Sequence[jax.Device], strategy: str) -> None:
         f"{strategy} over the devices of process(es) {owners} only, in a job of {count} processes: "
         "each process would train its own copy and nothing would keep them in sync. Leave devices= "
         "(and num_cores=) out (every device of every process: jax.devices()), pass a mesh over "
-        "jax.devices(), or use MultiWorkerMirroredStrategy."
-    )
+        "jax.devices(), or use MultiWorkerMirroredStrategy.")
 
 
 def from_chief(tree: Any) -> Any:
@@ -312,15 +281,11 @@ def from_chief(tree: Any) -> Any:
     if not arrays:
         return tree
     keys = [jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key) for i in arrays]
-    impls = [
-        jax.random.key_impl(leaves[i]) if k else None for i, k in zip(arrays, keys, strict=True)
-    ]
-    plain = [
+    impls = [jax.random.key_impl(leaves[i]) if k else None
+             for i, k in zip(arrays, keys, strict=True)]
+    plain = multihost_utils.broadcast_one_to_all([
         np.asarray(jax.random.key_data(leaves[i]) if k else leaves[i])
-        for i, k in zip(arrays, keys, strict=True)
-    ]
-    plain = multihost_utils.broadcast_one_to_all(plain)
+        for i, k in zip(arrays, keys, strict=True)])
     for i, p, k, impl in zip(arrays, plain, keys, impls, strict=True):
         leaves[i] = jax.random.wrap_key_data(np.asarray(p), impl=impl) if k else np.asarray(p)
-    # Python scalars and other values are left as they are
     return jax.tree.unflatten(treedef, leaves)

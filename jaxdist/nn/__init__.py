@@ -1,5 +1,4 @@
-"""Layers that need the strategy's mesh: context-parallel attention, pipelines and mixtures of
-experts.
+"""Layers that need the strategy's mesh: context-parallel attention, pipelines, mixtures of experts.
 
 Examples:
     >>> import jaxdist as jd

@@ -1,10 +1,8 @@
-"""Attention on a split sequence (context parallelism): all-gather and ring attention, causal load
-balancing.
+"""Attention on a split sequence (context parallelism): all-gather and ring attention, load balance.
 
 A `ShardedStrategy` with context axes (``context_axes=("context",)`` or ``context_parallelism=N``)
 splits a batch's sequence dimension over them. Attention is the one layer where a token needs every
-other token: `dot_product_attention` computes it on the split sequence, inside ``strategy.jit``, two
-ways:
+other token: inside ``strategy.jit``, `dot_product_attention` computes it on the split sequence:
 
 * ``context="all_gather"``: each device keeps its queries and gathers the keys and values of the
   whole sequence along the context axes (`jax.lax.all_gather`; the backward pass reduce-scatters
@@ -23,21 +21,15 @@ attention's activation memory stays ``O(L / N)`` per device; blocks that a causa
 entirely are skipped.
 
 Causal masks are never materialised as ``(L, L)``: each block builds its part from token positions.
-With a causal mask, the devices holding the start of the sequence have less to compute than those
-holding its end; ``load_balance=True`` reorders the sequence once into ``2 N`` chunks, device ``i``
-holding chunks ``i`` and ``2N - 1 - i`` ("zig-zag"), so every device does the same work, and puts
-the output back in the original order: transparent to the model, labels and loss.
+``load_balance=True`` gives every context device the same causal work (`jaxdist.nn.load_balance`'s
+zig-zag order) and puts the output back in the original order: transparent to model and loss.
 
 Off a context axis (one device, a strategy without context axes, code outside a strategy's step) the
-same function computes plain attention with the same formula, so a model equals itself on one
-device.
+same function computes plain attention with the same formula: a model equals itself on one device.
 
 Kernels (``implementation=``, `IMPLEMENTATIONS`): on an NVIDIA GPU, plain attention and the
-all-gather's blocks run cuDNN's fused flash attention (`jax.nn.dot_product_attention` with
-``implementation="cudnn"``; 8x the XLA-compiled einsums' FLOP/s on an H100); ``"xla"`` is
-`jax.nn.dot_product_attention`'s XLA kernel; the einsums above run everywhere and are the ring's
-kernel: a ring step's partial result is combined through its softmax statistics, whose gradient the
-fused kernels do not give. The kernel runs in a named scope (`jaxdist.costs.scopes`), so
+all-gather run cuDNN's fused flash attention (8x the XLA-compiled einsums' FLOP/s on an H100); the
+ring always runs the einsums. The kernel runs in a named scope (`jaxdist.costs.scopes`), so
 `jaxdist.Plan.attention` reports what a compiled step runs.
 
 Semantics shared by every path: scores are ``q . k / sqrt(head_dim)`` (plus ``bias``), masked by
@@ -122,8 +114,7 @@ def dot_product_attention(
         bias: added to the scores; broadcastable to ``(batch, heads, q_length, kv_length)``.
         mask: True where a query may attend to a key; broadcastable to ``(batch, heads, q_length,
             kv_length)`` (padding masks, Flax's ``make_attention_mask``).
-        causal: a query attends only to keys at or before its position (never materialised as ``(L,
-            L)``).
+        causal: a query attends only to keys at or before its position (no ``(L, L)`` mask built).
         segment_ids: ``(batch, length)`` ints: a query attends only to keys of its own segment
             (packed sequences).
         context: ``"all_gather"`` or ``"ring"`` on a context axis; None: plain attention even there
@@ -131,19 +122,16 @@ def dot_product_attention(
         load_balance: with ``causal``: reorder the sequence into ``2 N`` zig-zag chunks so every
             context device does the same work (two collective permutes each way; the output comes
             back in the original order).
-        implementation: what computes each block (`IMPLEMENTATIONS`): ``"cudnn"`` (cuDNN's fused
-            flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, float16/bfloat16,
-            head_dim a multiple of 8 up to 128), ``"xla"`` (`jax.nn.dot_product_attention`'s XLA
-            implementation), ``"tokamax"`` (``tokamax.dot_product_attention``, where the extra
-            ``jaxdist[tokamax]`` is installed) or ``"einsum"`` (jaxdist's blockwise online softmax).
-            None: where a fused kernel serves the case (no dropout, no sown weights, no
-            ``precision``, not ``context="ring"``), cuDNN on an NVIDIA GPU (float16/bfloat16) and
-            tokamax on a TPU where it is installed; the einsums elsewhere. With
-            ``context="all_gather"`` a fused kernel computes the local queries against the gathered
-            keys in one call (its mask, ``(local q, L)``, built from token positions); ring steps
-            need each block's softmax statistics with their gradient, which the fused kernels do not
-            give (`jax.nn.dot_product_attention`'s ``return_residual`` log-sum-exp has none under
-            cuDNN): the ring runs the einsums. The choice shows in `jaxdist.Plan.attention`.
+        implementation: what computes each block, one of `IMPLEMENTATIONS` (``"cudnn"``: NVIDIA
+            GPUs, float16/bfloat16, head_dim a multiple of 8 up to 128). None: where a fused kernel
+            serves the case (no dropout, no sown weights, no ``precision``, not ``context="ring"``),
+            cuDNN on an NVIDIA GPU (float16/bfloat16) and tokamax on a TPU where it is installed;
+            the einsums elsewhere. With ``context="all_gather"`` a fused kernel computes the local
+            queries against the gathered keys in one call (its ``(local q, L)`` mask built from
+            token positions); the ring runs the einsums: it needs each block's softmax statistics
+            with their gradient, which the fused kernels do not give (the ``return_residual`` of
+            `jax.nn.dot_product_attention` has none under cuDNN). The choice shows in
+            `jaxdist.Plan.attention`.
         dropout_rng: Flax's attention dropout key (plain attention only: on a context axis, pass
             ``deterministic=True`` or ``dropout_rate=0``).
         dropout_rate: Flax's attention dropout rate (plain attention only).
@@ -195,40 +183,31 @@ def dot_product_attention(
             f"dot_product_attention got unexpected keyword argument(s) {sorted(flax_kwargs)}: it "
             "takes Flax's attention_fn arguments (mask, bias, dropout_rng, dropout_rate, "
             "broadcast_dropout, deterministic, dtype, precision, module, is_causal) and causal=, "
-            "segment_ids=, context=, load_balance=."
-        )
+            "segment_ids=, context=, load_balance=.")
     if context is not None and context not in _MODES:
         raise ValueError(
             f"context={context!r} is not one of {_MODES}: 'all_gather' gathers keys/values along "
             "the context axes, 'ring' passes them around the ring of context devices (None: plain "
-            "attention)."
-        )
+            "attention).")
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}: 'cudnn' is "
             "cuDNN's fused attention (NVIDIA GPUs), 'xla' jax.nn.dot_product_attention's XLA one, "
             "'tokamax' tokamax's (the extra jaxdist[tokamax]), 'einsum' jaxdist's blockwise "
-            "softmax (None: a fused kernel where one serves, the einsums elsewhere)."
-        )
+            "softmax (None: a fused kernel where one serves, the einsums elsewhere).")
     causal = bool(causal or is_causal)
     if load_balance and not causal:
         raise ValueError(
             "load_balance=True balances causal attention over the context devices (without a "
             "causal mask every device already does the same work): pass causal=True, or drop "
-            "load_balance."
-        )
+            "load_balance.")
     if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
         raise NotImplementedError(
             "qk_attn_weights_einsum / attn_weights_value_einsum are not supported by "
-            "jd.nn.dot_product_attention: leave them unset (Flax's default)."
-        )
-    # the softmax is in float32 already; inputs are promoted below
-    del force_fp32_for_softmax, promote_dtype
-    if dtype is not None:
-        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    else:
-        dtype = jnp.result_type(query, key, value)
-        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+            "jd.nn.dot_product_attention: leave them unset (Flax's default).")
+    del force_fp32_for_softmax, promote_dtype  # the softmax is in float32 already
+    dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     dropout = dropout_rate > 0.0 and not deterministic
 
     policy = _context_policy()
@@ -236,8 +215,7 @@ def dot_product_attention(
     split = policy is not None and context is not None
     impl = _implementation(implementation, query, key, dropout or module is not None, precision,
                            ring, split)
-    # The kernel, as a named scope: plans report it from the compiled program (Plan.attention).
-    with jax.named_scope(ATTENTION_SCOPE + impl):
+    with jax.named_scope(ATTENTION_SCOPE + impl):  # Plan.attention reads it from the program
         if policy is None or context is None:
             return _plain(query, key, value, bias, mask, causal, segment_ids, precision,
                           (dropout_rng, dropout_rate, broadcast_dropout) if dropout else None,
@@ -247,8 +225,7 @@ def dot_product_attention(
                 "attention dropout and sown attention weights need the whole (L, L) weight matrix, "
                 "which context parallelism never builds: pass deterministic=True (or "
                 "dropout_rate=0.0) and no module to jd.nn.dot_product_attention on a context axis, "
-                "or context=None for plain attention."
-            )
+                "or context=None for plain attention.")
         return _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids,
                                  context, load_balance, precision, impl)
 
@@ -293,35 +270,30 @@ def _implementation(implementation: str | None, query: jax.Array, key: jax.Array
         raise ValueError(
             "implementation='cudnn' runs cuDNN's fused attention, on NVIDIA GPUs only; these "
             f"devices are {platform!r}: pass implementation=None (cuDNN on a GPU, the einsums "
-            "here), 'xla' or 'einsum'."
-        )
+            "here), 'xla' or 'einsum'.")
     if implementation == "tokamax" and _tokamax is None:
         raise ValueError(
             "implementation='tokamax' needs tokamax, which is not importable here: pip install "
             "'jaxdist[tokamax]' (or tokamax), or pass implementation=None, 'cudnn', 'xla' or "
-            "'einsum'."
-        )
+            "'einsum'.")
     if implementation in _FUSED and weights_needed:
         raise NotImplementedError(
             f"implementation={implementation!r} is a fused kernel: it never builds the attention "
             "weights that dropout and sown weights (module=) need; pass implementation='einsum' "
-            "(or None), or deterministic=True / dropout_rate=0.0 and no module."
-        )
+            "(or None), or deterministic=True / dropout_rate=0.0 and no module.")
     if implementation in _FUSED and ring:
         raise NotImplementedError(
             f"implementation={implementation!r} cannot compute ring attention's steps: the ring "
             "combines each block's softmax statistics (log-sum-exp) and needs their gradient, "
             "which the fused kernels do not give. Pass context='all_gather' (one fused call over "
-            "the gathered keys) or implementation='einsum' (or None) for the ring."
-        )
+            "the gathered keys) or implementation='einsum' (or None) for the ring.")
     return implementation
 
 
 def _fused(q, k, v, bias, vis, causal: bool, implementation: str):
-    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by
-    `jax.nn.dot_product_attention`'s ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool
-    (or None) where a query may attend, ``causal`` the kernel's own (top-left aligned) causal mask.
-    A query that may attend to nothing gets zeros (the kernels would average every value)."""
+    """Attention of the (already scaled) queries ``q (b, lq, h, d)`` by the fused
+    ``implementation``: ``vis`` ``(b or 1, h or 1, lq, lk)`` bool (or None) where a query may
+    attend, ``causal`` the kernel's own (top-left aligned) causal mask."""
     lq, lk = q.shape[1], k.shape[1]
 
     def full(x):  # the kernels take masks/biases of (batch or 1, heads or 1, lq, lk)
@@ -362,8 +334,7 @@ def _context_policy() -> Any | None:
 
 
 def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
-    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None for
-    all."""
+    """Which (query, key) pairs may attend: ``(batch or 1, heads or 1, q, k)`` bool, or None."""
     vis = None
     if causal:
         vis = (q_pos[:, None] >= k_pos[None, :])[None, None]
@@ -376,13 +347,9 @@ def _visible(q_pos, k_pos, q_seg, k_seg, mask, causal: bool):
 
 
 def _block(carry, q, k, v, vis, bias, precision):
-    """One online-softmax step: fold the keys/values ``k``, ``v`` into the running ``(o, m, l)`` of
-    ``q``.
-
-    ``o``: ``(b, q, h, d)`` unnormalised output, ``m``: ``(b, h, q)`` running max, ``l``: ``(b, h,
-    q)`` running sum (``total``), all float32 (or wider). ``m`` carries no gradient: the result does
-    not depend on it.
-    """
+    """One online-softmax step: fold ``k``, ``v`` into the running ``(o, m, total)`` of ``q``:
+    ``o`` ``(b, q, h, d)`` unnormalised output, ``m`` ``(b, h, q)`` running max (no gradient: the
+    result does not depend on it), ``total`` ``(b, h, q)`` running sum, all float32 or wider."""
     o, m, total = carry
     acc = o.dtype
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
@@ -419,8 +386,7 @@ def _finish(carry, dtype):
 
 
 def _as4(x: Any) -> Any:
-    """A mask or bias broadcast to rank 4 ``(batch, heads, q, k)`` (leading dimensions of size 1
-    added)."""
+    """A mask or bias as rank 4 ``(batch, heads, q, k)``: leading dimensions of size 1 added."""
     if x is None:
         return None
     x = jnp.asarray(x)
@@ -444,27 +410,23 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
         if x is None:
             return None
         x = jnp.asarray(x)
-        x = (x.reshape((1,) * (len(batch_shape) + 3 - x.ndim) + x.shape)
-             if x.ndim < len(batch_shape) + 3 else x)
-        x = jnp.broadcast_to(x,
-                             (*batch_shape,
-                              *x.shape[len(batch_shape):])) if batch_shape else x[None]
+        x = x.reshape((1,) * max(0, len(batch_shape) + 3 - x.ndim) + x.shape)
+        if batch_shape:
+            x = jnp.broadcast_to(x, (*batch_shape, *x.shape[len(batch_shape):]))
         return x.reshape((-1, *x.shape[-3:]))
 
     seg = None if segment_ids is None else jnp.asarray(segment_ids).reshape(-1, lq)
+    mask4 = None if mask is None else rank4(mask).astype(bool)
     if implementation != "einsum":  # the kernel's own causal mask (cuDNN skips the hidden blocks)
-        vis = _visible(None, None, seg, seg, None if mask is None else rank4(mask).astype(bool),
-                       False)
-        out = _fused(q, k, v, rank4(bias), vis, causal, implementation)
+        out = _fused(q, k, v, rank4(bias), _visible(None, None, seg, seg, mask4, False), causal,
+                     implementation)
         return out.astype(query.dtype).reshape((*batch_shape, *out.shape[1:]))
-    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, None if mask is None
-                   else rank4(mask).astype(bool), causal)
+    vis = _visible(jnp.arange(lq), jnp.arange(lk), seg, seg, mask4, causal)
     bias4 = rank4(bias)
     if dropout is None and module is None:
         out = _finish(_block(_init_carry(q, v), q, k, v, vis, bias4, precision), query.dtype)
         return out.reshape((*batch_shape, *out.shape[1:]))
-    # Dropout / sown weights need the normalised weights themselves (as Flax's
-    # dot_product_attention).
+    # Dropout / sown weights need the normalised weights themselves (as Flax's).
     acc = jnp.promote_types(q.dtype, jnp.float32)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=acc)
     if bias4 is not None:
@@ -489,7 +451,7 @@ def _plain(query, key, value, bias, mask, causal, segment_ids, precision, dropou
 
 
 # --------------------------------------------------------------------- context parallel (shard_map)
-def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
+def _check(policy, query, key, value, load_balance: bool) -> None:
     n = policy.context_size
     axes = policy.context_axes
     sizes = {a: policy.mesh.shape[a] for a in axes}
@@ -498,14 +460,12 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
             raise ValueError(
                 f"{name} has shape {tuple(np.shape(x))}: on context axes {axes} "
                 "jd.nn.dot_product_attention takes Flax's (batch, length, heads, head_dim) layout; "
-                "reshape extra batch dimensions into the first."
-            )
+                "reshape extra batch dimensions into the first.")
     if query.shape[1] != key.shape[1]:
         raise ValueError(
             f"query length {query.shape[1]} != key length {key.shape[1]}: on context axes {axes} "
             "the sequence of queries and keys is the same split sequence (self-attention); pass "
-            "context=None for attention over another sequence (XLA gathers it)."
-        )
+            "context=None for attention over another sequence (XLA gathers it).")
     length = query.shape[1]
     parts = 2 * n if load_balance else n
     if length % parts:
@@ -514,8 +474,7 @@ def _check(policy, query, key, value, load_balance: bool, context: str) -> None:
             f"sequence length {length} is not divisible by {parts}{why}: the context axes {axes} "
             f"of sizes {sizes} split it into {n} parts. Pad the sequence to "
             f"{-(-length // parts) * parts} (a multiple of {parts}), or pick context axes whose "
-            f"size divides {length}."
-        )
+            f"size divides {length}.")
 
 
 def _spec_entry(entry: Any, drop: set[str]) -> Any:
@@ -525,7 +484,7 @@ def _spec_entry(entry: Any, drop: set[str]) -> Any:
 
 def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids, context,
                       load_balance, precision, implementation):
-    _check(policy, query, key, value, load_balance, context)
+    _check(policy, query, key, value, load_balance)
     axes = tuple(policy.context_axes)
     entry = axes[0] if len(axes) == 1 else axes
     n = policy.context_size
@@ -539,25 +498,17 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
     length = query.shape[1]
 
     # Which operands are split along the sequence (the rest are whole on every context device).
-    def seq_spec(x, dim):
-        spec = [None] * x.ndim
-        spec[dim] = entry
-        return spec
-
-    operands = [q, key, value]
-    dims = [1, 1, 1]
+    operands, dims = [q, key, value], [1, 1, 1]
     if seg is not None:
-        operands.append(seg)
-        dims.append(1)
+        operands, dims = [*operands, seg], [*dims, 1]
     for extra in (mask4, bias4):
         if extra is not None:
             operands.append(extra)
             dims.append(2 if extra.shape[2] == length and extra.shape[2] > 1 else None)
 
     if explicit:
-        # Sharding in types: shard_map over every axis, the other axes as the operands' types say.
-        # The query's type decides the batch and head layout of every operand (they must agree to
-        # broadcast).
+        # Sharding in types: shard_map over every axis, the other axes as the operands' types say;
+        # the query's type decides every operand's batch and head layout (they must broadcast).
         typed = getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ()
         batch_e, head_e = (_spec_entry(e, set(axes)) for e in (*typed, None, None, None)[0:3:2])
         b, h = query.shape[0], query.shape[2]
@@ -575,21 +526,18 @@ def _context_parallel(policy, query, key, value, bias, mask, causal, segment_ids
         operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, specs, strict=True)]
         manual = None
     else:
-        specs = [PartitionSpec(*seq_spec(x, d)) if d is not None else PartitionSpec()
-                 for x, d in zip(
-            operands, dims, strict=True)]
+        specs = [PartitionSpec() if d is None else PartitionSpec(*([None] * d), entry)
+                 for d in dims]
         manual = frozenset(axes)
-    out_spec = PartitionSpec(specs[0][0], entry, specs[0][2],
-                             specs[2][3]) if explicit else PartitionSpec(None, entry)
+    out_spec = (PartitionSpec(specs[0][0], entry, specs[0][2], specs[2][3]) if explicit
+                else PartitionSpec(None, entry))
 
     has_seg, has_mask, has_bias = seg is not None, mask4 is not None, bias4 is not None
     mask_rows = mask4 is not None and dims[3 + has_seg] is not None
     bias_rows = bias4 is not None and dims[3 + has_seg + has_mask] is not None
 
     def local(*xs):
-        xs = list(xs)
-        q, k, v = xs[:3]
-        rest = xs[3:]
+        q, k, v, *rest = xs
         s = rest.pop(0) if has_seg else None
         mk = rest.pop(0) if has_mask else None
         bs = rest.pop(0) if has_bias else None
@@ -620,6 +568,12 @@ def _columns(x, positions, lc_total: int):
     if x is None or x.shape[-1] == 1:
         return x
     return jnp.take(x, positions, axis=-1) if x.shape[-1] == lc_total else x
+
+
+def _part(x, axis: int, part: slice, size: int):
+    """``x[..., part]`` along ``axis`` of a mask/bias block where that axis is ``size`` long (a
+    size-1 axis broadcasts)."""
+    return x if x is None or x.shape[axis] != size else x[(slice(None),) * axis + (part,)]
 
 
 def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision):
@@ -653,18 +607,12 @@ def _folder(q, v, seg, mask, bias, *, axes, causal, n, length, zigzag, precision
             rows = slice(i * cl, (i + 1) * cl)
             qc, qp = q[:, rows], q_pos[rows]
             qs = None if seg is None else seg[:, rows]
-            mrows = None if mcols is None else (mcols[:, :, rows] if mcols.shape[2] == lc
-                                                else mcols)
-            brows = None if bcols is None else (bcols[:, :, rows] if bcols.shape[2] == lc
-                                                else bcols)
+            mrows, brows = _part(mcols, 2, rows, lc), _part(bcols, 2, rows, lc)
             for j in range(chunks):
                 cols = slice(j * cl, (j + 1) * cl)
                 kc, vc, kp = kb[:, cols], vb[:, cols], k_pos[cols]
                 ks = None if kseg is None else kseg[:, cols]
-                mc = None if mrows is None else (mrows[..., cols] if mrows.shape[-1] == lc
-                                                 else mrows)
-                bc = None if brows is None else (brows[..., cols] if brows.shape[-1] == lc
-                                                 else brows)
+                mc, bc = _part(mrows, 3, cols, lc), _part(brows, 3, cols, lc)
                 args = (qc, qp, qs, kc, vc, kp, ks, mc, bc)
                 if causal:  # a chunk pair the causal mask hides entirely costs nothing
                     carry = jax.lax.cond(qp[-1] >= kp[0], lambda c, a: fold(c, *a), lambda c, a: c,
@@ -701,14 +649,10 @@ def _all_gather(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, pr
 
 def _all_gather_fused(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, implementation):
     """Gather K/V (and key segments) along the context axes, then attend to them in one fused-kernel
-    call; the causal mask, built from the local and gathered token positions (zig-zag or
-    contiguous), is part of the kernel's ``(local q, L)`` mask. No softmax statistics to combine:
-    the kernel sees every key at once."""
-    idx = jax.lax.axis_index(axes)
+    call, the causal mask (from local and gathered token positions) part of its ``(q, L)`` mask."""
     lc = q.shape[1]
-    q_pos = _positions(idx, n, lc, zigzag)
-    # the gathered order
-    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])
+    q_pos = _positions(jax.lax.axis_index(axes), n, lc, zigzag)
+    k_pos = jnp.concatenate([_positions(src, n, lc, zigzag) for src in range(n)])  # gathered order
     kg, vg, sg = (None if x is None else jax.lax.all_gather(x, axes, axis=1, tiled=True)
                   for x in (k, v, seg))
     vis = _visible(q_pos, k_pos, seg, sg, _columns(mask, k_pos, length), causal)
@@ -724,8 +668,7 @@ def _ring(q, k, v, seg, mask, bias, *, causal, axes, n, length, zigzag, precisio
 
     def step(state, s):
         carries, kv = state
-        # independent of this step's compute
-        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)
+        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, axes, perm), kv)  # overlaps the compute
         carries = update(carries, kv, (idx - s) % n)
         return (carries, nxt), None
 

@@ -1,15 +1,12 @@
-"""Ragged token exchange: `jax.lax.ragged_all_to_all` where the backend has it, the same semantics
-on CPU.
+"""Ragged token exchange: `jax.lax.ragged_all_to_all` where the backend has it, emulated on CPU.
 
 A ragged exchange sends each device's slices of different lengths (the tokens routed to each expert)
 to the devices that own them, without padding each slice to a worst case.
-`jax.lax.ragged_all_to_all` does it on GPU and TPU; XLA:CPU has no implementation.
-`ragged_all_to_all` here is that collective with the same arguments and semantics, run as the real
-primitive where the mesh's devices have it (`has_ragged_exchange`) and otherwise as an emulation:
-every slice padded to ``slice_rows`` rows and moved by `jax.lax.all_to_all` (which runs on CPU
-devices), then written where the real collective writes it. The emulation sends the padded bytes, so
-it saves nothing: it exists so the code around the exchange (counts, offsets, grouped matmuls,
-gradients) runs and is tested on every backend, and equals the real one wherever both run.
+`jax.lax.ragged_all_to_all` does it on GPU and TPU; XLA:CPU has no implementation, so
+`ragged_all_to_all` here runs the real primitive where the mesh's devices have it
+(`has_ragged_exchange`) and otherwise an emulation: every slice padded to ``slice_rows`` rows and
+moved by `jax.lax.all_to_all`. The emulation saves no bytes: it exists so the code around the
+exchange runs and is tested on every backend, and equals the real one wherever both run.
 
 `exchange_plan` computes the collective's arguments for the common case: slices grouped by
 destination, each receiver laying out what it gets grouped by its own slice index (e.g. its local
@@ -33,14 +30,12 @@ __all__ = ["RAGGED_PLATFORMS", "ExchangePlan", "exchange", "exchange_plan", "has
            "ragged_all_to_all"]
 
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
-"""Device platforms with a `jax.lax.ragged_all_to_all` (and grouped `jax.lax.ragged_dot`)
-implementation."""
+"""Device platforms implementing `jax.lax.ragged_all_to_all` (and grouped `jax.lax.ragged_dot`)."""
 
 
 def has_ragged_exchange(platform: str, kind: str = "") -> bool:
     """Whether devices of ``platform`` (``device.platform`` or `jax.default_backend`) and ``kind``
-    (``device.device_kind``) run ragged collectives: GPUs, and TPUs from v4 on (v2 and v3 have
-    none)."""
+    (``device.device_kind``) run ragged collectives: GPUs, and TPUs from v4 on (not v2, v3)."""
     return platform in RAGGED_PLATFORMS and not kind.startswith(("TPU v2", "TPU v3"))
 
 
@@ -49,22 +44,18 @@ def exchange(operand: jax.Array, output: jax.Array, plan: ExchangePlan, *, axis_
     """`ragged_all_to_all` of ``operand``'s slices into ``output`` as ``plan`` says (``native``,
     ``slice_rows``: as there): ``output`` with the received rows written in."""
     return ragged_all_to_all(operand, output, plan.send_offsets, plan.send_sizes,
-                             plan.output_offsets,
-                             plan.recv_sizes, axis_name=axis_name, native=native,
-                             slice_rows=slice_rows)
+                             plan.output_offsets, plan.recv_sizes, axis_name=axis_name,
+                             native=native, slice_rows=slice_rows)
 
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
-                      send_sizes: jax.Array,
-                      output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: AxisName,
-                      native: bool, slice_rows: int) -> jax.Array:
+                      send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                      axis_name: AxisName, native: bool, slice_rows: int) -> jax.Array:
     """`jax.lax.ragged_all_to_all` (same arguments, same result) inside `jax.shard_map`.
 
     Args:
-        native: use the real collective (GPU / TPU); False: the emulation by padded
-            `jax.lax.all_to_all`.
-        slice_rows: an upper bound of every ``send_sizes`` entry (static): the emulation's padded
-            slice.
+        native: use the real collective (GPU / TPU); False: the emulation by padded all-to-all.
+        slice_rows: a static upper bound of every ``send_sizes`` entry: the emulation's slice.
         The rest: as `jax.lax.ragged_all_to_all`.
 
     Returns:
@@ -79,12 +70,10 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     chunks = jnp.take(operand, jnp.clip(rows, 0, operand.shape[0] - 1), axis=0)
     sent = (step < send_sizes[:, None]).reshape(*rows.shape, *(1,) * (operand.ndim - 1))
     chunks = jnp.where(sent, chunks, jnp.zeros((), operand.dtype))
-    # Slice i goes to device i // (K / n); received slot i comes from device i // (K / n), as the
-    # collective's.
+    # Slice i goes to device i // (K / n); received slot i comes from device i // (K / n).
     got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    # past the end: unused
-    targets = jnp.where(step < recv_sizes[:, None], where[:, None] + step, output.shape[0])
+    targets = jnp.where(step < recv_sizes[:, None], where[:, None] + step, output.shape[0])  # drop
     return output.at[targets.reshape(-1)].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
@@ -107,8 +96,7 @@ class ExchangePlan(NamedTuple):
     return_offsets: jax.Array
 
     def back(self) -> ExchangePlan:
-        """The plan of the way back: every received slot returned to where its source sent it
-        from."""
+        """The plan of the way back: every received slot returned to where its source sent it."""
         return ExchangePlan(self.recv_offsets, self.recv_sizes, self.return_offsets,
                             self.send_offsets, self.send_sizes, None, self.output_offsets)
 
@@ -141,11 +129,10 @@ def exchange_plan(send_sizes: jax.Array, axis_name: AxisName) -> ExchangePlan:
     per_device = k // devices
     sizes = send_sizes.astype(jnp.int32)
     send_offsets = jnp.cumsum(sizes, dtype=jnp.int32) - sizes
-    # [source, slot]
-    recv = jax.lax.all_to_all(sizes.reshape(devices, per_device), axis_name, 0, 0, tiled=True)
+    recv = jax.lax.all_to_all(sizes.reshape(devices, per_device), axis_name, 0, 0,
+                              tiled=True)  # [source, slot]
     group_sizes = jnp.sum(recv, 0, dtype=jnp.int32)
     starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes
-    # sources in order inside each group
     recv_offsets = starts[None, :] + jnp.cumsum(recv, 0, dtype=jnp.int32) - recv
     output_offsets = jax.lax.all_to_all(recv_offsets, axis_name, 0, 0, tiled=True).reshape(k)
     return_offsets = jax.lax.all_to_all(send_offsets.reshape(devices, per_device), axis_name, 0, 0,

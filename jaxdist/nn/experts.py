@@ -1,7 +1,6 @@
 """Mixture of experts: routing, capacity, and tokens moved to their experts' devices by all-to-all.
 
-The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of the layer's
-weights:
+The math of `jaxdist.nn.MoE` (linen) and `jaxdist.nn.MoELayer` (nnx), as functions of its weights:
 
 * **routing** (float32): ``logits = x @ router``; scores by ``softmax`` or ``sigmoid``; each token
   picks its ``top_k`` experts (by score, plus the aux-loss-free bias where there is one: it steers
@@ -18,22 +17,19 @@ weights:
   weighted. Dropless with every expert local on a GPU or TPU, the picks are sorted by expert instead
   and the experts run as grouped matmuls: no worst-case buffer (on CPU ``ragged_dot`` is dense, so
   the buffer is used).
-* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): ``"tokamax"``, tokamax's
-  ``ragged_dot`` (openxla's Pallas kernel library: Mosaic GPU / TPU kernels, 3.7x
-  `jax.lax.ragged_dot` forward + backward on an H100), where the optional extra is installed (``pip
-  install 'jaxdist[tokamax]'``) and the devices are GPUs or TPUs; ``"ragged_dot"``
-  (`jax.lax.ragged_dot`) elsewhere. `jaxdist.Plan.grouped_matmul` names the kernel.
+* **grouped matmuls** (``grouped_matmul=``, `GROUPED_MATMULS`): tokamax's ``ragged_dot`` (Pallas
+  kernels, 3.7x `jax.lax.ragged_dot` forward + backward on an H100) where it is installed and the
+  devices are GPUs or TPUs, `jax.lax.ragged_dot` elsewhere. `jaxdist.Plan.grouped_matmul` names the
+  kernel.
 * **expert parallelism**: inside a step of a strategy with expert axes
   (`jaxdist.ShardedStrategy(expert_axes= ...)` or ``expert_parallelism=e``), the layer runs in a
   `jax.shard_map` over the mesh: each device routes its own rows, `jax.lax.all_to_all` over the
   expert axes sends each expert's buffer to the device holding that expert (explicit collectives,
   fixed shapes) and brings the outputs back. The expert weights are split over the expert axes
   (logical name ``"expert"``), so each device holds ``1/EP`` of them and of their optimizer state.
-  Runs on every backend (``jax.lax.all_to_all`` runs on CPU devices too). Dropless on GPU / TPU, the
-  exchange is ragged instead (`jaxdist.nn.exchange`): each device sorts its picks by expert, the
-  expert counts are exchanged, `jax.lax.ragged_all_to_all` moves only the routed rows, each device
-  receives them grouped by its local expert, runs grouped matmuls and sends the outputs back the
-  same way.
+  Runs on every backend. Dropless on GPU / TPU, the exchange is ragged instead
+  (`jaxdist.nn.exchange`): only the routed rows move, each device receives them grouped by its
+  local expert and runs grouped matmuls on them.
 * **losses and metrics**, over the whole global batch: the Switch load-balancing loss
   ``E * sum_e f_e P_e``, the router z-loss ``mean(logsumexp(logits)^2)``, tokens per expert, the
   largest load over the mean, and the fraction of (token, expert) picks dropped.
@@ -109,8 +105,7 @@ class Routing:
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k} > num_experts={self.num_experts}: each token picks top_k "
-                f"distinct experts; use top_k <= {self.num_experts}."
-            )
+                f"distinct experts; use top_k <= {self.num_experts}.")
         c = self.capacity_factor
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
             raise ValueError(
@@ -153,9 +148,8 @@ def capacity(config: Routing, length: int) -> int:
     """
     if config.capacity_factor is None:
         return length
-    return min(length,
-               max(1,
-                   math.ceil(config.capacity_factor * length * config.top_k / config.num_experts)))
+    return min(length, max(1, math.ceil(config.capacity_factor * length * config.top_k
+                                        / config.num_experts)))
 
 
 def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int,
@@ -167,15 +161,13 @@ def init_weights(key: jax.Array, config: Routing, dim: int, hidden: int,
                                                 out_axis=-1, batch_axis=(0,))
     e = config.num_experts
     return Weights(jax.nn.initializers.lecun_normal()(k[0], (dim, e), dtype),
-                   init(k[1], (e, dim, hidden), dtype),
-                   init(k[2], (e, dim, hidden), dtype), init(k[3], (e, hidden, dim), dtype))
+                   init(k[1], (e, dim, hidden), dtype), init(k[2], (e, dim, hidden), dtype),
+                   init(k[3], (e, hidden, dim), dtype))
 
 
 def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | None = None,
           grouped_matmul: str | None = None) -> tuple[jax.Array, Stats]:
-    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens):
-    ``(y, stats)``.
-
+    """The layer on ``x`` (``(rows, ..., d)``: each row a sequence, its middle axes its tokens).
     Inside a step of a strategy with expert axes of size > 1, with expert parallelism (see the
     module doc); anywhere else on whatever holds ``x``, all experts local.
 
@@ -187,8 +179,7 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
             with expert parallelism, a ragged exchange that moves only the routed rows (True); the
             worst-case buffer (False); None: ragged where the devices have ragged collectives (GPU,
             TPU), the buffer on CPU (where ``ragged_dot`` is dense). True on CPU with expert
-            parallelism runs the exchange emulated (`jaxdist.nn.exchange`): the same numbers, the
-            padded bytes.
+            parallelism emulates the exchange (`jaxdist.nn.exchange`): same numbers, padded bytes.
         grouped_matmul: the ragged path's grouped-matmul kernel (`GROUPED_MATMULS`): ``"tokamax"``
             or ``"ragged_dot"``; None: tokamax where it is installed and the devices are GPUs or
             TPUs, `jax.lax.ragged_dot` elsewhere.
@@ -206,20 +197,17 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
         raise ValueError(
             f"grouped_matmul={grouped_matmul!r} is not one of {GROUPED_MATMULS}: 'tokamax' is "
             "tokamax's ragged_dot (GPU / TPU kernels), 'ragged_dot' jax.lax.ragged_dot (None: "
-            "tokamax where installed on a GPU or TPU, jax.lax.ragged_dot elsewhere)."
-        )
+            "tokamax where installed on a GPU or TPU, jax.lax.ragged_dot elsewhere).")
     if grouped_matmul == "tokamax" and _tokamax is None:
         raise ValueError(
             "grouped_matmul='tokamax' needs tokamax, which is not importable here: pip install "
-            "'jaxdist[tokamax]' (or tokamax), or pass grouped_matmul='ragged_dot' (or None)."
-        )
+            "'jaxdist[tokamax]' (or tokamax), or pass grouped_matmul='ragged_dot' (or None).")
     shape = x.shape
     rows = shape[0] if x.ndim > 1 else 1
     x3 = x.reshape(rows, -1, shape[-1])
     cap = capacity(config, x3.shape[1])
     policy = _expert_policy()
-    if policy is not None and is_plan_mesh(policy.mesh):
-        # a plan's program compiles on simulated CPU devices (`plan_mesh.compile_elsewhere`)
+    if policy is not None and is_plan_mesh(policy.mesh):  # a plan compiles on simulated CPUs
         native = False
     else:
         device = policy.mesh.devices.flat[0] if policy is not None else jax.devices()[0]
@@ -228,25 +216,20 @@ def apply(config: Routing, weights: Weights, x: jax.Array, *, ragged: bool | Non
     ragged = config.capacity_factor is None and (native if ragged is None else ragged)
     if grouped_matmul is not None and not ragged:
         why = "ragged=False" if asked is False else "these devices have no ragged exchange"
-        raise ValueError(
-            f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the dropless ragged "
-            "path, which this "
-            + ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass "
-               "capacity_factor=None"
-               if config.capacity_factor is not None else
-               f"call does not take ({why}); pass ragged=True")
-            + " or leave grouped_matmul=None.")
+        fix = ("layer does not take (capacity_factor is set: it drops tokens by capacity); pass "
+               "capacity_factor=None" if config.capacity_factor is not None
+               else f"call does not take ({why}); pass ragged=True")
+        raise ValueError(f"grouped_matmul={grouped_matmul!r} chooses the grouped matmuls of the "
+                         f"dropless ragged path, which this {fix} or leave grouped_matmul=None.")
     kernel = grouped_matmul or ("tokamax" if native and _tokamax is not None else "ragged_dot")
     if config.capacity_factor is not None:
         path = "dropping_all_to_all" if policy is not None else "dropping_local"
     elif policy is not None:
-        path = ("dropless_ragged_all_to_all" + ("" if native else "_emulated")) if ragged else (
-            "dropless_padded_all_to_all")
+        path = (f"dropless_ragged_all_to_all{'' if native else '_emulated'}" if ragged
+                else "dropless_padded_all_to_all")
     else:
         path = "dropless_ragged_local" if ragged else "dropless_local"
-    # The dispatch path, as a named scope: plans report it from the compiled program
-    # (Plan.moe_dispatch).
-    with jax.named_scope(MOE_SCOPE + path):
+    with jax.named_scope(MOE_SCOPE + path):  # Plan.moe_dispatch reads it from the program
         if policy is not None:
             y, sums = _expert_parallel(policy, config, weights, x3, cap, ragged, native, kernel)
         elif ragged:
@@ -272,24 +255,20 @@ def _route(config: Routing, weights: Weights, x: jax.Array):
 def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axes: tuple,
            batch_axes: tuple):
     """One device's rows ``x (b, l, d)``: routed, sent to the experts (over ``expert_axes`` when
-    any), combined. Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (the global
-    batch)."""
+    any), combined. Returns ``(y, sums)``: the statistics' sums over ``batch_axes`` (all rows)."""
     b, length, _ = x.shape
     e, k = config.num_experts, config.top_k
     logits, scores, experts, picked = _route(config, weights, x)
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # (b, l, k, e)
-    # Each pick's place in its expert's buffer: first come, first served along the row (position,
-    # then rank).
+    # Each pick's place in its expert's buffer: first come, first served (position, then rank).
     position = jnp.cumsum(onehot.reshape(b, length * k, e), axis=1).reshape(b, length, k, e) - 1
     position = jnp.sum(position * onehot, -1)  # (b, l, k)
     kept = position < cap
-    # a dropped pick: no slot
-    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)
+    slot = jax.nn.one_hot(jnp.where(kept, position, cap), cap, dtype=x.dtype)  # dropped: no slot
     dispatch = jnp.einsum("blke,blkc->blec", onehot.astype(x.dtype), slot)
     combine = jnp.einsum("blk,blke,blkc->blec", (picked * kept).astype(x.dtype),
                          onehot.astype(x.dtype), slot)
-    # (b, e, c, d): each expert's buffer of this device's rows
-    h = jnp.einsum("bld,blec->becd", x, dispatch)
+    h = jnp.einsum("bld,blec->becd", x, dispatch)  # each expert's buffer of this device's rows
     if expert_axes:  # each device gets its experts' buffers from every device of the expert group
         h = jax.lax.all_to_all(h, expert_axes, 1, 0, tiled=True)  # (b * EP, e / EP, c, d)
     gate = jnp.einsum("gecd,edh->gech", h, weights.gate.astype(x.dtype))
@@ -298,23 +277,23 @@ def _local(config: Routing, weights: Weights, x: jax.Array, cap: int, expert_axe
     if expert_axes:
         out = jax.lax.all_to_all(out, expert_axes, 0, 1, tiled=True)  # back: (b, e, c, d)
     y = jnp.einsum("becd,blec->bld", out, combine)
-    sums = (
-        jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32),  # picks per expert
-        jnp.sum(scores, (0, 1)),  # scores per expert
-        jnp.sum(jax.nn.logsumexp(logits, -1) ** 2),
-        jnp.sum(kept).astype(jnp.float32),
-        jnp.float32(b * length),
-    )
+    sums = _sums(onehot, scores, logits, jnp.sum(kept).astype(jnp.float32), b * length)
     if batch_axes:
         sums = jax.lax.psum(sums, batch_axes)
     return y, sums
 
 
+def _sums(onehot, scores, logits, kept, tokens: int) -> tuple:
+    """The statistics' sums over a device's rows: picks and scores per expert, the z-loss's sum,
+    the picks kept, the tokens (`_stats` turns their global sums into `Stats`)."""
+    return (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
+            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), kept, jnp.float32(tokens))
+
+
 class _Picks(NamedTuple):
     """One device's routing, its (token, expert) picks sorted by expert: ``rows`` (the picked
     tokens' inputs), ``token`` (each row's token), ``weight`` (its combine weight), ``sizes (E,)``
-    (rows per expert) and ``sums`` (the statistics' sums over its rows, as `_local` returns
-    them)."""
+    (rows per expert) and ``sums`` (the statistics' sums over its rows, as `_local` gives them)."""
 
     rows: jax.Array
     token: jax.Array
@@ -330,10 +309,8 @@ def _sorted_picks(config: Routing, weights: Weights, x: jax.Array) -> _Picks:
     flat = experts.reshape(-1)  # (tokens * k,): token t's picks at t * k ... t * k + k - 1
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)
-    sums = (jnp.sum(onehot, (0, 1, 2)).astype(jnp.float32), jnp.sum(scores, (0, 1)),
-            jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), jnp.float32(b * length * k),
-            jnp.float32(b * length))
+    sums = _sums(jax.nn.one_hot(experts, e, dtype=jnp.int32), scores, logits,
+                 jnp.float32(b * length * k), b * length)
     return _Picks(x.reshape(b * length, d)[token], token, picked.reshape(-1)[order].astype(x.dtype),
                   jnp.bincount(flat, length=e).astype(jnp.int32), sums)
 
@@ -368,8 +345,7 @@ def _combine(picks: _Picks, out: jax.Array, shape: tuple) -> jax.Array:
 
 def _grouped(config: Routing, weights: Weights, x: jax.Array, kernel: str):
     """Dropless, every expert local: the picks sorted by expert, the experts as grouped matmuls
-    (``kernel``), the outputs added back to their tokens weighted. Returns ``(y, sums)`` as
-    `_local`."""
+    (``kernel``), the outputs added back to their tokens weighted; ``(y, sums)`` as `_local`."""
     picks = _sorted_picks(config, weights, x)
     out = _grouped_experts(config, weights, picks.rows, picks.sizes, kernel)
     return _combine(picks, out, x.shape), picks.sums
@@ -386,8 +362,7 @@ def _ragged_local(config: Routing, weights: Weights, x: jax.Array, expert_axes: 
     tokens = b * length
     plan = exchange_plan(picks.sizes, expert_axes)
     devices = jax.lax.axis_size(expert_axes)
-    # A source sends each local expert at most one row per token: the worst case any device can
-    # receive.
+    # A source sends each local expert at most one row per token: the most a device can receive.
     buffer = devices * tokens * min(config.top_k, config.num_experts // devices)
     received = exchange(picks.rows, jnp.zeros((buffer, d), x.dtype), plan, axis_name=expert_axes,
                         native=native, slice_rows=tokens)
@@ -432,35 +407,29 @@ def _expert_parallel(policy: Any, config: Routing, weights: Weights, x: jax.Arra
             f"num_experts={config.num_experts} is not divisible by the {ep} devices of "
             f"expert_axes={axes} (sizes {[policy.mesh.shape[a] for a in axes]}): each device holds "
             f"num_experts / {ep} experts; use a multiple of {ep} experts, or expert axes whose "
-            f"sizes multiply to a divisor of {config.num_experts}."
-        )
+            f"sizes multiply to a divisor of {config.num_experts}.")
     rows = roles.size(batch)
     if x.shape[0] % rows:
         raise ValueError(
             f"jd.nn.MoE got {x.shape[0]} rows (sequences), which the {rows} devices of "
             f"batch_axes={batch} do not divide: each device routes its own rows; the layer's input "
-            "keeps the batch's rows on axis 0."
-        )
+            "keeps the batch's rows on axis 0.")
     mesh = trace_mesh(policy.mesh)  # Auto where the step runs the mesh's Explicit axes Auto
     expert_entry, batch_entry = roles.entry("expert"), roles.replica_axis
-    x_spec = PartitionSpec(batch_entry)
-    w_spec = PartitionSpec(expert_entry)
-    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec, None if weights.bias is None
-                    else PartitionSpec())
-    # sharding in types: the operands are retyped to the layouts the layer needs
-    if explicit_axes(policy.mesh):
+    x_spec, w_spec = PartitionSpec(batch_entry), PartitionSpec(expert_entry)
+    specs = Weights(PartitionSpec(), w_spec, w_spec, w_spec,
+                    None if weights.bias is None else PartitionSpec())
+    if explicit_axes(policy.mesh):  # sharding in types: retyped to the layouts the layer needs
         x = jax.sharding.reshard(x, x_spec)
-        weights = Weights(
-            *(w if w is None else jax.sharding.reshard(w, s)
-              for w, s in zip(weights, specs, strict=True))
-        )
+        weights = Weights(*(w if w is None else jax.sharding.reshard(w, s)
+                            for w, s in zip(weights, specs, strict=True)))
 
     def local(w: Weights, rows_x: jax.Array):
         if ragged:
             return _ragged_local(config, w, rows_x, axes, batch, native, kernel)
         return _local(config, w, rows_x, cap, axes, batch)
 
-    stats_spec = (PartitionSpec(),) * 5
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, stats_spec))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs, x_spec),
+                       out_specs=(x_spec, (PartitionSpec(),) * 5))
     return fn(weights, x)
 

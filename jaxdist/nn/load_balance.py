@@ -1,11 +1,9 @@
-"""Causal load balancing for context parallelism: the zig-zag ("dual chunk swap") order of a split
-sequence.
+"""Causal load balancing for context parallelism: the zig-zag ("dual chunk swap") sequence order.
 
 A sequence split contiguously over ``N`` context devices gives device ``i`` chunks ``2i`` and ``2i +
 1`` of ``2 N``; under a causal mask the last device has ``2N - 1`` times the work of the first. The
 zig-zag order gives device ``i`` chunks ``i`` and ``2N - 1 - i``, the same work for all. These
-helpers run inside `jax.shard_map` over the context axes, on each device's local block.
-"""
+helpers run inside `jax.shard_map` over the context axes, on each device's local block."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ def _dest(c: int, n: int) -> int:
 
 def zigzag(x, axis: int, axes, n: int):
     """Contiguous blocks (device ``i``: chunks ``2i``, ``2i + 1``) -> zig-zag (chunks ``i``, ``2n -
-    1 - i``): two collective permutes, one per local half. Inside `jax.shard_map` over ``axes``
-    (``n`` devices).
+    1 - i``): two collective permutes, one per local half, in `jax.shard_map` over ``axes`` (``n``).
 
     Examples:
         >>> import jax, numpy as np
@@ -56,8 +53,7 @@ def zigzag(x, axis: int, axes, n: int):
     h0, h1 = jnp.split(x, 2, axis=axis)
     r0 = jax.lax.ppermute(h0, axes, [(i, _dest(2 * i, n)) for i in range(n)])
     r1 = jax.lax.ppermute(h1, axes, [(i, _dest(2 * i + 1, n)) for i in range(n)])
-    # even devices got their first chunk from the first permute
-    even = jax.lax.axis_index(axes) % 2 == 0
+    even = jax.lax.axis_index(axes) % 2 == 0  # got its first chunk from the first permute
     return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
 
 

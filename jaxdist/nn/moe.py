@@ -15,8 +15,7 @@ with FSDP and tensor parallelism by the strategy's rules: ``router (d, E)`` ``("
 The auxiliary loss (``load_balance_weight`` x the Switch load-balancing loss + ``z_loss_weight`` x
 the router z-loss) is sown in the ``"moe_losses"`` collection and the router metrics in
 ``"moe_metrics"`` on every call but ``init`` (whose variables hold weights only): apply with
-``mutable=["moe_losses", "moe_metrics"]`` and add `moe_loss` of what comes back to the training
-loss.
+``mutable=["moe_losses", "moe_metrics"]`` and add `moe_loss` of what comes back to the loss.
 
 Examples:
     >>> import jax, jax.numpy as jnp, jaxdist as jd
@@ -44,8 +43,7 @@ from jaxdist.nn.experts import Routing, Stats, Weights, apply
 __all__ = ["SOWN", "MoE", "moe_loss", "moe_metrics", "update_router_bias"]
 
 SOWN = ("moe_losses", "moe_metrics")
-"""The collections `MoE` sows into on every call (values of that call, not state carried between
-steps)."""
+"""The collections `MoE` sows into on every call (that call's values, not state between steps)."""
 
 EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "embed", "mlp"),
                   "wo": ("expert", "mlp", "embed")}
@@ -53,8 +51,7 @@ EXPERT_WEIGHTS = {"wi_gate": ("expert", "embed", "mlp"), "wi_up": ("expert", "em
 
 
 def stacked_init() -> Callable:
-    """Lecun-normal per expert: fan-in is each expert's own input width (axis 0 stacks the
-    experts)."""
+    """Lecun-normal per expert: fan-in is each expert's own input width (axis 0: the experts)."""
     return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
                                             out_axis=-1, batch_axis=(0,))
 
@@ -109,23 +106,18 @@ class MoE(nn.Module):
                          self.normalize_top_k, self.activation)
         d, e, h = x.shape[-1], self.num_experts, self.hidden_dim
         router = self.param(
-            "router",
-            nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
-            (d, e),
-            self.param_dtype,
-        )
+            "router", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", None)),
+            (d, e), self.param_dtype)
         shapes = {"wi_gate": (e, d, h), "wi_up": (e, d, h), "wo": (e, h, d)}
-        stacked = {
-            name: self.param(
-                name, nn.with_logical_partitioning(stacked_init(), EXPERT_WEIGHTS[name]),
-                shapes[name], self.param_dtype)
-            for name in shapes}
-        bias = self.variable("router_bias", "bias", jnp.zeros, (e,),
-                             jnp.float32).value if self.router_bias else None
+        stacked = {name: self.param(name, nn.with_logical_partitioning(stacked_init(), axes),
+                                    shapes[name], self.param_dtype)
+                   for name, axes in EXPERT_WEIGHTS.items()}
+        bias = (self.variable("router_bias", "bias", jnp.zeros, (e,), jnp.float32).value
+                if self.router_bias else None)
         dtype = self.dtype or x.dtype
-        y, stats = apply(config, Weights(router, stacked["wi_gate"], stacked["wi_up"],
-                                         stacked["wo"], bias),
-                         x.astype(dtype), ragged=self.ragged, grouped_matmul=self.grouped_matmul)
+        weights = Weights(router, stacked["wi_gate"], stacked["wi_up"], stacked["wo"], bias)
+        y, stats = apply(config, weights, x.astype(dtype), ragged=self.ragged,
+                         grouped_matmul=self.grouped_matmul)
         if self.shared_experts:
             width = self.shared_experts * h
 
@@ -137,8 +129,7 @@ class MoE(nn.Module):
             xs = x.astype(dtype)
             hidden = self.activation(dense("shared_wi_gate", width, ("embed", "mlp"))(xs))
             y = y + dense("shared_wo", d, ("mlp", "embed"))(
-                hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs)
-            )
+                hidden * dense("shared_wi_up", width, ("embed", "mlp"))(xs))
         # init returns weights only: sown values never ride along as variables
         if not self.is_initializing():
             self.sow("moe_losses", "aux_loss", self.load_balance_weight * stats.load_balance

@@ -37,12 +37,12 @@ class MoE(nnx.Module):
 
     def __init__(self, dim: int, num_experts: int, top_k: int, hidden_dim: int, *,
                  capacity_factor: float | None = None, router: str = "softmax",
-                 normalize_top_k: bool = True,
-                 shared_experts: int = 0, activation: Callable[[jax.Array], jax.Array] = nnx.silu,
+                 normalize_top_k: bool = True, shared_experts: int = 0,
+                 activation: Callable[[jax.Array], jax.Array] = nnx.silu,
                  load_balance_weight: float = 0.01, z_loss_weight: float = 0.0,
-                 router_bias: bool = False,
-                 ragged: bool | None = None, grouped_matmul: str | None = None,
-                 dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 router_bias: bool = False, ragged: bool | None = None,
+                 grouped_matmul: str | None = None, dtype: Any = None,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.config = Routing(num_experts, top_k, capacity_factor, router, normalize_top_k,
                               activation)
         e, h = num_experts, hidden_dim
@@ -70,12 +70,9 @@ class MoE(nnx.Module):
         self.load_balance_weight, self.z_loss_weight = load_balance_weight, z_loss_weight
         self.dtype, self.ragged, self.grouped_matmul = dtype, ragged, grouped_matmul
         self.aux_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
-        self.stats = nnx.Dict(
-            {
-                name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
-                for name in Stats._fields
-            }
-        )
+        self.stats = nnx.Dict({
+            name: nnx.Intermediate(jnp.zeros((e,) if name == "tokens_per_expert" else ()))
+            for name in Stats._fields})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype
@@ -84,15 +81,12 @@ class MoE(nnx.Module):
         y, stats = apply(self.config, weights, x.astype(dtype), ragged=self.ragged,
                          grouped_matmul=self.grouped_matmul)
         if self.shared is not None:
-            xs = x.astype(dtype)
-            s = self.shared
-            hidden = self.activation(xs @ s["wi_gate"][...].astype(dtype)) * (
-                xs @ s["wi_up"][...].astype(dtype)
-            )
+            xs, s = x.astype(dtype), self.shared
+            hidden = (self.activation(xs @ s["wi_gate"][...].astype(dtype))
+                      * (xs @ s["wi_up"][...].astype(dtype)))
             y = y + hidden @ s["wo"][...].astype(dtype)
-        self.aux_loss[...] = (
-            self.load_balance_weight * stats.load_balance + self.z_loss_weight * stats.z_loss
-        )
+        self.aux_loss[...] = (self.load_balance_weight * stats.load_balance
+                              + self.z_loss_weight * stats.z_loss)
         for name, value in stats._asdict().items():
             self.stats[name][...] = value
         return y

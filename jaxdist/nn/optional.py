@@ -1,10 +1,7 @@
 """Optional kernel libraries, imported once here when present: ``tokamax`` (the extra
-``jaxdist[tokamax]``).
-
-tokamax (openxla's Pallas kernel library: grouped matmuls and flash attention for GPUs and TPUs) is
-never a dependency of jaxdist: it brings pydantic, qwix, jaxtyping and xprof (which tokamax 0.0.17
-imports at its top level). Where it is not installed, or its own imports fail, ``tokamax`` is None
-and the layers use jax's own kernels.
+``jaxdist[tokamax]``: openxla's Pallas kernels for GPUs and TPUs, never a dependency of jaxdist for
+the packages it brings). Where it is not installed, or its own imports fail, ``tokamax`` is None and
+the layers use jax's own kernels.
 
 Examples:
     >>> tokamax is None or hasattr(tokamax, "ragged_dot")

@@ -24,10 +24,8 @@ nn.scan's (stage ``s`` holds a contiguous block of layers), and a circular visit
 ``s`` runs layers ``[(r S + s) K, (r S + s + 1) K)`` (``K = L / (S R)``), so the step first moves
 each layer to the stage that runs it (an all-to-all of ``(R - 1) / R`` of the layer weights, and its
 transpose for the gradients); GPipe moves no weights. 1F1B and interleaved 1F1B are not offered:
-they interleave one micro-batch's backward with later micro-batches' forwards, which needs each
-stage to run its own program (MPMD); in one SPMD program autodiff runs the whole backward after the
-whole forward. What it would take: a hand-written VJP of the pipeline loop (forward and backward
-iterations interleaved in one scan, activations stashed per stage).
+they interleave one micro-batch's backward with later micro-batches' forwards, and in one SPMD
+program autodiff runs the whole backward after the whole forward.
 
 Micro-batches: a batch of ``B`` rows (per replica ``B / D``) is split into ``M`` micro-batches of
 ``B / M`` rows, micro-batch ``m`` taking rows ``m, m + M, m + 2M, ...`` (so that each keeps its rows
@@ -83,8 +81,7 @@ def _checked(block: nn.Module, x: jax.Array, y: Any) -> jax.Array:
             f"block {type(block).__name__} returned {getattr(y, 'shape', type(y).__name__)} "
             f"{getattr(y, 'dtype', '')} for an input of {x.shape} {x.dtype}: a pipelined block "
             "maps x to an x of the same shape and dtype (return the new x only, not a (carry, "
-            "output) pair)."
-        )
+            "output) pair).")
     return y
 
 
@@ -97,8 +94,7 @@ def _box_layers(tree: Any) -> Any:
     None, ...)``, so a strategy with stage axes splits them over the stages."""
 
     def box(x):
-        return x if is_box(x) else nn.LogicallyPartitioned(x,
-                                                           (LAYERS,) + (None,) * (np.ndim(x) - 1))
+        return x if is_box(x) else nn.LogicallyPartitioned(x, (LAYERS, *[None] * (np.ndim(x) - 1)))
 
     return jax.tree.map(box, tree, is_leaf=is_box)
 
@@ -139,8 +135,7 @@ class Pipeline(nn.Module):
         >>> model = jd.nn.Pipeline(block=Block(), num_layers=4, num_microbatches=2)
         >>> x = jnp.ones((4, 8))
         >>> params = model.init(jax.random.key(0), x)
-        >>> jax.tree.map(lambda p: p.shape,
-        ...              nn.unbox(params))["params"]["block"]["Dense_0"]["kernel"]
+        >>> nn.unbox(params)["params"]["block"]["Dense_0"]["kernel"].shape
         (4, 8, 8)
         >>> mesh = jax.make_mesh((4, 2), ("stage", "data"),
         ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -162,7 +157,6 @@ class Pipeline(nn.Module):
     remat: bool | Callable[..., Any] = False
     unroll: bool = False
 
-    # ----------------------------------------------------------------------------------- validation
     def _check(self) -> None:
         if not isinstance(self.block, nn.Module):
             raise ValueError(f"block={self.block!r} is not a flax.linen Module: pass one layer, "
@@ -176,8 +170,7 @@ class Pipeline(nn.Module):
         if self.schedule == "gpipe" and self.repeats != 1:
             raise ValueError(
                 f"repeats={self.repeats} with schedule='gpipe': GPipe runs each stage's layers "
-                "once per micro-batch; use schedule='circular' for repeats > 1."
-            )
+                "once per micro-batch; use schedule='circular' for repeats > 1.")
 
     def _check_batch(self, x: jax.Array, replicas: int) -> None:
         if np.ndim(x) < 1:
@@ -189,18 +182,16 @@ class Pipeline(nn.Module):
             raise ValueError(
                 f"num_microbatches={m} does not divide the per-replica batch {per} (global batch "
                 f"{batch} over {replicas} replica(s)): pick num_microbatches among the divisors of "
-                f"{per}, or make the global batch a multiple of {m * replicas}."
-            )
+                f"{per}, or make the global batch a multiple of {m * replicas}.")
 
-    # --------------------------------------------------------------------------------------- layers
     def _layer_fn(self, kwargs: dict[str, Any], dropout: bool) -> Callable:
         """``(params_of_one_layer, key, x, args) -> x``: one layer, applied functionally."""
         block = self.block.clone(parent=None, name=None)
 
         def layer(params, key, x, args):
             rngs = {"dropout": jax.random.wrap_key_data(key)} if dropout else None
-            return _checked(self.block, x, block.apply({"params": params}, x, *args, rngs=rngs,
-                                                       **kwargs))
+            y = block.apply({"params": params}, x, *args, rngs=rngs, **kwargs)
+            return _checked(self.block, x, y)
 
         if self.remat is True:
             layer = jax.checkpoint(layer)
@@ -220,7 +211,6 @@ class Pipeline(nn.Module):
 
         return lax.scan(body, x, (params, keys), unroll=self.unroll)[0]
 
-    # ----------------------------------------------------------------------------------------- call
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         self._check()
@@ -232,8 +222,7 @@ class Pipeline(nn.Module):
             raise ValueError(
                 f"block {type(self.block).__name__} holds variables of collection(s) {extra}: "
                 "Pipeline carries only 'params' (no BatchNorm statistics or caches) from layer to "
-                "layer."
-            )
+                "layer.")
         params = _unbox(variables["params"]["block"])
         dropout = self.has_rng("dropout")
         base = self.make_rng("dropout") if dropout else jax.random.key(0)
@@ -242,9 +231,8 @@ class Pipeline(nn.Module):
         keys = jax.random.key_data(jax.random.split(base, self.num_layers))
         layer = self._layer_fn(kwargs, dropout)
         computation = ambient.current_computation()
-        policy = (
-            computation.policy if computation is not None and computation.kind == "global" else None
-        )
+        policy = (computation.policy if computation is not None and computation.kind == "global"
+                  else None)
         stages = policy.roles.size(policy.roles.stage_axes) if policy is not None else 1
         # the plain scan (micro-batches only draw the dropout masks): M must divide the batch
         if stages == 1:
@@ -254,25 +242,21 @@ class Pipeline(nn.Module):
         return self._pipelined(layer, params, keys, x, args, policy, stages)
 
     def _init_scan(self, x: jax.Array, args: tuple, kwargs: dict[str, Any]) -> jax.Array:
-        """The parameters are created by ``nn.scan`` itself (so they are that scan's, rng for
-        rng)."""
+        """The parameters are created by ``nn.scan`` itself (that scan's, rng for rng)."""
 
         def body(module, carry, *xs):
             return _checked(module, carry, module(carry, *xs, **kwargs)), None
 
-        scan = nn.scan(
-            body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-            length=self.num_layers, in_axes=(nn.broadcast,) * len(args),
-            metadata_params={nn.PARTITION_NAME: LAYERS},
-        )
+        scan = nn.scan(body, variable_axes={"params": 0}, length=self.num_layers,
+                       split_rngs={"params": True, "dropout": True},
+                       in_axes=(nn.broadcast,) * len(args),
+                       metadata_params={nn.PARTITION_NAME: LAYERS})
         # A block created outside any module is this module's child "block" already; one created in
         # the parent's @nn.compact belongs to the parent: clone it here, under the same name.
-        block = (
-            self.block if self.block.parent is self else self.block.clone(parent=self, name="block")
-        )
+        block = self.block if self.block.parent is self else self.block.clone(parent=self,
+                                                                              name="block")
         y = scan(block, x, *args)[0]
-        # Unannotated leaves get the "layers" name too (the values are the scan's, only the box is
-        # added).
+        # Unannotated leaves get the "layers" name too (only the box is added).
         self.put_variable("params", "block", _box_layers(self.variables["params"]["block"]))
         return y
 
@@ -287,9 +271,8 @@ class Pipeline(nn.Module):
     def _split_args(self, args: tuple, batch: int) -> tuple[tuple, tuple[bool, ...]]:
         split = tuple(isinstance(a, jax.Array | np.ndarray) and np.ndim(a) >= 1
                       and a.shape[0] == batch for a in args)
-        return tuple(
-            self._split(jnp.asarray(a), batch) if s else a for a, s in zip(args, split, strict=True)
-        ), split
+        return tuple(self._split(jnp.asarray(a), batch) if s else a
+                     for a, s in zip(args, split, strict=True)), split
 
     def _plain(self, layer, params, keys, x, args, dropout) -> jax.Array:
         if not dropout or self.num_microbatches == 1:
@@ -315,8 +298,7 @@ class Pipeline(nn.Module):
         # run with the axes Auto; the output comes back typed as the input was.
         return jax.sharding.auto_axes(
             lambda p, k, h, a: self._pipeline_loop(layer, p, k, h, a, policy, stages),
-            axes=explicit, out_sharding=jax.typeof(x).sharding,
-        )(params, keys, x, args)
+            axes=explicit, out_sharding=jax.typeof(x).sharding)(params, keys, x, args)
 
     def _pipeline_loop(self, layer, params, keys, x, args, policy, stages) -> jax.Array:
         roles = policy.roles
@@ -326,18 +308,15 @@ class Pipeline(nn.Module):
                 f"num_layers={num_layers} is not divisible by the {stages} stages x "
                 f"repeats={repeats}: each stage runs num_layers / (stages x repeats) layers per "
                 f"visit; use a multiple of {stages * repeats} layers, or another stage count or "
-                "repeats."
-            )
+                "repeats.")
         if repeats > 1 and m_count < stages:
             raise ValueError(
                 f"num_microbatches={m_count} is less than the {stages} stages with "
                 "schedule='circular': a micro-batch comes back to stage 0 before the stage is "
-                f"free; use num_microbatches >= {stages}."
-            )
+                f"free; use num_microbatches >= {stages}.")
         per = num_layers // (stages * repeats)
         stage_spec = PartitionSpec(roles.entry("stage"))
-        # the step's mesh, with Explicit axes made Auto here
-        ambient_mesh = jax.sharding.get_abstract_mesh()
+        ambient_mesh = jax.sharding.get_abstract_mesh()  # the step's, Explicit axes made Auto
         mesh = (ambient_mesh if tuple(ambient_mesh.axis_names) == tuple(policy.mesh.axis_names)
                 else policy.mesh)
 
@@ -377,12 +356,8 @@ class Pipeline(nn.Module):
                 if repeats > 1:  # stage 0 keeps it until its next visit
                     buf = lax.dynamic_update_index_in_dim(buf, recv, done, 0)
                 final = t - stages + 1 >= (repeats - 1) * m_count
-                outs = lax.dynamic_update_index_in_dim(
-                    outs,
-                    jnp.where(final, y, lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)),
-                    done,
-                    0,
-                )
+                kept = lax.dynamic_index_in_dim(outs, done, 0, keepdims=False)
+                outs = lax.dynamic_update_index_in_dim(outs, jnp.where(final, y, kept), done, 0)
                 return (recv, buf, outs), None
 
             (_, _, outs), _ = lax.scan(step, (zeros, buf, outs), jnp.arange(iterations),
@@ -390,10 +365,8 @@ class Pipeline(nn.Module):
             return outs[None]
 
         arg_specs = tuple(PartitionSpec() for _ in margs)
-        run = jax.shard_map(
-            stage_fn, mesh=mesh, in_specs=(stage_spec, stage_spec, PartitionSpec(), arg_specs),
-            out_specs=stage_spec, axis_names=set(axes),
-        )
+        run = jax.shard_map(stage_fn, mesh=mesh, out_specs=stage_spec, axis_names=set(axes),
+                            in_specs=(stage_spec, stage_spec, PartitionSpec(), arg_specs))
         outs = run(staged, staged_keys, xs, tuple(jnp.asarray(a) for a in margs))
         return self._merge(outs[-1])
 

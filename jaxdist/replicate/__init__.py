@@ -11,14 +11,5 @@ from jaxdist.replicate.values import PerReplica as PerReplica
 from jaxdist.replicate.values import SyncOnRead as SyncOnRead
 from jaxdist.replicate.values import component_name as component_name
 
-__all__ = [
-    "MODEL_AXIS",
-    "REPLICA_AXIS",
-    "PerReplica",
-    "ReduceOp",
-    "SyncOnRead",
-    "VariableAggregation",
-    "batch_sharded",
-    "component_name",
-    "replicated",
-]
+__all__ = ["MODEL_AXIS", "REPLICA_AXIS", "PerReplica", "ReduceOp", "SyncOnRead",
+           "VariableAggregation", "batch_sharded", "component_name", "replicated"]

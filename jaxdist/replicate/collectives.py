@@ -19,18 +19,8 @@ import jax.numpy as jnp
 from jaxdist.replicate.layouts import REPLICA_AXIS
 from jaxdist.replicate.ops import ReduceOp, VariableAggregation
 
-__all__ = [
-    "AxisName",
-    "all_reduce",
-    "axis_names",
-    "axis_size",
-    "is_axis_name",
-    "is_varying",
-    "keep_per_replica",
-    "PER_REPLICA_SCOPE",
-    "reduce_stacked",
-    "to_varying",
-]
+__all__ = ["AxisName", "all_reduce", "axis_names", "axis_size", "is_axis_name", "is_varying",
+           "keep_per_replica", "PER_REPLICA_SCOPE", "reduce_stacked", "to_varying"]
 
 AxisName = str | tuple[str, ...]
 """A replica axis: one mesh axis name, or several (a user mesh whose batch is split over ``("data",
@@ -48,8 +38,7 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
 
 
 def is_axis_name(value: Any) -> bool:
-    """True for a mesh axis name or a non-empty tuple of them (what JAX collectives take as
-    ``axis_name``).
+    """True for a mesh axis name or a non-empty tuple of them (a JAX collective's ``axis_name``).
 
     Examples:
         >>> is_axis_name("replica"), is_axis_name(("data", "fsdp")), is_axis_name(3)
@@ -63,9 +52,8 @@ def is_axis_name(value: Any) -> bool:
 def _varying_axes(x: Any) -> frozenset[str]:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
-    return (
-        getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
-    ) or frozenset()
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return varying or frozenset()
 
 
 def is_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> bool:
@@ -82,11 +70,9 @@ def is_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> bool:
 
 
 def to_varying(x: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
-    """``x`` typed as varying over ``axis_name`` (every one of several; a no-op when it already is).
-
-    Each replica then owns its copy: ``jax.grad`` with respect to it is local, and collectives
-    accept it.
-    """
+    """``x`` typed as varying over ``axis_name`` (every one of several; a no-op when it already is):
+    each replica then owns its copy, ``jax.grad`` with respect to it is local, and collectives
+    accept it."""
     varying = _varying_axes(x)
     missing = tuple(a for a in axis_names(axis_name) if a not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
@@ -100,11 +86,9 @@ function's jaxpr."""
 def keep_per_replica(value: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
     """``value`` (a pytree) declared different on every replica on purpose: ``strategy.run`` returns
     it as a `PerReplica` and never takes it for a mirrored value that drifted (error-feedback
-    residuals, local SGD).
-
-    The declaration is a marker in the program (an optimisation barrier, which computes nothing,
-    under the name scope `PER_REPLICA_SCOPE`); outside `shard_map` (one replica) ``value`` is
-    returned unchanged.
+    residuals, local SGD). The declaration is a marker in the program (an optimisation barrier,
+    which computes nothing, under the name scope `PER_REPLICA_SCOPE`); outside `shard_map` (one
+    replica) ``value`` is returned unchanged.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -115,8 +99,7 @@ def keep_per_replica(value: Any, axis_name: AxisName = REPLICA_AXIS) -> Any:
         return value
     with jax.named_scope(PER_REPLICA_SCOPE):
         return jax.lax.optimization_barrier(
-            jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value)
-        )
+            jax.tree.map(lambda x: to_varying(jnp.asarray(x), axis_name), value))
 
 
 def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:
@@ -135,9 +118,7 @@ def axis_size(axis_name: AxisName = REPLICA_AXIS) -> int | None:
 def all_reduce(value: Any, reduce_op: ReduceOp | VariableAggregation,
                axis_name: AxisName = REPLICA_AXIS) -> Any:
     """psum / pmean (by ``reduce_op``: SUM or MEAN) of a pytree over ``axis_name``; every replica
-    gets it.
-
-    Outside `shard_map` (the axis is not bound: one replica) ``value`` is returned unchanged.
+    gets it. Outside `shard_map` (the axis is not bound: one replica) ``value`` comes back as is.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -185,6 +166,5 @@ def _typed_whole_along(x: jax.Array, axis: int) -> jax.Array:
     mesh = typed.mesh if isinstance(x, jax.core.Tracer) else x.sharding.mesh
     entries = list(spec)
     entries[axis] = None
-    return jax.sharding.reshard(
-        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
-    )
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh,
+                                                               jax.sharding.PartitionSpec(*entries)))

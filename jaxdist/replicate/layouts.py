@@ -17,19 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = [
-    "MODEL_AXIS",
-    "REPLICA_AXIS",
-    "batch_sharded",
-    "entry_axes",
-    "is_on_mesh",
-    "on_mesh",
-    "path_name",
-    "put",
-    "replicated",
-    "spec_axes",
-    "splits_batch_axis",
-]
+__all__ = ["MODEL_AXIS", "REPLICA_AXIS", "batch_sharded", "entry_axes", "is_on_mesh", "on_mesh",
+           "path_name", "put", "replicated", "spec_axes", "splits_batch_axis"]
 
 REPLICA_AXIS = "replica"
 """The name of the data-parallel mesh axis of every strategy."""
@@ -51,8 +40,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """The distributed-input (and per-replica) layout: axis 0 split over the replica axis of
-    ``mesh``.
+    """The distributed-input (and per-replica) layout: axis 0 split over ``mesh``'s replica axis.
 
     Examples:
         >>> import jax, numpy as np
@@ -65,10 +53,8 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
     """Place host or device value ``x`` (the same on every process) with ``sharding``, across
-    processes too.
-
-    A host value is sliced on the host and each device gets only its part (a split layout is born
-    split); a global array spanning processes is resharded on the devices.
+    processes too: a host value is sliced on the host and each device gets only its part (a split
+    layout is born split); a global array spanning processes is resharded on the devices.
 
     Args:
         x: the value.
@@ -85,10 +71,8 @@ def put(x: Any, sharding: NamedSharding, *, copy: bool = False) -> jax.Array:
     # device_put reuses a buffer where it can, whatever may_alias says
     if copy and isinstance(x, jax.Array):
         x = x.copy()
-    if jax.process_count() == 1 or sharding.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    # a global array: resharded on the devices
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if (jax.process_count() == 1 or sharding.is_fully_addressable
+            or (isinstance(x, jax.Array) and not x.is_fully_addressable)):  # a global array
         return jax.device_put(x, sharding)
     # every process holds the whole value; each transfers only its own devices' parts
     local = np.asarray(x)

@@ -26,15 +26,13 @@ class _ParsableEnum(enum.Enum):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls.__members__[value.upper()]
-        # Accept the other enum's member of the same name (ReduceOp.SUM where an aggregation is
-        # wanted).
+        # the other enum's member of the same name (ReduceOp.SUM where an aggregation is wanted)
         if isinstance(value, enum.Enum) and value.name in cls.__members__:
             return cls.__members__[value.name]
         valid = ", ".join(f"{cls.__name__}.{m}" for m in cls.__members__)
         raise ValueError(
             f"{argument}={value!r} is not a valid {cls.__name__}: use one of {valid} "
-            f"(or their names as strings, e.g. {next(iter(cls.__members__)).lower()!r})."
-        )
+            f"(or their names as strings, e.g. {next(iter(cls.__members__)).lower()!r}).")
 
 
 class ReduceOp(_ParsableEnum):
@@ -71,8 +69,7 @@ class VariableAggregation(_ParsableEnum):
 
 
 def check_mean_dtype(value: Any, what: str = "value") -> None:
-    """Raise when a MEAN would be taken of an integer or boolean array (it cannot be stored back
-    exactly).
+    """Raise when a MEAN would be taken of an integer or boolean array (not stored back exactly).
 
     Args:
         value: an array or anything with a ``dtype``.
@@ -85,11 +82,8 @@ def check_mean_dtype(value: Any, what: str = "value") -> None:
         >>> import numpy as np
         >>> check_mean_dtype(np.zeros(3, np.float32))  # fine
     """
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        dtype = np.asarray(value).dtype
+    dtype = value.dtype if getattr(value, "dtype", None) is not None else np.asarray(value).dtype
     if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
         raise TypeError(
             f"{what} has dtype {dtype}: MEAN of an integer value cannot be represented exactly; "
-            f"use SUM (or ONLY_FIRST_REPLICA), or cast {what} to a float dtype first."
-        )
+            f"use SUM (or ONLY_FIRST_REPLICA), or cast {what} to a float dtype first.")

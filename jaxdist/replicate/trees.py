@@ -1,11 +1,5 @@
-"""Pytree utilities every layer uses: which leaves are traced, their abstract shapes, cache keys and
-names.
-
-One home for the small questions asked of argument trees everywhere in jaxdist: is a leaf an array
-(traced) or a constant (static, as in tf.function); is it a distributed value (`PerReplica` /
-`SyncOnRead`); what are its shapes (for a cache key or an abstract trace); how does an error name
-the user's function.
-"""
+"""Pytree utilities every layer uses: which leaves are traced (arrays) and which are constants
+(static, as in tf.function), which are distributed values, abstract shapes, cache keys and names."""
 
 from __future__ import annotations
 
@@ -19,19 +13,8 @@ import numpy as np
 
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 
-__all__ = [
-    "abstract",
-    "describe",
-    "equinox",
-    "fn_name",
-    "hashable",
-    "is_array",
-    "is_chief",
-    "is_distributed",
-    "merge_static",
-    "signature",
-    "split_static",
-]
+__all__ = ["abstract", "describe", "equinox", "fn_name", "hashable", "is_array", "is_chief",
+           "is_distributed", "merge_static", "signature", "split_static"]
 
 
 def is_distributed(x: Any) -> bool:
@@ -70,10 +53,8 @@ def is_value(x: Any) -> bool:
 
 
 def equinox() -> Any:
-    """The ``equinox`` module if this process has imported it, else None.
-
-    A value can be an Equinox module only once Equinox is imported, so jaxdist never imports it
-    itself: a process without Equinox models does not pay its import (~0.1 s of CPU).
+    """The ``equinox`` module if this process has imported it, else None (a value can be an Equinox
+    module only once Equinox is imported, so jaxdist never imports it itself).
 
     Examples:
         >>> import equinox as eqx
@@ -137,8 +118,7 @@ def split_static(tree: Any) -> tuple[list[Any], Any, tuple]:
 
 
 def merge_static(dynamic: Sequence[Any], treedef: Any, statics: tuple) -> Any:
-    """The tree `split_static` took apart, with ``dynamic`` (traced values) in the array
-    positions."""
+    """The tree `split_static` took apart, ``dynamic`` (traced values) at the array positions."""
     it = iter(dynamic)
     return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in statics])
 

@@ -28,18 +28,8 @@ import jax.numpy as jnp
 from jaxdist.replicate.collectives import reduce_stacked
 from jaxdist.replicate.ops import VariableAggregation, check_mean_dtype
 
-__all__ = [
-    "CapturedSyncOnRead",
-    "PerReplica",
-    "SyncOnRead",
-    "assigned",
-    "component_name",
-    "in_replica",
-    "local_components",
-    "local_view",
-    "noticing_captures",
-    "store_components",
-]
+__all__ = ["CapturedSyncOnRead", "PerReplica", "SyncOnRead", "assigned", "component_name",
+           "in_replica", "local_components", "local_view", "noticing_captures", "store_components"]
 
 _capturing = threading.local()  # per thread: is a replica function being traced for the first time
 
@@ -56,11 +46,8 @@ class CapturedSyncOnRead(Exception):
 
 class _View:
     """One trace of a replica function's view of a sync-on-read value: whether the function assigned
-    it.
-
-    Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a
-    nested ``jax.jit`` is flattened and made again): the flag is the view's, not one object's.
-    """
+    it. Shared by the copies JAX makes of the value while it traces (a `SyncOnRead` passed through a
+    nested ``jax.jit`` is flattened and made again): the flag is the view's, not one object's."""
 
     __slots__ = ("assigned",)
 
@@ -126,9 +113,8 @@ def local_view(value: SyncOnRead, component: Any) -> Iterator[None]:
 
 
 def component_name(name: str, replica_id: int) -> str:
-    """The display name of component ``replica_id`` of the mirrored value ``name``.
-
-    Component 0 keeps the name; component i > 0 is ``name/replica_i`` (as tf.distribute names them).
+    """The display name of component ``replica_id`` of the mirrored value ``name``: component 0
+    keeps the name; component i > 0 is ``name/replica_i`` (as tf.distribute names them).
 
     Examples:
         >>> component_name("dense/kernel", 0), component_name("dense/kernel", 3)
@@ -140,30 +126,26 @@ def component_name(name: str, replica_id: int) -> str:
 
 
 def local_components(stacked: jax.Array) -> tuple[jax.Array, ...]:
-    """The components of a stacked per-replica array held by this process, in replica order.
-
-    Each is a single-device array (no copy): the shard of ``stacked`` on that replica's device,
-    without its leading axis of length 1.
+    """The components of a stacked per-replica array held by this process, in replica order: each
+    a single-device array (no copy), the shard of ``stacked`` on that replica's device without its
+    leading axis of length 1.
 
     Examples:
         >>> import jax, numpy as np
         >>> [float(c) for c in local_components(jax.numpy.arange(1.0))]
         [0.0]
     """
-    # the row a shard starts at: its replica index (whatever the mesh's device order)
-    def start(shard) -> int:
-        return (shard.index[0].start or 0) if shard.index else 0
-
     by_replica: dict[int, jax.Array] = {}
-    # several devices hold one component when an axis is replicated
+    # keyed by the row a shard starts at, its replica index (several devices hold one component
+    # when an axis is replicated)
     for shard in stacked.addressable_shards:
-        by_replica.setdefault(start(shard), shard.data[0] if shard.data.ndim else shard.data)
+        start = (shard.index[0].start or 0) if shard.index else 0
+        by_replica.setdefault(start, shard.data[0] if shard.data.ndim else shard.data)
     return tuple(by_replica[i] for i in sorted(by_replica))
 
 
 class _Distributed:
-    """Shared behaviour of values with one component per replica, stored stacked on a leading
-    axis."""
+    """Values with one component per replica, stored stacked on a leading axis."""
 
     __slots__ = ("_owner", "_value")
 
@@ -226,11 +208,10 @@ class SyncOnRead(_Distributed):
 
     Create one with ``strategy.sync_on_read(initial_value, aggregation)``. Inside ``strategy.run``
     each replica sees its own component: ``.value`` reads it, ``.assign(x)`` / ``.assign_add(x)`` /
-    ``.assign_sub(x)`` update it in place, as tf.distribute's sync-on-read variables are updated,
-    and ``run`` keeps the update in the object passed in. In cross-replica context ``.read()``
-    aggregates the components (SUM, MEAN or ONLY_FIRST_REPLICA) and ``.assign(x)`` stores components
-    that read back as ``x`` (with SUM: ``x / N`` on every replica). Inside ``strategy.jit`` a step
-    that updates one in place returns it (a compiled step's updates leave through its outputs).
+    ``.assign_sub(x)`` update it in place. In cross-replica context ``.read()`` aggregates the
+    components and ``.assign(x)`` stores components that read back as ``x``. Inside
+    ``strategy.jit`` a step that updates one in place returns it (a compiled step's updates leave
+    through its outputs).
 
     Examples:
         >>> import jaxdist as jd, jax.numpy as jnp
@@ -252,8 +233,7 @@ class SyncOnRead(_Distributed):
             raise ValueError(
                 "aggregation=VariableAggregation.NONE is not valid for a sync-on-read value: "
                 "reading it across replicas needs an aggregation; specify an aggregation (SUM, "
-                "MEAN or ONLY_FIRST_REPLICA)."
-            )
+                "MEAN or ONLY_FIRST_REPLICA).")
         self._aggregation = aggregation
         self._local = local
 
@@ -272,8 +252,7 @@ class SyncOnRead(_Distributed):
             raise RuntimeError(
                 "SyncOnRead.value is this replica's component and exists only inside strategy.run; "
                 "in cross-replica context use .read() for the aggregated value or .values for the "
-                "components."
-            )
+                "components.")
         return self._component()
 
     def _component(self) -> jax.Array:
@@ -286,9 +265,7 @@ class SyncOnRead(_Distributed):
     def _check_kind(self, value: Any, call: str) -> None:
         """Refuse ``value`` of a kind the components' dtype cannot hold (a float for an integer
         value, a complex for a real one): stored, it would be truncated without a word
-        (``assign_add(0.5)`` on an int32 value adds 0). tf.distribute refuses it too (a dtype
-        mismatch)."""
-        # a list, a Python number
+        (``assign_add(0.5)`` on an int32 value adds 0). tf.distribute refuses it too."""
         source = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
         target = self._value.dtype
         if _kind(source) <= _kind(target):
@@ -299,8 +276,7 @@ class SyncOnRead(_Distributed):
             f"value (it would be truncated without a word). Pass a value of dtype {target} (e.g. "
             f"jnp.asarray(x, jnp.{target})), or create the value with a "
             f"{_KIND_NAMES[_kind(source)]} dtype: strategy.sync_on_read(jnp.zeros(shape, "
-            f"jnp.{jnp.dtype(source).name}), aggregation)."
-        )
+            f"jnp.{jnp.dtype(source).name}), aggregation).")
 
     def assign(self, value: Any) -> SyncOnRead:
         """Store ``value`` in place (as tf.distribute's variables do) and return this value.
@@ -321,8 +297,7 @@ class SyncOnRead(_Distributed):
             if value.shape != self._value.shape:
                 raise ValueError(
                     f"value has shape {value.shape} but this replica's component has shape "
-                    f"{self._value.shape}; a sync-on-read value keeps its shape."
-                )
+                    f"{self._value.shape}; a sync-on-read value keeps its shape.")
             if isinstance(self._local, _View):
                 # An assignment is not differentiable (as tf.Variable.assign is not): what a replica
                 # function stores while jax.grad traces it is the value, not a path for gradients.
@@ -338,30 +313,26 @@ class SyncOnRead(_Distributed):
         if value.shape != target.shape[1:]:
             raise ValueError(
                 f"value has shape {value.shape} but the sync-on-read value has shape "
-                f"{target.shape[1:]}; a sync-on-read value keeps its shape."
-            )
+                f"{target.shape[1:]}; a sync-on-read value keeps its shape.")
         self._check_dtype(value)
         traced = isinstance(target, jax.core.Tracer)
-        stacked = _spread(value, target.shape[0], self._aggregation.name, None if traced
-                          else target.sharding)
+        stacked = _spread(value, target.shape[0], self._aggregation.name,
+                          None if traced else target.sharding)
         if isinstance(stacked, jax.core.Tracer) and not traced:
             raise ValueError(
                 "a compiled function (strategy.jit, jax.jit, a loop body) assigns a sync-on-read "
                 f"value ({self._aggregation.name}, shape {target.shape[1:]}) that it captured from "
                 "the enclosing code: the update would live only in that trace (a JAX function "
                 "cannot change the objects around it), and the value would read as before. Pass it "
-                "to the step as an argument and return it: `seen = step(seen, batch)`."
-            )
+                "to the step as an argument and return it: `seen = step(seen, batch)`.")
         self._value = stacked
         return self
 
     def assign_add(self, delta: Any) -> SyncOnRead:
-        """Add ``delta`` in place (to this replica's component in replica context) and return this
-        value.
+        """Add ``delta`` in place (to this replica's component in replica context); return it.
 
         Raises:
-            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer
-                value).
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_add(0.5)`` on an integer).
 
         Examples:
             >>> import jax.numpy as jnp, jaxdist as jd
@@ -380,8 +351,7 @@ class SyncOnRead(_Distributed):
         this value.
 
         Raises:
-            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer
-                value).
+            TypeError: for a ``delta`` the dtype cannot hold (``assign_sub(0.5)`` on an integer).
         """
         self._check_kind(delta, "assign_sub")
         return self.assign(self.read() - jnp.asarray(delta, self._value.dtype))
@@ -401,14 +371,8 @@ class SyncOnRead(_Distributed):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        aggregation, owner, local = aux
         obj = object.__new__(cls)
-        obj._value, obj._aggregation, obj._owner, obj._local = (
-            children[0],
-            aggregation,
-            owner,
-            local,
-        )
+        obj._value, (obj._aggregation, obj._owner, obj._local) = children[0], aux
         return obj
 
 
@@ -416,8 +380,7 @@ _KIND_NAMES = ("bool", "integer", "floating", "complex")
 
 
 def _kind(dtype: Any) -> int:
-    """0 bool, 1 integer, 2 floating, 3 complex: a value of a higher kind does not fit a lower
-    one."""
+    """0 bool, 1 integer, 2 floating, 3 complex: a higher kind does not fit a lower one."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return 3
     if jnp.issubdtype(dtype, jnp.inexact):

@@ -15,9 +15,8 @@ decides how it runs:
   everything to device 0 and run once.)
 * outside any trace: ``host_fn(*args)`` is just called.
 
-On a mesh with more axes than the replica axis (``ShardedStrategy(model_parallelism=...)``) a
-replica spans several devices; the host still runs once per replica, on the replica's first device,
-and its result is handed to the replica's other devices.
+On a mesh with more axes than the replica axis a replica spans several devices; the host still runs
+once per replica, and its result is handed to the replica's other devices.
 
 A host function written with `jax.numpy` needs nothing more: its result shapes come from
 `jax.eval_shape`, it is compiled once for the host's CPU backend (so, like any traced JAX code, its
@@ -58,7 +57,6 @@ from jaxdist.strategies.layout import Role, traced_role
 
 __all__ = ["host_compute_core", "outside_compilation"]
 
-
 _plain_clusters = itertools.count()
 _plain_lock = threading.Lock()
 _CALLBACK_MARKERS = ("pure_callback", "io_callback", "callback")
@@ -84,12 +82,10 @@ def _mark(x: Any, varying: bool) -> Any:
 
 def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
     """``call(*xs)`` (a callback) run once per replica, also where other mesh axes are still
-    automatic.
-
-    Callbacks need every mesh axis manual. Inside ``strategy.run`` on a (replica, model) mesh only
-    the replica axis is, so the call goes into a nested `jax.shard_map` over the other axes: it runs
-    on the first device of those axes (the host still runs once per replica) and its result is
-    summed with the others' zeros, which hands every device of the replica the same value.
+    automatic. Callbacks need every mesh axis manual. Inside ``strategy.run`` on a (replica, model)
+    mesh only the replica axis is, so the call goes into a nested `jax.shard_map` over the other
+    axes: it runs on the first device of those axes (the host still runs once per replica) and its
+    result is summed with the others' zeros, handing every device of the replica the same value.
     """
     mesh = jax.sharding.get_abstract_mesh()
     auto = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
@@ -109,24 +105,18 @@ def _once_per_replica(call: Callable, xs: list, result_shape: Any) -> Any:
         first = functools.reduce(operator.and_, [jax.lax.axis_index(a) == 0 for a in auto])
         return jax.tree.map(broadcast, jax.lax.cond(first, call, zeros, *xs))
 
-    spec = PartitionSpec()
-    return jax.shard_map(first_device_only, in_specs=spec, out_specs=spec,
+    return jax.shard_map(first_device_only, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
                          axis_names=set(auto))(*xs)
 
 
 class _Region:
-    """One host region: its host function on the dynamic (array) arguments, result shapes, and
-    VJP."""
+    """One host region: its host function on the dynamic (array) arguments, result shapes, VJP."""
 
     def __init__(self, host_fn, statics, result_shape, vjp, traceable, ordered, name):
-        self.host_fn = host_fn
-        # (positions, values) of non-array arguments, passed through unchanged
-        self.statics = statics
-        self.result_shape = result_shape
+        # statics: (positions, values) of non-array arguments, passed through unchanged
+        self.host_fn, self.statics, self.result_shape = host_fn, statics, result_shape
         self.vjp = vjp
-        self.traceable = traceable
-        self.ordered = ordered
-        self.name = name
+        self.traceable, self.ordered, self.name = traceable, ordered, name
         self._compiled = None
 
     def full_args(self, dynamic):
@@ -144,9 +134,7 @@ class _Region:
         state.host_regions += 1
         try:
             with jax.default_device(_host_device()):
-                if self.traceable and self.result_shape is not None:
-                    # A jax.numpy function with a result: compiled once for the host, like any
-                    # traced code.
+                if self.traceable and self.result_shape is not None:  # compiled once for the host
                     if self._compiled is None:
                         self._compiled = jax.jit(self.call)
                     out = self._compiled(*dynamic)
@@ -179,8 +167,8 @@ class _Region:
             return tuple(grads[i] for i in floats)
 
         shapes = tuple(jax.ShapeDtypeStruct(xs[i].shape, xs[i].dtype) for i in floats)
-        region = _Region(pullback, (frozenset(), ()), shapes, None, self.vjp is None
-                         and self.traceable, False, name)
+        region = _Region(pullback, (frozenset(), ()), shapes, None,
+                         self.vjp is None and self.traceable, False, name)
         return region, floats
 
 
@@ -221,10 +209,8 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
                 f"({getattr(region.host_fn, '__name__', region.host_fn)}) is being differentiated, "
                 "but its host function is opaque (it was given result_shape=, so it is not traced "
                 "with jax.numpy): pass vjp=lambda args, cotangent: grads, or write it with "
-                "jax.numpy and drop result_shape."
-            )
-        # The gradient region is cluster C.uid, uid being the gradient invocation that is tracing
-        # this.
+                "jax.numpy and drop result_shape.")
+        # cluster C.uid, uid the gradient invocation tracing this
         name = gradient_cluster(region.name, current_gradient_uid())
         back, floats = region.backward(name, xs, cotangent)
         ct_leaves = jax.tree.leaves(cotangent)
@@ -243,14 +229,9 @@ def _local_call(region: _Region, dynamic: list, replicated: bool, varying_in: li
     return host_region(*dynamic)
 
 
-def outside_compilation(
-    host_fn: Callable[..., Any],
-    *args: Any,
-    result_shape: Any = None,
-    vjp: Callable[[tuple, Any], tuple] | None = None,
-    ordered: bool = False,
-    batch_argnums: int | Sequence[int] | None = None,
-) -> Any:
+def outside_compilation(host_fn: Callable[..., Any], *args: Any, result_shape: Any = None,
+                        vjp: Callable[[tuple, Any], tuple] | None = None, ordered: bool = False,
+                        batch_argnums: int | Sequence[int] | None = None) -> Any:
     """Run ``host_fn(*args)`` on the host, once per replica on its local values, from inside a
     compiled step.
 
@@ -288,8 +269,7 @@ def outside_compilation(
         >>> import jax, jax.numpy as jnp, numpy as np, jaxdist as jd
         >>> strategy = jd.MirroredStrategy()
         >>> rows = []
-        >>> def replica_fn(x):
-        ...     # on the host
+        >>> def replica_fn(x):  # the first region appends on the host
         ...     jd.tpu.outside_compilation(lambda v: rows.append(v.shape), x, result_shape=())
         ...     return jd.tpu.outside_compilation(jnp.sin, x)
         >>> x = strategy.experimental_distribute_values(np.zeros((16, 2), np.float32))
@@ -326,18 +306,15 @@ def outside_compilation(
             f"outside_compilation inside strategy.run(..., axis_name={axis!r}) is not supported: a "
             "host callback in a program on the renamed mesh mixes two meshes, which JAX rejects. "
             "Keep the replica axis's name for replica functions with host regions (run without "
-            "axis_name), or move the region into the global-view step (strategy.jit)."
-        )
+            "axis_name), or move the region into the global-view step (strategy.jit).")
 
     if kind == "global":
         policy = frame.policy
         n = policy.num_replicas
         split = _global_view_split(args, dynamic, positions, batch_argnums, policy)
-        local_shapes = [
-            jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]) if s else np.shape(x),
-                                 jnp.result_type(x))
-            for x, s in zip(dynamic, split, strict=True)
-        ]
+        local_shapes = [jax.ShapeDtypeStruct((np.shape(x)[0] // n, *np.shape(x)[1:]) if s
+                                             else np.shape(x), jnp.result_type(x))
+                        for x, s in zip(dynamic, split, strict=True)]
     else:
         # Inside a replica program traced without JAX's varying types (as jax.pmap runs it) every
         # value is the replica's own: its gradient is the replica's own too, never summed over the
@@ -347,15 +324,10 @@ def outside_compilation(
         local_shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in dynamic]
 
     region = _make_region(host_fn, statics_pair, local_shapes, result_shape, vjp, ordered, name)
+    if kind != "global":
+        return _local_call(region, dynamic, kind == "replica", split)
 
-    if kind == "replica":
-        return _local_call(region, dynamic, True, split)
-    if kind == "plain":
-        return _local_call(region, dynamic, False, split)
-
-    # Global view: one call per replica through a shard_map of its own. The per-replica results come
-    # back concatenated along axis 0 (scalars stacked: one value per replica); no collective is
-    # added.
+    # Global view: one call per replica through a shard_map of its own (see the module doc).
     in_specs = tuple(PartitionSpec(policy.replica_axis) if s else PartitionSpec() for s in split)
     spec = PartitionSpec(policy.replica_axis)
 
@@ -367,11 +339,9 @@ def outside_compilation(
 
     # Manual over the replica axis only: `_once_per_replica` runs the call on one device of any
     # other axis.
-    mapped = jax.shard_map(
-        per_replica, mesh=policy.mesh, in_specs=in_specs,
-        out_specs=spec if region.result_shape is not None else PartitionSpec(),
-        axis_names=set(policy.batch_axes),
-    )
+    mapped = jax.shard_map(per_replica, mesh=policy.mesh, in_specs=in_specs,
+                           out_specs=spec if region.result_shape is not None else PartitionSpec(),
+                           axis_names=set(policy.batch_axes))
     return mapped(*dynamic)
 
 
@@ -387,8 +357,7 @@ def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_
         if bad:
             raise ValueError(
                 f"batch_argnums={declared!r} names positions {bad} that are not array arguments of "
-                f"the region (it has {len(args)} arguments)."
-            )
+                f"the region (it has {len(args)} arguments).")
         split = [i in declared for i in positions]
         for x, s in zip(dynamic, split, strict=True):
             if s:
@@ -399,17 +368,15 @@ def _global_view_split(args: tuple, dynamic: list, static_positions: set, batch_
                                 "the rows of a batch_argnums argument")
         return split
     declaration = "outside_compilation(host_fn, *args, batch_argnums=(i, ...))"
-    return [
-        traced_role(policy, x, f"args[{i}]", declaration) is Role.BATCH
-        for i, x in zip(positions, dynamic, strict=True)
-    ]
+    return [traced_role(policy, x, f"args[{i}]", declaration) is Role.BATCH
+            for i, x in zip(positions, dynamic, strict=True)]
 
 
 def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, name) -> _Region:
     traceable = result_shape is None
     if traceable:
-        probe_args = _Region(host_fn, statics, None, None, True, ordered,
-                             name).full_args(local_shapes)
+        probe_args = _Region(host_fn, statics, None, None, True, ordered, name).full_args(
+            local_shapes)
         state.host_regions += 1
         try:
             # (through a function of its own: jax 0.12 crashes when it traces a numpy ufunc a second
@@ -422,20 +389,16 @@ def _make_region(host_fn, statics, local_shapes, result_shape, vjp, ordered, nam
                 f"host_fn={getattr(host_fn, '__name__', host_fn)!r} with jax.numpy to infer its "
                 f"result ({type(err).__name__}): pass result_shape= (a pytree of "
                 "jax.ShapeDtypeStruct for one replica's result, or () when it returns nothing) "
-                "and, to differentiate it, vjp=."
-            ) from err
+                "and, to differentiate it, vjp=.") from err
         finally:
             state.host_regions -= 1
-        if result_shape is not None and not jax.tree.leaves(result_shape):
-            result_shape = None
-    elif not jax.tree.leaves(result_shape):
+    if result_shape is not None and not jax.tree.leaves(result_shape):
         result_shape = None
     return _Region(host_fn, statics, result_shape, vjp, traceable, ordered, name)
 
 
 def host_compute_core(lowered: Any, num_replicas: int) -> list[str]:
-    """``"cluster:core"`` for every host region of a compiled computation and every replica core
-    that runs it.
+    """``"cluster:core"`` for every host region of a compiled computation and every core running it.
 
     Args:
         lowered: the lowered computation (``step.lower(...)``, ``ctx.lower()`` of a steps loop) or
@@ -452,8 +415,6 @@ def host_compute_core(lowered: Any, num_replicas: int) -> list[str]:
         >>> jd.tpu.host_compute_core(step.lower(jnp.ones(2)), strategy.num_replicas_in_sync)
         ['0:0', '0:1']
     """
-    regions = [
-        name for name, ops in clusters(lowered).items()
-        if any(op.rsplit("/", 1)[-1].startswith(_CALLBACK_MARKERS) for op in ops)
-    ]
+    regions = [name for name, ops in clusters(lowered).items()
+               if any(op.rsplit("/", 1)[-1].startswith(_CALLBACK_MARKERS) for op in ops)]
     return sorted(f"{name}:{core}" for name in regions for core in range(num_replicas))

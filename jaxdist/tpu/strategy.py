@@ -22,12 +22,10 @@ __all__ = ["TPUStrategy"]
 
 
 class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
-    """Synchronous data parallelism over the cores of the default backend, with on-device step
-    loops.
+    """Synchronous data parallelism over the cores of the default backend, with on-device loops.
 
     Args:
-        steps_per_run: steps per ``run_steps_on_dataset`` call when ``iterations`` is not given (>=
-            1).
+        steps_per_run: steps (>= 1) per ``run_steps_on_dataset`` call without ``iterations``.
         num_cores: use only the first ``num_cores`` devices; None for all of them.
         devices: explicit devices instead (overrides the default backend's); mostly for tests.
         host_offload: keep ``"opt_state"``, ``"params"`` or ``"all"`` variables in host memory
@@ -56,45 +54,32 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
         (4, 20)
     """
 
-    def __init__(
-        self,
-        steps_per_run: int = 1,
-        num_cores: int | None = None,
-        devices: Any = None,
-        host_offload: str | None = None,
-        axis_name: str | None = None,
-        *,
-        mesh: jax.sharding.Mesh | None = None,
-        coordinator_address: str | None = None,
-        num_processes: int | None = None,
-        process_id: int | None = None,
-        initialization_timeout: int = 120,
-        heartbeat_timeout_seconds: int = 30,
-    ):
-        if not isinstance(steps_per_run, int) or isinstance(steps_per_run,
-                                                            bool) or steps_per_run < 1:
+    def __init__(self, steps_per_run: int = 1, num_cores: int | None = None, devices: Any = None,
+                 host_offload: str | None = None, axis_name: str | None = None, *,
+                 mesh: jax.sharding.Mesh | None = None, coordinator_address: str | None = None,
+                 num_processes: int | None = None, process_id: int | None = None,
+                 initialization_timeout: int = 120, heartbeat_timeout_seconds: int = 30):
+        if not isinstance(steps_per_run, int) or isinstance(steps_per_run, bool) or (
+                steps_per_run < 1):
             raise ValueError(f"steps_per_run={steps_per_run!r} must be an int >= 1 (steps per "
                              "on-device loop).")
-        initialize_cluster(
-            coordinator_address, num_processes, process_id,
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds, caller="TPUStrategy",
-        )
+        initialize_cluster(coordinator_address, num_processes, process_id,
+                           initialization_timeout=initialization_timeout,
+                           heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                           caller="TPUStrategy")
         if mesh is not None:
             if devices is not None or num_cores is not None:
                 raise ValueError("TPUStrategy got mesh= with devices= / num_cores=: a mesh already "
                                  "says which cores; pass one of them.")
             policy = LayoutPolicy(mesh=mesh, host_offload=host_offload)
         else:
-            available = (
-                tuple(jax.devices()) if devices is None else resolve_devices(devices, "devices")
-            )
+            available = (tuple(jax.devices()) if devices is None
+                         else resolve_devices(devices, "devices"))
             if num_cores is not None:
                 if not isinstance(num_cores, int) or not 1 <= num_cores <= len(available):
                     raise ValueError(
                         f"num_cores={num_cores!r} must be an int in [1, {len(available)}] (the "
-                        f"{available[0].platform} devices here); pass None to use all of them."
-                    )
+                        f"{available[0].platform} devices here); pass None to use all of them.")
                 available = available[:num_cores]
             policy = LayoutPolicy(available, host_offload=host_offload)
         super().__init__(policy, axis_name=axis_name)
@@ -126,20 +111,16 @@ class TPUStrategy(Strategy, StrategyExtended, StrategyV1Names):
             raise ValueError(
                 f"host_id={host_id} is process {hosts[host_id]}, not this process "
                 f"({jax.process_index()}): only this host's CPU is addressable here; ask that "
-                "process."
-            )
+                "process.")
         return jax.local_devices(backend="cpu")[0]
 
     def initialize(self) -> None:
-        """Bring the devices up (a no-op after the first call; JAX starts backends on demand).
-
-        Safe to call any number of times.
-        """
+        """Bring the devices up (a no-op after the first call; JAX starts backends on demand). Safe
+        to call any number of times."""
         if not self._initialized:
             for d in self.devices:
                 if d.process_index == jax.process_index():
-                    # touching the devices fails here, clearly, if the backend cannot start
-                    _ = d.platform
+                    _ = d.platform  # fails here, clearly, if the backend cannot start
             self._initialized = True
 
     def finalize(self) -> None:
