@@ -7,7 +7,10 @@ out by the strategy, and the step computes the numbers it computes on one device
 on it (checkpoints, preemption, logs); `jd.training.prepare` wraps your own loop's step and data in
 two lines.
 
-Importing jaxdist starts no JAX backend: devices are looked up when a strategy is created.
+Importing jaxdist imports nothing else: each name here is imported from its package on first use
+(the names are listed in ``__init__.pyi``, which type checkers read), so ``python -m
+jaxdist.launch`` starts without loading JAX. No JAX backend starts either: devices are looked up
+when a strategy is created.
 
 Each public name lives in one package (``jd.strategies``, ``jd.replicate``, ``jd.costs``,
 ``jd.training``, ...); the ones used most are also here (``jd.MirroredStrategy`` is
@@ -38,57 +41,8 @@ Examples:
     ...     assert jd.get_strategy() is strategy
 """
 
-from jaxdist import costs as costs
-from jaxdist import gradients as gradients
-from jaxdist import nn as nn
-from jaxdist import tpu as tpu
-from jaxdist import training as training
-from jaxdist.costs import program_cost as program_cost
-from jaxdist.job import configure_compilation_cache as configure_compilation_cache
-from jaxdist.job import initialize_cluster as initialize_cluster
-from jaxdist.replicate import MODEL_AXIS as MODEL_AXIS
-from jaxdist.replicate import REPLICA_AXIS as REPLICA_AXIS
-from jaxdist.replicate import PerReplica as PerReplica
-from jaxdist.replicate import ReduceOp as ReduceOp
-from jaxdist.replicate import SyncOnRead as SyncOnRead
-from jaxdist.replicate import VariableAggregation as VariableAggregation
-from jaxdist.strategies import DistributedDataset as DistributedDataset
-from jaxdist.strategies import IdleAxisWarning as IdleAxisWarning
-from jaxdist.strategies import InputContext as InputContext
-from jaxdist.strategies import LayoutPolicy as LayoutPolicy
-from jaxdist.strategies import MirroredStrategy as MirroredStrategy
-from jaxdist.strategies import MultiStepContext as MultiStepContext
-from jaxdist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-from jaxdist.strategies import OneDeviceStrategy as OneDeviceStrategy
-from jaxdist.strategies import Plan as Plan
-from jaxdist.strategies import RecompileWarning as RecompileWarning
-from jaxdist.strategies import ReplicaContext as ReplicaContext
-from jaxdist.strategies import ShardedStrategy as ShardedStrategy
-from jaxdist.strategies import Strategy as Strategy
-from jaxdist.strategies import StrategyFunction as StrategyFunction
-from jaxdist.strategies import UndeclaredBatchWarning as UndeclaredBatchWarning
-from jaxdist.strategies import UnmatchedLayoutRuleWarning as UnmatchedLayoutRuleWarning
-from jaxdist.strategies import ValueContext as ValueContext
-from jaxdist.strategies import compat as compat
-from jaxdist.strategies import compute_average_loss as compute_average_loss
-from jaxdist.strategies import get_replica_context as get_replica_context
-from jaxdist.strategies import get_strategy as get_strategy
-from jaxdist.strategies import has_strategy as has_strategy
-from jaxdist.strategies import in_cross_replica_context as in_cross_replica_context
-from jaxdist.strategies import plan_mesh as plan_mesh
-from jaxdist.strategies import scale_regularization_loss as scale_regularization_loss
-from jaxdist.tpu import TPUStrategy as TPUStrategy
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "MODEL_AXIS", "REPLICA_AXIS", "DistributedDataset", "IdleAxisWarning", "InputContext",
-    "LayoutPolicy", "MirroredStrategy", "MultiStepContext", "MultiWorkerMirroredStrategy",
-    "OneDeviceStrategy", "PerReplica", "Plan", "RecompileWarning", "ReduceOp", "ReplicaContext",
-    "ShardedStrategy", "Strategy", "StrategyFunction", "SyncOnRead", "TPUStrategy",
-    "UndeclaredBatchWarning", "UnmatchedLayoutRuleWarning", "ValueContext", "VariableAggregation",
-    "compat", "compute_average_loss", "configure_compilation_cache", "costs", "gradients", "nn",
-    "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
-    "initialize_cluster", "plan_mesh", "program_cost", "scale_regularization_loss", "tpu",
-    "training",
-]
