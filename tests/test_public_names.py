@@ -4,6 +4,9 @@ or moved out of its package fails here (say where it went in CHANGELOG.md); add 
 for the names used most, also the top level (``jd.X``)."""
 
 import importlib
+import subprocess
+import sys
+import traceback
 
 import pytest
 
@@ -112,3 +115,24 @@ def test_each_public_name_has_one_package():
     assert not shared, (
         f"exported by more than one package (keep one, and jd.X if it is used often): {shared}"
     )
+
+
+def test_import_jaxdist_loads_no_jax_until_a_name_is_used():
+    """``import jaxdist`` attaches its names (``jaxdist/__init__.pyi``) and imports each package on
+    first use, so ``python -m jaxdist.launch`` starts without JAX; the names then resolve."""
+    script = ("import sys, jaxdist as jd; assert 'jax' not in sys.modules, 'jax imported'; "
+              "assert jd.MirroredStrategy is jd.strategies.MirroredStrategy; "
+              "assert 'jax' in sys.modules; print(sorted(dir(jd)) == sorted(jd.__all__))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_a_misspelled_top_level_name_is_named_with_the_one_meant():
+    import jaxdist as jd
+
+    with pytest.raises(AttributeError) as error:
+        jd.MirrorStrategy  # noqa: B018
+    assert "MirrorStrategy" in str(error.value)
+    shown = "".join(traceback.format_exception(error.value))
+    assert "Did you mean: 'MirroredStrategy'?" in shown, shown
