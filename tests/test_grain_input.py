@@ -64,14 +64,15 @@ def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
 
     # ... and the values are the global ones: those of one process training on the same global
     # batches.
-    result = np.load(tmp_path / "result.npz")
+    with np.load(tmp_path / "result.npz") as saved:  # closed here, not when the collector runs
+        result = {name: saved[name] for name in saved.files}
     reference = make_trainer(jd.OneDeviceStrategy())
     history = reference.fit(per_process_batches(2, 12), steps=12, log_every=4, verbose=0)
     want = [row["loss"] for row in history.train]
     np.testing.assert_allclose([float(r["loss"]) for r in rows], want, rtol=1e-5)
     tb = scalars(read_events(events_file))
     np.testing.assert_allclose([tb[("train/loss", s)] for s in (4, 8, 12)], want, rtol=1e-5)
-    for got, ref in zip([result[f"arr_{i}"] for i in range(len(result.files) - 1)],
+    for got, ref in zip([result[f"arr_{i}"] for i in range(len(result) - 1)],
                         _leaves(reference), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
@@ -93,7 +94,7 @@ def test_two_processes_resume_grain_exactly_and_log_once(tmp_path):
     evaluator = make_trainer(jd.MirroredStrategy())
     assert evaluator.restore(tmp_path / "ckpt", batch=per_process_batches(1, 1)[0]) == 12
     for got, ref in zip(_leaves(evaluator),
-                        [result[f"arr_{i}"] for i in range(len(result.files) - 1)], strict=True):
+                        [result[f"arr_{i}"] for i in range(len(result) - 1)], strict=True):
         np.testing.assert_array_equal(got, ref)
 
     # ElasticIterator's position is valid on any process count: resume the 2-process run's step 3 on

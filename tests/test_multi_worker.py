@@ -35,7 +35,8 @@ def test_two_processes_train_like_one_device(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "[0] process 0 done" in proc.stdout and "[1] process 1 done" in proc.stdout
-    result = np.load(out)
+    with np.load(out) as saved:  # closed here, not when the collector runs
+        result = {name: saved[name] for name in saved.files}
     # The single-device reference, on the same global batches.
     state = init_state(jax.random.key(0))
     step = jax.jit(train_step)
