@@ -4,6 +4,7 @@ or moved out of its package fails here (say where it went in CHANGELOG.md); add 
 for the names used most, also the top level (``jd.X``)."""
 
 import importlib
+import os
 import subprocess
 import sys
 import traceback
@@ -136,3 +137,33 @@ def test_a_misspelled_top_level_name_is_named_with_the_one_meant():
     assert "MirrorStrategy" in str(error.value)
     shown = "".join(traceback.format_exception(error.value))
     assert "Did you mean: 'MirroredStrategy'?" in shown, shown
+
+
+def test_a_linen_fit_loads_no_nnx_and_an_nnx_step_after_it_still_updates_in_place():
+    """jaxdist never imports ``flax.nnx`` itself (a value can be an nnx object only once nnx is
+    imported): a linen Trainer's fit and a ``strategy.jit`` step on plain arrays leave it out; an
+    nnx module passed to a step of the same process afterwards is still taken as ``nnx.jit``
+    takes it: its in-place update written back."""
+    script = """
+import sys
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+import jaxdist as jd
+strategy = jd.MirroredStrategy()
+double = strategy.jit(lambda x: 2 * x)
+assert float(double(jnp.ones(8))[0]) == 2.0
+trainer = jd.training.Trainer(strategy, nn.Dense(2), optax.sgd(0.1),
+                              lambda out, y: ((out - y) ** 2).mean())
+x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)
+trainer.fit([(x, y)], steps=2, verbose=0)
+loaded = [name for name in ("flax.nnx", "jaxdist.nn.nnx") if name in sys.modules]
+from flax import nnx
+model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+def bump(m, x):
+    m.bias[...] += 1.0
+    return x
+strategy.jit(bump)(model, jnp.ones(8))
+print(loaded, float(model.bias[...][0]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"})
+    assert out.returncode == 0 and out.stdout.strip() == "[] 1.0", out.stdout + out.stderr[-3000:]

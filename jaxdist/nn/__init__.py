@@ -6,11 +6,15 @@ Examples:
     True
     >>> jd.nn.Pipeline.__name__, jd.nn.bubble_fraction(4, 8)
     ('Pipeline', 0.2727272727272727)
+
+``jd.nn.nnx`` (the layers as Flax nnx modules) is imported when first named, and with it
+``flax.nnx``: a linen program never loads nnx.
 """
+
+import lazy_loader
 
 from jaxdist.nn import exchange as exchange
 from jaxdist.nn import experts as experts
-from jaxdist.nn import nnx as nnx
 from jaxdist.nn.attention import dot_product_attention as dot_product_attention
 from jaxdist.nn.moe import MoE as MoE
 from jaxdist.nn.moe import moe_loss as moe_loss
@@ -20,3 +24,4 @@ from jaxdist.nn.pipeline import bubble_fraction as bubble_fraction
 
 __all__ = ["MoE", "Pipeline", "bubble_fraction", "dot_product_attention", "exchange", "experts",
            "moe_loss", "nnx", "update_router_bias"]
+__getattr__, __dir__, _ = lazy_loader.attach(__name__, submodules=["nnx"])

@@ -13,8 +13,9 @@ import numpy as np
 
 from jaxdist.replicate.values import PerReplica, SyncOnRead
 
-__all__ = ["abstract", "describe", "equinox", "fn_name", "hashable", "is_array", "is_chief",
-           "is_distributed", "merge_static", "signature", "split_static"]
+__all__ = ["abstract", "describe", "equinox", "flax_nnx", "fn_name", "hashable", "is_array",
+           "is_chief", "is_distributed", "is_graph_node", "merge_static", "signature",
+           "split_static"]
 
 
 def is_distributed(x: Any) -> bool:
@@ -62,6 +63,32 @@ def equinox() -> Any:
         True
     """
     return sys.modules.get("equinox")
+
+
+def flax_nnx() -> Any:
+    """The ``flax.nnx`` module if this process has imported it, else None: a value can be an nnx
+    object only once nnx is imported, so jaxdist never imports it itself (a linen or plain-JAX
+    program starts without it: about 0.3 s of CPU less per process).
+
+    Examples:
+        >>> from flax import nnx
+        >>> flax_nnx() is nnx
+        True
+    """
+    return sys.modules.get("flax.nnx")
+
+
+def is_graph_node(x: Any) -> bool:
+    """True for an nnx graph object (a module, an optimizer, a Variable: what ``nnx.split`` takes);
+    False for everything while nnx is not imported.
+
+    Examples:
+        >>> from flax import nnx
+        >>> is_graph_node(nnx.Linear(2, 3, rngs=nnx.Rngs(0))), is_graph_node({"w": 1.0})
+        (True, False)
+    """
+    nnx = flax_nnx()
+    return nnx is not None and nnx.graph.is_graph_node(x)
 
 
 def is_module(x: Any) -> bool:

@@ -29,9 +29,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from jaxdist.replicate.trees import fn_name
+from jaxdist.replicate.trees import flax_nnx, fn_name
 from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
@@ -66,6 +65,9 @@ class _Refused(Exception):
 def _is_graph_node(x: Any) -> bool:
     known = _GRAPH_TYPES.get(type(x))
     if known is None:
+        nnx = flax_nnx()
+        if nnx is None:  # no nnx object yet (not kept: nnx may be imported later)
+            return False
         known = _GRAPH_TYPES[type(x)] = nnx.graph.is_graph_node(x)
     return known
 
@@ -194,7 +196,7 @@ class StrategyFunction:
         nodes = tuple(i for i, a in enumerate(args) if i not in self._static and _is_graph_node(a))
         if not nodes:
             return args, nodes, None, None
-        graphdef, state = nnx.split(tuple(args[i] for i in nodes))
+        graphdef, state = flax_nnx().split(tuple(args[i] for i in nodes))
         plain = tuple(None if i in nodes else a for i, a in enumerate(args))
         return plain, nodes, graphdef, state
 
@@ -297,7 +299,7 @@ class StrategyFunction:
         if not nodes:
             return out
         out, new_state = out
-        nnx.update(tuple(args[i] for i in nodes), new_state)  # in-place updates, as nnx.jit
+        flax_nnx().update(tuple(args[i] for i in nodes), new_state)  # in place, as nnx.jit
         return out
 
     def _leaf_key(self, key: tuple, args: tuple) -> Any:

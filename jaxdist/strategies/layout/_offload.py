@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from flax import nnx
+
+from jaxdist.replicate.trees import flax_nnx
 
 __all__ = ["HOST_MEMORY_KIND", "HOST_OFFLOAD_MODES", "in_host_memory", "is_optimizer_state",
            "offload_shardings", "parse_host_offload", "to_device_memory", "to_host_memory"]
@@ -84,7 +85,8 @@ def is_optimizer_state(node: Any) -> bool:
         >>> is_optimizer_state(optax.adam(0.1).init(jnp.zeros(2))[0]), is_optimizer_state((1, 2))
         (True, False)
     """
-    if isinstance(node, nnx.OptState):
+    nnx = flax_nnx()
+    if nnx is not None and isinstance(node, nnx.OptState):
         return True
     cls = type(node)
     return (isinstance(node, tuple) and hasattr(cls, "_fields")

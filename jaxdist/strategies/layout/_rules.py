@@ -38,11 +38,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
 from flax.core.meta import Partitioned
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import REPLICA_AXIS, entry_axes, path_name
+from jaxdist.replicate.trees import flax_nnx
 from jaxdist.strategies.layout._meshes import LAYERS, AxisRoles
 
 __all__ = ["LAYERS", "VariableRules", "annotation", "is_annotated", "is_box", "is_key",
@@ -62,18 +62,19 @@ def is_box(x: Any) -> bool:
 
 def is_variable(x: Any) -> bool:
     """True for an nnx Variable (a pytree node whose one child is its value, its annotation in its
-    metadata)."""
-    return isinstance(x, nnx.Variable)
+    metadata); False for everything while nnx is not imported."""
+    nnx = flax_nnx()
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def is_annotated(x: Any) -> bool:
     """True for a leaf carrying its own partitioning annotation: a Flax box or an nnx Variable."""
-    return isinstance(x, (Partitioned, nnx.Variable))
+    return isinstance(x, Partitioned) or is_variable(x)
 
 
 def unboxed(x: Any) -> Any:
     """The value inside a Flax box or an nnx Variable; anything else as it is."""
-    if isinstance(x, nnx.Variable):
+    if is_variable(x):
         return x.get_value()
     return x.value if isinstance(x, Partitioned) else x
 
@@ -99,7 +100,7 @@ def annotation(x: Any, mesh_axes: Sequence[str]) -> Partitioned | None:
     """
     if isinstance(x, Partitioned):
         return x
-    if not isinstance(x, nnx.Variable):
+    if not is_variable(x):
         return None
     meta = x.get_metadata()
     names = meta.get("out_sharding") or meta.get("sharding")

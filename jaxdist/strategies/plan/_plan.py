@@ -27,11 +27,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxdist.costs.memory import array_bytes_per_device, split_parts
 from jaxdist.costs.plan import ArrayPlan, Plan, memory_of, read_plan
 from jaxdist.replicate.layouts import path_name, spec_axes
+from jaxdist.replicate.trees import flax_nnx, is_graph_node
 from jaxdist.strategies.input import argument_layouts
 from jaxdist.strategies.layout import nnx_layouts
 from jaxdist.strategies.plan._plan_mesh import compile_elsewhere, is_plan_mesh
@@ -51,7 +51,8 @@ def abstract_argument(policy: Any, value: Any, batch: bool, where: str) -> Any:
     Raises:
         ValueError: for a batch whose rows the replicas do not divide.
     """
-    if nnx.graph.is_graph_node(value):
+    if is_graph_node(value):
+        nnx = flax_nnx()
         graphdef, state = nnx.split(value)
         layouts, _ = nnx_layouts(policy, state)
         values = [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x),
@@ -79,8 +80,8 @@ def _layout_text(sharding: Any) -> str:
 
 
 def _leaves(value: Any) -> list[tuple[Any, Any]]:
-    if nnx.graph.is_graph_node(value):
-        value = nnx.state(value)
+    if is_graph_node(value):
+        value = flax_nnx().state(value)
     return [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(value) if _is_array(x)]
 
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any
 
 import flax.linen as nn
 import flax.traverse_util
 import jax
-from flax import nnx
 
 from jaxdist.nn.moe import SOWN
-from jaxdist.nn.nnx import MoE as NnxMoE
+from jaxdist.replicate.trees import flax_nnx
 from jaxdist.strategies.layout import annotation, is_variable, unboxed
 
 __all__ = ["LinenModel", "NnxModel", "as_model", "model_kind"]
@@ -46,12 +46,13 @@ def model_kind(model: Any) -> str:
     """
     if isinstance(model, nn.Module):
         return "linen"
-    if isinstance(model, nnx.Module):
+    nnx = flax_nnx()  # an nnx module exists only once nnx is imported
+    if nnx is not None and isinstance(model, nnx.Module):
         return "nnx"
     if inspect.isclass(model) and issubclass(model, nn.Module):
         raise TypeError(f"model={model.__name__} is a linen module class, not an instance: pass "
                         f"{model.__name__}(...).")
-    if inspect.isclass(model) and issubclass(model, nnx.Module):
+    if nnx is not None and inspect.isclass(model) and issubclass(model, nnx.Module):
         raise TypeError(f"model={model.__name__} is an nnx module class, not an instance: pass "
                         f"{model.__name__}(..., rngs=nnx.Rngs(0)).")
     raise TypeError(f"model={model!r} (type {type(model).__name__}) is not a Flax module: pass a "
@@ -162,6 +163,7 @@ def _to_pure(state: Any) -> dict:
     """``state`` as nested dicts of arrays, except that a Variable annotated with a layout (what
     ``nnx.with_partitioning`` sets) stays a detached Variable: strategies read its layout from its
     metadata, and the optimizer state built from it carries it too, following its parameter."""
+    nnx = flax_nnx()
     pure = nnx.to_pure_dict(state)
     flat = flax.traverse_util.flatten_dict(pure)
     annotated = {tuple(p): v for p, v in nnx.to_flat_state(state) if annotation(v, ()) is not None}
@@ -174,7 +176,7 @@ def _to_pure(state: Any) -> dict:
 
 def _from_pure(template: Any, pure: dict) -> Any:
     state = jax.tree.map(lambda v: v, template)  # a fresh copy: replace_by_pure_dict works in place
-    nnx.replace_by_pure_dict(state, jax.tree.map(unboxed, pure, is_leaf=is_variable))
+    flax_nnx().replace_by_pure_dict(state, jax.tree.map(unboxed, pure, is_leaf=is_variable))
     return state
 
 
@@ -228,6 +230,7 @@ class NnxModel:
                             "detected), or use LinenModel(module).")
         self.module = module
         self._rngs_param = _rngs_parameter(module)
+        nnx = flax_nnx()
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         self._params_template, self._rest_template = params, rest
         self._initial = (_to_pure(params), _to_pure(rest))
@@ -269,9 +272,12 @@ class NnxModel:
         """``(outputs, new_model_state, sown)`` in training; ``sown`` holds the losses and metrics
         of the model's `jaxdist.nn.nnx.MoE` layers, as linen's `jaxdist.nn.moe.SOWN` collections."""
         out, module = self._call(self._train_graphdef, params, model_state, x, rng)
+        nnx = flax_nnx()
+        # jaxdist.nn.nnx.MoE layers: a model holds one only once that module is imported
+        layers = sys.modules.get("jaxdist.nn.nnx")
         losses, metrics = {}, {}
         for path, node in nnx.iter_graph(module):
-            if isinstance(node, NnxMoE):
+            if layers is not None and isinstance(node, layers.MoE):
                 name = "/".join(map(str, path)) or "moe"
                 losses[name] = node.aux_loss[...]
                 metrics[name] = {k: v[...] for k, v in node.stats.items()}
@@ -282,6 +288,7 @@ class NnxModel:
     def _call(self, graphdef: Any, params: dict, model_state: dict, x: Any,
               rng: Any) -> tuple[Any, Any]:
         """``(outputs, module)``: the module merged from ``graphdef`` and state, run on ``x``."""
+        nnx = flax_nnx()
         module = nnx.merge(graphdef, *self._variables(params, model_state))
         kwargs = {}
         if self._rngs_param is not None:
@@ -294,7 +301,7 @@ class NnxModel:
 
     def sync(self, params: dict, model_state: dict) -> None:
         """Write trained values back into the user's module (in place, as nnx code expects)."""
-        nnx.update(self.module, *self._variables(params, model_state))
+        flax_nnx().update(self.module, *self._variables(params, model_state))
 
     def _variables(self, params: dict, model_state: dict) -> tuple[Any, Any]:
         return (_from_pure(self._params_template, params),

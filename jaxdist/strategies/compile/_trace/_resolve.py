@@ -46,11 +46,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.replicate.layouts import entry_axes, path_name, spec_axes
-from jaxdist.replicate.trees import is_distributed, signature
+from jaxdist.replicate.trees import flax_nnx, is_distributed, signature
 from jaxdist.strategies.compile._trace._provenance import constrained
 from jaxdist.strategies.layout import (
     annotation,
@@ -217,7 +216,7 @@ def constrain_outputs(policy: Any, out: Any, arguments: Sequence[Any], nodes_sta
     signatures = [(signature(a), a) for a in arguments]
 
     def like(tree):
-        if isinstance(tree, nnx.State) and nodes_state:
+        if nodes_state and isinstance(tree, flax_nnx().State):  # nnx arguments: nnx is imported
             matched = _state_like(policy, tree, nodes_state)
             if matched is not None:
                 return matched
@@ -242,7 +241,9 @@ def constrain_outputs(policy: Any, out: Any, arguments: Sequence[Any], nodes_sta
 
 def _rest(policy: Any, tree: Any, nodes_state: dict) -> Any:
     """Outputs that are no argument as a whole (nnx States inside still match the arguments')."""
-    if nodes_state:
+    if nodes_state:  # nnx arguments: nnx is imported
+        nnx = flax_nnx()
+
         def one(x):
             if isinstance(x, nnx.State):
                 matched = _state_like(policy, x, nodes_state)

@@ -29,10 +29,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxdist.replicate.trees import abstract, fn_name
+from jaxdist.replicate.trees import abstract, flax_nnx, fn_name
 from jaxdist.strategies import ambient
 from jaxdist.strategies.ambient import computation
 from jaxdist.strategies.compile._trace._in_place import InPlaceUpdates
@@ -217,6 +216,7 @@ class StepTrace:
                     return self._guarded(lambda _, a, k: self._watched(a, k, refs, padded), None,
                                          args, kwargs, batches, variables, padded), None
                 return self._watched(args, kwargs, refs, padded), None
+            nnx = flax_nnx()  # nnx arguments: nnx is imported
 
             def step(state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
                 objects = nnx.merge(graphdef, state)
