@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.replicate.trees import flax_nnx, fn_name
+from jaxdist.replicate.trees import flax_nnx, fn_name, is_graph_node
 from jaxdist.strategies import ambient
 from jaxdist.strategies.compile._agreement import agree, fingerprint
 from jaxdist.strategies.compile._cache import ProgramCache, StepPrograms
@@ -65,10 +65,9 @@ class _Refused(Exception):
 def _is_graph_node(x: Any) -> bool:
     known = _GRAPH_TYPES.get(type(x))
     if known is None:
-        nnx = flax_nnx()
-        if nnx is None:  # no nnx object yet (not kept: nnx may be imported later)
+        if flax_nnx() is None:  # no nnx object yet (not kept: nnx may be imported later)
             return False
-        known = _GRAPH_TYPES[type(x)] = nnx.graph.is_graph_node(x)
+        known = _GRAPH_TYPES[type(x)] = is_graph_node(x)
     return known
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 from typing import Any
 
 import flax.linen as nn
 import flax.traverse_util
 import jax
 
+import jaxdist.nn
 from jaxdist.nn.moe import SOWN
 from jaxdist.replicate.trees import flax_nnx
 from jaxdist.strategies.layout import annotation, is_variable, unboxed
@@ -273,11 +273,10 @@ class NnxModel:
         of the model's `jaxdist.nn.nnx.MoE` layers, as linen's `jaxdist.nn.moe.SOWN` collections."""
         out, module = self._call(self._train_graphdef, params, model_state, x, rng)
         nnx = flax_nnx()
-        # jaxdist.nn.nnx.MoE layers: a model holds one only once that module is imported
-        layers = sys.modules.get("jaxdist.nn.nnx")
+        moe = jaxdist.nn.nnx.MoE  # (attached on first use: nnx is imported by now)
         losses, metrics = {}, {}
         for path, node in nnx.iter_graph(module):
-            if layers is not None and isinstance(node, layers.MoE):
+            if isinstance(node, moe):
                 name = "/".join(map(str, path)) or "moe"
                 losses[name] = node.aux_loss[...]
                 metrics[name] = {k: v[...] for k, v in node.stats.items()}
