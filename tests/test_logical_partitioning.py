@@ -237,9 +237,18 @@ def test_bad_rules_and_annotations_are_clear_errors():
     with pytest.raises(
         ValueError,
         match=r"annotation \('mlp',\) through logical_axis_rules to P\('model',\) splits "
-        r"axis 0 \(size 5\) of variable 'params/hidden/bias' into 2 parts",
+        r"axis 0 \(size 5\) of variable 'params/hidden/bias' into 2 parts, which does not divide "
+        r"it: .* ShardedStrategy\(layout_rules=\[\('\^params/hidden/bias\$', PartitionSpec",
     ):
         tp_strategy().create_variables(odd.init, jax.random.key(0), jnp.ones((1, 8)))
+    # the fix it names (for the kernels, 8 x 5 and 5 x 4, as well), the model unchanged: rules
+    # come before annotations (which leaves the logical rules unused)
+    fixed = tp_strategy(layout_rules=[("^params/hidden/bias$", P()),
+                                      ("^params/(hidden|out)/kernel$", P())])
+    with pytest.warns(jd.UnmatchedLayoutRuleWarning):
+        params = fixed.create_variables(odd.init, jax.random.key(0), jnp.ones((1, 8)))["params"]
+    assert all(spec(params[layer][name]) == P()
+               for layer, name in (("hidden", "bias"), ("hidden", "kernel"), ("out", "kernel")))
 
 
 def test_a_mesh_axis_the_strategy_lacks_is_named_with_the_fix_inside_scope():
@@ -390,3 +399,57 @@ def test_trainer_reads_nnx_annotations_as_strategy_jit_does():
     kernel = strategy.jit(lambda m, x: nnx.state(m), batch_argnums=1)(same, x)["hidden"]["kernel"]
     # strategy.jit reads them the same way
     assert kernel[...].sharding.spec == trained[...].sharding.spec
+
+
+class WidthOne(nnx.Module):
+    """A regression net whose output layer (width 1) carries its hidden layer's annotation."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w1 = nnx.Param(init(rngs.params(), (1, 32)), out_sharding=(None, "model"))
+        self.b1 = nnx.Param(jnp.zeros((32,)), out_sharding=("model",))
+        self.w2 = nnx.Param(init(rngs.params(), (32, 1)), out_sharding=(None, "model"))
+
+    def __call__(self, x):
+        return nnx.relu(x @ self.w1 + self.b1) @ self.w2
+
+
+def test_a_dimension_of_size_one_stays_whole_whatever_its_annotation_names():
+    """Splitting a dimension of size 1 would hold its one element on a device and padding on the
+    others: plain JAX keeps it whole on Auto axes (the width-1 output layer above is created whole
+    under ``jax.set_mesh``), and so does the strategy, for annotations and layout rules alike. The
+    step equals ``nnx.jit``'s; the other annotated variables keep their layout."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))  # Auto
+
+    def train_step(model, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param),
+                                       grads))
+        return loss
+
+    with jax.set_mesh(mesh):
+        plain, ported = (nnx.jit(lambda: WidthOne(nnx.Rngs(0)))() for _ in range(2))
+    assert plain.w2[...].sharding.spec == P()  # what JAX made of (None, "model") on (32, 1)
+    strategy = jd.ShardedStrategy(mesh=mesh, batch_axes=("data",))
+    step = strategy.jit(train_step)
+    rng = np.random.default_rng(0)
+    data = jax.sharding.NamedSharding(mesh, P("data"))
+    for _ in range(3):
+        x = rng.uniform(-2, 2, size=(16, 1)).astype(np.float32)
+        x, y = jax.device_put((x, 0.8 * x**2 + 0.1), data)
+        np.testing.assert_allclose(step(ported, x, y), nnx.jit(train_step)(plain, x, y),
+                                   rtol=1e-5)
+    for name, layout in (("w1", P(None, "model")), ("b1", P("model")), ("w2", P())):
+        assert getattr(ported, name)[...].sharding.spec == layout, name
+        np.testing.assert_allclose(getattr(ported, name)[...], getattr(plain, name)[...],
+                                   rtol=1e-5, atol=1e-6)
+    # a layout rule naming a mesh axis for that dimension: whole too; a linen annotation alike
+    tp = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)
+    ruled = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1,
+                               layout_rules=[(r"kernel", P(None, "model"))])
+    width_one = nn.Dense(1, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                             (None, "model")))
+    for strategy, model in ((ruled, nn.Dense(1)), (tp, width_one)):
+        params = strategy.create_variables(model.init, jax.random.key(0), jnp.ones((1, 8)))
+        kernel = params["params"]["kernel"]
+        assert getattr(kernel, "value", kernel).sharding.spec == P()

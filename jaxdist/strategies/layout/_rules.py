@@ -20,6 +20,11 @@ variable gets, first that applies:
    divides is;
 3. the FSDP rule (unannotated variables).
 
+A dimension of size 1 stays whole whatever a rule or annotation names for it, as XLA keeps it on
+Auto axes: split, it would hold its one element on a device and padding on the others (a ``(None,
+"model")`` annotation copied onto an output layer of width 1). Any other dimension a split does not
+divide is an error.
+
 Typed PRNG key arrays (``jax.random.key``: an nnx ``RngKey``) are never split by the FSDP rule, nor
 by its share of an annotation: they are tiny, and code that splits, scans or vmaps them expects them
 whole. A ``layout_rules`` entry or an annotation naming their axes still splits them.
@@ -222,16 +227,16 @@ class VariableRules:
         layout rule, else annotation, else FSDP (never for a typed PRNG key array: module doc).
 
         Raises:
-            ValueError: when a rule or annotation splits a dimension into parts that do not divide
-                it, or a ``nn.with_partitioning`` annotation names an axis the mesh does not have.
+            ValueError: when a rule or annotation splits a dimension (of size > 1) into parts that
+                do not divide it, or a ``nn.with_partitioning`` annotation names an axis the mesh
+                does not have.
         """
         if not self.split:  # a mirroring policy: every variable whole, annotations notwithstanding
             return PartitionSpec()
         shape = tuple(shape)
         for pattern, spec in self.layout_rules:
             if pattern.search(path):
-                self._check_fits(path, shape, spec, f"layout rule {spec}")
-                return spec
+                return self._fitted(path, shape, spec, f"layout rule {spec}")
         fsdp = not is_key(dtype)
         if annotation is not None:
             return self._annotated_spec(path, shape, annotation, fsdp)
@@ -263,7 +268,8 @@ class VariableRules:
                                      "logical names (nn.with_logical_partitioning) and map them "
                                      "with ShardedStrategy(logical_axis_rules=...).")
             axes, free = list(names), []
-        self._check_fits(path, shape, PartitionSpec(*axes), what)
+        axes = list(self._fitted(path, shape, PartitionSpec(*axes), what, annotated=True))
+        axes += [None] * (len(names) - len(axes))
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
         n = self.roles.size(self.roles.fsdp_axes)
         if (fsdp and free and not used & set(self.roles.fsdp_axes) and n > 1
@@ -299,18 +305,30 @@ class VariableRules:
         spec[-neg_axis] = self.roles.entry("fsdp")
         return PartitionSpec(*spec)
 
-    def _check_fits(self, path: str, shape: tuple[int, ...], spec: PartitionSpec,
-                    what: str) -> None:
+    def _fitted(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str,
+                annotated: bool = False) -> PartitionSpec:
+        """``spec``, checked against ``shape``, without the mesh axes it names for dimensions of
+        size 1 (those stay whole: module doc)."""
         if len(spec) > len(shape):
             raise ValueError(f"{what} for variable {path!r} of shape {shape} names {len(spec)} "
                              f"axes but the variable has only {len(shape)}: shorten the "
                              "PartitionSpec.")
+        fix = "pick another axis or pad the variable"
+        if annotated:  # the fix that leaves the model as it is
+            rule = "^" + re.escape(path) + "$"
+            fix = (f"{fix}, or give it a layout of its own: ShardedStrategy(layout_rules=[({rule!r}"
+                   ", PartitionSpec(...))]) (layout rules come before annotations)")
         for axis, entry in enumerate(spec):
             parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
-            if shape[axis] % parts:
+            if shape[axis] % parts and shape[axis] != 1:
                 raise ValueError(f"{what} splits axis {axis} (size {shape[axis]}) of variable "
-                                 f"{path!r} into {parts} parts, which does not divide it: pick "
-                                 "another axis or pad the variable.")
+                                 f"{path!r} into {parts} parts, which does not divide it: {fix}.")
+        if not any(shape[axis] == 1 and entry is not None for axis, entry in enumerate(spec)):
+            return spec
+        axes = [None if shape[axis] == 1 else entry for axis, entry in enumerate(spec)]
+        while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
+            axes.pop()
+        return PartitionSpec(*axes)
 
     # ---------------------------------------------------------------------------------- rule checks
     def unmatched(self, tree: Any) -> list[str]:
