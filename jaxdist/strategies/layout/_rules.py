@@ -60,6 +60,13 @@ def is_key(dtype: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _canonical(axes: list[Any]) -> PartitionSpec:
+    """``axes`` as a spec without trailing Nones: the canonical form jit returns."""
+    while axes and axes[-1] is None:
+        axes.pop()
+    return PartitionSpec(*axes)
+
+
 def is_box(x: Any) -> bool:
     """True for a Flax partitioning box (``nn.Partitioned`` / ``nn.LogicallyPartitioned``)."""
     return isinstance(x, Partitioned)
@@ -236,7 +243,8 @@ class VariableRules:
         shape = tuple(shape)
         for pattern, spec in self.layout_rules:
             if pattern.search(path):
-                return self._fitted(path, shape, spec, f"layout rule {spec}")
+                axes = self._fitted(path, shape, spec, f"layout rule {spec}")
+                return spec if axes == list(spec) else _canonical(axes)
         fsdp = not is_key(dtype)
         if annotation is not None:
             return self._annotated_spec(path, shape, annotation, fsdp)
@@ -268,8 +276,7 @@ class VariableRules:
                                      "logical names (nn.with_logical_partitioning) and map them "
                                      "with ShardedStrategy(logical_axis_rules=...).")
             axes, free = list(names), []
-        axes = list(self._fitted(path, shape, PartitionSpec(*axes), what, annotated=True))
-        axes += [None] * (len(names) - len(axes))
+        axes = self._fitted(path, shape, PartitionSpec(*axes), what, annotated=True)
         used = set(jax.tree.leaves([a for a in axes if a is not None]))
         n = self.roles.size(self.roles.fsdp_axes)
         if (fsdp and free and not used & set(self.roles.fsdp_axes) and n > 1
@@ -277,9 +284,7 @@ class VariableRules:
             candidates = [(shape[i], -i) for i in free if shape[i] % n == 0]
             if candidates:
                 axes[-max(candidates)[1]] = self.roles.entry("fsdp")
-        while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
-            axes.pop()
-        return PartitionSpec(*axes)
+        return _canonical(axes)
 
     def _check_stages(self, path: str, layers: int, entry: Any) -> None:
         parts = self.roles.size([a for a in jax.tree.leaves(entry) if a is not None])
@@ -306,29 +311,24 @@ class VariableRules:
         return PartitionSpec(*spec)
 
     def _fitted(self, path: str, shape: tuple[int, ...], spec: PartitionSpec, what: str,
-                annotated: bool = False) -> PartitionSpec:
-        """``spec``, checked against ``shape``, without the mesh axes it names for dimensions of
-        size 1 (those stay whole: module doc)."""
+                annotated: bool = False) -> list[Any]:
+        """``spec``'s entries, checked against ``shape``, with None for the dimensions of size 1
+        (those stay whole: module doc)."""
         if len(spec) > len(shape):
             raise ValueError(f"{what} for variable {path!r} of shape {shape} names {len(spec)} "
                              f"axes but the variable has only {len(shape)}: shorten the "
                              "PartitionSpec.")
-        fix = "pick another axis or pad the variable"
-        if annotated:  # the fix that leaves the model as it is
-            rule = "^" + re.escape(path) + "$"
-            fix = (f"{fix}, or give it a layout of its own: ShardedStrategy(layout_rules=[({rule!r}"
-                   ", PartitionSpec(...))]) (layout rules come before annotations)")
         for axis, entry in enumerate(spec):
             parts = int(np.prod([self.mesh.shape[a] for a in entry_axes(entry)], dtype=np.int64))
             if shape[axis] % parts and shape[axis] != 1:
+                fix = "pick another axis or pad the variable"
+                if annotated:  # the fix that leaves the model as it is
+                    fix += (", or give it a layout of its own: ShardedStrategy(layout_rules=[("
+                            f"{'^' + re.escape(path) + '$'!r}, PartitionSpec(...))]) (layout rules "
+                            "come before annotations)")
                 raise ValueError(f"{what} splits axis {axis} (size {shape[axis]}) of variable "
                                  f"{path!r} into {parts} parts, which does not divide it: {fix}.")
-        if not any(shape[axis] == 1 and entry is not None for axis, entry in enumerate(spec)):
-            return spec
-        axes = [None if shape[axis] == 1 else entry for axis, entry in enumerate(spec)]
-        while axes and axes[-1] is None:  # no trailing Nones: the canonical form jit returns
-            axes.pop()
-        return PartitionSpec(*axes)
+        return [None if shape[axis] == 1 else entry for axis, entry in enumerate(spec)]
 
     # ---------------------------------------------------------------------------------- rule checks
     def unmatched(self, tree: Any) -> list[str]:
