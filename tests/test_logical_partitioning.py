@@ -443,13 +443,15 @@ def test_a_dimension_of_size_one_stays_whole_whatever_its_annotation_names():
         assert getattr(ported, name)[...].sharding.spec == layout, name
         np.testing.assert_allclose(getattr(ported, name)[...], getattr(plain, name)[...],
                                    rtol=1e-5, atol=1e-6)
-    # a layout rule naming a mesh axis for that dimension: whole too; a linen annotation alike
-    tp = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1)
-    ruled = jd.ShardedStrategy(model_parallelism=2, min_shard_size=1,
-                               layout_rules=[(r"kernel", P(None, "model"))])
+    # a layout rule naming a mesh axis for that dimension: whole too; a linen annotation alike, on
+    # Auto axes and on jax.make_mesh's Explicit ones
     width_one = nn.Dense(1, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
                                                              (None, "model")))
-    for strategy, model in ((ruled, nn.Dense(1)), (tp, width_one)):
-        params = strategy.create_variables(model.init, jax.random.key(0), jnp.ones((1, 8)))
-        kernel = params["params"]["kernel"]
-        assert getattr(kernel, "value", kernel).sharding.spec == P()
+    for on in (mesh, jax.make_mesh((2, 4), ("data", "model"))):
+        tp = jd.ShardedStrategy(mesh=on, batch_axes=("data",), min_shard_size=1)
+        ruled = jd.ShardedStrategy(mesh=on, batch_axes=("data",), min_shard_size=1,
+                                   layout_rules=[(r"kernel", P(None, "model"))])
+        for strategy, model in ((ruled, nn.Dense(1)), (tp, width_one)):
+            params = strategy.create_variables(model.init, jax.random.key(0), jnp.ones((1, 8)))
+            kernel = params["params"]["kernel"]
+            assert getattr(kernel, "value", kernel).sharding.spec == P()
